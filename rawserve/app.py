@@ -1,0 +1,146 @@
+"""The HTTP application: routes, request parsing, and turning results into responses.
+
+Sits between the protocol (which speaks HTTP/1.1 bytes) and the scheduler. It never
+sees a socket and never imports h11 or torch. Errors are raised as `errors.HTTPError`
+and rendered by the protocol through `errors.error_response`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rawserve import encoding
+from rawserve.errors import (
+    BadRequest,
+    HTTPError,
+    InternalError,
+    MethodNotAllowed,
+    NotFound,
+    ServiceUnavailable,
+    UnprocessableInput,
+    UnsupportedMediaType,
+)
+from rawserve.http import HttpRequest, HttpResponse
+from rawserve.messages import FailureKind, ItemFailure
+from rawserve.scheduler import ItemResult, Scheduler
+from rawserve.tasks import ParsedRequest, parse_json_body, parse_text_body
+
+Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
+LOADING_RETRY_AFTER = 5.0
+
+
+@dataclass(frozen=True)
+class AppSettings:
+    timeout: float = 30.0  # default request deadline, seconds
+    max_timeout: float = 300.0  # the most X-Request-Timeout may ask for
+
+
+class App:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: Any,
+        settings: AppSettings = AppSettings(),
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.scheduler = scheduler
+        self.executor = executor
+        self.settings = settings
+        self.clock = clock
+        self.routes: dict[str, dict[str, Handler]] = {
+            "/": {"POST": self.infer},
+            "/health": {"GET": self.health},
+            "/ready": {"GET": self.ready},
+        }
+
+    async def handle(self, request: HttpRequest) -> HttpResponse:
+        methods = self.routes.get(request.path)
+        if methods is None:
+            raise NotFound(f"no route for {request.path}")
+        handler = methods.get(request.method)
+        if handler is None:
+            raise MethodNotAllowed(sorted(methods))
+        return await handler(request)
+
+    # --- operations -------------------------------------------------------------------
+
+    async def health(self, request: HttpRequest) -> HttpResponse:
+        return json_response(200, {"status": "ok"})
+
+    async def ready(self, request: HttpRequest) -> HttpResponse:
+        if not self.executor.ready:
+            return json_response(503, {"status": "loading"}, [("Retry-After", "5")])
+        if len(self.scheduler.core) >= self.scheduler.core.max_queue:
+            return json_response(503, {"status": "full"}, [("Retry-After", "1")])
+        return json_response(200, {"status": "ready", "task": self.executor.task})
+
+    # --- inference --------------------------------------------------------------------
+
+    async def infer(self, request: HttpRequest) -> HttpResponse:
+        if not self.executor.ready:
+            raise ServiceUnavailable("the model is loading", retry_after=LOADING_RETRY_AFTER)
+        parsed = self.parse_body(request)
+        started = self.clock()
+        deadline = started + self.request_timeout(request)
+        results = await self.scheduler.run(parsed.inputs, parsed.params, deadline)
+        outputs = [unwrap(result) for result in results]
+        body = encoding.dumps(outputs if parsed.is_list else outputs[0])
+        return HttpResponse(200, body, [("Server-Timing", server_timing(results))])
+
+    def parse_body(self, request: HttpRequest) -> ParsedRequest:
+        task = self.executor.task
+        content_type = (request.header("content-type") or "").split(";")[0].strip().lower()
+        if content_type == "application/json":
+            try:
+                document = json.loads(request.body)
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                raise BadRequest("the body is not valid JSON") from None
+            return parse_json_body(task, document)
+        try:
+            text = request.body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise UnsupportedMediaType("the body is not UTF-8 text") from None
+        return parse_text_body(task, text)
+
+    def request_timeout(self, request: HttpRequest) -> float:
+        header = request.header("x-request-timeout")
+        if header is None:
+            return self.settings.timeout
+        try:
+            seconds = float(header)
+        except ValueError:
+            raise BadRequest("X-Request-Timeout must be a number of seconds") from None
+        if not seconds > 0:  # also refuses NaN
+            raise BadRequest("X-Request-Timeout must be positive")
+        return min(seconds, self.settings.max_timeout)
+
+
+def unwrap(result: ItemResult) -> Any:
+    """An item's output, or the HTTP error its failure stands for."""
+    output = result.output
+    if not isinstance(output, ItemFailure):
+        return output
+    error: HTTPError
+    if output.kind is FailureKind.INPUT:
+        error = UnprocessableInput(output.message)
+    else:
+        error = InternalError(output.message)
+    raise error
+
+
+def server_timing(results: list[ItemResult]) -> str:
+    queue_ms = 1000 * max(r.queue_seconds for r in results)
+    model_ms = 1000 * max(r.compute_seconds for r in results)
+    batch = max(r.batch_size for r in results)
+    return f'queue;dur={queue_ms:.2f}, model;dur={model_ms:.2f}, batch;desc="{batch}"'
+
+
+def json_response(
+    status: int, document: Any, headers: list[tuple[str, str]] | None = None
+) -> HttpResponse:
+    return HttpResponse(status, encoding.dumps(document), headers or [])

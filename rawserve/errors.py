@@ -1,0 +1,108 @@
+"""Errors that carry their HTTP status, and the one function that renders any error.
+
+Messages are written for the client: they say what to fix and never contain a
+traceback, a path or a repr of internals (those go to the log).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger("rawserve.errors")
+
+
+class HTTPError(Exception):
+    status = 500
+    error_type = "internal_error"
+
+    def __init__(self, message: str, *, headers: list[tuple[str, str]] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or []
+
+
+class BadRequest(HTTPError):
+    status = 400
+    error_type = "bad_request"
+
+
+class Unauthorized(HTTPError):
+    status = 401
+    error_type = "unauthorized"
+
+
+class NotFound(HTTPError):
+    status = 404
+    error_type = "not_found"
+
+
+class MethodNotAllowed(HTTPError):
+    status = 405
+    error_type = "method_not_allowed"
+
+    def __init__(self, allowed: list[str]):
+        super().__init__("method not allowed", headers=[("Allow", ", ".join(allowed))])
+
+
+class RequestTimeout(HTTPError):
+    status = 408
+    error_type = "request_timeout"
+
+
+class PayloadTooLarge(HTTPError):
+    status = 413
+    error_type = "payload_too_large"
+
+
+class UnsupportedMediaType(HTTPError):
+    status = 415
+    error_type = "unsupported_media_type"
+
+
+class UnprocessableInput(HTTPError):
+    status = 422
+    error_type = "unprocessable_input"
+
+
+class HeadersTooLarge(HTTPError):
+    status = 431
+    error_type = "headers_too_large"
+
+
+class InternalError(HTTPError):
+    status = 500
+    error_type = "internal_error"
+
+
+class ServiceUnavailable(HTTPError):
+    status = 503
+    error_type = "unavailable"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0):
+        seconds = max(1, round(retry_after))
+        super().__init__(message, headers=[("Retry-After", str(seconds))])
+        self.retry_after = seconds
+
+
+class GatewayTimeout(HTTPError):
+    status = 504
+    error_type = "timeout"
+
+
+@dataclass(frozen=True)
+class ErrorResponse:
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+def error_response(exc: BaseException) -> ErrorResponse:
+    """Turn any exception into a JSON error response; unknown ones become a bare 500."""
+    if not isinstance(exc, HTTPError):
+        log.error("unexpected error while handling a request", exc_info=exc)
+        exc = InternalError("internal server error")
+    body = json.dumps({"error": exc.message, "error_type": exc.error_type}).encode()
+    headers = [("Content-Type", "application/json"), *exc.headers]
+    return ErrorResponse(exc.status, headers, body)

@@ -1,0 +1,30 @@
+"""The request and response values that pass between the protocol and the app."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class HttpRequest:
+    method: str
+    path: str
+    query: str
+    headers: list[tuple[str, str]]  # names lower-cased
+    body: bytes
+    request_id: str
+    http_version: str = "1.1"
+
+    def header(self, name: str) -> str | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+
+@dataclass
+class HttpResponse:
+    status: int
+    body: bytes = b""
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    content_type: str = "application/json"

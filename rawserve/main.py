@@ -1,0 +1,181 @@
+"""The command line: parse options (flags or RAWSERVE_* variables) and wire the parts.
+
+`python -m rawserve` or `rawserve`. This module only wires: protocol → app → scheduler →
+executor. The server process never imports torch; the worker processes do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rawserve import __version__
+from rawserve.app import App, AppSettings
+from rawserve.devices import parse_devices
+from rawserve.executor import Executor
+from rawserve.messages import WorkerConfig
+from rawserve.protocol import HttpProtocol, ProtocolSettings, ServerState
+from rawserve.scheduler import Scheduler, SchedulerCore
+
+log = logging.getLogger("rawserve")
+
+DRAIN_POLL_SECONDS = 0.05
+
+
+@dataclass(frozen=True)
+class Option:
+    flag: str
+    type: type
+    default: object
+    help: str
+
+    @property
+    def env(self) -> str:
+        return "RAWSERVE_" + self.flag.removeprefix("--").replace("-", "_").upper()
+
+
+OPTIONS = [
+    Option(
+        "--model", str, None, "local model folder or hub id (default: packaged all-MiniLM-L6-v2)"
+    ),
+    Option("--task", str, None, "pipeline task (default: inferred from the model's config)"),
+    Option("--handler", str, None, "MODULE:FACTORY returning f(inputs: list, **params) -> list"),
+    Option("--host", str, "127.0.0.1", "bind address"),
+    Option("--port", int, 8000, "bind port"),
+    Option("--device", str, "auto", "cpu, cuda, cuda:N, or a comma list: one worker per entry"),
+    Option("--dtype", str, "auto", "auto, float32, float16 or bfloat16"),
+    Option("--threads", int, None, "torch threads per worker (default: cores / workers)"),
+    Option("--max-batch-size", int, 32, "items per model call"),
+    Option(
+        "--max-batch-delay-ms", float, 0.0, "how long a free worker may wait for a batch to fill"
+    ),
+    Option("--max-batch-tokens", int, None, "token budget of a batch (padded length x items)"),
+    Option("--max-queue", int, 256, "queued items; beyond it: 503"),
+    Option("--timeout", float, 30.0, "default request deadline in seconds"),
+    Option("--max-body-bytes", int, 1024 * 1024, "largest accepted request body; beyond it: 413"),
+    Option("--grace", float, 30.0, "seconds to drain on SIGTERM/SIGINT"),
+    Option("--log-level", str, "info", "debug, info, warning or error"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rawserve",
+        description="Serve a Hugging Face transformers pipeline over HTTP/1.1. "
+        "Every option can also be set as RAWSERVE_<OPTION>, e.g. RAWSERVE_PORT=8000.",
+    )
+    for option in OPTIONS:
+        default = os.environ.get(option.env, option.default)
+        parser.add_argument(
+            option.flag, type=option.type, default=default, help=f"{option.help} [env {option.env}]"
+        )
+    parser.add_argument("--version", action="version", version=f"rawserve {__version__}")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.devices = parse_devices(args.device)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for name in ("max_batch_size", "max_queue", "max_body_bytes", "port"):
+        if getattr(args, name) < (0 if name == "port" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.timeout <= 0 or args.max_batch_delay_ms < 0:
+        parser.error("--timeout must be positive and --max-batch-delay-ms not negative")
+    if args.threads is None:
+        cpu_workers = max(1, sum(d in ("cpu", "auto") for d in args.devices))
+        args.threads = max(1, (os.cpu_count() or 1) // cpu_workers)
+    return args
+
+
+async def serve(args: argparse.Namespace) -> int:
+    loop = asyncio.get_running_loop()
+    started = time.monotonic()
+    config = WorkerConfig(
+        model=args.model,
+        task=args.task,
+        handler=args.handler,
+        dtype=args.dtype,
+        threads=args.threads,
+    )
+    executor = Executor(config, args.devices, loop=loop)
+    core = SchedulerCore(
+        max_queue=args.max_queue,
+        max_batch_size=args.max_batch_size,
+        max_batch_delay=args.max_batch_delay_ms / 1000,
+        max_batch_tokens=args.max_batch_tokens,
+    )
+    scheduler = Scheduler(core, executor, loop=loop)
+    app = App(scheduler, executor, AppSettings(timeout=args.timeout))
+    state = ServerState()
+    settings = ProtocolSettings(max_body_bytes=args.max_body_bytes)
+    executor.start()
+    scheduler.start()
+    server = await loop.create_server(
+        lambda: HttpProtocol(app, settings, state, loop=loop), args.host, args.port, backlog=1024
+    )
+    port = server.sockets[0].getsockname()[1]
+    log.info("rawserve %s listening on http://%s:%d (model loading)", __version__, args.host, port)
+
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            log.warning("second signal: exiting now")
+            os._exit(1)
+        log.info("%s received: draining for up to %.0f s", signal.Signals(signum).name, args.grace)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+
+    loaded = loop.create_task(executor.wait_ready())
+    stopping = loop.create_task(stop.wait())
+    await asyncio.wait([loaded, stopping], return_when=asyncio.FIRST_COMPLETED)
+    if loaded.done():
+        if loaded.exception() is not None:
+            log.error("the model could not be loaded: %s", loaded.exception())
+            server.close()
+            await scheduler.stop()
+            await executor.shutdown(wait=False)
+            return 1
+        log.info("ready in %.1f s: serving %s", time.monotonic() - started, executor.task)
+    await stopping
+
+    app.draining = True
+    server.close()
+    drain_until = time.monotonic() + args.grace
+    while scheduler.pending and time.monotonic() < drain_until:
+        await asyncio.sleep(DRAIN_POLL_SECONDS)
+    await scheduler.stop()
+    await executor.shutdown(wait=True)
+    for connection in list(state.connections):
+        connection.transport.close()
+    log.info("stopped")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return asyncio.run(serve(args))
+    except KeyboardInterrupt:
+        return 1

@@ -1,0 +1,75 @@
+"""The messages that cross the pipe between the server and a worker process.
+
+Small frozen dataclasses and plain data only: no tuples with positional meaning and
+no pickled exceptions. A failure is described by an `ItemFailure` (kind + a message
+that is safe to show a client); tracebacks stay in the worker's log.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What a worker needs to load its model; sent once, when it is spawned."""
+
+    model: str
+    task: str | None = None
+    handler: str | None = None  # "module:factory" instead of a transformers pipeline
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One model call: items that share the same parameters."""
+
+    batch_id: int
+    inputs: tuple[Any, ...]
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+class FailureKind(enum.Enum):
+    INPUT = "input"  # the model rejected this input: the client's to fix (422)
+    INTERNAL = "internal"  # the model failed for another reason (500)
+    OUT_OF_MEMORY = "out_of_memory"  # even a batch of one did not fit (500)
+
+
+@dataclass(frozen=True)
+class ItemFailure:
+    kind: FailureKind
+    message: str
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """The answer to a `Batch`: one output or `ItemFailure` per input, in order."""
+
+    batch_id: int
+    outputs: tuple[Any, ...]
+    compute_seconds: float
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    pid: int
+    task: str
+    device: str
+    dtype: str
+    load_seconds: float
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WorkerLoadFailed:
+    message: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Asks a worker to finish and exit."""

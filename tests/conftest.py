@@ -1,0 +1,26 @@
+"""Shared fixtures: tiny local models (built once per session) and a running server."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from tests import tiny_models  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """`tiny_model("fill-mask")` → the folder of a tiny random model for that kind."""
+    root = tmp_path_factory.mktemp("models")
+    built: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in built:
+            built[kind] = str(tiny_models.build(kind, root / kind))
+        return built[kind]
+
+    return get

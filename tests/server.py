@@ -1,0 +1,124 @@
+"""Start the real `python -m rawserve` on a free loopback port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LISTENING = re.compile(r"listening on http://[\d.]+:(\d+)")
+READY = re.compile(r"ready in [\d.]+ s")
+
+
+class RunningServer:
+    """A rawserve process; its log lines are kept in `lines` and matched as they come."""
+
+    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None):
+        self.args = ["--host", "127.0.0.1", "--port", "0", *args]
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": REPO_ROOT, **(env or {})}
+        self.lines: list[str] = []
+        self._new_lines: queue.Queue[str | None] = queue.Queue()
+        self.process: subprocess.Popen[str] | None = None
+        self.port: int | None = None
+
+    def start(self, wait_ready: bool = True, timeout: float = 120) -> RunningServer:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "rawserve", *self.args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=self.env,
+        )
+        self._reader = threading.Thread(target=self._read_log, daemon=True)
+        self._reader.start()
+        self.port = int(self.wait_for_log(LISTENING, timeout).group(1))
+        if wait_ready:
+            self.wait_for_log(READY, timeout)
+        return self
+
+    def _read_log(self) -> None:
+        assert self.process and self.process.stderr
+        for line in self.process.stderr:
+            self._new_lines.put(line.rstrip("\n"))
+        self._new_lines.put(None)
+
+    def wait_for_log(self, pattern: re.Pattern[str], timeout: float = 60) -> re.Match[str]:
+        """Block until a log line matches (checking lines already seen first)."""
+        for line in self.lines:
+            if match := pattern.search(line):
+                return match
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            try:
+                line = self._new_lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                raise AssertionError("server exited:\n" + "\n".join(self.lines[-30:]))
+            self.lines.append(line)
+            if match := pattern.search(line):
+                return match
+        raise AssertionError(
+            f"no log line matched {pattern.pattern!r}:\n" + "\n".join(self.lines[-30:])
+        )
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | str | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 60,
+    ) -> tuple[int, dict[str, str], bytes]:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            connection.request(method, path, body=body, headers=headers or {})
+            response = connection.getresponse()
+            return (
+                response.status,
+                {k.lower(): v for k, v in response.getheaders()},
+                response.read(),
+            )
+        finally:
+            connection.close()
+
+    def post_json(self, document: Any, path: str = "/", **kwargs) -> tuple[int, Any]:
+        status, _, body = self.request(
+            "POST", path, json.dumps(document), {"Content-Type": "application/json"}, **kwargs
+        )
+        return status, json.loads(body)
+
+    def signal(self, signum: int = signal.SIGTERM) -> None:
+        assert self.process
+        self.process.send_signal(signum)
+
+    def stop(self, timeout: float = 30) -> int:
+        assert self.process
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._reader.join(timeout=10)
+        if self.process.stderr and not self._reader.is_alive():
+            self.process.stderr.close()
+        return self.process.returncode
+
+    def __enter__(self) -> RunningServer:
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,73 @@
+"""The executor with a real worker process on a tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from rawserve.executor import Executor, WorkerCrashed
+from rawserve.messages import FailureKind, ItemFailure, WorkerConfig
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+async def fill_mask_executor(tiny_model):
+    executor = Executor(WorkerConfig(model=tiny_model("fill-mask"), threads=1), ["cpu"])
+    executor.start()
+    await asyncio.wait_for(executor.wait_ready(), 120)
+    yield executor
+    await executor.shutdown()
+
+
+async def test_worker_loads_once_and_answers_like_the_pipeline(fill_mask_executor, tiny_model):
+    from transformers import pipeline
+
+    assert fill_mask_executor.task == "fill-mask" and fill_mask_executor.idle_workers() == 1
+    texts = ["hello [MASK]", "the [MASK] is good"]
+    result = await asyncio.wait_for(fill_mask_executor.submit(texts, {"top_k": 3}), 60)
+    pipe = pipeline("fill-mask", model=tiny_model("fill-mask"))
+    for text, output in zip(texts, result.outputs, strict=True):
+        expected = pipe(text, top_k=3)
+        assert [o["token"] for o in output] == [e["token"] for e in expected]
+        assert [o["score"] for o in output] == pytest.approx(
+            [e["score"] for e in expected], abs=1e-5
+        )
+    # one item: the pipeline answers without the outer list; the runner puts it back
+    [single] = (await fill_mask_executor.submit(["hello [MASK]"], {})).outputs
+    assert len(single) == 5 and {"score", "token", "token_str", "sequence"} <= set(single[0])
+
+
+async def test_a_bad_item_fails_alone(fill_mask_executor):
+    result = await fill_mask_executor.submit(["hello [MASK]", "no mask", "a [MASK]"], {})
+    good, bad, also_good = result.outputs
+    assert isinstance(bad, ItemFailure) and bad.kind is FailureKind.INPUT
+    assert "/" not in bad.message
+    assert not isinstance(good, ItemFailure) and not isinstance(also_good, ItemFailure)
+
+
+async def test_a_killed_worker_fails_its_batch_and_comes_back(fill_mask_executor):
+    worker = fill_mask_executor.workers[0]
+    first_pid = worker.pid
+    became_idle = asyncio.Event()
+    fill_mask_executor.on_idle = became_idle.set
+    future = fill_mask_executor.submit(["hello [MASK]"] * 4, {})
+    os.kill(first_pid, signal.SIGKILL)
+    with pytest.raises(WorkerCrashed):
+        await asyncio.wait_for(future, 30)
+    assert not fill_mask_executor.ready
+    await asyncio.wait_for(became_idle.wait(), 120)
+    assert fill_mask_executor.ready and worker.pid != first_pid and worker.restarts == 1
+    result = await fill_mask_executor.submit(["hello [MASK]"], {})
+    assert len(result.outputs) == 1
+
+
+async def test_a_model_that_cannot_load_is_reported(tmp_path):
+    executor = Executor(WorkerConfig(model=str(tmp_path / "missing"), threads=1), ["cpu"])
+    executor.start()
+    with pytest.raises(RuntimeError):
+        await asyncio.wait_for(executor.wait_ready(), 120)
+    await executor.shutdown(wait=False)
