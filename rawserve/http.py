@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 
@@ -28,3 +29,5 @@ class HttpResponse:
     body: bytes = b""
     headers: list[tuple[str, str]] = field(default_factory=list)
     content_type: str = "application/json"
+    # A body produced piece by piece (sent chunked); `body` is ignored when set.
+    stream: AsyncIterator[bytes] | None = None

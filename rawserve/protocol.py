@@ -83,6 +83,8 @@ class HttpProtocol(asyncio.Protocol):
         self.writing_paused = False
         self.keepalive_timer: asyncio.TimerHandle | None = None
         self.pipelined_bytes = 0  # received while a response is pending
+        self.writable = asyncio.Event()  # cleared while the transport's buffer is full
+        self.writable.set()
 
     # --- asyncio.Protocol callbacks ---------------------------------------------------
 
@@ -114,14 +116,17 @@ class HttpProtocol(asyncio.Protocol):
         self.closed = True
         self.state.connections.discard(self)
         self._cancel_keepalive()
+        self.writable.set()  # a streaming response waiting to write must see the close
         if self.cycle is not None and self.cycle.task is not None:
             self.cycle.task.cancel()  # the client is gone: withdraw its work
 
     def pause_writing(self) -> None:
         self.writing_paused = True
+        self.writable.clear()
 
     def resume_writing(self) -> None:
         self.writing_paused = False
+        self.writable.set()
         if self.cycle is None:
             self.handle_events()
 
@@ -204,7 +209,11 @@ class HttpProtocol(asyncio.Protocol):
         except Exception as exc:  # noqa: BLE001 - error_response logs what is unexpected
             rendered = error_response(exc)
             response = HttpResponse(rendered.status, rendered.body, rendered.headers, "")
-        if not self.closed:
+        if self.closed:
+            return
+        if response.stream is not None:
+            await self._send_stream(response)
+        else:
             self._send(response)
 
     # --- writing ----------------------------------------------------------------------
@@ -229,6 +238,40 @@ class HttpProtocol(asyncio.Protocol):
             self._close()
             return
         self._log_access(cycle, response.status, len(response.body))
+        self._finish_cycle()
+
+    async def _send_stream(self, response: HttpResponse) -> None:
+        """Send a body produced piece by piece (chunked), waiting while the peer is slow.
+
+        Once the head is out, an error can only close the connection.
+        """
+        cycle = self.cycle
+        assert cycle is not None and response.stream is not None
+        headers = [SERVER_HEADER, ("X-Request-Id", cycle.request_id), *response.headers]
+        if response.content_type:
+            headers.append(("Content-Type", response.content_type))
+        sent = 0
+        try:
+            self._write(self.conn.send(_response_head(response.status, headers)))
+            async for chunk in response.stream:
+                if self.closed:
+                    return
+                if chunk:
+                    self._write(self.conn.send(h11.Data(data=chunk)))
+                    sent += len(chunk)
+                await self.writable.wait()
+            self._write(self.conn.send(h11.EndOfMessage()))
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the head is out: all we can do is close
+            log.exception("a streamed response failed")
+            self._close()
+            return
+        finally:
+            aclose = getattr(response.stream, "aclose", None)
+            if aclose is not None:
+                await aclose()  # stops the producer (e.g. generation) when the client left
+        self._log_access(cycle, response.status, sent)
         self._finish_cycle()
 
     def _send_error(self, error: HTTPError, close: bool = False) -> None:

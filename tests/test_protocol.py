@@ -157,3 +157,36 @@ async def test_head_answers_headers_only(server):
     protocol.data_received(request)
     await settle()
     assert b"\r\n\r\n" in transport.written and transport.written.endswith(b"\r\n\r\n")
+
+
+async def test_streamed_response_is_chunked_and_stops_when_the_client_leaves():
+    loop = asyncio.get_running_loop()
+    produced: list[int] = []
+    stopped = asyncio.Event()
+    gate = asyncio.Event()
+
+    async def tokens():
+        try:
+            for i in range(100):
+                produced.append(i)
+                yield f"data: {i}\n\n".encode()
+                if i == 1:
+                    await gate.wait()
+        finally:
+            stopped.set()
+
+    class StreamApp:
+        async def handle(self, request):
+            return HttpResponse(200, headers=[], content_type="text/event-stream", stream=tokens())
+
+    protocol = HttpProtocol(StreamApp(), loop=loop)
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    protocol.data_received(b"GET /s HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    assert b"transfer-encoding: chunked" in transport.written.lower()
+    assert b"data: 1" in transport.written
+    protocol.connection_lost(None)
+    gate.set()
+    await asyncio.wait_for(stopped.wait(), 1)
+    assert produced == [0, 1]
