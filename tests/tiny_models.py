@@ -19,15 +19,28 @@ KINDS = (
     "token-classification",
     "feature-extraction",
     "sentence-embedding",
+    "question-answering",
+    "zero-shot-classification",
+    "text-generation",
+    "seq2seq",
 )
 
 
 def build(kind: str, folder: Path) -> Path:
-    """Save a tiny random BERT for `kind` into `folder`."""
+    """Save a tiny random model for `kind` into `folder`."""
     import torch
-    import transformers
 
     torch.manual_seed(0)
+    if kind == "text-generation":
+        return _build_gpt2(folder)
+    if kind == "seq2seq":
+        return _build_bart(folder)
+    return _build_bert(kind, folder)
+
+
+def _build_bert(kind: str, folder: Path) -> Path:
+    import transformers
+
     tokenizer = transformers.BertTokenizer(vocab={word: i for i, word in enumerate(VOCAB)})
     config = transformers.BertConfig(
         vocab_size=len(VOCAB),
@@ -48,6 +61,13 @@ def build(kind: str, folder: Path) -> Path:
         config.id2label = dict(enumerate(labels))
         config.label2id = {label: i for i, label in enumerate(labels)}
         model = transformers.BertForTokenClassification(config)
+    elif kind == "zero-shot-classification":  # an NLI head, as zero-shot needs
+        labels = ["contradiction", "neutral", "entailment"]
+        config.id2label = dict(enumerate(labels))
+        config.label2id = {label: i for i, label in enumerate(labels)}
+        model = transformers.BertForSequenceClassification(config)
+    elif kind == "question-answering":
+        model = transformers.BertForQuestionAnswering(config)
     elif kind in ("feature-extraction", "sentence-embedding"):
         model = transformers.BertModel(config)
     else:
@@ -76,4 +96,83 @@ def build(kind: str, folder: Path) -> Path:
         (folder / "1_Pooling" / "config.json").write_text(
             json.dumps({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True})
         )
+    return folder
+
+
+def bpe_tokenizer():
+    """A small byte-level BPE tokenizer (GPT-2 style), trained here on `WORDS`."""
+    import tokenizers
+    import transformers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    sentences = [" ".join(WORDS[i : i + 7]) for i in range(len(WORDS))]
+    tokenizer.train_from_iterator(sentences, trainer)
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+
+
+def _build_gpt2(folder: Path) -> Path:
+    import transformers
+
+    tokenizer = bpe_tokenizer()
+    config = transformers.GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=256,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _build_bart(folder: Path) -> Path:
+    """A tiny BART: serves summarization, translation and text2text-generation."""
+    import transformers
+
+    tokenizer = bpe_tokenizer()
+    config = transformers.BartConfig(
+        vocab_size=len(tokenizer),
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=37,
+        decoder_ffn_dim=37,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        forced_eos_token_id=None,
+    )
+    config.task_specific_params = {
+        "summarization": {"prefix": "summarize: "},
+        "translation_en_to_fr": {"prefix": "translate English to French: "},
+    }
+    model = transformers.BartForConditionalGeneration(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return folder
