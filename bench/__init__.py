@@ -1,0 +1,5 @@
+"""Benchmarks for rawserve: a load generator, the model's offline ceiling, the seed's baselines.
+
+Not part of the test suite. Every run is bounded in time and count and targets loopback only.
+`python -m bench.compare` runs everything side by side; see bench/RESULTS.md.
+"""
