@@ -76,6 +76,64 @@ def _text_list(max_items: int) -> Checker:
     return check
 
 
+def _lower_one_of(*choices: str) -> Checker:
+    def check(value: Any) -> str:
+        if not isinstance(value, str) or value.lower() not in choices:
+            raise ValueError("must be one of " + ", ".join(repr(c) for c in choices))
+        return value.lower()
+
+    return check
+
+
+def _stop_sequences(value: Any) -> list[str]:
+    if isinstance(value, str):
+        value = [value]
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_STOP_SEQUENCES
+        or not all(isinstance(v, str) and 0 < len(v) <= 200 for v in value)
+    ):
+        raise ValueError(
+            f"must be a list of at most {MAX_STOP_SEQUENCES} non-empty strings of 200 characters"
+        )
+    return value
+
+
+def _language(value: Any) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= 20:
+        raise ValueError("must be a language code such as 'en' or 'fr_XX'")
+    return value
+
+
+# generate() options a seq2seq task takes, by name (Inference API's `generate_parameters`).
+GENERATE_PARAMS: dict[str, Checker] = {
+    "max_new_tokens": _int_range(1, 1024),
+    "min_new_tokens": _int_range(0, 1024),
+    "do_sample": _boolean,
+    "temperature": _float_range(0.0, 100.0),
+    "top_p": _float_range(0.0, 1.0),
+    "top_k": _int_range(1, 1000),
+    "num_beams": _int_range(1, 8),
+    "repetition_penalty": _float_range(0.0, 100.0),
+    "no_repeat_ngram_size": _int_range(0, 100),
+    "early_stopping": _boolean,
+}
+
+
+def _generate_parameters(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError("must be an object")
+    unknown = sorted(set(value) - set(GENERATE_PARAMS))
+    if unknown:
+        raise ValueError(
+            f"has unknown option(s) {', '.join(unknown)} (allowed: {', '.join(GENERATE_PARAMS)})"
+        )
+    return {name: GENERATE_PARAMS[name](item) for name, item in value.items() if item is not None}
+
+
+MAX_STOP_SEQUENCES = 16
+
+
 # --- input checkers: return the input to queue, or raise ValueError ------------------
 
 
@@ -108,6 +166,24 @@ def _question_context(value: Any) -> dict[str, str]:
     raise ValueError('each input must be {"question": "...", "context": "..."}')
 
 
+def _zero_shot_item(output: Any) -> Any:
+    """The pipeline's {sequence, labels, scores} → the Inference API's [{label, score}]."""
+    if isinstance(output, dict) and "labels" in output:
+        return [
+            {"label": label, "score": score}
+            for label, score in zip(output["labels"], output["scores"], strict=True)
+        ]
+    return output
+
+
+class SingleAnswer:
+    """How a request with one (non-list) input is answered, from its item's output."""
+
+    ITEM = "item"  # the item's output itself
+    LIST = "list"  # [output] (summarization: `pipe("x")` answered [{"summary_text"}])
+    LIST_OF_LISTS = "list-of-lists"  # [[...]] (text-classification on the Inference API)
+
+
 @dataclass(frozen=True)
 class Task:
     name: str
@@ -116,6 +192,14 @@ class Task:
     required_params: frozenset[str] = frozenset()
     # pipe([x]) answers x's output itself instead of a one-item list (fill-mask does).
     unwraps_single: bool = False
+    # The Inference API sends this task's parameters at the top level of the body
+    # (feature-extraction: `{"inputs": ..., "normalize": true}`), not under "parameters".
+    params_at_root: bool = False
+    # Top-level fields besides inputs/parameters/options (text-generation: "stream").
+    extra_fields: frozenset[str] = frozenset()
+    single_answer: str = SingleAnswer.ITEM
+    # Reshapes one item's output from the runner's to the Inference API's shape.
+    shape_item: Callable[[Any], Any] | None = None
 
 
 TASKS: dict[str, Task] = {
@@ -128,7 +212,10 @@ TASKS: dict[str, Task] = {
                 "pooling": _one_of("mean", "cls", "none"),
                 "normalize": _boolean,
                 "truncate": _boolean,
+                "truncation_direction": _lower_one_of("right", "left"),
+                "dimensions": _int_range(1, 65536),
             },
+            params_at_root=True,
         ),
         Task(
             "fill-mask",
@@ -143,11 +230,15 @@ TASKS: dict[str, Task] = {
                 "top_k": _int_range(1, 1000),
                 "function_to_apply": _one_of("sigmoid", "softmax", "none"),
             },
+            single_answer=SingleAnswer.LIST_OF_LISTS,
         ),
         Task(
             "token-classification",
             _text,
-            {"aggregation_strategy": _one_of("none", "simple", "first", "average", "max")},
+            {
+                "aggregation_strategy": _one_of("none", "simple", "first", "average", "max"),
+                "ignore_labels": _text_list(100),
+            },
             unwraps_single=True,
         ),
         Task(
@@ -159,6 +250,7 @@ TASKS: dict[str, Task] = {
                 "hypothesis_template": _short_text,
             },
             required_params=frozenset({"candidate_labels"}),
+            shape_item=_zero_shot_item,
         ),
         Task(
             "text-generation",
@@ -171,18 +263,50 @@ TASKS: dict[str, Task] = {
                 "top_k": _int_range(1, 1000),
                 "return_full_text": _boolean,
                 "seed": _int_range(0, 2**32 - 1),
+                "stop": _stop_sequences,
+                "repetition_penalty": _float_range(0.0, 100.0),
+                "details": _boolean,
             },
+            extra_fields=frozenset({"stream"}),
         ),
         Task(
             "question-answering",
             _question_context,
-            {"top_k": _int_range(1, 100), "max_answer_len": _int_range(1, 1000)},
+            {
+                "top_k": _int_range(1, 100),
+                "max_answer_len": _int_range(1, 1000),
+                "max_seq_len": _int_range(16, 4096),
+                "max_question_len": _int_range(1, 4096),
+                "handle_impossible_answer": _boolean,
+            },
+        ),
+        *(
+            Task(
+                name,
+                _text,
+                {
+                    "clean_up_tokenization_spaces": _boolean,
+                    "truncation": _one_of(
+                        "do_not_truncate", "longest_first", "only_first", "only_second"
+                    ),
+                    "generate_parameters": _generate_parameters,
+                    **({"src_lang": _language, "tgt_lang": _language} if translates else {}),
+                    **GENERATE_PARAMS,
+                },
+                single_answer=SingleAnswer.LIST,
+            )
+            for name, translates in [
+                ("summarization", False),
+                ("translation", True),
+                ("text2text-generation", False),
+            ]
         ),
     ]
 }
 
 # Tasks served by a custom handler take any JSON input and any parameters.
 CUSTOM_TASK = "custom"
+SEQ2SEQ_TASKS = frozenset({"summarization", "translation", "text2text-generation"})
 
 
 @dataclass(frozen=True)
@@ -190,6 +314,7 @@ class ParsedRequest:
     inputs: list[Any]
     params: dict[str, Any]
     is_list: bool  # answer a list (the client sent a list of inputs)
+    stream: bool = False  # answer text/event-stream, one event per new token
 
 
 def task_rules(name: str) -> Task | None:
@@ -200,7 +325,13 @@ def parse_json_body(task_name: str, document: Any) -> ParsedRequest:
     """Check an Inference-API shaped body `{"inputs": X, "parameters": {...}}`."""
     if not isinstance(document, dict) or "inputs" not in document:
         raise BadRequest('the JSON body must be an object with an "inputs" field')
-    unknown_fields = set(document) - {"inputs", "parameters", "options"}
+    task = task_rules(task_name)
+    known_fields = {"inputs", "parameters", "options"}
+    if task is not None:
+        known_fields |= task.extra_fields
+        if task.params_at_root:
+            known_fields |= set(task.params)
+    unknown_fields = set(document) - known_fields
     if unknown_fields:
         raise BadRequest(f"unknown field(s): {', '.join(sorted(unknown_fields))}")
     raw_inputs = document["inputs"]
@@ -213,11 +344,20 @@ def parse_json_body(task_name: str, document: Any) -> ParsedRequest:
         params = {}
     if not isinstance(params, dict):
         raise BadRequest('"parameters" must be an object')
-    task = task_rules(task_name)
     if task is None:  # custom handler: it validates what it is given
         return ParsedRequest(list(items), dict(params), is_list)
+    if task.params_at_root:
+        params = {**params, **{k: v for k, v in document.items() if k in task.params}}
+    stream = document.get("stream")
+    if stream not in (None, True, False):
+        raise BadRequest('"stream" must be true or false')
+    if stream and is_list:
+        raise BadRequest("a streamed answer takes one input, not a list")
     return ParsedRequest(
-        [check_input(task, item) for item in items], check_params(task, params), is_list
+        [check_input(task, item) for item in items],
+        check_params(task, params),
+        is_list,
+        stream=bool(stream),
     )
 
 
@@ -280,10 +420,29 @@ def split_outputs(task_name: str, inputs: Sequence[Any], raw: Any) -> list[Any]:
     """
     task = task_rules(task_name)
     if len(inputs) == 1 and task is not None and task.unwraps_single:
-        return [raw]
+        raw = [raw]
     if not isinstance(raw, list) or len(raw) != len(inputs):
         raise RuntimeError(
             f"{task_name} answered {len(raw) if isinstance(raw, list) else 'a non-list'} "
             f"outputs for {len(inputs)} inputs"
         )
+    if task is not None and task.shape_item is not None:
+        return [task.shape_item(output) for output in raw]
     return list(raw)
+
+
+def shape_answer(task_name: str | None, outputs: list[Any], is_list: bool) -> Any:
+    """The JSON answer to a request, from its items' outputs (in the Inference API's shape).
+
+    A list of inputs is answered by the list of outputs. One input is answered by its
+    output, except where the Inference API (and so InferenceClient) expects a list.
+    """
+    if is_list:
+        return outputs
+    [output] = outputs
+    task = task_rules(task_name) if task_name else None
+    if task is None or task.single_answer == SingleAnswer.ITEM:
+        return output
+    if task.single_answer == SingleAnswer.LIST_OF_LISTS:
+        return [output if isinstance(output, list) else [output]]
+    return [output]
