@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from rawserve.batching import BatchLimits, CostModel, choose_batch, padded_cost
 from rawserve.errors import GatewayTimeout, InternalError, ServiceUnavailable
 from rawserve.messages import BatchResult
 from rawserve.tasks import batch_key, estimate_tokens
@@ -25,6 +26,7 @@ from rawserve.tasks import batch_key, estimate_tokens
 log = logging.getLogger("rawserve.scheduler")
 
 RATE_SMOOTHING = 0.2  # weight of the newest batch in the service-rate average
+URGENT_BATCHES = 2.0  # an item this many batch-times from its deadline joins any batch
 
 
 @dataclass(eq=False)
@@ -36,7 +38,7 @@ class WorkItem:
     key: str
     deadline: float
     arrived: float
-    cost: int
+    cost: int  # estimated tokens
     seq: int
     future: asyncio.Future[ItemResult] | None = None
     queued: bool = False
@@ -54,9 +56,35 @@ class ItemResult:
 
 
 class QueueFull(Exception):
+    """Refused at admission: the queue bound is hit. Retry in `retry_after` seconds."""
+
+    reason = "queue full"
+
     def __init__(self, retry_after: float):
-        super().__init__("queue full")
+        super().__init__(self.reason)
         self.retry_after = retry_after
+
+
+class DeadlineUnreachable(QueueFull):
+    """Refused at admission: the work queued ahead would outlast the request's deadline."""
+
+    reason = "the work queued ahead would outlast the request's deadline"
+
+
+@dataclass
+class InFlight:
+    sent: float
+    cost: int  # padded cost
+    predicted: float  # seconds, 0 before any measurement
+
+
+@dataclass
+class Decision:
+    """What the driver does now: answer these 504, send these batches, look again then."""
+
+    expired: list[WorkItem]
+    batches: list[list[WorkItem]]
+    wake_at: float | None
 
 
 @dataclass
@@ -67,13 +95,25 @@ class SchedulerCore:
     max_batch_size: int = 32
     max_batch_delay: float = 0.0  # seconds a free worker may wait, from the oldest item
     max_batch_tokens: int | None = None
+    group_lengths: bool = True  # cost-aware batching: similar lengths share a batch
+    workers: int = 1
+    cost_model: CostModel = field(default_factory=CostModel)
     _queues: dict[str, list[WorkItem]] = field(default_factory=dict)
     _size: int = 0
     _seq: itertools.count = field(default_factory=itertools.count)
-    items_per_second: float | None = None  # measured service rate
+    _in_flight: dict[int, InFlight] = field(default_factory=dict)
+    items_per_second: float | None = None  # measured service rate (for reports)
 
     def __len__(self) -> int:
         return self._size
+
+    def queued_tokens(self) -> int:
+        """Estimated tokens waiting (each item's cost), read by the metrics at scrape time."""
+        return sum(item.cost for queue in self._queues.values() for item in queue)
+
+    @property
+    def limits(self) -> BatchLimits:
+        return BatchLimits(self.max_batch_size, self.max_batch_tokens, self.group_lengths)
 
     def new_item(self, value: Any, params: Mapping[str, Any], deadline: float, now: float):
         return WorkItem(
@@ -86,14 +126,55 @@ class SchedulerCore:
             seq=next(self._seq),
         )
 
-    def admit(self, items: Sequence[WorkItem]) -> None:
-        """Queue all of `items` or none of them (a list request is admitted whole)."""
+    # --- admission ----------------------------------------------------------------------
+
+    def admit(self, items: Sequence[WorkItem], now: float | None = None) -> None:
+        """Queue all of `items` or none of them (a list request is admitted whole).
+
+        Raises QueueFull over the queue bound, and DeadlineUnreachable (given `now`)
+        when the work ahead, at the measured speed, would end after the items' deadline.
+        """
         if self._size + len(items) > self.max_queue:
-            raise QueueFull(self.retry_after())
+            raise QueueFull(self.retry_after(now))
+        if now is not None and items:
+            finish = self.estimated_finish(items, now)
+            if finish is not None and finish > min(item.deadline for item in items):
+                raise DeadlineUnreachable(self.retry_after(now))
         for item in items:
             bisect.insort(self._queues.setdefault(item.key, []), item, key=WorkItem.sort_key)
             item.queued = True
         self._size += len(items)
+
+    def estimated_finish(self, items: Sequence[WorkItem], now: float) -> float | None:
+        """When `items` would be computed, earliest first after what goes ahead of them.
+
+        Optimistic on purpose (full batches, no padding): it refuses only what is surely
+        late. None before any batch has been measured.
+        """
+        deadline = max(item.deadline for item in items)
+        ahead = [i.cost for q in self._queues.values() for i in q if i.deadline <= deadline]
+        drain = self.cost_model.drain_seconds(
+            ahead + [item.cost for item in items], self.max_batch_size, self.workers
+        )
+        if drain is None:
+            return None
+        return now + self._in_flight_seconds(now) + drain
+
+    def _in_flight_seconds(self, now: float) -> float:
+        left = sum(max(0.0, b.sent + b.predicted - now) for b in self._in_flight.values())
+        return left / max(self.workers, 1)
+
+    def retry_after(self, now: float | None = None) -> float:
+        """Seconds until the current queue has likely drained, at the measured speed."""
+        costs = [item.cost for queue in self._queues.values() for item in queue]
+        drain = self.cost_model.drain_seconds(costs, self.max_batch_size, self.workers)
+        if drain is None:
+            return 1.0
+        if now is not None:
+            drain += self._in_flight_seconds(now)
+        return max(1.0, drain)
+
+    # --- the queue ----------------------------------------------------------------------
 
     def remove(self, item: WorkItem) -> None:
         """Take an item out of the queue (withdrawn, expired); harmless if already out."""
@@ -115,58 +196,96 @@ class SchedulerCore:
             self.remove(item)
         return expired
 
+    # --- batching -----------------------------------------------------------------------
+
+    def decide(self, now: float, free_workers: int) -> Decision:
+        """One look at the queue: what expired, what to send now, when to look again."""
+        expired = self.drop_expired(now)
+        batches = []
+        while len(batches) < free_workers:
+            batch = self.next_batch(now)
+            if batch is None:
+                break
+            batches.append(batch)
+        return Decision(expired, batches, self.next_wakeup(now, free_workers - len(batches)))
+
     def next_batch(self, now: float) -> list[WorkItem] | None:
-        """The batch to send to a free worker now, or None to wait.
+        """The batch to send to a free worker now (marked in flight), or None to wait.
 
         Keys are tried in earliest-deadline-first order of their heads; a key's batch
         goes when it is full or when its oldest item has waited `max_batch_delay`.
+        Expired items never go, nor items that cannot be computed before their deadline
+        even alone (once the speed is measured): they stay queued until they expire.
         """
         heads = sorted(self._queues.values(), key=lambda queue: queue[0].sort_key())
         for queue in heads:
-            batch = self._fill(queue)
+            viable = [item for item in queue if self._can_finish(item, now)]
+            if not viable:
+                continue
+            batch = choose_batch(viable, self.limits, lambda item: self._is_urgent(item, now))
+            batch = self._drop_late(batch, now)
             oldest = min(item.arrived for item in queue)
-            full = len(batch) < len(queue) or len(batch) == self.max_batch_size
-            if full or now >= oldest + self.max_batch_delay:
+            if self._is_full(batch, len(viable)) or now >= oldest + self.max_batch_delay:
                 for item in batch:
                     self.remove(item)
+                cost = padded_cost(item.cost for item in batch)
+                predicted = self.cost_model.predict(cost) or 0.0
+                self._in_flight[batch[0].seq] = InFlight(now, cost, predicted)
                 return batch
         return None
 
-    def _fill(self, queue: list[WorkItem]) -> list[WorkItem]:
-        """Take items in deadline order while the size and token bounds hold."""
-        batch: list[WorkItem] = []
-        longest = 0
-        for item in queue[: self.max_batch_size]:
-            longest = max(longest, item.cost)
-            if (
-                batch
-                and self.max_batch_tokens
-                and longest * (len(batch) + 1) > self.max_batch_tokens
-            ):
-                break
-            batch.append(item)
-        return batch
+    def _is_full(self, batch: list[WorkItem], candidates: int) -> bool:
+        """No more items could join: the size bound or the token budget is reached."""
+        if len(batch) >= self.max_batch_size:
+            return True
+        longest = max(item.cost for item in batch)
+        if self.max_batch_tokens and longest * (len(batch) + 1) > self.max_batch_tokens:
+            return True
+        return not self.group_lengths and len(batch) < candidates
 
-    def next_wakeup(self) -> float | None:
-        """When the queue next needs a look: a batch delay running out, or a deadline."""
+    def _can_finish(self, item: WorkItem, now: float) -> bool:
+        alone = self.cost_model.predict(item.cost)
+        return item.deadline > now + (alone or 0.0)
+
+    def _is_urgent(self, item: WorkItem, now: float) -> bool:
+        alone = self.cost_model.predict(item.cost)
+        return alone is not None and item.deadline - now <= URGENT_BATCHES * alone
+
+    def _drop_late(self, batch: list[WorkItem], now: float) -> list[WorkItem]:
+        """Leave out of a batch the members it would finish too late for (never the head)."""
+        predicted = self.cost_model.predict(padded_cost(item.cost for item in batch))
+        if predicted is None:
+            return batch
+        return batch[:1] + [item for item in batch[1:] if item.deadline > now + predicted]
+
+    def next_wakeup(self, now: float, free_workers: int = 1) -> float | None:
+        """When the queue next needs a look: a deadline, or (for a free worker) a batch
+        delay running out. Times already past are left out: with no free worker the
+        driver waits for one instead of spinning."""
         times = []
         for queue in self._queues.values():
-            times.append(min(item.arrived for item in queue) + self.max_batch_delay)
+            if free_workers > 0:
+                times.append(min(item.arrived for item in queue) + self.max_batch_delay)
             times.append(queue[0].deadline)
-        return min(times, default=None)
+        return min((t for t in times if t > now), default=None)
 
-    def record_batch(self, size: int, seconds: float) -> None:
-        rate = size / max(seconds, 1e-6)
+    def finish_batch(self, batch: Sequence[WorkItem], now: float) -> float:
+        """A batch came back: learn its speed; returns the seconds it took."""
+        flight = self._in_flight.pop(batch[0].seq, None)
+        if flight is None:
+            return 0.0
+        seconds = max(now - flight.sent, 1e-6)
+        self.cost_model.observe(flight.cost, seconds)
+        rate = len(batch) / seconds
         if self.items_per_second is None:
             self.items_per_second = rate
         else:
             self.items_per_second += RATE_SMOOTHING * (rate - self.items_per_second)
+        return seconds
 
-    def retry_after(self) -> float:
-        """Seconds until the current queue has likely drained, at the measured rate."""
-        if not self.items_per_second:
-            return 1.0
-        return max(1.0, self._size / self.items_per_second)
+    def forget_batch(self, batch: Sequence[WorkItem]) -> None:
+        """A batch failed in the executor: it is no longer in flight, and says nothing."""
+        self._in_flight.pop(batch[0].seq, None)
 
 
 class Backend(Protocol):
@@ -189,10 +308,12 @@ class Scheduler:
         *,
         clock: Callable[[], float] = time.monotonic,
         loop: asyncio.AbstractEventLoop | None = None,
+        metrics: Any = None,  # a metrics.Metrics: batch sizes and times, dropped items
     ):
         self.core = core
         self.backend = backend
         self.clock = clock
+        self.metrics = metrics
         self._loop = loop
         self._wake = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
@@ -228,10 +349,11 @@ class Scheduler:
         for item in items:
             item.future = loop.create_future()
         try:
-            self.core.admit(items)
-        except QueueFull as full:
+            self.core.admit(items, now)
+        except QueueFull as refused:
+            self._count_dropped("rejected", len(items))
             raise ServiceUnavailable(
-                "server busy: queue full", retry_after=full.retry_after
+                f"server busy: {refused.reason}", retry_after=refused.retry_after
             ) from None
         self._wake.set()
         futures = [item.future for item in items]
@@ -241,6 +363,7 @@ class Scheduler:
         except TimeoutError:
             raise GatewayTimeout("the request's deadline passed before it was answered") from None
         finally:
+            self._count_withdrawn(items, deadline)
             for item in items:
                 self.core.remove(item)
                 if not item.future.done():
@@ -250,15 +373,25 @@ class Scheduler:
         while True:
             self._wake.clear()
             now = self.clock()
-            for item in self.core.drop_expired(now):
+            decision = self.core.decide(now, self.backend.idle_workers())
+            for item in decision.expired:
                 _settle(item, exception=GatewayTimeout("deadline passed while queued"))
-            while self.backend.idle_workers() > 0:
-                batch = self.core.next_batch(now)
-                if batch is None:
-                    break
+            self._count_dropped("expired", len(decision.expired))
+            for batch in decision.batches:
                 self._dispatch(batch, now)
-            self._sleep_until(self.core.next_wakeup())
+            self._sleep_until(decision.wake_at)
             await self._wake.wait()
+
+    def _count_dropped(self, reason: str, count: int = 1) -> None:
+        if self.metrics is not None:
+            self.metrics.drop(reason, count)
+
+    def _count_withdrawn(self, items: list[WorkItem], deadline: float) -> None:
+        """Count items leaving the queue uncomputed: at their deadline, or their client left."""
+        withdrawn = sum(item.queued for item in items)
+        if withdrawn:
+            reason = "expired" if self.clock() >= deadline else "disconnected"
+            self._count_dropped(reason, withdrawn)
 
     def _sleep_until(self, when: float | None) -> None:
         if self._timer is not None:
@@ -277,13 +410,16 @@ class Scheduler:
         self.in_flight -= len(batch)
         self._wake.set()
         if done.cancelled() or done.exception() is not None:
+            self.core.forget_batch(batch)
             error = done.exception() if not done.cancelled() else None
             log.error("a batch of %d failed in the executor: %s", len(batch), error)
             for item in batch:
                 _settle(item, exception=_as_http_error(error))
             return
         result: BatchResult = done.result()
-        self.core.record_batch(len(batch), result.compute_seconds)
+        self.core.finish_batch(batch, self.clock())
+        if self.metrics is not None:
+            self.metrics.observe_batch(len(batch), result.compute_seconds)
         for item, output in zip(batch, result.outputs, strict=True):
             _settle(
                 item,

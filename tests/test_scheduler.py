@@ -3,18 +3,38 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from rawserve.batching import BatchLimits, CostModel, choose_batch, padded_cost, similar
 from rawserve.errors import GatewayTimeout, ServiceUnavailable
 from rawserve.messages import BatchResult
-from rawserve.scheduler import QueueFull, Scheduler, SchedulerCore
+from rawserve.scheduler import DeadlineUnreachable, QueueFull, Scheduler, SchedulerCore
 
 
 def queue_items(core: SchedulerCore, values, now=0.0, deadline=30.0, params=None):
     items = [core.new_item(v, params or {}, deadline, now) for v in values]
-    core.admit(items)
+    core.admit(items, now)
     return items
+
+
+def text(tokens: int) -> str:
+    """An input that `estimate_tokens` counts as `tokens` tokens."""
+    return "x" * (4 * (tokens - 2))
+
+
+def measured(core: SchedulerCore, seconds_per_token: float, fixed: float = 0.0) -> SchedulerCore:
+    """Teach the core's cost model a speed, as if two batches had been measured."""
+    for cost in (100, 1000):
+        core.cost_model.observe(cost, fixed + seconds_per_token * cost)
+    return core
+
+
+def inputs(batch) -> list:
+    return [item.input for item in batch]
 
 
 # --- the core: pure decisions of `now` ----------------------------------------------
@@ -24,7 +44,7 @@ def test_greedy_when_idle_with_zero_delay():
     core = SchedulerCore(max_batch_delay=0.0)
     queue_items(core, ["a"])
     batch = core.next_batch(now=0.0)
-    assert [item.input for item in batch] == ["a"]
+    assert inputs(batch) == ["a"]
     assert len(core) == 0
 
 
@@ -42,10 +62,10 @@ def test_delay_is_one_deadline_from_the_oldest_item():
     queue_items(core, ["first"], now=0.0)
     assert core.next_batch(now=0.05) is None
     queue_items(core, ["second"], now=0.05)  # a later arrival does not reset the wait
-    assert core.next_wakeup() == pytest.approx(0.200)
+    assert core.next_wakeup(now=0.05) == pytest.approx(0.200)
     assert core.next_batch(now=0.199) is None
     batch = core.next_batch(now=0.200)
-    assert [item.input for item in batch] == ["first", "second"]
+    assert inputs(batch) == ["first", "second"]
 
 
 def test_full_batch_goes_at_once_despite_the_delay():
@@ -53,6 +73,25 @@ def test_full_batch_goes_at_once_despite_the_delay():
     queue_items(core, ["a", "b", "c", "d"])
     assert len(core.next_batch(now=0.0)) == 3
     assert core.next_batch(now=0.0) is None  # "d" waits for its delay
+
+
+def test_a_busy_worker_is_waited_for_not_polled():
+    core = SchedulerCore(max_batch_delay=0.0)
+    queue_items(core, ["a"], deadline=30.0)
+    # the batch is due, but no worker is free: the next look is the deadline, not "now"
+    assert core.next_wakeup(now=1.0, free_workers=0) == 30.0
+    decision = core.decide(now=1.0, free_workers=0)
+    assert decision.batches == [] and decision.wake_at == 30.0
+
+
+def test_decide_answers_expired_items_and_fills_every_free_worker():
+    core = SchedulerCore(max_batch_size=2)
+    late = queue_items(core, ["late"], deadline=1.0)
+    queue_items(core, list("abcde"), deadline=10.0)
+    decision = core.decide(now=2.0, free_workers=2)
+    assert decision.expired == late
+    assert [inputs(b) for b in decision.batches] == [["a", "b"], ["c", "d"]]
+    assert decision.wake_at == 10.0  # "e" waits for a worker; its deadline is the next look
 
 
 def test_queue_bound_refuses_a_whole_list():
@@ -65,11 +104,41 @@ def test_queue_bound_refuses_a_whole_list():
     assert len(core) == 4
 
 
-def test_retry_after_follows_the_measured_rate():
+def test_retry_after_follows_the_queue_and_the_measured_speed():
+    core = SchedulerCore(max_queue=100, max_batch_size=10)
+    assert core.retry_after(now=0.0) == 1.0  # nothing measured yet: a short guess
+    queue_items(core, [text(100)] * 100)
+    measured(core, seconds_per_token=0.001, fixed=0.05)  # 10 calls x (0.05 + 1 s)
+    assert core.retry_after(now=0.0) == pytest.approx(10 * 0.05 + 10.0)
+
+
+def test_everything_is_admitted_before_the_speed_is_measured():
     core = SchedulerCore(max_queue=100)
-    queue_items(core, [str(i) for i in range(100)])
-    core.record_batch(size=10, seconds=1.0)  # 10 items/s, 100 queued → ~10 s
-    assert core.retry_after() == pytest.approx(10.0)
+    queue_items(core, [text(200)] * 50, deadline=30.0)
+    queue_items(core, ["tight"], deadline=0.001)  # no basis to refuse it yet
+    assert len(core) == 51
+
+
+def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once():
+    core = measured(SchedulerCore(max_queue=100, max_batch_size=10), seconds_per_token=0.001)
+    queue_items(core, [text(100)] * 20, deadline=30.0)  # 2 s of work ahead
+    with pytest.raises(DeadlineUnreachable) as refused:
+        queue_items(core, ["a", "b"], deadline=31.0, now=29.5)
+    assert refused.value.retry_after >= 2.0
+    assert len(core) == 20  # the list was refused whole
+    queue_items(core, ["a", "b"], deadline=33.0)  # time enough: admitted
+    # an earlier deadline goes ahead of the queue (EDF), so it need not wait for it
+    queue_items(core, ["urgent"], deadline=0.5)
+    assert len(core) == 23
+
+
+def test_work_in_flight_counts_against_the_deadline():
+    core = measured(SchedulerCore(max_batch_size=10), seconds_per_token=0.01)
+    queue_items(core, [text(100)] * 10)
+    assert len(core.next_batch(now=0.0)) == 10  # predicted 10 s of compute
+    with pytest.raises(DeadlineUnreachable):
+        queue_items(core, ["x"], now=1.0, deadline=5.0)
+    queue_items(core, ["x"], now=1.0, deadline=11.0)
 
 
 def test_earliest_deadline_first_and_expiry():
@@ -81,18 +150,92 @@ def test_earliest_deadline_first_and_expiry():
     assert len(core) == 0 and core.next_batch(now=10.0) is None
 
 
+def test_an_expired_item_is_never_sent_even_before_it_is_dropped():
+    core = SchedulerCore()
+    queue_items(core, ["gone"], deadline=1.0)
+    fresh = queue_items(core, ["fresh"], deadline=5.0)
+    assert core.next_batch(now=1.0) == fresh
+
+
+def test_an_item_that_cannot_finish_in_time_is_not_computed():
+    core = SchedulerCore()
+    doomed = queue_items(core, [text(200)], deadline=1.0)  # admitted: nothing measured yet
+    measured(core, seconds_per_token=0.01)  # now we know: 200 tokens take 2 s
+    assert core.next_batch(now=0.0) is None
+    assert core.next_wakeup(now=0.0) == 1.0  # it stays until its deadline, then 504
+    assert core.drop_expired(now=1.0) == doomed
+
+
+def test_a_batch_leaves_out_the_members_it_would_make_late():
+    core = SchedulerCore()
+    head = queue_items(core, [text(100)], deadline=0.15)
+    member = queue_items(core, [text(100)], deadline=0.18)
+    measured(core, seconds_per_token=0.001)  # alone 0.1 s each, as a pair 0.2 s
+    assert core.next_batch(now=0.0) == head
+    assert core.next_batch(now=0.0) == member
+
+
 def test_different_parameters_never_share_a_batch():
     core = SchedulerCore(max_batch_size=8)
     queue_items(core, ["a", "b"], params={"top_k": 1})
     queue_items(core, ["c"], params={"top_k": 2})
     batches = [core.next_batch(now=0.0), core.next_batch(now=0.0)]
-    assert sorted(sorted(item.input for item in b) for b in batches) == [["a", "b"], ["c"]]
+    assert sorted(sorted(inputs(b)) for b in batches) == [["a", "b"], ["c"]]
 
 
 def test_token_budget_bounds_the_padded_cost():
     core = SchedulerCore(max_batch_size=32, max_batch_tokens=100)
-    queue_items(core, ["x" * 152] * 5)  # ~40 tokens each → 2 fit in 100
+    queue_items(core, [text(40)] * 5)  # 40 tokens each: 2 fit in 100
     assert len(core.next_batch(now=0.0)) == 2
+
+
+def test_an_item_over_the_budget_alone_still_goes_alone():
+    core = SchedulerCore(max_batch_tokens=100)
+    big = queue_items(core, [text(500)])
+    queue_items(core, [text(10)])
+    assert core.next_batch(now=0.0) == big
+
+
+def test_similar_lengths_share_a_batch_and_long_items_go_together():
+    core = SchedulerCore(max_batch_size=8)
+    lengths = [10, 200, 12, 190, 9, 11, 180, 10]
+    items = queue_items(core, [text(n) for n in lengths])
+    first, second = core.next_batch(now=0.0), core.next_batch(now=0.0)
+    assert sorted(item.cost for item in first) == [9, 10, 10, 11, 12]
+    assert sorted(item.cost for item in second) == [180, 190, 200]
+    assert first[0] is items[0]  # the earliest deadline leads
+
+
+def test_count_mode_takes_deadline_order_whatever_the_lengths():
+    core = SchedulerCore(max_batch_size=3, group_lengths=False)
+    queue_items(core, [text(n) for n in (10, 200, 12, 11)])
+    assert [item.cost for item in core.next_batch(now=0.0)] == [10, 200, 12]
+
+
+def test_a_long_item_is_not_starved_by_a_stream_of_short_ones():
+    core = SchedulerCore(max_batch_size=4)
+    (long_item,) = queue_items(core, [text(200)], now=0.0, deadline=10.0)
+    for step in range(1, 100):  # short items keep coming, with later deadlines
+        queue_items(core, [text(10)] * 4, now=step, deadline=step + 10.0)
+        batch = core.next_batch(now=step)
+        if long_item in batch:
+            break
+    assert step == 1  # it leads the first batch after it became the earliest deadline
+
+
+def test_an_urgent_item_joins_a_batch_whatever_its_length():
+    core = measured(SchedulerCore(max_batch_size=8), seconds_per_token=1e-5, fixed=0.01)
+    head = queue_items(core, [text(10)], deadline=0.019)
+    queue_items(core, [text(10)] * 2, deadline=1.0)
+    urgent = queue_items(core, [text(200)], deadline=0.02)  # alone 0.012 s: no time to wait
+    assert core.next_batch(now=0.0) == head + urgent
+
+
+def test_a_long_item_that_can_wait_does_not_pad_a_batch_of_short_ones():
+    core = measured(SchedulerCore(max_batch_size=8), seconds_per_token=1e-5, fixed=0.01)
+    shorts = queue_items(core, [text(10)] * 3, deadline=0.019)
+    queue_items(core, [text(200)], deadline=1.0)
+    assert core.next_batch(now=0.0) == shorts
 
 
 def test_withdrawn_items_leave_the_queue():
@@ -101,6 +244,61 @@ def test_withdrawn_items_leave_the_queue():
     core.remove(first)
     core.remove(first)  # twice is harmless
     assert core.next_batch(now=0.0) == [second]
+
+
+def test_a_measured_batch_teaches_the_cost_model():
+    core = SchedulerCore(max_batch_size=4)
+    queue_items(core, [text(100)] * 4)
+    batch = core.next_batch(now=0.0)
+    assert core.finish_batch(batch, now=0.4) == pytest.approx(0.4)
+    assert core.cost_model.predict(400) == pytest.approx(0.4)
+    assert core.items_per_second == pytest.approx(10.0)
+
+
+# --- the cost model and the batch choice alone ----------------------------------------
+
+
+def test_cost_model_fits_a_fixed_cost_and_a_cost_per_token():
+    model = CostModel()
+    assert model.predict(100) is None
+    for cost in (100, 400, 1600, 100, 400):
+        model.observe(cost, 0.005 + 0.0001 * cost)
+    assert model.fixed == pytest.approx(0.005)
+    assert model.per_token == pytest.approx(0.0001)
+    assert model.drain_seconds([100] * 64, max_size=32) == pytest.approx(2 * 0.005 + 0.64)
+
+
+def test_cost_model_with_one_size_measured_is_proportional():
+    model = CostModel()
+    model.observe(200, 0.02)
+    assert model.predict(400) == pytest.approx(0.04)
+
+
+@dataclass
+class Plain:
+    cost: int
+    deadline: float
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    costs=st.lists(st.integers(1, 300), min_size=1, max_size=60),
+    max_size=st.integers(1, 16),
+    max_tokens=st.one_of(st.none(), st.integers(1, 3000)),
+    group=st.booleans(),
+)
+def test_choose_batch_respects_its_bounds_and_always_takes_the_head(
+    costs, max_size, max_tokens, group
+):
+    queue = [Plain(cost, deadline=float(i)) for i, cost in enumerate(costs)]
+    batch = choose_batch(queue, BatchLimits(max_size, max_tokens, group))
+    assert batch[0] is queue[0]
+    assert len(batch) <= max_size
+    assert len(set(map(id, batch))) == len(batch)
+    if len(batch) > 1 and max_tokens:
+        assert padded_cost(item.cost for item in batch) <= max_tokens
+    if group and len(batch) > 1:
+        assert similar(min(i.cost for i in batch), max(i.cost for i in batch))
 
 
 # --- the async driver, with a fake executor -------------------------------------------
@@ -204,3 +402,12 @@ async def test_a_cancelled_request_is_withdrawn(driver):
     await busy
     await asyncio.sleep(0.01)
     assert len(backend.calls) == 1
+
+
+async def test_a_request_that_cannot_meet_its_deadline_gets_503_at_once(driver):
+    scheduler, backend = driver
+    scheduler.core.cost_model.observe(10, 1.0)  # one call of ten tokens: a second
+    with pytest.raises(ServiceUnavailable) as refused:
+        await scheduler.run(["a"], {}, deadline=scheduler.clock() + 0.2)
+    assert "deadline" in str(refused.value)
+    assert backend.calls == [] and len(scheduler.core) == 0

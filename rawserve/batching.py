@@ -1,0 +1,144 @@
+"""Which queued items share the next model call, and what a model call costs.
+
+Pure decisions with no clock and no I/O, used by `rawserve.scheduler`:
+
+- `choose_batch` picks the items of one batch key that go together. The item with the
+  earliest deadline always goes (so nothing starves); in cost-aware mode the others
+  are the items of most similar estimated length, so short inputs are not padded to
+  the length of a long one, and the batch's padded cost (longest x items) stays under
+  the token budget. Items close to their deadline join whatever their length.
+- `CostModel` predicts a call's seconds from its padded cost, fitted on the batches
+  measured so far; the scheduler uses it to admit, to refuse work that cannot finish
+  in time, and to estimate `Retry-After`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+# Two items are "of similar length" when the shorter is at least half the longer, or
+# when they differ by a few tokens (short inputs: padding them costs next to nothing).
+GROUP_RATIO = 0.5
+GROUP_SLACK_TOKENS = 8
+# Weight that the cost model keeps of its past per new measurement.
+COST_MEMORY = 0.95
+
+
+class Costed(Protocol):
+    cost: int
+    deadline: float
+
+
+ItemT = TypeVar("ItemT", bound=Costed)
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_size: int = 32
+    max_tokens: int | None = None  # bound on the padded cost: longest item x items
+    group_lengths: bool = True  # cost-aware: similar lengths together; else deadline order
+
+
+def padded_cost(costs: Iterable[int]) -> int:
+    """What a padded batch costs the model: its longest item times its number of items."""
+    costs = list(costs)
+    return max(costs, default=0) * len(costs)
+
+
+def similar(shortest: int, longest: int) -> bool:
+    return shortest >= GROUP_RATIO * longest or longest - shortest <= GROUP_SLACK_TOKENS
+
+
+def choose_batch(
+    queue: Sequence[ItemT],
+    limits: BatchLimits,
+    urgent: Callable[[ItemT], bool] = lambda item: False,
+) -> list[ItemT]:
+    """The items of `queue` (sorted earliest deadline first) that go in one model call.
+
+    The first item always goes, even when it alone is over the token budget. Then, in
+    deadline order (count mode) or closest length first (cost-aware mode, urgent items
+    first), every item that keeps the batch within its bounds joins.
+    """
+    if not queue:
+        return []
+    head = queue[0]
+    batch = [head]
+    longest = shortest = head.cost
+    if limits.group_lengths:
+        rest = queue[1:]
+        hurry = [item for item in rest if urgent(item)]
+        hurried = set(map(id, hurry))
+        others = sorted(
+            (item for item in rest if id(item) not in hurried),
+            key=lambda item: abs(item.cost - head.cost),
+        )  # stable: equally close items stay in deadline order
+        candidates = [(item, True) for item in hurry] + [(item, False) for item in others]
+    else:
+        candidates = [(item, True) for item in queue[1:]]
+    for item, any_length in candidates:
+        if len(batch) >= limits.max_size:
+            break
+        new_longest, new_shortest = max(longest, item.cost), min(shortest, item.cost)
+        if limits.max_tokens and new_longest * (len(batch) + 1) > limits.max_tokens:
+            if not limits.group_lengths:
+                break  # count mode keeps strict deadline order
+            continue
+        if not any_length and not similar(new_shortest, new_longest):
+            continue
+        batch.append(item)
+        longest, shortest = new_longest, new_shortest
+    return batch
+
+
+class CostModel:
+    """Seconds of a model call as `fixed + per_token * padded_cost`, from measurements.
+
+    Exponentially weighted least squares over the recent batches, so the fit follows a
+    machine whose speed drifts. Until one batch is measured it predicts nothing (None):
+    the scheduler then admits everything rather than guess.
+    """
+
+    def __init__(self, memory: float = COST_MEMORY):
+        self.memory = memory
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self.fixed = 0.0
+        self.per_token = 0.0
+
+    @property
+    def measured(self) -> bool:
+        return self._w > 0
+
+    def observe(self, cost: int, seconds: float) -> None:
+        m = self.memory
+        x, y = float(max(cost, 1)), max(seconds, 0.0)
+        self._w = m * self._w + 1
+        self._x = m * self._x + x
+        self._y = m * self._y + y
+        self._xx = m * self._xx + x * x
+        self._xy = m * self._xy + x * y
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mean_x * mean_x
+        slope = (self._xy / self._w - mean_x * mean_y) / var if var > (0.05 * mean_x) ** 2 else None
+        if slope is None or slope < 0:  # one size measured so far: assume proportional
+            self.fixed, self.per_token = 0.0, mean_y / mean_x
+        else:
+            self.fixed, self.per_token = mean_y - slope * mean_x, slope
+            if self.fixed < 0:
+                self.fixed, self.per_token = 0.0, mean_y / mean_x
+
+    def predict(self, cost: int) -> float | None:
+        """Seconds of one model call of this padded cost, or None before any measurement."""
+        if not self.measured:
+            return None
+        return self.fixed + self.per_token * cost
+
+    def drain_seconds(self, costs: Sequence[int], max_size: int, workers: int = 1) -> float | None:
+        """A lower bound on the seconds to compute `costs` in full batches (no padding)."""
+        if not self.measured:
+            return None
+        calls = math.ceil(len(costs) / max_size)
+        return (calls * self.fixed + self.per_token * sum(costs)) / max(workers, 1)
