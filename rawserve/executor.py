@@ -3,27 +3,44 @@
 Its face is ProcessPoolExecutor-like: `submit(inputs, params)` returns an asyncio future
 of the batch's `BatchResult`, `shutdown()` stops the workers. Each worker is a `spawn`ed
 process running `rawserve.worker.worker_main`; a reader thread per worker blocks on the
-pipe so the event loop never does. This module knows nothing of HTTP and never imports
-torch (the worker does, in its own process).
+pipe so the event loop never does.
+
+Supervision lives here, so the scheduler never sees a fault, only results:
+- a worker that dies is noticed at once (pipe EOF), restarted with capped exponential
+  backoff, and the items of the batch it held are retried one by one; an item that
+  kills a worker on its own is answered with a failure and remembered (by content
+  hash), so the same input is refused later without being run;
+- a batch running longer than `batch_timeout` gets its worker killed and its items
+  answered with a failure;
+- the worker's effective batch cap (lowered after out-of-memory errors) is learned
+  from its results and offered to the scheduler through `batch_cap()`.
+
+This module knows nothing of HTTP and never imports torch (the worker does, in its own
+process).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import hashlib
 import itertools
+import json
 import logging
 import multiprocessing
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rawserve.errors import ServiceUnavailable
 from rawserve.messages import (
     Batch,
     BatchResult,
+    FailureKind,
+    ItemFailure,
     Shutdown,
     WorkerConfig,
     WorkerLoadFailed,
@@ -36,6 +53,17 @@ log = logging.getLogger("rawserve.executor")
 RESTART_BACKOFF_FIRST = 0.5  # seconds before the first restart of a dead worker
 RESTART_BACKOFF_MAX = 30.0
 STOP_TIMEOUT = 10.0  # seconds a worker gets to exit before it is killed
+BATCH_TIMEOUT = 120.0  # seconds a batch may run before its worker is killed
+MAX_FAILED_RESTARTS = 5  # restarts in a row that die while loading: the process is unhealthy
+POISON_MEMORY = 4096  # content hashes of inputs that crashed a worker, least recent dropped
+
+CRASHED_ALONE = ItemFailure(FailureKind.INTERNAL, "this input crashed the model worker")
+REFUSED_POISON = ItemFailure(
+    FailureKind.INPUT, "this input crashed the model worker before and is refused"
+)
+TIMED_OUT = ItemFailure(
+    FailureKind.INTERNAL, "the model did not finish this batch within the batch timeout"
+)
 
 
 class WorkerCrashed(Exception):
@@ -50,6 +78,18 @@ class WorkerState(enum.Enum):
     STOPPED = "stopped"
 
 
+@dataclass(eq=False)
+class Job:
+    """A batch on its way through a worker, and the future that waits for it."""
+
+    inputs: tuple[Any, ...]
+    params: Mapping[str, Any]
+    future: asyncio.Future[BatchResult]
+    batch_id: int
+    poison_key: str | None = None  # set on a one-item retry after a crash
+    watchdog: asyncio.TimerHandle | None = None
+
+
 class WorkerHandle:
     """One worker process, its pipe, and the batch it is computing."""
 
@@ -59,37 +99,73 @@ class WorkerHandle:
         self.state = WorkerState.DEAD
         self.process: multiprocessing.process.BaseProcess | None = None
         self.conn: Any = None
-        self.batch_future: asyncio.Future[BatchResult] | None = None
-        self.batch_id: int | None = None
+        self.job: Job | None = None
         self.ready: WorkerReady | None = None
         self.started_at = 0.0
         self.restarts = 0
+        self.failed_restarts = 0  # in a row, died before it was ready
         self.backoff = RESTART_BACKOFF_FIRST
+        self.batch_cap: int | None = None  # lowered by the worker after out-of-memory errors
 
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
 
 
+class PoisonMemory:
+    """Content hashes of (input, parameters) that crashed a worker alone; bounded LRU."""
+
+    def __init__(self, size: int = POISON_MEMORY):
+        self.size = size
+        self._hashes: OrderedDict[str, None] = OrderedDict()
+
+    @staticmethod
+    def key(value: Any, params: Mapping[str, Any]) -> str:
+        text = json.dumps([value, params], sort_keys=True, default=repr)
+        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+    def add(self, key: str) -> None:
+        self._hashes[key] = None
+        self._hashes.move_to_end(key)
+        while len(self._hashes) > self.size:
+            self._hashes.popitem(last=False)
+
+    def __contains__(self, key: str) -> bool:
+        if key in self._hashes:
+            self._hashes.move_to_end(key)
+            return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+
 class Executor:
-    """Runs batches on one worker process per device."""
+    """Runs batches on one worker process per device, and keeps the workers alive."""
 
     def __init__(
         self,
         config: WorkerConfig,
         devices: Sequence[str] = ("auto",),
         *,
+        batch_timeout: float = BATCH_TIMEOUT,
+        max_failed_restarts: int = MAX_FAILED_RESTARTS,
         loop: asyncio.AbstractEventLoop | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self._loop = loop
         self.clock = clock
+        self.batch_timeout = batch_timeout
+        self.max_failed_restarts = max_failed_restarts
         self._context = multiprocessing.get_context("spawn")
         self.workers = [
             WorkerHandle(index, replace(config, device=device))
             for index, device in enumerate(devices)
         ]
+        self.poison = PoisonMemory()
+        self._retries: deque[Job] = deque()  # one-item retries after a crash, served first
         self._batch_ids = itertools.count()
+        self._tasks: set[asyncio.Task] = set()
         self._closing = False
         self._first_load: asyncio.Future[WorkerReady] | None = None
         self.on_idle: Callable[[], None] | None = None  # set by the scheduler
@@ -112,26 +188,43 @@ class Executor:
         return any(w.state in (WorkerState.IDLE, WorkerState.BUSY) for w in self.workers)
 
     @property
+    def healthy(self) -> bool:
+        """False once every worker has failed to restart too many times in a row."""
+        return any(w.failed_restarts < self.max_failed_restarts for w in self.workers)
+
+    @property
     def task(self) -> str | None:
         loaded = next((w.ready for w in self.workers if w.ready), None)
         return loaded.task if loaded else None
 
     def idle_workers(self) -> int:
-        return sum(w.state is WorkerState.IDLE for w in self.workers)
+        idle = sum(w.state is WorkerState.IDLE for w in self.workers)
+        return max(0, idle - len(self._retries))
+
+    def batch_cap(self) -> int | None:
+        """The most items the next `submit` should carry (None: no limit of the worker's)."""
+        worker = self._next_idle()
+        return worker.batch_cap if worker else None
 
     def submit(self, inputs: Sequence[Any], params: Mapping[str, Any]) -> asyncio.Future:
-        worker = next((w for w in self.workers if w.state is WorkerState.IDLE), None)
-        if worker is None:
+        worker = self._next_idle()
+        if worker is None or self._retries:
             raise ServiceUnavailable("no model worker is free")
-        batch = Batch(next(self._batch_ids), tuple(inputs), dict(params))
         future = self._loop.create_future()
-        worker.state = WorkerState.BUSY
-        worker.batch_future = future
-        worker.batch_id = batch.batch_id
-        try:
-            worker.conn.send(batch)
-        except (OSError, ValueError) as exc:  # the pipe broke: the reader will see the exit
-            log.warning("worker %d: could not send a batch: %s", worker.index, exc)
+        batch_id = next(self._batch_ids)
+        refused = [PoisonMemory.key(value, params) in self.poison for value in inputs]
+        if not any(refused):
+            self._send(worker, Job(tuple(inputs), params, future, batch_id))
+            return future
+        log.warning("refused %d input(s) that crashed a worker before", sum(refused))
+        if all(refused):
+            future.set_result(BatchResult(batch_id, (REFUSED_POISON,) * len(inputs), 0.0))
+            return future
+        kept = tuple(value for value, bad in zip(inputs, refused, strict=True) if not bad)
+        inner = self._loop.create_future()
+        self._send(worker, Job(kept, params, inner, batch_id))
+        slots = [REFUSED_POISON if bad else None for bad in refused]
+        self._watch(self._assemble(future, batch_id, slots, [inner]))
         return future
 
     def describe(self) -> list[dict[str, Any]]:
@@ -144,14 +237,19 @@ class Executor:
                 "state": w.state.value,
                 "pid": w.pid,
                 "restarts": w.restarts,
+                "max_batch_size": w.batch_cap,  # lowered after out-of-memory errors
             }
             for w in self.workers
         ]
 
     async def shutdown(self, wait: bool = True) -> None:
-        """Ask every worker to exit; kill those that do not within STOP_TIMEOUT."""
+        """Answer what is still held, ask every worker to exit, kill the ones that linger."""
         self._closing = True
+        stopping = ServiceUnavailable("server shutting down")
+        while self._retries:
+            _settle(self._retries.popleft().future, error=stopping)
         for worker in self.workers:
+            self._take_job(worker, error=stopping)
             if worker.conn is not None and worker.state is not WorkerState.DEAD:
                 try:
                     worker.conn.send(Shutdown())
@@ -162,7 +260,96 @@ class Executor:
         )
         for worker in self.workers:
             worker.state = WorkerState.STOPPED
-            self._fail_batch(worker, ServiceUnavailable("server shutting down"))
+
+    def kill(self) -> None:
+        """Kill every worker at once (a second signal: no time for manners)."""
+        self._closing = True
+        for worker in self.workers:
+            if worker.process is not None and worker.process.exitcode is None:
+                worker.process.kill()
+
+    # --- dispatch ---------------------------------------------------------------------
+
+    def _next_idle(self) -> WorkerHandle | None:
+        return next((w for w in self.workers if w.state is WorkerState.IDLE), None)
+
+    def _send(self, worker: WorkerHandle, job: Job) -> None:
+        worker.state = WorkerState.BUSY
+        worker.job = job
+        if self.batch_timeout:
+            job.watchdog = self._loop.call_later(
+                self.batch_timeout, self._on_batch_timeout, worker, job
+            )
+        try:
+            worker.conn.send(Batch(job.batch_id, job.inputs, dict(job.params)))
+        except (OSError, ValueError) as exc:  # the pipe broke: the reader will see the exit
+            log.warning("worker %d: could not send a batch: %s", worker.index, exc)
+
+    def _pump(self) -> None:
+        """Give free workers the retries first, then tell the scheduler who is free."""
+        while self._retries and (worker := self._next_idle()) is not None:
+            self._send(worker, self._retries.popleft())
+        if self.idle_workers():
+            self._notify_idle()
+
+    def _take_job(self, worker: WorkerHandle, *, error: Exception | None = None) -> Job | None:
+        """Detach the worker's job (stopping its watchdog); fail it with `error` if given."""
+        job, worker.job = worker.job, None
+        if job is not None:
+            if job.watchdog is not None:
+                job.watchdog.cancel()
+            if error is not None:
+                _settle(job.future, error=error)
+        return job
+
+    def _retry_alone(self, job: Job) -> None:
+        """After a crash, run each item of the lost batch alone, ahead of the queue."""
+        futures = []
+        for value in job.inputs:
+            future = self._loop.create_future()
+            key = PoisonMemory.key(value, job.params)
+            self._retries.append(Job((value,), job.params, future, job.batch_id, key))
+            futures.append(future)
+        self._watch(self._assemble(job.future, job.batch_id, [None] * len(futures), futures))
+
+    async def _assemble(
+        self,
+        target: asyncio.Future[BatchResult],
+        batch_id: int,
+        slots: list[Any],
+        parts: list[asyncio.Future[BatchResult]],
+    ) -> None:
+        """Fill the empty `slots` in order from the outputs of `parts`; answer `target`."""
+        try:
+            results = await asyncio.gather(*parts)
+        except Exception as exc:  # noqa: BLE001 - handed on to whoever waits for the batch
+            _settle(target, error=exc)
+            return
+        outputs = iter(output for result in results for output in result.outputs)
+        filled = tuple(next(outputs) if slot is None else slot for slot in slots)
+        seconds = sum(result.compute_seconds for result in results)
+        _settle(target, result=BatchResult(batch_id, filled, seconds))
+
+    def _watch(self, coroutine: Any) -> None:
+        task = self._loop.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_batch_timeout(self, worker: WorkerHandle, job: Job) -> None:
+        if worker.job is not job:
+            return
+        log.error(
+            "worker %d: a batch of %d ran over %.0f s; killing process %s",
+            worker.index,
+            len(job.inputs),
+            self.batch_timeout,
+            worker.pid,
+        )
+        self._take_job(worker)
+        _settle(job.future, result=BatchResult(job.batch_id, (TIMED_OUT,) * len(job.inputs), 0.0))
+        worker.state = WorkerState.DEAD  # until the reader sees it exit and restarts it
+        if worker.process is not None:
+            worker.process.kill()
 
     # --- process lifecycle ------------------------------------------------------------
 
@@ -179,6 +366,7 @@ class Executor:
         worker.process, worker.conn = process, parent_conn
         worker.state = WorkerState.LOADING
         worker.ready = None
+        worker.batch_cap = None
         worker.started_at = self.clock()
         log.info(
             "worker %d: started (pid %d, device %s)",
@@ -201,6 +389,8 @@ class Executor:
                 self._loop.call_soon_threadsafe(self._on_message, worker, message)
         except (EOFError, OSError):
             pass
+        except RuntimeError:  # the loop is closed: the server is gone
+            return
         process.join(timeout=STOP_TIMEOUT)
         if process.exitcode is None:
             process.kill()
@@ -212,20 +402,11 @@ class Executor:
 
     def _on_message(self, worker: WorkerHandle, message: Any) -> None:
         if isinstance(message, BatchResult):
-            if message.batch_id != worker.batch_id:
-                log.warning("worker %d: dropped a stale result", worker.index)
-                return
-            future = worker.batch_future
-            worker.batch_future = worker.batch_id = None
-            if worker.state is WorkerState.BUSY:
-                worker.state = WorkerState.IDLE
-            worker.backoff = RESTART_BACKOFF_FIRST  # it works: forget earlier crashes
-            if future is not None and not future.done():
-                future.set_result(message)
-            self._notify_idle()
+            self._on_result(worker, message)
         elif isinstance(message, WorkerReady):
             worker.ready = message
             worker.state = WorkerState.IDLE
+            worker.failed_restarts = 0
             log.info(
                 "worker %d: %s model ready on %s in %.1f s",
                 worker.index,
@@ -235,42 +416,70 @@ class Executor:
             )
             if self._first_load and not self._first_load.done():
                 self._first_load.set_result(message)
-            self._notify_idle()
+            self._pump()
         elif isinstance(message, WorkerLoadFailed):
             log.error("worker %d: could not load the model: %s", worker.index, message.message)
             if self._first_load and not self._first_load.done():
                 self._first_load.set_exception(RuntimeError(message.message))
                 self._closing = True  # a model that never loaded will not load on retry
 
+    def _on_result(self, worker: WorkerHandle, result: BatchResult) -> None:
+        job = worker.job
+        if job is None or result.batch_id != job.batch_id:
+            log.warning("worker %d: dropped a stale result", worker.index)
+            return
+        self._take_job(worker)
+        if worker.state is WorkerState.BUSY:
+            worker.state = WorkerState.IDLE
+        worker.backoff = RESTART_BACKOFF_FIRST  # it works: forget earlier crashes
+        if result.effective_batch_cap != worker.batch_cap:
+            log.warning(
+                "worker %d: effective batch cap now %s (out of memory earlier)",
+                worker.index,
+                result.effective_batch_cap or "the configured maximum",
+            )
+            worker.batch_cap = result.effective_batch_cap
+        _settle(job.future, result=result)
+        if not self._closing:
+            self._pump()
+
     def _on_exit(self, worker: WorkerHandle, process: Any) -> None:
         if process is not worker.process:
             return
         was_loading = worker.state is WorkerState.LOADING
         worker.state = WorkerState.DEAD
-        self._fail_batch(worker, WorkerCrashed(f"worker exited with code {process.exitcode}"))
         if self._closing:
+            self._take_job(worker, error=ServiceUnavailable("server shutting down"))
             return
+        job = self._take_job(worker)
+        if job is not None and job.poison_key is not None:
+            log.error(
+                "worker %d: one input crashed the worker on its own; it is refused from now on",
+                worker.index,
+            )
+            self.poison.add(job.poison_key)
+            _settle(job.future, result=BatchResult(job.batch_id, (CRASHED_ALONE,), 0.0))
+        elif job is not None:
+            self._retry_alone(job)
+        if was_loading:
+            worker.failed_restarts += 1
         log.error(
-            "worker %d: process %d exited with code %s%s; restarting in %.1f s",
+            "worker %d: process %d exited with code %s%s%s; restarting in %.1f s",
             worker.index,
             process.pid,
             process.exitcode,
             " while loading" if was_loading else "",
+            f" holding a batch of {len(job.inputs)}" if job else "",
             worker.backoff,
         )
         worker.restarts += 1
         self._loop.call_later(worker.backoff, self._respawn, worker)
         worker.backoff = min(worker.backoff * 2, RESTART_BACKOFF_MAX)
+        self._pump()  # another worker may be free for the retries
 
     def _respawn(self, worker: WorkerHandle) -> None:
         if not self._closing and worker.state is WorkerState.DEAD:
             self._spawn(worker)
-
-    def _fail_batch(self, worker: WorkerHandle, error: Exception) -> None:
-        future = worker.batch_future
-        worker.batch_future = worker.batch_id = None
-        if future is not None and not future.done():
-            future.set_exception(error)
 
     def _notify_idle(self) -> None:
         if self.on_idle is not None:
@@ -285,3 +494,17 @@ class Executor:
         if process.exitcode is None:
             process.kill()
             process.join()
+
+
+def _settle(
+    future: asyncio.Future[BatchResult],
+    *,
+    result: BatchResult | None = None,
+    error: BaseException | None = None,
+) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -53,6 +53,7 @@ class BatchResult:
     batch_id: int
     outputs: tuple[Any, ...]
     compute_seconds: float
+    effective_batch_cap: int | None = None  # lowered after out-of-memory errors; None: no cap
 
 
 @dataclass(frozen=True)

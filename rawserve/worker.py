@@ -3,11 +3,14 @@
 Runs only in the child (started with `spawn`, so this module must stay importable
 without side effects). torch and transformers are imported inside `worker_main`, never
 at module level, because the server process imports this module to name the target.
-A batch that raises is bisected, so only the items that fail get an `ItemFailure`.
+A batch that raises is bisected, so only the items that fail get an `ItemFailure`. An
+out-of-memory error also lowers the worker's effective batch cap for a while (larger
+batches are run in chunks); each `BatchResult` tells the parent the current cap.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -26,14 +29,41 @@ from rawserve.messages import (
 
 log = logging.getLogger("rawserve.worker")
 
+CAP_RESTORE_AFTER = 20  # good batches at a lowered cap before it is doubled again
+
+
+class BatchCap:
+    """The effective batch size after out-of-memory errors: halved on each, then
+    doubled back after every CAP_RESTORE_AFTER batches that fit, up to no cap."""
+
+    def __init__(self, restore_after: int = CAP_RESTORE_AFTER):
+        self.restore_after = restore_after
+        self.limit: int | None = None
+        self._lowered_from = 0  # the largest batch that ran out of memory
+        self._good = 0
+
+    def lower(self, size: int) -> None:
+        self.limit = max(1, min(size // 2, self.limit or size))
+        self._lowered_from = max(self._lowered_from, size)
+        self._good = 0
+
+    def on_success(self) -> None:
+        if self.limit is None:
+            return
+        self._good += 1
+        if self._good >= self.restore_after:
+            self._good = 0
+            self.limit *= 2
+            if self.limit >= self._lowered_from:
+                self.limit, self._lowered_from = None, 0
+
 
 def worker_main(conn: Any, config: WorkerConfig, index: int) -> None:
     """Entry point of worker process `index`."""
     from rawserve.devices import isolate
+    from rawserve.logs import setup_worker_logging
 
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s worker-{index} %(levelname)s %(message)s"
-    )
+    setup_worker_logging(index)  # the server's --log-level and --log-format, from the env
     plan = isolate(config.device)
     if plan.visible_gpus is not None:  # before torch initialises CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = plan.visible_gpus
@@ -56,6 +86,7 @@ def worker_main(conn: Any, config: WorkerConfig, index: int) -> None:
             details=runner.details,
         )
     )
+    cap = BatchCap()
     while True:
         try:
             message = conn.recv()
@@ -65,23 +96,53 @@ def worker_main(conn: Any, config: WorkerConfig, index: int) -> None:
             return
         if isinstance(message, Batch):
             started = time.perf_counter()
-            outputs = run_bisecting(runner, list(message.inputs), dict(message.params))
-            conn.send(BatchResult(message.batch_id, tuple(outputs), time.perf_counter() - started))
+            outputs = run_batch(runner, list(message.inputs), dict(message.params), cap)
+            result = BatchResult(
+                message.batch_id, tuple(outputs), time.perf_counter() - started, cap.limit
+            )
+            try:
+                conn.send(result)
+            except (OSError, ValueError):  # the server is gone
+                return
 
 
-def run_bisecting(runner: Any, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
+def run_batch(
+    runner: Any, inputs: list[Any], params: dict[str, Any], cap: BatchCap | None = None
+) -> list[Any]:
+    """Run a batch in chunks no larger than the cap, each bisected on failure."""
+    cap = cap or BatchCap()
+    size = cap.limit or len(inputs)
+    outputs: list[Any] = []
+    for start in range(0, len(inputs), size):
+        outputs += run_bisecting(runner, inputs[start : start + size], params, cap)
+    cap.on_success()
+    return outputs
+
+
+def run_bisecting(
+    runner: Any, inputs: list[Any], params: dict[str, Any], cap: BatchCap | None = None
+) -> list[Any]:
     """Run a batch; if it raises, run each half alone, down to the failing items."""
     try:
         outputs = runner.run(inputs, params)
     except Exception as exc:  # noqa: BLE001 - every failure becomes data, never a pickle
+        failure = runner.describe_failure(exc)
+        if failure.kind is FailureKind.OUT_OF_MEMORY:
+            release_memory()
+            if cap is not None and len(inputs) > 1:
+                cap.lower(len(inputs))
+                log.warning(
+                    "out of memory on a batch of %d: split, batch cap now %d",
+                    len(inputs),
+                    cap.limit,
+                )
         if len(inputs) == 1:
-            failure = runner.describe_failure(exc)
             if failure.kind is not FailureKind.INPUT:
                 log.error("an item failed", exc_info=exc)
             return [failure]
         half = len(inputs) // 2
-        return run_bisecting(runner, inputs[:half], params) + run_bisecting(
-            runner, inputs[half:], params
+        return run_bisecting(runner, inputs[:half], params, cap) + run_bisecting(
+            runner, inputs[half:], params, cap
         )
     if len(outputs) != len(inputs):
         log.error("the model answered %d outputs for %d inputs", len(outputs), len(inputs))
@@ -90,3 +151,12 @@ def run_bisecting(runner: Any, inputs: list[Any], params: dict[str, Any]) -> lis
         )
         return [failure] * len(inputs)
     return outputs
+
+
+def release_memory() -> None:
+    """After an out-of-memory error: drop the failed call's tensors and cached blocks."""
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

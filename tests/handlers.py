@@ -45,3 +45,34 @@ def failing_on_marker():
         return inner(inputs, **params)
 
     return handle
+
+
+def faulty():
+    """Echoes, and fails on purpose: an input containing "crash" kills the worker process,
+    one containing "hang" never finishes, a batch larger than RAWSERVE_TEST_OOM_ABOVE items
+    (when set) raises MemoryError, and the parameter `sleep` sleeps that long per batch."""
+    inner = echo()
+    oom_above = int(os.environ.get("RAWSERVE_TEST_OOM_ABOVE", "0"))
+
+    def handle(inputs, sleep=0.0, **params):
+        if any("crash" in str(item) for item in inputs):
+            os._exit(3)
+        if any("hang" in str(item) for item in inputs):
+            time.sleep(3600)
+        if oom_above and len(inputs) > oom_above:
+            raise MemoryError(f"out of memory on a batch of {len(inputs)}")
+        time.sleep(sleep)
+        return inner(inputs, **params)
+
+    return handle
+
+
+def loads_once():
+    """Loads the first time; every later load in the same test (marker file in
+    RAWSERVE_TEST_MARKER) dies, to exercise failed restarts."""
+    marker = os.environ["RAWSERVE_TEST_MARKER"]
+    if os.path.exists(marker):
+        os._exit(4)
+    with open(marker, "w") as file:
+        file.write("loaded")
+    return echo()
