@@ -98,6 +98,7 @@ class SchedulerCore:
     group_lengths: bool = True  # cost-aware batching: similar lengths share a batch
     workers: int = 1
     cost_model: CostModel = field(default_factory=CostModel)
+    batch_cap: int | None = None  # the workers' own, lower after out-of-memory errors
     _queues: dict[str, list[WorkItem]] = field(default_factory=dict)
     _size: int = 0
     _seq: itertools.count = field(default_factory=itertools.count)
@@ -113,7 +114,8 @@ class SchedulerCore:
 
     @property
     def limits(self) -> BatchLimits:
-        return BatchLimits(self.max_batch_size, self.max_batch_tokens, self.group_lengths)
+        size = min(self.max_batch_size, self.batch_cap or self.max_batch_size)
+        return BatchLimits(size, self.max_batch_tokens, self.group_lengths)
 
     def new_item(self, value: Any, params: Mapping[str, Any], deadline: float, now: float):
         return WorkItem(
@@ -236,7 +238,7 @@ class SchedulerCore:
 
     def _is_full(self, batch: list[WorkItem], candidates: int) -> bool:
         """No more items could join: the size bound or the token budget is reached."""
-        if len(batch) >= self.max_batch_size:
+        if len(batch) >= self.limits.max_size:
             return True
         longest = max(item.cost for item in batch)
         if self.max_batch_tokens and longest * (len(batch) + 1) > self.max_batch_tokens:
@@ -373,6 +375,8 @@ class Scheduler:
         while True:
             self._wake.clear()
             now = self.clock()
+            batch_cap = getattr(self.backend, "batch_cap", None)  # optional in a Backend
+            self.core.batch_cap = batch_cap() if batch_cap else None
             decision = self.core.decide(now, self.backend.idle_workers())
             for item in decision.expired:
                 _settle(item, exception=GatewayTimeout("deadline passed while queued"))
