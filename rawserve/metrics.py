@@ -1,0 +1,200 @@
+"""Prometheus metrics for one server: what `GET /metrics` renders.
+
+`Metrics` owns a per-server `CollectorRegistry` (no module-global state, so tests and
+several servers in one process never share counters). Events are counted by small
+hooks that the protocol (requests), the scheduler (batches, dropped items) and the
+executor (poisoned items) call when they are given a `Metrics`; state that already
+lives somewhere (queue depth, queued tokens, worker state and restarts) is read at
+scrape time by `StateCollector`, so nothing has to be kept in step. Event-loop lag is
+measured by a small periodic task. This module never imports h11 or torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Collection, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+DROP_REASONS = ("rejected", "expired", "disconnected", "poison")
+OTHER_ROUTE = "other"  # the label of paths that are not routes (keeps cardinality bounded)
+# The classic text format, which every Prometheus reads (generate_latest writes it).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LOOP_LAG_INTERVAL = 0.5  # seconds between two event-loop lag probes
+
+REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+COMPUTE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+
+
+class Metrics:
+    """The counters and histograms of one server, and the hooks that feed them."""
+
+    def __init__(self, routes: Collection[str] = (), registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.routes = set(routes)
+        r = self.registry
+        self.requests = Counter(
+            "rawserve_requests",
+            "HTTP responses sent, by route, method and status code",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "rawserve_request_duration_seconds",
+            "Time from a request's head to its last response byte, by route",
+            ["route"],
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "rawserve_batch_size",
+            "Items per model call",
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=r,
+        )
+        self.batch_compute = Histogram(
+            "rawserve_batch_compute_seconds",
+            "Time a worker spent computing one batch",
+            buckets=COMPUTE_BUCKETS,
+            registry=r,
+        )
+        self.dropped = Counter(
+            "rawserve_items_dropped",
+            "Items answered without a model call (rejected: queue full; expired: deadline "
+            "passed while queued; disconnected: the client left; poison: crashed a worker)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in DROP_REASONS:
+            self.dropped.labels(reason)  # every reason is exported, 0 until it happens
+        self.loop_lag = Histogram(
+            "rawserve_event_loop_lag_seconds",
+            "How late the event loop woke up for a timer (a busy or blocked loop shows here)",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
+        self.loop_lag_last = Gauge(
+            "rawserve_event_loop_lag_last_seconds",
+            "The latest event-loop lag probe",
+            registry=r,
+        )
+        self._lag_task: asyncio.Task | None = None
+
+    # --- hooks ------------------------------------------------------------------------
+
+    def observe_request(self, path: str, method: str, status: int, seconds: float) -> None:
+        route = path if path in self.routes else OTHER_ROUTE
+        self.requests.labels(route, method, str(status)).inc()
+        self.request_duration.labels(route).observe(seconds)
+
+    def observe_batch(self, size: int, compute_seconds: float) -> None:
+        self.batch_size.observe(size)
+        self.batch_compute.observe(compute_seconds)
+
+    def drop(self, reason: str, count: int = 1) -> None:
+        if count > 0:
+            self.dropped.labels(reason).inc(count)
+
+    # --- wiring -----------------------------------------------------------------------
+
+    def watch(self, scheduler: Any, executor: Any) -> None:
+        """Export the scheduler's queue and the executor's workers, read at scrape time."""
+        self.registry.register(StateCollector(scheduler, executor))
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the event-loop lag probe."""
+        loop = loop or asyncio.get_running_loop()
+        self._lag_task = loop.create_task(self._probe_loop_lag(loop), name="rawserve-loop-lag")
+
+    async def stop(self) -> None:
+        if self._lag_task is not None:
+            self._lag_task.cancel()
+            await asyncio.gather(self._lag_task, return_exceptions=True)
+
+    async def _probe_loop_lag(
+        self, loop: asyncio.AbstractEventLoop, interval: float = LOOP_LAG_INTERVAL
+    ) -> None:
+        while True:
+            await self.probe_loop_lag(loop, interval)
+
+    async def probe_loop_lag(self, loop: asyncio.AbstractEventLoop, interval: float) -> float:
+        """Sleep `interval` and record how much later than asked the loop woke us."""
+        asked = loop.time() + interval
+        await asyncio.sleep(interval)
+        lag = max(0.0, loop.time() - asked)
+        self.loop_lag.observe(lag)
+        self.loop_lag_last.set(lag)
+        return lag
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE
+
+
+class StateCollector:
+    """Reads queue and worker state when Prometheus scrapes (no hooks to keep in step)."""
+
+    def __init__(self, scheduler: Any, executor: Any, clock: Callable[[], float] = time.monotonic):
+        self.scheduler = scheduler
+        self.executor = executor
+        self.clock = clock
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked collector: its families are only known at collect time
+
+    def collect(self) -> Iterator[Metric]:
+        core = self.scheduler.core
+        yield GaugeMetricFamily(
+            "rawserve_queue_depth", "Items waiting in the queue", value=len(core)
+        )
+        yield GaugeMetricFamily(
+            "rawserve_queue_limit", "The queue bound (--max-queue)", value=core.max_queue
+        )
+        yield GaugeMetricFamily(
+            "rawserve_queued_tokens",
+            "Estimated tokens of the items waiting in the queue",
+            value=core.queued_tokens(),
+        )
+        yield GaugeMetricFamily(
+            "rawserve_items_in_flight",
+            "Items inside model calls",
+            value=getattr(self.scheduler, "in_flight", 0),
+        )
+        rate = getattr(core, "items_per_second", None)
+        if rate is not None:
+            yield GaugeMetricFamily(
+                "rawserve_service_rate_items_per_second",
+                "Measured items per second of compute (smoothed); sets Retry-After",
+                value=rate,
+            )
+        ready = GaugeMetricFamily(
+            "rawserve_worker_ready",
+            "1 when the worker has its model loaded (idle or busy), else 0",
+            labels=["worker", "device"],
+        )
+        state = GaugeMetricFamily(
+            "rawserve_worker_state",
+            "1 for the state each worker is in",
+            labels=["worker", "state"],
+        )
+        restarts = CounterMetricFamily(
+            "rawserve_worker_restarts",
+            "Times a worker process died and was restarted",
+            labels=["worker"],
+        )
+        for worker in self.executor.workers:
+            index = str(worker.index)
+            current = worker.state.value
+            device = worker.ready.device if worker.ready else worker.config.device
+            ready.add_metric([index, device], float(current in ("idle", "busy")))
+            for value in type(worker.state):
+                state.add_metric([index, value.value], float(value.value == current))
+            restarts.add_metric([index], worker.restarts)
+        yield ready
+        yield state
+        yield restarts

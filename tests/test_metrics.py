@@ -1,0 +1,171 @@
+"""GET /metrics: real traffic against the real server, parsed with prometheus_client's parser."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from rawserve.metrics import Metrics
+from tests.load import Client, exchange, run_load
+from tests.server import RunningServer
+
+pytestmark = pytest.mark.slow
+
+MAX_QUEUE = 3
+BUSY_SECONDS = 1.5  # how long one request keeps the only worker busy
+
+
+@pytest.fixture(scope="module")
+def server():
+    args = ["--handler", "tests.handlers:sleepy", "--max-batch-size", "4"]
+    with RunningServer([*args, "--max-queue", str(MAX_QUEUE)]) as running:
+        yield running
+
+
+def scrape(server: RunningServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of /metrics as {(sample name, sorted labels): value}."""
+    status, headers, body = server.request("GET", "/metrics")
+    assert status == 200
+    assert headers["content-type"].startswith("text/plain; version=0.0.4")
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(body.decode())
+        for sample in family.samples
+    }
+
+
+def value(samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 20) -> None:
+    """Poll the server (it has no event to offer a client) until `condition` holds."""
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "the condition did not hold in time"
+        time.sleep(0.02)
+
+
+def test_metrics_count_requests_batches_and_every_kind_of_drop(server):
+    before = scrape(server)
+    bodies = [json.dumps({"inputs": f"item {i}"}).encode() for i in range(24)]
+    headers = [("Content-Type", "application/json")]
+    answers = asyncio.run(run_load(server.port, bodies, MAX_QUEUE, 60, headers))
+    assert [status for status, _ in answers] == [200] * 24
+    assert server.request("GET", "/no-such-route")[0] == 404
+    # a list longer than the queue bound is refused whole: 503, "rejected"
+    status, _ = server.post_json({"inputs": ["a"] * (MAX_QUEUE + 1)})
+    assert status == 503
+
+    async def drops() -> None:
+        client = Client(server.port)
+        busy = asyncio.create_task(
+            client.post_json({"inputs": "busy", "parameters": {"sleep": BUSY_SECONDS}})
+        )
+        await asyncio.to_thread(
+            wait_until, lambda: value(scrape(server), "rawserve_items_in_flight") == 1
+        )
+        # queued behind the busy worker with a short deadline: 504, "expired"
+        status, _ = await client.request("POST", "/", b"late", [("X-Request-Timeout", "0.2")])
+        assert status == 504
+        # queued behind the busy worker, then the client leaves: "disconnected"
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        leaving = asyncio.create_task(exchange(reader, writer, "POST", "/", b"gone", []))
+        await asyncio.to_thread(
+            wait_until, lambda: value(scrape(server), "rawserve_queue_depth") == 1
+        )
+        leaving.cancel()
+        writer.close()
+        await asyncio.to_thread(
+            wait_until, lambda: value(scrape(server), "rawserve_queue_depth") == 0
+        )
+        assert (await busy)[0] == 200
+
+    asyncio.run(drops())
+    after = scrape(server)
+
+    def grew(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert grew("rawserve_requests_total", route="/", method="POST", status="200") == 25
+    assert grew("rawserve_requests_total", route="other", method="GET", status="404") == 1
+    assert grew("rawserve_requests_total", route="/", method="POST", status="503") == 1
+    assert grew("rawserve_requests_total", route="/", method="POST", status="504") == 1
+    assert grew("rawserve_request_duration_seconds_count", route="/") == 27
+    assert grew("rawserve_items_dropped_total", reason="rejected") == MAX_QUEUE + 1
+    assert grew("rawserve_items_dropped_total", reason="expired") == 1
+    assert grew("rawserve_items_dropped_total", reason="disconnected") == 1
+    assert ("rawserve_items_dropped_total", (("reason", "poison"),)) in after
+    # 25 items were computed, in at most 25 batches of at most 4
+    assert grew("rawserve_batch_size_sum") == 25
+    assert 25 / 4 <= grew("rawserve_batch_size_count") <= 25
+    assert grew("rawserve_batch_compute_seconds_count") == grew("rawserve_batch_size_count")
+    assert grew("rawserve_batch_compute_seconds_sum") >= BUSY_SECONDS * 0.9
+    # state read at scrape time
+    assert value(after, "rawserve_queue_depth") == 0
+    assert value(after, "rawserve_queued_tokens") == 0
+    assert value(after, "rawserve_queue_limit") == MAX_QUEUE
+    assert value(after, "rawserve_worker_ready", worker="0", device="cpu") == 1
+    assert value(after, "rawserve_worker_state", worker="0", state="idle") == 1
+    assert value(after, "rawserve_worker_restarts_total", worker="0") == 0
+    assert value(after, "rawserve_event_loop_lag_seconds_count") >= 1
+
+
+def test_queue_depth_and_queued_tokens_while_items_wait(server):
+    async def scenario() -> None:
+        client = Client(server.port)
+        busy = asyncio.create_task(
+            client.post_json({"inputs": "busy", "parameters": {"sleep": 0.5}})
+        )
+        await asyncio.to_thread(
+            wait_until, lambda: value(scrape(server), "rawserve_items_in_flight") == 1
+        )
+        waiting = asyncio.create_task(client.post_json({"inputs": ["one two three", "four"]}))
+        await asyncio.to_thread(
+            wait_until, lambda: value(scrape(server), "rawserve_queue_depth") == 2
+        )
+        assert value(scrape(server), "rawserve_queued_tokens") > 0
+        assert (await busy)[0] == 200
+        assert (await waiting)[0] == 200
+
+    asyncio.run(scenario())
+
+
+def test_unknown_paths_share_one_route_label():
+    metrics = Metrics(routes={"/", "/metrics"})
+    for path in ("/a", "/b", "/c"):
+        metrics.observe_request(path, "GET", 404, 0.001)
+    metrics.observe_request("/metrics", "GET", 200, 0.001)
+    body, content_type = metrics.render()
+    assert content_type.startswith("text/plain")
+    routes = {
+        sample.labels["route"]
+        for family in text_string_to_metric_families(body.decode())
+        if family.name == "rawserve_requests"
+        for sample in family.samples
+        if sample.name == "rawserve_requests_total"
+    }
+    assert routes == {"other", "/metrics"}
+
+
+def test_each_server_has_its_own_registry():
+    first, second = Metrics(), Metrics()
+    first.drop("expired", 3)
+    assert b'rawserve_items_dropped_total{reason="expired"} 3.0' in first.render()[0]
+    assert b'rawserve_items_dropped_total{reason="expired"} 0.0' in second.render()[0]
+
+
+async def test_the_loop_lag_probe_sees_a_blocked_loop():
+    metrics = Metrics()
+    loop = asyncio.get_running_loop()
+    probe = loop.create_task(metrics.probe_loop_lag(loop, interval=0.01))
+    await asyncio.sleep(0)  # the probe arms its timer
+    time.sleep(0.1)  # then the loop is blocked past it
+    assert await probe >= 0.05
+    assert metrics.registry.get_sample_value("rawserve_event_loop_lag_seconds_count") == 1
+    assert metrics.registry.get_sample_value("rawserve_event_loop_lag_last_seconds") >= 0.05
