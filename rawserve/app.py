@@ -52,6 +52,7 @@ class App:
         self.executor = executor
         self.settings = settings
         self.clock = clock
+        self.draining = False  # set by main on SIGTERM/SIGINT
         self.routes: dict[str, dict[str, Handler]] = {
             "/": {"POST": self.infer},
             "/health": {"GET": self.health},
@@ -70,9 +71,13 @@ class App:
     # --- operations -------------------------------------------------------------------
 
     async def health(self, request: HttpRequest) -> HttpResponse:
+        if not self.executor.healthy:  # the workers keep failing to restart: replace us
+            return json_response(503, {"status": "unhealthy"})
         return json_response(200, {"status": "ok"})
 
     async def ready(self, request: HttpRequest) -> HttpResponse:
+        if self.draining:
+            return json_response(503, {"status": "draining"})
         if not self.executor.ready:
             return json_response(503, {"status": "loading"}, [("Retry-After", "5")])
         if len(self.scheduler.core) >= self.scheduler.core.max_queue:
@@ -82,6 +87,8 @@ class App:
     # --- inference --------------------------------------------------------------------
 
     async def infer(self, request: HttpRequest) -> HttpResponse:
+        if self.draining:
+            raise ServiceUnavailable("the server is shutting down")
         if not self.executor.ready:
             raise ServiceUnavailable("the model is loading", retry_after=LOADING_RETRY_AFTER)
         parsed = self.parse_body(request)

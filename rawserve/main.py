@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from rawserve import __version__
 from rawserve.app import App, AppSettings
 from rawserve.devices import parse_devices
+from rawserve.errors import ServiceUnavailable
 from rawserve.executor import Executor
 from rawserve.messages import WorkerConfig
 from rawserve.protocol import HttpProtocol, ProtocolSettings, ServerState
@@ -26,7 +27,7 @@ from rawserve.scheduler import Scheduler, SchedulerCore
 
 log = logging.getLogger("rawserve")
 
-DRAIN_POLL_SECONDS = 0.05
+FINAL_WRITE_SECONDS = 2.0  # after the grace period: time to write the last 503s
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ OPTIONS = [
     Option("--timeout", float, 30.0, "default request deadline in seconds"),
     Option("--max-body-bytes", int, 1024 * 1024, "largest accepted request body; beyond it: 413"),
     Option("--grace", float, 30.0, "seconds to drain on SIGTERM/SIGINT"),
+    Option(
+        "--batch-timeout", float, 120.0, "seconds a batch may run before its worker is restarted"
+    ),
     Option("--log-level", str, "info", "debug, info, warning or error"),
 ]
 
@@ -90,6 +94,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("max_batch_size", "max_queue", "max_body_bytes", "port"):
         if getattr(args, name) < (0 if name == "port" else 1):
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.batch_timeout <= 0 or args.grace < 0:
+        parser.error("--batch-timeout must be positive and --grace not negative")
     if args.timeout <= 0 or args.max_batch_delay_ms < 0:
         parser.error("--timeout must be positive and --max-batch-delay-ms not negative")
     if args.threads is None:
@@ -108,7 +114,7 @@ async def serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         threads=args.threads,
     )
-    executor = Executor(config, args.devices, loop=loop)
+    executor = Executor(config, args.devices, batch_timeout=args.batch_timeout, loop=loop)
     core = SchedulerCore(
         max_queue=args.max_queue,
         max_batch_size=args.max_batch_size,
@@ -135,6 +141,7 @@ async def serve(args: argparse.Namespace) -> int:
         signals += 1
         if signals > 1:
             log.warning("second signal: exiting now")
+            executor.kill()
             os._exit(1)
         log.info("%s received: draining for up to %.0f s", signal.Signals(signum).name, args.grace)
         stop.set()
@@ -155,17 +162,42 @@ async def serve(args: argparse.Namespace) -> int:
         log.info("ready in %.1f s: serving %s", time.monotonic() - started, executor.task)
     await stopping
 
+    # Drain: no new connections, /ready and new requests 503, admitted work finishes.
     app.draining = True
     server.close()
-    drain_until = time.monotonic() + args.grace
-    while scheduler.pending and time.monotonic() < drain_until:
-        await asyncio.sleep(DRAIN_POLL_SECONDS)
+    log.info("stopped accepting connections; %d item(s) queued or running", scheduler.pending)
+    if not await requests_answered(state, args.grace):
+        log.warning("grace period over: answering the remaining requests with 503")
     await scheduler.stop()
-    await executor.shutdown(wait=True)
+    for item in scheduler.core.drop_expired(float("inf")):  # every queued item
+        if item.future is not None and not item.future.done():
+            item.future.set_exception(ServiceUnavailable("server shutting down"))
+    workers_stopped = loop.create_task(executor.shutdown(wait=True))  # running batches: 503
+    await requests_answered(state, FINAL_WRITE_SECONDS)
     for connection in list(state.connections):
         connection.transport.close()
+    await workers_stopped
     log.info("stopped")
     return 0
+
+
+async def requests_answered(state: ServerState, timeout: float) -> bool:
+    """Wait until no connection has a request in progress (or `timeout` passes)."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + timeout
+    while True:
+        busy = {
+            connection.cycle.task
+            for connection in state.connections
+            if connection.cycle is not None
+            and connection.cycle.task is not None
+            and not connection.cycle.task.done()
+        }
+        if not busy:
+            return True
+        if (left := until - loop.time()) <= 0:
+            return False
+        await asyncio.wait(busy, timeout=left)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
