@@ -202,9 +202,9 @@ class Executor:
         return max(0, idle - len(self._retries))
 
     def batch_cap(self) -> int | None:
-        """The most items the next `submit` should carry (None: no limit of the worker's)."""
-        worker = self._next_idle()
-        return worker.batch_cap if worker else None
+        """The most items a `submit` should carry now (None: no limit of the workers')."""
+        caps = [w.batch_cap for w in self.workers if w.state is WorkerState.IDLE and w.batch_cap]
+        return min(caps, default=None)
 
     def submit(self, inputs: Sequence[Any], params: Mapping[str, Any]) -> asyncio.Future:
         worker = self._next_idle()
