@@ -1,10 +1,20 @@
 """HTTP/1.1 over asyncio: an `asyncio.Protocol` driving an `h11.Connection`.
 
 Bytes in (`data_received` → `h11.Connection.receive_data`), events out (`next_event`),
-one request at a time per connection: while a response is pending the protocol stops
-reading, so pipelined requests are answered in order and never pile up in memory.
-The protocol turns errors into responses through `errors.error_response` and hands
-complete requests to the app. It never blocks and never imports torch.
+one request at a time per connection: while a response is pending, pipelined bytes wait
+in h11's buffer (reading pauses past `PIPELINE_BUFFER_LIMIT`), so requests are answered
+in order and never pile up in memory. The protocol enforces the connection-level limits
+(open connections, head size, body size, head/body read timeouts, idle keep-alive) and
+turns every error into a response through `errors.error_response`, at most one response
+per request: once a response has started, an error can only close the connection.
+It hands complete requests to the app, never blocks and never imports torch.
+
+Connection life: IDLE (keep-alive timer; expiry closes quietly) → HEAD (the first byte
+of a request arms the head timer; expiry: 408) → BODY (body timer; expiry: 408) →
+RESPONDING (the app's task; no read timer) → IDLE again, or a graceful close: after the
+last response we send FIN, keep draining what the peer still sends for `LINGER_SECONDS`
+(so its unread request bytes do not turn into a reset that destroys our answer), then
+close.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import Any
 
 import h11
 
@@ -24,8 +35,11 @@ from rawserve.errors import (
     HeadersTooLarge,
     HTTPError,
     PayloadTooLarge,
+    RequestTimeout,
+    ServiceUnavailable,
     error_response,
 )
+from rawserve.flow_control import FlowControl
 from rawserve.http import HttpRequest, HttpResponse
 
 log = logging.getLogger("rawserve.protocol")
@@ -33,14 +47,26 @@ access_log = logging.getLogger("rawserve.access")
 
 SERVER_HEADER = ("Server", "rawserve")
 PIPELINE_BUFFER_LIMIT = 64 * 1024  # bytes read ahead while a response is pending
+LINGER_SECONDS = 2.0  # after our last response, how long we drain the peer's bytes
+REFUSAL_LOG_INTERVAL = 10.0  # seconds between "too many connections" warnings
+SUPPORTED_VERSIONS = (b"1.0", b"1.1")
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
+# A request starts with a method (an RFC 9110 token); anything else (a TLS ClientHello
+# starts with 0x16, binary garbage) is refused at the first byte instead of waiting for
+# a line end that may never come.
+_TOKEN_BYTES = frozenset(
+    b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+)
 
 
 @dataclass(frozen=True)
 class ProtocolSettings:
     max_body_bytes: int = 1024 * 1024
     max_head_bytes: int = 16 * 1024
-    keepalive_timeout: float = 5.0
+    keepalive_timeout: float = 5.0  # idle between requests; expiry closes quietly
+    head_timeout: float = 10.0  # from a request's first byte to the end of its head
+    body_timeout: float = 30.0  # from the end of the head to the end of the body
+    max_connections: int = 1000  # open connections; past it new ones get 503 (0: no cap)
 
 
 @dataclass
@@ -48,18 +74,27 @@ class ServerState:
     """Shared by every connection of one server."""
 
     connections: set[HttpProtocol] = field(default_factory=set)
+    metrics: Any = None  # a metrics.Metrics: requests by route and status, durations
+    refused: int = 0  # connections refused past `max_connections`
+    last_refusal_log: float = float("-inf")
 
 
 class _Cycle:
-    """One request/response exchange on a connection."""
+    """One request/response exchange. `request` is None for an error answered before a
+    request head could be parsed (malformed, head timeout, connection refused)."""
 
-    def __init__(self, request: h11.Request, request_id: str):
+    def __init__(self, request: h11.Request | None, request_id: str):
         self.request = request
         self.request_id = request_id
         self.body: list[bytes] = []
         self.body_size = 0
         self.started = time.perf_counter()
         self.task: asyncio.Task | None = None
+        self.response_started = False
+
+    @property
+    def is_head(self) -> bool:
+        return self.request is not None and self.request.method == b"HEAD"
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -71,80 +106,98 @@ class HttpProtocol(asyncio.Protocol):
         *,
         loop: asyncio.AbstractEventLoop | None = None,
     ):
+        # server-wide
         self.app = app
         self.settings = settings
         self.state = state or ServerState()
         self.loop = loop or asyncio.get_event_loop()
+        # per connection
         self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=settings.max_head_bytes)
         self.transport: asyncio.Transport | None = None
-        self.cycle: _Cycle | None = None
-        self.closed = False
-        self.reading_paused = False
-        self.writing_paused = False
-        self.keepalive_timer: asyncio.TimerHandle | None = None
+        self.flow: FlowControl | None = None
+        self.closing = False  # no more HTTP either way; the socket may still be lingering
+        self.eof_seen = False
+        self.head_started = False  # bytes of the next request have arrived
         self.pipelined_bytes = 0  # received while a response is pending
-        self.writable = asyncio.Event()  # cleared while the transport's buffer is full
-        self.writable.set()
+        self.timer: asyncio.TimerHandle | None = None
+        # per request
+        self.cycle: _Cycle | None = None
 
     # --- asyncio.Protocol callbacks ---------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.flow = FlowControl(self.transport)  # type: ignore[arg-type]
+        cap = self.settings.max_connections
+        if cap and len(self.state.connections) >= cap:
+            self._refuse()
+            return
         self.state.connections.add(self)
-        self._arm_keepalive()
+        self._set_timer(self.settings.keepalive_timeout, self._on_idle_timeout)
 
     def data_received(self, data: bytes) -> None:
-        self._cancel_keepalive()
-        self.conn.receive_data(data)
+        if self.closing:
+            return  # lingering after our last response: drain and drop
         if self._responding():
             # Pipelined bytes wait in h11's buffer; keep reading (to notice a
             # disconnect) until too much piles up.
+            self.conn.receive_data(data)
             self.pipelined_bytes += len(data)
             if self.pipelined_bytes > PIPELINE_BUFFER_LIMIT:
-                self._pause_reading()
+                self._flow.pause_reading()
             return
+        if self.cycle is None and not self.head_started:
+            self._on_head_started()
+            if data[0] not in _TOKEN_BYTES:
+                self._fail(BadRequest("this port speaks plain HTTP/1.1"))
+                return
+        self.conn.receive_data(data)
         self.handle_events()
 
     def eof_received(self) -> bool | None:
-        if self._responding():
-            return None  # the client left before its answer: close, which withdraws it
+        self.eof_seen = True
+        if self.closing or self._responding():
+            return None  # done lingering, or the client left before its answer: close
         self.conn.receive_data(b"")
         self.handle_events()
-        return None
+        return None  # the transport closes once what we wrote is flushed
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
+        self.closing = True
         self.state.connections.discard(self)
-        self._cancel_keepalive()
-        self.writable.set()  # a streaming response waiting to write must see the close
+        self._cancel_timer()
+        if self.flow is not None:
+            self.flow.release()  # a streaming response waiting to write must see the close
         if self.cycle is not None and self.cycle.task is not None:
             self.cycle.task.cancel()  # the client is gone: withdraw its work
 
     def pause_writing(self) -> None:
-        self.writing_paused = True
-        self.writable.clear()
+        self._flow.pause_writing()
 
     def resume_writing(self) -> None:
-        self.writing_paused = False
-        self.writable.set()
-        if self.cycle is None:
+        self._flow.resume_writing()
+        if self.cycle is None and not self.closing:
+            self._flow.resume_reading()
             self.handle_events()
 
     # --- reading ----------------------------------------------------------------------
 
     def handle_events(self) -> None:
         """Process what h11 has buffered until it needs data or a request is pending."""
-        while not self.closed and (self.cycle is None or self._reading_body()):
+        while not self.closing and (self.cycle is None or self._reading_body()):
+            if self.cycle is None and self._flow.write_paused:
+                self._flow.pause_reading()  # the peer is not reading its answers: wait
+                return
             try:
                 event = self.conn.next_event()
             except h11.RemoteProtocolError as exc:
-                self._reject_malformed(exc)
+                self._fail(_protocol_error(exc))
                 return
             if event is h11.NEED_DATA:
-                self._resume_reading()
+                self._flow.resume_reading()
                 return
             if event is h11.PAUSED:
-                self._pause_reading()
+                self._flow.pause_reading()
                 return
             if isinstance(event, h11.Request):
                 self._on_request(event)
@@ -162,31 +215,51 @@ class HttpProtocol(asyncio.Protocol):
     def _responding(self) -> bool:
         return self.cycle is not None and self.cycle.task is not None
 
+    def _on_head_started(self) -> None:
+        self.head_started = True
+        self._set_timer(self.settings.head_timeout, self._on_head_timeout)
+
     def _on_request(self, event: h11.Request) -> None:
+        self._cancel_timer()
         given_id = _header(event.headers, b"x-request-id")
         request_id = given_id if given_id and _REQUEST_ID.match(given_id) else uuid.uuid4().hex
         self.cycle = _Cycle(event, request_id)
-        length = _header(event.headers, b"content-length")
-        if length is not None and int(length) > self.settings.max_body_bytes:
-            self._send_error(self._too_large(), close=True)
+        error = self._check_head(event)
+        if error is not None:
+            self._fail(error)
             return
-        if self.conn.they_are_waiting_for_100_continue:
-            self._write(self.conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+        if self.conn.their_state is h11.SEND_BODY:
+            if self.conn.they_are_waiting_for_100_continue:
+                # Only now that the head is accepted: a refused request never sees a 100.
+                self._write(self.conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+            self._set_timer(self.settings.body_timeout, self._on_body_timeout)
+
+    def _check_head(self, event: h11.Request) -> HTTPError | None:
+        """Refuse what h11 lets through but a hardened origin server must not."""
+        if event.http_version not in SUPPORTED_VERSIONS:
+            return BadRequest("only HTTP/1.0 and HTTP/1.1 are supported")
+        length = _header(event.headers, b"content-length")
+        chunked = _header(event.headers, b"transfer-encoding") is not None
+        if chunked and (length is not None or event.http_version == b"1.0"):
+            # Two framings (or chunked on HTTP/1.0) is how requests get smuggled.
+            return BadRequest("conflicting Content-Length and Transfer-Encoding")
+        if length is not None and int(length) > self.settings.max_body_bytes:
+            return self._too_large()
+        return None
 
     def _on_body(self, data: bytes) -> None:
         cycle = self.cycle
-        if cycle is None or cycle.task is not None:
-            return
+        assert cycle is not None
         cycle.body_size += len(data)
         if cycle.body_size > self.settings.max_body_bytes:
-            self._send_error(self._too_large(), close=True)
+            self._fail(self._too_large())
             return
         cycle.body.append(data)
 
     def _on_request_complete(self) -> None:
+        self._cancel_timer()
         cycle = self.cycle
-        if cycle is None or cycle.task is not None:
-            return
+        assert cycle is not None and cycle.request is not None
         event = cycle.request
         target = event.target.decode("ascii", "replace")
         path, _, query = target.partition("?")
@@ -199,38 +272,38 @@ class HttpProtocol(asyncio.Protocol):
             request_id=cycle.request_id,
             http_version=event.http_version.decode("ascii", "replace"),
         )
-        cycle.task = self.loop.create_task(self._respond(request))
+        cycle.body = []
+        cycle.task = self.loop.create_task(self._respond(cycle, request))
 
-    async def _respond(self, request: HttpRequest) -> None:
+    async def _respond(self, cycle: _Cycle, request: HttpRequest) -> None:
         try:
             response = await self.app.handle(request)
         except asyncio.CancelledError:
-            return
+            return  # the client left: its work is withdrawn, nobody to answer
         except Exception as exc:  # noqa: BLE001 - error_response logs what is unexpected
-            rendered = error_response(exc)
-            response = HttpResponse(rendered.status, rendered.body, rendered.headers, "")
-        if self.closed:
+            response = _error_as_response(exc)
+        if self.closing or self.cycle is not cycle:
+            await _close_stream(response)
             return
         if response.stream is not None:
-            await self._send_stream(response)
+            await self._send_stream(cycle, response)
         else:
-            self._send(response)
+            self._send(cycle, response)
 
     # --- writing ----------------------------------------------------------------------
 
-    def _send(self, response: HttpResponse, close: bool = False) -> None:
-        cycle = self.cycle
-        assert cycle is not None
-        close = close or response.status >= 500
-        headers = [SERVER_HEADER, ("X-Request-Id", cycle.request_id)]
-        if response.content_type:
-            headers.append(("Content-Type", response.content_type))
-        headers += [*response.headers, ("Content-Length", str(len(response.body)))]
+    def _send(self, cycle: _Cycle, response: HttpResponse, close: bool = False) -> None:
+        """Send a whole response, then keep the connection or close it."""
+        if not self._start_response(cycle):
+            return
+        close = close or response.status >= 500 or self.conn.their_state is not h11.DONE
+        headers = self._response_headers(cycle, response)
+        headers.append(("Content-Length", str(len(response.body))))
         if close:
             headers.append(("Connection", "close"))
         try:
             self._write(self.conn.send(_response_head(response.status, headers)))
-            if cycle.request.method != b"HEAD":
+            if not cycle.is_head and response.body:
                 self._write(self.conn.send(h11.Data(data=response.body)))
             self._write(self.conn.send(h11.EndOfMessage()))
         except h11.LocalProtocolError:
@@ -238,28 +311,34 @@ class HttpProtocol(asyncio.Protocol):
             self._close()
             return
         self._log_access(cycle, response.status, len(response.body))
-        self._finish_cycle()
+        self._finish_cycle(close)
 
-    async def _send_stream(self, response: HttpResponse) -> None:
+    async def _send_stream(self, cycle: _Cycle, response: HttpResponse) -> None:
         """Send a body produced piece by piece (chunked), waiting while the peer is slow.
 
         Once the head is out, an error can only close the connection.
         """
-        cycle = self.cycle
-        assert cycle is not None and response.stream is not None
-        headers = [SERVER_HEADER, ("X-Request-Id", cycle.request_id), *response.headers]
-        if response.content_type:
-            headers.append(("Content-Type", response.content_type))
+        assert response.stream is not None
+        if not self._start_response(cycle):
+            await _close_stream(response)
+            return
+        close = response.status >= 500
+        headers = self._response_headers(cycle, response)
+        if close:
+            headers.append(("Connection", "close"))
         sent = 0
         try:
             self._write(self.conn.send(_response_head(response.status, headers)))
-            async for chunk in response.stream:
-                if self.closed:
-                    return
-                if chunk:
-                    self._write(self.conn.send(h11.Data(data=chunk)))
-                    sent += len(chunk)
-                await self.writable.wait()
+            if not cycle.is_head:
+                async for chunk in response.stream:
+                    if self.closing:
+                        return
+                    if chunk:
+                        self._write(self.conn.send(h11.Data(data=chunk)))
+                        sent += len(chunk)
+                    await self._flow.drain()
+            if self.closing:
+                return
             self._write(self.conn.send(h11.EndOfMessage()))
         except asyncio.CancelledError:
             raise
@@ -268,61 +347,90 @@ class HttpProtocol(asyncio.Protocol):
             self._close()
             return
         finally:
-            aclose = getattr(response.stream, "aclose", None)
-            if aclose is not None:
-                await aclose()  # stops the producer (e.g. generation) when the client left
+            await _close_stream(response)  # stops the producer (e.g. generation) if we left
         self._log_access(cycle, response.status, sent)
-        self._finish_cycle()
+        self._finish_cycle(close)
 
-    def _send_error(self, error: HTTPError, close: bool = False) -> None:
-        rendered = error_response(error)
-        self._send(HttpResponse(rendered.status, rendered.body, rendered.headers, ""), close)
+    def _start_response(self, cycle: _Cycle) -> bool:
+        """Mark the one response of `cycle` as started; False (and close) if it already was."""
+        if self.closing:
+            return False
+        if cycle.response_started or cycle is not self.cycle:
+            log.error("refusing a second response for request %s", cycle.request_id)
+            self._close()
+            return False
+        cycle.response_started = True
+        return True
 
-    def _finish_cycle(self) -> None:
+    def _response_headers(self, cycle: _Cycle, response: HttpResponse) -> list[tuple[str, str]]:
+        headers = [SERVER_HEADER, ("X-Request-Id", cycle.request_id)]
+        if response.content_type:
+            headers.append(("Content-Type", response.content_type))
+        headers += response.headers
+        if not any(name.lower() == "server-timing" for name, _ in response.headers):
+            elapsed_ms = 1000 * (time.perf_counter() - cycle.started)
+            headers.append(("Server-Timing", f"total;dur={elapsed_ms:.2f}"))
+        return headers
+
+    def _finish_cycle(self, close: bool) -> None:
         """Keep the connection for the next request, or close it (one place decides)."""
         self.cycle = None
-        if self.conn.our_state is h11.MUST_CLOSE or self.conn.their_state is not h11.DONE:
-            self._close()
+        if close or self.conn.our_state is h11.MUST_CLOSE or self.conn.their_state is not h11.DONE:
+            self._close_gracefully()
             return
         self.conn.start_next_cycle()
         self.pipelined_bytes = 0
-        self._arm_keepalive()
-        if not self.writing_paused:
-            self._resume_reading()
+        if self.conn.trailing_data[0]:
+            self._on_head_started()  # the next request is (partly) here already
+        else:
+            self.head_started = False
+            self._set_timer(self.settings.keepalive_timeout, self._on_idle_timeout)
+        if not self._flow.write_paused:  # else resume_writing carries on
+            self._flow.resume_reading()
             self.handle_events()
 
-    def _reject_malformed(self, exc: h11.RemoteProtocolError) -> None:
-        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+    def _fail(self, error: HTTPError) -> None:
+        """Answer a connection-level error (malformed, too large, too slow), then close."""
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started:
             self._close()  # a response has started: all we can do is close
             return
-        status = exc.error_status_hint
-        error: HTTPError
-        if status == 431:
-            error = HeadersTooLarge("request headers too large")
-        else:
-            error = BadRequest("malformed HTTP request")
-        if self.cycle is None:
-            self.cycle = _Cycle(
-                h11.Request(method="GET", target="/", headers=[("Host", "-")]), uuid.uuid4().hex
-            )
+        if self.conn.our_state is h11.SEND_RESPONSE or self.conn.their_state is h11.ERROR:
+            # h11 can frame the answer (it knows the request, or lets us answer its error).
+            if cycle is None:
+                cycle = self.cycle = _Cycle(None, uuid.uuid4().hex)
+            self._send(cycle, _error_as_response(error), close=True)
+            return
+        self._send_raw_and_close(_Cycle(None, uuid.uuid4().hex), error)
+
+    def _send_raw_and_close(self, cycle: _Cycle, error: HTTPError) -> None:
+        """Answer when h11 has no request to answer (a head timeout, a refused connection)."""
         rendered = error_response(error)
-        body = rendered.body
         headers = [
             SERVER_HEADER,
-            ("X-Request-Id", self.cycle.request_id),
+            ("X-Request-Id", cycle.request_id),
             *rendered.headers,
-            ("Content-Length", str(len(body))),
+            ("Content-Length", str(len(rendered.body))),
             ("Connection", "close"),
         ]
-        try:
-            self._write(self.conn.send(_response_head(error.status, headers)))
-            self._write(self.conn.send(h11.Data(data=body)))
-            self._write(self.conn.send(h11.EndOfMessage()))
-        except h11.LocalProtocolError:
-            pass
-        self._log_access(self.cycle, error.status, len(body))
-        self.cycle = None
-        self._close()
+        head = f"HTTP/1.1 {rendered.status} {_reason(rendered.status)}\r\n"
+        head += "".join(f"{name}: {value}\r\n" for name, value in headers) + "\r\n"
+        self._write(head.encode("latin-1") + rendered.body)
+        self._log_access(cycle, rendered.status, len(rendered.body))
+        self._close_gracefully()
+
+    def _refuse(self) -> None:
+        self.state.refused += 1
+        now = time.monotonic()
+        if now - self.state.last_refusal_log >= REFUSAL_LOG_INTERVAL:
+            self.state.last_refusal_log = now
+            log.warning(
+                "refusing connections: %d open (--max-connections); %d refused so far",
+                len(self.state.connections),
+                self.state.refused,
+            )
+        error = ServiceUnavailable("too many open connections", retry_after=1)
+        self._send_raw_and_close(_Cycle(None, uuid.uuid4().hex), error)
 
     def _too_large(self) -> PayloadTooLarge:
         return PayloadTooLarge(
@@ -330,62 +438,113 @@ class HttpProtocol(asyncio.Protocol):
         )
 
     def _write(self, data: bytes | None) -> None:
-        if data and self.transport is not None and not self.closed:
+        if data and self.transport is not None and not self.closing:
             self.transport.write(data)
 
     def _close(self) -> None:
-        if not self.closed and self.transport is not None:
-            self.closed = True
+        """Close at once (the peer left, went idle, or an answer broke off)."""
+        self.closing = True
+        self._cancel_timer()
+        if self.transport is not None:
             self.transport.close()
 
-    # --- flow control and timers ------------------------------------------------------
-
-    def _pause_reading(self) -> None:
-        if not self.reading_paused and self.transport is not None and not self.closed:
-            self.reading_paused = True
-            self.transport.pause_reading()
-
-    def _resume_reading(self) -> None:
-        if self.reading_paused and self.transport is not None and not self.closed:
-            self.reading_paused = False
-            self.transport.resume_reading()
-
-    def _arm_keepalive(self) -> None:
-        self._cancel_keepalive()
-        self.keepalive_timer = self.loop.call_later(
-            self.settings.keepalive_timeout, self._on_keepalive_timeout
-        )
-
-    def _cancel_keepalive(self) -> None:
-        if self.keepalive_timer is not None:
-            self.keepalive_timer.cancel()
-            self.keepalive_timer = None
-
-    def _on_keepalive_timeout(self) -> None:
-        if self.cycle is None and self.conn.their_state is h11.IDLE:
+    def _close_gracefully(self) -> None:
+        """After our last response: FIN, then drain the peer's bytes until its FIN or
+        `LINGER_SECONDS`, so unread request bytes do not reset the connection (a reset
+        can destroy the answer before the client reads it)."""
+        if self.closing:
+            return
+        assert self.transport is not None
+        if self.eof_seen or not self.transport.can_write_eof():
             self._close()
+            return
+        self.closing = True
+        self.transport.write_eof()
+        self._flow.resume_reading()
+        self._set_timer(LINGER_SECONDS, self.transport.close)
+
+    @property
+    def _flow(self) -> FlowControl:
+        assert self.flow is not None, "connection_made comes first"
+        return self.flow
+
+    # --- timers -----------------------------------------------------------------------
+
+    def _set_timer(self, delay: float, callback) -> None:
+        self._cancel_timer()
+        self.timer = self.loop.call_later(delay, callback)
+
+    def _cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _on_idle_timeout(self) -> None:
+        if self.cycle is None and not self.head_started:
+            self._close()  # an idle keep-alive connection: close quietly
+
+    def _on_head_timeout(self) -> None:
+        if self.cycle is None and not self.closing:
+            self._fail(RequestTimeout("the request head was not received in time"))
+
+    def _on_body_timeout(self) -> None:
+        if self._reading_body() and not self.closing:
+            self._fail(RequestTimeout("the request body was not received in time"))
+
+    # --- logging ----------------------------------------------------------------------
 
     def _log_access(self, cycle: _Cycle, status: int, size: int) -> None:
+        request = cycle.request
+        seconds = time.perf_counter() - cycle.started
+        method = request.method.decode("ascii", "replace") if request else "-"
+        target = request.target.decode("ascii", "replace") if request else "-"
+        if self.state.metrics is not None:
+            self.state.metrics.observe_request(target.partition("?")[0], method, status, seconds)
         if access_log.isEnabledFor(logging.INFO):
-            request = cycle.request
+            peer = _peer(self.transport)
             access_log.info(
                 '%s "%s %s" %d %d %.1fms %s',
-                _peer(self.transport),
-                request.method.decode("ascii", "replace"),
-                request.target.decode("ascii", "replace"),
-                status,
-                size,
-                1000 * (time.perf_counter() - cycle.started),
-                cycle.request_id,
+                *(peer, method, target, status, size, 1000 * seconds, cycle.request_id),
+                extra={
+                    "peer": peer,
+                    "method": method,
+                    "target": target,
+                    "status": status,
+                    "bytes": size,
+                    "duration_ms": round(1000 * seconds, 3),
+                    "request_id": cycle.request_id,
+                },
             )
 
 
-def _response_head(status: int, headers: list[tuple[str, str]]) -> h11.Response:
+def _protocol_error(exc: h11.RemoteProtocolError) -> HTTPError:
+    """What h11 could not parse, as a typed error (details go to the debug log only)."""
+    log.debug("malformed request: %s", exc)
+    if exc.error_status_hint == 431:
+        return HeadersTooLarge("request headers too large")
+    return BadRequest("malformed HTTP request")
+
+
+def _error_as_response(exc: BaseException) -> HttpResponse:
+    rendered = error_response(exc)
+    return HttpResponse(rendered.status, rendered.body, rendered.headers, content_type="")
+
+
+async def _close_stream(response: HttpResponse) -> None:
+    aclose = getattr(response.stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def _reason(status: int) -> str:
     try:
-        reason = HTTPStatus(status).phrase
+        return HTTPStatus(status).phrase
     except ValueError:
-        reason = ""
-    return h11.Response(status_code=status, headers=headers, reason=reason)
+        return ""
+
+
+def _response_head(status: int, headers: list[tuple[str, str]]) -> h11.Response:
+    return h11.Response(status_code=status, headers=headers, reason=_reason(status))
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:

@@ -1,8 +1,13 @@
-"""A fake asyncio transport and an h11 client that reads what the server wrote."""
+"""A fake asyncio transport, a loop with a hand-driven timer, and an h11 client that
+reads what the server wrote."""
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
+from collections.abc import Callable
+from typing import Any
 
 import h11
 
@@ -12,17 +17,30 @@ class FakeTransport(asyncio.Transport):
         super().__init__()
         self.written = bytearray()
         self.closed = False
+        self.eof_written = False
         self.reading = True
 
     def write(self, data: bytes) -> None:
         assert not self.closed, "write after close"
+        assert not self.eof_written, "write after write_eof"
         self.written += data
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.eof_written = True
 
     def close(self) -> None:
         self.closed = True
 
     def is_closing(self) -> bool:
         return self.closed
+
+    @property
+    def finished(self) -> bool:
+        """The server is done with this connection (closed, or lingering after its FIN)."""
+        return self.closed or self.eof_written
 
     def pause_reading(self) -> None:
         self.reading = False
@@ -34,10 +52,57 @@ class FakeTransport(asyncio.Transport):
         return ("127.0.0.1", 50000) if name == "peername" else default
 
 
+class FakeTimer:
+    def __init__(self, when: float, callback: Callable[..., Any], args: tuple):
+        self.when, self.callback, self.args = when, callback, args
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+
+class FakeTimerLoop:
+    """The running loop for tasks, but `call_later` timers fire only on `advance()`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self.now = 0.0
+        self._timers: list[tuple[float, int, FakeTimer]] = []
+        self._order = itertools.count()
+
+    def create_task(self, coro, **kwargs) -> asyncio.Task:
+        return self._loop.create_task(coro, **kwargs)
+
+    def call_later(self, delay: float, callback: Callable[..., Any], *args: Any) -> FakeTimer:
+        timer = FakeTimer(self.now + delay, callback, args)
+        heapq.heappush(self._timers, (timer.when, next(self._order), timer))
+        return timer
+
+    def pending(self) -> list[FakeTimer]:
+        return [timer for _, _, timer in self._timers if not timer.cancelled()]
+
+    def advance(self, seconds: float) -> None:
+        """Move time on, firing every timer that falls due, in order."""
+        until = self.now + seconds
+        while self._timers and self._timers[0][0] <= until:
+            when, _, timer = heapq.heappop(self._timers)
+            self.now = when
+            if not timer.cancelled():
+                timer.callback(*timer.args)
+        self.now = until
+
+
 def read_responses(
     data: bytes, requests: list[bytes] | None = None
 ) -> list[tuple[h11.Response, bytes]]:
-    """Parse every response in `data` with an h11 client connection."""
+    """Parse every response in `data` with an h11 client connection.
+
+    `requests` are the requests the answers belong to (for HEAD and the like); by
+    default, as many GETs as there are answers. 1xx interim responses are skipped.
+    """
     client = h11.Connection(h11.CLIENT)
     responses = []
     for request in requests or [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"] * 64:
@@ -50,7 +115,14 @@ def read_responses(
         headers = [
             (k, v) for k, v in event.headers if k not in (b"content-length", b"transfer-encoding")
         ]
-        client.send(h11.Request(method=event.method, target=event.target, headers=headers))
+        client.send(
+            h11.Request(
+                method=event.method,
+                target=event.target,
+                headers=headers,
+                http_version=event.http_version,
+            )
+        )
         client.send(h11.EndOfMessage())
         client.receive_data(bytes(data))
         data = b""
@@ -70,3 +142,12 @@ def read_responses(
             return responses
         client.start_next_cycle()
     return responses
+
+
+def count_responses(data: bytes) -> int:
+    """How many final responses `data` holds (status lines; bodies are JSON, no CRLFs)."""
+    return sum(
+        1
+        for line in bytes(data).split(b"\r\n")
+        if line.startswith(b"HTTP/1.1 ") and not line.startswith(b"HTTP/1.1 100 ")
+    )

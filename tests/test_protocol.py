@@ -68,7 +68,7 @@ async def test_post_answers_json_with_request_id(server):
     headers = dict(response.headers)
     assert headers[b"x-request-id"] == b"abc-1"
     assert headers[b"content-type"] == b"application/json"
-    assert not transport.closed  # keep-alive
+    assert not transport.finished  # keep-alive
 
 
 async def test_pipelined_requests_are_answered_in_order(server):
@@ -103,7 +103,7 @@ async def test_body_over_the_limit_is_413_from_content_length(server):
     [(response, body)] = read_responses(transport.written, [request])
     assert response.status_code == 413
     assert json.loads(body)["error_type"] == "payload_too_large"
-    assert transport.closed and not app.seen
+    assert transport.finished and not app.seen
 
 
 async def test_chunked_body_over_the_limit_is_413(server):
@@ -112,7 +112,7 @@ async def test_chunked_body_over_the_limit_is_413(server):
     protocol.data_received(request + b"64\r\n" + b"x" * 100 + b"\r\n" + b"1\r\nx\r\n0\r\n\r\n")
     await settle()
     [(response, _)] = read_responses(transport.written, [request])
-    assert response.status_code == 413 and transport.closed and not app.seen
+    assert response.status_code == 413 and transport.finished and not app.seen
 
 
 async def test_malformed_request_is_400_and_closes(server):
@@ -122,7 +122,7 @@ async def test_malformed_request_is_400_and_closes(server):
     [(response, body)] = read_responses(transport.written)
     assert response.status_code == 400
     assert json.loads(body) == {"error": "malformed HTTP request", "error_type": "bad_request"}
-    assert transport.closed
+    assert transport.finished
 
 
 async def test_errors_are_json_and_hide_internals(server):
@@ -139,7 +139,7 @@ async def test_errors_are_json_and_hide_internals(server):
         "error_type": "internal_error",
     }
     assert b"secret" not in transport.written and b"/home" not in transport.written
-    assert transport.closed  # 5xx closes the connection
+    assert transport.finished  # 5xx closes the connection
 
 
 async def test_a_client_that_leaves_cancels_its_request(server):
