@@ -25,6 +25,7 @@ from rawserve.errors import (
     UnsupportedMediaType,
 )
 from rawserve.http import HttpRequest, HttpResponse
+from rawserve.info import loading_status, server_info
 from rawserve.messages import FailureKind, ItemFailure
 from rawserve.scheduler import ItemResult, Scheduler
 from rawserve.tasks import ParsedRequest, parse_json_body, parse_text_body
@@ -47,16 +48,22 @@ class App:
         settings: AppSettings = AppSettings(),
         *,
         clock: Callable[[], float] = time.monotonic,
+        metrics: Any = None,  # a metrics.Metrics, for /metrics
+        info: dict[str, Any] | None = None,  # info.static_info(...), for /info
     ):
         self.scheduler = scheduler
         self.executor = executor
         self.settings = settings
         self.clock = clock
+        self.metrics = metrics
+        self.static_info = info or {}
         self.draining = False  # set by main on SIGTERM/SIGINT
         self.routes: dict[str, dict[str, Handler]] = {
             "/": {"POST": self.infer},
             "/health": {"GET": self.health},
             "/ready": {"GET": self.ready},
+            "/info": {"GET": self.info},
+            "/metrics": {"GET": self.metrics_page},
         }
 
     async def handle(self, request: HttpRequest) -> HttpResponse:
@@ -79,10 +86,19 @@ class App:
         if self.draining:
             return json_response(503, {"status": "draining"})
         if not self.executor.ready:
-            return json_response(503, {"status": "loading"}, [("Retry-After", "5")])
+            return json_response(503, loading_status(self.executor), [("Retry-After", "5")])
         if len(self.scheduler.core) >= self.scheduler.core.max_queue:
             return json_response(503, {"status": "full"}, [("Retry-After", "1")])
         return json_response(200, {"status": "ready", "task": self.executor.task})
+
+    async def info(self, request: HttpRequest) -> HttpResponse:
+        return json_response(200, server_info(self.static_info, self.executor, self.scheduler))
+
+    async def metrics_page(self, request: HttpRequest) -> HttpResponse:
+        if self.metrics is None:
+            raise NotFound("metrics are not enabled")
+        body, content_type = self.metrics.render()
+        return HttpResponse(200, body, [], content_type)
 
     # --- inference --------------------------------------------------------------------
 

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,13 +20,18 @@ from rawserve.app import App, AppSettings
 from rawserve.devices import parse_devices
 from rawserve.errors import ServiceUnavailable
 from rawserve.executor import Executor
+from rawserve.info import static_info
+from rawserve.logs import LOG_FORMATS, log_loading_progress, setup_logging
 from rawserve.messages import WorkerConfig
+from rawserve.metrics import Metrics
 from rawserve.protocol import HttpProtocol, ProtocolSettings, ServerState
 from rawserve.scheduler import Scheduler, SchedulerCore
 
 log = logging.getLogger("rawserve")
 
 FINAL_WRITE_SECONDS = 2.0  # after the grace period: time to write the last 503s
+ENV_TRUE = ("1", "true", "yes", "on")
+ENV_FALSE = ("", "0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,8 @@ OPTIONS = [
         "--batch-timeout", float, 120.0, "seconds a batch may run before its worker is restarted"
     ),
     Option("--log-level", str, "info", "debug, info, warning or error"),
+    Option("--log-format", str, "text", "text (one line per event) or json (one object a line)"),
+    Option("--no-access-log", bool, False, "do not log a line per request"),
 ]
 
 
@@ -76,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
         "Every option can also be set as RAWSERVE_<OPTION>, e.g. RAWSERVE_PORT=8000.",
     )
     for option in OPTIONS:
+        if option.type is bool:  # a switch; its variable is 1/true/yes/on or 0/false/no/off
+            value = os.environ.get(option.env, "").strip().lower()
+            if value not in ENV_TRUE + ENV_FALSE:
+                parser.error(f"{option.env} must be one of {', '.join(ENV_TRUE + ENV_FALSE)}")
+            help = f"{option.help} [env {option.env}=1]"
+            parser.add_argument(
+                option.flag, action="store_true", default=value in ENV_TRUE, help=help
+            )
+            continue
         default = os.environ.get(option.env, option.default)
         parser.add_argument(
             option.flag, type=option.type, default=default, help=f"{option.help} [env {option.env}]"
@@ -98,6 +113,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--batch-timeout must be positive and --grace not negative")
     if args.timeout <= 0 or args.max_batch_delay_ms < 0:
         parser.error("--timeout must be positive and --max-batch-delay-ms not negative")
+    if args.log_format not in LOG_FORMATS:
+        parser.error(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
     if args.threads is None:
         cpu_workers = max(1, sum(d in ("cpu", "auto") for d in args.devices))
         args.threads = max(1, (os.cpu_count() or 1) // cpu_workers)
@@ -121,12 +138,22 @@ async def serve(args: argparse.Namespace) -> int:
         max_batch_delay=args.max_batch_delay_ms / 1000,
         max_batch_tokens=args.max_batch_tokens,
     )
-    scheduler = Scheduler(core, executor, loop=loop)
-    app = App(scheduler, executor, AppSettings(timeout=args.timeout))
-    state = ServerState()
+    metrics = Metrics()
+    scheduler = Scheduler(core, executor, loop=loop, metrics=metrics)
+    app = App(
+        scheduler,
+        executor,
+        AppSettings(timeout=args.timeout),
+        metrics=metrics,
+        info=static_info(args),
+    )
+    metrics.routes.update(app.routes)
+    metrics.watch(scheduler, executor)
+    state = ServerState(metrics=metrics)
     settings = ProtocolSettings(max_body_bytes=args.max_body_bytes)
     executor.start()
     scheduler.start()
+    metrics.start(loop)
     server = await loop.create_server(
         lambda: HttpProtocol(app, settings, state, loop=loop), args.host, args.port, backlog=1024
     )
@@ -150,8 +177,10 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(signum, on_signal, signum)
 
     loaded = loop.create_task(executor.wait_ready())
+    progress = loop.create_task(log_loading_progress(loaded, log))
     stopping = loop.create_task(stop.wait())
     await asyncio.wait([loaded, stopping], return_when=asyncio.FIRST_COMPLETED)
+    progress.cancel()
     if loaded.done():
         if loaded.exception() is not None:
             log.error("the model could not be loaded: %s", loaded.exception())
@@ -172,6 +201,7 @@ async def serve(args: argparse.Namespace) -> int:
     for item in scheduler.core.drop_expired(float("inf")):  # every queued item
         if item.future is not None and not item.future.done():
             item.future.set_exception(ServiceUnavailable("server shutting down"))
+    await metrics.stop()
     workers_stopped = loop.create_task(executor.shutdown(wait=True))  # running batches: 503
     await requests_answered(state, FINAL_WRITE_SECONDS)
     for connection in list(state.connections):
@@ -202,11 +232,9 @@ async def requests_answered(state: ServerState, timeout: float) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging(args.log_level, args.log_format, access_log=not args.no_access_log)
+    # The workers inherit the environment: they log at the same level and format.
+    os.environ.update(RAWSERVE_LOG_LEVEL=args.log_level, RAWSERVE_LOG_FORMAT=args.log_format)
     try:
         return asyncio.run(serve(args))
     except KeyboardInterrupt:
