@@ -1,7 +1,9 @@
 """Device specs: parsing `--device` and isolating one device per worker process.
 
 Pure functions, no torch: the server parses and checks the list; each worker calls
-`isolate` before torch initialises CUDA, so worker N sees only its own GPU.
+`isolate` before torch initialises CUDA, so worker N sees only its own GPU. When the
+server itself was started with CUDA_VISIBLE_DEVICES, `cuda:N` means the N-th GPU of that
+list, as it would for torch in the server's environment.
 """
 
 from __future__ import annotations
@@ -12,13 +14,23 @@ from dataclasses import dataclass
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
 
 
-def parse_devices(spec: str) -> list[str]:
-    """`"cuda:0,cuda:1"` → `["cuda:0", "cuda:1"]`: one worker per entry."""
+def parse_devices(spec: str, visible_gpus: str | None = None) -> list[str]:
+    """`"cuda:0,cuda:1"` → `["cuda:0", "cuda:1"]`: one worker per entry.
+
+    `visible_gpus` is the server's CUDA_VISIBLE_DEVICES, if set: `cuda:N` must name one.
+    """
     devices = [part.strip().lower() for part in spec.split(",")]
+    visible = _visible_list(visible_gpus)
     for device in devices:
         if not _DEVICE.match(device):
             raise ValueError(
                 f"invalid device {device!r}: use auto, cpu, cuda, cuda:N or mps, comma-separated"
+            )
+        index = int(device.split(":", 1)[1]) if device.startswith("cuda:") else None
+        if visible is not None and index is not None and index >= len(visible):
+            raise ValueError(
+                f"device {device!r} is not among the {len(visible)} GPU(s) "
+                f"that CUDA_VISIBLE_DEVICES={visible_gpus} leaves visible"
             )
     return devices
 
@@ -29,10 +41,24 @@ class DevicePlan:
     visible_gpus: str | None  # CUDA_VISIBLE_DEVICES for the worker, None to leave it
 
 
-def isolate(device: str) -> DevicePlan:
-    """`cuda:3` → the worker sees only GPU 3, as its `cuda:0`."""
+def isolate(device: str, visible_gpus: str | None = None) -> DevicePlan:
+    """`cuda:3` → the worker sees only GPU 3, as its `cuda:0`.
+
+    `visible_gpus` is the CUDA_VISIBLE_DEVICES the worker inherited, if any: `cuda:1`
+    with `"4,5"` is physical GPU 5.
+    """
     if device.startswith("cuda:"):
-        return DevicePlan("cuda:0", device.split(":", 1)[1])
+        index = int(device.split(":", 1)[1])
+        visible = _visible_list(visible_gpus)
+        if visible is not None and index < len(visible):
+            return DevicePlan("cuda:0", visible[index])
+        return DevicePlan("cuda:0", str(index))
     if device == "cuda":
         return DevicePlan("cuda:0", None)
     return DevicePlan(device, None)
+
+
+def _visible_list(visible_gpus: str | None) -> list[str] | None:
+    if visible_gpus is None or not visible_gpus.strip():
+        return None
+    return [part.strip() for part in visible_gpus.split(",") if part.strip()]

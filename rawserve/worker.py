@@ -64,7 +64,7 @@ def worker_main(conn: Any, config: WorkerConfig, index: int) -> None:
     from rawserve.logs import setup_worker_logging
 
     setup_worker_logging(index)  # the server's --log-level and --log-format, from the env
-    plan = isolate(config.device)
+    plan = isolate(config.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
     if plan.visible_gpus is not None:  # before torch initialises CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = plan.visible_gpus
     started = time.monotonic()
