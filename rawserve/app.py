@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rawserve import encoding
@@ -24,7 +24,7 @@ from rawserve.errors import (
     UnprocessableInput,
     UnsupportedMediaType,
 )
-from rawserve.http import HttpRequest, HttpResponse
+from rawserve.http import HttpRequest, HttpResponse, require_bearer
 from rawserve.info import loading_status, server_info
 from rawserve.messages import FailureKind, ItemFailure
 from rawserve.scheduler import ItemResult, Scheduler
@@ -32,12 +32,14 @@ from rawserve.tasks import ParsedRequest, parse_json_body, parse_text_body
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
 LOADING_RETRY_AFTER = 5.0
+OPEN_PATHS = frozenset({"/health", "/ready"})  # no API key needed (probes)
 
 
 @dataclass(frozen=True)
 class AppSettings:
     timeout: float = 30.0  # default request deadline, seconds
     max_timeout: float = 300.0  # the most X-Request-Timeout may ask for
+    api_key: str | None = field(default=None, repr=False)  # Bearer token; None: open
 
 
 class App:
@@ -70,9 +72,13 @@ class App:
         methods = self.routes.get(request.path)
         if methods is None:
             raise NotFound(f"no route for {request.path}")
+        if self.settings.api_key and request.path not in OPEN_PATHS:
+            require_bearer(request, self.settings.api_key)
         handler = methods.get(request.method)
+        if handler is None and request.method == "HEAD":
+            handler = methods.get("GET")  # the protocol drops the body
         if handler is None:
-            raise MethodNotAllowed(sorted(methods))
+            raise MethodNotAllowed(sorted({*methods, *(["HEAD"] if "GET" in methods else [])}))
         return await handler(request)
 
     # --- operations -------------------------------------------------------------------

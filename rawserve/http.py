@@ -1,9 +1,13 @@
-"""The request and response values that pass between the protocol and the app."""
+"""The request and response values that pass between the protocol and the app, and the
+bearer-token check the app applies to them."""
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+
+from rawserve.errors import Unauthorized
 
 
 @dataclass
@@ -31,3 +35,21 @@ class HttpResponse:
     content_type: str = "application/json"
     # A body produced piece by piece (sent chunked); `body` is ignored when set.
     stream: AsyncIterator[bytes] | None = None
+
+
+def require_bearer(request: HttpRequest, api_key: str) -> None:
+    """Raise 401 unless the request carries `Authorization: Bearer <api_key>`.
+
+    The comparison takes the same time whatever the token, so it leaks nothing.
+    """
+    scheme, _, token = (request.header("authorization") or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized(
+            "this endpoint needs an Authorization: Bearer <api key> header",
+            headers=[("WWW-Authenticate", 'Bearer realm="rawserve"')],
+        )
+    if not hmac.compare_digest(token.strip().encode("latin-1"), api_key.encode()):
+        raise Unauthorized(
+            "the API key is not valid",
+            headers=[("WWW-Authenticate", 'Bearer realm="rawserve", error="invalid_token"')],
+        )

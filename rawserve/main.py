@@ -65,6 +65,11 @@ OPTIONS = [
     Option("--max-queue", int, 256, "queued items; beyond it: 503"),
     Option("--timeout", float, 30.0, "default request deadline in seconds"),
     Option("--max-body-bytes", int, 1024 * 1024, "largest accepted request body; beyond it: 413"),
+    Option("--max-connections", int, 1000, "open connections; past it: 503 (0: no cap)"),
+    Option("--keepalive-timeout", float, 5.0, "seconds an idle keep-alive connection stays open"),
+    Option("--head-timeout", float, 10.0, "seconds to receive a request's head; beyond: 408"),
+    Option("--body-timeout", float, 30.0, "seconds to receive a request's body; beyond: 408"),
+    Option("--api-key", str, None, "inference endpoints need Authorization: Bearer KEY (401)"),
     Option("--grace", float, 30.0, "seconds to drain on SIGTERM/SIGINT"),
     Option(
         "--batch-timeout", float, 120.0, "seconds a batch may run before its worker is restarted"
@@ -113,6 +118,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--batch-timeout must be positive and --grace not negative")
     if args.timeout <= 0 or args.max_batch_delay_ms < 0:
         parser.error("--timeout must be positive and --max-batch-delay-ms not negative")
+    if min(args.keepalive_timeout, args.head_timeout, args.body_timeout) <= 0:
+        parser.error("--keepalive-timeout, --head-timeout and --body-timeout must be positive")
+    if args.max_connections < 0 or args.api_key == "":
+        parser.error("--max-connections must not be negative and --api-key not empty")
     if args.log_format not in LOG_FORMATS:
         parser.error(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
     if args.threads is None:
@@ -143,14 +152,20 @@ async def serve(args: argparse.Namespace) -> int:
     app = App(
         scheduler,
         executor,
-        AppSettings(timeout=args.timeout),
+        AppSettings(timeout=args.timeout, api_key=args.api_key),
         metrics=metrics,
         info=static_info(args),
     )
     metrics.routes.update(app.routes)
     metrics.watch(scheduler, executor)
     state = ServerState(metrics=metrics)
-    settings = ProtocolSettings(max_body_bytes=args.max_body_bytes)
+    settings = ProtocolSettings(
+        max_body_bytes=args.max_body_bytes,
+        max_connections=args.max_connections,
+        keepalive_timeout=args.keepalive_timeout,
+        head_timeout=args.head_timeout,
+        body_timeout=args.body_timeout,
+    )
     executor.start()
     scheduler.start()
     metrics.start(loop)
