@@ -1,0 +1,77 @@
+"""GET /info, and what an operator sees while the model loads (/ready's body, log lines)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import re
+
+import pytest
+
+from tests.server import RunningServer
+
+pytestmark = pytest.mark.slow
+
+STILL_LOADING = re.compile(r"still loading the model \((\d+) s\)")
+
+
+@pytest.fixture(scope="module")
+def server():
+    args = ["--handler", "tests.handlers:echo", "--max-batch-size", "8", "--max-queue", "16"]
+    with RunningServer([*args, "--timeout", "12", "--max-batch-delay-ms", "2"]) as running:
+        yield running
+
+
+def test_info_tells_the_model_settings_versions_and_worker_pids(server):
+    status, headers, body = server.request("GET", "/info")
+    assert status == 200 and headers["content-type"] == "application/json"
+    info = json.loads(body)
+    assert info["task"] == "custom"
+    assert info["handler"] == "tests.handlers:echo"
+    assert info["devices"] == ["auto"]
+    assert info["dtype"] == "auto"
+    assert info["ready"] is True
+    assert info["batching"] == {
+        "max_batch_size": 8,
+        "max_batch_delay_ms": 2.0,
+        "max_batch_tokens": None,
+        "max_queue": 16,
+        "timeout_seconds": 12.0,
+        "effective_max_batch_size": 8,
+    }
+    [worker] = info["workers"]
+    assert worker["device"] == "cpu" and worker["state"] == "idle" and worker["restarts"] == 0
+    # the pid /info gives is the process that computes (the echo handler tells its pid)
+    status, answer = server.post_json({"inputs": "who computes this?"})
+    assert status == 200
+    assert info["worker_pids"] == [worker["pid"]] == [answer["pid"]]
+    assert info["server_pid"] == server.process.pid
+    for name in ("rawserve", "transformers", "torch"):
+        assert info["versions"][name] == importlib.metadata.version(name)
+
+
+def test_the_server_process_never_loads_torch(server):
+    server.request("GET", "/info")  # versions were looked up: still no torch
+    with open(f"/proc/{server.process.pid}/maps") as maps:
+        mapped = maps.read()
+    assert "libtorch" not in mapped
+    assert "/transformers/" not in mapped
+
+
+def test_while_loading_ready_tells_the_phase_and_the_log_tells_the_progress():
+    loading = RunningServer(
+        ["--handler", "tests.handlers:slow_loading"], env={"RAWSERVE_TEST_LOAD_SECONDS": "6"}
+    )
+    with loading.start(wait_ready=False):
+        status, headers, body = loading.request("GET", "/ready")
+        assert status == 503 and headers["retry-after"] == "5"
+        document = json.loads(body)
+        assert document["status"] == "loading"
+        assert 0 <= document["elapsed_seconds"] < 6
+        status, _, body = loading.request("GET", "/info")
+        assert status == 200 and json.loads(body)["workers"][0]["state"] == "loading"
+        seconds = int(loading.wait_for_log(STILL_LOADING, timeout=60).group(1))
+        assert seconds >= 4
+        loading.wait_for_log(re.compile(r"ready in [\d.]+ s"), timeout=60)
+        status, _, body = loading.request("GET", "/ready")
+        assert status == 200 and json.loads(body)["status"] == "ready"

@@ -1,0 +1,133 @@
+"""Logging: one line per event as text or JSON, the access log switch, options and env."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+import sys
+
+import pytest
+
+from rawserve.logs import JsonFormatter, TextFormatter, setup_logging
+from rawserve.main import parse_args
+from tests.server import RunningServer
+
+STOPPED = re.compile(r"INFO stopped$|\"message\": \"stopped\"")  # the last line
+
+
+@pytest.fixture
+def restore_logging():
+    root, access = logging.getLogger(), logging.getLogger("rawserve.access")
+    saved = (list(root.handlers), root.level, access.level)
+    yield
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+    access.setLevel(saved[2])
+
+
+def record(message: str, **extra) -> logging.LogRecord:
+    made = logging.makeLogRecord(
+        {"name": "rawserve.test", "levelno": logging.WARNING, "levelname": "WARNING"}
+    )
+    made.msg = message
+    made.__dict__.update(extra)
+    return made
+
+
+def test_json_lines_carry_time_level_logger_message_and_extra_fields():
+    line = JsonFormatter().format(record("queue at %d", status=503, request_id="abc"))
+    document = json.loads(line)
+    assert document["level"] == "warning"
+    assert document["logger"] == "rawserve.test"
+    assert document["message"] == "queue at %d"
+    assert document["status"] == 503 and document["request_id"] == "abc"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", document["time"])
+
+
+def test_a_traceback_stays_on_one_line_in_both_formats():
+    failed = record("it failed")
+    try:
+        raise ValueError("first line\nsecond line")
+    except ValueError:
+        failed.exc_info = sys.exc_info()
+    for formatter in (JsonFormatter(), TextFormatter()):
+        line = formatter.format(failed)
+        assert "\n" not in line
+        assert "second line" in line
+    assert "ValueError" in json.loads(JsonFormatter().format(failed))["exception"]
+
+
+@pytest.mark.parametrize("access_log", [True, False])
+def test_the_access_log_switch(restore_logging, access_log):
+    stream = io.StringIO()
+    setup_logging("info", "json", access_log=access_log, stream=stream)
+    logging.getLogger("rawserve.access").info("GET / 200", extra={"status": 200})
+    logging.getLogger("rawserve").info("an event")
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [line["logger"] for line in lines] == [
+        *(["rawserve.access"] if access_log else []),
+        "rawserve",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "no_access_log", "log_format"),
+    [
+        ([], {}, False, "text"),
+        (["--no-access-log", "--log-format", "json"], {}, True, "json"),
+        ([], {"RAWSERVE_NO_ACCESS_LOG": "1", "RAWSERVE_LOG_FORMAT": "json"}, True, "json"),
+        ([], {"RAWSERVE_NO_ACCESS_LOG": "True"}, True, "text"),
+        ([], {"RAWSERVE_NO_ACCESS_LOG": "0"}, False, "text"),
+        ([], {"RAWSERVE_NO_ACCESS_LOG": "off"}, False, "text"),
+    ],
+)
+def test_options_and_their_environment_variables(monkeypatch, argv, env, no_access_log, log_format):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = parse_args(argv)
+    assert (args.no_access_log, args.log_format) == (no_access_log, log_format)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [(["--log-format", "xml"], {}), ([], {"RAWSERVE_NO_ACCESS_LOG": "maybe"})],
+)
+def test_bad_logging_options_are_refused(monkeypatch, capsys, argv, env):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert "rawserve: error:" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_json_logs_from_the_server_and_its_worker_with_an_access_line_per_request():
+    server = RunningServer(["--handler", "tests.handlers:echo", "--log-format", "json"])
+    with server:
+        status, headers, _ = server.request("POST", "/?x=1", "hello", {"X-Request-Id": "req-42"})
+        assert status == 200
+        server.stop()
+        server.wait_for_log(STOPPED)
+    documents = [json.loads(line) for line in server.lines]  # every line is one object
+    assert all({"time", "level", "logger", "message"} <= set(d) for d in documents)
+    assert any(d["message"].startswith("worker 0: started") for d in documents)
+    [access] = [d for d in documents if d["logger"] == "rawserve.access"]
+    assert access["method"] == "POST" and access["target"] == "/?x=1"
+    assert access["status"] == 200 and access["request_id"] == "req-42"
+    assert access["duration_ms"] >= 0 and access["bytes"] > 0
+
+
+@pytest.mark.slow
+def test_no_access_log_from_the_environment():
+    server = RunningServer(
+        ["--handler", "tests.handlers:echo"], env={"RAWSERVE_NO_ACCESS_LOG": "1"}
+    )
+    with server:
+        assert server.request("POST", "/", "hello")[0] == 200
+        assert server.request("GET", "/nope")[0] == 404
+        server.stop()
+        server.wait_for_log(STOPPED)
+    assert not [line for line in server.lines if "rawserve.access" in line]
+    assert any("ready in" in line for line in server.lines)  # the rest is still logged
