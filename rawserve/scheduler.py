@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from rawserve.batching import BatchLimits, CostModel, choose_batch, padded_cost
@@ -27,6 +27,9 @@ log = logging.getLogger("rawserve.scheduler")
 
 RATE_SMOOTHING = 0.2  # weight of the newest batch in the service-rate average
 URGENT_BATCHES = 2.0  # an item this many batch-times from its deadline joins any batch
+# A batch is sent only to items whose deadline is this many predicted batch-times away:
+# model calls vary, and an answer that comes back late is compute wasted.
+DEADLINE_MARGIN = 1.25
 
 
 @dataclass(eq=False)
@@ -191,9 +194,9 @@ class SchedulerCore:
 
     def drop_expired(self, now: float) -> list[WorkItem]:
         """Remove and return the queued items whose deadline has passed."""
-        expired = [
-            item for queue in self._queues.values() for item in queue if item.deadline <= now
-        ]
+        expired = []
+        for queue in self._queues.values():  # each sorted by deadline: expired come first
+            expired.extend(itertools.takewhile(lambda item: item.deadline <= now, queue))
         for item in expired:
             self.remove(item)
         return expired
@@ -224,10 +227,10 @@ class SchedulerCore:
             viable = [item for item in queue if self._can_finish(item, now)]
             if not viable:
                 continue
-            batch = choose_batch(viable, self.limits, lambda item: self._is_urgent(item, now))
-            batch = self._drop_late(batch, now)
+            limits = self._limits_for(viable[0], now)
+            batch = choose_batch(viable, limits, lambda item: self._is_urgent(item, now))
             oldest = min(item.arrived for item in queue)
-            if self._is_full(batch, len(viable)) or now >= oldest + self.max_batch_delay:
+            if self._is_full(batch, len(viable), limits) or now >= oldest + self.max_batch_delay:
                 for item in batch:
                     self.remove(item)
                 cost = padded_cost(item.cost for item in batch)
@@ -236,29 +239,36 @@ class SchedulerCore:
                 return batch
         return None
 
-    def _is_full(self, batch: list[WorkItem], candidates: int) -> bool:
+    def _limits_for(self, head: WorkItem, now: float) -> BatchLimits:
+        """The bounds of a batch led by `head`: the configured ones, and (once the speed
+        is measured) a token budget small enough to come back before the head's
+        deadline. The head's deadline is the batch's earliest, so every member is safe."""
+        limits = self.limits
+        model = self.cost_model
+        if not model.measured or model.per_token <= 0:
+            return limits
+        seconds = (head.deadline - now) / DEADLINE_MARGIN - model.fixed
+        in_time = max(head.cost, int(seconds / model.per_token))
+        if limits.max_tokens is None or in_time < limits.max_tokens:
+            return replace(limits, max_tokens=in_time)
+        return limits
+
+    def _is_full(self, batch: list[WorkItem], candidates: int, limits: BatchLimits) -> bool:
         """No more items could join: the size bound or the token budget is reached."""
-        if len(batch) >= self.limits.max_size:
+        if len(batch) >= limits.max_size:
             return True
         longest = max(item.cost for item in batch)
-        if self.max_batch_tokens and longest * (len(batch) + 1) > self.max_batch_tokens:
+        if limits.max_tokens and longest * (len(batch) + 1) > limits.max_tokens:
             return True
-        return not self.group_lengths and len(batch) < candidates
+        return not limits.group_lengths and len(batch) < candidates
 
     def _can_finish(self, item: WorkItem, now: float) -> bool:
-        alone = self.cost_model.predict(item.cost)
-        return item.deadline > now + (alone or 0.0)
+        alone = self.cost_model.predict(item.cost) or 0.0
+        return item.deadline > now + DEADLINE_MARGIN * alone
 
     def _is_urgent(self, item: WorkItem, now: float) -> bool:
         alone = self.cost_model.predict(item.cost)
         return alone is not None and item.deadline - now <= URGENT_BATCHES * alone
-
-    def _drop_late(self, batch: list[WorkItem], now: float) -> list[WorkItem]:
-        """Leave out of a batch the members it would finish too late for (never the head)."""
-        predicted = self.cost_model.predict(padded_cost(item.cost for item in batch))
-        if predicted is None:
-            return batch
-        return batch[:1] + [item for item in batch[1:] if item.deadline > now + predicted]
 
     def next_wakeup(self, now: float, free_workers: int = 1) -> float | None:
         """When the queue next needs a look: a deadline, or (for a free worker) a batch
