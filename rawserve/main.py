@@ -62,8 +62,15 @@ OPTIONS = [
         "--max-batch-delay-ms", float, 0.0, "how long a free worker may wait for a batch to fill"
     ),
     Option("--max-batch-tokens", int, None, "token budget of a batch (padded length x items)"),
+    Option(
+        "--batching",
+        str,
+        "cost",
+        "cost: group inputs of similar length in a batch; count: deadline order only",
+    ),
     Option("--max-queue", int, 256, "queued items; beyond it: 503"),
     Option("--timeout", float, 30.0, "default request deadline in seconds"),
+    Option("--max-timeout", float, 300.0, "the longest deadline X-Request-Timeout may ask for"),
     Option("--max-body-bytes", int, 1024 * 1024, "largest accepted request body; beyond it: 413"),
     Option("--max-connections", int, 1000, "open connections; past it: 503 (0: no cap)"),
     Option("--keepalive-timeout", float, 5.0, "seconds an idle keep-alive connection stays open"),
@@ -118,6 +125,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--batch-timeout must be positive and --grace not negative")
     if args.timeout <= 0 or args.max_batch_delay_ms < 0:
         parser.error("--timeout must be positive and --max-batch-delay-ms not negative")
+    if args.max_timeout <= 0 or args.batching not in ("cost", "count"):
+        parser.error("--max-timeout must be positive and --batching cost or count")
     if min(args.keepalive_timeout, args.head_timeout, args.body_timeout) <= 0:
         parser.error("--keepalive-timeout, --head-timeout and --body-timeout must be positive")
     if args.max_connections < 0 or args.api_key == "":
@@ -146,13 +155,15 @@ async def serve(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size,
         max_batch_delay=args.max_batch_delay_ms / 1000,
         max_batch_tokens=args.max_batch_tokens,
+        group_lengths=args.batching == "cost",
+        workers=len(args.devices),
     )
     metrics = Metrics()
     scheduler = Scheduler(core, executor, loop=loop, metrics=metrics)
     app = App(
         scheduler,
         executor,
-        AppSettings(timeout=args.timeout, api_key=args.api_key),
+        AppSettings(timeout=args.timeout, max_timeout=args.max_timeout, api_key=args.api_key),
         metrics=metrics,
         info=static_info(args),
     )
