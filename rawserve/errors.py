@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 log = logging.getLogger("rawserve.errors")
 
+MAX_MESSAGE_CHARS = 300  # messages may quote the client's input (a path): keep them short
+
 
 class HTTPError(Exception):
     status = 500
@@ -99,10 +101,17 @@ class ErrorResponse:
 
 
 def error_response(exc: BaseException) -> ErrorResponse:
-    """Turn any exception into a JSON error response; unknown ones become a bare 500."""
+    """Turn any exception into a JSON error response; unknown ones become a bare 500.
+
+    The one place where errors become responses: the protocol calls it for what the app
+    raises and for its own connection-level errors (malformed, too large, too slow).
+    """
     if not isinstance(exc, HTTPError):
         log.error("unexpected error while handling a request", exc_info=exc)
         exc = InternalError("internal server error")
-    body = json.dumps({"error": exc.message, "error_type": exc.error_type}).encode()
+    message = exc.message
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[: MAX_MESSAGE_CHARS - 3] + "..."
+    body = json.dumps({"error": message, "error_type": exc.error_type}).encode()
     headers = [("Content-Type", "application/json"), *exc.headers]
     return ErrorResponse(exc.status, headers, body)

@@ -50,6 +50,9 @@ PIPELINE_BUFFER_LIMIT = 64 * 1024  # bytes read ahead while a response is pendin
 LINGER_SECONDS = 2.0  # after our last response, how long we drain the peer's bytes
 REFUSAL_LOG_INTERVAL = 10.0  # seconds between "too many connections" warnings
 SUPPORTED_VERSIONS = (b"1.0", b"1.1")
+# Their states once a request was read whole (an Upgrade we decline by answering ends
+# in MIGHT_SWITCH_PROTOCOL, then DONE).
+_REQUEST_READ = (h11.DONE, h11.MIGHT_SWITCH_PROTOCOL)
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 # A request starts with a method (an RFC 9110 token); anything else (a TLS ClientHello
 # starts with 0x16, binary garbage) is refused at the first byte instead of waiting for
@@ -238,6 +241,11 @@ class HttpProtocol(asyncio.Protocol):
         """Refuse what h11 lets through but a hardened origin server must not."""
         if event.http_version not in SUPPORTED_VERSIONS:
             return BadRequest("only HTTP/1.0 and HTTP/1.1 are supported")
+        if _head_size(event) > self.settings.max_head_bytes:
+            # h11 bounds only a head still incomplete; one that came whole is checked here.
+            return HeadersTooLarge("request headers too large")
+        if event.method == b"CONNECT":
+            return BadRequest("CONNECT is not supported")  # a 2xx would switch protocols
         length = _header(event.headers, b"content-length")
         chunked = _header(event.headers, b"transfer-encoding") is not None
         if chunked and (length is not None or event.http_version == b"1.0"):
@@ -296,7 +304,7 @@ class HttpProtocol(asyncio.Protocol):
         """Send a whole response, then keep the connection or close it."""
         if not self._start_response(cycle):
             return
-        close = close or response.status >= 500 or self.conn.their_state is not h11.DONE
+        close = close or response.status >= 500 or self.conn.their_state not in _REQUEST_READ
         headers = self._response_headers(cycle, response)
         headers.append(("Content-Length", str(len(response.body))))
         if close:
@@ -515,6 +523,11 @@ class HttpProtocol(asyncio.Protocol):
                     "request_id": cycle.request_id,
                 },
             )
+
+
+def _head_size(event: h11.Request) -> int:
+    request_line = len(event.method) + len(event.target) + len(b"  HTTP/1.1\r\n")
+    return request_line + sum(len(name) + len(value) + 4 for name, value in event.headers) + 2
 
 
 def _protocol_error(exc: h11.RemoteProtocolError) -> HTTPError:

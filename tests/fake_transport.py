@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -124,8 +125,9 @@ def read_responses(
             )
         )
         client.send(h11.EndOfMessage())
-        client.receive_data(bytes(data))
-        data = b""
+        if data:  # (an empty receive_data would mean the server closed)
+            client.receive_data(bytes(data))
+            data = b""
         head, body = None, bytearray()
         while True:
             got = client.next_event()
@@ -145,9 +147,5 @@ def read_responses(
 
 
 def count_responses(data: bytes) -> int:
-    """How many final responses `data` holds (status lines; bodies are JSON, no CRLFs)."""
-    return sum(
-        1
-        for line in bytes(data).split(b"\r\n")
-        if line.startswith(b"HTTP/1.1 ") and not line.startswith(b"HTTP/1.1 100 ")
-    )
+    """How many final (non-1xx) response heads `data` holds; bodies must not quote one."""
+    return len(re.findall(rb"HTTP/1\.1 [2-5]\d\d ", bytes(data)))
