@@ -1,0 +1,320 @@
+"""Two rawserve replicas behind a real nginx running deploy/nginx.conf, all on loopback.
+
+Traffic is spread over both; a replica that is killed or drains is taken out without
+failing more client requests than were in flight; a 503 with Retry-After from an
+overloaded replica is retried on the other. nginx is the Debian package (`make test`
+installs it when it is missing and we are root); without it these tests are skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h11
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.load import exchange
+from tests.server import READY, REPO_ROOT, RunningServer
+
+
+def find_nginx() -> str | None:
+    found = shutil.which("nginx")
+    for candidate in (found, "/usr/sbin/nginx", "/usr/local/sbin/nginx"):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+NGINX = find_nginx()
+DEPLOYED_CONFIG = Path(REPO_ROOT) / "deploy" / "nginx.conf"
+UPSTREAM_SERVER = re.compile(r"^(\s*)server 10\.0\.0\.\d+:8000( [^;]*)?;\n", re.MULTILINE)
+LISTEN = re.compile(r"^(\s*)listen 8080;", re.MULTILINE)
+START_TIMEOUT = 15.0
+LOAD_TIME_LIMIT = 60.0
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        NGINX is None,
+        reason="nginx is not installed; `make test` installs it with apt-get when run as root",
+    ),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def site_config(replica_ports: list[int], listen_port: int) -> str:
+    """deploy/nginx.conf with its example addresses replaced by loopback ones."""
+    text = DEPLOYED_CONFIG.read_text()
+    servers = UPSTREAM_SERVER.findall(text)
+    assert len(servers) >= 2, "deploy/nginx.conf lists its replicas as `server 10.0.0.N:8000`"
+    indent, parameters = servers[0]
+    replicas = "".join(f"{indent}server 127.0.0.1:{p}{parameters};\n" for p in replica_ports)
+    text = UPSTREAM_SERVER.sub("", text, count=len(servers) - 1)
+    text = UPSTREAM_SERVER.sub(lambda _: replicas, text, count=1)
+    text, listens = LISTEN.subn(rf"\1listen 127.0.0.1:{listen_port};", text)
+    assert listens == 1
+    return text
+
+
+def main_config(root: Path, site: Path) -> str:
+    """A foreground, single-process nginx that keeps everything under `root`."""
+    temp = {name: root / name for name in ("body", "proxy", "fastcgi", "uwsgi", "scgi")}
+    return "\n".join(
+        [
+            "daemon off;",
+            "master_process off;",
+            f"pid {root / 'nginx.pid'};",
+            f"error_log {root / 'error.log'} info;",
+            "events { worker_connections 512; }",
+            "http {",
+            "    access_log off;",
+            f"    client_body_temp_path {temp['body']};",
+            f"    proxy_temp_path {temp['proxy']};",
+            f"    fastcgi_temp_path {temp['fastcgi']};",
+            f"    uwsgi_temp_path {temp['uwsgi']};",
+            f"    scgi_temp_path {temp['scgi']};",
+            f"    include {site};",
+            "}",
+            "",
+        ]
+    )
+
+
+class Nginx:
+    def __init__(self, root: Path, replica_ports: list[int]):
+        self.root = root
+        self.port = free_port()
+        site = root / "rawserve.conf"
+        site.write_text(site_config(replica_ports, self.port))
+        self.config = root / "nginx.conf"
+        self.config.write_text(main_config(root, site))
+        self.command = [NGINX, "-p", str(root), "-c", str(self.config), "-e", str(root / "err")]
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Nginx:
+        checked = subprocess.run([*self.command, "-t"], capture_output=True, text=True)
+        assert checked.returncode == 0, checked.stderr
+        self.process = subprocess.Popen(
+            self.command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+        )
+        end = time.monotonic() + START_TIMEOUT
+        while True:  # nginx offers no readiness signal but its listening socket
+            assert self.process.poll() is None, f"nginx exited: {self.error_log()}"
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                assert time.monotonic() < end, f"nginx did not listen: {self.error_log()}"
+                time.sleep(0.02)
+
+    def error_log(self) -> str:
+        path = self.root / "error.log"
+        return path.read_text()[-3000:] if path.exists() else ""
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@dataclass
+class Cluster:
+    replicas: list[RunningServer]
+    nginx: Nginx
+    worker_pid: dict[int, int] = field(default_factory=dict)  # worker pid -> replica index
+
+    def replica_of(self, pid: int) -> int:
+        return self.worker_pid[pid]
+
+
+@pytest.fixture
+def start_cluster(tmp_path) -> Iterator:
+    started: list[RunningServer] = []
+    proxies: list[Nginx] = []
+
+    def start(*args: str) -> Cluster:
+        base = ["--handler", "tests.handlers:sleepy", "--max-batch-size", "1", "--grace", "5"]
+        replicas = [RunningServer([*base, *args]) for _ in range(2)]
+        for replica in replicas:  # both load at the same time
+            started.append(replica.start(wait_ready=False))
+        for replica in replicas:
+            replica.wait_for_log(READY, timeout=120)
+        proxy = Nginx(tmp_path, [r.port for r in replicas])
+        proxies.append(proxy.start())
+        cluster = Cluster(replicas, proxy)
+        for index, replica in enumerate(replicas):
+            info = json.loads(replica.request("GET", "/info")[2])
+            cluster.worker_pid.update({pid: index for pid in info["worker_pids"]})
+        return cluster
+
+    yield start
+    for proxy in proxies:
+        proxy.stop()
+    for replica in started:
+        replica.stop()
+
+
+@dataclass
+class Answer:
+    status: int
+    replica: int | None  # which replica computed it (from the echoed worker pid)
+
+
+async def load_through(
+    cluster: Cluster,
+    count: int,
+    concurrency: int,
+    sleep: float = 0.0,
+    after: int | None = None,
+    action=None,
+) -> list[Answer]:
+    """POST `count` requests to nginx over `concurrency` keep-alive connections.
+
+    With `after` and `action`: call `action()` once `after` answers have arrived, while
+    the other requests are still running.
+    """
+    answers: list[Answer] = []
+    acted_at: list[int] = []  # how many answers had arrived when `action` was done
+    reached = asyncio.Event()
+    body = json.dumps({"inputs": "x", "parameters": {"sleep": sleep}}).encode()
+    headers = [("Content-Type", "application/json")]
+    remaining = iter(range(count))
+
+    async def client() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", cluster.nginx.port)
+        conn = h11.Connection(h11.CLIENT)
+        try:
+            for _ in remaining:
+                status, data = await exchange(reader, writer, "POST", "/", body, headers, conn)
+                pid = json.loads(data).get("pid") if status == 200 else None
+                answers.append(Answer(status, None if pid is None else cluster.replica_of(pid)))
+                if after is not None and len(answers) >= after:
+                    reached.set()
+                if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                    writer.close()
+                    reader, writer = await asyncio.open_connection("127.0.0.1", cluster.nginx.port)
+                    conn = h11.Connection(h11.CLIENT)
+                else:
+                    conn.start_next_cycle()
+        finally:
+            writer.close()
+
+    async def act() -> None:
+        await reached.wait()
+        await asyncio.to_thread(action)
+        acted_at.append(len(answers))
+
+    async with asyncio.timeout(LOAD_TIME_LIMIT):
+        tasks = [client() for _ in range(concurrency)]
+        if action is not None:
+            tasks.append(act())
+        await asyncio.gather(*tasks)
+    if action is not None:
+        assert acted_at and acted_at[0] < count - concurrency, "the action came too late"
+    return answers
+
+
+def test_traffic_is_spread_over_both_replicas(start_cluster):
+    cluster = start_cluster("--max-queue", "16")
+    answers = asyncio.run(load_through(cluster, 40, concurrency=2))
+    assert [a.status for a in answers] == [200] * 40
+    per_replica = [sum(a.replica == i for a in answers) for i in (0, 1)]
+    assert min(per_replica) >= 10, per_replica
+
+
+def test_a_503_with_retry_after_from_an_overloaded_replica_is_retried_on_the_other(
+    start_cluster,
+):
+    cluster = start_cluster("--max-queue", "2")
+    busy = cluster.replicas[0]
+
+    def post_to_busy(sleep: float) -> tuple[int, dict[str, str], bytes]:
+        body = json.dumps({"inputs": "direct", "parameters": {"sleep": sleep}})
+        return busy.request("POST", "/", body, {"Content-Type": "application/json"})
+
+    with ThreadPoolExecutor(3) as pool:
+        # Overload replica 0 directly: one request computing, two queued (its bound).
+        occupying = [pool.submit(post_to_busy, 2.0)]
+        wait_until(lambda: ready_status(busy) == "ready" and in_flight(busy) == 1)
+        occupying += [pool.submit(post_to_busy, 0.0) for _ in range(2)]
+        wait_until(lambda: ready_status(busy) == "full")
+        status, headers, _ = post_to_busy(0.0)
+        assert status == 503 and float(headers["retry-after"]) >= 1
+
+        answers = asyncio.run(load_through(cluster, 8, concurrency=1))
+        assert [a.status for a in answers] == [200] * 8
+        assert {a.replica for a in answers} == {1}
+        assert [done.result()[0] for done in occupying] == [200] * 3
+    # nginx did send a request to the overloaded replica, which refused it: retried
+    assert sample(busy, "rawserve_items_dropped_total", reason="rejected") >= 2
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 20) -> None:
+    """Poll a replica (a client gets no event for a server's state) until `condition`."""
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "the condition did not hold in time"
+        time.sleep(0.02)
+
+
+def ready_status(replica: RunningServer) -> str:
+    return json.loads(replica.request("GET", "/ready")[2])["status"]
+
+
+def in_flight(replica: RunningServer) -> float:
+    return sample(replica, "rawserve_items_in_flight")
+
+
+def sample(replica: RunningServer, name: str, **labels: str) -> float:
+    text = replica.request("GET", "/metrics")[2].decode()
+    for family in text_string_to_metric_families(text):
+        for found in family.samples:
+            if found.name == name and found.labels == labels:
+                return found.value
+    return 0.0
+
+
+@pytest.mark.parametrize("how", ["killed", "draining"])
+def test_a_replica_that_goes_away_is_taken_out_without_failing_requests(start_cluster, how):
+    cluster = start_cluster("--max-queue", "64")
+    leaving = cluster.replicas[0]
+    concurrency = 4
+
+    def take_out() -> None:
+        if how == "killed":
+            leaving.process.kill()
+        else:
+            leaving.signal(signal.SIGTERM)
+
+    answers = asyncio.run(
+        load_through(cluster, 120, concurrency, sleep=0.005, after=20, action=take_out)
+    )
+    failed = [a.status for a in answers if a.status != 200]
+    assert len(failed) <= concurrency, failed  # at most the requests in flight
+    assert len(answers) == 120
+    assert {a.replica for a in answers[:20]} == {0, 1}
+    assert {a.replica for a in answers[-20:]} == {1}  # nginx stopped sending to it
+    if how == "draining":
+        assert leaving.process.wait(30) == 0  # it finished its work and exited cleanly
