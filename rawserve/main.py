@@ -115,7 +115,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        args.devices = parse_devices(args.device)
+        args.devices = parse_devices(args.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
     except ValueError as exc:
         parser.error(str(exc))
     for name in ("max_batch_size", "max_queue", "max_body_bytes", "port"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 
@@ -61,6 +62,9 @@ def faulty():
             time.sleep(3600)
         if oom_above and len(inputs) > oom_above:
             raise MemoryError(f"out of memory on a batch of {len(inputs)}")
+        if sleep >= 0.3:  # tests wait for this line to know the worker is busy
+            print(f"faulty handler: sleeping {sleep} s on {list(inputs)}", file=sys.stderr)
+            sys.stderr.flush()
         time.sleep(sleep)
         return inner(inputs, **params)
 

@@ -1,0 +1,405 @@
+"""The worker survives: crashes, poison inputs, out-of-memory, hung batches, several workers.
+
+Real worker processes running the `faulty` test handler (it crashes, hangs or runs out
+of memory on purpose), first through the executor alone, then through the real server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import re
+import signal
+import time
+
+import pytest
+
+from rawserve import executor as executor_module
+from rawserve.executor import CRASHED_ALONE, REFUSED_POISON, TIMED_OUT, Executor
+from rawserve.messages import FailureKind, ItemFailure, WorkerConfig
+from rawserve.scheduler import SchedulerCore
+from rawserve.worker import BatchCap, run_batch
+from tests.load import Client
+from tests.server import RunningServer
+
+FAULTY = "tests.handlers:faulty"
+
+
+# --- pure parts: the worker's batch cap, the scheduler respecting it ------------------
+
+
+def test_the_batch_cap_halves_on_out_of_memory_and_comes_back_gradually():
+    cap = BatchCap(restore_after=3)
+    cap.lower(10)
+    assert cap.limit == 5
+    cap.lower(5)
+    assert cap.limit == 2
+    for expected in (2, 2, 4, 4, 4, 8, 8, 8, None):
+        cap.on_success()
+        assert cap.limit == expected
+
+
+class OutOfMemoryAbove:
+    """A runner that runs out of memory on batches larger than `limit`."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.calls: list[int] = []
+
+    def run(self, inputs, params):
+        self.calls.append(len(inputs))
+        if len(inputs) > self.limit:
+            raise MemoryError("out of memory")
+        return [x * 10 for x in inputs]
+
+    def describe_failure(self, exc):
+        if isinstance(exc, MemoryError):
+            return ItemFailure(FailureKind.OUT_OF_MEMORY, "the model ran out of memory")
+        return ItemFailure(FailureKind.INTERNAL, "failed")
+
+
+def test_out_of_memory_splits_the_batch_and_later_batches_run_in_chunks():
+    runner, cap = OutOfMemoryAbove(3), BatchCap()
+    assert run_batch(runner, list(range(8)), {}, cap) == [x * 10 for x in range(8)]
+    assert runner.calls == [8, 4, 2, 2, 4, 2, 2] and cap.limit == 2
+    runner.calls.clear()
+    assert run_batch(runner, list(range(5)), {}, cap) == [x * 10 for x in range(5)]
+    assert runner.calls == [2, 2, 1]
+
+
+def test_even_one_item_out_of_memory_is_a_failure_not_a_crash():
+    runner, cap = OutOfMemoryAbove(0), BatchCap()
+    [failure] = run_batch(runner, [1], {}, cap)
+    assert failure.kind is FailureKind.OUT_OF_MEMORY
+
+
+def test_the_scheduler_respects_the_batch_cap():
+    core = SchedulerCore(max_batch_size=8, max_batch_delay=0.0)
+    items = [core.new_item(f"x{i}", {}, deadline=100.0, now=0.0) for i in range(8)]
+    core.admit(items)
+    core.batch_cap = 3
+    assert len(core.next_batch(0.0)) == 3
+    core.batch_cap = None
+    assert len(core.next_batch(0.0)) == 5
+
+
+# --- the executor with a real worker process ------------------------------------------
+
+
+@pytest.fixture
+def fast_restarts(monkeypatch):
+    monkeypatch.setattr(executor_module, "RESTART_BACKOFF_FIRST", 0.05)
+
+
+@pytest.fixture
+async def faulty_executor(fast_restarts, monkeypatch):
+    monkeypatch.setenv("RAWSERVE_TEST_OOM_ABOVE", "4")
+    executor = Executor(
+        WorkerConfig(model="", handler=FAULTY, threads=1), ["cpu"], batch_timeout=3.0
+    )
+    executor.start()
+    await asyncio.wait_for(executor.wait_ready(), 120)
+    yield executor
+    await executor.shutdown(wait=False)
+
+
+async def idle(executor: Executor, timeout: float = 120) -> None:
+    """Wait until a worker is free (after a restart)."""
+    became_idle = asyncio.Event()
+    executor.on_idle = became_idle.set
+    if not executor.idle_workers():
+        await asyncio.wait_for(became_idle.wait(), timeout)
+
+
+@pytest.mark.slow
+async def test_a_poison_item_fails_alone_and_is_refused_afterwards(faulty_executor):
+    worker = faulty_executor.workers[0]
+    result = await asyncio.wait_for(faulty_executor.submit(["a", "crash me", "b"], {}), 120)
+    a, poison, b = result.outputs
+    assert (a["input"], b["input"]) == ("a", "b")
+    assert poison == CRASHED_ALONE
+    assert worker.restarts == 2  # the batch, then the culprit alone
+    await idle(faulty_executor)
+    result = await asyncio.wait_for(faulty_executor.submit(["crash me", "c"], {}), 30)
+    refused, c = result.outputs
+    assert refused == REFUSED_POISON and refused.kind is FailureKind.INPUT
+    assert c["input"] == "c" and worker.restarts == 2  # refused without being run
+
+
+@pytest.mark.slow
+async def test_out_of_memory_splits_the_batch_and_lowers_the_cap(faulty_executor):
+    inputs = [f"x{i}" for i in range(10)]
+    result = await asyncio.wait_for(faulty_executor.submit(inputs, {}), 60)
+    assert [output["input"] for output in result.outputs] == inputs
+    assert max(len(output["batch"]) for output in result.outputs) <= 4
+    assert faulty_executor.batch_cap() == 2
+    assert faulty_executor.describe()[0]["max_batch_size"] == 2
+    assert faulty_executor.workers[0].restarts == 0  # never took the worker down
+
+
+@pytest.mark.slow
+async def test_a_hung_batch_is_answered_and_its_worker_restarted(faulty_executor):
+    worker = faulty_executor.workers[0]
+    first_pid = worker.pid
+    result = await asyncio.wait_for(faulty_executor.submit(["hang", "fine"], {}), 60)
+    assert result.outputs == (TIMED_OUT, TIMED_OUT)
+    await idle(faulty_executor)
+    assert worker.pid != first_pid and worker.restarts == 1
+    result = await asyncio.wait_for(faulty_executor.submit(["after"], {}), 30)
+    assert result.outputs[0]["input"] == "after"
+
+
+@pytest.mark.slow
+async def test_repeated_failed_restarts_make_the_process_unhealthy(
+    fast_restarts, monkeypatch, tmp_path
+):
+    marker = tmp_path / "loaded"
+    monkeypatch.setenv("RAWSERVE_TEST_MARKER", str(marker))
+    executor = Executor(
+        WorkerConfig(model="", handler="tests.handlers:loads_once", threads=1),
+        ["cpu"],
+        max_failed_restarts=2,
+    )
+    exits = asyncio.Queue()
+    on_exit = executor._on_exit
+
+    def record_exit(worker, process):
+        on_exit(worker, process)
+        exits.put_nowait(process.exitcode)
+
+    executor._on_exit = record_exit
+    executor.start()
+    try:
+        await asyncio.wait_for(executor.wait_ready(), 120)
+        assert executor.healthy
+        os.kill(executor.workers[0].pid, signal.SIGKILL)
+        assert await asyncio.wait_for(exits.get(), 30) == -signal.SIGKILL
+        assert await asyncio.wait_for(exits.get(), 120) == 4  # the restart died loading
+        assert executor.healthy
+        assert await asyncio.wait_for(exits.get(), 120) == 4
+        assert not executor.healthy and not executor.ready
+        marker.unlink()  # the cause goes away: the next restart loads
+        await idle(executor)
+        assert executor.healthy and executor.ready
+    finally:
+        await executor.shutdown(wait=False)
+
+
+# --- the real server ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def faulty_server():
+    args = ["--handler", FAULTY, "--batch-timeout", "3", "--max-batch-size", "16"]
+    with RunningServer(args, env={"RAWSERVE_TEST_OOM_ABOVE": "6"}) as server:
+        yield server
+
+
+async def post(client: Client, text: str, **params) -> tuple[int, dict]:
+    document = {"inputs": text, "parameters": params} if params else {"inputs": text}
+    return await client.post_json(document)
+
+
+async def wait_for_log(server: RunningServer, pattern: str, timeout: float = 60):
+    return await asyncio.to_thread(server.wait_for_log, re.compile(pattern), timeout)
+
+
+def skip_logged(server: RunningServer) -> None:
+    """Take in the log lines written so far, so `wait_for_next_log` sees only later ones."""
+    while True:
+        try:
+            line = server._new_lines.get_nowait()
+        except queue.Empty:
+            return
+        if line is None:
+            raise AssertionError("server exited:\n" + "\n".join(server.lines[-30:]))
+        server.lines.append(line)
+
+
+def wait_for_next_log(server: RunningServer, pattern: str, timeout: float = 120) -> None:
+    """Wait for a log line matching `pattern` among those written after `skip_logged`."""
+    end = time.monotonic() + timeout
+    while (left := end - time.monotonic()) > 0:
+        try:
+            line = server._new_lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if line is None:
+            raise AssertionError("server exited:\n" + "\n".join(server.lines[-30:]))
+        server.lines.append(line)
+        if re.search(pattern, line):
+            return
+    raise AssertionError(f"no new log line matched {pattern!r}")
+
+
+@pytest.mark.slow
+def test_out_of_memory_is_split_and_the_lower_cap_shows_in_info(faulty_server):
+    async def scenario():
+        client = Client(faulty_server.port)
+        # one list request: its items are admitted together, so they make one batch
+        return await client.post_json({"inputs": [f"oom-{i}" for i in range(12)]})
+
+    status, answers = asyncio.run(scenario())
+    assert status == 200 and [answer["input"] for answer in answers] == [
+        f"oom-{i}" for i in range(12)
+    ]
+    assert max(len(answer["batch"]) for answer in answers) <= 6
+    faulty_server.wait_for_log(re.compile(r"effective batch cap now \d"), 10)
+    status, _, body = faulty_server.request("GET", "/info")
+    assert status == 200
+    info = json.loads(body)
+    assert info["workers"][0]["max_batch_size"] <= 6
+    assert info["batching"]["effective_max_batch_size"] <= 6
+    assert faulty_server.request("GET", "/health")[0] == 200
+
+
+@pytest.mark.slow
+def test_kill_9_under_load_every_request_is_answered_once(faulty_server):
+    texts = [f"load-{i}" for i in range(48)]
+
+    async def scenario():
+        client = Client(faulty_server.port)
+        gate = asyncio.Semaphore(8)
+        answered: list[tuple[int, dict]] = []
+        some_answered = asyncio.Event()
+
+        async def one(text):
+            async with gate:
+                result = await post(client, text, sleep=0.05)
+            answered.append(result)
+            if len(answered) >= 5:
+                some_answered.set()
+            return result
+
+        tasks = [asyncio.create_task(one(text)) for text in texts]
+        await some_answered.wait()
+        pid = answered[0][1]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        await wait_for_log(faulty_server, rf"process {pid} exited with code -9")
+        status, body = await client.request("GET", "/ready")
+        ready_while_down = status
+        await wait_for_log(faulty_server, r"worker 0: .* ready", 120)
+        return ready_while_down, await asyncio.gather(*tasks), pid
+
+    ready_while_down, answers, killed = asyncio.run(asyncio.wait_for(scenario(), 150))
+    assert ready_while_down == 503
+    assert [status for status, _ in answers] == [200] * len(texts)
+    assert [answer["input"] for _, answer in answers] == texts  # each its own answer, once
+    assert {answer["pid"] for _, answer in answers} - {killed}  # served again after the kill
+    assert faulty_server.request("GET", "/ready")[0] == 200
+
+
+@pytest.mark.slow
+def test_a_poison_item_among_concurrent_requests_fails_alone(faulty_server):
+    async def scenario():
+        client = Client(faulty_server.port)
+        await wait_for_log(faulty_server, r"worker 0: .* ready")
+        busy = asyncio.create_task(post(client, "busy", sleep=0.5))
+        await wait_for_log(faulty_server, r"sleeping 0.5 s on \['busy'\]")
+        crowd = [asyncio.create_task(post(client, f"mate-{i}")) for i in range(5)]
+        poison = asyncio.create_task(post(client, "please crash now"))
+        return await busy, await asyncio.gather(*crowd), await poison
+
+    busy, mates, (status, error) = asyncio.run(asyncio.wait_for(scenario(), 150))
+    assert busy[0] == 200 and [status for status, _ in mates] == [200] * 5
+    assert status == 500 and error["error"] == "this input crashed the model worker"
+    skip_logged(faulty_server)  # the restart after the crash takes at least its backoff
+    wait_for_next_log(faulty_server, r"worker 0: .* ready")
+    status, refused = faulty_server.post_json({"inputs": "please crash now"})
+    assert status == 422 and "crashed the model worker" in refused["error"]
+    status, answer = faulty_server.post_json({"inputs": ["fine", "please crash now"]})
+    assert status == 422  # a list answers its first failure; the item alone was refused
+
+
+@pytest.mark.slow
+def test_a_hung_request_gets_500_and_the_queue_moves_on(faulty_server):
+    async def scenario():
+        client = Client(faulty_server.port)
+        hung = asyncio.create_task(post(client, "hang forever"))
+        waiting = [asyncio.create_task(post(client, f"next-{i}", sleep=0.0)) for i in range(3)]
+        return await hung, await asyncio.gather(*waiting)
+
+    (status, error), waiting = asyncio.run(asyncio.wait_for(scenario(), 150))
+    assert status == 500 and "batch timeout" in error["error"]
+    assert [status for status, _ in waiting] == [200] * 3
+    faulty_server.wait_for_log(re.compile(r"ran over 3 s; killing process"), 10)
+
+
+@pytest.mark.slow
+def test_sigterm_under_load_finishes_in_flight_work_and_exits_0():
+    server = RunningServer(["--handler", FAULTY, "--max-batch-size", "2", "--grace", "30"])
+    with server:
+        import http.client
+
+        keepalive = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        keepalive.request("GET", "/ready")
+        response = keepalive.getresponse()
+        assert response.status == 200 and response.read()
+
+        async def scenario():
+            client = Client(server.port)
+            tasks = [asyncio.create_task(post(client, f"drain-{i}", sleep=0.4)) for i in range(8)]
+            first = await next(asyncio.as_completed(tasks))
+            server.signal(signal.SIGTERM)
+            await wait_for_log(server, r"stopped accepting connections")
+            with pytest.raises(OSError):
+                await client.request("GET", "/ready")
+            keepalive.request("GET", "/ready")
+            draining = keepalive.getresponse().status
+            return first, await asyncio.gather(*tasks), draining
+
+        first, answers, draining = asyncio.run(asyncio.wait_for(scenario(), 120))
+        assert first[0] == 200 and [status for status, _ in answers] == [200] * 8
+        assert draining == 503
+        assert server.process.wait(60) == 0
+        server.wait_for_log(re.compile(r"\bstopped\b$"), 10)
+
+
+@pytest.mark.slow
+def test_two_cpu_workers_share_the_load_and_a_second_signal_exits_at_once():
+    args = ["--handler", FAULTY, "--device", "cpu,cpu", "--threads", "1", "--max-batch-size", "1"]
+    server = RunningServer(args)
+    with server:
+        server.wait_for_log(re.compile(r"worker 1: .* ready"), 120)
+        server.wait_for_log(re.compile(r"worker 0: .* ready"), 120)
+
+        async def scenario():
+            client = Client(server.port)
+            return await asyncio.gather(*(post(client, f"two-{i}", sleep=0.3) for i in range(6)))
+
+        answers = asyncio.run(asyncio.wait_for(scenario(), 120))
+        assert [status for status, _ in answers] == [200] * 6
+        pids = {answer["pid"] for _, answer in answers}
+        assert len(pids) == 2
+
+        # a long request holds the drain; a second signal does not wait for it
+        async def interrupted():
+            client = Client(server.port)
+            task = asyncio.create_task(post(client, "long", sleep=60))
+            await wait_for_log(server, r"sleeping 60 s on \['long'\]")
+            server.signal(signal.SIGTERM)
+            await wait_for_log(server, r"stopped accepting connections")
+            server.signal(signal.SIGTERM)
+            return await asyncio.gather(task, return_exceptions=True)
+
+        asyncio.run(asyncio.wait_for(interrupted(), 60))
+        assert server.process.wait(10) == 1
+        assert all(gone(pid) for pid in pids)
+
+
+def gone(pid: int, timeout: float = 10) -> bool:
+    """Whether `pid` has exited within `timeout` (a zombie waiting to be reaped counts)."""
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)  # a process exit has no event to wait on from here
+    return False
