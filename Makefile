@@ -10,7 +10,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint bench clean
+.PHONY: serve test test-deps lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,18 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(PY) -m rawserve $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) test-deps
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(ARGS)
+
+# nginx for tests/test_nginx.py (the Debian package), when missing and we are root;
+# without it those tests are skipped, with a message saying so.
+test-deps:
+	@command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq || true; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null || \
+	      echo "could not install nginx: tests/test_nginx.py will be skipped"; \
+	  else echo "nginx is missing (install it as root): tests/test_nginx.py will be skipped"; fi; }
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check rawserve tests bench
