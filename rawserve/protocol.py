@@ -234,7 +234,11 @@ class HttpProtocol(asyncio.Protocol):
         if self.conn.their_state is h11.SEND_BODY:
             if self.conn.they_are_waiting_for_100_continue:
                 # Only now that the head is accepted: a refused request never sees a 100.
-                self._write(self.conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+                self._write(
+                    self.conn.send(
+                        h11.InformationalResponse(status_code=100, headers=[], reason="Continue")
+                    )
+                )
             self._set_timer(self.settings.body_timeout, self._on_body_timeout)
 
     def _check_head(self, event: h11.Request) -> HTTPError | None:

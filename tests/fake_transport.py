@@ -116,14 +116,9 @@ def read_responses(
         headers = [
             (k, v) for k, v in event.headers if k not in (b"content-length", b"transfer-encoding")
         ]
-        client.send(
-            h11.Request(
-                method=event.method,
-                target=event.target,
-                headers=headers,
-                http_version=event.http_version,
-            )
-        )
+        if not any(k == b"host" for k, _ in headers):  # an HTTP/1.0 request may lack one
+            headers.append((b"host", b"x"))
+        client.send(h11.Request(method=event.method, target=event.target, headers=headers))
         client.send(h11.EndOfMessage())
         if data:  # (an empty receive_data would mean the server closed)
             client.receive_data(bytes(data))

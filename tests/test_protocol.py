@@ -9,8 +9,8 @@ import pytest
 
 from rawserve.errors import BadRequest, GatewayTimeout
 from rawserve.http import HttpRequest, HttpResponse
-from rawserve.protocol import HttpProtocol, ProtocolSettings
-from tests.fake_transport import FakeTransport, read_responses
+from rawserve.protocol import LINGER_SECONDS, HttpProtocol, ProtocolSettings, ServerState
+from tests.fake_transport import FakeTimerLoop, FakeTransport, count_responses, read_responses
 
 
 class EchoApp:
@@ -153,10 +153,18 @@ async def test_a_client_that_leaves_cancels_its_request(server):
 
 async def test_head_answers_headers_only(server):
     app, protocol, transport = server
-    request = b"HEAD /x HTTP/1.1\r\nHost: a\r\n\r\n"
-    protocol.data_received(request)
+    head = b"HEAD /x HTTP/1.1\r\nHost: a\r\n\r\n"
+    get = b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n"
+    protocol.data_received(head + get)
     await settle()
-    assert b"\r\n\r\n" in transport.written and transport.written.endswith(b"\r\n\r\n")
+    (head_response, head_body), (get_response, get_body) = read_responses(
+        transport.written, [head, get]
+    )
+    assert head_response.status_code == get_response.status_code == 200
+    assert head_body == b"" and get_body
+    length = dict(head_response.headers)[b"content-length"]
+    assert length == dict(get_response.headers)[b"content-length"] == str(len(get_body)).encode()
+    assert not transport.finished
 
 
 async def test_streamed_response_is_chunked_and_stops_when_the_client_leaves():
@@ -190,3 +198,273 @@ async def test_streamed_response_is_chunked_and_stops_when_the_client_leaves():
     gate.set()
     await asyncio.wait_for(stopped.wait(), 1)
     assert produced == [0, 1]
+
+
+# --- keep-alive, HTTP/1.0, Connection: close, 100-continue ----------------------------
+
+
+async def test_a_keep_alive_connection_serves_requests_one_after_another(server):
+    app, protocol, transport = server
+    requests = []
+    for i in range(3):
+        request = f"POST /{i} HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\n\r\n{i}".encode()
+        requests.append(request)
+        protocol.data_received(request)
+        await settle()
+    assert [json.loads(b)["path"] for _, b in read_responses(transport.written, requests)] == [
+        "/0",
+        "/1",
+        "/2",
+    ]
+    assert not transport.finished
+
+
+async def test_an_http_1_0_client_is_answered_then_closed(server):
+    app, protocol, transport = server
+    request = b"POST /old HTTP/1.0\r\nContent-Length: 2\r\n\r\nhi"
+    protocol.data_received(request)
+    await settle()
+    [(response, body)] = read_responses(transport.written, [request])
+    assert response.status_code == 200 and json.loads(body)["body"] == "hi"
+    assert dict(response.headers)[b"connection"] == b"close"
+    assert transport.finished
+
+
+async def test_connection_close_is_honoured_and_later_bytes_are_ignored(server):
+    app, protocol, transport = server
+    first = b"GET /a HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
+    protocol.data_received(first + b"GET /b HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    [(response, _)] = read_responses(transport.written, [first])
+    assert dict(response.headers)[b"connection"] == b"close"
+    assert [r.path for r in app.seen] == ["/a"] and transport.finished
+
+
+async def test_expect_100_continue_gets_100_then_the_answer(server):
+    app, protocol, transport = server
+    head = b"POST /up HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"
+    protocol.data_received(head)
+    await settle()
+    assert transport.written.startswith(b"HTTP/1.1 100 Continue\r\n") and not app.seen
+    protocol.data_received(b"hello")
+    await settle()
+    [(response, body)] = read_responses(transport.written, [head])
+    assert response.status_code == 200 and json.loads(body)["body"] == "hello"
+    assert count_responses(transport.written) == 1 and not transport.finished
+
+
+async def test_expect_100_continue_over_the_limit_gets_413_and_never_100(server):
+    app, protocol, transport = server
+    head = b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 101\r\nExpect: 100-continue\r\n\r\n"
+    protocol.data_received(head)
+    await settle()
+    assert b"HTTP/1.1 100" not in transport.written
+    [(response, _)] = read_responses(transport.written, [head])
+    assert response.status_code == 413 and transport.finished
+
+
+# --- read timeouts on a hand-driven timer ---------------------------------------------
+
+
+@pytest.fixture
+async def timed():
+    loop = FakeTimerLoop(asyncio.get_running_loop())
+    app = EchoApp()
+    settings = ProtocolSettings(
+        max_body_bytes=100, keepalive_timeout=5, head_timeout=10, body_timeout=20
+    )
+    protocol = HttpProtocol(app, settings, loop=loop)
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    return app, protocol, transport, loop
+
+
+async def test_an_idle_connection_is_closed_quietly(timed):
+    app, protocol, transport, loop = timed
+    loop.advance(4.9)
+    assert not transport.finished
+    loop.advance(0.2)
+    assert transport.closed and not transport.written
+
+
+async def test_a_slowloris_dribbling_its_head_gets_408_at_the_head_deadline(timed):
+    app, protocol, transport, loop = timed
+    for byte in b"GET / HTTP/1.1\r\nHos":  # one byte every 0.4 s: each keeps it "active"
+        protocol.data_received(bytes([byte]))
+        loop.advance(0.4)
+        if transport.finished:
+            break
+    # 19 bytes x 0.4 s = 7.6 s: still inside the 10 s head deadline, counted from byte one
+    assert not transport.finished
+    loop.advance(2.5)
+    [(response, body)] = read_responses(transport.written)
+    assert response.status_code == 408 and json.loads(body)["error_type"] == "request_timeout"
+    assert transport.finished
+
+
+async def test_a_body_that_stops_arriving_gets_408(timed):
+    app, protocol, transport, loop = timed
+    request = b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nabc"
+    protocol.data_received(request)
+    loop.advance(19)
+    assert not transport.written
+    loop.advance(2)
+    [(response, _)] = read_responses(transport.written, [request])
+    assert response.status_code == 408 and transport.finished and not app.seen
+
+
+async def test_no_read_timer_runs_while_the_app_works_and_idle_restarts_after(timed):
+    app, protocol, transport, loop = timed
+    protocol.data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    loop.advance(1000)
+    assert not transport.written and not transport.finished
+    app.release.set()
+    await settle()
+    assert count_responses(transport.written) == 1 and not transport.finished
+    loop.advance(5.1)
+    assert transport.closed  # back to idle: the keep-alive timer closed it
+
+
+async def test_after_an_error_the_peer_is_drained_then_closed(timed):
+    app, protocol, transport, loop = timed
+    protocol.data_received(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 1000\r\n\r\n")
+    assert transport.eof_written and not transport.closed  # FIN sent, still reading
+    protocol.data_received(b"x" * 500)  # the rest of the refused body is dropped
+    assert count_responses(transport.written) == 1
+    loop.advance(LINGER_SECONDS + 0.1)
+    assert transport.closed
+
+
+async def test_the_peer_closing_ends_the_linger_at_once(timed):
+    app, protocol, transport, loop = timed
+    protocol.data_received(b"\x16\x03\x01")
+    assert transport.eof_written
+    assert not protocol.eof_received()  # falsy: the transport closes itself
+
+
+# --- connection cap -------------------------------------------------------------------
+
+
+async def test_connections_past_the_cap_get_503_and_the_cap_frees_up():
+    loop = asyncio.get_running_loop()
+    state = ServerState()
+    settings = ProtocolSettings(max_connections=2)
+    app = EchoApp()
+
+    def connect():
+        protocol = HttpProtocol(app, settings, state, loop=loop)
+        transport = FakeTransport()
+        protocol.connection_made(transport)
+        return protocol, transport
+
+    kept = [connect(), connect()]
+    refused, refused_transport = connect()
+    [(response, body)] = read_responses(refused_transport.written)
+    assert response.status_code == 503 and dict(response.headers)[b"retry-after"] == b"1"
+    assert json.loads(body)["error_type"] == "unavailable" and refused_transport.finished
+    assert len(state.connections) == 2 and state.refused == 1
+    kept[0][0].connection_lost(None)
+    protocol, transport = connect()
+    protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    assert [r.status_code for r, _ in read_responses(transport.written)] == [200]
+
+
+# --- flow control ---------------------------------------------------------------------
+
+
+async def test_a_large_pipelined_backlog_pauses_reading_until_answered(server):
+    app, protocol, transport = server
+    protocol.data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    filler = b"GET /next HTTP/1.1\r\nHost: a\r\nX: " + b"y" * 1000 + b"\r\n\r\n"
+    for _ in range(70):
+        protocol.data_received(filler)
+    assert not transport.reading
+    app.release.set()
+    await settle()
+    assert transport.reading and len(app.seen) > 1
+
+
+async def test_a_peer_that_does_not_read_its_answers_is_not_read_from(server):
+    app, protocol, transport = server
+    protocol.pause_writing()  # the transport's buffer is full
+    protocol.data_received(b"GET /a HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    assert not app.seen and not transport.reading
+    protocol.resume_writing()
+    await settle()
+    assert [r.path for r in app.seen] == ["/a"] and transport.reading
+
+
+async def test_a_stream_waits_while_writing_is_paused():
+    loop = asyncio.get_running_loop()
+    produced: list[int] = []
+
+    async def chunks():
+        for i in range(3):
+            produced.append(i)
+            yield b"x"
+
+    class StreamApp:
+        async def handle(self, request):
+            return HttpResponse(200, content_type="text/plain", stream=chunks())
+
+    protocol = HttpProtocol(StreamApp(), loop=loop)
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    protocol.data_received(b"GET /s HTTP/1.1\r\nHost: a\r\n\r\n")  # the app's task starts
+    protocol.pause_writing()
+    protocol.resume_writing()  # pause and resume are idempotent
+    protocol.pause_writing()
+    protocol.pause_writing()
+    await settle()
+    assert produced == [0]  # one chunk written, then waiting for the drain
+    protocol.resume_writing()
+    await settle()
+    [(response, body)] = read_responses(transport.written)
+    assert produced == [0, 1, 2] and body == b"xxx"
+
+
+# --- at most one response per request -------------------------------------------------
+
+
+async def test_an_error_after_the_head_is_out_closes_instead_of_a_second_response():
+    loop = asyncio.get_running_loop()
+
+    async def failing():
+        yield b"partial"
+        raise RuntimeError("/secret/path")
+
+    class StreamApp:
+        async def handle(self, request):
+            return HttpResponse(200, content_type="text/plain", stream=failing())
+
+    protocol = HttpProtocol(StreamApp(), loop=loop)
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    protocol.data_received(b"GET /s HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    assert count_responses(transport.written) == 1 and transport.closed
+    assert b"0\r\n\r\n" not in transport.written  # the body was cut, not ended
+    assert b"secret" not in transport.written
+
+
+async def test_every_response_has_a_request_id_server_timing_and_an_access_line(server, caplog):
+    app, protocol, transport = server
+    requests = [
+        b"GET /ok HTTP/1.1\r\nHost: a\r\nX-Request-Id: mine-1\r\n\r\n",
+        b"GET /bad HTTP/1.1\r\nHost: a\r\n\r\n",
+    ]
+    with caplog.at_level("INFO", logger="rawserve.access"):
+        protocol.data_received(b"".join(requests))
+        await settle()
+    responses = read_responses(transport.written, requests)
+    ids = [dict(r.headers)[b"x-request-id"] for r, _ in responses]
+    assert ids[0] == b"mine-1" and len(ids[1]) == 32
+    assert all(b"total;dur=" in dict(r.headers)[b"server-timing"] for r, _ in responses)
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 2
+    assert '"GET /ok" 200' in lines[0] and lines[0].endswith("mine-1")
+    assert '"GET /bad" 400' in lines[1]
