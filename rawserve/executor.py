@@ -169,6 +169,7 @@ class Executor:
         self._closing = False
         self._first_load: asyncio.Future[WorkerReady] | None = None
         self.on_idle: Callable[[], None] | None = None  # set by the scheduler
+        self.metrics: Any = None  # a metrics.Metrics (set by main): poison inputs dropped
 
     # --- the face the scheduler and the app use ---------------------------------------
 
@@ -217,6 +218,8 @@ class Executor:
             self._send(worker, Job(tuple(inputs), params, future, batch_id))
             return future
         log.warning("refused %d input(s) that crashed a worker before", sum(refused))
+        if self.metrics is not None:
+            self.metrics.drop("poison", sum(refused))
         if all(refused):
             future.set_result(BatchResult(batch_id, (REFUSED_POISON,) * len(inputs), 0.0))
             return future
@@ -458,6 +461,8 @@ class Executor:
                 worker.index,
             )
             self.poison.add(job.poison_key)
+            if self.metrics is not None:
+                self.metrics.drop("poison")
             _settle(job.future, result=BatchResult(job.batch_id, (CRASHED_ALONE,), 0.0))
         elif job is not None:
             self._retry_alone(job)

@@ -169,6 +169,7 @@ async def serve(args: argparse.Namespace) -> int:
     )
     metrics.routes.update(app.routes)
     metrics.watch(scheduler, executor)
+    executor.metrics = metrics
     state = ServerState(metrics=metrics)
     settings = ProtocolSettings(
         max_body_bytes=args.max_body_bytes,
