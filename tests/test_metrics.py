@@ -169,3 +169,18 @@ async def test_the_loop_lag_probe_sees_a_blocked_loop():
     assert await probe >= 0.05
     assert metrics.registry.get_sample_value("rawserve_event_loop_lag_seconds_count") == 1
     assert metrics.registry.get_sample_value("rawserve_event_loop_lag_last_seconds") >= 0.05
+
+
+def test_poison_inputs_and_worker_restarts_are_counted():
+    with RunningServer(["--handler", "tests.handlers:faulty"]) as faulty:
+        # it crashes its worker, then again when retried alone: a poison input (500)
+        status, _ = faulty.post_json({"inputs": "crash here"}, timeout=60)
+        assert status == 500
+        wait_until(lambda: value(scrape(faulty), "rawserve_worker_ready", worker="0", device="cpu"))
+        # remembered: refused without a model call (422)
+        status, _ = faulty.post_json({"inputs": "crash here"})
+        assert status == 422
+        samples = scrape(faulty)
+    assert value(samples, "rawserve_items_dropped_total", reason="poison") == 2
+    assert value(samples, "rawserve_worker_restarts_total", worker="0") == 2
+    assert value(samples, "rawserve_requests_total", route="/", method="POST", status="500") == 1
