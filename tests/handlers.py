@@ -80,3 +80,21 @@ def loads_once():
     with open(marker, "w") as file:
         file.write("loaded")
     return echo()
+
+
+def recording():
+    """Echoes, and appends every input it computes to the file RAWSERVE_TEST_RECORD;
+    an input "gate" holds the worker until the file RAWSERVE_TEST_GATE exists."""
+    inner = echo()
+    record, gate = os.environ["RAWSERVE_TEST_RECORD"], os.environ["RAWSERVE_TEST_GATE"]
+
+    def handle(inputs, **params):
+        with open(record, "a") as file:
+            file.writelines(f"{item}\n" for item in inputs)
+        if "gate" in inputs:
+            end = time.monotonic() + 60
+            while not os.path.exists(gate) and time.monotonic() < end:
+                time.sleep(0.01)
+        return inner(inputs, **params)
+
+    return handle

@@ -1,0 +1,304 @@
+"""End to end over real loopback sockets: slow and vanishing clients, the connection cap,
+the API key, pipelining. The servers run the model-free test handlers, so they start fast.
+Every scenario is bounded in connections and in time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Callable
+
+import h11
+import pytest
+
+from tests.load import Client
+from tests.server import RunningServer
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key-0123456789"
+AUTH = [("Authorization", f"Bearer {API_KEY}")]
+SLOW_CLIENTS = 100  # of each kind: silent, half a head, half a body
+
+
+@pytest.fixture(scope="module")
+def guarded_server():
+    """Long read timeouts (slow clients stay connected), and an API key."""
+    args = ["--handler", "tests.handlers:echo", "--head-timeout", "60", "--body-timeout", "60"]
+    with RunningServer(
+        [*args, "--keepalive-timeout", "60"], env={"RAWSERVE_API_KEY": API_KEY}
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def strict_server():
+    """Read timeouts of one second."""
+    args = ["--head-timeout", "1", "--body-timeout", "1", "--keepalive-timeout", "30"]
+    with RunningServer(["--handler", "tests.handlers:echo", *args]) as server:
+        yield server
+
+
+async def read_until_closed(reader: asyncio.StreamReader, limit: float) -> bytes:
+    data = bytearray()
+    async with asyncio.timeout(limit):
+        while chunk := await reader.read(65536):
+            data += chunk
+    return bytes(data)
+
+
+def parse(data: bytes, closed: bool = True) -> list[tuple[int, dict[bytes, bytes], bytes]]:
+    """The whole responses in `data` (all the server sent before closing, unless not
+    `closed`), read by an h11 client that sent as many GETs."""
+    client = h11.Connection(h11.CLIENT)
+    answers: list[tuple[int, dict[bytes, bytes], bytes]] = []
+    client.send(h11.Request(method="GET", target="/", headers=[("Host", "x")]))
+    client.send(h11.EndOfMessage())
+    if data:  # (empty data would mean "closed" to h11)
+        client.receive_data(data)
+    if closed:
+        client.receive_data(b"")
+    status, headers, body = 0, {}, bytearray()
+    while True:
+        event = client.next_event()
+        if isinstance(event, h11.Response):
+            status, headers, body = event.status_code, dict(event.headers), bytearray()
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            answers.append((status, headers, bytes(body)))
+            if client.our_state is h11.MUST_CLOSE or client.their_state is h11.MUST_CLOSE:
+                return answers
+            client.start_next_cycle()
+            client.send(h11.Request(method="GET", target="/", headers=[("Host", "x")]))
+            client.send(h11.EndOfMessage())
+        elif event is h11.NEED_DATA or isinstance(event, h11.ConnectionClosed):
+            return answers
+
+
+async def until(condition: Callable[[], object], limit: float = 20.0) -> None:
+    """Wait for state in another process, which has no event to offer: check, bounded."""
+    end = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < end, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+# --- slow clients ---------------------------------------------------------------------
+
+
+def test_hundreds_of_half_open_connections_do_not_slow_a_normal_request(guarded_server):
+    port = guarded_server.port
+
+    async def scenario():
+        slow = []
+        openers = [
+            b"",  # connected, silent
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-",  # half a head
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc",  # half a body
+        ]
+        for opener in openers:
+            for _ in range(SLOW_CLIENTS):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(opener)
+                slow.append((reader, writer))
+        await asyncio.gather(*(writer.drain() for _, writer in slow))
+        try:
+            timings = []
+            for text in ("first", "second", "third"):
+                started = time.monotonic()
+                status, body = await Client(port).request("POST", "/", text.encode(), AUTH)
+                timings.append(time.monotonic() - started)
+                assert status == 200 and json.loads(body)["input"] == text
+            health_started = time.monotonic()
+            assert (await Client(port).request("GET", "/health"))[0] == 200
+            timings.append(time.monotonic() - health_started)
+            # none of the slow clients got an answer meanwhile (their timeouts are long)
+            assert not any(reader.at_eof() or reader._buffer for reader, _ in slow)  # noqa: SLF001
+            return timings
+        finally:
+            for _, writer in slow:
+                writer.close()
+
+    timings = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert max(timings) < 2.0, timings  # an unloaded answer takes a few ms
+
+
+def test_slow_clients_get_408_at_the_read_timeout_then_a_close(strict_server):
+    port = strict_server.port
+
+    async def one(opener: bytes) -> tuple[bytes, float]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        started = time.monotonic()
+        writer.write(opener)
+        try:
+            return await read_until_closed(reader, 20), time.monotonic() - started
+        finally:
+            writer.close()
+
+    async def scenario():
+        head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: "
+        body = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\nab"
+        return await asyncio.gather(*(one(opener) for opener in [head, body] * 20))
+
+    results = asyncio.run(asyncio.wait_for(scenario(), 40))
+    for data, seconds in results:
+        [(status, headers, body)] = parse(data)  # one answer, then the server's close
+        assert status == 408 and headers[b"connection"] == b"close"
+        assert json.loads(body)["error_type"] == "request_timeout"
+        assert 0.9 <= seconds < 15
+    # an idle connection that never sent a byte is not a slow request: no 408 for it
+    assert strict_server.request("GET", "/health")[0] == 200
+
+
+def test_an_idle_connection_with_nothing_sent_is_closed_without_an_answer():
+    args = ["--handler", "tests.handlers:echo", "--keepalive-timeout", "1"]
+    with RunningServer(args) as server:
+
+        async def scenario():
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            try:
+                return await read_until_closed(reader, 20)
+            finally:
+                writer.close()
+
+        assert asyncio.run(scenario()) == b""
+
+
+# --- the connection cap ---------------------------------------------------------------
+
+
+def test_connections_past_the_cap_get_503_until_one_closes():
+    cap = 20
+    with RunningServer(
+        ["--handler", "tests.handlers:echo", "--max-connections", str(cap)]
+    ) as server:
+        port = server.port
+
+        async def health_over_new_connection():
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            data = bytearray()
+            async with asyncio.timeout(20):
+                while not (answers := parse(bytes(data), closed=False)):
+                    chunk = await reader.read(65536)
+                    assert chunk, "closed without an answer"
+                    data += chunk
+            return answers[0], (reader, writer)
+
+        async def scenario():
+            held = []
+            try:
+                for _ in range(cap):
+                    (status, _, _), connection = await health_over_new_connection()
+                    assert status == 200  # kept alive, so it counts against the cap
+                    held.append(connection)
+                (status, headers, body), refused = await health_over_new_connection()
+                assert status == 503 and headers[b"retry-after"] == b"1"
+                assert json.loads(body)["error_type"] == "unavailable"
+                assert await read_until_closed(refused[0], 10) == b""  # then closed
+                refused[1].close()
+                held.pop()[1].close()  # one leaves: a place frees up
+                for _ in range(200):  # the server sees the close a moment later
+                    (status, _, _), connection = await health_over_new_connection()
+                    connection[1].close()
+                    if status == 200:
+                        return True
+                    await asyncio.sleep(0.05)
+                return False
+            finally:
+                for _, writer in held:
+                    writer.close()
+
+        assert asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+# --- a client leaving while its request is queued --------------------------------------
+
+
+def test_a_request_whose_client_leaves_while_queued_is_never_computed(tmp_path):
+    record, gate = tmp_path / "record", tmp_path / "gate"
+    env = {"RAWSERVE_TEST_RECORD": str(record), "RAWSERVE_TEST_GATE": str(gate)}
+    args = ["--handler", "tests.handlers:recording", "--max-batch-size", "1", "--max-queue", "1"]
+    with RunningServer(args, env=env) as server:
+        port = server.port
+        computed = lambda: record.read_text().split() if record.exists() else []  # noqa: E731
+
+        async def ready_status() -> int:
+            return (await Client(port).request("GET", "/ready"))[0]
+
+        async def until_ready(expected: int) -> None:
+            end = time.monotonic() + 20
+            while (status := await ready_status()) != expected:
+                assert time.monotonic() < end, f"/ready stayed {status}"
+                await asyncio.sleep(0.02)
+
+        async def scenario():
+            held = asyncio.create_task(Client(port).request("POST", "/", b"gate"))
+            await until(lambda: computed() == ["gate"])  # the worker is busy with it
+            await until_ready(200)  # in the worker, not in the queue
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\nwithdrawn")
+            await writer.drain()
+            await until_ready(503)  # queued: the queue (of one item) is full
+            writer.close()  # the client leaves before its answer
+            await until_ready(200)  # withdrawn from the queue
+            gate.touch()
+            assert (await held)[0] == 200
+            status, body = await Client(port).request("POST", "/", b"after")
+            assert status == 200 and json.loads(body)["input"] == "after"
+
+        asyncio.run(asyncio.wait_for(scenario(), 60))
+        assert computed() == ["gate", "after"]  # "withdrawn" never reached the model
+
+
+# --- the API key, HEAD and pipelining over a real socket --------------------------------
+
+
+def test_inference_needs_the_api_key_and_health_does_not(guarded_server):
+    status, headers, body = guarded_server.request("POST", "/", b"hi")
+    assert status == 401 and headers["www-authenticate"].startswith("Bearer")
+    assert json.loads(body)["error_type"] == "unauthorized"
+    wrong = {"Authorization": "Bearer not-the-key"}
+    status, headers, _ = guarded_server.request("POST", "/", b"hi", wrong)
+    assert status == 401 and 'error="invalid_token"' in headers["www-authenticate"]
+    status, _, body = guarded_server.request("POST", "/", b"hi", dict(AUTH))
+    assert status == 200 and json.loads(body)["input"] == "hi"
+    assert guarded_server.request("GET", "/health")[0] == 200
+    assert guarded_server.request("GET", "/ready")[0] == 200
+    assert guarded_server.request("GET", "/info")[0] == 401
+
+
+def test_pipelined_requests_over_one_socket_are_answered_in_order(guarded_server):
+    requests = (
+        b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+        + b"POST / HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + API_KEY.encode()
+        + b"\r\nContent-Length: 3\r\n\r\none"
+        + b"GET /nope HTTP/1.1\r\nHost: x\r\nX-Request-Id: third\r\n\r\n"
+        + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", guarded_server.port), timeout=20) as sock:
+        sock.sendall(requests)
+        data = bytearray()
+        while chunk := sock.recv(65536):
+            data += chunk
+    answers = parse(bytes(data))
+    assert [status for status, _, _ in answers] == [200, 200, 404, 200]
+    assert json.loads(answers[1][2])["input"] == "one"
+    assert answers[2][1][b"x-request-id"] == b"third"
+    assert all(b"server-timing" in headers for _, headers, _ in answers)
+
+
+def test_head_and_http_1_0_over_a_real_socket(guarded_server):
+    status, headers, body = guarded_server.request("HEAD", "/health")
+    assert status == 200 and body == b"" and int(headers["content-length"]) > 0
+    with socket.create_connection(("127.0.0.1", guarded_server.port), timeout=20) as sock:
+        sock.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+        data = bytearray()
+        while chunk := sock.recv(65536):  # the server closes after answering 1.0
+            data += chunk
+    [(status, headers, body)] = parse(bytes(data))
+    assert status == 200 and json.loads(body) == {"status": "ok"}
