@@ -422,6 +422,7 @@ class HttpProtocol(asyncio.Protocol):
             SERVER_HEADER,
             ("X-Request-Id", cycle.request_id),
             *rendered.headers,
+            ("Server-Timing", "total;dur=0.00"),
             ("Content-Length", str(len(rendered.body))),
             ("Connection", "close"),
         ]

@@ -250,7 +250,7 @@ async def test_hostile_input_gets_its_exact_outcome(case: Case):
     assert count_responses(outcome.transport.written) == len(case.statuses)  # nothing else
     for response, body in outcome.responses:
         headers = dict(response.headers)
-        assert headers[b"x-request-id"]
+        assert headers[b"x-request-id"] and headers[b"server-timing"]
         if response.status_code >= 400:
             assert headers[b"connection"] == b"close"
             document = json.loads(body)
