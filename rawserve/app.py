@@ -27,8 +27,10 @@ from rawserve.errors import (
 from rawserve.http import HttpRequest, HttpResponse, require_bearer
 from rawserve.info import loading_status, server_info
 from rawserve.messages import FailureKind, ItemFailure
+from rawserve.openai_api import OpenAIRoutes
 from rawserve.scheduler import ItemResult, Scheduler
-from rawserve.tasks import ParsedRequest, parse_json_body, parse_text_body
+from rawserve.streaming import TokenStreams
+from rawserve.tasks import ParsedRequest, parse_json_body, parse_text_body, shape_answer
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
 LOADING_RETRY_AFTER = 5.0
@@ -60,12 +62,16 @@ class App:
         self.metrics = metrics
         self.static_info = info or {}
         self.draining = False  # set by main on SIGTERM/SIGINT
+        self.openai = OpenAIRoutes(self)
+        self.streams = TokenStreams(scheduler, executor)
         self.routes: dict[str, dict[str, Handler]] = {
             "/": {"POST": self.infer},
             "/health": {"GET": self.health},
             "/ready": {"GET": self.ready},
             "/info": {"GET": self.info},
             "/metrics": {"GET": self.metrics_page},
+            "/v1/embeddings": {"POST": self.openai.embeddings},
+            "/v1/models": {"GET": self.openai.models},
         }
 
     async def handle(self, request: HttpRequest) -> HttpResponse:
@@ -116,15 +122,21 @@ class App:
         parsed = self.parse_body(request)
         started = self.clock()
         deadline = started + self.request_timeout(request)
+        if parsed.stream:
+            return await self.streams.open(parsed, deadline)
         results = await self.scheduler.run(parsed.inputs, parsed.params, deadline)
         outputs = [unwrap(result) for result in results]
-        body = encoding.dumps(outputs if parsed.is_list else outputs[0])
+        body = encoding.dumps(shape_answer(self.executor.task, outputs, parsed.is_list))
         return HttpResponse(200, body, [("Server-Timing", server_timing(results))])
 
     def parse_body(self, request: HttpRequest) -> ParsedRequest:
         task = self.executor.task
         content_type = (request.header("content-type") or "").split(";")[0].strip().lower()
-        if content_type == "application/json":
+        # InferenceClient posts JSON without a Content-Type: a body that has none and
+        # starts like an object is read as JSON.
+        if content_type == "application/json" or (
+            not content_type and request.body.lstrip()[:1] == b"{"
+        ):
             try:
                 document = json.loads(request.body)
             except (UnicodeDecodeError, json.JSONDecodeError):

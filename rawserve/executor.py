@@ -42,6 +42,7 @@ from rawserve.messages import (
     FailureKind,
     ItemFailure,
     Shutdown,
+    TokenChunk,
     WorkerConfig,
     WorkerLoadFailed,
     WorkerReady,
@@ -169,6 +170,9 @@ class Executor:
         self._closing = False
         self._first_load: asyncio.Future[WorkerReady] | None = None
         self.on_idle: Callable[[], None] | None = None  # set by the scheduler
+        # streamed generations: stream id → the callback that takes its TokenChunks
+        self._token_listeners: dict[int, Callable[[TokenChunk], None]] = {}
+        self._stream_ids = itertools.count(1)
         self.metrics: Any = None  # a metrics.Metrics (set by main): poison inputs dropped
 
     # --- the face the scheduler and the app use ---------------------------------------
@@ -229,6 +233,21 @@ class Executor:
         slots = [REFUSED_POISON if bad else None for bad in refused]
         self._watch(self._assemble(future, batch_id, slots, [inner]))
         return future
+
+    def open_stream(self, on_token: Callable[[TokenChunk], None]) -> int:
+        """A new stream id; put it in a batch's params to get its tokens as they come."""
+        stream_id = next(self._stream_ids)
+        self._token_listeners[stream_id] = on_token
+        return stream_id
+
+    def close_stream(self, stream_id: int) -> None:
+        """Forget a stream; a worker still generating for it stops at its next token."""
+        if self._token_listeners.pop(stream_id, None) is None:
+            return
+        for worker in self.workers:  # only the worker running that stream id reacts
+            flag = getattr(worker, "cancelled_stream", None)
+            if flag is not None:
+                flag.value = stream_id
 
     def describe(self) -> list[dict[str, Any]]:
         """State of each worker, for /info."""
@@ -358,9 +377,10 @@ class Executor:
 
     def _spawn(self, worker: WorkerHandle) -> None:
         parent_conn, child_conn = self._context.Pipe()
+        worker.cancelled_stream = self._context.Value("q", 0, lock=False)  # a stream to stop
         process = self._context.Process(
             target=worker_main,
-            args=(child_conn, worker.config, worker.index),
+            args=(child_conn, worker.config, worker.index, worker.cancelled_stream),
             name=f"rawserve-worker-{worker.index}",
             daemon=True,
         )
@@ -404,7 +424,11 @@ class Executor:
             pass
 
     def _on_message(self, worker: WorkerHandle, message: Any) -> None:
-        if isinstance(message, BatchResult):
+        if isinstance(message, TokenChunk):
+            listener = self._token_listeners.get(message.stream_id)
+            if listener is not None:  # None: the stream's client has gone
+                listener(message)
+        elif isinstance(message, BatchResult):
             self._on_result(worker, message)
         elif isinstance(message, WorkerReady):
             worker.ready = message

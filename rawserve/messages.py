@@ -57,6 +57,15 @@ class BatchResult:
 
 
 @dataclass(frozen=True)
+class TokenChunk:
+    """One new token of a streamed generation (sent while its batch is still running)."""
+
+    stream_id: int
+    index: int  # the item's position in its batch
+    token: Mapping[str, Any]  # TGI's token: {"id", "text", "logprob", "special"}
+
+
+@dataclass(frozen=True)
 class WorkerReady:
     pid: int
     task: str

@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from rawserve.messages import FailureKind, ItemFailure, WorkerConfig
-from rawserve.tasks import CUSTOM_TASK, split_outputs
+from rawserve.tasks import CUSTOM_TASK, SEQ2SEQ_TASKS, split_outputs
 
 log = logging.getLogger("rawserve.runner")
 
@@ -29,6 +29,7 @@ ARCHITECTURE_TASKS = [
     ("ForSequenceClassification", "text-classification"),
     ("ForTokenClassification", "token-classification"),
     ("ForQuestionAnswering", "question-answering"),
+    ("ForConditionalGeneration", "text2text-generation"),
     ("ForCausalLM", "text-generation"),
     ("LMHeadModel", "text-generation"),
     ("Model", "feature-extraction"),
@@ -74,8 +75,19 @@ def load_runner(config: WorkerConfig, device: str):
     model = config.model or default_model()
     model_dir = Path(model)
     task = config.task or infer_task(model_dir)
+    # rawserve's own adapters (they subclass Runner, so they are imported here)
+    from rawserve.generation import TextGenerationRunner
+    from rawserve.question_answering import QuestionAnsweringRunner
+    from rawserve.seq2seq import Seq2SeqRunner
+
     if task == "feature-extraction":
         return EmbeddingRunner(model, device, config.dtype)
+    if task == "text-generation":
+        return TextGenerationRunner(model, device, resolve_dtype(config.dtype))
+    if task == "question-answering":
+        return QuestionAnsweringRunner(model, device, resolve_dtype(config.dtype))
+    if task in SEQ2SEQ_TASKS:
+        return Seq2SeqRunner(model, task, device, resolve_dtype(config.dtype))
     return PipelineRunner(model, task, device, config.dtype)
 
 
@@ -90,6 +102,9 @@ class Runner:
 
     def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
         raise NotImplementedError
+
+    def bind_stream(self, send: Any, cancelled_stream: Any) -> None:
+        """Runners that stream tokens get the worker's pipe and the cancel flag here."""
 
     def describe_failure(self, exc: BaseException) -> ItemFailure:
         """Turn a failure on one item into a message that is safe to send to a client."""
@@ -153,8 +168,20 @@ class EmbeddingRunner(Runner):
         }
 
     def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
-        pooling = params.get("pooling", self.default_pooling)
-        normalize = params.get("normalize", self.default_normalize)
+        # The OpenAI route always wants a sentence vector, normalized unless the
+        # model says otherwise, and the real token count of each input.
+        embedding_api = params.get("embedding_api", False)
+        default_pooling = self.default_pooling
+        if embedding_api and default_pooling == "none":
+            default_pooling = "mean"
+        pooling = params.get("pooling", default_pooling)
+        normalize = params.get("normalize", self.default_normalize or embedding_api)
+        dimensions = params.get("dimensions")
+        if dimensions is not None and dimensions > self.model.config.hidden_size:
+            raise ValueError(
+                f"dimensions must be at most {self.model.config.hidden_size} for this model"
+            )
+        self.tokenizer.truncation_side = params.get("truncation_direction", "right")
         encoded = self.tokenizer(
             inputs,
             padding=True,
@@ -165,6 +192,8 @@ class EmbeddingRunner(Runner):
         with torch.inference_mode():
             hidden = self.model(**encoded).last_hidden_state.float()
             mask = encoded["attention_mask"]
+            if dimensions is not None:  # Matryoshka-style: keep the first dimensions
+                hidden = hidden[..., :dimensions]
             if pooling == "none":
                 vectors = [hidden[i, : int(mask[i].sum())] for i in range(len(inputs))]
                 if normalize:
@@ -178,7 +207,14 @@ class EmbeddingRunner(Runner):
                 pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
             if normalize:
                 pooled = torch.nn.functional.normalize(pooled, dim=-1)
-            return list(pooled.cpu().numpy())
+            vectors = list(pooled.cpu().numpy())
+        if embedding_api:
+            counts = mask.sum(1).tolist()
+            return [
+                {"embedding": vector, "tokens": count}
+                for vector, count in zip(vectors, counts, strict=True)
+            ]
+        return vectors
 
 
 def sentence_transformers_pooling(model_dir: Path) -> tuple[str, bool]:

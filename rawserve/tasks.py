@@ -239,7 +239,6 @@ TASKS: dict[str, Task] = {
                 "aggregation_strategy": _one_of("none", "simple", "first", "average", "max"),
                 "ignore_labels": _text_list(100),
             },
-            unwraps_single=True,
         ),
         Task(
             "zero-shot-classification",
@@ -307,6 +306,9 @@ TASKS: dict[str, Task] = {
 # Tasks served by a custom handler take any JSON input and any parameters.
 CUSTOM_TASK = "custom"
 SEQ2SEQ_TASKS = frozenset({"summarization", "translation", "text2text-generation"})
+# Set by the server on a streamed request's parameters (never by a client): the worker
+# sends that stream a TokenChunk per new token.
+STREAM_ID_PARAM = "stream_id"
 
 
 @dataclass(frozen=True)

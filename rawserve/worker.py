@@ -58,7 +58,7 @@ class BatchCap:
                 self.limit, self._lowered_from = None, 0
 
 
-def worker_main(conn: Any, config: WorkerConfig, index: int) -> None:
+def worker_main(conn: Any, config: WorkerConfig, index: int, cancelled_stream: Any = None) -> None:
     """Entry point of worker process `index`."""
     from rawserve.devices import isolate
     from rawserve.logs import setup_worker_logging
@@ -72,6 +72,7 @@ def worker_main(conn: Any, config: WorkerConfig, index: int) -> None:
         from rawserve.runner import load_runner
 
         runner = load_runner(config, plan.torch_device)
+        runner.bind_stream(conn.send, cancelled_stream)  # token streaming, if it streams
     except Exception as exc:  # noqa: BLE001 - reported to the parent, logged here
         log.exception("could not load the model")
         conn.send(WorkerLoadFailed(f"{type(exc).__name__}: {str(exc)[:500]}"))

@@ -1,0 +1,208 @@
+"""text-generation in the worker: batched `generate` with left padding, stop sequences,
+and token streaming.
+
+Worker-only (imports torch and transformers). One `TokenWatcher` runs after every
+decoding step: it turns each row's new token into text, ends rows that produced a stop
+sequence, hands tokens to a streamed request's sink, and stops everything when the
+server says the stream's client has gone (a shared integer, checked once a step).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import transformers
+
+from rawserve.messages import TokenChunk
+from rawserve.runner import Runner
+from rawserve.tasks import STREAM_ID_PARAM
+
+log = logging.getLogger("rawserve.generation")
+
+# The text-generation pipeline's defaults, for what the model's generation config leaves unset.
+PIPELINE_DEFAULTS = {"max_new_tokens": 256, "do_sample": True}
+
+
+class ScoreRecorder(transformers.LogitsProcessor):
+    """Keeps the last step's log-probabilities, for the tokens' `logprob`."""
+
+    def __init__(self) -> None:
+        self.logprobs: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.logprobs = scores.float().log_softmax(-1)
+        return scores
+
+
+class TokenWatcher(transformers.StoppingCriteria):
+    """Watches each new token: text, stop sequences, streaming, cancellation."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_length: int,
+        batch_size: int,
+        stop: Sequence[str],
+        recorder: ScoreRecorder,
+        on_token: Callable[[int, dict[str, Any]], None] | None = None,
+        cancelled: Callable[[], bool] = lambda: False,
+    ):
+        self.tokenizer = tokenizer
+        self.prompt_length = prompt_length
+        self.stop = list(stop)
+        self.recorder = recorder
+        self.on_token = on_token
+        self.cancelled = cancelled
+        self.special_ids = set(tokenizer.all_special_ids)
+        self.eos_ids = _eos_ids(tokenizer)
+        self.token_ids: list[list[int]] = [[] for _ in range(batch_size)]
+        self.texts = [""] * batch_size
+        self.done = [False] * batch_size
+        self.finish_reasons = ["length"] * batch_size
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        new_tokens = input_ids[:, -1].tolist()
+        logprobs = self.recorder.logprobs
+        for row, token_id in enumerate(new_tokens):
+            if self.done[row]:
+                continue
+            self.token_ids[row].append(token_id)
+            text = self.tokenizer.decode(self.token_ids[row], skip_special_tokens=True)
+            piece = ""
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                piece, self.texts[row] = text[len(self.texts[row]) :], text
+            if token_id in self.eos_ids:
+                self.done[row], self.finish_reasons[row] = True, "eos_token"
+            elif any(s in self.texts[row] for s in self.stop):
+                self.done[row], self.finish_reasons[row] = True, "stop_sequence"
+            if self.on_token is not None:
+                special = token_id in self.special_ids
+                self.on_token(
+                    row,
+                    {
+                        "id": token_id,
+                        "text": self.tokenizer.decode([token_id]) if special else piece,
+                        "logprob": float(logprobs[row, token_id]) if logprobs is not None else 0.0,
+                        "special": special,
+                    },
+                )
+        if not all(self.done) and self.cancelled():
+            log.info("generation stopped after %d tokens: the client left", len(self.token_ids[0]))
+            self.done = [True] * len(self.done)
+            self.finish_reasons = ["cancelled"] * len(self.done)
+        return torch.tensor(self.done, dtype=torch.bool, device=input_ids.device)
+
+
+def _eos_ids(tokenizer: Any) -> set[int]:
+    return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+
+
+def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """generate() options from checked request parameters."""
+    kwargs: dict[str, Any] = dict(defaults)
+    for name in (
+        "max_new_tokens",
+        "do_sample",
+        "temperature",
+        "top_p",
+        "top_k",
+        "repetition_penalty",
+    ):
+        if name in params:
+            kwargs[name] = params[name]
+    if kwargs.get("temperature") == 0.0:  # TGI and OpenAI read temperature 0 as greedy
+        kwargs.pop("temperature")
+        kwargs["do_sample"] = False
+    return kwargs
+
+
+class TextGenerationRunner(Runner):
+    """Causal LM generation, batched with left padding, in the Inference API's shapes."""
+
+    task = "text-generation"
+
+    def __init__(self, model: str, device: str, torch_dtype: Any):
+        self.device = device
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model, padding_side="left")
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+        self.model.to(device).eval()
+        self.dtype = str(self.model.dtype).removeprefix("torch.")
+        configured = self.model.generation_config.to_diff_dict()
+        config = self.model.config
+        self.max_positions = (
+            getattr(config, "max_position_embeddings", None)
+            or getattr(config, "n_positions", None)
+            or 1_000_000
+        )
+        self.defaults = {k: v for k, v in PIPELINE_DEFAULTS.items() if k not in configured}
+        self.send: Callable[[Any], None] | None = None
+        self.cancelled_stream: Any = None  # a shared integer: the stream id to stop
+
+    def bind_stream(self, send: Callable[[Any], None], cancelled_stream: Any) -> None:
+        """Where token chunks go (the worker's pipe) and where cancellations come from."""
+        self.send, self.cancelled_stream = send, cancelled_stream
+
+    def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
+        stream_id = params.get(STREAM_ID_PARAM)
+        encoded = self.tokenizer(inputs, padding=True, return_tensors="pt").to(self.device)
+        prompt_length = encoded["input_ids"].shape[1]
+        recorder = ScoreRecorder()
+        on_token = None
+        if stream_id is not None and self.send is not None:
+            send = self.send
+
+            def on_token(row: int, token: dict[str, Any]) -> None:
+                send(TokenChunk(stream_id=stream_id, index=row, token=token))
+
+        def cancelled() -> bool:
+            flag = self.cancelled_stream
+            return stream_id is not None and flag is not None and flag.value == stream_id
+
+        watcher = TokenWatcher(
+            self.tokenizer,
+            prompt_length,
+            len(inputs),
+            params.get("stop", ()),
+            recorder,
+            on_token,
+            cancelled,
+        )
+        kwargs = generate_kwargs(params, self.defaults)
+        room = self.max_positions - prompt_length
+        if room < 1:
+            raise ValueError(
+                f"the prompt is {prompt_length} tokens: the model takes at most "
+                f"{self.max_positions - 1} to leave room for one new token"
+            )
+        kwargs["max_new_tokens"] = min(kwargs["max_new_tokens"], room)
+        if "seed" in params:
+            torch.manual_seed(params["seed"])
+        with torch.inference_mode():
+            self.model.generate(
+                **encoded,
+                **kwargs,
+                pad_token_id=self.tokenizer.pad_token_id,
+                logits_processor=transformers.LogitsProcessorList([recorder]),
+                stopping_criteria=transformers.StoppingCriteriaList([watcher]),
+            )
+        full_text = params.get("return_full_text", stream_id is None)
+        outputs = []
+        for row, prompt in enumerate(inputs):
+            text = watcher.texts[row]
+            if full_text:
+                text = prompt + text
+            output: dict[str, Any] = {"generated_text": text}
+            if params.get("details") or stream_id is not None:
+                output["details"] = {
+                    "finish_reason": watcher.finish_reasons[row],
+                    "generated_tokens": len(watcher.token_ids[row]),
+                    "seed": params.get("seed"),
+                }
+            # pipe(x) answers [{"generated_text": ...}] per input
+            outputs.append(output if stream_id is not None else [output])
+        return outputs
