@@ -34,7 +34,7 @@ from rawserve.tasks import ParsedRequest, parse_json_body, parse_text_body, shap
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
 LOADING_RETRY_AFTER = 5.0
-OPEN_PATHS = frozenset({"/health", "/ready"})  # no API key needed (probes)
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # no API key: probes, Prometheus
 
 
 @dataclass(frozen=True)
