@@ -71,7 +71,13 @@ def worker_main(conn: Any, config: WorkerConfig, index: int, cancelled_stream: A
     try:
         from rawserve.runner import load_runner
 
+        imported = time.monotonic()
         runner = load_runner(config, plan.torch_device)
+        log.info(
+            "imports took %.2f s, the model load %.2f s",
+            imported - started,
+            time.monotonic() - imported,
+        )
         runner.bind_stream(conn.send, cancelled_stream)  # token streaming, if it streams
     except Exception as exc:  # noqa: BLE001 - reported to the parent, logged here
         log.exception("could not load the model")
