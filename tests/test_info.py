@@ -75,3 +75,13 @@ def test_while_loading_ready_tells_the_phase_and_the_log_tells_the_progress():
         loading.wait_for_log(re.compile(r"ready in [\d.]+ s"), timeout=60)
         status, _, body = loading.request("GET", "/ready")
         assert status == 200 and json.loads(body)["status"] == "ready"
+
+
+def test_with_an_api_key_metrics_stay_open_and_info_needs_the_key():
+    with RunningServer(["--handler", "tests.handlers:echo", "--api-key", "s3cret"]) as guarded:
+        assert guarded.request("GET", "/metrics")[0] == 200
+        assert guarded.request("GET", "/info")[0] == 401
+        status, _, body = guarded.request(
+            "GET", "/info", headers={"Authorization": "Bearer s3cret"}
+        )
+        assert status == 200 and json.loads(body)["task"] == "custom"
