@@ -235,11 +235,17 @@ async def closed_loop(
     *,
     health_interval: float | None = None,
     deadline: float | None = None,
+    max_requests: int | None = None,
 ) -> LoadResult:
-    """`clients` connections, each sending its next request when the last is answered."""
+    """`clients` connections, each sending its next request when the last is answered.
+
+    Stops after `duration` seconds, or once `max_requests` requests have been sent.
+    """
     loop = asyncio.get_running_loop()
     samples = Samples()
     order = itertools.cycle(range(len(requests)))
+    budget = itertools.count(1)
+    limit = max_requests if max_requests is not None else math.inf
     cpu_start = time.process_time()
     start = loop.time()
     stop_at = start + duration
@@ -247,7 +253,7 @@ async def closed_loop(
     async def client(index: int) -> None:
         connection: Connection | None = None
         try:
-            while loop.time() < stop_at:
+            while loop.time() < stop_at and next(budget) <= limit:
                 if connection is None or connection.closed or not connection.keep_alive:
                     if connection is not None:
                         connection.close()
@@ -276,6 +282,9 @@ async def closed_loop(
     if prober is not None:
         await _finish([prober], stop_at + DRAIN_SECONDS)
     elapsed = min(loop.time(), stop_at) - start
+    if max_requests is not None and len(samples.status) >= max_requests:
+        ends = zip(samples.sent, samples.latency, strict=True)
+        elapsed = max(sent + latency for sent, latency in ends)
     return LoadResult(
         "closed",
         elapsed,

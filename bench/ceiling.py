@@ -1,0 +1,179 @@
+"""The model's own offline throughput in one process: the ceiling a server is measured against.
+
+Two ways of running the same model on the same texts, at batch sizes 1 to 64:
+- `forward`: the tokenizer on the batch, then one forward pass (nothing else);
+- `pipeline`: the transformers pipeline called on the batch as a list.
+Batches are taken in corpus order ("arrival"), and, for mixed lengths, also after sorting
+a sample by length ("sorted": the least padding any server could get). Each point runs
+batches drawn from the same sample of texts for `min_seconds`, in a few rounds of which
+the best counts (the machine is shared; interference only ever slows a round down).
+
+    python -m bench.ceiling --model DIR --task text-classification --texts short
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+SAMPLE_SIZE = 256
+MIN_SECONDS = 1.5  # per point, split into ROUNDS
+ROUNDS = 3
+
+
+def load(model: str, task: str) -> tuple[Any, Any, Any]:
+    """(tokenizer, model, pipeline) for `task`, on the CPU, in eval mode."""
+    import transformers
+
+    model_class = (
+        transformers.AutoModel
+        if task == "feature-extraction"
+        else transformers.AutoModelForSequenceClassification
+    )
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    network = model_class.from_pretrained(model).eval()
+    pipe = transformers.pipeline(task, model=network, tokenizer=tokenizer, device="cpu")
+    return tokenizer, network, pipe
+
+
+def forward_runner(tokenizer: Any, network: Any) -> Callable[[list[str]], Any]:
+    import torch
+
+    def run(batch: list[str]) -> Any:
+        encoded = tokenizer(batch, padding=True, truncation=True, return_tensors="pt")
+        with torch.inference_mode():
+            return network(**encoded)
+
+    return run
+
+
+def pipeline_runner(pipe: Any) -> Callable[[list[str]], Any]:
+    def run(batch: list[str]) -> Any:
+        return pipe(batch, batch_size=len(batch))
+
+    return run
+
+
+def batches(sample: Sequence[str], size: int, order: str, tokenizer: Any) -> list[list[str]]:
+    items = list(sample)
+    if order == "sorted":
+        lengths = [len(ids) for ids in tokenizer(items, truncation=True)["input_ids"]]
+        items = [text for _, text in sorted(zip(lengths, items, strict=True))]
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def throughput(
+    run: Callable[[list[str]], Any], work: list[list[str]], seconds: float, rounds: int = ROUNDS
+) -> tuple[float, list[float]]:
+    """Items per second (the best of `rounds` rounds) and every call's duration.
+
+    Each round runs the batches in a shuffled order, cycling, for `seconds / rounds`; the
+    best round is kept because what slows a round down here is the rest of the machine.
+    """
+    run(work[0])  # warm-up
+    rng = random.Random(0)
+    calls: list[float] = []
+    best = 0.0
+    for _ in range(rounds):
+        order = list(work)
+        rng.shuffle(order)
+        items = 0
+        start = time.perf_counter()
+        elapsed = 0.0
+        for batch in itertools.cycle(order):
+            began = time.perf_counter()
+            run(batch)
+            calls.append(time.perf_counter() - began)
+            items += len(batch)
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds / rounds:
+                break
+        best = max(best, items / elapsed)
+    return best, calls
+
+
+def measure(
+    model: str,
+    task: str,
+    sample: Sequence[str],
+    *,
+    batch_sizes: Sequence[int] = BATCH_SIZES,
+    orders: Sequence[str] = ("arrival",),
+    modes: Sequence[str] = ("forward", "pipeline"),
+    min_seconds: float = MIN_SECONDS,
+    log: Callable[[str], None] = lambda line: None,
+) -> dict[str, Any]:
+    import torch
+
+    tokenizer, network, pipe = load(model, task)
+    runners = {"forward": forward_runner(tokenizer, network), "pipeline": pipeline_runner(pipe)}
+    result: dict[str, Any] = {"threads": torch.get_num_threads(), "sample": len(sample)}
+    for mode in modes:
+        for order in orders:
+            curve: dict[str, float] = {}
+            for size in batch_sizes:
+                work = batches(sample, size, order, tokenizer)
+                rate, calls = throughput(runners[mode], work, min_seconds)
+                curve[str(size)] = round(rate, 2)
+                log(f"  {mode:8} {order:7} batch {size:3}: {rate:7.1f} items/s")
+                if mode == "forward" and order == "arrival" and size == 1:
+                    result["single_item_ms"] = {
+                        "p50": round(1000 * statistics.median(calls), 3),
+                        "mean": round(1000 * statistics.fmean(calls), 3),
+                    }
+            best = max(curve, key=curve.__getitem__)
+            result[f"{mode}/{order}"] = {
+                "curve": curve,
+                "best": curve[best],
+                "best_batch": int(best),
+            }
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from bench.workloads import TEXT_SETS, texts
+
+    parser = argparse.ArgumentParser(prog="python -m bench.ceiling", description=__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--task", required=True)
+    parser.add_argument("--texts", choices=TEXT_SETS, default="short")
+    parser.add_argument("--sample", type=int, default=SAMPLE_SIZE)
+    parser.add_argument("--min-seconds", type=float, default=MIN_SECONDS)
+    parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)))
+    parser.add_argument("--modes", default="forward,pipeline")
+    parser.add_argument("--orders", default=None, help="default: arrival (+ sorted for mixed)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (all cores)")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    orders = args.orders or ("arrival,sorted" if args.texts == "mixed" else "arrival")
+    result = measure(
+        args.model,
+        args.task,
+        texts(args.texts)[: args.sample],
+        batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
+        orders=orders.split(","),
+        modes=args.modes.split(","),
+        min_seconds=args.min_seconds,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    json.dump(result, sys.stdout, indent=2)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

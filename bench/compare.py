@@ -1,0 +1,423 @@
+"""One command: the ceiling, rawserve and the seed's servers, one after the other, same load.
+
+    python -m bench.compare            # everything, about 8 minutes on 2 cores
+    python -m bench.compare --record   # ... and write the Performance section of RESULTS.md
+    python -m bench.compare --quick    # a shorter run, to try things out
+
+For each model (a 2-label classifier and token-level embeddings, both all-MiniLM-L6-v2):
+1. the ceiling, in a process of its own with nothing else running (bench.ceiling);
+2. each server in turn, started fresh, warmed up, then closed-loop runs at 1, 4, 16 and 64
+   clients on each text set, with a GET /health prober alongside the 64-client run;
+3. for rawserve, an open-loop run at 3x the capacity it just showed.
+Then a table of ratios to the ceiling and to the seed's server, a picture of throughput
+against p99 latency (bench/throughput_vs_p99.png), and the raw figures as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import load, servers
+from bench.models import Scenario, scenarios
+from bench.workloads import RAW_TEXT, BodyFormat, texts
+
+BENCH_DIR = Path(__file__).resolve().parent
+CLIENT_COUNTS = (1, 4, 16, 64)
+SATURATION_CLIENTS = 64
+OVERLOAD_FACTOR = 3.0
+OVERLOAD_DEADLINE = 2.0  # seconds, sent as X-Request-Timeout in the open-loop run
+HEALTH_INTERVAL = 0.02
+READY_TIMEOUT = 180.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    duration: float  # seconds per closed-loop point
+    saturation_duration: float  # seconds of the 64-client point
+    warmup: float
+    ceiling_seconds: float  # per ceiling point
+    overload_duration: float
+    client_counts: tuple[int, ...]
+    servers: tuple[str, ...]
+    scenarios: tuple[str, ...]
+    rawserve_args: tuple[str, ...]
+    tools: bool
+
+
+FULL = dict(duration=5.0, saturation_duration=8.0, warmup=2.0, ceiling_seconds=1.2)
+QUICK = dict(duration=2.0, saturation_duration=3.0, warmup=1.0, ceiling_seconds=0.5)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --- the ceiling ----------------------------------------------------------------------
+
+
+def run_ceiling(scenario: Scenario, text_set: str, settings: Settings, work: Path) -> dict:
+    modes = "forward,pipeline"
+    orders = "arrival,sorted" if text_set == "mixed" else "arrival"
+    command = [
+        sys.executable,
+        "-m",
+        "bench.ceiling",
+        "--model",
+        scenario.model,
+        "--task",
+        scenario.task,
+        "--texts",
+        text_set,
+        "--modes",
+        modes,
+        "--orders",
+        orders,
+        "--min-seconds",
+        str(settings.ceiling_seconds),
+    ]
+    log(f"ceiling: {scenario.name}, {text_set} texts")
+    with open(work / f"ceiling-{scenario.name}-{text_set}.log", "wb") as stderr:
+        done = subprocess.run(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            env=servers.base_env(),
+            cwd=servers.REPO_ROOT,
+            check=True,
+            timeout=600,
+        )
+    return json.loads(done.stdout)
+
+
+# --- one server -----------------------------------------------------------------------
+
+
+def start_server(name: str, scenario: Scenario, settings: Settings, work: Path):
+    log_path = work / f"{name}-{scenario.name}.log"
+    if name == "rawserve":
+        args = [*scenario.rawserve_args, *settings.rawserve_args]
+        return servers.rawserve(scenario.model, log_path, args).start()
+    return servers.seed(name, scenario.model, scenario.task, log_path).start()
+
+
+def body_format(name: str, scenario: Scenario) -> BodyFormat:
+    if name == "rawserve" and scenario.rawserve_params is not None:
+        return BodyFormat(scenario.rawserve_params)
+    return RAW_TEXT
+
+
+async def measure_server(
+    server: servers.ServerProcess,
+    scenario: Scenario,
+    settings: Settings,
+) -> dict[str, Any]:
+    """Closed-loop points (and, for rawserve, overload) on each text set of `scenario`."""
+    fmt = body_format(server.name, scenario)
+    loaded = await load.wait_until_serving(
+        server.port, load.build_requests(["warm up"], fmt)[0], READY_TIMEOUT
+    )
+    result: dict[str, Any] = {"ready_seconds": round(loaded, 1), "text_sets": {}}
+    for text_set in scenario.text_sets:
+        requests = load.build_requests(texts(text_set), fmt)
+        await load.warm_up(server.port, requests, settings.warmup)
+        points = []
+        for clients in settings.client_counts:
+            saturated = clients == SATURATION_CLIENTS
+            before = servers.cpu_snapshot(server.pid)
+            run = await load.closed_loop(
+                server.port,
+                requests,
+                clients,
+                settings.saturation_duration if saturated else settings.duration,
+                health_interval=HEALTH_INTERVAL if saturated else None,
+            )
+            summary = run.summary()
+            after = servers.cpu_snapshot(server.pid)
+            summary.update(servers.cpu_shares(before, after, run.duration))
+            points.append(summary)
+            log(
+                f"  {server.name:14} {scenario.name:16} {text_set:6} {clients:3} clients: "
+                f"{summary['throughput']:7.1f}/s p50 {summary['p50_ms']} ms "
+                f"p99 {summary['p99_ms']} ms {summary['statuses']}"
+            )
+        entry: dict[str, Any] = {"points": points}
+        if server.name == "rawserve" and text_set == "short" and settings.overload_duration:
+            entry["overload"] = await overload(server, text_set, fmt, points, settings)
+        if settings.tools and text_set == "short":
+            entry["tools"] = standard_tools(server.port, texts(text_set)[0], fmt)
+        result["text_sets"][text_set] = entry
+    result["rss_bytes"] = servers.rss_bytes(server.pid)
+    return result
+
+
+async def overload(
+    server: servers.ServerProcess,
+    text_set: str,
+    fmt: BodyFormat,
+    points: list[dict],
+    settings: Settings,
+) -> dict[str, Any]:
+    capacity = max(point["throughput"] for point in points)
+    rate = OVERLOAD_FACTOR * capacity
+    requests = load.build_requests(texts(text_set), fmt, timeout_header=OVERLOAD_DEADLINE)
+    before = servers.cpu_snapshot(server.pid)
+    run = await load.open_loop(
+        server.port,
+        requests,
+        rate,
+        settings.overload_duration,
+        deadline=OVERLOAD_DEADLINE,
+        health_interval=HEALTH_INTERVAL,
+    )
+    summary = run.summary()
+    summary.update(servers.cpu_shares(before, servers.cpu_snapshot(server.pid), run.duration))
+    summary["capacity"] = capacity
+    log(
+        f"  {server.name:14} overload at {rate:.0f}/s: goodput {summary['goodput']}/s, "
+        f"{summary['statuses']}, 503 p99 {summary.get('503', {}).get('p99_ms')} ms, "
+        f"late 200s {summary['late_200']}"
+    )
+    return summary
+
+
+def standard_tools(port: int, text: str, fmt: BodyFormat) -> dict[str, Any]:
+    """The same saturation point through `wrk` and `hey`, where they are installed."""
+    figures: dict[str, Any] = {}
+    body = fmt.body(text)
+    url = f"http://127.0.0.1:{port}/"
+    with tempfile.TemporaryDirectory() as folder:
+        body_file = Path(folder) / "body"
+        body_file.write_bytes(body)
+        if shutil.which("wrk"):
+            script = Path(folder) / "post.lua"
+            script.write_text(
+                f'wrk.method = "POST"\nwrk.body = {json.dumps(body.decode())}\n'
+                f'wrk.headers["Content-Type"] = "{fmt.content_type}"\n'
+            )
+            out = _run_tool(
+                ["wrk", "-t1", f"-c{SATURATION_CLIENTS}", "-d5s", "--latency", "-s", script, url]
+            )
+            figures["wrk"] = _parse_wrk(out)
+        if shutil.which("hey"):
+            out = _run_tool(
+                [
+                    "hey",
+                    "-z",
+                    "5s",
+                    "-c",
+                    str(SATURATION_CLIENTS),
+                    "-m",
+                    "POST",
+                    "-T",
+                    fmt.content_type,
+                    "-D",
+                    body_file,
+                    url,
+                ]
+            )
+            figures["hey"] = _parse_hey(out)
+    return figures
+
+
+def _run_tool(command: Sequence[Any]) -> str:
+    try:
+        done = subprocess.run(
+            [str(part) for part in command], capture_output=True, text=True, timeout=30
+        )
+        return done.stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"failed: {exc}"
+
+
+def _parse_wrk(out: str) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
+    for line in out.splitlines():
+        words = line.split()
+        if line.startswith("Requests/sec:"):
+            figures["throughput"] = float(words[1])
+        elif len(words) == 2 and words[0] in ("50%", "99%"):
+            figures[f"p{words[0][:-1]}_ms"] = _ms(words[1])
+    return figures
+
+
+def _parse_hey(out: str) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
+    for line in out.splitlines():
+        words = line.split()
+        if line.strip().startswith("Requests/sec:"):
+            figures["throughput"] = float(words[1])
+        elif len(words) >= 3 and words[0] in ("50%", "99%") and words[1] == "in":
+            figures[f"p{words[0][:-1]}_ms"] = round(1000 * float(words[2]), 3)
+    return figures
+
+
+def _ms(value: str) -> float | None:
+    for unit, factor in (("us", 0.001), ("ms", 1.0), ("s", 1000.0)):
+        if value.endswith(unit):
+            return round(float(value[: -len(unit)]) * factor, 3)
+    return None
+
+
+# --- memory across many requests ---------------------------------------------------
+
+
+SOAK_REQUESTS = 100_000
+SOAK_WARMUP_REQUESTS = 5_000
+SOAK_TIME_LIMIT = 240.0
+SOAK_TOLERANCE = 4 * 2**20  # bytes of RSS growth still called flat
+
+
+async def soak(work: Path, requests_count: int = SOAK_REQUESTS) -> dict[str, Any]:
+    """rawserve on the echo handler: server RSS before and after `requests_count` requests."""
+    server = servers.rawserve(
+        None, work / "rawserve-soak.log", ["--log-level", "warning"], handler="tests.handlers:echo"
+    ).start()
+    try:
+        requests = load.build_requests(texts("mixed"), RAW_TEXT)
+        await load.wait_until_serving(server.port, requests[0], READY_TIMEOUT)
+        await load.closed_loop(
+            server.port, requests, 64, SOAK_TIME_LIMIT, max_requests=SOAK_WARMUP_REQUESTS
+        )
+        rss_before = servers.rss_bytes(server.pid)
+        run = await load.closed_loop(
+            server.port, requests, 64, SOAK_TIME_LIMIT, max_requests=requests_count
+        )
+        rss_after = servers.rss_bytes(server.pid)
+    finally:
+        server.stop()
+    summary = run.summary()
+    log(
+        f"soak: {summary['requests']} requests at {summary['throughput']:.0f}/s, "
+        f"server RSS {rss_before / 2**20:.1f} -> {rss_after / 2**20:.1f} MiB"
+    )
+    return {
+        "requests": summary["requests"],
+        "statuses": summary["statuses"],
+        "throughput": summary["throughput"],
+        "rss_before": rss_before,
+        "rss_after": rss_after,
+        "tolerance_bytes": SOAK_TOLERANCE,
+    }
+
+
+# --- the whole run --------------------------------------------------------------------
+
+
+def run_scenario(scenario: Scenario, settings: Settings, work: Path) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "model": scenario.name,
+        "task": scenario.task,
+        "outputs": scenario.outputs,
+        "ceiling": {},
+        "servers": {},
+    }
+    for text_set in scenario.text_sets:
+        result["ceiling"][text_set] = run_ceiling(scenario, text_set, settings, work)
+    for name in settings.servers:
+        log(f"{name}: {scenario.name}")
+        server = start_server(name, scenario, settings, work)
+        try:
+            result["servers"][name] = asyncio.run(measure_server(server, scenario, settings))
+        except Exception as exc:  # noqa: BLE001 - one server failing must not stop the rest
+            log(f"  {name} failed: {exc!r}\n{server.log_tail()}")
+            result["servers"][name] = {"error": repr(exc)}
+        finally:
+            server.stop()
+    return result
+
+
+def machine() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            cpu = next(
+                line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")
+            )
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "load_average_before": os.getloadavg()[0],
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="short runs (about 3 minutes)")
+    parser.add_argument("--record", action="store_true", help="rewrite ## Performance")
+    parser.add_argument("--servers", default=",".join(servers.SERVERS))
+    parser.add_argument("--scenarios", default="classification,token-embeddings")
+    parser.add_argument("--clients", default=",".join(map(str, CLIENT_COUNTS)))
+    parser.add_argument("--rawserve-args", default="", help="extra rawserve options")
+    parser.add_argument("--no-overload", action="store_true")
+    parser.add_argument("--tools", action="store_true", help="also run wrk and hey if installed")
+    parser.add_argument(
+        "--soak", action="store_true", help=f"server RSS across {SOAK_REQUESTS:,} echo requests"
+    )
+    parser.add_argument("--json", type=Path, default=BENCH_DIR / "results.json")
+    parser.add_argument("--from-json", type=Path, help="only redo the table and picture")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from bench import report
+
+    args = parse_args(argv)
+    if args.from_json:
+        results = json.loads(args.from_json.read_text())
+    else:
+        timing = QUICK if args.quick else FULL
+        settings = Settings(
+            **timing,
+            overload_duration=0.0 if args.no_overload else (4.0 if args.quick else 8.0),
+            client_counts=tuple(int(c) for c in args.clients.split(",")),
+            servers=tuple(args.servers.split(",")),
+            scenarios=tuple(args.scenarios.split(",")),
+            rawserve_args=tuple(args.rawserve_args.split()),
+            tools=args.tools,
+        )
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="rawserve-bench-") as folder:
+            work = Path(folder)
+            chosen = [s for s in scenarios(work) if s.name in settings.scenarios]
+            results = {
+                "command": "python -m bench.compare " + " ".join(argv or sys.argv[1:]),
+                "machine": machine(),
+                "settings": settings.__dict__,
+                "scenarios": [run_scenario(s, settings, work) for s in chosen],
+            }
+            if args.soak:
+                results["soak"] = asyncio.run(soak(work))
+        results["seconds"] = round(time.monotonic() - started, 1)
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+        log(f"done in {results['seconds']:.0f} s; figures in {args.json}")
+    table = report.ratio_table(results)
+    print(table)
+    picture = report.plot(results, BENCH_DIR / "throughput_vs_p99.png")
+    if args.record:
+        report.record(results, table, picture, BENCH_DIR / "RESULTS.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Start and stop the servers under comparison, and read their processes' CPU and memory.
+
+Each server is a child process on a free loopback port, with its log in a file; `stop()`
+sends SIGTERM and kills what is still there after a grace period. CPU and RSS come from
+/proc (Linux), for the server and every process below it (rawserve's model worker).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STOP_GRACE = 15.0
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+SERVERS = ("rawserve", "seed-batching", "seed-per-item")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    log_path: Path
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen | None = None
+
+    def start(self) -> ServerProcess:
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [*self.command, "--port", str(self.port)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env=self.env,
+                cwd=REPO_ROOT,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self) -> int | None:
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def base_env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+
+
+def rawserve(
+    model: str | None, log_path: Path, args: Sequence[str] = (), handler: str | None = None
+) -> ServerProcess:
+    command = [sys.executable, "-m", "rawserve", "--host", "127.0.0.1", *args]
+    if handler:
+        command += ["--handler", handler]
+    elif model:
+        command += ["--model", model]
+    return ServerProcess("rawserve", command, base_env(), log_path)
+
+
+def seed(name: str, model: str, task: str, log_path: Path) -> ServerProcess:
+    """The seed page's server under uvicorn, with uvicorn's defaults (as `uvicorn server:app`)."""
+    module = {"seed-batching": "seed_batching", "seed-per-item": "seed_per_item"}[name]
+    command = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        f"bench.baselines.{module}:app",
+        "--host",
+        "127.0.0.1",
+    ]
+    env = {**base_env(), "SEED_MODEL": model, "SEED_TASK": task}
+    return ServerProcess(name, command, env, log_path)
+
+
+# --- /proc readings -------------------------------------------------------------------
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it."""
+    found = [pid]
+    index = 0
+    while index < len(found):
+        current = found[index]
+        index += 1
+        try:
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as children:
+                    found += [int(child) for child in children.read().split()]
+        except OSError:
+            continue
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as statm:
+            return int(statm.read().split()[1]) * PAGE_SIZE
+    except OSError:
+        return 0
+
+
+def cpu_snapshot(root_pid: int) -> dict[int, float]:
+    return {pid: cpu_seconds(pid) for pid in descendants(root_pid)}
+
+
+def cpu_shares(before: dict[int, float], after: dict[int, float], seconds: float) -> dict:
+    """Cores used by the server process itself and by the processes below it."""
+    root = next(iter(after), None)
+    if root is None or seconds <= 0:
+        return {}
+    server = after.get(root, 0.0) - before.get(root, 0.0)
+    children = sum(after[pid] - before.get(pid, 0.0) for pid in after if pid != root)
+    return {
+        "server_cpu_share": round(server / seconds, 3),
+        "worker_cpu_share": round(children / seconds, 3),
+    }
