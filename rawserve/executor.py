@@ -67,10 +67,6 @@ TIMED_OUT = ItemFailure(
 )
 
 
-class WorkerCrashed(Exception):
-    """The worker process died while it held a batch."""
-
-
 class WorkerState(enum.Enum):
     LOADING = "loading"
     IDLE = "idle"
@@ -272,7 +268,9 @@ class Executor:
             _settle(self._retries.popleft().future, error=stopping)
         for worker in self.workers:
             self._take_job(worker, error=stopping)
-            if worker.conn is not None and worker.state is not WorkerState.DEAD:
+            if worker.state is WorkerState.LOADING and worker.process is not None:
+                worker.process.kill()  # nothing to finish, and a load may take minutes
+            elif worker.conn is not None and worker.state is not WorkerState.DEAD:
                 try:
                     worker.conn.send(Shutdown())
                 except (OSError, ValueError):
