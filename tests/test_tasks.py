@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from rawserve.errors import BadRequest
-from rawserve.tasks import batch_key, parse_json_body, parse_text_body, split_outputs
+from rawserve.tasks import (
+    batch_key,
+    parse_json_body,
+    parse_text_body,
+    shape_answer,
+    split_outputs,
+)
 
 
 def test_raw_text_is_one_input():
@@ -74,3 +80,119 @@ def test_split_outputs_puts_back_the_list_a_one_item_call_dropped():
     assert split_outputs("text-classification", ["a"], [{"label": "x"}]) == [{"label": "x"}]
     with pytest.raises(RuntimeError):
         split_outputs("text-classification", ["a", "b"], [{"label": "x"}])
+
+
+# --- the shapes InferenceClient sends and expects ---------------------------------------
+
+
+def test_feature_extraction_parameters_may_sit_at_the_top_level():
+    # what InferenceClient.feature_extraction sends
+    parsed = parse_json_body("feature-extraction", {"inputs": "hi", "normalize": True})
+    assert parsed.params == {"normalize": True}
+    with pytest.raises(BadRequest):
+        parse_json_body("fill-mask", {"inputs": "hi", "top_k": 2})
+
+
+def test_explicit_nulls_are_dropped():
+    parsed = parse_json_body(
+        "text-generation", {"inputs": "hi", "parameters": {"max_new_tokens": 4, "seed": None}}
+    )
+    assert parsed.params == {"max_new_tokens": 4}
+
+
+def test_stream_is_a_top_level_field_of_text_generation_only():
+    parsed = parse_json_body(
+        "text-generation", {"inputs": "hi", "parameters": {"details": True}, "stream": True}
+    )
+    assert parsed.stream and parsed.params == {"details": True}
+    assert not parse_json_body("text-generation", {"inputs": "hi", "stream": False}).stream
+    for document in (
+        {"inputs": ["a", "b"], "stream": True},
+        {"inputs": "a", "stream": "yes"},
+    ):
+        with pytest.raises(BadRequest):
+            parse_json_body("text-generation", document)
+    with pytest.raises(BadRequest):
+        parse_json_body("fill-mask", {"inputs": "a [MASK]", "stream": True})
+
+
+@pytest.mark.parametrize(
+    ("task", "parameters"),
+    [
+        ("text-generation", {"stop": ["a"] * 17}),
+        ("text-generation", {"stop": [""]}),
+        ("text-generation", {"temperature": -1}),
+        ("text-generation", {"top_p": 1.5}),
+        ("text-generation", {"watermark": True}),
+        ("question-answering", {"align_to_words": True}),
+        ("question-answering", {"top_k": 0}),
+        ("zero-shot-classification", {"candidate_labels": []}),
+        ("zero-shot-classification", {"candidate_labels": ["a"], "multi_label": "yes"}),
+        ("token-classification", {"aggregation_strategy": "mean"}),
+        ("text-classification", {"function_to_apply": "relu"}),
+        ("summarization", {"generate_parameters": {"eos_token_id": 1}}),
+        ("summarization", {"src_lang": "en"}),
+        ("translation", {"src_lang": ""}),
+        ("feature-extraction", {"pooling": "max"}),
+        ("feature-extraction", {"dimensions": 0}),
+    ],
+)
+def test_parameters_outside_the_rules_are_400(task, parameters):
+    document = {
+        "inputs": {"question": "q", "context": "c"} if task == "question-answering" else "x"
+    }
+    with pytest.raises(BadRequest):
+        parse_json_body(task, {**document, "parameters": parameters})
+
+
+def test_seq2seq_parameters_as_the_inference_api_names_them():
+    parsed = parse_json_body(
+        "translation",
+        {
+            "inputs": "hello",
+            "parameters": {
+                "src_lang": "en",
+                "tgt_lang": "fr",
+                "clean_up_tokenization_spaces": True,
+                "truncation": "only_first",
+                "generate_parameters": {"max_new_tokens": 5, "num_beams": 2, "top_k": None},
+            },
+        },
+    )
+    assert parsed.params["generate_parameters"] == {"max_new_tokens": 5, "num_beams": 2}
+    assert parsed.params["src_lang"] == "en"
+
+
+@pytest.mark.parametrize(
+    ("task", "item", "single"),
+    [
+        # text-classification: InferenceClient reads answer[0] as the list of labels
+        ("text-classification", {"label": "A", "score": 1.0}, [[{"label": "A", "score": 1.0}]]),
+        ("text-classification", [{"label": "A", "score": 1.0}], [[{"label": "A", "score": 1.0}]]),
+        ("summarization", {"summary_text": "s"}, [{"summary_text": "s"}]),
+        ("translation", {"translation_text": "t"}, [{"translation_text": "t"}]),
+        ("text2text-generation", {"generated_text": "g"}, [{"generated_text": "g"}]),
+        ("text-generation", [{"generated_text": "g"}], [{"generated_text": "g"}]),
+        ("question-answering", {"answer": "a"}, {"answer": "a"}),
+        ("fill-mask", [{"token_str": "a"}], [{"token_str": "a"}]),
+        ("feature-extraction", [0.5, 0.5], [0.5, 0.5]),
+        ("custom", {"anything": 1}, {"anything": 1}),
+    ],
+)
+def test_answer_shapes(task, item, single):
+    assert shape_answer(task, [item], is_list=False) == single
+    assert shape_answer(task, [item, item], is_list=True) == [item, item]
+
+
+def test_zero_shot_answers_label_score_pairs():
+    raw = [{"sequence": "x", "labels": ["b", "a"], "scores": [0.75, 0.25]}]
+    assert split_outputs("zero-shot-classification", ["x"], raw) == [
+        [{"label": "b", "score": 0.75}, {"label": "a", "score": 0.25}]
+    ]
+
+
+def test_only_fill_mask_drops_the_outer_list_of_a_one_item_call():
+    entities = [{"entity": "B-PER", "word": "john"}]
+    # transformers 5: token-classification keeps it (see test_task_adapters for the check)
+    assert split_outputs("token-classification", ["john"], [entities]) == [entities]
+    assert split_outputs("token-classification", ["a", "b"], [[], entities]) == [[], entities]

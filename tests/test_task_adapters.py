@@ -1,0 +1,257 @@
+"""Each task's runner in-process, on tiny local models: the options each task takes,
+batching that answers what single calls answer, and the pipelines' list habits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rawserve.messages import TokenChunk, WorkerConfig
+from rawserve.tasks import split_outputs
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model):
+    from rawserve.runner import load_runner
+
+    loaded = {}
+
+    def get(kind: str, task: str | None = None):
+        if (kind, task) not in loaded:
+            config = WorkerConfig(model=tiny_model(kind), task=task, dtype="float32")
+            loaded[kind, task] = load_runner(config, "cpu")
+        return loaded[kind, task]
+
+    return get
+
+
+# --- what the installed pipelines do with a one-item list ------------------------------
+
+PIPELINE_CASES = [
+    ("fill-mask", "fill-mask", ["paris is the [MASK]", "the [MASK] movie"], {"top_k": 2}),
+    ("token-classification", "token-classification", ["john lives in paris", "hello"], {}),
+    (
+        "token-classification",
+        "token-classification",
+        ["john lives in paris", "mary"],
+        {"aggregation_strategy": "simple"},
+    ),
+    ("text-classification", "text-classification", ["i like it", "bad"], {}),
+    ("text-classification", "text-classification", ["i like it", "bad"], {"top_k": 2}),
+    (
+        "text-classification",
+        "text-classification",
+        [{"text": "i like it", "text_pair": "it is good"}, {"text": "bad"}],
+        {"function_to_apply": "sigmoid"},
+    ),
+    (
+        "zero-shot-classification",
+        "zero-shot-classification",
+        ["i like this film", "paris"],
+        {"candidate_labels": ["movie", "city"], "multi_label": True},
+    ),
+]
+
+
+@pytest.mark.parametrize(("kind", "task", "texts", "params"), PIPELINE_CASES)
+def test_batched_and_single_calls_answer_what_the_pipeline_answers_per_input(
+    runner, kind, task, texts, params
+):
+    serving = runner(kind, task)
+    expected = [
+        split_outputs(task, [text], serving.pipe([text], batch_size=1, **params))[0]
+        for text in texts
+    ]
+    alone = [serving.run([text], params)[0] for text in texts]
+    batched = serving.run(texts, params)
+    assert _rounded(alone) == _rounded(expected) == _rounded(batched)
+    if task != "zero-shot-classification":  # its pipe(x) is the unshaped dict
+        direct = serving.pipe(texts[0], **params)
+        if task == "text-classification" and isinstance(direct, list) and "top_k" not in params:
+            direct = direct[0]  # pipe(x) answers [top-1 dict]; pipe([x]) answers [dict]
+        assert _rounded(alone[0]) == _rounded(direct)
+
+
+def _rounded(value):
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    if isinstance(value, np.generic):
+        return _rounded(value.item())
+    return value
+
+
+# --- feature-extraction -------------------------------------------------------------------
+
+
+def test_embedding_options(runner):
+    plain = runner("feature-extraction")
+    [tokens] = plain.run(["hello world"], {})
+    assert tokens.shape == (1, 4, 32)  # [CLS] hello world [SEP], the pipeline's shape
+    [mean] = plain.run(["hello world"], {"pooling": "mean"})
+    np.testing.assert_allclose(mean, tokens[0].mean(0), atol=1e-5)
+    [cls] = plain.run(["hello world"], {"pooling": "cls", "normalize": True})
+    np.testing.assert_allclose(cls, tokens[0][0] / np.linalg.norm(tokens[0][0]), atol=1e-5)
+    [short] = plain.run(["hello world"], {"pooling": "mean", "dimensions": 8, "normalize": True})
+    np.testing.assert_allclose(short, mean[:8] / np.linalg.norm(mean[:8]), atol=1e-5)
+    with pytest.raises(ValueError, match="at most 32"):
+        plain.run(["hello"], {"dimensions": 64})
+
+
+def test_embedding_truncation_keeps_the_side_asked_for(runner):
+    plain = runner("feature-extraction")
+    long_text = " ".join(["hello"] * 200 + ["world"] * 200)
+    [right] = plain.run([long_text], {})
+    [left] = plain.run([long_text], {"truncation_direction": "left"})
+    assert right.shape == left.shape == (1, 128, 32)
+    assert not np.allclose(right, left)
+
+
+def test_sentence_models_pool_as_their_files_say(runner):
+    [vector] = runner("sentence-embedding").run(["hello world"], {})
+    assert vector.shape == (32,) and np.linalg.norm(vector) == pytest.approx(1.0, abs=1e-5)
+    [api] = runner("sentence-embedding").run(["hello world"], {"embedding_api": True})
+    np.testing.assert_allclose(api["embedding"], vector, atol=1e-6)
+    assert api["tokens"] == 4
+
+
+# --- question-answering -------------------------------------------------------------------
+
+CONTEXT = "john lives in paris and mary lives in london"
+
+
+def test_question_answering_answers_a_span_of_the_context(runner):
+    qa = runner("question-answering")
+    [best] = qa.run([{"question": "who lives in paris", "context": CONTEXT}], {})
+    assert set(best) == {"score", "start", "end", "answer"}
+    assert best["answer"] == CONTEXT[best["start"] : best["end"]] and best["answer"]
+    [three] = qa.run([{"question": "who lives in paris", "context": CONTEXT}], {"top_k": 3})
+    assert len(three) == 3 and three[0] == best
+    assert len({(a["start"], a["end"]) for a in three}) == 3
+    assert [a["score"] for a in three] == sorted((a["score"] for a in three), reverse=True)
+
+
+def test_question_answering_options(runner):
+    qa = runner("question-answering")
+    item = {"question": "who lives in paris", "context": CONTEXT}
+    [short] = qa.run([item], {"top_k": 5, "max_answer_len": 1})
+    assert all(len(a["answer"].split()) == 1 for a in short)
+    [with_null] = qa.run([item], {"top_k": 50, "handle_impossible_answer": True})
+    assert {"score": pytest.approx(with_null[-1]["score"]), "start": 0, "end": 0, "answer": ""} in [
+        a for a in with_null if a["answer"] == ""
+    ]
+
+
+def test_question_answering_long_contexts_are_read_in_windows(runner):
+    qa = runner("question-answering")
+    context = " ".join(["the city of paris is in france"] * 30)
+    [best] = qa.run([{"question": "where", "context": context}], {"max_seq_len": 32})
+    assert best["answer"] == context[best["start"] : best["end"]]
+
+
+def test_question_answering_batches_answer_what_single_calls_answer(runner):
+    qa = runner("question-answering")
+    items = [
+        {"question": "who lives in paris", "context": CONTEXT},
+        {"question": "where", "context": "mary works in berlin"},
+    ]
+    alone = [qa.run([item], {"top_k": 2})[0] for item in items]
+    assert _rounded(qa.run(items, {"top_k": 2})) == _rounded(alone)
+
+
+# --- summarization, translation, text2text-generation -----------------------------------
+
+
+def test_seq2seq_batches_answer_what_single_calls_answer(runner):
+    summarize = runner("seq2seq", "summarization")
+    texts = ["the movie was very good and i like it", "hello"]
+    params = {"max_new_tokens": 6}
+    assert summarize.run(texts, params) == [summarize.run([t], params)[0] for t in texts]
+    assert set(summarize.run(texts, params)[0]) == {"summary_text"}
+
+
+def test_seq2seq_prefixes_and_output_keys(runner, tiny_model):
+    import torch
+    import transformers
+
+    folder = tiny_model("seq2seq")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+
+    def generate(text):
+        with torch.inference_mode():
+            ids = model.generate(**tokenizer([text], return_tensors="pt"), max_new_tokens=5)
+        return tokenizer.batch_decode(ids, skip_special_tokens=True)[0]
+
+    text = "the movie was good"
+    summary = runner("seq2seq", "summarization").run([text], {"max_new_tokens": 5})
+    assert summary == [{"summary_text": generate("summarize: " + text)}]
+    translate = runner("seq2seq", "translation")
+    french = translate.run(
+        [text], {"src_lang": "en", "tgt_lang": "fr", "generate_parameters": {"max_new_tokens": 5}}
+    )
+    assert french == [{"translation_text": generate("translate English to French: " + text)}]
+    with pytest.raises(ValueError, match="does not translate"):
+        translate.run([text], {"src_lang": "en", "tgt_lang": "de"})
+    generated = runner("seq2seq", "text2text-generation").run([text], {"max_new_tokens": 5})
+    assert generated == [{"generated_text": generate(text)}]
+
+
+# --- text-generation ----------------------------------------------------------------------
+
+
+def test_generation_batches_with_left_padding_answer_what_single_calls_answer(runner):
+    generate = runner("text-generation")
+    prompts = ["hello", "the capital of france is", "i like this very good movie"]
+    params = {"max_new_tokens": 6, "do_sample": False}
+    assert generate.run(prompts, params) == [generate.run([p], params)[0] for p in prompts]
+    [[output]] = generate.run(prompts[:1], {**params, "return_full_text": False})
+    assert (
+        prompts[0] + output["generated_text"]
+        == generate.run(prompts[:1], params)[0][0]["generated_text"]
+    )
+
+
+def test_generation_stops_at_a_stop_sequence(runner):
+    generate = runner("text-generation")
+    params = {"max_new_tokens": 8, "do_sample": False, "return_full_text": False}
+    [[free]] = generate.run(["hello"], params)
+    stop = free["generated_text"][2:4]
+    [[stopped]] = generate.run(["hello"], {**params, "stop": [stop], "details": True})
+    # as in TGI, the text runs to the end of the token that completed the stop sequence
+    assert stop in stopped["generated_text"]
+    assert len(stopped["generated_text"]) < len(free["generated_text"])
+    assert stopped["details"]["finish_reason"] == "stop_sequence"
+
+
+def test_generation_refuses_a_prompt_with_no_room_left(runner):
+    with pytest.raises(ValueError, match="room"):
+        runner("text-generation").run([" world" * 300], {"max_new_tokens": 2})
+
+
+class FakeFlag:
+    def __init__(self):
+        self.value = 0
+
+
+def test_streamed_tokens_go_to_the_pipe_and_a_cancel_stops_generation(runner):
+    generate = runner("text-generation")
+    flag = FakeFlag()
+    sent: list[TokenChunk] = []
+
+    def send(chunk):
+        sent.append(chunk)
+        if len(sent) == 3:  # the client leaves after the third token
+            flag.value = 7
+
+    generate.bind_stream(send, flag)
+    try:
+        [output] = generate.run(["hello"], {"max_new_tokens": 50, "stream_id": 7})
+    finally:
+        generate.bind_stream(None, None)
+    assert len(sent) == 3 and all(c.stream_id == 7 and c.index == 0 for c in sent)
+    assert output["details"]["finish_reason"] == "cancelled"
+    assert output["generated_text"] == "".join(c.token["text"] for c in sent)
