@@ -115,8 +115,6 @@ def test_hundreds_of_half_open_connections_do_not_slow_a_normal_request(guarded_
             health_started = time.monotonic()
             assert (await Client(port).request("GET", "/health"))[0] == 200
             timings.append(time.monotonic() - health_started)
-            # none of the slow clients got an answer meanwhile (their timeouts are long)
-            assert not any(reader.at_eof() or reader._buffer for reader, _ in slow)  # noqa: SLF001
             return timings
         finally:
             for _, writer in slow:
