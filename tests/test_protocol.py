@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from rawserve.errors import BadRequest, GatewayTimeout
-from rawserve.http import HttpRequest, HttpResponse
+from rawserve.errors import BadRequest, GatewayTimeout, Unauthorized
+from rawserve.http import HttpRequest, HttpResponse, require_bearer
 from rawserve.protocol import LINGER_SECONDS, HttpProtocol, ProtocolSettings, ServerState
 from tests.fake_transport import FakeTimerLoop, FakeTransport, count_responses, read_responses
 
@@ -468,3 +468,34 @@ async def test_every_response_has_a_request_id_server_timing_and_an_access_line(
     assert len(lines) == 2
     assert '"GET /ok" 200' in lines[0] and lines[0].endswith("mine-1")
     assert '"GET /bad" 400' in lines[1]
+
+
+# --- the bearer check the app applies under --api-key ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("authorization", "accepted"),
+    [
+        ("Bearer k3y", True),
+        ("bearer k3y", True),  # the scheme is case-insensitive
+        ("  Bearer k3y  ", True),
+        (None, False),
+        ("", False),
+        ("Bearer", False),
+        ("Bearer ", False),
+        ("Basic k3y", False),
+        ("Bearer k3", False),
+        ("Bearer k3yy", False),
+        ("Bearer K3Y", False),  # the token is not
+        ("Bearer k3y\xe9", False),  # non-ASCII from the wire: refused, not a crash
+    ],
+)
+def test_require_bearer(authorization, accepted):
+    headers = [] if authorization is None else [("authorization", authorization)]
+    request = HttpRequest("POST", "/", "", headers, b"", "id")
+    if accepted:
+        require_bearer(request, "k3y")
+        return
+    with pytest.raises(Unauthorized) as caught:
+        require_bearer(request, "k3y")
+    assert dict(caught.value.headers)["WWW-Authenticate"].startswith("Bearer")
