@@ -300,3 +300,29 @@ def test_head_and_http_1_0_over_a_real_socket(guarded_server):
             data += chunk
     [(status, headers, body)] = parse(bytes(data))
     assert status == 200 and json.loads(body) == {"status": "ok"}
+
+
+def test_garbage_and_tls_on_the_plain_port_get_400_then_a_close(guarded_server):
+    tls_client_hello = bytes.fromhex("16030100f4010000f00303") + bytes(240)
+    for garbage in (tls_client_hello, b"\x00\xff" * 100, b"GET /\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", guarded_server.port), timeout=20) as sock:
+            sock.sendall(garbage)
+            data = bytearray()
+            while chunk := sock.recv(65536):
+                data += chunk
+        [(status, headers, body)] = parse(bytes(data))
+        assert status == 400 and json.loads(body)["error_type"] == "bad_request"
+
+
+def test_a_refused_large_body_still_lets_the_client_read_its_413(guarded_server):
+    """The server answers 413 from Content-Length, then drains the body the client is
+    still sending instead of resetting the connection under it."""
+    body = b"x" * (2 * 1024 * 1024)  # over the default 1 MiB
+    head = f"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", guarded_server.port), timeout=20) as sock:
+        sock.sendall(head + body)
+        data = bytearray()
+        while chunk := sock.recv(65536):
+            data += chunk
+    [(status, headers, body)] = parse(bytes(data))
+    assert status == 413 and headers[b"connection"] == b"close"
