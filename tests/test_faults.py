@@ -403,3 +403,16 @@ def gone(pid: int, timeout: float = 10) -> bool:
             return True
         time.sleep(0.05)  # a process exit has no event to wait on from here
     return False
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_model_loads_exits_0_without_waiting_for_the_load():
+    server = RunningServer(
+        ["--handler", "tests.handlers:slow_loading"], env={"RAWSERVE_TEST_LOAD_SECONDS": "60"}
+    )
+    with server.start(wait_ready=False):
+        server.wait_for_log(re.compile(r"worker 0: started"), 30)
+        status, _, _ = server.request("POST", "/", b"too early")
+        assert status == 503
+        server.signal(signal.SIGTERM)
+        assert server.process.wait(20) == 0  # the loading worker is killed, not awaited
