@@ -45,14 +45,13 @@ from bench.load import (
 )
 from bench.workloads import RAW_TEXT, texts
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_DURATION = 60.0
 WARMUP_SECONDS = 3.0
 COUNT_ONLY = ("--batching", "count")
 COST_AWARE = ("--batching", "cost", "--max-batch-tokens", "4096")
 SERVER_ARGS: list[str] = []  # --server-args, given to every server
-
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CODE = [REPO_ROOT]  # --code: where the served rawserve package is imported from
 
 
 @contextmanager
@@ -61,7 +60,7 @@ def serve(*args: str) -> Iterator[int]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": REPO_ROOT}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": CODE[0]}
     command = [sys.executable, "-m", "rawserve", "--host", "127.0.0.1", "--port", str(port)]
     with open(os.path.join(tempfile.gettempdir(), f"rawserve-bench-{port}.log"), "wb") as log:
         process = subprocess.Popen(
@@ -199,9 +198,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=1.0, help="X-Request-Timeout (s)")
     parser.add_argument("--delays", default="0,1,2,5", help="delay: candidates in ms")
     parser.add_argument("--server-args", default="", help="more rawserve options, for all runs")
+    parser.add_argument(
+        "--code", default=REPO_ROOT, help="folder holding the rawserve package to serve"
+    )
     args = parser.parse_args(argv)
     args.duration = min(args.duration, MAX_DURATION)
     SERVER_ARGS.extend(args.server_args.split())
+    CODE[0] = os.path.abspath(args.code)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     report = {"mode": args.mode, "machine": machine(), "server_args": args.server_args}
     report.update({"compare": compare, "overload": overload, "delay": delay}[args.mode](args))

@@ -22,6 +22,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from rawserve.batching import padded_cost
 from rawserve.scheduler import QueueFull, SchedulerCore, WorkItem
@@ -262,3 +264,30 @@ def test_length_grouping_computes_more_in_time_than_count_only_batching():
             len(request.items) for request in sim.requests if request.outcome == "ok"
         )
     assert goodput[True] > 1.3 * goodput[False], goodput
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    max_batch_size=st.integers(1, 32),
+    max_batch_tokens=st.one_of(st.none(), st.integers(50, 4000)),
+    delay=st.sampled_from([0.0, 0.001, 0.01]),
+    group_lengths=st.booleans(),
+    workers=st.integers(1, 3),
+    max_queue=st.integers(4, 200),
+    load=st.floats(0.1, 4.0),
+)
+def test_invariants_hold_for_any_settings(
+    seed, max_batch_size, max_batch_tokens, delay, group_lengths, workers, max_queue, load
+):
+    core = SchedulerCore(
+        max_queue=max_queue,
+        max_batch_size=max_batch_size,
+        max_batch_tokens=max_batch_tokens,
+        max_batch_delay=delay,
+        group_lengths=group_lengths,
+        workers=workers,
+    )
+    sim = Simulation(core, workers, random.Random(seed))
+    sim.run([(0.5, load * capacity(core) * workers)])
+    assert all(request.answers == 1 for request in sim.requests)
