@@ -157,8 +157,9 @@ def start_cluster(tmp_path) -> Iterator:
     def start(*args: str) -> Cluster:
         base = ["--handler", "tests.handlers:sleepy", "--max-batch-size", "1", "--grace", "5"]
         replicas = [RunningServer([*base, *args]) for _ in range(2)]
+        started.extend(replicas)  # stopped at teardown even if a start fails
         for replica in replicas:  # both load at the same time
-            started.append(replica.start(wait_ready=False))
+            replica.start(wait_ready=False)
         for replica in replicas:
             replica.wait_for_log(READY, timeout=120)
         proxy = Nginx(tmp_path, [r.port for r in replicas])
@@ -173,7 +174,8 @@ def start_cluster(tmp_path) -> Iterator:
     for proxy in proxies:
         proxy.stop()
     for replica in started:
-        replica.stop()
+        if replica.process is not None:
+            replica.stop()
 
 
 @dataclass
