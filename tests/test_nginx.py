@@ -163,7 +163,8 @@ def start_cluster(tmp_path) -> Iterator:
         for replica in replicas:
             replica.wait_for_log(READY, timeout=120)
         proxy = Nginx(tmp_path, [r.port for r in replicas])
-        proxies.append(proxy.start())
+        proxies.append(proxy)
+        proxy.start()
         cluster = Cluster(replicas, proxy)
         for index, replica in enumerate(replicas):
             info = json.loads(replica.request("GET", "/info")[2])
