@@ -69,6 +69,7 @@ def serve(*args: str) -> Iterator[int]:
             stdout=subprocess.DEVNULL,
             stderr=log,
             env=env,
+            cwd=CODE[0],  # `python -m` puts the working folder first on the path
         )
         try:
             yield port
