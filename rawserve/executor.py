@@ -47,6 +47,7 @@ from rawserve.messages import (
     WorkerLoadFailed,
     WorkerReady,
 )
+from rawserve.tasks import STREAM_ID_PARAM
 from rawserve.worker import worker_main
 
 log = logging.getLogger("rawserve.executor")
@@ -61,6 +62,9 @@ POISON_MEMORY = 4096  # content hashes of inputs that crashed a worker, least re
 CRASHED_ALONE = ItemFailure(FailureKind.INTERNAL, "this input crashed the model worker")
 REFUSED_POISON = ItemFailure(
     FailureKind.INPUT, "this input crashed the model worker before and is refused"
+)
+CRASHED_MID_STREAM = ItemFailure(
+    FailureKind.INTERNAL, "the model worker crashed while streaming this answer"
 )
 TIMED_OUT = ItemFailure(
     FailureKind.INTERNAL, "the model did not finish this batch within the batch timeout"
@@ -85,6 +89,7 @@ class Job:
     batch_id: int
     poison_key: str | None = None  # set on a one-item retry after a crash
     watchdog: asyncio.TimerHandle | None = None
+    streamed: bool = False  # tokens of it reached a client: it cannot run again unseen
 
 
 class WorkerHandle:
@@ -118,6 +123,7 @@ class PoisonMemory:
 
     @staticmethod
     def key(value: Any, params: Mapping[str, Any]) -> str:
+        params = {k: v for k, v in params.items() if k != STREAM_ID_PARAM}  # new each request
         text = json.dumps([value, params], sort_keys=True, default=repr)
         return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
@@ -424,6 +430,8 @@ class Executor:
     def _on_message(self, worker: WorkerHandle, message: Any) -> None:
         if isinstance(message, TokenChunk):
             listener = self._token_listeners.get(message.stream_id)
+            if worker.job is not None:
+                worker.job.streamed = True
             if listener is not None:  # None: the stream's client has gone
                 listener(message)
         elif isinstance(message, BatchResult):
@@ -486,6 +494,9 @@ class Executor:
             if self.metrics is not None:
                 self.metrics.drop("poison")
             _settle(job.future, result=BatchResult(job.batch_id, (CRASHED_ALONE,), 0.0))
+        elif job is not None and job.streamed:  # a rerun would repeat the tokens already sent
+            outputs = (CRASHED_MID_STREAM,) * len(job.inputs)
+            _settle(job.future, result=BatchResult(job.batch_id, outputs, 0.0))
         elif job is not None:
             self._retry_alone(job)
         if was_loading:

@@ -17,7 +17,13 @@ import time
 import pytest
 
 from rawserve import executor as executor_module
-from rawserve.executor import CRASHED_ALONE, REFUSED_POISON, TIMED_OUT, Executor
+from rawserve.executor import (
+    CRASHED_ALONE,
+    REFUSED_POISON,
+    TIMED_OUT,
+    Executor,
+    PoisonMemory,
+)
 from rawserve.messages import FailureKind, ItemFailure, WorkerConfig
 from rawserve.scheduler import SchedulerCore
 from rawserve.worker import BatchCap, run_batch
@@ -83,6 +89,17 @@ def test_the_scheduler_respects_the_batch_cap():
     assert len(core.next_batch(0.0)) == 3
     core.batch_cap = None
     assert len(core.next_batch(0.0)) == 5
+
+
+def test_poison_memory_is_bounded_and_keyed_by_input_and_parameters():
+    memory = PoisonMemory(size=2)
+    for text in ("a", "b", "c"):
+        memory.add(PoisonMemory.key(text, {}))
+    assert len(memory) == 2 and PoisonMemory.key("a", {}) not in memory
+    assert PoisonMemory.key("c", {}) in memory
+    assert PoisonMemory.key("c", {"top_k": 2}) not in memory
+    # a stream's id is new on every request: it is not part of the input's identity
+    assert PoisonMemory.key("c", {"stream_id": 7}) in memory
 
 
 # --- the executor with a real worker process ------------------------------------------
