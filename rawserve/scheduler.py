@@ -30,6 +30,7 @@ URGENT_BATCHES = 2.0  # an item this many batch-times from its deadline joins an
 # A batch is sent only to items whose deadline is this many predicted batch-times away:
 # model calls vary, and an answer that comes back late is compute wasted.
 DEADLINE_MARGIN = 1.25
+OUTLIER_FACTOR = 4.0  # a measured batch counts as at most this many times its prediction
 
 
 @dataclass(eq=False)
@@ -287,6 +288,8 @@ class SchedulerCore:
         if flight is None:
             return 0.0
         seconds = max(now - flight.sent, 1e-6)
+        if flight.predicted:  # a freak batch (a worker restart, retries) must not skew it
+            seconds = min(seconds, OUTLIER_FACTOR * flight.predicted)
         self.cost_model.observe(flight.cost, seconds)
         rate = len(batch) / seconds
         if self.items_per_second is None:
@@ -416,7 +419,14 @@ class Scheduler:
             self._timer = self._loop.call_later(delay, self._wake.set)
 
     def _dispatch(self, batch: list[WorkItem], now: float) -> None:
-        future = self.backend.submit([item.input for item in batch], batch[0].params)
+        try:
+            future = self.backend.submit([item.input for item in batch], batch[0].params)
+        except Exception as exc:  # noqa: BLE001 - the batch fails, the loop goes on
+            self.core.forget_batch(batch)
+            log.error("the executor refused a batch of %d: %s", len(batch), exc)
+            for item in batch:
+                _settle(item, exception=_as_http_error(exc))
+            return
         self.in_flight += len(batch)
         future.add_done_callback(lambda done: self._on_batch_done(batch, now, done))
 

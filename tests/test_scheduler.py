@@ -411,3 +411,28 @@ async def test_a_request_that_cannot_meet_its_deadline_gets_503_at_once(driver):
         await scheduler.run(["a"], {}, deadline=scheduler.clock() + 0.2)
     assert "deadline" in str(refused.value)
     assert backend.calls == [] and len(scheduler.core) == 0
+
+
+def test_a_freak_batch_moves_the_cost_model_only_so_far():
+    core = measured(SchedulerCore(max_batch_size=4), seconds_per_token=0.001)
+    queue_items(core, [text(100)] * 4)
+    batch = core.next_batch(now=0.0)  # predicted 0.4 s
+    core.finish_batch(batch, now=60.0)  # a worker restart held it for a minute
+    assert core.cost_model.predict(400) < 4 * 0.4
+
+
+async def test_a_batch_the_executor_refuses_fails_its_items_and_the_loop_goes_on(driver):
+    scheduler, backend = driver
+    real_submit = backend.submit
+
+    def refuse(inputs, params):
+        raise ServiceUnavailable("no model worker is free")
+
+    backend.submit = refuse
+    with pytest.raises(ServiceUnavailable):
+        await scheduler.run(["a"], {}, scheduler.clock() + 5)
+    backend.submit = real_submit
+    later = asyncio.create_task(scheduler.run(["b"], {}, scheduler.clock() + 5))
+    await until(lambda: len(backend.calls) == 1)
+    backend.finish(0)
+    assert [r.output for r in await later] == ["out:b"]
