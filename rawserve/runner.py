@@ -182,13 +182,20 @@ class EmbeddingRunner(Runner):
                 f"dimensions must be at most {self.model.config.hidden_size} for this model"
             )
         self.tokenizer.truncation_side = params.get("truncation_direction", "right")
+        truncate = params.get("truncate", True)
         encoded = self.tokenizer(
             inputs,
             padding=True,
-            truncation=params.get("truncate", True),
-            max_length=self.max_length,
+            truncation=truncate,
+            max_length=self.max_length if truncate else None,
             return_tensors="pt",
         ).to(self.device)
+        length = encoded["input_ids"].shape[1]
+        if length > self.max_length:
+            raise ValueError(
+                f"the input is {length} tokens and the model takes at most {self.max_length}: "
+                "send truncate: true to cut it"
+            )
         with torch.inference_mode():
             hidden = self.model(**encoded).last_hidden_state.float()
             mask = encoded["attention_mask"]

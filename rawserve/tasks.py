@@ -275,7 +275,6 @@ TASKS: dict[str, Task] = {
                 "top_k": _int_range(1, 100),
                 "max_answer_len": _int_range(1, 1000),
                 "max_seq_len": _int_range(16, 4096),
-                "max_question_len": _int_range(1, 4096),
                 "handle_impossible_answer": _boolean,
             },
         ),

@@ -255,3 +255,8 @@ def test_streamed_tokens_go_to_the_pipe_and_a_cancel_stops_generation(runner):
     assert len(sent) == 3 and all(c.stream_id == 7 and c.index == 0 for c in sent)
     assert output["details"]["finish_reason"] == "cancelled"
     assert output["generated_text"] == "".join(c.token["text"] for c in sent)
+
+
+def test_embedding_without_truncation_refuses_a_too_long_input(runner):
+    with pytest.raises(ValueError, match="truncate"):
+        runner("feature-extraction").run([" ".join(["hello"] * 300)], {"truncate": False})
