@@ -7,6 +7,7 @@ of memory on purpose), first through the executor alone, then through the real s
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import queue
@@ -348,23 +349,24 @@ def test_a_hung_request_gets_500_and_the_queue_moves_on(faulty_server):
 def test_sigterm_under_load_finishes_in_flight_work_and_exits_0():
     server = RunningServer(["--handler", FAULTY, "--max-batch-size", "2", "--grace", "30"])
     with server:
-        import http.client
-
         keepalive = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-        keepalive.request("GET", "/ready")
-        response = keepalive.getresponse()
-        assert response.status == 200 and response.read()
+
+        def ready_on_the_open_connection() -> int:
+            keepalive.request("GET", "/ready")
+            response = keepalive.getresponse()
+            response.read()
+            return response.status
 
         async def scenario():
             client = Client(server.port)
             tasks = [asyncio.create_task(post(client, f"drain-{i}", sleep=0.4)) for i in range(8)]
             first = await next(asyncio.as_completed(tasks))
+            assert await asyncio.to_thread(ready_on_the_open_connection) == 200
             server.signal(signal.SIGTERM)
             await wait_for_log(server, r"stopped accepting connections")
-            with pytest.raises(OSError):
+            with pytest.raises(OSError):  # no new connections
                 await client.request("GET", "/ready")
-            keepalive.request("GET", "/ready")
-            draining = keepalive.getresponse().status
+            draining = await asyncio.to_thread(ready_on_the_open_connection)
             return first, await asyncio.gather(*tasks), draining
 
         first, answers, draining = asyncio.run(asyncio.wait_for(scenario(), 120))
