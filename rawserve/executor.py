@@ -57,6 +57,7 @@ RESTART_BACKOFF_MAX = 30.0
 STOP_TIMEOUT = 10.0  # seconds a worker gets to exit before it is killed
 BATCH_TIMEOUT = 120.0  # seconds a batch may run before its worker is killed
 MAX_FAILED_RESTARTS = 5  # restarts in a row that die while loading: the process is unhealthy
+MAX_CRASHES = 10  # deaths in a row without one answered batch (poison alone is rarely so many)
 POISON_MEMORY = 4096  # content hashes of inputs that crashed a worker, least recent dropped
 
 CRASHED_ALONE = ItemFailure(FailureKind.INTERNAL, "this input crashed the model worker")
@@ -106,6 +107,7 @@ class WorkerHandle:
         self.started_at = 0.0
         self.restarts = 0
         self.failed_restarts = 0  # in a row, died before it was ready
+        self.crashes = 0  # in a row, died after it was ready without answering a batch
         self.backoff = RESTART_BACKOFF_FIRST
         self.batch_cap: int | None = None  # lowered by the worker after out-of-memory errors
 
@@ -196,8 +198,12 @@ class Executor:
 
     @property
     def healthy(self) -> bool:
-        """False once every worker has failed to restart too many times in a row."""
-        return any(w.failed_restarts < self.max_failed_restarts for w in self.workers)
+        """False once every worker keeps dying: it failed to load too many times in a row,
+        or died too many times in a row without answering a batch (a broken device)."""
+        return any(
+            w.failed_restarts < self.max_failed_restarts and w.crashes < MAX_CRASHES
+            for w in self.workers
+        )
 
     @property
     def task(self) -> str | None:
@@ -465,6 +471,7 @@ class Executor:
         if worker.state is WorkerState.BUSY:
             worker.state = WorkerState.IDLE
         worker.backoff = RESTART_BACKOFF_FIRST  # it works: forget earlier crashes
+        worker.crashes = 0
         if result.effective_batch_cap != worker.batch_cap:
             log.warning(
                 "worker %d: effective batch cap now %s (out of memory earlier)",
@@ -501,6 +508,8 @@ class Executor:
             self._retry_alone(job)
         if was_loading:
             worker.failed_restarts += 1
+        else:
+            worker.crashes += 1
         log.error(
             "worker %d: process %d exited with code %s%s%s; restarting in %.1f s",
             worker.index,

@@ -103,6 +103,17 @@ def test_poison_memory_is_bounded_and_keyed_by_input_and_parameters():
     assert PoisonMemory.key("c", {"stream_id": 7}) in memory
 
 
+def test_the_process_is_unhealthy_only_when_every_worker_keeps_dying():
+    executor = Executor(WorkerConfig(model=""), ["cpu", "cpu"])
+    assert executor.healthy
+    executor.workers[0].crashes = executor_module.MAX_CRASHES  # dies on every batch
+    assert executor.healthy  # the other one still serves
+    executor.workers[1].failed_restarts = executor.max_failed_restarts  # cannot load
+    assert not executor.healthy
+    executor.workers[0].crashes = 0  # answered a batch again
+    assert executor.healthy
+
+
 # --- the executor with a real worker process ------------------------------------------
 
 
