@@ -174,10 +174,10 @@ class Executor:
         self._closing = False
         self._first_load: asyncio.Future[WorkerReady] | None = None
         self.on_idle: Callable[[], None] | None = None  # set by the scheduler
+        self.metrics: Any = None  # a metrics.Metrics (set by main): poison inputs dropped
         # streamed generations: stream id → the callback that takes its TokenChunks
         self._token_listeners: dict[int, Callable[[TokenChunk], None]] = {}
         self._stream_ids = itertools.count(1)
-        self.metrics: Any = None  # a metrics.Metrics (set by main): poison inputs dropped
 
     # --- the face the scheduler and the app use ---------------------------------------
 
