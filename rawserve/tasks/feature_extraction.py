@@ -1,0 +1,23 @@
+"""feature-extraction: text in; a sentence vector or token vectors out.
+
+InferenceClient sends this task's parameters at the top level of the body
+(`{"inputs": ..., "normalize": true}`), so they are read from there too.
+"""
+
+from __future__ import annotations
+
+from rawserve.tasks.checks import boolean, int_range, lower_one_of, one_of, text
+from rawserve.tasks.rules import Task
+
+TASK = Task(
+    "feature-extraction",
+    text,
+    {
+        "pooling": one_of("mean", "cls", "none"),
+        "normalize": boolean,
+        "truncate": boolean,
+        "truncation_direction": lower_one_of("right", "left"),
+        "dimensions": int_range(1, 65536),  # keep the first N (Matryoshka models)
+    },
+    params_at_root=True,
+)

@@ -1,0 +1,17 @@
+"""fill-mask: text with the mask token in; the likeliest fillings out.
+
+`pipe([x])` answers x's predictions without the outer list: the one task of the
+installed transformers that does.
+"""
+
+from __future__ import annotations
+
+from rawserve.tasks.checks import int_range, text, text_list
+from rawserve.tasks.rules import Task
+
+TASK = Task(
+    "fill-mask",
+    text,
+    {"top_k": int_range(1, 100), "targets": text_list(100)},
+    unwraps_single=True,
+)

@@ -1,0 +1,35 @@
+"""What a task's rules are made of: the `Task` record and how a single input is answered."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rawserve.tasks.checks import Checker
+
+
+class SingleAnswer:
+    """How a request with one (non-list) input is answered, from its item's output."""
+
+    ITEM = "item"  # the item's output itself
+    LIST = "list"  # [output] (summarization: `pipe("x")` answered [{"summary_text"}])
+    LIST_OF_LISTS = "list-of-lists"  # [[...]] (text-classification on the Inference API)
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    check_input: Checker
+    params: Mapping[str, Checker] = field(default_factory=dict)
+    required_params: frozenset[str] = frozenset()
+    # pipe([x]) answers x's output itself instead of a one-item list (fill-mask does).
+    unwraps_single: bool = False
+    # The Inference API sends this task's parameters at the top level of the body
+    # (feature-extraction: `{"inputs": ..., "normalize": true}`), not under "parameters".
+    params_at_root: bool = False
+    # Top-level fields besides inputs/parameters/options (text-generation: "stream").
+    extra_fields: frozenset[str] = frozenset()
+    single_answer: str = SingleAnswer.ITEM
+    # Reshapes one item's output from the runner's to the Inference API's shape.
+    shape_item: Callable[[Any], Any] | None = None

@@ -1,0 +1,67 @@
+"""summarization, translation, text2text-generation: text in; `{"summary_text"}`,
+`{"translation_text"}` or `{"generated_text"}` out, and one input answered as a
+one-item list (what the removed pipelines did, and what InferenceClient reads).
+Served by rawserve's own adapter (`rawserve.seq2seq`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rawserve.tasks.checks import Checker, boolean, float_range, int_range, one_of, text
+from rawserve.tasks.rules import SingleAnswer, Task
+
+# generate() options these tasks take, by name: inside the Inference API's
+# `generate_parameters`, or directly among the parameters.
+GENERATE_PARAMS: dict[str, Checker] = {
+    "max_new_tokens": int_range(1, 1024),
+    "min_new_tokens": int_range(0, 1024),
+    "do_sample": boolean,
+    "temperature": float_range(0.0, 100.0),
+    "top_p": float_range(0.0, 1.0),
+    "top_k": int_range(1, 1000),
+    "num_beams": int_range(1, 8),
+    "repetition_penalty": float_range(0.0, 100.0),
+    "no_repeat_ngram_size": int_range(0, 100),
+    "early_stopping": boolean,
+}
+
+
+def generate_parameters(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError("must be an object")
+    unknown = sorted(set(value) - set(GENERATE_PARAMS))
+    if unknown:
+        raise ValueError(
+            f"has unknown option(s) {', '.join(unknown)} (allowed: {', '.join(GENERATE_PARAMS)})"
+        )
+    return {name: GENERATE_PARAMS[name](item) for name, item in value.items() if item is not None}
+
+
+def language(value: Any) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= 20:
+        raise ValueError("must be a language code such as 'en' or 'fr_XX'")
+    return value
+
+
+def _task(name: str, translates: bool) -> Task:
+    return Task(
+        name,
+        text,
+        {
+            "clean_up_tokenization_spaces": boolean,
+            "truncation": one_of("do_not_truncate", "longest_first", "only_first", "only_second"),
+            "generate_parameters": generate_parameters,
+            **({"src_lang": language, "tgt_lang": language} if translates else {}),
+            **GENERATE_PARAMS,
+        },
+        single_answer=SingleAnswer.LIST,
+    )
+
+
+TASKS = [
+    _task("summarization", translates=False),
+    _task("translation", translates=True),
+    _task("text2text-generation", translates=False),
+]
+SEQ2SEQ_TASKS = frozenset(task.name for task in TASKS)

@@ -1,0 +1,36 @@
+"""text-classification: a text or a text pair in; `{label, score}` out.
+
+One input is answered `[[{label, score}, ...]]`, the Inference API's shape, which
+InferenceClient reads as `answer[0]`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rawserve.tasks.checks import int_range, one_of
+from rawserve.tasks.rules import SingleAnswer, Task
+
+
+def text_or_pair(value: Any) -> str | dict[str, str]:
+    if isinstance(value, str):
+        return value
+    if (
+        isinstance(value, dict)
+        and "text" in value
+        and set(value) <= {"text", "text_pair"}
+        and all(isinstance(v, str) for v in value.values())
+    ):
+        return dict(value)
+    raise ValueError('each input must be a string or {"text": ..., "text_pair": ...}')
+
+
+TASK = Task(
+    "text-classification",
+    text_or_pair,
+    {
+        "top_k": int_range(1, 1000),
+        "function_to_apply": one_of("sigmoid", "softmax", "none"),
+    },
+    single_answer=SingleAnswer.LIST_OF_LISTS,
+)

@@ -1,0 +1,50 @@
+"""text-generation: a prompt in; `[{"generated_text"}]` out, or a stream of tokens.
+
+`"stream": true` sits next to `parameters` (as InferenceClient and TGI send it) and
+takes one input. The server adds `STREAM_ID_PARAM` to a streamed request's
+parameters (a client cannot: it is not an allowed name) so that the worker sends that
+stream a `TokenChunk` per new token, and so that it never shares a batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rawserve.tasks.checks import boolean, float_range, int_range, text
+from rawserve.tasks.rules import Task
+
+STREAM_ID_PARAM = "stream_id"
+MAX_STOP_SEQUENCES = 16
+
+
+def stop_sequences(value: Any) -> list[str]:
+    if isinstance(value, str):
+        value = [value]
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_STOP_SEQUENCES
+        or not all(isinstance(v, str) and 0 < len(v) <= 200 for v in value)
+    ):
+        raise ValueError(
+            f"must be a list of at most {MAX_STOP_SEQUENCES} non-empty strings of 200 characters"
+        )
+    return value
+
+
+TASK = Task(
+    "text-generation",
+    text,
+    {
+        "max_new_tokens": int_range(1, 4096),
+        "do_sample": boolean,
+        "temperature": float_range(0.0, 100.0),
+        "top_p": float_range(0.0, 1.0),
+        "top_k": int_range(1, 1000),
+        "return_full_text": boolean,
+        "seed": int_range(0, 2**32 - 1),
+        "stop": stop_sequences,
+        "repetition_penalty": float_range(0.0, 100.0),
+        "details": boolean,
+    },
+    extra_fields=frozenset({"stream"}),
+)
