@@ -1,20 +1,23 @@
 """The scheduler's measurements on a real server (`python -m rawserve`, the packaged
 all-MiniLM-L6-v2 sentence embedder, which pads each batch to its longest input).
 
-- `compare`: a closed loop on the `mixed` texts (a few to ~200 tokens), count-only
-  batching (`--batching count`) against cost-aware batching (`--batching cost` with a
-  token budget), in interleaved rounds (A B B A ...) so that a drifting machine hits
-  both alike. Prints throughput and p99 latency of each run, and the ratios.
-- `overload`: cost-aware batching; its capacity (closed loop), then Poisson arrivals at
-  3x that rate with a per-request deadline: the share of 200s that met the deadline,
-  and the goodput (200s in time per second) as a fraction of the capacity.
+- `compare`: the same fixed work (the first `--requests` of the `mixed` texts, a few to
+  ~200 tokens, each sent once by 64 closed-loop clients) under count-only batching
+  (`--batching count`) and cost-aware batching (`--batching cost` with a token budget),
+  in interleaved rounds (A B B A ...) so that a drifting machine hits both alike.
+  Prints throughput (requests and estimated tokens per second of the whole run) and
+  p99 latency (all, short and long inputs) of each run, and the ratios.
+- `overload`: cost-aware batching; its capacity (the fixed work above), then Poisson
+  arrivals at 3x that rate with a per-request deadline: the share of 200s that met the
+  deadline, and the goodput (200s in time, per second, in requests and in tokens) as a
+  fraction of the capacity.
 - `delay`: `--max-batch-delay-ms` candidates at low load (one client: the latency a
   delay adds) and at a moderate load (8 clients: what it buys in throughput).
 
-Loopback only; every load run stops by itself after `--duration` seconds (at most 60).
+Loopback only; every load run stops by itself within 60 s.
 
-    python -m bench.scheduler_mixed_lengths compare --rounds 2 --duration 15
-    python -m bench.scheduler_mixed_lengths overload --deadline 1 --duration 20
+    python -m bench.scheduler_mixed_lengths compare --rounds 2 --requests 640
+    python -m bench.scheduler_mixed_lengths overload --deadline 5 --duration 20
     python -m bench.scheduler_mixed_lengths delay --delays 0,1,2,5
 """
 
@@ -22,24 +25,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
+import random
 import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from bench.load import (
+    Connection,
     LoadResult,
     build_requests,
     closed_loop,
-    open_loop,
+    connect,
+    percentile,
     wait_until_serving,
     warm_up,
 )
@@ -48,6 +57,8 @@ from bench.workloads import RAW_TEXT, texts
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_DURATION = 60.0
 WARMUP_SECONDS = 3.0
+MAX_OPEN_REQUESTS = 2048  # open loop: arrivals beyond this many unanswered are not sent
+LONG_TOKENS = 100  # from here an input counts as long
 COUNT_ONLY = ("--batching", "count")
 COST_AWARE = ("--batching", "cost", "--max-batch-tokens", "4096")
 SERVER_ARGS: list[str] = []  # --server-args, given to every server
@@ -87,40 +98,146 @@ async def ready(port: int, requests: Sequence[bytes]) -> None:
     await warm_up(port, requests, WARMUP_SECONDS)
 
 
-def run_closed(config: Sequence[str], requests, clients: int, duration: float) -> LoadResult:
+@dataclass(frozen=True)
+class Answer:
+    index: int  # which request
+    sent: float  # seconds since the run started
+    latency: float
+    status: int
+
+
+def tokens(text: str) -> int:
+    """The server's own cheap estimate (rawserve.tasks.estimate_tokens)."""
+    return 2 + len(text) // 4
+
+
+async def fixed_work(port: int, requests: Sequence[bytes], clients: int) -> tuple[list, float]:
+    """Every request once, by `clients` closed-loop clients; (answers, seconds for all).
+
+    The same work for every configuration: a closed loop that runs for a fixed time
+    would favour whichever scheduler answers short inputs first (its clients come back
+    sooner), and count more, shorter requests.
+    """
+    loop = asyncio.get_running_loop()
+    indices = iter(range(len(requests)))
+    answers: list[Answer] = []
+    start = loop.time()
+    stop_at = start + MAX_DURATION
+
+    async def client() -> None:
+        connection = await connect(port)
+        try:
+            for index in indices:
+                if loop.time() > stop_at:
+                    return
+                if connection.closed or not connection.keep_alive:
+                    connection.close()
+                    connection = await connect(port)
+                sent = loop.time()
+                try:
+                    status, _ = await connection.request(requests[index])
+                except ConnectionError:
+                    status = -1
+                    connection.close()
+                answers.append(Answer(index, sent - start, loop.time() - sent, status))
+        finally:
+            connection.close()
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return answers, loop.time() - start
+
+
+async def poisson(
+    port: int, requests: Sequence[bytes], rate: float, duration: float, seed: int = 1
+) -> list[Answer]:
+    """Poisson arrivals at `rate` per second for `duration` s, whatever the answers."""
+    loop = asyncio.get_running_loop()
+    rng = random.Random(seed)
+    answers: list[Answer] = []
+    idle: list[Connection] = []
+    tasks: set[asyncio.Task] = set()
+    start = loop.time()
+
+    async def one(index: int, sent: float) -> None:
+        connection = idle.pop() if idle else None
+        try:
+            if connection is None:
+                connection = await connect(port)
+            status, _ = await connection.request(requests[index])
+        except (ConnectionError, OSError):
+            status = -1
+        answers.append(Answer(index, sent - start, loop.time() - sent, status))
+        if connection is not None and connection.keep_alive and not connection.closed:
+            idle.append(connection)
+        elif connection is not None:
+            connection.close()
+
+    arrival = start
+    for index in itertools.cycle(range(len(requests))):
+        arrival += rng.expovariate(rate)
+        if arrival >= start + duration or len(tasks) >= MAX_OPEN_REQUESTS:
+            break
+        await asyncio.sleep(max(0.0, arrival - loop.time()))
+        task = loop.create_task(one(index, arrival))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.wait(tasks, timeout=MAX_DURATION)
+    for connection in idle:
+        connection.close()
+    return answers
+
+
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 1)
+
+
+def describe(answers: Sequence[Answer], corpus: Sequence[str], seconds: float) -> dict:
+    ok = [a for a in answers if a.status == 200]
+    long_ok = [a.latency for a in ok if tokens(corpus[a.index]) >= LONG_TOKENS]
+    short_ok = [a.latency for a in ok if tokens(corpus[a.index]) < LONG_TOKENS]
+    return {
+        "seconds": round(seconds, 2),
+        "statuses": dict(sorted(Counter(str(a.status) for a in answers).items())),
+        "requests_per_s": round(len(ok) / seconds, 2),
+        "tokens_per_s": round(sum(tokens(corpus[a.index]) for a in ok) / seconds, 1),
+        "p50_ms": ms(percentile([a.latency for a in ok], 50)),
+        "p99_ms": ms(percentile([a.latency for a in ok], 99)),
+        "p99_ms_short": ms(percentile(short_ok, 99)),
+        "p99_ms_long": ms(percentile(long_ok, 99)),
+    }
+
+
+def measure_fixed(config: Sequence[str], corpus: Sequence[str], clients: int) -> dict:
+    requests = build_requests(corpus, RAW_TEXT)
     with serve(*config) as port:
 
-        async def go() -> LoadResult:
+        async def go() -> tuple[list, float]:
             await ready(port, requests)
-            return await closed_loop(port, requests, clients, duration)
+            return await fixed_work(port, requests, clients)
 
-        return asyncio.run(go())
-
-
-def brief(result: LoadResult) -> dict[str, Any]:
-    summary = result.summary()
-    keep = ("throughput", "p50_ms", "p99_ms", "statuses", "client_cpu_share", "goodput")
-    return {key: summary[key] for key in keep if key in summary}
+        answers, seconds = asyncio.run(go())
+    return describe(answers, corpus, seconds)
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
-    requests = build_requests(texts("mixed"), RAW_TEXT)
+    corpus = texts("mixed")[: args.requests]
     configs = {"count": COUNT_ONLY, "cost": COST_AWARE}
     order = []
     for round_index in range(args.rounds):
-        pair = ["count", "cost"] if round_index % 2 == 0 else ["cost", "count"]
-        order += pair
+        order += ["count", "cost"] if round_index % 2 == 0 else ["cost", "count"]
     runs: dict[str, list[dict[str, Any]]] = {"count": [], "cost": []}
     for name in order:
-        result = brief(run_closed(configs[name], requests, args.clients, args.duration))
+        result = measure_fixed(configs[name], corpus, args.clients)
         runs[name].append(result)
         print(name, json.dumps(result), file=sys.stderr, flush=True)
     ratios = [
-        cost["throughput"] / count["throughput"]
+        cost["requests_per_s"] / count["requests_per_s"]
         for count, cost in zip(runs["count"], runs["cost"], strict=True)
     ]
     return {
         "configs": {name: " ".join(config) for name, config in configs.items()},
+        "requests": len(corpus),
         "clients": args.clients,
         "runs": runs,
         "throughput_ratio_per_round": [round(r, 3) for r in ratios],
@@ -133,38 +250,45 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def overload(args: argparse.Namespace) -> dict[str, Any]:
-    plain = build_requests(texts("mixed"), RAW_TEXT)
-    timed = build_requests(texts("mixed"), RAW_TEXT, timeout_header=args.deadline)
+    corpus = texts("mixed")[: args.requests]
+    plain = build_requests(corpus, RAW_TEXT)
+    timed = build_requests(corpus, RAW_TEXT, timeout_header=args.deadline)
     with serve(*COST_AWARE) as port:
 
-        async def go() -> tuple[LoadResult, LoadResult]:
+        async def go() -> tuple[tuple[list, float], list]:
             await ready(port, plain)
-            capacity = await closed_loop(port, plain, args.clients, args.duration)
-            rate = args.overload * capacity.summary()["throughput"]
-            flood = await open_loop(
-                port, timed, rate, args.duration, deadline=args.deadline, seed=1
-            )
-            return capacity, flood
+            capacity = await fixed_work(port, plain, args.clients)
+            rate = args.overload * sum(a.status == 200 for a in capacity[0]) / capacity[1]
+            return capacity, await poisson(port, timed, rate, args.duration)
 
-        capacity, flood = asyncio.run(go())
-    cap = capacity.summary()["throughput"]
-    summary = flood.summary()
-    ok = summary["statuses"].get("200", 0)
-    in_time = ok - summary["late_200"]
+        (answers, seconds), flood = asyncio.run(go())
+    capacity = describe(answers, corpus, seconds)
+    ok = [a for a in flood if a.status == 200]
+    in_time = [a for a in ok if a.latency <= args.deadline]
+    in_time_tokens = sum(tokens(corpus[a.index]) for a in in_time)
+    offered_tokens = sum(tokens(corpus[a.index]) for a in flood)
     return {
         "config": " ".join(COST_AWARE),
-        "capacity_per_s": cap,
-        "capacity_p99_ms": capacity.summary()["p99_ms"],
-        "offered_per_s": round(flood.rate or 0.0, 1),
+        "capacity": capacity,
+        "offered_per_s": round(len(flood) / args.duration, 1),
+        "offered_tokens_per_s": round(offered_tokens / args.duration, 1),
         "deadline_s": args.deadline,
-        "statuses": summary["statuses"],
-        "share_of_200_in_time": round(in_time / ok, 4) if ok else None,
-        "goodput_per_s": summary["goodput"],
-        "goodput_over_capacity": round(summary["goodput"] / cap, 3),
-        "p99_ms_of_200": summary["p99_ms"],
-        "p99_ms_of_503": summary.get("503", {}).get("p99_ms"),
-        "client_cpu_share": summary["client_cpu_share"],
+        "flood": describe(flood, corpus, args.duration),
+        "share_of_200_in_time": round(len(in_time) / len(ok), 4) if ok else None,
+        "goodput_requests_over_capacity": round(
+            len(in_time) / args.duration / capacity["requests_per_s"], 3
+        ),
+        "goodput_tokens_over_capacity": round(
+            in_time_tokens / args.duration / capacity["tokens_per_s"], 3
+        ),
+        "p99_ms_of_503": ms(percentile([a.latency for a in flood if a.status == 503], 99)),
     }
+
+
+def brief(result: LoadResult) -> dict[str, Any]:
+    summary = result.summary()
+    keep = ("throughput", "p50_ms", "p99_ms", "statuses", "client_cpu_share")
+    return {key: summary[key] for key in keep if key in summary}
 
 
 def delay(args: argparse.Namespace) -> dict[str, Any]:
@@ -195,6 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=15.0, help="seconds per load run")
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2, help="compare: A/B pairs")
+    parser.add_argument("--requests", type=int, default=640, help="mixed texts used")
     parser.add_argument("--overload", type=float, default=3.0, help="times the capacity")
     parser.add_argument("--deadline", type=float, default=1.0, help="X-Request-Timeout (s)")
     parser.add_argument("--delays", default="0,1,2,5", help="delay: candidates in ms")
