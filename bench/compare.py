@@ -127,7 +127,7 @@ async def measure_server(
     """Closed-loop points (and, for rawserve, overload) on each text set of `scenario`."""
     fmt = body_format(server.name, scenario)
     loaded = await load.wait_until_serving(
-        server.port, load.build_requests(["warm up"], fmt)[0], READY_TIMEOUT
+        server.port, load.build_requests(["warm up"], fmt)[0], READY_TIMEOUT, server.alive
     )
     result: dict[str, Any] = {"ready_seconds": round(loaded, 1), "text_sets": {}}
     for text_set in scenario.text_sets:
@@ -287,7 +287,7 @@ async def soak(work: Path, requests_count: int = SOAK_REQUESTS) -> dict[str, Any
     ).start()
     try:
         requests = load.build_requests(texts("mixed"), RAW_TEXT)
-        await load.wait_until_serving(server.port, requests[0], READY_TIMEOUT)
+        await load.wait_until_serving(server.port, requests[0], READY_TIMEOUT, server.alive)
         await load.closed_loop(
             server.port, requests, 64, SOAK_TIME_LIMIT, max_requests=SOAK_WARMUP_REQUESTS
         )

@@ -26,7 +26,7 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -430,12 +430,20 @@ async def warm_up(port: int, requests: Sequence[bytes], seconds: float, clients:
     await closed_loop(port, requests, clients, seconds)
 
 
-async def wait_until_serving(port: int, request: bytes, timeout: float) -> float:
-    """Send `request` until it is answered 200; the seconds it took. Raises on timeout."""
+async def wait_until_serving(
+    port: int, request: bytes, timeout: float, alive: Callable[[], bool] = lambda: True
+) -> float:
+    """Send `request` until it is answered 200; the seconds it took.
+
+    Raises TimeoutError after `timeout` seconds, or as soon as `alive()` says the server
+    process has exited.
+    """
     loop = asyncio.get_running_loop()
     start = loop.time()
     last = "no answer"
     while loop.time() - start < timeout:
+        if not alive():
+            raise TimeoutError(f"the server on port {port} exited before answering")
         try:
             connection = await connect(port)
             try:
