@@ -60,6 +60,11 @@ class TokenWatcher(transformers.StoppingCriteria):
         self.eos_ids = _eos_ids(tokenizer)
         self.token_ids: list[list[int]] = [[] for _ in range(batch_size)]
         self.texts = [""] * batch_size
+        # incremental detokenization (as TGI does it): decode a short window of tokens,
+        # so each step costs the same however long the text has grown
+        self.prefix_offsets = [0] * batch_size
+        self.read_offsets = [0] * batch_size
+        self.longest_stop = max((len(s) for s in self.stop), default=0)
         self.done = [False] * batch_size
         self.finish_reasons = ["length"] * batch_size
 
@@ -70,13 +75,12 @@ class TokenWatcher(transformers.StoppingCriteria):
             if self.done[row]:
                 continue
             self.token_ids[row].append(token_id)
-            text = self.tokenizer.decode(self.token_ids[row], skip_special_tokens=True)
-            piece = ""
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                piece, self.texts[row] = text[len(self.texts[row]) :], text
+            piece = self._next_piece(row)
+            self.texts[row] += piece
+            tail = self.texts[row][-(len(piece) + self.longest_stop) :]
             if token_id in self.eos_ids:
                 self.done[row], self.finish_reasons[row] = True, "eos_token"
-            elif any(s in self.texts[row] for s in self.stop):
+            elif piece and any(s in tail for s in self.stop):
                 self.done[row], self.finish_reasons[row] = True, "stop_sequence"
             if self.on_token is not None:
                 special = token_id in self.special_ids
@@ -94,6 +98,17 @@ class TokenWatcher(transformers.StoppingCriteria):
             self.done = [True] * len(self.done)
             self.finish_reasons = ["cancelled"] * len(self.done)
         return torch.tensor(self.done, dtype=torch.bool, device=input_ids.device)
+
+    def _next_piece(self, row: int) -> str:
+        """The text the row's newest token adds ("" while a character is incomplete)."""
+        ids = self.token_ids[row]
+        prefix, read = self.prefix_offsets[row], self.read_offsets[row]
+        before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
+        after = self.tokenizer.decode(ids[prefix:], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # wait for the rest of a multi-byte character
+        self.prefix_offsets[row], self.read_offsets[row] = read, len(ids)
+        return after[len(before) :]
 
 
 def _eos_ids(tokenizer: Any) -> set[int]:
@@ -152,6 +167,7 @@ class TextGenerationRunner(Runner):
         encoded = self.tokenizer(inputs, padding=True, return_tensors="pt").to(self.device)
         prompt_length = encoded["input_ids"].shape[1]
         recorder = ScoreRecorder()
+        wants_logprobs = stream_id is not None
         on_token = None
         if stream_id is not None and self.send is not None:
             send = self.send
@@ -187,13 +203,16 @@ class TextGenerationRunner(Runner):
                 **encoded,
                 **kwargs,
                 pad_token_id=self.tokenizer.pad_token_id,
-                logits_processor=transformers.LogitsProcessorList([recorder]),
+                logits_processor=transformers.LogitsProcessorList(
+                    [recorder] if wants_logprobs else []
+                ),
                 stopping_criteria=transformers.StoppingCriteriaList([watcher]),
             )
         full_text = params.get("return_full_text", stream_id is None)
         outputs = []
         for row, prompt in enumerate(inputs):
-            text = watcher.texts[row]
+            # the whole decode, as the pipeline does (pieces hold back a cut character)
+            text = self.tokenizer.decode(watcher.token_ids[row], skip_special_tokens=True)
             if full_text:
                 text = prompt + text
             output: dict[str, Any] = {"generated_text": text}

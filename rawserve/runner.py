@@ -30,6 +30,7 @@ ARCHITECTURE_TASKS = [
     ("ForTokenClassification", "token-classification"),
     ("ForQuestionAnswering", "question-answering"),
     ("ForConditionalGeneration", "text2text-generation"),
+    ("MTModel", "translation"),  # MarianMTModel
     ("ForCausalLM", "text-generation"),
     ("LMHeadModel", "text-generation"),
     ("Model", "feature-extraction"),

@@ -69,11 +69,13 @@ class TokenStreams:
         try:
             held = first
             index = 0
+            emitted = ""  # the text of the tokens sent so far
             while held is not _DONE:
                 chunk = await queue.get()
                 if chunk is _DONE:
                     break
                 yield sse(_event(index, held.token))
+                emitted += held.token["text"]
                 index += 1
                 held = chunk
             try:
@@ -82,8 +84,12 @@ class TokenStreams:
             except HTTPError as error:
                 yield sse({"error": error.message, "error_type": error.error_type})
                 return
-            last_token = held.token if held is not _DONE else None
-            yield sse(_event(index, last_token, output["generated_text"], output.get("details")))
+            last_token = dict(held.token) if held is not _DONE else None
+            text = output["generated_text"]
+            if last_token is not None and not last_token["special"] and text.startswith(emitted):
+                # the last token carries whatever a cut multi-byte character held back
+                last_token["text"] = text[len(emitted) :]
+            yield sse(_event(index, last_token, text, output.get("details")))
         finally:
             self._close(stream_id, run)
 
