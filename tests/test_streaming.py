@@ -1,0 +1,126 @@
+"""Token streaming's server side, with a fake scheduler and executor: the event shapes,
+the held-back last token, errors before and after the first token, and cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rawserve.errors import ServiceUnavailable
+from rawserve.messages import FailureKind, ItemFailure, TokenChunk
+from rawserve.scheduler import ItemResult
+from rawserve.streaming import TokenStreams
+from rawserve.tasks import STREAM_ID_PARAM, ParsedRequest
+
+
+class FakeExecutor:
+    def __init__(self):
+        self.listeners = {}
+        self.closed = []
+
+    def open_stream(self, on_token):
+        stream_id = len(self.listeners) + 1
+        self.listeners[stream_id] = on_token
+        return stream_id
+
+    def close_stream(self, stream_id):
+        self.closed.append(stream_id)
+        self.listeners.pop(stream_id, None)
+
+
+class FakeScheduler:
+    """Sends the given token texts to the stream, then answers `output`."""
+
+    def __init__(self, executor, texts, output, *, fail_first=None):
+        self.executor, self.texts, self.output, self.fail_first = (
+            executor,
+            texts,
+            output,
+            fail_first,
+        )
+        self.cancelled = asyncio.Event()
+
+    async def run(self, inputs, params, deadline):
+        if self.fail_first is not None:
+            raise self.fail_first
+        listener = self.executor.listeners[params[STREAM_ID_PARAM]]
+        try:
+            for index, text in enumerate(self.texts):
+                token = {"id": index, "text": text, "logprob": -0.5, "special": False}
+                listener(TokenChunk(params[STREAM_ID_PARAM], 0, token))
+                await asyncio.sleep(0)  # the worker's tokens arrive one loop turn apart
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return [ItemResult(self.output, 0.0, 1, 0.0)]
+
+
+def parsed():
+    return ParsedRequest(["hello"], {"max_new_tokens": 3}, is_list=False, stream=True)
+
+
+async def collect(response):
+    return [json.loads(chunk.removeprefix(b"data:")) async for chunk in response.stream]
+
+
+async def test_one_event_per_token_and_the_last_carries_the_text():
+    executor = FakeExecutor()
+    output = {"generated_text": " a b", "details": {"finish_reason": "length"}}
+    scheduler = FakeScheduler(executor, [" a", " b", ""], output)
+    response = await TokenStreams(scheduler, executor).open(parsed(), deadline=1e9)
+    assert response.status == 200 and response.content_type == "text/event-stream"
+    events = await collect(response)
+    assert [e["index"] for e in events] == [0, 1, 2]
+    assert [e["generated_text"] for e in events] == [None, None, " a b"]
+    assert events[-1]["details"] == {"finish_reason": "length"}
+    assert "".join(e["token"]["text"] for e in events) == " a b"
+    assert executor.closed == [1]
+
+
+async def test_a_cut_character_held_back_arrives_with_the_last_token():
+    executor = FakeExecutor()
+    scheduler = FakeScheduler(executor, [" a", ""], {"generated_text": " a\ufffd", "details": {}})
+    events = await collect(await TokenStreams(scheduler, executor).open(parsed(), 1e9))
+    assert events[-1]["token"]["text"] == "\ufffd"
+
+
+async def test_an_error_before_the_first_token_keeps_its_status():
+    executor = FakeExecutor()
+    scheduler = FakeScheduler(executor, [], None, fail_first=ServiceUnavailable("full"))
+    with pytest.raises(ServiceUnavailable):
+        await TokenStreams(scheduler, executor).open(parsed(), 1e9)
+    assert executor.closed == [1]
+
+
+async def test_a_failure_after_the_first_token_is_an_error_event():
+    executor = FakeExecutor()
+    failure = ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
+    scheduler = FakeScheduler(executor, [" a", " b"], failure)
+    events = await collect(await TokenStreams(scheduler, executor).open(parsed(), 1e9))
+    assert events[0]["token"]["text"] == " a"
+    assert events[-1] == {"error": "the model failed on this input", "error_type": "internal_error"}
+
+
+async def test_closing_the_stream_cancels_the_request_and_the_generation():
+    executor = FakeExecutor()
+    scheduler = FakeScheduler(executor, [" a"] * 1000, {"generated_text": "", "details": {}})
+    response = await TokenStreams(scheduler, executor).open(parsed(), 1e9)
+    first = await anext(response.stream)
+    assert json.loads(first.removeprefix(b"data:"))["index"] == 0
+    await response.stream.aclose()  # what the protocol does when the client leaves
+    assert executor.closed == [1]
+    await asyncio.wait_for(scheduler.cancelled.wait(), 5)
+
+
+def test_the_server_side_modules_never_import_torch():
+    code = (
+        "import sys\n"
+        "import rawserve.app, rawserve.openai_api, rawserve.streaming, rawserve.tasks\n"
+        "import rawserve.encoding, rawserve.main\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
