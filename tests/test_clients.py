@@ -46,6 +46,9 @@ def servers(tiny_model):
             server.wait_for_log(READY, timeout=150)
         yield started
     finally:
+        for opened in OPEN_CLIENTS.values():
+            opened.close()
+        OPEN_CLIENTS.clear()
         for server in started.values():
             if server.process is not None:
                 server.stop()
@@ -64,10 +67,16 @@ def hub_client_may_reach_loopback():
     constants.HF_HUB_OFFLINE = saved
 
 
+OPEN_CLIENTS: dict[tuple[str, int], object] = {}  # closed with the servers
+
+
 def client(server):
     from huggingface_hub import InferenceClient
 
-    return InferenceClient(base_url=f"http://127.0.0.1:{server.port}")
+    key = ("hub", server.port)
+    if key not in OPEN_CLIENTS:
+        OPEN_CLIENTS[key] = InferenceClient(base_url=f"http://127.0.0.1:{server.port}")
+    return OPEN_CLIENTS[key]
 
 
 @pytest.fixture(scope="module")
@@ -305,7 +314,12 @@ def test_stream_errors_before_the_first_token_keep_their_status(servers):
 def openai_client(server):
     import openai
 
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused")
+    key = ("openai", server.port)
+    if key not in OPEN_CLIENTS:
+        OPEN_CLIENTS[key] = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused"
+        )
+    return OPEN_CLIENTS[key]
 
 
 def test_openai_embeddings_float_and_base64(servers):
