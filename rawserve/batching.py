@@ -25,6 +25,8 @@ GROUP_RATIO = 0.5
 GROUP_SLACK_TOKENS = 8
 # Weight that the cost model keeps of its past per new measurement.
 COST_MEMORY = 0.95
+# The cheapest plan looks at the items of this many full batches nearest their deadline.
+PLAN_WINDOW = 4
 
 
 class Costed(Protocol):
@@ -56,18 +58,24 @@ def choose_batch(
     queue: Sequence[ItemT],
     limits: BatchLimits,
     urgent: Callable[[ItemT], bool] = lambda item: False,
+    cost_model: CostModel | None = None,
 ) -> list[ItemT]:
     """The items of `queue` (sorted earliest deadline first) that go in one model call.
 
     The first item always goes, even when it alone is over the token budget. Then, in
     deadline order (count mode) or closest length first (cost-aware mode, urgent items
-    first), every item that keeps the batch within its bounds joins.
+    first), every item that keeps the batch within its bounds joins. In cost-aware mode
+    an item joins when it is urgent, or when it is of similar length (no measured
+    speed yet) or part of the head's batch in the cheapest plan (`plan_partners`).
     """
     if not queue:
         return []
     head = queue[0]
     batch = [head]
     longest = shortest = head.cost
+    partners: set[int] | None = None
+    if limits.group_lengths and cost_model is not None and cost_model.measured:
+        partners = plan_partners(queue[: PLAN_WINDOW * limits.max_size], limits, cost_model)
     if limits.group_lengths:
         rest = queue[1:]
         hurry = [item for item in rest if urgent(item)]
@@ -87,11 +95,45 @@ def choose_batch(
             if not limits.group_lengths:
                 break  # count mode keeps strict deadline order
             continue
-        if not any_length and not similar(new_shortest, new_longest):
-            continue
+        if not any_length:
+            joins = similar(new_shortest, new_longest) if partners is None else id(item) in partners
+            if not joins:
+                continue
         batch.append(item)
         longest, shortest = new_longest, new_shortest
     return batch
+
+
+def plan_partners(queue: Sequence[ItemT], limits: BatchLimits, model: CostModel) -> set[int]:
+    """The ids of the items that share the head's model call in the cheapest plan.
+
+    The plan serves all of `queue` in model calls of items adjacent in length order,
+    and minimizes the summed predicted time, `fixed + per_token x longest x items` per
+    call (dynamic programming over the sorted lengths). When the fixed cost of a call
+    dominates it takes big mixed batches; when padding dominates it groups lengths.
+    """
+    head = queue[0]
+    order = sorted(queue, key=lambda item: item.cost)
+    count = len(order)
+    fixed, per_token = model.fixed, model.per_token
+    best = [0.0] + [math.inf] * count  # best[j]: the cheapest plan for order[:j]
+    cut = [0] * (count + 1)  # where the last call of that plan starts
+    for end in range(1, count + 1):
+        longest = order[end - 1].cost
+        for size in range(1, min(limits.max_size, end) + 1):
+            if size > 1 and limits.max_tokens and longest * size > limits.max_tokens:
+                break
+            total = best[end - size] + fixed + per_token * longest * size
+            if total <= best[end]:  # on a tie, the bigger call
+                best[end], cut[end] = total, end - size
+    end = count
+    while end > 0:
+        start = cut[end]
+        members = order[start:end]
+        if any(item is head for item in members):
+            return {id(item) for item in members}
+        end = start
+    return {id(head)}
 
 
 class CostModel:

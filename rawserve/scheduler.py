@@ -229,7 +229,9 @@ class SchedulerCore:
             if not viable:
                 continue
             limits = self._limits_for(viable[0], now)
-            batch = choose_batch(viable, limits, lambda item: self._is_urgent(item, now))
+            batch = choose_batch(
+                viable, limits, lambda item: self._is_urgent(item, now), self.cost_model
+            )
             oldest = min(item.arrived for item in queue)
             if self._is_full(batch, len(viable), limits) or now >= oldest + self.max_batch_delay:
                 for item in batch:

@@ -436,3 +436,16 @@ async def test_a_batch_the_executor_refuses_fails_its_items_and_the_loop_goes_on
     await until(lambda: len(backend.calls) == 1)
     backend.finish(0)
     assert [r.output for r in await later] == ["out:b"]
+
+
+def test_when_calls_cost_mostly_their_fixed_part_lengths_mix_in_one_batch():
+    core = measured(SchedulerCore(max_batch_size=8), seconds_per_token=1e-6, fixed=0.5)
+    queue_items(core, [text(n) for n in (10, 200, 12, 190, 9, 11, 180, 10)])
+    assert len(core.next_batch(now=0.0)) == 8  # two calls would cost 0.5 s more
+
+
+def test_when_padding_dominates_the_plan_groups_lengths():
+    core = measured(SchedulerCore(max_batch_size=8), seconds_per_token=1e-3, fixed=0.05)
+    items = queue_items(core, [text(n) for n in (10, 200, 12, 190, 9, 11, 180, 10)])
+    assert sorted(item.cost for item in core.next_batch(now=0.0)) == [9, 10, 10, 11, 12]
+    assert core.next_batch(now=0.0) == [items[1], items[3], items[6]]
