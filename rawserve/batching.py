@@ -149,13 +149,17 @@ class CostModel:
         self._w = self._x = self._y = self._xx = self._xy = 0.0
         self.fixed = 0.0
         self.per_token = 0.0
+        self.padding = 1.0  # padded / unpadded tokens of recent calls
 
     @property
     def measured(self) -> bool:
         return self._w > 0
 
-    def observe(self, cost: int, seconds: float) -> None:
+    def observe(self, cost: int, seconds: float, tokens: int | None = None) -> None:
+        """One model call: its padded cost, its seconds, and its unpadded tokens."""
         m = self.memory
+        if tokens:
+            self.padding += (1 - m) * (cost / tokens - self.padding)
         x, y = float(max(cost, 1)), max(seconds, 0.0)
         self._w = m * self._w + 1
         self._x = m * self._x + x
@@ -179,8 +183,9 @@ class CostModel:
         return self.fixed + self.per_token * cost
 
     def drain_seconds(self, costs: Sequence[int], max_size: int, workers: int = 1) -> float | None:
-        """A lower bound on the seconds to compute `costs` in full batches (no padding)."""
+        """The seconds to compute `costs` in full batches, padded as recent batches were."""
         if not self.measured:
             return None
         calls = math.ceil(len(costs) / max_size)
-        return (calls * self.fixed + self.per_token * sum(costs)) / max(workers, 1)
+        padded = self.padding * sum(costs)
+        return (calls * self.fixed + self.per_token * padded) / max(workers, 1)

@@ -79,6 +79,7 @@ class DeadlineUnreachable(QueueFull):
 class InFlight:
     sent: float
     cost: int  # padded cost
+    tokens: int  # unpadded
     predicted: float  # seconds, 0 before any measurement
 
 
@@ -154,8 +155,8 @@ class SchedulerCore:
     def estimated_finish(self, items: Sequence[WorkItem], now: float) -> float | None:
         """When `items` would be computed, earliest first after what goes ahead of them.
 
-        Optimistic on purpose (full batches, no padding): it refuses only what is surely
-        late. None before any batch has been measured.
+        Full batches padded as recent ones were, at the measured speed; None before any
+        batch has been measured.
         """
         deadline = max(item.deadline for item in items)
         ahead = [i.cost for q in self._queues.values() for i in q if i.deadline <= deadline]
@@ -238,7 +239,8 @@ class SchedulerCore:
                     self.remove(item)
                 cost = padded_cost(item.cost for item in batch)
                 predicted = self.cost_model.predict(cost) or 0.0
-                self._in_flight[batch[0].seq] = InFlight(now, cost, predicted)
+                tokens = sum(item.cost for item in batch)
+                self._in_flight[batch[0].seq] = InFlight(now, cost, tokens, predicted)
                 return batch
         return None
 
@@ -292,7 +294,7 @@ class SchedulerCore:
         seconds = max(now - flight.sent, 1e-6)
         if flight.predicted:  # a freak batch (a worker restart, retries) must not skew it
             seconds = min(seconds, OUTLIER_FACTOR * flight.predicted)
-        self.cost_model.observe(flight.cost, seconds)
+        self.cost_model.observe(flight.cost, seconds, flight.tokens)
         rate = len(batch) / seconds
         if self.items_per_second is None:
             self.items_per_second = rate

@@ -449,3 +449,13 @@ def test_when_padding_dominates_the_plan_groups_lengths():
     items = queue_items(core, [text(n) for n in (10, 200, 12, 190, 9, 11, 180, 10)])
     assert sorted(item.cost for item in core.next_batch(now=0.0)) == [9, 10, 10, 11, 12]
     assert core.next_batch(now=0.0) == [items[1], items[3], items[6]]
+
+
+def test_the_drain_estimate_pads_as_recent_batches_did():
+    model = CostModel(memory=0.5)
+    model.observe(1000, 1.0, tokens=1000)
+    unpadded = model.drain_seconds([100] * 10, max_size=10)
+    for _ in range(20):
+        model.observe(1000, 1.0, tokens=500)  # every call half padding
+    assert model.padding == pytest.approx(2.0, rel=1e-3)
+    assert model.drain_seconds([100] * 10, max_size=10) == pytest.approx(2 * unpadded, rel=1e-3)
