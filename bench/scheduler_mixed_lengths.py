@@ -11,8 +11,9 @@ all-MiniLM-L6-v2 sentence embedder, which pads each batch to its longest input).
   arrivals at 3x that rate with a per-request deadline: the share of 200s that met the
   deadline, and the goodput (200s in time, per second, in requests and in tokens) as a
   fraction of the capacity.
-- `delay`: `--max-batch-delay-ms` candidates at low load (one client: the latency a
-  delay adds) and at a moderate load (8 clients: what it buys in throughput).
+- `delay`: `--max-batch-delay-ms` candidates in interleaved rounds, at low load (one
+  client: the latency over the model's own, from each answer's Server-Timing) and at a
+  moderate load (8 clients: what a delay buys in throughput and batch size).
 
 Loopback only; every load run stops by itself within 60 s.
 
@@ -30,6 +31,7 @@ import json
 import os
 import platform
 import random
+import re
 import signal
 import socket
 import statistics
@@ -44,9 +46,7 @@ from typing import Any
 
 from bench.load import (
     Connection,
-    LoadResult,
     build_requests,
-    closed_loop,
     connect,
     percentile,
     wait_until_serving,
@@ -59,6 +59,8 @@ MAX_DURATION = 60.0
 WARMUP_SECONDS = 3.0
 MAX_OPEN_REQUESTS = 2048  # open loop: arrivals beyond this many unanswered are not sent
 LONG_TOKENS = 100  # from here an input counts as long
+HOST = "127.0.0.1"
+SERVER_TIMING = re.compile(r"model;dur=([\d.]+).*batch;desc=\"?(\d+)")
 COUNT_ONLY = ("--batching", "count")
 COST_AWARE = ("--batching", "cost", "--max-batch-tokens", "4096")
 SERVER_ARGS: list[str] = []  # --server-args, given to every server
@@ -285,32 +287,72 @@ def overload(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def brief(result: LoadResult) -> dict[str, Any]:
-    summary = result.summary()
-    keep = ("throughput", "p50_ms", "p99_ms", "statuses", "client_cpu_share")
-    return {key: summary[key] for key in keep if key in summary}
+async def timed_requests(
+    port: int, requests: Sequence[bytes], clients: int, duration: float
+) -> list[tuple[float, float, int]]:
+    """Closed loop; per answer (latency s, the model's own ms, batch size) from the
+    answer's Server-Timing header, so a delay's cost is seen apart from the model's."""
+    loop = asyncio.get_running_loop()
+    stop_at = loop.time() + duration
+    order = itertools.cycle(range(len(requests)))
+    seen: list[tuple[float, float, int]] = []
+
+    async def client() -> None:
+        reader, writer = await asyncio.open_connection(HOST, port)
+        try:
+            while loop.time() < stop_at:
+                sent = loop.time()
+                writer.write(requests[next(order)])
+                head = await reader.readuntil(b"\r\n\r\n")
+                fields = dict(
+                    line.split(": ", 1) for line in head.decode().lower().split("\r\n")[1:-2]
+                )
+                await reader.readexactly(int(fields["content-length"]))
+                timing = SERVER_TIMING.search(fields.get("server-timing", ""))
+                if head.startswith(b"HTTP/1.1 200") and timing:
+                    model_ms, batch = float(timing.group(1)), int(timing.group(2))
+                    seen.append((loop.time() - sent, model_ms, batch))
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return seen
+
+
+def delay_summary(seen: Sequence[tuple[float, float, int]], duration: float) -> dict:
+    overhead = [1000 * latency - model_ms for latency, model_ms, _ in seen]
+    return {
+        "requests_per_s": round(len(seen) / duration, 1),
+        "p50_ms": ms(percentile([latency for latency, _, _ in seen], 50)),
+        "model_p50_ms": round(statistics.median(m for _, m, _ in seen), 2) if seen else None,
+        "over_model_p50_ms": round(statistics.median(overhead), 2) if seen else None,
+        "over_model_p99_ms": round(percentile(overhead, 99) or 0.0, 2),
+        "mean_batch": round(statistics.mean(b for _, _, b in seen), 2) if seen else None,
+    }
 
 
 def delay(args: argparse.Namespace) -> dict[str, Any]:
+    """Rounds over the candidates (0 1 2 5, 5 2 1 0, ...): one client, then eight."""
     requests = build_requests(texts("short"), RAW_TEXT)
-    results = {}
-    for milliseconds in args.delays.split(","):
-        config = ("--max-batch-delay-ms", milliseconds)
-        with serve(*config) as port:
+    candidates = args.delays.split(",")
+    results: dict[str, list[dict[str, Any]]] = {ms_: [] for ms_ in candidates}
+    for round_index in range(args.rounds):
+        for milliseconds in candidates if round_index % 2 == 0 else candidates[::-1]:
+            with serve("--max-batch-delay-ms", milliseconds) as port:
 
-            async def go(port: int) -> tuple[LoadResult, LoadResult]:
-                await ready(port, requests)
-                alone = await closed_loop(port, requests, 1, args.duration)
-                busy = await closed_loop(port, requests, 8, args.duration)
-                return alone, busy
+                async def go(port: int) -> dict[str, Any]:
+                    await ready(port, requests)
+                    alone = await timed_requests(port, requests, 1, args.duration)
+                    busy = await timed_requests(port, requests, 8, args.duration)
+                    return {
+                        "1_client": delay_summary(alone, args.duration),
+                        "8_clients": delay_summary(busy, args.duration),
+                    }
 
-            alone, busy = asyncio.run(go(port))
-        results[milliseconds] = {
-            "1_client": brief(alone),
-            "8_clients": brief(busy),
-        }
-        print(milliseconds, json.dumps(results[milliseconds]), file=sys.stderr, flush=True)
-    return results
+                result = asyncio.run(go(port))
+            results[milliseconds].append(result)
+            print(milliseconds, json.dumps(result), file=sys.stderr, flush=True)
+    return {"runs": results}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
