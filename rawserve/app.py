@@ -30,7 +30,14 @@ from rawserve.messages import FailureKind, ItemFailure
 from rawserve.openai_api import OpenAIRoutes
 from rawserve.scheduler import ItemResult, Scheduler
 from rawserve.streaming import TokenStreams
-from rawserve.tasks import ParsedRequest, parse_json_body, parse_text_body, shape_answer
+from rawserve.tasks import (
+    ParsedRequest,
+    parse_binary_body,
+    parse_json_body,
+    parse_text_body,
+    shape_answer,
+    takes_binary_body,
+)
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
 LOADING_RETRY_AFTER = 5.0
@@ -142,6 +149,8 @@ class App:
             except (UnicodeDecodeError, json.JSONDecodeError):
                 raise BadRequest("the body is not valid JSON") from None
             return parse_json_body(task, document)
+        if takes_binary_body(task):  # an image's bytes, with or without image/* type
+            return parse_binary_body(task, request.body)
         try:
             text = request.body.decode("utf-8")
         except UnicodeDecodeError:

@@ -7,7 +7,9 @@ or Python lists/dicts), using `rawserve.tasks` for the task's output shape.
 
 from __future__ import annotations
 
+import base64
 import importlib
+import io
 import json
 import logging
 import re
@@ -31,6 +33,7 @@ ARCHITECTURE_TASKS = [
     ("ForQuestionAnswering", "question-answering"),
     ("ForConditionalGeneration", "text2text-generation"),
     ("MTModel", "translation"),  # MarianMTModel
+    ("ForImageClassification", "image-classification"),
     ("ForCausalLM", "text-generation"),
     ("LMHeadModel", "text-generation"),
     ("Model", "feature-extraction"),
@@ -135,9 +138,23 @@ class PipelineRunner(Runner):
         self.dtype = str(self.pipe.model.dtype).removeprefix("torch.")
 
     def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
+        model_inputs = inputs
+        if self.task == "image-classification":  # queued as base64 text
+            model_inputs = [decode_image(item) for item in inputs]
         with torch.inference_mode():
-            raw = self.pipe(inputs, batch_size=len(inputs), **params)
+            raw = self.pipe(model_inputs, batch_size=len(inputs), **params)
         return split_outputs(self.task, inputs, raw)
+
+
+def decode_image(encoded: str) -> Any:
+    """base64 text → an RGB PIL image; anything that is not an image is the client's error."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(base64.b64decode(encoded)))
+        return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise ValueError("the input is not an image Pillow can read") from exc
 
 
 class EmbeddingRunner(Runner):

@@ -30,6 +30,7 @@ SERVED = {
     "generation": ("text-generation", []),
     "summarization": ("seq2seq", ["--task", "summarization"]),
     "translation": ("seq2seq", ["--task", "translation"]),
+    "image": ("image-classification", []),
 }
 
 
@@ -222,6 +223,27 @@ def test_summarization_and_translation(servers, tiny_model):
     runner = in_process_runner(tiny_model, "seq2seq", "translation")
     expected = runner.run([text], {"src_lang": "en", "tgt_lang": "fr"})[0]
     assert translation.translation_text == expected["translation_text"]
+
+
+def test_image_classification_from_bytes_and_base64(servers, local):
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 30), (200, 30, 30)).save(buffer, "PNG")
+    image = buffer.getvalue()
+    expected = local("image-classification")(Image.open(io.BytesIO(image)).convert("RGB"))
+    raw = client(servers["image"]).image_classification(image)  # the bytes, no Content-Type
+    assert [(r.label, round(r.score, 5)) for r in raw] == [
+        (e["label"], round(e["score"], 5)) for e in expected
+    ]
+    top = client(servers["image"]).image_classification(image, top_k=1)  # JSON, base64
+    assert [r.label for r in top] == [expected[0]["label"]]
+    status, _, body = servers["image"].request("POST", "/", image, {"Content-Type": "image/png"})
+    assert status == 200 and json.loads(body)[0]["label"] == expected[0]["label"]
+    status, _, _ = servers["image"].request("POST", "/", b"not an image")
+    assert status == 422
 
 
 def test_unknown_parameters_are_refused_by_the_client_too(servers):

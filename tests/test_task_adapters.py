@@ -260,3 +260,37 @@ def test_streamed_tokens_go_to_the_pipe_and_a_cancel_stops_generation(runner):
 def test_embedding_without_truncation_refuses_a_too_long_input(runner):
     with pytest.raises(ValueError, match="truncate"):
         runner("feature-extraction").run([" ".join(["hello"] * 300)], {"truncate": False})
+
+
+# --- image-classification -----------------------------------------------------------------
+
+
+def png(color, size=(40, 30)):
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def test_image_classification_decodes_base64_images_in_the_worker(runner, tiny_model):
+    import base64
+    import io
+
+    from PIL import Image
+    from transformers import pipeline
+
+    images = [png((255, 0, 0)), png((0, 0, 255), (16, 64))]
+    classify = runner("image-classification")
+    encoded = [base64.b64encode(image).decode() for image in images]
+    batched = classify.run(encoded, {"top_k": 2})
+    reference = pipeline("image-classification", model=tiny_model("image-classification"))
+    expected = [
+        reference(Image.open(io.BytesIO(image)).convert("RGB"), top_k=2) for image in images
+    ]
+    assert _rounded(batched) == _rounded(expected)
+    assert _rounded(classify.run(encoded[:1], {"top_k": 2})) == _rounded(expected[:1])
+    with pytest.raises(ValueError, match="not an image"):
+        classify.run([base64.b64encode(b"not an image").decode()], {})

@@ -196,3 +196,15 @@ def test_only_fill_mask_drops_the_outer_list_of_a_one_item_call():
     # transformers 5: token-classification keeps it (see test_task_adapters for the check)
     assert split_outputs("token-classification", ["john"], [entities]) == [entities]
     assert split_outputs("token-classification", ["a", "b"], [[], entities]) == [[], entities]
+
+
+def test_an_image_body_is_one_base64_input():
+    from rawserve.tasks import parse_binary_body, takes_binary_body
+
+    assert takes_binary_body("image-classification")
+    assert not takes_binary_body("text-classification") and not takes_binary_body(None)
+    assert parse_binary_body("image-classification", b"\x89PNG").inputs == ["iVBORw=="]
+    with pytest.raises(BadRequest):
+        parse_binary_body("image-classification", b"")
+    with pytest.raises(BadRequest):
+        parse_json_body("image-classification", {"inputs": "not base64!"})

@@ -23,6 +23,7 @@ KINDS = (
     "zero-shot-classification",
     "text-generation",
     "seq2seq",
+    "image-classification",
 )
 
 
@@ -35,6 +36,8 @@ def build(kind: str, folder: Path) -> Path:
         return _build_gpt2(folder)
     if kind == "seq2seq":
         return _build_bart(folder)
+    if kind == "image-classification":
+        return _build_vit(folder)
     return _build_bert(kind, folder)
 
 
@@ -175,4 +178,28 @@ def _build_bart(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _build_vit(folder: Path) -> Path:
+    """A tiny ViT on 32x32 images, with a Pillow-only image processor."""
+    import transformers
+
+    labels = ["cat", "dog", "bird"]
+    config = transformers.ViTConfig(
+        image_size=32,
+        patch_size=8,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=37,
+        id2label=dict(enumerate(labels)),
+        label2id={label: i for i, label in enumerate(labels)},
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    transformers.ViTForImageClassification(config).save_pretrained(folder)
+    processor = transformers.models.vit.image_processing_pil_vit.ViTImageProcessorPil(
+        size={"height": 32, "width": 32}
+    )
+    processor.save_pretrained(folder)
     return folder

@@ -13,10 +13,12 @@ from rawserve.tasks.requests import (
     check_input,
     check_params,
     estimate_tokens,
+    parse_binary_body,
     parse_json_body,
     parse_text_body,
     shape_answer,
     split_outputs,
+    takes_binary_body,
     task_rules,
 )
 from rawserve.tasks.rules import SingleAnswer, Task
@@ -36,9 +38,11 @@ __all__ = [
     "check_input",
     "check_params",
     "estimate_tokens",
+    "parse_binary_body",
     "parse_json_body",
     "parse_text_body",
     "shape_answer",
     "split_outputs",
+    "takes_binary_body",
     "task_rules",
 ]

@@ -17,6 +17,7 @@ from rawserve.errors import BadRequest
 from rawserve.tasks import (
     feature_extraction,
     fill_mask,
+    image_classification,
     question_answering,
     seq2seq,
     text_classification,
@@ -37,6 +38,7 @@ TASKS: dict[str, Task] = {
         text_generation.TASK,
         question_answering.TASK,
         *seq2seq.TASKS,
+        image_classification.TASK,
     ]
 }
 
@@ -103,6 +105,19 @@ def parse_text_body(task_name: str, text: str) -> ParsedRequest:
     if task is not None:
         check_params(task, {})  # a task with required parameters needs JSON
     return ParsedRequest([item], {}, is_list=False)
+
+
+def takes_binary_body(task_name: str | None) -> bool:
+    """Whether a non-JSON body is this task's input as bytes (an image) rather than text."""
+    task = task_rules(task_name) if task_name else None
+    return task is not None and task.binary_input
+
+
+def parse_binary_body(task_name: str, body: bytes) -> ParsedRequest:
+    """A raw body for a task that takes bytes: one input, queued as base64 text."""
+    if not body:
+        raise BadRequest("the body is empty: send the image's bytes")
+    return ParsedRequest([image_classification.image_from_body(body)], {}, is_list=False)
 
 
 def check_input(task: Task, item: Any) -> Any:

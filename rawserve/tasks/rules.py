@@ -33,3 +33,5 @@ class Task:
     single_answer: str = SingleAnswer.ITEM
     # Reshapes one item's output from the runner's to the Inference API's shape.
     shape_item: Callable[[Any], Any] | None = None
+    # A body that is not JSON is one input as bytes (an image), not UTF-8 text.
+    binary_input: bool = False
