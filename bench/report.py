@@ -167,6 +167,7 @@ def plot(results: dict, path: Path) -> Path | None:
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     panels = [(s, t) for s in results["scenarios"] for t in s["ceiling"]]
     figure, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), squeeze=False)
@@ -208,6 +209,9 @@ def plot(results: dict, path: Path) -> Path | None:
         axis.set_xlabel("throughput (items/s)")
         axis.set_ylabel("p99 latency (ms), log scale")
         axis.set_yscale("log")
+        plain = matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}")
+        axis.yaxis.set_major_formatter(plain)
+        axis.yaxis.set_minor_formatter(plain)
         axis.set_xlim(left=0)
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=8, loc="upper left")
