@@ -1,12 +1,11 @@
 """The scheduler's measurements on a real server (`python -m rawserve`, the packaged
 all-MiniLM-L6-v2 sentence embedder, which pads each batch to its longest input).
 
-- `compare`: the same fixed work (the first `--requests` of the `mixed` texts, a few to
-  ~200 tokens, each sent once by 64 closed-loop clients) under count-only batching
-  (`--batching count`) and cost-aware batching (`--batching cost` with a token budget),
-  in interleaved rounds (A B B A ...) so that a drifting machine hits both alike.
-  Prints throughput (requests and estimated tokens per second of the whole run) and
-  p99 latency (all, short and long inputs) of each run, and the ratios.
+- `compare`: the `mixed` texts (a few to ~200 tokens) sent by closed-loop clients to a
+  count-only server (`--batching count`) and a cost-aware one (`--batching cost` with a
+  token budget) running side by side, each worker on one thread, so that both see the
+  same background load. Prints throughput (estimated tokens and requests per second)
+  and p99 latency of each, per round, and the ratios.
 - `overload`: cost-aware batching; its capacity (the fixed work above), then Poisson
   arrivals at 3x that rate with a per-request deadline: the share of 200s that met the
   deadline, and the goodput (200s in time, per second, in requests and in tokens) as a
@@ -17,7 +16,7 @@ all-MiniLM-L6-v2 sentence embedder, which pads each batch to its longest input).
 
 Loopback only; every load run stops by itself within 60 s.
 
-    python -m bench.scheduler_mixed_lengths compare --rounds 2 --requests 640
+    python -m bench.scheduler_mixed_lengths compare --rounds 3 --duration 30 --clients 32
     python -m bench.scheduler_mixed_lengths overload --deadline 5 --duration 20
     python -m bench.scheduler_mixed_lengths delay --delays 0,1,2,5
 """
@@ -61,8 +60,8 @@ MAX_OPEN_REQUESTS = 2048  # open loop: arrivals beyond this many unanswered are 
 LONG_TOKENS = 100  # from here an input counts as long
 HOST = "127.0.0.1"
 SERVER_TIMING = re.compile(r"model;dur=([\d.]+).*batch;desc=\"?(\d+)")
-COUNT_ONLY = ("--batching", "count")
-COST_AWARE = ("--batching", "cost", "--max-batch-tokens", "4096")
+COUNT_ONLY = ("--batching", "count", "--threads", "1")
+COST_AWARE = ("--batching", "cost", "--max-batch-tokens", "4096", "--threads", "1")
 SERVER_ARGS: list[str] = []  # --server-args, given to every server
 CODE = [REPO_ROOT]  # --code: where the served rawserve package is imported from
 
@@ -194,7 +193,7 @@ def ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(1000 * seconds, 1)
 
 
-def describe(answers: Sequence[Answer], corpus: Sequence[str], seconds: float) -> dict:
+def describe(answers: Sequence[Answer], seconds: float, corpus: Sequence[str]) -> dict:
     ok = [a for a in answers if a.status == 200]
     long_ok = [a.latency for a in ok if tokens(corpus[a.index]) >= LONG_TOKENS]
     short_ok = [a.latency for a in ok if tokens(corpus[a.index]) < LONG_TOKENS]
@@ -210,44 +209,76 @@ def describe(answers: Sequence[Answer], corpus: Sequence[str], seconds: float) -
     }
 
 
-def measure_fixed(config: Sequence[str], corpus: Sequence[str], clients: int) -> dict:
-    requests = build_requests(corpus, RAW_TEXT)
-    with serve(*config) as port:
-
-        async def go() -> tuple[list, float]:
-            await ready(port, requests)
-            return await fixed_work(port, requests, clients)
-
-        answers, seconds = asyncio.run(go())
-    return describe(answers, corpus, seconds)
-
-
 def compare(args: argparse.Namespace) -> dict[str, Any]:
-    corpus = texts("mixed")[: args.requests]
+    """Count-only and cost-aware servers side by side, loaded at the same time.
+
+    On a shared machine whose load swings from one minute to the next, two runs one
+    after the other measure the neighbours as much as the server; run together, both
+    see the same background. Each is loaded by its own closed loop for the same time;
+    throughput counts the estimated tokens of the answered inputs (which does not
+    favour a scheduler that answers short inputs first) as well as requests.
+    """
+    corpus = texts("mixed")
+    requests = build_requests(corpus, RAW_TEXT)
     configs = {"count": COUNT_ONLY, "cost": COST_AWARE}
-    order = []
-    for round_index in range(args.rounds):
-        order += ["count", "cost"] if round_index % 2 == 0 else ["cost", "count"]
     runs: dict[str, list[dict[str, Any]]] = {"count": [], "cost": []}
-    for name in order:
-        result = measure_fixed(configs[name], corpus, args.clients)
-        runs[name].append(result)
-        print(name, json.dumps(result), file=sys.stderr, flush=True)
-    ratios = [
-        cost["requests_per_s"] / count["requests_per_s"]
-        for count, cost in zip(runs["count"], runs["cost"], strict=True)
-    ]
+    for _ in range(args.rounds):
+        with serve(*configs["count"]) as count_port, serve(*configs["cost"]) as cost_port:
+            ports = {"count": count_port, "cost": cost_port}
+
+            async def go(ports: dict[str, int]) -> dict[str, dict[str, Any]]:
+                await asyncio.gather(*(ready(port, requests) for port in ports.values()))
+                indices: dict[str, list[int]] = {name: [] for name in ports}
+                seen = await asyncio.gather(
+                    *(
+                        timed_requests(port, requests, args.clients, args.duration, indices[name])
+                        for name, port in ports.items()
+                    )
+                )
+                return {
+                    name: side_by_side(answers, indices[name], corpus, args.duration)
+                    for name, answers in zip(ports, seen, strict=True)
+                }
+
+            round_result = asyncio.run(go(ports))
+        for name, result in round_result.items():
+            runs[name].append(result)
+        print(json.dumps(round_result), file=sys.stderr, flush=True)
+    ratios = {
+        unit: [
+            round(cost[unit] / count[unit], 3)
+            for count, cost in zip(runs["count"], runs["cost"], strict=True)
+        ]
+        for unit in ("tokens_per_s", "requests_per_s")
+    }
     return {
         "configs": {name: " ".join(config) for name, config in configs.items()},
-        "requests": len(corpus),
-        "clients": args.clients,
+        "clients_each": args.clients,
+        "seconds_each": args.duration,
         "runs": runs,
-        "throughput_ratio_per_round": [round(r, 3) for r in ratios],
-        "throughput_ratio_median": round(statistics.median(ratios), 3),
+        "ratio_per_round": ratios,
+        "ratio_median": {unit: statistics.median(r) for unit, r in ratios.items()},
         "p99_ms_median": {
             name: statistics.median(run["p99_ms"] for run in results)
             for name, results in runs.items()
         },
+    }
+
+
+def side_by_side(answers, indices: list[int], corpus: Sequence[str], duration: float) -> dict:
+    latencies = [latency for latency, _, _ in answers]
+    long = [
+        lat
+        for (lat, _, _), i in zip(answers, indices, strict=True)
+        if tokens(corpus[i]) >= LONG_TOKENS
+    ]
+    return {
+        "requests_per_s": round(len(answers) / duration, 2),
+        "tokens_per_s": round(sum(tokens(corpus[i]) for i in indices) / duration, 1),
+        "p50_ms": ms(percentile(latencies, 50)),
+        "p99_ms": ms(percentile(latencies, 99)),
+        "p99_ms_long": ms(percentile(long, 99)),
+        "mean_batch": round(statistics.mean(b for _, _, b in answers), 2) if answers else None,
     }
 
 
@@ -257,14 +288,20 @@ def overload(args: argparse.Namespace) -> dict[str, Any]:
     timed = build_requests(corpus, RAW_TEXT, timeout_header=args.deadline)
     with serve(*COST_AWARE) as port:
 
-        async def go() -> tuple[tuple[list, float], list]:
+        async def go() -> tuple[dict, list, dict]:
             await ready(port, plain)
-            capacity = await fixed_work(port, plain, args.clients)
-            rate = args.overload * sum(a.status == 200 for a in capacity[0]) / capacity[1]
-            return capacity, await poisson(port, timed, rate, args.duration)
+            before = describe(*await fixed_work(port, plain, args.clients), corpus)
+            rate = args.overload * before["requests_per_s"]
+            flood = await poisson(port, timed, rate, args.duration)
+            after = describe(*await fixed_work(port, plain, args.clients), corpus)
+            return before, flood, after
 
-        (answers, seconds), flood = asyncio.run(go())
-    capacity = describe(answers, corpus, seconds)
+        before, flood, after = asyncio.run(go())
+    # the machine's speed drifts: the capacity is the mean of a run before and after
+    capacity = {
+        unit: round((before[unit] + after[unit]) / 2, 2)
+        for unit in ("requests_per_s", "tokens_per_s")
+    }
     ok = [a for a in flood if a.status == 200]
     in_time = [a for a in ok if a.latency <= args.deadline]
     in_time_tokens = sum(tokens(corpus[a.index]) for a in in_time)
@@ -272,10 +309,12 @@ def overload(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "config": " ".join(COST_AWARE),
         "capacity": capacity,
+        "capacity_before": before,
+        "capacity_after": after,
         "offered_per_s": round(len(flood) / args.duration, 1),
         "offered_tokens_per_s": round(offered_tokens / args.duration, 1),
         "deadline_s": args.deadline,
-        "flood": describe(flood, corpus, args.duration),
+        "flood": describe(flood, args.duration, corpus),
         "share_of_200_in_time": round(len(in_time) / len(ok), 4) if ok else None,
         "goodput_requests_over_capacity": round(
             len(in_time) / args.duration / capacity["requests_per_s"], 3
@@ -288,10 +327,11 @@ def overload(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def timed_requests(
-    port: int, requests: Sequence[bytes], clients: int, duration: float
+    port: int, requests: Sequence[bytes], clients: int, duration: float, indices=None
 ) -> list[tuple[float, float, int]]:
     """Closed loop; per answer (latency s, the model's own ms, batch size) from the
-    answer's Server-Timing header, so a delay's cost is seen apart from the model's."""
+    answer's Server-Timing header, so a delay's cost is seen apart from the model's.
+    Given a list `indices`, the index of each answered request is appended to it."""
     loop = asyncio.get_running_loop()
     stop_at = loop.time() + duration
     order = itertools.cycle(range(len(requests)))
@@ -302,7 +342,8 @@ async def timed_requests(
         try:
             while loop.time() < stop_at:
                 sent = loop.time()
-                writer.write(requests[next(order)])
+                index = next(order)
+                writer.write(requests[index])
                 head = await reader.readuntil(b"\r\n\r\n")
                 fields = dict(
                     line.split(": ", 1) for line in head.decode().lower().split("\r\n")[1:-2]
@@ -312,6 +353,8 @@ async def timed_requests(
                 if head.startswith(b"HTTP/1.1 200") and timing:
                     model_ms, batch = float(timing.group(1)), int(timing.group(2))
                     seen.append((loop.time() - sent, model_ms, batch))
+                    if indices is not None:
+                        indices.append(index)
         finally:
             writer.close()
 
