@@ -3,10 +3,12 @@
 Pure decisions with no clock and no I/O, used by `rawserve.scheduler`:
 
 - `choose_batch` picks the items of one batch key that go together. The item with the
-  earliest deadline always goes (so nothing starves); in cost-aware mode the others
-  are the items of most similar estimated length, so short inputs are not padded to
-  the length of a long one, and the batch's padded cost (longest x items) stays under
-  the token budget. Items close to their deadline join whatever their length.
+  earliest deadline always goes (so nothing starves). In cost-aware mode the others
+  are those of the head's call in the cheapest plan for the queue (`plan_partners`:
+  lengths grouped when padding costs more than a call's fixed part, mixed when it
+  costs less), or, before any call is measured, those of similar estimated length.
+  The batch's padded cost (longest x items) stays under the token budget, and items
+  close to their deadline join whatever their length.
 - `CostModel` predicts a call's seconds from its padded cost, fitted on the batches
   measured so far; the scheduler uses it to admit, to refuse work that cannot finish
   in time, and to estimate `Retry-After`.
