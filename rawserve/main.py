@@ -59,14 +59,17 @@ OPTIONS = [
     Option("--threads", int, None, "torch threads per worker (default: cores / workers)"),
     Option("--max-batch-size", int, 32, "items per model call"),
     Option(
-        "--max-batch-delay-ms", float, 0.0, "how long a free worker may wait for a batch to fill"
+        "--max-batch-delay-ms",
+        float,
+        0.0,  # measured: any delay adds itself at low load, buys nothing (bench/RESULTS.md)
+        "how long a free worker may wait for a batch to fill, from the oldest item",
     ),
     Option("--max-batch-tokens", int, None, "token budget of a batch (padded length x items)"),
     Option(
         "--batching",
         str,
         "cost",
-        "cost: group inputs of similar length in a batch; count: deadline order only",
+        "cost: batches planned by input length and measured call cost; count: deadline order",
     ),
     Option("--max-queue", int, 256, "queued items; beyond it: 503"),
     Option("--timeout", float, 30.0, "default request deadline in seconds"),
