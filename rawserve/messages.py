@@ -54,6 +54,8 @@ class BatchResult:
     outputs: tuple[Any, ...]
     compute_seconds: float
     effective_batch_cap: int | None = None  # lowered after out-of-memory errors; None: no cap
+    # real tokens per input, measured now and then: the server's length estimate learns
+    token_counts: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,15 @@ class Runner:
     def bind_stream(self, send: Any, cancelled_stream: Any) -> None:
         """Runners that stream tokens get the worker's pipe and the cancel flag here."""
 
+    def count_tokens(self, inputs: list[Any]) -> list[int] | None:
+        """Real tokens per text input (for the server's length estimate); None if unknown."""
+        tokenizer = getattr(self, "tokenizer", None) or getattr(
+            getattr(self, "pipe", None), "tokenizer", None
+        )
+        if tokenizer is None or not all(isinstance(value, str) for value in inputs):
+            return None
+        return [len(ids) for ids in tokenizer(inputs, truncation=False)["input_ids"]]
+
     def describe_failure(self, exc: BaseException) -> ItemFailure:
         """Turn a failure on one item into a message that is safe to send to a client."""
         if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "out of memory" in str(exc):

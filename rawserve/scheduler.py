@@ -30,6 +30,7 @@ URGENT_BATCHES = 2.0  # an item this many batch-times from its deadline joins an
 # A batch is sent only to items whose deadline is this many predicted batch-times away:
 # model calls vary, and an answer that comes back late is compute wasted.
 DEADLINE_MARGIN = 1.25
+CALIBRATION_SMOOTHING = 0.3  # weight of the newest token count in the estimate's scale
 OUTLIER_FACTOR = 4.0  # a measured batch counts as at most this many times its prediction
 
 
@@ -109,6 +110,7 @@ class SchedulerCore:
     _seq: itertools.count = field(default_factory=itertools.count)
     _in_flight: dict[int, InFlight] = field(default_factory=dict)
     items_per_second: float | None = None  # measured service rate (for reports)
+    tokens_per_estimate: float = 1.0  # real tokens per estimated token, learned from workers
 
     def __len__(self) -> int:
         return self._size
@@ -129,7 +131,7 @@ class SchedulerCore:
             key=batch_key(params),
             deadline=deadline,
             arrived=now,
-            cost=estimate_tokens(value),
+            cost=max(1, round(estimate_tokens(value) * self.tokens_per_estimate)),
             seq=next(self._seq),
         )
 
@@ -302,6 +304,15 @@ class SchedulerCore:
             self.items_per_second += RATE_SMOOTHING * (rate - self.items_per_second)
         return seconds
 
+    def calibrate(self, batch: Sequence[WorkItem], token_counts: Sequence[int]) -> None:
+        """Real token counts of a batch's inputs (sampled by the worker) teach the
+        estimate its scale, so that costs and `--max-batch-tokens` mean model tokens."""
+        estimated = sum(estimate_tokens(item.input) for item in batch)
+        if len(token_counts) != len(batch) or not estimated or not sum(token_counts):
+            return
+        ratio = sum(token_counts) / estimated
+        self.tokens_per_estimate += CALIBRATION_SMOOTHING * (ratio - self.tokens_per_estimate)
+
     def forget_batch(self, batch: Sequence[WorkItem]) -> None:
         """A batch failed in the executor: it is no longer in flight, and says nothing."""
         self._in_flight.pop(batch[0].seq, None)
@@ -446,6 +457,8 @@ class Scheduler:
             return
         result: BatchResult = done.result()
         self.core.finish_batch(batch, self.clock())
+        if result.token_counts:
+            self.core.calibrate(batch, result.token_counts)
         if self.metrics is not None:
             self.metrics.observe_batch(len(batch), result.compute_seconds)
         for item, output in zip(batch, result.outputs, strict=True):

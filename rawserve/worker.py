@@ -30,6 +30,7 @@ from rawserve.messages import (
 log = logging.getLogger("rawserve.worker")
 
 CAP_RESTORE_AFTER = 20  # good batches at a lowered cap before it is doubled again
+TOKEN_SAMPLE_EVERY = 16  # count real tokens on one batch in this many (it costs a tokenize)
 
 
 class BatchCap:
@@ -105,12 +106,28 @@ def worker_main(conn: Any, config: WorkerConfig, index: int, cancelled_stream: A
             started = time.perf_counter()
             outputs = run_batch(runner, list(message.inputs), dict(message.params), cap)
             result = BatchResult(
-                message.batch_id, tuple(outputs), time.perf_counter() - started, cap.limit
+                message.batch_id,
+                tuple(outputs),
+                time.perf_counter() - started,
+                cap.limit,
+                sample_token_counts(runner, message),
             )
             try:
                 conn.send(result)
             except (OSError, ValueError):  # the server is gone
                 return
+
+
+def sample_token_counts(runner: Any, batch: Batch) -> tuple[int, ...] | None:
+    """Real token counts of the batch's inputs, on one batch in TOKEN_SAMPLE_EVERY."""
+    if batch.batch_id % TOKEN_SAMPLE_EVERY:
+        return None
+    try:
+        counts = runner.count_tokens(list(batch.inputs))
+    except Exception:  # noqa: BLE001 - a measurement, never a reason to fail a batch
+        log.debug("could not count tokens", exc_info=True)
+        return None
+    return tuple(counts) if counts is not None else None
 
 
 def run_batch(

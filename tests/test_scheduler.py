@@ -459,3 +459,24 @@ def test_the_drain_estimate_pads_as_recent_batches_did():
         model.observe(1000, 1.0, tokens=500)  # every call half padding
     assert model.padding == pytest.approx(2.0, rel=1e-3)
     assert model.drain_seconds([100] * 10, max_size=10) == pytest.approx(2 * unpadded, rel=1e-3)
+
+
+def test_real_token_counts_from_the_worker_rescale_the_estimate():
+    core = SchedulerCore()
+    batch = queue_items(core, [text(100)] * 4)
+    core.calibrate(batch, [50] * 4)  # the model counted half the estimate
+    core.calibrate(batch, [50, 50])  # a count that does not match the batch is ignored
+    assert core.tokens_per_estimate == pytest.approx(1 - 0.3 * 0.5)
+    for _ in range(30):
+        core.calibrate(batch, [50] * 4)
+    assert core.new_item(text(100), {}, 30.0, 0.0).cost == 50
+
+
+async def test_the_driver_learns_from_token_counts_in_a_result(driver):
+    scheduler, backend = driver
+    task = asyncio.create_task(scheduler.run([text(100)], {}, scheduler.clock() + 5))
+    await until(lambda: len(backend.calls) == 1)
+    _, _, future = backend.calls[0]
+    future.set_result(BatchResult(0, ("out",), 0.01, token_counts=(25,)))
+    await task
+    assert scheduler.core.tokens_per_estimate < 1.0
