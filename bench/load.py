@@ -4,7 +4,8 @@
   their previous answer arrived (throughput at a concurrency).
 - Open loop: requests arrive at a fixed Poisson rate whatever the server does (overload);
   each takes an idle connection or opens a new one.
-- Health prober: `GET /health` at a fixed interval on its own connection, alongside either.
+- Health prober: `GET /health` at a fixed interval on its own connection, alongside either,
+  from a process of its own (its figures must not include this process's own delays).
 
 Requests are prebuilt bytes and answers are parsed by hand (status line, Content-Length),
 so the client spends a few microseconds per request: `client_cpu` in every result says how
@@ -28,6 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from bench.workloads import RAW_TEXT, TEXT_SETS, BodyFormat, texts
@@ -271,16 +273,14 @@ async def closed_loop(
             if connection is not None:
                 connection.close()
 
-    health = Samples() if health_interval else None
     prober = (
-        loop.create_task(probe_health(port, health_interval, stop_at, start, health))
-        if health is not None and health_interval
+        loop.create_task(probe_health_elsewhere(port, health_interval, duration))
+        if health_interval
         else None
     )
     tasks = [loop.create_task(client(i)) for i in range(clients)]
     await _finish(tasks, stop_at + DRAIN_SECONDS)
-    if prober is not None:
-        await _finish([prober], stop_at + DRAIN_SECONDS)
+    health = await prober if prober is not None else None
     elapsed = min(loop.time(), stop_at) - start
     if max_requests is not None and len(samples.status) >= max_requests:
         ends = zip(samples.sent, samples.latency, strict=True)
@@ -338,10 +338,9 @@ async def open_loop(
                 connection.close()
             open_count -= 1
 
-    health = Samples() if health_interval else None
     prober = (
-        loop.create_task(probe_health(port, health_interval, stop_at, start, health))
-        if health is not None and health_interval
+        loop.create_task(probe_health_elsewhere(port, health_interval, duration))
+        if health_interval
         else None
     )
     next_arrival = start
@@ -362,8 +361,7 @@ async def open_loop(
         in_flight.add(task)
         task.add_done_callback(in_flight.discard)
     await _finish(list(in_flight), stop_at + DRAIN_SECONDS)
-    if prober is not None:
-        await _finish([prober], stop_at + DRAIN_SECONDS)
+    health = await prober if prober is not None else None
     for connection in idle:
         connection.close()
     return LoadResult(
@@ -401,6 +399,37 @@ async def probe_health(
     finally:
         if connection is not None:
             connection.close()
+
+
+async def probe_health_elsewhere(port: int, interval: float, duration: float) -> Samples:
+    """`probe_health` from a process of its own, so the figures are the server's latency
+    and not this load generator's own event loop, busy with the answers of the load."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "bench.load",
+        "--port",
+        str(port),
+        "--probe-health",
+        str(interval),
+        "--duration",
+        str(duration),
+        stdout=asyncio.subprocess.PIPE,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    out, _ = await process.communicate()
+    samples = Samples()
+    for sent, latency, status in json.loads(out or b"[]"):
+        samples.add(sent, latency, status, 0)
+    return samples
+
+
+async def _probe_health_main(port: int, interval: float, duration: float) -> None:
+    loop = asyncio.get_running_loop()
+    samples = Samples()
+    start = loop.time()
+    await probe_health(port, interval, start + duration, start, samples)
+    json.dump(list(zip(samples.sent, samples.latency, samples.status, strict=True)), sys.stdout)
 
 
 async def _finish(tasks: list[asyncio.Task], until: float) -> None:
@@ -475,8 +504,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds, not counted")
     parser.add_argument("--timeout-header", type=float, help="X-Request-Timeout to send (s)")
     parser.add_argument("--health-every", type=float, help="probe GET /health every S seconds")
+    parser.add_argument("--probe-health", type=float, help="only probe /health every S seconds")
     args = parser.parse_args(argv)
     duration = min(args.duration, 120.0)
+    if args.probe_health:
+        asyncio.run(_probe_health_main(args.port, args.probe_health, duration))
+        return 0
     body_format = RAW_TEXT if args.json_params is None else BodyFormat(json.loads(args.json_params))
     requests = build_requests(texts(args.texts), body_format, args.timeout_header)
 
