@@ -38,5 +38,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check rawserve tests bench
 	$(VENV)/bin/ruff format --check rawserve tests bench
 
+# rawserve against the model's own ceiling and the seed's Starlette server, side by side
+# (bench/RESULTS.md): about 9 minutes on 2 cores, loopback only. ARGS="--record" rewrites
+# the Performance section of bench/RESULTS.md, ARGS="--quick" is a short try.
+bench: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[bench]"
+	HF_HUB_OFFLINE=1 $(PY) -m bench.compare $(ARGS)
+
 clean:
 	rm -rf $(VENV)

@@ -41,6 +41,9 @@ OVERLOAD_FACTOR = 3.0
 OVERLOAD_DEADLINE = 2.0  # seconds, sent as X-Request-Timeout in the open-loop run
 HEALTH_INTERVAL = 0.02
 READY_TIMEOUT = 180.0
+# One single-threaded model worker per core: on a shared CPU, torch's OpenMP threads in one
+# process stall whenever the event loop or the load generator takes a core from them.
+RAWSERVE_ARGS = "--device cpu,cpu"
 
 
 @dataclass(frozen=True)
@@ -368,7 +371,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--servers", default=",".join(servers.SERVERS))
     parser.add_argument("--scenarios", default="classification,token-embeddings")
     parser.add_argument("--clients", default=",".join(map(str, CLIENT_COUNTS)))
-    parser.add_argument("--rawserve-args", default="", help="extra rawserve options")
+    parser.add_argument(
+        "--rawserve-args",
+        default=RAWSERVE_ARGS,
+        help=f"rawserve's options (default: {RAWSERVE_ARGS!r})",
+    )
     parser.add_argument("--no-overload", action="store_true")
     parser.add_argument("--tools", action="store_true", help="also run wrk and hey if installed")
     parser.add_argument(
