@@ -64,7 +64,8 @@ class Connection(asyncio.Protocol):
 
     async def request(self, data: bytes) -> tuple[int, int]:
         """Send one request; (status, body bytes) of the answer."""
-        assert self.transport is not None and not self.closed
+        if self.transport is None or self.closed:
+            raise ConnectionError("the connection is closed")
         self.waiter = asyncio.get_running_loop().create_future()
         self.transport.write(data)
         try:
@@ -351,6 +352,9 @@ async def open_loop(
         delay = next_arrival - loop.time()
         if delay > 0.0005:  # sleep only when it is worth it; late arrivals go at once
             await asyncio.sleep(delay)
+        while idle and idle[-1].closed:  # the server closed it while it was idle
+            idle.pop()
+            open_count -= 1
         connection = idle.pop() if idle else None
         if connection is None:
             if open_count >= MAX_OPEN_LOOP_CONNECTIONS:
