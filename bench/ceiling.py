@@ -75,12 +75,18 @@ def batches(sample: Sequence[str], size: int, order: str, tokenizer: Any) -> lis
 
 
 def throughput(
-    run: Callable[[list[str]], Any], work: list[list[str]], seconds: float, rounds: int = ROUNDS
+    run: Callable[[list[str]], Any],
+    work: list[list[str]],
+    seconds: float,
+    rounds: int = ROUNDS,
+    whole_passes: bool = False,
 ) -> tuple[float, list[float]]:
     """Items per second (the best of `rounds` rounds) and every call's duration.
 
     Each round runs the batches in a shuffled order, cycling, for `seconds / rounds`; the
     best round is kept because what slows a round down here is the rest of the machine.
+    With `whole_passes` (batches of unequal cost: mixed lengths) a round is one pass over
+    all the batches instead, so that no round is a lucky draw of short ones.
     """
     run(work[0])  # warm-up
     rng = random.Random(0)
@@ -98,7 +104,9 @@ def throughput(
             calls.append(time.perf_counter() - began)
             items += len(batch)
             elapsed = time.perf_counter() - start
-            if elapsed >= seconds / rounds:
+            if whole_passes and items >= sum(map(len, work)):
+                break
+            if not whole_passes and elapsed >= seconds / rounds:
                 break
         best = max(best, items / elapsed)
     return best, calls
@@ -120,12 +128,20 @@ def measure(
     tokenizer, network, pipe = load(model, task)
     runners = {"forward": forward_runner(tokenizer, network), "pipeline": pipeline_runner(pipe)}
     result: dict[str, Any] = {"threads": torch.get_num_threads(), "sample": len(sample)}
+    lengths = [len(ids) for ids in tokenizer(list(sample), truncation=True)["input_ids"]]
+    uneven = max(lengths) > 2 * min(lengths)  # mixed lengths: measure whole passes
     for mode in modes:
         for order in orders:
             curve: dict[str, float] = {}
             for size in batch_sizes:
                 work = batches(sample, size, order, tokenizer)
-                rate, calls = throughput(runners[mode], work, min_seconds)
+                rate, calls = throughput(
+                    runners[mode],
+                    work,
+                    min_seconds,
+                    whole_passes=uneven,
+                    rounds=2 if uneven else ROUNDS,
+                )
                 curve[str(size)] = round(rate, 2)
                 log(f"  {mode:8} {order:7} batch {size:3}: {rate:7.1f} items/s")
                 if mode == "forward" and order == "arrival" and size == 1:
