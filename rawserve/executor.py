@@ -28,6 +28,7 @@ import itertools
 import json
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -154,6 +155,7 @@ class Executor:
         devices: Sequence[str] = ("auto",),
         *,
         batch_timeout: float = BATCH_TIMEOUT,
+        share_cores: bool = False,
         max_failed_restarts: int = MAX_FAILED_RESTARTS,
         loop: asyncio.AbstractEventLoop | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -161,6 +163,7 @@ class Executor:
         self._loop = loop
         self.clock = clock
         self.batch_timeout = batch_timeout
+        self.share_cores = share_cores  # CPU workers split the cores by how many are busy
         self.max_failed_restarts = max_failed_restarts
         self._context = multiprocessing.get_context("spawn")
         self.workers = [
@@ -313,9 +316,20 @@ class Executor:
                 self.batch_timeout, self._on_batch_timeout, worker, job
             )
         try:
-            worker.conn.send(Batch(job.batch_id, job.inputs, dict(job.params)))
+            batch = Batch(job.batch_id, job.inputs, dict(job.params), self._threads_for(worker))
+            worker.conn.send(batch)
         except (OSError, ValueError) as exc:  # the pipe broke: the reader will see the exit
             log.warning("worker %d: could not send a batch: %s", worker.index, exc)
+
+    def _threads_for(self, worker: WorkerHandle) -> int | None:
+        """With `share_cores`, a CPU worker's batch gets the cores split among the CPU
+        workers busy now: a lone busy worker uses them all (low latency), busy workers
+        together never ask for more threads than there are cores (OpenMP threads that
+        outnumber the cores stall each other)."""
+        if not self.share_cores or worker.config.device != "cpu":
+            return None
+        busy = sum(w.state is WorkerState.BUSY and w.config.device == "cpu" for w in self.workers)
+        return max(1, (os.cpu_count() or 1) // max(1, busy))
 
     def _pump(self) -> None:
         """Give free workers the retries first, then tell the scheduler who is free."""

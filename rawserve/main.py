@@ -136,6 +136,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--max-connections must not be negative and --api-key not empty")
     if args.log_format not in LOG_FORMATS:
         parser.error(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
+    args.share_cores = args.threads is None  # CPU workers split the cores as they are busy
     if args.threads is None:
         cpu_workers = max(1, sum(d in ("cpu", "auto") for d in args.devices))
         args.threads = max(1, (os.cpu_count() or 1) // cpu_workers)
@@ -152,7 +153,13 @@ async def serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         threads=args.threads,
     )
-    executor = Executor(config, args.devices, batch_timeout=args.batch_timeout, loop=loop)
+    executor = Executor(
+        config,
+        args.devices,
+        batch_timeout=args.batch_timeout,
+        share_cores=args.share_cores,
+        loop=loop,
+    )
     core = SchedulerCore(
         max_queue=args.max_queue,
         max_batch_size=args.max_batch_size,

@@ -32,6 +32,7 @@ class Batch:
     batch_id: int
     inputs: tuple[Any, ...]
     params: Mapping[str, Any] = field(default_factory=dict)
+    threads: int | None = None  # torch intra-op threads for this call; None: as loaded
 
 
 class FailureKind(enum.Enum):

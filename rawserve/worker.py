@@ -95,6 +95,7 @@ def worker_main(conn: Any, config: WorkerConfig, index: int, cancelled_stream: A
         )
     )
     cap = BatchCap()
+    threads = config.threads
     while True:
         try:
             message = conn.recv()
@@ -103,6 +104,8 @@ def worker_main(conn: Any, config: WorkerConfig, index: int, cancelled_stream: A
         if isinstance(message, Shutdown):
             return
         if isinstance(message, Batch):
+            if message.threads and message.threads != threads:
+                threads = set_threads(message.threads)
             started = time.perf_counter()
             outputs = run_batch(runner, list(message.inputs), dict(message.params), cap)
             result = BatchResult(
@@ -175,6 +178,14 @@ def run_bisecting(
         )
         return [failure] * len(inputs)
     return outputs
+
+
+def set_threads(count: int) -> int:
+    """torch's intra-op threads for the next batches (cheap: OpenMP keeps its pool)."""
+    import torch
+
+    torch.set_num_threads(count)
+    return count
 
 
 def release_memory() -> None:
