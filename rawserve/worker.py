@@ -30,6 +30,9 @@ from rawserve.messages import (
 log = logging.getLogger("rawserve.worker")
 
 CAP_RESTORE_AFTER = 20  # good batches at a lowered cap before it is doubled again
+# The worker runs at a lower CPU priority than the server process: when both want a core,
+# the event loop (answers, 503s, /health) goes first and the model waits a moment.
+WORKER_NICENESS = 10
 TOKEN_SAMPLE_EVERY = 16  # count real tokens on one batch in this many (it costs a tokenize)
 
 
@@ -65,6 +68,10 @@ def worker_main(conn: Any, config: WorkerConfig, index: int, cancelled_stream: A
     from rawserve.logs import setup_worker_logging
 
     setup_worker_logging(index)  # the server's --log-level and --log-format, from the env
+    try:
+        os.nice(WORKER_NICENESS)
+    except OSError:  # not allowed here: run at the server's priority
+        pass
     plan = isolate(config.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
     if plan.visible_gpus is not None:  # before torch initialises CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = plan.visible_gpus
