@@ -230,6 +230,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     # Drain: no new connections, /ready and new requests 503, admitted work finishes.
     app.draining = True
+    state.draining = True
     server.close()
     log.info("stopped accepting connections; %d item(s) queued or running", scheduler.pending)
     if not await requests_answered(state, args.grace):

@@ -79,6 +79,7 @@ class ServerState:
     connections: set[HttpProtocol] = field(default_factory=set)
     metrics: Any = None  # a metrics.Metrics: requests by route and status, durations
     refused: int = 0  # connections refused past `max_connections`
+    draining: bool = False  # set by main on SIGTERM/SIGINT: every 5xx closes its connection
     last_refusal_log: float = float("-inf")
 
 
@@ -308,7 +309,10 @@ class HttpProtocol(asyncio.Protocol):
         """Send a whole response, then keep the connection or close it."""
         if not self._start_response(cycle):
             return
-        close = close or response.status >= 500 or self.conn.their_state not in _REQUEST_READ
+        # A 503 (queue full, loading) keeps the connection unless the server is draining:
+        # under overload, closing would make every refused client pay a new connection.
+        failed = response.status >= 500 and (response.status != 503 or self.state.draining)
+        close = close or failed or self.conn.their_state not in _REQUEST_READ
         headers = self._response_headers(cycle, response)
         headers.append(("Content-Length", str(len(response.body))))
         if close:
