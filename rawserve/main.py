@@ -56,7 +56,12 @@ OPTIONS = [
     Option("--port", int, 8000, "bind port"),
     Option("--device", str, "auto", "cpu, cuda, cuda:N, or a comma list: one worker per entry"),
     Option("--dtype", str, "auto", "auto, float32, float16 or bfloat16"),
-    Option("--threads", int, None, "torch threads per worker (default: cores / workers)"),
+    Option(
+        "--threads",
+        int,
+        None,
+        "torch threads per worker (default: the busy CPU workers share the cores)",
+    ),
     Option("--max-batch-size", int, 32, "items per model call"),
     Option(
         "--max-batch-delay-ms",
