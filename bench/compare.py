@@ -41,8 +41,8 @@ OVERLOAD_FACTOR = 3.0
 OVERLOAD_DEADLINE = 2.0  # seconds, sent as X-Request-Timeout in the open-loop run
 HEALTH_INTERVAL = 0.02
 READY_TIMEOUT = 180.0
-# One single-threaded model worker per core: on a shared CPU, torch's OpenMP threads in one
-# process stall whenever the event loop or the load generator takes a core from them.
+# One model worker per core: torch's OpenMP threads in one process stall whenever the event
+# loop or the load generator takes a core from them; busy workers share the cores instead.
 RAWSERVE_ARGS = "--device cpu,cpu"
 
 
