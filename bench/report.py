@@ -248,7 +248,9 @@ def record(results: dict, table: str, picture: Path | None, path: Path) -> None:
         f"Measured with `{results['command'].strip()}` in {results['seconds']:.0f} s on "
         f"{machine['cores']} cores ({machine['cpu']}), Python {machine['python']}, "
         f"torch {machine['torch']}, transformers {machine['transformers']}; the server, "
-        "its model worker and the load generator share those cores.",
+        "its model workers and the load generator share those cores. rawserve ran with "
+        f"`{' '.join(results['settings']['rawserve_args']) or 'its defaults'}`, the seed's "
+        "servers with uvicorn's defaults.",
         "",
         table,
         "",
