@@ -222,6 +222,41 @@ def plot(results: dict, path: Path) -> Path | None:
     return path
 
 
+def tools_table(results: dict) -> str:
+    """wrk and hey at the saturation point (`--tools`), next to bench.load's own figures."""
+    rows = []
+    for scenario in results["scenarios"]:
+        for name, server in scenario["servers"].items():
+            for text_set, entry in server.get("text_sets", {}).items():
+                own = _point(server, text_set, 64)
+                for tool, figures in entry.get("tools", {}).items():
+                    if not rows:
+                        rows = [
+                            ["server, workload", "tool", "items/s", "p50 ms", "p99 ms"],
+                            ["---"] * 5,
+                        ]
+                    if own and tool == sorted(entry["tools"])[0]:
+                        rows.append(
+                            [
+                                f"{SERVER_LABELS.get(name, name)}, {scenario['model']}",
+                                "bench.load",
+                                f"{own['throughput']:.0f}",
+                                _fmt(own["p50_ms"], 1),
+                                _fmt(own["p99_ms"], 1),
+                            ]
+                        )
+                    rows.append(
+                        [
+                            f"{SERVER_LABELS.get(name, name)}, {scenario['model']}",
+                            tool,
+                            _fmt(figures.get("throughput"), 0),
+                            _fmt(figures.get("p50_ms"), 1),
+                            _fmt(figures.get("p99_ms"), 1),
+                        ]
+                    )
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+
+
 def ceiling_table(results: dict) -> str:
     rows = []
     for scenario in results["scenarios"]:
@@ -258,14 +293,19 @@ def record(results: dict, table: str, picture: Path | None, path: Path) -> None:
     if picture is not None:
         lines += [f"![throughput against p99 latency]({picture.name})", ""]
     lines += [
-        "The ceiling, items/s by batch size (best of 3 rounds, one process, "
+        "The ceiling, items/s by batch size (one process, best of 3 timed rounds; mixed "
+        "lengths: best of whole passes over 256 texts; "
         f"{results['scenarios'][0]['ceiling'].get('short', {}).get('threads', '?')} "
         "torch threads):",
         "",
         ceiling_table(results),
         "",
-        END,
     ]
+    tools = tools_table(results)
+    if tools:
+        lines += ["The saturation point through `wrk` and `hey` (64 connections, one body):", ""]
+        lines += [tools, ""]
+    lines.append(END)
     generated = "\n".join(lines)
     text = path.read_text() if path.exists() else "# Benchmark results\n"
     if SECTION not in text:
