@@ -164,6 +164,7 @@ class Executor:
         self.clock = clock
         self.batch_timeout = batch_timeout
         self.share_cores = share_cores  # CPU workers split the cores by how many are busy
+        self._all_cores: WorkerHandle | None = None  # running a lone item on every core
         self.max_failed_restarts = max_failed_restarts
         self._context = multiprocessing.get_context("spawn")
         self.workers = [
@@ -214,6 +215,8 @@ class Executor:
         return loaded.task if loaded else None
 
     def idle_workers(self) -> int:
+        if self._holding_cores():
+            return 0
         idle = sum(w.state is WorkerState.IDLE for w in self.workers)
         return max(0, idle - len(self._retries))
 
@@ -306,7 +309,14 @@ class Executor:
     # --- dispatch ---------------------------------------------------------------------
 
     def _next_idle(self) -> WorkerHandle | None:
+        if self._holding_cores():
+            return None
         return next((w for w in self.workers if w.state is WorkerState.IDLE), None)
+
+    def _holding_cores(self) -> bool:
+        """A lone item runs on every core: the other CPU workers wait until it is done."""
+        holder = self._all_cores
+        return holder is not None and holder.state is WorkerState.BUSY
 
     def _send(self, worker: WorkerHandle, job: Job) -> None:
         worker.state = WorkerState.BUSY
@@ -316,20 +326,28 @@ class Executor:
                 self.batch_timeout, self._on_batch_timeout, worker, job
             )
         try:
-            batch = Batch(job.batch_id, job.inputs, dict(job.params), self._threads_for(worker))
+            threads = self._threads_for(worker, len(job.inputs))
+            batch = Batch(job.batch_id, job.inputs, dict(job.params), threads)
             worker.conn.send(batch)
         except (OSError, ValueError) as exc:  # the pipe broke: the reader will see the exit
             log.warning("worker %d: could not send a batch: %s", worker.index, exc)
 
-    def _threads_for(self, worker: WorkerHandle) -> int | None:
-        """With `share_cores`, a CPU worker's batch gets the cores split among the CPU
-        workers busy now: a lone busy worker uses them all (low latency), busy workers
-        together never ask for more threads than there are cores (OpenMP threads that
-        outnumber the cores stall each other)."""
+    def _threads_for(self, worker: WorkerHandle, size: int) -> int | None:
+        """With `share_cores`, CPU workers split the cores evenly, except that a batch of
+        one item with no other CPU worker busy gets every core (low-load latency) and
+        holds them: no other CPU worker starts until it is done, since OpenMP threads that
+        outnumber the cores stall each other."""
         if not self.share_cores or worker.config.device != "cpu":
             return None
-        busy = sum(w.state is WorkerState.BUSY and w.config.device == "cpu" for w in self.workers)
-        return max(1, (os.cpu_count() or 1) // max(1, busy))
+        if self._all_cores is worker:
+            self._all_cores = None
+        cpu_workers = [w for w in self.workers if w.config.device == "cpu"]
+        cores = os.cpu_count() or 1
+        others_busy = any(w.state is WorkerState.BUSY for w in cpu_workers if w is not worker)
+        if size == 1 and not others_busy:
+            self._all_cores = worker
+            return cores
+        return max(1, cores // len(cpu_workers))
 
     def _pump(self) -> None:
         """Give free workers the retries first, then tell the scheduler who is free."""
