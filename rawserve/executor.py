@@ -226,7 +226,9 @@ class Executor:
         return min(caps, default=None)
 
     def submit(self, inputs: Sequence[Any], params: Mapping[str, Any]) -> asyncio.Future:
-        worker = self._next_idle()
+        # the scheduler may send a second batch in the same breath as a lone item that
+        # took every core: it runs on a free worker anyway (briefly one thread too many)
+        worker = self._next_idle(despite_hold=True)
         if worker is None or self._retries:
             raise ServiceUnavailable("no model worker is free")
         future = self._loop.create_future()
@@ -308,8 +310,8 @@ class Executor:
 
     # --- dispatch ---------------------------------------------------------------------
 
-    def _next_idle(self) -> WorkerHandle | None:
-        if self._holding_cores():
+    def _next_idle(self, *, despite_hold: bool = False) -> WorkerHandle | None:
+        if self._holding_cores() and not despite_hold:
             return None
         return next((w for w in self.workers if w.state is WorkerState.IDLE), None)
 
