@@ -42,9 +42,13 @@ class RunningServer:
         )
         self._reader = threading.Thread(target=self._read_log, daemon=True)
         self._reader.start()
-        self.port = int(self.wait_for_log(LISTENING, timeout).group(1))
-        if wait_ready:
-            self.wait_for_log(READY, timeout)
+        try:
+            self.port = int(self.wait_for_log(LISTENING, timeout).group(1))
+            if wait_ready:
+                self.wait_for_log(READY, timeout)
+        except BaseException:
+            self.stop()  # a server that did not come up must not outlive the test
+            raise
         return self
 
     def _read_log(self) -> None:
