@@ -306,10 +306,3 @@ class HandlerRunner(Runner):
 
     def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
         return list(self.handler(inputs, **params))
-
-
-def to_plain(value: Any) -> Any:
-    """numpy scalars → Python numbers (arrays stay numpy: they pickle and encode fast)."""
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
