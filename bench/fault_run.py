@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import h11
+from bench.load import build_request, connect
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LISTENING = re.compile(r"listening on http://[\d.]+:(\d+)")
@@ -89,34 +89,14 @@ class KillTiming:
     total: float  # kill → ready again
 
 
-async def post(port: int, body: bytes) -> tuple[int, bytes]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+async def post(port: int, body: bytes) -> int:
+    """One request on a connection of its own; the answer's status."""
+    connection = await connect(port)
     try:
-        conn = h11.Connection(h11.CLIENT)
-        request = h11.Request(
-            method="POST",
-            target="/",
-            headers=[("Host", "127.0.0.1"), ("Content-Length", str(len(body)))],
-        )
-        writer.write(conn.send(request) + conn.send(h11.Data(data=body)))
-        writer.write(conn.send(h11.EndOfMessage()))
-        status, chunks = 0, []
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                data = await reader.read(65536)
-                conn.receive_data(data)
-                if not data and conn.their_state is not h11.DONE:
-                    raise ConnectionError("closed before the answer was complete")
-                continue
-            if isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, h11.Data):
-                chunks.append(bytes(event.data))
-            elif isinstance(event, h11.EndOfMessage):
-                return status, b"".join(chunks)
+        status, _ = await connection.request(build_request(body))
+        return status
     finally:
-        writer.close()
+        connection.close()
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -163,8 +143,8 @@ async def fault_run(args: argparse.Namespace, port: int, log: ServerLog, seen: i
             count += 1
             sent += 1
             try:
-                status, _ = await asyncio.wait_for(post(port, text.encode()), 90)
-            except (OSError, ConnectionError, TimeoutError, h11.ProtocolError) as exc:
+                status = await asyncio.wait_for(post(port, text.encode()), 90)
+            except (OSError, ConnectionError, TimeoutError) as exc:
                 statuses[f"unanswered: {type(exc).__name__}"] += 1
                 continue
             statuses[str(status)] += 1
