@@ -25,6 +25,8 @@ from bench.compare import body_format
 from bench.models import scenarios
 from bench.workloads import TEXT_SETS, texts
 
+OPEN_LOOP_DEADLINE = 2.0  # X-Request-Timeout in open loop, as in the comparison's overload
+
 
 def summarise(raw: Path, top: int = 25) -> str:
     """Inclusive and self shares of the frames in a py-spy raw (collapsed) file."""
@@ -53,8 +55,17 @@ def _frame(frame: str) -> str:
     return f"{name} ({where.rsplit('/', 1)[-1]}" if where else name
 
 
-async def drive(port: int, requests: list[bytes], clients: int, seconds: float, warmup: float):
+async def drive(
+    port: int,
+    requests: list[bytes],
+    clients: int,
+    rate: float | None,
+    seconds: float,
+    warmup: float,
+):
     await load.warm_up(port, requests, warmup)
+    if rate:
+        return await load.open_loop(port, requests, rate, seconds, deadline=OPEN_LOOP_DEADLINE)
     return await load.closed_loop(port, requests, clients, seconds)
 
 
@@ -63,6 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scenario", default="classification")
     parser.add_argument("--texts", choices=TEXT_SETS, default="short")
     parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument(
+        "--open-rate",
+        type=float,
+        help="open loop at this many arrivals/s instead of closed loop (overload profiles)",
+    )
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     parser.add_argument("--rawserve-args", default="")
@@ -77,7 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         [*scenario.rawserve_args, *args.rawserve_args.split()],
     ).start()
     fmt = body_format("rawserve", scenario)
-    requests = load.build_requests(texts(args.texts), fmt)
+    deadline = OPEN_LOOP_DEADLINE if args.open_rate else None
+    requests = load.build_requests(texts(args.texts), fmt, timeout_header=deadline)
     try:
         asyncio.run(load.wait_until_serving(server.port, requests[0], 180, server.alive))
         pids = servers.descendants(server.pid)
@@ -105,21 +122,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name, pid in (("server", server.pid), ("worker", worker))
         }
         before = servers.cpu_snapshot(server.pid)
-        run = asyncio.run(drive(server.port, requests, args.clients, args.seconds + 1, 2.0))
+        run = asyncio.run(
+            drive(server.port, requests, args.clients, args.open_rate, args.seconds + 1, 2.0)
+        )
         after = servers.cpu_snapshot(server.pid)
         for sampler in samplers.values():
             sampler.wait(timeout=60)
     finally:
         server.stop()
     summary = run.summary()
-    answered = max(1, summary["statuses"].get("200", 0))
+    answered = max(1, sum(summary["statuses"].values()))
+    server_cpu = after[server.pid] - before[server.pid]
+    load_shape = f"{args.open_rate:.0f}/s open" if args.open_rate else f"{args.clients} clients"
     print(
-        f"{args.scenario}, {args.texts} texts, {args.clients} clients: "
+        f"{args.scenario}, {args.texts} texts, {load_shape}: "
         f"{summary['throughput']:.1f} items/s, "
-        f"p50 {summary['p50_ms']} ms, p99 {summary['p99_ms']} ms"
+        f"p50 {summary['p50_ms']} ms, p99 {summary['p99_ms']} ms, {summary['statuses']}"
     )
     print(
-        f"CPU per item: server {1e6 * (after[server.pid] - before[server.pid]) / answered:.0f} µs, "
+        f"CPU per answer: server {1e6 * server_cpu / answered:.0f} µs, "
         f"worker {1e6 * (after.get(worker, 0) - before.get(worker, 0)) / answered:.0f} µs, "
         f"load generator {1e6 * run.client_cpu / answered:.0f} µs"
     )

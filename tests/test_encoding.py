@@ -1,4 +1,4 @@
-"""JSON encoding of outputs: numpy-formatted float arrays read back exactly."""
+"""JSON encoding of answers: numpy float arrays read back exactly, any layout or dtype."""
 
 from __future__ import annotations
 
@@ -53,15 +53,32 @@ def test_float16_and_nested_documents():
     assert np.array(decoded[1]).shape == (5, 10)
 
 
-def test_other_arrays_and_non_finite_values_take_the_plain_path():
-    assert encoding.dumps({"x": np.array([np.nan], np.float32)}) == b'{"x":[NaN]}'
+def test_non_finite_values_are_null_since_json_has_no_nan():
+    assert encoding.dumps({"x": np.array([np.nan, np.inf], np.float32)}) == b'{"x":[null,null]}'
+    assert encoding.dumps([float("nan"), -float("inf")]) == b"[null,null]"
+
+
+def test_other_dtypes_scalars_and_empty_arrays():
     assert encoding.dumps(np.arange(3)) == b"[0,1,2]"
     assert encoding.dumps(np.float32(0.5)) == b"0.5"
+    assert encoding.dumps(np.bool_(True)) == b"true"
     assert encoding.dumps(np.zeros((2, 0), np.float32)) == b"[[],[]]"
+    assert encoding.dumps(np.array(["a", "b"])) == b'["a","b"]'
+    assert encoding.dumps(np.longdouble(0.5)) == b"0.5"
 
 
-def test_strings_that_look_like_placeholders_stay_strings():
-    text = '\x00array-0-0"'
-    document = {"text": text, "v": np.ones(2, np.float32)}
-    decoded = json.loads(encoding.dumps(document))
-    assert decoded["text"] == text and decoded["v"] == [1.0, 1.0]
+def test_strided_arrays_are_written_in_their_logical_order():
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert json.loads(encoding.dumps(array.T)) == array.T.tolist()
+    assert json.loads(encoding.dumps(array[:, ::2])) == array[:, ::2].tolist()
+
+
+def test_plain_documents_match_the_standard_library():
+    document = {"label": "POSITIVE", "score": 0.998, "n": [1, 2.5, None, True], "é": "ü\n"}
+    assert json.loads(encoding.dumps(document)) == document
+    assert encoding.dumps({1: "a"}) == b'{"1":"a"}'  # as json.dumps writes int keys
+
+
+def test_what_json_cannot_hold_is_refused():
+    with pytest.raises(TypeError):
+        encoding.dumps(object())
