@@ -32,6 +32,10 @@ URGENT_BATCHES = 2.0  # an item this many batch-times from its deadline joins an
 DEADLINE_MARGIN = 1.25
 CALIBRATION_SMOOTHING = 0.3  # weight of the newest token count in the estimate's scale
 OUTLIER_FACTOR = 4.0  # a measured batch counts as at most this many times its prediction
+# Results handed to their requests per pass of the event loop: each one turns into a
+# response (encoding, socket writes), and a batch of 32 at once would hold the loop for
+# milliseconds while probes, new requests and the other workers' results wait.
+DELIVERY_SLICE = 4
 
 
 @dataclass(eq=False)
@@ -386,10 +390,11 @@ class Scheduler:
                 f"server busy: {refused.reason}", retry_after=refused.retry_after
             ) from None
         self._wake.set()
-        futures = [item.future for item in items]
         try:
             async with asyncio.timeout(max(0.0, deadline - now)):
-                return list(await asyncio.gather(*futures))
+                if len(items) == 1:  # most requests: no gathering future in between
+                    return [await items[0].future]
+                return list(await asyncio.gather(*(item.future for item in items)))
         except TimeoutError:
             raise GatewayTimeout("the request's deadline passed before it was answered") from None
         finally:
@@ -461,11 +466,19 @@ class Scheduler:
             self.core.calibrate(batch, result.token_counts)
         if self.metrics is not None:
             self.metrics.observe_batch(len(batch), result.compute_seconds)
-        for item, output in zip(batch, result.outputs, strict=True):
-            _settle(
-                item,
-                result=ItemResult(output, sent - item.arrived, len(batch), result.compute_seconds),
-            )
+        answers = [
+            (item, ItemResult(output, sent - item.arrived, len(batch), result.compute_seconds))
+            for item, output in zip(batch, result.outputs, strict=True)
+        ]
+        self._deliver(answers, 0)
+
+    def _deliver(self, answers: list[tuple[WorkItem, ItemResult]], start: int) -> None:
+        """Settle `DELIVERY_SLICE` answers now and the rest on the loop's next passes."""
+        end = start + DELIVERY_SLICE
+        for item, result in answers[start:end]:
+            _settle(item, result=result)
+        if end < len(answers):
+            self._loop.call_soon(self._deliver, answers, end)
 
 
 def _as_http_error(error: BaseException | None) -> Exception:

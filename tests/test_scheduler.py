@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 from rawserve.batching import BatchLimits, CostModel, choose_batch, padded_cost, similar
 from rawserve.errors import GatewayTimeout, ServiceUnavailable
 from rawserve.messages import BatchResult
-from rawserve.scheduler import DeadlineUnreachable, QueueFull, Scheduler, SchedulerCore
+from rawserve.scheduler import (
+    DELIVERY_SLICE,
+    DeadlineUnreachable,
+    QueueFull,
+    Scheduler,
+    SchedulerCore,
+)
 
 
 def queue_items(core: SchedulerCore, values, now=0.0, deadline=30.0, params=None):
@@ -356,6 +362,37 @@ async def test_idle_worker_gets_the_first_item_at_once_then_batches_while_busy(d
     backend.finish(2)
     assert [r.output for r in await first] == ["out:a"]
     assert [(await task)[0].output for task in rest] == [f"out:{x}" for x in "bcdef"]
+
+
+async def test_a_batch_is_answered_a_slice_per_loop_pass_so_others_get_turns():
+    backend = FakeBackend()
+    size = 3 * DELIVERY_SLICE + 1
+    scheduler = Scheduler(SchedulerCore(max_batch_size=size, max_queue=size), backend)
+    scheduler.start()
+    busy = asyncio.create_task(scheduler.run(["first"], {}, scheduler.clock() + 5))
+    await until(lambda: len(backend.calls) == 1)
+    requests = [
+        asyncio.create_task(scheduler.run([i], {}, scheduler.clock() + 5)) for i in range(size)
+    ]
+    await until(lambda: len(scheduler.core) == size)
+    backend.finish(0)
+    await busy
+    await until(lambda: len(backend.calls) == 2)
+    done_at_each_pass = []
+
+    def count_answered() -> None:  # an event-loop callback that runs between slices
+        done_at_each_pass.append(sum(task.done() for task in requests))
+        if done_at_each_pass[-1] < size:
+            asyncio.get_running_loop().call_soon(count_answered)
+
+    backend.finish(1)
+    count_answered()
+    assert [(await task)[0].output for task in requests] == [f"out:{i}" for i in range(size)]
+    await until(lambda: done_at_each_pass[-1] == size)
+    steps = [b - a for a, b in zip(done_at_each_pass, done_at_each_pass[1:], strict=False)]
+    assert max(steps) <= DELIVERY_SLICE  # never the whole batch in one pass
+    assert sum(1 for step in steps if step) >= 4  # the answers came over several passes
+    await scheduler.stop()
 
 
 async def test_full_queue_answers_503_with_retry_after(driver):
