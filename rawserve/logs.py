@@ -34,9 +34,20 @@ class TextFormatter(logging.Formatter):
 
     def __init__(self, fmt: str = TEXT_FORMAT):
         super().__init__(fmt)
+        self._stamp = (-1, "")  # (second, its date and time): one strftime a second
 
     def format(self, record: logging.LogRecord) -> str:
         return super().format(record).replace("\n", "\\n")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+        if datefmt is not None:
+            return super().formatTime(record, datefmt)
+        second = int(record.created)
+        cached_second, stamp = self._stamp
+        if second != cached_second:  # the access log writes a line per request
+            stamp = time.strftime(self.default_time_format, self.converter(record.created))
+            self._stamp = (second, stamp)
+        return self.default_msec_format % (stamp, record.msecs)
 
 
 class JsonFormatter(logging.Formatter):

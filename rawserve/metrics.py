@@ -21,6 +21,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 DROP_REASONS = ("rejected", "expired", "disconnected", "poison")
 OTHER_ROUTE = "other"  # the label of paths that are not routes (keeps cardinality bounded)
+# Methods other than these are counted as "other": a client may send any token as a method.
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 # The classic text format, which every Prometheus reads (generate_latest writes it).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LOOP_LAG_INTERVAL = 0.5  # seconds between two event-loop lag probes
@@ -84,13 +86,26 @@ class Metrics:
             registry=r,
         )
         self._lag_task: asyncio.Task | None = None
+        # (route, method, status) -> the counter and histogram children it feeds: looking
+        # them up by labels on every response costs more than the rest of the bookkeeping
+        self._request_series: dict[tuple[str, str, int], tuple[Any, Any]] = {}
 
     # --- hooks ------------------------------------------------------------------------
 
     def observe_request(self, path: str, method: str, status: int, seconds: float) -> None:
         route = path if path in self.routes else OTHER_ROUTE
-        self.requests.labels(route, method, str(status)).inc()
-        self.request_duration.labels(route).observe(seconds)
+        method = method if method in KNOWN_METHODS else "other"
+        key = (route, method, status)
+        series = self._request_series.get(key)
+        if series is None:
+            series = (
+                self.requests.labels(route, method, str(status)),
+                self.request_duration.labels(route),
+            )
+            self._request_series[key] = series
+        count, duration = series
+        count.inc()
+        duration.observe(seconds)
 
     def observe_batch(self, size: int, compute_seconds: float) -> None:
         self.batch_size.observe(size)

@@ -20,10 +20,12 @@ close.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
+import secrets
 import time
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -48,12 +50,17 @@ access_log = logging.getLogger("rawserve.access")
 SERVER_HEADER = ("Server", "rawserve")
 PIPELINE_BUFFER_LIMIT = 64 * 1024  # bytes read ahead while a response is pending
 LINGER_SECONDS = 2.0  # after our last response, how long we drain the peer's bytes
+TIMER_SLACK = 0.001  # seconds a connection timer may fire early (loop clock resolution)
 REFUSAL_LOG_INTERVAL = 10.0  # seconds between "too many connections" warnings
 SUPPORTED_VERSIONS = (b"1.0", b"1.1")
 # Their states once a request was read whole (an Upgrade we decline by answering ends
 # in MIGHT_SWITCH_PROTOCOL, then DONE).
 _REQUEST_READ = (h11.DONE, h11.MIGHT_SWITCH_PROTOCOL)
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
+# Request ids made here: a random prefix per process and a counter, 32 hex digits like a
+# UUID's, unique across replicas and restarts without a system call per request.
+_ID_PREFIX = secrets.token_hex(8)
+_ID_COUNTER = itertools.count()
 # A request starts with a method (an RFC 9110 token); anything else (a TLS ClientHello
 # starts with 0x16, binary garbage) is refused at the first byte instead of waiting for
 # a line end that may never come.
@@ -124,6 +131,9 @@ class HttpProtocol(asyncio.Protocol):
         self.head_started = False  # bytes of the next request have arrived
         self.pipelined_bytes = 0  # received while a response is pending
         self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = 0.0  # when `timer` fires
+        self.deadline = 0.0  # when `on_deadline` is due
+        self.on_deadline: Callable[[], None] | None = None
         # per request
         self.cycle: _Cycle | None = None
 
@@ -170,6 +180,7 @@ class HttpProtocol(asyncio.Protocol):
         self.closing = True
         self.state.connections.discard(self)
         self._cancel_timer()
+        self._drop_timer()
         if self.flow is not None:
             self.flow.release()  # a streaming response waiting to write must see the close
         if self.cycle is not None and self.cycle.task is not None:
@@ -226,7 +237,7 @@ class HttpProtocol(asyncio.Protocol):
     def _on_request(self, event: h11.Request) -> None:
         self._cancel_timer()
         given_id = _header(event.headers, b"x-request-id")
-        request_id = given_id if given_id and _REQUEST_ID.match(given_id) else uuid.uuid4().hex
+        request_id = given_id if given_id and _REQUEST_ID.match(given_id) else _new_request_id()
         self.cycle = _Cycle(event, request_id)
         error = self._check_head(event)
         if error is not None:
@@ -318,14 +329,15 @@ class HttpProtocol(asyncio.Protocol):
         if close:
             headers.append(("Connection", "close"))
         try:
-            self._write(self.conn.send(_response_head(response.status, headers)))
+            pieces = [self.conn.send(_response_head(response.status, headers))]
             if not cycle.is_head and response.body:
-                self._write(self.conn.send(h11.Data(data=response.body)))
-            self._write(self.conn.send(h11.EndOfMessage()))
+                pieces.append(self.conn.send(h11.Data(data=response.body)))
+            pieces.append(self.conn.send(h11.EndOfMessage()))
         except h11.LocalProtocolError:
             log.exception("could not send a response")
             self._close()
             return
+        self._write_all(pieces)  # one send for the whole response
         self._log_access(cycle, response.status, len(response.body))
         self._finish_cycle(close)
 
@@ -414,10 +426,10 @@ class HttpProtocol(asyncio.Protocol):
         if self.conn.our_state is h11.SEND_RESPONSE or self.conn.their_state is h11.ERROR:
             # h11 can frame the answer (it knows the request, or lets us answer its error).
             if cycle is None:
-                cycle = self.cycle = _Cycle(None, uuid.uuid4().hex)
+                cycle = self.cycle = _Cycle(None, _new_request_id())
             self._send(cycle, _error_as_response(error), close=True)
             return
-        self._send_raw_and_close(_Cycle(None, uuid.uuid4().hex), error)
+        self._send_raw_and_close(_Cycle(None, _new_request_id()), error)
 
     def _send_raw_and_close(self, cycle: _Cycle, error: HTTPError) -> None:
         """Answer when h11 has no request to answer (a head timeout, a refused connection)."""
@@ -447,7 +459,7 @@ class HttpProtocol(asyncio.Protocol):
                 self.state.refused,
             )
         error = ServiceUnavailable("too many open connections", retry_after=1)
-        self._send_raw_and_close(_Cycle(None, uuid.uuid4().hex), error)
+        self._send_raw_and_close(_Cycle(None, _new_request_id()), error)
 
     def _too_large(self) -> PayloadTooLarge:
         return PayloadTooLarge(
@@ -458,10 +470,15 @@ class HttpProtocol(asyncio.Protocol):
         if data and self.transport is not None and not self.closing:
             self.transport.write(data)
 
+    def _write_all(self, pieces: list[bytes | None]) -> None:
+        if self.transport is not None and not self.closing:
+            self.transport.writelines([piece for piece in pieces if piece])
+
     def _close(self) -> None:
         """Close at once (the peer left, went idle, or an answer broke off)."""
         self.closing = True
         self._cancel_timer()
+        self._drop_timer()
         if self.transport is not None:
             self.transport.close()
 
@@ -485,16 +502,40 @@ class HttpProtocol(asyncio.Protocol):
         assert self.flow is not None, "connection_made comes first"
         return self.flow
 
-    # --- timers -----------------------------------------------------------------------
+    # --- timers ---------------------------------------------------------------------
+    # One deadline per connection at a time (idle, head, body, linger). Re-arming a loop
+    # timer for each would push and cancel three timers per request; instead an armed
+    # timer stays, and if it fires before a deadline that has moved later, it re-arms.
 
     def _set_timer(self, delay: float, callback) -> None:
-        self._cancel_timer()
-        self.timer = self.loop.call_later(delay, callback)
+        self.deadline = self.loop.time() + delay
+        self.on_deadline = callback
+        if self.timer is None or self.timer_at > self.deadline:
+            self._drop_timer()
+            self._arm_timer()
 
     def _cancel_timer(self) -> None:
+        self.on_deadline = None  # an armed timer finds nothing to do when it fires
+
+    def _arm_timer(self) -> None:
+        self.timer_at = self.deadline
+        self.timer = self.loop.call_at(self.deadline, self._on_timer)
+
+    def _drop_timer(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        callback = self.on_deadline
+        if callback is None:
+            return
+        if self.loop.time() + TIMER_SLACK < self.deadline:
+            self._arm_timer()  # the deadline moved on since this timer was armed
+            return
+        self.on_deadline = None
+        callback()
 
     def _on_idle_timeout(self) -> None:
         if self.cycle is None and not self.head_started:
@@ -532,6 +573,10 @@ class HttpProtocol(asyncio.Protocol):
                     "request_id": cycle.request_id,
                 },
             )
+
+
+def _new_request_id() -> str:
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
 def _head_size(event: h11.Request) -> int:

@@ -66,7 +66,7 @@ class FakeTimer:
 
 
 class FakeTimerLoop:
-    """The running loop for tasks, but `call_later` timers fire only on `advance()`."""
+    """The running loop for tasks, but `call_later`/`call_at` timers fire only on `advance()`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
@@ -77,8 +77,14 @@ class FakeTimerLoop:
     def create_task(self, coro, **kwargs) -> asyncio.Task:
         return self._loop.create_task(coro, **kwargs)
 
+    def time(self) -> float:
+        return self.now
+
     def call_later(self, delay: float, callback: Callable[..., Any], *args: Any) -> FakeTimer:
-        timer = FakeTimer(self.now + delay, callback, args)
+        return self.call_at(self.now + delay, callback, *args)
+
+    def call_at(self, when: float, callback: Callable[..., Any], *args: Any) -> FakeTimer:
+        timer = FakeTimer(when, callback, args)
         heapq.heappush(self._timers, (timer.when, next(self._order), timer))
         return timer
 

@@ -292,7 +292,7 @@ async def test_an_unsafe_request_id_is_replaced(given: bytes):
     if given == b'quote"d':
         assert echoed == given  # visible ASCII is echoed as is
     else:
-        assert echoed != given and len(echoed) == 32  # a generated uuid4 hex
+        assert echoed != given and len(echoed) == 32  # a generated id: 32 hex digits
 
 
 # --- property: arbitrary bytes, arbitrary splits --------------------------------------

@@ -131,3 +131,12 @@ def test_no_access_log_from_the_environment():
         server.wait_for_log(STOPPED)
     assert not [line for line in server.lines if "rawserve.access" in line]
     assert any("ready in" in line for line in server.lines)  # the rest is still logged
+
+
+def test_text_times_match_the_standard_formatter_across_seconds():
+    ours, standard = TextFormatter(), logging.Formatter()
+    for created in (1_700_000_000.001, 1_700_000_000.999, 1_700_000_001.5, 1_700_000_000.25):
+        record = logging.makeLogRecord(
+            {"msg": "x", "created": created, "msecs": created % 1 * 1000}
+        )
+        assert ours.formatTime(record) == standard.formatTime(record)

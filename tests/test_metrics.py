@@ -184,3 +184,24 @@ def test_poison_inputs_and_worker_restarts_are_counted():
     assert value(samples, "rawserve_items_dropped_total", reason="poison") == 2
     assert value(samples, "rawserve_worker_restarts_total", worker="0") == 2
     assert value(samples, "rawserve_requests_total", route="/", method="POST", status="500") == 1
+
+
+def test_request_series_stay_bounded_whatever_the_paths_and_methods():
+    metrics = Metrics(routes=["/"])
+    for n in range(50):
+        metrics.observe_request(f"/probe-{n}", f"METHOD{n}", 404, 0.001)
+    metrics.observe_request("/", "POST", 200, 0.01)
+    metrics.observe_request("/", "POST", 200, 0.02)
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(metrics.render()[0].decode())
+        for sample in family.samples
+        if sample.name == "rawserve_requests_total"
+    }
+    assert samples == {
+        (
+            "rawserve_requests_total",
+            (("method", "other"), ("route", "other"), ("status", "404")),
+        ): 50,
+        ("rawserve_requests_total", (("method", "POST"), ("route", "/"), ("status", "200"))): 2,
+    }

@@ -287,6 +287,20 @@ async def test_an_idle_connection_is_closed_quietly(timed):
     assert transport.closed and not transport.written
 
 
+async def test_the_idle_deadline_counts_from_the_last_answer(timed):
+    app, protocol, transport, loop = timed
+    request = b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n"
+    for _ in range(3):  # an answer every 3 s: each moves the 5 s idle deadline on
+        loop.advance(3)
+        protocol.data_received(request)
+        await settle()
+        assert not transport.finished
+    loop.advance(4.9)  # 4.9 s after the last answer (timers armed earlier fired meanwhile)
+    assert not transport.finished
+    loop.advance(0.2)
+    assert transport.closed and len(read_responses(transport.written)) == 3
+
+
 async def test_a_slowloris_dribbling_its_head_gets_408_at_the_head_deadline(timed):
     app, protocol, transport, loop = timed
     for byte in b"GET / HTTP/1.1\r\nHos":  # one byte every 0.4 s: each keeps it "active"
