@@ -164,6 +164,7 @@ class Executor:
         self.clock = clock
         self.batch_timeout = batch_timeout
         self.share_cores = share_cores  # CPU workers split the cores by how many are busy
+        self._cores = os.cpu_count() or 1  # read once: each call reads a file in /sys
         self._all_cores: WorkerHandle | None = None  # running a lone item on every core
         self.max_failed_restarts = max_failed_restarts
         self._context = multiprocessing.get_context("spawn")
@@ -349,7 +350,7 @@ class Executor:
         if self._all_cores is worker:
             self._all_cores = None
         cpu_workers = [w for w in self.workers if w.config.device == "cpu"]
-        cores = os.cpu_count() or 1
+        cores = self._cores
         others_busy = any(w.state is WorkerState.BUSY for w in cpu_workers if w is not worker)
         if size == 1 and not others_busy:
             self._all_cores = worker
