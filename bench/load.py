@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
 import math
@@ -40,13 +41,20 @@ DRAIN_SECONDS = 5.0  # how long answers still in flight are awaited after the ru
 CONNECT_ERROR = -1  # status recorded when a request got no answer (refused, reset)
 
 
+Answered = Callable[[int, int, bool], None]  # (status, body bytes, keep-alive)
+
+
 class Connection(asyncio.Protocol):
-    """One HTTP/1.1 client connection; `request()` sends prebuilt bytes, returns the answer."""
+    """One HTTP/1.1 client connection sending prebuilt requests, one at a time.
+
+    `send()` hands the answer to a callback straight from `data_received` (no task, no
+    future: the open loop sends thousands a second); `request()` awaits it instead.
+    """
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
-        self.waiter: asyncio.Future[tuple[int, int, bool]] | None = None
+        self.on_answer: Answered | None = None
         self.closed = False
         self.keep_alive = True
 
@@ -59,24 +67,32 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(ConnectionError("connection closed before the answer"))
+        self._answer(CONNECT_ERROR, 0, False)  # closed before the answer
+
+    def send(self, data: bytes, on_answer: Answered) -> None:
+        """Send one request; `on_answer(status, size, keep_alive)` gets its answer
+        (status CONNECT_ERROR if the connection ends first)."""
+        if self.transport is None or self.closed:
+            raise ConnectionError("the connection is closed")
+        self.on_answer = on_answer
+        self.transport.write(data)
 
     async def request(self, data: bytes) -> tuple[int, int]:
         """Send one request; (status, body bytes) of the answer."""
-        if self.transport is None or self.closed:
-            raise ConnectionError("the connection is closed")
-        self.waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(data)
-        try:
-            status, size, keep_alive = await self.waiter
-        finally:
-            self.waiter = None
-        self.keep_alive = keep_alive
+        waiter: asyncio.Future[tuple[int, int, bool]] = asyncio.get_running_loop().create_future()
+        self.send(data, lambda *answer: waiter.done() or waiter.set_result(answer))
+        status, size, self.keep_alive = await waiter
+        if status == CONNECT_ERROR:
+            raise ConnectionError("connection closed before the answer")
         return status, size
 
+    def _answer(self, status: int, size: int, keep_alive: bool) -> None:
+        on_answer, self.on_answer = self.on_answer, None
+        if on_answer is not None:
+            on_answer(status, size, keep_alive)
+
     def _complete(self) -> None:
-        if self.waiter is None or self.waiter.done():
+        if self.on_answer is None:
             return
         head_end = self.buffer.find(b"\r\n\r\n")
         if head_end < 0:
@@ -84,7 +100,8 @@ class Connection(asyncio.Protocol):
         head = bytes(self.buffer[:head_end]).lower()
         start = head.find(b"\r\ncontent-length:")
         if start < 0:  # every server measured here sends Content-Length
-            self.waiter.set_exception(ConnectionError("an answer without Content-Length"))
+            self._answer(CONNECT_ERROR, 0, False)
+            self.close()
             return
         line_end = head.find(b"\r\n", start + 2)
         length = int(head[start + 17 : line_end if line_end >= 0 else None])
@@ -94,7 +111,7 @@ class Connection(asyncio.Protocol):
         status = int(head[9:12])
         keep_alive = b"\r\nconnection: close" not in head
         del self.buffer[:end]
-        self.waiter.set_result((status, length, keep_alive))
+        self._answer(status, length, keep_alive)
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:
@@ -315,35 +332,51 @@ async def open_loop(
     open_count = 0
     dropped = 0
     order = itertools.cycle(range(len(requests)))
-    in_flight: set[asyncio.Task] = set()
     cpu_start = time.process_time()
     start = loop.time()
     stop_at = start + duration
 
-    async def one(data: bytes, sent: float, connection: Connection | None) -> None:
-        nonlocal open_count
-        try:
-            if connection is None:
-                connection = await connect(port)
-            status, size = await connection.request(data)
-        except (ConnectionError, OSError):
-            status, size = CONNECT_ERROR, 0
-            if connection is not None:
-                connection.close()
-                connection = None
+    outstanding = 0  # sent (or connecting) and not answered yet
+    sending = True
+    all_answered = asyncio.Event()
+
+    def answered(connection: Connection, sent: float, status: int, size: int, keep: bool) -> None:
+        nonlocal open_count, outstanding
         samples.add(sent - start, loop.time() - sent, status, size)
-        if connection is not None and connection.keep_alive and not connection.closed:
+        if status != CONNECT_ERROR and keep and not connection.closed:
             idle.append(connection)
         else:
-            if connection is not None:
-                connection.close()
+            connection.close()
             open_count -= 1
+        outstanding -= 1
+        if not outstanding and not sending:
+            all_answered.set()
+
+    def send(connection: Connection, data: bytes, sent: float) -> None:
+        try:
+            connection.send(data, functools.partial(answered, connection, sent))
+        except ConnectionError:
+            answered(connection, sent, CONNECT_ERROR, 0, False)
+
+    async def connect_and_send(data: bytes, sent: float) -> None:
+        nonlocal open_count, outstanding
+        try:
+            connection = await connect(port)
+        except OSError:
+            samples.add(sent - start, loop.time() - sent, CONNECT_ERROR, 0)
+            open_count -= 1
+            outstanding -= 1
+            if not outstanding and not sending:
+                all_answered.set()
+            return
+        send(connection, data, sent)
 
     prober = (
         loop.create_task(probe_health_elsewhere(port, health_interval, duration))
         if health_interval
         else None
     )
+    connecting: set[asyncio.Task] = set()
     next_arrival = start
     while True:
         next_arrival += rng.expovariate(rate)
@@ -355,16 +388,27 @@ async def open_loop(
         while idle and idle[-1].closed:  # the server closed it while it was idle
             idle.pop()
             open_count -= 1
-        connection = idle.pop() if idle else None
-        if connection is None:
-            if open_count >= MAX_OPEN_LOOP_CONNECTIONS:
-                dropped += 1
-                continue
-            open_count += 1
-        task = loop.create_task(one(requests[next(order)], next_arrival, connection))
-        in_flight.add(task)
-        task.add_done_callback(in_flight.discard)
-    await _finish(list(in_flight), stop_at + DRAIN_SECONDS)
+        data = requests[next(order)]
+        sent = max(next_arrival, loop.time())  # sent early (within 0.5 ms): time from now
+        if idle:
+            outstanding += 1
+            send(idle.pop(), data, sent)
+            continue
+        if open_count >= MAX_OPEN_LOOP_CONNECTIONS:
+            dropped += 1
+            continue
+        open_count += 1
+        outstanding += 1
+        task = loop.create_task(connect_and_send(data, sent))
+        connecting.add(task)
+        task.add_done_callback(connecting.discard)
+    sending = False
+    if outstanding:
+        try:
+            await asyncio.wait_for(all_answered.wait(), stop_at + DRAIN_SECONDS - loop.time())
+        except TimeoutError:
+            pass  # what is still unanswered is not counted
+    await _finish(list(connecting), loop.time())
     health = await prober if prober is not None else None
     for connection in idle:
         connection.close()
