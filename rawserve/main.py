@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -200,6 +201,11 @@ async def serve(args: argparse.Namespace) -> int:
         lambda: HttpProtocol(app, settings, state, loop=loop), args.host, args.port, backlog=1024
     )
     port = server.sockets[0].getsockname()[1]
+    # What is built by now lives as long as the server: leave it out of the collector's
+    # full passes, which otherwise stall the event loop for ~8 ms every few thousand
+    # requests (under 1 ms once frozen).
+    gc.collect()
+    gc.freeze()
     log.info("rawserve %s listening on http://%s:%d (model loading)", __version__, args.host, port)
 
     stop = asyncio.Event()
