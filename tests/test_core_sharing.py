@@ -1,0 +1,49 @@
+"""How CPU workers split the cores per batch (`share_cores`), without spawning any."""
+
+from __future__ import annotations
+
+from rawserve.executor import Executor, WorkerState
+from rawserve.messages import WorkerConfig
+
+
+def executor(devices=("cpu", "cpu"), share_cores=True, cores=4) -> Executor:
+    shared = Executor(WorkerConfig(model="unused"), list(devices), share_cores=share_cores)
+    shared._cores = cores  # as if the machine had this many
+    for worker in shared.workers:
+        worker.state = WorkerState.IDLE
+    return shared
+
+
+def start(shared: Executor, index: int, size: int) -> int | None:
+    """What `_send` does: pick the threads, then the worker is busy."""
+    worker = shared.workers[index]
+    threads = shared._threads_for(worker, size)
+    worker.state = WorkerState.BUSY
+    return threads
+
+
+def test_busy_workers_take_an_even_share_of_the_cores():
+    shared = executor()
+    assert start(shared, 0, size=8) == 2
+    assert start(shared, 1, size=8) == 2
+    assert shared.idle_workers() == 0
+
+
+def test_a_lone_item_at_low_load_gets_every_core_and_holds_them():
+    shared = executor()
+    assert start(shared, 0, size=1) == 4
+    assert shared.idle_workers() == 0  # the other worker waits: no oversubscription
+    shared.workers[0].state = WorkerState.IDLE  # its answer came back
+    assert shared.idle_workers() == 2
+    assert start(shared, 1, size=8) == 2  # the hold ended with that batch
+
+
+def test_a_lone_item_while_another_worker_is_busy_gets_its_share_only():
+    shared = executor()
+    start(shared, 0, size=8)
+    assert start(shared, 1, size=1) == 2
+
+
+def test_fixed_threads_and_gpu_workers_are_left_alone():
+    assert start(executor(share_cores=False), 0, size=1) is None
+    assert start(executor(devices=("cuda:0", "cuda:1")), 0, size=1) is None
