@@ -2,8 +2,9 @@
 
 Its face is ProcessPoolExecutor-like: `submit(inputs, params)` returns an asyncio future
 of the batch's `BatchResult`, `shutdown()` stops the workers. Each worker is a `spawn`ed
-process running `rawserve.worker.worker_main`; a reader thread per worker blocks on the
-pipe so the event loop never does.
+process running `rawserve.worker.worker_main`: batches go to it on a multiprocessing
+pipe, and the event loop reads its replies from a one-way pipe of its own without
+blocking (`rawserve.pipes`; a whole message is handed on as soon as it has arrived).
 
 Supervision lives here, so the scheduler never sees a fault, only results:
 - a worker that dies is noticed at once (pipe EOF), restarted with capped exponential
@@ -29,7 +30,6 @@ import json
 import logging
 import multiprocessing
 import os
-import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -48,6 +48,7 @@ from rawserve.messages import (
     WorkerLoadFailed,
     WorkerReady,
 )
+from rawserve.pipes import READ_CHUNK, MessageReader
 from rawserve.tasks import STREAM_ID_PARAM
 from rawserve.worker import worker_main
 
@@ -426,17 +427,19 @@ class Executor:
     # --- process lifecycle ------------------------------------------------------------
 
     def _spawn(self, worker: WorkerHandle) -> None:
-        parent_conn, child_conn = self._context.Pipe()
+        batches_in, batches_out = self._context.Pipe(duplex=False)
+        replies_in, replies_out = self._context.Pipe(duplex=False)
         worker.cancelled_stream = self._context.Value("q", 0, lock=False)  # a stream to stop
         process = self._context.Process(
             target=worker_main,
-            args=(child_conn, worker.config, worker.index, worker.cancelled_stream),
+            args=(batches_in, replies_out, worker.config, worker.index, worker.cancelled_stream),
             name=f"rawserve-worker-{worker.index}",
             daemon=True,
         )
         process.start()
-        child_conn.close()
-        worker.process, worker.conn = process, parent_conn
+        batches_in.close()
+        replies_out.close()  # the worker holds the only write end: its exit is our EOF
+        worker.process, worker.conn = process, batches_out
         worker.state = WorkerState.LOADING
         worker.ready = None
         worker.batch_cap = None
@@ -447,31 +450,36 @@ class Executor:
             process.pid,
             worker.config.device,
         )
-        threading.Thread(
-            target=self._read_pipe,
-            args=(worker, parent_conn, process),
-            name=f"rawserve-reader-{worker.index}",
-            daemon=True,
-        ).start()
+        fd = replies_in.fileno()
+        os.set_blocking(fd, False)
+        reader = MessageReader()
+        self._loop.add_reader(fd, self._on_readable, worker, replies_in, reader, process)
 
-    def _read_pipe(self, worker: WorkerHandle, conn: Any, process: Any) -> None:
-        """Reader thread: block on the pipe, hand each message to the event loop."""
+    def _on_readable(
+        self, worker: WorkerHandle, replies: Any, reader: MessageReader, process: Any
+    ) -> None:
+        """The worker's pipe has bytes (or its end): hand each whole message on."""
+        fd = replies.fileno()
         try:
-            while True:
-                message = conn.recv()
-                self._loop.call_soon_threadsafe(self._on_message, worker, message)
-        except (EOFError, OSError):
-            pass
-        except RuntimeError:  # the loop is closed: the server is gone
+            data = os.read(fd, READ_CHUNK)
+            messages = reader.feed(data)
+        except BlockingIOError:
             return
-        process.join(timeout=STOP_TIMEOUT)
-        if process.exitcode is None:
+        except Exception:  # noqa: BLE001 - a pipe we cannot read is a dead worker
+            log.exception("worker %d: unreadable message; stopping it", worker.index)
+            data, messages = b"", []
             process.kill()
-            process.join()
-        try:
-            self._loop.call_soon_threadsafe(self._on_exit, worker, process)
-        except RuntimeError:  # the loop is already closed: nothing left to tell
-            pass
+        for message in messages:
+            self._on_message(worker, message)
+        if not data:  # end of file: the worker has exited (or is about to)
+            self._loop.remove_reader(fd)
+            replies.close()
+            self._watch(self._reap(worker, process))
+
+    async def _reap(self, worker: WorkerHandle, process: Any) -> None:
+        """Wait for a worker whose pipe has closed to exit (killing it if it lingers)."""
+        await asyncio.to_thread(_join_or_kill, process, STOP_TIMEOUT)
+        self._on_exit(worker, process)
 
     def _on_message(self, worker: WorkerHandle, message: Any) -> None:
         if isinstance(message, TokenChunk):
@@ -574,13 +582,15 @@ class Executor:
 
     @staticmethod
     def _stop_process(worker: WorkerHandle, wait: bool) -> None:
-        process = worker.process
-        if process is None:
-            return
-        process.join(timeout=STOP_TIMEOUT if wait else 0.5)
-        if process.exitcode is None:
-            process.kill()
-            process.join()
+        if worker.process is not None:
+            _join_or_kill(worker.process, STOP_TIMEOUT if wait else 0.5)
+
+
+def _join_or_kill(process: Any, timeout: float) -> None:
+    process.join(timeout=timeout)
+    if process.exitcode is None:
+        process.kill()
+        process.join()
 
 
 def _settle(

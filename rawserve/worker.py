@@ -1,5 +1,9 @@
 """The worker process's main loop: load the model once, then run batches from the pipe.
 
+Batches come in on a multiprocessing pipe; everything the worker says (ready, results,
+streamed tokens) goes out on a one-way pipe of its own that the server's event loop
+reads (`rawserve.pipes`).
+
 Runs only in the child (started with `spawn`, so this module must stay importable
 without side effects). torch and transformers are imported inside `worker_main`, never
 at module level, because the server process imports this module to name the target.
@@ -26,6 +30,7 @@ from rawserve.messages import (
     WorkerLoadFailed,
     WorkerReady,
 )
+from rawserve.pipes import MessageWriter
 
 log = logging.getLogger("rawserve.worker")
 
@@ -62,8 +67,16 @@ class BatchCap:
                 self.limit, self._lowered_from = None, 0
 
 
-def worker_main(conn: Any, config: WorkerConfig, index: int, cancelled_stream: Any = None) -> None:
-    """Entry point of worker process `index`."""
+def worker_main(
+    batches: Any,
+    replies: Any,
+    config: WorkerConfig,
+    index: int,
+    cancelled_stream: Any = None,
+) -> None:
+    """Entry point of worker process `index`: reads `batches` (a multiprocessing
+    Connection), writes its messages to `replies` (the write end of a one-way pipe)."""
+    out = MessageWriter(replies.fileno())
     from rawserve.devices import isolate
     from rawserve.logs import setup_worker_logging
 
@@ -86,12 +99,12 @@ def worker_main(conn: Any, config: WorkerConfig, index: int, cancelled_stream: A
             imported - started,
             time.monotonic() - imported,
         )
-        runner.bind_stream(conn.send, cancelled_stream)  # token streaming, if it streams
+        runner.bind_stream(out.send, cancelled_stream)  # token streaming, if it streams
     except Exception as exc:  # noqa: BLE001 - reported to the parent, logged here
         log.exception("could not load the model")
-        conn.send(WorkerLoadFailed(f"{type(exc).__name__}: {str(exc)[:500]}"))
+        out.send(WorkerLoadFailed(f"{type(exc).__name__}: {str(exc)[:500]}"))
         return
-    conn.send(
+    out.send(
         WorkerReady(
             pid=os.getpid(),
             task=runner.task,
@@ -105,7 +118,7 @@ def worker_main(conn: Any, config: WorkerConfig, index: int, cancelled_stream: A
     threads = config.threads
     while True:
         try:
-            message = conn.recv()
+            message = batches.recv()
         except (EOFError, OSError):  # the server is gone
             return
         if isinstance(message, Shutdown):
@@ -123,7 +136,7 @@ def worker_main(conn: Any, config: WorkerConfig, index: int, cancelled_stream: A
                 sample_token_counts(runner, message),
             )
             try:
-                conn.send(result)
+                out.send(result)
             except (OSError, ValueError):  # the server is gone
                 return
 
