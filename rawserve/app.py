@@ -94,14 +94,41 @@ class App:
             raise MethodNotAllowed(sorted({*methods, *(["HEAD"] if "GET" in methods else [])}))
         return await handler(request)
 
+    def answer_now(self, request: HttpRequest) -> HttpResponse | None:
+        """The response to a request that needs no waiting, or None: go through `handle`.
+
+        Probes, and inference requests the server cannot take at all right now (draining,
+        loading, the queue full), are answered in the event-loop pass that read them: a
+        probe is not queued behind the pass's other work, and a refusal under overload
+        costs no task. Raises HTTPError as `handle` does.
+        """
+        if request.method not in ("GET", "HEAD", "POST"):
+            return None
+        if request.path == "/health" and request.method != "POST":
+            return self.health_now()
+        if request.path == "/ready" and request.method != "POST":
+            return self.ready_now()
+        if request.path == "/" and request.method == "POST":
+            if self.settings.api_key:
+                require_bearer(request, self.settings.api_key)
+            self.check_available()
+            self.scheduler.refuse_if_full()
+        return None
+
     # --- operations -------------------------------------------------------------------
 
     async def health(self, request: HttpRequest) -> HttpResponse:
+        return self.health_now()
+
+    def health_now(self) -> HttpResponse:
         if not self.executor.healthy:  # the workers keep failing to restart: replace us
             return json_response(503, {"status": "unhealthy"})
         return json_response(200, {"status": "ok"})
 
     async def ready(self, request: HttpRequest) -> HttpResponse:
+        return self.ready_now()
+
+    def ready_now(self) -> HttpResponse:
         if self.draining:
             return json_response(503, {"status": "draining"})
         if not self.executor.ready:
@@ -121,11 +148,15 @@ class App:
 
     # --- inference --------------------------------------------------------------------
 
-    async def infer(self, request: HttpRequest) -> HttpResponse:
+    def check_available(self) -> None:
+        """Raise 503 while the server takes no inference work (draining, loading)."""
         if self.draining:
             raise ServiceUnavailable("the server is shutting down")
         if not self.executor.ready:
             raise ServiceUnavailable("the model is loading", retry_after=LOADING_RETRY_AFTER)
+
+    async def infer(self, request: HttpRequest) -> HttpResponse:
+        self.check_available()
         parsed = self.parse_body(request)
         started = self.clock()
         deadline = started + self.request_timeout(request)

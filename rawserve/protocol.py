@@ -130,6 +130,7 @@ class HttpProtocol(asyncio.Protocol):
         self.eof_seen = False
         self.head_started = False  # bytes of the next request have arrived
         self.pipelined_bytes = 0  # received while a response is pending
+        self.handling_events = False  # handle_events is running (guards re-entry)
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = 0.0  # when `timer` fires
         self.deadline = 0.0  # when `on_deadline` is due
@@ -199,6 +200,15 @@ class HttpProtocol(asyncio.Protocol):
 
     def handle_events(self) -> None:
         """Process what h11 has buffered until it needs data or a request is pending."""
+        if self.handling_events:
+            return  # a request answered at once finished its cycle: the running loop goes on
+        self.handling_events = True
+        try:
+            self._handle_events()
+        finally:
+            self.handling_events = False
+
+    def _handle_events(self) -> None:
         while not self.closing and (self.cycle is None or self._reading_body()):
             if self.cycle is None and self._flow.write_paused:
                 self._flow.pause_reading()  # the peer is not reading its answers: wait
@@ -297,6 +307,15 @@ class HttpProtocol(asyncio.Protocol):
             http_version=event.http_version.decode("ascii", "replace"),
         )
         cycle.body = []
+        answer_now = getattr(self.app, "answer_now", None)
+        if answer_now is not None:
+            try:
+                response = answer_now(request)
+            except Exception as exc:  # noqa: BLE001 - error_response logs what is unexpected
+                response = _error_as_response(exc)
+            if response is not None:  # answered in this pass, no task
+                self._send(cycle, response)
+                return
         cycle.task = self.loop.create_task(self._respond(cycle, request))
 
     async def _respond(self, cycle: _Cycle, request: HttpRequest) -> None:

@@ -369,6 +369,14 @@ class Scheduler:
         """Items queued or being computed."""
         return len(self.core) + self.in_flight
 
+    def refuse_if_full(self) -> None:
+        """Raise the 503 that any request would get now because the queue is full."""
+        if len(self.core) >= self.core.max_queue:
+            self._count_dropped("rejected")
+            raise ServiceUnavailable(
+                f"server busy: {QueueFull.reason}", retry_after=self.core.retry_after(self.clock())
+            )
+
     async def run(
         self, inputs: Sequence[Any], params: Mapping[str, Any], deadline: float
     ) -> list[ItemResult]:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rawserve.errors import BadRequest, GatewayTimeout, Unauthorized
+from rawserve.errors import BadRequest, GatewayTimeout, ServiceUnavailable, Unauthorized
 from rawserve.http import HttpRequest, HttpResponse, require_bearer
 from rawserve.protocol import LINGER_SECONDS, HttpProtocol, ProtocolSettings, ServerState
 from tests.fake_transport import FakeTimerLoop, FakeTransport, count_responses, read_responses
@@ -80,6 +80,37 @@ async def test_pipelined_requests_are_answered_in_order(server):
     await settle()
     responses = read_responses(transport.written, requests)
     assert [json.loads(body)["path"] for _, body in responses] == ["/0", "/1", "/2"]
+
+
+class App(EchoApp):
+    """EchoApp whose `/now...` paths are answered at once (as probes and refusals are)."""
+
+    def answer_now(self, request: HttpRequest) -> HttpResponse | None:
+        if request.path == "/now-refused":
+            raise ServiceUnavailable("queue full", retry_after=2)
+        if request.path.startswith("/now"):
+            return HttpResponse(200, request.path.encode())
+        return None
+
+
+async def test_requests_answered_at_once_keep_pipelined_order_without_a_task():
+    protocol = HttpProtocol(App(), ProtocolSettings(), loop=asyncio.get_running_loop())
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    paths = [f"/now{i}" for i in range(2000)] + ["/later", "/now-after", "/now-refused"]
+    requests = [f"GET {path} HTTP/1.1\r\nHost: a\r\n\r\n".encode() for path in paths]
+    protocol.data_received(b"".join(requests[:2001]))  # deep pipelining: no recursion
+    assert len(read_responses(transport.written, requests)) == 2000  # before any loop pass
+    protocol.data_received(b"".join(requests[2001:]))
+    await settle()
+    responses = read_responses(transport.written, requests)
+    assert [body.decode() for _, body in responses[:2000]] == paths[:2000]
+    assert json.loads(responses[2000][1])["path"] == "/later"
+    assert responses[2001][1] == b"/now-after"
+    refused, body = responses[2002]
+    assert refused.status_code == 503 and (b"retry-after", b"2") in refused.headers
+    assert json.loads(body)["error_type"] == "unavailable"
+    assert not transport.finished  # a 503 keeps the connection
 
 
 async def test_no_second_request_is_read_while_one_is_pending(server):
