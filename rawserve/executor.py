@@ -48,7 +48,7 @@ from rawserve.messages import (
     WorkerLoadFailed,
     WorkerReady,
 )
-from rawserve.pipes import READ_CHUNK, MessageReader
+from rawserve.pipes import MessageReader
 from rawserve.tasks import STREAM_ID_PARAM
 from rawserve.worker import worker_main
 
@@ -461,17 +461,15 @@ class Executor:
         """The worker's pipe has bytes (or its end): hand each whole message on."""
         fd = replies.fileno()
         try:
-            data = os.read(fd, READ_CHUNK)
-            messages = reader.feed(data)
-        except BlockingIOError:
-            return
+            messages = reader.read(fd)
         except Exception:  # noqa: BLE001 - a pipe we cannot read is a dead worker
             log.exception("worker %d: unreadable message; stopping it", worker.index)
-            data, messages = b"", []
+            messages = []
+            reader.closed = True
             process.kill()
         for message in messages:
             self._on_message(worker, message)
-        if not data:  # end of file: the worker has exited (or is about to)
+        if reader.closed:  # end of file: the worker has exited (or is about to)
             self._loop.remove_reader(fd)
             replies.close()
             self._watch(self._reap(worker, process))

@@ -23,6 +23,7 @@ from rawserve.errors import ServiceUnavailable
 from rawserve.executor import Executor
 from rawserve.info import static_info
 from rawserve.logs import LOG_FORMATS, log_loading_progress, setup_logging
+from rawserve.memory import fix_mmap_threshold
 from rawserve.messages import WorkerConfig
 from rawserve.metrics import Metrics
 from rawserve.protocol import HttpProtocol, ProtocolSettings, ServerState
@@ -201,6 +202,7 @@ async def serve(args: argparse.Namespace) -> int:
         lambda: HttpProtocol(app, settings, state, loop=loop), args.host, args.port, backlog=1024
     )
     port = server.sockets[0].getsockname()[1]
+    fix_mmap_threshold()  # large blocks mapped on their own: the heap does not creep
     # What is built by now lives as long as the server: leave it out of the collector's
     # full passes, which otherwise stall the event loop for ~8 ms every few thousand
     # requests (under 1 ms once frozen).

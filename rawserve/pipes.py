@@ -2,8 +2,10 @@
 
 A worker writes each message as an 8-byte length and a pickle (protocol 5: numpy
 outputs go as their raw bytes). The server reads the pipe's non-blocking end from the
-event loop (`loop.add_reader`) and cuts whole messages out of what has arrived, so a
-result reaches the loop without a thread hop in between and a large one never blocks it.
+event loop (`loop.add_reader`) straight into a reusable buffer per worker, so a result
+reaches the loop without a thread hop, a large one never blocks it, and reading
+allocates nothing per message (fresh megabyte-sized reads fragment the heap). A message
+larger than `KEEP_BUFFER` gets a buffer of its own, dropped once it is read.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import struct
 from typing import Any
 
 LENGTH = struct.Struct("!Q")
-READ_CHUNK = 1 << 20  # bytes read per readiness event
+FIRST_BUFFER = 64 * 1024  # bytes
+KEEP_BUFFER = 1024 * 1024  # a buffer up to this size is kept for the next messages
 
 
 class MessageWriter:
@@ -32,29 +35,50 @@ class MessageWriter:
 
 
 class MessageReader:
-    """The server's end: bytes in as they arrive, whole messages out."""
+    """The server's end: reads what a non-blocking fd has, returns the whole messages."""
 
     def __init__(self) -> None:
-        self._buffer = bytearray()
+        self._buffer = bytearray(FIRST_BUFFER)
+        self._filled = 0  # bytes of the current message (length included) read so far
+        self.closed = False  # the writer's end is closed: no more messages
 
-    def feed(self, data: bytes) -> list[Any]:
-        """The messages completed by `data` (pickle errors propagate: a broken pipe)."""
-        buffer = self._buffer
-        buffer += data
+    def read(self, fd: int) -> list[Any]:
+        """Every message that can be completed from `fd` now, without blocking.
+
+        Sets `closed` at end of file; pickle errors propagate (a broken pipe).
+        """
         messages = []
-        start = 0
-        while len(buffer) - start >= LENGTH.size:
-            (size,) = LENGTH.unpack_from(buffer, start)
-            end = start + LENGTH.size + size
-            if len(buffer) < end:
+        while not self.closed:
+            end = self._message_end()
+            if len(self._buffer) < end:
+                grown = bytearray(end)
+                grown[: self._filled] = memoryview(self._buffer)[: self._filled]
+                self._buffer = grown
+            try:
+                count = os.readv(fd, [memoryview(self._buffer)[self._filled : end]])
+            except BlockingIOError:
                 break
-            messages.append(pickle.loads(memoryview(buffer)[start + LENGTH.size : end]))
-            start = end
-        if start:
-            del buffer[:start]
+            if count == 0:
+                self.closed = True
+                break
+            self._filled += count
+            if self._filled == end and end > LENGTH.size:
+                payload = memoryview(self._buffer)[LENGTH.size : end]
+                messages.append(pickle.loads(payload))
+                payload.release()
+                self._filled = 0
+                if len(self._buffer) > KEEP_BUFFER:
+                    self._buffer = bytearray(FIRST_BUFFER)
         return messages
+
+    def _message_end(self) -> int:
+        """How many bytes the current message takes, its length first."""
+        if self._filled < LENGTH.size:
+            return LENGTH.size
+        (size,) = LENGTH.unpack_from(self._buffer)
+        return LENGTH.size + size
 
     @property
     def pending_bytes(self) -> int:
         """Bytes of a message not complete yet."""
-        return len(self._buffer)
+        return self._filled
