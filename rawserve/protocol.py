@@ -307,6 +307,8 @@ class HttpProtocol(asyncio.Protocol):
             http_version=event.http_version.decode("ascii", "replace"),
         )
         cycle.body = []
+        # An app may answer some requests without waiting (rawserve.app.App.answer_now):
+        # they are sent in this pass; the rest get a task running `app.handle`.
         answer_now = getattr(self.app, "answer_now", None)
         if answer_now is not None:
             try:
