@@ -28,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import servers
 from bench.load import build_request, connect
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -121,12 +122,7 @@ async def run(args: argparse.Namespace) -> dict:
         seen, _, _ = await asyncio.to_thread(log.wait_for, READY, 0, 300)
         return await fault_run(args, port, log, seen + 1)
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        servers.terminate(process, 60)
 
 
 async def fault_run(args: argparse.Namespace, port: int, log: ServerLog, seen: int) -> dict:

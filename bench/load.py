@@ -359,15 +359,10 @@ async def open_loop(
             answered(connection, sent, CONNECT_ERROR, 0, False)
 
     async def connect_and_send(data: bytes, sent: float) -> None:
-        nonlocal open_count, outstanding
         try:
             connection = await connect(port)
         except OSError:
-            samples.add(sent - start, loop.time() - sent, CONNECT_ERROR, 0)
-            open_count -= 1
-            outstanding -= 1
-            if not outstanding and not sending:
-                all_answered.set()
+            answered(Connection(), sent, CONNECT_ERROR, 0, False)  # one that never opened
             return
         send(connection, data, sent)
 

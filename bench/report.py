@@ -59,8 +59,7 @@ def ratio_table(results: dict) -> str:
                 rate = point["throughput"]
                 row.append(f"{rate:.0f}/s = **{rate / forward:.2f}** × ceiling")
             rows.append(row)
-    table = "\n".join("| " + " | ".join(row) + " |" for row in rows)
-    return table + "\n\n" + targets_table(results)
+    return _markdown(rows) + "\n\n" + targets_table(results)
 
 
 def targets_table(results: dict) -> str:
@@ -70,29 +69,30 @@ def targets_table(results: dict) -> str:
     def check(target: str, measured: str, met: bool | None) -> None:
         rows.append([target, measured, "–" if met is None else ("yes" if met else "**no**")])
 
+    def against_ceiling(target: str, point: dict | None, ceiling: float | None, floor: float):
+        if point and ceiling:
+            ratio = point["throughput"] / ceiling
+            measured = f"{ratio:.2f} ({point['throughput']:.0f} of {ceiling:.0f} items/s)"
+            check(target, measured, ratio >= floor)
+
     by_name = {s["model"]: s for s in results["scenarios"]}
     classification = by_name.get("classification")
     embeddings = by_name.get("token-embeddings")
     if classification:
         raw = classification["servers"].get("rawserve", {})
-        ceiling = ceiling_of(classification, "short")
-        point = _point(raw, "short", 64)
-        if point and ceiling:
-            ratio = point["throughput"] / ceiling
-            check(
-                "saturation (classification, short, 64 clients) ≥ 0.90 × forward ceiling",
-                f"{ratio:.2f} ({point['throughput']:.0f} of {ceiling:.0f} items/s)",
-                ratio >= 0.90,
-            )
-        sorted_ceiling = ceiling_of(classification, "mixed")
-        point = _point(raw, "mixed", 64)
-        if point and sorted_ceiling:
-            ratio = point["throughput"] / sorted_ceiling
-            check(
-                "mixed lengths (classification, 64 clients) ≥ 0.95 × length-sorted ceiling",
-                f"{ratio:.2f} ({point['throughput']:.0f} of {sorted_ceiling:.0f} items/s)",
-                ratio >= 0.95,
-            )
+        saturated = _point(raw, "short", 64)
+        against_ceiling(
+            "saturation (classification, short, 64 clients) ≥ 0.90 × forward ceiling",
+            saturated,
+            ceiling_of(classification, "short"),
+            0.90,
+        )
+        against_ceiling(
+            "mixed lengths (classification, 64 clients) ≥ 0.95 × length-sorted ceiling",
+            _point(raw, "mixed", 64),
+            ceiling_of(classification, "mixed"),
+            0.95,
+        )
         single = classification["ceiling"].get("short", {}).get("single_item_ms", {}).get("p50")
         point = _point(raw, "short", 1)
         if point and single:
@@ -121,25 +121,22 @@ def targets_table(results: dict) -> str:
                 f"slowest 200: {overload['late_200_max_ms']:.0f} ms)",
                 overload["late_200"] == 0,
             )
-        point = _point(raw, "short", 64)
-        if point and "health" in point:
-            p99 = point["health"]["p99_ms"]
+        if saturated and "health" in saturated:
+            p99 = saturated["health"]["p99_ms"]
             check(
                 "GET /health p99 ≤ 5 ms while saturated",
-                f"{_fmt(p99)} ms ({point['health']['requests']} probes)",
+                f"{_fmt(p99)} ms ({saturated['health']['requests']} probes)",
                 None if p99 is None else p99 <= 5.0,
             )
     if embeddings:
         raw = _point(embeddings["servers"].get("rawserve", {}), "short", 64)
         seed = _point(embeddings["servers"].get("seed-batching", {}), "short", 64)
-        ceiling = ceiling_of(embeddings, "short")
-        if raw and ceiling:
-            ratio = raw["throughput"] / ceiling
-            check(
-                "large outputs (token vectors, short, 64 clients) ≥ 0.80 × ceiling",
-                f"{ratio:.2f} ({raw['throughput']:.0f} of {ceiling:.0f} items/s)",
-                ratio >= 0.80,
-            )
+        against_ceiling(
+            "large outputs (token vectors, short, 64 clients) ≥ 0.80 × ceiling",
+            raw,
+            ceiling_of(embeddings, "short"),
+            0.80,
+        )
         if raw and seed and seed["throughput"]:
             ratio = raw["throughput"] / seed["throughput"]
             check(
@@ -156,6 +153,10 @@ def targets_table(results: dict) -> str:
             f"({growth / 2**20:+.1f} MiB)",
             growth <= soak.get("tolerance_bytes", 4 * 2**20),
         )
+    return _markdown(rows)
+
+
+def _markdown(rows: list[list[str]]) -> str:
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 

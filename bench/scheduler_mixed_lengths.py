@@ -31,7 +31,6 @@ import os
 import platform
 import random
 import re
-import signal
 import socket
 import statistics
 import subprocess
@@ -43,6 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from bench import servers
 from bench.load import (
     Connection,
     build_requests,
@@ -86,12 +86,7 @@ def serve(*args: str) -> Iterator[int]:
         try:
             yield port
         finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            servers.terminate(process, 30)
 
 
 async def ready(port: int, requests: Sequence[bytes]) -> None:

@@ -62,20 +62,25 @@ class ServerProcess:
     def stop(self) -> int | None:
         if self.process is None:
             return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(STOP_GRACE)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return terminate(self.process, STOP_GRACE)
 
     def log_tail(self, lines: int = 20) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+def terminate(process: subprocess.Popen, grace: float = STOP_GRACE) -> int | None:
+    """SIGTERM, then SIGKILL if it is still running after `grace` seconds; its exit code."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
 
 
 def base_env() -> dict[str, str]:

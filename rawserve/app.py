@@ -85,8 +85,7 @@ class App:
         methods = self.routes.get(request.path)
         if methods is None:
             raise NotFound(f"no route for {request.path}")
-        if self.settings.api_key and request.path not in OPEN_PATHS:
-            require_bearer(request, self.settings.api_key)
+        self.authorize(request)
         handler = methods.get(request.method)
         if handler is None and request.method == "HEAD":
             handler = methods.get("GET")  # the protocol drops the body
@@ -109,11 +108,15 @@ class App:
         if request.path == "/ready" and request.method != "POST":
             return self.ready_now()
         if request.path == "/" and request.method == "POST":
-            if self.settings.api_key:
-                require_bearer(request, self.settings.api_key)
+            self.authorize(request)
             self.check_available()
             self.scheduler.refuse_if_full()
         return None
+
+    def authorize(self, request: HttpRequest) -> None:
+        """Raise 401 unless the request may use its path (probes and metrics are open)."""
+        if self.settings.api_key and request.path not in OPEN_PATHS:
+            require_bearer(request, self.settings.api_key)
 
     # --- operations -------------------------------------------------------------------
 

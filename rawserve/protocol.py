@@ -180,8 +180,7 @@ class HttpProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
         self.state.connections.discard(self)
-        self._cancel_timer()
-        self._drop_timer()
+        self._stop_timer()
         if self.flow is not None:
             self.flow.release()  # a streaming response waiting to write must see the close
         if self.cycle is not None and self.cycle.task is not None:
@@ -498,8 +497,7 @@ class HttpProtocol(asyncio.Protocol):
     def _close(self) -> None:
         """Close at once (the peer left, went idle, or an answer broke off)."""
         self.closing = True
-        self._cancel_timer()
-        self._drop_timer()
+        self._stop_timer()
         if self.transport is not None:
             self.transport.close()
 
@@ -531,8 +529,10 @@ class HttpProtocol(asyncio.Protocol):
     def _set_timer(self, delay: float, callback) -> None:
         self.deadline = self.loop.time() + delay
         self.on_deadline = callback
-        if self.timer is None or self.timer_at > self.deadline:
-            self._drop_timer()
+        if self.timer is not None and self.timer_at > self.deadline:
+            self.timer.cancel()  # it would fire too late for the new deadline
+            self.timer = None
+        if self.timer is None:
             self._arm_timer()
 
     def _cancel_timer(self) -> None:
@@ -542,7 +542,9 @@ class HttpProtocol(asyncio.Protocol):
         self.timer_at = self.deadline
         self.timer = self.loop.call_at(self.deadline, self._on_timer)
 
-    def _drop_timer(self) -> None:
+    def _stop_timer(self) -> None:
+        """No deadline and no armed timer: the connection is done."""
+        self.on_deadline = None
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None

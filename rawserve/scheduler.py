@@ -372,10 +372,7 @@ class Scheduler:
     def refuse_if_full(self) -> None:
         """Raise the 503 that any request would get now because the queue is full."""
         if len(self.core) >= self.core.max_queue:
-            self._count_dropped("rejected")
-            raise ServiceUnavailable(
-                f"server busy: {QueueFull.reason}", retry_after=self.core.retry_after(self.clock())
-            )
+            raise self._refusal(QueueFull(self.core.retry_after(self.clock())), 1)
 
     async def run(
         self, inputs: Sequence[Any], params: Mapping[str, Any], deadline: float
@@ -393,10 +390,7 @@ class Scheduler:
         try:
             self.core.admit(items, now)
         except QueueFull as refused:
-            self._count_dropped("rejected", len(items))
-            raise ServiceUnavailable(
-                f"server busy: {refused.reason}", retry_after=refused.retry_after
-            ) from None
+            raise self._refusal(refused, len(items)) from None
         self._wake.set()
         try:
             async with asyncio.timeout(max(0.0, deadline - now)):
@@ -426,6 +420,11 @@ class Scheduler:
                 self._dispatch(batch, now)
             self._sleep_until(decision.wake_at)
             await self._wake.wait()
+
+    def _refusal(self, refused: QueueFull, items: int) -> ServiceUnavailable:
+        """The 503 for `items` refused at admission (counted as rejected)."""
+        self._count_dropped("rejected", items)
+        return ServiceUnavailable(f"server busy: {refused.reason}", retry_after=refused.retry_after)
 
     def _count_dropped(self, reason: str, count: int = 1) -> None:
         if self.metrics is not None:
