@@ -1,0 +1,239 @@
+"""Resolving a named model to a local folder: a folder as it is, a Hub repo through its cache.
+
+Runs in the server process, once per model, before any worker starts: the workers are
+given the resolved folder and never look anything up themselves. A Hub repo id goes
+through `huggingface_hub.snapshot_download`, so everything it honours applies: the cache
+(`HF_HOME`, `HF_HUB_CACHE`), `HF_TOKEN` for private and gated repos, `HF_ENDPOINT` for a
+mirror, `HF_HUB_OFFLINE=1` to use the cache alone. Files the worker never reads (other
+frameworks' weights, exported ONNX/OpenVINO copies, and the pickled PyTorch weights when
+the repo also has safetensors) are not downloaded. Progress goes to the log, a line every
+few seconds; every way resolution can fail becomes one `ModelNotFound` whose message
+says what to do, never a traceback.
+
+Never imports torch or transformers (huggingface_hub does not either).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx2
+from huggingface_hub import HfApi, constants, get_cached_repo_tree, get_token, snapshot_download
+from huggingface_hub.errors import (
+    CachedRepoTreeNotFoundError,
+    DisabledRepoError,
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    IncompleteSnapshotError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.utils import validate_repo_id
+from tqdm.std import tqdm
+
+from rawserve.models.names import ModelSpec, default_names
+
+log = logging.getLogger("rawserve.models")
+
+# Files a transformers worker never reads: other frameworks' weights and exported copies.
+NOT_NEEDED = [
+    "*.h5",
+    "*.msgpack",
+    "*.ot",
+    "*.tflite",
+    "*.onnx",
+    "*.onnx_data",
+    "*.gguf",
+    "*.mlmodel",
+    "onnx/*",
+    "openvino/*",
+    "coreml/*",
+]
+PICKLED_WEIGHTS = ["*.bin", "*.pt", "*.pth"]  # skipped when the repo has safetensors
+PROGRESS_SECONDS = 5.0  # a download logs a progress line this often
+
+
+class ModelNotFound(Exception):
+    """A model that cannot be had; the message is one line saying what to fix."""
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model name and the local folder that holds its files."""
+
+    spec: ModelSpec
+    folder: Path
+    commit: str | None = None  # the Hub commit the folder holds; None for a plain folder
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """What clients may call it: the alias, then the repo id or the folder's name."""
+        return default_names(self.spec)
+
+    @property
+    def repo_id(self) -> str | None:
+        return None if self.spec.is_folder else self.spec.source
+
+
+def resolve_model(spec: ModelSpec) -> ResolvedModel:
+    """The local folder of `spec`, downloading a Hub repo into the cache if need be."""
+    if spec.is_folder:
+        return resolve_folder(spec)
+    return resolve_hub(spec)
+
+
+def resolve_folder(spec: ModelSpec) -> ResolvedModel:
+    if spec.revision:
+        raise ModelNotFound(f"{spec.source} is a folder: a revision applies to Hub ids only")
+    folder = Path(spec.source).expanduser()
+    if not folder.is_dir():
+        raise ModelNotFound(f"no model folder {spec.source}")
+    return ResolvedModel(spec, folder.resolve())
+
+
+def resolve_hub(spec: ModelSpec) -> ResolvedModel:
+    repo_id, revision = spec.source, spec.revision
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise ModelNotFound(
+            f"{repo_id!r} is neither an existing folder nor a Hub repo id (org/name)"
+        ) from None
+    at = f"{repo_id}@{revision}" if revision else repo_id
+    started = time.monotonic()
+    try:
+        files = repo_files(repo_id, revision)
+        folder = snapshot_download(
+            repo_id,
+            revision=revision,
+            ignore_patterns=files_to_skip(files),
+            tqdm_class=LoggedProgress,
+        )
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one line (below)
+        raise ModelNotFound(explain(exc, repo_id, revision)) from exc
+    commit = Path(folder).name
+    log.info(
+        "model %s: commit %s in %s (%.1f s)",
+        at,
+        commit,
+        Path(folder).parent.parent,
+        time.monotonic() - started,
+    )
+    return ResolvedModel(spec, Path(folder), commit)
+
+
+def repo_files(repo_id: str, revision: str | None) -> list[str] | None:
+    """The repo's file names at `revision`: from the Hub, else from the listing cached
+    by an earlier download (offline), else None (unknown: nothing is skipped by name)."""
+    if not constants.is_offline_mode():
+        try:
+            info = HfApi().model_info(repo_id, revision=revision)
+            return [sibling.rfilename for sibling in info.siblings or []]
+        except (httpx2.ConnectError, httpx2.TimeoutException, OfflineModeIsEnabled):
+            pass  # no network: the cache decides (snapshot_download reports what is missing)
+    try:
+        return [entry.path for entry in get_cached_repo_tree(repo_id, revision=revision)]
+    except CachedRepoTreeNotFoundError:
+        return None
+
+
+def files_to_skip(files: Sequence[str] | None) -> list[str]:
+    """The glob patterns of files not to download, given the repo's file names."""
+    patterns = list(NOT_NEEDED)
+    if files is not None and any(name.endswith(".safetensors") for name in files):
+        patterns += PICKLED_WEIGHTS
+    return patterns
+
+
+def explain(exc: BaseException, repo_id: str, revision: str | None) -> str:
+    """One line for a failed resolution: what went wrong and what to do about it."""
+    at = f"{repo_id}@{revision}" if revision else repo_id
+    if isinstance(exc, GatedRepoError):
+        if get_token() is None:
+            return (
+                f"the Hub repo {repo_id} is gated: accept its conditions on the Hub, "
+                "then set HF_TOKEN to a token of that account"
+            )
+        return (
+            f"the Hub repo {repo_id} is gated and the token in use (HF_TOKEN) has no access "
+            "to it: accept its conditions on the Hub with that account"
+        )
+    if isinstance(exc, RevisionNotFoundError):
+        return f"the Hub repo {repo_id} has no revision {revision!r} (a branch, tag or commit)"
+    if isinstance(exc, DisabledRepoError):
+        return f"the Hub repo {repo_id} is disabled"
+    if isinstance(exc, RepositoryNotFoundError):
+        hint = (
+            "check the name" if get_token() else "check the name, or set HF_TOKEN if it is private"
+        )
+        return f"no Hub repo {repo_id} (or no access to it): {hint}"
+    if isinstance(exc, LocalEntryNotFoundError):
+        cached = "only partly" if isinstance(exc, IncompleteSnapshotError) else "not"
+        where = f"{at} is {cached} in the Hub cache ({constants.HF_HUB_CACHE})"
+        if constants.is_offline_mode():
+            return f"{where} and HF_HUB_OFFLINE=1 forbids downloading it"
+        return f"{where} and the Hub ({constants.ENDPOINT}) cannot be reached"
+    if isinstance(exc, HfHubHTTPError) and exc.response is not None:
+        return f"the Hub answered {exc.response.status_code} for {at}"
+    if isinstance(exc, (httpx2.HTTPError, OSError)):
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return f"could not download {at}: {first_line[:200]}"
+    return f"could not resolve {at}: {type(exc).__name__}"
+
+
+class LoggedProgress(tqdm):  # type: ignore[type-arg]
+    """A tqdm bar that writes a log line every PROGRESS_SECONDS instead of drawing itself.
+
+    snapshot_download makes three: files fetched, bytes written (its total is the files'
+    sizes) and bytes received (its total is a guess, so it stays quiet). The files bar
+    also logs when it closes, so a download ends with a line.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs["mininterval"] = PROGRESS_SECONDS
+        kwargs["file"] = _Discard()
+        self._bytes = kwargs.get("unit") == "B"
+        self._quiet = str(kwargs.get("desc") or "").startswith("Downloading bytes")
+        super().__init__(*args, **kwargs)
+
+    def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+        if self._quiet or self.disable:
+            return True
+        done, total = self.n, self.total
+        if self._bytes and done:
+            log.info("downloading: %s of %s", _size(done), _size(total or done))
+        elif not self._bytes:
+            log.info("downloading: %d of %s files", done, total if total else "?")
+        return True
+
+    def close(self) -> None:
+        if not self._bytes and not self.disable:
+            self.display()
+        self._quiet = True  # tqdm's close draws once more
+        super().close()
+
+
+class _Discard:
+    """Where a LoggedProgress bar would draw: nowhere."""
+
+    def write(self, text: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+def _size(count: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if count < 1000 or unit == "GB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} GB"

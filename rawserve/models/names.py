@@ -1,0 +1,119 @@
+"""How the command line names a model: `[ALIAS=]SOURCE[@REVISION][:TASK]`.
+
+SOURCE is a local folder or a Hugging Face Hub repo id (`org/name`, or a canonical
+`name` such as `gpt2`); `@REVISION` pins a Hub branch, tag or commit; `:TASK` sets the
+pipeline task where the model's files do not say it; `ALIAS=` is the name clients use
+to pick the model when several are served. Examples:
+
+    /models/bge                               a folder
+    BAAI/bge-small-en-v1.5                    a Hub repo, its default branch
+    BAAI/bge-small-en-v1.5@5c38ec7c           ... at a commit (or a branch or tag)
+    emb=BAAI/bge-small-en-v1.5@v1.0           ... served as "emb"
+    cls=/models/sst2:text-classification      a folder served as "cls", task given
+
+A string that names an existing folder is that folder, whatever characters it holds.
+This module only parses; it touches no network (`rawserve.models.hub` resolves) and
+never imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePath
+
+ALIAS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
+TASK_NAME = re.compile(r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
+# What starts a folder name for sure (a Hub id never starts so).
+FOLDER_PREFIXES = ("/", "./", "../", "~", ".")
+
+
+class ModelNameError(ValueError):
+    """A model name that cannot be read; the message says what is wrong in one line."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model as the command line names it (nothing resolved yet)."""
+
+    source: str  # a folder or a Hub repo id, as given
+    revision: str | None = None  # Hub only
+    alias: str | None = None
+    task: str | None = None
+
+    @property
+    def is_folder(self) -> bool:
+        return looks_like_folder(self.source)
+
+    def with_defaults(self, *, task: str | None, revision: str | None) -> ModelSpec:
+        """The spec with `--task` / `--revision` filled in where it names none of its own
+        (`--revision` applies to Hub ids only: a folder has no revisions)."""
+        return ModelSpec(
+            source=self.source,
+            revision=self.revision or (None if self.is_folder else revision),
+            alias=self.alias,
+            task=self.task or task,
+        )
+
+    def __str__(self) -> str:
+        text = self.source
+        if self.alias:
+            text = f"{self.alias}={text}"
+        if self.revision:
+            text += f"@{self.revision}"
+        if self.task:
+            text += f":{self.task}"
+        return text
+
+
+def looks_like_folder(source: str) -> bool:
+    return source.startswith(FOLDER_PREFIXES) or Path(source).expanduser().is_dir()
+
+
+def parse_model_spec(text: str) -> ModelSpec:
+    """Read `[ALIAS=]SOURCE[@REVISION][:TASK]`; raise ModelNameError if it cannot be read."""
+    text = text.strip()
+    if not text:
+        raise ModelNameError("a model name is empty")
+    if Path(text).expanduser().is_dir():  # an existing folder is taken as it is
+        return ModelSpec(source=text)
+    alias = None
+    head, equals, rest = text.partition("=")
+    if equals and ALIAS.fullmatch(head):
+        alias, text = head, rest
+    elif equals and "/" not in head:
+        raise ModelNameError(
+            f"{head!r} is not a model alias: use letters, digits, '.', '_' and '-'"
+        )
+    if not text:
+        raise ModelNameError(f"the model alias {alias!r} names no folder or Hub id")
+    if Path(text).expanduser().is_dir():
+        return ModelSpec(source=text, alias=alias)
+    task = None
+    body, colon, suffix = text.rpartition(":")
+    if colon and TASK_NAME.fullmatch(suffix):
+        text, task = body, suffix
+    elif colon:
+        raise ModelNameError(f"{suffix!r} (after ':') is not a task name, in {text!r}")
+    if not text:
+        raise ModelNameError("a model name has an alias or a task but no folder or Hub id")
+    if looks_like_folder(text):
+        return ModelSpec(source=text, alias=alias, task=task)
+    source, at, revision = text.partition("@")
+    if at and not revision:
+        raise ModelNameError(f"{text!r} ends with '@' but names no revision")
+    return ModelSpec(source=source, revision=revision or None, alias=alias, task=task)
+
+
+def default_names(spec: ModelSpec) -> tuple[str, ...]:
+    """The names clients may use for a model: the alias first if there is one, then the
+    repo id as given, or the folder's last component (what /v1/models lists)."""
+    names: list[str] = []
+    if spec.alias:
+        names.append(spec.alias)
+    if spec.is_folder:
+        folder = PurePath(spec.source.rstrip("/") or spec.source)
+        names.append(folder.name or spec.source)
+    else:
+        names.append(spec.source)
+    return tuple(dict.fromkeys(names))

@@ -1,0 +1,289 @@
+"""Naming a model and resolving it: folders, a Hub cache offline, and the real download
+path of huggingface_hub against a loopback stand-in for the Hub (`tests/hub_server.py`).
+
+huggingface_hub reads HF_ENDPOINT, HF_HUB_CACHE, HF_HUB_OFFLINE and HF_TOKEN once, when
+it is imported, so each resolution runs in a fresh process with the environment a user
+would set, exactly as the server does it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rawserve.models.hub import NOT_NEEDED, PICKLED_WEIGHTS, files_to_skip
+from rawserve.models.names import ModelNameError, ModelSpec, default_names, parse_model_spec
+from tests.hub_cache import HubRepo, write_hub_cache
+from tests.hub_server import FakeHub
+from tests.server import REPO_ROOT
+
+RESOLVE = """
+import logging, sys
+from rawserve.models.hub import ModelNotFound, resolve_model
+from rawserve.models.names import ModelNameError, parse_model_spec
+logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+logging.getLogger("httpx2").setLevel(logging.WARNING)
+try:
+    print(resolve_model(parse_model_spec(sys.argv[1])).folder)
+except (ModelNameError, ModelNotFound) as exc:
+    print(f"error: {exc}", file=sys.stderr)
+    sys.exit(1)
+"""
+
+FILES = {
+    "config.json": b'{"architectures": ["BertModel"], "hidden_size": 32}',
+    "modules.json": b'[{"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"}]',
+    "1_Pooling/config.json": b'{"pooling_mode_cls_token": true}',
+    "tokenizer.json": b"{}",
+    "model.safetensors": os.urandom(300_000),
+    "pytorch_model.bin": os.urandom(1000),  # the same weights, pickled: not downloaded
+    "tf_model.h5": os.urandom(1000),
+    "onnx/model.onnx": os.urandom(1000),
+}
+NEEDED = {"config.json", "modules.json", "1_Pooling/config.json", "tokenizer.json"}
+NEEDED |= {"model.safetensors"}
+
+
+def make_repo(repo_id: str = "org/tiny", **kwargs) -> HubRepo:
+    repo = HubRepo(repo_id, **kwargs)
+    repo.add_commit(FILES, refs=("main",))
+    return repo
+
+
+def run_resolve(spec: str, home: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {
+        k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING", "TRANSFORMERS"))
+    }
+    environ.update(
+        PYTHONPATH=REPO_ROOT,
+        HF_HOME=str(home / "hf"),  # no token file, no stray cache of this machine
+        HF_HUB_CACHE=str(home / "hub"),
+        HF_HUB_DISABLE_TELEMETRY="1",
+        **env,
+    )
+    return subprocess.run(
+        [sys.executable, "-c", RESOLVE, spec],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def resolved(result: subprocess.CompletedProcess[str]) -> Path:
+    assert result.returncode == 0, result.stderr
+    return Path(result.stdout.strip())
+
+
+def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    """The failure is one line of the resolver's own, never a traceback."""
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr
+    return errors[0]
+
+
+def files_in(folder: Path) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+
+
+# --- the spelling ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "spec"),
+    [
+        ("org/name", ModelSpec("org/name")),
+        ("gpt2", ModelSpec("gpt2")),
+        ("org/name@main", ModelSpec("org/name", revision="main")),
+        ("org/name@refs/pr/1", ModelSpec("org/name", revision="refs/pr/1")),
+        ("org/name@v1.0:fill-mask", ModelSpec("org/name", "v1.0", task="fill-mask")),
+        ("emb=org/name@abc123", ModelSpec("org/name", "abc123", alias="emb")),
+        ("emb=/models/bge", ModelSpec("/models/bge", alias="emb")),
+        (
+            "cls=/models/sst2:text-classification",
+            ModelSpec("/models/sst2", alias="cls", task="text-classification"),
+        ),
+        ("./model@v1", ModelSpec("./model@v1")),  # a folder has no revision: '@' is a name
+        ("/models/a=b", ModelSpec("/models/a=b")),  # '=' after a '/' is not an alias
+        ("  org/name  ", ModelSpec("org/name")),
+    ],
+)
+def test_a_model_name_reads_as_documented(text, spec):
+    assert parse_model_spec(text) == spec
+
+
+def test_an_existing_folder_is_taken_as_it_is(tmp_path):
+    folder = tmp_path / "odd=name@v1:fill-mask"
+    folder.mkdir()
+    assert parse_model_spec(str(folder)) == ModelSpec(str(folder))
+    assert parse_model_spec(f"x={folder}") == ModelSpec(str(folder), alias="x")
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "   ", "emb=", "my model=org/name", "org/name@", "org/name:Not A Task", "=org/name", ":x"],
+)
+def test_a_malformed_model_name_is_refused_with_a_reason(text):
+    with pytest.raises(ModelNameError) as caught:
+        parse_model_spec(text)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [
+        ("org/name@v1", ("org/name",)),
+        ("emb=org/name", ("emb", "org/name")),
+        ("/models/bge/", ("bge",)),
+        ("cls=/models/sst2:text-classification", ("cls", "sst2")),
+    ],
+)
+def test_clients_call_a_model_by_its_alias_then_its_repo_id_or_folder_name(text, names):
+    assert default_names(parse_model_spec(text)) == names
+
+
+def test_defaults_fill_only_what_a_name_leaves_open():
+    given = parse_model_spec("org/name@v2:fill-mask").with_defaults(task="x", revision="v1")
+    assert (given.revision, given.task) == ("v2", "fill-mask")
+    left = parse_model_spec("org/name").with_defaults(task="fill-mask", revision="v1")
+    assert (left.revision, left.task) == ("v1", "fill-mask")
+    folder = parse_model_spec("/models/bge").with_defaults(task=None, revision="v1")
+    assert folder.revision is None  # a folder has no revisions
+
+
+def test_safetensors_make_the_pickled_weights_unneeded():
+    assert files_to_skip(["model.safetensors", "pytorch_model.bin"]) == NOT_NEEDED + PICKLED_WEIGHTS
+    assert files_to_skip(["pytorch_model.bin"]) == NOT_NEEDED
+    assert files_to_skip(None) == NOT_NEEDED
+
+
+# --- folders ---------------------------------------------------------------------------
+
+
+def test_a_folder_resolves_to_itself(tmp_path):
+    (tmp_path / "model").mkdir()
+    assert resolved(run_resolve(str(tmp_path / "model"), tmp_path)) == tmp_path / "model"
+
+
+def test_a_missing_folder_is_one_line(tmp_path):
+    line = one_error_line(run_resolve(str(tmp_path / "nowhere"), tmp_path))
+    assert "no model folder" in line
+
+
+# --- a Hub cache, offline --------------------------------------------------------------
+
+
+def test_an_offline_cache_serves_the_default_branch_a_tag_and_a_commit(tmp_path):
+    repo = make_repo()
+    old = repo.main
+    repo.add_commit({**FILES, "config.json": b'{"architectures": ["BertModel"]}'}, refs=("main",))
+    repo.refs["v1"] = old
+    write_hub_cache(tmp_path / "hub", repo)
+    snapshots = tmp_path / "hub" / "models--org--tiny" / "snapshots"
+
+    assert resolved(run_resolve("org/tiny", tmp_path, HF_HUB_OFFLINE="1")) == snapshots / repo.main
+    assert resolved(run_resolve("org/tiny@v1", tmp_path, HF_HUB_OFFLINE="1")) == snapshots / old
+    pinned = run_resolve(f"org/tiny@{old}", tmp_path, HF_HUB_OFFLINE="1")
+    assert resolved(pinned) == snapshots / old
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ("org/absent", ["org/absent", "not in the Hub cache", "HF_HUB_OFFLINE=1"]),
+        ("org/tiny@v9", ["org/tiny@v9", "not in the Hub cache"]),
+        ("org/tiny@" + "0" * 40, ["not in the Hub cache"]),
+        ("not a/repo id", ["neither an existing folder nor a Hub repo id"]),
+        ("org/tiny@v1:Bad Task", ["'Bad Task' (after ':') is not a task name"]),
+    ],
+)
+def test_what_the_offline_cache_lacks_is_one_line(tmp_path, spec, words):
+    write_hub_cache(tmp_path / "hub", make_repo())
+    line = one_error_line(run_resolve(spec, tmp_path, HF_HUB_OFFLINE="1"))
+    for word in words:
+        assert word in line
+
+
+# --- the real download path, against the stand-in -------------------------------------
+
+
+def test_a_download_fills_the_cache_and_a_second_start_needs_no_hub(tmp_path):
+    repo = make_repo()
+    with FakeHub([repo]) as hub:
+        result = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint)
+        folder = resolved(result)
+        cdn = hub.seen("GET", "/cdn/")
+    assert folder == tmp_path / "hub" / "models--org--tiny" / "snapshots" / repo.main
+    assert files_in(folder) == NEEDED  # no pickled, TensorFlow or ONNX copies
+    assert (folder / "model.safetensors").read_bytes() == FILES["model.safetensors"]
+    assert (folder.parent.parent / "refs" / "main").read_text() == repo.main
+    assert len(cdn) == 1  # the weights came by redirect from the "CDN"
+    assert "downloading: 5 of 5 files" in result.stderr  # progress in the log
+
+    # the stand-in is gone: served from the cache, offline or not
+    for offline in ("1", "0"):
+        again = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint, HF_HUB_OFFLINE=offline)
+        assert resolved(again) == folder
+
+
+def test_a_pinned_revision_downloads_that_commit(tmp_path):
+    repo = make_repo()
+    first = repo.main
+    repo.add_commit({**FILES, "config.json": b"{}"}, refs=("main",))
+    with FakeHub([repo]) as hub:
+        folder = resolved(run_resolve(f"org/tiny@{first}", tmp_path, HF_ENDPOINT=hub.endpoint))
+        fetched = hub.seen(prefix="/org/tiny/resolve/")
+    assert fetched and all(f"/resolve/{first}/" in r.path for r in fetched)
+    assert folder.name == first
+    assert (folder / "config.json").read_bytes() == FILES["config.json"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "token", "words"),
+    [
+        ("org/absent", None, ["no Hub repo org/absent", "HF_TOKEN"]),
+        ("org/tiny@v9", None, ["org/tiny has no revision 'v9'"]),
+        ("org/gated", None, ["org/gated is gated", "set HF_TOKEN"]),
+        ("org/gated", "hf_other", ["org/gated is gated", "has no access"]),
+    ],
+)
+def test_what_the_hub_refuses_is_one_line(tmp_path, spec, token, words):
+    repos = [make_repo(), make_repo("org/gated", gated=True, granted_tokens={"hf_granted"})]
+    env = {"HF_TOKEN": token} if token else {}
+    with FakeHub(repos) as hub:
+        line = one_error_line(run_resolve(spec, tmp_path, HF_ENDPOINT=hub.endpoint, **env))
+    for word in words:
+        assert word in line
+
+
+def test_a_gated_repo_downloads_with_a_granted_token_which_never_leaves_the_hub(tmp_path):
+    repo = make_repo("org/gated", gated=True, granted_tokens={"hf_granted"})
+    with FakeHub([repo]) as hub:
+        result = run_resolve("org/gated", tmp_path, HF_ENDPOINT=hub.endpoint, HF_TOKEN="hf_granted")
+        assert files_in(resolved(result)) == NEEDED
+        resolves = hub.seen(prefix="/org/gated/resolve/")
+        cdn = hub.seen(prefix="/cdn/")
+    assert resolves and all(r.authorization == "Bearer hf_granted" for r in resolves)
+    assert cdn and all(r.authorization is None for r in cdn)  # not sent to another host
+
+
+def test_no_network_and_nothing_cached_is_one_line(tmp_path):
+    with FakeHub([]) as hub:
+        endpoint = hub.endpoint  # a port that refuses connections once the stand-in stops
+    line = one_error_line(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=endpoint))
+    assert "org/tiny is not in the Hub cache" in line and "cannot be reached" in line
+
+
+def test_a_partly_downloaded_snapshot_is_named_as_such(tmp_path):
+    with FakeHub([make_repo()]) as hub:
+        folder = resolved(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint))
+    (folder / "tokenizer.json").unlink()
+    line = one_error_line(run_resolve("org/tiny", tmp_path, HF_HUB_OFFLINE="1"))
+    assert "only partly in the Hub cache" in line
