@@ -6,6 +6,8 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PIP_TORCH_ARGS ?=
+# the extras installed with rawserve (the Dockerfile installs only "image")
+EXTRAS ?= test,dev
 ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -15,7 +17,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(PIP_TORCH_ARGS) "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test,dev]"
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 serve: $(STAMP)

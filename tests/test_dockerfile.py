@@ -1,0 +1,197 @@
+"""The Dockerfile, checked without a Docker daemon (none is available where tests run).
+
+It is parsed by the BuildKit parser itself (the `dockerfile` package) and linted by
+hadolint; its install is the Makefile's own recipe, shown here by a dry run of make with
+the image's build arguments; its health check is run against a real server.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import dockerfile
+import pytest
+import yaml
+
+from rawserve.main import OPTIONS
+from tests.server import REPO_ROOT, RunningServer
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: huggingface_hub installs tomli there
+    import tomli as tomllib
+
+ROOT = Path(REPO_ROOT)
+DOCKERFILE = ROOT / "Dockerfile"
+COMMANDS = dockerfile.parse_file(str(DOCKERFILE))
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def instructions(name: str) -> list[dockerfile.Command]:
+    return [command for command in COMMANDS if command.cmd == name]
+
+
+def build_args() -> dict[str, str]:
+    """Each ARG's default (the values a plain `docker build .` uses)."""
+    found = {}
+    for command in instructions("ARG"):
+        name, _, default = command.value[0].partition("=")
+        found[name] = default
+    return found
+
+
+def environment() -> dict[str, str]:
+    found = {}
+    for command in instructions("ENV"):
+        values = command.value
+        found.update(zip(values[::2], values[1::2], strict=True))
+    return found
+
+
+def expand(text: str) -> str:
+    """`${NAME}` replaced by the build argument's default, as docker build does."""
+    values = build_args()
+    return re.sub(r"\$\{(\w+)\}", lambda m: values[m.group(1)], text)
+
+
+def install_runs() -> list[str]:
+    return [expand(c.value[0]) for c in instructions("RUN") if shlex.split(c.value[0])[0] == "make"]
+
+
+def makefile_default(name: str) -> str:
+    match = re.search(rf"^{name} \?= ?(.*)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert match, name
+    return match.group(1).strip()
+
+
+def test_hadolint_finds_nothing_to_fix():
+    hadolint = Path(sys.executable).parent / "hadolint"
+    result = subprocess.run(
+        [str(hadolint), "--no-color", str(DOCKERFILE)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_it_installs_with_the_makefile_and_nothing_else():
+    [install] = install_runs()
+    words = shlex.split(install)
+    assert words[:2] == ["make", ".venv/.installed"]  # the Makefile's install stamp
+    # nothing is installed by hand beside it: no pip, no second package manager step
+    for command in instructions("RUN"):
+        assert "pip install" not in command.value[0]
+        assert "pip3 install" not in command.value[0]
+    # the torch the image pins is the Makefile's
+    assert build_args()["TORCH_SPEC"] == makefile_default("TORCH_SPEC")
+
+
+def test_a_dry_run_of_the_install_is_the_pinned_cpu_torch_then_rawserve(tmp_path):
+    [install] = install_runs()
+    assignments = [word for word in shlex.split(install)[2:] if "=" in word]
+    result = subprocess.run(
+        ["make", "-n", "-W", "pyproject.toml", ".venv/.installed", *assignments],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    pip_lines = [line for line in result.stdout.splitlines() if "pip install" in line]
+    assert len(pip_lines) == 2, result.stdout
+    torch_line, rawserve_line = pip_lines
+    assert "--index-url=https://download.pytorch.org/whl/cpu" in torch_line
+    assert '"torch==2.13.0"' in torch_line
+    extras = re.search(r'-e "\.\[(.*)\]"', rawserve_line)
+    assert extras and set(extras.group(1).split(",")) <= set(
+        PYPROJECT["project"]["optional-dependencies"]
+    )
+
+
+def test_a_cuda_build_is_one_build_argument():
+    assert build_args()["TORCH_VARIANT"] == "cpu"
+    assert any("whl/${TORCH_VARIANT}" in c.value[0] for c in instructions("RUN"))
+
+
+def test_it_runs_as_a_user_that_is_not_root():
+    [user] = instructions("USER")
+    uid = user.value[0]
+    assert uid.isdigit() and int(uid) != 0  # numeric: Kubernetes' runAsNonRoot can check it
+    assert any(f"--uid {uid}" in c.value[0] for c in instructions("RUN"))
+    # every build step runs before it, the server after it
+    assert all(c.start_line < user.start_line for c in instructions("RUN"))
+    [entrypoint] = instructions("ENTRYPOINT")
+    assert entrypoint.start_line > user.start_line
+
+
+def test_the_entry_point_is_python_m_rawserve_from_the_installed_environment():
+    [entrypoint] = instructions("ENTRYPOINT")
+    assert entrypoint.json  # exec form: signals reach the server, which drains on SIGTERM
+    [workdir] = instructions("WORKDIR")
+    assert list(entrypoint.value) == [f"{workdir.value[0]}/.venv/bin/python", "-m", "rawserve"]
+
+
+def test_the_port_is_exposed_and_served_on_all_interfaces():
+    env = environment()
+    [expose] = instructions("EXPOSE")
+    assert expose.value == (env["RAWSERVE_PORT"],)
+    assert env["RAWSERVE_HOST"] == "0.0.0.0"
+    known = {option.env for option in OPTIONS}
+    assert {name for name in env if name.startswith("RAWSERVE_")} <= known
+    # the Kubernetes manifest serves the image on the same port
+    deployment = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "deployment.yaml").read_text())
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert [p["containerPort"] for p in container["ports"]] == [int(env["RAWSERVE_PORT"])]
+
+
+def test_the_model_cache_is_a_volume_owned_by_the_user():
+    env = environment()
+    [volume] = instructions("VOLUME")
+    assert volume.json
+    [cache] = volume.value
+    assert env["HF_HOME"].startswith(cache + "/")  # Hub downloads land in the volume
+    [user] = instructions("USER")
+    assert any(
+        f"chown -R {user.value[0]}:" in c.value[0] and cache in c.value[0]
+        for c in instructions("RUN")
+    )
+
+
+def test_every_copied_file_exists_and_is_in_the_build_context():
+    ignored = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    for command in instructions("COPY"):
+        *sources, _ = command.value
+        for source in sources:
+            assert (ROOT / source).exists(), source
+            assert not any(source == i or source.startswith(i + "/") for i in ignored), source
+    assert {".git", ".venv"} <= set(ignored)
+
+
+def test_the_python_version_is_one_rawserve_supports():
+    version = build_args()["PYTHON_VERSION"]
+    floor = PYPROJECT["project"]["requires-python"].removeprefix(">=")
+    as_tuple = lambda text: tuple(int(part) for part in text.split("."))  # noqa: E731
+    assert as_tuple(version) >= as_tuple(floor)
+    [base] = instructions("FROM")
+    assert base.value[0] == "python:${PYTHON_VERSION}-slim"
+
+
+@pytest.mark.slow
+def test_the_health_check_passes_on_a_serving_server_and_fails_without_one():
+    [check] = instructions("HEALTHCHECK")
+    assert check.json and check.value[0] == "CMD"
+    words = list(check.value[1:])
+    assert "/health" in words[-1]
+    assert words[0].endswith("/.venv/bin/python")
+    words[0] = sys.executable  # the image's python is this environment's, here
+    with RunningServer(["--handler", "tests.handlers:echo"]) as server:
+        env = {**os.environ, "RAWSERVE_PORT": str(server.port)}
+        assert subprocess.run(words, env=env, capture_output=True).returncode == 0
+    env = {**os.environ, "RAWSERVE_PORT": str(server.port)}  # nothing listens there now
+    assert subprocess.run(words, env=env, capture_output=True).returncode != 0
