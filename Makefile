@@ -36,9 +36,11 @@ test-deps:
 	      echo "could not install nginx: tests/test_nginx.py will be skipped"; \
 	  else echo "nginx is missing (install it as root): tests/test_nginx.py will be skipped"; fi; }
 
+# ruff (lint and format) and the type checker, mypy (its settings: pyproject.toml)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check rawserve tests bench
 	$(VENV)/bin/ruff format --check rawserve tests bench
+	$(VENV)/bin/mypy
 
 # rawserve against the model's own ceiling and the seed's Starlette server, side by side
 # (bench/RESULTS.md): about 9 minutes on 2 cores, loopback only. ARGS="--record" rewrites

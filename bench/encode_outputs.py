@@ -15,7 +15,7 @@ import timeit
 
 import numpy as np
 
-from rawserve import encoding
+from rawserve.http import encoding
 
 SHAPES = [(1, 13, 384), (1, 128, 384), (384,), (1, 13, 768)]
 

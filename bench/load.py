@@ -525,7 +525,7 @@ async def wait_until_serving(
             if status == 200:
                 return loop.time() - start
             last = f"status {status}"
-        except (ConnectionError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, ConnectionError, OSError) as exc:
             last = type(exc).__name__
         await asyncio.sleep(0.2)
     raise TimeoutError(f"the server on port {port} did not answer 200 ({last})")

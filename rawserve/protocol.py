@@ -3,36 +3,40 @@
 Bytes in (`data_received` → `h11.Connection.receive_data`), events out (`next_event`),
 one request at a time per connection: while a response is pending, pipelined bytes wait
 in h11's buffer (reading pauses past `PIPELINE_BUFFER_LIMIT`), so requests are answered
-in order and never pile up in memory. The protocol enforces the connection-level limits
-(open connections, head size, body size, head/body read timeouts, idle keep-alive) and
-turns every error into a response through `errors.error_response`, at most one response
-per request: once a response has started, an error can only close the connection.
-It hands complete requests to the app, never blocks and never imports torch.
+in order. The protocol enforces the connection-level limits (open connections, head
+size, body size, head/body read timeouts, idle keep-alive) and turns every error into a
+response through `rawserve.http.errors.error_response`, at most one response per request:
+once a response has started, an error can only close the connection. It hands complete
+requests to the app (an `Application`), never blocks and never imports torch.
 
-Connection life: IDLE (keep-alive timer; expiry closes quietly) → HEAD (the first byte
-of a request arms the head timer; expiry: 408) → BODY (body timer; expiry: 408) →
-RESPONDING (the app's task; no read timer) → IDLE again, or a graceful close: after the
-last response we send FIN, keep draining what the peer still sends for `LINGER_SECONDS`
-(so its unread request bytes do not turn into a reset that destroys our answer), then
-close.
+A connection is always in one `Phase`; `_enter` is the one transition, and it arms the
+phase's deadline on the connection's single timer (`rawserve.http.timer`):
+
+    IDLE ──first byte──▶ HEAD ──head──▶ BODY ──end of body──▶ RESPONDING ──answer──▶ IDLE
+      │ keep-alive:       │ head timeout:  │ body timeout:                        │ or, after
+      ▼ quiet close       ▼ 408            ▼ 408                                  ▼ the last one:
+    CLOSED ◀──linger over or peer's FIN── LINGER (FIN sent, the peer's bytes drained)
+
+A request answered without waiting (`Application.answer_now`: probes, refusals) goes
+from BODY straight back to IDLE. LINGER exists so the peer's unread request bytes do not
+turn into a reset that destroys our last answer before the client reads it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import enum
 import logging
-import re
-import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any
+from typing import Protocol
 
 import h11
 
-from rawserve.errors import (
+from rawserve.http.access_log import log_access
+from rawserve.http.errors import (
     BadRequest,
     HeadersTooLarge,
     HTTPError,
@@ -41,32 +45,60 @@ from rawserve.errors import (
     ServiceUnavailable,
     error_response,
 )
-from rawserve.flow_control import FlowControl
-from rawserve.http import HttpRequest, HttpResponse
+from rawserve.http.exchange import HttpRequest, HttpResponse
+from rawserve.http.flow_control import FlowControl
+from rawserve.http.request_ids import new_request_id, request_id
+from rawserve.http.timer import ConnectionTimer
 
 log = logging.getLogger("rawserve.protocol")
-access_log = logging.getLogger("rawserve.access")
 
 SERVER_HEADER = ("Server", "rawserve")
 PIPELINE_BUFFER_LIMIT = 64 * 1024  # bytes read ahead while a response is pending
 LINGER_SECONDS = 2.0  # after our last response, how long we drain the peer's bytes
-TIMER_SLACK = 0.001  # seconds a connection timer may fire early (loop clock resolution)
 REFUSAL_LOG_INTERVAL = 10.0  # seconds between "too many connections" warnings
 SUPPORTED_VERSIONS = (b"1.0", b"1.1")
 # Their states once a request was read whole (an Upgrade we decline by answering ends
 # in MIGHT_SWITCH_PROTOCOL, then DONE).
 _REQUEST_READ = (h11.DONE, h11.MIGHT_SWITCH_PROTOCOL)
-_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
-# Request ids made here: a random prefix per process and a counter, 32 hex digits like a
-# UUID's, unique across replicas and restarts without a system call per request.
-_ID_PREFIX = secrets.token_hex(8)
-_ID_COUNTER = itertools.count()
 # A request starts with a method (an RFC 9110 token); anything else (a TLS ClientHello
 # starts with 0x16, binary garbage) is refused at the first byte instead of waiting for
 # a line end that may never come.
 _TOKEN_BYTES = frozenset(
     b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 )
+
+
+class Application(Protocol):
+    """What the protocol needs from the app it serves (rawserve.api.app.App)."""
+
+    @property
+    def draining(self) -> bool:
+        """The server is shutting down: every 5xx closes its connection."""
+        ...
+
+    def answer_now(self, request: HttpRequest) -> HttpResponse | None:
+        """The response if it needs no waiting (a probe, a refusal), else None. May raise
+        HTTPError."""
+        ...
+
+    async def handle(self, request: HttpRequest) -> HttpResponse:
+        """The response to any request; may raise HTTPError."""
+        ...
+
+
+class RequestObserver(Protocol):
+    """Counts responses by route and status (rawserve.ops.metrics.Metrics)."""
+
+    def observe_request(self, path: str, method: str, status: int, seconds: float) -> None: ...
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"  # between requests; deadline: keep-alive, then a quiet close
+    HEAD = "head"  # a request's first byte arrived; deadline: its head (408)
+    BODY = "body"  # the head is accepted; deadline: its body (408)
+    RESPONDING = "responding"  # the app has the request; no read deadline
+    LINGER = "linger"  # our FIN is sent; deadline: the close
+    CLOSED = "closed"
 
 
 @dataclass(frozen=True)
@@ -83,11 +115,24 @@ class ProtocolSettings:
 class ServerState:
     """Shared by every connection of one server."""
 
+    metrics: RequestObserver | None = None
     connections: set[HttpProtocol] = field(default_factory=set)
-    metrics: Any = None  # a metrics.Metrics: requests by route and status, durations
     refused: int = 0  # connections refused past `max_connections`
-    draining: bool = False  # set by main on SIGTERM/SIGINT: every 5xx closes its connection
     last_refusal_log: float = float("-inf")
+
+    def busy_tasks(self) -> set[asyncio.Task[None]]:
+        """The tasks of requests the app is still working on, on every connection."""
+        return {
+            connection.cycle.task
+            for connection in self.connections
+            if connection.cycle is not None
+            and connection.cycle.task is not None
+            and not connection.cycle.task.done()
+        }
+
+    def close_all(self) -> None:
+        for connection in list(self.connections):
+            connection.close()
 
 
 class _Cycle:
@@ -100,7 +145,7 @@ class _Cycle:
         self.body: list[bytes] = []
         self.body_size = 0
         self.started = time.perf_counter()
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task[None] | None = None
         self.response_started = False
 
     @property
@@ -111,7 +156,7 @@ class _Cycle:
 class HttpProtocol(asyncio.Protocol):
     def __init__(
         self,
-        app,
+        app: Application,
         settings: ProtocolSettings = ProtocolSettings(),
         state: ServerState | None = None,
         *,
@@ -126,34 +171,65 @@ class HttpProtocol(asyncio.Protocol):
         self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=settings.max_head_bytes)
         self.transport: asyncio.Transport | None = None
         self.flow: FlowControl | None = None
-        self.closing = False  # no more HTTP either way; the socket may still be lingering
-        self.eof_seen = False
-        self.head_started = False  # bytes of the next request have arrived
+        self.phase = Phase.IDLE
+        self.timer = ConnectionTimer(self.loop, self._on_deadline)
+        self.eof_seen = False  # the peer has half-closed
         self.pipelined_bytes = 0  # received while a response is pending
         self.handling_events = False  # handle_events is running (guards re-entry)
-        self.timer: asyncio.TimerHandle | None = None
-        self.timer_at = 0.0  # when `timer` fires
-        self.deadline = 0.0  # when `on_deadline` is due
-        self.on_deadline: Callable[[], None] | None = None
         # per request
         self.cycle: _Cycle | None = None
+
+    # --- phases -----------------------------------------------------------------------
+
+    def _enter(self, phase: Phase) -> None:
+        """Move to `phase` and arm its deadline (the one place that does both)."""
+        self.phase = phase
+        delay = {
+            Phase.IDLE: self.settings.keepalive_timeout,
+            Phase.HEAD: self.settings.head_timeout,
+            Phase.BODY: self.settings.body_timeout,
+            Phase.LINGER: LINGER_SECONDS,
+        }.get(phase)
+        if phase is Phase.CLOSED:
+            self.timer.stop()
+        elif delay is None:
+            self.timer.clear()
+        else:
+            self.timer.set(delay)
+
+    def _on_deadline(self) -> None:
+        """The current phase's deadline passed."""
+        if self.phase is Phase.IDLE:
+            self.close()  # an idle keep-alive connection: close quietly
+        elif self.phase is Phase.HEAD:
+            self._fail(RequestTimeout("the request head was not received in time"))
+        elif self.phase is Phase.BODY:
+            self._fail(RequestTimeout("the request body was not received in time"))
+        elif self.phase is Phase.LINGER and self.transport is not None:
+            self.transport.close()
+
+    @property
+    def _reading(self) -> bool:
+        """Whether incoming bytes are parsed now (else they wait, or are drained)."""
+        return self.phase in (Phase.IDLE, Phase.HEAD, Phase.BODY)
 
     # --- asyncio.Protocol callbacks ---------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        self.flow = FlowControl(self.transport)  # type: ignore[arg-type]
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.flow = FlowControl(transport)
         cap = self.settings.max_connections
         if cap and len(self.state.connections) >= cap:
             self._refuse()
             return
         self.state.connections.add(self)
-        self._set_timer(self.settings.keepalive_timeout, self._on_idle_timeout)
+        self._enter(Phase.IDLE)
 
     def data_received(self, data: bytes) -> None:
-        if self.closing:
+        if self.phase in (Phase.LINGER, Phase.CLOSED):
             return  # lingering after our last response: drain and drop
-        if self._responding():
+        if self.phase is Phase.RESPONDING:
             # Pipelined bytes wait in h11's buffer; keep reading (to notice a
             # disconnect) until too much piles up.
             self.conn.receive_data(data)
@@ -161,8 +237,8 @@ class HttpProtocol(asyncio.Protocol):
             if self.pipelined_bytes > PIPELINE_BUFFER_LIMIT:
                 self._flow.pause_reading()
             return
-        if self.cycle is None and not self.head_started:
-            self._on_head_started()
+        if self.phase is Phase.IDLE:
+            self._enter(Phase.HEAD)
             if data[0] not in _TOKEN_BYTES:
                 self._fail(BadRequest("this port speaks plain HTTP/1.1"))
                 return
@@ -171,16 +247,15 @@ class HttpProtocol(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         self.eof_seen = True
-        if self.closing or self._responding():
+        if not self._reading:
             return None  # done lingering, or the client left before its answer: close
         self.conn.receive_data(b"")
         self.handle_events()
         return None  # the transport closes once what we wrote is flushed
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closing = True
+        self._enter(Phase.CLOSED)
         self.state.connections.discard(self)
-        self._stop_timer()
         if self.flow is not None:
             self.flow.release()  # a streaming response waiting to write must see the close
         if self.cycle is not None and self.cycle.task is not None:
@@ -191,7 +266,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._flow.resume_writing()
-        if self.cycle is None and not self.closing:
+        if self.cycle is None and self._reading:
             self._flow.resume_reading()
             self.handle_events()
 
@@ -208,7 +283,7 @@ class HttpProtocol(asyncio.Protocol):
             self.handling_events = False
 
     def _handle_events(self) -> None:
-        while not self.closing and (self.cycle is None or self._reading_body()):
+        while self._reading:
             if self.cycle is None and self._flow.write_paused:
                 self._flow.pause_reading()  # the peer is not reading its answers: wait
                 return
@@ -230,37 +305,23 @@ class HttpProtocol(asyncio.Protocol):
             elif isinstance(event, h11.EndOfMessage):
                 self._on_request_complete()
             elif isinstance(event, h11.ConnectionClosed):
-                self._close()
+                self.close()
                 return
 
-    def _reading_body(self) -> bool:
-        return self.cycle is not None and self.cycle.task is None
-
-    def _responding(self) -> bool:
-        return self.cycle is not None and self.cycle.task is not None
-
-    def _on_head_started(self) -> None:
-        self.head_started = True
-        self._set_timer(self.settings.head_timeout, self._on_head_timeout)
-
     def _on_request(self, event: h11.Request) -> None:
-        self._cancel_timer()
-        given_id = _header(event.headers, b"x-request-id")
-        request_id = given_id if given_id and _REQUEST_ID.match(given_id) else _new_request_id()
-        self.cycle = _Cycle(event, request_id)
+        self.cycle = _Cycle(event, request_id(_header(event.headers, b"x-request-id")))
+        self._enter(Phase.BODY)
         error = self._check_head(event)
         if error is not None:
             self._fail(error)
             return
-        if self.conn.their_state is h11.SEND_BODY:
-            if self.conn.they_are_waiting_for_100_continue:
-                # Only now that the head is accepted: a refused request never sees a 100.
-                self._write(
-                    self.conn.send(
-                        h11.InformationalResponse(status_code=100, headers=[], reason="Continue")
-                    )
+        if self.conn.they_are_waiting_for_100_continue:
+            # Only now that the head is accepted: a refused request never sees a 100.
+            self._write(
+                self.conn.send(
+                    h11.InformationalResponse(status_code=100, headers=[], reason="Continue")
                 )
-            self._set_timer(self.settings.body_timeout, self._on_body_timeout)
+            )
 
     def _check_head(self, event: h11.Request) -> HTTPError | None:
         """Refuse what h11 lets through but a hardened origin server must not."""
@@ -290,7 +351,6 @@ class HttpProtocol(asyncio.Protocol):
         cycle.body.append(data)
 
     def _on_request_complete(self) -> None:
-        self._cancel_timer()
         cycle = self.cycle
         assert cycle is not None and cycle.request is not None
         event = cycle.request
@@ -306,17 +366,14 @@ class HttpProtocol(asyncio.Protocol):
             http_version=event.http_version.decode("ascii", "replace"),
         )
         cycle.body = []
-        # An app may answer some requests without waiting (rawserve.app.App.answer_now):
-        # they are sent in this pass; the rest get a task running `app.handle`.
-        answer_now = getattr(self.app, "answer_now", None)
-        if answer_now is not None:
-            try:
-                response = answer_now(request)
-            except Exception as exc:  # noqa: BLE001 - error_response logs what is unexpected
-                response = _error_as_response(exc)
-            if response is not None:  # answered in this pass, no task
-                self._send(cycle, response)
-                return
+        self._enter(Phase.RESPONDING)
+        try:
+            response = self.app.answer_now(request)
+        except Exception as exc:  # noqa: BLE001 - error_response logs what is unexpected
+            response = error_response(exc)
+        if response is not None:  # answered in this pass, no task
+            self._send(cycle, response)
+            return
         cycle.task = self.loop.create_task(self._respond(cycle, request))
 
     async def _respond(self, cycle: _Cycle, request: HttpRequest) -> None:
@@ -325,8 +382,8 @@ class HttpProtocol(asyncio.Protocol):
         except asyncio.CancelledError:
             return  # the client left: its work is withdrawn, nobody to answer
         except Exception as exc:  # noqa: BLE001 - error_response logs what is unexpected
-            response = _error_as_response(exc)
-        if self.closing or self.cycle is not cycle:
+            response = error_response(exc)
+        if self.cycle is not cycle or self.phase is not Phase.RESPONDING:
             await _close_stream(response)
             return
         if response.stream is not None:
@@ -342,7 +399,7 @@ class HttpProtocol(asyncio.Protocol):
             return
         # A 503 (queue full, loading) keeps the connection unless the server is draining:
         # under overload, closing would make every refused client pay a new connection.
-        failed = response.status >= 500 and (response.status != 503 or self.state.draining)
+        failed = response.status >= 500 and (response.status != 503 or self.app.draining)
         close = close or failed or self.conn.their_state not in _REQUEST_READ
         headers = self._response_headers(cycle, response)
         headers.append(("Content-Length", str(len(response.body))))
@@ -355,7 +412,7 @@ class HttpProtocol(asyncio.Protocol):
             pieces.append(self.conn.send(h11.EndOfMessage()))
         except h11.LocalProtocolError:
             log.exception("could not send a response")
-            self._close()
+            self.close()
             return
         self._write_all(pieces)  # one send for the whole response
         self._log_access(cycle, response.status, len(response.body))
@@ -379,20 +436,20 @@ class HttpProtocol(asyncio.Protocol):
             self._write(self.conn.send(_response_head(response.status, headers)))
             if not cycle.is_head:
                 async for chunk in response.stream:
-                    if self.closing:
+                    if self.phase is not Phase.RESPONDING:
                         return
                     if chunk:
                         self._write(self.conn.send(h11.Data(data=chunk)))
                         sent += len(chunk)
                     await self._flow.drain()
-            if self.closing:
+            if self.phase is not Phase.RESPONDING:
                 return
             self._write(self.conn.send(h11.EndOfMessage()))
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - the head is out: all we can do is close
             log.exception("a streamed response failed")
-            self._close()
+            self.close()
             return
         finally:
             await _close_stream(response)  # stops the producer (e.g. generation) if we left
@@ -401,11 +458,11 @@ class HttpProtocol(asyncio.Protocol):
 
     def _start_response(self, cycle: _Cycle) -> bool:
         """Mark the one response of `cycle` as started; False (and close) if it already was."""
-        if self.closing:
+        if self.phase in (Phase.LINGER, Phase.CLOSED):
             return False
         if cycle.response_started or cycle is not self.cycle:
             log.error("refusing a second response for request %s", cycle.request_id)
-            self._close()
+            self.close()
             return False
         cycle.response_started = True
         return True
@@ -428,11 +485,8 @@ class HttpProtocol(asyncio.Protocol):
             return
         self.conn.start_next_cycle()
         self.pipelined_bytes = 0
-        if self.conn.trailing_data[0]:
-            self._on_head_started()  # the next request is (partly) here already
-        else:
-            self.head_started = False
-            self._set_timer(self.settings.keepalive_timeout, self._on_idle_timeout)
+        # the next request may be (partly) here already
+        self._enter(Phase.HEAD if self.conn.trailing_data[0] else Phase.IDLE)
         if not self._flow.write_paused:  # else resume_writing carries on
             self._flow.resume_reading()
             self.handle_events()
@@ -441,15 +495,15 @@ class HttpProtocol(asyncio.Protocol):
         """Answer a connection-level error (malformed, too large, too slow), then close."""
         cycle = self.cycle
         if cycle is not None and cycle.response_started:
-            self._close()  # a response has started: all we can do is close
+            self.close()  # a response has started: all we can do is close
             return
         if self.conn.our_state is h11.SEND_RESPONSE or self.conn.their_state is h11.ERROR:
             # h11 can frame the answer (it knows the request, or lets us answer its error).
             if cycle is None:
-                cycle = self.cycle = _Cycle(None, _new_request_id())
-            self._send(cycle, _error_as_response(error), close=True)
+                cycle = self.cycle = _Cycle(None, new_request_id())
+            self._send(cycle, error_response(error), close=True)
             return
-        self._send_raw_and_close(_Cycle(None, _new_request_id()), error)
+        self._send_raw_and_close(_Cycle(None, new_request_id()), error)
 
     def _send_raw_and_close(self, cycle: _Cycle, error: HTTPError) -> None:
         """Answer when h11 has no request to answer (a head timeout, a refused connection)."""
@@ -457,6 +511,7 @@ class HttpProtocol(asyncio.Protocol):
         headers = [
             SERVER_HEADER,
             ("X-Request-Id", cycle.request_id),
+            ("Content-Type", rendered.content_type),
             *rendered.headers,
             ("Server-Timing", "total;dur=0.00"),
             ("Content-Length", str(len(rendered.body))),
@@ -479,7 +534,7 @@ class HttpProtocol(asyncio.Protocol):
                 self.state.refused,
             )
         error = ServiceUnavailable("too many open connections", retry_after=1)
-        self._send_raw_and_close(_Cycle(None, _new_request_id()), error)
+        self._send_raw_and_close(_Cycle(None, new_request_id()), error)
 
     def _too_large(self) -> PayloadTooLarge:
         return PayloadTooLarge(
@@ -487,17 +542,18 @@ class HttpProtocol(asyncio.Protocol):
         )
 
     def _write(self, data: bytes | None) -> None:
-        if data and self.transport is not None and not self.closing:
-            self.transport.write(data)
+        if data:
+            self._write_all([data])
 
-    def _write_all(self, pieces: list[bytes | None]) -> None:
-        if self.transport is not None and not self.closing:
-            self.transport.writelines([piece for piece in pieces if piece])
+    def _write_all(self, pieces: Iterable[bytes | None]) -> None:
+        """Write, unless our side is done writing (after our FIN, or the close)."""
+        transport = self.transport
+        if transport is not None and self.phase not in (Phase.LINGER, Phase.CLOSED):
+            transport.writelines([piece for piece in pieces if piece])
 
-    def _close(self) -> None:
-        """Close at once (the peer left, went idle, or an answer broke off)."""
-        self.closing = True
-        self._stop_timer()
+    def close(self) -> None:
+        """Close at once (the peer left, went idle, an answer broke off, or shutdown)."""
+        self._enter(Phase.CLOSED)
         if self.transport is not None:
             self.transport.close()
 
@@ -505,72 +561,20 @@ class HttpProtocol(asyncio.Protocol):
         """After our last response: FIN, then drain the peer's bytes until its FIN or
         `LINGER_SECONDS`, so unread request bytes do not reset the connection (a reset
         can destroy the answer before the client reads it)."""
-        if self.closing:
+        if self.phase in (Phase.LINGER, Phase.CLOSED):
             return
         assert self.transport is not None
         if self.eof_seen or not self.transport.can_write_eof():
-            self._close()
+            self.close()
             return
-        self.closing = True
+        self._enter(Phase.LINGER)
         self.transport.write_eof()
         self._flow.resume_reading()
-        self._set_timer(LINGER_SECONDS, self.transport.close)
 
     @property
     def _flow(self) -> FlowControl:
         assert self.flow is not None, "connection_made comes first"
         return self.flow
-
-    # --- timers ---------------------------------------------------------------------
-    # One deadline per connection at a time (idle, head, body, linger). Re-arming a loop
-    # timer for each would push and cancel three timers per request; instead an armed
-    # timer stays, and if it fires before a deadline that has moved later, it re-arms.
-
-    def _set_timer(self, delay: float, callback) -> None:
-        self.deadline = self.loop.time() + delay
-        self.on_deadline = callback
-        if self.timer is not None and self.timer_at > self.deadline:
-            self.timer.cancel()  # it would fire too late for the new deadline
-            self.timer = None
-        if self.timer is None:
-            self._arm_timer()
-
-    def _cancel_timer(self) -> None:
-        self.on_deadline = None  # an armed timer finds nothing to do when it fires
-
-    def _arm_timer(self) -> None:
-        self.timer_at = self.deadline
-        self.timer = self.loop.call_at(self.deadline, self._on_timer)
-
-    def _stop_timer(self) -> None:
-        """No deadline and no armed timer: the connection is done."""
-        self.on_deadline = None
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
-    def _on_timer(self) -> None:
-        self.timer = None
-        callback = self.on_deadline
-        if callback is None:
-            return
-        if self.loop.time() + TIMER_SLACK < self.deadline:
-            self._arm_timer()  # the deadline moved on since this timer was armed
-            return
-        self.on_deadline = None
-        callback()
-
-    def _on_idle_timeout(self) -> None:
-        if self.cycle is None and not self.head_started:
-            self._close()  # an idle keep-alive connection: close quietly
-
-    def _on_head_timeout(self) -> None:
-        if self.cycle is None and not self.closing:
-            self._fail(RequestTimeout("the request head was not received in time"))
-
-    def _on_body_timeout(self) -> None:
-        if self._reading_body() and not self.closing:
-            self._fail(RequestTimeout("the request body was not received in time"))
 
     # --- logging ----------------------------------------------------------------------
 
@@ -581,25 +585,7 @@ class HttpProtocol(asyncio.Protocol):
         target = request.target.decode("ascii", "replace") if request else "-"
         if self.state.metrics is not None:
             self.state.metrics.observe_request(target.partition("?")[0], method, status, seconds)
-        if access_log.isEnabledFor(logging.INFO):
-            peer = _peer(self.transport)
-            access_log.info(
-                '%s "%s %s" %d %d %.1fms %s',
-                *(peer, method, target, status, size, 1000 * seconds, cycle.request_id),
-                extra={
-                    "peer": peer,
-                    "method": method,
-                    "target": target,
-                    "status": status,
-                    "bytes": size,
-                    "duration_ms": round(1000 * seconds, 3),
-                    "request_id": cycle.request_id,
-                },
-            )
-
-
-def _new_request_id() -> str:
-    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
+        log_access(_peer(self.transport), method, target, status, size, seconds, cycle.request_id)
 
 
 def _head_size(event: h11.Request) -> int:
@@ -615,15 +601,9 @@ def _protocol_error(exc: h11.RemoteProtocolError) -> HTTPError:
     return BadRequest("malformed HTTP request")
 
 
-def _error_as_response(exc: BaseException) -> HttpResponse:
-    rendered = error_response(exc)
-    return HttpResponse(rendered.status, rendered.body, rendered.headers, content_type="")
-
-
 async def _close_stream(response: HttpResponse) -> None:
-    aclose = getattr(response.stream, "aclose", None)
-    if aclose is not None:
-        await aclose()
+    if response.stream is not None:
+        await response.stream.aclose()
 
 
 def _reason(status: int) -> str:
@@ -637,7 +617,7 @@ def _response_head(status: int, headers: list[tuple[str, str]]) -> h11.Response:
     return h11.Response(status_code=status, headers=headers, reason=_reason(status))
 
 
-def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
     for key, value in headers:
         if key == name:
             return value.decode("latin-1")

@@ -1,377 +1,115 @@
-"""The deadline scheduler: who is served, when, and with whom.
+"""The deadline scheduler's driver: runs the scheduling core against the executor.
 
-`SchedulerCore` holds the queue and makes every decision (admit, build the next batch,
-drop what expired, when to look again) as plain synchronous functions of `now`, so it
-is tested with a fake clock. `Scheduler` is the thin async driver: it sleeps until the
-next thing that can happen (an arrival, a free worker, a batch-delay deadline), never
-polls, and hands batches to the executor. It knows nothing of HTTP or of torch.
+The decisions (admit, build the next batch, drop what expired, when to look again) are
+made by `rawserve.scheduling.core.SchedulerCore`, synchronously, from a clock. This
+thin async shell sleeps until the next thing that can happen (an arrival, a free worker,
+a batch-delay deadline), never polls, hands batches to the executor (a `Backend`), and
+settles each request's items. It knows nothing of HTTP framing or of torch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
-import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from rawserve.batching import BatchLimits, CostModel, choose_batch, padded_cost
-from rawserve.errors import GatewayTimeout, InternalError, ServiceUnavailable
-from rawserve.messages import BatchResult
-from rawserve.tasks import batch_key, estimate_tokens
+from rawserve.http.errors import GatewayTimeout, InternalError, ServiceUnavailable
+from rawserve.scheduling.core import ItemResult, QueueFull, SchedulerCore, WorkItem
+from rawserve.shared.messages import BatchResult
 
 log = logging.getLogger("rawserve.scheduler")
 
-RATE_SMOOTHING = 0.2  # weight of the newest batch in the service-rate average
-URGENT_BATCHES = 2.0  # an item this many batch-times from its deadline joins any batch
-# A batch is sent only to items whose deadline is this many predicted batch-times away:
-# model calls vary, and an answer that comes back late is compute wasted.
-DEADLINE_MARGIN = 1.25
-CALIBRATION_SMOOTHING = 0.3  # weight of the newest token count in the estimate's scale
-OUTLIER_FACTOR = 4.0  # a measured batch counts as at most this many times its prediction
 # Results handed to their requests per pass of the event loop: each one turns into a
 # response (encoding, socket writes), and a batch of 32 at once would hold the loop for
 # milliseconds while probes, new requests and the other workers' results wait.
 DELIVERY_SLICE = 4
 
 
-@dataclass(eq=False)
-class WorkItem:
-    """One input waiting for (or inside) a model call."""
-
-    input: Any
-    params: Mapping[str, Any]
-    key: str
-    deadline: float
-    arrived: float
-    cost: int  # estimated tokens
-    seq: int
-    future: asyncio.Future[ItemResult] | None = None
-    queued: bool = False
-
-    def sort_key(self) -> tuple[float, int]:
-        return (self.deadline, self.seq)
-
-
-@dataclass(frozen=True)
-class ItemResult:
-    output: Any  # the task's output, or a messages.ItemFailure
-    queue_seconds: float
-    batch_size: int
-    compute_seconds: float
-
-
-class QueueFull(Exception):
-    """Refused at admission: the queue bound is hit. Retry in `retry_after` seconds."""
-
-    reason = "queue full"
-
-    def __init__(self, retry_after: float):
-        super().__init__(self.reason)
-        self.retry_after = retry_after
-
-
-class DeadlineUnreachable(QueueFull):
-    """Refused at admission: the work queued ahead would outlast the request's deadline."""
-
-    reason = "the work queued ahead would outlast the request's deadline"
-
-
-@dataclass
-class InFlight:
-    sent: float
-    cost: int  # padded cost
-    tokens: int  # unpadded
-    predicted: float  # seconds, 0 before any measurement
-
-
-@dataclass
-class Decision:
-    """What the driver does now: answer these 504, send these batches, look again then."""
-
-    expired: list[WorkItem]
-    batches: list[list[WorkItem]]
-    wake_at: float | None
-
-
-@dataclass
-class SchedulerCore:
-    """The queue and the batching rules; no I/O, no clock of its own."""
-
-    max_queue: int = 256
-    max_batch_size: int = 32
-    max_batch_delay: float = 0.0  # seconds a free worker may wait, from the oldest item
-    max_batch_tokens: int | None = None
-    group_lengths: bool = True  # cost-aware batching: similar lengths share a batch
-    workers: int = 1
-    cost_model: CostModel = field(default_factory=CostModel)
-    batch_cap: int | None = None  # the workers' own, lower after out-of-memory errors
-    _queues: dict[str, list[WorkItem]] = field(default_factory=dict)
-    _size: int = 0
-    _seq: itertools.count = field(default_factory=itertools.count)
-    _in_flight: dict[int, InFlight] = field(default_factory=dict)
-    items_per_second: float | None = None  # measured service rate (for reports)
-    tokens_per_estimate: float = 1.0  # real tokens per estimated token, learned from workers
-
-    def __len__(self) -> int:
-        return self._size
-
-    def queued_tokens(self) -> int:
-        """Estimated tokens waiting (each item's cost), read by the metrics at scrape time."""
-        return sum(item.cost for queue in self._queues.values() for item in queue)
-
-    @property
-    def limits(self) -> BatchLimits:
-        size = min(self.max_batch_size, self.batch_cap or self.max_batch_size)
-        return BatchLimits(size, self.max_batch_tokens, self.group_lengths)
-
-    def new_item(self, value: Any, params: Mapping[str, Any], deadline: float, now: float):
-        return WorkItem(
-            input=value,
-            params=params,
-            key=batch_key(params),
-            deadline=deadline,
-            arrived=now,
-            cost=max(1, round(estimate_tokens(value) * self.tokens_per_estimate)),
-            seq=next(self._seq),
-        )
-
-    # --- admission ----------------------------------------------------------------------
-
-    def admit(self, items: Sequence[WorkItem], now: float | None = None) -> None:
-        """Queue all of `items` or none of them (a list request is admitted whole).
-
-        Raises QueueFull over the queue bound, and DeadlineUnreachable (given `now`)
-        when the work ahead, at the measured speed, would end after the items' deadline.
-        """
-        if self._size + len(items) > self.max_queue:
-            raise QueueFull(self.retry_after(now))
-        if now is not None and items:
-            finish = self.estimated_finish(items, now)
-            if finish is not None and finish > min(item.deadline for item in items):
-                raise DeadlineUnreachable(self.retry_after(now))
-        for item in items:
-            bisect.insort(self._queues.setdefault(item.key, []), item, key=WorkItem.sort_key)
-            item.queued = True
-        self._size += len(items)
-
-    def estimated_finish(self, items: Sequence[WorkItem], now: float) -> float | None:
-        """When `items` would be computed, earliest first after what goes ahead of them.
-
-        Full batches padded as recent ones were, at the measured speed; None before any
-        batch has been measured.
-        """
-        deadline = max(item.deadline for item in items)
-        ahead = [i.cost for q in self._queues.values() for i in q if i.deadline <= deadline]
-        drain = self.cost_model.drain_seconds(
-            ahead + [item.cost for item in items], self.max_batch_size, self.workers
-        )
-        if drain is None:
-            return None
-        return now + self._in_flight_seconds(now) + drain
-
-    def _in_flight_seconds(self, now: float) -> float:
-        left = sum(max(0.0, b.sent + b.predicted - now) for b in self._in_flight.values())
-        return left / max(self.workers, 1)
-
-    def retry_after(self, now: float | None = None) -> float:
-        """Seconds until the current queue has likely drained, at the measured speed."""
-        costs = [item.cost for queue in self._queues.values() for item in queue]
-        drain = self.cost_model.drain_seconds(costs, self.max_batch_size, self.workers)
-        if drain is None:
-            return 1.0
-        if now is not None:
-            drain += self._in_flight_seconds(now)
-        return max(1.0, drain)
-
-    # --- the queue ----------------------------------------------------------------------
-
-    def remove(self, item: WorkItem) -> None:
-        """Take an item out of the queue (withdrawn, expired); harmless if already out."""
-        if not item.queued:
-            return
-        queue = self._queues[item.key]
-        queue.pop(bisect.bisect_left(queue, item.sort_key(), key=WorkItem.sort_key))
-        if not queue:
-            del self._queues[item.key]
-        item.queued = False
-        self._size -= 1
-
-    def drop_expired(self, now: float) -> list[WorkItem]:
-        """Remove and return the queued items whose deadline has passed."""
-        expired = []
-        for queue in self._queues.values():  # each sorted by deadline: expired come first
-            expired.extend(itertools.takewhile(lambda item: item.deadline <= now, queue))
-        for item in expired:
-            self.remove(item)
-        return expired
-
-    # --- batching -----------------------------------------------------------------------
-
-    def decide(self, now: float, free_workers: int) -> Decision:
-        """One look at the queue: what expired, what to send now, when to look again."""
-        expired = self.drop_expired(now)
-        batches = []
-        while len(batches) < free_workers:
-            batch = self.next_batch(now)
-            if batch is None:
-                break
-            batches.append(batch)
-        return Decision(expired, batches, self.next_wakeup(now, free_workers - len(batches)))
-
-    def next_batch(self, now: float) -> list[WorkItem] | None:
-        """The batch to send to a free worker now (marked in flight), or None to wait.
-
-        Keys are tried in earliest-deadline-first order of their heads; a key's batch
-        goes when it is full or when its oldest item has waited `max_batch_delay`.
-        Expired items never go, nor items that cannot be computed before their deadline
-        even alone (once the speed is measured): they stay queued until they expire.
-        """
-        heads = sorted(self._queues.values(), key=lambda queue: queue[0].sort_key())
-        for queue in heads:
-            viable = [item for item in queue if self._can_finish(item, now)]
-            if not viable:
-                continue
-            limits = self._limits_for(viable[0], now)
-            batch = choose_batch(
-                viable, limits, lambda item: self._is_urgent(item, now), self.cost_model
-            )
-            oldest = min(item.arrived for item in queue)
-            if self._is_full(batch, len(viable), limits) or now >= oldest + self.max_batch_delay:
-                for item in batch:
-                    self.remove(item)
-                cost = padded_cost(item.cost for item in batch)
-                predicted = self.cost_model.predict(cost) or 0.0
-                tokens = sum(item.cost for item in batch)
-                self._in_flight[batch[0].seq] = InFlight(now, cost, tokens, predicted)
-                return batch
-        return None
-
-    def _limits_for(self, head: WorkItem, now: float) -> BatchLimits:
-        """The bounds of a batch led by `head`: the configured ones, and (once the speed
-        is measured) a token budget small enough to come back before the head's
-        deadline. The head's deadline is the batch's earliest, so every member is safe."""
-        limits = self.limits
-        model = self.cost_model
-        if not model.measured or model.per_token <= 0:
-            return limits
-        seconds = (head.deadline - now) / DEADLINE_MARGIN - model.fixed
-        in_time = max(head.cost, int(seconds / model.per_token))
-        if limits.max_tokens is None or in_time < limits.max_tokens:
-            return replace(limits, max_tokens=in_time)
-        return limits
-
-    def _is_full(self, batch: list[WorkItem], candidates: int, limits: BatchLimits) -> bool:
-        """No more items could join: the size bound or the token budget is reached."""
-        if len(batch) >= limits.max_size:
-            return True
-        longest = max(item.cost for item in batch)
-        if limits.max_tokens and longest * (len(batch) + 1) > limits.max_tokens:
-            return True
-        return not limits.group_lengths and len(batch) < candidates
-
-    def _can_finish(self, item: WorkItem, now: float) -> bool:
-        alone = self.cost_model.predict(item.cost) or 0.0
-        return item.deadline > now + DEADLINE_MARGIN * alone
-
-    def _is_urgent(self, item: WorkItem, now: float) -> bool:
-        alone = self.cost_model.predict(item.cost)
-        return alone is not None and item.deadline - now <= URGENT_BATCHES * alone
-
-    def next_wakeup(self, now: float, free_workers: int = 1) -> float | None:
-        """When the queue next needs a look: a deadline, or (for a free worker) a batch
-        delay running out. Times already past are left out: with no free worker the
-        driver waits for one instead of spinning."""
-        times = []
-        for queue in self._queues.values():
-            if free_workers > 0:
-                times.append(min(item.arrived for item in queue) + self.max_batch_delay)
-            times.append(queue[0].deadline)
-        return min((t for t in times if t > now), default=None)
-
-    def finish_batch(self, batch: Sequence[WorkItem], now: float) -> float:
-        """A batch came back: learn its speed; returns the seconds it took."""
-        flight = self._in_flight.pop(batch[0].seq, None)
-        if flight is None:
-            return 0.0
-        seconds = max(now - flight.sent, 1e-6)
-        if flight.predicted:  # a freak batch (a worker restart, retries) must not skew it
-            seconds = min(seconds, OUTLIER_FACTOR * flight.predicted)
-        self.cost_model.observe(flight.cost, seconds, flight.tokens)
-        rate = len(batch) / seconds
-        if self.items_per_second is None:
-            self.items_per_second = rate
-        else:
-            self.items_per_second += RATE_SMOOTHING * (rate - self.items_per_second)
-        return seconds
-
-    def calibrate(self, batch: Sequence[WorkItem], token_counts: Sequence[int]) -> None:
-        """Real token counts of a batch's inputs (sampled by the worker) teach the
-        estimate its scale, so that costs and `--max-batch-tokens` mean model tokens."""
-        estimated = sum(estimate_tokens(item.input) for item in batch)
-        if len(token_counts) != len(batch) or not estimated or not sum(token_counts):
-            return
-        ratio = sum(token_counts) / estimated
-        self.tokens_per_estimate += CALIBRATION_SMOOTHING * (ratio - self.tokens_per_estimate)
-
-    def forget_batch(self, batch: Sequence[WorkItem]) -> None:
-        """A batch failed in the executor: it is no longer in flight, and says nothing."""
-        self._in_flight.pop(batch[0].seq, None)
-
-
 class Backend(Protocol):
-    """What the scheduler needs from the executor."""
+    """What the scheduler needs from the executor (rawserve.executor.Executor)."""
 
-    on_idle: Callable[[], None] | None
+    def idle_workers(self) -> int:
+        """How many batches could start now."""
+        ...
 
-    def idle_workers(self) -> int: ...
+    def batch_cap(self) -> int | None:
+        """The most items a batch may carry now (lowered after out-of-memory errors)."""
+        ...
 
-    def submit(self, inputs: Sequence[Any], params: Mapping[str, Any]) -> asyncio.Future: ...
+    def submit(
+        self, inputs: Sequence[Any], params: Mapping[str, Any]
+    ) -> asyncio.Future[BatchResult]: ...
+
+
+class SchedulerMetrics(Protocol):
+    """What the scheduler counts (rawserve.ops.metrics.Metrics)."""
+
+    def drop(self, reason: str, count: int = 1) -> None: ...
+
+    def observe_batch(self, size: int, compute_seconds: float) -> None: ...
 
 
 class Scheduler:
-    """Runs a `SchedulerCore` against an executor on the event loop."""
+    """Runs a `SchedulerCore` against an executor on the event loop.
+
+    `wake` is set by whoever frees a worker (the executor, given `wake.set` as its
+    `on_idle`), by arrivals and by finished batches: the dispatch loop then looks again.
+    """
 
     def __init__(
         self,
         core: SchedulerCore,
         backend: Backend,
         *,
+        wake: asyncio.Event | None = None,
         clock: Callable[[], float] = time.monotonic,
         loop: asyncio.AbstractEventLoop | None = None,
-        metrics: Any = None,  # a metrics.Metrics: batch sizes and times, dropped items
+        metrics: SchedulerMetrics | None = None,
     ):
         self.core = core
         self.backend = backend
         self.clock = clock
         self.metrics = metrics
         self._loop = loop
-        self._wake = asyncio.Event()
+        self._wake = wake or asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self.in_flight = 0  # items inside model calls
-        backend.on_idle = self._wake.set
 
     def start(self) -> None:
         self._loop = self._loop or asyncio.get_running_loop()
         self._task = self._loop.create_task(self._dispatch_loop(), name="rawserve-scheduler")
 
     async def stop(self) -> None:
+        """Stop dispatching, and answer every item still queued with 503."""
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._timer is not None:
+            self._timer.cancel()
+        for item in self.core.drop_expired(float("inf")):  # every queued item
+            _settle(item, exception=ServiceUnavailable("server shutting down"))
 
     @property
     def pending(self) -> int:
         """Items queued or being computed."""
         return len(self.core) + self.in_flight
 
+    @property
+    def full(self) -> bool:
+        """The queue is at its bound: any new item would be refused."""
+        return len(self.core) >= self.core.max_queue
+
+    @property
+    def max_batch_size(self) -> int:
+        """Items per model call (--max-batch-size)."""
+        return self.core.max_batch_size
+
     def refuse_if_full(self) -> None:
         """Raise the 503 that any request would get now because the queue is full."""
-        if len(self.core) >= self.core.max_queue:
+        if self.full:
             raise self._refusal(QueueFull(self.core.retry_after(self.clock())), 1)
 
     async def run(
@@ -385,8 +123,10 @@ class Scheduler:
         loop = self._loop or asyncio.get_running_loop()
         now = self.clock()
         items = [self.core.new_item(value, params, deadline, now) for value in inputs]
+        futures: list[asyncio.Future[ItemResult]] = []
         for item in items:
-            item.future = loop.create_future()
+            item.future = future = loop.create_future()
+            futures.append(future)
         try:
             self.core.admit(items, now)
         except QueueFull as refused:
@@ -394,24 +134,23 @@ class Scheduler:
         self._wake.set()
         try:
             async with asyncio.timeout(max(0.0, deadline - now)):
-                if len(items) == 1:  # most requests: no gathering future in between
-                    return [await items[0].future]
-                return list(await asyncio.gather(*(item.future for item in items)))
+                if len(futures) == 1:  # most requests: no gathering future in between
+                    return [await futures[0]]
+                return list(await asyncio.gather(*futures))
         except TimeoutError:
             raise GatewayTimeout("the request's deadline passed before it was answered") from None
         finally:
             self._count_withdrawn(items, deadline)
-            for item in items:
+            for item, future in zip(items, futures, strict=True):
                 self.core.remove(item)
-                if not item.future.done():
-                    item.future.cancel()
+                if not future.done():
+                    future.cancel()
 
     async def _dispatch_loop(self) -> None:
         while True:
             self._wake.clear()
             now = self.clock()
-            batch_cap = getattr(self.backend, "batch_cap", None)  # optional in a Backend
-            self.core.batch_cap = batch_cap() if batch_cap else None
+            self.core.batch_cap = self.backend.batch_cap()
             decision = self.core.decide(now, self.backend.idle_workers())
             for item in decision.expired:
                 _settle(item, exception=GatewayTimeout("deadline passed while queued"))
@@ -420,6 +159,11 @@ class Scheduler:
                 self._dispatch(batch, now)
             self._sleep_until(decision.wake_at)
             await self._wake.wait()
+
+    @property
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        assert self._loop is not None, "start() first"
+        return self._loop
 
     def _refusal(self, refused: QueueFull, items: int) -> ServiceUnavailable:
         """The 503 for `items` refused at admission (counted as rejected)."""
@@ -443,7 +187,7 @@ class Scheduler:
             self._timer = None
         if when is not None:
             delay = max(0.0, when - self.clock())
-            self._timer = self._loop.call_later(delay, self._wake.set)
+            self._timer = self._running_loop.call_later(delay, self._wake.set)
 
     def _dispatch(self, batch: list[WorkItem], now: float) -> None:
         try:
@@ -485,7 +229,7 @@ class Scheduler:
         for item, result in answers[start:end]:
             _settle(item, result=result)
         if end < len(answers):
-            self._loop.call_soon(self._deliver, answers, end)
+            self._running_loop.call_soon(self._deliver, answers, end)
 
 
 def _as_http_error(error: BaseException | None) -> Exception:
@@ -494,10 +238,13 @@ def _as_http_error(error: BaseException | None) -> Exception:
     return InternalError("the model worker failed while computing this request")
 
 
-def _settle(item: WorkItem, *, result: ItemResult | None = None, exception=None) -> None:
+def _settle(
+    item: WorkItem, *, result: ItemResult | None = None, exception: BaseException | None = None
+) -> None:
+    """Give `item` its result or its error (once; later calls do nothing)."""
     if item.future is None or item.future.done():
         return
-    if exception is not None:
-        item.future.set_exception(exception)
-    else:
+    if result is not None:
         item.future.set_result(result)
+    else:
+        item.future.set_exception(exception or InternalError("no result"))

@@ -13,6 +13,16 @@ from typing import Any
 import h11
 
 
+class FakeApp:
+    """The protocol's Application at its simplest: nothing is answered without a task,
+    and the server is not draining. Test apps add `handle`."""
+
+    draining = False
+
+    def answer_now(self, request: Any) -> Any:
+        return None
+
+
 class FakeTransport(asyncio.Transport):
     def __init__(self):
         super().__init__()

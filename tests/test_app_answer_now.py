@@ -6,10 +6,13 @@ import json
 
 import pytest
 
-from rawserve.app import App, AppSettings
-from rawserve.errors import ServiceUnavailable, Unauthorized
-from rawserve.http import HttpRequest
-from rawserve.scheduler import Scheduler, SchedulerCore
+from rawserve.api.app import App
+from rawserve.api.served import ServedModel, ServedModels
+from rawserve.api.settings import AppSettings
+from rawserve.http.errors import ServiceUnavailable, Unauthorized
+from rawserve.http.exchange import HttpRequest
+from rawserve.scheduler import Scheduler
+from rawserve.scheduling.core import SchedulerCore
 from tests.test_scheduler import FakeBackend
 
 
@@ -29,14 +32,15 @@ def request(method: str, path: str, body: bytes = b"", headers=()) -> HttpReques
 def app():
     workers = Workers()
     scheduler = Scheduler(SchedulerCore(max_queue=2), workers)
-    return App(scheduler, workers, AppSettings(api_key="secret"))
+    model = ServedModel("test-model", scheduler, workers)
+    return App(ServedModels([model]), AppSettings(api_key="secret"))
 
 
 def test_probes_are_answered_at_once(app):
     assert json.loads(app.answer_now(request("GET", "/health")).body) == {"status": "ok"}
     ready = app.answer_now(request("GET", "/ready"))
     assert ready.status == 200 and json.loads(ready.body)["task"] == "text-classification"
-    app.draining = True
+    app.start_draining()
     assert app.answer_now(request("HEAD", "/ready")).status == 503
 
 
@@ -45,7 +49,8 @@ async def test_inference_goes_the_long_way_until_the_queue_is_full(app):
     post = request("POST", "/", b"hello", authorized)
     assert app.answer_now(post) is None  # room in the queue: handled by `handle`
     for value in ("a", "b"):
-        app.scheduler.core.admit([app.scheduler.core.new_item(value, {}, 1e9, 0.0)])
+        core = app.models.default.queue.core
+        core.admit([core.new_item(value, {}, 1e9, 0.0)])
     with pytest.raises(ServiceUnavailable) as refused:
         app.answer_now(post)
     assert "queue full" in str(refused.value)

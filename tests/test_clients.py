@@ -97,8 +97,8 @@ def local(tiny_model):
 
 
 def in_process_runner(tiny_model, kind, task):
-    from rawserve.messages import WorkerConfig
-    from rawserve.runner import load_runner
+    from rawserve.shared.messages import WorkerConfig
+    from rawserve.worker.loading import load_runner
 
     return load_runner(WorkerConfig(model=tiny_model(kind), task=task, dtype="float32"), "cpu")
 

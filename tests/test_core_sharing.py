@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rawserve.executor import Executor, WorkerState
-from rawserve.messages import WorkerConfig
+from rawserve.shared.messages import WorkerConfig
 
 
 def executor(devices=("cpu", "cpu"), share_cores=True, cores=4) -> Executor:

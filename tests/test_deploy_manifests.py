@@ -16,8 +16,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from rawserve.main import OPTIONS
-from rawserve.metrics import Metrics
-from rawserve.scheduler import SchedulerCore
+from rawserve.ops.metrics import Metrics
+from rawserve.scheduling.core import SchedulerCore
 
 MANIFESTS = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 # the oldest release still common in managed clusters, and the newest the validator knows
@@ -106,6 +106,6 @@ def test_the_autoscaler_scales_the_deployment_on_a_metric_rawserve_exports():
     # and rawserve's /metrics has it
     metrics = Metrics()
     scheduler = SimpleNamespace(core=SchedulerCore(), in_flight=0)
-    metrics.watch(scheduler, SimpleNamespace(workers=[]))
+    metrics.watch(scheduler, SimpleNamespace(status=list))
     exported = {f.name for f in text_string_to_metric_families(metrics.render()[0].decode())}
     assert name in exported

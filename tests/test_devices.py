@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rawserve.devices import DevicePlan, isolate, parse_devices
+from rawserve.shared.devices import DevicePlan, isolate, parse_devices
 
 
 @pytest.mark.parametrize(

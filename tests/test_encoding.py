@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from rawserve import encoding
+from rawserve.http import encoding
 
 finite_float32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
 

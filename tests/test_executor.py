@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from rawserve.executor import Executor
-from rawserve.messages import FailureKind, ItemFailure, WorkerConfig
+from rawserve.shared.messages import FailureKind, ItemFailure, WorkerConfig
 
 pytestmark = pytest.mark.slow
 

@@ -25,9 +25,9 @@ from rawserve.executor import (
     Executor,
     PoisonMemory,
 )
-from rawserve.messages import FailureKind, ItemFailure, WorkerConfig
-from rawserve.scheduler import SchedulerCore
-from rawserve.worker import BatchCap, run_batch
+from rawserve.scheduling.core import SchedulerCore
+from rawserve.shared.messages import FailureKind, ItemFailure, WorkerConfig
+from rawserve.worker.process import BatchCap, run_batch
 from tests.load import Client
 from tests.server import RunningServer
 
@@ -164,7 +164,7 @@ async def test_out_of_memory_splits_the_batch_and_lowers_the_cap(faulty_executor
     assert [output["input"] for output in result.outputs] == inputs
     assert max(len(output["batch"]) for output in result.outputs) <= 4
     assert faulty_executor.batch_cap() == 2
-    assert faulty_executor.describe()[0]["max_batch_size"] == 2
+    assert faulty_executor.status()[0].batch_cap == 2
     assert faulty_executor.workers[0].restarts == 0  # never took the worker down
 
 

@@ -17,9 +17,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rawserve.http import HttpRequest, HttpResponse
+from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.protocol import HttpProtocol, ProtocolSettings
-from tests.fake_transport import FakeTimerLoop, FakeTransport, count_responses, read_responses
+from tests.fake_transport import (
+    FakeApp,
+    FakeTimerLoop,
+    FakeTransport,
+    count_responses,
+    read_responses,
+)
 
 LIMITS = ProtocolSettings(
     max_body_bytes=100,
@@ -31,7 +37,7 @@ LIMITS = ProtocolSettings(
 HOST = b"Host: a\r\n"
 
 
-class EchoApp:
+class EchoApp(FakeApp):
     """Answers 200 with what it got; the protocol alone decides every other status."""
 
     def __init__(self):

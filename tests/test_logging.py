@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from rawserve.logs import JsonFormatter, TextFormatter, setup_logging
 from rawserve.main import parse_args
+from rawserve.shared.logs import JsonFormatter, TextFormatter, setup_logging
 from tests.server import RunningServer
 
 STOPPED = re.compile(r"INFO stopped$|\"message\": \"stopped\"")  # the last line

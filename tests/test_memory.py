@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from rawserve.memory import fix_mmap_threshold
+from rawserve.ops.memory import fix_mmap_threshold
 
 
 @pytest.mark.skipif(

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rawserve.metrics import Metrics
+from rawserve.ops.metrics import Metrics
 from tests.load import Client, exchange, run_load
 from tests.server import RunningServer
 

@@ -9,8 +9,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rawserve.messages import BatchResult, FailureKind, ItemFailure
-from rawserve.pipes import MessageReader, MessageWriter
+from rawserve.shared.messages import BatchResult, FailureKind, ItemFailure
+from rawserve.shared.pipes import MessageReader, MessageWriter
 
 MESSAGES = [
     BatchResult(7, (np.arange(12, dtype=np.float32).reshape(1, 3, 4), {"label": "a"}), 0.5),

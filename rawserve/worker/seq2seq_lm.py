@@ -1,7 +1,7 @@
-"""summarization, translation and text2text-generation in the worker, on an
-`AutoModelForSeq2SeqLM` (transformers 5 no longer has pipelines for them).
+"""summarization, translation and text2text-generation on an `AutoModelForSeq2SeqLM`
+(transformers 5 no longer has pipelines for them).
 
-Worker-only (imports torch and transformers). Tokenize the batch (with the prefix the
+Worker process only (imports torch and transformers). Tokenize the batch (with the prefix the
 model's config names for the task, e.g. T5's "summarize: "), `generate`, decode, and
 answer `{"summary_text"}` / `{"translation_text"}` / `{"generated_text"}` per input, as
 the removed pipelines and the Inference API did.
@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import transformers
 
-from rawserve.runner import Runner
 from rawserve.tasks import GENERATE_PARAMS
+from rawserve.worker.runner import Runner, dtype_name
 
 DEFAULT_MAX_NEW_TOKENS = 128
 OUTPUT_KEYS = {
@@ -25,14 +25,12 @@ OUTPUT_KEYS = {
 }
 
 
-class Seq2SeqRunner(Runner):
+class Seq2SeqLMRunner(Runner):
     def __init__(self, model: str, task: str, device: str, torch_dtype: Any):
-        self.task = task
-        self.device = device
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model)
         self.model = transformers.AutoModelForSeq2SeqLM.from_pretrained(model, dtype=torch_dtype)
         self.model.to(device).eval()
-        self.dtype = str(self.model.dtype).removeprefix("torch.")
+        super().__init__(task, device, dtype_name(self.model), tokenizer)
         self.task_params: dict[str, Any] = self.model.config.task_specific_params or {}
         configured = self.model.generation_config.to_diff_dict()
         # without a length in the model's generation config, generate() stops at 20 tokens

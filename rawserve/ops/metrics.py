@@ -12,9 +12,9 @@ measured by a small periodic task. This module never imports h11 or torch.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Collection, Iterator
-from typing import Any
+import enum
+from collections.abc import Collection, Iterator, Sequence
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -88,9 +88,13 @@ class Metrics:
         self._lag_task: asyncio.Task | None = None
         # (route, method, status) -> the counter and histogram children it feeds: looking
         # them up by labels on every response costs more than the rest of the bookkeeping
-        self._request_series: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+        self._request_series: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
 
     # --- hooks ------------------------------------------------------------------------
+
+    def name_routes(self, paths: Collection[str]) -> None:
+        """Count requests to these paths by path; any other path counts as "other"."""
+        self.routes.update(paths)
 
     def observe_request(self, path: str, method: str, status: int, seconds: float) -> None:
         route = path if path in self.routes else OTHER_ROUTE
@@ -117,7 +121,7 @@ class Metrics:
 
     # --- wiring -----------------------------------------------------------------------
 
-    def watch(self, scheduler: Any, executor: Any) -> None:
+    def watch(self, scheduler: QueueState, executor: WorkerPool) -> None:
         """Export the scheduler's queue and the executor's workers, read at scrape time."""
         self.registry.register(StateCollector(scheduler, executor))
 
@@ -151,13 +155,58 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE
 
 
+class QueueState(Protocol):
+    """What the metrics read of a scheduler at scrape time (rawserve.scheduler.Scheduler)."""
+
+    @property
+    def core(self) -> SchedulerCoreState: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+
+class SchedulerCoreState(Protocol):
+    max_queue: int
+    items_per_second: float | None
+
+    def __len__(self) -> int: ...
+
+    def queued_tokens(self) -> int: ...
+
+
+class WorkerView(Protocol):
+    """One worker as the executor reports it (rawserve.executor.WorkerStatus)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def state(self) -> enum.Enum: ...
+
+    @property
+    def restarts(self) -> int: ...
+
+    @property
+    def serving(self) -> bool:
+        """Its model is loaded (idle or busy)."""
+        ...
+
+
+class WorkerPool(Protocol):
+    """What the metrics read of an executor at scrape time (rawserve.executor.Executor)."""
+
+    def status(self) -> Sequence[WorkerView]: ...
+
+
 class StateCollector:
     """Reads queue and worker state when Prometheus scrapes (no hooks to keep in step)."""
 
-    def __init__(self, scheduler: Any, executor: Any, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, scheduler: QueueState, executor: WorkerPool):
         self.scheduler = scheduler
         self.executor = executor
-        self.clock = clock
 
     def describe(self) -> list[Metric]:
         return []  # unchecked collector: its families are only known at collect time
@@ -178,14 +227,13 @@ class StateCollector:
         yield GaugeMetricFamily(
             "rawserve_items_in_flight",
             "Items inside model calls",
-            value=getattr(self.scheduler, "in_flight", 0),
+            value=self.scheduler.in_flight,
         )
-        rate = getattr(core, "items_per_second", None)
-        if rate is not None:
+        if core.items_per_second is not None:
             yield GaugeMetricFamily(
                 "rawserve_service_rate_items_per_second",
                 "Measured items per second of compute (smoothed); sets Retry-After",
-                value=rate,
+                value=core.items_per_second,
             )
         ready = GaugeMetricFamily(
             "rawserve_worker_ready",
@@ -202,13 +250,11 @@ class StateCollector:
             "Times a worker process died and was restarted",
             labels=["worker"],
         )
-        for worker in self.executor.workers:
+        for worker in self.executor.status():
             index = str(worker.index)
-            current = worker.state.value
-            device = worker.ready.device if worker.ready else worker.config.device
-            ready.add_metric([index, device], float(current in ("idle", "busy")))
+            ready.add_metric([index, worker.device], float(worker.serving))
             for value in type(worker.state):
-                state.add_metric([index, value.value], float(value.value == current))
+                state.add_metric([index, value.value], float(value is worker.state))
             restarts.add_metric([index], worker.restarts)
         yield ready
         yield state

@@ -1,7 +1,7 @@
-"""question-answering in the worker, on an `AutoModelForQuestionAnswering`
+"""question-answering by span extraction, on an `AutoModelForQuestionAnswering`
 (transformers 5 no longer has the pipeline).
 
-Worker-only (imports torch and transformers). The removed pipeline's method, batched:
+Worker process only (imports torch and transformers). The removed pipeline's method, batched:
 tokenize each (question, context) pair into one or more windows of the context
 (`doc_stride` overlap), score every span that lies in the context and is at most
 `max_answer_len` tokens long by P(start) x P(end), and map the best spans back to
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import transformers
 
-from rawserve.runner import Runner
+from rawserve.worker.runner import Runner, dtype_name
 
 DEFAULT_MAX_SEQ_LEN = 384
 DEFAULT_DOC_STRIDE = 128
@@ -28,17 +28,16 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     return shifted / shifted.sum()
 
 
-class QuestionAnsweringRunner(Runner):
-    task = "question-answering"
+class SpanExtractionRunner(Runner):
+    """question-answering on an `AutoModelForQuestionAnswering` (start/end logits)."""
 
     def __init__(self, model: str, device: str, torch_dtype: Any):
-        self.device = device
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model)
         self.model = transformers.AutoModelForQuestionAnswering.from_pretrained(
             model, dtype=torch_dtype
         )
         self.model.to(device).eval()
-        self.dtype = str(self.model.dtype).removeprefix("torch.")
+        super().__init__("question-answering", device, dtype_name(self.model), tokenizer)
         self.max_seq_len = min(DEFAULT_MAX_SEQ_LEN, self.tokenizer.model_max_length)
 
     def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:

@@ -4,26 +4,24 @@ Stdlib `logging` only. `setup_logging` configures the root logger of a process (
 server, and each worker through `setup_worker_logging`, which reads the same options
 from the RAWSERVE_* environment the worker inherits). The access log is the
 `rawserve.access` logger (one INFO line per response, written by the protocol);
-`--no-access-log` raises its level so those lines are never formatted. Also here: the
-progress lines while a model loads. This module never imports h11 or torch.
+`--no-access-log` raises its level so those lines are never formatted. Never imports
+h11 or torch.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 ACCESS_LOGGER = "rawserve.access"
-LOAD_PROGRESS_SECONDS = 5.0  # how often "still loading" is logged while a model loads
 
 # Attributes every LogRecord has; anything else on a record came from `extra=`.
 _STANDARD_ATTRIBUTES = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
@@ -47,7 +45,7 @@ class TextFormatter(logging.Formatter):
         if second != cached_second:  # the access log writes a line per request
             stamp = time.strftime(self.default_time_format, self.converter(record.created))
             self._stamp = (second, stamp)
-        return self.default_msec_format % (stamp, record.msecs)
+        return f"{stamp},{int(record.msecs):03d}"  # logging's default_msec_format
 
 
 class JsonFormatter(logging.Formatter):
@@ -55,7 +53,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         document: dict[str, Any] = {
-            "time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC)
             .isoformat(timespec="milliseconds")
             .replace("+00:00", "Z"),
             "level": record.levelname.lower(),
@@ -100,33 +98,12 @@ def setup_logging(
     logging.getLogger(ACCESS_LOGGER).setLevel(logging.NOTSET if access_log else logging.WARNING)
 
 
-def setup_worker_logging(index: int, environ: dict[str, str] | None = None) -> None:
+def setup_worker_logging(index: int, environ: Mapping[str, str] | None = None) -> None:
     """Logging in worker process `index`, with the server's level and format."""
-    environ = os.environ if environ is None else environ
-    log_format = environ.get("RAWSERVE_LOG_FORMAT", "text")
+    env = os.environ if environ is None else environ
+    log_format = env.get("RAWSERVE_LOG_FORMAT", "text")
     setup_logging(
-        environ.get("RAWSERVE_LOG_LEVEL", "info"),
+        env.get("RAWSERVE_LOG_LEVEL", "info"),
         log_format if log_format in LOG_FORMATS else "text",
         text_format=f"%(asctime)s worker-{index} %(levelname)s %(message)s",
     )
-
-
-async def log_loading_progress(
-    loaded: asyncio.Future[Any],
-    log: logging.Logger,
-    *,
-    interval: float = LOAD_PROGRESS_SECONDS,
-    clock: Callable[[], float] = time.monotonic,
-) -> None:
-    """Log "still loading (N s)" every `interval` until `loaded` is done."""
-    started = clock()
-    while not loaded.done():
-        try:
-            await asyncio.wait_for(asyncio.shield(loaded), interval)
-        except TimeoutError:
-            elapsed = clock() - started
-            log.info(
-                "still loading the model (%.0f s)", elapsed, extra={"elapsed_seconds": elapsed}
-            )
-        except Exception:  # noqa: BLE001 - the caller reports a failed load
-            return

@@ -6,9 +6,10 @@ traceback, a path or a repr of internals (those go to the log).
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import dataclass
+
+from rawserve.http.encoding import dumps
+from rawserve.http.exchange import HttpResponse
 
 log = logging.getLogger("rawserve.errors")
 
@@ -93,25 +94,28 @@ class GatewayTimeout(HTTPError):
     error_type = "timeout"
 
 
-@dataclass(frozen=True)
-class ErrorResponse:
-    status: int
-    headers: list[tuple[str, str]]
-    body: bytes
-
-
-def error_response(exc: BaseException) -> ErrorResponse:
+def error_response(exc: BaseException) -> HttpResponse:
     """Turn any exception into a JSON error response; unknown ones become a bare 500.
 
     The one place where errors become responses: the protocol calls it for what the app
-    raises and for its own connection-level errors (malformed, too large, too slow).
+    raises and for its own connection-level errors (malformed, too large, too slow), and
+    a stream calls it for an error after its head went out.
     """
-    if not isinstance(exc, HTTPError):
-        log.error("unexpected error while handling a request", exc_info=exc)
-        exc = InternalError("internal server error")
-    message = exc.message
+    error = as_http_error(exc)
+    return HttpResponse(error.status, dumps(error_document(error)), list(error.headers))
+
+
+def as_http_error(exc: BaseException) -> HTTPError:
+    """The error itself if it carries a status; else (logged) a bare 500."""
+    if isinstance(exc, HTTPError):
+        return exc
+    log.error("unexpected error while handling a request", exc_info=exc)
+    return InternalError("internal server error")
+
+
+def error_document(error: HTTPError) -> dict[str, str]:
+    """The JSON body of an error: `{"error": message, "error_type": kind}`."""
+    message = error.message
     if len(message) > MAX_MESSAGE_CHARS:
         message = message[: MAX_MESSAGE_CHARS - 3] + "..."
-    body = json.dumps({"error": message, "error_type": exc.error_type}).encode()
-    headers = [("Content-Type", "application/json"), *exc.headers]
-    return ErrorResponse(exc.status, headers, body)
+    return {"error": message, "error_type": error.error_type}

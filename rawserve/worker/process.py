@@ -2,7 +2,7 @@
 
 Batches come in on a multiprocessing pipe; everything the worker says (ready, results,
 streamed tokens) goes out on a one-way pipe of its own that the server's event loop
-reads (`rawserve.pipes`).
+reads (`rawserve.shared.pipes`).
 
 Runs only in the child (started with `spawn`, so this module must stay importable
 without side effects). torch and transformers are imported inside `worker_main`, never
@@ -18,9 +18,12 @@ import gc
 import logging
 import os
 import time
-from typing import Any
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
 
-from rawserve.messages import (
+from rawserve.shared.devices import isolate
+from rawserve.shared.logs import setup_worker_logging
+from rawserve.shared.messages import (
     Batch,
     BatchResult,
     FailureKind,
@@ -30,7 +33,10 @@ from rawserve.messages import (
     WorkerLoadFailed,
     WorkerReady,
 )
-from rawserve.pipes import MessageWriter
+from rawserve.shared.pipes import MessageWriter
+
+if TYPE_CHECKING:
+    from rawserve.worker.runner import Runner
 
 log = logging.getLogger("rawserve.worker")
 
@@ -68,18 +74,16 @@ class BatchCap:
 
 
 def worker_main(
-    batches: Any,
-    replies: Any,
+    batches: Connection,
+    replies: Connection,
     config: WorkerConfig,
     index: int,
     cancelled_stream: Any = None,
 ) -> None:
-    """Entry point of worker process `index`: reads `batches` (a multiprocessing
-    Connection), writes its messages to `replies` (the write end of a one-way pipe)."""
+    """Entry point of worker process `index`: reads `batches`, writes its messages to
+    `replies` (the write end of a one-way pipe). `cancelled_stream` is a shared integer:
+    the id of a stream whose client has gone."""
     out = MessageWriter(replies.fileno())
-    from rawserve.devices import isolate
-    from rawserve.logs import setup_worker_logging
-
     setup_worker_logging(index)  # the server's --log-level and --log-format, from the env
     try:
         os.nice(WORKER_NICENESS)
@@ -90,7 +94,8 @@ def worker_main(
         os.environ["CUDA_VISIBLE_DEVICES"] = plan.visible_gpus
     started = time.monotonic()
     try:
-        from rawserve.runner import load_runner
+        # torch and transformers load here, in the worker process only
+        from rawserve.worker.loading import load_runner
 
         imported = time.monotonic()
         runner = load_runner(config, plan.torch_device)
@@ -141,7 +146,7 @@ def worker_main(
                 return
 
 
-def sample_token_counts(runner: Any, batch: Batch) -> tuple[int, ...] | None:
+def sample_token_counts(runner: Runner, batch: Batch) -> tuple[int, ...] | None:
     """Real token counts of the batch's inputs, on one batch in TOKEN_SAMPLE_EVERY."""
     if batch.batch_id % TOKEN_SAMPLE_EVERY:
         return None
@@ -154,7 +159,7 @@ def sample_token_counts(runner: Any, batch: Batch) -> tuple[int, ...] | None:
 
 
 def run_batch(
-    runner: Any, inputs: list[Any], params: dict[str, Any], cap: BatchCap | None = None
+    runner: Runner, inputs: list[Any], params: dict[str, Any], cap: BatchCap | None = None
 ) -> list[Any]:
     """Run a batch in chunks no larger than the cap, each bisected on failure."""
     cap = cap or BatchCap()
@@ -167,7 +172,7 @@ def run_batch(
 
 
 def run_bisecting(
-    runner: Any, inputs: list[Any], params: dict[str, Any], cap: BatchCap | None = None
+    runner: Runner, inputs: list[Any], params: dict[str, Any], cap: BatchCap | None = None
 ) -> list[Any]:
     """Run a batch; if it raises, run each half alone, down to the failing items."""
     try:
@@ -202,7 +207,7 @@ def run_bisecting(
 
 def set_threads(count: int) -> int:
     """torch's intra-op threads for the next batches (cheap: OpenMP keeps its pool)."""
-    import torch
+    import torch  # in the worker process only: the server imports this module
 
     torch.set_num_threads(count)
     return count
@@ -211,7 +216,7 @@ def set_threads(count: int) -> int:
 def release_memory() -> None:
     """After an out-of-memory error: drop the failed call's tensors and cached blocks."""
     gc.collect()
-    import torch
+    import torch  # in the worker process only: the server imports this module
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()

@@ -1,7 +1,7 @@
-"""text-generation in the worker: batched `generate` with left padding, stop sequences,
+"""text-generation on a causal LM: batched `generate` with left padding, stop sequences,
 and token streaming.
 
-Worker-only (imports torch and transformers). One `TokenWatcher` runs after every
+Worker process only (imports torch and transformers). One `TokenWatcher` runs after every
 decoding step: it turns each row's new token into text, ends rows that produced a stop
 sequence, hands tokens to a streamed request's sink, and stops everything when the
 server says the stream's client has gone (a shared integer, checked once a step).
@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import transformers
 
-from rawserve.messages import TokenChunk
-from rawserve.runner import Runner
+from rawserve.shared.messages import TokenChunk
 from rawserve.tasks import STREAM_ID_PARAM
+from rawserve.worker.runner import Runner, dtype_name
 
 log = logging.getLogger("rawserve.generation")
 
@@ -134,19 +134,17 @@ def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[st
     return kwargs
 
 
-class TextGenerationRunner(Runner):
-    """Causal LM generation, batched with left padding, in the Inference API's shapes."""
-
-    task = "text-generation"
+class CausalLMRunner(Runner):
+    """text-generation on an `AutoModelForCausalLM`: batched with left padding, in the
+    Inference API's shapes."""
 
     def __init__(self, model: str, device: str, torch_dtype: Any):
-        self.device = device
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model, padding_side="left")
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model, padding_side="left")
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
         self.model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
         self.model.to(device).eval()
-        self.dtype = str(self.model.dtype).removeprefix("torch.")
+        super().__init__("text-generation", device, dtype_name(self.model), tokenizer)
         configured = self.model.generation_config.to_diff_dict()
         config = self.model.config
         self.max_positions = (

@@ -10,37 +10,22 @@ Never imports torch.
 from __future__ import annotations
 
 import base64
-import json
 import time
-from pathlib import PurePath
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from rawserve.errors import BadRequest, NotFound, ServiceUnavailable
-from rawserve.http import HttpRequest, HttpResponse
-
-if TYPE_CHECKING:
-    from rawserve.app import App
+from rawserve.api.bodies import answer, json_response, read_json, unwrap
+from rawserve.api.context import RouteContext
+from rawserve.http.errors import BadRequest, NotFound
+from rawserve.http.exchange import HttpRequest, HttpResponse
 
 EMBEDDING_TASK = "feature-extraction"
 ENCODING_FORMATS = ("float", "base64")
 MAX_INPUTS = 2048
-DEFAULT_MODEL_ID = "all-MiniLM-L6-v2"  # what the server loads without --model
 # The worker answers {"embedding": float32 vector, "tokens": n} for these parameters.
 EMBEDDING_API_PARAM = "embedding_api"
-
-
-def served_model_id(executor: Any) -> str:
-    """The name clients see: the model folder's name, or the hub id as given."""
-    workers = getattr(executor, "workers", None) or []
-    config = workers[0].config if workers else None
-    model = (config.model or config.handler) if config else None
-    if not model:
-        return DEFAULT_MODEL_ID
-    if model.startswith(("/", ".")):
-        return PurePath(model).name or model
-    return model
 
 
 def parse_embeddings_request(document: Any) -> tuple[list[str], dict[str, Any], str]:
@@ -98,38 +83,25 @@ def embedding_response(
 
 
 class OpenAIRoutes:
-    """Handlers for the /v1 routes; the app's scheduler and executor do the work."""
+    """Handlers for the /v1 routes; the served model's scheduler and workers do the work."""
 
-    def __init__(self, app: App, *, clock=time.time):
-        self.app = app
-        self.created = int(clock())
+    def __init__(self, context: RouteContext, wall_clock: Callable[[], float] = time.time):
+        self.context = context
+        self.created = int(wall_clock())  # when the models were first served, for /v1/models
 
     async def embeddings(self, request: HttpRequest) -> HttpResponse:
-        from rawserve.app import json_response, server_timing, unwrap
-
-        app = self.app
-        if not app.executor.ready:
-            raise ServiceUnavailable("the model is loading", retry_after=5.0)
-        if app.executor.task != EMBEDDING_TASK:
+        model = self.context.models.default
+        self.context.gate.check(model)
+        if model.workers.task != EMBEDDING_TASK:
             raise NotFound(f"/v1/embeddings serves {EMBEDDING_TASK} models only")
-        try:
-            document = json.loads(request.body)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise BadRequest("the body is not valid JSON") from None
-        texts, params, encoding_format = parse_embeddings_request(document)
-        deadline = app.clock() + app.request_timeout(request)
-        results = await app.scheduler.run(texts, params, deadline)
+        texts, params, encoding_format = parse_embeddings_request(read_json(request))
+        results = await model.queue.run(texts, params, self.context.deadline(request))
         outputs = [unwrap(result) for result in results]
-        answer = embedding_response(outputs, encoding_format, served_model_id(app.executor))
-        return json_response(200, answer, [("Server-Timing", server_timing(results))])
+        return answer(embedding_response(outputs, encoding_format, model.name), results)
 
-    async def models(self, request: HttpRequest) -> HttpResponse:
-        from rawserve.app import json_response
-
-        model = {
-            "id": served_model_id(self.app.executor),
-            "object": "model",
-            "created": self.created,
-            "owned_by": "rawserve",
-        }
-        return json_response(200, {"object": "list", "data": [model]})
+    async def models_list(self, request: HttpRequest) -> HttpResponse:
+        data = [
+            {"id": model.name, "object": "model", "created": self.created, "owned_by": "rawserve"}
+            for model in self.context.models.all
+        ]
+        return json_response(200, {"object": "list", "data": data})

@@ -1,0 +1,108 @@
+"""The HTTP application: the route table, the API key, and which requests are answered at once.
+
+The protocol hands it complete requests (it is the protocol's `Application`); each route
+is a handler of one of the route families (inference, OpenAI, operations). Errors are
+raised as `rawserve.http.errors.HTTPError` and rendered by the protocol. Never sees a
+socket, never imports h11 or torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Collection
+from typing import Protocol
+
+from rawserve.api.context import RouteContext
+from rawserve.api.gate import Gate
+from rawserve.api.inference import InferenceRoutes
+from rawserve.api.openai import OpenAIRoutes
+from rawserve.api.operations import MetricsPage, OperationsRoutes
+from rawserve.api.served import ServedModels
+from rawserve.api.settings import AppSettings
+from rawserve.http.auth import require_bearer
+from rawserve.http.errors import MethodNotAllowed, NotFound
+from rawserve.http.exchange import HttpRequest, HttpResponse
+
+Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # no API key: probes, Prometheus
+
+
+class RouteMetrics(MetricsPage, Protocol):
+    """The metrics the app serves on /metrics and tells its routes (rawserve.ops.metrics)."""
+
+    def name_routes(self, paths: Collection[str]) -> None: ...
+
+
+class App:
+    def __init__(
+        self,
+        models: ServedModels,
+        settings: AppSettings | None = None,
+        *,
+        metrics: RouteMetrics | None = None,
+        facts: dict[str, object] | None = None,  # the server's options, for /info
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        settings = settings or AppSettings()
+        context = RouteContext(models, settings, Gate(), clock)
+        self.models = models
+        self.settings = settings
+        self.gate = context.gate
+        self.inference = InferenceRoutes(context)
+        self.openai = OpenAIRoutes(context)
+        self.operations = OperationsRoutes(context, metrics, facts)
+        self.routes: dict[str, dict[str, Handler]] = {
+            "/": {"POST": self.inference.infer},
+            "/health": {"GET": self.operations.health},
+            "/ready": {"GET": self.operations.ready},
+            "/info": {"GET": self.operations.info},
+            "/metrics": {"GET": self.operations.metrics_page},
+            "/v1/embeddings": {"POST": self.openai.embeddings},
+            "/v1/models": {"GET": self.openai.models_list},
+        }
+        if metrics is not None:  # requests to other paths are counted as "other"
+            metrics.name_routes(self.routes)
+
+    @property
+    def draining(self) -> bool:
+        return self.gate.draining
+
+    def start_draining(self) -> None:
+        """From now on /ready and new inference requests get 503 (SIGTERM/SIGINT)."""
+        self.gate.start_draining()
+
+    async def handle(self, request: HttpRequest) -> HttpResponse:
+        methods = self.routes.get(request.path)
+        if methods is None:
+            raise NotFound(f"no route for {request.path}")
+        self.authorize(request)
+        handler = methods.get(request.method)
+        if handler is None and request.method == "HEAD":
+            handler = methods.get("GET")  # the protocol drops the body
+        if handler is None:
+            raise MethodNotAllowed(sorted({*methods, *(["HEAD"] if "GET" in methods else [])}))
+        return await handler(request)
+
+    def answer_now(self, request: HttpRequest) -> HttpResponse | None:
+        """The response to a request that needs no waiting, or None: go through `handle`.
+
+        Probes, and inference requests the server cannot take at all right now (draining,
+        loading, the queue full), are answered in the event-loop pass that read them: a
+        probe is not queued behind the pass's other work, and a refusal under overload
+        costs no task. Raises HTTPError as `handle` does.
+        """
+        if request.method not in ("GET", "HEAD", "POST"):
+            return None
+        if request.path == "/health" and request.method != "POST":
+            return self.operations.health_now()
+        if request.path == "/ready" and request.method != "POST":
+            return self.operations.ready_now()
+        if request.path == "/" and request.method == "POST":
+            self.authorize(request)
+            self.inference.refuse_now()
+        return None
+
+    def authorize(self, request: HttpRequest) -> None:
+        """Raise 401 unless the request may use its path (probes and metrics are open)."""
+        if self.settings.api_key and request.path not in OPEN_PATHS:
+            require_bearer(request, self.settings.api_key)

@@ -1,0 +1,136 @@
+"""`POST /`: the seed's endpoint, in the Hugging Face Inference API's shapes.
+
+A raw (non-JSON) body is one input, as `curl -d` sends it (or an image's bytes for image
+tasks); a JSON body is `{"inputs": X, "parameters": {...}}` with X one input or a list.
+Inputs and parameters are checked against the task's rules (rawserve.tasks) before they
+are queued; the answer is shaped per task as the Inference API answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rawserve.api.bodies import answer, is_json, read_json, unwrap
+from rawserve.api.context import RouteContext
+from rawserve.api.served import ServedModel
+from rawserve.api.streaming import open_token_stream
+from rawserve.http.errors import BadRequest, UnsupportedMediaType
+from rawserve.http.exchange import HttpRequest, HttpResponse
+from rawserve.tasks import InvalidRequest, check_input, check_params, shape_answer, task_rules
+from rawserve.tasks.image_classification import image_from_body
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    inputs: list[Any]
+    params: dict[str, Any]
+    is_list: bool  # answer a list (the client sent a list of inputs)
+    stream: bool = False  # answer text/event-stream, one event per new token
+
+
+def parse_json_body(task_name: str, document: Any) -> ParsedRequest:
+    """Check an Inference-API shaped body `{"inputs": X, "parameters": {...}}`."""
+    if not isinstance(document, dict) or "inputs" not in document:
+        raise BadRequest('the JSON body must be an object with an "inputs" field')
+    task = task_rules(task_name)
+    known_fields = {"inputs", "parameters", "options"}
+    if task is not None:
+        known_fields |= task.extra_fields
+        if task.params_at_root:
+            known_fields |= set(task.params)
+    unknown_fields = set(document) - known_fields
+    if unknown_fields:
+        raise BadRequest(f"unknown field(s): {', '.join(sorted(unknown_fields))}")
+    raw_inputs = document["inputs"]
+    is_list = isinstance(raw_inputs, list)
+    items = raw_inputs if is_list else [raw_inputs]
+    if not items:
+        raise BadRequest('"inputs" must not be an empty list')
+    params = document.get("parameters")
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise BadRequest('"parameters" must be an object')
+    if task is None:  # custom handler: it validates what it is given
+        return ParsedRequest(list(items), dict(params), is_list)
+    if task.params_at_root:
+        params = {**params, **{k: v for k, v in document.items() if k in task.params}}
+    stream = document.get("stream")
+    if stream not in (None, True, False):
+        raise BadRequest('"stream" must be true or false')
+    if stream and is_list:
+        raise BadRequest("a streamed answer takes one input, not a list")
+    try:
+        inputs = [check_input(task, item) for item in items]
+        checked = check_params(task, params)
+    except InvalidRequest as exc:
+        raise BadRequest(str(exc)) from None
+    return ParsedRequest(inputs, checked, is_list, stream=bool(stream))
+
+
+def parse_text_body(task_name: str, text: str) -> ParsedRequest:
+    """A raw (non-JSON) body is one input, as `curl -d` sends it."""
+    task = task_rules(task_name)
+    if task is None:
+        return ParsedRequest([text], {}, is_list=False)
+    try:
+        item = check_input(task, text)
+        check_params(task, {})  # a task with required parameters needs JSON
+    except InvalidRequest as exc:
+        raise BadRequest(str(exc)) from None
+    return ParsedRequest([item], {}, is_list=False)
+
+
+def takes_binary_body(task_name: str | None) -> bool:
+    """Whether a non-JSON body is this task's input as bytes (an image) rather than text."""
+    task = task_rules(task_name) if task_name else None
+    return task is not None and task.binary_input
+
+
+def parse_binary_body(task_name: str, body: bytes) -> ParsedRequest:
+    """A raw body for a task that takes bytes: one input, queued as base64 text."""
+    if not body:
+        raise BadRequest("the body is empty: send the image's bytes")
+    return ParsedRequest([image_from_body(body)], {}, is_list=False)
+
+
+def parse_body(task: str | None, request: HttpRequest) -> ParsedRequest:
+    """The request's inputs and parameters, checked against the task's rules."""
+    if is_json(request):
+        return parse_json_body(task or "", read_json(request))
+    if takes_binary_body(task):  # an image's bytes, with or without image/* type
+        return parse_binary_body(task or "", request.body)
+    try:
+        text = request.body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UnsupportedMediaType("the body is not UTF-8 text") from None
+    return parse_text_body(task or "", text)
+
+
+class InferenceRoutes:
+    """`POST /` for the default model."""
+
+    def __init__(self, context: RouteContext):
+        self.context = context
+
+    def refuse_now(self) -> None:
+        """Raise the 503 that `POST /` gets now without reading its body (draining, loading,
+        the queue full), so a refusal under overload is answered in the pass that read it."""
+        model = self.context.models.default
+        self.context.gate.check(model)
+        model.queue.refuse_if_full()
+
+    async def infer(self, request: HttpRequest) -> HttpResponse:
+        return await self.infer_with(self.context.models.default, request)
+
+    async def infer_with(self, model: ServedModel, request: HttpRequest) -> HttpResponse:
+        self.context.gate.check(model)
+        task = model.workers.task
+        parsed = parse_body(task, request)
+        deadline = self.context.deadline(request)
+        if parsed.stream:
+            return await open_token_stream(model, parsed.inputs[0], parsed.params, deadline)
+        results = await model.queue.run(parsed.inputs, parsed.params, deadline)
+        outputs = [unwrap(result) for result in results]
+        return answer(shape_answer(task, outputs, parsed.is_list), results)

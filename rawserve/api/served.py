@@ -1,0 +1,85 @@
+"""A served model as the routes see it: its name, its queue (the scheduler) and its workers
+(the executor), each described by the `Protocol` of what the routes need from it.
+
+Several models may be served at once; `ServedModels` finds the one a request names, the
+first being the default for routes that name none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rawserve.executor import LoadState, WorkerStatus
+from rawserve.http.errors import NotFound
+from rawserve.scheduling.core import ItemResult
+from rawserve.shared.messages import TokenChunk
+
+
+class Queue(Protocol):
+    """What the routes need from a model's scheduler (rawserve.scheduler.Scheduler)."""
+
+    @property
+    def full(self) -> bool: ...
+
+    @property
+    def max_batch_size(self) -> int: ...
+
+    def refuse_if_full(self) -> None:
+        """Raise the 503 a request would get now because the queue is full."""
+        ...
+
+    async def run(
+        self, inputs: Sequence[Any], params: Mapping[str, Any], deadline: float
+    ) -> list[ItemResult]: ...
+
+
+class Workers(Protocol):
+    """What the routes need from a model's workers (rawserve.executor.Executor)."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+    @property
+    def task(self) -> str | None: ...
+
+    def load_state(self) -> tuple[LoadState, float | None]: ...
+
+    def status(self) -> list[WorkerStatus]: ...
+
+    def open_stream(self, on_token: Callable[[TokenChunk], None]) -> int: ...
+
+    def close_stream(self, stream_id: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str  # what clients call it: the folder's name, the Hub id, or an alias
+    queue: Queue
+    workers: Workers
+    facts: Mapping[str, Any] = field(default_factory=dict)  # its options, for /info
+
+
+class ServedModels:
+    """The models of one server; the first is the default."""
+
+    def __init__(self, models: Sequence[ServedModel]):
+        if not models:
+            raise ValueError("at least one model is served")
+        self.all = list(models)
+        self.default = self.all[0]
+        self._by_name = {model.name: model for model in self.all}
+
+    def get(self, name: str | None) -> ServedModel:
+        """The model a request names (the default when it names none); 404 otherwise."""
+        if name is None:
+            return self.default
+        model = self._by_name.get(name)
+        if model is None:
+            served = ", ".join(sorted(self._by_name))
+            raise NotFound(f"no model named {name!r} is served (served: {served})")
+        return model

@@ -1,0 +1,12 @@
+"""The options the routes read, fixed when the server starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class AppSettings:
+    timeout: float = 30.0  # default request deadline, seconds
+    max_timeout: float = 300.0  # the most X-Request-Timeout may ask for
+    api_key: str | None = field(default=None, repr=False)  # Bearer token; None: open

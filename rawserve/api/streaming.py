@@ -1,0 +1,118 @@
+"""Token streaming for text-generation: `"stream": true` → text/event-stream, TGI's shape.
+
+Owns the server side of a stream: it registers a token listener with the model's workers,
+queues the request through its scheduler like any other (the stream id in its
+parameters keeps it out of other requests' batches and tells the worker to send a
+`TokenChunk` per new token), and turns the chunks into server-sent events:
+
+    data: {"index": 0, "token": {"id", "text", "logprob", "special"}, "generated_text": null, "details": null}
+    ...
+    data: {"index": n, "token": {...}, "generated_text": "...", "details": {...}}
+
+The last token's event carries the full text, as TGI's does (one token is held back
+until the batch's result says whether it was the last). When the client leaves, the
+protocol closes the event iterator: the listener is removed, the queued item withdrawn,
+and the worker told to stop generating. Never imports torch.
+"""  # noqa: E501
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Mapping
+from typing import Any
+
+from rawserve.api.bodies import unwrap
+from rawserve.api.served import ServedModel, Workers
+from rawserve.http.encoding import dumps
+from rawserve.http.errors import HTTPError, error_document
+from rawserve.http.exchange import HttpResponse
+from rawserve.scheduling.core import ItemResult
+from rawserve.shared.messages import TokenChunk
+from rawserve.tasks import STREAM_ID_PARAM
+
+# A stream's queue carries its TokenChunks, then None once its request has finished.
+Run = asyncio.Future[list[ItemResult]]
+
+
+def sse(document: Any) -> bytes:
+    return b"data:" + dumps(document) + b"\n\n"
+
+
+async def open_token_stream(
+    model: ServedModel, prompt: Any, params: Mapping[str, Any], deadline: float
+) -> HttpResponse:
+    """Start a streamed generation; errors before its first token keep their status."""
+    queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
+    workers = model.workers
+    stream_id = workers.open_stream(queue.put_nowait)
+    params = {**params, STREAM_ID_PARAM: stream_id}
+    run: Run = asyncio.ensure_future(model.queue.run([prompt], params, deadline))
+    run.add_done_callback(lambda _: queue.put_nowait(None))
+    try:
+        first = await queue.get()
+        if first is None:
+            run.result()  # raises the request's error, with its status
+    except BaseException:
+        _close(workers, stream_id, run)
+        raise
+    return HttpResponse(
+        200,
+        headers=[("Cache-Control", "no-cache")],
+        content_type="text/event-stream",
+        stream=_events(first, queue, run, workers, stream_id),
+    )
+
+
+async def _events(
+    first: TokenChunk | None,
+    queue: asyncio.Queue[TokenChunk | None],
+    run: Run,
+    workers: Workers,
+    stream_id: int,
+) -> AsyncGenerator[bytes, None]:
+    try:
+        held = first
+        index = 0
+        emitted = ""  # the text of the tokens sent so far
+        while held is not None:  # None: the request has finished
+            chunk = await queue.get()
+            if chunk is None:
+                break
+            yield sse(_event(index, held.token))
+            emitted += held.token["text"]
+            index += 1
+            held = chunk
+        try:
+            [result] = run.result()
+            output = unwrap(result)
+        except HTTPError as error:
+            yield sse(error_document(error))
+            return
+        last_token = dict(held.token) if held is not None else None
+        text = output["generated_text"]
+        if last_token is not None and not last_token["special"] and text.startswith(emitted):
+            # the last token carries whatever a cut multi-byte character held back
+            last_token["text"] = text[len(emitted) :]
+        yield sse(_event(index, last_token, text, output.get("details")))
+    finally:
+        _close(workers, stream_id, run)
+
+
+def _close(workers: Workers, stream_id: int, run: Run) -> None:
+    workers.close_stream(stream_id)
+    if not run.done():
+        run.cancel()
+
+
+def _event(
+    index: int,
+    token: Any,
+    generated_text: str | None = None,
+    details: Any = None,
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "token": dict(token) if token is not None else None,
+        "generated_text": generated_text,
+        "details": details,
+    }

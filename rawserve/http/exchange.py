@@ -1,0 +1,34 @@
+"""The request and response values that pass between the protocol and the app."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+
+
+@dataclass
+class HttpRequest:
+    method: str
+    path: str
+    query: str
+    headers: list[tuple[str, str]]  # names lower-cased
+    body: bytes
+    request_id: str
+    http_version: str = "1.1"
+
+    def header(self, name: str) -> str | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+
+@dataclass
+class HttpResponse:
+    status: int
+    body: bytes = b""
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    content_type: str = "application/json"
+    # A body produced piece by piece (sent chunked); `body` is ignored when set. The
+    # protocol closes it (`aclose`) when the client leaves, which stops the producer.
+    stream: AsyncGenerator[bytes, None] | None = None

@@ -1,0 +1,126 @@
+"""The registry of tasks, and the one place that applies their rules: check an input and
+its parameters, key a batch, estimate an input's tokens, split a model call's answer into
+one output per input, and shape the JSON answer.
+
+`TASKS` gathers the per-task modules. A failed check raises `InvalidRequest` (the api
+answers it 400). Plain Python: both processes import it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rawserve.tasks import (
+    feature_extraction,
+    fill_mask,
+    image_classification,
+    question_answering,
+    seq2seq,
+    text_classification,
+    text_generation,
+    token_classification,
+    zero_shot_classification,
+)
+from rawserve.tasks.rules import InvalidRequest, SingleAnswer, Task
+
+TASKS: dict[str, Task] = {
+    task.name: task
+    for task in [
+        feature_extraction.TASK,
+        fill_mask.TASK,
+        text_classification.TASK,
+        token_classification.TASK,
+        zero_shot_classification.TASK,
+        text_generation.TASK,
+        question_answering.TASK,
+        *seq2seq.TASKS,
+        image_classification.TASK,
+    ]
+}
+
+# Tasks served by a custom handler take any JSON input and any parameters.
+CUSTOM_TASK = "custom"
+
+
+def task_rules(name: str) -> Task | None:
+    return TASKS.get(name)
+
+
+def check_input(task: Task, item: Any) -> Any:
+    try:
+        return task.check_input(item)
+    except ValueError as exc:
+        raise InvalidRequest(f"invalid input for {task.name}: {exc}") from None
+
+
+def check_params(task: Task, params: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(params) - set(task.params))
+    if unknown:
+        allowed = ", ".join(sorted(task.params)) or "none"
+        raise InvalidRequest(
+            f"unknown parameter(s) for {task.name}: {', '.join(unknown)} (allowed: {allowed})"
+        )
+    missing = sorted(task.required_params - set(params))
+    if missing:
+        raise InvalidRequest(f"missing required parameter(s) for {task.name}: {', '.join(missing)}")
+    checked = {}
+    for name, value in params.items():
+        if value is None:  # clients such as InferenceClient send explicit nulls
+            continue
+        try:
+            checked[name] = task.params[name](value)
+        except ValueError as exc:
+            raise InvalidRequest(f"parameter {name!r} {exc}") from None
+    return checked
+
+
+def batch_key(params: Mapping[str, Any]) -> str:
+    """Items share a model call only when their parameters are equal."""
+    return json.dumps(params, sort_keys=True, separators=(",", ":"))
+
+
+def estimate_tokens(item: Any) -> int:
+    """A cheap token-count estimate without a tokenizer (about 4 characters a token)."""
+    if isinstance(item, str):
+        return 2 + len(item) // 4
+    if isinstance(item, dict):
+        return 2 + sum(len(v) // 4 for v in item.values() if isinstance(v, str))
+    return 1
+
+
+def split_outputs(task_name: str, inputs: Sequence[Any], raw: Any) -> list[Any]:
+    """Turn one pipeline call's answer into one output per input.
+
+    A pipeline called on a one-item list may answer the item's output without the
+    outer list (fill-mask does); this is the one place that knows which tasks do.
+    """
+    task = task_rules(task_name)
+    if len(inputs) == 1 and task is not None and task.unwraps_single:
+        raw = [raw]
+    if not isinstance(raw, list) or len(raw) != len(inputs):
+        raise RuntimeError(
+            f"{task_name} answered {len(raw) if isinstance(raw, list) else 'a non-list'} "
+            f"outputs for {len(inputs)} inputs"
+        )
+    if task is not None and task.shape_item is not None:
+        return [task.shape_item(output) for output in raw]
+    return list(raw)
+
+
+def shape_answer(task_name: str | None, outputs: list[Any], is_list: bool) -> Any:
+    """The JSON answer to a request, from its items' outputs (in the Inference API's shape).
+
+    A list of inputs is answered by the list of outputs. One input is answered by its
+    output, except where the Inference API (and so InferenceClient) expects a list.
+    """
+    if is_list:
+        return outputs
+    [output] = outputs
+    task = task_rules(task_name) if task_name else None
+    if task is None or task.single_answer == SingleAnswer.ITEM:
+        return output
+    if task.single_answer == SingleAnswer.LIST_OF_LISTS:
+        return [output if isinstance(output, list) else [output]]
+    return [output]

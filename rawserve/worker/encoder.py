@@ -1,0 +1,97 @@
+"""feature-extraction on an encoder (`AutoModel`): pooled sentence vectors or token vectors.
+
+Worker process only (imports torch and transformers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from rawserve.models.folder import sentence_transformers_pooling
+from rawserve.worker.runner import Runner, dtype_name, resolve_dtype
+
+
+class EncoderRunner(Runner):
+    """feature-extraction: pooled sentence embeddings or token-level vectors.
+
+    A sentence-transformers folder is pooled (and normalized) as its files say;
+    other models answer token vectors, as the feature-extraction pipeline does.
+    """
+
+    def __init__(self, model: str, device: str, dtype: str):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+        self.model = transformers.AutoModel.from_pretrained(model, dtype=resolve_dtype(dtype))
+        self.model.to(device).eval()
+        super().__init__("feature-extraction", device, dtype_name(self.model), tokenizer)
+        self.default_pooling, self.default_normalize = sentence_transformers_pooling(Path(model))
+        self.max_length = min(
+            self.tokenizer.model_max_length, self.model.config.max_position_embeddings
+        )
+
+    @property
+    def details(self) -> dict[str, Any]:
+        return {
+            "pooling": self.default_pooling,
+            "normalize": self.default_normalize,
+            "dimensions": self.model.config.hidden_size,
+        }
+
+    def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
+        # The OpenAI route always wants a sentence vector, normalized unless the
+        # model says otherwise, and the real token count of each input.
+        embedding_api = params.get("embedding_api", False)
+        default_pooling = self.default_pooling
+        if embedding_api and default_pooling == "none":
+            default_pooling = "mean"
+        pooling = params.get("pooling", default_pooling)
+        normalize = params.get("normalize", self.default_normalize or embedding_api)
+        dimensions = params.get("dimensions")
+        if dimensions is not None and dimensions > self.model.config.hidden_size:
+            raise ValueError(
+                f"dimensions must be at most {self.model.config.hidden_size} for this model"
+            )
+        self.tokenizer.truncation_side = params.get("truncation_direction", "right")
+        truncate = params.get("truncate", True)
+        encoded = self.tokenizer(
+            inputs,
+            padding=True,
+            truncation=truncate,
+            max_length=self.max_length if truncate else None,
+            return_tensors="pt",
+        ).to(self.device)
+        length = encoded["input_ids"].shape[1]
+        if length > self.max_length:
+            raise ValueError(
+                f"the input is {length} tokens and the model takes at most {self.max_length}: "
+                "send truncate: true to cut it"
+            )
+        with torch.inference_mode():
+            hidden = self.model(**encoded).last_hidden_state.float()
+            mask = encoded["attention_mask"]
+            if dimensions is not None:  # Matryoshka-style: keep the first dimensions
+                hidden = hidden[..., :dimensions]
+            if pooling == "none":
+                vectors = [hidden[i, : int(mask[i].sum())] for i in range(len(inputs))]
+                if normalize:
+                    vectors = [torch.nn.functional.normalize(v, dim=-1) for v in vectors]
+                # the pipeline's shape: [1, tokens, hidden] per input
+                return [v.unsqueeze(0).cpu().numpy() for v in vectors]
+            if pooling == "cls":
+                pooled = hidden[:, 0]
+            else:
+                weights = mask.unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+            if normalize:
+                pooled = torch.nn.functional.normalize(pooled, dim=-1)
+            vectors = list(pooled.cpu().numpy())
+        if embedding_api:
+            counts = mask.sum(1).tolist()
+            return [
+                {"embedding": vector, "tokens": count}
+                for vector, count in zip(vectors, counts, strict=True)
+            ]
+        return vectors

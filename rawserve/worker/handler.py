@@ -1,0 +1,25 @@
+"""`--handler module:factory`: a user's callable instead of a transformers model.
+
+Worker process only.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from rawserve.tasks import CUSTOM_TASK
+from rawserve.worker.runner import Runner
+
+
+class HandlerRunner(Runner):
+    """`--handler module:factory`: the factory returns `f(inputs: list, **params) -> list`."""
+
+    def __init__(self, spec: str, device: str):
+        module_name, _, factory_name = spec.partition(":")
+        factory = getattr(importlib.import_module(module_name), factory_name or "handler")
+        self.handler = factory()
+        super().__init__(CUSTOM_TASK, device)
+
+    def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
+        return list(self.handler(inputs, **params))

@@ -1,0 +1,78 @@
+"""The base of every runner: a loaded model that turns a batch of checked inputs into one
+plain-data output per input (numpy arrays or Python lists/dicts), and says safely what
+went wrong when an input fails.
+
+Worker process only (imports torch and transformers).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import transformers
+
+from rawserve.shared.messages import FailureKind, ItemFailure
+
+log = logging.getLogger("rawserve.runner")
+
+_PATHLIKE = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][\w.\-]+){2,}")
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolve_dtype(dtype: str) -> Any:
+    return "auto" if dtype == "auto" else getattr(torch, dtype)
+
+
+def dtype_name(model: Any) -> str:
+    return str(model.dtype).removeprefix("torch.")
+
+
+class Runner:
+    """A model loaded in this worker, for one task."""
+
+    def __init__(self, task: str, device: str, dtype: str = "float32", tokenizer: Any = None):
+        self.task = task
+        self.device = device
+        self.dtype = dtype
+        self.tokenizer = tokenizer  # None: inputs are not text (or not tokenized here)
+
+    @property
+    def details(self) -> dict[str, Any]:
+        """Facts about the loaded model for /info (e.g. pooling); none by default."""
+        return {}
+
+    def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
+        raise NotImplementedError
+
+    def bind_stream(self, send: Callable[[Any], None], cancelled_stream: Any) -> None:
+        """Runners that stream tokens get the worker's pipe and the cancel flag here."""
+
+    def count_tokens(self, inputs: list[Any]) -> list[int] | None:
+        """Real tokens per text input (for the server's length estimate); None if unknown."""
+        if self.tokenizer is None or not all(isinstance(value, str) for value in inputs):
+            return None
+        return [len(ids) for ids in self.tokenizer(inputs, truncation=False)["input_ids"]]
+
+    def describe_failure(self, exc: BaseException) -> ItemFailure:
+        """Turn a failure on one item into a message that is safe to send to a client."""
+        if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "out of memory" in str(exc):
+            return ItemFailure(
+                FailureKind.OUT_OF_MEMORY, "the model ran out of memory on this input"
+            )
+        if isinstance(exc, (ValueError, transformers.pipelines.PipelineException)):
+            return ItemFailure(FailureKind.INPUT, _client_message(exc))
+        return ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
+
+
+def _client_message(exc: BaseException) -> str:
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return _PATHLIKE.sub("<path>", first_line)[:300]
