@@ -189,7 +189,7 @@ def explain(exc: BaseException, repo_id: str, revision: str | None) -> str:
     return f"could not resolve {at}: {type(exc).__name__}"
 
 
-class LoggedProgress(tqdm):  # type: ignore[type-arg]
+class LoggedProgress(tqdm):
     """A tqdm bar that writes a log line every PROGRESS_SECONDS instead of drawing itself.
 
     snapshot_download makes three: files fetched, bytes written (its total is the files'
