@@ -19,6 +19,7 @@ from tests.server import READY, RunningServer
 
 pytestmark = pytest.mark.slow
 
+EMBEDDING = "sentence-embedding"  # the served name: the model folder's name
 SERVED = {
     # name: (tiny model kind, extra arguments)
     "embedding": ("sentence-embedding", []),
@@ -349,14 +350,14 @@ def test_openai_embeddings_float_and_base64(servers):
     api = openai_client(servers["embedding"])
     for encoding_format in ("float", "base64"):
         answer = api.embeddings.create(
-            model="any", input=["hello world", "the movie"], encoding_format=encoding_format
+            model=EMBEDDING, input=["hello world", "the movie"], encoding_format=encoding_format
         )
         assert [d.index for d in answer.data] == [0, 1]
         got = answer.data[0].embedding
         if encoding_format == "base64":  # asked for explicitly: the client leaves it encoded
             got = np.frombuffer(base64.b64decode(got), dtype="<f4")
         np.testing.assert_allclose(got, reference, atol=1e-6)
-    default = api.embeddings.create(model="any", input="hello world")  # base64 on the wire
+    default = api.embeddings.create(model=EMBEDDING, input="hello world")  # base64 on the wire
     np.testing.assert_allclose(default.data[0].embedding, reference, atol=1e-6)
     # [CLS] hello world [SEP] + [CLS] the movie [SEP]: real token counts
     assert answer.usage.prompt_tokens == answer.usage.total_tokens == 8
@@ -364,7 +365,8 @@ def test_openai_embeddings_float_and_base64(servers):
 
 def test_openai_base64_is_little_endian_float32(servers):
     status, answer = servers["embedding"].post_json(
-        {"input": "hello world", "model": "x", "encoding_format": "base64"}, path="/v1/embeddings"
+        {"input": "hello world", "model": EMBEDDING, "encoding_format": "base64"},
+        path="/v1/embeddings",
     )
     assert status == 200
     vector = np.frombuffer(base64.b64decode(answer["data"][0]["embedding"]), dtype="<f4")
@@ -373,9 +375,9 @@ def test_openai_base64_is_little_endian_float32(servers):
 
 def test_openai_dimensions_truncate_then_renormalize(servers):
     api = openai_client(servers["embedding"])
-    full = np.array(api.embeddings.create(model="m", input="hello world").data[0].embedding)
+    full = np.array(api.embeddings.create(model=EMBEDDING, input="hello world").data[0].embedding)
     short = np.array(
-        api.embeddings.create(model="m", input="hello world", dimensions=8).data[0].embedding
+        api.embeddings.create(model=EMBEDDING, input="hello world", dimensions=8).data[0].embedding
     )
     assert short.shape == (8,) and np.linalg.norm(short) == pytest.approx(1.0, abs=1e-5)
     np.testing.assert_allclose(short, full[:8] / np.linalg.norm(full[:8]), atol=1e-5)
@@ -387,13 +389,13 @@ def test_openai_dimensions_truncate_then_renormalize(servers):
 
 def test_openai_models_lists_the_served_model(servers, tiny_model):
     models = openai_client(servers["embedding"]).models.list()
-    assert [m.id for m in models.data] == ["sentence-embedding"]
+    assert [m.id for m in models.data] == [EMBEDDING]
 
 
 @pytest.mark.parametrize(
     "document",
     [
-        {"model": "m"},
+        {"model": EMBEDDING},
         {"input": 5},
         {"input": [1, 2, 3]},
         {"input": []},

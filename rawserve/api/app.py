@@ -11,13 +11,14 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Collection
 from typing import Protocol
+from urllib.parse import unquote
 
 from rawserve.api.context import RouteContext
 from rawserve.api.gate import Gate
 from rawserve.api.inference import InferenceRoutes
 from rawserve.api.openai import OpenAIRoutes
 from rawserve.api.operations import MetricsPage, OperationsRoutes
-from rawserve.api.served import ServedModels
+from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.http.auth import require_bearer
 from rawserve.http.errors import MethodNotAllowed, NotFound
@@ -25,6 +26,7 @@ from rawserve.http.exchange import HttpRequest, HttpResponse
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # no API key: probes, Prometheus
+MODELS_PREFIX = "/models/"  # POST /models/<name>: one of the served models, by any name
 
 
 class RouteMetrics(MetricsPage, Protocol):
@@ -60,6 +62,12 @@ class App:
             "/v1/embeddings": {"POST": self.openai.embeddings},
             "/v1/models": {"GET": self.openai.models_list},
         }
+        # each served model by each of its names: the Inference API's per-model path
+        self.model_paths: dict[str, ServedModel] = {}
+        for name in models.names:
+            model = models.get(name)
+            self.model_paths[MODELS_PREFIX + name] = model
+            self.routes[MODELS_PREFIX + name] = {"POST": self.inference.model_route(model)}
         if metrics is not None:  # requests to other paths are counted as "other"
             metrics.name_routes(self.routes)
 
@@ -73,6 +81,12 @@ class App:
 
     async def handle(self, request: HttpRequest) -> HttpResponse:
         methods = self.routes.get(request.path)
+        if methods is None and request.path.startswith(MODELS_PREFIX):
+            # a name spelt with %-escapes (org%2Fname), or a model not served: 404 naming
+            # the served ones (after the API key: they are not for everyone's eyes)
+            self.authorize(request)
+            model = self.models.get(unquote(request.path.removeprefix(MODELS_PREFIX)))
+            methods = self.routes[MODELS_PREFIX + model.name]
         if methods is None:
             raise NotFound(f"no route for {request.path}")
         self.authorize(request)
@@ -100,6 +114,9 @@ class App:
         if request.path == "/" and request.method == "POST":
             self.authorize(request)
             self.inference.refuse_now()
+        elif request.method == "POST" and (model := self.model_paths.get(request.path)):
+            self.authorize(request)
+            self.inference.refuse_now(model)
         return None
 
     def authorize(self, request: HttpRequest) -> None:

@@ -8,6 +8,7 @@ are queued; the answer is shaped per task as the Inference API answers.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,20 +110,29 @@ def parse_body(task: str | None, request: HttpRequest) -> ParsedRequest:
 
 
 class InferenceRoutes:
-    """`POST /` for the default model."""
+    """`POST /` for the default model, `POST /models/<name>` for any served model."""
 
     def __init__(self, context: RouteContext):
         self.context = context
 
-    def refuse_now(self) -> None:
-        """Raise the 503 that `POST /` gets now without reading its body (draining, loading,
-        the queue full), so a refusal under overload is answered in the pass that read it."""
-        model = self.context.models.default
+    def refuse_now(self, model: ServedModel | None = None) -> None:
+        """Raise the 503 that `POST /` (or the model's own path) gets now without reading
+        its body (draining, loading, the queue full), so a refusal under overload is
+        answered in the pass that read it."""
+        model = model or self.context.models.default
         self.context.gate.check(model)
         model.queue.refuse_if_full()
 
     async def infer(self, request: HttpRequest) -> HttpResponse:
         return await self.infer_with(self.context.models.default, request)
+
+    def model_route(self, model: ServedModel) -> Callable[[HttpRequest], Awaitable[HttpResponse]]:
+        """The handler of `POST /models/<name>`: `POST /` for that model."""
+
+        async def infer_named(request: HttpRequest) -> HttpResponse:
+            return await self.infer_with(model, request)
+
+        return infer_named
 
     async def infer_with(self, model: ServedModel, request: HttpRequest) -> HttpResponse:
         self.context.gate.check(model)

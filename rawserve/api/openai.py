@@ -61,6 +61,15 @@ def parse_embeddings_request(document: Any) -> tuple[list[str], dict[str, Any], 
     return texts, params, encoding_format
 
 
+def requested_model(document: Any) -> str | None:
+    """The "model" field of an OpenAI-shaped body: the served model it names (None: the
+    default). 400 when it is there but not a string."""
+    name = document.get("model") if isinstance(document, dict) else None
+    if name is not None and not isinstance(name, str):
+        raise BadRequest('"model" must be a string')
+    return name
+
+
 def embedding_response(
     outputs: list[dict[str, Any]], encoding_format: str, model_id: str
 ) -> dict[str, Any]:
@@ -90,11 +99,12 @@ class OpenAIRoutes:
         self.created = int(wall_clock())  # when the models were first served, for /v1/models
 
     async def embeddings(self, request: HttpRequest) -> HttpResponse:
-        model = self.context.models.default
+        document = read_json(request)
+        model = self.context.models.get(requested_model(document))
         self.context.gate.check(model)
         if model.workers.task != EMBEDDING_TASK:
             raise NotFound(f"/v1/embeddings serves {EMBEDDING_TASK} models only")
-        texts, params, encoding_format = parse_embeddings_request(read_json(request))
+        texts, params, encoding_format = parse_embeddings_request(document)
         results = await model.queue.run(texts, params, self.context.deadline(request))
         outputs = [unwrap(result) for result in results]
         return answer(embedding_response(outputs, encoding_format, model.name), results)

@@ -58,21 +58,39 @@ class Workers(Protocol):
 
 @dataclass(frozen=True)
 class ServedModel:
-    name: str  # what clients call it: the folder's name, the Hub id, or an alias
+    name: str  # what clients call it: its alias, else the Hub id or the folder's name
     queue: Queue
     workers: Workers
     facts: Mapping[str, Any] = field(default_factory=dict)  # its options, for /info
+    aliases: tuple[str, ...] = ()  # other names it answers to (the Hub id beside an alias)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
 
 
 class ServedModels:
-    """The models of one server; the first is the default."""
+    """The models of one server; the first is the default.
+
+    A request names a model by any of its names (`POST /models/<name>`, the "model" field
+    of the OpenAI routes); one that names none gets the default.
+    """
 
     def __init__(self, models: Sequence[ServedModel]):
         if not models:
             raise ValueError("at least one model is served")
         self.all = list(models)
         self.default = self.all[0]
-        self._by_name = {model.name: model for model in self.all}
+        self._by_name: dict[str, ServedModel] = {}
+        for model in self.all:
+            for name in model.names:
+                if self._by_name.setdefault(name, model) is not model:
+                    raise ValueError(f"two served models are both named {name!r}")
+
+    @property
+    def names(self) -> list[str]:
+        """Every name a request may use, each model's own name first."""
+        return list(self._by_name)
 
     def get(self, name: str | None) -> ServedModel:
         """The model a request names (the default when it names none); 404 otherwise."""
@@ -80,6 +98,6 @@ class ServedModels:
             return self.default
         model = self._by_name.get(name)
         if model is None:
-            served = ", ".join(sorted(self._by_name))
-            raise NotFound(f"no model named {name!r} is served (served: {served})")
+            served = ", ".join(self._by_name)
+            raise NotFound(f"no model named {name[:100]!r} is served (served: {served})")
         return model

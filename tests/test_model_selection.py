@@ -1,0 +1,204 @@
+"""Selecting one of several served models from a request: `POST /models/<name>` and the
+"model" field of the OpenAI routes; `POST /` and requests that name none get the first.
+
+The app runs on fake models whose queues answer at once and say which model computed;
+the real server with two real models is in tests/test_multi_model.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rawserve.api.app import App
+from rawserve.api.served import ServedModel, ServedModels
+from rawserve.api.settings import AppSettings
+from rawserve.executor import LoadState, WorkerStatus
+from rawserve.http.errors import NotFound, ServiceUnavailable, Unauthorized
+from rawserve.http.exchange import HttpRequest
+from rawserve.scheduling.core import ItemResult
+
+KEY = [("authorization", "Bearer secret")]
+
+
+class AnsweringQueue:
+    """A model's queue that computes at once: each output names the model."""
+
+    def __init__(self, name: str, task: str):
+        self.name = name
+        self.task = task
+        self.full = False
+        self.max_batch_size = 8
+        self.calls: list[list[Any]] = []
+
+    def refuse_if_full(self) -> None:
+        if self.full:
+            raise ServiceUnavailable("the queue is full", retry_after=1.0)
+
+    async def run(
+        self, inputs: Sequence[Any], params: Mapping[str, Any], deadline: float
+    ) -> list[ItemResult]:
+        self.calls.append(list(inputs))
+        if self.task == "feature-extraction" and params.get("embedding_api"):
+            outputs: list[Any] = [
+                {"embedding": np.full(3, len(self.calls), "f4"), "tokens": 2} for _ in inputs
+            ]
+        else:
+            outputs = [{"label": self.name, "score": 1.0} for _ in inputs]
+        return [ItemResult(output, 0.0, len(inputs), 0.001) for output in outputs]
+
+
+class ReadyWorkers:
+    def __init__(self, task: str):
+        self.task = task
+        self.ready = True
+        self.healthy = True
+
+    def load_state(self) -> tuple[LoadState, float | None]:
+        return LoadState.LOADING, None
+
+    def status(self) -> list[WorkerStatus]:
+        return []
+
+    def open_stream(self, on_token: Any) -> int:
+        return 1
+
+    def close_stream(self, stream_id: int) -> None:
+        pass
+
+
+def served(name: str, task: str, aliases: tuple[str, ...] = ()) -> ServedModel:
+    return ServedModel(name, AnsweringQueue(name, task), ReadyWorkers(task), aliases=aliases)
+
+
+@pytest.fixture
+def app() -> App:
+    models = ServedModels(
+        [
+            served("cls", "text-classification", aliases=("org/sst2",)),
+            served("emb", "feature-extraction", aliases=("BAAI/bge-small-en-v1.5",)),
+        ]
+    )
+    return App(models, AppSettings(api_key="secret"))
+
+
+def post(path: str, document: Any = None, body: bytes = b"", headers=KEY) -> HttpRequest:
+    if document is not None:
+        body = json.dumps(document).encode()
+        headers = [*headers, ("content-type", "application/json")]
+    return HttpRequest("POST", path, "", list(headers), body, request_id="test")
+
+
+def computed_by(app: App, name: str) -> int:
+    queue = app.models.get(name).queue
+    assert isinstance(queue, AnsweringQueue)
+    return len(queue.calls)
+
+
+def test_a_model_answers_to_its_name_and_its_aliases():
+    models = ServedModels([served("cls", "x", ("org/sst2",)), served("emb", "y")])
+    assert models.get(None) is models.default is models.all[0]
+    assert models.get("org/sst2") is models.get("cls")
+    assert models.get("emb") is models.all[1]
+    assert models.names == ["cls", "org/sst2", "emb"]
+
+
+@pytest.mark.parametrize("name", ["", "nope", "CLS", "cls ", "org/sst2/", "../cls", "x" * 5000])
+def test_an_unknown_name_is_404_listing_the_served_names(name):
+    models = ServedModels([served("cls", "x", ("org/sst2",)), served("emb", "y")])
+    with pytest.raises(NotFound) as caught:
+        models.get(name)
+    message = str(caught.value)
+    assert "served: cls, org/sst2, emb" in message
+    assert len(message) < 300  # a hostile name is not echoed whole
+
+
+def test_two_models_may_not_share_a_name():
+    with pytest.raises(ValueError, match="both named 'emb'"):
+        ServedModels([served("emb", "x"), served("cls", "y", ("emb",))])
+
+
+async def test_post_root_serves_the_default_model(app):
+    response = await app.handle(post("/", body=b"hello"))
+    assert json.loads(response.body) == [[{"label": "cls", "score": 1.0}]]
+    assert (computed_by(app, "cls"), computed_by(app, "emb")) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    ("path", "model"),
+    [
+        ("/models/cls", "cls"),
+        ("/models/org/sst2", "cls"),
+        ("/models/emb", "emb"),
+        ("/models/BAAI/bge-small-en-v1.5", "emb"),
+        ("/models/BAAI%2Fbge-small-en-v1.5", "emb"),  # a client that escapes the slash
+    ],
+)
+async def test_post_models_name_serves_that_model(app, path, model):
+    response = await app.handle(post(path, {"inputs": "hello"}))
+    assert response.status == 200
+    assert computed_by(app, model) == 1
+    other = "emb" if model == "cls" else "cls"
+    assert computed_by(app, other) == 0
+
+
+@pytest.mark.parametrize("path", ["/models/nope", "/models/", "/models/cls/extra", "/models/%ff"])
+async def test_post_models_unknown_is_404_listing_the_served_names(app, path):
+    with pytest.raises(NotFound) as caught:
+        await app.handle(post(path, {"inputs": "hello"}))
+    assert "served: cls, org/sst2, emb, BAAI/bge-small-en-v1.5" in str(caught.value)
+
+
+async def test_the_served_names_are_not_shown_without_the_key(app):
+    with pytest.raises(Unauthorized):
+        await app.handle(post("/models/nope", {"inputs": "x"}, headers=[]))
+    with pytest.raises(Unauthorized):
+        await app.handle(post("/models/emb", {"inputs": "x"}, headers=[]))
+
+
+async def test_a_model_path_takes_only_post(app):
+    request = HttpRequest("GET", "/models/emb", "", KEY, b"", request_id="test")
+    with pytest.raises(Exception) as caught:
+        await app.handle(request)
+    assert getattr(caught.value, "status", None) == 405
+
+
+def test_a_full_model_is_refused_at_once_and_the_other_is_not(app):
+    queue = app.models.get("emb").queue
+    assert isinstance(queue, AnsweringQueue)
+    queue.full = True
+    with pytest.raises(ServiceUnavailable):
+        app.answer_now(post("/models/emb", {"inputs": "x"}))
+    assert app.answer_now(post("/models/cls", {"inputs": "x"})) is None
+    assert app.answer_now(post("/", {"inputs": "x"})) is None
+
+
+@pytest.mark.parametrize(("name", "model"), [("emb", "emb"), ("BAAI/bge-small-en-v1.5", "emb")])
+async def test_the_openai_model_field_selects_the_model(app, name, model):
+    response = await app.handle(post("/v1/embeddings", {"input": "hi", "model": name}))
+    document = json.loads(response.body)
+    assert response.status == 200 and document["model"] == "emb"
+    assert computed_by(app, "emb") == 1
+
+
+async def test_the_openai_routes_without_a_model_field_use_the_default(app):
+    with pytest.raises(NotFound, match="feature-extraction models only"):
+        await app.handle(post("/v1/embeddings", {"input": "hi"}))  # the default classifies
+
+
+@pytest.mark.parametrize(("model", "status"), [("nope", 404), (7, 400), (["emb"], 400)])
+async def test_a_bad_openai_model_field_is_refused(app, model, status):
+    with pytest.raises(Exception) as caught:
+        await app.handle(post("/v1/embeddings", {"input": "hi", "model": model}))
+    assert getattr(caught.value, "status", None) == status
+    assert computed_by(app, "emb") == 0
+
+
+async def test_v1_models_lists_every_served_model(app):
+    request = HttpRequest("GET", "/v1/models", "", KEY, b"", request_id="test")
+    listed = json.loads((await app.handle(request)).body)["data"]
+    assert [entry["id"] for entry in listed] == ["cls", "emb"]
