@@ -32,7 +32,7 @@ from bench import servers
 from bench.load import build_request, connect
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-LISTENING = re.compile(r"listening on http://[\d.]+:(\d+)")
+LISTENING = re.compile(r"listening on https?://[\d.]+:(\d+)")
 READY = re.compile(r"worker 0: .* ready on .* in ([\d.]+) s")
 LOAD_SPLIT = re.compile(r"worker-0 .*imports took ([\d.]+) s, the model load ([\d.]+) s")
 TEXTS = [

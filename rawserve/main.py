@@ -23,6 +23,7 @@ from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.executor import Executor
+from rawserve.http.tls import server_context
 from rawserve.models.folder import served_name
 from rawserve.ops.loading import log_loading_progress
 from rawserve.ops.memory import fix_mmap_threshold
@@ -85,6 +86,9 @@ OPTIONS = [
         "cost: batches planned by input length and measured call cost; count: deadline order",
     ),
     Option("--max-queue", int, 256, "queued items; beyond it: 503"),
+    Option(
+        "--max-client-batch-size", int, 32, "inputs allowed in one request (TEI's name); more: 413"
+    ),
     Option("--timeout", float, 30.0, "default request deadline in seconds"),
     Option("--max-timeout", float, 300.0, "the longest deadline X-Request-Timeout may ask for"),
     Option("--max-body-bytes", int, 1024 * 1024, "largest accepted request body; beyond it: 413"),
@@ -93,6 +97,15 @@ OPTIONS = [
     Option("--head-timeout", float, 10.0, "seconds to receive a request's head; beyond: 408"),
     Option("--body-timeout", float, 30.0, "seconds to receive a request's body; beyond: 408"),
     Option("--api-key", str, None, "inference endpoints need Authorization: Bearer KEY (401)"),
+    Option("--ssl-certfile", str, None, "TLS: the certificate chain (PEM; may hold the key too)"),
+    Option("--ssl-keyfile", str, None, "TLS: the private key (PEM), when not in --ssl-certfile"),
+    Option(
+        "--cors-allow-origin",
+        list,
+        (),
+        "a browser origin that may call the API (repeatable; * for any): answers preflight "
+        "OPTIONS and adds the CORS headers",
+    ),
     Option("--grace", float, 30.0, "seconds to drain on SIGTERM/SIGINT"),
     Option(
         "--batch-timeout", float, 120.0, "seconds a batch may run before its worker is restarted"
@@ -119,6 +132,16 @@ def build_parser() -> argparse.ArgumentParser:
                 option.flag, action="store_true", default=value in ENV_TRUE, help=help
             )
             continue
+        if option.type is list:  # repeatable; its variable is a comma-separated list
+            value = os.environ.get(option.env, "")
+            values = [v.strip() for v in value.split(",") if v.strip()]
+            parser.add_argument(
+                option.flag,
+                action="append",
+                default=values,
+                help=f"{option.help} [env {option.env}=A,B]",
+            )
+            continue
         default = os.environ.get(option.env, option.default)
         parser.add_argument(
             option.flag, type=option.type, default=default, help=f"{option.help} [env {option.env}]"
@@ -134,7 +157,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.devices = parse_devices(args.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
     except ValueError as exc:
         parser.error(str(exc))
-    for name in ("max_batch_size", "max_queue", "max_body_bytes", "port"):
+    for name in ("max_batch_size", "max_queue", "max_client_batch_size", "max_body_bytes", "port"):
         if getattr(args, name) < (0 if name == "port" else 1):
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.batch_timeout <= 0 or args.grace < 0:
@@ -149,6 +172,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--max-connections must not be negative and --api-key not empty")
     if args.log_format not in LOG_FORMATS:
         parser.error(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
+    args.ssl_context = None
+    if args.ssl_keyfile and not args.ssl_certfile:
+        parser.error("--ssl-keyfile needs --ssl-certfile")
+    if args.ssl_certfile:
+        try:
+            args.ssl_context = server_context(args.ssl_certfile, args.ssl_keyfile)
+        except ValueError as exc:
+            parser.error(f"--ssl-certfile/--ssl-keyfile: {exc}")
+    if any(not origin or origin.endswith("/") for origin in args.cors_allow_origin):
+        parser.error("--cors-allow-origin takes an origin such as https://app.example or *")
     args.share_cores = args.threads is None  # CPU workers split the cores as they are busy
     if args.threads is None:
         cpu_workers = max(1, sum(d in ("cpu", "auto") for d in args.devices))
@@ -209,7 +242,13 @@ async def serve(args: argparse.Namespace) -> int:
     )
     app = App(
         ServedModels([model]),
-        AppSettings(timeout=args.timeout, max_timeout=args.max_timeout, api_key=args.api_key),
+        AppSettings(
+            timeout=args.timeout,
+            max_timeout=args.max_timeout,
+            api_key=args.api_key,
+            max_client_batch_size=args.max_client_batch_size,
+            cors_allow_origins=tuple(args.cors_allow_origin),
+        ),
         metrics=metrics,
     )
     metrics.watch(scheduler, executor)
@@ -225,7 +264,13 @@ async def serve(args: argparse.Namespace) -> int:
     scheduler.start()
     metrics.start(loop)
     server = await loop.create_server(
-        lambda: HttpProtocol(app, settings, state, loop=loop), args.host, args.port, backlog=1024
+        lambda: HttpProtocol(app, settings, state, loop=loop),
+        args.host,
+        args.port,
+        backlog=1024,
+        ssl=args.ssl_context,
+        # a client that never finishes its TLS hello is let go as a slow head would be
+        ssl_handshake_timeout=args.head_timeout if args.ssl_context else None,
     )
     port = server.sockets[0].getsockname()[1]
     fix_mmap_threshold()  # large blocks mapped on their own: the heap does not creep
@@ -234,7 +279,10 @@ async def serve(args: argparse.Namespace) -> int:
     # requests (under 1 ms once frozen).
     gc.collect()
     gc.freeze()
-    log.info("rawserve %s listening on http://%s:%d (model loading)", __version__, args.host, port)
+    scheme = "https" if args.ssl_context else "http"
+    log.info(
+        "rawserve %s listening on %s://%s:%d (model loading)", __version__, scheme, args.host, port
+    )
 
     stop = asyncio.Event()
     signals = 0

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LISTENING = re.compile(r"listening on http://[\d.]+:(\d+)")
+LISTENING = re.compile(r"listening on https?://[\d.]+:(\d+)")
 READY = re.compile(r"ready in [\d.]+ s")
 
 

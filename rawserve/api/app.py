@@ -21,7 +21,8 @@ from rawserve.api.operations import MetricsPage, OperationsRoutes
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.http.auth import require_bearer
-from rawserve.http.errors import MethodNotAllowed, NotFound
+from rawserve.http.cors import CorsPolicy
+from rawserve.http.errors import HTTPError, MethodNotAllowed, NotFound, error_response
 from rawserve.http.exchange import HttpRequest, HttpResponse
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
@@ -70,6 +71,8 @@ class App:
             self.routes[MODELS_PREFIX + name] = {"POST": self.inference.model_route(model)}
         if metrics is not None:  # requests to other paths are counted as "other"
             metrics.name_routes(self.routes)
+        origins = settings.cors_allow_origins
+        self.cors = CorsPolicy(origins) if origins else None
 
     @property
     def draining(self) -> bool:
@@ -80,6 +83,16 @@ class App:
         self.gate.start_draining()
 
     async def handle(self, request: HttpRequest) -> HttpResponse:
+        if self.cors is None:
+            return await self.route(request)
+        try:
+            response = await self.route(request)
+        except HTTPError as error:  # rendered here so that a page can read it too
+            response = error_response(error)
+        self.cors.add_headers(request, response)
+        return response
+
+    async def route(self, request: HttpRequest) -> HttpResponse:
         methods = self.routes.get(request.path)
         if methods is None and request.path.startswith(MODELS_PREFIX):
             # a name spelt with %-escapes (org%2Fname), or a model not served: 404 naming
@@ -89,12 +102,15 @@ class App:
             methods = self.routes[MODELS_PREFIX + model.name]
         if methods is None:
             raise NotFound(f"no route for {request.path}")
+        allowed = {*methods, *(["HEAD"] if "GET" in methods else [])}
+        if self.cors is not None and self.cors.is_preflight(request):
+            return self.cors.preflight(request, allowed)  # a browser sends no API key here
         self.authorize(request)
         handler = methods.get(request.method)
         if handler is None and request.method == "HEAD":
             handler = methods.get("GET")  # the protocol drops the body
         if handler is None:
-            raise MethodNotAllowed(sorted({*methods, *(["HEAD"] if "GET" in methods else [])}))
+            raise MethodNotAllowed(sorted(allowed))
         return await handler(request)
 
     def answer_now(self, request: HttpRequest) -> HttpResponse | None:
@@ -105,6 +121,18 @@ class App:
         probe is not queued behind the pass's other work, and a refusal under overload
         costs no task. Raises HTTPError as `handle` does.
         """
+        if self.cors is None:
+            return self.answer_now_plain(request)
+        try:
+            response = self.answer_now_plain(request)
+        except HTTPError as error:
+            response = error_response(error)
+        if response is not None:
+            self.cors.add_headers(request, response)
+        return response
+
+    def answer_now_plain(self, request: HttpRequest) -> HttpResponse | None:
+        """`answer_now` without the CORS headers."""
         if request.method not in ("GET", "HEAD", "POST"):
             return None
         if request.path == "/health" and request.method != "POST":

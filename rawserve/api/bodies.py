@@ -12,7 +12,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from rawserve.http.encoding import dumps
-from rawserve.http.errors import BadRequest, HTTPError, InternalError, UnprocessableInput
+from rawserve.http.errors import (
+    BadRequest,
+    HTTPError,
+    InternalError,
+    PayloadTooLarge,
+    UnprocessableInput,
+)
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.scheduling.core import ItemResult
 from rawserve.shared.messages import FailureKind, ItemFailure
@@ -33,6 +39,14 @@ def is_json(request: HttpRequest) -> bool:
     return content_type == "application/json" or (
         not content_type and request.body.lstrip()[:1] == b"{"
     )
+
+
+def check_client_batch(count: int, limit: int) -> None:
+    """413 for a request with more inputs than one request may carry: it never fits."""
+    if count > limit:
+        raise PayloadTooLarge(
+            f"{count} inputs in one request: at most {limit} are allowed (--max-client-batch-size)"
+        )
 
 
 def request_timeout(request: HttpRequest, default: float, longest: float) -> float:

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rawserve.api.bodies import answer, is_json, read_json, unwrap
+from rawserve.api.bodies import answer, check_client_batch, is_json, read_json, unwrap
 from rawserve.api.context import RouteContext
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
@@ -30,8 +30,9 @@ class ParsedRequest:
     stream: bool = False  # answer text/event-stream, one event per new token
 
 
-def parse_json_body(task_name: str, document: Any) -> ParsedRequest:
-    """Check an Inference-API shaped body `{"inputs": X, "parameters": {...}}`."""
+def parse_json_body(task_name: str, document: Any, max_items: int = 32) -> ParsedRequest:
+    """Check an Inference-API shaped body `{"inputs": X, "parameters": {...}}` (at most
+    `max_items` inputs)."""
     if not isinstance(document, dict) or "inputs" not in document:
         raise BadRequest('the JSON body must be an object with an "inputs" field')
     task = task_rules(task_name)
@@ -48,6 +49,7 @@ def parse_json_body(task_name: str, document: Any) -> ParsedRequest:
     items = raw_inputs if is_list else [raw_inputs]
     if not items:
         raise BadRequest('"inputs" must not be an empty list')
+    check_client_batch(len(items), max_items)
     params = document.get("parameters")
     if params is None:
         params = {}
@@ -96,10 +98,10 @@ def parse_binary_body(task_name: str, body: bytes) -> ParsedRequest:
     return ParsedRequest([image_from_body(body)], {}, is_list=False)
 
 
-def parse_body(task: str | None, request: HttpRequest) -> ParsedRequest:
+def parse_body(task: str | None, request: HttpRequest, max_items: int) -> ParsedRequest:
     """The request's inputs and parameters, checked against the task's rules."""
     if is_json(request):
-        return parse_json_body(task or "", read_json(request))
+        return parse_json_body(task or "", read_json(request), max_items)
     if takes_binary_body(task):  # an image's bytes, with or without image/* type
         return parse_binary_body(task or "", request.body)
     try:
@@ -137,7 +139,7 @@ class InferenceRoutes:
     async def infer_with(self, model: ServedModel, request: HttpRequest) -> HttpResponse:
         self.context.gate.check(model)
         task = model.workers.task
-        parsed = parse_body(task, request)
+        parsed = parse_body(task, request, self.context.settings.max_client_batch_size)
         deadline = self.context.deadline(request)
         if parsed.stream:
             return await open_token_stream(model, parsed.inputs[0], parsed.params, deadline)

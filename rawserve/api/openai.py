@@ -16,19 +16,20 @@ from typing import Any
 
 import numpy as np
 
-from rawserve.api.bodies import answer, json_response, read_json, unwrap
+from rawserve.api.bodies import answer, check_client_batch, json_response, read_json, unwrap
 from rawserve.api.context import RouteContext
 from rawserve.http.errors import BadRequest, NotFound
 from rawserve.http.exchange import HttpRequest, HttpResponse
 
 EMBEDDING_TASK = "feature-extraction"
 ENCODING_FORMATS = ("float", "base64")
-MAX_INPUTS = 2048
 # The worker answers {"embedding": float32 vector, "tokens": n} for these parameters.
 EMBEDDING_API_PARAM = "embedding_api"
 
 
-def parse_embeddings_request(document: Any) -> tuple[list[str], dict[str, Any], str]:
+def parse_embeddings_request(
+    document: Any, max_inputs: int
+) -> tuple[list[str], dict[str, Any], str]:
     """(texts, worker parameters, encoding format) of an OpenAI embeddings body."""
     if not isinstance(document, dict) or "input" not in document:
         raise BadRequest('the JSON body must be an object with an "input" field')
@@ -37,15 +38,12 @@ def parse_embeddings_request(document: Any) -> tuple[list[str], dict[str, Any], 
         raise BadRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
     raw = document["input"]
     texts = [raw] if isinstance(raw, str) else raw
-    if (
-        not isinstance(texts, list)
-        or not 1 <= len(texts) <= MAX_INPUTS
-        or not all(isinstance(t, str) for t in texts)
-    ):
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
         raise BadRequest(
-            f'"input" must be a string or a list of 1 to {MAX_INPUTS} strings '
+            '"input" must be a string or a non-empty list of strings '
             "(token arrays are not supported)"
         )
+    check_client_batch(len(texts), max_inputs)
     encoding_format = document.get("encoding_format") or "float"
     if encoding_format not in ENCODING_FORMATS:
         raise BadRequest('"encoding_format" must be "float" or "base64"')
@@ -104,7 +102,9 @@ class OpenAIRoutes:
         self.context.gate.check(model)
         if model.workers.task != EMBEDDING_TASK:
             raise NotFound(f"/v1/embeddings serves {EMBEDDING_TASK} models only")
-        texts, params, encoding_format = parse_embeddings_request(document)
+        texts, params, encoding_format = parse_embeddings_request(
+            document, self.context.settings.max_client_batch_size
+        )
         results = await model.queue.run(texts, params, self.context.deadline(request))
         outputs = [unwrap(result) for result in results]
         return answer(embedding_response(outputs, encoding_format, model.name), results)

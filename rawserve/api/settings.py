@@ -10,3 +10,5 @@ class AppSettings:
     timeout: float = 30.0  # default request deadline, seconds
     max_timeout: float = 300.0  # the most X-Request-Timeout may ask for
     api_key: str | None = field(default=None, repr=False)  # Bearer token; None: open
+    max_client_batch_size: int = 32  # inputs in one request (TEI's name and default); more: 413
+    cors_allow_origins: tuple[str, ...] = ()  # browser origins that may call; "*": any

@@ -36,6 +36,11 @@ class Unauthorized(HTTPError):
     error_type = "unauthorized"
 
 
+class Forbidden(HTTPError):
+    status = 403
+    error_type = "forbidden"
+
+
 class NotFound(HTTPError):
     status = 404
     error_type = "not_found"

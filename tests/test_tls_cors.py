@@ -1,0 +1,280 @@
+"""TLS on the listening socket (`--ssl-certfile`, `--ssl-keyfile`) and CORS for browsers
+(`--cors-allow-origin`), end to end against the real server.
+
+TLS: certificates come from `trustme` (a throwaway CA); real clients (http.client with the
+CA trusted, and curl) talk to the server over TLS, and plain HTTP sent to the TLS port is
+refused cleanly (closed at once, no HTTP answer, nothing in the log but a line, the server
+unharmed). CORS: requests are sent as a browser sends them: a preflight `OPTIONS` with
+`Origin` and `Access-Control-Request-*`, then the request itself with `Origin`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.server import REPO_ROOT, RunningServer
+
+pytestmark = pytest.mark.slow
+
+ECHO = ["--handler", "tests.handlers:echo"]
+ORIGIN = "https://app.example"
+OTHER_ORIGIN = "https://other.example"
+API_KEY = "cors-secret"
+
+
+@pytest.fixture(scope="module")
+def ca():
+    import trustme
+
+    return trustme.CA()
+
+
+@pytest.fixture(scope="module")
+def certificate_files(ca, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tls")
+    issued = ca.issue_cert("127.0.0.1", "localhost")
+    certfile, keyfile, cafile = folder / "cert.pem", folder / "key.pem", folder / "ca.pem"
+    issued.private_key_pem.write_to_path(str(keyfile))
+    for index, blob in enumerate(issued.cert_chain_pems):
+        blob.write_to_path(str(certfile), append=index > 0)
+    ca.cert_pem.write_to_path(str(cafile))
+    return certfile, keyfile, cafile
+
+
+@pytest.fixture(scope="module")
+def tls_server(certificate_files):
+    certfile, keyfile, _ = certificate_files
+    args = [*ECHO, "--ssl-certfile", str(certfile), "--ssl-keyfile", str(keyfile)]
+    with RunningServer([*args, "--head-timeout", "2"]) as server:
+        yield server
+
+
+def https(server, ca, method, path, body=None, headers=None):
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    connection = http.client.HTTPSConnection("127.0.0.1", server.port, context=context, timeout=30)
+    try:
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        connection.close()
+
+
+# --- TLS ------------------------------------------------------------------------------
+
+
+def test_a_client_over_tls_is_served(tls_server, ca):
+    status, _, body = https(tls_server, ca, "GET", "/health")
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+    status, _, body = https(
+        tls_server, ca, "POST", "/", json.dumps({"inputs": "over tls"}),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    assert status == 200 and json.loads(body)["input"] == "over tls"
+
+
+def test_the_log_says_the_server_listens_on_https(tls_server):
+    assert any("listening on https://" in line for line in tls_server.lines)
+
+
+def test_one_tls_connection_carries_several_requests(tls_server, ca):
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    connection = http.client.HTTPSConnection("127.0.0.1", tls_server.port, context=context)
+    try:
+        for text in ("one", "two", "three"):
+            connection.request("POST", "/", body=text)
+            response = connection.getresponse()
+            assert response.status == 200 and json.loads(response.read())["input"] == text
+    finally:
+        connection.close()
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_over_tls_with_the_ca(tls_server, certificate_files):
+    _, _, cafile = certificate_files
+    done = subprocess.run(
+        ["curl", "-sS", "--cacert", str(cafile), "-d", "curl says hi",
+         f"https://localhost:{tls_server.port}/"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["input"] == "curl says hi"
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_refuses_a_server_it_cannot_verify(tls_server):
+    done = subprocess.run(
+        ["curl", "-sS", f"https://localhost:{tls_server.port}/health"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode != 0  # our CA is not in the system's trust store
+
+
+def test_plain_http_to_the_tls_port_is_refused_cleanly(tls_server, ca):
+    with socket.create_connection(("127.0.0.1", tls_server.port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        started = time.monotonic()
+        received = b""
+        while chunk := sock.recv(4096):  # until the server closes
+            received += chunk
+        assert time.monotonic() - started < 5  # at once, not at a timeout
+    assert not received.startswith(b"HTTP/")  # no plain answer; at most a TLS alert
+    time.sleep(0.2)  # let the server write its log line, if any
+    assert not any("Traceback" in line for line in tls_server.lines)
+    assert https(tls_server, ca, "GET", "/health")[0] == 200
+
+
+def test_a_client_that_never_says_hello_is_closed_at_the_head_timeout(tls_server):
+    with socket.create_connection(("127.0.0.1", tls_server.port), timeout=15) as sock:
+        started = time.monotonic()
+        assert sock.recv(4096) == b""
+        assert time.monotonic() - started < 10  # --head-timeout 2, not asyncio's 60 s
+
+
+def test_without_cors_options_is_405(tls_server, ca):
+    status, headers, _ = https(tls_server, ca, "OPTIONS", "/", headers={"Origin": ORIGIN})
+    assert status == 405 and "Access-Control-Allow-Origin" not in headers
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--ssl-certfile", "/nonexistent/cert.pem"],
+        ["--ssl-keyfile", "/nonexistent/key.pem"],  # a key without a certificate
+    ],
+    ids=["missing-file", "key-only"],
+)
+def test_bad_tls_options_stop_the_server_with_a_clear_message(args):
+    done = subprocess.run(
+        [sys.executable, "-m", "rawserve", *ECHO, "--port", "0", *args],
+        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "ssl" in done.stderr.lower() and "Traceback" not in done.stderr
+
+
+def test_a_certificate_file_that_holds_the_key_too_is_enough(certificate_files, ca, tmp_path):
+    certfile, keyfile, _ = certificate_files
+    combined = tmp_path / "combined.pem"
+    combined.write_bytes(keyfile.read_bytes() + certfile.read_bytes())
+    with RunningServer([*ECHO, "--ssl-certfile", str(combined)]) as server:
+        assert https(server, ca, "GET", "/health")[0] == 200
+
+
+# --- CORS -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cors_server():
+    origins = ["--cors-allow-origin", ORIGIN, "--cors-allow-origin", OTHER_ORIGIN]
+    with RunningServer([*ECHO, *origins, "--api-key", API_KEY]) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def any_origin_server():
+    with RunningServer([*ECHO, "--cors-allow-origin", "*"]) as server:
+        yield server
+
+
+def preflight(server, path="/", origin=ORIGIN, method="POST", headers="content-type"):
+    request = {"Origin": origin, "Access-Control-Request-Method": method}
+    if headers:
+        request["Access-Control-Request-Headers"] = headers
+    return server.request("OPTIONS", path, headers=request)
+
+
+def vary(headers):
+    return {v.strip().lower() for v in headers.get("vary", "").split(",")}
+
+
+@pytest.mark.parametrize("origin", [ORIGIN, OTHER_ORIGIN])
+def test_preflight_from_an_allowed_origin_allows_the_method_and_headers(cors_server, origin):
+    status, headers, body = preflight(
+        cors_server, origin=origin, headers="content-type, authorization, x-request-timeout"
+    )
+    assert status == 204 and body == b""  # no API key: a browser's preflight carries none
+    assert headers["access-control-allow-origin"] == origin
+    assert "POST" in [m.strip() for m in headers["access-control-allow-methods"].split(",")]
+    allowed = {h.strip().lower() for h in headers["access-control-allow-headers"].split(",")}
+    assert {"content-type", "authorization", "x-request-timeout"} <= allowed
+    assert int(headers["access-control-max-age"]) > 0
+    assert "origin" in vary(headers)
+
+
+def test_preflight_for_every_route_the_server_serves(cors_server):
+    for path, method in [("/", "POST"), ("/v1/embeddings", "POST"), ("/info", "GET")]:
+        status, headers, _ = preflight(cors_server, path, method=method, headers=None)
+        assert status == 204, path
+        assert headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_preflight_from_another_origin_is_refused_without_cors_headers(cors_server):
+    status, headers, body = preflight(cors_server, origin="https://evil.example")
+    assert status == 403
+    assert "access-control-allow-origin" not in headers
+    assert "evil.example" in json.loads(body)["error"]
+
+
+def test_preflight_for_a_method_the_route_does_not_serve_is_405(cors_server):
+    status, headers, _ = preflight(cors_server, "/health", method="DELETE")
+    assert status == 405 and "GET" in headers["allow"]
+
+
+def test_preflight_for_an_unknown_path_is_404(cors_server):
+    assert preflight(cors_server, "/nowhere")[0] == 404
+
+
+def test_the_answer_to_an_allowed_origin_carries_the_cors_headers(cors_server):
+    status, headers, body = cors_server.request(
+        "POST", "/", json.dumps({"inputs": "from a page"}),
+        {"Origin": ORIGIN, "Content-Type": "application/json",
+         "Authorization": f"Bearer {API_KEY}"},
+    )  # fmt: skip
+    assert status == 200 and json.loads(body)["input"] == "from a page"
+    assert headers["access-control-allow-origin"] == ORIGIN
+    assert "origin" in vary(headers)
+    exposed = {h.strip().lower() for h in headers["access-control-expose-headers"].split(",")}
+    assert {"x-request-id", "server-timing"} <= exposed
+
+
+def test_an_error_answer_carries_them_too_so_the_page_can_read_it(cors_server):
+    status, headers, body = cors_server.request("POST", "/", "no key", {"Origin": ORIGIN})
+    assert status == 401 and json.loads(body)["error"]
+    assert headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_an_answer_to_another_origin_or_to_no_origin_has_no_cors_headers(cors_server):
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    for extra in ({"Origin": "https://evil.example"}, {}):
+        status, headers, _ = cors_server.request("POST", "/", "hello", {**key, **extra})
+        assert status == 200
+        assert "access-control-allow-origin" not in headers
+
+
+def test_an_options_that_is_no_preflight_is_an_ordinary_request(cors_server):
+    status, headers, _ = cors_server.request("OPTIONS", "/", headers={"Origin": ORIGIN})
+    assert status == 401  # not a preflight: it needs the key like any request
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    status, headers, _ = cors_server.request("OPTIONS", "/", headers={"Origin": ORIGIN, **key})
+    assert status == 405 and headers["allow"] == "POST"
+
+
+def test_star_allows_any_origin(any_origin_server):
+    status, headers, _ = preflight(any_origin_server, origin="https://anywhere.example")
+    assert status == 204 and headers["access-control-allow-origin"] == "*"
+    status, headers, _ = any_origin_server.request(
+        "POST", "/", "hi", {"Origin": "https://anywhere.example"}
+    )
+    assert status == 200 and headers["access-control-allow-origin"] == "*"
