@@ -13,6 +13,14 @@ WORDS = (
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 VOCAB = SPECIAL + WORDS + [chr(c) for c in range(ord("a"), ord("z") + 1)] + list(".,?!")
 
+# the prompts a sentence-transformers model may name (TEI's `prompt_name`)
+SENTENCE_PROMPTS = {"query": "query: ", "passage": "passage: "}
+# a ChatML-like template, as instruction-tuned models ship them
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}</s>\n"
+    "{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
 KINDS = (
     "fill-mask",
     "text-classification",
@@ -21,7 +29,9 @@ KINDS = (
     "sentence-embedding",
     "question-answering",
     "zero-shot-classification",
+    "reranker",
     "text-generation",
+    "chat",
     "seq2seq",
     "image-classification",
 )
@@ -34,6 +44,8 @@ def build(kind: str, folder: Path) -> Path:
     torch.manual_seed(0)
     if kind == "text-generation":
         return _build_gpt2(folder)
+    if kind == "chat":
+        return _build_gpt2(folder, chat_template=CHAT_TEMPLATE)
     if kind == "seq2seq":
         return _build_bart(folder)
     if kind == "image-classification":
@@ -64,6 +76,9 @@ def _build_bert(kind: str, folder: Path) -> Path:
         config.id2label = dict(enumerate(labels))
         config.label2id = {label: i for i, label in enumerate(labels)}
         model = transformers.BertForTokenClassification(config)
+    elif kind == "reranker":  # a cross-encoder: one relevance score per (query, text) pair
+        config.num_labels = 1
+        model = transformers.BertForSequenceClassification(config)
     elif kind == "zero-shot-classification":  # an NLI head, as zero-shot needs
         labels = ["contradiction", "neutral", "entailment"]
         config.id2label = dict(enumerate(labels))
@@ -99,6 +114,9 @@ def _build_bert(kind: str, folder: Path) -> Path:
         (folder / "1_Pooling" / "config.json").write_text(
             json.dumps({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True})
         )
+        (folder / "config_sentence_transformers.json").write_text(
+            json.dumps({"prompts": SENTENCE_PROMPTS, "default_prompt_name": None})
+        )
     return folder
 
 
@@ -128,10 +146,12 @@ def bpe_tokenizer():
     )
 
 
-def _build_gpt2(folder: Path) -> Path:
+def _build_gpt2(folder: Path, chat_template: str | None = None) -> Path:
     import transformers
 
     tokenizer = bpe_tokenizer()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     config = transformers.GPT2Config(
         vocab_size=len(tokenizer),
         n_positions=256,
