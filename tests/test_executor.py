@@ -10,13 +10,14 @@ import pytest
 
 from rawserve.executor import Executor
 from rawserve.shared.messages import FailureKind, ItemFailure, WorkerConfig
+from tests.tiny_models import worker_config
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
 async def fill_mask_executor(tiny_model):
-    executor = Executor(WorkerConfig(model=tiny_model("fill-mask"), threads=1), ["cpu"])
+    executor = Executor(worker_config(tiny_model("fill-mask"), threads=1), ["cpu"])
     executor.start()
     await asyncio.wait_for(executor.wait_ready(), 120)
     yield executor
@@ -63,7 +64,8 @@ async def test_a_killed_worker_comes_back_and_its_batch_is_retried(fill_mask_exe
 
 
 async def test_a_model_that_cannot_load_is_reported(tmp_path):
-    executor = Executor(WorkerConfig(model=str(tmp_path / "missing"), threads=1), ["cpu"])
+    config = WorkerConfig(model=str(tmp_path / "missing"), task="fill-mask", threads=1)
+    executor = Executor(config, ["cpu"])
     executor.start()
     with pytest.raises(RuntimeError):
         await asyncio.wait_for(executor.wait_ready(), 120)

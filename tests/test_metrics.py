@@ -40,7 +40,14 @@ def scrape(server: RunningServer) -> dict[tuple[str, tuple[tuple[str, str], ...]
 
 
 def value(samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+    """The sum of the samples called `name` that carry these labels (and maybe others, such
+    as the model's name)."""
+    wanted = set(labels.items())
+    return sum(
+        sample_value
+        for (sample_name, sample_labels), sample_value in samples.items()
+        if sample_name == name and wanted <= set(sample_labels)
+    )
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 20) -> None:
@@ -100,7 +107,8 @@ def test_metrics_count_requests_batches_and_every_kind_of_drop(server):
     assert grew("rawserve_items_dropped_total", reason="rejected") == MAX_QUEUE + 1
     assert grew("rawserve_items_dropped_total", reason="expired") == 1
     assert grew("rawserve_items_dropped_total", reason="disconnected") == 1
-    assert ("rawserve_items_dropped_total", (("reason", "poison"),)) in after
+    model = (("model", "tests.handlers:sleepy"),)
+    assert ("rawserve_items_dropped_total", (*model, ("reason", "poison"))) in after
     # 25 items were computed, in at most 25 batches of at most 4
     assert grew("rawserve_batch_size_sum") == 25
     assert 25 / 4 <= grew("rawserve_batch_size_count") <= 25
@@ -155,9 +163,10 @@ def test_unknown_paths_share_one_route_label():
 
 def test_each_server_has_its_own_registry():
     first, second = Metrics(), Metrics()
-    first.drop("expired", 3)
-    assert b'rawserve_items_dropped_total{reason="expired"} 3.0' in first.render()[0]
-    assert b'rawserve_items_dropped_total{reason="expired"} 0.0' in second.render()[0]
+    first.for_model("m").drop("expired", 3)
+    second.for_model("m")
+    assert b'rawserve_items_dropped_total{model="m",reason="expired"} 3.0' in first.render()[0]
+    assert b'rawserve_items_dropped_total{model="m",reason="expired"} 0.0' in second.render()[0]
 
 
 async def test_the_loop_lag_probe_sees_a_blocked_loop():

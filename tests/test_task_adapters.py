@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rawserve.shared.messages import TokenChunk, WorkerConfig
+from rawserve.shared.messages import TokenChunk
 from rawserve.tasks import split_outputs
+from tests.tiny_models import worker_config
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +19,7 @@ def runner(tiny_model):
 
     def get(kind: str, task: str | None = None):
         if (kind, task) not in loaded:
-            config = WorkerConfig(model=tiny_model(kind), task=task, dtype="float32")
+            config = worker_config(tiny_model(kind), task, dtype="float32")
             loaded[kind, task] = load_runner(config, "cpu")
         return loaded[kind, task]
 

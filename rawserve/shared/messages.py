@@ -15,14 +15,21 @@ from typing import Any
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """What a worker needs to load its model; sent once, when it is spawned."""
+    """What a worker needs to load its model; sent once, when it is spawned.
+
+    The server settles the facts (rawserve.models): `model` is a local folder (a Hub id is
+    resolved before any worker starts), and the task and pooling are what the server read
+    from that folder, so a worker never derives them itself."""
 
     model: str
-    task: str | None = None
+    task: str | None = None  # None only with a handler
     handler: str | None = None  # "module:factory" instead of a transformers pipeline
     device: str = "auto"
     dtype: str = "auto"
     threads: int | None = None
+    pooling: str = "none"  # feature-extraction: mean, cls or none (token vectors)
+    normalize: bool = False  # feature-extraction: normalize the pooled vector
+    warmup_batch: int = 0  # items of the batch run before reporting ready (0: no warm-up)
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,13 @@ class TokenChunk:
 
 
 @dataclass(frozen=True)
+class WorkerWarming:
+    """The model is loaded; the worker runs its warm-up batch before it says ready."""
+
+    load_seconds: float
+
+
+@dataclass(frozen=True)
 class WorkerReady:
     pid: int
     task: str
@@ -76,6 +90,7 @@ class WorkerReady:
     dtype: str
     load_seconds: float
     details: Mapping[str, Any] = field(default_factory=dict)
+    warmup_seconds: float | None = None  # None: no warm-up ran
 
 
 @dataclass(frozen=True)

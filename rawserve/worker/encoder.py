@@ -5,29 +5,31 @@ Worker process only (imports torch and transformers).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 
-from rawserve.models.folder import sentence_transformers_pooling
 from rawserve.worker.runner import Runner, dtype_name, resolve_dtype
 
 
 class EncoderRunner(Runner):
     """feature-extraction: pooled sentence embeddings or token-level vectors.
 
-    A sentence-transformers folder is pooled (and normalized) as its files say;
-    other models answer token vectors, as the feature-extraction pipeline does.
+    A sentence-transformers model is pooled (and normalized) as its files say; other
+    models answer token vectors, as the feature-extraction pipeline does.
     """
 
-    def __init__(self, model: str, device: str, dtype: str):
+    def __init__(
+        self, model: str, device: str, dtype: str, pooling: str = "none", normalize: bool = False
+    ):
+        """`pooling` and `normalize` are the defaults the server read from the folder's
+        sentence-transformers files (rawserve.models.folder)."""
         tokenizer = transformers.AutoTokenizer.from_pretrained(model)
         self.model = transformers.AutoModel.from_pretrained(model, dtype=resolve_dtype(dtype))
         self.model.to(device).eval()
         super().__init__("feature-extraction", device, dtype_name(self.model), tokenizer)
-        self.default_pooling, self.default_normalize = sentence_transformers_pooling(Path(model))
+        self.default_pooling, self.default_normalize = pooling, normalize
         self.max_length = min(
             self.tokenizer.model_max_length, self.model.config.max_position_embeddings
         )

@@ -5,11 +5,8 @@ Worker process only (imports torch, and every runner module).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from rawserve.models.folder import default_model, infer_task
 from rawserve.shared.messages import WorkerConfig
 from rawserve.tasks import SEQ2SEQ_TASKS
 from rawserve.worker.causal_lm import CausalLMRunner
@@ -27,10 +24,11 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
     device = resolve_device(device)
     if config.handler:
         return HandlerRunner(config.handler, device)
-    model = config.model or default_model()
-    task = config.task or infer_task(Path(model))
+    model, task = config.model, config.task
+    if task is None:
+        raise ValueError("no task: the server names the task of every model it serves")
     if task == "feature-extraction":
-        return EncoderRunner(model, device, config.dtype)
+        return EncoderRunner(model, device, config.dtype, config.pooling, config.normalize)
     if task == "text-generation":
         return CausalLMRunner(model, device, resolve_dtype(config.dtype))
     if task == "question-answering":

@@ -32,6 +32,7 @@ from rawserve.shared.messages import (
     WorkerConfig,
     WorkerLoadFailed,
     WorkerReady,
+    WorkerWarming,
 )
 from rawserve.shared.pipes import MessageWriter
 
@@ -105,18 +106,25 @@ def worker_main(
             time.monotonic() - imported,
         )
         runner.bind_stream(out.send, cancelled_stream)  # token streaming, if it streams
+        from rawserve.worker.warmup import warm_up
     except Exception as exc:  # noqa: BLE001 - reported to the parent, logged here
         log.exception("could not load the model")
         out.send(WorkerLoadFailed(f"{type(exc).__name__}: {str(exc)[:500]}"))
         return
+    load_seconds = time.monotonic() - started
+    warmup_seconds = None
+    if config.warmup_batch:  # the first client's request costs what every later one costs
+        out.send(WorkerWarming(load_seconds))
+        warmup_seconds = warm_up(runner, config.warmup_batch)
     out.send(
         WorkerReady(
             pid=os.getpid(),
             task=runner.task,
             device=runner.device,
             dtype=runner.dtype,
-            load_seconds=time.monotonic() - started,
+            load_seconds=load_seconds,
             details=runner.details,
+            warmup_seconds=warmup_seconds,
         )
     )
     cap = BatchCap()

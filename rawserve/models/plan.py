@@ -1,0 +1,119 @@
+"""The models a server will serve, settled before any worker starts.
+
+From the command line's model names (`--model`, repeatable, with `--task` and `--revision`
+as defaults) to one `ModelPlan` per model: the names clients use, the local folder its
+workers load (a Hub repo resolved through the cache), and what that folder says (task,
+pooling). Every way this can fail is one `ModelNotFound` line naming the model.
+
+Server process; never imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from rawserve.models.folder import (
+    DEFAULT_MODEL_NAME,
+    FolderFacts,
+    default_model,
+    read_facts,
+    served_name,
+)
+from rawserve.models.hub import ModelNotFound, resolve_model
+from rawserve.models.names import ModelNameError, ModelSpec, parse_model_spec
+
+PACKAGED_REPO_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what the packaged model is
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """One model to serve: how clients name it, and what its workers load."""
+
+    names: tuple[str, ...]  # the first is the one /v1/models and answers show
+    source: str  # as the command line named it (a folder or a Hub id), for /info
+    folder: str | None  # the local folder the workers load; None for a --handler
+    commit: str | None = None  # the Hub commit in that folder
+    facts: FolderFacts | None = None  # None for a --handler: it says nothing of itself
+    handler: str | None = None  # "module:factory" instead of a model folder
+    requested_task: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+def plan_models(
+    models: Sequence[str],
+    *,
+    task: str | None = None,
+    revision: str | None = None,
+    handler: str | None = None,
+) -> list[ModelPlan]:
+    """The plans of the models named on the command line (the packaged model when none
+    is), in order: the first is the default. Raises ModelNotFound (one line) on a name
+    that cannot be read, a model that cannot be had, or one whose task is unknown."""
+    if handler:
+        if models:
+            raise ModelNotFound("--handler serves its own callable: give no --model with it")
+        return [ModelPlan((served_name(None, handler),), handler, None, handler=handler)]
+    if not models:
+        folder = Path(default_model())
+        facts = _facts(folder, task, DEFAULT_MODEL_NAME)
+        names = (DEFAULT_MODEL_NAME, PACKAGED_REPO_ID)
+        return [ModelPlan(names, PACKAGED_REPO_ID, str(folder), None, facts, None, task)]
+    plans = []
+    for text in models:
+        try:
+            spec = parse_model_spec(text).with_defaults(task=task, revision=revision)
+        except ModelNameError as exc:
+            raise ModelNotFound(f"--model {text!r}: {exc}") from None
+        plans.append(_plan(spec))
+    return _unique_names(plans)
+
+
+def _plan(spec: ModelSpec) -> ModelPlan:
+    resolved = resolve_model(spec)
+    facts = _facts(resolved.folder, spec.task, str(spec))
+    return ModelPlan(
+        names=resolved.names,
+        source=spec.source,
+        folder=str(resolved.folder),
+        commit=resolved.commit,
+        facts=facts,
+        requested_task=spec.task,
+    )
+
+
+def _facts(folder: Path, task: str | None, named: str) -> FolderFacts:
+    try:
+        return read_facts(folder, task)
+    except ValueError as exc:
+        raise ModelNotFound(f"model {named}: {exc}") from None
+
+
+def _unique_names(plans: Sequence[ModelPlan]) -> list[ModelPlan]:
+    """Each model keeps its own name, which must be unique; a second name (the Hub id or
+    folder name beside an alias) that two models share is ambiguous and neither keeps it."""
+    own: set[str] = set()
+    for plan in plans:
+        if plan.name in own:
+            raise ModelNotFound(
+                f"two models are named {plan.name!r}: give each an alias (ALIAS=MODEL)"
+            )
+        own.add(plan.name)
+    counts: dict[str, int] = {}
+    for plan in plans:
+        for name in plan.names[1:]:
+            counts[name] = counts.get(name, 0) + 1
+    return [
+        replace(
+            plan,
+            names=(
+                plan.name,
+                *(n for n in plan.names[1:] if counts[n] == 1 and n not in own),
+            ),
+        )
+        for plan in plans
+    ]

@@ -1,0 +1,80 @@
+"""The warm-up: one batch at the configured maximum batch size, run before a worker says
+it is ready, so that the first client's request does not pay for what a model's first
+call sets up lazily (kernels chosen, memory pools grown, caches filled).
+
+The batch is made of a task's example input, checked by the same rules as a client's
+(rawserve.tasks); a text-generation or text-to-text model generates a few tokens. A task
+with no example (a custom handler: its inputs are its own) is not warmed. A warm-up that
+fails is logged and the worker serves anyway: it is a courtesy, not a test.
+
+Worker process only (it runs the loaded model).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import time
+from typing import Any
+
+from rawserve.tasks import InvalidRequest, check_input, check_params, task_rules
+from rawserve.worker.runner import Runner
+
+log = logging.getLogger("rawserve.worker")
+
+EXAMPLE_TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
+GENERATED_TOKENS = 4  # a short generation: enough to run the decoding loop
+
+
+def example(runner: Runner) -> tuple[Any, dict[str, Any]] | None:
+    """A typical input of the runner's task, with the parameters it needs; None if the
+    task has no example."""
+    task = runner.task
+    if task in ("feature-extraction", "text-classification", "token-classification"):
+        return EXAMPLE_TEXT, {}
+    if task == "fill-mask":
+        mask = getattr(runner.tokenizer, "mask_token", None) or "[MASK]"
+        return EXAMPLE_TEXT.replace("lazy", mask), {}
+    if task == "zero-shot-classification":
+        return EXAMPLE_TEXT, {"candidate_labels": ["animals", "weather"]}
+    if task == "question-answering":
+        return {"question": "Who jumps?", "context": EXAMPLE_TEXT}, {}
+    if task in ("text-generation", "summarization", "translation", "text2text-generation"):
+        return EXAMPLE_TEXT, {"max_new_tokens": GENERATED_TOKENS}
+    if task == "image-classification":
+        return example_image(), {}
+    return None
+
+
+def example_image() -> str:
+    """A small gray picture, base64 PNG, as image inputs are queued."""
+    from PIL import Image  # the image extra: only image-classification models get here
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 64), (128, 128, 128)).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def warm_up(runner: Runner, size: int) -> float | None:
+    """Run one batch of `size` example inputs; its seconds, or None when nothing ran."""
+    found = example(runner)
+    rules = task_rules(runner.task)
+    if found is None or rules is None or size < 1:
+        return None
+    value, params = found
+    try:
+        inputs = [check_input(rules, value)] * size
+        checked = check_params(rules, params)
+    except InvalidRequest as exc:  # the example does not suit this model: serve anyway
+        log.warning("no warm-up: %s", exc)
+        return None
+    started = time.perf_counter()
+    try:
+        runner.run(inputs, checked)
+    except Exception:  # noqa: BLE001 - a failed warm-up is logged; the model still serves
+        log.warning("the warm-up batch failed; serving without it", exc_info=True)
+        return None
+    seconds = time.perf_counter() - started
+    log.info("warm-up: a batch of %d took %.2f s", size, seconds)
+    return seconds

@@ -1,0 +1,113 @@
+"""The warm start: each worker runs a batch of --max-batch-size examples before it reports
+ready (/ready says "warming" meanwhile), the batch is counted in no metric, and
+--no-warmup turns it off. First-request latencies with and without it are measured by
+`python -m bench.first_request` (bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from rawserve.executor import Executor, LoadState, WorkerState
+from rawserve.shared.messages import WorkerConfig, WorkerReady, WorkerWarming
+from rawserve.tasks import check_input, check_params, task_rules
+from rawserve.tasks.registry import TASKS
+from tests.server import RunningServer
+from tests.test_task_adapters import runner  # noqa: F401 - the in-process runners fixture
+
+WARMED = re.compile(r"warm-up: a batch of (\d+) took")
+
+# (tiny model kind, task) for every task rawserve serves: each is warmed by its example
+KINDS = {
+    "feature-extraction": "sentence-embedding",
+    "fill-mask": "fill-mask",
+    "image-classification": "image-classification",
+    "question-answering": "question-answering",
+    "summarization": "seq2seq",
+    "text-classification": "text-classification",
+    "text-generation": "text-generation",
+    "text2text-generation": "seq2seq",
+    "token-classification": "token-classification",
+    "translation": "seq2seq",
+    "zero-shot-classification": "zero-shot-classification",
+}
+
+
+def test_every_task_has_an_example_its_own_rules_accept():
+    from rawserve.worker.warmup import example
+
+    assert set(KINDS) == set(TASKS)  # a new task needs an example here
+    for task in TASKS:
+        tokenizer = SimpleNamespace(mask_token="<mask>")
+        found = example(SimpleNamespace(task=task, tokenizer=tokenizer))  # type: ignore[arg-type]
+        assert found is not None, task
+        value, params = found
+        rules = task_rules(task)
+        assert rules is not None
+        check_input(rules, value)
+        check_params(rules, params)
+    assert example(SimpleNamespace(task="custom", tokenizer=None)) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", sorted(KINDS))
+def test_every_runner_runs_its_warm_up_batch(runner, task):  # noqa: F811
+    from rawserve.worker.warmup import warm_up
+
+    kind = KINDS[task]
+    seconds = warm_up(runner(kind, task if kind == "seq2seq" else None), size=3)
+    assert seconds is not None and seconds > 0
+
+
+def test_a_warming_worker_is_not_ready_and_says_so():
+    executor = Executor(WorkerConfig(model="unused", task="fill-mask"), ["cpu"])
+    [worker] = executor.workers
+    worker.state = WorkerState.LOADING
+    executor._on_message(worker, WorkerWarming(load_seconds=1.0))
+    assert worker.state is WorkerState.WARMING
+    assert not executor.ready
+    assert executor.load_state()[0] is LoadState.WARMING
+    ready = WorkerReady(1, "fill-mask", "cpu", "float32", 1.0, warmup_seconds=0.25)
+    executor._pump = lambda: None  # type: ignore[method-assign] - nothing to dispatch here
+    executor._on_message(worker, ready)
+    assert executor.ready and executor.status()[0].warmup_seconds == 0.25
+
+
+def scrape_value(server: RunningServer, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = server.request("GET", "/metrics")[2].decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
+@pytest.mark.slow
+def test_the_server_warms_each_worker_with_a_full_batch_counted_nowhere(tiny_model):
+    args = ["--model", tiny_model("text-classification"), "--max-batch-size", "16"]
+    with RunningServer([*args, "--threads", "1"]) as server:
+        assert int(server.wait_for_log(WARMED).group(1)) == 16
+        assert any("warming up" in line for line in server.lines)
+        [worker] = json.loads(server.request("GET", "/info")[2])["workers"]
+        assert worker["warmup_seconds"] > 0
+        assert scrape_value(server, "rawserve_batch_size_count") == 0  # not a client's batch
+        assert server.post_json({"inputs": "i like it"})[0] == 200
+        assert scrape_value(server, "rawserve_batch_size_count") == 1
+
+
+@pytest.mark.slow
+def test_no_warmup_reports_ready_without_it(tiny_model):
+    args = ["--model", tiny_model("text-classification"), "--no-warmup", "--threads", "1"]
+    with RunningServer(args) as server:
+        document = json.loads(server.request("GET", "/info")[2])
+        assert document["warmup"] is False
+        assert document["workers"][0]["warmup_seconds"] is None
+        assert not any(WARMED.search(line) or "warming up" in line for line in server.lines)
+        assert server.post_json({"inputs": "i like it"})[0] == 200
