@@ -151,7 +151,7 @@ def test_load_64_concurrent_all_200_and_equal_to_the_unbatched_answer(
         )
     )
     assert time.monotonic() - started < 120
-    assert [status for status, _ in results] == [200] * 400, [a for s, a in results if s != 200][:2]
+    assert [status for status, _ in results] == [200] * 400
     for text, (_, answer) in zip(sent, results, strict=True):
         [got] = json.loads(answer)
         assert got["label"] == expected[text]["label"]
