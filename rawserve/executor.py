@@ -171,6 +171,11 @@ class WorkerHandle:
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
 
+    @property
+    def label(self) -> str:
+        """How log lines name it: its index, after its model's name when there are several."""
+        return f"{self.config.name}/{self.index}" if self.config.name else str(self.index)
+
     def status(self) -> WorkerStatus:
         return WorkerStatus(
             index=self.index,
@@ -431,7 +436,7 @@ class Executor:
             assert worker.conn is not None, "spawned workers have a pipe"
             worker.conn.send(batch)
         except (OSError, ValueError) as exc:  # the pipe broke: the reader will see the exit
-            log.warning("worker %d: could not send a batch: %s", worker.index, exc)
+            log.warning("worker %s: could not send a batch: %s", worker.label, exc)
 
     def _threads_for(self, worker: WorkerHandle, size: int) -> int | None:
         """With `share_cores`, CPU workers (of every served model) split the cores evenly,
@@ -505,8 +510,8 @@ class Executor:
         if worker.job is not job:
             return
         log.error(
-            "worker %d: a batch of %d ran over %.0f s; killing process %s",
-            worker.index,
+            "worker %s: a batch of %d ran over %.0f s; killing process %s",
+            worker.label,
             len(job.inputs),
             self.batch_timeout,
             worker.pid,
@@ -525,7 +530,7 @@ class Executor:
         worker.cancelled_stream = self._context.Value("q", 0, lock=False)  # a stream to stop
         process = self._context.Process(
             target=worker_main,
-            args=(batches_in, replies_out, worker.config, worker.index, worker.cancelled_stream),
+            args=(batches_in, replies_out, worker.config, worker.label, worker.cancelled_stream),
             name=f"rawserve-worker-{worker.index}",
             daemon=True,
         )
@@ -538,8 +543,8 @@ class Executor:
         worker.batch_cap = None
         worker.started_at = self.clock()
         log.info(
-            "worker %d: started (pid %d, device %s)",
-            worker.index,
+            "worker %s: started (pid %d, device %s)",
+            worker.label,
             process.pid,
             worker.config.device,
         )
@@ -560,7 +565,7 @@ class Executor:
         try:
             messages = reader.read(fd)
         except Exception:  # noqa: BLE001 - a pipe we cannot read is a dead worker
-            log.exception("worker %d: unreadable message; stopping it", worker.index)
+            log.exception("worker %s: unreadable message; stopping it", worker.label)
             messages = []
             reader.closed = True
             process.kill()
@@ -588,8 +593,8 @@ class Executor:
         elif isinstance(message, WorkerWarming):
             worker.state = WorkerState.WARMING
             log.info(
-                "worker %d: model loaded in %.1f s; warming up",
-                worker.index,
+                "worker %s: model loaded in %.1f s; warming up",
+                worker.label,
                 message.load_seconds,
             )
         elif isinstance(message, WorkerReady):
@@ -598,8 +603,8 @@ class Executor:
             worker.failed_restarts = 0
             warmed = message.warmup_seconds
             log.info(
-                "worker %d: %s model ready on %s in %.1f s%s",
-                worker.index,
+                "worker %s: %s model ready on %s in %.1f s%s",
+                worker.label,
                 message.task,
                 message.device,
                 message.load_seconds + (warmed or 0.0),
@@ -609,7 +614,7 @@ class Executor:
                 self._first_load.set_result(message)
             self._pump()
         elif isinstance(message, WorkerLoadFailed):
-            log.error("worker %d: could not load the model: %s", worker.index, message.message)
+            log.error("worker %s: could not load the model: %s", worker.label, message.message)
             if self._first_load and not self._first_load.done():
                 self._first_load.set_exception(RuntimeError(message.message))
                 self._closing = True  # a model that never loaded will not load on retry
@@ -617,7 +622,7 @@ class Executor:
     def _on_result(self, worker: WorkerHandle, result: BatchResult) -> None:
         job = worker.job
         if job is None or result.batch_id != job.batch_id:
-            log.warning("worker %d: dropped a stale result", worker.index)
+            log.warning("worker %s: dropped a stale result", worker.label)
             return
         self._take_job(worker)
         if worker.state is WorkerState.BUSY:
@@ -626,8 +631,8 @@ class Executor:
         worker.crashes = 0
         if result.effective_batch_cap != worker.batch_cap:
             log.warning(
-                "worker %d: effective batch cap now %s (out of memory earlier)",
-                worker.index,
+                "worker %s: effective batch cap now %s (out of memory earlier)",
+                worker.label,
                 result.effective_batch_cap or "the configured maximum",
             )
             worker.batch_cap = result.effective_batch_cap
@@ -646,8 +651,8 @@ class Executor:
         job = self._take_job(worker)
         if job is not None and job.poison_key is not None:
             log.error(
-                "worker %d: one input crashed the worker on its own; it is refused from now on",
-                worker.index,
+                "worker %s: one input crashed the worker on its own; it is refused from now on",
+                worker.label,
             )
             self.poison.add(job.poison_key)
             if self.metrics is not None:
@@ -663,8 +668,8 @@ class Executor:
         else:
             worker.crashes += 1
         log.error(
-            "worker %d: process %d exited with code %s%s%s; restarting in %.1f s",
-            worker.index,
+            "worker %s: process %d exited with code %s%s%s; restarting in %.1f s",
+            worker.label,
             process.pid,
             process.exitcode,
             " while loading" if was_loading else "",

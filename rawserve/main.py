@@ -255,10 +255,12 @@ def model_facts(plan: ModelPlan, args: argparse.Namespace) -> dict[str, Any]:
     return facts
 
 
-def worker_config(plan: ModelPlan, args: argparse.Namespace) -> WorkerConfig:
-    """What each worker of `plan` is given: the resolved folder and the facts read from it."""
+def worker_config(plan: ModelPlan, args: argparse.Namespace, name: str = "") -> WorkerConfig:
+    """What each worker of `plan` is given: the resolved folder and the facts read from it
+    (`name`: the model's, for log lines, when the server has several)."""
     facts = plan.facts
     return WorkerConfig(
+        name=name,
         model=plan.folder or "",
         task=facts.task if facts else None,
         handler=plan.handler,
@@ -286,11 +288,13 @@ def build_model(
     metrics: Metrics,
     core_share: CoreShare,
     loop: asyncio.AbstractEventLoop,
+    several: bool = False,
 ) -> ModelParts:
+    """One model's parts; with `several` models, its log lines carry its name."""
     counts = metrics.for_model(plan.name)
     wake = asyncio.Event()  # a worker may be free: the scheduler looks again
     executor = Executor(
-        worker_config(plan, args),
+        worker_config(plan, args, plan.name if several else ""),
         args.devices,
         batch_timeout=args.batch_timeout,
         share_cores=args.share_cores,
@@ -320,7 +324,8 @@ async def serve(args: argparse.Namespace, plans: Sequence[ModelPlan]) -> int:
     started = time.monotonic()
     metrics = Metrics()
     core_share = CoreShare()  # every model's CPU workers split the cores
-    models = [build_model(plan, args, metrics, core_share, loop) for plan in plans]
+    several = len(plans) > 1
+    models = [build_model(plan, args, metrics, core_share, loop, several) for plan in plans]
     executors = [model.executor for model in models]
     schedulers = [model.scheduler for model in models]
     app = App(

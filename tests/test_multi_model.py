@@ -126,6 +126,13 @@ def test_ready_info_and_metrics_describe_every_model(pair):
     assert 'rawserve_batch_size_count{model="cls"}' in metrics
 
 
+def test_log_lines_name_the_model_of_each_worker(pair):
+    for name in ("emb", "cls"):
+        assert any(f"worker {name}/0: started" in line for line in pair.lines)
+        assert any(f" worker-{name}/0 INFO " in line for line in pair.lines)  # its own lines
+    assert not any("worker 0:" in line for line in pair.lines)
+
+
 # --- isolation -----------------------------------------------------------------------
 
 

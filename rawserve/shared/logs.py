@@ -102,12 +102,13 @@ def setup_logging(
         logging.getLogger(name).setLevel(max(root.level, logging.WARNING))
 
 
-def setup_worker_logging(index: int, environ: Mapping[str, str] | None = None) -> None:
-    """Logging in worker process `index`, with the server's level and format."""
+def setup_worker_logging(label: str | int, environ: Mapping[str, str] | None = None) -> None:
+    """Logging in worker process `label` (e.g. 0, or cls/0), with the server's level and
+    format."""
     env = os.environ if environ is None else environ
     log_format = env.get("RAWSERVE_LOG_FORMAT", "text")
     setup_logging(
         env.get("RAWSERVE_LOG_LEVEL", "info"),
         log_format if log_format in LOG_FORMATS else "text",
-        text_format=f"%(asctime)s worker-{index} %(levelname)s %(message)s",
+        text_format=f"%(asctime)s worker-{label} %(levelname)s %(message)s",
     )

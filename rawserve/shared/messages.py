@@ -30,6 +30,7 @@ class WorkerConfig:
     pooling: str = "none"  # feature-extraction: mean, cls or none (token vectors)
     normalize: bool = False  # feature-extraction: normalize the pooled vector
     warmup_batch: int = 0  # items of the batch run before reporting ready (0: no warm-up)
+    name: str = ""  # the served model's name in log lines, when the server has several
 
 
 @dataclass(frozen=True)

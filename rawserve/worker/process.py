@@ -78,14 +78,15 @@ def worker_main(
     batches: Connection,
     replies: Connection,
     config: WorkerConfig,
-    index: int,
+    label: str | int,
     cancelled_stream: Any = None,
 ) -> None:
-    """Entry point of worker process `index`: reads `batches`, writes its messages to
-    `replies` (the write end of a one-way pipe). `cancelled_stream` is a shared integer:
-    the id of a stream whose client has gone."""
+    """Entry point of worker process `label` (its index, after its model's name when the
+    server has several): reads `batches`, writes its messages to `replies` (the write end
+    of a one-way pipe). `cancelled_stream` is a shared integer: the id of a stream whose
+    client has gone."""
     out = MessageWriter(replies.fileno())
-    setup_worker_logging(index)  # the server's --log-level and --log-format, from the env
+    setup_worker_logging(label)  # the server's --log-level and --log-format, from the env
     try:
         os.nice(WORKER_NICENESS)
     except OSError:  # not allowed here: run at the server's priority
