@@ -1,10 +1,12 @@
 """The first request after /ready, with and without the warm-up batch.
 
 For each mode, a fresh rawserve on the packaged all-MiniLM-L6-v2 (CPU, one worker) is
-started `--rounds` times; once /ready says 200, one request is sent and timed (the first
+started `--rounds` times (the two modes taking turns, so other work on the machine
+weighs on both alike); once /ready says 200, one request is sent and timed (the first
 one a client would send), then `--steady` more one after another on the same connection,
-whose median is the steady-state p50. With warm-up the first request should cost what
-the later ones cost (within 1.5x of the p50); without it, it pays the model's lazy set-up.
+whose median is that round's steady-state p50. With warm-up the first request should
+cost what the later ones cost (within 1.5x of the p50); without it, it pays the model's
+lazy set-up.
 
     python -m bench.first_request [--rounds 5] [--steady 200] [--max-batch-size 32]
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
@@ -71,25 +74,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steady", type=int, default=200, help="requests after the first")
     parser.add_argument("--max-batch-size", type=int, default=32)
     options = parser.parse_args(argv)
+    # (first, steady p50) per round and mode; the modes alternate round by round so that
+    # whatever else runs on the machine weighs on both alike
+    rounds: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="rawserve-first-") as logs:
-        rows = []
-        for warmup in (True, False):
-            firsts, p50s = [], []
-            for _ in range(options.rounds):
-                first, p50 = one_round(warmup, options.steady, options.max_batch_size, Path(logs))
-                firsts.append(first)
-                p50s.append(p50)
-            rows.append((warmup, firsts, p50s))
-    print("| warm-up | first request (median, min-max) | steady p50 (median) | first / p50 |")
+        for _ in range(options.rounds):
+            for warmup in (True, False):
+                measured = one_round(warmup, options.steady, options.max_batch_size, Path(logs))
+                rounds[warmup].append(measured)
+    load = max(load, os.getloadavg()[0])
+    print(
+        f"{options.rounds} rounds per mode, {options.steady} steady requests each, "
+        f"--max-batch-size {options.max_batch_size}, {os.cpu_count()} cores, "
+        f"1-minute load average up to {load:.1f}"
+    )
+    print(
+        "| warm-up | first request: median (min-max) | steady p50: median "
+        "| first / p50: median of rounds (min-max) |"
+    )
     print("|---|---|---|---|")
-    for warmup, firsts, p50s in rows:
-        first, p50 = statistics.median(firsts), statistics.median(p50s)
+    for warmup, measured in rounds.items():
+        firsts = [first for first, _ in measured]
+        p50s = [p50 for _, p50 in measured]
+        ratios = [first / p50 for first, p50 in measured]
         print(
             f"| {'on' if warmup else 'off (--no-warmup)'} "
-            f"| {first * 1000:.1f} ms ({min(firsts) * 1000:.1f}-{max(firsts) * 1000:.1f}) "
-            f"| {p50 * 1000:.2f} ms | {first / p50:.1f}x |"
+            f"| {ms(statistics.median(firsts))} ({ms(min(firsts))}-{ms(max(firsts))}) "
+            f"| {ms(statistics.median(p50s))} "
+            f"| {statistics.median(ratios):.1f}x ({min(ratios):.1f}-{max(ratios):.1f}x) |"
         )
     return 0
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
 
 
 if __name__ == "__main__":

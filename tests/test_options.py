@@ -1,0 +1,84 @@
+"""Every command-line option is also a RAWSERVE_* variable, and the two read the same.
+
+parse_args only (no server): an option given as its variable leaves exactly the same
+settings as the flag would; a flag given beside its variable wins; the model list, which
+is repeatable, takes its variable comma-separated.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rawserve.main import OPTIONS, Option, parse_args
+
+# A valid value per option whose type alone does not give one (validated strings).
+SAMPLES = {
+    "--device": "cpu,cpu",
+    "--dtype": "float32",
+    "--batching": "count",
+    "--log-level": "debug",
+    "--log-format": "json",
+    "--handler": "tests.handlers:echo",
+    "--revision": "v1.0",
+    "--task": "text-classification",
+    "--api-key": "secret",
+    "--cors-allow-origin": "https://app.example",
+}
+# Each needs a real certificate file; tests/test_tls_cors.py serves TLS from them.
+NEEDS_FILES = {"--ssl-certfile", "--ssl-keyfile"}
+BY_TYPE: dict[type, str] = {int: "7", float: "2.5", str: "a-value"}
+
+
+def clear_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for option in OPTIONS:
+        monkeypatch.delenv(option.env, raising=False)
+
+
+def flag_and_variable(option: Option) -> tuple[list[str], str]:
+    """The argv that sets the option, and the variable's value that should do the same."""
+    if option.type is bool:
+        return [option.flag], "1"
+    value = SAMPLES.get(option.flag, BY_TYPE.get(option.type, "a-value"))
+    return [option.flag, value], value
+
+
+@pytest.mark.parametrize(
+    "option", [o for o in OPTIONS if o.flag not in NEEDS_FILES], ids=lambda o: o.env
+)
+def test_an_option_as_its_variable_reads_as_its_flag(monkeypatch, option):
+    clear_environment(monkeypatch)
+    argv, value = flag_and_variable(option)
+    from_flag = vars(parse_args(argv))
+    monkeypatch.setenv(option.env, value)
+    from_variable = vars(parse_args([]))
+    assert from_variable == from_flag
+    assert from_variable != defaults(monkeypatch)  # the sample does change the setting
+
+
+def defaults(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    """The settings with no flag and no variable: what the option must change."""
+    with monkeypatch.context() as scoped:
+        clear_environment(scoped)
+        return vars(parse_args([]))
+
+
+def test_the_model_list_is_comma_separated_and_given_flags_replace_it(monkeypatch):
+    clear_environment(monkeypatch)
+    listed = "emb=BAAI/bge-small-en-v1.5@main, cls=/models/sst2:text-classification"
+    monkeypatch.setenv("RAWSERVE_MODEL", listed)
+    monkeypatch.setenv("RAWSERVE_REVISION", "v2")
+    monkeypatch.setenv("RAWSERVE_TASK", "feature-extraction")
+    args = parse_args([])
+    assert args.model == ["emb=BAAI/bge-small-en-v1.5@main", "cls=/models/sst2:text-classification"]
+    assert (args.revision, args.task) == ("v2", "feature-extraction")
+    assert parse_args(["--model", "org/name"]).model == ["org/name"]
+    assert parse_args(["--revision", "abc123"]).revision == "abc123"
+
+
+@pytest.mark.parametrize("env", ["RAWSERVE_NO_WARMUP", "RAWSERVE_DOWNLOAD_ONLY"])
+@pytest.mark.parametrize(("value", "on"), [("1", True), ("yes", True), ("0", False), ("", False)])
+def test_the_switches_read_their_variables(monkeypatch, env, value, on):
+    clear_environment(monkeypatch)
+    monkeypatch.setenv(env, value)
+    args = parse_args([])
+    assert getattr(args, env.removeprefix("RAWSERVE_").lower()) is on
