@@ -1,0 +1,178 @@
+"""Promises about the server's life: the grace period bounds the exit, two kills by an
+operator do not make an innocent input poison, a clean stop leaks nothing, and
+`--help` tells the defaults.
+
+Real `python -m rawserve` processes on the test handlers (they start fast).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.server import REPO_ROOT, RunningServer
+
+pytestmark = pytest.mark.slow
+
+FAULTY = "tests.handlers:faulty"
+SLEEPING = re.compile(r"faulty handler: sleeping")
+STARTED = re.compile(r"worker 0: started \(pid (\d+)")
+EXIT_SLACK = 1.5  # seconds past the grace period the process may take to exit
+
+
+def post_in_background(server: RunningServer, document: dict) -> tuple[threading.Thread, list]:
+    answers: list = []
+
+    def run() -> None:
+        status, _, body = server.request(
+            "POST", "/", json.dumps(document), {"Content-Type": "application/json"}, timeout=120
+        )
+        answers.append((status, json.loads(body)))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, answers
+
+
+def count_matches(server: RunningServer, pattern: re.Pattern[str]) -> int:
+    return sum(bool(pattern.search(line)) for line in server.lines)
+
+
+def wait_for_nth(server: RunningServer, pattern: re.Pattern[str], n: int, timeout: float = 60):
+    """Wait until `n` log lines in all have matched `pattern`."""
+    end = time.monotonic() + timeout
+    while count_matches(server, pattern) < n:
+        try:  # the server's log lines, as RunningServer queues them
+            line = server._new_lines.get(timeout=max(0.01, end - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"fewer than {n} lines matched {pattern.pattern!r}") from None
+        if line is None:
+            raise AssertionError("server exited:\n" + "\n".join(server.lines[-30:]))
+        server.lines.append(line)
+
+
+def wait_until_serving(server: RunningServer, timeout: float = 60) -> None:
+    """Poll /ready, as a load balancer does, until the restarted worker serves again."""
+    end = time.monotonic() + timeout
+    while server.request("GET", "/ready")[0] != 200:
+        assert time.monotonic() < end, "not ready again"
+        time.sleep(0.1)
+
+
+def all_log_lines(server: RunningServer) -> list[str]:
+    """Every line the (stopped) server wrote, including those nobody waited for."""
+    while (line := server._new_lines.get(timeout=10)) is not None:
+        server.lines.append(line)
+    return server.lines
+
+
+def worker_pid(server: RunningServer) -> int:
+    _, _, body = server.request("GET", "/info")
+    return json.loads(body)["worker_pids"][0]
+
+
+# --- 2. --grace is a hard bound on the exit ------------------------------------------
+
+
+def test_the_grace_period_bounds_the_exit_even_with_a_busy_worker():
+    grace = 2.0
+    server = RunningServer(["--handler", FAULTY, "--grace", str(grace)]).start()
+    try:
+        thread, answers = post_in_background(server, {"inputs": "x", "parameters": {"sleep": 30}})
+        server.wait_for_log(SLEEPING, timeout=30)
+        started = time.monotonic()
+        server.signal(signal.SIGTERM)
+        server.process.wait(timeout=30)
+        elapsed = time.monotonic() - started
+        thread.join(timeout=10)
+    finally:
+        server.stop()
+    assert answers and answers[0][0] == 503
+    assert elapsed <= grace + EXIT_SLACK, f"exited {elapsed:.1f} s after SIGTERM (grace {grace})"
+
+
+# --- 3. an input is quarantined only after crashing a worker alone twice -------------
+
+
+def test_two_outside_kills_do_not_make_an_input_poison():
+    with RunningServer(["--handler", FAULTY, "--no-access-log"]) as server:
+        document = {"inputs": "innocent", "parameters": {"sleep": 1.5}}
+        thread, answers = post_in_background(server, document)
+        for run in (1, 2):  # kill the worker in the batch, then in the lone retry
+            wait_for_nth(server, SLEEPING, run)
+            os.kill(worker_pid(server), signal.SIGKILL)
+            wait_for_nth(server, STARTED, run + 1)
+        thread.join(timeout=60)
+        assert answers and answers[0][0] == 200, answers
+        status, answer = server.post_json(document)
+        assert status == 200, answer
+
+
+def test_an_input_that_crashes_the_worker_alone_is_still_quarantined():
+    with RunningServer(["--handler", FAULTY, "--no-access-log"]) as server:
+        status, answer = server.post_json({"inputs": "crash"})
+        assert status == 500, answer
+        wait_until_serving(server)
+        status, answer = server.post_json({"inputs": "crash"})
+        assert status == 422 and "refused" in answer["error"], answer
+
+
+# --- 12. small things a user sees -----------------------------------------------------
+
+
+def test_a_stop_after_a_worker_was_killed_leaks_no_semaphore(tiny_model):
+    """A worker killed from outside (or at the end of the grace period) cannot clean up
+    after itself: it must hold nothing the resource tracker would report as leaked."""
+    server = RunningServer(["--model", tiny_model("text-classification"), "--threads", "1"])
+    server.start()
+    try:
+        os.kill(worker_pid(server), signal.SIGKILL)
+        wait_for_nth(server, STARTED, 2)
+        wait_until_serving(server)
+        status, _ = server.post_json({"inputs": "hello"})
+        assert status == 200
+    finally:
+        code = server.stop()
+    assert code == 0
+    lines = all_log_lines(server)
+    assert not [line for line in lines if "leaked" in line], lines[-10:]
+
+
+def test_the_same_stop_signal_twice_at_once_still_drains():
+    """`make serve` stopped with SIGTERM to its process group: the server gets the signal
+    from the group and again from make, a moment apart; that is one stop, not two."""
+    server = RunningServer(["--handler", "tests.handlers:echo"]).start()
+    server.signal(signal.SIGTERM)
+    server.wait_for_log(re.compile("SIGTERM received"))
+    server.signal(signal.SIGTERM)  # make forwards the one it got
+    assert server.process.wait(timeout=30) == 0
+    server.stop()
+    lines = all_log_lines(server)
+    assert lines[-1].endswith("rawserve INFO stopped"), lines[-5:]
+
+
+@pytest.mark.parametrize(
+    ("flag", "default"),
+    [("--max-queue", "256"), ("--timeout", "30"), ("--grace", "30"), ("--port", "8000")],
+)
+def test_help_shows_the_defaults(flag, default):
+    result = subprocess.run(
+        [sys.executable, "-m", "rawserve", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT, "COLUMNS": "200"},
+        timeout=60,
+        check=True,
+    )
+    lines = [line for line in result.stdout.splitlines() if line.strip().startswith(flag + " ")]
+    assert lines, result.stdout
+    assert re.search(rf"default: {re.escape(default)}(\.0)?\b", lines[0]), lines[0]

@@ -1,0 +1,230 @@
+"""Abuse on the wire, over real loopback sockets against `python -m rawserve`.
+
+A client that pipelines as fast as it can, chunked framing that lies about sizes or
+smuggles bytes in chunk extensions, idle connections that fill the connection cap, and
+a client that never reads its answer. Each scenario is bounded in time and count.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import threading
+import time
+
+import h11
+import pytest
+
+from tests.server import RunningServer
+
+pytestmark = pytest.mark.slow
+
+FLOOD_SECONDS = 5.0
+RSS_GROWTH_LIMIT = 10 * 1024 * 1024  # bytes the server may grow under the flood
+PROBE_P99_LIMIT = 0.010  # seconds, /health for another client during the flood
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def connect(port: int, rcvbuf: int | None = None) -> socket.socket:
+    sock = socket.socket()
+    if rcvbuf is not None:  # before connect, so the window is small from the start
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def read_answers(sock: socket.socket, limit: float) -> list[tuple[int, bytes]]:
+    """Every whole response on `sock` until the server closes it (or `limit` seconds)."""
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method="GET", target="/", headers=[("Host", "x")]))
+    client.send(h11.EndOfMessage())
+    answers: list[tuple[int, bytes]] = []
+    status, body = 0, bytearray()
+    sock.settimeout(limit)
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        event = client.next_event()
+        if event is h11.NEED_DATA:
+            try:
+                data = sock.recv(65536)
+            except TimeoutError:
+                break
+            client.receive_data(data)
+            if not data:
+                continue
+        elif isinstance(event, h11.Response):
+            status = event.status_code
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            answers.append((status, bytes(body)))
+            break
+        elif isinstance(event, h11.ConnectionClosed):
+            break
+    return answers
+
+
+@pytest.fixture(scope="module")
+def echo_server():
+    with RunningServer(
+        [
+            "--handler",
+            "tests.handlers:echo",
+            "--max-body-bytes",
+            "4096",
+            "--body-timeout",
+            "10",
+            "--max-connections",
+            "8",
+            "--keepalive-timeout",
+            "60",
+            "--no-access-log",
+        ]
+    ) as server:
+        yield server
+
+
+# --- 1. pipelined bytes are read within a bound, whatever the number of answers -----
+
+
+def test_a_pipelining_flood_keeps_the_servers_memory_flat_and_probes_fast(echo_server):
+    pid = echo_server.process.pid
+    start_rss = rss_bytes(pid)
+    request = b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\n\r\nx"
+    block = request * 2000
+    stop = threading.Event()
+    peak = [start_rss]
+    answered = [0]
+
+    flood = connect(echo_server.port)
+
+    def drain_answers() -> None:  # the flooding client reads its answers, as fast as it can
+        flood.settimeout(0.5)
+        while not stop.is_set():
+            try:
+                data = flood.recv(1 << 20)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            answered[0] += data.count(b"HTTP/1.1 200")
+
+    def write_flood() -> None:
+        try:
+            while not stop.is_set():
+                flood.sendall(block)
+        except OSError:
+            pass
+
+    def watch_memory() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss_bytes(pid))
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (drain_answers, write_flood)]
+    threads.append(threading.Thread(target=watch_memory, daemon=True))
+    for thread in threads:
+        thread.start()
+    probe_seconds = []
+    probe = h11.Connection(h11.CLIENT)
+    with connect(echo_server.port) as sock:
+        sock.settimeout(5)
+        end = time.monotonic() + FLOOD_SECONDS
+        while time.monotonic() < end:
+            started = time.perf_counter()
+            sock.sendall(
+                probe.send(h11.Request(method="GET", target="/health", headers=[("Host", "a")]))
+                + probe.send(h11.EndOfMessage())
+            )
+            while not isinstance(event := probe.next_event(), h11.EndOfMessage):
+                if event is h11.NEED_DATA:
+                    probe.receive_data(sock.recv(65536))
+            probe_seconds.append(time.perf_counter() - started)
+            probe.start_next_cycle()
+            time.sleep(0.02)
+    stop.set()
+    flood.close()
+    for thread in threads:
+        thread.join(timeout=5)
+    assert answered[0] > 0, "the flooding client got no answers at all"
+    growth = peak[0] - start_rss
+    assert growth < RSS_GROWTH_LIMIT, f"server RSS grew {growth / 2**20:.1f} MB under the flood"
+    p99 = statistics.quantiles(probe_seconds, n=100)[98]
+    assert p99 < PROBE_P99_LIMIT, f"/health p99 {1000 * p99:.1f} ms during the flood"
+
+
+# --- 7. chunked framing: sizes bounded, extensions counted -----------------------------
+
+
+def test_a_chunk_size_over_the_body_limit_is_refused_at_once(echo_server):
+    head = b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+    with connect(echo_server.port) as sock:
+        started = time.monotonic()
+        sock.sendall(head + b"%x\r\n" % 2**76 + b"abc")  # 20 hex digits: h11's most
+        answers = read_answers(sock, limit=3)
+        elapsed = time.monotonic() - started
+    assert [status for status, _ in answers] == [413]
+    assert elapsed < 2
+
+
+def test_chunk_extensions_count_toward_the_body_limit(echo_server):
+    head = b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunk = b"1;ext=" + b"e" * 200 + b"\r\nx\r\n"  # one byte of data, 200 of extension
+    with connect(echo_server.port) as sock:
+        sock.sendall(head + chunk * 100 + b"0\r\n\r\n")  # 100 bytes of data, 20 kB in all
+        answers = read_answers(sock, limit=5)
+    assert [status for status, _ in answers] == [413]
+
+
+# --- 8. probes are answered at the connection cap -----------------------------------
+
+
+def test_probes_are_answered_when_the_connection_cap_is_reached(echo_server):
+    idle = []
+    try:
+        for _ in range(8):  # the cap: each answers one request, then stays idle
+            sock = connect(echo_server.port)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n")
+            assert [status for status, _ in read_answers(sock, limit=5)] == [200]
+            idle.append(sock)
+        statuses = {}
+        for path in ("/health", "/ready"):
+            with connect(echo_server.port) as sock:
+                sock.sendall(b"GET %s HTTP/1.1\r\nHost: a\r\n\r\n" % path.encode())
+                statuses[path] = [status for status, _ in read_answers(sock, limit=5)]
+        with connect(echo_server.port) as sock:
+            sock.sendall(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\n\r\nx")
+            statuses["/"] = [status for status, _ in read_answers(sock, limit=5)]
+    finally:
+        for sock in idle:
+            sock.close()
+    assert statuses == {"/health": [200], "/ready": [200], "/": [503]}
+
+
+# --- 10. a client that never reads its answer is closed after --write-timeout --------
+
+
+def test_a_client_that_never_reads_is_closed_after_the_write_timeout():
+    env = {"RAWSERVE_TEST_ANSWER_BYTES": str(8 * 1024 * 1024), "RAWSERVE_WRITE_TIMEOUT": "1"}
+    args = ["--handler", "tests.abuse_handlers:big_answers", "--no-access-log"]
+    with RunningServer(args, env=env) as server:
+        with connect(server.port, rcvbuf=4096) as sock:
+            sock.sendall(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\n\r\nx")
+            time.sleep(4)  # the client reads nothing: the wait is what is tested
+            sock.settimeout(10)
+            received = 0
+            try:
+                while data := sock.recv(1 << 20):
+                    received += len(data)
+            except (ConnectionResetError, TimeoutError):
+                pass
+        assert received < 8 * 1024 * 1024, "the server held the answer for a client not reading"
