@@ -115,6 +115,12 @@ OPTIONS = [
     Option("--keepalive-timeout", float, 5.0, "seconds an idle keep-alive connection stays open"),
     Option("--head-timeout", float, 10.0, "seconds to receive a request's head; beyond: 408"),
     Option("--body-timeout", float, 30.0, "seconds to receive a request's body; beyond: 408"),
+    Option(
+        "--write-timeout",
+        float,
+        30.0,
+        "seconds a client may go without reading its answer before it is cut off",
+    ),
     Option("--api-key", str, None, "inference endpoints need Authorization: Bearer KEY (401)"),
     Option("--ssl-certfile", str, None, "TLS: the certificate chain (PEM; may hold the key too)"),
     Option("--ssl-keyfile", str, None, "TLS: the private key (PEM), when not in --ssl-certfile"),
@@ -172,8 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(option.flag, type=option.type, action="append", help=help)
             continue
         default = os.environ.get(option.env, option.default)
+        shown = "" if default is None or "default:" in option.help else f" (default: {default})"
         parser.add_argument(
-            option.flag, type=option.type, default=default, help=f"{option.help} [env {option.env}]"
+            option.flag,
+            type=option.type,
+            default=default,
+            help=f"{option.help}{shown} [env {option.env}]",
         )
     parser.add_argument("--version", action="version", version=f"rawserve {__version__}")
     return parser
@@ -200,8 +210,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--timeout must be positive and --max-batch-delay-ms not negative")
     if args.max_timeout <= 0 or args.batching not in ("cost", "count"):
         parser.error("--max-timeout must be positive and --batching cost or count")
-    if min(args.keepalive_timeout, args.head_timeout, args.body_timeout) <= 0:
-        parser.error("--keepalive-timeout, --head-timeout and --body-timeout must be positive")
+    timeouts = (args.keepalive_timeout, args.head_timeout, args.body_timeout, args.write_timeout)
+    if min(timeouts) <= 0:
+        parser.error(
+            "--keepalive-timeout, --head-timeout, --body-timeout and --write-timeout "
+            "must be positive"
+        )
     if args.max_connections < 0 or args.api_key == "":
         parser.error("--max-connections must not be negative and --api-key not empty")
     if args.log_format not in LOG_FORMATS:
@@ -346,6 +360,7 @@ async def serve(args: argparse.Namespace, plans: Sequence[ModelPlan]) -> int:
         keepalive_timeout=args.keepalive_timeout,
         head_timeout=args.head_timeout,
         body_timeout=args.body_timeout,
+        write_timeout=args.write_timeout,
     )
     for executor in executors:
         executor.start()

@@ -2,12 +2,21 @@
 
 Bytes in (`data_received` → `h11.Connection.receive_data`), events out (`next_event`),
 one request at a time per connection: while a response is pending, pipelined bytes wait
-in h11's buffer (reading pauses past `PIPELINE_BUFFER_LIMIT`), so requests are answered
-in order. The protocol enforces the connection-level limits (open connections, head
-size, body size, head/body read timeouts, idle keep-alive) and turns every error into a
-response through `rawserve.http.errors.error_response`, at most one response per request:
-once a response has started, an error can only close the connection. It hands complete
-requests to the app (an `Application`), never blocks and never imports torch.
+in h11's buffer, so requests are answered in order. It hands complete requests to the
+app (an `Application`), never blocks and never imports torch. Every error becomes a
+response through `rawserve.http.errors.error_response`, at most one per request: once a
+response has started, an error can only close the connection.
+
+What one connection may cost is bounded, whatever its client does:
+- input: reading pauses once more than `READ_AHEAD_LIMIT` bytes wait unparsed, and
+  resumes only when h11 needs data again, however many requests are pipelined (the rest
+  waits in the kernel's buffers and the client's); the head size; the body size as sent
+  (a chunked body's announced sizes, extensions and trailers count,
+  `rawserve.http.chunked`);
+- time: the head, body and keep-alive timeouts, and the write timeout: a client that
+  reads none of its answer for `write_timeout` seconds is cut off;
+- connections: past `max_connections`, a few more (`PROBE_RESERVE`) are taken for
+  probes only (`/health`, `/ready` answered, anything else 503), then refused.
 
 A connection is always in one `Phase`; `_enter` is the one transition, and it arms the
 phase's deadline on the connection's single timer (`rawserve.http.timer`):
@@ -36,6 +45,7 @@ from typing import Protocol
 import h11
 
 from rawserve.http.access_log import log_access
+from rawserve.http.chunked import ChunkedMeter
 from rawserve.http.errors import (
     BadRequest,
     HeadersTooLarge,
@@ -53,9 +63,14 @@ from rawserve.http.timer import ConnectionTimer
 log = logging.getLogger("rawserve.protocol")
 
 SERVER_HEADER = ("Server", "rawserve")
-PIPELINE_BUFFER_LIMIT = 64 * 1024  # bytes read ahead while a response is pending
+READ_AHEAD_LIMIT = 64 * 1024  # bytes read but not yet parsed, per connection
 LINGER_SECONDS = 2.0  # after our last response, how long we drain the peer's bytes
 REFUSAL_LOG_INTERVAL = 10.0  # seconds between "too many connections" warnings
+# Past --max-connections, this many more connections are taken, each for one probe: a
+# liveness probe must not fail (and restart a healthy server) because idle clients hold
+# every connection.
+PROBE_RESERVE = 32
+PROBE_PATHS = (b"/health", b"/ready")
 SUPPORTED_VERSIONS = (b"1.0", b"1.1")
 # Their states once a request was read whole (an Upgrade we decline by answering ends
 # in MIGHT_SWITCH_PROTOCOL, then DONE).
@@ -109,6 +124,7 @@ class ProtocolSettings:
     head_timeout: float = 10.0  # from a request's first byte to the end of its head
     body_timeout: float = 30.0  # from the end of the head to the end of the body
     max_connections: int = 1000  # open connections; past it new ones get 503 (0: no cap)
+    write_timeout: float = 30.0  # a client that reads nothing of its answer this long: cut off
 
 
 @dataclass
@@ -117,6 +133,7 @@ class ServerState:
 
     metrics: RequestObserver | None = None
     connections: set[HttpProtocol] = field(default_factory=set)
+    probe_connections: set[HttpProtocol] = field(default_factory=set)  # past the cap
     refused: int = 0  # connections refused past `max_connections`
     last_refusal_log: float = float("-inf")
 
@@ -131,7 +148,7 @@ class ServerState:
         }
 
     def close_all(self) -> None:
-        for connection in list(self.connections):
+        for connection in [*self.connections, *self.probe_connections]:
             connection.close()
 
 
@@ -147,6 +164,7 @@ class _Cycle:
         self.started = time.perf_counter()
         self.task: asyncio.Task[None] | None = None
         self.response_started = False
+        self.chunks: ChunkedMeter | None = None  # a chunked body's size on the wire
 
     @property
     def is_head(self) -> bool:
@@ -174,7 +192,9 @@ class HttpProtocol(asyncio.Protocol):
         self.phase = Phase.IDLE
         self.timer = ConnectionTimer(self.loop, self._on_deadline)
         self.eof_seen = False  # the peer has half-closed
-        self.pipelined_bytes = 0  # received while a response is pending
+        self.probe_only = False  # taken past the connection cap: one probe, then close
+        self.write_timer: asyncio.TimerHandle | None = None  # armed while writing is paused
+        self.read_ahead = 0  # bytes received since h11 last needed data
         self.handling_events = False  # handle_events is running (guards re-entry)
         # per request
         self.cycle: _Cycle | None = None
@@ -196,6 +216,24 @@ class HttpProtocol(asyncio.Protocol):
             self.timer.clear()
         else:
             self.timer.set(delay)
+
+    def _on_write_timeout(self) -> None:
+        """The client has read nothing of its answer for `write_timeout` seconds: drop
+        what waits to be written (closing would wait for it) and the connection."""
+        self.write_timer = None
+        log.info(
+            "closing a connection from %s: it read nothing for %.0f s (--write-timeout)",
+            _peer(self.transport),
+            self.settings.write_timeout,
+        )
+        self._enter(Phase.CLOSED)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _stop_write_timer(self) -> None:
+        if self.write_timer is not None:
+            self.write_timer.cancel()
+            self.write_timer = None
 
     def _on_deadline(self) -> None:
         """The current phase's deadline passed."""
@@ -220,21 +258,25 @@ class HttpProtocol(asyncio.Protocol):
         self.transport = transport
         self.flow = FlowControl(transport)
         cap = self.settings.max_connections
-        if cap and len(self.state.connections) >= cap:
+        if not cap or len(self.state.connections) < cap:
+            self.state.connections.add(self)
+        elif len(self.state.probe_connections) < PROBE_RESERVE:
+            self.probe_only = True
+            self.state.probe_connections.add(self)
+        else:
             self._refuse()
             return
-        self.state.connections.add(self)
         self._enter(Phase.IDLE)
 
     def data_received(self, data: bytes) -> None:
         if self.phase in (Phase.LINGER, Phase.CLOSED):
             return  # lingering after our last response: drain and drop
+        self.read_ahead += len(data)
         if self.phase is Phase.RESPONDING:
             # Pipelined bytes wait in h11's buffer; keep reading (to notice a
             # disconnect) until too much piles up.
             self.conn.receive_data(data)
-            self.pipelined_bytes += len(data)
-            if self.pipelined_bytes > PIPELINE_BUFFER_LIMIT:
+            if self.read_ahead > READ_AHEAD_LIMIT:
                 self._flow.pause_reading()
             return
         if self.phase is Phase.IDLE:
@@ -242,6 +284,8 @@ class HttpProtocol(asyncio.Protocol):
             if data[0] not in _TOKEN_BYTES:
                 self._fail(BadRequest("this port speaks plain HTTP/1.1"))
                 return
+        elif self.phase is Phase.BODY and not self._measure_chunks(data):
+            return
         self.conn.receive_data(data)
         self.handle_events()
 
@@ -255,7 +299,9 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._enter(Phase.CLOSED)
+        self._stop_write_timer()
         self.state.connections.discard(self)
+        self.state.probe_connections.discard(self)
         if self.flow is not None:
             self.flow.release()  # a streaming response waiting to write must see the close
         if self.cycle is not None and self.cycle.task is not None:
@@ -263,12 +309,16 @@ class HttpProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._flow.pause_writing()
+        if self.write_timer is None:
+            self.write_timer = self.loop.call_later(
+                self.settings.write_timeout, self._on_write_timeout
+            )
 
     def resume_writing(self) -> None:
+        self._stop_write_timer()
         self._flow.resume_writing()
         if self.cycle is None and self._reading:
-            self._flow.resume_reading()
-            self.handle_events()
+            self.handle_events()  # reading resumes once h11 needs data
 
     # --- reading ----------------------------------------------------------------------
 
@@ -292,7 +342,8 @@ class HttpProtocol(asyncio.Protocol):
             except h11.RemoteProtocolError as exc:
                 self._fail(_protocol_error(exc))
                 return
-            if event is h11.NEED_DATA:
+            if event is h11.NEED_DATA:  # what was read ahead is parsed: read on
+                self.read_ahead = 0
                 self._flow.resume_reading()
                 return
             if event is h11.PAUSED:
@@ -312,9 +363,16 @@ class HttpProtocol(asyncio.Protocol):
         self.cycle = _Cycle(event, request_id(_header(event.headers, b"x-request-id")))
         self._enter(Phase.BODY)
         error = self._check_head(event)
+        if error is None and self.probe_only and not _is_probe(event):
+            error = ServiceUnavailable("too many open connections", retry_after=1)
         if error is not None:
             self._fail(error)
             return
+        if _header(event.headers, b"transfer-encoding") is not None:
+            self.cycle.chunks = ChunkedMeter(self.settings.max_body_bytes)
+            # what came with the head (copied once per chunked request)
+            if not self._measure_chunks(self.conn.trailing_data[0]):
+                return
         if self.conn.they_are_waiting_for_100_continue:
             # Only now that the head is accepted: a refused request never sees a 100.
             self._write(
@@ -340,6 +398,18 @@ class HttpProtocol(asyncio.Protocol):
         if length is not None and int(length) > self.settings.max_body_bytes:
             return self._too_large()
         return None
+
+    def _measure_chunks(self, data: bytes) -> bool:
+        """Count a chunked body's bytes as sent (announced sizes, extensions, trailers);
+        False once over the body limit (answered 413)."""
+        chunks = self.cycle.chunks if self.cycle is not None else None
+        if chunks is None or chunks.done:
+            return True
+        chunks.feed(data)
+        if chunks.over:
+            self._fail(self._too_large())
+            return False
+        return True
 
     def _on_body(self, data: bytes) -> None:
         cycle = self.cycle
@@ -400,7 +470,7 @@ class HttpProtocol(asyncio.Protocol):
         # A 503 (queue full, loading) keeps the connection unless the server is draining:
         # under overload, closing would make every refused client pay a new connection.
         failed = response.status >= 500 and (response.status != 503 or self.app.draining)
-        close = close or failed or self.conn.their_state not in _REQUEST_READ
+        close = close or failed or self.probe_only or self.conn.their_state not in _REQUEST_READ
         headers = self._response_headers(cycle, response)
         headers.append(("Content-Length", str(len(response.body))))
         if close:
@@ -484,12 +554,10 @@ class HttpProtocol(asyncio.Protocol):
             self._close_gracefully()
             return
         self.conn.start_next_cycle()
-        self.pipelined_bytes = 0
         # the next request may be (partly) here already
         self._enter(Phase.HEAD if self.conn.trailing_data[0] else Phase.IDLE)
         if not self._flow.write_paused:  # else resume_writing carries on
-            self._flow.resume_reading()
-            self.handle_events()
+            self.handle_events()  # reading resumes once h11 needs data
 
     def _fail(self, error: HTTPError) -> None:
         """Answer a connection-level error (malformed, too large, too slow), then close."""
@@ -586,6 +654,10 @@ class HttpProtocol(asyncio.Protocol):
         if self.state.metrics is not None:
             self.state.metrics.observe_request(target.partition("?")[0], method, status, seconds)
         log_access(_peer(self.transport), method, target, status, size, seconds, cycle.request_id)
+
+
+def _is_probe(event: h11.Request) -> bool:
+    return event.method in (b"GET", b"HEAD") and event.target.partition(b"?")[0] in PROBE_PATHS
 
 
 def _head_size(event: h11.Request) -> int:
