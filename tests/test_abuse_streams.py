@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from rawserve.streaming import TokenStreams
-from tests.test_streaming import FakeExecutor, FakeScheduler, parsed
+from tests.test_streaming import FakeExecutor, FakeScheduler, open_stream
 
 TOKENS = 100_000  # far more than any bound on what a stream may hold unread
 
@@ -15,7 +14,7 @@ TOKENS = 100_000  # far more than any bound on what a stream may hold unread
 async def test_a_stream_that_is_not_read_is_stopped_with_its_buffer_bounded():
     executor = FakeExecutor()
     scheduler = FakeScheduler(executor, [" a"] * TOKENS, {"generated_text": "", "details": {}})
-    response = await TokenStreams(scheduler, executor).open(parsed(), deadline=1e9)
+    response = await open_stream(scheduler, executor)
     # The client reads nothing while the worker keeps generating.
     await asyncio.wait_for(scheduler.cancelled.wait(), 10)
     assert executor.closed == [1]
