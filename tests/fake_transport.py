@@ -30,6 +30,7 @@ class FakeTransport(asyncio.Transport):
         self.closed = False
         self.eof_written = False
         self.reading = True
+        self.aborted = False  # closed without writing what waits
 
     def write(self, data: bytes) -> None:
         assert not self.closed, "write after close"
@@ -44,6 +45,9 @@ class FakeTransport(asyncio.Transport):
 
     def close(self) -> None:
         self.closed = True
+
+    def abort(self) -> None:
+        self.closed = self.aborted = True
 
     def is_closing(self) -> bool:
         return self.closed

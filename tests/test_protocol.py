@@ -8,9 +8,17 @@ import json
 import pytest
 
 from rawserve.http.auth import require_bearer
+from rawserve.http.chunked import ChunkedMeter
 from rawserve.http.errors import BadRequest, GatewayTimeout, ServiceUnavailable, Unauthorized
 from rawserve.http.exchange import HttpRequest, HttpResponse
-from rawserve.protocol import LINGER_SECONDS, HttpProtocol, ProtocolSettings, ServerState
+from rawserve.protocol import (
+    LINGER_SECONDS,
+    PROBE_RESERVE,
+    READ_AHEAD_LIMIT,
+    HttpProtocol,
+    ProtocolSettings,
+    ServerState,
+)
 from tests.fake_transport import (
     FakeApp,
     FakeTimerLoop,
@@ -411,11 +419,25 @@ async def test_connections_past_the_cap_get_503_and_the_cap_frees_up():
         return protocol, transport
 
     kept = [connect(), connect()]
+    # past the cap, a connection is taken for one probe: anything else is 503
+    over, over_transport = connect()
+    over.data_received(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi")
+    await settle()
+    [(response, body)] = read_responses(over_transport.written)
+    assert response.status_code == 503 and dict(response.headers)[b"retry-after"] == b"1"
+    assert json.loads(body)["error_type"] == "unavailable" and over_transport.finished
+    probe, probe_transport = connect()
+    probe.data_received(b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    [(response, _)] = read_responses(probe_transport.written)
+    assert response.status_code == 200 and probe_transport.finished  # answered, then closed
+    # past the cap and the probes' reserve: refused at once
+    reserve = [connect() for _ in range(PROBE_RESERVE - 2)]
     refused, refused_transport = connect()
     [(response, body)] = read_responses(refused_transport.written)
-    assert response.status_code == 503 and dict(response.headers)[b"retry-after"] == b"1"
-    assert json.loads(body)["error_type"] == "unavailable" and refused_transport.finished
+    assert response.status_code == 503 and refused_transport.finished
     assert len(state.connections) == 2 and state.refused == 1
+    assert len(reserve) == PROBE_RESERVE - 2
     kept[0][0].connection_lost(None)
     protocol, transport = connect()
     protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
@@ -435,8 +457,12 @@ async def test_a_large_pipelined_backlog_pauses_reading_until_answered(server):
         protocol.data_received(filler)
     assert not transport.reading
     app.release.set()
-    await settle()
-    assert transport.reading and len(app.seen) > 1
+    for _ in range(1000):  # each answer lets the next buffered request in, one a pass
+        if transport.reading:
+            break
+        await asyncio.sleep(0)
+    # reading resumed only once every buffered request was answered, not at the first
+    assert transport.reading and len(app.seen) == 71
 
 
 async def test_a_peer_that_does_not_read_its_answers_is_not_read_from(server):
@@ -551,3 +577,67 @@ def test_require_bearer(authorization, accepted):
     with pytest.raises(Unauthorized) as caught:
         require_bearer(request, "k3y")
     assert dict(caught.value.headers)["WWW-Authenticate"].startswith("Bearer")
+
+
+# --- what one connection may cost, whatever its client does ---------------------------
+
+
+async def test_a_pipelining_client_gets_no_more_read_ahead_per_answer(server):
+    app, protocol, transport = server
+    request = b"GET /next HTTP/1.1\r\nHost: a\r\n\r\n"
+    protocol.data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    sent = 0
+    while transport.reading:  # the client writes as long as the server reads
+        protocol.data_received(request * 100)
+        sent += 100
+    app.release.set()
+    for _ in range(20):  # some answers go out: reading stays paused while much waits
+        await asyncio.sleep(0)
+    answered = len(app.seen)
+    assert 1 < answered < sent and not transport.reading
+    buffered = len(protocol.conn.trailing_data[0])
+    assert buffered <= READ_AHEAD_LIMIT + len(request) * 100
+
+
+def test_the_chunk_meter_counts_announced_sizes_extensions_and_trailers():
+    meter = ChunkedMeter(limit=100)
+    meter.feed(b"5;name=value\r\nhello\r\n0\r\nTrailer: x\r\n\r\nGET / HTTP/1.1")
+    assert meter.done and meter.counted == 5 + len(";name=value") + len("Trailer: x\r\n")
+    byte_by_byte = ChunkedMeter(limit=100)
+    for byte in b"5;name=value\r\nhello\r\n0\r\nTrailer: x\r\n\r\n":
+        byte_by_byte.feed(bytes([byte]))
+    assert byte_by_byte.done and byte_by_byte.counted == meter.counted
+    announced = ChunkedMeter(limit=100)
+    announced.feed(b"65\r\n")  # 101 bytes announced: over before any of them arrives
+    assert announced.over
+    endless = ChunkedMeter(limit=100)
+    endless.feed(b"1;" + b"e" * 200)  # an extension that never ends
+    assert endless.over
+
+
+async def test_a_chunked_body_over_the_limit_on_the_wire_is_413(server):
+    app, protocol, transport = server  # max_body_bytes=100
+    head = b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+    protocol.data_received(head + b"1;" + b"e" * 60 + b"\r\nx\r\n" + b"1;" + b"e" * 60)
+    await settle()
+    assert [r.status_code for r, _ in read_responses(transport.written)] == [413]
+    assert not app.seen
+
+
+async def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout():
+    loop = FakeTimerLoop(asyncio.get_running_loop())
+    settings = ProtocolSettings(write_timeout=3, keepalive_timeout=60)
+    protocol = HttpProtocol(EchoApp(), settings, loop=loop)
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    protocol.pause_writing()  # its answer filled the buffers: the client reads nothing
+    loop.advance(2.9)
+    protocol.resume_writing()  # it read some: the clock starts again when it stops again
+    protocol.pause_writing()
+    loop.advance(2.9)
+    assert not transport.closed
+    loop.advance(0.2)
+    assert transport.aborted  # what waits to be written is dropped, not flushed forever

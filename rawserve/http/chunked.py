@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 
 _HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
+MAX_SIZE_DIGITS = 20  # h11 refuses longer chunk sizes as malformed
 
 
 class _State(enum.Enum):
@@ -71,8 +72,8 @@ class ChunkedMeter:
         digits = 0
         while digits < len(line) and line[digits] in _HEX_DIGITS:
             digits += 1
-        if not digits:
-            self._state = _State.DONE  # not a chunk-size line: h11 refuses the body
+        if not digits or digits > MAX_SIZE_DIGITS:
+            self._state = _State.DONE  # not a chunk-size line h11 takes: it refuses the body
             return
         size = int(line[:digits], 16)
         extension = len(line.rstrip(b"\r\n")) - digits
