@@ -8,9 +8,11 @@ blocking (`rawserve.shared.pipes`; a whole message is handed on as soon as it ha
 
 Supervision lives here, so the scheduler never sees a fault, only results:
 - a worker that dies is noticed at once (pipe EOF), restarted with capped exponential
-  backoff, and the items of the batch it held are retried one by one; an item that
-  kills a worker on its own is answered with a failure and remembered (by content
-  hash), so the same input is refused later without being run;
+  backoff, and the items of the batch it held are retried one by one. A crash proves
+  nothing about an input (an operator's `kill -9` and the OOM killer look alike), so
+  crashes are counted, not guessed at: an input that took a worker down while running
+  alone `QUARANTINE_STRIKES` times is answered with a failure and quarantined (by
+  content hash, for `QUARANTINE_SECONDS`): refused without being run;
 - a batch running longer than `batch_timeout` gets its worker killed and its items
   answered with a failure;
 - the worker's effective batch cap (lowered after out-of-memory errors) is learned
@@ -44,6 +46,7 @@ from rawserve.shared.messages import (
     BatchResult,
     FailureKind,
     ItemFailure,
+    ModelLimits,
     Shutdown,
     TokenChunk,
     WorkerConfig,
@@ -59,11 +62,14 @@ log = logging.getLogger("rawserve.executor")
 
 RESTART_BACKOFF_FIRST = 0.5  # seconds before the first restart of a dead worker
 RESTART_BACKOFF_MAX = 30.0
-STOP_TIMEOUT = 10.0  # seconds a worker gets to exit before it is killed
+STOP_TIMEOUT = 10.0  # seconds a worker whose pipe closed gets to exit before it is killed
+EXIT_TIMEOUT = 2.0  # seconds an idle worker gets to exit at shutdown before it is killed
 BATCH_TIMEOUT = 120.0  # seconds a batch may run before its worker is killed
 MAX_FAILED_RESTARTS = 5  # restarts in a row that die while loading: the process is unhealthy
 MAX_CRASHES = 10  # deaths in a row without one answered batch (poison alone is rarely so many)
 POISON_MEMORY = 4096  # content hashes of inputs that crashed a worker, least recent dropped
+QUARANTINE_STRIKES = 2  # crashes while running alone before an input is refused
+QUARANTINE_SECONDS = 3600.0  # how long a crash is remembered (and a quarantine lasts)
 
 CRASHED_ALONE = ItemFailure(FailureKind.INTERNAL, "this input crashed the model worker")
 REFUSED_POISON = ItemFailure(
@@ -189,12 +195,31 @@ class WorkerHandle:
         )
 
 
-class PoisonMemory:
-    """Content hashes of (input, parameters) that crashed a worker alone; bounded LRU."""
+@dataclass
+class _Crashes:
+    count: int  # crashes while running alone
+    expires: float  # when they are forgotten
 
-    def __init__(self, size: int = POISON_MEMORY):
+
+class PoisonMemory:
+    """Inputs (with their parameters, by content hash) that crashed a worker while
+    running alone: one crash is remembered, `strikes` of them within `seconds` put the
+    input in quarantine until the memory of its last crash expires. Bounded: past `size`
+    entries the least recently seen is dropped."""
+
+    def __init__(
+        self,
+        size: int = POISON_MEMORY,
+        *,
+        strikes: int = QUARANTINE_STRIKES,
+        seconds: float = QUARANTINE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.size = size
-        self._hashes: OrderedDict[str, None] = OrderedDict()
+        self.strikes = strikes
+        self.seconds = seconds
+        self.clock = clock
+        self._entries: OrderedDict[str, _Crashes] = OrderedDict()
 
     @staticmethod
     def key(value: Any, params: Mapping[str, Any]) -> str:
@@ -202,20 +227,33 @@ class PoisonMemory:
         text = json.dumps([value, params], sort_keys=True, default=repr)
         return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
-    def add(self, key: str) -> None:
-        self._hashes[key] = None
-        self._hashes.move_to_end(key)
-        while len(self._hashes) > self.size:
-            self._hashes.popitem(last=False)
+    def crashed(self, key: str) -> bool:
+        """Count a crash of this input running alone; True when it is now quarantined."""
+        entry = self._entry(key)
+        count = entry.count + 1 if entry is not None else 1
+        self._entries[key] = _Crashes(count, self.clock() + self.seconds)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+        return count >= self.strikes
 
     def __contains__(self, key: str) -> bool:
-        if key in self._hashes:
-            self._hashes.move_to_end(key)
-            return True
-        return False
+        """Whether the input is quarantined (refused without being run)."""
+        entry = self._entry(key)
+        if entry is None:
+            return False
+        self._entries.move_to_end(key)
+        return entry.count >= self.strikes
+
+    def _entry(self, key: str) -> _Crashes | None:
+        entry = self._entries.get(key)
+        if entry is not None and entry.expires <= self.clock():
+            del self._entries[key]
+            return None
+        return entry
 
     def __len__(self) -> int:
-        return len(self._hashes)
+        return len(self._entries)
 
 
 class CoreShare:
@@ -321,6 +359,15 @@ class Executor:
         loaded = next((w.ready for w in self.workers if w.ready), None)
         return loaded.task if loaded else None
 
+    @property
+    def limits(self) -> ModelLimits:
+        """What the model can take (every worker loads the same one); unknown until ready."""
+        loaded = next((w.ready for w in self.workers if w.ready), None)
+        return loaded.limits if loaded else ModelLimits()
+
+    def max_input_tokens(self) -> int | None:
+        return self.limits.max_input_tokens
+
     def idle_workers(self) -> int:
         if self._holding_cores():
             return 0
@@ -379,22 +426,35 @@ class Executor:
                 worker.cancelled_stream.value = stream_id
 
     async def shutdown(self, wait: bool = True) -> None:
-        """Answer what is still held, ask every worker to exit, kill the ones that linger."""
+        """Answer what is still held (503), and stop every worker.
+
+        A busy worker cannot read a request to exit until its batch ends, and a loading
+        one may take minutes: both are killed at once (the caller's grace period is
+        over). An idle one is asked to exit and given `EXIT_TIMEOUT` seconds (none
+        without `wait`), then killed: the shutdown ends within that bound.
+        """
         self._closing = True
         stopping = ServiceUnavailable("server shutting down")
         while self._retries:
             _settle(self._retries.popleft().future, error=stopping)
         for worker in self.workers:
-            self._take_job(worker, error=stopping)
-            if worker.state.starting and worker.process is not None:
-                worker.process.kill()  # nothing to finish, and a load may take minutes
-            elif worker.conn is not None and worker.state is not WorkerState.DEAD:
+            if worker.process is None or worker.state is WorkerState.DEAD:
+                continue
+            if worker.state is WorkerState.IDLE and worker.conn is not None:
                 try:
                     worker.conn.send(Shutdown())
                 except (OSError, ValueError):
                     pass
+            else:
+                worker.process.kill()
+            self._take_job(worker, error=stopping)
+        timeout = EXIT_TIMEOUT if wait else 0.0
         await asyncio.gather(
-            *(asyncio.to_thread(self._stop_process, w, wait) for w in self.workers)
+            *(
+                asyncio.to_thread(_join_or_kill, w.process, timeout)
+                for w in self.workers
+                if w.process
+            )
         )
         for worker in self.workers:
             worker.state = WorkerState.STOPPED
@@ -649,18 +709,11 @@ class Executor:
             self._take_job(worker, error=ServiceUnavailable("server shutting down"))
             return
         job = self._take_job(worker)
-        if job is not None and job.poison_key is not None:
-            log.error(
-                "worker %s: one input crashed the worker on its own; it is refused from now on",
-                worker.label,
-            )
-            self.poison.add(job.poison_key)
-            if self.metrics is not None:
-                self.metrics.drop("poison")
-            _settle(job.future, result=BatchResult(job.batch_id, (CRASHED_ALONE,), 0.0))
-        elif job is not None and job.streamed:  # a rerun would repeat the tokens already sent
+        if job is not None and job.streamed:  # a rerun would repeat the tokens already sent
             outputs = (CRASHED_MID_STREAM,) * len(job.inputs)
             _settle(job.future, result=BatchResult(job.batch_id, outputs, 0.0))
+        elif job is not None and job.poison_key is not None:
+            self._on_lone_crash(worker, job, job.poison_key)
         elif job is not None:
             self._retry_alone(job)
         if was_loading:
@@ -681,6 +734,29 @@ class Executor:
         worker.backoff = min(worker.backoff * 2, RESTART_BACKOFF_MAX)
         self._pump()  # another worker may be free for the retries
 
+    def _on_lone_crash(self, worker: WorkerHandle, job: Job, key: str) -> None:
+        """An input running alone took its worker down: quarantine it after the last
+        strike, else run it alone once more."""
+        if not self.poison.crashed(key):
+            log.warning(
+                "worker %s: an input running alone crashed the worker; running it alone "
+                "once more (quarantined after %d such crashes)",
+                worker.label,
+                self.poison.strikes,
+            )
+            self._retries.append(replace(job, watchdog=None))
+            return
+        log.error(
+            "worker %s: one input crashed the worker %d times on its own; it is refused "
+            "for the next %.0f s",
+            worker.label,
+            self.poison.strikes,
+            self.poison.seconds,
+        )
+        if self.metrics is not None:
+            self.metrics.drop("poison")
+        _settle(job.future, result=BatchResult(job.batch_id, (CRASHED_ALONE,), 0.0))
+
     def _respawn(self, worker: WorkerHandle) -> None:
         if not self._closing and worker.state is WorkerState.DEAD:
             self._spawn(worker)
@@ -688,11 +764,6 @@ class Executor:
     def _notify_idle(self) -> None:
         if self.on_idle is not None:
             self.on_idle()
-
-    @staticmethod
-    def _stop_process(worker: WorkerHandle, wait: bool) -> None:
-        if worker.process is not None:
-            _join_or_kill(worker.process, STOP_TIMEOUT if wait else 0.5)
 
 
 def _join_or_kill(process: BaseProcess, timeout: float) -> None:

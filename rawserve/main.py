@@ -38,7 +38,10 @@ from rawserve.shared.messages import WorkerConfig
 
 log = logging.getLogger("rawserve")
 
-FINAL_WRITE_SECONDS = 2.0  # after the grace period: time to write the last 503s
+FINAL_WRITE_SECONDS = 1.0  # after the grace period: time to write the last 503s
+# A second SIGTERM/SIGINT this soon after the first is the same stop delivered twice
+# (`make serve` stopped through its process group: from the group, then from make).
+SIGNAL_REPEAT_SECONDS = 1.0
 ENV_TRUE = ("1", "true", "yes", "on")
 ENV_FALSE = ("", "0", "false", "no", "off")
 
@@ -131,7 +134,13 @@ OPTIONS = [
         "a browser origin that may call the API (repeatable; * for any): answers preflight "
         "OPTIONS and adds the CORS headers",
     ),
-    Option("--grace", float, 30.0, "seconds to drain on SIGTERM/SIGINT"),
+    Option(
+        "--grace",
+        float,
+        30.0,
+        "seconds to drain on SIGTERM/SIGINT; then what is left gets 503, busy workers are "
+        "killed, and the server exits within a second",
+    ),
     Option(
         "--batch-timeout", float, 120.0, "seconds a batch may run before its worker is restarted"
     ),
@@ -389,16 +398,19 @@ async def serve(args: argparse.Namespace, plans: Sequence[ModelPlan]) -> int:
     )
 
     stop = asyncio.Event()
-    signals = 0
+    first_signal: float | None = None
 
     def on_signal(signum: int) -> None:
-        nonlocal signals
-        signals += 1
-        if signals > 1:
+        nonlocal first_signal
+        now = time.monotonic()
+        if first_signal is not None:
+            if now - first_signal < SIGNAL_REPEAT_SECONDS:
+                return  # the same stop, delivered twice
             log.warning("second signal: exiting now")
             for executor in executors:
                 executor.kill()
             os._exit(1)
+        first_signal = now
         log.info("%s received: draining for up to %.0f s", signal.Signals(signum).name, args.grace)
         stop.set()
 

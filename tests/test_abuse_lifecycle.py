@@ -173,6 +173,8 @@ def test_help_shows_the_defaults(flag, default):
         timeout=60,
         check=True,
     )
-    lines = [line for line in result.stdout.splitlines() if line.strip().startswith(flag + " ")]
-    assert lines, result.stdout
-    assert re.search(rf"default: {re.escape(default)}(\.0)?\b", lines[0]), lines[0]
+    lines = result.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith(flag + " "))
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("-"))
+    text = " ".join(line.strip() for line in lines[start:end])
+    assert re.search(rf"\(default: {re.escape(default)}(\.0)?\)", text), text

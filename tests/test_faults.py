@@ -93,14 +93,38 @@ def test_the_scheduler_respects_the_batch_cap():
 
 
 def test_poison_memory_is_bounded_and_keyed_by_input_and_parameters():
-    memory = PoisonMemory(size=2)
+    memory = PoisonMemory(size=2, strikes=1)
     for text in ("a", "b", "c"):
-        memory.add(PoisonMemory.key(text, {}))
+        memory.crashed(PoisonMemory.key(text, {}))
     assert len(memory) == 2 and PoisonMemory.key("a", {}) not in memory
     assert PoisonMemory.key("c", {}) in memory
     assert PoisonMemory.key("c", {"top_k": 2}) not in memory
     # a stream's id is new on every request: it is not part of the input's identity
     assert PoisonMemory.key("c", {"stream_id": 7}) in memory
+
+
+def test_an_input_is_quarantined_after_two_lone_crashes_and_forgiven_later():
+    now = [0.0]
+    memory = PoisonMemory(strikes=2, seconds=60.0, clock=lambda: now[0])
+    key = PoisonMemory.key("innocent or not", {})
+    assert not memory.crashed(key) and key not in memory  # one crash proves nothing
+    now[0] = 30.0
+    assert memory.crashed(key) and key in memory  # the second, while remembered: refused
+    now[0] = 89.0
+    assert key in memory
+    now[0] = 90.0  # a minute after its last crash
+    assert key not in memory and len(memory) == 0
+    now[0] = 100.0
+    assert not memory.crashed(key)  # counted afresh
+
+
+def test_crashes_too_far_apart_do_not_add_up():
+    now = [0.0]
+    memory = PoisonMemory(strikes=2, seconds=60.0, clock=lambda: now[0])
+    key = PoisonMemory.key("x", {})
+    memory.crashed(key)
+    now[0] = 61.0
+    assert not memory.crashed(key)
 
 
 def test_the_process_is_unhealthy_only_when_every_worker_keeps_dying():
@@ -149,12 +173,12 @@ async def test_a_poison_item_fails_alone_and_is_refused_afterwards(faulty_execut
     a, poison, b = result.outputs
     assert (a["input"], b["input"]) == ("a", "b")
     assert poison == CRASHED_ALONE
-    assert worker.restarts == 2  # the batch, then the culprit alone
+    assert worker.restarts == 3  # the batch, then the culprit alone, twice
     await idle(faulty_executor)
     result = await asyncio.wait_for(faulty_executor.submit(["crash me", "c"], {}), 30)
     refused, c = result.outputs
     assert refused == REFUSED_POISON and refused.kind is FailureKind.INPUT
-    assert c["input"] == "c" and worker.restarts == 2  # refused without being run
+    assert c["input"] == "c" and worker.restarts == 3  # refused without being run
 
 
 @pytest.mark.slow

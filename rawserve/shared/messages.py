@@ -84,6 +84,14 @@ class WorkerWarming:
 
 
 @dataclass(frozen=True)
+class ModelLimits:
+    """What the loaded model can take, for checks and estimates in the server."""
+
+    max_input_tokens: int | None = None  # it reads no more of an input (truncates); None: ?
+    max_new_tokens: int | None = None  # the longest generation its positions allow
+
+
+@dataclass(frozen=True)
 class WorkerReady:
     pid: int
     task: str
@@ -92,6 +100,7 @@ class WorkerReady:
     load_seconds: float
     details: Mapping[str, Any] = field(default_factory=dict)
     warmup_seconds: float | None = None  # None: no warm-up ran
+    limits: ModelLimits = field(default_factory=ModelLimits)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import transformers
 
-from rawserve.shared.messages import TokenChunk
+from rawserve.shared.messages import ModelLimits, TokenChunk
 from rawserve.tasks import STREAM_ID_PARAM
 from rawserve.worker.runner import Runner, dtype_name
 
@@ -155,6 +155,10 @@ class CausalLMRunner(Runner):
         self.defaults = {k: v for k, v in PIPELINE_DEFAULTS.items() if k not in configured}
         self.send: Callable[[Any], None] | None = None
         self.cancelled_stream: Any = None  # a shared integer: the stream id to stop
+
+    @property
+    def limits(self) -> ModelLimits:
+        return ModelLimits(max_new_tokens=self.max_positions - 1)  # after a one-token prompt
 
     def bind_stream(self, send: Callable[[Any], None], cancelled_stream: Any) -> None:
         """Where token chunks go (the worker's pipe) and where cancellations come from."""

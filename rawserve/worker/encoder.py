@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import transformers
 
+from rawserve.shared.messages import ModelLimits
 from rawserve.worker.runner import Runner, dtype_name, resolve_dtype
 
 
@@ -33,6 +34,10 @@ class EncoderRunner(Runner):
         self.max_length = min(
             self.tokenizer.model_max_length, self.model.config.max_position_embeddings
         )
+
+    @property
+    def limits(self) -> ModelLimits:
+        return ModelLimits(max_input_tokens=self.max_length)  # truncated unless asked not to
 
     @property
     def details(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
 import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -86,6 +87,14 @@ def worker_main(
     of a one-way pipe). `cancelled_stream` is a shared integer: the id of a stream whose
     client has gone."""
     out = MessageWriter(replies.fileno())
+    # Ctrl-C in a terminal reaches the whole process group: the server drains and then
+    # stops its workers itself, so a worker must not die of it mid-batch.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # No progress bars (they are noise in a server's log), and above all no tqdm lock:
+    # tqdm makes a multiprocessing semaphore for its bars, which a worker that is killed
+    # (at the end of the grace period, or from outside) leaves to the resource tracker,
+    # and every stop then warned of a "leaked semaphore".
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     setup_worker_logging(label)  # the server's --log-level and --log-format, from the env
     try:
         os.nice(WORKER_NICENESS)
@@ -126,6 +135,7 @@ def worker_main(
             load_seconds=load_seconds,
             details=runner.details,
             warmup_seconds=warmup_seconds,
+            limits=runner.limits,
         )
     )
     cap = BatchCap()

@@ -15,10 +15,12 @@ from typing import Any
 import torch
 import transformers
 
-from rawserve.shared.messages import FailureKind, ItemFailure
+from rawserve.shared.messages import FailureKind, ItemFailure, ModelLimits
 
 log = logging.getLogger("rawserve.runner")
 
+# torch.multinomial's complaint when logits divided by a tiny temperature overflow
+SAMPLING_FAILED = "probability tensor contains either `inf`, `nan` or element < 0"
 _PATHLIKE = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][\w.\-]+){2,}")
 
 
@@ -50,6 +52,11 @@ class Runner:
         """Facts about the loaded model for /info (e.g. pooling); none by default."""
         return {}
 
+    @property
+    def limits(self) -> ModelLimits:
+        """What the model can take (for the server's checks and estimates); unknown here."""
+        return ModelLimits()
+
     def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
         raise NotImplementedError
 
@@ -70,6 +77,13 @@ class Runner:
             )
         if isinstance(exc, (ValueError, transformers.pipelines.PipelineException)):
             return ItemFailure(FailureKind.INPUT, _client_message(exc))
+        if isinstance(exc, RuntimeError) and SAMPLING_FAILED in str(exc):
+            return ItemFailure(
+                FailureKind.INPUT,
+                "sampling failed numerically with these parameters (a temperature very "
+                "close to 0 makes every probability infinite): raise the temperature, or "
+                "send do_sample false",
+            )
         return ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
 
 

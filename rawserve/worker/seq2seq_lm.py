@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import transformers
 
+from rawserve.shared.messages import ModelLimits
 from rawserve.tasks import GENERATE_PARAMS
 from rawserve.worker.runner import Runner, dtype_name
 
@@ -42,6 +43,16 @@ class Seq2SeqLMRunner(Runner):
         self.max_length = min(
             self.tokenizer.model_max_length,
             getattr(self.model.config, "max_position_embeddings", None) or 1_000_000,
+        )
+
+    @property
+    def limits(self) -> ModelLimits:
+        # the decoder starts from one token; models with relative positions (T5) have no
+        # such bound
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        return ModelLimits(
+            max_input_tokens=self.max_length,  # inputs are truncated to it by default
+            max_new_tokens=positions - 1 if positions else None,
         )
 
     @property
