@@ -29,6 +29,7 @@ from rawserve.protocol import HttpProtocol, ProtocolSettings, ServerState
 from rawserve.scheduler import Scheduler
 from rawserve.scheduling.core import SchedulerCore
 from rawserve.shared.logs import setup_logging
+from rawserve.shared.messages import ModelLimits
 
 BODY = json.dumps({"inputs": "The movie was good and the music was great."}).encode()
 REQUEST = (
@@ -85,7 +86,12 @@ class ReadyWorkers:
     def idle_workers(self) -> int:
         return 0
 
+    limits = ModelLimits()
+
     def batch_cap(self) -> int | None:
+        return None
+
+    def max_input_tokens(self) -> int | None:
         return None
 
     def submit(self, inputs: Any, params: Any) -> Any:

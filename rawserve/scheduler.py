@@ -15,8 +15,19 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from rawserve.http.errors import GatewayTimeout, InternalError, ServiceUnavailable
-from rawserve.scheduling.core import ItemResult, QueueFull, SchedulerCore, WorkItem
+from rawserve.http.errors import (
+    GatewayTimeout,
+    InternalError,
+    PayloadTooLarge,
+    ServiceUnavailable,
+)
+from rawserve.scheduling.core import (
+    ItemResult,
+    NeverAdmissible,
+    QueueFull,
+    SchedulerCore,
+    WorkItem,
+)
 from rawserve.shared.messages import BatchResult
 
 log = logging.getLogger("rawserve.scheduler")
@@ -36,6 +47,10 @@ class Backend(Protocol):
 
     def batch_cap(self) -> int | None:
         """The most items a batch may carry now (lowered after out-of-memory errors)."""
+        ...
+
+    def max_input_tokens(self) -> int | None:
+        """The most tokens the model reads of one input (it truncates); None: unknown."""
         ...
 
     def submit(
@@ -117,8 +132,9 @@ class Scheduler:
     ) -> list[ItemResult]:
         """Queue `inputs`, wait for all of their results, and give them in order.
 
-        Raises ServiceUnavailable when the queue is full and GatewayTimeout at the
-        deadline. Whatever happens, items still queued on the way out are withdrawn.
+        Raises PayloadTooLarge for more inputs than the queue can ever hold (a retry
+        cannot help), ServiceUnavailable when the queue is full, and GatewayTimeout at
+        the deadline. Whatever happens, items still queued on the way out are withdrawn.
         """
         loop = self._loop or asyncio.get_running_loop()
         now = self.clock()
@@ -129,6 +145,9 @@ class Scheduler:
             futures.append(future)
         try:
             self.core.admit(items, now)
+        except NeverAdmissible as never:
+            self._count_dropped("rejected", len(items))
+            raise PayloadTooLarge(str(never)) from None
         except QueueFull as refused:
             raise self._refusal(refused, len(items)) from None
         self._wake.set()
@@ -151,6 +170,7 @@ class Scheduler:
             self._wake.clear()
             now = self.clock()
             self.core.batch_cap = self.backend.batch_cap()
+            self.core.max_input_tokens = self.backend.max_input_tokens()
             decision = self.core.decide(now, self.backend.idle_workers())
             for item in decision.expired:
                 _settle(item, exception=GatewayTimeout("deadline passed while queued"))

@@ -9,10 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rawserve.http.errors import GatewayTimeout, ServiceUnavailable
+from rawserve.http.errors import GatewayTimeout, PayloadTooLarge, ServiceUnavailable
 from rawserve.scheduler import DELIVERY_SLICE, Scheduler
-from rawserve.scheduling.batching import BatchLimits, CostModel, choose_batch, padded_cost, similar
-from rawserve.scheduling.core import DeadlineUnreachable, QueueFull, SchedulerCore
+from rawserve.scheduling.batching import BatchLimits, CostModel, choose_batch, padded_cost
+from rawserve.scheduling.core import (
+    DeadlineUnreachable,
+    NeverAdmissible,
+    QueueFull,
+    SchedulerCore,
+)
 from rawserve.shared.messages import BatchResult
 
 
@@ -122,13 +127,14 @@ def test_everything_is_admitted_before_the_speed_is_measured():
 
 def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once():
     core = measured(SchedulerCore(max_queue=100, max_batch_size=10), seconds_per_token=0.001)
-    queue_items(core, [text(100)] * 20, deadline=30.0)  # 2 s of work ahead
+    for _ in range(20):  # 2 s of work ahead: twenty requests, all in the current turn
+        queue_items(core, [text(100)], deadline=30.0)
     with pytest.raises(DeadlineUnreachable) as refused:
         queue_items(core, ["a", "b"], deadline=31.0, now=29.5)
     assert refused.value.retry_after >= 2.0
     assert len(core) == 20  # the list was refused whole
     queue_items(core, ["a", "b"], deadline=33.0)  # time enough: admitted
-    # an earlier deadline goes ahead of the queue (EDF), so it need not wait for it
+    # an earlier deadline goes ahead of the queue, so it need not wait for it
     queue_items(core, ["urgent"], deadline=0.5)
     assert len(core) == 23
 
@@ -197,14 +203,25 @@ def test_an_item_over_the_budget_alone_still_goes_alone():
     assert core.next_batch(now=0.0) == big
 
 
-def test_similar_lengths_share_a_batch_and_long_items_go_together():
+def test_before_the_cost_model_is_fitted_what_waits_goes_together():
     core = SchedulerCore(max_batch_size=8)
+    lengths = [10, 200, 12, 190, 9, 11, 180, 10]
+    items = queue_items(core, [text(n) for n in lengths])
+    assert core.next_batch(now=0.0)[0] is items[0]  # nothing measured: one call for all
+    assert len(core) == 0
+    core.cost_model.observe(1000, 2.0)  # one slow call says nothing of splitting
+    items = queue_items(core, [text(n) for n in lengths])
+    assert sorted(map(id, core.next_batch(now=0.0))) == sorted(map(id, items))
+
+
+def test_once_fitted_a_plan_that_groups_lengths_is_measurably_cheaper():
+    core = measured(SchedulerCore(max_batch_size=8), seconds_per_token=1e-3, fixed=0.05)
     lengths = [10, 200, 12, 190, 9, 11, 180, 10]
     items = queue_items(core, [text(n) for n in lengths])
     first, second = core.next_batch(now=0.0), core.next_batch(now=0.0)
     assert sorted(item.cost for item in first) == [9, 10, 10, 11, 12]
     assert sorted(item.cost for item in second) == [180, 190, 200]
-    assert first[0] is items[0]  # the earliest deadline leads
+    assert first[0] is items[0]  # the first turn leads
 
 
 def test_count_mode_takes_deadline_order_whatever_the_lengths():
@@ -256,6 +273,63 @@ def test_a_measured_batch_teaches_the_cost_model():
     assert core.items_per_second == pytest.approx(10.0)
 
 
+# --- fair shares and admission under abuse ---------------------------------------------
+
+
+def test_a_single_input_is_not_queued_behind_a_whole_list():
+    core = SchedulerCore(max_batch_size=32, max_queue=1024)
+    queue_items(core, [f"list {i}" for i in range(256)])
+    first = core.next_batch(now=0.0)  # the list's first turns go out
+    (single,) = queue_items(core, ["single"], now=0.1)
+    assert single in core.next_batch(now=0.2)  # the next call, not after 224 more
+    assert len(first) == 32
+
+
+def test_two_lists_take_turns():
+    core = SchedulerCore(max_batch_size=4, max_queue=64)
+    a = queue_items(core, [f"a{i}" for i in range(8)])
+    b = queue_items(core, [f"b{i}" for i in range(8)])
+    batch = core.next_batch(now=0.0)
+    assert batch == [a[0], b[0], a[1], b[1]]
+
+
+def test_an_item_near_its_deadline_leads_whatever_its_turn():
+    core = measured(SchedulerCore(max_batch_size=1), seconds_per_token=1e-3, fixed=0.01)
+    (single,) = queue_items(core, [text(10)], deadline=30.0)
+    first, second = queue_items(core, [text(10)] * 2, deadline=0.035)  # 0.02 s a call
+    assert core.next_batch(now=0.0) == [first]  # turn 0: the earlier deadline
+    assert core.next_batch(now=0.0) == [second]  # turn 1, but too close to wait for turn 0
+    assert core.next_batch(now=0.0) == [single]
+
+
+def test_a_list_longer_than_the_queue_can_never_be_admitted():
+    core = SchedulerCore(max_queue=4)
+    with pytest.raises(NeverAdmissible):
+        queue_items(core, list("abcde"))
+    queue_items(core, list("abcd"))  # the bound itself fits
+    with pytest.raises(QueueFull):
+        queue_items(core, ["e"])
+
+
+def test_nothing_queued_ahead_is_no_reason_to_refuse():
+    core = measured(SchedulerCore(), seconds_per_token=0.01)  # 200 tokens take 2 s
+    queue_items(core, [text(200)], deadline=1.0)  # alone it cannot make it: let it try
+    with pytest.raises(DeadlineUnreachable):  # one that could alone cannot behind it
+        queue_items(core, [text(50)], deadline=1.0)
+
+
+def test_the_cost_of_a_long_input_is_what_the_model_reads_of_it():
+    core = SchedulerCore(max_input_tokens=512)
+    (long_item,) = queue_items(core, ["word " * 209_700])
+    assert long_item.cost == 512
+
+
+async def test_a_request_that_can_never_be_admitted_is_413_not_503(driver):
+    scheduler, _ = driver
+    with pytest.raises(PayloadTooLarge):
+        await scheduler.run(list("abcdefghi"), {}, deadline=scheduler.clock() + 5)
+
+
 # --- the cost model and the batch choice alone ----------------------------------------
 
 
@@ -298,8 +372,6 @@ def test_choose_batch_respects_its_bounds_and_always_takes_the_head(
     assert len(set(map(id, batch))) == len(batch)
     if len(batch) > 1 and max_tokens:
         assert padded_cost(item.cost for item in batch) <= max_tokens
-    if group and len(batch) > 1:
-        assert similar(min(i.cost for i in batch), max(i.cost for i in batch))
 
 
 # --- the async driver, with a fake executor -------------------------------------------
@@ -311,6 +383,9 @@ class FakeBackend:
         self.calls: list[tuple[list, dict, asyncio.Future]] = []
 
     def batch_cap(self) -> int | None:
+        return None
+
+    def max_input_tokens(self) -> int | None:
         return None
 
     def idle_workers(self) -> int:
@@ -440,11 +515,15 @@ async def test_a_cancelled_request_is_withdrawn(driver):
 
 async def test_a_request_that_cannot_meet_its_deadline_gets_503_at_once(driver):
     scheduler, backend = driver
-    scheduler.core.cost_model.observe(10, 1.0)  # one call of ten tokens: a second
-    with pytest.raises(ServiceUnavailable) as refused:
+    scheduler.core.cost_model.observe(10, 0.5)  # 0.05 s a token
+    first = asyncio.create_task(scheduler.run(["first"], {}, deadline=scheduler.clock() + 5))
+    await until(lambda: len(backend.calls) == 1)  # in flight: 0.15 s predicted
+    with pytest.raises(ServiceUnavailable) as refused:  # alone 0.1 s: it would make it
         await scheduler.run(["a"], {}, deadline=scheduler.clock() + 0.2)
     assert "deadline" in str(refused.value)
-    assert backend.calls == [] and len(scheduler.core) == 0
+    assert len(backend.calls) == 1 and len(scheduler.core) == 0
+    backend.finish(0)
+    await first
 
 
 def test_a_freak_batch_moves_the_cost_model_only_so_far():

@@ -2,11 +2,12 @@
 
 Pure decisions with no clock and no I/O, used by `rawserve.scheduler`:
 
-- `choose_batch` picks the items of one batch key that go together. The item with the
-  earliest deadline always goes (so nothing starves). In cost-aware mode the others
-  are those of the head's call in the cheapest plan for the queue (`plan_partners`:
-  lengths grouped when padding costs more than a call's fixed part, mixed when it
-  costs less), or, before any call is measured, those of similar estimated length.
+- `choose_batch` picks the items of one batch key that go together. The queue's head
+  always goes (so nothing starves). In cost-aware mode the others are those of the
+  head's call in the cheapest plan for the queue (`plan_partners`: lengths grouped
+  when padding costs more than a call's fixed part, mixed when it costs less), once the
+  cost model has measured both parts; until then nothing is known to be cheaper than
+  one call, and everything goes together.
   The batch's padded cost (longest x items) stays under the token budget, and items
   close to their deadline join whatever their length.
 - `CostModel` predicts a call's seconds from its padded cost, fitted on the batches
@@ -21,10 +22,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-# Two items are "of similar length" when the shorter is at least half the longer, or
-# when they differ by a few tokens (short inputs: padding them costs next to nothing).
-GROUP_RATIO = 0.5
-GROUP_SLACK_TOKENS = 8
 # Weight that the cost model keeps of its past per new measurement.
 COST_MEMORY = 0.95
 # The cheapest plan looks at the items of this many full batches nearest their deadline.
@@ -43,7 +40,7 @@ ItemT = TypeVar("ItemT", bound=Costed)
 class BatchLimits:
     max_size: int = 32
     max_tokens: int | None = None  # bound on the padded cost: longest item x items
-    group_lengths: bool = True  # cost-aware: similar lengths together; else deadline order
+    group_lengths: bool = True  # cost-aware: the cheapest plan's calls; else queue order
 
 
 def padded_cost(costs: Iterable[int]) -> int:
@@ -52,31 +49,29 @@ def padded_cost(costs: Iterable[int]) -> int:
     return max(costs, default=0) * len(costs)
 
 
-def similar(shortest: int, longest: int) -> bool:
-    return shortest >= GROUP_RATIO * longest or longest - shortest <= GROUP_SLACK_TOKENS
-
-
 def choose_batch(
     queue: Sequence[ItemT],
     limits: BatchLimits,
     urgent: Callable[[ItemT], bool] = lambda item: False,
     cost_model: CostModel | None = None,
 ) -> list[ItemT]:
-    """The items of `queue` (sorted earliest deadline first) that go in one model call.
+    """The items of `queue` (in the scheduler's order) that go in one model call.
 
     The first item always goes, even when it alone is over the token budget. Then, in
-    deadline order (count mode) or closest length first (cost-aware mode, urgent items
-    first), every item that keeps the batch within its bounds joins. In cost-aware mode
-    an item joins when it is urgent, or when it is of similar length (no measured
-    speed yet) or part of the head's batch in the cheapest plan (`plan_partners`).
+    queue order (count mode) or closest length first (cost-aware mode, urgent items
+    first), every item that keeps the batch within its bounds joins. In cost-aware mode,
+    once the cost model has measured a call's fixed part and its cost per token
+    (`CostModel.fitted`), an item that is not urgent joins only when it is part of the
+    head's call in the cheapest plan (`plan_partners`): splitting what waits into
+    several calls must be measurably cheaper than one call.
     """
     if not queue:
         return []
     head = queue[0]
     batch = [head]
-    longest = shortest = head.cost
+    longest = head.cost
     partners: set[int] | None = None
-    if limits.group_lengths and cost_model is not None and cost_model.measured:
+    if limits.group_lengths and cost_model is not None and cost_model.fitted:
         partners = plan_partners(queue[: PLAN_WINDOW * limits.max_size], limits, cost_model)
     if limits.group_lengths:
         rest = queue[1:]
@@ -85,24 +80,22 @@ def choose_batch(
         others = sorted(
             (item for item in rest if id(item) not in hurried),
             key=lambda item: abs(item.cost - head.cost),
-        )  # stable: equally close items stay in deadline order
+        )  # stable: equally close items stay in queue order
         candidates = [(item, True) for item in hurry] + [(item, False) for item in others]
     else:
         candidates = [(item, True) for item in queue[1:]]
     for item, any_length in candidates:
         if len(batch) >= limits.max_size:
             break
-        new_longest, new_shortest = max(longest, item.cost), min(shortest, item.cost)
+        new_longest = max(longest, item.cost)
         if limits.max_tokens and new_longest * (len(batch) + 1) > limits.max_tokens:
             if not limits.group_lengths:
-                break  # count mode keeps strict deadline order
+                break  # count mode keeps strict queue order
             continue
-        if not any_length:
-            joins = similar(new_shortest, new_longest) if partners is None else id(item) in partners
-            if not joins:
-                continue
+        if not any_length and partners is not None and id(item) not in partners:
+            continue
         batch.append(item)
-        longest, shortest = new_longest, new_shortest
+        longest = new_longest
     return batch
 
 
@@ -152,10 +145,17 @@ class CostModel:
         self.fixed = 0.0
         self.per_token = 0.0
         self.padding = 1.0  # padded / unpadded tokens of recent calls
+        self._fitted = False
 
     @property
     def measured(self) -> bool:
         return self._w > 0
+
+    @property
+    def fitted(self) -> bool:
+        """Both parts are measured (calls of different sizes): predictions for other sizes,
+        and plans that split work into several calls, rest on more than one point."""
+        return self._fitted
 
     def observe(self, cost: int, seconds: float, tokens: int | None = None) -> None:
         """One model call: its padded cost, its seconds, and its unpadded tokens."""
@@ -171,6 +171,7 @@ class CostModel:
         mean_x, mean_y = self._x / self._w, self._y / self._w
         var = self._xx / self._w - mean_x * mean_x
         slope = (self._xy / self._w - mean_x * mean_y) / var if var > (0.05 * mean_x) ** 2 else None
+        self._fitted = slope is not None and slope >= 0
         if slope is None or slope < 0:  # one size measured so far: assume proportional
             self.fixed, self.per_token = 0.0, mean_y / mean_x
         else:

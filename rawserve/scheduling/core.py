@@ -2,7 +2,14 @@
 
 `SchedulerCore` admits work, builds the next batch, drops what expired and says when to
 look again, all as plain synchronous functions of `now`, so it is tested with a fake
-clock and simulated at random (tests/test_scheduler_simulation.py). The async driver that
+clock and simulated at random (tests/test_scheduler_simulation.py).
+
+The queue is served in fair-share order, not first come first served: each request's
+items get consecutive turns from the current one (start-time fair queueing, one turn per
+item), so a request of 256 inputs interleaves with the single inputs that arrive after
+it instead of going wholly before them. Deadlines still rule where they bind: an item
+close to its deadline leads the next batch or joins it, an expired one is dropped, and
+no batch is made that would come back after a member's deadline. The async driver that
 runs it against the executor is `rawserve.scheduler.Scheduler`. Never imports asyncio's
 server side, h11, torch or the executor.
 """
@@ -41,9 +48,11 @@ class WorkItem:
     seq: int
     future: asyncio.Future[ItemResult] | None = None
     queued: bool = False
+    turn: int = 0  # its place in the fair-share order, set when it is admitted
 
-    def sort_key(self) -> tuple[float, int]:
-        return (self.deadline, self.seq)
+    def sort_key(self) -> tuple[int, float, int]:
+        """Fair-share turn first; within a turn, earliest deadline first."""
+        return (self.turn, self.deadline, self.seq)
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,15 @@ class DeadlineUnreachable(QueueFull):
     """Refused at admission: the work queued ahead would outlast the request's deadline."""
 
     reason = "the work queued ahead would outlast the request's deadline"
+
+
+class NeverAdmissible(Exception):
+    """Refused at admission for good: more items than the queue can ever hold."""
+
+    def __init__(self, items: int, max_queue: int):
+        super().__init__(f"{items} inputs in one request; this server queues at most {max_queue}")
+        self.items = items
+        self.max_queue = max_queue
 
 
 @dataclass
@@ -105,6 +123,8 @@ class SchedulerCore:
     _in_flight: dict[int, InFlight] = field(default_factory=dict)
     items_per_second: float | None = None  # measured service rate (for reports)
     tokens_per_estimate: float = 1.0  # real tokens per estimated token, learned from workers
+    max_input_tokens: int | None = None  # the model reads no more (it truncates): cost cap
+    _turn: int = 0  # the fair-share turn being served: the latest turn sent to a worker
 
     def __len__(self) -> int:
         return self._size
@@ -121,49 +141,64 @@ class SchedulerCore:
     def new_item(
         self, value: Any, params: Mapping[str, Any], deadline: float, now: float
     ) -> WorkItem:
+        cost = max(1, round(estimate_tokens(value) * self.tokens_per_estimate))
+        if self.max_input_tokens is not None:  # a long text costs what the model reads of it
+            cost = min(cost, self.max_input_tokens)
         return WorkItem(
             input=value,
             params=params,
             key=batch_key(params),
             deadline=deadline,
             arrived=now,
-            cost=max(1, round(estimate_tokens(value) * self.tokens_per_estimate)),
+            cost=cost,
             seq=next(self._seq),
         )
 
     # --- admission ----------------------------------------------------------------------
 
     def admit(self, items: Sequence[WorkItem], now: float | None = None) -> None:
-        """Queue all of `items` or none of them (a list request is admitted whole).
+        """Queue all of `items` or none of them (a list request is admitted whole), each
+        with the next fair-share turn from the one being served.
 
-        Raises QueueFull over the queue bound, and DeadlineUnreachable (given `now`)
-        when the work ahead, at the measured speed, would end after the items' deadline.
+        Raises NeverAdmissible for more items than the queue holds, QueueFull over the
+        queue bound, and DeadlineUnreachable (given `now`) when the work queued ahead,
+        at the measured speed, would end after the items' deadline (never when nothing
+        is queued ahead: the items' own cost alone is no reason to send them away).
         """
+        if len(items) > self.max_queue:
+            raise NeverAdmissible(len(items), self.max_queue)
         if self._size + len(items) > self.max_queue:
             raise QueueFull(self.retry_after(now))
-        if now is not None and items:
-            finish = self.estimated_finish(items, now)
-            if finish is not None and finish > min(item.deadline for item in items):
-                raise DeadlineUnreachable(self.retry_after(now))
+        for offset, item in enumerate(items):
+            item.turn = self._turn + offset
+        if now is not None and items and self._misses_deadline(items, now):
+            raise DeadlineUnreachable(self.retry_after(now))
         for item in items:
             bisect.insort(self._queues.setdefault(item.key, []), item, key=WorkItem.sort_key)
             item.queued = True
         self._size += len(items)
 
-    def estimated_finish(self, items: Sequence[WorkItem], now: float) -> float | None:
-        """When `items` would be computed, earliest first after what goes ahead of them.
-
-        Full batches padded as recent ones were, at the measured speed; None before any
-        batch has been measured.
-        """
-        deadline = max(item.deadline for item in items)
-        ahead = [i.cost for q in self._queues.values() for i in q if i.deadline <= deadline]
-        drain = self.cost_model.drain_seconds(
-            ahead + [item.cost for item in items], self.max_batch_size, self.workers
-        )
-        if drain is None:
-            return None
-        return now + self._in_flight_seconds(now) + drain
+    def _misses_deadline(self, items: Sequence[WorkItem], now: float) -> bool:
+        """Whether the work ahead of `items` (queued items with an earlier or equal turn and
+        deadline, and the batches in flight) would make them miss their deadline, at the
+        measured speed, when alone they would not. Items that cannot make it even alone
+        are let through: the estimate is no proof, and no retry would help them."""
+        deadline = min(item.deadline for item in items)
+        own = [item.cost for item in items]
+        alone = self.cost_model.drain_seconds(own, self.max_batch_size, self.workers)
+        if alone is None or now + alone > deadline:
+            return False
+        last_turn = max(item.turn for item in items)
+        latest = max(item.deadline for item in items)
+        ahead = [
+            i.cost
+            for queue in self._queues.values()
+            for i in queue
+            if i.turn <= last_turn and i.deadline <= latest
+        ]
+        with_ahead = self.cost_model.drain_seconds(ahead + own, self.max_batch_size, self.workers)
+        assert with_ahead is not None  # measured, as `alone` was
+        return now + self._in_flight_seconds(now) + with_ahead > deadline
 
     def _in_flight_seconds(self, now: float) -> float:
         left = sum(max(0.0, b.sent + b.predicted - now) for b in self._in_flight.values())
@@ -194,9 +229,9 @@ class SchedulerCore:
 
     def drop_expired(self, now: float) -> list[WorkItem]:
         """Remove and return the queued items whose deadline has passed."""
-        expired: list[WorkItem] = []
-        for queue in self._queues.values():  # each sorted by deadline: expired come first
-            expired.extend(itertools.takewhile(lambda item: item.deadline <= now, queue))
+        expired = [
+            item for queue in self._queues.values() for item in queue if item.deadline <= now
+        ]
         for item in expired:
             self.remove(item)
         return expired
@@ -217,17 +252,23 @@ class SchedulerCore:
     def next_batch(self, now: float) -> list[WorkItem] | None:
         """The batch to send to a free worker now (marked in flight), or None to wait.
 
-        Keys are tried in earliest-deadline-first order of their heads; a key's batch
-        goes when it is full or when its oldest item has waited `max_batch_delay`.
-        Expired items never go, nor items that cannot be computed before their deadline
-        even alone (once the speed is measured): they stay queued until they expire.
+        Keys are tried in fair-share order of their heads; a key's batch goes when it is
+        full or when its oldest item has waited `max_batch_delay`. Its head is the item
+        whose turn comes first, unless one is close to its deadline: the earliest such
+        deadline leads. Expired items never go, nor (once the cost model is fitted)
+        items that cannot be computed before their deadline even alone: they stay
+        queued until they expire.
         """
         heads = sorted(self._queues.values(), key=lambda queue: queue[0].sort_key())
         for queue in heads:
             viable = [item for item in queue if self._can_finish(item, now)]
             if not viable:
                 continue
-            limits = self._limits_for(viable[0], now)
+            pressing = min(viable, key=lambda item: item.deadline)
+            if pressing is not viable[0] and self._is_urgent(pressing, now):
+                viable.remove(pressing)
+                viable.insert(0, pressing)
+            limits = self._limits_for(pressing.deadline, viable[0].cost, now)
             batch = choose_batch(
                 viable, limits, lambda item: self._is_urgent(item, now), self.cost_model
             )
@@ -235,6 +276,7 @@ class SchedulerCore:
             if self._is_full(batch, len(viable), limits) or now >= oldest + self.max_batch_delay:
                 for item in batch:
                     self.remove(item)
+                self._turn = max(self._turn, max(item.turn for item in batch))
                 cost = padded_cost(item.cost for item in batch)
                 predicted = self.cost_model.predict(cost) or 0.0
                 tokens = sum(item.cost for item in batch)
@@ -242,16 +284,16 @@ class SchedulerCore:
                 return batch
         return None
 
-    def _limits_for(self, head: WorkItem, now: float) -> BatchLimits:
-        """The bounds of a batch led by `head`: the configured ones, and (once the speed
-        is measured) a token budget small enough to come back before the head's
-        deadline. The head's deadline is the batch's earliest, so every member is safe."""
+    def _limits_for(self, deadline: float, head_cost: int, now: float) -> BatchLimits:
+        """The bounds of a batch: the configured ones, and (once the cost model is
+        fitted) a token budget small enough to come back before `deadline`, the
+        earliest deadline among the candidates, so that every member is safe."""
         limits = self.limits
         model = self.cost_model
-        if not model.measured or model.per_token <= 0:
+        if not model.fitted or model.per_token <= 0:
             return limits
-        seconds = (head.deadline - now) / DEADLINE_MARGIN - model.fixed
-        in_time = max(head.cost, int(seconds / model.per_token))
+        seconds = (deadline - now) / DEADLINE_MARGIN - model.fixed
+        in_time = max(head_cost, int(seconds / model.per_token))
         if limits.max_tokens is None or in_time < limits.max_tokens:
             return replace(limits, max_tokens=in_time)
         return limits
@@ -266,6 +308,8 @@ class SchedulerCore:
         return not limits.group_lengths and len(batch) < candidates
 
     def _can_finish(self, item: WorkItem, now: float) -> bool:
+        if not self.cost_model.fitted:  # one measured size says little of another
+            return item.deadline > now
         alone = self.cost_model.predict(item.cost) or 0.0
         return item.deadline > now + DEADLINE_MARGIN * alone
 
@@ -281,7 +325,7 @@ class SchedulerCore:
         for queue in self._queues.values():
             if free_workers > 0:
                 times.append(min(item.arrived for item in queue) + self.max_batch_delay)
-            times.append(queue[0].deadline)
+            times.append(min(item.deadline for item in queue))
         return min((t for t in times if t > now), default=None)
 
     def finish_batch(self, batch: Sequence[WorkItem], now: float) -> float:
