@@ -23,13 +23,48 @@ from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.scheduling.core import ItemResult
 from rawserve.shared.messages import FailureKind, ItemFailure
 
+MAX_JSON_DEPTH = 64  # levels of nested arrays and objects in a request body
+TOO_DEEP = f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep"
+
 
 def read_json(request: HttpRequest) -> Any:
-    """The request's body as JSON; 400 when it is not valid JSON."""
+    """The request's body as JSON; 400 when it is not valid JSON, is nested more than
+    `MAX_JSON_DEPTH` levels, or holds a lone UTF-16 surrogate (`"\\ud800"`: valid JSON,
+    but no text a tokenizer can take)."""
+    body = request.body
     try:
-        return json.loads(request.body)
+        document = json.loads(body)
+    except RecursionError:  # the parser's own limit, well past ours
+        raise BadRequest(TOO_DEEP) from None
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise BadRequest("the body is not valid JSON") from None
+    # Both checks walk the document, so they run only when the bytes allow a problem:
+    # fewer brackets than the limit cannot nest past it, and a surrogate is written as
+    # an escape (UTF-8 cannot carry one).
+    deep = body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH
+    escaped = b"\\ud" in body or b"\\uD" in body
+    if deep or escaped:
+        _check_document(document)
+    return document
+
+
+def _check_document(document: Any) -> None:
+    stack = [(document, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadRequest("the JSON body holds a lone surrogate (\\ud800-\\udfff)") from None
+        elif isinstance(value, (list, dict)):
+            if depth > MAX_JSON_DEPTH:
+                raise BadRequest(TOO_DEEP)
+            children = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, child in children:
+                if isinstance(key, str):
+                    stack.append((key, depth))
+                stack.append((child, depth + 1))
 
 
 def is_json(request: HttpRequest) -> bool:

@@ -18,7 +18,14 @@ from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
 from rawserve.http.errors import BadRequest, UnsupportedMediaType
 from rawserve.http.exchange import HttpRequest, HttpResponse
-from rawserve.tasks import InvalidRequest, check_input, check_params, shape_answer, task_rules
+from rawserve.tasks import (
+    InvalidRequest,
+    check_generation_length,
+    check_input,
+    check_params,
+    shape_answer,
+    task_rules,
+)
 from rawserve.tasks.image_classification import image_from_body
 
 
@@ -28,6 +35,7 @@ class ParsedRequest:
     params: dict[str, Any]
     is_list: bool  # answer a list (the client sent a list of inputs)
     stream: bool = False  # answer text/event-stream, one event per new token
+    raw_text: bool = False  # a raw-text body: answered in `pipe(text)`'s shape
 
 
 def parse_json_body(task_name: str, document: Any, max_items: int = 32) -> ParsedRequest:
@@ -76,13 +84,13 @@ def parse_text_body(task_name: str, text: str) -> ParsedRequest:
     """A raw (non-JSON) body is one input, as `curl -d` sends it."""
     task = task_rules(task_name)
     if task is None:
-        return ParsedRequest([text], {}, is_list=False)
+        return ParsedRequest([text], {}, is_list=False, raw_text=True)
     try:
         item = check_input(task, text)
         check_params(task, {})  # a task with required parameters needs JSON
     except InvalidRequest as exc:
         raise BadRequest(str(exc)) from None
-    return ParsedRequest([item], {}, is_list=False)
+    return ParsedRequest([item], {}, is_list=False, raw_text=True)
 
 
 def takes_binary_body(task_name: str | None) -> bool:
@@ -140,9 +148,14 @@ class InferenceRoutes:
         self.context.gate.check(model)
         task = model.workers.task
         parsed = parse_body(task, request, self.context.settings.max_client_batch_size)
+        try:
+            check_generation_length(parsed.params, model.workers.limits.max_new_tokens)
+        except InvalidRequest as exc:
+            raise BadRequest(str(exc)) from None
         deadline = self.context.deadline(request)
         if parsed.stream:
             return await open_token_stream(model, parsed.inputs[0], parsed.params, deadline)
         results = await model.queue.run(parsed.inputs, parsed.params, deadline)
         outputs = [unwrap(result) for result in results]
-        return answer(shape_answer(task, outputs, parsed.is_list), results)
+        document = shape_answer(task, outputs, parsed.is_list, raw_text=parsed.raw_text)
+        return answer(document, results)

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from rawserve.executor import LoadState, WorkerStatus
 from rawserve.http.errors import NotFound
 from rawserve.scheduling.core import ItemResult
-from rawserve.shared.messages import TokenChunk
+from rawserve.shared.messages import ModelLimits, TokenChunk
 
 
 class Queue(Protocol):
@@ -46,6 +46,11 @@ class Workers(Protocol):
 
     @property
     def task(self) -> str | None: ...
+
+    @property
+    def limits(self) -> ModelLimits:
+        """What the loaded model can take (unknown until a worker is ready)."""
+        ...
 
     def load_state(self) -> tuple[LoadState, float | None]: ...
 

@@ -12,7 +12,9 @@ parameters keeps it out of other requests' batches and tells the worker to send 
 The last token's event carries the full text, as TGI's does (one token is held back
 until the batch's result says whether it was the last). When the client leaves, the
 protocol closes the event iterator: the listener is removed, the queued item withdrawn,
-and the worker told to stop generating. Never imports torch.
+and the worker told to stop generating. A client that stays connected but does not read
+gets the same once `STREAM_BUFFER_TOKENS` tokens wait for it (then an error event), and
+the protocol's write timeout ends it. Never imports torch.
 """  # noqa: E501
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 from rawserve.api.bodies import unwrap
 from rawserve.api.served import ServedModel, Workers
 from rawserve.http.encoding import dumps
-from rawserve.http.errors import HTTPError, error_document
+from rawserve.http.errors import HTTPError, ServiceUnavailable, error_document
 from rawserve.http.exchange import HttpResponse
 from rawserve.scheduling.core import ItemResult
 from rawserve.shared.messages import TokenChunk
@@ -32,58 +34,87 @@ from rawserve.tasks import STREAM_ID_PARAM
 
 # A stream's queue carries its TokenChunks, then None once its request has finished.
 Run = asyncio.Future[list[ItemResult]]
+# Tokens a stream holds for a client that does not read them; past it the generation is
+# stopped (a client that cannot keep up with the model would hold the worker, and the
+# tokens its memory, for nobody).
+STREAM_BUFFER_TOKENS = 1024
+OVERFLOW = ServiceUnavailable(
+    f"the stream was stopped: its client left {STREAM_BUFFER_TOKENS} tokens unread"
+)
 
 
 def sse(document: Any) -> bytes:
     return b"data:" + dumps(document) + b"\n\n"
 
 
+class _TokenStream:
+    """One streamed generation: its token buffer, its queued request, and its end."""
+
+    def __init__(self, model: ServedModel, prompt: Any, params: Mapping[str, Any], deadline: float):
+        self.workers: Workers = model.workers
+        self.queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
+        self.overflowed = False
+        self.closed = False
+        self.stream_id = self.workers.open_stream(self.on_token)
+        params = {**params, STREAM_ID_PARAM: self.stream_id}
+        self.run: Run = asyncio.ensure_future(model.queue.run([prompt], params, deadline))
+        self.run.add_done_callback(lambda _: self.queue.put_nowait(None))
+
+    def on_token(self, chunk: TokenChunk) -> None:
+        if self.queue.qsize() < STREAM_BUFFER_TOKENS:
+            self.queue.put_nowait(chunk)
+        elif not self.overflowed:
+            self.overflowed = True
+            self.close()  # the end (None) is queued when the run is cancelled
+
+    def close(self) -> None:
+        """Stop the generation and withdraw the request (once; then it does nothing)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.workers.close_stream(self.stream_id)
+        if not self.run.done():
+            self.run.cancel()
+
+
 async def open_token_stream(
     model: ServedModel, prompt: Any, params: Mapping[str, Any], deadline: float
 ) -> HttpResponse:
     """Start a streamed generation; errors before its first token keep their status."""
-    queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
-    workers = model.workers
-    stream_id = workers.open_stream(queue.put_nowait)
-    params = {**params, STREAM_ID_PARAM: stream_id}
-    run: Run = asyncio.ensure_future(model.queue.run([prompt], params, deadline))
-    run.add_done_callback(lambda _: queue.put_nowait(None))
+    stream = _TokenStream(model, prompt, params, deadline)
     try:
-        first = await queue.get()
+        first = await stream.queue.get()
         if first is None:
-            run.result()  # raises the request's error, with its status
+            stream.run.result()  # raises the request's error, with its status
     except BaseException:
-        _close(workers, stream_id, run)
+        stream.close()
         raise
     return HttpResponse(
         200,
         headers=[("Cache-Control", "no-cache")],
         content_type="text/event-stream",
-        stream=_events(first, queue, run, workers, stream_id),
+        stream=_events(first, stream),
     )
 
 
-async def _events(
-    first: TokenChunk | None,
-    queue: asyncio.Queue[TokenChunk | None],
-    run: Run,
-    workers: Workers,
-    stream_id: int,
-) -> AsyncGenerator[bytes, None]:
+async def _events(first: TokenChunk | None, stream: _TokenStream) -> AsyncGenerator[bytes, None]:
     try:
         held = first
         index = 0
         emitted = ""  # the text of the tokens sent so far
         while held is not None:  # None: the request has finished
-            chunk = await queue.get()
+            chunk = await stream.queue.get()
             if chunk is None:
                 break
             yield sse(_event(index, held.token))
             emitted += held.token["text"]
             index += 1
             held = chunk
+        if stream.overflowed:
+            yield sse(error_document(OVERFLOW))
+            return
         try:
-            [result] = run.result()
+            [result] = stream.run.result()
             output = unwrap(result)
         except HTTPError as error:
             yield sse(error_document(error))
@@ -95,13 +126,7 @@ async def _events(
             last_token["text"] = text[len(emitted) :]
         yield sse(_event(index, last_token, text, output.get("details")))
     finally:
-        _close(workers, stream_id, run)
-
-
-def _close(workers: Workers, stream_id: int, run: Run) -> None:
-    workers.close_stream(stream_id)
-    if not run.done():
-        run.cancel()
+        stream.close()
 
 
 def _event(

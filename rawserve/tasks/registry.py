@@ -55,6 +55,22 @@ def check_input(task: Task, item: Any) -> Any:
         raise InvalidRequest(f"invalid input for {task.name}: {exc}") from None
 
 
+def check_generation_length(params: Mapping[str, Any], longest: int | None) -> None:
+    """Refuse a generation the loaded model cannot make: more new tokens than its
+    positions allow (`longest`, None when it has no such bound)."""
+    if longest is None:
+        return
+    nested = params.get("generate_parameters")
+    sources = [params, nested if isinstance(nested, Mapping) else {}]
+    for name in ("max_new_tokens", "min_new_tokens"):
+        for source in sources:
+            asked = source.get(name)
+            if isinstance(asked, int) and asked > longest:
+                raise InvalidRequest(
+                    f"{name} is {asked}, and this model generates at most {longest} tokens"
+                )
+
+
 def check_params(task: Task, params: Mapping[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(params) - set(task.params))
     if unknown:
@@ -109,11 +125,16 @@ def split_outputs(task_name: str, inputs: Sequence[Any], raw: Any) -> list[Any]:
     return list(raw)
 
 
-def shape_answer(task_name: str | None, outputs: list[Any], is_list: bool) -> Any:
+def shape_answer(
+    task_name: str | None, outputs: list[Any], is_list: bool, *, raw_text: bool = False
+) -> Any:
     """The JSON answer to a request, from its items' outputs (in the Inference API's shape).
 
     A list of inputs is answered by the list of outputs. One input is answered by its
-    output, except where the Inference API (and so InferenceClient) expects a list.
+    output, except where the Inference API (and so InferenceClient) expects a list. A
+    raw-text body (`curl -d "text"`, the seed's way) is answered as the pipeline answers
+    that string: `pipe(text)` gives text-classification's labels as one list, where the
+    Inference API's `{"inputs": text}` wraps them in another.
     """
     if is_list:
         return outputs
@@ -121,6 +142,7 @@ def shape_answer(task_name: str | None, outputs: list[Any], is_list: bool) -> An
     task = task_rules(task_name) if task_name else None
     if task is None or task.single_answer == SingleAnswer.ITEM:
         return output
+    labels = output if isinstance(output, list) else [output]
     if task.single_answer == SingleAnswer.LIST_OF_LISTS:
-        return [output if isinstance(output, list) else [output]]
+        return labels if raw_text else [labels]
     return [output]
