@@ -21,6 +21,7 @@ from rawserve.executor import LoadState, WorkerStatus
 from rawserve.http.errors import NotFound, ServiceUnavailable, Unauthorized
 from rawserve.http.exchange import HttpRequest
 from rawserve.scheduling.core import ItemResult
+from rawserve.shared.messages import ModelLimits
 
 KEY = [("authorization", "Bearer secret")]
 
@@ -57,6 +58,7 @@ class ReadyWorkers:
         self.task = task
         self.ready = True
         self.healthy = True
+        self.limits = ModelLimits()
 
     def load_state(self) -> tuple[LoadState, float | None]:
         return LoadState.LOADING, None
@@ -123,8 +125,8 @@ def test_two_models_may_not_share_a_name():
 
 
 async def test_post_root_serves_the_default_model(app):
-    response = await app.handle(post("/", body=b"hello"))
-    assert json.loads(response.body) == [[{"label": "cls", "score": 1.0}]]
+    response = await app.handle(post("/", body=b"hello"))  # raw text: pipe("hello")'s shape
+    assert json.loads(response.body) == [{"label": "cls", "score": 1.0}]
     assert (computed_by(app, "cls"), computed_by(app, "emb")) == (1, 0)
 
 
