@@ -3,9 +3,10 @@ is full, measured in process.
 
 The real protocol (h11), the real app, scheduler and metrics, a full queue, and a
 transport that only counts bytes; requests arrive one at a time on keep-alive
-connections, each answered in the pass that read it (as under overload). Prints the
-microseconds per refusal (best of `--rounds`), with the access log on (written to
-/dev/null, as formatted as on stderr) and off (`--no-access-log`).
+connections, each answered in the pass that read it (as under overload), while the
+queue holds `--queue` items (--max-queue, full). Prints the microseconds per refusal
+(best of `--rounds`), with the access log on (written to /dev/null, as formatted as on
+stderr) and off (`--no-access-log`).
 
     python -m bench.refusal_cost --requests 20000 --rounds 5
 """
@@ -110,19 +111,21 @@ class ReadyWorkers:
         pass
 
 
-def full_server(loop: asyncio.AbstractEventLoop) -> tuple[App, ServerState]:
+def full_server(loop: asyncio.AbstractEventLoop, queue: int) -> tuple[App, ServerState]:
     workers = ReadyWorkers()
     metrics = Metrics()
-    core = SchedulerCore(max_queue=1)
+    core = SchedulerCore(max_queue=queue)
     scheduler = Scheduler(core, workers, loop=loop, metrics=metrics)
-    core.admit([core.new_item("queued", {}, 1e18, 0.0)])  # the queue is full from now on
+    for _ in range(queue):  # the queue is full from now on
+        core.admit([core.new_item("queued", {}, 1e18, 0.0)])
+    core.cost_model.observe(100, 0.01)  # a measured speed: Retry-After from the queue
     model = ServedModel("bench", scheduler, workers, {})
     return App(ServedModels([model]), metrics=metrics), ServerState(metrics=metrics)
 
 
-def per_refusal(requests: int, loop: asyncio.AbstractEventLoop) -> float:
+def per_refusal(requests: int, loop: asyncio.AbstractEventLoop, queue: int = 256) -> float:
     """Seconds of Python per refused request, over `requests` of them."""
-    app, state = full_server(loop)
+    app, state = full_server(loop, queue)
     settings = ProtocolSettings()
     connections = []
     for _ in range(CONNECTIONS):
@@ -144,16 +147,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--queue", type=int, default=256, help="--max-queue, full")
     args = parser.parse_args(argv)
     loop = asyncio.new_event_loop()
     results = {}
     with open(os.devnull, "w") as devnull:
         for access_log in (True, False):
             setup_logging("info", "text", access_log=access_log, stream=devnull)
-            best = min(per_refusal(args.requests, loop) for _ in range(args.rounds))
+            best = min(per_refusal(args.requests, loop, args.queue) for _ in range(args.rounds))
             results["access log on" if access_log else "access log off"] = round(1e6 * best, 1)
     logging.shutdown()
-    print(json.dumps({"microseconds_per_refusal": results, "requests": args.requests}))
+    print(json.dumps({"microseconds_per_refusal": results, **vars(args)}))
 
 
 if __name__ == "__main__":

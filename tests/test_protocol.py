@@ -641,3 +641,31 @@ async def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout():
     assert not transport.closed
     loop.advance(0.2)
     assert transport.aborted  # what waits to be written is dropped, not flushed forever
+
+
+async def test_a_refusal_answered_from_the_head_is_a_whole_keep_alive_503():
+    protocol = HttpProtocol(App(), ProtocolSettings(), loop=asyncio.get_running_loop())
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    refused = b"POST /now-refused HTTP/1.1\r\nHost: a\r\nX-Request-Id: r-1\r\n"
+    refused += b"Content-Length: 5\r\n\r\nhello"
+    protocol.data_received(refused + b"GET /now-next HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    [(first, body), (second, next_body)] = read_responses(transport.written)
+    headers = dict(first.headers)
+    assert first.status_code == 503 and headers[b"retry-after"] == b"2"
+    assert headers[b"x-request-id"] == b"r-1" and headers[b"content-type"] == b"application/json"
+    assert json.loads(body) == {"error": "queue full", "error_type": "unavailable"}
+    assert b"connection" not in headers and b"server-timing" in headers
+    assert (second.status_code, next_body) == (200, b"/now-next")  # the same connection
+    assert not transport.finished
+
+
+async def test_a_refusal_to_an_http_1_0_client_still_closes():
+    protocol = HttpProtocol(App(), ProtocolSettings(), loop=asyncio.get_running_loop())
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    protocol.data_received(b"POST /now-refused HTTP/1.0\r\nContent-Length: 0\r\n\r\n")
+    await settle()
+    [(response, _)] = read_responses(transport.written)
+    assert response.status_code == 503 and transport.finished

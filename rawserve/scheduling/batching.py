@@ -187,8 +187,14 @@ class CostModel:
 
     def drain_seconds(self, costs: Sequence[int], max_size: int, workers: int = 1) -> float | None:
         """The seconds to compute `costs` in full batches, padded as recent batches were."""
+        return self.drain_seconds_of(len(costs), sum(costs), max_size, workers)
+
+    def drain_seconds_of(
+        self, items: int, total_cost: int, max_size: int, workers: int = 1
+    ) -> float | None:
+        """`drain_seconds` of `items` items whose costs add up to `total_cost`."""
         if not self.measured:
             return None
-        calls = math.ceil(len(costs) / max_size)
-        padded = self.padding * sum(costs)
+        calls = math.ceil(items / max_size)
+        padded = self.padding * total_cost
         return (calls * self.fixed + self.per_token * padded) / max(workers, 1)

@@ -119,6 +119,7 @@ class SchedulerCore:
     batch_cap: int | None = None  # the workers' own, lower after out-of-memory errors
     _queues: dict[str, list[WorkItem]] = field(default_factory=dict)
     _size: int = 0
+    _queued_cost: int = 0  # the queued items' costs, summed as they come and go
     _seq: itertools.count = field(default_factory=itertools.count)
     _in_flight: dict[int, InFlight] = field(default_factory=dict)
     items_per_second: float | None = None  # measured service rate (for reports)
@@ -131,7 +132,7 @@ class SchedulerCore:
 
     def queued_tokens(self) -> int:
         """Estimated tokens waiting (each item's cost), read by the metrics at scrape time."""
-        return sum(item.cost for queue in self._queues.values() for item in queue)
+        return self._queued_cost
 
     @property
     def limits(self) -> BatchLimits:
@@ -177,6 +178,7 @@ class SchedulerCore:
             bisect.insort(self._queues.setdefault(item.key, []), item, key=WorkItem.sort_key)
             item.queued = True
         self._size += len(items)
+        self._queued_cost += sum(item.cost for item in items)
 
     def _misses_deadline(self, items: Sequence[WorkItem], now: float) -> bool:
         """Whether the work ahead of `items` (queued items with an earlier or equal turn and
@@ -206,8 +208,10 @@ class SchedulerCore:
 
     def retry_after(self, now: float | None = None) -> float:
         """Seconds until the current queue has likely drained, at the measured speed."""
-        costs = [item.cost for queue in self._queues.values() for item in queue]
-        drain = self.cost_model.drain_seconds(costs, self.max_batch_size, self.workers)
+        # O(1): a full queue refuses every request with this, under overload
+        drain = self.cost_model.drain_seconds_of(
+            self._size, self._queued_cost, self.max_batch_size, self.workers
+        )
         if drain is None:
             return 1.0
         if now is not None:
@@ -226,6 +230,7 @@ class SchedulerCore:
             del self._queues[item.key]
         item.queued = False
         self._size -= 1
+        self._queued_cost -= item.cost
 
     def drop_expired(self, now: float) -> list[WorkItem]:
         """Remove and return the queued items whose deadline has passed."""
