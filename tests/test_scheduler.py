@@ -125,6 +125,22 @@ def test_everything_is_admitted_before_the_speed_is_measured():
     assert len(core) == 51
 
 
+def test_one_slow_first_call_is_no_reason_to_refuse():
+    core = SchedulerCore(max_queue=100, max_batch_size=32)
+    core.cost_model.observe(5, 0.5)  # a cold first call: 0.1 s per token
+    for _ in range(60):  # 60 requests, 120 s of work at that speed
+        queue_items(core, [text(20)], deadline=30.0)
+    queue_items(core, [text(20)], deadline=30.0)  # admitted: one sample is no proof
+    core.cost_model.observe(600, 0.05)  # the next call shows the real speed
+    queue_items(core, [text(20)], deadline=30.0)
+    assert len(core) == 62
+    core.cost_model.observe(5, 0.5)  # slow again, now against a history: trusted
+    ahead = core.cost_model.drain_seconds([20] * 62, core.max_batch_size)
+    assert ahead is not None and ahead > 1.0
+    with pytest.raises(DeadlineUnreachable):  # it could make it alone, not behind 62
+        queue_items(core, [text(20)], now=29.0, deadline=30.0)
+
+
 def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once():
     core = measured(SchedulerCore(max_queue=100, max_batch_size=10), seconds_per_token=0.001)
     for _ in range(20):  # 2 s of work ahead: twenty requests, all in the current turn
@@ -515,7 +531,8 @@ async def test_a_cancelled_request_is_withdrawn(driver):
 
 async def test_a_request_that_cannot_meet_its_deadline_gets_503_at_once(driver):
     scheduler, backend = driver
-    scheduler.core.cost_model.observe(10, 0.5)  # 0.05 s a token
+    for _ in range(2):  # 0.05 s a token, measured often enough to be trusted
+        scheduler.core.cost_model.observe(10, 0.5)
     first = asyncio.create_task(scheduler.run(["first"], {}, deadline=scheduler.clock() + 5))
     await until(lambda: len(backend.calls) == 1)  # in flight: 0.15 s predicted
     with pytest.raises(ServiceUnavailable) as refused:  # alone 0.1 s: it would make it

@@ -24,6 +24,10 @@ from typing import Protocol, TypeVar
 
 # Weight that the cost model keeps of its past per new measurement.
 COST_MEMORY = 0.95
+# Calls measured before the model's speed is trusted to refuse work: the first call of a
+# fresh worker can be many times slower than the rest (cold caches, a busy machine), and
+# one such sample alone made a server refuse a burst it would have served in a second.
+CALLS_TO_TRUST = 2
 # The cheapest plan looks at the items of this many full batches nearest their deadline.
 PLAN_WINDOW = 4
 
@@ -146,10 +150,16 @@ class CostModel:
         self.per_token = 0.0
         self.padding = 1.0  # padded / unpadded tokens of recent calls
         self._fitted = False
+        self.calls = 0  # calls measured
 
     @property
     def measured(self) -> bool:
         return self._w > 0
+
+    @property
+    def trusted(self) -> bool:
+        """Enough calls are measured for the speed to be a reason to refuse work."""
+        return self.calls >= CALLS_TO_TRUST
 
     @property
     def fitted(self) -> bool:
@@ -163,6 +173,7 @@ class CostModel:
         if tokens:
             self.padding += (1 - m) * (cost / tokens - self.padding)
         x, y = float(max(cost, 1)), max(seconds, 0.0)
+        self.calls += 1
         self._w = m * self._w + 1
         self._x = m * self._x + x
         self._y = m * self._y + y

@@ -184,7 +184,10 @@ class SchedulerCore:
         """Whether the work ahead of `items` (queued items with an earlier or equal turn and
         deadline, and the batches in flight) would make them miss their deadline, at the
         measured speed, when alone they would not. Items that cannot make it even alone
-        are let through: the estimate is no proof, and no retry would help them."""
+        are let through: the estimate is no proof, and no retry would help them. Nor is
+        anything refused before the speed is trusted (`CostModel.trusted`)."""
+        if not self.cost_model.trusted:
+            return False
         deadline = min(item.deadline for item in items)
         own = [item.cost for item in items]
         alone = self.cost_model.drain_seconds(own, self.max_batch_size, self.workers)
