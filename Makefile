@@ -7,7 +7,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PIP_TORCH_ARGS ?=
 # the extras installed with rawserve (the Dockerfile installs only "image")
-EXTRAS ?= test,dev
+EXTRAS ?= test,dev,onnx
 ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed

@@ -1,8 +1,10 @@
 """The model's own offline throughput in one process: the ceiling a server is measured against.
 
-Two ways of running the same model on the same texts, at batch sizes 1 to 64:
-- `forward`: the tokenizer on the batch, then one forward pass (nothing else);
-- `pipeline`: the transformers pipeline called on the batch as a list.
+Three ways of running the same model on the same texts, at batch sizes 1 to 64:
+- `forward`: the tokenizer on the batch, then one forward pass in PyTorch (nothing else);
+- `pipeline`: the transformers pipeline called on the batch as a list;
+- `onnx`: the tokenizer, then one forward pass by ONNX Runtime, on the graph rawserve's
+  ONNX engine serves (the model's own, or exported once into its cache).
 Batches are taken in corpus order ("arrival"), and, for mixed lengths, also after sorting
 a sample by length ("sorted": the least padding any server could get). Each point runs
 batches drawn from the same sample of texts for `min_seconds`, in a few rounds of which
@@ -55,6 +57,18 @@ def forward_runner(tokenizer: Any, network: Any) -> Callable[[list[str]], Any]:
         encoded = tokenizer(batch, padding=True, truncation=True, return_tensors="pt")
         with torch.inference_mode():
             return network(**encoded)
+
+    return run
+
+
+def onnx_runner(model: str, task: str, tokenizer: Any, threads: int) -> Callable[[list[str]], Any]:
+    from rawserve.worker.onnx_engine import load_network
+
+    network = load_network(model, task, threads)
+
+    def run(batch: list[str]) -> Any:
+        encoded = tokenizer(batch, padding=True, truncation=True, return_tensors="pt")
+        return network(**encoded)
 
     return run
 
@@ -127,6 +141,8 @@ def measure(
 
     tokenizer, network, pipe = load(model, task)
     runners = {"forward": forward_runner(tokenizer, network), "pipeline": pipeline_runner(pipe)}
+    if "onnx" in modes:
+        runners["onnx"] = onnx_runner(model, task, tokenizer, torch.get_num_threads())
     result: dict[str, Any] = {"threads": torch.get_num_threads(), "sample": len(sample)}
     lengths = [len(ids) for ids in tokenizer(list(sample), truncation=True)["input_ids"]]
     uneven = max(lengths) > 2 * min(lengths)  # mixed lengths: measure whole passes
@@ -146,8 +162,9 @@ def measure(
                 )
                 curve[str(size)] = round(rate, 2)
                 log(f"  {mode:8} {order:7} batch {size:3}: {rate:7.1f} items/s")
-                if mode == "forward" and order == "arrival" and size == 1:
-                    result["single_item_ms"] = {
+                if mode in ("forward", "onnx") and order == "arrival" and size == 1:
+                    key = "single_item_ms" if mode == "forward" else "onnx_single_item_ms"
+                    result[key] = {
                         "p50": round(1000 * statistics.median(calls), 3),
                         "mean": round(1000 * statistics.fmean(calls), 3),
                     }
@@ -170,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sample", type=int, default=SAMPLE_SIZE)
     parser.add_argument("--min-seconds", type=float, default=MIN_SECONDS)
     parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)))
-    parser.add_argument("--modes", default="forward,pipeline")
+    parser.add_argument("--modes", default="forward,pipeline", help="forward, pipeline, onnx")
     parser.add_argument("--orders", default=None, help="default: arrival (+ sorted for mixed)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (all cores)")
     args = parser.parse_args(argv)

@@ -44,6 +44,7 @@ from rawserve.http.errors import ServiceUnavailable
 from rawserve.shared.messages import (
     Batch,
     BatchResult,
+    Engine,
     FailureKind,
     ItemFailure,
     ModelLimits,
@@ -122,6 +123,8 @@ class WorkerStatus:
     restarts: int
     batch_cap: int | None  # lowered after out-of-memory errors; None: the configured size
     warmup_seconds: float | None = None  # its warm-up batch; None: none ran (yet)
+    engine: str | None = None  # what runs its forward pass, once loaded
+    engine_reason: str | None = None
 
     @property
     def serving(self) -> bool:
@@ -192,6 +195,8 @@ class WorkerHandle:
             restarts=self.restarts,
             batch_cap=self.batch_cap,
             warmup_seconds=self.ready.warmup_seconds if self.ready else None,
+            engine=self.ready.engine.value if self.ready else None,
+            engine_reason=self.ready.engine_reason if self.ready else None,
         )
 
 
@@ -367,6 +372,12 @@ class Executor:
 
     def max_input_tokens(self) -> int | None:
         return self.limits.max_input_tokens
+
+    @property
+    def engine(self) -> tuple[Engine, str] | None:
+        """What runs the loaded workers' forward pass, and why; None before one loaded."""
+        loaded = next((w.ready for w in self.workers if w.ready), None)
+        return (loaded.engine, loaded.engine_reason) if loaded else None
 
     def idle_workers(self) -> int:
         if self._holding_cores():

@@ -16,6 +16,7 @@ import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rawserve import __version__
@@ -26,6 +27,7 @@ from rawserve.executor import CoreShare, Executor
 from rawserve.http.tls import server_context
 from rawserve.models.hub import ModelNotFound
 from rawserve.models.plan import ModelPlan, plan_models
+from rawserve.ops.layout import cpu_layout, gpu_present, model_bytes, ram_bytes
 from rawserve.ops.loading import log_loading_progress
 from rawserve.ops.memory import fix_mmap_threshold
 from rawserve.ops.metrics import Metrics
@@ -34,7 +36,7 @@ from rawserve.scheduler import Scheduler
 from rawserve.scheduling.core import SchedulerCore
 from rawserve.shared.devices import parse_devices
 from rawserve.shared.logs import LOG_FORMATS, setup_logging
-from rawserve.shared.messages import WorkerConfig
+from rawserve.shared.messages import Engine, WorkerConfig
 
 log = logging.getLogger("rawserve")
 
@@ -79,7 +81,20 @@ OPTIONS = [
     Option("--handler", str, None, "MODULE:FACTORY returning f(inputs: list, **params) -> list"),
     Option("--host", str, "127.0.0.1", "bind address"),
     Option("--port", int, 8000, "bind port"),
-    Option("--device", str, "auto", "cpu, cuda, cuda:N, or a comma list: one worker per entry"),
+    Option(
+        "--device",
+        str,
+        None,
+        "cpu, cuda, cuda:N, or a comma list: one worker per entry (default: one worker per "
+        "GPU; on a CPU machine one single-threaded worker per core, as memory allows)",
+    ),
+    Option(
+        "--engine",
+        str,
+        "auto",
+        "torch, onnx (ONNX Runtime, the `onnx` extra: encoder tasks on the CPU), or auto: "
+        "ONNX Runtime where it serves the task and is installed, else torch",
+    ),
     Option("--dtype", str, "auto", "auto, float32, float16 or bfloat16"),
     Option(
         "--threads",
@@ -207,9 +222,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.handler and args.model:
         parser.error("--handler serves its own callable: give no --model with it")
     try:
-        args.devices = parse_devices(args.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    except ValueError as exc:
-        parser.error(str(exc))
+        args.engine = Engine(args.engine)
+    except ValueError:
+        parser.error("--engine must be torch, onnx or auto")
+    args.devices = None  # settled with the models (settle_workers): the layout counts them
+    if args.device is not None:
+        try:
+            args.devices = parse_devices(args.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        except ValueError as exc:
+            parser.error(str(exc))
     for name in ("max_batch_size", "max_queue", "max_client_batch_size", "max_body_bytes", "port"):
         if getattr(args, name) < (0 if name == "port" else 1):
             parser.error(f"--{name.replace('_', '-')} must be positive")
@@ -240,11 +261,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if any(not origin or origin.endswith("/") for origin in args.cors_allow_origin):
         parser.error("--cors-allow-origin takes an origin such as https://app.example or *")
     args.share_cores = args.threads is None  # CPU workers split the cores as they are busy
+    return args
+
+
+def settle_workers(args: argparse.Namespace, plans: Sequence[ModelPlan]) -> None:
+    """The devices and threads of every model's workers. With no --device and no GPU: one
+    single-threaded worker per core for each model, as many as memory holds copies of all
+    the models (rawserve.ops.layout); otherwise one worker per device given."""
+    args.layout = None
+    if args.devices is None:
+        if gpu_present():
+            args.devices = parse_devices("auto", os.environ.get("CUDA_VISIBLE_DEVICES"))
+        else:
+            size = sum(model_bytes(Path(plan.folder)) for plan in plans if plan.folder)
+            args.layout = cpu_layout(os.cpu_count() or 1, ram_bytes(), size, models=len(plans))
+            args.devices = ["cpu"] * args.layout.workers
     if args.threads is None:  # every model has a worker per device
         cpu_devices = sum(d in ("cpu", "auto") for d in args.devices)
-        cpu_workers = max(1, cpu_devices * max(1, len(args.model)))
+        cpu_workers = max(1, cpu_devices * max(1, len(plans)))
         args.threads = max(1, (os.cpu_count() or 1) // cpu_workers)
-    return args
 
 
 def model_facts(plan: ModelPlan, args: argparse.Namespace) -> dict[str, Any]:
@@ -263,7 +298,9 @@ def model_facts(plan: ModelPlan, args: argparse.Namespace) -> dict[str, Any]:
     facts.update(
         {
             "devices": list(args.devices),
+            "layout": args.layout.reason if args.layout else f"--device {args.device or 'auto'}",
             "dtype": args.dtype,
+            "requested_engine": args.engine.value,
             "threads_per_worker": args.threads,
             "warmup": not args.no_warmup,
             "batching": {
@@ -289,6 +326,7 @@ def worker_config(plan: ModelPlan, args: argparse.Namespace, name: str = "") -> 
         handler=plan.handler,
         dtype=args.dtype,
         threads=args.threads,
+        engine=args.engine,
         pooling=facts.pooling if facts else "none",
         normalize=facts.normalize if facts else False,
         warmup_batch=0 if args.no_warmup else args.max_batch_size,
@@ -396,6 +434,8 @@ async def serve(args: argparse.Namespace, plans: Sequence[ModelPlan]) -> int:
     log.info(
         "rawserve %s listening on %s://%s:%d (model loading)", __version__, scheme, args.host, port
     )
+    if args.layout:
+        log.info("layout: %s", args.layout.reason)
 
     stop = asyncio.Event()
     first_signal: float | None = None
@@ -431,9 +471,9 @@ async def serve(args: argparse.Namespace, plans: Sequence[ModelPlan]) -> int:
             await asyncio.gather(*(executor.shutdown(wait=False) for executor in executors))
             return 1
         serving = ", ".join(
-            f"{model.plan.name} ({model.executor.task})"
+            f"{model.plan.name} ({describe(model.executor)})"
             if len(models) > 1
-            else str(model.executor.task)
+            else describe(model.executor)
             for model in models
         )
         log.info("ready in %.1f s: serving %s", time.monotonic() - started, serving)
@@ -455,6 +495,14 @@ async def serve(args: argparse.Namespace, plans: Sequence[ModelPlan]) -> int:
     await workers_stopped
     log.info("stopped")
     return 0
+
+
+def describe(executor: Executor) -> str:
+    """A loaded model's task and engine, and why that engine, for the ready line."""
+    engine = executor.engine
+    if engine is None:
+        return str(executor.task)
+    return f"{executor.task}, engine {engine[0].value} ({engine[1]})"
 
 
 async def wait_all_ready(models: Sequence[ModelParts]) -> None:
@@ -501,6 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 1
+    settle_workers(args, plans)
     if args.download_only:
         for plan in plans:
             log.info("model %s: %s", plan.name, plan.folder or plan.handler)

@@ -121,6 +121,7 @@ class OperationsRoutes:
                 "ready": model.workers.ready,
                 "batching": batching,
                 "workers": [_worker_info(worker) for worker in workers],
+                "engine": next((w.engine for w in workers if w.engine), None),
                 "worker_pids": [worker.pid for worker in workers if worker.pid],
             }
         )
@@ -134,6 +135,8 @@ def _worker_info(worker: WorkerStatus) -> dict[str, Any]:
         "index": worker.index,
         "device": worker.device,
         "dtype": worker.dtype,
+        "engine": worker.engine,
+        "engine_reason": worker.engine_reason,
         "state": worker.state.value,
         "pid": worker.pid,
         "restarts": worker.restarts,

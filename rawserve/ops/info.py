@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 
-VERSIONED = ("rawserve", "transformers", "torch", "h11", "prometheus_client")
+VERSIONED = ("rawserve", "transformers", "torch", "onnxruntime", "h11", "prometheus_client")
 
 
 @functools.cache

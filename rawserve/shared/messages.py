@@ -13,6 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class Engine(enum.Enum):
+    """What runs an encoder's forward pass (`--engine`)."""
+
+    TORCH = "torch"
+    ONNX = "onnx"  # ONNX Runtime, on the CPU, for the encoder tasks (the `onnx` extra)
+    AUTO = "auto"  # ONNX Runtime where it serves the task and is installed, else torch
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """What a worker needs to load its model; sent once, when it is spawned.
@@ -31,6 +39,7 @@ class WorkerConfig:
     normalize: bool = False  # feature-extraction: normalize the pooled vector
     warmup_batch: int = 0  # items of the batch run before reporting ready (0: no warm-up)
     name: str = ""  # the served model's name in log lines, when the server has several
+    engine: Engine = Engine.TORCH
 
 
 @dataclass(frozen=True)
@@ -40,7 +49,9 @@ class Batch:
     batch_id: int
     inputs: tuple[Any, ...]
     params: Mapping[str, Any] = field(default_factory=dict)
-    threads: int | None = None  # torch intra-op threads for this call; None: as loaded
+    threads: int | None = (
+        None  # intra-op threads (torch or ONNX Runtime) for this call; None: as loaded
+    )
 
 
 class FailureKind(enum.Enum):
@@ -101,6 +112,8 @@ class WorkerReady:
     details: Mapping[str, Any] = field(default_factory=dict)
     warmup_seconds: float | None = None  # None: no warm-up ran
     limits: ModelLimits = field(default_factory=ModelLimits)
+    engine: Engine = Engine.TORCH  # what runs the forward pass (never AUTO)
+    engine_reason: str = ""  # why that engine, for the log and /info
 
 
 @dataclass(frozen=True)

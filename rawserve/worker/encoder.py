@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from rawserve.shared.messages import ModelLimits
+from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name, resolve_dtype
 
 
@@ -22,14 +23,27 @@ class EncoderRunner(Runner):
     """
 
     def __init__(
-        self, model: str, device: str, dtype: str, pooling: str = "none", normalize: bool = False
+        self,
+        model: str,
+        device: str,
+        dtype: str,
+        pooling: str = "none",
+        normalize: bool = False,
+        onnx: OnnxNetwork | None = None,
     ):
         """`pooling` and `normalize` are the defaults the server read from the folder's
-        sentence-transformers files (rawserve.models.folder)."""
+        sentence-transformers files (rawserve.models.folder); `onnx`, when given, runs the
+        forward pass instead of torch."""
         tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-        self.model = transformers.AutoModel.from_pretrained(model, dtype=resolve_dtype(dtype))
-        self.model.to(device).eval()
+        if onnx is None:
+            self.model: Any = transformers.AutoModel.from_pretrained(
+                model, dtype=resolve_dtype(dtype)
+            )
+            self.model.to(device).eval()
+        else:
+            self.model = onnx
         super().__init__("feature-extraction", device, dtype_name(self.model), tokenizer)
+        self.onnx = onnx
         self.default_pooling, self.default_normalize = pooling, normalize
         self.max_length = min(
             self.tokenizer.model_max_length, self.model.config.max_position_embeddings

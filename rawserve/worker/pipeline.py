@@ -14,17 +14,25 @@ import torch
 import transformers
 
 from rawserve.tasks import split_outputs
+from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name, resolve_dtype
 
 
 class PipelineRunner(Runner):
     """Any task through `transformers.pipeline`."""
 
-    def __init__(self, model: str, task: str, device: str, dtype: str):
-        self.pipe = transformers.pipeline(
-            task, model=model, device=device, dtype=resolve_dtype(dtype)
-        )
+    def __init__(
+        self, model: str, task: str, device: str, dtype: str, onnx: OnnxNetwork | None = None
+    ):
+        if onnx is None:
+            self.pipe = transformers.pipeline(
+                task, model=model, device=device, dtype=resolve_dtype(dtype)
+            )
+        else:  # the pipeline's own steps around ONNX Runtime's forward pass
+            tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+            self.pipe = transformers.pipeline(task, model=onnx, tokenizer=tokenizer)
         super().__init__(task, device, dtype_name(self.pipe.model), self.pipe.tokenizer)
+        self.onnx = onnx
 
     def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
         if self._plain_classification(inputs, params):

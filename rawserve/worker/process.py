@@ -136,6 +136,8 @@ def worker_main(
             details=runner.details,
             warmup_seconds=warmup_seconds,
             limits=runner.limits,
+            engine=runner.engine,
+            engine_reason=runner.engine_reason,
         )
     )
     cap = BatchCap()
@@ -149,7 +151,8 @@ def worker_main(
             return
         if isinstance(message, Batch):
             if message.threads and message.threads != threads:
-                threads = set_threads(message.threads)
+                runner.set_threads(message.threads)
+                threads = message.threads
             started = time.perf_counter()
             outputs = run_batch(runner, list(message.inputs), dict(message.params), cap)
             result = BatchResult(
@@ -222,14 +225,6 @@ def run_bisecting(
         )
         return [failure] * len(inputs)
     return outputs
-
-
-def set_threads(count: int) -> int:
-    """torch's intra-op threads for the next batches (cheap: OpenMP keeps its pool)."""
-    import torch  # in the worker process only: the server imports this module
-
-    torch.set_num_threads(count)
-    return count
 
 
 def release_memory() -> None:

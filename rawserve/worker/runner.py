@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import transformers
 
-from rawserve.shared.messages import FailureKind, ItemFailure, ModelLimits
+from rawserve.shared.messages import Engine, FailureKind, ItemFailure, ModelLimits
+from rawserve.worker.onnx_engine import OnnxNetwork
 
 log = logging.getLogger("rawserve.runner")
 
@@ -46,6 +47,9 @@ class Runner:
         self.device = device
         self.dtype = dtype
         self.tokenizer = tokenizer  # None: inputs are not text (or not tokenized here)
+        self.engine = Engine.TORCH
+        self.engine_reason = ""
+        self.onnx: OnnxNetwork | None = None  # the forward pass, when ONNX Runtime runs it
 
     @property
     def details(self) -> dict[str, Any]:
@@ -59,6 +63,12 @@ class Runner:
 
     def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
         raise NotImplementedError
+
+    def set_threads(self, count: int) -> None:
+        """Intra-op threads for the next batches (cheap: the pools are kept)."""
+        torch.set_num_threads(count)
+        if self.onnx is not None:
+            self.onnx.set_threads(count)
 
     def bind_stream(self, send: Callable[[Any], None], cancelled_stream: Any) -> None:
         """Runners that stream tokens get the worker's pipe and the cancel flag here."""

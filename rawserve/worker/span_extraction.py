@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import transformers
 
+from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name
 
 DEFAULT_MAX_SEQ_LEN = 384
@@ -31,13 +32,17 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 class SpanExtractionRunner(Runner):
     """question-answering on an `AutoModelForQuestionAnswering` (start/end logits)."""
 
-    def __init__(self, model: str, device: str, torch_dtype: Any):
+    def __init__(self, model: str, device: str, torch_dtype: Any, onnx: OnnxNetwork | None = None):
         tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-        self.model = transformers.AutoModelForQuestionAnswering.from_pretrained(
-            model, dtype=torch_dtype
-        )
-        self.model.to(device).eval()
+        if onnx is None:
+            self.model: Any = transformers.AutoModelForQuestionAnswering.from_pretrained(
+                model, dtype=torch_dtype
+            )
+            self.model.to(device).eval()
+        else:
+            self.model = onnx
         super().__init__("question-answering", device, dtype_name(self.model), tokenizer)
+        self.onnx = onnx
         self.max_seq_len = min(DEFAULT_MAX_SEQ_LEN, self.tokenizer.model_max_length)
 
     def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:

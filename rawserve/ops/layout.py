@@ -1,0 +1,80 @@
+"""The default worker layout: how many model workers a CPU machine runs without `--device`.
+
+Measured on 2 cores (bench/RESULTS.md): one single-threaded worker per core serves
+0.93-0.99 of the model's ceiling where one worker with every core served 0.79, since a
+team of threads stalls whenever one of them loses its core to the event loop; a lone
+item still gets every core (the executor's core sharing). Each worker holds its own copy
+of the model, so the count is bounded by memory: never more copies than fit in
+`RAM_SHARE` of the machine's RAM, a copy counted as COPY_FACTOR x the weights on disk
+(the weights, plus the runtime's own buffers) plus WORKER_OVERHEAD (the interpreter,
+torch and the tokenizer). GPU machines keep one worker per device.
+
+Server process; reads /proc and the model folder's file sizes, never imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+RAM_SHARE = 0.5  # of the machine's RAM, for all the model workers together
+COPY_FACTOR = 2.0
+WORKER_OVERHEAD = 400 * 2**20  # bytes: measured RSS of a worker before its model
+# The weights' formats, preferred first: a folder with several holds one copy in each.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".onnx")
+
+
+@dataclass(frozen=True)
+class Layout:
+    workers: int
+    threads: int  # per worker, when they are all busy
+    reason: str  # one line for the log
+
+
+def cpu_layout(cores: int, ram_bytes: int | None, model_bytes: int, models: int = 1) -> Layout:
+    """One single-threaded worker per core for each of `models` models (`model_bytes` on
+    disk together), as many per model as memory allows (at least one)."""
+    cores = max(1, cores)
+    per_worker = COPY_FACTOR * model_bytes + models * WORKER_OVERHEAD
+    if ram_bytes is None:
+        return Layout(cores, 1, f"one worker per core ({cores}); RAM unknown")
+    fit = max(1, int(RAM_SHARE * ram_bytes // per_worker))
+    workers = min(cores, fit)
+    reason = (
+        f"{workers} worker(s) x 1 thread on {cores} core(s): one per core, "
+        f"bounded by memory ({fit} fit in {RAM_SHARE:.0%} of {ram_bytes / 2**30:.1f} GiB RAM "
+        f"at {per_worker / 2**20:.0f} MiB each, the weights {model_bytes / 2**20:.0f} MiB on disk)"
+    )
+    return Layout(workers, 1, reason)
+
+
+def ram_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """The machine's RAM (MemTotal), or None where /proc/meminfo cannot be read."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def model_bytes(folder: Path) -> int:
+    """The size of one copy of a model folder's weights on disk (0 if none is found)."""
+    try:
+        for suffix in WEIGHT_SUFFIXES:
+            sizes = [path.stat().st_size for path in folder.glob(f"*{suffix}") if path.is_file()]
+            if sizes:
+                return sum(sizes)
+    except OSError:
+        return 0
+    return 0
+
+
+def gpu_present() -> bool:
+    """Whether this machine shows a GPU torch could use (without importing torch)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return Path("/dev/nvidia0").exists() or Path("/dev/kfd").exists()

@@ -1,0 +1,242 @@
+"""The ONNX Runtime engine: which engine runs a task, answers equal to torch's within 1e-4
+for every encoder task (tiny models and the packaged MiniLM), the export made once and
+cached, a model's own graph used as shipped, and the engine named in /info."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rawserve.shared.messages import Engine, WorkerConfig
+from tests.server import RunningServer
+
+pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+
+TOLERANCE = 1e-4
+CONTEXT = "john lives in paris and mary lives in london"
+
+# (model kind, task, inputs, parameters): what each encoder task is asked
+CASES = [
+    ("feature-extraction", "feature-extraction", ["hello world", "the movie was good"], {}),
+    ("feature-extraction", "feature-extraction", ["hello world", "a"], {"pooling": "mean"}),
+    ("sentence-embedding", "feature-extraction", ["hello world", "i like it"], {}),
+    (
+        "sentence-embedding",
+        "feature-extraction",
+        ["hello world", "bad film"],
+        {"embedding_api": True},
+    ),
+    ("text-classification", "text-classification", ["i like it", "bad movie"], {}),
+    ("text-classification", "text-classification", ["i like it", "bad"], {"top_k": 2}),
+    (
+        "text-classification",
+        "text-classification",
+        [{"text": "i like it", "text_pair": "it is good"}, {"text": "bad"}],
+        {"function_to_apply": "sigmoid"},
+    ),
+    ("token-classification", "token-classification", ["john lives in paris", "hello"], {}),
+    (
+        "token-classification",
+        "token-classification",
+        ["john lives in paris", "mary"],
+        {"aggregation_strategy": "simple"},
+    ),
+    ("fill-mask", "fill-mask", ["paris is the [MASK]", "the [MASK] movie"], {"top_k": 3}),
+    (
+        "zero-shot-classification",
+        "zero-shot-classification",
+        ["i like this film", "paris"],
+        {"candidate_labels": ["movie", "city"], "multi_label": True},
+    ),
+    (
+        "question-answering",
+        "question-answering",
+        [
+            {"question": "who lives in paris", "context": CONTEXT},
+            {"question": "where", "context": "hello world"},
+        ],
+        {"top_k": 2},
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def onnx_cache(tmp_path_factory, monkeypatch_module):
+    folder = tmp_path_factory.mktemp("onnx-cache")
+    monkeypatch_module.setenv("RAWSERVE_CACHE_DIR", str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_model, onnx_cache):
+    from rawserve.worker.loading import load_runner
+
+    loaded = {}
+
+    def get(kind: str, task: str, engine: Engine, model: str | None = None):
+        key = (kind, task, engine)
+        if key not in loaded:
+            config = WorkerConfig(
+                model=model or tiny_model(kind), task=task, dtype="float32", engine=engine
+            )
+            loaded[key] = load_runner(config, "cpu")
+        return loaded[key]
+
+    return get
+
+
+def assert_close(actual, expected, path="answer"):
+    """Equal structure and text; numbers within TOLERANCE (max abs)."""
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict) and set(actual) == set(expected), path
+        for key in expected:
+            assert_close(actual[key], expected[key], f"{path}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), path
+        for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_close(a, e, f"{path}[{index}]")
+    elif isinstance(expected, np.ndarray):
+        assert np.asarray(actual).shape == expected.shape, path
+        np.testing.assert_allclose(actual, expected, rtol=0, atol=TOLERANCE, err_msg=path)
+    elif isinstance(expected, (float, np.floating)):
+        assert abs(float(actual) - float(expected)) <= TOLERANCE, path
+    else:
+        assert actual == expected, path
+
+
+@pytest.mark.parametrize(("kind", "task", "inputs", "params"), CASES)
+def test_every_encoder_task_answers_what_torch_answers(runners, kind, task, inputs, params):
+    torch_runner = runners(kind, task, Engine.TORCH)
+    onnx_runner = runners(kind, task, Engine.ONNX)
+    assert onnx_runner.engine is Engine.ONNX and torch_runner.engine is Engine.TORCH
+    expected = torch_runner.run(list(inputs), dict(params))
+    assert_close(onnx_runner.run(list(inputs), dict(params)), expected)
+    # one at a time (other shapes than the batch's) and on every core: the same answers
+    onnx_runner.set_threads(2)
+    try:
+        alone = [onnx_runner.run([item], dict(params))[0] for item in inputs]
+    finally:
+        onnx_runner.set_threads(1)
+    assert_close(alone, expected)
+
+
+def test_the_packaged_minilm_answers_what_torch_answers(runners):
+    from rawserve.models.folder import default_model
+
+    texts = ["A short sentence.", "A much longer sentence, " * 20, "x"]
+    for params in ({}, {"pooling": "none", "normalize": False}, {"embedding_api": True}):
+        expected = runners("minilm", "feature-extraction", Engine.TORCH, default_model()).run(
+            texts, dict(params)
+        )
+        actual = runners("minilm", "feature-extraction", Engine.ONNX, default_model()).run(
+            texts, dict(params)
+        )
+        assert_close(actual, expected)
+
+
+def test_the_export_is_made_once_and_reused(tiny_model, onnx_cache, caplog, monkeypatch):
+    from rawserve.worker import onnx_engine
+
+    folder = Path(tiny_model("text-classification"))
+    head = onnx_engine.HEADS["text-classification"]
+    first = onnx_engine.exported_graph(folder, head, onnx_cache)
+    assert first.is_file() and (first.parent / "key.json").is_file()
+
+    def no_export(*args):
+        raise AssertionError("exported again")
+
+    monkeypatch.setattr(onnx_engine, "export", no_export)
+    with caplog.at_level(logging.INFO, logger="rawserve.onnx"):
+        assert onnx_engine.exported_graph(folder, head, onnx_cache) == first
+    assert "exported before" in caplog.text
+    # another head of the same folder is another graph
+    other = onnx_engine.HEADS["feature-extraction"]
+    assert onnx_engine.cache_key(folder, other) != onnx_engine.cache_key(folder, head)
+
+
+def test_a_model_s_own_onnx_file_is_used_as_shipped(tiny_model, onnx_cache, tmp_path, caplog):
+    from rawserve.worker import onnx_engine
+
+    source = Path(tiny_model("feature-extraction"))
+    folder = tmp_path / "with-onnx"
+    shutil.copytree(source, folder)
+    graph = onnx_engine.exported_graph(source, onnx_engine.HEADS["feature-extraction"], onnx_cache)
+    (folder / "onnx").mkdir()
+    shutil.copy(graph, folder / "onnx" / "model.onnx")
+    with caplog.at_level(logging.INFO, logger="rawserve.onnx"):
+        network = onnx_engine.load_network(str(folder), "feature-extraction", 1, tmp_path / "x")
+    assert network.graph == folder / "onnx" / "model.onnx"
+    assert "the model's own graph" in caplog.text
+    assert not (tmp_path / "x").exists()  # nothing exported
+
+
+@pytest.mark.parametrize(
+    ("requested", "task", "device", "dtype", "installed", "engine", "why"),
+    [
+        (Engine.AUTO, "feature-extraction", "cpu", "auto", True, Engine.ONNX, "onnxruntime"),
+        (Engine.AUTO, "fill-mask", "cpu", "float32", True, Engine.ONNX, "on the CPU"),
+        (Engine.AUTO, "text-generation", "cpu", "auto", True, Engine.TORCH, "text-generation"),
+        (Engine.AUTO, "summarization", "cpu", "auto", True, Engine.TORCH, "encoder tasks"),
+        (Engine.AUTO, "feature-extraction", "cuda:0", "auto", True, Engine.TORCH, "cuda:0"),
+        (Engine.AUTO, "feature-extraction", "cpu", "bfloat16", True, Engine.TORCH, "bfloat16"),
+        (Engine.AUTO, "feature-extraction", "cpu", "auto", False, Engine.TORCH, "rawserve[onnx]"),
+        (Engine.TORCH, "feature-extraction", "cpu", "auto", True, Engine.TORCH, "--engine torch"),
+        (Engine.ONNX, "question-answering", "cpu", "auto", True, Engine.ONNX, "--engine onnx"),
+    ],
+)
+def test_which_engine_runs_a_task(requested, task, device, dtype, installed, engine, why):
+    from rawserve.worker.loading import choose_engine
+
+    chosen, reason = choose_engine(requested, task, device, dtype, installed)
+    assert chosen is engine and why in reason
+
+
+@pytest.mark.parametrize(
+    ("task", "device", "installed", "message"),
+    [
+        ("text-generation", "cpu", True, "encoder tasks"),
+        ("feature-extraction", "cuda:0", True, "CPU only"),
+        ("feature-extraction", "cpu", False, "pip install 'rawserve[onnx]'"),
+    ],
+)
+def test_engine_onnx_where_it_cannot_run_is_a_clear_error(task, device, installed, message):
+    from rawserve.worker.loading import choose_engine
+
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        choose_engine(Engine.ONNX, task, device, "auto", installed)
+
+
+@pytest.mark.slow
+def test_the_server_says_which_engine_runs_and_why(tiny_model, onnx_cache):
+    import json
+    import urllib.request
+
+    env = {"RAWSERVE_CACHE_DIR": str(onnx_cache)}
+    args = ["--model", tiny_model("text-classification"), "--device", "cpu"]
+    with RunningServer(args, env=env).start() as server:
+        assert any("engine onnx (auto:" in line for line in server.lines)
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/info") as answer:
+            info = json.load(answer)
+        assert info["engine"] == "onnx" and info["requested_engine"] == "auto"
+        assert "onnxruntime installed" in info["workers"][0]["engine_reason"]
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{server.port}/",
+            data=json.dumps({"inputs": ["i like it", "bad"]}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request) as answer:
+            labels = [item["label"] for item in json.load(answer)]
+        assert set(labels) <= {"NEGATIVE", "POSITIVE"} and len(labels) == 2
+    generation = ["--model", tiny_model("text-generation"), "--device", "cpu"]
+    with RunningServer(generation, env=env).start() as server:
+        assert any("engine torch (auto: ONNX Runtime serves" in line for line in server.lines)
