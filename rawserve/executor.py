@@ -674,10 +674,11 @@ class Executor:
             worker.failed_restarts = 0
             warmed = message.warmup_seconds
             log.info(
-                "worker %s: %s model ready on %s in %.1f s%s",
+                "worker %s: %s model ready on %s (engine %s) in %.1f s%s",
                 worker.label,
                 message.task,
                 message.device,
+                message.engine.value,
                 message.load_seconds + (warmed or 0.0),
                 f" (warm-up {warmed:.2f} s)" if warmed is not None else "",
             )

@@ -6,6 +6,9 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Servers started by the tests run torch unless a test asks for ONNX Runtime: an export
+# costs 10-50 s per model on 2 cores (tests/test_onnx_engine.py covers that engine).
+os.environ.setdefault("RAWSERVE_ENGINE", "torch")
 
 import pytest  # noqa: E402
 

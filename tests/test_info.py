@@ -25,10 +25,14 @@ def server():
 def test_info_tells_the_model_settings_versions_and_worker_pids(server):
     status, headers, body = server.request("GET", "/info")
     assert status == 200 and headers["content-type"] == "application/json"
-    info = json.loads(body)
+    for index in range(len(json.loads(body)["workers"])):  # the first one ready was enough
+        server.wait_for_log(re.compile(rf"worker {index}: \S+ model ready"))
+    info = json.loads(server.request("GET", "/info")[2])
     assert info["task"] == "custom"
     assert info["handler"] == "tests.handlers:echo"
-    assert info["devices"] == ["auto"]
+    # no --device on a machine without a GPU: one single-threaded worker per core
+    assert info["devices"] == ["cpu"] * len(info["workers"]) and info["threads_per_worker"] == 1
+    assert "worker(s) x 1 thread" in info["layout"]
     assert info["dtype"] == "auto"
     assert info["ready"] is True
     assert info["batching"] == {
@@ -39,12 +43,14 @@ def test_info_tells_the_model_settings_versions_and_worker_pids(server):
         "timeout_seconds": 12.0,
         "effective_max_batch_size": 8,
     }
-    [worker] = info["workers"]
-    assert worker["device"] == "cpu" and worker["state"] == "idle" and worker["restarts"] == 0
-    # the pid /info gives is the process that computes (the echo handler tells its pid)
+    for worker in info["workers"]:
+        assert worker["device"] == "cpu" and worker["state"] == "idle"
+        assert worker["restarts"] == 0 and worker["engine"] == "torch"
+    # the pids /info gives are the processes that compute (the echo handler tells its pid)
     status, answer = server.post_json({"inputs": "who computes this?"})
     assert status == 200
-    assert info["worker_pids"] == [worker["pid"]] == [answer["pid"]]
+    assert info["worker_pids"] == [worker["pid"] for worker in info["workers"]]
+    assert answer["pid"] in info["worker_pids"]
     assert info["server_pid"] == server.process.pid
     for name in ("rawserve", "transformers", "torch"):
         assert info["versions"][name] == importlib.metadata.version(name)

@@ -29,12 +29,14 @@ import contextlib
 import fcntl
 import hashlib
 import importlib.metadata
+import io
 import json
 import logging
 import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,15 +196,14 @@ def default_cache_dir() -> Path:
 
 
 def cache_key(folder: Path, head: Head) -> dict[str, Any]:
-    """What an exported graph depends on: the model's files, the head and the exporter."""
-    files = {}
-    for path in sorted(folder.iterdir()):
-        if path.is_file() and path.suffix in (".json", ".safetensors", ".bin"):
-            stat = path.stat()
-            files[path.name] = [stat.st_size, int(stat.st_mtime)]
+    """What an exported graph depends on: the model's files (by content, so a Hub
+    revision or a re-saved folder is another graph), the head and the exporter."""
+    files = {
+        path.name: _fingerprint(path)
+        for path in sorted(folder.iterdir())
+        if path.is_file() and path.suffix in (".json", ".safetensors", ".bin")
+    }
     return {
-        "model": str(folder.resolve()),
-        "config": hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()[:16],
         "files": files,
         "head": head.auto_class,
         "recipe": RECIPE,
@@ -210,6 +211,21 @@ def cache_key(folder: Path, head: Head) -> dict[str, Any]:
         "transformers": _version("transformers"),
         "onnxscript": _version("onnxscript"),
     }
+
+
+def _fingerprint(path: Path, whole_below: int = 256 * 2**20, edge: int = 16 * 2**20) -> str:
+    """sha256 of a file; of its size, first and last `edge` bytes when it is large."""
+    digest = hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        if size <= whole_below:
+            digest.update(handle.read())
+        else:
+            digest.update(str(size).encode())
+            digest.update(handle.read(edge))
+            handle.seek(size - edge)
+            digest.update(handle.read(edge))
+    return digest.hexdigest()[:32]
 
 
 def exported_graph(folder: Path, head: Head, cache_dir: Path) -> Path:
@@ -281,17 +297,28 @@ def export(folder: Path, head: Head, path: Path) -> None:
     batch = torch.export.Dim("batch", max=4096)
     sequence = torch.export.Dim("sequence", max=max(8, _max_positions(model)))
     wrapper = _Forward(model, input_names, head.outputs).eval()
-    with torch.inference_mode(False), torch.no_grad():
+    chatter = io.StringIO()
+    # The exporter's progress lines and its libraries' deprecation warnings are not the
+    # user's to act on: they go to the debug log.
+    with (
+        torch.inference_mode(False),
+        torch.no_grad(),
+        warnings.catch_warnings(),
+        contextlib.redirect_stdout(chatter),
+    ):
+        warnings.simplefilter("ignore")
         program = torch.onnx.export(
             wrapper,
             tuple(example[name] for name in input_names),
             dynamo=True,
             input_names=list(input_names),
             output_names=list(head.outputs),
-            dynamic_shapes=tuple({0: batch, 1: sequence} for _ in input_names),
+            # one entry: the wrapper's *tensors, each dynamic in batch and sequence
+            dynamic_shapes=(tuple({0: batch, 1: sequence} for _ in input_names),),
             optimize=True,
             verbose=False,
         )
+    log.debug("exporter: %s", chatter.getvalue())
     assert program is not None
     program.save(str(path))
     del program, model, wrapper
@@ -316,7 +343,9 @@ def _fuse(path: Path) -> None:
         from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
         graph = onnx_ir.load(path)
-        graph, counts = optimize_for_ort(graph)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            graph, counts = optimize_for_ort(graph)
         fused_path = path.with_name("fused-" + path.name)
         onnx_ir.save(graph, fused_path)
         os.replace(fused_path, path)
