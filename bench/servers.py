@@ -36,6 +36,7 @@ class ServerProcess:
     command: list[str]
     env: dict[str, str]
     log_path: Path
+    cwd: Path = REPO_ROOT
     port: int = field(default_factory=free_port)
     process: subprocess.Popen | None = None
 
@@ -47,7 +48,7 @@ class ServerProcess:
                 stdout=log,
                 stderr=log,
                 env=self.env,
-                cwd=REPO_ROOT,
+                cwd=self.cwd,
             )
         return self
 
