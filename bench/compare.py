@@ -41,9 +41,9 @@ OVERLOAD_FACTOR = 3.0
 OVERLOAD_DEADLINE = 2.0  # seconds, sent as X-Request-Timeout in the open-loop run
 HEALTH_INTERVAL = 0.02
 READY_TIMEOUT = 180.0
-# One model worker per core: torch's OpenMP threads in one process stall whenever the event
-# loop or the load generator takes a core from them; busy workers share the cores instead.
-RAWSERVE_ARGS = "--device cpu,cpu"
+# rawserve's options for every variant (each adds its own: servers.RAWSERVE_VARIANTS)
+RAWSERVE_ARGS = ""
+DEFAULT_SERVERS = "rawserve,rawserve-onnx,rawserve-default,seed-batching,seed-per-item"
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def log(message: str) -> None:
 
 
 def run_ceiling(scenario: Scenario, text_set: str, settings: Settings, work: Path) -> dict:
-    modes = "forward,pipeline"
+    modes = "forward,pipeline,onnx"
     orders = "arrival,sorted" if text_set == "mixed" else "arrival"
     command = [
         sys.executable,
@@ -110,14 +110,26 @@ def run_ceiling(scenario: Scenario, text_set: str, settings: Settings, work: Pat
 
 def start_server(name: str, scenario: Scenario, settings: Settings, work: Path):
     log_path = work / f"{name}-{scenario.name}.log"
-    if name == "rawserve":
-        args = [*scenario.rawserve_args, *settings.rawserve_args]
-        return servers.rawserve(scenario.model, log_path, args).start()
+    if name in servers.RAWSERVE_VARIANTS:
+        args = [
+            *scenario.rawserve_args,
+            *settings.rawserve_args,
+            *servers.RAWSERVE_VARIANTS[name],
+        ]
+        return servers.rawserve(scenario.model, log_path, args, name=name).start()
+    if name.startswith("infinity-"):
+        from bench import infinity
+
+        infinity.setup(log)
+        return infinity.server(name.removeprefix("infinity-"), log_path).start()
     return servers.seed(name, scenario.model, scenario.task, log_path).start()
 
 
 def body_format(name: str, scenario: Scenario) -> BodyFormat:
-    if name == "rawserve" and scenario.rawserve_params is not None:
+    if scenario.openai_embeddings:
+        path = "/embeddings" if name.startswith("infinity-") else "/v1/embeddings"
+        return BodyFormat(path=path, openai_model="all-MiniLM-L6-v2")
+    if name in servers.RAWSERVE_VARIANTS and scenario.rawserve_params is not None:
         return BodyFormat(scenario.rawserve_params)
     return RAW_TEXT
 
@@ -157,7 +169,8 @@ async def measure_server(
                 f"p99 {summary['p99_ms']} ms {summary['statuses']}"
             )
         entry: dict[str, Any] = {"points": points}
-        if server.name == "rawserve" and text_set == "short" and settings.overload_duration:
+        overloaded = server.name in ("rawserve", "rawserve-onnx")
+        if overloaded and text_set == "short" and settings.overload_duration:
             entry["overload"] = await overload(server, text_set, fmt, points, settings)
         if settings.tools and text_set == "short":
             entry["tools"] = standard_tools(server.port, texts(text_set)[0], fmt)
@@ -330,6 +343,8 @@ def run_scenario(scenario: Scenario, settings: Settings, work: Path) -> dict[str
     for text_set in scenario.text_sets:
         result["ceiling"][text_set] = run_ceiling(scenario, text_set, settings, work)
     for name in settings.servers:
+        if scenario.servers is not None and name not in scenario.servers:
+            continue
         log(f"{name}: {scenario.name}")
         server = start_server(name, scenario, settings, work)
         try:
@@ -368,8 +383,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="short runs (about 3 minutes)")
     parser.add_argument("--record", action="store_true", help="rewrite ## Performance")
-    parser.add_argument("--servers", default=",".join(servers.SERVERS))
-    parser.add_argument("--scenarios", default="classification,token-embeddings")
+    parser.add_argument(
+        "--servers",
+        default=DEFAULT_SERVERS + ",infinity-torch,infinity-optimum",
+        help=f"from {', '.join(servers.SERVERS)}",
+    )
+    parser.add_argument(
+        "--scenarios", default="classification,token-embeddings,sentence-embeddings"
+    )
     parser.add_argument("--clients", default=",".join(map(str, CLIENT_COUNTS)))
     parser.add_argument(
         "--rawserve-args",

@@ -10,19 +10,25 @@ Two engines are compared, both on the packaged all-MiniLM-L6-v2, offline:
 - `optimum` (ONNX Runtime): Infinity reads an ONNX file from the model folder; the packaged
   model ships none, so it is exported once with optimum's exporter (`optimum-cli export
   onnx`, in Infinity's environment) into a folder beside the sentence-transformers files.
-  Two things stop Infinity 0.0.78's optimum engine from starting as installed, both
-  worked around here without touching its code: (1) with optimum 2 (what pip picks) its
-  optimizer call fails (`OptimizationConfig` lost `optimize_with_onnxruntime_only`) and
-  its forward reads a `last_hidden_state` key that optimum 2's outputs do not have, so
-  optimum is pinned to 1.27, the last 1.x; (2) for a local folder it passes the ONNX
-  file's absolute path as a file name, which optimum compares with bare names and never
-  finds, so the server is started inside the folder with `--model-id .`.
+
+Infinity 0.0.78's optimum engine does not start as pip installs it: with optimum 2 its
+optimizer call fails (`OptimizationConfig` lost `optimize_with_onnxruntime_only`) and its
+forward reads a `last_hidden_state` key optimum 2's outputs lack. Its environment is
+therefore pinned to what it was written against: optimum 1.27 (the last 1.x), which
+imports `optimum.bettertransformer` (transformers < 4.49) and a private function of
+torch.onnx that torch 2.9 removed (torch 2.8), with numpy < 2, datasets < 4 and
+pyarrow < 19 to match. A third snag: for a local folder it passes the ONNX file's
+absolute path as a file name, which optimum compares with bare names and never finds,
+so the server is started inside the folder with `--model-id .`. So set up, it starts and
+answers, but its vectors are not the model's: cosine 0.24-0.51 against
+sentence-transformers' own (its torch engine: 1.0), with or without its graph
+optimizer, while the exported graph itself, run directly, gives the right vectors; its
+throughput is reported, not taken as a like-for-like figure.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -36,9 +42,16 @@ BENCH_DIR = Path(__file__).resolve().parent
 VENV = BENCH_DIR / ".infinity-venv"
 ONNX_FOLDER = BENCH_DIR / ".infinity-minilm-onnx"
 HF_HOME = BENCH_DIR / ".infinity-hf"  # its optimized-graph cache, away from the user's
-INFINITY = "infinity-emb[server,torch]==0.0.78"
-OPTIMUM = "optimum[onnxruntime]==1.27.0"  # see the module docstring
-TORCH = os.environ.get("TORCH_SPEC", "torch==2.13.0")
+# see the module docstring for each pin
+PACKAGES = (
+    "infinity-emb[server,torch]==0.0.78",
+    "optimum[onnxruntime]==1.27.0",
+    "transformers==4.48.3",
+    "numpy<2",
+    "datasets<4",
+    "pyarrow<19",
+)
+TORCH = "torch==2.8.0"
 ENGINES = ("torch", "optimum")
 BATCH_SIZE = 64  # Infinity's largest batch (its default is 32): as rawserve's bench
 SENTENCE_FILES = (
@@ -60,7 +73,7 @@ def setup(log=print) -> None:
         subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
         pip = [str(python()), "-m", "pip", "install", "--quiet"]
         subprocess.run([*pip, TORCH], check=True)
-        subprocess.run([*pip, INFINITY, OPTIMUM, "numpy<2"], check=True)
+        subprocess.run([*pip, *PACKAGES], check=True)
         (VENV / ".installed").touch()
     if not (ONNX_FOLDER / "model.onnx").is_file():
         log(f"exporting the packaged MiniLM with optimum into {ONNX_FOLDER}")

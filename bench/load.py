@@ -146,6 +146,7 @@ def build_requests(
     return [
         build_request(
             body_format.body(text),
+            path=body_format.path,
             content_type=body_format.content_type,
             extra_headers=headers,
         )

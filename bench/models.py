@@ -30,6 +30,9 @@ class Scenario:
     rawserve_params: dict[str, Any] | None = None
     outputs: str = "small"  # "small" or "large"
     text_sets: tuple[str, ...] = ("short", "mixed")
+    # the OpenAI embeddings route, sent to every server (Infinity's is /embeddings)
+    openai_embeddings: bool = False
+    servers: tuple[str, ...] | None = None  # None: every server of the run
     notes: dict[str, str] = field(default_factory=dict)
 
 
@@ -73,5 +76,19 @@ def scenarios(work_dir: Path) -> list[Scenario]:
             rawserve_params={"pooling": "none", "normalize": False},
             outputs="large",
             text_sets=("short",),
+        ),
+        Scenario(
+            "sentence-embeddings",
+            minilm_path(),
+            "feature-extraction",
+            openai_embeddings=True,
+            text_sets=("short",),
+            servers=(
+                "rawserve",
+                "rawserve-onnx",
+                "rawserve-default",
+                "infinity-torch",
+                "infinity-optimum",
+            ),
         ),
     ]

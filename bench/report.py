@@ -11,9 +11,13 @@ import re
 from pathlib import Path
 
 SERVER_LABELS = {
-    "rawserve": "rawserve",
+    "rawserve": "rawserve (torch)",
+    "rawserve-onnx": "rawserve (ONNX Runtime)",
+    "rawserve-default": "rawserve, no options",
     "seed-batching": "seed, 1 ms batching",
     "seed-per-item": "seed, per item",
+    "infinity-torch": "Infinity (torch)",
+    "infinity-optimum": "Infinity (optimum/ONNX)",
 }
 SECTION = "## Performance"
 BEGIN = "<!-- performance figures: written by `python -m bench.compare --record` -->"
@@ -39,17 +43,18 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 def ratio_table(results: dict) -> str:
     """Markdown: throughput at 64 clients, as a ratio to the ceiling, per server."""
     names = [n for n in SERVER_LABELS if any(n in s["servers"] for s in results["scenarios"])]
-    header = ["workload (64 clients)", "ceiling: forward / pipeline (items/s)"]
+    header = ["workload (64 clients)", "ceiling: forward / pipeline / ONNX (items/s)"]
     header += [SERVER_LABELS[n] for n in names]
     rows = [header, ["---"] * len(header)]
     for scenario in results["scenarios"]:
         for text_set in scenario["ceiling"]:
             forward = ceiling_of(scenario, text_set, "forward")
             pipeline = ceiling_of(scenario, text_set, "pipeline")
+            onnx = ceiling_of(scenario, text_set, "onnx")
             sorted_note = " (length-sorted)" if text_set == "mixed" else ""
             row = [
                 f"{scenario['model']}, {text_set} texts",
-                f"{_fmt(forward, 0)} / {_fmt(pipeline, 0)}{sorted_note}",
+                f"{_fmt(forward, 0)} / {_fmt(pipeline, 0)} / {_fmt(onnx, 0)}{sorted_note}",
             ]
             for name in names:
                 point = _point(scenario["servers"].get(name, {}), text_set, 64)
@@ -144,6 +149,7 @@ def targets_table(results: dict) -> str:
                 f"{ratio:.1f}× ({raw['throughput']:.0f} vs {seed['throughput']:.0f}/s)",
                 ratio >= 3.0,
             )
+    engine_targets(results, check, against_ceiling)
     soak = results.get("soak")
     if soak:
         growth = soak["rss_after"] - soak["rss_before"]
@@ -154,6 +160,64 @@ def targets_table(results: dict) -> str:
             growth <= soak.get("tolerance_bytes", 4 * 2**20),
         )
     return _markdown(rows)
+
+
+def engine_targets(results: dict, check, against_ceiling) -> None:
+    """The targets of the ONNX Runtime engine, default layout and embedding servers issue."""
+    by_name = {s["model"]: s for s in results["scenarios"]}
+    classification = by_name.get("classification")
+    if classification:
+        onnx = _point(classification["servers"].get("rawserve-onnx", {}), "short", 64)
+        torch_ceiling = ceiling_of(classification, "short", "forward")
+        ort_ceiling = ceiling_of(classification, "short", "onnx")
+        against_ceiling(
+            "ONNX engine, 64 clients, short ≥ 1.15 × the PyTorch forward ceiling",
+            onnx,
+            torch_ceiling,
+            1.15,
+        )
+        against_ceiling(
+            "ONNX engine, 64 clients, short ≥ 0.9 × the ONNX Runtime ceiling",
+            onnx,
+            ort_ceiling,
+            0.90,
+        )
+        single = classification["ceiling"].get("short", {}).get("onnx_single_item_ms", {})
+        one = _point(classification["servers"].get("rawserve-onnx", {}), "short", 1)
+        if one and single.get("p50"):
+            check(
+                "ONNX engine, 1 client: p50 ≤ ONNX Runtime batch-1 time + 1 ms",
+                f"{one['p50_ms']:.2f} ms vs {single['p50']:.2f} + 1 ms",
+                one["p50_ms"] <= single["p50"] + 1.0,
+            )
+        default = _point(classification["servers"].get("rawserve-default", {}), "short", 64)
+        against_ceiling(
+            "no options (auto: ONNX Runtime), 64 clients ≥ 0.9 × the ceiling of its engine",
+            default,
+            ort_ceiling,
+            0.90,
+        )
+    sentences = by_name.get("sentence-embeddings")
+    if sentences:
+        best = max(
+            (
+                _point(sentences["servers"].get(name, {}), "short", 64) or {"throughput": 0}
+                for name in ("rawserve-onnx", "rawserve-default")
+            ),
+            key=lambda point: point["throughput"],
+        )
+        for name, label, floor in (
+            ("infinity-torch", "Infinity (torch)", 1.5),
+            ("infinity-optimum", "Infinity (optimum/ONNX)", 1.0),
+        ):
+            other = _point(sentences["servers"].get(name, {}), "short", 64)
+            if other and other["throughput"] and best["throughput"]:
+                ratio = best["throughput"] / other["throughput"]
+                check(
+                    f"sentence embeddings, 64 clients: rawserve ≥ {floor:g} × {label}",
+                    f"{ratio:.2f}× ({best['throughput']:.0f} vs {other['throughput']:.0f}/s)",
+                    ratio >= floor,
+                )
 
 
 def _markdown(rows: list[list[str]]) -> str:

@@ -21,7 +21,22 @@ STOP_GRACE = 15.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
-SERVERS = ("rawserve", "seed-batching", "seed-per-item")
+SERVERS = (
+    "rawserve",
+    "rawserve-onnx",
+    "rawserve-default",
+    "seed-batching",
+    "seed-per-item",
+    "infinity-torch",
+    "infinity-optimum",
+)
+# rawserve's variants: its options beyond the scenario's (--task, ...)
+RAWSERVE_VARIANTS = {
+    # one worker per core, PyTorch: the layout the earlier runs measured
+    "rawserve": ("--device", "cpu,cpu", "--engine", "torch"),
+    "rawserve-onnx": ("--device", "cpu,cpu", "--engine", "onnx"),
+    "rawserve-default": (),  # what a user gets with no options
+}
 
 
 def free_port() -> int:
@@ -94,14 +109,18 @@ def base_env() -> dict[str, str]:
 
 
 def rawserve(
-    model: str | None, log_path: Path, args: Sequence[str] = (), handler: str | None = None
+    model: str | None,
+    log_path: Path,
+    args: Sequence[str] = (),
+    handler: str | None = None,
+    name: str = "rawserve",
 ) -> ServerProcess:
     command = [sys.executable, "-m", "rawserve", "--host", "127.0.0.1", *args]
     if handler:
         command += ["--handler", handler]
     elif model:
         command += ["--model", model]
-    return ServerProcess("rawserve", command, base_env(), log_path)
+    return ServerProcess(name, command, base_env(), log_path)
 
 
 def seed(name: str, model: str, task: str, log_path: Path) -> ServerProcess:

@@ -48,15 +48,21 @@ def _sentence(rng: random.Random, words: int) -> str:
 
 @dataclass(frozen=True)
 class BodyFormat:
-    """How one server wants an input: a raw text body, or an Inference-API JSON document."""
+    """How one server wants an input: a raw text body, an Inference-API JSON document, or
+    an OpenAI embeddings request (`openai_model` set) on `path`."""
 
     json_params: dict[str, Any] | None = None  # None: raw text body
+    path: str = "/"
+    openai_model: str | None = None
 
     @property
     def content_type(self) -> str:
-        return "text/plain; charset=utf-8" if self.json_params is None else "application/json"
+        raw = self.json_params is None and self.openai_model is None
+        return "text/plain; charset=utf-8" if raw else "application/json"
 
     def body(self, text: str) -> bytes:
+        if self.openai_model is not None:
+            return json.dumps({"input": text, "model": self.openai_model}).encode()
         if self.json_params is None:
             return text.encode()
         document: dict[str, Any] = {"inputs": text}
