@@ -329,6 +329,53 @@ async def soak(work: Path, requests_count: int = SOAK_REQUESTS) -> dict[str, Any
     }
 
 
+SOAK_CHUNKS = 10
+
+
+async def soak_model(work: Path, engine: str, requests_count: int = SOAK_REQUESTS) -> dict:
+    """rawserve on the packaged MiniLM (OpenAI embeddings, one worker per core, `engine`):
+    the server's and the workers' RSS after each tenth of `requests_count` requests."""
+    from bench.models import minilm_path
+
+    server = servers.rawserve(
+        minilm_path(),
+        work / f"rawserve-soak-{engine}.log",
+        ["--log-level", "warning", "--device", "cpu,cpu", "--engine", engine],
+        name=f"rawserve-{engine}",
+    ).start()
+    fmt = BodyFormat(path="/v1/embeddings", openai_model="all-MiniLM-L6-v2")
+    samples: list[dict[str, int]] = []
+    statuses: dict[str, int] = {}
+    try:
+        requests = load.build_requests(texts("mixed"), fmt)
+        await load.wait_until_serving(server.port, requests[0], READY_TIMEOUT, server.alive)
+        await load.closed_loop(server.port, requests, 64, SOAK_TIME_LIMIT, max_requests=2_000)
+        started = time.monotonic()
+        for _ in range(SOAK_CHUNKS):
+            run = await load.closed_loop(
+                server.port, requests, 64, SOAK_TIME_LIMIT, max_requests=requests_count // 10
+            )
+            for status, count in run.summary()["statuses"].items():
+                statuses[status] = statuses.get(status, 0) + count
+            pids = servers.descendants(server.pid)
+            samples.append(
+                {
+                    "server": servers.rss_bytes(server.pid),
+                    "workers": sum(servers.rss_bytes(pid) for pid in pids[1:]),
+                }
+            )
+        seconds = time.monotonic() - started
+    finally:
+        server.stop()
+    first, last = samples[0], samples[-1]
+    log(
+        f"soak ({engine}): {sum(statuses.values())} requests in {seconds:.0f} s, server RSS "
+        f"{first['server'] / 2**20:.1f} -> {last['server'] / 2**20:.1f} MiB, workers "
+        f"{first['workers'] / 2**20:.1f} -> {last['workers'] / 2**20:.1f} MiB"
+    )
+    return {"engine": engine, "statuses": statuses, "seconds": round(seconds, 1), "rss": samples}
+
+
 # --- the whole run --------------------------------------------------------------------
 
 
@@ -402,6 +449,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--soak", action="store_true", help=f"server RSS across {SOAK_REQUESTS:,} echo requests"
     )
+    parser.add_argument(
+        "--soak-model",
+        action="store_true",
+        help=f"worker and server RSS across {SOAK_REQUESTS:,} MiniLM requests, each engine",
+    )
     parser.add_argument("--json", type=Path, default=BENCH_DIR / "results.json")
     parser.add_argument("--from-json", type=Path, help="only redo the table and picture")
     return parser.parse_args(argv)
@@ -436,6 +488,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
             if args.soak:
                 results["soak"] = asyncio.run(soak(work))
+            if args.soak_model:
+                results["soak_model"] = [
+                    asyncio.run(soak_model(work, engine)) for engine in ("torch", "onnx")
+                ]
         results["seconds"] = round(time.monotonic() - started, 1)
         args.json.write_text(json.dumps(results, indent=1) + "\n")
         log(f"done in {results['seconds']:.0f} s; figures in {args.json}")

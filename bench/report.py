@@ -159,6 +159,16 @@ def targets_table(results: dict) -> str:
             f"({growth / 2**20:+.1f} MiB)",
             growth <= soak.get("tolerance_bytes", 4 * 2**20),
         )
+    for run in results.get("soak_model", []):
+        first, last = run["rss"][0], run["rss"][-1]
+        growth = max((last[part] - first[part]) / first[part] for part in ("server", "workers"))
+        check(
+            f"{sum(run['statuses'].values()):,} MiniLM requests ({run['engine']}): "
+            "server and worker RSS flat (±5 %), first vs last tenth",
+            f"server {first['server'] / 2**20:.0f} → {last['server'] / 2**20:.0f} MiB, "
+            f"workers {first['workers'] / 2**20:.0f} → {last['workers'] / 2**20:.0f} MiB",
+            growth <= 0.05,
+        )
     return _markdown(rows)
 
 
