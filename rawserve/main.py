@@ -226,7 +226,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except ValueError:
         parser.error("--engine must be torch, onnx or auto")
     args.devices = None  # settled with the models (settle_workers): the layout counts them
-    if args.device is not None:
+    if args.device:  # no --device (or RAWSERVE_DEVICE empty): the default layout
         try:
             args.devices = parse_devices(args.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
         except ValueError as exc:

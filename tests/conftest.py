@@ -9,6 +9,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Servers started by the tests run torch unless a test asks for ONNX Runtime: an export
 # costs 10-50 s per model on 2 cores (tests/test_onnx_engine.py covers that engine).
 os.environ.setdefault("RAWSERVE_ENGINE", "torch")
+# ... and one worker, as most tests reason about "the worker"; tests/test_info.py starts
+# one with the default layout (RAWSERVE_DEVICE="" is no --device).
+os.environ.setdefault("RAWSERVE_DEVICE", "auto")
 
 import pytest  # noqa: E402
 

@@ -18,7 +18,10 @@ STILL_LOADING = re.compile(r"still loading the model \((\d+) s\)")
 @pytest.fixture(scope="module")
 def server():
     args = ["--handler", "tests.handlers:echo", "--max-batch-size", "8", "--max-queue", "16"]
-    with RunningServer([*args, "--timeout", "12", "--max-batch-delay-ms", "2"]) as running:
+    no_device = {"RAWSERVE_DEVICE": ""}  # the layout a user gets with no --device
+    with RunningServer(
+        [*args, "--timeout", "12", "--max-batch-delay-ms", "2"], env=no_device
+    ) as running:
         yield running
 
 

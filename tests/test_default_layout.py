@@ -1,0 +1,81 @@
+"""The default worker layout: one single-threaded worker per core, as memory allows."""
+
+from __future__ import annotations
+
+import pytest
+
+from rawserve.main import parse_args, settle_workers
+from rawserve.models.plan import plan_models
+from rawserve.ops.layout import WORKER_OVERHEAD, cpu_layout, model_bytes, ram_bytes
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize(
+    ("cores", "ram", "model", "workers"),
+    [
+        (2, 24 * GIB, 90 * 2**20, 2),  # this machine, MiniLM: one per core
+        (16, 24 * GIB, 90 * 2**20, 16),
+        (16, 8 * GIB, 1300 * 2**20, 1),  # a large model: memory bounds the copies
+        (16, 16 * GIB, 1300 * 2**20, 2),
+        (4, 1 * GIB, 5 * GIB, 1),  # never fewer than one
+        (1, None, 90 * 2**20, 1),
+        (8, None, 90 * 2**20, 8),  # RAM unknown: cores only
+    ],
+)
+def test_workers_per_core_bounded_by_memory(cores, ram, model, workers):
+    layout = cpu_layout(cores, ram, model)
+    assert layout.workers == workers and layout.threads == 1
+    assert f"{workers} worker(s)" in layout.reason or "RAM unknown" in layout.reason
+
+
+def test_the_memory_bound_counts_two_copies_and_the_runtime():
+    model = 1 * GIB
+    per_worker = 2 * model + WORKER_OVERHEAD
+    ram = 4 * per_worker  # half of it holds two workers
+    assert cpu_layout(64, ram, model).workers == 2
+
+
+def test_model_size_is_one_copy_of_the_weights(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x" * 3000)  # the same weights again
+    (tmp_path / "config.json").write_text("{}")
+    assert model_bytes(tmp_path) == 1000
+    assert model_bytes(tmp_path / "missing") == 0
+
+
+def test_ram_is_read_from_meminfo(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24576000 kB\nMemFree:  100 kB\n")
+    assert ram_bytes(meminfo) == 24576000 * 1024
+    assert ram_bytes(tmp_path / "missing") is None
+
+
+def settled(argv: list[str]):
+    args = parse_args(argv)
+    settle_workers(args, plan_models(args.model, task=args.task, handler=args.handler))
+    return args
+
+
+def test_no_device_on_a_cpu_machine_is_the_per_core_layout(monkeypatch):
+    monkeypatch.delenv("RAWSERVE_DEVICE", raising=False)
+    monkeypatch.setattr("rawserve.main.gpu_present", lambda: False)
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    args = settled(["--handler", "tests.handlers:echo"])
+    assert args.devices == ["cpu"] * 4 and args.threads == 1 and args.share_cores
+    assert "one per core" in args.layout.reason
+    explicit = settled(["--handler", "tests.handlers:echo", "--device", "cpu"])
+    assert explicit.devices == ["cpu"] and explicit.threads == 4 and explicit.layout is None
+
+
+def test_several_models_count_every_copy_and_runtime():
+    mib = 2**20
+    assert cpu_layout(16, 8 * GIB, 100 * mib).workers == 6  # 4 GiB / (2 x 100 + 400) MiB
+    assert cpu_layout(16, 8 * GIB, 2 * 100 * mib, models=2).workers == 3  # / 1200 MiB
+
+
+def test_a_gpu_machine_keeps_one_worker_per_device(monkeypatch):
+    monkeypatch.delenv("RAWSERVE_DEVICE", raising=False)
+    monkeypatch.setattr("rawserve.main.gpu_present", lambda: True)
+    args = settled(["--handler", "tests.handlers:echo"])
+    assert args.devices == ["auto"] and args.layout is None
