@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,15 @@ class PipelineRunner(Runner):
             )
         else:  # the pipeline's own steps around ONNX Runtime's forward pass
             tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-            self.pipe = transformers.pipeline(task, model=onnx, tokenizer=tokenizer)
+            # The pipeline checks the model's class name against transformers' own classes
+            # and logs an error for any other; the check is all it does with the name.
+            check = logging.getLogger("transformers.pipelines.base")
+            level = check.level
+            check.setLevel(logging.CRITICAL)
+            try:
+                self.pipe = transformers.pipeline(task, model=onnx, tokenizer=tokenizer)
+            finally:
+                check.setLevel(level)
         super().__init__(task, device, dtype_name(self.pipe.model), self.pipe.tokenizer)
         self.onnx = onnx
 
