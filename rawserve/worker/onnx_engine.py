@@ -18,9 +18,10 @@ within 1e-5 of torch. Without the fusions the graph runs about 5 % slower at bat
 onnxruntime's BERT optimizer fuses as well, but needs the head count per architecture
 and is deprecated; optimum-onnx pins transformers 4.
 
-ONNX Runtime sets its intra-op threads per session, not per call: one session is made
-per thread count the core sharing asks for (a lone item on every core, busy workers one
-core each), on first use.
+ONNX Runtime sets its intra-op threads per session, not per call: a session is made at
+load for each thread count the core sharing may ask for (busy workers one core each, a
+lone item every core), so no request waits for one to be made; each holds its own copy
+of the weights.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def _version(name: str) -> str:
 class OnnxNetwork(torch.nn.Module):
     """A transformers model's forward pass, run by onnxruntime on the CPU."""
 
-    def __init__(self, graph: Path, config: Any, head: Head, threads: int):
+    def __init__(self, graph: Path, config: Any, head: Head, threads: int, cores: int = 1):
         super().__init__()
         import onnxruntime  # the optional `onnx` extra: imported only when the engine runs
 
@@ -121,6 +122,7 @@ class OnnxNetwork(torch.nn.Module):
         self._sessions: dict[int, Any] = {}
         self._threads = max(1, threads)
         session = self._session(self._threads)
+        self._session(max(1, cores))  # a lone item's: every core
         self.input_names = tuple(node.name for node in session.get_inputs())
 
     def can_generate(self) -> bool:
@@ -175,7 +177,7 @@ def load_network(model: str, task: str, threads: int, cache_dir: Path | None = N
         graph = shipped
     else:
         graph = exported_graph(folder, head, cache_dir or default_cache_dir())
-    return OnnxNetwork(graph, config, head, threads)
+    return OnnxNetwork(graph, config, head, threads, os.cpu_count() or 1)
 
 
 def _shipped_fits(graph: Path, head: Head) -> bool:
