@@ -58,6 +58,10 @@ def build_classifier(folder: Path) -> Path:
     return folder
 
 
+# the servers of the raw-text scenarios: Infinity answers only its embeddings route
+TEXT_SERVERS = ("rawserve", "rawserve-onnx", "rawserve-default", "seed-batching", "seed-per-item")
+
+
 def scenarios(work_dir: Path) -> list[Scenario]:
     classifier = build_classifier(work_dir / "minilm-classifier")
     return [
@@ -66,6 +70,7 @@ def scenarios(work_dir: Path) -> list[Scenario]:
             str(classifier),
             "text-classification",
             rawserve_args=("--task", "text-classification"),
+            servers=TEXT_SERVERS,
         ),
         Scenario(
             "token-embeddings",
@@ -76,6 +81,7 @@ def scenarios(work_dir: Path) -> list[Scenario]:
             rawserve_params={"pooling": "none", "normalize": False},
             outputs="large",
             text_sets=("short",),
+            servers=TEXT_SERVERS,
         ),
         Scenario(
             "sentence-embeddings",
