@@ -365,9 +365,15 @@ def record(results: dict, table: str, picture: Path | None, path: Path) -> None:
         f"Measured with `{results['command'].strip()}` in {results['seconds']:.0f} s on "
         f"{machine['cores']} cores ({machine['cpu']}), Python {machine['python']}, "
         f"torch {machine['torch']}, transformers {machine['transformers']}; the server, "
-        "its model workers and the load generator share those cores. rawserve ran with "
-        f"`{' '.join(results['settings']['rawserve_args']) or 'its defaults'}`, the seed's "
-        "servers with uvicorn's defaults.",
+        "its model workers and the load generator share those cores. rawserve ran as "
+        "`--device cpu,cpu --engine torch` (torch), `--device cpu,cpu --engine onnx` (ONNX "
+        "Runtime) and with no options"
+        + (
+            f" beyond `{' '.join(results['settings']['rawserve_args'])}`"
+            if results["settings"]["rawserve_args"]
+            else ""
+        )
+        + "; the seed's servers with uvicorn's defaults, Infinity with `--batch-size 64`.",
         "",
         table,
         "",
