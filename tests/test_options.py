@@ -14,6 +14,7 @@ from rawserve.main import OPTIONS, Option, parse_args
 # A valid value per option whose type alone does not give one (validated strings).
 SAMPLES = {
     "--device": "cpu,cpu",
+    "--engine": "onnx",
     "--dtype": "float32",
     "--batching": "count",
     "--log-level": "debug",
