@@ -631,9 +631,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--embed-clients", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="keep the servers' logs here (else removed)"
+    )
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="rawserve-chaos-") as workdir:
-        result = asyncio.run(run(args, Path(workdir)))
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        result = asyncio.run(run(args, args.workdir))
+    else:
+        with tempfile.TemporaryDirectory(prefix="rawserve-chaos-") as workdir:
+            result = asyncio.run(run(args, Path(workdir)))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k not in ("rss_series",)}, indent=1))
