@@ -549,6 +549,15 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                         "tiny-gpt2": memory(stream),
                     }
                 )
+                ledger = chaos.ledger  # progress so far, one line (lost: so far, not final)
+                counts = {
+                    "sent": sum(ledger.sent.values()),
+                    "answered": sum(ledger.answered.values()),
+                    "lost": sum(ledger.lost.values()),
+                    "duplicated": sum(ledger.duplicated.values()),
+                    "mismatched": sum(ledger.mismatched.values()),
+                }
+                print(json.dumps({**series[-1], **counts}), flush=True)
 
         clients = [
             *(chaos.embed_client() for _ in range(args.embed_clients)),
