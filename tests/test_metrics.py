@@ -65,9 +65,9 @@ def test_metrics_count_requests_batches_and_every_kind_of_drop(server):
     answers = asyncio.run(run_load(server.port, bodies, MAX_QUEUE, 60, headers))
     assert [status for status, _ in answers] == [200] * 24
     assert server.request("GET", "/no-such-route")[0] == 404
-    # a list longer than the queue bound is refused whole: 503, "rejected"
+    # a list longer than the queue bound is refused whole: 413 (no retry can help), "rejected"
     status, _ = server.post_json({"inputs": ["a"] * (MAX_QUEUE + 1)})
-    assert status == 503
+    assert status == 413
 
     async def drops() -> None:
         client = Client(server.port)
@@ -101,7 +101,7 @@ def test_metrics_count_requests_batches_and_every_kind_of_drop(server):
 
     assert grew("rawserve_requests_total", route="/", method="POST", status="200") == 25
     assert grew("rawserve_requests_total", route="other", method="GET", status="404") == 1
-    assert grew("rawserve_requests_total", route="/", method="POST", status="503") == 1
+    assert grew("rawserve_requests_total", route="/", method="POST", status="413") == 1
     assert grew("rawserve_requests_total", route="/", method="POST", status="504") == 1
     assert grew("rawserve_request_duration_seconds_count", route="/") == 27
     assert grew("rawserve_items_dropped_total", reason="rejected") == MAX_QUEUE + 1
@@ -182,7 +182,8 @@ async def test_the_loop_lag_probe_sees_a_blocked_loop():
 
 def test_poison_inputs_and_worker_restarts_are_counted():
     with RunningServer(["--handler", "tests.handlers:faulty"]) as faulty:
-        # it crashes its worker, then again when retried alone: a poison input (500)
+        # it crashes its worker, then twice more alone (an input is quarantined only
+        # after two crashes on its own): a poison input (500), three restarts
         status, _ = faulty.post_json({"inputs": "crash here"}, timeout=60)
         assert status == 500
         wait_until(lambda: value(scrape(faulty), "rawserve_worker_ready", worker="0", device="cpu"))
@@ -191,7 +192,7 @@ def test_poison_inputs_and_worker_restarts_are_counted():
         assert status == 422
         samples = scrape(faulty)
     assert value(samples, "rawserve_items_dropped_total", reason="poison") == 2
-    assert value(samples, "rawserve_worker_restarts_total", worker="0") == 2
+    assert value(samples, "rawserve_worker_restarts_total", worker="0") == 3
     assert value(samples, "rawserve_requests_total", route="/", method="POST", status="500") == 1
 
 

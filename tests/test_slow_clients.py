@@ -175,9 +175,10 @@ def test_connections_past_the_cap_get_503_until_one_closes():
     ) as server:
         port = server.port
 
-        async def health_over_new_connection():
+        async def info_over_new_connection():
+            # not a probe: past the cap, /health and /ready are still answered (tested elsewhere)
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            writer.write(b"GET /info HTTP/1.1\r\nHost: x\r\n\r\n")
             data = bytearray()
             async with asyncio.timeout(20):
                 while not (answers := parse(bytes(data), closed=False)):
@@ -190,17 +191,17 @@ def test_connections_past_the_cap_get_503_until_one_closes():
             held = []
             try:
                 for _ in range(cap):
-                    (status, _, _), connection = await health_over_new_connection()
+                    (status, _, _), connection = await info_over_new_connection()
                     assert status == 200  # kept alive, so it counts against the cap
                     held.append(connection)
-                (status, headers, body), refused = await health_over_new_connection()
+                (status, headers, body), refused = await info_over_new_connection()
                 assert status == 503 and headers[b"retry-after"] == b"1"
                 assert json.loads(body)["error_type"] == "unavailable"
                 assert await read_until_closed(refused[0], 10) == b""  # then closed
                 refused[1].close()
                 held.pop()[1].close()  # one leaves: a place frees up
                 for _ in range(200):  # the server sees the close a moment later
-                    (status, _, _), connection = await health_over_new_connection()
+                    (status, _, _), connection = await info_over_new_connection()
                     connection[1].close()
                     if status == 200:
                         return True
