@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -349,7 +349,8 @@ async def soak_model(work: Path, engine: str, requests_count: int = SOAK_REQUEST
     try:
         requests = load.build_requests(texts("mixed"), fmt)
         await load.wait_until_serving(server.port, requests[0], READY_TIMEOUT, server.alive)
-        await load.closed_loop(server.port, requests, 64, SOAK_TIME_LIMIT, max_requests=2_000)
+        warm = min(2_000, requests_count // 10)
+        await load.closed_loop(server.port, requests, 64, SOAK_TIME_LIMIT, max_requests=warm)
         started = time.monotonic()
         for _ in range(SOAK_CHUNKS):
             run = await load.closed_loop(
@@ -454,6 +455,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help=f"worker and server RSS across {SOAK_REQUESTS:,} MiniLM requests, each engine",
     )
+    parser.add_argument(
+        "--soak-model-requests",
+        type=int,
+        default=SOAK_REQUESTS,
+        help="requests per engine of --soak-model",
+    )
+    parser.add_argument("--text-sets", help="only these text sets (e.g. short), when given")
     parser.add_argument("--json", type=Path, default=BENCH_DIR / "results.json")
     parser.add_argument("--from-json", type=Path, help="only redo the table and picture")
     return parser.parse_args(argv)
@@ -480,6 +488,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="rawserve-bench-") as folder:
             work = Path(folder)
             chosen = [s for s in scenarios(work) if s.name in settings.scenarios]
+            if args.text_sets:
+                kept = args.text_sets.split(",")
+                chosen = [
+                    replace(s, text_sets=tuple(t for t in s.text_sets if t in kept)) for s in chosen
+                ]
             results = {
                 "command": "python -m bench.compare " + " ".join(argv or sys.argv[1:]),
                 "machine": machine(),
@@ -490,7 +503,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results["soak"] = asyncio.run(soak(work))
             if args.soak_model:
                 results["soak_model"] = [
-                    asyncio.run(soak_model(work, engine)) for engine in ("torch", "onnx")
+                    asyncio.run(soak_model(work, engine, args.soak_model_requests))
+                    for engine in ("torch", "onnx")
                 ]
         results["seconds"] = round(time.monotonic() - started, 1)
         args.json.write_text(json.dumps(results, indent=1) + "\n")
