@@ -12,11 +12,16 @@ from types import SimpleNamespace
 
 import pytest
 
+from rawserve.api.app import App
+from rawserve.api.served import ServedModel, ServedModels
+from rawserve.api.settings import AppSettings
 from rawserve.executor import Executor, LoadState, WorkerState
+from rawserve.http.exchange import HttpRequest
 from rawserve.shared.messages import WorkerConfig, WorkerReady, WorkerWarming
 from rawserve.tasks import check_input, check_params, task_rules
 from rawserve.tasks.registry import TASKS
 from tests.server import RunningServer
+from tests.test_model_selection import AnsweringQueue, served
 from tests.test_task_adapters import runner  # noqa: F401 - the in-process runners fixture
 
 WARMED = re.compile(r"warm-up: a batch of (\d+) took")
@@ -75,6 +80,45 @@ def test_a_warming_worker_is_not_ready_and_says_so():
     executor._pump = lambda: None  # type: ignore[method-assign] - nothing to dispatch here
     executor._on_message(worker, ready)
     assert executor.ready and executor.status()[0].warmup_seconds == 0.25
+
+
+def warming_executor() -> Executor:
+    """A real executor whose one worker has loaded its model and is warming up."""
+    executor = Executor(WorkerConfig(model="unused", task="fill-mask"), ["cpu"])
+    [worker] = executor.workers
+    worker.state = WorkerState.LOADING
+    executor._on_message(worker, WorkerWarming(load_seconds=1.0))
+    return executor
+
+
+def get(app: App, path: str) -> tuple[int, dict]:
+    response = app.answer_now(HttpRequest("GET", path, "", [], b"", request_id="test"))
+    assert response is not None  # probes are answered at once
+    return response.status, json.loads(response.body)
+
+
+def test_ready_is_503_warming_while_a_model_warms_up_and_names_it_among_several():
+    alone = App(
+        ServedModels(
+            [ServedModel("mask", AnsweringQueue("mask", "fill-mask"), warming_executor())]
+        ),
+        AppSettings(),
+    )
+    assert get(alone, "/ready")[0] == 503
+    assert get(alone, "/ready")[1]["status"] == "warming"
+    pair = App(
+        ServedModels(
+            [
+                ServedModel("mask", AnsweringQueue("mask", "fill-mask"), warming_executor()),
+                served("cls", "text-classification"),
+            ]
+        ),
+        AppSettings(),
+    )
+    status, document = get(pair, "/ready")
+    assert status == 503 and document["status"] == "warming"
+    assert document["models"] == {"mask": "warming", "cls": "ready"}
+    assert get(pair, "/ready/mask")[0] == 503 and get(pair, "/ready/cls")[0] == 200
 
 
 def scrape_value(server: RunningServer, name: str) -> float:
