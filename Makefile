@@ -12,7 +12,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-deps lint bench clean
+.PHONY: serve test test-deps lint bench reference-answers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,8 +38,8 @@ test-deps:
 
 # ruff (lint and format) and the type checker, mypy (its settings: pyproject.toml)
 lint: $(STAMP)
-	$(VENV)/bin/ruff check rawserve tests bench
-	$(VENV)/bin/ruff format --check rawserve tests bench
+	$(VENV)/bin/ruff check rawserve tests bench scripts
+	$(VENV)/bin/ruff format --check rawserve tests bench scripts
 	$(VENV)/bin/mypy
 
 # rawserve against the model's own ceiling and the seed's Starlette server, side by side
@@ -49,5 +49,12 @@ bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	HF_HUB_OFFLINE=1 $(PY) -m bench.compare $(ARGS)
 
+# transformers 4's answers for tests/test_fidelity.py, into tests/fidelity_reference.json.
+# The first run makes .venv-transformers4 (transformers 4.57.6 and the same torch); it prints
+# how long it took. Not part of `make test`: the tests read the committed answers.
+reference-answers: $(STAMP)
+	TORCH_SPEC="$(TORCH_SPEC)" PIP_TORCH_ARGS="$(PIP_TORCH_ARGS)" HF_HUB_OFFLINE=1 \
+	  $(PY) scripts/transformers4_reference.py
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-transformers4
