@@ -165,6 +165,23 @@ def test_question_answering(servers, tiny_model):
     assert got.score == pytest.approx(expected["score"], abs=1e-5)
     several = client(servers["qa"]).question_answering(question=question, context=context, top_k=3)
     assert len(several) == 3 and several[0].score >= several[1].score >= several[2].score
+    # every option the client sends, as transformers 4's pipeline took them
+    options = {
+        "top_k": 2,
+        "align_to_words": False,
+        "doc_stride": 4,
+        "max_seq_len": 16,
+        "max_question_len": 8,
+        "max_answer_len": 3,
+        "handle_impossible_answer": True,
+    }
+    answers = client(servers["qa"]).question_answering(
+        question=question, context=context, **options
+    )
+    expected = runner.run([{"question": question, "context": context}], options)[0]
+    assert [(a.answer, a.start, a.end) for a in answers] == [
+        (e["answer"], e["start"], e["end"]) for e in expected
+    ]
 
 
 def test_zero_shot_classification(servers, local):
@@ -251,8 +268,8 @@ def test_unknown_parameters_are_refused_by_the_client_too(servers):
     from huggingface_hub.errors import HfHubHTTPError
 
     with pytest.raises(HfHubHTTPError) as caught:
-        client(servers["qa"]).question_answering(
-            question="who", context="john lives in paris", align_to_words=True
+        client(servers["summarization"]).summarization(
+            "john lives in paris", generate_parameters={"eos_token_id": 2}
         )
     assert caught.value.response.status_code == 400
 

@@ -55,7 +55,10 @@ def server(fidelity_model):
 
     def get(model: str, task: str) -> RunningServer:
         if (model, task) not in running:
-            args = ["--model", str(fidelity_model(model)), "--task", task]
+            # one thread: the answers do not depend on how busy the machine is, nor does
+            # beam search crawl when other processes hold the cores; a deadline far off
+            args = ["--model", str(fidelity_model(model)), "--task", task, "--threads", "1"]
+            args += ["--timeout", "300", "--max-timeout", "300"]
             running[model, task] = RunningServer(args).start()
         return running[model, task]
 

@@ -183,8 +183,11 @@ def test_seq2seq_prefixes_and_output_keys(runner, tiny_model):
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
 
     def generate(text):
+        # the pipelines' num_beams=4, as the model's generation config names none
         with torch.inference_mode():
-            ids = model.generate(**tokenizer([text], return_tensors="pt"), max_new_tokens=5)
+            ids = model.generate(
+                **tokenizer([text], return_tensors="pt"), max_new_tokens=5, num_beams=4
+            )
         return tokenizer.batch_decode(ids, skip_special_tokens=True)[0]
 
     text = "the movie was good"

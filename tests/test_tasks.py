@@ -10,8 +10,8 @@ from rawserve.api.inference import (
     parse_text_body,
     takes_binary_body,
 )
-from rawserve.http.errors import BadRequest
-from rawserve.tasks import batch_key, shape_answer, split_outputs
+from rawserve.http.errors import BadRequest, UnprocessableInput
+from rawserve.tasks import TASKS, batch_key, shape_answer, split_outputs
 
 
 def test_raw_text_is_one_input():
@@ -124,7 +124,9 @@ def test_stream_is_a_top_level_field_of_text_generation_only():
         ("text-generation", {"temperature": -1}),
         ("text-generation", {"top_p": 1.5}),
         ("text-generation", {"watermark": True}),
-        ("question-answering", {"align_to_words": True}),
+        ("question-answering", {"align_to_words": "yes"}),
+        ("question-answering", {"doc_stride": -1}),
+        ("question-answering", {"padding": "longest"}),
         ("question-answering", {"top_k": 0}),
         ("zero-shot-classification", {"candidate_labels": []}),
         ("zero-shot-classification", {"candidate_labels": ["a"], "multi_label": "yes"}),
@@ -132,6 +134,8 @@ def test_stream_is_a_top_level_field_of_text_generation_only():
         ("text-classification", {"function_to_apply": "relu"}),
         ("summarization", {"generate_parameters": {"eos_token_id": 1}}),
         ("summarization", {"src_lang": "en"}),
+        ("summarization", {"num_return_sequences": 0}),
+        ("summarization", {"stop_sequence": "."}),
         ("translation", {"src_lang": ""}),
         ("feature-extraction", {"pooling": "max"}),
         ("feature-extraction", {"dimensions": 0}),
@@ -202,7 +206,46 @@ def test_an_image_body_is_one_base64_input():
     assert takes_binary_body("image-classification")
     assert not takes_binary_body("text-classification") and not takes_binary_body(None)
     assert parse_binary_body("image-classification", b"\x89PNG").inputs == ["iVBORw=="]
-    with pytest.raises(BadRequest):
+    with pytest.raises(UnprocessableInput):
         parse_binary_body("image-classification", b"")
     with pytest.raises(BadRequest):
         parse_json_body("image-classification", {"inputs": "not base64!"})
+
+
+# --- empty input: 422 on every task, alone or inside a list -----------------------------
+
+BLANK_INPUTS = {
+    "question-answering": [
+        {"question": "", "context": "john lives in paris"},
+        {"question": "who lives in paris?", "context": " \n\t"},
+    ],
+    "text-classification": ["", {"text": "  ", "text_pair": "b"}, {"text": "a", "text_pair": ""}],
+    "image-classification": [""],
+}
+FILLED_INPUTS = {
+    "question-answering": {"question": "who?", "context": "john lives in paris"},
+    "image-classification": "iVBORw==",
+}
+TASK_PARAMETERS = {"zero-shot-classification": {"candidate_labels": ["a", "b"]}}
+
+
+@pytest.mark.parametrize(
+    ("task", "blank"),
+    [
+        (task, blank)
+        for task in sorted(TASKS)
+        for blank in BLANK_INPUTS.get(task, ["", "   ", "\n\t \u3000"])
+    ],
+)
+@pytest.mark.parametrize("in_list", [False, True], ids=["alone", "in-list"])
+def test_blank_input_is_422_on_every_task(task, blank, in_list):
+    filled = FILLED_INPUTS.get(task, "hello [MASK]")
+    document = {
+        "inputs": [filled, blank] if in_list else blank,
+        "parameters": TASK_PARAMETERS.get(task, {}),
+    }
+    with pytest.raises(UnprocessableInput, match="empty"):
+        parse_json_body(task, document)
+    if isinstance(blank, str) and not TASKS[task].binary_input and not in_list:
+        with pytest.raises(UnprocessableInput, match="empty"):
+            parse_text_body(task, blank)

@@ -16,9 +16,10 @@ from rawserve.api.bodies import answer, check_client_batch, is_json, read_json, 
 from rawserve.api.context import RouteContext
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
-from rawserve.http.errors import BadRequest, UnsupportedMediaType
+from rawserve.http.errors import BadRequest, UnprocessableInput, UnsupportedMediaType
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.tasks import (
+    BlankInput,
     InvalidRequest,
     check_generation_length,
     check_input,
@@ -75,6 +76,8 @@ def parse_json_body(task_name: str, document: Any, max_items: int = 32) -> Parse
     try:
         inputs = [check_input(task, item) for item in items]
         checked = check_params(task, params)
+    except BlankInput as exc:
+        raise UnprocessableInput(str(exc)) from None
     except InvalidRequest as exc:
         raise BadRequest(str(exc)) from None
     return ParsedRequest(inputs, checked, is_list, stream=bool(stream))
@@ -88,6 +91,8 @@ def parse_text_body(task_name: str, text: str) -> ParsedRequest:
     try:
         item = check_input(task, text)
         check_params(task, {})  # a task with required parameters needs JSON
+    except BlankInput as exc:
+        raise UnprocessableInput(str(exc)) from None
     except InvalidRequest as exc:
         raise BadRequest(str(exc)) from None
     return ParsedRequest([item], {}, is_list=False, raw_text=True)
@@ -102,7 +107,7 @@ def takes_binary_body(task_name: str | None) -> bool:
 def parse_binary_body(task_name: str, body: bytes) -> ParsedRequest:
     """A raw body for a task that takes bytes: one input, queued as base64 text."""
     if not body:
-        raise BadRequest("the body is empty: send the image's bytes")
+        raise UnprocessableInput("the body is empty: send the image's bytes")
     return ParsedRequest([image_from_body(body)], {}, is_list=False)
 
 

@@ -6,6 +6,7 @@ them. Imported by the server (to check requests before they are queued) and by t
 any part of either process.
 """
 
+from rawserve.tasks.checks import BlankInput
 from rawserve.tasks.registry import (
     CUSTOM_TASK,
     TASKS,
@@ -23,6 +24,7 @@ from rawserve.tasks.seq2seq import GENERATE_PARAMS, SEQ2SEQ_TASKS
 from rawserve.tasks.text_generation import STREAM_ID_PARAM
 
 __all__ = [
+    "BlankInput",
     "CUSTOM_TASK",
     "GENERATE_PARAMS",
     "SEQ2SEQ_TASKS",

@@ -11,6 +11,10 @@ from typing import Any
 Checker = Callable[[Any], Any]
 
 
+class BlankInput(ValueError):
+    """Well-formed input with nothing in it (empty or whitespace-only text): answered 422."""
+
+
 # --- parameter values ----------------------------------------------------------------
 
 
@@ -85,4 +89,10 @@ def lower_one_of(*choices: str) -> Checker:
 def text(value: Any) -> str:
     if not isinstance(value, str):
         raise ValueError("each input must be a string")
+    return not_blank(value)
+
+
+def not_blank(value: str, what: str = "the text") -> str:
+    if not value.strip():
+        raise BlankInput(f"{what} is empty or only whitespace")
     return value

@@ -12,12 +12,14 @@ import base64
 import binascii
 from typing import Any
 
-from rawserve.tasks.checks import int_range, one_of
+from rawserve.tasks.checks import BlankInput, int_range, one_of
 from rawserve.tasks.rules import Task
 
 
 def image_base64(value: Any) -> str:
-    if isinstance(value, str) and value:
+    if value == "":
+        raise BlankInput("the image is empty")
+    if isinstance(value, str):
         try:
             base64.b64decode(value, validate=True)
         except (binascii.Error, ValueError):

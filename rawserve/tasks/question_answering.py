@@ -1,13 +1,17 @@
 """question-answering: `{"question", "context"}` in; `{score, start, end, answer}` out
-(a list of them when top_k > 1). Served by rawserve's own adapter
-(`rawserve.question_answering`): transformers 5 has no pipeline for it.
+(a list of them when top_k > 1 leaves more than one). Served by rawserve's own adapter
+(`rawserve.worker.span_extraction`): transformers 5 has no pipeline for it.
+
+The parameters are transformers 4's pipeline's, with their names; `topk` is its old
+spelling of `top_k`, and `max_question_len` is accepted and, as in that pipeline with a
+fast tokenizer, changes nothing (only the context is cut into windows).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from rawserve.tasks.checks import boolean, int_range
+from rawserve.tasks.checks import boolean, int_range, not_blank
 from rawserve.tasks.rules import Task
 
 
@@ -15,9 +19,9 @@ def question_and_context(value: Any) -> dict[str, str]:
     if (
         isinstance(value, dict)
         and set(value) == {"question", "context"}
-        and all(isinstance(v, str) and v for v in value.values())
+        and all(isinstance(v, str) for v in value.values())
     ):
-        return dict(value)
+        return {name: not_blank(value[name], f"the {name}") for name in ("question", "context")}
     raise ValueError('each input must be {"question": "...", "context": "..."}')
 
 
@@ -26,8 +30,12 @@ TASK = Task(
     question_and_context,
     {
         "top_k": int_range(1, 100),
+        "topk": int_range(1, 100),
         "max_answer_len": int_range(1, 1000),
         "max_seq_len": int_range(16, 4096),
+        "doc_stride": int_range(0, 4096),
+        "max_question_len": int_range(1, 4096),
         "handle_impossible_answer": boolean,
+        "align_to_words": boolean,
     },
 )

@@ -3,7 +3,8 @@ its parameters, key a batch, estimate an input's tokens, split a model call's an
 one output per input, and shape the JSON answer.
 
 `TASKS` gathers the per-task modules. A failed check raises `InvalidRequest` (the api
-answers it 400). Plain Python: both processes import it.
+answers it 400), or `BlankInput` for text with nothing in it (422). Plain Python: both
+processes import it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rawserve.tasks import (
     token_classification,
     zero_shot_classification,
 )
+from rawserve.tasks.checks import BlankInput
 from rawserve.tasks.rules import InvalidRequest, SingleAnswer, Task
 
 TASKS: dict[str, Task] = {
@@ -51,6 +53,8 @@ def task_rules(name: str) -> Task | None:
 def check_input(task: Task, item: Any) -> Any:
     try:
         return task.check_input(item)
+    except BlankInput as exc:
+        raise BlankInput(f"invalid input for {task.name}: {exc}") from None
     except ValueError as exc:
         raise InvalidRequest(f"invalid input for {task.name}: {exc}") from None
 
@@ -145,4 +149,4 @@ def shape_answer(
     labels = output if isinstance(output, list) else [output]
     if task.single_answer == SingleAnswer.LIST_OF_LISTS:
         return labels if raw_text else [labels]
-    return [output]
+    return labels

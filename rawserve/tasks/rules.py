@@ -18,7 +18,9 @@ class SingleAnswer:
     """How a request with one (non-list) input is answered, from its item's output."""
 
     ITEM = "item"  # the item's output itself
-    LIST = "list"  # [output] (summarization: `pipe("x")` answered [{"summary_text"}])
+    # [output], or the output itself when it is a list already (summarization: `pipe("x")`
+    # answered [{"summary_text"}], and [{...}, {...}] with num_return_sequences=2)
+    LIST = "list"
     LIST_OF_LISTS = "list-of-lists"  # [[...]] (text-classification on the Inference API)
 
 

@@ -1,7 +1,12 @@
 """summarization, translation, text2text-generation: text in; `{"summary_text"}`,
-`{"translation_text"}` or `{"generated_text"}` out, and one input answered as a
-one-item list (what the removed pipelines did, and what InferenceClient reads).
-Served by rawserve's own adapter (`rawserve.seq2seq`).
+`{"translation_text"}` or `{"generated_text"}` out, a list of them with
+`num_return_sequences` > 1, and one input answered as a list (what the removed pipelines
+did, and what InferenceClient reads). Served by rawserve's own adapter
+(`rawserve.worker.seq2seq_lm`).
+
+The parameters are transformers 4's pipelines' names: generate() options directly (or
+inside the Inference API's `generate_parameters`), `truncation`,
+`clean_up_tokenization_spaces`, and for translation `src_lang`/`tgt_lang`.
 """
 
 from __future__ import annotations
@@ -16,6 +21,11 @@ from rawserve.tasks.rules import SingleAnswer, Task
 GENERATE_PARAMS: dict[str, Checker] = {
     "max_new_tokens": int_range(1, 1024),
     "min_new_tokens": int_range(0, 1024),
+    # lengths count the decoder's start token, as generate() counts them
+    "max_length": int_range(1, 2048),
+    "min_length": int_range(0, 2048),
+    "num_return_sequences": int_range(1, 8),
+    "length_penalty": float_range(-100.0, 100.0),
     "do_sample": boolean,
     "temperature": float_range(0.0, 100.0),
     "top_p": float_range(0.0, 1.0),
@@ -38,6 +48,13 @@ def generate_parameters(value: Any) -> dict[str, Any]:
     return {name: GENERATE_PARAMS[name](item) for name, item in value.items() if item is not None}
 
 
+def truncation(value: Any) -> bool | str:
+    """A tokenizer truncation strategy, or true/false as the pipelines also took."""
+    if isinstance(value, bool):
+        return value
+    return one_of("do_not_truncate", "longest_first", "only_first", "only_second")(value)
+
+
 def language(value: Any) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= 20:
         raise ValueError("must be a language code such as 'en' or 'fr_XX'")
@@ -50,7 +67,7 @@ def _task(name: str, translates: bool) -> Task:
         text,
         {
             "clean_up_tokenization_spaces": boolean,
-            "truncation": one_of("do_not_truncate", "longest_first", "only_first", "only_second"),
+            "truncation": truncation,
             "generate_parameters": generate_parameters,
             **({"src_lang": language, "tgt_lang": language} if translates else {}),
             **GENERATE_PARAMS,

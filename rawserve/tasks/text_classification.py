@@ -8,20 +8,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from rawserve.tasks.checks import int_range, one_of
+from rawserve.tasks.checks import int_range, not_blank, one_of
 from rawserve.tasks.rules import SingleAnswer, Task
 
 
 def text_or_pair(value: Any) -> str | dict[str, str]:
     if isinstance(value, str):
-        return value
+        return not_blank(value)
     if (
         isinstance(value, dict)
         and "text" in value
         and set(value) <= {"text", "text_pair"}
         and all(isinstance(v, str) for v in value.values())
     ):
-        return dict(value)
+        return {name: not_blank(part, f"the {name}") for name, part in value.items()}
     raise ValueError('each input must be a string or {"text": ..., "text_pair": ...}')
 
 

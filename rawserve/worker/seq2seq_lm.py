@@ -2,9 +2,22 @@
 (transformers 5 no longer has pipelines for them).
 
 Worker process only (imports torch and transformers). Tokenize the batch (with the prefix the
-model's config names for the task, e.g. T5's "summarize: "), `generate`, decode, and
-answer `{"summary_text"}` / `{"translation_text"}` / `{"generated_text"}` per input, as
-the removed pipelines and the Inference API did.
+model's config names for the task, e.g. T5's "summarize: "), `generate`, decode, and answer
+`{"summary_text"}` / `{"translation_text"}` / `{"generated_text"}` per input (a list of them
+with `num_return_sequences` > 1), as transformers 4's pipelines did. Their generate() settings,
+in order, each over the one before (tests/test_fidelity.py holds the answers to 4.57's):
+
+1. the model's generation config;
+2. the pipeline's defaults where the model says nothing: `num_beams=4`, and
+   `max_new_tokens=256` unless the model names a length;
+3. the model's `task_specific_params` for the task (for translation: the direction asked
+   with src_lang/tgt_lang, else the first the config names), e.g. t5's summarization
+   `num_beams=4, min_length=30, no_repeat_ngram_size=3, length_penalty=2`;
+4. the caller's parameters.
+
+A `max_length` from step 3 or 4 wins over the default `max_new_tokens`; transformers 4.57
+let 256 new tokens win (the README's task table lists this and the other deliberate
+differences).
 """
 
 from __future__ import annotations
@@ -18,7 +31,10 @@ from rawserve.shared.messages import ModelLimits
 from rawserve.tasks import GENERATE_PARAMS
 from rawserve.worker.runner import Runner, dtype_name
 
-DEFAULT_MAX_NEW_TOKENS = 128
+# transformers 4.57's Text2TextGenerationPipeline._default_generation_config
+PIPELINE_NUM_BEAMS = 4
+PIPELINE_MAX_NEW_TOKENS = 256
+UNSET_MAX_LENGTH = (None, 20)  # 20 is generate()'s own default: the model named no length
 OUTPUT_KEYS = {
     "summarization": "summary_text",
     "translation": "translation_text",
@@ -33,78 +49,131 @@ class Seq2SeqLMRunner(Runner):
         self.model.to(device).eval()
         super().__init__(task, device, dtype_name(self.model), tokenizer)
         self.task_params: dict[str, Any] = self.model.config.task_specific_params or {}
-        configured = self.model.generation_config.to_diff_dict()
-        # without a length in the model's generation config, generate() stops at 20 tokens
-        self.defaults = (
-            {}
-            if {"max_length", "max_new_tokens"} & set(configured)
-            else {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
+        self.directions = [key for key in self.task_params if key.startswith("translation")]
+        # models with absolute positions fail past them: longer inputs are cut there
+        self.position_limit: int | None = getattr(
+            self.model.config, "max_position_embeddings", None
         )
-        self.max_length = min(
-            self.tokenizer.model_max_length,
-            getattr(self.model.config, "max_position_embeddings", None) or 1_000_000,
-        )
+        self.defaults = self.pipeline_defaults()
 
     @property
     def limits(self) -> ModelLimits:
         # the decoder starts from one token; models with relative positions (T5) have no
         # such bound
-        positions = getattr(self.model.config, "max_position_embeddings", None)
+        positions = self.position_limit
         return ModelLimits(
-            max_input_tokens=self.max_length,  # inputs are truncated to it by default
+            max_input_tokens=positions,  # inputs are truncated to it by default
             max_new_tokens=positions - 1 if positions else None,
         )
 
     @property
     def details(self) -> dict[str, Any]:
-        return {"translations": sorted(k for k in self.task_params if k.startswith("translation"))}
+        return {"translations": sorted(self.directions)}
 
-    def prefix_and_options(self, params: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        """The text to put before each input, and generate() options the model implies."""
-        if self.task == "summarization":
-            return self.task_params.get("summarization", {}).get("prefix", ""), {}
+    def pipeline_defaults(self) -> dict[str, Any]:
+        """Step 2: what the pipeline set where the model's generation config says nothing."""
+        configured = self.model.generation_config
+        defaults: dict[str, Any] = {}
+        if configured.num_beams in (None, 1):
+            defaults["num_beams"] = PIPELINE_NUM_BEAMS
+        if configured.max_new_tokens is None and configured.max_length in UNSET_MAX_LENGTH:
+            # within the decoder's positions (the start token takes one)
+            limit = (
+                PIPELINE_MAX_NEW_TOKENS + 1 if self.position_limit is None else self.position_limit
+            )
+            defaults["max_new_tokens"] = min(PIPELINE_MAX_NEW_TOKENS, limit - 1)
+        if configured.pad_token_id is None and self.tokenizer.pad_token_id is not None:
+            defaults["pad_token_id"] = self.tokenizer.pad_token_id
+        return defaults
+
+    def task_settings(self, params: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """Step 3: the prefix to put before each input, and the task's generate() options."""
+        key, options = self.task_key(params)
+        settings = dict(self.task_params.get(key, {})) if key else {}
+        prefix = settings.pop("prefix", None)
+        if prefix is None:
+            prefix = getattr(self.model.config, "prefix", None) or ""
+        return prefix, {**with_length(settings), **options}
+
+    def task_key(self, params: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+        """The task_specific_params entry this call reads, and options the languages imply."""
         if self.task != "translation":
-            return "", {}
+            return self.task, {}
         source, target = params.get("src_lang"), params.get("tgt_lang")
         if source is None and target is None:
-            # a model trained for one direction names it in its config
-            directions = [k for k in self.task_params if k.startswith("translation")]
-            if len(directions) == 1:
-                return self.task_params[directions[0]].get("prefix", ""), {}
-            return "", {}
+            # transformers 4's pipeline("translation") took the first direction named
+            return (self.directions[0] if self.directions else None), {}
         key = f"translation_{source}_to_{target}"
         if key in self.task_params:
-            return self.task_params[key].get("prefix", ""), {}
+            return key, {}
         if hasattr(self.tokenizer, "src_lang") and source and target:  # mBART, NLLB, M2M100
             target_id = self.tokenizer.convert_tokens_to_ids(target)
             if target_id in (None, self.tokenizer.unk_token_id):
                 raise ValueError(f"this model does not know the language {target!r}")
             self.tokenizer.src_lang = source
-            return "", {"forced_bos_token_id": target_id}
-        raise ValueError(f"this model does not translate from {source!r} to {target!r}")
+            return None, {"forced_bos_token_id": target_id}
+        if self.directions:
+            raise ValueError(
+                f"this model does not translate from {source!r} to {target!r} "
+                f"(it names {', '.join(self.directions)})"
+            )
+        return None, {}  # a one-direction model: the languages change nothing, as in transformers 4
 
     def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
-        prefix, options = self.prefix_and_options(params)
-        truncation = params.get("truncation", "longest_first")
+        prefix, task_options = self.task_settings(params)
+        caller = {name: params[name] for name in GENERATE_PARAMS if name in params}
+        caller.update(params.get("generate_parameters", {}))
+        options = {**self.defaults, **task_options, **with_length(caller)}
+        self.check_length(caller)
         encoded = self.tokenizer(
             [prefix + text for text in inputs],
             padding=True,
-            truncation=False if truncation == "do_not_truncate" else truncation,
-            max_length=self.max_length,
             return_tensors="pt",
-        ).to(self.device)
-        generate_options = {
-            **self.defaults,
-            **{name: params[name] for name in GENERATE_PARAMS if name in params},
-            **params.get("generate_parameters", {}),
-            **options,
-        }
+            **self.cut(params),
+        )
+        encoded.pop("token_type_ids", None)  # tokenizers that make them; generate() refuses them
         with torch.inference_mode():
-            generated = self.model.generate(**encoded, **generate_options)
+            generated = self.model.generate(**encoded.to(self.device), **options)
         texts = self.tokenizer.batch_decode(
             generated,
             skip_special_tokens=True,
             clean_up_tokenization_spaces=params.get("clean_up_tokenization_spaces", False),
         )
         key = OUTPUT_KEYS[self.task]
-        return [{key: text} for text in texts]
+        per_input = len(texts) // len(inputs)
+        outputs: list[Any] = []
+        for index in range(len(inputs)):
+            records = [{key: text} for text in texts[index * per_input : (index + 1) * per_input]]
+            outputs.append(records[0] if per_input == 1 else records)
+        return outputs
+
+    def check_length(self, caller: dict[str, Any]) -> None:
+        """A length past the decoder's positions would fail inside the model: say so."""
+        if self.position_limit is None:
+            return
+        for name, limit in (
+            ("max_new_tokens", self.position_limit - 1),
+            ("max_length", self.position_limit),
+        ):
+            if (caller.get(name) or 0) > limit:
+                raise ValueError(f"{name} {caller[name]} is over this model's limit of {limit}")
+
+    def cut(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The tokenizer's truncation arguments: the caller's, else the model's position limit
+        (transformers 4 did not truncate, and failed on inputs past that limit)."""
+        truncation = params.get("truncation")
+        if truncation == "do_not_truncate":
+            return {"truncation": False}
+        if truncation is not None:
+            return {"truncation": truncation}
+        if self.position_limit is not None:
+            return {"truncation": True, "max_length": self.position_limit}
+        return {"truncation": False}
+
+
+def with_length(options: dict[str, Any]) -> dict[str, Any]:
+    """A max_length given without max_new_tokens is the length wanted: no default
+    max_new_tokens may override it (generate() lets max_new_tokens win when both are set)."""
+    if "max_length" in options and "max_new_tokens" not in options:
+        return {**options, "max_new_tokens": None}
+    return options

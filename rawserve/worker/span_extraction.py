@@ -1,15 +1,27 @@
 """question-answering by span extraction, on an `AutoModelForQuestionAnswering`
 (transformers 5 no longer has the pipeline).
 
-Worker process only (imports torch and transformers). The removed pipeline's method, batched:
-tokenize each (question, context) pair into one or more windows of the context
-(`doc_stride` overlap), score every span that lies in the context and is at most
-`max_answer_len` tokens long by P(start) x P(end), and map the best spans back to
-characters of the context. Answers `{score, start, end, answer}` (a list when top_k > 1).
+Worker process only (imports torch and transformers). transformers 4's pipeline, step for
+step, but batched: every window of every (question, context) pair goes through the model in
+one call; each window is then read as the pipeline read it alone, so the answers are the
+pipeline's (tests/test_fidelity.py holds them to transformers 4.57's):
+
+- the context is cut into windows of `max_seq_len` tokens overlapping by `doc_stride`;
+- in each window, start and end probabilities are a softmax over the context tokens and
+  the CLS token; CLS x CLS is the "no answer" score, whose lowest value over the windows is
+  offered when `handle_impossible_answer` is set; CLS then leaves the candidates;
+- candidate spans are ranked by P(start) x P(end) (at most `max_answer_len` tokens), widened
+  to whole words when `align_to_words`, and answers with the same text (in any case) add up
+  their scores;
+- the `top_k` best are the answer: one dict when only one is left, else a list.
+
+The numpy calls are the pipeline's own choices (argpartition, float32): they decide which
+zero-score spans fill a short list, so they are kept as they were.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,11 +34,20 @@ from rawserve.worker.runner import Runner, dtype_name
 DEFAULT_MAX_SEQ_LEN = 384
 DEFAULT_DOC_STRIDE = 128
 DEFAULT_MAX_ANSWER_LEN = 15
+NO_NULL_SCORE = 1_000_000.0  # the pipeline's start value for the lowest "no answer" score
+MASKED_LOGIT = -10000.0
 
 
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = np.exp(logits - logits.max())
-    return shifted / shifted.sum()
+@dataclass(frozen=True)
+class SpanOptions:
+    """A request's options, with the pipeline's defaults filled in."""
+
+    top_k: int
+    max_answer_len: int
+    max_seq_len: int
+    doc_stride: int
+    handle_impossible_answer: bool
+    align_to_words: bool
 
 
 class SpanExtractionRunner(Runner):
@@ -43,81 +64,184 @@ class SpanExtractionRunner(Runner):
             self.model = onnx
         super().__init__("question-answering", device, dtype_name(self.model), tokenizer)
         self.onnx = onnx
-        self.max_seq_len = min(DEFAULT_MAX_SEQ_LEN, self.tokenizer.model_max_length)
+        # the longest window the model can read (absolute position embeddings), if it says
+        self.position_limit: int | None = getattr(
+            self.model.config, "max_position_embeddings", None
+        )
+        # the pipeline's default, kept within what the model can read (a tokenizer that
+        # names no length would otherwise ask for windows the model fails on)
+        self.default_max_seq_len = min(
+            self.tokenizer.model_max_length,
+            DEFAULT_MAX_SEQ_LEN,
+            self.position_limit or DEFAULT_MAX_SEQ_LEN,
+        )
+        self.question_first = self.tokenizer.padding_side == "right"
+
+    def options(self, params: dict[str, Any]) -> SpanOptions:
+        max_seq_len = params.get("max_seq_len") or self.default_max_seq_len
+        if self.position_limit is not None and max_seq_len > self.position_limit:
+            raise ValueError(
+                f"max_seq_len {max_seq_len} is over this model's limit of {self.position_limit}"
+            )
+        doc_stride = params.get("doc_stride")
+        if doc_stride is None:
+            doc_stride = min(max_seq_len // 2, DEFAULT_DOC_STRIDE)
+        if doc_stride > max_seq_len:
+            raise ValueError(
+                f"doc_stride ({doc_stride}) is larger than max_seq_len ({max_seq_len})"
+            )
+        return SpanOptions(
+            top_k=params.get("top_k", params.get("topk", 1)),
+            max_answer_len=params.get("max_answer_len", DEFAULT_MAX_ANSWER_LEN),
+            max_seq_len=max_seq_len,
+            doc_stride=doc_stride,
+            handle_impossible_answer=params.get("handle_impossible_answer", False),
+            align_to_words=params.get("align_to_words", True),
+        )
 
     def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
-        max_seq_len = min(params.get("max_seq_len", self.max_seq_len), self.max_seq_len)
-        question_first = self.tokenizer.padding_side == "right"
+        options = self.options(params)
+        contexts = [item["context"] for item in inputs]
+        encoded = self.windows(inputs, options)
+        starts, ends = self.logits(encoded)
+        answers: list[list[dict[str, Any]]] = [[] for _ in inputs]
+        null_scores = [NO_NULL_SCORE] * len(inputs)
+        for window, item in enumerate(encoded["overflow_to_sample_mapping"]):
+            encoding = encoded.encodings[window]
+            length = len(encoding.ids)
+            # the window's own tokens, as if it had been run alone (no padding)
+            real = slice(0, length) if self.question_first else slice(-length, None)
+            null_scores[item] = self.read_window(
+                encoding,
+                starts[window : window + 1, real],
+                ends[window : window + 1, real],
+                contexts[item],
+                options,
+                answers[item],
+                null_scores[item],
+            )
+        return [_best(found, null_scores[item], options) for item, found in enumerate(answers)]
+
+    def windows(self, inputs: list[dict[str, str]], options: SpanOptions) -> Any:
         questions = [item["question"] for item in inputs]
         contexts = [item["context"] for item in inputs]
-        encoded = self.tokenizer(
-            questions if question_first else contexts,
-            contexts if question_first else questions,
-            padding=True,
-            truncation="only_second" if question_first else "only_first",
-            max_length=max_seq_len,
-            stride=min(DEFAULT_DOC_STRIDE, max_seq_len // 2),
-            return_overflowing_tokens=True,
-            return_offsets_mapping=True,
-            return_tensors="pt",
+        try:
+            return self.tokenizer(
+                questions if self.question_first else contexts,
+                contexts if self.question_first else questions,
+                padding=False,
+                truncation="only_second" if self.question_first else "only_first",
+                max_length=options.max_seq_len,
+                stride=options.doc_stride,
+                return_token_type_ids=True,
+                return_overflowing_tokens=True,
+                return_offsets_mapping=True,
+            )
+        except Exception as exc:  # the tokenizers library raises plain Exceptions
+            if "truncat" in str(exc).lower():
+                raise ValueError(
+                    f"the question leaves no room for the context in max_seq_len "
+                    f"{options.max_seq_len} with doc_stride {options.doc_stride}"
+                ) from None
+            raise
+
+    def logits(self, encoded: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Start and end logits of every window, in one padded model call."""
+        names = self.tokenizer.model_input_names
+        batch = self.tokenizer.pad(
+            {name: encoded[name] for name in names if name in encoded}, return_tensors="pt"
         )
-        windows_of = encoded.pop("overflow_to_sample_mapping").tolist()
-        offsets = encoded.pop("offset_mapping").numpy()
-        context_side = 1 if question_first else 0
-        in_context = np.array(
-            [[s == context_side for s in encoded.sequence_ids(w)] for w in range(len(windows_of))]
-        )
-        model_inputs = {k: v.to(self.device) for k, v in encoded.items()}
         with torch.inference_mode():
-            out = self.model(**model_inputs)
-        starts = out.start_logits.float().cpu().numpy()
-        ends = out.end_logits.float().cpu().numpy()
-        top_k = params.get("top_k", 1)
-        max_answer_len = params.get("max_answer_len", DEFAULT_MAX_ANSWER_LEN)
-        impossible = params.get("handle_impossible_answer", False)
-        candidates: list[list[dict[str, Any]]] = [[] for _ in inputs]
-        null_scores = [0.0] * len(inputs)
-        for window, item in enumerate(windows_of):
-            mask = in_context[window]
-            start_p = _softmax(np.where(mask, starts[window], -10000.0))
-            end_p = _softmax(np.where(mask, ends[window], -10000.0))
-            null_scores[item] = max(null_scores[item], float(start_p[0] * end_p[0]))
-            scores = np.triu(np.outer(start_p, end_p))
-            scores = np.tril(scores, max_answer_len - 1)
-            scores[~mask, :] = 0.0
-            scores[:, ~mask] = 0.0
-            best = np.argsort(-scores, axis=None)[: top_k * 4]
-            for start, end in zip(*np.unravel_index(best, scores.shape), strict=True):
-                if scores[start, end] <= 0.0:
-                    continue
-                char_start = int(offsets[window][start][0])
-                char_end = int(offsets[window][end][1])
-                candidates[item].append(
-                    {
-                        "score": float(scores[start, end]),
-                        "start": char_start,
-                        "end": char_end,
-                        "answer": contexts[item][char_start:char_end],
-                    }
+            out = self.model(**{name: tensor.to(self.device) for name, tensor in batch.items()})
+        return out.start_logits.float().cpu().numpy(), out.end_logits.float().cpu().numpy()
+
+    def read_window(
+        self,
+        encoding: Any,
+        start_logits: np.ndarray,
+        end_logits: np.ndarray,
+        context: str,
+        options: SpanOptions,
+        answers: list[dict[str, Any]],
+        null_score: float,
+    ) -> float:
+        """Add this window's candidates to `answers`; the lowest "no answer" score so far."""
+        # 1 where a token may be part of the answer: the context, and CLS (left in the
+        # softmax). A tokenizer that reads the context first marks every token, as the
+        # pipeline did.
+        wanted = np.array(
+            [[int(s == 1) if self.question_first else 1 for s in encoding.sequence_ids]]
+        )
+        if self.tokenizer.cls_token_id is not None:
+            wanted[0, np.array(encoding.ids) == self.tokenizer.cls_token_id] = 1
+        unwanted = wanted == 0
+        start = _softmax(np.where(unwanted, MASKED_LOGIT, start_logits))
+        end = _softmax(np.where(unwanted, MASKED_LOGIT, end_logits))
+        if options.handle_impossible_answer:
+            null_score = min(null_score, (start[0, 0] * end[0, 0]).item())
+        start[0, 0] = end[0, 0] = 0.0
+        # more candidates than asked when widening to words: some become the same answer
+        wanted_count = options.top_k * 2 + 10 if options.align_to_words else options.top_k
+        spans = _best_spans(start, end, wanted_count, options.max_answer_len, wanted)
+        for first, last, score in spans:
+            char_start, char_end = self.characters(encoding, first, last, options.align_to_words)
+            text = context[char_start:char_end]
+            same = next((a for a in answers if a["answer"].lower() == text.lower()), None)
+            if same is not None:
+                same["score"] += score
+            else:
+                answers.append(
+                    {"score": score, "start": char_start, "end": char_end, "answer": text}
                 )
-        outputs: list[Any] = []
-        for item, found in enumerate(candidates):
-            if impossible:
-                found.append({"score": null_scores[item], "start": 0, "end": 0, "answer": ""})
-            best_answers = _best_distinct(found, top_k)
-            outputs.append(best_answers[0] if top_k == 1 and best_answers else best_answers)
-        return outputs
+        return null_score
+
+    def characters(
+        self, encoding: Any, first: int, last: int, whole_words: bool
+    ) -> tuple[int, int]:
+        """The context's characters from token `first` to token `last`."""
+        if whole_words:
+            sequence = 1 if self.question_first else 0
+            try:
+                start_word = encoding.word_to_chars(encoding.token_to_word(first), sequence)
+                end_word = encoding.word_to_chars(encoding.token_to_word(last), sequence)
+                return start_word[0], end_word[1]
+            except TypeError:  # a special token (CLS) belongs to no word: keep its offsets
+                pass
+        return encoding.offsets[first][0], encoding.offsets[last][1]
 
 
-def _best_distinct(candidates: list[dict[str, Any]], top_k: int) -> list[dict[str, Any]]:
-    """The top_k answers by score, one per character span (windows overlap)."""
-    seen: set[tuple[int, int]] = set()
-    best = []
-    for candidate in sorted(candidates, key=lambda c: -c["score"]):
-        span = (candidate["start"], candidate["end"])
-        if span not in seen:
-            seen.add(span)
-            best.append(candidate)
-        if len(best) == top_k:
-            break
-    return best
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return shifted / shifted.sum()
+
+
+def _best_spans(
+    start: np.ndarray, end: np.ndarray, count: int, max_answer_len: int, wanted: np.ndarray
+) -> list[tuple[int, int, float]]:
+    """The `count` best (first token, last token, score) spans of one window, best first."""
+    outer = np.matmul(np.expand_dims(start, -1), np.expand_dims(end, 1))
+    scores = np.tril(np.triu(outer), max_answer_len - 1)
+    flat = scores.flatten()
+    if count == 1:
+        order = np.array([np.argmax(flat)])
+    elif len(flat) < count:
+        order = np.argsort(-flat)
+    else:
+        chosen = np.argpartition(-flat, count)[0:count]
+        order = chosen[np.argsort(-flat[chosen])]
+    firsts, lasts = np.unravel_index(order, scores.shape)[1:]
+    # The pipeline tests membership in `wanted.nonzero()`, which holds the row indices
+    # (all 0) beside the columns: token 0 always passes. Kept, as its answers show it.
+    allowed = wanted.nonzero()
+    keep = np.isin(firsts, allowed) & np.isin(lasts, allowed)
+    return [
+        (int(first), int(last), scores[0, first, last].item())
+        for first, last in zip(firsts[keep], lasts[keep], strict=True)
+    ]
+
+
+def _best(found: list[dict[str, Any]], null_score: float, options: SpanOptions) -> Any:
+    if options.handle_impossible_answer:
+        found.append({"score": null_score, "start": 0, "end": 0, "answer": ""})
+    best = sorted(found, key=lambda answer: answer["score"], reverse=True)[: options.top_k]
+    return best[0] if len(best) == 1 else best
