@@ -86,13 +86,21 @@ def test_sampling_that_fails_numerically_is_a_422(request, model, temperature):
     assert_clear_client_error(status, answer, 422)
 
 
-@pytest.mark.parametrize("model", ["generator", "summarizer"])
-def test_max_new_tokens_beyond_the_models_positions_is_a_400(request, model):
+@pytest.mark.parametrize(
+    ("model", "length"),
+    [
+        ("generator", "max_new_tokens"),
+        ("summarizer", "max_new_tokens"),
+        ("summarizer", "max_length"),  # transformers 4's name for the summarizer's length
+        ("summarizer", "min_length"),
+    ],
+)
+def test_a_length_beyond_the_models_positions_is_a_400(request, model, length):
     server = request.getfixturevalue(model)
-    document = {"inputs": "hello world", "parameters": {"max_new_tokens": 1000}}
+    document = {"inputs": "hello world", "parameters": {length: 1000}}
     status, answer = post(server, json.dumps(document).encode())
     assert_clear_client_error(status, answer, 400)
-    assert "max_new_tokens" in answer["error"]
+    assert length in answer["error"]
 
 
 # --- 6. a request that can never be admitted is 413, not 503 ------------------------

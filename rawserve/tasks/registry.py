@@ -61,17 +61,23 @@ def check_input(task: Task, item: Any) -> Any:
 
 def check_generation_length(params: Mapping[str, Any], longest: int | None) -> None:
     """Refuse a generation the loaded model cannot make: more new tokens than its
-    positions allow (`longest`, None when it has no such bound)."""
+    positions allow (`longest`, None when it has no such bound). `max_length` and
+    `min_length` (transformers 4's names) count the decoder's start token too."""
     if longest is None:
         return
     nested = params.get("generate_parameters")
     sources = [params, nested if isinstance(nested, Mapping) else {}]
-    for name in ("max_new_tokens", "min_new_tokens"):
+    for name, most in (
+        ("max_new_tokens", longest),
+        ("min_new_tokens", longest),
+        ("max_length", longest + 1),
+        ("min_length", longest + 1),
+    ):
         for source in sources:
             asked = source.get(name)
-            if isinstance(asked, int) and asked > longest:
+            if isinstance(asked, int) and asked > most:
                 raise InvalidRequest(
-                    f"{name} is {asked}, and this model generates at most {longest} tokens"
+                    f"{name} is {asked}, and this model generates at most {most} tokens"
                 )
 
 
