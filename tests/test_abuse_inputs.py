@@ -72,6 +72,18 @@ def test_a_lone_surrogate_in_a_list_is_refused_at_parse(classifier):
     assert_clear_client_error(status, answer, 400)
 
 
+@pytest.mark.parametrize("model", ["classifier", "generator", "summarizer"])
+@pytest.mark.parametrize("blank", ["", " \n\t"], ids=["empty", "whitespace"])
+def test_blank_text_is_a_422_alone_in_a_list_and_raw(request, model, blank):
+    server = request.getfixturevalue(model)
+    for inputs in (blank, ["fine", blank]):
+        status, answer = post(server, json.dumps({"inputs": inputs}).encode())
+        assert_clear_client_error(status, answer, 422)
+        assert "empty" in answer["error"]
+    status, _, body = server.request("POST", "/", blank.encode(), {"Content-Type": "text/plain"})
+    assert status == 422, body
+
+
 @pytest.mark.parametrize("model", ["generator", "summarizer"])
 @pytest.mark.parametrize("temperature", [1e-300, 1e-45])
 def test_sampling_that_fails_numerically_is_a_422(request, model, temperature):
