@@ -18,8 +18,10 @@ order, ending with the final event or an error event.
 Hostile clients (their answers are tallied by kind, not counted as traffic): a
 slowloris head, binary garbage, an oversized Content-Length, JSON nested 5,000 deep, a
 lone surrogate, a chunk size of 2^76, a burst of 100 pipelined requests (these are
-counted: each must be answered once), a client that never reads a large answer, one
-that leaves mid-body, and 50 connections opened and dropped at once.
+counted: each must be answered once; those still unanswered when the hostile client's
+60 s cap cuts the burst short are "abandoned", the client's doing), a client that never
+reads a large answer, one that leaves mid-body, and 50 connections opened and dropped at
+once.
 
 The servers' and workers' RSS are read from /proc at the start (after a warm-up), every
 half minute and at the end. Loopback only; stops by itself after `--minutes` plus a
@@ -65,11 +67,15 @@ class Ledger:
     sent: Counter[str] = field(default_factory=Counter)  # by kind
     answered: Counter[str] = field(default_factory=Counter)
     lost: Counter[str] = field(default_factory=Counter)
+    # given up by the client before an answer came (a hostile burst cut short): not the
+    # server's loss, but counted, so sent = answered + lost + abandoned at the end
+    abandoned: Counter[str] = field(default_factory=Counter)
     duplicated: Counter[str] = field(default_factory=Counter)
     mismatched: Counter[str] = field(default_factory=Counter)  # wrong content for the request
     statuses: Counter[str] = field(default_factory=Counter)  # "kind status"
     hostile: Counter[str] = field(default_factory=Counter)  # "behaviour status"
     seen_ids: set[str] = field(default_factory=set)
+    lost_ids: set[str] = field(default_factory=set)
     references: dict[str, list[float]] = field(default_factory=dict)
     lost_examples: list[str] = field(default_factory=list)
 
@@ -85,6 +91,7 @@ class Ledger:
 
     def lose(self, kind: str, request_id: str, why: str) -> None:
         self.lost[kind] += 1
+        self.lost_ids.add(request_id)
         if len(self.lost_examples) < 20:
             self.lost_examples.append(f"{request_id}: {why}")
 
@@ -369,11 +376,18 @@ class Chaos:
             self.ledger.sent["pipelined"] += 1
             body = json.dumps({"inputs": self.rng.choice(self.texts)}).encode()
             pending.append((request_id, _post_bytes(body, request_id)))
+        ids = [request_id for request_id, _ in pending]
         connections = 0
-        while pending and connections < 10:
-            connections += 1
-            answered = await self.one_burst(pending)
-            pending = pending[answered:]
+        try:
+            while pending and connections < 10:
+                connections += 1
+                answered = await self.one_burst(pending)
+                pending = pending[answered:]
+        finally:  # cut short (the hostile client's time cap) or out of connections
+            ledger = self.ledger
+            for request_id in ids:
+                if request_id not in ledger.seen_ids and request_id not in ledger.lost_ids:
+                    ledger.abandoned["pipelined"] += 1
         return f"{connections}-connections"
 
     async def one_burst(self, burst: list[tuple[str, bytes]]) -> int:
@@ -554,6 +568,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                     "sent": sum(ledger.sent.values()),
                     "answered": sum(ledger.answered.values()),
                     "lost": sum(ledger.lost.values()),
+                    "abandoned": sum(ledger.abandoned.values()),
                     "duplicated": sum(ledger.duplicated.values()),
                     "mismatched": sum(ledger.mismatched.values()),
                 }
@@ -582,6 +597,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "sent": dict(ledger.sent),
         "answered": dict(ledger.answered),
         "lost": dict(ledger.lost),
+        "abandoned": dict(ledger.abandoned),
         "duplicated": dict(ledger.duplicated),
         "mismatched": dict(ledger.mismatched),
         "statuses": dict(sorted(ledger.statuses.items())),
@@ -613,19 +629,20 @@ def report(result: dict[str, Any]) -> str:
 
     kinds = sorted(result["sent"])
     lines = [
-        "| traffic | sent | answered | lost | duplicated | wrong content |",
-        "|---|---|---|---|---|---|",
+        "| traffic | sent | answered | lost | abandoned | duplicated | wrong content |",
+        "|---|---|---|---|---|---|---|",
     ]
     for kind in kinds:
         lines.append(
             f"| {kind} | {result['sent'][kind]} | {result['answered'].get(kind, 0)} | "
-            f"{result['lost'].get(kind, 0)} | {result['duplicated'].get(kind, 0)} | "
-            f"{result['mismatched'].get(kind, 0)} |"
+            f"{result['lost'].get(kind, 0)} | {result.get('abandoned', {}).get(kind, 0)} | "
+            f"{result['duplicated'].get(kind, 0)} | {result['mismatched'].get(kind, 0)} |"
         )
-    total = {k: sum(result[k].values()) for k in ("sent", "answered", "lost", "duplicated")}
+    total = {k: sum(result.get(k, {}).values()) for k in ("sent", "answered", "lost", "abandoned")}
     lines.append(
         f"| **all** | **{total['sent']}** | **{total['answered']}** | **{total['lost']}** | "
-        f"**{total['duplicated']}** | **{sum(result['mismatched'].values())}** |"
+        f"**{total['abandoned']}** | **{sum(result['duplicated'].values())}** | "
+        f"**{sum(result['mismatched'].values())}** |"
     )
     lines += ["", "| process | RSS at start | RSS at end |", "|---|---|---|"]
     for server in ("minilm", "tiny-gpt2"):
