@@ -1,4 +1,6 @@
-"""Small checkers for request values: each returns the value to pass on or raises ValueError.
+"""Small checkers for request values: each returns the value to pass on or raises ValueError,
+and carries the JSON schema of the values it takes (for /openapi.json: the one place that
+says what a parameter may be).
 
 Shared by the task modules. Plain Python only: the server imports them.
 """
@@ -6,9 +8,44 @@ Shared by the task modules. Plain Python only: the server imports them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-Checker = Callable[[Any], Any]
+Schema = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Checker:
+    schema: Schema  # what `function` takes, as JSON Schema
+    function: Callable[[Any], Any]
+
+    def __call__(self, value: Any) -> Any:
+        return self.function(value)
+
+
+def checker(schema: Schema) -> Callable[[Callable[[Any], Any]], Checker]:
+    """Decorates a check function with the schema of what it takes."""
+
+    def wrap(function: Callable[[Any], Any]) -> Checker:
+        return Checker(schema, function)
+
+    return wrap
+
+
+# --- output shapes, for the schemas of answers -----------------------------------------
+
+NUMBER = {"type": "number"}
+LABEL_SCORE: Schema = {
+    "type": "object",
+    "required": ["label", "score"],
+    "properties": {"label": {"type": "string"}, "score": NUMBER},
+}
+LABEL_SCORES: Schema = {"type": "array", "items": LABEL_SCORE}
+
+
+def one_or_list(schema: Schema) -> Schema:
+    """An output that is `schema`, or a list of them (when top_k asks for several)."""
+    return {"anyOf": [schema, {"type": "array", "items": schema}]}
 
 
 class BlankInput(ValueError):
@@ -24,7 +61,7 @@ def int_range(low: int, high: int) -> Checker:
             raise ValueError(f"must be an integer from {low} to {high}")
         return value
 
-    return check
+    return Checker({"type": "integer", "minimum": low, "maximum": high}, check)
 
 
 def float_range(low: float, high: float) -> Checker:
@@ -35,9 +72,10 @@ def float_range(low: float, high: float) -> Checker:
             raise ValueError(f"must be between {low} and {high}")
         return float(value)
 
-    return check
+    return Checker({"type": "number", "minimum": low, "maximum": high}, check)
 
 
+@checker({"type": "boolean"})
 def boolean(value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError("must be true or false")
@@ -50,9 +88,10 @@ def one_of(*choices: str) -> Checker:
             raise ValueError("must be one of " + ", ".join(repr(c) for c in choices))
         return value
 
-    return check
+    return Checker({"enum": list(choices)}, check)
 
 
+@checker({"type": "string", "minLength": 1, "maxLength": 1000})
 def short_text(value: Any) -> str:
     if not isinstance(value, str) or not value or len(value) > 1000:
         raise ValueError("must be a non-empty string of at most 1000 characters")
@@ -71,7 +110,9 @@ def text_list(max_items: int) -> Checker:
             raise ValueError(f"must be a string or a list of 1 to {max_items} non-empty strings")
         return value
 
-    return check
+    nonempty = {"type": "string", "minLength": 1}
+    items = {"type": "array", "items": nonempty, "minItems": 1, "maxItems": max_items}
+    return Checker({"oneOf": [nonempty, items]}, check)
 
 
 def lower_one_of(*choices: str) -> Checker:
@@ -80,12 +121,15 @@ def lower_one_of(*choices: str) -> Checker:
             raise ValueError("must be one of " + ", ".join(repr(c) for c in choices))
         return value.lower()
 
-    return check
+    # any case: "left", "Left", "LEFT"
+    spelt = "|".join("".join(f"[{c.lower()}{c.upper()}]" for c in choice) for choice in choices)
+    return Checker({"type": "string", "pattern": f"^({spelt})$"}, check)
 
 
 # --- inputs ----------------------------------------------------------------------------
 
 
+@checker({"type": "string"})
 def text(value: Any) -> str:
     if not isinstance(value, str):
         raise ValueError("each input must be a string")

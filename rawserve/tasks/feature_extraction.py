@@ -6,7 +6,7 @@ InferenceClient sends this task's parameters at the top level of the body
 
 from __future__ import annotations
 
-from rawserve.tasks.checks import boolean, int_range, lower_one_of, one_of, text
+from rawserve.tasks.checks import NUMBER, boolean, int_range, lower_one_of, one_of, text
 from rawserve.tasks.rules import Task
 
 TASK = Task(
@@ -20,4 +20,14 @@ TASK = Task(
         "dimensions": int_range(1, 65536),  # keep the first N (Matryoshka models)
     },
     params_at_root=True,
+    # a sentence vector [hidden], or token vectors [1, tokens, hidden] (pooling "none")
+    output_schema={
+        "type": "array",
+        "items": {
+            "anyOf": [
+                NUMBER,
+                {"type": "array", "items": {"anyOf": [NUMBER, {"type": "array", "items": NUMBER}]}},
+            ]
+        },
+    },
 )

@@ -6,7 +6,7 @@ installed transformers that does.
 
 from __future__ import annotations
 
-from rawserve.tasks.checks import int_range, text, text_list
+from rawserve.tasks.checks import NUMBER, int_range, one_or_list, text, text_list
 from rawserve.tasks.rules import Task
 
 TASK = Task(
@@ -14,4 +14,19 @@ TASK = Task(
     text,
     {"top_k": int_range(1, 100), "targets": text_list(100)},
     unwraps_single=True,
+    output_schema=one_or_list(
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["score", "token", "token_str", "sequence"],
+                "properties": {
+                    "score": NUMBER,
+                    "token": {"type": "integer"},
+                    "token_str": {"type": "string"},
+                    "sequence": {"type": "string"},
+                },
+            },
+        }
+    ),
 )

@@ -12,10 +12,11 @@ import base64
 import binascii
 from typing import Any
 
-from rawserve.tasks.checks import BlankInput, int_range, one_of
+from rawserve.tasks.checks import LABEL_SCORES, BlankInput, checker, int_range, one_of
 from rawserve.tasks.rules import Task
 
 
+@checker({"type": "string", "minLength": 1, "contentEncoding": "base64"})
 def image_base64(value: Any) -> str:
     if value == "":
         raise BlankInput("the image is empty")
@@ -41,4 +42,5 @@ TASK = Task(
         "function_to_apply": one_of("sigmoid", "softmax", "none"),
     },
     binary_input=True,
+    output_schema=LABEL_SCORES,
 )

@@ -11,10 +11,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from rawserve.tasks.checks import boolean, int_range, not_blank
+from rawserve.tasks.checks import NUMBER, boolean, checker, int_range, not_blank, one_or_list
 from rawserve.tasks.rules import Task
 
 
+@checker(
+    {
+        "type": "object",
+        "required": ["question", "context"],
+        "properties": {
+            "question": {"type": "string", "minLength": 1},
+            "context": {"type": "string", "minLength": 1},
+        },
+        "additionalProperties": False,
+    }
+)
 def question_and_context(value: Any) -> dict[str, str]:
     if (
         isinstance(value, dict)
@@ -38,4 +49,16 @@ TASK = Task(
         "handle_impossible_answer": boolean,
         "align_to_words": boolean,
     },
+    output_schema=one_or_list(
+        {
+            "type": "object",
+            "required": ["score", "start", "end", "answer"],
+            "properties": {
+                "score": NUMBER,
+                "start": {"type": "integer"},
+                "end": {"type": "integer"},
+                "answer": {"type": "string"},
+            },
+        }
+    ),
 )

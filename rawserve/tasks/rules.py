@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rawserve.tasks.checks import Checker
+from rawserve.tasks.checks import Checker, Schema
 
 
 class InvalidRequest(ValueError):
@@ -42,3 +42,5 @@ class Task:
     shape_item: Callable[[Any], Any] | None = None
     # A body that is not JSON is one input as bytes (an image), not UTF-8 text.
     binary_input: bool = False
+    # One item's output in the Inference API's shape, as JSON Schema (for /openapi.json).
+    output_schema: Schema = field(default_factory=dict)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rawserve.tasks.checks import Checker, boolean, float_range, int_range, one_of, text
+from rawserve.tasks.checks import Checker, boolean, checker, float_range, int_range, one_of, text
 from rawserve.tasks.rules import SingleAnswer, Task
 
 # generate() options these tasks take, by name: inside the Inference API's
@@ -37,6 +37,16 @@ GENERATE_PARAMS: dict[str, Checker] = {
 }
 
 
+@checker(
+    {
+        "type": "object",
+        "properties": {
+            name: {"anyOf": [check.schema, {"type": "null"}]}
+            for name, check in GENERATE_PARAMS.items()
+        },
+        "additionalProperties": False,
+    }
+)
 def generate_parameters(value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError("must be an object")
@@ -48,20 +58,34 @@ def generate_parameters(value: Any) -> dict[str, Any]:
     return {name: GENERATE_PARAMS[name](item) for name, item in value.items() if item is not None}
 
 
+TRUNCATION_STRATEGIES = ("do_not_truncate", "longest_first", "only_first", "only_second")
+
+
+@checker({"anyOf": [{"type": "boolean"}, {"enum": list(TRUNCATION_STRATEGIES)}]})
 def truncation(value: Any) -> bool | str:
     """A tokenizer truncation strategy, or true/false as the pipelines also took."""
     if isinstance(value, bool):
         return value
-    return one_of("do_not_truncate", "longest_first", "only_first", "only_second")(value)
+    return one_of(*TRUNCATION_STRATEGIES)(value)
 
 
+@checker({"type": "string", "minLength": 1, "maxLength": 20})
 def language(value: Any) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= 20:
         raise ValueError("must be a language code such as 'en' or 'fr_XX'")
     return value
 
 
+# the key of each task's text in its answer
+OUTPUT_KEYS = {
+    "summarization": "summary_text",
+    "translation": "translation_text",
+    "text2text-generation": "generated_text",
+}
+
+
 def _task(name: str, translates: bool) -> Task:
+    key = OUTPUT_KEYS[name]
     return Task(
         name,
         text,
@@ -73,6 +97,11 @@ def _task(name: str, translates: bool) -> Task:
             **GENERATE_PARAMS,
         },
         single_answer=SingleAnswer.LIST,
+        output_schema={
+            "type": "object",
+            "required": [key],
+            "properties": {key: {"type": "string"}},
+        },
     )
 
 

@@ -8,10 +8,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from rawserve.tasks.checks import int_range, not_blank, one_of
+from rawserve.tasks.checks import LABEL_SCORE, checker, int_range, not_blank, one_of, one_or_list
 from rawserve.tasks.rules import SingleAnswer, Task
 
+# Set by the server's TEI routes (/predict, /rerank), never by a client (it is not an
+# allowed name): the worker answers each input's logits as a float32 row, and the server
+# turns them into scores and labels.
+LOGITS_PARAM = "logits"
 
+
+@checker(
+    {
+        "oneOf": [
+            {"type": "string"},
+            {
+                "type": "object",
+                "required": ["text"],
+                "properties": {"text": {"type": "string"}, "text_pair": {"type": "string"}},
+                "additionalProperties": False,
+            },
+        ]
+    }
+)
 def text_or_pair(value: Any) -> str | dict[str, str]:
     if isinstance(value, str):
         return not_blank(value)
@@ -33,4 +51,5 @@ TASK = Task(
         "function_to_apply": one_of("sigmoid", "softmax", "none"),
     },
     single_answer=SingleAnswer.LIST_OF_LISTS,
+    output_schema=one_or_list(LABEL_SCORE),
 )

@@ -10,13 +10,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from rawserve.tasks.checks import boolean, float_range, int_range, text
+from rawserve.tasks.checks import boolean, checker, float_range, int_range, text
 from rawserve.tasks.rules import Task
 
 STREAM_ID_PARAM = "stream_id"
+# Set by the server's OpenAI chat route, never by a client: each input is a chat
+# (`{"messages": [...]}`) that the worker renders with the model's chat template.
+CHAT_PARAM = "chat"
 MAX_STOP_SEQUENCES = 16
 
 
+@checker(
+    {
+        "oneOf": [
+            {"type": "string", "minLength": 1, "maxLength": 200},
+            {
+                "type": "array",
+                "items": {"type": "string", "minLength": 1, "maxLength": 200},
+                "maxItems": MAX_STOP_SEQUENCES,
+            },
+        ]
+    }
+)
 def stop_sequences(value: Any) -> list[str]:
     if isinstance(value, str):
         value = [value]
@@ -47,4 +62,13 @@ TASK = Task(
         "details": boolean,
     },
     extra_fields=frozenset({"stream"}),
+    # the pipeline's shape: [{"generated_text"}] per input (and its details when asked)
+    output_schema={
+        "type": "array",
+        "items": {
+            "type": "object",
+            "required": ["generated_text"],
+            "properties": {"generated_text": {"type": "string"}, "details": {"type": "object"}},
+        },
+    },
 )

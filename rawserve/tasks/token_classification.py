@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rawserve.tasks.checks import one_of, text, text_list
+from rawserve.tasks.checks import NUMBER, one_of, text, text_list
 from rawserve.tasks.rules import Task
 
 TASK = Task(
@@ -11,5 +11,20 @@ TASK = Task(
     {
         "aggregation_strategy": one_of("none", "simple", "first", "average", "max"),
         "ignore_labels": text_list(100),
+    },
+    output_schema={
+        "type": "array",
+        "items": {
+            "type": "object",
+            "required": ["score", "word"],
+            "properties": {
+                "entity": {"type": "string"},
+                "entity_group": {"type": "string"},
+                "score": NUMBER,
+                "word": {"type": "string"},
+                "start": {"type": ["integer", "null"]},
+                "end": {"type": ["integer", "null"]},
+            },
+        },
     },
 )

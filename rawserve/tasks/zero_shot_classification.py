@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rawserve.tasks.checks import boolean, short_text, text, text_list
+from rawserve.tasks.checks import LABEL_SCORES, boolean, short_text, text, text_list
 from rawserve.tasks.rules import Task
 
 
@@ -32,4 +32,5 @@ TASK = Task(
     },
     required_params=frozenset({"candidate_labels"}),
     shape_item=label_score_pairs,
+    output_schema=LABEL_SCORES,
 )

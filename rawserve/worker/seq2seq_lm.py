@@ -29,17 +29,13 @@ import transformers
 
 from rawserve.shared.messages import ModelLimits
 from rawserve.tasks import GENERATE_PARAMS
+from rawserve.tasks.seq2seq import OUTPUT_KEYS
 from rawserve.worker.runner import Runner, dtype_name
 
 # transformers 4.57's Text2TextGenerationPipeline._default_generation_config
 PIPELINE_NUM_BEAMS = 4
 PIPELINE_MAX_NEW_TOKENS = 256
 UNSET_MAX_LENGTH = (None, 20)  # 20 is generate()'s own default: the model named no length
-OUTPUT_KEYS = {
-    "summarization": "summary_text",
-    "translation": "translation_text",
-    "text2text-generation": "generated_text",
-}
 
 
 class Seq2SeqLMRunner(Runner):
