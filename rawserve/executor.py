@@ -360,8 +360,14 @@ class Executor:
         )
 
     @property
+    def loaded(self) -> WorkerReady | None:
+        """What a loaded worker said of its model (task, dtype, details, tokenizer); None
+        until one has loaded."""
+        return next((w.ready for w in self.workers if w.ready), None)
+
+    @property
     def task(self) -> str | None:
-        loaded = next((w.ready for w in self.workers if w.ready), None)
+        loaded = self.loaded
         return loaded.task if loaded else None
 
     @property

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from rawserve.executor import LoadState, WorkerStatus
 from rawserve.http.errors import NotFound
 from rawserve.scheduling.core import ItemResult
-from rawserve.shared.messages import ModelLimits, TokenChunk
+from rawserve.shared.messages import ModelLimits, TokenChunk, WorkerReady
 
 
 class Queue(Protocol):
@@ -50,6 +50,11 @@ class Workers(Protocol):
     @property
     def limits(self) -> ModelLimits:
         """What the loaded model can take (unknown until a worker is ready)."""
+        ...
+
+    @property
+    def loaded(self) -> WorkerReady | None:
+        """What a loaded worker said of its model; None until one has loaded."""
         ...
 
     def load_state(self) -> tuple[LoadState, float | None]: ...

@@ -82,6 +82,15 @@ def infer_task(model_dir: Path) -> str:
     raise ValueError(f"no task is known for the model's architecture: {NAME_THE_TASK}")
 
 
+def sentence_transformers_prompts(model_dir: Path) -> dict[str, str]:
+    """The prompts a sentence-transformers folder names (TEI's `prompt_name`): name → text."""
+    config_file = model_dir / "config_sentence_transformers.json"
+    if not config_file.is_file():
+        return {}
+    prompts = json.loads(config_file.read_text()).get("prompts") or {}
+    return {str(name): str(text) for name, text in prompts.items()}
+
+
 def sentence_transformers_pooling(model_dir: Path) -> tuple[str, bool]:
     """(pooling, normalize) as a sentence-transformers folder says; ("none", False) otherwise."""
     modules_file = model_dir / "modules.json"

@@ -40,6 +40,7 @@ class WorkerConfig:
     warmup_batch: int = 0  # items of the batch run before reporting ready (0: no warm-up)
     name: str = ""  # the served model's name in log lines, when the server has several
     engine: Engine = Engine.TORCH
+    chat_template: str | None = None  # a Jinja template for a tokenizer that has none
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,9 @@ class WorkerReady:
     limits: ModelLimits = field(default_factory=ModelLimits)
     engine: Engine = Engine.TORCH  # what runs the forward pass (never AUTO)
     engine_reason: str = ""  # why that engine, for the log and /info
+    # the model's tokenizer in the `tokenizers` library's JSON form (None: it has none):
+    # the server tokenizes and decodes with it for /tokenize and /decode
+    tokenizer: str | None = None
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,12 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jinja2
 import torch
 import transformers
 
 from rawserve.shared.messages import ModelLimits, TokenChunk
-from rawserve.tasks import STREAM_ID_PARAM
+from rawserve.tasks import CHAT_PARAM, STREAM_ID_PARAM
 from rawserve.worker.runner import Runner, dtype_name
 
 log = logging.getLogger("rawserve.generation")
@@ -138,10 +139,12 @@ class CausalLMRunner(Runner):
     """text-generation on an `AutoModelForCausalLM`: batched with left padding, in the
     Inference API's shapes."""
 
-    def __init__(self, model: str, device: str, torch_dtype: Any):
+    def __init__(self, model: str, device: str, torch_dtype: Any, chat_template: str | None = None):
         tokenizer = transformers.AutoTokenizer.from_pretrained(model, padding_side="left")
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
+        if chat_template is not None:  # --chat-template: for a tokenizer that has none
+            tokenizer.chat_template = chat_template
         self.model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
         self.model.to(device).eval()
         super().__init__("text-generation", device, dtype_name(self.model), tokenizer)
@@ -160,13 +163,38 @@ class CausalLMRunner(Runner):
     def limits(self) -> ModelLimits:
         return ModelLimits(max_new_tokens=self.max_positions - 1)  # after a one-token prompt
 
+    @property
+    def details(self) -> dict[str, Any]:
+        return {
+            "chat_template": bool(self.tokenizer.chat_template),
+            "max_input_length": self.max_positions,
+        }
+
+    def prompts(self, inputs: list[Any], params: dict[str, Any]) -> Any:
+        """The batch's prompts as token ids (left-padded): texts as they are, or chats
+        (`{"messages": [...]}`, OpenAI's) rendered with the chat template."""
+        if not params.get(CHAT_PARAM):
+            return self.tokenizer(inputs, padding=True, return_tensors="pt")
+        texts = []
+        for item in inputs:
+            try:
+                texts.append(
+                    self.tokenizer.apply_chat_template(
+                        item["messages"], tokenize=False, add_generation_prompt=True
+                    )
+                )
+            except jinja2.TemplateError as exc:  # the template refuses these messages
+                raise ValueError(f"the chat template refused the messages: {exc}") from None
+        # a template writes the special tokens it wants (a BOS) itself
+        return self.tokenizer(texts, padding=True, add_special_tokens=False, return_tensors="pt")
+
     def bind_stream(self, send: Callable[[Any], None], cancelled_stream: Any) -> None:
         """Where token chunks go (the worker's pipe) and where cancellations come from."""
         self.send, self.cancelled_stream = send, cancelled_stream
 
     def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
         stream_id = params.get(STREAM_ID_PARAM)
-        encoded = self.tokenizer(inputs, padding=True, return_tensors="pt").to(self.device)
+        encoded = self.prompts(inputs, params).to(self.device)
         prompt_length = encoded["input_ids"].shape[1]
         recorder = ScoreRecorder()
         wants_logprobs = stream_id is not None
@@ -222,6 +250,7 @@ class CausalLMRunner(Runner):
                 output["details"] = {
                     "finish_reason": watcher.finish_reasons[row],
                     "generated_tokens": len(watcher.token_ids[row]),
+                    "prompt_tokens": int(encoded["attention_mask"][row].sum()),
                     "seed": params.get("seed"),
                 }
             # pipe(x) answers [{"generated_text": ...}] per input

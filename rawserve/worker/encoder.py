@@ -5,11 +5,13 @@ Worker process only (imports torch and transformers).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 
+from rawserve.models.folder import sentence_transformers_prompts
 from rawserve.shared.messages import ModelLimits
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name, resolve_dtype
@@ -45,9 +47,8 @@ class EncoderRunner(Runner):
         super().__init__("feature-extraction", device, dtype_name(self.model), tokenizer)
         self.onnx = onnx
         self.default_pooling, self.default_normalize = pooling, normalize
-        self.max_length = min(
-            self.tokenizer.model_max_length, self.model.config.max_position_embeddings
-        )
+        self.prompts = sentence_transformers_prompts(Path(model))
+        self.max_length = self.max_input_length(self.model.config)
 
     @property
     def limits(self) -> ModelLimits:
@@ -59,6 +60,8 @@ class EncoderRunner(Runner):
             "pooling": self.default_pooling,
             "normalize": self.default_normalize,
             "dimensions": self.model.config.hidden_size,
+            "max_input_length": self.max_length,
+            "prompts": self.prompts,
         }
 
     def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:

@@ -83,7 +83,7 @@ def build_runner(
     if task == "feature-extraction":
         return EncoderRunner(model, device, dtype, config.pooling, config.normalize, network)
     if task == "text-generation":
-        return CausalLMRunner(model, device, resolve_dtype(dtype))
+        return CausalLMRunner(model, device, resolve_dtype(dtype), config.chat_template)
     if task == "question-answering":
         return SpanExtractionRunner(model, device, resolve_dtype(dtype), network)
     if task in SEQ2SEQ_TASKS:

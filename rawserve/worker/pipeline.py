@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import transformers
 
-from rawserve.tasks import split_outputs
+from rawserve.tasks import LOGITS_PARAM, split_outputs
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name, resolve_dtype
 
@@ -42,8 +42,22 @@ class PipelineRunner(Runner):
                 check.setLevel(level)
         super().__init__(task, device, dtype_name(self.pipe.model), self.pipe.tokenizer)
         self.onnx = onnx
+        config = self.pipe.model.config
+        self.max_length = self.max_input_length(config) if self.tokenizer is not None else None
+
+    @property
+    def details(self) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        if self.max_length is not None:
+            found["max_input_length"] = self.max_length
+        if self.task == "text-classification":
+            labels = self.pipe.model.config.id2label
+            found["id2label"] = {str(i): labels[i] for i in sorted(labels)}
+        return found
 
     def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
+        if params.get(LOGITS_PARAM):
+            return self._logits(inputs, params)
         if self._plain_classification(inputs, params):
             return self._classify(inputs)
         model_inputs = inputs
@@ -76,6 +90,34 @@ class PipelineRunner(Runner):
         scores = exp / exp.sum(axis=-1, keepdims=True)
         labels = pipe.model.config.id2label
         return [{"label": labels[int(row.argmax())], "score": float(row.max())} for row in scores]
+
+    def _logits(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
+        """Each text's (or text pair's) logits, one float32 row per input, for TEI's
+        /predict and /rerank (the server turns them into scores and labels)."""
+        tokenizer = self.pipe.tokenizer
+        truncate = params.get("truncate", False)
+        tokenizer.truncation_side = params.get("truncation_direction", "right")
+        options: dict[str, Any] = {"truncation": truncate, "max_length": self.max_length}
+        if not truncate:
+            options = {}
+        firsts = [item if isinstance(item, str) else item["text"] for item in inputs]
+        seconds = [None if isinstance(item, str) else item.get("text_pair") for item in inputs]
+        if all(second is None for second in seconds):
+            encoded = tokenizer(firsts, padding=True, return_tensors="pt", **options)
+        elif all(second is not None for second in seconds):
+            encoded = tokenizer(firsts, seconds, padding=True, return_tensors="pt", **options)
+        else:  # singles and pairs: each alone, then padded together
+            alone = [tokenizer(a, b, **options) for a, b in zip(firsts, seconds, strict=True)]
+            encoded = tokenizer.pad(alone, return_tensors="pt")
+        length = encoded["input_ids"].shape[1]
+        if self.max_length is not None and length > self.max_length:
+            raise ValueError(
+                f"the input is {length} tokens and the model takes at most {self.max_length}: "
+                "send truncate: true to cut it"
+            )
+        with torch.inference_mode():
+            logits = self.pipe.model(**encoded.to(self.pipe.device)).logits
+        return list(logits.float().cpu().numpy())
 
 
 def decode_image(encoded: str) -> Any:

@@ -138,6 +138,7 @@ def worker_main(
             limits=runner.limits,
             engine=runner.engine,
             engine_reason=runner.engine_reason,
+            tokenizer=runner.tokenizer_json(),
         )
     )
     cap = BatchCap()

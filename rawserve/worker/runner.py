@@ -22,6 +22,8 @@ log = logging.getLogger("rawserve.runner")
 
 # torch.multinomial's complaint when logits divided by a tiny temperature overflow
 SAMPLING_FAILED = "probability tensor contains either `inf`, `nan` or element < 0"
+
+MAX_INPUT_LENGTH_UNKNOWN = 1_000_000  # a config that names no limit
 _PATHLIKE = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][\w.\-]+){2,}")
 
 
@@ -60,6 +62,23 @@ class Runner:
     def limits(self) -> ModelLimits:
         """What the model can take (for the server's checks and estimates); unknown here."""
         return ModelLimits()
+
+    def tokenizer_json(self) -> str | None:
+        """The tokenizer in the `tokenizers` library's JSON form, for the server (None: the
+        model has no such tokenizer)."""
+        if isinstance(self.tokenizer, transformers.PreTrainedTokenizerFast):
+            return str(self.tokenizer.backend_tokenizer.to_str())
+        return None
+
+    def max_input_length(self, config: Any) -> int:
+        """The most tokens an input may have: the tokenizer's limit or the model's positions."""
+        positions = (
+            getattr(config, "max_position_embeddings", None)
+            or getattr(config, "n_positions", None)
+            or MAX_INPUT_LENGTH_UNKNOWN
+        )
+        limit = self.tokenizer.model_max_length if self.tokenizer is not None else positions
+        return int(min(limit, positions))
 
     def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
         raise NotImplementedError
