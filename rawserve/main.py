@@ -140,6 +140,12 @@ OPTIONS = [
         "seconds a client may go without reading its answer before it is cut off",
     ),
     Option("--api-key", str, None, "inference endpoints need Authorization: Bearer KEY (401)"),
+    Option(
+        "--chat-template",
+        str,
+        None,
+        "a Jinja chat template FILE for /v1/chat/completions, when the tokenizer has none",
+    ),
     Option("--ssl-certfile", str, None, "TLS: the certificate chain (PEM; may hold the key too)"),
     Option("--ssl-keyfile", str, None, "TLS: the private key (PEM), when not in --ssl-certfile"),
     Option(
@@ -250,6 +256,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--max-connections must not be negative and --api-key not empty")
     if args.log_format not in LOG_FORMATS:
         parser.error(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
+    args.chat_template_text = None
+    if args.chat_template:
+        try:
+            with open(args.chat_template, encoding="utf-8") as template:
+                args.chat_template_text = template.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            parser.error(f"--chat-template: cannot read {args.chat_template}: {exc}")
     args.ssl_context = None
     if args.ssl_keyfile and not args.ssl_certfile:
         parser.error("--ssl-keyfile needs --ssl-certfile")
@@ -330,6 +343,7 @@ def worker_config(plan: ModelPlan, args: argparse.Namespace, name: str = "") -> 
         pooling=facts.pooling if facts else "none",
         normalize=facts.normalize if facts else False,
         warmup_batch=0 if args.no_warmup else args.max_batch_size,
+        chat_template=args.chat_template_text,
     )
 
 

@@ -77,6 +77,16 @@ class RunningServer:
             f"no log line matched {pattern.pattern!r}:\n" + "\n".join(self.lines[-30:])
         )
 
+    def read_log(self) -> list[str]:
+        """Every log line so far (those not yet matched by `wait_for_log` too)."""
+        while True:
+            try:
+                line = self._new_lines.get_nowait()
+            except queue.Empty:
+                return self.lines
+            if line is not None:
+                self.lines.append(line)
+
     def request(
         self,
         method: str,

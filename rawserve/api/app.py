@@ -9,26 +9,26 @@ socket, never imports h11 or torch.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Callable, Collection
 from typing import Protocol
 from urllib.parse import unquote
 
+from rawserve.api import schemas
+from rawserve.api.bodies import json_response
 from rawserve.api.context import RouteContext
 from rawserve.api.gate import Gate
-from rawserve.api.inference import InferenceRoutes
+from rawserve.api.inference import MODELS_PREFIX, InferenceRoutes
 from rawserve.api.openai import OpenAIRoutes
-from rawserve.api.operations import MetricsPage, OperationsRoutes
+from rawserve.api.openapi import openapi_document
+from rawserve.api.operations import READY_PREFIX, MetricsPage, OperationsRoutes
+from rawserve.api.routing import Handler, Operation, Route
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
+from rawserve.api.tei import TeiRoutes
 from rawserve.http.auth import require_bearer
 from rawserve.http.cors import CorsPolicy
 from rawserve.http.errors import HTTPError, MethodNotAllowed, NotFound, error_response
 from rawserve.http.exchange import HttpRequest, HttpResponse
-
-Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # no API key: probes, Prometheus
-MODELS_PREFIX = "/models/"  # POST /models/<name>: one of the served models, by any name
-READY_PREFIX = "/ready/"  # GET /ready/<name>: that model's readiness alone
 
 
 class RouteMetrics(MetricsPage, Protocol):
@@ -54,26 +54,33 @@ class App:
         self.gate = context.gate
         self.inference = InferenceRoutes(context)
         self.openai = OpenAIRoutes(context)
+        self.tei = TeiRoutes(context)
         self.operations = OperationsRoutes(context, metrics, facts)
-        self.routes: dict[str, dict[str, Handler]] = {
-            "/": {"POST": self.inference.infer},
-            "/health": {"GET": self.operations.health},
-            "/ready": {"GET": self.operations.ready},
-            "/info": {"GET": self.operations.info},
-            "/metrics": {"GET": self.operations.metrics_page},
-            "/v1/embeddings": {"POST": self.openai.embeddings},
-            "/v1/models": {"GET": self.openai.models_list},
-        }
-        # each served model by each of its names: the Inference API's per-model path, and
-        # its own readiness probe
+        openapi = Operation(
+            "This document: the routes this server serves",
+            "Operations",
+            response=lambda _: schemas.DOCUMENT,
+        )
+        # The route table: the app dispatches on it, and /openapi.json describes it.
+        self.table: list[Route] = [
+            *self.inference.routes(),  # POST /, and POST /models/<name> for each name
+            *self.operations.routes(),
+            *self.openai.routes(),
+            *self.tei.routes(),
+            Route("GET", "/openapi.json", self.openapi, openapi),
+        ]
+        self.routes: dict[str, dict[str, Handler]] = {}
+        for route in self.table:
+            self.routes.setdefault(route.path, {})[route.method] = route.handler
+        # the models by their own paths (POST /models/<name>, GET /ready/<name>), for what
+        # is answered at once; the paths that need no API key (probes, metrics)
         self.model_paths: dict[str, ServedModel] = {}
         self.ready_paths: dict[str, ServedModel] = {}
-        for name in models.names:
-            model = models.get(name)
-            self.model_paths[MODELS_PREFIX + name] = model
-            self.routes[MODELS_PREFIX + name] = {"POST": self.inference.model_route(model)}
-            self.ready_paths[READY_PREFIX + name] = model
-            self.routes[READY_PREFIX + name] = {"GET": self.operations.model_route(model)}
+        for route in self.table:
+            if route.serves is not None:
+                paths = self.model_paths if route.method == "POST" else self.ready_paths
+                paths[route.path] = route.serves
+        self.open_paths = frozenset(route.path for route in self.table if not route.secured)
         if metrics is not None:  # requests to other paths are counted as "other"
             metrics.name_routes(self.routes)
         origins = settings.cors_allow_origins
@@ -155,11 +162,16 @@ class App:
             self.inference.refuse_now(model)
         return None
 
+    async def openapi(self, request: HttpRequest) -> HttpResponse:
+        document = openapi_document(
+            self.table,
+            self.models.default,
+            self.settings.max_client_batch_size,
+            api_key=self.settings.api_key is not None,
+        )
+        return json_response(200, document)
+
     def authorize(self, request: HttpRequest) -> None:
         """Raise 401 unless the request may use its path (probes and metrics are open)."""
-        if (
-            self.settings.api_key
-            and request.path not in OPEN_PATHS
-            and request.path not in self.ready_paths
-        ):
+        if self.settings.api_key and request.path not in self.open_paths:
             require_bearer(request, self.settings.api_key)

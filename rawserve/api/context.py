@@ -5,11 +5,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rawserve.api.bodies import request_timeout
 from rawserve.api.gate import Gate
-from rawserve.api.served import ServedModels
+from rawserve.api.routing import ANY_MODEL, Needs
+from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
+from rawserve.http.errors import BadRequest, NotFound
 from rawserve.http.exchange import HttpRequest
 
 
@@ -24,3 +27,14 @@ class RouteContext:
         """When the request must be answered: now plus its X-Request-Timeout or the default."""
         seconds = request_timeout(request, self.settings.timeout, self.settings.max_timeout)
         return self.clock() + seconds
+
+    def model_for(self, name: Any, needs: Needs = ANY_MODEL) -> ServedModel:
+        """The model a body's "model" field names (None: the default), taking work now
+        (503 while loading or draining) and fitting the route (404 saying what it needs)."""
+        if name is not None and not isinstance(name, str):
+            raise BadRequest('"model" must be a string')
+        model = self.models.get(name)
+        self.gate.check(model)
+        if (missing := needs.missing(model)) is not None:
+            raise NotFound(missing)
+        return model

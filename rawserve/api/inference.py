@@ -9,11 +9,13 @@ are queued; the answer is shaped per task as the Inference API answers.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from rawserve.api import schemas
 from rawserve.api.bodies import answer, check_client_batch, is_json, read_json, unwrap
 from rawserve.api.context import RouteContext
+from rawserve.api.routing import MODEL_ERRORS, Operation, Route
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
 from rawserve.http.errors import BadRequest, UnprocessableInput, UnsupportedMediaType
@@ -28,6 +30,8 @@ from rawserve.tasks import (
     task_rules,
 )
 from rawserve.tasks.image_classification import image_from_body
+
+MODELS_PREFIX = "/models/"  # POST /models/<name>: one of the served models, by any name
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,26 @@ class InferenceRoutes:
 
     def __init__(self, context: RouteContext):
         self.context = context
+
+    def routes(self) -> list[Route]:
+        operation = Operation(
+            "Run the model on an input or a list of them (the Hugging Face Inference API)",
+            "Inference",
+            schemas.inference_request,
+            schemas.inference_response,
+            errors=(*MODEL_ERRORS, 415),
+            events=schemas.generation_events,
+            text_body=True,
+        )
+        routes = [Route("POST", "/", self.infer, operation)]
+        for model in self.context.models.all:
+            named = replace(operation, summary=f"POST / for the model {model.name!r}")
+            handler = self.model_route(model)
+            routes += [
+                Route("POST", MODELS_PREFIX + name, handler, named, serves=model)
+                for name in model.names
+            ]
+        return routes
 
     def refuse_now(self, model: ServedModel | None = None) -> None:
         """Raise the 503 that `POST /` (or the model's own path) gets now without reading

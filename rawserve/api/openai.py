@@ -1,10 +1,12 @@
-"""The OpenAI-compatible routes: `POST /v1/embeddings` and `GET /v1/models`.
+"""The OpenAI-compatible routes: `POST /v1/embeddings` (feature-extraction models),
+`POST /v1/chat/completions` and `POST /v1/completions` (text-generation models), and
+`GET /v1/models`; the "model" field picks one of the served models.
 
-Owns the OpenAI request and response shapes for feature-extraction models. It asks the
-scheduler for pooled, normalized sentence embeddings with their real token counts (the
-worker computes both) and only reshapes them here: base64 is the little-endian float32
-bytes of the vector, encoded by numpy and `base64` in C, never float by float in Python.
-Never imports torch.
+Embeddings: the workers compute pooled, normalized vectors and their real token counts;
+they are only reshaped here (base64 is the little-endian float32 bytes of the vector,
+encoded by numpy and `base64` in C). Generation goes through the scheduler like any
+text-generation request, batched and cancelled when its client leaves; the shapes are
+`openai_generation`'s. Never imports torch.
 """
 
 from __future__ import annotations
@@ -16,12 +18,25 @@ from typing import Any
 
 import numpy as np
 
+from rawserve.api import schemas
 from rawserve.api.bodies import answer, check_client_batch, json_response, read_json, unwrap
 from rawserve.api.context import RouteContext
-from rawserve.http.errors import BadRequest, NotFound
+from rawserve.api.openai_generation import (
+    Answer,
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+)
+from rawserve.api.routing import MODEL_ERRORS, Needs, Operation, Route
+from rawserve.api.served import ServedModel
+from rawserve.api.streaming import TokenStream, event_stream
+from rawserve.http.errors import BadRequest
 from rawserve.http.exchange import HttpRequest, HttpResponse
 
 EMBEDDING_TASK = "feature-extraction"
+EMBEDDING = Needs(frozenset({EMBEDDING_TASK}), "a feature-extraction model")
+GENERATION = Needs(frozenset({"text-generation"}), "a text-generation model")
+TAG = "OpenAI"
 ENCODING_FORMATS = ("float", "base64")
 # The worker answers {"embedding": float32 vector, "tokens": n} for these parameters.
 EMBEDDING_API_PARAM = "embedding_api"
@@ -44,8 +59,10 @@ def parse_embeddings_request(
             "(token arrays are not supported)"
         )
     check_client_batch(len(texts), max_inputs)
-    encoding_format = document.get("encoding_format") or "float"
-    if encoding_format not in ENCODING_FORMATS:
+    encoding_format = document.get("encoding_format")
+    if encoding_format is None:
+        encoding_format = "float"
+    elif encoding_format not in ENCODING_FORMATS:
         raise BadRequest('"encoding_format" must be "float" or "base64"')
     params: dict[str, Any] = {EMBEDDING_API_PARAM: True}
     dimensions = document.get("dimensions")
@@ -59,13 +76,9 @@ def parse_embeddings_request(
     return texts, params, encoding_format
 
 
-def requested_model(document: Any) -> str | None:
-    """The "model" field of an OpenAI-shaped body: the served model it names (None: the
-    default). 400 when it is there but not a string."""
-    name = document.get("model") if isinstance(document, dict) else None
-    if name is not None and not isinstance(name, str):
-        raise BadRequest('"model" must be a string')
-    return name
+def named(document: Any) -> Any:
+    """The "model" field of a body (None: the default model); model_for checks its type."""
+    return document.get("model") if isinstance(document, dict) else None
 
 
 def embedding_response(
@@ -96,18 +109,82 @@ class OpenAIRoutes:
         self.context = context
         self.created = int(wall_clock())  # when the models were first served, for /v1/models
 
+    def routes(self) -> list[Route]:
+        embeddings = Operation(
+            "Embeddings (OpenAI)",
+            TAG,
+            schemas.openai_embeddings_request,
+            lambda _: schemas.OPENAI_EMBEDDINGS_RESPONSE,
+            errors=MODEL_ERRORS,
+        )
+        models = Operation(
+            "The served models (OpenAI)", TAG, response=lambda _: schemas.MODELS_LIST
+        )
+        chat = Operation(
+            "Chat completions (OpenAI): messages rendered with the model's chat template",
+            TAG,
+            schemas.openai_chat_request,
+            lambda _: schemas.OPENAI_CHAT_RESPONSE,
+            errors=MODEL_ERRORS,
+            events=lambda _: schemas.OPENAI_CHAT_CHUNK,
+        )
+        completions = Operation(
+            "Completions (OpenAI)",
+            TAG,
+            schemas.openai_completion_request,
+            lambda _: schemas.OPENAI_COMPLETION_RESPONSE,
+            errors=MODEL_ERRORS,
+            events=lambda _: schemas.OPENAI_COMPLETION_CHUNK,
+        )
+        return [
+            Route("POST", "/v1/embeddings", self.embeddings, embeddings, EMBEDDING),
+            Route("POST", "/v1/chat/completions", self.chat_completions, chat, GENERATION),
+            Route("POST", "/v1/completions", self.completions, completions, GENERATION),
+            Route("GET", "/v1/models", self.models_list, models),
+        ]
+
     async def embeddings(self, request: HttpRequest) -> HttpResponse:
         document = read_json(request)
-        model = self.context.models.get(requested_model(document))
-        self.context.gate.check(model)
-        if model.workers.task != EMBEDDING_TASK:
-            raise NotFound(f"/v1/embeddings serves {EMBEDDING_TASK} models only")
+        model = self.context.model_for(named(document), EMBEDDING)
         texts, params, encoding_format = parse_embeddings_request(
             document, self.context.settings.max_client_batch_size
         )
         results = await model.queue.run(texts, params, self.context.deadline(request))
         outputs = [unwrap(result) for result in results]
         return answer(embedding_response(outputs, encoding_format, model.name), results)
+
+    async def chat_completions(self, request: HttpRequest) -> HttpResponse:
+        document = read_json(request)
+        model = self.context.model_for(named(document), GENERATION)
+        generation = parse_chat(document)
+        loaded = model.workers.loaded
+        if loaded is not None and not loaded.details.get("chat_template"):
+            raise BadRequest(
+                "this model's tokenizer has no chat template: start the server with "
+                "--chat-template FILE (a Jinja template), or use /v1/completions"
+            )
+        return await self.generate(request, model, generation, chat=True)
+
+    async def completions(self, request: HttpRequest) -> HttpResponse:
+        document = read_json(request)
+        model = self.context.model_for(named(document), GENERATION)
+        generation = parse_completion(document, self.context.settings.max_client_batch_size)
+        return await self.generate(request, model, generation, chat=False)
+
+    async def generate(
+        self, request: HttpRequest, model: ServedModel, generation: GenerationRequest, chat: bool
+    ) -> HttpResponse:
+        """Queue the prompts like any text-generation request; answer whole or streamed."""
+        shape = Answer(chat, model.name)
+        deadline = self.context.deadline(request)
+        if generation.stream:
+            stream = TokenStream(model, generation.items[0], generation.params, deadline)
+            await stream.start()  # an error before the first token keeps its status
+            return event_stream(shape.events(stream, generation.stop, generation.include_usage))
+        results = await model.queue.run(generation.items, generation.params, deadline)
+        # the worker answers the pipeline's [{"generated_text", "details"}] per prompt
+        outputs = [unwrap(result)[0] for result in results]
+        return answer(shape.whole(outputs, generation.stop), results)
 
     async def models_list(self, request: HttpRequest) -> HttpResponse:
         data = [

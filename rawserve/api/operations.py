@@ -8,17 +8,25 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 from typing import Any, Protocol
 
+from rawserve.api import schemas
 from rawserve.api.bodies import json_response
 from rawserve.api.context import RouteContext
 from rawserve.api.gate import LOADING_RETRY_AFTER
+from rawserve.api.routing import Handler, Operation, Route
 from rawserve.api.served import ServedModel
+from rawserve.api.tei import tei_info
 from rawserve.executor import WorkerStatus
 from rawserve.http.errors import NotFound
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.ops.info import versions
 
+TAG = "Operations"
+# probes and metrics need no API key (a load balancer, Prometheus)
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+READY_PREFIX = "/ready/"  # GET /ready/<name>: that model's readiness alone
 FULL_RETRY_AFTER = 1  # seconds a load balancer should wait before retrying a full server
 
 
@@ -37,8 +45,46 @@ class OperationsRoutes:
     ):
         self.models = context.models
         self.gate = context.gate
+        self.max_client_batch_size = context.settings.max_client_batch_size
         self.metrics = metrics
         self.facts = dict(facts or {})  # the server's options, for /info
+
+    def routes(self) -> list[Route]:
+        def get(path: str, handler: Handler, operation: Operation) -> Route:
+            return Route("GET", path, handler, operation, secured=path not in OPEN_PATHS)
+
+        status = {503: schemas.STATUS}
+        ready = Operation(
+            "Readiness: a model loaded and room in the queue",
+            TAG,
+            response=lambda _: schemas.STATUS,
+            answers=status,
+        )
+        # each model's own readiness, by each of its names
+        named = [
+            Route(
+                "GET",
+                READY_PREFIX + name,
+                self.model_route(model),
+                replace(ready, summary=f"Readiness of the model {model.name!r} alone"),
+                serves=model,
+                secured=False,
+            )
+            for model in self.models.all
+            for name in model.names
+        ]
+        return [
+            get("/health", self.health, Operation(
+                "Liveness", TAG, response=lambda _: schemas.STATUS, answers=status)),
+            get("/ready", self.ready, ready),
+            *named,
+            get("/info", self.info, Operation(
+                "The model, its task and settings, the workers (and TEI's fields)", TAG,
+                response=lambda _: schemas.INFO)),
+            get("/metrics", self.metrics_page, Operation(
+                "Prometheus metrics", TAG, response=lambda _: schemas.TEXT,
+                media_type="text/plain", errors=(404,))),
+        ]  # fmt: skip
 
     def health_now(self) -> HttpResponse:
         if not all(model.workers.healthy for model in self.models.all):
@@ -95,9 +141,12 @@ class OperationsRoutes:
         return self.ready_now()
 
     async def info(self, request: HttpRequest) -> HttpResponse:
-        """The default model's document (as with one model), and every model's in "models"."""
-        document = self.info_document(self.models.default)
+        """The default model's document (as with one model), every model's in "models",
+        and TEI's fields for the default model."""
+        model = self.models.default
+        document = self.info_document(model)
         document["models"] = [self.info_document(model, server=False) for model in self.models.all]
+        document.update(tei_info(model, self.max_client_batch_size))
         return json_response(200, document)
 
     async def metrics_page(self, request: HttpRequest) -> HttpResponse:

@@ -47,8 +47,13 @@ def sse(document: Any) -> bytes:
     return b"data:" + dumps(document) + b"\n\n"
 
 
-class _TokenStream:
-    """One streamed generation: its token buffer, its queued request, and its end."""
+class TokenStream:
+    """A generation started for one prompt: its token chunks as they come (at most
+    `STREAM_BUFFER_TOKENS` unread), then its result.
+
+    `close()` (idempotent) removes the listener and withdraws the request: the worker is
+    told to stop generating if it still is.
+    """
 
     def __init__(self, model: ServedModel, prompt: Any, params: Mapping[str, Any], deadline: float):
         self.workers: Workers = model.workers
@@ -59,6 +64,7 @@ class _TokenStream:
         params = {**params, STREAM_ID_PARAM: self.stream_id}
         self.run: Run = asyncio.ensure_future(model.queue.run([prompt], params, deadline))
         self.run.add_done_callback(lambda _: self.queue.put_nowait(None))
+        self.first: TokenChunk | None = None
 
     def on_token(self, chunk: TokenChunk) -> None:
         if self.queue.qsize() < STREAM_BUFFER_TOKENS:
@@ -66,6 +72,30 @@ class _TokenStream:
         elif not self.overflowed:
             self.overflowed = True
             self.close()  # the end (None) is queued when the run is cancelled
+
+    async def start(self) -> None:
+        """Wait for the first token; an error before it is raised with its status."""
+        try:
+            self.first = await self.queue.get()
+            if self.first is None:
+                self.run.result()  # raises the request's error, with its status
+        except BaseException:
+            self.close()
+            raise
+
+    async def chunks(self) -> AsyncGenerator[TokenChunk, None]:
+        """Every token chunk, the first included, until the request has finished."""
+        chunk = self.first
+        while chunk is not None:
+            yield chunk
+            chunk = await self.queue.get()
+
+    def output(self) -> Any:
+        """The finished request's output; HTTPError if it failed or its client fell behind."""
+        if self.overflowed:
+            raise OVERFLOW
+        [result] = self.run.result()
+        return unwrap(result)
 
     def close(self) -> None:
         """Stop the generation and withdraw the request (once; then it does nothing)."""
@@ -81,41 +111,35 @@ async def open_token_stream(
     model: ServedModel, prompt: Any, params: Mapping[str, Any], deadline: float
 ) -> HttpResponse:
     """Start a streamed generation; errors before its first token keep their status."""
-    stream = _TokenStream(model, prompt, params, deadline)
-    try:
-        first = await stream.queue.get()
-        if first is None:
-            stream.run.result()  # raises the request's error, with its status
-    except BaseException:
-        stream.close()
-        raise
+    stream = TokenStream(model, prompt, params, deadline)
+    await stream.start()
+    return event_stream(_events(stream))
+
+
+def event_stream(events: AsyncGenerator[bytes, None]) -> HttpResponse:
     return HttpResponse(
         200,
         headers=[("Cache-Control", "no-cache")],
         content_type="text/event-stream",
-        stream=_events(first, stream),
+        stream=events,
     )
 
 
-async def _events(first: TokenChunk | None, stream: _TokenStream) -> AsyncGenerator[bytes, None]:
+async def _events(stream: TokenStream) -> AsyncGenerator[bytes, None]:
+    """TGI's events: a token each, the last one held back until the result says it was
+    the last, and then sent with the whole text."""
     try:
-        held = first
+        held: TokenChunk | None = None
         index = 0
         emitted = ""  # the text of the tokens sent so far
-        while held is not None:  # None: the request has finished
-            chunk = await stream.queue.get()
-            if chunk is None:
-                break
-            yield sse(_event(index, held.token))
-            emitted += held.token["text"]
-            index += 1
+        async for chunk in stream.chunks():
+            if held is not None:
+                yield sse(_event(index, held.token))
+                emitted += held.token["text"]
+                index += 1
             held = chunk
-        if stream.overflowed:
-            yield sse(error_document(OVERFLOW))
-            return
         try:
-            [result] = stream.run.result()
-            output = unwrap(result)
+            output = stream.output()
         except HTTPError as error:
             yield sse(error_document(error))
             return

@@ -1,0 +1,89 @@
+"""`GET /openapi.json`: an OpenAPI 3.1 document of the routes this server serves, made from
+the app's route table (the one it dispatches on): every route that fits the served model,
+with its request and answer schemas for that model's task, and the error answers it may
+give (each `{"error", "error_type"}`).
+
+Server process; plain data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from http import HTTPStatus
+from typing import Any
+
+from rawserve import __version__
+from rawserve.api.routing import DocContext, Route
+from rawserve.api.schemas import ERROR, TEXT
+from rawserve.api.served import ServedModel
+
+OPENAPI_VERSION = "3.1.0"
+ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+DESCRIPTION = (
+    "rawserve serves a Hugging Face transformers model over HTTP/1.1: the Inference API's "
+    "POST /, and the routes of the APIs its clients already call (OpenAI's /v1, Text "
+    "Embeddings Inference's) where they fit the model."
+)
+
+
+def openapi_document(
+    routes: Sequence[Route], default: ServedModel, max_inputs: int, api_key: bool
+) -> dict[str, Any]:
+    paths: dict[str, dict[str, Any]] = {}
+    for route in routes:
+        model = route.serves or default
+        if route.needs.missing(model) is not None:
+            continue  # answered 404: not part of this server's API
+        operation = describe(route, DocContext(model, max_inputs), api_key)
+        paths.setdefault(route.path, {})[route.method.lower()] = operation
+    document: dict[str, Any] = {
+        "openapi": OPENAPI_VERSION,
+        "info": {"title": "rawserve", "version": __version__, "description": DESCRIPTION},
+        "paths": paths,
+        "components": {"schemas": {"ErrorResponse": ERROR}},
+    }
+    if api_key:
+        document["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+    return document
+
+
+def describe(route: Route, context: DocContext, api_key: bool) -> dict[str, Any]:
+    operation = route.operation
+    content = {operation.media_type: {"schema": operation.response(context)}}
+    event = operation.events(context) if operation.events is not None else None
+    if event is not None:
+        content["text/event-stream"] = {
+            "schema": {**TEXT, "description": "server-sent events, each `data: <JSON>`"},
+            "x-event": event,
+        }
+    responses: dict[str, Any] = {"200": {"description": "OK", "content": content}}
+    for status, schema in operation.answers.items():  # non-error bodies (e.g. /ready's 503)
+        responses[str(status)] = answer(status, {"application/json": {"schema": schema}})
+    errors = set(operation.errors)
+    if api_key and route.secured:
+        errors.add(401)
+    for status in sorted(errors - set(operation.answers)):
+        responses[str(status)] = answer(status, {"application/json": {"schema": ERROR_REF}})
+    described: dict[str, Any] = {
+        "summary": operation.summary,
+        "tags": [operation.tag],
+        "operationId": operation_id(route),
+        "responses": responses,
+    }
+    if operation.request is not None:
+        body = {"application/json": {"schema": operation.request(context)}}
+        if operation.text_body:  # `curl -d`: the whole body is one input
+            body["text/plain"] = {"schema": TEXT}
+        described["requestBody"] = {"required": True, "content": body}
+    if api_key:
+        described["security"] = [{"apiKey": []}] if route.secured else []
+    return described
+
+
+def answer(status: int, content: dict[str, Any]) -> dict[str, Any]:
+    return {"description": HTTPStatus(status).phrase, "content": content}
+
+
+def operation_id(route: Route) -> str:
+    words = "".join(c if c.isalnum() else "_" for c in route.path).strip("_") or "root"
+    return f"{route.method.lower()}_{words}"

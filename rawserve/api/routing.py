@@ -1,0 +1,97 @@
+"""The route table's pieces: a `Route` (method, path, handler, what it needs of the served
+model, and its OpenAPI description) and `Needs`, the one rule that says whether a route
+fits a model. The app dispatches on the table and `/openapi.json` describes the same
+table; a handler that picks its model from the body checks the same `Needs` (404 naming
+what the route needs).
+
+Server process; never imports h11 or torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rawserve.api.served import ServedModel
+from rawserve.http.exchange import HttpRequest, HttpResponse
+
+Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
+Schema = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a route needs of the model it serves; the default needs nothing."""
+
+    tasks: frozenset[str] = frozenset()  # one of these tasks (empty: any)
+    what: str = ""  # how a refusal names what is needed, e.g. "a feature-extraction model"
+    tokenizer: bool = False  # a tokenizer the server can use (its JSON form)
+    labels: int | None = None  # exactly this many labels (a cross-encoder has one)
+
+    def missing(self, model: ServedModel) -> str | None:
+        """Why `model` cannot serve the route (a 404's message), or None when it can or
+        when it is not known yet (no worker has loaded: the gate answers 503 then)."""
+        loaded = model.workers.loaded
+        if loaded is None:
+            return None
+        serves = f"{model.name!r} serves {loaded.task}"
+        if self.tasks and loaded.task not in self.tasks:
+            return f"this route needs {self.what}; {serves}"
+        if self.tokenizer and loaded.tokenizer is None:
+            return f"this route needs a model with a tokenizer; {serves} without one"
+        if self.labels is not None:
+            labels = len(loaded.details.get("id2label", {}))
+            if labels != self.labels:
+                return f"this route needs {self.what}; {serves} with {labels} labels"
+        return None
+
+
+ANY_MODEL = Needs()
+
+
+@dataclass(frozen=True)
+class DocContext:
+    """What a route's schemas depend on: the model it serves, and the input cap."""
+
+    model: ServedModel
+    max_inputs: int
+
+
+SchemaOf = Callable[[DocContext], Schema]
+
+
+def no_schema(context: DocContext) -> Schema:
+    return {}
+
+
+@dataclass(frozen=True)
+class Operation:
+    """A route as `/openapi.json` describes it. The schemas are functions of the served
+    model, so that `POST /` is described for the model's own task."""
+
+    summary: str
+    tag: str
+    request: SchemaOf | None = None  # its JSON body; None: it takes no body
+    response: SchemaOf = no_schema  # its 200 answer
+    media_type: str = "application/json"  # of the 200 answer
+    errors: tuple[int, ...] = ()  # the error statuses it may answer
+    # what each event of a text/event-stream answer holds (None: it never streams)
+    events: Callable[[DocContext], Schema | None] | None = None
+    text_body: bool = False  # also takes a raw text body (POST /, as `curl -d` sends)
+    answers: Mapping[int, Schema] = field(default_factory=dict)  # other statuses, not errors
+
+
+# what a route that queues model work may answer besides 200 (401 is added with --api-key)
+MODEL_ERRORS = (400, 404, 413, 422, 500, 503, 504)
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    handler: Handler
+    operation: Operation
+    needs: Needs = ANY_MODEL
+    serves: ServedModel | None = None  # the one model it serves (None: the default, or named)
+    secured: bool = True  # needs the API key when one is set

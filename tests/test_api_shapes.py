@@ -1,0 +1,186 @@
+"""The pure parts of the TEI and OpenAI routes: stop sequences in streamed text, TEI's
+input forms and byte offsets, the /openapi.json of every task (validated), and CORS."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rawserve.api.app import App
+from rawserve.api.openai_generation import cut_at_stop, messages, releasable
+from rawserve.api.served import ServedModel, ServedModels
+from rawserve.api.settings import AppSettings
+from rawserve.api.tei import id_inputs, predict_inputs, scores, text_inputs
+from rawserve.api.tokens import utf8_starts
+from rawserve.executor import LoadState
+from rawserve.http.errors import BadRequest, UnprocessableInput
+from rawserve.http.exchange import HttpRequest
+from rawserve.shared.messages import WorkerReady
+from rawserve.tasks import TASKS
+
+# --- stop sequences, streamed ------------------------------------------------------------
+
+pieces = st.lists(st.text(alphabet="ab c", min_size=0, max_size=3), max_size=12)
+stops = st.lists(st.text(alphabet="ab c", min_size=1, max_size=3), min_size=1, max_size=3)
+
+
+@given(pieces, stops)
+def test_streamed_text_is_the_whole_answer_cut_before_the_first_stop(tokens, stop):
+    """What streaming sends, token by token, never holds a stop sequence, never takes
+    back what it sent, and ends as the whole text cut before its first stop sequence."""
+    text, sent = "", ""
+    for token in tokens:
+        text += token
+        ready, reached = releasable(text, stop)
+        assert ready.startswith(sent)  # nothing sent is taken back
+        assert not any(s in ready for s in stop)
+        sent = ready
+        if reached:
+            break
+    whole = cut_at_stop(text, stop)
+    assert whole.startswith(sent)
+    assert not any(s in whole for s in stop)
+
+
+def test_text_that_may_start_a_stop_sequence_waits():
+    assert releasable("hello wor", ["world"]) == ("hello ", False)
+    assert releasable("hello world!", ["world"]) == ("hello ", True)
+    assert releasable("hello", ["xyz"]) == ("hello", False)
+
+
+# --- TEI's inputs ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "items", "is_batch"),
+    [
+        ("a", ["a"], False),
+        (["a"], ["a"], False),
+        (["a", "b"], [{"text": "a", "text_pair": "b"}], False),
+        ([["a"], ["a", "b"]], ["a", {"text": "a", "text_pair": "b"}], True),
+    ],
+)
+def test_predict_inputs_are_a_text_a_pair_or_a_batch(value, items, is_batch):
+    assert predict_inputs(value) == (items, is_batch)
+
+
+@pytest.mark.parametrize(
+    "value", [None, 5, [], ["a", "b", "c"], [["a", "b", "c"]], [[]], [["a"], "b"], ["\ud800"]]
+)
+def test_predict_inputs_refused(value):
+    with pytest.raises(BadRequest):
+        predict_inputs(value)
+
+
+@pytest.mark.parametrize("value", [None, [], [1, 2], [["a"]], [None], "\udc00", ["ok", "\ud800"]])
+def test_text_inputs_refused(value):
+    with pytest.raises(BadRequest):
+        text_inputs(value, 32)
+
+
+@pytest.mark.parametrize(
+    "value", [[], [[]], [-1], [1.5], [True], [[1], 2], [2**32], "5", [[1]] * 33]
+)
+def test_token_ids_refused(value):
+    with pytest.raises(Exception) as raised:
+        id_inputs(value, 32)
+    assert raised.value.status in (400, 413)
+
+
+def test_scores_are_a_softmax_a_sigmoid_or_raw_and_never_nan():
+    assert scores([0.0, 0.0], raw=False).tolist() == [0.5, 0.5]
+    assert scores([0.0], raw=False).tolist() == [0.5]
+    assert scores([2.0, -1.0], raw=True).tolist() == [2.0, -1.0]
+    with pytest.raises(UnprocessableInput):
+        scores([float("nan"), 1.0], raw=False)
+
+
+def test_byte_offsets_of_each_character():
+    assert utf8_starts("aé€😀") == [0, 1, 3, 6, 10]
+
+
+def test_chat_messages_keep_text_only():
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
+    assert messages(parts) == [{"role": "user", "content": "ab"}]
+    with pytest.raises(BadRequest):
+        messages([{"role": "assistant", "content": "x", "tool_calls": []}])
+
+
+# --- /openapi.json for every task, and CORS -----------------------------------------------
+
+
+class Loaded:
+    """A model's workers as the app reads them, loaded."""
+
+    def __init__(self, task: str, details: dict, tokenizer: str | None):
+        self.task, self.ready, self.healthy = task, True, True
+        self.loaded = WorkerReady(1, task, "cpu", "float32", 0.1, details, tokenizer)
+
+    def load_state(self):
+        return LoadState.LOADING, None
+
+    def status(self):
+        return []
+
+    def open_stream(self, on_token):
+        return 1
+
+    def close_stream(self, stream_id):
+        pass
+
+
+class Idle:
+    full = False
+    max_batch_size = 32
+
+    def refuse_if_full(self):
+        pass
+
+    async def run(self, inputs, params, deadline):
+        raise AssertionError("not called")
+
+
+def app_for(task, details=None, tokenizer="{}", **settings):
+    workers = Loaded(task, details or {}, tokenizer)
+    model = ServedModel("m", Idle(), workers, {"batching": {}})
+    return App(ServedModels([model]), AppSettings(**settings))
+
+
+def get(path, headers=()):
+    return HttpRequest("GET", path, "", list(headers), b"", request_id="test")
+
+
+@pytest.mark.parametrize("task", [*sorted(TASKS), "custom"])
+def test_the_document_of_every_task_validates(task):
+    from openapi_spec_validator import validate
+    from openapi_spec_validator.validation import OpenAPIV31SpecValidator
+
+    app = app_for(task, {"id2label": {"0": "a"}, "chat_template": True}, api_key="k")
+    document = json.loads(asyncio.run(app.openapi(get("/openapi.json"))).body)
+    validate(document, cls=OpenAPIV31SpecValidator)
+    root = document["paths"]["/"]["post"]
+    assert root["security"] == [{"apiKey": []}] and "401" in root["responses"]
+    assert document["paths"]["/health"]["get"]["security"] == []
+
+
+def test_preflight_and_answers_for_an_allowed_origin():
+    app = app_for("custom", tokenizer=None, cors_allow_origins=("https://a.example",))
+    preflight = HttpRequest(
+        "OPTIONS", "/", "",
+        [("origin", "https://a.example"), ("access-control-request-method", "POST")],
+        b"", request_id="test",
+    )  # fmt: skip
+    answer = asyncio.run(app.handle(preflight))
+    assert answer.status == 204
+    assert ("Access-Control-Allow-Origin", "https://a.example") in answer.headers
+    health = app.answer_now(get("/health", [("origin", "https://a.example")]))
+    assert ("Access-Control-Allow-Origin", "https://a.example") in health.headers
+    missing = asyncio.run(app.handle(get("/nowhere", [("origin", "https://a.example")])))
+    assert missing.status == 404
+    assert ("Access-Control-Allow-Origin", "https://a.example") in missing.headers

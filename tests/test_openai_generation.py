@@ -1,0 +1,467 @@
+"""OpenAI's generation routes with the real `openai` client: `/v1/chat/completions` and
+`/v1/completions` on tiny local causal LMs.
+
+Answers are compared with greedy generation in this process (temperature 0), so the
+text, the finish reason and the token counts are checked, not just the shapes. The
+servers start together, once for the module: a model whose tokenizer has a chat template,
+one without (plain completions; chat needs `--chat-template FILE`), the same model given
+a template file, and a handler server (not a text-generation model at all).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import socket
+
+import pytest
+
+from tests.server import READY, RunningServer
+from tests.tiny_models import CHAT_TEMPLATE
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [
+    {"role": "system", "content": "you are a good film critic"},
+    {"role": "user", "content": "hello, what is a good movie"},
+]
+PROMPT = "the movie was"
+FILE_TEMPLATE = (  # a different template, given with --chat-template
+    "{% for message in messages %}[{{ message['role'] }}] {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+CANCELLED = re.compile(r"generation stopped after \d+ tokens")
+# the served names: the model folders' names (tests.conftest builds each kind in its own)
+CHAT_MODEL = "chat"
+PLAIN_MODEL = "text-generation"
+
+
+@pytest.fixture(scope="module")
+def template_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("template") / "chat.jinja"
+    path.write_text(FILE_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, template_file):
+    plain = tiny_model("text-generation")
+    started = {
+        "chat": RunningServer(["--model", tiny_model("chat"), "--max-client-batch-size", "4"]),
+        "plain": RunningServer(["--model", plain]),
+        "template-file": RunningServer(["--model", plain, "--chat-template", str(template_file)]),
+        "handler": RunningServer(["--handler", "tests.handlers:echo"]),
+    }
+    try:
+        for server in started.values():
+            server.start(wait_ready=False)
+        for server in started.values():
+            server.wait_for_log(READY, timeout=150)
+        yield started
+    finally:
+        for opened in OPEN_CLIENTS.values():
+            opened.close()
+        OPEN_CLIENTS.clear()
+        for server in started.values():
+            if server.process is not None:
+                server.stop()
+
+
+OPEN_CLIENTS: dict[int, object] = {}  # closed with the servers
+
+
+def client(server):
+    import openai
+
+    if server.port not in OPEN_CLIENTS:
+        OPEN_CLIENTS[server.port] = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0
+        )
+    return OPEN_CLIENTS[server.port]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """Greedy generation in this process: (text, finish_reason, prompt_tokens, tokens)."""
+    import torch
+    import transformers
+
+    loaded = {}
+
+    def generate(kind, prompt_ids, max_tokens):
+        if kind not in loaded:
+            folder = tiny_model(kind)
+            loaded[kind] = (
+                transformers.AutoTokenizer.from_pretrained(folder),
+                transformers.AutoModelForCausalLM.from_pretrained(folder).eval(),
+            )
+        tokenizer, model = loaded[kind]
+        ids = torch.tensor([prompt_ids])
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        new = out[0, len(prompt_ids) :].tolist()
+        finish = "stop" if new and new[-1] == tokenizer.eos_token_id else "length"
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        return text, finish, len(prompt_ids), len(new)
+
+    def tokenizer(kind):
+        return transformers.AutoTokenizer.from_pretrained(tiny_model(kind))
+
+    generate.tokenizer = tokenizer
+    return generate
+
+
+def chat_prompt_ids(reference, kind, messages, template=None):
+    tokenizer = reference.tokenizer(kind)
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, chat_template=template
+    )["input_ids"]
+
+
+# --- chat -----------------------------------------------------------------------------
+
+
+def test_chat_answers_the_greedy_continuation_with_real_usage(servers, reference):
+    answer = client(servers["chat"]).chat.completions.create(
+        model=CHAT_MODEL, messages=MESSAGES, max_tokens=12, temperature=0
+    )
+    text, finish, prompt_tokens, tokens = reference(
+        "chat", chat_prompt_ids(reference, "chat", MESSAGES), 12
+    )
+    assert answer.object == "chat.completion"
+    assert answer.id.startswith("chatcmpl-") and isinstance(answer.created, int)
+    [choice] = answer.choices
+    assert choice.index == 0
+    assert choice.message.role == "assistant"
+    assert choice.message.content == text
+    assert choice.finish_reason == finish
+    assert answer.usage.prompt_tokens == prompt_tokens
+    assert answer.usage.completion_tokens == tokens
+    assert answer.usage.total_tokens == prompt_tokens + tokens
+
+
+def test_chat_model_field_answers_the_served_name(servers):
+    chat = client(servers["chat"])
+    [model] = chat.models.list().data
+    answer = chat.chat.completions.create(
+        model=model.id, messages=MESSAGES, max_tokens=2, temperature=0
+    )
+    assert answer.model == model.id == CHAT_MODEL
+
+
+def test_a_model_not_served_is_404_naming_the_served_ones(servers):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as raised:
+        client(servers["chat"]).chat.completions.create(model="gpt-4", messages=MESSAGES)
+    assert CHAT_MODEL in raised.value.response.json()["error"]
+
+
+def test_chat_streamed_matches_the_answer_and_ends_with_done(servers):
+    chat = client(servers["chat"])
+    whole = chat.chat.completions.create(
+        model=CHAT_MODEL, messages=MESSAGES, max_tokens=12, temperature=0
+    )
+    chunks = list(
+        chat.chat.completions.create(
+            model=CHAT_MODEL,
+            messages=MESSAGES,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    *content_chunks, usage_chunk = chunks
+    assert content_chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in content_chunks)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in content_chunks]
+    assert finishes[-1] == whole.choices[0].finish_reason
+    assert not any(finishes[:-1])
+    # include_usage: one last chunk with no choices and the request's usage
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage_chunk.usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_stream_on_the_wire_is_sse_closed_by_done(servers):
+    server = servers["chat"]
+    status, headers, body = server.request(
+        "POST",
+        "/v1/chat/completions",
+        json.dumps({"messages": MESSAGES, "max_tokens": 3, "stream": True}),
+        {"Content-Type": "application/json"},
+    )
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = [e for e in body.decode().split("\n\n") if e]
+    assert all(e.startswith("data:") for e in events)
+    assert events[-1] == "data: [DONE]"
+    for event in events[:-1]:
+        json.loads(event.removeprefix("data:"))
+
+
+def test_chat_with_a_seed_repeats_its_sampled_answer(servers):
+    chat = client(servers["chat"])
+
+    def sampled(seed):
+        return (
+            chat.chat.completions.create(
+                model=CHAT_MODEL,
+                messages=MESSAGES,
+                max_tokens=10,
+                temperature=1.0,
+                top_p=0.9,
+                seed=seed,
+            )
+            .choices[0]
+            .message.content
+        )
+
+    assert sampled(7) == sampled(7)
+
+
+def test_chat_content_as_text_parts_is_the_same_prompt(servers):
+    chat = client(servers["chat"])
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello, what is a good movie"}]}]
+    plain = [{"role": "user", "content": "hello, what is a good movie"}]
+    one = chat.chat.completions.create(
+        model=CHAT_MODEL, messages=parts, max_tokens=4, temperature=0
+    )
+    two = chat.chat.completions.create(
+        model=CHAT_MODEL, messages=plain, max_tokens=4, temperature=0
+    )
+    assert one.choices[0].message.content == two.choices[0].message.content
+    assert one.usage.prompt_tokens == two.usage.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"n": 2},
+        {"logprobs": True},
+        {"top_logprobs": 2},
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+        {"response_format": {"type": "json_object"}},
+        {"max_tokens": 0},
+        {"max_tokens": -1},
+        {"temperature": -0.5},
+        {"top_p": 1.5},
+        {"stop": [""]},
+        {"extra_body": {"no_such_field": 1}},
+    ],
+    ids=repr,
+)
+def test_chat_options_it_does_not_serve_are_400_not_ignored(servers, extra):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as raised:
+        client(servers["chat"]).chat.completions.create(
+            model=CHAT_MODEL, messages=MESSAGES, **extra
+        )
+    assert raised.value.status_code == 400
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [],
+        "hello",
+        [{"content": "no role"}],
+        [{"role": "wizard", "content": "hi"}],
+        [{"role": "user"}],
+        [{"role": "user", "content": 5}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        [{"role": "user", "content": [{"type": "text"}]}],
+    ],
+    ids=repr,
+)
+def test_chat_malformed_messages_are_400(servers, messages):
+    status, body = servers["chat"].post_json({"messages": messages}, "/v1/chat/completions")
+    assert status == 400 and set(body) >= {"error"}, body
+
+
+def test_chat_without_a_template_is_400_saying_how_to_give_one(servers):
+    status, body = servers["plain"].post_json({"messages": MESSAGES}, "/v1/chat/completions")
+    assert status == 400
+    assert "chat template" in body["error"] and "--chat-template" in body["error"]
+
+
+def test_chat_template_file_renders_the_prompt(servers, reference):
+    answer = client(servers["template-file"]).chat.completions.create(
+        model=PLAIN_MODEL, messages=MESSAGES, max_tokens=6, temperature=0
+    )
+    ids = chat_prompt_ids(reference, "text-generation", MESSAGES, template=FILE_TEMPLATE)
+    text, finish, prompt_tokens, tokens = reference("text-generation", ids, 6)
+    assert answer.usage.prompt_tokens == prompt_tokens
+    assert answer.choices[0].message.content == text
+    assert answer.choices[0].finish_reason == finish
+
+
+def test_the_tiny_chat_models_template_is_the_one_tested(reference):
+    assert reference.tokenizer("chat").chat_template == CHAT_TEMPLATE
+
+
+def test_generation_routes_on_a_model_that_does_not_generate_are_404(servers):
+    for path, document in [
+        ("/v1/chat/completions", {"messages": MESSAGES}),
+        ("/v1/completions", {"prompt": PROMPT}),
+    ]:
+        status, body = servers["handler"].post_json(document, path)
+        assert status == 404 and "text-generation" in body["error"], body
+
+
+def test_a_client_that_leaves_a_stream_stops_the_generation(servers):
+    server = servers["chat"]
+    body = json.dumps(
+        {"messages": MESSAGES, "max_tokens": 4000, "stream": True, "temperature": 1.0}
+    ).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    server.wait_for_log(CANCELLED, timeout=60)
+    assert server.request("GET", "/health")[0] == 200
+
+
+# --- completions ----------------------------------------------------------------------
+
+
+def test_completion_answers_the_greedy_continuation_with_real_usage(servers, reference):
+    answer = client(servers["plain"]).completions.create(
+        model=PLAIN_MODEL, prompt=PROMPT, max_tokens=10, temperature=0
+    )
+    ids = reference.tokenizer("text-generation")(PROMPT)["input_ids"]
+    text, finish, prompt_tokens, tokens = reference("text-generation", ids, 10)
+    assert answer.object == "text_completion" and answer.id.startswith("cmpl-")
+    [choice] = answer.choices
+    assert choice.index == 0 and choice.text == text and choice.finish_reason == finish
+    assert answer.usage.prompt_tokens == prompt_tokens
+    assert answer.usage.completion_tokens == tokens
+    assert answer.usage.total_tokens == prompt_tokens + tokens
+
+
+def test_completion_length_finish_counts_max_tokens(servers, reference):
+    ids = reference.tokenizer("text-generation")(PROMPT)["input_ids"]
+    _, finish, _, tokens = reference("text-generation", ids, 5)
+    assert finish == "length"  # the tiny model does not stop by itself this early
+    answer = client(servers["plain"]).completions.create(
+        model=PLAIN_MODEL, prompt=PROMPT, max_tokens=5, temperature=0
+    )
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage.completion_tokens == tokens == 5
+
+
+def stop_in(text):
+    """A stop sequence of 3 plain characters from the second half of `text`, and the
+    text before its first occurrence."""
+    for start in range(len(text) // 2, len(text) - 3):
+        stop = text[start : start + 3]
+        if stop.isascii() and stop.strip() and stop.isprintable():
+            return stop, text[: text.index(stop)]
+    raise AssertionError(f"no plain 3 characters in {text!r}")
+
+
+# sampled with a seed: the same text every time, varied enough to hold a stop sequence
+SAMPLED = {"max_tokens": 30, "temperature": 1.0, "seed": 11}
+
+
+def test_completion_stops_before_the_stop_sequence(servers):
+    plain = client(servers["plain"])
+    free = plain.completions.create(model=PLAIN_MODEL, prompt=PROMPT, **SAMPLED)
+    assert free.choices[0].finish_reason == "length"
+    stop, before = stop_in(free.choices[0].text)
+    stopped = plain.completions.create(
+        model=PLAIN_MODEL, prompt=PROMPT, stop=[stop, "zzzz"], **SAMPLED
+    )
+    assert stopped.choices[0].text == before
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens < free.usage.completion_tokens
+    # a single string is a stop sequence too
+    alone = plain.completions.create(model=PLAIN_MODEL, prompt=PROMPT, stop=stop, **SAMPLED)
+    assert alone.choices[0].text == before
+
+
+def test_completion_streamed_with_stop_never_sends_the_stop_text(servers):
+    plain = client(servers["plain"])
+    free = plain.completions.create(model=PLAIN_MODEL, prompt=PROMPT, **SAMPLED)
+    stop, before = stop_in(free.choices[0].text)
+    chunks = list(
+        plain.completions.create(
+            model=PLAIN_MODEL, prompt=PROMPT, stop=stop, stream=True, **SAMPLED
+        )
+    )
+    assert all(c.object == "text_completion" for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks) == before
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_completion_of_several_prompts_answers_a_choice_each_in_order(servers):
+    plain = client(servers["plain"])
+    prompts = ["the movie was", "paris is a city", "hello"]
+    alone = [
+        plain.completions.create(model=PLAIN_MODEL, prompt=p, max_tokens=6, temperature=0)
+        for p in prompts
+    ]
+    together = plain.completions.create(
+        model=PLAIN_MODEL, prompt=prompts, max_tokens=6, temperature=0
+    )
+    assert [c.index for c in together.choices] == [0, 1, 2]
+    assert [c.text for c in together.choices] == [a.choices[0].text for a in alone]
+    assert together.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert together.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+
+def test_completion_with_more_prompts_than_the_client_cap_is_413(servers):
+    status, body = servers["chat"].post_json(
+        {"prompt": ["hello"] * 5, "max_tokens": 2}, "/v1/completions"
+    )
+    assert status == 413 and "5" in body["error"], body
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        {},
+        {"prompt": ""},
+        {"prompt": 5},
+        {"prompt": []},
+        {"prompt": [1, 2, 3]},  # token ids
+        {"prompt": PROMPT, "n": 3},
+        {"prompt": PROMPT, "best_of": 2},
+        {"prompt": PROMPT, "echo": True},
+        {"prompt": PROMPT, "logprobs": 2},
+        {"prompt": PROMPT, "suffix": "end"},
+        {"prompt": PROMPT, "stream": "yes"},
+        {"prompt": [PROMPT, PROMPT], "stream": True},
+        {"prompt": PROMPT, "seed": -1},
+        {"prompt": PROMPT, "unknown": 1},
+    ],
+    ids=repr,
+)
+def test_completion_bad_requests_are_400(servers, document):
+    status, body = servers["plain"].post_json(document, "/v1/completions")
+    assert status == 400, body
+
+
+def test_completion_with_no_body_type_and_bad_json_is_400(servers):
+    connection = http.client.HTTPConnection("127.0.0.1", servers["plain"].port, timeout=30)
+    try:
+        connection.request("POST", "/v1/completions", body=b"{not json")
+        response = connection.getresponse()
+        assert response.status == 400
+        assert json.loads(response.read())["error_type"]
+    finally:
+        connection.close()
