@@ -21,7 +21,7 @@ from rawserve.executor import LoadState, WorkerStatus
 from rawserve.http.errors import NotFound, ServiceUnavailable, Unauthorized
 from rawserve.http.exchange import HttpRequest
 from rawserve.scheduling.core import ItemResult
-from rawserve.shared.messages import ModelLimits
+from rawserve.shared.messages import ModelLimits, WorkerReady
 
 KEY = [("authorization", "Bearer secret")]
 
@@ -59,6 +59,7 @@ class ReadyWorkers:
         self.ready = True
         self.healthy = True
         self.limits = ModelLimits()
+        self.loaded = WorkerReady(pid=1, task=task, device="cpu", dtype="float32", load_seconds=0)
 
     def load_state(self) -> tuple[LoadState, float | None]:
         return LoadState.LOADING, None
