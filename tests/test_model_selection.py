@@ -189,7 +189,7 @@ async def test_the_openai_model_field_selects_the_model(app, name, model):
 
 
 async def test_the_openai_routes_without_a_model_field_use_the_default(app):
-    with pytest.raises(NotFound, match="feature-extraction models only"):
+    with pytest.raises(NotFound, match="needs a feature-extraction model; .cls. serves"):
         await app.handle(post("/v1/embeddings", {"input": "hi"}))  # the default classifies
 
 
