@@ -194,6 +194,40 @@ def test_chat_streamed_matches_the_answer_and_ends_with_done(servers):
     assert usage_chunk.usage.completion_tokens == whole.usage.completion_tokens
 
 
+@pytest.fixture
+def hub_client_may_reach_loopback():
+    """HF_HUB_OFFLINE=1 (set for the whole suite) makes huggingface_hub refuse every
+    request, its InferenceClient's to our loopback server included; the client here
+    talks to 127.0.0.1 only."""
+    from huggingface_hub import constants
+
+    saved, constants.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE, False
+    yield
+    constants.HF_HUB_OFFLINE = saved
+
+
+def test_huggingface_hubs_client_chats_streamed_and_not(servers, hub_client_may_reach_loopback):
+    from huggingface_hub import InferenceClient
+
+    whole = client(servers["chat"]).chat.completions.create(
+        model=CHAT_MODEL, messages=MESSAGES, max_tokens=12, temperature=0
+    )
+    with InferenceClient(base_url=f"http://127.0.0.1:{servers['chat'].port}") as hub:
+        answer = hub.chat_completion(MESSAGES, model=CHAT_MODEL, max_tokens=12, temperature=0)
+        chunks = list(
+            hub.chat_completion(
+                MESSAGES, model=CHAT_MODEL, max_tokens=12, temperature=0, stream=True
+            )
+        )
+    assert answer.choices[0].message.content == whole.choices[0].message.content
+    assert answer.choices[0].finish_reason == whole.choices[0].finish_reason
+    assert answer.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert answer.usage.completion_tokens == whole.usage.completion_tokens
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
 def test_chat_stream_on_the_wire_is_sse_closed_by_done(servers):
     server = servers["chat"]
     status, headers, body = server.request(
