@@ -261,7 +261,7 @@ class Chaos:
         link = Link(self.embed_port)
         while time.monotonic() < self.end:
             batch = self.rng.sample(self.texts, self.rng.randint(1, 8))
-            body = json.dumps({"input": batch, "model": "minilm"}).encode()
+            body = json.dumps({"input": batch}).encode()  # the default model
             await self.one(
                 link, "openai", "/v1/embeddings", body, lambda a, b=batch: self.check_openai(b, a)
             )
