@@ -43,6 +43,7 @@ HEALTH_INTERVAL = 0.02
 READY_TIMEOUT = 180.0
 # rawserve's options for every variant (each adds its own: servers.RAWSERVE_VARIANTS)
 RAWSERVE_ARGS = ""
+OPENAI_MODEL = "all-MiniLM-L6-v2"  # the name the embeddings scenario sends (and serves)
 DEFAULT_SERVERS = "rawserve,rawserve-onnx,rawserve-default,seed-batching,seed-per-item"
 
 
@@ -116,7 +117,9 @@ def start_server(name: str, scenario: Scenario, settings: Settings, work: Path):
             *settings.rawserve_args,
             *servers.RAWSERVE_VARIANTS[name],
         ]
-        return servers.rawserve(scenario.model, log_path, args, name=name).start()
+        # the OpenAI route names the model: served under the name every server is sent
+        model = f"{OPENAI_MODEL}={scenario.model}" if scenario.openai_embeddings else scenario.model
+        return servers.rawserve(model, log_path, args, name=name).start()
     if name.startswith("infinity-"):
         from bench import infinity
 
@@ -128,7 +131,7 @@ def start_server(name: str, scenario: Scenario, settings: Settings, work: Path):
 def body_format(name: str, scenario: Scenario) -> BodyFormat:
     if scenario.openai_embeddings:
         path = "/embeddings" if name.startswith("infinity-") else "/v1/embeddings"
-        return BodyFormat(path=path, openai_model="all-MiniLM-L6-v2")
+        return BodyFormat(path=path, openai_model=OPENAI_MODEL)
     if name in servers.RAWSERVE_VARIANTS and scenario.rawserve_params is not None:
         return BodyFormat(scenario.rawserve_params)
     return RAW_TEXT
@@ -338,12 +341,12 @@ async def soak_model(work: Path, engine: str, requests_count: int = SOAK_REQUEST
     from bench.models import minilm_path
 
     server = servers.rawserve(
-        minilm_path(),
+        f"{OPENAI_MODEL}={minilm_path()}",
         work / f"rawserve-soak-{engine}.log",
         ["--log-level", "warning", "--device", "cpu,cpu", "--engine", engine],
         name=f"rawserve-{engine}",
     ).start()
-    fmt = BodyFormat(path="/v1/embeddings", openai_model="all-MiniLM-L6-v2")
+    fmt = BodyFormat(path="/v1/embeddings", openai_model=OPENAI_MODEL)
     samples: list[dict[str, int]] = []
     statuses: dict[str, int] = {}
     try:
