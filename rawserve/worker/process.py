@@ -95,6 +95,11 @@ def worker_main(
     # (at the end of the grace period, or from outside) leaves to the resource tracker,
     # and every stop then warned of a "leaked semaphore".
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    # Bars drawn by others (the ONNX exporter's) still take tqdm's lock: make it a thread
+    # lock only. Imported here, not at the top: this module is imported by the server too.
+    import tqdm.std
+
+    tqdm.std.TqdmDefaultWriteLock.mp_lock = None
     setup_worker_logging(label)  # the server's --log-level and --log-format, from the env
     try:
         os.nice(WORKER_NICENESS)
