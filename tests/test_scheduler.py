@@ -610,3 +610,15 @@ async def test_the_driver_learns_from_token_counts_in_a_result(driver):
     future.set_result(BatchResult(0, ("out",), 0.01, token_counts=(25,)))
     await task
     assert scheduler.core.tokens_per_estimate < 1.0
+
+
+def test_one_call_size_measured_often_still_bounds_a_batch_by_its_deadline():
+    """Under steady load every call has the same size, so the cost model is never fitted
+    on two sizes; it is trusted all the same, and a batch must come back in time."""
+    core = SchedulerCore(max_queue=100, max_batch_size=32)
+    for _ in range(3):
+        core.cost_model.observe(320, 0.32)  # full batches: 1 ms a token
+    assert core.cost_model.trusted and not core.cost_model.fitted
+    queue_items(core, [text(10)] * 32, deadline=0.1)  # a full batch would take 0.32 s
+    batch = core.next_batch(now=0.0)
+    assert batch is not None and len(batch) <= 8  # 0.1 s / 1.25 margin = 80 tokens

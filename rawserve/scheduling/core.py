@@ -263,7 +263,7 @@ class SchedulerCore:
         Keys are tried in fair-share order of their heads; a key's batch goes when it is
         full or when its oldest item has waited `max_batch_delay`. Its head is the item
         whose turn comes first, unless one is close to its deadline: the earliest such
-        deadline leads. Expired items never go, nor (once the cost model is fitted)
+        deadline leads. Expired items never go, nor (once the cost model is trusted)
         items that cannot be computed before their deadline even alone: they stay
         queued until they expire.
         """
@@ -294,11 +294,14 @@ class SchedulerCore:
 
     def _limits_for(self, deadline: float, head_cost: int, now: float) -> BatchLimits:
         """The bounds of a batch: the configured ones, and (once the cost model is
-        fitted) a token budget small enough to come back before `deadline`, the
-        earliest deadline among the candidates, so that every member is safe."""
+        trusted) a token budget small enough to come back before `deadline`, the
+        earliest deadline among the candidates, so that every member is safe. Trusted,
+        not fitted: under steady load every call has the same size, the model never
+        sees two sizes, and without the budget batches went out too late to return in
+        time (late answers and 504s at 3x overload)."""
         limits = self.limits
         model = self.cost_model
-        if not model.fitted or model.per_token <= 0:
+        if not model.trusted or model.per_token <= 0:
             return limits
         seconds = (deadline - now) / DEADLINE_MARGIN - model.fixed
         in_time = max(head_cost, int(seconds / model.per_token))
@@ -316,7 +319,7 @@ class SchedulerCore:
         return not limits.group_lengths and len(batch) < candidates
 
     def _can_finish(self, item: WorkItem, now: float) -> bool:
-        if not self.cost_model.fitted:  # one measured size says little of another
+        if not self.cost_model.trusted:  # one measured call says little of another
             return item.deadline > now
         alone = self.cost_model.predict(item.cost) or 0.0
         return item.deadline > now + DEADLINE_MARGIN * alone
