@@ -31,6 +31,7 @@ import orjson
 
 from bench import load, servers
 from bench.models import minilm_path
+from rawserve.api.tokens import token_objects  # the same answers the server makes
 
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank."
 BUSY_BATCH_SECONDS = 0.2
@@ -38,33 +39,6 @@ BUSY_BATCH_SECONDS = 0.2
 
 def tokenizer_file() -> str:
     return str(Path(minilm_path()) / "tokenizer.json")
-
-
-def token_objects(encoding: Any, text: str) -> list[dict[str, Any]]:
-    """TEI's SimpleToken list for one encoding (offsets in UTF-8 bytes, as TEI gives them)."""
-    raw = text.encode()
-    ascii_only = len(raw) == len(text)
-    tokens = []
-    for token_id, (start, stop), special, piece in zip(
-        encoding.ids, encoding.offsets, encoding.special_tokens_mask, encoding.tokens, strict=True
-    ):
-        if special:
-            tokens.append(
-                {"id": token_id, "text": piece, "special": True, "start": None, "stop": None}
-            )
-            continue
-        if not ascii_only:
-            start, stop = len(text[:start].encode()), len(text[:stop].encode())
-        tokens.append(
-            {
-                "id": token_id,
-                "text": raw[start:stop].decode(errors="replace"),
-                "special": False,
-                "start": start,
-                "stop": stop,
-            }
-        )
-    return tokens
 
 
 def tokenizing_handler() -> Callable[..., list[Any]]:

@@ -12,7 +12,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,3 +137,19 @@ class RunningServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextmanager
+def running_together(servers: Mapping[str, RunningServer]) -> Iterator[Mapping[str, RunningServer]]:
+    """Start every server at once (their models load side by side), wait until each is
+    ready, and stop them all on the way out, whatever happened."""
+    try:
+        for server in servers.values():
+            server.start(wait_ready=False)
+        for server in servers.values():
+            server.wait_for_log(READY, timeout=150)
+        yield servers
+    finally:
+        for server in servers.values():
+            if server.process is not None:
+                server.stop()

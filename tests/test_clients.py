@@ -15,7 +15,7 @@ import socket
 import numpy as np
 import pytest
 
-from tests.server import READY, RunningServer
+from tests.server import RunningServer, running_together
 
 pytestmark = pytest.mark.slow
 
@@ -41,19 +41,13 @@ def servers(tiny_model):
         name: RunningServer(["--model", tiny_model(kind), "--threads", "1", *extra])
         for name, (kind, extra) in SERVED.items()
     }
-    try:
-        for server in started.values():
-            server.start(wait_ready=False)
-        for server in started.values():
-            server.wait_for_log(READY, timeout=150)
-        yield started
-    finally:
-        for opened in OPEN_CLIENTS.values():
-            opened.close()
-        OPEN_CLIENTS.clear()
-        for server in started.values():
-            if server.process is not None:
-                server.stop()
+    with running_together(started):
+        try:
+            yield started
+        finally:  # the clients close before their servers stop
+            for opened in OPEN_CLIENTS.values():
+                opened.close()
+            OPEN_CLIENTS.clear()
 
 
 @pytest.fixture(scope="module", autouse=True)

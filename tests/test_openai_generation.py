@@ -17,7 +17,7 @@ import socket
 
 import pytest
 
-from tests.server import READY, RunningServer
+from tests.server import RunningServer, running_together
 from tests.tiny_models import CHAT_TEMPLATE
 
 pytestmark = pytest.mark.slow
@@ -53,19 +53,13 @@ def servers(tiny_model, template_file):
         "template-file": RunningServer(["--model", plain, "--chat-template", str(template_file)]),
         "handler": RunningServer(["--handler", "tests.handlers:echo"]),
     }
-    try:
-        for server in started.values():
-            server.start(wait_ready=False)
-        for server in started.values():
-            server.wait_for_log(READY, timeout=150)
-        yield started
-    finally:
-        for opened in OPEN_CLIENTS.values():
-            opened.close()
-        OPEN_CLIENTS.clear()
-        for server in started.values():
-            if server.process is not None:
-                server.stop()
+    with running_together(started):
+        try:
+            yield started
+        finally:  # the clients close before their servers stop
+            for opened in OPEN_CLIENTS.values():
+                opened.close()
+            OPEN_CLIENTS.clear()
 
 
 OPEN_CLIENTS: dict[int, object] = {}  # closed with the servers

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from tests.server import READY, RunningServer
+from tests.server import RunningServer, running_together
 
 pytestmark = pytest.mark.slow
 
@@ -61,16 +61,8 @@ def servers(tiny_model):
             else ["--model", tiny_model(MODEL_KINDS[name])]
         )
         started[name] = RunningServer([*model, "--threads", "1", "--timeout", "10", *extra])
-    try:
-        for server in started.values():
-            server.start(wait_ready=False)
-        for server in started.values():
-            server.wait_for_log(READY, timeout=150)
+    with running_together(started):
         yield started
-    finally:
-        for server in started.values():
-            if server.process is not None:
-                server.stop()
 
 
 def document(server):

@@ -15,7 +15,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.server import READY, RunningServer
+from tests.server import RunningServer, running_together
 from tests.tiny_models import SENTENCE_PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -36,16 +36,8 @@ def servers(tiny_model):
         name: RunningServer(["--model", tiny_model(kind), "--threads", "1", *extra])
         for name, (kind, extra) in SERVED.items()
     }
-    try:
-        for server in started.values():
-            server.start(wait_ready=False)
-        for server in started.values():
-            server.wait_for_log(READY, timeout=150)
+    with running_together(started):
         yield started
-    finally:
-        for server in started.values():
-            if server.process is not None:
-                server.stop()
 
 
 @pytest.fixture(scope="module")
