@@ -19,10 +19,10 @@ from rawserve.api.bodies import check_client_batch
 from rawserve.api.fields import Fields, unicode_text
 from rawserve.api.streaming import TokenStream, sse
 from rawserve.http.errors import BadRequest, HTTPError, error_document
-from rawserve.tasks import CHAT_PARAM
+from rawserve.tasks import CHAT_PARAM, text_generation
+from rawserve.tasks.text_generation import MAX_STOP_SEQUENCES
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_STOP_SEQUENCES = 16
 MAX_NEW_TOKENS = 4096
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 # finish reasons: the worker's (TGI's) → OpenAI's
@@ -104,18 +104,16 @@ def generation_params(
 
 
 def stop_sequences(value: Any) -> list[str]:
+    """OpenAI's "stop": the text-generation task's own rule, worded as OpenAI's field."""
     if value is None:
         return []
-    stops = [value] if isinstance(value, str) else value
-    if (
-        not isinstance(stops, list)
-        or len(stops) > MAX_STOP_SEQUENCES
-        or not all(isinstance(s, str) and 0 < len(s) <= 200 for s in stops)
-    ):
+    try:
+        stops = text_generation.stop_sequences(value)
+    except ValueError:
         raise BadRequest(
             f'"stop" must be a text or a list of at most {MAX_STOP_SEQUENCES} non-empty texts '
             "of at most 200 characters"
-        )
+        ) from None
     return [unicode_text(s, '"stop"') for s in stops]
 
 
