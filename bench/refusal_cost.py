@@ -46,14 +46,16 @@ class CountingTransport(asyncio.Transport):
     def __init__(self) -> None:
         super().__init__()
         self.written = 0
+        self.refusals = 0  # responses that are 503s
         self.closed = False
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.written += len(data)
+        self.refusals += bytes(data[:12]) == b"HTTP/1.1 503"
 
     def writelines(self, pieces: Iterable[bytes | bytearray | memoryview]) -> None:
         for piece in pieces:
-            self.written += len(piece)
+            self.write(piece)
 
     def close(self) -> None:
         self.closed = True
@@ -115,7 +117,7 @@ def full_server(loop: asyncio.AbstractEventLoop, queue: int) -> tuple[App, Serve
     workers = ReadyWorkers()
     metrics = Metrics()
     core = SchedulerCore(max_queue=queue)
-    scheduler = Scheduler(core, workers, loop=loop, metrics=metrics)
+    scheduler = Scheduler(core, workers, loop=loop, metrics=metrics.for_model("bench"))
     for _ in range(queue):  # the queue is full from now on
         core.admit([core.new_item("queued", {}, 1e18, 0.0)])
     core.cost_model.observe(100, 0.01)  # a measured speed: Retry-After from the queue
@@ -134,11 +136,14 @@ def per_refusal(requests: int, loop: asyncio.AbstractEventLoop, queue: int = 256
         protocol.connection_made(transport)
         connections.append((protocol, transport))
     connections[0][0].data_received(REQUEST)  # warm: the first answer fills caches
-    assert connections[0][1].written > 0
     started = time.perf_counter()
     for index in range(requests):
         connections[index % CONNECTIONS][0].data_received(REQUEST)
     seconds = time.perf_counter() - started
+    # every request must have been refused in the pass that read it, on an open connection:
+    # otherwise this would time something else (an error page, a closed connection)
+    refused = sum(transport.refusals for _, transport in connections)
+    assert refused == requests + 1, f"{refused} refusals for {requests + 1} requests"
     assert all(not transport.closed for _, transport in connections), "a refusal closed"
     return seconds / requests
 

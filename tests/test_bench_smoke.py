@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from bench import load, report
+from bench import load, refusal_cost, report
 from bench.workloads import RAW_TEXT, BodyFormat, texts
 from tests.server import RunningServer
 
@@ -52,3 +52,15 @@ def test_report_checks_targets_from_figures():
     }
     table = report.ratio_table(results)
     assert "0.94" in table and "| yes |" in table
+
+
+def test_refusal_cost_harness_times_real_refusals():
+    """The harness asserts that every request it times was answered 503 from the head, on
+    a connection that stays open: an error page or a closed connection would be timed as
+    a (very cheap) refusal otherwise."""
+    loop = asyncio.new_event_loop()
+    try:
+        seconds = refusal_cost.per_refusal(200, loop, queue=8)
+    finally:
+        loop.close()
+    assert 0 < seconds < 0.05
