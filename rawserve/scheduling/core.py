@@ -193,6 +193,14 @@ class SchedulerCore:
         alone = self.cost_model.drain_seconds(own, self.max_batch_size, self.workers)
         if alone is None or now + alone > deadline:
             return False
+        in_flight = self._in_flight_seconds(now)
+        # In O(1): behind everything queued they would still make it (what is ahead is a
+        # part of the queue). Most admissions end here; only a deep queue is looked into.
+        everything = self.cost_model.drain_seconds_of(
+            self._size + len(own), self._queued_cost + sum(own), self.max_batch_size, self.workers
+        )
+        if everything is not None and now + in_flight + everything <= deadline:
+            return False
         last_turn = max(item.turn for item in items)
         latest = max(item.deadline for item in items)
         ahead = [
@@ -203,7 +211,7 @@ class SchedulerCore:
         ]
         with_ahead = self.cost_model.drain_seconds(ahead + own, self.max_batch_size, self.workers)
         assert with_ahead is not None  # measured, as `alone` was
-        return now + self._in_flight_seconds(now) + with_ahead > deadline
+        return now + in_flight + with_ahead > deadline
 
     def _in_flight_seconds(self, now: float) -> float:
         left = sum(max(0.0, b.sent + b.predicted - now) for b in self._in_flight.values())
