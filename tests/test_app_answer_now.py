@@ -62,3 +62,77 @@ def test_only_probes_and_inference_are_answered_at_once(app):
     assert app.answer_now(request("GET", "/info")) is None
     assert app.answer_now(request("GET", "/metrics")) is None
     assert app.answer_now(request("DELETE", "/health")) is None  # handle answers 405
+
+
+class Loaded:
+    """What a worker reported when it loaded (the fields routes read)."""
+
+    def __init__(self, task: str):
+        self.task = task
+        self.tokenizer = None
+        self.details: dict = {}
+
+
+def served(name: str, task: str, max_queue: int = 1) -> ServedModel:
+    workers = Workers()
+    workers.task = task
+    workers.loaded = Loaded(task)
+    return ServedModel(name, Scheduler(SchedulerCore(max_queue=max_queue), workers), workers)
+
+
+def fill(model: ServedModel) -> None:
+    core = model.queue.core
+    while len(core) < core.max_queue:
+        core.admit([core.new_item("queued", {}, 1e9, 0.0)])
+
+
+async def test_routes_whose_body_names_the_model_are_refused_from_the_head_when_none_can_take_it():
+    embedder = served("embedder", "feature-extraction")
+    other_embedder = served("other", "feature-extraction")
+    classifier = served("classifier", "text-classification")
+    app = App(ServedModels([embedder, other_embedder, classifier]))
+    embeddings = request("POST", "/v1/embeddings", b'{"input": "hi", "model": "embedder"}')
+    predict = request("POST", "/predict", b'{"inputs": "hi"}')
+    fill(embedder)
+    # another embedding model can still take work: the body is read to see which is named
+    assert app.answer_now(embeddings) is None
+    fill(other_embedder)
+    with pytest.raises(ServiceUnavailable) as refused:
+        app.answer_now(embeddings)
+    assert "queue full" in str(refused.value) and refused.value.retry_after
+    assert app.answer_now(predict) is None  # the classifier's queue has room
+    fill(classifier)
+    with pytest.raises(ServiceUnavailable):
+        app.answer_now(predict)
+    # /tokenize runs in the server: never refused for a full queue
+    assert app.answer_now(request("POST", "/tokenize", b'{"inputs": "hi"}')) is None
+    # a route no served model fits goes the long way (to its 404), full queues or not
+    assert app.answer_now(request("POST", "/v1/chat/completions", b"{}")) is None
+
+
+class Drops:
+    """The scheduler's metrics, keeping the reasons of the drops it counts."""
+
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+
+    def drop(self, reason: str, count: int = 1) -> None:
+        self.reasons += [reason] * count
+
+    def observe_batch(self, size: int, compute_seconds: float) -> None:
+        pass
+
+
+async def test_a_refusal_from_the_head_is_counted_once_against_the_model_that_gives_it():
+    embedder = served("embedder", "feature-extraction")
+    spare = served("spare", "feature-extraction", max_queue=4)
+    app = App(ServedModels([embedder, spare]))
+    drops = Drops()
+    embedder.queue.metrics = spare.queue.metrics = drops
+    fill(embedder)
+    assert app.answer_now(request("POST", "/embed", b'{"inputs": "hi"}')) is None
+    assert drops.reasons == []  # looking at a full queue is not refusing anyone
+    fill(spare)
+    with pytest.raises(ServiceUnavailable):
+        app.answer_now(request("POST", "/embed", b'{"inputs": "hi"}'))
+    assert drops.reasons == ["rejected"]

@@ -21,7 +21,7 @@ from rawserve.api.inference import MODELS_PREFIX, InferenceRoutes
 from rawserve.api.openai import OpenAIRoutes
 from rawserve.api.openapi import openapi_document
 from rawserve.api.operations import READY_PREFIX, MetricsPage, OperationsRoutes
-from rawserve.api.routing import Handler, Operation, Route
+from rawserve.api.routing import Handler, Needs, Operation, Route
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.api.tei import TeiRoutes
@@ -81,6 +81,10 @@ class App:
                 paths = self.model_paths if route.method == "POST" else self.ready_paths
                 paths[route.path] = route.serves
         self.open_paths = frozenset(route.path for route in self.table if not route.secured)
+        # the routes whose body names the model: what each needs of it
+        self.named_model_paths: dict[str, Needs] = {
+            route.path: route.needs for route in self.table if route.queued
+        }
         if metrics is not None:  # requests to other paths are counted as "other"
             metrics.name_routes(self.routes)
         origins = settings.cors_allow_origins
@@ -160,6 +164,9 @@ class App:
         elif request.method == "POST" and (model := self.model_paths.get(request.path)):
             self.authorize(request)
             self.inference.refuse_now(model)
+        elif request.method == "POST" and (needs := self.named_model_paths.get(request.path)):
+            self.authorize(request)
+            self.inference.refuse_now_if_none_can(needs)
         return None
 
     async def openapi(self, request: HttpRequest) -> HttpResponse:

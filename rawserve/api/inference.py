@@ -15,7 +15,7 @@ from typing import Any
 from rawserve.api import schemas
 from rawserve.api.bodies import answer, check_client_batch, is_json, read_json, unwrap
 from rawserve.api.context import RouteContext
-from rawserve.api.routing import MODEL_ERRORS, Operation, Route
+from rawserve.api.routing import MODEL_ERRORS, Needs, Operation, Route
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
 from rawserve.http.errors import BadRequest, UnprocessableInput, UnsupportedMediaType
@@ -161,6 +161,18 @@ class InferenceRoutes:
         model = model or self.context.models.default
         self.context.gate.check(model)
         model.queue.refuse_if_full()
+
+    def refuse_now_if_none_can(self, needs: Needs) -> None:
+        """For a route whose body names the model (OpenAI, TEI): raise the 503 of the
+        first model that fits the route when none of them can take work now, without
+        reading the body. A body naming another model would have had its own answer (a
+        404, a 400); under overload a quick 503 matters more than that precision."""
+        gate = self.context.gate
+        fitting = [model for model in self.context.models.all if needs.missing(model) is None]
+        if any(gate.open_for(model) and not model.queue.full for model in fitting):
+            return  # one of them can: the request is read and routed as usual
+        if fitting:
+            self.refuse_now(fitting[0])
 
     async def infer(self, request: HttpRequest) -> HttpResponse:
         return await self.infer_with(self.context.models.default, request)

@@ -27,7 +27,7 @@ from rawserve.api.openai_generation import (
     parse_chat,
     parse_completion,
 )
-from rawserve.api.routing import MODEL_ERRORS, Needs, Operation, Route
+from rawserve.api.routing import MODEL_ERRORS, Handler, Needs, Operation, Route
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import TokenStream, event_stream
 from rawserve.http.errors import BadRequest
@@ -110,6 +110,9 @@ class OpenAIRoutes:
         self.created = int(wall_clock())  # when the models were first served, for /v1/models
 
     def routes(self) -> list[Route]:
+        def queued(path: str, handler: Handler, operation: Operation, needs: Needs) -> Route:
+            return Route("POST", path, handler, operation, needs, queued=True)
+
         embeddings = Operation(
             "Embeddings (OpenAI)",
             TAG,
@@ -137,9 +140,9 @@ class OpenAIRoutes:
             events=lambda _: schemas.OPENAI_COMPLETION_CHUNK,
         )
         return [
-            Route("POST", "/v1/embeddings", self.embeddings, embeddings, EMBEDDING),
-            Route("POST", "/v1/chat/completions", self.chat_completions, chat, GENERATION),
-            Route("POST", "/v1/completions", self.completions, completions, GENERATION),
+            queued("/v1/embeddings", self.embeddings, embeddings, EMBEDDING),
+            queued("/v1/chat/completions", self.chat_completions, chat, GENERATION),
+            queued("/v1/completions", self.completions, completions, GENERATION),
             Route("GET", "/v1/models", self.models_list, models),
         ]
 

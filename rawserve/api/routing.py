@@ -95,3 +95,6 @@ class Route:
     needs: Needs = ANY_MODEL
     serves: ServedModel | None = None  # the one model it serves (None: the default, or named)
     secured: bool = True  # needs the API key when one is set
+    # Its work waits in the queue of the model its body names: while no model that fits
+    # the route can take work, it is refused from its head (rawserve.api.app.answer_now).
+    queued: bool = False

@@ -69,7 +69,8 @@ class TeiRoutes:
 
     def routes(self) -> list[Route]:
         def post(path: str, handler: Handler, needs: Needs, operation: Operation) -> Route:
-            return Route("POST", path, handler, operation, needs)
+            # /tokenize and /decode run in the server: only the others queue model work
+            return Route("POST", path, handler, operation, needs, queued=needs is not TOKENIZER)
 
         def described(summary: str, request: SchemaOf, answer: Schema) -> Operation:
             return Operation(
