@@ -29,13 +29,13 @@ from rawserve.models.hub import ModelNotFound
 from rawserve.models.plan import ModelPlan, plan_models
 from rawserve.ops.layout import cpu_layout, gpu_present, model_bytes, ram_bytes
 from rawserve.ops.loading import log_loading_progress
-from rawserve.ops.memory import fix_mmap_threshold
 from rawserve.ops.metrics import Metrics
 from rawserve.protocol import HttpProtocol, ProtocolSettings, ServerState
 from rawserve.scheduler import Scheduler
 from rawserve.scheduling.core import SchedulerCore
 from rawserve.shared.devices import parse_devices
 from rawserve.shared.logs import LOG_FORMATS, setup_logging
+from rawserve.shared.memory import fix_mmap_threshold
 from rawserve.shared.messages import Engine, WorkerConfig
 
 log = logging.getLogger("rawserve")

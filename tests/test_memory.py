@@ -1,4 +1,4 @@
-"""The server's malloc setting for a flat heap (glibc on Linux)."""
+"""The malloc settings that keep the server's and the workers' memory flat (glibc on Linux)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ import sys
 
 import pytest
 
-from rawserve.ops.memory import fix_mmap_threshold
+from rawserve.shared.memory import FreeMemoryReleaser, fix_mmap_threshold
 
-
-@pytest.mark.skipif(
+glibc_only = pytest.mark.skipif(
     not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
-    reason="mallopt is glibc's",
+    reason="mallopt and malloc_trim are glibc's",
 )
+
+
+@glibc_only
 def test_the_mmap_threshold_is_fixed_on_glibc():
     assert fix_mmap_threshold() is True
 
@@ -21,3 +23,21 @@ def test_the_mmap_threshold_is_fixed_on_glibc():
 def test_elsewhere_it_is_a_no_op(monkeypatch):
     monkeypatch.setattr(sys, "platform", "darwin")
     assert fix_mmap_threshold() is False
+    releaser = FreeMemoryReleaser(every=1)
+    assert not releaser.available and releaser.after_batch() is False
+
+
+@glibc_only
+def test_free_memory_is_given_back_every_nth_batch_only():
+    releaser = FreeMemoryReleaser(every=4)
+    assert releaser.available
+    assert [releaser.after_batch() for _ in range(8)] == [False, False, False, True] * 2
+
+
+def test_the_trim_is_glibcs_own_call(monkeypatch):
+    calls = []
+    releaser = FreeMemoryReleaser(every=2)
+    monkeypatch.setattr(releaser, "_trim", calls.append)
+    releaser.after_batch()
+    releaser.after_batch()
+    assert calls == [0]  # malloc_trim(0): keep no padding at the heap's top

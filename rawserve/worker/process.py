@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from rawserve.shared.devices import isolate
 from rawserve.shared.logs import setup_worker_logging
+from rawserve.shared.memory import FreeMemoryReleaser
 from rawserve.shared.messages import (
     Batch,
     BatchResult,
@@ -147,6 +148,7 @@ def worker_main(
         )
     )
     cap = BatchCap()
+    releaser = FreeMemoryReleaser()  # tensors of every shape: the heap would only grow
     threads = config.threads
     while True:
         try:
@@ -172,6 +174,7 @@ def worker_main(
                 out.send(result)
             except (OSError, ValueError):  # the server is gone
                 return
+            releaser.after_batch()  # after the reply: the server is not kept waiting
 
 
 def sample_token_counts(runner: Runner, batch: Batch) -> tuple[int, ...] | None:
