@@ -140,9 +140,12 @@ class RunningServer:
 
 
 @contextmanager
-def running_together(servers: Mapping[str, RunningServer]) -> Iterator[Mapping[str, RunningServer]]:
+def running_together(
+    servers: Mapping[str, RunningServer], clients: dict[Any, Any] | None = None
+) -> Iterator[Mapping[str, RunningServer]]:
     """Start every server at once (their models load side by side), wait until each is
-    ready, and stop them all on the way out, whatever happened."""
+    ready, and stop them all on the way out, whatever happened. `clients` (a test
+    module's open HTTP clients, by key) are closed and forgotten before the servers stop."""
     try:
         for server in servers.values():
             server.start(wait_ready=False)
@@ -150,6 +153,10 @@ def running_together(servers: Mapping[str, RunningServer]) -> Iterator[Mapping[s
             server.wait_for_log(READY, timeout=150)
         yield servers
     finally:
+        for client in (clients or {}).values():
+            client.close()
+        if clients is not None:
+            clients.clear()
         for server in servers.values():
             if server.process is not None:
                 server.stop()

@@ -41,13 +41,8 @@ def servers(tiny_model):
         name: RunningServer(["--model", tiny_model(kind), "--threads", "1", *extra])
         for name, (kind, extra) in SERVED.items()
     }
-    with running_together(started):
-        try:
-            yield started
-        finally:  # the clients close before their servers stop
-            for opened in OPEN_CLIENTS.values():
-                opened.close()
-            OPEN_CLIENTS.clear()
+    with running_together(started, OPEN_CLIENTS):
+        yield started
 
 
 @pytest.fixture(scope="module", autouse=True)

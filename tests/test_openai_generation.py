@@ -53,13 +53,8 @@ def servers(tiny_model, template_file):
         "template-file": RunningServer(["--model", plain, "--chat-template", str(template_file)]),
         "handler": RunningServer(["--handler", "tests.handlers:echo"]),
     }
-    with running_together(started):
-        try:
-            yield started
-        finally:  # the clients close before their servers stop
-            for opened in OPEN_CLIENTS.values():
-                opened.close()
-            OPEN_CLIENTS.clear()
+    with running_together(started, OPEN_CLIENTS):
+        yield started
 
 
 OPEN_CLIENTS: dict[int, object] = {}  # closed with the servers

@@ -10,7 +10,7 @@ never gives back.
   clients): RSS 43.1 → 49.8 MiB with glibc's default, 42.6 → 43.3 MiB with this.
 - A torch worker cannot: its tensors are mostly above any such threshold, and mapping
   each afresh (zeroed pages, a fault per page) made it a quarter slower. It gives the
-  heap's free pages back now and then instead (`release_free_memory`). Both measured in
+  heap's free pages back now and then instead (`FreeMemoryReleaser`). Both measured in
   bench/RESULTS.md.
 """
 
