@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from rawserve.api import schemas
-from rawserve.api.bodies import answer, check_client_batch, json_response, read_json, unwrap
+from rawserve.api.bodies import answer, check_client_batch, json_response, read_json
 from rawserve.api.context import RouteContext
 from rawserve.api.openai_generation import (
     Answer,
@@ -27,6 +27,7 @@ from rawserve.api.openai_generation import (
     parse_chat,
     parse_completion,
 )
+from rawserve.api.outcomes import unwrap
 from rawserve.api.routing import MODEL_ERRORS, Handler, Needs, Operation, Route
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import TokenStream, event_stream
@@ -152,7 +153,7 @@ class OpenAIRoutes:
         texts, params, encoding_format = parse_embeddings_request(
             document, self.context.settings.max_client_batch_size
         )
-        results = await model.queue.run(texts, params, self.context.deadline(request))
+        results = await model.run(texts, params, self.context.deadline(request))
         outputs = [unwrap(result) for result in results]
         return answer(embedding_response(outputs, encoding_format, model.name), results)
 
@@ -160,7 +161,7 @@ class OpenAIRoutes:
         document = read_json(request)
         model = self.context.model_for(named(document), GENERATION)
         generation = parse_chat(document)
-        loaded = model.workers.loaded
+        loaded = model.serving.loaded
         if loaded is not None and not loaded.details.get("chat_template"):
             raise BadRequest(
                 "this model's tokenizer has no chat template: start the server with "
@@ -184,7 +185,7 @@ class OpenAIRoutes:
             stream = TokenStream(model, generation.items[0], generation.params, deadline)
             await stream.start()  # an error before the first token keeps its status
             return event_stream(shape.events(stream, generation.stop, generation.include_usage))
-        results = await model.queue.run(generation.items, generation.params, deadline)
+        results = await model.run(generation.items, generation.params, deadline)
         # the worker answers the pipeline's [{"generated_text", "details"}] per prompt
         outputs = [unwrap(result)[0] for result in results]
         return answer(shape.whole(outputs, generation.stop), results)

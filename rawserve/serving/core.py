@@ -10,8 +10,8 @@ item), so a request of 256 inputs interleaves with the single inputs that arrive
 it instead of going wholly before them. Deadlines still rule where they bind: an item
 close to its deadline leads the next batch or joins it, an expired one is dropped, and
 no batch is made that would come back after a member's deadline. The async driver that
-runs it against the executor is `rawserve.scheduler.Scheduler`. Never imports asyncio's
-server side, h11, torch or the executor.
+runs it against the worker pool is `rawserve.serving.driver.Scheduler`. Never imports
+asyncio's server side, h11, torch or the pool.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rawserve.scheduling.batching import BatchLimits, CostModel, choose_batch, padded_cost
+from rawserve.serving.batching import BatchLimits, CostModel, choose_batch, padded_cost
+from rawserve.serving.face import ItemResult
 from rawserve.tasks import batch_key, estimate_tokens
 
 URGENT_BATCHES = 2.0  # an item this many batch-times from its deadline joins any batch
@@ -53,14 +54,6 @@ class WorkItem:
     def sort_key(self) -> tuple[int, float, int]:
         """Fair-share turn first; within a turn, earliest deadline first."""
         return (self.turn, self.deadline, self.seq)
-
-
-@dataclass(frozen=True)
-class ItemResult:
-    output: Any  # the task's output, or a messages.ItemFailure
-    queue_seconds: float
-    batch_size: int
-    compute_seconds: float
 
 
 class QueueFull(Exception):
@@ -373,5 +366,5 @@ class SchedulerCore:
         self.tokens_per_estimate += CALIBRATION_SMOOTHING * (ratio - self.tokens_per_estimate)
 
     def forget_batch(self, batch: Sequence[WorkItem]) -> None:
-        """A batch failed in the executor: it is no longer in flight, and says nothing."""
+        """A batch failed in the worker pool: it is no longer in flight, and says nothing."""
         self._in_flight.pop(batch[0].seq, None)
