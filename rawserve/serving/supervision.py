@@ -20,7 +20,7 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rawserve.serving.status import LoadState, WorkerState
@@ -115,7 +115,8 @@ class WorkerRecord:
     restarts: int = 0
     failed_restarts: int = 0  # in a row, died before it was ready
     crashes: int = 0  # in a row, died after it was ready without answering a batch
-    backoff: float = RESTART_BACKOFF_FIRST  # the wait before its next restart
+    # the wait before its next restart (read when made: tests shorten it)
+    backoff: float = field(default_factory=lambda: RESTART_BACKOFF_FIRST)
 
 
 class LostBatch(enum.Enum):
