@@ -98,7 +98,7 @@ class ReadyWorkers:
     def max_input_tokens(self) -> int | None:
         return None
 
-    def submit(self, inputs: Any, params: Any) -> Any:
+    def submit(self, inputs: Any, params: Any, control: Any = None) -> Any:
         raise AssertionError("a full queue submits nothing")
 
     def load_state(self) -> tuple[LoadState, float | None]:

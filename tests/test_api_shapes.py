@@ -143,7 +143,7 @@ class Idle:
     def admission(self):
         return None
 
-    async def run(self, inputs, params, deadline):
+    async def run(self, inputs, params, deadline, control=None):
         raise AssertionError("not called")
 
 

@@ -19,7 +19,7 @@ from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.http.errors import NotFound, ServiceUnavailable, Unauthorized
 from rawserve.http.exchange import HttpRequest
-from rawserve.serving.face import ItemResult, Reason, Refusal
+from rawserve.serving.face import NO_CONTROL, Control, ItemResult, Reason, Refusal
 from rawserve.serving.service import ModelService
 from rawserve.serving.status import LoadState, WorkerStatus
 from rawserve.shared.messages import ModelLimits, WorkerReady
@@ -41,10 +41,14 @@ class AnsweringQueue:
         return Refusal(Reason.QUEUE_FULL, "the queue is full", 1.0) if self.full else None
 
     async def run(
-        self, inputs: Sequence[Any], params: Mapping[str, Any], deadline: float
+        self,
+        inputs: Sequence[Any],
+        params: Mapping[str, Any],
+        deadline: float,
+        control: Control = NO_CONTROL,
     ) -> list[ItemResult]:
         self.calls.append(list(inputs))
-        if self.task == "feature-extraction" and params.get("embedding_api"):
+        if self.task == "feature-extraction" and control.embedding_route:
             outputs: list[Any] = [
                 {"embedding": np.full(3, len(self.calls), "f4"), "tokens": 2} for _ in inputs
             ]

@@ -18,7 +18,7 @@ from rawserve.serving.core import (
 )
 from rawserve.serving.driver import DELIVERY_SLICE, Scheduler
 from rawserve.serving.refusals import Reason, Refusal, Refused
-from rawserve.shared.messages import BatchResult
+from rawserve.shared.messages import NO_CONTROL, BatchResult
 
 
 def queue_items(core: SchedulerCore, values, now=0.0, deadline=30.0, params=None):
@@ -411,7 +411,7 @@ class FakeBackend:
         self.free_looks += idle > 0  # the scheduler looked at the queue with a worker free
         return idle
 
-    def submit(self, inputs, params):
+    def submit(self, inputs, params, control=NO_CONTROL):
         future = asyncio.get_running_loop().create_future()
         self.calls.append((list(inputs), dict(params), future))
         return future
@@ -563,7 +563,7 @@ async def test_a_batch_the_executor_refuses_fails_its_items_and_the_loop_goes_on
     scheduler, backend = driver
     real_submit = backend.submit
 
-    def refuse(inputs, params):
+    def refuse(inputs, params, control):
         raise Refused.because(Reason.NO_WORKER, "no model worker is free")
 
     backend.submit = refuse

@@ -14,7 +14,6 @@ from rawserve.http.errors import ServiceUnavailable
 from rawserve.serving.face import ItemResult, Reason, Refused
 from rawserve.serving.service import ModelService
 from rawserve.shared.messages import FailureKind, ItemFailure, TokenChunk
-from rawserve.tasks import STREAM_ID_PARAM
 
 
 class FakeExecutor:
@@ -44,14 +43,14 @@ class FakeScheduler:
         )
         self.cancelled = asyncio.Event()
 
-    async def run(self, inputs, params, deadline):
+    async def run(self, inputs, params, deadline, control):
         if self.fail_first is not None:
             raise self.fail_first
-        listener = self.executor.listeners[params[STREAM_ID_PARAM]]
+        listener = self.executor.listeners[control.stream_id]
         try:
             for index, text in enumerate(self.texts):
                 token = {"id": index, "text": text, "logprob": -0.5, "special": False}
-                listener(TokenChunk(params[STREAM_ID_PARAM], 0, token))
+                listener(TokenChunk(control.stream_id, 0, token))
                 await asyncio.sleep(0)  # the worker's tokens arrive one loop turn apart
         except asyncio.CancelledError:
             self.cancelled.set()

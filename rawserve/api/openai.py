@@ -33,14 +33,13 @@ from rawserve.api.served import ServedModel
 from rawserve.api.streaming import TokenStream, event_stream
 from rawserve.http.errors import BadRequest
 from rawserve.http.exchange import HttpRequest, HttpResponse
+from rawserve.serving.face import EMBEDDING_ROUTE
 
 EMBEDDING_TASK = "feature-extraction"
 EMBEDDING = Needs(frozenset({EMBEDDING_TASK}), "a feature-extraction model")
 GENERATION = Needs(frozenset({"text-generation"}), "a text-generation model")
 TAG = "OpenAI"
 ENCODING_FORMATS = ("float", "base64")
-# The worker answers {"embedding": float32 vector, "tokens": n} for these parameters.
-EMBEDDING_API_PARAM = "embedding_api"
 
 
 def parse_embeddings_request(
@@ -65,7 +64,7 @@ def parse_embeddings_request(
         encoding_format = "float"
     elif encoding_format not in ENCODING_FORMATS:
         raise BadRequest('"encoding_format" must be "float" or "base64"')
-    params: dict[str, Any] = {EMBEDDING_API_PARAM: True}
+    params: dict[str, Any] = {}
     dimensions = document.get("dimensions")
     if dimensions is not None:
         if isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1:
@@ -153,7 +152,8 @@ class OpenAIRoutes:
         texts, params, encoding_format = parse_embeddings_request(
             document, self.context.settings.max_client_batch_size
         )
-        results = await model.run(texts, params, self.context.deadline(request))
+        # the worker answers {"embedding": float32 vector, "tokens": n} on this route
+        results = await model.run(texts, params, self.context.deadline(request), EMBEDDING_ROUTE)
         outputs = [unwrap(result) for result in results]
         return answer(embedding_response(outputs, encoding_format, model.name), results)
 

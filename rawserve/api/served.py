@@ -14,7 +14,14 @@ from typing import Any
 
 from rawserve.api.outcomes import http_error
 from rawserve.http.errors import NotFound
-from rawserve.serving.face import ItemResult, ModelLimits, Refused, Serving
+from rawserve.serving.face import (
+    NO_CONTROL,
+    Control,
+    ItemResult,
+    ModelLimits,
+    Refused,
+    Serving,
+)
 
 
 @dataclass(frozen=True)
@@ -45,12 +52,11 @@ class ServedModel:
         inputs: Sequence[Any],
         params: Mapping[str, Any],
         deadline: float,
-        *,
-        stream_id: int | None = None,
+        control: Control = NO_CONTROL,
     ) -> list[ItemResult]:
         """The items' results in order; HTTPError when the serving side refuses them."""
         try:
-            return await self.serving.run(inputs, params, deadline, stream_id=stream_id)
+            return await self.serving.run(inputs, params, deadline, control)
         except Refused as refused:
             raise http_error(refused.refusal) from None
 

@@ -28,7 +28,7 @@ from rawserve.api.served import ServedModel
 from rawserve.http.encoding import dumps
 from rawserve.http.errors import HTTPError, ServiceUnavailable, error_document
 from rawserve.http.exchange import HttpResponse
-from rawserve.serving.face import ItemResult, Serving, TokenChunk
+from rawserve.serving.face import Control, ItemResult, Serving, TokenChunk
 
 # A stream's queue carries its TokenChunks, then None once its request has finished.
 Run = asyncio.Future[list[ItemResult]]
@@ -59,7 +59,7 @@ class TokenStream:
         self.overflowed = False
         self.closed = False
         self.stream_id = self.serving.open_stream(self.on_token)
-        running = model.run([prompt], params, deadline, stream_id=self.stream_id)
+        running = model.run([prompt], params, deadline, Control(stream_id=self.stream_id))
         self.run: Run = asyncio.ensure_future(running)
         self.run.add_done_callback(lambda _: self.queue.put_nowait(None))
         self.first: TokenChunk | None = None

@@ -23,7 +23,6 @@ from rawserve.api import schemas
 from rawserve.api.bodies import answer, check_client_batch, json_response, read_json
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Fields, unicode_text
-from rawserve.api.openai import EMBEDDING_API_PARAM
 from rawserve.api.outcomes import unwrap
 from rawserve.api.routing import (
     MODEL_ERRORS,
@@ -38,6 +37,7 @@ from rawserve.api.served import ServedModel
 from rawserve.api.tokens import ServerTokenizer, UnknownTokenId
 from rawserve.http.errors import BadRequest, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
+from rawserve.serving.face import EMBEDDING_ROUTE
 from rawserve.tasks import LOGITS_PARAM
 
 EMBEDDING = Needs(frozenset({"feature-extraction"}), "a feature-extraction model")
@@ -105,14 +105,13 @@ class TeiRoutes:
         model = self.context.model_for(fields.get("model"), EMBEDDING)
         texts = self.texts(fields, model)
         params: dict[str, Any] = {
-            EMBEDDING_API_PARAM: True,
             "normalize": fields.boolean("normalize", True),
             **truncation(fields),
         }
         dimensions = fields.integer("dimensions", 1, 65536)
         if dimensions is not None:
             params["dimensions"] = dimensions
-        results = await model.run(texts, params, self.context.deadline(request))
+        results = await model.run(texts, params, self.context.deadline(request), EMBEDDING_ROUTE)
         return answer([unwrap(result)["embedding"] for result in results], results)
 
     async def embed_all(self, request: HttpRequest) -> HttpResponse:

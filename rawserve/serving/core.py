@@ -25,6 +25,7 @@ from typing import Any
 
 from rawserve.serving.batching import BatchLimits, CostModel, choose_batch, padded_cost
 from rawserve.serving.face import ItemResult
+from rawserve.shared.messages import NO_CONTROL, Control
 from rawserve.tasks import batch_key, estimate_tokens
 
 URGENT_BATCHES = 2.0  # an item this many batch-times from its deadline joins any batch
@@ -42,6 +43,7 @@ class WorkItem:
 
     input: Any
     params: Mapping[str, Any]
+    control: Control
     key: str
     deadline: float
     arrived: float
@@ -133,15 +135,24 @@ class SchedulerCore:
         return BatchLimits(size, self.max_batch_tokens, self.group_lengths)
 
     def new_item(
-        self, value: Any, params: Mapping[str, Any], deadline: float, now: float
+        self,
+        value: Any,
+        params: Mapping[str, Any],
+        deadline: float,
+        now: float,
+        control: Control = NO_CONTROL,
     ) -> WorkItem:
         cost = max(1, round(estimate_tokens(value) * self.tokens_per_estimate))
         if self.max_input_tokens is not None:  # a long text costs what the model reads of it
             cost = min(cost, self.max_input_tokens)
+        key = batch_key(params)
+        if control != NO_CONTROL:  # a stream never shares a batch; nor do two routes
+            key += repr(control)
         return WorkItem(
             input=value,
             params=params,
-            key=batch_key(params),
+            control=control,
+            key=key,
             deadline=deadline,
             arrived=now,
             cost=cost,

@@ -25,7 +25,7 @@ from rawserve.serving.core import (
     WorkItem,
 )
 from rawserve.serving.refusals import Reason, Refusal, Refused, model_failed, shutting_down
-from rawserve.shared.messages import BatchResult
+from rawserve.shared.messages import NO_CONTROL, BatchResult, Control
 
 log = logging.getLogger("rawserve.scheduler")
 
@@ -51,7 +51,7 @@ class Backend(Protocol):
         ...
 
     def submit(
-        self, inputs: Sequence[Any], params: Mapping[str, Any]
+        self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control
     ) -> asyncio.Future[BatchResult]: ...
 
 
@@ -127,7 +127,11 @@ class Scheduler:
         return self._refusal(QueueFull(self.core.retry_after(self.clock())), 1).refusal
 
     async def run(
-        self, inputs: Sequence[Any], params: Mapping[str, Any], deadline: float
+        self,
+        inputs: Sequence[Any],
+        params: Mapping[str, Any],
+        deadline: float,
+        control: Control = NO_CONTROL,
     ) -> list[ItemResult]:
         """Queue `inputs`, wait for all of their results, and give them in order.
 
@@ -138,7 +142,7 @@ class Scheduler:
         """
         loop = self._loop or asyncio.get_running_loop()
         now = self.clock()
-        items = [self.core.new_item(value, params, deadline, now) for value in inputs]
+        items = [self.core.new_item(value, params, deadline, now, control) for value in inputs]
         futures: list[asyncio.Future[ItemResult]] = []
         for item in items:
             item.future = future = loop.create_future()
@@ -223,7 +227,8 @@ class Scheduler:
 
     def _dispatch(self, batch: list[WorkItem], now: float) -> None:
         try:
-            future = self.backend.submit([item.input for item in batch], batch[0].params)
+            lead = batch[0]
+            future = self.backend.submit([item.input for item in batch], lead.params, lead.control)
         except Exception as exc:  # noqa: BLE001 - the batch fails, the loop goes on
             self.core.forget_batch(batch)
             log.error("the worker pool refused a batch of %d: %s", len(batch), exc)

@@ -22,6 +22,9 @@ from typing import Any, Protocol
 from rawserve.serving.refusals import Reason, Refusal, Refused
 from rawserve.serving.status import LoadState, WorkerState, WorkerStatus
 from rawserve.shared.messages import (
+    EMBEDDING_ROUTE,
+    NO_CONTROL,
+    Control,
     FailureKind,
     ItemFailure,
     ModelLimits,
@@ -30,6 +33,9 @@ from rawserve.shared.messages import (
 )
 
 __all__ = [
+    "EMBEDDING_ROUTE",
+    "NO_CONTROL",
+    "Control",
     "FailureKind",
     "ItemFailure",
     "ItemResult",
@@ -79,13 +85,12 @@ class Serving(Protocol):
         inputs: Sequence[Any],
         params: Mapping[str, Any],
         deadline: float,
-        *,
-        stream_id: int | None = None,
+        control: Control = NO_CONTROL,
     ) -> list[ItemResult]:
-        """Queue `inputs` (sharing `params`) to be answered by `deadline` (a
-        `time.monotonic()` time), and give their results in order. Raises `Refused`;
-        cancelling the call withdraws the items still queued. With `stream_id` (from
-        `open_stream`; one input) its tokens go to that stream as they come."""
+        """Queue `inputs` (sharing `params` and `control`) to be answered by `deadline`
+        (a `time.monotonic()` time), and give their results in order. Raises `Refused`;
+        cancelling the call withdraws the items still queued. With a `control.stream_id`
+        (from `open_stream`; one input) its tokens go to that stream as they come."""
         ...
 
     def admission(self) -> Refusal | None:

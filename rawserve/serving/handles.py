@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from rawserve.serving.status import WorkerState, WorkerStatus
 from rawserve.serving.supervision import WorkerRecord
-from rawserve.shared.messages import BatchResult, WorkerConfig, WorkerReady
+from rawserve.shared.messages import BatchResult, Control, WorkerConfig, WorkerReady
 
 
 class SharedInt(Protocol):
@@ -27,6 +27,7 @@ class Job:
 
     inputs: tuple[Any, ...]
     params: Mapping[str, Any]
+    control: Control
     future: asyncio.Future[BatchResult]
     batch_id: int
     poison_key: str | None = None  # set on a one-item retry after a crash

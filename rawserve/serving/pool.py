@@ -48,8 +48,10 @@ from rawserve.serving.supervision import (
     load_state,
 )
 from rawserve.shared.messages import (
+    NO_CONTROL,
     Batch,
     BatchResult,
+    Control,
     Engine,
     ModelLimits,
     Shutdown,
@@ -195,7 +197,7 @@ class WorkerPool:
         return min(caps, default=None)
 
     def submit(
-        self, inputs: Sequence[Any], params: Mapping[str, Any]
+        self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control = NO_CONTROL
     ) -> asyncio.Future[BatchResult]:
         # the scheduler may send a second batch in the same breath as a lone item that
         # took every core: it runs on a free worker anyway (briefly one thread too many)
@@ -206,7 +208,7 @@ class WorkerPool:
         batch_id = next(self._batch_ids)
         refused = [self.supervisor.is_poison(value, params) for value in inputs]
         if not any(refused):
-            self._send(worker, Job(tuple(inputs), params, future, batch_id))
+            self._send(worker, Job(tuple(inputs), params, control, future, batch_id))
             return future
         log.warning("refused %d input(s) that crashed a worker before", sum(refused))
         if self.metrics is not None:
@@ -216,13 +218,13 @@ class WorkerPool:
             return future
         kept = tuple(value for value, bad in zip(inputs, refused, strict=True) if not bad)
         inner = self._running_loop.create_future()
-        self._send(worker, Job(kept, params, inner, batch_id))
+        self._send(worker, Job(kept, params, control, inner, batch_id))
         slots = [REFUSED_POISON if bad else None for bad in refused]
         self._watch(self._assemble(future, batch_id, slots, [inner]))
         return future
 
     def open_stream(self, on_token: Callable[[TokenChunk], None]) -> int:
-        """A new stream id; put it in a batch's params to get its tokens as they come."""
+        """A new stream id; give it in a batch's `Control` to get its tokens as they come."""
         return self.streams.open(on_token)
 
     def close_stream(self, stream_id: int) -> None:
@@ -300,7 +302,7 @@ class WorkerPool:
             )
         try:
             threads = self._threads_for(worker, len(job.inputs))
-            batch = Batch(job.batch_id, job.inputs, dict(job.params), threads)
+            batch = Batch(job.batch_id, job.inputs, dict(job.params), threads, job.control)
             assert worker.conn is not None, "spawned workers have a pipe"
             worker.conn.send(batch)
         except (OSError, ValueError) as exc:  # the pipe broke: the reader will see the exit
@@ -344,7 +346,7 @@ class WorkerPool:
         for value in job.inputs:
             future = self._running_loop.create_future()
             key = PoisonMemory.key(value, job.params)
-            self._retries.append(Job((value,), job.params, future, job.batch_id, key))
+            self._retries.append(Job((value,), job.params, job.control, future, job.batch_id, key))
             futures.append(future)
         self._watch(self._assemble(job.future, job.batch_id, [None] * len(futures), futures))
 

@@ -9,8 +9,7 @@ from typing import Any, Protocol
 from rawserve.serving.face import ItemResult, ServingStatus
 from rawserve.serving.refusals import Refusal
 from rawserve.serving.status import LoadState, WorkerStatus
-from rawserve.shared.messages import TokenChunk, WorkerReady
-from rawserve.tasks import STREAM_ID_PARAM
+from rawserve.shared.messages import NO_CONTROL, Control, TokenChunk, WorkerReady
 
 
 class Queue(Protocol):
@@ -25,7 +24,11 @@ class Queue(Protocol):
     def admission(self) -> Refusal | None: ...
 
     async def run(
-        self, inputs: Sequence[Any], params: Mapping[str, Any], deadline: float
+        self,
+        inputs: Sequence[Any],
+        params: Mapping[str, Any],
+        deadline: float,
+        control: Control = NO_CONTROL,
     ) -> list[ItemResult]: ...
 
 
@@ -62,12 +65,9 @@ class ModelService:
         inputs: Sequence[Any],
         params: Mapping[str, Any],
         deadline: float,
-        *,
-        stream_id: int | None = None,
+        control: Control = NO_CONTROL,
     ) -> list[ItemResult]:
-        if stream_id is not None:
-            params = {**params, STREAM_ID_PARAM: stream_id}
-        return await self.queue.run(inputs, params, deadline)
+        return await self.queue.run(inputs, params, deadline, control)
 
     def admission(self) -> Refusal | None:
         return self.queue.admission()

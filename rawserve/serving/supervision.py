@@ -25,7 +25,6 @@ from typing import Any
 
 from rawserve.serving.status import LoadState, WorkerState
 from rawserve.shared.messages import FailureKind, ItemFailure
-from rawserve.tasks import STREAM_ID_PARAM
 
 RESTART_BACKOFF_FIRST = 0.5  # seconds before the first restart of a dead worker
 RESTART_BACKOFF_MAX = 30.0
@@ -75,8 +74,7 @@ class PoisonMemory:
 
     @staticmethod
     def key(value: Any, params: Mapping[str, Any]) -> str:
-        params = {k: v for k, v in params.items() if k != STREAM_ID_PARAM}  # new each request
-        text = json.dumps([value, params], sort_keys=True, default=repr)
+        text = json.dumps([value, dict(params)], sort_keys=True, default=repr)
         return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
     def crashed(self, key: str) -> bool:
