@@ -38,7 +38,7 @@ class Job:
 class WorkerHandle:
     """One worker process, its pipe, and the batch it is computing."""
 
-    def __init__(self, index: int, config: WorkerConfig):
+    def __init__(self, index: int, config: WorkerConfig, record: WorkerRecord):
         self.index = index
         self.config = config
         self.state = WorkerState.DEAD
@@ -49,7 +49,7 @@ class WorkerHandle:
         self.job: Job | None = None
         self.ready: WorkerReady | None = None
         self.started_at = 0.0
-        self.record = WorkerRecord()  # its restarts and crashes, kept by the supervisor
+        self.record = record  # its restarts and crashes, counted by the supervisor
         self.batch_cap: int | None = None  # lowered by the worker after out-of-memory errors
 
     @property

@@ -39,6 +39,7 @@ from rawserve.serving.streams import TokenStreams
 from rawserve.serving.supervision import (
     CRASHED_ALONE,
     CRASHED_MID_STREAM,
+    MAX_FAILED_RESTARTS,
     REFUSED_POISON,
     TIMED_OUT,
     Held,
@@ -64,7 +65,7 @@ from rawserve.shared.messages import (
 from rawserve.shared.pipes import MessageReader
 from rawserve.worker.process import worker_main
 
-log = logging.getLogger("rawserve.pool")
+log = logging.getLogger("rawserve.executor")  # the name operators filter on, kept
 
 STOP_TIMEOUT = 10.0  # seconds a worker whose pipe closed gets to exit before it is killed
 EXIT_TIMEOUT = 2.0  # seconds an idle worker gets to exit at shutdown before it is killed
@@ -87,7 +88,7 @@ class WorkerPool:
         *,
         batch_timeout: float = BATCH_TIMEOUT,
         share_cores: bool = False,
-        max_failed_restarts: int | None = None,
+        max_failed_restarts: int = MAX_FAILED_RESTARTS,
         on_idle: Callable[[], None] | None = None,
         metrics: DropCounter | None = None,
         core_share: CoreShare | None = None,
@@ -104,15 +105,17 @@ class WorkerPool:
         self.core_share = core_share or CoreShare()
         self._all_cores: WorkerHandle | None = None  # running a lone item on every core
         self._context = multiprocessing.get_context("spawn")
+        # what to do when a worker dies is the supervisor's to say; this pool does it
+        self.supervisor = Supervisor(
+            len(devices), max_failed_restarts=max_failed_restarts, clock=clock
+        )
         self.workers = [
-            WorkerHandle(index, replace(config, device=device))
-            for index, device in enumerate(devices)
+            WorkerHandle(index, replace(config, device=device), record)
+            for (index, device), record in zip(
+                enumerate(devices), self.supervisor.records, strict=True
+            )
         ]
         self.core_share.workers += [w for w in self.workers if w.config.device == "cpu"]
-        limits = {} if max_failed_restarts is None else {"max_failed_restarts": max_failed_restarts}
-        self.supervisor = Supervisor(len(self.workers), clock=clock, **limits)
-        for worker, record in zip(self.workers, self.supervisor.records, strict=True):
-            worker.record = record
         self._retries: deque[Job] = deque()  # one-item retries after a crash, served first
         self._batch_ids = itertools.count()
         self._tasks: set[asyncio.Task[None]] = set()
