@@ -1,11 +1,22 @@
 """Supervision decided without I/O: restarts and backoff, a crash while alone or in a
-batch, quarantine and its expiry, health. A fake clock; no worker process."""
+batch, quarantine and its expiry, health (and /health turning 503 on it). A fake clock;
+no worker process."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from rawserve.api.app import App
+from rawserve.api.served import ServedModel, ServedModels
+from rawserve.api.settings import AppSettings
+from rawserve.http.exchange import HttpRequest
 from rawserve.serving import supervision
+from rawserve.serving.core import SchedulerCore
+from rawserve.serving.driver import Scheduler
+from rawserve.serving.pool import WorkerPool
+from rawserve.serving.service import ModelService
 from rawserve.serving.status import LoadState, WorkerState
 from rawserve.serving.supervision import (
     Held,
@@ -14,6 +25,7 @@ from rawserve.serving.supervision import (
     Supervisor,
     load_state,
 )
+from rawserve.shared.messages import WorkerConfig
 
 
 class Clock:
@@ -123,3 +135,19 @@ def test_the_process_is_unhealthy_only_when_every_worker_keeps_dying():
 )
 def test_why_no_worker_is_ready_and_for_how_long(starting, restarted, expected):
     assert load_state(starting, restarted, now=5.0) == expected
+
+
+def test_health_turns_503_once_every_worker_of_a_model_keeps_failing_to_load():
+    pool = WorkerPool(WorkerConfig(model="unused"), ["cpu"], max_failed_restarts=2)
+    service = ModelService(Scheduler(SchedulerCore(), pool), pool)
+    app = App(ServedModels([ServedModel("m", service)]), AppSettings())
+
+    def health() -> tuple[int, dict]:
+        response = app.answer_now(HttpRequest("GET", "/health", "", [], b"", request_id="t"))
+        assert response is not None  # a probe is answered at once
+        return response.status, json.loads(response.body)
+
+    assert health() == (200, {"status": "ok"})
+    for _ in range(2):  # no process is started: the supervisor is told of the deaths
+        pool.supervisor.exited(0, while_loading=True, held=None)
+    assert health() == (503, {"status": "unhealthy"})
