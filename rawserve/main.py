@@ -23,7 +23,6 @@ from rawserve import __version__
 from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
-from rawserve.executor import CoreShare, Executor
 from rawserve.http.tls import server_context
 from rawserve.models.hub import ModelNotFound
 from rawserve.models.plan import ModelPlan, plan_models
@@ -31,8 +30,8 @@ from rawserve.ops.layout import cpu_layout, gpu_present, model_bytes, ram_bytes
 from rawserve.ops.loading import log_loading_progress
 from rawserve.ops.metrics import Metrics
 from rawserve.protocol import HttpProtocol, ProtocolSettings, ServerState
-from rawserve.scheduler import Scheduler
-from rawserve.scheduling.core import SchedulerCore
+from rawserve.serving import CoreShare, ModelService, Scheduler, SchedulerCore
+from rawserve.serving import WorkerPool as Executor
 from rawserve.shared.devices import parse_devices
 from rawserve.shared.logs import LOG_FORMATS, setup_logging
 from rawserve.shared.memory import fix_mmap_threshold
@@ -389,7 +388,10 @@ def build_model(
     scheduler = Scheduler(core, executor, wake=wake, loop=loop, metrics=counts)
     metrics.watch(plan.name, scheduler, executor)
     served = ServedModel(
-        plan.name, scheduler, executor, model_facts(plan, args), aliases=plan.names[1:]
+        plan.name,
+        ModelService(scheduler, executor),
+        model_facts(plan, args),
+        aliases=plan.names[1:],
     )
     return ModelParts(plan, executor, scheduler, served)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rawserve.shared.messages import Engine, WorkerConfig
+from rawserve.shared.messages import EMBEDDING_ROUTE, NO_CONTROL, Control, Engine, WorkerConfig
 from tests.server import RunningServer
 
 pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
@@ -29,7 +29,7 @@ CASES = [
         "feature-extraction",
         "feature-extraction",
         ["hello world", "bad film"],
-        {"embedding_api": True},
+        EMBEDDING_ROUTE,  # the embedding routes' control, and no parameters
     ),
     ("text-classification", "text-classification", ["i like it", "bad movie"], {}),
     ("text-classification", "text-classification", ["i like it", "bad"], {"top_k": 2}),
@@ -122,12 +122,14 @@ def test_every_encoder_task_answers_what_torch_answers(runners, kind, task, inpu
     torch_runner = runners(kind, task, Engine.TORCH)
     onnx_runner = runners(kind, task, Engine.ONNX)
     assert onnx_runner.engine is Engine.ONNX and torch_runner.engine is Engine.TORCH
-    expected = torch_runner.run(list(inputs), dict(params))
-    assert_close(onnx_runner.run(list(inputs), dict(params)), expected)
+    control = params if isinstance(params, Control) else NO_CONTROL
+    params = {} if isinstance(params, Control) else params
+    expected = torch_runner.run(list(inputs), dict(params), control)
+    assert_close(onnx_runner.run(list(inputs), dict(params), control), expected)
     # one at a time (other shapes than the batch's) and on every core: the same answers
     onnx_runner.set_threads(2)
     try:
-        alone = [onnx_runner.run([item], dict(params))[0] for item in inputs]
+        alone = [onnx_runner.run([item], dict(params), control)[0] for item in inputs]
     finally:
         onnx_runner.set_threads(1)
     assert_close(alone, expected)
@@ -137,12 +139,16 @@ def test_the_packaged_minilm_answers_what_torch_answers(runners):
     from rawserve.models.folder import default_model
 
     texts = ["A short sentence.", "A much longer sentence, " * 20, "x"]
-    for params in ({}, {"pooling": "none", "normalize": False}, {"embedding_api": True}):
+    for params, control in (
+        ({}, NO_CONTROL),
+        ({"pooling": "none", "normalize": False}, NO_CONTROL),
+        ({}, EMBEDDING_ROUTE),
+    ):
         expected = runners("minilm", "feature-extraction", Engine.TORCH, default_model()).run(
-            texts, dict(params)
+            texts, dict(params), control
         )
         actual = runners("minilm", "feature-extraction", Engine.ONNX, default_model()).run(
-            texts, dict(params)
+            texts, dict(params), control
         )
         assert_close(actual, expected)
 

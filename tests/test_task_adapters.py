@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rawserve.shared.messages import TokenChunk
+from rawserve.shared.messages import EMBEDDING_ROUTE, Control, TokenChunk
 from rawserve.tasks import split_outputs
 from tests.tiny_models import worker_config
 
@@ -114,7 +114,7 @@ def test_embedding_truncation_keeps_the_side_asked_for(runner):
 def test_sentence_models_pool_as_their_files_say(runner):
     [vector] = runner("sentence-embedding").run(["hello world"], {})
     assert vector.shape == (32,) and np.linalg.norm(vector) == pytest.approx(1.0, abs=1e-5)
-    [api] = runner("sentence-embedding").run(["hello world"], {"embedding_api": True})
+    [api] = runner("sentence-embedding").run(["hello world"], {}, EMBEDDING_ROUTE)
     np.testing.assert_allclose(api["embedding"], vector, atol=1e-6)
     assert api["tokens"] == 4
 
@@ -255,7 +255,7 @@ def test_streamed_tokens_go_to_the_pipe_and_a_cancel_stops_generation(runner):
     try:
         # greedy: sampled tokens would depend on what ran before in this process
         [output] = generate.run(
-            ["hello"], {"max_new_tokens": 50, "stream_id": 7, "do_sample": False}
+            ["hello"], {"max_new_tokens": 50, "do_sample": False}, Control(stream_id=7)
         )
     finally:
         generate.bind_stream(None, None)

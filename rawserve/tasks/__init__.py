@@ -22,7 +22,7 @@ from rawserve.tasks.registry import (
 from rawserve.tasks.rules import InvalidRequest, SingleAnswer, Task
 from rawserve.tasks.seq2seq import GENERATE_PARAMS, SEQ2SEQ_TASKS
 from rawserve.tasks.text_classification import LOGITS_PARAM
-from rawserve.tasks.text_generation import CHAT_PARAM, STREAM_ID_PARAM
+from rawserve.tasks.text_generation import CHAT_PARAM
 
 __all__ = [
     "BlankInput",
@@ -31,7 +31,6 @@ __all__ = [
     "GENERATE_PARAMS",
     "LOGITS_PARAM",
     "SEQ2SEQ_TASKS",
-    "STREAM_ID_PARAM",
     "TASKS",
     "InvalidRequest",
     "SingleAnswer",

@@ -17,8 +17,8 @@ import jinja2
 import torch
 import transformers
 
-from rawserve.shared.messages import ModelLimits, TokenChunk
-from rawserve.tasks import CHAT_PARAM, STREAM_ID_PARAM
+from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits, TokenChunk
+from rawserve.tasks import CHAT_PARAM
 from rawserve.worker.runner import Runner, dtype_name
 
 log = logging.getLogger("rawserve.generation")
@@ -192,8 +192,10 @@ class CausalLMRunner(Runner):
         """Where token chunks go (the worker's pipe) and where cancellations come from."""
         self.send, self.cancelled_stream = send, cancelled_stream
 
-    def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
-        stream_id = params.get(STREAM_ID_PARAM)
+    def run(
+        self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
+    ) -> list[Any]:
+        stream_id = control.stream_id
         encoded = self.prompts(inputs, params).to(self.device)
         prompt_length = encoded["input_ids"].shape[1]
         recorder = ScoreRecorder()

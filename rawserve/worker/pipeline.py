@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import transformers
 
+from rawserve.shared.messages import NO_CONTROL, Control
 from rawserve.tasks import LOGITS_PARAM, split_outputs
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name, resolve_dtype
@@ -55,7 +56,9 @@ class PipelineRunner(Runner):
             found["id2label"] = {str(i): labels[i] for i in sorted(labels)}
         return found
 
-    def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
+    def run(
+        self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
+    ) -> list[Any]:
         if params.get(LOGITS_PARAM):
             return self._logits(inputs, params)
         if self._plain_classification(inputs, params):

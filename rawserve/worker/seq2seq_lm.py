@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import transformers
 
-from rawserve.shared.messages import ModelLimits
+from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits
 from rawserve.tasks import GENERATE_PARAMS
 from rawserve.tasks.seq2seq import OUTPUT_KEYS
 from rawserve.worker.runner import Runner, dtype_name
@@ -115,7 +115,9 @@ class Seq2SeqLMRunner(Runner):
             )
         return None, {}  # a one-direction model: the languages change nothing, as in transformers 4
 
-    def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
+    def run(
+        self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
+    ) -> list[Any]:
         prefix, task_options = self.task_settings(params)
         caller = {name: params[name] for name in GENERATE_PARAMS if name in params}
         caller.update(params.get("generate_parameters", {}))
