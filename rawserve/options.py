@@ -204,8 +204,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     variables; on an invalid value, the error line and exit code 2 (SystemExit)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    # The checks run in this order so that a command line with several mistakes is told
-    # the same first one as before the configuration was typed.
+    # One fixed order of checks: a command line with several mistakes is told the first.
     models = args.model
     if models is None:
         listed = os.environ.get("RAWSERVE_MODEL", "")
@@ -249,22 +248,8 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         parser.error("--max-connections must not be negative and --api-key not empty")
     if args.log_format not in LOG_FORMATS:
         parser.error(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
-    chat_template = None
-    if args.chat_template:
-        try:
-            with open(args.chat_template, encoding="utf-8") as template:
-                chat_template = template.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            parser.error(f"--chat-template: cannot read {args.chat_template}: {exc}")
-    tls = None
-    if args.ssl_keyfile and not args.ssl_certfile:
-        parser.error("--ssl-keyfile needs --ssl-certfile")
-    if args.ssl_certfile:
-        try:
-            context = server_context(args.ssl_certfile, args.ssl_keyfile)
-        except ValueError as exc:
-            parser.error(f"--ssl-certfile/--ssl-keyfile: {exc}")
-        tls = Tls(args.ssl_certfile, args.ssl_keyfile or None, context)
+    chat_template = read_chat_template(args.chat_template, parser)
+    tls = load_tls(args.ssl_certfile, args.ssl_keyfile, parser)
     if any(not origin or origin.endswith("/") for origin in args.cors_allow_origin):
         parser.error("--cors-allow-origin takes an origin such as https://app.example or *")
     return ServerConfig(
@@ -304,3 +289,30 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         access_log=not args.no_access_log,
         download_only=args.download_only,
     )
+
+
+def read_chat_template(path: str | None, parser: argparse.ArgumentParser) -> str | None:
+    """The text of --chat-template's file, read once (the workers are sent the text)."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as template:
+            return template.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        parser.error(f"--chat-template: cannot read {path}: {exc}")
+
+
+def load_tls(
+    certfile: str | None, keyfile: str | None, parser: argparse.ArgumentParser
+) -> Tls | None:
+    """The listening socket's TLS, loaded now: a file that cannot be read stops the server
+    before anything starts."""
+    if keyfile and not certfile:
+        parser.error("--ssl-keyfile needs --ssl-certfile")
+    if not certfile:
+        return None
+    try:
+        context = server_context(certfile, keyfile)
+    except ValueError as exc:
+        parser.error(f"--ssl-certfile/--ssl-keyfile: {exc}")
+    return Tls(certfile, keyfile or None, context)
