@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from rawserve.main import parse_args
+from rawserve.options import parse_config
 from rawserve.shared.logs import JsonFormatter, TextFormatter, setup_logging
 from tests.server import RunningServer
 
@@ -86,8 +86,8 @@ def test_the_access_log_switch(restore_logging, access_log):
 def test_options_and_their_environment_variables(monkeypatch, argv, env, no_access_log, log_format):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    args = parse_args(argv)
-    assert (args.no_access_log, args.log_format) == (no_access_log, log_format)
+    config = parse_config(argv)
+    assert (not config.access_log, config.log_format) == (no_access_log, log_format)
 
 
 @pytest.mark.parametrize(
@@ -98,7 +98,7 @@ def test_bad_logging_options_are_refused(monkeypatch, capsys, argv, env):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit):
-        parse_args(argv)
+        parse_config(argv)
     assert "rawserve: error:" in capsys.readouterr().err
 
 
