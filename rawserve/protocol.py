@@ -48,6 +48,7 @@ import h11
 
 from rawserve.http.access_log import log_access
 from rawserve.http.chunked import ChunkedMeter
+from rawserve.http.cors import CorsPolicy
 from rawserve.http.errors import (
     BadRequest,
     HeadersTooLarge,
@@ -91,6 +92,12 @@ class Application(Protocol):
     @property
     def draining(self) -> bool:
         """The server is shutting down: every 5xx closes its connection."""
+        ...
+
+    @property
+    def cors(self) -> CorsPolicy | None:
+        """The origins whose pages may read the answers (None: no CORS); the protocol's
+        own refusals to a parsed head follow it too."""
         ...
 
     def answer_now(self, request: HttpRequest) -> HttpResponse | None:
@@ -169,9 +176,10 @@ class _Cycle:
     """One request/response exchange. `request` is None for an error answered before a
     request head could be parsed (malformed, head timeout, connection refused)."""
 
-    def __init__(self, request: h11.Request | None, request_id: str):
+    def __init__(self, request: h11.Request | None, request_id: str, origin: str | None = None):
         self.request = request
         self.request_id = request_id
+        self.origin = origin  # the head's Origin (CORS)
         self.body: list[bytes] = []
         self.body_size = 0
         self.started = time.perf_counter()
@@ -375,7 +383,8 @@ class HttpProtocol(asyncio.Protocol):
 
     def _on_request(self, event: h11.Request) -> None:
         fields = list(event.headers)  # h11's Headers iterate slowly: one pass, kept
-        self.cycle = _Cycle(event, request_id(_header(fields, b"x-request-id")))
+        given_id = _header(fields, b"x-request-id")
+        self.cycle = _Cycle(event, request_id(given_id), _header(fields, b"origin"))
         self._enter(Phase.BODY)
         error = self._check_head(event, fields)
         if error is None and self.probe_only and not _is_probe(event):
@@ -560,10 +569,19 @@ class HttpProtocol(asyncio.Protocol):
         if response.content_type:
             headers.append(("Content-Type", response.content_type))
         headers += response.headers
+        headers += self._cors_headers(cycle, response)
         if not any(name.lower() == "server-timing" for name, _ in response.headers):
             elapsed_ms = 1000 * (time.perf_counter() - cycle.started)
             headers.append(("Server-Timing", f"total;dur={elapsed_ms:.2f}"))
         return headers
+
+    def _cors_headers(self, cycle: _Cycle, response: HttpResponse) -> list[tuple[str, str]]:
+        """What lets the page of an allowed origin read this answer, where the app did
+        not add it (the protocol's own refusals)."""
+        cors = self.app.cors
+        if cors is None or cycle.origin is None:
+            return []
+        return cors.headers_for(cycle.origin, response.headers)
 
     def _refused_in_this_pass(self, cycle: _Cycle, response: HttpResponse) -> bool:
         """A 503 decided from the request's head (the queue is full, the model loading),
@@ -586,9 +604,8 @@ class HttpProtocol(asyncio.Protocol):
         if not self._start_response(cycle):
             return
         elapsed_ms = 1000 * (time.perf_counter() - cycle.started)
-        prefix = _response_prefix(
-            response.status, response.content_type, tuple(response.headers), len(response.body)
-        )
+        fixed = (*response.headers, *self._cors_headers(cycle, response))
+        prefix = _response_prefix(response.status, response.content_type, fixed, len(response.body))
         self._write_all(
             [
                 prefix,

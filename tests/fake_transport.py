@@ -18,6 +18,7 @@ class FakeApp:
     and the server is not draining. Test apps add `handle`."""
 
     draining = False
+    cors = None
 
     def answer_now(self, request: Any) -> Any:
         return None
