@@ -24,9 +24,11 @@ class FakeApp:
         return None
 
 
-class FakeTransport(asyncio.Transport):
+class FakeTransport:
+    """The transport calls the protocol makes, recorded. Deliberately no `asyncio.Transport`
+    (uvloop's transports are not either): the protocol needs only these methods."""
+
     def __init__(self):
-        super().__init__()
         self.written = bytearray()
         self.closed = False
         self.eof_written = False
@@ -37,6 +39,10 @@ class FakeTransport(asyncio.Transport):
         assert not self.closed, "write after close"
         assert not self.eof_written, "write after write_eof"
         self.written += data
+
+    def writelines(self, pieces) -> None:
+        for piece in pieces:
+            self.write(piece)
 
     def can_write_eof(self) -> bool:
         return True

@@ -13,8 +13,8 @@ from rawserve.http.chunked import ChunkedMeter
 from rawserve.http.cors import EXPOSED_HEADERS, CorsPolicy
 from rawserve.http.errors import BadRequest, GatewayTimeout, ServiceUnavailable, Unauthorized
 from rawserve.http.exchange import HttpRequest, HttpResponse
+from rawserve.http.limits import LINGER_SECONDS
 from rawserve.protocol import (
-    LINGER_SECONDS,
     PROBE_RESERVE,
     READ_AHEAD_LIMIT,
     HttpProtocol,
@@ -86,6 +86,20 @@ async def test_post_answers_json_with_request_id(server):
     assert headers[b"x-request-id"] == b"abc-1"
     assert headers[b"content-type"] == b"application/json"
     assert not transport.finished  # keep-alive
+
+
+async def test_any_transport_with_the_methods_it_uses_will_do():
+    # uvloop's transports are no asyncio.Transport; neither is the fake
+    transport = FakeTransport()
+    assert not isinstance(transport, asyncio.BaseTransport)
+    protocol = HttpProtocol(EchoApp(), loop=asyncio.get_running_loop())
+    protocol.connection_made(transport)
+    request = b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi"
+    protocol.data_received(request)
+    await settle()
+    [(response, body)] = read_responses(transport.written, [request])
+    assert response.status_code == 200 and json.loads(body)["body"] == "hi"
+    assert transport.eof_written  # closed gracefully through the same methods
 
 
 async def test_pipelined_requests_are_answered_in_order(server):

@@ -6,27 +6,35 @@ never formatted. With `--log-format json` the fields go out as JSON keys. Probes
 few seconds, and those lines would drown the requests.
 
 What a client chose (method, target, request id) is escaped in the text line: a quote, a
-backslash or a control character becomes `\\xHH`, so a path cannot close the quoted field
-and write fields of its own, nor start a line. The JSON keys carry the values as sent
-(JSON escapes them itself).
+backslash or a character that is not printable becomes `\\xHH` (or `\\uHHHH`), so a path
+cannot close the quoted field and write fields of its own, nor start a line. The JSON
+keys carry the values as sent (JSON escapes them itself).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 
 access_log = logging.getLogger("rawserve.access")
 
 PROBE_PATHS = ("/health", "/ready")
 _PROBE_PREFIX = "/ready/"
-# quotes and backslashes (which end or escape a field), control characters and DEL
-_UNSAFE = re.compile(r'["\\\x00-\x1f\x7f-\x9f]')
+_FIELD_ENDS = ('"', "\\")  # a quote ends a quoted field; a backslash escapes
 
 
 def escape(value: str) -> str:
-    """`value` fit for a quoted field of the text line (`"` becomes `\\x22`)."""
-    return _UNSAFE.sub(lambda match: f"\\x{ord(match.group()):02x}", value)
+    """`value` fit for a quoted field of the text line: `"`, `\\` and every character
+    that is not printable (control characters, line separators) as `\\xHH`/`\\uHHHH`."""
+    if value.isprintable() and '"' not in value and "\\" not in value:
+        return value  # what nearly every request sends: no copy
+    return "".join(
+        char if char.isprintable() and char not in _FIELD_ENDS else _escaped(char) for char in value
+    )
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
 
 
 def is_probe(method: str, path: str) -> bool:
