@@ -1,7 +1,8 @@
 """CORS: which browser origins may call the API (`--cors-allow-origin`, repeatable, `*` for
 any), the answer to a browser's preflight `OPTIONS`, and the headers that let a page read
-an answer (errors included). The protocol adds those headers to the refusals it makes
-itself from a parsed head (413, 431, 408, 503), the app to what it answers.
+an answer (errors included). The app adds those headers to what it answers; the
+protocol's one writer adds them to every other answer to a parsed head (its own 413,
+431, 408 and 503 refusals), never twice.
 
 Server process; plain functions of requests and responses, no I/O.
 """
