@@ -642,10 +642,11 @@ async def test_the_503_past_the_connection_cap_lets_an_allowed_page_read_it():
 async def test_cors_headers_are_added_once_and_never_to_a_preflight_answer():
     class PreflightApp(CorsApp):
         def answer_now(self, request: HttpRequest) -> HttpResponse | None:
-            if request.method == "OPTIONS":  # as the app's preflight: its own CORS headers
-                return self.cors.preflight(request, ["POST"])
-            response = HttpResponse(200, b"{}")
-            self.cors.add_headers(request, response)  # as the app does for its answers
+            if request.method == "OPTIONS":  # a preflight carries its own CORS headers
+                response = self.cors.preflight(request, ["POST"])
+            else:
+                response = HttpResponse(200, b"{}")
+            self.cors.add_headers(request, response)  # as the app does for all its answers
             return response
 
     protocol = HttpProtocol(PreflightApp(), loop=asyncio.get_running_loop())
