@@ -22,12 +22,13 @@ from rawserve import __version__
 from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.config import Batching, ModelConfig, ServerConfig, WorkerPlan, plan_workers
+from rawserve.http.limits import ProtocolSettings, ServerState
 from rawserve.models.hub import ModelNotFound
 from rawserve.models.plan import ModelPlan, plan_models
 from rawserve.ops.loading import log_loading_progress
 from rawserve.ops.metrics import Metrics
 from rawserve.options import parse_config
-from rawserve.protocol import HttpProtocol, ProtocolSettings, ServerState
+from rawserve.protocol import HttpProtocol
 from rawserve.serving import CoreShare, ModelService, Scheduler, SchedulerCore
 from rawserve.serving import WorkerPool as Executor
 from rawserve.shared.logs import setup_logging

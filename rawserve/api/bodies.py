@@ -14,6 +14,7 @@ from typing import Any
 from rawserve.http.encoding import dumps
 from rawserve.http.errors import BadRequest, PayloadTooLarge
 from rawserve.http.exchange import HttpRequest, HttpResponse
+from rawserve.http.header_numbers import header_decimal
 from rawserve.serving.face import ItemResult
 
 MAX_JSON_DEPTH = 64  # levels of nested arrays and objects in a request body
@@ -82,11 +83,10 @@ def request_timeout(request: HttpRequest, default: float, longest: float) -> flo
     header = request.header("x-request-timeout")
     if header is None:
         return default
-    try:
-        seconds = float(header)
-    except ValueError:
-        raise BadRequest("X-Request-Timeout must be a number of seconds") from None
-    if not seconds > 0:  # also refuses NaN
+    seconds = header_decimal(header)
+    if seconds is None:  # HTTP's grammar: digits and at most one dot
+        raise BadRequest("X-Request-Timeout must be a number of seconds")
+    if seconds <= 0:
         raise BadRequest("X-Request-Timeout must be positive")
     return min(seconds, longest)
 
