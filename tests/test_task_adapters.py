@@ -387,6 +387,15 @@ def test_an_input_error_is_the_client_s_on_every_engine(
     assert isinstance(good, ItemFailure) == isinstance(alone, ItemFailure), (good, alone)
 
 
+@pytest.mark.parametrize("kind", ["token-classification", "seq2seq", "text-generation"])
+def test_the_tiny_models_tokenizers_declare_no_length_limit(tiny_model, kind):
+    """The premise of the length cases: like tokenizers saved without a limit, these
+    declare ~1e30, so only the model's positions bound what the model reads."""
+    import transformers
+
+    assert transformers.AutoTokenizer.from_pretrained(tiny_model(kind)).model_max_length > 10**20
+
+
 # (model kind, task, inputs past the positions, parameters): the route truncates them
 CUT_TO_FIT = [
     ("token-classification", "token-classification", LONG_LIST, {}),
