@@ -261,3 +261,21 @@ def test_the_server_says_which_engine_runs_and_why(tiny_model, onnx_cache):
     generation = ["--model", tiny_model("text-generation"), "--device", "cpu"]
     with RunningServer(generation, env=env).start() as server:
         assert any("engine torch (auto: ONNX Runtime serves" in line for line in server.lines)
+
+
+@pytest.mark.slow
+def test_fill_mask_input_errors_are_422_on_the_onnx_engine(tiny_model, onnx_cache):
+    """The pipeline's own "no mask token" check names the model by an attribute the ONNX
+    network must carry, or the client's error became a 500; an input past the positions
+    is a 422 naming them (tests/test_task_adapters.py runs every task's on both engines)."""
+    env = {"RAWSERVE_CACHE_DIR": str(onnx_cache.parent), "RAWSERVE_ENGINE": "onnx"}
+    args = ["--model", tiny_model("fill-mask"), "--device", "cpu"]
+    with RunningServer(args, env=env).start() as server:
+        status, body = server.post_json({"inputs": "no mask token here"})
+        assert status == 422 and "mask" in body["error"], body
+        status, body = server.post_json({"inputs": ["a [MASK]", "no mask token here"]})
+        assert status == 422 and "mask" in body["error"], body
+        status, body = server.post_json({"inputs": " ".join(["hello"] * 200) + " [MASK]"})
+        assert status == 422 and "at most 128" in body["error"], body
+        status, body = server.post_json({"inputs": "paris is the [MASK]"})
+        assert status == 200 and len(body) == 5, body

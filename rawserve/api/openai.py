@@ -24,6 +24,7 @@ from rawserve.api.context import RouteContext
 from rawserve.api.openai_generation import (
     Answer,
     GenerationRequest,
+    check_max_tokens,
     parse_chat,
     parse_completion,
 )
@@ -179,6 +180,7 @@ class OpenAIRoutes:
         self, request: HttpRequest, model: ServedModel, generation: GenerationRequest, chat: bool
     ) -> HttpResponse:
         """Queue the prompts like any text-generation request; answer whole or streamed."""
+        check_max_tokens(generation, model.limits.max_new_tokens)
         shape = Answer(chat, model.name)
         deadline = self.context.deadline(request)
         if generation.stream:

@@ -221,12 +221,17 @@ class CausalLMRunner(Runner):
             cancelled,
         )
         kwargs = generate_kwargs(params, self.defaults)
+        most = self.max_positions - 1
+        asked = params.get("max_new_tokens")
+        if asked is not None and asked > most:  # the server refuses it first: a backstop
+            raise ValueError(f"max_new_tokens is {asked}, and this model generates at most {most}")
         room = self.max_positions - prompt_length
         if room < 1:
             raise ValueError(
                 f"the prompt is {prompt_length} tokens: the model takes at most "
-                f"{self.max_positions - 1} to leave room for one new token"
+                f"{most} to leave room for one new token"
             )
+        # a prompt and its new tokens past the positions stop there (finish_reason "length")
         kwargs["max_new_tokens"] = min(kwargs["max_new_tokens"], room)
         if "seed" in params:
             torch.manual_seed(params["seed"])
