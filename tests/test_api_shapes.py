@@ -120,7 +120,7 @@ class Loaded:
 
     def __init__(self, task: str, details: dict, tokenizer: str | None):
         self.task, self.ready, self.healthy = task, True, True
-        self.loaded = WorkerReady(1, task, "cpu", "float32", 0.1, details, tokenizer)
+        self.loaded = WorkerReady(1, task, "cpu", "float32", 0.1, details, tokenizer=tokenizer)
 
     def load_state(self):
         return LoadState.LOADING, None

@@ -1,6 +1,7 @@
 """A JSON object body read field by field, for the routes whose bodies are objects of named
-fields (TEI's, OpenAI's): unknown fields are refused, and each getter checks its field's
-type and range and says what is wrong (400). `null` reads as absent.
+fields (TEI's, OpenAI's): unknown fields are refused (OpenAI's routes) or ignored (TEI's, as
+TEI ignores them), and each getter checks its field's type and range and says what is
+wrong (400). `null` reads as absent.
 
 Server process; plain Python.
 """
@@ -14,11 +15,11 @@ from rawserve.http.errors import BadRequest
 
 
 class Fields:
-    def __init__(self, document: Any, allowed: Collection[str]):
+    def __init__(self, document: Any, allowed: Collection[str], ignore_unknown: bool = False):
         if not isinstance(document, dict):
             raise BadRequest("the JSON body must be an object")
         unknown = sorted(set(document) - set(allowed))
-        if unknown:
+        if unknown and not ignore_unknown:
             names = ", ".join(repr(name)[:60] for name in unknown[:10])
             raise BadRequest(f"unknown field(s): {names} (allowed: {', '.join(sorted(allowed))})")
         self.document: dict[str, Any] = document

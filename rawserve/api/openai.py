@@ -30,8 +30,9 @@ from rawserve.api.openai_generation import (
 from rawserve.api.routing import MODEL_ERRORS, Handler, Needs, Operation, Route
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import TokenStream, event_stream
-from rawserve.http.errors import BadRequest
+from rawserve.http.errors import BadRequest, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
+from rawserve.tasks.checks import BlankInput, not_blank
 
 EMBEDDING_TASK = "feature-extraction"
 EMBEDDING = Needs(frozenset({EMBEDDING_TASK}), "a feature-extraction model")
@@ -73,6 +74,11 @@ def parse_embeddings_request(
     for name in ("model", "user"):
         if document.get(name) is not None and not isinstance(document[name], str):
             raise BadRequest(f'"{name}" must be a string')
+    for text in texts:  # as every route: blank text is well-formed, but nothing to embed
+        try:
+            not_blank(text, 'a text of "input"')
+        except BlankInput as exc:
+            raise UnprocessableInput(str(exc)) from None
     return texts, params, encoding_format
 
 

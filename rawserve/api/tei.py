@@ -6,7 +6,14 @@ model with a tokenizer), and TEI's fields for `/info`.
 Embeddings and scores are computed by the workers, batched with every other request;
 `/predict` and `/rerank` ask them for logits and make scores, labels and the order here.
 Tokenizing and decoding run in this process (`tokens.ServerTokenizer`). A route that does
-not fit the model is 404 saying what it needs. Never imports torch.
+not fit the model is 404 saying what it needs.
+
+As TEI does, the routes ignore fields they do not use (its clients send some that only
+some servers read: tei-client's `normalize` on `/embed_all`, litellm's `top_n` on
+`/rerank`). What one request may cost is bounded: a `/tokenize` input at most the model's
+input length in tokens (422, or cut with `truncate: true`), and an answer at most
+`max_answer_bytes` (413, checked before the work where the token counts tell). Never
+imports torch.
 """
 
 from __future__ import annotations
@@ -34,10 +41,17 @@ from rawserve.api.routing import (
     SchemaOf,
 )
 from rawserve.api.served import ServedModel
-from rawserve.api.tokens import ServerTokenizer, UnknownTokenId
-from rawserve.http.errors import BadRequest, UnprocessableInput
+from rawserve.api.tokens import (
+    AnswerTooLarge,
+    ServerTokenizer,
+    TokenBound,
+    TooManyTokens,
+    UnknownTokenId,
+)
+from rawserve.http.errors import BadRequest, PayloadTooLarge, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.tasks import LOGITS_PARAM
+from rawserve.tasks.checks import BlankInput, not_blank
 
 EMBEDDING = Needs(frozenset({"feature-extraction"}), "a feature-extraction model")
 CLASSIFIER = Needs(frozenset({"text-classification"}), "a text-classification model")
@@ -53,12 +67,20 @@ TRUNCATION = ("truncate", "truncation_direction")
 EMBED_FIELDS = ("inputs", "normalize", "prompt_name", "dimensions", "model", *TRUNCATION)
 EMBED_ALL_FIELDS = ("inputs", "prompt_name", "model", *TRUNCATION)
 PREDICT_FIELDS = ("inputs", "raw_scores", "model", *TRUNCATION)
-RERANK_FIELDS = ("query", "texts", "raw_scores", "return_text", "model", *TRUNCATION)
-TOKENIZE_FIELDS = ("inputs", "add_special_tokens", "prompt_name", "model")
+RANK_COUNT = ("top_n", "top_k")  # return only the best n (Cohere's and others' names)
+RERANK_FIELDS = (
+    "query", "texts", "raw_scores", "return_text", "model", *RANK_COUNT, *TRUNCATION
+)  # fmt: skip
+TOKENIZE_FIELDS = ("inputs", "add_special_tokens", "prompt_name", "model", *TRUNCATION)
 DECODE_FIELDS = ("ids", "skip_special_tokens", "model")
 MAX_TOKEN_ID = 2**32 - 1
+# A /tokenize input's tokens, when the model names no input length or a larger one.
+MAX_TOKENIZE_TOKENS = 131072
+# Bytes a number of an /embed_all answer takes as JSON, about (`-0.012345678,`).
+NUMBER_BYTES = 12
 TAG = "Text Embeddings Inference"
 TOKENIZER_ERRORS = (400, 404, 413, 422, 503)
+INLINE_COUNT = 4096  # characters counted on the event loop; more: in a thread
 
 
 class TeiRoutes:
@@ -100,7 +122,7 @@ class TeiRoutes:
 
     async def embed(self, request: HttpRequest) -> HttpResponse:
         """A pooled sentence vector per input (normalized unless `normalize: false`)."""
-        fields = Fields(read_json(request), EMBED_FIELDS)
+        fields = Fields(read_json(request), EMBED_FIELDS, ignore_unknown=True)
         model = self.context.model_for(fields.get("model"), EMBEDDING)
         texts = self.texts(fields, model)
         params: dict[str, Any] = {
@@ -116,13 +138,35 @@ class TeiRoutes:
 
     async def embed_all(self, request: HttpRequest) -> HttpResponse:
         """Every token's vector, unpooled, per input."""
-        fields = Fields(read_json(request), EMBED_ALL_FIELDS)
+        fields = Fields(read_json(request), EMBED_ALL_FIELDS, ignore_unknown=True)
         model = self.context.model_for(fields.get("model"), EMBEDDING)
         texts = self.texts(fields, model)
         params = {"pooling": "none", "normalize": False, **truncation(fields)}
+        await self.check_embed_all_size(model, texts)
         results = await model.queue.run(texts, params, self.context.deadline(request))
         # the worker answers the pipeline's [1, tokens, hidden] per input
-        return answer([unwrap(result)[0] for result in results], results)
+        vectors = [unwrap(result)[0] for result in results]
+        # the exact count, for a model whose sizes were not known before the work
+        check_answer_size(sum(int(np.size(v)) for v in vectors), self.settings.max_answer_bytes)
+        return answer(vectors, results)
+
+    async def check_embed_all_size(self, model: ServedModel, texts: list[str]) -> None:
+        """413 before the work when the token vectors of `texts` would make an answer over
+        the bound: counted with the server's tokenizer when the worst case is over it."""
+        loaded = model.workers.loaded
+        dimensions = int(loaded.details.get("dimensions") or 0) if loaded else 0
+        limit = input_limit(model)
+        largest = self.settings.max_answer_bytes
+        if loaded is None or loaded.tokenizer is None or not dimensions:
+            return
+        if len(texts) * limit * dimensions * NUMBER_BYTES <= largest:
+            return  # even inputs of the model's whole length fit
+        tokenizer = await self.tokenizer(model)
+        if sum(len(text) for text in texts) <= INLINE_COUNT:
+            counts = tokenizer.count(texts, limit)
+        else:
+            counts = await asyncio.to_thread(tokenizer.count, texts, limit)
+        check_answer_size(sum(counts) * dimensions, largest)
 
     def texts(self, fields: Fields, model: ServedModel) -> list[str]:
         """The texts of `inputs` (one or a list), with the named prompt put before each."""
@@ -142,7 +186,7 @@ class TeiRoutes:
 
     async def predict(self, request: HttpRequest) -> HttpResponse:
         """Every label's score per input (a text or a pair), best first."""
-        fields = Fields(read_json(request), PREDICT_FIELDS)
+        fields = Fields(read_json(request), PREDICT_FIELDS, ignore_unknown=True)
         model = self.context.model_for(fields.get("model"), CLASSIFIER)
         items, is_batch = predict_inputs(fields.get("inputs"))
         check_client_batch(len(items), self.settings.max_client_batch_size)
@@ -157,7 +201,7 @@ class TeiRoutes:
 
     async def rerank(self, request: HttpRequest) -> HttpResponse:
         """Each text's relevance to the query, most relevant first."""
-        fields = Fields(read_json(request), RERANK_FIELDS)
+        fields = Fields(read_json(request), RERANK_FIELDS, ignore_unknown=True)
         model = self.context.model_for(fields.get("model"), CROSS_ENCODER)
         query = fields.required("query")
         if not isinstance(query, str):
@@ -166,11 +210,12 @@ class TeiRoutes:
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
             raise BadRequest('"texts" must be a non-empty list of strings')
         check_client_batch(len(texts), self.settings.max_client_batch_size)
-        unicode_text(query, '"query"')
+        checked_text(query, '"query"')
         for text in texts:
-            unicode_text(text, '"texts"')
+            checked_text(text, '"texts"')
         raw_scores = fields.boolean("raw_scores", False)
         return_text = fields.boolean("return_text", False)
+        best = rank_count(fields, len(texts))
         pairs = [{"text": query, "text_pair": text} for text in texts]
         params = {LOGITS_PARAM: True, **truncation(fields)}
         results = await model.queue.run(pairs, params, self.context.deadline(request))
@@ -184,22 +229,32 @@ class TeiRoutes:
                 rank["text"] = texts[index]
             ranks.append(rank)
         ranks.sort(key=lambda rank: rank["score"], reverse=True)
-        return answer(ranks, results)
+        return answer(ranks[:best], results)
 
     # --- the tokenizer ----------------------------------------------------------------
 
     async def tokenize(self, request: HttpRequest) -> HttpResponse:
         """Each input's tokens: id, text, whether special, and byte offsets."""
-        fields = Fields(read_json(request), TOKENIZE_FIELDS)
+        fields = Fields(read_json(request), TOKENIZE_FIELDS, ignore_unknown=True)
         model = self.context.model_for(fields.get("model"), TOKENIZER)
         texts = self.texts(fields, model)
+        cut = truncation(fields)
+        bound = TokenBound(input_limit(model), cut["truncate"], cut["truncation_direction"])
         tokenizer = await self.tokenizer(model)
-        body = await tokenizer.tokenize(texts, fields.boolean("add_special_tokens", True))
+        add_special_tokens = fields.boolean("add_special_tokens", True)
+        try:
+            body = await tokenizer.tokenize(
+                texts, add_special_tokens, bound, self.settings.max_answer_bytes
+            )
+        except TooManyTokens as exc:
+            raise UnprocessableInput(str(exc)) from None
+        except AnswerTooLarge as exc:
+            raise PayloadTooLarge(str(exc)) from None
         return HttpResponse(200, body)
 
     async def decode(self, request: HttpRequest) -> HttpResponse:
         """The text of each list of ids."""
-        fields = Fields(read_json(request), DECODE_FIELDS)
+        fields = Fields(read_json(request), DECODE_FIELDS, ignore_unknown=True)
         model = self.context.model_for(fields.get("model"), TOKENIZER)
         id_lists = id_inputs(fields.get("ids"), self.settings.max_client_batch_size)
         tokenizer = await self.tokenizer(model)
@@ -223,6 +278,37 @@ class TeiRoutes:
 # --- request parts ----------------------------------------------------------------------
 
 
+def input_limit(model: ServedModel) -> int:
+    """The most tokens an input of `model` may have (special tokens included)."""
+    loaded = model.workers.loaded
+    named = int(loaded.details.get("max_input_length") or 0) if loaded else 0
+    return min(named, MAX_TOKENIZE_TOKENS) if named > 0 else MAX_TOKENIZE_TOKENS
+
+
+def check_answer_size(numbers: int, largest: int) -> None:
+    """413 when `numbers` numbers would make an answer over `largest` bytes."""
+    if numbers * NUMBER_BYTES > largest:
+        raise PayloadTooLarge(str(AnswerTooLarge(largest)))
+
+
+def rank_count(fields: Fields, texts: int) -> int:
+    """How many ranks to answer: `top_n` (or `top_k`) best ones, else all of them."""
+    counts = {name: fields.integer(name, 1, MAX_TOKEN_ID) for name in RANK_COUNT}
+    given = {value for value in counts.values() if value is not None}
+    if len(given) > 1:
+        raise BadRequest('"top_n" and "top_k" say different counts: send one')
+    return min(given.pop(), texts) if given else texts
+
+
+def checked_text(value: str, name: str) -> str:
+    """A text as a model may take it: valid Unicode (else 400), not blank (else 422)."""
+    unicode_text(value, name)
+    try:
+        return not_blank(value, f"a text of {name}")
+    except BlankInput as exc:
+        raise UnprocessableInput(str(exc)) from None
+
+
 def truncation(fields: Fields) -> dict[str, Any]:
     """The worker parameters of TEI's `truncate` (default false: too long is 422) and
     `truncation_direction`."""
@@ -242,7 +328,7 @@ def text_inputs(value: Any, max_inputs: int) -> list[str]:
             raise BadRequest('"inputs" as token ids is not supported: send the text')
         raise BadRequest('"inputs" must be a text or a non-empty list of texts')
     check_client_batch(len(texts), max_inputs)
-    return [unicode_text(text, '"inputs"') for text in texts]
+    return [checked_text(text, '"inputs"') for text in texts]
 
 
 def predict_inputs(value: Any) -> tuple[list[Any], bool]:
@@ -252,7 +338,7 @@ def predict_inputs(value: Any) -> tuple[list[Any], bool]:
         '"inputs" must be a text, a pair [text, text], or a list of [text] and [text, text]'
     )
     if isinstance(value, str):
-        return [unicode_text(value, '"inputs"')], False
+        return [checked_text(value, '"inputs"')], False
     if not isinstance(value, list) or not value:
         raise refusal
     if all(isinstance(item, str) for item in value):
@@ -269,7 +355,7 @@ def predict_inputs(value: Any) -> tuple[list[Any], bool]:
 def sequence(texts: list[str]) -> str | dict[str, str]:
     """One text, or a pair as the classifier takes it."""
     for text in texts:
-        unicode_text(text, '"inputs"')
+        checked_text(text, '"inputs"')
     if len(texts) == 1:
         return texts[0]
     return {"text": texts[0], "text_pair": texts[1]}
