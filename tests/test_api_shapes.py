@@ -14,7 +14,8 @@ from rawserve.api.app import App
 from rawserve.api.openai_generation import cut_at_stop, messages, releasable
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
-from rawserve.api.tei import id_inputs, predict_inputs, scores, text_inputs
+from rawserve.api.tei import scores
+from rawserve.api.tei_bodies import id_inputs, predict_inputs, text_inputs
 from rawserve.api.tokens import utf8_starts
 from rawserve.executor import LoadState
 from rawserve.http.errors import BadRequest, UnprocessableInput

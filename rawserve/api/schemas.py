@@ -29,26 +29,6 @@ MODEL_FIELD = {
 }
 
 
-def texts(context: DocContext) -> Schema:
-    """One text, or a list of 1 to the input cap of them."""
-    return {
-        "oneOf": [
-            {"type": "string"},
-            {
-                "type": "array",
-                "items": {"type": "string"},
-                "minItems": 1,
-                "maxItems": context.max_inputs,
-            },
-        ]
-    }
-
-
-def details(context: DocContext) -> dict[str, Any]:
-    loaded = context.model.workers.loaded
-    return dict(loaded.details) if loaded else {}
-
-
 def request_object(properties: dict[str, Any], required: tuple[str, ...]) -> Schema:
     return {
         "type": "object",
@@ -60,73 +40,9 @@ def request_object(properties: dict[str, Any], required: tuple[str, ...]) -> Sch
 
 # --- TEI ----------------------------------------------------------------------------------
 
-TRUNCATION = {
-    "truncate": {
-        **NULLABLE_BOOLEAN,
-        "default": False,
-        "description": "Cut inputs longer than the model takes (else: 422).",
-    },
-    "truncation_direction": {"enum": ["left", "right", "Left", "Right", None], "default": "right"},
-}
-
-
-def prompt_name(context: DocContext) -> Schema:
-    prompts = sorted(details(context).get("prompts", {}))
-    return {
-        "enum": [*prompts, None],
-        "description": "A prompt of the model's sentence-transformers configuration, put "
-        "before each input.",
-    }
-
-
-def tei_embed_request(context: DocContext) -> Schema:
-    dimensions = details(context).get("dimensions") or 65536
-    return request_object(
-        {
-            "inputs": texts(context),
-            "normalize": {**NULLABLE_BOOLEAN, "default": True},
-            "prompt_name": prompt_name(context),
-            "dimensions": {"type": ["integer", "null"], "minimum": 1, "maximum": dimensions},
-            **TRUNCATION,
-        },
-        ("inputs",),
-    )
-
-
-def tei_embed_all_request(context: DocContext) -> Schema:
-    return request_object(
-        {"inputs": texts(context), "prompt_name": prompt_name(context), **TRUNCATION},
-        ("inputs",),
-    )
-
-
 VECTOR = {"type": "array", "items": NUMBER}
 TEI_EMBED_RESPONSE: Schema = {"type": "array", "items": VECTOR}
 TEI_EMBED_ALL_RESPONSE: Schema = {"type": "array", "items": {"type": "array", "items": VECTOR}}
-
-
-def tei_predict_request(context: DocContext) -> Schema:
-    one_or_pair = {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 2}
-    return request_object(
-        {
-            "inputs": {
-                "oneOf": [
-                    {"type": "string"},
-                    {**one_or_pair, "description": "a text, or a pair of texts"},
-                    {
-                        "type": "array",
-                        "items": one_or_pair,
-                        "minItems": 1,
-                        "maxItems": context.max_inputs,
-                        "description": "a batch of [text] and [text, text]",
-                    },
-                ]
-            },
-            "raw_scores": {**NULLABLE_BOOLEAN, "default": False},
-            **TRUNCATION,
-        },
-        ("inputs",),
-    )
 
 
 PREDICTION = {
@@ -142,24 +58,6 @@ TEI_PREDICT_RESPONSE: Schema = {
 }
 
 
-def tei_rerank_request(context: DocContext) -> Schema:
-    return request_object(
-        {
-            "query": {"type": "string"},
-            "texts": {
-                "type": "array",
-                "items": {"type": "string"},
-                "minItems": 1,
-                "maxItems": context.max_inputs,
-            },
-            "raw_scores": {**NULLABLE_BOOLEAN, "default": False},
-            "return_text": {**NULLABLE_BOOLEAN, "default": False},
-            **TRUNCATION,
-        },
-        ("query", "texts"),
-    )
-
-
 TEI_RERANK_RESPONSE: Schema = {
     "type": "array",
     "items": {
@@ -172,17 +70,6 @@ TEI_RERANK_RESPONSE: Schema = {
         },
     },
 }
-
-
-def tei_tokenize_request(context: DocContext) -> Schema:
-    return request_object(
-        {
-            "inputs": texts(context),
-            "add_special_tokens": {**NULLABLE_BOOLEAN, "default": True},
-            "prompt_name": prompt_name(context),
-        },
-        ("inputs",),
-    )
 
 
 TEI_TOKENIZE_RESPONSE: Schema = {
@@ -202,33 +89,6 @@ TEI_TOKENIZE_RESPONSE: Schema = {
         },
     },
 }
-TOKEN_IDS = {
-    "type": "array",
-    "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1},
-    "minItems": 1,
-}
-
-
-def tei_decode_request(context: DocContext) -> Schema:
-    return request_object(
-        {
-            "ids": {
-                "oneOf": [
-                    TOKEN_IDS,
-                    {
-                        "type": "array",
-                        "items": TOKEN_IDS,
-                        "minItems": 1,
-                        "maxItems": context.max_inputs,
-                    },
-                ]
-            },
-            "skip_special_tokens": {**NULLABLE_BOOLEAN, "default": True},
-        },
-        ("ids",),
-    )
-
-
 TEI_DECODE_RESPONSE: Schema = {"type": "array", "items": {"type": "string"}}
 
 
@@ -351,18 +211,6 @@ MODELS_LIST: Schema = {
 }
 TEXT: Schema = {"type": "string"}
 DOCUMENT: Schema = {"type": "object", "required": ["openapi", "paths"]}
-
-
-def openai_embeddings_request(context: DocContext) -> Schema:
-    return request_object(
-        {
-            "input": texts(context),
-            "encoding_format": {"enum": ["float", "base64", None], "default": "float"},
-            "dimensions": {"type": ["integer", "null"], "minimum": 1},
-            "user": NULLABLE_STRING,
-        },
-        ("input",),
-    )
 
 
 USAGE: Schema = {
