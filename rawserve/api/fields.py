@@ -53,6 +53,7 @@ class Body:
     fields: Mapping[str, Field]
     ignore_unknown: bool = False
     with_model: bool = True
+    description: str = ""
     names: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -69,6 +70,7 @@ class Body:
         if self.with_model:
             properties["model"] = MODEL.schema_in(context)
         schema: Schema = {
+            **({"description": self.description} if self.description else {}),
             "type": "object",
             "required": [name for name, spec in self.fields.items() if spec.required],
             "properties": properties,

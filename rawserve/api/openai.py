@@ -23,6 +23,8 @@ from rawserve.api.bodies import answer, check_client_batch, json_response, read_
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Field, Fields, text, texts_schema
 from rawserve.api.openai_generation import (
+    CHAT,
+    COMPLETION,
     Answer,
     GenerationRequest,
     parse_chat,
@@ -153,7 +155,7 @@ class OpenAIRoutes:
         chat = Operation(
             "Chat completions (OpenAI): messages rendered with the model's chat template",
             TAG,
-            schemas.openai_chat_request,
+            CHAT.schema,
             lambda _: schemas.OPENAI_CHAT_RESPONSE,
             errors=MODEL_ERRORS,
             events=lambda _: schemas.OPENAI_CHAT_CHUNK,
@@ -161,7 +163,7 @@ class OpenAIRoutes:
         completions = Operation(
             "Completions (OpenAI)",
             TAG,
-            schemas.openai_completion_request,
+            COMPLETION.schema,
             lambda _: schemas.OPENAI_COMPLETION_RESPONSE,
             errors=MODEL_ERRORS,
             events=lambda _: schemas.OPENAI_COMPLETION_CHUNK,
@@ -198,7 +200,8 @@ class OpenAIRoutes:
     async def completions(self, request: HttpRequest) -> HttpResponse:
         document = read_json(request)
         model = self.context.model_for(named(document), GENERATION)
-        generation = parse_completion(document, self.context.settings.max_client_batch_size)
+        context = DocContext(model, self.context.settings.max_client_batch_size)
+        generation = parse_completion(document, context)
         return await self.generate(request, model, generation, chat=False)
 
     async def generate(
