@@ -63,7 +63,7 @@ class Body:
     def read(self, document: Any) -> Fields:
         """The body as fields to read; 400 when it is not an object or (where refused)
         has fields this body does not name."""
-        return Fields(document, self.names, self.ignore_unknown, self)
+        return Fields(document, self)
 
     def schema(self, context: DocContext) -> Schema:
         properties = {name: spec.schema_in(context) for name, spec in self.fields.items()}
@@ -81,21 +81,16 @@ class Body:
 
 
 class Fields:
-    """A JSON object body, read field by field (through its `Body` where it has one)."""
+    """A JSON object body, read field by field as its `Body` declares them."""
 
-    def __init__(
-        self,
-        document: Any,
-        allowed: Collection[str],
-        ignore_unknown: bool = False,
-        body: Body | None = None,
-    ):
+    def __init__(self, document: Any, body: Body):
         if not isinstance(document, dict):
             raise BadRequest("the JSON body must be an object")
-        unknown = sorted(set(document) - set(allowed))
-        if unknown and not ignore_unknown:
+        unknown = sorted(set(document) - set(body.names))
+        if unknown and not body.ignore_unknown:
             names = ", ".join(repr(name)[:60] for name in unknown[:10])
-            raise BadRequest(f"unknown field(s): {names} (allowed: {', '.join(sorted(allowed))})")
+            allowed = ", ".join(sorted(body.names))
+            raise BadRequest(f"unknown field(s): {names} (allowed: {allowed})")
         self.document: dict[str, Any] = document
         self.body = body
 
@@ -104,40 +99,11 @@ class Fields:
 
     def value(self, name: str, context: DocContext | None = None) -> Any:
         """The field `name` read as its `Body` declares it (its default when absent)."""
-        assert self.body is not None, "only a declared body reads by its declaration"
         spec = self.body.fields[name] if name != "model" else MODEL
         value = self.document.get(name)
         if value is None and not spec.reads_null:
             return spec.default
         return value if spec.read is None else spec.read(name, value, context)
-
-    # --- getters for a body not (yet) declared as a `Body` ----------------------------
-
-    def required(self, name: str) -> Any:
-        value = self.document.get(name)
-        if value is None:
-            raise BadRequest(f'"{name}" is required')
-        return value
-
-    def boolean(self, name: str, default: bool) -> bool:
-        value = self.document.get(name)
-        return default if value is None else read_boolean(name, value, None)
-
-    def integer(self, name: str, low: int, high: int) -> int | None:
-        value = self.document.get(name)
-        return None if value is None else read_integer(name, value, low, high)
-
-    def number(self, name: str, low: float, high: float) -> float | None:
-        value = self.document.get(name)
-        return None if value is None else read_number(name, value, low, high)
-
-    def string(self, name: str) -> str | None:
-        value = self.document.get(name)
-        return None if value is None else read_string(name, value, None)
-
-    def choice(self, name: str, choices: Collection[str], default: str) -> str:
-        value = self.document.get(name)
-        return default if value is None else read_choice(name, value, choices)
 
 
 # --- the kinds of field ----------------------------------------------------------------
