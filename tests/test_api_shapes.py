@@ -1,5 +1,6 @@
 """The pure parts of the TEI and OpenAI routes: stop sequences in streamed text, TEI's
-input forms and byte offsets, the /openapi.json of every task (validated), and CORS."""
+input forms and byte offsets, the /openapi.json of every task (validated), CORS, and each
+request body's checks against its own schema (declared once, they take the same documents)."""
 
 from __future__ import annotations
 
