@@ -257,7 +257,8 @@ def test_a_bodys_checks_and_its_schema_take_the_same_documents(name, document, t
     from rawserve.http.errors import HTTPError
 
     body = body_named(name)
-    model = ServedModel("m", Idle(), Loaded("feature-extraction", {"dimensions": 32}, "{}"), {})
+    loaded = Loaded("feature-extraction", {"dimensions": 32}, "{}")
+    model = ServedModel("m", ModelService(Idle(), loaded), {})
     context = DocContext(model, 32)
     valid = jsonschema.Draft202012Validator(body.schema(context)).is_valid(document)
     try:
