@@ -73,7 +73,8 @@ OPTIONS = [
         str,
         "auto",
         "torch, onnx (ONNX Runtime, the `onnx` extra: encoder tasks on the CPU), or auto: "
-        "ONNX Runtime where it serves the task and is installed, else torch",
+        "where both serve the task, the faster on this machine by a short trial at the "
+        "first start (cached), else torch",
     ),
     Option("--dtype", str, "auto", "auto, float32, float16 or bfloat16"),
     Option(

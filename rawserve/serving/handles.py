@@ -73,4 +73,5 @@ class WorkerHandle:
             warmup_seconds=self.ready.warmup_seconds if self.ready else None,
             engine=self.ready.engine.value if self.ready else None,
             engine_reason=self.ready.engine_reason if self.ready else None,
+            dtype_reason=self.ready.dtype_reason if self.ready else None,
         )

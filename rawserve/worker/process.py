@@ -146,6 +146,7 @@ def worker_main(
             limits=runner.limits,
             engine=runner.engine,
             engine_reason=runner.engine_reason,
+            dtype_reason=runner.dtype_reason,
             tokenizer=runner.tokenizer_json(),
         )
     )
