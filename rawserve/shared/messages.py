@@ -94,6 +94,9 @@ class BatchResult:
     effective_batch_cap: int | None = None  # lowered after out-of-memory errors; None: no cap
     # real tokens per input, measured now and then: the server's length estimate learns
     token_counts: tuple[int, ...] | None = None
+    # seconds it waited in the worker behind the batch before it (set by the server's
+    # pool, two batches in flight): the scheduler times the batch's own run without it
+    waited: float = 0.0
 
 
 @dataclass(frozen=True)
