@@ -32,7 +32,7 @@ from rawserve.shared.messages import Engine
 log = logging.getLogger("rawserve.worker")
 
 TRIAL_SECONDS = 1.0  # per candidate: enough rounds to see past a noisy neighbour
-MIN_ROUNDS = 3  # timed calls per candidate, however slow the batch
+MIN_ROUNDS = 2  # timed calls per candidate, however slow the batch (on a loaded machine)
 MAX_ROUNDS = 15  # a tiny model stops here, long before the time budget
 TRIAL_BATCH = 8  # items of the trial batch when the server runs no warm-up
 CACHE_PREFIX = "engine-trial-"
