@@ -60,8 +60,8 @@ def choose_dtype(requested: str, device: str, saved: str | None, bf16: bool) -> 
     """The precision a model is loaded in on `device`, and why. `saved`: the dtype its
     checkpoint names (None: unnamed); `bf16`: whether the GPU computes in bfloat16.
 
-    On a GPU, --dtype auto means half precision: the batch costs about half of float32's
-    and an encoder's answers move only in the third or fourth digit. float16 (TEI's
+    On a GPU, --dtype auto means half precision: tensor cores run it several times as
+    fast as float32, and an encoder's answers move only in their low digits. float16 (TEI's
     default) keeps more digits than bfloat16; a checkpoint saved in bfloat16 keeps it
     where the GPU has it (such a model may not fit float16's range). On a CPU, auto is
     the checkpoint's own precision, as before: half precision there is slower or changes

@@ -67,7 +67,7 @@ def example_batch(runner: Runner, size: int) -> tuple[list[Any], dict[str, Any]]
     try:
         return [check_input(rules, value)] * size, check_params(rules, params)
     except InvalidRequest as exc:  # the example does not suit this model: serve anyway
-        log.warning("no example batch: %s", exc)
+        log.warning("no warm-up: %s", exc)
         return None
 
 
