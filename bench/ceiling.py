@@ -1,7 +1,9 @@
 """The model's own offline throughput in one process: the ceiling a server is measured against.
 
-Three ways of running the same model on the same texts, at batch sizes 1 to 64:
-- `forward`: the tokenizer on the batch, then one forward pass in PyTorch (nothing else);
+Three ways of running the same model on the same texts, at batch sizes 1 to 64 (1 to 1024
+on a GPU, `--device cuda`, in float16 unless `--dtype` says otherwise):
+- `forward`: the tokenizer on the batch, then one forward pass in PyTorch, the outputs
+  brought back to the host (nothing else);
 - `pipeline`: the transformers pipeline called on the batch as a list;
 - `onnx`: the tokenizer, then one forward pass by ONNX Runtime, on the graph rawserve's
   ONNX engine serves (the model's own, or exported once into its cache).
@@ -11,6 +13,7 @@ batches drawn from the same sample of texts for `min_seconds`, in a few rounds o
 the best counts (the machine is shared; interference only ever slows a round down).
 
     python -m bench.ceiling --model DIR --task text-classification --texts short
+    python -m bench.ceiling --model DIR --task text-classification --device cuda
 """
 
 from __future__ import annotations
@@ -30,13 +33,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+GPU_BATCH_SIZES = (1, 4, 16, 64, 256, 1024)  # a GPU's throughput grows into the hundreds
 SAMPLE_SIZE = 256
 MIN_SECONDS = 1.5  # per point, split into ROUNDS
 ROUNDS = 3
 
 
-def load(model: str, task: str) -> tuple[Any, Any, Any]:
-    """(tokenizer, model, pipeline) for `task`, on the CPU, in eval mode."""
+def default_dtype(device: str) -> str:
+    """What rawserve runs by default on `device`: half precision on a GPU."""
+    return "float16" if device.startswith("cuda") else "float32"
+
+
+def load(
+    model: str, task: str, device: str = "cpu", dtype: str = "float32"
+) -> tuple[Any, Any, Any]:
+    """(tokenizer, model, pipeline) for `task`, on `device` in `dtype`, in eval mode."""
+    import torch
     import transformers
 
     model_class = (
@@ -45,18 +57,18 @@ def load(model: str, task: str) -> tuple[Any, Any, Any]:
         else transformers.AutoModelForSequenceClassification
     )
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-    network = model_class.from_pretrained(model).eval()
-    pipe = transformers.pipeline(task, model=network, tokenizer=tokenizer, device="cpu")
+    network = model_class.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
+    pipe = transformers.pipeline(task, model=network, tokenizer=tokenizer, device=device)
     return tokenizer, network, pipe
 
 
-def forward_runner(tokenizer: Any, network: Any) -> Callable[[list[str]], Any]:
+def forward_runner(tokenizer: Any, network: Any, device: str = "cpu") -> Callable[[list[str]], Any]:
     import torch
 
     def run(batch: list[str]) -> Any:
-        encoded = tokenizer(batch, padding=True, truncation=True, return_tensors="pt")
+        encoded = tokenizer(batch, padding=True, truncation=True, return_tensors="pt").to(device)
         with torch.inference_mode():
-            return network(**encoded)
+            return network(**encoded)[0].float().cpu()  # on the host, as a server answers
 
     return run
 
@@ -136,14 +148,29 @@ def measure(
     modes: Sequence[str] = ("forward", "pipeline"),
     min_seconds: float = MIN_SECONDS,
     log: Callable[[str], None] = lambda line: None,
+    device: str = "cpu",
+    dtype: str | None = None,
 ) -> dict[str, Any]:
     import torch
 
-    tokenizer, network, pipe = load(model, task)
-    runners = {"forward": forward_runner(tokenizer, network), "pipeline": pipeline_runner(pipe)}
+    dtype = dtype or default_dtype(device)
+    tokenizer, network, pipe = load(model, task, device, dtype)
+    runners = {
+        "forward": forward_runner(tokenizer, network, device),
+        "pipeline": pipeline_runner(pipe),
+    }
+    if device != "cpu":  # ONNX Runtime runs on the CPU here
+        modes = [mode for mode in modes if mode != "onnx"]
     if "onnx" in modes:
         runners["onnx"] = onnx_runner(model, task, tokenizer, torch.get_num_threads())
-    result: dict[str, Any] = {"threads": torch.get_num_threads(), "sample": len(sample)}
+    result: dict[str, Any] = {
+        "threads": torch.get_num_threads(),
+        "sample": len(sample),
+        "device": device,
+        "dtype": dtype,
+    }
+    if device.startswith("cuda"):
+        result["gpu"] = torch.cuda.get_device_name(device)
     lengths = [len(ids) for ids in tokenizer(list(sample), truncation=True)["input_ids"]]
     uneven = max(lengths) > 2 * min(lengths)  # mixed lengths: measure whole passes
     for mode in modes:
@@ -184,9 +211,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--task", required=True)
     parser.add_argument("--texts", choices=TEXT_SETS, default="short")
-    parser.add_argument("--sample", type=int, default=SAMPLE_SIZE)
+    parser.add_argument(
+        "--sample", type=int, default=None, help="texts (default: 256; 1024 on a GPU)"
+    )
     parser.add_argument("--min-seconds", type=float, default=MIN_SECONDS)
-    parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)))
+    parser.add_argument("--batch-sizes", default=None, help="default: 1-64; 1-1024 on a GPU")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default=None, help="default: float32; float16 on a GPU")
     parser.add_argument("--modes", default="forward,pipeline", help="forward, pipeline, onnx")
     parser.add_argument("--orders", default=None, help="default: arrival (+ sorted for mixed)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (all cores)")
@@ -195,15 +226,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     orders = args.orders or ("arrival,sorted" if args.texts == "mixed" else "arrival")
+    gpu = args.device.startswith("cuda")
+    sizes = args.batch_sizes or ",".join(map(str, GPU_BATCH_SIZES if gpu else BATCH_SIZES))
+    sample = args.sample or (max(GPU_BATCH_SIZES) if gpu else SAMPLE_SIZE)
     result = measure(
         args.model,
         args.task,
-        texts(args.texts)[: args.sample],
-        batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
+        texts(args.texts)[:sample],
+        batch_sizes=[int(b) for b in sizes.split(",")],
         orders=orders.split(","),
         modes=args.modes.split(","),
         min_seconds=args.min_seconds,
         log=lambda line: print(line, file=sys.stderr, flush=True),
+        device=args.device,
+        dtype=args.dtype,
     )
     json.dump(result, sys.stdout, indent=2)
     print()

@@ -3,6 +3,9 @@
     python -m bench.compare            # everything, about 8 minutes on 2 cores
     python -m bench.compare --record   # ... and write the Performance section of RESULTS.md
     python -m bench.compare --quick    # a shorter run, to try things out
+    python -m bench.compare --device cuda --scenarios classification --text-sets short
+                                       # on a GPU: the ceiling at batch 1-1024 in float16,
+                                       # rawserve (single texts, lists of 32), the seed's
 
 For each model (a 2-label classifier and token-level embeddings, both all-MiniLM-L6-v2):
 1. the ceiling, in a process of its own with nothing else running (bench.ceiling);
@@ -45,6 +48,10 @@ READY_TIMEOUT = 180.0
 RAWSERVE_ARGS = ""
 OPENAI_MODEL = "all-MiniLM-L6-v2"  # the name the embeddings scenario sends (and serves)
 DEFAULT_SERVERS = "rawserve,rawserve-onnx,rawserve-default,seed-batching,seed-per-item"
+# on a GPU: the targets' clients (1, 64, 256) and the servers that run there
+GPU_CLIENT_COUNTS = (1, 64, 256)
+GPU_SERVERS = "rawserve,rawserve-default,rawserve-lists,seed-batching"
+LIST_LENGTH = 32  # texts per request of rawserve-lists
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class Settings:
     scenarios: tuple[str, ...]
     rawserve_args: tuple[str, ...]
     tools: bool
+    device: str = "cpu"  # cpu, or cuda[:N]: the ceiling, rawserve and the seed all run there
 
 
 FULL = dict(duration=5.0, saturation_duration=8.0, warmup=2.0, ceiling_seconds=1.2)
@@ -73,7 +81,7 @@ def log(message: str) -> None:
 
 
 def run_ceiling(scenario: Scenario, text_set: str, settings: Settings, work: Path) -> dict:
-    modes = "forward,pipeline,onnx"
+    modes = "forward,pipeline,onnx" if settings.device == "cpu" else "forward,pipeline"
     orders = "arrival,sorted" if text_set == "mixed" else "arrival"
     command = [
         sys.executable,
@@ -91,6 +99,8 @@ def run_ceiling(scenario: Scenario, text_set: str, settings: Settings, work: Pat
         orders,
         "--min-seconds",
         str(settings.ceiling_seconds),
+        "--device",
+        settings.device,
     ]
     log(f"ceiling: {scenario.name}, {text_set} texts")
     with open(work / f"ceiling-{scenario.name}-{text_set}.log", "wb") as stderr:
@@ -115,7 +125,7 @@ def start_server(name: str, scenario: Scenario, settings: Settings, work: Path):
         args = [
             *scenario.rawserve_args,
             *settings.rawserve_args,
-            *servers.RAWSERVE_VARIANTS[name],
+            *servers.rawserve_args(name, settings.device),
         ]
         # the OpenAI route names the model: served under the name every server is sent
         model = f"{OPENAI_MODEL}={scenario.model}" if scenario.openai_embeddings else scenario.model
@@ -125,15 +135,18 @@ def start_server(name: str, scenario: Scenario, settings: Settings, work: Path):
 
         infinity.setup(log)
         return infinity.server(name.removeprefix("infinity-"), log_path).start()
-    return servers.seed(name, scenario.model, scenario.task, log_path).start()
+    return servers.seed(name, scenario.model, scenario.task, log_path, settings.device).start()
 
 
 def body_format(name: str, scenario: Scenario) -> BodyFormat:
+    listed = LIST_LENGTH if name == "rawserve-lists" else 1
     if scenario.openai_embeddings:
         path = "/embeddings" if name.startswith("infinity-") else "/v1/embeddings"
-        return BodyFormat(path=path, openai_model=OPENAI_MODEL)
+        return BodyFormat(path=path, openai_model=OPENAI_MODEL, texts_per_request=listed)
     if name in servers.RAWSERVE_VARIANTS and scenario.rawserve_params is not None:
-        return BodyFormat(scenario.rawserve_params)
+        return BodyFormat(scenario.rawserve_params, texts_per_request=listed)
+    if listed > 1:
+        return BodyFormat({}, texts_per_request=listed)
     return RAW_TEXT
 
 
@@ -163,6 +176,9 @@ async def measure_server(
                 health_interval=HEALTH_INTERVAL if saturated else None,
             )
             summary = run.summary()
+            if fmt.listed:  # throughput counts items, as for every other server
+                summary["requests_per_second"] = summary["throughput"]
+                summary["throughput"] = round(summary["throughput"] * fmt.texts_per_request, 2)
             after = servers.cpu_snapshot(server.pid)
             summary.update(servers.cpu_shares(before, after, run.duration))
             points.append(summary)
@@ -408,7 +424,7 @@ def run_scenario(scenario: Scenario, settings: Settings, work: Path) -> dict[str
     return result
 
 
-def machine() -> dict[str, Any]:
+def machine(device: str = "cpu") -> dict[str, Any]:
     import torch
     import transformers
 
@@ -427,22 +443,35 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "load_average_before": os.getloadavg()[0],
+        "device": device,
+        **(
+            {"gpu": torch.cuda.get_device_name(device), "cuda": torch.version.cuda}
+            if device.startswith("cuda")
+            else {}
+        ),
     }
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="short runs (about 3 minutes)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, or cuda[:N]: the ceiling (batch 1-1024, float16), rawserve and the seed's "
+        f"server run there (servers {GPU_SERVERS}, clients "
+        f"{','.join(map(str, GPU_CLIENT_COUNTS))} unless given)",
+    )
     parser.add_argument("--record", action="store_true", help="rewrite ## Performance")
     parser.add_argument(
         "--servers",
-        default=DEFAULT_SERVERS + ",infinity-torch,infinity-optimum",
-        help=f"from {', '.join(servers.SERVERS)}",
+        default=None,
+        help=f"from {', '.join(servers.SERVERS)} (default: all but rawserve-lists on the CPU)",
     )
     parser.add_argument(
         "--scenarios", default="classification,token-embeddings,sentence-embeddings"
     )
-    parser.add_argument("--clients", default=",".join(map(str, CLIENT_COUNTS)))
+    parser.add_argument("--clients", default=None, help="default: 1,4,16,64 (1,64,256 on a GPU)")
     parser.add_argument(
         "--rawserve-args",
         default=RAWSERVE_ARGS,
@@ -478,14 +507,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = json.loads(args.from_json.read_text())
     else:
         timing = QUICK if args.quick else FULL
+        gpu = args.device != "cpu"
+        chosen_servers = args.servers or (
+            GPU_SERVERS if gpu else DEFAULT_SERVERS + ",infinity-torch,infinity-optimum"
+        )
+        clients = args.clients or ",".join(map(str, GPU_CLIENT_COUNTS if gpu else CLIENT_COUNTS))
         settings = Settings(
             **timing,
             overload_duration=0.0 if args.no_overload else (4.0 if args.quick else 8.0),
-            client_counts=tuple(int(c) for c in args.clients.split(",")),
-            servers=tuple(args.servers.split(",")),
+            client_counts=tuple(int(c) for c in clients.split(",")),
+            servers=tuple(chosen_servers.split(",")),
             scenarios=tuple(args.scenarios.split(",")),
             rawserve_args=tuple(args.rawserve_args.split()),
             tools=args.tools,
+            device=args.device,
         )
         started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="rawserve-bench-") as folder:
@@ -498,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ]
             results = {
                 "command": "python -m bench.compare " + " ".join(argv or sys.argv[1:]),
-                "machine": machine(),
+                "machine": machine(args.device),
                 "settings": settings.__dict__,
                 "scenarios": [run_scenario(s, settings, work) for s in chosen],
             }

@@ -59,7 +59,14 @@ def build_classifier(folder: Path) -> Path:
 
 
 # the servers of the raw-text scenarios: Infinity answers only its embeddings route
-TEXT_SERVERS = ("rawserve", "rawserve-onnx", "rawserve-default", "seed-batching", "seed-per-item")
+TEXT_SERVERS = (
+    "rawserve",
+    "rawserve-onnx",
+    "rawserve-default",
+    "rawserve-lists",
+    "seed-batching",
+    "seed-per-item",
+)
 
 
 def scenarios(work_dir: Path) -> list[Scenario]:
@@ -93,6 +100,7 @@ def scenarios(work_dir: Path) -> list[Scenario]:
                 "rawserve",
                 "rawserve-onnx",
                 "rawserve-default",
+                "rawserve-lists",
                 "infinity-torch",
                 "infinity-optimum",
             ),

@@ -14,6 +14,7 @@ SERVER_LABELS = {
     "rawserve": "rawserve (torch)",
     "rawserve-onnx": "rawserve (ONNX Runtime)",
     "rawserve-default": "rawserve, no options",
+    "rawserve-lists": "rawserve, lists of 32 texts",
     "seed-batching": "seed, 1 ms batching",
     "seed-per-item": "seed, per item",
     "infinity-torch": "Infinity (torch)",

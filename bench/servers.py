@@ -25,6 +25,7 @@ SERVERS = (
     "rawserve",
     "rawserve-onnx",
     "rawserve-default",
+    "rawserve-lists",
     "seed-batching",
     "seed-per-item",
     "infinity-torch",
@@ -36,7 +37,20 @@ RAWSERVE_VARIANTS = {
     "rawserve": ("--device", "cpu,cpu", "--engine", "torch"),
     "rawserve-onnx": ("--device", "cpu,cpu", "--engine", "onnx"),
     "rawserve-default": (),  # what a user gets with no options
+    "rawserve-lists": ("--engine", "torch"),  # each request a list of texts (bench.compare)
 }
+GPU_VARIANTS = ("rawserve", "rawserve-default", "rawserve-lists")  # ONNX runs on the CPU
+
+
+def rawserve_args(name: str, device: str = "cpu") -> tuple[str, ...]:
+    """The options of rawserve's variant `name` on `device` (cpu: the variants as above;
+    a GPU: one worker on it, its defaults otherwise, half precision included)."""
+    args = RAWSERVE_VARIANTS[name]
+    if device == "cpu":
+        return args if name != "rawserve-lists" else ("--device", "cpu,cpu", *args)
+    if name not in GPU_VARIANTS:
+        raise ValueError(f"{name} runs on the CPU only")
+    return args if name == "rawserve-default" else ("--device", device, "--engine", "torch")
 
 
 def free_port() -> int:
@@ -123,8 +137,9 @@ def rawserve(
     return ServerProcess(name, command, base_env(), log_path)
 
 
-def seed(name: str, model: str, task: str, log_path: Path) -> ServerProcess:
-    """The seed page's server under uvicorn, with uvicorn's defaults (as `uvicorn server:app`)."""
+def seed(name: str, model: str, task: str, log_path: Path, device: str = "cpu") -> ServerProcess:
+    """The seed page's server under uvicorn, with uvicorn's defaults (as `uvicorn server:app`);
+    on a GPU its pipeline runs there in float16 (as rawserve does by default)."""
     module = {"seed-batching": "seed_batching", "seed-per-item": "seed_per_item"}[name]
     command = [
         sys.executable,
@@ -135,6 +150,8 @@ def seed(name: str, model: str, task: str, log_path: Path) -> ServerProcess:
         "127.0.0.1",
     ]
     env = {**base_env(), "SEED_MODEL": model, "SEED_TASK": task}
+    if device != "cpu":
+        env.update(SEED_DEVICE=device, SEED_DTYPE="float16")
     return ServerProcess(name, command, env, log_path)
 
 

@@ -54,18 +54,24 @@ class BodyFormat:
     json_params: dict[str, Any] | None = None  # None: raw text body
     path: str = "/"
     openai_model: str | None = None
+    texts_per_request: int = 1  # more: a JSON list of that many copies of the text
+
+    @property
+    def listed(self) -> bool:
+        return self.texts_per_request > 1
 
     @property
     def content_type(self) -> str:
-        raw = self.json_params is None and self.openai_model is None
+        raw = self.json_params is None and self.openai_model is None and not self.listed
         return "text/plain; charset=utf-8" if raw else "application/json"
 
     def body(self, text: str) -> bytes:
+        inputs: str | list[str] = [text] * self.texts_per_request if self.listed else text
         if self.openai_model is not None:
-            return json.dumps({"input": text, "model": self.openai_model}).encode()
-        if self.json_params is None:
+            return json.dumps({"input": inputs, "model": self.openai_model}).encode()
+        if self.json_params is None and not self.listed:
             return text.encode()
-        document: dict[str, Any] = {"inputs": text}
+        document: dict[str, Any] = {"inputs": inputs}
         if self.json_params:
             document["parameters"] = self.json_params
         return json.dumps(document).encode()

@@ -79,6 +79,7 @@ class ModelConfig:
     batching: Batching
     max_queue: int
     batch_timeout: float  # seconds a batch may run before its worker is restarted
+    batch_limits: str = "as given"  # which batch limits are the device's defaults, and why
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ def model_facts(plan: ModelPlan, config: ServerConfig, workers: WorkerPlan) -> d
                 "max_batch_size": model.max_batch_size,
                 "max_batch_delay_ms": model.max_batch_delay_ms,
                 "max_batch_tokens": model.max_batch_tokens,
+                "limits": model.batch_limits,  # the device's defaults, or as given
                 "max_queue": model.max_queue,
                 "timeout_seconds": config.app.timeout,
             },
@@ -207,6 +208,7 @@ async def serve(config: ServerConfig, plans: Sequence[ModelPlan], workers: Worke
     )
     if workers.chosen:
         log.info("layout: %s", workers.layout)
+    log.info("batch limits: %s", config.model.batch_limits)
 
     stop = asyncio.Event()
     first_signal: float | None = None

@@ -46,7 +46,8 @@ def test_the_configuration_is_frozen_all_the_way_down():
             setattr(target, name, None)
 
 
-def test_the_defaults_are_the_option_table_s():
+def test_the_defaults_are_the_option_table_s(monkeypatch):
+    monkeypatch.setattr("rawserve.ops.layout.gpu_present", lambda: False)  # a CPU machine
     config = parse_config([])
     assert isinstance(config, ServerConfig)
     assert (config.host, config.port, config.tls, config.ssl_context) == (
@@ -182,6 +183,7 @@ def test_a_model_s_workers_and_its_info_are_built_from_the_typed_configuration()
         "max_batch_size": 8,
         "max_batch_delay_ms": 0.0,
         "max_batch_tokens": None,
+        "limits": "on the CPU: up to 8 items (as given), no token budget",
         "max_queue": 256,
         "timeout_seconds": 12.0,
     }

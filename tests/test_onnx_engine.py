@@ -245,11 +245,12 @@ def test_the_server_says_which_engine_runs_and_why(tiny_model, onnx_cache):
     env = {"RAWSERVE_CACHE_DIR": str(onnx_cache.parent), "RAWSERVE_ENGINE": "auto"}  # the default
     args = ["--model", tiny_model("text-classification"), "--device", "cpu"]
     with RunningServer(args, env=env).start() as server:
-        assert any("engine onnx (auto:" in line for line in server.lines)
+        # both engines serve the task: the faster here, by a trial (tests/test_engine_trial.py)
+        assert any("(auto: the faster here" in line for line in server.lines)
         with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/info") as answer:
             info = json.load(answer)
-        assert info["engine"] == "onnx" and info["requested_engine"] == "auto"
-        assert "onnxruntime installed" in info["workers"][0]["engine_reason"]
+        assert info["engine"] in ("onnx", "torch") and info["requested_engine"] == "auto"
+        assert "onnx" in info["workers"][0]["engine_reason"]
         request = urllib.request.Request(
             f"http://127.0.0.1:{server.port}/",
             data=json.dumps({"inputs": ["i like it", "bad"]}).encode(),

@@ -19,6 +19,12 @@ from transformers import pipeline
 
 MODEL = os.environ["SEED_MODEL"]
 TASK = os.environ.get("SEED_TASK")
+# the device and precision of the pipeline (bench.compare --device cuda); unset: the seed's
+ON_DEVICE = {
+    name: os.environ[variable]
+    for name, variable in (("device", "SEED_DEVICE"), ("dtype", "SEED_DTYPE"))
+    if os.environ.get(variable)
+}
 
 
 async def homepage(request):
@@ -31,7 +37,7 @@ async def homepage(request):
 
 
 async def server_loop(q):
-    pipe = pipeline(task=TASK, model=MODEL)
+    pipe = pipeline(task=TASK, model=MODEL, **ON_DEVICE)
     while True:
         (string, rq) = await q.get()
         strings = [string]

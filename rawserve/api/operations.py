@@ -185,6 +185,7 @@ def _worker_info(worker: WorkerStatus) -> dict[str, Any]:
         "index": worker.index,
         "device": worker.device,
         "dtype": worker.dtype,
+        "dtype_reason": worker.dtype_reason,
         "engine": worker.engine,
         "engine_reason": worker.engine_reason,
         "state": worker.state.value,

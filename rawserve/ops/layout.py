@@ -15,6 +15,7 @@ Server process; reads /proc and the model folder's file sizes, never imports tor
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +71,17 @@ def model_bytes(folder: Path) -> int:
     except OSError:
         return 0
     return 0
+
+
+def on_gpu(devices: Sequence[str] | None, present: Callable[[], bool] | None = None) -> bool:
+    """Whether the workers of `devices` (--device parsed; None: the default layout) run on
+    a GPU: a cuda device named, or auto (or nothing) where the machine shows one.
+    `present`: the probe (gpu_present; tests fake it)."""
+    if devices and any(device.startswith("cuda") for device in devices):
+        return True
+    if devices and all(device != "auto" for device in devices):
+        return False
+    return (present or gpu_present)()
 
 
 def gpu_present() -> bool:

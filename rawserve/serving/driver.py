@@ -249,7 +249,8 @@ class Scheduler:
                 _settle(item, exception=_as_refusal(error))
             return
         result: BatchResult = done.result()
-        self.core.finish_batch(batch, self.clock())
+        # its own run: the time it waited in the worker behind another batch left out
+        self.core.finish_batch(batch, self.clock() - result.waited)
         if result.token_counts:
             self.core.calibrate(batch, result.token_counts)
         if self.metrics is not None:

@@ -1,4 +1,4 @@
-"""One worker process as the pool holds it (`WorkerHandle`), and the batch on its way
+"""One worker process as the pool holds it (`WorkerHandle`), and the batches on their way
 through it (`Job`)."""
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ class Job:
     poison_key: str | None = None  # set on a one-item retry after a crash
     watchdog: asyncio.TimerHandle | None = None
     streamed: bool = False  # tokens of it reached a client: it cannot run again unseen
+    waited: float = 0.0  # seconds it waited in the worker behind the batch before it
 
 
 class WorkerHandle:
-    """One worker process, its pipe, and the batch it is computing."""
+    """One worker process, its pipe, the batch it is computing and the one behind it."""
 
     def __init__(self, index: int, config: WorkerConfig, record: WorkerRecord):
         self.index = index
@@ -46,7 +47,11 @@ class WorkerHandle:
         self.conn: Connection | None = None  # batches go out on it
         # the id of a stream whose client left, shared with the process: it stops generating
         self.cancelled_stream: SharedInt | None = None
-        self.job: Job | None = None
+        self.job: Job | None = None  # the batch it is computing
+        # the batch sent behind it, waiting in the worker (two in flight: `overlap`)
+        self.queued: Job | None = None
+        self.queued_at = 0.0  # when `queued` was sent
+        self.overlap = False  # it may hold a second batch (decided once it is ready)
         self.ready: WorkerReady | None = None
         self.started_at = 0.0
         self.record = record  # its restarts and crashes, counted by the supervisor
@@ -73,4 +78,5 @@ class WorkerHandle:
             warmup_seconds=self.ready.warmup_seconds if self.ready else None,
             engine=self.ready.engine.value if self.ready else None,
             engine_reason=self.ready.engine_reason if self.ready else None,
+            dtype_reason=self.ready.dtype_reason if self.ready else None,
         )

@@ -12,8 +12,17 @@ decided by the pure supervision core (`rawserve.serving.supervision`); this modu
 carries it out. A batch running longer than `batch_timeout` gets its worker killed and
 its items answered with a failure. The worker's effective batch cap (lowered after
 out-of-memory errors) is learned from its results and offered to the scheduler through
-`batch_cap()`. Never imports torch: it names the worker's entry function, whose module
-imports torch only inside the worker process.
+`batch_cap()`.
+
+A GPU worker holds two batches: the one it computes and the next, sent before the first
+is answered, so that the GPU starts the next batch at once instead of idling through the
+round trip (result to the server, the next batch formed, sent and read). The worker runs
+them in order and answers each before starting the next (rawserve.worker.feeder), so the
+batch a dead worker was running is the one it held first; the one behind it never
+started and runs again whole.
+
+Never imports torch: it names the worker's entry function, whose module imports torch
+only inside the worker process.
 """
 
 from __future__ import annotations
@@ -92,13 +101,17 @@ class WorkerPool:
         on_idle: Callable[[], None] | None = None,
         metrics: DropCounter | None = None,
         core_share: CoreShare | None = None,
+        overlap: bool | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         """`on_idle` is called whenever a worker may have become free (the scheduler's
         wake-up); `metrics` counts the inputs refused as poison; `core_share` is shared by
-        the pools of every served model (each its own when not given)."""
+        the pools of every served model (each its own when not given); `overlap`: two
+        batches in flight on every worker (True), none (False), or by device (None:
+        `overlaps`)."""
         self._loop = loop
+        self.overlap = overlap
         self.clock = clock
         self.batch_timeout = batch_timeout
         self.share_cores = share_cores  # CPU workers split the cores by how many are busy
@@ -189,14 +202,16 @@ class WorkerPool:
         return (loaded.engine, loaded.engine_reason) if loaded else None
 
     def idle_workers(self) -> int:
+        """How many batches could be sent now: one per idle worker, and one behind the
+        running batch of each busy worker that overlaps."""
         if self._holding_cores():
             return 0
-        idle = sum(w.state is WorkerState.IDLE for w in self.workers)
-        return max(0, idle - len(self._retries))
+        free = sum(self._has_room(w) for w in self.workers)
+        return max(0, free - len(self._retries))
 
     def batch_cap(self) -> int | None:
         """The most items a `submit` should carry now (None: no limit of the workers')."""
-        caps = [w.batch_cap for w in self.workers if w.state is WorkerState.IDLE and w.batch_cap]
+        caps = [w.batch_cap for w in self.workers if self._has_room(w) and w.batch_cap]
         return min(caps, default=None)
 
     def submit(
@@ -204,7 +219,9 @@ class WorkerPool:
     ) -> asyncio.Future[BatchResult]:
         # the scheduler may send a second batch in the same breath as a lone item that
         # took every core: it runs on a free worker anyway (briefly one thread too many)
-        worker = self._next_idle(despite_hold=True)
+        worker = self._next_idle(despite_hold=True) or next(
+            (w for w in self.workers if self._has_room(w)), None
+        )
         if worker is None or self._retries:
             raise Refused.because(Reason.NO_WORKER, "no model worker is free")
         future = self._running_loop.create_future()
@@ -261,6 +278,7 @@ class WorkerPool:
             else:
                 worker.process.kill()
             self._take_job(worker, error=stopping)
+            self._take_queued(worker, error=stopping)
         timeout = EXIT_TIMEOUT if wait else 0.0
         await asyncio.gather(
             *(
@@ -291,18 +309,33 @@ class WorkerPool:
             return None
         return next((w for w in self.workers if w.state is WorkerState.IDLE), None)
 
+    def _has_room(self, worker: WorkerHandle) -> bool:
+        """Whether `worker` takes a batch now: idle, or computing one with room behind."""
+        if worker.state is WorkerState.IDLE:
+            return True
+        return worker.state is WorkerState.BUSY and worker.overlap and worker.queued is None
+
+    def overlaps(self, ready: WorkerReady) -> bool:
+        """Whether a worker that just loaded holds two batches. Yes on a GPU: it computes
+        apart from the CPU, whose threads meanwhile receive the next batch. No on a CPU:
+        the default layout gives every core a worker, so a batch sent early would only
+        wait for the cores, and would be given its threads (core sharing) before the
+        batch ahead of it ends; bench/RESULTS.md has the measurement."""
+        if self.overlap is not None:
+            return self.overlap
+        return ready.device.startswith("cuda")
+
     def _holding_cores(self) -> bool:
         """A lone item runs on every core: the other CPU workers wait until it is done."""
         holder = self._all_cores
         return holder is not None and holder.state is WorkerState.BUSY
 
     def _send(self, worker: WorkerHandle, job: Job) -> None:
-        worker.state = WorkerState.BUSY
-        worker.job = job
-        if self.batch_timeout:
-            job.watchdog = self._running_loop.call_later(
-                self.batch_timeout, self._on_batch_timeout, worker, job
-            )
+        if worker.job is None:
+            worker.state = WorkerState.BUSY
+            self._start(worker, job)
+        else:  # behind the running batch: it starts when that one is answered
+            worker.queued, worker.queued_at = job, self.clock()
         try:
             threads = self._threads_for(worker, len(job.inputs))
             batch = Batch(job.batch_id, job.inputs, dict(job.params), threads, job.control)
@@ -332,6 +365,21 @@ class WorkerPool:
             self._send(worker, self._retries.popleft())
         if self.idle_workers():
             self._notify_idle()
+
+    def _start(self, worker: WorkerHandle, job: Job) -> None:
+        """`job` is the batch `worker` computes now: its batch timeout runs from here."""
+        worker.job = job
+        if self.batch_timeout:
+            job.watchdog = self._running_loop.call_later(
+                self.batch_timeout, self._on_batch_timeout, worker, job
+            )
+
+    def _take_queued(self, worker: WorkerHandle, *, error: Exception | None = None) -> Job | None:
+        """Detach the batch waiting behind the worker's job; fail it with `error` if given."""
+        job, worker.queued = worker.queued, None
+        if job is not None and error is not None:
+            _settle(job.future, error=error)
+        return job
 
     def _take_job(self, worker: WorkerHandle, *, error: Exception | None = None) -> Job | None:
         """Detach the worker's job (stopping its watchdog); fail it with `error` if given."""
@@ -409,6 +457,7 @@ class WorkerPool:
         replies_out.close()  # the worker holds the only write end: its exit is our EOF
         worker.process, worker.conn = process, batches_out
         worker.state = WorkerState.LOADING
+        worker.queued, worker.overlap = None, False
         worker.ready = None
         worker.batch_cap = None
         worker.started_at = self.clock()
@@ -467,6 +516,7 @@ class WorkerPool:
             )
         elif isinstance(message, WorkerReady):
             worker.ready = message
+            worker.overlap = self.overlaps(message)
             worker.state = WorkerState.IDLE
             self.supervisor.loaded(worker.index)
             warmed = message.warmup_seconds
@@ -494,7 +544,11 @@ class WorkerPool:
             log.warning("worker %s: dropped a stale result", worker.label)
             return
         self._take_job(worker)
-        if worker.state is WorkerState.BUSY:
+        behind = self._take_queued(worker)
+        if behind is not None:  # the worker started it as it sent this result
+            behind.waited = self.clock() - worker.queued_at
+            self._start(worker, behind)
+        elif worker.state is WorkerState.BUSY:
             worker.state = WorkerState.IDLE
         self.supervisor.answered(worker.index)  # it works: forget earlier crashes
         if result.effective_batch_cap != worker.batch_cap:
@@ -504,7 +558,7 @@ class WorkerPool:
                 result.effective_batch_cap or "the configured maximum",
             )
             worker.batch_cap = result.effective_batch_cap
-        _settle(job.future, result=result)
+        _settle(job.future, result=replace(result, waited=job.waited) if job.waited else result)
         if not self._closing:
             self._pump()
 
@@ -515,19 +569,24 @@ class WorkerPool:
         worker.state = WorkerState.DEAD
         if self._closing:
             self._take_job(worker, error=shutting_down())
+            self._take_queued(worker, error=shutting_down())
             return
         job = self._take_job(worker)
+        behind = self._take_queued(worker)
         held = None if job is None else Held(job.streamed, job.poison_key)
         decision = self.supervisor.exited(worker.index, while_loading=was_loading, held=held)
         if job is not None and decision.lost is not None:
             self._carry_out(worker, job, decision.lost)
+        if behind is not None:  # it never started (see the module's docstring): run it again
+            self._retries.append(replace(behind, watchdog=None, waited=0.0))
         log.error(
-            "worker %s: process %d exited with code %s%s%s; restarting in %.1f s",
+            "worker %s: process %d exited with code %s%s%s%s; restarting in %.1f s",
             worker.label,
             process.pid,
             process.exitcode,
             " while loading" if was_loading else "",
             f" holding a batch of {len(job.inputs)}" if job else "",
+            f" and one of {len(behind.inputs)} behind it" if behind else "",
             decision.restart_in,
         )
         self._running_loop.call_later(decision.restart_in, self._respawn, worker)

@@ -48,6 +48,7 @@ class WorkerStatus:
     warmup_seconds: float | None = None  # its warm-up batch; None: none ran (yet)
     engine: str | None = None  # what runs its forward pass, once loaded
     engine_reason: str | None = None
+    dtype_reason: str | None = None  # why that precision, once loaded
 
     @property
     def serving(self) -> bool:

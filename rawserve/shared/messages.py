@@ -18,7 +18,7 @@ class Engine(enum.Enum):
 
     TORCH = "torch"
     ONNX = "onnx"  # ONNX Runtime, on the CPU, for the encoder tasks (the `onnx` extra)
-    AUTO = "auto"  # ONNX Runtime where it serves the task and is installed, else torch
+    AUTO = "auto"  # where both serve the task: the faster here, by a short trial at start
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,9 @@ class BatchResult:
     effective_batch_cap: int | None = None  # lowered after out-of-memory errors; None: no cap
     # real tokens per input, measured now and then: the server's length estimate learns
     token_counts: tuple[int, ...] | None = None
+    # seconds it waited in the worker behind the batch before it (set by the server's
+    # pool, two batches in flight): the scheduler times the batch's own run without it
+    waited: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,7 @@ class WorkerReady:
     limits: ModelLimits = field(default_factory=ModelLimits)
     engine: Engine = Engine.TORCH  # what runs the forward pass (never AUTO)
     engine_reason: str = ""  # why that engine, for the log and /info
+    dtype_reason: str = ""  # why that precision (half by default on a GPU), for /info
     # the model's tokenizer in the `tokenizers` library's JSON form (None: it has none):
     # the server tokenizes and decodes with it for /tokenize and /decode
     tokenizer: str | None = None

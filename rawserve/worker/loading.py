@@ -1,18 +1,25 @@
-"""Loads the runner a worker serves: which class wraps the model for its task, and which
-engine runs its forward pass (torch, or ONNX Runtime for the encoder tasks on a CPU).
+"""Loads the runner a worker serves: which class wraps the model for its task, in which
+precision (half on a GPU unless --dtype says otherwise), and which engine runs its
+forward pass (torch, or ONNX Runtime for the encoder tasks on a CPU; with --engine auto,
+whichever a short trial on this machine finds faster: rawserve.worker.engine_trial).
 
 Worker process only (imports torch, and every runner module).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import json
 import logging
+from functools import partial
+from pathlib import Path
 
 import torch
 
 from rawserve.shared.messages import Engine, WorkerConfig
 from rawserve.tasks import SEQ2SEQ_TASKS
-from rawserve.worker import onnx_engine
+from rawserve.worker import engine_trial, onnx_engine
 from rawserve.worker.causal_lm import CausalLMRunner
 from rawserve.worker.encoder import EncoderRunner
 from rawserve.worker.handler import HandlerRunner
@@ -20,6 +27,7 @@ from rawserve.worker.pipeline import PipelineRunner
 from rawserve.worker.runner import Runner, resolve_device, resolve_dtype
 from rawserve.worker.seq2seq_lm import Seq2SeqLMRunner
 from rawserve.worker.span_extraction import SpanExtractionRunner
+from rawserve.worker.warmup import example_batch
 
 log = logging.getLogger("rawserve.worker")
 
@@ -48,6 +56,35 @@ def choose_engine(
     return Engine.ONNX, f"auto: {task} on the CPU with onnxruntime installed"
 
 
+def choose_dtype(requested: str, device: str, saved: str | None, bf16: bool) -> tuple[str, str]:
+    """The precision a model is loaded in on `device`, and why. `saved`: the dtype its
+    checkpoint names (None: unnamed); `bf16`: whether the GPU computes in bfloat16.
+
+    On a GPU, --dtype auto means half precision: tensor cores run it several times as
+    fast as float32, and an encoder's answers move only in their low digits. float16 (TEI's
+    default) keeps more digits than bfloat16; a checkpoint saved in bfloat16 keeps it
+    where the GPU has it (such a model may not fit float16's range). On a CPU, auto is
+    the checkpoint's own precision, as before: half precision there is slower or changes
+    answers, and nothing auto picks may change answers."""
+    if requested != "auto":
+        return requested, f"--dtype {requested}"
+    if not device.startswith("cuda"):
+        return "auto", f"auto on {device}: the checkpoint's own ({saved or 'float32'})"
+    if saved == "bfloat16" and bf16:
+        return "bfloat16", f"auto on {device}: half precision, bfloat16 as the checkpoint"
+    return "float16", f"auto on {device}: half precision (float16; --dtype float32 for full)"
+
+
+def saved_dtype(folder: Path) -> str | None:
+    """The dtype a model folder's config.json names (`dtype`, or the older `torch_dtype`)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    named = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    return named if isinstance(named, str) else None
+
+
 def load_runner(config: WorkerConfig, device: str) -> Runner:
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -57,22 +94,77 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
     model, task = config.model, config.task
     if task is None:
         raise ValueError("no task: the server names the task of every model it serves")
+    bf16 = device.startswith("cuda") and torch.cuda.is_bf16_supported()
+    dtype, dtype_reason = choose_dtype(config.dtype, device, saved_dtype(Path(model)), bf16)
+    log.info("dtype: %s (%s)", dtype, dtype_reason)
+    config = dataclasses.replace(config, dtype=dtype)
     engine, reason = choose_engine(
         config.engine, task, device, config.dtype, onnx_engine.onnxruntime_installed()
     )
-    network: onnx_engine.OnnxNetwork | None = None
-    if engine is Engine.ONNX:
-        try:
-            network = onnx_engine.load_network(model, task, config.threads or 1)
-        except Exception as exc:
-            if config.engine is not Engine.AUTO:
-                raise
-            log.warning("the ONNX engine could not load this model: torch runs it", exc_info=True)
-            engine, reason = Engine.TORCH, f"auto: the ONNX export failed ({type(exc).__name__})"
+    runner: Runner | None = None
+    if engine is Engine.ONNX and config.engine is Engine.AUTO:
+        engine, reason, runner = measured_engine(config, task, device)
+    elif engine is Engine.ONNX:
+        network = onnx_engine.load_network(model, task, config.threads or 1)
+        runner = build_runner(config, task, device, network)
     log.info("engine: %s (%s)", engine.value, reason)
-    runner = build_runner(config, task, device, network)
+    runner = runner or build_runner(config, task, device, None)
     runner.engine, runner.engine_reason = engine, reason
+    runner.dtype_reason = dtype_reason
     return runner
+
+
+def measured_engine(config: WorkerConfig, task: str, device: str) -> tuple[Engine, str, Runner]:
+    """--engine auto where both engines serve the task: the faster on this machine, by the
+    trial's cached verdict or a trial now; torch alone where ONNX Runtime cannot load it."""
+    size = config.warmup_batch or engine_trial.TRIAL_BATCH
+    cache_dir = onnx_engine.default_cache_dir()
+    key = trial_key(config, task, size)
+    trial = engine_trial.cached(cache_dir, key)
+    if trial is not None and trial.winner is Engine.TORCH:
+        return Engine.TORCH, trial.describe(), build_runner(config, task, device, None)
+    try:
+        network = onnx_engine.load_network(config.model, task, config.threads or 1)
+    except Exception as exc:  # noqa: BLE001 - logged; torch serves the model
+        log.warning("the ONNX engine could not load this model: torch runs it", exc_info=True)
+        reason = f"auto: the ONNX export failed ({type(exc).__name__})"
+        return Engine.TORCH, reason, build_runner(config, task, device, None)
+    onnx_runner = build_runner(config, task, device, network)
+    if trial is not None:
+        return Engine.ONNX, trial.describe(), onnx_runner
+    batch = example_batch(onnx_runner, size)
+    if batch is None:  # nothing to measure with: ONNX Runtime, the faster on most CPUs
+        return Engine.ONNX, "auto: no example batch to measure with", onnx_runner
+    torch_runner = build_runner(config, task, device, None)
+    runners = {Engine.TORCH: torch_runner, Engine.ONNX: onnx_runner}
+    inputs, params = batch
+    try:
+        trial = engine_trial.run_trial(
+            {engine: partial(runner.run, inputs, params) for engine, runner in runners.items()},
+            size,
+        )
+    except Exception:  # noqa: BLE001 - a failed trial is logged; ONNX Runtime serves
+        log.warning("the engine trial failed", exc_info=True)
+        return Engine.ONNX, "auto: the engine trial failed", onnx_runner
+    engine_trial.store(cache_dir, key, trial)
+    winner = runners.pop(trial.winner)
+    runners.clear()
+    del torch_runner, onnx_runner
+    gc.collect()  # the loser's weights go now, not at some later collection
+    return trial.winner, trial.describe(), winner
+
+
+def trial_key(config: WorkerConfig, task: str, size: int) -> dict[str, object]:
+    """What the trial's verdict depends on (rawserve.worker.engine_trial)."""
+    return {
+        **onnx_engine.cache_key(Path(config.model), onnx_engine.HEADS[task]),
+        "task": task,
+        "batch": size,
+        "threads": config.threads,
+        "dtype": config.dtype,
+        "onnxruntime": engine_trial.installed_version("onnxruntime"),
+        "machine": engine_trial.machine(),
+    }
 
 
 def build_runner(

@@ -1,8 +1,9 @@
 """The worker process's main loop: load the model once, then run batches from the pipe.
 
-Batches come in on a multiprocessing pipe; everything the worker says (ready, results,
-streamed tokens) goes out on a one-way pipe of its own that the server's event loop
-reads (`rawserve.shared.pipes`).
+Batches come in on a multiprocessing pipe, read by a thread of their own while the model
+runs (`rawserve.worker.feeder`: the server may send the next batch early); everything
+the worker says (ready, results, streamed tokens) goes out, from the model's thread, on
+a one-way pipe of its own that the server's event loop reads (`rawserve.shared.pipes`).
 
 Runs only in the child (started with `spawn`, so this module must stay importable
 without side effects). torch and transformers are imported inside `worker_main`, never
@@ -39,6 +40,7 @@ from rawserve.shared.messages import (
     WorkerWarming,
 )
 from rawserve.shared.pipes import MessageWriter
+from rawserve.worker.feeder import Feeder
 
 if TYPE_CHECKING:
     from rawserve.worker.runner import Runner
@@ -146,17 +148,16 @@ def worker_main(
             limits=runner.limits,
             engine=runner.engine,
             engine_reason=runner.engine_reason,
+            dtype_reason=runner.dtype_reason,
             tokenizer=runner.tokenizer_json(),
         )
     )
     cap = BatchCap()
     releaser = FreeMemoryReleaser()  # tensors of every shape: the heap would only grow
     threads = config.threads
+    feeder = Feeder(batches).start()  # the next batch arrives while this one runs
     while True:
-        try:
-            message = batches.recv()
-        except (EOFError, OSError):  # the server is gone
-            return
+        message = feeder.next()
         if isinstance(message, Shutdown):
             return
         if isinstance(message, Batch):

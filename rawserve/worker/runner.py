@@ -55,6 +55,7 @@ class Runner:
         self.task = task
         self.device = device
         self.dtype = dtype
+        self.dtype_reason = ""  # why that precision, for the log and /info (set on loading)
         self.tokenizer = tokenizer  # None: inputs are not text (or not tokenized here)
         self.engine = Engine.TORCH
         self.engine_reason = ""

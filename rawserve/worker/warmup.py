@@ -56,19 +56,27 @@ def example_image() -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def warm_up(runner: Runner, size: int) -> float | None:
-    """Run one batch of `size` example inputs; its seconds, or None when nothing ran."""
+def example_batch(runner: Runner, size: int) -> tuple[list[Any], dict[str, Any]] | None:
+    """`size` checked example inputs of the runner's task and their checked parameters
+    (the warm-up's batch, and the engine trial's); None when the task has none."""
     found = example(runner)
     rules = task_rules(runner.task)
     if found is None or rules is None or size < 1:
         return None
     value, params = found
     try:
-        inputs = [check_input(rules, value)] * size
-        checked = check_params(rules, params)
+        return [check_input(rules, value)] * size, check_params(rules, params)
     except InvalidRequest as exc:  # the example does not suit this model: serve anyway
         log.warning("no warm-up: %s", exc)
         return None
+
+
+def warm_up(runner: Runner, size: int) -> float | None:
+    """Run one batch of `size` example inputs; its seconds, or None when nothing ran."""
+    batch = example_batch(runner, size)
+    if batch is None:
+        return None
+    inputs, checked = batch
     started = time.perf_counter()
     try:
         runner.run(inputs, checked)

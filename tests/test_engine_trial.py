@@ -1,0 +1,152 @@
+"""`--engine auto` settled by a short timed trial on the machine itself, not by a rule
+about CPUs: the faster candidate wins, the verdict is cached per model and machine, and
+the log and /info show the figures."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from rawserve.shared.messages import Engine
+from rawserve.worker import engine_trial
+from rawserve.worker.engine_trial import Trial, cached, run_trial, store
+from tests.server import RunningServer
+
+
+class FakeClock:
+    """perf_counter's stand-in: each candidate moves it by its own fixed cost."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.calls: list[str] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def candidate(self, name: str, seconds: float):
+        def call() -> None:
+            self.calls.append(name)
+            self.now += seconds
+
+        return call
+
+
+@pytest.mark.parametrize(("torch_ms", "onnx_ms", "winner"), [(3, 2, "onnx"), (2, 3, "torch")])
+def test_the_trial_picks_the_faster_of_two_fake_timed_candidates(torch_ms, onnx_ms, winner):
+    clock = FakeClock()
+    candidates = {
+        Engine.TORCH: clock.candidate("torch", torch_ms / 1000),
+        Engine.ONNX: clock.candidate("onnx", onnx_ms / 1000),
+    }
+    trial = run_trial(candidates, batch=8, budget=0.01, clock=clock)
+    assert trial.winner is Engine(winner)
+    assert trial.seconds == {
+        Engine.TORCH: pytest.approx(torch_ms / 1000),
+        Engine.ONNX: pytest.approx(onnx_ms / 1000),
+    }
+    # one untimed call each, then the candidates in turn, so noise falls on both alike
+    assert clock.calls[:2] == ["torch", "onnx"]
+    assert clock.calls[2:6] == ["torch", "onnx", "torch", "onnx"]
+    assert clock.calls.count("torch") == clock.calls.count("onnx")
+
+
+def test_the_trial_runs_at_least_a_few_rounds_and_stops_within_bounds():
+    slow = FakeClock()
+    run_trial({Engine.TORCH: slow.candidate("torch", 5.0)}, batch=1, budget=1.0, clock=slow)
+    assert len(slow.calls) == 1 + engine_trial.MIN_ROUNDS  # over budget: the minimum
+    fast = FakeClock()
+    run_trial({Engine.TORCH: fast.candidate("torch", 1e-6)}, batch=1, budget=1.0, clock=fast)
+    assert len(fast.calls) == 1 + engine_trial.MAX_ROUNDS  # a tiny model: the maximum
+
+
+def test_the_median_ignores_one_stall():
+    clock = FakeClock()
+    laps = iter([0.001, 0.001, 0.001, 0.5] + [0.001] * 40)  # untimed, then a stall in the 3rd
+
+    def stalling() -> None:
+        clock.now += next(laps)
+
+    trial = run_trial(
+        {Engine.TORCH: stalling, Engine.ONNX: clock.candidate("onnx", 0.002)},
+        batch=4,
+        budget=0.005,
+        clock=clock,
+    )
+    assert trial.winner is Engine.TORCH
+
+
+def test_the_verdict_is_kept_per_key(tmp_path):
+    key = {"files": {"config.json": "ab"}, "machine": {"cpu": "X", "cores": 2}, "batch": 8}
+    assert cached(tmp_path, key) is None
+    store(tmp_path, key, Trial({Engine.TORCH: 0.004, Engine.ONNX: 0.003}, 8))
+    again = cached(tmp_path, key)
+    assert again == Trial({Engine.TORCH: 0.004, Engine.ONNX: 0.003}, 8, cached=True)
+    assert again.winner is Engine.ONNX and "cached" in again.describe()
+    assert cached(tmp_path, {**key, "machine": {"cpu": "Y", "cores": 2}}) is None
+    (file,) = tmp_path.glob("engine-trial-*.json")
+    assert json.loads(file.read_text())["winner"] == "onnx"  # readable by a person
+    file.write_text("{not json")
+    assert cached(tmp_path, key) is None  # a damaged file: the trial runs again
+
+
+def test_the_description_gives_the_figures_fastest_first():
+    line = Trial({Engine.TORCH: 0.0123, Engine.ONNX: 0.0101}, 32).describe()
+    assert line.startswith("auto: ") and "measured now" in line
+    assert line.index("onnx 10.1 ms") < line.index("torch 12.3 ms")
+    assert "a batch of 32" in line
+
+
+def test_the_machine_fingerprint_names_the_cpu():
+    facts = engine_trial.machine()
+    assert set(facts) == {"cpu", "flags", "cores", "machine"} and facts["cores"]
+
+
+def test_a_second_load_uses_the_cached_verdict(tiny_model, tmp_path, monkeypatch, caplog):
+    """In process: the first load measures both engines, the second loads only the winner
+    the first one found, and says it came from the cache."""
+    pytest.importorskip("onnxruntime")
+    from rawserve.worker import loading
+    from tests.tiny_models import worker_config
+
+    monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path))
+    config = worker_config(
+        tiny_model("text-classification"), engine=Engine.AUTO, warmup_batch=4, threads=1
+    )
+    trials: list[Trial] = []
+    real_trial = engine_trial.run_trial
+
+    def counted(*args, **kwargs):
+        trials.append(real_trial(*args, **kwargs))
+        return trials[-1]
+
+    monkeypatch.setattr(engine_trial, "run_trial", counted)
+    with caplog.at_level(logging.INFO, logger="rawserve.worker"):
+        first = loading.load_runner(config, "cpu")
+        second = loading.load_runner(config, "cpu")
+    assert len(trials) == 1  # the second start measured nothing
+    assert first.engine is second.engine is trials[0].winner
+    assert "measured now" in first.engine_reason and " ms" in first.engine_reason
+    assert "(cached)" in second.engine_reason
+    assert any("measured now" in record.getMessage() for record in caplog.records)
+    assert list((tmp_path / "onnx").glob("engine-trial-*.json"))
+
+
+@pytest.mark.slow
+def test_the_server_shows_the_trial_in_its_log_and_info(tiny_model, tmp_path):
+    pytest.importorskip("onnxruntime")
+    env = {"RAWSERVE_CACHE_DIR": str(tmp_path), "RAWSERVE_ENGINE": "auto"}
+    args = ["--model", tiny_model("text-classification"), "--device", "cpu"]
+    with RunningServer(args, env=env).start() as server:
+        assert any("(auto: the faster here, measured now" in line for line in server.read_log())
+        status, _, body = server.request("GET", "/info")
+        assert status == 200
+        info = json.loads(body)
+        assert info["workers"][0]["dtype_reason"].startswith("auto on cpu: the checkpoint's")
+        reason = info["workers"][0]["engine_reason"]
+        assert "torch" in reason and "onnx" in reason and " ms" in reason
+        assert info["engine"] == reason.split("took ")[1].split(" ")[0]  # the fastest first
+        assert info["requested_engine"] == "auto"
+    with RunningServer(args, env=env).start() as server:
+        assert any("an earlier start (cached)" in line for line in server.read_log())

@@ -1,0 +1,155 @@
+"""On a GPU, rawserve runs as a GPU wants: half precision unless --dtype says otherwise,
+and batches of hundreds of items bounded by tokens; a CPU keeps its own defaults. No GPU
+here: the CUDA probe is faked, and the choices are checked where they are made."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rawserve.config import plan_workers
+from rawserve.main import model_facts
+from rawserve.ops import layout
+from rawserve.options import (
+    CPU_MAX_BATCH_SIZE,
+    GPU_MAX_BATCH_SIZE,
+    GPU_MAX_BATCH_TOKENS,
+    parse_config,
+)
+from tests.test_config import handler_plan
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A machine that shows a GPU (the probe rawserve reads, faked)."""
+    monkeypatch.setattr("rawserve.ops.layout.gpu_present", lambda: True)
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr("rawserve.ops.layout.gpu_present", lambda: False)
+
+
+@pytest.mark.parametrize(
+    ("argv", "size", "tokens"),
+    [
+        ([], GPU_MAX_BATCH_SIZE, GPU_MAX_BATCH_TOKENS),  # no --device: the GPU it finds
+        (["--device", "cuda"], GPU_MAX_BATCH_SIZE, GPU_MAX_BATCH_TOKENS),
+        (["--device", "auto"], GPU_MAX_BATCH_SIZE, GPU_MAX_BATCH_TOKENS),
+        (["--max-batch-size", "64"], 64, GPU_MAX_BATCH_TOKENS),  # what is given stays
+        (["--max-batch-tokens", "4096"], GPU_MAX_BATCH_SIZE, 4096),
+        (["--device", "cpu"], CPU_MAX_BATCH_SIZE, None),  # the CPU beside the GPU
+    ],
+)
+def test_a_gpu_batches_hundreds_of_items_bounded_by_tokens(gpu, argv, size, tokens):
+    model = parse_config(argv).model
+    assert (model.max_batch_size, model.max_batch_tokens) == (size, tokens)
+
+
+def test_a_cpu_keeps_its_defaults(no_gpu):
+    model = parse_config([]).model
+    assert (model.max_batch_size, model.max_batch_tokens) == (CPU_MAX_BATCH_SIZE, None)
+    assert model.batch_limits == "on the CPU: up to 32 items, no token budget"
+    # a cuda device named is a GPU whatever the probe says (the worker checks it is there)
+    assert parse_config(["--device", "cuda:0"]).model.max_batch_size == GPU_MAX_BATCH_SIZE
+
+
+def test_the_variables_set_the_limits_as_the_flags_do(gpu, monkeypatch):
+    monkeypatch.setenv("RAWSERVE_MAX_BATCH_SIZE", "128")
+    model = parse_config([]).model
+    assert (model.max_batch_size, model.max_batch_tokens) == (128, GPU_MAX_BATCH_TOKENS)
+    assert model.batch_limits == "on a GPU: up to 128 items (as given), 16384 tokens (TEI's)"
+
+
+def test_the_gpu_workers_and_info_say_which_limits_and_why(gpu):
+    config = parse_config([])
+    workers = plan_workers(config.model, [handler_plan()], cores=16)
+    assert workers.devices == ("auto",) and not workers.chosen  # one worker per GPU
+    facts = model_facts(handler_plan(), config, workers)
+    assert facts["batching"]["max_batch_size"] == GPU_MAX_BATCH_SIZE  # type: ignore[index]
+    assert facts["batching"]["max_batch_tokens"] == GPU_MAX_BATCH_TOKENS  # type: ignore[index]
+    assert facts["batching"]["limits"] == (  # type: ignore[index]
+        "on a GPU: up to 256 items, 16384 tokens (TEI's)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("devices", "present", "gpu"),
+    [
+        (None, True, True),
+        (None, False, False),
+        (("cpu",), True, False),
+        (("cpu", "cpu"), True, False),
+        (("auto",), True, True),
+        (("auto",), False, False),
+        (("cuda:1",), False, True),
+        (("cpu", "cuda:0"), False, True),
+    ],
+)
+def test_which_devices_are_a_gpu(devices, present, gpu):
+    assert layout.on_gpu(devices, lambda: present) is gpu
+
+
+@pytest.mark.parametrize(
+    ("requested", "device", "saved", "bf16", "dtype", "why"),
+    [
+        ("auto", "cuda:0", None, True, "float16", "half precision (float16"),
+        ("auto", "cuda:0", "float32", True, "float16", "half precision"),
+        ("auto", "cuda:0", "bfloat16", True, "bfloat16", "bfloat16 as the checkpoint"),
+        ("auto", "cuda:0", "bfloat16", False, "float16", "half precision (float16"),
+        ("float32", "cuda:0", None, True, "float32", "--dtype float32"),
+        ("bfloat16", "cuda:0", None, True, "bfloat16", "--dtype bfloat16"),
+        # the CPU: the checkpoint's own, never a precision that changes answers
+        ("auto", "cpu", None, True, "auto", "the checkpoint's own (float32)"),
+        ("auto", "cpu", "bfloat16", True, "auto", "the checkpoint's own (bfloat16)"),
+        ("float16", "cpu", None, False, "float16", "--dtype float16"),
+    ],
+)
+def test_the_precision_on_each_device(requested, device, saved, bf16, dtype, why):
+    from rawserve.worker.loading import choose_dtype
+
+    chosen, reason = choose_dtype(requested, device, saved, bf16)
+    assert chosen == dtype and why in reason
+    assert reason.startswith(f"auto on {device}" if requested == "auto" else "--dtype")
+
+
+def test_the_checkpoint_dtype_is_read_from_its_config(tmp_path):
+    from rawserve.worker.loading import saved_dtype
+
+    assert saved_dtype(tmp_path) is None  # no config.json
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    assert saved_dtype(tmp_path) == "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float16", "torch_dtype": "x"}))
+    assert saved_dtype(tmp_path) == "float16"
+    (tmp_path / "config.json").write_text("[1]")
+    assert saved_dtype(tmp_path) is None
+
+
+def test_a_worker_on_a_faked_gpu_loads_half_precision_and_says_so(tiny_model, monkeypatch, caplog):
+    """The worker's load with torch's CUDA probe faked: the precision chosen for cuda, the
+    log line and the reason /info shows (the model itself is put on the CPU: no GPU here)."""
+    import logging
+
+    import torch
+
+    from rawserve.worker import loading
+    from rawserve.worker.runner import dtype_name
+    from tests.tiny_models import worker_config
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    seen: dict[str, str] = {}
+
+    def build(config, task, device, network):
+        seen["dtype"] = config.dtype
+        return real_build(config, task, "cpu", network)
+
+    real_build = loading.build_runner
+    monkeypatch.setattr(loading, "build_runner", build)
+    config = worker_config(tiny_model("text-classification"), engine=loading.Engine.TORCH)
+    with caplog.at_level(logging.INFO, logger="rawserve.worker"):
+        runner = loading.load_runner(config, "cuda:0")
+    assert seen["dtype"] == "float16" and dtype_name(runner.pipe.model) == "float16"
+    assert runner.dtype_reason.startswith("auto on cuda:0: half precision (float16")
+    lines = [record.getMessage() for record in caplog.records]
+    assert any(line.startswith("dtype: float16 (auto on cuda:0") for line in lines)

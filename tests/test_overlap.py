@@ -1,0 +1,177 @@
+"""Two batches in flight per worker: the next one is sent while the current one runs, both
+are answered with their own results, and a crash with two in flight loses nothing (the
+batch that was running is retried item by item, the one behind it runs again whole).
+Real worker processes on the CPU, with the overlap that a GPU worker gets turned on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from rawserve.serving import supervision
+from rawserve.serving.core import SchedulerCore
+from rawserve.serving.driver import Scheduler
+from rawserve.serving.pool import WorkerPool
+from rawserve.serving.status import WorkerState
+from rawserve.serving.supervision import CRASHED_ALONE
+from rawserve.shared.messages import BatchResult, ItemFailure, WorkerConfig, WorkerReady
+from tests.tiny_models import worker_config
+
+FAULTY = "tests.handlers:faulty"
+
+
+def ready(device: str) -> WorkerReady:
+    return WorkerReady(pid=1, task="fill-mask", device=device, dtype="float32", load_seconds=0)
+
+
+@pytest.mark.parametrize(
+    ("overlap", "device", "two"),
+    [(None, "cuda:0", True), (None, "cpu", False), (True, "cpu", True), (False, "cuda:0", False)],
+)
+def test_a_gpu_worker_holds_two_batches_and_a_cpu_worker_one(overlap, device, two):
+    pool = WorkerPool(WorkerConfig(model="", handler=FAULTY), ["auto"], overlap=overlap)
+    assert pool.overlaps(ready(device)) is two
+    worker = pool.workers[0]
+    worker.overlap = pool.overlaps(ready(device))
+    worker.state = WorkerState.IDLE
+    assert pool.idle_workers() == 1
+    worker.state = WorkerState.BUSY  # computing a batch: room behind it only if it overlaps
+    assert pool.idle_workers() == (1 if two else 0)
+    worker.queued = object()  # type: ignore[assignment]
+    assert pool.idle_workers() == 0  # two in flight at most
+
+
+@pytest.fixture
+def fast_restarts(monkeypatch):
+    monkeypatch.setattr(supervision, "RESTART_BACKOFF_FIRST", 0.05)
+
+
+@pytest.fixture
+async def fill_mask_pool(tiny_model):
+    pool = WorkerPool(worker_config(tiny_model("fill-mask"), threads=1), ["cpu"], overlap=True)
+    pool.start()
+    await asyncio.wait_for(pool.wait_ready(), 120)
+    yield pool
+    await pool.shutdown()
+
+
+@pytest.fixture
+async def faulty_pool(fast_restarts):
+    pool = WorkerPool(WorkerConfig(model="", handler=FAULTY, threads=1), ["cpu"], overlap=True)
+    pool.start()
+    await asyncio.wait_for(pool.wait_ready(), 120)
+    yield pool
+    await pool.shutdown(wait=False)
+
+
+def tokens(result: BatchResult) -> list[list[int]]:
+    return [[guess["token"] for guess in output] for output in result.outputs]
+
+
+@pytest.mark.slow
+async def test_two_batches_in_flight_are_both_answered_with_their_own_results(
+    fill_mask_pool, tiny_model
+):
+    from transformers import pipeline
+
+    pipe = pipeline("fill-mask", model=tiny_model("fill-mask"))
+    first_texts = ["hello [MASK]", "the [MASK] is good"]
+    second_texts = ["a [MASK] day", "[MASK] again", "my [MASK]"]
+    worker = fill_mask_pool.workers[0]
+    first = fill_mask_pool.submit(first_texts, {"top_k": 2})
+    assert fill_mask_pool.idle_workers() == 1  # room behind the running batch
+    second = fill_mask_pool.submit(second_texts, {"top_k": 2})
+    # both were sent before anything came back: the second waits in the worker
+    assert worker.job is not None and worker.queued is not None
+    assert fill_mask_pool.idle_workers() == 0
+    one, two = await asyncio.wait_for(asyncio.gather(first, second), 60)
+    for texts, result in ((first_texts, one), (second_texts, two)):
+        expected = [[guess["token"] for guess in pipe(text, top_k=2)] for text in texts]
+        assert tokens(result) == expected
+    assert one.waited == 0.0 and two.waited >= 0.0
+    assert worker.state is WorkerState.IDLE and worker.queued is None
+
+
+@pytest.mark.slow
+async def test_a_killed_worker_with_two_in_flight_loses_nothing(fill_mask_pool):
+    worker = fill_mask_pool.workers[0]
+    first_pid = worker.pid
+    first = fill_mask_pool.submit(["hello [MASK]"] * 4, {})
+    second = fill_mask_pool.submit(["the [MASK] is good"] * 3, {})
+    os.kill(first_pid, signal.SIGKILL)  # whichever it was running: both come back
+    one, two = await asyncio.wait_for(asyncio.gather(first, second), 120)
+    assert len(one.outputs) == 4 and len(two.outputs) == 3
+    assert not any(isinstance(output, ItemFailure) for output in one.outputs + two.outputs)
+    assert worker.pid != first_pid and worker.record.restarts == 1
+    assert len(fill_mask_pool.poison) == 0
+
+
+@pytest.mark.slow
+async def test_a_crash_blames_the_running_batch_and_runs_the_one_behind_whole(faulty_pool):
+    running = faulty_pool.submit(["a", "crash me", "b"], {})
+    behind = faulty_pool.submit(["x", "y"], {})
+    one, two = await asyncio.wait_for(asyncio.gather(running, behind), 120)
+    a, poison, b = one.outputs
+    assert (a["input"], b["input"]) == ("a", "b") and poison == CRASHED_ALONE
+    # the batch behind never ran in the dead worker: it ran again as it was sent
+    assert [output["batch"] for output in two.outputs] == [["x", "y"], ["x", "y"]]
+    assert len(faulty_pool.poison) == 1  # only the culprit is remembered
+
+
+@pytest.mark.slow
+async def test_a_crash_in_the_batch_behind_keeps_the_answer_of_the_one_before(faulty_pool):
+    worker = faulty_pool.workers[0]
+    first_pid = worker.pid
+    running = faulty_pool.submit(["a", "b"], {})
+    behind = faulty_pool.submit(["c", "crash me"], {})
+    one, two = await asyncio.wait_for(asyncio.gather(running, behind), 120)
+    # answered by the first process, before the batch behind it took it down
+    assert [(output["input"], output["pid"]) for output in one.outputs] == [
+        ("a", first_pid),
+        ("b", first_pid),
+    ]
+    c, poison = two.outputs
+    assert c["input"] == "c" and poison == CRASHED_ALONE
+
+
+class OneWorker:
+    """A backend that answers each batch at once, saying it waited behind another."""
+
+    def __init__(self, waited: float):
+        self.waited = waited
+
+    def idle_workers(self) -> int:
+        return 1
+
+    def batch_cap(self) -> int | None:
+        return None
+
+    def max_input_tokens(self) -> int | None:
+        return None
+
+    def submit(self, inputs, params, control):
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(BatchResult(0, tuple(inputs), 0.01, waited=self.waited))
+        return future
+
+
+async def test_the_scheduler_times_a_batch_without_its_wait_behind_another():
+    now = [100.0]
+    core = SchedulerCore(max_queue=8)
+    scheduler = Scheduler(core, OneWorker(waited=5.0), clock=lambda: now[0])
+    scheduler.start()
+    observed: list[float] = []
+    real_finish = core.finish_batch
+
+    def finish(batch, when):
+        observed.append(when)
+        return real_finish(batch, when)
+
+    core.finish_batch = finish  # type: ignore[method-assign]
+    results = await asyncio.wait_for(scheduler.run(["x"], {}, deadline=200.0), 5)
+    await scheduler.stop()
+    assert [result.output for result in results] == ["x"]
+    assert observed == [95.0]  # the clock less the 5 s it waited in the worker
