@@ -18,7 +18,7 @@ from typing import Any
 from rawserve.api.bodies import check_client_batch
 from rawserve.api.fields import Fields, unicode_text
 from rawserve.api.streaming import TokenStream, sse
-from rawserve.http.errors import BadRequest, HTTPError, error_document
+from rawserve.http.errors import BadRequest, HTTPError, openai_error_document
 from rawserve.tasks import CHAT_PARAM, text_generation
 from rawserve.tasks.text_generation import MAX_STOP_SEQUENCES
 
@@ -297,7 +297,7 @@ class Answer:
             try:
                 output = stream.output()
             except HTTPError as error:
-                yield sse({"error": {**error_document(error), "code": error.status}})
+                yield sse(openai_error_document(error))
                 return
             whole = cut_at_stop(output["generated_text"], stops)
             if whole.startswith(sent) and len(whole) > len(sent):

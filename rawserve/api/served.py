@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rawserve.executor import LoadState, WorkerStatus
-from rawserve.http.errors import NotFound
+from rawserve.http.errors import ModelNotFound
 from rawserve.scheduling.core import ItemResult
 from rawserve.shared.messages import ModelLimits, TokenChunk, WorkerReady
 
@@ -109,5 +109,5 @@ class ServedModels:
         model = self._by_name.get(name)
         if model is None:
             served = ", ".join(self._by_name)
-            raise NotFound(f"no model named {name[:100]!r} is served (served: {served})")
+            raise ModelNotFound(f"no model named {name[:100]!r} is served (served: {served})")
         return model
