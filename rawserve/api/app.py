@@ -25,6 +25,7 @@ from rawserve.api.routing import Handler, Needs, Operation, Route
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.api.tei import TeiRoutes
+from rawserve.api.tgi import TgiRoutes
 from rawserve.http.auth import require_bearer
 from rawserve.http.cors import CorsPolicy
 from rawserve.http.errors import (
@@ -60,6 +61,7 @@ class App:
         self.inference = InferenceRoutes(context)
         self.openai = OpenAIRoutes(context)
         self.tei = TeiRoutes(context)
+        self.tgi = TgiRoutes(context)
         self.operations = OperationsRoutes(context, metrics, facts)
         openapi = Operation(
             "This document: the routes this server serves",
@@ -72,6 +74,7 @@ class App:
             *self.operations.routes(),
             *self.openai.routes(),
             *self.tei.routes(),
+            *self.tgi.routes(),
             Route("GET", "/openapi.json", self.openapi, openapi),
         ]
         self.routes: dict[str, dict[str, Handler]] = {}

@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rawserve import __version__
 from rawserve.api.bodies import check_client_batch
 from rawserve.api.fields import Fields, unicode_text
 from rawserve.api.streaming import TokenStream, sse
@@ -30,7 +31,10 @@ FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "length": "lengt
 COMMON_FIELDS = (
     "model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options",
     "n", "user", "frequency_penalty", "presence_penalty", "logprobs", "logit_bias",
+    "repetition_penalty",  # not OpenAI's: TGI's (its client sends it) and vLLM's
 )  # fmt: skip
+# OpenAI's answers name the backend's configuration; TGI's client requires it
+SYSTEM_FINGERPRINT = f"rawserve-{__version__}"
 CHAT_FIELDS = (
     *COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
     "parallel_tool_calls", "functions", "function_call", "response_format",
@@ -85,6 +89,11 @@ def generation_params(
         raise BadRequest('"top_p" must be above 0')
     if top_p is not None:
         params["top_p"] = top_p
+    repetition_penalty = fields.number("repetition_penalty", 0.0, 100.0)
+    if repetition_penalty == 0:
+        raise BadRequest('"repetition_penalty" must be above 0 (1: no penalty)')
+    if repetition_penalty is not None:
+        params["repetition_penalty"] = repetition_penalty
     seed = fields.integer("seed", 0, 2**32 - 1)
     if seed is not None:
         params["seed"] = seed
@@ -137,7 +146,12 @@ def messages(value: Any) -> list[dict[str, str]]:
         raise BadRequest('"messages" must be a non-empty list of {"role", "content"}')
     checked = []
     for message in value:
-        if not isinstance(message, dict) or not set(message) <= {"role", "content", "name"}:
+        # "tool_calls" unset (null, as TGI's client sends it) is no tool call
+        if (
+            not isinstance(message, dict)
+            or not set(message) <= {"role", "content", "name", "tool_calls"}
+            or message.get("tool_calls")
+        ):
             raise BadRequest(
                 'each message must be {"role", "content"} (and "name"); tool calls are not '
                 "supported"
@@ -249,6 +263,7 @@ class Answer:
             "object": f"{kind}.chunk" if chunk and self.chat else kind,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
         }
 
     def whole(self, outputs: Sequence[dict[str, Any]], stops: Sequence[str]) -> dict[str, Any]:

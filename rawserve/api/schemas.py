@@ -419,6 +419,7 @@ GENERATION_FIELDS: dict[str, Any] = {
     "max_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": 4096},
     "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
     "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
+    "repetition_penalty": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 100},
     "stop": {
         "anyOf": [
             {"type": "null"},
@@ -459,6 +460,7 @@ MESSAGE = {
             "anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART, "minItems": 1}]
         },
         "name": {"type": "string"},
+        "tool_calls": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
     },
     "additionalProperties": False,
 }
