@@ -150,7 +150,7 @@ def messages(value: Any) -> list[dict[str, str]]:
         if (
             not isinstance(message, dict)
             or not set(message) <= {"role", "content", "name", "tool_calls"}
-            or message.get("tool_calls")
+            or message.get("tool_calls") is not None
         ):
             raise BadRequest(
                 'each message must be {"role", "content"} (and "name"); tool calls are not '

@@ -21,11 +21,31 @@ ERROR: Schema = {
     "type": "object",
     "required": ["error", "error_type"],
     "properties": {"error": {"type": "string"}, "error_type": {"type": "string"}},
-    "description": "Every error answer: what went wrong, and its kind.",
+    "description": "Every error answer but the OpenAI routes': what went wrong, and its kind.",
+}
+OPENAI_ERROR: Schema = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": NULLABLE_STRING,
+                "code": NULLABLE_STRING,
+            },
+        }
+    },
+    "description": "The OpenAI routes' error answers: OpenAI's error object.",
 }
 MODEL_FIELD = {
     "type": ["string", "null"],
-    "description": "The served model to use, by name (see GET /v1/models); none: the first.",
+    "description": (
+        "The served model to use, by name (see GET /v1/models); with one model served, any "
+        "name; none: the first that fits the route."
+    ),
 }
 
 
@@ -460,7 +480,7 @@ MESSAGE = {
             "anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART, "minItems": 1}]
         },
         "name": {"type": "string"},
-        "tool_calls": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
+        "tool_calls": {"type": "null"},
     },
     "additionalProperties": False,
 }
