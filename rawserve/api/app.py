@@ -1,9 +1,11 @@
 """The HTTP application: the route table, the API key, and which requests are answered at once.
 
 The protocol hands it complete requests (it is the protocol's `Application`); each route
-is a handler of one of the route families (inference, OpenAI, operations). Errors are
-raised as `rawserve.http.errors.HTTPError` and rendered by the protocol. Never sees a
-socket, never imports h11 or torch.
+is a handler of one of the route families (inference, OpenAI, TGI, TEI, operations).
+Errors are raised as `rawserve.http.errors.HTTPError` and rendered by the protocol, except
+on the OpenAI routes, whose clients read only OpenAI's error object: the app renders those
+itself (`render_error`), refusals before the route runs included. Never sees a socket,
+never imports h11 or torch.
 """
 
 from __future__ import annotations
