@@ -24,11 +24,12 @@ from typing import Any
 
 from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
-from rawserve.executor import LoadState, WorkerStatus
 from rawserve.ops.metrics import Metrics
 from rawserve.protocol import HttpProtocol, ProtocolSettings, ServerState
-from rawserve.scheduler import Scheduler
-from rawserve.scheduling.core import SchedulerCore
+from rawserve.serving.core import SchedulerCore
+from rawserve.serving.driver import Scheduler
+from rawserve.serving.service import ModelService
+from rawserve.serving.status import LoadState, WorkerStatus
 from rawserve.shared.logs import setup_logging
 from rawserve.shared.messages import ModelLimits
 
@@ -97,7 +98,7 @@ class ReadyWorkers:
     def max_input_tokens(self) -> int | None:
         return None
 
-    def submit(self, inputs: Any, params: Any) -> Any:
+    def submit(self, inputs: Any, params: Any, control: Any = None) -> Any:
         raise AssertionError("a full queue submits nothing")
 
     def load_state(self) -> tuple[LoadState, float | None]:
@@ -121,7 +122,7 @@ def full_server(loop: asyncio.AbstractEventLoop, queue: int) -> tuple[App, Serve
     for _ in range(queue):  # the queue is full from now on
         core.admit([core.new_item("queued", {}, 1e18, 0.0)])
     core.cost_model.observe(100, 0.01)  # a measured speed: Retry-After from the queue
-    model = ServedModel("bench", scheduler, workers, {})
+    model = ServedModel("bench", ModelService(scheduler, workers), {})
     return App(ServedModels([model]), metrics=metrics), ServerState(metrics=metrics)
 
 

@@ -18,14 +18,17 @@ class FakeApp:
     and the server is not draining. Test apps add `handle`."""
 
     draining = False
+    cors = None
 
     def answer_now(self, request: Any) -> Any:
         return None
 
 
-class FakeTransport(asyncio.Transport):
+class FakeTransport:
+    """The transport calls the protocol makes, recorded. Deliberately no `asyncio.Transport`
+    (uvloop's transports are not either): the protocol needs only these methods."""
+
     def __init__(self):
-        super().__init__()
         self.written = bytearray()
         self.closed = False
         self.eof_written = False
@@ -36,6 +39,10 @@ class FakeTransport(asyncio.Transport):
         assert not self.closed, "write after close"
         assert not self.eof_written, "write after write_eof"
         self.written += data
+
+    def writelines(self, pieces) -> None:
+        for piece in pieces:
+            self.write(piece)
 
     def can_write_eof(self) -> bool:
         return True

@@ -30,6 +30,9 @@ def sleepy():
     inner = echo()
 
     def handle(inputs, sleep=0.0, **params):
+        if sleep >= 0.3:  # tests wait for this line to know the worker is busy
+            print(f"sleepy handler: sleeping {sleep} s on {list(inputs)}", file=sys.stderr)
+            sys.stderr.flush()
         time.sleep(sleep)
         return inner(inputs, **params)
 

@@ -16,9 +16,10 @@ from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.api.tei import id_inputs, predict_inputs, scores, text_inputs
 from rawserve.api.tokens import utf8_starts
-from rawserve.executor import LoadState
 from rawserve.http.errors import BadRequest, UnprocessableInput
 from rawserve.http.exchange import HttpRequest
+from rawserve.serving.service import ModelService
+from rawserve.serving.status import LoadState
 from rawserve.shared.messages import WorkerReady
 from rawserve.tasks import TASKS
 
@@ -139,16 +140,16 @@ class Idle:
     full = False
     max_batch_size = 32
 
-    def refuse_if_full(self):
-        pass
+    def admission(self):
+        return None
 
-    async def run(self, inputs, params, deadline):
+    async def run(self, inputs, params, deadline, control=None):
         raise AssertionError("not called")
 
 
 def app_for(task, details=None, tokenizer="{}", **settings):
     workers = Loaded(task, details or {}, tokenizer)
-    model = ServedModel("m", Idle(), workers, {"batching": {}})
+    model = ServedModel("m", ModelService(Idle(), workers), {"batching": {}})
     return App(ServedModels([model]), AppSettings(**settings))
 
 

@@ -11,17 +11,31 @@ from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.http.errors import ServiceUnavailable, Unauthorized
 from rawserve.http.exchange import HttpRequest
-from rawserve.scheduler import Scheduler
-from rawserve.scheduling.core import SchedulerCore
+from rawserve.serving.core import SchedulerCore
+from rawserve.serving.driver import Scheduler
+from rawserve.serving.service import ModelService
+from rawserve.serving.status import LoadState
+from rawserve.shared.messages import WorkerReady
 from tests.test_scheduler import FakeBackend
 
 
+def loaded(task: str) -> WorkerReady:
+    """What a worker reported when it loaded."""
+    return WorkerReady(pid=1, task=task, device="cpu", dtype="float32", load_seconds=0.0)
+
+
 class Workers(FakeBackend):
-    """The executor's face the app reads, on the scheduler's fake backend."""
+    """The worker pool's face the app reads, on the scheduler's fake backend."""
 
     ready = True
     healthy = True
-    task = "text-classification"
+    loaded = loaded("text-classification")
+
+    def load_state(self):
+        return LoadState.LOADING, None
+
+    def status(self):
+        return []
 
 
 def request(method: str, path: str, body: bytes = b"", headers=()) -> HttpRequest:
@@ -32,7 +46,7 @@ def request(method: str, path: str, body: bytes = b"", headers=()) -> HttpReques
 def app():
     workers = Workers()
     scheduler = Scheduler(SchedulerCore(max_queue=2), workers)
-    model = ServedModel("test-model", scheduler, workers)
+    model = ServedModel("test-model", ModelService(scheduler, workers))
     return App(ServedModels([model]), AppSettings(api_key="secret"))
 
 
@@ -49,7 +63,7 @@ async def test_inference_goes_the_long_way_until_the_queue_is_full(app):
     post = request("POST", "/", b"hello", authorized)
     assert app.answer_now(post) is None  # room in the queue: handled by `handle`
     for value in ("a", "b"):
-        core = app.models.default.queue.core
+        core = app.models.default.serving.queue.core
         core.admit([core.new_item(value, {}, 1e9, 0.0)])
     with pytest.raises(ServiceUnavailable) as refused:
         app.answer_now(post)
@@ -64,24 +78,15 @@ def test_only_probes_and_inference_are_answered_at_once(app):
     assert app.answer_now(request("DELETE", "/health")) is None  # handle answers 405
 
 
-class Loaded:
-    """What a worker reported when it loaded (the fields routes read)."""
-
-    def __init__(self, task: str):
-        self.task = task
-        self.tokenizer = None
-        self.details: dict = {}
-
-
 def served(name: str, task: str, max_queue: int = 1) -> ServedModel:
     workers = Workers()
-    workers.task = task
-    workers.loaded = Loaded(task)
-    return ServedModel(name, Scheduler(SchedulerCore(max_queue=max_queue), workers), workers)
+    workers.loaded = loaded(task)
+    scheduler = Scheduler(SchedulerCore(max_queue=max_queue), workers)
+    return ServedModel(name, ModelService(scheduler, workers))
 
 
 def fill(model: ServedModel) -> None:
-    core = model.queue.core
+    core = model.serving.queue.core
     while len(core) < core.max_queue:
         core.admit([core.new_item("queued", {}, 1e9, 0.0)])
 
@@ -129,7 +134,7 @@ async def test_a_refusal_from_the_head_is_counted_once_against_the_model_that_gi
     spare = served("spare", "feature-extraction", max_queue=4)
     app = App(ServedModels([embedder, spare]))
     drops = Drops()
-    embedder.queue.metrics = spare.queue.metrics = drops
+    embedder.serving.queue.metrics = spare.serving.queue.metrics = drops
     fill(embedder)
     assert app.answer_now(request("POST", "/embed", b'{"inputs": "hi"}')) is None
     assert drops.reasons == []  # looking at a full queue is not refusing anyone

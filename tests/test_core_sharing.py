@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from rawserve.executor import CoreShare, Executor, WorkerState
+from rawserve.serving.cores import CoreShare
+from rawserve.serving.pool import WorkerPool
+from rawserve.serving.status import WorkerState
 from rawserve.shared.messages import WorkerConfig
 
 
-def executor(devices=("cpu", "cpu"), share_cores=True, cores=4, core_share=None) -> Executor:
+def executor(devices=("cpu", "cpu"), share_cores=True, cores=4, core_share=None) -> WorkerPool:
     core_share = core_share or CoreShare(cores)  # as if the machine had this many
-    shared = Executor(
+    shared = WorkerPool(
         WorkerConfig(model="unused"), list(devices), share_cores=share_cores, core_share=core_share
     )
     for worker in shared.workers:
@@ -16,7 +18,7 @@ def executor(devices=("cpu", "cpu"), share_cores=True, cores=4, core_share=None)
     return shared
 
 
-def start(shared: Executor, index: int, size: int) -> int | None:
+def start(shared: WorkerPool, index: int, size: int) -> int | None:
     """What `_send` does: pick the threads, then the worker is busy."""
     worker = shared.workers[index]
     threads = shared._threads_for(worker, size)

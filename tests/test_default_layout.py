@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from rawserve.main import parse_args, settle_workers
+from rawserve.config import WorkerPlan, plan_workers
 from rawserve.models.plan import plan_models
 from rawserve.ops.layout import WORKER_OVERHEAD, cpu_layout, model_bytes, ram_bytes
+from rawserve.options import parse_config
 
 GIB = 2**30
 
@@ -51,21 +52,22 @@ def test_ram_is_read_from_meminfo(tmp_path):
     assert ram_bytes(tmp_path / "missing") is None
 
 
-def settled(argv: list[str]):
-    args = parse_args(argv)
-    settle_workers(args, plan_models(args.model, task=args.task, handler=args.handler))
-    return args
+def settled(argv: list[str]) -> WorkerPlan:
+    config = parse_config(argv)
+    plans = plan_models(config.models, task=config.task, handler=config.handler)
+    return plan_workers(config.model, plans)
 
 
 def test_no_device_on_a_cpu_machine_is_the_per_core_layout(monkeypatch):
     monkeypatch.delenv("RAWSERVE_DEVICE", raising=False)
-    monkeypatch.setattr("rawserve.main.gpu_present", lambda: False)
+    monkeypatch.setattr("rawserve.ops.layout.gpu_present", lambda: False)
     monkeypatch.setattr("os.cpu_count", lambda: 4)
-    args = settled(["--handler", "tests.handlers:echo"])
-    assert args.devices == ["cpu"] * 4 and args.threads == 1 and args.share_cores
-    assert "one per core" in args.layout.reason
+    workers = settled(["--handler", "tests.handlers:echo"])
+    assert workers.devices == ("cpu",) * 4 and workers.threads == 1 and workers.share_cores
+    assert "one per core" in workers.layout and workers.chosen
     explicit = settled(["--handler", "tests.handlers:echo", "--device", "cpu"])
-    assert explicit.devices == ["cpu"] and explicit.threads == 4 and explicit.layout is None
+    assert explicit.devices == ("cpu",) and explicit.threads == 4 and explicit.share_cores
+    assert explicit.layout == "--device cpu" and not explicit.chosen
 
 
 def test_several_models_count_every_copy_and_runtime():
@@ -76,6 +78,7 @@ def test_several_models_count_every_copy_and_runtime():
 
 def test_a_gpu_machine_keeps_one_worker_per_device(monkeypatch):
     monkeypatch.delenv("RAWSERVE_DEVICE", raising=False)
-    monkeypatch.setattr("rawserve.main.gpu_present", lambda: True)
-    args = settled(["--handler", "tests.handlers:echo"])
-    assert args.devices == ["auto"] and args.layout is None
+    monkeypatch.setattr("rawserve.ops.layout.gpu_present", lambda: True)
+    workers = settled(["--handler", "tests.handlers:echo"])
+    assert workers.devices == ("auto",) and workers.layout == "--device auto"
+    assert not workers.chosen

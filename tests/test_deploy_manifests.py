@@ -15,9 +15,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from rawserve.main import OPTIONS
 from rawserve.ops.metrics import Metrics
-from rawserve.scheduling.core import SchedulerCore
+from rawserve.options import OPTIONS
+from rawserve.serving.core import SchedulerCore
 
 MANIFESTS = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 # the oldest release still common in managed clusters, and the newest the validator knows

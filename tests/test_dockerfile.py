@@ -18,7 +18,7 @@ import dockerfile
 import pytest
 import yaml
 
-from rawserve.main import OPTIONS
+from rawserve.options import OPTIONS
 from tests.server import REPO_ROOT, RunningServer
 
 try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -162,9 +163,10 @@ def test_busy_worker_batches_and_parameters_never_mix(echo_server):
     async def scenario():
         client = Client(echo_server.port)
         slow = asyncio.create_task(
-            client.post_json({"inputs": "first", "parameters": {"sleep": 0.5}})
+            client.post_json({"inputs": "first-of-two", "parameters": {"sleep": 0.5}})
         )
-        await asyncio.sleep(0.2)  # the worker is now busy with "first"
+        busy = re.compile(re.escape("sleeping 0.5 s on ['first-of-two']"))
+        await asyncio.to_thread(echo_server.wait_for_log, busy, 30)  # the worker is busy
         tasks = [
             asyncio.create_task(
                 client.post_json({"inputs": f"{group}-{i}", "parameters": {"group": group}})
@@ -175,7 +177,7 @@ def test_busy_worker_batches_and_parameters_never_mix(echo_server):
         return await slow, await asyncio.gather(*tasks)
 
     (status, first), answers = asyncio.run(scenario())
-    assert status == 200 and first["batch"] == ["first"]
+    assert status == 200 and first["batch"] == ["first-of-two"]
     sizes = []
     for status, answer in answers:
         assert status == 200
@@ -194,7 +196,7 @@ def test_ready_is_503_while_loading_and_posts_get_retry_after():
         assert status == 503 and json.loads(body)["status"] == "loading"
         status, headers, body = server.request("POST", "/", b"hello")
         assert status == 503 and int(headers["retry-after"]) >= 1
-        server.wait_for_log(__import__("re").compile(r"ready in"), timeout=60)
+        server.wait_for_log(re.compile(r"ready in"), timeout=60)
         assert server.request("GET", "/ready")[0] == 200
         status, _, body = server.request("POST", "/", b"hello")
         assert status == 200 and json.loads(body)["input"] == "hello"

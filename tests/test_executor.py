@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from rawserve.executor import Executor
+from rawserve.serving.pool import WorkerPool
 from rawserve.shared.messages import FailureKind, ItemFailure, WorkerConfig
 from tests.tiny_models import worker_config
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 async def fill_mask_executor(tiny_model):
-    executor = Executor(worker_config(tiny_model("fill-mask"), threads=1), ["cpu"])
+    executor = WorkerPool(worker_config(tiny_model("fill-mask"), threads=1), ["cpu"])
     executor.start()
     await asyncio.wait_for(executor.wait_ready(), 120)
     yield executor
@@ -59,13 +59,13 @@ async def test_a_killed_worker_comes_back_and_its_batch_is_retried(fill_mask_exe
     # each item ran again alone on the restarted worker, none was blamed
     assert len(result.outputs) == 4
     assert not any(isinstance(output, ItemFailure) for output in result.outputs)
-    assert worker.pid != first_pid and worker.restarts == 1 and fill_mask_executor.ready
+    assert worker.pid != first_pid and worker.record.restarts == 1 and fill_mask_executor.ready
     assert len(fill_mask_executor.poison) == 0
 
 
 async def test_a_model_that_cannot_load_is_reported(tmp_path):
     config = WorkerConfig(model=str(tmp_path / "missing"), task="fill-mask", threads=1)
-    executor = Executor(config, ["cpu"])
+    executor = WorkerPool(config, ["cpu"])
     executor.start()
     with pytest.raises(RuntimeError):
         await asyncio.wait_for(executor.wait_ready(), 120)

@@ -17,16 +17,16 @@ import time
 
 import pytest
 
-from rawserve import executor as executor_module
-from rawserve.executor import (
+from rawserve.main import SIGNAL_REPEAT_SECONDS
+from rawserve.serving import supervision
+from rawserve.serving.core import SchedulerCore
+from rawserve.serving.pool import WorkerPool
+from rawserve.serving.supervision import (
     CRASHED_ALONE,
     REFUSED_POISON,
     TIMED_OUT,
-    Executor,
     PoisonMemory,
 )
-from rawserve.main import SIGNAL_REPEAT_SECONDS
-from rawserve.scheduling.core import SchedulerCore
 from rawserve.shared.messages import FailureKind, ItemFailure, WorkerConfig
 from rawserve.worker.process import BatchCap, run_batch
 from tests.load import Client
@@ -56,7 +56,7 @@ class OutOfMemoryAbove:
         self.limit = limit
         self.calls: list[int] = []
 
-    def run(self, inputs, params):
+    def run(self, inputs, params, control=None):
         self.calls.append(len(inputs))
         if len(inputs) > self.limit:
             raise MemoryError("out of memory")
@@ -100,8 +100,6 @@ def test_poison_memory_is_bounded_and_keyed_by_input_and_parameters():
     assert len(memory) == 2 and PoisonMemory.key("a", {}) not in memory
     assert PoisonMemory.key("c", {}) in memory
     assert PoisonMemory.key("c", {"top_k": 2}) not in memory
-    # a stream's id is new on every request: it is not part of the input's identity
-    assert PoisonMemory.key("c", {"stream_id": 7}) in memory
 
 
 def test_an_input_is_quarantined_after_two_lone_crashes_and_forgiven_later():
@@ -128,29 +126,18 @@ def test_crashes_too_far_apart_do_not_add_up():
     assert not memory.crashed(key)
 
 
-def test_the_process_is_unhealthy_only_when_every_worker_keeps_dying():
-    executor = Executor(WorkerConfig(model=""), ["cpu", "cpu"])
-    assert executor.healthy
-    executor.workers[0].crashes = executor_module.MAX_CRASHES  # dies on every batch
-    assert executor.healthy  # the other one still serves
-    executor.workers[1].failed_restarts = executor.max_failed_restarts  # cannot load
-    assert not executor.healthy
-    executor.workers[0].crashes = 0  # answered a batch again
-    assert executor.healthy
-
-
 # --- the executor with a real worker process ------------------------------------------
 
 
 @pytest.fixture
 def fast_restarts(monkeypatch):
-    monkeypatch.setattr(executor_module, "RESTART_BACKOFF_FIRST", 0.05)
+    monkeypatch.setattr(supervision, "RESTART_BACKOFF_FIRST", 0.05)
 
 
 @pytest.fixture
 async def faulty_executor(fast_restarts, monkeypatch):
     monkeypatch.setenv("RAWSERVE_TEST_OOM_ABOVE", "4")
-    executor = Executor(
+    executor = WorkerPool(
         WorkerConfig(model="", handler=FAULTY, threads=1), ["cpu"], batch_timeout=3.0
     )
     executor.start()
@@ -159,7 +146,7 @@ async def faulty_executor(fast_restarts, monkeypatch):
     await executor.shutdown(wait=False)
 
 
-async def idle(executor: Executor, timeout: float = 120) -> None:
+async def idle(executor: WorkerPool, timeout: float = 120) -> None:
     """Wait until a worker is free (after a restart)."""
     became_idle = asyncio.Event()
     executor.on_idle = became_idle.set
@@ -174,12 +161,12 @@ async def test_a_poison_item_fails_alone_and_is_refused_afterwards(faulty_execut
     a, poison, b = result.outputs
     assert (a["input"], b["input"]) == ("a", "b")
     assert poison == CRASHED_ALONE
-    assert worker.restarts == 3  # the batch, then the culprit alone, twice
+    assert worker.record.restarts == 3  # the batch, then the culprit alone, twice
     await idle(faulty_executor)
     result = await asyncio.wait_for(faulty_executor.submit(["crash me", "c"], {}), 30)
     refused, c = result.outputs
     assert refused == REFUSED_POISON and refused.kind is FailureKind.INPUT
-    assert c["input"] == "c" and worker.restarts == 3  # refused without being run
+    assert c["input"] == "c" and worker.record.restarts == 3  # refused without being run
 
 
 @pytest.mark.slow
@@ -190,7 +177,7 @@ async def test_out_of_memory_splits_the_batch_and_lowers_the_cap(faulty_executor
     assert max(len(output["batch"]) for output in result.outputs) <= 4
     assert faulty_executor.batch_cap() == 2
     assert faulty_executor.status()[0].batch_cap == 2
-    assert faulty_executor.workers[0].restarts == 0  # never took the worker down
+    assert faulty_executor.workers[0].record.restarts == 0  # never took the worker down
 
 
 @pytest.mark.slow
@@ -200,7 +187,7 @@ async def test_a_hung_batch_is_answered_and_its_worker_restarted(faulty_executor
     result = await asyncio.wait_for(faulty_executor.submit(["hang", "fine"], {}), 60)
     assert result.outputs == (TIMED_OUT, TIMED_OUT)
     await idle(faulty_executor)
-    assert worker.pid != first_pid and worker.restarts == 1
+    assert worker.pid != first_pid and worker.record.restarts == 1
     result = await asyncio.wait_for(faulty_executor.submit(["after"], {}), 30)
     assert result.outputs[0]["input"] == "after"
 
@@ -211,7 +198,7 @@ async def test_repeated_failed_restarts_make_the_process_unhealthy(
 ):
     marker = tmp_path / "loaded"
     monkeypatch.setenv("RAWSERVE_TEST_MARKER", str(marker))
-    executor = Executor(
+    executor = WorkerPool(
         WorkerConfig(model="", handler="tests.handlers:loads_once", threads=1),
         ["cpu"],
         max_failed_restarts=2,

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from rawserve.main import parse_args
+from rawserve.http.access_log import log_access
+from rawserve.options import parse_config
 from rawserve.shared.logs import JsonFormatter, TextFormatter, setup_logging
 from tests.server import RunningServer
 
@@ -86,8 +87,8 @@ def test_the_access_log_switch(restore_logging, access_log):
 def test_options_and_their_environment_variables(monkeypatch, argv, env, no_access_log, log_format):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    args = parse_args(argv)
-    assert (args.no_access_log, args.log_format) == (no_access_log, log_format)
+    config = parse_config(argv)
+    assert (not config.access_log, config.log_format) == (no_access_log, log_format)
 
 
 @pytest.mark.parametrize(
@@ -98,7 +99,7 @@ def test_bad_logging_options_are_refused(monkeypatch, capsys, argv, env):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit):
-        parse_args(argv)
+        parse_config(argv)
     assert "rawserve: error:" in capsys.readouterr().err
 
 
@@ -140,3 +141,53 @@ def test_text_times_match_the_standard_formatter_across_seconds():
             {"msg": "x", "created": created, "msecs": created % 1 * 1000}
         )
         assert ours.formatTime(record) == standard.formatTime(record)
+
+
+# --- the access line: a client cannot write fields of its own, probes only at debug ----
+
+TEXT_ACCESS = re.compile(r'^\S+ "(?P<method>\S+) (?P<target>[^"]*)" (?P<status>\d+) \d+ \S+ \S+$')
+
+
+def access_lines(level: str, log_format: str, *requests: tuple[str, str, str]) -> list[str]:
+    stream = io.StringIO()
+    setup_logging(level, log_format, stream=stream, text_format="%(message)s")
+    for method, target, request_id in requests:
+        log_access("10.0.0.1:5000", method, target, 404, 15, 0.0002, request_id)
+    return stream.getvalue().splitlines()
+
+
+FORGED = [
+    ("GET", '/x"_200_15_0.2ms_forged', "id-1"),
+    ("GET", "/a\\b", 'id"2'),
+    ("GET", '/x\r\n10.0.0.9:1 "GET /admin" 200', "id-3"),
+    ('GE"T', "/\x1b[31mred\x00", "id\\4"),
+]
+
+
+def test_a_client_cannot_forge_text_access_log_fields(restore_logging):
+    lines = access_lines("info", "text", *FORGED)
+    assert len(lines) == len(FORGED)  # no line a client started
+    for line in lines:
+        match = TEXT_ACCESS.match(line)
+        assert match and match["status"] == "404", line  # the real status, where a parser reads it
+        assert not any(c in line for c in "\x00\x1b\r")
+    assert lines[0].split('"')[1] == "GET /x\\x22_200_15_0.2ms_forged"
+    assert lines[1].endswith("id\\x222") and "/a\\x5cb" in lines[1]
+
+
+def test_json_access_lines_keep_the_values_as_sent_and_an_escaped_message(restore_logging):
+    lines = access_lines("info", "json", *FORGED)
+    assert len(lines) == len(FORGED)
+    for line, (method, target, request_id) in zip(lines, FORGED, strict=True):
+        document = json.loads(line)
+        assert (document["method"], document["target"]) == (method, target)
+        assert document["request_id"] == request_id and document["status"] == 404
+        assert TEXT_ACCESS.match(document["message"])["status"] == "404"
+
+
+@pytest.mark.parametrize("path", ["/health", "/ready", "/ready/some-model", "/health?x=1"])
+def test_probes_are_logged_at_debug_only(restore_logging, path):
+    assert access_lines("info", "text", ("GET", path, "id"), ("POST", path, "id")) == [
+        f'10.0.0.1:5000 "POST {path}" 404 15 0.2ms id'  # not a probe: a POST
+    ]
+    assert len(access_lines("debug", "text", ("GET", path, "id"), ("HEAD", path, "id"))) == 2

@@ -17,10 +17,11 @@ import pytest
 from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
-from rawserve.executor import LoadState, WorkerStatus
 from rawserve.http.errors import NotFound, ServiceUnavailable, Unauthorized
 from rawserve.http.exchange import HttpRequest
-from rawserve.scheduling.core import ItemResult
+from rawserve.serving.face import NO_CONTROL, Control, ItemResult, Reason, Refusal
+from rawserve.serving.service import ModelService
+from rawserve.serving.status import LoadState, WorkerStatus
 from rawserve.shared.messages import ModelLimits, WorkerReady
 
 KEY = [("authorization", "Bearer secret")]
@@ -36,15 +37,18 @@ class AnsweringQueue:
         self.max_batch_size = 8
         self.calls: list[list[Any]] = []
 
-    def refuse_if_full(self) -> None:
-        if self.full:
-            raise ServiceUnavailable("the queue is full", retry_after=1.0)
+    def admission(self) -> Refusal | None:
+        return Refusal(Reason.QUEUE_FULL, "the queue is full", 1.0) if self.full else None
 
     async def run(
-        self, inputs: Sequence[Any], params: Mapping[str, Any], deadline: float
+        self,
+        inputs: Sequence[Any],
+        params: Mapping[str, Any],
+        deadline: float,
+        control: Control = NO_CONTROL,
     ) -> list[ItemResult]:
         self.calls.append(list(inputs))
-        if self.task == "feature-extraction" and params.get("embedding_api"):
+        if self.task == "feature-extraction" and control.embedding_route:
             outputs: list[Any] = [
                 {"embedding": np.full(3, len(self.calls), "f4"), "tokens": 2} for _ in inputs
             ]
@@ -75,7 +79,8 @@ class ReadyWorkers:
 
 
 def served(name: str, task: str, aliases: tuple[str, ...] = ()) -> ServedModel:
-    return ServedModel(name, AnsweringQueue(name, task), ReadyWorkers(task), aliases=aliases)
+    service = ModelService(AnsweringQueue(name, task), ReadyWorkers(task))
+    return ServedModel(name, service, aliases=aliases)
 
 
 @pytest.fixture
@@ -97,7 +102,7 @@ def post(path: str, document: Any = None, body: bytes = b"", headers=KEY) -> Htt
 
 
 def computed_by(app: App, name: str) -> int:
-    queue = app.models.get(name).queue
+    queue = app.models.get(name).serving.queue
     assert isinstance(queue, AnsweringQueue)
     return len(queue.calls)
 
@@ -171,7 +176,7 @@ async def test_a_model_path_takes_only_post(app):
 
 
 def test_a_full_model_is_refused_at_once_and_the_other_is_not(app):
-    queue = app.models.get("emb").queue
+    queue = app.models.get("emb").serving.queue
     assert isinstance(queue, AnsweringQueue)
     queue.full = True
     with pytest.raises(ServiceUnavailable):

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rawserve.shared.messages import Engine, WorkerConfig
+from rawserve.shared.messages import EMBEDDING_ROUTE, NO_CONTROL, Control, Engine, WorkerConfig
 from tests.server import RunningServer
 
 pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
@@ -29,7 +29,7 @@ CASES = [
         "feature-extraction",
         "feature-extraction",
         ["hello world", "bad film"],
-        {"embedding_api": True},
+        EMBEDDING_ROUTE,  # the embedding routes' control, and no parameters
     ),
     ("text-classification", "text-classification", ["i like it", "bad movie"], {}),
     ("text-classification", "text-classification", ["i like it", "bad"], {"top_k": 2}),
@@ -122,12 +122,14 @@ def test_every_encoder_task_answers_what_torch_answers(runners, kind, task, inpu
     torch_runner = runners(kind, task, Engine.TORCH)
     onnx_runner = runners(kind, task, Engine.ONNX)
     assert onnx_runner.engine is Engine.ONNX and torch_runner.engine is Engine.TORCH
-    expected = torch_runner.run(list(inputs), dict(params))
-    assert_close(onnx_runner.run(list(inputs), dict(params)), expected)
+    control = params if isinstance(params, Control) else NO_CONTROL
+    params = {} if isinstance(params, Control) else params
+    expected = torch_runner.run(list(inputs), dict(params), control)
+    assert_close(onnx_runner.run(list(inputs), dict(params), control), expected)
     # one at a time (other shapes than the batch's) and on every core: the same answers
     onnx_runner.set_threads(2)
     try:
-        alone = [onnx_runner.run([item], dict(params))[0] for item in inputs]
+        alone = [onnx_runner.run([item], dict(params), control)[0] for item in inputs]
     finally:
         onnx_runner.set_threads(1)
     assert_close(alone, expected)
@@ -137,12 +139,16 @@ def test_the_packaged_minilm_answers_what_torch_answers(runners):
     from rawserve.models.folder import default_model
 
     texts = ["A short sentence.", "A much longer sentence, " * 20, "x"]
-    for params in ({}, {"pooling": "none", "normalize": False}, {"embedding_api": True}):
+    for params, control in (
+        ({}, NO_CONTROL),
+        ({"pooling": "none", "normalize": False}, NO_CONTROL),
+        ({}, EMBEDDING_ROUTE),
+    ):
         expected = runners("minilm", "feature-extraction", Engine.TORCH, default_model()).run(
-            texts, dict(params)
+            texts, dict(params), control
         )
         actual = runners("minilm", "feature-extraction", Engine.ONNX, default_model()).run(
-            texts, dict(params)
+            texts, dict(params), control
         )
         assert_close(actual, expected)
 
@@ -255,3 +261,21 @@ def test_the_server_says_which_engine_runs_and_why(tiny_model, onnx_cache):
     generation = ["--model", tiny_model("text-generation"), "--device", "cpu"]
     with RunningServer(generation, env=env).start() as server:
         assert any("engine torch (auto: ONNX Runtime serves" in line for line in server.lines)
+
+
+@pytest.mark.slow
+def test_fill_mask_input_errors_are_422_on_the_onnx_engine(tiny_model, onnx_cache):
+    """The pipeline's own "no mask token" check names the model by an attribute the ONNX
+    network must carry, or the client's error became a 500; an input past the positions
+    is a 422 naming them (tests/test_task_adapters.py runs every task's on both engines)."""
+    env = {"RAWSERVE_CACHE_DIR": str(onnx_cache.parent), "RAWSERVE_ENGINE": "onnx"}
+    args = ["--model", tiny_model("fill-mask"), "--device", "cpu"]
+    with RunningServer(args, env=env).start() as server:
+        status, body = server.post_json({"inputs": "no mask token here"})
+        assert status == 422 and "mask" in body["error"], body
+        status, body = server.post_json({"inputs": ["a [MASK]", "no mask token here"]})
+        assert status == 422 and "mask" in body["error"], body
+        status, body = server.post_json({"inputs": " ".join(["hello"] * 200) + " [MASK]"})
+        assert status == 422 and "at most 128" in body["error"], body
+        status, body = server.post_json({"inputs": "paris is the [MASK]"})
+        assert status == 200 and len(body) == 5, body

@@ -347,7 +347,7 @@ def test_generation_routes_on_a_model_that_does_not_generate_are_404(servers):
 def test_a_client_that_leaves_a_stream_stops_the_generation(servers):
     server = servers["chat"]
     body = json.dumps(
-        {"messages": MESSAGES, "max_tokens": 4000, "stream": True, "temperature": 1.0}
+        {"messages": MESSAGES, "max_tokens": 255, "stream": True, "temperature": 1.0}
     ).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(
@@ -489,3 +489,49 @@ def test_completion_with_no_body_type_and_bad_json_is_400(servers):
         assert json.loads(response.read())["error"]["type"] == "invalid_request_error"
     finally:
         connection.close()
+
+
+# --- one rule for lengths past the model's positions ------------------------------------
+
+POSITIONS = 256  # the tiny GPT-2's n_positions: a one-token prompt leaves room for 255
+
+
+@pytest.mark.parametrize(
+    ("path", "document", "field"),
+    [
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 256}, '"max_tokens"'),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4000, "stream": True}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 300}, '"max_tokens"'),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "max_completion_tokens": 256, "stream": True},
+            '"max_completion_tokens"',
+        ),
+        ("/", {"inputs": PROMPT, "parameters": {"max_new_tokens": 256}}, "max_new_tokens"),
+        (
+            "/",
+            {"inputs": PROMPT, "parameters": {"max_new_tokens": 256}, "stream": True},
+            "max_new_tokens",
+        ),
+    ],
+    ids=lambda value: value if isinstance(value, str) else None,
+)
+def test_more_new_tokens_than_the_positions_allow_is_400_on_every_route(
+    servers, path, document, field
+):
+    status, body = servers["chat"].post_json(document, path)
+    assert status == 400, body
+    assert field in body["error"] and f"at most {POSITIONS - 1}" in body["error"], body
+
+
+def test_new_tokens_within_the_positions_stop_where_the_prompt_leaves_none(servers, reference):
+    """The most that may be asked is answered; a prompt that leaves less room than was
+    asked ends at the positions, and says so (finish_reason and usage)."""
+    answer = client(servers["plain"]).completions.create(
+        model=PLAIN_MODEL, prompt=PROMPT, max_tokens=POSITIONS - 1, temperature=0
+    )
+    prompt_tokens = len(reference.tokenizer("text-generation")(PROMPT)["input_ids"])
+    assert answer.usage.prompt_tokens == prompt_tokens
+    if answer.choices[0].finish_reason == "length":  # the tiny model may stop by itself
+        assert answer.usage.total_tokens == POSITIONS
+    assert answer.usage.total_tokens <= POSITIONS

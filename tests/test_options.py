@@ -1,7 +1,7 @@
 """Every command-line option is also a RAWSERVE_* variable, and the two read the same.
 
-parse_args only (no server): an option given as its variable leaves exactly the same
-settings as the flag would; a flag given beside its variable wins; the model list, which
+parse_config only (no server): an option given as its variable leaves exactly the same
+configuration as the flag would; a flag given beside its variable wins; the model list, which
 is repeatable, takes its variable comma-separated.
 """
 
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from rawserve.main import OPTIONS, Option, parse_args
+from rawserve.config import ServerConfig
+from rawserve.options import OPTIONS, Option, parse_config
 
 # A valid value per option whose type alone does not give one (validated strings).
 SAMPLES = {
@@ -50,18 +51,18 @@ def flag_and_variable(option: Option) -> tuple[list[str], str]:
 def test_an_option_as_its_variable_reads_as_its_flag(monkeypatch, option):
     clear_environment(monkeypatch)
     argv, value = flag_and_variable(option)
-    from_flag = vars(parse_args(argv))
+    from_flag = parse_config(argv)
     monkeypatch.setenv(option.env, value)
-    from_variable = vars(parse_args([]))
+    from_variable = parse_config([])
     assert from_variable == from_flag
     assert from_variable != defaults(monkeypatch)  # the sample does change the setting
 
 
-def defaults(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
-    """The settings with no flag and no variable: what the option must change."""
+def defaults(monkeypatch: pytest.MonkeyPatch) -> ServerConfig:
+    """The configuration with no flag and no variable: what the option must change."""
     with monkeypatch.context() as scoped:
         clear_environment(scoped)
-        return vars(parse_args([]))
+        return parse_config([])
 
 
 def test_the_model_list_is_comma_separated_and_given_flags_replace_it(monkeypatch):
@@ -70,17 +71,26 @@ def test_the_model_list_is_comma_separated_and_given_flags_replace_it(monkeypatc
     monkeypatch.setenv("RAWSERVE_MODEL", listed)
     monkeypatch.setenv("RAWSERVE_REVISION", "v2")
     monkeypatch.setenv("RAWSERVE_TASK", "feature-extraction")
-    args = parse_args([])
-    assert args.model == ["emb=BAAI/bge-small-en-v1.5@main", "cls=/models/sst2:text-classification"]
-    assert (args.revision, args.task) == ("v2", "feature-extraction")
-    assert parse_args(["--model", "org/name"]).model == ["org/name"]
-    assert parse_args(["--revision", "abc123"]).revision == "abc123"
+    config = parse_config([])
+    assert config.models == (
+        "emb=BAAI/bge-small-en-v1.5@main",
+        "cls=/models/sst2:text-classification",
+    )
+    assert (config.revision, config.task) == ("v2", "feature-extraction")
+    assert parse_config(["--model", "org/name"]).models == ("org/name",)
+    assert parse_config(["--revision", "abc123"]).revision == "abc123"
 
 
-@pytest.mark.parametrize("env", ["RAWSERVE_NO_WARMUP", "RAWSERVE_DOWNLOAD_ONLY"])
+SWITCHES = {
+    "RAWSERVE_NO_WARMUP": lambda config: not config.model.warmup,
+    "RAWSERVE_DOWNLOAD_ONLY": lambda config: config.download_only,
+    "RAWSERVE_NO_ACCESS_LOG": lambda config: not config.access_log,
+}
+
+
+@pytest.mark.parametrize("env", SWITCHES)
 @pytest.mark.parametrize(("value", "on"), [("1", True), ("yes", True), ("0", False), ("", False)])
 def test_the_switches_read_their_variables(monkeypatch, env, value, on):
     clear_environment(monkeypatch)
     monkeypatch.setenv(env, value)
-    args = parse_args([])
-    assert getattr(args, env.removeprefix("RAWSERVE_").lower()) is on
+    assert SWITCHES[env](parse_config([])) is on

@@ -7,12 +7,14 @@ import json
 
 import pytest
 
+from rawserve.api.bodies import request_timeout
 from rawserve.http.auth import require_bearer
 from rawserve.http.chunked import ChunkedMeter
+from rawserve.http.cors import EXPOSED_HEADERS, CorsPolicy
 from rawserve.http.errors import BadRequest, GatewayTimeout, ServiceUnavailable, Unauthorized
 from rawserve.http.exchange import HttpRequest, HttpResponse
+from rawserve.http.limits import LINGER_SECONDS
 from rawserve.protocol import (
-    LINGER_SECONDS,
     PROBE_RESERVE,
     READ_AHEAD_LIMIT,
     HttpProtocol,
@@ -84,6 +86,20 @@ async def test_post_answers_json_with_request_id(server):
     assert headers[b"x-request-id"] == b"abc-1"
     assert headers[b"content-type"] == b"application/json"
     assert not transport.finished  # keep-alive
+
+
+async def test_any_transport_with_the_methods_it_uses_will_do():
+    # uvloop's transports are no asyncio.Transport; neither is the fake
+    transport = FakeTransport()
+    assert not isinstance(transport, asyncio.BaseTransport)
+    protocol = HttpProtocol(EchoApp(), loop=asyncio.get_running_loop())
+    protocol.connection_made(transport)
+    request = b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi"
+    protocol.data_received(request)
+    await settle()
+    [(response, body)] = read_responses(transport.written, [request])
+    assert response.status_code == 200 and json.loads(body)["body"] == "hi"
+    assert transport.eof_written  # closed gracefully through the same methods
 
 
 async def test_pipelined_requests_are_answered_in_order(server):
@@ -548,6 +564,111 @@ async def test_every_response_has_a_request_id_server_timing_and_an_access_line(
     assert '"GET /bad" 400' in lines[1]
 
 
+# --- CORS on the protocol's own refusals -----------------------------------------------
+
+ORIGIN = "https://app.example"
+
+
+class CorsApp(EchoApp):
+    cors = CorsPolicy([ORIGIN])
+
+
+def cors_of(response) -> dict[bytes, bytes]:
+    return {k: v for k, v in response.headers if k.startswith(b"access-control-") or k == b"vary"}
+
+
+def with_origin(head: bytes, origin: str = ORIGIN) -> bytes:
+    return head.replace(b"Host: a\r\n", b"Host: a\r\nOrigin: " + origin.encode() + b"\r\n")
+
+
+REFUSALS_AFTER_THE_HEAD = [
+    ("413 announced", b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 101\r\n\r\n", 0, 413),
+    (
+        "413 as sent",
+        b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"65\r\n"
+        + b"x" * 101
+        + b"\r\n0\r\n\r\n",
+        0,
+        413,
+    ),
+    ("431 whole head", b"GET / HTTP/1.1\r\nHost: a\r\nX: " + b"a" * 1100 + b"\r\n\r\n", 0, 431),
+    ("408 body", b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nabc", 21, 408),
+]
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "wait", "status"),
+    [case[1:] for case in REFUSALS_AFTER_THE_HEAD],
+    ids=[case[0] for case in REFUSALS_AFTER_THE_HEAD],
+)
+async def test_a_refusal_after_the_head_lets_an_allowed_page_read_it(request_bytes, wait, status):
+    for origin, allowed in [(ORIGIN, True), ("https://evil.example", False)]:
+        loop = FakeTimerLoop(asyncio.get_running_loop())
+        settings = ProtocolSettings(max_body_bytes=100, max_head_bytes=1024, body_timeout=20)
+        protocol = HttpProtocol(CorsApp(), settings, loop=loop)
+        transport = FakeTransport()
+        protocol.connection_made(transport)
+        sent = with_origin(request_bytes, origin)
+        protocol.data_received(sent)
+        await settle()
+        loop.advance(wait)
+        [(response, _)] = read_responses(transport.written, [sent])
+        assert response.status_code == status
+        if allowed:
+            assert cors_of(response) == {
+                b"access-control-allow-origin": ORIGIN.encode(),
+                b"access-control-expose-headers": EXPOSED_HEADERS.encode(),
+                b"vary": b"Origin",
+            }
+        else:
+            assert cors_of(response) == {}
+
+
+async def test_the_503_past_the_connection_cap_lets_an_allowed_page_read_it():
+    loop = asyncio.get_running_loop()
+    state, settings, app = ServerState(), ProtocolSettings(max_connections=1), CorsApp()
+    for _ in range(2):
+        protocol, transport = HttpProtocol(app, settings, state, loop=loop), FakeTransport()
+        protocol.connection_made(transport)
+    sent = with_origin(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi")
+    protocol.data_received(sent)
+    await settle()
+    [(response, _)] = read_responses(transport.written, [sent])
+    assert response.status_code == 503 and (b"retry-after", b"1") in response.headers
+    assert cors_of(response)[b"access-control-allow-origin"] == ORIGIN.encode()
+
+
+async def test_cors_headers_are_added_once_and_never_to_a_preflight_answer():
+    class PreflightApp(CorsApp):
+        def answer_now(self, request: HttpRequest) -> HttpResponse | None:
+            if request.method == "OPTIONS":  # a preflight carries its own CORS headers
+                response = self.cors.preflight(request, ["POST"])
+            else:
+                response = HttpResponse(200, b"{}")
+            self.cors.add_headers(request, response)  # as the app does for all its answers
+            return response
+
+    protocol = HttpProtocol(PreflightApp(), loop=asyncio.get_running_loop())
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    requests = [
+        with_origin(
+            b"OPTIONS / HTTP/1.1\r\nHost: a\r\nAccess-Control-Request-Method: POST\r\n\r\n"
+        ),
+        with_origin(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"),
+    ]
+    protocol.data_received(b"".join(requests))
+    await settle()
+    preflight, answer = [response for response, _ in read_responses(transport.written, requests)]
+    names = [name for name, _ in preflight.headers]
+    assert names.count(b"access-control-allow-origin") == 1
+    assert b"access-control-expose-headers" not in names
+    names = [name for name, _ in answer.headers]
+    assert names.count(b"access-control-allow-origin") == 1
+    assert names.count(b"access-control-expose-headers") == 1
+
+
 # --- the bearer check the app applies under --api-key ---------------------------------
 
 
@@ -577,6 +698,34 @@ def test_require_bearer(authorization, accepted):
     with pytest.raises(Unauthorized) as caught:
         require_bearer(request, "k3y")
     assert dict(caught.value.headers)["WWW-Authenticate"].startswith("Bearer")
+
+
+@pytest.mark.parametrize("order", [("k3y", "wrong"), ("wrong", "k3y"), ("k3y", "k3y")])
+def test_two_authorization_headers_are_a_bad_request_whatever_their_order(order):
+    headers = [("authorization", f"Bearer {token}") for token in order]
+    with pytest.raises(BadRequest, match="one Authorization header"):
+        require_bearer(HttpRequest("POST", "/", "", headers, b"", "id"), "k3y")
+
+
+# --- numbers in headers are read in HTTP's grammar ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"), [("10", 10.0), ("0.5", 0.5), (".5", 0.5), ("2.", 2.0), ("007", 7.0)]
+)
+def test_a_header_number_is_digits_and_at_most_one_dot(value, seconds):
+    request = HttpRequest("POST", "/", "", [("x-request-timeout", value)], b"", "id")
+    assert request_timeout(request, default=30, longest=60) == seconds
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["1_0", " 1", "1 ", "1e1", "inf", "nan", "+1", "-1", "1.2.3", "0x10", "", ".", "\u0661", "²"],
+)
+def test_what_python_reads_as_a_number_but_http_does_not_is_400(value):
+    request = HttpRequest("POST", "/", "", [("x-request-timeout", value)], b"", "id")
+    with pytest.raises(BadRequest, match="X-Request-Timeout"):
+        request_timeout(request, default=30, longest=60)
 
 
 # --- what one connection may cost, whatever its client does ---------------------------

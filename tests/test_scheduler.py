@@ -9,16 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rawserve.http.errors import GatewayTimeout, PayloadTooLarge, ServiceUnavailable
-from rawserve.scheduler import DELIVERY_SLICE, Scheduler
-from rawserve.scheduling.batching import BatchLimits, CostModel, choose_batch, padded_cost
-from rawserve.scheduling.core import (
+from rawserve.serving.batching import BatchLimits, CostModel, choose_batch, padded_cost
+from rawserve.serving.core import (
     DeadlineUnreachable,
     NeverAdmissible,
     QueueFull,
     SchedulerCore,
 )
-from rawserve.shared.messages import BatchResult
+from rawserve.serving.driver import DELIVERY_SLICE, Scheduler
+from rawserve.serving.refusals import Reason, Refusal, Refused
+from rawserve.shared.messages import NO_CONTROL, BatchResult
 
 
 def queue_items(core: SchedulerCore, values, now=0.0, deadline=30.0, params=None):
@@ -340,10 +340,11 @@ def test_the_cost_of_a_long_input_is_what_the_model_reads_of_it():
     assert long_item.cost == 512
 
 
-async def test_a_request_that_can_never_be_admitted_is_413_not_503(driver):
+async def test_a_request_that_can_never_be_admitted_is_refused_for_good(driver):
     scheduler, _ = driver
-    with pytest.raises(PayloadTooLarge):
+    with pytest.raises(Refused) as refused:
         await scheduler.run(list("abcdefghi"), {}, deadline=scheduler.clock() + 5)
+    assert refused.value.refusal.reason is Reason.NEVER_ADMISSIBLE  # 413, not 503
 
 
 # --- the cost model and the batch choice alone ----------------------------------------
@@ -397,6 +398,7 @@ class FakeBackend:
     def __init__(self, workers: int = 1):
         self.workers = workers
         self.calls: list[tuple[list, dict, asyncio.Future]] = []
+        self.free_looks = 0
 
     def batch_cap(self) -> int | None:
         return None
@@ -405,9 +407,11 @@ class FakeBackend:
         return None
 
     def idle_workers(self) -> int:
-        return self.workers - sum(not f.done() for _, _, f in self.calls)
+        idle = self.workers - sum(not f.done() for _, _, f in self.calls)
+        self.free_looks += idle > 0  # the scheduler looked at the queue with a worker free
+        return idle
 
-    def submit(self, inputs, params):
+    def submit(self, inputs, params, control=NO_CONTROL):
         future = asyncio.get_running_loop().create_future()
         self.calls.append((list(inputs), dict(params), future))
         return future
@@ -483,15 +487,15 @@ async def test_a_batch_is_answered_a_slice_per_loop_pass_so_others_get_turns():
     await scheduler.stop()
 
 
-async def test_full_queue_answers_503_with_retry_after(driver):
+async def test_a_full_queue_refuses_with_a_retry_after(driver):
     scheduler, backend = driver
     busy = asyncio.create_task(scheduler.run(["a"], {}, scheduler.clock() + 5))
     await until(lambda: len(backend.calls) == 1)
     waiting = asyncio.create_task(scheduler.run(list("12345678"), {}, scheduler.clock() + 5))
     await until(lambda: len(scheduler.core) == 8)
-    with pytest.raises(ServiceUnavailable) as refused:
+    with pytest.raises(Refused) as refused:
         await scheduler.run(["x"], {}, scheduler.clock() + 5)
-    assert ("Retry-After", "1") in refused.value.headers
+    assert refused.value.refusal == Refusal(Reason.QUEUE_FULL, "server busy: queue full", 1.0)
     backend.finish(0)
     await until(lambda: len(backend.calls) == 2)
     backend.finish(1)
@@ -501,16 +505,18 @@ async def test_full_queue_answers_503_with_retry_after(driver):
     assert len(await waiting) == 8
 
 
-async def test_deadline_answers_504_and_the_item_is_never_computed(driver):
+async def test_a_passed_deadline_is_refused_and_the_item_never_computed(driver):
     scheduler, backend = driver
     busy = asyncio.create_task(scheduler.run(["a"], {}, scheduler.clock() + 5))
     await until(lambda: len(backend.calls) == 1)
-    with pytest.raises(GatewayTimeout):
+    with pytest.raises(Refused) as refused:
         await scheduler.run(["late"], {}, deadline=scheduler.clock() + 0.05)
+    assert refused.value.refusal.reason is Reason.DEADLINE_PASSED  # 504
     assert len(scheduler.core) == 0
+    looks = backend.free_looks
     backend.finish(0)
     await busy
-    await asyncio.sleep(0.01)
+    await until(lambda: backend.free_looks > looks)  # it looked again with the worker free
     assert [call[0] for call in backend.calls] == [["a"]]
 
 
@@ -523,20 +529,22 @@ async def test_a_cancelled_request_is_withdrawn(driver):
     gone.cancel()
     await asyncio.gather(gone, return_exceptions=True)
     assert len(scheduler.core) == 0
+    looks = backend.free_looks
     backend.finish(0)
     await busy
-    await asyncio.sleep(0.01)
+    await until(lambda: backend.free_looks > looks)  # it looked again with the worker free
     assert len(backend.calls) == 1
 
 
-async def test_a_request_that_cannot_meet_its_deadline_gets_503_at_once(driver):
+async def test_the_driver_refuses_a_request_that_cannot_meet_its_deadline(driver):
     scheduler, backend = driver
     for _ in range(2):  # 0.05 s a token, measured often enough to be trusted
         scheduler.core.cost_model.observe(10, 0.5)
     first = asyncio.create_task(scheduler.run(["first"], {}, deadline=scheduler.clock() + 5))
     await until(lambda: len(backend.calls) == 1)  # in flight: 0.15 s predicted
-    with pytest.raises(ServiceUnavailable) as refused:  # alone 0.1 s: it would make it
+    with pytest.raises(Refused) as refused:  # alone 0.1 s: it would make it
         await scheduler.run(["a"], {}, deadline=scheduler.clock() + 0.2)
+    assert refused.value.refusal.reason is Reason.DEADLINE_UNREACHABLE  # 503, retry later
     assert "deadline" in str(refused.value)
     assert len(backend.calls) == 1 and len(scheduler.core) == 0
     backend.finish(0)
@@ -555,12 +563,13 @@ async def test_a_batch_the_executor_refuses_fails_its_items_and_the_loop_goes_on
     scheduler, backend = driver
     real_submit = backend.submit
 
-    def refuse(inputs, params):
-        raise ServiceUnavailable("no model worker is free")
+    def refuse(inputs, params, control):
+        raise Refused.because(Reason.NO_WORKER, "no model worker is free")
 
     backend.submit = refuse
-    with pytest.raises(ServiceUnavailable):
+    with pytest.raises(Refused) as refused:
         await scheduler.run(["a"], {}, scheduler.clock() + 5)
+    assert refused.value.refusal.reason is Reason.NO_WORKER
     backend.submit = real_submit
     later = asyncio.create_task(scheduler.run(["b"], {}, scheduler.clock() + 5))
     await until(lambda: len(backend.calls) == 1)

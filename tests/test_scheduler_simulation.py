@@ -25,8 +25,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rawserve.scheduling.batching import padded_cost
-from rawserve.scheduling.core import QueueFull, SchedulerCore, WorkItem
+from rawserve.serving.batching import padded_cost
+from rawserve.serving.core import QueueFull, SchedulerCore, WorkItem
 
 KEYS = [{}, {"top_k": 1}, {"top_k": 5}]
 KEY_WEIGHTS = [6, 3, 1]  # a rare key must not starve behind the common ones

@@ -11,9 +11,9 @@ import pytest
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
 from rawserve.http.errors import ServiceUnavailable
-from rawserve.scheduling.core import ItemResult
+from rawserve.serving.face import ItemResult, Reason, Refused
+from rawserve.serving.service import ModelService
 from rawserve.shared.messages import FailureKind, ItemFailure, TokenChunk
-from rawserve.tasks import STREAM_ID_PARAM
 
 
 class FakeExecutor:
@@ -43,14 +43,14 @@ class FakeScheduler:
         )
         self.cancelled = asyncio.Event()
 
-    async def run(self, inputs, params, deadline):
+    async def run(self, inputs, params, deadline, control):
         if self.fail_first is not None:
             raise self.fail_first
-        listener = self.executor.listeners[params[STREAM_ID_PARAM]]
+        listener = self.executor.listeners[control.stream_id]
         try:
             for index, text in enumerate(self.texts):
                 token = {"id": index, "text": text, "logprob": -0.5, "special": False}
-                listener(TokenChunk(params[STREAM_ID_PARAM], 0, token))
+                listener(TokenChunk(control.stream_id, 0, token))
                 await asyncio.sleep(0)  # the worker's tokens arrive one loop turn apart
         except asyncio.CancelledError:
             self.cancelled.set()
@@ -59,7 +59,7 @@ class FakeScheduler:
 
 
 async def open_stream(scheduler, executor):
-    model = ServedModel("tiny-gpt", scheduler, executor)
+    model = ServedModel("tiny-gpt", ModelService(scheduler, executor))
     return await open_token_stream(model, "hello", {"max_new_tokens": 3}, deadline=1e9)
 
 
@@ -90,9 +90,11 @@ async def test_a_cut_character_held_back_arrives_with_the_last_token():
 
 async def test_an_error_before_the_first_token_keeps_its_status():
     executor = FakeExecutor()
-    scheduler = FakeScheduler(executor, [], None, fail_first=ServiceUnavailable("full"))
-    with pytest.raises(ServiceUnavailable):
+    full = Refused.because(Reason.QUEUE_FULL, "server busy: queue full", 3.0)
+    scheduler = FakeScheduler(executor, [], None, fail_first=full)
+    with pytest.raises(ServiceUnavailable) as refused:
         await open_stream(scheduler, executor)
+    assert refused.value.status == 503 and refused.value.retry_after == 3
     assert executor.closed == [1]
 
 

@@ -3,11 +3,22 @@ batching that answers what single calls answer, and the pipelines' list habits."
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from rawserve.shared.messages import TokenChunk
-from rawserve.tasks import split_outputs
+from rawserve.shared.messages import (
+    EMBEDDING_ROUTE,
+    Control,
+    Engine,
+    FailureKind,
+    ItemFailure,
+    TokenChunk,
+)
+from rawserve.tasks import LOGITS_PARAM, split_outputs
+from rawserve.worker.onnx_engine import ONNX_TASKS, onnxruntime_installed
 from tests.tiny_models import worker_config
 
 
@@ -16,14 +27,17 @@ def runner(tiny_model):
     from rawserve.worker.loading import load_runner
 
     loaded = {}
+    with pytest.MonkeyPatch.context() as patch:
+        # ONNX exports of the tiny models, kept between runs (keyed by content)
+        patch.setenv("RAWSERVE_CACHE_DIR", str(Path(tempfile.gettempdir()) / "rawserve-test-cache"))
 
-    def get(kind: str, task: str | None = None):
-        if (kind, task) not in loaded:
-            config = worker_config(tiny_model(kind), task, dtype="float32")
-            loaded[kind, task] = load_runner(config, "cpu")
-        return loaded[kind, task]
+        def get(kind: str, task: str | None = None, engine: Engine = Engine.TORCH):
+            if (kind, task, engine) not in loaded:
+                config = worker_config(tiny_model(kind), task, dtype="float32", engine=engine)
+                loaded[kind, task, engine] = load_runner(config, "cpu")
+            return loaded[kind, task, engine]
 
-    return get
+        yield get
 
 
 # --- what the installed pipelines do with a one-item list ------------------------------
@@ -80,6 +94,8 @@ def _rounded(value):
         return {k: _rounded(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_rounded(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return _rounded(value.tolist())
     if isinstance(value, np.generic):
         return _rounded(value.item())
     return value
@@ -98,8 +114,6 @@ def test_embedding_options(runner):
     np.testing.assert_allclose(cls, tokens[0][0] / np.linalg.norm(tokens[0][0]), atol=1e-5)
     [short] = plain.run(["hello world"], {"pooling": "mean", "dimensions": 8, "normalize": True})
     np.testing.assert_allclose(short, mean[:8] / np.linalg.norm(mean[:8]), atol=1e-5)
-    with pytest.raises(ValueError, match="at most 32"):
-        plain.run(["hello"], {"dimensions": 64})
 
 
 def test_embedding_truncation_keeps_the_side_asked_for(runner):
@@ -114,7 +128,7 @@ def test_embedding_truncation_keeps_the_side_asked_for(runner):
 def test_sentence_models_pool_as_their_files_say(runner):
     [vector] = runner("sentence-embedding").run(["hello world"], {})
     assert vector.shape == (32,) and np.linalg.norm(vector) == pytest.approx(1.0, abs=1e-5)
-    [api] = runner("sentence-embedding").run(["hello world"], {"embedding_api": True})
+    [api] = runner("sentence-embedding").run(["hello world"], {}, EMBEDDING_ROUTE)
     np.testing.assert_allclose(api["embedding"], vector, atol=1e-6)
     assert api["tokens"] == 4
 
@@ -231,11 +245,6 @@ def test_generation_stops_at_a_stop_sequence(runner):
     assert stopped["details"]["finish_reason"] == "stop_sequence"
 
 
-def test_generation_refuses_a_prompt_with_no_room_left(runner):
-    with pytest.raises(ValueError, match="room"):
-        runner("text-generation").run([" world" * 300], {"max_new_tokens": 2})
-
-
 class FakeFlag:
     def __init__(self):
         self.value = 0
@@ -255,18 +264,13 @@ def test_streamed_tokens_go_to_the_pipe_and_a_cancel_stops_generation(runner):
     try:
         # greedy: sampled tokens would depend on what ran before in this process
         [output] = generate.run(
-            ["hello"], {"max_new_tokens": 50, "stream_id": 7, "do_sample": False}
+            ["hello"], {"max_new_tokens": 50, "do_sample": False}, Control(stream_id=7)
         )
     finally:
         generate.bind_stream(None, None)
     assert len(sent) == 3 and all(c.stream_id == 7 and c.index == 0 for c in sent)
     assert output["details"]["finish_reason"] == "cancelled"
     assert output["generated_text"] == "".join(c.token["text"] for c in sent)
-
-
-def test_embedding_without_truncation_refuses_a_too_long_input(runner):
-    with pytest.raises(ValueError, match="truncate"):
-        runner("feature-extraction").run([" ".join(["hello"] * 300)], {"truncate": False})
 
 
 # --- image-classification -----------------------------------------------------------------
@@ -301,3 +305,144 @@ def test_image_classification_decodes_base64_images_in_the_worker(runner, tiny_m
     assert _rounded(classify.run(encoded[:1], {"top_k": 2})) == _rounded(expected[:1])
     with pytest.raises(ValueError, match="not an image"):
         classify.run([base64.b64encode(b"not an image").decode()], {})
+
+
+# --- each task's input errors, on every engine that serves the task -----------------------
+
+LONG = " ".join(["hello"] * 200)  # 200 words: past the tiny models' 128 positions
+LONG_LIST = [LONG, " ".join(["world"] * 150)]
+QUESTION = {"question": "who lives in paris", "context": CONTEXT}
+# an input each task answers, sent in the same batch as the failing one
+GOOD = {
+    "fill-mask": "paris is the [MASK]",
+    "text-classification": "i like it",
+    "token-classification": "john lives in paris",
+    "zero-shot-classification": "i like this film",
+    "question-answering": QUESTION,
+    "feature-extraction": "hello world",
+    "text-generation": "hello",
+    "summarization": "the movie was good",
+    "translation": "the movie was good",
+    "text2text-generation": "the movie was good",
+}
+
+# (model kind, task, failing input, parameters, what the client is told)
+INPUT_ERRORS = [
+    ("fill-mask", "fill-mask", "no mask token here", {"top_k": 2}, "No mask_token ([MASK])"),
+    ("fill-mask", "fill-mask", LONG + " [MASK]", {}, "reads at most 128"),
+    ("text-classification", "text-classification", LONG, {}, "reads at most 128"),
+    ("text-classification", "text-classification", LONG, {"top_k": 2}, "reads at most 128"),
+    ("text-classification", "text-classification", LONG, {LOGITS_PARAM: True}, "at most 128"),
+    (
+        "zero-shot-classification",
+        "zero-shot-classification",
+        "hello",
+        {"candidate_labels": ["city", LONG]},
+        "reads at most 128",
+    ),
+    (
+        "question-answering",
+        "question-answering",
+        {"question": LONG, "context": CONTEXT},
+        {},
+        "no room for the context",
+    ),
+    ("question-answering", "question-answering", QUESTION, {"max_seq_len": 200}, "limit of 128"),
+    ("feature-extraction", "feature-extraction", LONG, {"truncate": False}, "at most 128"),
+    ("feature-extraction", "feature-extraction", "hello", {"dimensions": 64}, "at most 32"),
+    ("text-generation", "text-generation", " world" * 300, {"max_new_tokens": 2}, "room"),
+    # more new tokens than the positions allow: the server refuses it first (400)
+    ("text-generation", "text-generation", "hello", {"max_new_tokens": 300}, "at most 255"),
+    ("seq2seq", "translation", "hello", {"src_lang": "en", "tgt_lang": "de"}, "not translate"),
+    ("seq2seq", "summarization", "hello", {"max_new_tokens": 200}, "limit of 127"),
+    ("seq2seq", "text2text-generation", LONG, {"truncation": False}, "reads at most 128"),
+    ("seq2seq", "text2text-generation", LONG, {"truncation": "do_not_truncate"}, "at most 128"),
+]
+
+NEEDS_ONNX = pytest.mark.skipif(
+    not onnxruntime_installed(), reason="the onnx extra is not installed"
+)
+
+
+def engines(cases: list[tuple]) -> list:
+    """Each case on torch, and on ONNX Runtime too where that engine serves its task."""
+    params = []
+    for index, case in enumerate(cases):
+        name = f"{case[1]}-{index}"
+        params.append(pytest.param(*case, Engine.TORCH, id=f"{name}-torch"))
+        if case[1] in ONNX_TASKS:
+            params.append(pytest.param(*case, Engine.ONNX, marks=NEEDS_ONNX, id=f"{name}-onnx"))
+    return params
+
+
+@pytest.mark.parametrize(
+    ("kind", "task", "bad", "params", "message", "engine"), engines(INPUT_ERRORS)
+)
+def test_an_input_error_is_the_client_s_on_every_engine(
+    runner, kind, task, bad, params, message, engine
+):
+    """Run as the worker runs a batch (bisected on failure): the failing input is a 422
+    that says what to fix, and its batch-mate is answered where the parameters allow."""
+    from rawserve.worker.process import run_bisecting
+
+    serving = runner(kind, task, engine)
+    good, failed = run_bisecting(serving, [GOOD[task], bad], dict(params))
+    assert isinstance(failed, ItemFailure) and failed.kind is FailureKind.INPUT, failed
+    assert message in failed.message, failed.message
+    # the batch-mate is answered as it is alone (a refused parameter fails both)
+    [alone] = run_bisecting(serving, [GOOD[task]], dict(params))
+    assert isinstance(good, ItemFailure) == isinstance(alone, ItemFailure), (good, alone)
+
+
+@pytest.mark.parametrize("kind", ["token-classification", "seq2seq", "text-generation"])
+def test_the_tiny_models_tokenizers_declare_no_length_limit(tiny_model, kind):
+    """The premise of the length cases: like tokenizers saved without a limit, these
+    declare ~1e30, so only the model's positions bound what the model reads."""
+    import transformers
+
+    assert transformers.AutoTokenizer.from_pretrained(tiny_model(kind)).model_max_length > 10**20
+
+
+# (model kind, task, inputs past the positions, parameters): the route truncates them
+CUT_TO_FIT = [
+    ("token-classification", "token-classification", LONG_LIST, {}),
+    ("token-classification", "token-classification", LONG_LIST, {"aggregation_strategy": "simple"}),
+    (
+        "zero-shot-classification",
+        "zero-shot-classification",
+        LONG_LIST,
+        {"candidate_labels": ["a", "b"]},
+    ),
+    (
+        "text-classification",
+        "text-classification",
+        LONG_LIST,
+        {LOGITS_PARAM: True, "truncate": True},
+    ),
+    ("feature-extraction", "feature-extraction", LONG_LIST, {"pooling": "mean"}),
+    ("question-answering", "question-answering", [{"question": "who", "context": LONG}], {}),
+    (
+        "seq2seq",
+        "text2text-generation",
+        LONG_LIST,
+        {"truncation": "longest_first", "max_new_tokens": 4},
+    ),
+    ("seq2seq", "text2text-generation", LONG_LIST, {"truncation": True, "max_new_tokens": 4}),
+    ("seq2seq", "summarization", LONG_LIST, {"truncation": "only_first", "max_new_tokens": 4}),
+    ("seq2seq", "summarization", LONG_LIST, {"max_new_tokens": 4}),
+]
+
+
+@pytest.mark.parametrize(("kind", "task", "inputs", "params", "engine"), engines(CUT_TO_FIT))
+def test_an_input_past_the_positions_is_cut_where_the_route_truncates(
+    runner, kind, task, inputs, params, engine
+):
+    """Whatever the tokenizer declares (the tiny models' declare no limit, ~1e30), a
+    truncating route cuts at the model's positions: answered, in a list as alone."""
+    from rawserve.worker.process import run_bisecting
+
+    serving = runner(kind, task, engine)
+    outputs = run_bisecting(serving, list(inputs), dict(params))
+    assert not any(isinstance(output, ItemFailure) for output in outputs), outputs
+    [alone] = run_bisecting(serving, list(inputs[:1]), dict(params))
+    assert _rounded(alone) == _rounded(outputs[0])

@@ -15,8 +15,10 @@ import pytest
 from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
-from rawserve.executor import Executor, LoadState, WorkerState
 from rawserve.http.exchange import HttpRequest
+from rawserve.serving.pool import WorkerPool
+from rawserve.serving.service import ModelService
+from rawserve.serving.status import LoadState, WorkerState
 from rawserve.shared.messages import WorkerConfig, WorkerReady, WorkerWarming
 from rawserve.tasks import check_input, check_params, task_rules
 from rawserve.tasks.registry import TASKS
@@ -69,7 +71,7 @@ def test_every_runner_runs_its_warm_up_batch(runner, task):  # noqa: F811
 
 
 def test_a_warming_worker_is_not_ready_and_says_so():
-    executor = Executor(WorkerConfig(model="unused", task="fill-mask"), ["cpu"])
+    executor = WorkerPool(WorkerConfig(model="unused", task="fill-mask"), ["cpu"])
     [worker] = executor.workers
     worker.state = WorkerState.LOADING
     executor._on_message(worker, WorkerWarming(load_seconds=1.0))
@@ -82,13 +84,20 @@ def test_a_warming_worker_is_not_ready_and_says_so():
     assert executor.ready and executor.status()[0].warmup_seconds == 0.25
 
 
-def warming_executor() -> Executor:
+def warming_executor() -> WorkerPool:
     """A real executor whose one worker has loaded its model and is warming up."""
-    executor = Executor(WorkerConfig(model="unused", task="fill-mask"), ["cpu"])
+    executor = WorkerPool(WorkerConfig(model="unused", task="fill-mask"), ["cpu"])
     [worker] = executor.workers
     worker.state = WorkerState.LOADING
     executor._on_message(worker, WorkerWarming(load_seconds=1.0))
     return executor
+
+
+def warming_model() -> ServedModel:
+    """A fill-mask model whose one worker is warming up."""
+    return ServedModel(
+        "mask", ModelService(AnsweringQueue("mask", "fill-mask"), warming_executor())
+    )
 
 
 def get(app: App, path: str) -> tuple[int, dict]:
@@ -100,7 +109,11 @@ def get(app: App, path: str) -> tuple[int, dict]:
 def test_ready_is_503_warming_while_a_model_warms_up_and_names_it_among_several():
     alone = App(
         ServedModels(
-            [ServedModel("mask", AnsweringQueue("mask", "fill-mask"), warming_executor())]
+            [
+                ServedModel(
+                    "mask", ModelService(AnsweringQueue("mask", "fill-mask"), warming_executor())
+                )
+            ]
         ),
         AppSettings(),
     )
@@ -109,7 +122,9 @@ def test_ready_is_503_warming_while_a_model_warms_up_and_names_it_among_several(
     pair = App(
         ServedModels(
             [
-                ServedModel("mask", AnsweringQueue("mask", "fill-mask"), warming_executor()),
+                ServedModel(
+                    "mask", ModelService(AnsweringQueue("mask", "fill-mask"), warming_executor())
+                ),
                 served("cls", "text-classification"),
             ]
         ),

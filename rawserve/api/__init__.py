@@ -2,6 +2,8 @@
 
 `app.App` is the router the protocol hands complete requests to; one module per family
 of routes (inference on `POST /`, OpenAI's /v1, streaming, operations) turns requests
-into scheduler calls and results into responses; `served` describes what a route needs
-from a served model's scheduler and workers. Never imports h11, torch or the protocol.
+into calls on a served model's serving side (its `Serving` face) and results into
+responses; `served` holds a model and that face, and `outcomes` turns the serving side's
+refusals and failures into HTTP statuses. Never imports h11, torch or the protocol, and
+of `rawserve.serving` only its face.
 """

@@ -1,5 +1,5 @@
 """What every route family shares: reading a JSON body, the deadline a request asks for,
-an item's result as output or error, and JSON responses with their Server-Timing.
+and JSON responses with their Server-Timing.
 
 The one JSON body reader and the one way answers are encoded (orjson, through
 `rawserve.http.encoding`).
@@ -12,16 +12,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from rawserve.http.encoding import dumps
-from rawserve.http.errors import (
-    BadRequest,
-    HTTPError,
-    InternalError,
-    PayloadTooLarge,
-    UnprocessableInput,
-)
+from rawserve.http.errors import BadRequest, PayloadTooLarge
 from rawserve.http.exchange import HttpRequest, HttpResponse
-from rawserve.scheduling.core import ItemResult
-from rawserve.shared.messages import FailureKind, ItemFailure
+from rawserve.http.header_numbers import header_decimal
+from rawserve.serving.face import ItemResult
 
 MAX_JSON_DEPTH = 64  # levels of nested arrays and objects in a request body
 TOO_DEEP = f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep"
@@ -89,26 +83,12 @@ def request_timeout(request: HttpRequest, default: float, longest: float) -> flo
     header = request.header("x-request-timeout")
     if header is None:
         return default
-    try:
-        seconds = float(header)
-    except ValueError:
-        raise BadRequest("X-Request-Timeout must be a number of seconds") from None
-    if not seconds > 0:  # also refuses NaN
+    seconds = header_decimal(header)
+    if seconds is None:  # HTTP's grammar: digits and at most one dot
+        raise BadRequest("X-Request-Timeout must be a number of seconds")
+    if seconds <= 0:
         raise BadRequest("X-Request-Timeout must be positive")
     return min(seconds, longest)
-
-
-def unwrap(result: ItemResult) -> Any:
-    """An item's output, or the HTTP error its failure stands for."""
-    output = result.output
-    if not isinstance(output, ItemFailure):
-        return output
-    error: HTTPError
-    if output.kind is FailureKind.INPUT:
-        error = UnprocessableInput(output.message)
-    else:
-        error = InternalError(output.message)
-    raise error
 
 
 def server_timing(results: Sequence[ItemResult]) -> str:

@@ -3,8 +3,9 @@ place that refuses work while a model is not ready."""
 
 from __future__ import annotations
 
+from rawserve.api.outcomes import http_error
 from rawserve.api.served import ServedModel
-from rawserve.http.errors import ServiceUnavailable
+from rawserve.serving.face import Reason, Refusal
 
 LOADING_RETRY_AFTER = 5.0  # seconds a client should wait while a model loads
 
@@ -18,11 +19,12 @@ class Gate:
 
     def open_for(self, model: ServedModel) -> bool:
         """Whether `model` takes work now: `check` would not raise."""
-        return not self.draining and model.workers.ready
+        return not self.draining and model.serving.ready
 
     def check(self, model: ServedModel) -> None:
         """Raise 503 unless `model` takes work now (not draining, a worker ready)."""
         if self.draining:
-            raise ServiceUnavailable("the server is shutting down")
-        if not model.workers.ready:
-            raise ServiceUnavailable("the model is loading", retry_after=LOADING_RETRY_AFTER)
+            raise http_error(Refusal(Reason.SHUTTING_DOWN, "the server is shutting down"))
+        if not model.serving.ready:
+            loading = Refusal(Reason.LOADING, "the model is loading", LOADING_RETRY_AFTER)
+            raise http_error(loading)

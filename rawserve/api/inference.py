@@ -13,8 +13,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rawserve.api import schemas
-from rawserve.api.bodies import answer, check_client_batch, is_json, read_json, unwrap
+from rawserve.api.bodies import answer, check_client_batch, is_json, read_json
 from rawserve.api.context import RouteContext
+from rawserve.api.outcomes import unwrap
 from rawserve.api.routing import MODEL_ERRORS, Needs, Operation, Route
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
@@ -161,7 +162,7 @@ class InferenceRoutes:
         answered in the pass that read it."""
         model = model or self.context.models.default
         self.context.gate.check(model)
-        model.queue.refuse_if_full()
+        model.refuse_if_full()
 
     def refuse_now_if_none_can(self, needs: Needs) -> None:
         """For a route whose body names the model (OpenAI, TEI): raise the 503 of the
@@ -170,7 +171,7 @@ class InferenceRoutes:
         404, a 400); under overload a quick 503 matters more than that precision."""
         gate = self.context.gate
         fitting = [model for model in self.context.models.all if needs.missing(model) is None]
-        if any(gate.open_for(model) and not model.queue.full for model in fitting):
+        if any(gate.open_for(model) and not model.serving.full for model in fitting):
             return  # one of them can: the request is read and routed as usual
         if fitting:
             self.refuse_now(fitting[0])
@@ -188,16 +189,16 @@ class InferenceRoutes:
 
     async def infer_with(self, model: ServedModel, request: HttpRequest) -> HttpResponse:
         self.context.gate.check(model)
-        task = model.workers.task
+        task = model.task
         parsed = parse_body(task, request, self.context.settings.max_client_batch_size)
         try:
-            check_generation_length(parsed.params, model.workers.limits.max_new_tokens)
+            check_generation_length(parsed.params, model.limits.max_new_tokens)
         except InvalidRequest as exc:
             raise BadRequest(str(exc)) from None
         deadline = self.context.deadline(request)
         if parsed.stream:
             return await open_token_stream(model, parsed.inputs[0], parsed.params, deadline)
-        results = await model.queue.run(parsed.inputs, parsed.params, deadline)
+        results = await model.run(parsed.inputs, parsed.params, deadline)
         outputs = [unwrap(result) for result in results]
         document = shape_answer(task, outputs, parsed.is_list, raw_text=parsed.raw_text)
         return answer(document, results)

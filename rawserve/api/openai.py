@@ -19,19 +19,22 @@ from typing import Any
 import numpy as np
 
 from rawserve.api import schemas
-from rawserve.api.bodies import answer, check_client_batch, json_response, read_json, unwrap
+from rawserve.api.bodies import answer, check_client_batch, json_response, read_json
 from rawserve.api.context import RouteContext
 from rawserve.api.openai_generation import (
     Answer,
     GenerationRequest,
+    check_max_tokens,
     parse_chat,
     parse_completion,
 )
+from rawserve.api.outcomes import unwrap
 from rawserve.api.routing import MODEL_ERRORS, Handler, Needs, Operation, Route
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import TokenStream, event_stream
 from rawserve.http.errors import BadRequest
 from rawserve.http.exchange import HttpRequest, HttpResponse
+from rawserve.serving.face import EMBEDDING_ROUTE
 
 EMBEDDING_TASK = "feature-extraction"
 EMBEDDING = Needs(frozenset({EMBEDDING_TASK}), "a feature-extraction model")
@@ -39,8 +42,6 @@ GENERATION = Needs(frozenset({"text-generation"}), "a text-generation model")
 TAG = "OpenAI"
 OPENAI_PREFIX = "/v1/"  # the OpenAI routes: their errors are OpenAI's error object
 ENCODING_FORMATS = ("float", "base64")
-# The worker answers {"embedding": float32 vector, "tokens": n} for these parameters.
-EMBEDDING_API_PARAM = "embedding_api"
 
 
 def parse_embeddings_request(
@@ -65,7 +66,7 @@ def parse_embeddings_request(
         encoding_format = "float"
     elif encoding_format not in ENCODING_FORMATS:
         raise BadRequest('"encoding_format" must be "float" or "base64"')
-    params: dict[str, Any] = {EMBEDDING_API_PARAM: True}
+    params: dict[str, Any] = {}
     dimensions = document.get("dimensions")
     if dimensions is not None:
         if isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1:
@@ -153,7 +154,8 @@ class OpenAIRoutes:
         texts, params, encoding_format = parse_embeddings_request(
             document, self.context.settings.max_client_batch_size
         )
-        results = await model.queue.run(texts, params, self.context.deadline(request))
+        # the worker answers {"embedding": float32 vector, "tokens": n} on this route
+        results = await model.run(texts, params, self.context.deadline(request), EMBEDDING_ROUTE)
         outputs = [unwrap(result) for result in results]
         return answer(embedding_response(outputs, encoding_format, model.name), results)
 
@@ -161,7 +163,7 @@ class OpenAIRoutes:
         document = read_json(request)
         model = self.context.model_for(named(document), GENERATION)
         generation = parse_chat(document)
-        loaded = model.workers.loaded
+        loaded = model.serving.loaded
         if loaded is not None and not loaded.details.get("chat_template"):
             raise BadRequest(
                 "this model's tokenizer has no chat template: start the server with "
@@ -179,13 +181,14 @@ class OpenAIRoutes:
         self, request: HttpRequest, model: ServedModel, generation: GenerationRequest, chat: bool
     ) -> HttpResponse:
         """Queue the prompts like any text-generation request; answer whole or streamed."""
+        check_max_tokens(generation, model.limits.max_new_tokens)
         shape = Answer(chat, model.name)
         deadline = self.context.deadline(request)
         if generation.stream:
             stream = TokenStream(model, generation.items[0], generation.params, deadline)
             await stream.start()  # an error before the first token keeps its status
             return event_stream(shape.events(stream, generation.stop, generation.include_usage))
-        results = await model.queue.run(generation.items, generation.params, deadline)
+        results = await model.run(generation.items, generation.params, deadline)
         # the worker answers the pipeline's [{"generated_text", "details"}] per prompt
         outputs = [unwrap(result)[0] for result in results]
         return answer(shape.whole(outputs, generation.stop), results)

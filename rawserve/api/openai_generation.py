@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rawserve import __version__
@@ -20,7 +20,7 @@ from rawserve.api.bodies import check_client_batch
 from rawserve.api.fields import Fields, unicode_text
 from rawserve.api.streaming import TokenStream, sse
 from rawserve.http.errors import BadRequest, HTTPError, openai_error_document
-from rawserve.tasks import CHAT_PARAM, text_generation
+from rawserve.tasks import CHAT_PARAM, InvalidRequest, check_new_tokens, text_generation
 from rawserve.tasks.text_generation import MAX_STOP_SEQUENCES
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -49,6 +49,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    max_tokens_field: str = "max_tokens"  # the field that set params["max_new_tokens"]
 
 
 def refuse_unserved(fields: Fields, names: Sequence[str], allowed: Sequence[Any]) -> None:
@@ -76,6 +77,7 @@ def generation_params(
     max_tokens = fields.integer(max_tokens_field, 1, MAX_NEW_TOKENS)
     if max_tokens is None and max_tokens_field != "max_tokens":
         max_tokens = fields.integer("max_tokens", 1, MAX_NEW_TOKENS)
+        max_tokens_field = "max_tokens"
     if max_tokens is None:
         max_tokens = default
     if max_tokens is not None:
@@ -109,7 +111,7 @@ def generation_params(
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise BadRequest('"stream_options" must be {"include_usage": true or false}')
         include_usage = Fields(options, ("include_usage",)).boolean("include_usage", False)
-    return GenerationRequest([], params, stop, stream, include_usage)
+    return GenerationRequest([], params, stop, stream, include_usage, max_tokens_field)
 
 
 def stop_sequences(value: Any) -> list[str]:
@@ -137,7 +139,7 @@ def parse_chat(document: Any) -> GenerationRequest:
     request = generation_params(fields, "max_completion_tokens", None)
     chat = {"messages": messages(fields.required("messages"))}
     params = {**request.params, CHAT_PARAM: True}
-    return GenerationRequest([chat], params, request.stop, request.stream, request.include_usage)
+    return replace(request, items=[chat], params=params)
 
 
 def messages(value: Any) -> list[dict[str, str]]:
@@ -203,10 +205,20 @@ def parse_completion(document: Any, max_prompts: int) -> GenerationRequest:
     check_client_batch(len(prompts), max_prompts)
     if request.stream and len(prompts) > 1:
         raise BadRequest("a streamed completion takes one prompt")
-    items = [unicode_text(p, '"prompt"') for p in prompts]
-    return GenerationRequest(
-        items, request.params, request.stop, request.stream, request.include_usage
-    )
+    return replace(request, items=[unicode_text(p, '"prompt"') for p in prompts])
+
+
+def check_max_tokens(generation: GenerationRequest, most: int | None) -> None:
+    """400 for more new tokens than the model's positions allow (`most`; None: no known
+    bound), checked before the request is queued: the rule `POST /` applies to
+    `max_new_tokens`, worded with the field this client sent."""
+    asked = generation.params.get("max_new_tokens")
+    if asked is None:
+        return
+    try:
+        check_new_tokens(f'"{generation.max_tokens_field}"', asked, most)
+    except InvalidRequest as exc:
+        raise BadRequest(str(exc)) from None
 
 
 # --- answers ------------------------------------------------------------------------------

@@ -18,10 +18,10 @@ from rawserve.api.gate import LOADING_RETRY_AFTER
 from rawserve.api.routing import Handler, Operation, Route
 from rawserve.api.served import ServedModel
 from rawserve.api.tei import tei_info
-from rawserve.executor import WorkerStatus
 from rawserve.http.errors import NotFound
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.ops.info import versions
+from rawserve.serving.face import WorkerStatus
 
 TAG = "Operations"
 # probes and metrics need no API key (a load balancer, Prometheus)
@@ -87,7 +87,7 @@ class OperationsRoutes:
         ]  # fmt: skip
 
     def health_now(self) -> HttpResponse:
-        if not all(model.workers.healthy for model in self.models.all):
+        if not all(model.serving.snapshot().healthy for model in self.models.all):
             return json_response(503, {"status": "unhealthy"})  # restarts keep failing
         return json_response(200, {"status": "ok"})
 
@@ -113,18 +113,18 @@ class OperationsRoutes:
             return json_response(503, {"status": "full", **several}, headers)
         if several:
             return json_response(200, {"status": "ready", **several})
-        return json_response(200, {"status": "ready", "task": models[0].workers.task})
+        return json_response(200, {"status": "ready", "task": models[0].task})
 
     def readiness(self, model: ServedModel) -> dict[str, Any]:
         """One model's state for /ready: ready, full, or why it is not loaded (how long)."""
-        workers = model.workers
-        if not workers.ready:
-            state, elapsed = workers.load_state()
-            status: dict[str, Any] = {"status": state.value}
-            if elapsed is not None:
-                status["elapsed_seconds"] = round(elapsed, 1)
+        serving = model.serving
+        if not serving.ready:
+            snapshot = serving.snapshot()
+            status: dict[str, Any] = {"status": snapshot.load_state.value}
+            if snapshot.loading_seconds is not None:
+                status["elapsed_seconds"] = round(snapshot.loading_seconds, 1)
             return status
-        return {"status": "full" if model.queue.full else "ready"}
+        return {"status": "full" if serving.full else "ready"}
 
     def model_route(self, model: ServedModel) -> Callable[[HttpRequest], Awaitable[HttpResponse]]:
         """The handler of `GET /ready/<name>`: that model's readiness alone."""
@@ -158,16 +158,17 @@ class OperationsRoutes:
     def info_document(self, model: ServedModel, server: bool = True) -> dict[str, Any]:
         """The model's facts and what its workers are doing now; with `server`, the
         server's own (options, pid, versions) too."""
-        workers = model.workers.status()
+        snapshot = model.serving.snapshot()
+        workers = snapshot.workers
         document = {**self.facts, **model.facts} if server else dict(model.facts)
         batching = dict(document.get("batching", {}))
         # the size in use: the option, or lower where a worker ran out of memory
         caps = [worker.batch_cap for worker in workers if worker.batch_cap]
-        batching["effective_max_batch_size"] = min([model.queue.max_batch_size, *caps])
+        batching["effective_max_batch_size"] = min([snapshot.max_batch_size, *caps])
         document.update(
             {
-                "task": model.workers.task,
-                "ready": model.workers.ready,
+                "task": model.task,
+                "ready": snapshot.ready,
                 "batching": batching,
                 "workers": [_worker_info(worker) for worker in workers],
                 "engine": next((w.engine for w in workers if w.engine), None),

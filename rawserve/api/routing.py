@@ -32,7 +32,7 @@ class Needs:
     def missing(self, model: ServedModel) -> str | None:
         """Why `model` cannot serve the route (a 404's message), or None when it can or
         when it is not known yet (no worker has loaded: the gate answers 503 then)."""
-        loaded = model.workers.loaded
+        loaded = model.serving.loaded
         if loaded is None:
             return None
         serves = f"{model.name!r} serves {loaded.task}"

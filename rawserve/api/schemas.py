@@ -65,7 +65,7 @@ def texts(context: DocContext) -> Schema:
 
 
 def details(context: DocContext) -> dict[str, Any]:
-    loaded = context.model.workers.loaded
+    loaded = context.model.serving.loaded
     return dict(loaded.details) if loaded else {}
 
 
@@ -257,7 +257,7 @@ TEI_DECODE_RESPONSE: Schema = {"type": "array", "items": {"type": "string"}}
 
 def inference_request(context: DocContext) -> Schema:
     """`{"inputs": X, "parameters": {...}}` as the served task takes it."""
-    task = task_rules(context.model.workers.task or "")
+    task = task_rules(context.model.task or "")
     if task is None:  # a custom handler takes any JSON input and any parameters
         return {
             "type": "object",
@@ -307,7 +307,7 @@ def inference_request(context: DocContext) -> Schema:
 
 def inference_response(context: DocContext) -> Schema:
     """The answer to one input, or the list of answers to a list of inputs."""
-    task = task_rules(context.model.workers.task or "")
+    task = task_rules(context.model.task or "")
     if task is None:
         return {"description": "what the handler answers"}
     item = task.output_schema
@@ -419,7 +419,7 @@ OPENAI_EMBEDDINGS_RESPONSE: Schema = {
 
 def generation_events(context: DocContext) -> Schema | None:
     """An event of a streamed text-generation answer (TGI's shape); None for other tasks."""
-    if context.model.workers.task != "text-generation":
+    if context.model.task != "text-generation":
         return None
     return {
         "type": "object",

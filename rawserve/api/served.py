@@ -1,5 +1,6 @@
-"""A served model as the routes see it: its name, its queue (the scheduler) and its workers
-(the executor), each described by the `Protocol` of what the routes need from it.
+"""A served model as the routes see it: its name and its serving side (the `Serving`
+face of `rawserve.serving`), with the refusals of that side turned into HTTP errors on
+the way (by `rawserve.api.outcomes`).
 
 Several models may be served at once; `ServedModels` finds the one a request names, the
 first being the default for routes that name none.
@@ -7,76 +8,63 @@ first being the default for routes that name none.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from rawserve.executor import LoadState, WorkerStatus
+from rawserve.api.outcomes import http_error
 from rawserve.http.errors import ModelNotFound
-from rawserve.scheduling.core import ItemResult
-from rawserve.shared.messages import ModelLimits, TokenChunk, WorkerReady
-
-
-class Queue(Protocol):
-    """What the routes need from a model's scheduler (rawserve.scheduler.Scheduler)."""
-
-    @property
-    def full(self) -> bool: ...
-
-    @property
-    def max_batch_size(self) -> int: ...
-
-    def refuse_if_full(self) -> None:
-        """Raise the 503 a request would get now because the queue is full."""
-        ...
-
-    async def run(
-        self, inputs: Sequence[Any], params: Mapping[str, Any], deadline: float
-    ) -> list[ItemResult]: ...
-
-
-class Workers(Protocol):
-    """What the routes need from a model's workers (rawserve.executor.Executor)."""
-
-    @property
-    def ready(self) -> bool: ...
-
-    @property
-    def healthy(self) -> bool: ...
-
-    @property
-    def task(self) -> str | None: ...
-
-    @property
-    def limits(self) -> ModelLimits:
-        """What the loaded model can take (unknown until a worker is ready)."""
-        ...
-
-    @property
-    def loaded(self) -> WorkerReady | None:
-        """What a loaded worker said of its model; None until one has loaded."""
-        ...
-
-    def load_state(self) -> tuple[LoadState, float | None]: ...
-
-    def status(self) -> list[WorkerStatus]: ...
-
-    def open_stream(self, on_token: Callable[[TokenChunk], None]) -> int: ...
-
-    def close_stream(self, stream_id: int) -> None: ...
+from rawserve.serving.face import (
+    NO_CONTROL,
+    Control,
+    ItemResult,
+    ModelLimits,
+    Refused,
+    Serving,
+)
 
 
 @dataclass(frozen=True)
 class ServedModel:
     name: str  # what clients call it: its alias, else the Hub id or the folder's name
-    queue: Queue
-    workers: Workers
+    serving: Serving
     facts: Mapping[str, Any] = field(default_factory=dict)  # its options, for /info
     aliases: tuple[str, ...] = ()  # other names it answers to (the Hub id beside an alias)
 
     @property
     def names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
+
+    @property
+    def task(self) -> str | None:
+        """The loaded model's task; None until a worker has loaded it."""
+        loaded = self.serving.loaded
+        return loaded.task if loaded else None
+
+    @property
+    def limits(self) -> ModelLimits:
+        """What the loaded model can take (unknown until a worker is ready)."""
+        loaded = self.serving.loaded
+        return loaded.limits if loaded else ModelLimits()
+
+    async def run(
+        self,
+        inputs: Sequence[Any],
+        params: Mapping[str, Any],
+        deadline: float,
+        control: Control = NO_CONTROL,
+    ) -> list[ItemResult]:
+        """The items' results in order; HTTPError when the serving side refuses them."""
+        try:
+            return await self.serving.run(inputs, params, deadline, control)
+        except Refused as refused:
+            raise http_error(refused.refusal) from None
+
+    def refuse_if_full(self) -> None:
+        """Raise the 503 a request would get now because the queue is full."""
+        refusal = self.serving.admission()
+        if refusal is not None:
+            raise http_error(refusal)
 
 
 class ServedModels:

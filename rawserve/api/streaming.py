@@ -1,9 +1,9 @@
 """Token streaming for text-generation: `"stream": true` → text/event-stream, TGI's shape.
 
-Owns the server side of a stream: it registers a token listener with the model's workers,
-queues the request through its scheduler like any other (the stream id in its
-parameters keeps it out of other requests' batches and tells the worker to send a
-`TokenChunk` per new token), and turns the chunks into server-sent events:
+Owns the server side of a stream: it opens a stream on the model's serving side, queues
+the request like any other with that stream's id (which keeps it out of other requests'
+batches and tells the worker to send a `TokenChunk` per new token), and turns the chunks
+into server-sent events:
 
     data: {"index": 0, "token": {"id", "text", "logprob", "special"}, "generated_text": null, "details": null}
     ...
@@ -23,14 +23,12 @@ import asyncio
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
-from rawserve.api.bodies import unwrap
-from rawserve.api.served import ServedModel, Workers
+from rawserve.api.outcomes import unwrap
+from rawserve.api.served import ServedModel
 from rawserve.http.encoding import dumps
 from rawserve.http.errors import HTTPError, ServiceUnavailable, error_document
 from rawserve.http.exchange import HttpResponse
-from rawserve.scheduling.core import ItemResult
-from rawserve.shared.messages import TokenChunk
-from rawserve.tasks import STREAM_ID_PARAM
+from rawserve.serving.face import Control, ItemResult, Serving, TokenChunk
 
 # A stream's queue carries its TokenChunks, then None once its request has finished.
 Run = asyncio.Future[list[ItemResult]]
@@ -56,13 +54,13 @@ class TokenStream:
     """
 
     def __init__(self, model: ServedModel, prompt: Any, params: Mapping[str, Any], deadline: float):
-        self.workers: Workers = model.workers
+        self.serving: Serving = model.serving
         self.queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
         self.overflowed = False
         self.closed = False
-        self.stream_id = self.workers.open_stream(self.on_token)
-        params = {**params, STREAM_ID_PARAM: self.stream_id}
-        self.run: Run = asyncio.ensure_future(model.queue.run([prompt], params, deadline))
+        self.stream_id = self.serving.open_stream(self.on_token)
+        running = model.run([prompt], params, deadline, Control(stream_id=self.stream_id))
+        self.run: Run = asyncio.ensure_future(running)
         self.run.add_done_callback(lambda _: self.queue.put_nowait(None))
         self.first: TokenChunk | None = None
 
@@ -102,7 +100,7 @@ class TokenStream:
         if self.closed:
             return
         self.closed = True
-        self.workers.close_stream(self.stream_id)
+        self.serving.close_stream(self.stream_id)
         if not self.run.done():
             self.run.cancel()
 

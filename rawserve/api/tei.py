@@ -20,10 +20,10 @@ import numpy as np
 
 from rawserve import __version__
 from rawserve.api import schemas
-from rawserve.api.bodies import answer, check_client_batch, json_response, read_json, unwrap
+from rawserve.api.bodies import answer, check_client_batch, json_response, read_json
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Fields, unicode_text
-from rawserve.api.openai import EMBEDDING_API_PARAM
+from rawserve.api.outcomes import unwrap
 from rawserve.api.routing import (
     MODEL_ERRORS,
     Handler,
@@ -37,6 +37,7 @@ from rawserve.api.served import ServedModel
 from rawserve.api.tokens import ServerTokenizer, UnknownTokenId
 from rawserve.http.errors import BadRequest, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
+from rawserve.serving.face import EMBEDDING_ROUTE
 from rawserve.tasks import LOGITS_PARAM
 
 EMBEDDING = Needs(frozenset({"feature-extraction"}), "a feature-extraction model")
@@ -104,14 +105,13 @@ class TeiRoutes:
         model = self.context.model_for(fields.get("model"), EMBEDDING)
         texts = self.texts(fields, model)
         params: dict[str, Any] = {
-            EMBEDDING_API_PARAM: True,
             "normalize": fields.boolean("normalize", True),
             **truncation(fields),
         }
         dimensions = fields.integer("dimensions", 1, 65536)
         if dimensions is not None:
             params["dimensions"] = dimensions
-        results = await model.queue.run(texts, params, self.context.deadline(request))
+        results = await model.run(texts, params, self.context.deadline(request), EMBEDDING_ROUTE)
         return answer([unwrap(result)["embedding"] for result in results], results)
 
     async def embed_all(self, request: HttpRequest) -> HttpResponse:
@@ -120,7 +120,7 @@ class TeiRoutes:
         model = self.context.model_for(fields.get("model"), EMBEDDING)
         texts = self.texts(fields, model)
         params = {"pooling": "none", "normalize": False, **truncation(fields)}
-        results = await model.queue.run(texts, params, self.context.deadline(request))
+        results = await model.run(texts, params, self.context.deadline(request))
         # the worker answers the pipeline's [1, tokens, hidden] per input
         return answer([unwrap(result)[0] for result in results], results)
 
@@ -148,7 +148,7 @@ class TeiRoutes:
         check_client_batch(len(items), self.settings.max_client_batch_size)
         raw_scores = fields.boolean("raw_scores", False)
         params = {LOGITS_PARAM: True, **truncation(fields)}
-        results = await model.queue.run(items, params, self.context.deadline(request))
+        results = await model.run(items, params, self.context.deadline(request))
         labels = labels_of(model)
         predictions = [
             predictions_from(scores(unwrap(result), raw_scores), labels) for result in results
@@ -173,7 +173,7 @@ class TeiRoutes:
         return_text = fields.boolean("return_text", False)
         pairs = [{"text": query, "text_pair": text} for text in texts]
         params = {LOGITS_PARAM: True, **truncation(fields)}
-        results = await model.queue.run(pairs, params, self.context.deadline(request))
+        results = await model.run(pairs, params, self.context.deadline(request))
         ranks = []
         for index, result in enumerate(results):
             rank: dict[str, Any] = {
@@ -213,7 +213,7 @@ class TeiRoutes:
         """The model's tokenizer in this process, loaded (off the event loop) once."""
         tokenizer = self._tokenizers.get(model.name)
         if tokenizer is None:
-            loaded = model.workers.loaded
+            loaded = model.serving.loaded
             assert loaded is not None and loaded.tokenizer is not None  # TOKENIZER checked it
             tokenizer = await asyncio.to_thread(ServerTokenizer, loaded.tokenizer)
             self._tokenizers[model.name] = tokenizer
@@ -313,12 +313,12 @@ def predictions_from(row: np.ndarray, labels: Mapping[str, str]) -> list[dict[st
 
 
 def labels_of(model: ServedModel) -> Mapping[str, str]:
-    loaded = model.workers.loaded
+    loaded = model.serving.loaded
     return loaded.details.get("id2label", {}) if loaded else {}
 
 
 def prompts_of(model: ServedModel) -> Mapping[str, str]:
-    loaded = model.workers.loaded
+    loaded = model.serving.loaded
     return loaded.details.get("prompts", {}) if loaded else {}
 
 
@@ -327,7 +327,7 @@ def prompts_of(model: ServedModel) -> Mapping[str, str]:
 
 def tei_info(model: ServedModel, max_client_batch_size: int) -> dict[str, Any]:
     """TEI's /info fields for `model`, beside rawserve's own."""
-    loaded = model.workers.loaded
+    loaded = model.serving.loaded
     details: Mapping[str, Any] = loaded.details if loaded else {}
     facts = model.facts
     batching = facts.get("batching", {})
@@ -345,7 +345,7 @@ def tei_info(model: ServedModel, max_client_batch_size: int) -> dict[str, Any]:
         "max_batch_requests": max_batch_size,
         "max_client_batch_size": max_client_batch_size,
         "auto_truncate": False,
-        "tokenization_workers": len(model.workers.status()),
+        "tokenization_workers": len(model.serving.snapshot().workers),
         "version": __version__,
         "sha": None,
         "docker_label": None,

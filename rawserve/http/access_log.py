@@ -1,7 +1,14 @@
-"""The access log: one INFO line per response on the `rawserve.access` logger.
+"""The access log: one line per response on the `rawserve.access` logger.
 
 `--no-access-log` raises that logger's level (rawserve.shared.logs), so the line is then
-never formatted. With `--log-format json` the fields go out as JSON keys.
+never formatted. With `--log-format json` the fields go out as JSON keys. Probes
+(`GET /health`, `/ready`, `/ready/<model>`) are logged at DEBUG: an orchestrator asks every
+few seconds, and those lines would drown the requests.
+
+What a client chose (method, target, request id) is escaped in the text line: a quote, a
+backslash or a character that is not printable becomes `\\xHH` (or `\\uHHHH`), so a path
+cannot close the quoted field and write fields of its own, nor start a line. The JSON
+keys carry the values as sent (JSON escapes them itself).
 """
 
 from __future__ import annotations
@@ -10,15 +17,40 @@ import logging
 
 access_log = logging.getLogger("rawserve.access")
 
+PROBE_PATHS = ("/health", "/ready")
+_PROBE_PREFIX = "/ready/"
+_FIELD_ENDS = ('"', "\\")  # a quote ends a quoted field; a backslash escapes
+
+
+def escape(value: str) -> str:
+    """`value` fit for a quoted field of the text line: `"`, `\\` and every character
+    that is not printable (control characters, line separators) as `\\xHH`/`\\uHHHH`."""
+    if value.isprintable() and '"' not in value and "\\" not in value:
+        return value  # what nearly every request sends: no copy
+    return "".join(
+        char if char.isprintable() and char not in _FIELD_ENDS else _escaped(char) for char in value
+    )
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+
+
+def is_probe(method: str, path: str) -> bool:
+    return method in ("GET", "HEAD") and (path in PROBE_PATHS or path.startswith(_PROBE_PREFIX))
+
 
 def log_access(
     peer: str, method: str, target: str, status: int, size: int, seconds: float, request_id: str
 ) -> None:
-    if not access_log.isEnabledFor(logging.INFO):
+    level = logging.DEBUG if is_probe(method, target.partition("?")[0]) else logging.INFO
+    if not access_log.isEnabledFor(level):
         return
-    access_log.info(
+    access_log.log(
+        level,
         '%s "%s %s" %d %d %.1fms %s',
-        *(peer, method, target, status, size, 1000 * seconds, request_id),
+        *(peer, escape(method), escape(target), status, size, 1000 * seconds, escape(request_id)),
         extra={
             "peer": peer,
             "method": method,

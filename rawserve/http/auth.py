@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import hmac
 
-from rawserve.http.errors import Unauthorized
+from rawserve.http.errors import BadRequest, Unauthorized
 from rawserve.http.exchange import HttpRequest
 
 
 def require_bearer(request: HttpRequest, api_key: str) -> None:
     """Raise 401 unless the request carries `Authorization: Bearer <api_key>`.
 
-    The comparison takes the same time whatever the token, so it leaks nothing.
+    The comparison takes the same time whatever the token, so it leaks nothing. Two
+    Authorization headers are 400: which one counts would be a guess (and a proxy may
+    have checked the other).
     """
-    scheme, _, token = (request.header("authorization") or "").strip().partition(" ")
+    given = [value for name, value in request.headers if name == "authorization"]
+    if len(given) > 1:
+        raise BadRequest("a request may carry one Authorization header, not several")
+    scheme, _, token = (given[0] if given else "").strip().partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise Unauthorized(
             "this endpoint needs an Authorization: Bearer <api key> header",

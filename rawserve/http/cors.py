@@ -1,6 +1,8 @@
 """CORS: which browser origins may call the API (`--cors-allow-origin`, repeatable, `*` for
 any), the answer to a browser's preflight `OPTIONS`, and the headers that let a page read
-an answer (errors included).
+an answer (errors included). The app adds those headers to what it answers; the
+protocol's one writer adds them to every other answer to a parsed head (its own 413,
+431, 408 and 503 refusals), never twice.
 
 Server process; plain functions of requests and responses, no I/O.
 """
@@ -16,6 +18,8 @@ ANY_ORIGIN = "*"
 PREFLIGHT_MAX_AGE = 600  # seconds a browser may cache a preflight's answer
 # response headers a page's script may read besides the CORS-safelisted ones
 EXPOSED_HEADERS = "X-Request-Id, Server-Timing, Retry-After"
+ALLOW_ORIGIN = "Access-Control-Allow-Origin"
+ALLOW_ORIGIN_LOWER = ALLOW_ORIGIN.lower()
 
 
 class CorsPolicy:
@@ -44,7 +48,7 @@ class CorsPolicy:
         if request.header("access-control-request-method") not in methods:
             raise MethodNotAllowed(sorted(methods))
         headers = [
-            ("Access-Control-Allow-Origin", ANY_ORIGIN if self.any_origin else origin),
+            (ALLOW_ORIGIN, ANY_ORIGIN if self.any_origin else origin),
             ("Access-Control-Allow-Methods", ", ".join(sorted(methods))),
             ("Access-Control-Max-Age", str(PREFLIGHT_MAX_AGE)),
             ("Vary", "Origin, Access-Control-Request-Method, Access-Control-Request-Headers"),
@@ -55,12 +59,22 @@ class CorsPolicy:
         return HttpResponse(204, b"", headers, content_type="")
 
     def add_headers(self, request: HttpRequest, response: HttpResponse) -> None:
-        """Let the page of an allowed origin read `response`."""
-        origin = request.header("origin")
+        """Let the page of an allowed origin read `response` (once: an answer that already
+        carries them, a preflight's, is left as it is)."""
+        response.headers += self.headers_for(request.header("origin"), response.headers)
+
+    def headers_for(
+        self, origin: str | None, present: Sequence[tuple[str, str]] = ()
+    ) -> list[tuple[str, str]]:
+        """The headers that let the page of `origin` read an answer: none for no origin, an
+        origin not allowed, or an answer whose headers (`present`) already carry them."""
         if origin is None or not self.allows(origin):
-            return
+            return []
+        if any(name.lower() == ALLOW_ORIGIN_LOWER for name, _ in present):
+            return []
         if self.any_origin:
-            response.headers.append(("Access-Control-Allow-Origin", ANY_ORIGIN))
+            headers = [(ALLOW_ORIGIN, ANY_ORIGIN)]
         else:
-            response.headers += [("Access-Control-Allow-Origin", origin), ("Vary", "Origin")]
-        response.headers.append(("Access-Control-Expose-Headers", EXPOSED_HEADERS))
+            headers = [(ALLOW_ORIGIN, origin), ("Vary", "Origin")]
+        headers.append(("Access-Control-Expose-Headers", EXPOSED_HEADERS))
+        return headers

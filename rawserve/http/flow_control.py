@@ -1,19 +1,51 @@
-"""Flow control for one connection: pause/resume reading, and wait while writing is paused.
+"""Flow control for one connection: pause/resume reading, wait while writing is paused,
+and give up on a peer that reads nothing for too long.
 
 Reading is paused when requests pile up faster than they are answered (pipelining) or the
 peer does not read its answers; writing producers wait on `drain()` while the transport's
-write buffer is over its high-water mark (`pause_writing`/`resume_writing`). Pause and
-resume are idempotent, so callers need not track who paused what. Knows nothing of HTTP.
+write buffer is over its high-water mark (`pause_writing`/`resume_writing`), and if it
+stays there for `write_timeout` seconds, `on_stalled` is called (the connection is cut).
+Pause and resume are idempotent, so callers need not track who paused what. Knows
+nothing of HTTP; `Transport` says what a connection uses of its transport, which need not
+be an `asyncio.Transport` (uvloop's are not).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+
+class ReadingSwitch(Protocol):
+    def pause_reading(self) -> None: ...
+    def resume_reading(self) -> None: ...
+
+
+class Transport(ReadingSwitch, Protocol):
+    """What a connection uses of its transport: asyncio's, uvloop's, or a test's fake."""
+
+    def writelines(self, list_of_data: Iterable[bytes], /) -> None: ...
+    def can_write_eof(self) -> bool: ...
+    def write_eof(self) -> None: ...
+    def close(self) -> None: ...
+    def abort(self) -> None: ...
+    def get_extra_info(self, name: str, default: Any = None, /) -> Any: ...
 
 
 class FlowControl:
-    def __init__(self, transport: asyncio.Transport):
+    def __init__(
+        self,
+        transport: ReadingSwitch,
+        loop: asyncio.AbstractEventLoop,
+        write_timeout: float,
+        on_stalled: Callable[[], None],
+    ):
         self._transport = transport
+        self._loop = loop
+        self._write_timeout = write_timeout
+        self._on_stalled = on_stalled
+        self._stall_timer: asyncio.TimerHandle | None = None  # armed while writing is paused
         self.read_paused = False
         self.write_paused = False
         self._writable = asyncio.Event()
@@ -38,13 +70,26 @@ class FlowControl:
         if not self.write_paused:
             self.write_paused = True
             self._writable.clear()
+        if self._stall_timer is None:
+            self._stall_timer = self._loop.call_later(self._write_timeout, self._stalled)
 
     def resume_writing(self) -> None:
+        self._stop_stall_timer()
         if self.write_paused:
             self.write_paused = False
             self._writable.set()
 
     def release(self) -> None:
         """The connection is gone: wake every waiting producer so it can see that."""
+        self._stop_stall_timer()
         self.write_paused = False
         self._writable.set()
+
+    def _stalled(self) -> None:
+        self._stall_timer = None
+        self._on_stalled()
+
+    def _stop_stall_timer(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None

@@ -175,7 +175,7 @@ class ModelMetrics:
 
 
 class QueueState(Protocol):
-    """What the metrics read of a scheduler at scrape time (rawserve.scheduler.Scheduler)."""
+    """What the metrics read of a scheduler at scrape time (rawserve.serving.driver.Scheduler)."""
 
     @property
     def core(self) -> SchedulerCoreState: ...
@@ -194,7 +194,7 @@ class SchedulerCoreState(Protocol):
 
 
 class WorkerView(Protocol):
-    """One worker as the executor reports it (rawserve.executor.WorkerStatus)."""
+    """One worker as the executor reports it (rawserve.serving.status.WorkerStatus)."""
 
     @property
     def index(self) -> int: ...
@@ -215,7 +215,7 @@ class WorkerView(Protocol):
 
 
 class WorkerPool(Protocol):
-    """What the metrics read of an executor at scrape time (rawserve.executor.Executor)."""
+    """What the metrics read of an executor at scrape time (rawserve.serving.pool.WorkerPool)."""
 
     def status(self) -> Sequence[WorkerView]: ...
 

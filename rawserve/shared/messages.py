@@ -44,6 +44,22 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True)
+class Control:
+    """How the server wants a batch run, beside the task's parameters: set by the server,
+    never by a client, and part of what items must share to share a batch."""
+
+    # a streamed generation: the worker sends this stream a `TokenChunk` per new token
+    stream_id: int | None = None
+    # the embedding routes (OpenAI's, TEI's): a pooled vector (mean pooling where the model
+    # has none), normalized unless asked not to, with the input's real token count
+    embedding_route: bool = False
+
+
+NO_CONTROL = Control()
+EMBEDDING_ROUTE = Control(embedding_route=True)
+
+
+@dataclass(frozen=True)
 class Batch:
     """One model call: items that share the same parameters."""
 
@@ -53,6 +69,7 @@ class Batch:
     threads: int | None = (
         None  # intra-op threads (torch or ONNX Runtime) for this call; None: as loaded
     )
+    control: Control = NO_CONTROL
 
 
 class FailureKind(enum.Enum):

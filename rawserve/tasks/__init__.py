@@ -13,6 +13,7 @@ from rawserve.tasks.registry import (
     batch_key,
     check_generation_length,
     check_input,
+    check_new_tokens,
     check_params,
     estimate_tokens,
     shape_answer,
@@ -22,7 +23,7 @@ from rawserve.tasks.registry import (
 from rawserve.tasks.rules import InvalidRequest, SingleAnswer, Task, UnservedParameter
 from rawserve.tasks.seq2seq import GENERATE_PARAMS, SEQ2SEQ_TASKS
 from rawserve.tasks.text_classification import LOGITS_PARAM
-from rawserve.tasks.text_generation import CHAT_PARAM, STREAM_ID_PARAM
+from rawserve.tasks.text_generation import CHAT_PARAM
 
 __all__ = [
     "BlankInput",
@@ -31,7 +32,6 @@ __all__ = [
     "GENERATE_PARAMS",
     "LOGITS_PARAM",
     "SEQ2SEQ_TASKS",
-    "STREAM_ID_PARAM",
     "TASKS",
     "InvalidRequest",
     "SingleAnswer",
@@ -40,6 +40,7 @@ __all__ = [
     "batch_key",
     "check_generation_length",
     "check_input",
+    "check_new_tokens",
     "check_params",
     "estimate_tokens",
     "shape_answer",

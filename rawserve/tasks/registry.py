@@ -75,10 +75,16 @@ def check_generation_length(params: Mapping[str, Any], longest: int | None) -> N
     ):
         for source in sources:
             asked = source.get(name)
-            if isinstance(asked, int) and asked > most:
-                raise InvalidRequest(
-                    f"{name} is {asked}, and this model generates at most {most} tokens"
-                )
+            if isinstance(asked, int):
+                check_new_tokens(name, asked, most)
+
+
+def check_new_tokens(name: str, asked: int, most: int | None) -> None:
+    """The one rule of every generation route: asking for more new tokens than the
+    model's positions allow is refused (400), never cut to fit. `name` is the field
+    the client sent (`max_new_tokens`, OpenAI's `max_tokens`...)."""
+    if most is not None and asked > most:
+        raise InvalidRequest(f"{name} is {asked}, and this model generates at most {most} tokens")
 
 
 def check_params(task: Task, params: Mapping[str, Any]) -> dict[str, Any]:

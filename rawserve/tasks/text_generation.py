@@ -4,9 +4,9 @@ Its parameters are TGI's (which the Inference API's text-generation takes too): 
 rawserve serves, and the rest accepted only unset (TGI's client sends every one).
 
 `"stream": true` sits next to `parameters` (as InferenceClient and TGI send it) and
-takes one input. The server adds `STREAM_ID_PARAM` to a streamed request's
-parameters (a client cannot: it is not an allowed name) so that the worker sends that
-stream a `TokenChunk` per new token, and so that it never shares a batch.
+takes one input. The server gives a streamed request a stream id (in the batch's
+`Control`, beside its parameters) so that the worker sends that stream a `TokenChunk`
+per new token, and so that it never shares a batch.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any
 from rawserve.tasks.checks import boolean, checker, float_range, ignored, int_range, text
 from rawserve.tasks.rules import Task
 
-STREAM_ID_PARAM = "stream_id"
 # Set by the server's OpenAI chat route, never by a client: each input is a chat
 # (`{"messages": [...]}`) that the worker renders with the model's chat template.
 CHAT_PARAM = "chat"

@@ -17,8 +17,8 @@ import jinja2
 import torch
 import transformers
 
-from rawserve.shared.messages import ModelLimits, TokenChunk
-from rawserve.tasks import CHAT_PARAM, STREAM_ID_PARAM
+from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits, TokenChunk
+from rawserve.tasks import CHAT_PARAM
 from rawserve.worker.runner import Runner, dtype_name
 
 log = logging.getLogger("rawserve.generation")
@@ -198,8 +198,10 @@ class CausalLMRunner(Runner):
         """Where token chunks go (the worker's pipe) and where cancellations come from."""
         self.send, self.cancelled_stream = send, cancelled_stream
 
-    def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
-        stream_id = params.get(STREAM_ID_PARAM)
+    def run(
+        self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
+    ) -> list[Any]:
+        stream_id = control.stream_id
         encoded = self.prompts(inputs, params).to(self.device)
         prompt_length = encoded["input_ids"].shape[1]
         recorder = ScoreRecorder()
@@ -228,12 +230,17 @@ class CausalLMRunner(Runner):
             keep_tokens,
         )
         kwargs = generate_kwargs(params, self.defaults)
+        most = self.max_positions - 1
+        asked = params.get("max_new_tokens")
+        if asked is not None and asked > most:  # the server refuses it first: a backstop
+            raise ValueError(f"max_new_tokens is {asked}, and this model generates at most {most}")
         room = self.max_positions - prompt_length
         if room < 1:
             raise ValueError(
                 f"the prompt is {prompt_length} tokens: the model takes at most "
-                f"{self.max_positions - 1} to leave room for one new token"
+                f"{most} to leave room for one new token"
             )
+        # a prompt and its new tokens past the positions stop there (finish_reason "length")
         kwargs["max_new_tokens"] = min(kwargs["max_new_tokens"], room)
         if "seed" in params:
             torch.manual_seed(params["seed"])

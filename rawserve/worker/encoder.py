@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from rawserve.models.folder import sentence_transformers_prompts
-from rawserve.shared.messages import ModelLimits
+from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name, resolve_dtype
 
@@ -64,15 +64,17 @@ class EncoderRunner(Runner):
             "prompts": self.prompts,
         }
 
-    def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
-        # The OpenAI route always wants a sentence vector, normalized unless the
+    def run(
+        self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
+    ) -> list[Any]:
+        # The embedding routes always want a sentence vector, normalized unless the
         # model says otherwise, and the real token count of each input.
-        embedding_api = params.get("embedding_api", False)
+        embedding_route = control.embedding_route
         default_pooling = self.default_pooling
-        if embedding_api and default_pooling == "none":
+        if embedding_route and default_pooling == "none":
             default_pooling = "mean"
         pooling = params.get("pooling", default_pooling)
-        normalize = params.get("normalize", self.default_normalize or embedding_api)
+        normalize = params.get("normalize", self.default_normalize or embedding_route)
         dimensions = params.get("dimensions")
         if dimensions is not None and dimensions > self.model.config.hidden_size:
             raise ValueError(
@@ -112,7 +114,7 @@ class EncoderRunner(Runner):
             if normalize:
                 pooled = torch.nn.functional.normalize(pooled, dim=-1)
             vectors = list(pooled.cpu().numpy())
-        if embedding_api:
+        if embedding_route:
             counts = mask.sum(1).tolist()
             return [
                 {"embedding": vector, "tokens": count}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from rawserve.shared.messages import NO_CONTROL, Control
 from rawserve.tasks import CUSTOM_TASK
 from rawserve.worker.runner import Runner
 
@@ -21,5 +22,7 @@ class HandlerRunner(Runner):
         self.handler = factory()
         super().__init__(CUSTOM_TASK, device)
 
-    def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
+    def run(
+        self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
+    ) -> list[Any]:
         return list(self.handler(inputs, **params))

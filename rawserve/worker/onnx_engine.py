@@ -116,6 +116,10 @@ class OnnxNetwork(torch.nn.Module):
         self.ort = onnxruntime
         self.graph = graph
         self.config = config
+        # transformers' pipelines name the model by it in their errors (fill-mask's "no
+        # mask token"): without it the client's error would become an AttributeError.
+        # The model type is what most of transformers' own classes use.
+        self.base_model_prefix = config.model_type
         self.head = head
         self.device = torch.device("cpu")
         self.dtype = torch.float32

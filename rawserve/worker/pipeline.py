@@ -8,12 +8,14 @@ from __future__ import annotations
 import base64
 import io
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 import transformers
 
+from rawserve.shared.messages import NO_CONTROL, Control
 from rawserve.tasks import LOGITS_PARAM, split_outputs
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name, resolve_dtype
@@ -44,6 +46,15 @@ class PipelineRunner(Runner):
         self.onnx = onnx
         config = self.pipe.model.config
         self.max_length = self.max_input_length(config) if self.tokenizer is not None else None
+        if self.max_length is not None:
+            # A tokenizer saved without a limit declares ~1e30: the pipelines' own truncation
+            # (token-classification's, zero-shot's) would cut nothing. Bound it by the
+            # model's positions, and refuse what still runs past them (the pipelines that
+            # do not truncate: text-classification, fill-mask) before the model fails on it.
+            self.tokenizer.model_max_length = self.max_length
+            self.pipe.model.register_forward_pre_hook(
+                refuse_past(self.max_length), with_kwargs=True
+            )
 
     @property
     def details(self) -> dict[str, Any]:
@@ -55,7 +66,9 @@ class PipelineRunner(Runner):
             found["id2label"] = {str(i): labels[i] for i in sorted(labels)}
         return found
 
-    def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
+    def run(
+        self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
+    ) -> list[Any]:
         if params.get(LOGITS_PARAM):
             return self._logits(inputs, params)
         if self._plain_classification(inputs, params):
@@ -118,6 +131,21 @@ class PipelineRunner(Runner):
         with torch.inference_mode():
             logits = self.pipe.model(**encoded.to(self.pipe.device)).logits
         return list(logits.float().cpu().numpy())
+
+
+def refuse_past(limit: int) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], None]:
+    """A forward pre-hook that refuses input ids longer than `limit` with the ValueError a
+    client is answered (422, naming the limit): the one place that sees the tokens of
+    every pipeline, however it tokenized them."""
+
+    def check(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and ids.shape[-1] > limit:
+            raise ValueError(
+                f"the input is {ids.shape[-1]} tokens and this model reads at most {limit}"
+            )
+
+    return check
 
 
 def decode_image(encoded: str) -> Any:

@@ -26,8 +26,10 @@ from rawserve.shared.devices import isolate
 from rawserve.shared.logs import setup_worker_logging
 from rawserve.shared.memory import FreeMemoryReleaser
 from rawserve.shared.messages import (
+    NO_CONTROL,
     Batch,
     BatchResult,
+    Control,
     FailureKind,
     ItemFailure,
     Shutdown,
@@ -162,7 +164,8 @@ def worker_main(
                 runner.set_threads(message.threads)
                 threads = message.threads
             started = time.perf_counter()
-            outputs = run_batch(runner, list(message.inputs), dict(message.params), cap)
+            inputs, params = list(message.inputs), dict(message.params)
+            outputs = run_batch(runner, inputs, params, cap, message.control)
             result = BatchResult(
                 message.batch_id,
                 tuple(outputs),
@@ -190,24 +193,32 @@ def sample_token_counts(runner: Runner, batch: Batch) -> tuple[int, ...] | None:
 
 
 def run_batch(
-    runner: Runner, inputs: list[Any], params: dict[str, Any], cap: BatchCap | None = None
+    runner: Runner,
+    inputs: list[Any],
+    params: dict[str, Any],
+    cap: BatchCap | None = None,
+    control: Control = NO_CONTROL,
 ) -> list[Any]:
     """Run a batch in chunks no larger than the cap, each bisected on failure."""
     cap = cap or BatchCap()
     size = cap.limit or len(inputs)
     outputs: list[Any] = []
     for start in range(0, len(inputs), size):
-        outputs += run_bisecting(runner, inputs[start : start + size], params, cap)
+        outputs += run_bisecting(runner, inputs[start : start + size], params, cap, control)
     cap.on_success()
     return outputs
 
 
 def run_bisecting(
-    runner: Runner, inputs: list[Any], params: dict[str, Any], cap: BatchCap | None = None
+    runner: Runner,
+    inputs: list[Any],
+    params: dict[str, Any],
+    cap: BatchCap | None = None,
+    control: Control = NO_CONTROL,
 ) -> list[Any]:
     """Run a batch; if it raises, run each half alone, down to the failing items."""
     try:
-        outputs = runner.run(inputs, params)
+        outputs = runner.run(inputs, params, control)
     except Exception as exc:  # noqa: BLE001 - every failure becomes data, never a pickle
         failure = runner.describe_failure(exc)
         if failure.kind is FailureKind.OUT_OF_MEMORY:
@@ -224,8 +235,8 @@ def run_bisecting(
                 log.error("an item failed", exc_info=exc)
             return [failure]
         half = len(inputs) // 2
-        return run_bisecting(runner, inputs[:half], params, cap) + run_bisecting(
-            runner, inputs[half:], params, cap
+        return run_bisecting(runner, inputs[:half], params, cap, control) + run_bisecting(
+            runner, inputs[half:], params, cap, control
         )
     if len(outputs) != len(inputs):
         log.error("the model answered %d outputs for %d inputs", len(outputs), len(inputs))

@@ -15,7 +15,14 @@ from typing import Any
 import torch
 import transformers
 
-from rawserve.shared.messages import Engine, FailureKind, ItemFailure, ModelLimits
+from rawserve.shared.messages import (
+    NO_CONTROL,
+    Control,
+    Engine,
+    FailureKind,
+    ItemFailure,
+    ModelLimits,
+)
 from rawserve.worker.onnx_engine import OnnxNetwork
 
 log = logging.getLogger("rawserve.runner")
@@ -80,7 +87,9 @@ class Runner:
         limit = self.tokenizer.model_max_length if self.tokenizer is not None else positions
         return int(min(limit, positions))
 
-    def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
+    def run(
+        self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
+    ) -> list[Any]:
         raise NotImplementedError
 
     def set_threads(self, count: int) -> None:

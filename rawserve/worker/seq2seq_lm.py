@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import transformers
 
-from rawserve.shared.messages import ModelLimits
+from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits
 from rawserve.tasks import GENERATE_PARAMS
 from rawserve.tasks.seq2seq import OUTPUT_KEYS
 from rawserve.worker.runner import Runner, dtype_name
@@ -115,7 +115,9 @@ class Seq2SeqLMRunner(Runner):
             )
         return None, {}  # a one-direction model: the languages change nothing, as in transformers 4
 
-    def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
+    def run(
+        self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
+    ) -> list[Any]:
         prefix, task_options = self.task_settings(params)
         caller = {name: params[name] for name in GENERATE_PARAMS if name in params}
         caller.update(params.get("generate_parameters", {}))
@@ -128,6 +130,12 @@ class Seq2SeqLMRunner(Runner):
             **self.cut(params),
         )
         encoded.pop("token_type_ids", None)  # tokenizers that make them; generate() refuses them
+        length = encoded["input_ids"].shape[1]
+        if self.position_limit is not None and length > self.position_limit:
+            raise ValueError(  # the encoder would fail on it: say so (truncation was refused)
+                f"the input is {length} tokens and this model reads at most "
+                f"{self.position_limit}: leave out truncation, or set it, to cut it"
+            )
         with torch.inference_mode():
             generated = self.model.generate(**encoded.to(self.device), **options)
         texts = self.tokenizer.batch_decode(
@@ -155,13 +163,18 @@ class Seq2SeqLMRunner(Runner):
                 raise ValueError(f"{name} {caller[name]} is over this model's limit of {limit}")
 
     def cut(self, params: dict[str, Any]) -> dict[str, Any]:
-        """The tokenizer's truncation arguments: the caller's, else the model's position limit
-        (transformers 4 did not truncate, and failed on inputs past that limit)."""
+        """The tokenizer's truncation arguments: the caller's strategy, else the model's
+        position limit (transformers 4 did not truncate, and failed on inputs past that
+        limit). A strategy cuts at the tokenizer's limit, bounded by the positions: a
+        tokenizer saved without one declares ~1e30, which would cut nothing."""
         truncation = params.get("truncation")
-        if truncation == "do_not_truncate":
+        if truncation in ("do_not_truncate", False):
             return {"truncation": False}
         if truncation is not None:
-            return {"truncation": truncation}
+            declared = self.tokenizer.model_max_length
+            if self.position_limit is None:
+                return {"truncation": truncation}
+            return {"truncation": truncation, "max_length": min(declared, self.position_limit)}
         if self.position_limit is not None:
             return {"truncation": True, "max_length": self.position_limit}
         return {"truncation": False}

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import transformers
 
+from rawserve.shared.messages import NO_CONTROL, Control
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name
 
@@ -99,7 +100,9 @@ class SpanExtractionRunner(Runner):
             align_to_words=params.get("align_to_words", True),
         )
 
-    def run(self, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
+    def run(
+        self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
+    ) -> list[Any]:
         options = self.options(params)
         contexts = [item["context"] for item in inputs]
         encoded = self.windows(inputs, options)

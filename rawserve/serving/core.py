@@ -10,8 +10,8 @@ item), so a request of 256 inputs interleaves with the single inputs that arrive
 it instead of going wholly before them. Deadlines still rule where they bind: an item
 close to its deadline leads the next batch or joins it, an expired one is dropped, and
 no batch is made that would come back after a member's deadline. The async driver that
-runs it against the executor is `rawserve.scheduler.Scheduler`. Never imports asyncio's
-server side, h11, torch or the executor.
+runs it against the worker pool is `rawserve.serving.driver.Scheduler`. Never imports
+asyncio's server side, h11, torch or the pool.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rawserve.scheduling.batching import BatchLimits, CostModel, choose_batch, padded_cost
+from rawserve.serving.batching import BatchLimits, CostModel, choose_batch, padded_cost
+from rawserve.serving.face import ItemResult
+from rawserve.shared.messages import NO_CONTROL, Control
 from rawserve.tasks import batch_key, estimate_tokens
 
 URGENT_BATCHES = 2.0  # an item this many batch-times from its deadline joins any batch
@@ -41,6 +43,7 @@ class WorkItem:
 
     input: Any
     params: Mapping[str, Any]
+    control: Control
     key: str
     deadline: float
     arrived: float
@@ -53,14 +56,6 @@ class WorkItem:
     def sort_key(self) -> tuple[int, float, int]:
         """Fair-share turn first; within a turn, earliest deadline first."""
         return (self.turn, self.deadline, self.seq)
-
-
-@dataclass(frozen=True)
-class ItemResult:
-    output: Any  # the task's output, or a messages.ItemFailure
-    queue_seconds: float
-    batch_size: int
-    compute_seconds: float
 
 
 class QueueFull(Exception):
@@ -140,15 +135,24 @@ class SchedulerCore:
         return BatchLimits(size, self.max_batch_tokens, self.group_lengths)
 
     def new_item(
-        self, value: Any, params: Mapping[str, Any], deadline: float, now: float
+        self,
+        value: Any,
+        params: Mapping[str, Any],
+        deadline: float,
+        now: float,
+        control: Control = NO_CONTROL,
     ) -> WorkItem:
         cost = max(1, round(estimate_tokens(value) * self.tokens_per_estimate))
         if self.max_input_tokens is not None:  # a long text costs what the model reads of it
             cost = min(cost, self.max_input_tokens)
+        key = batch_key(params)
+        if control != NO_CONTROL:  # a stream never shares a batch; nor do two routes
+            key += repr(control)
         return WorkItem(
             input=value,
             params=params,
-            key=batch_key(params),
+            control=control,
+            key=key,
             deadline=deadline,
             arrived=now,
             cost=cost,
@@ -373,5 +377,5 @@ class SchedulerCore:
         self.tokens_per_estimate += CALIBRATION_SMOOTHING * (ratio - self.tokens_per_estimate)
 
     def forget_batch(self, batch: Sequence[WorkItem]) -> None:
-        """A batch failed in the executor: it is no longer in flight, and says nothing."""
+        """A batch failed in the worker pool: it is no longer in flight, and says nothing."""
         self._in_flight.pop(batch[0].seq, None)

@@ -1,6 +1,6 @@
 """Which queued items share the next model call, and what a model call costs.
 
-Pure decisions with no clock and no I/O, used by `rawserve.scheduler`:
+Pure decisions with no clock and no I/O, used by the scheduling core (`serving.core`):
 
 - `choose_batch` picks the items of one batch key that go together. The queue's head
   always goes (so nothing starves). In cost-aware mode the others are those of the

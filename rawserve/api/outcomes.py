@@ -1,0 +1,54 @@
+"""Where the serving side's refusals and failures become HTTP statuses: the one place.
+
+The serving side speaks in domain terms (`Refusal` with its `Reason`, and an item's
+`ItemFailure`); a client sees a status, a message and, where waiting helps, a
+Retry-After. Every route gets its statuses from here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rawserve.http.errors import (
+    GatewayTimeout,
+    HTTPError,
+    InternalError,
+    PayloadTooLarge,
+    ServiceUnavailable,
+    UnprocessableInput,
+)
+from rawserve.serving.face import FailureKind, ItemFailure, ItemResult, Reason, Refusal
+
+DEFAULT_RETRY_AFTER = 1.0  # seconds a client waits on a 503 that names no time
+
+
+def http_error(refusal: Refusal) -> HTTPError:
+    """The HTTP error a client gets for `refusal`."""
+    reason = refusal.reason
+    if reason is Reason.NEVER_ADMISSIBLE:  # a retry cannot help: never 503
+        return PayloadTooLarge(refusal.message)
+    if reason is Reason.DEADLINE_PASSED:
+        return GatewayTimeout(refusal.message)
+    if reason is Reason.INPUT_REJECTED:
+        return UnprocessableInput(refusal.message)
+    if reason is Reason.MODEL_FAILED:
+        return InternalError(refusal.message)
+    # queue full, deadline unreachable, no worker, loading, shutting down: retry later
+    retry_after = refusal.retry_after if refusal.retry_after is not None else DEFAULT_RETRY_AFTER
+    return ServiceUnavailable(refusal.message, retry_after=retry_after)
+
+
+def failure_error(failure: ItemFailure) -> HTTPError:
+    """The HTTP error for one item the model failed on: the client's input (422), or
+    the model itself (500, out of memory included)."""
+    if failure.kind is FailureKind.INPUT:
+        return UnprocessableInput(failure.message)
+    return InternalError(failure.message)
+
+
+def unwrap(result: ItemResult) -> Any:
+    """An item's output, or the HTTP error its failure stands for."""
+    output = result.output
+    if isinstance(output, ItemFailure):
+        raise failure_error(output)
+    return output

@@ -1,0 +1,143 @@
+"""The server's configuration, typed and frozen, and the worker plan derived from it.
+
+`rawserve.options` reads the command line (flags and RAWSERVE_* variables), checks it and
+builds a `ServerConfig` once; `main.py` builds every part from it. Nothing changes it
+afterwards, and nothing past the parser sees an untyped option bag:
+
+- `ServerConfig`: the server's own settings: which models, where it listens (and TLS),
+  each connection's limits (`HttpLimits`), the routes' settings (`AppSettings`), shutdown
+  and logging;
+- `ModelConfig`: how each served model is run: its workers, its engine, its batching
+  (every model the server serves is run with the same one);
+- `WorkerPlan`: the devices and threads of every model's workers, which depend on the
+  models themselves (their number, the size of their weights), so they are settled once
+  the models are planned, by `plan_workers`.
+
+Server process; reads only the model folders' sizes and the machine's cores and RAM
+(rawserve.ops.layout), never imports torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import ssl
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rawserve.api.settings import AppSettings
+from rawserve.models.plan import ModelPlan
+from rawserve.ops import layout
+from rawserve.shared.devices import parse_devices
+from rawserve.shared.messages import Engine
+
+
+class Batching(enum.Enum):
+    """How the scheduler chooses a batch (`--batching`)."""
+
+    COST = "cost"  # planned by input length and the measured cost of a call
+    COUNT = "count"  # deadline order, up to --max-batch-size items
+
+
+@dataclass(frozen=True)
+class Tls:
+    """TLS on the listening socket: the files as given, and the context loaded from them
+    (at parse time, so a bad file stops the server before anything starts)."""
+
+    certfile: str
+    keyfile: str | None
+    context: ssl.SSLContext = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What each connection is allowed (the protocol's settings)."""
+
+    max_body_bytes: int
+    max_connections: int  # 0: no cap
+    keepalive_timeout: float
+    head_timeout: float
+    body_timeout: float
+    write_timeout: float
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """How each served model is run."""
+
+    device: str | None  # --device as given; None: the default layout
+    devices: tuple[str, ...] | None  # --device parsed, one worker per entry
+    engine: Engine
+    dtype: str
+    threads: int | None  # torch threads per worker; None: the busy CPU workers share the cores
+    warmup: bool  # run a batch of max_batch_size examples before reporting ready
+    chat_template: str | None  # the text of --chat-template's file
+    max_batch_size: int
+    max_batch_delay_ms: float
+    max_batch_tokens: int | None
+    batching: Batching
+    max_queue: int
+    batch_timeout: float  # seconds a batch may run before its worker is restarted
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything the command line settles, checked."""
+
+    models: tuple[str, ...]  # [ALIAS=]MODEL[@REVISION][:TASK]; none: the packaged model
+    revision: str | None
+    task: str | None
+    handler: str | None  # MODULE:FACTORY instead of models
+    model: ModelConfig
+    host: str
+    port: int
+    tls: Tls | None
+    http: HttpLimits
+    app: AppSettings
+    grace: float  # seconds to drain on SIGTERM/SIGINT
+    log_level: str
+    log_format: str
+    access_log: bool
+    download_only: bool
+
+    @property
+    def ssl_context(self) -> ssl.SSLContext | None:
+        return self.tls.context if self.tls else None
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """Where every served model's workers run: one worker per device, for each model."""
+
+    devices: tuple[str, ...]
+    threads: int  # torch threads per worker
+    share_cores: bool  # no --threads: the busy CPU workers split the cores between them
+    layout: str  # why these devices, for /info
+    chosen: bool  # the default per-core layout chose them (the log says why at start)
+
+
+def plan_workers(
+    model: ModelConfig, plans: Sequence[ModelPlan], cores: int | None = None
+) -> WorkerPlan:
+    """The devices and threads of every model's workers. With no --device and no GPU: one
+    single-threaded worker per core for each model, as many as memory holds copies of all
+    the models (rawserve.ops.layout); otherwise one worker per device given (`cores`: the
+    machine's, read when not given)."""
+    cores = cores or os.cpu_count() or 1
+    devices = model.devices
+    reason = f"--device {model.device or 'auto'}"
+    chosen = False
+    if devices is None:
+        if layout.gpu_present():
+            devices = tuple(parse_devices("auto", os.environ.get("CUDA_VISIBLE_DEVICES")))
+        else:
+            size = sum(layout.model_bytes(Path(plan.folder)) for plan in plans if plan.folder)
+            per_core = layout.cpu_layout(cores, layout.ram_bytes(), size, models=len(plans))
+            devices, reason, chosen = ("cpu",) * per_core.workers, per_core.reason, True
+    threads = model.threads
+    if threads is None:  # every model has a worker per device
+        cpu_devices = sum(device in ("cpu", "auto") for device in devices)
+        cpu_workers = max(1, cpu_devices * max(1, len(plans)))
+        threads = max(1, cores // cpu_workers)
+    return WorkerPlan(devices, threads, model.threads is None, reason, chosen)

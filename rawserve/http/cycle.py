@@ -1,0 +1,85 @@
+"""One request/response exchange on a connection (`Cycle`), and what is read from its head.
+
+A connection (`rawserve.protocol.HttpProtocol`) holds at most one cycle at a time: from
+its request's head (or from an error answered before any head could be parsed) until
+its one answer is written. Knows h11's request event, nothing of sockets or of the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+
+import h11
+
+from rawserve.http.chunked import ChunkedMeter
+from rawserve.http.exchange import HttpRequest, HttpResponse
+
+# Paths taken on a connection past --max-connections (one probe there, then close).
+PROBE_PATHS = (b"/health", b"/ready")
+
+
+class Cycle:
+    """One request/response exchange. `request` is None for an error answered before a
+    request head could be parsed (malformed, head timeout, connection refused)."""
+
+    def __init__(self, request: h11.Request | None, request_id: str, origin: str | None = None):
+        self.request = request
+        self.request_id = request_id
+        self.origin = origin  # the head's Origin: CORS headers on every answer to it
+        self.body: list[bytes] = []
+        self.body_size = 0
+        self.started = time.perf_counter()
+        self.task: asyncio.Task[None] | None = None
+        self.response_started = False
+        self.chunks: ChunkedMeter | None = None  # a chunked body's size on the wire
+        self.head: HttpRequest | None = None  # the request as the app sees it; body last
+        self.early: HttpResponse | None = None  # the answer decided from the head
+        self.keep_alive = False  # HTTP/1.1 without Connection: close (from the head)
+
+    @property
+    def is_head(self) -> bool:
+        return self.request is not None and self.request.method == b"HEAD"
+
+
+def header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """The first value of header `name` (lower-case), or None."""
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def keeps_alive(event: h11.Request, fields: list[tuple[bytes, bytes]]) -> bool:
+    """HTTP/1.1 without `Connection: close` (what h11 decides, read from the head)."""
+    if event.http_version != b"1.1":
+        return False
+    return not any(name == b"connection" and b"close" in value.lower() for name, value in fields)
+
+
+def head_request(
+    event: h11.Request, fields: list[tuple[bytes, bytes]], request_id: str
+) -> HttpRequest:
+    """The request as the app sees it, from its head (the body is filled in once read)."""
+    target = event.target.decode("ascii", "replace")
+    path, _, query = target.partition("?")
+    return HttpRequest(
+        method=event.method.decode("ascii", "replace"),
+        path=path,
+        query=query,
+        headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in fields],
+        body=b"",
+        request_id=request_id,
+        http_version=event.http_version.decode("ascii", "replace"),
+    )
+
+
+def is_probe(event: h11.Request) -> bool:
+    return event.method in (b"GET", b"HEAD") and event.target.partition(b"?")[0] in PROBE_PATHS
+
+
+def head_size(event: h11.Request, fields: list[tuple[bytes, bytes]]) -> int:
+    """The head's size as sent (near enough: h11 has dropped the optional spaces)."""
+    request_line = len(event.method) + len(event.target) + len(b"  HTTP/1.1\r\n")
+    return request_line + sum(len(name) + len(value) + 4 for name, value in fields) + 2

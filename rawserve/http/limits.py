@@ -1,0 +1,102 @@
+"""What one connection may cost, and the phases whose deadlines bound it.
+
+`ProtocolSettings` holds the limits of every connection (`rawserve.protocol.HttpProtocol`);
+they hold whatever its client does:
+- input: reading pauses once more than `READ_AHEAD_LIMIT` bytes wait unparsed, and
+  resumes only when h11 needs data again, however many requests are pipelined (the rest
+  waits in the kernel's buffers and the client's); the head size; the body size as sent
+  (a chunked body's announced sizes, extensions and trailers count,
+  `rawserve.http.chunked`);
+- time: the head, body and keep-alive timeouts, and the write timeout: a client that
+  reads none of its answer for `write_timeout` seconds is cut off;
+- connections: past `max_connections`, a few more (`PROBE_RESERVE`) are taken for
+  probes only (`/health`, `/ready` answered, anything else 503), then refused.
+
+A connection is always in one `Phase`, and each phase but RESPONDING has a deadline.
+`ServerState` is what every connection of one server shares: the open connections the
+cap counts, the refusals, the metrics. Plain values; no I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from rawserve.http.cycle import Cycle
+
+READ_AHEAD_LIMIT = 64 * 1024  # bytes read but not yet parsed, per connection
+LINGER_SECONDS = 2.0  # after our last response, how long we drain the peer's bytes
+# Past --max-connections, this many more connections are taken, each for one probe: a
+# liveness probe must not fail (and restart a healthy server) because idle clients hold
+# every connection.
+PROBE_RESERVE = 32
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"  # between requests; deadline: keep-alive, then a quiet close
+    HEAD = "head"  # a request's first byte arrived; deadline: its head (408)
+    BODY = "body"  # the head is accepted; deadline: its body (408)
+    RESPONDING = "responding"  # the app has the request; no read deadline
+    LINGER = "linger"  # our FIN is sent; deadline: the close
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class ProtocolSettings:
+    max_body_bytes: int = 1024 * 1024
+    max_head_bytes: int = 16 * 1024
+    keepalive_timeout: float = 5.0  # idle between requests; expiry closes quietly
+    head_timeout: float = 10.0  # from a request's first byte to the end of its head
+    body_timeout: float = 30.0  # from the end of the head to the end of the body
+    max_connections: int = 1000  # open connections; past it new ones get 503 (0: no cap)
+    write_timeout: float = 30.0  # a client that reads nothing of its answer this long: cut off
+
+    @functools.cached_property
+    def deadlines(self) -> dict[Phase, float]:
+        """Each phase's deadline, in seconds from entering it (none: no deadline)."""
+        return {
+            Phase.IDLE: self.keepalive_timeout,
+            Phase.HEAD: self.head_timeout,
+            Phase.BODY: self.body_timeout,
+            Phase.LINGER: LINGER_SECONDS,
+        }
+
+
+class OpenConnection(Protocol):
+    """A connection as the server sees it (rawserve.protocol.HttpProtocol)."""
+
+    cycle: Cycle | None  # the exchange under way
+
+    def close(self) -> None: ...
+
+
+class RequestObserver(Protocol):
+    """Counts responses by route and status (rawserve.ops.metrics.Metrics)."""
+
+    def observe_request(self, path: str, method: str, status: int, seconds: float) -> None: ...
+
+
+@dataclass
+class ServerState:
+    """Shared by every connection of one server."""
+
+    metrics: RequestObserver | None = None
+    connections: set[OpenConnection] = field(default_factory=set)
+    probe_connections: set[OpenConnection] = field(default_factory=set)  # past the cap
+    refused: int = 0  # connections refused past `max_connections`
+    last_refusal_log: float = float("-inf")
+
+    def busy_tasks(self) -> set[asyncio.Task[None]]:
+        """The tasks of requests the app is still working on, on every connection."""
+        return {
+            cycle.task
+            for cycle in (connection.cycle for connection in self.connections)
+            if cycle is not None and cycle.task is not None and not cycle.task.done()
+        }
+
+    def close_all(self) -> None:
+        for connection in [*self.connections, *self.probe_connections]:
+            connection.close()

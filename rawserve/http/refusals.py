@@ -1,0 +1,74 @@
+"""What a connection refuses on its own, before the app sees a request, as typed errors.
+
+A head that h11 lets through but a hardened origin server must not (an HTTP version we do
+not speak, an over-long head that came whole, CONNECT, two framings, a body announced past
+the limit), what h11 could not parse, and the refusals of the connection cap. The protocol
+answers each through the one writer; the messages are written for the client. No I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import h11
+
+from rawserve.http.cycle import head_size, header
+from rawserve.http.errors import (
+    BadRequest,
+    HeadersTooLarge,
+    HTTPError,
+    PayloadTooLarge,
+    RequestTimeout,
+    ServiceUnavailable,
+)
+
+log = logging.getLogger("rawserve.protocol")
+
+SUPPORTED_VERSIONS = (b"1.0", b"1.1")
+
+
+def check_head(
+    event: h11.Request, fields: list[tuple[bytes, bytes]], max_head_bytes: int, max_body_bytes: int
+) -> HTTPError | None:
+    """Refuse what h11 lets through but a hardened origin server must not."""
+    if event.http_version not in SUPPORTED_VERSIONS:
+        return BadRequest("only HTTP/1.0 and HTTP/1.1 are supported")
+    if head_size(event, fields) > max_head_bytes:
+        # h11 bounds only a head still incomplete; one that came whole is checked here.
+        return HeadersTooLarge("request headers too large")
+    if event.method == b"CONNECT":
+        return BadRequest("CONNECT is not supported")  # a 2xx would switch protocols
+    length = header(fields, b"content-length")
+    chunked = header(fields, b"transfer-encoding") is not None
+    if chunked and (length is not None or event.http_version == b"1.0"):
+        # Two framings (or chunked on HTTP/1.0) is how requests get smuggled.
+        return BadRequest("conflicting Content-Length and Transfer-Encoding")
+    # h11 has checked the length is digits only (at most 20) and the same in every copy.
+    if length is not None and int(length) > max_body_bytes:
+        return body_too_large(max_body_bytes)
+    return None
+
+
+def protocol_error(exc: h11.RemoteProtocolError) -> HTTPError:
+    """What h11 could not parse, as a typed error (details go to the debug log only)."""
+    log.debug("malformed request: %s", exc)
+    if exc.error_status_hint == 431:
+        return HeadersTooLarge("request headers too large")
+    return BadRequest("malformed HTTP request")
+
+
+def body_too_large(max_body_bytes: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"the body is over the limit of {max_body_bytes} bytes")
+
+
+def not_plain_http() -> BadRequest:
+    """A first byte that cannot start a method (a TLS ClientHello, binary garbage)."""
+    return BadRequest("this port speaks plain HTTP/1.1")
+
+
+def too_many_connections() -> ServiceUnavailable:
+    return ServiceUnavailable("too many open connections", retry_after=1)
+
+
+def too_slow(part: str) -> RequestTimeout:
+    return RequestTimeout(f"the request {part} was not received in time")

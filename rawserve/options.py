@@ -1,0 +1,318 @@
+"""The command line: the option table, its RAWSERVE_* variables, and its checks.
+
+Every option is a flag and a variable (`--max-queue` is RAWSERVE_MAX_QUEUE); a flag given
+beside its variable wins. `parse_config` reads both, refuses what is invalid the way
+argparse does (a `rawserve: error:` line and exit code 2), and returns the frozen
+`ServerConfig` (rawserve.config) the server is built from: the argparse namespace never
+leaves this module.
+
+Server process; standard library and the checks of the values' own modules only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rawserve import __version__
+from rawserve.api.settings import AppSettings
+from rawserve.config import Batching, HttpLimits, ModelConfig, ServerConfig, Tls
+from rawserve.http.tls import server_context
+from rawserve.shared.devices import parse_devices
+from rawserve.shared.logs import LOG_FORMATS
+from rawserve.shared.messages import Engine
+
+ENV_TRUE = ("1", "true", "yes", "on")
+ENV_FALSE = ("", "0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Option:
+    flag: str
+    type: type
+    default: object
+    help: str
+    repeatable: bool = False  # given several times; its variable is a comma-separated list
+
+    @property
+    def env(self) -> str:
+        return "RAWSERVE_" + self.flag.removeprefix("--").replace("-", "_").upper()
+
+
+MODEL_HELP = (
+    "[ALIAS=]MODEL[@REVISION][:TASK], repeatable: MODEL is a local folder or a Hub repo id "
+    "(org/name), REVISION a Hub branch, tag or commit, TASK the pipeline task where the "
+    "model's files do not say it, ALIAS the name clients use for it; the first model is the "
+    "default. E.g. --model emb=BAAI/bge-small-en-v1.5 --model cls=/models/sst2:text-"
+    "classification (default: the packaged all-MiniLM-L6-v2)"
+)
+
+OPTIONS = [
+    Option("--model", str, None, MODEL_HELP, repeatable=True),
+    Option("--revision", str, None, "Hub revision of the models named without @REVISION"),
+    Option(
+        "--task",
+        str,
+        None,
+        "pipeline task of the models named without :TASK (default: inferred from the files)",
+    ),
+    Option("--handler", str, None, "MODULE:FACTORY returning f(inputs: list, **params) -> list"),
+    Option("--host", str, "127.0.0.1", "bind address"),
+    Option("--port", int, 8000, "bind port"),
+    Option(
+        "--device",
+        str,
+        None,
+        "cpu, cuda, cuda:N, or a comma list: one worker per entry (default: one worker per "
+        "GPU; on a CPU machine one single-threaded worker per core, as memory allows)",
+    ),
+    Option(
+        "--engine",
+        str,
+        "auto",
+        "torch, onnx (ONNX Runtime, the `onnx` extra: encoder tasks on the CPU), or auto: "
+        "ONNX Runtime where it serves the task and is installed, else torch",
+    ),
+    Option("--dtype", str, "auto", "auto, float32, float16 or bfloat16"),
+    Option(
+        "--threads",
+        int,
+        None,
+        "torch threads per worker (default: the busy CPU workers share the cores)",
+    ),
+    Option("--max-batch-size", int, 32, "items per model call"),
+    Option(
+        "--no-warmup",
+        bool,
+        False,
+        "report ready without first running a batch of --max-batch-size examples",
+    ),
+    Option(
+        "--max-batch-delay-ms",
+        float,
+        0.0,  # measured: any delay adds itself at low load, buys nothing (bench/RESULTS.md)
+        "how long a free worker may wait for a batch to fill, from the oldest item",
+    ),
+    Option("--max-batch-tokens", int, None, "token budget of a batch (padded length x items)"),
+    Option(
+        "--batching",
+        str,
+        "cost",
+        "cost: batches planned by input length and measured call cost; count: deadline order",
+    ),
+    Option("--max-queue", int, 256, "queued items; beyond it: 503"),
+    Option(
+        "--max-client-batch-size", int, 32, "inputs allowed in one request (TEI's name); more: 413"
+    ),
+    Option("--timeout", float, 30.0, "default request deadline in seconds"),
+    Option("--max-timeout", float, 300.0, "the longest deadline X-Request-Timeout may ask for"),
+    Option("--max-body-bytes", int, 1024 * 1024, "largest accepted request body; beyond it: 413"),
+    Option("--max-connections", int, 1000, "open connections; past it: 503 (0: no cap)"),
+    Option("--keepalive-timeout", float, 5.0, "seconds an idle keep-alive connection stays open"),
+    Option("--head-timeout", float, 10.0, "seconds to receive a request's head; beyond: 408"),
+    Option("--body-timeout", float, 30.0, "seconds to receive a request's body; beyond: 408"),
+    Option(
+        "--write-timeout",
+        float,
+        30.0,
+        "seconds a client may go without reading its answer before it is cut off",
+    ),
+    Option("--api-key", str, None, "inference endpoints need Authorization: Bearer KEY (401)"),
+    Option(
+        "--chat-template",
+        str,
+        None,
+        "a Jinja chat template FILE for /v1/chat/completions, when the tokenizer has none",
+    ),
+    Option("--ssl-certfile", str, None, "TLS: the certificate chain (PEM; may hold the key too)"),
+    Option("--ssl-keyfile", str, None, "TLS: the private key (PEM), when not in --ssl-certfile"),
+    Option(
+        "--cors-allow-origin",
+        list,
+        (),
+        "a browser origin that may call the API (repeatable; * for any): answers preflight "
+        "OPTIONS and adds the CORS headers",
+    ),
+    Option(
+        "--grace",
+        float,
+        30.0,
+        "seconds to drain on SIGTERM/SIGINT; then what is left gets 503, busy workers are "
+        "killed, and the server exits within a second",
+    ),
+    Option(
+        "--batch-timeout", float, 120.0, "seconds a batch may run before its worker is restarted"
+    ),
+    Option("--log-level", str, "info", "debug, info, warning or error"),
+    Option("--log-format", str, "text", "text (one line per event) or json (one object a line)"),
+    Option("--no-access-log", bool, False, "do not log a line per request"),
+    Option(
+        "--download-only",
+        bool,
+        False,
+        "resolve every --model (downloading Hub models into the cache) and exit",
+    ),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rawserve",
+        description="Serve a Hugging Face transformers pipeline over HTTP/1.1. "
+        "Every option can also be set as RAWSERVE_<OPTION>, e.g. RAWSERVE_PORT=8000.",
+    )
+    for option in OPTIONS:
+        if option.type is bool:  # a switch; its variable is 1/true/yes/on or 0/false/no/off
+            value = os.environ.get(option.env, "").strip().lower()
+            if value not in ENV_TRUE + ENV_FALSE:
+                parser.error(f"{option.env} must be one of {', '.join(ENV_TRUE + ENV_FALSE)}")
+            help = f"{option.help} [env {option.env}=1]"
+            parser.add_argument(
+                option.flag, action="store_true", default=value in ENV_TRUE, help=help
+            )
+            continue
+        if option.type is list:  # repeatable; its variable is a comma-separated list
+            value = os.environ.get(option.env, "")
+            values = [v.strip() for v in value.split(",") if v.strip()]
+            parser.add_argument(
+                option.flag,
+                action="append",
+                default=values,
+                help=f"{option.help} [env {option.env}=A,B]",
+            )
+            continue
+        if option.repeatable:  # given flags replace the variable's list (read in parse_config)
+            help = f"{option.help} [env {option.env}=A,B]"
+            parser.add_argument(option.flag, type=option.type, action="append", help=help)
+            continue
+        default = os.environ.get(option.env, option.default)
+        shown = "" if default is None or "default:" in option.help else f" (default: {default})"
+        parser.add_argument(
+            option.flag,
+            type=option.type,
+            default=default,
+            help=f"{option.help}{shown} [env {option.env}]",
+        )
+    parser.add_argument("--version", action="version", version=f"rawserve {__version__}")
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
+    """The checked configuration of `argv` (sys.argv when None) and the RAWSERVE_*
+    variables; on an invalid value, the error line and exit code 2 (SystemExit)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # One fixed order of checks: a command line with several mistakes is told the first.
+    models = args.model
+    if models is None:
+        listed = os.environ.get("RAWSERVE_MODEL", "")
+        models = [name.strip() for name in listed.split(",") if name.strip()]
+    if args.handler and models:
+        parser.error("--handler serves its own callable: give no --model with it")
+    try:
+        engine = Engine(args.engine)
+    except ValueError:
+        parser.error("--engine must be torch, onnx or auto")
+    devices = None  # settled with the models (rawserve.config.plan_workers)
+    if args.device:  # no --device (or RAWSERVE_DEVICE empty): the default layout
+        try:
+            devices = tuple(parse_devices(args.device, os.environ.get("CUDA_VISIBLE_DEVICES")))
+        except ValueError as exc:
+            parser.error(str(exc))
+    for name in ("max_batch_size", "max_queue", "max_client_batch_size", "max_body_bytes", "port"):
+        if getattr(args, name) < (0 if name == "port" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.batch_timeout <= 0 or args.grace < 0:
+        parser.error("--batch-timeout must be positive and --grace not negative")
+    if args.timeout <= 0 or args.max_batch_delay_ms < 0:
+        parser.error("--timeout must be positive and --max-batch-delay-ms not negative")
+    if args.max_timeout <= 0 or args.batching not in ("cost", "count"):
+        parser.error("--max-timeout must be positive and --batching cost or count")
+    http = HttpLimits(
+        max_body_bytes=args.max_body_bytes,
+        max_connections=args.max_connections,
+        keepalive_timeout=args.keepalive_timeout,
+        head_timeout=args.head_timeout,
+        body_timeout=args.body_timeout,
+        write_timeout=args.write_timeout,
+    )
+    timeouts = (http.keepalive_timeout, http.head_timeout, http.body_timeout, http.write_timeout)
+    if min(timeouts) <= 0:
+        parser.error(
+            "--keepalive-timeout, --head-timeout, --body-timeout and --write-timeout "
+            "must be positive"
+        )
+    if args.max_connections < 0 or args.api_key == "":
+        parser.error("--max-connections must not be negative and --api-key not empty")
+    if args.log_format not in LOG_FORMATS:
+        parser.error(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
+    chat_template = read_chat_template(args.chat_template, parser)
+    tls = load_tls(args.ssl_certfile, args.ssl_keyfile, parser)
+    if any(not origin or origin.endswith("/") for origin in args.cors_allow_origin):
+        parser.error("--cors-allow-origin takes an origin such as https://app.example or *")
+    return ServerConfig(
+        models=tuple(models),
+        revision=args.revision,
+        task=args.task,
+        handler=args.handler,
+        model=ModelConfig(
+            device=args.device or None,
+            devices=devices,
+            engine=engine,
+            dtype=args.dtype,
+            threads=args.threads,
+            warmup=not args.no_warmup,
+            chat_template=chat_template,
+            max_batch_size=args.max_batch_size,
+            max_batch_delay_ms=args.max_batch_delay_ms,
+            max_batch_tokens=args.max_batch_tokens,
+            batching=Batching(args.batching),
+            max_queue=args.max_queue,
+            batch_timeout=args.batch_timeout,
+        ),
+        host=args.host,
+        port=args.port,
+        tls=tls,
+        http=http,
+        app=AppSettings(
+            timeout=args.timeout,
+            max_timeout=args.max_timeout,
+            api_key=args.api_key,
+            max_client_batch_size=args.max_client_batch_size,
+            cors_allow_origins=tuple(args.cors_allow_origin),
+        ),
+        grace=args.grace,
+        log_level=args.log_level,
+        log_format=args.log_format,
+        access_log=not args.no_access_log,
+        download_only=args.download_only,
+    )
+
+
+def read_chat_template(path: str | None, parser: argparse.ArgumentParser) -> str | None:
+    """The text of --chat-template's file, read once (the workers are sent the text)."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as template:
+            return template.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        parser.error(f"--chat-template: cannot read {path}: {exc}")
+
+
+def load_tls(
+    certfile: str | None, keyfile: str | None, parser: argparse.ArgumentParser
+) -> Tls | None:
+    """The listening socket's TLS, loaded now: a file that cannot be read stops the server
+    before anything starts."""
+    if keyfile and not certfile:
+        parser.error("--ssl-keyfile needs --ssl-certfile")
+    if not certfile:
+        return None
+    try:
+        context = server_context(certfile, keyfile)
+    except ValueError as exc:
+        parser.error(f"--ssl-certfile/--ssl-keyfile: {exc}")
+    return Tls(certfile, keyfile or None, context)

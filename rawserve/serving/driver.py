@@ -1,0 +1,289 @@
+"""The deadline scheduler's driver: runs the scheduling core against the worker pool.
+
+The decisions (admit, build the next batch, drop what expired, when to look again) are
+made by `rawserve.serving.core.SchedulerCore`, synchronously, from a clock. This thin
+async shell sleeps until the next thing that can happen (an arrival, a free worker, a
+batch-delay deadline), never polls, hands batches to the pool (a `Backend`), and settles
+each request's items. A request it cannot answer with results ends in `Refused` (a
+domain refusal: it knows nothing of HTTP, nor of torch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from rawserve.serving.core import (
+    DeadlineUnreachable,
+    ItemResult,
+    NeverAdmissible,
+    QueueFull,
+    SchedulerCore,
+    WorkItem,
+)
+from rawserve.serving.refusals import Reason, Refusal, Refused, model_failed, shutting_down
+from rawserve.shared.messages import NO_CONTROL, BatchResult, Control
+
+log = logging.getLogger("rawserve.scheduler")
+
+# Results handed to their requests per pass of the event loop: each one turns into a
+# response (encoding, socket writes), and a batch of 32 at once would hold the loop for
+# milliseconds while probes, new requests and the other workers' results wait.
+DELIVERY_SLICE = 4
+
+
+class Backend(Protocol):
+    """What the scheduler needs from the worker pool (rawserve.serving.pool.WorkerPool)."""
+
+    def idle_workers(self) -> int:
+        """How many batches could start now."""
+        ...
+
+    def batch_cap(self) -> int | None:
+        """The most items a batch may carry now (lowered after out-of-memory errors)."""
+        ...
+
+    def max_input_tokens(self) -> int | None:
+        """The most tokens the model reads of one input (it truncates); None: unknown."""
+        ...
+
+    def submit(
+        self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control
+    ) -> asyncio.Future[BatchResult]: ...
+
+
+class SchedulerMetrics(Protocol):
+    """What the scheduler counts (rawserve.ops.metrics.Metrics)."""
+
+    def drop(self, reason: str, count: int = 1) -> None: ...
+
+    def observe_batch(self, size: int, compute_seconds: float) -> None: ...
+
+
+class Scheduler:
+    """Runs a `SchedulerCore` against a worker pool on the event loop.
+
+    `wake` is set by whoever frees a worker (the pool, given `wake.set` as its
+    `on_idle`), by arrivals and by finished batches: the dispatch loop then looks again.
+    """
+
+    def __init__(
+        self,
+        core: SchedulerCore,
+        backend: Backend,
+        *,
+        wake: asyncio.Event | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        loop: asyncio.AbstractEventLoop | None = None,
+        metrics: SchedulerMetrics | None = None,
+    ):
+        self.core = core
+        self.backend = backend
+        self.clock = clock
+        self.metrics = metrics
+        self._loop = loop
+        self._wake = wake or asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.in_flight = 0  # items inside model calls
+
+    def start(self) -> None:
+        self._loop = self._loop or asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._dispatch_loop(), name="rawserve-scheduler")
+
+    async def stop(self) -> None:
+        """Stop dispatching, and refuse every item still queued (shutting down)."""
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._timer is not None:
+            self._timer.cancel()
+        for item in self.core.drop_expired(float("inf")):  # every queued item
+            _settle(item, exception=shutting_down())
+
+    @property
+    def pending(self) -> int:
+        """Items queued or being computed."""
+        return len(self.core) + self.in_flight
+
+    @property
+    def full(self) -> bool:
+        """The queue is at its bound: any new item would be refused."""
+        return len(self.core) >= self.core.max_queue
+
+    @property
+    def max_batch_size(self) -> int:
+        """Items per model call (--max-batch-size)."""
+        return self.core.max_batch_size
+
+    def admission(self) -> Refusal | None:
+        """The refusal any request would get now because the queue is full (counted as
+        rejected); None while there is room."""
+        if not self.full:
+            return None
+        return self._refusal(QueueFull(self.core.retry_after(self.clock())), 1).refusal
+
+    async def run(
+        self,
+        inputs: Sequence[Any],
+        params: Mapping[str, Any],
+        deadline: float,
+        control: Control = NO_CONTROL,
+    ) -> list[ItemResult]:
+        """Queue `inputs`, wait for all of their results, and give them in order.
+
+        Raises `Refused`: never admissible for more inputs than the queue can ever hold
+        (a retry cannot help), queue full or deadline unreachable at admission, deadline
+        passed at the deadline, and whatever the pool refused or failed. Whatever
+        happens, items still queued on the way out are withdrawn.
+        """
+        loop = self._loop or asyncio.get_running_loop()
+        now = self.clock()
+        items = [self.core.new_item(value, params, deadline, now, control) for value in inputs]
+        futures: list[asyncio.Future[ItemResult]] = []
+        for item in items:
+            item.future = future = loop.create_future()
+            futures.append(future)
+        try:
+            self.core.admit(items, now)
+        except NeverAdmissible as never:
+            self._count_dropped("rejected", len(items))
+            raise Refused.because(Reason.NEVER_ADMISSIBLE, str(never)) from None
+        except QueueFull as refused:
+            raise self._refusal(refused, len(items)) from None
+        self._wake.set()
+        try:
+            async with asyncio.timeout(max(0.0, deadline - now)):
+                if len(futures) == 1:  # most requests: no gathering future in between
+                    return [await futures[0]]
+                return list(await asyncio.gather(*futures))
+        except TimeoutError:
+            raise Refused.because(
+                Reason.DEADLINE_PASSED, "the request's deadline passed before it was answered"
+            ) from None
+        finally:
+            self._count_withdrawn(items, deadline)
+            for item, future in zip(items, futures, strict=True):
+                self.core.remove(item)
+                if not future.done():
+                    future.cancel()
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            self._wake.clear()
+            now = self.clock()
+            self.core.batch_cap = self.backend.batch_cap()
+            self.core.max_input_tokens = self.backend.max_input_tokens()
+            decision = self.core.decide(now, self.backend.idle_workers())
+            for item in decision.expired:
+                _settle(
+                    item,
+                    exception=Refused.because(
+                        Reason.DEADLINE_PASSED, "deadline passed while queued"
+                    ),
+                )
+            self._count_dropped("expired", len(decision.expired))
+            for batch in decision.batches:
+                self._dispatch(batch, now)
+            self._sleep_until(decision.wake_at)
+            await self._wake.wait()
+
+    @property
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        assert self._loop is not None, "start() first"
+        return self._loop
+
+    def _refusal(self, refused: QueueFull, items: int) -> Refused:
+        """The refusal of `items` at admission (counted as rejected)."""
+        self._count_dropped("rejected", items)
+        reason = (
+            Reason.DEADLINE_UNREACHABLE
+            if isinstance(refused, DeadlineUnreachable)
+            else Reason.QUEUE_FULL
+        )
+        return Refused.because(reason, f"server busy: {refused.reason}", refused.retry_after)
+
+    def _count_dropped(self, reason: str, count: int = 1) -> None:
+        if self.metrics is not None:
+            self.metrics.drop(reason, count)
+
+    def _count_withdrawn(self, items: list[WorkItem], deadline: float) -> None:
+        """Count items leaving the queue uncomputed: at their deadline, or their client left."""
+        withdrawn = sum(item.queued for item in items)
+        if withdrawn:
+            reason = "expired" if self.clock() >= deadline else "disconnected"
+            self._count_dropped(reason, withdrawn)
+
+    def _sleep_until(self, when: float | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if when is not None:
+            delay = max(0.0, when - self.clock())
+            self._timer = self._running_loop.call_later(delay, self._wake.set)
+
+    def _dispatch(self, batch: list[WorkItem], now: float) -> None:
+        try:
+            lead = batch[0]
+            future = self.backend.submit([item.input for item in batch], lead.params, lead.control)
+        except Exception as exc:  # noqa: BLE001 - the batch fails, the loop goes on
+            self.core.forget_batch(batch)
+            log.error("the worker pool refused a batch of %d: %s", len(batch), exc)
+            for item in batch:
+                _settle(item, exception=_as_refusal(exc))
+            return
+        self.in_flight += len(batch)
+        future.add_done_callback(lambda done: self._on_batch_done(batch, now, done))
+
+    def _on_batch_done(self, batch: list[WorkItem], sent: float, done: asyncio.Future) -> None:
+        self.in_flight -= len(batch)
+        self._wake.set()
+        if done.cancelled() or done.exception() is not None:
+            self.core.forget_batch(batch)
+            error = done.exception() if not done.cancelled() else None
+            log.error("a batch of %d failed in the worker pool: %s", len(batch), error)
+            for item in batch:
+                _settle(item, exception=_as_refusal(error))
+            return
+        result: BatchResult = done.result()
+        self.core.finish_batch(batch, self.clock())
+        if result.token_counts:
+            self.core.calibrate(batch, result.token_counts)
+        if self.metrics is not None:
+            self.metrics.observe_batch(len(batch), result.compute_seconds)
+        answers = [
+            (item, ItemResult(output, sent - item.arrived, len(batch), result.compute_seconds))
+            for item, output in zip(batch, result.outputs, strict=True)
+        ]
+        self._deliver(answers, 0)
+
+    def _deliver(self, answers: list[tuple[WorkItem, ItemResult]], start: int) -> None:
+        """Settle `DELIVERY_SLICE` answers now and the rest on the loop's next passes."""
+        end = start + DELIVERY_SLICE
+        for item, result in answers[start:end]:
+            _settle(item, result=result)
+        if end < len(answers):
+            self._running_loop.call_soon(self._deliver, answers, end)
+
+
+def _as_refusal(error: BaseException | None) -> Refused:
+    """What a client is told of a batch that failed: the pool's own refusal, else that
+    the model failed (nothing internal leaks)."""
+    if isinstance(error, Refused):
+        return error
+    return model_failed()
+
+
+def _settle(
+    item: WorkItem, *, result: ItemResult | None = None, exception: BaseException | None = None
+) -> None:
+    """Give `item` its result or its error (once; later calls do nothing)."""
+    if item.future is None or item.future.done():
+        return
+    if result is not None:
+        item.future.set_result(result)
+    else:
+        item.future.set_exception(exception or Refused.because(Reason.MODEL_FAILED, "no result"))

@@ -1,0 +1,590 @@
+"""The worker pool: the I/O shell around the model worker processes.
+
+Spawns one `spawn`ed process per device running `rawserve.worker.process.worker_main`,
+sends it batches on a multiprocessing pipe and reads its replies from a one-way pipe of
+its own without blocking (`rawserve.shared.pipes`; a whole message is handed on as soon
+as it has arrived), reaps it when it exits and dispatches the batches the scheduler
+hands it: `submit(inputs, params)` returns an asyncio future of the batch's
+`BatchResult`, `shutdown()` stops the workers.
+
+What to do when a worker dies (restart when, retry which items, quarantine what) is
+decided by the pure supervision core (`rawserve.serving.supervision`); this module only
+carries it out. A batch running longer than `batch_timeout` gets its worker killed and
+its items answered with a failure. The worker's effective batch cap (lowered after
+out-of-memory errors) is learned from its results and offered to the scheduler through
+`batch_cap()`. Never imports torch: it names the worker's entry function, whose module
+imports torch only inside the worker process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, Protocol
+
+from rawserve.serving.cores import CoreShare
+from rawserve.serving.handles import Job, WorkerHandle
+from rawserve.serving.refusals import Reason, Refused, shutting_down
+from rawserve.serving.status import LoadState, WorkerState, WorkerStatus
+from rawserve.serving.streams import TokenStreams
+from rawserve.serving.supervision import (
+    CRASHED_ALONE,
+    CRASHED_MID_STREAM,
+    MAX_FAILED_RESTARTS,
+    REFUSED_POISON,
+    TIMED_OUT,
+    Held,
+    LostBatch,
+    PoisonMemory,
+    Supervisor,
+    load_state,
+)
+from rawserve.shared.messages import (
+    NO_CONTROL,
+    Batch,
+    BatchResult,
+    Control,
+    Engine,
+    ModelLimits,
+    Shutdown,
+    TokenChunk,
+    WorkerConfig,
+    WorkerLoadFailed,
+    WorkerReady,
+    WorkerWarming,
+)
+from rawserve.shared.pipes import MessageReader
+from rawserve.worker.process import worker_main
+
+log = logging.getLogger("rawserve.executor")  # the name operators filter on, kept
+
+STOP_TIMEOUT = 10.0  # seconds a worker whose pipe closed gets to exit before it is killed
+EXIT_TIMEOUT = 2.0  # seconds an idle worker gets to exit at shutdown before it is killed
+BATCH_TIMEOUT = 120.0  # seconds a batch may run before its worker is killed
+
+
+class DropCounter(Protocol):
+    """What the pool counts (rawserve.ops.metrics.Metrics): inputs refused as poison."""
+
+    def drop(self, reason: str, count: int = 1) -> None: ...
+
+
+class WorkerPool:
+    """Runs batches on one worker process per device, and keeps the workers alive."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        devices: Sequence[str] = ("auto",),
+        *,
+        batch_timeout: float = BATCH_TIMEOUT,
+        share_cores: bool = False,
+        max_failed_restarts: int = MAX_FAILED_RESTARTS,
+        on_idle: Callable[[], None] | None = None,
+        metrics: DropCounter | None = None,
+        core_share: CoreShare | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """`on_idle` is called whenever a worker may have become free (the scheduler's
+        wake-up); `metrics` counts the inputs refused as poison; `core_share` is shared by
+        the pools of every served model (each its own when not given)."""
+        self._loop = loop
+        self.clock = clock
+        self.batch_timeout = batch_timeout
+        self.share_cores = share_cores  # CPU workers split the cores by how many are busy
+        self.core_share = core_share or CoreShare()
+        self._all_cores: WorkerHandle | None = None  # running a lone item on every core
+        self._context = multiprocessing.get_context("spawn")
+        # what to do when a worker dies is the supervisor's to say; this pool does it
+        self.supervisor = Supervisor(
+            len(devices), max_failed_restarts=max_failed_restarts, clock=clock
+        )
+        self.workers = [
+            WorkerHandle(index, replace(config, device=device), record)
+            for (index, device), record in zip(
+                enumerate(devices), self.supervisor.records, strict=True
+            )
+        ]
+        self.core_share.workers += [w for w in self.workers if w.config.device == "cpu"]
+        self._retries: deque[Job] = deque()  # one-item retries after a crash, served first
+        self._batch_ids = itertools.count()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
+        self._first_load: asyncio.Future[WorkerReady] | None = None
+        self.on_idle = on_idle
+        self.metrics = metrics
+        self.streams = TokenStreams()  # streamed generations and who takes their tokens
+
+    # --- what the scheduler and the serving face use ---------------------------------------
+
+    def start(self) -> None:
+        self._loop = self._loop or asyncio.get_running_loop()
+        self._first_load = self._loop.create_future()
+        for worker in self.workers:
+            self._spawn(worker)
+
+    async def wait_ready(self) -> WorkerReady:
+        """Wait for the first worker to load; raises RuntimeError if loading failed."""
+        assert self._first_load is not None, "start() first"
+        return await asyncio.shield(self._first_load)
+
+    @property
+    def ready(self) -> bool:
+        return any(w.state.serving for w in self.workers)
+
+    def load_state(self) -> tuple[LoadState, float | None]:
+        """While no worker is ready: loading or restarting, and for how many seconds the
+        longest load has run (None when no worker is loading right now)."""
+        starting = [(w.state, w.started_at) for w in self.workers if w.state.starting]
+        return load_state(starting, self.supervisor.restarted, self.clock())
+
+    def status(self) -> list[WorkerStatus]:
+        """Each worker's state, for /info and /metrics."""
+        return [worker.status() for worker in self.workers]
+
+    @property
+    def healthy(self) -> bool:
+        """False once every worker keeps dying (`Supervisor.healthy`)."""
+        return self.supervisor.healthy
+
+    @property
+    def poison(self) -> PoisonMemory:
+        """The inputs that crashed a worker while running alone."""
+        return self.supervisor.poison
+
+    @property
+    def loaded(self) -> WorkerReady | None:
+        """What a loaded worker said of its model (task, dtype, details, tokenizer); None
+        until one has loaded."""
+        return next((w.ready for w in self.workers if w.ready), None)
+
+    @property
+    def task(self) -> str | None:
+        loaded = self.loaded
+        return loaded.task if loaded else None
+
+    @property
+    def limits(self) -> ModelLimits:
+        """What the model can take (every worker loads the same one); unknown until ready."""
+        loaded = next((w.ready for w in self.workers if w.ready), None)
+        return loaded.limits if loaded else ModelLimits()
+
+    def max_input_tokens(self) -> int | None:
+        return self.limits.max_input_tokens
+
+    @property
+    def engine(self) -> tuple[Engine, str] | None:
+        """What runs the loaded workers' forward pass, and why; None before one loaded."""
+        loaded = next((w.ready for w in self.workers if w.ready), None)
+        return (loaded.engine, loaded.engine_reason) if loaded else None
+
+    def idle_workers(self) -> int:
+        if self._holding_cores():
+            return 0
+        idle = sum(w.state is WorkerState.IDLE for w in self.workers)
+        return max(0, idle - len(self._retries))
+
+    def batch_cap(self) -> int | None:
+        """The most items a `submit` should carry now (None: no limit of the workers')."""
+        caps = [w.batch_cap for w in self.workers if w.state is WorkerState.IDLE and w.batch_cap]
+        return min(caps, default=None)
+
+    def submit(
+        self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control = NO_CONTROL
+    ) -> asyncio.Future[BatchResult]:
+        # the scheduler may send a second batch in the same breath as a lone item that
+        # took every core: it runs on a free worker anyway (briefly one thread too many)
+        worker = self._next_idle(despite_hold=True)
+        if worker is None or self._retries:
+            raise Refused.because(Reason.NO_WORKER, "no model worker is free")
+        future = self._running_loop.create_future()
+        batch_id = next(self._batch_ids)
+        refused = [self.supervisor.is_poison(value, params) for value in inputs]
+        if not any(refused):
+            self._send(worker, Job(tuple(inputs), params, control, future, batch_id))
+            return future
+        log.warning("refused %d input(s) that crashed a worker before", sum(refused))
+        if self.metrics is not None:
+            self.metrics.drop("poison", sum(refused))
+        if all(refused):
+            future.set_result(BatchResult(batch_id, (REFUSED_POISON,) * len(inputs), 0.0))
+            return future
+        kept = tuple(value for value, bad in zip(inputs, refused, strict=True) if not bad)
+        inner = self._running_loop.create_future()
+        self._send(worker, Job(kept, params, control, inner, batch_id))
+        slots = [REFUSED_POISON if bad else None for bad in refused]
+        self._watch(self._assemble(future, batch_id, slots, [inner]))
+        return future
+
+    def open_stream(self, on_token: Callable[[TokenChunk], None]) -> int:
+        """A new stream id; give it in a batch's `Control` to get its tokens as they come."""
+        return self.streams.open(on_token)
+
+    def close_stream(self, stream_id: int) -> None:
+        """Forget a stream; a worker still generating for it stops at its next token."""
+        if not self.streams.close(stream_id):
+            return
+        for worker in self.workers:  # only the worker running that stream id reacts
+            if worker.cancelled_stream is not None:
+                worker.cancelled_stream.value = stream_id
+
+    async def shutdown(self, wait: bool = True) -> None:
+        """Answer what is still held (503), and stop every worker.
+
+        A busy worker cannot read a request to exit until its batch ends, and a loading
+        one may take minutes: both are killed at once (the caller's grace period is
+        over). An idle one is asked to exit and given `EXIT_TIMEOUT` seconds (none
+        without `wait`), then killed: the shutdown ends within that bound.
+        """
+        self._closing = True
+        stopping = shutting_down()
+        while self._retries:
+            _settle(self._retries.popleft().future, error=stopping)
+        for worker in self.workers:
+            if worker.process is None or worker.state is WorkerState.DEAD:
+                continue
+            if worker.state is WorkerState.IDLE and worker.conn is not None:
+                try:
+                    worker.conn.send(Shutdown())
+                except (OSError, ValueError):
+                    pass
+            else:
+                worker.process.kill()
+            self._take_job(worker, error=stopping)
+        timeout = EXIT_TIMEOUT if wait else 0.0
+        await asyncio.gather(
+            *(
+                asyncio.to_thread(_join_or_kill, w.process, timeout)
+                for w in self.workers
+                if w.process
+            )
+        )
+        for worker in self.workers:
+            worker.state = WorkerState.STOPPED
+
+    def kill(self) -> None:
+        """Kill every worker at once (a second signal: no time for manners)."""
+        self._closing = True
+        for worker in self.workers:
+            if worker.process is not None and worker.process.exitcode is None:
+                worker.process.kill()
+
+    # --- dispatch ---------------------------------------------------------------------
+
+    @property
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        assert self._loop is not None, "start() first"
+        return self._loop
+
+    def _next_idle(self, *, despite_hold: bool = False) -> WorkerHandle | None:
+        if self._holding_cores() and not despite_hold:
+            return None
+        return next((w for w in self.workers if w.state is WorkerState.IDLE), None)
+
+    def _holding_cores(self) -> bool:
+        """A lone item runs on every core: the other CPU workers wait until it is done."""
+        holder = self._all_cores
+        return holder is not None and holder.state is WorkerState.BUSY
+
+    def _send(self, worker: WorkerHandle, job: Job) -> None:
+        worker.state = WorkerState.BUSY
+        worker.job = job
+        if self.batch_timeout:
+            job.watchdog = self._running_loop.call_later(
+                self.batch_timeout, self._on_batch_timeout, worker, job
+            )
+        try:
+            threads = self._threads_for(worker, len(job.inputs))
+            batch = Batch(job.batch_id, job.inputs, dict(job.params), threads, job.control)
+            assert worker.conn is not None, "spawned workers have a pipe"
+            worker.conn.send(batch)
+        except (OSError, ValueError) as exc:  # the pipe broke: the reader will see the exit
+            log.warning("worker %s: could not send a batch: %s", worker.label, exc)
+
+    def _threads_for(self, worker: WorkerHandle, size: int) -> int | None:
+        """With `share_cores`, CPU workers (of every served model) split the cores evenly,
+        except that a batch of one item with no other CPU worker busy gets every core
+        (low-load latency) and holds them: no other CPU worker of this model starts until
+        it is done, since OpenMP threads that outnumber the cores stall each other. Another
+        model's workers are not held back (one model never waits for another's work)."""
+        if not self.share_cores or worker.config.device != "cpu":
+            return None
+        threads, every_core = self.core_share.threads_for(worker, size)
+        if every_core:
+            self._all_cores = worker
+        elif self._all_cores is worker:
+            self._all_cores = None
+        return threads
+
+    def _pump(self) -> None:
+        """Give free workers the retries first, then tell the scheduler who is free."""
+        while self._retries and (worker := self._next_idle()) is not None:
+            self._send(worker, self._retries.popleft())
+        if self.idle_workers():
+            self._notify_idle()
+
+    def _take_job(self, worker: WorkerHandle, *, error: Exception | None = None) -> Job | None:
+        """Detach the worker's job (stopping its watchdog); fail it with `error` if given."""
+        job, worker.job = worker.job, None
+        if job is not None:
+            if job.watchdog is not None:
+                job.watchdog.cancel()
+            if error is not None:
+                _settle(job.future, error=error)
+        return job
+
+    def _retry_alone(self, job: Job) -> None:
+        """After a crash, run each item of the lost batch alone, ahead of the queue."""
+        futures = []
+        for value in job.inputs:
+            future = self._running_loop.create_future()
+            key = PoisonMemory.key(value, job.params)
+            self._retries.append(Job((value,), job.params, job.control, future, job.batch_id, key))
+            futures.append(future)
+        self._watch(self._assemble(job.future, job.batch_id, [None] * len(futures), futures))
+
+    async def _assemble(
+        self,
+        target: asyncio.Future[BatchResult],
+        batch_id: int,
+        slots: list[Any],
+        parts: list[asyncio.Future[BatchResult]],
+    ) -> None:
+        """Fill the empty `slots` in order from the outputs of `parts`; answer `target`."""
+        try:
+            results = await asyncio.gather(*parts)
+        except Exception as exc:  # noqa: BLE001 - handed on to whoever waits for the batch
+            _settle(target, error=exc)
+            return
+        outputs = iter(output for result in results for output in result.outputs)
+        filled = tuple(next(outputs) if slot is None else slot for slot in slots)
+        seconds = sum(result.compute_seconds for result in results)
+        _settle(target, result=BatchResult(batch_id, filled, seconds))
+
+    def _watch(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = self._running_loop.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_batch_timeout(self, worker: WorkerHandle, job: Job) -> None:
+        if worker.job is not job:
+            return
+        log.error(
+            "worker %s: a batch of %d ran over %.0f s; killing process %s",
+            worker.label,
+            len(job.inputs),
+            self.batch_timeout,
+            worker.pid,
+        )
+        self._take_job(worker)
+        _settle(job.future, result=BatchResult(job.batch_id, (TIMED_OUT,) * len(job.inputs), 0.0))
+        worker.state = WorkerState.DEAD  # until the reader sees it exit and restarts it
+        if worker.process is not None:
+            worker.process.kill()
+
+    # --- process lifecycle ------------------------------------------------------------
+
+    def _spawn(self, worker: WorkerHandle) -> None:
+        batches_in, batches_out = self._context.Pipe(duplex=False)
+        replies_in, replies_out = self._context.Pipe(duplex=False)
+        worker.cancelled_stream = self._context.Value("q", 0, lock=False)  # a stream to stop
+        process = self._context.Process(
+            target=worker_main,
+            args=(batches_in, replies_out, worker.config, worker.label, worker.cancelled_stream),
+            name=f"rawserve-worker-{worker.index}",
+            daemon=True,
+        )
+        process.start()
+        batches_in.close()
+        replies_out.close()  # the worker holds the only write end: its exit is our EOF
+        worker.process, worker.conn = process, batches_out
+        worker.state = WorkerState.LOADING
+        worker.ready = None
+        worker.batch_cap = None
+        worker.started_at = self.clock()
+        log.info(
+            "worker %s: started (pid %d, device %s)",
+            worker.label,
+            process.pid,
+            worker.config.device,
+        )
+        fd = replies_in.fileno()
+        os.set_blocking(fd, False)
+        reader = MessageReader()
+        self._running_loop.add_reader(fd, self._on_readable, worker, replies_in, reader, process)
+
+    def _on_readable(
+        self,
+        worker: WorkerHandle,
+        replies: Connection,
+        reader: MessageReader,
+        process: BaseProcess,
+    ) -> None:
+        """The worker's pipe has bytes (or its end): hand each whole message on."""
+        fd = replies.fileno()
+        try:
+            messages = reader.read(fd)
+        except Exception:  # noqa: BLE001 - a pipe we cannot read is a dead worker
+            log.exception("worker %s: unreadable message; stopping it", worker.label)
+            messages = []
+            reader.closed = True
+            process.kill()
+        for message in messages:
+            self._on_message(worker, message)
+        if reader.closed:  # end of file: the worker has exited (or is about to)
+            self._running_loop.remove_reader(fd)
+            replies.close()
+            self._watch(self._reap(worker, process))
+
+    async def _reap(self, worker: WorkerHandle, process: BaseProcess) -> None:
+        """Wait for a worker whose pipe has closed to exit (killing it if it lingers)."""
+        await asyncio.to_thread(_join_or_kill, process, STOP_TIMEOUT)
+        self._on_exit(worker, process)
+
+    def _on_message(self, worker: WorkerHandle, message: Any) -> None:
+        if isinstance(message, TokenChunk):
+            if worker.job is not None:
+                worker.job.streamed = True
+            self.streams.deliver(message)
+        elif isinstance(message, BatchResult):
+            self._on_result(worker, message)
+        elif isinstance(message, WorkerWarming):
+            worker.state = WorkerState.WARMING
+            log.info(
+                "worker %s: model loaded in %.1f s; warming up",
+                worker.label,
+                message.load_seconds,
+            )
+        elif isinstance(message, WorkerReady):
+            worker.ready = message
+            worker.state = WorkerState.IDLE
+            self.supervisor.loaded(worker.index)
+            warmed = message.warmup_seconds
+            log.info(
+                "worker %s: %s model ready on %s (engine %s) in %.1f s%s",
+                worker.label,
+                message.task,
+                message.device,
+                message.engine.value,
+                message.load_seconds + (warmed or 0.0),
+                f" (warm-up {warmed:.2f} s)" if warmed is not None else "",
+            )
+            if self._first_load and not self._first_load.done():
+                self._first_load.set_result(message)
+            self._pump()
+        elif isinstance(message, WorkerLoadFailed):
+            log.error("worker %s: could not load the model: %s", worker.label, message.message)
+            if self._first_load and not self._first_load.done():
+                self._first_load.set_exception(RuntimeError(message.message))
+                self._closing = True  # a model that never loaded will not load on retry
+
+    def _on_result(self, worker: WorkerHandle, result: BatchResult) -> None:
+        job = worker.job
+        if job is None or result.batch_id != job.batch_id:
+            log.warning("worker %s: dropped a stale result", worker.label)
+            return
+        self._take_job(worker)
+        if worker.state is WorkerState.BUSY:
+            worker.state = WorkerState.IDLE
+        self.supervisor.answered(worker.index)  # it works: forget earlier crashes
+        if result.effective_batch_cap != worker.batch_cap:
+            log.warning(
+                "worker %s: effective batch cap now %s (out of memory earlier)",
+                worker.label,
+                result.effective_batch_cap or "the configured maximum",
+            )
+            worker.batch_cap = result.effective_batch_cap
+        _settle(job.future, result=result)
+        if not self._closing:
+            self._pump()
+
+    def _on_exit(self, worker: WorkerHandle, process: BaseProcess) -> None:
+        if process is not worker.process:
+            return
+        was_loading = worker.state.starting
+        worker.state = WorkerState.DEAD
+        if self._closing:
+            self._take_job(worker, error=shutting_down())
+            return
+        job = self._take_job(worker)
+        held = None if job is None else Held(job.streamed, job.poison_key)
+        decision = self.supervisor.exited(worker.index, while_loading=was_loading, held=held)
+        if job is not None and decision.lost is not None:
+            self._carry_out(worker, job, decision.lost)
+        log.error(
+            "worker %s: process %d exited with code %s%s%s; restarting in %.1f s",
+            worker.label,
+            process.pid,
+            process.exitcode,
+            " while loading" if was_loading else "",
+            f" holding a batch of {len(job.inputs)}" if job else "",
+            decision.restart_in,
+        )
+        self._running_loop.call_later(decision.restart_in, self._respawn, worker)
+        self._pump()  # another worker may be free for the retries
+
+    def _carry_out(self, worker: WorkerHandle, job: Job, lost: LostBatch) -> None:
+        """Do what supervision decided for the batch a dead worker held."""
+        if lost is LostBatch.FAIL_MID_STREAM:
+            outputs = (CRASHED_MID_STREAM,) * len(job.inputs)
+            _settle(job.future, result=BatchResult(job.batch_id, outputs, 0.0))
+        elif lost is LostBatch.RETRY_ALONE:
+            self._retry_alone(job)
+        elif lost is LostBatch.RUN_AGAIN_ALONE:
+            log.warning(
+                "worker %s: an input running alone crashed the worker; running it alone "
+                "once more (quarantined after %d such crashes)",
+                worker.label,
+                self.poison.strikes,
+            )
+            self._retries.append(replace(job, watchdog=None))
+        else:
+            log.error(
+                "worker %s: one input crashed the worker %d times on its own; it is refused "
+                "for the next %.0f s",
+                worker.label,
+                self.poison.strikes,
+                self.poison.seconds,
+            )
+            if self.metrics is not None:
+                self.metrics.drop("poison")
+            _settle(job.future, result=BatchResult(job.batch_id, (CRASHED_ALONE,), 0.0))
+
+    def _respawn(self, worker: WorkerHandle) -> None:
+        if not self._closing and worker.state is WorkerState.DEAD:
+            self._spawn(worker)
+
+    def _notify_idle(self) -> None:
+        if self.on_idle is not None:
+            self.on_idle()
+
+
+def _join_or_kill(process: BaseProcess, timeout: float) -> None:
+    process.join(timeout=timeout)
+    if process.exitcode is None:
+        process.kill()
+        process.join()
+
+
+def _settle(
+    future: asyncio.Future[BatchResult],
+    *,
+    result: BatchResult | None = None,
+    error: BaseException | None = None,
+) -> None:
+    if future.done():
+        return
+    if result is not None:
+        future.set_result(result)
+    else:
+        future.set_exception(error or Refused.because(Reason.NO_WORKER, "no result"))

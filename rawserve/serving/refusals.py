@@ -1,0 +1,55 @@
+"""Why the serving side did not answer a request with results: refusals and failures as
+domain values, with nothing of HTTP in them.
+
+A `Refusal` is plain data (a reason, the message a client may read, and how long to wait
+before a retry where one can help), so it can cross a pipe as it is; `Refused` is the
+exception that carries one out of `Serving.run`. The API side maps each `Reason` to an
+HTTP status in one place (`rawserve.api.outcomes`). A failure of one item, rather than of
+the whole request, is an `ItemFailure` in that item's result (`rawserve.shared.messages`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Reason(enum.Enum):
+    QUEUE_FULL = "queue_full"  # the queue bound is hit: retry later
+    DEADLINE_UNREACHABLE = "deadline_unreachable"  # the work ahead outlasts the deadline
+    NEVER_ADMISSIBLE = "never_admissible"  # more items than the queue can ever hold
+    NO_WORKER = "no_worker"  # no model worker is free, or none has loaded yet
+    LOADING = "loading"  # the model is still loading (or restarting)
+    SHUTTING_DOWN = "shutting_down"
+    DEADLINE_PASSED = "deadline_passed"
+    INPUT_REJECTED = "input_rejected"  # the model rejected the input: the client's to fix
+    MODEL_FAILED = "model_failed"  # the model worker failed while computing it
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reason: Reason
+    message: str  # safe to show a client: no traceback, path or repr of internals
+    retry_after: float | None = None  # seconds; None: the default wait, where one applies
+
+
+class Refused(Exception):
+    """A request (or batch) the serving side refused or could not finish."""
+
+    def __init__(self, refusal: Refusal):
+        super().__init__(refusal.message)
+        self.refusal = refusal
+
+    @classmethod
+    def because(cls, reason: Reason, message: str, retry_after: float | None = None) -> Refused:
+        return cls(Refusal(reason, message, retry_after))
+
+
+def shutting_down() -> Refused:
+    return Refused.because(Reason.SHUTTING_DOWN, "server shutting down")
+
+
+def model_failed() -> Refused:
+    return Refused.because(
+        Reason.MODEL_FAILED, "the model worker failed while computing this request"
+    )

@@ -1,0 +1,54 @@
+"""What the serving side says of its workers: their states and plain-data snapshots, as
+`/info`, `/ready` and `/metrics` show them."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class WorkerState(enum.Enum):
+    LOADING = "loading"
+    WARMING = "warming"  # loaded, running its warm-up batch
+    IDLE = "idle"
+    BUSY = "busy"
+    DEAD = "dead"
+    STOPPED = "stopped"
+
+    @property
+    def serving(self) -> bool:
+        """The model is loaded and warm: the worker computes, or can."""
+        return self in (WorkerState.IDLE, WorkerState.BUSY)
+
+    @property
+    def starting(self) -> bool:
+        """A new process on its way to serving: loading, then warming up."""
+        return self in (WorkerState.LOADING, WorkerState.WARMING)
+
+
+class LoadState(enum.Enum):
+    """Why no worker is ready, for /ready's body."""
+
+    LOADING = "loading"
+    WARMING = "warming"  # loaded, warming up: ready in a moment
+    RESTARTING = "restarting"
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One worker as /info and /metrics show it."""
+
+    index: int
+    device: str
+    dtype: str
+    state: WorkerState
+    pid: int | None
+    restarts: int
+    batch_cap: int | None  # lowered after out-of-memory errors; None: the configured size
+    warmup_seconds: float | None = None  # its warm-up batch; None: none ran (yet)
+    engine: str | None = None  # what runs its forward pass, once loaded
+    engine_reason: str | None = None
+
+    @property
+    def serving(self) -> bool:
+        return self.state.serving

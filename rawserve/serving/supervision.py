@@ -1,0 +1,225 @@
+"""Supervision of the model workers, decided without I/O: restarts and their backoff,
+crash counting, what becomes of a batch whose worker died, poison quarantine, health.
+
+Like the scheduling core, these are plain synchronous objects driven by an injected
+clock, so every decision is tested with a fake one (tests/test_supervision.py); the
+worker pool (`rawserve.serving.pool`) does the I/O and asks them what to do.
+
+A crash proves nothing about an input (an operator's `kill -9` and the OOM killer look
+alike), so crashes are counted, not guessed at: the items of a batch whose worker died
+are retried one by one, and an input that took a worker down while running alone
+`QUARANTINE_STRIKES` times is answered with a failure and quarantined (by content hash,
+for `QUARANTINE_SECONDS`): refused without being run.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rawserve.serving.status import LoadState, WorkerState
+from rawserve.shared.messages import FailureKind, ItemFailure
+
+RESTART_BACKOFF_FIRST = 0.5  # seconds before the first restart of a dead worker
+RESTART_BACKOFF_MAX = 30.0
+MAX_FAILED_RESTARTS = 5  # restarts in a row that die while loading: the process is unhealthy
+MAX_CRASHES = 10  # deaths in a row without one answered batch (poison alone is rarely so many)
+POISON_MEMORY = 4096  # content hashes of inputs that crashed a worker, least recent dropped
+QUARANTINE_STRIKES = 2  # crashes while running alone before an input is refused
+QUARANTINE_SECONDS = 3600.0  # how long a crash is remembered (and a quarantine lasts)
+
+CRASHED_ALONE = ItemFailure(FailureKind.INTERNAL, "this input crashed the model worker")
+REFUSED_POISON = ItemFailure(
+    FailureKind.INPUT, "this input crashed the model worker before and is refused"
+)
+CRASHED_MID_STREAM = ItemFailure(
+    FailureKind.INTERNAL, "the model worker crashed while streaming this answer"
+)
+TIMED_OUT = ItemFailure(
+    FailureKind.INTERNAL, "the model did not finish this batch within the batch timeout"
+)
+
+
+@dataclass
+class _Crashes:
+    count: int  # crashes while running alone
+    expires: float  # when they are forgotten
+
+
+class PoisonMemory:
+    """Inputs (with their parameters, by content hash) that crashed a worker while
+    running alone: one crash is remembered, `strikes` of them within `seconds` put the
+    input in quarantine until the memory of its last crash expires. Bounded: past `size`
+    entries the least recently seen is dropped."""
+
+    def __init__(
+        self,
+        size: int = POISON_MEMORY,
+        *,
+        strikes: int = QUARANTINE_STRIKES,
+        seconds: float = QUARANTINE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.size = size
+        self.strikes = strikes
+        self.seconds = seconds
+        self.clock = clock
+        self._entries: OrderedDict[str, _Crashes] = OrderedDict()
+
+    @staticmethod
+    def key(value: Any, params: Mapping[str, Any]) -> str:
+        text = json.dumps([value, dict(params)], sort_keys=True, default=repr)
+        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+    def crashed(self, key: str) -> bool:
+        """Count a crash of this input running alone; True when it is now quarantined."""
+        entry = self._entry(key)
+        count = entry.count + 1 if entry is not None else 1
+        self._entries[key] = _Crashes(count, self.clock() + self.seconds)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+        return count >= self.strikes
+
+    def __contains__(self, key: str) -> bool:
+        """Whether the input is quarantined (refused without being run)."""
+        entry = self._entry(key)
+        if entry is None:
+            return False
+        self._entries.move_to_end(key)
+        return entry.count >= self.strikes
+
+    def _entry(self, key: str) -> _Crashes | None:
+        entry = self._entries.get(key)
+        if entry is not None and entry.expires <= self.clock():
+            del self._entries[key]
+            return None
+        return entry
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@dataclass
+class WorkerRecord:
+    """What supervision remembers of one worker across its processes."""
+
+    restarts: int = 0
+    failed_restarts: int = 0  # in a row, died before it was ready
+    crashes: int = 0  # in a row, died after it was ready without answering a batch
+    # the wait before its next restart (read when made: tests shorten it)
+    backoff: float = field(default_factory=lambda: RESTART_BACKOFF_FIRST)
+
+
+class LostBatch(enum.Enum):
+    """What becomes of the batch a dead worker held."""
+
+    FAIL_MID_STREAM = "fail_mid_stream"  # tokens reached a client: a rerun would repeat them
+    RETRY_ALONE = "retry_alone"  # run each of its items alone, ahead of the queue
+    RUN_AGAIN_ALONE = "run_again_alone"  # a lone item crashed it: one more strike, once more
+    QUARANTINED = "quarantined"  # a lone item crashed it its last time: refuse it
+
+
+@dataclass(frozen=True)
+class Held:
+    """The batch a worker held when it died, as supervision needs to know it."""
+
+    streamed: bool = False  # tokens of it reached a client
+    lone_key: str | None = None  # its poison key when it was an item retried alone
+
+
+@dataclass(frozen=True)
+class ExitDecision:
+    restart_in: float  # seconds until the worker's next process is spawned
+    lost: LostBatch | None  # None: it held no batch
+
+
+class Supervisor:
+    """The supervision decisions for the workers of one model."""
+
+    def __init__(
+        self,
+        workers: int,
+        *,
+        max_failed_restarts: int = MAX_FAILED_RESTARTS,
+        max_crashes: int = MAX_CRASHES,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.records = [WorkerRecord() for _ in range(workers)]
+        self.max_failed_restarts = max_failed_restarts
+        self.max_crashes = max_crashes
+        self.poison = PoisonMemory(clock=clock)
+
+    def loaded(self, index: int) -> None:
+        """A worker's process loaded the model: its failed loads are forgiven."""
+        self.records[index].failed_restarts = 0
+
+    def answered(self, index: int) -> None:
+        """A worker answered a batch: it works, so earlier crashes are forgotten."""
+        record = self.records[index]
+        record.backoff = RESTART_BACKOFF_FIRST
+        record.crashes = 0
+
+    def exited(self, index: int, *, while_loading: bool, held: Held | None) -> ExitDecision:
+        """A worker's process died: count it, say when to restart it and what becomes
+        of the batch it held."""
+        record = self.records[index]
+        lost = None if held is None else self._lost(held)
+        if while_loading:
+            record.failed_restarts += 1
+        else:
+            record.crashes += 1
+        record.restarts += 1
+        decision = ExitDecision(record.backoff, lost)
+        record.backoff = min(record.backoff * 2, RESTART_BACKOFF_MAX)
+        return decision
+
+    def _lost(self, held: Held) -> LostBatch:
+        if held.streamed:
+            return LostBatch.FAIL_MID_STREAM
+        if held.lone_key is None:
+            return LostBatch.RETRY_ALONE
+        if self.poison.crashed(held.lone_key):
+            return LostBatch.QUARANTINED
+        return LostBatch.RUN_AGAIN_ALONE
+
+    def is_poison(self, value: Any, params: Mapping[str, Any]) -> bool:
+        """Whether an input is quarantined. Hashing every input costs more than the rest
+        of a submit: it is skipped while no input has crashed a worker yet."""
+        return bool(self.poison) and PoisonMemory.key(value, params) in self.poison
+
+    @property
+    def healthy(self) -> bool:
+        """False once every worker keeps dying: it failed to load too many times in a row,
+        or died too many times in a row without answering a batch (a broken device)."""
+        return any(
+            r.failed_restarts < self.max_failed_restarts and r.crashes < self.max_crashes
+            for r in self.records
+        )
+
+    @property
+    def restarted(self) -> bool:
+        return any(r.restarts for r in self.records)
+
+
+def load_state(
+    starting: Sequence[tuple[WorkerState, float]], restarted: bool, now: float
+) -> tuple[LoadState, float | None]:
+    """While no worker is ready: loading, warming or restarting, and for how many seconds
+    the longest load has run (None when no worker is loading). `starting` holds the state
+    and start time of each worker on its way to serving."""
+    if restarted:
+        state = LoadState.RESTARTING
+    elif starting and all(s is WorkerState.WARMING for s, _ in starting):
+        state = LoadState.WARMING
+    else:
+        state = LoadState.LOADING
+    if not starting:
+        return state, None
+    return state, now - min(started for _, started in starting)

@@ -1,0 +1,187 @@
+"""The typed configuration: what `parse_config` settles, and the worker plan derived from it.
+
+No server: the command line is parsed in-process. The configuration is frozen (nothing
+can change it once the parts are built from it), its derived values (parsed devices, the
+engine, the chat template's text, the TLS context, the workers' devices and threads) are
+computed once, and an invalid command line is refused with the same message and exit
+code 2 as argparse's own errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ssl
+
+import pytest
+
+from rawserve.config import Batching, ServerConfig, plan_workers
+from rawserve.main import model_facts, worker_config
+from rawserve.models.plan import ModelPlan
+from rawserve.options import OPTIONS, parse_config
+from rawserve.shared.messages import Engine
+
+ECHO = ["--handler", "tests.handlers:echo"]
+
+
+@pytest.fixture(autouse=True)
+def no_variables(monkeypatch):
+    for option in OPTIONS:
+        monkeypatch.delenv(option.env, raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def handler_plan(name: str = "echo") -> ModelPlan:
+    return ModelPlan((name,), "tests.handlers:echo", None, handler="tests.handlers:echo")
+
+
+def test_the_configuration_is_frozen_all_the_way_down():
+    config = parse_config([])
+    for target, name in [
+        (config, "port"),
+        (config.model, "max_queue"),
+        (config.http, "head_timeout"),
+        (config.app, "api_key"),
+    ]:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(target, name, None)
+
+
+def test_the_defaults_are_the_option_table_s():
+    config = parse_config([])
+    assert isinstance(config, ServerConfig)
+    assert (config.host, config.port, config.tls, config.ssl_context) == (
+        "127.0.0.1",
+        8000,
+        None,
+        None,
+    )
+    assert config.models == () and config.handler is None
+    model = config.model
+    assert (model.device, model.devices, model.threads) == (None, None, None)
+    assert (model.engine, model.batching, model.warmup) == (Engine.AUTO, Batching.COST, True)
+    assert (model.max_batch_size, model.max_queue, model.batch_timeout) == (32, 256, 120.0)
+    assert config.http.max_body_bytes == 1024 * 1024 and config.http.max_connections == 1000
+    assert (config.app.timeout, config.app.max_timeout, config.app.api_key) == (30.0, 300.0, None)
+    assert (config.log_format, config.access_log, config.download_only) == ("text", True, False)
+
+
+def test_derived_values_are_computed_at_parse_time(tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages }}", encoding="utf-8")
+    config = parse_config(
+        [
+            *["--device", "cuda:0, CUDA:1", "--engine", "onnx", "--batching", "count"],
+            *["--chat-template", str(template), "--no-warmup", "--no-access-log"],
+            *["--cors-allow-origin", "https://a.example", "--cors-allow-origin", "*"],
+        ]
+    )
+    model = config.model
+    assert model.device == "cuda:0, CUDA:1" and model.devices == ("cuda:0", "cuda:1")
+    assert model.engine is Engine.ONNX and model.batching is Batching.COUNT
+    assert model.chat_template == "{{ messages }}"  # the file's text, read once
+    assert not model.warmup and not config.access_log
+    assert config.app.cors_allow_origins == ("https://a.example", "*")
+
+
+def test_tls_files_are_loaded_into_a_context_at_parse_time(tmp_path):
+    trustme = pytest.importorskip("trustme")
+    issued = trustme.CA().issue_cert("127.0.0.1")
+    certfile, keyfile = tmp_path / "cert.pem", tmp_path / "key.pem"
+    issued.cert_chain_pems[0].write_to_path(str(certfile))
+    issued.private_key_pem.write_to_path(str(keyfile))
+    config = parse_config(["--ssl-certfile", str(certfile), "--ssl-keyfile", str(keyfile)])
+    assert config.tls is not None
+    assert (config.tls.certfile, config.tls.keyfile) == (str(certfile), str(keyfile))
+    assert isinstance(config.ssl_context, ssl.SSLContext)
+    assert config.ssl_context is config.tls.context
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        ([*ECHO, "--model", "org/name"], {}, "--handler serves its own callable"),
+        (["--engine", "tensorrt"], {}, "--engine must be torch, onnx or auto"),
+        (["--device", "gpu"], {}, "invalid device 'gpu'"),
+        (["--device", "cuda:2"], {"CUDA_VISIBLE_DEVICES": "0,1"}, "CUDA_VISIBLE_DEVICES=0,1"),
+        (["--max-batch-size", "0"], {}, "--max-batch-size must be positive"),
+        (["--port", "-1"], {}, "--port must be positive"),
+        (["--grace", "-1"], {}, "--batch-timeout must be positive and --grace not negative"),
+        (["--timeout", "0"], {}, "--timeout must be positive"),
+        (["--max-batch-delay-ms", "-1"], {}, "--max-batch-delay-ms not negative"),
+        (["--batching", "fifo"], {}, "--batching cost or count"),
+        (["--write-timeout", "0"], {}, "--write-timeout must be positive"),
+        (["--max-connections", "-1"], {}, "--max-connections must not be negative"),
+        (["--api-key", ""], {}, "--api-key not empty"),
+        (["--log-format", "xml"], {}, "--log-format must be one of text, json"),
+        (["--chat-template", "/nonexistent.jinja"], {}, "--chat-template: cannot read"),
+        (["--ssl-keyfile", "/nonexistent/key.pem"], {}, "--ssl-keyfile needs --ssl-certfile"),
+        (["--ssl-certfile", "/nonexistent/c.pem"], {}, "--ssl-certfile/--ssl-keyfile: no such"),
+        (["--cors-allow-origin", "https://a.example/"], {}, "--cors-allow-origin takes an"),
+        ([], {"RAWSERVE_PORT": "eighty"}, "argument --port: invalid int value"),
+        ([], {"RAWSERVE_NO_WARMUP": "maybe"}, "RAWSERVE_NO_WARMUP must be one of"),
+    ],
+)
+def test_an_invalid_command_line_is_refused_with_a_clear_line(
+    monkeypatch, capsys, argv, env, message
+):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exited:
+        parse_config(argv)
+    assert exited.value.code == 2
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert line.startswith("rawserve: error: ") and message in line
+
+
+def test_the_workers_per_core_are_planned_once_the_models_are_known(monkeypatch):
+    monkeypatch.setattr("rawserve.ops.layout.gpu_present", lambda: False)
+    workers = plan_workers(parse_config(ECHO).model, [handler_plan()], cores=3)
+    assert workers.devices == ("cpu",) * 3 and workers.threads == 1
+    assert workers.share_cores and workers.chosen and "one per core" in workers.layout
+
+
+@pytest.mark.parametrize(
+    ("argv", "models", "threads"),
+    [
+        (["--device", "cpu,cpu"], 1, 4),  # the 8 cores split between 2 workers
+        (["--device", "cpu,cpu"], 2, 2),  # every model has a worker per device
+        (["--device", "cuda:0"], 2, 8),  # GPU workers: their threads feed the GPU
+        (["--device", "cpu", "--threads", "3"], 1, 3),  # --threads: as given
+    ],
+)
+def test_threads_per_worker_split_the_cores_between_cpu_workers(argv, models, threads):
+    model = parse_config(argv).model
+    plans = [handler_plan(f"m{index}") for index in range(models)]
+    workers = plan_workers(model, plans, cores=8)
+    assert workers.devices == model.devices and workers.threads == threads
+    assert workers.share_cores is (model.threads is None)
+    assert workers.layout == f"--device {argv[1]}" and not workers.chosen
+
+
+def test_a_model_s_workers_and_its_info_are_built_from_the_typed_configuration():
+    config = parse_config(["--device", "cpu", "--max-batch-size", "8", "--timeout", "12"])
+    plan = handler_plan()
+    workers = plan_workers(config.model, [plan], cores=2)
+    given = worker_config(plan, config.model, workers, name="echo")
+    assert (given.handler, given.threads, given.warmup_batch, given.name) == (
+        "tests.handlers:echo",
+        2,
+        8,
+        "echo",
+    )
+    cold = parse_config(["--device", "cpu", "--no-warmup"])
+    assert worker_config(plan, cold.model, workers).warmup_batch == 0
+    facts = model_facts(plan, config, workers)
+    assert (facts["devices"], facts["layout"], facts["threads_per_worker"]) == (
+        ["cpu"],
+        "--device cpu",
+        2,
+    )
+    assert facts["requested_engine"] == "auto" and facts["warmup"] is True
+    assert facts["batching"] == {
+        "max_batch_size": 8,
+        "max_batch_delay_ms": 0.0,
+        "max_batch_tokens": None,
+        "max_queue": 256,
+        "timeout_seconds": 12.0,
+    }

@@ -1,0 +1,49 @@
+"""The one place where the serving side's refusals and failures become HTTP statuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from rawserve.api.outcomes import http_error, unwrap
+from rawserve.http.errors import error_response
+from rawserve.serving.face import FailureKind, ItemFailure, ItemResult, Reason, Refusal
+
+
+@pytest.mark.parametrize(
+    ("reason", "status"),
+    [
+        (Reason.QUEUE_FULL, 503),
+        (Reason.DEADLINE_UNREACHABLE, 503),
+        (Reason.NEVER_ADMISSIBLE, 413),  # a retry cannot help: never 503
+        (Reason.NO_WORKER, 503),
+        (Reason.LOADING, 503),
+        (Reason.SHUTTING_DOWN, 503),
+        (Reason.DEADLINE_PASSED, 504),
+        (Reason.INPUT_REJECTED, 422),
+        (Reason.MODEL_FAILED, 500),
+    ],
+)
+def test_every_reason_has_its_status_and_keeps_its_message(reason, status):
+    error = http_error(Refusal(reason, "what the client reads"))
+    assert error.status == status and error.message == "what the client reads"
+
+
+def test_a_refusal_that_a_retry_can_help_says_when_and_defaults_to_a_second():
+    full = error_response(http_error(Refusal(Reason.QUEUE_FULL, "server busy: queue full", 2.6)))
+    assert ("Retry-After", "3") in full.headers
+    stopping = error_response(http_error(Refusal(Reason.SHUTTING_DOWN, "server shutting down")))
+    assert ("Retry-After", "1") in stopping.headers
+    late = error_response(http_error(Refusal(Reason.DEADLINE_PASSED, "deadline passed")))
+    assert not any(name == "Retry-After" for name, _ in late.headers)
+
+
+def test_an_item_failure_is_the_clients_422_or_the_models_500():
+    def status_of(kind: FailureKind) -> int:
+        with pytest.raises(Exception) as raised:
+            unwrap(ItemResult(ItemFailure(kind, "no"), 0.0, 1, 0.0))
+        return raised.value.status
+
+    assert status_of(FailureKind.INPUT) == 422
+    assert status_of(FailureKind.INTERNAL) == 500
+    assert status_of(FailureKind.OUT_OF_MEMORY) == 500
+    assert unwrap(ItemResult({"label": "x"}, 0.0, 1, 0.0)) == {"label": "x"}

@@ -1,0 +1,153 @@
+"""Supervision decided without I/O: restarts and backoff, a crash while alone or in a
+batch, quarantine and its expiry, health (and /health turning 503 on it). A fake clock;
+no worker process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rawserve.api.app import App
+from rawserve.api.served import ServedModel, ServedModels
+from rawserve.api.settings import AppSettings
+from rawserve.http.exchange import HttpRequest
+from rawserve.serving import supervision
+from rawserve.serving.core import SchedulerCore
+from rawserve.serving.driver import Scheduler
+from rawserve.serving.pool import WorkerPool
+from rawserve.serving.service import ModelService
+from rawserve.serving.status import LoadState, WorkerState
+from rawserve.serving.supervision import (
+    Held,
+    LostBatch,
+    PoisonMemory,
+    Supervisor,
+    load_state,
+)
+from rawserve.shared.messages import WorkerConfig
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def supervisor(workers: int = 1, **limits) -> tuple[Supervisor, Clock]:
+    clock = Clock()
+    return Supervisor(workers, clock=clock, **limits), clock
+
+
+def test_restarts_back_off_exponentially_up_to_a_cap_and_reset_once_a_batch_is_answered():
+    sup, _ = supervisor()
+    waits = [sup.exited(0, while_loading=False, held=None).restart_in for _ in range(10)]
+    first = supervision.RESTART_BACKOFF_FIRST
+    assert waits[:4] == [first, 2 * first, 4 * first, 8 * first]
+    assert max(waits) == supervision.RESTART_BACKOFF_MAX == waits[-1]
+    assert sup.records[0].restarts == 10
+    sup.answered(0)  # the worker works again: the next crash restarts it soon
+    assert sup.exited(0, while_loading=False, held=None).restart_in == first
+
+
+def test_a_worker_that_died_holding_no_batch_loses_nothing():
+    sup, _ = supervisor()
+    assert sup.exited(0, while_loading=False, held=None).lost is None
+
+
+def test_a_crash_in_a_batch_retries_each_item_alone_and_blames_none_of_them():
+    sup, _ = supervisor()
+    decision = sup.exited(0, while_loading=False, held=Held())
+    assert decision.lost is LostBatch.RETRY_ALONE
+    assert len(sup.poison) == 0  # a crash in company proves nothing about any item
+
+
+def test_a_crash_while_alone_runs_it_alone_again_then_quarantines_it():
+    sup, _ = supervisor()
+    key = PoisonMemory.key("crash me", {})
+    assert not sup.is_poison("crash me", {})
+    first = sup.exited(0, while_loading=False, held=Held(lone_key=key))
+    assert first.lost is LostBatch.RUN_AGAIN_ALONE  # one crash alone is not proof
+    assert not sup.is_poison("crash me", {})
+    second = sup.exited(0, while_loading=False, held=Held(lone_key=key))
+    assert second.lost is LostBatch.QUARANTINED
+    assert sup.is_poison("crash me", {})
+    assert not sup.is_poison("crash me", {"top_k": 2})  # other parameters: another input
+
+
+def test_a_quarantine_expires_with_the_memory_of_the_last_crash():
+    sup, clock = supervisor()
+    key = PoisonMemory.key("crash me", {})
+    sup.exited(0, while_loading=False, held=Held(lone_key=key))
+    clock.now = 10.0
+    sup.exited(0, while_loading=False, held=Held(lone_key=key))
+    clock.now = 10.0 + supervision.QUARANTINE_SECONDS - 1
+    assert sup.is_poison("crash me", {})
+    clock.now = 10.0 + supervision.QUARANTINE_SECONDS
+    assert not sup.is_poison("crash me", {})
+    # forgotten: its next lone crash is a first strike again
+    decision = sup.exited(0, while_loading=False, held=Held(lone_key=key))
+    assert decision.lost is LostBatch.RUN_AGAIN_ALONE
+
+
+def test_a_crash_that_had_streamed_tokens_fails_the_batch_instead_of_rerunning_it():
+    sup, _ = supervisor()
+    key = PoisonMemory.key("a prompt", {})
+    decision = sup.exited(0, while_loading=False, held=Held(streamed=True, lone_key=key))
+    assert decision.lost is LostBatch.FAIL_MID_STREAM
+    assert len(sup.poison) == 0
+
+
+def test_failed_loads_make_the_process_unhealthy_until_one_loads():
+    sup, _ = supervisor(max_failed_restarts=2)
+    assert sup.healthy
+    sup.exited(0, while_loading=True, held=None)
+    assert sup.healthy
+    sup.exited(0, while_loading=True, held=None)
+    assert not sup.healthy  # /health answers 503
+    sup.loaded(0)
+    assert sup.healthy
+
+
+def test_the_process_is_unhealthy_only_when_every_worker_keeps_dying():
+    sup, _ = supervisor(workers=2, max_failed_restarts=2, max_crashes=3)
+    for _ in range(3):  # dies on every batch
+        sup.exited(0, while_loading=False, held=Held())
+    assert sup.healthy  # the other one still serves
+    for _ in range(2):  # cannot load
+        sup.exited(1, while_loading=True, held=None)
+    assert not sup.healthy
+    sup.answered(0)  # answered a batch again
+    assert sup.healthy
+
+
+@pytest.mark.parametrize(
+    ("starting", "restarted", "expected"),
+    [
+        ([(WorkerState.LOADING, 1.0)], False, (LoadState.LOADING, 4.0)),
+        ([(WorkerState.WARMING, 2.0), (WorkerState.WARMING, 3.0)], False, (LoadState.WARMING, 3.0)),
+        ([(WorkerState.WARMING, 2.0), (WorkerState.LOADING, 4.0)], False, (LoadState.LOADING, 3.0)),
+        ([(WorkerState.LOADING, 4.0)], True, (LoadState.RESTARTING, 1.0)),
+        ([], True, (LoadState.RESTARTING, None)),
+    ],
+)
+def test_why_no_worker_is_ready_and_for_how_long(starting, restarted, expected):
+    assert load_state(starting, restarted, now=5.0) == expected
+
+
+def test_health_turns_503_once_every_worker_of_a_model_keeps_failing_to_load():
+    pool = WorkerPool(WorkerConfig(model="unused"), ["cpu"], max_failed_restarts=2)
+    service = ModelService(Scheduler(SchedulerCore(), pool), pool)
+    app = App(ServedModels([ServedModel("m", service)]), AppSettings())
+
+    def health() -> tuple[int, dict]:
+        response = app.answer_now(HttpRequest("GET", "/health", "", [], b"", request_id="t"))
+        assert response is not None  # a probe is answered at once
+        return response.status, json.loads(response.body)
+
+    assert health() == (200, {"status": "ok"})
+    for _ in range(2):  # no process is started: the supervisor is told of the deaths
+        pool.supervisor.exited(0, while_loading=True, held=None)
+    assert health() == (503, {"status": "unhealthy"})
