@@ -23,7 +23,7 @@ from rawserve.http.errors import (
     openai_error_document,
 )
 from rawserve.http.exchange import HttpRequest, HttpResponse
-from tests.test_model_selection import KEY, served
+from tests.test_model_selection import KEY, ReadyWorkers, served
 
 
 def app(**settings: Any) -> App:
@@ -73,9 +73,9 @@ async def test_v1_refusals_are_openais_error_object(
 
 def test_v1_refusals_from_the_head_are_openais_error_object_too():
     server = app()
-    model = server.models.default
-    assert isinstance(model.workers.ready, bool)
-    model.workers.ready = False  # type: ignore[misc]
+    workers = server.models.default.serving.workers
+    assert isinstance(workers, ReadyWorkers)
+    workers.ready = False
     answer = server.answer_now(request("POST", "/v1/embeddings", {"input": "a"}))
     error = openai_error(answer, 503)
     assert error == {

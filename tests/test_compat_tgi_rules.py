@@ -15,7 +15,8 @@ import pytest
 from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.http.exchange import HttpRequest
-from rawserve.scheduling.core import ItemResult
+from rawserve.serving.face import NO_CONTROL, Control, ItemResult, Refusal
+from rawserve.serving.service import ModelService
 from rawserve.tasks import InvalidRequest, UnservedParameter, check_params, task_rules
 from tests.test_model_selection import ReadyWorkers, served
 
@@ -98,18 +99,22 @@ class GeneratingQueue:
         self.max_batch_size = 8
         self.params: list[Mapping[str, Any]] = []
 
-    def refuse_if_full(self) -> None:
-        pass
+    def admission(self) -> Refusal | None:
+        return None
 
     async def run(
-        self, inputs: Sequence[Any], params: Mapping[str, Any], deadline: float
+        self,
+        inputs: Sequence[Any],
+        params: Mapping[str, Any],
+        deadline: float,
+        control: Control = NO_CONTROL,
     ) -> list[ItemResult]:
         self.params.append(dict(params))
         return [ItemResult([{"generated_text": " and so on"}], 0.0, 1, 0.001) for _ in inputs]
 
 
 def generation_model() -> ServedModel:
-    return ServedModel("gen", GeneratingQueue(), ReadyWorkers("text-generation"))
+    return ServedModel("gen", ModelService(GeneratingQueue(), ReadyWorkers("text-generation")))
 
 
 def post(path: str, document: Any) -> HttpRequest:
@@ -123,9 +128,9 @@ async def test_generate_uses_the_first_model_that_generates_wherever_it_is_liste
     response = await app.handle(post("/generate", {"inputs": "once", "parameters": {}}))
     assert response.status == 200
     assert json.loads(response.body) == {"generated_text": " and so on"}
-    assert isinstance(gen.queue, GeneratingQueue)
-    # TGI's default: the continuation alone
-    assert gen.queue.params == [{"return_full_text": False}]
+    queue = gen.serving.queue
+    assert isinstance(queue, GeneratingQueue)
+    assert queue.params == [{"return_full_text": False}]  # TGI's default: the continuation
 
 
 async def test_generate_refuses_an_unserved_parameter_with_422_in_tgis_shape():

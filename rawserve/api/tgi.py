@@ -19,10 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 from rawserve.api import schemas
-from rawserve.api.bodies import answer, read_json, unwrap
+from rawserve.api.bodies import answer, read_json
 from rawserve.api.context import RouteContext
 from rawserve.api.inference import ParsedRequest, parse_json_body
 from rawserve.api.openai import GENERATION
+from rawserve.api.outcomes import unwrap
 from rawserve.api.routing import MODEL_ERRORS, DocContext, Operation, Route, Schema
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
@@ -104,9 +105,7 @@ class TgiRoutes:
 
     async def generate(self, request: HttpRequest) -> HttpResponse:
         model, parsed = self.parse(request)
-        results = await model.queue.run(
-            parsed.inputs, parsed.params, self.context.deadline(request)
-        )
+        results = await model.run(parsed.inputs, parsed.params, self.context.deadline(request))
         [output] = unwrap(results[0])  # the pipeline's [{"generated_text", "details"}]
         return answer(output, results)
 
@@ -127,7 +126,7 @@ class TgiRoutes:
         parsed = parse_json_body(TASK, document, 1)
         params: dict[str, Any] = {"return_full_text": False, **parsed.params}  # TGI's default
         try:
-            check_generation_length(params, model.workers.limits.max_new_tokens)
+            check_generation_length(params, model.limits.max_new_tokens)
         except InvalidRequest as exc:
             raise BadRequest(str(exc)) from None
         return model, ParsedRequest(parsed.inputs, params, is_list=False)
