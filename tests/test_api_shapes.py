@@ -1,5 +1,6 @@
 """The pure parts of the TEI and OpenAI routes: stop sequences in streamed text, TEI's
-input forms and byte offsets, the /openapi.json of every task (validated), and CORS."""
+input forms and byte offsets, the /openapi.json of every task (validated), CORS, and each
+request body's checks against its own schema (declared once, they take the same documents)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from rawserve.api.app import App
 from rawserve.api.openai_generation import cut_at_stop, messages, releasable
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
-from rawserve.api.tei import id_inputs, predict_inputs, scores, text_inputs
+from rawserve.api.tei import scores
+from rawserve.api.tei_bodies import id_inputs, predict_inputs, text_inputs
 from rawserve.api.tokens import utf8_starts
 from rawserve.http.errors import BadRequest, UnprocessableInput
 from rawserve.http.exchange import HttpRequest
@@ -121,7 +123,7 @@ class Loaded:
 
     def __init__(self, task: str, details: dict, tokenizer: str | None):
         self.task, self.ready, self.healthy = task, True, True
-        self.loaded = WorkerReady(1, task, "cpu", "float32", 0.1, details, tokenizer)
+        self.loaded = WorkerReady(1, task, "cpu", "float32", 0.1, details, tokenizer=tokenizer)
 
     def load_state(self):
         return LoadState.LOADING, None
@@ -185,3 +187,86 @@ def test_preflight_and_answers_for_an_allowed_origin():
     missing = asyncio.run(app.handle(get("/nowhere", [("origin", "https://a.example")])))
     assert missing.status == 404
     assert ("Access-Control-Allow-Origin", "https://a.example") in missing.headers
+
+
+# --- each body declared once: its checks and its schema agree ---------------------------
+
+HI = [{"role": "user", "content": "hi"}]
+AGREEMENT = [
+    # (body, document, taken): the schema and the checks take it, or both refuse it
+    ("EMBED", {"inputs": "a"}, True),
+    ("EMBED", {"inputs": ["a", "b"], "normalize": False, "dimensions": 8}, True),
+    ("EMBED", {"inputs": "a", "anything": 1}, True),  # TEI ignores what it does not use
+    ("EMBED", {}, False),
+    ("EMBED", {"inputs": []}, False),
+    ("EMBED", {"inputs": ["a"] * 33}, False),
+    ("EMBED", {"inputs": "a", "normalize": "yes"}, False),
+    ("EMBED", {"inputs": "a", "dimensions": 0}, False),
+    ("EMBED", {"inputs": "a", "truncation_direction": "up"}, False),
+    ("EMBED", {"inputs": "a", "prompt_name": 7}, False),
+    ("PREDICT", {"inputs": [["a"], ["a", "b"]]}, True),
+    ("PREDICT", {"inputs": ["a", "b", "c"]}, False),
+    ("RERANK", {"query": "q", "texts": ["a"], "top_n": 1}, True),
+    ("RERANK", {"query": "q", "texts": ["a"], "top_n": 0}, False),
+    ("RERANK", {"query": 5, "texts": ["a"]}, False),
+    ("TOKENIZE", {"inputs": "a", "truncate": True, "add_special_tokens": False}, True),
+    ("TOKENIZE", {"inputs": "a", "truncate": 1}, False),
+    ("DECODE", {"ids": [[1, 2], [3]]}, True),
+    ("DECODE", {"ids": [-1]}, False),
+    ("DECODE", {"ids": [[]]}, False),
+    ("EMBEDDINGS", {"input": ["a"], "encoding_format": "base64", "user": "u"}, True),
+    ("EMBEDDINGS", {"input": "a", "encoding_format": "int8"}, False),
+    ("EMBEDDINGS", {"input": "a", "unknown": 1}, False),  # OpenAI's routes refuse it
+    ("CHAT", {"messages": HI, "max_completion_tokens": 5, "stream": True}, True),
+    ("CHAT", {"messages": HI, "stream": True, "stream_options": {"include_usage": True}}, True),
+    ("CHAT", {"messages": HI, "tools": [], "tool_choice": "none", "logprobs": False}, True),
+    ("CHAT", {"messages": HI, "tools": [{"type": "function"}]}, False),
+    ("CHAT", {"messages": HI, "response_format": {"type": "json_object"}}, False),
+    ("CHAT", {"messages": HI, "stream": True, "stream_options": {"include_usage": "x"}}, False),
+    ("CHAT", {"messages": [{"role": "robot", "content": "hi"}]}, False),
+    ("CHAT", {"messages": []}, False),
+    ("COMPLETION", {"prompt": ["a", "b"], "max_tokens": 3, "stop": ["."], "seed": 1}, True),
+    ("COMPLETION", {"prompt": "a", "n": 1, "best_of": 1, "echo": False}, True),
+    ("COMPLETION", {"prompt": "a", "n": 2}, False),
+    ("COMPLETION", {"prompt": "a", "top_p": 0}, False),
+    ("COMPLETION", {"prompt": "a", "temperature": 2.5}, False),
+    ("COMPLETION", {"prompt": "a", "stop": ["."] * 17}, False),
+    ("COMPLETION", {"prompt": ""}, False),
+    ("COMPLETION", {"prompt": "a", "frequency_penalty": 0.5}, False),
+    ("COMPLETION", {"prompt": "a", "suffix": "b"}, False),
+    ("COMPLETION", {"prompt": "a", "unknown": 1}, False),
+]
+
+
+def body_named(name):
+    from rawserve.api import openai, openai_generation, tei_bodies
+
+    for module in (tei_bodies, openai, openai_generation):
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize(("name", "document", "taken"), AGREEMENT, ids=repr)
+def test_a_bodys_checks_and_its_schema_take_the_same_documents(name, document, taken):
+    """The schema `/openapi.json` shows and the checks the handler runs come from one
+    declaration: a document one takes, the other takes."""
+    import jsonschema
+
+    from rawserve.api.routing import DocContext
+    from rawserve.http.errors import HTTPError
+
+    body = body_named(name)
+    loaded = Loaded("feature-extraction", {"dimensions": 32}, "{}")
+    model = ServedModel("m", ModelService(Idle(), loaded), {})
+    context = DocContext(model, 32)
+    valid = jsonschema.Draft202012Validator(body.schema(context)).is_valid(document)
+    try:
+        fields = body.read(document)
+        for field in body.names:
+            fields.value(field, context)
+        parsed = True
+    except HTTPError as error:
+        assert error.status in (400, 413), error
+        parsed = False
+    assert (valid, parsed) == (taken, taken)

@@ -57,7 +57,7 @@ MISSING = "not_found_error"
         ("POST", "/v1/nothing", {}, KEY, 404, MISSING, "no route"),
         ("GET", "/v1/embeddings", None, KEY, 405, INVALID, "not allowed"),
         ("POST", "/v1/embeddings", {"input": ["a", "b", "c"]}, KEY, 413, INVALID, "at most 2"),
-        ("POST", "/v1/embeddings", {"inputs": "a"}, KEY, 400, INVALID, '"input"'),
+        ("POST", "/v1/embeddings", {"inputs": "a"}, KEY, 400, INVALID, "unknown field"),
         ("POST", "/v1/chat/completions", {"messages": []}, KEY, 404, MISSING, "text-generation"),
     ],
 )  # fmt: skip

@@ -238,7 +238,6 @@ def test_more_inputs_than_the_client_batch_cap_is_413_at_once(servers):
         {"inputs": "hello", "dimensions": -3},
         {"inputs": "hello", "dimensions": 33},
         {"inputs": "hello", "prompt_name": 7},
-        {"inputs": "hello", "pooling": "cls"},  # not a field of TEI's /embed
     ],
     ids=repr,
 )
@@ -381,6 +380,18 @@ def test_rerank_raw_scores_and_return_text(servers, reference):
         assert rank["score"] == pytest.approx(float(raw[rank["index"]]), abs=1e-5)
 
 
+@pytest.mark.parametrize("field", ["top_n", "top_k"])
+def test_rerank_top_n_answers_only_the_best_n(servers, field):
+    """litellm's rerank sends top_n (Cohere's name); the best n, in the same order."""
+    server = servers["reranker"]
+    status, every = server.post_json({"query": QUERY, "texts": TEXTS}, "/rerank")
+    assert status == 200
+    status, best = server.post_json({"query": QUERY, "texts": TEXTS, field: 2}, "/rerank")
+    assert status == 200 and best == every[:2]
+    status, body = server.post_json({"query": QUERY, "texts": TEXTS, field: 10}, "/rerank")
+    assert status == 200 and body == every  # more than there are: all of them
+
+
 def test_rerank_truncate_cuts_a_pair_that_is_too_long(servers):
     server = servers["reranker"]
     long_text = " ".join(["paris"] * 300)
@@ -402,6 +413,9 @@ def test_rerank_truncate_cuts_a_pair_that_is_too_long(servers):
         {"query": 5, "texts": TEXTS},
         {"query": QUERY, "texts": [5]},
         {"query": QUERY, "texts": TEXTS, "return_text": "yes"},
+        {"query": QUERY, "texts": TEXTS, "top_n": 0},
+        {"query": QUERY, "texts": TEXTS, "top_n": "2"},
+        {"query": QUERY, "texts": TEXTS, "top_n": 2, "top_k": 3},
     ],
     ids=repr,
 )
@@ -415,6 +429,53 @@ def test_rerank_more_texts_than_the_cap_is_413(servers):
         {"query": QUERY, "texts": ["paris"] * 33}, "/rerank"
     )
     assert_error(status, body, 413, "33", "32")
+
+
+# --- what TEI tolerates, and blank text ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("server", "path", "document"),
+    [
+        # tei-client's embed_all always sends normalize; TEI's /embed_all has no such field
+        ("embedding", "/embed_all", {"inputs": "hello", "normalize": True}),
+        ("embedding", "/embed", {"inputs": "hello", "pooling": "cls", "user": "x"}),
+        ("embedding", "/tokenize", {"inputs": "hello", "return_offsets": True}),
+        ("embedding", "/decode", {"ids": [5, 6], "clean_up": None}),
+        ("classifier", "/predict", {"inputs": "hello", "top_k": 1, "function_to_apply": "x"}),
+        ("reranker", "/rerank", {"query": QUERY, "texts": TEXTS, "return_documents": True}),
+    ],
+    ids=repr,
+)
+def test_tei_routes_ignore_fields_they_do_not_use(servers, server, path, document):
+    status, body = servers[server].post_json(document, path)
+    assert status == 200, body
+    plain = {k: v for k, v in document.items() if k in ("inputs", "ids", "query", "texts")}
+    assert servers[server].post_json(plain, path) == (200, body)
+
+
+@pytest.mark.parametrize("blank", ["", "   ", "\n\t"])
+@pytest.mark.parametrize(
+    ("server", "path", "document"),
+    [
+        ("embedding", "/embed", {"inputs": "BLANK"}),
+        ("embedding", "/embed", {"inputs": ["hello", "BLANK"]}),
+        ("embedding", "/embed_all", {"inputs": "BLANK"}),
+        ("embedding", "/tokenize", {"inputs": "BLANK"}),
+        ("embedding", "/v1/embeddings", {"input": "BLANK"}),
+        ("embedding", "/v1/embeddings", {"input": ["hello", "BLANK"]}),
+        ("embedding", "/", {"inputs": "BLANK"}),
+        ("classifier", "/predict", {"inputs": "BLANK"}),
+        ("classifier", "/predict", {"inputs": ["hello", "BLANK"]}),
+        ("reranker", "/rerank", {"query": "BLANK", "texts": ["paris"]}),
+        ("reranker", "/rerank", {"query": QUERY, "texts": ["paris", "BLANK"]}),
+    ],
+    ids=repr,
+)
+def test_blank_text_is_422_on_every_route(servers, server, path, document, blank):
+    document = json.loads(json.dumps(document).replace("BLANK", json.dumps(blank)[1:-1]))
+    status, body = servers[server].post_json(document, path)
+    assert_error(status, body, 422, "empty or only whitespace")
 
 
 # --- routes that do not fit the model -------------------------------------------------

@@ -8,6 +8,7 @@ are queued; the answer is shaped per task as the Inference API answers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -15,8 +16,9 @@ from typing import Any
 from rawserve.api import schemas
 from rawserve.api.bodies import answer, check_client_batch, is_json, read_json
 from rawserve.api.context import RouteContext
+from rawserve.api.fields import Body, Field, flag
 from rawserve.api.outcomes import unwrap
-from rawserve.api.routing import MODEL_ERRORS, Needs, Operation, Route
+from rawserve.api.routing import MODEL_ERRORS, DocContext, Needs, Operation, Route, Schema
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
 from rawserve.http.errors import BadRequest, UnprocessableInput, UnsupportedMediaType
@@ -45,20 +47,68 @@ class ParsedRequest:
     raw_text: bool = False  # a raw-text body: answered in `pipe(text)`'s shape
 
 
+@functools.cache
+def inference_body(task_name: str) -> Body:
+    """`{"inputs": X, "parameters": {...}}` as the task takes it: its fields, and their
+    schemas from the task's own checkers (a custom handler takes any input and parameters).
+    Unknown fields and parameters are refused: a misspelt one would change nothing."""
+    task = task_rules(task_name)
+    options = Field({}, description="accepted and ignored (the Inference API's options)")
+    if task is None:
+        return Body(
+            {
+                "inputs": Field({"not": {"type": "array", "maxItems": 0}}, required=True),
+                "parameters": Field({"type": ["object", "null"]}),
+                "options": Field({}),
+            },
+            with_model=False,
+        )
+    item = task.check_input.schema
+    params = {
+        name: {"anyOf": [check.schema, {"type": "null"}]} for name, check in task.params.items()
+    }
+
+    def inputs(context: DocContext) -> Schema:
+        many = {"type": "array", "items": item, "minItems": 1, "maxItems": context.max_inputs}
+        return {"oneOf": [item, many]}
+
+    parameters = {
+        "type": ["object", "null"],
+        "properties": params,
+        "required": sorted(task.required_params),
+        "additionalProperties": False,
+    }
+    fields = {
+        "inputs": Field(inputs, required=True),
+        "parameters": Field(parameters, required=bool(task.required_params)),
+        "options": options,
+    }
+    if task.params_at_root:  # InferenceClient sends these beside "inputs"
+        fields.update({name: Field(schema) for name, schema in params.items()})
+    if "stream" in task.extra_fields:
+        fields["stream"] = flag(
+            False, "answer text/event-stream, a token an event (one input only)"
+        )
+    return Body(
+        fields,
+        with_model=False,
+        description=f"{task.name}: one input or a list, and the task's parameters",
+    )
+
+
+def inference_request(context: DocContext) -> Schema:
+    """The schema of `POST /`'s JSON body for the served model's task."""
+    return inference_body(context.model.task or "").schema(context)
+
+
 def parse_json_body(task_name: str, document: Any, max_items: int = 32) -> ParsedRequest:
     """Check an Inference-API shaped body `{"inputs": X, "parameters": {...}}` (at most
     `max_items` inputs)."""
     if not isinstance(document, dict) or "inputs" not in document:
         raise BadRequest('the JSON body must be an object with an "inputs" field')
+    body = inference_body(task_name)
+    fields = body.read(document)  # unknown fields: 400
     task = task_rules(task_name)
-    known_fields = {"inputs", "parameters", "options"}
-    if task is not None:
-        known_fields |= task.extra_fields
-        if task.params_at_root:
-            known_fields |= set(task.params)
-    unknown_fields = set(document) - known_fields
-    if unknown_fields:
-        raise BadRequest(f"unknown field(s): {', '.join(sorted(unknown_fields))}")
     raw_inputs = document["inputs"]
     is_list = isinstance(raw_inputs, list)
     items = raw_inputs if is_list else [raw_inputs]
@@ -74,9 +124,7 @@ def parse_json_body(task_name: str, document: Any, max_items: int = 32) -> Parse
         return ParsedRequest(list(items), dict(params), is_list)
     if task.params_at_root:
         params = {**params, **{k: v for k, v in document.items() if k in task.params}}
-    stream = document.get("stream")
-    if stream not in (None, True, False):
-        raise BadRequest('"stream" must be true or false')
+    stream = fields.value("stream") if "stream" in body.fields else False
     if stream and is_list:
         raise BadRequest("a streamed answer takes one input, not a list")
     try:
@@ -86,7 +134,7 @@ def parse_json_body(task_name: str, document: Any, max_items: int = 32) -> Parse
         raise UnprocessableInput(str(exc)) from None
     except InvalidRequest as exc:
         raise BadRequest(str(exc)) from None
-    return ParsedRequest(inputs, checked, is_list, stream=bool(stream))
+    return ParsedRequest(inputs, checked, is_list, stream=stream)
 
 
 def parse_text_body(task_name: str, text: str) -> ParsedRequest:
@@ -140,7 +188,7 @@ class InferenceRoutes:
         operation = Operation(
             "Run the model on an input or a list of them (the Hugging Face Inference API)",
             "Inference",
-            schemas.inference_request,
+            inference_request,
             schemas.inference_response,
             errors=(*MODEL_ERRORS, 415),
             events=schemas.generation_events,

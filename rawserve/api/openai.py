@@ -21,7 +21,10 @@ import numpy as np
 from rawserve.api import schemas
 from rawserve.api.bodies import answer, check_client_batch, json_response, read_json
 from rawserve.api.context import RouteContext
+from rawserve.api.fields import Body, Field, Fields, text, texts_schema
 from rawserve.api.openai_generation import (
+    CHAT,
+    COMPLETION,
     Answer,
     GenerationRequest,
     check_max_tokens,
@@ -29,12 +32,13 @@ from rawserve.api.openai_generation import (
     parse_completion,
 )
 from rawserve.api.outcomes import unwrap
-from rawserve.api.routing import MODEL_ERRORS, Handler, Needs, Operation, Route
+from rawserve.api.routing import MODEL_ERRORS, DocContext, Handler, Needs, Operation, Route
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import TokenStream, event_stream
-from rawserve.http.errors import BadRequest
+from rawserve.http.errors import BadRequest, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.serving.face import EMBEDDING_ROUTE
+from rawserve.tasks.checks import BlankInput, not_blank
 
 EMBEDDING_TASK = "feature-extraction"
 EMBEDDING = Needs(frozenset({EMBEDDING_TASK}), "a feature-extraction model")
@@ -44,37 +48,62 @@ OPENAI_PREFIX = "/v1/"  # the OpenAI routes: their errors are OpenAI's error obj
 ENCODING_FORMATS = ("float", "base64")
 
 
-def parse_embeddings_request(
-    document: Any, max_inputs: int
-) -> tuple[list[str], dict[str, Any], str]:
-    """(texts, worker parameters, encoding format) of an OpenAI embeddings body."""
-    if not isinstance(document, dict) or "input" not in document:
+def read_input(name: str, value: Any, context: DocContext | None) -> list[str]:
+    """OpenAI's "input": a text or a non-empty list of them (not token arrays)."""
+    if value is None:
         raise BadRequest('the JSON body must be an object with an "input" field')
-    unknown = set(document) - {"input", "model", "encoding_format", "dimensions", "user"}
-    if unknown:
-        raise BadRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
-    raw = document["input"]
-    texts = [raw] if isinstance(raw, str) else raw
+    texts = [value] if isinstance(value, str) else value
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
         raise BadRequest(
             '"input" must be a string or a non-empty list of strings '
             "(token arrays are not supported)"
         )
-    check_client_batch(len(texts), max_inputs)
-    encoding_format = document.get("encoding_format")
-    if encoding_format is None:
-        encoding_format = "float"
-    elif encoding_format not in ENCODING_FORMATS:
+    assert context is not None
+    check_client_batch(len(texts), context.max_inputs)
+    return texts
+
+
+def read_encoding_format(name: str, value: Any, context: DocContext | None) -> str:
+    if value not in ENCODING_FORMATS:
         raise BadRequest('"encoding_format" must be "float" or "base64"')
+    return str(value)
+
+
+def read_dimensions(name: str, value: Any, context: DocContext | None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BadRequest('"dimensions" must be a positive integer')
+    return value
+
+
+EMBEDDINGS = Body(
+    {
+        "input": Field(texts_schema, read_input, reads_null=True, required=True),
+        "encoding_format": Field(
+            {"enum": [*ENCODING_FORMATS, None]}, read_encoding_format, default="float"
+        ),
+        "dimensions": Field({"type": ["integer", "null"], "minimum": 1}, read_dimensions),
+        "user": text(),
+    }
+)
+
+
+def parse_embeddings_request(
+    fields: Fields, context: DocContext
+) -> tuple[list[str], dict[str, Any], str]:
+    """(texts, worker parameters, encoding format) of an OpenAI embeddings body."""
+    texts = fields.value("input", context)
+    encoding_format = fields.value("encoding_format")
     params: dict[str, Any] = {}
-    dimensions = document.get("dimensions")
+    dimensions = fields.value("dimensions")
     if dimensions is not None:
-        if isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1:
-            raise BadRequest('"dimensions" must be a positive integer')
         params["dimensions"] = dimensions
-    for name in ("model", "user"):
-        if document.get(name) is not None and not isinstance(document[name], str):
-            raise BadRequest(f'"{name}" must be a string')
+    fields.value("model")
+    fields.value("user")
+    for one in texts:  # as every route: blank text is well-formed, but nothing to embed
+        try:
+            not_blank(one, 'a text of "input"')
+        except BlankInput as exc:
+            raise UnprocessableInput(str(exc)) from None
     return texts, params, encoding_format
 
 
@@ -118,7 +147,7 @@ class OpenAIRoutes:
         embeddings = Operation(
             "Embeddings (OpenAI)",
             TAG,
-            schemas.openai_embeddings_request,
+            EMBEDDINGS.schema,
             lambda _: schemas.OPENAI_EMBEDDINGS_RESPONSE,
             errors=MODEL_ERRORS,
         )
@@ -128,7 +157,7 @@ class OpenAIRoutes:
         chat = Operation(
             "Chat completions (OpenAI): messages rendered with the model's chat template",
             TAG,
-            schemas.openai_chat_request,
+            CHAT.schema,
             lambda _: schemas.OPENAI_CHAT_RESPONSE,
             errors=MODEL_ERRORS,
             events=lambda _: schemas.OPENAI_CHAT_CHUNK,
@@ -136,7 +165,7 @@ class OpenAIRoutes:
         completions = Operation(
             "Completions (OpenAI)",
             TAG,
-            schemas.openai_completion_request,
+            COMPLETION.schema,
             lambda _: schemas.OPENAI_COMPLETION_RESPONSE,
             errors=MODEL_ERRORS,
             events=lambda _: schemas.OPENAI_COMPLETION_CHUNK,
@@ -151,9 +180,9 @@ class OpenAIRoutes:
     async def embeddings(self, request: HttpRequest) -> HttpResponse:
         document = read_json(request)
         model = self.context.model_for(named(document), EMBEDDING)
-        texts, params, encoding_format = parse_embeddings_request(
-            document, self.context.settings.max_client_batch_size
-        )
+        fields = EMBEDDINGS.read(document)
+        context = DocContext(model, self.context.settings.max_client_batch_size)
+        texts, params, encoding_format = parse_embeddings_request(fields, context)
         # the worker answers {"embedding": float32 vector, "tokens": n} on this route
         results = await model.run(texts, params, self.context.deadline(request), EMBEDDING_ROUTE)
         outputs = [unwrap(result) for result in results]
@@ -174,7 +203,8 @@ class OpenAIRoutes:
     async def completions(self, request: HttpRequest) -> HttpResponse:
         document = read_json(request)
         model = self.context.model_for(named(document), GENERATION)
-        generation = parse_completion(document, self.context.settings.max_client_batch_size)
+        context = DocContext(model, self.context.settings.max_client_batch_size)
+        generation = parse_completion(document, context)
         return await self.generate(request, model, generation, chat=False)
 
     async def generate(

@@ -1,5 +1,7 @@
 """OpenAI's generation shapes: reading `/v1/chat/completions` and `/v1/completions` bodies
-into prompts and worker parameters, and writing their answers, whole or as SSE chunks.
+into prompts and worker parameters, and writing their answers, whole or as SSE chunks. Each
+body is declared once (`CHAT`, `COMPLETION`: `fields.Body`), for its checks and its
+`/openapi.json` schema.
 
 What OpenAI's API has and rawserve does not serve (several choices, tools, log
 probabilities, echo, penalties) is refused with 400 naming it, never ignored. Text stops
@@ -17,7 +19,18 @@ from typing import Any
 
 from rawserve import __version__
 from rawserve.api.bodies import check_client_batch
-from rawserve.api.fields import Fields, unicode_text
+from rawserve.api.fields import (
+    Body,
+    Field,
+    Fields,
+    flag,
+    read_boolean,
+    read_number,
+    text,
+    unicode_text,
+    whole,
+)
+from rawserve.api.routing import DocContext, Schema
 from rawserve.api.streaming import TokenStream, sse
 from rawserve.http.errors import BadRequest, HTTPError, openai_error_document
 from rawserve.tasks import CHAT_PARAM, InvalidRequest, check_new_tokens, text_generation
@@ -28,18 +41,8 @@ MAX_NEW_TOKENS = 4096
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 # finish reasons: the worker's (TGI's) → OpenAI's
 FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
-COMMON_FIELDS = (
-    "model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options",
-    "n", "user", "frequency_penalty", "presence_penalty", "logprobs", "logit_bias",
-    "repetition_penalty",  # not OpenAI's: TGI's (its client sends it) and vLLM's
-)  # fmt: skip
 # OpenAI's answers name the backend's configuration; TGI's client requires it
 SYSTEM_FINGERPRINT = f"rawserve-{__version__}"
-CHAT_FIELDS = (
-    *COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-    "parallel_tool_calls", "functions", "function_call", "response_format",
-)  # fmt: skip
-COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "suffix", "best_of")
 
 
 @dataclass(frozen=True)
@@ -52,66 +55,95 @@ class GenerationRequest:
     max_tokens_field: str = "max_tokens"  # the field that set params["max_new_tokens"]
 
 
-def refuse_unserved(fields: Fields, names: Sequence[str], allowed: Sequence[Any]) -> None:
-    """400 for a field set to something other than its "off" values (null, false, 0...)."""
-    for name in names:
-        value = fields.get(name)
+def unserved(schema: Schema, *allowed: Any) -> Field:
+    """A field rawserve does not serve: only its "off" values (null, false, 0...) are taken;
+    anything else is 400."""
+
+    def read(name: str, value: Any, context: DocContext | None) -> Any:
         # false is not 0 here (Python says it is)
-        if value is not None and not any(
+        if not any(
             value == off and isinstance(value, bool) == isinstance(off, bool) for off in allowed
         ):
             raise BadRequest(f'"{name}" is not supported by this server')
+        return value
+
+    return Field(schema, read)
+
+
+def refuse_unserved(fields: Fields, names: Sequence[str]) -> None:
+    """400 for any of `names` set to something other than its "off" values."""
+    for name in names:
+        fields.value(name)
 
 
 def generation_params(
     fields: Fields, max_tokens_field: str, default: int | None
 ) -> GenerationRequest:
     """The parameters both routes share."""
-    refuse_unserved(fields, ("logit_bias",), ({},))
-    refuse_unserved(fields, ("frequency_penalty", "presence_penalty"), (0,))
-    n = fields.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise BadRequest('"n" must be 1: one choice per request')
-    fields.string("user")
+    refuse_unserved(fields, ("logit_bias", "frequency_penalty", "presence_penalty", "n"))
+    fields.value("user")
     params: dict[str, Any] = {"return_full_text": False, "details": True}
-    max_tokens = fields.integer(max_tokens_field, 1, MAX_NEW_TOKENS)
+    max_tokens = fields.value(max_tokens_field)
     if max_tokens is None and max_tokens_field != "max_tokens":
-        max_tokens = fields.integer("max_tokens", 1, MAX_NEW_TOKENS)
+        max_tokens = fields.value("max_tokens")
         max_tokens_field = "max_tokens"
     if max_tokens is None:
         max_tokens = default
     if max_tokens is not None:
         params["max_new_tokens"] = max_tokens
-    temperature = fields.number("temperature", 0.0, 2.0)
+    temperature = fields.value("temperature")
     if temperature is not None:  # 0: greedy; more: sampling at that temperature
         params["temperature"] = temperature
         params["do_sample"] = temperature > 0
-    top_p = fields.number("top_p", 0.0, 1.0)
-    if top_p == 0:
-        raise BadRequest('"top_p" must be above 0')
+    top_p = fields.value("top_p")
     if top_p is not None:
         params["top_p"] = top_p
-    repetition_penalty = fields.number("repetition_penalty", 0.0, 100.0)
-    if repetition_penalty == 0:
-        raise BadRequest('"repetition_penalty" must be above 0 (1: no penalty)')
+    repetition_penalty = fields.value("repetition_penalty")
     if repetition_penalty is not None:
         params["repetition_penalty"] = repetition_penalty
-    seed = fields.integer("seed", 0, 2**32 - 1)
+    seed = fields.value("seed")
     if seed is not None:
         params["seed"] = seed
-    stop = stop_sequences(fields.get("stop"))
+    stop = fields.value("stop") or []
     if stop:
         params["stop"] = stop
-    stream = fields.boolean("stream", False)
-    include_usage = False
-    options = fields.get("stream_options")
-    if options is not None:
-        if not stream:
-            raise BadRequest('"stream_options" goes with "stream": true')
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise BadRequest('"stream_options" must be {"include_usage": true or false}')
-        include_usage = Fields(options, ("include_usage",)).boolean("include_usage", False)
+    stream = fields.value("stream")
+    if fields.get("stream_options") is not None and not stream:
+        raise BadRequest('"stream_options" goes with "stream": true')
+    include_usage = bool(fields.value("stream_options"))
     return GenerationRequest([], params, stop, stream, include_usage, max_tokens_field)
+
+
+def read_n(name: str, value: Any, context: DocContext | None) -> int:
+    if isinstance(value, bool) or value != 1:
+        raise BadRequest('"n" must be 1: one choice per request')
+    return 1
+
+
+def read_top_p(name: str, value: Any, context: DocContext | None) -> float:
+    top_p = read_number(name, value, 0.0, 1.0)
+    if top_p == 0:
+        raise BadRequest('"top_p" must be above 0')
+    return top_p
+
+
+def read_repetition_penalty(name: str, value: Any, context: DocContext | None) -> float:
+    penalty = read_number(name, value, 0.0, 100.0)
+    if penalty == 0:
+        raise BadRequest('"repetition_penalty" must be above 0 (1: no penalty)')
+    return penalty
+
+
+def read_stream_options(name: str, value: Any, context: DocContext | None) -> bool:
+    """Whether the stream ends with a usage chunk."""
+    if not isinstance(value, dict) or set(value) - {"include_usage"}:
+        raise BadRequest('"stream_options" must be {"include_usage": true or false}')
+    include_usage = value.get("include_usage")
+    return False if include_usage is None else read_boolean("include_usage", include_usage, None)
+
+
+def read_stop(name: str, value: Any, context: DocContext | None) -> list[str]:
+    return stop_sequences(value)
 
 
 def stop_sequences(value: Any) -> list[str]:
@@ -129,17 +161,18 @@ def stop_sequences(value: Any) -> list[str]:
 
 
 def parse_chat(document: Any) -> GenerationRequest:
-    fields = Fields(document, CHAT_FIELDS)
-    refuse_unserved(fields, ("logprobs",), (False,))
-    refuse_unserved(fields, ("top_logprobs",), ())
-    refuse_unserved(fields, ("tools", "functions"), ([],))
-    refuse_unserved(fields, ("tool_choice", "function_call"), ("none",))
-    refuse_unserved(fields, ("parallel_tool_calls",), (False, True))
-    refuse_unserved(fields, ("response_format",), ({"type": "text"},))
+    fields = CHAT.read(document)
+    refuse_unserved(fields, CHAT_UNSERVED)
     request = generation_params(fields, "max_completion_tokens", None)
-    chat = {"messages": messages(fields.required("messages"))}
+    chat = {"messages": fields.value("messages")}
     params = {**request.params, CHAT_PARAM: True}
     return replace(request, items=[chat], params=params)
+
+
+def read_messages(name: str, value: Any, context: DocContext | None) -> list[dict[str, str]]:
+    if value is None:
+        raise BadRequest(f'"{name}" is required')
+    return messages(value)
 
 
 def messages(value: Any) -> list[dict[str, str]]:
@@ -190,19 +223,11 @@ def message_text(content: Any) -> str:
     raise BadRequest("a message's content must be a text or a list of text parts")
 
 
-def parse_completion(document: Any, max_prompts: int) -> GenerationRequest:
-    fields = Fields(document, COMPLETION_FIELDS)
-    refuse_unserved(fields, ("echo",), (False,))
-    refuse_unserved(fields, ("suffix", "logprobs"), ())
-    refuse_unserved(fields, ("best_of",), (1,))
+def parse_completion(document: Any, context: DocContext) -> GenerationRequest:
+    fields = COMPLETION.read(document)
+    refuse_unserved(fields, COMPLETION_UNSERVED)
     request = generation_params(fields, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
-    prompt = fields.required("prompt")
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise BadRequest('"prompt" must be a text or a non-empty list of texts (not token ids)')
-    if not all(prompts):
-        raise BadRequest('"prompt" must not be empty')
-    check_client_batch(len(prompts), max_prompts)
+    prompts = fields.value("prompt", context)
     if request.stream and len(prompts) > 1:
         raise BadRequest("a streamed completion takes one prompt")
     return replace(request, items=[unicode_text(p, '"prompt"') for p in prompts])
@@ -219,6 +244,141 @@ def check_max_tokens(generation: GenerationRequest, most: int | None) -> None:
         check_new_tokens(f'"{generation.max_tokens_field}"', asked, most)
     except InvalidRequest as exc:
         raise BadRequest(str(exc)) from None
+
+
+def read_prompts(name: str, value: Any, context: DocContext | None) -> list[str]:
+    """A text or a non-empty list of them; none empty, at most the input cap."""
+    if value is None:
+        raise BadRequest(f'"{name}" is required')
+    prompts = [value] if isinstance(value, str) else value
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise BadRequest('"prompt" must be a text or a non-empty list of texts (not token ids)')
+    if not all(prompts):
+        raise BadRequest('"prompt" must not be empty')
+    assert context is not None
+    check_client_batch(len(prompts), context.max_inputs)
+    return prompts
+
+
+def prompt_schema(context: DocContext) -> Schema:
+    prompt = {"type": "string", "minLength": 1}
+    many = {"type": "array", "items": prompt, "minItems": 1, "maxItems": context.max_inputs}
+    return {"oneOf": [prompt, many]}
+
+
+# --- the bodies ---------------------------------------------------------------------------
+
+NULLABLE_BOOLEAN: Schema = {"type": ["boolean", "null"]}
+NONE_OR_EMPTY_LIST: Schema = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
+STOP: Schema = {
+    "anyOf": [
+        {"type": "null"},
+        {"type": "string", "minLength": 1, "maxLength": 200},
+        {
+            "type": "array",
+            "items": {"type": "string", "minLength": 1, "maxLength": 200},
+            "maxItems": 16,
+        },
+    ]
+}
+STREAM_OPTIONS: Schema = {
+    "type": ["object", "null"],
+    "properties": {"include_usage": NULLABLE_BOOLEAN},
+    "additionalProperties": False,
+    "description": 'only with "stream": true',
+}
+TEXT_PART: Schema = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "additionalProperties": False,
+}
+MESSAGE: Schema = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {
+        "role": {"enum": list(ROLES)},
+        "content": {
+            "anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART, "minItems": 1}]
+        },
+        "name": {"type": "string"},
+        "tool_calls": {"type": "null"},
+    },
+    "additionalProperties": False,
+}
+MAX_TOKENS = whole(1, MAX_NEW_TOKENS)
+COMMON: dict[str, Field] = {
+    "max_tokens": MAX_TOKENS,
+    "temperature": Field(
+        {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+        lambda name, value, _: read_number(name, value, 0.0, 2.0),
+    ),
+    "top_p": Field({"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1}, read_top_p),
+    # not OpenAI's: TGI's (its client sends it) and vLLM's
+    "repetition_penalty": Field(
+        {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 100},
+        read_repetition_penalty,
+    ),
+    "stop": Field(STOP, read_stop),
+    "seed": whole(0, 2**32 - 1),
+    "stream": flag(False),
+    "stream_options": Field(STREAM_OPTIONS, read_stream_options),
+    "n": Field({"enum": [1, None], "description": "one choice per request"}, read_n),
+    "user": text(),
+    "frequency_penalty": unserved({"enum": [0, None]}, 0),
+    "presence_penalty": unserved({"enum": [0, None]}, 0),
+    "logit_bias": unserved(
+        {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}]}, {}
+    ),
+}
+CHAT_UNSERVED = (
+    "logprobs", "top_logprobs", "tools", "functions", "tool_choice", "function_call",
+    "parallel_tool_calls", "response_format",
+)  # fmt: skip
+CHAT = Body(
+    {
+        "messages": Field(
+            {"type": "array", "items": MESSAGE, "minItems": 1},
+            read_messages,
+            reads_null=True,
+            required=True,
+        ),
+        **COMMON,
+        "max_completion_tokens": MAX_TOKENS,
+        "logprobs": unserved({"enum": [False, None]}, False),
+        "top_logprobs": unserved({"type": "null"}),
+        "tools": unserved(NONE_OR_EMPTY_LIST, []),
+        "functions": unserved(NONE_OR_EMPTY_LIST, []),
+        "tool_choice": unserved({"enum": ["none", None]}, "none"),
+        "function_call": unserved({"enum": ["none", None]}, "none"),
+        "parallel_tool_calls": unserved(NULLABLE_BOOLEAN, False, True),
+        "response_format": unserved(
+            {
+                "anyOf": [
+                    {"type": "null"},
+                    {
+                        "type": "object",
+                        "required": ["type"],
+                        "properties": {"type": {"const": "text"}},
+                        "additionalProperties": False,
+                    },
+                ]
+            },
+            {"type": "text"},
+        ),
+    }
+)
+COMPLETION_UNSERVED = ("echo", "suffix", "logprobs", "best_of")
+COMPLETION = Body(
+    {
+        "prompt": Field(prompt_schema, read_prompts, reads_null=True, required=True),
+        **COMMON,
+        "echo": unserved({"enum": [False, None]}, False),
+        "suffix": unserved({"type": "null"}),
+        "logprobs": unserved({"type": "null"}),
+        "best_of": unserved({"enum": [1, None]}, 1),
+    }
+)
 
 
 # --- answers ------------------------------------------------------------------------------

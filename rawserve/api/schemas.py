@@ -1,15 +1,12 @@
-"""JSON Schemas (OpenAPI 3.1's dialect) of the bodies the routes read and write, for
-`/openapi.json`: the shared pieces, TEI's routes and the operations routes. Each says
-exactly what its route's parser takes (a schema narrower than the parser would let an
-API fuzzer call a valid request invalid), as functions of the served model where a body
-depends on it (its prompts, its labels, the input cap).
+"""JSON Schemas (OpenAPI 3.1's dialect) of what the routes answer, for `/openapi.json`:
+TEI's answers, `POST /`'s per task, the OpenAI answers and stream chunks, the operations
+routes', and the error body. Request bodies are not here: each is declared once, with its
+checks, as a `fields.Body` beside the route that reads it.
 
 Plain data; server process.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from rawserve.api.routing import DocContext, Schema
 from rawserve.tasks import SingleAnswer, task_rules
@@ -40,113 +37,11 @@ OPENAI_ERROR: Schema = {
     },
     "description": "The OpenAI routes' error answers: OpenAI's error object.",
 }
-MODEL_FIELD = {
-    "type": ["string", "null"],
-    "description": (
-        "The served model to use, by name (see GET /v1/models); with one model served, any "
-        "name; none: the first that fits the route."
-    ),
-}
-
-
-def texts(context: DocContext) -> Schema:
-    """One text, or a list of 1 to the input cap of them."""
-    return {
-        "oneOf": [
-            {"type": "string"},
-            {
-                "type": "array",
-                "items": {"type": "string"},
-                "minItems": 1,
-                "maxItems": context.max_inputs,
-            },
-        ]
-    }
-
-
-def details(context: DocContext) -> dict[str, Any]:
-    loaded = context.model.serving.loaded
-    return dict(loaded.details) if loaded else {}
-
-
-def request_object(properties: dict[str, Any], required: tuple[str, ...]) -> Schema:
-    return {
-        "type": "object",
-        "required": list(required),
-        "properties": {**properties, "model": MODEL_FIELD},
-        "additionalProperties": False,
-    }
-
-
 # --- TEI ----------------------------------------------------------------------------------
-
-TRUNCATION = {
-    "truncate": {
-        **NULLABLE_BOOLEAN,
-        "default": False,
-        "description": "Cut inputs longer than the model takes (else: 422).",
-    },
-    "truncation_direction": {"enum": ["left", "right", "Left", "Right", None], "default": "right"},
-}
-
-
-def prompt_name(context: DocContext) -> Schema:
-    prompts = sorted(details(context).get("prompts", {}))
-    return {
-        "enum": [*prompts, None],
-        "description": "A prompt of the model's sentence-transformers configuration, put "
-        "before each input.",
-    }
-
-
-def tei_embed_request(context: DocContext) -> Schema:
-    dimensions = details(context).get("dimensions") or 65536
-    return request_object(
-        {
-            "inputs": texts(context),
-            "normalize": {**NULLABLE_BOOLEAN, "default": True},
-            "prompt_name": prompt_name(context),
-            "dimensions": {"type": ["integer", "null"], "minimum": 1, "maximum": dimensions},
-            **TRUNCATION,
-        },
-        ("inputs",),
-    )
-
-
-def tei_embed_all_request(context: DocContext) -> Schema:
-    return request_object(
-        {"inputs": texts(context), "prompt_name": prompt_name(context), **TRUNCATION},
-        ("inputs",),
-    )
-
 
 VECTOR = {"type": "array", "items": NUMBER}
 TEI_EMBED_RESPONSE: Schema = {"type": "array", "items": VECTOR}
 TEI_EMBED_ALL_RESPONSE: Schema = {"type": "array", "items": {"type": "array", "items": VECTOR}}
-
-
-def tei_predict_request(context: DocContext) -> Schema:
-    one_or_pair = {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 2}
-    return request_object(
-        {
-            "inputs": {
-                "oneOf": [
-                    {"type": "string"},
-                    {**one_or_pair, "description": "a text, or a pair of texts"},
-                    {
-                        "type": "array",
-                        "items": one_or_pair,
-                        "minItems": 1,
-                        "maxItems": context.max_inputs,
-                        "description": "a batch of [text] and [text, text]",
-                    },
-                ]
-            },
-            "raw_scores": {**NULLABLE_BOOLEAN, "default": False},
-            **TRUNCATION,
-        },
-        ("inputs",),
-    )
 
 
 PREDICTION = {
@@ -162,24 +57,6 @@ TEI_PREDICT_RESPONSE: Schema = {
 }
 
 
-def tei_rerank_request(context: DocContext) -> Schema:
-    return request_object(
-        {
-            "query": {"type": "string"},
-            "texts": {
-                "type": "array",
-                "items": {"type": "string"},
-                "minItems": 1,
-                "maxItems": context.max_inputs,
-            },
-            "raw_scores": {**NULLABLE_BOOLEAN, "default": False},
-            "return_text": {**NULLABLE_BOOLEAN, "default": False},
-            **TRUNCATION,
-        },
-        ("query", "texts"),
-    )
-
-
 TEI_RERANK_RESPONSE: Schema = {
     "type": "array",
     "items": {
@@ -192,17 +69,6 @@ TEI_RERANK_RESPONSE: Schema = {
         },
     },
 }
-
-
-def tei_tokenize_request(context: DocContext) -> Schema:
-    return request_object(
-        {
-            "inputs": texts(context),
-            "add_special_tokens": {**NULLABLE_BOOLEAN, "default": True},
-            "prompt_name": prompt_name(context),
-        },
-        ("inputs",),
-    )
 
 
 TEI_TOKENIZE_RESPONSE: Schema = {
@@ -222,87 +88,10 @@ TEI_TOKENIZE_RESPONSE: Schema = {
         },
     },
 }
-TOKEN_IDS = {
-    "type": "array",
-    "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1},
-    "minItems": 1,
-}
-
-
-def tei_decode_request(context: DocContext) -> Schema:
-    return request_object(
-        {
-            "ids": {
-                "oneOf": [
-                    TOKEN_IDS,
-                    {
-                        "type": "array",
-                        "items": TOKEN_IDS,
-                        "minItems": 1,
-                        "maxItems": context.max_inputs,
-                    },
-                ]
-            },
-            "skip_special_tokens": {**NULLABLE_BOOLEAN, "default": True},
-        },
-        ("ids",),
-    )
-
-
 TEI_DECODE_RESPONSE: Schema = {"type": "array", "items": {"type": "string"}}
 
 
 # --- POST / (the Inference API's shapes, per task) -----------------------------------------
-
-
-def inference_request(context: DocContext) -> Schema:
-    """`{"inputs": X, "parameters": {...}}` as the served task takes it."""
-    task = task_rules(context.model.task or "")
-    if task is None:  # a custom handler takes any JSON input and any parameters
-        return {
-            "type": "object",
-            "required": ["inputs"],
-            "properties": {
-                "inputs": {"not": {"type": "array", "maxItems": 0}},
-                "parameters": {"type": ["object", "null"]},
-                "options": {},
-            },
-            "additionalProperties": False,
-        }
-    item = task.check_input.schema
-    params = {
-        name: {"anyOf": [check.schema, {"type": "null"}]} for name, check in task.params.items()
-    }
-    properties: dict[str, Any] = {
-        "inputs": {
-            "oneOf": [
-                item,
-                {"type": "array", "items": item, "minItems": 1, "maxItems": context.max_inputs},
-            ]
-        },
-        "parameters": {
-            "type": ["object", "null"],
-            "properties": params,
-            "required": sorted(task.required_params),
-            "additionalProperties": False,
-        },
-        "options": {"description": "accepted and ignored (the Inference API's options)"},
-    }
-    if task.params_at_root:  # InferenceClient sends these beside "inputs"
-        properties.update(params)
-    if "stream" in task.extra_fields:
-        properties["stream"] = {
-            **NULLABLE_BOOLEAN,
-            "description": "answer text/event-stream, a token an event (one input only)",
-        }
-    required = ["inputs", *(["parameters"] if task.required_params else [])]
-    return {
-        "description": f"{task.name}: one input or a list, and the task's parameters",
-        "type": "object",
-        "required": required,
-        "properties": properties,
-        "additionalProperties": False,
-    }
 
 
 def inference_response(context: DocContext) -> Schema:
@@ -373,18 +162,6 @@ TEXT: Schema = {"type": "string"}
 DOCUMENT: Schema = {"type": "object", "required": ["openapi", "paths"]}
 
 
-def openai_embeddings_request(context: DocContext) -> Schema:
-    return request_object(
-        {
-            "input": texts(context),
-            "encoding_format": {"enum": ["float", "base64", None], "default": "float"},
-            "dimensions": {"type": ["integer", "null"], "minimum": 1},
-            "user": NULLABLE_STRING,
-        },
-        ("input",),
-    )
-
-
 USAGE: Schema = {
     "type": "object",
     "required": ["prompt_tokens", "total_tokens"],
@@ -434,111 +211,6 @@ def generation_events(context: DocContext) -> Schema | None:
 
 
 # --- OpenAI generation --------------------------------------------------------------------
-
-GENERATION_FIELDS: dict[str, Any] = {
-    "max_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": 4096},
-    "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
-    "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
-    "repetition_penalty": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 100},
-    "stop": {
-        "anyOf": [
-            {"type": "null"},
-            {"type": "string", "minLength": 1, "maxLength": 200},
-            {
-                "type": "array",
-                "items": {"type": "string", "minLength": 1, "maxLength": 200},
-                "maxItems": 16,
-            },
-        ]
-    },
-    "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**32 - 1},
-    "stream": NULLABLE_BOOLEAN,
-    "stream_options": {
-        "type": ["object", "null"],
-        "properties": {"include_usage": NULLABLE_BOOLEAN},
-        "additionalProperties": False,
-        "description": 'only with "stream": true',
-    },
-    "n": {"enum": [1, None], "description": "one choice per request"},
-    "user": NULLABLE_STRING,
-    "frequency_penalty": {"enum": [0, None]},
-    "presence_penalty": {"enum": [0, None]},
-    "logit_bias": {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}]},
-}
-TEXT_PART = {
-    "type": "object",
-    "required": ["type", "text"],
-    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-    "additionalProperties": False,
-}
-MESSAGE = {
-    "type": "object",
-    "required": ["role", "content"],
-    "properties": {
-        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-        "content": {
-            "anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART, "minItems": 1}]
-        },
-        "name": {"type": "string"},
-        "tool_calls": {"type": "null"},
-    },
-    "additionalProperties": False,
-}
-
-
-def openai_chat_request(context: DocContext) -> Schema:
-    return request_object(
-        {
-            "messages": {"type": "array", "items": MESSAGE, "minItems": 1},
-            **GENERATION_FIELDS,
-            "max_completion_tokens": GENERATION_FIELDS["max_tokens"],
-            "logprobs": {"enum": [False, None]},
-            "top_logprobs": {"type": "null"},
-            "tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
-            "functions": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
-            "tool_choice": {"enum": ["none", None]},
-            "function_call": {"enum": ["none", None]},
-            "parallel_tool_calls": NULLABLE_BOOLEAN,
-            "response_format": {
-                "anyOf": [
-                    {"type": "null"},
-                    {
-                        "type": "object",
-                        "required": ["type"],
-                        "properties": {"type": {"const": "text"}},
-                        "additionalProperties": False,
-                    },
-                ]
-            },
-        },
-        ("messages",),
-    )
-
-
-def openai_completion_request(context: DocContext) -> Schema:
-    prompt = {"type": "string", "minLength": 1}
-    return request_object(
-        {
-            "prompt": {
-                "oneOf": [
-                    prompt,
-                    {
-                        "type": "array",
-                        "items": prompt,
-                        "minItems": 1,
-                        "maxItems": context.max_inputs,
-                    },
-                ]
-            },
-            **GENERATION_FIELDS,
-            "echo": {"enum": [False, None]},
-            "suffix": {"type": "null"},
-            "logprobs": {"type": "null"},
-            "best_of": {"enum": [1, None]},
-        },
-        ("prompt",),
-    )
-
 
 FINISH = {"enum": ["stop", "length"]}
 GENERATION_USAGE = {**USAGE, "required": ["prompt_tokens", "completion_tokens", "total_tokens"]}

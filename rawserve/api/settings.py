@@ -12,3 +12,4 @@ class AppSettings:
     api_key: str | None = field(default=None, repr=False)  # Bearer token; None: open
     max_client_batch_size: int = 32  # inputs in one request (TEI's name and default); more: 413
     cors_allow_origins: tuple[str, ...] = ()  # browser origins that may call; "*": any
+    max_answer_bytes: int = 32 * 2**20  # the most one answer may hold (about); more: 413

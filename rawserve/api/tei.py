@@ -6,7 +6,14 @@ model with a tokenizer), and TEI's fields for `/info`.
 Embeddings and scores are computed by the workers, batched with every other request;
 `/predict` and `/rerank` ask them for logits and make scores, labels and the order here.
 Tokenizing and decoding run in this process (`tokens.ServerTokenizer`). A route that does
-not fit the model is 404 saying what it needs. Never imports torch.
+not fit the model is 404 saying what it needs.
+
+As TEI does, the routes ignore fields they do not use (its clients send some that only
+some servers read: tei-client's `normalize` on `/embed_all`, litellm's `top_n` on
+`/rerank`). What one request may cost is bounded: a `/tokenize` input at most the model's
+input length in tokens (422, or cut with `truncate: true`), and an answer at most
+`max_answer_bytes` (413, checked before the work where the token counts tell). Never
+imports torch.
 """
 
 from __future__ import annotations
@@ -20,22 +27,39 @@ import numpy as np
 
 from rawserve import __version__
 from rawserve.api import schemas
-from rawserve.api.bodies import answer, check_client_batch, json_response, read_json
+from rawserve.api.bodies import answer, json_response, read_json
 from rawserve.api.context import RouteContext
-from rawserve.api.fields import Fields, unicode_text
+from rawserve.api.fields import Body, Fields
 from rawserve.api.outcomes import unwrap
 from rawserve.api.routing import (
     MODEL_ERRORS,
+    DocContext,
     Handler,
     Needs,
     Operation,
     Route,
     Schema,
-    SchemaOf,
 )
 from rawserve.api.served import ServedModel
-from rawserve.api.tokens import ServerTokenizer, UnknownTokenId
-from rawserve.http.errors import BadRequest, UnprocessableInput
+from rawserve.api.tei_bodies import (
+    DECODE,
+    EMBED,
+    EMBED_ALL,
+    PREDICT,
+    RERANK,
+    TOKENIZE,
+    checked_text,
+    rank_count,
+    truncation,
+)
+from rawserve.api.tokens import (
+    AnswerTooLarge,
+    ServerTokenizer,
+    TokenBound,
+    TooManyTokens,
+    UnknownTokenId,
+)
+from rawserve.http.errors import BadRequest, PayloadTooLarge, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.serving.face import EMBEDDING_ROUTE
 from rawserve.tasks import LOGITS_PARAM
@@ -49,17 +73,13 @@ CROSS_ENCODER = Needs(
 )
 TOKENIZER = Needs(tokenizer=True, what="a model with a tokenizer")
 
-DIRECTIONS = ("left", "right", "Left", "Right")  # TEI takes both spellings
-TRUNCATION = ("truncate", "truncation_direction")
-EMBED_FIELDS = ("inputs", "normalize", "prompt_name", "dimensions", "model", *TRUNCATION)
-EMBED_ALL_FIELDS = ("inputs", "prompt_name", "model", *TRUNCATION)
-PREDICT_FIELDS = ("inputs", "raw_scores", "model", *TRUNCATION)
-RERANK_FIELDS = ("query", "texts", "raw_scores", "return_text", "model", *TRUNCATION)
-TOKENIZE_FIELDS = ("inputs", "add_special_tokens", "prompt_name", "model")
-DECODE_FIELDS = ("ids", "skip_special_tokens", "model")
-MAX_TOKEN_ID = 2**32 - 1
+# A /tokenize input's tokens, when the model names no input length or a larger one.
+MAX_TOKENIZE_TOKENS = 131072
+# Bytes a number of an /embed_all answer takes as JSON, about (`-0.012345678,`).
+NUMBER_BYTES = 12
 TAG = "Text Embeddings Inference"
 TOKENIZER_ERRORS = (400, 404, 413, 422, 503)
+INLINE_COUNT = 4096  # characters counted on the event loop; more: in a thread
 
 
 class TeiRoutes:
@@ -73,42 +93,44 @@ class TeiRoutes:
             # /tokenize and /decode run in the server: only the others queue model work
             return Route("POST", path, handler, operation, needs, queued=needs is not TOKENIZER)
 
-        def described(summary: str, request: SchemaOf, answer: Schema) -> Operation:
+        def described(summary: str, request: Body, answer: Schema) -> Operation:
             return Operation(
-                f"{summary} (TEI)", TAG, request, lambda _: answer, errors=MODEL_ERRORS
+                f"{summary} (TEI)", TAG, request.schema, lambda _: answer, errors=MODEL_ERRORS
             )
 
         return [
             post("/embed", self.embed, EMBEDDING, described(
-                "Sentence embeddings", schemas.tei_embed_request, schemas.TEI_EMBED_RESPONSE)),
+                "Sentence embeddings", EMBED, schemas.TEI_EMBED_RESPONSE)),
             post("/embed_all", self.embed_all, EMBEDDING, described(
-                "Token embeddings, unpooled", schemas.tei_embed_all_request,
-                schemas.TEI_EMBED_ALL_RESPONSE)),
+                "Token embeddings, unpooled", EMBED_ALL, schemas.TEI_EMBED_ALL_RESPONSE)),
             post("/predict", self.predict, CLASSIFIER, described(
-                "Every label's score", schemas.tei_predict_request, schemas.TEI_PREDICT_RESPONSE)),
+                "Every label's score", PREDICT, schemas.TEI_PREDICT_RESPONSE)),
             post("/rerank", self.rerank, CROSS_ENCODER, described(
-                "Texts ranked by relevance to a query", schemas.tei_rerank_request,
-                schemas.TEI_RERANK_RESPONSE)),
+                "Texts ranked by relevance to a query", RERANK, schemas.TEI_RERANK_RESPONSE)),
             post("/tokenize", self.tokenize, TOKENIZER, replace(described(
-                "Tokens and their offsets", schemas.tei_tokenize_request,
-                schemas.TEI_TOKENIZE_RESPONSE), errors=TOKENIZER_ERRORS)),
+                "Tokens and their offsets", TOKENIZE, schemas.TEI_TOKENIZE_RESPONSE),
+                errors=TOKENIZER_ERRORS)),
             post("/decode", self.decode, TOKENIZER, replace(described(
-                "Token ids to text", schemas.tei_decode_request, schemas.TEI_DECODE_RESPONSE),
+                "Token ids to text", DECODE, schemas.TEI_DECODE_RESPONSE),
                 errors=TOKENIZER_ERRORS)),
         ]  # fmt: skip
+
+    def within(self, model: ServedModel) -> DocContext:
+        """What a body's fields are read against: the model, and the input cap."""
+        return DocContext(model, self.settings.max_client_batch_size)
 
     # --- embeddings -------------------------------------------------------------------
 
     async def embed(self, request: HttpRequest) -> HttpResponse:
         """A pooled sentence vector per input (normalized unless `normalize: false`)."""
-        fields = Fields(read_json(request), EMBED_FIELDS)
+        fields = EMBED.read(read_json(request))
         model = self.context.model_for(fields.get("model"), EMBEDDING)
         texts = self.texts(fields, model)
         params: dict[str, Any] = {
-            "normalize": fields.boolean("normalize", True),
+            "normalize": fields.value("normalize"),
             **truncation(fields),
         }
-        dimensions = fields.integer("dimensions", 1, 65536)
+        dimensions = fields.value("dimensions")
         if dimensions is not None:
             params["dimensions"] = dimensions
         results = await model.run(texts, params, self.context.deadline(request), EMBEDDING_ROUTE)
@@ -116,18 +138,40 @@ class TeiRoutes:
 
     async def embed_all(self, request: HttpRequest) -> HttpResponse:
         """Every token's vector, unpooled, per input."""
-        fields = Fields(read_json(request), EMBED_ALL_FIELDS)
+        fields = EMBED_ALL.read(read_json(request))
         model = self.context.model_for(fields.get("model"), EMBEDDING)
         texts = self.texts(fields, model)
         params = {"pooling": "none", "normalize": False, **truncation(fields)}
+        await self.check_embed_all_size(model, texts)
         results = await model.run(texts, params, self.context.deadline(request))
         # the worker answers the pipeline's [1, tokens, hidden] per input
-        return answer([unwrap(result)[0] for result in results], results)
+        vectors = [unwrap(result)[0] for result in results]
+        # the exact count, for a model whose sizes were not known before the work
+        check_answer_size(sum(int(np.size(v)) for v in vectors), self.settings.max_answer_bytes)
+        return answer(vectors, results)
+
+    async def check_embed_all_size(self, model: ServedModel, texts: list[str]) -> None:
+        """413 before the work when the token vectors of `texts` would make an answer over
+        the bound: counted with the server's tokenizer when the worst case is over it."""
+        loaded = model.serving.loaded
+        dimensions = int(loaded.details.get("dimensions") or 0) if loaded else 0
+        limit = input_limit(model)
+        largest = self.settings.max_answer_bytes
+        if loaded is None or loaded.tokenizer is None or not dimensions:
+            return
+        if len(texts) * limit * dimensions * NUMBER_BYTES <= largest:
+            return  # even inputs of the model's whole length fit
+        tokenizer = await self.tokenizer(model)
+        if sum(len(text) for text in texts) <= INLINE_COUNT:
+            counts = tokenizer.count(texts, limit)
+        else:
+            counts = await asyncio.to_thread(tokenizer.count, texts, limit)
+        check_answer_size(sum(counts) * dimensions, largest)
 
     def texts(self, fields: Fields, model: ServedModel) -> list[str]:
         """The texts of `inputs` (one or a list), with the named prompt put before each."""
-        texts = text_inputs(fields.get("inputs"), self.settings.max_client_batch_size)
-        prompt_name = fields.string("prompt_name")
+        texts = fields.value("inputs", self.within(model))
+        prompt_name = fields.value("prompt_name")
         if prompt_name is None:
             return texts
         prompt = prompts_of(model).get(prompt_name)
@@ -142,11 +186,10 @@ class TeiRoutes:
 
     async def predict(self, request: HttpRequest) -> HttpResponse:
         """Every label's score per input (a text or a pair), best first."""
-        fields = Fields(read_json(request), PREDICT_FIELDS)
+        fields = PREDICT.read(read_json(request))
         model = self.context.model_for(fields.get("model"), CLASSIFIER)
-        items, is_batch = predict_inputs(fields.get("inputs"))
-        check_client_batch(len(items), self.settings.max_client_batch_size)
-        raw_scores = fields.boolean("raw_scores", False)
+        items, is_batch = fields.value("inputs", self.within(model))
+        raw_scores = fields.value("raw_scores")
         params = {LOGITS_PARAM: True, **truncation(fields)}
         results = await model.run(items, params, self.context.deadline(request))
         labels = labels_of(model)
@@ -157,20 +200,16 @@ class TeiRoutes:
 
     async def rerank(self, request: HttpRequest) -> HttpResponse:
         """Each text's relevance to the query, most relevant first."""
-        fields = Fields(read_json(request), RERANK_FIELDS)
+        fields = RERANK.read(read_json(request))
         model = self.context.model_for(fields.get("model"), CROSS_ENCODER)
-        query = fields.required("query")
-        if not isinstance(query, str):
-            raise BadRequest('"query" must be a string')
-        texts = fields.required("texts")
-        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-            raise BadRequest('"texts" must be a non-empty list of strings')
-        check_client_batch(len(texts), self.settings.max_client_batch_size)
-        unicode_text(query, '"query"')
+        query = fields.value("query")
+        texts = fields.value("texts", self.within(model))
+        checked_text(query, '"query"')
         for text in texts:
-            unicode_text(text, '"texts"')
-        raw_scores = fields.boolean("raw_scores", False)
-        return_text = fields.boolean("return_text", False)
+            checked_text(text, '"texts"')
+        raw_scores = fields.value("raw_scores")
+        return_text = fields.value("return_text")
+        best = rank_count(fields, len(texts))
         pairs = [{"text": query, "text_pair": text} for text in texts]
         params = {LOGITS_PARAM: True, **truncation(fields)}
         results = await model.run(pairs, params, self.context.deadline(request))
@@ -184,27 +223,37 @@ class TeiRoutes:
                 rank["text"] = texts[index]
             ranks.append(rank)
         ranks.sort(key=lambda rank: rank["score"], reverse=True)
-        return answer(ranks, results)
+        return answer(ranks[:best], results)
 
     # --- the tokenizer ----------------------------------------------------------------
 
     async def tokenize(self, request: HttpRequest) -> HttpResponse:
         """Each input's tokens: id, text, whether special, and byte offsets."""
-        fields = Fields(read_json(request), TOKENIZE_FIELDS)
+        fields = TOKENIZE.read(read_json(request))
         model = self.context.model_for(fields.get("model"), TOKENIZER)
         texts = self.texts(fields, model)
+        cut = truncation(fields)
+        bound = TokenBound(input_limit(model), cut["truncate"], cut["truncation_direction"])
         tokenizer = await self.tokenizer(model)
-        body = await tokenizer.tokenize(texts, fields.boolean("add_special_tokens", True))
+        add_special_tokens = fields.value("add_special_tokens")
+        try:
+            body = await tokenizer.tokenize(
+                texts, add_special_tokens, bound, self.settings.max_answer_bytes
+            )
+        except TooManyTokens as exc:
+            raise UnprocessableInput(str(exc)) from None
+        except AnswerTooLarge as exc:
+            raise PayloadTooLarge(str(exc)) from None
         return HttpResponse(200, body)
 
     async def decode(self, request: HttpRequest) -> HttpResponse:
         """The text of each list of ids."""
-        fields = Fields(read_json(request), DECODE_FIELDS)
+        fields = DECODE.read(read_json(request))
         model = self.context.model_for(fields.get("model"), TOKENIZER)
-        id_lists = id_inputs(fields.get("ids"), self.settings.max_client_batch_size)
+        id_lists = fields.value("ids", self.within(model))
         tokenizer = await self.tokenizer(model)
         try:
-            texts = await tokenizer.decode(id_lists, fields.boolean("skip_special_tokens", True))
+            texts = await tokenizer.decode(id_lists, fields.value("skip_special_tokens"))
         except UnknownTokenId as exc:
             raise UnprocessableInput(str(exc)) from None
         return json_response(200, texts)
@@ -223,71 +272,17 @@ class TeiRoutes:
 # --- request parts ----------------------------------------------------------------------
 
 
-def truncation(fields: Fields) -> dict[str, Any]:
-    """The worker parameters of TEI's `truncate` (default false: too long is 422) and
-    `truncation_direction`."""
-    return {
-        "truncate": fields.boolean("truncate", False),
-        "truncation_direction": fields.choice("truncation_direction", DIRECTIONS, "right").lower(),
-    }
+def input_limit(model: ServedModel) -> int:
+    """The most tokens an input of `model` may have (special tokens included)."""
+    loaded = model.serving.loaded
+    named = int(loaded.details.get("max_input_length") or 0) if loaded else 0
+    return min(named, MAX_TOKENIZE_TOKENS) if named > 0 else MAX_TOKENIZE_TOKENS
 
 
-def text_inputs(value: Any, max_inputs: int) -> list[str]:
-    """`inputs` as a list of texts: one text, or a non-empty list of them."""
-    texts = [value] if isinstance(value, str) else value
-    if not isinstance(texts, list) or not texts:
-        raise BadRequest('"inputs" must be a text or a non-empty list of texts')
-    if not all(isinstance(text, str) for text in texts):
-        if all(isinstance(item, (int, list)) for item in texts):
-            raise BadRequest('"inputs" as token ids is not supported: send the text')
-        raise BadRequest('"inputs" must be a text or a non-empty list of texts')
-    check_client_batch(len(texts), max_inputs)
-    return [unicode_text(text, '"inputs"') for text in texts]
-
-
-def predict_inputs(value: Any) -> tuple[list[Any], bool]:
-    """TEI's /predict inputs: a text, a pair `[text, text]`, or a batch of `[text]` and
-    `[text, text]`; the items to classify, and whether it was a batch."""
-    refusal = BadRequest(
-        '"inputs" must be a text, a pair [text, text], or a list of [text] and [text, text]'
-    )
-    if isinstance(value, str):
-        return [unicode_text(value, '"inputs"')], False
-    if not isinstance(value, list) or not value:
-        raise refusal
-    if all(isinstance(item, str) for item in value):
-        if len(value) > 2:
-            raise refusal
-        return [sequence(value)], False
-    if not all(isinstance(item, list) and 1 <= len(item) <= 2 for item in value):
-        raise refusal
-    if not all(isinstance(text, str) for item in value for text in item):
-        raise refusal
-    return [sequence(item) for item in value], True
-
-
-def sequence(texts: list[str]) -> str | dict[str, str]:
-    """One text, or a pair as the classifier takes it."""
-    for text in texts:
-        unicode_text(text, '"inputs"')
-    if len(texts) == 1:
-        return texts[0]
-    return {"text": texts[0], "text_pair": texts[1]}
-
-
-def id_inputs(value: Any, max_lists: int) -> list[list[int]]:
-    """`ids`: one list of token ids, or a non-empty list of them."""
-    refusal = BadRequest('"ids" must be a list of token ids, or a non-empty list of such lists')
-    if not isinstance(value, list) or not value:
-        raise refusal
-    lists = value if all(isinstance(item, list) for item in value) else [value]
-    check_client_batch(len(lists), max_lists)
-    for ids in lists:
-        if not ids or not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_TOKEN_ID for i in ids
-        ):
-            raise refusal
-    return lists
+def check_answer_size(numbers: int, largest: int) -> None:
+    """413 when `numbers` numbers would make an answer over `largest` bytes."""
+    if numbers * NUMBER_BYTES > largest:
+        raise PayloadTooLarge(str(AnswerTooLarge(largest)))
 
 
 # --- answer parts -----------------------------------------------------------------------

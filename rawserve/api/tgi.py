@@ -21,7 +21,7 @@ from typing import Any
 from rawserve.api import schemas
 from rawserve.api.bodies import answer, read_json
 from rawserve.api.context import RouteContext
-from rawserve.api.inference import ParsedRequest, parse_json_body
+from rawserve.api.inference import ParsedRequest, inference_request, parse_json_body
 from rawserve.api.openai import GENERATION
 from rawserve.api.outcomes import unwrap
 from rawserve.api.routing import MODEL_ERRORS, DocContext, Operation, Route, Schema
@@ -66,7 +66,7 @@ GENERATE_RESPONSE: Schema = {
 
 def generate_request(context: DocContext) -> Schema:
     """TGI's body: `POST /`'s for the text-generation task, one text as `inputs`."""
-    return schemas.inference_request(context)
+    return inference_request(context)
 
 
 class TgiRoutes:

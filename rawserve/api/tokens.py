@@ -8,27 +8,81 @@ idle worker, and 400 ms behind a worker busy with model batches; the tokenizer c
 server 15 MiB and 40 ms at first use. Large inputs are worked on in a thread: the encoder
 lets go of the GIL, so a 1 MiB body stalls the event loop for 9 ms instead of 1.2 s.
 
+What one request may cost is bounded: an input is at most the model's input length in
+tokens (longer: `TooManyTokens`, or cut when the request asks), and an answer at most
+`max_answer_bytes` (`AnswerTooLarge`). Encoding a whole long text costs about 540 bytes a
+token in the library (a 900 KB text: 240 MB), so a long text is first counted a piece at
+a time (`CHUNK_CHARS`), and only the part that is kept is encoded whole.
+
 Offsets are counted in UTF-8 bytes, as TEI gives them (the library counts characters).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
 import tokenizers
 
 from rawserve.http.encoding import dumps
+from rawserve.shared.memory import give_back_free_memory
 
 # Work on more characters (or ids) than this goes to a thread; less is answered inline,
 # where a thread's hand-over would cost more than the work (about 2 ms at this size).
 INLINE_LIMIT = 4096
+# A text longer than this is counted a piece of about this many characters at a time.
+CHUNK_CHARS = 16384
+# Pieces cut at whitespace may count a token or two apart from the whole text: a text
+# counted at most this far past the limit is encoded whole to know.
+COUNT_MARGIN = 8
+# Token objects are made (and written as JSON) this many at a time, so that their Python
+# objects, hundreds of bytes each, never pile up for a whole answer.
+TOKEN_SLICE = 4096
+# After an answer of more tokens than this, the heap's free pages go back to the system.
+TRIM_AFTER_TOKENS = 65536
 
 
 class UnknownTokenId(ValueError):
     """An id the tokenizer's vocabulary does not have."""
+
+
+class TooManyTokens(ValueError):
+    """An input longer than the model takes, and the request did not ask to cut it."""
+
+    def __init__(self, limit: int):
+        super().__init__(
+            f"an input has more than {limit} tokens, the most this model takes (its max input "
+            'length): send shorter text, or "truncate": true to cut it'
+        )
+        self.limit = limit
+
+
+class AnswerTooLarge(ValueError):
+    """An answer that would hold more bytes than one answer may."""
+
+    def __init__(self, limit: int):
+        super().__init__(
+            f"the answer would be larger than {size_text(limit)}, the most one answer may "
+            "hold: send fewer or shorter inputs"
+        )
+        self.limit = limit
+
+
+def size_text(size: int) -> str:
+    """`size` bytes as a person reads it: whole MiB, or bytes."""
+    return f"{size // 2**20} MiB" if size % 2**20 == 0 else f"{size:,} bytes"
+
+
+@dataclass(frozen=True)
+class TokenBound:
+    """How many tokens an input may have, and what to do with a longer one."""
+
+    max_tokens: int  # special tokens included
+    truncate: bool = False  # cut a longer input to `max_tokens` (else: TooManyTokens)
+    direction: str = "right"  # which end is cut: "right" keeps the start
 
 
 class ServerTokenizer:
@@ -39,15 +93,85 @@ class ServerTokenizer:
         self.tokenizer.no_truncation()
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    async def tokenize(self, texts: Sequence[str], add_special_tokens: bool) -> bytes:
-        """TEI's /tokenize answer as JSON: per text, its tokens."""
+    async def tokenize(
+        self,
+        texts: Sequence[str],
+        add_special_tokens: bool,
+        bound: TokenBound,
+        max_answer_bytes: int,
+    ) -> bytes:
+        """TEI's /tokenize answer as JSON: per text, its tokens. TooManyTokens for an input
+        over the bound, AnswerTooLarge for an answer over `max_answer_bytes`."""
         if sum(len(text) for text in texts) <= INLINE_LIMIT:
-            return self._tokenize(texts, add_special_tokens)
-        return await asyncio.to_thread(self._tokenize, texts, add_special_tokens)
+            return self._tokenize(texts, add_special_tokens, bound, max_answer_bytes)
+        body, tokens = await asyncio.to_thread(
+            self._tokenize_counted, texts, add_special_tokens, bound, max_answer_bytes
+        )
+        if tokens > TRIM_AFTER_TOKENS:  # their objects are gone now: give the pages back
+            await asyncio.to_thread(give_back_free_memory)
+        return body
 
-    def _tokenize(self, texts: Sequence[str], add_special_tokens: bool) -> bytes:
-        encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)
-        return dumps([token_objects(e, t) for e, t in zip(encodings, texts, strict=True)])
+    def _tokenize(
+        self, texts: Sequence[str], add_special: bool, bound: TokenBound, max_bytes: int
+    ) -> bytes:
+        return self._tokenize_counted(texts, add_special, bound, max_bytes)[0]
+
+    def _tokenize_counted(
+        self, texts: Sequence[str], add_special: bool, bound: TokenBound, max_bytes: int
+    ) -> tuple[bytes, int]:
+        """The answer, and how many tokens it holds."""
+        parts: list[bytes] = []
+        size = 2  # the brackets around the list
+        tokens = 0
+        for text in texts:
+            encoding, start = self.encode(text, add_special, bound)
+            part = tokens_json(encoding, text, start)
+            size += len(part) + 1
+            if size > max_bytes:
+                raise AnswerTooLarge(max_bytes)
+            parts.append(part)
+            tokens += len(encoding)
+        return b"[" + b",".join(parts) + b"]", tokens
+
+    def count(self, texts: Sequence[str], max_tokens: int) -> list[int]:
+        """Each text's tokens as the model would take it: special tokens included, at most
+        `max_tokens` (a longer text is cut, or refused by the model)."""
+        bound = TokenBound(max_tokens, truncate=True)
+        return [len(self.encode(text, True, bound)[0]) for text in texts]
+
+    def encode(
+        self, text: str, add_special: bool, bound: TokenBound
+    ) -> tuple[tokenizers.Encoding, int]:
+        """`text`'s encoding within `bound`, and the character where the encoded part
+        starts (0 unless the start was cut). Never encodes much more than it keeps."""
+        specials = self.tokenizer.num_special_tokens_to_add(False) if add_special else 0
+        budget = max(bound.max_tokens - specials, 0)
+        piece_start, piece_end = 0, len(text)
+        if len(text) > CHUNK_CHARS:
+            over = self._span_past(text, budget + COUNT_MARGIN, bound.direction == "left")
+            if over is not None:
+                if not bound.truncate:
+                    raise TooManyTokens(bound.max_tokens)
+                piece_start, piece_end = over
+        piece = text[piece_start:piece_end]
+        encoding = self.tokenizer.encode(piece, add_special_tokens=False)
+        if len(encoding) > budget:
+            if not bound.truncate:
+                raise TooManyTokens(bound.max_tokens)
+            encoding.truncate(budget, direction=bound.direction)
+        if add_special:
+            encoding = self.tokenizer.post_process(encoding, add_special_tokens=True)
+        return encoding, piece_start
+
+    def _span_past(self, text: str, tokens: int, from_end: bool) -> tuple[int, int] | None:
+        """The span of `text` from its kept end that holds more than `tokens` tokens,
+        counted a piece at a time; None when the whole text holds no more."""
+        counted = 0
+        for start, end in pieces(text, CHUNK_CHARS, from_end):
+            counted += len(self.tokenizer.encode(text[start:end], add_special_tokens=False))
+            if counted > tokens:
+                return (start, len(text)) if from_end else (0, end)
+        return None
 
     async def decode(self, id_lists: Sequence[Sequence[int]], skip_special: bool) -> list[str]:
         """Each list of ids as text; UnknownTokenId for an id outside the vocabulary."""
@@ -67,16 +191,64 @@ class ServerTokenizer:
         return list(decoded)
 
 
-def token_objects(encoding: Any, text: str) -> list[dict[str, Any]]:
-    """TEI's SimpleToken list for one encoding: `{id, text, special, start, stop}`; special
-    tokens have their own text and no offsets, the others the piece of `text` they cover."""
-    raw = text.encode()
+def pieces(text: str, size: int, from_end: bool) -> Iterator[tuple[int, int]]:
+    """Spans of about `size` characters that cover `text`, from its start or its end, each
+    cut at whitespace where there is some in its second half (a word is not split)."""
+    if not from_end:
+        start = 0
+        while start < len(text):
+            end = min(start + size, len(text))
+            if end < len(text):
+                space = max(text.rfind(c, start + size // 2, end) for c in " \n\t")
+                end = space if space > start else end
+            yield start, end
+            start = end
+    else:
+        end = len(text)
+        while end > 0:
+            start = max(end - size, 0)
+            if start > 0:
+                found = [i for c in " \n\t" if (i := text.find(c, start, end - size // 2)) >= 0]
+                start = min(found) if found else start
+            yield start, end
+            end = start
+
+
+def tokens_json(encoding: Any, text: str, start: int = 0) -> bytes:
+    """One input's tokens as a JSON list, made a slice at a time; `start` is the character
+    of `text` where the encoded part begins."""
+    ids, offsets = encoding.ids, encoding.offsets
+    # only the characters the tokens cover are looked at (a cut text may go on far past them)
+    piece = text[start : start + max((stop for _, stop in offsets), default=0)]
+    base = len(text[:start].encode()) if start else 0
+    specials, names = encoding.special_tokens_mask, encoding.tokens
+    raw = piece.encode()
     # where each character starts in `raw` (for ASCII, character offsets are byte offsets)
-    byte_at = None if len(raw) == len(text) else utf8_starts(text)
+    byte_at = None if len(raw) == len(piece) else utf8_starts(piece)
+    parts = []
+    for first in range(0, len(ids), TOKEN_SLICE):
+        window = slice(first, first + TOKEN_SLICE)
+        objects = token_objects(
+            ids[window], offsets[window], specials[window], names[window], raw, byte_at, base
+        )
+        parts.append(dumps(objects)[1:-1])
+    return b"[" + b",".join(parts) + b"]"
+
+
+def token_objects(
+    ids: Sequence[int],
+    offsets: Sequence[tuple[int, int]],
+    specials: Sequence[int],
+    names: Sequence[str],
+    raw: bytes,
+    byte_at: Sequence[int] | None,
+    base: int,
+) -> list[dict[str, Any]]:
+    """TEI's SimpleToken list: `{id, text, special, start, stop}`; special tokens have
+    their own text and no offsets, the others the bytes of `raw` they cover, with their
+    offsets moved by `base` bytes."""
     tokens: list[dict[str, Any]] = []
-    for token_id, (start, stop), special, piece in zip(
-        encoding.ids, encoding.offsets, encoding.special_tokens_mask, encoding.tokens, strict=True
-    ):
+    for token_id, (start, stop), special, piece in zip(ids, offsets, specials, names, strict=True):
         if special:
             tokens.append(
                 {"id": token_id, "text": piece, "special": True, "start": None, "stop": None}
@@ -89,8 +261,8 @@ def token_objects(encoding: Any, text: str) -> list[dict[str, Any]]:
                 "id": token_id,
                 "text": raw[start:stop].decode(errors="replace"),
                 "special": False,
-                "start": start,
-                "stop": stop,
+                "start": base + start,
+                "stop": base + stop,
             }
         )
     return tokens

@@ -12,6 +12,9 @@ never gives back.
   each afresh (zeroed pages, a fault per page) made it a quarter slower. It gives the
   heap's free pages back now and then instead (`FreeMemoryReleaser`). Both measured in
   bench/RESULTS.md.
+- After an answer built of many small objects (`/tokenize`), the server gives the heap's
+  free pages back once (`give_back_free_memory`): such objects sit below any mmap
+  threshold, and the heap would keep their pages.
 """
 
 from __future__ import annotations
@@ -49,6 +52,17 @@ def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     if mallopt(M_MMAP_THRESHOLD, threshold) != 1:
         log.debug("mallopt(M_MMAP_THRESHOLD) was refused")
         return False
+    return True
+
+
+def give_back_free_memory() -> bool:
+    """Return the heap's free pages to the system now (glibc's `malloc_trim`); False where
+    there is no such allocator."""
+    trim = _glibc_function("malloc_trim")
+    if trim is None:
+        return False
+    trim.argtypes = (ctypes.c_size_t,)
+    trim(0)
     return True
 
 

@@ -1,0 +1,251 @@
+"""The bodies of TEI's routes, each declared once (`fields.Body`): what `/openapi.json` says
+of a field and how the handler reads it come from the same `Field`. Also the readers of
+TEI's input forms: texts, a text or a pair, token ids.
+
+TEI's routes ignore fields they do not use (TEI's clients send some that only some
+servers read). Blank text is 422, as on every route. Server process; plain Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from rawserve.api.bodies import check_client_batch
+from rawserve.api.fields import (
+    Body,
+    Field,
+    Fields,
+    flag,
+    one_of,
+    read_string,
+    texts_schema,
+    unicode_text,
+    whole,
+)
+from rawserve.api.routing import DocContext, Schema
+from rawserve.http.errors import BadRequest, UnprocessableInput
+from rawserve.tasks.checks import BlankInput, not_blank
+
+DIRECTIONS = ("left", "right", "Left", "Right")  # TEI takes both spellings
+MAX_TOKEN_ID = 2**32 - 1
+MAX_DIMENSIONS = 65536
+
+
+def details(context: DocContext) -> Mapping[str, Any]:
+    loaded = context.model.serving.loaded
+    return loaded.details if loaded else {}
+
+
+def max_inputs(context: DocContext | None) -> int:
+    assert context is not None, "inputs are read within the route's context"
+    return context.max_inputs
+
+
+# --- the inputs ------------------------------------------------------------------------
+
+
+def read_texts(name: str, value: Any, context: DocContext | None) -> list[str]:
+    return text_inputs(value, max_inputs(context))
+
+
+def text_inputs(value: Any, max_inputs: int) -> list[str]:
+    """`inputs` as a list of texts: one text, or a non-empty list of them."""
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not texts:
+        raise BadRequest('"inputs" must be a text or a non-empty list of texts')
+    if not all(isinstance(text, str) for text in texts):
+        if all(isinstance(item, (int, list)) for item in texts):
+            raise BadRequest('"inputs" as token ids is not supported: send the text')
+        raise BadRequest('"inputs" must be a text or a non-empty list of texts')
+    check_client_batch(len(texts), max_inputs)
+    return [checked_text(text, '"inputs"') for text in texts]
+
+
+def predict_inputs(value: Any) -> tuple[list[Any], bool]:
+    """TEI's /predict inputs: a text, a pair `[text, text]`, or a batch of `[text]` and
+    `[text, text]`; the items to classify, and whether it was a batch."""
+    refusal = BadRequest(
+        '"inputs" must be a text, a pair [text, text], or a list of [text] and [text, text]'
+    )
+    if isinstance(value, str):
+        return [checked_text(value, '"inputs"')], False
+    if not isinstance(value, list) or not value:
+        raise refusal
+    if all(isinstance(item, str) for item in value):
+        if len(value) > 2:
+            raise refusal
+        return [sequence(value)], False
+    if not all(isinstance(item, list) and 1 <= len(item) <= 2 for item in value):
+        raise refusal
+    if not all(isinstance(text, str) for item in value for text in item):
+        raise refusal
+    return [sequence(item) for item in value], True
+
+
+def sequence(texts: list[str]) -> str | dict[str, str]:
+    """One text, or a pair as the classifier takes it."""
+    for text in texts:
+        checked_text(text, '"inputs"')
+    if len(texts) == 1:
+        return texts[0]
+    return {"text": texts[0], "text_pair": texts[1]}
+
+
+def id_inputs(value: Any, max_lists: int) -> list[list[int]]:
+    """`ids`: one list of token ids, or a non-empty list of them."""
+    refusal = BadRequest('"ids" must be a list of token ids, or a non-empty list of such lists')
+    if not isinstance(value, list) or not value:
+        raise refusal
+    lists = value if all(isinstance(item, list) for item in value) else [value]
+    check_client_batch(len(lists), max_lists)
+    for ids in lists:
+        if not ids or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_TOKEN_ID for i in ids
+        ):
+            raise refusal
+    return lists
+
+
+def checked_text(value: str, name: str) -> str:
+    """A text as a model may take it: valid Unicode (else 400), not blank (else 422)."""
+    unicode_text(value, name)
+    try:
+        return not_blank(value, f"a text of {name}")
+    except BlankInput as exc:
+        raise UnprocessableInput(str(exc)) from None
+
+
+def read_predict_inputs(
+    name: str, value: Any, context: DocContext | None
+) -> tuple[list[Any], bool]:
+    items, is_batch = predict_inputs(value)
+    check_client_batch(len(items), max_inputs(context))
+    return items, is_batch
+
+
+def predict_schema(context: DocContext) -> Schema:
+    one_or_pair = {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 2}
+    batch = {"type": "array", "items": one_or_pair, "minItems": 1, "maxItems": context.max_inputs}
+    return {
+        "oneOf": [
+            {"type": "string"},
+            {**one_or_pair, "description": "a text, or a pair of texts"},
+            {**batch, "description": "a batch of [text] and [text, text]"},
+        ]
+    }
+
+
+def read_ids(name: str, value: Any, context: DocContext | None) -> list[list[int]]:
+    return id_inputs(value, max_inputs(context))
+
+
+def ids_schema(context: DocContext) -> Schema:
+    token_id = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
+    ids: Schema = {"type": "array", "items": token_id, "minItems": 1}
+    many = {"type": "array", "items": ids, "minItems": 1, "maxItems": context.max_inputs}
+    return {"oneOf": [ids, many]}
+
+
+def read_query(name: str, value: Any, context: DocContext | None) -> str:
+    if value is None:
+        raise BadRequest(f'"{name}" is required')
+    if not isinstance(value, str):
+        raise BadRequest(f'"{name}" must be a string')
+    return value
+
+
+def read_rerank_texts(name: str, value: Any, context: DocContext | None) -> list[str]:
+    if value is None:
+        raise BadRequest(f'"{name}" is required')
+    if not isinstance(value, list) or not value or not all(isinstance(t, str) for t in value):
+        raise BadRequest(f'"{name}" must be a non-empty list of strings')
+    check_client_batch(len(value), max_inputs(context))
+    return value
+
+
+def rerank_texts_schema(context: DocContext) -> Schema:
+    many = {"type": "array", "items": {"type": "string"}, "minItems": 1}
+    return {**many, "maxItems": context.max_inputs}
+
+
+def prompt_name_schema(context: DocContext) -> Schema:
+    return {"enum": [*sorted(details(context).get("prompts", {})), None]}
+
+
+def documented_dimensions(context: DocContext) -> int:
+    return int(details(context).get("dimensions") or MAX_DIMENSIONS)
+
+
+# --- the bodies ------------------------------------------------------------------------
+
+INPUTS = Field(texts_schema, read_texts, reads_null=True, required=True)
+PROMPT_NAME = Field(
+    prompt_name_schema,
+    read_string,
+    description="A prompt of the model's sentence-transformers configuration, put before "
+    "each input.",
+)
+TRUNCATION = {
+    "truncate": flag(False, "Cut inputs longer than the model takes (else: 422)."),
+    "truncation_direction": one_of(DIRECTIONS, "right"),
+}
+EMBED = Body(
+    {
+        "inputs": INPUTS,
+        "normalize": flag(True),
+        "prompt_name": PROMPT_NAME,
+        "dimensions": whole(1, MAX_DIMENSIONS, documented_dimensions),
+        **TRUNCATION,
+    },
+    ignore_unknown=True,
+)
+EMBED_ALL = Body({"inputs": INPUTS, "prompt_name": PROMPT_NAME, **TRUNCATION}, ignore_unknown=True)
+PREDICT = Body(
+    {
+        "inputs": Field(predict_schema, read_predict_inputs, reads_null=True, required=True),
+        "raw_scores": flag(False),
+        **TRUNCATION,
+    },
+    ignore_unknown=True,
+)
+RANK_COUNT = ("top_n", "top_k")  # return only the best n (Cohere's and others' names)
+RERANK = Body(
+    {
+        "query": Field({"type": "string"}, read_query, reads_null=True, required=True),
+        "texts": Field(rerank_texts_schema, read_rerank_texts, reads_null=True, required=True),
+        "raw_scores": flag(False),
+        "return_text": flag(False),
+        **{name: whole(1, MAX_TOKEN_ID) for name in RANK_COUNT},
+        **TRUNCATION,
+    },
+    ignore_unknown=True,
+)
+TOKENIZE = Body(
+    {"inputs": INPUTS, "add_special_tokens": flag(True), "prompt_name": PROMPT_NAME, **TRUNCATION},
+    ignore_unknown=True,
+)
+DECODE = Body(
+    {
+        "ids": Field(ids_schema, read_ids, reads_null=True, required=True),
+        "skip_special_tokens": flag(True),
+    },
+    ignore_unknown=True,
+)
+
+
+def truncation(fields: Fields) -> dict[str, Any]:
+    """The worker parameters of TEI's `truncate` (default false: too long is 422) and
+    `truncation_direction`."""
+    return {
+        "truncate": fields.value("truncate"),
+        "truncation_direction": fields.value("truncation_direction").lower(),
+    }
+
+
+def rank_count(fields: Fields, texts: int) -> int:
+    """How many ranks to answer: `top_n` (or `top_k`) best ones, else all of them."""
+    given = {value for name in RANK_COUNT if (value := fields.value(name)) is not None}
+    if len(given) > 1:
+        raise BadRequest('"top_n" and "top_k" say different counts: send one')
+    return min(given.pop(), texts) if given else texts

@@ -1,0 +1,207 @@
+"""What one request may cost the server process: a `/tokenize` input at most the model's
+input length in tokens (422 naming it, or cut with `truncate: true`), an answer at most
+`max_answer_bytes` (413 naming it; `/embed_all` refused before the work), and the memory of
+a large answer given back.
+
+The tokenizer's rules are checked in-process against the `tokenizers` library's own
+truncation; the memory bound on a real server, by its RSS in /proc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import threading
+from pathlib import Path
+
+import pytest
+import tokenizers
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rawserve.api.app import App
+from rawserve.api.served import ServedModel, ServedModels
+from rawserve.api.settings import AppSettings
+from rawserve.api.tokens import (
+    AnswerTooLarge,
+    ServerTokenizer,
+    TokenBound,
+    TooManyTokens,
+    pieces,
+)
+from rawserve.http.errors import HTTPError, error_response
+from rawserve.http.exchange import HttpRequest
+from rawserve.serving.service import ModelService
+from rawserve.shared.memory import give_back_free_memory
+from tests.server import RunningServer
+from tests.test_api_shapes import Idle, Loaded
+
+LIMIT = 128  # the tiny models' positions
+LONG = "a " * 450_000  # the 900 KB body of the report: 450,000 tokens
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tiny_model) -> str:
+    return (Path(tiny_model("sentence-embedding")) / "tokenizer.json").read_text()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_json) -> ServerTokenizer:
+    return ServerTokenizer(tokenizer_json)
+
+
+def library_truncated(tokenizer_json: str, text: str, direction: str) -> list[int]:
+    """The ids the `tokenizers` library gives `text` cut to LIMIT tokens, encoding it whole."""
+    library = tokenizers.Tokenizer.from_str(tokenizer_json)
+    library.no_padding()
+    library.enable_truncation(LIMIT, direction=direction)
+    return library.encode(text).ids
+
+
+# --- the tokenizer's bound ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", [LONG, "word " * 200, "x" * 100 + " b" * 200])
+def test_an_input_past_the_limit_is_refused_naming_it(tokenizer, text):
+    with pytest.raises(TooManyTokens, match=f"more than {LIMIT} tokens"):
+        tokenizer.encode(text, True, TokenBound(LIMIT))
+
+
+@pytest.mark.parametrize("direction", ["right", "left"])
+@pytest.mark.parametrize(
+    "text",
+    [LONG, "the movie was very good " * 10_000, "héllo wörld € " * 3000, "short text"],
+    ids=["900KB", "words", "utf8", "short"],
+)
+def test_truncation_keeps_what_the_library_keeps(tokenizer, tokenizer_json, text, direction):
+    """Counting a long text a piece at a time cuts it where encoding it whole would."""
+    encoding, start = tokenizer.encode(text, True, TokenBound(LIMIT, True, direction))
+    assert encoding.ids == library_truncated(tokenizer_json, text, direction)
+    assert len(encoding.ids) <= LIMIT
+
+
+def test_truncated_offsets_point_into_the_whole_text(tokenizer):
+    text = "héllo wörld € " * 3000
+    body = asyncio.run(tokenizer.tokenize([text], False, TokenBound(LIMIT, True, "left"), 2**20))
+    [tokens] = json.loads(body)
+    raw = text.encode()
+    assert len(tokens) == LIMIT
+    assert tokens[-1]["stop"] == len(raw) - 1  # the last character is a space
+    for token in tokens:
+        assert raw[token["start"] : token["stop"]].decode() == token["text"]
+
+
+def test_a_long_word_without_spaces_is_answered_whole(tokenizer):
+    """One word of 900 KB is one unknown token: counted in pieces, it fits."""
+    encoding, _ = tokenizer.encode("a" * 900_000, True, TokenBound(LIMIT))
+    assert len(encoding.ids) == 3  # [CLS] [UNK] [SEP]
+
+
+def test_an_answer_over_the_bound_is_refused_naming_it(tokenizer):
+    texts = ["hello world " * 20] * 8
+    with pytest.raises(AnswerTooLarge, match="larger than 10,000 bytes"):
+        asyncio.run(tokenizer.tokenize(texts, True, TokenBound(LIMIT), 10_000))
+    assert asyncio.run(tokenizer.tokenize(texts[:1], True, TokenBound(LIMIT), 10_000))
+
+
+def test_token_counts_stop_at_the_limit(tokenizer):
+    assert tokenizer.count(["hello", LONG], LIMIT) == [3, LIMIT]
+
+
+@given(st.text(alphabet="ab \n", max_size=300), st.integers(4, 40), st.booleans())
+def test_pieces_cover_the_text_once_in_order(text, size, from_end):
+    spans = list(pieces(text, size, from_end))
+    if from_end:
+        spans.reverse()
+    assert [i for start, end in spans for i in range(start, end)] == list(range(len(text)))
+    assert all(start < end for start, end in spans)
+
+
+def test_free_memory_is_given_back_where_glibc_is():
+    assert give_back_free_memory() is (platform.libc_ver()[0] == "glibc")
+
+
+# --- the routes, in-process -----------------------------------------------------------
+
+
+def app_for(task, tokenizer_json, details, **settings):
+    workers = Loaded(task, {"max_input_length": LIMIT, **details}, tokenizer_json)
+    model = ServedModel("m", ModelService(Idle(), workers), {"batching": {}})
+    return App(ServedModels([model]), AppSettings(**settings))
+
+
+def post(app, path, document):
+    body = json.dumps(document).encode()
+    headers = [("content-type", "application/json")]
+    request = HttpRequest("POST", path, "", headers, body, request_id="test")
+    try:
+        answer = asyncio.run(app.handle(request))
+    except HTTPError as error:  # the protocol renders it; here, as it would
+        answer = error_response(error)
+    return answer.status, json.loads(answer.body)
+
+
+def test_tokenize_refuses_an_input_past_the_models_length_and_cuts_when_asked(tokenizer_json):
+    app = app_for("feature-extraction", tokenizer_json, {})
+    status, body = post(app, "/tokenize", {"inputs": LONG})
+    assert status == 422 and f"more than {LIMIT} tokens" in body["error"]
+    assert "truncate" in body["error"]
+    status, body = post(app, "/tokenize", {"inputs": LONG, "truncate": True})
+    assert status == 200 and len(body[0]) == LIMIT
+    assert body[0][0]["special"] and body[0][-1]["special"]  # [CLS] ... [SEP]
+
+
+def test_tokenize_refuses_an_answer_over_the_bound(tokenizer_json):
+    app = app_for("feature-extraction", tokenizer_json, {}, max_answer_bytes=10_000)
+    status, body = post(app, "/tokenize", {"inputs": ["hello world " * 20] * 8})
+    assert status == 413 and "10,000 bytes" in body["error"]
+
+
+def test_embed_all_over_the_bound_is_refused_before_the_work(tokenizer_json):
+    """The idle queue fails any call: a 413 here was decided before the model ran."""
+    app = app_for(
+        "feature-extraction", tokenizer_json, {"dimensions": 32}, max_answer_bytes=100_000
+    )
+    status, body = post(app, "/embed_all", {"inputs": ["hello world " * 60] * 4})
+    assert status == 413 and "100,000 bytes" in body["error"]
+    assert "fewer or shorter" in body["error"]
+
+
+# --- a real server's memory -------------------------------------------------------------
+
+
+def memory_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc")
+def test_four_900kb_tokenize_bodies_at_once_cost_the_server_little(tiny_model):
+    """The report's case: four 900 KB bodies at once took the server from 70 to 1,220 MB
+    and left it at 680 MB. Now the peak stays within 100 MB of the start, and the server
+    is back within 20 MB of it once they are answered."""
+    with RunningServer(["--model", tiny_model("sentence-embedding"), "--threads", "1"]) as server:
+        assert server.process is not None
+        pid = server.process.pid
+        assert server.post_json({"inputs": "warm up"}, "/tokenize")[0] == 200
+        start = memory_kib(pid, "VmRSS")
+        Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak counts from here
+        statuses: list[int] = []
+
+        def send(document):
+            statuses.append(server.post_json(document, "/tokenize")[0])
+
+        for document in ({"inputs": LONG}, {"inputs": LONG, "truncate": True}):
+            clients = [threading.Thread(target=send, args=(document,)) for _ in range(4)]
+            for client in clients:
+                client.start()
+            for client in clients:
+                client.join()
+        assert statuses == [422] * 4 + [200] * 4
+        peak, after = memory_kib(pid, "VmHWM"), memory_kib(pid, "VmRSS")
+        assert peak - start <= 100 * 1024, (start, peak)
+        assert after - start <= 20 * 1024, (start, after)
