@@ -193,17 +193,59 @@ async def test_the_openai_model_field_selects_the_model(app, name, model):
     assert computed_by(app, "emb") == 1
 
 
-async def test_the_openai_routes_without_a_model_field_use_the_default(app):
-    with pytest.raises(NotFound, match="needs a feature-extraction model; .cls. serves"):
-        await app.handle(post("/v1/embeddings", {"input": "hi"}))  # the default classifies
+async def test_a_route_without_a_model_field_uses_the_first_model_that_fits_it(app):
+    # the first model classifies: the embeddings go to the second, the one that embeds
+    response = await app.handle(post("/v1/embeddings", {"input": "hi"}))
+    assert response.status == 200 and json.loads(response.body)["model"] == "emb"
+    embedded = await app.handle(post("/embed", {"inputs": "hi"}))
+    assert embedded.status == 200
+    assert computed_by(app, "emb") == 2 and computed_by(app, "cls") == 0
+
+
+async def test_a_route_that_no_model_fits_is_404_naming_what_it_needs(app):
+    answer = await app.handle(post("/v1/chat/completions", {"messages": []}))
+    assert answer.status == 404
+    assert (
+        "needs a text-generation model; 'cls' serves" in json.loads(answer.body)["error"]["message"]
+    )
 
 
 @pytest.mark.parametrize(("model", "status"), [("nope", 404), (7, 400), (["emb"], 400)])
 async def test_a_bad_openai_model_field_is_refused(app, model, status):
-    with pytest.raises(Exception) as caught:
-        await app.handle(post("/v1/embeddings", {"input": "hi", "model": model}))
-    assert getattr(caught.value, "status", None) == status
+    answer = await app.handle(post("/v1/embeddings", {"input": "hi", "model": model}))
+    assert answer.status == status
     assert computed_by(app, "emb") == 0
+
+
+async def test_an_unknown_model_is_openais_model_not_found_listing_the_served(app):
+    answer = await app.handle(post("/v1/embeddings", {"input": "hi", "model": "gpt-4o"}))
+    assert answer.status == 404
+    assert json.loads(answer.body) == {
+        "error": {
+            "message": "no model named 'gpt-4o' is served (served: cls, org/sst2, emb, "
+            "BAAI/bge-small-en-v1.5)",
+            "type": "not_found_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+
+
+@pytest.mark.parametrize("name", ["tgi", "gpt-4o", "emb", None])
+async def test_one_served_model_answers_to_any_name(name):
+    app = App(ServedModels([served("emb", "feature-extraction")]))
+    document = {"input": "hi"} if name is None else {"input": "hi", "model": name}
+    response = await app.handle(post("/v1/embeddings", document))
+    assert response.status == 200
+    assert json.loads(response.body)["model"] == "emb"  # the answer names the served model
+    embedded = await app.handle(post("/embed", {"inputs": "hi", "model": name or "x"}))
+    assert embedded.status == 200
+
+
+async def test_one_served_model_still_refuses_a_model_field_that_is_not_a_name():
+    app = App(ServedModels([served("emb", "feature-extraction")]))
+    answer = await app.handle(post("/v1/embeddings", {"input": "hi", "model": 7}))
+    assert answer.status == 400
 
 
 async def test_v1_models_lists_every_served_model(app):

@@ -103,6 +103,9 @@ def sigmoid(x):
 def assert_error(status, body, expected_status, *words):
     """TEI's (and rawserve's) error body: {"error": message, "error_type": kind}."""
     assert status == expected_status, body
+    if isinstance(body.get("error"), dict):  # the OpenAI routes: OpenAI's error object
+        assert set(body["error"]) == {"message", "type", "param", "code"}, body
+        body = {"error": body["error"]["message"], "error_type": body["error"]["code"]}
     assert set(body) == {"error", "error_type"}
     assert isinstance(body["error"], str) and isinstance(body["error_type"], str)
     for word in words:

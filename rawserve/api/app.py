@@ -1,9 +1,11 @@
 """The HTTP application: the route table, the API key, and which requests are answered at once.
 
 The protocol hands it complete requests (it is the protocol's `Application`); each route
-is a handler of one of the route families (inference, OpenAI, operations). Errors are
-raised as `rawserve.http.errors.HTTPError` and rendered by the protocol. Never sees a
-socket, never imports h11 or torch.
+is a handler of one of the route families (inference, OpenAI, TGI, TEI, operations).
+Errors are raised as `rawserve.http.errors.HTTPError` and rendered by the protocol, except
+on the OpenAI routes, whose clients read only OpenAI's error object: the app renders those
+itself (`render_error`), refusals before the route runs included. Never sees a socket,
+never imports h11 or torch.
 """
 
 from __future__ import annotations
@@ -18,16 +20,22 @@ from rawserve.api.bodies import json_response
 from rawserve.api.context import RouteContext
 from rawserve.api.gate import Gate
 from rawserve.api.inference import MODELS_PREFIX, InferenceRoutes
-from rawserve.api.openai import OpenAIRoutes
+from rawserve.api.openai import OPENAI_PREFIX, OpenAIRoutes
 from rawserve.api.openapi import openapi_document
 from rawserve.api.operations import READY_PREFIX, MetricsPage, OperationsRoutes
 from rawserve.api.routing import Handler, Needs, Operation, Route
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.api.tei import TeiRoutes
+from rawserve.api.tgi import TgiRoutes
 from rawserve.http.auth import require_bearer
 from rawserve.http.cors import CorsPolicy
-from rawserve.http.errors import HTTPError, MethodNotAllowed, NotFound, error_response
+from rawserve.http.errors import (
+    MethodNotAllowed,
+    NotFound,
+    error_response,
+    openai_error_response,
+)
 from rawserve.http.exchange import HttpRequest, HttpResponse
 
 
@@ -55,6 +63,7 @@ class App:
         self.inference = InferenceRoutes(context)
         self.openai = OpenAIRoutes(context)
         self.tei = TeiRoutes(context)
+        self.tgi = TgiRoutes(context)
         self.operations = OperationsRoutes(context, metrics, facts)
         openapi = Operation(
             "This document: the routes this server serves",
@@ -67,6 +76,7 @@ class App:
             *self.operations.routes(),
             *self.openai.routes(),
             *self.tei.routes(),
+            *self.tgi.routes(),
             Route("GET", "/openapi.json", self.openapi, openapi),
         ]
         self.routes: dict[str, dict[str, Handler]] = {}
@@ -99,14 +109,20 @@ class App:
         self.gate.start_draining()
 
     async def handle(self, request: HttpRequest) -> HttpResponse:
-        if self.cors is None:
-            return await self.route(request)
         try:
             response = await self.route(request)
-        except HTTPError as error:  # rendered here so that a page can read it too
-            response = error_response(error)
-        self.cors.add_headers(request, response)
+        except Exception as exc:
+            if not self.renders_errors(request):
+                raise  # the protocol renders it
+            response = render_error(request, exc)
+        if self.cors is not None:
+            self.cors.add_headers(request, response)
         return response
+
+    def renders_errors(self, request: HttpRequest) -> bool:
+        """Whether the app renders a request's errors itself rather than the protocol:
+        in OpenAI's shape on its routes, and where a page must read them (CORS)."""
+        return self.cors is not None or request.path.startswith(OPENAI_PREFIX)
 
     async def route(self, request: HttpRequest) -> HttpResponse:
         methods = self.routes.get(request.path)
@@ -138,13 +154,13 @@ class App:
         probe is not queued behind the pass's other work, and a refusal under overload
         costs no task. Raises HTTPError as `handle` does.
         """
-        if self.cors is None:
-            return self.answer_now_plain(request)
         try:
             response = self.answer_now_plain(request)
-        except HTTPError as error:
-            response = error_response(error)
-        if response is not None:
+        except Exception as exc:
+            if not self.renders_errors(request):
+                raise
+            response = render_error(request, exc)
+        if response is not None and self.cors is not None:
             self.cors.add_headers(request, response)
         return response
 
@@ -182,3 +198,11 @@ class App:
         """Raise 401 unless the request may use its path (probes and metrics are open)."""
         if self.settings.api_key and request.path not in self.open_paths:
             require_bearer(request, self.settings.api_key)
+
+
+def render_error(request: HttpRequest, exc: BaseException) -> HttpResponse:
+    """An error as the route family's clients read it: OpenAI's object on `/v1/`,
+    rawserve's `{"error", "error_type"}` (which TGI's and TEI's clients read) elsewhere."""
+    if request.path.startswith(OPENAI_PREFIX):
+        return openai_error_response(exc)
+    return error_response(exc)

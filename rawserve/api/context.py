@@ -1,4 +1,5 @@
-"""What every family of routes shares: the served models, the gate, the options, the clock."""
+"""What every family of routes shares: the served models, the gate, the options, the clock;
+and which model a body's "model" field selects."""
 
 from __future__ import annotations
 
@@ -29,12 +30,24 @@ class RouteContext:
         return self.clock() + seconds
 
     def model_for(self, name: Any, needs: Needs = ANY_MODEL) -> ServedModel:
-        """The model a body's "model" field names (None: the default), taking work now
-        (503 while loading or draining) and fitting the route (404 saying what it needs)."""
+        """The model a body's "model" field selects, taking work now (503 while loading or
+        draining) and fitting the route (404 saying what it needs)."""
         if name is not None and not isinstance(name, str):
             raise BadRequest('"model" must be a string')
-        model = self.models.get(name)
+        model = self.select(name, needs)
         self.gate.check(model)
         if (missing := needs.missing(model)) is not None:
             raise NotFound(missing)
         return model
+
+    def select(self, name: str | None, needs: Needs) -> ServedModel:
+        """The model a body names. One served model answers to any name, as TEI and TGI
+        do (their clients send a placeholder: TGI's sends "tgi"); a body that names none
+        gets the first model that fits the route (the first of all when none does, for
+        its 404); of several, a name not served is 404 listing the served ones."""
+        if len(self.models.all) == 1:
+            return self.models.default
+        if name is None:
+            fitting = (model for model in self.models.all if needs.missing(model) is None)
+            return next(fitting, self.models.default)
+        return self.models.get(name)

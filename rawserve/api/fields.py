@@ -22,7 +22,10 @@ from rawserve.http.errors import BadRequest
 
 # (field name, value (never None unless the field reads null), the route's context) → value
 Reader = Callable[[str, Any, "DocContext | None"], Any]
-MODEL_DESCRIPTION = "The served model to use, by name (see GET /v1/models); none: the first."
+MODEL_DESCRIPTION = (
+    "The served model to use, by name (see GET /v1/models); with one model served, any name; "
+    "none: the first that fits the route."
+)
 
 
 @dataclass(frozen=True)

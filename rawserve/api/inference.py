@@ -26,6 +26,7 @@ from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.tasks import (
     BlankInput,
     InvalidRequest,
+    UnservedParameter,
     check_generation_length,
     check_input,
     check_params,
@@ -129,7 +130,7 @@ def parse_json_body(task_name: str, document: Any, max_items: int = 32) -> Parse
     try:
         inputs = [check_input(task, item) for item in items]
         checked = check_params(task, params)
-    except BlankInput as exc:
+    except (BlankInput, UnservedParameter) as exc:
         raise UnprocessableInput(str(exc)) from None
     except InvalidRequest as exc:
         raise BadRequest(str(exc)) from None

@@ -44,6 +44,7 @@ EMBEDDING_TASK = "feature-extraction"
 EMBEDDING = Needs(frozenset({EMBEDDING_TASK}), "a feature-extraction model")
 GENERATION = Needs(frozenset({"text-generation"}), "a text-generation model")
 TAG = "OpenAI"
+OPENAI_PREFIX = "/v1/"  # the OpenAI routes: their errors are OpenAI's error object
 ENCODING_FORMATS = ("float", "base64")
 
 

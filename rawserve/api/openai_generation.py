@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rawserve import __version__
 from rawserve.api.bodies import check_client_batch
 from rawserve.api.fields import (
     Body,
@@ -31,7 +32,7 @@ from rawserve.api.fields import (
 )
 from rawserve.api.routing import DocContext, Schema
 from rawserve.api.streaming import TokenStream, sse
-from rawserve.http.errors import BadRequest, HTTPError, error_document
+from rawserve.http.errors import BadRequest, HTTPError, openai_error_document
 from rawserve.tasks import CHAT_PARAM, InvalidRequest, check_new_tokens, text_generation
 from rawserve.tasks.text_generation import MAX_STOP_SEQUENCES
 
@@ -40,6 +41,8 @@ MAX_NEW_TOKENS = 4096
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 # finish reasons: the worker's (TGI's) → OpenAI's
 FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
+# OpenAI's answers name the backend's configuration; TGI's client requires it
+SYSTEM_FINGERPRINT = f"rawserve-{__version__}"
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,9 @@ def generation_params(
     top_p = fields.value("top_p")
     if top_p is not None:
         params["top_p"] = top_p
+    repetition_penalty = fields.value("repetition_penalty")
+    if repetition_penalty is not None:
+        params["repetition_penalty"] = repetition_penalty
     seed = fields.value("seed")
     if seed is not None:
         params["seed"] = seed
@@ -119,6 +125,13 @@ def read_top_p(name: str, value: Any, context: DocContext | None) -> float:
     if top_p == 0:
         raise BadRequest('"top_p" must be above 0')
     return top_p
+
+
+def read_repetition_penalty(name: str, value: Any, context: DocContext | None) -> float:
+    penalty = read_number(name, value, 0.0, 100.0)
+    if penalty == 0:
+        raise BadRequest('"repetition_penalty" must be above 0 (1: no penalty)')
+    return penalty
 
 
 def read_stream_options(name: str, value: Any, context: DocContext | None) -> bool:
@@ -168,7 +181,12 @@ def messages(value: Any) -> list[dict[str, str]]:
         raise BadRequest('"messages" must be a non-empty list of {"role", "content"}')
     checked = []
     for message in value:
-        if not isinstance(message, dict) or not set(message) <= {"role", "content", "name"}:
+        # "tool_calls" unset (null, as TGI's client sends it) is no tool call
+        if (
+            not isinstance(message, dict)
+            or not set(message) <= {"role", "content", "name", "tool_calls"}
+            or message.get("tool_calls") is not None
+        ):
             raise BadRequest(
                 'each message must be {"role", "content"} (and "name"); tool calls are not '
                 "supported"
@@ -284,6 +302,7 @@ MESSAGE: Schema = {
             "anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART, "minItems": 1}]
         },
         "name": {"type": "string"},
+        "tool_calls": {"type": "null"},
     },
     "additionalProperties": False,
 }
@@ -295,6 +314,11 @@ COMMON: dict[str, Field] = {
         lambda name, value, _: read_number(name, value, 0.0, 2.0),
     ),
     "top_p": Field({"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1}, read_top_p),
+    # not OpenAI's: TGI's (its client sends it) and vLLM's
+    "repetition_penalty": Field(
+        {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 100},
+        read_repetition_penalty,
+    ),
     "stop": Field(STOP, read_stop),
     "seed": whole(0, 2**32 - 1),
     "stream": flag(False),
@@ -411,6 +435,7 @@ class Answer:
             "object": f"{kind}.chunk" if chunk and self.chat else kind,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
         }
 
     def whole(self, outputs: Sequence[dict[str, Any]], stops: Sequence[str]) -> dict[str, Any]:
@@ -459,7 +484,7 @@ class Answer:
             try:
                 output = stream.output()
             except HTTPError as error:
-                yield sse({"error": {**error_document(error), "code": error.status}})
+                yield sse(openai_error_document(error))
                 return
             whole = cut_at_stop(output["generated_text"], stops)
             if whole.startswith(sent) and len(whole) > len(sent):

@@ -1,7 +1,7 @@
 """`GET /openapi.json`: an OpenAPI 3.1 document of the routes this server serves, made from
 the app's route table (the one it dispatches on): every route that fits the served model,
 with its request and answer schemas for that model's task, and the error answers it may
-give (each `{"error", "error_type"}`).
+give (each `{"error", "error_type"}`, or OpenAI's error object on the OpenAI routes).
 
 Server process; plain data.
 """
@@ -13,12 +13,14 @@ from http import HTTPStatus
 from typing import Any
 
 from rawserve import __version__
+from rawserve.api.openai import OPENAI_PREFIX
 from rawserve.api.routing import DocContext, Route
-from rawserve.api.schemas import ERROR, TEXT
+from rawserve.api.schemas import ERROR, OPENAI_ERROR, TEXT
 from rawserve.api.served import ServedModel
 
 OPENAPI_VERSION = "3.1.0"
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+OPENAI_ERROR_REF = {"$ref": "#/components/schemas/OpenAIErrorResponse"}
 DESCRIPTION = (
     "rawserve serves a Hugging Face transformers model over HTTP/1.1: the Inference API's "
     "POST /, and the routes of the APIs its clients already call (OpenAI's /v1, Text "
@@ -40,7 +42,7 @@ def openapi_document(
         "openapi": OPENAPI_VERSION,
         "info": {"title": "rawserve", "version": __version__, "description": DESCRIPTION},
         "paths": paths,
-        "components": {"schemas": {"ErrorResponse": ERROR}},
+        "components": {"schemas": {"ErrorResponse": ERROR, "OpenAIErrorResponse": OPENAI_ERROR}},
     }
     if api_key:
         document["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
@@ -62,8 +64,9 @@ def describe(route: Route, context: DocContext, api_key: bool) -> dict[str, Any]
     errors = set(operation.errors)
     if api_key and route.secured:
         errors.add(401)
+    error = OPENAI_ERROR_REF if route.path.startswith(OPENAI_PREFIX) else ERROR_REF
     for status in sorted(errors - set(operation.answers)):
-        responses[str(status)] = answer(status, {"application/json": {"schema": ERROR_REF}})
+        responses[str(status)] = answer(status, {"application/json": {"schema": error}})
     described: dict[str, Any] = {
         "summary": operation.summary,
         "tags": [operation.tag],

@@ -18,7 +18,24 @@ ERROR: Schema = {
     "type": "object",
     "required": ["error", "error_type"],
     "properties": {"error": {"type": "string"}, "error_type": {"type": "string"}},
-    "description": "Every error answer: what went wrong, and its kind.",
+    "description": "Every error answer but the OpenAI routes': what went wrong, and its kind.",
+}
+OPENAI_ERROR: Schema = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": NULLABLE_STRING,
+                "code": NULLABLE_STRING,
+            },
+        }
+    },
+    "description": "The OpenAI routes' error answers: OpenAI's error object.",
 }
 # --- TEI ----------------------------------------------------------------------------------
 

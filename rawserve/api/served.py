@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rawserve.api.outcomes import http_error
-from rawserve.http.errors import NotFound
+from rawserve.http.errors import ModelNotFound
 from rawserve.serving.face import (
     NO_CONTROL,
     Control,
@@ -97,5 +97,5 @@ class ServedModels:
         model = self._by_name.get(name)
         if model is None:
             served = ", ".join(self._by_name)
-            raise NotFound(f"no model named {name[:100]!r} is served (served: {served})")
+            raise ModelNotFound(f"no model named {name[:100]!r} is served (served: {served})")
         return model

@@ -1,4 +1,6 @@
-"""Errors that carry their HTTP status, and the one function that renders any error.
+"""Errors that carry their HTTP status, and the one place that renders any error: in
+rawserve's shape (`error_response`, every route but OpenAI's) or OpenAI's
+(`openai_error_response`, the `/v1/` routes, whose clients read only that shape).
 
 Messages are written for the client: they say what to fix and never contain a
 traceback, a path or a repr of internals (those go to the log).
@@ -14,11 +16,22 @@ from rawserve.http.exchange import HttpResponse
 log = logging.getLogger("rawserve.errors")
 
 MAX_MESSAGE_CHARS = 300  # messages may quote the client's input (a path): keep them short
+# OpenAI's error types by status; other 4xx are "invalid_request_error", 5xx "server_error"
+OPENAI_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
 
 
 class HTTPError(Exception):
     status = 500
     error_type = "internal_error"
+    # OpenAI's error object also names the request field at fault and a code (its
+    # `error_type` unless a subclass says better)
+    param: str | None = None
+    code: str | None = None
 
     def __init__(self, message: str, *, headers: list[tuple[str, str]] | None = None):
         super().__init__(message)
@@ -44,6 +57,13 @@ class Forbidden(HTTPError):
 class NotFound(HTTPError):
     status = 404
     error_type = "not_found"
+
+
+class ModelNotFound(NotFound):
+    """A request names a model that is not served."""
+
+    param = "model"
+    code = "model_not_found"  # OpenAI's code for it
 
 
 class MethodNotAllowed(HTTPError):
@@ -120,7 +140,34 @@ def as_http_error(exc: BaseException) -> HTTPError:
 
 def error_document(error: HTTPError) -> dict[str, str]:
     """The JSON body of an error: `{"error": message, "error_type": kind}`."""
-    message = error.message
+    return {"error": _short(error.message), "error_type": error.error_type}
+
+
+def openai_error_response(exc: BaseException) -> HttpResponse:
+    """`error_response` in OpenAI's shape, for the OpenAI routes (`/v1/...`): its clients
+    (the openai SDK, langchain, litellm) show `body["error"]["message"]` and nothing else."""
+    error = as_http_error(exc)
+    return HttpResponse(error.status, dumps(openai_error_document(error)), list(error.headers))
+
+
+def openai_error_document(error: HTTPError) -> dict[str, dict[str, str | None]]:
+    """OpenAI's error object: `{"error": {"message", "type", "param", "code"}}`, the same
+    status codes; `type` is one of OpenAI's documented kinds, `code` says more."""
+    if error.status >= 500:
+        kind = "server_error"
+    else:
+        kind = OPENAI_ERROR_TYPES.get(error.status, "invalid_request_error")
+    return {
+        "error": {
+            "message": _short(error.message),
+            "type": kind,
+            "param": error.param,
+            "code": error.code or error.error_type,
+        }
+    }
+
+
+def _short(message: str) -> str:
     if len(message) > MAX_MESSAGE_CHARS:
-        message = message[: MAX_MESSAGE_CHARS - 3] + "..."
-    return {"error": message, "error_type": error.error_type}
+        return message[: MAX_MESSAGE_CHARS - 3] + "..."
+    return message

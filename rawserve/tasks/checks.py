@@ -82,6 +82,28 @@ def boolean(value: Any) -> bool:
     return value
 
 
+class Unserved(ValueError):
+    """A parameter value the server cannot honour (answered 422): it is never ignored."""
+
+
+# what `ignored` checkers answer: the parameter is left out of the model's parameters
+IGNORED = None
+
+
+def ignored(*off: Any, schema: Schema | None = None) -> Checker:
+    """A parameter accepted only at its "off" values, and then left out: clients such as
+    TGI's send every parameter they know, null or false when unset. Any other value is
+    `Unserved`, never silently ignored."""
+    shown = " or ".join("null" if v is None else repr(v).lower() for v in (None, *off))
+
+    def check(value: Any) -> None:
+        if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in off):
+            raise Unserved(f"is not supported by this server: it takes only {shown}")
+        return IGNORED
+
+    return Checker(schema or {"enum": [None, *off]}, check)
+
+
 def one_of(*choices: str) -> Checker:
     def check(value: Any) -> str:
         if value not in choices:

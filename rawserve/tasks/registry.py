@@ -24,8 +24,8 @@ from rawserve.tasks import (
     token_classification,
     zero_shot_classification,
 )
-from rawserve.tasks.checks import BlankInput
-from rawserve.tasks.rules import InvalidRequest, SingleAnswer, Task
+from rawserve.tasks.checks import IGNORED, BlankInput, Unserved
+from rawserve.tasks.rules import InvalidRequest, SingleAnswer, Task, UnservedParameter
 
 TASKS: dict[str, Task] = {
     task.name: task
@@ -102,9 +102,13 @@ def check_params(task: Task, params: Mapping[str, Any]) -> dict[str, Any]:
         if value is None:  # clients such as InferenceClient send explicit nulls
             continue
         try:
-            checked[name] = task.params[name](value)
+            value = task.params[name](value)
+        except Unserved as exc:
+            raise UnservedParameter(f"parameter {name!r} {exc}") from None
         except ValueError as exc:
             raise InvalidRequest(f"parameter {name!r} {exc}") from None
+        if value is not IGNORED:
+            checked[name] = value
     return checked
 
 

@@ -14,6 +14,11 @@ class InvalidRequest(ValueError):
     """An input or parameter a task's rules refuse; the message says what to fix."""
 
 
+class UnservedParameter(InvalidRequest):
+    """A parameter the task knows but this server cannot honour with the value given:
+    well-formed, and refused (422) rather than ignored."""
+
+
 class SingleAnswer:
     """How a request with one (non-list) input is answered, from its item's output."""
 

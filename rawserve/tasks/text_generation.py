@@ -1,5 +1,8 @@
 """text-generation: a prompt in; `[{"generated_text"}]` out, or a stream of tokens.
 
+Its parameters are TGI's (which the Inference API's text-generation takes too): those
+rawserve serves, and the rest accepted only unset (TGI's client sends every one).
+
 `"stream": true` sits next to `parameters` (as InferenceClient and TGI send it) and
 takes one input. The server gives a streamed request a stream id (in the batch's
 `Control`, beside its parameters) so that the worker sends that stream a `TokenChunk`
@@ -10,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rawserve.tasks.checks import boolean, checker, float_range, int_range, text
+from rawserve.tasks.checks import boolean, checker, float_range, ignored, int_range, text
 from rawserve.tasks.rules import Task
 
 # Set by the server's OpenAI chat route, never by a client: each input is a chat
@@ -59,6 +62,17 @@ TASK = Task(
         "stop": stop_sequences,
         "repetition_penalty": float_range(0.0, 100.0),
         "details": boolean,
+        # TGI's parameters that rawserve does not serve: its client sends each of them,
+        # null or false (or their neutral value) when unset; anything else is a 422
+        "best_of": ignored(1),
+        "decoder_input_details": ignored(False),
+        "frequency_penalty": ignored(0),
+        "typical_p": ignored(1),
+        "top_n_tokens": ignored(0),
+        "truncate": ignored(),
+        "watermark": ignored(False),
+        "grammar": ignored(),
+        "adapter_id": ignored(),
     },
     extra_fields=frozenset({"stream"}),
     # the pipeline's shape: [{"generated_text"}] per input (and its details when asked)

@@ -50,6 +50,7 @@ class TokenWatcher(transformers.StoppingCriteria):
         recorder: ScoreRecorder,
         on_token: Callable[[int, dict[str, Any]], None] | None = None,
         cancelled: Callable[[], bool] = lambda: False,
+        keep_tokens: bool = False,
     ):
         self.tokenizer = tokenizer
         self.prompt_length = prompt_length
@@ -68,6 +69,10 @@ class TokenWatcher(transformers.StoppingCriteria):
         self.longest_stop = max((len(s) for s in self.stop), default=0)
         self.done = [False] * batch_size
         self.finish_reasons = ["length"] * batch_size
+        # each row's tokens as TGI's details list them (when asked: they cost a dict each)
+        self.tokens: list[list[dict[str, Any]]] | None = (
+            [[] for _ in range(batch_size)] if keep_tokens else None
+        )
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
         new_tokens = input_ids[:, -1].tolist()
@@ -83,17 +88,18 @@ class TokenWatcher(transformers.StoppingCriteria):
                 self.done[row], self.finish_reasons[row] = True, "eos_token"
             elif piece and any(s in tail for s in self.stop):
                 self.done[row], self.finish_reasons[row] = True, "stop_sequence"
-            if self.on_token is not None:
+            if self.on_token is not None or self.tokens is not None:
                 special = token_id in self.special_ids
-                self.on_token(
-                    row,
-                    {
-                        "id": token_id,
-                        "text": self.tokenizer.decode([token_id]) if special else piece,
-                        "logprob": float(logprobs[row, token_id]) if logprobs is not None else 0.0,
-                        "special": special,
-                    },
-                )
+                token = {
+                    "id": token_id,
+                    "text": self.tokenizer.decode([token_id]) if special else piece,
+                    "logprob": float(logprobs[row, token_id]) if logprobs is not None else 0.0,
+                    "special": special,
+                }
+                if self.tokens is not None:
+                    self.tokens[row].append(token)
+                if self.on_token is not None:
+                    self.on_token(row, token)
         if not all(self.done) and self.cancelled():
             log.info("generation stopped after %d tokens: the client left", len(self.token_ids[0]))
             self.done = [True] * len(self.done)
@@ -199,7 +205,9 @@ class CausalLMRunner(Runner):
         encoded = self.prompts(inputs, params).to(self.device)
         prompt_length = encoded["input_ids"].shape[1]
         recorder = ScoreRecorder()
-        wants_logprobs = stream_id is not None
+        # a whole answer's details list its tokens, as TGI's do (a stream sends them one by one)
+        keep_tokens = stream_id is None and bool(params.get("details"))
+        wants_logprobs = stream_id is not None or keep_tokens
         on_token = None
         if stream_id is not None and self.send is not None:
             send = self.send
@@ -219,6 +227,7 @@ class CausalLMRunner(Runner):
             recorder,
             on_token,
             cancelled,
+            keep_tokens,
         )
         kwargs = generate_kwargs(params, self.defaults)
         most = self.max_positions - 1
@@ -260,6 +269,8 @@ class CausalLMRunner(Runner):
                     "prompt_tokens": int(encoded["attention_mask"][row].sum()),
                     "seed": params.get("seed"),
                 }
+                if watcher.tokens is not None:  # TGI's: the prompt's tokens only on request
+                    output["details"].update(prefill=[], tokens=watcher.tokens[row])
             # pipe(x) answers [{"generated_text": ...}] per input
             outputs.append(output if stream_id is not None else [output])
         return outputs

@@ -1,0 +1,132 @@
+"""TGI's routes for text-generation models: `POST /generate` (one prompt's answer) and
+`POST /generate_stream` (its tokens as server-sent events), in Text Generation
+Inference's request and answer shapes.
+
+The body is TGI's `{"inputs": "...", "parameters": {...}}`: the text-generation task's
+own rules check it (`rawserve.tasks.text_generation`, whose parameters are TGI's: those
+rawserve cannot honour are taken only unset, else 422 naming them), and the generation
+goes the way of `POST /` (the scheduler, the worker's `causal_lm`, `streaming` for the
+events). The answers are TGI's: `{"generated_text", "details"}` with `details` when asked
+(`finish_reason`, `generated_tokens`, `seed`, `prefill`, `tokens`), and the stream's
+`{"index", "token", "generated_text", "details"}` events, the text on the last. Like
+TGI, the routes serve the one generation model: the first served one that generates.
+Errors keep rawserve's `{"error", "error_type"}`, which is TGI's own shape.
+Server process; never imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rawserve.api import schemas
+from rawserve.api.bodies import answer, read_json
+from rawserve.api.context import RouteContext
+from rawserve.api.inference import ParsedRequest, inference_request, parse_json_body
+from rawserve.api.openai import GENERATION
+from rawserve.api.outcomes import unwrap
+from rawserve.api.routing import MODEL_ERRORS, DocContext, Operation, Route, Schema
+from rawserve.api.served import ServedModel
+from rawserve.api.streaming import open_token_stream
+from rawserve.http.errors import BadRequest
+from rawserve.http.exchange import HttpRequest, HttpResponse
+from rawserve.tasks import InvalidRequest, check_generation_length
+
+TAG = "TGI"
+TASK = "text-generation"
+TOKEN: Schema = {
+    "type": "object",
+    "required": ["id", "text", "logprob", "special"],
+    "properties": {
+        "id": {"type": "integer"},
+        "text": {"type": "string"},
+        "logprob": {"type": "number"},
+        "special": {"type": "boolean"},
+    },
+}
+GENERATE_RESPONSE: Schema = {
+    "type": "object",
+    "required": ["generated_text"],
+    "properties": {
+        "generated_text": {"type": "string"},
+        "details": {
+            "type": "object",
+            "description": "with `parameters.details`",
+            "required": ["finish_reason", "generated_tokens", "seed", "prefill", "tokens"],
+            "properties": {
+                "finish_reason": {"enum": ["length", "eos_token", "stop_sequence"]},
+                "generated_tokens": {"type": "integer"},
+                "seed": {"type": ["integer", "null"]},
+                "prefill": {"type": "array", "items": TOKEN},
+                "tokens": {"type": "array", "items": TOKEN},
+            },
+        },
+    },
+}
+
+
+def generate_request(context: DocContext) -> Schema:
+    """TGI's body: `POST /`'s for the text-generation task, one text as `inputs`."""
+    return inference_request(context)
+
+
+class TgiRoutes:
+    """Handlers for `/generate` and `/generate_stream`."""
+
+    def __init__(self, context: RouteContext):
+        self.context = context
+
+    def routes(self) -> list[Route]:
+        generate = Operation(
+            "Generate (TGI): the continuation of one prompt, with its details when asked",
+            TAG,
+            generate_request,
+            lambda _: GENERATE_RESPONSE,
+            errors=(*MODEL_ERRORS, 422),
+        )
+        generate_stream = Operation(
+            "Generate (TGI), streamed: one server-sent event per new token",
+            TAG,
+            generate_request,
+            media_type="text/event-stream",
+            errors=(*MODEL_ERRORS, 422),
+            events=schemas.generation_events,
+        )
+        return [
+            Route("POST", "/generate", self.generate, generate, GENERATION, queued=True),
+            Route(
+                "POST",
+                "/generate_stream",
+                self.generate_stream,
+                generate_stream,
+                GENERATION,
+                queued=True,
+            ),
+        ]
+
+    async def generate(self, request: HttpRequest) -> HttpResponse:
+        model, parsed = self.parse(request)
+        results = await model.run(parsed.inputs, parsed.params, self.context.deadline(request))
+        [output] = unwrap(results[0])  # the pipeline's [{"generated_text", "details"}]
+        return answer(output, results)
+
+    async def generate_stream(self, request: HttpRequest) -> HttpResponse:
+        model, parsed = self.parse(request)
+        deadline = self.context.deadline(request)
+        return await open_token_stream(model, parsed.inputs[0], parsed.params, deadline)
+
+    def parse(self, request: HttpRequest) -> tuple[ServedModel, ParsedRequest]:
+        """The generation model, and the body's prompt and checked parameters."""
+        document = read_json(request)
+        model = self.context.model_for(None, GENERATION)
+        if isinstance(document, dict):
+            if "inputs" in document and not isinstance(document["inputs"], str):
+                raise BadRequest('"inputs" must be one text')
+            # the route says whether it streams ("stream" is for TGI's POST /)
+            document = {k: v for k, v in document.items() if k != "stream"}
+        parsed = parse_json_body(TASK, document, 1)
+        params: dict[str, Any] = {"return_full_text": False, **parsed.params}  # TGI's default
+        try:
+            check_generation_length(params, model.limits.max_new_tokens)
+        except InvalidRequest as exc:
+            raise BadRequest(str(exc)) from None
+        return model, ParsedRequest(parsed.inputs, params, is_list=False)

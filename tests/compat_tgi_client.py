@@ -1,0 +1,47 @@
+"""TGI's Python client (text-generation 0.7.0), unmodified, against a running rawserve.
+
+Run by tests/test_compat_clients.py with the interpreter of a virtual environment of its
+own (the client pins huggingface_hub < 1, rawserve needs >= 2): `python
+compat_tgi_client.py BASE_URL` prints, as one JSON document, what each call answered or
+the error the client raised. Imports nothing of rawserve.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from text_generation import Client
+from text_generation.types import Message
+
+PROMPT = "the movie was"
+
+
+def outcome(call: Any) -> Any:
+    """What a call answered (as JSON), or the client's exception: its class and message."""
+    try:
+        result = call()
+    except Exception as exc:  # noqa: BLE001 - the test reads which error the client raised
+        return {"raised": type(exc).__name__, "message": str(exc)}
+    if isinstance(result, list):
+        return [item.model_dump(mode="json") for item in result]
+    return result.model_dump(mode="json")
+
+
+def main(base_url: str) -> None:
+    client = Client(base_url, timeout=60)
+    messages = [Message(role="user", content="hello, what is a good movie")]
+    calls = {
+        "generate": lambda: client.generate(PROMPT, max_new_tokens=5),
+        "generate_stop": lambda: client.generate(PROMPT, max_new_tokens=5, stop_sequences=["x"]),
+        "generate_stream": lambda: list(client.generate_stream(PROMPT, max_new_tokens=5)),
+        "chat": lambda: client.chat(messages=messages, max_tokens=3, temperature=0),
+        "watermark": lambda: client.generate(PROMPT, max_new_tokens=5, watermark=True),
+        "too_long": lambda: client.generate(PROMPT, max_new_tokens=100_000),
+    }
+    print(json.dumps({name: outcome(call) for name, call in calls.items()}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

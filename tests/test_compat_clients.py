@@ -1,0 +1,298 @@
+"""The clients of the dialects rawserve speaks, unmodified, against the real server: TGI's
+routes and its own client (text-generation 0.7.0, in a virtual environment of its own:
+it pins huggingface_hub < 1), and the openai SDK showing rawserve's error messages.
+
+The virtual environment is made once (pytest's cache keeps it between runs); the test
+that needs it is skipped, saying why, only when pip cannot reach the package index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.server import RunningServer, running_together
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).parent
+TGI_CLIENT = "text-generation==0.7.0"
+PROMPT = "the movie was"
+# what pip says when it cannot reach the index (no network, no proxy)
+UNREACHABLE = re.compile(
+    r"NewConnectionError|Failed to establish|Temporary failure in name resolution|"
+    r"Network is unreachable|ProxyError|from versions: none"
+)
+# every parameter TGI's client sends, unset: null, false, or its neutral value
+TGI_CLIENT_PARAMETERS = {
+    "best_of": None,
+    "details": True,
+    "do_sample": False,
+    "max_new_tokens": 5,
+    "repetition_penalty": None,
+    "frequency_penalty": None,
+    "return_full_text": False,
+    "seed": None,
+    "stop": [],
+    "temperature": None,
+    "top_k": None,
+    "top_p": None,
+    "truncate": None,
+    "typical_p": None,
+    "watermark": False,
+    "decoder_input_details": False,
+    "top_n_tokens": None,
+    "grammar": None,
+}
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model):
+    started = {
+        # a generation model with a chat template, prompts capped at 2 per request
+        "chat": RunningServer(
+            ["--model", tiny_model("chat"), "--max-client-batch-size", "2", "--threads", "1"]
+        ),
+        # a model that never finishes loading: every inference request is 503
+        "loading": RunningServer(
+            ["--handler", "tests.handlers:slow_loading"],
+            env={"RAWSERVE_TEST_LOAD_SECONDS": "3600"},
+        ),
+    }
+    try:
+        with running_together({"chat": started["chat"]}):
+            started["loading"].start(wait_ready=False)
+            yield started
+    finally:
+        if started["loading"].process is not None:
+            started["loading"].stop()
+
+
+def events(server: RunningServer, path: str, document: dict) -> list[dict]:
+    status, headers, body = server.request(
+        "POST", path, json.dumps(document), {"Content-Type": "application/json"}
+    )
+    assert status == 200 and headers["content-type"].startswith("text/event-stream"), body
+    return [json.loads(line[5:]) for line in body.decode().splitlines() if line.startswith("data:")]
+
+
+# --- TGI's routes ---------------------------------------------------------------------
+
+
+def test_generate_answers_tgis_object_the_same_text_as_post_root(servers):
+    chat = servers["chat"]
+    parameters = {"max_new_tokens": 6, "return_full_text": False}
+    status, whole = chat.post_json({"inputs": PROMPT, "parameters": parameters}, "/generate")
+    assert status == 200 and set(whole) == {"generated_text"}, whole
+    greedy = {"inputs": PROMPT, "parameters": {**parameters, "do_sample": False}}
+    assert chat.post_json(greedy)[1][0] == chat.post_json(greedy, "/generate")[1]
+
+
+def test_generate_details_list_every_token_with_its_logprob(servers):
+    document = {"inputs": PROMPT, "parameters": {**TGI_CLIENT_PARAMETERS, "max_new_tokens": 6}}
+    status, answer = servers["chat"].post_json(document, "/generate")
+    assert status == 200, answer
+    details = answer["details"]
+    assert details["finish_reason"] in ("length", "eos_token")
+    assert details["prefill"] == [] and details["seed"] is None
+    tokens = details["tokens"]
+    assert len(tokens) == details["generated_tokens"] >= 1
+    assert all(set(token) == {"id", "text", "logprob", "special"} for token in tokens)
+    assert all(token["logprob"] <= 0 for token in tokens)
+    words = "".join(token["text"] for token in tokens if not token["special"])
+    # the pieces are the text as it grew (a character cut at the end waits for its rest)
+    assert answer["generated_text"].startswith(words) and words
+
+
+def test_generate_stream_sends_tgis_events_the_text_on_the_last(servers):
+    document = {"inputs": PROMPT, "parameters": {**TGI_CLIENT_PARAMETERS, "max_new_tokens": 6}}
+    streamed = events(servers["chat"], "/generate_stream", document)
+    status, whole = servers["chat"].post_json(document, "/generate")
+    assert [event["token"]["id"] for event in streamed] == [
+        token["id"] for token in whole["details"]["tokens"]
+    ]
+    *middle, last = streamed
+    assert all(event["generated_text"] is None and event["details"] is None for event in middle)
+    assert last["generated_text"] == whole["generated_text"]
+    assert last["details"]["generated_tokens"] == len(streamed)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("best_of", 2),
+        ("watermark", True),
+        ("decoder_input_details", True),
+        ("truncate", 10),
+        ("typical_p", 0.5),
+        ("top_n_tokens", 3),
+        ("frequency_penalty", 0.5),
+        ("grammar", {"type": "regex", "value": "a+"}),
+    ],
+)
+@pytest.mark.parametrize("path", ["/generate", "/"])
+def test_tgi_parameters_rawserve_does_not_serve_are_422_naming_them(servers, path, name, value):
+    parameters = {**TGI_CLIENT_PARAMETERS, name: value}
+    status, answer = servers["chat"].post_json({"inputs": PROMPT, "parameters": parameters}, path)
+    assert status == 422 and name in answer["error"], answer
+
+
+def test_generate_takes_one_text(servers):
+    status, answer = servers["chat"].post_json({"inputs": [PROMPT]}, "/generate")
+    assert status == 400 and "one text" in answer["error"]
+
+
+# --- TGI's own client ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tgi_client_python(request, tmp_path_factory) -> Path:
+    """The interpreter of a virtual environment with TGI's client, made once and kept in
+    pytest's cache (a fresh temporary folder when the cache is off)."""
+    cache = getattr(request.config, "cache", None)
+    folder = (
+        Path(cache.mkdir("compat-text-generation-0.7.0"))
+        if cache is not None
+        else tmp_path_factory.mktemp("text-generation")
+    )
+    python = folder / "bin" / "python"
+    stamp = folder / "installed"
+    if stamp.exists() and stamp.read_text() == TGI_CLIENT and python.exists():
+        return python
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(folder)], check=True)
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    installed = subprocess.run(
+        [*pip, TGI_CLIENT], capture_output=True, text=True, timeout=600, check=False
+    )
+    if installed.returncode != 0:
+        if UNREACHABLE.search(installed.stdout + installed.stderr):
+            pytest.skip(f"pip cannot reach the package index to install {TGI_CLIENT}")
+        raise AssertionError(f"pip install {TGI_CLIENT} failed:\n{installed.stderr[-3000:]}")
+    stamp.write_text(TGI_CLIENT)
+    return python
+
+
+@pytest.fixture(scope="module")
+def tgi_client_answers(servers, tgi_client_python):
+    """What TGI's client got for each call of tests/compat_tgi_client.py."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    ran = subprocess.run(
+        [str(tgi_client_python), str(HERE / "compat_tgi_client.py"), base_url(servers["chat"])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    return json.loads(ran.stdout)
+
+
+def base_url(server: RunningServer) -> str:
+    return f"http://127.0.0.1:{server.port}"
+
+
+def test_tgi_client_generates(servers, tgi_client_answers):
+    answer = tgi_client_answers["generate"]
+    assert "raised" not in answer, answer
+    status, direct = servers["chat"].post_json(
+        {"inputs": PROMPT, "parameters": TGI_CLIENT_PARAMETERS}, "/generate"
+    )
+    assert answer["generated_text"] == direct["generated_text"]
+    assert len(answer["details"]["tokens"]) == answer["details"]["generated_tokens"]
+    assert "raised" not in tgi_client_answers["generate_stop"]
+
+
+def test_tgi_client_streams(tgi_client_answers):
+    streamed = tgi_client_answers["generate_stream"]
+    assert isinstance(streamed, list) and streamed, streamed
+    assert streamed[-1]["generated_text"] == tgi_client_answers["generate"]["generated_text"]
+    assert streamed[-1]["details"]["finish_reason"] in ("length", "eos_token")
+
+
+def test_tgi_client_chats_naming_its_model_tgi(servers, tgi_client_answers):
+    answer = tgi_client_answers["chat"]
+    assert "raised" not in answer, answer
+    assert answer["model"] == "chat"  # the served model's name, whatever the client sent
+    assert answer["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_tgi_client_shows_rawserves_refusals(tgi_client_answers):
+    refused = tgi_client_answers["watermark"]
+    assert "watermark" in refused["message"] and "not supported" in refused["message"], refused
+    too_long = tgi_client_answers["too_long"]
+    assert too_long["raised"] == "BadRequestError" and "max_new_tokens" in too_long["message"]
+
+
+# --- the openai SDK shows rawserve's messages ------------------------------------------
+
+
+@pytest.fixture
+def openai_api(servers):
+    import openai
+
+    clients = []
+
+    def make(name: str) -> openai.OpenAI:
+        api = openai.OpenAI(base_url=base_url(servers[name]) + "/v1", api_key="x", max_retries=0)
+        clients.append(api)
+        return api
+
+    yield make
+    for api in clients:
+        api.close()
+
+
+def test_openai_sdk_shows_a_404s_message(openai_api):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as raised:
+        openai_api("chat").embeddings.create(model="chat", input="hello")
+    assert "this route needs a feature-extraction model" in str(raised.value)
+    assert raised.value.type == "not_found_error"
+
+
+def test_openai_sdk_shows_a_413s_message(openai_api):
+    import openai
+
+    with pytest.raises(openai.APIStatusError) as raised:
+        openai_api("chat").completions.create(model="chat", prompt=["a", "b", "c"], max_tokens=2)
+    assert raised.value.status_code == 413
+    assert "at most 2" in str(raised.value), raised.value
+
+
+def test_openai_sdk_shows_a_422s_message(openai_api):
+    import openai
+
+    with pytest.raises(openai.UnprocessableEntityError) as raised:
+        openai_api("chat").completions.create(model="chat", prompt="word " * 400, max_tokens=2)
+    assert "the prompt is" in str(raised.value) and "tokens" in str(raised.value)
+
+
+def test_openai_sdk_shows_a_503s_message(openai_api):
+    import openai
+
+    with pytest.raises(openai.InternalServerError) as raised:
+        openai_api("loading").embeddings.create(model="x", input="hello")
+    assert raised.value.status_code == 503
+    assert "the model is loading" in str(raised.value)
+    assert raised.value.type == "server_error"
+
+
+def test_openai_sdk_shows_a_stream_errors_message(openai_api):
+    import openai
+
+    # refused once queued: before its first token (a status of its own) or in the stream's
+    # error event, the SDK shows the message either way
+    with pytest.raises(openai.APIError) as raised:
+        for _ in openai_api("chat").completions.create(
+            model="chat", prompt="word " * 400, max_tokens=2, stream=True
+        ):
+            pass
+    assert "the prompt is" in str(raised.value), raised.value

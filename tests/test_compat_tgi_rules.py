@@ -1,0 +1,142 @@
+"""TGI's request on rawserve, without a model: which of the parameters TGI's client sends
+are served, ignored or refused, and which served model TGI's routes pick.
+
+The real server and TGI's own client are in tests/test_compat_clients.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from rawserve.api.app import App
+from rawserve.api.served import ServedModel, ServedModels
+from rawserve.http.exchange import HttpRequest
+from rawserve.serving.face import NO_CONTROL, Control, ItemResult, Refusal
+from rawserve.serving.service import ModelService
+from rawserve.tasks import InvalidRequest, UnservedParameter, check_params, task_rules
+from tests.test_model_selection import ReadyWorkers, served
+
+TASK = task_rules("text-generation")
+# what text-generation 0.7.0's Client.generate sends when only the prompt is given
+CLIENT_DEFAULTS = {
+    "best_of": None,
+    "details": True,
+    "do_sample": False,
+    "max_new_tokens": 20,
+    "repetition_penalty": None,
+    "frequency_penalty": None,
+    "return_full_text": False,
+    "seed": None,
+    "stop": [],
+    "temperature": None,
+    "top_k": None,
+    "top_p": None,
+    "truncate": None,
+    "typical_p": None,
+    "watermark": False,
+    "decoder_input_details": False,
+    "top_n_tokens": None,
+    "grammar": None,
+}
+
+
+def test_the_parameters_tgis_client_sends_unset_are_taken_and_left_out():
+    assert TASK is not None
+    assert check_params(TASK, CLIENT_DEFAULTS) == {
+        "details": True,
+        "do_sample": False,
+        "max_new_tokens": 20,
+        "return_full_text": False,
+        "stop": [],
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "neutral"),
+    [("best_of", 1), ("frequency_penalty", 0.0), ("typical_p", 1.0), ("top_n_tokens", 0)],
+)
+def test_a_neutral_value_is_taken_as_unset(name, neutral):
+    assert TASK is not None
+    assert name not in check_params(TASK, {name: neutral})
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("best_of", 2),
+        ("watermark", True),
+        ("decoder_input_details", True),
+        ("truncate", 0),
+        ("typical_p", 0.9),
+        ("top_n_tokens", 1),
+        ("frequency_penalty", 0.1),
+        ("grammar", {"type": "json", "value": {}}),
+        ("adapter_id", "lora"),
+        ("watermark", 0),  # false is not 0
+    ],
+)
+def test_a_value_rawserve_cannot_honour_is_refused_naming_it(name, value):
+    assert TASK is not None
+    with pytest.raises(UnservedParameter, match=f"'{name}' is not supported"):
+        check_params(TASK, {name: value})
+
+
+def test_a_parameter_tgi_does_not_have_is_still_unknown():
+    assert TASK is not None
+    with pytest.raises(InvalidRequest, match="unknown parameter"):
+        check_params(TASK, {"beam_width": 2})
+
+
+class GeneratingQueue:
+    """A generation model's queue that answers at once, as the worker shapes it."""
+
+    def __init__(self) -> None:
+        self.full = False
+        self.max_batch_size = 8
+        self.params: list[Mapping[str, Any]] = []
+
+    def admission(self) -> Refusal | None:
+        return None
+
+    async def run(
+        self,
+        inputs: Sequence[Any],
+        params: Mapping[str, Any],
+        deadline: float,
+        control: Control = NO_CONTROL,
+    ) -> list[ItemResult]:
+        self.params.append(dict(params))
+        return [ItemResult([{"generated_text": " and so on"}], 0.0, 1, 0.001) for _ in inputs]
+
+
+def generation_model() -> ServedModel:
+    return ServedModel("gen", ModelService(GeneratingQueue(), ReadyWorkers("text-generation")))
+
+
+def post(path: str, document: Any) -> HttpRequest:
+    headers = [("content-type", "application/json")]
+    return HttpRequest("POST", path, "", headers, json.dumps(document).encode(), request_id="t")
+
+
+async def test_generate_uses_the_first_model_that_generates_wherever_it_is_listed():
+    gen = generation_model()
+    app = App(ServedModels([served("emb", "feature-extraction"), gen]))
+    response = await app.handle(post("/generate", {"inputs": "once", "parameters": {}}))
+    assert response.status == 200
+    assert json.loads(response.body) == {"generated_text": " and so on"}
+    queue = gen.serving.queue
+    assert isinstance(queue, GeneratingQueue)
+    assert queue.params == [{"return_full_text": False}]  # TGI's default: the continuation
+
+
+async def test_generate_refuses_an_unserved_parameter_with_422_in_tgis_shape():
+    app = App(ServedModels([generation_model()]))
+    body = {"inputs": "once", "parameters": {"watermark": True}}
+    with pytest.raises(Exception) as raised:
+        await app.handle(post("/generate", body))
+    assert getattr(raised.value, "status", None) == 422
+    assert "'watermark' is not supported" in str(raised.value)
