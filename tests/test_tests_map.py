@@ -15,7 +15,8 @@ def named_paths() -> set[str]:
     """Module paths the map names: `rawserve/x/y.py`, or `y.py` after a `rawserve/x/` in
     the same cell, and a whole folder as `rawserve/tasks/`."""
     named = set()
-    for cell in MAP.split("|"):
+    rows = [line for line in MAP.splitlines() if line.startswith("|")]
+    for cell in "\n".join(rows).split("|"):
         folder = ""
         for name in re.findall(r"`([^`]+)`", cell):
             if name.startswith("rawserve/"):
