@@ -116,3 +116,135 @@ def test_a_batch_mates_long_prompt_never_shortens_another_sequence(runner):
     long_alone = runner.run([long], params)
     assert generated(batched[1]) == generated(long_alone[0])
     assert generated(batched[1])[1] == "length"
+
+
+# --- continuous batching ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(runner):
+    return runner.model, runner.tokenizer
+
+
+def batcher(runner, max_rows=64, on_token=None):
+    from rawserve.worker.continuous import ContinuousBatcher
+
+    return ContinuousBatcher(runner.model, runner.tokenizer, POSITIONS, max_rows, on_token)
+
+
+def alone_greedy(runner, ids: list[int], max_new_tokens: int) -> list[int]:
+    """What `generate` makes of one prompt alone, greedy, cut at its end of sequence."""
+    import torch
+
+    with torch.inference_mode():
+        out = runner.model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones((1, len(ids)), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=runner.tokenizer.pad_token_id,
+        )
+    tokens = out[0, len(ids) :].tolist()
+    eos = runner.tokenizer.eos_token_id
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def run_all(engine) -> list:
+    finished = []
+    while engine.busy:
+        finished += engine.step()
+    return finished
+
+
+def prompt_ids(runner, text):
+    return runner.tokenizer(text)["input_ids"]
+
+
+def test_continuous_outputs_equal_one_at_a_time_greedy_generation(runner):
+    from rawserve.worker.continuous import Generation
+
+    texts = ["the movie was", "word " * 60, "a", "good film, bad film " * 5, "word " * 110]
+    asks = [40, 12, 30, 25, 60]
+    engine = batcher(runner, max_rows=3)  # some join only when others leave
+    generations = [
+        Generation(i, prompt_ids(runner, t), n)
+        for i, (t, n) in enumerate(zip(texts, asks, strict=True))
+    ]
+    for generation in generations:
+        engine.add(generation)
+    finished = run_all(engine)
+    assert sorted(g.key for g in finished) == list(range(len(texts)))
+    for generation, text, asked in zip(generations, texts, asks, strict=True):
+        ids = prompt_ids(runner, text)
+        room = POSITIONS - len(ids)
+        assert generation.tokens == alone_greedy(runner, ids, min(asked, room)), text[:20]
+
+
+def test_a_short_request_joining_a_long_one_finishes_first(runner):
+    from rawserve.worker.continuous import Generation
+
+    engine = batcher(runner)
+    long = Generation("long", prompt_ids(runner, "word " * 20), 150)
+    short = Generation("short", prompt_ids(runner, "the movie was"), 5)
+    engine.add(long)
+    for _ in range(3):
+        engine.step()
+    engine.add(short)
+    finished = []
+    while not finished:
+        finished = engine.step()
+    assert [g.key for g in finished] == ["short"]
+    assert not long.done and len(long.tokens) < 150
+
+
+def test_a_cancelled_sequence_frees_its_row_at_the_next_step(runner):
+    from rawserve.worker.continuous import Generation
+
+    engine = batcher(runner, max_rows=1)
+    first = Generation("first", prompt_ids(runner, "the movie was"), 200)
+    second = Generation("second", prompt_ids(runner, "a good film"), 5)
+    engine.add(first)
+    engine.add(second)
+    engine.step()
+    assert engine.rows == [first] and engine.waiting == [second]
+    engine.cancel("first")
+    finished = engine.step()
+    assert finished == [first] and first.finish_reason == "cancelled"
+    assert engine.rows == [second]  # it joined in the same step
+
+
+def test_each_sequence_keeps_its_own_seed_whatever_its_batch_mates(runner):
+    from rawserve.worker.continuous import Generation
+
+    def sampled(mates: int) -> list[int]:
+        engine = batcher(runner)
+        mine = Generation("mine", prompt_ids(runner, "the movie was"), 20, True, seed=7)
+        engine.add(mine)
+        for n in range(mates):
+            engine.add(Generation(n, prompt_ids(runner, "word " * (n + 1)), 20, True, seed=n))
+        run_all(engine)
+        return mine.tokens
+
+    assert sampled(0) == sampled(3)
+
+
+def test_stop_sequences_and_positions_end_a_row(runner):
+    from rawserve.worker.continuous import Generation
+
+    engine = batcher(runner)
+    ids = prompt_ids(runner, "word " * 120)
+    near_end = Generation("end", ids, 100)
+    engine.add(near_end)
+    run_all(engine)
+    room = POSITIONS - len(ids)
+    assert len(near_end.tokens) <= room
+    if near_end.finish_reason == "length":
+        assert len(near_end.tokens) == room
+    greedy = alone_greedy(runner, prompt_ids(runner, "the movie was"), 30)
+    text = runner.tokenizer.decode(greedy, skip_special_tokens=True)
+    stop = text.strip()[:3]
+    if stop:
+        stopped = Generation("stop", prompt_ids(runner, "the movie was"), 30, stop=[stop])
+        engine.add(stopped)
+        run_all(engine)
+        assert stopped.finish_reason == "stop_sequence"
