@@ -8,10 +8,10 @@ depends on its batch-mates.
 
 How: one KV cache for the batch (transformers' `DynamicCache`, rebuilt each step from
 per-layer tensors `[rows, heads, length, head_dim]`), rows aligned at their right end
-with left padding that the attention mask hides, and each row's own position ids. A
-joining sequence is prefilled alone and its cache is padded (or the batch's is) to the
-batch's length; a leaving row is dropped from every tensor, and padding columns no row
-needs any more are cut off.
+with left padding that the attention mask hides, and each row's own position ids. The
+sequences joining at a step are prefilled together and their cache is padded (or the
+batch's is) to the batch's length; a leaving row is dropped from every tensor, and
+padding columns no row needs any more are cut off.
 
 Why our own loop and not transformers' continuous-batching manager: measured on an H100
 with a GPT-2-small-sized model, the manager took ~110 ms a decoding step whatever the
@@ -120,8 +120,10 @@ class ContinuousBatcher:
         finished = [g for g in self.waiting if g.done]  # cancelled before they joined
         self.waiting = [g for g in self.waiting if not g.done]
         finished += self._leave()
-        while self.waiting and len(self.rows) < self.max_rows:
-            self._join(self.waiting.pop(0))
+        free = self.max_rows - len(self.rows)
+        if self.waiting and free > 0:
+            joining, self.waiting = self.waiting[:free], self.waiting[free:]
+            self._join(joining)
         finished += self._leave()  # a sequence may finish on its first token
         if self.rows:
             self._decode()
@@ -130,36 +132,48 @@ class ContinuousBatcher:
 
     # --- the batch's cache ----------------------------------------------------------------
 
-    def _join(self, generation: Generation) -> None:
-        ids = torch.tensor([generation.prompt_ids], device=self.device)
-        out = self.model(input_ids=ids, use_cache=True)
-        cache = out.past_key_values
-        keys = [layer.keys for layer in cache.layers]
-        values = [layer.values for layer in cache.layers]
-        mask = torch.ones_like(ids)
-        length, batch_length = ids.shape[1], self._mask.shape[1]
-        if self.rows:  # align the new row and the batch at their right ends
-            if length < batch_length:
-                keys, values = (
-                    _pad_left(keys, batch_length - length),
-                    _pad_left(values, batch_length - length),
-                )
-                mask = torch.nn.functional.pad(mask, (batch_length - length, 0))
-            elif length > batch_length:
-                self._keys = _pad_left(self._keys, length - batch_length)
-                self._values = _pad_left(self._values, length - batch_length)
-                self._mask = torch.nn.functional.pad(self._mask, (length - batch_length, 0))
+    def _join(self, generations: list[Generation]) -> None:
+        """Prefill the joining sequences together (left-padded, each with its own
+        positions) and add their rows to the batch's cache, aligned at the right end."""
+        lengths = [len(g.prompt_ids) for g in generations]
+        width = max(lengths)
+        ids = torch.tensor(
+            [[0] * (width - len(g.prompt_ids)) + g.prompt_ids for g in generations],
+            device=self.device,
+        )
+        mask = torch.tensor(
+            [[0] * (width - n) + [1] * n for n in lengths], dtype=torch.long, device=self.device
+        )
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+        )
+        layers = out.past_key_values.layers
+        keys = [layer.keys for layer in layers]
+        values = [layer.values for layer in layers]
+        batch_length = self._mask.shape[1]
+        if self.rows:
+            if width < batch_length:
+                keys = _pad_left(keys, batch_length - width)
+                values = _pad_left(values, batch_length - width)
+                mask = torch.nn.functional.pad(mask, (batch_length - width, 0))
+            elif width > batch_length:
+                self._keys = _pad_left(self._keys, width - batch_length)
+                self._values = _pad_left(self._values, width - batch_length)
+                self._mask = torch.nn.functional.pad(self._mask, (width - batch_length, 0))
             self._keys = [torch.cat(pair) for pair in zip(self._keys, keys, strict=True)]
             self._values = [torch.cat(pair) for pair in zip(self._values, values, strict=True)]
             self._mask = torch.cat([self._mask, mask])
         else:
             self._keys, self._values, self._mask = keys, values, mask
-        position = torch.tensor([length], device=self.device)
-        self._positions = torch.cat([self._positions, position])
-        self.rows.append(generation)
-        token = self._choose(out.logits[:, -1, :], [generation])
-        self._last = torch.cat([self._last, token])
-        self._accept([generation], token.tolist())
+        positions = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        self._positions = torch.cat([self._positions, positions])
+        self.rows += generations
+        tokens = self._choose(out.logits[:, -1, :], generations)
+        self._last = torch.cat([self._last, tokens])
+        self._accept(generations, tokens.tolist())
 
     def _decode(self) -> None:
         cache = transformers.DynamicCache(
