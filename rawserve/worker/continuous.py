@@ -149,6 +149,7 @@ class ContinuousBatcher:
             attention_mask=mask,
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
             use_cache=True,
+            logits_to_keep=1,  # only the last position's scores: the vocabulary is wide
         )
         layers = out.past_key_values.layers
         keys = [layer.keys for layer in layers]
@@ -187,6 +188,7 @@ class ContinuousBatcher:
             position_ids=self._positions[:, None],
             past_key_values=cache,
             use_cache=True,
+            logits_to_keep=1,
         )
         layers = out.past_key_values.layers
         self._keys = [layer.keys for layer in layers]
