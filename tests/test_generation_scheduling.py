@@ -248,3 +248,42 @@ def test_stop_sequences_and_positions_end_a_row(runner):
         engine.add(stopped)
         run_all(engine)
         assert stopped.finish_reason == "stop_sequence"
+
+
+# --- the prompt check, without a server --------------------------------------------------
+
+
+class FakeServing:
+    def __init__(self, tokenizer_json: str, positions: int):
+        from types import SimpleNamespace
+
+        self.loaded = SimpleNamespace(
+            tokenizer=tokenizer_json, details={"max_input_length": positions}
+        )
+
+
+def check(prompts, chat, positions=64):
+    import asyncio
+
+    from rawserve.api.prompts import PromptLengths
+    from rawserve.api.served import ServedModel
+    from tests.tiny_models import bpe_tokenizer
+
+    serving = FakeServing(bpe_tokenizer().backend_tokenizer.to_str(), positions)
+    model = ServedModel("m", serving)  # type: ignore[arg-type]
+    asyncio.run(PromptLengths().check(model, prompts, chat))
+
+
+def test_the_prompt_check_counts_texts_and_chats():
+    from rawserve.http.errors import UnprocessableInput
+
+    check(["word " * 10], chat=False)
+    with pytest.raises(UnprocessableInput, match="leave room for one new token"):
+        check(["word " * 100], chat=False)
+    with pytest.raises(UnprocessableInput):
+        check(["word " * 200_000], chat=False)  # counted a piece at a time, in a thread
+    chat = {"messages": [{"role": "user", "content": "word " * 10}]}
+    check([chat], chat=True)
+    huge = {"messages": [{"role": "user", "content": "word " * 100}]}
+    with pytest.raises(UnprocessableInput):
+        check([huge], chat=True)
