@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from rawserve.serving.batching import BatchLimits, CostModel, choose_batch, padded_cost
 from rawserve.serving.core import (
+    ADMIT_MARGIN,
     DeadlineUnreachable,
     NeverAdmissible,
     QueueFull,
@@ -161,7 +162,9 @@ def test_work_in_flight_counts_against_the_deadline():
     assert len(core.next_batch(now=0.0)) == 10  # predicted 10 s of compute
     with pytest.raises(DeadlineUnreachable):
         queue_items(core, ["x"], now=1.0, deadline=5.0)
-    queue_items(core, ["x"], now=1.0, deadline=11.0)
+    with pytest.raises(DeadlineUnreachable):  # in time, but with no slack for a batch
+        queue_items(core, ["x"], now=1.0, deadline=11.0)
+    queue_items(core, ["x"], now=1.0, deadline=1.0 + ADMIT_MARGIN * 9.02)
 
 
 def test_earliest_deadline_first_and_expiry():

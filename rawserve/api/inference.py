@@ -243,6 +243,8 @@ class InferenceRoutes:
             check_generation_length(parsed.params, model.limits.max_new_tokens)
         except InvalidRequest as exc:
             raise BadRequest(str(exc)) from None
+        if task == "text-generation":
+            await self.context.prompts.check(model, parsed.inputs, chat=False)
         deadline = self.context.deadline(request)
         if parsed.stream:
             return await open_token_stream(model, parsed.inputs[0], parsed.params, deadline)

@@ -212,6 +212,7 @@ class OpenAIRoutes:
     ) -> HttpResponse:
         """Queue the prompts like any text-generation request; answer whole or streamed."""
         check_max_tokens(generation, model.limits.max_new_tokens)
+        await self.context.prompts.check(model, generation.items, chat)
         shape = Answer(chat, model.name)
         deadline = self.context.deadline(request)
         if generation.stream:

@@ -10,9 +10,10 @@ Pure decisions with no clock and no I/O, used by the scheduling core (`serving.c
   one call, and everything goes together.
   The batch's padded cost (longest x items) stays under the token budget, and items
   close to their deadline join whatever their length.
-- `CostModel` predicts a call's seconds from its padded cost, fitted on the batches
-  measured so far; the scheduler uses it to admit, to refuse work that cannot finish
-  in time, and to estimate `Retry-After`.
+- `CostModel` predicts a call's seconds from its items and padded cost (a fixed part,
+  a part per item and one per token), fitted on the batches measured so far; the
+  scheduler uses it to admit, to refuse work that cannot finish in time, to size
+  batches and to estimate `Retry-After`.
 """
 
 from __future__ import annotations
@@ -107,14 +108,15 @@ def plan_partners(queue: Sequence[ItemT], limits: BatchLimits, model: CostModel)
     """The ids of the items that share the head's model call in the cheapest plan.
 
     The plan serves all of `queue` in model calls of items adjacent in length order,
-    and minimizes the summed predicted time, `fixed + per_token x longest x items` per
-    call (dynamic programming over the sorted lengths). When the fixed cost of a call
-    dominates it takes big mixed batches; when padding dominates it groups lengths.
+    and minimizes the summed predicted time, `fixed + (per_item + per_token x longest)
+    x items` per call (dynamic programming over the sorted lengths). When the fixed cost
+    of a call dominates it takes big mixed batches; when padding dominates it groups
+    lengths.
     """
     head = queue[0]
     order = sorted(queue, key=lambda item: item.cost)
     count = len(order)
-    fixed, per_token = model.fixed, model.per_token
+    fixed, per_item, per_token = model.fixed, model.per_item, model.per_token
     best = [0.0] + [math.inf] * count  # best[j]: the cheapest plan for order[:j]
     cut = [0] * (count + 1)  # where the last call of that plan starts
     for end in range(1, count + 1):
@@ -122,7 +124,7 @@ def plan_partners(queue: Sequence[ItemT], limits: BatchLimits, model: CostModel)
         for size in range(1, min(limits.max_size, end) + 1):
             if size > 1 and limits.max_tokens and longest * size > limits.max_tokens:
                 break
-            total = best[end - size] + fixed + per_token * longest * size
+            total = best[end - size] + fixed + (per_item + per_token * longest) * size
             if total <= best[end]:  # on a tie, the bigger call
                 best[end], cut[end] = total, end - size
     end = count
@@ -136,20 +138,33 @@ def plan_partners(queue: Sequence[ItemT], limits: BatchLimits, model: CostModel)
 
 
 class CostModel:
-    """Seconds of a model call as `fixed + per_token * padded_cost`, from measurements.
+    """Seconds of a model call as `fixed + per_item * items + per_token * padded_cost`,
+    learned from the calls the worker pool actually runs, on whatever device it runs.
 
-    Exponentially weighted least squares over the recent batches, so the fit follows a
-    machine whose speed drifts. Until one batch is measured it predicts nothing (None):
-    the scheduler then admits everything rather than guess.
+    The parts differ by device, and each matters there: on a GPU a call costs mostly its
+    fixed part and grows little with its size (8.5 ms for one short text, ~18 ms for
+    256, measured on an H100), on a CPU it grows steeply with its padded tokens. The fit
+    is exponentially weighted least squares over the recent calls, so it follows a
+    machine whose speed drifts.
+
+    Under steady load every call has the same size, and the recent calls alone can no
+    longer tell the parts apart: the shape learned before (how much is fixed, how much
+    per item and per token) is then kept and only scaled to the calls' measured time,
+    so a GPU's large fixed part is not forgotten (taking it all as per-token made a
+    lone small request look as slow as a full batch). Until one call is measured it
+    predicts nothing (None): the scheduler then admits everything rather than guess.
     """
 
     def __init__(self, memory: float = COST_MEMORY):
         self.memory = memory
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        # weighted sums of 1, items (a), padded tokens (p), seconds (y) and their products
+        self._w = self._a = self._p = self._y = 0.0
+        self._aa = self._pp = self._ap = self._ay = self._py = 0.0
         self.fixed = 0.0
+        self.per_item = 0.0
         self.per_token = 0.0
         self.padding = 1.0  # padded / unpadded tokens of recent calls
-        self._fitted = False
+        self._fitted = False  # the parts were told apart (calls of different sizes)
         self.calls = 0  # calls measured
 
     @property
@@ -163,38 +178,81 @@ class CostModel:
 
     @property
     def fitted(self) -> bool:
-        """Both parts are measured (calls of different sizes): predictions for other sizes,
-        and plans that split work into several calls, rest on more than one point."""
+        """The parts are measured (calls of different sizes, now or before): predictions
+        for other sizes, and plans that split work into several calls, rest on more than
+        one point."""
         return self._fitted
 
-    def observe(self, cost: int, seconds: float, tokens: int | None = None) -> None:
-        """One model call: its padded cost, its seconds, and its unpadded tokens."""
+    def observe(self, cost: int, seconds: float, tokens: int | None = None, items: int = 1) -> None:
+        """One model call: its padded cost, its seconds, its unpadded tokens and items."""
         m = self.memory
         if tokens:
             self.padding += (1 - m) * (cost / tokens - self.padding)
-        x, y = float(max(cost, 1)), max(seconds, 0.0)
+        a, p, y = float(max(items, 1)), float(max(cost, 1)), max(seconds, 0.0)
         self.calls += 1
         self._w = m * self._w + 1
-        self._x = m * self._x + x
+        self._a = m * self._a + a
+        self._p = m * self._p + p
         self._y = m * self._y + y
-        self._xx = m * self._xx + x * x
-        self._xy = m * self._xy + x * y
-        mean_x, mean_y = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mean_x * mean_x
-        slope = (self._xy / self._w - mean_x * mean_y) / var if var > (0.05 * mean_x) ** 2 else None
-        self._fitted = slope is not None and slope >= 0
-        if slope is None or slope < 0:  # one size measured so far: assume proportional
-            self.fixed, self.per_token = 0.0, mean_y / mean_x
-        else:
-            self.fixed, self.per_token = mean_y - slope * mean_x, slope
-            if self.fixed < 0:
-                self.fixed, self.per_token = 0.0, mean_y / mean_x
+        self._aa = m * self._aa + a * a
+        self._pp = m * self._pp + p * p
+        self._ap = m * self._ap + a * p
+        self._ay = m * self._ay + a * y
+        self._py = m * self._py + p * y
+        self._fit()
 
-    def predict(self, cost: int) -> float | None:
-        """Seconds of one model call of this padded cost, or None before any measurement."""
+    def _fit(self) -> None:
+        w = self._w
+        mean_a, mean_p, mean_y = self._a / w, self._p / w, self._y / w
+        var_a = self._aa / w - mean_a * mean_a
+        var_p = self._pp / w - mean_p * mean_p
+        cov_ap = self._ap / w - mean_a * mean_p
+        cov_ay = self._ay / w - mean_a * mean_y
+        cov_py = self._py / w - mean_p * mean_y
+        # a part is measured once its size varies by more than 5% of its mean
+        a_varies = var_a > (0.05 * mean_a) ** 2
+        p_varies = var_p > (0.05 * mean_p) ** 2
+        slopes: tuple[float, float] | None = None  # (per item, per token)
+        det = var_a * var_p - cov_ap * cov_ap
+        if a_varies and p_varies and det > 0.05 * var_a * var_p:  # apart: both parts
+            per_item = (cov_ay * var_p - cov_py * cov_ap) / det
+            per_token = (cov_py * var_a - cov_ay * cov_ap) / det
+            if per_item >= 0 and per_token >= 0:
+                slopes = (per_item, per_token)
+            elif per_token >= 0 or per_item < 0:  # one part is noise: the tokens alone
+                slopes = (0.0, max(cov_py / var_p, 0.0))
+            else:
+                slopes = (max(cov_ay / var_a, 0.0), 0.0)
+        elif p_varies:  # tokens and items move together (or items stay): the tokens
+            slopes = (0.0, cov_py / var_p) if cov_py >= 0 else None
+        elif a_varies:
+            slopes = (cov_ay / var_a, 0.0) if cov_ay >= 0 else None
+        if slopes is not None:
+            fixed = mean_y - slopes[0] * mean_a - slopes[1] * mean_p
+            if fixed >= 0:
+                self.fixed, (self.per_item, self.per_token) = fixed, slopes
+                self._fitted = True
+                return
+            slopes = None
+        # One size measured: keep the shape learned before, scaled to what the calls
+        # take now; with none learned yet, assume the time proportional to the tokens.
+        shape = self.fixed + self.per_item * mean_a + self.per_token * mean_p
+        if self._fitted and shape > 0:
+            scale = mean_y / shape
+            self.fixed, self.per_item, self.per_token = (
+                self.fixed * scale,
+                self.per_item * scale,
+                self.per_token * scale,
+            )
+        else:
+            self.fixed, self.per_item, self.per_token = 0.0, 0.0, mean_y / mean_p
+
+    def predict(self, cost: int, items: int = 1) -> float | None:
+        """Seconds of one model call of `items` items and this padded cost, or None
+        before any measurement."""
         if not self.measured:
             return None
-        return self.fixed + self.per_token * cost
+        return self.fixed + self.per_item * items + self.per_token * cost
 
     def drain_seconds(self, costs: Sequence[int], max_size: int, workers: int = 1) -> float | None:
         """The seconds to compute `costs` in full batches, padded as recent batches were."""
@@ -208,4 +266,5 @@ class CostModel:
             return None
         calls = math.ceil(items / max_size)
         padded = self.padding * total_cost
-        return (calls * self.fixed + self.per_token * padded) / max(workers, 1)
+        seconds = calls * self.fixed + self.per_item * items + self.per_token * padded
+        return seconds / max(workers, 1)

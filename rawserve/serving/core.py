@@ -32,6 +32,11 @@ URGENT_BATCHES = 2.0  # an item this many batch-times from its deadline joins an
 # A batch is sent only to items whose deadline is this many predicted batch-times away:
 # model calls vary, and an answer that comes back late is compute wasted.
 DEADLINE_MARGIN = 1.25
+# Work is admitted only when the work ahead of it, at the measured speed, leaves this much
+# slack before its deadline: an item admitted at the edge reaches the head of the queue
+# with no time left, and the batch that could still save it is a small one (less done per
+# second, more left to expire: under overload the queue spiralled into batches of one).
+ADMIT_MARGIN = DEADLINE_MARGIN
 RATE_SMOOTHING = 0.2  # weight of the newest batch in the service-rate average
 CALIBRATION_SMOOTHING = 0.3  # weight of the newest token count in the estimate's scale
 OUTLIER_FACTOR = 4.0  # a measured batch counts as at most this many times its prediction
@@ -86,6 +91,7 @@ class NeverAdmissible(Exception):
 @dataclass
 class InFlight:
     sent: float
+    items: int
     cost: int  # padded cost
     tokens: int  # unpadded
     predicted: float  # seconds, 0 before any measurement
@@ -203,7 +209,7 @@ class SchedulerCore:
         everything = self.cost_model.drain_seconds_of(
             self._size + len(own), self._queued_cost + sum(own), self.max_batch_size, self.workers
         )
-        if everything is not None and now + in_flight + everything <= deadline:
+        if everything is not None and now + ADMIT_MARGIN * (in_flight + everything) <= deadline:
             return False
         last_turn = max(item.turn for item in items)
         latest = max(item.deadline for item in items)
@@ -215,7 +221,7 @@ class SchedulerCore:
         ]
         with_ahead = self.cost_model.drain_seconds(ahead + own, self.max_batch_size, self.workers)
         assert with_ahead is not None  # measured, as `alone` was
-        return now + in_flight + with_ahead > deadline
+        return now + ADMIT_MARGIN * (in_flight + with_ahead) > deadline
 
     def _in_flight_seconds(self, now: float) -> float:
         left = sum(max(0.0, b.sent + b.predicted - now) for b in self._in_flight.values())
@@ -298,9 +304,9 @@ class SchedulerCore:
                     self.remove(item)
                 self._turn = max(self._turn, max(item.turn for item in batch))
                 cost = padded_cost(item.cost for item in batch)
-                predicted = self.cost_model.predict(cost) or 0.0
+                predicted = self.cost_model.predict(cost, len(batch)) or 0.0
                 tokens = sum(item.cost for item in batch)
-                self._in_flight[batch[0].seq] = InFlight(now, cost, tokens, predicted)
+                self._in_flight[batch[0].seq] = InFlight(now, len(batch), cost, tokens, predicted)
                 return batch
         return None
 
@@ -313,10 +319,12 @@ class SchedulerCore:
         time (late answers and 504s at 3x overload)."""
         limits = self.limits
         model = self.cost_model
-        if not model.trusted or model.per_token <= 0:
+        # an item adds at least one token and one item: its padded cost bounds both
+        per_token = model.per_token + model.per_item
+        if not model.trusted or per_token <= 0:
             return limits
         seconds = (deadline - now) / DEADLINE_MARGIN - model.fixed
-        in_time = max(head_cost, int(seconds / model.per_token))
+        in_time = max(head_cost, int(seconds / per_token))
         if limits.max_tokens is None or in_time < limits.max_tokens:
             return replace(limits, max_tokens=in_time)
         return limits
@@ -359,7 +367,7 @@ class SchedulerCore:
         seconds = max(now - flight.sent, 1e-6)
         if flight.predicted:  # a freak batch (a worker restart, retries) must not skew it
             seconds = min(seconds, OUTLIER_FACTOR * flight.predicted)
-        self.cost_model.observe(flight.cost, seconds, flight.tokens)
+        self.cost_model.observe(flight.cost, seconds, flight.tokens, flight.items)
         rate = len(batch) / seconds
         if self.items_per_second is None:
             self.items_per_second = rate

@@ -201,9 +201,71 @@ class CausalLMRunner(Runner):
     def run(
         self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
     ) -> list[Any]:
+        encoded = self.prompts(inputs, params)
+        kwargs = generate_kwargs(params, self.defaults)
+        most = self.max_positions - 1
+        asked = params.get("max_new_tokens")
+        if asked is not None and asked > most:  # the server refuses it first: a backstop
+            raise ValueError(f"max_new_tokens is {asked}, and this model generates at most {most}")
+        lengths = [int(n) for n in encoded["attention_mask"].sum(-1).tolist()]
+        if self.max_positions - max(lengths) < 1:
+            raise ValueError(
+                f"the prompt is {max(lengths)} tokens: the model takes at most "
+                f"{most} to leave room for one new token"
+            )
+        # Each row's own cap: a prompt and its new tokens past the positions stop there
+        # (finish_reason "length"). Rows with the same cap share a `generate` call, so a
+        # batch-mate's long prompt never cuts a short one's room (one call takes one cap).
+        groups: dict[int, list[int]] = {}
+        for row, length in enumerate(lengths):
+            cap = min(kwargs["max_new_tokens"], self.max_positions - length)
+            groups.setdefault(cap, []).append(row)
+        if "seed" in params:
+            torch.manual_seed(params["seed"])
+        made: dict[int, tuple[list[int], str, Any]] = {}
+        for cap, rows in groups.items():
+            width = max(lengths[row] for row in rows)  # the group's own left padding
+            group = {name: value[rows, -width:] for name, value in encoded.items()}
+            watcher = self._generate(
+                group, rows, {**kwargs, "max_new_tokens": cap}, params, control
+            )
+            for index, row in enumerate(rows):
+                tokens = None if watcher.tokens is None else watcher.tokens[index]
+                made[row] = (watcher.token_ids[index], watcher.finish_reasons[index], tokens)
+        full_text = params.get("return_full_text", control.stream_id is None)
+        outputs = []
+        for row, prompt in enumerate(inputs):
+            token_ids, finish_reason, tokens = made[row]
+            # the whole decode, as the pipeline does (pieces hold back a cut character)
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            if full_text:
+                text = prompt + text
+            output: dict[str, Any] = {"generated_text": text}
+            if params.get("details") or control.stream_id is not None:
+                output["details"] = {
+                    "finish_reason": finish_reason,
+                    "generated_tokens": len(token_ids),
+                    "prompt_tokens": lengths[row],
+                    "seed": params.get("seed"),
+                }
+                if tokens is not None:  # TGI's: the prompt's tokens only on request
+                    output["details"].update(prefill=[], tokens=tokens)
+            # pipe(x) answers [{"generated_text": ...}] per input
+            outputs.append(output if control.stream_id is not None else [output])
+        return outputs
+
+    def _generate(
+        self,
+        encoded: dict[str, Any],
+        rows: list[int],
+        kwargs: dict[str, Any],
+        params: dict[str, Any],
+        control: Control,
+    ) -> TokenWatcher:
+        """One `generate` call over some of the batch's rows (`rows`: their places in the
+        batch, which streamed tokens carry); its watcher holds what each row made."""
         stream_id = control.stream_id
-        encoded = self.prompts(inputs, params).to(self.device)
-        prompt_length = encoded["input_ids"].shape[1]
+        encoded = {name: value.to(self.device) for name, value in encoded.items()}
         recorder = ScoreRecorder()
         # a whole answer's details list its tokens, as TGI's do (a stream sends them one by one)
         keep_tokens = stream_id is None and bool(params.get("details"))
@@ -212,8 +274,8 @@ class CausalLMRunner(Runner):
         if stream_id is not None and self.send is not None:
             send = self.send
 
-            def on_token(row: int, token: dict[str, Any]) -> None:
-                send(TokenChunk(stream_id=stream_id, index=row, token=token))
+            def on_token(index: int, token: dict[str, Any]) -> None:
+                send(TokenChunk(stream_id=stream_id, index=rows[index], token=token))
 
         def cancelled() -> bool:
             flag = self.cancelled_stream
@@ -221,29 +283,14 @@ class CausalLMRunner(Runner):
 
         watcher = TokenWatcher(
             self.tokenizer,
-            prompt_length,
-            len(inputs),
+            encoded["input_ids"].shape[1],
+            len(rows),
             params.get("stop", ()),
             recorder,
             on_token,
             cancelled,
             keep_tokens,
         )
-        kwargs = generate_kwargs(params, self.defaults)
-        most = self.max_positions - 1
-        asked = params.get("max_new_tokens")
-        if asked is not None and asked > most:  # the server refuses it first: a backstop
-            raise ValueError(f"max_new_tokens is {asked}, and this model generates at most {most}")
-        room = self.max_positions - prompt_length
-        if room < 1:
-            raise ValueError(
-                f"the prompt is {prompt_length} tokens: the model takes at most "
-                f"{most} to leave room for one new token"
-            )
-        # a prompt and its new tokens past the positions stop there (finish_reason "length")
-        kwargs["max_new_tokens"] = min(kwargs["max_new_tokens"], room)
-        if "seed" in params:
-            torch.manual_seed(params["seed"])
         with torch.inference_mode():
             self.model.generate(
                 **encoded,
@@ -254,23 +301,4 @@ class CausalLMRunner(Runner):
                 ),
                 stopping_criteria=transformers.StoppingCriteriaList([watcher]),
             )
-        full_text = params.get("return_full_text", stream_id is None)
-        outputs = []
-        for row, prompt in enumerate(inputs):
-            # the whole decode, as the pipeline does (pieces hold back a cut character)
-            text = self.tokenizer.decode(watcher.token_ids[row], skip_special_tokens=True)
-            if full_text:
-                text = prompt + text
-            output: dict[str, Any] = {"generated_text": text}
-            if params.get("details") or stream_id is not None:
-                output["details"] = {
-                    "finish_reason": watcher.finish_reasons[row],
-                    "generated_tokens": len(watcher.token_ids[row]),
-                    "prompt_tokens": int(encoded["attention_mask"][row].sum()),
-                    "seed": params.get("seed"),
-                }
-                if watcher.tokens is not None:  # TGI's: the prompt's tokens only on request
-                    output["details"].update(prefill=[], tokens=watcher.tokens[row])
-            # pipe(x) answers [{"generated_text": ...}] per input
-            outputs.append(output if stream_id is not None else [output])
-        return outputs
+        return watcher

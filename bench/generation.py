@@ -1,0 +1,164 @@
+"""Generation in-process: static `generate` on a left-padded batch against the
+iteration-level loop (`rawserve.worker.continuous`), on the same prompts.
+
+    python -m bench.generation [--rounds 3] [--layers 2] [--hidden 128]
+
+A random GPT-2 (2 layers, hidden 128 by default: the CPU's "small" model) with no end of
+sequence, so every request makes exactly the tokens it asked for. Scenarios: 1, 16 and 64
+requests of 64 new tokens at once, and 64 requests of 8-256 new tokens (seeded). Static
+batching runs each batch to its longest member; the loop lets each sequence leave when
+it is done. Reported per scenario: useful tokens/s (the tokens asked for), time to first
+token (p50) and inter-token latency (p50, p99) as a streaming client would see them. The
+two are interleaved round by round (the machine is shared), medians and ranges kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+FIXED_NEW_TOKENS = 64
+MIXED = (8, 256)
+POSITIONS = 512
+
+
+def build_model(layers: int, hidden: int) -> Any:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=8192,
+        n_positions=POSITIONS,
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=2,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+class NoTokenizer:
+    """What the loop needs of a tokenizer when nothing stops on text: no end of sequence."""
+
+    eos_token_id = None
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def prompts(count: int, rng: random.Random) -> list[list[int]]:
+    return [[rng.randrange(1, 8192) for _ in range(rng.randint(8, 32))] for _ in range(count)]
+
+
+def static(model: Any, batch: list[list[int]], asks: list[int]) -> dict[str, Any]:
+    """One `generate` call on the left-padded batch, run to its longest ask."""
+    import torch
+    import transformers
+
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    times: list[float] = []
+
+    class Clock(transformers.StoppingCriteria):
+        def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+            times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    longest = max(asks)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            do_sample=False,
+            stopping_criteria=transformers.StoppingCriteriaList([Clock()]),
+        )
+    total = time.perf_counter() - started
+    # a streaming client of row i sees its tokens at the batch's first asks[i] steps
+    first = [times[0] - started] * len(batch)
+    gaps = [b - a for ask in asks for a, b in zip(times[: ask - 1], times[1:ask], strict=True)]
+    return {"seconds": total, "useful": sum(asks), "first": first, "gaps": gaps}
+
+
+def continuous(model: Any, batch: list[list[int]], asks: list[int]) -> dict[str, Any]:
+    """Every request added at once to the loop; each leaves when its tokens are made."""
+    from rawserve.worker.continuous import ContinuousBatcher, Generation
+
+    seen: dict[Any, list[float]] = {i: [] for i in range(len(batch))}
+
+    def on_token(generation: Generation, token: int) -> None:
+        seen[generation.key].append(time.perf_counter())
+
+    engine = ContinuousBatcher(model, NoTokenizer(), POSITIONS, 64, on_token)
+    started = time.perf_counter()
+    for key, (prompt, ask) in enumerate(zip(batch, asks, strict=True)):
+        engine.add(Generation(key, prompt, ask))
+    while engine.busy:
+        engine.step()
+    total = time.perf_counter() - started
+    first = [times[0] - started for times in seen.values()]
+    gaps = [b - a for times in seen.values() for a, b in zip(times, times[1:], strict=False)]
+    return {"seconds": total, "useful": sum(asks), "first": first, "gaps": gaps}
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    rates = [run["useful"] / run["seconds"] for run in runs]
+    firsts = [statistics.median(run["first"]) for run in runs]
+    gaps = sorted(g for run in runs for g in run["gaps"])
+    return {
+        "tokens_per_s": round(statistics.median(rates)),
+        "tokens_per_s_range": [round(min(rates)), round(max(rates))],
+        "ttft_p50_ms": round(1000 * statistics.median(firsts), 1),
+        "itl_p50_ms": round(1000 * gaps[len(gaps) // 2], 2) if gaps else None,
+        "itl_p99_ms": round(1000 * gaps[int(0.99 * (len(gaps) - 1))], 2) if gaps else None,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as is)")
+    args = parser.parse_args(argv)
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = build_model(args.layers, args.hidden)
+    rng = random.Random(0)
+    scenarios: dict[str, tuple[list[list[int]], list[int]]] = {
+        f"{n} x {FIXED_NEW_TOKENS}": (prompts(n, rng), [FIXED_NEW_TOKENS] * n) for n in (1, 16, 64)
+    }
+    scenarios["64 x 8-256"] = (prompts(64, rng), [rng.randint(*MIXED) for _ in range(64)])
+    continuous(model, *scenarios["1 x 64"])  # warm both paths once
+    static(model, *scenarios["1 x 64"])
+    results: dict[str, dict[str, Any]] = {}
+    for name, (batch, asks) in scenarios.items():
+        runs: dict[str, list[dict[str, Any]]] = {"static": [], "continuous": []}
+        for _ in range(args.rounds):  # interleaved: the machine's speed drifts
+            runs["static"].append(static(model, batch, asks))
+            runs["continuous"].append(continuous(model, batch, asks))
+        results[name] = {way: summary(found) for way, found in runs.items()}
+        ratio = (
+            results[name]["continuous"]["tokens_per_s"] / results[name]["static"]["tokens_per_s"]
+        )
+        results[name]["ratio"] = round(ratio, 2)
+        print(name, json.dumps(results[name]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""Generation prompts that cannot fit the model, refused (422) before they are queued.
+
+A causal LM reads its prompt and then writes at least one token within its positions, so a
+prompt of as many tokens as it has positions cannot be answered at all (text generation
+does not cut prompts). Left to the worker, such a prompt is refused only when it runs;
+while it waits it is counted in the queue at its full length (a 900 KB text: hundreds of
+thousands of tokens), which made every other client's `Retry-After` and deadline check
+see a queue that would take many minutes to drain. Counted here, in the server, with the
+model's own tokenizer (`tokens.ServerTokenizer`), a piece at a time and never past the
+limit, it is refused in milliseconds and never waits.
+
+A chat is counted by its messages' texts alone, with a margin for the tokens its
+template may join across their ends: the template only adds to them, so a chat whose texts
+are that far over the limit is surely over; the rest is the worker's to judge when it
+renders the template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from rawserve.api.served import ServedModel
+from rawserve.api.tokens import (
+    COUNT_MARGIN,
+    INLINE_LIMIT,
+    ServerTokenizer,
+    TokenBound,
+    TooManyTokens,
+)
+from rawserve.http.errors import UnprocessableInput
+
+
+class PromptLengths:
+    """Checks generation prompts against the model's positions, with the model's tokenizer
+    in this process (loaded off the event loop on first use, once per model)."""
+
+    def __init__(self) -> None:
+        self._tokenizers: dict[str, ServerTokenizer] = {}
+
+    async def check(self, model: ServedModel, prompts: Sequence[Any], chat: bool) -> None:
+        """422 when a prompt leaves no room for one new token; nothing when the model or
+        its tokenizer is not known here (the worker still refuses such a prompt)."""
+        loaded = model.serving.loaded
+        positions = int(loaded.details.get("max_input_length") or 0) if loaded else 0
+        if loaded is None or loaded.tokenizer is None or positions < 1:
+            return
+        most = positions - 1  # the prompt's tokens, and one new token after them
+        texts, bound = list(prompts), most
+        if chat:
+            texts = [prompt_text(prompt) for prompt in prompts]
+            bound += COUNT_MARGIN * max((len(p.get("messages", ())) for p in prompts), default=1)
+        tokenizer = self._tokenizers.get(model.name)
+        if tokenizer is None:
+            tokenizer = await asyncio.to_thread(ServerTokenizer, loaded.tokenizer)
+            self._tokenizers[model.name] = tokenizer
+        try:
+            if sum(len(text) for text in texts) <= INLINE_LIMIT:
+                count_within(tokenizer, texts, bound, not chat)
+            else:  # the encoder lets go of the GIL: the event loop goes on meanwhile
+                await asyncio.to_thread(count_within, tokenizer, texts, bound, not chat)
+        except TooManyTokens:
+            raise UnprocessableInput(
+                f"a prompt has more than {most} tokens: the model takes at most {most} to "
+                "leave room for one new token (text generation does not cut prompts)"
+            ) from None
+
+
+def count_within(
+    tokenizer: ServerTokenizer, texts: Sequence[str], most: int, special: bool
+) -> None:
+    """TooManyTokens when a text has more than `most` tokens; counted a piece at a time,
+    so a huge text costs what its first `most` tokens cost to find it is over."""
+    bound = TokenBound(most)
+    for text in texts:
+        tokenizer.encode(text, special, bound)
+
+
+def prompt_text(chat: Any) -> str:
+    """The texts of a chat's messages, together (`{"messages": [...]}`; content is a text
+    or OpenAI's list of parts, checked before this)."""
+    parts: list[str] = []
+    for message in chat.get("messages", ()) if isinstance(chat, dict) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts += [p["text"] for p in content if isinstance(p, dict) and "text" in p]
+    return "\n".join(parts)

@@ -1,0 +1,272 @@
+"""Continuous batching for a causal LM: an iteration-level loop over the model's forward pass.
+
+Worker process only (imports torch). Sequences join the running batch between decoding
+steps and leave it when they finish, so a short request never waits for the longest one
+beside it. Each keeps its own new-token cap (and its own room in the model's positions),
+stop sequences, sampling settings and random generator (its seed), so its output never
+depends on its batch-mates.
+
+How: one KV cache for the batch (transformers' `DynamicCache`, rebuilt each step from
+per-layer tensors `[rows, heads, length, head_dim]`), rows aligned at their right end
+with left padding that the attention mask hides, and each row's own position ids. The
+sequences joining at a step are prefilled together and their cache is padded (or the
+batch's is) to the batch's length; a leaving row is dropped from every tensor, and
+padding columns no row needs any more are cut off.
+
+Why our own loop and not transformers' continuous-batching manager: measured on an H100
+with a GPT-2-small-sized model, the manager took ~110 ms a decoding step whatever the
+batch against 12 ms for static `generate` at batch 64 (its per-step overhead dominates at
+this model size); bench/generation.py compares this loop with static batching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import transformers
+
+
+@dataclass(eq=False)
+class Generation:
+    """One sequence: its prompt, its settings, and what it has made so far."""
+
+    key: Any  # the caller's name for it
+    prompt_ids: list[int]
+    max_new_tokens: int
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # None while it runs
+    cap: int = 0  # its own new-token cap: asked, and what its positions allow
+    generator: torch.Generator | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+class ContinuousBatcher:
+    """Runs any number of `Generation`s, at most `max_rows` at a time, a step at a time.
+
+    `add` queues a sequence, `cancel` ends one (it leaves at the next step), `step` lets
+    waiting sequences join (prefill), runs one decoding step for every running row, and
+    returns the sequences that finished in it.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        max_positions: int,
+        max_rows: int = 64,
+        on_token: Callable[[Generation, int], None] | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.max_positions = max_positions
+        self.max_rows = max_rows
+        self.on_token = on_token
+        eos = tokenizer.eos_token_id
+        self.eos_ids = {eos} if eos is not None else set()
+        self.waiting: list[Generation] = []
+        self.rows: list[Generation] = []
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self._mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
+        self._positions = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._last = torch.zeros(0, dtype=torch.long, device=self.device)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.rows)
+
+    def add(self, generation: Generation) -> None:
+        room = self.max_positions - len(generation.prompt_ids)
+        if room < 1 or not generation.prompt_ids:
+            raise ValueError(
+                f"the prompt is {len(generation.prompt_ids)} tokens: the model takes at most "
+                f"{self.max_positions - 1} to leave room for one new token"
+            )
+        generation.cap = min(generation.max_new_tokens, room)
+        if generation.do_sample:
+            generation.generator = torch.Generator(device=self.device)
+            if generation.seed is not None:
+                generation.generator.manual_seed(generation.seed)
+            else:
+                generation.generator.seed()
+        self.waiting.append(generation)
+
+    def cancel(self, key: Any) -> None:
+        """End a sequence (its client left): it leaves the batch at the next step."""
+        for generation in self.waiting:
+            if generation.key == key:
+                generation.finish_reason = "cancelled"
+        for generation in self.rows:
+            if generation.key == key:
+                generation.finish_reason = "cancelled"
+
+    @torch.inference_mode()
+    def step(self) -> list[Generation]:
+        """Join, decode one token for every row, leave; the sequences that finished."""
+        finished = [g for g in self.waiting if g.done]  # cancelled before they joined
+        self.waiting = [g for g in self.waiting if not g.done]
+        finished += self._leave()
+        free = self.max_rows - len(self.rows)
+        if self.waiting and free > 0:
+            joining, self.waiting = self.waiting[:free], self.waiting[free:]
+            self._join(joining)
+        finished += self._leave()  # a sequence may finish on its first token
+        if self.rows:
+            self._decode()
+            finished += self._leave()
+        return finished
+
+    # --- the batch's cache ----------------------------------------------------------------
+
+    def _join(self, generations: list[Generation]) -> None:
+        """Prefill the joining sequences together (left-padded, each with its own
+        positions) and add their rows to the batch's cache, aligned at the right end."""
+        lengths = [len(g.prompt_ids) for g in generations]
+        width = max(lengths)
+        ids = torch.tensor(
+            [[0] * (width - len(g.prompt_ids)) + g.prompt_ids for g in generations],
+            device=self.device,
+        )
+        mask = torch.tensor(
+            [[0] * (width - n) + [1] * n for n in lengths], dtype=torch.long, device=self.device
+        )
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+            logits_to_keep=1,  # only the last position's scores: the vocabulary is wide
+        )
+        layers = out.past_key_values.layers
+        keys = [layer.keys for layer in layers]
+        values = [layer.values for layer in layers]
+        batch_length = self._mask.shape[1]
+        if self.rows:
+            if width < batch_length:
+                keys = _pad_left(keys, batch_length - width)
+                values = _pad_left(values, batch_length - width)
+                mask = torch.nn.functional.pad(mask, (batch_length - width, 0))
+            elif width > batch_length:
+                self._keys = _pad_left(self._keys, width - batch_length)
+                self._values = _pad_left(self._values, width - batch_length)
+                self._mask = torch.nn.functional.pad(self._mask, (width - batch_length, 0))
+            self._keys = [torch.cat(pair) for pair in zip(self._keys, keys, strict=True)]
+            self._values = [torch.cat(pair) for pair in zip(self._values, values, strict=True)]
+            self._mask = torch.cat([self._mask, mask])
+        else:
+            self._keys, self._values, self._mask = keys, values, mask
+        positions = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        self._positions = torch.cat([self._positions, positions])
+        self.rows += generations
+        tokens = self._choose(out.logits[:, -1, :], generations)
+        self._last = torch.cat([self._last, tokens])
+        self._accept(generations, tokens.tolist())
+
+    def _decode(self) -> None:
+        cache = transformers.DynamicCache(
+            ddp_cache_data=list(zip(self._keys, self._values, strict=True))
+        )
+        ones = torch.ones((len(self.rows), 1), dtype=self._mask.dtype, device=self.device)
+        mask = torch.cat([self._mask, ones], dim=1)
+        out = self.model(
+            input_ids=self._last[:, None],
+            attention_mask=mask,
+            position_ids=self._positions[:, None],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        layers = out.past_key_values.layers
+        self._keys = [layer.keys for layer in layers]
+        self._values = [layer.values for layer in layers]
+        self._mask = mask
+        self._positions = self._positions + 1
+        self._last = self._choose(out.logits[:, -1, :], self.rows)
+        self._accept(self.rows, self._last.tolist())
+
+    def _leave(self) -> list[Generation]:
+        """Drop the finished rows from every tensor, and the padding no row needs."""
+        done = [g for g in self.rows if g.done]
+        if not done:
+            return []
+        keep = [i for i, g in enumerate(self.rows) if not g.done]
+        self.rows = [self.rows[i] for i in keep]
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self._keys = [k.index_select(0, index) for k in self._keys]
+        self._values = [v.index_select(0, index) for v in self._values]
+        self._mask = self._mask.index_select(0, index)
+        self._positions = self._positions.index_select(0, index)
+        self._last = self._last.index_select(0, index)
+        if keep:
+            used = self._mask.any(dim=0).nonzero()
+            first = int(used[0]) if len(used) else self._mask.shape[1]
+            if first:
+                self._keys = [k[:, :, first:] for k in self._keys]
+                self._values = [v[:, :, first:] for v in self._values]
+                self._mask = self._mask[:, first:]
+        return done
+
+    # --- tokens -----------------------------------------------------------------------------
+
+    def _choose(self, logits: torch.Tensor, rows: Sequence[Generation]) -> torch.Tensor:
+        """Each row's next token: greedy, or sampled with its own settings and generator."""
+        tokens = logits.argmax(dim=-1)
+        for index, generation in enumerate(rows):
+            if generation.do_sample and not generation.done:
+                tokens[index] = _sample(logits[index].float(), generation)
+        return tokens
+
+    def _accept(self, rows: Sequence[Generation], tokens: list[int]) -> None:
+        for generation, token in zip(rows, tokens, strict=True):
+            if generation.done:
+                continue
+            generation.tokens.append(token)
+            if self.on_token is not None:
+                self.on_token(generation, token)
+            if token in self.eos_ids:
+                generation.finish_reason = "eos_token"
+                continue
+            if generation.stop:
+                text = self.tokenizer.decode(generation.tokens, skip_special_tokens=True)
+                added, generation.text = text[len(generation.text) :], text
+                longest = max(len(s) for s in generation.stop)
+                tail = text[-(len(added) + longest) :]
+                if added and any(s in tail for s in generation.stop):
+                    generation.finish_reason = "stop_sequence"
+                    continue
+            if len(generation.tokens) >= generation.cap:
+                generation.finish_reason = "length"
+
+
+def _pad_left(tensors: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """Each `[rows, heads, length, dim]` tensor with `count` zero columns before it."""
+    return [torch.nn.functional.pad(t, (0, 0, count, 0)) for t in tensors]
+
+
+def _sample(logits: torch.Tensor, generation: Generation) -> torch.Tensor:
+    """A token drawn from one row's logits with its temperature, top-k and top-p."""
+    logits = logits / max(generation.temperature, 1e-5)
+    if generation.top_k:
+        kth = torch.topk(logits, min(generation.top_k, logits.shape[-1])).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if generation.top_p is not None and generation.top_p < 1.0:
+        ordered, order = torch.sort(logits, descending=True)
+        cumulative = ordered.softmax(-1).cumsum(-1)
+        drop = cumulative - ordered.softmax(-1) > generation.top_p  # keep the first past p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generation.generator)[0]

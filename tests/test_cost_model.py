@@ -1,0 +1,184 @@
+"""The cost model learns a call's time per device, and admission holds under overload.
+
+A model call costs `fixed + per_item x items + per_token x padded tokens`, with parts
+that differ by device: a GPU's call is mostly its fixed part and grows little with its
+size, a CPU's grows steeply with its tokens. Fitted from the calls actually run, the
+model must keep what it learned of a GPU's fixed part when steady load makes every call
+the same size; then, on a simulated clock at 3x the capacity, the scheduler admits about
+what can be served in time and refuses the rest at once, whatever the device's shape.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from rawserve.serving.batching import CostModel, padded_cost
+from rawserve.serving.core import QueueFull, SchedulerCore, WorkItem
+
+TEXT_TOKENS = 13  # short texts, as in the measured overload runs
+BATCH = 32
+
+
+@dataclass(frozen=True)
+class Device:
+    fixed: float
+    per_item: float
+    per_token: float
+
+    def seconds(self, items: int, padded: int) -> float:
+        return self.fixed + self.per_item * items + self.per_token * padded
+
+
+# a full batch costs about twice a lone item (as measured on an H100), in slow motion
+GPU = Device(fixed=0.05, per_item=0.0005, per_token=0.05 / (BATCH * TEXT_TOKENS) - 0.0005 / 13)
+# a full batch costs about 30 lone items
+CPU = Device(fixed=0.001, per_item=0.0, per_token=0.085 / (BATCH * TEXT_TOKENS))
+
+
+def text(tokens: int) -> str:
+    return "x" * (4 * (tokens - 2))  # estimate_tokens: about 4 characters a token, +2
+
+
+def capacity(device: Device) -> float:
+    """Items per second of full batches."""
+    return BATCH / device.seconds(BATCH, BATCH * TEXT_TOKENS)
+
+
+# --- the fit ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", [GPU, CPU], ids=["gpu", "cpu"])
+def test_the_fit_finds_each_part_from_calls_of_different_sizes(device):
+    model = CostModel()
+    rng = random.Random(1)
+    for _ in range(60):
+        items = rng.randint(1, BATCH)
+        longest = rng.randint(5, 40)
+        model.observe(longest * items, device.seconds(items, longest * items), items=items)
+    assert model.fitted
+    assert model.fixed == pytest.approx(device.fixed, rel=1e-3, abs=1e-6)
+    assert model.per_item == pytest.approx(device.per_item, rel=1e-3, abs=1e-7)
+    assert model.per_token == pytest.approx(device.per_token, rel=1e-3)
+
+
+def test_steady_full_batches_keep_the_fixed_part_learned_before():
+    model = CostModel()
+    for items in range(1, BATCH + 1):
+        padded = items * TEXT_TOKENS
+        model.observe(padded, GPU.seconds(items, padded), items=items)
+    full = BATCH * TEXT_TOKENS
+    for _ in range(500):  # steady overload: only full batches, long enough to forget
+        model.observe(full, GPU.seconds(BATCH, full), items=BATCH)
+    # a lone item still costs about its fixed part, not a 32nd of a full batch
+    assert model.predict(TEXT_TOKENS, 1) == pytest.approx(GPU.seconds(1, TEXT_TOKENS), rel=0.05)
+    assert model.predict(full, BATCH) == pytest.approx(GPU.seconds(BATCH, full), rel=1e-3)
+
+
+def test_a_device_that_slows_down_is_followed():
+    model = CostModel()
+    for items in range(1, BATCH + 1):
+        padded = items * TEXT_TOKENS
+        model.observe(padded, GPU.seconds(items, padded), items=items)
+    full = BATCH * TEXT_TOKENS
+    for _ in range(500):  # the same calls now take twice as long (a busy machine)
+        model.observe(full, 2 * GPU.seconds(BATCH, full), items=BATCH)
+    assert model.predict(full, BATCH) == pytest.approx(2 * GPU.seconds(BATCH, full), rel=1e-3)
+
+
+def test_before_any_measurement_everything_is_admitted():
+    core = SchedulerCore(max_queue=10_000, max_batch_size=BATCH)
+    items = [core.new_item(text(TEXT_TOKENS), {}, 0.001, 0.0) for _ in range(5000)]
+    core.admit(items, now=0.0)  # no speed known: no reason to refuse
+    assert len(core) == 5000
+
+
+# --- admission under overload, on a simulated clock ----------------------------------------
+
+
+@dataclass
+class Overload:
+    """Single-text requests at a steady rate against one simulated worker."""
+
+    core: SchedulerCore
+    device: Device
+    timeout: float
+    now: float = 0.0
+    events: list = field(default_factory=list)
+    order: itertools.count = field(default_factory=itertools.count)
+    busy: bool = False
+    timer: int = 0
+    ok: int = 0
+    late: int = 0  # computed, but after the deadline: the worker's time wasted
+    refused: int = 0
+    expired: int = 0  # admitted, then never computed in time
+    refusals_retry_after: list[float] = field(default_factory=list)
+    answered: set[int] = field(default_factory=set)
+
+    def at(self, when: float, kind: str, payload=None) -> None:
+        heapq.heappush(self.events, (when, next(self.order), kind, payload))
+
+    def run(self, seconds: float, rate: float) -> None:
+        for n in range(int(seconds * rate)):
+            self.at(n / rate, "arrive")
+        while self.events:
+            self.now, _, kind, payload = heapq.heappop(self.events)
+            if kind == "wake" and payload != self.timer:
+                continue
+            if kind == "arrive":
+                self.arrive()
+            elif kind == "done":
+                self.done(payload)
+            self.step()
+
+    def arrive(self) -> None:
+        item = self.core.new_item(text(TEXT_TOKENS), {}, self.now + self.timeout, self.now)
+        try:
+            self.core.admit([item], self.now)
+        except QueueFull as refused:
+            self.refused += 1
+            self.refusals_retry_after.append(refused.retry_after)
+
+    def step(self) -> None:
+        decision = self.core.decide(self.now, 0 if self.busy else 1)
+        self.expired += len(decision.expired)
+        for batch in decision.batches:
+            seconds = self.device.seconds(len(batch), padded_cost(i.cost for i in batch))
+            self.busy = True
+            self.at(self.now + seconds, "done", batch)
+        self.timer += 1
+        if decision.wake_at is not None:
+            self.at(decision.wake_at, "wake", self.timer)
+
+    def done(self, batch: list[WorkItem]) -> None:
+        self.busy = False
+        self.core.finish_batch(batch, self.now)
+        for item in batch:
+            if self.now <= item.deadline:
+                self.ok += 1
+            else:
+                self.late += 1
+
+
+@pytest.mark.parametrize("device", [GPU, CPU], ids=["gpu", "cpu"])
+def test_at_three_times_capacity_what_is_admitted_is_served_in_time(device):
+    core = SchedulerCore(max_queue=4096, max_batch_size=BATCH)
+    rng = random.Random(2)
+    for _ in range(20):  # what the worker measured before the overload: calls of any size
+        items = rng.randint(1, BATCH)
+        padded = items * TEXT_TOKENS
+        core.cost_model.observe(padded, device.seconds(items, padded), items=items)
+    seconds, timeout = 20.0, 1.0
+    sim = Overload(core, device, timeout)
+    sim.run(seconds, 3 * capacity(device))
+
+    served = capacity(device) * seconds
+    assert sim.ok >= 0.85 * served, (sim.ok, served)
+    # what is not served is refused at once, not admitted to wait for its deadline
+    assert sim.expired + sim.late <= 0.05 * sim.ok, (sim.expired, sim.late, sim.ok)
+    assert sim.refused >= 0.6 * seconds * 3 * capacity(device)
+    assert max(sim.refusals_retry_after) <= 2 * timeout + 1

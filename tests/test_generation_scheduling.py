@@ -1,0 +1,289 @@
+"""Generation under the scheduler: what one request must never do to another.
+
+- A prompt that cannot fit the model at all is refused (422) when it is checked, before it
+  is queued: it never waits for its deadline, and while it is answered another client of
+  the same model is served.
+- A batch-mate's prompt length never changes another sequence's output: each row gets the
+  room its own prompt leaves (a real worker runner on a tiny GPT-2 of 256 positions).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from tests.server import RunningServer
+
+pytestmark = pytest.mark.slow
+
+POSITIONS = 256  # the tiny GPT-2's (tests/tiny_models.py)
+HUGE_PROMPT = "the movie was good " * 50_000  # ~950 KB, far past the positions
+LONG_TIMEOUT = 60  # seconds: the over-long prompt's deadline, far from its answer
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    with RunningServer(
+        ["--model", tiny_model("text-generation"), "--max-timeout", "120"]
+    ).start() as running:
+        yield running
+
+
+def post(server, path, document, timeout=LONG_TIMEOUT):
+    status, headers, body = server.request(
+        "POST",
+        path,
+        json.dumps(document),
+        {"Content-Type": "application/json", "X-Request-Timeout": str(timeout)},
+        timeout=timeout + 30,
+    )
+    return status, headers, json.loads(body)
+
+
+def warm(server):
+    """Enough answered requests that the scheduler trusts its measured speed (before
+    that it sends everything to the worker, which refuses an over-long prompt itself)."""
+    for _ in range(4):
+        status, _, _ = post(server, "/v1/completions", {"prompt": "hello", "max_tokens": 4})
+        assert status == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "document"),
+    [
+        ("/v1/completions", {"prompt": HUGE_PROMPT, "max_tokens": 4}),
+        ("/", {"inputs": HUGE_PROMPT, "parameters": {"max_new_tokens": 4}}),
+        ("/v1/completions", {"prompt": "word " * POSITIONS, "max_tokens": 4}),  # 2x over
+    ],
+)
+def test_a_prompt_past_the_positions_is_refused_before_it_queues(server, path, document):
+    warm(server)
+    others: list[tuple[int, dict]] = []
+
+    def other_client():
+        status, headers, _ = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 4})
+        others.append((status, headers))
+
+    started = time.monotonic()
+    status, _, body = post(server, path, document)
+    took = time.monotonic() - started
+    assert status == 422, body
+    assert "leave room for one new token" in json.dumps(body)
+    assert took < LONG_TIMEOUT / 2  # answered when checked, not at its deadline
+    thread = threading.Thread(target=other_client)
+    thread.start()
+    thread.join(LONG_TIMEOUT)
+    assert others and others[0][0] == 200, others  # the queue never looked full
+
+
+def test_a_prompt_that_fits_is_still_answered(server):
+    status, _, body = post(server, "/v1/completions", {"prompt": "word " * 100, "max_tokens": 4})
+    assert status == 200, body
+
+
+# --- batch-mates ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model):
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    return CausalLMRunner(tiny_model("text-generation"), "cpu", torch.float32)
+
+
+def generated(output) -> tuple[str, str, int]:
+    details = output[0]["details"]
+    return output[0]["generated_text"], details["finish_reason"], details["generated_tokens"]
+
+
+def test_a_batch_mates_long_prompt_never_shortens_another_sequence(runner):
+    short = "the movie was"
+    long = "word " * ((POSITIONS - 30) // 2)  # two tokens a word: leaves about 30 positions
+    room = POSITIONS - len(runner.tokenizer(long)["input_ids"])
+    assert 1 < room < 40
+    params = {"max_new_tokens": 40, "do_sample": False, "details": True}
+    (alone,) = runner.run([short], params)
+    text, finish, tokens = generated(alone)
+    assert tokens > room, "the short prompt alone must use more room than the long one has"
+    batched = runner.run([short, long], params)
+    assert generated(batched[0]) == (text, finish, tokens)
+    # the long prompt stops where its own positions end
+    long_alone = runner.run([long], params)
+    assert generated(batched[1]) == generated(long_alone[0])
+    assert generated(batched[1])[1] == "length"
+
+
+# --- continuous batching ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(runner):
+    return runner.model, runner.tokenizer
+
+
+def batcher(runner, max_rows=64, on_token=None):
+    from rawserve.worker.continuous import ContinuousBatcher
+
+    return ContinuousBatcher(runner.model, runner.tokenizer, POSITIONS, max_rows, on_token)
+
+
+def alone_greedy(runner, ids: list[int], max_new_tokens: int) -> list[int]:
+    """What `generate` makes of one prompt alone, greedy, cut at its end of sequence."""
+    import torch
+
+    with torch.inference_mode():
+        out = runner.model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones((1, len(ids)), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=runner.tokenizer.pad_token_id,
+        )
+    tokens = out[0, len(ids) :].tolist()
+    eos = runner.tokenizer.eos_token_id
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def run_all(engine) -> list:
+    finished = []
+    while engine.busy:
+        finished += engine.step()
+    return finished
+
+
+def prompt_ids(runner, text):
+    return runner.tokenizer(text)["input_ids"]
+
+
+def test_continuous_outputs_equal_one_at_a_time_greedy_generation(runner):
+    from rawserve.worker.continuous import Generation
+
+    texts = ["the movie was", "word " * 60, "a", "good film, bad film " * 5, "word " * 110]
+    asks = [40, 12, 30, 25, 60]
+    engine = batcher(runner, max_rows=3)  # some join only when others leave
+    generations = [
+        Generation(i, prompt_ids(runner, t), n)
+        for i, (t, n) in enumerate(zip(texts, asks, strict=True))
+    ]
+    for generation in generations:
+        engine.add(generation)
+    finished = run_all(engine)
+    assert sorted(g.key for g in finished) == list(range(len(texts)))
+    for generation, text, asked in zip(generations, texts, asks, strict=True):
+        ids = prompt_ids(runner, text)
+        room = POSITIONS - len(ids)
+        assert generation.tokens == alone_greedy(runner, ids, min(asked, room)), text[:20]
+
+
+def test_a_short_request_joining_a_long_one_finishes_first(runner):
+    from rawserve.worker.continuous import Generation
+
+    engine = batcher(runner)
+    long = Generation("long", prompt_ids(runner, "word " * 20), 150)
+    short = Generation("short", prompt_ids(runner, "the movie was"), 5)
+    engine.add(long)
+    for _ in range(3):
+        engine.step()
+    engine.add(short)
+    finished = []
+    while not finished:
+        finished = engine.step()
+    assert [g.key for g in finished] == ["short"]
+    assert not long.done and len(long.tokens) < 150
+
+
+def test_a_cancelled_sequence_frees_its_row_at_the_next_step(runner):
+    from rawserve.worker.continuous import Generation
+
+    engine = batcher(runner, max_rows=1)
+    first = Generation("first", prompt_ids(runner, "the movie was"), 200)
+    second = Generation("second", prompt_ids(runner, "a good film"), 5)
+    engine.add(first)
+    engine.add(second)
+    engine.step()
+    assert engine.rows == [first] and engine.waiting == [second]
+    engine.cancel("first")
+    finished = engine.step()
+    assert finished == [first] and first.finish_reason == "cancelled"
+    assert engine.rows == [second]  # it joined in the same step
+
+
+def test_each_sequence_keeps_its_own_seed_whatever_its_batch_mates(runner):
+    from rawserve.worker.continuous import Generation
+
+    def sampled(mates: int) -> list[int]:
+        engine = batcher(runner)
+        mine = Generation("mine", prompt_ids(runner, "the movie was"), 20, True, seed=7)
+        engine.add(mine)
+        for n in range(mates):
+            engine.add(Generation(n, prompt_ids(runner, "word " * (n + 1)), 20, True, seed=n))
+        run_all(engine)
+        return mine.tokens
+
+    assert sampled(0) == sampled(3)
+
+
+def test_stop_sequences_and_positions_end_a_row(runner):
+    from rawserve.worker.continuous import Generation
+
+    engine = batcher(runner)
+    ids = prompt_ids(runner, "word " * 120)
+    near_end = Generation("end", ids, 100)
+    engine.add(near_end)
+    run_all(engine)
+    room = POSITIONS - len(ids)
+    assert len(near_end.tokens) <= room
+    if near_end.finish_reason == "length":
+        assert len(near_end.tokens) == room
+    greedy = alone_greedy(runner, prompt_ids(runner, "the movie was"), 30)
+    text = runner.tokenizer.decode(greedy, skip_special_tokens=True)
+    stop = text.strip()[:3]
+    if stop:
+        stopped = Generation("stop", prompt_ids(runner, "the movie was"), 30, stop=[stop])
+        engine.add(stopped)
+        run_all(engine)
+        assert stopped.finish_reason == "stop_sequence"
+
+
+# --- the prompt check, without a server --------------------------------------------------
+
+
+class FakeServing:
+    def __init__(self, tokenizer_json: str, positions: int):
+        from types import SimpleNamespace
+
+        self.loaded = SimpleNamespace(
+            tokenizer=tokenizer_json, details={"max_input_length": positions}
+        )
+
+
+def check(prompts, chat, positions=64):
+    import asyncio
+
+    from rawserve.api.prompts import PromptLengths
+    from rawserve.api.served import ServedModel
+    from tests.tiny_models import bpe_tokenizer
+
+    serving = FakeServing(bpe_tokenizer().backend_tokenizer.to_str(), positions)
+    model = ServedModel("m", serving)  # type: ignore[arg-type]
+    asyncio.run(PromptLengths().check(model, prompts, chat))
+
+
+def test_the_prompt_check_counts_texts_and_chats():
+    from rawserve.http.errors import UnprocessableInput
+
+    check(["word " * 10], chat=False)
+    with pytest.raises(UnprocessableInput, match="leave room for one new token"):
+        check(["word " * 100], chat=False)
+    with pytest.raises(UnprocessableInput):
+        check(["word " * 200_000], chat=False)  # counted a piece at a time, in a thread
+    chat = {"messages": [{"role": "user", "content": "word " * 10}]}
+    check([chat], chat=True)
+    huge = {"messages": [{"role": "user", "content": "word " * 100}]}
+    with pytest.raises(UnprocessableInput):
+        check([huge], chat=True)
