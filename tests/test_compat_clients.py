@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.server import RunningServer, running_together
+from tests.test_compat_tgi_rules import CLIENT_DEFAULTS
 
 pytestmark = pytest.mark.slow
 
@@ -29,27 +30,6 @@ UNREACHABLE = re.compile(
     r"NewConnectionError|Failed to establish|Temporary failure in name resolution|"
     r"Network is unreachable|ProxyError|from versions: none"
 )
-# every parameter TGI's client sends, unset: null, false, or its neutral value
-TGI_CLIENT_PARAMETERS = {
-    "best_of": None,
-    "details": True,
-    "do_sample": False,
-    "max_new_tokens": 5,
-    "repetition_penalty": None,
-    "frequency_penalty": None,
-    "return_full_text": False,
-    "seed": None,
-    "stop": [],
-    "temperature": None,
-    "top_k": None,
-    "top_p": None,
-    "truncate": None,
-    "typical_p": None,
-    "watermark": False,
-    "decoder_input_details": False,
-    "top_n_tokens": None,
-    "grammar": None,
-}
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +75,7 @@ def test_generate_answers_tgis_object_the_same_text_as_post_root(servers):
 
 
 def test_generate_details_list_every_token_with_its_logprob(servers):
-    document = {"inputs": PROMPT, "parameters": {**TGI_CLIENT_PARAMETERS, "max_new_tokens": 6}}
+    document = {"inputs": PROMPT, "parameters": {**CLIENT_DEFAULTS, "max_new_tokens": 6}}
     status, answer = servers["chat"].post_json(document, "/generate")
     assert status == 200, answer
     details = answer["details"]
@@ -111,7 +91,7 @@ def test_generate_details_list_every_token_with_its_logprob(servers):
 
 
 def test_generate_stream_sends_tgis_events_the_text_on_the_last(servers):
-    document = {"inputs": PROMPT, "parameters": {**TGI_CLIENT_PARAMETERS, "max_new_tokens": 6}}
+    document = {"inputs": PROMPT, "parameters": {**CLIENT_DEFAULTS, "max_new_tokens": 6}}
     streamed = events(servers["chat"], "/generate_stream", document)
     status, whole = servers["chat"].post_json(document, "/generate")
     assert [event["token"]["id"] for event in streamed] == [
@@ -138,7 +118,7 @@ def test_generate_stream_sends_tgis_events_the_text_on_the_last(servers):
 )
 @pytest.mark.parametrize("path", ["/generate", "/"])
 def test_tgi_parameters_rawserve_does_not_serve_are_422_naming_them(servers, path, name, value):
-    parameters = {**TGI_CLIENT_PARAMETERS, name: value}
+    parameters = {**CLIENT_DEFAULTS, name: value}
     status, answer = servers["chat"].post_json({"inputs": PROMPT, "parameters": parameters}, path)
     assert status == 422 and name in answer["error"], answer
 
@@ -202,7 +182,7 @@ def test_tgi_client_generates(servers, tgi_client_answers):
     answer = tgi_client_answers["generate"]
     assert "raised" not in answer, answer
     status, direct = servers["chat"].post_json(
-        {"inputs": PROMPT, "parameters": TGI_CLIENT_PARAMETERS}, "/generate"
+        {"inputs": PROMPT, "parameters": CLIENT_DEFAULTS}, "/generate"
     )
     assert answer["generated_text"] == direct["generated_text"]
     assert len(answer["details"]["tokens"]) == answer["details"]["generated_tokens"]
