@@ -33,7 +33,9 @@ FULL_RETRY_AFTER = 1  # seconds a load balancer should wait before retrying a fu
 class MetricsPage(Protocol):
     """Renders the Prometheus exposition (rawserve.ops.metrics.Metrics)."""
 
-    def render(self) -> tuple[bytes, str]: ...
+    async def scrape(self) -> tuple[bytes, str]:
+        """The exposition of every process of the server, and its content type."""
+        ...
 
 
 class OperationsRoutes:
@@ -48,6 +50,11 @@ class OperationsRoutes:
         self.max_client_batch_size = context.settings.max_client_batch_size
         self.metrics = metrics
         self.facts = dict(facts or {})  # the server's options, for /info
+        # the server's processes, for /info: this one alone, unless --http-processes
+        # puts the HTTP side in processes of its own (rawserve.http_process)
+        self.processes: Callable[[], list[dict[str, Any]]] = lambda: [
+            {"role": "http+serving", "pid": os.getpid()}
+        ]
 
     def routes(self) -> list[Route]:
         def get(path: str, handler: Handler, operation: Operation) -> Route:
@@ -152,7 +159,7 @@ class OperationsRoutes:
     async def metrics_page(self, request: HttpRequest) -> HttpResponse:
         if self.metrics is None:
             raise NotFound("metrics are not enabled")
-        body, content_type = self.metrics.render()
+        body, content_type = await self.metrics.scrape()
         return HttpResponse(200, body, [], content_type)
 
     def info_document(self, model: ServedModel, server: bool = True) -> dict[str, Any]:
@@ -176,7 +183,14 @@ class OperationsRoutes:
             }
         )
         if server:
-            document.update(server_pid=os.getpid(), versions=versions())
+            processes = self.processes()
+            serving = next((p["pid"] for p in processes if p["role"] != "http"), os.getpid())
+            document.update(
+                server_pid=serving,
+                http_pid=os.getpid(),  # the process that answers this request
+                processes=processes,
+                versions=versions(),
+            )
         return document
 
 
