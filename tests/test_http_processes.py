@@ -284,6 +284,7 @@ def test_the_serving_process_dying_stops_the_http_processes_with_a_clear_line():
         server.stop()
 
 
+@pytest.mark.timeout(900)  # it starts a dozen servers
 def test_the_same_routes_behave_the_same_with_two_http_processes():
     """A representative subset of the end-to-end tests (TLS, CORS, API keys, token streams,
     bad requests, batching), run again with every server they start at two processes."""
