@@ -392,6 +392,7 @@ class HttpProcesses:
 
     def close(self) -> None:
         self.fleet.stopping = True
+        self.bridge.drain(0.0)  # those still there close what they hold and exit
 
     async def closed(self) -> None:
         await self.fleet.stop(FINAL_WRITE_SECONDS)

@@ -39,6 +39,7 @@ log = logging.getLogger("rawserve")
 # An answer later than this past its deadline means the serving process is stuck: the
 # request is answered 504 here (the serving process answers on time while it runs).
 LATE_SECONDS = 1.0
+SCRAPE_SECONDS = 5.0  # how long /metrics waits for the serving process's merged families
 # the serving side's text for a full queue (rawserve.serving.driver), said here at once
 QUEUE_FULL_MESSAGE = "server busy: queue full"
 NOT_LOADED = ServingStatus(
@@ -99,11 +100,17 @@ class Link:
         return future
 
     async def scrape(self) -> list[Family]:
-        """Every process's metric families, merged by the serving process."""
+        """Every process's metric families, merged by the serving process (this
+        process's alone, said in a warning, when the serving process does not answer)."""
         rid = self.next_id()
         try:
-            families: list[Family] = await self.ask(("scrape", rid))
+            families: list[Family] = await asyncio.wait_for(
+                self.ask(("scrape", rid)), SCRAPE_SECONDS
+            )
             return families
+        except (TimeoutError, Refused):
+            log.warning("/metrics: the serving process did not answer; this process's alone")
+            return self.families()
         finally:
             self.pending.pop(rid, None)
 
