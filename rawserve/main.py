@@ -36,7 +36,7 @@ from rawserve.options import parse_config
 from rawserve.protocol import HttpProtocol
 from rawserve.serving import CoreShare, ModelService, Scheduler, SchedulerCore
 from rawserve.serving import WorkerPool as Executor
-from rawserve.serving.bridge import Bridge, BridgedModel
+from rawserve.serving.bridge import Bridge, BridgedModel, PublishingBackend
 from rawserve.serving.fleet import Fleet, HttpProcessFailed
 from rawserve.shared.board import Board
 from rawserve.shared.logs import setup_logging
@@ -351,6 +351,8 @@ class HttpProcesses:
             merge=merge_families,
             serving_pid=os.getpid(),
         )
+        for model in models:  # a batch leaving a queue is published at once
+            model.scheduler.backend = PublishingBackend(model.executor, bridge.publish_soon)
         reserved = reserve_port(config.host, config.port)
         port = reserved.getsockname()[1]
         described = tuple(

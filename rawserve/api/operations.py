@@ -55,6 +55,9 @@ class OperationsRoutes:
         self.processes: Callable[[], list[dict[str, Any]]] = lambda: [
             {"role": "http+serving", "pid": os.getpid()}
         ]
+        # brings the models' snapshots up to date before /info reads them (a round trip to
+        # the serving process from an HTTP process; nothing to do in one process)
+        self.refresh: Callable[[], Awaitable[None]] = _nothing
 
     def routes(self) -> list[Route]:
         def get(path: str, handler: Handler, operation: Operation) -> Route:
@@ -150,6 +153,7 @@ class OperationsRoutes:
     async def info(self, request: HttpRequest) -> HttpResponse:
         """The default model's document (as with one model), every model's in "models",
         and TEI's fields for the default model."""
+        await self.refresh()
         model = self.models.default
         document = self.info_document(model)
         document["models"] = [self.info_document(model, server=False) for model in self.models.all]
@@ -192,6 +196,10 @@ class OperationsRoutes:
                 versions=versions(),
             )
         return document
+
+
+async def _nothing() -> None:
+    pass
 
 
 def _worker_info(worker: WorkerStatus) -> dict[str, Any]:

@@ -104,6 +104,7 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
     ]
     app = App(ServedModels(served), config.app, metrics=metrics)
     app.operations.processes = lambda: link.processes
+    app.operations.refresh = link.refresh
     state = ServerState(metrics=metrics)
     settings = protocol_settings(config)
     await link.connect(sock)

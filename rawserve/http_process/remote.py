@@ -114,10 +114,22 @@ class Link:
         finally:
             self.pending.pop(rid, None)
 
+    async def refresh(self) -> None:
+        """Every model's status as the serving process sees it now (for /info)."""
+        rid = self.next_id()
+        try:
+            statuses = await asyncio.wait_for(self.ask(("statuses", rid)), SCRAPE_SECONDS)
+        except (TimeoutError, Refused):
+            return  # the last ones sent stand
+        finally:
+            self.pending.pop(rid, None)
+        for index, status in enumerate(statuses):
+            self.statuses[index] = status
+
     def receive(self, messages: list[Any]) -> None:
         for message in messages:
             kind = message[0]
-            if kind == "done" or kind == "scraped":
+            if kind in ("done", "scraped", "statuses"):
                 future = self.pending.pop(message[1], None)
                 if future is not None and not future.done():
                     future.set_result(message[2])

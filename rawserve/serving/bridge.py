@@ -8,6 +8,7 @@ sends back the answer:
                                                               or ("refused", rid, refusal)
     ("cancel", rid)               the client left: its items are withdrawn
     ("close_stream", stream)      a token stream is over (its tokens: ("token", stream, chunk))
+    ("statuses", rid)             /info: every model's status now → ("statuses", rid, list)
     ("scrape", rid)               /metrics: every process's families, merged
                                   → ("scraped", rid, families)
     ("samples", token, families)  an HTTP process's own metrics, asked for by ("collect", token)
@@ -25,18 +26,28 @@ import asyncio
 import itertools
 import logging
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
-from rawserve.serving.face import Refused, Serving, ServingStatus, TokenChunk, WorkerReady
+from rawserve.serving.face import (
+    Control,
+    Refused,
+    Serving,
+    ServingStatus,
+    TokenChunk,
+    WorkerReady,
+)
 from rawserve.shared.board import Board
 from rawserve.shared.channel import Channel
+from rawserve.shared.messages import BatchResult
 
 log = logging.getLogger("rawserve")
 
-PUBLISH_SECONDS = 0.005  # how often the board is brought up to date
-STATUS_EVERY = 10  # board updates between two status checks (snapshots cost more)
+# The board is published as soon as a queue changes (items admitted, dispatched,
+# withdrawn or expired); this pass is the backstop, and when statuses are compared.
+PUBLISH_SECONDS = 0.005
+STATUS_EVERY = 1  # board passes between two status checks
 COLLECT_SECONDS = 1.0  # how long a scrape waits for the HTTP processes' metrics
 
 # A metric family as plain data: (name, type, documentation, unit, samples), a sample
@@ -83,6 +94,7 @@ class Bridge:
         self._collecting: dict[int, tuple[asyncio.Future[None], list[list[Family]], int]] = {}
         self._publisher: asyncio.Task[None] | None = None
         self._pings: dict[int, asyncio.Future[None]] = {}
+        self._publish_due = False
 
     # --- peers --------------------------------------------------------------------------
 
@@ -160,6 +172,7 @@ class Bridge:
                 self._run(peer, rid, self.models[model].serving, inputs, params, deadline, control)
             )
             peer.runs[rid] = task
+            self.publish_soon()  # after the task's first step: its items admitted
         elif kind == "cancel":
             running = peer.runs.pop(message[1], None)
             if running is not None:
@@ -168,6 +181,9 @@ class Bridge:
             opened = peer.streams.pop(message[1], None)
             if opened is not None:
                 opened[0].close_stream(opened[1])
+        elif kind == "statuses":  # /info: every model's status now
+            statuses = [(self._status(model), model.serving.loaded) for model in self.models]
+            peer.channel.send(("statuses", message[1], statuses))
         elif kind == "scrape":
             asyncio.ensure_future(self._scrape(peer, message[1]))
         elif kind == "pong":
@@ -217,6 +233,7 @@ class Bridge:
             peer.channel.send(("done", rid, results))
         finally:
             peer.runs.pop(rid, None)
+            self.publish_soon()  # what was still queued has left the queue
 
     async def _scrape(self, peer: Peer, rid: int) -> None:
         token = next(self._ids)
@@ -253,8 +270,15 @@ class Bridge:
             if turn % STATUS_EVERY == 0:
                 self._send_statuses()
 
+    def publish_soon(self) -> None:
+        """Publish at the end of this event-loop pass (once, however often asked)."""
+        if not self._publish_due:
+            self._publish_due = True
+            asyncio.get_running_loop().call_soon(self.publish)
+
     def publish(self) -> None:
         """Bring the board up to date with every model's queue."""
+        self._publish_due = False
         for index, model in enumerate(self.models):
             serving = model.serving
             full = serving.full
@@ -288,3 +312,41 @@ class Bridge:
         processes = self.processes()
         for peer in self.peers.values():
             peer.channel.send(("processes", processes))
+
+
+class Backend(Protocol):
+    """The worker pool as the scheduler sees it (rawserve.serving.driver.Backend)."""
+
+    def idle_workers(self) -> int: ...
+
+    def batch_cap(self) -> int | None: ...
+
+    def max_input_tokens(self) -> int | None: ...
+
+    def submit(
+        self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control
+    ) -> asyncio.Future[BatchResult]: ...
+
+
+class PublishingBackend:
+    """A scheduler's backend that has the board published whenever a batch leaves the
+    queue, so that no HTTP process reads "full" of a queue that has room."""
+
+    def __init__(self, backend: Backend, published: Callable[[], None]):
+        self.backend = backend
+        self.published = published
+
+    def idle_workers(self) -> int:
+        return self.backend.idle_workers()
+
+    def batch_cap(self) -> int | None:
+        return self.backend.batch_cap()
+
+    def max_input_tokens(self) -> int | None:
+        return self.backend.max_input_tokens()
+
+    def submit(
+        self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control
+    ) -> asyncio.Future[BatchResult]:
+        self.published()
+        return self.backend.submit(inputs, params, control)
