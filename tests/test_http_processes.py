@@ -126,6 +126,7 @@ def test_both_http_processes_answer_and_info_lists_every_process(server):
     assert roles == ["http", "http", "serving"]
     assert sorted(connections) == sorted(http_pids(server))
     assert info["server_pid"] == server.process.pid
+    assert info["event_loop"] in ("uvloop", "asyncio")
     for connection in connections.values():
         status, _, answer = connection.request("POST", "/", {"inputs": "hello"})
         assert status == 200 and json.loads(answer)["input"] == "hello"

@@ -6,6 +6,7 @@ answer them in the event-loop pass that read them (`App.answer_now`).
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
@@ -193,9 +194,16 @@ class OperationsRoutes:
                 server_pid=serving,
                 http_pid=os.getpid(),  # the process that answers this request
                 processes=processes,
+                event_loop=_event_loop(),
                 versions=versions(),
             )
         return document
+
+
+def _event_loop() -> str:
+    """The event loop this process runs (--loop): "uvloop" or "asyncio"."""
+    module = type(asyncio.get_running_loop()).__module__
+    return "uvloop" if module.startswith("uvloop") else "asyncio"
 
 
 async def _nothing() -> None:
