@@ -12,7 +12,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-deps lint bench reference-answers clean
+.PHONY: serve test test-deps lint bench bench-http reference-answers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,12 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	HF_HUB_OFFLINE=1 $(PY) -m bench.compare $(ARGS)
+	$(MAKE) bench-http
+
+# the server's own ceiling (echo handler) at 1, 2, 4 ... HTTP processes, asyncio and uvloop,
+# interleaved (bench/RESULTS.md, "HTTP across processes"): about 4 minutes on 2 cores
+bench-http: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m bench.http_processes
 
 # transformers 4's answers for tests/test_fidelity.py, into tests/fidelity_reference.json.
 # The first run makes .venv-transformers4 (transformers 4.57.6 and the same torch); it prints

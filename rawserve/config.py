@@ -97,6 +97,8 @@ class ServerConfig:
     http: HttpLimits
     app: AppSettings
     grace: float  # seconds to drain on SIGTERM/SIGINT
+    http_processes: int  # processes that speak HTTP; 1: the serving process does too
+    loop: str  # the event loop that runs: "uvloop" or "asyncio" (--loop, settled)
     log_level: str
     log_format: str
     access_log: bool

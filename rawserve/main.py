@@ -14,23 +14,31 @@ import gc
 import logging
 import os
 import signal
+import socket
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rawserve import __version__
 from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.config import Batching, ModelConfig, ServerConfig, WorkerPlan, plan_workers
-from rawserve.http.limits import ProtocolSettings, ServerState
+from rawserve.http.limits import ServerState
+from rawserve.http_process.entry import HttpProcessSpec, ModelSpec, run_http_process
+from rawserve.http_process.front import listen, protocol_settings, requests_answered
 from rawserve.models.hub import ModelNotFound
 from rawserve.models.plan import ModelPlan, plan_models
+from rawserve.ops import loops
 from rawserve.ops.loading import log_loading_progress
-from rawserve.ops.metrics import Metrics
+from rawserve.ops.metrics import Metrics, merge_families
 from rawserve.options import parse_config
 from rawserve.protocol import HttpProtocol
 from rawserve.serving import CoreShare, ModelService, Scheduler, SchedulerCore
 from rawserve.serving import WorkerPool as Executor
+from rawserve.serving.bridge import Bridge, BridgedModel, PublishingBackend
+from rawserve.serving.fleet import Fleet, HttpProcessFailed
+from rawserve.shared.board import Board
 from rawserve.shared.logs import setup_logging
 from rawserve.shared.memory import fix_mmap_threshold
 from rawserve.shared.messages import WorkerConfig
@@ -151,7 +159,14 @@ def build_model(
     return ModelParts(plan, executor, scheduler, served)
 
 
-async def serve(config: ServerConfig, plans: Sequence[ModelPlan], workers: WorkerPlan) -> int:
+async def serve(
+    config: ServerConfig,
+    plans: Sequence[ModelPlan],
+    workers: WorkerPlan,
+    argv: Sequence[str] = (),
+) -> int:
+    """Serve until a signal stops the server (`argv`: the command line, which the HTTP
+    processes of --http-processes N > 1 read again)."""
     loop = asyncio.get_running_loop()
     started = time.monotonic()
     metrics = Metrics()
@@ -162,36 +177,21 @@ async def serve(config: ServerConfig, plans: Sequence[ModelPlan], workers: Worke
     ]
     executors = [model.executor for model in models]
     schedulers = [model.scheduler for model in models]
-    app = App(
-        ServedModels([model.served for model in models]),
-        config.app,
-        metrics=metrics,
-    )
-    state = ServerState(metrics=metrics)
-    http = config.http
-    settings = ProtocolSettings(
-        max_body_bytes=http.max_body_bytes,
-        max_connections=http.max_connections,
-        keepalive_timeout=http.keepalive_timeout,
-        head_timeout=http.head_timeout,
-        body_timeout=http.body_timeout,
-        write_timeout=http.write_timeout,
-    )
     for executor in executors:
         executor.start()
     for scheduler in schedulers:
         scheduler.start()
     metrics.start(loop)
-    server = await loop.create_server(
-        lambda: HttpProtocol(app, settings, state, loop=loop),
-        config.host,
-        config.port,
-        backlog=1024,
-        ssl=config.ssl_context,
-        # a client that never finishes its TLS hello is let go as a slow head would be
-        ssl_handshake_timeout=http.head_timeout if config.tls else None,
+    front = await (
+        HttpProcesses.start(config, models, metrics, argv)
+        if config.http_processes > 1
+        else OneProcess.start(config, models, metrics)
     )
-    port = server.sockets[0].getsockname()[1]
+    if front is None:  # an HTTP process could not start (it said why)
+        for scheduler in schedulers:
+            await scheduler.stop()
+        await asyncio.gather(*(executor.shutdown(wait=False) for executor in executors))
+        return 1
     fix_mmap_threshold()  # large blocks mapped on their own: the heap does not creep
     # What is built by now lives as long as the server: leave it out of the collector's
     # full passes, which otherwise stall the event loop for ~8 ms every few thousand
@@ -200,11 +200,12 @@ async def serve(config: ServerConfig, plans: Sequence[ModelPlan], workers: Worke
     gc.freeze()
     scheme = "https" if config.tls else "http"
     log.info(
-        "rawserve %s listening on %s://%s:%d (model loading)",
+        "rawserve %s listening on %s://%s:%d (model loading; %s)",
         __version__,
         scheme,
         config.host,
-        port,
+        front.port,
+        front.describe(config),
     )
     if workers.chosen:
         log.info("layout: %s", workers.layout)
@@ -222,6 +223,7 @@ async def serve(config: ServerConfig, plans: Sequence[ModelPlan], workers: Worke
             log.warning("second signal: exiting now")
             for executor in executors:
                 executor.kill()
+            front.kill()
             os._exit(1)
         first_signal = now
         log.info(
@@ -240,10 +242,11 @@ async def serve(config: ServerConfig, plans: Sequence[ModelPlan], workers: Worke
     if loaded.done():
         if loaded.exception() is not None:
             log.error("%s", loaded.exception())
-            server.close()
+            front.close()
             for scheduler in schedulers:
                 await scheduler.stop()
             await asyncio.gather(*(executor.shutdown(wait=False) for executor in executors))
+            await front.closed()
             return 1
         serving = ", ".join(
             f"{model.plan.name} ({describe(model.executor)})"
@@ -251,25 +254,175 @@ async def serve(config: ServerConfig, plans: Sequence[ModelPlan], workers: Worke
             else describe(model.executor)
             for model in models
         )
+        await front.announce()
         log.info("ready in %.1f s: serving %s", time.monotonic() - started, serving)
     await stopping
 
     # Drain: no new connections, /ready and new requests 503, admitted work finishes.
-    app.start_draining()
-    server.close()
+    front.start_draining(config.grace)
     pending = sum(scheduler.pending for scheduler in schedulers)
     log.info("stopped accepting connections; %d item(s) queued or running", pending)
-    if not await requests_answered(state, config.grace):
+    if not await front.requests_answered(config.grace):
         log.warning("grace period over: answering the remaining requests with 503")
     for scheduler in schedulers:
         await scheduler.stop()  # what is still queued: 503
     await metrics.stop()
     workers_stopped = loop.create_task(stop_all(executors))  # running batches: 503
-    await requests_answered(state, FINAL_WRITE_SECONDS)
-    state.close_all()
+    await front.requests_answered(FINAL_WRITE_SECONDS)
+    front.close()
     await workers_stopped
+    await front.closed()
     log.info("stopped")
     return 0
+
+
+class OneProcess:
+    """HTTP served by the serving process itself (--http-processes 1): no hop between."""
+
+    def __init__(self, app: App, state: ServerState, server: asyncio.Server):
+        self.app = app
+        self.state = state
+        self.server = server
+        self.port: int = server.sockets[0].getsockname()[1]
+
+    @classmethod
+    async def start(
+        cls, config: ServerConfig, models: Sequence[ModelParts], metrics: Metrics
+    ) -> OneProcess:
+        loop = asyncio.get_running_loop()
+        app = App(ServedModels([model.served for model in models]), config.app, metrics=metrics)
+        state = ServerState(metrics=metrics)
+        settings = protocol_settings(config)
+        server = await listen(
+            config, lambda: HttpProtocol(app, settings, state, loop=loop), config.port
+        )
+        return cls(app, state, server)
+
+    def describe(self, config: ServerConfig) -> str:
+        return f"one process, event loop {config.loop}"
+
+    def start_draining(self, grace: float) -> None:
+        self.app.start_draining()
+        self.server.close()
+
+    async def requests_answered(self, timeout: float) -> bool:
+        return await requests_answered(self.state, timeout)
+
+    def close(self) -> None:
+        self.server.close()
+        self.state.close_all()
+
+    async def closed(self) -> None:
+        pass
+
+    async def announce(self) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+
+class HttpProcesses:
+    """HTTP served by --http-processes N processes of their own, which reach the models
+    through the bridge; the port is reserved here (SO_REUSEPORT, never listening) and
+    each HTTP process listens on it."""
+
+    def __init__(self, fleet: Fleet, bridge: Bridge, board: Board, reserved: socket.socket):
+        self.fleet = fleet
+        self.bridge = bridge
+        self.board = board
+        self.reserved = reserved
+        self.port: int = reserved.getsockname()[1]
+
+    @classmethod
+    async def start(
+        cls,
+        config: ServerConfig,
+        models: Sequence[ModelParts],
+        metrics: Metrics,
+        argv: Sequence[str],
+    ) -> HttpProcesses | None:
+        board = Board.create(len(models))
+        bridge = Bridge(
+            [
+                BridgedModel(model.served.serving, retry_after=queue_retry_after(model.scheduler))
+                for model in models
+            ],
+            board,
+            own_families=metrics.families,
+            merge=merge_families,
+            serving_pid=os.getpid(),
+        )
+        for model in models:  # a batch leaving a queue is published at once
+            model.scheduler.backend = PublishingBackend(model.executor, bridge.publish_soon)
+        reserved = reserve_port(config.host, config.port)
+        port = reserved.getsockname()[1]
+        described = tuple(
+            ModelSpec(model.served.name, model.served.aliases, model.served.facts)
+            for model in models
+        )
+
+        def spec(index: int) -> HttpProcessSpec:
+            return HttpProcessSpec(tuple(argv), index, port, board.path, described, config.loop)
+
+        fleet = Fleet(config.http_processes, run_http_process, spec, bridge)
+        bridge.start()
+        try:
+            await fleet.start()
+        except HttpProcessFailed as exc:
+            log.error("%s", exc)
+            fleet.kill()
+            await bridge.stop()
+            board.remove()
+            reserved.close()
+            return None
+        return cls(fleet, bridge, board, reserved)
+
+    def describe(self, config: ServerConfig) -> str:
+        return (
+            f"{config.http_processes} HTTP processes (pids "
+            f"{', '.join(map(str, self.fleet.pids()))}), event loop {config.loop}"
+        )
+
+    async def announce(self) -> None:
+        await self.bridge.announce()
+
+    def start_draining(self, grace: float) -> None:
+        self.fleet.stopping = True
+        self.bridge.drain(grace)
+
+    async def requests_answered(self, timeout: float) -> bool:
+        return await self.fleet.wait_exited(timeout)
+
+    def close(self) -> None:
+        self.fleet.stopping = True
+        self.bridge.drain(0.0)  # those still there close what they hold and exit
+
+    async def closed(self) -> None:
+        await self.fleet.stop(FINAL_WRITE_SECONDS)
+        await self.bridge.stop()
+        self.board.remove()
+        self.reserved.close()
+
+    def kill(self) -> None:
+        self.fleet.kill()
+
+
+def queue_retry_after(scheduler: Scheduler) -> Callable[[], float]:
+    """What a full queue's Retry-After says now (without counting a refusal)."""
+    return lambda: scheduler.core.retry_after(time.monotonic())
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to (`host`, `port`) with SO_REUSEPORT that never listens: it holds
+    the port (the one the system picks for port 0) for the HTTP processes to listen on."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    reserved = socket.socket(family, kind, proto)
+    reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    reserved.bind(address)
+    return reserved
 
 
 def describe(executor: Executor) -> str:
@@ -297,17 +450,6 @@ async def stop_all(executors: Sequence[Executor]) -> None:
     await asyncio.gather(*(executor.shutdown(wait=True) for executor in executors))
 
 
-async def requests_answered(state: ServerState, timeout: float) -> bool:
-    """Wait until no connection has a request in progress (or `timeout` passes)."""
-    loop = asyncio.get_running_loop()
-    until = loop.time() + timeout
-    while busy := state.busy_tasks():
-        if (left := until - loop.time()) <= 0:
-            return False
-        await asyncio.wait(busy, timeout=left)
-    return True
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     setup_logging(config.log_level, config.log_format, access_log=config.access_log)
@@ -330,6 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.info("model %s: %s", plan.name, plan.folder or plan.handler)
         return 0
     try:
-        return asyncio.run(serve(config, plans, workers))
+        argv = list(sys.argv[1:] if argv is None else argv)
+        return loops.run(serve(config, plans, workers, argv), config.loop)
     except KeyboardInterrupt:
         return 1

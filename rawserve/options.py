@@ -21,6 +21,7 @@ from rawserve.api.settings import AppSettings
 from rawserve.config import Batching, HttpLimits, ModelConfig, ServerConfig, Tls
 from rawserve.http.tls import server_context
 from rawserve.ops import layout
+from rawserve.ops.loops import LOOPS, chosen_loop
 from rawserve.shared.devices import parse_devices
 from rawserve.shared.logs import LOG_FORMATS
 from rawserve.shared.messages import Engine
@@ -166,6 +167,16 @@ OPTIONS = [
     Option(
         "--batch-timeout", float, 120.0, "seconds a batch may run before its worker is restarted"
     ),
+    Option(
+        "--http-processes",
+        int,
+        1,
+        "processes that speak HTTP (connections, parsing, JSON) beside the one serving "
+        "process that schedules and feeds the workers; 1: one process does both",
+    ),
+    Option(
+        "--loop", str, "auto", "the event loop: auto (uvloop where installed), asyncio or uvloop"
+    ),
     Option("--log-level", str, "info", "debug, info, warning or error"),
     Option("--log-format", str, "text", "text (one line per event) or json (one object a line)"),
     Option("--no-access-log", bool, False, "do not log a line per request"),
@@ -270,6 +281,12 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         )
     if args.max_connections < 0 or args.api_key == "":
         parser.error("--max-connections must not be negative and --api-key not empty")
+    if args.http_processes < 1:
+        parser.error("--http-processes must be positive")
+    if args.loop not in LOOPS:
+        parser.error(f"--loop must be one of {', '.join(LOOPS)}")
+    if args.loop == "uvloop" and chosen_loop("auto") != "uvloop":
+        parser.error("--loop uvloop: uvloop is not installed")
     if args.log_format not in LOG_FORMATS:
         parser.error(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
     chat_template = read_chat_template(args.chat_template, parser)
@@ -309,6 +326,8 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             cors_allow_origins=tuple(args.cors_allow_origin),
         ),
         grace=args.grace,
+        http_processes=args.http_processes,
+        loop=chosen_loop(args.loop),
         log_level=args.log_level,
         log_format=args.log_format,
         access_log=not args.no_access_log,

@@ -32,6 +32,7 @@ turn into a reset that destroys our last answer before the client reads it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Iterable
@@ -580,7 +581,8 @@ class HttpProtocol(asyncio.Protocol):
         target = request.target.decode("ascii", "replace") if request else "-"
         if self.state.metrics is not None:
             self.state.metrics.observe_request(target.partition("?")[0], method, status, seconds)
-        log_access(_peer(self.transport), method, target, status, size, seconds, cycle.request_id)
+        peer = functools.partial(_peer, self.transport)
+        log_access(peer, method, target, status, size, seconds, cycle.request_id)
 
 
 async def _close_stream(response: HttpResponse) -> None:

@@ -26,6 +26,7 @@ SAMPLES = {
     "--api-key": "secret",
     "--cors-allow-origin": "https://app.example",
     "--chat-template": __file__,  # a file that exists: its text is read at parse time
+    "--loop": "asyncio",
 }
 # Each needs a real certificate file; tests/test_tls_cors.py serves TLS from them.
 NEEDS_FILES = {"--ssl-certfile", "--ssl-keyfile"}

@@ -6,6 +6,7 @@ answer them in the event-loop pass that read them (`App.answer_now`).
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
@@ -33,7 +34,9 @@ FULL_RETRY_AFTER = 1  # seconds a load balancer should wait before retrying a fu
 class MetricsPage(Protocol):
     """Renders the Prometheus exposition (rawserve.ops.metrics.Metrics)."""
 
-    def render(self) -> tuple[bytes, str]: ...
+    async def scrape(self) -> tuple[bytes, str]:
+        """The exposition of every process of the server, and its content type."""
+        ...
 
 
 class OperationsRoutes:
@@ -48,6 +51,14 @@ class OperationsRoutes:
         self.max_client_batch_size = context.settings.max_client_batch_size
         self.metrics = metrics
         self.facts = dict(facts or {})  # the server's options, for /info
+        # the server's processes, for /info: this one alone, unless --http-processes
+        # puts the HTTP side in processes of its own (rawserve.http_process)
+        self.processes: Callable[[], list[dict[str, Any]]] = lambda: [
+            {"role": "http+serving", "pid": os.getpid()}
+        ]
+        # brings the models' snapshots up to date before /info reads them (a round trip to
+        # the serving process from an HTTP process; nothing to do in one process)
+        self.refresh: Callable[[], Awaitable[None]] = _nothing
 
     def routes(self) -> list[Route]:
         def get(path: str, handler: Handler, operation: Operation) -> Route:
@@ -143,6 +154,7 @@ class OperationsRoutes:
     async def info(self, request: HttpRequest) -> HttpResponse:
         """The default model's document (as with one model), every model's in "models",
         and TEI's fields for the default model."""
+        await self.refresh()
         model = self.models.default
         document = self.info_document(model)
         document["models"] = [self.info_document(model, server=False) for model in self.models.all]
@@ -152,7 +164,7 @@ class OperationsRoutes:
     async def metrics_page(self, request: HttpRequest) -> HttpResponse:
         if self.metrics is None:
             raise NotFound("metrics are not enabled")
-        body, content_type = self.metrics.render()
+        body, content_type = await self.metrics.scrape()
         return HttpResponse(200, body, [], content_type)
 
     def info_document(self, model: ServedModel, server: bool = True) -> dict[str, Any]:
@@ -176,8 +188,26 @@ class OperationsRoutes:
             }
         )
         if server:
-            document.update(server_pid=os.getpid(), versions=versions())
+            processes = self.processes()
+            serving = next((p["pid"] for p in processes if p["role"] != "http"), os.getpid())
+            document.update(
+                server_pid=serving,
+                http_pid=os.getpid(),  # the process that answers this request
+                processes=processes,
+                event_loop=_event_loop(),
+                versions=versions(),
+            )
         return document
+
+
+def _event_loop() -> str:
+    """The event loop this process runs (--loop): "uvloop" or "asyncio"."""
+    module = type(asyncio.get_running_loop()).__module__
+    return "uvloop" if module.startswith("uvloop") else "asyncio"
+
+
+async def _nothing() -> None:
+    pass
 
 
 def _worker_info(worker: WorkerStatus) -> dict[str, Any]:

@@ -14,6 +14,7 @@ keys carry the values as sent (JSON escapes them itself).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 access_log = logging.getLogger("rawserve.access")
 
@@ -42,11 +43,21 @@ def is_probe(method: str, path: str) -> bool:
 
 
 def log_access(
-    peer: str, method: str, target: str, status: int, size: int, seconds: float, request_id: str
+    peer: str | Callable[[], str],
+    method: str,
+    target: str,
+    status: int,
+    size: int,
+    seconds: float,
+    request_id: str,
 ) -> None:
+    """Log one response (`peer`: the client's address, or a function that says it, called
+    only when the line is written: nothing is formatted for a log that is off)."""
     level = logging.DEBUG if is_probe(method, target.partition("?")[0]) else logging.INFO
     if not access_log.isEnabledFor(level):
         return
+    if callable(peer):
+        peer = peer()
     access_log.log(
         level,
         '%s "%s %s" %d %d %.1fms %s',

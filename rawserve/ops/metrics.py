@@ -8,7 +8,12 @@ executor (poisoned items) call when they are given a `Metrics`, or for a served 
 lives somewhere (queue depth, queued tokens, worker state and restarts) is read at
 scrape time by `StateCollector`, so nothing has to be kept in step. Every series about a
 model's queue, batches or workers carries a `model` label. Event-loop lag is
-measured by a small periodic task. This module never imports h11 or torch.
+measured by a small periodic task.
+
+With several HTTP processes (`--http-processes`), each process keeps its own `Metrics`
+and a scrape merges them all (`families`, `merge_families`, `render_families`):
+counters and histograms are summed, gauges give their highest value, so that one
+`/metrics` answer covers the whole server. This module never imports h11 or torch.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest as render_collector
 
 DROP_REASONS = ("rejected", "expired", "disconnected", "poison")
 OTHER_ROUTE = "other"  # the label of paths that are not routes (keeps cardinality bounded)
@@ -28,6 +34,12 @@ KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPT
 # The classic text format, which every Prometheus reads (generate_latest writes it).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LOOP_LAG_INTERVAL = 0.5  # seconds between two event-loop lag probes
+
+# A metric family as plain data, to cross a pipe: (name, type, documentation, unit,
+# samples), a sample being (name, labels, value).
+Sample = tuple[str, dict[str, str], float]
+Family = tuple[str, str, str, str, list[Sample]]
+SeriesKey = tuple[str, tuple[tuple[str, str], ...]]  # a sample's name and sorted labels
 
 REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -153,6 +165,73 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE
+
+    async def scrape(self) -> tuple[bytes, str]:
+        """What `GET /metrics` answers: this server's exposition (`render`)."""
+        return self.render()
+
+    def families(self) -> list[Family]:
+        """This process's metrics as plain data, to be merged with other processes'."""
+        return [
+            (
+                family.name,
+                family.type,
+                family.documentation,
+                family.unit,
+                [(sample.name, dict(sample.labels), sample.value) for sample in family.samples],
+            )
+            for family in self.registry.collect()
+        ]
+
+
+def merge_families(processes: Sequence[Sequence[Family]]) -> list[Family]:
+    """Several processes' families as one server's: counters and histograms summed, a
+    gauge's highest value, a series' creation time its earliest."""
+    merged: dict[
+        str, tuple[str, str, str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]
+    ] = {}
+    for families in processes:
+        for name, kind, documentation, unit, samples in families:
+            _, _, _, values = merged.setdefault(name, (kind, documentation, unit, {}))
+            for sample, labels, value in samples:
+                key = (sample, tuple(sorted(labels.items())))
+                if key not in values:
+                    values[key] = value
+                elif sample.endswith("_created"):
+                    values[key] = min(values[key], value)
+                elif kind == "gauge":
+                    values[key] = max(values[key], value)
+                else:
+                    values[key] += value
+    return [
+        (
+            name,
+            kind,
+            documentation,
+            unit,
+            [(s, dict(labels), v) for (s, labels), v in values.items()],
+        )
+        for name, (kind, documentation, unit, values) in merged.items()
+    ]
+
+
+class MergedFamilies:
+    """A collector that yields families given as plain data (for `render_families`)."""
+
+    def __init__(self, families: Sequence[Family]):
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        for name, kind, documentation, unit, samples in self._families:
+            family = Metric(name, documentation, kind, unit)
+            for sample, labels, value in samples:
+                family.add_sample(sample, labels, value)
+            yield family
+
+
+def render_families(families: Sequence[Family]) -> bytes:
+    """The Prometheus text exposition of merged families."""
+    return render_collector(MergedFamilies(families))
 
 
 class ModelMetrics:

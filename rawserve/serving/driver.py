@@ -155,17 +155,19 @@ class Scheduler:
         except QueueFull as refused:
             raise self._refusal(refused, len(items)) from None
         self._wake.set()
+        expired = False
         try:
             async with asyncio.timeout(max(0.0, deadline - now)):
                 if len(futures) == 1:  # most requests: no gathering future in between
                     return [await futures[0]]
                 return list(await asyncio.gather(*futures))
         except TimeoutError:
+            expired = True
             raise Refused.because(
                 Reason.DEADLINE_PASSED, "the request's deadline passed before it was answered"
             ) from None
         finally:
-            self._count_withdrawn(items, deadline)
+            self._count_withdrawn(items, deadline, expired)
             for item, future in zip(items, futures, strict=True):
                 self.core.remove(item)
                 if not future.done():
@@ -210,11 +212,13 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.drop(reason, count)
 
-    def _count_withdrawn(self, items: list[WorkItem], deadline: float) -> None:
-        """Count items leaving the queue uncomputed: at their deadline, or their client left."""
+    def _count_withdrawn(self, items: list[WorkItem], deadline: float, expired: bool) -> None:
+        """Count items leaving the queue uncomputed: at their deadline, or their client left.
+        (`expired`: the deadline's timer fired; an event loop's timer may fire a little
+        before the clock reads the deadline, as uvloop's does.)"""
         withdrawn = sum(item.queued for item in items)
         if withdrawn:
-            reason = "expired" if self.clock() >= deadline else "disconnected"
+            reason = "expired" if expired or self.clock() >= deadline else "disconnected"
             self._count_dropped(reason, withdrawn)
 
     def _sleep_until(self, when: float | None) -> None:

@@ -1,0 +1,143 @@
+"""An HTTP process's life (`--http-processes` N > 1): started by the serving process
+with the `spawn` method (a fresh interpreter that imports this module and calls
+`run_http_process`), it reads the same command line, listens on the server's port beside
+the other HTTP processes (SO_REUSEPORT: the kernel spreads connections between them),
+serves every route through the protocol and the API with each model's face a client of
+the serving process (rawserve.http_process.remote), and stops when the serving process
+says drain, or at once (exit code 1) when the serving process is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rawserve.api.app import App
+from rawserve.api.served import ServedModel, ServedModels
+from rawserve.http.limits import ServerState
+from rawserve.http_process.front import listen, protocol_settings, requests_answered
+from rawserve.http_process.remote import Link, RemoteServing
+from rawserve.ops import loops
+from rawserve.ops.metrics import CONTENT_TYPE, Metrics, render_families
+from rawserve.options import parse_config
+from rawserve.protocol import HttpProtocol
+from rawserve.shared.board import Board
+from rawserve.shared.logs import setup_logging
+from rawserve.shared.memory import fix_mmap_threshold
+
+log = logging.getLogger("rawserve")
+
+FINAL_WRITE_SECONDS = 1.0  # after the grace period: time to write the last answers
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A served model as an HTTP process knows it: its names and its facts for /info."""
+
+    name: str
+    aliases: tuple[str, ...]
+    facts: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class HttpProcessSpec:
+    """What the serving process tells an HTTP process (plain data: it is pickled)."""
+
+    argv: tuple[str, ...]  # the server's command line, read again here
+    index: int
+    port: int  # the port the serving process reserved (its --port, or the one it got)
+    board: str  # the path of the published queue state (rawserve.shared.board)
+    models: tuple[ModelSpec, ...]
+    loop: str  # "uvloop" or "asyncio"
+
+
+class ProcessMetrics(Metrics):
+    """This process's metrics; a scrape answers for every process of the server."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.link: Link | None = None
+
+    async def scrape(self) -> tuple[bytes, str]:
+        assert self.link is not None
+        return render_families(await self.link.scrape()), CONTENT_TYPE
+
+
+def run_http_process(spec: HttpProcessSpec, sock: socket.socket) -> None:
+    """The entry function of an HTTP process (`sock`: its end of the channel)."""
+    config = parse_config(list(spec.argv))
+    setup_logging(config.log_level, config.log_format, access_log=config.access_log)
+    sys.exit(loops.run(serve_http(spec, sock), spec.loop))
+
+
+async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
+    config = parse_config(list(spec.argv))
+    loop = asyncio.get_running_loop()
+    drain = asyncio.Event()
+    lost = asyncio.Event()
+    grace = config.grace
+
+    def on_drain(seconds: float) -> None:
+        nonlocal grace
+        grace = seconds
+        drain.set()
+
+    metrics = ProcessMetrics()
+    link = Link(Board(spec.board, len(spec.models)), metrics.families, on_drain, lost.set)
+    metrics.link = link
+    served = [
+        ServedModel(
+            model.name,
+            RemoteServing(link, index, metrics.for_model(model.name)),
+            model.facts,
+            aliases=model.aliases,
+        )
+        for index, model in enumerate(spec.models)
+    ]
+    app = App(ServedModels(served), config.app, metrics=metrics)
+    app.operations.processes = lambda: link.processes
+    app.operations.refresh = link.refresh
+    state = ServerState(metrics=metrics)
+    settings = protocol_settings(config)
+    await link.connect(sock)
+    server = await listen(
+        config, lambda: HttpProtocol(app, settings, state, loop=loop), spec.port, reuse_port=True
+    )
+    metrics.start(loop)
+    for signum in (signal.SIGTERM, signal.SIGINT):  # a stop sent to the whole group
+        loop.add_signal_handler(signum, on_drain, config.grace)
+    link.send(("listening", os.getpid()))
+    fix_mmap_threshold()
+    gc.collect()
+    gc.freeze()
+    log.debug("HTTP process %d (pid %d) listening", spec.index, os.getpid())
+
+    stopped = [loop.create_task(drain.wait()), loop.create_task(lost.wait())]
+    await asyncio.wait(stopped, return_when=asyncio.FIRST_COMPLETED)
+    for task in stopped:
+        task.cancel()
+    server.close()
+    if lost.is_set():
+        log.error(
+            "HTTP process %d (pid %d): the serving process is gone; stopping",
+            spec.index,
+            os.getpid(),
+        )
+        state.close_all()
+        return 1
+    app.start_draining()
+    # the serving process answers what is left with 503 once the grace period is over
+    await requests_answered(state, grace + FINAL_WRITE_SECONDS)
+    state.close_all()
+    await metrics.stop()
+    if link.channel is not None:
+        link.channel.close()
+    return 0

@@ -1,0 +1,242 @@
+"""The `Serving` face of each model inside an HTTP process: a client of the channel to
+the serving process (rawserve.serving.bridge), so that the API side does not change.
+
+`Link` is the process's end of that channel: requests by id, their answers, the token
+streams' listeners, the latest status of each model and the list of processes.
+`RemoteServing` is one model's face over it. What a request needs at once (is the queue
+full, is a worker ready) is read from the `Board` the serving process publishes,
+without a message; `snapshot` and `loaded` are the latest the serving process sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, Protocol
+
+from rawserve.serving.face import (
+    NO_CONTROL,
+    Control,
+    ItemResult,
+    LoadState,
+    Reason,
+    Refusal,
+    Refused,
+    ServingStatus,
+    TokenChunk,
+    WorkerReady,
+)
+from rawserve.shared.board import FULL, HEALTHY, READY, Board
+from rawserve.shared.channel import Channel
+
+log = logging.getLogger("rawserve")
+
+# An answer later than this past its deadline means the serving process is stuck: the
+# request is answered 504 here (the serving process answers on time while it runs).
+LATE_SECONDS = 1.0
+SCRAPE_SECONDS = 5.0  # how long /metrics waits for the serving process's merged families
+# the serving side's text for a full queue (rawserve.serving.driver), said here at once
+QUEUE_FULL_MESSAGE = "server busy: queue full"
+NOT_LOADED = ServingStatus(
+    ready=False,
+    healthy=True,
+    full=False,
+    max_batch_size=0,
+    load_state=LoadState.LOADING,
+    loading_seconds=None,
+    workers=(),
+)
+
+Family = tuple[str, str, str, str, list[tuple[str, dict[str, str], float]]]
+
+
+class Rejections(Protocol):
+    """What a model's face counts (rawserve.ops.metrics.ModelMetrics)."""
+
+    def drop(self, reason: str, count: int = 1) -> None: ...
+
+
+class Link:
+    """The HTTP process's end of its channel to the serving process."""
+
+    def __init__(
+        self,
+        board: Board,
+        families: Callable[[], list[Family]],
+        on_drain: Callable[[float], None],
+        on_lost: Callable[[], None],
+    ):
+        self.board = board
+        self.families = families  # this process's own metrics, when a scrape asks
+        self.on_drain = on_drain
+        self.on_lost = on_lost
+        self.channel: Channel | None = None
+        self.pending: dict[int, asyncio.Future[Any]] = {}
+        self.streams: dict[int, Callable[[TokenChunk], None]] = {}
+        self.statuses: dict[int, tuple[ServingStatus, WorkerReady | None]] = {}
+        self.processes: list[dict[str, Any]] = []
+        self._ids = itertools.count(1)
+
+    async def connect(self, sock: socket.socket) -> None:
+        self.channel = await Channel.over(sock, self.receive, self.lost)
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        assert self.channel is not None, "connect() first"
+        self.channel.send(message)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def ask(self, message: tuple[Any, ...]) -> asyncio.Future[Any]:
+        """Send `message` (its second field: a new id) and a future of its answer."""
+        future = asyncio.get_running_loop().create_future()
+        self.pending[message[1]] = future
+        self.send(message)
+        return future
+
+    async def scrape(self) -> list[Family]:
+        """Every process's metric families, merged by the serving process (this
+        process's alone, said in a warning, when the serving process does not answer)."""
+        rid = self.next_id()
+        try:
+            families: list[Family] = await asyncio.wait_for(
+                self.ask(("scrape", rid)), SCRAPE_SECONDS
+            )
+            return families
+        except (TimeoutError, Refused):
+            log.warning("/metrics: the serving process did not answer; this process's alone")
+            return self.families()
+        finally:
+            self.pending.pop(rid, None)
+
+    async def refresh(self) -> None:
+        """Every model's status as the serving process sees it now (for /info)."""
+        rid = self.next_id()
+        try:
+            statuses = await asyncio.wait_for(self.ask(("statuses", rid)), SCRAPE_SECONDS)
+        except (TimeoutError, Refused):
+            return  # the last ones sent stand
+        finally:
+            self.pending.pop(rid, None)
+        for index, status in enumerate(statuses):
+            self.statuses[index] = status
+
+    def receive(self, messages: list[Any]) -> None:
+        for message in messages:
+            kind = message[0]
+            if kind in ("done", "scraped", "statuses"):
+                future = self.pending.pop(message[1], None)
+                if future is not None and not future.done():
+                    future.set_result(message[2])
+            elif kind == "token":
+                listener = self.streams.get(message[1])
+                if listener is not None:
+                    listener(message[2])
+            elif kind == "refused" or kind == "failed":
+                future = self.pending.pop(message[1], None)
+                if future is not None and not future.done():
+                    if kind == "refused":
+                        future.set_exception(Refused(message[2]))
+                    else:
+                        future.set_exception(RuntimeError("the serving process failed it"))
+            elif kind == "status":
+                self.statuses[message[1]] = (message[2], message[3])
+            elif kind == "processes":
+                self.processes = message[1]
+            elif kind == "ping":  # read up to here: what was sent before is known
+                self.send(("pong", message[1]))
+            elif kind == "collect":
+                self.send(("samples", message[1], self.families()))
+            elif kind == "drain":
+                self.on_drain(message[1])
+
+    def lost(self) -> None:
+        """The serving process is gone: nothing pending will be answered."""
+        gone = Refused.because(Reason.SHUTTING_DOWN, "server shutting down")
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(gone)
+        self.pending.clear()
+        self.on_lost()
+
+
+class RemoteServing:
+    """One model's `Serving` face (rawserve.serving.face) in an HTTP process."""
+
+    def __init__(self, link: Link, index: int, metrics: Rejections | None = None):
+        self.link = link
+        self.index = index
+        self.board = link.board
+        self.metrics = metrics
+
+    async def run(
+        self,
+        inputs: Sequence[Any],
+        params: Mapping[str, Any],
+        deadline: float,
+        control: Control = NO_CONTROL,
+    ) -> list[ItemResult]:
+        link = self.link
+        rid = link.next_id()
+        message = ("run", rid, self.index, list(inputs), dict(params), deadline, control)
+        future = link.ask(message)
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic()) + LATE_SECONDS):
+                results: list[ItemResult] = await future
+                return results
+        except TimeoutError:
+            link.send(("cancel", rid))
+            raise Refused.because(
+                Reason.DEADLINE_PASSED, "the request's deadline passed before it was answered"
+            ) from None
+        except asyncio.CancelledError:
+            # (awaiting it, the future was cancelled with the task, unless answered)
+            if future.cancelled() or not future.done():
+                link.send(("cancel", rid))  # the client left: its items are withdrawn
+            raise
+        finally:
+            link.pending.pop(rid, None)
+
+    def admission(self) -> Refusal | None:
+        if not self.board.flag(self.index, FULL):
+            return None
+        if self.metrics is not None:
+            self.metrics.drop("rejected")
+        return Refusal(Reason.QUEUE_FULL, QUEUE_FULL_MESSAGE, self.board.retry_after(self.index))
+
+    @property
+    def ready(self) -> bool:
+        return self.board.flag(self.index, READY) and self.loaded is not None
+
+    @property
+    def full(self) -> bool:
+        return self.board.flag(self.index, FULL)
+
+    @property
+    def loaded(self) -> WorkerReady | None:
+        status = self.link.statuses.get(self.index)
+        return status[1] if status else None
+
+    def snapshot(self) -> ServingStatus:
+        status = self.link.statuses.get(self.index)
+        snapshot = status[0] if status else NOT_LOADED
+        return replace(
+            snapshot,
+            ready=self.ready,
+            full=self.full,
+            healthy=self.board.flag(self.index, HEALTHY),
+        )
+
+    def open_stream(self, on_token: Callable[[TokenChunk], None]) -> int:
+        stream = self.link.next_id()
+        self.link.streams[stream] = on_token
+        return stream
+
+    def close_stream(self, stream_id: int) -> None:
+        if self.link.streams.pop(stream_id, None) is not None:
+            self.link.send(("close_stream", stream_id))

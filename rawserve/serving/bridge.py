@@ -1,0 +1,352 @@
+"""The serving process's side of the HTTP processes' channels (`--http-processes` N > 1).
+
+Each HTTP process holds a `Serving` client per model (rawserve.http_process.remote) and
+sends plain-data messages; the bridge carries each out on the real serving side and
+sends back the answer:
+
+    ("run", rid, model, inputs, params, deadline, control)  → ("done", rid, results)
+                                                              or ("refused", rid, refusal)
+    ("cancel", rid)               the client left: its items are withdrawn
+    ("close_stream", stream)      a token stream is over (its tokens: ("token", stream, chunk))
+    ("statuses", rid)             /info: every model's status now → ("statuses", rid, list)
+    ("scrape", rid)               /metrics: every process's families, merged
+                                  → ("scraped", rid, families)
+    ("samples", token, families)  an HTTP process's own metrics, asked for by ("collect", token)
+
+It publishes each model's queue state on the `Board` (read by the HTTP processes on
+every request, without a message) and sends ("status", model, snapshot, loaded) and
+("processes", list) when they change. An HTTP process that is gone has its requests
+cancelled (their items withdrawn) and its streams closed. Deadlines are the
+`time.monotonic()` clock's, which every process on the machine shares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from rawserve.serving.face import (
+    Control,
+    Refused,
+    Serving,
+    ServingStatus,
+    TokenChunk,
+    WorkerReady,
+)
+from rawserve.shared.board import Board
+from rawserve.shared.channel import Channel
+from rawserve.shared.messages import BatchResult
+
+log = logging.getLogger("rawserve")
+
+# The board is published as soon as a queue changes (items admitted, dispatched,
+# withdrawn or expired); this pass is the backstop, and when statuses are compared.
+PUBLISH_SECONDS = 0.005
+STATUS_EVERY = 1  # board passes between two status checks
+COLLECT_SECONDS = 1.0  # how long a scrape waits for the HTTP processes' metrics
+
+# A metric family as plain data: (name, type, documentation, unit, samples), a sample
+# being (name, labels, value).
+Family = tuple[str, str, str, str, list[tuple[str, dict[str, str], float]]]
+
+
+@dataclass
+class BridgedModel:
+    serving: Serving
+    retry_after: Callable[[], float]  # what a full queue's Retry-After says now
+    last_status: ServingStatus | None = None
+    last_loaded: WorkerReady | None = None
+
+
+@dataclass
+class Peer:
+    """One HTTP process's channel and what it has under way."""
+
+    index: int
+    pid: int
+    channel: Channel
+    runs: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    streams: dict[int, tuple[Serving, int]] = field(default_factory=dict)
+    listening: asyncio.Event = field(default_factory=asyncio.Event)  # its socket is open
+
+
+class Bridge:
+    def __init__(
+        self,
+        models: Sequence[BridgedModel],
+        board: Board,
+        own_families: Callable[[], list[Family]],
+        merge: Callable[[list[list[Family]]], list[Family]],
+        serving_pid: int,
+    ):
+        self.models = list(models)
+        self.board = board
+        self.own_families = own_families
+        self.merge = merge
+        self.serving_pid = serving_pid
+        self.peers: dict[int, Peer] = {}  # by HTTP process index
+        self._ids = itertools.count(1)
+        self._collecting: dict[int, tuple[asyncio.Future[None], list[list[Family]], int]] = {}
+        self._publisher: asyncio.Task[None] | None = None
+        self._pings: dict[int, asyncio.Future[None]] = {}
+        self._publish_due = False
+
+    # --- peers --------------------------------------------------------------------------
+
+    async def attach(self, index: int, pid: int, sock: socket.socket) -> Peer:
+        """Serve the HTTP process `index` over `sock` (the serving process's end)."""
+        peer: Peer | None = None
+
+        def on_messages(messages: list[Any]) -> None:
+            assert peer is not None
+            for message in messages:
+                self._receive(peer, message)
+
+        def on_closed() -> None:
+            if peer is not None:
+                self.detach(peer)
+
+        channel = await Channel.over(sock, on_messages, on_closed)
+        peer = Peer(index, pid, channel)
+        self.peers[index] = peer
+        self._send_statuses(peer)
+        self._announce_processes()
+        return peer
+
+    def detach(self, peer: Peer) -> None:
+        """The HTTP process is gone: withdraw what it asked for."""
+        if self.peers.get(peer.index) is peer:
+            del self.peers[peer.index]
+        for task in peer.runs.values():
+            task.cancel()
+        for serving, stream in peer.streams.values():
+            serving.close_stream(stream)
+        peer.runs.clear()
+        peer.streams.clear()
+        self._announce_processes()
+
+    def processes(self) -> list[dict[str, Any]]:
+        """Every process of the server, for /info."""
+        return [
+            {"role": "serving", "pid": self.serving_pid},
+            *(
+                {"role": "http", "index": peer.index, "pid": peer.pid}
+                for peer in sorted(self.peers.values(), key=lambda peer: peer.index)
+            ),
+        ]
+
+    async def announce(self) -> None:
+        """Publish every model's state now and wait until each HTTP process has read it
+        (before the log says the server is ready: a client that reads that line and
+        sends a request at once finds every HTTP process knowing it)."""
+        self.publish()
+        self._send_statuses()
+        loop = asyncio.get_running_loop()
+        waits = []
+        for peer in self.peers.values():
+            token = next(self._ids)
+            future: asyncio.Future[None] = loop.create_future()
+            self._pings[token] = future
+            waits.append(future)
+            peer.channel.send(("ping", token))
+        if waits:
+            await asyncio.wait(waits, timeout=COLLECT_SECONDS)
+
+    def drain(self, grace: float) -> None:
+        """Tell every HTTP process to stop accepting and finish what it has."""
+        for peer in self.peers.values():
+            peer.channel.send(("drain", grace))
+
+    # --- messages -----------------------------------------------------------------------
+
+    def _receive(self, peer: Peer, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "run":
+            _, rid, model, inputs, params, deadline, control = message
+            task = asyncio.ensure_future(
+                self._run(peer, rid, self.models[model].serving, inputs, params, deadline, control)
+            )
+            peer.runs[rid] = task
+            self.publish_soon()  # after the task's first step: its items admitted
+        elif kind == "cancel":
+            running = peer.runs.pop(message[1], None)
+            if running is not None:
+                running.cancel()
+        elif kind == "close_stream":
+            opened = peer.streams.pop(message[1], None)
+            if opened is not None:
+                opened[0].close_stream(opened[1])
+        elif kind == "statuses":  # /info: every model's status now
+            statuses = [(self._status(model), model.serving.loaded) for model in self.models]
+            peer.channel.send(("statuses", message[1], statuses))
+        elif kind == "scrape":
+            asyncio.ensure_future(self._scrape(peer, message[1]))
+        elif kind == "pong":
+            ping = self._pings.pop(message[1], None)
+            if ping is not None and not ping.done():
+                ping.set_result(None)
+        elif kind == "listening":
+            peer.listening.set()
+        elif kind == "samples":
+            _, token, families = message
+            collecting = self._collecting.get(token)
+            if collecting is not None:
+                done, gathered, expected = collecting
+                gathered.append(families)
+                if len(gathered) >= expected and not done.done():
+                    done.set_result(None)
+
+    async def _run(
+        self,
+        peer: Peer,
+        rid: int,
+        serving: Serving,
+        inputs: Any,
+        params: Any,
+        deadline: float,
+        control: Any,
+    ) -> None:
+        if control.stream_id is not None:  # the HTTP process's stream id: open one here
+            local = control.stream_id
+
+            def on_token(chunk: TokenChunk) -> None:
+                peer.channel.send(("token", local, chunk))
+
+            stream = serving.open_stream(on_token)
+            peer.streams[local] = (serving, stream)
+            control = replace(control, stream_id=stream)
+        try:
+            results = await serving.run(inputs, params, deadline, control)
+        except Refused as refused:
+            peer.channel.send(("refused", rid, refused.refusal))
+        except asyncio.CancelledError:
+            raise  # the client left (or its HTTP process did): nobody to answer
+        except Exception:
+            log.exception("a request from HTTP process %d failed", peer.index)
+            peer.channel.send(("failed", rid))
+        else:
+            peer.channel.send(("done", rid, results))
+        finally:
+            peer.runs.pop(rid, None)
+            self.publish_soon()  # what was still queued has left the queue
+
+    async def _scrape(self, peer: Peer, rid: int) -> None:
+        token = next(self._ids)
+        done = asyncio.get_running_loop().create_future()
+        gathered: list[list[Family]] = []
+        others = list(self.peers.values())
+        self._collecting[token] = (done, gathered, len(others))
+        for other in others:
+            other.channel.send(("collect", token))
+        try:
+            if others:
+                await asyncio.wait_for(done, COLLECT_SECONDS)
+        except TimeoutError:
+            log.warning("/metrics: not every HTTP process gave its metrics in time")
+        finally:
+            del self._collecting[token]
+        peer.channel.send(("scraped", rid, self.merge([self.own_families(), *gathered])))
+
+    # --- publishing ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.publish()
+        self._publisher = asyncio.ensure_future(self._publish_loop())
+
+    async def stop(self) -> None:
+        if self._publisher is not None:
+            self._publisher.cancel()
+            await asyncio.gather(self._publisher, return_exceptions=True)
+
+    async def _publish_loop(self) -> None:
+        for turn in itertools.count():
+            await asyncio.sleep(PUBLISH_SECONDS)
+            self.publish()
+            if turn % STATUS_EVERY == 0:
+                self._send_statuses()
+
+    def publish_soon(self) -> None:
+        """Publish at the end of this event-loop pass (once, however often asked)."""
+        if not self._publish_due:
+            self._publish_due = True
+            asyncio.get_running_loop().call_soon(self.publish)
+
+    def publish(self) -> None:
+        """Bring the board up to date with every model's queue."""
+        self._publish_due = False
+        for index, model in enumerate(self.models):
+            serving = model.serving
+            full = serving.full
+            self.board.publish(
+                index,
+                ready=serving.ready,
+                healthy=model.last_status.healthy if model.last_status else True,
+                full=full,
+                retry_after=model.retry_after() if full else None,
+            )
+
+    def _status(self, model: BridgedModel) -> ServingStatus:
+        snapshot = model.serving.snapshot()
+        if snapshot.loading_seconds is not None:  # tenths: not a message every pass
+            snapshot = replace(snapshot, loading_seconds=round(snapshot.loading_seconds, 1))
+        return snapshot
+
+    def _send_statuses(self, peer: Peer | None = None) -> None:
+        """Each model's status to `peer` (a new one), or to every peer where it changed."""
+        for index, model in enumerate(self.models):
+            status, loaded = self._status(model), model.serving.loaded
+            changed = status != model.last_status or loaded is not model.last_loaded
+            model.last_status, model.last_loaded = status, loaded
+            if changed:
+                for each in self.peers.values():
+                    each.channel.send(("status", index, status, loaded))
+            elif peer is not None:
+                peer.channel.send(("status", index, status, loaded))
+
+    def _announce_processes(self) -> None:
+        processes = self.processes()
+        for peer in self.peers.values():
+            peer.channel.send(("processes", processes))
+
+
+class Backend(Protocol):
+    """The worker pool as the scheduler sees it (rawserve.serving.driver.Backend)."""
+
+    def idle_workers(self) -> int: ...
+
+    def batch_cap(self) -> int | None: ...
+
+    def max_input_tokens(self) -> int | None: ...
+
+    def submit(
+        self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control
+    ) -> asyncio.Future[BatchResult]: ...
+
+
+class PublishingBackend:
+    """A scheduler's backend that has the board published whenever a batch leaves the
+    queue, so that no HTTP process reads "full" of a queue that has room."""
+
+    def __init__(self, backend: Backend, published: Callable[[], None]):
+        self.backend = backend
+        self.published = published
+
+    def idle_workers(self) -> int:
+        return self.backend.idle_workers()
+
+    def batch_cap(self) -> int | None:
+        return self.backend.batch_cap()
+
+    def max_input_tokens(self) -> int | None:
+        return self.backend.max_input_tokens()
+
+    def submit(
+        self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control
+    ) -> asyncio.Future[BatchResult]:
+        self.published()
+        return self.backend.submit(inputs, params, control)

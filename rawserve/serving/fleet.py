@@ -1,0 +1,131 @@
+"""The HTTP processes of `--http-processes` N > 1, as the serving process keeps them:
+started with the `spawn` method (fresh interpreters: nothing of this process's state,
+threads or workers' pipes leaks into them), each given its end of a socket pair that
+the bridge serves, replaced when one dies (the bridge withdraws its requests first), and
+stopped at the end of the drain.
+
+The entry function is given by constructor (it lives with the HTTP side, which the
+serving side never imports); so is the plain-data description of each process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import socket
+import time
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from rawserve.serving.bridge import Bridge
+
+log = logging.getLogger("rawserve")
+
+START_SECONDS = 60.0  # how long a new HTTP process may take to listen
+RESTART_PAUSE = 1.0  # a process that died this soon after starting is restarted after a pause
+
+
+class HttpProcessFailed(RuntimeError):
+    """An HTTP process could not start listening."""
+
+
+class Fleet:
+    def __init__(
+        self,
+        count: int,
+        target: Callable[[Any, socket.socket], None],
+        spec: Callable[[int], Any],
+        bridge: Bridge,
+    ):
+        self.count = count
+        self.target = target
+        self.spec = spec
+        self.bridge = bridge
+        self.processes: dict[int, BaseProcess] = {}
+        self.stopping = False
+        self._started: dict[int, float] = {}
+        self._context = multiprocessing.get_context("spawn")
+
+    async def start(self) -> None:
+        """Start every HTTP process and wait until each listens; HttpProcessFailed if one
+        cannot."""
+        await asyncio.gather(*(self._start_one(index) for index in range(self.count)))
+
+    async def _start_one(self, index: int) -> None:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        process = self._context.Process(
+            target=self.target,
+            args=(self.spec(index), theirs),
+            name=f"rawserve-http-{index}",
+            daemon=True,  # never outlives the serving process
+        )
+        process.start()
+        theirs.close()
+        self.processes[index] = process
+        self._started[index] = time.monotonic()
+        peer = await self.bridge.attach(index, process.pid or 0, ours)
+        exited = loop.create_future()
+        loop.add_reader(process.sentinel, self._on_exit, index, process, exited)
+        listening = loop.create_task(peer.listening.wait())
+        await asyncio.wait(
+            [listening, exited], timeout=START_SECONDS, return_when="FIRST_COMPLETED"
+        )
+        if not listening.done():
+            listening.cancel()
+            raise HttpProcessFailed(f"HTTP process {index} could not start listening")
+
+    def _on_exit(self, index: int, process: BaseProcess, exited: asyncio.Future[None]) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(process.sentinel)
+        process.join()  # its sentinel is ready: it has exited
+        if not exited.done():
+            exited.set_result(None)
+        if self.processes.get(index) is process:
+            del self.processes[index]
+        if self.stopping:
+            return
+        log.warning(
+            "HTTP process %d (pid %s) exited with code %s: its requests are withdrawn; "
+            "starting another",
+            index,
+            process.pid,
+            process.exitcode,
+        )
+        lived = time.monotonic() - self._started.get(index, 0.0)
+        pause = RESTART_PAUSE if lived < RESTART_PAUSE else 0.0
+        loop.call_later(pause, lambda: loop.create_task(self._restart(index)))
+
+    async def _restart(self, index: int) -> None:
+        if self.stopping:
+            return
+        try:
+            await self._start_one(index)
+        except HttpProcessFailed as exc:
+            log.error("%s", exc)  # its exit is seen by _on_exit, which tries again
+
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes.values() if process.pid]
+
+    async def wait_exited(self, timeout: float) -> bool:
+        """Until every HTTP process has exited (or `timeout` passes)."""
+        self.stopping = True
+        until = time.monotonic() + timeout
+        while self.processes and time.monotonic() < until:
+            await asyncio.sleep(0.05)
+        return not self.processes
+
+    async def stop(self, timeout: float) -> None:
+        """Wait for the HTTP processes to exit; kill those still there after `timeout`."""
+        if not await self.wait_exited(timeout):
+            for process in list(self.processes.values()):
+                log.warning("HTTP process %s did not stop: killing it", process.pid)
+                process.kill()
+            await self.wait_exited(1.0)
+
+    def kill(self) -> None:
+        self.stopping = True
+        for process in list(self.processes.values()):
+            process.kill()

@@ -1,0 +1,193 @@
+"""The parts between the HTTP processes and the serving process, in one process: the
+channel (one write per event-loop pass), the published queue state, a model's face over
+them, metrics merged across processes, and the options that choose them."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import socket
+
+import pytest
+
+from rawserve.http_process.remote import Link, RemoteServing
+from rawserve.ops.metrics import Metrics, merge_families, render_families
+from rawserve.options import parse_config
+from rawserve.serving.face import Control, ItemResult, Reason, Refused
+from rawserve.shared.board import FULL, READY, Board
+from rawserve.shared.channel import Channel
+
+
+async def channel_pair(received: list[list]) -> tuple[Channel, Channel]:
+    ours, theirs = socket.socketpair()
+    sender = await Channel.over(ours, lambda messages: None, lambda: None)
+    receiver = await Channel.over(theirs, received.append, lambda: None)
+    return sender, receiver
+
+
+def test_the_messages_of_one_event_loop_pass_go_in_one_write():
+    async def scenario() -> tuple[list[list], int]:
+        received: list[list] = []
+        sender, receiver = await channel_pair(received)
+        writes = 0
+        assert sender.transport is not None
+        write = sender.transport.write
+
+        def counting(data: bytes) -> None:
+            nonlocal writes
+            writes += 1
+            write(data)
+
+        sender.transport.write = counting  # type: ignore[method-assign]
+        for index in range(100):
+            sender.send(("item", index))
+        while sum(map(len, received)) < 100:
+            await asyncio.sleep(0.001)
+        sender.close()
+        receiver.close()
+        return received, writes
+
+    received, writes = asyncio.run(scenario())
+    assert writes == 1
+    assert [message for frame in received for message in frame] == [
+        ("item", index) for index in range(100)
+    ]
+
+
+def test_a_peer_that_closes_its_end_is_told_once():
+    async def scenario() -> int:
+        closed = 0
+
+        def on_closed() -> None:
+            nonlocal closed
+            closed += 1
+
+        ours, theirs = socket.socketpair()
+        channel = await Channel.over(ours, lambda messages: None, on_closed)
+        theirs.close()
+        while not channel.closed:
+            await asyncio.sleep(0.001)
+        channel.close()
+        await asyncio.sleep(0)
+        return closed
+
+    assert asyncio.run(scenario()) == 1
+
+
+def test_the_board_is_read_by_another_mapping_of_the_same_file():
+    board = Board.create(2)
+    try:
+        reader = Board(board.path, 2)
+        assert not reader.flag(1, FULL) and reader.retry_after(1) is None
+        board.publish(1, ready=True, healthy=True, full=True, retry_after=2.5)
+        assert reader.flag(1, FULL) and reader.flag(1, READY)
+        assert reader.retry_after(1) == 2.5
+        assert not reader.flag(0, FULL)  # each model its own record
+    finally:
+        board.remove()
+
+
+class Dropped:
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def drop(self, reason: str, count: int = 1) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + count
+
+
+def test_a_full_queue_is_refused_from_the_board_without_a_message():
+    board = Board.create(1)
+    try:
+        link = Link(board, lambda: [], lambda grace: None, lambda: None)  # never connected
+        dropped = Dropped()
+        serving = RemoteServing(link, 0, dropped)
+        assert serving.admission() is None
+        board.publish(0, ready=True, healthy=True, full=True, retry_after=3.0)
+        refusal = serving.admission()
+        assert refusal is not None and refusal.reason is Reason.QUEUE_FULL
+        assert refusal.retry_after == 3.0 and refusal.message == "server busy: queue full"
+        assert dropped.counts == {"rejected": 1}
+        assert not serving.ready  # the board says ready, but no model was described yet
+    finally:
+        board.remove()
+
+
+def test_a_run_crosses_the_channel_and_a_cancel_follows_a_client_that_leaves():
+    async def scenario() -> tuple[list, list]:
+        board = Board.create(1)
+        seen: list = []
+        ours, theirs = socket.socketpair()
+        link = Link(board, lambda: [], lambda grace: None, lambda: None)
+        await link.connect(ours)
+        serving_side: Channel | None = None
+
+        def answer(messages: list) -> None:
+            seen.extend(messages)
+            for message in messages:
+                if message[0] == "run" and message[3] == ["hello"]:
+                    result = ItemResult({"echo": "hello"}, 0.0, 1, 0.0)
+                    assert serving_side is not None
+                    serving_side.send(("done", message[1], [result]))
+                elif message[0] == "run" and message[3] == ["refuse"]:
+                    assert serving_side is not None
+                    refusal = Refused.because(Reason.LOADING, "the model is loading").refusal
+                    serving_side.send(("refused", message[1], refusal))
+
+        serving_side = await Channel.over(theirs, answer, lambda: None)
+        remote = RemoteServing(link, 0)
+        loop = asyncio.get_running_loop()
+        answered = await remote.run(["hello"], {}, loop.time() + 5, Control())
+        with pytest.raises(Refused) as refused:
+            await remote.run(["refuse"], {}, loop.time() + 5, Control())
+        assert refused.value.refusal.reason is Reason.LOADING
+        leaving = asyncio.ensure_future(remote.run(["left"], {}, loop.time() + 5, Control()))
+        while not any(m[0] == "run" and m[3] == ["left"] for m in seen):
+            await asyncio.sleep(0.001)
+        leaving.cancel()
+        while not any(m[0] == "cancel" for m in seen):
+            await asyncio.sleep(0.001)
+        link.channel.close()  # type: ignore[union-attr]
+        serving_side.close()
+        board.remove()
+        return answered, seen
+
+    answered, seen = asyncio.run(scenario())
+    assert answered == [ItemResult({"echo": "hello"}, 0.0, 1, 0.0)]
+    left = next(m[1] for m in seen if m[0] == "run" and m[3] == ["left"])
+    assert ("cancel", left) in seen
+
+
+def test_metrics_of_several_processes_are_one_scrape():
+    http_one, http_two, serving = Metrics(), Metrics(), Metrics()
+    http_one.observe_request("/", "POST", 200, 0.001)
+    http_two.observe_request("/", "POST", 200, 0.001)
+    http_two.observe_request("/", "POST", 200, 0.001)
+    http_one.loop_lag_last.set(0.5)
+    http_two.loop_lag_last.set(0.2)
+    serving.for_model("m").drop("expired", 4)
+    merged = merge_families([serving.families(), http_one.families(), http_two.families()])
+    page = render_families(merged).decode()
+    assert 'rawserve_requests_total{method="POST",route="other",status="200"} 3.0' in page
+    assert 'rawserve_items_dropped_total{model="m",reason="expired"} 4.0' in page
+    assert "rawserve_event_loop_lag_last_seconds 0.5" in page  # a gauge: the highest
+    assert page.count("# TYPE rawserve_requests_total counter") == 1
+
+
+def test_http_processes_and_the_loop_are_options_and_variables(monkeypatch):
+    assert parse_config([]).http_processes == 1
+    assert parse_config(["--http-processes", "4"]).http_processes == 4
+    monkeypatch.setenv("RAWSERVE_HTTP_PROCESSES", "3")
+    assert parse_config([]).http_processes == 3
+    assert parse_config(["--loop", "asyncio"]).loop == "asyncio"
+    installed = importlib.util.find_spec("uvloop") is not None
+    assert parse_config([]).loop == ("uvloop" if installed else "asyncio")
+
+
+@pytest.mark.parametrize(
+    "argv", [["--http-processes", "0"], ["--http-processes", "-1"], ["--loop", "trio"]]
+)
+def test_bad_http_processes_or_loop_stop_with_a_clear_line(argv, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        parse_config(argv)
+    assert stopped.value.code == 2
+    assert argv[0] in capsys.readouterr().err

@@ -1,0 +1,309 @@
+"""`--http-processes 2`: the real server with two HTTP processes and one serving process,
+and every promise of one process kept across them (deadlines, the queue bound, clients
+that leave, /metrics, /info, probes, draining, processes that die). Loopback only."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.server import REPO_ROOT, RunningServer
+
+pytestmark = pytest.mark.slow
+
+SLEEPY = ["--handler", "tests.handlers:sleepy", "--device", "cpu", "--max-batch-size", "1"]
+TWO = ["--http-processes", "2", "--no-warmup"]
+JSON = {"Content-Type": "application/json"}
+CURL_POST = ["curl", "-s", "-o", "/dev/null", "-H", "Content-Type: application/json", "-d"]
+
+
+class Connection:
+    """One keep-alive connection: it stays with the HTTP process that accepted it."""
+
+    def __init__(self, server: RunningServer, timeout: float = 30):
+        self.http = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+
+    def request(
+        self, method: str, path: str, body: object = None, headers: dict | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
+        data = None if body is None else json.dumps(body)
+        self.http.request(method, path, body=data, headers={**JSON, **(headers or {})})
+        response = self.http.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+
+    def pid(self) -> int:
+        """The HTTP process this connection talks to."""
+        status, _, body = self.request("GET", "/info")
+        assert status == 200
+        return json.loads(body)["http_pid"]
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def one_connection_each(server: RunningServer, tries: int = 200) -> dict[int, Connection]:
+    """A connection to each HTTP process (the kernel spreads new connections)."""
+    found: dict[int, Connection] = {}
+    for _ in range(tries):
+        connection = Connection(server)
+        pid = connection.pid()
+        if pid in found:
+            connection.close()
+        else:
+            found[pid] = connection
+        if len(found) == 2:
+            return found
+    raise AssertionError(f"{tries} connections all reached the same HTTP process")
+
+
+def http_pids(server: RunningServer) -> list[int]:
+    _, _, body = server.request("GET", "/info")
+    return [p["pid"] for p in json.loads(body)["processes"] if p["role"] == "http"]
+
+
+def metric(server: RunningServer, line_start: str, absent: float | None = None) -> float:
+    """The value of the first series of one scrape that starts with `line_start`."""
+    _, _, body = server.request("GET", "/metrics")
+    for line in body.decode().splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    if absent is not None:
+        return absent
+    raise AssertionError(f"no {line_start} in /metrics")
+
+
+def wait_until(condition, timeout: float = 30, what: str = "") -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.02)
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:  # a child of ours (not here) or a zombie
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1].startswith("Z")
+    except FileNotFoundError:
+        return True
+
+
+def busy(server: RunningServer, name: str, seconds: float) -> subprocess.Popen:
+    """Keep the only worker busy for `seconds` with input `name` (from another client)."""
+    body = json.dumps({"inputs": name, "parameters": {"sleep": seconds}})
+    client = subprocess.Popen([*CURL_POST, body, f"http://127.0.0.1:{server.port}/"])
+    server.wait_for_log(re.compile(re.escape(f"sleeping {seconds} s on ['{name}']")), 30)
+    return client
+
+
+def computed(server: RunningServer, name: str) -> bool:
+    return any(f"'{name}'" in line for line in server.read_log() if "sleepy handler" in line)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RunningServer([*SLEEPY, *TWO, "--max-queue", "2"]) as server:
+        yield server
+
+
+def test_both_http_processes_answer_and_info_lists_every_process(server):
+    connections = one_connection_each(server)
+    _, _, body = server.request("GET", "/info")
+    info = json.loads(body)
+    roles = sorted(p["role"] for p in info["processes"])
+    assert roles == ["http", "http", "serving"]
+    assert sorted(connections) == sorted(http_pids(server))
+    assert info["server_pid"] == server.process.pid
+    assert info["event_loop"] in ("uvloop", "asyncio")
+    for connection in connections.values():
+        status, _, answer = connection.request("POST", "/", {"inputs": "hello"})
+        assert status == 200 and json.loads(answer)["input"] == "hello"
+        connection.close()
+
+
+def test_one_metrics_scrape_counts_every_process(server):
+    openapi = 'rawserve_requests_total{method="GET",route="/openapi.json"'
+    before = metric(server, openapi, absent=0.0)
+    connections = one_connection_each(server)
+    for connection in connections.values():  # three requests through each process
+        for _ in range(3):
+            assert connection.request("GET", "/openapi.json")[0] == 200
+        connection.close()
+    after = metric(server, openapi)
+    assert after - before == 6
+    # the serving process's series are in the same scrape
+    assert metric(server, 'rawserve_queue_limit{model="tests.handlers:sleepy"}') == 2
+
+
+def test_a_deadline_is_answered_504_on_time_and_the_expired_item_never_computed(server):
+    worker = busy(server, "deadline-busy", 2.0)
+    started = time.monotonic()
+    status, _, _ = server.request(
+        "POST",
+        "/",
+        json.dumps({"inputs": "deadline-expired", "parameters": {"sleep": 0.5}}),
+        {**JSON, "X-Request-Timeout": "0.5"},
+    )
+    assert status == 504 and time.monotonic() - started < 1.9
+    worker.wait(30)
+    assert server.post_json({"inputs": "deadline-after"})[0] == 200  # the worker moved on
+    assert not computed(server, "deadline-expired")
+
+
+def test_the_queue_bound_is_refused_by_every_http_process_without_asking(server):
+    worker = busy(server, "full-busy", 3.0)
+    connections = one_connection_each(server)
+    queued = [
+        subprocess.Popen(
+            [
+                "curl",
+                "-s",
+                "-o",
+                "/dev/null",
+                "-XPOST",
+                "-d",
+                json.dumps({"inputs": f"q{i}"}),
+                f"http://127.0.0.1:{server.port}/",
+            ]
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    wait_until(lambda: metric(server, "rawserve_queue_depth") == 2, what="two items queued")
+    wait_until(
+        lambda: all(c.request("GET", "/ready")[0] == 503 for c in connections.values()),
+        what="every HTTP process reads the full queue",
+    )
+    # The serving process stopped: a refusal at the bound and the probes need nothing of it.
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        for connection in connections.values():
+            status, headers, body = connection.request("POST", "/", {"inputs": "one too many"})
+            assert status == 503 and "Retry-After" in headers
+            assert json.loads(body)["error"] == "server busy: queue full"
+            assert connection.request("GET", "/health")[0] == 200
+            status, _, body = connection.request("GET", "/ready")
+            assert status == 503 and json.loads(body)["status"] == "full"
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+    for client in [worker, *queued]:
+        client.wait(60)
+    for connection in connections.values():
+        connection.close()
+
+
+def test_a_client_that_leaves_withdraws_its_item(server):
+    before = metric(
+        server, 'rawserve_items_dropped_total{model="tests.handlers:sleepy",reason="disconnected"}'
+    )
+    worker = busy(server, "leave-busy", 2.0)
+    leaving = Connection(server)
+    leaving.http.request(
+        "POST",
+        "/",
+        body=json.dumps({"inputs": "left-early", "parameters": {"sleep": 0.4}}),
+        headers=JSON,
+    )
+    wait_until(lambda: metric(server, "rawserve_queue_depth") == 1, what="the item queued")
+    leaving.close()
+    wait_until(lambda: metric(server, "rawserve_queue_depth") == 0, what="the item withdrawn")
+    worker.wait(30)
+    assert server.post_json({"inputs": "leave-after"})[0] == 200
+    assert not computed(server, "left-early")
+    after = metric(
+        server, 'rawserve_items_dropped_total{model="tests.handlers:sleepy",reason="disconnected"}'
+    )
+    assert after == before + 1
+
+
+def test_an_http_process_that_dies_is_replaced_and_its_items_withdrawn(server):
+    worker = busy(server, "orphan-busy", 2.0)
+    connections = one_connection_each(server)
+    victim, survivor = list(connections)
+    connections[victim].http.request(
+        "POST",
+        "/",
+        body=json.dumps({"inputs": "orphan", "parameters": {"sleep": 0.4}}),
+        headers=JSON,
+    )
+    wait_until(lambda: metric(server, "rawserve_queue_depth") == 1, what="the item queued")
+    os.kill(victim, signal.SIGKILL)
+    server.wait_for_log(re.compile(rf"HTTP process \d \(pid {victim}\) exited"), 30)
+    wait_until(lambda: metric(server, "rawserve_queue_depth") == 0, what="the item withdrawn")
+    wait_until(
+        lambda: len(set(http_pids(server)) - {victim}) == 2, what="a new HTTP process listed"
+    )
+    assert connections[survivor].request("GET", "/health")[0] == 200
+    worker.wait(30)
+    assert server.post_json({"inputs": "orphan-after"})[0] == 200
+    assert not computed(server, "orphan")
+    for connection in connections.values():
+        connection.close()
+
+
+def test_sigterm_drains_every_process_within_the_grace_period():
+    server = RunningServer([*SLEEPY, *TWO, "--grace", "10"]).start()
+    try:
+        pids = http_pids(server)
+        worker = busy(server, "drain-busy", 1.0)
+        started = time.monotonic()
+        server.signal(signal.SIGTERM)
+        assert server.process.wait(15) == 0
+        assert time.monotonic() - started < 10
+        assert worker.wait(10) == 0
+        assert computed(server, "drain-busy")
+        wait_until(lambda: all(gone(pid) for pid in pids), 10, "the HTTP processes exited")
+    finally:
+        server.stop()
+
+
+def test_the_serving_process_dying_stops_the_http_processes_with_a_clear_line():
+    server = RunningServer([*SLEEPY, *TWO]).start()
+    try:
+        pids = http_pids(server)
+        _, _, body = server.request("GET", "/info")
+        workers = json.loads(body)["worker_pids"]
+        server.process.kill()
+        assert server.process.wait(10) != 0
+        wait_until(lambda: all(gone(pid) for pid in pids), 30, "the HTTP processes exited")
+        server.wait_for_log(re.compile("the serving process is gone; stopping"), 10)
+    finally:
+        for pid in [*pids, *workers]:
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        server.stop()
+
+
+@pytest.mark.timeout(900)  # it starts a dozen servers
+def test_the_same_routes_behave_the_same_with_two_http_processes():
+    """A representative subset of the end-to-end tests (TLS, CORS, API keys, token streams,
+    bad requests, batching), run again with every server they start at two processes."""
+    selection = [
+        "tests/test_tls_cors.py",
+        "tests/test_end_to_end.py::test_bad_requests_get_clear_4xx",
+        "tests/test_end_to_end.py::test_health_ready_and_unknown_routes",
+        "tests/test_end_to_end.py::test_busy_worker_batches_and_parameters_never_mix",
+        "tests/test_openai_generation.py::test_chat_streamed_matches_the_answer_and_ends_with_done",
+        "tests/test_openai_generation.py::test_a_client_that_leaves_a_stream_stops_the_generation",
+        "tests/test_openai_generation.py::test_completion_streamed_with_stop_never_sends_the_stop_text",
+    ]  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *selection],
+        cwd=REPO_ROOT,
+        env={**os.environ, "RAWSERVE_HTTP_PROCESSES": "2"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
