@@ -10,6 +10,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
+from rawserve.serving.refusals import Reason, Refused
 from rawserve.serving.status import WorkerState, WorkerStatus
 from rawserve.serving.supervision import WorkerRecord
 from rawserve.shared.messages import BatchResult, Control, WorkerConfig, WorkerReady
@@ -80,3 +81,37 @@ class WorkerHandle:
             engine_reason=self.ready.engine_reason if self.ready else None,
             dtype_reason=self.ready.dtype_reason if self.ready else None,
         )
+
+
+def settle(
+    future: asyncio.Future[BatchResult],
+    *,
+    result: BatchResult | None = None,
+    error: BaseException | None = None,
+) -> None:
+    """Answer a batch's future once: with its result, or with an error (a missing result
+    is "no worker"); a future already answered is left as it is."""
+    if future.done():
+        return
+    if result is not None:
+        future.set_result(result)
+    else:
+        future.set_exception(error or Refused.because(Reason.NO_WORKER, "no result"))
+
+
+async def assemble(
+    target: asyncio.Future[BatchResult],
+    batch_id: int,
+    slots: list[Any],
+    parts: list[asyncio.Future[BatchResult]],
+) -> None:
+    """Fill the empty `slots` in order from the outputs of `parts`; answer `target`."""
+    try:
+        results = await asyncio.gather(*parts)
+    except Exception as exc:  # noqa: BLE001 - handed on to whoever waits for the batch
+        settle(target, error=exc)
+        return
+    outputs = iter(output for result in results for output in result.outputs)
+    filled = tuple(next(outputs) if slot is None else slot for slot in slots)
+    seconds = sum(result.compute_seconds for result in results)
+    settle(target, result=BatchResult(batch_id, filled, seconds))

@@ -19,10 +19,7 @@ is answered, so that the GPU starts the next batch at once instead of idling thr
 round trip (result to the server, the next batch formed, sent and read). The worker runs
 them in order and answers each before starting the next (rawserve.worker.feeder), so the
 batch a dead worker was running is the one it held first; the one behind it never
-started and runs again whole.
-
-Never imports torch: it names the worker's entry function, whose module imports torch
-only inside the worker process.
+started and runs again whole. Starting and joining the processes: rawserve.serving.processes.
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -41,7 +37,8 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
 from rawserve.serving.cores import CoreShare
-from rawserve.serving.handles import Job, WorkerHandle
+from rawserve.serving.handles import Job, WorkerHandle, assemble, settle
+from rawserve.serving.processes import join_or_kill, start_process
 from rawserve.serving.refusals import Reason, Refused, shutting_down
 from rawserve.serving.status import LoadState, WorkerState, WorkerStatus
 from rawserve.serving.streams import TokenStreams
@@ -72,7 +69,6 @@ from rawserve.shared.messages import (
     WorkerWarming,
 )
 from rawserve.shared.pipes import MessageReader
-from rawserve.worker.process import worker_main
 
 log = logging.getLogger("rawserve.executor")  # the name operators filter on, kept
 
@@ -245,7 +241,7 @@ class WorkerPool:
         inner = self._running_loop.create_future()
         self._send(worker, Job(kept, params, control, inner, batch_id))
         slots = [REFUSED_POISON if bad else None for bad in refused]
-        self._watch(self._assemble(future, batch_id, slots, [inner]))
+        self._watch(assemble(future, batch_id, slots, [inner]))
         return future
 
     def open_stream(self, on_token: Callable[[TokenChunk], None]) -> int:
@@ -271,7 +267,7 @@ class WorkerPool:
         self._closing = True
         stopping = shutting_down()
         while self._retries:
-            _settle(self._retries.popleft().future, error=stopping)
+            settle(self._retries.popleft().future, error=stopping)
         for worker in self.workers:
             if worker.process is None or worker.state is WorkerState.DEAD:
                 continue
@@ -287,7 +283,7 @@ class WorkerPool:
         timeout = EXIT_TIMEOUT if wait else 0.0
         await asyncio.gather(
             *(
-                asyncio.to_thread(_join_or_kill, w.process, timeout)
+                asyncio.to_thread(join_or_kill, w.process, timeout)
                 for w in self.workers
                 if w.process
             )
@@ -383,7 +379,7 @@ class WorkerPool:
         """Detach the batch waiting behind the worker's job; fail it with `error` if given."""
         job, worker.queued = worker.queued, None
         if job is not None and error is not None:
-            _settle(job.future, error=error)
+            settle(job.future, error=error)
         return job
 
     def _take_job(self, worker: WorkerHandle, *, error: Exception | None = None) -> Job | None:
@@ -393,7 +389,7 @@ class WorkerPool:
             if job.watchdog is not None:
                 job.watchdog.cancel()
             if error is not None:
-                _settle(job.future, error=error)
+                settle(job.future, error=error)
         return job
 
     def _retry_alone(self, job: Job) -> None:
@@ -404,25 +400,7 @@ class WorkerPool:
             key = PoisonMemory.key(value, job.params)
             self._retries.append(Job((value,), job.params, job.control, future, job.batch_id, key))
             futures.append(future)
-        self._watch(self._assemble(job.future, job.batch_id, [None] * len(futures), futures))
-
-    async def _assemble(
-        self,
-        target: asyncio.Future[BatchResult],
-        batch_id: int,
-        slots: list[Any],
-        parts: list[asyncio.Future[BatchResult]],
-    ) -> None:
-        """Fill the empty `slots` in order from the outputs of `parts`; answer `target`."""
-        try:
-            results = await asyncio.gather(*parts)
-        except Exception as exc:  # noqa: BLE001 - handed on to whoever waits for the batch
-            _settle(target, error=exc)
-            return
-        outputs = iter(output for result in results for output in result.outputs)
-        filled = tuple(next(outputs) if slot is None else slot for slot in slots)
-        seconds = sum(result.compute_seconds for result in results)
-        _settle(target, result=BatchResult(batch_id, filled, seconds))
+        self._watch(assemble(job.future, job.batch_id, [None] * len(futures), futures))
 
     def _watch(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = self._running_loop.create_task(coroutine)
@@ -440,7 +418,7 @@ class WorkerPool:
             worker.pid,
         )
         self._take_job(worker)
-        _settle(job.future, result=BatchResult(job.batch_id, (TIMED_OUT,) * len(job.inputs), 0.0))
+        settle(job.future, result=BatchResult(job.batch_id, (TIMED_OUT,) * len(job.inputs), 0.0))
         worker.state = WorkerState.DEAD  # until the reader sees it exit and restarts it
         if worker.process is not None:
             worker.process.kill()
@@ -448,19 +426,7 @@ class WorkerPool:
     # --- process lifecycle ------------------------------------------------------------
 
     def _spawn(self, worker: WorkerHandle) -> None:
-        batches_in, batches_out = self._context.Pipe(duplex=False)
-        replies_in, replies_out = self._context.Pipe(duplex=False)
-        worker.cancelled_stream = self._context.Value("q", 0, lock=False)  # a stream to stop
-        process = self._context.Process(
-            target=worker_main,
-            args=(batches_in, replies_out, worker.config, worker.label, worker.cancelled_stream),
-            name=f"rawserve-worker-{worker.index}",
-            daemon=True,
-        )
-        process.start()
-        batches_in.close()
-        replies_out.close()  # the worker holds the only write end: its exit is our EOF
-        worker.process, worker.conn = process, batches_out
+        process, replies_in = start_process(self._context, worker)
         worker.state = WorkerState.LOADING
         worker.queued, worker.overlap = None, False
         worker.ready = None
@@ -472,10 +438,10 @@ class WorkerPool:
             process.pid,
             worker.config.device,
         )
-        fd = replies_in.fileno()
-        os.set_blocking(fd, False)
         reader = MessageReader()
-        self._running_loop.add_reader(fd, self._on_readable, worker, replies_in, reader, process)
+        self._running_loop.add_reader(
+            replies_in.fileno(), self._on_readable, worker, replies_in, reader, process
+        )
 
     def _on_readable(
         self,
@@ -502,7 +468,7 @@ class WorkerPool:
 
     async def _reap(self, worker: WorkerHandle, process: BaseProcess) -> None:
         """Wait for a worker whose pipe has closed to exit (killing it if it lingers)."""
-        await asyncio.to_thread(_join_or_kill, process, STOP_TIMEOUT)
+        await asyncio.to_thread(join_or_kill, process, STOP_TIMEOUT)
         self._on_exit(worker, process)
 
     def _on_message(self, worker: WorkerHandle, message: Any) -> None:
@@ -563,7 +529,7 @@ class WorkerPool:
                 result.effective_batch_cap or "the configured maximum",
             )
             worker.batch_cap = result.effective_batch_cap
-        _settle(job.future, result=replace(result, waited=job.waited) if job.waited else result)
+        settle(job.future, result=replace(result, waited=job.waited) if job.waited else result)
         if not self._closing:
             self._pump()
 
@@ -601,7 +567,7 @@ class WorkerPool:
         """Do what supervision decided for the batch a dead worker held."""
         if lost is LostBatch.FAIL_MID_STREAM:
             outputs = (CRASHED_MID_STREAM,) * len(job.inputs)
-            _settle(job.future, result=BatchResult(job.batch_id, outputs, 0.0))
+            settle(job.future, result=BatchResult(job.batch_id, outputs, 0.0))
         elif lost is LostBatch.RETRY_ALONE:
             self._retry_alone(job)
         elif lost is LostBatch.RUN_AGAIN_ALONE:
@@ -622,7 +588,7 @@ class WorkerPool:
             )
             if self.metrics is not None:
                 self.metrics.drop("poison")
-            _settle(job.future, result=BatchResult(job.batch_id, (CRASHED_ALONE,), 0.0))
+            settle(job.future, result=BatchResult(job.batch_id, (CRASHED_ALONE,), 0.0))
 
     def _respawn(self, worker: WorkerHandle) -> None:
         if not self._closing and worker.state is WorkerState.DEAD:
@@ -631,24 +597,3 @@ class WorkerPool:
     def _notify_idle(self) -> None:
         if self.on_idle is not None:
             self.on_idle()
-
-
-def _join_or_kill(process: BaseProcess, timeout: float) -> None:
-    process.join(timeout=timeout)
-    if process.exitcode is None:
-        process.kill()
-        process.join()
-
-
-def _settle(
-    future: asyncio.Future[BatchResult],
-    *,
-    result: BatchResult | None = None,
-    error: BaseException | None = None,
-) -> None:
-    if future.done():
-        return
-    if result is not None:
-        future.set_result(result)
-    else:
-        future.set_exception(error or Refused.because(Reason.NO_WORKER, "no result"))

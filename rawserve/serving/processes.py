@@ -1,0 +1,43 @@
+"""Starting and stopping one worker process: its two one-way pipes (batches in, replies
+out), the shared integer that names a stream to stop, and a join that kills what lingers.
+
+Never imports torch: it names the worker's entry function, whose module imports torch
+only inside the worker process.
+"""
+
+from __future__ import annotations
+
+import os
+from multiprocessing.connection import Connection
+from multiprocessing.context import SpawnContext
+from multiprocessing.process import BaseProcess
+
+from rawserve.serving.handles import WorkerHandle
+from rawserve.worker.process import worker_main
+
+
+def start_process(context: SpawnContext, worker: WorkerHandle) -> tuple[BaseProcess, Connection]:
+    """Start `worker`'s process (setting its process, its batch pipe and its stream to
+    stop); the read end of its replies, non-blocking, is returned."""
+    batches_in, batches_out = context.Pipe(duplex=False)
+    replies_in, replies_out = context.Pipe(duplex=False)
+    worker.cancelled_stream = context.Value("q", 0, lock=False)  # a stream to stop
+    process = context.Process(
+        target=worker_main,
+        args=(batches_in, replies_out, worker.config, worker.label, worker.cancelled_stream),
+        name=f"rawserve-worker-{worker.index}",
+        daemon=True,
+    )
+    process.start()
+    batches_in.close()
+    replies_out.close()  # the worker holds the only write end: its exit is our EOF
+    worker.process, worker.conn = process, batches_out
+    os.set_blocking(replies_in.fileno(), False)
+    return process, replies_in
+
+
+def join_or_kill(process: BaseProcess, timeout: float) -> None:
+    process.join(timeout=timeout)
+    if process.exitcode is None:
+        process.kill()
+        process.join()
