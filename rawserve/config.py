@@ -5,8 +5,8 @@ builds a `ServerConfig` once; `main.py` builds every part from it. Nothing chang
 afterwards, and nothing past the parser sees an untyped option bag:
 
 - `ServerConfig`: the server's own settings: which models, where it listens (and TLS),
-  each connection's limits (`HttpLimits`), the routes' settings (`AppSettings`), shutdown
-  and logging;
+  each connection's limits (the protocol's own `ProtocolSettings`), the routes' settings
+  (`AppSettings`), shutdown and logging;
 - `ModelConfig`: how each served model is run: its workers, its engine, its batching
   (every model the server serves is run with the same one);
 - `WorkerPlan`: the devices and threads of every model's workers, which depend on the
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rawserve.api.settings import AppSettings
+from rawserve.http.limits import ProtocolSettings
 from rawserve.models.plan import ModelPlan
 from rawserve.ops import layout
 from rawserve.shared.devices import parse_devices
@@ -48,18 +49,6 @@ class Tls:
     certfile: str
     keyfile: str | None
     context: ssl.SSLContext = field(compare=False, repr=False)
-
-
-@dataclass(frozen=True)
-class HttpLimits:
-    """What each connection is allowed (the protocol's settings)."""
-
-    max_body_bytes: int
-    max_connections: int  # 0: no cap
-    keepalive_timeout: float
-    head_timeout: float
-    body_timeout: float
-    write_timeout: float
 
 
 @dataclass(frozen=True)
@@ -94,7 +83,7 @@ class ServerConfig:
     host: str
     port: int
     tls: Tls | None
-    http: HttpLimits
+    http: ProtocolSettings  # what each connection is allowed
     app: AppSettings
     grace: float  # seconds to drain on SIGTERM/SIGINT
     http_processes: int  # processes that speak HTTP; 1: the serving process does too

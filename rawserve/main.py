@@ -26,7 +26,7 @@ from rawserve.api.served import ServedModel, ServedModels
 from rawserve.config import Batching, ModelConfig, ServerConfig, WorkerPlan, plan_workers
 from rawserve.http.limits import ServerState
 from rawserve.http_process.entry import HttpProcessSpec, ModelSpec, run_http_process
-from rawserve.http_process.front import listen, protocol_settings, requests_answered
+from rawserve.http_process.front import listen, requests_answered
 from rawserve.models.hub import ModelNotFound
 from rawserve.models.plan import ModelPlan, plan_models
 from rawserve.ops import loops
@@ -292,7 +292,7 @@ class OneProcess:
         loop = asyncio.get_running_loop()
         app = App(ServedModels([model.served for model in models]), config.app, metrics=metrics)
         state = ServerState(metrics=metrics)
-        settings = protocol_settings(config)
+        settings = config.http
         server = await listen(
             config, lambda: HttpProtocol(app, settings, state, loop=loop), config.port
         )

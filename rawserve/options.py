@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from rawserve import __version__
 from rawserve.api.settings import AppSettings
-from rawserve.config import Batching, HttpLimits, ModelConfig, ServerConfig, Tls
+from rawserve.config import Batching, ModelConfig, ServerConfig, Tls
+from rawserve.http.limits import ProtocolSettings
 from rawserve.http.tls import server_context
 from rawserve.ops import layout
 from rawserve.ops.loops import LOOPS, chosen_loop
@@ -265,7 +266,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         parser.error("--timeout must be positive and --max-batch-delay-ms not negative")
     if args.max_timeout <= 0 or args.batching not in ("cost", "count"):
         parser.error("--max-timeout must be positive and --batching cost or count")
-    http = HttpLimits(
+    http = ProtocolSettings(
         max_body_bytes=args.max_body_bytes,
         max_connections=args.max_connections,
         keepalive_timeout=args.keepalive_timeout,

@@ -23,7 +23,7 @@ from typing import Any
 from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.http.limits import ServerState
-from rawserve.http_process.front import listen, protocol_settings, requests_answered
+from rawserve.http_process.front import listen, requests_answered
 from rawserve.http_process.remote import Link, RemoteServing
 from rawserve.ops import loops
 from rawserve.ops.metrics import CONTENT_TYPE, Metrics, render_families
@@ -106,7 +106,7 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
     app.operations.processes = lambda: link.processes
     app.operations.refresh = link.refresh
     state = ServerState(metrics=metrics)
-    settings = protocol_settings(config)
+    settings = config.http
     await link.connect(sock)
     server = await listen(
         config, lambda: HttpProtocol(app, settings, state, loop=loop), spec.port, reuse_port=True

@@ -1,6 +1,5 @@
-"""What any process serving HTTP needs, with one process or several: the protocol's
-settings from the configuration, the listening server, and waiting for the requests in
-progress while draining."""
+"""What any process serving HTTP needs, with one process or several: the listening server,
+and waiting for the requests in progress while draining."""
 
 from __future__ import annotations
 
@@ -8,21 +7,9 @@ import asyncio
 from collections.abc import Callable
 
 from rawserve.config import ServerConfig
-from rawserve.http.limits import ProtocolSettings, ServerState
+from rawserve.http.limits import ServerState
 
 BACKLOG = 1024
-
-
-def protocol_settings(config: ServerConfig) -> ProtocolSettings:
-    http = config.http
-    return ProtocolSettings(
-        max_body_bytes=http.max_body_bytes,
-        max_connections=http.max_connections,
-        keepalive_timeout=http.keepalive_timeout,
-        head_timeout=http.head_timeout,
-        body_timeout=http.body_timeout,
-        write_timeout=http.write_timeout,
-    )
 
 
 async def listen(
