@@ -42,6 +42,7 @@ def test_info_tells_the_model_settings_versions_and_worker_pids(server):
         "max_batch_size": 8,
         "max_batch_delay_ms": 2.0,
         "max_batch_tokens": None,
+        "limits": "on the CPU: up to 8 items (as given), no token budget",
         "max_queue": 16,
         "timeout_seconds": 12.0,
         "effective_max_batch_size": 8,
