@@ -41,6 +41,10 @@ class WorkerConfig:
     name: str = ""  # the served model's name in log lines, when the server has several
     engine: Engine = Engine.TORCH
     chat_template: str | None = None  # a Jinja template for a tokenizer that has none
+    # text generation on a causal LM: "continuous" (sequences join and leave the running
+    # batch between decoding steps) or "static" (one `generate` call per batch)
+    generation: str = "continuous"
+    max_sequences: int | None = None  # continuous: sequences at once (None: by device)
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,15 @@ class TokenChunk:
 
 
 @dataclass(frozen=True)
+class Cancel:
+    """The server no longer wants a batch's answer (its client left, or its deadline
+    passed). A continuous worker ends the batch's sequences at its next decoding step and
+    answers the batch with what it has; a worker that runs one batch at a time ignores it."""
+
+    batch_id: int
+
+
+@dataclass(frozen=True)
 class WorkerWarming:
     """The model is loaded; the worker runs its warm-up batch before it says ready."""
 
@@ -139,6 +152,10 @@ class WorkerReady:
     # the model's tokenizer in the `tokenizers` library's JSON form (None: it has none):
     # the server tokenizes and decodes with it for /tokenize and /decode
     tokenizer: str | None = None
+    # a continuous worker: how many sequences it runs at once. It takes any number of
+    # batches at a time, runs their items side by side, and answers each batch as soon
+    # as its own items are done, in any order. 0: it runs one batch after another.
+    sequences: int = 0
 
 
 @dataclass(frozen=True)
