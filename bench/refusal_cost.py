@@ -98,6 +98,12 @@ class ReadyWorkers:
     def max_input_tokens(self) -> int | None:
         return None
 
+    def concurrency(self) -> int:
+        return 1
+
+    def abandon(self, future) -> None:
+        pass
+
     def submit(self, inputs: Any, params: Any, control: Any = None) -> Any:
         raise AssertionError("a full queue submits nothing")
 

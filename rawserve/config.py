@@ -66,6 +66,8 @@ class ModelConfig:
     max_batch_delay_ms: float
     max_batch_tokens: int | None
     batching: Batching
+    generation: str  # a causal LM's text generation: "continuous" or "static"
+    max_sequences: int | None  # continuous: sequences a worker runs at once (None: by device)
     max_queue: int
     batch_timeout: float  # seconds a batch may run before its worker is restarted
     batch_limits: str = "as given"  # which batch limits are the device's defaults, and why

@@ -104,6 +104,8 @@ def worker_config(
         normalize=facts.normalize if facts else False,
         warmup_batch=model.max_batch_size if model.warmup else 0,
         chat_template=model.chat_template,
+        generation=model.generation,
+        max_sequences=model.max_sequences,
     )
 
 

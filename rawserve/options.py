@@ -125,6 +125,20 @@ OPTIONS = [
         "cost",
         "cost: batches planned by input length and measured call cost; count: deadline order",
     ),
+    Option(
+        "--generation",
+        str,
+        "continuous",
+        "text generation on a causal LM: continuous (sequences join and leave the running "
+        "batch between decoding steps) or static (one generate call per batch)",
+    ),
+    Option(
+        "--max-sequences",
+        int,
+        None,
+        "continuous generation: sequences a worker runs at once (default: 256 on a GPU, 64 "
+        "on a CPU)",
+    ),
     Option("--max-queue", int, 256, "queued items; beyond it: 503"),
     Option(
         "--max-client-batch-size", int, 32, "inputs allowed in one request (TEI's name); more: 413"
@@ -284,6 +298,10 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         parser.error("--max-connections must not be negative and --api-key not empty")
     if args.http_processes < 1:
         parser.error("--http-processes must be positive")
+    if args.generation not in ("continuous", "static"):
+        parser.error("--generation must be continuous or static")
+    if args.max_sequences is not None and args.max_sequences < 1:
+        parser.error("--max-sequences must be positive")
     if args.loop not in LOOPS:
         parser.error(f"--loop must be one of {', '.join(LOOPS)}")
     if args.loop == "uvloop" and chosen_loop("auto") != "uvloop":
@@ -312,6 +330,8 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             max_batch_tokens=args.max_batch_tokens,
             batch_limits=batch_limits,
             batching=Batching(args.batching),
+            generation=args.generation,
+            max_sequences=args.max_sequences,
             max_queue=args.max_queue,
             batch_timeout=args.batch_timeout,
         ),

@@ -152,6 +152,12 @@ class OneWorker:
     def max_input_tokens(self) -> int | None:
         return None
 
+    def concurrency(self) -> int:
+        return 1
+
+    def abandon(self, future) -> None:
+        pass
+
     def submit(self, inputs, params, control):
         future = asyncio.get_running_loop().create_future()
         future.set_result(BatchResult(0, tuple(inputs), 0.01, waited=self.waited))

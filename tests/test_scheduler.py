@@ -409,6 +409,12 @@ class FakeBackend:
     def max_input_tokens(self) -> int | None:
         return None
 
+    def concurrency(self) -> int:
+        return self.workers
+
+    def abandon(self, future) -> None:
+        pass
+
     def idle_workers(self) -> int:
         idle = self.workers - sum(not f.done() for _, _, f in self.calls)
         self.free_looks += idle > 0  # the scheduler looked at the queue with a worker free

@@ -323,6 +323,10 @@ class Backend(Protocol):
 
     def max_input_tokens(self) -> int | None: ...
 
+    def concurrency(self) -> int: ...
+
+    def abandon(self, future: asyncio.Future[BatchResult]) -> None: ...
+
     def submit(
         self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control
     ) -> asyncio.Future[BatchResult]: ...
@@ -344,6 +348,12 @@ class PublishingBackend:
 
     def max_input_tokens(self) -> int | None:
         return self.backend.max_input_tokens()
+
+    def concurrency(self) -> int:
+        return self.backend.concurrency()
+
+    def abandon(self, future: asyncio.Future[BatchResult]) -> None:
+        self.backend.abandon(future)
 
     def submit(
         self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control

@@ -57,6 +57,7 @@ class WorkItem:
     future: asyncio.Future[ItemResult] | None = None
     queued: bool = False
     turn: int = 0  # its place in the fair-share order, set when it is admitted
+    batch: asyncio.Future[Any] | None = None  # the model call it has to itself, once sent
 
     def sort_key(self) -> tuple[int, float, int]:
         """Fair-share turn first; within a turn, earliest deadline first."""
@@ -200,14 +201,14 @@ class SchedulerCore:
             return False
         deadline = min(item.deadline for item in items)
         own = [item.cost for item in items]
-        alone = self.cost_model.drain_seconds(own, self.max_batch_size, self.workers)
+        alone = self.cost_model.drain_seconds(own, self.limits.max_size, self.workers)
         if alone is None or now + alone > deadline:
             return False
         in_flight = self._in_flight_seconds(now)
         # In O(1): behind everything queued they would still make it (what is ahead is a
         # part of the queue). Most admissions end here; only a deep queue is looked into.
         everything = self.cost_model.drain_seconds_of(
-            self._size + len(own), self._queued_cost + sum(own), self.max_batch_size, self.workers
+            self._size + len(own), self._queued_cost + sum(own), self.limits.max_size, self.workers
         )
         if everything is not None and now + ADMIT_MARGIN * (in_flight + everything) <= deadline:
             return False
@@ -219,7 +220,7 @@ class SchedulerCore:
             for i in queue
             if i.turn <= last_turn and i.deadline <= latest
         ]
-        with_ahead = self.cost_model.drain_seconds(ahead + own, self.max_batch_size, self.workers)
+        with_ahead = self.cost_model.drain_seconds(ahead + own, self.limits.max_size, self.workers)
         assert with_ahead is not None  # measured, as `alone` was
         return now + ADMIT_MARGIN * (in_flight + with_ahead) > deadline
 
@@ -231,7 +232,7 @@ class SchedulerCore:
         """Seconds until the current queue has likely drained, at the measured speed."""
         # O(1): a full queue refuses every request with this, under overload
         drain = self.cost_model.drain_seconds_of(
-            self._size, self._queued_cost, self.max_batch_size, self.workers
+            self._size, self._queued_cost, self.limits.max_size, self.workers
         )
         if drain is None:
             return 1.0

@@ -50,6 +50,14 @@ class Backend(Protocol):
         """The most tokens the model reads of one input (it truncates); None: unknown."""
         ...
 
+    def concurrency(self) -> int:
+        """How many batches the workers run side by side (a continuous worker: its rows)."""
+        ...
+
+    def abandon(self, future: asyncio.Future[BatchResult]) -> None:
+        """Nobody waits for that batch any more: stop it where the worker can."""
+        ...
+
     def submit(
         self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control
     ) -> asyncio.Future[BatchResult]: ...
@@ -172,12 +180,15 @@ class Scheduler:
                 self.core.remove(item)
                 if not future.done():
                     future.cancel()
+                    if item.batch is not None:  # its own model call: free its rows
+                        self.backend.abandon(item.batch)
 
     async def _dispatch_loop(self) -> None:
         while True:
             self._wake.clear()
             now = self.clock()
             self.core.batch_cap = self.backend.batch_cap()
+            self.core.workers = self.backend.concurrency()
             self.core.max_input_tokens = self.backend.max_input_tokens()
             decision = self.core.decide(now, self.backend.idle_workers())
             for item in decision.expired:
@@ -240,6 +251,8 @@ class Scheduler:
                 _settle(item, exception=_as_refusal(exc))
             return
         self.in_flight += len(batch)
+        if len(batch) == 1:  # a batch of its own (a continuous worker's): it may be abandoned
+            lead.batch = future
         future.add_done_callback(lambda done: self._on_batch_done(batch, now, done))
 
     def _on_batch_done(self, batch: list[WorkItem], sent: float, done: asyncio.Future) -> None:
@@ -253,6 +266,9 @@ class Scheduler:
                 _settle(item, exception=_as_refusal(error))
             return
         result: BatchResult = done.result()
+        if all(item.future is None or item.future.done() for item in batch):
+            self.core.forget_batch(batch)  # nobody waited: stopped early, it says nothing
+            return
         # its own run: the time it waited in the worker behind another batch left out
         self.core.finish_batch(batch, self.clock() - result.waited)
         if result.token_counts:

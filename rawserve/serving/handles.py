@@ -1,5 +1,5 @@
 """One worker process as the pool holds it (`WorkerHandle`), and the batches on their way
-through it (`Job`)."""
+through it (`Job`; a continuous worker's many at once: `RunningBatches`)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,62 @@ class Job:
     watchdog: asyncio.TimerHandle | None = None
     streamed: bool = False  # tokens of it reached a client: it cannot run again unseen
     waited: float = 0.0  # seconds it waited in the worker behind the batch before it
+    cancelled: bool = False  # the worker was told nobody waits for it any more
+
+
+class RunningBatches:
+    """The batches a continuous worker runs side by side (rawserve.worker.generating): it
+    takes them whenever it has free rows and answers each as soon as its own items are
+    done, in any order, so they are held by batch id (and by stream, for its tokens)."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[int, Job] = {}
+        self._streams: dict[int, Job] = {}
+        self.rows = 0  # items in the batches held
+
+    def __bool__(self) -> bool:
+        return bool(self._jobs)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __contains__(self, job: Job) -> bool:
+        return self._jobs.get(job.batch_id) is job
+
+    @property
+    def holds_retry(self) -> bool:
+        """It runs an input again after a crash: alone, so that a crash names it."""
+        return any(job.poison_key is not None for job in self._jobs.values())
+
+    def add(self, job: Job) -> None:
+        self._jobs[job.batch_id] = job
+        self.rows += len(job.inputs)
+        if job.control.stream_id is not None:
+            self._streams[job.control.stream_id] = job
+
+    def pop(self, batch_id: int) -> Job | None:
+        """Take out the batch answered (None: a batch it no longer holds)."""
+        job = self._jobs.pop(batch_id, None)
+        if job is not None:
+            self.rows -= len(job.inputs)
+            if job.control.stream_id is not None:
+                self._streams.pop(job.control.stream_id, None)
+        return job
+
+    def streaming(self, stream_id: int) -> Job | None:
+        return self._streams.get(stream_id)
+
+    def waiting_on(self, future: asyncio.Future[BatchResult]) -> Job | None:
+        """The batch whose answer `future` waits for."""
+        return next((job for job in self._jobs.values() if job.future is future), None)
+
+    def take_all(self) -> list[Job]:
+        """Every batch held, in the order sent; none held afterwards."""
+        jobs = list(self._jobs.values())
+        self._jobs.clear()
+        self._streams.clear()
+        self.rows = 0
+        return jobs
 
 
 class WorkerHandle:
@@ -57,6 +113,27 @@ class WorkerHandle:
         self.started_at = 0.0
         self.record = record  # its restarts and crashes, counted by the supervisor
         self.batch_cap: int | None = None  # lowered by the worker after out-of-memory errors
+        # a continuous worker: the sequences it runs at once (0: one batch at a time) and
+        # the batches it holds (then `job` and `queued` stay empty)
+        self.sequences = 0
+        self.running = RunningBatches()
+
+    def room(self) -> int:
+        """How many batches it takes now: one when idle, one behind a running batch when it
+        overlaps; a continuous worker one per free row (each batch of one item: `batch_cap`),
+        none while it runs a retry that must run alone (a crash must name its input)."""
+        if self.sequences:
+            serving = self.state in (WorkerState.IDLE, WorkerState.BUSY)
+            if not serving or self.running.holds_retry:
+                return 0
+            return max(0, self.sequences - self.running.rows)
+        if self.state is WorkerState.IDLE:
+            return 1
+        return int(self.state is WorkerState.BUSY and self.overlap and self.queued is None)
+
+    def holds(self, job: Job) -> bool:
+        """Whether `job` is still this worker's to answer."""
+        return job is self.job or job is self.queued or job in self.running
 
     @property
     def pid(self) -> int | None:

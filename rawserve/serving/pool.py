@@ -40,7 +40,8 @@ from rawserve.serving.cores import CoreShare
 from rawserve.serving.handles import Job, WorkerHandle, assemble, settle
 from rawserve.serving.processes import join_or_kill, start_process
 from rawserve.serving.refusals import Reason, Refused, shutting_down
-from rawserve.serving.status import LoadState, WorkerState, WorkerStatus
+from rawserve.serving.reports import PoolReports
+from rawserve.serving.status import WorkerState
 from rawserve.serving.streams import TokenStreams
 from rawserve.serving.supervision import (
     CRASHED_ALONE,
@@ -52,15 +53,13 @@ from rawserve.serving.supervision import (
     LostBatch,
     PoisonMemory,
     Supervisor,
-    load_state,
 )
 from rawserve.shared.messages import (
     NO_CONTROL,
     Batch,
     BatchResult,
+    Cancel,
     Control,
-    Engine,
-    ModelLimits,
     Shutdown,
     TokenChunk,
     WorkerConfig,
@@ -83,7 +82,7 @@ class DropCounter(Protocol):
     def drop(self, reason: str, count: int = 1) -> None: ...
 
 
-class WorkerPool:
+class WorkerPool(PoolReports):
     """Runs batches on one worker process per device, and keeps the workers alive."""
 
     def __init__(
@@ -147,83 +146,31 @@ class WorkerPool:
         assert self._first_load is not None, "start() first"
         return await asyncio.shield(self._first_load)
 
-    @property
-    def ready(self) -> bool:
-        return any(w.state.serving for w in self.workers)
-
-    def load_state(self) -> tuple[LoadState, float | None]:
-        """While no worker is ready: loading or restarting, and for how many seconds the
-        longest load has run (None when no worker is loading right now)."""
-        starting = [(w.state, w.started_at) for w in self.workers if w.state.starting]
-        return load_state(starting, self.supervisor.restarted, self.clock())
-
-    def status(self) -> list[WorkerStatus]:
-        """Each worker's state, for /info and /metrics."""
-        return [worker.status() for worker in self.workers]
-
-    @property
-    def healthy(self) -> bool:
-        """False once every worker keeps dying (`Supervisor.healthy`)."""
-        return self.supervisor.healthy
-
-    @property
-    def poison(self) -> PoisonMemory:
-        """The inputs that crashed a worker while running alone."""
-        return self.supervisor.poison
-
-    @property
-    def loaded(self) -> WorkerReady | None:
-        """What a loaded worker said of its model (task, dtype, details, tokenizer); None
-        until one has loaded."""
-        return next((w.ready for w in self.workers if w.ready), None)
-
-    @property
-    def task(self) -> str | None:
-        loaded = self.loaded
-        return loaded.task if loaded else None
-
-    @property
-    def limits(self) -> ModelLimits:
-        """What the model can take (every worker loads the same one); unknown until ready."""
-        loaded = next((w.ready for w in self.workers if w.ready), None)
-        return loaded.limits if loaded else ModelLimits()
-
-    def max_input_tokens(self) -> int | None:
-        """The most tokens the model reads of one input: its truncation length, else (a
-        generation model, which refuses a longer prompt) its positions."""
-        limits = self.limits
-        if limits.max_input_tokens is not None:
-            return limits.max_input_tokens
-        return limits.max_new_tokens + 1 if limits.max_new_tokens is not None else None
-
-    @property
-    def engine(self) -> tuple[Engine, str] | None:
-        """What runs the loaded workers' forward pass, and why; None before one loaded."""
-        loaded = next((w.ready for w in self.workers if w.ready), None)
-        return (loaded.engine, loaded.engine_reason) if loaded else None
-
     def idle_workers(self) -> int:
-        """How many batches could be sent now: one per idle worker, and one behind the
-        running batch of each busy worker that overlaps."""
-        if self._holding_cores():
+        """How many batches could be sent now (`WorkerHandle.room`): none while retries
+        after a crash wait for an idle worker (they go first)."""
+        if self._holding_cores() or self._retries:
             return 0
-        free = sum(self._has_room(w) for w in self.workers)
-        return max(0, free - len(self._retries))
+        return sum(w.room() for w in self.workers)
 
     def batch_cap(self) -> int | None:
-        """The most items a `submit` should carry now (None: no limit of the workers')."""
-        caps = [w.batch_cap for w in self.workers if self._has_room(w) and w.batch_cap]
-        return min(caps, default=None)
+        """The most items a `submit` should carry now (None: no limit of the workers'): one
+        for a continuous worker, whose rows each take one sequence."""
+        caps = [1 if w.sequences else w.batch_cap for w in self.workers if w.sequences or w.room()]
+        return min((cap for cap in caps if cap), default=None)
+
+    def concurrency(self) -> int:
+        """How many batches the workers run side by side: one each, or a continuous
+        worker's sequences (the scheduler's estimates divide the work by it)."""
+        return sum(w.sequences or 1 for w in self.workers)
 
     def submit(
         self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control = NO_CONTROL
     ) -> asyncio.Future[BatchResult]:
         # the scheduler may send a second batch in the same breath as a lone item that
         # took every core: it runs on a free worker anyway (briefly one thread too many)
-        worker = self._next_idle(despite_hold=True) or next(
-            (w for w in self.workers if self._has_room(w)), None
-        )
-        if worker is None or self._retries:
+        worker = self._next_idle(despite_hold=True) or max(self.workers, key=WorkerHandle.room)
+        if not worker.room() or self._retries:
             raise Refused.because(Reason.NO_WORKER, "no model worker is free")
         future = self._running_loop.create_future()
         batch_id = next(self._batch_ids)
@@ -253,8 +200,27 @@ class WorkerPool:
         if not self.streams.close(stream_id):
             return
         for worker in self.workers:  # only the worker running that stream id reacts
-            if worker.cancelled_stream is not None:
+            if job := worker.running.streaming(stream_id):
+                self._cancel(worker, job)
+            elif worker.cancelled_stream is not None:
                 worker.cancelled_stream.value = stream_id
+
+    def abandon(self, future: asyncio.Future[BatchResult]) -> None:
+        """Nobody waits for the batch behind `future` any more (its client left, or its
+        deadline passed): a continuous worker frees its rows at its next step. A batch
+        run whole runs on (its worker reads nothing until it is done)."""
+        for worker in self.workers:
+            if job := worker.running.waiting_on(future):
+                self._cancel(worker, job)
+
+    def _cancel(self, worker: WorkerHandle, job: Job) -> None:
+        if job.cancelled or worker.conn is None:
+            return
+        job.cancelled = True
+        try:
+            worker.conn.send(Cancel(job.batch_id))
+        except (OSError, ValueError):  # the pipe broke: the reader will see the exit
+            pass
 
     async def shutdown(self, wait: bool = True) -> None:
         """Answer what is still held (503), and stop every worker.
@@ -278,8 +244,7 @@ class WorkerPool:
                     pass
             else:
                 worker.process.kill()
-            self._take_job(worker, error=stopping)
-            self._take_queued(worker, error=stopping)
+            self._take_all(worker, error=stopping)
         timeout = EXIT_TIMEOUT if wait else 0.0
         await asyncio.gather(
             *(
@@ -310,12 +275,6 @@ class WorkerPool:
             return None
         return next((w for w in self.workers if w.state is WorkerState.IDLE), None)
 
-    def _has_room(self, worker: WorkerHandle) -> bool:
-        """Whether `worker` takes a batch now: idle, or computing one with room behind."""
-        if worker.state is WorkerState.IDLE:
-            return True
-        return worker.state is WorkerState.BUSY and worker.overlap and worker.queued is None
-
     def overlaps(self, ready: WorkerReady) -> bool:
         """Whether a worker that just loaded holds two batches. Yes on a GPU: it computes
         apart from the CPU, whose threads meanwhile receive the next batch. No on a CPU:
@@ -332,7 +291,7 @@ class WorkerPool:
         return holder is not None and holder.state is WorkerState.BUSY
 
     def _send(self, worker: WorkerHandle, job: Job) -> None:
-        if worker.job is None:
+        if worker.job is None or worker.sequences:
             worker.state = WorkerState.BUSY
             self._start(worker, job)
         else:  # behind the running batch: it starts when that one is answered
@@ -368,8 +327,11 @@ class WorkerPool:
             self._notify_idle()
 
     def _start(self, worker: WorkerHandle, job: Job) -> None:
-        """`job` is the batch `worker` computes now: its batch timeout runs from here."""
-        worker.job = job
+        """`job` is a batch `worker` computes now: its batch timeout runs from here."""
+        if worker.sequences:
+            worker.running.add(job)
+        else:
+            worker.job = job
         if self.batch_timeout:
             job.watchdog = self._running_loop.call_later(
                 self.batch_timeout, self._on_batch_timeout, worker, job
@@ -385,6 +347,17 @@ class WorkerPool:
     def _take_job(self, worker: WorkerHandle, *, error: Exception | None = None) -> Job | None:
         """Detach the worker's job (stopping its watchdog); fail it with `error` if given."""
         job, worker.job = worker.job, None
+        return self._detach(job, error)
+
+    def _take_all(self, worker: WorkerHandle, *, error: Exception) -> None:
+        """Fail every batch the worker holds with `error`."""
+        self._take_job(worker, error=error)
+        self._take_queued(worker, error=error)
+        for job in worker.running.take_all():
+            self._detach(job, error)
+
+    def _detach(self, job: Job | None, error: Exception | None = None) -> Job | None:
+        """Stop a batch's watchdog; fail it with `error` if given."""
         if job is not None:
             if job.watchdog is not None:
                 job.watchdog.cancel()
@@ -408,7 +381,7 @@ class WorkerPool:
         task.add_done_callback(self._tasks.discard)
 
     def _on_batch_timeout(self, worker: WorkerHandle, job: Job) -> None:
-        if worker.job is not job:
+        if not worker.holds(job):
             return
         log.error(
             "worker %s: a batch of %d ran over %.0f s; killing process %s",
@@ -417,7 +390,7 @@ class WorkerPool:
             self.batch_timeout,
             worker.pid,
         )
-        self._take_job(worker)
+        self._detach(worker.running.pop(job.batch_id) or self._take_job(worker))
         settle(job.future, result=BatchResult(job.batch_id, (TIMED_OUT,) * len(job.inputs), 0.0))
         worker.state = WorkerState.DEAD  # until the reader sees it exit and restarts it
         if worker.process is not None:
@@ -428,7 +401,7 @@ class WorkerPool:
     def _spawn(self, worker: WorkerHandle) -> None:
         process, replies_in = start_process(self._context, worker)
         worker.state = WorkerState.LOADING
-        worker.queued, worker.overlap = None, False
+        worker.queued, worker.overlap, worker.sequences = None, False, 0
         worker.ready = None
         worker.batch_cap = None
         worker.started_at = self.clock()
@@ -473,8 +446,9 @@ class WorkerPool:
 
     def _on_message(self, worker: WorkerHandle, message: Any) -> None:
         if isinstance(message, TokenChunk):
-            if worker.job is not None:
-                worker.job.streamed = True
+            job = worker.running.streaming(message.stream_id) or worker.job
+            if job is not None:
+                job.streamed = True
             self.streams.deliver(message)
         elif isinstance(message, BatchResult):
             self._on_result(worker, message)
@@ -487,7 +461,8 @@ class WorkerPool:
             )
         elif isinstance(message, WorkerReady):
             worker.ready = message
-            worker.overlap = self.overlaps(message)
+            worker.sequences = message.sequences
+            worker.overlap = not message.sequences and self.overlaps(message)
             worker.state = WorkerState.IDLE
             self.supervisor.loaded(worker.index)
             warmed = message.warmup_seconds
@@ -511,15 +486,18 @@ class WorkerPool:
 
     def _on_result(self, worker: WorkerHandle, result: BatchResult) -> None:
         job = worker.job
-        if job is None or result.batch_id != job.batch_id:
+        if worker.sequences:  # a continuous worker answers its batches in any order
+            job = self._detach(worker.running.pop(result.batch_id))
+        elif job is not None and result.batch_id == job.batch_id:
+            self._take_job(worker)
+            behind = self._take_queued(worker)
+            if behind is not None:  # the worker started it as it sent this result
+                behind.waited = self.clock() - worker.queued_at
+                self._start(worker, behind)
+        if job is None or job.batch_id != result.batch_id:
             log.warning("worker %s: dropped a stale result", worker.label)
             return
-        self._take_job(worker)
-        behind = self._take_queued(worker)
-        if behind is not None:  # the worker started it as it sent this result
-            behind.waited = self.clock() - worker.queued_at
-            self._start(worker, behind)
-        elif worker.state is WorkerState.BUSY:
+        if worker.state is WorkerState.BUSY and worker.job is None and not worker.running:
             worker.state = WorkerState.IDLE
         self.supervisor.answered(worker.index)  # it works: forget earlier crashes
         if result.effective_batch_cap != worker.batch_cap:
@@ -539,8 +517,7 @@ class WorkerPool:
         was_loading = worker.state.starting
         worker.state = WorkerState.DEAD
         if self._closing:
-            self._take_job(worker, error=shutting_down())
-            self._take_queued(worker, error=shutting_down())
+            self._take_all(worker, error=shutting_down())
             return
         job = self._take_job(worker)
         behind = self._take_queued(worker)
@@ -548,6 +525,11 @@ class WorkerPool:
         decision = self.supervisor.exited(worker.index, while_loading=was_loading, held=held)
         if job is not None and decision.lost is not None:
             self._carry_out(worker, job, decision.lost)
+        for lost in worker.running.take_all():  # a continuous worker ran them all at once
+            self._detach(lost)
+            self._carry_out(
+                worker, lost, self.supervisor.lost(Held(lost.streamed, lost.poison_key))
+            )
         if behind is not None:  # it never started (see the module's docstring): run it again
             self._retries.append(replace(behind, watchdog=None, waited=0.0))
         log.error(

@@ -170,7 +170,7 @@ class Supervisor:
         """A worker's process died: count it, say when to restart it and what becomes
         of the batch it held."""
         record = self.records[index]
-        lost = None if held is None else self._lost(held)
+        lost = None if held is None else self.lost(held)
         if while_loading:
             record.failed_restarts += 1
         else:
@@ -180,7 +180,9 @@ class Supervisor:
         record.backoff = min(record.backoff * 2, RESTART_BACKOFF_MAX)
         return decision
 
-    def _lost(self, held: Held) -> LostBatch:
+    def lost(self, held: Held) -> LostBatch:
+        """What becomes of a batch a dead worker held (`exited` decides it for the batch it
+        ran; a continuous worker's other batches are decided here, one by one)."""
         if held.streamed:
             return LostBatch.FAIL_MID_STREAM
         if held.lone_key is None:

@@ -1,0 +1,75 @@
+"""What the worker pool reports: each worker's state, the pool's health and load state,
+and the facts its loaded workers gave of their model (task, limits, engine). Read-only:
+`rawserve.serving.pool.WorkerPool` is built on it and does the I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rawserve.serving.handles import WorkerHandle
+from rawserve.serving.status import LoadState, WorkerStatus
+from rawserve.serving.supervision import PoisonMemory, Supervisor, load_state
+from rawserve.shared.messages import Engine, ModelLimits, WorkerReady
+
+
+class PoolReports:
+    """The pool's reports, read from its worker handles and its supervisor."""
+
+    workers: list[WorkerHandle]
+    supervisor: Supervisor
+    clock: Callable[[], float]
+
+    @property
+    def ready(self) -> bool:
+        return any(w.state.serving for w in self.workers)
+
+    def load_state(self) -> tuple[LoadState, float | None]:
+        """While no worker is ready: loading or restarting, and for how many seconds the
+        longest load has run (None when no worker is loading right now)."""
+        starting = [(w.state, w.started_at) for w in self.workers if w.state.starting]
+        return load_state(starting, self.supervisor.restarted, self.clock())
+
+    def status(self) -> list[WorkerStatus]:
+        """Each worker's state, for /info and /metrics."""
+        return [worker.status() for worker in self.workers]
+
+    @property
+    def healthy(self) -> bool:
+        """False once every worker keeps dying (`Supervisor.healthy`)."""
+        return self.supervisor.healthy
+
+    @property
+    def poison(self) -> PoisonMemory:
+        """The inputs that crashed a worker while running alone."""
+        return self.supervisor.poison
+
+    @property
+    def loaded(self) -> WorkerReady | None:
+        """What a loaded worker said of its model (task, dtype, details, tokenizer); None
+        until one has loaded."""
+        return next((w.ready for w in self.workers if w.ready), None)
+
+    @property
+    def task(self) -> str | None:
+        loaded = self.loaded
+        return loaded.task if loaded else None
+
+    @property
+    def limits(self) -> ModelLimits:
+        """What the model can take (every worker loads the same one); unknown until ready."""
+        loaded = self.loaded
+        return loaded.limits if loaded else ModelLimits()
+
+    def max_input_tokens(self) -> int | None:
+        """The most tokens the model reads of one input: its truncation length, else (a
+        generation model, which refuses a longer prompt) its positions."""
+        limits = self.limits
+        if limits.max_input_tokens is not None:
+            return limits.max_input_tokens
+        return limits.max_new_tokens + 1 if limits.max_new_tokens is not None else None
+
+    @property
+    def engine(self) -> tuple[Engine, str] | None:
+        """What runs the loaded workers' forward pass, and why; None before one loaded."""
+        loaded = self.loaded
+        return (loaded.engine, loaded.engine_reason) if loaded else None
