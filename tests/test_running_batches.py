@@ -1,0 +1,114 @@
+"""A continuous worker as the pool holds it: many batches at once, answered in any order.
+
+Pure: `WorkerHandle.room` (how many batches it takes now) and `RunningBatches` (the
+batches it holds, by id and by stream), with no process behind them. The end-to-end
+behaviour through a real worker is in tests/test_continuous_serving.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rawserve.serving.handles import Job, RunningBatches, WorkerHandle
+from rawserve.serving.status import WorkerState
+from rawserve.serving.supervision import WorkerRecord
+from rawserve.shared.messages import NO_CONTROL, Control, WorkerConfig
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def job(loop, batch_id: int, items: int = 1, stream_id: int | None = None, retry=False) -> Job:
+    control = Control(stream_id=stream_id) if stream_id is not None else NO_CONTROL
+    return Job(
+        tuple(f"prompt {i}" for i in range(items)),
+        {},
+        control,
+        loop.create_future(),
+        batch_id,
+        poison_key="key" if retry else None,
+    )
+
+
+def handle(sequences: int = 0, state=WorkerState.IDLE, overlap=False) -> WorkerHandle:
+    worker = WorkerHandle(0, WorkerConfig(model="m"), WorkerRecord())
+    worker.state, worker.sequences, worker.overlap = state, sequences, overlap
+    return worker
+
+
+def test_a_continuous_worker_takes_a_batch_per_free_row(loop):
+    worker = handle(sequences=4, state=WorkerState.IDLE)
+    assert worker.room() == 4
+    worker.running.add(job(loop, 1))
+    worker.running.add(job(loop, 2, items=2))
+    worker.state = WorkerState.BUSY
+    assert worker.room() == 1 and worker.running.rows == 3
+    worker.running.add(job(loop, 3))
+    assert worker.room() == 0  # every row taken
+    worker.running.pop(2)
+    assert worker.room() == 2
+
+
+def test_a_continuous_worker_that_is_not_serving_takes_nothing():
+    for state in (WorkerState.LOADING, WorkerState.WARMING, WorkerState.DEAD):
+        assert handle(sequences=8, state=state).room() == 0
+
+
+def test_a_retry_after_a_crash_runs_alone(loop):
+    """An input run again after a crash must run alone: a second crash then names it."""
+    worker = handle(sequences=8, state=WorkerState.BUSY)
+    worker.running.add(job(loop, 1, retry=True))
+    assert worker.room() == 0
+    worker.running.pop(1)
+    assert worker.room() == 8
+
+
+def test_batches_are_answered_in_any_order(loop):
+    running = RunningBatches()
+    first, second, third = job(loop, 1), job(loop, 2, stream_id=7), job(loop, 3)
+    for each in (first, second, third):
+        running.add(each)
+    assert running.pop(3) is third and running.pop(1) is first
+    assert running.pop(1) is None  # answered already: a stale result
+    assert second in running and first not in running
+    assert len(running) == 1 and running.rows == 1
+
+
+def test_a_batch_is_found_by_its_stream_and_by_its_future(loop):
+    running = RunningBatches()
+    streamed, plain = job(loop, 1, stream_id=7), job(loop, 2)
+    running.add(streamed)
+    running.add(plain)
+    assert running.streaming(7) is streamed and running.streaming(8) is None
+    assert running.waiting_on(plain.future) is plain
+    assert running.waiting_on(loop.create_future()) is None
+    running.pop(1)
+    assert running.streaming(7) is None  # answered: its stream is no longer this worker's
+
+
+def test_take_all_empties_it_in_the_order_sent(loop):
+    running = RunningBatches()
+    jobs = [job(loop, i, stream_id=i) for i in (5, 2, 9)]
+    for each in jobs:
+        running.add(each)
+    assert running.take_all() == jobs
+    assert not running and running.rows == 0 and running.streaming(2) is None
+
+
+def test_a_worker_that_runs_batches_whole_keeps_its_room_rules(loop):
+    assert handle().room() == 1  # idle
+    busy = handle(state=WorkerState.BUSY)
+    busy.job = job(loop, 1)
+    assert busy.room() == 0
+    overlapping = handle(state=WorkerState.BUSY, overlap=True)
+    overlapping.job = job(loop, 1)
+    assert overlapping.room() == 1  # one behind the running batch
+    overlapping.queued = job(loop, 2)
+    assert overlapping.room() == 0
+    assert overlapping.holds(overlapping.queued) and not overlapping.holds(job(loop, 3))
