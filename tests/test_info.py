@@ -50,6 +50,7 @@ def test_info_tells_the_model_settings_versions_and_worker_pids(server):
     for worker in info["workers"]:
         assert worker["device"] == "cpu" and worker["state"] == "idle"
         assert worker["restarts"] == 0 and worker["engine"] == "torch"
+        assert worker["max_sequences"] == 0  # a handler runs batches whole
     # the pids /info gives are the processes that compute (the echo handler tells its pid)
     status, answer = server.post_json({"inputs": "who computes this?"})
     assert status == 200

@@ -223,4 +223,7 @@ def _worker_info(worker: WorkerStatus) -> dict[str, Any]:
         "restarts": worker.restarts,
         "max_batch_size": worker.batch_cap,  # lowered after out-of-memory errors
         "warmup_seconds": worker.warmup_seconds,
+        # continuous generation: sequences it runs at once, and now (0: batches run whole)
+        "max_sequences": worker.sequences,
+        "running_sequences": worker.running,
     }

@@ -49,6 +49,8 @@ class WorkerStatus:
     engine: str | None = None  # what runs its forward pass, once loaded
     engine_reason: str | None = None
     dtype_reason: str | None = None  # why that precision, once loaded
+    sequences: int = 0  # a continuous generation worker: sequences it runs at once
+    running: int = 0  # ... and how many it runs now
 
     @property
     def serving(self) -> bool:
