@@ -343,6 +343,17 @@ def test_the_cost_of_a_long_input_is_what_the_model_reads_of_it():
     assert long_item.cost == 512
 
 
+def test_a_generation_costs_its_prompt_and_the_new_tokens_it_asks_for():
+    core = SchedulerCore(max_input_tokens=512)
+    short, long = (
+        core.new_item("word " * 209_700, {"max_new_tokens": new}, 30.0, 0.0) for new in (8, 256)
+    )
+    assert (short.cost, long.cost) == (512 + 8, 512 + 256)
+    core.cost_model.observe(520, 1.0, 520, 1)
+    core.cost_model.observe(768, 1.5, 768, 1)
+    assert core.cost_model.predict(long.cost) > core.cost_model.predict(short.cost)
+
+
 async def test_a_request_that_can_never_be_admitted_is_refused_for_good(driver):
     scheduler, _ = driver
     with pytest.raises(Refused) as refused:

@@ -152,6 +152,9 @@ class SchedulerCore:
         cost = max(1, round(estimate_tokens(value) * self.tokens_per_estimate))
         if self.max_input_tokens is not None:  # a long text costs what the model reads of it
             cost = min(cost, self.max_input_tokens)
+        # a generation also costs a decoding step per new token it asks for: the measured
+        # seconds per token then admit, refuse and size by the work asked, not by the prompt
+        cost += int(params.get("max_new_tokens") or 0)
         key = batch_key(params)
         if control != NO_CONTROL:  # a stream never shares a batch; nor do two routes
             key += repr(control)
