@@ -31,6 +31,7 @@ KINDS = (
     "zero-shot-classification",
     "reranker",
     "text-generation",
+    "long-generation",  # the same with 4,096 positions: a generation that runs for seconds
     "chat",
     "seq2seq",
     "image-classification",
@@ -44,6 +45,8 @@ def build(kind: str, folder: Path) -> Path:
     torch.manual_seed(0)
     if kind == "text-generation":
         return _build_gpt2(folder)
+    if kind == "long-generation":
+        return _build_gpt2(folder, positions=4096)
     if kind == "chat":
         return _build_gpt2(folder, chat_template=CHAT_TEMPLATE)
     if kind == "seq2seq":
@@ -146,7 +149,7 @@ def bpe_tokenizer():
     )
 
 
-def _build_gpt2(folder: Path, chat_template: str | None = None) -> Path:
+def _build_gpt2(folder: Path, chat_template: str | None = None, positions: int = 256) -> Path:
     import transformers
 
     tokenizer = bpe_tokenizer()
@@ -154,7 +157,7 @@ def _build_gpt2(folder: Path, chat_template: str | None = None) -> Path:
         tokenizer.chat_template = chat_template
     config = transformers.GPT2Config(
         vocab_size=len(tokenizer),
-        n_positions=256,
+        n_positions=positions,
         n_embd=32,
         n_layer=2,
         n_head=2,
