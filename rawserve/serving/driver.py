@@ -180,8 +180,10 @@ class Scheduler:
                 self.core.remove(item)
                 if not future.done():
                     future.cancel()
-                    if item.batch is not None:  # its own model call: free its rows
-                        self.backend.abandon(item.batch)
+                # (awaiting a future that times out or is cancelled cancels it: the batch says
+                # whether the model still works on it)
+                if item.batch is not None and not item.batch.done():
+                    self.backend.abandon(item.batch)  # its own model call: free its rows
 
     async def _dispatch_loop(self) -> None:
         while True:
