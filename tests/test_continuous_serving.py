@@ -33,8 +33,12 @@ ASKS = [("the movie was", 3), ("a long and winding road to", 40), ("hello", 12),
 def servers(tiny_model):
     model = tiny_model("long-generation")
     started = {
-        "rows": RunningServer(["--model", model, "--max-sequences", "8", "--threads", "1"]),
-        "one row": RunningServer(["--model", model, "--max-sequences", "1", "--threads", "1"]),
+        "rows": RunningServer(
+            ["--model", model, "--max-sequences", "8", "--threads", "1", "--device", "cpu"]
+        ),
+        "one row": RunningServer(
+            ["--model", model, "--max-sequences", "1", "--threads", "1", "--device", "cpu"]
+        ),
     }
     with running_together(started):
         yield started
