@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.compat_venvs import client_python
 from tests.server import RunningServer, running_together
 from tests.test_compat_tgi_rules import CLIENT_DEFAULTS
 
@@ -25,11 +24,6 @@ pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
 TGI_CLIENT = "text-generation==0.7.0"
 PROMPT = "the movie was"
-# what pip says when it cannot reach the index (no network, no proxy)
-UNREACHABLE = re.compile(
-    r"NewConnectionError|Failed to establish|Temporary failure in name resolution|"
-    r"Network is unreachable|ProxyError|from versions: none"
-)
 
 
 @pytest.fixture(scope="module")
@@ -132,30 +126,8 @@ def test_generate_takes_one_text(servers):
 
 
 @pytest.fixture(scope="session")
-def tgi_client_python(request, tmp_path_factory) -> Path:
-    """The interpreter of a virtual environment with TGI's client, made once and kept in
-    pytest's cache (a fresh temporary folder when the cache is off)."""
-    cache = getattr(request.config, "cache", None)
-    folder = (
-        Path(cache.mkdir("compat-text-generation-0.7.0"))
-        if cache is not None
-        else tmp_path_factory.mktemp("text-generation")
-    )
-    python = folder / "bin" / "python"
-    stamp = folder / "installed"
-    if stamp.exists() and stamp.read_text() == TGI_CLIENT and python.exists():
-        return python
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(folder)], check=True)
-    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    installed = subprocess.run(
-        [*pip, TGI_CLIENT], capture_output=True, text=True, timeout=600, check=False
-    )
-    if installed.returncode != 0:
-        if UNREACHABLE.search(installed.stdout + installed.stderr):
-            pytest.skip(f"pip cannot reach the package index to install {TGI_CLIENT}")
-        raise AssertionError(f"pip install {TGI_CLIENT} failed:\n{installed.stderr[-3000:]}")
-    stamp.write_text(TGI_CLIENT)
-    return python
+def tgi_client_python(request) -> Path:
+    return client_python(request, "compat-text-generation-0.7.0", [TGI_CLIENT])
 
 
 @pytest.fixture(scope="module")

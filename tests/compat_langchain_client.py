@@ -1,0 +1,51 @@
+"""langchain-openai, unmodified, against a running rawserve serving an embedding model
+("emb") and a chat model ("chat"), among others.
+
+Run by tests/test_compat_client_libraries.py with the clients' own virtual environment:
+`python compat_langchain_client.py BASE_URL` prints, as one JSON document, what each call
+answered or the error the client raised. `OpenAIEmbeddings` is built with
+`check_embedding_ctx_length=False`, as its documentation says for servers other than
+OpenAI's (else it sends tiktoken's token ids). Imports nothing of rawserve.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from langchain_openai import ChatOpenAI, OpenAIEmbeddings
+
+TEXT = "the movie was good"
+QUESTION = "hello, what is a good movie"
+
+
+def outcome(call: Any) -> Any:
+    """What a call answered (as JSON), or the client's exception: its class and message."""
+    try:
+        result = call()
+    except Exception as exc:  # noqa: BLE001 - the test reads which error the client raised
+        return {"raised": type(exc).__name__, "message": str(exc)}
+    if hasattr(result, "model_dump"):  # a message
+        return {"content": result.content, "metadata": result.response_metadata}
+    return result
+
+
+def main(base_url: str) -> None:
+    api = {"base_url": f"{base_url}/v1", "api_key": "unused"}
+    embeddings = OpenAIEmbeddings(model="emb", check_embedding_ctx_length=False, **api)
+    chat = ChatOpenAI(model="chat", max_tokens=5, temperature=0, **api)
+    calls = {
+        "embed_query": lambda: embeddings.embed_query(TEXT),
+        "embed_documents": lambda: embeddings.embed_documents([TEXT, "i like it"]),
+        "invoke": lambda: chat.invoke(QUESTION),
+        "stream": lambda: [chunk.content for chunk in chat.stream(QUESTION)],
+        # errors: a model that is not served (of several), a blank text
+        "unknown_model": lambda: ChatOpenAI(model="gpt-4o", max_retries=0, **api).invoke(QUESTION),
+        "blank": lambda: embeddings.embed_query("   "),
+    }
+    print(json.dumps({name: outcome(call) for name, call in calls.items()}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
