@@ -223,6 +223,11 @@ class GenerationLoop:
         opened = self.open.get(batch_id)
         if opened is None:
             return
+        if generation.finish_reason == "cancelled":
+            log.info(
+                "generation stopped after %d tokens: the client left (or its deadline passed)",
+                len(generation.tokens),
+            )
         item = opened.batch.inputs[index]
         control = opened.batch.control
         tokens = opened.tokens.get(index)
