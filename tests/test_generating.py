@@ -333,3 +333,14 @@ def test_a_server_that_is_gone_ends_the_loop(runner):
     params = {"max_new_tokens": 200, "do_sample": False}
     loop.run(Script({0: [Batch(1, ("the movie was",), params, control=Control(stream_id=3))]}))
     assert loop.server_gone
+
+
+def test_the_end_tokens_the_models_generation_config_names_end_a_sequence(runner, monkeypatch):
+    plain = results(serve(runner, {0: [Batch(1, ("the movie was",), GREEDY)]}))[1]
+    ids = [token["id"] for token in plain.outputs[0][0]["details"]["tokens"]]
+    end = ids[len(ids) // 2]
+    monkeypatch.setattr(runner.model.generation_config, "eos_token_id", [end])
+    ended = results(serve(runner, {0: [Batch(1, ("the movie was",), GREEDY)]}))[1]
+    details = ended.outputs[0][0]["details"]
+    assert details["finish_reason"] == "eos_token"
+    assert details["generated_tokens"] == ids.index(end) + 1

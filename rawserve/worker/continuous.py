@@ -109,8 +109,7 @@ class ContinuousBatcher:
         # still taken, now warns)
         forward = inspect.signature(model.forward).parameters
         self._cache_name = "cache" if "cache" in forward else "past_key_values"
-        eos = tokenizer.eos_token_id
-        self.eos_ids = {eos} if eos is not None else set()
+        self.eos_ids = _eos_ids(tokenizer, model)
         self.waiting: list[Generation] = []
         self.rows: list[Generation] = []
         self._joining: list[Generation] = []  # being prefilled: neither waiting nor a row
@@ -310,6 +309,15 @@ class ContinuousBatcher:
                 generation.finish_reason = "stop_sequence"
             elif len(generation.tokens) >= generation.cap:
                 generation.finish_reason = "length"
+
+
+def _eos_ids(tokenizer: Any, model: Any) -> set[int]:
+    """The tokens that end a sequence: the tokenizer's, and those the model's generation
+    config names (`generate` stops there too: a chat model's end of turn)."""
+    named = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = set(named if isinstance(named, (list, tuple)) else [named])
+    ids.add(tokenizer.eos_token_id)
+    return {int(i) for i in ids if i is not None}
 
 
 def _cache_of(out: Any) -> Any:
