@@ -98,9 +98,10 @@ def continuous(model: Any, batch: list[list[int]], asks: list[int]) -> dict[str,
 
     seen: dict[Any, list[float]] = {i: [] for i in range(len(batch))}
 
-    def on_token(generation: Generation, token: int) -> None:
+    def on_token(generation: Generation, token: int, piece: str) -> None:
         seen[generation.key].append(time.perf_counter())
 
+    model.generation_config.eos_token_id = None  # every request makes all its tokens
     engine = ContinuousBatcher(model, NoTokenizer(), POSITIONS, 64, on_token)
     started = time.perf_counter()
     for key, (prompt, ask) in enumerate(zip(batch, asks, strict=True)):

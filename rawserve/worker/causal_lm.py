@@ -19,6 +19,7 @@ import transformers
 
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits, TokenChunk
 from rawserve.tasks import CHAT_PARAM
+from rawserve.worker.continuous import Generation, TextPieces
 from rawserve.worker.runner import Runner, dtype_name
 
 log = logging.getLogger("rawserve.generation")
@@ -62,10 +63,7 @@ class TokenWatcher(transformers.StoppingCriteria):
         self.eos_ids = _eos_ids(tokenizer)
         self.token_ids: list[list[int]] = [[] for _ in range(batch_size)]
         self.texts = [""] * batch_size
-        # incremental detokenization (as TGI does it): decode a short window of tokens,
-        # so each step costs the same however long the text has grown
-        self.prefix_offsets = [0] * batch_size
-        self.read_offsets = [0] * batch_size
+        self.pieces = [TextPieces(tokenizer) for _ in range(batch_size)]
         self.longest_stop = max((len(s) for s in self.stop), default=0)
         self.done = [False] * batch_size
         self.finish_reasons = ["length"] * batch_size
@@ -81,7 +79,7 @@ class TokenWatcher(transformers.StoppingCriteria):
             if self.done[row]:
                 continue
             self.token_ids[row].append(token_id)
-            piece = self._next_piece(row)
+            piece = self.pieces[row].next_piece(self.token_ids[row])
             self.texts[row] += piece
             tail = self.texts[row][-(len(piece) + self.longest_stop) :]
             if token_id in self.eos_ids:
@@ -89,13 +87,8 @@ class TokenWatcher(transformers.StoppingCriteria):
             elif piece and any(s in tail for s in self.stop):
                 self.done[row], self.finish_reasons[row] = True, "stop_sequence"
             if self.on_token is not None or self.tokens is not None:
-                special = token_id in self.special_ids
-                token = {
-                    "id": token_id,
-                    "text": self.tokenizer.decode([token_id]) if special else piece,
-                    "logprob": float(logprobs[row, token_id]) if logprobs is not None else 0.0,
-                    "special": special,
-                }
+                logprob = float(logprobs[row, token_id]) if logprobs is not None else 0.0
+                token = tgi_token(self.tokenizer, self.special_ids, token_id, piece, logprob)
                 if self.tokens is not None:
                     self.tokens[row].append(token)
                 if self.on_token is not None:
@@ -106,16 +99,19 @@ class TokenWatcher(transformers.StoppingCriteria):
             self.finish_reasons = ["cancelled"] * len(self.done)
         return torch.tensor(self.done, dtype=torch.bool, device=input_ids.device)
 
-    def _next_piece(self, row: int) -> str:
-        """The text the row's newest token adds ("" while a character is incomplete)."""
-        ids = self.token_ids[row]
-        prefix, read = self.prefix_offsets[row], self.read_offsets[row]
-        before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
-        after = self.tokenizer.decode(ids[prefix:], skip_special_tokens=True)
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""  # wait for the rest of a multi-byte character
-        self.prefix_offsets[row], self.read_offsets[row] = read, len(ids)
-        return after[len(before) :]
+
+def tgi_token(
+    tokenizer: Any, special_ids: set[int], token_id: int, piece: str, logprob: float
+) -> dict[str, Any]:
+    """A new token as TGI's streams and details list it (a special token shows its own
+    text, which the running text skips)."""
+    special = token_id in special_ids
+    return {
+        "id": token_id,
+        "text": tokenizer.decode([token_id]) if special else piece,
+        "logprob": logprob,
+        "special": special,
+    }
 
 
 def _eos_ids(tokenizer: Any) -> set[int]:
@@ -162,6 +158,7 @@ class CausalLMRunner(Runner):
             or 1_000_000
         )
         self.defaults = {k: v for k, v in PIPELINE_DEFAULTS.items() if k not in configured}
+        self.special_ids = set(self.tokenizer.all_special_ids)
         self.send: Callable[[Any], None] | None = None
         self.cancelled_stream: Any = None  # a shared integer: the stream id to stop
 
@@ -179,8 +176,13 @@ class CausalLMRunner(Runner):
     def prompts(self, inputs: list[Any], params: dict[str, Any]) -> Any:
         """The batch's prompts as token ids (left-padded): texts as they are, or chats
         (`{"messages": [...]}`, OpenAI's) rendered with the chat template."""
+        texts, special = self._prompt_texts(inputs, params)
+        return self.tokenizer(texts, padding=True, add_special_tokens=special, return_tensors="pt")
+
+    def _prompt_texts(self, inputs: list[Any], params: dict[str, Any]) -> tuple[list[str], bool]:
+        """The prompts as text, and whether the tokenizer adds its special tokens."""
         if not params.get(CHAT_PARAM):
-            return self.tokenizer(inputs, padding=True, return_tensors="pt")
+            return inputs, True
         texts = []
         for item in inputs:
             try:
@@ -191,8 +193,101 @@ class CausalLMRunner(Runner):
                 )
             except jinja2.TemplateError as exc:  # the template refuses these messages
                 raise ValueError(f"the chat template refused the messages: {exc}") from None
-        # a template writes the special tokens it wants (a BOS) itself
-        return self.tokenizer(texts, padding=True, add_special_tokens=False, return_tensors="pt")
+        return texts, False  # a template writes the special tokens it wants (a BOS) itself
+
+    def _check_lengths(self, params: dict[str, Any], longest_prompt: int) -> None:
+        """ValueError when the new tokens asked, or a prompt, cannot fit the positions."""
+        most = self.max_positions - 1
+        asked = params.get("max_new_tokens")
+        if asked is not None and asked > most:  # the server refuses it first: a backstop
+            raise ValueError(f"max_new_tokens is {asked}, and this model generates at most {most}")
+        if self.max_positions - longest_prompt < 1:
+            raise ValueError(
+                f"the prompt is {longest_prompt} tokens: the model takes at most "
+                f"{most} to leave room for one new token"
+            )
+
+    # --- one item at a time, for the continuous loop (rawserve.worker.generating) -----------
+
+    def generation(
+        self, key: Any, item: Any, params: dict[str, Any], control: Control = NO_CONTROL
+    ) -> Generation:
+        """One item as a sequence for the continuous loop, with the settings `generate`
+        would use for it (ValueError, as `run` gives it, for an input that cannot run)."""
+        (text,), special = self._prompt_texts([item], params)
+        ids = self.tokenizer(text, add_special_tokens=special)["input_ids"]
+        self._check_lengths(params, len(ids))
+        kwargs = generate_kwargs(params, self.defaults)
+        config = self.model.generation_config
+
+        def setting(name: str) -> Any:  # asked, or the model's generation config
+            return kwargs[name] if name in kwargs else getattr(config, name, None)
+
+        wants_logprobs = control.stream_id is not None or bool(params.get("details"))
+        return Generation(
+            key,
+            ids,
+            max_new_tokens=setting("max_new_tokens") or PIPELINE_DEFAULTS["max_new_tokens"],
+            do_sample=bool(setting("do_sample")),
+            temperature=setting("temperature") or 1.0,
+            top_k=setting("top_k"),
+            top_p=setting("top_p"),
+            seed=params.get("seed"),
+            stop=tuple(params.get("stop", ())),
+            repetition_penalty=setting("repetition_penalty"),
+            logprobs=[] if wants_logprobs else None,
+        )
+
+    def token(self, token_id: int, piece: str, logprob: float) -> dict[str, Any]:
+        """A sequence's new token in TGI's shape (streamed, or listed in details)."""
+        return tgi_token(self.tokenizer, self.special_ids, token_id, piece, logprob)
+
+    def finished(
+        self,
+        generation: Generation,
+        item: Any,
+        params: dict[str, Any],
+        control: Control = NO_CONTROL,
+        tokens: list[dict[str, Any]] | None = None,
+    ) -> Any:
+        """A finished sequence's output, shaped as `run` shapes it."""
+        return self._output(
+            item,
+            params,
+            control,
+            generation.tokens,
+            generation.finish_reason or "length",
+            len(generation.prompt_ids),
+            tokens,
+        )
+
+    def _output(
+        self,
+        prompt: Any,
+        params: dict[str, Any],
+        control: Control,
+        token_ids: list[int],
+        finish_reason: str,
+        prompt_tokens: int,
+        tokens: list[dict[str, Any]] | None,
+    ) -> Any:
+        """One item's output in the Inference API's shape (TGI's details when asked)."""
+        # the whole decode, as the pipeline does (pieces hold back a cut character)
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        if params.get("return_full_text", control.stream_id is None):
+            text = prompt + text
+        output: dict[str, Any] = {"generated_text": text}
+        if params.get("details") or control.stream_id is not None:
+            output["details"] = {
+                "finish_reason": finish_reason,
+                "generated_tokens": len(token_ids),
+                "prompt_tokens": prompt_tokens,
+                "seed": params.get("seed"),
+            }
+            if tokens is not None:  # TGI's: the prompt's tokens only on request
+                output["details"].update(prefill=[], tokens=tokens)
+        # pipe(x) answers [{"generated_text": ...}] per input
+        return output if control.stream_id is not None else [output]
 
     def bind_stream(self, send: Callable[[Any], None], cancelled_stream: Any) -> None:
         """Where token chunks go (the worker's pipe) and where cancellations come from."""
@@ -203,16 +298,8 @@ class CausalLMRunner(Runner):
     ) -> list[Any]:
         encoded = self.prompts(inputs, params)
         kwargs = generate_kwargs(params, self.defaults)
-        most = self.max_positions - 1
-        asked = params.get("max_new_tokens")
-        if asked is not None and asked > most:  # the server refuses it first: a backstop
-            raise ValueError(f"max_new_tokens is {asked}, and this model generates at most {most}")
         lengths = [int(n) for n in encoded["attention_mask"].sum(-1).tolist()]
-        if self.max_positions - max(lengths) < 1:
-            raise ValueError(
-                f"the prompt is {max(lengths)} tokens: the model takes at most "
-                f"{most} to leave room for one new token"
-            )
+        self._check_lengths(params, max(lengths))
         # Each row's own cap: a prompt and its new tokens past the positions stop there
         # (finish_reason "length"). Rows with the same cap share a `generate` call, so a
         # batch-mate's long prompt never cuts a short one's room (one call takes one cap).
@@ -232,26 +319,14 @@ class CausalLMRunner(Runner):
             for index, row in enumerate(rows):
                 tokens = None if watcher.tokens is None else watcher.tokens[index]
                 made[row] = (watcher.token_ids[index], watcher.finish_reasons[index], tokens)
-        full_text = params.get("return_full_text", control.stream_id is None)
         outputs = []
         for row, prompt in enumerate(inputs):
             token_ids, finish_reason, tokens = made[row]
-            # the whole decode, as the pipeline does (pieces hold back a cut character)
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-            if full_text:
-                text = prompt + text
-            output: dict[str, Any] = {"generated_text": text}
-            if params.get("details") or control.stream_id is not None:
-                output["details"] = {
-                    "finish_reason": finish_reason,
-                    "generated_tokens": len(token_ids),
-                    "prompt_tokens": lengths[row],
-                    "seed": params.get("seed"),
-                }
-                if tokens is not None:  # TGI's: the prompt's tokens only on request
-                    output["details"].update(prefill=[], tokens=tokens)
-            # pipe(x) answers [{"generated_text": ...}] per input
-            outputs.append(output if control.stream_id is not None else [output])
+            outputs.append(
+                self._output(
+                    prompt, params, control, token_ids, finish_reason, lengths[row], tokens
+                )
+            )
         return outputs
 
     def _generate(

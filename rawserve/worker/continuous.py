@@ -21,12 +21,35 @@ this model size); bench/generation.py compares this loop with static batching.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import transformers
+
+
+class TextPieces:
+    """Incremental detokenization of one sequence, as TGI does it: each new token's text
+    comes from decoding a short window of tokens, so a step costs the same however long
+    the text has grown, and a token that ends inside a multi-byte character adds "" until
+    the character is whole."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def next_piece(self, ids: Sequence[int]) -> str:
+        """The text that the newest of `ids` (the sequence's tokens so far) adds."""
+        prefix, read = self.prefix_offset, self.read_offset
+        before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
+        after = self.tokenizer.decode(ids[prefix:], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # wait for the rest of a multi-byte character
+        self.prefix_offset, self.read_offset = read, len(ids)
+        return after[len(before) :]
 
 
 @dataclass(eq=False)
@@ -42,11 +65,16 @@ class Generation:
     top_p: float | None = None
     seed: int | None = None
     stop: Sequence[str] = ()
+    repetition_penalty: float | None = None  # None or 1.0: none
+    # the log-probability of each chosen token (after the repetition penalty, before
+    # temperature and top-k/top-p, as generate's logits processors see it); None: not kept
+    logprobs: list[float] | None = None
     tokens: list[int] = field(default_factory=list)
-    text: str = ""
+    text: str = ""  # the text so far, piece by piece (pieces hold back a cut character)
     finish_reason: str | None = None  # None while it runs
     cap: int = 0  # its own new-token cap: asked, and what its positions allow
     generator: torch.Generator | None = None
+    pieces: TextPieces | None = None
 
     @property
     def done(self) -> bool:
@@ -58,7 +86,9 @@ class ContinuousBatcher:
 
     `add` queues a sequence, `cancel` ends one (it leaves at the next step), `step` lets
     waiting sequences join (prefill), runs one decoding step for every running row, and
-    returns the sequences that finished in it.
+    returns the sequences that finished in it. `on_token(generation, token, piece)` hears
+    every new token with the text it adds. When a step raises (the model failed, or ran
+    out of memory), `drop_running` takes the sequences it was running out of the batch.
     """
 
     def __init__(
@@ -67,7 +97,7 @@ class ContinuousBatcher:
         tokenizer: Any,
         max_positions: int,
         max_rows: int = 64,
-        on_token: Callable[[Generation, int], None] | None = None,
+        on_token: Callable[[Generation, int, str], None] | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -75,10 +105,14 @@ class ContinuousBatcher:
         self.max_positions = max_positions
         self.max_rows = max_rows
         self.on_token = on_token
-        eos = tokenizer.eos_token_id
-        self.eos_ids = {eos} if eos is not None else set()
+        # the cache's keyword: `cache` since transformers renamed it (`past_key_values`,
+        # still taken, now warns)
+        forward = inspect.signature(model.forward).parameters
+        self._cache_name = "cache" if "cache" in forward else "past_key_values"
+        self.eos_ids = _eos_ids(tokenizer, model)
         self.waiting: list[Generation] = []
         self.rows: list[Generation] = []
+        self._joining: list[Generation] = []  # being prefilled: neither waiting nor a row
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self._mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
@@ -97,6 +131,7 @@ class ContinuousBatcher:
                 f"{self.max_positions - 1} to leave room for one new token"
             )
         generation.cap = min(generation.max_new_tokens, room)
+        generation.pieces = TextPieces(self.tokenizer)
         if generation.do_sample:
             generation.generator = torch.Generator(device=self.device)
             if generation.seed is not None:
@@ -122,13 +157,25 @@ class ContinuousBatcher:
         finished += self._leave()
         free = self.max_rows - len(self.rows)
         if self.waiting and free > 0:
-            joining, self.waiting = self.waiting[:free], self.waiting[free:]
-            self._join(joining)
+            self._joining, self.waiting = self.waiting[:free], self.waiting[free:]
+            self._join(self._joining)
+            self._joining = []
         finished += self._leave()  # a sequence may finish on its first token
         if self.rows:
             self._decode()
             finished += self._leave()
         return finished
+
+    def drop_running(self) -> list[Generation]:
+        """After a step raised: the sequences it was running (rows, and those joining),
+        taken out of the batch with its cache; the waiting ones stay to run later."""
+        running = self.rows + [g for g in self._joining if g not in self.rows]
+        self.rows, self._joining = [], []
+        self._keys, self._values = [], []
+        self._mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
+        self._positions = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._last = torch.zeros(0, dtype=torch.long, device=self.device)
+        return running
 
     # --- the batch's cache ----------------------------------------------------------------
 
@@ -151,7 +198,7 @@ class ContinuousBatcher:
             use_cache=True,
             logits_to_keep=1,  # only the last position's scores: the vocabulary is wide
         )
-        layers = out.past_key_values.layers
+        layers = _cache_of(out).layers
         keys = [layer.keys for layer in layers]
         values = [layer.values for layer in layers]
         batch_length = self._mask.shape[1]
@@ -174,7 +221,6 @@ class ContinuousBatcher:
         self.rows += generations
         tokens = self._choose(out.logits[:, -1, :], generations)
         self._last = torch.cat([self._last, tokens])
-        self._accept(generations, tokens.tolist())
 
     def _decode(self) -> None:
         cache = transformers.DynamicCache(
@@ -186,17 +232,16 @@ class ContinuousBatcher:
             input_ids=self._last[:, None],
             attention_mask=mask,
             position_ids=self._positions[:, None],
-            past_key_values=cache,
+            **{self._cache_name: cache},
             use_cache=True,
             logits_to_keep=1,
         )
-        layers = out.past_key_values.layers
+        layers = _cache_of(out).layers
         self._keys = [layer.keys for layer in layers]
         self._values = [layer.values for layer in layers]
         self._mask = mask
         self._positions = self._positions + 1
         self._last = self._choose(out.logits[:, -1, :], self.rows)
-        self._accept(self.rows, self._last.tolist())
 
     def _leave(self) -> list[Generation]:
         """Drop the finished rows from every tensor, and the padding no row needs."""
@@ -223,38 +268,78 @@ class ContinuousBatcher:
     # --- tokens -----------------------------------------------------------------------------
 
     def _choose(self, logits: torch.Tensor, rows: Sequence[Generation]) -> torch.Tensor:
-        """Each row's next token: greedy, or sampled with its own settings and generator."""
-        tokens = logits.argmax(dim=-1)
+        """Each row's next token (greedy, or sampled with its own settings and generator),
+        taken into its sequence."""
+        scores = logits.float()  # as generate scores them
+        for index, generation in enumerate(rows):
+            if generation.repetition_penalty not in (None, 1.0) and not generation.done:
+                _penalize(scores[index], generation)
+        tokens = scores.argmax(dim=-1)
         for index, generation in enumerate(rows):
             if generation.do_sample and not generation.done:
-                tokens[index] = _sample(logits[index].float(), generation)
+                tokens[index] = _sample(scores[index], generation)
+        chosen = tokens.tolist()
+        logprobs: list[float] | None = None
+        if any(g.logprobs is not None for g in rows):
+            logprobs = scores.log_softmax(-1).gather(1, tokens[:, None])[:, 0].tolist()
+        self._accept(rows, chosen, logprobs)
         return tokens
 
-    def _accept(self, rows: Sequence[Generation], tokens: list[int]) -> None:
-        for generation, token in zip(rows, tokens, strict=True):
+    def _accept(
+        self, rows: Sequence[Generation], tokens: list[int], logprobs: list[float] | None
+    ) -> None:
+        """Each row's new token: its text, then whether it ends the sequence (end of
+        sequence, a stop sequence in the text's tail, or the row's cap)."""
+        for index, (generation, token) in enumerate(zip(rows, tokens, strict=True)):
             if generation.done:
                 continue
             generation.tokens.append(token)
+            assert generation.pieces is not None  # set by add()
+            piece = generation.pieces.next_piece(generation.tokens)
+            generation.text += piece
+            if generation.logprobs is not None and logprobs is not None:
+                generation.logprobs.append(logprobs[index])
             if self.on_token is not None:
-                self.on_token(generation, token)
+                self.on_token(generation, token, piece)
+            longest = max((len(s) for s in generation.stop), default=0)
+            tail = generation.text[-(len(piece) + longest) :]
             if token in self.eos_ids:
                 generation.finish_reason = "eos_token"
-                continue
-            if generation.stop:
-                text = self.tokenizer.decode(generation.tokens, skip_special_tokens=True)
-                added, generation.text = text[len(generation.text) :], text
-                longest = max(len(s) for s in generation.stop)
-                tail = text[-(len(added) + longest) :]
-                if added and any(s in tail for s in generation.stop):
-                    generation.finish_reason = "stop_sequence"
-                    continue
-            if len(generation.tokens) >= generation.cap:
+            elif piece and any(s in tail for s in generation.stop):
+                generation.finish_reason = "stop_sequence"
+            elif len(generation.tokens) >= generation.cap:
                 generation.finish_reason = "length"
+
+
+def _eos_ids(tokenizer: Any, model: Any) -> set[int]:
+    """The tokens that end a sequence: the tokenizer's, and those the model's generation
+    config names (`generate` stops there too: a chat model's end of turn)."""
+    named = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = set(named if isinstance(named, (list, tuple)) else [named])
+    ids.add(tokenizer.eos_token_id)
+    return {int(i) for i in ids if i is not None}
+
+
+def _cache_of(out: Any) -> Any:
+    """A forward pass's KV cache, under its name in this transformers (`cache`, or the
+    older `past_key_values`)."""
+    cache = out.get("cache")
+    return cache if cache is not None else out.get("past_key_values")
 
 
 def _pad_left(tensors: list[torch.Tensor], count: int) -> list[torch.Tensor]:
     """Each `[rows, heads, length, dim]` tensor with `count` zero columns before it."""
     return [torch.nn.functional.pad(t, (0, 0, count, 0)) for t in tensors]
+
+
+def _penalize(scores: torch.Tensor, generation: Generation) -> None:
+    """transformers' repetition penalty on one row's scores, in place: every token already
+    in the sequence (prompt and new tokens) scores lower."""
+    assert generation.repetition_penalty is not None
+    penalty = generation.repetition_penalty
+    seen = torch.tensor(generation.prompt_ids + generation.tokens, device=scores.device)
+    score = scores.gather(0, seen)
+    scores.scatter_(0, seen, torch.where(score < 0, score * penalty, score / penalty))
 
 
 def _sample(logits: torch.Tensor, generation: Generation) -> torch.Tensor:

@@ -29,7 +29,8 @@ CLOSED = Shutdown()  # what the model thread gets once the server's end is gone
 
 
 class Feeder:
-    """Reads `batches` on a thread of its own; `next()` gives the messages in order."""
+    """Reads `batches` on a thread of its own; `next()` gives the messages in order, and
+    `drain()` all those already here."""
 
     def __init__(self, batches: Connection):
         self._batches = batches
@@ -43,6 +44,16 @@ class Feeder:
     def next(self) -> Any:
         """The next message from the server (a `Shutdown` once its end is closed)."""
         return self._queue.get()
+
+    def drain(self) -> list[Any]:
+        """Every message already queued, in order, without waiting (the continuous loop
+        takes new batches and cancels between decoding steps)."""
+        messages = []
+        while True:
+            try:
+                messages.append(self._queue.get_nowait())
+            except queue.Empty:
+                return messages
 
     def _read(self) -> None:
         while True:

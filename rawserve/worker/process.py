@@ -126,6 +126,7 @@ def worker_main(
             time.monotonic() - imported,
         )
         runner.bind_stream(out.send, cancelled_stream)  # token streaming, if it streams
+        from rawserve.worker.generating import continuous_loop
         from rawserve.worker.warmup import warm_up
     except Exception as exc:  # noqa: BLE001 - reported to the parent, logged here
         log.exception("could not load the model")
@@ -136,6 +137,8 @@ def worker_main(
     if config.warmup_batch:  # the first client's request costs what every later one costs
         out.send(WorkerWarming(load_seconds))
         warmup_seconds = warm_up(runner, config.warmup_batch)
+    # a causal LM batches continuously: sequences join and leave between decoding steps
+    generating = continuous_loop(runner, config, out.send, cancelled_stream)
     out.send(
         WorkerReady(
             pid=os.getpid(),
@@ -150,12 +153,16 @@ def worker_main(
             engine_reason=runner.engine_reason,
             dtype_reason=runner.dtype_reason,
             tokenizer=runner.tokenizer_json(),
+            sequences=generating.rows if generating is not None else 0,
         )
     )
+    feeder = Feeder(batches).start()  # the next batch arrives while this one runs
+    if generating is not None:
+        generating.run(feeder)
+        return
     cap = BatchCap()
     releaser = FreeMemoryReleaser()  # tensors of every shape: the heap would only grow
     threads = config.threads
-    feeder = Feeder(batches).start()  # the next batch arrives while this one runs
     while True:
         message = feeder.next()
         if isinstance(message, Shutdown):

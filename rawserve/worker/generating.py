@@ -1,0 +1,264 @@
+"""The worker's loop for text generation with continuous batching.
+
+A worker serving a causal LM with `WorkerConfig.generation == "continuous"` runs this loop
+instead of one batch after another (rawserve.worker.process). It takes any number of
+batches at a time: each item becomes a sequence of the running batch
+(rawserve.worker.continuous), joining between decoding steps and leaving when it finishes,
+so a short request never waits for a long one. Between two steps it takes every message
+the server has sent (rawserve.worker.feeder): new batches, a `Cancel(batch_id)` (that
+batch's sequences end at the next step, finish_reason "cancelled"), or `Shutdown`. A
+batch is answered (`BatchResult`, its compute seconds counted from its arrival) the
+moment its last item is done, in whatever order batches finish. With nothing running it
+blocks on the pipe.
+
+Items are turned into sequences, and finished sequences into outputs, by the runner
+(rawserve.worker.causal_lm), so an item gets here what one `generate` call gives it: an
+input that cannot run fails alone, at once, with the same message. A step that raises
+fails the sequences it was running (the runner's `describe_failure`) and the loop goes
+on; after an out-of-memory error it runs half as many rows at once for a while.
+
+Worker process only (it drives the model).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rawserve.shared.memory import FreeMemoryReleaser
+from rawserve.shared.messages import (
+    Batch,
+    BatchResult,
+    Cancel,
+    FailureKind,
+    ItemFailure,
+    Shutdown,
+    TokenChunk,
+    WorkerConfig,
+)
+from rawserve.worker.causal_lm import CausalLMRunner
+from rawserve.worker.continuous import ContinuousBatcher, Generation
+from rawserve.worker.feeder import Feeder
+from rawserve.worker.process import BatchCap, release_memory, sample_token_counts
+from rawserve.worker.runner import Runner
+
+log = logging.getLogger("rawserve.generation")
+
+ROWS_ON_CUDA = 256  # sequences at once by default: a GPU's step costs little more with more
+ROWS_ON_CPU = 64
+ROWS_RESTORE_AFTER = 200  # good steps at lowered rows (after out of memory) before doubling
+
+
+def continuous_loop(
+    runner: Runner, config: WorkerConfig, send: Callable[[Any], None], cancelled_stream: Any
+) -> GenerationLoop | None:
+    """The loop this worker serves with, if it batches continuously (a causal LM, and not
+    `--generation static`); None when it runs one batch after another."""
+    if not isinstance(runner, CausalLMRunner) or config.generation != "continuous":
+        return None
+    rows = config.max_sequences or (
+        ROWS_ON_CUDA if runner.device.startswith("cuda") else ROWS_ON_CPU
+    )
+    return GenerationLoop(runner, send, rows, cancelled_stream, config.threads)
+
+
+@dataclass(eq=False)
+class OpenBatch:
+    """A batch with items still running: what its answer needs."""
+
+    batch: Batch
+    params: dict[str, Any]
+    arrived: float
+    outputs: list[Any]  # one per item; None while the item runs
+    generations: dict[int, Generation] = field(default_factory=dict)  # item index: its own
+    tokens: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # details' tokens
+
+    @property
+    def done(self) -> bool:
+        return all(output is not None for output in self.outputs)
+
+
+class GenerationLoop:
+    """Runs the batches that come through a `Feeder` as one continuous batch, `rows`
+    sequences at most at once, and writes each batch's answer and streamed tokens with
+    `send` (the worker's pipe)."""
+
+    def __init__(
+        self,
+        runner: CausalLMRunner,
+        send: Callable[[Any], None],
+        rows: int,
+        cancelled_stream: Any = None,
+        threads: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.runner = runner
+        self.send = send
+        self.rows = rows
+        self.cancelled_stream = cancelled_stream  # a shared integer: a stream to stop
+        self.clock = clock
+        self.batcher = ContinuousBatcher(
+            runner.model, runner.tokenizer, runner.max_positions, rows, self._on_token
+        )
+        self.open: dict[int, OpenBatch] = {}  # by batch id
+        self.cap = BatchCap(ROWS_RESTORE_AFTER)
+        self.releaser = FreeMemoryReleaser()
+        self.threads = threads  # intra-op threads now (a batch may ask for others)
+        self.server_gone = False
+
+    def run(self, feeder: Feeder) -> None:
+        """Serve what `feeder` brings until `Shutdown` (or until the server is gone)."""
+        while not self.server_gone:
+            # running: take what came during the step; idle: wait for the server
+            messages = feeder.drain() if self.batcher.busy else [feeder.next(), *feeder.drain()]
+            for message in messages:
+                if isinstance(message, Shutdown):
+                    return
+                if isinstance(message, Batch):
+                    self._take(message)
+                elif isinstance(message, Cancel):
+                    self._cancel(message.batch_id)
+            self._stop_cancelled_streams()
+            if self.batcher.busy:
+                self._step()
+            if not self.batcher.busy:
+                self.releaser.after_batch()  # idle: the heap's free pages go back
+
+    # --- messages in ------------------------------------------------------------------------
+
+    def _take(self, batch: Batch) -> None:
+        """A new batch: each item joins as a sequence, or fails alone at once."""
+        if batch.threads and batch.threads != self.threads:
+            self.runner.set_threads(batch.threads)
+            self.threads = batch.threads
+        params = dict(batch.params)
+        opened = OpenBatch(batch, params, self.clock(), [None] * len(batch.inputs))
+        self.open[batch.batch_id] = opened
+        for index, item in enumerate(batch.inputs):
+            try:
+                generation = self.runner.generation(
+                    (batch.batch_id, index), item, params, batch.control
+                )
+                self.batcher.add(generation)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes data
+                self._fail(opened, index, self.runner.describe_failure(exc), exc)
+                continue
+            opened.generations[index] = generation
+            if generation.logprobs is not None and batch.control.stream_id is None:
+                opened.tokens[index] = []  # details list the tokens
+        self._answer_if_done(opened)
+
+    def _cancel(self, batch_id: int) -> None:
+        opened = self.open.get(batch_id)
+        if opened is None:  # already answered: nothing to stop
+            return
+        for generation in opened.generations.values():
+            self.batcher.cancel(generation.key)
+
+    def _stop_cancelled_streams(self) -> None:
+        """The server's older way to stop a stream: a shared integer naming its id."""
+        if self.cancelled_stream is None:
+            return
+        stream_id = self.cancelled_stream.value
+        if not stream_id:
+            return
+        for opened in self.open.values():
+            if opened.batch.control.stream_id == stream_id:
+                self._cancel(opened.batch.batch_id)
+
+    # --- steps ------------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        self.batcher.max_rows = self.cap.limit or self.rows
+        try:
+            finished = self.batcher.step()
+        except Exception as exc:  # noqa: BLE001 - the worker goes on without those rows
+            self._on_step_failure(exc)
+            return
+        self.cap.on_success()
+        for generation in finished:
+            self._finish(generation)
+
+    def _on_step_failure(self, exc: Exception) -> None:
+        running = self.batcher.drop_running()
+        failure = self.runner.describe_failure(exc)
+        if failure.kind is FailureKind.OUT_OF_MEMORY:
+            release_memory()
+            self.cap.lower(max(len(running), 2))
+            log.warning(
+                "out of memory running %d sequences: %d at once for a while",
+                len(running),
+                self.cap.limit,
+            )
+        for index, generation in enumerate(running):
+            batch_id, item = generation.key
+            opened = self.open.get(batch_id)
+            if opened is not None:
+                self._fail(opened, item, failure, exc if index == 0 else None)
+                self._answer_if_done(opened)
+
+    def _on_token(self, generation: Generation, token_id: int, piece: str) -> None:
+        """A new token: streamed to its client, or kept for the details, if wanted."""
+        if generation.logprobs is None:
+            return
+        batch_id, index = generation.key
+        opened = self.open[batch_id]
+        token = self.runner.token(token_id, piece, generation.logprobs[-1])
+        stream_id = opened.batch.control.stream_id
+        if stream_id is None:
+            opened.tokens[index].append(token)
+            return
+        try:
+            self.send(TokenChunk(stream_id=stream_id, index=index, token=token))
+        except (OSError, ValueError):  # the server is gone
+            self.server_gone = True
+
+    # --- answers out ------------------------------------------------------------------------
+
+    def _finish(self, generation: Generation) -> None:
+        batch_id, index = generation.key
+        opened = self.open.get(batch_id)
+        if opened is None:
+            return
+        if generation.finish_reason == "cancelled":
+            log.info(
+                "generation stopped after %d tokens: the client left (or its deadline passed)",
+                len(generation.tokens),
+            )
+        item = opened.batch.inputs[index]
+        control = opened.batch.control
+        tokens = opened.tokens.get(index)
+        try:
+            output = self.runner.finished(generation, item, opened.params, control, tokens)
+        except Exception as exc:  # noqa: BLE001 - a failure becomes data
+            output = self.runner.describe_failure(exc)
+            log.error("an item's output failed", exc_info=exc)
+        opened.outputs[index] = output
+        self._answer_if_done(opened)
+
+    def _fail(
+        self, opened: OpenBatch, index: int, failure: ItemFailure, exc: BaseException | None
+    ) -> None:
+        if failure.kind is not FailureKind.INPUT and exc is not None:
+            log.error("generation failed", exc_info=exc)
+        opened.outputs[index] = failure
+        opened.generations.pop(index, None)
+
+    def _answer_if_done(self, opened: OpenBatch) -> None:
+        if not opened.done:
+            return
+        batch = opened.batch
+        del self.open[batch.batch_id]
+        result = BatchResult(
+            batch.batch_id,
+            tuple(opened.outputs),
+            self.clock() - opened.arrived,
+            token_counts=sample_token_counts(self.runner, batch),
+        )
+        try:
+            self.send(result)
+        except (OSError, ValueError):  # the server is gone
+            self.server_gone = True

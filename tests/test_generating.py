@@ -1,0 +1,346 @@
+"""The continuous-batching worker loop (rawserve/worker/generating.py), in-process on a tiny
+GPT-2: every item answers what the static path (one `generate` per batch) answers it,
+whatever runs beside it; batches are answered as they finish; cancels, streams, bad
+inputs and failing steps touch only their own sequences.
+
+The loop reads a scripted feeder: `Script({0: [...], 3: [...]})` hands it the messages
+of look n at its n-th look at the pipe (one look between two decoding steps; an idle loop
+skips to the next scripted look), and `Shutdown` once the script is spent.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from rawserve.shared.messages import (
+    Batch,
+    BatchResult,
+    Cancel,
+    Control,
+    FailureKind,
+    ItemFailure,
+    Shutdown,
+    TokenChunk,
+    WorkerConfig,
+)
+
+POSITIONS = 256  # the tiny GPT-2's (tests/tiny_models.py)
+GREEDY = {"max_new_tokens": 20, "do_sample": False, "details": True}
+TEXTS = ["the movie was", "word " * 60, "a", "good film, bad film " * 5, "word " * 110]
+
+
+class Script:
+    """A feeder whose messages come at set looks (see the module's docstring)."""
+
+    def __init__(self, script: dict[int, list[Any]]):
+        self.script = dict(script)
+        self.looks = 0
+        self.pending: list[Any] = []
+
+    def next(self) -> Any:
+        while not self.pending:
+            if not self.script:
+                return Shutdown()
+            self.looks = min(self.script)
+            self.pending = self.script.pop(self.looks)
+            self.looks += 1
+        return self.pending.pop(0)
+
+    def drain(self) -> list[Any]:
+        messages, self.pending = self.pending, []
+        messages += self.script.pop(self.looks, [])
+        self.looks += 1
+        return messages
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model):
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    return CausalLMRunner(tiny_model("text-generation"), "cpu", torch.float32)
+
+
+def serve(runner, script: dict[int, list[Any]], rows: int = 64, **loop_args) -> list[Any]:
+    """Everything the loop sends while it serves `script`."""
+    from rawserve.worker.generating import GenerationLoop
+
+    sent: list[Any] = []
+    GenerationLoop(runner, sent.append, rows, **loop_args).run(Script(script))
+    return sent
+
+
+def results(sent: list[Any]) -> dict[int, BatchResult]:
+    answers = [m for m in sent if isinstance(m, BatchResult)]
+    assert len(answers) == len({a.batch_id for a in answers}), "a batch answered twice"
+    return {a.batch_id: a for a in answers}
+
+
+def without_logprobs(output: Any) -> Any:
+    """An output without its tokens' logprobs: a row's scores move in their last digits
+    with its batch-mates (padding changes the sums' order), its tokens do not."""
+    if isinstance(output, (list, tuple)):
+        return [without_logprobs(o) for o in output]
+    if isinstance(output, dict):
+        return {k: without_logprobs(v) for k, v in output.items() if k != "logprob"}
+    return output
+
+
+def logprobs(output: Any) -> list[float]:
+    return [token["logprob"] for token in output[0]["details"]["tokens"]]
+
+
+def static(runner, text: str, params: dict[str, Any]) -> Any:
+    """The static path's answer to one item alone."""
+    return runner.run([text], dict(params))[0]
+
+
+def test_each_item_answers_what_the_static_path_answers_it_alone(runner):
+    asks = [40, 12, 30, 25, 60]
+    batches = [
+        Batch(i, (text,), {**GREEDY, "max_new_tokens": n})
+        for i, (text, n) in enumerate(zip(TEXTS, asks, strict=True))
+    ]
+    answered = results(serve(runner, {0: batches}, rows=3))  # some join as others leave
+    for batch in batches:
+        (got,) = answered[batch.batch_id].outputs
+        expected = static(runner, batch.inputs[0], batch.params)
+        assert without_logprobs(got) == without_logprobs(expected), batch.inputs[0][:20]
+        assert logprobs(got) == pytest.approx(logprobs(expected), abs=1e-4)
+    # each row its own cap (the asked count within its own room), unless its end of
+    # sequence came first
+    for batch in batches:
+        details = answered[batch.batch_id].outputs[0][0]["details"]
+        room = POSITIONS - details["prompt_tokens"]
+        assert details["finish_reason"] == "eos_token" or (
+            details["generated_tokens"] == min(batch.params["max_new_tokens"], room)
+        )
+
+
+def test_a_short_prompt_answers_the_same_beside_a_long_one(runner):
+    short, long = "the movie was", "word " * 113  # the long one leaves ~30 positions
+    params = {**GREEDY, "max_new_tokens": 40}
+    alone = results(serve(runner, {0: [Batch(1, (short,), params)]}))[1]
+    beside = results(serve(runner, {0: [Batch(1, (short,), params), Batch(2, (long,), params)]}))
+    assert without_logprobs(beside[1].outputs) == without_logprobs(alone.outputs)
+    assert beside[1].outputs[0][0]["details"]["generated_tokens"] == 40
+    assert beside[2].outputs[0][0]["details"]["finish_reason"] == "length"  # its own room
+    assert without_logprobs(beside[2].outputs[0]) == without_logprobs(static(runner, long, params))
+
+
+def test_items_of_one_batch_are_answered_together_in_order(runner):
+    params = {"max_new_tokens": 8, "do_sample": False}
+    answered = results(serve(runner, {0: [Batch(5, tuple(TEXTS[:3]), params)]}))
+    assert answered[5].outputs == tuple(runner.run(TEXTS[:3], dict(params)))
+
+
+def test_batches_are_answered_as_they_finish_not_as_they_came(runner):
+    long = Batch(1, ("the movie was",), {"max_new_tokens": 60, "do_sample": False})
+    short = Batch(2, ("a good film",), {"max_new_tokens": 3, "do_sample": False})
+    sent = serve(runner, {0: [long], 5: [short]})
+    order = [m.batch_id for m in sent if isinstance(m, BatchResult)]
+    assert order == [2, 1]
+    answered = results(sent)
+    assert answered[2].compute_seconds < answered[1].compute_seconds
+
+
+def test_stop_sequences_end_a_row_as_the_static_path_ends_it(runner):
+    (free,) = static(runner, "the movie was", {**GREEDY, "max_new_tokens": 30})
+    words = free["generated_text"].removeprefix("the movie was").split()
+    stop = words[len(words) // 2]
+    params = {**GREEDY, "max_new_tokens": 30, "stop": [stop]}
+    (got,) = results(serve(runner, {0: [Batch(1, ("the movie was",), params)]}))[1].outputs
+    assert got[0]["details"]["finish_reason"] == "stop_sequence"
+    assert without_logprobs(got) == without_logprobs(static(runner, "the movie was", params))
+
+
+def test_repetition_penalty_and_return_full_text_as_the_static_path(runner):
+    params = {**GREEDY, "repetition_penalty": 1.5, "return_full_text": False}
+    (got,) = results(serve(runner, {0: [Batch(1, ("the movie was",), params)]}))[1].outputs
+    assert without_logprobs(got) == without_logprobs(static(runner, "the movie was", params))
+    plain = results(serve(runner, {0: [Batch(1, ("the movie was",), GREEDY)]}))[1].outputs[0]
+    assert got[0]["generated_text"] != plain[0]["generated_text"].removeprefix("the movie was")
+
+
+def test_a_seed_gives_the_same_sample_whatever_runs_beside_it(runner):
+    params = {"max_new_tokens": 20, "do_sample": True, "seed": 7}
+    mine = Batch(1, ("the movie was",), params)
+    others = [
+        Batch(n, ("word " * n,), {"max_new_tokens": 20, "do_sample": True, "seed": n})
+        for n in (2, 3, 4)
+    ]
+    alone = results(serve(runner, {0: [mine]}))[1].outputs
+    beside = results(serve(runner, {0: [*others[:1], mine, *others[1:]]}))[1].outputs
+    again = results(serve(runner, {0: others, 2: [mine]}))[1].outputs  # joins late
+    assert alone == beside == again
+    unseeded = {"max_new_tokens": 20, "do_sample": True, "seed": 8}
+    other_seed = results(serve(runner, {0: [Batch(1, ("the movie was",), unseeded)]}))[1]
+    assert other_seed.outputs != alone
+
+
+def test_a_cancelled_batch_frees_its_row_at_the_next_step(runner):
+    params = {**GREEDY, "max_new_tokens": 200}
+    first = Batch(1, ("the movie was",), params)
+    second = Batch(2, ("a good film",), {**GREEDY, "max_new_tokens": 5})
+    sent = serve(runner, {0: [first, second], 4: [Cancel(1)], 9: [Cancel(99)]}, rows=1)
+    answered = results(sent)
+    details = answered[1].outputs[0][0]["details"]
+    assert details["finish_reason"] == "cancelled"
+    assert 0 < details["generated_tokens"] < 10  # ended at the step after the cancel
+    assert [m.batch_id for m in sent if isinstance(m, BatchResult)] == [1, 2]
+    assert answered[2].outputs[0][0]["details"]["generated_tokens"] == 5
+
+
+def test_a_prompt_that_cannot_fit_fails_alone_at_once_as_the_static_path_fails(runner):
+    too_long = "word " * POSITIONS
+    params = {"max_new_tokens": 10, "do_sample": False}
+    sent = serve(runner, {0: [Batch(1, ("the movie was", too_long), params)]})
+    (answer,) = [m for m in sent if isinstance(m, BatchResult)]
+    ok, failed = answer.outputs
+    assert ok == static(runner, "the movie was", params)
+    with pytest.raises(ValueError) as raised:
+        runner.run([too_long], dict(params))
+    assert failed == runner.describe_failure(raised.value)
+    assert failed.kind is FailureKind.INPUT and "leave room for one new token" in failed.message
+    # a batch with nothing to run is answered without a step
+    sent = serve(runner, {0: [Batch(2, (too_long,), params)]})
+    assert results(sent)[2].outputs[0].kind is FailureKind.INPUT
+
+
+def test_chat_inputs_render_with_the_template_as_the_static_path(tiny_model):
+    import torch
+
+    from rawserve.tasks import CHAT_PARAM
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32)
+    chat = {"messages": [{"role": "user", "content": "hello there"}]}
+    params = {**GREEDY, CHAT_PARAM: True, "return_full_text": False}
+    (got,) = results(serve(chat_runner, {0: [Batch(1, (chat,), params)]}))[1].outputs
+    expected = chat_runner.run([chat], dict(params))[0]
+    assert without_logprobs(got) == without_logprobs(expected)
+
+
+def streamed(runner, control: Control, script_after: dict[int, list[Any]] | None = None, **kw):
+    batch = Batch(1, ("the movie was", "a good film"), GREEDY, control=control)
+    sent = serve(runner, {0: [batch], **(script_after or {})}, **kw)
+    chunks = [m for m in sent if isinstance(m, TokenChunk)]
+    return chunks, results(sent)[1]
+
+
+def test_a_streamed_batch_sends_each_token_as_the_static_path_streams_it(runner):
+    chunks, answer = streamed(runner, Control(stream_id=9))
+    static_chunks: list[TokenChunk] = []
+    runner.bind_stream(static_chunks.append, None)
+    try:
+        expected = runner.run(["the movie was", "a good film"], dict(GREEDY), Control(stream_id=9))
+    finally:
+        runner.bind_stream(None, None)
+
+    def by_item(found):
+        return {i: [dict(c.token) for c in found if c.index == i] for i in (0, 1)}
+
+    assert without_logprobs(by_item(chunks)) == without_logprobs(by_item(static_chunks))
+    for i in (0, 1):
+        got = [token["logprob"] for token in by_item(chunks)[i]]
+        assert got == pytest.approx([t["logprob"] for t in by_item(static_chunks)[i]], abs=1e-4)
+    assert {c.stream_id for c in chunks} == {9}
+    assert without_logprobs(list(answer.outputs)) == without_logprobs(expected)
+    assert "tokens" not in answer.outputs[0]["details"]  # a stream sent them one by one
+
+
+def test_the_shared_cancelled_stream_integer_stops_that_stream_only(runner):
+    flag = SimpleNamespace(value=9)
+    chunks, answer = streamed(runner, Control(stream_id=9), cancelled_stream=flag)
+    assert [o["details"]["finish_reason"] for o in answer.outputs] == ["cancelled"] * 2
+    assert len(chunks) <= 2  # each made at most its first token (the join's)
+    _, other = streamed(runner, Control(stream_id=10), cancelled_stream=flag)
+    assert [o["details"]["finish_reason"] for o in other.outputs] == ["length"] * 2
+
+
+class FailingForward:
+    """A model's forward that raises `error` on the calls listed in `failing` (1-based)."""
+
+    def __init__(self, forward, error: Exception, failing: set[int]):
+        self.forward, self.error, self.failing, self.calls = forward, error, failing, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls in self.failing:
+            raise self.error
+        return self.forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (RuntimeError("a kernel failed"), FailureKind.INTERNAL),
+        ("oom", FailureKind.OUT_OF_MEMORY),
+    ],
+)
+def test_a_failing_step_fails_its_running_sequences_and_the_loop_goes_on(
+    runner, monkeypatch, error, kind
+):
+    import torch
+
+    from rawserve.worker.generating import GenerationLoop
+
+    exc = torch.OutOfMemoryError("CUDA out of memory") if error == "oom" else error
+    params = {"max_new_tokens": 10, "do_sample": False}
+    running = [Batch(1, ("the movie was",), params), Batch(2, ("a good film",), params)]
+    later = Batch(3, ("hello",), params)
+    sent: list[Any] = []
+    loop = GenerationLoop(runner, sent.append, 8)
+    failing = FailingForward(runner.model.forward, exc, failing={4})  # a step, not the join
+    monkeypatch.setattr(runner.model, "forward", failing)
+    loop.run(Script({0: running, 8: [later]}))
+    monkeypatch.undo()
+    answered = results(sent)
+    for batch_id in (1, 2):
+        (failure,) = answered[batch_id].outputs
+        assert isinstance(failure, ItemFailure) and failure.kind is kind
+    assert answered[3].outputs == (static(runner, "hello", params),)
+    if kind is FailureKind.OUT_OF_MEMORY:
+        assert loop.cap.limit == 1  # two rows ran out of memory: one at a time for a while
+    else:
+        assert loop.cap.limit is None
+
+
+def test_a_causal_lm_batches_continuously_unless_static_is_asked(runner):
+    from rawserve.worker.generating import ROWS_ON_CPU, continuous_loop
+
+    config = WorkerConfig(model="m", task="text-generation")
+    loop = continuous_loop(runner, config, print, None)
+    assert loop is not None and loop.rows == ROWS_ON_CPU
+    sized = continuous_loop(runner, WorkerConfig("m", "text-generation", max_sequences=5), print, 0)
+    assert sized is not None and sized.rows == 5
+    static_config = WorkerConfig("m", "text-generation", generation="static")
+    assert continuous_loop(runner, static_config, print, None) is None
+    assert continuous_loop(SimpleNamespace(), config, print, None) is None
+
+
+def test_a_server_that_is_gone_ends_the_loop(runner):
+    from rawserve.worker.generating import GenerationLoop
+
+    def send(message):
+        raise OSError("broken pipe")
+
+    loop = GenerationLoop(runner, send, 4)
+    params = {"max_new_tokens": 200, "do_sample": False}
+    loop.run(Script({0: [Batch(1, ("the movie was",), params, control=Control(stream_id=3))]}))
+    assert loop.server_gone
+
+
+def test_the_end_tokens_the_models_generation_config_names_end_a_sequence(runner, monkeypatch):
+    plain = results(serve(runner, {0: [Batch(1, ("the movie was",), GREEDY)]}))[1]
+    ids = [token["id"] for token in plain.outputs[0][0]["details"]["tokens"]]
+    end = ids[len(ids) // 2]
+    monkeypatch.setattr(runner.model.generation_config, "eos_token_id", [end])
+    ended = results(serve(runner, {0: [Batch(1, ("the movie was",), GREEDY)]}))[1]
+    details = ended.outputs[0][0]["details"]
+    assert details["finish_reason"] == "eos_token"
+    assert details["generated_tokens"] == ids.index(end) + 1
