@@ -6,6 +6,7 @@ against in-process static batching of the same prompts (and, where it is install
     python -m bench.generation_serving --rounds 1 --scenarios "16 x 64"   # a short try
     python -m bench.generation_serving --device cuda --layers 12 --hidden 768
     python -m bench.generation_serving --transformers-python /tmp/tserve/bin/python
+                                         # transformers serve from another environment
 
 The model: a random GPT-2 (2 layers, hidden 128 by default), saved to a temporary folder
 with a word-level tokenizer built here ("w2" ... "w8191", one token a word, nothing from the
@@ -233,8 +234,8 @@ async def closed_loop(port: int, requests: list[bytes], asks: list[int], clients
                 except TimeoutError:
                     answers.append((Answer(0), ask))
                     break
-                except (OSError, ValueError, asyncio.IncompleteReadError):
-                    answer = Answer(-1, keep_alive=False)
+                except (OSError, ValueError, LookupError, asyncio.IncompleteReadError):
+                    answer = Answer(-1, keep_alive=False)  # no answer, or one not understood
                 answers.append((answer, ask))
                 ended = max(ended, time.perf_counter())
                 if not answer.keep_alive and connection is not None:
@@ -352,10 +353,8 @@ def load_reference(folder: Path, device: str, dtype: str) -> Any:
     return model.to(device).eval()
 
 
-def transformers_serve_missing(python: str | None) -> str | None:
+def transformers_serve_missing(python: str) -> str | None:
     """Why `transformers serve` cannot run with `python` (None: it can)."""
-    if not python:
-        return "not asked for (--transformers-python)"
     check = "import fastapi, uvicorn, accelerate, transformers.cli.serve"
     try:
         done = subprocess.run([python, "-c", check], capture_output=True, text=True, timeout=120)
@@ -458,7 +457,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument(
         "--transformers-python",
-        help="a Python with transformers' serving extra and accelerate, for transformers-serve",
+        default=sys.executable,
+        help="the Python that runs transformers-serve: it needs transformers' serving extra "
+        "and accelerate (the bench extra installs them; default: this one)",
     )
     parser.add_argument("--json", type=Path, help="also write the summaries here")
     args = parser.parse_args(argv)
