@@ -21,6 +21,7 @@ new tokens each (4 requests a client), 256 requests of 8-256 new tokens (seeded)
 clients, and streamed passes (`"stream": true`) at 1, 16 and 64 clients for time to first
 token and inter-token latency. Greedy (`temperature` 0) with `max_tokens` given. A client
 answered 503 sends the same request again after a short pause (it is counted each time).
+After a scenario cut by its time bound, a one-token request is sent until answered 200.
 
 Reported per system and scenario, median and range over the rounds: useful tokens/s (the
 tokens asked for and answered with 200), completions/s, answers by status ("unanswered":
@@ -320,9 +321,21 @@ async def serve_round(system: str, folder: Path, chosen: list[Scenario], log: Pa
             found[scenario.name] = await closed_loop(
                 process.port, requests, scenario.asks, scenario.clients, args.duration
             )
+            if "unanswered" in found[scenario.name]["statuses"]:
+                await settle(process.port, probe, args.duration)
         return found
     finally:
         process.stop()
+
+
+async def settle(port: int, probe: bytes, timeout: float) -> None:
+    """Wait until a one-token request is answered 200: what the clients left at the time
+    bound must not run into the next scenario (a server that does not drop them when
+    their clients leave works them off first)."""
+    try:
+        await wait_until_serving(port, probe, timeout)
+    except TimeoutError:
+        print(f"port {port}: still busy {timeout:g} s after the time bound", file=sys.stderr)
 
 
 def in_process_round(model: Any, chosen: list[Scenario]) -> dict[str, dict[str, Any]]:
