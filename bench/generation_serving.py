@@ -29,8 +29,9 @@ still open when the time bound came), and for streamed passes time to first toke
 inter-token latency p50/p99. The reference is in-process static batching of the same
 prompts (`bench.generation.static`: batches of the scenario's clients, at most 64, each run
 to its longest member); each system's ratio to it is in the table. Systems are
-interleaved round by round, each server started fresh in every round (the machine is
-shared). One JSON line per run as it ends, then one per system and scenario, then a table.
+interleaved round by round, each round starting with the next one, each server started
+fresh in every round (the machine is shared). One JSON line per run as it ends, then one
+per system and scenario, then a table.
 """
 
 from __future__ import annotations
@@ -439,7 +440,8 @@ async def run(args: argparse.Namespace, systems: list[str]) -> dict[str, Any]:
         if reference is not None:  # warm it once, as the servers are warmed
             generation.static(reference, [chosen[0].prompts[0]], [8])
         for round_ in range(1, args.rounds + 1):
-            for system in systems:
+            shift = (round_ - 1) % len(systems)  # each round starts with the next system
+            for system in systems[shift:] + systems[:shift]:
                 if system == "static-in-process":
                     found = in_process_round(reference, [s for s in chosen if not s.stream])
                 else:
