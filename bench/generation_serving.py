@@ -383,7 +383,11 @@ def transformers_serve_missing(python: str) -> str | None:
 def spread(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return {
+        "median": round(statistics.median(values), 2),
+        "min": round(min(values), 2),
+        "max": round(max(values), 2),
+    }
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
