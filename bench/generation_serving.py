@@ -483,6 +483,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the summaries here")
     args = parser.parse_args(argv)
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "float16")
+    known = [scenario.name for scenario in scenarios(args.seed)]
+    if unknown := set(args.scenarios or ()) - set(known):
+        parser.error(f"unknown scenarios {sorted(unknown)}: choose from {known}")
     systems = list(args.systems)
     if "transformers-serve" in systems:
         missing = transformers_serve_missing(args.transformers_python)
