@@ -12,7 +12,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-deps lint bench bench-http reference-answers clean
+.PHONY: serve test test-deps lint bench bench-http bench-generation reference-answers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,11 +49,21 @@ bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	HF_HUB_OFFLINE=1 $(PY) -m bench.compare $(ARGS)
 	$(MAKE) bench-http
+	$(MAKE) bench-generation ARGS=
 
 # the server's own ceiling (echo handler) at 1, 2, 4 ... HTTP processes, asyncio and uvloop,
 # interleaved (bench/RESULTS.md, "HTTP across processes"): about 4 minutes on 2 cores
 bench-http: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m bench.http_processes
+
+# served generation (bench/RESULTS.md, "Served generation"): rawserve's continuous and static
+# generation over /v1/completions against in-process static batching of the same prompts,
+# 3 interleaved rounds; about 15 minutes on 2 cores. `transformers serve --continuous-batching`
+# runs beside them (the bench extra installs transformers' serving extra and accelerate);
+# on a GPU, ARGS="--device cuda --layers 12 --hidden 768".
+bench-generation: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[bench]"
+	HF_HUB_OFFLINE=1 $(PY) -m bench.generation_serving $(ARGS)
 
 # transformers 4's answers for tests/test_fidelity.py, into tests/fidelity_reference.json.
 # The first run makes .venv-transformers4 (transformers 4.57.6 and the same torch); it prints

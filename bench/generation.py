@@ -65,8 +65,8 @@ def static(model: Any, batch: list[list[int]], asks: list[int]) -> dict[str, Any
     import transformers
 
     width = max(len(p) for p in batch)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
     times: list[float] = []
 
     class Clock(transformers.StoppingCriteria):
