@@ -61,3 +61,13 @@ def test_the_cpu_workers_of_several_models_split_the_cores_and_never_hold_each_o
     first.workers[0].state = second.workers[0].state = WorkerState.IDLE
     assert start(first, 0, size=1) == 4  # alone in the server: every core
     assert second.idle_workers() == 1  # ... but the other model does not wait for it
+
+
+def test_a_continuous_worker_takes_every_core_but_never_holds_them():
+    """Its one-item batches join a running batch: holding the cores would keep every new
+    sequence out until all the running ones are done."""
+    shared = executor(devices=("cpu",))
+    [worker] = shared.workers
+    worker.sequences = 8
+    assert start(shared, 0, size=1) == 4  # alone in the server: every core
+    assert shared.idle_workers() == 8  # its other rows still take sequences

@@ -309,11 +309,13 @@ class WorkerPool(PoolReports):
         except that a batch of one item with no other CPU worker busy gets every core
         (low-load latency) and holds them: no other CPU worker of this model starts until
         it is done, since OpenMP threads that outnumber the cores stall each other. Another
-        model's workers are not held back (one model never waits for another's work)."""
+        model's workers are not held back (one model never waits for another's work). A
+        continuous worker never holds them: its one-item batches join a running batch, and
+        holding would keep every new sequence out until all the running ones are done."""
         if not self.share_cores or worker.config.device != "cpu":
             return None
         threads, every_core = self.core_share.threads_for(worker, size)
-        if every_core:
+        if every_core and not worker.sequences:
             self._all_cores = worker
         elif self._all_cores is worker:
             self._all_cores = None
