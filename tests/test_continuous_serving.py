@@ -107,6 +107,23 @@ def test_a_deadline_mid_generation_is_504_on_time_and_frees_the_row(servers):
     assert len(server.read_log()) > before
 
 
+def test_a_deadline_mid_stream_ends_it_with_an_error_event_and_frees_the_row(servers):
+    server = servers["one row"]
+    body = json.dumps({"inputs": "the movie was", "parameters": {"max_new_tokens": LONG}})
+    status, _, answer = server.request(
+        "POST",
+        "/generate_stream",
+        body,
+        {"Content-Type": "application/json", "X-Request-Timeout": "1"},
+    )
+    assert status == 200
+    events = [json.loads(line[5:]) for line in answer.decode().splitlines() if line]
+    assert "deadline" in events[-1]["error"], events[-1]
+    assert all("token" in event for event in events[:-1]) and len(events) - 1 < LONG
+    wait_running(server, 0)
+    assert complete(server, "hello", 2)[0] == 200
+
+
 def test_a_client_that_leaves_its_stream_frees_its_row(servers):
     server = servers["one row"]
     server.read_log()
