@@ -651,3 +651,30 @@ def test_one_call_size_measured_often_still_bounds_a_batch_by_its_deadline():
     queue_items(core, [text(10)] * 32, deadline=0.1)  # a full batch would take 0.32 s
     batch = core.next_batch(now=0.0)
     assert batch is not None and len(batch) <= 8  # 0.1 s / 1.25 margin = 80 tokens
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_pass_sends_what_one_batch_at_a_time_would(seed):
+    """`decide` keeps the keys in a heap for the pass and looks at a window of each
+    queue: it must send the very batches, in the same order, that asking for one batch
+    at a time sends."""
+    import random
+
+    def filled() -> SchedulerCore:
+        rng = random.Random(seed)
+        core = measured(SchedulerCore(max_batch_size=4, max_queue=4096), 0.0001)
+        for _request in range(120):
+            size = rng.choice([1, 1, 1, 3, 20])
+            params = {"max_new_tokens": rng.choice([8, 16, 64])}
+            deadline = rng.uniform(0.5, 30.0)
+            values = [text(rng.randint(3, 60)) for _ in range(size)]
+            queue_items(core, values, deadline=deadline, params=params)
+        return core
+
+    one_pass, one_at_a_time = filled(), filled()
+    sent = one_pass.decide(now=0.0, free_workers=200).batches
+    expected = []
+    while len(expected) < 200 and (batch := one_at_a_time.next_batch(now=0.0)):
+        expected.append(batch)
+    assert [[i.seq for i in b] for b in sent] == [[i.seq for i in b] for b in expected]
+    assert len(sent) > 50

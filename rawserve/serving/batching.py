@@ -73,6 +73,8 @@ def choose_batch(
     if not queue:
         return []
     head = queue[0]
+    if limits.max_size == 1:  # a continuous worker's one-item batches: nothing to plan
+        return [head]
     batch = [head]
     longest = head.cost
     partners: set[int] | None = None

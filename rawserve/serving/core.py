@@ -18,12 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import heapq
 import itertools
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rawserve.serving.batching import BatchLimits, CostModel, choose_batch, padded_cost
+from rawserve.serving.batching import (
+    PLAN_WINDOW,
+    BatchLimits,
+    CostModel,
+    choose_batch,
+    padded_cost,
+)
 from rawserve.serving.face import ItemResult
 from rawserve.shared.messages import NO_CONTROL, Control
 from rawserve.tasks import batch_key, estimate_tokens
@@ -39,6 +47,8 @@ DEADLINE_MARGIN = 1.25
 ADMIT_MARGIN = DEADLINE_MARGIN
 RATE_SMOOTHING = 0.2  # weight of the newest batch in the service-rate average
 CALIBRATION_SMOOTHING = 0.3  # weight of the newest token count in the estimate's scale
+BY_DEADLINE = operator.attrgetter("deadline")
+CANDIDATE_WINDOW = 64  # items of a key's queue a batch is chosen from, at the least
 OUTLIER_FACTOR = 4.0  # a measured batch counts as at most this many times its prediction
 
 
@@ -272,11 +282,20 @@ class SchedulerCore:
         """One look at the queue: what expired, what to send now, when to look again."""
         expired = self.drop_expired(now)
         batches: list[list[WorkItem]] = []
-        while len(batches) < free_workers:
-            batch = self.next_batch(now)
+        # The keys in fair-share order of their heads, in a heap for the whole pass: a
+        # key whose batch is not ready stays so for the pass (same queue, same `now`),
+        # and one that gave a batch goes back with its new head. (Sorting every key for
+        # every batch made a pass quadratic: 256 one-item batches of 256 keys took 34 ms.)
+        order = [(queue[0].sort_key(), key) for key, queue in self._queues.items()]
+        heapq.heapify(order)
+        while order and len(batches) < free_workers:
+            _, key = heapq.heappop(order)
+            batch = self._batch_from(self._queues[key], now)
             if batch is None:
-                break
+                continue
             batches.append(batch)
+            if key in self._queues:
+                heapq.heappush(order, (self._queues[key][0].sort_key(), key))
         return Decision(expired, batches, self.next_wakeup(now, free_workers - len(batches)))
 
     def next_batch(self, now: float) -> list[WorkItem] | None:
@@ -289,30 +308,49 @@ class SchedulerCore:
         items that cannot be computed before their deadline even alone: they stay
         queued until they expire.
         """
-        heads = sorted(self._queues.values(), key=lambda queue: queue[0].sort_key())
-        for queue in heads:
-            viable = [item for item in queue if self._can_finish(item, now)]
-            if not viable:
-                continue
-            pressing = min(viable, key=lambda item: item.deadline)
-            if pressing is not viable[0] and self._is_urgent(pressing, now):
-                viable.remove(pressing)
-                viable.insert(0, pressing)
-            limits = self._limits_for(pressing.deadline, viable[0].cost, now)
-            batch = choose_batch(
-                viable, limits, lambda item: self._is_urgent(item, now), self.cost_model
-            )
-            oldest = min(item.arrived for item in queue)
-            if self._is_full(batch, len(viable), limits) or now >= oldest + self.max_batch_delay:
-                for item in batch:
-                    self.remove(item)
-                self._turn = max(self._turn, max(item.turn for item in batch))
-                cost = padded_cost(item.cost for item in batch)
-                predicted = self.cost_model.predict(cost, len(batch)) or 0.0
-                tokens = sum(item.cost for item in batch)
-                self._in_flight[batch[0].seq] = InFlight(now, len(batch), cost, tokens, predicted)
+        for queue in sorted(self._queues.values(), key=lambda queue: queue[0].sort_key()):
+            batch = self._batch_from(queue, now)
+            if batch is not None:
                 return batch
         return None
+
+    def _batch_from(self, queue: list[WorkItem], now: float) -> list[WorkItem] | None:
+        """`next_batch` for one key's queue: its batch (marked in flight), or None to wait.
+
+        The batch is chosen among the first items in turn order (a window a few batches
+        long) and the item with the earliest deadline wherever it waits: a pass over a
+        deep queue costs the same as over a short one (a queue of 256 for 256 one-item
+        batches took 112 ms a pass when every batch looked at every item)."""
+        window = queue[: max(CANDIDATE_WINDOW, PLAN_WINDOW * self.limits.max_size)]
+        viable = [item for item in window if self._can_finish(item, now)]
+        earliest = min(queue, key=BY_DEADLINE)
+        soonest = min((item.deadline for item in viable), default=float("inf"))
+        if earliest.deadline < soonest and self._can_finish(earliest, now):
+            viable.append(earliest)
+        if not viable and len(window) < len(queue):  # none of the first can make it
+            viable = [item for item in queue if self._can_finish(item, now)]
+        if not viable:
+            return None
+        pressing = min(viable, key=BY_DEADLINE)
+        if pressing is not viable[0] and self._is_urgent(pressing, now):
+            viable.remove(pressing)
+            viable.insert(0, pressing)
+        limits = self._limits_for(pressing.deadline, viable[0].cost, now)
+        batch = choose_batch(
+            viable, limits, lambda item: self._is_urgent(item, now), self.cost_model
+        )
+        if not self._is_full(batch, len(viable), limits):
+            oldest = min(item.arrived for item in queue)
+            if now < oldest + self.max_batch_delay:
+                return None
+        for item in batch:
+            self.remove(item)
+        self._turn = max(self._turn, max(item.turn for item in batch))
+        cost = padded_cost(item.cost for item in batch)
+        predicted = self.cost_model.predict(cost, len(batch)) or 0.0
+        tokens = sum(item.cost for item in batch)
+        self._in_flight[batch[0].seq] = InFlight(now, len(batch), cost, tokens, predicted)
+        return batch
 
     def _limits_for(self, deadline: float, head_cost: int, now: float) -> BatchLimits:
         """The bounds of a batch: the configured ones, and (once the cost model is
