@@ -15,6 +15,7 @@ import json
 import sys
 from typing import Any
 
+from compat_outcome import outcome_of
 from haystack import Document
 from haystack_integrations.components.embedders.huggingface_api import (
     HuggingFaceAPITextEmbedder,
@@ -26,15 +27,13 @@ QUERY = "what is the capital of france"
 DOCUMENTS = ["paris is the capital of france", "berlin is a city", "i like it"]
 
 
-def outcome(call: Any) -> Any:
-    """What a call answered (as JSON), or the client's exception: its class and message."""
-    try:
-        result = call()
-    except Exception as exc:  # noqa: BLE001 - the test reads which error the client raised
-        return {"raised": type(exc).__name__, "message": str(exc)}
+def shape(result: Any) -> Any:
     if "documents" in result:
         return [{"content": doc.content, "score": doc.score} for doc in result["documents"]]
     return result
+
+
+outcome = outcome_of(shape)
 
 
 def main(base_url: str) -> None:

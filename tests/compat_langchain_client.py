@@ -14,21 +14,20 @@ import json
 import sys
 from typing import Any
 
+from compat_outcome import outcome_of
 from langchain_openai import ChatOpenAI, OpenAIEmbeddings
 
 TEXT = "the movie was good"
 QUESTION = "hello, what is a good movie"
 
 
-def outcome(call: Any) -> Any:
-    """What a call answered (as JSON), or the client's exception: its class and message."""
-    try:
-        result = call()
-    except Exception as exc:  # noqa: BLE001 - the test reads which error the client raised
-        return {"raised": type(exc).__name__, "message": str(exc)}
+def shape(result: Any) -> Any:
     if hasattr(result, "model_dump"):  # a message
         return {"content": result.content, "metadata": result.response_metadata}
     return result
+
+
+outcome = outcome_of(shape)
 
 
 def main(base_url: str) -> None:

@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 import litellm
+from compat_outcome import outcome_of
 
 PROMPT = "the movie was"
 MESSAGES = [{"role": "user", "content": "hello, what is a good movie"}]
@@ -23,15 +24,13 @@ QUERY = "what is the capital of france"
 DOCUMENTS = ["paris is the capital of france", "berlin is a city", "i like it"]
 
 
-def outcome(call: Any) -> Any:
-    """What a call answered (as JSON), or the client's exception: its class and message."""
-    try:
-        result = call()
-    except Exception as exc:  # noqa: BLE001 - the test reads which error the client raised
-        return {"raised": type(exc).__name__, "message": str(exc)}
+def shape(result: Any) -> Any:
     if isinstance(result, list):  # a stream's chunks
         return [chunk.model_dump(mode="json") for chunk in result]
     return result.model_dump(mode="json")
+
+
+outcome = outcome_of(shape)
 
 
 def main(base_url: str) -> None:

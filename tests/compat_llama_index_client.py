@@ -10,19 +10,14 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
 
+from compat_outcome import outcome_of
 from llama_index.embeddings.text_embeddings_inference import TextEmbeddingsInference
 
 TEXT = "the movie was good"
 
 
-def outcome(call: Any) -> Any:
-    """What a call answered (as JSON), or the client's exception: its class and message."""
-    try:
-        return call()
-    except Exception as exc:  # noqa: BLE001 - the test reads which error the client raised
-        return {"raised": type(exc).__name__, "message": str(exc)}
+outcome = outcome_of()
 
 
 def main(base_url: str) -> None:

@@ -13,18 +13,10 @@ import json
 import sys
 from typing import Any
 
+from compat_outcome import outcome_of
 from tei_client import HttpClient
 
 TEXT = "the movie was good"
-
-
-def outcome(call: Any) -> Any:
-    """What a call answered (as JSON), or the client's exception: its class and message."""
-    try:
-        result = call()
-    except Exception as exc:  # noqa: BLE001 - the test reads which error the client raised
-        return {"raised": type(exc).__name__, "message": str(exc)}
-    return plain(result)
 
 
 def plain(result: Any) -> Any:
@@ -32,6 +24,9 @@ def plain(result: Any) -> Any:
     if isinstance(result, list):
         return [plain(item) for item in result]
     return result.model_dump(mode="json") if hasattr(result, "model_dump") else result
+
+
+outcome = outcome_of(plain)
 
 
 def main(embedder_url: str, classifier_url: str, reranker_url: str) -> None:

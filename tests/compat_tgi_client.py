@@ -12,21 +12,20 @@ import json
 import sys
 from typing import Any
 
+from compat_outcome import outcome_of
 from text_generation import Client
 from text_generation.types import Message
 
 PROMPT = "the movie was"
 
 
-def outcome(call: Any) -> Any:
-    """What a call answered (as JSON), or the client's exception: its class and message."""
-    try:
-        result = call()
-    except Exception as exc:  # noqa: BLE001 - the test reads which error the client raised
-        return {"raised": type(exc).__name__, "message": str(exc)}
+def shape(result: Any) -> Any:
     if isinstance(result, list):
         return [item.model_dump(mode="json") for item in result]
     return result.model_dump(mode="json")
+
+
+outcome = outcome_of(shape)
 
 
 def main(base_url: str) -> None:
