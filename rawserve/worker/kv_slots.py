@@ -114,9 +114,8 @@ class KvSlots:
             grown = length if 2 * self.start >= length else 2 * length
             self._rebuild(self._mask.shape[0], grown, -self.start)
         self._mask[: self.rows, self.end] = 1
-        return transformers.Cache(layers=list(self._layers)), self._mask[
-            : self.rows, self.start : self.end + 1
-        ]
+        mask = self._mask[: self.rows, self.start : self.end + 1]
+        return transformers.Cache(layers=list(self._layers)), mask
 
     def close_column(self) -> None:
         self.end += 1
