@@ -180,6 +180,26 @@ def test_continuous_outputs_equal_one_at_a_time_greedy_generation(runner):
         assert generation.tokens == alone_greedy(runner, ids, min(asked, room)), text[:20]
 
 
+def test_outputs_stay_those_of_generate_when_the_cache_grows_and_compacts(runner, monkeypatch):
+    from rawserve.worker import kv_slots
+    from rawserve.worker.continuous import Generation
+
+    monkeypatch.setattr(kv_slots, "FIRST_LENGTH_CAPACITY", 2)  # it starts small and moves
+    texts = ["the movie was", "a", "good film", "word " * 8, "bad", "the end of it", "x y"]
+    asks = [90, 5, 60, 9, 120, 3, 70]
+    engine = batcher(runner, max_rows=4)  # rows leave in the middle and others join
+    generations = [
+        Generation(i, prompt_ids(runner, t), n)
+        for i, (t, n) in enumerate(zip(texts, asks, strict=True))
+    ]
+    for generation in generations:
+        engine.add(generation)
+    run_all(engine)
+    for generation, text, asked in zip(generations, texts, asks, strict=True):
+        expected = alone_greedy(runner, prompt_ids(runner, text), asked)
+        assert generation.tokens == expected, text
+
+
 def test_a_short_request_joining_a_long_one_finishes_first(runner):
     from rawserve.worker.continuous import Generation
 

@@ -1,0 +1,148 @@
+"""The continuous loop's KV cache: after rows join, decode and leave, and its buffers grow
+or compact, the window it hands the model holds what the padded, concatenated cache of
+the same rows would hold."""
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from rawserve.worker import kv_slots  # noqa: E402
+from rawserve.worker.kv_slots import KvSlots  # noqa: E402
+
+LAYERS, HEADS, DIM = 2, 3, 4
+
+
+class Reference:
+    """The same cache kept the slow way: padded and concatenated on joins and steps,
+    index-selected when rows leave, leading padding cut."""
+
+    def __init__(self):
+        self.keys: list = []
+        self.values: list = []
+        self.mask = torch.zeros((0, 0), dtype=torch.long)
+        self.ids: list[int] = []
+
+    def join(self, ids, keys, values, mask):
+        if not self.ids:
+            self.keys, self.values, self.mask = keys, values, mask
+        else:
+            length, width = self.mask.shape[1], mask.shape[1]
+            pad_old, pad_new = max(width - length, 0), max(length - width, 0)
+
+            def pad(t, n):
+                return torch.nn.functional.pad(t, (0, 0, n, 0))
+
+            self.keys = [
+                torch.cat([pad(a, pad_old), pad(b, pad_new)])
+                for a, b in zip(self.keys, keys, strict=True)
+            ]
+            self.values = [
+                torch.cat([pad(a, pad_old), pad(b, pad_new)])
+                for a, b in zip(self.values, values, strict=True)
+            ]
+            self.mask = torch.cat(
+                [
+                    torch.nn.functional.pad(self.mask, (pad_old, 0)),
+                    torch.nn.functional.pad(mask, (pad_new, 0)),
+                ]
+            )
+        self.ids += ids
+
+    def decode(self, keys, values):
+        self.keys = [torch.cat([a, b], dim=2) for a, b in zip(self.keys, keys, strict=True)]
+        self.values = [torch.cat([a, b], dim=2) for a, b in zip(self.values, values, strict=True)]
+        self.mask = torch.cat([self.mask, torch.ones((len(self.ids), 1), dtype=torch.long)], dim=1)
+
+    def leave(self, gone):
+        keep = [i for i, row in enumerate(self.ids) if row not in gone]
+        self.ids = [self.ids[i] for i in keep]
+        index = torch.tensor(keep, dtype=torch.long)
+        self.keys = [k.index_select(0, index) for k in self.keys]
+        self.values = [v.index_select(0, index) for v in self.values]
+        self.mask = self.mask.index_select(0, index)
+        if keep:
+            used = self.mask.any(dim=0).nonzero()
+            first = int(used[0]) if len(used) else self.mask.shape[1]
+            self.keys = [k[:, :, first:] for k in self.keys]
+            self.values = [v[:, :, first:] for v in self.values]
+            self.mask = self.mask[:, first:]
+
+
+def assert_same(slots: KvSlots, ids: list[int], reference: Reference):
+    assert sorted(ids) == sorted(reference.ids)
+    if not ids:
+        assert slots.rows == 0
+        return
+    order = torch.tensor([reference.ids.index(row) for row in ids])
+    mask = reference.mask.index_select(0, order)
+    assert torch.equal(slots.mask, mask)
+    seen = mask.bool()[:, None, :, None].expand(-1, HEADS, -1, DIM)
+    for layer in range(LAYERS):
+        keys, values = slots.view(layer)
+        # padding columns may hold anything finite (they are masked); real ones must match
+        assert torch.equal(keys[seen], reference.keys[layer].index_select(0, order)[seen])
+        assert torch.equal(values[seen], reference.values[layer].index_select(0, order)[seen])
+        assert torch.isfinite(keys).all() and torch.isfinite(values).all()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_joins_steps_and_leaves_keep_what_the_concatenated_cache_keeps(seed, monkeypatch):
+    monkeypatch.setattr(kv_slots, "FIRST_LENGTH_CAPACITY", 4)  # grow and compact often
+    rng = random.Random(seed)
+    slots = KvSlots(torch.device("cpu"), 64)
+    reference = Reference()
+    ids: list[int] = []  # the row ids in the slots' order
+    made = 0
+    for _ in range(120):
+        action = rng.random()
+        if action < 0.2 or not ids:
+            count = rng.randint(1, 4)
+            lengths = [rng.randint(1, 12) for _ in range(count)]
+            width = max(lengths)
+            mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
+            keys = [torch.randn(count, HEADS, width, DIM) for _ in range(LAYERS)]
+            values = [torch.randn(count, HEADS, width, DIM) for _ in range(LAYERS)]
+            new = list(range(made, made + count))
+            made += count
+            slots.join(keys, values, mask)
+            reference.join(new, keys, values, mask)
+            ids += new
+        elif action < 0.4:
+            gone = {row for row in ids if rng.random() < 0.3}
+            holes, movers = slots.keep([row not in gone for row in ids])
+            for hole, mover in zip(holes, movers, strict=True):
+                ids[hole] = ids[mover]
+            del ids[len(ids) - len(gone) :]
+            reference.leave(gone)
+        else:
+            keys = [torch.randn(len(ids), HEADS, 1, DIM) for _ in range(LAYERS)]
+            values = [torch.randn(len(ids), HEADS, 1, DIM) for _ in range(LAYERS)]
+            cache, mask = slots.open_column()
+            assert mask.shape == (len(ids), slots.end - slots.start + 1)
+            for layer in range(LAYERS):
+                seen_keys, seen_values = cache.layers[layer].update(keys[layer], values[layer])
+                assert seen_keys.shape[2] == mask.shape[1]
+            slots.close_column()
+            order = torch.tensor([ids.index(row) for row in reference.ids])  # its row order
+            reference.decode(
+                [k.index_select(0, order) for k in keys], [v.index_select(0, order) for v in values]
+            )
+        assert_same(slots, ids, reference)
+
+
+def test_a_full_buffer_compacts_or_doubles_rather_than_growing_each_step(monkeypatch):
+    monkeypatch.setattr(kv_slots, "FIRST_LENGTH_CAPACITY", 4)
+    slots = KvSlots(torch.device("cpu"), 64)
+    one = [torch.ones(1, HEADS, 2, DIM) for _ in range(LAYERS)]
+    slots.join(one, one, torch.ones((1, 2), dtype=torch.long))
+    buffers = []
+    for _ in range(100):
+        cache, _ = slots.open_column()
+        for layer in range(LAYERS):
+            cache.layers[layer].update(one[layer][:, :, :1], one[layer][:, :, :1])
+        slots.close_column()
+        buffers.append(slots.keys[0])
+    assert slots.end - slots.start == 102
+    assert len({id(b) for b in buffers}) <= 6  # 4 -> 8 -> ... -> 128 columns, then none
