@@ -231,7 +231,7 @@ AGREEMENT = [
     ("COMPLETION", {"prompt": "a", "top_p": 0}, False),
     ("COMPLETION", {"prompt": "a", "temperature": 2.5}, False),
     ("COMPLETION", {"prompt": "a", "stop": ["."] * 17}, False),
-    ("COMPLETION", {"prompt": ""}, False),
+    ("COMPLETION", {"prompt": ""}, True),  # well-formed; blank: 422 once read
     ("COMPLETION", {"prompt": "a", "frequency_penalty": 0.5}, False),
     ("COMPLETION", {"prompt": "a", "suffix": "b"}, False),
     ("COMPLETION", {"prompt": "a", "unknown": 1}, False),

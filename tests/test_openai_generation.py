@@ -459,7 +459,6 @@ def test_completion_with_more_prompts_than_the_client_cap_is_413(servers):
     "document",
     [
         {},
-        {"prompt": ""},
         {"prompt": 5},
         {"prompt": []},
         {"prompt": [1, 2, 3]},  # token ids
@@ -478,6 +477,13 @@ def test_completion_with_more_prompts_than_the_client_cap_is_413(servers):
 def test_completion_bad_requests_are_400(servers, document):
     status, body = servers["plain"].post_json(document, "/v1/completions")
     assert status == 400, body
+
+
+@pytest.mark.parametrize("prompt", ["", "   ", ["hello", " \n"]], ids=repr)
+def test_a_blank_prompt_is_422_as_blank_text_is_on_every_route(servers, prompt):
+    status, body = servers["plain"].post_json({"prompt": prompt}, "/v1/completions")
+    assert status == 422, body
+    assert "empty or only whitespace" in body["error"]["message"], body
 
 
 def test_completion_with_no_body_type_and_bad_json_is_400(servers):

@@ -32,8 +32,15 @@ from rawserve.api.fields import (
 )
 from rawserve.api.routing import DocContext, Schema
 from rawserve.api.streaming import TokenStream, sse
-from rawserve.http.errors import BadRequest, HTTPError, openai_error_document
-from rawserve.tasks import CHAT_PARAM, InvalidRequest, check_new_tokens, text_generation
+from rawserve.http.errors import BadRequest, HTTPError, UnprocessableInput, openai_error_document
+from rawserve.tasks import (
+    CHAT_PARAM,
+    BlankInput,
+    InvalidRequest,
+    check_new_tokens,
+    text_generation,
+)
+from rawserve.tasks.checks import not_blank
 from rawserve.tasks.text_generation import MAX_STOP_SEQUENCES
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -230,6 +237,11 @@ def parse_completion(document: Any, context: DocContext) -> GenerationRequest:
     prompts = fields.value("prompt", context)
     if request.stream and len(prompts) > 1:
         raise BadRequest("a streamed completion takes one prompt")
+    for prompt in prompts:  # as every route: blank text is well-formed, but nothing to go on
+        try:
+            not_blank(prompt, 'a text of "prompt"')
+        except BlankInput as exc:
+            raise UnprocessableInput(str(exc)) from None
     return replace(request, items=[unicode_text(p, '"prompt"') for p in prompts])
 
 
@@ -247,21 +259,20 @@ def check_max_tokens(generation: GenerationRequest, most: int | None) -> None:
 
 
 def read_prompts(name: str, value: Any, context: DocContext | None) -> list[str]:
-    """A text or a non-empty list of them; none empty, at most the input cap."""
+    """A text or a non-empty list of them, at most the input cap (a blank one is refused
+    with 422 once the body is read, as on every route)."""
     if value is None:
         raise BadRequest(f'"{name}" is required')
     prompts = [value] if isinstance(value, str) else value
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise BadRequest('"prompt" must be a text or a non-empty list of texts (not token ids)')
-    if not all(prompts):
-        raise BadRequest('"prompt" must not be empty')
     assert context is not None
     check_client_batch(len(prompts), context.max_inputs)
     return prompts
 
 
 def prompt_schema(context: DocContext) -> Schema:
-    prompt = {"type": "string", "minLength": 1}
+    prompt = {"type": "string"}  # a blank one is well-formed: 422, as on every route
     many = {"type": "array", "items": prompt, "minItems": 1, "maxItems": context.max_inputs}
     return {"oneOf": [prompt, many]}
 
