@@ -25,7 +25,7 @@ from tests.server import RunningServer, running_together
 pytestmark = pytest.mark.slow
 
 STOPPED = re.compile(r"generation stopped after (\d+) tokens")
-LONG = 1000  # new tokens: seconds of generation on the tiny model
+LONG = 4000  # new tokens: seconds of generation on the tiny model, even on a fast CPU
 ASKS = [("the movie was", 3), ("a long and winding road to", 40), ("hello", 12), ("x y z", 1)]
 
 
@@ -54,12 +54,18 @@ def complete(server: RunningServer, prompt: str, tokens: int, **headers: str) ->
     return status, json.loads(body)
 
 
+def streamed(prompt: str, tokens: int) -> str:
+    """A greedy streamed completion: the model never ends it before `tokens`."""
+    document = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
+    return json.dumps(document)
+
+
 def start_stream(server: RunningServer, prompt: str, tokens: int) -> socket.socket:
-    """A TGI stream whose first bytes have arrived (the sequence is running)."""
-    body = json.dumps({"inputs": prompt, "parameters": {"max_new_tokens": tokens}}).encode()
+    """A stream whose first bytes have arrived (the sequence is running)."""
+    body = streamed(prompt, tokens).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     sock.sendall(
-        b"POST /generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         + f"Content-Length: {len(body)}\r\n\r\n".encode()
         + body
     )
@@ -109,17 +115,17 @@ def test_a_deadline_mid_generation_is_504_on_time_and_frees_the_row(servers):
 
 def test_a_deadline_mid_stream_ends_it_with_an_error_event_and_frees_the_row(servers):
     server = servers["one row"]
-    body = json.dumps({"inputs": "the movie was", "parameters": {"max_new_tokens": LONG}})
     status, _, answer = server.request(
         "POST",
-        "/generate_stream",
-        body,
+        "/v1/completions",
+        streamed("the movie was", LONG),
         {"Content-Type": "application/json", "X-Request-Timeout": "1"},
     )
     assert status == 200
-    events = [json.loads(line[5:]) for line in answer.decode().splitlines() if line]
-    assert "deadline" in events[-1]["error"], events[-1]
-    assert all("token" in event for event in events[:-1]) and len(events) - 1 < LONG
+    lines = [line[5:].strip() for line in answer.decode().splitlines() if line]
+    events = [json.loads(line) for line in lines if line != "[DONE]"]
+    assert "deadline" in events[-1]["error"]["message"], events[-1]
+    assert all("choices" in event for event in events[:-1]) and len(events) - 1 < LONG
     wait_running(server, 0)
     assert complete(server, "hello", 2)[0] == 200
 

@@ -150,6 +150,8 @@ def test_a_saturated_model_never_refuses_or_fails_the_other(tiny_model):
         "8",
         "--max-batch-size",
         "4",
+        "--max-sequences",  # one sequence a worker: 16 clients fill the queue
+        "1",
     ]
     with RunningServer(args) as server:
         info = json.loads(server.request("GET", "/info")[2])

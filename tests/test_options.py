@@ -18,6 +18,7 @@ SAMPLES = {
     "--engine": "onnx",
     "--dtype": "float32",
     "--batching": "count",
+    "--generation": "static",
     "--log-level": "debug",
     "--log-format": "json",
     "--handler": "tests.handlers:echo",
