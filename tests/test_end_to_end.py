@@ -116,7 +116,7 @@ def test_input_the_pipeline_rejects_is_422(fill_mask_server):
 )
 def test_bad_requests_get_clear_4xx(fill_mask_server, body, headers, status):
     got, response_headers, answer = fill_mask_server.request("POST", "/", body, headers)
-    assert got == status
+    assert got == status, answer
     document = json.loads(answer)
     assert set(document) == {"error", "error_type"}
     assert "Traceback" not in document["error"]

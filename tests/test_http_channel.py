@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -14,8 +17,9 @@ from rawserve.http_process.remote import Link, RemoteServing
 from rawserve.ops.metrics import Metrics, merge_families, render_families
 from rawserve.options import parse_config
 from rawserve.serving.face import Control, ItemResult, Reason, Refused
-from rawserve.shared.board import FULL, READY, Board
+from rawserve.shared.board import FULL, HEALTHY, READY, Board
 from rawserve.shared.channel import Channel
+from tests.server import REPO_ROOT
 
 
 async def channel_pair(received: list[list]) -> tuple[Channel, Channel]:
@@ -83,6 +87,43 @@ def test_the_board_is_read_by_another_mapping_of_the_same_file():
         assert reader.flag(1, FULL) and reader.flag(1, READY)
         assert reader.retry_after(1) == 2.5
         assert not reader.flag(0, FULL)  # each model its own record
+    finally:
+        board.remove()
+
+
+# the serving process's side: the same state published again and again, for a while
+PUBLISHER = """
+import sys, time
+from rawserve.shared.board import Board
+board = Board(sys.argv[1], 1)
+print("publishing", flush=True)
+until = time.monotonic() + 0.5
+while time.monotonic() < until:
+    board.publish(0, ready=True, healthy=True, full=False, retry_after=None)
+"""
+
+
+def test_a_state_published_again_is_never_read_half_written_by_another_process():
+    # the bridge publishes every few milliseconds: a reader must see "ready" throughout
+    # (struct.pack_into zeroed each field before writing it: ready read as 0 now and then)
+    board = Board.create(1)
+    try:
+        board.publish(0, ready=True, healthy=True, full=False, retry_after=None)
+        reads = misread = 0
+        with subprocess.Popen(
+            [sys.executable, "-c", PUBLISHER, board.path],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": REPO_ROOT},
+        ) as publisher:
+            assert publisher.stdout is not None
+            assert publisher.stdout.readline() == "publishing\n"
+            while publisher.poll() is None:
+                for _ in range(1000):
+                    misread += not (board.flag(0, READY) and board.flag(0, HEALTHY))
+                reads += 1000
+        assert publisher.returncode == 0 and reads > 10_000
+        assert misread == 0, f"{misread} of {reads} reads saw a field half written"
     finally:
         board.remove()
 

@@ -1,12 +1,16 @@
 """The serving process's published queue state, read by the HTTP processes without a
 message: a small file mapped into every process's memory (`mmap`).
 
-One record per served model, four 8-byte floats, each written whole (an aligned 8-byte
-store is atomic: a reader sees the old value or the new, never half of each):
-ready (a worker is loaded and warm), healthy (not every worker keeps dying), full (the
-queue is at its bound), and the Retry-After a full queue gives. Only the serving
-process writes; the HTTP processes read it on every request (a refusal at the queue
-bound is answered at once, with no round trip).
+One record per served model, four 8-byte floats: ready (a worker is loaded and warm),
+healthy (not every worker keeps dying), full (the queue is at its bound), and the
+Retry-After a full queue gives. Only the serving process writes (every few
+milliseconds, mostly the same values again); the HTTP processes read it on every
+request (a refusal at the queue bound is answered at once, with no round trip).
+
+Each field is written whole, through a memoryview of doubles: one aligned 8-byte copy,
+atomic, so a reader sees the old value or the new. Not `struct.pack_into`: it zeroes
+the field before writing its bytes, and an HTTP process then read a "ready" written
+again as 0 now and then (a request refused: "the model is loading").
 """
 
 from __future__ import annotations
@@ -14,18 +18,17 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import struct
 import tempfile
 
-RECORD = struct.Struct("=4d")
-READY, HEALTHY, FULL, RETRY_AFTER = range(4)
-FIELD = struct.Struct("=d")
+FIELDS = 4  # per model
+READY, HEALTHY, FULL, RETRY_AFTER = range(FIELDS)
+FIELD_SIZE = 8  # a double
 
 
 class Board:
     def __init__(self, path: str, models: int, create: bool = False):
         self.path = path
-        size = RECORD.size * max(1, models)
+        size = FIELDS * FIELD_SIZE * max(1, models)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
@@ -34,6 +37,7 @@ class Board:
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
+        self._fields = memoryview(self._map).cast("d")  # page-aligned: every field aligned
         if create:
             for model in range(models):
                 self.publish(model, ready=False, healthy=True, full=False, retry_after=None)
@@ -52,11 +56,11 @@ class Board:
     ) -> None:
         values = (float(ready), float(healthy), float(full), retry_after)
         for field, value in enumerate(values):
-            offset = model * RECORD.size + field * FIELD.size
-            FIELD.pack_into(self._map, offset, math.nan if value is None else value)
+            self._fields[model * FIELDS + field] = math.nan if value is None else value
 
     def read(self, model: int, field: int) -> float:
-        return FIELD.unpack_from(self._map, model * RECORD.size + field * FIELD.size)[0]
+        value: float = self._fields[model * FIELDS + field]
+        return value
 
     def flag(self, model: int, field: int) -> bool:
         return self.read(model, field) == 1.0
