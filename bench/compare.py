@@ -28,12 +28,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench import load, servers
+from bench import load, servers, spread
 from bench.models import Scenario, scenarios
 from bench.workloads import RAW_TEXT, BodyFormat, texts
 
@@ -52,6 +53,8 @@ DEFAULT_SERVERS = "rawserve,rawserve-onnx,rawserve-default,seed-batching,seed-pe
 GPU_CLIENT_COUNTS = (1, 64, 256)
 GPU_SERVERS = "rawserve,rawserve-default,rawserve-lists,seed-batching"
 LIST_LENGTH = 32  # texts per request of rawserve-lists
+# one Python client sends ~10,000 requests/s at most: on a GPU the load comes from several
+GPU_CLIENT_PROCESSES = 4
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class Settings:
     rawserve_args: tuple[str, ...]
     tools: bool
     device: str = "cpu"  # cpu, or cuda[:N]: the ceiling, rawserve and the seed all run there
+    client_processes: int = 1  # the load generator's processes (bench.spread)
 
 
 FULL = dict(duration=5.0, saturation_duration=8.0, warmup=2.0, ceiling_seconds=1.2)
@@ -150,6 +154,36 @@ def body_format(name: str, scenario: Scenario) -> BodyFormat:
     return RAW_TEXT
 
 
+BATCH_COUNTERS = (
+    "rawserve_batch_size_count",
+    "rawserve_batch_size_sum",
+    "rawserve_batch_compute_seconds_sum",
+)
+
+
+def batch_counters(port: int) -> dict[str, float]:
+    """rawserve's batch counters now, every model and worker summed (from /metrics)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    found = dict.fromkeys(BATCH_COUNTERS, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in found:
+            found[name] += float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def batch_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The mean batch of a point and its mean compute time: where a server's time goes."""
+    batches, items, seconds = (after[key] - before[key] for key in BATCH_COUNTERS)
+    if not batches:
+        return {}
+    return {
+        "mean_batch": round(items / batches, 1),
+        "mean_batch_ms": round(1e3 * seconds / batches, 2),
+    }
+
+
 async def measure_server(
     server: servers.ServerProcess,
     scenario: Scenario,
@@ -168,11 +202,14 @@ async def measure_server(
         for clients in settings.client_counts:
             saturated = clients == SATURATION_CLIENTS
             before = servers.cpu_snapshot(server.pid)
-            run = await load.closed_loop(
+            counted = server.name in servers.RAWSERVE_VARIANTS
+            batches_before = batch_counters(server.port) if counted else None
+            run = await spread.closed_loop(
                 server.port,
                 requests,
                 clients,
                 settings.saturation_duration if saturated else settings.duration,
+                processes=settings.client_processes,
                 health_interval=HEALTH_INTERVAL if saturated else None,
             )
             summary = run.summary()
@@ -181,14 +218,19 @@ async def measure_server(
                 summary["throughput"] = round(summary["throughput"] * fmt.texts_per_request, 2)
             after = servers.cpu_snapshot(server.pid)
             summary.update(servers.cpu_shares(before, after, run.duration))
+            if batches_before is not None:
+                summary.update(batch_figures(batches_before, batch_counters(server.port)))
             points.append(summary)
             log(
                 f"  {server.name:14} {scenario.name:16} {text_set:6} {clients:3} clients: "
                 f"{summary['throughput']:7.1f}/s p50 {summary['p50_ms']} ms "
-                f"p99 {summary['p99_ms']} ms {summary['statuses']}"
+                f"p99 {summary['p99_ms']} ms {summary['statuses']} "
+                f"batch {summary.get('mean_batch')} in {summary.get('mean_batch_ms')} ms"
             )
         entry: dict[str, Any] = {"points": points}
-        overloaded = server.name in ("rawserve", "rawserve-onnx")
+        overloaded = server.name in ("rawserve", "rawserve-onnx", "rawserve-http4") or (
+            server.name == "rawserve-default" and settings.device != "cpu"  # the GPU's
+        )
         if overloaded and text_set == "short" and settings.overload_duration:
             entry["overload"] = await overload(server, text_set, fmt, points, settings)
         if settings.tools and text_set == "short":
@@ -209,11 +251,12 @@ async def overload(
     rate = OVERLOAD_FACTOR * capacity
     requests = load.build_requests(texts(text_set), fmt, timeout_header=OVERLOAD_DEADLINE)
     before = servers.cpu_snapshot(server.pid)
-    run = await load.open_loop(
+    run = await spread.open_loop(
         server.port,
         requests,
         rate,
         settings.overload_duration,
+        processes=settings.client_processes,
         deadline=OVERLOAD_DEADLINE,
         health_interval=HEALTH_INTERVAL,
     )
@@ -477,6 +520,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=RAWSERVE_ARGS,
         help=f"rawserve's options (default: {RAWSERVE_ARGS!r})",
     )
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=None,
+        help=f"processes sending the load (default: 1; {GPU_CLIENT_PROCESSES} on a GPU)",
+    )
     parser.add_argument("--no-overload", action="store_true")
     parser.add_argument("--tools", action="store_true", help="also run wrk and hey if installed")
     parser.add_argument(
@@ -521,11 +570,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             rawserve_args=tuple(args.rawserve_args.split()),
             tools=args.tools,
             device=args.device,
+            client_processes=args.client_processes or (GPU_CLIENT_PROCESSES if gpu else 1),
         )
         started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="rawserve-bench-") as folder:
             work = Path(folder)
-            chosen = [s for s in scenarios(work) if s.name in settings.scenarios]
+            chosen = scenarios(work, settings.scenarios)
             if args.text_sets:
                 kept = args.text_sets.split(",")
                 chosen = [

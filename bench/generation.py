@@ -72,7 +72,7 @@ def static(model: Any, batch: list[list[int]], asks: list[int]) -> dict[str, Any
     class Clock(transformers.StoppingCriteria):
         def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
             times.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     longest = max(asks)
     started = time.perf_counter()

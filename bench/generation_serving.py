@@ -310,8 +310,16 @@ async def serve_round(system: str, folder: Path, chosen: list[Scenario], log: Pa
     try:
         probe = completion_request(model, "w2 w3 w4", 1, False)
         await wait_until_serving(process.port, probe, START_TIMEOUT, process.alive)
-        warm = [completion_request(model, "w5 w6 w7 w8", 8, stream) for stream in (False, True)]
-        await closed_loop(process.port, warm * 8, [8] * 16, 16, 60.0)
+        # warm at the scenarios' sizes: a first run at a new size is slower (the KV cache
+        # grows to its rows and columns, kernels meet new shapes) and is not the system's
+        warm = [
+            completion_request(model, "w5 w6 w7 w8", ask, stream)
+            for ask in (FIXED_NEW_TOKENS, MIXED_NEW_TOKENS[1])
+            for stream in (False, True)
+        ]
+        clients = max(scenario.clients for scenario in chosen)
+        copies = max(1, clients // len(warm))  # every client at once: the rows grow too
+        await closed_loop(process.port, warm * copies, [0] * len(warm) * copies, clients, 60.0)
         found = {}
         for scenario in chosen:
             texts = [text_of(prompt) for prompt in scenario.prompts]
@@ -450,7 +458,12 @@ async def run(args: argparse.Namespace, systems: list[str]) -> dict[str, Any]:
                     found = in_process_round(reference, [s for s in chosen if not s.stream])
                 else:
                     log = Path(tmp) / f"{system}.log"
-                    found = await serve_round(system, folder, chosen, log, args)
+                    try:
+                        found = await serve_round(system, folder, chosen, log, args)
+                    except Exception as exc:  # noqa: BLE001 - the other systems still run
+                        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+                        print(f"{system} failed: {exc!r}\n{tail}", file=sys.stderr, flush=True)
+                        continue
                 for name, result in found.items():
                     runs.setdefault((name, system), []).append(result)
                     line = {"round": round_, "system": system, "scenario": name, **result}

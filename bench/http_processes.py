@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.load import build_request, closed_loop, wait_until_serving, warm_up
+from bench import spread
+from bench.load import build_request, wait_until_serving, warm_up
 from bench.servers import cpu_seconds, descendants, rawserve
 
 ECHO = "tests.handlers:echo"
@@ -50,7 +51,9 @@ def worker_pids(port: int) -> set[int]:
         return set(json.load(answer)["worker_pids"])
 
 
-async def one_run(args: Sequence[str], clients: int, duration: float, log: Path) -> dict[str, Any]:
+async def one_run(
+    args: Sequence[str], clients: int, duration: float, log: Path, client_processes: int
+) -> dict[str, Any]:
     server = rawserve(
         None,
         log,
@@ -63,7 +66,9 @@ async def one_run(args: Sequence[str], clients: int, duration: float, log: Path)
         await warm_up(server.port, [REQUEST], 1.0, clients)
         own = [pid for pid in descendants(server.pid) if pid not in workers]
         before = {pid: cpu_seconds(pid) for pid in own}
-        result = await closed_loop(server.port, [REQUEST], clients, duration)
+        result = await spread.closed_loop(
+            server.port, [REQUEST], clients, duration, processes=client_processes
+        )
         used = sum(cpu_seconds(pid) - before[pid] for pid in own)
     finally:
         server.stop()
@@ -78,7 +83,7 @@ async def one_run(args: Sequence[str], clients: int, duration: float, log: Path)
     }
 
 
-def spread(values: list[float]) -> dict[str, float]:
+def median_range(values: list[float]) -> dict[str, float]:
     return {
         "median": round(statistics.median(values), 1),
         "min": round(min(values), 1),
@@ -87,23 +92,30 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 async def run(
-    processes: Sequence[int], loops: Sequence[str], rounds: int, clients: int, duration: float
+    processes: Sequence[int],
+    loops: Sequence[str],
+    rounds: int,
+    clients: int,
+    duration: float,
+    client_processes: int,
 ) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as folder:
         for round_ in range(rounds):  # A B A B: each round runs every configuration once
             for label, args in configurations(processes, loops):
-                figures = await one_run(args, clients, duration, Path(folder) / "server.log")
+                log = Path(folder) / "server.log"
+                figures = await one_run(args, clients, duration, log, client_processes)
                 runs.setdefault(label, []).append(figures)
                 print(f"round {round_ + 1}: {label}: {figures}", flush=True)
     return {
         "cores": os.cpu_count(),
         "clients": clients,
+        "client_processes": client_processes,
         "duration_s": duration,
         "rounds": rounds,
         "results": {
             label: {
-                key: spread([run[key] for run in figures if run[key] is not None])
+                key: median_range([run[key] for run in figures if run[key] is not None])
                 for key in ("req_per_s", "p99_ms", "server_cpu_us_per_request")
             }
             for label, figures in runs.items()
@@ -120,10 +132,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--duration", type=float, default=5.0)
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=None,
+        help="processes sending the load (default: 1 up to 4 cores, else a quarter of them)",
+    )
     args = parser.parse_args(argv)
     cores = os.cpu_count() or 1
     processes = args.processes or [count for count in (1, 2, 4, 8, 16) if count <= cores]
-    report = asyncio.run(run(processes, args.loops, args.rounds, args.clients, args.duration))
+    senders = args.client_processes or (1 if cores <= 4 else cores // 4)
+    report = asyncio.run(
+        run(processes, args.loops, args.rounds, args.clients, args.duration, senders)
+    )
     print(json.dumps(report, indent=2))
     return 0
 

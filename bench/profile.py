@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     args.out.mkdir(parents=True, exist_ok=True)
-    scenario = next(s for s in scenarios(args.out) if s.name == args.scenario)
+    scenario = scenarios(args.out, [args.scenario])[0]
     server = servers.rawserve(
         scenario.model,
         args.out / "server.log",

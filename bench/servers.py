@@ -26,6 +26,8 @@ SERVERS = (
     "rawserve-onnx",
     "rawserve-default",
     "rawserve-lists",
+    "rawserve-http4",
+    "rawserve-count",
     "seed-batching",
     "seed-per-item",
     "infinity-torch",
@@ -38,8 +40,18 @@ RAWSERVE_VARIANTS = {
     "rawserve-onnx": ("--device", "cpu,cpu", "--engine", "onnx"),
     "rawserve-default": (),  # what a user gets with no options
     "rawserve-lists": ("--engine", "torch"),  # each request a list of texts (bench.compare)
+    "rawserve-http4": ("--engine", "torch", "--http-processes", "4"),  # HTTP on 4 processes
+    # batches in queue order, never grouped by length: what the cost model's plans are worth
+    "rawserve-count": ("--engine", "torch", "--batching", "count"),
 }
-GPU_VARIANTS = ("rawserve", "rawserve-default", "rawserve-lists")  # ONNX runs on the CPU
+# ONNX runs on the CPU
+GPU_VARIANTS = (
+    "rawserve",
+    "rawserve-default",
+    "rawserve-lists",
+    "rawserve-http4",
+    "rawserve-count",
+)
 
 
 def rawserve_args(name: str, device: str = "cpu") -> tuple[str, ...]:
@@ -50,7 +62,10 @@ def rawserve_args(name: str, device: str = "cpu") -> tuple[str, ...]:
         return args if name != "rawserve-lists" else ("--device", "cpu,cpu", *args)
     if name not in GPU_VARIANTS:
         raise ValueError(f"{name} runs on the CPU only")
-    return args if name == "rawserve-default" else ("--device", device, "--engine", "torch")
+    if name == "rawserve-default":
+        return args
+    beyond_device = args[2:] if args[:1] == ("--device",) else args
+    return ("--device", device, *beyond_device)
 
 
 def free_port() -> int:

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from bench import load, refusal_cost, report
+from bench import load, refusal_cost, report, spread
 from bench.workloads import RAW_TEXT, BodyFormat, texts
 from tests.server import RunningServer
 
@@ -37,6 +37,26 @@ def test_closed_and_open_loop_runs_answer_200_and_summarise(echo_server):
     assert closed["p50_ms"] is not None and closed["health"]["ok"] == closed["health"]["requests"]
     assert counted["requests"] == 40 and counted["statuses"] == {"200": 40}
     assert opened["statuses"].get("200", 0) > 50 and opened["late_200"] == 0
+
+
+def test_load_from_several_processes_is_one_run(echo_server):
+    """bench.spread: the clients (or the arrival rate) split between processes, their
+    samples merged as if one process had sent them all."""
+    requests = load.build_requests(texts("short")[:16], RAW_TEXT)
+
+    async def run():
+        closed = await spread.closed_loop(
+            echo_server.port, requests, 5, 0.8, processes=2, health_interval=0.05
+        )
+        opened = await spread.open_loop(echo_server.port, requests, 200, 0.8, processes=2)
+        return closed, opened
+
+    closed, opened = asyncio.run(run())
+    assert closed.clients == 5 and closed.health is not None and closed.health.status
+    summary = closed.summary()
+    assert summary["requests"] > 0 and summary["statuses"] == {"200": summary["requests"]}
+    assert opened.rate == 200 and opened.summary()["statuses"].get("200", 0) > 50
+    assert spread.shares(10, 4) == [3, 3, 2, 2] and spread.shares(2, 4) == [1, 1]
 
 
 def test_report_checks_targets_from_figures():
