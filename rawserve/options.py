@@ -33,6 +33,15 @@ from rawserve.shared.messages import Engine
 CPU_MAX_BATCH_SIZE = 32
 GPU_MAX_BATCH_SIZE = 256
 GPU_MAX_BATCH_TOKENS = 16_384
+# The queue holds a few of the device's batches: on a GPU 256 items were one batch, and
+# 64 clients sending lists of 32 texts were refused half the time (bench/RESULTS.md).
+CPU_MAX_QUEUE = 256
+GPU_MAX_QUEUE = 4096
+# One Python process speaks HTTP at ~4,000 requests/s. On a GPU machine the cores are
+# free for more (an H100's 16 cores, echo handler: 3,895 / 10,111 / 16,512 req/s at 1 / 4
+# / 8 processes; BERT-base at 64 clients 1,253 -> 1,809/s with 4); on a CPU they belong
+# to the model workers (2 cores: 2 processes gained nothing), so one does both there.
+GPU_HTTP_PROCESSES = 4
 
 ENV_TRUE = ("1", "true", "yes", "on")
 ENV_FALSE = ("", "0", "false", "no", "off")
@@ -139,7 +148,12 @@ OPTIONS = [
         "continuous generation: sequences a worker runs at once (default: 256 on a GPU, 64 "
         "on a CPU)",
     ),
-    Option("--max-queue", int, 256, "queued items; beyond it: 503"),
+    Option(
+        "--max-queue",
+        int,
+        None,
+        f"queued items; beyond it: 503 (default: {CPU_MAX_QUEUE}; {GPU_MAX_QUEUE} on a GPU)",
+    ),
     Option(
         "--max-client-batch-size", int, 32, "inputs allowed in one request (TEI's name); more: 413"
     ),
@@ -185,9 +199,10 @@ OPTIONS = [
     Option(
         "--http-processes",
         int,
-        1,
+        None,
         "processes that speak HTTP (connections, parsing, JSON) beside the one serving "
-        "process that schedules and feeds the workers; 1: one process does both",
+        "process that schedules and feeds the workers; 1: one process does both (default: "
+        f"1; on a GPU {GPU_HTTP_PROCESSES}, at most a quarter of the cores)",
     ),
     Option(
         "--loop", str, "auto", "the event loop: auto (uvloop where installed), asyncio or uvloop"
@@ -268,9 +283,14 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             devices = tuple(parse_devices(args.device, os.environ.get("CUDA_VISIBLE_DEVICES")))
         except ValueError as exc:
             parser.error(str(exc))
+    gpu = layout.on_gpu(devices)
     args.max_batch_size, args.max_batch_tokens, batch_limits = batch_defaults(
-        args.max_batch_size, args.max_batch_tokens, layout.on_gpu(devices)
+        args.max_batch_size, args.max_batch_tokens, gpu
     )
+    if args.max_queue is None:
+        args.max_queue = GPU_MAX_QUEUE if gpu else CPU_MAX_QUEUE
+    if args.http_processes is None:
+        args.http_processes = http_processes_default(gpu, os.cpu_count() or 1)
     for name in ("max_batch_size", "max_queue", "max_client_batch_size", "max_body_bytes", "port"):
         if getattr(args, name) < (0 if name == "port" else 1):
             parser.error(f"--{name.replace('_', '-')} must be positive")
@@ -372,6 +392,11 @@ def batch_defaults(size: int | None, tokens: int | None, gpu: bool) -> tuple[int
         else f"{chosen_tokens} tokens" + (" (as given)" if tokens is not None else " (TEI's)"),
     ]
     return chosen_size, chosen_tokens, f"on {where}: up to " + ", ".join(said)
+
+
+def http_processes_default(gpu: bool, cores: int) -> int:
+    """One on a CPU machine; on a GPU machine several, leaving most cores to the rest."""
+    return max(1, min(GPU_HTTP_PROCESSES, cores // 4)) if gpu else 1
 
 
 def read_chat_template(path: str | None, parser: argparse.ArgumentParser) -> str | None:

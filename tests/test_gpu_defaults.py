@@ -1,5 +1,6 @@
 """On a GPU, rawserve runs as a GPU wants: half precision unless --dtype says otherwise,
-and batches of hundreds of items bounded by tokens; a CPU keeps its own defaults. No GPU
+and batches of hundreds of items bounded by tokens, a queue of several of them, HTTP from
+several processes; a CPU keeps its own defaults. No GPU
 here: the CUDA probe is faked, and the choices are checked where they are made."""
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from rawserve.main import model_facts
 from rawserve.ops import layout
 from rawserve.options import (
     CPU_MAX_BATCH_SIZE,
+    CPU_MAX_QUEUE,
     GPU_MAX_BATCH_SIZE,
     GPU_MAX_BATCH_TOKENS,
+    GPU_MAX_QUEUE,
+    http_processes_default,
     parse_config,
 )
 from tests.test_config import handler_plan
@@ -153,3 +157,19 @@ def test_a_worker_on_a_faked_gpu_loads_half_precision_and_says_so(tiny_model, mo
     assert runner.dtype_reason.startswith("auto on cuda:0: half precision (float16")
     lines = [record.getMessage() for record in caplog.records]
     assert any(line.startswith("dtype: float16 (auto on cuda:0") for line in lines)
+
+
+def test_a_gpu_queues_several_batches_and_a_cpu_keeps_its_bound(gpu):
+    assert parse_config([]).model.max_queue == GPU_MAX_QUEUE
+    assert parse_config(["--max-queue", "100"]).model.max_queue == 100  # what is given stays
+    assert parse_config(["--device", "cpu"]).model.max_queue == CPU_MAX_QUEUE
+
+
+def test_a_gpu_machine_speaks_http_from_several_processes(gpu, monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert parse_config([]).http_processes == 4
+    assert parse_config(["--http-processes", "1"]).http_processes == 1
+    assert parse_config(["--device", "cpu"]).http_processes == 1  # the cores are the workers'
+    # a quarter of the cores at most, one at least
+    assert [http_processes_default(True, cores) for cores in (2, 8, 16, 64)] == [1, 2, 4, 4]
+    assert http_processes_default(False, 64) == 1
