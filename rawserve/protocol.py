@@ -60,6 +60,7 @@ from rawserve.http.response_head import (
     fixed_fields,
     h11_head,
     render_fixed,
+    render_kept,
     render_request_fields,
     request_fields,
 )
@@ -394,20 +395,26 @@ class HttpProtocol(asyncio.Protocol):
 
     def _send(self, cycle: Cycle, response: HttpResponse, close: bool = False) -> None:
         """The one writer of a whole answer: its head from `rawserve.http.response_head`,
-        framed by h11 where h11 has a request to answer (or an error of its own to
-        answer), by hand where it has none, or where a refusal decided from the head
-        takes the cheap way; then the connection is kept or closed (`_finish_cycle`)."""
+        by hand on a connection that stays open (where h11 would write the head as given;
+        h11 is restarted after), framed by h11 where the connection ends or h11 would
+        write the head its own way, and by hand where h11 has no request to answer; then
+        the connection is kept or closed."""
         if not self._start_response(cycle):
             return
-        cheap = not close and self._refused_in_this_pass(cycle, response)
         close = close or self._closes_after(response)
         headers = (*response.headers, *self._cors_headers(cycle, response))
         length = len(response.body)
         body = b"" if cycle.is_head else response.body
+        kept = None
+        if not close and self._stays_open_after(cycle):
+            kept = render_kept(response.status, response.content_type, headers, length)
         framed_by_h11 = self.conn.our_state is h11.SEND_RESPONSE or (
             self.conn.their_state is h11.ERROR
         )
-        if framed_by_h11 and not cheap:
+        if kept is not None:
+            timing = render_request_fields(response, cycle.request_id, cycle.started)
+            pieces = [kept, timing, body]
+        elif framed_by_h11:
             fields = fixed_fields(response.content_type, headers, length, close)
             fields += request_fields(response, cycle.request_id, cycle.started)
             try:
@@ -420,14 +427,12 @@ class HttpProtocol(asyncio.Protocol):
                 self.close()
                 return
         else:
-            # A third of a refusal's cost is h11's writer: under overload most answers
-            # are refusals, and their fixed bytes are made once per distinct refusal.
             fixed = render_fixed(response.status, response.content_type, headers, length, close)
             timing = render_request_fields(response, cycle.request_id, cycle.started)
             pieces = [fixed, timing, body]
         self._write_all(pieces)  # one send for the whole answer
         self._log_access(cycle, response.status, length)
-        if cheap:
+        if kept is not None:
             self._restart_h11()
         else:
             self._finish_cycle(close or not framed_by_h11)
@@ -496,22 +501,19 @@ class HttpProtocol(asyncio.Protocol):
             return []
         return cors.headers_for(cycle.origin, response.headers)
 
-    def _refused_in_this_pass(self, cycle: Cycle, response: HttpResponse) -> bool:
-        """A 503 decided from the request's head (the queue is full, the model loading),
-        on a connection that stays open: written by hand, the cheap way."""
+    def _stays_open_after(self, cycle: Cycle) -> bool:
+        """Whether h11 would keep the connection after answering `cycle`, and write the
+        answer's head as given: an HTTP/1.1 request without Connection: close, read
+        whole, not HEAD (whose answer h11 writes without its body)."""
         return (
-            response.status == 503
-            and response is cycle.early
+            cycle.keep_alive
             and not cycle.is_head
-            and not self.app.draining
-            and not self.probe_only
-            and cycle.keep_alive
             and self.conn.their_state is h11.DONE
             and self.conn.our_state is h11.SEND_RESPONSE
         )
 
     def _restart_h11(self) -> None:
-        """After an answer h11 did not write: start it afresh with what it had read ahead
+        """After an answer written by hand: start h11 afresh with what it had read ahead
         (the request was read whole and the connection stays)."""
         self.cycle = None
         unread, closed = self.conn.trailing_data

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import h11
 import pytest
 
 from rawserve.api.bodies import request_timeout
@@ -14,6 +15,12 @@ from rawserve.http.cors import EXPOSED_HEADERS, CorsPolicy
 from rawserve.http.errors import BadRequest, GatewayTimeout, ServiceUnavailable, Unauthorized
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.http.limits import LINGER_SECONDS
+from rawserve.http.response_head import (
+    fixed_fields,
+    reason,
+    render_kept,
+    render_request_fields,
+)
 from rawserve.protocol import (
     PROBE_RESERVE,
     READ_AHEAD_LIMIT,
@@ -818,3 +825,62 @@ async def test_a_refusal_to_an_http_1_0_client_still_closes():
     await settle()
     [(response, _)] = read_responses(transport.written)
     assert response.status_code == 503 and transport.finished
+
+
+def h11_written(status: int, fields: list[tuple[str, str]], body: bytes) -> bytes:
+    """What h11 writes for this answer to a keep-alive request it read whole."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n")
+    while conn.next_event() is not h11.NEED_DATA:
+        pass
+    written = conn.send(h11.Response(status_code=status, headers=fields, reason=reason(status)))
+    written += conn.send(h11.Data(data=body)) if body else b""
+    written += conn.send(h11.EndOfMessage()) or b""
+    assert conn.our_state is h11.DONE and conn.their_state is h11.DONE  # the connection stays
+    return written
+
+
+@pytest.mark.parametrize(
+    ("status", "content_type", "headers"),
+    [
+        (200, "application/json", ()),
+        (201, "text/plain; charset=utf-8", (("X-Custom", "a  b"), ("x-lower", "v"))),
+        (503, "application/json", (("Retry-After", "2"),)),
+        (404, "", (("Access-Control-Allow-Origin", "https://a.example"), ("Vary", "Origin"))),
+        (299, "application/json", ()),  # no reason phrase
+        (200, "application/json", (("Server-Timing", 'queue;dur=0.10, batch;desc="3"'),)),
+        (200, "application/json", (("X-Tab", "a\tb"), ("X-Empty", ""), ("x~!#$%&'*+.^_`|", "~"))),
+    ],
+)
+def test_a_head_written_by_hand_is_the_bytes_h11_writes(status, content_type, headers):
+    body = b'{"x": 1}'
+    if all(name != "Server-Timing" for name, _ in headers):
+        headers += (("Server-Timing", "app;dur=1"),)  # timed by the app: no clock in the bytes
+    head = render_kept(status, content_type, headers, len(body))
+    own = render_request_fields(HttpResponse(status, headers=list(headers)), "r-1", 0.0)
+    fields = fixed_fields(content_type, headers, len(body), False) + (("X-Request-Id", "r-1"),)
+    assert head is not None and head + own + body == h11_written(status, list(fields), body)
+
+
+@pytest.mark.parametrize(
+    ("status", "headers"),
+    [
+        (204, ()),  # h11 frames no body, whatever Content-Length says
+        (304, ()),
+        (101, ()),  # not a final answer: h11 refuses it
+        (200, (("Host", "a"),)),  # h11 writes Host first
+        (200, (("Connection", "close"),)),  # h11 rewrites these three
+        (200, (("Content-Length", "3"),)),
+        (200, (("Transfer-Encoding", "chunked"),)),
+        (200, (("X-Split", "a\r\nInjected: 1"),)),  # h11 refuses it: logged, closed
+        (200, (("X-Name", "caf\u00e9"),)),  # h11 writes ASCII only
+        (200, (("X-Space", " leading"),)),  # outside the grammar: h11 refuses these
+        (200, (("X-Space", "trailing\t"),)),
+        (200, (("X-Nul", "a\x00b"),)),
+        (200, (("X-Del", "a\x7fb"),)),  # obs-text and DEL: h11 decides
+        (200, (("Bad Name", "v"),)),
+        (200, (("", "v"),)),
+    ],
+)
+def test_a_head_h11_would_write_its_own_way_is_left_to_h11(status, headers):
+    assert render_kept(status, "application/json", headers, 3) is None

@@ -1,21 +1,28 @@
 """The head of every answer: its fields, in one order, and their bytes.
 
 The protocol writes every answer through one writer (`HttpProtocol._send`), which frames
-it with h11 where h11 knows the request, and by hand where it does not (an error before
-any head was parsed) or need not (a refusal decided from the head, the cheap way under
-overload). Both take their fields from here, so an answer carries the same headers
-however it is framed:
+it with h11 where h11 knows the request and the connection ends, and by hand where h11
+does not know it (an error before any head was parsed) or need not (`render_kept`).
+Both take their fields from here, so an answer carries the same headers however it is
+framed:
 
     Server, Content-Type, the response's own headers (CORS included), Content-Length,
     Connection: close, then X-Request-Id and Server-Timing (the per-request part).
 
 The first part depends only on the server's own values, so by hand its bytes are made
-once per distinct answer (`render_fixed`). Knows h11's response event; no I/O.
+once per distinct answer (`render_fixed`). On a connection that stays open, an answer to
+a request h11 read whole is written by hand too (`render_kept`): writing it through h11
+cost a fifth of the server's time per request, and what h11 writes there is the head's
+fields as given and the body. Its status line, Server and Content-Type are made once;
+each of the response's own fields is checked against the grammar h11 checks, and where
+one is outside it (or h11 would rewrite it), h11 frames the answer. Knows h11's response
+event; no I/O.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import time
 from http import HTTPStatus
 
@@ -24,6 +31,14 @@ import h11
 from rawserve.http.exchange import HttpResponse
 
 SERVER_HEADER = ("Server", "rawserve")
+# Headers of the app's that h11 would rewrite or move: an answer with one goes through h11.
+_REWRITTEN_BY_H11 = frozenset({"content-length", "transfer-encoding", "connection", "host"})
+# RFC 9110's grammar for a field, without obs-text: a token for the name, and visible
+# ASCII runs joined by spaces or tabs for the value (h11 checks the same, obs-text aside).
+_FIELD_NAME = re.compile(r"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
+_FIELD_VALUE = re.compile(r"(?:[\x21-\x7e]+(?:[ \t]+[\x21-\x7e]+)*)?")
+# Statuses whose body h11 frames otherwise (none at all, whatever Content-Length says).
+_NO_BODY = (204, 304)
 
 Fields = tuple[tuple[str, str], ...]
 
@@ -63,6 +78,50 @@ def render_fixed(
     fields = fixed_fields(content_type, headers, length, close)
     lines = [f"HTTP/1.1 {status} {reason(status)}", *(f"{n}: {v}" for n, v in fields)]
     return ("\r\n".join(lines) + "\r\n").encode("latin-1")
+
+
+def render_kept(status: int, content_type: str, headers: Fields, length: int) -> bytes | None:
+    """The head up to `request_fields`, as h11 writes it on a connection that stays open
+    (an HTTP/1.1 request, read whole, no Connection: close, not HEAD), or None where h11
+    might write it otherwise or refuse it: then h11 frames the answer, as before."""
+    start = kept_start(status, content_type)
+    own = plain_fields(headers)
+    if start is None or own is None:
+        return None
+    return b"%s%sContent-Length: %d\r\n" % (start, own, length)
+
+
+@functools.lru_cache(maxsize=64)
+def kept_start(status: int, content_type: str) -> bytes | None:
+    """The status line, Server and Content-Type (made once per status and type)."""
+    if status < 200 or status in _NO_BODY:
+        return None  # not a final answer (h11 refuses it), or one h11 frames without a body
+    fields = plain_fields(fixed_fields(content_type, (), None, False))
+    if fields is None:
+        return None
+    return b"HTTP/1.1 %d %s\r\n%s" % (status, reason(status).encode("ascii"), fields)
+
+
+def plain_fields(fields: Fields) -> bytes | None:
+    """Each `plain_field`, or None if one is not."""
+    lines = []
+    for name, value in fields:
+        line = plain_field(name, value)
+        if line is None:
+            return None
+        lines.append(line)
+    return b"".join(lines)
+
+
+def plain_field(name: str, value: str) -> bytes | None:
+    """`name: value` as h11 writes it, or None where h11 might not write it as given: a
+    field it rewrites, or one outside the plain grammar it checks against (it refuses
+    some of those; and it writes text as ASCII only)."""
+    if name.lower() in _REWRITTEN_BY_H11:
+        return None
+    if _FIELD_NAME.fullmatch(name) is None or _FIELD_VALUE.fullmatch(value) is None:
+        return None
+    return b"%s: %s\r\n" % (name.encode("ascii"), value.encode("ascii"))
 
 
 def render_request_fields(response: HttpResponse, request_id: str, started: float) -> bytes:

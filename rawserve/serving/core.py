@@ -147,9 +147,13 @@ class SchedulerCore:
         return self._queued_cost
 
     @property
+    def max_size(self) -> int:
+        """Items per batch: --max-batch-size, or fewer where the backend caps it."""
+        return min(self.max_batch_size, self.batch_cap or self.max_batch_size)
+
+    @property
     def limits(self) -> BatchLimits:
-        size = min(self.max_batch_size, self.batch_cap or self.max_batch_size)
-        return BatchLimits(size, self.max_batch_tokens, self.group_lengths)
+        return BatchLimits(self.max_size, self.max_batch_tokens, self.group_lengths)
 
     def new_item(
         self,
@@ -214,14 +218,14 @@ class SchedulerCore:
             return False
         deadline = min(item.deadline for item in items)
         own = [item.cost for item in items]
-        alone = self.cost_model.drain_seconds(own, self.limits.max_size, self.workers)
+        alone = self.cost_model.drain_seconds(own, self.max_size, self.workers)
         if alone is None or now + alone > deadline:
             return False
         in_flight = self._in_flight_seconds(now)
         # In O(1): behind everything queued they would still make it (what is ahead is a
         # part of the queue). Most admissions end here; only a deep queue is looked into.
         everything = self.cost_model.drain_seconds_of(
-            self._size + len(own), self._queued_cost + sum(own), self.limits.max_size, self.workers
+            self._size + len(own), self._queued_cost + sum(own), self.max_size, self.workers
         )
         if everything is not None and now + ADMIT_MARGIN * (in_flight + everything) <= deadline:
             return False
@@ -233,7 +237,7 @@ class SchedulerCore:
             for i in queue
             if i.turn <= last_turn and i.deadline <= latest
         ]
-        with_ahead = self.cost_model.drain_seconds(ahead + own, self.limits.max_size, self.workers)
+        with_ahead = self.cost_model.drain_seconds(ahead + own, self.max_size, self.workers)
         assert with_ahead is not None  # measured, as `alone` was
         return now + ADMIT_MARGIN * (in_flight + with_ahead) > deadline
 
@@ -245,7 +249,7 @@ class SchedulerCore:
         """Seconds until the current queue has likely drained, at the measured speed."""
         # O(1): a full queue refuses every request with this, under overload
         drain = self.cost_model.drain_seconds_of(
-            self._size, self._queued_cost, self.limits.max_size, self.workers
+            self._size, self._queued_cost, self.max_size, self.workers
         )
         if drain is None:
             return 1.0
@@ -321,7 +325,7 @@ class SchedulerCore:
         long) and the item with the earliest deadline wherever it waits: a pass over a
         deep queue costs the same as over a short one (a queue of 256 for 256 one-item
         batches took 112 ms a pass when every batch looked at every item)."""
-        window = queue[: max(CANDIDATE_WINDOW, PLAN_WINDOW * self.limits.max_size)]
+        window = queue[: max(CANDIDATE_WINDOW, PLAN_WINDOW * self.max_size)]
         viable = [item for item in window if self._can_finish(item, now)]
         earliest = min(queue, key=BY_DEADLINE)
         soonest = min((item.deadline for item in viable), default=float("inf"))

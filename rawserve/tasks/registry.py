@@ -114,6 +114,8 @@ def check_params(task: Task, params: Mapping[str, Any]) -> dict[str, Any]:
 
 def batch_key(params: Mapping[str, Any]) -> str:
     """Items share a model call only when their parameters are equal."""
+    if not params:
+        return "{}"  # most requests give none: their key without encoding
     return json.dumps(params, sort_keys=True, separators=(",", ":"))
 
 
