@@ -63,11 +63,16 @@ def test_the_cpu_workers_of_several_models_split_the_cores_and_never_hold_each_o
     assert second.idle_workers() == 1  # ... but the other model does not wait for it
 
 
-def test_a_continuous_worker_takes_every_core_but_never_holds_them():
+def test_a_continuous_worker_keeps_its_even_share_and_never_holds_the_cores():
     """Its one-item batches join a running batch: holding the cores would keep every new
-    sequence out until all the running ones are done."""
-    shared = executor(devices=("cpu",))
-    [worker] = shared.workers
-    worker.sequences = 8
-    assert start(shared, 0, size=1) == 4  # alone in the server: every core
-    assert shared.idle_workers() == 8  # its other rows still take sequences
+    sequence out until all the running ones are done, and every core for a lone item would
+    stay with it while the other worker starts (threads outnumbering the cores)."""
+    shared = executor()
+    for worker in shared.workers:
+        worker.sequences = 8
+    assert start(shared, 0, size=1) == 2  # alone in the server, still its half
+    assert shared.idle_workers() == 8 + 8  # no hold: every free row takes sequences
+    assert start(shared, 1, size=1) == 2
+    only = executor(devices=("cpu",))
+    only.workers[0].sequences = 8
+    assert start(only, 0, size=1) == 4  # the only CPU worker: its share is every core

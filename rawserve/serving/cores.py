@@ -1,7 +1,8 @@
 """How CPU workers split the machine's cores (`--share-cores`).
 
 The CPU workers of every served model split the cores evenly, except that a batch of one
-item with no other CPU worker busy gets every core (low-load latency). Each model's pool
+item with no other CPU worker busy gets every core (low-load latency); a continuous
+generation worker always keeps its even share (rawserve.serving.pool says why). Each model's pool
 registers its CPU workers in the one `CoreShare` of the server.
 """
 
@@ -32,4 +33,8 @@ class CoreShare:
         others_busy = any(w.state is WorkerState.BUSY for w in self.workers if w is not worker)
         if size == 1 and not others_busy:
             return self.cores, True
-        return max(1, self.cores // len(self.workers)), False
+        return self.even_share(), False
+
+    def even_share(self) -> int:
+        """Each CPU worker's threads when they split the cores evenly."""
+        return max(1, self.cores // len(self.workers))

@@ -310,12 +310,16 @@ class WorkerPool(PoolReports):
         (low-load latency) and holds them: no other CPU worker of this model starts until
         it is done, since OpenMP threads that outnumber the cores stall each other. Another
         model's workers are not held back (one model never waits for another's work). A
-        continuous worker never holds them: its one-item batches join a running batch, and
-        holding would keep every new sequence out until all the running ones are done."""
+        continuous worker keeps its even share: its one-item batches join a running batch,
+        so holding every core would keep every new sequence out until all the running ones
+        are done, and taking every core without holding them kept them while another
+        worker started (threads outnumbering the cores: first tokens 100 ms late)."""
         if not self.share_cores or worker.config.device != "cpu":
             return None
+        if worker.sequences:
+            return self.core_share.even_share()
         threads, every_core = self.core_share.threads_for(worker, size)
-        if every_core and not worker.sequences:
+        if every_core:
             self._all_cores = worker
         elif self._all_cores is worker:
             self._all_cores = None
