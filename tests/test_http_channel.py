@@ -10,9 +10,11 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
+from rawserve.http_process import remote
 from rawserve.http_process.remote import Link, RemoteServing
 from rawserve.ops.metrics import Metrics, merge_families, render_families
 from rawserve.options import parse_config
@@ -196,6 +198,44 @@ def test_a_run_crosses_the_channel_and_a_cancel_follows_a_client_that_leaves():
     assert answered == [ItemResult({"echo": "hello"}, 0.0, 1, 0.0)]
     left = next(m[1] for m in seen if m[0] == "run" and m[3] == ["left"])
     assert ("cancel", left) in seen
+
+
+def test_a_run_the_serving_process_leaves_unanswered_is_refused_once_late(monkeypatch):
+    monkeypatch.setattr(remote, "LATE_SECONDS", 0.05)
+
+    async def scenario() -> tuple[dict[float, tuple[BaseException, float]], list]:
+        board = Board.create(1)
+        seen: list = []
+        ours, theirs = socket.socketpair()
+        link = Link(board, lambda: [], lambda grace: None, lambda: None)
+        await link.connect(ours)
+        stuck = await Channel.over(theirs, seen.extend, lambda: None)  # never answers
+        remote_serving = RemoteServing(link, 0)
+        started = time.monotonic()
+        answers: dict[float, tuple[BaseException, float]] = {}
+
+        async def run(deadline: float) -> None:
+            try:
+                await remote_serving.run(["stuck"], {}, started + deadline, Control())
+            except Refused as refused:
+                answers[deadline] = (refused, time.monotonic() - started)
+
+        # each later run is late earlier than those before it: the one timer moves
+        await asyncio.gather(*(run(deadline) for deadline in (0.3, 0.2, 0.1)))
+        while sum(message[0] == "cancel" for message in seen) < 3:
+            await asyncio.sleep(0.001)
+        link.channel.close()  # type: ignore[union-attr]
+        stuck.close()
+        board.remove()
+        return answers, seen
+
+    answers, seen = asyncio.run(scenario())
+    for deadline, (refused, at) in answers.items():
+        assert isinstance(refused, Refused) and refused.refusal.reason is Reason.DEADLINE_PASSED
+        assert deadline + 0.05 <= at < deadline + 0.05 + 0.2  # at its deadline + LATE_SECONDS
+    assert sorted(answers) == [0.1, 0.2, 0.3]
+    runs = [message[1] for message in seen if message[0] == "run"]
+    assert sorted(message[1] for message in seen if message[0] == "cancel") == sorted(runs)
 
 
 def test_metrics_of_several_processes_are_one_scrape():
