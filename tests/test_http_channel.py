@@ -18,7 +18,17 @@ from rawserve.http_process import remote
 from rawserve.http_process.remote import Link, RemoteServing
 from rawserve.ops.metrics import Metrics, merge_families, render_families
 from rawserve.options import parse_config
-from rawserve.serving.face import Control, ItemResult, Reason, Refused
+from rawserve.serving.bridge import Bridge, BridgedModel
+from rawserve.serving.face import (
+    Control,
+    ItemResult,
+    LoadState,
+    Reason,
+    Refused,
+    ServingStatus,
+    WorkerState,
+    WorkerStatus,
+)
 from rawserve.shared.board import FULL, HEALTHY, READY, Board
 from rawserve.shared.channel import Channel
 from tests.server import REPO_ROOT
@@ -236,6 +246,44 @@ def test_a_run_the_serving_process_leaves_unanswered_is_refused_once_late(monkey
     assert sorted(answers) == [0.1, 0.2, 0.3]
     runs = [message[1] for message in seen if message[0] == "run"]
     assert sorted(message[1] for message in seen if message[0] == "cancel") == sorted(runs)
+
+
+class StatusOnly:
+    """A model's serving side as the bridge's status pass reads it."""
+
+    def __init__(self) -> None:
+        self.state = WorkerState.IDLE
+        self.loaded = None
+        self.ready = True
+        self.full = False
+
+    def snapshot(self) -> ServingStatus:
+        worker = WorkerStatus(0, "cpu", "float32", self.state, 7, 0, None)
+        return ServingStatus(True, True, False, 8, LoadState.LOADING, None, (worker,))
+
+
+def test_a_worker_turning_busy_or_idle_sends_the_http_processes_no_status():
+    async def scenario() -> list[WorkerState]:
+        board = Board.create(1)
+        serving = StatusOnly()
+        model = BridgedModel(serving, lambda: 1.0)  # type: ignore[arg-type]
+        bridge = Bridge([model], board, lambda: [], lambda families: [], serving_pid=1)
+        received: list = []
+        ours, theirs = socket.socketpair()
+        http_side = await Channel.over(theirs, received.extend, lambda: None)
+        await bridge.attach(0, 2, ours)  # a new peer: told every model's status
+        for state in (WorkerState.BUSY, WorkerState.IDLE, WorkerState.BUSY, WorkerState.DEAD):
+            serving.state = state
+            bridge._send_statuses()  # the publishing pass's status check
+        while not any(
+            m[0] == "status" and m[2].workers[0].state is WorkerState.DEAD for m in received
+        ):
+            await asyncio.sleep(0.001)
+        http_side.close()
+        board.remove()
+        return [m[2].workers[0].state for m in received if m[0] == "status"]
+
+    assert asyncio.run(scenario()) == [WorkerState.IDLE, WorkerState.DEAD]
 
 
 def test_metrics_of_several_processes_are_one_scrape():

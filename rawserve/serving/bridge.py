@@ -37,6 +37,7 @@ from rawserve.serving.face import (
     ServingStatus,
     TokenChunk,
     WorkerReady,
+    WorkerState,
 )
 from rawserve.shared.board import Board
 from rawserve.shared.channel import Channel
@@ -61,6 +62,7 @@ class BridgedModel:
     retry_after: Callable[[], float]  # what a full queue's Retry-After says now
     last_status: ServingStatus | None = None
     last_loaded: WorkerReady | None = None
+    last_lasting: ServingStatus | None = None  # the last status, less what each batch moves
 
 
 @dataclass
@@ -297,11 +299,14 @@ class Bridge:
         return snapshot
 
     def _send_statuses(self, peer: Peer | None = None) -> None:
-        """Each model's status to `peer` (a new one), or to every peer where it changed."""
+        """Each model's status to `peer` (a new one), or to every peer where it changed
+        more than a worker turning busy or idle (see `_lasting`)."""
         for index, model in enumerate(self.models):
             status, loaded = self._status(model), model.serving.loaded
-            changed = status != model.last_status or loaded is not model.last_loaded
+            lasting = _lasting(status)
+            changed = lasting != model.last_lasting or loaded is not model.last_loaded
             model.last_status, model.last_loaded = status, loaded
+            model.last_lasting = lasting
             if changed:
                 for each in self.peers.values():
                     each.channel.send(("status", index, status, loaded))
@@ -312,6 +317,23 @@ class Bridge:
         processes = self.processes()
         for peer in self.peers.values():
             peer.channel.send(("processes", processes))
+
+
+def _lasting(status: ServingStatus) -> ServingStatus:
+    """`status` less what moves with every batch under load (a worker busy or idle, the
+    sequences it runs now). Sent on each such change, a status crossed to every HTTP
+    process at every pass (~5 ms) under load, pickled with its enums; what the HTTP
+    processes read of it (a model loading, warming, restarting) is kept, and /info asks
+    for a fresh one."""
+    if not any(worker.state is WorkerState.BUSY or worker.running for worker in status.workers):
+        return status
+    settled = tuple(
+        replace(worker, state=WorkerState.IDLE, running=0)
+        if worker.state is WorkerState.BUSY
+        else replace(worker, running=0)
+        for worker in status.workers
+    )
+    return replace(status, workers=settled)
 
 
 class Backend(Protocol):
