@@ -304,7 +304,8 @@ def server(system: str, folder: Path, log: Path, args: argparse.Namespace) -> se
 
 async def serve_round(system: str, folder: Path, chosen: list[Scenario], log: Path,
                       args: argparse.Namespace) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """Start the system's server, warm it, run every scenario once, stop it."""
+    """Start the system's server, warm it, run every scenario once, stop it (nothing
+    found, and its log's tail shown, if it fails)."""
     model = str(folder)
     process = server(system, folder, log, args).start()
     try:
@@ -333,6 +334,9 @@ async def serve_round(system: str, folder: Path, chosen: list[Scenario], log: Pa
             if "unanswered" in found[scenario.name]["statuses"]:
                 await settle(process.port, probe, args.duration)
         return found
+    except Exception as exc:  # noqa: BLE001 - the other systems still run
+        print(f"{system} failed: {exc!r}\n{process.log_tail(30)}", file=sys.stderr, flush=True)
+        return {}
     finally:
         process.stop()
 
@@ -458,12 +462,7 @@ async def run(args: argparse.Namespace, systems: list[str]) -> dict[str, Any]:
                     found = in_process_round(reference, [s for s in chosen if not s.stream])
                 else:
                     log = Path(tmp) / f"{system}.log"
-                    try:
-                        found = await serve_round(system, folder, chosen, log, args)
-                    except Exception as exc:  # noqa: BLE001 - the other systems still run
-                        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-                        print(f"{system} failed: {exc!r}\n{tail}", file=sys.stderr, flush=True)
-                        continue
+                    found = await serve_round(system, folder, chosen, log, args)
                 for name, result in found.items():
                     runs.setdefault((name, system), []).append(result)
                     line = {"round": round_, "system": system, "scenario": name, **result}

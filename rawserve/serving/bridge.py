@@ -328,12 +328,13 @@ def _lasting(status: ServingStatus) -> ServingStatus:
     if not any(worker.state is WorkerState.BUSY or worker.running for worker in status.workers):
         return status
     settled = tuple(
-        replace(worker, state=WorkerState.IDLE, running=0)
-        if worker.state is WorkerState.BUSY
-        else replace(worker, running=0)
-        for worker in status.workers
+        replace(worker, running=0, state=_settled(worker.state)) for worker in status.workers
     )
     return replace(status, workers=settled)
+
+
+def _settled(state: WorkerState) -> WorkerState:
+    return WorkerState.IDLE if state is WorkerState.BUSY else state
 
 
 class Backend(Protocol):

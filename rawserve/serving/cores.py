@@ -2,8 +2,8 @@
 
 The CPU workers of every served model split the cores evenly, except that a batch of one
 item with no other CPU worker busy gets every core (low-load latency); a continuous
-generation worker always keeps its even share (rawserve.serving.pool says why). Each model's pool
-registers its CPU workers in the one `CoreShare` of the server.
+generation worker always keeps its even share (rawserve.serving.pool says why). Each
+model's pool registers its CPU workers in the one `CoreShare` of the server.
 """
 
 from __future__ import annotations
