@@ -31,6 +31,7 @@ from rawserve.serving.face import (
 )
 from rawserve.shared.board import FULL, HEALTHY, READY, Board
 from rawserve.shared.channel import Channel
+from rawserve.shared.late_watch import LateWatch
 from tests.server import REPO_ROOT
 
 
@@ -260,6 +261,36 @@ class StatusOnly:
     def snapshot(self) -> ServingStatus:
         worker = WorkerStatus(0, "cpu", "float32", self.state, 7, 0, None)
         return ServingStatus(True, True, False, 8, LoadState.LOADING, None, (worker,))
+
+
+def test_the_late_watch_calls_each_run_late_once_at_its_time_on_one_timer():
+    """Runs watched out of order are called late in order, a forgotten one never; a timer
+    that fires before the clock reads the time (uvloop's may) finds nothing late and
+    is set again."""
+    now = [0.0]
+    late: list[int] = []
+
+    async def scenario() -> None:
+        watch = LateWatch(late.append, clock=lambda: now[0])
+        watch.watch(1, 0.03)
+        watch.watch(2, 0.01)
+        watch.watch(3, 0.02)
+        watch.forget(3)
+        await asyncio.sleep(0.015)  # the timer (at 0.01 by the clock) fires: the clock lags
+        assert late == []
+        now[0] = 0.015
+        await asyncio.sleep(0.03)  # it was set again (0.01 ahead): now it finds run 2 late
+        assert late == [2]
+        now[0] = 1.0
+        await asyncio.sleep(0.03)
+        assert late == [2, 1] and watch.late_at == {}
+        watch.watch(4, 2.0)
+        watch.close()  # nothing is called late after
+        now[0] = 3.0
+        await asyncio.sleep(0.01)
+        assert late == [2, 1]
+
+    asyncio.run(scenario())
 
 
 def test_a_worker_turning_busy_or_idle_sends_the_http_processes_no_status():

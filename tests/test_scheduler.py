@@ -540,6 +540,44 @@ async def test_a_passed_deadline_is_refused_and_the_item_never_computed(driver):
     assert [call[0] for call in backend.calls] == [["a"]]
 
 
+async def test_runs_in_flight_end_at_their_own_deadlines_one_timer_for_all(driver):
+    """Dispatched or queued, single or several items: each run ends with DEADLINE_PASSED at
+    its own deadline, in deadline order, while a run with time left is answered; a run of
+    several items ends once (no stray exception left on the loop)."""
+    scheduler, backend = driver
+    loop = asyncio.get_running_loop()
+    stray: list[dict] = []
+    loop.set_exception_handler(lambda _, context: stray.append(context))
+    ended: list[str] = []
+
+    async def run(name: str, inputs: list[str], seconds: float):
+        try:
+            return await scheduler.run(inputs, {}, scheduler.clock() + seconds)
+        except Refused as refused:
+            assert refused.refusal.reason is Reason.DEADLINE_PASSED
+            ended.append(name)
+            raise
+
+    in_flight = asyncio.create_task(run("in flight", ["a"], 0.15))
+    await until(lambda: len(backend.calls) == 1)
+    several = asyncio.create_task(run("several", ["b", "c", "d"], 0.05))
+    patient = asyncio.create_task(run("patient", ["e"], 5))
+    started = scheduler.clock()
+    for task in (several, in_flight):
+        with pytest.raises(Refused):
+            await task
+    assert ended == ["several", "in flight"]
+    assert scheduler.clock() - started >= 0.15 - 0.01
+    assert not patient.done()
+    backend.finish(0)  # the late batch's answer finds nobody waiting
+    await until(lambda: len(backend.calls) == 2)
+    assert backend.calls[1][0] == ["e"]  # the expired items were never sent
+    backend.finish(1)
+    assert [r.output for r in await patient] == ["out:e"]
+    assert scheduler._runs == {} and scheduler._late.late_at == {}
+    assert stray == []
+
+
 async def test_a_cancelled_request_is_withdrawn(driver):
     scheduler, backend = driver
     busy = asyncio.create_task(scheduler.run(["a"], {}, scheduler.clock() + 5))

@@ -3,7 +3,8 @@ the serving process (rawserve.serving.bridge), so that the API side does not cha
 
 `Link` is the process's end of that channel: requests by id, their answers, the token
 streams' listeners, the latest status of each model and the list of processes.
-`LateWatch` answers a request that the serving process leaves unanswered past its deadline.
+A request that the serving process leaves unanswered past its deadline is answered here
+(`LateWatch`).
 `RemoteServing` is one model's face over it. What a request needs at once (is the queue
 full, is a worker ready) is read from the `Board` the serving process publishes,
 without a message; `snapshot` and `loaded` are the latest the serving process sent.
@@ -14,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +35,7 @@ from rawserve.serving.face import (
 )
 from rawserve.shared.board import FULL, HEALTHY, READY, Board
 from rawserve.shared.channel import Channel
+from rawserve.shared.late_watch import LateWatch
 
 log = logging.getLogger("rawserve")
 
@@ -61,49 +62,6 @@ class Rejections(Protocol):
     """What a model's face counts (rawserve.ops.metrics.ModelMetrics)."""
 
     def drop(self, reason: str, count: int = 1) -> None: ...
-
-
-class LateWatch:
-    """The runs waiting on the serving process, each with the time it is late at (its
-    deadline + LATE_SECONDS), under one timer set at the earliest of them.
-
-    An `asyncio.timeout` per run cost the HTTP process ~5 µs of CPU a request (a
-    `Timeout`, a timer handle and the task's cancel bookkeeping); here a run costs a
-    dict entry, and the timer moves only for a run late earlier than every other one
-    (under steady load it fires about once per request timeout, finding none late)."""
-
-    def __init__(self, on_late: Callable[[int], None], clock: Callable[[], float] = time.monotonic):
-        self.on_late = on_late
-        self.clock = clock
-        self.late_at: dict[int, float] = {}  # by request id
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = math.inf
-
-    def watch(self, rid: int, late_at: float) -> None:
-        self.late_at[rid] = late_at
-        if late_at < self._timer_at:
-            self._set_timer(late_at)
-
-    def forget(self, rid: int) -> None:
-        """The run is over (the timer stays: it finds nothing late when it fires)."""
-        self.late_at.pop(rid, None)
-
-    def _set_timer(self, at: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer_at = at
-        delay = max(0.0, at - self.clock())
-        self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer, self._timer_at = None, math.inf
-        now = self.clock()
-        late = [rid for rid, at in self.late_at.items() if at <= now]
-        for rid in late:
-            del self.late_at[rid]
-            self.on_late(rid)
-        if self.late_at:
-            self._set_timer(min(self.late_at.values()))
 
 
 class Link:

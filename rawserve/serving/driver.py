@@ -11,6 +11,7 @@ domain refusal: it knows nothing of HTTP, nor of torch).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -25,6 +26,7 @@ from rawserve.serving.core import (
     WorkItem,
 )
 from rawserve.serving.refusals import Reason, Refusal, Refused, model_failed, shutting_down
+from rawserve.shared.late_watch import LateWatch
 from rawserve.shared.messages import NO_CONTROL, BatchResult, Control
 
 log = logging.getLogger("rawserve.scheduler")
@@ -97,6 +99,10 @@ class Scheduler:
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self.in_flight = 0  # items inside model calls
+        # each run's futures, until it ends or its deadline passes (one timer for them all)
+        self._runs: dict[int, list[asyncio.Future[ItemResult]]] = {}
+        self._run_ids = itertools.count()
+        self._late = LateWatch(self._on_late, clock)
 
     def start(self) -> None:
         self._loop = self._loop or asyncio.get_running_loop()
@@ -109,6 +115,7 @@ class Scheduler:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._timer is not None:
             self._timer.cancel()
+        self._late.close()
         for item in self.core.drop_expired(float("inf")):  # every queued item
             _settle(item, exception=shutting_down())
 
@@ -163,18 +170,16 @@ class Scheduler:
         except QueueFull as refused:
             raise self._refusal(refused, len(items)) from None
         self._wake.set()
-        expired = False
+        run_id = next(self._run_ids)
+        self._runs[run_id] = futures
+        self._late.watch(run_id, deadline)  # then `_on_late` fails it with DEADLINE_PASSED
         try:
-            async with asyncio.timeout(max(0.0, deadline - now)):
-                if len(futures) == 1:  # most requests: no gathering future in between
-                    return [await futures[0]]
-                return list(await asyncio.gather(*futures))
-        except TimeoutError:
-            expired = True
-            raise Refused.because(
-                Reason.DEADLINE_PASSED, "the request's deadline passed before it was answered"
-            ) from None
+            if len(futures) == 1:  # most requests: no gathering future in between
+                return [await futures[0]]
+            return list(await asyncio.gather(*futures))
         finally:
+            expired = self._runs.pop(run_id, None) is None  # `_on_late` took it
+            self._late.forget(run_id)
             self._count_withdrawn(items, deadline, expired)
             for item, future in zip(items, futures, strict=True):
                 self.core.remove(item)
@@ -184,6 +189,18 @@ class Scheduler:
                 # whether the model still works on it)
                 if item.batch is not None and not item.batch.done():
                     self.backend.abandon(item.batch)  # its own model call: free its rows
+
+    def _on_late(self, run_id: int) -> None:
+        """A run's deadline passed: it ends with DEADLINE_PASSED (through the first of its
+        items not answered yet; its other items are withdrawn as it ends)."""
+        futures = self._runs.pop(run_id, None)
+        waiting = next((f for f in futures or () if not f.done()), None)
+        if waiting is not None:
+            waiting.set_exception(
+                Refused.because(
+                    Reason.DEADLINE_PASSED, "the request's deadline passed before it was answered"
+                )
+            )
 
     async def _dispatch_loop(self) -> None:
         while True:
@@ -226,9 +243,8 @@ class Scheduler:
             self.metrics.drop(reason, count)
 
     def _count_withdrawn(self, items: list[WorkItem], deadline: float, expired: bool) -> None:
-        """Count items leaving the queue uncomputed: at their deadline, or their client left.
-        (`expired`: the deadline's timer fired; an event loop's timer may fire a little
-        before the clock reads the deadline, as uvloop's does.)"""
+        """Count items leaving the queue uncomputed: at their deadline (`expired`: the
+        run's deadline was found passed), or their client left."""
         withdrawn = sum(item.queued for item in items)
         if withdrawn:
             reason = "expired" if expired or self.clock() >= deadline else "disconnected"
