@@ -24,6 +24,7 @@ from rawserve.shared.messages import (
     ItemFailure,
     Shutdown,
     TokenChunk,
+    TokenChunks,
     WorkerConfig,
 )
 
@@ -228,7 +229,8 @@ def test_chat_inputs_render_with_the_template_as_the_static_path(tiny_model):
 def streamed(runner, control: Control, script_after: dict[int, list[Any]] | None = None, **kw):
     batch = Batch(1, ("the movie was", "a good film"), GREEDY, control=control)
     sent = serve(runner, {0: [batch], **(script_after or {})}, **kw)
-    chunks = [m for m in sent if isinstance(m, TokenChunk)]
+    assert not any(isinstance(m, TokenChunk) for m in sent)  # a forward pass's go together
+    chunks = [c for m in sent if isinstance(m, TokenChunks) for c in m.chunks]
     return chunks, results(sent)[1]
 
 
@@ -251,6 +253,23 @@ def test_a_streamed_batch_sends_each_token_as_the_static_path_streams_it(runner)
     assert {c.stream_id for c in chunks} == {9}
     assert without_logprobs(list(answer.outputs)) == without_logprobs(expected)
     assert "tokens" not in answer.outputs[0]["details"]  # a stream sent them one by one
+
+
+def test_each_forward_pass_sends_every_streams_tokens_in_one_message(runner):
+    one = Batch(1, ("the movie was",), GREEDY, control=Control(stream_id=9))
+    two = Batch(2, ("a good film",), GREEDY, control=Control(stream_id=10))
+    late = Batch(3, ("word",), GREEDY, control=Control(stream_id=11))
+    sent = serve(runner, {0: [one, two], 3: [late]})
+    passes = [m.chunks for m in sent if isinstance(m, TokenChunks)]
+    # the joiners' prefill is a pass of its own: its first tokens go before the decoding
+    assert [(c.stream_id, c.index) for c in passes[0]] == [(9, 0), (10, 0)]
+    for chunks in passes:  # a token per stream per pass, at most
+        assert len({c.stream_id for c in chunks}) == len(chunks)
+    joined = next(i for i, chunks in enumerate(passes) if 11 in {c.stream_id for c in chunks})
+    assert [c.stream_id for c in passes[joined]] == [11]  # its prefill, before the step
+    streamed = [c for chunks in passes for c in chunks]
+    for stream_id in (9, 10, 11):
+        assert len([c for c in streamed if c.stream_id == stream_id]) == GREEDY["max_new_tokens"]
 
 
 def test_the_shared_cancelled_stream_integer_stops_that_stream_only(runner):

@@ -62,6 +62,7 @@ from rawserve.shared.messages import (
     Control,
     Shutdown,
     TokenChunk,
+    TokenChunks,
     WorkerConfig,
     WorkerLoadFailed,
     WorkerReady,
@@ -451,11 +452,11 @@ class WorkerPool(PoolReports):
         self._on_exit(worker, process)
 
     def _on_message(self, worker: WorkerHandle, message: Any) -> None:
-        if isinstance(message, TokenChunk):
-            job = worker.running.streaming(message.stream_id) or worker.job
-            if job is not None:
-                job.streamed = True
-            self.streams.deliver(message)
+        if isinstance(message, TokenChunks):
+            for chunk in message.chunks:
+                self._on_token(worker, chunk)
+        elif isinstance(message, TokenChunk):
+            self._on_token(worker, message)
         elif isinstance(message, BatchResult):
             self._on_result(worker, message)
         elif isinstance(message, WorkerWarming):
@@ -489,6 +490,12 @@ class WorkerPool(PoolReports):
             if self._first_load and not self._first_load.done():
                 self._first_load.set_exception(RuntimeError(message.message))
                 self._closing = True  # a model that never loaded will not load on retry
+
+    def _on_token(self, worker: WorkerHandle, chunk: TokenChunk) -> None:
+        job = worker.running.streaming(chunk.stream_id) or worker.job
+        if job is not None:
+            job.streamed = True
+        self.streams.deliver(chunk)
 
     def _on_result(self, worker: WorkerHandle, result: BatchResult) -> None:
         job = worker.job

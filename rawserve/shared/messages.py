@@ -113,6 +113,15 @@ class TokenChunk:
 
 
 @dataclass(frozen=True)
+class TokenChunks:
+    """The new tokens of one forward pass of a continuous generation worker, for every
+    stream it runs: one message (one write, one read) where a `TokenChunk` each would
+    cost a write and two reads per token; sent before the next pass starts."""
+
+    chunks: tuple[TokenChunk, ...]
+
+
+@dataclass(frozen=True)
 class Cancel:
     """The server no longer wants a batch's answer (its client left, or its deadline
     passed). A continuous worker ends the batch's sequences at its next decoding step and

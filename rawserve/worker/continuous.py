@@ -91,7 +91,9 @@ class ContinuousBatcher:
     `add` queues a sequence, `cancel` ends one (it leaves at the next step), `step` lets
     waiting sequences join (prefill), runs one decoding step for every running row, and
     returns the sequences that finished in it. `on_token(generation, token, piece)` hears
-    every new token with the text it adds. When a step raises (the model failed, or ran
+    every new token with the text it adds, and `after_pass()` is called once a forward
+    pass's tokens are all heard (the joiners' prefill, a decoding step), so a listener can
+    send them together before the next pass. When a step raises (the model failed, or ran
     out of memory), `drop_running` takes the sequences it was running out of the batch.
     """
 
@@ -102,6 +104,7 @@ class ContinuousBatcher:
         max_positions: int,
         max_rows: int = 64,
         on_token: Callable[[Generation, int, str], None] | None = None,
+        after_pass: Callable[[], None] | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -109,6 +112,7 @@ class ContinuousBatcher:
         self.max_positions = max_positions
         self.max_rows = max_rows
         self.on_token = on_token
+        self.after_pass = after_pass
         # the cache's keyword: `cache` since transformers renamed it (`past_key_values`,
         # still taken, now warns)
         forward = inspect.signature(model.forward).parameters
@@ -260,6 +264,8 @@ class ContinuousBatcher:
         if any(g.logprobs is not None for g in rows):
             logprobs = scores.log_softmax(-1).gather(1, tokens[:, None])[:, 0].tolist()
         self._accept(rows, chosen, logprobs)
+        if self.after_pass is not None:
+            self.after_pass()
         return tokens
 
     def _accept(

@@ -8,8 +8,9 @@ so a short request never waits for a long one. Between two steps it takes every 
 the server has sent (rawserve.worker.feeder): new batches, a `Cancel(batch_id)` (that
 batch's sequences end at the next step, finish_reason "cancelled"), or `Shutdown`. A
 batch is answered (`BatchResult`, its compute seconds counted from its arrival) the
-moment its last item is done, in whatever order batches finish. With nothing running it
-blocks on the pipe.
+moment its last item is done, in whatever order batches finish; streamed tokens go out
+once per forward pass, every stream's in one message (`TokenChunks`). With nothing running
+it blocks on the pipe.
 
 Items are turned into sequences, and finished sequences into outputs, by the runner
 (rawserve.worker.causal_lm), so an item gets here what one `generate` call gives it: an
@@ -37,6 +38,7 @@ from rawserve.shared.messages import (
     ItemFailure,
     Shutdown,
     TokenChunk,
+    TokenChunks,
     WorkerConfig,
 )
 from rawserve.worker.causal_lm import CausalLMRunner
@@ -101,8 +103,14 @@ class GenerationLoop:
         self.cancelled_stream = cancelled_stream  # a shared integer: a stream to stop
         self.clock = clock
         self.batcher = ContinuousBatcher(
-            runner.model, runner.tokenizer, runner.max_positions, rows, self._on_token
+            runner.model,
+            runner.tokenizer,
+            runner.max_positions,
+            rows,
+            self._on_token,
+            self._send_streamed,
         )
+        self.streamed: list[TokenChunk] = []  # this forward pass's tokens for their streams
         self.open: dict[int, OpenBatch] = {}  # by batch id
         self.cap = BatchCap(ROWS_RESTORE_AFTER)
         self.releaser = FreeMemoryReleaser()
@@ -183,6 +191,7 @@ class GenerationLoop:
             self._finish(generation)
 
     def _on_step_failure(self, exc: Exception) -> None:
+        self.streamed = []  # a failed pass's tokens: its sequences fail instead
         running = self.batcher.drop_running()
         failure = self.runner.describe_failure(exc)
         if failure.kind is FailureKind.OUT_OF_MEMORY:
@@ -211,8 +220,16 @@ class GenerationLoop:
         if stream_id is None:
             opened.tokens[index].append(token)
             return
+        self.streamed.append(TokenChunk(stream_id=stream_id, index=index, token=token))
+
+    def _send_streamed(self) -> None:
+        """A forward pass is over: its streamed tokens go in one message, before the next
+        pass starts (a joiner's first token does not wait for the decoding step)."""
+        if not self.streamed:
+            return
+        chunks, self.streamed = tuple(self.streamed), []
         try:
-            self.send(TokenChunk(stream_id=stream_id, index=index, token=token))
+            self.send(TokenChunks(chunks))
         except (OSError, ValueError):  # the server is gone
             self.server_gone = True
 
