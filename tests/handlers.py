@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -15,6 +16,17 @@ def echo():
             {"input": item, "params": params, "batch": list(inputs), "pid": os.getpid()}
             for item in inputs
         ]
+
+    return handle
+
+
+def collector():
+    """Answers each input with what the worker's garbage collector holds: the objects it
+    froze (left out of full collections) and those it still tracks."""
+
+    def handle(inputs, **params):
+        state = {"frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects())}
+        return [state for _ in inputs]
 
     return handle
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from rawserve.shared.memory import FreeMemoryReleaser, fix_mmap_threshold
+from tests.server import RunningServer
 
 glibc_only = pytest.mark.skipif(
     not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
@@ -41,3 +42,13 @@ def test_the_trim_is_glibcs_own_call(monkeypatch):
     releaser.after_batch()
     releaser.after_batch()
     assert calls == [0]  # malloc_trim(0): keep no padding at the heap's top
+
+
+def test_a_worker_leaves_what_it_loaded_out_of_the_collectors_full_passes():
+    """Frozen once loaded: a full collection then skips the model's and the libraries'
+    objects (a pass over them stalled every running batch for ~200 ms)."""
+    with RunningServer(["--handler", "tests.handlers:collector", "--no-warmup"]) as server:
+        status, [state] = server.post_json({"inputs": ["x"]})
+    assert status == 200
+    assert state["frozen"] > 10_000  # the imports and the handler, at least
+    assert state["tracked"] < state["frozen"]  # only what came after is collected
