@@ -31,6 +31,20 @@ def collector():
     return handle
 
 
+def flat_cost():
+    """Sleeps as a GPU computes: a large fixed part per batch and little per item
+    (`RAWSERVE_TEST_BATCH_MS`, default 8, and `RAWSERVE_TEST_ITEM_MS`, default 0.01),
+    leaving the cores free; answers each input with its batch's size."""
+    fixed = float(os.environ.get("RAWSERVE_TEST_BATCH_MS", "8")) / 1000
+    per_item = float(os.environ.get("RAWSERVE_TEST_ITEM_MS", "0.01")) / 1000
+
+    def handle(inputs, **params):
+        time.sleep(fixed + per_item * len(inputs))
+        return [{"batch": len(inputs)} for _ in inputs]
+
+    return handle
+
+
 def slow_loading():
     """Takes a while to load, then echoes."""
     time.sleep(float(os.environ.get("RAWSERVE_TEST_LOAD_SECONDS", "3")))

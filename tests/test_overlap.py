@@ -181,3 +181,38 @@ async def test_the_scheduler_times_a_batch_without_its_wait_behind_another():
     await scheduler.stop()
     assert [result.output for result in results] == ["x"]
     assert observed == [95.0]  # the clock less the 5 s it waited in the worker
+
+
+async def test_the_second_batch_waits_until_the_running_one_is_near_its_end(monkeypatch):
+    """Formed as the first one starts, the second batch would take only what was queued
+    then, and cost a GPU a whole batch's time: it is taken once the running batch is near
+    its end (by its recent batches' time), and at once while no batch has been timed."""
+    monkeypatch.setenv("RAWSERVE_TEST_BATCH_MS", "1000")  # the flat_cost handler's batch
+    woken: list[tuple[bool, bool]] = []  # at each wake-up: (running, a second one queued)
+    pool = WorkerPool(
+        WorkerConfig(model="", handler="tests.handlers:flat_cost", threads=1),
+        ["cpu"],
+        overlap=True,
+        on_idle=lambda: woken.append((worker.job is not None, worker.queued is not None)),
+    )
+    worker = pool.workers[0]
+    pool.start()
+    try:
+        await asyncio.wait_for(pool.wait_ready(), 120)
+        first = pool.submit(["a"], {})
+        assert pool.idle_workers() == 1  # nothing timed yet: room behind it at once
+        second = pool.submit(["b"], {})
+        await asyncio.wait_for(asyncio.gather(first, second), 30)
+        assert worker.run_seconds >= 1.0
+        third = pool.submit(["c"], {})
+        assert pool.idle_workers() == 0  # timed now: no room until it is near its end
+        woken.clear()
+        while not pool.idle_workers():
+            await asyncio.sleep(0.01)
+        assert not third.done() and woken[0] == (True, False)  # opened while it ran
+        fourth = pool.submit(["d"], {})
+        assert worker.queued is not None  # sent before the third ended
+        results = await asyncio.wait_for(asyncio.gather(third, fourth), 30)
+        assert [result.outputs[0]["batch"] for result in results] == [1, 1]
+    finally:
+        await pool.shutdown()

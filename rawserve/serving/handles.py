@@ -109,6 +109,10 @@ class WorkerHandle:
         self.queued: Job | None = None
         self.queued_at = 0.0  # when `queued` was sent
         self.overlap = False  # it may hold a second batch (decided once it is ready)
+        # the second batch is formed near the end of the running one, not as it starts:
+        # what arrives meanwhile joins it (`WorkerPool._hold_second`)
+        self.second_open = True
+        self.run_seconds = 0.0  # its recent batches' own time (an average; 0: none yet)
         self.ready: WorkerReady | None = None
         self.started_at = 0.0
         self.record = record  # its restarts and crashes, counted by the supervisor
@@ -120,8 +124,9 @@ class WorkerHandle:
 
     def room(self) -> int:
         """How many batches it takes now: one when idle, one behind a running batch when it
-        overlaps; a continuous worker one per free row (each batch of one item: `batch_cap`),
-        none while it runs a retry that must run alone (a crash must name its input)."""
+        overlaps (once that batch is near its end); a continuous worker one per free row
+        (each batch of one item: `batch_cap`), none while it runs a retry that must run
+        alone (a crash must name its input)."""
         if self.sequences:
             serving = self.state in (WorkerState.IDLE, WorkerState.BUSY)
             if not serving or self.running.holds_retry:
@@ -129,7 +134,12 @@ class WorkerHandle:
             return max(0, self.sequences - self.running.rows)
         if self.state is WorkerState.IDLE:
             return 1
-        return int(self.state is WorkerState.BUSY and self.overlap and self.queued is None)
+        return int(
+            self.state is WorkerState.BUSY
+            and self.overlap
+            and self.queued is None
+            and self.second_open
+        )
 
     def holds(self, job: Job) -> bool:
         """Whether `job` is still this worker's to answer."""

@@ -75,6 +75,12 @@ log = logging.getLogger("rawserve.executor")  # the name operators filter on, ke
 STOP_TIMEOUT = 10.0  # seconds a worker whose pipe closed gets to exit before it is killed
 EXIT_TIMEOUT = 2.0  # seconds an idle worker gets to exit at shutdown before it is killed
 BATCH_TIMEOUT = 120.0  # seconds a batch may run before its worker is killed
+# A worker holding two batches is sent its second this long before the running one is
+# expected to end: a share of its batches' time, at least a few milliseconds (the pipe
+# and the worker's receiving thread take well under one).
+SECOND_LEAD_SHARE = 0.25
+SECOND_LEAD_SECONDS = 0.002
+RUN_MEMORY = 0.8  # weight a worker's batch time average keeps of its past per batch
 
 
 class DropCounter(Protocol):
@@ -339,10 +345,29 @@ class WorkerPool(PoolReports):
             worker.running.add(job)
         else:
             worker.job = job
+            self._hold_second(worker, job)
         if self.batch_timeout:
             job.watchdog = self._running_loop.call_later(
                 self.batch_timeout, self._on_batch_timeout, worker, job
             )
+
+    def _hold_second(self, worker: WorkerHandle, job: Job) -> None:
+        """A worker that holds two batches takes its second once the running one is near
+        its end (its recent batches' time, less a lead for the next batch to reach it):
+        formed at once, from the few requests queued as the first one started, the second
+        batch costs a GPU as much as a full one (its cost hardly grows with its items)
+        while the requests arriving meanwhile wait behind it. Until a batch has been
+        timed, the second is taken at once."""
+        lead = max(SECOND_LEAD_SHARE * worker.run_seconds, SECOND_LEAD_SECONDS)
+        hold = worker.run_seconds - lead
+        worker.second_open = not (worker.overlap and hold > 0)
+        if not worker.second_open:
+            self._running_loop.call_later(hold, self._open_second, worker, job)
+
+    def _open_second(self, worker: WorkerHandle, job: Job) -> None:
+        if worker.job is job:  # (a batch since started holds its own time)
+            worker.second_open = True
+            self._pump()
 
     def _take_queued(self, worker: WorkerHandle, *, error: Exception | None = None) -> Job | None:
         """Detach the batch waiting behind the worker's job; fail it with `error` if given."""
@@ -409,6 +434,7 @@ class WorkerPool(PoolReports):
         process, replies_in = start_process(self._context, worker)
         worker.state = WorkerState.LOADING
         worker.queued, worker.overlap, worker.sequences = None, False, 0
+        worker.second_open, worker.run_seconds = True, 0.0
         worker.ready = None
         worker.batch_cap = None
         worker.started_at = self.clock()
@@ -502,6 +528,11 @@ class WorkerPool(PoolReports):
         if worker.sequences:  # a continuous worker answers its batches in any order
             job = self._detach(worker.running.pop(result.batch_id))
         elif job is not None and result.batch_id == job.batch_id:
+            worker.run_seconds = (
+                RUN_MEMORY * worker.run_seconds + (1 - RUN_MEMORY) * result.compute_seconds
+                if worker.run_seconds
+                else result.compute_seconds
+            )
             self._take_job(worker)
             behind = self._take_queued(worker)
             if behind is not None:  # the worker started it as it sent this result
