@@ -32,6 +32,8 @@ from rawserve.serving.face import (
     ServingStatus,
     TokenChunk,
     WorkerReady,
+    deadline_passed,
+    shutting_down,
 )
 from rawserve.shared.board import FULL, HEALTHY, READY, Board
 from rawserve.shared.channel import Channel
@@ -164,15 +166,11 @@ class Link:
         future = self.pending.pop(rid, None)
         if future is not None and not future.done():
             self.send(("cancel", rid))
-            future.set_exception(
-                Refused.because(
-                    Reason.DEADLINE_PASSED, "the request's deadline passed before it was answered"
-                )
-            )
+            future.set_exception(deadline_passed())
 
     def lost(self) -> None:
         """The serving process is gone: nothing pending will be answered."""
-        gone = Refused.because(Reason.SHUTTING_DOWN, "server shutting down")
+        gone = shutting_down()
         for future in self.pending.values():
             if not future.done():
                 future.set_exception(gone)

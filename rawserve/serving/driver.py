@@ -25,7 +25,14 @@ from rawserve.serving.core import (
     SchedulerCore,
     WorkItem,
 )
-from rawserve.serving.refusals import Reason, Refusal, Refused, model_failed, shutting_down
+from rawserve.serving.refusals import (
+    Reason,
+    Refusal,
+    Refused,
+    deadline_passed,
+    model_failed,
+    shutting_down,
+)
 from rawserve.shared.late_watch import LateWatch
 from rawserve.shared.messages import NO_CONTROL, BatchResult, Control
 
@@ -196,11 +203,7 @@ class Scheduler:
         futures = self._runs.pop(run_id, None)
         waiting = next((f for f in futures or () if not f.done()), None)
         if waiting is not None:
-            waiting.set_exception(
-                Refused.because(
-                    Reason.DEADLINE_PASSED, "the request's deadline passed before it was answered"
-                )
-            )
+            waiting.set_exception(deadline_passed())
 
     async def _dispatch_loop(self) -> None:
         while True:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rawserve.serving.refusals import Reason, Refusal, Refused
+from rawserve.serving.refusals import Reason, Refusal, Refused, deadline_passed, shutting_down
 from rawserve.serving.status import LoadState, WorkerState, WorkerStatus
 from rawserve.shared.messages import (
     EMBEDDING_ROUTE,
@@ -50,6 +50,8 @@ __all__ = [
     "WorkerReady",
     "WorkerState",
     "WorkerStatus",
+    "deadline_passed",
+    "shutting_down",
 ]
 
 

@@ -45,6 +45,12 @@ class Refused(Exception):
         return cls(Refusal(reason, message, retry_after))
 
 
+def deadline_passed() -> Refused:
+    return Refused.because(
+        Reason.DEADLINE_PASSED, "the request's deadline passed before it was answered"
+    )
+
+
 def shutting_down() -> Refused:
     return Refused.because(Reason.SHUTTING_DOWN, "server shutting down")
 
