@@ -45,6 +45,9 @@ class WorkerConfig:
     # batch between decoding steps) or "static" (one `generate` call per batch)
     generation: str = "continuous"
     max_sequences: int | None = None  # continuous: sequences at once (None: by device)
+    # tokenize each batch on a thread of its own as it arrives, apart from the model's
+    # (rawserve.worker.feeder); off only to measure what it saves
+    prepare_ahead: bool = True
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,44 @@ class EncoderRunner(Runner):
     def run(
         self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
     ) -> list[Any]:
+        return self.run_prepared(
+            inputs, params, control, self._encode(self.tokenizer, inputs, params)
+        )
+
+    @property
+    def prepares_ahead(self) -> bool:
+        return True
+
+    def prepare(
+        self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
+    ) -> Any:
+        return self.staged(self._encode(self.ahead_tokenizer(), inputs, params))
+
+    def _encode(self, tokenizer: Any, inputs: list[Any], params: dict[str, Any]) -> Any:
+        """The batch's tensors, on the CPU (`tokenizer`: the model thread's or the
+        preparing thread's own)."""
+        tokenizer.truncation_side = params.get("truncation_direction", "right")
+        truncate = params.get("truncate", True)
+        encoded = tokenizer(
+            inputs,
+            padding=True,
+            truncation=truncate,
+            max_length=self.max_length if truncate else None,
+            return_tensors="pt",
+        )
+        length = encoded["input_ids"].shape[1]
+        if length > self.max_length:
+            raise ValueError(
+                f"the input is {length} tokens and the model takes at most {self.max_length}: "
+                "send truncate: true to cut it"
+            )
+        return encoded
+
+    def run_prepared(
+        self, inputs: list[Any], params: dict[str, Any], control: Control, prepared: Any
+    ) -> list[Any]:
+        if prepared is None:
+            return self.run(inputs, params, control)
         # The embedding routes always want a sentence vector, normalized unless the
         # model says otherwise, and the real token count of each input.
         embedding_route = control.embedding_route
@@ -80,21 +118,7 @@ class EncoderRunner(Runner):
             raise ValueError(
                 f"dimensions must be at most {self.model.config.hidden_size} for this model"
             )
-        self.tokenizer.truncation_side = params.get("truncation_direction", "right")
-        truncate = params.get("truncate", True)
-        encoded = self.tokenizer(
-            inputs,
-            padding=True,
-            truncation=truncate,
-            max_length=self.max_length if truncate else None,
-            return_tensors="pt",
-        ).to(self.device)
-        length = encoded["input_ids"].shape[1]
-        if length > self.max_length:
-            raise ValueError(
-                f"the input is {length} tokens and the model takes at most {self.max_length}: "
-                "send truncate: true to cut it"
-            )
+        encoded = self.on_device(prepared)
         with torch.inference_mode():
             hidden = self.model(**encoded).last_hidden_state.float()
             mask = encoded["attention_mask"]

@@ -8,6 +8,13 @@ the server's send never waits on a busy model (a batch larger than the OS pipe's
 would otherwise hold the server's event loop until the worker read it), and the next
 batch is in memory when the model needs it.
 
+A batch can also be prepared ahead (`prepare`: on a GPU, its tokenizing, and its tensors
+pinned for the copy to the device) by a second thread, between this one and the model's:
+the model thread then finds batch N+1 tokenized when batch N is done, instead of
+tokenizing it while the GPU waits. The preparing thread passes every message on in the
+order read; a batch whose preparation fails goes on unprepared (the model thread runs it
+whole, and says what failed).
+
 Only the model thread runs the model and writes results, one batch after another, each
 result written before the next batch starts: so when a worker dies, every batch it
 finished has been answered, and the batch it was running is the oldest one the server
@@ -18,28 +25,48 @@ Worker process only; standard library.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from rawserve.shared.messages import Shutdown
+from rawserve.shared.messages import Batch, Shutdown
+
+log = logging.getLogger("rawserve.worker")
 
 CLOSED = Shutdown()  # what the model thread gets once the server's end is gone
 
 
 class Feeder:
     """Reads `batches` on a thread of its own; `next()` gives the messages in order, and
-    `drain()` all those already here."""
+    `drain()` all those already here. With `prepare`, each batch is passed to it on a
+    second thread before the model thread gets it; `prepared(batch_id)` gives what it
+    made (None: nothing, or it failed)."""
 
-    def __init__(self, batches: Connection):
+    def __init__(self, batches: Connection, prepare: Callable[[Batch], Any] | None = None):
         self._batches = batches
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._read, name="rawserve-feeder", daemon=True)
+        self._threads = [threading.Thread(target=self._read, name="rawserve-feeder", daemon=True)]
+        self._prepare = prepare
+        self._prepared: dict[int, Any] = {}
+        if prepare is not None:  # the reader hands each message to the preparing thread
+            self._read_into: queue.SimpleQueue[Any] = queue.SimpleQueue()
+            self._threads.append(
+                threading.Thread(target=self._prepare_each, name="rawserve-prepare", daemon=True)
+            )
+        else:
+            self._read_into = self._queue
 
     def start(self) -> Feeder:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
+
+    def prepared(self, batch_id: int) -> Any:
+        """What `prepare` made of the batch the model thread just got (taken once)."""
+        return self._prepared.pop(batch_id, None)
 
     def next(self) -> Any:
         """The next message from the server (a `Shutdown` once its end is closed)."""
@@ -60,8 +87,21 @@ class Feeder:
             try:
                 message = self._batches.recv()
             except (EOFError, OSError):  # the server is gone
-                self._queue.put(CLOSED)
+                self._read_into.put(CLOSED)
                 return
-            self._queue.put(message)
+            self._read_into.put(message)
+            if isinstance(message, Shutdown):
+                return
+
+    def _prepare_each(self) -> None:
+        assert self._prepare is not None
+        while True:
+            message = self._read_into.get()
+            if isinstance(message, Batch):
+                try:
+                    self._prepared[message.batch_id] = self._prepare(message)
+                except Exception:  # noqa: BLE001 - the model thread runs it unprepared
+                    log.debug("batch %d not prepared", message.batch_id, exc_info=True)
+            self._queue.put(message)  # after its preparation: the dict entry is there
             if isinstance(message, Shutdown):
                 return

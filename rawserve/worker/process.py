@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -139,6 +140,7 @@ def worker_main(
         warmup_seconds = warm_up(runner, config.warmup_batch)
     # a causal LM batches continuously: sequences join and leave between decoding steps
     generating = continuous_loop(runner, config, out.send, cancelled_stream)
+    prepare = prepare_batch(runner) if config.prepare_ahead and generating is None else None
     # What is loaded by now lives as long as the worker: leave it out of the collector's
     # full passes, which otherwise stall a batch (every running sequence, when generating)
     # for ~200 ms with a small model loaded (well under 1 ms once frozen; bench/RESULTS.md).
@@ -161,10 +163,10 @@ def worker_main(
             sequences=generating.rows if generating is not None else 0,
         )
     )
-    feeder = Feeder(batches).start()  # the next batch arrives while this one runs
     if generating is not None:
-        generating.run(feeder)
+        generating.run(Feeder(batches).start())
         return
+    feeder = Feeder(batches, prepare).start()  # the next batch arrives while this one runs
     cap = BatchCap()
     releaser = FreeMemoryReleaser()  # tensors of every shape: the heap would only grow
     threads = config.threads
@@ -178,7 +180,8 @@ def worker_main(
                 threads = message.threads
             started = time.perf_counter()
             inputs, params = list(message.inputs), dict(message.params)
-            outputs = run_batch(runner, inputs, params, cap, message.control)
+            prepared = feeder.prepared(message.batch_id)
+            outputs = run_batch(runner, inputs, params, cap, message.control, prepared)
             result = BatchResult(
                 message.batch_id,
                 tuple(outputs),
@@ -191,6 +194,18 @@ def worker_main(
             except (OSError, ValueError):  # the server is gone
                 return
             releaser.after_batch()  # after the reply: the server is not kept waiting
+
+
+def prepare_batch(runner: Runner) -> Callable[[Batch], Any] | None:
+    """The feeder's preparing step for this runner; None when it prepares nothing."""
+    if not runner.prepares_ahead:
+        return None
+    runner.ahead_tokenizer()  # its copy made now, not on the first batch
+
+    def prepare(batch: Batch) -> Any:
+        return runner.prepare(list(batch.inputs), dict(batch.params), batch.control)
+
+    return prepare
 
 
 def sample_token_counts(runner: Runner, batch: Batch) -> tuple[int, ...] | None:
@@ -211,13 +226,18 @@ def run_batch(
     params: dict[str, Any],
     cap: BatchCap | None = None,
     control: Control = NO_CONTROL,
+    prepared: Any = None,
 ) -> list[Any]:
-    """Run a batch in chunks no larger than the cap, each bisected on failure."""
+    """Run a batch in chunks no larger than the cap, each bisected on failure.
+    `prepared`: what `runner.prepare` made of the whole batch (used when it runs whole)."""
     cap = cap or BatchCap()
     size = cap.limit or len(inputs)
+    if size < len(inputs):
+        prepared = None
     outputs: list[Any] = []
     for start in range(0, len(inputs), size):
-        outputs += run_bisecting(runner, inputs[start : start + size], params, cap, control)
+        chunk = inputs[start : start + size]
+        outputs += run_bisecting(runner, chunk, params, cap, control, prepared)
     cap.on_success()
     return outputs
 
@@ -228,10 +248,14 @@ def run_bisecting(
     params: dict[str, Any],
     cap: BatchCap | None = None,
     control: Control = NO_CONTROL,
+    prepared: Any = None,
 ) -> list[Any]:
     """Run a batch; if it raises, run each half alone, down to the failing items."""
     try:
-        outputs = runner.run(inputs, params, control)
+        if prepared is None:
+            outputs = runner.run(inputs, params, control)
+        else:
+            outputs = runner.run_prepared(inputs, params, control, prepared)
     except Exception as exc:  # noqa: BLE001 - every failure becomes data, never a pickle
         failure = runner.describe_failure(exc)
         if failure.kind is FailureKind.OUT_OF_MEMORY:

@@ -7,6 +7,7 @@ Worker process only (imports torch and transformers).
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 from collections.abc import Callable
@@ -60,6 +61,7 @@ class Runner:
         self.engine = Engine.TORCH
         self.engine_reason = ""
         self.onnx: OnnxNetwork | None = None  # the forward pass, when ONNX Runtime runs it
+        self._ahead_tokenizer: Any = None  # the preparing thread's own (see `prepare`)
 
     @property
     def details(self) -> dict[str, Any]:
@@ -92,6 +94,43 @@ class Runner:
         self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
     ) -> list[Any]:
         raise NotImplementedError
+
+    @property
+    def prepares_ahead(self) -> bool:
+        """Whether `prepare` can do anything for this runner's batches."""
+        return False
+
+    def prepare(
+        self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
+    ) -> Any:
+        """What of a batch can be done before the model is free: on a GPU, tokenizing batch
+        N+1 while batch N computes (rawserve.worker.feeder calls this on a thread of its
+        own). None: nothing here, `run` does it all. Whatever fails here is done again by
+        `run`, which says what failed."""
+        return None
+
+    def run_prepared(
+        self, inputs: list[Any], params: dict[str, Any], control: Control, prepared: Any
+    ) -> list[Any]:
+        """`run`, given what `prepare` made of the same inputs and parameters."""
+        return self.run(inputs, params, control)
+
+    def ahead_tokenizer(self) -> Any:
+        """A tokenizer for `prepare` alone: a fast tokenizer must not be used by two
+        threads at once (its padding and truncation settings are the instance's)."""
+        if self._ahead_tokenizer is None:
+            self._ahead_tokenizer = copy.deepcopy(self.tokenizer)
+        return self._ahead_tokenizer
+
+    def staged(self, encoded: Any) -> Any:
+        """Tokenized tensors ready for the device: pinned on a GPU, so that the model's
+        thread copies them without waiting (`on_device`)."""
+        if self.device.startswith("cuda"):
+            return type(encoded)({name: tensor.pin_memory() for name, tensor in encoded.items()})
+        return encoded
+
+    def on_device(self, encoded: Any) -> Any:
+        return encoded.to(self.device, non_blocking=self.device.startswith("cuda"))
 
     def set_threads(self, count: int) -> None:
         """Intra-op threads for the next batches (cheap: the pools are kept)."""

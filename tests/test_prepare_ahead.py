@@ -1,0 +1,176 @@
+"""A batch tokenized ahead, on a thread of its own, while the one before it runs
+(rawserve.worker.feeder's preparing thread, a runner's `prepare` and `run_prepared`).
+
+What it must keep: the same answers as tokenizing in the model's thread, the messages'
+order, and a batch whose preparation fails still run whole by the model thread, which
+then says what failed (one bad input never fails its batch-mates)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from multiprocessing import Pipe
+
+import numpy as np
+import pytest
+
+from rawserve.serving.pool import WorkerPool
+from rawserve.shared.messages import (
+    EMBEDDING_ROUTE,
+    NO_CONTROL,
+    Batch,
+    FailureKind,
+    ItemFailure,
+    Shutdown,
+)
+from rawserve.worker.feeder import Feeder
+from tests.tiny_models import WORDS, worker_config
+
+TEXTS = ["hello world", "the movie was good and long", "a", "my day " * 30]
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_model):
+    from rawserve.worker.loading import load_runner
+
+    return {
+        kind: load_runner(worker_config(tiny_model(kind), threads=1), "cpu")
+        for kind in ("text-classification", "sentence-embedding", "feature-extraction")
+    }
+
+
+def same(one, two, atol: float = 0.0) -> bool:
+    """Equal answers; `atol` for vectors computed in batches of other sizes (padding)."""
+    if isinstance(one, dict):
+        return one.keys() == two.keys() and all(same(one[k], two[k], atol) for k in one)
+    if isinstance(one, (list, tuple)):
+        pairs = zip(one, two, strict=True)
+        return len(one) == len(two) and all(same(a, b, atol) for a, b in pairs)
+    if isinstance(one, np.ndarray):
+        return np.allclose(one, two, rtol=0, atol=atol) if atol else np.array_equal(one, two)
+    return one == two
+
+
+@pytest.mark.parametrize(
+    "kind, params, control",
+    [
+        ("text-classification", {}, NO_CONTROL),
+        ("sentence-embedding", {}, NO_CONTROL),
+        ("sentence-embedding", {}, EMBEDDING_ROUTE),
+        ("sentence-embedding", {"truncation_direction": "left", "normalize": False}, NO_CONTROL),
+        ("sentence-embedding", {"dimensions": 8}, EMBEDDING_ROUTE),
+        ("feature-extraction", {}, NO_CONTROL),
+    ],
+)
+def test_a_prepared_batch_answers_what_the_model_thread_would(runners, kind, params, control):
+    runner = runners[kind]
+    assert runner.prepares_ahead and runner.ahead_tokenizer() is not runner.tokenizer
+    expected = runner.run(TEXTS, dict(params), control)
+    prepared = runner.prepare(TEXTS, dict(params), control)
+    assert prepared is not None
+    assert same(runner.run_prepared(TEXTS, dict(params), control, prepared), expected)
+
+
+def test_what_cannot_be_prepared_is_left_to_the_model_thread(runners):
+    classifier = runners["text-classification"]
+    # parameters the plain path does not take: the pipeline runs it, untokenized ahead
+    assert classifier.prepare(TEXTS, {"top_k": 2}) is None
+    assert len(classifier.run_prepared(TEXTS, {"top_k": 2}, NO_CONTROL, None)) == len(TEXTS)
+    # an input past the model's positions, with truncation off: preparing fails, and the
+    # model thread's run says why (the message a client is answered with)
+    embedder = runners["sentence-embedding"]
+    too_long = ["word " * 5000]
+    with pytest.raises(ValueError, match="tokens and the model takes at most"):
+        embedder.prepare(too_long, {"truncate": False})
+    with pytest.raises(ValueError, match="tokens and the model takes at most"):
+        embedder.run(too_long, {"truncate": False})
+
+
+def test_two_threads_tokenizing_at_once_each_get_their_own_answer(runners):
+    """The model thread and the preparing thread tokenize at the same time, with different
+    truncation sides: each must see its own settings (they are a tokenizer's state)."""
+    runner = runners["sentence-embedding"]
+    left, right = {"truncation_direction": "left"}, {"truncation_direction": "right"}
+    long_text = [" ".join(WORDS * 20)]  # known words, past the positions: cut at one end
+    expected_left = runner.run(long_text, dict(left))
+    expected_right = runner.run(long_text, dict(right))
+    assert not np.array_equal(expected_left[0], expected_right[0])
+    failures: list[str] = []
+
+    def model_thread() -> None:
+        for _ in range(30):
+            if not same(runner.run(long_text, dict(right)), expected_right):
+                failures.append("model thread")
+
+    def preparing_thread() -> None:
+        for _ in range(30):
+            prepared = runner.prepare(long_text, dict(left))
+            if not same(
+                runner.run_prepared(long_text, dict(left), NO_CONTROL, prepared), expected_left
+            ):
+                failures.append("preparing thread")
+
+    threads = [threading.Thread(target=model_thread), threading.Thread(target=preparing_thread)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert failures == []
+
+
+def test_the_feeder_prepares_the_next_batch_before_the_model_thread_asks():
+    receiving, sending = Pipe(duplex=False)
+    second_prepared = threading.Event()
+
+    def prepare(batch: Batch):
+        if batch.inputs == ("bad",):
+            raise ValueError("cannot tokenize")
+        if batch.batch_id == 2:
+            second_prepared.set()
+        return f"tokens of {batch.inputs}"
+
+    feeder = Feeder(receiving, prepare).start()
+    for batch_id, inputs in ((1, ("a",)), (2, ("b", "c")), (3, ("bad",))):
+        sending.send(Batch(batch_id, inputs))
+    sending.send(Shutdown())
+    first = feeder.next()
+    assert first.batch_id == 1 and feeder.prepared(1) == "tokens of ('a',)"
+    # batch 1 is "running": batch 2 is tokenized meanwhile, not when it is asked for
+    assert second_prepared.wait(10)
+    second = feeder.next()
+    assert second.batch_id == 2 and feeder.prepared(2) == "tokens of ('b', 'c')"
+    assert feeder.prepared(2) is None  # taken once
+    third = feeder.next()
+    assert third.batch_id == 3 and feeder.prepared(3) is None  # left to the model thread
+    assert isinstance(feeder.next(), Shutdown)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prepare_ahead", [True, False])
+async def test_a_worker_with_two_batches_in_flight_answers_each_with_its_own(
+    tiny_model, runners, prepare_ahead
+):
+    """A real worker process, two batches sent at once (a GPU worker's way): the second
+    is tokenized while the first runs; answers as in-process; an input that cannot run
+    fails alone."""
+    config = worker_config(tiny_model("sentence-embedding"), threads=1, prepare_ahead=prepare_ahead)
+    pool = WorkerPool(config, ["cpu"], overlap=True)
+    pool.start()
+    try:
+        await asyncio.wait_for(pool.wait_ready(), 120)
+        runner = runners["sentence-embedding"]
+        strict = {"truncate": False}
+        too_long = "word " * 5000
+        first = pool.submit(TEXTS, {}, EMBEDDING_ROUTE)
+        second = pool.submit(["good", too_long, "also good"], strict, EMBEDDING_ROUTE)
+        assert pool.workers[0].queued is not None  # both in the worker at once
+        one, two = await asyncio.wait_for(asyncio.gather(first, second), 60)
+        assert same(list(one.outputs), runner.run(TEXTS, {}, EMBEDDING_ROUTE), 1e-6)
+        good, failed, also_good = two.outputs
+        assert isinstance(failed, ItemFailure) and failed.kind is FailureKind.INPUT
+        assert "tokens and the model takes at most" in failed.message
+        assert same(
+            [good, also_good], runner.run(["good", "also good"], strict, EMBEDDING_ROUTE), 1e-6
+        )
+    finally:
+        await pool.shutdown()
