@@ -36,8 +36,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-async def closed_loop(pool, texts: list[str], batch: int, seconds: float) -> float:
-    """Items per second while every free slot of the pool is kept filled."""
+async def closed_loop(
+    pool, wake: asyncio.Event, texts: list[str], batch: int, seconds: float
+) -> float:
+    """Items per second while every free slot of the pool is kept filled (`wake`: set by
+    the pool whenever a worker may take a batch, as it wakes the scheduler; a worker's
+    second slot opens near the end of its running batch, not only when one is answered)."""
     done = 0
     pending: set[asyncio.Future] = set()
     start = time.perf_counter()
@@ -47,9 +51,14 @@ async def closed_loop(pool, texts: list[str], batch: int, seconds: float) -> flo
             inputs = [texts[(cursor + i) % len(texts)] for i in range(batch)]
             cursor += batch
             pending.add(pool.submit(inputs, {}))
+        wake.clear()
+        woken = asyncio.ensure_future(wake.wait())
         finished, pending = await asyncio.wait(
-            pending, return_when=asyncio.FIRST_COMPLETED, timeout=1.0
+            pending | {woken}, return_when=asyncio.FIRST_COMPLETED, timeout=1.0
         )
+        woken.cancel()
+        finished.discard(woken)
+        pending.discard(woken)
         done += sum(len(future.result().outputs) for future in finished)
     finished, _ = await asyncio.wait(pending) if pending else (set(), set())
     done += sum(len(future.result().outputs) for future in finished)
@@ -80,14 +89,16 @@ def small_encoder(layers: int, hidden: int) -> str:
 
 
 async def ready_pool(config, devices: list[str], overlap: bool | None = None):
+    """A started pool whose workers are all ready, and the event it sets when one is free."""
     from rawserve.serving.pool import WorkerPool
 
-    pool = WorkerPool(config, devices, overlap=overlap)
+    wake = asyncio.Event()
+    pool = WorkerPool(config, devices, overlap=overlap, on_idle=wake.set)
     pool.start()
     await pool.wait_ready()
     while not all(worker.ready for worker in pool.workers):
         await asyncio.sleep(0.2)
-    return pool
+    return pool, wake
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -107,23 +118,25 @@ async def main_async(args: argparse.Namespace) -> dict:
             "model thread tokenizes": await ready_pool(
                 replace(config, prepare_ahead=False), devices, overlap=True
             ),
-            "prepared ahead": await ready_pool(config, devices, overlap=True),
+            "prepared ahead": await ready_pool(
+                replace(config, prepare_ahead=True), devices, overlap=True
+            ),
         }
     else:  # one pool, its choice switched
-        pool = await ready_pool(config, devices)
-        pools = {"one": pool, "two": pool}
-    for name, pool in pools.items():
-        await closed_loop(pool, corpus, args.batch, 2.0)  # warm
+        both = await ready_pool(config, devices)
+        pools = {"one": both, "two": both}
+    for name, (pool, wake) in pools.items():
+        await closed_loop(pool, wake, corpus, args.batch, 2.0)  # warm
         rates[name] = []
     for _ in range(args.rounds):
-        for name, pool in pools.items():
+        for name, (pool, wake) in pools.items():
             if not args.prepare:
                 for worker in pool.workers:
                     worker.overlap = name == "two"
-            rate = await closed_loop(pool, corpus, args.batch, args.seconds)
+            rate = await closed_loop(pool, wake, corpus, args.batch, args.seconds)
             rates[name].append(round(rate, 1))
             print(f"{name}: {rate:.1f} items/s", file=sys.stderr, flush=True)
-    for pool in {id(pool): pool for pool in pools.values()}.values():
+    for pool, _ in {id(pool): (pool, wake) for pool, wake in pools.values()}.values():
         await pool.shutdown()
     return {
         "devices": devices,

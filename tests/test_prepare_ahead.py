@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from multiprocessing import Pipe
 
 import numpy as np
@@ -22,6 +23,7 @@ from rawserve.shared.messages import (
     FailureKind,
     ItemFailure,
     Shutdown,
+    WorkerConfig,
 )
 from rawserve.worker.feeder import Feeder
 from tests.tiny_models import WORDS, worker_config
@@ -130,23 +132,61 @@ def test_the_feeder_prepares_the_next_batch_before_the_model_thread_asks():
         return f"tokens of {batch.inputs}"
 
     feeder = Feeder(receiving, prepare).start()
+    sent = time.perf_counter()
     for batch_id, inputs in ((1, ("a",)), (2, ("b", "c")), (3, ("bad",))):
         sending.send(Batch(batch_id, inputs))
     sending.send(Shutdown())
     first = feeder.next()
-    assert first.batch_id == 1 and feeder.prepared(1) == "tokens of ('a',)"
+    received = feeder.received(1)
+    assert first.batch_id == 1 and received.prepared == "tokens of ('a',)"
+    assert sent <= received.at <= time.perf_counter() and received.prepare_seconds > 0
     # batch 1 is "running": batch 2 is tokenized meanwhile, not when it is asked for
     assert second_prepared.wait(10)
     second = feeder.next()
-    assert second.batch_id == 2 and feeder.prepared(2) == "tokens of ('b', 'c')"
-    assert feeder.prepared(2) is None  # taken once
+    assert second.batch_id == 2 and feeder.received(2).prepared == "tokens of ('b', 'c')"
+    assert feeder.received(2).prepared is None  # taken once
     third = feeder.next()
-    assert third.batch_id == 3 and feeder.prepared(3) is None  # left to the model thread
+    assert third.batch_id == 3 and feeder.received(3).prepared is None  # left to the model
     assert isinstance(feeder.next(), Shutdown)
 
 
+def test_without_preparing_the_feeder_still_tells_when_each_batch_arrived():
+    receiving, sending = Pipe(duplex=False)
+    feeder = Feeder(receiving).start()
+    sent = time.perf_counter()
+    sending.send(Batch(7, ("a",)))
+    assert feeder.next().batch_id == 7
+    received = feeder.received(7)
+    assert received.at >= sent and received.prepared is None and received.prepare_seconds == 0
+
+
+class RecordingLoop:
+    """Stands in for the event loop where the pool sets its timers: records each delay."""
+
+    def __init__(self):
+        self.delays: list[float] = []
+
+    def call_later(self, delay, callback, *args):
+        self.delays.append(delay)
+
+
+def test_a_workers_second_batch_is_sent_in_time_to_be_prepared_before_it_runs():
+    loop = RecordingLoop()
+    pool = WorkerPool(WorkerConfig(model="m", task="feature-extraction"), ["cuda:0"], loop=loop)
+    worker = pool.workers[0]
+    worker.overlap, worker.run_seconds = True, 0.100
+    pool._hold_second(worker, None)
+    assert loop.delays == [pytest.approx(0.075)]  # the run less a quarter of it
+    worker.prepare_seconds = 0.030  # the worker takes 30 ms to tokenize a batch ahead
+    pool._hold_second(worker, None)
+    assert loop.delays[-1] == pytest.approx(0.045) and not worker.second_open
+    worker.prepare_seconds = 0.080  # about the whole run: the second batch goes at once
+    pool._hold_second(worker, None)
+    assert len(loop.delays) == 2 and worker.second_open
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("prepare_ahead", [True, False])
+@pytest.mark.parametrize("prepare_ahead", [True, False, None])  # None: by device (a CPU: no)
 async def test_a_worker_with_two_batches_in_flight_answers_each_with_its_own(
     tiny_model, runners, prepare_ahead
 ):
@@ -165,6 +205,9 @@ async def test_a_worker_with_two_batches_in_flight_answers_each_with_its_own(
         second = pool.submit(["good", too_long, "also good"], strict, EMBEDDING_ROUTE)
         assert pool.workers[0].queued is not None  # both in the worker at once
         one, two = await asyncio.wait_for(asyncio.gather(first, second), 60)
+        # the worker says how long tokenizing ahead took; the pool keeps a lead for it
+        assert (one.prepare_seconds > 0) is bool(prepare_ahead)
+        assert (pool.workers[0].prepare_seconds > 0) is bool(prepare_ahead)
         assert same(list(one.outputs), runner.run(TEXTS, {}, EMBEDDING_ROUTE), 1e-6)
         good, failed, also_good = two.outputs
         assert isinstance(failed, ItemFailure) and failed.kind is FailureKind.INPUT

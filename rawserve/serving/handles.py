@@ -113,6 +113,7 @@ class WorkerHandle:
         # what arrives meanwhile joins it (`WorkerPool._hold_second`)
         self.second_open = True
         self.run_seconds = 0.0  # its recent batches' own time (an average; 0: none yet)
+        self.prepare_seconds = 0.0  # ... and their preparation's, done ahead (an average)
         self.ready: WorkerReady | None = None
         self.started_at = 0.0
         self.record = record  # its restarts and crashes, counted by the supervisor

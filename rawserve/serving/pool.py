@@ -353,12 +353,14 @@ class WorkerPool(PoolReports):
 
     def _hold_second(self, worker: WorkerHandle, job: Job) -> None:
         """A worker that holds two batches takes its second once the running one is near
-        its end (its recent batches' time, less a lead for the next batch to reach it):
-        formed at once, from the few requests queued as the first one started, the second
-        batch costs a GPU as much as a full one (its cost hardly grows with its items)
-        while the requests arriving meanwhile wait behind it. Until a batch has been
-        timed, the second is taken at once."""
+        its end (its recent batches' time, less a lead for the next batch to reach it and
+        be tokenized by the worker's preparing thread): formed at once, from the few
+        requests queued as the first one started, the second batch costs a GPU as much as
+        a full one (its cost hardly grows with its items) while the requests arriving
+        meanwhile wait behind it. Until a batch has been timed, the second is taken at
+        once."""
         lead = max(SECOND_LEAD_SHARE * worker.run_seconds, SECOND_LEAD_SECONDS)
+        lead += worker.prepare_seconds
         hold = worker.run_seconds - lead
         worker.second_open = not (worker.overlap and hold > 0)
         if not worker.second_open:
@@ -434,7 +436,7 @@ class WorkerPool(PoolReports):
         process, replies_in = start_process(self._context, worker)
         worker.state = WorkerState.LOADING
         worker.queued, worker.overlap, worker.sequences = None, False, 0
-        worker.second_open, worker.run_seconds = True, 0.0
+        worker.second_open, worker.run_seconds, worker.prepare_seconds = True, 0.0, 0.0
         worker.ready = None
         worker.batch_cap = None
         worker.started_at = self.clock()
@@ -528,11 +530,8 @@ class WorkerPool(PoolReports):
         if worker.sequences:  # a continuous worker answers its batches in any order
             job = self._detach(worker.running.pop(result.batch_id))
         elif job is not None and result.batch_id == job.batch_id:
-            worker.run_seconds = (
-                RUN_MEMORY * worker.run_seconds + (1 - RUN_MEMORY) * result.compute_seconds
-                if worker.run_seconds
-                else result.compute_seconds
-            )
+            worker.run_seconds = remembered(worker.run_seconds, result.compute_seconds)
+            worker.prepare_seconds = remembered(worker.prepare_seconds, result.prepare_seconds)
             self._take_job(worker)
             behind = self._take_queued(worker)
             if behind is not None:  # the worker started it as it sent this result
@@ -623,3 +622,8 @@ class WorkerPool(PoolReports):
     def _notify_idle(self) -> None:
         if self.on_idle is not None:
             self.on_idle()
+
+
+def remembered(average: float, seconds: float) -> float:
+    """A worker's recent time for something (RUN_MEMORY of the past per batch; 0: none)."""
+    return RUN_MEMORY * average + (1 - RUN_MEMORY) * seconds if average else seconds

@@ -46,8 +46,9 @@ class WorkerConfig:
     generation: str = "continuous"
     max_sequences: int | None = None  # continuous: sequences at once (None: by device)
     # tokenize each batch on a thread of its own as it arrives, apart from the model's
-    # (rawserve.worker.feeder); off only to measure what it saves
-    prepare_ahead: bool = True
+    # (rawserve.worker.feeder). None: on a GPU, whose worker is sent its next batch while
+    # one runs; a CPU worker gets one batch at a time, and a second thread only adds a hop
+    prepare_ahead: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,8 @@ class BatchResult:
     # seconds it waited in the worker behind the batch before it (set by the server's
     # pool, two batches in flight): the scheduler times the batch's own run without it
     waited: float = 0.0
+    # seconds the worker's preparing thread took on it (tokenizing), apart from the model
+    prepare_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

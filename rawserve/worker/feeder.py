@@ -28,7 +28,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -39,18 +41,27 @@ log = logging.getLogger("rawserve.worker")
 CLOSED = Shutdown()  # what the model thread gets once the server's end is gone
 
 
+@dataclass
+class Received:
+    """When a batch came off the pipe, and what its preparation made of it."""
+
+    at: float  # time.perf_counter()
+    prepared: Any = None  # None: nothing prepared, or the preparation failed
+    prepare_seconds: float = 0.0
+
+
 class Feeder:
     """Reads `batches` on a thread of its own; `next()` gives the messages in order, and
     `drain()` all those already here. With `prepare`, each batch is passed to it on a
-    second thread before the model thread gets it; `prepared(batch_id)` gives what it
-    made (None: nothing, or it failed)."""
+    second thread before the model thread gets it. `received(batch_id)` tells when a
+    batch arrived and what was prepared of it."""
 
     def __init__(self, batches: Connection, prepare: Callable[[Batch], Any] | None = None):
         self._batches = batches
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._read, name="rawserve-feeder", daemon=True)]
         self._prepare = prepare
-        self._prepared: dict[int, Any] = {}
+        self._received: dict[int, Received] = {}
         if prepare is not None:  # the reader hands each message to the preparing thread
             self._read_into: queue.SimpleQueue[Any] = queue.SimpleQueue()
             self._threads.append(
@@ -64,9 +75,9 @@ class Feeder:
             thread.start()
         return self
 
-    def prepared(self, batch_id: int) -> Any:
-        """What `prepare` made of the batch the model thread just got (taken once)."""
-        return self._prepared.pop(batch_id, None)
+    def received(self, batch_id: int) -> Received:
+        """How the batch the model thread just got arrived (taken once)."""
+        return self._received.pop(batch_id, None) or Received(time.perf_counter())
 
     def next(self) -> Any:
         """The next message from the server (a `Shutdown` once its end is closed)."""
@@ -89,6 +100,8 @@ class Feeder:
             except (EOFError, OSError):  # the server is gone
                 self._read_into.put(CLOSED)
                 return
+            if isinstance(message, Batch):
+                self._received[message.batch_id] = Received(time.perf_counter())
             self._read_into.put(message)
             if isinstance(message, Shutdown):
                 return
@@ -98,10 +111,13 @@ class Feeder:
         while True:
             message = self._read_into.get()
             if isinstance(message, Batch):
+                started = time.perf_counter()
+                received = self._received[message.batch_id]
                 try:
-                    self._prepared[message.batch_id] = self._prepare(message)
+                    received.prepared = self._prepare(message)
                 except Exception:  # noqa: BLE001 - the model thread runs it unprepared
                     log.debug("batch %d not prepared", message.batch_id, exc_info=True)
-            self._queue.put(message)  # after its preparation: the dict entry is there
+                received.prepare_seconds = time.perf_counter() - started
+            self._queue.put(message)  # after its preparation
             if isinstance(message, Shutdown):
                 return

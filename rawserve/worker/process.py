@@ -140,7 +140,10 @@ def worker_main(
         warmup_seconds = warm_up(runner, config.warmup_batch)
     # a causal LM batches continuously: sequences join and leave between decoding steps
     generating = continuous_loop(runner, config, out.send, cancelled_stream)
-    prepare = prepare_batch(runner) if config.prepare_ahead and generating is None else None
+    ahead = config.prepare_ahead
+    if ahead is None:
+        ahead = runner.device.startswith("cuda")
+    prepare = prepare_batch(runner) if ahead and generating is None else None
     # What is loaded by now lives as long as the worker: leave it out of the collector's
     # full passes, which otherwise stall a batch (every running sequence, when generating)
     # for ~200 ms with a small model loaded (well under 1 ms once frozen; bench/RESULTS.md).
@@ -170,6 +173,7 @@ def worker_main(
     cap = BatchCap()
     releaser = FreeMemoryReleaser()  # tensors of every shape: the heap would only grow
     threads = config.threads
+    free_since = time.perf_counter()  # when the model thread last finished a batch
     while True:
         message = feeder.next()
         if isinstance(message, Shutdown):
@@ -178,22 +182,26 @@ def worker_main(
             if message.threads and message.threads != threads:
                 runner.set_threads(message.threads)
                 threads = message.threads
-            started = time.perf_counter()
+            # A batch costs the worker from its arrival, or from the end of the batch
+            # ahead of it: its preparation counts where the model waited for it.
+            received = feeder.received(message.batch_id)
+            started = max(received.at, free_since)
             inputs, params = list(message.inputs), dict(message.params)
-            prepared = feeder.prepared(message.batch_id)
-            outputs = run_batch(runner, inputs, params, cap, message.control, prepared)
+            outputs = run_batch(runner, inputs, params, cap, message.control, received.prepared)
             result = BatchResult(
                 message.batch_id,
                 tuple(outputs),
                 time.perf_counter() - started,
                 cap.limit,
                 sample_token_counts(runner, message),
+                prepare_seconds=received.prepare_seconds,
             )
             try:
                 out.send(result)
             except (OSError, ValueError):  # the server is gone
                 return
             releaser.after_batch()  # after the reply: the server is not kept waiting
+            free_since = time.perf_counter()
 
 
 def prepare_batch(runner: Runner) -> Callable[[Batch], Any] | None:
