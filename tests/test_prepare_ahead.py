@@ -208,6 +208,8 @@ async def test_a_worker_with_two_batches_in_flight_answers_each_with_its_own(
         # the worker says how long tokenizing ahead took; the pool keeps a lead for it
         assert (one.prepare_seconds > 0) is bool(prepare_ahead)
         assert (pool.workers[0].prepare_seconds > 0) is bool(prepare_ahead)
+        # the first batch's real token counts (sampled), counted ahead or by the model thread
+        assert one.token_counts == tuple(runner.count_tokens(TEXTS))
         assert same(list(one.outputs), runner.run(TEXTS, {}, EMBEDDING_ROUTE), 1e-6)
         good, failed, also_good = two.outputs
         assert isinstance(failed, ItemFailure) and failed.kind is FailureKind.INPUT

@@ -21,6 +21,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -140,10 +141,10 @@ def worker_main(
         warmup_seconds = warm_up(runner, config.warmup_batch)
     # a causal LM batches continuously: sequences join and leave between decoding steps
     generating = continuous_loop(runner, config, out.send, cancelled_stream)
-    ahead = config.prepare_ahead
-    if ahead is None:
-        ahead = runner.device.startswith("cuda")
-    prepare = prepare_batch(runner) if ahead and generating is None else None
+    prepares = config.prepare_ahead
+    if prepares is None:
+        prepares = runner.device.startswith("cuda")
+    prepare = prepare_batch(runner) if prepares and generating is None else None
     # What is loaded by now lives as long as the worker: leave it out of the collector's
     # full passes, which otherwise stall a batch (every running sequence, when generating)
     # for ~200 ms with a small model loaded (well under 1 ms once frozen; bench/RESULTS.md).
@@ -186,14 +187,17 @@ def worker_main(
             # ahead of it: its preparation counts where the model waited for it.
             received = feeder.received(message.batch_id)
             started = max(received.at, free_since)
+            ahead: Ahead | None = received.prepared
             inputs, params = list(message.inputs), dict(message.params)
-            outputs = run_batch(runner, inputs, params, cap, message.control, received.prepared)
+            tensors = ahead.tensors if ahead is not None else None
+            outputs = run_batch(runner, inputs, params, cap, message.control, tensors)
             result = BatchResult(
                 message.batch_id,
                 tuple(outputs),
                 time.perf_counter() - started,
                 cap.limit,
-                sample_token_counts(runner, message),
+                # counted ahead, or now (a tokenizer pass on the model's thread)
+                ahead.token_counts if ahead is not None else sample_token_counts(runner, message),
                 prepare_seconds=received.prepare_seconds,
             )
             try:
@@ -204,24 +208,36 @@ def worker_main(
             free_since = time.perf_counter()
 
 
-def prepare_batch(runner: Runner) -> Callable[[Batch], Any] | None:
+@dataclass
+class Ahead:
+    """What the preparing thread did for a batch before the model thread got it."""
+
+    tensors: Any  # what `runner.prepare` made (None: nothing)
+    token_counts: tuple[int, ...] | None  # the sampled real token counts, when due
+
+
+def prepare_batch(runner: Runner) -> Callable[[Batch], Ahead] | None:
     """The feeder's preparing step for this runner; None when it prepares nothing."""
     if not runner.prepares_ahead:
         return None
-    runner.ahead_tokenizer()  # its copy made now, not on the first batch
+    tokenizer = runner.ahead_tokenizer()  # its copy made now, not on the first batch
 
-    def prepare(batch: Batch) -> Any:
-        return runner.prepare(list(batch.inputs), dict(batch.params), batch.control)
+    def prepare(batch: Batch) -> Ahead:
+        tensors = runner.prepare(list(batch.inputs), dict(batch.params), batch.control)
+        return Ahead(tensors, sample_token_counts(runner, batch, tokenizer))
 
     return prepare
 
 
-def sample_token_counts(runner: Runner, batch: Batch) -> tuple[int, ...] | None:
-    """Real token counts of the batch's inputs, on one batch in TOKEN_SAMPLE_EVERY."""
+def sample_token_counts(
+    runner: Runner, batch: Batch, tokenizer: Any = None
+) -> tuple[int, ...] | None:
+    """Real token counts of the batch's inputs, on one batch in TOKEN_SAMPLE_EVERY
+    (counted with `tokenizer`, the calling thread's own, when given)."""
     if batch.batch_id % TOKEN_SAMPLE_EVERY:
         return None
     try:
-        counts = runner.count_tokens(list(batch.inputs))
+        counts = runner.count_tokens(list(batch.inputs), tokenizer)
     except Exception:  # noqa: BLE001 - a measurement, never a reason to fail a batch
         log.debug("could not count tokens", exc_info=True)
         return None

@@ -141,11 +141,13 @@ class Runner:
     def bind_stream(self, send: Callable[[Any], None], cancelled_stream: Any) -> None:
         """Runners that stream tokens get the worker's pipe and the cancel flag here."""
 
-    def count_tokens(self, inputs: list[Any]) -> list[int] | None:
-        """Real tokens per text input (for the server's length estimate); None if unknown."""
-        if self.tokenizer is None or not all(isinstance(value, str) for value in inputs):
+    def count_tokens(self, inputs: list[Any], tokenizer: Any = None) -> list[int] | None:
+        """Real tokens per text input (for the server's length estimate); None if unknown.
+        `tokenizer`: the calling thread's own (the preparing thread's), if not the model's."""
+        tokenizer = tokenizer or self.tokenizer
+        if tokenizer is None or not all(isinstance(value, str) for value in inputs):
             return None
-        return [len(ids) for ids in self.tokenizer(inputs, truncation=False)["input_ids"]]
+        return [len(ids) for ids in tokenizer(inputs, truncation=False)["input_ids"]]
 
     def describe_failure(self, exc: BaseException) -> ItemFailure:
         """Turn a failure on one item into a message that is safe to send to a client."""
