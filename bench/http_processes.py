@@ -70,6 +70,7 @@ async def one_run(
             server.port, [REQUEST], clients, duration, processes=client_processes
         )
         used = sum(cpu_seconds(pid) - before[pid] for pid in own)
+        serving_used = cpu_seconds(server.pid) - before[server.pid]
     finally:
         server.stop()
     summary = result.summary()
@@ -78,6 +79,9 @@ async def one_run(
         "req_per_s": summary["throughput"],
         "p99_ms": summary.get("p99_ms"),
         "server_cpu_us_per_request": round(1e6 * used / max(1, answered), 1),
+        # the serving process alone: one process for all the HTTP processes, its cost
+        # a request bounds the server's rate however many HTTP processes there are
+        "serving_cpu_us_per_request": round(1e6 * serving_used / max(1, answered), 1),
         "client_cpu_share": summary["client_cpu_share"],
         "not_200": {k: v for k, v in summary["statuses"].items() if k != "200"},
     }
@@ -116,7 +120,12 @@ async def run(
         "results": {
             label: {
                 key: median_range([run[key] for run in figures if run[key] is not None])
-                for key in ("req_per_s", "p99_ms", "server_cpu_us_per_request")
+                for key in (
+                    "req_per_s",
+                    "p99_ms",
+                    "server_cpu_us_per_request",
+                    "serving_cpu_us_per_request",
+                )
             }
             for label, figures in runs.items()
         },

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rawserve.serving.batching import BatchLimits, CostModel, choose_batch, padded_cost
+from rawserve.serving import batching
+from rawserve.serving.batching import (
+    BatchLimits,
+    CostModel,
+    choose_batch,
+    padded_cost,
+    plan_partners,
+)
 from rawserve.serving.core import (
     ADMIT_MARGIN,
     DeadlineUnreachable,
@@ -403,6 +411,77 @@ def test_choose_batch_respects_its_bounds_and_always_takes_the_head(
     assert len(set(map(id, batch))) == len(batch)
     if len(batch) > 1 and max_tokens:
         assert padded_cost(item.cost for item in batch) <= max_tokens
+
+
+def planned_partners_by_every_size(queue, limits, model) -> set[int]:
+    """The cheapest plan as first written: every call size tried at every end (slow)."""
+    head = queue[0]
+    order = sorted(queue, key=lambda item: item.cost)
+    count = len(order)
+    best = [0.0] + [math.inf] * count
+    cut = [0] * (count + 1)
+    for end in range(1, count + 1):
+        longest = order[end - 1].cost
+        for size in range(1, min(limits.max_size, end) + 1):
+            if size > 1 and limits.max_tokens and longest * size > limits.max_tokens:
+                break
+            total = (
+                best[end - size] + model.fixed + (model.per_item + model.per_token * longest) * size
+            )
+            if total <= best[end]:
+                best[end], cut[end] = total, end - size
+    end = count
+    while end > 0:
+        members = order[cut[end] : end]
+        if any(item is head for item in members):
+            return {id(item) for item in members}
+        end = cut[end]
+    return {id(head)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    costs=st.lists(st.integers(1, 40), min_size=1, max_size=120),
+    max_size=st.integers(1, 40),
+    max_tokens=st.one_of(st.none(), st.integers(1, 800)),
+    parts=st.tuples(st.integers(0, 50), st.integers(0, 5), st.integers(0, 5)),
+)
+def test_the_plan_is_the_one_every_call_size_would_find(costs, max_size, max_tokens, parts):
+    """The planner keeps a sliding minimum per length instead of trying every call size
+    at every end; it must find the same head's call (whole-number costs: exact ties)."""
+    queue = [Plain(cost, deadline=float(i)) for i, cost in enumerate(costs)]
+    limits = BatchLimits(max_size, max_tokens)
+    model = CostModel()
+    model.fixed, model.per_item, model.per_token = map(float, parts)
+    assert plan_partners(queue, limits, model) == planned_partners_by_every_size(
+        queue, limits, model
+    )
+
+
+def test_a_deep_gpu_queue_is_planned_in_time_linear_in_its_length():
+    """A GPU's defaults (batches of 256 items, 16,384 tokens) plan over 1,024 queued
+    items: each start enters the planner's window once, and once more per longer length
+    while it is still a candidate — not once per call size at every end (262,144).
+    Counted, not timed: the values the planner ranks."""
+    queue = [Plain(12 + i % 5, deadline=float(i)) for i in range(1024)]
+    model = CostModel()
+    model.fixed, model.per_item, model.per_token = 0.0085, 0.0, 2.3e-6
+    ranked = 0
+    real_deque = batching.deque
+
+    class CountingDeque(real_deque):
+        def append(self, value):
+            nonlocal ranked
+            ranked += 1
+            super().append(value)
+
+    batching.deque = CountingDeque
+    try:
+        partners = plan_partners(queue, BatchLimits(256, 16384), model)
+    finally:
+        batching.deque = real_deque
+    assert len(partners) == 256  # the fixed part dominates: full calls
+    assert ranked <= 2 * 1024
 
 
 # --- the async driver, with a fake executor -------------------------------------------
