@@ -24,8 +24,10 @@ from rawserve.serving.core import (
     NeverAdmissible,
     QueueFull,
     SchedulerCore,
+    WorkItem,
 )
 from rawserve.serving.driver import DELIVERY_SLICE, Scheduler
+from rawserve.serving.minima import REBUILD_SLACK, QueueMinima
 from rawserve.serving.refusals import Reason, Refusal, Refused
 from rawserve.shared.messages import NO_CONTROL, BatchResult
 
@@ -795,3 +797,79 @@ def test_a_pass_sends_what_one_batch_at_a_time_would(seed):
         expected.append(batch)
     assert [[i.seq for i in b] for b in sent] == [[i.seq for i in b] for b in expected]
     assert len(sent) > 50
+
+
+# --- a queue's earliest deadline and arrival, kept without a scan ---------------------
+
+
+@dataclass(eq=False)
+class Waiting:
+    deadline: float
+    arrived: float
+    seq: int
+    queued: bool = True
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from(["add", "remove", "expire"]), st.integers(0, 1000)),
+        max_size=300,
+    )
+)
+def test_a_queues_minima_are_those_a_scan_would_find(steps):
+    """Items come and go from anywhere in the queue; the heaps answer what a scan of the
+    live items would, and hold few entries of items that left."""
+    minima: QueueMinima[Waiting] = QueueMinima()
+    live: list[Waiting] = []
+    for seq, (step, value) in enumerate(steps):
+        if step == "add":
+            item = Waiting(deadline=float(value), arrived=float(value % 97), seq=seq)
+            live.append(item)
+            minima.add(item)
+        elif step == "remove" and live:
+            item = live.pop(value % len(live))
+            item.queued = False
+            minima.after_removal(live)
+        elif step == "expire":
+            now = float(value)
+            expired = minima.expired(now)
+            assert {id(item) for item in expired} == {
+                id(item) for item in live if item.deadline <= now
+            }
+            for item in expired:
+                live.remove(item)
+                item.queued = False
+                minima.after_removal(live)
+        if live:
+            assert minima.earliest_deadline().deadline == min(i.deadline for i in live)
+            assert minima.oldest().arrived == min(i.arrived for i in live)
+            assert minima.earliest_deadline().queued and minima.oldest().queued
+        assert len(minima._arrivals) <= 2 * len(live) + REBUILD_SLACK + 1
+
+
+def test_a_pass_over_a_deep_queue_does_not_scan_it():
+    """With no worker free, a pass after each arrival looks at the earliest deadline
+    and the batch delay: the queue's items are not visited one by one."""
+    core = SchedulerCore(max_queue=5000, max_batch_size=256)
+    now = 0.0
+    items = [core.new_item("text", {}, 100.0 + i, now) for i in range(4000)]
+    core.admit(items, now)
+    visited = 0
+    real = WorkItem.__getattribute__
+
+    def counting(self, name):
+        nonlocal visited
+        if name in ("deadline", "arrived"):
+            visited += 1
+        return real(self, name)
+
+    WorkItem.__getattribute__ = counting
+    try:
+        for _ in range(100):
+            decision = core.decide(now, free_workers=0)
+    finally:
+        del WorkItem.__getattribute__
+    assert decision.batches == [] and decision.expired == []
+    assert decision.wake_at == 100.0  # the earliest deadline
+    assert visited < 100 * 20  # a scan would read 8,000 a pass

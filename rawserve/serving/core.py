@@ -33,6 +33,7 @@ from rawserve.serving.batching import (
     padded_cost,
 )
 from rawserve.serving.face import ItemResult
+from rawserve.serving.minima import QueueMinima
 from rawserve.shared.messages import NO_CONTROL, Control
 from rawserve.tasks import batch_key, estimate_tokens
 
@@ -130,6 +131,7 @@ class SchedulerCore:
     cost_model: CostModel = field(default_factory=CostModel)
     batch_cap: int | None = None  # the workers' own, lower after out-of-memory errors
     _queues: dict[str, list[WorkItem]] = field(default_factory=dict)
+    _minima: dict[str, QueueMinima[WorkItem]] = field(default_factory=dict)  # per key
     _size: int = 0
     _queued_cost: int = 0  # the queued items' costs, summed as they come and go
     _seq: itertools.count = field(default_factory=itertools.count)
@@ -205,6 +207,7 @@ class SchedulerCore:
         for item in items:
             bisect.insort(self._queues.setdefault(item.key, []), item, key=WorkItem.sort_key)
             item.queued = True
+            self._minima.setdefault(item.key, QueueMinima()).add(item)
         self._size += len(items)
         self._queued_cost += sum(item.cost for item in items)
 
@@ -265,17 +268,17 @@ class SchedulerCore:
             return
         queue = self._queues[item.key]
         queue.pop(bisect.bisect_left(queue, item.sort_key(), key=WorkItem.sort_key))
-        if not queue:
-            del self._queues[item.key]
         item.queued = False
+        if queue:
+            self._minima[item.key].after_removal(queue)
+        else:
+            del self._queues[item.key], self._minima[item.key]
         self._size -= 1
         self._queued_cost -= item.cost
 
     def drop_expired(self, now: float) -> list[WorkItem]:
         """Remove and return the queued items whose deadline has passed."""
-        expired = [
-            item for queue in self._queues.values() for item in queue if item.deadline <= now
-        ]
+        expired = [item for minima in self._minima.values() for item in minima.expired(now)]
         for item in expired:
             self.remove(item)
         return expired
@@ -327,7 +330,8 @@ class SchedulerCore:
         batches took 112 ms a pass when every batch looked at every item)."""
         window = queue[: max(CANDIDATE_WINDOW, PLAN_WINDOW * self.max_size)]
         viable = [item for item in window if self._can_finish(item, now)]
-        earliest = min(queue, key=BY_DEADLINE)
+        minima = self._minima[queue[0].key]
+        earliest = minima.earliest_deadline()
         soonest = min((item.deadline for item in viable), default=float("inf"))
         if earliest.deadline < soonest and self._can_finish(earliest, now):
             viable.append(earliest)
@@ -343,10 +347,9 @@ class SchedulerCore:
         batch = choose_batch(
             viable, limits, lambda item: self._is_urgent(item, now), self.cost_model
         )
-        if not self._is_full(batch, len(viable), limits):
-            oldest = min(item.arrived for item in queue)
-            if now < oldest + self.max_batch_delay:
-                return None
+        waiting = now < minima.oldest().arrived + self.max_batch_delay
+        if waiting and not self._is_full(batch, len(viable), limits):
+            return None
         for item in batch:
             self.remove(item)
         self._turn = max(self._turn, max(item.turn for item in batch))
@@ -399,10 +402,10 @@ class SchedulerCore:
         delay running out. Times already past are left out: with no free worker the
         driver waits for one instead of spinning."""
         times = []
-        for queue in self._queues.values():
+        for minima in self._minima.values():
             if free_workers > 0:
-                times.append(min(item.arrived for item in queue) + self.max_batch_delay)
-            times.append(min(item.deadline for item in queue))
+                times.append(minima.oldest().arrived + self.max_batch_delay)
+            times.append(minima.earliest_deadline().deadline)
         return min((t for t in times if t > now), default=None)
 
     def finish_batch(self, batch: Sequence[WorkItem], now: float) -> float:
