@@ -430,7 +430,7 @@ def planned_partners_by_every_size(queue, limits, model) -> set[int]:
             total = (
                 best[end - size] + model.fixed + (model.per_item + model.per_token * longest) * size
             )
-            if total <= best[end]:
+            if total < best[end]:  # on a tie, the smaller last call
                 best[end], cut[end] = total, end - size
     end = count
     while end > 0:
@@ -458,6 +458,17 @@ def test_the_plan_is_the_one_every_call_size_would_find(costs, max_size, max_tok
     assert plan_partners(queue, limits, model) == planned_partners_by_every_size(
         queue, limits, model
     )
+
+
+@pytest.mark.parametrize("queued", [256, 300, 740, 1024])
+def test_items_of_one_length_go_in_full_calls_the_heads_first(queued):
+    """A GPU's cost is mostly a call's fixed part: however many items of one length wait,
+    the head's call is a full one (the remainder waits for the arrivals that follow)."""
+    queue = [Plain(13, deadline=float(i)) for i in range(queued)]
+    model = CostModel()
+    model.fixed, model.per_item, model.per_token = 0.0085, 0.0, 2.3e-6
+    partners = plan_partners(queue, BatchLimits(256, 16384), model)
+    assert len(partners) == 256 and id(queue[0]) in partners
 
 
 def test_a_deep_gpu_queue_is_planned_in_time_linear_in_its_length():

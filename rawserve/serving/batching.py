@@ -137,8 +137,12 @@ def plan_partners(queue: Sequence[ItemT], limits: BatchLimits, model: CostModel)
 
     def offer(start: int) -> None:
         value = best[start] - price * start
-        while starts and starts[-1][0] > value:
-            starts.pop()  # an equal value stays ahead: on a tie, the bigger call
+        # On a tie, the later start: the smaller call at the end of the sorted order, so
+        # that the calls before it, the head's among them, are the full ones. (The bigger
+        # last call left the head, first among items of its length, the remainder: queued
+        # items of one length, 740 in calls of 256, went 228 at a time.)
+        while starts and starts[-1][0] >= value:
+            starts.pop()
         starts.append((value, start))
 
     for stop in range(1, count + 1):
