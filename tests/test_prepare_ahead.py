@@ -152,12 +152,25 @@ def test_the_feeder_prepares_the_next_batch_before_the_model_thread_asks():
 
 def test_without_preparing_the_feeder_still_tells_when_each_batch_arrived():
     receiving, sending = Pipe(duplex=False)
-    feeder = Feeder(receiving).start()
+    feeder = Feeder(receiving, timed=True).start()
     sent = time.perf_counter()
     sending.send(Batch(7, ("a",)))
     assert feeder.next().batch_id == 7
     received = feeder.received(7)
     assert received.at >= sent and received.prepared is None and received.prepare_seconds == 0
+    assert feeder._received == {}  # taken: nothing kept
+
+
+def test_a_feeder_that_times_nothing_keeps_nothing():
+    """The continuous generation loop takes batches and cancels and never asks when a
+    batch arrived: a record per batch would pile up for the worker's whole life."""
+    receiving, sending = Pipe(duplex=False)
+    feeder = Feeder(receiving).start()
+    for batch_id in range(50):
+        sending.send(Batch(batch_id, ("a",)))
+    for _ in range(50):
+        feeder.next()
+    assert feeder._received == {}
 
 
 class RecordingLoop:

@@ -52,15 +52,23 @@ class Received:
 
 class Feeder:
     """Reads `batches` on a thread of its own; `next()` gives the messages in order, and
-    `drain()` all those already here. With `prepare`, each batch is passed to it on a
-    second thread before the model thread gets it. `received(batch_id)` tells when a
-    batch arrived and what was prepared of it."""
+    `drain()` all those already here. With `timed`, `received(batch_id)` tells when a
+    batch arrived (each batch's record is kept until it is asked for: the one-batch-at-a-
+    time loop asks for all). With `prepare`, each batch is passed to it on a second
+    thread before the model thread gets it, and `received` also gives what it made."""
 
-    def __init__(self, batches: Connection, prepare: Callable[[Batch], Any] | None = None):
+    def __init__(
+        self,
+        batches: Connection,
+        prepare: Callable[[Batch], Any] | None = None,
+        *,
+        timed: bool = False,
+    ):
         self._batches = batches
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._read, name="rawserve-feeder", daemon=True)]
         self._prepare = prepare
+        self._timed = timed or prepare is not None
         self._received: dict[int, Received] = {}
         if prepare is not None:  # the reader hands each message to the preparing thread
             self._read_into: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -100,7 +108,7 @@ class Feeder:
             except (EOFError, OSError):  # the server is gone
                 self._read_into.put(CLOSED)
                 return
-            if isinstance(message, Batch):
+            if self._timed and isinstance(message, Batch):
                 self._received[message.batch_id] = Received(time.perf_counter())
             self._read_into.put(message)
             if isinstance(message, Shutdown):

@@ -170,7 +170,7 @@ def worker_main(
     if generating is not None:
         generating.run(Feeder(batches).start())
         return
-    feeder = Feeder(batches, prepare).start()  # the next batch arrives while this one runs
+    feeder = Feeder(batches, prepare, timed=True).start()  # the next arrives while one runs
     cap = BatchCap()
     releaser = FreeMemoryReleaser()  # tensors of every shape: the heap would only grow
     threads = config.threads
