@@ -232,3 +232,19 @@ async def test_a_worker_with_two_batches_in_flight_answers_each_with_its_own(
         )
     finally:
         await pool.shutdown()
+
+
+def test_a_tokenizer_that_cannot_be_copied_leaves_the_tokenizing_to_the_model_thread(runners):
+    from rawserve.worker.process import prepare_batch
+
+    class Uncopyable:
+        def __deepcopy__(self, memo):
+            raise TypeError("this tokenizer holds a handle that cannot be copied")
+
+    runner = runners["sentence-embedding"]
+    saved, runner.tokenizer, runner._ahead_tokenizer = runner.tokenizer, Uncopyable(), None
+    try:
+        assert prepare_batch(runner) is None  # the worker serves, tokenizing in turn
+    finally:
+        runner.tokenizer = saved
+    assert prepare_batch(runner) is not None

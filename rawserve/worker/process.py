@@ -220,7 +220,14 @@ def prepare_batch(runner: Runner) -> Callable[[Batch], Ahead] | None:
     """The feeder's preparing step for this runner; None when it prepares nothing."""
     if not runner.prepares_ahead:
         return None
-    tokenizer = runner.ahead_tokenizer()  # its copy made now, not on the first batch
+    try:
+        tokenizer = runner.ahead_tokenizer()  # its copy made now, not on the first batch
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied: tokenize in turn
+        log.warning(
+            "batches are tokenized in the model's thread: the tokenizer cannot be copied",
+            exc_info=True,
+        )
+        return None
 
     def prepare(batch: Batch) -> Ahead:
         tensors = runner.prepare(list(batch.inputs), dict(batch.params), batch.control)
