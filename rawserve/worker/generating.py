@@ -61,9 +61,7 @@ def continuous_loop(
     `--generation static`); None when it runs one batch after another."""
     if not isinstance(runner, CausalLMRunner) or config.generation != "continuous":
         return None
-    rows = config.max_sequences or (
-        ROWS_ON_CUDA if runner.device.startswith("cuda") else ROWS_ON_CPU
-    )
+    rows = config.max_sequences or (ROWS_ON_CUDA if runner.on_cuda else ROWS_ON_CPU)
     return GenerationLoop(runner, send, rows, cancelled_stream, config.threads)
 
 

@@ -143,7 +143,7 @@ def worker_main(
     generating = continuous_loop(runner, config, out.send, cancelled_stream)
     prepares = config.prepare_ahead
     if prepares is None:
-        prepares = runner.device.startswith("cuda")
+        prepares = runner.on_cuda
     prepare = prepare_batch(runner) if prepares and generating is None else None
     # What is loaded by now lives as long as the worker: leave it out of the collector's
     # full passes, which otherwise stall a batch (every running sequence, when generating)

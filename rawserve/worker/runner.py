@@ -64,6 +64,12 @@ class Runner:
         self._ahead_tokenizer: Any = None  # the preparing thread's own (see `prepare`)
 
     @property
+    def on_cuda(self) -> bool:
+        """Whether the model runs on a GPU (its batches are then prepared ahead, their
+        tensors pinned, and a continuous batch holds more rows)."""
+        return self.device.startswith("cuda")
+
+    @property
     def details(self) -> dict[str, Any]:
         """Facts about the loaded model for /info (e.g. pooling); none by default."""
         return {}
@@ -125,12 +131,12 @@ class Runner:
     def staged(self, encoded: Any) -> Any:
         """Tokenized tensors ready for the device: pinned on a GPU, so that the model's
         thread copies them without waiting (`on_device`)."""
-        if self.device.startswith("cuda"):
+        if self.on_cuda:
             return type(encoded)({name: tensor.pin_memory() for name, tensor in encoded.items()})
         return encoded
 
     def on_device(self, encoded: Any) -> Any:
-        return encoded.to(self.device, non_blocking=self.device.startswith("cuda"))
+        return encoded.to(self.device, non_blocking=self.on_cuda)
 
     def set_threads(self, count: int) -> None:
         """Intra-op threads for the next batches (cheap: the pools are kept)."""
