@@ -67,7 +67,7 @@ async def closed_loop(
 
 def small_encoder(layers: int, hidden: int) -> str:
     """A random BERT encoder of that size with MiniLM's tokenizer, saved once."""
-    from bench.models import minilm_path
+    from bench.models import minilm_path, tokenizer_path
 
     folder = Path(tempfile.gettempdir()) / f"rawserve-bench-encoder-{layers}x{hidden}"
     if not (folder / "config.json").is_file():
@@ -75,7 +75,7 @@ def small_encoder(layers: int, hidden: int) -> str:
         import transformers
 
         torch.manual_seed(0)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_path())
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_path())
         config = transformers.BertConfig(
             vocab_size=tokenizer.vocab_size,
             hidden_size=hidden,

@@ -130,7 +130,32 @@ def test_the_checkpoint_dtype_is_read_from_its_config(tmp_path):
     assert saved_dtype(tmp_path) is None
 
 
-def test_a_worker_on_a_faked_gpu_loads_half_precision_and_says_so(tiny_model, monkeypatch, caplog):
+@pytest.fixture
+def attention_choice():
+    """torch's attention flags as they were, after a test that sets them."""
+    import torch
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    yield torch.backends.cuda
+    torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_a_gpu_worker_attends_without_kernels_that_plan_per_shape(attention_choice):
+    """cuDNN's attention plans anew for every input shape, and a server's batches are
+    ever-new shapes: a GPU worker turns it off; a CPU worker leaves torch's choice."""
+    from rawserve.worker.loading import choose_attention_kernels
+
+    attention_choice.enable_cudnn_sdp(True)
+    assert choose_attention_kernels("cpu") is None
+    assert attention_choice.cudnn_sdp_enabled()
+    assert "not cuDNN" in (choose_attention_kernels("cuda:1") or "")
+    assert not attention_choice.cudnn_sdp_enabled()
+    assert attention_choice.flash_sdp_enabled() and attention_choice.mem_efficient_sdp_enabled()
+
+
+def test_a_worker_on_a_faked_gpu_loads_half_precision_and_says_so(
+    tiny_model, monkeypatch, caplog, attention_choice
+):
     """The worker's load with torch's CUDA probe faked: the precision chosen for cuda, the
     log line and the reason /info shows (the model itself is put on the CPU: no GPU here)."""
     import logging
@@ -157,6 +182,7 @@ def test_a_worker_on_a_faked_gpu_loads_half_precision_and_says_so(tiny_model, mo
     assert runner.dtype_reason.startswith("auto on cuda:0: half precision (float16")
     lines = [record.getMessage() for record in caplog.records]
     assert any(line.startswith("dtype: float16 (auto on cuda:0") for line in lines)
+    assert any(line.startswith("attention: flash or memory-efficient") for line in lines)
 
 
 def test_a_gpu_queues_several_batches_and_a_cpu_keeps_its_bound(gpu):

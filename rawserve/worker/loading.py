@@ -75,6 +75,21 @@ def choose_dtype(requested: str, device: str, saved: str | None, bf16: bool) -> 
     return "float16", f"auto on {device}: half precision (float16; --dtype float32 for full)"
 
 
+def choose_attention_kernels(device: str) -> str | None:
+    """On a GPU, attention by kernels that need no plan per shape; None on a CPU.
+
+    PyTorch's attention prefers cuDNN's kernels on recent GPUs, and cuDNN builds a graph
+    for every new shape of its inputs, on the CPU, before it runs. A server's batches
+    come in ever-new shapes (items by padded tokens; a longer key at every decoding
+    step), so that planning, not the GPU, set the pace of an H100 worker: its GPU was
+    busy a tenth to a third of the time (bench/RESULTS.md). The flash and memory-
+    efficient kernels plan nothing and run any shape at once."""
+    if not device.startswith("cuda"):
+        return None
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return "flash or memory-efficient kernels, not cuDNN's (which plan anew for every shape)"
+
+
 def saved_dtype(folder: Path) -> str | None:
     """The dtype a model folder's config.json names (`dtype`, or the older `torch_dtype`)."""
     try:
@@ -89,6 +104,9 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
     if config.threads:
         torch.set_num_threads(config.threads)
     device = resolve_device(device)
+    attention = choose_attention_kernels(device)
+    if attention:
+        log.info("attention: %s", attention)
     if config.handler:
         return HandlerRunner(config.handler, device)
     model, task = config.model, config.task
