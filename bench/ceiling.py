@@ -57,6 +57,9 @@ def load(
         else transformers.AutoModelForSequenceClassification
     )
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    from rawserve.worker.loading import choose_attention_kernels
+
+    choose_attention_kernels(device)  # the kernels rawserve's worker runs on this device
     network = model_class.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
     pipe = transformers.pipeline(task, model=network, tokenizer=tokenizer, device=device)
     return tokenizer, network, pipe

@@ -375,6 +375,11 @@ def load_reference(folder: Path, device: str, dtype: str) -> Any:
     import torch
     import transformers
 
+    from rawserve.worker.loading import choose_attention_kernels
+
+    # the kernels rawserve's worker runs: with cuDNN's, static `generate` planned anew at
+    # every new key length and stalled (bench/RESULTS.md)
+    choose_attention_kernels(device)
     model = transformers.GPT2LMHeadModel.from_pretrained(folder, dtype=getattr(torch, dtype))
     return model.to(device).eval()
 

@@ -67,7 +67,7 @@ async def closed_loop(
 
 def small_encoder(layers: int, hidden: int) -> str:
     """A random BERT encoder of that size with MiniLM's tokenizer, saved once."""
-    from bench.models import minilm_path, tokenizer_path
+    from bench.models import tokenizer_path
 
     folder = Path(tempfile.gettempdir()) / f"rawserve-bench-encoder-{layers}x{hidden}"
     if not (folder / "config.json").is_file():
