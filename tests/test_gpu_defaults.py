@@ -180,6 +180,7 @@ def test_a_worker_on_a_faked_gpu_loads_half_precision_and_says_so(
         runner = loading.load_runner(config, "cuda:0")
     assert seen["dtype"] == "float16" and dtype_name(runner.pipe.model) == "float16"
     assert runner.dtype_reason.startswith("auto on cuda:0: half precision (float16")
+    assert runner.attention.startswith("flash or memory-efficient kernels")
     lines = [record.getMessage() for record in caplog.records]
     assert any(line.startswith("dtype: float16 (auto on cuda:0") for line in lines)
     assert any(line.startswith("attention: flash or memory-efficient") for line in lines)

@@ -216,6 +216,7 @@ def _worker_info(worker: WorkerStatus) -> dict[str, Any]:
         "device": worker.device,
         "dtype": worker.dtype,
         "dtype_reason": worker.dtype_reason,
+        "attention": worker.attention,
         "engine": worker.engine,
         "engine_reason": worker.engine_reason,
         "state": worker.state.value,

@@ -49,6 +49,7 @@ class WorkerStatus:
     engine: str | None = None  # what runs its forward pass, once loaded
     engine_reason: str | None = None
     dtype_reason: str | None = None  # why that precision, once loaded
+    attention: str | None = None  # the attention kernels chosen on a GPU (None: torch's)
     sequences: int = 0  # a continuous generation worker: sequences it runs at once
     running: int = 0  # ... and how many it runs now
 

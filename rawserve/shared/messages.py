@@ -164,6 +164,7 @@ class WorkerReady:
     engine: Engine = Engine.TORCH  # what runs the forward pass (never AUTO)
     engine_reason: str = ""  # why that engine, for the log and /info
     dtype_reason: str = ""  # why that precision (half by default on a GPU), for /info
+    attention: str = ""  # the attention kernels chosen on a GPU, for /info ("": torch's)
     # the model's tokenizer in the `tokenizers` library's JSON form (None: it has none):
     # the server tokenizes and decodes with it for /tokenize and /decode
     tokenizer: str | None = None

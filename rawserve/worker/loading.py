@@ -129,6 +129,7 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
     runner = runner or build_runner(config, task, device, None)
     runner.engine, runner.engine_reason = engine, reason
     runner.dtype_reason = dtype_reason
+    runner.attention = attention or ""
     return runner
 
 

@@ -163,6 +163,7 @@ def worker_main(
             engine=runner.engine,
             engine_reason=runner.engine_reason,
             dtype_reason=runner.dtype_reason,
+            attention=runner.attention,
             tokenizer=runner.tokenizer_json(),
             sequences=generating.rows if generating is not None else 0,
         )
