@@ -104,11 +104,13 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
     if config.threads:
         torch.set_num_threads(config.threads)
     device = resolve_device(device)
-    attention = choose_attention_kernels(device)
+    attention = choose_attention_kernels(device) or ""
     if attention:
         log.info("attention: %s", attention)
     if config.handler:
-        return HandlerRunner(config.handler, device)
+        handler = HandlerRunner(config.handler, device)
+        handler.attention = attention  # a handler's own model attends the same way
+        return handler
     model, task = config.model, config.task
     if task is None:
         raise ValueError("no task: the server names the task of every model it serves")
@@ -129,7 +131,7 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
     runner = runner or build_runner(config, task, device, None)
     runner.engine, runner.engine_reason = engine, reason
     runner.dtype_reason = dtype_reason
-    runner.attention = attention or ""
+    runner.attention = attention
     return runner
 
 
