@@ -218,6 +218,7 @@ async def closed_loop(port: int, requests: list[bytes], asks: list[int], clients
     pending = list(zip(requests, asks, strict=True))[::-1]
     answers: list[tuple[Answer, int]] = []
     start = time.perf_counter()
+    client_cpu = time.process_time()  # this one process reads every event: is it the limit?
     stop_at = start + duration
     ended = start
 
@@ -258,7 +259,7 @@ async def closed_loop(port: int, requests: list[bytes], asks: list[int], clients
         "unanswered" if a.status == 0 else "failed" if a.status < 0 else str(a.status)
         for a, _ in answers
     )
-    return figures(
+    found = figures(
         seconds,
         useful=sum(min(answer.tokens, ask) for answer, ask in done),
         completions=len(done),
@@ -267,6 +268,8 @@ async def closed_loop(port: int, requests: list[bytes], asks: list[int], clients
         firsts=firsts,
         gaps=gaps,
     )
+    found["client_cpu_share"] = round((time.process_time() - client_cpu) / max(seconds, 1e-9), 2)
+    return found
 
 
 def figures(seconds: float, *, useful: int, completions: int, short: int = 0,
@@ -408,9 +411,10 @@ def spread(values: list[float]) -> dict[str, float] | None:
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = ("tokens_per_s", "completions_per_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms")
+    keys = ("tokens_per_s", "completions_per_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms",
+            "client_cpu_share")  # fmt: skip
     summary: dict[str, Any] = {
-        key: spread([run[key] for run in runs if run[key] is not None]) for key in keys
+        key: spread([run[key] for run in runs if run.get(key) is not None]) for key in keys
     }
     statuses: Counter[str] = Counter()
     for run in runs:
