@@ -117,7 +117,11 @@ def run_ceiling(scenario: Scenario, text_set: str, settings: Settings, work: Pat
             check=True,
             timeout=600,
         )
-    return json.loads(done.stdout)
+    found = json.loads(done.stdout)
+    for mode, figures in found.items():  # in the log too: the JSON may not outlive the run
+        if isinstance(figures, dict) and "curve" in figures:
+            log(f"  {mode}: items/s by batch {figures['curve']}")
+    return found
 
 
 # --- one server -----------------------------------------------------------------------
