@@ -168,7 +168,7 @@ class WorkerHandle:
             engine=self.ready.engine.value if self.ready else None,
             engine_reason=self.ready.engine_reason if self.ready else None,
             dtype_reason=self.ready.dtype_reason if self.ready else None,
-            attention=self.ready.attention or None if self.ready else None,
+            attention=(self.ready.attention or None) if self.ready else None,
             sequences=self.sequences,
             running=self.running.rows,
         )
