@@ -116,6 +116,7 @@ class ModelParts:
     plan: ModelPlan
     executor: Executor
     scheduler: Scheduler
+    service: ModelService  # the scheduler and workers together (`served` answers with it)
     served: ServedModel
 
 
@@ -152,13 +153,11 @@ def build_model(
     )
     scheduler = Scheduler(core, executor, wake=wake, loop=loop, metrics=counts)
     metrics.watch(plan.name, scheduler, executor)
+    service = ModelService(scheduler, executor)
     served = ServedModel(
-        plan.name,
-        ModelService(scheduler, executor),
-        model_facts(plan, config, workers),
-        aliases=plan.names[1:],
+        plan.name, service, model_facts(plan, config, workers), aliases=plan.names[1:]
     )
-    return ModelParts(plan, executor, scheduler, served)
+    return ModelParts(plan, executor, scheduler, service, served)
 
 
 async def serve(
@@ -347,7 +346,7 @@ class HttpProcesses:
         board = Board.create(len(models))
         bridge = Bridge(
             [
-                BridgedModel(model.served.serving, retry_after=queue_retry_after(model.scheduler))
+                BridgedModel(model.service, retry_after=queue_retry_after(model.scheduler))
                 for model in models
             ],
             board,

@@ -29,7 +29,7 @@ from rawserve.serving.core import (
 from rawserve.serving.driver import DELIVERY_SLICE, Scheduler
 from rawserve.serving.minima import REBUILD_SLACK, QueueMinima
 from rawserve.serving.refusals import Reason, Refusal, Refused
-from rawserve.shared.messages import NO_CONTROL, BatchResult
+from rawserve.shared.messages import NO_CONTROL, BatchResult, FailureKind, ItemFailure
 
 
 def queue_items(core: SchedulerCore, values, now=0.0, deadline=30.0, params=None):
@@ -686,6 +686,77 @@ async def test_a_cancelled_request_is_withdrawn(driver):
     assert len(backend.calls) == 1
 
 
+def refuse_every_batch(inputs, params, control):
+    """A worker pool's `submit` that refuses every batch (no worker free)."""
+    raise Refused.because(Reason.NO_WORKER, "no model worker is free")
+
+
+class Ends:
+    """What `Scheduler.begin`'s runs say when they end, in order."""
+
+    def __init__(self) -> None:
+        self.heard: list[tuple[list | None, BaseException | None]] = []
+
+    def __call__(self, results, error) -> None:
+        self.heard.append((results, error))
+
+
+async def test_a_run_begun_without_a_task_hears_its_results_once_in_order(driver):
+    scheduler, backend = driver
+    ends = Ends()
+    running = scheduler.begin(list("abc"), {}, scheduler.clock() + 5, NO_CONTROL, ends)
+    await until(lambda: len(backend.calls) == 1)
+    backend.finish(0, ["out:a", ItemFailure(FailureKind.INPUT, "no"), "out:c"])
+    await until(lambda: bool(ends.heard))
+    [(results, error)] = ends.heard
+    assert error is None and running.ended
+    assert [r.output for r in results][::2] == ["out:a", "out:c"]  # one failure: its own
+    running.cancel()  # after the end: nothing
+    await asyncio.sleep(0)
+    assert len(ends.heard) == 1 and len(scheduler.core) == 0
+
+
+async def test_a_run_begun_without_a_task_ends_at_its_first_error_or_its_deadline(driver):
+    scheduler, backend = driver
+    real_submit = backend.submit
+    backend.submit = refuse_every_batch
+    refused = Ends()
+    scheduler.begin(["a", "b"], {}, scheduler.clock() + 5, NO_CONTROL, refused)
+    await until(lambda: bool(refused.heard))
+    await asyncio.sleep(0.01)
+    [(results, error)] = refused.heard  # once, though both items failed
+    assert results is None and error.refusal.reason is Reason.NO_WORKER
+    backend.submit = real_submit
+    busy = asyncio.create_task(scheduler.run(["busy"], {}, scheduler.clock() + 5))
+    await until(lambda: len(backend.calls) == 1)
+    late = Ends()
+    scheduler.begin(["late"], {}, scheduler.clock() + 0.05, NO_CONTROL, late)
+    await until(lambda: bool(late.heard))
+    [(_, error)] = late.heard
+    assert error.refusal.reason is Reason.DEADLINE_PASSED and len(scheduler.core) == 0
+    backend.finish(0)
+    await busy
+    assert [call[0] for call in backend.calls] == [["busy"]]  # the late one never ran
+
+
+async def test_a_run_begun_without_a_task_is_refused_at_once_or_withdrawn_unheard(driver):
+    scheduler, backend = driver
+    busy = asyncio.create_task(scheduler.run(["a"], {}, scheduler.clock() + 5))
+    await until(lambda: len(backend.calls) == 1)
+    ends = Ends()
+    queued = scheduler.begin(list("12345678"), {}, scheduler.clock() + 5, NO_CONTROL, ends)
+    with pytest.raises(Refused) as refused:  # the queue is full: raised, never heard
+        scheduler.begin(["x"], {}, scheduler.clock() + 5, NO_CONTROL, ends)
+    assert refused.value.refusal.reason is Reason.QUEUE_FULL
+    assert len(scheduler.core) == 8
+    queued.cancel()  # its client left
+    assert len(scheduler.core) == 0 and queued.ended
+    backend.finish(0)
+    await busy
+    await asyncio.sleep(0.01)
+    assert ends.heard == [] and len(backend.calls) == 1
+
+
 async def test_the_driver_refuses_a_request_that_cannot_meet_its_deadline(driver):
     scheduler, backend = driver
     for _ in range(2):  # 0.05 s a token, measured often enough to be trusted
@@ -712,11 +783,7 @@ def test_a_freak_batch_moves_the_cost_model_only_so_far():
 async def test_a_batch_the_executor_refuses_fails_its_items_and_the_loop_goes_on(driver):
     scheduler, backend = driver
     real_submit = backend.submit
-
-    def refuse(inputs, params, control):
-        raise Refused.because(Reason.NO_WORKER, "no model worker is free")
-
-    backend.submit = refuse
+    backend.submit = refuse_every_batch
     with pytest.raises(Refused) as refused:
         await scheduler.run(["a"], {}, scheduler.clock() + 5)
     assert refused.value.refusal.reason is Reason.NO_WORKER

@@ -30,15 +30,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from rawserve.serving.driver import RunningRequest
 from rawserve.serving.face import (
     Control,
+    ItemResult,
     Refused,
-    Serving,
     ServingStatus,
     TokenChunk,
     WorkerReady,
     WorkerState,
 )
+from rawserve.serving.service import ModelService
 from rawserve.shared.board import Board
 from rawserve.shared.channel import Channel
 from rawserve.shared.messages import BatchResult
@@ -58,7 +60,7 @@ Family = tuple[str, str, str, str, list[tuple[str, dict[str, str], float]]]
 
 @dataclass
 class BridgedModel:
-    serving: Serving
+    serving: ModelService
     retry_after: Callable[[], float]  # what a full queue's Retry-After says now
     last_status: ServingStatus | None = None
     last_loaded: WorkerReady | None = None
@@ -72,8 +74,8 @@ class Peer:
     index: int
     pid: int
     channel: Channel
-    runs: dict[int, asyncio.Task[None]] = field(default_factory=dict)
-    streams: dict[int, tuple[Serving, int]] = field(default_factory=dict)
+    runs: dict[int, RunningRequest] = field(default_factory=dict)
+    streams: dict[int, tuple[ModelService, int]] = field(default_factory=dict)
     listening: asyncio.Event = field(default_factory=asyncio.Event)  # its socket is open
 
 
@@ -124,8 +126,10 @@ class Bridge:
         """The HTTP process is gone: withdraw what it asked for."""
         if self.peers.get(peer.index) is peer:
             del self.peers[peer.index]
-        for task in peer.runs.values():
-            task.cancel()
+        for running in peer.runs.values():
+            running.cancel()
+        if peer.runs:
+            self.publish_soon()  # what they had queued has left the queue
         for serving, stream in peer.streams.values():
             serving.close_stream(stream)
         peer.runs.clear()
@@ -170,15 +174,13 @@ class Bridge:
         kind = message[0]
         if kind == "run":
             _, rid, model, inputs, params, deadline, control = message
-            task = asyncio.ensure_future(
-                self._run(peer, rid, self.models[model].serving, inputs, params, deadline, control)
-            )
-            peer.runs[rid] = task
-            self.publish_soon()  # after the task's first step: its items admitted
+            self._begin(peer, rid, self.models[model].serving, inputs, params, deadline, control)
+            self.publish_soon()  # its items admitted (or refused)
         elif kind == "cancel":
             running = peer.runs.pop(message[1], None)
             if running is not None:
                 running.cancel()
+                self.publish_soon()  # what was still queued has left the queue
         elif kind == "close_stream":
             opened = peer.streams.pop(message[1], None)
             if opened is not None:
@@ -203,16 +205,18 @@ class Bridge:
                 if len(gathered) >= expected and not done.done():
                     done.set_result(None)
 
-    async def _run(
+    def _begin(
         self,
         peer: Peer,
         rid: int,
-        serving: Serving,
+        serving: ModelService,
         inputs: Any,
         params: Any,
         deadline: float,
         control: Any,
     ) -> None:
+        """Carry out one request of an HTTP process; its answer goes back when it ends
+        (none if the request is cancelled: its client left, or its HTTP process did)."""
         if control.stream_id is not None:  # the HTTP process's stream id: open one here
             local = control.stream_id
 
@@ -222,20 +226,27 @@ class Bridge:
             stream = serving.open_stream(on_token)
             peer.streams[local] = (serving, stream)
             control = replace(control, stream_id=stream)
-        try:
-            results = await serving.run(inputs, params, deadline, control)
-        except Refused as refused:
-            peer.channel.send(("refused", rid, refused.refusal))
-        except asyncio.CancelledError:
-            raise  # the client left (or its HTTP process did): nobody to answer
-        except Exception:
-            log.exception("a request from HTTP process %d failed", peer.index)
-            peer.channel.send(("failed", rid))
-        else:
-            peer.channel.send(("done", rid, results))
-        finally:
+
+        def on_end(results: list[ItemResult] | None, error: BaseException | None) -> None:
             peer.runs.pop(rid, None)
             self.publish_soon()  # what was still queued has left the queue
+            self._answer(peer, rid, results, error)
+
+        try:
+            peer.runs[rid] = serving.begin(inputs, params, deadline, control, on_end)
+        except Exception as exc:  # noqa: BLE001 - refused at admission, or a bug: answered
+            self._answer(peer, rid, None, exc)
+
+    def _answer(
+        self, peer: Peer, rid: int, results: list[ItemResult] | None, error: BaseException | None
+    ) -> None:
+        if error is None:
+            peer.channel.send(("done", rid, results))
+        elif isinstance(error, Refused):
+            peer.channel.send(("refused", rid, error.refusal))
+        else:
+            log.error("a request from HTTP process %d failed", peer.index, exc_info=error)
+            peer.channel.send(("failed", rid))
 
     async def _scrape(self, peer: Peer, rid: int) -> None:
         token = next(self._ids)

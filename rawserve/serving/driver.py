@@ -11,6 +11,7 @@ domain refusal: it knows nothing of HTTP, nor of torch).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -70,6 +71,51 @@ class Backend(Protocol):
     def submit(
         self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control
     ) -> asyncio.Future[BatchResult]: ...
+
+
+# How a run begun without a task ends: its results in order, or the error that ended it.
+RunEnd = Callable[[list[ItemResult] | None, BaseException | None], None]
+
+
+class RunningRequest:
+    """A request begun with `Scheduler.begin`. It ends once: when its last item is
+    answered or its first one fails (`on_end` hears which), or when `cancel` withdraws
+    it (then nothing is heard). Either way `end` takes its items out of the queue."""
+
+    def __init__(
+        self,
+        futures: list[asyncio.Future[ItemResult]],
+        end: Callable[[], None],
+        on_end: RunEnd,
+    ):
+        self._futures = futures
+        self._end = end
+        self._on_end = on_end
+        self._unanswered = len(futures)
+        self.ended = False
+        for future in futures:
+            future.add_done_callback(self._on_item)
+
+    def cancel(self) -> None:
+        """Withdraw it (its client left)."""
+        if not self.ended:
+            self.ended = True
+            self._end()
+
+    def _on_item(self, future: asyncio.Future[ItemResult]) -> None:
+        if self.ended or future.cancelled():  # (only its own end cancels its futures)
+            return
+        error = future.exception()
+        if error is None:
+            self._unanswered -= 1
+            if self._unanswered:
+                return
+        self.ended = True
+        self._end()
+        if error is None:
+            self._on_end([future.result() for future in self._futures], None)
+        else:
+            self._on_end(None, error)
 
 
 class SchedulerMetrics(Protocol):
@@ -162,6 +208,37 @@ class Scheduler:
         passed at the deadline, and whatever the pool refused or failed. Whatever
         happens, items still queued on the way out are withdrawn.
         """
+        run_id, items, futures = self._admit(inputs, params, deadline, control)
+        try:
+            if len(futures) == 1:  # most requests: no gathering future in between
+                return [await futures[0]]
+            return list(await asyncio.gather(*futures))
+        finally:
+            self._end_run(run_id, items, futures, deadline)
+
+    def begin(
+        self,
+        inputs: Sequence[Any],
+        params: Mapping[str, Any],
+        deadline: float,
+        control: Control,
+        on_end: RunEnd,
+    ) -> RunningRequest:
+        """`run` without a task: queue `inputs` and call `on_end(results, None)` once all
+        are answered, or `on_end(None, error)` at the first error (the refusals `run`
+        raises). Admission refusals are raised at once. `cancel()` on what it returns
+        withdraws the items (on_end is then never called). The serving process carries
+        every HTTP process's requests this way: a task a request cost more than the rest
+        of its way through this process."""
+        run_id, items, futures = self._admit(inputs, params, deadline, control)
+        end = functools.partial(self._end_run, run_id, items, futures, deadline)
+        return RunningRequest(futures, end, on_end)
+
+    def _admit(
+        self, inputs: Sequence[Any], params: Mapping[str, Any], deadline: float, control: Control
+    ) -> tuple[int, list[WorkItem], list[asyncio.Future[ItemResult]]]:
+        """Queue the items (or raise `Refused`), each with the future it is settled by,
+        under a new run id whose deadline is watched."""
         loop = self._loop or asyncio.get_running_loop()
         now = self.clock()
         items = [self.core.new_item(value, params, deadline, now, control) for value in inputs]
@@ -180,22 +257,28 @@ class Scheduler:
         run_id = next(self._run_ids)
         self._runs[run_id] = futures
         self._late.watch(run_id, deadline)  # then `_on_late` fails it with DEADLINE_PASSED
-        try:
-            if len(futures) == 1:  # most requests: no gathering future in between
-                return [await futures[0]]
-            return list(await asyncio.gather(*futures))
-        finally:
-            expired = self._runs.pop(run_id, None) is None  # `_on_late` took it
-            self._late.forget(run_id)
-            self._count_withdrawn(items, deadline, expired)
-            for item, future in zip(items, futures, strict=True):
-                self.core.remove(item)
-                if not future.done():
-                    future.cancel()
-                # (awaiting a future that times out or is cancelled cancels it: the batch says
-                # whether the model still works on it)
-                if item.batch is not None and not item.batch.done():
-                    self.backend.abandon(item.batch)  # its own model call: free its rows
+        return run_id, items, futures
+
+    def _end_run(
+        self,
+        run_id: int,
+        items: list[WorkItem],
+        futures: list[asyncio.Future[ItemResult]],
+        deadline: float,
+    ) -> None:
+        """A run is over (answered, failed or withdrawn): its items still queued leave the
+        queue, and the model stops on those it still computes where it can."""
+        expired = self._runs.pop(run_id, None) is None  # `_on_late` took it
+        self._late.forget(run_id)
+        self._count_withdrawn(items, deadline, expired)
+        for item, future in zip(items, futures, strict=True):
+            self.core.remove(item)
+            if not future.done():
+                future.cancel()
+            # (awaiting a future that times out or is cancelled cancels it: the batch says
+            # whether the model still works on it)
+            if item.batch is not None and not item.batch.done():
+                self.backend.abandon(item.batch)  # its own model call: free its rows
 
     def _on_late(self, run_id: int) -> None:
         """A run's deadline passed: it ends with DEADLINE_PASSED (through the first of its

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from rawserve.serving.driver import RunEnd, RunningRequest
 from rawserve.serving.face import ItemResult, ServingStatus
 from rawserve.serving.refusals import Refusal
 from rawserve.serving.status import LoadState, WorkerStatus
@@ -30,6 +31,15 @@ class Queue(Protocol):
         deadline: float,
         control: Control = NO_CONTROL,
     ) -> list[ItemResult]: ...
+
+    def begin(
+        self,
+        inputs: Sequence[Any],
+        params: Mapping[str, Any],
+        deadline: float,
+        control: Control,
+        on_end: RunEnd,
+    ) -> RunningRequest: ...
 
 
 class Workers(Protocol):
@@ -68,6 +78,18 @@ class ModelService:
         control: Control = NO_CONTROL,
     ) -> list[ItemResult]:
         return await self.queue.run(inputs, params, deadline, control)
+
+    def begin(
+        self,
+        inputs: Sequence[Any],
+        params: Mapping[str, Any],
+        deadline: float,
+        control: Control,
+        on_end: RunEnd,
+    ) -> RunningRequest:
+        """`run` that calls `on_end` instead of being awaited (rawserve.serving.driver's
+        `Scheduler.begin`): how the serving process carries the HTTP processes' requests."""
+        return self.queue.begin(inputs, params, deadline, control, on_end)
 
     def admission(self) -> Refusal | None:
         return self.queue.admission()
