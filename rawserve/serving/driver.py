@@ -103,9 +103,11 @@ class RunningRequest:
             self._end()
 
     def _on_item(self, future: asyncio.Future[ItemResult]) -> None:
-        if self.ended or future.cancelled():  # (only its own end cancels its futures)
+        if future.cancelled():  # only its own end cancels its futures
             return
-        error = future.exception()
+        error = future.exception()  # read even after the end: an error left unread is logged
+        if self.ended:
+            return
         if error is None:
             self._unanswered -= 1
             if self._unanswered:
