@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -477,3 +478,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return loops.run(serve(config, plans, workers, argv), config.loop)
     except KeyboardInterrupt:
         return 1
+    finally:
+        kill_leftover_children()
+
+
+def kill_leftover_children() -> None:
+    """Kill any worker or HTTP process still running (none is, unless an unexpected
+    error ended the server): workers ignore SIGTERM (a stop sent to the whole group is
+    the server's to carry out), and multiprocessing's exit hook terminates its children
+    with SIGTERM and then waits for them."""
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(5)

@@ -24,8 +24,11 @@ READY = re.compile(r"ready in [\d.]+ s")
 class RunningServer:
     """A rawserve process; its log lines are kept in `lines` and matched as they come."""
 
-    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None):
+    def __init__(
+        self, args: Sequence[str], env: dict[str, str] | None = None, own_group: bool = False
+    ):
         self.args = ["--host", "127.0.0.1", "--port", "0", *args]
+        self.own_group = own_group  # a process group of its own: it can be signalled whole
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": REPO_ROOT, **(env or {})}
         self.lines: list[str] = []
         self._new_lines: queue.Queue[str | None] = queue.Queue()
@@ -40,6 +43,7 @@ class RunningServer:
             stderr=subprocess.PIPE,
             text=True,
             env=self.env,
+            start_new_session=self.own_group,
         )
         self._reader = threading.Thread(target=self._read_log, daemon=True)
         self._reader.start()
@@ -113,6 +117,11 @@ class RunningServer:
             "POST", path, json.dumps(document), {"Content-Type": "application/json"}, **kwargs
         )
         return status, json.loads(body)
+
+    def signal_group(self, signum: int = signal.SIGTERM) -> None:
+        """`signum` to the server and every process it started (`own_group` only)."""
+        assert self.process and self.own_group
+        os.killpg(self.process.pid, signum)
 
     def signal(self, signum: int = signal.SIGTERM) -> None:
         assert self.process

@@ -165,6 +165,30 @@ def test_the_same_stop_signal_twice_at_once_still_drains():
     assert lines[-1].endswith("rawserve INFO stopped"), lines[-5:]
 
 
+@pytest.mark.parametrize("http_processes", ["1", "2"])
+def test_a_stop_sent_to_the_whole_process_group_drains_through_the_same_workers(
+    http_processes,
+):
+    """systemd stops a service, and `kill -- -PGID` a group, by signalling every process
+    in it: the workers too. They leave the stop to the server, which drains: the batch
+    in hand is answered by the worker that ran it, with no restart and no input blamed."""
+    args = ["--handler", FAULTY, "--grace", "20", "--http-processes", http_processes]
+    server = RunningServer(args, own_group=True).start()
+    try:
+        pids = json.loads(server.request("GET", "/info")[2])["worker_pids"]
+        thread, answers = post_in_background(server, {"inputs": "x", "parameters": {"sleep": 1}})
+        server.wait_for_log(SLEEPING, timeout=30)
+        server.signal_group(signal.SIGTERM)
+        assert server.process.wait(timeout=30) == 0
+        thread.join(timeout=10)
+    finally:
+        server.stop()
+    assert answers and answers[0][0] == 200 and answers[0][1]["pid"] in pids
+    lines = all_log_lines(server)
+    assert not [line for line in lines if "restarting" in line or "crashed" in line], lines
+    assert lines[-1].endswith("rawserve INFO stopped"), lines[-5:]
+
+
 @pytest.mark.parametrize(
     ("flag", "default"),
     [("--max-queue", "256"), ("--timeout", "30"), ("--grace", "30"), ("--port", "8000")],

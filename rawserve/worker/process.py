@@ -94,9 +94,12 @@ def worker_main(
     of a one-way pipe). `cancelled_stream` is a shared integer: the id of a stream whose
     client has gone."""
     out = MessageWriter(replies.fileno())
-    # Ctrl-C in a terminal reaches the whole process group: the server drains and then
-    # stops its workers itself, so a worker must not die of it mid-batch.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A stop sent to the whole process group (Ctrl-C in a terminal, systemd's default
+    # stop of a service, `kill -- -PGID`) reaches the workers too: the server drains and
+    # then stops its workers itself (or kills them), so a worker must not die of it
+    # mid-batch (it was restarted, its batch retried as if its input had crashed it).
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     # No progress bars (they are noise in a server's log), and above all no tqdm lock:
     # tqdm makes a multiprocessing semaphore for its bars, which a worker that is killed
     # (at the end of the grace period, or from outside) leaves to the resource tracker,
