@@ -82,13 +82,15 @@ def encoder_figures(args: argparse.Namespace, torch: Any, transformers: Any) -> 
             [(size, length) for size in range(1, 257) for length in range(8, 65)], args.batches
         )
         with torch.inference_mode(), kernels(choice):
-            new, seen = (
-                [
+
+            def each_shape() -> list[float]:
+                return [
                     timed(lambda s=s: model(**encoder_batch(torch, *s, vocab, args.device)), sync)
                     for s in shapes
                 ]
-                for _ in range(2)  # the same shapes again: what a shape costs once seen
-            )
+
+            new = each_shape()
+            seen = each_shape()  # the same shapes again: what a shape costs once seen
             fixed = encoder_batch(torch, 256, 16, vocab, args.device)
             same = [timed(lambda: model(**fixed), sync) for _ in range(args.batches)]
         items = sum(size for size, _ in shapes)

@@ -230,8 +230,8 @@ class Scheduler:
         are answered, or `on_end(None, error)` at the first error (the refusals `run`
         raises). Admission refusals are raised at once. `cancel()` on what it returns
         withdraws the items (on_end is then never called). The serving process carries
-        every HTTP process's requests this way: a task a request cost more than the rest
-        of its way through this process."""
+        every HTTP process's requests this way: a task a request was ~8 % of the serving
+        process's cost of it (bench/RESULTS.md)."""
         run_id, items, futures = self._admit(inputs, params, deadline, control)
         end = functools.partial(self._end_run, run_id, items, futures, deadline)
         return RunningRequest(futures, end, on_end)
