@@ -61,12 +61,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     from rawserve.shared.messages import WorkerConfig
 
     os.environ["RAWSERVE_TEST_BATCH_MS"] = str(args.batch_ms)
-    wake = asyncio.Event()
-    pool = WorkerPool(WorkerConfig(model="", handler=HANDLER, threads=1), ["cpu"], on_idle=wake.set)
+    pool = WorkerPool(WorkerConfig(model="", handler=HANDLER, threads=1), ["cpu"])
     pool.start()
     await pool.wait_ready()
     core = SchedulerCore(max_queue=4096, max_batch_size=args.max_batch_size, workers=1)
-    scheduler = Scheduler(core, pool, wake=wake)
+    scheduler = Scheduler(core, pool)
+    pool.on_idle = scheduler.wake
     scheduler.start()
     turnaround = args.turnaround_ms / 1000
     await closed_loop(scheduler, 4, 1.0, turnaround)  # warm: the batch time is learned

@@ -133,13 +133,11 @@ def build_model(
     """One model's parts; with `several` models, its log lines carry its name."""
     model = config.model
     counts = metrics.for_model(plan.name)
-    wake = asyncio.Event()  # a worker may be free: the scheduler looks again
     executor = Executor(
         worker_config(plan, model, workers, plan.name if several else ""),
         workers.devices,
         batch_timeout=model.batch_timeout,
         share_cores=workers.share_cores,
-        on_idle=wake.set,
         metrics=counts,
         core_share=core_share,
         loop=loop,
@@ -152,7 +150,8 @@ def build_model(
         group_lengths=model.batching is Batching.COST,
         workers=len(workers.devices),
     )
-    scheduler = Scheduler(core, executor, wake=wake, loop=loop, metrics=counts)
+    scheduler = Scheduler(core, executor, loop=loop, metrics=counts)
+    executor.on_idle = scheduler.wake  # a worker may be free: the scheduler looks again
     metrics.watch(plan.name, scheduler, executor)
     service = ModelService(scheduler, executor)
     served = ServedModel(

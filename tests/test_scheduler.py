@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from dataclasses import dataclass
 
@@ -566,6 +567,36 @@ async def test_idle_worker_gets_the_first_item_at_once_then_batches_while_busy(d
     backend.finish(2)
     assert [r.output for r in await first] == ["out:a"]
     assert [(await task)[0].output for task in rest] == [f"out:{x}" for x in "bcdef"]
+
+
+async def test_arrivals_in_one_loop_pass_are_looked_at_once_and_batched(driver):
+    scheduler, backend = driver
+    await until(lambda: backend.free_looks >= 1)  # the look at start
+    looks = backend.free_looks
+    runs = [asyncio.create_task(scheduler.run([x], {}, scheduler.clock() + 5)) for x in "abc"]
+    await until(lambda: len(backend.calls) == 1)
+    assert backend.calls[0][0] == ["a", "b", "c"]  # woken three times, one look
+    assert backend.free_looks == looks + 1
+    backend.finish(0)
+    assert [(await run)[0].output for run in runs] == ["out:a", "out:b", "out:c"]
+
+
+async def test_a_look_that_raises_is_logged_and_the_next_wake_looks_again(driver, caplog):
+    scheduler, backend = driver
+    asyncio.get_running_loop().set_exception_handler(
+        lambda loop, context: logging.getLogger("test").error(context["message"])
+    )
+    real = backend.idle_workers
+    backend.idle_workers = lambda: 1 / 0  # a bug in one look
+    first = asyncio.create_task(scheduler.run(["a"], {}, scheduler.clock() + 5))
+    await until(lambda: "Exception in callback" in caplog.text)
+    assert backend.calls == []
+    backend.idle_workers = real
+    second = asyncio.create_task(scheduler.run(["b"], {}, scheduler.clock() + 5))
+    await until(lambda: len(backend.calls) == 1)  # a task would have died with the bug
+    assert backend.calls[0][0] == ["a", "b"]
+    backend.finish(0)
+    assert [(await first)[0].output, (await second)[0].output] == ["out:a", "out:b"]
 
 
 async def test_a_batch_is_answered_a_slice_per_loop_pass_so_others_get_turns():

@@ -99,6 +99,8 @@ class Bridge:
         self._publisher: asyncio.Task[None] | None = None
         self._pings: dict[int, asyncio.Future[None]] = {}
         self._publish_due = False
+        # its event loop, once started (asking for the running loop makes a system call)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # --- peers --------------------------------------------------------------------------
 
@@ -268,6 +270,7 @@ class Bridge:
     # --- publishing ---------------------------------------------------------------------
 
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self.publish()
         self._publisher = asyncio.ensure_future(self._publish_loop())
 
@@ -287,7 +290,7 @@ class Bridge:
         """Publish at the end of this event-loop pass (once, however often asked)."""
         if not self._publish_due:
             self._publish_due = True
-            asyncio.get_running_loop().call_soon(self.publish)
+            (self._loop or asyncio.get_running_loop()).call_soon(self.publish)
 
     def publish(self) -> None:
         """Bring the board up to date with every model's queue."""

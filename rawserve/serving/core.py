@@ -221,16 +221,18 @@ class SchedulerCore:
             return False
         deadline = min(item.deadline for item in items)
         own = [item.cost for item in items]
-        alone = self.cost_model.drain_seconds(own, self.max_size, self.workers)
-        if alone is None or now + alone > deadline:
-            return False
+        max_size, workers = self.max_size, self.workers
         in_flight = self._in_flight_seconds(now)
         # In O(1): behind everything queued they would still make it (what is ahead is a
-        # part of the queue). Most admissions end here; only a deep queue is looked into.
+        # part of the queue; alone, then, too). Most admissions end here; only a deep
+        # queue is looked into.
         everything = self.cost_model.drain_seconds_of(
-            self._size + len(own), self._queued_cost + sum(own), self.max_size, self.workers
+            self._size + len(own), self._queued_cost + sum(own), max_size, workers
         )
         if everything is not None and now + ADMIT_MARGIN * (in_flight + everything) <= deadline:
+            return False
+        alone = self.cost_model.drain_seconds(own, max_size, workers)
+        if alone is None or now + alone > deadline:
             return False
         last_turn = max(item.turn for item in items)
         latest = max(item.deadline for item in items)
@@ -240,7 +242,7 @@ class SchedulerCore:
             for i in queue
             if i.turn <= last_turn and i.deadline <= latest
         ]
-        with_ahead = self.cost_model.drain_seconds(ahead + own, self.max_size, self.workers)
+        with_ahead = self.cost_model.drain_seconds(ahead + own, max_size, workers)
         assert with_ahead is not None  # measured, as `alone` was
         return now + ADMIT_MARGIN * (in_flight + with_ahead) > deadline
 

@@ -2,7 +2,7 @@
 
 The decisions (admit, build the next batch, drop what expired, when to look again) are
 made by `rawserve.serving.core.SchedulerCore`, synchronously, from a clock. This thin
-async shell sleeps until the next thing that can happen (an arrival, a free worker, a
+shell looks at the queue when something can have changed (an arrival, a free worker, a
 batch-delay deadline), never polls, hands batches to the pool (a `Backend`), and settles
 each request's items. A request it cannot answer with results ends in `Refused` (a
 domain refusal: it knows nothing of HTTP, nor of torch).
@@ -131,8 +131,11 @@ class SchedulerMetrics(Protocol):
 class Scheduler:
     """Runs a `SchedulerCore` against a worker pool on the event loop.
 
-    `wake` is set by whoever frees a worker (the pool, given `wake.set` as its
-    `on_idle`), by arrivals and by finished batches: the dispatch loop then looks again.
+    `wake()` is called by whoever frees a worker (the pool, given it as its `on_idle`),
+    by arrivals and by finished batches: the scheduler then looks at the queue again, once
+    at the end of the event loop's pass however often it was woken in it. A look is a
+    callback, not a task's step: one pass of the loop for hundreds of arrivals (and a
+    look that raises is logged by the loop; the next wake looks afresh).
     """
 
     def __init__(
@@ -140,7 +143,6 @@ class Scheduler:
         core: SchedulerCore,
         backend: Backend,
         *,
-        wake: asyncio.Event | None = None,
         clock: Callable[[], float] = time.monotonic,
         loop: asyncio.AbstractEventLoop | None = None,
         metrics: SchedulerMetrics | None = None,
@@ -150,9 +152,9 @@ class Scheduler:
         self.clock = clock
         self.metrics = metrics
         self._loop = loop
-        self._wake = wake or asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._look_due = False  # a look is scheduled for the end of this pass
+        self._running = False  # between start() and stop()
         self.in_flight = 0  # items inside model calls
         # each run's futures, until it ends or its deadline passes (one timer for them all)
         self._runs: dict[int, list[asyncio.Future[ItemResult]]] = {}
@@ -161,13 +163,19 @@ class Scheduler:
 
     def start(self) -> None:
         self._loop = self._loop or asyncio.get_running_loop()
-        self._task = self._loop.create_task(self._dispatch_loop(), name="rawserve-scheduler")
+        self._running = True
+        self.wake()
+
+    def wake(self) -> None:
+        """Something may have changed (an arrival, a free worker, a deadline): look at
+        the queue at the end of this pass of the event loop."""
+        if self._running and not self._look_due:
+            self._look_due = True
+            self._running_loop.call_soon(self._look)
 
     async def stop(self) -> None:
         """Stop dispatching, and refuse every item still queued (shutting down)."""
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        self._running = False
         if self._timer is not None:
             self._timer.cancel()
         self._late.close()
@@ -255,7 +263,7 @@ class Scheduler:
             raise Refused.because(Reason.NEVER_ADMISSIBLE, str(never)) from None
         except QueueFull as refused:
             raise self._refusal(refused, len(items)) from None
-        self._wake.set()
+        self.wake()
         run_id = next(self._run_ids)
         self._runs[run_id] = futures
         self._late.watch(run_id, deadline)  # then `_on_late` fails it with DEADLINE_PASSED
@@ -290,26 +298,26 @@ class Scheduler:
         if waiting is not None:
             waiting.set_exception(deadline_passed())
 
-    async def _dispatch_loop(self) -> None:
-        while True:
-            self._wake.clear()
-            now = self.clock()
-            self.core.batch_cap = self.backend.batch_cap()
-            self.core.workers = self.backend.concurrency()
-            self.core.max_input_tokens = self.backend.max_input_tokens()
-            decision = self.core.decide(now, self.backend.idle_workers())
-            for item in decision.expired:
-                _settle(
-                    item,
-                    exception=Refused.because(
-                        Reason.DEADLINE_PASSED, "deadline passed while queued"
-                    ),
-                )
-            self._count_dropped("expired", len(decision.expired))
-            for batch in decision.batches:
-                self._dispatch(batch, now)
-            self._sleep_until(decision.wake_at)
-            await self._wake.wait()
+    def _look(self) -> None:
+        """One look at the queue: answer what expired, send what is ready, and set the
+        timer for the next thing that will be due."""
+        self._look_due = False
+        if not self._running:
+            return
+        now = self.clock()
+        self.core.batch_cap = self.backend.batch_cap()
+        self.core.workers = self.backend.concurrency()
+        self.core.max_input_tokens = self.backend.max_input_tokens()
+        decision = self.core.decide(now, self.backend.idle_workers())
+        for item in decision.expired:
+            _settle(
+                item,
+                exception=Refused.because(Reason.DEADLINE_PASSED, "deadline passed while queued"),
+            )
+        self._count_dropped("expired", len(decision.expired))
+        for batch in decision.batches:
+            self._dispatch(batch, now)
+        self._sleep_until(decision.wake_at)
 
     @property
     def _running_loop(self) -> asyncio.AbstractEventLoop:
@@ -344,7 +352,7 @@ class Scheduler:
             self._timer = None
         if when is not None:
             delay = max(0.0, when - self.clock())
-            self._timer = self._running_loop.call_later(delay, self._wake.set)
+            self._timer = self._running_loop.call_later(delay, self.wake)
 
     def _dispatch(self, batch: list[WorkItem], now: float) -> None:
         try:
@@ -363,7 +371,7 @@ class Scheduler:
 
     def _on_batch_done(self, batch: list[WorkItem], sent: float, done: asyncio.Future) -> None:
         self.in_flight -= len(batch)
-        self._wake.set()
+        self.wake()
         if done.cancelled() or done.exception() is not None:
             self.core.forget_batch(batch)
             error = done.exception() if not done.cancelled() else None
