@@ -39,9 +39,12 @@ CPU_MAX_QUEUE = 256
 GPU_MAX_QUEUE = 4096
 # One Python process speaks HTTP at ~4,000 requests/s. On a GPU machine the cores are
 # free for more (an H100's 16 cores, echo handler: 3,895 / 10,111 / 16,512 req/s at 1 / 4
-# / 8 processes; BERT-base at 64 clients 1,253 -> 1,809/s with 4); on a CPU they belong
-# to the model workers (2 cores: 2 processes gained nothing), so one does both there.
-GPU_HTTP_PROCESSES = 4
+# / 8 processes, 19,072-19,345 at 8 and 16 in another run; BERT-base at 64 clients 1,253
+# -> 1,809/s with 4; at 3x overload, 15,000 requests/s offered, 4 processes were the
+# queue: refusals took 2.6 s at p99); on a CPU they belong to the model workers (2 cores:
+# 2 processes gained nothing), so one does both there. Half the cores leave the rest to
+# the serving process, the worker feeding the GPU and its tokenizer's threads.
+GPU_HTTP_PROCESSES = 8
 
 ENV_TRUE = ("1", "true", "yes", "on")
 ENV_FALSE = ("", "0", "false", "no", "off")
@@ -202,7 +205,7 @@ OPTIONS = [
         None,
         "processes that speak HTTP (connections, parsing, JSON) beside the one serving "
         "process that schedules and feeds the workers; 1: one process does both (default: "
-        f"1; on a GPU {GPU_HTTP_PROCESSES}, at most a quarter of the cores)",
+        f"1; on a GPU {GPU_HTTP_PROCESSES}, at most half the cores)",
     ),
     Option(
         "--loop", str, "auto", "the event loop: auto (uvloop where installed), asyncio or uvloop"
@@ -396,7 +399,7 @@ def batch_defaults(size: int | None, tokens: int | None, gpu: bool) -> tuple[int
 
 def http_processes_default(gpu: bool, cores: int) -> int:
     """One on a CPU machine; on a GPU machine several, leaving most cores to the rest."""
-    return max(1, min(GPU_HTTP_PROCESSES, cores // 4)) if gpu else 1
+    return max(1, min(GPU_HTTP_PROCESSES, cores // 2)) if gpu else 1
 
 
 def read_chat_template(path: str | None, parser: argparse.ArgumentParser) -> str | None:

@@ -203,9 +203,9 @@ def test_a_gpu_queues_several_batches_and_a_cpu_keeps_its_bound(gpu):
 
 def test_a_gpu_machine_speaks_http_from_several_processes(gpu, monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 16)
-    assert parse_config([]).http_processes == 4
+    assert parse_config([]).http_processes == 8
     assert parse_config(["--http-processes", "1"]).http_processes == 1
     assert parse_config(["--device", "cpu"]).http_processes == 1  # the cores are the workers'
-    # a quarter of the cores at most, one at least
-    assert [http_processes_default(True, cores) for cores in (2, 8, 16, 64)] == [1, 2, 4, 4]
+    # half the cores at most, one at least
+    assert [http_processes_default(True, cores) for cores in (2, 3, 8, 16, 64)] == [1, 1, 4, 8, 8]
     assert http_processes_default(False, 64) == 1
