@@ -12,7 +12,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-deps lint bench bench-http bench-generation reference-answers clean
+.PHONY: serve test test-deps lint bench bench-http bench-generation bench-gpu reference-answers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,13 @@ bench-http: $(STAMP)
 bench-generation: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	HF_HUB_OFFLINE=1 $(PY) -m bench.generation_serving $(ARGS)
+
+# every GPU measurement in one pass bounded in time (bench/gpu_round.py): attention kernels,
+# encoders and overload, generation, HTTP processes, a profile, the preparing thread; about
+# 12 minutes, the logs and summary.json in bench-gpu/ (ARGS="--budget 400 --stages ...")
+bench-gpu: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[bench]"
+	HF_HUB_OFFLINE=1 $(PY) -m bench.gpu_round --out bench-gpu $(ARGS)
 
 # transformers 4's answers for tests/test_fidelity.py, into tests/fidelity_reference.json.
 # The first run makes .venv-transformers4 (transformers 4.57.6 and the same torch); it prints

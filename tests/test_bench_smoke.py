@@ -5,11 +5,14 @@ Only a smoke test (about two seconds of load): the benchmarks themselves are not
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import importlib
+import json
 
 import pytest
 
-from bench import load, refusal_cost, report, spread
+from bench import gpu_round, load, refusal_cost, report, spread
 from bench.workloads import RAW_TEXT, BodyFormat, texts
 from tests.server import RunningServer
 
@@ -84,3 +87,32 @@ def test_refusal_cost_harness_times_real_refusals():
     finally:
         loop.close()
     assert 0 < seconds < 0.05
+
+
+def test_the_gpu_round_runs_each_stage_bounded_and_skips_what_the_budget_cannot_fit(tmp_path):
+    quick = gpu_round.Stage("quick", 30, ("json.tool", "--help"))
+    stuck = gpu_round.Stage("stuck", 1, ("http.server", "0", "--bind", "127.0.0.1"))
+    large = gpu_round.Stage("large", 10_000, ("json.tool", "--help"))
+
+    found = gpu_round.run([quick, stuck, large], tmp_path, budget=60)
+
+    assert [f["stage"] for f in found] == ["quick", "stuck", "large"]
+    assert found[0]["exit"] == 0 and not found[0]["timed_out"]
+    assert "usage" in (tmp_path / "quick.log").read_text()  # its output kept
+    assert found[1]["timed_out"] and found[1]["seconds"] < 10  # killed at its limit
+    assert "skipped" in found[2]  # more than the budget left
+    assert json.loads((tmp_path / "summary.json").read_text()) == found
+
+
+def test_every_gpu_round_stage_names_a_benchmark_that_takes_its_options(tmp_path, monkeypatch):
+    def parse_only(parser, args=None, namespace=None):
+        _, unknown = parser.parse_known_args(args, namespace)  # checks types and choices
+        assert not unknown, unknown
+        raise SystemExit(0)  # parsed: the benchmark itself does not run
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
+    for stage in gpu_round.stages(tmp_path):
+        module = importlib.import_module(stage.argv[0])
+        with pytest.raises(SystemExit) as parsed:
+            module.main(list(stage.argv[1:]))
+        assert parsed.value.code == 0, stage.name
