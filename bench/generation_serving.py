@@ -40,6 +40,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -300,8 +301,12 @@ def server(system: str, folder: Path, log: Path, args: argparse.Namespace) -> se
                    "--dtype", args.dtype, str(folder)]  # fmt: skip
         return servers.ServerProcess(system, command, servers.base_env(), log)
     mode = system.removeprefix("rawserve-")
-    options = ["--task", "text-generation", "--generation", mode, "--device", args.device,
-               "--dtype", args.dtype, "--no-access-log"]  # fmt: skip
+    # on a CPU rawserve's own layout (a worker per core), as a user starts it: `--device
+    # cpu` would make it one worker of every core (slower here, bench/RESULTS.md)
+    device = [] if args.device == "cpu" else ["--device", args.device]
+    options = ["--task", "text-generation", "--generation", mode, *device,
+               "--dtype", args.dtype, "--no-access-log",
+               *shlex.split(args.rawserve_args)]  # fmt: skip
     return servers.rawserve(str(folder), log, options, name=system)
 
 
@@ -491,6 +496,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--rawserve-args", default="", help='more options for rawserve, e.g. "--device cpu"'
+    )
     parser.add_argument("--dtype", help="float32 or float16 (default: float16 on cuda)")
     parser.add_argument("--seed", type=int, default=0, help="prompts and mixed lengths")
     parser.add_argument("--scenarios", nargs="+", help='e.g. "16 x 64" "mixed 256 x 8-256"')
