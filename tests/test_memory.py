@@ -35,6 +35,17 @@ def test_free_memory_is_given_back_every_nth_batch_only():
     assert [releaser.after_batch() for _ in range(8)] == [False, False, False, True] * 2
 
 
+def test_the_trim_waits_while_the_next_batch_waits_but_not_for_ever(monkeypatch):
+    calls = []
+    releaser = FreeMemoryReleaser(every=2, postpone=3)
+    monkeypatch.setattr(releaser, "_trim", calls.append)
+    # a GPU worker's second batch is here when the first is answered: no trim then
+    assert [releaser.after_batch(next_waiting=True) for _ in range(3)] == [False] * 3
+    assert releaser.after_batch(next_waiting=False) is True  # the first gap
+    assert [releaser.after_batch(next_waiting=True) for _ in range(6)] == [False] * 5 + [True]
+    assert calls == [0, 0]  # 2 x 3 batches at most between trims
+
+
 def test_the_trim_is_glibcs_own_call(monkeypatch):
     calls = []
     releaser = FreeMemoryReleaser(every=2)

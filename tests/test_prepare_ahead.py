@@ -161,6 +161,27 @@ def test_without_preparing_the_feeder_still_tells_when_each_batch_arrived():
     assert feeder._received == {}  # taken: nothing kept
 
 
+def test_the_feeder_tells_whether_the_next_batch_is_already_here():
+    """A worker trims its heap only when no batch waits (a GPU's second batch would wait
+    through the trim): the feeder says, whether the batch is queued or being prepared."""
+    receiving, sending = Pipe(duplex=False)
+    preparing = threading.Event()
+    go_on = threading.Event()
+
+    def prepare(batch: Batch):
+        preparing.set()
+        assert go_on.wait(10)
+
+    feeder = Feeder(receiving, prepare).start()
+    assert not feeder.waiting()
+    sending.send(Batch(1, ("a",)))
+    assert preparing.wait(10)
+    assert feeder.waiting()  # being prepared
+    go_on.set()
+    assert feeder.next().batch_id == 1
+    assert not feeder.waiting()
+
+
 def test_a_feeder_that_times_nothing_keeps_nothing():
     """The continuous generation loop takes batches and cancels and never asks when a
     batch arrived: a record per batch would pile up for the worker's whole life."""

@@ -70,6 +70,10 @@ class Feeder:
         self._prepare = prepare
         self._timed = timed or prepare is not None
         self._received: dict[int, Received] = {}
+        # messages read off the pipe, and those the model thread took: each counted by
+        # one thread only, so they need no lock
+        self._messages_read = 0
+        self._messages_taken = 0
         if prepare is not None:  # the reader hands each message to the preparing thread
             self._read_into: queue.SimpleQueue[Any] = queue.SimpleQueue()
             self._threads.append(
@@ -89,7 +93,14 @@ class Feeder:
 
     def next(self) -> Any:
         """The next message from the server (a `Shutdown` once its end is closed)."""
-        return self._queue.get()
+        message = self._queue.get()
+        self._messages_taken += 1
+        return message
+
+    def waiting(self) -> bool:
+        """Whether a message is here that the model thread has not taken (queued, or
+        being prepared)."""
+        return self._messages_read > self._messages_taken
 
     def drain(self) -> list[Any]:
         """Every message already queued, in order, without waiting (the continuous loop
@@ -99,6 +110,7 @@ class Feeder:
             try:
                 messages.append(self._queue.get_nowait())
             except queue.Empty:
+                self._messages_taken += len(messages)
                 return messages
 
     def _read(self) -> None:
@@ -106,10 +118,12 @@ class Feeder:
             try:
                 message = self._batches.recv()
             except (EOFError, OSError):  # the server is gone
+                self._messages_read += 1
                 self._read_into.put(CLOSED)
                 return
             if self._timed and isinstance(message, Batch):
                 self._received[message.batch_id] = Received(time.perf_counter())
+            self._messages_read += 1
             self._read_into.put(message)
             if isinstance(message, Shutdown):
                 return

@@ -208,7 +208,8 @@ def worker_main(
                 out.send(result)
             except (OSError, ValueError):  # the server is gone
                 return
-            releaser.after_batch()  # after the reply: the server is not kept waiting
+            # after the reply: the server is not kept waiting (nor the next batch)
+            releaser.after_batch(next_waiting=feeder.waiting())
             free_since = time.perf_counter()
 
 
