@@ -731,7 +731,14 @@ def test_a_header_number_is_digits_and_at_most_one_dot(value, seconds):
 )
 def test_what_python_reads_as_a_number_but_http_does_not_is_400(value):
     request = HttpRequest("POST", "/", "", [("x-request-timeout", value)], b"", "id")
-    with pytest.raises(BadRequest, match="X-Request-Timeout"):
+    with pytest.raises(BadRequest, match="X-Request-Timeout must be a number of seconds in digits"):
+        request_timeout(request, default=30, longest=60)
+
+
+@pytest.mark.parametrize("value", ["0", "0.0", "000"])
+def test_a_deadline_of_no_time_is_400(value):
+    request = HttpRequest("POST", "/", "", [("x-request-timeout", value)], b"", "id")
+    with pytest.raises(BadRequest, match="more than 0 seconds"):
         request_timeout(request, default=30, longest=60)
 
 

@@ -85,9 +85,9 @@ def request_timeout(request: HttpRequest, default: float, longest: float) -> flo
         return default
     seconds = header_decimal(header)
     if seconds is None:  # HTTP's grammar: digits and at most one dot
-        raise BadRequest("X-Request-Timeout must be a number of seconds")
+        raise BadRequest("X-Request-Timeout must be a number of seconds in digits, such as 2.5")
     if seconds <= 0:
-        raise BadRequest("X-Request-Timeout must be positive")
+        raise BadRequest("X-Request-Timeout must be more than 0 seconds")
     return min(seconds, longest)
 
 
