@@ -18,6 +18,8 @@ The stages, in the order they run (the in-process ones first: they need no serve
 - `generation`: GPT-2-small-sized `/v1/completions` against static `generate`
   (`bench.generation_serving`)
 - `http`: the echo handler behind 4, 8 and 16 HTTP processes (`bench.http_processes`)
+- `lone`: where a lone request's time goes, with the default HTTP processes and with one
+  (`bench.lone_request`)
 - `profile`: a sampling profile of the server at 256 clients (`bench.profile`, needs
   py-spy)
 - `overlap`: the preparing thread on and off, in-process (`bench.overlap --prepare`)
@@ -64,6 +66,10 @@ def stages(out: Path) -> list[Stage]:
             "bench.http_processes", "--processes", "4", "8", "16", "--loops", "uvloop",
             "--rounds", "1", "--duration", "3", "--clients", "256",
             "--client-processes", "6")),
+        Stage("lone", 80, (
+            "bench.lone_request", "--scenario", "bert-base-classification", "--requests",
+            "300", "--config=", "--config=--http-processes 1", "--out",
+            str(out / "lone"))),
         Stage("profile", 60, (
             "bench.profile", "--scenario", "bert-base-classification", "--clients", "256",
             "--seconds", "6", "--rate", "200", "--out", str(out / "profile"))),
