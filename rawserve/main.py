@@ -104,6 +104,7 @@ def worker_config(
         pooling=facts.pooling if facts else "none",
         normalize=facts.normalize if facts else False,
         warmup_batch=model.max_batch_size if model.warmup else 0,
+        cuda_graphs=model.cuda_graphs,
         chat_template=model.chat_template,
         generation=model.generation,
         max_sequences=model.max_sequences,

@@ -119,6 +119,13 @@ OPTIONS = [
         "report ready without first running a batch of --max-batch-size examples",
     ),
     Option(
+        "--cuda-graphs",
+        bool,
+        False,
+        "on a GPU: replay an encoder's forward pass from CUDA graphs, one captured per "
+        "padded batch shape (text classification and embeddings, torch engine)",
+    ),
+    Option(
         "--max-batch-delay-ms",
         float,
         0.0,  # measured: any delay adds itself at low load, buys nothing (bench/RESULTS.md)
@@ -347,6 +354,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             dtype=args.dtype,
             threads=args.threads,
             warmup=not args.no_warmup,
+            cuda_graphs=args.cuda_graphs,
             chat_template=chat_template,
             max_batch_size=args.max_batch_size,
             max_batch_delay_ms=args.max_batch_delay_ms,

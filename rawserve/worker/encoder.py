@@ -13,6 +13,7 @@ import transformers
 
 from rawserve.models.folder import sentence_transformers_prompts
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits
+from rawserve.worker.cuda_graphs import GraphedForward
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name, resolve_dtype
 
@@ -49,6 +50,7 @@ class EncoderRunner(Runner):
         self.default_pooling, self.default_normalize = pooling, normalize
         self.prompts = sentence_transformers_prompts(Path(model))
         self.max_length = self.max_input_length(self.model.config)
+        self.graphed: GraphedForward | None = None  # the forward pass, with --cuda-graphs
 
     @property
     def limits(self) -> ModelLimits:
@@ -63,6 +65,15 @@ class EncoderRunner(Runner):
             "max_input_length": self.max_length,
             "prompts": self.prompts,
         }
+
+    def use_cuda_graphs(self) -> str:
+        if self.onnx is not None:
+            return "off: ONNX Runtime runs the forward pass"
+        model = self.model
+        self.graphed = GraphedForward(
+            lambda inputs: model(**inputs).last_hidden_state, self.device, True, self.max_length
+        )
+        return "on: a graph per padded batch shape"
 
     def run(
         self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
@@ -120,7 +131,9 @@ class EncoderRunner(Runner):
             )
         encoded = self.on_device(prepared)
         with torch.inference_mode():
-            hidden = self.model(**encoded).last_hidden_state.float()
+            graphed = self.graphed
+            hidden = graphed(encoded) if graphed else self.model(**encoded).last_hidden_state
+            hidden = hidden.float()
             mask = encoded["attention_mask"]
             if dimensions is not None:  # Matryoshka-style: keep the first dimensions
                 hidden = hidden[..., :dimensions]

@@ -132,6 +132,9 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
     runner.engine, runner.engine_reason = engine, reason
     runner.dtype_reason = dtype_reason
     runner.attention = attention
+    if config.cuda_graphs and runner.on_cuda:
+        runner.cuda_graphs = runner.use_cuda_graphs()
+        log.info("CUDA graphs: %s", runner.cuda_graphs)
     return runner
 
 

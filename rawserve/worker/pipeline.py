@@ -17,6 +17,7 @@ import transformers
 
 from rawserve.shared.messages import NO_CONTROL, Control
 from rawserve.tasks import LOGITS_PARAM, split_outputs
+from rawserve.worker.cuda_graphs import GraphedForward
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name, resolve_dtype
 
@@ -44,6 +45,7 @@ class PipelineRunner(Runner):
                 check.setLevel(level)
         super().__init__(task, device, dtype_name(self.pipe.model), self.pipe.tokenizer)
         self.onnx = onnx
+        self.graphed: GraphedForward | None = None  # the classifier's, with --cuda-graphs
         config = self.pipe.model.config
         self.max_length = self.max_input_length(config) if self.tokenizer is not None else None
         if self.max_length is not None:
@@ -65,6 +67,15 @@ class PipelineRunner(Runner):
             labels = self.pipe.model.config.id2label
             found["id2label"] = {str(i): labels[i] for i in sorted(labels)}
         return found
+
+    def use_cuda_graphs(self) -> str:
+        if self.onnx is not None or self.task != "text-classification" or not self.max_length:
+            return "off: replayed for text classification and embeddings on torch only"
+        model = self.pipe.model
+        self.graphed = GraphedForward(
+            lambda inputs: model(**inputs).logits, self.device, False, self.max_length
+        )
+        return "on: plain text classification, a graph per padded batch shape"
 
     def run(
         self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
@@ -119,7 +130,8 @@ class PipelineRunner(Runner):
     def _classify_encoded(self, encoded: Any) -> list[dict[str, Any]]:
         pipe = self.pipe
         with torch.inference_mode():
-            logits = pipe.model(**encoded).logits.float().cpu().numpy()
+            raw = self.graphed(encoded) if self.graphed else pipe.model(**encoded).logits
+            logits = raw.float().cpu().numpy()
         exp = np.exp(logits - logits.max(axis=-1, keepdims=True))
         scores = exp / exp.sum(axis=-1, keepdims=True)
         labels = pipe.model.config.id2label

@@ -160,7 +160,7 @@ def worker_main(
             device=runner.device,
             dtype=runner.dtype,
             load_seconds=load_seconds,
-            details=runner.details,
+            details={**runner.details, **cuda_graphs_detail(runner)},
             warmup_seconds=warmup_seconds,
             limits=runner.limits,
             engine=runner.engine,
@@ -211,6 +211,11 @@ def worker_main(
             # after the reply: the server is not kept waiting (nor the next batch)
             releaser.after_batch(next_waiting=feeder.waiting())
             free_since = time.perf_counter()
+
+
+def cuda_graphs_detail(runner: Runner) -> dict[str, str]:
+    """What became of --cuda-graphs, for /info (nothing when it was not asked for)."""
+    return {"cuda_graphs": runner.cuda_graphs} if runner.cuda_graphs else {}
 
 
 @dataclass

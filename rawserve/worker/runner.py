@@ -63,6 +63,7 @@ class Runner:
         self.engine_reason = ""
         self.onnx: OnnxNetwork | None = None  # the forward pass, when ONNX Runtime runs it
         self._ahead_tokenizer: Any = None  # the preparing thread's own (see `prepare`)
+        self.cuda_graphs = ""  # what became of --cuda-graphs, for the log and /info
 
     @property
     def on_cuda(self) -> bool:
@@ -138,6 +139,11 @@ class Runner:
 
     def on_device(self, encoded: Any) -> Any:
         return encoded.to(self.device, non_blocking=self.on_cuda)
+
+    def use_cuda_graphs(self) -> str:
+        """Replay the forward pass from CUDA graphs (rawserve.worker.cuda_graphs) where
+        this runner can; what became of it, in words."""
+        return "off: this task's forward pass is not replayed"
 
     def set_threads(self, count: int) -> None:
         """Intra-op threads for the next batches (cheap: the pools are kept)."""

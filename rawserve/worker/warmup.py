@@ -85,4 +85,24 @@ def warm_up(runner: Runner, size: int) -> float | None:
         return None
     seconds = time.perf_counter() - started
     log.info("warm-up: a batch of %d took %.2f s", size, seconds)
+    if runner.cuda_graphs.startswith("on"):
+        warm_graphs(runner, inputs, checked)
     return seconds
+
+
+def warm_graphs(runner: Runner, inputs: list[Any], checked: dict[str, Any]) -> None:
+    """With CUDA graphs: the example at every smaller bucket of rows too, so that the
+    first clients' batches of a few short texts replay a graph instead of recording one
+    (rawserve.worker.cuda_graphs)."""
+    from rawserve.worker.cuda_graphs import ROW_BUCKETS
+
+    started = time.perf_counter()
+    smaller = [rows for rows in ROW_BUCKETS if rows < len(inputs)]
+    try:
+        for rows in smaller:
+            runner.run(inputs[:rows], checked)
+    except Exception:  # noqa: BLE001 - a courtesy, as the warm-up is
+        log.warning("warming the CUDA graphs failed; serving without them warm", exc_info=True)
+        return
+    seconds = time.perf_counter() - started
+    log.info("warm-up: %d batch shapes recorded in %.2f s", len(smaller), seconds)

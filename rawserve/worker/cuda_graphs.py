@@ -1,0 +1,153 @@
+"""An encoder's forward pass replayed from CUDA graphs, one per padded batch shape.
+
+On a GPU a BERT-base-sized forward pass is bound by its launches, not its arithmetic:
+~300 kernels, each issued by Python through the modules (an H100: 5.7 ms for one text,
+11 ms for 64, 22 ms for 256). A CUDA graph records those launches once and replays them
+in one call. Graphs have fixed shapes, so a batch is padded up to the next bucket of rows
+and tokens (padded tokens are masked out; padded rows attend to their first token alone,
+and are dropped from the output), and each bucket's graph is captured the first time a
+batch of that shape comes. Batches past `MAX_GRAPH_TOKENS` padded tokens run as they
+are: there the arithmetic outweighs the launches, and their outputs would hold GPU memory
+per graph.
+
+Worker process only (imports torch).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger("rawserve.worker")
+
+ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+MAX_GRAPH_TOKENS = 8192  # padded rows x tokens: past it, a batch runs without a graph
+MAX_GRAPHS = 64  # shapes captured at most; the rest run without one
+WARM_RUNS = 2  # runs before a capture (lazy setups, cuBLAS's workspace), as torch advises
+
+Forward = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
+
+
+def token_bucket(length: int) -> int:
+    """Tokens padded to a multiple of 8 up to 64, of 16 up to 128, then of 32."""
+    step = 8 if length <= 64 else 16 if length <= 128 else 32
+    return -(-length // step) * step
+
+
+def bucket(rows: int, length: int, max_length: int) -> tuple[int, int] | None:
+    """The padded shape a batch of `rows` x `length` tokens runs at, its tokens no more
+    than the model reads (`max_length`); None: no graph (a batch beyond the model's
+    length runs as it is, and fails as it would)."""
+    at = bisect.bisect_left(ROW_BUCKETS, rows)
+    if at == len(ROW_BUCKETS) or length > max_length:
+        return None
+    shape = ROW_BUCKETS[at], min(token_bucket(length), max_length)
+    return shape if shape[0] * shape[1] <= MAX_GRAPH_TOKENS else None
+
+
+def padded(inputs: Mapping[str, torch.Tensor], into: Mapping[str, torch.Tensor]) -> None:
+    """Write a batch's inputs into a bucket's larger tensors: its rows and tokens at the
+    start, zeros after them (so nothing of the batch before stays), and each padded row
+    attending to its first token alone (a row that attends to nothing may come out NaN
+    in some attention kernels: unread, but nothing to leave in a GPU's memory)."""
+    rows, length = inputs["input_ids"].shape
+    for name, target in into.items():
+        target.zero_()
+        target[:rows, :length].copy_(inputs[name], non_blocking=True)
+    into["attention_mask"][rows:, 0] = 1
+
+
+def unpadded(output: torch.Tensor, rows: int, length: int, per_token: bool) -> torch.Tensor:
+    """The batch's part of a bucket's output (`per_token`: a vector per token, whose
+    padded tokens are cut too)."""
+    return output[:rows, :length] if per_token else output[:rows]
+
+
+@dataclass
+class Captured:
+    graph: Any  # torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]  # the tensors the graph reads: fill, then replay
+    output: torch.Tensor  # the tensor the graph writes
+
+
+class GraphedForward:
+    """`forward(inputs)` → one tensor, replayed from a graph per bucket where one fits.
+
+    `per_token`: the output has a vector per token (a hidden state), not one per row
+    (logits). One thread calls it (the worker's model thread): the graphs share one
+    memory pool, so an output is read before the next replay.
+    """
+
+    def __init__(self, forward: Forward, device: str, per_token: bool, max_length: int):
+        self.forward = forward
+        self.device = device
+        self.per_token = per_token
+        self.max_length = max_length
+        self.graphs: dict[tuple[int, int], Captured] = {}
+        self.names: tuple[str, ...] | None = None  # the inputs the first batch had
+        self.pool: Any = None
+        self.failed = False  # a capture failed: this model runs without graphs
+
+    def __call__(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        rows, length = inputs["input_ids"].shape
+        captured = self._graph_for(inputs, rows, length)
+        if captured is None:
+            return self.forward(inputs)
+        padded(inputs, captured.inputs)
+        captured.graph.replay()
+        return unpadded(captured.output, rows, length, self.per_token)
+
+    def _graph_for(
+        self, inputs: Mapping[str, torch.Tensor], rows: int, length: int
+    ) -> Captured | None:
+        shape = bucket(rows, length, self.max_length)
+        if shape is None or self.failed or "attention_mask" not in inputs:
+            return None
+        names = tuple(sorted(inputs))
+        if self.names is None:
+            self.names = names
+        if names != self.names:  # other inputs than the graphs read
+            return None
+        captured = self.graphs.get(shape)
+        if captured is None and len(self.graphs) < MAX_GRAPHS:
+            try:
+                captured = self._capture(shape, inputs)
+            except Exception:  # noqa: BLE001 - logged once; the model runs as it is
+                log.warning("CUDA graphs: the capture failed, running without", exc_info=True)
+                self.failed = True
+                self.graphs.clear()
+                return None
+            self.graphs[shape] = captured
+        return captured
+
+    def _capture(self, shape: tuple[int, int], like: Mapping[str, torch.Tensor]) -> Captured:
+        tensors = {
+            name: torch.zeros(shape, dtype=like[name].dtype, device=self.device)
+            for name in sorted(like)
+        }
+        tensors["attention_mask"][:, 0] = 1
+        graph, output = self._record(tensors)
+        log.info("CUDA graphs: captured %d rows x %d tokens", *shape)
+        return Captured(graph, tensors, output)
+
+    def _record(self, tensors: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """The forward pass on `tensors`, recorded: the graph, and the tensor it writes."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(WARM_RUNS):
+                self.forward(tensors)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # this thread's calls alone are checked while recording: the preparing thread
+        # pins the next batch's tensors meanwhile, which is no part of the graph
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            output = self.forward(tensors)
+        return graph, output

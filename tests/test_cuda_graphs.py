@@ -1,0 +1,181 @@
+"""An encoder's forward pass replayed from a graph per padded batch shape
+(rawserve.worker.cuda_graphs, `--cuda-graphs`).
+
+Recording a CUDA graph needs a GPU; everything around it runs here: the buckets, the
+padding of a batch into a bucket's tensors (the same outputs as the batch alone, on a
+real tiny model), the refill of those tensors on every replay (nothing of one batch
+leaks into the next), the way back to the plain forward pass, and the runners' answers
+through it. The recording itself is replaced by one that runs the forward pass at
+replay, on the same tensors, as a graph would."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from rawserve.worker import cuda_graphs
+from rawserve.worker.cuda_graphs import GraphedForward, bucket, padded, unpadded
+from tests.tiny_models import worker_config
+
+TEXTS = ["hello world", "the movie was good and long", "a", "my day " * 30]
+
+
+class Replayed:
+    """A stand-in for a recorded graph: replay runs the forward pass on the bucket's
+    tensors, into the tensor the graph would write."""
+
+    def __init__(self, forward, tensors):
+        self.forward, self.tensors = forward, tensors
+        self.output = forward(tensors).clone()
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.output.copy_(self.forward(self.tensors))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Every graph recorded in the test, replayed by running the forward pass."""
+    graphs: list[Replayed] = []
+
+    def record(self, tensors):
+        graphs.append(Replayed(self.forward, tensors))
+        return graphs[-1], graphs[-1].output
+
+    monkeypatch.setattr(GraphedForward, "_record", record)
+    return graphs
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_model):
+    from rawserve.worker.loading import load_runner
+
+    return {
+        kind: load_runner(worker_config(tiny_model(kind), threads=1), "cpu")
+        for kind in ("text-classification", "feature-extraction")
+    }
+
+
+def test_a_batch_runs_at_the_next_bucket_of_rows_and_tokens_within_the_model():
+    assert bucket(1, 5, 512) == (1, 8)
+    assert bucket(3, 9, 512) == (4, 16)
+    assert bucket(33, 70, 512) == (48, 80)  # multiples of 16 past 64 tokens
+    assert bucket(2, 129, 512) == (2, 160)  # of 32 past 128
+    assert bucket(1, 97, 100) == (1, 100)  # never more tokens than the model reads
+    assert bucket(1, 101, 100) is None  # too long: runs as it is, and fails as it would
+    assert bucket(513, 8, 512) is None  # more rows than any bucket
+    assert bucket(256, 64, 512) is None  # 16,384 padded tokens: past MAX_GRAPH_TOKENS
+    assert bucket(128, 64, 512) == (128, 64)
+
+
+@pytest.mark.parametrize("kind, per_token", [("text-classification", False),
+                                             ("feature-extraction", True)])  # fmt: skip
+def test_a_batch_padded_into_its_bucket_gives_the_outputs_it_gives_alone(runners, kind, per_token):
+    runner = runners[kind]
+    model = runner.pipe.model if kind == "text-classification" else runner.model
+    encoded = runner.tokenizer(TEXTS[:3], padding=True, return_tensors="pt")
+    rows, length = encoded["input_ids"].shape
+    shape = bucket(rows, length, runner.max_length)
+    assert shape is not None and shape != (rows, length)  # padded in both directions
+    into = {name: torch.full(shape, 7, dtype=encoded[name].dtype) for name in encoded}
+    padded(encoded, into)
+    with torch.inference_mode():
+        alone = model(**encoded)[0]
+        in_bucket = unpadded(model(**into)[0], rows, length, per_token)
+    assert torch.isfinite(model(**into)[0]).all()  # padded rows attend to one token: no NaN
+    torch.testing.assert_close(in_bucket, alone, rtol=1e-4, atol=1e-5)
+
+
+def test_each_replay_refills_the_buckets_tensors_so_no_batch_leaks_into_the_next(runners, recorded):
+    model = runners["text-classification"].pipe.model
+    tokenizer = runners["text-classification"].tokenizer
+    graphed = GraphedForward(lambda inputs: model(**inputs).logits, "cpu", False, 512)
+    with torch.inference_mode():
+        # 3 rows then 2 in a bucket of 4; a longer text then a shorter one in a bucket of 8
+        for texts in (TEXTS[:3], TEXTS[1:3], [TEXTS[1]], ["a"], TEXTS[:3]):
+            encoded = tokenizer(texts, padding=True, return_tensors="pt")
+            torch.testing.assert_close(
+                graphed(encoded), model(**encoded).logits, rtol=1e-4, atol=1e-5
+            )
+    # one recording a shape, replayed each time its shape came again
+    assert len(recorded) == len(graphed.graphs) < 5
+    assert sum(graph.replays for graph in recorded) == 5
+
+
+def test_what_no_graph_fits_runs_as_it_is(runners, recorded):
+    model = runners["text-classification"].pipe.model
+    tokenizer = runners["text-classification"].tokenizer
+    graphed = GraphedForward(lambda inputs: model(**inputs).logits, "cpu", False, 16)
+    with torch.inference_mode():
+        long = tokenizer([TEXTS[3]], return_tensors="pt")  # past the 16 tokens it reads
+        torch.testing.assert_close(graphed(long), model(**long).logits)
+        assert not recorded  # its own shape, as it is (a model that refuses it, refuses it)
+        no_types = dict(tokenizer(["a"], return_tensors="pt"))
+        graphed(no_types)  # the first batch's inputs are the graphs'
+        no_types.pop("token_type_ids")
+        graphed(no_types)  # other inputs: no graph
+    assert len(recorded) == 1 and not graphed.failed
+
+
+def test_a_failed_recording_leaves_the_model_running_without_graphs(runners, monkeypatch, caplog):
+    def broken(self, tensors):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(GraphedForward, "_record", broken)
+    model = runners["text-classification"].pipe.model
+    encoded = runners["text-classification"].tokenizer(TEXTS[:2], padding=True, return_tensors="pt")
+    graphed = GraphedForward(lambda inputs: model(**inputs).logits, "cpu", False, 512)
+    with caplog.at_level(logging.WARNING, "rawserve.worker"), torch.inference_mode():
+        first, second = graphed(encoded), graphed(encoded)
+        torch.testing.assert_close(first, model(**encoded).logits)
+    torch.testing.assert_close(second, first)
+    assert graphed.failed and not graphed.graphs
+    assert sum("capture failed" in r.message for r in caplog.records) == 1  # said once
+
+
+@pytest.mark.parametrize("kind", ["text-classification", "feature-extraction"])
+def test_a_runner_with_graphs_answers_as_it_does_without(tiny_model, recorded, kind):
+    from rawserve.worker.loading import load_runner
+
+    plain = load_runner(worker_config(tiny_model(kind), threads=1), "cpu")
+    graphed = load_runner(worker_config(tiny_model(kind), threads=1), "cpu")
+    assert graphed.use_cuda_graphs().startswith("on")
+    for texts in (TEXTS, TEXTS[:1], TEXTS[1:3]):
+        for one, two in zip(plain.run(texts, {}), graphed.run(texts, {}), strict=True):
+            if isinstance(one, dict):
+                assert one["label"] == two["label"]
+                assert two["score"] == pytest.approx(one["score"], abs=1e-5)
+            else:
+                np.testing.assert_allclose(two, one, rtol=1e-4, atol=1e-5)
+    assert recorded  # the graphs' way was taken
+
+
+def test_the_warm_up_records_every_smaller_bucket_of_rows(tiny_model, recorded):
+    from rawserve.worker.loading import load_runner
+    from rawserve.worker.warmup import warm_up
+
+    runner = load_runner(worker_config(tiny_model("text-classification"), threads=1), "cpu")
+    runner.cuda_graphs = runner.use_cuda_graphs()
+    assert warm_up(runner, 32) is not None
+    rows = sorted(shape[0] for shape in runner.graphed.graphs)
+    assert rows == [r for r in cuda_graphs.ROW_BUCKETS if r <= 32]  # one token bucket each
+
+
+def test_a_cpu_worker_asked_for_graphs_runs_without_and_says_nothing_of_them(tiny_model):
+    from rawserve.worker.loading import load_runner
+
+    config = worker_config(tiny_model("text-classification"), threads=1, cuda_graphs=True)
+    runner = load_runner(config, "cpu")
+    assert runner.cuda_graphs == "" and runner.graphed is None
+
+
+def test_tasks_without_a_replayed_forward_pass_say_so(tiny_model):
+    from rawserve.worker.loading import load_runner
+
+    runner = load_runner(worker_config(tiny_model("fill-mask"), threads=1), "cpu")
+    assert runner.use_cuda_graphs().startswith("off")
+    assert cuda_graphs.MAX_GRAPHS > 0
