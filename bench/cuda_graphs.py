@@ -1,4 +1,4 @@
-"""The worker's runner with and without `--cuda-graphs`, in one process, batch by batch.
+"""The worker's runner with CUDA graphs and without (`--no-cuda-graphs`), batch by batch.
 
 Loads the BERT-base-sized classifier twice on the GPU through the worker's own loading
 (`load_runner`: its dtype, its attention kernels), one runner replaying graphs, and runs

@@ -119,11 +119,11 @@ OPTIONS = [
         "report ready without first running a batch of --max-batch-size examples",
     ),
     Option(
-        "--cuda-graphs",
+        "--no-cuda-graphs",
         bool,
         False,
-        "on a GPU: replay an encoder's forward pass from CUDA graphs, one captured per "
-        "padded batch shape (text classification and embeddings, torch engine)",
+        "on a GPU, run an encoder's forward pass as it is, not replayed from a CUDA graph "
+        "per padded batch shape (text classification and embeddings)",
     ),
     Option(
         "--max-batch-delay-ms",
@@ -354,7 +354,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             dtype=args.dtype,
             threads=args.threads,
             warmup=not args.no_warmup,
-            cuda_graphs=args.cuda_graphs,
+            cuda_graphs=not args.no_cuda_graphs,
             chat_template=chat_template,
             max_batch_size=args.max_batch_size,
             max_batch_delay_ms=args.max_batch_delay_ms,

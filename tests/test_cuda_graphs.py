@@ -165,6 +165,15 @@ def test_the_warm_up_records_every_smaller_bucket_of_rows(tiny_model, recorded):
     assert rows == [r for r in cuda_graphs.ROW_BUCKETS if r <= 32]  # one token bucket each
 
 
+def test_graphs_are_on_unless_the_flag_or_its_variable_says_no(monkeypatch):
+    from rawserve.options import parse_config
+
+    assert parse_config([]).model.cuda_graphs  # a CPU worker ignores it (below)
+    assert not parse_config(["--no-cuda-graphs"]).model.cuda_graphs
+    monkeypatch.setenv("RAWSERVE_NO_CUDA_GRAPHS", "1")
+    assert not parse_config([]).model.cuda_graphs
+
+
 def test_a_cpu_worker_asked_for_graphs_runs_without_and_says_nothing_of_them(tiny_model):
     from rawserve.worker.loading import load_runner
 

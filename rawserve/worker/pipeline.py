@@ -45,7 +45,7 @@ class PipelineRunner(Runner):
                 check.setLevel(level)
         super().__init__(task, device, dtype_name(self.pipe.model), self.pipe.tokenizer)
         self.onnx = onnx
-        self.graphed: GraphedForward | None = None  # the classifier's, with --cuda-graphs
+        self.graphed: GraphedForward | None = None  # the classifier's, on a GPU (CUDA graphs)
         config = self.pipe.model.config
         self.max_length = self.max_input_length(config) if self.tokenizer is not None else None
         if self.max_length is not None:

@@ -214,7 +214,8 @@ def worker_main(
 
 
 def cuda_graphs_detail(runner: Runner) -> dict[str, str]:
-    """What became of --cuda-graphs, for /info (nothing when it was not asked for)."""
+    """What became of CUDA graphs, for /info (nothing where none were tried: a CPU,
+    or --no-cuda-graphs)."""
     return {"cuda_graphs": runner.cuda_graphs} if runner.cuda_graphs else {}
 
 

@@ -63,7 +63,7 @@ class Runner:
         self.engine_reason = ""
         self.onnx: OnnxNetwork | None = None  # the forward pass, when ONNX Runtime runs it
         self._ahead_tokenizer: Any = None  # the preparing thread's own (see `prepare`)
-        self.cuda_graphs = ""  # what became of --cuda-graphs, for the log and /info
+        self.cuda_graphs = ""  # what became of CUDA graphs (a GPU), for the log and /info
 
     @property
     def on_cuda(self) -> bool:
