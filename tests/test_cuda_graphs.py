@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from rawserve.tasks import LOGITS_PARAM
 from rawserve.worker import cuda_graphs
 from rawserve.worker.cuda_graphs import GraphedForward, bucket, padded, unpadded
 from tests.tiny_models import worker_config
@@ -144,8 +145,12 @@ def test_a_runner_with_graphs_answers_as_it_does_without(tiny_model, recorded, k
     plain = load_runner(worker_config(tiny_model(kind), threads=1), "cpu")
     graphed = load_runner(worker_config(tiny_model(kind), threads=1), "cpu")
     assert graphed.use_cuda_graphs().startswith("on")
-    for texts in (TEXTS, TEXTS[:1], TEXTS[1:3]):
-        for one, two in zip(plain.run(texts, {}), graphed.run(texts, {}), strict=True):
+    asked: list[tuple[list, dict]] = [(texts, {}) for texts in (TEXTS, TEXTS[:1], TEXTS[1:3])]
+    if kind == "text-classification":  # TEI's /predict and /rerank: logits, text pairs too
+        pairs = [{"text": "a question", "text_pair": text} for text in TEXTS[:3]]
+        asked += [(TEXTS[:3], {LOGITS_PARAM: True}), (pairs, {LOGITS_PARAM: True})]
+    for texts, params in asked:
+        for one, two in zip(plain.run(texts, params), graphed.run(texts, params), strict=True):
             if isinstance(one, dict):
                 assert one["label"] == two["label"]
                 assert two["score"] == pytest.approx(one["score"], abs=1e-5)
@@ -188,3 +193,19 @@ def test_tasks_without_a_replayed_forward_pass_say_so(tiny_model):
     runner = load_runner(worker_config(tiny_model("fill-mask"), threads=1), "cpu")
     assert runner.use_cuda_graphs().startswith("off")
     assert cuda_graphs.MAX_GRAPHS > 0
+
+
+def test_what_became_of_the_graphs_reaches_the_workers_status_for_info():
+    from rawserve.api.operations import _worker_info
+    from rawserve.serving.pool import WorkerPool
+    from rawserve.serving.status import WorkerState
+    from rawserve.shared.messages import WorkerConfig, WorkerReady
+
+    executor = WorkerPool(WorkerConfig(model="unused", task="text-classification"), ["cpu"])
+    [worker] = executor.workers
+    worker.state = WorkerState.LOADING
+    said = "on: text classification's scores and logits, a graph per padded batch shape"
+    ready = WorkerReady(1, "text-classification", "cuda:0", "float16", 1.0, cuda_graphs=said)
+    executor._pump = lambda: None  # type: ignore[method-assign] - nothing to dispatch here
+    executor._on_message(worker, ready)
+    assert _worker_info(executor.status()[0])["cuda_graphs"] == said

@@ -145,6 +145,7 @@ def test_the_server_shows_the_trial_in_its_log_and_info(tiny_model, tmp_path):
         info = json.loads(body)
         assert info["workers"][0]["dtype_reason"].startswith("auto on cpu: the checkpoint's")
         assert info["workers"][0]["attention"] is None  # a CPU keeps torch's own choice
+        assert info["workers"][0]["cuda_graphs"] is None  # nor are graphs tried there
         reason = info["workers"][0]["engine_reason"]
         assert "torch" in reason and "onnx" in reason and " ms" in reason
         assert info["engine"] == reason.split("took ")[1].split(" ")[0]  # the fastest first

@@ -217,6 +217,7 @@ def _worker_info(worker: WorkerStatus) -> dict[str, Any]:
         "dtype": worker.dtype,
         "dtype_reason": worker.dtype_reason,
         "attention": worker.attention,
+        "cuda_graphs": worker.cuda_graphs,
         "engine": worker.engine,
         "engine_reason": worker.engine_reason,
         "state": worker.state.value,

@@ -169,6 +169,7 @@ class WorkerHandle:
             engine_reason=self.ready.engine_reason if self.ready else None,
             dtype_reason=self.ready.dtype_reason if self.ready else None,
             attention=(self.ready.attention or None) if self.ready else None,
+            cuda_graphs=(self.ready.cuda_graphs or None) if self.ready else None,
             sequences=self.sequences,
             running=self.running.rows,
         )

@@ -50,6 +50,7 @@ class WorkerStatus:
     engine_reason: str | None = None
     dtype_reason: str | None = None  # why that precision, once loaded
     attention: str | None = None  # the attention kernels chosen on a GPU (None: torch's)
+    cuda_graphs: str | None = None  # whether its forward pass is replayed (None: none tried)
     sequences: int = 0  # a continuous generation worker: sequences it runs at once
     running: int = 0  # ... and how many it runs now
 

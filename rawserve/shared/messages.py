@@ -167,6 +167,7 @@ class WorkerReady:
     engine_reason: str = ""  # why that engine, for the log and /info
     dtype_reason: str = ""  # why that precision (half by default on a GPU), for /info
     attention: str = ""  # the attention kernels chosen on a GPU, for /info ("": torch's)
+    cuda_graphs: str = ""  # what became of CUDA graphs on a GPU, for /info ("": none tried)
     # the model's tokenizer in the `tokenizers` library's JSON form (None: it has none):
     # the server tokenizes and decodes with it for /tokenize and /decode
     tokenizer: str | None = None

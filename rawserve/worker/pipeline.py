@@ -75,7 +75,7 @@ class PipelineRunner(Runner):
         self.graphed = GraphedForward(
             lambda inputs: model(**inputs).logits, self.device, False, self.max_length
         )
-        return "on: plain text classification, a graph per padded batch shape"
+        return "on: text classification's scores and logits, a graph per padded batch shape"
 
     def run(
         self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
@@ -161,8 +161,9 @@ class PipelineRunner(Runner):
                 f"the input is {length} tokens and the model takes at most {self.max_length}: "
                 "send truncate: true to cut it"
             )
+        encoded = encoded.to(self.pipe.device)
         with torch.inference_mode():
-            logits = self.pipe.model(**encoded.to(self.pipe.device)).logits
+            logits = self.graphed(encoded) if self.graphed else self.pipe.model(**encoded).logits
         return list(logits.float().cpu().numpy())
 
 

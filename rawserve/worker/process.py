@@ -160,13 +160,14 @@ def worker_main(
             device=runner.device,
             dtype=runner.dtype,
             load_seconds=load_seconds,
-            details={**runner.details, **cuda_graphs_detail(runner)},
+            details=runner.details,
             warmup_seconds=warmup_seconds,
             limits=runner.limits,
             engine=runner.engine,
             engine_reason=runner.engine_reason,
             dtype_reason=runner.dtype_reason,
             attention=runner.attention,
+            cuda_graphs=runner.cuda_graphs,
             tokenizer=runner.tokenizer_json(),
             sequences=generating.rows if generating is not None else 0,
         )
@@ -211,12 +212,6 @@ def worker_main(
             # after the reply: the server is not kept waiting (nor the next batch)
             releaser.after_batch(next_waiting=feeder.waiting())
             free_since = time.perf_counter()
-
-
-def cuda_graphs_detail(runner: Runner) -> dict[str, str]:
-    """What became of CUDA graphs, for /info (nothing where none were tried: a CPU,
-    or --no-cuda-graphs)."""
-    return {"cuda_graphs": runner.cuda_graphs} if runner.cuda_graphs else {}
 
 
 @dataclass
