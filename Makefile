@@ -67,7 +67,7 @@ bench-generation: $(STAMP)
 
 # every GPU measurement in one pass bounded in time (bench/gpu_round.py): attention kernels,
 # encoders and overload, generation, HTTP processes, a profile, the preparing thread; about
-# 12 minutes, the logs and summary.json in bench-gpu/ (ARGS="--budget 400 --stages ...")
+# 8-14 minutes, the logs and summary.json in bench-gpu/ (ARGS="--budget 400 --stages ...")
 bench-gpu: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	HF_HUB_OFFLINE=1 $(PY) -m bench.gpu_round --out bench-gpu $(ARGS)

@@ -1,6 +1,6 @@
 """One bounded pass over every GPU measurement, for a machine lent for minutes.
 
-    python -m bench.gpu_round --out /tmp/gpu                  # every stage, ~12 minutes
+    python -m bench.gpu_round --out /tmp/gpu                  # every stage, 8-14 minutes
     python -m bench.gpu_round --out /tmp/gpu --budget 400 --stages encoders generation
 
 Each stage is one of the benchmarks, run as a command of its own under a time limit
@@ -13,6 +13,8 @@ command, exit status, seconds, and whether it ran out of time.
 The stages, in the order they run (the in-process ones first: they need no server):
 
 - `attention`: attention kernels on new shapes (`bench.attention_shapes`)
+- `graphs`: the worker's runner with CUDA graphs and without, in-process
+  (`bench.cuda_graphs`)
 - `encoders`: BERT-base-sized classifier over HTTP against the seed's server, with the
   3x overload (`bench.compare --quick`)
 - `generation`: GPT-2-small-sized `/v1/completions` against static `generate`
@@ -53,6 +55,9 @@ def stages(out: Path) -> list[Stage]:
         Stage("attention", 80, (
             "bench.attention_shapes", "--device", "cuda", "--batches", "30",
             "--new-tokens", "32")),
+        Stage("graphs", 70, (
+            "bench.cuda_graphs", "--batches", "1", "16", "64", "256", "--seconds", "0.5",
+            "--rounds", "2")),
         Stage("encoders", 200, (
             "bench.compare", "--device", "cuda", "--quick", "--scenarios",
             "bert-base-classification", "--text-sets", "short", "--servers",

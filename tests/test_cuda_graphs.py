@@ -209,3 +209,18 @@ def test_what_became_of_the_graphs_reaches_the_workers_status_for_info():
     executor._pump = lambda: None  # type: ignore[method-assign] - nothing to dispatch here
     executor._on_message(worker, ready)
     assert _worker_info(executor.status()[0])["cuda_graphs"] == said
+
+
+def test_past_the_most_shapes_new_ones_run_as_they_are_and_the_log_says_so_once(
+    runners, recorded, monkeypatch, caplog
+):
+    monkeypatch.setattr(cuda_graphs, "MAX_GRAPHS", 1)
+    model = runners["text-classification"].pipe.model
+    tokenizer = runners["text-classification"].tokenizer
+    graphed = GraphedForward(lambda inputs: model(**inputs).logits, "cpu", False, 512)
+    with caplog.at_level(logging.INFO, "rawserve.worker"), torch.inference_mode():
+        for texts in (["a"], TEXTS[:3], TEXTS[:3], ["a"]):
+            encoded = tokenizer(texts, padding=True, return_tensors="pt")
+            torch.testing.assert_close(graphed(encoded), model(**encoded).logits)
+    assert len(recorded) == 1 and recorded[0].replays == 2  # the one shape, twice
+    assert sum("shapes recorded" in r.message for r in caplog.records) == 1

@@ -92,6 +92,7 @@ class GraphedForward:
         self.names: tuple[str, ...] | None = None  # the inputs the first batch had
         self.pool: Any = None
         self.failed = False  # a capture failed: this model runs without graphs
+        self.full = False  # MAX_GRAPHS recorded (said once in the log)
 
     def __call__(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         rows, length = inputs["input_ids"].shape
@@ -114,6 +115,11 @@ class GraphedForward:
         if names != self.names:  # other inputs than the graphs read
             return None
         captured = self.graphs.get(shape)
+        if captured is None and len(self.graphs) == MAX_GRAPHS and not self.full:
+            self.full = True
+            log.info(
+                "CUDA graphs: %d shapes recorded; batches of new shapes run as they are", MAX_GRAPHS
+            )
         if captured is None and len(self.graphs) < MAX_GRAPHS:
             try:
                 captured = self._capture(shape, inputs)
