@@ -102,9 +102,9 @@ def test_each_replay_refills_the_buckets_tensors_so_no_batch_leaks_into_the_next
             torch.testing.assert_close(
                 graphed(encoded), model(**encoded).logits, rtol=1e-4, atol=1e-5
             )
-    # one recording a shape, replayed each time its shape came again
+    # one recording a shape, replayed once to check it, then for each batch of its shape
     assert len(recorded) == len(graphed.graphs) < 5
-    assert sum(graph.replays for graph in recorded) == 5
+    assert sum(graph.replays for graph in recorded) == len(recorded) + 5
 
 
 def test_what_no_graph_fits_runs_as_it_is(runners, recorded):
@@ -187,6 +187,31 @@ def test_a_cpu_worker_asked_for_graphs_runs_without_and_says_nothing_of_them(tin
     assert runner.cuda_graphs == "" and runner.graphed is None
 
 
+def test_a_graph_whose_replay_differs_from_the_pass_leaves_the_model_without_graphs(
+    runners, monkeypatch, caplog
+):
+    """A pass that does not record faithfully (a branch on a tensor's value, state kept
+    between calls) is caught by the first replay, on the batch that asked for it."""
+
+    class Unfaithful(Replayed):
+        def replay(self) -> None:
+            super().replay()
+            self.output.mul_(-1)
+
+    def record(self, tensors):
+        graph = Unfaithful(self.forward, tensors)
+        return graph, graph.output
+
+    monkeypatch.setattr(GraphedForward, "_record", record)
+    model = runners["text-classification"].pipe.model
+    encoded = runners["text-classification"].tokenizer(TEXTS[:2], padding=True, return_tensors="pt")
+    graphed = GraphedForward(lambda inputs: model(**inputs).logits, "cpu", False, 512)
+    with caplog.at_level(logging.WARNING, "rawserve.worker"), torch.inference_mode():
+        torch.testing.assert_close(graphed(encoded), model(**encoded).logits)
+    assert graphed.failed and not graphed.graphs
+    assert any("differs" in (r.exc_text or "") for r in caplog.records)
+
+
 def test_tasks_without_a_replayed_forward_pass_say_so(tiny_model):
     from rawserve.worker.loading import load_runner
 
@@ -222,5 +247,5 @@ def test_past_the_most_shapes_new_ones_run_as_they_are_and_the_log_says_so_once(
         for texts in (["a"], TEXTS[:3], TEXTS[:3], ["a"]):
             encoded = tokenizer(texts, padding=True, return_tensors="pt")
             torch.testing.assert_close(graphed(encoded), model(**encoded).logits)
-    assert len(recorded) == 1 and recorded[0].replays == 2  # the one shape, twice
+    assert len(recorded) == 1 and recorded[0].replays == 1 + 2  # checked, then twice
     assert sum("shapes recorded" in r.message for r in caplog.records) == 1

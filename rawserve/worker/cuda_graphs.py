@@ -29,6 +29,7 @@ ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MAX_GRAPH_TOKENS = 8192  # padded rows x tokens: past it, a batch runs without a graph
 MAX_GRAPHS = 64  # shapes captured at most; the rest run without one
 WARM_RUNS = 2  # runs before a capture (lazy setups, cuBLAS's workspace), as torch advises
+CHECK_TOLERANCE = 1e-2  # a first replay against the pass as it is: the same kernels, fp16
 
 Forward = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
 
@@ -138,8 +139,31 @@ class GraphedForward:
         }
         tensors["attention_mask"][:, 0] = 1
         graph, output = self._record(tensors)
+        self._check(graph, tensors, output, like)
         log.info("CUDA graphs: captured %d rows x %d tokens", *shape)
         return Captured(graph, tensors, output)
+
+    def _check(
+        self,
+        graph: Any,
+        tensors: dict[str, torch.Tensor],
+        output: torch.Tensor,
+        batch: Mapping[str, torch.Tensor],
+    ) -> None:
+        """Replay the new graph once on the batch that asked for it, against the pass run
+        as it is on the same tensors: a model whose pass does not record faithfully (a
+        branch on a tensor's value, state kept between calls) runs without graphs, not
+        with wrong answers."""
+        rows, length = batch["input_ids"].shape
+        padded(batch, tensors)
+        expected = unpadded(self.forward(tensors), rows, length, self.per_token)
+        graph.replay()
+        replayed = unpadded(output, rows, length, self.per_token)
+        close = torch.allclose(
+            replayed.float(), expected.float(), rtol=CHECK_TOLERANCE, atol=CHECK_TOLERANCE
+        )
+        if not close:
+            raise ValueError("the replayed pass differs from the pass run as it is")
 
     def _record(self, tensors: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
         """The forward pass on `tensors`, recorded: the graph, and the tensor it writes."""
