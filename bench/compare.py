@@ -51,7 +51,7 @@ OPENAI_MODEL = "all-MiniLM-L6-v2"  # the name the embeddings scenario sends (and
 DEFAULT_SERVERS = "rawserve,rawserve-onnx,rawserve-default,seed-batching,seed-per-item"
 # on a GPU: the targets' clients (1, 64, 256) and the servers that run there
 GPU_CLIENT_COUNTS = (1, 64, 256)
-GPU_SERVERS = "rawserve,rawserve-default,rawserve-lists,seed-batching"
+GPU_SERVERS = "rawserve,rawserve-default,rawserve-eager,rawserve-lists,seed-batching"
 LIST_LENGTH = 32  # texts per request of rawserve-lists
 # one Python client sends ~10,000 requests/s at most: on a GPU the load comes from several
 GPU_CLIENT_PROCESSES = 4
@@ -233,8 +233,8 @@ async def measure_server(
             )
         entry: dict[str, Any] = {"points": points}
         overloaded = server.name in ("rawserve", "rawserve-onnx", "rawserve-http4") or (
-            server.name == "rawserve-default" and settings.device != "cpu"  # the GPU's
-        )
+            server.name in ("rawserve-default", "rawserve-eager") and settings.device != "cpu"
+        )  # on a GPU: with graphs and without
         if overloaded and text_set == "short" and settings.overload_duration:
             entry["overload"] = await overload(server, text_set, fmt, points, settings)
         if settings.tools and text_set == "short":
@@ -513,7 +513,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--servers",
         default=None,
-        help=f"from {', '.join(servers.SERVERS)} (default: all but rawserve-lists on the CPU)",
+        help=f"from {', '.join(servers.SERVERS)} (default: {DEFAULT_SERVERS} and Infinity's "
+        f"two on the CPU; {GPU_SERVERS} on a GPU)",
     )
     parser.add_argument(
         "--scenarios", default="classification,token-embeddings,sentence-embeddings"

@@ -15,8 +15,9 @@ The stages, in the order they run (the in-process ones first: they need no serve
 - `attention`: attention kernels on new shapes (`bench.attention_shapes`)
 - `graphs`: the worker's runner with CUDA graphs and without, in-process
   (`bench.cuda_graphs`)
-- `encoders`: BERT-base-sized classifier over HTTP against the seed's server, with the
-  3x overload (`bench.compare --quick`)
+- `encoders`: BERT-base-sized classifier over HTTP, with CUDA graphs and without
+  (`rawserve-eager`), against the seed's server, with the 3x overload (`bench.compare
+  --quick`)
 - `generation`: GPT-2-small-sized `/v1/completions` against static `generate`
   (`bench.generation_serving`)
 - `http`: the echo handler behind 4, 8 and 16 HTTP processes (`bench.http_processes`)
@@ -58,10 +59,10 @@ def stages(out: Path) -> list[Stage]:
         Stage("graphs", 70, (
             "bench.cuda_graphs", "--batches", "1", "16", "64", "256", "--seconds", "0.5",
             "--rounds", "2")),
-        Stage("encoders", 200, (
+        Stage("encoders", 250, (
             "bench.compare", "--device", "cuda", "--quick", "--scenarios",
             "bert-base-classification", "--text-sets", "short", "--servers",
-            "rawserve-default,rawserve-lists,seed-batching", "--json",
+            "rawserve-default,rawserve-eager,rawserve-lists,seed-batching", "--json",
             str(out / "encoders.json"))),
         Stage("generation", 160, (
             "bench.generation_serving", "--device", "cuda", "--layers", "12", "--hidden",

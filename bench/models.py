@@ -98,6 +98,7 @@ TEXT_SERVERS = (
     "rawserve-lists",
     "rawserve-http4",
     "rawserve-count",
+    "rawserve-eager",
     "seed-batching",
     "seed-per-item",
 )

@@ -28,6 +28,7 @@ SERVERS = (
     "rawserve-lists",
     "rawserve-http4",
     "rawserve-count",
+    "rawserve-eager",
     "seed-batching",
     "seed-per-item",
     "infinity-torch",
@@ -43,6 +44,8 @@ RAWSERVE_VARIANTS = {
     "rawserve-http4": ("--engine", "torch", "--http-processes", "4"),  # HTTP on 4 processes
     # batches in queue order, never grouped by length: what the cost model's plans are worth
     "rawserve-count": ("--engine", "torch", "--batching", "count"),
+    # a GPU's forward pass as it is, not replayed from CUDA graphs: what the graphs are worth
+    "rawserve-eager": ("--no-cuda-graphs",),
 }
 # ONNX runs on the CPU
 GPU_VARIANTS = (
@@ -51,6 +54,7 @@ GPU_VARIANTS = (
     "rawserve-lists",
     "rawserve-http4",
     "rawserve-count",
+    "rawserve-eager",
 )
 
 
