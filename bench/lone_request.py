@@ -21,6 +21,7 @@ and 90th percentiles of:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.client
 import re
 import statistics
@@ -30,7 +31,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import servers
+from bench import load, servers
 from bench.models import scenarios
 from bench.workloads import texts
 
@@ -66,22 +67,6 @@ def one_by_one(port: int, bodies: Sequence[bytes], count: int) -> dict[str, list
     return found
 
 
-def wait_until_serving(server: servers.ServerProcess, body: bytes, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not server.alive():
-            raise RuntimeError(f"the server exited:\n{server.log_tail()}")
-        try:
-            connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-            connection.request("POST", "/", body=body)
-            if connection.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"not serving after {timeout:.0f} s:\n{server.log_tail()}")
-
-
 def report(config: str, found: dict[str, list[float]]) -> str:
     def spread(values: list[float]) -> str:
         ninetieth = statistics.quantiles(values, n=10)[-1]
@@ -109,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = [*scenario.rawserve_args, *config.split()]
         server = servers.rawserve(scenario.model, args.out / f"server-{i}.log", options).start()
         try:
-            wait_until_serving(server, bodies[0], 180)
+            first = load.build_request(bodies[0])
+            asyncio.run(load.wait_until_serving(server.port, first, 180, server.alive))
             one_by_one(server.port, bodies, 50)  # warm: shapes, caches, the cost model
             print(report(config, one_by_one(server.port, bodies, args.requests)), flush=True)
         finally:

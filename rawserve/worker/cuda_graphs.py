@@ -116,30 +116,32 @@ class GraphedForward:
         if names != self.names:  # other inputs than the graphs read
             return None
         captured = self.graphs.get(shape)
-        if captured is None and len(self.graphs) == MAX_GRAPHS and not self.full:
-            self.full = True
-            log.info(
-                "CUDA graphs: %d shapes recorded; batches of new shapes run as they are", MAX_GRAPHS
-            )
-        if captured is None and len(self.graphs) < MAX_GRAPHS:
-            try:
-                captured = self._capture(shape, inputs)
-            except Exception:  # noqa: BLE001 - logged once; the model runs as it is
-                log.warning("CUDA graphs: the capture failed, running without", exc_info=True)
-                self.failed = True
-                self.graphs.clear()
-                return None
-            self.graphs[shape] = captured
+        if captured is not None:
+            return captured
+        if len(self.graphs) >= MAX_GRAPHS:
+            if not self.full:
+                self.full = True
+                log.info("CUDA graphs: %d shapes recorded; new shapes run as they are", MAX_GRAPHS)
+            return None
+        try:
+            captured = self._capture(shape, inputs)
+        except Exception:  # noqa: BLE001 - logged once; the model runs as it is
+            log.warning("CUDA graphs: the capture failed, running without", exc_info=True)
+            self.failed = True
+            self.graphs.clear()
+            return None
+        self.graphs[shape] = captured
         return captured
 
-    def _capture(self, shape: tuple[int, int], like: Mapping[str, torch.Tensor]) -> Captured:
+    def _capture(self, shape: tuple[int, int], batch: Mapping[str, torch.Tensor]) -> Captured:
+        """Record the bucket's graph on the batch that asked for it, padded, and check it."""
         tensors = {
-            name: torch.zeros(shape, dtype=like[name].dtype, device=self.device)
-            for name in sorted(like)
+            name: torch.empty(shape, dtype=batch[name].dtype, device=self.device)
+            for name in sorted(batch)
         }
-        tensors["attention_mask"][:, 0] = 1
+        padded(batch, tensors)
         graph, output = self._record(tensors)
-        self._check(graph, tensors, output, like)
+        self._check(graph, tensors, output, *batch["input_ids"].shape)
         log.info("CUDA graphs: captured %d rows x %d tokens", *shape)
         return Captured(graph, tensors, output)
 
@@ -148,14 +150,13 @@ class GraphedForward:
         graph: Any,
         tensors: dict[str, torch.Tensor],
         output: torch.Tensor,
-        batch: Mapping[str, torch.Tensor],
+        rows: int,
+        length: int,
     ) -> None:
-        """Replay the new graph once on the batch that asked for it, against the pass run
-        as it is on the same tensors: a model whose pass does not record faithfully (a
+        """Replay the new graph once, against the pass run as it is on the same tensors
+        (the batch's `rows` x `length`): a model whose pass does not record faithfully (a
         branch on a tensor's value, state kept between calls) runs without graphs, not
         with wrong answers."""
-        rows, length = batch["input_ids"].shape
-        padded(batch, tensors)
         expected = unpadded(self.forward(tensors), rows, length, self.per_token)
         graph.replay()
         replayed = unpadded(output, rows, length, self.per_token)

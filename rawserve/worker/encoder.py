@@ -50,7 +50,6 @@ class EncoderRunner(Runner):
         self.default_pooling, self.default_normalize = pooling, normalize
         self.prompts = sentence_transformers_prompts(Path(model))
         self.max_length = self.max_input_length(self.model.config)
-        self.graphed: GraphedForward | None = None  # the forward pass, on a GPU (CUDA graphs)
 
     @property
     def limits(self) -> ModelLimits:

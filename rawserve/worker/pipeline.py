@@ -45,7 +45,6 @@ class PipelineRunner(Runner):
                 check.setLevel(level)
         super().__init__(task, device, dtype_name(self.pipe.model), self.pipe.tokenizer)
         self.onnx = onnx
-        self.graphed: GraphedForward | None = None  # the classifier's, on a GPU (CUDA graphs)
         config = self.pipe.model.config
         self.max_length = self.max_input_length(config) if self.tokenizer is not None else None
         if self.max_length is not None:
@@ -130,8 +129,7 @@ class PipelineRunner(Runner):
     def _classify_encoded(self, encoded: Any) -> list[dict[str, Any]]:
         pipe = self.pipe
         with torch.inference_mode():
-            raw = self.graphed(encoded) if self.graphed else pipe.model(**encoded).logits
-            logits = raw.float().cpu().numpy()
+            logits = self._forward_logits(encoded).float().cpu().numpy()
         exp = np.exp(logits - logits.max(axis=-1, keepdims=True))
         scores = exp / exp.sum(axis=-1, keepdims=True)
         labels = pipe.model.config.id2label
@@ -163,8 +161,14 @@ class PipelineRunner(Runner):
             )
         encoded = encoded.to(self.pipe.device)
         with torch.inference_mode():
-            logits = self.graphed(encoded) if self.graphed else self.pipe.model(**encoded).logits
+            logits = self._forward_logits(encoded)
         return list(logits.float().cpu().numpy())
+
+    def _forward_logits(self, encoded: Any) -> Any:
+        """The model's logits for tensors on its device: replayed where a graph fits."""
+        if self.graphed is not None:
+            return self.graphed(encoded)
+        return self.pipe.model(**encoded).logits
 
 
 def refuse_past(limit: int) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], None]:

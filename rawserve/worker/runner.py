@@ -24,6 +24,7 @@ from rawserve.shared.messages import (
     ItemFailure,
     ModelLimits,
 )
+from rawserve.worker.cuda_graphs import GraphedForward
 from rawserve.worker.onnx_engine import OnnxNetwork
 
 log = logging.getLogger("rawserve.runner")
@@ -64,6 +65,7 @@ class Runner:
         self.onnx: OnnxNetwork | None = None  # the forward pass, when ONNX Runtime runs it
         self._ahead_tokenizer: Any = None  # the preparing thread's own (see `prepare`)
         self.cuda_graphs = ""  # what became of CUDA graphs (a GPU), for the log and /info
+        self.graphed: GraphedForward | None = None  # the forward pass, replayed (a GPU)
 
     @property
     def on_cuda(self) -> bool:

@@ -85,7 +85,7 @@ def warm_up(runner: Runner, size: int) -> float | None:
         return None
     seconds = time.perf_counter() - started
     log.info("warm-up: a batch of %d took %.2f s", size, seconds)
-    if runner.cuda_graphs.startswith("on"):
+    if runner.graphed is not None:
         warm_graphs(runner, inputs, checked)
     return seconds
 
