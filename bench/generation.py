@@ -2,14 +2,17 @@
 iteration-level loop (`rawserve.worker.continuous`), on the same prompts.
 
     python -m bench.generation [--rounds 3] [--layers 2] [--hidden 128]
+    python -m bench.generation --device cuda --layers 12 --hidden 768   # + CUDA graphs
 
 A random GPT-2 (2 layers, hidden 128 by default: the CPU's "small" model) with no end of
 sequence, so every request makes exactly the tokens it asked for. Scenarios: 1, 16 and 64
 requests of 64 new tokens at once, and 64 requests of 8-256 new tokens (seeded). Static
 batching runs each batch to its longest member; the loop lets each sequence leave when
 it is done. Reported per scenario: useful tokens/s (the tokens asked for), time to first
-token (p50) and inter-token latency (p50, p99) as a streaming client would see them. The
-two are interleaved round by round (the machine is shared), medians and ranges kept.
+token (p50) and inter-token latency (p50, p99) as a streaming client would see them. On a
+GPU the loop runs twice, its decoding steps as they are and replayed from CUDA graphs
+(`rawserve.worker.decode_graphs`; the graphs are recorded in the warm-up pass). The ways
+are interleaved round by round (the machine is shared), medians and ranges kept.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ MIXED = (8, 256)
 POSITIONS = 512
 
 
-def build_model(layers: int, hidden: int) -> Any:
+def build_model(layers: int, hidden: int, device: str = "cpu", dtype: str | None = None) -> Any:
     import torch
     import transformers
 
@@ -43,7 +46,9 @@ def build_model(layers: int, hidden: int) -> Any:
     )
     model = transformers.GPT2LMHeadModel(config).eval()
     model.generation_config.pad_token_id = 0
-    return model
+    if dtype:
+        model.to(getattr(torch, dtype))
+    return model.to(device)
 
 
 class NoTokenizer:
@@ -92,17 +97,28 @@ def static(model: Any, batch: list[list[int]], asks: list[int]) -> dict[str, Any
     return {"seconds": total, "useful": sum(asks), "first": first, "gaps": gaps}
 
 
-def continuous(model: Any, batch: list[list[int]], asks: list[int]) -> dict[str, Any]:
+def loop(model: Any, cuda_graphs: bool = False) -> Any:
+    """The iteration-level loop, kept from run to run as a server keeps it (its cache's
+    buffers, its graphs)."""
+    from rawserve.worker.continuous import ContinuousBatcher
+
+    model.generation_config.eos_token_id = None  # every request makes all its tokens
+    return ContinuousBatcher(model, NoTokenizer(), POSITIONS, 64, cuda_graphs=cuda_graphs)
+
+
+def continuous(
+    model: Any, batch: list[list[int]], asks: list[int], engine: Any = None
+) -> dict[str, Any]:
     """Every request added at once to the loop; each leaves when its tokens are made."""
-    from rawserve.worker.continuous import ContinuousBatcher, Generation
+    from rawserve.worker.continuous import Generation
 
     seen: dict[Any, list[float]] = {i: [] for i in range(len(batch))}
 
     def on_token(generation: Generation, token: int, piece: str) -> None:
         seen[generation.key].append(time.perf_counter())
 
-    model.generation_config.eos_token_id = None  # every request makes all its tokens
-    engine = ContinuousBatcher(model, NoTokenizer(), POSITIONS, 64, on_token)
+    engine = engine or loop(model)
+    engine.on_token = on_token
     started = time.perf_counter()
     for key, (prompt, ask) in enumerate(zip(batch, asks, strict=True)):
         engine.add(Generation(key, prompt, ask))
@@ -133,30 +149,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as is)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", help="float32 or float16 (default: float16 on cuda)")
     args = parser.parse_args(argv)
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = build_model(args.layers, args.hidden)
+    on_cuda = args.device.startswith("cuda")
+    model = build_model(args.layers, args.hidden, args.device, args.dtype or on_cuda and "float16")
     rng = random.Random(0)
     scenarios: dict[str, tuple[list[list[int]], list[int]]] = {
         f"{n} x {FIXED_NEW_TOKENS}": (prompts(n, rng), [FIXED_NEW_TOKENS] * n) for n in (1, 16, 64)
     }
     scenarios["64 x 8-256"] = (prompts(64, rng), [rng.randint(*MIXED) for _ in range(64)])
-    continuous(model, *scenarios["1 x 64"])  # warm both paths once
-    static(model, *scenarios["1 x 64"])
+    engines = {"continuous": loop(model)}
+    if on_cuda:
+        engines["graphs"] = loop(model, cuda_graphs=True)
+    ways: dict[str, Any] = {"static": lambda batch, asks: static(model, batch, asks)}
+    for way, engine in engines.items():
+        ways[way] = lambda batch, asks, engine=engine: continuous(model, batch, asks, engine)
+    for batch, asks in scenarios.values():  # warm every way at every shape (graphs recorded)
+        for run in ways.values():
+            run(batch, asks)
     results: dict[str, dict[str, Any]] = {}
     for name, (batch, asks) in scenarios.items():
-        runs: dict[str, list[dict[str, Any]]] = {"static": [], "continuous": []}
+        runs: dict[str, list[dict[str, Any]]] = {way: [] for way in ways}
         for _ in range(args.rounds):  # interleaved: the machine's speed drifts
-            runs["static"].append(static(model, batch, asks))
-            runs["continuous"].append(continuous(model, batch, asks))
+            for way, run in ways.items():
+                runs[way].append(run(batch, asks))
         results[name] = {way: summary(found) for way, found in runs.items()}
-        ratio = (
-            results[name]["continuous"]["tokens_per_s"] / results[name]["static"]["tokens_per_s"]
-        )
-        results[name]["ratio"] = round(ratio, 2)
+        static_rate = results[name]["static"]["tokens_per_s"]
+        for way in engines:
+            ratio = results[name][way]["tokens_per_s"] / static_rate
+            results[name][f"ratio_{way}"] = round(ratio, 2)
         print(name, json.dumps(results[name]), flush=True)
     return 0
 

@@ -66,7 +66,20 @@ REQUESTS_PER_CLIENT = 4  # the fixed-length scenarios: a bounded count, not only
 REFERENCE_BATCH = 64  # in-process static batches hold at most this many prompts
 RETRY_PAUSE = 0.05  # seconds a client answered 503 waits before sending it again
 START_TIMEOUT = 300.0
-SYSTEMS = ("rawserve-continuous", "rawserve-static", "static-in-process", "transformers-serve")
+SYSTEMS = (
+    "rawserve-continuous",
+    "rawserve-eager",
+    "rawserve-static",
+    "static-in-process",
+    "transformers-serve",
+)
+# rawserve's systems: its generation mode and options (eager: on a GPU, the decoding steps
+# run as they are, not replayed from CUDA graphs)
+RAWSERVE_MODES = {
+    "rawserve-continuous": ("continuous", []),
+    "rawserve-eager": ("continuous", ["--no-cuda-graphs"]),
+    "rawserve-static": ("static", []),
+}
 
 
 @dataclass(frozen=True)
@@ -300,11 +313,11 @@ def server(system: str, folder: Path, log: Path, args: argparse.Namespace) -> se
                    "--continuous-batching", "--host", "127.0.0.1", "--device", args.device,
                    "--dtype", args.dtype, str(folder)]  # fmt: skip
         return servers.ServerProcess(system, command, servers.base_env(), log)
-    mode = system.removeprefix("rawserve-")
+    mode, extra = RAWSERVE_MODES[system]
     # on a CPU rawserve's own layout (a worker per core), as a user starts it: `--device
     # cpu` would make it one worker of every core (slower here, bench/RESULTS.md)
     device = [] if args.device == "cpu" else ["--device", args.device]
-    options = ["--task", "text-generation", "--generation", mode, *device,
+    options = ["--task", "text-generation", "--generation", mode, *device, *extra,
                "--dtype", args.dtype, "--no-access-log",
                *shlex.split(args.rawserve_args)]  # fmt: skip
     return servers.rawserve(str(folder), log, options, name=system)
@@ -502,7 +515,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", help="float32 or float16 (default: float16 on cuda)")
     parser.add_argument("--seed", type=int, default=0, help="prompts and mixed lengths")
     parser.add_argument("--scenarios", nargs="+", help='e.g. "16 x 64" "mixed 256 x 8-256"')
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument(
+        "--systems", nargs="+", choices=SYSTEMS, help="default: all (rawserve-eager on a GPU only)"
+    )
     parser.add_argument(
         "--transformers-python",
         default=sys.executable,
@@ -515,7 +530,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     known = [scenario.name for scenario in scenarios(args.seed)]
     if unknown := set(args.scenarios or ()) - set(known):
         parser.error(f"unknown scenarios {sorted(unknown)}: choose from {known}")
-    systems = list(args.systems)
+    on_cpu = args.device == "cpu"  # where rawserve-eager is rawserve-continuous
+    systems = list(args.systems or [s for s in SYSTEMS if not (on_cpu and s == "rawserve-eager")])
     if "transformers-serve" in systems:
         missing = transformers_serve_missing(args.transformers_python)
         if missing:

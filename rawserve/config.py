@@ -61,7 +61,7 @@ class ModelConfig:
     dtype: str
     threads: int | None  # torch threads per worker; None: the busy CPU workers share the cores
     warmup: bool  # run a batch of max_batch_size examples before reporting ready
-    cuda_graphs: bool  # on a GPU: an encoder's forward pass replayed from CUDA graphs (default)
+    cuda_graphs: bool  # on a GPU: forward passes and decoding steps replayed (default)
     chat_template: str | None  # the text of --chat-template's file
     max_batch_size: int
     max_batch_delay_ms: float

@@ -122,8 +122,8 @@ OPTIONS = [
         "--no-cuda-graphs",
         bool,
         False,
-        "on a GPU, run an encoder's forward pass as it is, not replayed from a CUDA graph "
-        "per padded batch shape (text classification and embeddings)",
+        "on a GPU, run the forward pass as it is, not replayed from CUDA graphs (an "
+        "encoder's per padded batch shape; a causal LM's decoding steps per bucket)",
     ),
     Option(
         "--max-batch-delay-ms",

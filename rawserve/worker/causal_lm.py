@@ -20,6 +20,7 @@ import transformers
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits, TokenChunk
 from rawserve.tasks import CHAT_PARAM
 from rawserve.worker.continuous import Generation, TextPieces
+from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.runner import Runner, dtype_name
 
 log = logging.getLogger("rawserve.generation")
@@ -161,6 +162,16 @@ class CausalLMRunner(Runner):
         self.special_ids = set(self.tokenizer.all_special_ids)
         self.send: Callable[[Any], None] | None = None
         self.cancelled_stream: Any = None  # a shared integer: the stream id to stop
+        self.decode_graphs = False  # the continuous batch's steps replayed (a GPU)
+
+    def use_cuda_graphs(self) -> str:
+        if not GraphedDecode.supports(self.model):
+            return "off: this model's attention takes no 4D mask (decoding steps run as they are)"
+        self.decode_graphs = True
+        return (
+            "on: continuous batching's decoding steps, a graph per bucket of rows and cache "
+            "columns (not with --generation static)"
+        )
 
     @property
     def limits(self) -> ModelLimits:

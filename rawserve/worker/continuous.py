@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.kv_slots import KvSlots
 
 
@@ -105,6 +106,7 @@ class ContinuousBatcher:
         max_rows: int = 64,
         on_token: Callable[[Generation, int, str], None] | None = None,
         after_pass: Callable[[], None] | None = None,
+        cuda_graphs: bool = False,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -124,6 +126,12 @@ class ContinuousBatcher:
         self._slots = KvSlots(self.device, max_rows)
         self._positions = torch.zeros(0, dtype=torch.long, device=self.device)
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
+        # decoding steps replayed from CUDA graphs (rawserve.worker.decode_graphs)
+        self.graphed = (
+            GraphedDecode(model, self._cache_name)
+            if cuda_graphs and GraphedDecode.supports(model)
+            else None
+        )
 
     @property
     def busy(self) -> bool:
@@ -214,17 +222,21 @@ class ContinuousBatcher:
 
     def _decode(self) -> None:
         cache, mask = self._slots.open_column()
-        out = self.model(
-            input_ids=self._last[:, None],
-            attention_mask=mask,
-            position_ids=self._positions[:, None],
-            **{self._cache_name: cache},
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        graphed = self.graphed
+        logits = graphed.step(self._slots, self._last, self._positions) if graphed else None
+        if logits is None:
+            out = self.model(
+                input_ids=self._last[:, None],
+                attention_mask=mask,
+                position_ids=self._positions[:, None],
+                **{self._cache_name: cache},
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits = out.logits[:, -1, :]
         self._slots.close_column()
         self._positions = self._positions + 1
-        self._last = self._choose(out.logits[:, -1, :], self.rows)
+        self._last = self._choose(logits, self.rows)
 
     def _leave(self) -> list[Generation]:
         """Take the finished rows out: a later row moves into each one's slot (in the cache

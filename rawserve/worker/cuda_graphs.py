@@ -170,15 +170,22 @@ class GraphedForward:
         """The forward pass on `tensors`, recorded: the graph, and the tensor it writes."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(WARM_RUNS):
-                self.forward(tensors)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # this thread's calls alone are checked while recording: the preparing thread
-        # pins the next batch's tensors meanwhile, which is no part of the graph
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            output = self.forward(tensors)
-        return graph, output
+        return record(lambda: self.forward(tensors), self.device, self.pool)
+
+
+def record(run: Callable[[], Any], device: Any, pool: Any) -> tuple[Any, Any]:
+    """`run()` recorded into a CUDA graph that allocates from `pool`, after WARM_RUNS runs
+    on a side stream: the graph, and what `run` returned while recording (the tensors
+    each replay writes)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(WARM_RUNS):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # this thread's calls alone are checked while recording: the preparing thread pins
+    # the next batch's tensors meanwhile, which is no part of the graph
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        output = run()
+    return graph, output

@@ -107,6 +107,7 @@ class GenerationLoop:
             rows,
             self._on_token,
             self._send_streamed,
+            cuda_graphs=runner.decode_graphs,
         )
         self.streamed: list[TokenChunk] = []  # this forward pass's tokens for their streams
         self.open: dict[int, OpenBatch] = {}  # by batch id

@@ -68,11 +68,22 @@ class KvSlots:
         self.values: list[torch.Tensor] = []
         self._mask = torch.zeros((0, 0), dtype=torch.long, device=device)
         self._layers: list[SlotLayer] = []
+        self.layout = 0  # counts the buffers' allocations (graphs read their addresses)
 
     @property
     def mask(self) -> torch.Tensor:
         """The running rows' attention mask over the columns `[start, end)`."""
         return self._mask[: self.rows, self.start : self.end]
+
+    @property
+    def row_mask(self) -> torch.Tensor:
+        """The whole mask buffer: every row and column allocated, in use or not."""
+        return self._mask
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """Rows and columns allocated."""
+        return self._mask.shape[0], self._mask.shape[1]
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's keys and values for the running rows, columns `[start, end)`."""
@@ -157,6 +168,7 @@ class KvSlots:
         self._mask = torch.zeros((rows, length), dtype=torch.long, device=self.device)
         self._layers = [SlotLayer(self, i) for i in range(len(keys))]
         self.start = self.end = 0
+        self.layout += 1
 
     def _rebuild(self, rows: int, length: int, shift: int) -> None:
         """New buffers of `rows` x `length` holding the running rows' window, `shift`
@@ -177,6 +189,7 @@ class KvSlots:
             mask = torch.zeros((rows, length), dtype=torch.long, device=self.device)
             mask[: self.rows, moved] = self._mask[: self.rows, window]
             self._mask = mask
+            self.layout += 1
         elif shift:
             self._shift(shift)
             return

@@ -1,0 +1,205 @@
+"""A continuous batch's decoding step replayed from a graph per (rows, columns) bucket
+(rawserve.worker.decode_graphs).
+
+Recording a CUDA graph needs a GPU; everything around it runs here, on a real tiny GPT-2:
+the step on fixed views (rows padded to a bucket, the cache's columns to a power of two,
+the new column written where a tensor says, the window cut by the mask) gives the
+tokens the loop gives without it, through joins, leaves, a buffer that grows and one
+that compacts; the graphs go when the buffers are new; a failed recording or a replay
+that differs leaves the model stepping as it is. The recording is replaced by one that
+runs the fixed step at replay, on the same tensors, as a graph would."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+from collections.abc import Sequence
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from rawserve.worker import decode_graphs, kv_slots  # noqa: E402
+from rawserve.worker.continuous import ContinuousBatcher, Generation  # noqa: E402
+from rawserve.worker.decode_graphs import GraphedDecode, column_bucket, row_bucket  # noqa: E402
+
+POSITIONS = 256
+
+
+class Replayed:
+    """A stand-in for a recorded graph: replay runs the fixed step on the same views, into
+    the tensor the graph would write."""
+
+    def __init__(self, graphed: GraphedDecode, slots, rows: int, columns: int):
+        self.shape = rows, columns
+        self.run = lambda: graphed.fixed_step(slots, rows, columns)
+        self.logits = self.run().clone()
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.logits.copy_(self.run())
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    graphs: list[Replayed] = []
+
+    def record(self, slots, rows, columns):
+        graphs.append(Replayed(self, slots, rows, columns))
+        return graphs[-1], graphs[-1].logits
+
+    monkeypatch.setattr(GraphedDecode, "_record", record)
+    return graphs
+
+
+class NoText:
+    eos_token_id = None
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=512, n_positions=POSITIONS, n_embd=32, n_layer=2, n_head=2,
+        bos_token_id=None, eos_token_id=None, attn_implementation="sdpa",
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def run(model, cuda_graphs: bool, rounds: Sequence[Sequence[tuple[int, int]]], rows: int = 64):
+    """Each round's (prompt length, new tokens) sequences join after a few steps of the
+    last; every sequence's tokens, by key."""
+    rng = random.Random(7)
+    batcher = ContinuousBatcher(model, NoText(), POSITIONS, rows, cuda_graphs=cuda_graphs)
+    made: dict[int, list[int]] = {}
+    key = 0
+    for round_ in rounds:
+        for length, new in round_:
+            prompt = [rng.randrange(1, 512) for _ in range(length)]
+            batcher.add(Generation(key, prompt, new))
+            key += 1
+        for _ in range(3):
+            for generation in batcher.step():
+                made[generation.key] = generation.tokens
+    while batcher.busy:
+        for generation in batcher.step():
+            made[generation.key] = generation.tokens
+    return made, batcher
+
+
+def test_a_step_runs_at_the_next_bucket_of_rows_and_a_power_of_two_of_columns():
+    assert row_bucket(1, 64) == 1
+    assert row_bucket(3, 64) == 4
+    assert row_bucket(50, 64) == 64
+    assert row_bucket(50, 56) == 56  # never more rows than the buffers hold
+    assert row_bucket(513, 1024) is None  # past the largest bucket: as it is
+    assert column_bucket(0, 256) == 64
+    assert column_bucket(63, 256) == 64
+    assert column_bucket(64, 256) == 128  # the new column is attended: past `end`
+    assert column_bucket(200, 256) == 256
+    assert column_bucket(300, 320) == 320  # never past the buffers' length
+
+
+ROUNDS = [
+    [(5, 12), (17, 3), (9, 40)],  # one ends at once, the others go on
+    [(30, 70), (2, 1)],  # a longer prompt joins the running rows; one token only
+    [(11, 90)] + [(4, 6)] * 9,  # rows past the buffers' first rows: they grow
+    [(60, 20)],
+]
+
+
+def test_graphed_steps_make_the_tokens_the_loop_makes_without_them(model, recorded):
+    plain, _ = run(model, False, ROUNDS)
+    graphed, batcher = run(model, True, ROUNDS)
+    assert graphed == plain
+    assert sum(len(tokens) for tokens in plain.values()) == sum(n for r in ROUNDS for _, n in r)
+    rows = {g.shape[0] for g in recorded}
+    assert len(rows) >= 3 and {g.shape[1] for g in recorded} >= {64, 128}  # several buckets
+    assert sum(g.replays for g in recorded) > 50  # the steps ran from the graphs
+    assert not batcher.graphed.failed
+
+
+def test_the_graphs_go_when_the_buffers_are_new_and_the_tokens_stay_right(
+    model, recorded, monkeypatch
+):
+    monkeypatch.setattr(kv_slots, "FIRST_LENGTH_CAPACITY", 8)  # columns outgrown at once
+    rounds = [[(6, 50), (3, 45)], [(20, 30)], [(2, 60)]]
+    plain, _ = run(model, False, rounds)
+    graphed, batcher = run(model, True, rounds)
+    assert graphed == plain
+    assert batcher._slots.layout > 1  # the buffers were allocated again, more than once
+    assert batcher.graphed.layout == batcher._slots.layout  # the graphs left are theirs
+    assert len(recorded) > len(batcher.graphed.graphs)  # old ones were dropped
+
+
+def test_a_failed_recording_leaves_the_model_stepping_as_it_is(model, monkeypatch, caplog):
+    def fail(self, slots, rows, columns):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(GraphedDecode, "_record", fail)
+    plain, _ = run(model, False, ROUNDS[:2])
+    graphed, batcher = run(model, True, ROUNDS[:2])
+    assert graphed == plain
+    assert batcher.graphed.failed and not batcher.graphed.graphs
+    assert "recording a decoding step failed" in caplog.text
+
+
+def test_a_replay_that_differs_from_the_step_as_it_is_turns_the_graphs_off(
+    model, recorded, monkeypatch, caplog
+):
+    fixed_step = GraphedDecode.fixed_step
+
+    def wrong(self, slots, rows, columns):
+        return fixed_step(self, slots, rows, columns) + 1.0  # a pass that records wrongly
+
+    monkeypatch.setattr(GraphedDecode, "fixed_step", wrong)
+    plain, _ = run(model, False, ROUNDS[:2])
+    graphed, batcher = run(model, True, ROUNDS[:2])
+    assert graphed == plain  # the first step was answered by the step as it is
+    assert batcher.graphed.failed
+    assert "differs from the step as it is" in caplog.text
+
+
+def test_a_padded_row_never_turns_nan_and_a_finished_rows_column_is_masked(model, recorded):
+    """Rows padded into a bucket read free rows of the buffers (old keys, an old mask):
+    the window and their own new column keep them finite, so no NaN reaches the keys a
+    later row joins beside."""
+    rounds = [[(3, 5), (40, 60), (7, 2)], [(5, 30)]]
+    run(model, True, rounds)
+    for graph in recorded:
+        assert torch.isfinite(graph.logits).all()
+
+
+def test_a_row_that_joins_the_slot_a_longer_row_left_never_reads_its_old_keys(model, recorded):
+    """The leaving row's keys and mask stay in its slot's columns before the window's
+    start, where the fixed views still reach: the window's bounds mask them out."""
+    rounds = [[(5, 40), (60, 2)], [], [(2, 20)]]
+    plain, _ = run(model, False, rounds)
+    graphed, batcher = run(model, True, rounds)
+    assert graphed == plain
+    assert not batcher.graphed.failed and len(recorded) >= 2  # the graphs answered
+
+
+def test_models_whose_attention_takes_no_4d_mask_step_as_they_are(model):
+    assert GraphedDecode.supports(model)
+    flash = transformers.GPT2LMHeadModel(copy.deepcopy(model.config))
+    flash.config._attn_implementation = "flash_attention_2"
+    assert not GraphedDecode.supports(flash)
+    batcher = ContinuousBatcher(flash, NoText(), POSITIONS, 4, cuda_graphs=True)
+    assert batcher.graphed is None
+
+
+def test_past_the_most_shapes_new_ones_step_as_they_are(model, recorded, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, "rawserve.generation")
+    monkeypatch.setattr(decode_graphs, "MAX_DECODE_GRAPHS", 1)
+    plain, _ = run(model, False, ROUNDS)
+    graphed, batcher = run(model, True, ROUNDS)
+    assert graphed == plain
+    assert len(batcher.graphed.graphs) <= 1 and not batcher.graphed.failed
+    assert "decoding shapes recorded" in caplog.text
