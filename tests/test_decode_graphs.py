@@ -138,6 +138,19 @@ def test_the_graphs_go_when_the_buffers_are_new_and_the_tokens_stay_right(
     assert len(recorded) > len(batcher.graphed.graphs)  # old ones were dropped
 
 
+def test_graphs_that_go_take_their_memory_pool_with_them(model, recorded):
+    """A pool whose graphs are all freed is freed too: recording into its old handle
+    fails (an internal assertion of PyTorch's allocator, seen on an H100)."""
+    batcher = ContinuousBatcher(model, NoText(), POSITIONS, 8, cuda_graphs=True)
+    batcher.add(Generation(0, [5, 6, 7], 4))
+    batcher.step()
+    graphed = batcher.graphed
+    graphed.pool = "a pool's handle"
+    batcher._slots.layout += 1  # as when the buffers are allocated anew
+    batcher.step()
+    assert graphed.pool is None and graphed.layout == batcher._slots.layout
+
+
 def test_a_failed_recording_leaves_the_model_stepping_as_it_is(model, monkeypatch, caplog):
     def fail(self, slots, rows, columns):
         raise RuntimeError("operation not permitted when stream is capturing")

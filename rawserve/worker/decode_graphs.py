@@ -141,7 +141,7 @@ class GraphedDecode:
         if self.failed:
             return None
         if slots is not self.slots or slots.layout != self.layout:
-            self.graphs.clear()  # they read buffers that are gone
+            self._forget()  # the graphs read buffers that are gone
             self.slots, self.layout = slots, slots.layout
         capacity, length = slots.capacity
         count = row_bucket(rows, capacity)
@@ -170,10 +170,16 @@ class GraphedDecode:
             log.warning("CUDA graphs: recording a decoding step failed, running without",
                         exc_info=True)  # fmt: skip
             self.failed = True
-            self.graphs.clear()
+            self._forget()
             return None
         self.graphs[shape] = captured
         return captured
+
+    def _forget(self) -> None:
+        """Drop the graphs, and their memory pool with them: a pool whose graphs are all
+        gone is freed, and recording into its old handle fails."""
+        self.graphs.clear()
+        self.pool = None
 
     def fixed_step(self, slots: KvSlots, rows: int, columns: int) -> torch.Tensor:
         """The step on the fixed views of a (rows, columns) bucket: what a graph records."""
