@@ -123,7 +123,7 @@ OPTIONS = [
         bool,
         False,
         "on a GPU, run the forward pass as it is, not replayed from CUDA graphs (an "
-        "encoder's per padded batch shape; a causal LM's decoding steps per bucket)",
+        "encoder's per padded batch shape; a causal LM's decoding steps and short prefills)",
     ),
     Option(
         "--max-batch-delay-ms",

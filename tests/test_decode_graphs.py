@@ -21,9 +21,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from rawserve.worker import decode_graphs, kv_slots  # noqa: E402
+from rawserve.worker import decode_graphs, kv_slots, prefill_graphs  # noqa: E402
 from rawserve.worker.continuous import ContinuousBatcher, Generation  # noqa: E402
 from rawserve.worker.decode_graphs import GraphedDecode, column_bucket, row_bucket  # noqa: E402
+from rawserve.worker.prefill_graphs import GraphedPrefill  # noqa: E402
 
 POSITIONS = 256
 
@@ -43,16 +44,48 @@ class Replayed:
         self.logits.copy_(self.run())
 
 
+class ReplayedPrefill:
+    """The same for a prefill: replay runs it on the bucket's tensors, into the logits and
+    the layers' keys and values the graph would write."""
+
+    def __init__(self, graphed: GraphedPrefill, ids, mask):
+        self.shape = tuple(ids.shape)
+        self.run = lambda: graphed.fixed_prefill(ids, mask)
+        self.logits, self.layers = self.run()
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        logits, layers = self.run()
+        self.logits.copy_(logits)
+        for mine, new in zip(self.layers, layers, strict=True):
+            mine.keys.copy_(new.keys)
+            mine.values.copy_(new.values)
+
+
 @pytest.fixture
 def recorded(monkeypatch):
-    graphs: list[Replayed] = []
+    """The decoding steps' graphs recorded in the test (the prefills' are in
+    `recorded.prefills`)."""
+    graphs = Recorded()
 
     def record(self, slots, rows, columns):
         graphs.append(Replayed(self, slots, rows, columns))
         return graphs[-1], graphs[-1].logits
 
+    def record_prefill(self, ids, mask):
+        graphs.prefills.append(ReplayedPrefill(self, ids, mask))
+        return graphs.prefills[-1], (graphs.prefills[-1].logits, graphs.prefills[-1].layers)
+
     monkeypatch.setattr(GraphedDecode, "_record", record)
+    monkeypatch.setattr(GraphedPrefill, "_record", record_prefill)
     return graphs
+
+
+class Recorded(list):
+    def __init__(self):
+        super().__init__()
+        self.prefills: list[ReplayedPrefill] = []
 
 
 class NoText:
@@ -122,7 +155,10 @@ def test_graphed_steps_make_the_tokens_the_loop_makes_without_them(model, record
     rows = {g.shape[0] for g in recorded}
     assert len(rows) >= 3 and {g.shape[1] for g in recorded} >= {64, 128}  # several buckets
     assert sum(g.replays for g in recorded) > 50  # the steps ran from the graphs
-    assert not batcher.graphed.failed
+    assert not batcher.decode_graphs.shelf.failed
+    # the joins' prefills too, each round's rows and tokens padded to a bucket
+    assert {p.shape for p in recorded.prefills} == {(4, 24), (2, 32), (12, 16), (1, 64)}
+    assert not batcher.prefill_graphs.shelf.failed
 
 
 def test_the_graphs_go_when_the_buffers_are_new_and_the_tokens_stay_right(
@@ -134,8 +170,8 @@ def test_the_graphs_go_when_the_buffers_are_new_and_the_tokens_stay_right(
     graphed, batcher = run(model, True, rounds)
     assert graphed == plain
     assert batcher._slots.layout > 1  # the buffers were allocated again, more than once
-    assert batcher.graphed.layout == batcher._slots.layout  # the graphs left are theirs
-    assert len(recorded) > len(batcher.graphed.graphs)  # old ones were dropped
+    assert batcher.decode_graphs.layout == batcher._slots.layout  # the graphs left are theirs
+    assert len(recorded) > len(batcher.decode_graphs.shelf.graphs)  # old ones were dropped
 
 
 def test_graphs_that_go_take_their_memory_pool_with_them(model, recorded):
@@ -144,11 +180,11 @@ def test_graphs_that_go_take_their_memory_pool_with_them(model, recorded):
     batcher = ContinuousBatcher(model, NoText(), POSITIONS, 8, cuda_graphs=True)
     batcher.add(Generation(0, [5, 6, 7], 4))
     batcher.step()
-    graphed = batcher.graphed
-    graphed.pool = "a pool's handle"
+    graphed = batcher.decode_graphs
+    graphed.shelf.pool = "a pool's handle"
     batcher._slots.layout += 1  # as when the buffers are allocated anew
     batcher.step()
-    assert graphed.pool is None and graphed.layout == batcher._slots.layout
+    assert graphed.shelf.pool is None and graphed.layout == batcher._slots.layout
 
 
 def test_a_failed_recording_leaves_the_model_stepping_as_it_is(model, monkeypatch, caplog):
@@ -159,7 +195,7 @@ def test_a_failed_recording_leaves_the_model_stepping_as_it_is(model, monkeypatc
     plain, _ = run(model, False, ROUNDS[:2])
     graphed, batcher = run(model, True, ROUNDS[:2])
     assert graphed == plain
-    assert batcher.graphed.failed and not batcher.graphed.graphs
+    assert batcher.decode_graphs.shelf.failed and not batcher.decode_graphs.shelf.graphs
     assert "recording a decoding step failed" in caplog.text
 
 
@@ -175,8 +211,8 @@ def test_a_replay_that_differs_from_the_step_as_it_is_turns_the_graphs_off(
     plain, _ = run(model, False, ROUNDS[:2])
     graphed, batcher = run(model, True, ROUNDS[:2])
     assert graphed == plain  # the first step was answered by the step as it is
-    assert batcher.graphed.failed
-    assert "differs from the step as it is" in caplog.text
+    assert batcher.decode_graphs.shelf.failed
+    assert "differs from the pass as it is" in caplog.text
 
 
 def test_a_padded_row_never_turns_nan_and_a_finished_rows_column_is_masked(model, recorded):
@@ -196,7 +232,36 @@ def test_a_row_that_joins_the_slot_a_longer_row_left_never_reads_its_old_keys(mo
     plain, _ = run(model, False, rounds)
     graphed, batcher = run(model, True, rounds)
     assert graphed == plain
-    assert not batcher.graphed.failed and len(recorded) >= 2  # the graphs answered
+    assert not batcher.decode_graphs.shelf.failed and len(recorded) >= 2  # the graphs answered
+
+
+def test_a_prefill_too_large_to_keep_a_graph_of_runs_as_it_is(model, recorded, monkeypatch):
+    monkeypatch.setattr(prefill_graphs, "MAX_PREFILL_TOKENS", 64)
+    rounds = [[(40, 3)], [(20, 3)] * 3, [(70, 2)]]  # 1 x 40; 4 x 24 (96); 1 x 80
+    plain, _ = run(model, False, rounds)
+    graphed, batcher = run(model, True, rounds)
+    assert graphed == plain
+    assert [p.shape for p in recorded.prefills] == [(1, 40)]
+    assert not batcher.prefill_graphs.shelf.failed
+    monkeypatch.setattr(prefill_graphs, "MAX_PREFILL_BYTES", 1000)  # a few tokens' keys
+    assert batcher.prefill_graphs._shape(1, 8) is None
+
+
+def test_a_prefill_that_replays_differently_turns_its_graphs_off_not_the_steps(
+    model, recorded, monkeypatch, caplog
+):
+    fixed_prefill = GraphedPrefill.fixed_prefill
+
+    def wrong(self, ids, mask):
+        logits, layers = fixed_prefill(self, ids, mask)
+        return logits - 1.0, layers
+
+    monkeypatch.setattr(GraphedPrefill, "fixed_prefill", wrong)
+    plain, _ = run(model, False, ROUNDS)
+    graphed, batcher = run(model, True, ROUNDS)
+    assert graphed == plain
+    assert batcher.prefill_graphs.shelf.failed and not batcher.decode_graphs.shelf.failed
+    assert "recording a prefill failed" in caplog.text
 
 
 def test_models_whose_attention_takes_no_4d_mask_step_as_they_are(model):
@@ -205,14 +270,14 @@ def test_models_whose_attention_takes_no_4d_mask_step_as_they_are(model):
     flash.config._attn_implementation = "flash_attention_2"
     assert not GraphedDecode.supports(flash)
     batcher = ContinuousBatcher(flash, NoText(), POSITIONS, 4, cuda_graphs=True)
-    assert batcher.graphed is None
+    assert batcher.decode_graphs is None and batcher.prefill_graphs is None
 
 
 def test_past_the_most_shapes_new_ones_step_as_they_are(model, recorded, monkeypatch, caplog):
-    caplog.set_level(logging.INFO, "rawserve.generation")
+    caplog.set_level(logging.INFO)
     monkeypatch.setattr(decode_graphs, "MAX_DECODE_GRAPHS", 1)
     plain, _ = run(model, False, ROUNDS)
     graphed, batcher = run(model, True, ROUNDS)
     assert graphed == plain
-    assert len(batcher.graphed.graphs) <= 1 and not batcher.graphed.failed
-    assert "decoding shapes recorded" in caplog.text
+    assert len(batcher.decode_graphs.shelf.graphs) <= 1 and not batcher.decode_graphs.shelf.failed
+    assert "a decoding step: 1 shapes recorded" in caplog.text

@@ -169,8 +169,9 @@ class CausalLMRunner(Runner):
             return "off: this model's attention takes no 4D mask (decoding steps run as they are)"
         self.decode_graphs = True
         return (
-            "on: continuous batching's decoding steps, a graph per bucket of rows and cache "
-            "columns (not with --generation static)"
+            "on: continuous batching's decoding steps (a graph per bucket of rows and cache "
+            "columns) and short prefills (per bucket of rows and tokens); not with "
+            "--generation static"
         )
 
     @property

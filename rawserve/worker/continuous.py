@@ -33,6 +33,7 @@ import torch
 
 from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.kv_slots import KvSlots
+from rawserve.worker.prefill_graphs import GraphedPrefill, Prefilled
 
 
 class TextPieces:
@@ -126,10 +127,13 @@ class ContinuousBatcher:
         self._slots = KvSlots(self.device, max_rows)
         self._positions = torch.zeros(0, dtype=torch.long, device=self.device)
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
-        # decoding steps replayed from CUDA graphs (rawserve.worker.decode_graphs)
-        self.graphed = (
-            GraphedDecode(model, self._cache_name)
-            if cuda_graphs and GraphedDecode.supports(model)
+        # decoding steps and prefills replayed from CUDA graphs (rawserve.worker.decode_graphs,
+        # prefill_graphs)
+        graphs = cuda_graphs and GraphedDecode.supports(model)
+        self.decode_graphs = GraphedDecode(model, self._cache_name) if graphs else None
+        self.prefill_graphs = (
+            GraphedPrefill(model, self._cache_name, max_positions, self._prefill)
+            if graphs
             else None
         )
 
@@ -205,6 +209,19 @@ class ContinuousBatcher:
         mask = torch.tensor(
             [[0] * (width - n) + [1] * n for n in lengths], dtype=torch.long, device=self.device
         )
+        graphed = self.prefill_graphs
+        prefilled = graphed.prefill(ids, mask) if graphed else None
+        keys, values, logits = prefilled or self._prefill(ids, mask)
+        self._slots.join(keys, values, mask)
+        positions = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        self._positions = torch.cat([self._positions, positions])
+        self.rows += generations
+        tokens = self._choose(logits, generations)
+        self._last = torch.cat([self._last, tokens])
+
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> Prefilled:
+        """The joining rows' forward pass as it is: each layer's keys and values, and the
+        last position's logits."""
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -213,16 +230,15 @@ class ContinuousBatcher:
             logits_to_keep=1,  # only the last position's scores: the vocabulary is wide
         )
         layers = _cache_of(out).layers
-        self._slots.join([layer.keys for layer in layers], [layer.values for layer in layers], mask)
-        positions = torch.tensor(lengths, dtype=torch.long, device=self.device)
-        self._positions = torch.cat([self._positions, positions])
-        self.rows += generations
-        tokens = self._choose(out.logits[:, -1, :], generations)
-        self._last = torch.cat([self._last, tokens])
+        return (
+            [layer.keys for layer in layers],
+            [layer.values for layer in layers],
+            out.logits[:, -1, :],
+        )
 
     def _decode(self) -> None:
         cache, mask = self._slots.open_column()
-        graphed = self.graphed
+        graphed = self.decode_graphs
         logits = graphed.step(self._slots, self._last, self._positions) if graphed else None
         if logits is None:
             out = self.model(

@@ -89,11 +89,17 @@ class GraphedForward:
         self.device = device
         self.per_token = per_token
         self.max_length = max_length
-        self.graphs: dict[tuple[int, int], Captured] = {}
+        self.shelf = GraphShelf(device, "the forward pass", MAX_GRAPHS)
         self.names: tuple[str, ...] | None = None  # the inputs the first batch had
-        self.pool: Any = None
-        self.failed = False  # a capture failed: this model runs without graphs
-        self.full = False  # MAX_GRAPHS recorded (said once in the log)
+
+    @property
+    def graphs(self) -> dict[tuple[int, int], Captured]:
+        return self.shelf.graphs
+
+    @property
+    def failed(self) -> bool:
+        """A capture failed: this model runs without graphs."""
+        return self.shelf.failed
 
     def __call__(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         rows, length = inputs["input_ids"].shape
@@ -108,30 +114,17 @@ class GraphedForward:
         self, inputs: Mapping[str, torch.Tensor], rows: int, length: int
     ) -> Captured | None:
         shape = bucket(rows, length, self.max_length)
-        if shape is None or self.failed or "attention_mask" not in inputs:
+        if shape is None or "attention_mask" not in inputs:
             return None
         names = tuple(sorted(inputs))
         if self.names is None:
             self.names = names
         if names != self.names:  # other inputs than the graphs read
             return None
-        captured = self.graphs.get(shape)
-        if captured is not None:
+        captured = self.shelf.graphs.get(shape)
+        if captured is not None or not self.shelf.has_room(shape):
             return captured
-        if len(self.graphs) >= MAX_GRAPHS:
-            if not self.full:
-                self.full = True
-                log.info("CUDA graphs: %d shapes recorded; new shapes run as they are", MAX_GRAPHS)
-            return None
-        try:
-            captured = self._capture(shape, inputs)
-        except Exception:  # noqa: BLE001 - logged once; the model runs as it is
-            log.warning("CUDA graphs: the capture failed, running without", exc_info=True)
-            self.failed = True
-            self.graphs.clear()
-            return None
-        self.graphs[shape] = captured
-        return captured
+        return self.shelf.add(shape, lambda: self._capture(shape, inputs))
 
     def _capture(self, shape: tuple[int, int], batch: Mapping[str, torch.Tensor]) -> Captured:
         """Record the bucket's graph on the batch that asked for it, padded, and check it."""
@@ -160,17 +153,88 @@ class GraphedForward:
         expected = unpadded(self.forward(tensors), rows, length, self.per_token)
         graph.replay()
         replayed = unpadded(output, rows, length, self.per_token)
-        close = torch.allclose(
-            replayed.float(), expected.float(), rtol=CHECK_TOLERANCE, atol=CHECK_TOLERANCE
-        )
-        if not close:
-            raise ValueError("the replayed pass differs from the pass run as it is")
+        check_close(replayed, expected, CHECK_TOLERANCE)
 
     def _record(self, tensors: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
         """The forward pass on `tensors`, recorded: the graph, and the tensor it writes."""
+        return self.shelf.record(lambda: self.forward(tensors))
+
+
+class GraphShelf:
+    """Graphs kept by shape, recorded into one memory pool, at most `limit` of them; the
+    first failure to record (or a replay that differs) turns them off for good, and the
+    pass runs as it is. For the continuous batch's steps (rawserve.worker.decode_graphs
+    and prefill_graphs); `what` names the pass in the log."""
+
+    def __init__(self, device: Any, what: str, limit: int):
+        self.device = device
+        self.what = what
+        self.limit = limit
+        self.graphs: dict[Any, Any] = {}
+        self.pool: Any = None
+        self.failed = False
+        self.full = False  # `limit` recorded (said once in the log)
+
+    def has_room(self, shape: Any) -> bool:
+        """Whether `shape` has a graph or may get one."""
+        if self.failed:
+            return False
+        if shape in self.graphs or len(self.graphs) < self.limit:
+            return True
+        if not self.full:
+            self.full = True
+            log.info("CUDA graphs: %s: %d shapes recorded; new ones run as they are",
+                     self.what, self.limit)  # fmt: skip
+        return False
+
+    def replay(
+        self, shape: Any, capture: Callable[[], Any], refill: Callable[[Any], None] | None = None
+    ) -> Any | None:
+        """`shape`'s graph replayed, after `refill(captured)` writes its inputs; a new
+        shape's recorded by `capture()` (which replays it once, to check it). None: the
+        recording failed, run the pass as it is."""
+        captured = self.graphs.get(shape)
+        if captured is None:
+            return self.add(shape, capture)
+        if refill is not None:
+            refill(captured)
+        captured.graph.replay()
+        return captured
+
+    def add(self, shape: Any, capture: Callable[[], Any]) -> Any | None:
+        """`capture()`'s graph kept for `shape`; None if it raised (logged, and the
+        graphs are off from now on)."""
+        try:
+            captured = capture()
+        except Exception:  # noqa: BLE001 - logged once; the pass runs as it is
+            log.warning("CUDA graphs: recording %s failed, running without", self.what,
+                        exc_info=True)  # fmt: skip
+            self.failed = True
+            self.forget()
+            return None
+        self.graphs[shape] = captured
+        return captured
+
+    def forget(self) -> None:
+        """Drop the graphs, and their memory pool with them: a pool whose graphs are all
+        gone is freed, and recording into its old handle fails."""
+        self.graphs.clear()
+        self.pool = None
+
+    def record(self, run: Callable[[], Any]) -> tuple[Any, Any]:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        return record(lambda: self.forward(tensors), self.device, self.pool)
+        return record(run, self.device, self.pool)
+
+
+def check_close(replayed: torch.Tensor, expected: torch.Tensor, tolerance: float) -> float:
+    """The largest difference between a first replay and the pass as it is; raises when
+    they differ by more than `tolerance` (relative and absolute)."""
+    replayed, expected = replayed.float(), expected.float()
+    difference = float((replayed - expected).abs().max()) if replayed.numel() else 0.0
+    if not torch.allclose(replayed, expected, rtol=tolerance, atol=tolerance):
+        raise ValueError(f"the replayed pass differs from the pass as it is by {difference}")
+    return difference
 
 
 def record(run: Callable[[], Any], device: Any, pool: Any) -> tuple[Any, Any]:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import transformers
 
-from rawserve.worker.cuda_graphs import ROW_BUCKETS, record
+from rawserve.worker.cuda_graphs import ROW_BUCKETS, GraphShelf, check_close
 from rawserve.worker.kv_slots import KvSlots, SlotLayer
 
 log = logging.getLogger("rawserve.generation")
@@ -104,16 +104,13 @@ class GraphedDecode:
         self.cache_name = cache_name
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.graphs: dict[tuple[int, int], Captured] = {}
+        self.shelf = GraphShelf(self.device, "a decoding step", MAX_DECODE_GRAPHS)
         self.slots: KvSlots | None = None  # the buffers the graphs read
         self.layout = -1  # and their allocation
         rows = ROW_BUCKETS[-1]
         self.ids = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
         self.positions = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
         self.bounds = torch.zeros(2, dtype=torch.long, device=self.device)  # start, end
-        self.pool: Any = None
-        self.failed = False  # a capture failed: this model steps as it is
-        self.full = False  # MAX_DECODE_GRAPHS recorded (said once in the log)
 
     @staticmethod
     def supports(model: Any) -> bool:
@@ -127,34 +124,20 @@ class GraphedDecode:
         if shape is None:
             return None
         self._fill(slots, last, positions)
-        captured = self.graphs.get(shape)
-        if captured is None:
-            captured = self._new_graph(slots, shape, rows)  # replayed once, to check it
-            if captured is None:
-                return None
-        else:
-            captured.graph.replay()
-        return captured.logits[:rows, -1, :]
+        captured = self.shelf.replay(shape, lambda: self._capture(slots, shape, rows))
+        return None if captured is None else captured.logits[:rows, -1, :]
 
     def _shape(self, slots: KvSlots, rows: int) -> tuple[int, int] | None:
         """The (rows, columns) bucket this step runs at; None: no graph serves it."""
-        if self.failed:
-            return None
         if slots is not self.slots or slots.layout != self.layout:
-            self._forget()  # the graphs read buffers that are gone
+            self.shelf.forget()  # the graphs read buffers that are gone
             self.slots, self.layout = slots, slots.layout
         capacity, length = slots.capacity
         count = row_bucket(rows, capacity)
         if count is None:
             return None
         shape = count, column_bucket(slots.end, length)
-        if shape not in self.graphs and len(self.graphs) >= MAX_DECODE_GRAPHS:
-            if not self.full:
-                self.full = True
-                log.info("CUDA graphs: %d decoding shapes recorded; new ones run as they are",
-                         MAX_DECODE_GRAPHS)  # fmt: skip
-            return None
-        return shape
+        return shape if self.shelf.has_room(shape) else None
 
     def _fill(self, slots: KvSlots, last: torch.Tensor, positions: torch.Tensor) -> None:
         rows = len(last)
@@ -162,24 +145,6 @@ class GraphedDecode:
         self.positions[:rows, 0].copy_(positions)
         self.bounds[0].fill_(slots.start)
         self.bounds[1].fill_(slots.end)
-
-    def _new_graph(self, slots: KvSlots, shape: tuple[int, int], rows: int) -> Captured | None:
-        try:
-            captured = self._capture(slots, shape, rows)
-        except Exception:  # noqa: BLE001 - logged once; the model steps as it is
-            log.warning("CUDA graphs: recording a decoding step failed, running without",
-                        exc_info=True)  # fmt: skip
-            self.failed = True
-            self._forget()
-            return None
-        self.graphs[shape] = captured
-        return captured
-
-    def _forget(self) -> None:
-        """Drop the graphs, and their memory pool with them: a pool whose graphs are all
-        gone is freed, and recording into its old handle fails."""
-        self.graphs.clear()
-        self.pool = None
 
     def fixed_step(self, slots: KvSlots, rows: int, columns: int) -> torch.Tensor:
         """The step on the fixed views of a (rows, columns) bucket: what a graph records."""
@@ -206,10 +171,7 @@ class GraphedDecode:
         expected = self._eager(slots, rows)
         graph, logits = self._record(slots, *shape)
         graph.replay()
-        replayed = logits[:rows, -1, :].float()
-        difference = float((replayed - expected).abs().max())
-        if not torch.allclose(replayed, expected, rtol=CHECK_TOLERANCE, atol=CHECK_TOLERANCE):
-            raise ValueError(f"the replayed step differs from the step as it is by {difference}")
+        difference = check_close(logits[:rows, -1, :], expected, CHECK_TOLERANCE)
         log.info("CUDA graphs: recorded a decoding step of %d rows x %d columns "
                  "(first replay within %.2g)", *shape, difference)  # fmt: skip
         return Captured(graph, logits)
@@ -225,10 +187,8 @@ class GraphedDecode:
             use_cache=True,
             logits_to_keep=1,
         )
-        return out.logits[:, -1, :].float()
+        return out.logits[:, -1, :]
 
     def _record(self, slots: KvSlots, rows: int, columns: int) -> tuple[Any, torch.Tensor]:
         """The fixed step recorded: the graph, and the logits tensor it writes."""
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        return record(lambda: self.fixed_step(slots, rows, columns), self.device, self.pool)
+        return self.shelf.record(lambda: self.fixed_step(slots, rows, columns))
