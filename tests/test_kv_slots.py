@@ -146,3 +146,26 @@ def test_a_full_buffer_compacts_or_doubles_rather_than_growing_each_step(monkeyp
         buffers.append(slots.keys[0])
     assert slots.end - slots.start == 102
     assert len({id(b) for b in buffers}) <= 6  # 4 -> 8 -> ... -> 128 columns, then none
+
+
+def test_on_a_gpu_the_first_buffers_hold_every_row_and_the_columns_memory_allows():
+    """New buffers drop the decoding steps' CUDA graphs: on a GPU the first ones take
+    every row at once and as many columns as a quarter of the free memory holds, up to
+    twice the model's length (the window then always compacts)."""
+    per_token = 2 * LAYERS * HEADS * DIM * 4  # keys and values, float32
+    one = [torch.ones(1, HEADS, 5, DIM) for _ in range(LAYERS)]
+    mask = torch.ones((1, 5), dtype=torch.long)
+
+    def first_buffers(free_tokens: int, max_length: int) -> tuple[int, int]:
+        slots = KvSlots(torch.device("cpu"), 16, max_length)
+        slots.free_memory = lambda: free_tokens * per_token * 4  # a quarter: free_tokens
+        slots.join(one, one, mask)
+        return slots.capacity
+
+    assert first_buffers(16 * 64, 1024) == (16, 64)  # every row, the first columns
+    assert first_buffers(16 * 300, 1024) == (16, 256)  # columns doubled while they fit
+    assert first_buffers(16 * 10_000, 300) == (16, 1024)  # twice the model's length
+    assert first_buffers(16 * 63, 1024) == (1, 64)  # not even that: as on a CPU
+    slots = KvSlots(torch.device("cpu"), 16, 1024)
+    slots.join(one, one, mask)
+    assert slots.free_memory is None and slots.capacity == (1, 64)  # a CPU's, as before

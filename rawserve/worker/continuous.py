@@ -124,7 +124,7 @@ class ContinuousBatcher:
         self.waiting: list[Generation] = []
         self.rows: list[Generation] = []
         self._joining: list[Generation] = []  # being prefilled: neither waiting nor a row
-        self._slots = KvSlots(self.device, max_rows)
+        self._slots = KvSlots(self.device, max_rows, max_positions)
         self._positions = torch.zeros(0, dtype=torch.long, device=self.device)
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
         # decoding steps and prefills replayed from CUDA graphs (rawserve.worker.decode_graphs,
@@ -190,7 +190,7 @@ class ContinuousBatcher:
         running = self.rows + [g for g in self._joining if g not in self.rows]
         self.rows, self._joining = [], []
         # its buffers go too: the step may have run out of memory
-        self._slots = KvSlots(self.device, self.max_rows)
+        self._slots = KvSlots(self.device, self.max_rows, self.max_positions)
         self._positions = torch.zeros(0, dtype=torch.long, device=self.device)
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
         return running

@@ -20,6 +20,7 @@ new token's keys and values at column `end` and returns the views up to it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ import transformers
 from transformers.cache_utils import DynamicLayer
 
 FIRST_LENGTH_CAPACITY = 64  # columns allocated at least, so short batches never regrow
+GPU_CACHE_SHARE = 0.25  # of a GPU's free memory that the first buffers may take
 
 
 class SlotLayer(DynamicLayer):
@@ -58,9 +60,12 @@ class SlotLayer(DynamicLayer):
 class KvSlots:
     """The batch's keys and values, in buffers that grow rarely and are written in place."""
 
-    def __init__(self, device: torch.device, max_rows: int):
+    def __init__(self, device: torch.device, max_rows: int, max_length: int = 0):
         self.device = device
         self.max_rows = max_rows  # rows are never allocated past it
+        self.max_length = max_length  # the longest sequence the model takes (0: unknown)
+        # a GPU's free bytes (None on a CPU): there the first buffers are made roomy
+        self.free_memory = _free_gpu_memory(device)
         self.rows = 0
         self.start = 0  # the first column a row still needs
         self.end = 0  # one past every row's newest token
@@ -158,6 +163,8 @@ class KvSlots:
         self, keys: list[torch.Tensor], values: list[torch.Tensor], rows: int, width: int
     ) -> None:
         length = max(FIRST_LENGTH_CAPACITY, 2 * width)
+        if self.free_memory is not None:
+            rows, length = self._roomy(keys, rows, length)
 
         def empty(like: torch.Tensor) -> torch.Tensor:
             heads, dim = like.shape[1], like.shape[3]
@@ -169,6 +176,23 @@ class KvSlots:
         self._layers = [SlotLayer(self, i) for i in range(len(keys))]
         self.start = self.end = 0
         self.layout += 1
+
+    def _roomy(self, keys: list[torch.Tensor], rows: int, length: int) -> tuple[int, int]:
+        """On a GPU: every row the batch may hold, and the columns (a power of two times
+        `length`) that GPU_CACHE_SHARE of the free memory holds, up to twice the model's
+        length (the window is never longer than the model's length, so the buffers then
+        compact and never grow); `rows` x `length` if not even that fits. Why: new
+        buffers drop the decoding steps' CUDA graphs (they read the old addresses), and
+        recording them anew stalls every running sequence."""
+        assert self.free_memory is not None
+        per_token = 2 * sum(k.shape[1] * k.shape[3] * k.element_size() for k in keys)
+        tokens = int(self.free_memory() * GPU_CACHE_SHARE) // per_token
+        if self.max_rows * length > tokens:
+            return rows, length
+        columns = length
+        while self.max_rows * columns * 2 <= tokens and columns < 2 * self.max_length:
+            columns *= 2
+        return self.max_rows, columns
 
     def _rebuild(self, rows: int, length: int, shift: int) -> None:
         """New buffers of `rows` x `length` holding the running rows' window, `shift`
@@ -207,3 +231,9 @@ class KvSlots:
         self._mask[: self.rows, moved] = self._mask[: self.rows, window].clone()
         self.start += shift
         self.end += shift
+
+
+def _free_gpu_memory(device: torch.device) -> Callable[[], int] | None:
+    if device.type != "cuda":
+        return None
+    return lambda: torch.cuda.mem_get_info(device)[0]
