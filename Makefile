@@ -66,8 +66,8 @@ bench-generation: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m bench.generation_serving $(ARGS)
 
 # every GPU measurement in one pass bounded in time (bench/gpu_round.py): attention kernels,
-# encoders and overload, generation, HTTP processes, a profile, the preparing thread; about
-# 8-14 minutes, the logs and summary.json in bench-gpu/ (ARGS="--budget 400 --stages ...")
+# graphs in-process, encoders and overload, generation, HTTP processes, a profile, the
+# preparing thread; about 9-16 minutes, the logs and summary.json in bench-gpu/ (ARGS="--budget 400 --stages ...")
 bench-gpu: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	HF_HUB_OFFLINE=1 $(PY) -m bench.gpu_round --out bench-gpu $(ARGS)

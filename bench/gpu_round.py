@@ -1,6 +1,6 @@
 """One bounded pass over every GPU measurement, for a machine lent for minutes.
 
-    python -m bench.gpu_round --out /tmp/gpu                  # every stage, 8-14 minutes
+    python -m bench.gpu_round --out /tmp/gpu                  # every stage, 9-16 minutes
     python -m bench.gpu_round --out /tmp/gpu --budget 400 --stages encoders generation
 
 Each stage is one of the benchmarks, run as a command of its own under a time limit
@@ -15,11 +15,13 @@ The stages, in the order they run (the in-process ones first: they need no serve
 - `attention`: attention kernels on new shapes (`bench.attention_shapes`)
 - `graphs`: the worker's runner with CUDA graphs and without, in-process
   (`bench.cuda_graphs`)
+- `decode`: GPT-2-small-sized generation in-process: static `generate`, the continuous
+  loop, and the loop replayed from CUDA graphs (`bench.generation --device cuda`)
 - `encoders`: BERT-base-sized classifier over HTTP, with CUDA graphs and without
   (`rawserve-eager`), against the seed's server, with the 3x overload (`bench.compare
   --quick`)
-- `generation`: GPT-2-small-sized `/v1/completions` against static `generate`
-  (`bench.generation_serving`)
+- `generation`: GPT-2-small-sized `/v1/completions`, with CUDA graphs and without
+  (`rawserve-eager`), against static `generate` (`bench.generation_serving`)
 - `http`: the echo handler behind 4, 8 and 16 HTTP processes (`bench.http_processes`)
 - `lone`: where a lone request's time goes, with the default HTTP processes and with one
   (`bench.lone_request`)
@@ -59,15 +61,18 @@ def stages(out: Path) -> list[Stage]:
         Stage("graphs", 70, (
             "bench.cuda_graphs", "--batches", "1", "16", "64", "256", "--seconds", "0.5",
             "--rounds", "2")),
+        Stage("decode", 70, (
+            "bench.generation", "--device", "cuda", "--layers", "12", "--hidden", "768",
+            "--rounds", "1")),
         Stage("encoders", 250, (
             "bench.compare", "--device", "cuda", "--quick", "--scenarios",
             "bert-base-classification", "--text-sets", "short", "--servers",
             "rawserve-default,rawserve-eager,rawserve-lists,seed-batching", "--json",
             str(out / "encoders.json"))),
-        Stage("generation", 160, (
+        Stage("generation", 230, (
             "bench.generation_serving", "--device", "cuda", "--layers", "12", "--hidden",
-            "768", "--rounds", "1", "--duration", "25", "--systems", "rawserve-continuous",
-            "static-in-process", "--json", str(out / "generation.json"))),
+            "768", "--rounds", "1", "--duration", "20", "--systems", "rawserve-continuous",
+            "rawserve-eager", "static-in-process", "--json", str(out / "generation.json"))),
         Stage("http", 120, (
             "bench.http_processes", "--processes", "4", "8", "16", "--loops", "uvloop",
             "--rounds", "1", "--duration", "3", "--clients", "256",
@@ -148,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m bench.gpu_round", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--out", type=Path, required=True, help="a folder for the logs")
-    parser.add_argument("--budget", type=float, default=900.0, help="seconds for all stages")
+    parser.add_argument("--budget", type=float, default=1100.0, help="seconds for all stages")
     names = [stage.name for stage in stages(Path())]
     parser.add_argument("--stages", nargs="+", choices=names, default=names)
     args = parser.parse_args(argv)
