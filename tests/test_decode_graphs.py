@@ -12,6 +12,7 @@ runs the fixed step at replay, on the same tensors, as a graph would."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import random
 from collections.abc import Sequence
@@ -132,11 +133,12 @@ def test_a_step_runs_at_the_next_bucket_of_rows_and_a_power_of_two_of_columns():
     assert row_bucket(50, 64) == 64
     assert row_bucket(50, 56) == 56  # never more rows than the buffers hold
     assert row_bucket(513, 1024) is None  # past the largest bucket: as it is
-    assert column_bucket(0, 256) == 64
-    assert column_bucket(63, 256) == 64
-    assert column_bucket(64, 256) == 128  # the new column is attended: past `end`
-    assert column_bucket(200, 256) == 256
+    assert column_bucket(0, 512) == 128
+    assert column_bucket(127, 512) == 128
+    assert column_bucket(128, 512) == 256  # the new column is attended: past `end`
+    assert column_bucket(300, 512) == 512
     assert column_bucket(300, 320) == 320  # never past the buffers' length
+    assert column_bucket(10, 64) == 64
 
 
 ROUNDS = [
@@ -157,7 +159,7 @@ def test_graphed_steps_make_the_tokens_the_loop_makes_without_them(model, record
     assert sum(g.replays for g in recorded) > 50  # the steps ran from the graphs
     assert not batcher.decode_graphs.shelf.failed
     # the joins' prefills too, each round's rows and tokens padded to a bucket
-    assert {p.shape for p in recorded.prefills} == {(4, 24), (2, 32), (12, 16), (1, 64)}
+    assert {p.shape for p in recorded.prefills} == {(4, 32), (2, 32), (16, 16), (1, 64)}
     assert not batcher.prefill_graphs.shelf.failed
 
 
@@ -235,13 +237,23 @@ def test_a_row_that_joins_the_slot_a_longer_row_left_never_reads_its_old_keys(mo
     assert not batcher.decode_graphs.shelf.failed and len(recorded) >= 2  # the graphs answered
 
 
+def test_a_prefill_runs_at_powers_of_two_of_rows_and_tokens_within_the_model(model):
+    graphed = GraphedPrefill(model, "cache", 100, lambda ids, mask: ([], [], ids))
+    assert graphed._shape(1, 5) == (1, 8)
+    assert graphed._shape(3, 20) == (4, 32)
+    assert graphed._shape(16, 64) == (16, 64)
+    assert graphed._shape(16, 65) is None  # 16 x 128 padded tokens: past the most
+    assert graphed._shape(1, 97) == (1, 100)  # never more tokens than the model reads
+    assert graphed._shape(1, 101) is None  # too long: runs as it is, and fails as it would
+
+
 def test_a_prefill_too_large_to_keep_a_graph_of_runs_as_it_is(model, recorded, monkeypatch):
     monkeypatch.setattr(prefill_graphs, "MAX_PREFILL_TOKENS", 64)
-    rounds = [[(40, 3)], [(20, 3)] * 3, [(70, 2)]]  # 1 x 40; 4 x 24 (96); 1 x 80
+    rounds = [[(40, 3)], [(20, 3)] * 3, [(70, 2)]]  # 1 x 64; 4 x 32 (128); 1 x 128
     plain, _ = run(model, False, rounds)
     graphed, batcher = run(model, True, rounds)
     assert graphed == plain
-    assert [p.shape for p in recorded.prefills] == [(1, 40)]
+    assert [p.shape for p in recorded.prefills] == [(1, 64)]
     assert not batcher.prefill_graphs.shelf.failed
     monkeypatch.setattr(prefill_graphs, "MAX_PREFILL_BYTES", 1000)  # a few tokens' keys
     assert batcher.prefill_graphs._shape(1, 8) is None
@@ -281,3 +293,40 @@ def test_past_the_most_shapes_new_ones_step_as_they_are(model, recorded, monkeyp
     assert graphed == plain
     assert len(batcher.decode_graphs.shelf.graphs) <= 1 and not batcher.decode_graphs.shelf.failed
     assert "a decoding step: 1 shapes recorded" in caplog.text
+
+
+def test_recording_at_the_warm_up_covers_every_row_bucket_and_nobody_hears_it(model, recorded):
+    heard: list = []
+    batcher = ContinuousBatcher(
+        model, NoText(), POSITIONS, 16, lambda g, t, p: heard.append(t), cuda_graphs=True
+    )
+    batcher._slots.free_memory = lambda: 1 << 30  # a GPU's buffers: every row at once
+    count = batcher.record_graphs([5, 6, 7, 8, 9])
+    assert {g.shape[0] for g in recorded} == {1, 2, 4, 8, 12, 16}  # every bucket to 16 rows
+    assert {p.shape for p in recorded.prefills} == {(1, 8), (2, 8), (4, 8), (8, 8), (16, 8)}
+    assert count == len(recorded) + len(recorded.prefills) and not heard
+    assert not batcher.busy and batcher._slots.rows == 0
+    before = len(recorded)
+    batcher.add(Generation("a client", [5, 6, 7], 4))
+    while batcher.busy:
+        batcher.step()
+    assert heard and len(recorded) == before  # its steps found their graphs
+
+
+def test_a_generation_worker_records_its_graphs_at_the_warm_up(tiny_model, recorded, caplog):
+    from rawserve.worker.causal_lm import CausalLMRunner
+    from rawserve.worker.generating import continuous_loop
+    from tests.tiny_models import worker_config
+
+    caplog.set_level(logging.INFO)
+    runner = CausalLMRunner(tiny_model("text-generation"), "cpu", torch.float32)
+    assert runner.use_cuda_graphs().startswith("on:") and runner.decode_graphs
+    config = worker_config(runner.model.name_or_path, max_sequences=4, warmup_batch=1)
+    loop = continuous_loop(runner, config, lambda message: None, None)
+    assert loop is not None and loop.batcher.decode_graphs is not None
+    assert {g.shape[0] for g in recorded} == {1, 2, 4}
+    assert "recorded at the warm-up" in caplog.text
+    unwarmed = dataclasses.replace(config, warmup_batch=0)  # --no-warmup: nothing recorded
+    recorded.clear()
+    continuous_loop(runner, unwarmed, lambda message: None, None)
+    assert not recorded

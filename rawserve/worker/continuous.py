@@ -31,9 +31,12 @@ from typing import Any
 
 import torch
 
+from rawserve.worker.cuda_graphs import ROW_BUCKETS
 from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.kv_slots import KvSlots
 from rawserve.worker.prefill_graphs import GraphedPrefill, Prefilled
+
+RECORDING_TOKENS = 3  # a prefill and two steps at each bucket of rows, to record them
 
 
 class TextPieces:
@@ -183,6 +186,27 @@ class ContinuousBatcher:
             self._decode()
             finished += self._leave()
         return finished
+
+    def record_graphs(self, prompt: list[int]) -> int:
+        """Where steps are replayed from CUDA graphs: run a few tokens of `prompt` at
+        every bucket of rows up to `max_rows`, so that the first requests find their
+        steps' and prefills' graphs recorded (recording one stalls every running
+        sequence); no listener hears those tokens. How many graphs there are after."""
+        if self.decode_graphs is None or self.prefill_graphs is None:
+            return 0
+        listeners = self.on_token, self.after_pass
+        self.on_token = self.after_pass = None
+        try:
+            for rows in ROW_BUCKETS:
+                if rows > self.max_rows:
+                    break
+                for index in range(rows):
+                    self.add(Generation(("record", rows, index), prompt, RECORDING_TOKENS))
+                while self.busy:
+                    self.step()
+        finally:
+            self.on_token, self.after_pass = listeners
+        return len(self.decode_graphs.shelf.graphs) + len(self.prefill_graphs.shelf.graphs)
 
     def drop_running(self) -> list[Generation]:
         """After a step raised: the sequences it was running (rows, and those joining),

@@ -62,7 +62,14 @@ def continuous_loop(
     if not isinstance(runner, CausalLMRunner) or config.generation != "continuous":
         return None
     rows = config.max_sequences or (ROWS_ON_CUDA if runner.on_cuda else ROWS_ON_CPU)
-    return GenerationLoop(runner, send, rows, cancelled_stream, config.threads)
+    loop = GenerationLoop(runner, send, rows, cancelled_stream, config.threads)
+    if config.warmup_batch and runner.decode_graphs:
+        started = time.monotonic()
+        prompt = runner.tokenizer("the first requests find their graphs")["input_ids"]
+        recorded = loop.batcher.record_graphs(prompt)
+        log.info("CUDA graphs: %d recorded at the warm-up in %.1f s", recorded,
+                 time.monotonic() - started)  # fmt: skip
+    return loop
 
 
 @dataclass(eq=False)

@@ -4,7 +4,8 @@ Once the decoding steps are replayed (rawserve.worker.decode_graphs), a joining
 sequence's prefill is what a small model's loop spends most on: on an H100 a
 GPT-2-small-sized forward pass over one short prompt takes ~6 ms from Python against
 ~1 ms for a replayed step, and a closed-loop client joins whenever another finishes. So
-the prefill of short prompts is recorded too, a graph per bucket of rows and tokens.
+the prefill of short prompts is recorded too, a graph per bucket of rows and tokens
+(powers of two: 36 shapes at most, each recorded once).
 
 The joining prompts come left-padded (their last tokens aligned); a bucket pads them
 further on the left to its tokens, and adds rows. Inside the graph each row's positions
@@ -32,13 +33,16 @@ import torch
 import transformers
 from transformers.cache_utils import DynamicLayer
 
-from rawserve.worker.cuda_graphs import GraphShelf, bucket, check_close
+from rawserve.worker.cuda_graphs import GraphShelf, check_close
 
 log = logging.getLogger("rawserve.generation")
 
 MAX_PREFILL_TOKENS = 1024  # padded rows x tokens recorded at most
 MAX_PREFILL_BYTES = 64 << 20  # keys and values one graph keeps, at most
-MAX_PREFILL_GRAPHS = 32
+MIN_PREFILL_TOKENS = 8
+# every shape of powers of two within MAX_PREFILL_TOKENS: recorded once each, so the
+# stalls of recording are bounded over a server's life
+MAX_PREFILL_GRAPHS = 36
 CHECK_TOLERANCE = 5e-2  # a first replay's logits against the prefill as it is (fp16)
 
 
@@ -113,8 +117,16 @@ class GraphedPrefill:
         return keys, values, captured.logits[:rows, -1, :]
 
     def _shape(self, rows: int, width: int) -> tuple[int, int] | None:
-        shape = bucket(rows, width, self.max_positions)
-        if shape is None or shape[0] * shape[1] > MAX_PREFILL_TOKENS:
+        """Rows and tokens padded to powers of two (tokens no more than the model
+        reads): few shapes, each recorded once, for at most twice the arithmetic of a
+        pass that its launches outweigh; None: run as it is."""
+        if width > self.max_positions:
+            return None
+        shape = (
+            power_of_two(rows),
+            min(power_of_two(max(width, MIN_PREFILL_TOKENS)), self.max_positions),
+        )
+        if shape[0] * shape[1] > MAX_PREFILL_TOKENS:
             return None
         if shape[0] * shape[1] * self.bytes_per_token > MAX_PREFILL_BYTES:
             return None
@@ -162,6 +174,11 @@ class GraphedPrefill:
     ) -> tuple[Any, tuple[torch.Tensor, list[OutputLayer]]]:
         """The fixed prefill recorded: the graph, and the logits and layers it writes."""
         return self.shelf.record(lambda: self.fixed_prefill(ids, mask))
+
+
+def power_of_two(count: int) -> int:
+    """The smallest power of two at least `count`."""
+    return 1 << (count - 1).bit_length()
 
 
 def fill(ids: torch.Tensor, mask: torch.Tensor, into_ids: torch.Tensor, into_mask: torch.Tensor):
