@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import logging
 import random
+import types
 from collections.abc import Sequence
 
 import pytest
@@ -283,6 +284,15 @@ def test_models_whose_attention_takes_no_4d_mask_step_as_they_are(model):
     assert not GraphedDecode.supports(flash)
     batcher = ContinuousBatcher(flash, NoText(), POSITIONS, 4, cuda_graphs=True)
     assert batcher.decode_graphs is None and batcher.prefill_graphs is None
+    # a sliding window: the graphs' masks would let a row see past it
+    mistral = transformers.MistralConfig(num_hidden_layers=1, sliding_window=16)
+    mistral._attn_implementation = "sdpa"
+    assert not GraphedDecode.supports(types.SimpleNamespace(config=mistral))
+    mistral.sliding_window = None
+    assert GraphedDecode.supports(types.SimpleNamespace(config=mistral))
+    gemma = transformers.Gemma2Config(num_hidden_layers=2, sliding_window=None)
+    gemma._attn_implementation = "sdpa"  # its layers still slide by kind, one in two
+    assert not GraphedDecode.supports(types.SimpleNamespace(config=gemma))
 
 
 def test_past_the_most_shapes_new_ones_step_as_they_are(model, recorded, monkeypatch, caplog):

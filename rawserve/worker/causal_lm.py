@@ -166,7 +166,10 @@ class CausalLMRunner(Runner):
 
     def use_cuda_graphs(self) -> str:
         if not GraphedDecode.supports(self.model):
-            return "off: this model's attention takes no 4D mask (decoding steps run as they are)"
+            return (
+                "off: this model's attention takes no 4D mask, or slides a window (its "
+                "decoding steps run as they are)"
+            )
         self.decode_graphs = True
         return (
             "on: continuous batching's decoding steps (a graph per bucket of rows and cache "

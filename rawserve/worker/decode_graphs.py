@@ -118,7 +118,17 @@ class GraphedDecode:
 
     @staticmethod
     def supports(model: Any) -> bool:
-        return getattr(model.config, "_attn_implementation", None) in MASKABLE
+        """Whether the graphs' own 4D masks stand for the model's: its attention takes
+        one, and attends to the whole sequence (the graphs' masks have no sliding
+        window)."""
+        config = model.config
+        if getattr(config, "_attn_implementation", None) not in MASKABLE:
+            return False
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            return False
+        return not any(
+            "sliding" in str(kind) for kind in getattr(config, "layer_types", None) or ()
+        )
 
     def step(
         self, slots: KvSlots, last: torch.Tensor, positions: torch.Tensor
