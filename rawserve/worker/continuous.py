@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import transformers
 
 from rawserve.worker.cuda_graphs import ROW_BUCKETS
 from rawserve.worker.decode_graphs import GraphedDecode
@@ -46,19 +47,37 @@ class TextPieces:
     the character is whole."""
 
     def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
+        self.decode = text_decoder(tokenizer)
         self.prefix_offset = 0
         self.read_offset = 0
 
     def next_piece(self, ids: Sequence[int]) -> str:
         """The text that the newest of `ids` (the sequence's tokens so far) adds."""
         prefix, read = self.prefix_offset, self.read_offset
-        before = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
-        after = self.tokenizer.decode(ids[prefix:], skip_special_tokens=True)
+        before = self.decode(ids[prefix:read])
+        after = self.decode(ids[prefix:])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""  # wait for the rest of a multi-byte character
         self.prefix_offset, self.read_offset = read, len(ids)
         return after[len(before) :]
+
+
+def text_decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
+    """`decode(ids)` → their text, special tokens left out, as `tokenizer.decode` gives
+    it. A fast tokenizer that cleans nothing up after its backend is called directly:
+    transformers' own `decode` costs ~2 µs a call around the backend's ~0.6, and a
+    decoding step makes two calls a row (at 64 rows, ~180 of the ~320 µs a step spends on
+    its new tokens, on a 2-core CPU: on a GPU a replayed step takes ~1.1 ms)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    plain = (
+        backend is not None
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        and type(tokenizer).decode is transformers.PreTrainedTokenizerFast.decode
+        and type(tokenizer)._decode is transformers.PreTrainedTokenizerFast._decode
+    )
+    if plain:
+        return lambda ids: backend.decode(list(ids), skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 @dataclass(eq=False)

@@ -1,0 +1,51 @@
+"""A sequence's text, token by token (rawserve.worker.continuous.TextPieces): the pieces
+add up to what the tokenizer decodes of the whole sequence, a character cut between
+tokens waits for its last byte, and the backend is called directly only where the
+tokenizer's own `decode` would add nothing to it."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from rawserve.worker.continuous import TextPieces, text_decoder  # noqa: E402
+from tests.tiny_models import VOCAB, bpe_tokenizer  # noqa: E402
+
+TEXTS = ["the movie was good", "héllo wörld, naïve café", "日本語のテキスト and more", "a"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_the_pieces_add_up_to_the_whole_texts_decoding(text):
+    tokenizer = bpe_tokenizer()
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    pieces = TextPieces(tokenizer)
+    made = [pieces.next_piece(ids[: n + 1]) for n in range(len(ids))]
+    assert "".join(made) == tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert all("\ufffd" not in piece for piece in made)  # a cut character waits, whole
+
+
+def test_a_character_cut_between_tokens_adds_nothing_until_it_is_whole():
+    tokenizer = bpe_tokenizer()
+    ids = tokenizer("日", add_special_tokens=False)["input_ids"]
+    assert len(ids) > 1  # its three bytes are tokens of their own here
+    pieces = TextPieces(tokenizer)
+    assert [pieces.next_piece(ids[: n + 1]) for n in range(len(ids))] == [""] * (len(ids) - 1) + [
+        "日"
+    ]
+
+
+def test_the_backend_is_called_directly_only_where_decode_adds_nothing():
+    import transformers
+
+    def its_own(ids, skip_special_tokens=False):
+        return "the tokenizer's own decode"
+
+    bpe = bpe_tokenizer()  # cleans nothing up: its backend's text is its text
+    ids = bpe("the movie", add_special_tokens=False)["input_ids"]
+    bpe.decode = its_own
+    assert text_decoder(bpe)(ids) == "the movie"
+    words = transformers.BertTokenizer(vocab={word: i for i, word in enumerate(VOCAB)})
+    words.clean_up_tokenization_spaces = True  # its decode may change the backend's text
+    words.decode = its_own
+    assert text_decoder(words)([5, 6]) == "the tokenizer's own decode"
