@@ -70,12 +70,11 @@ def text_decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
     its new tokens, on a 2-core CPU: on a GPU a replayed step takes ~1.1 ms)."""
     backend = getattr(tokenizer, "_tokenizer", None)
     plain = (
-        backend is not None
-        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        not getattr(tokenizer, "clean_up_tokenization_spaces", True)
         and type(tokenizer).decode is transformers.PreTrainedTokenizerFast.decode
         and type(tokenizer)._decode is transformers.PreTrainedTokenizerFast._decode
     )
-    if plain:
+    if backend is not None and plain:
         return lambda ids: backend.decode(list(ids), skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
