@@ -340,3 +340,24 @@ def test_a_generation_worker_records_its_graphs_at_the_warm_up(tiny_model, recor
     recorded.clear()
     continuous_loop(runner, unwarmed, lambda message: None, None)
     assert not recorded
+
+
+def test_a_failed_recording_at_the_warm_up_leaves_the_worker_starting(
+    tiny_model, monkeypatch, caplog
+):
+    from rawserve.worker.causal_lm import CausalLMRunner
+    from rawserve.worker.generating import continuous_loop
+    from tests.tiny_models import worker_config
+
+    def out_of_memory(self, prompt):
+        self.add(Generation("warm", prompt, 3))
+        self.step()
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(ContinuousBatcher, "record_graphs", out_of_memory)
+    runner = CausalLMRunner(tiny_model("text-generation"), "cpu", torch.float32)
+    runner.decode_graphs = True
+    config = worker_config(runner.model.name_or_path, max_sequences=4, warmup_batch=1)
+    loop = continuous_loop(runner, config, lambda message: None, None)
+    assert loop is not None and not loop.batcher.busy and not loop.batcher.rows
+    assert "recording at the warm-up failed" in caplog.text

@@ -64,12 +64,24 @@ def continuous_loop(
     rows = config.max_sequences or (ROWS_ON_CUDA if runner.on_cuda else ROWS_ON_CPU)
     loop = GenerationLoop(runner, send, rows, cancelled_stream, config.threads)
     if config.warmup_batch and runner.decode_graphs:
-        started = time.monotonic()
-        prompt = runner.tokenizer("the first requests find their graphs")["input_ids"]
-        recorded = loop.batcher.record_graphs(prompt)
-        log.info("CUDA graphs: %d recorded at the warm-up in %.1f s", recorded,
-                 time.monotonic() - started)  # fmt: skip
+        record_graphs(loop.batcher, runner)
     return loop
+
+
+def record_graphs(batcher: ContinuousBatcher, runner: CausalLMRunner) -> None:
+    """The warm-up's recording of the loop's CUDA graphs; a failure (out of memory, say)
+    leaves them to be recorded as shapes come, and the worker starts all the same."""
+    started = time.monotonic()
+    prompt = runner.tokenizer("the first requests find their graphs")["input_ids"]
+    try:
+        recorded = batcher.record_graphs(prompt)
+    except Exception:  # noqa: BLE001 - logged; the worker serves without them
+        log.warning("CUDA graphs: recording at the warm-up failed", exc_info=True)
+        batcher.drop_running()
+        batcher.waiting.clear()
+        return
+    log.info("CUDA graphs: %d recorded at the warm-up in %.1f s", recorded,
+             time.monotonic() - started)  # fmt: skip
 
 
 @dataclass(eq=False)
