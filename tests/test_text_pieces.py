@@ -42,9 +42,14 @@ def test_the_backend_is_called_directly_only_where_decode_adds_nothing():
         return "the tokenizer's own decode"
 
     bpe = bpe_tokenizer()  # cleans nothing up: its backend's text is its text
-    ids = bpe("the movie", add_special_tokens=False)["input_ids"]
+    ids = bpe("the movie , good", add_special_tokens=False)["input_ids"]
     bpe.decode = its_own
-    assert text_decoder(bpe)(ids) == "the movie"
+    assert text_decoder(bpe)(ids) == "the movie , good"
+    bpe.clean_up_tokenization_spaces = True  # as old GPT-2 configs say: a BPE skips it
+    assert text_decoder(bpe)(ids) == "the movie , good"
+    forced = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+    setattr(bpe, forced, True)  # unless told to clean up all the same
+    assert text_decoder(bpe)(ids) == "the tokenizer's own decode"
     words = transformers.BertTokenizer(vocab={word: i for i, word in enumerate(VOCAB)})
     words.clean_up_tokenization_spaces = True  # its decode may change the backend's text
     words.decode = its_own
