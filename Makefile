@@ -67,7 +67,7 @@ bench-generation: $(STAMP)
 
 # every GPU measurement in one pass bounded in time (bench/gpu_round.py): attention kernels,
 # graphs in-process, encoders and overload, generation, HTTP processes, a profile, the
-# preparing thread; about 9-16 minutes, the logs and summary.json in bench-gpu/ (ARGS="--budget 400 --stages ...")
+# preparing thread; about 10-17 minutes, the logs and summary.json in bench-gpu/ (ARGS="--budget 400 --stages ...")
 bench-gpu: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	HF_HUB_OFFLINE=1 $(PY) -m bench.gpu_round --out bench-gpu $(ARGS)

@@ -233,7 +233,8 @@ async def measure_server(
             )
         entry: dict[str, Any] = {"points": points}
         overloaded = server.name in ("rawserve", "rawserve-onnx", "rawserve-http4") or (
-            server.name in ("rawserve-default", "rawserve-eager") and settings.device != "cpu"
+            server.name in ("rawserve-default", "rawserve-eager", "rawserve-threads2")
+            and settings.device != "cpu"
         )  # on a GPU: with graphs and without
         if overloaded and text_set == "short" and settings.overload_duration:
             entry["overload"] = await overload(server, text_set, fmt, points, settings)

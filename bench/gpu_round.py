@@ -1,6 +1,6 @@
 """One bounded pass over every GPU measurement, for a machine lent for minutes.
 
-    python -m bench.gpu_round --out /tmp/gpu                  # every stage, 9-16 minutes
+    python -m bench.gpu_round --out /tmp/gpu                  # every stage, 10-17 minutes
     python -m bench.gpu_round --out /tmp/gpu --budget 400 --stages encoders generation
 
 Each stage is one of the benchmarks, run as a command of its own under a time limit
@@ -18,8 +18,9 @@ The stages, in the order they run (the in-process ones first: they need no serve
 - `decode`: GPT-2-small-sized generation in-process: static `generate`, the continuous
   loop, and the loop replayed from CUDA graphs (`bench.generation --device cuda`)
 - `encoders`: BERT-base-sized classifier over HTTP, with CUDA graphs and without
-  (`rawserve-eager`), against the seed's server, with the 3x overload (`bench.compare
-  --quick`)
+  (`rawserve-eager`), with a worker of two torch threads (`rawserve-threads2`: the cores
+  it leaves the HTTP processes), against the seed's server, with the 3x overload
+  (`bench.compare --quick`)
 - `generation`: GPT-2-small-sized `/v1/completions`, with CUDA graphs and without
   (`rawserve-eager`), against static `generate` (`bench.generation_serving`)
 - `http`: the echo handler behind 4, 8 and 16 HTTP processes (`bench.http_processes`)
@@ -64,10 +65,11 @@ def stages(out: Path) -> list[Stage]:
         Stage("decode", 70, (
             "bench.generation", "--device", "cuda", "--layers", "12", "--hidden", "768",
             "--rounds", "1")),
-        Stage("encoders", 250, (
+        Stage("encoders", 300, (
             "bench.compare", "--device", "cuda", "--quick", "--scenarios",
             "bert-base-classification", "--text-sets", "short", "--servers",
-            "rawserve-default,rawserve-eager,rawserve-lists,seed-batching", "--json",
+            "rawserve-default,rawserve-eager,rawserve-threads2,rawserve-lists,seed-batching",
+            "--json",
             str(out / "encoders.json"))),
         Stage("generation", 230, (
             "bench.generation_serving", "--device", "cuda", "--layers", "12", "--hidden",
@@ -153,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m bench.gpu_round", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--out", type=Path, required=True, help="a folder for the logs")
-    parser.add_argument("--budget", type=float, default=1100.0, help="seconds for all stages")
+    parser.add_argument("--budget", type=float, default=1200.0, help="seconds for all stages")
     names = [stage.name for stage in stages(Path())]
     parser.add_argument("--stages", nargs="+", choices=names, default=names)
     args = parser.parse_args(argv)

@@ -99,6 +99,7 @@ TEXT_SERVERS = (
     "rawserve-http4",
     "rawserve-count",
     "rawserve-eager",
+    "rawserve-threads2",
     "seed-batching",
     "seed-per-item",
 )
