@@ -313,7 +313,12 @@ def test_recording_at_the_warm_up_covers_every_row_bucket_and_nobody_hears_it(mo
     batcher._slots.free_memory = lambda: 1 << 30  # a GPU's buffers: every row at once
     count = batcher.record_graphs([5, 6, 7, 8, 9])
     assert {g.shape[0] for g in recorded} == {1, 2, 4, 8, 12, 16}  # every bucket to 16 rows
-    assert {p.shape for p in recorded.prefills} == {(1, 8), (2, 8), (4, 8), (8, 8), (16, 8)}
+    # the rows' prefills, then one prompt's at every power of two of tokens the model takes
+    # (256 positions, 3 tokens made: up to 128)
+    rows_prefills = {(1, 8), (2, 8), (4, 8), (8, 8), (16, 8)}
+    lengths_prefills = {(1, 16), (1, 32), (1, 64), (1, 128)}
+    assert {p.shape for p in recorded.prefills} == rows_prefills | lengths_prefills
+    assert {g.shape for g in recorded if g.shape[0] == 1} >= {(1, 128), (1, 256)}
     assert count == len(recorded) + len(recorded.prefills) and not heard
     assert not batcher.busy and batcher._slots.rows == 0
     before = len(recorded)
@@ -335,6 +340,7 @@ def test_a_generation_worker_records_its_graphs_at_the_warm_up(tiny_model, recor
     loop = continuous_loop(runner, config, lambda message: None, None)
     assert loop is not None and loop.batcher.decode_graphs is not None
     assert {g.shape[0] for g in recorded} == {1, 2, 4}
+    assert (1, 64) in {p.shape for p in recorded.prefills}
     assert "recorded at the warm-up" in caplog.text
     unwarmed = dataclasses.replace(config, warmup_batch=0)  # --no-warmup: nothing recorded
     recorded.clear()

@@ -35,7 +35,12 @@ import transformers
 from rawserve.worker.cuda_graphs import ROW_BUCKETS
 from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.kv_slots import KvSlots
-from rawserve.worker.prefill_graphs import GraphedPrefill, Prefilled
+from rawserve.worker.prefill_graphs import (
+    MAX_PREFILL_TOKENS,
+    MIN_PREFILL_TOKENS,
+    GraphedPrefill,
+    Prefilled,
+)
 
 RECORDING_TOKENS = 3  # a prefill and two steps at each bucket of rows, to record them
 
@@ -206,9 +211,10 @@ class ContinuousBatcher:
 
     def record_graphs(self, prompt: list[int]) -> int:
         """Where steps are replayed from CUDA graphs: run a few tokens of `prompt` at
-        every bucket of rows up to `max_rows`, so that the first requests find their
-        steps' and prefills' graphs recorded (recording one stalls every running
-        sequence); no listener hears those tokens. How many graphs there are after."""
+        every bucket of rows up to `max_rows`, then of one prompt at every power of two
+        of tokens the prefill graphs take, so that the first requests find their steps'
+        and prefills' graphs recorded (recording one stalls every running sequence); no
+        listener hears those tokens. How many graphs there are after."""
         if self.decode_graphs is None or self.prefill_graphs is None:
             return 0
         listeners = self.on_token, self.after_pass
@@ -217,13 +223,20 @@ class ContinuousBatcher:
             for rows in ROW_BUCKETS:
                 if rows > self.max_rows:
                     break
-                for index in range(rows):
-                    self.add(Generation(("record", rows, index), prompt, RECORDING_TOKENS))
-                while self.busy:
-                    self.step()
+                self._run_through([prompt] * rows)
+            length = 2 * MIN_PREFILL_TOKENS
+            while length <= min(MAX_PREFILL_TOKENS, self.max_positions - RECORDING_TOKENS):
+                self._run_through([(prompt * length)[:length]])
+                length *= 2
         finally:
             self.on_token, self.after_pass = listeners
         return len(self.decode_graphs.shelf.graphs) + len(self.prefill_graphs.shelf.graphs)
+
+    def _run_through(self, prompts: list[list[int]]) -> None:
+        for index, prompt in enumerate(prompts):
+            self.add(Generation(("record", len(prompts), index), prompt, RECORDING_TOKENS))
+        while self.busy:
+            self.step()
 
     def drop_running(self) -> list[Generation]:
         """After a step raised: the sequences it was running (rows, and those joining),
