@@ -49,7 +49,8 @@ class WorkerConfig:
     # (rawserve.worker.feeder). None: on a GPU, whose worker is sent its next batch while
     # one runs; a CPU worker gets one batch at a time, and a second thread only adds a hop
     prepare_ahead: bool | None = None
-    # on a GPU: an encoder's forward pass replayed from CUDA graphs (rawserve.worker.cuda_graphs)
+    # on a GPU: forward passes and decoding steps replayed from CUDA graphs (rawserve.worker
+    # .cuda_graphs, decode_graphs, prefill_graphs)
     cuda_graphs: bool = False
 
 

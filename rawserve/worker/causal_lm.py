@@ -173,7 +173,7 @@ class CausalLMRunner(Runner):
         self.decode_graphs = True
         return (
             "on: continuous batching's decoding steps (a graph per bucket of rows and cache "
-            "columns) and short prefills (per bucket of rows and tokens); not with "
+            "columns) and short prefills (per power of two of rows and tokens); not with "
             "--generation static"
         )
 

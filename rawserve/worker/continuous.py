@@ -292,9 +292,8 @@ class ContinuousBatcher:
 
     def _decode(self) -> None:
         cache, mask = self._slots.open_column()
-        graphed = self.decode_graphs
-        logits = graphed.step(self._slots, self._last, self._positions) if graphed else None
-        if logits is None:
+
+        def as_is() -> torch.Tensor:  # the step run as it is: the window's views
             out = self.model(
                 input_ids=self._last[:, None],
                 attention_mask=mask,
@@ -303,7 +302,12 @@ class ContinuousBatcher:
                 use_cache=True,
                 logits_to_keep=1,
             )
-            logits = out.logits[:, -1, :]
+            return out.logits[:, -1, :]
+
+        graphed = self.decode_graphs
+        logits = graphed.step(self._slots, self._last, self._positions, as_is) if graphed else None
+        if logits is None:
+            logits = as_is()
         self._slots.close_column()
         self._positions = self._positions + 1
         self._last = self._choose(logits, self.rows)

@@ -163,8 +163,9 @@ class GraphedForward:
 class GraphShelf:
     """Graphs kept by shape, recorded into one memory pool, at most `limit` of them; the
     first failure to record (or a replay that differs) turns them off for good, and the
-    pass runs as it is. For the continuous batch's steps (rawserve.worker.decode_graphs
-    and prefill_graphs); `what` names the pass in the log."""
+    pass runs as it is. For an encoder's forward pass (above) and the continuous batch's
+    steps and prefills (rawserve.worker.decode_graphs, prefill_graphs); `what` names the
+    pass in the log."""
 
     def __init__(self, device: Any, what: str, limit: int):
         self.device = device

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,14 +134,20 @@ class GraphedDecode:
         )
 
     def step(
-        self, slots: KvSlots, last: torch.Tensor, positions: torch.Tensor
+        self,
+        slots: KvSlots,
+        last: torch.Tensor,
+        positions: torch.Tensor,
+        as_is: Callable[[], torch.Tensor],
     ) -> torch.Tensor | None:
+        """`as_is()`: the loop's own step on the same inputs, which a new graph's first
+        replay is checked against."""
         rows = len(last)
         shape = self._shape(slots, rows)
         if shape is None:
             return None
         self._fill(slots, last, positions)
-        captured = self.shelf.replay(shape, lambda: self._capture(slots, shape, rows))
+        captured = self.shelf.replay(shape, lambda: self._capture(slots, shape, rows, as_is))
         return None if captured is None else captured.logits[:rows, -1, :]
 
     def _shape(self, slots: KvSlots, rows: int) -> tuple[int, int] | None:
@@ -181,29 +188,22 @@ class GraphedDecode:
         )
         return out.logits
 
-    def _capture(self, slots: KvSlots, shape: tuple[int, int], rows: int) -> Captured:
+    def _capture(
+        self,
+        slots: KvSlots,
+        shape: tuple[int, int],
+        rows: int,
+        as_is: Callable[[], torch.Tensor],
+    ) -> Captured:
         """Record the bucket's graph on this step's inputs, and check its first replay
         against the step run as it is (which writes the same keys into the same column)."""
-        expected = self._eager(slots, rows)
+        expected = as_is()
         graph, logits = self._record(slots, *shape)
         graph.replay()
         difference = check_close(logits[:rows, -1, :], expected, CHECK_TOLERANCE)
         log.info("CUDA graphs: recorded a decoding step of %d rows x %d columns "
                  "(first replay within %.2g)", *shape, difference)  # fmt: skip
         return Captured(graph, logits)
-
-    def _eager(self, slots: KvSlots, rows: int) -> torch.Tensor:
-        """The step as the loop runs it without graphs: the window's views."""
-        layers = [SlotLayer(slots, index) for index in range(len(slots.keys))]
-        out = self.model(
-            input_ids=self.ids[:rows],
-            attention_mask=slots.row_mask[:rows, slots.start : slots.end + 1],
-            position_ids=self.positions[:rows],
-            **{self.cache_name: transformers.Cache(layers=layers)},
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1, :]
 
     def _record(self, slots: KvSlots, rows: int, columns: int) -> tuple[Any, torch.Tensor]:
         """The fixed step recorded: the graph, and the logits tensor it writes."""
