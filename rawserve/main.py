@@ -151,7 +151,10 @@ def build_model(
         group_lengths=model.batching is Batching.COST,
         workers=len(workers.devices),
     )
-    scheduler = Scheduler(core, executor, loop=loop, metrics=counts)
+    # behind HTTP processes an answer settled here is a message, not a response to write:
+    # a batch's answers go in one pass, one frame to each HTTP process (bench/RESULTS.md)
+    slice_answers = config.http_processes == 1
+    scheduler = Scheduler(core, executor, loop=loop, metrics=counts, slice_answers=slice_answers)
     executor.on_idle = scheduler.wake  # a worker may be free: the scheduler looks again
     metrics.watch(plan.name, scheduler, executor)
     service = ModelService(scheduler, executor)

@@ -187,6 +187,18 @@ def test_earliest_deadline_first_and_expiry():
     assert len(core) == 0 and core.next_batch(now=10.0) is None
 
 
+def test_a_batch_from_beyond_the_candidate_window_leaves_the_queue_in_order(monkeypatch):
+    # none of the first items can finish in time, so the batch comes from further back
+    monkeypatch.setattr("rawserve.serving.core.CANDIDATE_WINDOW", 2)
+    monkeypatch.setattr("rawserve.serving.core.PLAN_WINDOW", 1)
+    core = measured(SchedulerCore(max_batch_size=2), seconds_per_token=0.01)
+    items = queue_items(core, [text(200)] * 6 + [text(4)] * 2, deadline=1.0)
+    assert core.next_batch(now=0.0) == items[6:]  # 2 s each for the long ones: doomed
+    assert len(core) == 6 and core.queued_tokens() == sum(item.cost for item in items[:6])
+    assert core.next_batch(now=0.0) is None
+    assert core.drop_expired(now=1.0) == items[:6] and len(core) == 0
+
+
 def test_an_expired_item_is_never_sent_even_before_it_is_dropped():
     core = SchedulerCore()
     queue_items(core, ["gone"], deadline=1.0)
@@ -599,10 +611,13 @@ async def test_a_look_that_raises_is_logged_and_the_next_wake_looks_again(driver
     assert [(await first)[0].output, (await second)[0].output] == ["out:a", "out:b"]
 
 
-async def test_a_batch_is_answered_a_slice_per_loop_pass_so_others_get_turns():
+async def answered_at_each_pass(slice_answers: bool) -> list[int]:
+    """A batch of `3 * DELIVERY_SLICE + 1` one-item requests comes back: how many of them
+    were answered at each pass of the event loop from then on."""
     backend = FakeBackend()
     size = 3 * DELIVERY_SLICE + 1
-    scheduler = Scheduler(SchedulerCore(max_batch_size=size, max_queue=size), backend)
+    core = SchedulerCore(max_batch_size=size, max_queue=size)
+    scheduler = Scheduler(core, backend, slice_answers=slice_answers)
     scheduler.start()
     busy = asyncio.create_task(scheduler.run(["first"], {}, scheduler.clock() + 5))
     await until(lambda: len(backend.calls) == 1)
@@ -624,10 +639,20 @@ async def test_a_batch_is_answered_a_slice_per_loop_pass_so_others_get_turns():
     count_answered()
     assert [(await task)[0].output for task in requests] == [f"out:{i}" for i in range(size)]
     await until(lambda: done_at_each_pass[-1] == size)
-    steps = [b - a for a, b in zip(done_at_each_pass, done_at_each_pass[1:], strict=False)]
-    assert max(steps) <= DELIVERY_SLICE  # never the whole batch in one pass
-    assert sum(1 for step in steps if step) >= 4  # the answers came over several passes
     await scheduler.stop()
+    steps = [b - a for a, b in zip(done_at_each_pass, done_at_each_pass[1:], strict=False)]
+    return [step for step in steps if step]
+
+
+async def test_a_batch_is_answered_a_slice_per_loop_pass_so_others_get_turns():
+    steps = await answered_at_each_pass(slice_answers=True)
+    assert max(steps) <= DELIVERY_SLICE  # never the whole batch in one pass
+    assert len(steps) >= 4  # the answers came over several passes
+
+
+async def test_behind_http_processes_a_batch_is_answered_in_one_pass():
+    # there an answer is a message to an HTTP process, not a response written here
+    assert await answered_at_each_pass(slice_answers=False) == [3 * DELIVERY_SLICE + 1]
 
 
 async def test_a_full_queue_refuses_with_a_retry_after(driver):

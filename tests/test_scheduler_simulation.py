@@ -111,6 +111,7 @@ class Simulation:
 
     def step(self) -> None:
         decision = self.core.decide(self.now, self.workers - self.busy)
+        self.check_queue()
         for item in decision.expired:
             assert item.deadline <= self.now
             self.finish_request(self.owner[item.seq], "timeout")
@@ -126,6 +127,16 @@ class Simulation:
         if decision.wake_at is not None:
             assert decision.wake_at > self.now, "a wake-up in the past would spin"
             self.at(decision.wake_at, "wake", self.timer)
+
+    def check_queue(self) -> None:
+        """The core's books: each key's queue in turn order, every member marked queued,
+        and the counts and summed costs that admission reads in O(1) exact."""
+        queues = self.core._queues
+        for queue in queues.values():
+            keys = [item.sort_key() for item in queue]
+            assert keys == sorted(keys) and all(item.queued for item in queue)
+        assert len(self.core) == sum(len(queue) for queue in queues.values())
+        assert self.core.queued_tokens() == sum(i.cost for q in queues.values() for i in q)
 
     def check_batch(self, batch: list[WorkItem]) -> None:
         assert 1 <= len(batch) <= self.core.max_batch_size

@@ -205,11 +205,19 @@ class SchedulerCore:
         if now is not None and items and self._misses_deadline(items, now):
             raise DeadlineUnreachable(self.retry_after(now))
         for item in items:
-            bisect.insort(self._queues.setdefault(item.key, []), item, key=WorkItem.sort_key)
+            queue = self._queues.get(item.key)
+            if queue is None:
+                queue = self._queues[item.key] = []
+                self._minima[item.key] = QueueMinima()
+            # under steady load a new item's turn is the latest: it goes at the end
+            if not queue or queue[-1].sort_key() < item.sort_key():
+                queue.append(item)
+            else:
+                bisect.insort(queue, item, key=WorkItem.sort_key)
             item.queued = True
-            self._minima.setdefault(item.key, QueueMinima()).add(item)
+            self._minima[item.key].add(item)
+            self._queued_cost += item.cost
         self._size += len(items)
-        self._queued_cost += sum(item.cost for item in items)
 
     def _misses_deadline(self, items: Sequence[WorkItem], now: float) -> bool:
         """Whether the work ahead of `items` (queued items with an earlier or equal turn and
@@ -278,6 +286,27 @@ class SchedulerCore:
         self._size -= 1
         self._queued_cost -= item.cost
 
+    def _take(self, queue: list[WorkItem], batch: list[WorkItem], window: int) -> None:
+        """Take a batch out of its key's queue: the members among its first `window`
+        items (where a batch is chosen) in one pass over those, not a search and a
+        shift of the list each; a member from beyond them (the earliest deadline) alone."""
+        for item in batch:
+            item.queued = False
+        front = queue[:window]
+        kept = [item for item in front if item.queued]
+        queue[:window] = kept
+        if len(front) - len(kept) < len(batch):  # some were further back
+            for item in batch:
+                index = bisect.bisect_left(queue, item.sort_key(), key=WorkItem.sort_key)
+                if index < len(queue) and queue[index] is item:
+                    del queue[index]
+        self._size -= len(batch)
+        self._queued_cost -= sum(item.cost for item in batch)
+        if queue:
+            self._minima[batch[0].key].after_removal(queue)
+        else:
+            del self._queues[batch[0].key], self._minima[batch[0].key]
+
     def drop_expired(self, now: float) -> list[WorkItem]:
         """Remove and return the queued items whose deadline has passed."""
         expired = [item for minima in self._minima.values() for item in minima.expired(now)]
@@ -330,7 +359,8 @@ class SchedulerCore:
         long) and the item with the earliest deadline wherever it waits: a pass over a
         deep queue costs the same as over a short one (a queue of 256 for 256 one-item
         batches took 112 ms a pass when every batch looked at every item)."""
-        window = queue[: max(CANDIDATE_WINDOW, PLAN_WINDOW * self.max_size)]
+        window_size = max(CANDIDATE_WINDOW, PLAN_WINDOW * self.max_size)
+        window = queue[:window_size]
         viable = [item for item in window if self._can_finish(item, now)]
         minima = self._minima[queue[0].key]
         earliest = minima.earliest_deadline()
@@ -352,8 +382,7 @@ class SchedulerCore:
         waiting = now < minima.oldest().arrived + self.max_batch_delay
         if waiting and not self._is_full(batch, len(viable), limits):
             return None
-        for item in batch:
-            self.remove(item)
+        self._take(queue, batch, window_size)
         self._turn = max(self._turn, max(item.turn for item in batch))
         cost = padded_cost(item.cost for item in batch)
         predicted = self.cost_model.predict(cost, len(batch)) or 0.0

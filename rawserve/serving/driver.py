@@ -39,9 +39,10 @@ from rawserve.shared.messages import NO_CONTROL, BatchResult, Control
 
 log = logging.getLogger("rawserve.scheduler")
 
-# Results handed to their requests per pass of the event loop: each one turns into a
-# response (encoding, socket writes), and a batch of 32 at once would hold the loop for
-# milliseconds while probes, new requests and the other workers' results wait.
+# Results handed to their requests per pass of the event loop where each one turns into a
+# response (encoding, socket writes): a batch of 32 at once would hold the loop for
+# milliseconds while probes, new requests and the other workers' results wait. (Behind
+# HTTP processes an answer is a message to one of them: a batch goes in one pass.)
 DELIVERY_SLICE = 4
 
 
@@ -146,11 +147,15 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         loop: asyncio.AbstractEventLoop | None = None,
         metrics: SchedulerMetrics | None = None,
+        slice_answers: bool = True,
     ):
+        """`slice_answers`: settle a batch's answers `DELIVERY_SLICE` a pass of the event
+        loop (they turn into responses in this process), else all in one pass."""
         self.core = core
         self.backend = backend
         self.clock = clock
         self.metrics = metrics
+        self.slice_answers = slice_answers
         self._loop = loop
         self._timer: asyncio.TimerHandle | None = None
         self._look_due = False  # a look is scheduled for the end of this pass
@@ -396,8 +401,8 @@ class Scheduler:
         self._deliver(answers, 0)
 
     def _deliver(self, answers: list[tuple[WorkItem, ItemResult]], start: int) -> None:
-        """Settle `DELIVERY_SLICE` answers now and the rest on the loop's next passes."""
-        end = start + DELIVERY_SLICE
+        """Settle a slice of the answers now and the rest on the loop's next passes."""
+        end = start + DELIVERY_SLICE if self.slice_answers else len(answers)
         for item, result in answers[start:end]:
             _settle(item, result=result)
         if end < len(answers):
