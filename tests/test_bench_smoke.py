@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from bench import gpu_round, load, refusal_cost, report, spread
+from bench import gpu_round, load, refusal_cost, report, scheduler_cost, spread
 from bench.workloads import RAW_TEXT, BodyFormat, texts
 from tests.server import RunningServer
 
@@ -87,6 +87,13 @@ def test_refusal_cost_harness_times_real_refusals():
     finally:
         loop.close()
     assert 0 < seconds < 0.05
+
+
+def test_scheduler_cost_runs_requests_through_batches():
+    """Its closed loop keeps asking: requests are answered in batches of several."""
+    figures = asyncio.run(scheduler_cost.one_round(32, 0.3, 0.001, 16))
+    assert figures["requests_per_s"] > 0 and figures["cpu_us_per_request"] > 0
+    assert 1 < figures["mean_batch"] <= 16
 
 
 def test_the_gpu_round_runs_each_stage_bounded_and_skips_what_the_budget_cannot_fit(tmp_path):

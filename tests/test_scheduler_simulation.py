@@ -130,13 +130,16 @@ class Simulation:
 
     def check_queue(self) -> None:
         """The core's books: each key's queue in turn order, every member marked queued,
-        and the counts and summed costs that admission reads in O(1) exact."""
+        and the counts and sums that admission reads in O(1) exact (the in-flight
+        batches' predicted seconds up to rounding)."""
         queues = self.core._queues
         for queue in queues.values():
             keys = [item.sort_key() for item in queue]
             assert keys == sorted(keys) and all(item.queued for item in queue)
         assert len(self.core) == sum(len(queue) for queue in queues.values())
         assert self.core.queued_tokens() == sum(i.cost for q in queues.values() for i in q)
+        flights = self.core._in_flight.values()
+        assert self.core._in_flight_predicted == pytest.approx(sum(f.predicted for f in flights))
 
     def check_batch(self, batch: list[WorkItem]) -> None:
         assert 1 <= len(batch) <= self.core.max_batch_size

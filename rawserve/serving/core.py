@@ -136,6 +136,7 @@ class SchedulerCore:
     _queued_cost: int = 0  # the queued items' costs, summed as they come and go
     _seq: itertools.count = field(default_factory=itertools.count)
     _in_flight: dict[int, InFlight] = field(default_factory=dict)
+    _in_flight_predicted: float = 0.0  # their predicted seconds, summed as they come and go
     items_per_second: float | None = None  # measured service rate (for reports)
     tokens_per_estimate: float = 1.0  # real tokens per estimated token, learned from workers
     max_input_tokens: int | None = None  # the model reads no more (it truncates): cost cap
@@ -230,14 +231,22 @@ class SchedulerCore:
         deadline = min(item.deadline for item in items)
         own = [item.cost for item in items]
         max_size, workers = self.max_size, self.workers
-        in_flight = self._in_flight_seconds(now)
         # In O(1): behind everything queued they would still make it (what is ahead is a
         # part of the queue; alone, then, too). Most admissions end here; only a deep
         # queue is looked into.
         everything = self.cost_model.drain_seconds_of(
             self._size + len(own), self._queued_cost + sum(own), max_size, workers
         )
-        if everything is not None and now + ADMIT_MARGIN * (in_flight + everything) <= deadline:
+        if everything is None:
+            return False  # not measured (trusted is)
+        # the batches in flight take at most their whole predicted time: when even that
+        # leaves room, what is left of it need not be summed (a continuous worker has
+        # hundreds of one-item batches in flight)
+        most = self._in_flight_predicted / max(workers, 1)
+        if now + ADMIT_MARGIN * (most + everything) <= deadline:
+            return False
+        in_flight = self._in_flight_seconds(now)
+        if now + ADMIT_MARGIN * (in_flight + everything) <= deadline:
             return False
         alone = self.cost_model.drain_seconds(own, max_size, workers)
         if alone is None or now + alone > deadline:
@@ -388,6 +397,7 @@ class SchedulerCore:
         predicted = self.cost_model.predict(cost, len(batch)) or 0.0
         tokens = sum(item.cost for item in batch)
         self._in_flight[batch[0].seq] = InFlight(now, len(batch), cost, tokens, predicted)
+        self._in_flight_predicted += predicted
         return batch
 
     def _limits_for(self, deadline: float, head_cost: int, now: float) -> BatchLimits:
@@ -441,7 +451,7 @@ class SchedulerCore:
 
     def finish_batch(self, batch: Sequence[WorkItem], now: float) -> float:
         """A batch came back: learn its speed; returns the seconds it took."""
-        flight = self._in_flight.pop(batch[0].seq, None)
+        flight = self._pop_in_flight(batch)
         if flight is None:
             return 0.0
         seconds = max(now - flight.sent, 1e-6)
@@ -466,4 +476,12 @@ class SchedulerCore:
 
     def forget_batch(self, batch: Sequence[WorkItem]) -> None:
         """A batch failed in the worker pool: it is no longer in flight, and says nothing."""
-        self._in_flight.pop(batch[0].seq, None)
+        self._pop_in_flight(batch)
+
+    def _pop_in_flight(self, batch: Sequence[WorkItem]) -> InFlight | None:
+        flight = self._in_flight.pop(batch[0].seq, None)
+        if flight is not None:
+            # (back to exactly zero when none is left: the sum's rounding never builds up)
+            left = self._in_flight_predicted - flight.predicted
+            self._in_flight_predicted = max(0.0, left) if self._in_flight else 0.0
+        return flight
