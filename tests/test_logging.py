@@ -191,3 +191,32 @@ def test_probes_are_logged_at_debug_only(restore_logging, path):
         f'10.0.0.1:5000 "POST {path}" 404 15 0.2ms id'  # not a probe: a POST
     ]
     assert len(access_lines("debug", "text", ("GET", path, "id"), ("HEAD", path, "id"))) == 2
+
+
+def test_an_access_record_is_the_one_logging_makes_with_its_own_time(restore_logging):
+    """Made from a template for speed, it still carries every field a record made by
+    `Logger.log` does (so any handler's format works: a file name, a line, a thread),
+    and the time it was made at."""
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    setup_logging("info", "text", stream=io.StringIO())
+    logging.getLogger().addHandler(Keep())
+    log_access("10.0.0.1:5000", "GET", "/a", 200, 15, 0.0002, "id-1")
+    made = logging.getLogger("rawserve.access").makeRecord(
+        "rawserve.access", logging.INFO, "f.py", 1, "m", (), None, extra={"peer": "x"}
+    )
+    log_access("10.0.0.1:5000", "GET", "/b", 200, 15, 0.0002, "id-2")
+    first, second = seen
+    standard = set(vars(made)) - {"peer"}
+    assert standard <= set(vars(first)) and first.funcName == "log_access"
+    assert (first.filename, first.process) == ("access_log.py", made.process)
+    assert first.created <= made.created <= second.created
+    assert second.relativeCreated - first.relativeCreated == pytest.approx(
+        1000 * (second.created - first.created)
+    )
+    line = "%(levelname)s %(name)s:%(filename)s:%(lineno)d %(threadName)s %(message)s"
+    assert logging.Formatter(line).format(second).endswith('"GET /b" 200 15 0.2ms id-2')
