@@ -249,7 +249,8 @@ class SchedulerCore:
         if now + ADMIT_MARGIN * (in_flight + everything) <= deadline:
             return False
         alone = self.cost_model.drain_seconds(own, max_size, workers)
-        if alone is None or now + alone > deadline:
+        assert alone is not None  # measured, as `everything` was
+        if now + alone > deadline:
             return False
         last_turn = max(item.turn for item in items)
         latest = max(item.deadline for item in items)
@@ -260,7 +261,7 @@ class SchedulerCore:
             if i.turn <= last_turn and i.deadline <= latest
         ]
         with_ahead = self.cost_model.drain_seconds(ahead + own, max_size, workers)
-        assert with_ahead is not None  # measured, as `alone` was
+        assert with_ahead is not None  # measured, as `everything` was
         return now + ADMIT_MARGIN * (in_flight + with_ahead) > deadline
 
     def _in_flight_seconds(self, now: float) -> float:
@@ -288,12 +289,7 @@ class SchedulerCore:
         queue = self._queues[item.key]
         queue.pop(bisect.bisect_left(queue, item.sort_key(), key=WorkItem.sort_key))
         item.queued = False
-        if queue:
-            self._minima[item.key].after_removal(queue)
-        else:
-            del self._queues[item.key], self._minima[item.key]
-        self._size -= 1
-        self._queued_cost -= item.cost
+        self._removed(item.key, queue, 1, item.cost)
 
     def _take(self, queue: list[WorkItem], batch: list[WorkItem], window: int) -> None:
         """Take a batch out of its key's queue: the members among its first `window`
@@ -309,12 +305,16 @@ class SchedulerCore:
                 index = bisect.bisect_left(queue, item.sort_key(), key=WorkItem.sort_key)
                 if index < len(queue) and queue[index] is item:
                     del queue[index]
-        self._size -= len(batch)
-        self._queued_cost -= sum(item.cost for item in batch)
+        self._removed(batch[0].key, queue, len(batch), sum(item.cost for item in batch))
+
+    def _removed(self, key: str, queue: list[WorkItem], count: int, cost: int) -> None:
+        """The books after `count` items costing `cost` in all left `key`'s `queue`."""
+        self._size -= count
+        self._queued_cost -= cost
         if queue:
-            self._minima[batch[0].key].after_removal(queue)
+            self._minima[key].after_removal(queue)
         else:
-            del self._queues[batch[0].key], self._minima[batch[0].key]
+            del self._queues[key], self._minima[key]
 
     def drop_expired(self, now: float) -> list[WorkItem]:
         """Remove and return the queued items whose deadline has passed."""

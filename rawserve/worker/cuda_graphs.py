@@ -40,14 +40,20 @@ def token_bucket(length: int) -> int:
     return -(-length // step) * step
 
 
+def rows_bucket(rows: int) -> int | None:
+    """The rows a batch of `rows` is padded to; None past the largest bucket."""
+    at = bisect.bisect_left(ROW_BUCKETS, rows)
+    return ROW_BUCKETS[at] if at < len(ROW_BUCKETS) else None
+
+
 def bucket(rows: int, length: int, max_length: int) -> tuple[int, int] | None:
     """The padded shape a batch of `rows` x `length` tokens runs at, its tokens no more
     than the model reads (`max_length`); None: no graph (a batch beyond the model's
     length runs as it is, and fails as it would)."""
-    at = bisect.bisect_left(ROW_BUCKETS, rows)
-    if at == len(ROW_BUCKETS) or length > max_length:
+    padded_rows = rows_bucket(rows)
+    if padded_rows is None or length > max_length:
         return None
-    shape = ROW_BUCKETS[at], min(token_bucket(length), max_length)
+    shape = padded_rows, min(token_bucket(length), max_length)
     return shape if shape[0] * shape[1] <= MAX_GRAPH_TOKENS else None
 
 

@@ -29,7 +29,6 @@ Worker process only (imports torch).
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from typing import Any
 import torch
 import transformers
 
-from rawserve.worker.cuda_graphs import ROW_BUCKETS, GraphShelf, check_close
+from rawserve.worker.cuda_graphs import ROW_BUCKETS, GraphShelf, check_close, rows_bucket
 from rawserve.worker.kv_slots import KvSlots, SlotLayer
 
 log = logging.getLogger("rawserve.generation")
@@ -65,10 +64,8 @@ def column_bucket(end: int, length: int) -> int:
 def row_bucket(rows: int, capacity: int) -> int | None:
     """The rows a step runs at: the next bucket, at most the buffers' rows (which grow
     rarely: a graph of their size fits any count below); None past the largest bucket."""
-    at = bisect.bisect_left(ROW_BUCKETS, rows)
-    if at == len(ROW_BUCKETS):
-        return None
-    return min(ROW_BUCKETS[at], capacity)
+    padded = rows_bucket(rows)
+    return None if padded is None else min(padded, capacity)
 
 
 class FixedLayer(SlotLayer):
