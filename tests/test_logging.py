@@ -7,12 +7,13 @@ import json
 import logging
 import re
 import sys
+import time
 
 import pytest
 
 from rawserve.http.access_log import log_access
 from rawserve.options import parse_config
-from rawserve.shared.logs import JsonFormatter, TextFormatter, setup_logging
+from rawserve.shared.logs import TEXT_FORMAT, JsonFormatter, TextFormatter, setup_logging
 from tests.server import RunningServer
 
 STOPPED = re.compile(r"INFO stopped$|\"message\": \"stopped\"")  # the last line
@@ -220,3 +221,59 @@ def test_an_access_record_is_the_one_logging_makes_with_its_own_time(restore_log
     )
     line = "%(levelname)s %(name)s:%(filename)s:%(lineno)d %(threadName)s %(message)s"
     assert logging.Formatter(line).format(second).endswith('"GET /b" 200 15 0.2ms id-2')
+
+
+# --- the access line written straight to the stream --------------------------------
+
+
+def lines_both_ways(log_format: str, text_format: str, monkeypatch) -> tuple[str, str]:
+    """One access line written directly, and the same through logging's record path (a
+    filter on the root, which a direct line could not apply, sends it there)."""
+    monkeypatch.setattr(time, "time", lambda: 1764230400.0429)
+    stream = io.StringIO()
+    setup_logging("info", log_format, stream=stream, text_format=text_format)
+    monkeypatch.setattr(
+        logging.getLogger("rawserve.access"), "handle", lambda record: pytest.fail("a record")
+    )
+    log_access("10.0.0.1:5000", "GET", "/a\nb", 200, 15, 0.0002, "id-1")
+    monkeypatch.undo()
+    monkeypatch.setattr(time, "time", lambda: 1764230400.0429)
+    logging.getLogger().addFilter(lambda record: True)
+    try:
+        log_access("10.0.0.1:5000", "GET", "/a\nb", 200, 15, 0.0002, "id-1")
+    finally:
+        logging.getLogger().filters.clear()
+    direct, through_logging = stream.getvalue().splitlines()
+    return direct, through_logging
+
+
+@pytest.mark.parametrize(
+    ("log_format", "text_format"),
+    [("text", TEXT_FORMAT), ("text", "%(levelname)s %(message)s"), ("json", TEXT_FORMAT)],
+)
+def test_a_direct_access_line_is_the_line_logging_writes(
+    restore_logging, monkeypatch, log_format, text_format
+):
+    direct, through_logging = lines_both_ways(log_format, text_format, monkeypatch)
+    assert direct == through_logging
+    message = json.loads(direct)["message"] if log_format == "json" else direct
+    assert message.endswith('"GET /a\\x0ab" 200 15 0.2ms id-1')
+
+
+def test_a_format_asking_for_more_than_a_direct_line_knows_goes_through_logging(restore_logging):
+    stream = io.StringIO()
+    setup_logging("info", "text", stream=stream, text_format="%(filename)s %(message)s")
+    log_access("10.0.0.1:5000", "GET", "/a", 200, 15, 0.0002, "id-1")
+    assert stream.getvalue() == 'access_log.py 10.0.0.1:5000 "GET /a" 200 15 0.2ms id-1\n'
+
+
+def test_an_access_line_that_cannot_be_written_is_reported_as_logging_reports_it(
+    restore_logging, capsys
+):
+    class Broken(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError("the disk is full")
+
+    setup_logging("info", "text", stream=Broken())
+    log_access("10.0.0.1:5000", "GET", "/a", 200, 15, 0.0002, "id-1")  # raises nothing
+    assert "Logging error" in capsys.readouterr().err

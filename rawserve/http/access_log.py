@@ -1,7 +1,10 @@
 """The access log: one line per response on the `rawserve.access` logger.
 
 `--no-access-log` raises that logger's level (rawserve.shared.logs), so the line is then
-never formatted. With `--log-format json` the fields go out as JSON keys. Probes
+never formatted. With `--log-format json` the fields go out as JSON keys. Where the
+server's own logging set-up is the only place the line goes, it is written there
+directly (`DirectLines`: the same line, for a sixth of the cost); else it goes through
+logging as a record. Probes
 (`GET /health`, `/ready`, `/ready/<model>`) are logged at DEBUG: an orchestrator asks every
 few seconds, and those lines would drown the requests.
 
@@ -19,6 +22,8 @@ import os
 import time
 from collections.abc import Callable
 from typing import Any
+
+from rawserve.shared.logs import direct_lines
 
 access_log = logging.getLogger("rawserve.access")
 
@@ -73,7 +78,9 @@ def log_access(
         "duration_ms": round(1000 * seconds, 3),
         "request_id": request_id,
     }
-    access_log.handle(_record(level, args, fields))
+    direct = direct_lines(access_log, level)
+    if direct is None or not direct.write(direct.line(level, access_log.name, LINE % args, fields)):
+        access_log.handle(_record(level, args, fields))
 
 
 def _record(level: int, args: tuple[object, ...], fields: dict[str, object]) -> logging.LogRecord:

@@ -14,6 +14,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Mapping
@@ -42,26 +43,24 @@ class TextFormatter(logging.Formatter):
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
         if datefmt is not None:
             return super().formatTime(record, datefmt)
-        second = int(record.created)
+        return self.stamp(record.created)
+
+    def stamp(self, created: float) -> str:
+        """`asctime` of a record made at `created`."""
+        second = int(created)
         cached_second, stamp = self._stamp
         if second != cached_second:  # the access log writes a line per request
-            stamp = time.strftime(self.default_time_format, self.converter(record.created))
+            stamp = time.strftime(self.default_time_format, self.converter(created))
             self._stamp = (second, stamp)
-        return f"{stamp},{int(record.msecs):03d}"  # logging's default_msec_format
+        milliseconds = int((created - second) * 1000)  # as LogRecord.msecs
+        return f"{stamp},{milliseconds:03d}"  # logging's default_msec_format
 
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message, then the `extra` fields."""
 
     def format(self, record: logging.LogRecord) -> str:
-        document: dict[str, Any] = {
-            "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC)
-            .isoformat(timespec="milliseconds")
-            .replace("+00:00", "Z"),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
+        document = json_document(record.created, record.levelname, record.name, record.getMessage())
         for key, value in vars(record).items():
             if key not in _STANDARD_ATTRIBUTES and key not in document:
                 document[key] = value
@@ -70,6 +69,18 @@ class JsonFormatter(logging.Formatter):
         if record.stack_info:
             document["stack"] = self.formatStack(record.stack_info)
         return json.dumps(document, default=str, ensure_ascii=False)
+
+
+def json_document(created: float, level_name: str, logger: str, message: str) -> dict[str, Any]:
+    """The keys every JSON line starts with."""
+    return {
+        "time": datetime.datetime.fromtimestamp(created, datetime.UTC)
+        .isoformat(timespec="milliseconds")
+        .replace("+00:00", "Z"),
+        "level": level_name.lower(),
+        "logger": logger,
+        "message": message,
+    }
 
 
 def make_formatter(log_format: str, text_format: str = TEXT_FORMAT) -> logging.Formatter:
@@ -89,8 +100,11 @@ def setup_logging(
     text_format: str = TEXT_FORMAT,
 ) -> None:
     """Send every logger's records to `stream` (stderr) as one line each."""
+    global _direct_lines
     handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(make_formatter(log_format, text_format))
+    formatter = make_formatter(log_format, text_format)
+    handler.setFormatter(formatter)
+    _direct_lines = DirectLines.for_handler(handler, formatter)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
@@ -112,3 +126,83 @@ def setup_worker_logging(label: str | int, environ: Mapping[str, str] | None = N
         log_format if log_format in LOG_FORMATS else "text",
         text_format=f"%(asctime)s worker-{label} %(levelname)s %(message)s",
     )
+
+
+# --- lines written straight to the stream -------------------------------------------
+
+_PLAIN_FIELDS = {"asctime", "name", "levelname", "message"}  # what a direct line can fill in
+
+
+class DirectLines:
+    """Lines written to the stream of the handler `setup_logging` installed, exactly as
+    that handler would write them, without a record, a logger's walk or a formatter.
+
+    For the access log, one line per response: logging's path cost ~20 µs of a busy
+    event loop a line, this one ~3 (bench/RESULTS.md). Used only while a line of the
+    logger would reach that handler and nothing else (`for_logger`): a handler or a
+    filter added later (a program's own logging, a test's capture) gets the record the
+    usual way."""
+
+    def __init__(self, handler: logging.StreamHandler, formatter: logging.Formatter):
+        self.handler = handler
+        self.json = isinstance(formatter, JsonFormatter)
+        self.text = formatter if isinstance(formatter, TextFormatter) else None
+
+    @classmethod
+    def for_handler(
+        cls, handler: logging.StreamHandler, formatter: logging.Formatter
+    ) -> DirectLines | None:
+        """None where the format asks for more than a direct line knows (a file, a line)."""
+        if isinstance(formatter, TextFormatter):
+            if not set(re.findall(r"%\((\w+)\)", formatter._fmt or "")) <= _PLAIN_FIELDS:
+                return None
+        elif not isinstance(formatter, JsonFormatter):
+            return None
+        return cls(handler, formatter)
+
+    def line(self, level: int, logger: str, message: str, fields: Mapping[str, object]) -> str:
+        """The line the handler's formatter makes of a record made now."""
+        now = time.time()
+        level_name = logging.getLevelName(level)
+        if self.json:
+            document = json_document(now, level_name, logger, message)
+            document.update((k, v) for k, v in fields.items() if k not in document)
+            return json.dumps(document, default=str, ensure_ascii=False)
+        assert self.text is not None
+        values = {"asctime": self.text.stamp(now), "name": logger, "levelname": level_name}
+        values["message"] = message
+        return ((self.text._fmt or "%(message)s") % values).replace("\n", "\\n")
+
+    def write(self, line: str) -> bool:
+        """Write one line as `StreamHandler.emit` does; False where that failed (the
+        caller then hands a record to logging, which reports the failure its way)."""
+        handler = self.handler
+        handler.acquire()
+        try:
+            handler.stream.write(line + handler.terminator)
+            handler.stream.flush()
+        except Exception:  # noqa: BLE001 - logging's handleError reports it
+            return False
+        finally:
+            handler.release()
+        return True
+
+
+_direct_lines: DirectLines | None = None
+
+
+def direct_lines(logger: logging.Logger, level: int) -> DirectLines | None:
+    """The direct writer when a record of `logger` at `level` would go to setup_logging's
+    handler and nowhere else, through no filter; None otherwise."""
+    direct = _direct_lines
+    if direct is None or level < direct.handler.level or direct.handler.filters:
+        return None
+    node: logging.Logger | None = logger
+    while node is not None and node is not logging.root:
+        if node.handlers or node.filters or not node.propagate:
+            return None
+        node = node.parent
+    root = logging.root
+    if root.filters or len(root.handlers) != 1 or root.handlers[0] is not direct.handler:
+        return None
+    return direct
