@@ -20,6 +20,15 @@ def echo():
     return handle
 
 
+def environment():
+    """Answers each input (a variable's name) with its value in the worker's environment."""
+
+    def handle(inputs, **params):
+        return [os.environ.get(name) for name in inputs]
+
+    return handle
+
+
 def collector():
     """Answers each input with what the worker's garbage collector holds: the objects it
     froze (left out of full collections) and those it still tracks."""

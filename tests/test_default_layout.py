@@ -8,6 +8,7 @@ from rawserve.config import WorkerPlan, plan_workers
 from rawserve.models.plan import plan_models
 from rawserve.ops.layout import WORKER_OVERHEAD, cpu_layout, model_bytes, ram_bytes
 from rawserve.options import parse_config
+from tests.server import RunningServer
 
 GIB = 2**30
 
@@ -82,3 +83,39 @@ def test_a_gpu_machine_keeps_one_worker_per_device(monkeypatch):
     workers = settled(["--handler", "tests.handlers:echo"])
     assert workers.devices == ("auto",) and workers.layout == "--device auto"
     assert not workers.chosen
+
+
+# --- the tokenizer's threads: no more than the worker's ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("device", "threads", "given", "expected"),
+    [
+        ("cpu", 1, {}, {"TOKENIZERS_PARALLELISM": "false"}),  # in the model's thread
+        ("cpu", 4, {}, {"RAYON_NUM_THREADS": "4"}),
+        ("cpu", None, {}, {}),  # threads left to torch: nothing to match
+        ("cuda:0", 1, {}, {}),  # a GPU worker keeps the whole pool
+        ("cpu", 1, {"TOKENIZERS_PARALLELISM": "true"}, {"TOKENIZERS_PARALLELISM": "true"}),
+        ("cpu", 1, {"RAYON_NUM_THREADS": "8"}, {"RAYON_NUM_THREADS": "8"}),
+    ],
+)
+def test_a_cpu_worker_s_tokenizer_uses_no_more_threads_than_its_model(
+    device, threads, given, expected
+):
+    from rawserve.worker.loading import limit_tokenizer_threads
+
+    environ = dict(given)
+    limit_tokenizer_threads(device, threads, environ)
+    assert environ == expected
+
+
+def test_the_workers_of_the_default_cpu_layout_tokenize_in_the_model_s_thread(monkeypatch):
+    """A served worker's own environment, asked through a handler."""
+    for name in ("TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS", "RAWSERVE_DEVICE"):
+        monkeypatch.delenv(name, raising=False)
+    argv = ["--handler", "tests.handlers:environment", "--device", "cpu", "--threads", "1"]
+    with RunningServer(argv) as server:
+        status, answer = server.post_json({"inputs": "TOKENIZERS_PARALLELISM"})
+        assert (status, answer) == (200, "false")
+        status, answer = server.post_json({"inputs": "RAYON_NUM_THREADS"})
+        assert (status, answer) == (200, None)

@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import json
 import logging
+from collections.abc import MutableMapping
 from functools import partial
 from pathlib import Path
 
@@ -88,6 +89,28 @@ def choose_attention_kernels(device: str) -> str | None:
         return None
     torch.backends.cuda.enable_cudnn_sdp(False)
     return "flash or memory-efficient kernels, not cuDNN's (which plan anew for every shape)"
+
+
+def limit_tokenizer_threads(
+    device: str, threads: int | None, environ: MutableMapping[str, str]
+) -> None:
+    """A CPU worker's fast tokenizer uses no more threads than the worker's model does.
+
+    Unbounded, it splits each batch over a thread pool as large as the machine (rayon);
+    in a worker given one core of several, those threads wait for cores the other
+    workers and the server hold, and the model's thread waits for them: on two cores,
+    with two single-threaded workers, 7-10 % of the machine stood idle and the server
+    answered 5-10 % fewer texts (bench/RESULTS.md). One thread: the tokenizer runs in
+    the model's thread. A GPU worker keeps the whole pool (its batches are large and
+    the cores are otherwise idle), and what the environment sets is kept."""
+    if not threads or resolve_device(device) != "cpu":
+        return
+    if "TOKENIZERS_PARALLELISM" in environ or "RAYON_NUM_THREADS" in environ:
+        return
+    if threads == 1:
+        environ["TOKENIZERS_PARALLELISM"] = "false"
+    else:  # read when the pool starts, at the first batch tokenized
+        environ["RAYON_NUM_THREADS"] = str(threads)
 
 
 def saved_dtype(folder: Path) -> str | None:
