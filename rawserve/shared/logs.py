@@ -35,6 +35,7 @@ class TextFormatter(logging.Formatter):
 
     def __init__(self, fmt: str = TEXT_FORMAT):
         super().__init__(fmt)
+        self.fmt = fmt
         self._stamp = (-1, "")  # (second, its date and time): one strftime a second
 
     def format(self, record: logging.LogRecord) -> str:
@@ -139,7 +140,7 @@ class DirectLines:
 
     For the access log, one line per response: logging's path cost ~20 µs of a busy
     event loop a line, this one ~3 (bench/RESULTS.md). Used only while a line of the
-    logger would reach that handler and nothing else (`for_logger`): a handler or a
+    logger would reach that handler and nothing else (`direct_lines`): a handler or a
     filter added later (a program's own logging, a test's capture) gets the record the
     usual way."""
 
@@ -154,7 +155,7 @@ class DirectLines:
     ) -> DirectLines | None:
         """None where the format asks for more than a direct line knows (a file, a line)."""
         if isinstance(formatter, TextFormatter):
-            if not set(re.findall(r"%\((\w+)\)", formatter._fmt or "")) <= _PLAIN_FIELDS:
+            if not set(re.findall(r"%\((\w+)\)", formatter.fmt)) <= _PLAIN_FIELDS:
                 return None
         elif not isinstance(formatter, JsonFormatter):
             return None
@@ -171,7 +172,7 @@ class DirectLines:
         assert self.text is not None
         values = {"asctime": self.text.stamp(now), "name": logger, "levelname": level_name}
         values["message"] = message
-        return ((self.text._fmt or "%(message)s") % values).replace("\n", "\\n")
+        return (self.text.fmt % values).replace("\n", "\\n")
 
     def write(self, line: str) -> bool:
         """Write one line as `StreamHandler.emit` does; False where that failed (the
@@ -181,7 +182,7 @@ class DirectLines:
         try:
             handler.stream.write(line + handler.terminator)
             handler.stream.flush()
-        except Exception:  # noqa: BLE001 - logging's handleError reports it
+        except Exception:  # noqa: BLE001 - logging's handleError reports it (writing again)
             return False
         finally:
             handler.release()
