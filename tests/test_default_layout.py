@@ -85,37 +85,32 @@ def test_a_gpu_machine_keeps_one_worker_per_device(monkeypatch):
     assert not workers.chosen
 
 
-# --- the tokenizer's threads: no more than the worker's ----------------------------
+# --- the tokenizer: in the thread that calls it ------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("device", "threads", "given", "expected"),
+    ("given", "expected"),
     [
-        ("cpu", 1, {}, {"TOKENIZERS_PARALLELISM": "false"}),  # in the model's thread
-        ("cpu", 4, {}, {"RAYON_NUM_THREADS": "4"}),
-        ("cpu", None, {}, {}),  # threads left to torch: nothing to match
-        ("cuda:0", 1, {}, {}),  # a GPU worker keeps the whole pool
-        ("cpu", 1, {"TOKENIZERS_PARALLELISM": "true"}, {"TOKENIZERS_PARALLELISM": "true"}),
-        ("cpu", 1, {"RAYON_NUM_THREADS": "8"}, {"RAYON_NUM_THREADS": "8"}),
+        ({}, {"TOKENIZERS_PARALLELISM": "false"}),
+        ({"TOKENIZERS_PARALLELISM": "true"}, {"TOKENIZERS_PARALLELISM": "true"}),
+        ({"RAYON_NUM_THREADS": "8"}, {"RAYON_NUM_THREADS": "8"}),  # a pool of the user's size
     ],
 )
-def test_a_cpu_worker_s_tokenizer_uses_no_more_threads_than_its_model(
-    device, threads, given, expected
-):
-    from rawserve.worker.loading import limit_tokenizer_threads
+def test_a_worker_tokenizes_in_the_calling_thread_unless_the_environment_says(given, expected):
+    from rawserve.worker.loading import tokenize_in_the_calling_thread
 
     environ = dict(given)
-    limit_tokenizer_threads(device, threads, environ)
+    tokenize_in_the_calling_thread(environ)
     assert environ == expected
 
 
-def test_the_workers_of_the_default_cpu_layout_tokenize_in_the_model_s_thread(monkeypatch):
-    """A served worker's own environment, asked through a handler."""
-    for name in ("TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS", "RAWSERVE_DEVICE"):
+@pytest.mark.parametrize("given", [None, "true"])
+def test_a_served_worker_s_tokenizer_parallelism(monkeypatch, given):
+    """Asked of a running worker's own environment, through a handler."""
+    for name in ("TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
-    argv = ["--handler", "tests.handlers:environment", "--device", "cpu", "--threads", "1"]
-    with RunningServer(argv) as server:
+    if given is not None:
+        monkeypatch.setenv("TOKENIZERS_PARALLELISM", given)
+    with RunningServer(["--handler", "tests.handlers:environment"]) as server:
         status, answer = server.post_json({"inputs": "TOKENIZERS_PARALLELISM"})
-        assert (status, answer) == (200, "false")
-        status, answer = server.post_json({"inputs": "RAYON_NUM_THREADS"})
-        assert (status, answer) == (200, None)
+        assert (status, answer) == (200, given or "false")

@@ -91,26 +91,19 @@ def choose_attention_kernels(device: str) -> str | None:
     return "flash or memory-efficient kernels, not cuDNN's (which plan anew for every shape)"
 
 
-def limit_tokenizer_threads(
-    device: str, threads: int | None, environ: MutableMapping[str, str]
-) -> None:
-    """A CPU worker's fast tokenizer uses no more threads than the worker's model does.
+def tokenize_in_the_calling_thread(environ: MutableMapping[str, str]) -> None:
+    """A worker's fast tokenizer runs in the thread that calls it, not on a pool of its own,
+    unless the environment says otherwise (`TOKENIZERS_PARALLELISM`, `RAYON_NUM_THREADS`).
 
-    Unbounded, it splits each batch over a thread pool as large as the machine (rayon);
-    in a worker given one core of several, those threads wait for cores the other
-    workers and the server hold, and the model's thread waits for them: on two cores,
-    with two single-threaded workers, 7-10 % of the machine stood idle and the server
-    answered 5-10 % fewer texts (bench/RESULTS.md). One thread: the tokenizer runs in
-    the model's thread. A GPU worker keeps the whole pool (its batches are large and
-    the cores are otherwise idle), and what the environment sets is kept."""
-    if not threads or resolve_device(device) != "cpu":
-        return
-    if "TOKENIZERS_PARALLELISM" in environ or "RAYON_NUM_THREADS" in environ:
-        return
-    if threads == 1:
+    Its pool is as large as the machine (rayon), in every worker. On a CPU, where each
+    worker is given its share of the cores, the pool's threads queued behind the other
+    workers and the server while the model's thread waited for them: on two cores with
+    two single-threaded workers, 7-10 % of the machine stood idle and the server
+    answered 5-10 % fewer texts (bench/RESULTS.md). On a GPU the tokenizing runs on the
+    preparing thread beside the GPU's work, and every GPU figure so far was measured
+    without the pool (the benchmark's servers had it off), up to 12,400 texts/s."""
+    if "TOKENIZERS_PARALLELISM" not in environ and "RAYON_NUM_THREADS" not in environ:
         environ["TOKENIZERS_PARALLELISM"] = "false"
-    else:  # read when the pool starts, at the first batch tokenized
-        environ["RAYON_NUM_THREADS"] = str(threads)
 
 
 def saved_dtype(folder: Path) -> str | None:

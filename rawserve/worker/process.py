@@ -121,10 +121,10 @@ def worker_main(
     started = time.monotonic()
     try:
         # torch and transformers load here, in the worker process only
-        from rawserve.worker.loading import limit_tokenizer_threads, load_runner
+        from rawserve.worker.loading import load_runner, tokenize_in_the_calling_thread
 
         imported = time.monotonic()
-        limit_tokenizer_threads(plan.torch_device, config.threads, os.environ)
+        tokenize_in_the_calling_thread(os.environ)
         runner = load_runner(config, plan.torch_device)
         log.info(
             "imports took %.2f s, the model load %.2f s",
