@@ -205,7 +205,7 @@ async def measure_server(
         points = []
         for clients in settings.client_counts:
             saturated = clients == SATURATION_CLIENTS
-            before = servers.cpu_snapshot(server.pid)
+            before, idle_before = servers.cpu_snapshot(server.pid), servers.idle_seconds()
             counted = server.name in servers.RAWSERVE_VARIANTS
             batches_before = batch_counters(server.port) if counted else None
             run = await spread.closed_loop(
@@ -222,6 +222,8 @@ async def measure_server(
                 summary["throughput"] = round(summary["throughput"] * fmt.texts_per_request, 2)
             after = servers.cpu_snapshot(server.pid)
             summary.update(servers.cpu_shares(before, after, run.duration))
+            # cores nobody used while clients waited (threads waiting on each other)
+            summary["idle_cores"] = round((servers.idle_seconds() - idle_before) / run.duration, 3)
             if batches_before is not None:
                 summary.update(batch_figures(batches_before, batch_counters(server.port)))
             points.append(summary)
@@ -229,7 +231,10 @@ async def measure_server(
                 f"  {server.name:14} {scenario.name:16} {text_set:6} {clients:3} clients: "
                 f"{summary['throughput']:7.1f}/s p50 {summary['p50_ms']} ms "
                 f"p99 {summary['p99_ms']} ms {summary['statuses']} "
-                f"batch {summary.get('mean_batch')} in {summary.get('mean_batch_ms')} ms"
+                f"batch {summary.get('mean_batch')} in {summary.get('mean_batch_ms')} ms; "
+                f"cores: server {summary.get('server_cpu_share')}, workers "
+                f"{summary.get('worker_cpu_share')}, client {summary.get('client_cpu_share')}, "
+                f"idle {summary['idle_cores']}"
             )
         entry: dict[str, Any] = {"points": points}
         overloaded = server.name in ("rawserve", "rawserve-onnx", "rawserve-http4") or (

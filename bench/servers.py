@@ -208,6 +208,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def idle_seconds() -> float:
+    """Seconds the machine's cores have stood idle (or waited on I/O) since it booted,
+    summed over the cores (0 where /proc/stat cannot be read)."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()  # cpu user nice system idle iowait ...
+    except OSError:
+        return 0.0
+    return (int(fields[4]) + int(fields[5])) / CLOCK_TICKS
+
+
 def rss_bytes(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/statm") as statm:

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import importlib
 import json
+import time
 
 import pytest
 
@@ -123,3 +124,12 @@ def test_every_gpu_round_stage_names_a_benchmark_that_takes_its_options(tmp_path
         with pytest.raises(SystemExit) as parsed:
             module.main(list(stage.argv[1:]))
         assert parsed.value.code == 0, stage.name
+
+
+def test_the_machine_s_idle_time_is_read_from_proc_stat():
+    """What `bench.compare` reports as the cores nobody used during a point."""
+    from bench import servers
+
+    before = servers.idle_seconds()
+    time.sleep(0.2)
+    assert 0 < before <= servers.idle_seconds()
