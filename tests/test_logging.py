@@ -195,9 +195,9 @@ def test_probes_are_logged_at_debug_only(restore_logging, path):
 
 
 def test_an_access_record_is_the_one_logging_makes_with_its_own_time(restore_logging):
-    """Made from a template for speed, it still carries every field a record made by
-    `Logger.log` does (so any handler's format works: a file name, a line, a thread),
-    and the time it was made at."""
+    """Where a handler of its own takes the line, it gets a record with every field a
+    record made by `Logger.log` has (so any handler's format works: a file name, a line,
+    a thread), and the time it was made at."""
     seen: list[logging.LogRecord] = []
 
     class Keep(logging.Handler):

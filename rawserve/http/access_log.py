@@ -4,9 +4,8 @@
 never formatted. With `--log-format json` the fields go out as JSON keys. Where the
 server's own logging set-up is the only place the line goes, it is written there
 directly (`DirectLines`: the same line, for a sixth of the cost); else it goes through
-logging as a record. Probes
-(`GET /health`, `/ready`, `/ready/<model>`) are logged at DEBUG: an orchestrator asks every
-few seconds, and those lines would drown the requests.
+logging as a record. Probes (`GET /health`, `/ready`, `/ready/<model>`) are logged at
+DEBUG: an orchestrator asks every few seconds, and those lines would drown the requests.
 
 What a client chose (method, target, request id) is escaped in the text line: a quote, a
 backslash or a character that is not printable becomes `\\xHH` (or `\\uHHHH`), so a path
@@ -16,12 +15,8 @@ keys carry the values as sent (JSON escapes them itself).
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
-import time
 from collections.abc import Callable
-from typing import Any
 
 from rawserve.shared.logs import direct_lines
 
@@ -80,33 +75,4 @@ def log_access(
     }
     direct = direct_lines(access_log, level)
     if direct is None or not direct.write(direct.line(level, access_log.name, LINE % args, fields)):
-        access_log.handle(_record(level, args, fields))
-
-
-def _record(level: int, args: tuple[object, ...], fields: dict[str, object]) -> logging.LogRecord:
-    """The record `access_log.log(level, LINE, *args, extra=fields)` makes, made for less.
-
-    A line cost ~30 µs of a server's event loop, timed in place, two thirds of it before
-    any handler: the record finding its caller's file and line by walking the stack, and
-    asking for its thread and process. Those fields are the same for every access line
-    of a process, so they are copied from one record made the usual way; the time, the
-    level and the line are its own. The handlers are then called as `log` calls them
-    (`Logger.handle`): 5-12 µs less a request (bench/RESULTS.md)."""
-    standard = _standard_fields(os.getpid())  # (a forked child makes its own)
-    now = time.time()
-    record = logging.LogRecord.__new__(logging.LogRecord)
-    record.__dict__.update(standard)
-    record.__dict__.update(fields)
-    record.levelno, record.levelname = level, logging.getLevelName(level)
-    record.args = args
-    record.created = now
-    record.msecs = int((now - int(now)) * 1000) + 0.0  # as LogRecord computes it
-    record.relativeCreated = standard["relativeCreated"] + (now - standard["created"]) * 1000
-    return record
-
-
-@functools.cache
-def _standard_fields(pid: int) -> dict[str, Any]:
-    made = access_log.makeRecord(access_log.name, logging.INFO, __file__, 0, LINE, (), None)
-    made.funcName = "log_access"
-    return dict(vars(made))
+        access_log.log(level, LINE, *args, extra=fields)  # another handler, or a failed write

@@ -144,34 +144,36 @@ class DirectLines:
     filter added later (a program's own logging, a test's capture) gets the record the
     usual way."""
 
-    def __init__(self, handler: logging.StreamHandler, formatter: logging.Formatter):
+    def __init__(self, handler: logging.StreamHandler, text: TextFormatter | None):
         self.handler = handler
-        self.json = isinstance(formatter, JsonFormatter)
-        self.text = formatter if isinstance(formatter, TextFormatter) else None
+        self.text = text  # None: the handler writes JSON
 
     @classmethod
     def for_handler(
         cls, handler: logging.StreamHandler, formatter: logging.Formatter
     ) -> DirectLines | None:
         """None where the format asks for more than a direct line knows (a file, a line)."""
-        if isinstance(formatter, TextFormatter):
-            if not set(re.findall(r"%\((\w+)\)", formatter.fmt)) <= _PLAIN_FIELDS:
-                return None
-        elif not isinstance(formatter, JsonFormatter):
+        if isinstance(formatter, JsonFormatter):
+            return cls(handler, None)
+        if not isinstance(formatter, TextFormatter):
             return None
-        return cls(handler, formatter)
+        asked = set(re.findall(r"%\((\w+)\)", formatter.fmt))
+        return cls(handler, formatter) if asked <= _PLAIN_FIELDS else None
 
     def line(self, level: int, logger: str, message: str, fields: Mapping[str, object]) -> str:
         """The line the handler's formatter makes of a record made now."""
         now = time.time()
         level_name = logging.getLevelName(level)
-        if self.json:
+        if self.text is None:
             document = json_document(now, level_name, logger, message)
             document.update((k, v) for k, v in fields.items() if k not in document)
             return json.dumps(document, default=str, ensure_ascii=False)
-        assert self.text is not None
-        values = {"asctime": self.text.stamp(now), "name": logger, "levelname": level_name}
-        values["message"] = message
+        values = {
+            "asctime": self.text.stamp(now),
+            "name": logger,
+            "levelname": level_name,
+            "message": message,
+        }
         return (self.text.fmt % values).replace("\n", "\\n")
 
     def write(self, line: str) -> bool:
