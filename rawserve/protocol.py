@@ -57,6 +57,7 @@ from rawserve.http.limits import (
 )
 from rawserve.http.request_ids import new_request_id, request_id
 from rawserve.http.response_head import (
+    body_framing,
     fixed_fields,
     h11_head,
     render_fixed,
@@ -452,13 +453,15 @@ class HttpProtocol(asyncio.Protocol):
         fields += request_fields(response, cycle.request_id, cycle.started)
         sent = 0
         try:
-            self._write(self.conn.send(h11_head(response.status, fields)))
+            head = self.conn.send(h11_head(response.status, fields))
+            self._write(head)
+            framed = body_framing(head or b"")
             if not cycle.is_head:
                 async for chunk in response.stream:
                     if self.phase is not Phase.RESPONDING:
                         return
                     if chunk:
-                        self._write(self.conn.send(h11.Data(data=chunk)))
+                        self._write_all(framed(chunk))
                         sent += len(chunk)
                     await self._flow.drain()
             if self.phase is not Phase.RESPONDING:

@@ -269,6 +269,53 @@ async def test_streamed_response_is_chunked_and_stops_when_the_client_leaves():
     assert produced == [0, 1]
 
 
+class PiecesApp(FakeApp):
+    """Streams three pieces of different sizes (one of them empty), or answers JSON."""
+
+    PIECES = (b"data: 1\n\n", b"", b"x" * 300)
+
+    async def handle(self, request):
+        if request.path != "/stream":
+            return HttpResponse(200, b'{"after": true}')
+
+        async def pieces():
+            for piece in self.PIECES:
+                yield piece
+
+        return HttpResponse(200, content_type="text/event-stream", stream=pieces())
+
+
+async def test_a_streamed_body_is_chunked_as_h11_reads_it_and_the_connection_goes_on():
+    protocol = HttpProtocol(PiecesApp(), loop=asyncio.get_running_loop())
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    requests = [
+        b"GET /stream HTTP/1.1\r\nHost: a\r\n\r\n",
+        b"GET /next HTTP/1.1\r\nHost: a\r\n\r\n",
+    ]
+    protocol.data_received(b"".join(requests))
+    await settle()
+    [(streamed, body), (after, after_body)] = read_responses(transport.written, requests)
+    assert dict(streamed.headers)[b"transfer-encoding"] == b"chunked"
+    assert body == b"".join(PiecesApp.PIECES)
+    assert b"\r\n12c\r\n" + b"x" * 300 + b"\r\n0\r\n\r\n" in transport.written  # 300 bytes
+    assert after.status_code == 200 and after_body == b'{"after": true}'
+    assert not transport.finished
+
+
+async def test_a_streamed_body_to_an_http_1_0_client_is_sent_as_is_and_the_close_ends_it():
+    protocol = HttpProtocol(PiecesApp(), loop=asyncio.get_running_loop())
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    protocol.data_received(b"GET /stream HTTP/1.0\r\n\r\n")
+    await settle()
+    head, _, body = bytes(transport.written).partition(b"\r\n\r\n")
+    assert b"transfer-encoding" not in head.lower()
+    assert b"connection: close" in head.lower()
+    assert body == b"".join(PiecesApp.PIECES)
+    assert transport.finished
+
+
 # --- keep-alive, HTTP/1.0, Connection: close, 100-continue ----------------------------
 
 

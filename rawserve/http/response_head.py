@@ -15,8 +15,9 @@ a request h11 read whole is written by hand too (`render_kept`): writing it thro
 cost a fifth of the server's time per request, and what h11 writes there is the head's
 fields as given and the body. Its status line, Server and Content-Type are made once;
 each of the response's own fields is checked against the grammar h11 checks, and where
-one is outside it (or h11 would rewrite it), h11 frames the answer. Knows h11's response
-event; no I/O.
+one is outside it (or h11 would rewrite it), h11 frames the answer. A streamed body's
+pieces are framed by hand as well (`body_framing`), as the head h11 wrote announced them.
+Knows h11's response event; no I/O.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import functools
 import re
 import time
+from collections.abc import Callable
 from http import HTTPStatus
 
 import h11
@@ -67,6 +69,22 @@ def request_fields(response: HttpResponse, request_id: str, started: float) -> F
 
 def h11_head(status: int, fields: Fields) -> h11.Response:
     return h11.Response(status_code=status, headers=list(fields), reason=reason(status))
+
+
+def body_framing(head: bytes) -> Callable[[bytes], list[bytes]]:
+    """How a streamed body's pieces go out after `head`, as h11 wrote it: in chunks where
+    it announced chunked transfer-coding (to HTTP/1.1), as they are otherwise (HTTP/1.0:
+    the body ends with the connection). By hand: through h11 a piece took 2.7 µs of the
+    protocol's Python against 0.9 (a streamed token costs the server ~30 µs in all, most
+    of it the write). h11 keeps no count of chunked data: it still ends the body."""
+    if b"\r\ntransfer-encoding: chunked\r\n" in head.lower():
+        return chunk
+    return lambda piece: [piece]
+
+
+def chunk(piece: bytes) -> list[bytes]:
+    """One chunk of a chunked body (RFC 9112 7.1), as h11 writes it."""
+    return [b"%x\r\n%s\r\n" % (len(piece), piece)]
 
 
 @functools.lru_cache(maxsize=64)
