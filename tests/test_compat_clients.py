@@ -97,6 +97,25 @@ def test_generate_stream_sends_tgis_events_the_text_on_the_last(servers):
     assert last["details"]["generated_tokens"] == len(streamed)
 
 
+def test_top_n_tokens_lists_the_likeliest_tokens_beside_each_as_tgi_does(servers):
+    parameters = {**CLIENT_DEFAULTS, "max_new_tokens": 5, "top_n_tokens": 3}
+    document = {"inputs": PROMPT, "parameters": parameters}
+    status, whole = servers["chat"].post_json(document, "/generate")
+    assert status == 200, whole
+    details = whole["details"]
+    assert len(details["top_tokens"]) == len(details["tokens"]) == details["generated_tokens"]
+    for token, top in zip(details["tokens"], details["top_tokens"], strict=True):
+        assert len(top) == 3 and all(set(t) == {"id", "text", "logprob", "special"} for t in top)
+        assert top[0]["id"] == token["id"]  # greedy (the client's default): the likeliest
+    streamed = events(servers["chat"], "/generate_stream", document)
+
+    def ids(tops):  # (log probabilities move in their last digits with batch-mates)
+        return [[t["id"] for t in top] for top in tops]
+
+    assert ids(event["top_tokens"] for event in streamed) == ids(details["top_tokens"])
+    assert all("top_tokens" not in event["token"] for event in streamed)
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [
@@ -105,7 +124,6 @@ def test_generate_stream_sends_tgis_events_the_text_on_the_last(servers):
         ("decoder_input_details", True),
         ("truncate", 10),
         ("typical_p", 0.5),
-        ("top_n_tokens", 3),
         ("frequency_penalty", 0.5),
         ("grammar", {"type": "regex", "value": "a+"}),
     ],

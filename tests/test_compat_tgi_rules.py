@@ -57,7 +57,7 @@ def test_the_parameters_tgis_client_sends_unset_are_taken_and_left_out():
 
 @pytest.mark.parametrize(
     ("name", "neutral"),
-    [("best_of", 1), ("frequency_penalty", 0.0), ("typical_p", 1.0), ("top_n_tokens", 0)],
+    [("best_of", 1), ("frequency_penalty", 0.0), ("typical_p", 1.0)],
 )
 def test_a_neutral_value_is_taken_as_unset(name, neutral):
     assert TASK is not None
@@ -72,7 +72,6 @@ def test_a_neutral_value_is_taken_as_unset(name, neutral):
         ("decoder_input_details", True),
         ("truncate", 0),
         ("typical_p", 0.9),
-        ("top_n_tokens", 1),
         ("frequency_penalty", 0.1),
         ("grammar", {"type": "json", "value": {}}),
         ("adapter_id", "lora"),
@@ -83,6 +82,14 @@ def test_a_value_rawserve_cannot_honour_is_refused_naming_it(name, value):
     assert TASK is not None
     with pytest.raises(UnservedParameter, match=f"'{name}' is not supported"):
         check_params(TASK, {name: value})
+
+
+def test_the_likeliest_tokens_are_served_up_to_twenty():
+    assert TASK is not None
+    assert check_params(TASK, {"top_n_tokens": 3}) == {"top_n_tokens": 3}
+    for wrong in (21, -1, 2.5, True):
+        with pytest.raises(InvalidRequest, match="top_n_tokens"):
+            check_params(TASK, {"top_n_tokens": wrong})
 
 
 def test_a_parameter_tgi_does_not_have_is_still_unknown():

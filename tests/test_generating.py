@@ -122,6 +122,44 @@ def test_each_item_answers_what_the_static_path_answers_it_alone(runner):
         )
 
 
+def test_the_likeliest_tokens_are_listed_as_the_static_path_lists_them(runner):
+    params = {**GREEDY, "max_new_tokens": 8, "top_n_tokens": 3}
+    batches = [Batch(i, (text,), params) for i, text in enumerate(TEXTS[:3])]
+    answered = results(serve(runner, {0: batches}))
+    for batch in batches:
+        [got] = answered[batch.batch_id].outputs
+        expected = static(runner, batch.inputs[0], params)
+        assert without_logprobs(got) == without_logprobs(expected)
+        details = got[0]["details"]
+        assert len(details["top_tokens"]) == len(details["tokens"]) == 8
+        for token, top in zip(details["tokens"], details["top_tokens"], strict=True):
+            assert "top_tokens" not in token  # TGI lists them beside the tokens
+            logprobs = [t["logprob"] for t in top]
+            assert len(top) == 3 and logprobs == sorted(logprobs, reverse=True)
+            # greedy: the chosen token is the likeliest, with the same log probability
+            assert top[0]["id"] == token["id"]
+            assert top[0]["logprob"] == pytest.approx(token["logprob"], abs=1e-5)
+        static_top = expected[0]["details"]["top_tokens"]
+        for mine, theirs in zip(details["top_tokens"], static_top, strict=True):
+            assert [t["logprob"] for t in mine] == pytest.approx(
+                [t["logprob"] for t in theirs], abs=1e-4
+            )
+
+
+def test_a_streamed_token_carries_its_likeliest_tokens(runner):
+    batch = Batch(
+        1, ("the movie was",), {**GREEDY, "top_n_tokens": 2}, control=Control(stream_id=4)
+    )
+    sent = serve(runner, {0: [batch]})
+    tokens = [c.token for m in sent if isinstance(m, TokenChunks) for c in m.chunks]
+    assert len(tokens) == GREEDY["max_new_tokens"]
+    assert all([t["id"] for t in token["top_tokens"]][0] == token["id"] for token in tokens)
+    assert all(len(token["top_tokens"]) == 2 for token in tokens)
+    plain = serve(runner, {0: [Batch(1, ("the movie was",), GREEDY, control=Control(stream_id=4))]})
+    assert not any("top_tokens" in c.token for m in plain if isinstance(m, TokenChunks)
+                   for c in m.chunks)  # fmt: skip
+
+
 def test_a_short_prompt_answers_the_same_beside_a_long_one(runner):
     short, long = "the movie was", "word " * 113  # the long one leaves ~30 positions
     params = {**GREEDY, "max_new_tokens": 40}

@@ -183,6 +183,42 @@ def test_chat_streamed_matches_the_answer_and_ends_with_done(servers):
     assert usage_chunk.usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_chat_logprobs_list_each_tokens_text_and_its_likeliest_alternatives(servers):
+    chat = client(servers["chat"])
+    asked = {"max_tokens": 10, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    whole = chat.chat.completions.create(model=CHAT_MODEL, messages=MESSAGES, **asked)
+    [choice] = whole.choices
+    content = choice.logprobs.content
+    assert len(content) == whole.usage.completion_tokens or choice.finish_reason == "stop"
+    assert "".join(entry.token for entry in content) == choice.message.content
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 3
+        logprobs = [top.logprob for top in entry.top_logprobs]
+        assert logprobs == sorted(logprobs, reverse=True)
+        assert entry.logprob == pytest.approx(logprobs[0], abs=1e-5)  # greedy: the likeliest
+    # streamed: each chunk lists the tokens whose text it sends, the same ones
+    chunks = list(
+        chat.chat.completions.create(model=CHAT_MODEL, messages=MESSAGES, stream=True, **asked)
+    )
+    streamed = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    for chunk in chunks:
+        if chunk.choices[0].logprobs:
+            sent = "".join(e.token for e in chunk.choices[0].logprobs.content)
+            assert sent.startswith(chunk.choices[0].delta.content or "")
+    # not asked: none, and no alternatives when only logprobs is asked
+    plain = chat.chat.completions.create(
+        model=CHAT_MODEL, messages=MESSAGES, max_tokens=4, temperature=0
+    )
+    assert plain.choices[0].logprobs is None
+    bare = chat.chat.completions.create(
+        model=CHAT_MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True
+    )
+    assert all(entry.top_logprobs == [] for entry in bare.choices[0].logprobs.content)
+
+
 @pytest.fixture
 def hub_client_may_reach_loopback():
     """HF_HUB_OFFLINE=1 (set for the whole suite) makes huggingface_hub refuse every
@@ -271,8 +307,8 @@ def test_chat_content_as_text_parts_is_the_same_prompt(servers):
     "extra",
     [
         {"n": 2},
-        {"logprobs": True},
-        {"top_logprobs": 2},
+        {"top_logprobs": 2},  # without "logprobs": true
+        {"logprobs": True, "top_logprobs": 21},
         {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
         {"response_format": {"type": "json_object"}},
         {"max_tokens": 0},
@@ -433,6 +469,48 @@ def test_completion_streamed_with_stop_never_sends_the_stop_text(servers):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_completion_logprobs_are_openais_lists_with_offsets_and_the_chosen_among_the_top(servers):
+    plain = client(servers["plain"])
+    answer = plain.completions.create(
+        model=PLAIN_MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2
+    )
+    [choice] = answer.choices
+    listed = choice.logprobs
+    assert "".join(listed.tokens) == choice.text
+    assert len(listed.tokens) == len(listed.token_logprobs) == len(listed.top_logprobs)
+    offsets = [sum(len(t) for t in listed.tokens[:i]) for i in range(len(listed.tokens))]
+    assert listed.text_offset == offsets
+    for token, logprob, top in zip(
+        listed.tokens, listed.token_logprobs, listed.top_logprobs, strict=True
+    ):
+        assert 1 <= len(top) <= 3  # the 2 likeliest, and the chosen one (greedy: among them)
+        assert top[token] == pytest.approx(logprob) and max(top.values()) == pytest.approx(logprob)
+    streamed = list(
+        plain.completions.create(
+            model=PLAIN_MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2, stream=True
+        )
+    )
+    lists = [c.choices[0].logprobs for c in streamed if c.choices[0].logprobs]
+    assert [t for found in lists for t in found.tokens] == listed.tokens
+    assert [o for found in lists for o in found.text_offset] == listed.text_offset
+
+
+def test_completion_logprobs_end_where_a_stop_sequence_cuts_the_text(servers):
+    plain = client(servers["plain"])
+    free = plain.completions.create(model=PLAIN_MODEL, prompt=PROMPT, **SAMPLED)
+    stop, before = stop_in(free.choices[0].text)
+    for stream in (False, True):
+        answered = plain.completions.create(
+            model=PLAIN_MODEL, prompt=PROMPT, stop=stop, logprobs=0, stream=stream, **SAMPLED
+        )
+        chunks = answered if stream else [answered]
+        lists = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+        tokens = [t for found in lists for t in found.tokens]
+        offsets = [o for found in lists for o in found.text_offset]
+        assert all(found.top_logprobs is None for found in lists)  # no alternatives asked
+        assert "".join(tokens).startswith(before) and all(o < len(before) for o in offsets)
+
+
 def test_completion_of_several_prompts_answers_a_choice_each_in_order(servers):
     plain = client(servers["plain"])
     prompts = ["the movie was", "paris is a city", "hello"]
@@ -466,7 +544,7 @@ def test_completion_with_more_prompts_than_the_client_cap_is_413(servers):
         {"prompt": PROMPT, "n": 3},
         {"prompt": PROMPT, "best_of": 2},
         {"prompt": PROMPT, "echo": True},
-        {"prompt": PROMPT, "logprobs": 2},
+        {"prompt": PROMPT, "logprobs": 21},
         {"prompt": PROMPT, "suffix": "end"},
         {"prompt": PROMPT, "stream": "yes"},
         {"prompt": [PROMPT, PROMPT], "stream": True},

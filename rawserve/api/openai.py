@@ -213,7 +213,7 @@ class OpenAIRoutes:
         """Queue the prompts like any text-generation request; answer whole or streamed."""
         check_max_tokens(generation, model.limits.max_new_tokens)
         await self.context.prompts.check(model, generation.items, chat)
-        shape = Answer(chat, model.name)
+        shape = Answer(chat, model.name, generation.logprobs)
         deadline = self.context.deadline(request)
         if generation.stream:
             stream = TokenStream(model, generation.items[0], generation.params, deadline)

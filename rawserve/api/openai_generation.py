@@ -3,10 +3,13 @@ into prompts and worker parameters, and writing their answers, whole or as SSE c
 body is declared once (`CHAT`, `COMPLETION`: `fields.Body`), for its checks and its
 `/openapi.json` schema.
 
-What OpenAI's API has and rawserve does not serve (several choices, tools, log
-probabilities, echo, penalties) is refused with 400 naming it, never ignored. Text stops
-before a stop sequence, as OpenAI's does, streamed too: text that may be the start of a
-stop sequence is held back until the next token says. Server process; plain Python.
+What OpenAI's API has and rawserve does not serve (several choices, tools, echo,
+penalties) is refused with 400 naming it, never ignored. Text stops before a stop
+sequence, as OpenAI's does, streamed too: text that may be the start of a stop sequence is
+held back until the next token says. Log probabilities (chat's `logprobs` and
+`top_logprobs`, completions' `logprobs`) come from the worker's tokens (TGI's shape, with
+`top_tokens` when alternatives are asked for), each listed with the chunk that sends its
+text. Server process; plain Python.
 """
 
 from __future__ import annotations
@@ -30,6 +33,13 @@ from rawserve.api.fields import (
     unicode_text,
     whole,
 )
+from rawserve.api.openai_logprobs import (
+    Listed,
+    answer_tokens,
+    chat_logprobs,
+    completion_logprobs,
+    listed,
+)
 from rawserve.api.routing import DocContext, Schema
 from rawserve.api.streaming import TokenStream, sse
 from rawserve.http.errors import BadRequest, HTTPError, UnprocessableInput, openai_error_document
@@ -41,7 +51,7 @@ from rawserve.tasks import (
     text_generation,
 )
 from rawserve.tasks.checks import not_blank
-from rawserve.tasks.text_generation import MAX_STOP_SEQUENCES
+from rawserve.tasks.text_generation import MAX_STOP_SEQUENCES, MAX_TOP_N_TOKENS
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_NEW_TOKENS = 4096
@@ -60,6 +70,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     max_tokens_field: str = "max_tokens"  # the field that set params["max_new_tokens"]
+    logprobs: int | None = None  # None: none asked; else how many alternatives a token lists
 
 
 def unserved(schema: Schema, *allowed: Any) -> Field:
@@ -173,7 +184,21 @@ def parse_chat(document: Any) -> GenerationRequest:
     request = generation_params(fields, "max_completion_tokens", None)
     chat = {"messages": fields.value("messages")}
     params = {**request.params, CHAT_PARAM: True}
-    return replace(request, items=[chat], params=params)
+    top = fields.value("top_logprobs")
+    if not fields.value("logprobs"):
+        if top is not None:
+            raise BadRequest('"top_logprobs" needs "logprobs": true')
+        return replace(request, items=[chat], params=params)
+    return with_logprobs(replace(request, items=[chat], params=params), top or 0)
+
+
+def with_logprobs(request: GenerationRequest, alternatives: int) -> GenerationRequest:
+    """The request with its tokens' log probabilities asked for, and `alternatives` of
+    the likeliest tokens beside each (the worker's `top_n_tokens`)."""
+    params = dict(request.params)
+    if alternatives:
+        params["top_n_tokens"] = alternatives
+    return replace(request, params=params, logprobs=alternatives)
 
 
 def read_messages(name: str, value: Any, context: DocContext | None) -> list[dict[str, str]]:
@@ -242,7 +267,9 @@ def parse_completion(document: Any, context: DocContext) -> GenerationRequest:
             not_blank(prompt, 'a text of "prompt"')
         except BlankInput as exc:
             raise UnprocessableInput(str(exc)) from None
-    return replace(request, items=[unicode_text(p, '"prompt"') for p in prompts])
+    request = replace(request, items=[unicode_text(p, '"prompt"') for p in prompts])
+    alternatives = fields.value("logprobs")
+    return request if alternatives is None else with_logprobs(request, alternatives)
 
 
 def check_max_tokens(generation: GenerationRequest, most: int | None) -> None:
@@ -343,8 +370,8 @@ COMMON: dict[str, Field] = {
     ),
 }
 CHAT_UNSERVED = (
-    "logprobs", "top_logprobs", "tools", "functions", "tool_choice", "function_call",
-    "parallel_tool_calls", "response_format",
+    "tools", "functions", "tool_choice", "function_call", "parallel_tool_calls",
+    "response_format",
 )  # fmt: skip
 CHAT = Body(
     {
@@ -356,8 +383,9 @@ CHAT = Body(
         ),
         **COMMON,
         "max_completion_tokens": MAX_TOKENS,
-        "logprobs": unserved({"enum": [False, None]}, False),
-        "top_logprobs": unserved({"type": "null"}),
+        "logprobs": flag(False, "each new token's log probability"),
+        # OpenAI's bound is 20
+        "top_logprobs": whole(0, MAX_TOP_N_TOKENS),
         "tools": unserved(NONE_OR_EMPTY_LIST, []),
         "functions": unserved(NONE_OR_EMPTY_LIST, []),
         "tool_choice": unserved({"enum": ["none", None]}, "none"),
@@ -379,14 +407,15 @@ CHAT = Body(
         ),
     }
 )
-COMPLETION_UNSERVED = ("echo", "suffix", "logprobs", "best_of")
+COMPLETION_UNSERVED = ("echo", "suffix", "best_of")
 COMPLETION = Body(
     {
         "prompt": Field(prompt_schema, read_prompts, reads_null=True, required=True),
         **COMMON,
         "echo": unserved({"enum": [False, None]}, False),
         "suffix": unserved({"type": "null"}),
-        "logprobs": unserved({"type": "null"}),
+        # OpenAI's bound is 5; the chat route's 20 is taken here too
+        "logprobs": whole(0, MAX_TOP_N_TOKENS),
         "best_of": unserved({"enum": [1, None]}, 1),
     }
 )
@@ -430,12 +459,38 @@ def usage(outputs: Sequence[dict[str, Any]]) -> dict[str, int]:
     }
 
 
+class Unsent:
+    """A stream's tokens whose text has not gone out yet, each with where its text starts
+    in the whole text."""
+
+    def __init__(self) -> None:
+        self.tokens: list[tuple[Listed, int]] = []
+
+    def add(self, token: Listed, start: int) -> None:
+        self.tokens.append((token, start))
+
+    def take(self, sent: int) -> tuple[list[Listed], int]:
+        """The tokens whose text starts within the first `sent` characters (now sent),
+        and where the first of them starts; a token starting past them (past a stop
+        sequence's start, when the text ends there) stays."""
+        taken = [(token, start) for token, start in self.tokens if start < sent]
+        self.tokens = self.tokens[len(taken) :]
+        return [token for token, _ in taken], taken[0][1] if taken else 0
+
+
 class Answer:
     """The shape of one route's answers: ids, objects, and where the text goes."""
 
-    def __init__(self, chat: bool, model: str, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        logprobs: int | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
         self.chat = chat
         self.model = model
+        self.logprobs = logprobs  # None: not asked; else the alternatives each token lists
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(clock())
 
@@ -458,20 +513,36 @@ class Answer:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            choice["logprobs"] = None
+            choice["logprobs"] = self.listing(answer_tokens(output["details"], len(text)))
             choice["finish_reason"] = finish_reason(output["details"])
             choices.append(choice)
         return {**self.head(False), "choices": choices, "usage": usage(outputs)}
 
-    def chunk(self, text: str | None, finish: str | None = None) -> dict[str, Any]:
+    def chunk(
+        self,
+        text: str | None,
+        finish: str | None = None,
+        tokens: Sequence[Listed] = (),
+        offset: int = 0,
+    ) -> dict[str, Any]:
+        """A streamed chunk: its text, and the tokens it sends (`offset`: where the first
+        one's text starts in the whole text)."""
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             choice["delta"] = {} if text is None else {"content": text}
         else:
             choice["text"] = text or ""
-        choice["logprobs"] = None
+        choice["logprobs"] = self.listing(tokens, offset) if tokens else None
         choice["finish_reason"] = finish
         return {**self.head(True), "choices": [choice]}
+
+    def listing(self, tokens: Sequence[Listed], offset: int = 0) -> dict[str, Any] | None:
+        """Tokens' log probabilities in this route's shape; None where none were asked."""
+        if self.logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(tokens)
+        return completion_logprobs(tokens, offset, self.logprobs)
 
     async def events(
         self, stream: TokenStream, stops: Sequence[str], include_usage: bool
@@ -484,13 +555,16 @@ class Answer:
                 yield sse(first)
             text = ""  # generated so far (special tokens left out)
             sent = ""
+            unsent = Unsent()  # tokens whose text is not sent yet (it may start a stop)
             async for chunk in stream.chunks():
                 if chunk.token["special"]:
                     continue
+                if self.logprobs is not None:
+                    unsent.add(listed(chunk.token), len(text))
                 text += chunk.token["text"]
                 ready, _ = releasable(text, stops)
                 if len(ready) > len(sent):
-                    yield sse(self.chunk(ready[len(sent) :]))
+                    yield sse(self.chunk(ready[len(sent) :], None, *unsent.take(len(ready))))
                     sent = ready
             try:
                 output = stream.output()
@@ -499,7 +573,8 @@ class Answer:
                 return
             whole = cut_at_stop(output["generated_text"], stops)
             if whole.startswith(sent) and len(whole) > len(sent):
-                yield sse(self.chunk(whole[len(sent) :]))  # what a cut character held back
+                # what a cut character held back
+                yield sse(self.chunk(whole[len(sent) :], None, *unsent.take(len(whole))))
             yield sse(self.chunk(None, finish_reason(output["details"])))
             if include_usage:
                 yield sse({**self.head(True), "choices": [], "usage": usage([output])})

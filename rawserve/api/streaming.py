@@ -157,9 +157,8 @@ def _event(
     generated_text: str | None = None,
     details: Any = None,
 ) -> dict[str, Any]:
-    return {
-        "index": index,
-        "token": dict(token) if token is not None else None,
-        "generated_text": generated_text,
-        "details": details,
-    }
+    token = dict(token) if token is not None else None
+    event = {"index": index, "token": token, "generated_text": generated_text, "details": details}
+    if token is not None and "top_tokens" in token:  # TGI's: beside the token, when asked
+        event["top_tokens"] = token.pop("top_tokens")
+    return event

@@ -20,6 +20,9 @@ from rawserve.tasks.rules import Task
 # (`{"messages": [...]}`) that the worker renders with the model's chat template.
 CHAT_PARAM = "chat"
 MAX_STOP_SEQUENCES = 16
+# the likeliest tokens a new token's details or stream event may list beside it (OpenAI's
+# top_logprobs goes to 20; TGI's own server defaults to 5)
+MAX_TOP_N_TOKENS = 20
 
 
 @checker(
@@ -62,13 +65,13 @@ TASK = Task(
         "stop": stop_sequences,
         "repetition_penalty": float_range(0.0, 100.0),
         "details": boolean,
+        "top_n_tokens": int_range(0, MAX_TOP_N_TOKENS),
         # TGI's parameters that rawserve does not serve: its client sends each of them,
         # null or false (or their neutral value) when unset; anything else is a 422
         "best_of": ignored(1),
         "decoder_input_details": ignored(False),
         "frequency_penalty": ignored(0),
         "typical_p": ignored(1),
-        "top_n_tokens": ignored(0),
         "truncate": ignored(),
         "watermark": ignored(False),
         "grammar": ignored(),

@@ -19,7 +19,7 @@ import transformers
 
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits, TokenChunk
 from rawserve.tasks import CHAT_PARAM
-from rawserve.worker.continuous import Generation, TextPieces
+from rawserve.worker.continuous import Generation, TextPieces, likeliest
 from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.runner import Runner, dtype_name
 
@@ -53,6 +53,7 @@ class TokenWatcher(transformers.StoppingCriteria):
         on_token: Callable[[int, dict[str, Any]], None] | None = None,
         cancelled: Callable[[], bool] = lambda: False,
         keep_tokens: bool = False,
+        top_n: int = 0,
     ):
         self.tokenizer = tokenizer
         self.prompt_length = prompt_length
@@ -62,6 +63,7 @@ class TokenWatcher(transformers.StoppingCriteria):
         self.cancelled = cancelled
         self.special_ids = set(tokenizer.all_special_ids)
         self.eos_ids = _eos_ids(tokenizer)
+        self.top_n = top_n  # the likeliest tokens listed beside each new one
         self.token_ids: list[list[int]] = [[] for _ in range(batch_size)]
         self.texts = [""] * batch_size
         self.pieces = [TextPieces(tokenizer) for _ in range(batch_size)]
@@ -76,6 +78,8 @@ class TokenWatcher(transformers.StoppingCriteria):
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
         new_tokens = input_ids[:, -1].tolist()
         logprobs = self.recorder.logprobs
+        listed = self.on_token is not None or self.tokens is not None
+        top = likeliest(logprobs, self.top_n) if listed and logprobs is not None else None
         for row, token_id in enumerate(new_tokens):
             if self.done[row]:
                 continue
@@ -87,9 +91,16 @@ class TokenWatcher(transformers.StoppingCriteria):
                 self.done[row], self.finish_reasons[row] = True, "eos_token"
             elif piece and any(s in tail for s in self.stop):
                 self.done[row], self.finish_reasons[row] = True, "stop_sequence"
-            if self.on_token is not None or self.tokens is not None:
+            if listed:
                 logprob = float(logprobs[row, token_id]) if logprobs is not None else 0.0
-                token = tgi_token(self.tokenizer, self.special_ids, token_id, piece, logprob)
+                token = tgi_token(
+                    self.tokenizer,
+                    self.special_ids,
+                    token_id,
+                    piece,
+                    logprob,
+                    top[row] if top is not None else None,
+                )
                 if self.tokens is not None:
                     self.tokens[row].append(token)
                 if self.on_token is not None:
@@ -102,17 +113,30 @@ class TokenWatcher(transformers.StoppingCriteria):
 
 
 def tgi_token(
-    tokenizer: Any, special_ids: set[int], token_id: int, piece: str, logprob: float
+    tokenizer: Any,
+    special_ids: set[int],
+    token_id: int,
+    piece: str,
+    logprob: float,
+    top: list[tuple[int, float]] | None = None,
 ) -> dict[str, Any]:
     """A new token as TGI's streams and details list it (a special token shows its own
-    text, which the running text skips)."""
+    text, which the running text skips), with the likeliest tokens at its step under
+    "top_tokens" where they were asked for (each token's own text: an alternative has no
+    place in the running text)."""
     special = token_id in special_ids
-    return {
+    token: dict[str, Any] = {
         "id": token_id,
         "text": tokenizer.decode([token_id]) if special else piece,
         "logprob": logprob,
         "special": special,
     }
+    if top is not None:
+        token["top_tokens"] = [
+            {"id": i, "text": tokenizer.decode([i]), "logprob": p, "special": i in special_ids}
+            for i, p in top
+        ]
+    return token
 
 
 def _eos_ids(tokenizer: Any) -> set[int]:
@@ -251,11 +275,18 @@ class CausalLMRunner(Runner):
             stop=tuple(params.get("stop", ())),
             repetition_penalty=setting("repetition_penalty"),
             logprobs=[] if wants_logprobs else None,
+            top_n=int(params.get("top_n_tokens") or 0),
         )
 
-    def token(self, token_id: int, piece: str, logprob: float) -> dict[str, Any]:
+    def token(
+        self,
+        token_id: int,
+        piece: str,
+        logprob: float,
+        top: list[tuple[int, float]] | None = None,
+    ) -> dict[str, Any]:
         """A sequence's new token in TGI's shape (streamed, or listed in details)."""
-        return tgi_token(self.tokenizer, self.special_ids, token_id, piece, logprob)
+        return tgi_token(self.tokenizer, self.special_ids, token_id, piece, logprob, top)
 
     def finished(
         self,
@@ -301,6 +332,10 @@ class CausalLMRunner(Runner):
             }
             if tokens is not None:  # TGI's: the prompt's tokens only on request
                 output["details"].update(prefill=[], tokens=tokens)
+                if params.get("top_n_tokens"):  # TGI lists them beside the tokens
+                    listed = [dict(token) for token in tokens]
+                    top = [token.pop("top_tokens", []) for token in listed]
+                    output["details"].update(tokens=listed, top_tokens=top)
         # pipe(x) answers [{"generated_text": ...}] per input
         return output if control.stream_id is not None else [output]
 
@@ -380,6 +415,7 @@ class CausalLMRunner(Runner):
             on_token,
             cancelled,
             keep_tokens,
+            int(params.get("top_n_tokens") or 0),
         )
         with torch.inference_mode():
             self.model.generate(

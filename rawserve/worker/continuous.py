@@ -100,6 +100,10 @@ class Generation:
     # the log-probability of each chosen token (after the repetition penalty, before
     # temperature and top-k/top-p, as generate's logits processors see it); None: not kept
     logprobs: list[float] | None = None
+    # with `logprobs`: the `top_n` likeliest tokens at each step, (id, log-probability)
+    # each, likeliest first, from the same scores (TGI's top_n_tokens, OpenAI's top_logprobs)
+    top_n: int = 0
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     text: str = ""  # the text so far, piece by piece (pieces hold back a cut character)
     finish_reason: str | None = None  # None while it runs
@@ -347,15 +351,22 @@ class ContinuousBatcher:
                 tokens[index] = _sample(scores[index], generation)
         chosen = tokens.tolist()
         logprobs: list[float] | None = None
+        top: list[list[tuple[int, float]]] | None = None
         if any(g.logprobs is not None for g in rows):
-            logprobs = scores.log_softmax(-1).gather(1, tokens[:, None])[:, 0].tolist()
-        self._accept(rows, chosen, logprobs)
+            all_logprobs = scores.log_softmax(-1)
+            logprobs = all_logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+            top = likeliest(all_logprobs, max(g.top_n for g in rows))
+        self._accept(rows, chosen, logprobs, top)
         if self.after_pass is not None:
             self.after_pass()
         return tokens
 
     def _accept(
-        self, rows: Sequence[Generation], tokens: list[int], logprobs: list[float] | None
+        self,
+        rows: Sequence[Generation],
+        tokens: list[int],
+        logprobs: list[float] | None,
+        top: list[list[tuple[int, float]]] | None = None,
     ) -> None:
         """Each row's new token: its text, then whether it ends the sequence (end of
         sequence, a stop sequence in the text's tail, or the row's cap)."""
@@ -368,6 +379,8 @@ class ContinuousBatcher:
             generation.text += piece
             if generation.logprobs is not None and logprobs is not None:
                 generation.logprobs.append(logprobs[index])
+                if generation.top_n and top is not None:
+                    generation.top.append(top[index][: generation.top_n])
             if self.on_token is not None:
                 self.on_token(generation, token, piece)
             longest = max((len(s) for s in generation.stop), default=0)
@@ -378,6 +391,16 @@ class ContinuousBatcher:
                 generation.finish_reason = "stop_sequence"
             elif len(generation.tokens) >= generation.cap:
                 generation.finish_reason = "length"
+
+
+def likeliest(logprobs: torch.Tensor, count: int) -> list[list[tuple[int, float]]] | None:
+    """Each row's `count` likeliest tokens, (id, log-probability), likeliest first; None
+    for a count of 0."""
+    if count <= 0:
+        return None
+    values, ids = logprobs.topk(min(count, logprobs.shape[-1]), dim=-1)
+    return [list(zip(row_ids, row_values, strict=True)) for row_ids, row_values in
+            zip(ids.tolist(), values.tolist(), strict=True)]  # fmt: skip
 
 
 def _cleans_up(tokenizer: Any, backend: Any) -> bool:

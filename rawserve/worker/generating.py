@@ -233,7 +233,8 @@ class GenerationLoop:
             return
         batch_id, index = generation.key
         opened = self.open[batch_id]
-        token = self.runner.token(token_id, piece, generation.logprobs[-1])
+        top = generation.top[-1] if generation.top_n else None
+        token = self.runner.token(token_id, piece, generation.logprobs[-1], top)
         stream_id = opened.batch.control.stream_id
         if stream_id is None:
             opened.tokens[index].append(token)

@@ -1,0 +1,94 @@
+"""OpenAI's log probabilities, from the worker's tokens.
+
+The worker lists each new token as TGI does (`{"id", "text", "logprob", "special"}`, with
+`top_tokens` of the same shape where alternatives were asked for); a token's text is what
+it adds to the answer's text (a token that ends inside a character adds "" and the next
+one the whole character). OpenAI's two shapes of the same figures:
+
+- chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal"}`;
+- completions (the older one): `{"tokens", "token_logprobs", "top_logprobs": [{text:
+  logprob}], "text_offset"}`, where each token's alternatives include the chosen token
+  (OpenAI: "up to logprobs + 1 elements").
+
+Special tokens (the end of the sequence) are left out, as their text is left out of the
+answer's; so are tokens past a stop sequence's start, whose text is cut. Server process;
+plain Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One new token as OpenAI lists it: its text, log probability and alternatives."""
+
+    text: str
+    logprob: float
+    top: tuple[tuple[str, float], ...]
+
+
+def listed(token: Mapping[str, Any], top: Sequence[Mapping[str, Any]] | None = None) -> Listed:
+    """A worker's token (TGI's shape) with its alternatives (`top`, or its own
+    `top_tokens`)."""
+    alternatives = top if top is not None else token.get("top_tokens") or ()
+    return Listed(
+        token["text"],
+        float(token["logprob"]),
+        tuple((t["text"], float(t["logprob"])) for t in alternatives),
+    )
+
+
+def answer_tokens(details: dict[str, Any], text_length: int) -> list[Listed]:
+    """A whole answer's tokens (its details' `tokens`, and `top_tokens` beside them),
+    up to `text_length` characters of text: a stop sequence's cut ends the list."""
+    tokens = details.get("tokens") or []
+    tops = details.get("top_tokens") or [None] * len(tokens)
+    kept = []
+    offset = 0
+    for token, top in zip(tokens, tops, strict=True):
+        if token.get("special"):
+            continue
+        if offset >= text_length:
+            break
+        kept.append(listed(token, top))
+        offset += len(token["text"])
+    return kept
+
+
+def chat_logprobs(tokens: Iterable[Listed]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": token.text,
+                "logprob": token.logprob,
+                "bytes": list(token.text.encode()),
+                "top_logprobs": [
+                    {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+                    for text, logprob in token.top
+                ],
+            }
+            for token in tokens
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(tokens: Sequence[Listed], offset: int, alternatives: int) -> dict[str, Any]:
+    """`offset`: where the first token's text starts in the completion's text."""
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token.text)
+    top = None
+    if alternatives:
+        top = [{**dict(token.top), token.text: token.logprob} for token in tokens]
+    return {
+        "tokens": [token.text for token in tokens],
+        "token_logprobs": [token.logprob for token in tokens],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }

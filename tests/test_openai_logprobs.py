@@ -1,0 +1,61 @@
+"""OpenAI's log-probability shapes made from the worker's tokens (TGI's shape)."""
+
+from __future__ import annotations
+
+from rawserve.api.openai_logprobs import (
+    answer_tokens,
+    chat_logprobs,
+    completion_logprobs,
+    listed,
+)
+
+
+def token(text: str, logprob: float, special: bool = False, top=None) -> dict:
+    found = {"id": 1, "text": text, "logprob": logprob, "special": special}
+    if top is not None:
+        found["top_tokens"] = [{"id": 2, "text": t, "logprob": p, "special": False} for t, p in top]
+    return found
+
+
+def test_an_answers_tokens_leave_out_special_ones_and_end_at_the_texts_cut():
+    details = {
+        "tokens": [token(" the", -0.5), token("</s>", -0.1, special=True), token(" end", -1.0)],
+        "top_tokens": [[], [], []],
+    }
+    assert [t.text for t in answer_tokens(details, len(" the end"))] == [" the", " end"]
+    # a stop sequence cut the text after " the": the tokens after it are not listed
+    assert [t.text for t in answer_tokens(details, len(" the"))] == [" the"]
+    # no details' alternatives (none asked): each token alone
+    assert answer_tokens({"tokens": [token("a", -2.0)]}, 1)[0].top == ()
+
+
+def test_chat_lists_each_token_with_its_bytes_and_alternatives():
+    shaped = chat_logprobs([listed(token("é", -0.25, top=[("é", -0.25), ("e", -1.5)]))])
+    assert shaped == {
+        "content": [
+            {
+                "token": "é",
+                "logprob": -0.25,
+                "bytes": [195, 169],
+                "top_logprobs": [
+                    {"token": "é", "logprob": -0.25, "bytes": [195, 169]},
+                    {"token": "e", "logprob": -1.5, "bytes": [101]},
+                ],
+            }
+        ],
+        "refusal": None,
+    }
+
+
+def test_completions_list_offsets_from_where_the_chunk_starts_and_the_chosen_among_the_top():
+    tokens = [
+        listed(token(" a", -3.0, top=[(" b", -0.5), (" c", -1.0)])),  # sampled, not the likeliest
+        listed(token(" d", -0.2, top=[(" d", -0.2), (" e", -2.0)])),
+    ]
+    assert completion_logprobs(tokens, 10, 2) == {
+        "tokens": [" a", " d"],
+        "token_logprobs": [-3.0, -0.2],
+        "top_logprobs": [{" b": -0.5, " c": -1.0, " a": -3.0}, {" d": -0.2, " e": -2.0}],
+        "text_offset": [10, 12],
+    }
+    assert completion_logprobs(tokens, 0, 0)["top_logprobs"] is None
