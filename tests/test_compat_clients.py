@@ -116,12 +116,27 @@ def test_top_n_tokens_lists_the_likeliest_tokens_beside_each_as_tgi_does(servers
     assert all("top_tokens" not in event["token"] for event in streamed)
 
 
+def test_decoder_input_details_lists_the_prompts_tokens_as_tgi_does(servers):
+    parameters = {**CLIENT_DEFAULTS, "max_new_tokens": 3, "decoder_input_details": True}
+    document = {"inputs": PROMPT, "parameters": parameters}
+    status, whole = servers["chat"].post_json(document, "/generate")
+    assert status == 200, whole
+    prefill = whole["details"]["prefill"]
+    assert len(prefill) == whole["details"]["prompt_tokens"] >= 2
+    assert prefill[0]["logprob"] is None and all(t["logprob"] <= 0 for t in prefill[1:])
+    assert "".join(token["text"] for token in prefill) == PROMPT
+    # as TGI: not with a stream
+    status, headers, body = servers["chat"].request(
+        "POST", "/generate_stream", json.dumps(document), {"Content-Type": "application/json"}
+    )
+    assert status == 422 and b"decoder_input_details" in body
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [
         ("best_of", 2),
         ("watermark", True),
-        ("decoder_input_details", True),
         ("truncate", 10),
         ("typical_p", 0.5),
         ("frequency_penalty", 0.5),

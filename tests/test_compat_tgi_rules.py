@@ -48,6 +48,7 @@ def test_the_parameters_tgis_client_sends_unset_are_taken_and_left_out():
     assert TASK is not None
     assert check_params(TASK, CLIENT_DEFAULTS) == {
         "details": True,
+        "decoder_input_details": False,
         "do_sample": False,
         "max_new_tokens": 20,
         "return_full_text": False,
@@ -69,7 +70,6 @@ def test_a_neutral_value_is_taken_as_unset(name, neutral):
     [
         ("best_of", 2),
         ("watermark", True),
-        ("decoder_input_details", True),
         ("truncate", 0),
         ("typical_p", 0.9),
         ("frequency_penalty", 0.1),

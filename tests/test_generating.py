@@ -122,14 +122,23 @@ def test_each_item_answers_what_the_static_path_answers_it_alone(runner):
         )
 
 
-def test_the_likeliest_tokens_are_listed_as_the_static_path_lists_them(runner):
-    params = {**GREEDY, "max_new_tokens": 8, "top_n_tokens": 3}
-    batches = [Batch(i, (text,), params) for i, text in enumerate(TEXTS[:3])]
+def as_the_static_path(runner, params: dict[str, Any], texts: list[str]) -> list[tuple]:
+    """Each text a batch of its own, all served by the loop at once, each answer checked
+    against the static path's (log probabilities aside): (text, answer, static answer)."""
+    batches = [Batch(i, (text,), params) for i, text in enumerate(texts)]
     answered = results(serve(runner, {0: batches}))
+    found = []
     for batch in batches:
         [got] = answered[batch.batch_id].outputs
         expected = static(runner, batch.inputs[0], params)
         assert without_logprobs(got) == without_logprobs(expected)
+        found.append((batch.inputs[0], got, expected))
+    return found
+
+
+def test_the_likeliest_tokens_are_listed_as_the_static_path_lists_them(runner):
+    params = {**GREEDY, "max_new_tokens": 8, "top_n_tokens": 3}
+    for _, got, expected in as_the_static_path(runner, params, TEXTS[:3]):
         details = got[0]["details"]
         assert len(details["top_tokens"]) == len(details["tokens"]) == 8
         for token, top in zip(details["tokens"], details["top_tokens"], strict=True):
@@ -158,6 +167,46 @@ def test_a_streamed_token_carries_its_likeliest_tokens(runner):
     plain = serve(runner, {0: [Batch(1, ("the movie was",), GREEDY, control=Control(stream_id=4))]})
     assert not any("top_tokens" in c.token for m in plain if isinstance(m, TokenChunks)
                    for c in m.chunks)  # fmt: skip
+
+
+def prompt_logprobs_in_process(runner, text: str) -> list[float]:
+    """Each prompt token's log probability given the ones before it, computed here."""
+    import torch
+
+    ids = runner.tokenizer(text)["input_ids"]
+    with torch.inference_mode():
+        logits = runner.model(input_ids=torch.tensor([ids])).logits[0, :-1]
+    scores = logits.float().log_softmax(-1)
+    return [float(scores[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+
+
+@pytest.mark.parametrize("new_tokens", [0, 5])
+def test_the_prompts_tokens_are_scored_as_tgi_lists_them_on_both_paths(runner, new_tokens):
+    params = {**GREEDY, "max_new_tokens": new_tokens, "decoder_input_details": True}
+    for text, got, _ in as_the_static_path(runner, params, TEXTS[:2]):
+        details = got[0]["details"]
+        prefill = details["prefill"]
+        assert len(prefill) == details["prompt_tokens"] and prefill[0]["logprob"] is None
+        assert "".join(token["text"] for token in prefill) == text
+        computed = prompt_logprobs_in_process(runner, text)
+        assert [t["logprob"] for t in prefill[1:]] == pytest.approx(computed, abs=1e-4)
+        assert len(details["tokens"]) == details["generated_tokens"] <= new_tokens
+        if not new_tokens:  # the prompt scored, nothing generated (the pipeline's full text)
+            assert got[0]["generated_text"] == text
+            assert details["finish_reason"] == "length"
+
+
+def test_the_prompts_alternatives_are_listed_where_the_server_asks(runner):
+    from rawserve.tasks.text_generation import PROMPT_TOP_N
+
+    params = {**GREEDY, "max_new_tokens": 0, "decoder_input_details": True, PROMPT_TOP_N: 2}
+    [[output]] = results(serve(runner, {0: [Batch(1, ("the movie was",), params)]}))[1].outputs
+    first, *rest = output["details"]["prefill"]
+    assert first["top_tokens"] == []  # nothing before it
+    for token in rest:
+        logprobs = [t["logprob"] for t in token["top_tokens"]]
+        assert len(logprobs) == 2 and logprobs == sorted(logprobs, reverse=True)
+        assert token["logprob"] <= logprobs[0] + 1e-5
 
 
 def test_a_short_prompt_answers_the_same_beside_a_long_one(runner):

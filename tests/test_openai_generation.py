@@ -104,7 +104,15 @@ def reference(tiny_model):
         return transformers.AutoTokenizer.from_pretrained(tiny_model(kind))
 
     generate.tokenizer = tokenizer
+    generate.folder = tiny_model
     return generate
+
+
+def transformers_model(reference, kind):
+    """The model `reference` generates with, loaded once."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(reference.folder(kind)).eval()
 
 
 def chat_prompt_ids(reference, kind, messages, template=None):
@@ -511,6 +519,45 @@ def test_completion_logprobs_end_where_a_stop_sequence_cuts_the_text(servers):
         assert "".join(tokens).startswith(before) and all(o < len(before) for o in offsets)
 
 
+def test_completion_echo_scores_the_prompt_with_nothing_generated(servers, reference):
+    import torch
+
+    plain = client(servers["plain"])
+    answer = plain.completions.create(
+        model=PLAIN_MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    [choice] = answer.choices
+    listed = choice.logprobs
+    assert choice.text == PROMPT and "".join(listed.tokens) == PROMPT
+    assert answer.usage.completion_tokens == 0
+    assert listed.token_logprobs[0] is None and listed.top_logprobs[0] is None
+    # each token's log probability given the ones before it, as the model computes it here
+    tokenizer = reference.tokenizer(PLAIN_MODEL)
+    model = transformers_model(reference, PLAIN_MODEL)
+    ids = tokenizer(PROMPT)["input_ids"]
+    with torch.inference_mode():
+        scores = model(input_ids=torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+    computed = [float(scores[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+    assert listed.token_logprobs[1:] == pytest.approx(computed, abs=1e-4)
+    assert all(len(top) <= 2 for top in listed.top_logprobs[1:])
+
+
+def test_completion_echo_puts_the_prompt_before_the_completion_that_stops_alone(servers):
+    plain = client(servers["plain"])
+    free = plain.completions.create(model=PLAIN_MODEL, prompt=PROMPT, **SAMPLED)
+    stop, before = stop_in(free.choices[0].text)
+    # the prompt holds the stop sequence too: the stop cuts the completion only
+    prompt = f"{PROMPT}{stop}"
+    alone = plain.completions.create(model=PLAIN_MODEL, prompt=prompt, stop=stop, **SAMPLED)
+    echoed = plain.completions.create(
+        model=PLAIN_MODEL, prompt=prompt, stop=stop, echo=True, logprobs=0, **SAMPLED
+    )
+    assert echoed.choices[0].text == prompt + alone.choices[0].text
+    listed = echoed.choices[0].logprobs
+    assert "".join(listed.tokens).startswith(echoed.choices[0].text)
+    assert listed.text_offset[0] == 0 and listed.token_logprobs[0] is None
+
+
 def test_completion_of_several_prompts_answers_a_choice_each_in_order(servers):
     plain = client(servers["plain"])
     prompts = ["the movie was", "paris is a city", "hello"]
@@ -543,7 +590,8 @@ def test_completion_with_more_prompts_than_the_client_cap_is_413(servers):
         {"prompt": [1, 2, 3]},  # token ids
         {"prompt": PROMPT, "n": 3},
         {"prompt": PROMPT, "best_of": 2},
-        {"prompt": PROMPT, "echo": True},
+        {"prompt": PROMPT, "max_tokens": 0},  # 0 only with echo
+        {"prompt": PROMPT, "echo": True, "stream": True},
         {"prompt": PROMPT, "logprobs": 21},
         {"prompt": PROMPT, "suffix": "end"},
         {"prompt": PROMPT, "stream": "yes"},

@@ -222,7 +222,8 @@ class OpenAIRoutes:
         results = await model.run(generation.items, generation.params, deadline)
         # the worker answers the pipeline's [{"generated_text", "details"}] per prompt
         outputs = [unwrap(result)[0] for result in results]
-        return answer(shape.whole(outputs, generation.stop), results)
+        echoed = generation.items if generation.echo else None
+        return answer(shape.whole(outputs, generation.stop, echoed), results)
 
     async def models_list(self, request: HttpRequest) -> HttpResponse:
         data = [

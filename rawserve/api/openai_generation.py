@@ -3,13 +3,15 @@ into prompts and worker parameters, and writing their answers, whole or as SSE c
 body is declared once (`CHAT`, `COMPLETION`: `fields.Body`), for its checks and its
 `/openapi.json` schema.
 
-What OpenAI's API has and rawserve does not serve (several choices, tools, echo,
-penalties) is refused with 400 naming it, never ignored. Text stops before a stop
+What OpenAI's API has and rawserve does not serve (several choices, tools, penalties, a
+streamed echo) is refused with 400 naming it, never ignored. Text stops before a stop
 sequence, as OpenAI's does, streamed too: text that may be the start of a stop sequence is
 held back until the next token says. Log probabilities (chat's `logprobs` and
 `top_logprobs`, completions' `logprobs`) come from the worker's tokens (TGI's shape, with
 `top_tokens` when alternatives are asked for), each listed with the chunk that sends its
-text. Server process; plain Python.
+text. Completions' `echo` puts the prompt before the completion, and with `logprobs` lists
+the prompt's tokens first (the worker's `prefill`, TGI's `decoder_input_details`);
+`max_tokens` 0 with it scores the prompt alone. Server process; plain Python.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from rawserve.api.openai_logprobs import (
     chat_logprobs,
     completion_logprobs,
     listed,
+    prompt_tokens,
 )
 from rawserve.api.routing import DocContext, Schema
 from rawserve.api.streaming import TokenStream, sse
@@ -51,7 +54,7 @@ from rawserve.tasks import (
     text_generation,
 )
 from rawserve.tasks.checks import not_blank
-from rawserve.tasks.text_generation import MAX_STOP_SEQUENCES, MAX_TOP_N_TOKENS
+from rawserve.tasks.text_generation import MAX_STOP_SEQUENCES, MAX_TOP_N_TOKENS, PROMPT_TOP_N
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_NEW_TOKENS = 4096
@@ -71,6 +74,7 @@ class GenerationRequest:
     include_usage: bool = False
     max_tokens_field: str = "max_tokens"  # the field that set params["max_new_tokens"]
     logprobs: int | None = None  # None: none asked; else how many alternatives a token lists
+    echo: bool = False  # completions: the prompt before its completion (and its tokens)
 
 
 def unserved(schema: Schema, *allowed: Any) -> Field:
@@ -268,8 +272,22 @@ def parse_completion(document: Any, context: DocContext) -> GenerationRequest:
         except BlankInput as exc:
             raise UnprocessableInput(str(exc)) from None
     request = replace(request, items=[unicode_text(p, '"prompt"') for p in prompts])
+    echo = bool(fields.value("echo"))
+    if request.params.get("max_new_tokens") == 0 and not echo:
+        raise BadRequest('"max_tokens" must be at least 1 (0 only with "echo": true)')
+    if echo and request.stream:
+        raise BadRequest('"echo" is not supported with "stream": true')
     alternatives = fields.value("logprobs")
-    return request if alternatives is None else with_logprobs(request, alternatives)
+    if alternatives is not None:
+        request = with_logprobs(request, alternatives)
+    if not echo:
+        return request
+    params = dict(request.params)
+    if alternatives is not None:  # the prompt's tokens scored too, with as many alternatives
+        params["decoder_input_details"] = True
+        if alternatives:
+            params[PROMPT_TOP_N] = alternatives
+    return replace(request, params=params, echo=True)
 
 
 def check_max_tokens(generation: GenerationRequest, most: int | None) -> None:
@@ -407,12 +425,13 @@ CHAT = Body(
         ),
     }
 )
-COMPLETION_UNSERVED = ("echo", "suffix", "best_of")
+COMPLETION_UNSERVED = ("suffix", "best_of")
 COMPLETION = Body(
     {
         "prompt": Field(prompt_schema, read_prompts, reads_null=True, required=True),
         **COMMON,
-        "echo": unserved({"enum": [False, None]}, False),
+        "echo": flag(False, "the prompt before its completion (and its tokens' log probabilities)"),
+        "max_tokens": whole(0, MAX_NEW_TOKENS),  # 0 only with echo: the prompt scored
         "suffix": unserved({"type": "null"}),
         # OpenAI's bound is 5; the chat route's 20 is taken here too
         "logprobs": whole(0, MAX_TOP_N_TOKENS),
@@ -504,16 +523,26 @@ class Answer:
             "system_fingerprint": SYSTEM_FINGERPRINT,
         }
 
-    def whole(self, outputs: Sequence[dict[str, Any]], stops: Sequence[str]) -> dict[str, Any]:
+    def whole(
+        self,
+        outputs: Sequence[dict[str, Any]],
+        stops: Sequence[str],
+        echoed: Sequence[str] | None = None,
+    ) -> dict[str, Any]:
+        """The answer: a choice per output (`echoed`: the prompts each one follows)."""
         choices = []
         for index, output in enumerate(outputs):
             text = cut_at_stop(output["generated_text"], stops)
+            tokens = answer_tokens(output["details"], len(text))
+            if echoed is not None:  # the stop sequences cut the completion, not the prompt
+                text = echoed[index] + text
+                tokens = prompt_tokens(output["details"]) + tokens
             choice: dict[str, Any] = {"index": index}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            choice["logprobs"] = self.listing(answer_tokens(output["details"], len(text)))
+            choice["logprobs"] = self.listing(tokens)
             choice["finish_reason"] = finish_reason(output["details"])
             choices.append(choice)
         return {**self.head(False), "choices": choices, "usage": usage(outputs)}

@@ -10,9 +10,10 @@ one the whole character). OpenAI's two shapes of the same figures:
   logprob}], "text_offset"}`, where each token's alternatives include the chosen token
   (OpenAI: "up to logprobs + 1 elements").
 
-Special tokens (the end of the sequence) are left out, as their text is left out of the
-answer's; so are tokens past a stop sequence's start, whose text is cut. Server process;
-plain Python.
+An echoed prompt's tokens (the details' `prefill`) come first, the first of them with no
+log probability (nothing comes before it). Special tokens (the end of the sequence, a
+prompt's start) are left out, as their text is left out of the answer's; so are tokens
+past a stop sequence's start, whose text is cut. Server process; plain Python.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class Listed:
     """One new token as OpenAI lists it: its text, log probability and alternatives."""
 
     text: str
-    logprob: float
+    logprob: float | None  # None: the prompt's first token (nothing before it)
     top: tuple[tuple[str, float], ...]
 
 
@@ -35,9 +36,10 @@ def listed(token: Mapping[str, Any], top: Sequence[Mapping[str, Any]] | None = N
     """A worker's token (TGI's shape) with its alternatives (`top`, or its own
     `top_tokens`)."""
     alternatives = top if top is not None else token.get("top_tokens") or ()
+    logprob = token["logprob"]
     return Listed(
         token["text"],
-        float(token["logprob"]),
+        None if logprob is None else float(logprob),
         tuple((t["text"], float(t["logprob"])) for t in alternatives),
     )
 
@@ -57,6 +59,11 @@ def answer_tokens(details: dict[str, Any], text_length: int) -> list[Listed]:
         kept.append(listed(token, top))
         offset += len(token["text"])
     return kept
+
+
+def prompt_tokens(details: dict[str, Any]) -> list[Listed]:
+    """An echoed prompt's tokens (its details' `prefill`), special ones left out."""
+    return [listed(token) for token in details.get("prefill") or [] if not token.get("special")]
 
 
 def chat_logprobs(tokens: Iterable[Listed]) -> dict[str, Any]:
@@ -84,8 +91,11 @@ def completion_logprobs(tokens: Sequence[Listed], offset: int, alternatives: int
         offsets.append(offset)
         offset += len(token.text)
     top = None
-    if alternatives:
-        top = [{**dict(token.top), token.text: token.logprob} for token in tokens]
+    if alternatives:  # (none for the prompt's first token, which has no log probability)
+        top = [
+            None if token.logprob is None else {**dict(token.top), token.text: token.logprob}
+            for token in tokens
+        ]
     return {
         "tokens": [token.text for token in tokens],
         "token_logprobs": [token.logprob for token in tokens],

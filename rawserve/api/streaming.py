@@ -26,7 +26,12 @@ from typing import Any
 from rawserve.api.outcomes import unwrap
 from rawserve.api.served import ServedModel
 from rawserve.http.encoding import dumps
-from rawserve.http.errors import HTTPError, ServiceUnavailable, error_document
+from rawserve.http.errors import (
+    HTTPError,
+    ServiceUnavailable,
+    UnprocessableInput,
+    error_document,
+)
 from rawserve.http.exchange import HttpResponse
 from rawserve.serving.face import Control, ItemResult, Serving, TokenChunk
 
@@ -109,6 +114,8 @@ async def open_token_stream(
     model: ServedModel, prompt: Any, params: Mapping[str, Any], deadline: float
 ) -> HttpResponse:
     """Start a streamed generation; errors before its first token keep their status."""
+    if params.get("decoder_input_details"):  # TGI refuses it the same way
+        raise UnprocessableInput("decoder_input_details is not supported when streaming tokens")
     stream = TokenStream(model, prompt, params, deadline)
     await stream.start()
     return event_stream(_events(stream))

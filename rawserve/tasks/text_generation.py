@@ -19,6 +19,9 @@ from rawserve.tasks.rules import Task
 # Set by the server's OpenAI chat route, never by a client: each input is a chat
 # (`{"messages": [...]}`) that the worker renders with the model's chat template.
 CHAT_PARAM = "chat"
+# Set by the server's OpenAI completions route (echo with logprobs), never by a client:
+# with `decoder_input_details`, the likeliest tokens listed beside each of the prompt's.
+PROMPT_TOP_N = "prompt_top_n"
 MAX_STOP_SEQUENCES = 16
 # the likeliest tokens a new token's details or stream event may list beside it (OpenAI's
 # top_logprobs goes to 20; TGI's own server defaults to 5)
@@ -66,10 +69,11 @@ TASK = Task(
         "repetition_penalty": float_range(0.0, 100.0),
         "details": boolean,
         "top_n_tokens": int_range(0, MAX_TOP_N_TOKENS),
+        # the prompt's tokens with their log probabilities, in the details' `prefill`
+        "decoder_input_details": boolean,
         # TGI's parameters that rawserve does not serve: its client sends each of them,
         # null or false (or their neutral value) when unset; anything else is a 422
         "best_of": ignored(1),
-        "decoder_input_details": ignored(False),
         "frequency_penalty": ignored(0),
         "typical_p": ignored(1),
         "truncate": ignored(),

@@ -19,6 +19,7 @@ import transformers
 
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits, TokenChunk
 from rawserve.tasks import CHAT_PARAM
+from rawserve.tasks.text_generation import PROMPT_TOP_N
 from rawserve.worker.continuous import Generation, TextPieces, likeliest
 from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.runner import Runner, dtype_name
@@ -27,6 +28,7 @@ log = logging.getLogger("rawserve.generation")
 
 # The text-generation pipeline's defaults, for what the model's generation config leaves unset.
 PIPELINE_DEFAULTS = {"max_new_tokens": 256, "do_sample": True}
+PROMPT_SCORED_AT_ONCE = 256  # positions whose log-softmax is taken at a time
 
 
 class ScoreRecorder(transformers.LogitsProcessor):
@@ -137,6 +139,12 @@ def tgi_token(
             for i, p in top
         ]
     return token
+
+
+def scores_prompt(params: dict[str, Any]) -> bool:
+    """Whether the prompt's tokens are listed with their log probabilities (TGI's
+    `decoder_input_details`, which its details carry)."""
+    return bool(params.get("decoder_input_details") and params.get("details"))
 
 
 def _eos_ids(tokenizer: Any) -> set[int]:
@@ -263,10 +271,11 @@ class CausalLMRunner(Runner):
             return kwargs[name] if name in kwargs else getattr(config, name, None)
 
         wants_logprobs = control.stream_id is not None or bool(params.get("details"))
+        asked = setting("max_new_tokens")  # 0: the prompt scored, nothing generated
         return Generation(
             key,
             ids,
-            max_new_tokens=setting("max_new_tokens") or PIPELINE_DEFAULTS["max_new_tokens"],
+            max_new_tokens=PIPELINE_DEFAULTS["max_new_tokens"] if asked is None else asked,
             do_sample=bool(setting("do_sample")),
             temperature=setting("temperature") or 1.0,
             top_k=setting("top_k"),
@@ -276,7 +285,46 @@ class CausalLMRunner(Runner):
             repetition_penalty=setting("repetition_penalty"),
             logprobs=[] if wants_logprobs else None,
             top_n=int(params.get("top_n_tokens") or 0),
+            prefill=self.prefill_tokens(ids, params) if scores_prompt(params) else None,
         )
+
+    def prefill_tokens(self, ids: list[int], params: dict[str, Any]) -> list[dict[str, Any]]:
+        """The prompt's tokens as TGI's details list them under `prefill` (TGI's
+        `decoder_input_details`): each one's text (what it adds to the prompt's text; a
+        special token its own) and its log probability given the ones before it (none for
+        the first), from one forward pass over the prompt; with `PROMPT_TOP_N`, the
+        likeliest tokens at each position too."""
+        top_n = int(params.get(PROMPT_TOP_N) or 0)
+        chosen: list[float] = []
+        top: list[list[tuple[int, float]]] = []
+        with torch.inference_mode():
+            tensor = torch.tensor([ids], device=self.device)
+            logits = self.model(input_ids=tensor, use_cache=False).logits[0, :-1]
+            following = tensor[0, 1:, None]
+            for start in range(0, logits.shape[0], PROMPT_SCORED_AT_ONCE):
+                window = slice(start, start + PROMPT_SCORED_AT_ONCE)
+                logprobs = logits[window].float().log_softmax(-1)
+                chosen += logprobs.gather(1, following[window])[:, 0].tolist()
+                top += likeliest(logprobs, top_n) or []
+        pieces = TextPieces(self.tokenizer)
+        tokens: list[dict[str, Any]] = []
+        for index, token_id in enumerate(ids):
+            piece = pieces.next_piece(ids[: index + 1])
+            special = token_id in self.special_ids
+            token: dict[str, Any] = {
+                "id": token_id,
+                "text": self.tokenizer.decode([token_id]) if special else piece,
+                "logprob": chosen[index - 1] if index else None,
+                "special": special,
+            }
+            if top_n:
+                listed = top[index - 1] if index else []
+                token["top_tokens"] = [
+                    {"id": i, "text": self.tokenizer.decode([i]), "logprob": p,
+                     "special": i in self.special_ids} for i, p in listed
+                ]  # fmt: skip
+            tokens.append(token)
+        return tokens
 
     def token(
         self,
@@ -305,6 +353,7 @@ class CausalLMRunner(Runner):
             generation.finish_reason or "length",
             len(generation.prompt_ids),
             tokens,
+            generation.prefill,
         )
 
     def _output(
@@ -316,6 +365,7 @@ class CausalLMRunner(Runner):
         finish_reason: str,
         prompt_tokens: int,
         tokens: list[dict[str, Any]] | None,
+        prefill: list[dict[str, Any]] | None = None,
     ) -> Any:
         """One item's output in the Inference API's shape (TGI's details when asked)."""
         # the whole decode, as the pipeline does (pieces hold back a cut character)
@@ -331,7 +381,7 @@ class CausalLMRunner(Runner):
                 "seed": params.get("seed"),
             }
             if tokens is not None:  # TGI's: the prompt's tokens only on request
-                output["details"].update(prefill=[], tokens=tokens)
+                output["details"].update(prefill=prefill or [], tokens=tokens)
                 if params.get("top_n_tokens"):  # TGI lists them beside the tokens
                     listed = [dict(token) for token in tokens]
                     top = [token.pop("top_tokens", []) for token in listed]
@@ -360,6 +410,11 @@ class CausalLMRunner(Runner):
         if "seed" in params:
             torch.manual_seed(params["seed"])
         made: dict[int, tuple[list[int], str, Any]] = {}
+        if 0 in groups:  # max_new_tokens 0: the prompts scored, nothing generated
+            keep: list[dict[str, Any]] | None = None
+            if params.get("details") and control.stream_id is None:
+                keep = []  # the details list no tokens
+            made.update((row, ([], "length", keep)) for row in groups.pop(0))
         for cap, rows in groups.items():
             width = max(lengths[row] for row in rows)  # the group's own left padding
             group = {name: value[rows, -width:] for name, value in encoded.items()}
@@ -372,10 +427,21 @@ class CausalLMRunner(Runner):
         outputs = []
         for row, prompt in enumerate(inputs):
             token_ids, finish_reason, tokens = made[row]
+            prefill = None
+            if scores_prompt(params):
+                ids = encoded["input_ids"][row, -lengths[row] :].tolist()
+                prefill = self.prefill_tokens(ids, params)
             outputs.append(
                 self._output(
-                    prompt, params, control, token_ids, finish_reason, lengths[row], tokens
-                )
+                    prompt,
+                    params,
+                    control,
+                    token_ids,
+                    finish_reason,
+                    lengths[row],
+                    tokens,
+                    prefill,
+                )  # fmt: skip
             )
         return outputs
 

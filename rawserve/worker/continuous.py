@@ -104,6 +104,8 @@ class Generation:
     # each, likeliest first, from the same scores (TGI's top_n_tokens, OpenAI's top_logprobs)
     top_n: int = 0
     top: list[list[tuple[int, float]]] = field(default_factory=list)
+    # the prompt's tokens with their log probabilities (TGI's details' `prefill`), if asked
+    prefill: list[dict[str, Any]] | None = None
     tokens: list[int] = field(default_factory=list)
     text: str = ""  # the text so far, piece by piece (pieces hold back a cut character)
     finish_reason: str | None = None  # None while it runs

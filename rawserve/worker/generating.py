@@ -168,6 +168,15 @@ class GenerationLoop:
                 generation = self.runner.generation(
                     (batch.batch_id, index), item, params, batch.control
                 )
+                if generation.max_new_tokens == 0:  # the prompt scored: nothing to generate
+                    generation.finish_reason = "length"
+                    listed: list[dict[str, Any]] | None = None
+                    if generation.logprobs is not None and batch.control.stream_id is None:
+                        listed = []  # the details list no tokens
+                    opened.outputs[index] = self.runner.finished(
+                        generation, item, params, batch.control, listed
+                    )
+                    continue
                 self.batcher.add(generation)
             except Exception as exc:  # noqa: BLE001 - every failure becomes data
                 self._fail(opened, index, self.runner.describe_failure(exc), exc)
