@@ -119,13 +119,13 @@ def tgi_token(
     special_ids: set[int],
     token_id: int,
     piece: str,
-    logprob: float,
+    logprob: float | None,
     top: list[tuple[int, float]] | None = None,
 ) -> dict[str, Any]:
     """A new token as TGI's streams and details list it (a special token shows its own
-    text, which the running text skips), with the likeliest tokens at its step under
-    "top_tokens" where they were asked for (each token's own text: an alternative has no
-    place in the running text)."""
+    text, which the running text skips; a prompt's first token has no log probability),
+    with the likeliest tokens at its step under "top_tokens" where they were asked for
+    (each token's own text: an alternative has no place in the running text)."""
     special = token_id in special_ids
     token: dict[str, Any] = {
         "id": token_id,
@@ -307,23 +307,14 @@ class CausalLMRunner(Runner):
                 chosen += logprobs.gather(1, following[window])[:, 0].tolist()
                 top += likeliest(logprobs, top_n) or []
         pieces = TextPieces(self.tokenizer)
-        tokens: list[dict[str, Any]] = []
+        tokens = []
         for index, token_id in enumerate(ids):
             piece = pieces.next_piece(ids[: index + 1])
-            special = token_id in self.special_ids
-            token: dict[str, Any] = {
-                "id": token_id,
-                "text": self.tokenizer.decode([token_id]) if special else piece,
-                "logprob": chosen[index - 1] if index else None,
-                "special": special,
-            }
-            if top_n:
-                listed = top[index - 1] if index else []
-                token["top_tokens"] = [
-                    {"id": i, "text": self.tokenizer.decode([i]), "logprob": p,
-                     "special": i in self.special_ids} for i, p in listed
-                ]  # fmt: skip
-            tokens.append(token)
+            logprob = chosen[index - 1] if index else None  # nothing before the first
+            alternatives = (top[index - 1] if index else []) if top_n else None
+            tokens.append(
+                tgi_token(self.tokenizer, self.special_ids, token_id, piece, logprob, alternatives)
+            )
         return tokens
 
     def token(
@@ -441,7 +432,7 @@ class CausalLMRunner(Runner):
                     lengths[row],
                     tokens,
                     prefill,
-                )  # fmt: skip
+                )
             )
         return outputs
 
