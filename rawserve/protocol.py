@@ -461,7 +461,7 @@ class HttpProtocol(asyncio.Protocol):
                     if self.phase is not Phase.RESPONDING:
                         return
                     if chunk:
-                        self._write_all(framed(chunk))
+                        self._write(framed(chunk))
                         sent += len(chunk)
                     await self._flow.drain()
             if self.phase is not Phase.RESPONDING:

@@ -187,13 +187,13 @@ def parse_chat(document: Any) -> GenerationRequest:
     refuse_unserved(fields, CHAT_UNSERVED)
     request = generation_params(fields, "max_completion_tokens", None)
     chat = {"messages": fields.value("messages")}
-    params = {**request.params, CHAT_PARAM: True}
+    request = replace(request, items=[chat], params={**request.params, CHAT_PARAM: True})
     top = fields.value("top_logprobs")
-    if not fields.value("logprobs"):
-        if top is not None:
-            raise BadRequest('"top_logprobs" needs "logprobs": true')
-        return replace(request, items=[chat], params=params)
-    return with_logprobs(replace(request, items=[chat], params=params), top or 0)
+    if fields.value("logprobs"):
+        return with_logprobs(request, top or 0)
+    if top is not None:
+        raise BadRequest('"top_logprobs" needs "logprobs": true')
+    return request
 
 
 def with_logprobs(request: GenerationRequest, alternatives: int) -> GenerationRequest:

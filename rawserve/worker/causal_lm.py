@@ -141,6 +141,12 @@ def tgi_token(
     return token
 
 
+def lists_tokens(params: dict[str, Any], control: Control) -> bool:
+    """Whether a whole answer's details list its tokens, as TGI's do (a stream sends
+    them one by one)."""
+    return control.stream_id is None and bool(params.get("details"))
+
+
 def scores_prompt(params: dict[str, Any]) -> bool:
     """Whether the prompt's tokens are listed with their log probabilities (TGI's
     `decoder_input_details`, which its details carry)."""
@@ -402,10 +408,8 @@ class CausalLMRunner(Runner):
             torch.manual_seed(params["seed"])
         made: dict[int, tuple[list[int], str, Any]] = {}
         if 0 in groups:  # max_new_tokens 0: the prompts scored, nothing generated
-            keep: list[dict[str, Any]] | None = None
-            if params.get("details") and control.stream_id is None:
-                keep = []  # the details list no tokens
-            made.update((row, ([], "length", keep)) for row in groups.pop(0))
+            none: list[dict[str, Any]] | None = [] if lists_tokens(params, control) else None
+            made.update((row, ([], "length", none)) for row in groups.pop(0))
         for cap, rows in groups.items():
             width = max(lengths[row] for row in rows)  # the group's own left padding
             group = {name: value[rows, -width:] for name, value in encoded.items()}
@@ -449,8 +453,7 @@ class CausalLMRunner(Runner):
         stream_id = control.stream_id
         encoded = {name: value.to(self.device) for name, value in encoded.items()}
         recorder = ScoreRecorder()
-        # a whole answer's details list its tokens, as TGI's do (a stream sends them one by one)
-        keep_tokens = stream_id is None and bool(params.get("details"))
+        keep_tokens = lists_tokens(params, control)
         wants_logprobs = stream_id is not None or keep_tokens
         on_token = None
         if stream_id is not None and self.send is not None:

@@ -100,10 +100,10 @@ class Generation:
     # the log-probability of each chosen token (after the repetition penalty, before
     # temperature and top-k/top-p, as generate's logits processors see it); None: not kept
     logprobs: list[float] | None = None
-    # with `logprobs`: the `top_n` likeliest tokens at each step, (id, log-probability)
+    # with `logprobs`: the `top_n` likeliest tokens at its latest step, (id, log-probability)
     # each, likeliest first, from the same scores (TGI's top_n_tokens, OpenAI's top_logprobs)
     top_n: int = 0
-    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    top: list[tuple[int, float]] | None = None
     # the prompt's tokens with their log probabilities (TGI's details' `prefill`), if asked
     prefill: list[dict[str, Any]] | None = None
     tokens: list[int] = field(default_factory=list)
@@ -382,7 +382,7 @@ class ContinuousBatcher:
             if generation.logprobs is not None and logprobs is not None:
                 generation.logprobs.append(logprobs[index])
                 if generation.top_n and top is not None:
-                    generation.top.append(top[index][: generation.top_n])
+                    generation.top = top[index][: generation.top_n]
             if self.on_token is not None:
                 self.on_token(generation, token, piece)
             longest = max((len(s) for s in generation.stop), default=0)

@@ -168,22 +168,17 @@ class GenerationLoop:
                 generation = self.runner.generation(
                     (batch.batch_id, index), item, params, batch.control
                 )
-                if generation.max_new_tokens == 0:  # the prompt scored: nothing to generate
-                    generation.finish_reason = "length"
-                    listed: list[dict[str, Any]] | None = None
-                    if generation.logprobs is not None and batch.control.stream_id is None:
-                        listed = []  # the details list no tokens
-                    opened.outputs[index] = self.runner.finished(
-                        generation, item, params, batch.control, listed
-                    )
-                    continue
-                self.batcher.add(generation)
+                if generation.max_new_tokens:
+                    self.batcher.add(generation)
             except Exception as exc:  # noqa: BLE001 - every failure becomes data
                 self._fail(opened, index, self.runner.describe_failure(exc), exc)
                 continue
             opened.generations[index] = generation
             if generation.logprobs is not None and batch.control.stream_id is None:
                 opened.tokens[index] = []  # details list the tokens
+            if not generation.max_new_tokens:  # the prompt scored: nothing to generate
+                generation.finish_reason = "length"
+                self._output(opened, index, generation)
         self._answer_if_done(opened)
 
     def _cancel(self, batch_id: int) -> None:
@@ -242,8 +237,7 @@ class GenerationLoop:
             return
         batch_id, index = generation.key
         opened = self.open[batch_id]
-        top = generation.top[-1] if generation.top_n else None
-        token = self.runner.token(token_id, piece, generation.logprobs[-1], top)
+        token = self.runner.token(token_id, piece, generation.logprobs[-1], generation.top)
         stream_id = opened.batch.control.stream_id
         if stream_id is None:
             opened.tokens[index].append(token)
@@ -273,16 +267,21 @@ class GenerationLoop:
                 "generation stopped after %d tokens: the client left (or its deadline passed)",
                 len(generation.tokens),
             )
-        item = opened.batch.inputs[index]
-        control = opened.batch.control
+        self._output(opened, index, generation)
+        self._answer_if_done(opened)
+
+    def _output(self, opened: OpenBatch, index: int, generation: Generation) -> None:
+        """A finished sequence's output, in its place in its batch's answer."""
+        batch = opened.batch
         tokens = opened.tokens.get(index)
         try:
-            output = self.runner.finished(generation, item, opened.params, control, tokens)
+            output = self.runner.finished(
+                generation, batch.inputs[index], opened.params, batch.control, tokens
+            )
         except Exception as exc:  # noqa: BLE001 - a failure becomes data
             output = self.runner.describe_failure(exc)
             log.error("an item's output failed", exc_info=exc)
         opened.outputs[index] = output
-        self._answer_if_done(opened)
 
     def _fail(
         self, opened: OpenBatch, index: int, failure: ItemFailure, exc: BaseException | None
