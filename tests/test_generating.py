@@ -299,6 +299,33 @@ def test_a_prompt_that_cannot_fit_fails_alone_at_once_as_the_static_path_fails(r
     assert results(sent)[2].outputs[0].kind is FailureKind.INPUT
 
 
+def test_a_prompt_of_token_ids_answers_as_its_text_on_both_paths(runner):
+    params = {**GREEDY, "max_new_tokens": 12, "details": True, "return_full_text": False}
+    texts = ["the movie was", "paris is a city of"]
+    ids = [runner.tokenizer(text)["input_ids"] for text in texts]
+    by_text = runner.run(texts, dict(params))
+    by_ids = runner.run(ids, dict(params))  # the static path, padded together
+    assert without_logprobs(by_ids) == without_logprobs(by_text)
+    mixed = [Batch(0, (ids[0],), params), Batch(1, (texts[1],), params)]
+    answered = results(serve(runner, {0: mixed}))
+    assert without_logprobs([answered[0].outputs[0], answered[1].outputs[0]]) == (
+        without_logprobs(by_text)
+    )
+
+
+def test_a_token_id_outside_the_vocabulary_fails_its_item_alone(runner):
+    params = {**GREEDY, "max_new_tokens": 4}
+    vocabulary = runner.model.get_input_embeddings().num_embeddings
+    sent = serve(runner, {0: [Batch(1, ("the movie was", [3, vocabulary]), params)]})
+    (answer,) = [m for m in sent if isinstance(m, BatchResult)]
+    ok, failed = answer.outputs
+    assert ok == static(runner, "the movie was", params)
+    assert failed.kind is FailureKind.INPUT
+    assert f"token id {vocabulary} is not in the model's vocabulary" in failed.message
+    with pytest.raises(ValueError, match="not in the model's vocabulary"):
+        runner.run([[vocabulary + 5]], dict(params))
+
+
 def test_chat_inputs_render_with_the_template_as_the_static_path(tiny_model):
     import torch
 

@@ -285,13 +285,14 @@ class FakeServing:
 def check(prompts, chat, positions=64):
     import asyncio
 
-    from rawserve.api.prompts import PromptLengths
+    from rawserve.api.prompts import check_lengths
     from rawserve.api.served import ServedModel
+    from rawserve.api.tokens import ServerTokenizers
     from tests.tiny_models import bpe_tokenizer
 
     serving = FakeServing(bpe_tokenizer().backend_tokenizer.to_str(), positions)
     model = ServedModel("m", serving)  # type: ignore[arg-type]
-    asyncio.run(PromptLengths().check(model, prompts, chat))
+    asyncio.run(check_lengths(ServerTokenizers(), model, prompts, chat))
 
 
 def test_the_prompt_check_counts_texts_and_chats():
@@ -307,3 +308,11 @@ def test_the_prompt_check_counts_texts_and_chats():
     huge = {"messages": [{"role": "user", "content": "word " * 100}]}
     with pytest.raises(UnprocessableInput):
         check([huge], chat=True)
+
+
+def test_the_prompt_check_counts_token_ids_as_they_are():
+    from rawserve.http.errors import UnprocessableInput
+
+    check([[5] * 63], chat=False)  # one position left for the new token
+    with pytest.raises(UnprocessableInput, match="more than 63 tokens"):
+        check([[5] * 2, [5] * 64], chat=False)

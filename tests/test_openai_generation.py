@@ -574,6 +574,77 @@ def test_completion_of_several_prompts_answers_a_choice_each_in_order(servers):
     assert together.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
 
 
+def test_completion_takes_token_ids_as_the_text_they_encode(servers, reference):
+    plain = client(servers["plain"])
+    tokenizer = reference.tokenizer(PLAIN_MODEL)
+    prompts = [PROMPT, "paris is a city"]
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    by_text = plain.completions.create(
+        model=PLAIN_MODEL, prompt=prompts, max_tokens=6, temperature=0
+    )
+    by_ids = plain.completions.create(model=PLAIN_MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert [c.text for c in by_ids.choices] == [c.text for c in by_text.choices]
+    assert by_ids.usage.prompt_tokens == sum(len(i) for i in ids)
+    one = plain.completions.create(
+        model=PLAIN_MODEL, prompt=ids[0], max_tokens=6, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in one) == by_text.choices[0].text
+
+
+def test_completion_scores_token_ids_as_an_evaluation_harness_reads_them(servers, reference):
+    """lm-evaluation-harness's `local-completions` (its default, tokenized requests) sends
+    context and continuation as ids, `max_tokens` 1, `echo` and `logprobs` 1, and sums
+    `token_logprobs[ctxlen:-1]`: one entry per id it sent, a special token's too."""
+    import torch
+
+    tokenizer = reference.tokenizer(PLAIN_MODEL)
+    context = [tokenizer.eos_token_id, *tokenizer("the movie was")["input_ids"]]
+    continuation = tokenizer(" good")["input_ids"]
+    ids = context + continuation
+    payload = {
+        "model": PLAIN_MODEL,
+        "prompt": [ids],
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
+    status, body = servers["plain"].post_json(payload, "/v1/completions")
+    assert status == 200, body
+    [choice] = body["choices"]
+    listed = choice["logprobs"]
+    assert len(listed["token_logprobs"]) == len(ids) + 1  # the prompt's, then the new one
+    assert listed["token_logprobs"][0] is None and listed["tokens"][0] == tokenizer.eos_token
+    assert choice["text"].startswith(tokenizer.decode(ids))
+    model = transformers_model(reference, PLAIN_MODEL)
+    with torch.inference_mode():
+        scores = model(input_ids=torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+    computed = [float(scores[i - 1, ids[i]]) for i in range(len(context), len(ids))]
+    ctxlen = len(context)
+    assert listed["token_logprobs"][ctxlen:-1] == pytest.approx(computed, abs=1e-4)
+    for logprob, top in zip(
+        listed["token_logprobs"][ctxlen:-1], listed["top_logprobs"][ctxlen:-1], strict=True
+    ):
+        assert logprob in top.values() and len(top) <= 2  # the chosen, and the likeliest
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        ({"prompt": [[]]}, "has none"),
+        ({"prompt": [[5], []]}, "has none"),
+        ({"prompt": [5, 10**9]}, "token id 1000000000 is not in the model's vocabulary"),
+        ({"prompt": [5, 10**9], "echo": True, "max_tokens": 0}, "1000000000 is not in the"),
+        ({"prompt": [5] * 300}, "leave room for one new token"),
+    ],
+    ids=["empty", "one-empty", "unknown-id", "unknown-id-echoed", "too-long"],
+)
+def test_token_ids_that_cannot_be_read_are_422(servers, document, message):
+    status, body = servers["plain"].post_json(document, "/v1/completions")
+    assert status == 422 and message in body["error"]["message"], body
+
+
 def test_completion_with_more_prompts_than_the_client_cap_is_413(servers):
     status, body = servers["chat"].post_json(
         {"prompt": ["hello"] * 5, "max_tokens": 2}, "/v1/completions"
@@ -587,7 +658,11 @@ def test_completion_with_more_prompts_than_the_client_cap_is_413(servers):
         {},
         {"prompt": 5},
         {"prompt": []},
-        {"prompt": [1, 2, 3]},  # token ids
+        {"prompt": [1, True]},  # token ids are whole numbers
+        {"prompt": [1, -2]},
+        {"prompt": [1, 2.5]},
+        {"prompt": ["hello", [1, 2]]},  # one form for all
+        {"prompt": [[1], "hello"]},
         {"prompt": PROMPT, "n": 3},
         {"prompt": PROMPT, "best_of": 2},
         {"prompt": PROMPT, "max_tokens": 0},  # 0 only with echo

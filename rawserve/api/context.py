@@ -10,10 +10,10 @@ from typing import Any
 
 from rawserve.api.bodies import request_timeout
 from rawserve.api.gate import Gate
-from rawserve.api.prompts import PromptLengths
 from rawserve.api.routing import ANY_MODEL, Needs
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
+from rawserve.api.tokens import ServerTokenizers
 from rawserve.http.errors import BadRequest, NotFound
 from rawserve.http.exchange import HttpRequest
 
@@ -24,7 +24,7 @@ class RouteContext:
     settings: AppSettings = field(default_factory=AppSettings)
     gate: Gate = field(default_factory=Gate)
     clock: Callable[[], float] = time.monotonic
-    prompts: PromptLengths = field(default_factory=PromptLengths)  # generation prompts' 422
+    tokenizers: ServerTokenizers = field(default_factory=ServerTokenizers)  # models', here
 
     def deadline(self, request: HttpRequest) -> float:
         """When the request must be answered: now plus its X-Request-Timeout or the default."""

@@ -18,6 +18,7 @@ from rawserve.api.bodies import answer, check_client_batch, is_json, read_json
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Field, flag
 from rawserve.api.outcomes import unwrap
+from rawserve.api.prompts import check_lengths
 from rawserve.api.routing import MODEL_ERRORS, DocContext, Needs, Operation, Route, Schema
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
@@ -244,7 +245,7 @@ class InferenceRoutes:
         except InvalidRequest as exc:
             raise BadRequest(str(exc)) from None
         if task == "text-generation":
-            await self.context.prompts.check(model, parsed.inputs, chat=False)
+            await check_lengths(self.context.tokenizers, model, parsed.inputs, chat=False)
         deadline = self.context.deadline(request)
         if parsed.stream:
             return await open_token_stream(model, parsed.inputs[0], parsed.params, deadline)

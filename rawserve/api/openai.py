@@ -26,12 +26,14 @@ from rawserve.api.openai_generation import (
     CHAT,
     COMPLETION,
     Answer,
+    Echo,
     GenerationRequest,
     check_max_tokens,
     parse_chat,
     parse_completion,
 )
 from rawserve.api.outcomes import unwrap
+from rawserve.api.prompts import check_lengths, echoed_texts
 from rawserve.api.routing import MODEL_ERRORS, DocContext, Handler, Needs, Operation, Route
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import TokenStream, event_stream
@@ -212,7 +214,7 @@ class OpenAIRoutes:
     ) -> HttpResponse:
         """Queue the prompts like any text-generation request; answer whole or streamed."""
         check_max_tokens(generation, model.limits.max_new_tokens)
-        await self.context.prompts.check(model, generation.items, chat)
+        await check_lengths(self.context.tokenizers, model, generation.items, chat)
         shape = Answer(chat, model.name, generation.logprobs)
         deadline = self.context.deadline(request)
         if generation.stream:
@@ -222,7 +224,11 @@ class OpenAIRoutes:
         results = await model.run(generation.items, generation.params, deadline)
         # the worker answers the pipeline's [{"generated_text", "details"}] per prompt
         outputs = [unwrap(result)[0] for result in results]
-        echoed = generation.items if generation.echo else None
+        echoed = None
+        if generation.echo:
+            texts = await echoed_texts(self.context.tokenizers, model, generation.items)
+            items = zip(texts, generation.items, strict=True)
+            echoed = [Echo(text, isinstance(prompt, list)) for text, prompt in items]
         return answer(shape.whole(outputs, generation.stop, echoed), results)
 
     async def models_list(self, request: HttpRequest) -> HttpResponse:

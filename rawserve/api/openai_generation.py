@@ -67,7 +67,7 @@ SYSTEM_FINGERPRINT = f"rawserve-{__version__}"
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    items: list[Any]  # prompts (texts), or chats ({"messages": [...]})
+    items: list[Any]  # prompts (texts or token ids), or chats ({"messages": [...]})
     params: dict[str, Any]  # the worker's text-generation parameters
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -267,11 +267,15 @@ def parse_completion(document: Any, context: DocContext) -> GenerationRequest:
     if request.stream and len(prompts) > 1:
         raise BadRequest("a streamed completion takes one prompt")
     for prompt in prompts:  # as every route: blank text is well-formed, but nothing to go on
+        if prompt == []:
+            raise UnprocessableInput('a prompt of token ids in "prompt" has none')
         try:
-            not_blank(prompt, 'a text of "prompt"')
+            if isinstance(prompt, str):
+                not_blank(prompt, 'a text of "prompt"')
         except BlankInput as exc:
             raise UnprocessableInput(str(exc)) from None
-    request = replace(request, items=[unicode_text(p, '"prompt"') for p in prompts])
+    items = [unicode_text(p, '"prompt"') if isinstance(p, str) else p for p in prompts]
+    request = replace(request, items=items)
     echo = bool(fields.value("echo"))
     if request.params.get("max_new_tokens") == 0 and not echo:
         raise BadRequest('"max_tokens" must be at least 1 (0 only with "echo": true)')
@@ -303,23 +307,44 @@ def check_max_tokens(generation: GenerationRequest, most: int | None) -> None:
         raise BadRequest(str(exc)) from None
 
 
-def read_prompts(name: str, value: Any, context: DocContext | None) -> list[str]:
-    """A text or a non-empty list of them, at most the input cap (a blank one is refused
-    with 422 once the body is read, as on every route)."""
+def read_prompts(name: str, value: Any, context: DocContext | None) -> list[str | list[int]]:
+    """A text or a non-empty list of them, or a prompt of token ids or a non-empty list of
+    them (OpenAI's four forms), at most the input cap. A blank text, or a prompt of no ids,
+    is refused with 422 once the body is read, as a blank input is on every route."""
     if value is None:
         raise BadRequest(f'"{name}" is required')
-    prompts = [value] if isinstance(value, str) else value
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise BadRequest('"prompt" must be a text or a non-empty list of texts (not token ids)')
+    many = isinstance(value, list) and bool(value)
+    if isinstance(value, str) or (many and is_token_ids(value)):
+        prompts = [value]
+    elif many and (all(isinstance(p, str) for p in value) or all(map(is_token_ids, value))):
+        prompts = value
+    else:
+        raise BadRequest(
+            '"prompt" must be a text, a list of token ids, or a non-empty list of either '
+            "(one form for all)"
+        )
     assert context is not None
     check_client_batch(len(prompts), context.max_inputs)
     return prompts
 
 
+def is_token_ids(value: Any) -> bool:
+    """A list of token ids: whole numbers from 0 (the model's worker knows its vocabulary)."""
+    return isinstance(value, list) and all(type(i) is int and i >= 0 for i in value)
+
+
 def prompt_schema(context: DocContext) -> Schema:
     prompt = {"type": "string"}  # a blank one is well-formed: 422, as on every route
-    many = {"type": "array", "items": prompt, "minItems": 1, "maxItems": context.max_inputs}
-    return {"oneOf": [prompt, many]}
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+    listed = {"minItems": 1, "maxItems": context.max_inputs}
+    return {
+        "oneOf": [
+            prompt,
+            {**ids, "minItems": 1},
+            {"type": "array", "items": prompt, **listed},
+            {"type": "array", "items": {**ids, "minItems": 1}, **listed},
+        ]
+    }
 
 
 # --- the bodies ---------------------------------------------------------------------------
@@ -497,6 +522,15 @@ class Unsent:
         return [token for token, _ in taken], taken[0][1] if taken else 0
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A prompt as its completion echoes it: its text, and whether it came as token ids
+    (then every token is listed, special ones too: one entry per id sent)."""
+
+    text: str
+    token_ids: bool
+
+
 class Answer:
     """The shape of one route's answers: ids, objects, and where the text goes."""
 
@@ -527,7 +561,7 @@ class Answer:
         self,
         outputs: Sequence[dict[str, Any]],
         stops: Sequence[str],
-        echoed: Sequence[str] | None = None,
+        echoed: Sequence[Echo] | None = None,
     ) -> dict[str, Any]:
         """The answer: a choice per output (`echoed`: the prompts each one follows)."""
         choices = []
@@ -535,8 +569,9 @@ class Answer:
             text = cut_at_stop(output["generated_text"], stops)
             tokens = answer_tokens(output["details"], len(text))
             if echoed is not None:  # the stop sequences cut the completion, not the prompt
-                text = echoed[index] + text
-                tokens = prompt_tokens(output["details"]) + tokens
+                echo = echoed[index]
+                text = echo.text + text
+                tokens = prompt_tokens(output["details"], echo.token_ids) + tokens
             choice: dict[str, Any] = {"index": index}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}

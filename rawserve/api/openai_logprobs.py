@@ -12,8 +12,10 @@ one the whole character). OpenAI's two shapes of the same figures:
 
 An echoed prompt's tokens (the details' `prefill`) come first, the first of them with no
 log probability (nothing comes before it). Special tokens (the end of the sequence, a
-prompt's start) are left out, as their text is left out of the answer's; so are tokens
-past a stop sequence's start, whose text is cut. Server process; plain Python.
+prompt's start) are left out, as their text is left out of the answer's, but for a prompt
+sent as token ids: its client counts the ids it sent (an evaluation harness slices the
+list by them). Tokens past a stop sequence's start, whose text is cut, are left out too.
+Server process; plain Python.
 """
 
 from __future__ import annotations
@@ -61,9 +63,11 @@ def answer_tokens(details: dict[str, Any], text_length: int) -> list[Listed]:
     return kept
 
 
-def prompt_tokens(details: dict[str, Any]) -> list[Listed]:
-    """An echoed prompt's tokens (its details' `prefill`), special ones left out."""
-    return [listed(token) for token in details.get("prefill") or [] if not token.get("special")]
+def prompt_tokens(details: dict[str, Any], special: bool = False) -> list[Listed]:
+    """An echoed prompt's tokens (its details' `prefill`), special ones left out unless
+    asked for (a prompt sent as token ids lists one entry per id, as its client counts)."""
+    prefill = details.get("prefill") or []
+    return [listed(token) for token in prefill if special or not token.get("special")]
 
 
 def chat_logprobs(tokens: Iterable[Listed]) -> dict[str, Any]:

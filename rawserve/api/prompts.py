@@ -1,4 +1,5 @@
-"""Generation prompts that cannot fit the model, refused (422) before they are queued.
+"""Generation prompts that cannot fit the model, refused (422) before they are queued; and
+prompts as an echo shows them.
 
 A causal LM reads its prompt and then writes at least one token within its positions, so a
 prompt of as many tokens as it has positions cannot be answered at all (text generation
@@ -12,7 +13,8 @@ limit, it is refused in milliseconds and never waits.
 A chat is counted by its messages' texts alone, with a margin for the tokens its
 template may join across their ends: the template only adds to them, so a chat whose texts
 are that far over the limit is surely over; the rest is the worker's to judge when it
-renders the template.
+renders the template. A prompt of token ids (OpenAI's completions take them) is counted
+as it is, and decoded here when its completion echoes it.
 """
 
 from __future__ import annotations
@@ -26,45 +28,71 @@ from rawserve.api.tokens import (
     COUNT_MARGIN,
     INLINE_LIMIT,
     ServerTokenizer,
+    ServerTokenizers,
     TokenBound,
     TooManyTokens,
+    UnknownTokenId,
 )
-from rawserve.http.errors import UnprocessableInput
+from rawserve.http.errors import BadRequest, UnprocessableInput
 
 
-class PromptLengths:
-    """Checks generation prompts against the model's positions, with the model's tokenizer
-    in this process (loaded off the event loop on first use, once per model)."""
+async def check_lengths(
+    tokenizers: ServerTokenizers, model: ServedModel, prompts: Sequence[Any], chat: bool
+) -> None:
+    """422 when a prompt leaves no room for one new token; nothing when the model or its
+    tokenizer is not known here (the worker still refuses such a prompt). A prompt of
+    token ids is counted as it is."""
+    loaded = model.serving.loaded
+    positions = int(loaded.details.get("max_input_length") or 0) if loaded else 0
+    if positions < 1:
+        return
+    most = positions - 1  # the prompt's tokens, and one new token after them
+    if any(isinstance(prompt, list) and len(prompt) > most for prompt in prompts):
+        raise too_long(most)
+    bound = most
+    if chat:
+        texts = [prompt_text(prompt) for prompt in prompts]
+        bound += COUNT_MARGIN * max((len(p.get("messages", ())) for p in prompts), default=1)
+    else:
+        texts = [prompt for prompt in prompts if isinstance(prompt, str)]
+    tokenizer = await tokenizers.get(model) if texts else None
+    if tokenizer is None:
+        return
+    try:
+        if sum(len(text) for text in texts) <= INLINE_LIMIT:
+            count_within(tokenizer, texts, bound, not chat)
+        else:  # the encoder lets go of the GIL: the event loop goes on meanwhile
+            await asyncio.to_thread(count_within, tokenizer, texts, bound, not chat)
+    except TooManyTokens:
+        raise too_long(most) from None
 
-    def __init__(self) -> None:
-        self._tokenizers: dict[str, ServerTokenizer] = {}
 
-    async def check(self, model: ServedModel, prompts: Sequence[Any], chat: bool) -> None:
-        """422 when a prompt leaves no room for one new token; nothing when the model or
-        its tokenizer is not known here (the worker still refuses such a prompt)."""
-        loaded = model.serving.loaded
-        positions = int(loaded.details.get("max_input_length") or 0) if loaded else 0
-        if loaded is None or loaded.tokenizer is None or positions < 1:
-            return
-        most = positions - 1  # the prompt's tokens, and one new token after them
-        texts, bound = list(prompts), most
-        if chat:
-            texts = [prompt_text(prompt) for prompt in prompts]
-            bound += COUNT_MARGIN * max((len(p.get("messages", ())) for p in prompts), default=1)
-        tokenizer = self._tokenizers.get(model.name)
-        if tokenizer is None:
-            tokenizer = await asyncio.to_thread(ServerTokenizer, loaded.tokenizer)
-            self._tokenizers[model.name] = tokenizer
-        try:
-            if sum(len(text) for text in texts) <= INLINE_LIMIT:
-                count_within(tokenizer, texts, bound, not chat)
-            else:  # the encoder lets go of the GIL: the event loop goes on meanwhile
-                await asyncio.to_thread(count_within, tokenizer, texts, bound, not chat)
-        except TooManyTokens:
-            raise UnprocessableInput(
-                f"a prompt has more than {most} tokens: the model takes at most {most} to "
-                "leave room for one new token (text generation does not cut prompts)"
-            ) from None
+def too_long(most: int) -> UnprocessableInput:
+    return UnprocessableInput(
+        f"a prompt has more than {most} tokens: the model takes at most {most} to "
+        "leave room for one new token (text generation does not cut prompts)"
+    )
+
+
+async def echoed_texts(
+    tokenizers: ServerTokenizers, model: ServedModel, prompts: Sequence[str | list[int]]
+) -> list[str]:
+    """The prompts as an echo shows them: a text as it came, token ids decoded (their
+    special tokens kept: the ids are what the model read)."""
+    id_lists = [prompt for prompt in prompts if isinstance(prompt, list)]
+    if not id_lists:
+        return [str(prompt) for prompt in prompts]
+    tokenizer = await tokenizers.get(model)
+    if tokenizer is None:
+        raise BadRequest(
+            '"echo" with a prompt of token ids needs the model\'s tokenizer in the server, '
+            "and this model's has no `tokenizers` form: send the prompt as text"
+        )
+    try:
+        decoded = iter(await tokenizer.decode(id_lists, skip_special=False))
+    except UnknownTokenId as exc:
+        raise UnprocessableInput(str(exc)) from None
+    return [prompt if isinstance(prompt, str) else next(decoded) for prompt in prompts]
 
 
 def count_within(

@@ -86,7 +86,6 @@ class TeiRoutes:
     def __init__(self, context: RouteContext):
         self.context = context
         self.settings = context.settings
-        self._tokenizers: dict[str, ServerTokenizer] = {}  # by model name, built on first use
 
     def routes(self) -> list[Route]:
         def post(path: str, handler: Handler, needs: Needs, operation: Operation) -> Route:
@@ -259,13 +258,9 @@ class TeiRoutes:
         return json_response(200, texts)
 
     async def tokenizer(self, model: ServedModel) -> ServerTokenizer:
-        """The model's tokenizer in this process, loaded (off the event loop) once."""
-        tokenizer = self._tokenizers.get(model.name)
-        if tokenizer is None:
-            loaded = model.serving.loaded
-            assert loaded is not None and loaded.tokenizer is not None  # TOKENIZER checked it
-            tokenizer = await asyncio.to_thread(ServerTokenizer, loaded.tokenizer)
-            self._tokenizers[model.name] = tokenizer
+        """The model's tokenizer in this process (the route's TOKENIZER need checked it has one)."""
+        tokenizer = await self.context.tokenizers.get(model)
+        assert tokenizer is not None
         return tokenizer
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import tokenizers
 
+from rawserve.api.served import ServedModel
 from rawserve.http.encoding import dumps
 from rawserve.shared.memory import give_back_free_memory
 
@@ -189,6 +190,26 @@ class ServerTokenizer:
             self.tokenizer.decode_batch, lists, skip_special_tokens=skip_special
         )
         return list(decoded)
+
+
+class ServerTokenizers:
+    """Each served model's tokenizer in this process, built off the event loop at first use
+    (the routes that tokenize, decode or count a prompt share it)."""
+
+    def __init__(self) -> None:
+        self._by_model: dict[str, ServerTokenizer] = {}
+
+    async def get(self, model: ServedModel) -> ServerTokenizer | None:
+        """None while the model is not loaded, or when its tokenizer has no `tokenizers`
+        form (a slow one)."""
+        tokenizer = self._by_model.get(model.name)
+        if tokenizer is None:
+            loaded = model.serving.loaded
+            if loaded is None or loaded.tokenizer is None:
+                return None
+            tokenizer = await asyncio.to_thread(ServerTokenizer, loaded.tokenizer)
+            self._by_model[model.name] = tokenizer
+        return tokenizer
 
 
 def pieces(text: str, size: int, from_end: bool) -> Iterator[tuple[int, int]]:

@@ -123,6 +123,8 @@ def estimate_tokens(item: Any) -> int:
     """A cheap token-count estimate without a tokenizer (about 4 characters a token)."""
     if isinstance(item, str):
         return 2 + len(item) // 4
+    if isinstance(item, list):  # a prompt of token ids (OpenAI's completions)
+        return len(item)
     if isinstance(item, dict) and isinstance(item.get("messages"), list):  # a chat
         return 2 + sum(estimate_tokens(m.get("content", "")) for m in item["messages"])
     if isinstance(item, dict):

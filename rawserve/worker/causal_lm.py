@@ -198,6 +198,7 @@ class CausalLMRunner(Runner):
         )
         self.defaults = {k: v for k, v in PIPELINE_DEFAULTS.items() if k not in configured}
         self.special_ids = set(self.tokenizer.all_special_ids)
+        self.vocabulary = self.model.get_input_embeddings().num_embeddings  # ids it can read
         self.send: Callable[[Any], None] | None = None
         self.cancelled_stream: Any = None  # a shared integer: the stream id to stop
         self.decode_graphs = False  # the continuous batch's steps replayed (a GPU)
@@ -227,26 +228,32 @@ class CausalLMRunner(Runner):
         }
 
     def prompts(self, inputs: list[Any], params: dict[str, Any]) -> Any:
-        """The batch's prompts as token ids (left-padded): texts as they are, or chats
-        (`{"messages": [...]}`, OpenAI's) rendered with the chat template."""
-        texts, special = self._prompt_texts(inputs, params)
-        return self.tokenizer(texts, padding=True, add_special_tokens=special, return_tensors="pt")
+        """The batch's prompts as token ids, left-padded (`prompt_ids` for each)."""
+        ids = [self.prompt_ids(item, params) for item in inputs]
+        return self.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
 
-    def _prompt_texts(self, inputs: list[Any], params: dict[str, Any]) -> tuple[list[str], bool]:
-        """The prompts as text, and whether the tokenizer adds its special tokens."""
-        if not params.get(CHAT_PARAM):
-            return inputs, True
-        texts = []
-        for item in inputs:
+    def prompt_ids(self, item: Any, params: dict[str, Any]) -> list[int]:
+        """One prompt's token ids: a text tokenized, a chat (`{"messages": [...]}`, OpenAI's)
+        rendered with the chat template, or ids as they came (OpenAI's completions take
+        them; ValueError for one the model has no embedding for)."""
+        if params.get(CHAT_PARAM):
             try:
-                texts.append(
-                    self.tokenizer.apply_chat_template(
-                        item["messages"], tokenize=False, add_generation_prompt=True
-                    )
+                text = self.tokenizer.apply_chat_template(
+                    item["messages"], tokenize=False, add_generation_prompt=True
                 )
             except jinja2.TemplateError as exc:  # the template refuses these messages
                 raise ValueError(f"the chat template refused the messages: {exc}") from None
-        return texts, False  # a template writes the special tokens it wants (a BOS) itself
+            # the template writes the special tokens it wants (a BOS) itself
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if isinstance(item, list):
+            unknown = [token_id for token_id in item if not 0 <= token_id < self.vocabulary]
+            if unknown:
+                raise ValueError(
+                    f"the token id {unknown[0]} is not in the model's vocabulary (ids run "
+                    f"from 0 to {self.vocabulary - 1})"
+                )
+            return item
+        return list(self.tokenizer(item)["input_ids"])
 
     def _check_lengths(self, params: dict[str, Any], longest_prompt: int) -> None:
         """ValueError when the new tokens asked, or a prompt, cannot fit the positions."""
@@ -267,8 +274,7 @@ class CausalLMRunner(Runner):
     ) -> Generation:
         """One item as a sequence for the continuous loop, with the settings `generate`
         would use for it (ValueError, as `run` gives it, for an input that cannot run)."""
-        (text,), special = self._prompt_texts([item], params)
-        ids = self.tokenizer(text, add_special_tokens=special)["input_ids"]
+        ids = self.prompt_ids(item, params)
         self._check_lengths(params, len(ids))
         kwargs = generate_kwargs(params, self.defaults)
         config = self.model.generation_config
