@@ -196,6 +196,22 @@ def test_the_prompts_tokens_are_scored_as_tgi_lists_them_on_both_paths(runner, n
             assert details["finish_reason"] == "length"
 
 
+@pytest.mark.parametrize("at_once", [1, 3, 1000])
+def test_a_long_prompt_is_scored_a_window_at_a_time_as_in_one_pass(runner, monkeypatch, at_once):
+    from rawserve.tasks.text_generation import PROMPT_TOP_N
+    from rawserve.worker import causal_lm
+
+    # `at_once` positions a pass (the budget is in scores: positions × vocabulary)
+    monkeypatch.setattr(causal_lm, "PROMPT_SCORES_AT_ONCE", at_once * runner.vocabulary)
+    text = "the movie was good and paris is a city of lights"
+    prefill = runner.prefill_tokens(runner.tokenizer(text)["input_ids"], {PROMPT_TOP_N: 2})
+    computed = prompt_logprobs_in_process(runner, text)
+    assert len(prefill) == len(computed) + 1 and prefill[0]["logprob"] is None
+    assert [t["logprob"] for t in prefill[1:]] == pytest.approx(computed, abs=1e-4)
+    for token in prefill[1:]:  # the likeliest beside each, from the same window's scores
+        assert token["logprob"] <= token["top_tokens"][0]["logprob"] + 1e-5
+
+
 def test_the_prompts_alternatives_are_listed_where_the_server_asks(runner):
     from rawserve.tasks.text_generation import PROMPT_TOP_N
 

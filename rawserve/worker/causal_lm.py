@@ -28,7 +28,9 @@ log = logging.getLogger("rawserve.generation")
 
 # The text-generation pipeline's defaults, for what the model's generation config leaves unset.
 PIPELINE_DEFAULTS = {"max_new_tokens": 256, "do_sample": True}
-PROMPT_SCORED_AT_ONCE = 256  # positions whose log-softmax is taken at a time
+# A prompt's scores held at once when it is scored (positions × vocabulary; 64 MiB as
+# float32): a 50,257-token vocabulary scores 333 positions a pass, 128,256 scores 130.
+PROMPT_SCORES_AT_ONCE = 2**24
 
 
 class ScoreRecorder(transformers.LogitsProcessor):
@@ -304,19 +306,28 @@ class CausalLMRunner(Runner):
         """The prompt's tokens as TGI's details list them under `prefill` (TGI's
         `decoder_input_details`): each one's text (what it adds to the prompt's text; a
         special token its own) and its log probability given the ones before it (none for
-        the first), from one forward pass over the prompt; with `PROMPT_TOP_N`, the
-        likeliest tokens at each position too."""
+        the first), from a forward pass over the prompt; with `PROMPT_TOP_N`, the
+        likeliest tokens at each position too.
+
+        The pass runs a window of positions at a time over a growing KV cache: the scores
+        of a whole prompt at once (positions × vocabulary) would cost more memory than the
+        model's cache for it: positions × a vocabulary of 50,000-150,000 tokens, gigabytes
+        for a long prompt."""
         top_n = int(params.get(PROMPT_TOP_N) or 0)
         chosen: list[float] = []
         top: list[list[tuple[int, float]]] = []
         with torch.inference_mode():
             tensor = torch.tensor([ids], device=self.device)
-            logits = self.model(input_ids=tensor, use_cache=False).logits[0, :-1]
-            following = tensor[0, 1:, None]
-            for start in range(0, logits.shape[0], PROMPT_SCORED_AT_ONCE):
-                window = slice(start, start + PROMPT_SCORED_AT_ONCE)
-                logprobs = logits[window].float().log_softmax(-1)
-                chosen += logprobs.gather(1, following[window])[:, 0].tolist()
+            cache = None
+            at_once = max(1, PROMPT_SCORES_AT_ONCE // self.vocabulary)
+            # the last token's scores say what would follow the prompt: not needed
+            for start in range(0, len(ids) - 1, at_once):
+                window = slice(start, min(start + at_once, len(ids) - 1))
+                out = self.model(input_ids=tensor[:, window], past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                logprobs = out.logits[0].float().log_softmax(-1)
+                following = tensor[0, window.start + 1 : window.stop + 1, None]
+                chosen += logprobs.gather(1, following)[:, 0].tolist()
                 top += likeliest(logprobs, top_n) or []
         pieces = TextPieces(self.tokenizer)
         tokens = []
