@@ -227,7 +227,11 @@ AGREEMENT = [
     ("CHAT", {"messages": []}, False),
     ("COMPLETION", {"prompt": ["a", "b"], "max_tokens": 3, "stop": ["."], "seed": 1}, True),
     ("COMPLETION", {"prompt": "a", "n": 1, "best_of": 1, "echo": False}, True),
-    ("COMPLETION", {"prompt": "a", "n": 2}, False),
+    ("COMPLETION", {"prompt": "a", "n": 2}, True),
+    ("COMPLETION", {"prompt": "a", "n": 129}, False),
+    ("COMPLETION", {"prompt": [1, 2]}, True),  # token ids
+    ("COMPLETION", {"prompt": [[1, 2], [3]]}, True),
+    ("COMPLETION", {"prompt": [1, -2]}, False),
     ("COMPLETION", {"prompt": "a", "top_p": 0}, False),
     ("COMPLETION", {"prompt": "a", "temperature": 2.5}, False),
     ("COMPLETION", {"prompt": "a", "stop": ["."] * 17}, False),

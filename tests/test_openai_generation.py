@@ -314,7 +314,7 @@ def test_chat_content_as_text_parts_is_the_same_prompt(servers):
 @pytest.mark.parametrize(
     "extra",
     [
-        {"n": 2},
+        {"n": 0},
         {"top_logprobs": 2},  # without "logprobs": true
         {"logprobs": True, "top_logprobs": 21},
         {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
@@ -388,12 +388,9 @@ def test_generation_routes_on_a_model_that_does_not_generate_are_404(servers):
         assert status == 404 and "text-generation" in body["error"]["message"], body
 
 
-def test_a_client_that_leaves_a_stream_stops_the_generation(servers):
-    server = servers["chat"]
-    body = json.dumps(
-        # greedy: the random model never ends the stream itself before the client leaves
-        {"messages": MESSAGES, "max_tokens": 255, "stream": True, "temperature": 0}
-    ).encode()
+def stream_and_leave(server, document):
+    """Ask for a streamed chat, read the start of its answer, and hang up."""
+    body = json.dumps({**document, "stream": True}).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -401,8 +398,97 @@ def test_a_client_that_leaves_a_stream_stops_the_generation(servers):
             + body
         )
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+def test_a_client_that_leaves_a_stream_stops_the_generation(servers):
+    server = servers["chat"]
+    # greedy: the random model never ends the stream itself before the client leaves
+    stream_and_leave(server, {"messages": MESSAGES, "max_tokens": 255, "temperature": 0})
     server.wait_for_log(CANCELLED, timeout=60)
     assert server.request("GET", "/health")[0] == 200
+
+
+def test_a_client_that_leaves_a_stream_of_several_choices_stops_each(servers):
+    import time
+
+    server = servers["chat"]
+    before = sum(bool(CANCELLED.search(line)) for line in server.read_log())
+    stream_and_leave(server, {"messages": MESSAGES, "max_tokens": 255, "temperature": 0, "n": 2})
+    deadline = time.monotonic() + 60
+    while sum(bool(CANCELLED.search(line)) for line in server.read_log()) < before + 2:
+        assert time.monotonic() < deadline, "a choice's generation went on"
+        time.sleep(0.05)
+    assert server.request("GET", "/health")[0] == 200
+
+
+# --- several choices ----------------------------------------------------------------------
+
+
+def test_several_choices_follow_each_prompt_each_seeded_one_further(servers):
+    plain = client(servers["plain"])
+    prompts = [PROMPT, "paris is a city"]
+    answer = plain.completions.create(model=PLAIN_MODEL, prompt=prompts, n=3, **SAMPLED)
+    assert [c.index for c in answer.choices] == list(range(6))
+    alone = {
+        (i, j): plain.completions.create(
+            model=PLAIN_MODEL, prompt=prompt, **{**SAMPLED, "seed": SAMPLED["seed"] + j}
+        )
+        for i, prompt in enumerate(prompts)
+        for j in range(3)
+    }
+    for (i, j), single in alone.items():
+        assert answer.choices[i * 3 + j].text == single.choices[0].text
+    assert len({answer.choices[j].text for j in range(3)}) > 1  # each its own sample
+    # a prompt is read once, however many choices follow it
+    assert answer.usage.prompt_tokens == alone[0, 0].usage.prompt_tokens + (
+        alone[1, 0].usage.prompt_tokens
+    )
+    assert answer.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone.values())
+    greedy = plain.completions.create(
+        model=PLAIN_MODEL, prompt=PROMPT, n=2, max_tokens=8, temperature=0
+    )
+    assert greedy.choices[0].text == greedy.choices[1].text  # one likeliest continuation
+
+
+def test_several_streamed_choices_send_what_the_whole_answer_holds(servers):
+    chat = client(servers["chat"])
+    asked = {"model": CHAT_MODEL, "messages": MESSAGES, "n": 3, "logprobs": True, **SAMPLED}
+    whole = chat.chat.completions.create(**asked)
+    chunks = list(
+        chat.chat.completions.create(**asked, stream=True, stream_options={"include_usage": True})
+    )
+    texts: dict[int, str] = {}
+    roles, finishes, listed = set(), {}, {}
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        if choice.delta.role:
+            roles.add(choice.index)
+        texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        if choice.logprobs:
+            listed.setdefault(choice.index, []).extend(t.token for t in choice.logprobs.content)
+        if choice.finish_reason:
+            finishes[choice.index] = choice.finish_reason
+    assert roles == {0, 1, 2} and set(finishes) == {0, 1, 2}
+    for choice in whole.choices:
+        assert texts[choice.index] == choice.message.content
+        assert finishes[choice.index] == choice.finish_reason
+        assert listed.get(choice.index, []) == [t.token for t in choice.logprobs.content]
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+
+
+@pytest.mark.parametrize("n", [0, 129, "2", True, 1.5], ids=repr)
+def test_a_choice_count_outside_1_to_128_is_400(servers, n):
+    status, body = servers["plain"].post_json({"prompt": PROMPT, "n": n}, "/v1/completions")
+    assert status == 400 and '"n"' in body["error"]["message"], body
+
+
+def test_more_choices_than_a_request_may_carry_is_413(servers):
+    document = {"messages": MESSAGES, "n": 5}  # this server takes 4 inputs a request
+    status, body = servers["chat"].post_json(document, "/v1/chat/completions")
+    assert status == 413 and "5 choices" in body["error"]["message"], body
+    document = {"prompt": [PROMPT, PROMPT], "n": 3}
+    status, body = servers["chat"].post_json(document, "/v1/completions")
+    assert status == 413 and "6 choices" in body["error"]["message"], body
 
 
 # --- completions ----------------------------------------------------------------------
@@ -663,7 +749,6 @@ def test_completion_with_more_prompts_than_the_client_cap_is_413(servers):
         {"prompt": [1, 2.5]},
         {"prompt": ["hello", [1, 2]]},  # one form for all
         {"prompt": [[1], "hello"]},
-        {"prompt": PROMPT, "n": 3},
         {"prompt": PROMPT, "best_of": 2},
         {"prompt": PROMPT, "max_tokens": 0},  # 0 only with echo
         {"prompt": PROMPT, "echo": True, "stream": True},

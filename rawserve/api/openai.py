@@ -11,6 +11,7 @@ text-generation request, batched and cancelled when its client leaves; the shape
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from rawserve.api.openai_generation import (
     Answer,
     Echo,
     GenerationRequest,
+    check_choices,
     check_max_tokens,
     parse_chat,
     parse_completion,
@@ -39,7 +41,7 @@ from rawserve.api.served import ServedModel
 from rawserve.api.streaming import TokenStream, event_stream
 from rawserve.http.errors import BadRequest, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
-from rawserve.serving.face import EMBEDDING_ROUTE
+from rawserve.serving.face import EMBEDDING_ROUTE, ItemResult
 from rawserve.tasks.checks import BlankInput, not_blank
 
 EMBEDDING_TASK = "feature-extraction"
@@ -214,22 +216,32 @@ class OpenAIRoutes:
     ) -> HttpResponse:
         """Queue the prompts like any text-generation request; answer whole or streamed."""
         check_max_tokens(generation, model.limits.max_new_tokens)
+        check_choices(generation, self.context.settings.max_client_batch_size)
         await check_lengths(self.context.tokenizers, model, generation.items, chat)
         shape = Answer(chat, model.name, generation.logprobs)
         deadline = self.context.deadline(request)
-        if generation.stream:
-            stream = TokenStream(model, generation.items[0], generation.params, deadline)
-            await stream.start()  # an error before the first token keeps its status
-            return event_stream(shape.events(stream, generation.stop, generation.include_usage))
-        results = await model.run(generation.items, generation.params, deadline)
+        choices = generation.choice_params()
+        if generation.stream:  # one prompt: a stream a choice
+            prompt = generation.items[0]
+            streams = [TokenStream(model, prompt, params, deadline) for params in choices]
+            try:
+                for stream in streams:  # an error before the first token keeps its status
+                    await stream.start()
+            except BaseException:
+                for stream in streams:
+                    stream.close()
+                raise
+            return event_stream(shape.events(streams, generation.stop, generation.include_usage))
+        results = await run_choices(model, generation.items, choices, deadline)
         # the worker answers the pipeline's [{"generated_text", "details"}] per prompt
         outputs = [unwrap(result)[0] for result in results]
         echoed = None
         if generation.echo:
             texts = await echoed_texts(self.context.tokenizers, model, generation.items)
             items = zip(texts, generation.items, strict=True)
-            echoed = [Echo(text, isinstance(prompt, list)) for text, prompt in items]
-        return answer(shape.whole(outputs, generation.stop, echoed), results)
+            echoes = [Echo(text, isinstance(prompt, list)) for text, prompt in items]
+            echoed = [echo for echo in echoes for _ in choices]
+        return answer(shape.whole(outputs, generation.stop, echoed, generation.n), results)
 
     async def models_list(self, request: HttpRequest) -> HttpResponse:
         data = [
@@ -237,3 +249,22 @@ class OpenAIRoutes:
             for model in self.context.models.all
         ]
         return json_response(200, {"object": "list", "data": data})
+
+
+async def run_choices(
+    model: ServedModel,
+    prompts: list[Any],
+    choices: list[dict[str, Any]],
+    deadline: float,
+) -> list[ItemResult]:
+    """Each prompt's choices, one after another: the prompts queued once for each choice's
+    parameters, all at once (batched together where they are the same)."""
+    if len(choices) == 1:
+        return await model.run(prompts, choices[0], deadline)
+    runs = [asyncio.ensure_future(model.run(prompts, params, deadline)) for params in choices]
+    try:
+        answered = await asyncio.gather(*runs)
+    finally:  # one refused or failed (or its client gone): the others are withdrawn
+        for run in runs:
+            run.cancel()
+    return [answered[j][i] for i in range(len(prompts)) for j in range(len(choices))]

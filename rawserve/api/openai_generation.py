@@ -3,8 +3,9 @@ into prompts and worker parameters, and writing their answers, whole or as SSE c
 body is declared once (`CHAT`, `COMPLETION`: `fields.Body`), for its checks and its
 `/openapi.json` schema.
 
-What OpenAI's API has and rawserve does not serve (several choices, tools, penalties, a
-streamed echo) is refused with 400 naming it, never ignored. Text stops before a stop
+What OpenAI's API has and rawserve does not serve (tools, penalties, a streamed echo) is
+refused with 400 naming it, never ignored. Several choices a prompt (`n`) are each a
+generation of their own, queued together, streamed as their tokens come. Text stops before a stop
 sequence, as OpenAI's does, streamed too: text that may be the start of a stop sequence is
 held back until the next token says. Log probabilities (chat's `logprobs` and
 `top_logprobs`, completions' `logprobs`) come from the worker's tokens (TGI's shape, with
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,8 +45,14 @@ from rawserve.api.openai_logprobs import (
     prompt_tokens,
 )
 from rawserve.api.routing import DocContext, Schema
-from rawserve.api.streaming import TokenStream, sse
-from rawserve.http.errors import BadRequest, HTTPError, UnprocessableInput, openai_error_document
+from rawserve.api.streaming import TokenStream, merged, sse
+from rawserve.http.errors import (
+    BadRequest,
+    HTTPError,
+    PayloadTooLarge,
+    UnprocessableInput,
+    openai_error_document,
+)
 from rawserve.tasks import (
     CHAT_PARAM,
     BlankInput,
@@ -58,6 +65,7 @@ from rawserve.tasks.text_generation import MAX_STOP_SEQUENCES, MAX_TOP_N_TOKENS,
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_NEW_TOKENS = 4096
+MAX_CHOICES = 128  # OpenAI's bound on "n"
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 # finish reasons: the worker's (TGI's) → OpenAI's
 FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
@@ -75,6 +83,16 @@ class GenerationRequest:
     max_tokens_field: str = "max_tokens"  # the field that set params["max_new_tokens"]
     logprobs: int | None = None  # None: none asked; else how many alternatives a token lists
     echo: bool = False  # completions: the prompt before its completion (and its tokens)
+    n: int = 1  # choices per prompt
+
+    def choice_params(self) -> list[dict[str, Any]]:
+        """The worker's parameters for each of a prompt's `n` choices: the same, but for a
+        seed, which each choice takes one further on (so that seeded choices differ, and
+        each repeats)."""
+        if "seed" not in self.params:
+            return [self.params] * self.n
+        seed = self.params["seed"]
+        return [{**self.params, "seed": (seed + j) % 2**32} for j in range(self.n)]
 
 
 def unserved(schema: Schema, *allowed: Any) -> Field:
@@ -102,7 +120,7 @@ def generation_params(
     fields: Fields, max_tokens_field: str, default: int | None
 ) -> GenerationRequest:
     """The parameters both routes share."""
-    refuse_unserved(fields, ("logit_bias", "frequency_penalty", "presence_penalty", "n"))
+    refuse_unserved(fields, ("logit_bias", "frequency_penalty", "presence_penalty"))
     fields.value("user")
     params: dict[str, Any] = {"return_full_text": False, "details": True}
     max_tokens = fields.value(max_tokens_field)
@@ -133,13 +151,18 @@ def generation_params(
     if fields.get("stream_options") is not None and not stream:
         raise BadRequest('"stream_options" goes with "stream": true')
     include_usage = bool(fields.value("stream_options"))
-    return GenerationRequest([], params, stop, stream, include_usage, max_tokens_field)
+    n = fields.value("n") or 1
+    return GenerationRequest([], params, stop, stream, include_usage, max_tokens_field, n=n)
 
 
-def read_n(name: str, value: Any, context: DocContext | None) -> int:
-    if isinstance(value, bool) or value != 1:
-        raise BadRequest('"n" must be 1: one choice per request')
-    return 1
+def check_choices(generation: GenerationRequest, most: int) -> None:
+    """413 for more choices (prompts × n) than one request may ask: each is a generation."""
+    choices = len(generation.items) * generation.n
+    if choices > most:
+        raise PayloadTooLarge(
+            f"{choices} choices in one request ({len(generation.items)} prompts, n "
+            f"{generation.n}): at most {most} are allowed (--max-client-batch-size)"
+        )
 
 
 def read_top_p(name: str, value: Any, context: DocContext | None) -> float:
@@ -404,7 +427,7 @@ COMMON: dict[str, Field] = {
     "seed": whole(0, 2**32 - 1),
     "stream": flag(False),
     "stream_options": Field(STREAM_OPTIONS, read_stream_options),
-    "n": Field({"enum": [1, None], "description": "one choice per request"}, read_n),
+    "n": whole(1, MAX_CHOICES),  # choices per prompt (each a generation of its own)
     "user": text(),
     "frequency_penalty": unserved({"enum": [0, None]}, 0),
     "presence_penalty": unserved({"enum": [0, None]}, 0),
@@ -493,8 +516,10 @@ def finish_reason(details: dict[str, Any]) -> str:
     return FINISH_REASONS.get(details.get("finish_reason", ""), "stop")
 
 
-def usage(outputs: Sequence[dict[str, Any]]) -> dict[str, int]:
-    prompt = sum(int(o["details"]["prompt_tokens"]) for o in outputs)
+def usage(outputs: Sequence[dict[str, Any]], n: int = 1) -> dict[str, int]:
+    """Tokens read and written: a prompt's once, however many choices follow it (`n`, each
+    prompt's choices one after another)."""
+    prompt = sum(int(o["details"]["prompt_tokens"]) for o in outputs[::n])
     completion = sum(int(o["details"]["generated_tokens"]) for o in outputs)
     return {
         "prompt_tokens": prompt,
@@ -562,8 +587,10 @@ class Answer:
         outputs: Sequence[dict[str, Any]],
         stops: Sequence[str],
         echoed: Sequence[Echo] | None = None,
+        n: int = 1,
     ) -> dict[str, Any]:
-        """The answer: a choice per output (`echoed`: the prompts each one follows)."""
+        """The answer: a choice per output, each prompt's `n` one after another (`echoed`:
+        the prompt each one follows)."""
         choices = []
         for index, output in enumerate(outputs):
             text = cut_at_stop(output["generated_text"], stops)
@@ -580,18 +607,19 @@ class Answer:
             choice["logprobs"] = self.listing(tokens)
             choice["finish_reason"] = finish_reason(output["details"])
             choices.append(choice)
-        return {**self.head(False), "choices": choices, "usage": usage(outputs)}
+        return {**self.head(False), "choices": choices, "usage": usage(outputs, n)}
 
     def chunk(
         self,
+        index: int,
         text: str | None,
-        finish: str | None = None,
         tokens: Sequence[Listed] = (),
         offset: int = 0,
+        finish: str | None = None,
     ) -> dict[str, Any]:
-        """A streamed chunk: its text, and the tokens it sends (`offset`: where the first
-        one's text starts in the whole text)."""
-        choice: dict[str, Any] = {"index": 0}
+        """A streamed chunk of choice `index`: its text, and the tokens it sends (`offset`:
+        where the first one's text starts in the choice's whole text)."""
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice["delta"] = {} if text is None else {"content": text}
         else:
@@ -609,39 +637,75 @@ class Answer:
         return completion_logprobs(tokens, offset, self.logprobs)
 
     async def events(
-        self, stream: TokenStream, stops: Sequence[str], include_usage: bool
+        self, streams: Sequence[TokenStream], stops: Sequence[str], include_usage: bool
     ) -> AsyncGenerator[bytes, None]:
-        """OpenAI's chunks for a streamed generation, then `data: [DONE]`."""
+        """OpenAI's chunks for a streamed generation (a stream a choice, their chunks as
+        they come), then `data: [DONE]`."""
         try:
-            if self.chat:  # the first chunk says who speaks
-                first = self.chunk("")
-                first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                yield sse(first)
-            text = ""  # generated so far (special tokens left out)
-            sent = ""
-            unsent = Unsent()  # tokens whose text is not sent yet (it may start a stop)
-            async for chunk in stream.chunks():
-                if chunk.token["special"]:
+            choices = [Streamed() for _ in streams]
+            if self.chat:  # each choice's first chunk says who speaks
+                for index in range(len(streams)):
+                    first = self.chunk(index, "")
+                    first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                    yield sse(first)
+            outputs = []
+            async for index, chunk in merged(streams):
+                choice = choices[index]
+                if chunk is not None:
+                    if (sending := choice.add(chunk.token, stops, self.logprobs)) is not None:
+                        yield sse(self.chunk(index, *sending))
                     continue
-                if self.logprobs is not None:
-                    unsent.add(listed(chunk.token), len(text))
-                text += chunk.token["text"]
-                ready, _ = releasable(text, stops)
-                if len(ready) > len(sent):
-                    yield sse(self.chunk(ready[len(sent) :], None, *unsent.take(len(ready))))
-                    sent = ready
-            try:
-                output = stream.output()
-            except HTTPError as error:
-                yield sse(openai_error_document(error))
-                return
-            whole = cut_at_stop(output["generated_text"], stops)
-            if whole.startswith(sent) and len(whole) > len(sent):
-                # what a cut character held back
-                yield sse(self.chunk(whole[len(sent) :], None, *unsent.take(len(whole))))
-            yield sse(self.chunk(None, finish_reason(output["details"])))
+                try:
+                    output = streams[index].output()
+                except HTTPError as error:
+                    yield sse(openai_error_document(error))
+                    return
+                if (sending := choice.rest(output, stops)) is not None:
+                    yield sse(self.chunk(index, *sending))
+                yield sse(self.chunk(index, None, finish=finish_reason(output["details"])))
+                outputs.append(output)
             if include_usage:
-                yield sse({**self.head(True), "choices": [], "usage": usage([output])})
+                every = usage(outputs, len(outputs))  # one prompt, read once
+                yield sse({**self.head(True), "choices": [], "usage": every})
             yield b"data: [DONE]\n\n"
         finally:
-            stream.close()
+            for stream in streams:
+                stream.close()
+
+
+class Streamed:
+    """One streamed choice's text: what its tokens have made, what has been sent, and the
+    tokens whose text has not gone out yet (it may start a stop sequence)."""
+
+    def __init__(self) -> None:
+        self.text = ""  # generated so far (special tokens left out)
+        self.sent = ""
+        self.unsent = Unsent()
+
+    def add(
+        self, token: Mapping[str, Any], stops: Sequence[str], logprobs: int | None
+    ) -> Release | None:
+        """A new token; what can be sent now."""
+        if token["special"]:
+            return None
+        if logprobs is not None:
+            self.unsent.add(listed(token), len(self.text))
+        self.text += token["text"]
+        ready, _ = releasable(self.text, stops)
+        return self.release(ready)
+
+    def rest(self, output: dict[str, Any], stops: Sequence[str]) -> Release | None:
+        """What a cut character held back, once the whole text is known."""
+        whole = cut_at_stop(output["generated_text"], stops)
+        return self.release(whole) if whole.startswith(self.sent) else None
+
+    def release(self, ready: str) -> Release | None:
+        """The text past what was sent, with its tokens and where the first one starts."""
+        if len(ready) <= len(self.sent):
+            return None
+        text = ready[len(self.sent) :]
+        self.sent = ready
+        return (text, *self.unsent.take(len(ready)))
+
+
+Release = tuple[str, list[Listed], int]  # a chunk's text, its tokens, the first's offset

@@ -20,7 +20,7 @@ the protocol's write timeout ends it. Never imports torch.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
 from rawserve.api.outcomes import unwrap
@@ -108,6 +108,36 @@ class TokenStream:
         self.serving.close_stream(self.stream_id)
         if not self.run.done():
             self.run.cancel()
+
+
+async def merged(
+    streams: Sequence[TokenStream],
+) -> AsyncGenerator[tuple[int, TokenChunk | None], None]:
+    """Each stream's chunks as they come, with the stream's index, and (index, None) where
+    a stream has finished. A stream read for its client here still stops when that
+    client leaves its tokens unread: the hand-over between them is bounded too."""
+    if len(streams) == 1:
+        async for chunk in streams[0].chunks():
+            yield 0, chunk
+        yield 0, None
+        return
+    handed: asyncio.Queue[tuple[int, TokenChunk | None]] = asyncio.Queue(len(streams))
+
+    async def pump(index: int, stream: TokenStream) -> None:
+        async for chunk in stream.chunks():
+            await handed.put((index, chunk))
+        await handed.put((index, None))
+
+    pumps = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        finished = 0
+        while finished < len(streams):
+            index, next_chunk = await handed.get()
+            finished += next_chunk is None
+            yield index, next_chunk
+    finally:
+        for task in pumps:
+            task.cancel()
 
 
 async def open_token_stream(
