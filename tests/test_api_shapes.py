@@ -236,7 +236,9 @@ AGREEMENT = [
     ("COMPLETION", {"prompt": "a", "temperature": 2.5}, False),
     ("COMPLETION", {"prompt": "a", "stop": ["."] * 17}, False),
     ("COMPLETION", {"prompt": ""}, True),  # well-formed; blank: 422 once read
-    ("COMPLETION", {"prompt": "a", "frequency_penalty": 0.5}, False),
+    ("COMPLETION", {"prompt": "a", "frequency_penalty": 0.5, "logit_bias": {"5": -1}}, True),
+    ("COMPLETION", {"prompt": "a", "frequency_penalty": 2.5}, False),
+    ("COMPLETION", {"prompt": "a", "logit_bias": {"a": 1}}, False),
     ("COMPLETION", {"prompt": "a", "suffix": "b"}, False),
     ("COMPLETION", {"prompt": "a", "unknown": 1}, False),
 ]

@@ -270,6 +270,39 @@ def test_repetition_penalty_and_return_full_text_as_the_static_path(runner):
     assert got[0]["generated_text"] != plain[0]["generated_text"].removeprefix("the movie was")
 
 
+def test_openais_penalties_count_each_rows_new_tokens():
+    import torch
+
+    from rawserve.worker.continuous import ScoreAdjustments
+
+    scores = torch.zeros(2, 6)
+    made = torch.tensor([[1, 1, 3], [2, 2, 2]])
+    ScoreAdjustments(((5, 4.0),), frequency_penalty=0.5, presence_penalty=1.0).apply(scores, made)
+    assert scores.tolist() == [
+        [0.0, -2.0, 0.0, -1.5, 0.0, 4.0],  # token 1 twice: 2 x 0.5 + 1; token 3 once
+        [0.0, 0.0, -2.5, 0.0, 0.0, 4.0],  # token 2 three times
+    ]
+    none = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}}
+    assert ScoreAdjustments.asked(none, 6) is None
+    with pytest.raises(ValueError, match="token id 6, which is not in the model's vocabulary"):
+        ScoreAdjustments.asked({"logit_bias": {6: 1.0}}, 6)
+
+
+def test_openais_penalties_and_logit_bias_as_the_static_path(runner):
+    params = {
+        **GREEDY,
+        "max_new_tokens": 12,
+        "frequency_penalty": 1.5,
+        "presence_penalty": 0.5,
+        "logit_bias": {7: 3.0, 11: -2.0},
+        "top_n_tokens": 2,
+    }
+    as_the_static_path(runner, params, TEXTS[:3])
+    forced = {**GREEDY, "max_new_tokens": 6, "logit_bias": {7: 100.0}}
+    [got] = results(serve(runner, {0: [Batch(1, ("the movie was",), forced)]}))[1].outputs
+    assert [t["id"] for t in got[0]["details"]["tokens"]] == [7] * 6
+
+
 def test_a_seed_gives_the_same_sample_whatever_runs_beside_it(runner):
     params = {"max_new_tokens": 20, "do_sample": True, "seed": 7}
     mine = Batch(1, ("the movie was",), params)

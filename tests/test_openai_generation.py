@@ -421,6 +421,67 @@ def test_a_client_that_leaves_a_stream_of_several_choices_stops_each(servers):
     assert server.request("GET", "/health")[0] == 200
 
 
+# --- scores changed: logit_bias, frequency_penalty, presence_penalty ----------------------
+
+
+def test_logit_bias_makes_a_token_the_only_choice(servers, reference):
+    plain = client(servers["plain"])
+    tokenizer = reference.tokenizer(PLAIN_MODEL)
+    answer = plain.completions.create(
+        model=PLAIN_MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logit_bias={"7": 100}
+    )
+    assert answer.choices[0].text == tokenizer.decode([7] * 5)
+    banned = plain.completions.create(
+        model=PLAIN_MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=0
+    )
+    first = banned.choices[0].logprobs.tokens[0]
+    first_id = tokenizer(first, add_special_tokens=False)["input_ids"][0]
+    without = plain.completions.create(
+        model=PLAIN_MODEL,
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0,
+        logprobs=0,
+        logit_bias={str(first_id): -100},
+    )
+    assert without.choices[0].logprobs.tokens[0] != first
+
+
+def test_penalties_take_repeated_tokens_down(servers, reference):
+    from collections import Counter
+
+    chat = client(servers["chat"])
+    asked = {"model": CHAT_MODEL, "messages": MESSAGES, "max_tokens": 30, "temperature": 0}
+    free = chat.chat.completions.create(**asked, logprobs=True)
+    penalized = chat.chat.completions.create(
+        **asked, logprobs=True, frequency_penalty=2, presence_penalty=2
+    )
+
+    def most_repeated(answer) -> int:
+        return max(Counter(t.token for t in answer.choices[0].logprobs.content).values())
+
+    assert most_repeated(free) > 2  # a tiny random model repeats itself when greedy
+    assert most_repeated(penalized) < most_repeated(free)
+
+
+@pytest.mark.parametrize(
+    ("document", "status", "message"),
+    [
+        ({"frequency_penalty": 2.5}, 400, '"frequency_penalty" must be between'),
+        ({"presence_penalty": -3}, 400, '"presence_penalty" must be between'),
+        ({"logit_bias": {"abc": 1}}, 400, "token ids as its keys"),
+        ({"logit_bias": {"5": 101}}, 400, '"logit_bias[5]" must be between'),
+        ({"logit_bias": [5]}, 400, '"logit_bias" must be an object'),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, 400, "at most 300"),
+        ({"logit_bias": {"1000000": 1}}, 422, "logit_bias names the token id 1000000"),
+    ],
+    ids=["frequency", "presence", "key", "bias", "list", "count", "unknown-id"],
+)
+def test_scores_that_cannot_be_changed_so_are_refused(servers, document, status, message):
+    answered, body = servers["plain"].post_json({"prompt": PROMPT, **document}, "/v1/completions")
+    assert answered == status and message in body["error"]["message"], body
+
+
 # --- several choices ----------------------------------------------------------------------
 
 

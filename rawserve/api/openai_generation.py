@@ -3,16 +3,19 @@ into prompts and worker parameters, and writing their answers, whole or as SSE c
 body is declared once (`CHAT`, `COMPLETION`: `fields.Body`), for its checks and its
 `/openapi.json` schema.
 
-What OpenAI's API has and rawserve does not serve (tools, penalties, a streamed echo) is
-refused with 400 naming it, never ignored. Several choices a prompt (`n`) are each a
-generation of their own, queued together, streamed as their tokens come. Text stops before a stop
-sequence, as OpenAI's does, streamed too: text that may be the start of a stop sequence is
-held back until the next token says. Log probabilities (chat's `logprobs` and
-`top_logprobs`, completions' `logprobs`) come from the worker's tokens (TGI's shape, with
-`top_tokens` when alternatives are asked for), each listed with the chunk that sends its
-text. Completions' `echo` puts the prompt before the completion, and with `logprobs` lists
-the prompt's tokens first (the worker's `prefill`, TGI's `decoder_input_details`);
-`max_tokens` 0 with it scores the prompt alone. Server process; plain Python.
+What OpenAI's API has and rawserve does not serve (tools, structured output, a streamed
+echo) is refused with 400 naming it, never ignored. Several choices a prompt (`n`) are each
+a generation of their own, queued together, streamed as their tokens come; `logit_bias`,
+`frequency_penalty` and `presence_penalty` change each step's scores in the worker.
+
+Text stops before a stop sequence, as OpenAI's does, streamed too: text that may be the
+start of a stop sequence is held back until the next token says. Log probabilities (chat's
+`logprobs` and `top_logprobs`, completions' `logprobs`) come from the worker's tokens
+(TGI's shape, with `top_tokens` when alternatives are asked for), each listed with the
+chunk that sends its text. Completions' `echo` puts the prompt before the completion, and
+with `logprobs` lists the prompt's tokens first (the worker's `prefill`, TGI's
+`decoder_input_details`); `max_tokens` 0 with it scores the prompt alone. Server process;
+plain Python.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from rawserve.tasks.text_generation import MAX_STOP_SEQUENCES, MAX_TOP_N_TOKENS,
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_NEW_TOKENS = 4096
 MAX_CHOICES = 128  # OpenAI's bound on "n"
+MAX_LOGIT_BIAS = 300  # token ids one request may bias: bounds a step's extra work
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 # finish reasons: the worker's (TGI's) → OpenAI's
 FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
@@ -120,7 +124,6 @@ def generation_params(
     fields: Fields, max_tokens_field: str, default: int | None
 ) -> GenerationRequest:
     """The parameters both routes share."""
-    refuse_unserved(fields, ("logit_bias", "frequency_penalty", "presence_penalty"))
     fields.value("user")
     params: dict[str, Any] = {"return_full_text": False, "details": True}
     max_tokens = fields.value(max_tokens_field)
@@ -141,6 +144,9 @@ def generation_params(
     repetition_penalty = fields.value("repetition_penalty")
     if repetition_penalty is not None:
         params["repetition_penalty"] = repetition_penalty
+    for name in ("frequency_penalty", "presence_penalty", "logit_bias"):
+        if value := fields.value(name):  # 0 or {}: none (and the batch key as without)
+            params[name] = value
     seed = fields.value("seed")
     if seed is not None:
         params["seed"] = seed
@@ -163,6 +169,21 @@ def check_choices(generation: GenerationRequest, most: int) -> None:
             f"{choices} choices in one request ({len(generation.items)} prompts, n "
             f"{generation.n}): at most {most} are allowed (--max-client-batch-size)"
         )
+
+
+def read_logit_bias(name: str, value: Any, context: DocContext | None) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (JSON's keys are text) to a bias from -100 to 100; the
+    model's worker knows which ids it has."""
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise BadRequest(
+            f'"{name}" must be an object of at most {MAX_LOGIT_BIAS} token ids, each to a bias'
+        )
+    bias = {}
+    for token, amount in value.items():
+        if not (token.isascii() and token.isdigit()):
+            raise BadRequest(f'"{name}" takes token ids as its keys, not {token[:40]!r}')
+        bias[int(token)] = read_number(f"{name}[{token}]", amount, -100, 100)
+    return bias
 
 
 def read_top_p(name: str, value: Any, context: DocContext | None) -> float:
@@ -411,6 +432,14 @@ MESSAGE: Schema = {
     "additionalProperties": False,
 }
 MAX_TOKENS = whole(1, MAX_NEW_TOKENS)
+PENALTY: Schema = {"type": ["number", "null"], "minimum": -2, "maximum": 2}
+LOGIT_BIAS: Schema = {
+    "type": ["object", "null"],
+    "description": "token ids (as text) to a bias from -100 to 100, added to their scores",
+    "propertyNames": {"pattern": "^[0-9]+$"},
+    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+    "maxProperties": MAX_LOGIT_BIAS,
+}
 COMMON: dict[str, Field] = {
     "max_tokens": MAX_TOKENS,
     "temperature": Field(
@@ -429,11 +458,9 @@ COMMON: dict[str, Field] = {
     "stream_options": Field(STREAM_OPTIONS, read_stream_options),
     "n": whole(1, MAX_CHOICES),  # choices per prompt (each a generation of its own)
     "user": text(),
-    "frequency_penalty": unserved({"enum": [0, None]}, 0),
-    "presence_penalty": unserved({"enum": [0, None]}, 0),
-    "logit_bias": unserved(
-        {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}]}, {}
-    ),
+    "frequency_penalty": Field(PENALTY, lambda name, value, _: read_number(name, value, -2, 2)),
+    "presence_penalty": Field(PENALTY, lambda name, value, _: read_number(name, value, -2, 2)),
+    "logit_bias": Field(LOGIT_BIAS, read_logit_bias),
 }
 CHAT_UNSERVED = (
     "tools", "functions", "tool_choice", "function_call", "parallel_tool_calls",

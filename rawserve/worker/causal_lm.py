@@ -20,7 +20,7 @@ import transformers
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits, TokenChunk
 from rawserve.tasks import CHAT_PARAM
 from rawserve.tasks.text_generation import PROMPT_TOP_N
-from rawserve.worker.continuous import Generation, TextPieces, likeliest
+from rawserve.worker.continuous import Generation, ScoreAdjustments, TextPieces, likeliest
 from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.runner import Runner, dtype_name
 
@@ -41,6 +41,18 @@ class ScoreRecorder(transformers.LogitsProcessor):
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self.logprobs = scores.float().log_softmax(-1)
+        return scores
+
+
+class Adjuster(transformers.LogitsProcessor):
+    """OpenAI's logit bias and penalties (`ScoreAdjustments`) on `generate`'s scores."""
+
+    def __init__(self, adjustments: ScoreAdjustments, prompt_width: int):
+        self.adjustments = adjustments
+        self.prompt_width = prompt_width  # where each row's new tokens start
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.adjustments.apply(scores, input_ids[:, self.prompt_width :])
         return scores
 
 
@@ -297,6 +309,7 @@ class CausalLMRunner(Runner):
             seed=params.get("seed"),
             stop=tuple(params.get("stop", ())),
             repetition_penalty=setting("repetition_penalty"),
+            adjustments=ScoreAdjustments.asked(params, self.vocabulary),
             logprobs=[] if wants_logprobs else None,
             top_n=int(params.get("top_n_tokens") or 0),
             prefill=self.prefill_tokens(ids, params) if scores_prompt(params) else None,
@@ -494,14 +507,18 @@ class CausalLMRunner(Runner):
             keep_tokens,
             int(params.get("top_n_tokens") or 0),
         )
+        processors: list[Any] = []
+        adjustments = ScoreAdjustments.asked(params, self.vocabulary)
+        if adjustments is not None:  # before the recorder: the log probabilities follow them
+            processors.append(Adjuster(adjustments, encoded["input_ids"].shape[1]))
+        if wants_logprobs:
+            processors.append(recorder)
         with torch.inference_mode():
             self.model.generate(
                 **encoded,
                 **kwargs,
                 pad_token_id=self.tokenizer.pad_token_id,
-                logits_processor=transformers.LogitsProcessorList(
-                    [recorder] if wants_logprobs else []
-                ),
+                logits_processor=transformers.LogitsProcessorList(processors),
                 stopping_criteria=transformers.StoppingCriteriaList([watcher]),
             )
         return watcher

@@ -25,7 +25,7 @@ this model size); bench/generation.py compares this loop with static batching.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,7 +97,8 @@ class Generation:
     seed: int | None = None
     stop: Sequence[str] = ()
     repetition_penalty: float | None = None  # None or 1.0: none
-    # the log-probability of each chosen token (after the repetition penalty, before
+    adjustments: ScoreAdjustments | None = None  # OpenAI's logit bias and penalties
+    # the log-probability of each chosen token (after the penalties and biases, before
     # temperature and top-k/top-p, as generate's logits processors see it); None: not kept
     logprobs: list[float] | None = None
     # with `logprobs`: the `top_n` likeliest tokens at its latest step, (id, log-probability)
@@ -116,6 +117,50 @@ class Generation:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class ScoreAdjustments:
+    """OpenAI's changes to a row's scores before a token is chosen, after the repetition
+    penalty (as `generate` applies its own processors first): `logit_bias` added to the
+    tokens it names, then `frequency_penalty` taken off a token's score for each time it
+    was generated and `presence_penalty` once if it was (the new tokens only, not the
+    prompt's, as vLLM counts them)."""
+
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    @classmethod
+    def asked(cls, params: Mapping[str, Any], vocabulary: int) -> ScoreAdjustments | None:
+        """The adjustments `params` ask for (None: none); ValueError for a biased token
+        the model does not have."""
+        bias = tuple((int(k), float(v)) for k, v in (params.get("logit_bias") or {}).items())
+        unknown = [token for token, _ in bias if not 0 <= token < vocabulary]
+        if unknown:
+            raise ValueError(
+                f"logit_bias names the token id {unknown[0]}, which is not in the model's "
+                f"vocabulary (ids run from 0 to {vocabulary - 1})"
+            )
+        adjustments = cls(
+            bias,
+            float(params.get("frequency_penalty") or 0.0),
+            float(params.get("presence_penalty") or 0.0),
+        )
+        return adjustments if adjustments != cls() else None
+
+    def apply(self, scores: torch.Tensor, made: torch.Tensor) -> None:
+        """Rows of scores, in place, given the tokens each row generated so far (`made`: a
+        row of ids each)."""
+        if self.logit_bias:
+            tokens, biases = zip(*self.logit_bias, strict=True)
+            scores[:, list(tokens)] += torch.tensor(biases, device=scores.device)
+        if made.shape[1] == 0 or not (self.frequency_penalty or self.presence_penalty):
+            return
+        counts = torch.zeros_like(scores).scatter_add_(
+            1, made, torch.ones(made.shape, dtype=scores.dtype, device=scores.device)
+        )
+        scores -= counts * self.frequency_penalty + (counts > 0) * self.presence_penalty
 
 
 class ContinuousBatcher:
@@ -345,8 +390,13 @@ class ContinuousBatcher:
         taken into its sequence."""
         scores = logits.float()  # as generate scores them
         for index, generation in enumerate(rows):
-            if generation.repetition_penalty not in (None, 1.0) and not generation.done:
+            if generation.done:
+                continue
+            if generation.repetition_penalty not in (None, 1.0):
                 _penalize(scores[index], generation)
+            if generation.adjustments is not None:
+                made = torch.tensor([generation.tokens], device=scores.device, dtype=torch.long)
+                generation.adjustments.apply(scores[index : index + 1], made)
         tokens = scores.argmax(dim=-1)
         for index, generation in enumerate(rows):
             if generation.do_sample and not generation.done:
