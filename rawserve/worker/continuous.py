@@ -149,13 +149,17 @@ class ScoreAdjustments:
         )
         return adjustments if adjustments != cls() else None
 
+    @property
+    def penalizes(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty)
+
     def apply(self, scores: torch.Tensor, made: torch.Tensor) -> None:
         """Rows of scores, in place, given the tokens each row generated so far (`made`: a
         row of ids each)."""
         if self.logit_bias:
             tokens, biases = zip(*self.logit_bias, strict=True)
             scores[:, list(tokens)] += torch.tensor(biases, device=scores.device)
-        if made.shape[1] == 0 or not (self.frequency_penalty or self.presence_penalty):
+        if made.shape[1] == 0 or not self.penalizes:
             return
         counts = torch.zeros_like(scores).scatter_add_(
             1, made, torch.ones(made.shape, dtype=scores.dtype, device=scores.device)
@@ -394,9 +398,10 @@ class ContinuousBatcher:
                 continue
             if generation.repetition_penalty not in (None, 1.0):
                 _penalize(scores[index], generation)
-            if generation.adjustments is not None:
-                made = torch.tensor([generation.tokens], device=scores.device, dtype=torch.long)
-                generation.adjustments.apply(scores[index : index + 1], made)
+            if (adjustments := generation.adjustments) is not None:
+                made = generation.tokens if adjustments.penalizes else []
+                tokens = torch.tensor([made], device=scores.device, dtype=torch.long)
+                adjustments.apply(scores[index : index + 1], tokens)
         tokens = scores.argmax(dim=-1)
         for index, generation in enumerate(rows):
             if generation.do_sample and not generation.done:
