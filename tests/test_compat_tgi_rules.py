@@ -73,7 +73,6 @@ def test_a_neutral_value_is_taken_as_unset(name, neutral):
         ("truncate", 0),
         ("typical_p", 0.9),
         ("frequency_penalty", 0.1),
-        ("grammar", {"type": "json", "value": {}}),
         ("adapter_id", "lora"),
         ("watermark", 0),  # false is not 0
     ],
@@ -82,6 +81,47 @@ def test_a_value_rawserve_cannot_honour_is_refused_naming_it(name, value):
     assert TASK is not None
     with pytest.raises(UnservedParameter, match=f"'{name}' is not supported"):
         check_params(TASK, {name: value})
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(
+    ("given", "taken"),
+    [
+        ({"type": "json", "value": SCHEMA}, {"type": "json", "value": SCHEMA}),
+        ({"type": "json", "value": json.dumps(SCHEMA)}, {"type": "json", "value": SCHEMA}),
+        (
+            {"type": "json_schema", "value": {"name": "a", "schema": SCHEMA}},
+            {"type": "json", "value": SCHEMA},
+        ),
+        ({"type": "regex", "value": "[0-9]+"}, {"type": "regex", "value": "[0-9]+"}),
+    ],
+    ids=["json", "json-text", "json_schema", "regex"],
+)
+def test_a_grammar_is_taken_in_each_of_tgis_forms(given, taken):
+    assert TASK is not None
+    assert check_params(TASK, {"grammar": given}) == {"grammar": taken}
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"type": "xml", "value": "a"},
+        {"type": "json"},
+        {"type": "json", "value": "not json"},
+        {"type": "json", "value": [1]},
+        {"type": "json_schema", "value": {"name": "a"}},
+        {"type": "regex", "value": ""},
+        {"type": "regex", "value": "a", "extra": 1},
+        "[0-9]+",
+    ],
+    ids=repr,
+)
+def test_a_grammar_of_no_form_tgi_has_is_refused(given):
+    assert TASK is not None
+    with pytest.raises(InvalidRequest, match="'grammar'"):
+        check_params(TASK, {"grammar": given})
 
 
 def test_the_likeliest_tokens_are_served_up_to_twenty():

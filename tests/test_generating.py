@@ -27,6 +27,7 @@ from rawserve.shared.messages import (
     TokenChunks,
     WorkerConfig,
 )
+from tests.tiny_models import PERSON
 
 POSITIONS = 256  # the tiny GPT-2's (tests/tiny_models.py)
 GREEDY = {"max_new_tokens": 20, "do_sample": False, "details": True}
@@ -301,6 +302,49 @@ def test_openais_penalties_and_logit_bias_as_the_static_path(runner):
     forced = {**GREEDY, "max_new_tokens": 6, "logit_bias": {7: 100.0}}
     [got] = results(serve(runner, {0: [Batch(1, ("the movie was",), forced)]}))[1].outputs
     assert [t["id"] for t in got[0]["details"]["tokens"]] == [7] * 6
+
+
+def grammar_outputs(runner, params: dict[str, Any], texts: list[str]) -> list[str]:
+    """Each text's new text on both paths: the loop's (all at once) and the static path's
+    (greedy: the same; sampled: each path draws its own)."""
+    if not params.get("do_sample"):
+        return [got[0]["generated_text"] for _, got, _ in as_the_static_path(runner, params, texts)]
+    batches = [Batch(i, (text,), params) for i, text in enumerate(texts)]
+    answered = results(serve(runner, {0: batches}))
+    looped = [answered[b.batch_id].outputs[0][0]["generated_text"] for b in batches]
+    return looped + [static(runner, text, params)[0]["generated_text"] for text in texts]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_grammar_holds_what_is_generated_on_both_paths(runner, sampled):
+    import json
+    import re
+
+    settings = {"do_sample": True, "seed": 3, "temperature": 1.5} if sampled else {}
+    base = {**GREEDY, **settings, "max_new_tokens": 60, "return_full_text": False}
+    pattern = "[0-9]{3}-[a-z]{2,4}"
+    regex = {**base, "grammar": {"type": "regex", "value": pattern}}
+    for text in grammar_outputs(runner, regex, TEXTS[:2]):
+        assert re.fullmatch(pattern, text), text
+    schema = {**base, "grammar": {"type": "json", "value": PERSON}}
+    for text in grammar_outputs(runner, schema, TEXTS[:2]):
+        person = json.loads(text)
+        assert set(person) == {"name", "age"} and isinstance(person["age"], int), text
+        assert len(person["name"]) <= 5 and 0 <= person["age"] <= 150
+    # the grammar done, only the end may come
+    [got] = results(serve(runner, {0: [Batch(1, ("a",), regex)]}))[1].outputs
+    assert got[0]["details"]["finish_reason"] == "eos_token"
+
+
+def test_a_grammar_that_cannot_be_used_fails_its_item_alone(runner):
+    params = {**GREEDY, "max_new_tokens": 4}
+    broken = {**params, "grammar": {"type": "regex", "value": "[0-9"}}
+    sent = serve(runner, {0: [Batch(1, ("the movie was",), params), Batch(2, ("a",), broken)]})
+    answered = results(sent)
+    assert answered[1].outputs[0] == static(runner, "the movie was", params)
+    failed = answered[2].outputs[0]
+    assert failed.kind is FailureKind.INPUT and "the grammar cannot be used" in failed.message
+    assert "unclosed character class" in failed.message  # llguidance's lines, on one
 
 
 def test_a_seed_gives_the_same_sample_whatever_runs_beside_it(runner):

@@ -18,7 +18,7 @@ import socket
 import pytest
 
 from tests.server import RunningServer, running_together
-from tests.tiny_models import CHAT_TEMPLATE
+from tests.tiny_models import CHAT_TEMPLATE, PERSON
 
 pytestmark = pytest.mark.slow
 
@@ -318,7 +318,7 @@ def test_chat_content_as_text_parts_is_the_same_prompt(servers):
         {"top_logprobs": 2},  # without "logprobs": true
         {"logprobs": True, "top_logprobs": 21},
         {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
         {"max_tokens": 0},
         {"max_tokens": -1},
         {"temperature": -0.5},
@@ -480,6 +480,73 @@ def test_penalties_take_repeated_tokens_down(servers, reference):
 def test_scores_that_cannot_be_changed_so_are_refused(servers, document, status, message):
     answered, body = servers["plain"].post_json({"prompt": PROMPT, **document}, "/v1/completions")
     assert answered == status and message in body["error"]["message"], body
+
+
+# --- structured output ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_json_schema_response_format_gives_json_it_describes(servers, stream):
+    chat = client(servers["chat"])
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    asked = {"model": CHAT_MODEL, "messages": MESSAGES, "n": 2, **SAMPLED, "max_tokens": 120}
+    answer = chat.chat.completions.create(**asked, response_format=response_format, stream=stream)
+    texts = [c.message.content for c in answer.choices] if not stream else ["", ""]
+    if stream:
+        for chunk in answer:
+            texts[chunk.choices[0].index] += chunk.choices[0].delta.content or ""
+    for text in texts:
+        person = json.loads(text)
+        assert set(person) == {"name", "age"} and isinstance(person["age"], int), text
+        assert len(person["name"]) <= 5 and 0 <= person["age"] <= 150
+
+
+def test_a_json_object_response_format_gives_a_json_object(servers):
+    plain = client(servers["plain"])
+    answer = plain.completions.create(
+        model=PLAIN_MODEL,
+        prompt=PROMPT,
+        max_tokens=60,
+        temperature=0,
+        extra_body={"response_format": {"type": "json_object"}},  # (vLLM's, on completions)
+    )
+    assert isinstance(json.loads(answer.choices[0].text), dict)
+    assert answer.choices[0].finish_reason == "stop"
+
+
+def test_huggingface_hubs_client_generates_within_a_grammar(servers, hub_client_may_reach_loopback):
+    import re
+
+    from huggingface_hub import InferenceClient
+
+    with InferenceClient(base_url=f"http://127.0.0.1:{servers['plain'].port}") as hub:
+        regex = {"type": "regex", "value": "(yes|no), [0-9]{2}"}
+        text = hub.text_generation(PROMPT, max_new_tokens=20, grammar=regex, return_full_text=False)
+        schema = {"type": "json", "value": PERSON}
+        person = hub.text_generation(
+            PROMPT, max_new_tokens=120, grammar=schema, return_full_text=False
+        )
+    assert re.fullmatch("(yes|no), [0-9]{2}", text), text
+    assert set(json.loads(person)) == {"name", "age"}, person
+
+
+@pytest.mark.parametrize(
+    ("grammar", "message"),
+    [
+        ({"type": "regex", "value": "[0-9"}, "unclosed character class"),
+        ({"type": "json", "value": {"type": "nonsense"}}, "Invalid type: nonsense"),
+    ],
+    ids=["regex", "schema"],
+)
+def test_a_grammar_that_cannot_be_followed_is_422_naming_the_fault(servers, grammar, message):
+    document = {"inputs": PROMPT, "parameters": {"grammar": grammar, "max_new_tokens": 5}}
+    status, body = servers["plain"].post_json(document, "/generate")
+    assert status == 422 and message in body["error"], body
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    status, body = servers["plain"].post_json(
+        {"prompt": PROMPT, "response_format": schema}, "/v1/completions"
+    )
+    assert status == 422 and "Invalid type: nonsense" in body["error"]["message"], body
 
 
 # --- several choices ----------------------------------------------------------------------

@@ -15,6 +15,17 @@ VOCAB = SPECIAL + WORDS + [chr(c) for c in range(ord("a"), ord("z") + 1)] + list
 
 # the prompts a sentence-transformers model may name (TEI's `prompt_name`)
 SENTENCE_PROMPTS = {"query": "query: ", "passage": "passage: "}
+# A JSON schema the grammar tests hold the tiny models' generations to: short enough that a
+# random model's choice of characters, a token a byte, fits a few dozen tokens.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 5},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 # a ChatML-like template, as instruction-tuned models ship them
 CHAT_TEMPLATE = (
     "{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}</s>\n"

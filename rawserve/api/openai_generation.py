@@ -147,6 +147,8 @@ def generation_params(
     for name in ("frequency_penalty", "presence_penalty", "logit_bias"):
         if value := fields.value(name):  # 0 or {}: none (and the batch key as without)
             params[name] = value
+    if (grammar := fields.value("response_format")) is not None:
+        params["grammar"] = grammar
     seed = fields.value("seed")
     if seed is not None:
         params["seed"] = seed
@@ -184,6 +186,29 @@ def read_logit_bias(name: str, value: Any, context: DocContext | None) -> dict[i
             raise BadRequest(f'"{name}" takes token ids as its keys, not {token[:40]!r}')
         bias[int(token)] = read_number(f"{name}[{token}]", amount, -100, 100)
     return bias
+
+
+def read_response_format(
+    name: str, value: Any, context: DocContext | None
+) -> dict[str, Any] | None:
+    """The grammar OpenAI's response_format asks for, as the worker takes it (TGI's shape);
+    None for free text. A schema is always held to ("strict" or not)."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json", "value": {"type": "object"}}
+    if kind == "json_schema":
+        try:
+            return text_generation.grammar(
+                {"type": "json_schema", "value": value.get("json_schema")}
+            )
+        except ValueError:
+            pass
+    raise BadRequest(
+        f'"{name}" must be {{"type": "text"}}, {{"type": "json_object"}} or {{"type": '
+        '"json_schema", "json_schema": {"name": ..., "schema": {...}}}'
+    )
 
 
 def read_top_p(name: str, value: Any, context: DocContext | None) -> float:
@@ -433,6 +458,28 @@ MESSAGE: Schema = {
 }
 MAX_TOKENS = whole(1, MAX_NEW_TOKENS)
 PENALTY: Schema = {"type": ["number", "null"], "minimum": -2, "maximum": 2}
+RESPONSE_FORMAT: Schema = {
+    "type": ["object", "null"],
+    "description": 'free text ({"type": "text"}), any JSON object ({"type": "json_object"}) '
+    'or JSON that a schema describes ({"type": "json_schema", "json_schema": {"name", '
+    '"schema"}})',
+    "required": ["type"],
+    "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {
+            "type": "object",
+            "required": ["schema"],
+            "properties": {
+                "name": {"type": "string"},
+                "description": {"type": "string"},
+                "schema": {"type": "object"},
+                "strict": {"type": ["boolean", "null"]},
+            },
+        },
+    },
+    "if": {"properties": {"type": {"const": "json_schema"}}},
+    "then": {"required": ["json_schema"]},
+}
 LOGIT_BIAS: Schema = {
     "type": ["object", "null"],
     "description": "token ids (as text) to a bias from -100 to 100, added to their scores",
@@ -461,11 +508,9 @@ COMMON: dict[str, Field] = {
     "frequency_penalty": Field(PENALTY, lambda name, value, _: read_number(name, value, -2, 2)),
     "presence_penalty": Field(PENALTY, lambda name, value, _: read_number(name, value, -2, 2)),
     "logit_bias": Field(LOGIT_BIAS, read_logit_bias),
+    "response_format": Field(RESPONSE_FORMAT, read_response_format),
 }
-CHAT_UNSERVED = (
-    "tools", "functions", "tool_choice", "function_call", "parallel_tool_calls",
-    "response_format",
-)  # fmt: skip
+CHAT_UNSERVED = ("tools", "functions", "tool_choice", "function_call", "parallel_tool_calls")
 CHAT = Body(
     {
         "messages": Field(
@@ -484,20 +529,6 @@ CHAT = Body(
         "tool_choice": unserved({"enum": ["none", None]}, "none"),
         "function_call": unserved({"enum": ["none", None]}, "none"),
         "parallel_tool_calls": unserved(NULLABLE_BOOLEAN, False, True),
-        "response_format": unserved(
-            {
-                "anyOf": [
-                    {"type": "null"},
-                    {
-                        "type": "object",
-                        "required": ["type"],
-                        "properties": {"type": {"const": "text"}},
-                        "additionalProperties": False,
-                    },
-                ]
-            },
-            {"type": "text"},
-        ),
     }
 )
 COMPLETION_UNSERVED = ("suffix", "best_of")

@@ -11,6 +11,7 @@ per new token, and so that it never shares a batch.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from rawserve.tasks.checks import boolean, checker, float_range, ignored, int_range, text
@@ -54,6 +55,44 @@ def stop_sequences(value: Any) -> list[str]:
     return value
 
 
+GRAMMAR_SCHEMA = {
+    "type": "object",
+    "description": "what may be generated: a JSON schema, or a regular expression (TGI's)",
+    "required": ["type", "value"],
+    "properties": {"type": {"enum": ["json", "json_schema", "regex"]}, "value": {}},
+    "additionalProperties": False,
+}
+
+
+@checker(GRAMMAR_SCHEMA)
+def grammar(value: Any) -> dict[str, Any]:
+    """TGI's grammar as the worker takes it: `{"type": "json", "value": schema}` (the
+    schema an object, or a text of one; "json_schema" takes `{"name", "schema"}`, as
+    OpenAI's response_format does), or `{"type": "regex", "value": text}`. Whether the
+    schema or expression can be followed is the worker's to say, when it compiles it."""
+    if not isinstance(value, dict) or set(value) != {"type", "value"}:
+        raise ValueError('must be {"type": "json", "json_schema" or "regex", "value": ...}')
+    kind, given = value["type"], value["value"]
+    if kind == "regex":
+        if not isinstance(given, str) or not given:
+            raise ValueError("of type regex takes a regular expression as its value")
+        return {"type": "regex", "value": given}
+    if kind == "json_schema":
+        if not isinstance(given, dict) or not isinstance(given.get("schema"), dict):
+            raise ValueError('of type json_schema takes {"name", "schema": {...}} as its value')
+        return {"type": "json", "value": given["schema"]}
+    if kind == "json":
+        if isinstance(given, str):
+            try:
+                given = json.loads(given)
+            except ValueError:
+                given = None
+        if not isinstance(given, dict):
+            raise ValueError("of type json takes a JSON schema: an object, or a text of one")
+        return {"type": "json", "value": given}
+    raise ValueError('type must be "json", "json_schema" or "regex"')
+
+
 TASK = Task(
     "text-generation",
     text,
@@ -78,7 +117,7 @@ TASK = Task(
         "typical_p": ignored(1),
         "truncate": ignored(),
         "watermark": ignored(False),
-        "grammar": ignored(),
+        "grammar": grammar,
         "adapter_id": ignored(),
     },
     extra_fields=frozenset({"stream"}),

@@ -22,6 +22,7 @@ from rawserve.tasks import CHAT_PARAM
 from rawserve.tasks.text_generation import PROMPT_TOP_N
 from rawserve.worker.continuous import Generation, ScoreAdjustments, TextPieces, likeliest
 from rawserve.worker.decode_graphs import GraphedDecode
+from rawserve.worker.grammars import Grammars, constrain
 from rawserve.worker.runner import Runner, dtype_name
 
 log = logging.getLogger("rawserve.generation")
@@ -53,6 +54,25 @@ class Adjuster(transformers.LogitsProcessor):
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self.adjustments.apply(scores, input_ids[:, self.prompt_width :])
+        return scores
+
+
+class GrammarFollower(transformers.LogitsProcessor):
+    """Each row's grammar on `generate`'s scores: the row's last token moves its matcher
+    on, then only what the grammar allows next may be chosen."""
+
+    def __init__(self, matchers: list[Any]):
+        self.matchers = matchers
+        self.started = False
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.started:  # (the first call follows the prompt: nothing generated yet)
+            for matcher, token in zip(self.matchers, input_ids[:, -1].tolist(), strict=True):
+                if not matcher.is_stopped():  # (a finished row goes on with padding)
+                    matcher.consume_token(token)
+        self.started = True
+        for row, matcher in enumerate(self.matchers):
+            constrain(scores[row], matcher)
         return scores
 
 
@@ -213,6 +233,7 @@ class CausalLMRunner(Runner):
         self.defaults = {k: v for k, v in PIPELINE_DEFAULTS.items() if k not in configured}
         self.special_ids = set(self.tokenizer.all_special_ids)
         self.vocabulary = self.model.get_input_embeddings().num_embeddings  # ids it can read
+        self.grammars = Grammars(self.tokenizer, self.model.get_output_embeddings().out_features)
         self.send: Callable[[Any], None] | None = None
         self.cancelled_stream: Any = None  # a shared integer: the stream id to stop
         self.decode_graphs = False  # the continuous batch's steps replayed (a GPU)
@@ -310,6 +331,7 @@ class CausalLMRunner(Runner):
             stop=tuple(params.get("stop", ())),
             repetition_penalty=setting("repetition_penalty"),
             adjustments=ScoreAdjustments.asked(params, self.vocabulary),
+            grammar=self.grammars.matcher(params["grammar"]) if params.get("grammar") else None,
             logprobs=[] if wants_logprobs else None,
             top_n=int(params.get("top_n_tokens") or 0),
             prefill=self.prefill_tokens(ids, params) if scores_prompt(params) else None,
@@ -511,6 +533,9 @@ class CausalLMRunner(Runner):
         adjustments = ScoreAdjustments.asked(params, self.vocabulary)
         if adjustments is not None:  # before the recorder: the log probabilities follow them
             processors.append(Adjuster(adjustments, encoded["input_ids"].shape[1]))
+        if params.get("grammar"):
+            matchers = [self.grammars.matcher(params["grammar"]) for _ in rows]
+            processors.append(GrammarFollower(matchers))
         if wants_logprobs:
             processors.append(recorder)
         with torch.inference_mode():

@@ -34,6 +34,7 @@ import transformers
 
 from rawserve.worker.cuda_graphs import ROW_BUCKETS
 from rawserve.worker.decode_graphs import GraphedDecode
+from rawserve.worker.grammars import constrain
 from rawserve.worker.kv_slots import KvSlots
 from rawserve.worker.prefill_graphs import (
     MAX_PREFILL_TOKENS,
@@ -98,6 +99,7 @@ class Generation:
     stop: Sequence[str] = ()
     repetition_penalty: float | None = None  # None or 1.0: none
     adjustments: ScoreAdjustments | None = None  # OpenAI's logit bias and penalties
+    grammar: Any = None  # what it may generate: an llguidance matcher (rawserve.worker.grammars)
     # the log-probability of each chosen token (after the penalties and biases, before
     # temperature and top-k/top-p, as generate's logits processors see it); None: not kept
     logprobs: list[float] | None = None
@@ -402,6 +404,8 @@ class ContinuousBatcher:
                 made = generation.tokens if adjustments.penalizes else []
                 tokens = torch.tensor([made], device=scores.device, dtype=torch.long)
                 adjustments.apply(scores[index : index + 1], tokens)
+            if generation.grammar is not None:
+                constrain(scores[index], generation.grammar)
         tokens = scores.argmax(dim=-1)
         for index, generation in enumerate(rows):
             if generation.do_sample and not generation.done:
@@ -431,6 +435,8 @@ class ContinuousBatcher:
             if generation.done:
                 continue
             generation.tokens.append(token)
+            if generation.grammar is not None:
+                generation.grammar.consume_token(token)
             assert generation.pieces is not None  # set by add()
             piece = generation.pieces.next_piece(generation.tokens)
             generation.text += piece

@@ -1,0 +1,93 @@
+"""Grammars that constrain what a sequence may generate: TGI's `grammar` (a JSON schema or a
+regular expression) and OpenAI's `response_format`, with llguidance (a Rust library,
+torch-free, no dependencies; one of vLLM's structured-output backends).
+
+Each step, a sequence's matcher says which tokens may come next; every other token's
+score becomes -inf before one is chosen (greedy or sampled), and the chosen token moves
+the matcher on. Once the grammar is complete, only the end of the sequence may come.
+JSON is written compactly with one space after its separators (`{"a": 1, "b": 2}`): a
+model free to put whitespace anywhere can run on with it until its token cap.
+
+A grammar is compiled once per model (the latest `COMPILED_KEPT` kept) and each sequence
+gets a copy of its matcher. Worker process only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy
+import torch
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # (declared in its stubs only)
+
+COMPILED_KEPT = 64
+# how JSON is laid out, unless the schema's own "x-guidance" says otherwise
+JSON_LAYOUT: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
+
+def grammar_text(grammar: Mapping[str, Any]) -> str:
+    """llguidance's grammar for TGI's `{"type": "json" | "regex", "value": ...}`."""
+    if grammar["type"] == "regex":
+        return str(llguidance.LLMatcher.grammar_from_regex(grammar["value"]))
+    schema = grammar["value"]
+    return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT))
+
+
+class Grammars:
+    """One model's grammars: a fresh matcher for each sequence that asks for one."""
+
+    def __init__(self, tokenizer: Any, vocabulary: int):
+        self.hf_tokenizer = tokenizer
+        self.vocabulary = vocabulary  # the scores' width: the model's token count
+        self.tokenizer: llguidance.LLTokenizer | None = None  # made at first use
+        self.compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+
+    def matcher(self, grammar: Mapping[str, Any]) -> llguidance.LLMatcher:
+        """A matcher at the start of `grammar`; ValueError for one that cannot be used."""
+        key = json.dumps(grammar, sort_keys=True)
+        pristine = self.compiled.get(key)
+        if pristine is None:
+            pristine = llguidance.LLMatcher(self._tokenizer(), grammar_text(grammar))
+            if pristine.is_error():  # (llguidance's message points at the fault in lines)
+                error = " ".join(pristine.get_error().split())
+                raise ValueError(f"the grammar cannot be used: {error}")
+            self.compiled[key] = pristine
+            while len(self.compiled) > COMPILED_KEPT:
+                self.compiled.popitem(last=False)
+        self.compiled.move_to_end(key)
+        return pristine.deep_copy()
+
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        if self.tokenizer is None:
+            try:
+                self.tokenizer = llguidance.hf.from_tokenizer(
+                    self.hf_tokenizer, n_vocab=self.vocabulary
+                )
+            except ValueError as exc:  # a slow tokenizer
+                raise ValueError(f"this model's tokenizer cannot follow a grammar: {exc}") from None
+        return self.tokenizer
+
+
+def constrain(scores: torch.Tensor, matcher: llguidance.LLMatcher) -> None:
+    """One row's scores, in place: -inf for every token the grammar does not allow next.
+    A matcher in error (a finished row that took a padding token) leaves them as they are."""
+    if matcher.is_error():
+        return
+    bitmask = llguidance.numpy.allocate_token_bitmask(1, scores.shape[-1])
+    llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, 0)
+    words = torch.from_numpy(bitmask[0])
+    bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.flatten()[: scores.shape[-1]].bool()
+    if allowed.any():  # (a grammar with no way on would leave nothing to choose from)
+        scores.masked_fill_(~allowed.to(scores.device), float("-inf"))
