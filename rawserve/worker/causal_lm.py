@@ -71,8 +71,7 @@ class GrammarFollower(transformers.LogitsProcessor):
                 if not matcher.is_stopped():  # (a finished row goes on with padding)
                     matcher.consume_token(token)
         self.started = True
-        for row, matcher in enumerate(self.matchers):
-            constrain(scores[row], matcher)
+        constrain(scores, list(enumerate(self.matchers)))
         return scores
 
 

@@ -404,8 +404,7 @@ class ContinuousBatcher:
                 made = generation.tokens if adjustments.penalizes else []
                 tokens = torch.tensor([made], device=scores.device, dtype=torch.long)
                 adjustments.apply(scores[index : index + 1], tokens)
-            if generation.grammar is not None:
-                constrain(scores[index], generation.grammar)
+        constrain(scores, [(i, g.grammar) for i, g in enumerate(rows) if g.grammar and not g.done])
         tokens = scores.argmax(dim=-1)
         for index, generation in enumerate(rows):
             if generation.do_sample and not generation.done:
