@@ -111,8 +111,24 @@ def test_chat_messages_keep_text_only():
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
     ]
     assert messages(parts) == [{"role": "user", "content": "ab"}]
-    with pytest.raises(BadRequest):
-        messages([{"role": "assistant", "content": "x", "tool_calls": []}])
+    # an empty list of calls is none; a call's arguments go to the template as an object
+    assert messages([{"role": "assistant", "content": "x", "tool_calls": []}]) == [
+        {"role": "assistant", "content": "x"}
+    ]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    assert messages([{"role": "assistant", "content": None, "tool_calls": [call]}]) == [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}, "id": "c1"}
+            ],
+        }
+    ]
+    with pytest.raises(BadRequest, match="only an assistant's message has tool calls"):
+        messages([{"role": "user", "content": "x", "tool_calls": [call]}])
+    with pytest.raises(BadRequest, match="each tool call must be"):
+        messages([{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}])
 
 
 # --- /openapi.json for every task, and CORS -----------------------------------------------
@@ -221,6 +237,23 @@ AGREEMENT = [
     ("CHAT", {"messages": HI, "stream": True, "stream_options": {"include_usage": True}}, True),
     ("CHAT", {"messages": HI, "tools": [], "tool_choice": "none", "logprobs": False}, True),
     ("CHAT", {"messages": HI, "tools": [{"type": "function"}]}, False),
+    ("CHAT", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, True),
+    ("CHAT", {"messages": HI, "tool_choice": {"type": "function", "function": {}}}, False),
+    (
+        "CHAT",
+        {
+            "messages": [
+                *HI,
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{}"}}],
+                },
+                {"role": "tool", "tool_call_id": "1", "content": "done"},
+            ]
+        },
+        True,
+    ),
     ("CHAT", {"messages": HI, "response_format": {"type": "json_object"}}, True),
     ("CHAT", {"messages": HI, "response_format": {"type": "text"}}, True),
     ("CHAT", {"messages": HI, "response_format": {"type": "yaml"}}, False),

@@ -140,7 +140,6 @@ def test_decoder_input_details_lists_the_prompts_tokens_as_tgi_does(servers):
         ("truncate", 10),
         ("typical_p", 0.5),
         ("frequency_penalty", 0.5),
-        ("grammar", {"type": "regex", "value": "a+"}),
     ],
 )
 @pytest.mark.parametrize("path", ["/generate", "/"])

@@ -433,6 +433,26 @@ def test_chat_inputs_render_with_the_template_as_the_static_path(tiny_model):
     assert without_logprobs(got) == without_logprobs(expected)
 
 
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+
+
+def test_tools_go_to_the_template_or_else_to_the_last_message(tiny_model):
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32)
+    messages = [{"role": "user", "content": "what time is it"}]
+    told = chat_runner.chat_text(messages, [TOOL])  # this template leaves tools out
+    assert told != chat_runner.chat_text(messages, None)
+    assert '"name": "get_time"' in told and "To call one, answer" in told
+    chat_runner.tokenizer.chat_template = (  # one that shows them itself
+        "{% if tools %}tools: {{ tools | map(attribute='function.name') | join(',') }}\n"
+        "{% endif %}{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    )
+    assert chat_runner.chat_text(messages, [TOOL]) == "tools: get_time\nwhat time is it\n"
+
+
 def streamed(runner, control: Control, script_after: dict[int, list[Any]] | None = None, **kw):
     batch = Batch(1, ("the movie was", "a good film"), GREEDY, control=control)
     sent = serve(runner, {0: [batch], **(script_after or {})}, **kw)

@@ -34,6 +34,7 @@ FILE_TEMPLATE = (  # a different template, given with --chat-template
 CANCELLED = re.compile(r"generation stopped after \d+ tokens")
 # the served names: the model folders' names (tests.conftest builds each kind in its own)
 CHAT_MODEL = "chat"
+TOOLS_MODEL = "long-generation"
 PLAIN_MODEL = "text-generation"
 
 
@@ -44,10 +45,23 @@ def template_file(tmp_path_factory):
     return path
 
 
+TOOLS_TEMPLATE = (  # a template that shows the tools itself, as instruction-tuned ones do
+    "{% if tools %}[tools] {{ tools | tojson }}\n{% endif %}"
+    "{% for message in messages %}[{{ message['role'] }}] {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
 @pytest.fixture(scope="module")
 def servers(tiny_model, template_file):
     plain = tiny_model("text-generation")
+    tools_template = template_file.parent / "tools.jinja"
+    tools_template.write_text(TOOLS_TEMPLATE)
     started = {
+        # 4,096 positions: room for the tools' schemas in the prompt
+        "tools": RunningServer(
+            ["--model", tiny_model("long-generation"), "--chat-template", str(tools_template)]
+        ),
         "chat": RunningServer(["--model", tiny_model("chat"), "--max-client-batch-size", "4"]),
         "plain": RunningServer(["--model", plain]),
         "template-file": RunningServer(["--model", plain, "--chat-template", str(template_file)]),
@@ -317,7 +331,6 @@ def test_chat_content_as_text_parts_is_the_same_prompt(servers):
         {"n": 0},
         {"top_logprobs": 2},  # without "logprobs": true
         {"logprobs": True, "top_logprobs": 21},
-        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
         {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
         {"max_tokens": 0},
         {"max_tokens": -1},
@@ -547,6 +560,145 @@ def test_a_grammar_that_cannot_be_followed_is_422_naming_the_fault(servers, gram
         {"prompt": PROMPT, "response_format": schema}, "/v1/completions"
     )
     assert status == 422 and "Invalid type: nonsense" in body["error"]["message"], body
+
+
+# --- tools ----------------------------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["paris", "rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "time"}}  # (no parameters: it takes none)
+ASK = [{"role": "user", "content": "hi"}]
+
+
+def test_a_required_tool_call_names_a_tool_and_its_arguments_fit_its_schema(servers):
+    chat = client(servers["tools"])
+    answer = chat.chat.completions.create(
+        model=TOOLS_MODEL,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        max_tokens=120,
+        temperature=0,
+    )
+    [choice] = answer.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name in ("weather", "time")
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "weather":
+        assert arguments["city"] in ("paris", "rome")
+    named = chat.chat.completions.create(
+        model=TOOLS_MODEL,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "weather"}},
+        **{**SAMPLED, "max_tokens": 120},
+    )
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "weather"
+    assert json.loads(call.function.arguments)["city"] in ("paris", "rome")
+
+
+def test_a_streamed_tool_call_comes_whole_in_one_chunk(servers):
+    chat = client(servers["tools"])
+    asked = {
+        "model": TOOLS_MODEL,
+        "messages": ASK,
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        **SAMPLED,
+        "max_tokens": 120,
+    }
+    whole = chat.chat.completions.create(**asked)
+    chunks = list(chat.chat.completions.create(**asked, stream=True))
+    calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices[0].delta.tool_calls]
+    assert len(calls) == 1
+    [call] = calls[0]
+    assert call.index == 0 and call.function.name == "weather"
+    assert call.function.arguments == whole.choices[0].message.tool_calls[0].function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_answers_in_words_or_with_a_call(servers):
+    chat = client(servers["tools"])
+    for seed in range(4):
+        answer = chat.chat.completions.create(
+            model=TOOLS_MODEL,
+            messages=ASK,
+            tools=[WEATHER],
+            max_tokens=120,
+            temperature=1.0,
+            seed=seed,
+        )
+        [choice] = answer.choices
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            assert json.loads(choice.message.tool_calls[0].function.arguments)["city"]
+        else:
+            assert isinstance(choice.message.content, str)
+            assert choice.finish_reason in ("stop", "length")
+
+
+def test_a_conversation_with_a_call_and_its_answer_goes_on(servers):
+    chat = client(servers["chat"])
+    conversation = [
+        {"role": "user", "content": "weather in paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": '{"city": "paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 degrees"},
+    ]
+    answer = chat.chat.completions.create(
+        model=CHAT_MODEL, messages=conversation, tools=[WEATHER], tool_choice="none", max_tokens=5
+    )
+    assert isinstance(answer.choices[0].message.content, str)
+    assert answer.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"tool_choice": "required"}, "offers no tools"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}}, "x"),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "cannot hold one answer together",
+        ),
+        ({"tools": [WEATHER, WEATHER]}, "two tools are named weather"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "a function's name"),
+        ({"tools": [{"type": "retrieval"}]}, "each tool must be"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, '"tool_choice" must be'),
+        ({"functions": [WEATHER["function"]]}, '"functions" is not supported'),
+    ],
+    ids=["no-tools", "unknown", "with-format", "twice", "name", "kind", "choice", "functions"],
+)
+def test_tools_that_cannot_be_offered_are_400(servers, extra, message):
+    document = {"messages": MESSAGES, "max_tokens": 5, **extra}
+    status, body = servers["chat"].post_json(document, "/v1/chat/completions")
+    assert status == 400 and message in body["error"]["message"], body
 
 
 # --- several choices ----------------------------------------------------------------------

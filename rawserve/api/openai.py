@@ -218,7 +218,7 @@ class OpenAIRoutes:
         check_max_tokens(generation, model.limits.max_new_tokens)
         check_choices(generation, self.context.settings.max_client_batch_size)
         await check_lengths(self.context.tokenizers, model, generation.items, chat)
-        shape = Answer(chat, model.name, generation.logprobs)
+        shape = Answer(chat, model.name, generation.logprobs, tools=generation.tools)
         deadline = self.context.deadline(request)
         choices = generation.choice_params()
         if generation.stream:  # one prompt: a stream a choice

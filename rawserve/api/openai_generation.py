@@ -3,10 +3,12 @@ into prompts and worker parameters, and writing their answers, whole or as SSE c
 body is declared once (`CHAT`, `COMPLETION`: `fields.Body`), for its checks and its
 `/openapi.json` schema.
 
-What OpenAI's API has and rawserve does not serve (tools, structured output, a streamed
-echo) is refused with 400 naming it, never ignored. Several choices a prompt (`n`) are each
-a generation of their own, queued together, streamed as their tokens come; `logit_bias`,
-`frequency_penalty` and `presence_penalty` change each step's scores in the worker.
+What OpenAI's API has and rawserve does not serve (`functions`, OpenAI's older tools; a
+streamed echo) is refused with 400 naming it, never ignored. Several choices a prompt
+(`n`) are each a generation of their own, queued together, streamed as their tokens come;
+`logit_bias`, `frequency_penalty` and `presence_penalty` change each step's scores in the
+worker; `response_format` and `tools` (`openai_tools`) hold what is generated to a
+grammar.
 
 Text stops before a stop sequence, as OpenAI's does, streamed too: text that may be the
 start of a stop sequence is held back until the next token says. Log probabilities (chat's
@@ -20,6 +22,7 @@ plain Python.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
@@ -47,6 +50,15 @@ from rawserve.api.openai_logprobs import (
     listed,
     prompt_tokens,
 )
+from rawserve.api.openai_tools import (
+    TOOL_CHOICE,
+    TOOLS,
+    Tools,
+    chat_tools,
+    read_tool_choice,
+    read_tools,
+    tool_message,
+)
 from rawserve.api.routing import DocContext, Schema
 from rawserve.api.streaming import TokenStream, merged, sse
 from rawserve.http.errors import (
@@ -67,6 +79,7 @@ from rawserve.tasks.checks import not_blank
 from rawserve.tasks.text_generation import MAX_STOP_SEQUENCES, MAX_TOP_N_TOKENS, PROMPT_TOP_N
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 MAX_NEW_TOKENS = 4096
 MAX_CHOICES = 128  # OpenAI's bound on "n"
 MAX_LOGIT_BIAS = 300  # token ids one request may bias: bounds a step's extra work
@@ -88,6 +101,7 @@ class GenerationRequest:
     logprobs: int | None = None  # None: none asked; else how many alternatives a token lists
     echo: bool = False  # completions: the prompt before its completion (and its tokens)
     n: int = 1  # choices per prompt
+    tools: Tools | None = None  # chat: the functions its answer may call
 
     def choice_params(self) -> list[dict[str, Any]]:
         """The worker's parameters for each of a prompt's `n` choices: the same, but for a
@@ -255,8 +269,17 @@ def parse_chat(document: Any) -> GenerationRequest:
     fields = CHAT.read(document)
     refuse_unserved(fields, CHAT_UNSERVED)
     request = generation_params(fields, "max_completion_tokens", None)
-    chat = {"messages": fields.value("messages")}
-    request = replace(request, items=[chat], params={**request.params, CHAT_PARAM: True})
+    fields.value("parallel_tool_calls")
+    chat: dict[str, Any] = {"messages": fields.value("messages")}
+    params = {**request.params, CHAT_PARAM: True}
+    tools = chat_tools(fields.value("tools"), fields.value("tool_choice"))
+    if tools is not None:
+        chat["tools"] = tools.template_tools()  # the template shows them to the model
+        if tools.held:
+            if "grammar" in params:
+                raise BadRequest('"response_format" and tools cannot hold one answer together')
+            params["grammar"] = tools.grammar()
+    request = replace(request, items=[chat], params=params, tools=tools)
     top = fields.value("top_logprobs")
     if fields.value("logprobs"):
         return with_logprobs(request, top or 0)
@@ -280,33 +303,62 @@ def read_messages(name: str, value: Any, context: DocContext | None) -> list[dic
     return messages(value)
 
 
-def messages(value: Any) -> list[dict[str, str]]:
-    """OpenAI's messages as the chat template takes them: role and text content."""
+def messages(value: Any) -> list[dict[str, Any]]:
+    """OpenAI's messages as the chat template takes them: role and text content, an
+    assistant's tool calls (their arguments as objects, as templates write them) and a
+    tool's answer to one."""
     if not isinstance(value, list) or not value:
         raise BadRequest('"messages" must be a non-empty list of {"role", "content"}')
     checked = []
     for message in value:
-        # "tool_calls" unset (null, as TGI's client sends it) is no tool call
-        if (
-            not isinstance(message, dict)
-            or not set(message) <= {"role", "content", "name", "tool_calls"}
-            or message.get("tool_calls") is not None
-        ):
+        if not isinstance(message, dict) or not set(message) <= MESSAGE_KEYS:
             raise BadRequest(
-                'each message must be {"role", "content"} (and "name"); tool calls are not '
-                "supported"
+                'each message must be {"role", "content"} (and "name"; an assistant\'s '
+                '"tool_calls", a tool\'s "tool_call_id")'
             )
         role = message.get("role")
         if role not in ROLES:
             raise BadRequest(f"each message's role must be one of {', '.join(ROLES)}")
-        entry = {"role": role, "content": message_text(message.get("content"))}
-        name = message.get("name")
-        if name is not None:
-            if not isinstance(name, str):
-                raise BadRequest("a message's name must be a string")
-            entry["name"] = unicode_text(name, "a message's name")
+        entry: dict[str, Any] = {"role": role}
+        calls = message.get("tool_calls")  # null (TGI's client sends it) or []: none
+        if calls:
+            if role != "assistant":
+                raise BadRequest("only an assistant's message has tool calls")
+            entry["tool_calls"] = [template_call(call) for call in calls]
+            content = message.get("content")  # (null beside calls)
+            entry["content"] = "" if content in (None, "") else message_text(content)
+        else:
+            entry["content"] = message_text(message.get("content"))
+        for key in ("name", "tool_call_id"):
+            if (given := message.get(key)) is not None:
+                if not isinstance(given, str):
+                    raise BadRequest(f"a message's {key} must be a string")
+                entry[key] = unicode_text(given, f"a message's {key}")
         checked.append(entry)
     return checked
+
+
+def template_call(call: Any) -> dict[str, Any]:
+    """An assistant's tool call as chat templates take it: its arguments an object where
+    OpenAI's text of them is one."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if (
+        not isinstance(function, dict)
+        or not isinstance(function.get("name"), str)
+        or not isinstance(function.get("arguments"), str)
+    ):
+        raise BadRequest(
+            'each tool call must be {"id", "type": "function", "function": {"name", '
+            '"arguments": a text of JSON}}'
+        )
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        arguments = function["arguments"]
+    entry = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        entry["id"] = call["id"]
+    return entry
 
 
 def message_text(content: Any) -> str:
@@ -443,16 +495,34 @@ TEXT_PART: Schema = {
     "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
     "additionalProperties": False,
 }
+TOOL_CALL: Schema = {
+    "type": "object",
+    "required": ["function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name", "arguments"],
+            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+        },
+    },
+}
 MESSAGE: Schema = {
     "type": "object",
-    "required": ["role", "content"],
+    "required": ["role"],
     "properties": {
         "role": {"enum": list(ROLES)},
         "content": {
-            "anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART, "minItems": 1}]
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": TEXT_PART, "minItems": 1},
+                {"type": "null"},  # (an assistant's, beside its tool calls)
+            ]
         },
         "name": {"type": "string"},
-        "tool_calls": {"type": "null"},
+        "tool_calls": {"type": ["array", "null"], "items": TOOL_CALL},
+        "tool_call_id": {"type": "string"},
     },
     "additionalProperties": False,
 }
@@ -510,7 +580,7 @@ COMMON: dict[str, Field] = {
     "logit_bias": Field(LOGIT_BIAS, read_logit_bias),
     "response_format": Field(RESPONSE_FORMAT, read_response_format),
 }
-CHAT_UNSERVED = ("tools", "functions", "tool_choice", "function_call", "parallel_tool_calls")
+CHAT_UNSERVED = ("functions", "function_call")
 CHAT = Body(
     {
         "messages": Field(
@@ -524,11 +594,12 @@ CHAT = Body(
         "logprobs": flag(False, "each new token's log probability"),
         # OpenAI's bound is 20
         "top_logprobs": whole(0, MAX_TOP_N_TOKENS),
-        "tools": unserved(NONE_OR_EMPTY_LIST, []),
-        "functions": unserved(NONE_OR_EMPTY_LIST, []),
-        "tool_choice": unserved({"enum": ["none", None]}, "none"),
+        "tools": Field(TOOLS, read_tools),
+        "tool_choice": Field(TOOL_CHOICE, read_tool_choice),
+        # one call an answer, whichever it says
+        "parallel_tool_calls": flag(True, "whether an answer may call several tools"),
+        "functions": unserved(NONE_OR_EMPTY_LIST, []),  # (OpenAI's older form of tools)
         "function_call": unserved({"enum": ["none", None]}, "none"),
-        "parallel_tool_calls": unserved(NULLABLE_BOOLEAN, False, True),
     }
 )
 COMPLETION_UNSERVED = ("suffix", "best_of")
@@ -623,10 +694,13 @@ class Answer:
         model: str,
         logprobs: int | None = None,
         clock: Callable[[], float] = time.time,
+        tools: Tools | None = None,
     ):
         self.chat = chat
         self.model = model
         self.logprobs = logprobs  # None: not asked; else the alternatives each token lists
+        # the tools an answer is held to (a call, or words in JSON): read back as OpenAI's
+        self.tools = tools if tools is not None and tools.held else None
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(clock())
 
@@ -658,14 +732,35 @@ class Answer:
                 text = echo.text + text
                 tokens = prompt_tokens(output["details"], echo.token_ids) + tokens
             choice: dict[str, Any] = {"index": index}
+            reason = finish_reason(output["details"])
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"], reason = self.message(text, reason)
             else:
                 choice["text"] = text
             choice["logprobs"] = self.listing(tokens)
-            choice["finish_reason"] = finish_reason(output["details"])
+            choice["finish_reason"] = reason
             choices.append(choice)
         return {**self.head(False), "choices": choices, "usage": usage(outputs, n)}
+
+    def message(self, text: str, reason: str) -> tuple[dict[str, Any], str]:
+        """A chat answer's message and finish reason: a tool call, where tools hold it."""
+        if self.tools is None:
+            return {"role": "assistant", "content": text}, reason
+        message, called = tool_message(text, self.tools)
+        return message, "tool_calls" if called else reason
+
+    def held_chunk(self, index: int, output: dict[str, Any], stops: Sequence[str]) -> bytes:
+        """A streamed answer held to tools, sent whole: its words, or its call."""
+        text = cut_at_stop(output["generated_text"], stops)
+        message, _ = self.message(text, finish_reason(output["details"]))
+        calls = message.get("tool_calls")
+        chunk = self.chunk(index, None, answer_tokens(output["details"], len(text)))
+        chunk["choices"][0]["delta"] = (
+            {"tool_calls": [{"index": 0, **call} for call in calls]}
+            if calls
+            else {"content": message["content"]}
+        )
+        return sse(chunk)
 
     def chunk(
         self,
@@ -710,6 +805,8 @@ class Answer:
             async for index, chunk in merged(streams):
                 choice = choices[index]
                 if chunk is not None:
+                    if self.tools is not None:  # (sent whole at its end)
+                        continue
                     if (sending := choice.add(chunk.token, stops, self.logprobs)) is not None:
                         yield sse(self.chunk(index, *sending))
                     continue
@@ -718,9 +815,13 @@ class Answer:
                 except HTTPError as error:
                     yield sse(openai_error_document(error))
                     return
-                if (sending := choice.rest(output, stops)) is not None:
+                if self.tools is not None:
+                    yield self.held_chunk(index, output, stops)
+                elif (sending := choice.rest(output, stops)) is not None:
                     yield sse(self.chunk(index, *sending))
-                yield sse(self.chunk(index, None, finish=finish_reason(output["details"])))
+                text = cut_at_stop(output["generated_text"], stops)
+                _, reason = self.message(text, finish_reason(output["details"]))
+                yield sse(self.chunk(index, None, finish=reason))
                 outputs.append(output)
             if include_usage:
                 every = usage(outputs, len(outputs))  # one prompt, read once

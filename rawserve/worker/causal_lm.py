@@ -9,6 +9,7 @@ server says the stream's client has gone (a shared integer, checked once a step)
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,6 +33,10 @@ PIPELINE_DEFAULTS = {"max_new_tokens": 256, "do_sample": True}
 # A prompt's scores held at once when it is scored (positions × vocabulary; 64 MiB as
 # float32): a 50,257-token vocabulary scores 333 positions a pass, 128,256 scores 130.
 PROMPT_SCORES_AT_ONCE = 2**24
+# tools told to a model whose chat template leaves them out (the answer is held to the form)
+TOOLS_DESCRIBED = (
+    '\n\nTools you may call: {}\nTo call one, answer {{"name": ..., "arguments": {{...}}}}.'
+)
 
 
 class ScoreRecorder(transformers.LogitsProcessor):
@@ -271,12 +276,7 @@ class CausalLMRunner(Runner):
         rendered with the chat template, or ids as they came (OpenAI's completions take
         them; ValueError for one the model has no embedding for)."""
         if params.get(CHAT_PARAM):
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    item["messages"], tokenize=False, add_generation_prompt=True
-                )
-            except jinja2.TemplateError as exc:  # the template refuses these messages
-                raise ValueError(f"the chat template refused the messages: {exc}") from None
+            text = self.chat_text(item["messages"], item.get("tools"))
             # the template writes the special tokens it wants (a BOS) itself
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if isinstance(item, list):
@@ -288,6 +288,26 @@ class CausalLMRunner(Runner):
                 )
             return item
         return list(self.tokenizer(item)["input_ids"])
+
+    def chat_text(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
+        """A chat rendered with the model's template, with the tools it may call: where
+        the template leaves tools out, they are described at the end of the last message."""
+        text = self._render(messages, tools)
+        if tools and text == self._render(messages, None):
+            described = TOOLS_DESCRIBED.format(json.dumps([tool["function"] for tool in tools]))
+            last = {**messages[-1], "content": messages[-1]["content"] + described}
+            text = self._render([*messages[:-1], last], None)
+        return text
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
+        try:
+            return str(
+                self.tokenizer.apply_chat_template(
+                    messages, tools=tools, tokenize=False, add_generation_prompt=True
+                )
+            )
+        except jinja2.TemplateError as exc:  # the template refuses these messages
+            raise ValueError(f"the chat template refused the messages: {exc}") from None
 
     def _check_lengths(self, params: dict[str, Any], longest_prompt: int) -> None:
         """ValueError when the new tokens asked, or a prompt, cannot fit the positions."""

@@ -1,0 +1,180 @@
+"""OpenAI's tools on the chat route: the functions a model may call, a grammar that holds
+its answer to a call of one of them, and the answer read back as OpenAI's `tool_calls`.
+
+TGI's way, which asks nothing of the model but its chat template: the tools go to the
+template (`apply_chat_template(..., tools=...)`; a template that leaves them out gets them
+described at the end of the last message, in the worker), and what is generated is held
+to JSON (`rawserve.worker.grammars`): `{"name": ..., "arguments": {...}}` for a call,
+the arguments held to the function's own JSON schema, or, where `tool_choice` is "auto",
+`{"content": "..."}` for an answer in words. One call an answer (OpenAI's
+`parallel_tool_calls`: false).
+
+A streamed answer with tools is sent whole at its end, in one chunk: until it is, the
+text could still become either a call or words.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from rawserve.api.routing import DocContext, Schema
+from rawserve.http.errors import BadRequest
+
+MAX_TOOLS = 128
+FUNCTION_NAME = "^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
+
+
+def typed_function(function: Schema) -> Schema:
+    """`{"type": "function", "function": {...}}`: a tool, or the choice of one."""
+    named = {"type": "object", "required": ["name"], "properties": function}
+    return {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {"type": {"const": "function"}, "function": named},
+    }
+
+
+TOOL = typed_function(
+    {
+        "name": {"type": "string", "pattern": FUNCTION_NAME},
+        "description": {"type": "string"},
+        "parameters": {"type": "object"},
+        "strict": {"type": ["boolean", "null"]},
+    }
+)
+TOOLS: Schema = {"type": ["array", "null"], "items": TOOL, "maxItems": MAX_TOOLS}
+TOOL_CHOICE: Schema = {
+    "anyOf": [
+        {"enum": ["none", "auto", "required", None]},
+        typed_function({"name": {"type": "string"}}),
+    ]
+}
+# a function without parameters takes none (OpenAI: "an empty parameter list")
+NO_ARGUMENTS: Schema = {"type": "object", "properties": {}, "additionalProperties": False}
+# the answer in words, where the model may also choose not to call
+WORDS: Schema = {
+    "type": "object",
+    "properties": {"content": {"type": "string"}},
+    "required": ["content"],
+    "additionalProperties": False,
+}
+
+
+@dataclass(frozen=True)
+class Tools:
+    """The functions a chat offers (OpenAI's `{"name", "description", "parameters"}`), and
+    which of them the answer must call: "auto" (any, or none), "required" (any), one by
+    its name, or "none" (the template shows them; the answer is words)."""
+
+    functions: list[dict[str, Any]]
+    choice: str
+
+    @property
+    def held(self) -> bool:
+        """Whether the answer is held to a call (or, with "auto", to words in JSON)."""
+        return self.choice != "none"
+
+    def grammar(self) -> dict[str, Any]:
+        """What a held answer is held to, as the worker takes a grammar (TGI's shape)."""
+        if self.choice in ("auto", "required"):
+            answers = [call_schema(function) for function in self.functions]
+        else:
+            answers = [call_schema(f) for f in self.functions if f["name"] == self.choice]
+        if self.choice == "auto":
+            answers.append(WORDS)
+        return {"type": "json", "value": answers[0] if len(answers) == 1 else {"anyOf": answers}}
+
+    def template_tools(self) -> list[dict[str, Any]]:
+        """The tools as chat templates take them (OpenAI's shape)."""
+        return [{"type": "function", "function": function} for function in self.functions]
+
+
+def call_schema(function: dict[str, Any]) -> Schema:
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"const": function["name"]},
+            "arguments": function.get("parameters") or NO_ARGUMENTS,
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def read_tools(name: str, value: Any, context: DocContext | None) -> list[dict[str, Any]]:
+    """OpenAI's tools: functions, each with a name and a JSON schema of its arguments."""
+    if not isinstance(value, list) or len(value) > MAX_TOOLS:
+        raise BadRequest(f'"{name}" must be a list of at most {MAX_TOOLS} tools')
+    functions: dict[str, dict[str, Any]] = {}
+    for tool in value:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type") != "function":
+            raise BadRequest('each tool must be {"type": "function", "function": {"name", ...}}')
+        named = function.get("name")
+        if (
+            not isinstance(named, str)
+            or not named
+            or len(named) > 64
+            or not all(c.isascii() and (c.isalnum() or c in "_-") for c in named)
+        ):
+            raise BadRequest("a function's name must be 1-64 letters, digits, _ or -")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise BadRequest(f"the parameters of {named} must be a JSON schema (an object)")
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise BadRequest(f"the description of {named} must be a text")
+        if named in functions:
+            raise BadRequest(f"two tools are named {named}")
+        functions[named] = {
+            key: function[key] for key in ("name", "description", "parameters") if key in function
+        }
+    return list(functions.values())
+
+
+def read_tool_choice(name: str, value: Any, context: DocContext | None) -> str:
+    """ "none", "auto", "required", or the name of the function the answer must call."""
+    if value in ("none", "auto", "required"):
+        return str(value)
+    function = value.get("function") if isinstance(value, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("name"), str):
+        return str(function["name"])
+    raise BadRequest(
+        f'"{name}" must be "none", "auto", "required" or {{"type": "function", "function": '
+        '{"name": ...}}'
+    )
+
+
+def chat_tools(functions: list[dict[str, Any]] | None, choice: str | None) -> Tools | None:
+    """The tools a chat's answer may call; None where it calls none."""
+    if not functions:
+        if choice not in (None, "none", "auto"):
+            raise BadRequest(f'"tool_choice" is {choice!r}, and the request offers no tools')
+        return None
+    choice = choice or "auto"
+    if choice not in ("auto", "required", "none") and choice not in (
+        function["name"] for function in functions
+    ):
+        raise BadRequest(f'"tool_choice" names {choice}, which is not among the tools')
+    return Tools(functions, choice)
+
+
+def tool_message(text: str, tools: Tools) -> tuple[dict[str, Any], bool]:
+    """The assistant's message for what a held-to answer generated, and whether it is a
+    call. A text that is not whole JSON (cut by `max_tokens`) is left as words."""
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        return {"role": "assistant", "content": text}, False
+    if not isinstance(answer, dict) or "name" not in answer:
+        content = answer.get("content") if isinstance(answer, dict) else None
+        return {"role": "assistant", "content": content if content is not None else text}, False
+    call = {
+        "id": "call_" + uuid.uuid4().hex[:24],
+        "type": "function",
+        "function": {"name": answer["name"], "arguments": json.dumps(answer.get("arguments"))},
+    }
+    return {"role": "assistant", "content": None, "tool_calls": [call]}, True
