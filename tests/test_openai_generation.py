@@ -543,6 +543,28 @@ def test_huggingface_hubs_client_generates_within_a_grammar(servers, hub_client_
     assert set(json.loads(person)) == {"name", "age"}, person
 
 
+def test_vllms_guided_fields_hold_the_answer_as_response_format_does(servers):
+    import re
+
+    plain = client(servers["plain"])
+
+    def completion(**extra):
+        answer = plain.completions.create(
+            model=PLAIN_MODEL, prompt=PROMPT, max_tokens=120, temperature=1.0, extra_body=extra
+        )
+        return answer.choices[0].text
+
+    choices = ["yes (sure)", "no.", "a|b"]  # held as written, their regex signs escaped
+    assert {completion(guided_choice=choices, seed=s) for s in range(6)} <= set(choices)
+    assert re.fullmatch("[0-9]{4}", completion(guided_regex="[0-9]{4}"))
+    person = json.loads(completion(guided_json=PERSON))
+    assert set(person) == {"name", "age"}
+    status, body = servers["plain"].post_json(
+        {"prompt": PROMPT, "guided_regex": "a+", "guided_choice": ["a"]}, "/v1/completions"
+    )
+    assert status == 400 and "not several" in body["error"]["message"], body
+
+
 @pytest.mark.parametrize(
     ("grammar", "message"),
     [

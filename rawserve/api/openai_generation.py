@@ -82,6 +82,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 MAX_NEW_TOKENS = 4096
 MAX_CHOICES = 128  # OpenAI's bound on "n"
+GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~")  # escaped in a literal text (Rust's regex syntax)
 MAX_LOGIT_BIAS = 300  # token ids one request may bias: bounds a step's extra work
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 # finish reasons: the worker's (TGI's) → OpenAI's
@@ -161,8 +163,11 @@ def generation_params(
     for name in ("frequency_penalty", "presence_penalty", "logit_bias"):
         if value := fields.value(name):  # 0 or {}: none (and the batch key as without)
             params[name] = value
-    if (grammar := fields.value("response_format")) is not None:
-        params["grammar"] = grammar
+    grammars = [g for name in GRAMMAR_FIELDS if (g := fields.value(name)) is not None]
+    if len(grammars) > 1:
+        raise BadRequest(f"one of {', '.join(GRAMMAR_FIELDS)} may hold an answer, not several")
+    if grammars:
+        params["grammar"] = grammars[0]
     seed = fields.value("seed")
     if seed is not None:
         params["seed"] = seed
@@ -223,6 +228,27 @@ def read_response_format(
         f'"{name}" must be {{"type": "text"}}, {{"type": "json_object"}} or {{"type": '
         '"json_schema", "json_schema": {"name": ..., "schema": {...}}}'
     )
+
+
+def read_guided_json(name: str, value: Any, context: DocContext | None) -> dict[str, Any]:
+    try:
+        return text_generation.grammar({"type": "json", "value": value})
+    except ValueError:
+        raise BadRequest(f'"{name}" must be a JSON schema: an object, or a text of one') from None
+
+
+def read_guided_regex(name: str, value: Any, context: DocContext | None) -> dict[str, Any]:
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f'"{name}" must be a regular expression')
+    return {"type": "regex", "value": value}
+
+
+def read_guided_choice(name: str, value: Any, context: DocContext | None) -> dict[str, Any]:
+    """One of the texts, exactly: a regular expression of them, each escaped."""
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+        raise BadRequest(f'"{name}" must be a non-empty list of non-empty texts')
+    escaped = ("".join("\\" + c if c in REGEX_SPECIAL else c for c in text) for text in value)
+    return {"type": "regex", "value": "(" + "|".join(escaped) + ")"}
 
 
 def read_top_p(name: str, value: Any, context: DocContext | None) -> float:
@@ -528,6 +554,11 @@ MESSAGE: Schema = {
 }
 MAX_TOKENS = whole(1, MAX_NEW_TOKENS)
 PENALTY: Schema = {"type": ["number", "null"], "minimum": -2, "maximum": 2}
+GUIDED_CHOICE: Schema = {
+    "type": ["array", "null"],
+    "items": {"type": "string", "minLength": 1},
+    "minItems": 1,
+}
 RESPONSE_FORMAT: Schema = {
     "type": ["object", "null"],
     "description": 'free text ({"type": "text"}), any JSON object ({"type": "json_object"}) '
@@ -579,6 +610,10 @@ COMMON: dict[str, Field] = {
     "presence_penalty": Field(PENALTY, lambda name, value, _: read_number(name, value, -2, 2)),
     "logit_bias": Field(LOGIT_BIAS, read_logit_bias),
     "response_format": Field(RESPONSE_FORMAT, read_response_format),
+    # vLLM's forms of the same (its clients send them in extra_body)
+    "guided_json": Field({"type": ["object", "string", "null"]}, read_guided_json),
+    "guided_regex": Field({"type": ["string", "null"], "minLength": 1}, read_guided_regex),
+    "guided_choice": Field(GUIDED_CHOICE, read_guided_choice),
 }
 CHAT_UNSERVED = ("functions", "function_call")
 CHAT = Body(
