@@ -275,6 +275,11 @@ AGREEMENT = [
     ("COMPLETION", {"prompt": "a", "frequency_penalty": 0.5, "logit_bias": {"5": -1}}, True),
     ("COMPLETION", {"prompt": "a", "frequency_penalty": 2.5}, False),
     ("COMPLETION", {"prompt": "a", "logit_bias": {"a": 1}}, False),
+    ("COMPLETION", {"prompt": "a", "guided_regex": "a+", "guided_choice": None}, True),
+    ("COMPLETION", {"prompt": "a", "guided_choice": ["yes", "no"]}, True),
+    ("COMPLETION", {"prompt": "a", "guided_choice": []}, False),
+    ("COMPLETION", {"prompt": "a", "guided_json": {"type": "object"}}, True),
+    ("COMPLETION", {"prompt": "a", "guided_json": 5}, False),
     ("COMPLETION", {"prompt": "a", "suffix": "b"}, False),
     ("COMPLETION", {"prompt": "a", "unknown": 1}, False),
 ]
