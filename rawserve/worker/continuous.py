@@ -404,7 +404,8 @@ class ContinuousBatcher:
                 made = generation.tokens if adjustments.penalizes else []
                 tokens = torch.tensor([made], device=scores.device, dtype=torch.long)
                 adjustments.apply(scores[index : index + 1], tokens)
-        constrain(scores, [(i, g.grammar) for i, g in enumerate(rows) if g.grammar and not g.done])
+        held = [(i, g.grammar) for i, g in enumerate(rows) if g.grammar is not None and not g.done]
+        constrain(scores, held)
         tokens = scores.argmax(dim=-1)
         for index, generation in enumerate(rows):
             if generation.do_sample and not generation.done:
