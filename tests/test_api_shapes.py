@@ -280,6 +280,8 @@ AGREEMENT = [
     ("COMPLETION", {"prompt": "a", "guided_choice": []}, False),
     ("COMPLETION", {"prompt": "a", "guided_json": {"type": "object"}}, True),
     ("COMPLETION", {"prompt": "a", "guided_json": 5}, False),
+    ("COMPLETION", {"prompt": "a", "min_tokens": 3, "ignore_eos": True}, True),
+    ("COMPLETION", {"prompt": "a", "min_tokens": -1}, False),
     ("COMPLETION", {"prompt": "a", "suffix": "b"}, False),
     ("COMPLETION", {"prompt": "a", "unknown": 1}, False),
 ]

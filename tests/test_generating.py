@@ -38,7 +38,8 @@ class Script:
     """A feeder whose messages come at set looks (see the module's docstring)."""
 
     def __init__(self, script: dict[int, list[Any]]):
-        self.script = dict(script)
+        # its own lists: the caller's (the batches it checks the answers of) stay whole
+        self.script = {look: list(messages) for look, messages in script.items()}
         self.looks = 0
         self.pending: list[Any] = []
 
@@ -134,6 +135,7 @@ def as_the_static_path(runner, params: dict[str, Any], texts: list[str]) -> list
         expected = static(runner, batch.inputs[0], params)
         assert without_logprobs(got) == without_logprobs(expected)
         found.append((batch.inputs[0], got, expected))
+    assert len(found) == len(texts)  # each one checked
     return found
 
 
@@ -345,6 +347,24 @@ def test_a_grammar_that_cannot_be_used_fails_its_item_alone(runner):
     failed = answered[2].outputs[0]
     assert failed.kind is FailureKind.INPUT and "the grammar cannot be used" in failed.message
     assert "unclosed character class" in failed.message  # llguidance's lines, on one
+
+
+def test_an_end_of_sequence_waits_for_min_new_tokens_or_never_ends_as_on_the_static_path(
+    runner,
+):
+    eos = runner.tokenizer.eos_token_id
+    ending = {**GREEDY, "max_new_tokens": 10, "logit_bias": {eos: 100.0}}  # ends at once
+    [(_, got, _)] = as_the_static_path(runner, ending, ["the movie was"])
+    assert got[0]["details"]["generated_tokens"] == 1
+    waiting = {**ending, "min_new_tokens": 4}
+    [(_, got, _)] = as_the_static_path(runner, waiting, ["the movie was"])
+    ids = [t["id"] for t in got[0]["details"]["tokens"]]
+    assert eos not in ids[:4] and ids[4:] == [eos], ids
+    assert got[0]["details"]["finish_reason"] == "eos_token"
+    endless = {**ending, "ignore_eos": True}
+    [(_, got, _)] = as_the_static_path(runner, endless, ["the movie was"])
+    assert [t["id"] for t in got[0]["details"]["tokens"]] == [eos] * 10
+    assert got[0]["details"]["finish_reason"] == "length"
 
 
 def test_a_seed_gives_the_same_sample_whatever_runs_beside_it(runner):

@@ -543,6 +543,25 @@ def test_huggingface_hubs_client_generates_within_a_grammar(servers, hub_client_
     assert set(json.loads(person)) == {"name", "age"}, person
 
 
+def test_vllms_min_tokens_and_ignore_eos_give_answers_of_a_set_length(servers, reference):
+    plain = client(servers["plain"])
+    eos = str(reference.tokenizer(PLAIN_MODEL).eos_token_id)
+    asked = {"model": PLAIN_MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    ending = {"logit_bias": {eos: 100}}  # the end of sequence, at once
+    assert plain.completions.create(**asked, extra_body=ending).usage.completion_tokens == 1
+    waited = plain.completions.create(**asked, extra_body={**ending, "min_tokens": 5})
+    assert waited.usage.completion_tokens == 6 and waited.choices[0].finish_reason == "stop"
+    endless = plain.completions.create(**asked, extra_body={**ending, "ignore_eos": True})
+    assert endless.usage.completion_tokens == 8
+    assert endless.choices[0].finish_reason == "length"
+    status, body = servers["plain"].post_json(
+        {"prompt": PROMPT, "max_tokens": 4, "min_tokens": 5}, "/v1/completions"
+    )
+    assert (
+        status == 400 and '"min_tokens" (5) is more than "max_tokens"' in (body["error"]["message"])
+    ), body
+
+
 def test_vllms_guided_fields_hold_the_answer_as_response_format_does(servers):
     import re
 

@@ -160,6 +160,12 @@ def generation_params(
     repetition_penalty = fields.value("repetition_penalty")
     if repetition_penalty is not None:
         params["repetition_penalty"] = repetition_penalty
+    if min_tokens := fields.value("min_tokens"):
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise BadRequest(f'"min_tokens" ({min_tokens}) is more than "{max_tokens_field}"')
+        params["min_new_tokens"] = min_tokens
+    if fields.value("ignore_eos"):
+        params["ignore_eos"] = True
     for name in ("frequency_penalty", "presence_penalty", "logit_bias"):
         if value := fields.value(name):  # 0 or {}: none (and the batch key as without)
             params[name] = value
@@ -610,6 +616,10 @@ COMMON: dict[str, Field] = {
     "presence_penalty": Field(PENALTY, lambda name, value, _: read_number(name, value, -2, 2)),
     "logit_bias": Field(LOGIT_BIAS, read_logit_bias),
     "response_format": Field(RESPONSE_FORMAT, read_response_format),
+    # vLLM's: no end of sequence before min_tokens, or none at all (benchmarks ask for
+    # answers of a fixed length)
+    "min_tokens": whole(0, MAX_NEW_TOKENS),
+    "ignore_eos": flag(False, "an end of sequence does not end the answer"),
     # vLLM's forms of the same (its clients send them in extra_body)
     "guided_json": Field({"type": ["object", "string", "null"]}, read_guided_json),
     "guided_regex": Field({"type": ["string", "null"], "minLength": 1}, read_guided_regex),

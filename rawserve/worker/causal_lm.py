@@ -94,6 +94,7 @@ class TokenWatcher(transformers.StoppingCriteria):
         cancelled: Callable[[], bool] = lambda: False,
         keep_tokens: bool = False,
         top_n: int = 0,
+        ignore_eos: bool = False,
     ):
         self.tokenizer = tokenizer
         self.prompt_length = prompt_length
@@ -102,7 +103,7 @@ class TokenWatcher(transformers.StoppingCriteria):
         self.on_token = on_token
         self.cancelled = cancelled
         self.special_ids = set(tokenizer.all_special_ids)
-        self.eos_ids = _eos_ids(tokenizer)
+        self.eos_ids = set() if ignore_eos else _eos_ids(tokenizer)
         self.top_n = top_n  # the likeliest tokens listed beside each new one
         self.token_ids: list[list[int]] = [[] for _ in range(batch_size)]
         self.texts = [""] * batch_size
@@ -205,9 +206,12 @@ def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[st
         "top_p",
         "top_k",
         "repetition_penalty",
+        "min_new_tokens",
     ):
         if name in params:
             kwargs[name] = params[name]
+    if params.get("ignore_eos"):  # no end of sequence: every row runs to its cap
+        kwargs["eos_token_id"] = None
     if kwargs.get("temperature") == 0.0:  # TGI and OpenAI read temperature 0 as greedy
         kwargs.pop("temperature")
         kwargs["do_sample"] = False
@@ -349,6 +353,8 @@ class CausalLMRunner(Runner):
             seed=params.get("seed"),
             stop=tuple(params.get("stop", ())),
             repetition_penalty=setting("repetition_penalty"),
+            min_new_tokens=int(params.get("min_new_tokens") or 0),
+            ignore_eos=bool(params.get("ignore_eos")),
             adjustments=ScoreAdjustments.asked(params, self.vocabulary),
             grammar=self.grammars.matcher(params["grammar"]) if params.get("grammar") else None,
             logprobs=[] if wants_logprobs else None,
@@ -547,6 +553,7 @@ class CausalLMRunner(Runner):
             cancelled,
             keep_tokens,
             int(params.get("top_n_tokens") or 0),
+            bool(params.get("ignore_eos")),
         )
         processors: list[Any] = []
         adjustments = ScoreAdjustments.asked(params, self.vocabulary)

@@ -98,6 +98,8 @@ class Generation:
     seed: int | None = None
     stop: Sequence[str] = ()
     repetition_penalty: float | None = None  # None or 1.0: none
+    min_new_tokens: int = 0  # no end of sequence before this many new tokens
+    ignore_eos: bool = False  # an end of sequence does not end it (it runs to its cap)
     adjustments: ScoreAdjustments | None = None  # OpenAI's logit bias and penalties
     grammar: Any = None  # what it may generate: an llguidance matcher (rawserve.worker.grammars)
     # the log-probability of each chosen token (after the penalties and biases, before
@@ -404,6 +406,9 @@ class ContinuousBatcher:
                 made = generation.tokens if adjustments.penalizes else []
                 tokens = torch.tensor([made], device=scores.device, dtype=torch.long)
                 adjustments.apply(scores[index : index + 1], tokens)
+            # (a grammar says itself when the end may come)
+            if len(generation.tokens) < generation.min_new_tokens and generation.grammar is None:
+                scores[index, sorted(self.eos_ids)] = float("-inf")
         held = [(i, g.grammar) for i, g in enumerate(rows) if g.grammar is not None and not g.done]
         constrain(scores, held)
         tokens = scores.argmax(dim=-1)
@@ -448,7 +453,7 @@ class ContinuousBatcher:
                 self.on_token(generation, token, piece)
             longest = max((len(s) for s in generation.stop), default=0)
             tail = generation.text[-(len(piece) + longest) :]
-            if token in self.eos_ids:
+            if token in self.eos_ids and not generation.ignore_eos:
                 generation.finish_reason = "eos_token"
             elif piece and any(s in tail for s in generation.stop):
                 generation.finish_reason = "stop_sequence"
