@@ -19,11 +19,35 @@ from langchain_openai import ChatOpenAI, OpenAIEmbeddings
 
 TEXT = "the movie was good"
 QUESTION = "hello, what is a good movie"
+# small, so that the tools, told at the end of the question, fit the tiny model
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["paris", "rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+PERSON = {
+    "title": "person",
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 5}},
+    "required": ["name"],
+    "additionalProperties": False,
+}
 
 
 def shape(result: Any) -> Any:
     if hasattr(result, "model_dump"):  # a message
-        return {"content": result.content, "metadata": result.response_metadata}
+        return {
+            "content": result.content,
+            "metadata": result.response_metadata,
+            "tool_calls": getattr(result, "tool_calls", None),
+        }
     return result
 
 
@@ -34,11 +58,17 @@ def main(base_url: str) -> None:
     api = {"base_url": f"{base_url}/v1", "api_key": "unused"}
     embeddings = OpenAIEmbeddings(model="emb", check_embedding_ctx_length=False, **api)
     chat = ChatOpenAI(model="chat", max_tokens=5, temperature=0, **api)
+    roomy = ChatOpenAI(model="chat", max_tokens=60, temperature=0, **api)
     calls = {
         "embed_query": lambda: embeddings.embed_query(TEXT),
         "embed_documents": lambda: embeddings.embed_documents([TEXT, "i like it"]),
         "invoke": lambda: chat.invoke(QUESTION),
         "stream": lambda: [chunk.content for chunk in chat.stream(QUESTION)],
+        # tools and structured output: what agents and extraction chains ask for
+        "tool_call": lambda: roomy.bind_tools([WEATHER], tool_choice="weather").invoke("hi"),
+        "structured": lambda: roomy.with_structured_output(PERSON, method="json_schema").invoke(
+            "hi"
+        ),
         # errors: a model that is not served (of several), a blank text
         "unknown_model": lambda: ChatOpenAI(model="gpt-4o", max_retries=0, **api).invoke(QUESTION),
         "blank": lambda: embeddings.embed_query("   "),

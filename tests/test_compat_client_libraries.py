@@ -235,6 +235,16 @@ def test_langchain_chat_openai_invokes_and_streams(servers, langchain):
     assert "".join(langchain["stream"]) == text["message"]["content"]
 
 
+def test_langchain_binds_tools_and_asks_for_structured_output(langchain):
+    called = langchain["tool_call"]
+    assert "raised" not in called, called
+    [call] = called["tool_calls"]
+    assert call["name"] == "weather" and call["args"]["city"] in ("paris", "rome"), call
+    structured = langchain["structured"]
+    assert "raised" not in structured, structured
+    assert set(structured) == {"name"} and len(structured["name"]) <= 5, structured
+
+
 def test_langchain_shows_rawserves_messages(langchain):
     unknown = langchain["unknown_model"]
     assert unknown["raised"] == "OpenAIModelNotFoundError", unknown
