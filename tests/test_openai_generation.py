@@ -691,6 +691,23 @@ def test_auto_answers_in_words_or_with_a_call(servers):
             assert choice.finish_reason in ("stop", "length")
 
 
+def test_streamed_words_with_tools_come_as_they_are_written(servers):
+    chat = client(servers["tools"])
+    asked = {"model": TOOLS_MODEL, "messages": ASK, "tools": [WEATHER], "max_tokens": 80}
+    for seed in range(12):  # a seed whose answer is words (a random model picks either)
+        whole = chat.chat.completions.create(**asked, temperature=1.0, seed=seed)
+        if whole.choices[0].message.content:
+            break
+    else:
+        pytest.fail("no seed of 12 answered in words")
+    chunks = list(chat.chat.completions.create(**asked, temperature=1.0, seed=seed, stream=True))
+    texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(texts) == whole.choices[0].message.content
+    assert len(texts) > 1  # as they came, not whole at the end
+    assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
 def test_a_conversation_with_a_call_and_its_answer_goes_on(servers):
     chat = client(servers["chat"])
     conversation = [

@@ -53,6 +53,7 @@ from rawserve.api.openai_logprobs import (
 from rawserve.api.openai_tools import (
     TOOL_CHOICE,
     TOOLS,
+    StreamedWords,
     Tools,
     chat_tools,
     read_tool_choice,
@@ -791,20 +792,27 @@ class Answer:
         """A chat answer's message and finish reason: a tool call, where tools hold it."""
         if self.tools is None:
             return {"role": "assistant", "content": text}, reason
-        message, called = tool_message(text, self.tools)
+        message, called = tool_message(text)
         return message, "tool_calls" if called else reason
 
-    def held_chunk(self, index: int, output: dict[str, Any], stops: Sequence[str]) -> bytes:
-        """A streamed answer held to tools, sent whole: its words, or its call."""
+    def held_chunk(
+        self, index: int, output: dict[str, Any], stops: Sequence[str], sent: str
+    ) -> bytes | None:
+        """The end of a streamed answer held to tools: its call, or its words past those
+        `sent` as they came (None: nothing left)."""
         text = cut_at_stop(output["generated_text"], stops)
         message, _ = self.message(text, finish_reason(output["details"]))
         calls = message.get("tool_calls")
+        if calls:
+            delta: dict[str, Any] = {"tool_calls": [{"index": 0, **call} for call in calls]}
+        else:
+            words = message["content"] or ""
+            rest = words[len(sent) :] if words.startswith(sent) else words
+            if not rest and sent:
+                return None
+            delta = {"content": rest}
         chunk = self.chunk(index, None, answer_tokens(output["details"], len(text)))
-        chunk["choices"][0]["delta"] = (
-            {"tool_calls": [{"index": 0, **call} for call in calls]}
-            if calls
-            else {"content": message["content"]}
-        )
+        chunk["choices"][0]["delta"] = delta
         return sse(chunk)
 
     def chunk(
@@ -841,6 +849,10 @@ class Answer:
         they come), then `data: [DONE]`."""
         try:
             choices = [Streamed() for _ in streams]
+            # an answer held to tools: its words as they come (not with log probabilities,
+            # which go whole at its end), a call at its end
+            held = [StreamedWords() for _ in streams]
+            words_as_they_come = self.tools is not None and self.logprobs is None
             if self.chat:  # each choice's first chunk says who speaks
                 for index in range(len(streams)):
                     first = self.chunk(index, "")
@@ -850,7 +862,10 @@ class Answer:
             async for index, chunk in merged(streams):
                 choice = choices[index]
                 if chunk is not None:
-                    if self.tools is not None:  # (sent whole at its end)
+                    if self.tools is not None:
+                        piece = "" if chunk.token["special"] else chunk.token["text"]
+                        if words_as_they_come and (words := held[index].add(piece)):
+                            yield sse(self.chunk(index, words))
                         continue
                     if (sending := choice.add(chunk.token, stops, self.logprobs)) is not None:
                         yield sse(self.chunk(index, *sending))
@@ -861,7 +876,9 @@ class Answer:
                     yield sse(openai_error_document(error))
                     return
                 if self.tools is not None:
-                    yield self.held_chunk(index, output, stops)
+                    last = self.held_chunk(index, output, stops, held[index].sent)
+                    if last is not None:
+                        yield last
                 elif (sending := choice.rest(output, stops)) is not None:
                     yield sse(self.chunk(index, *sending))
                 text = cut_at_stop(output["generated_text"], stops)

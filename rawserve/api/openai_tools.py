@@ -9,8 +9,8 @@ the arguments held to the function's own JSON schema, or, where `tool_choice` is
 `{"content": "..."}` for an answer in words. One call an answer (OpenAI's
 `parallel_tool_calls`: false).
 
-A streamed answer with tools is sent whole at its end, in one chunk: until it is, the
-text could still become either a call or words.
+Streamed, an answer in words is sent as it comes (`StreamedWords` reads the words out of
+the JSON as it grows); a call is sent whole at its end, in one chunk.
 """
 
 from __future__ import annotations
@@ -162,13 +162,15 @@ def chat_tools(functions: list[dict[str, Any]] | None, choice: str | None) -> To
     return Tools(functions, choice)
 
 
-def tool_message(text: str, tools: Tools) -> tuple[dict[str, Any], bool]:
+def tool_message(text: str) -> tuple[dict[str, Any], bool]:
     """The assistant's message for what a held-to answer generated, and whether it is a
-    call. A text that is not whole JSON (cut by `max_tokens`) is left as words."""
+    call. Words cut by `max_tokens` are the words written; a cut call is left as it came."""
     try:
         answer = json.loads(text)
     except ValueError:
-        return {"role": "assistant", "content": text}, False
+        words = StreamedWords()
+        words.add(text)
+        return {"role": "assistant", "content": words.sent or text}, False
     if not isinstance(answer, dict) or "name" not in answer:
         content = answer.get("content") if isinstance(answer, dict) else None
         return {"role": "assistant", "content": content if content is not None else text}, False
@@ -178,3 +180,50 @@ def tool_message(text: str, tools: Tools) -> tuple[dict[str, Any], bool]:
         "function": {"name": answer["name"], "arguments": json.dumps(answer.get("arguments"))},
     }
     return {"role": "assistant", "content": None, "tool_calls": [call]}, True
+
+
+# how an answer in words begins, as the grammar lays JSON out (a space after the colon)
+WORDS_OPENING = '{"content": "'
+
+
+class StreamedWords:
+    """A streamed answer held to tools, read as it comes: where it writes words
+    (`{"content": "..."}`), the words, decoded from JSON a whole character at a time;
+    where it calls, nothing until its end (`sent` stays empty)."""
+
+    def __init__(self) -> None:
+        self.raw = ""  # the JSON so far
+        self.read = len(WORDS_OPENING)  # where the words not yet decoded start in it
+        self.sent = ""
+        self.closed = False  # the words' closing quote has come
+
+    def add(self, piece: str) -> str:
+        """The words `piece` completes ("" while none: still the opening, a call, or an
+        escape not yet whole)."""
+        self.raw += piece
+        if self.closed or not self.raw.startswith(WORDS_OPENING):
+            return ""
+        words = []
+        while self.read < len(self.raw):
+            character = self.raw[self.read]
+            if character == '"':
+                self.closed = True
+                break
+            length = escape_length(self.raw, self.read) if character == "\\" else 1
+            if self.read + length > len(self.raw):
+                break  # an escape not yet whole
+            words.append(json.loads(f'"{self.raw[self.read : self.read + length]}"'))
+            self.read += length
+        self.sent += "".join(words)
+        return "".join(words)
+
+
+def escape_length(raw: str, start: int) -> int:
+    """The length of the JSON escape at `start`: `\\uXXXX` (twice for a surrogate pair), or a
+    backslash and one character."""
+    if raw[start + 1 : start + 2] != "u":
+        return 2
+    high = raw[start + 2 : start + 6]
+    if len(high) == 4 and 0xD800 <= int(high, 16) < 0xDC00:
+        return 12  # a character beyond the first 65,536: two escapes
+    return 6

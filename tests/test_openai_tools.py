@@ -1,0 +1,89 @@
+"""OpenAI's tools without a server: the grammar an answer is held to, the tools a body
+offers, a generated answer read back as a call or words, and words read out of their
+JSON as it grows (`rawserve.api.openai_tools`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rawserve.api.openai_tools import (
+    NO_ARGUMENTS,
+    WORDS,
+    StreamedWords,
+    Tools,
+    chat_tools,
+    read_tools,
+    tool_message,
+)
+from rawserve.http.errors import BadRequest
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = {"name": "weather", "parameters": CITY}
+TIME = {"name": "time"}
+
+
+def call(name, arguments):
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": arguments},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def test_the_grammar_is_a_call_of_the_tools_asked_for_or_words_where_auto():
+    both = [WEATHER, TIME]
+    required = {"anyOf": [call("weather", CITY), call("time", NO_ARGUMENTS)]}
+    assert Tools(both, "required").grammar() == {"type": "json", "value": required}
+    auto = {"anyOf": [*required["anyOf"], WORDS]}
+    assert Tools(both, "auto").grammar() == {"type": "json", "value": auto}
+    assert Tools(both, "time").grammar() == {"type": "json", "value": call("time", NO_ARGUMENTS)}
+    assert not Tools(both, "none").held and Tools(both, "auto").held
+
+
+def test_the_tools_a_body_offers_and_the_choice_among_them():
+    offered = [{"type": "function", "function": {**WEATHER, "description": "d", "strict": True}}]
+    assert read_tools("tools", offered, None) == [{**WEATHER, "description": "d"}]
+    assert chat_tools(None, None) is None and chat_tools([], "auto") is None
+    assert chat_tools([WEATHER], None) == Tools([WEATHER], "auto")
+    with pytest.raises(BadRequest, match="offers no tools"):
+        chat_tools(None, "required")
+    with pytest.raises(BadRequest, match="names time, which is not among the tools"):
+        chat_tools([WEATHER], "time")
+
+
+def test_an_answer_is_read_back_as_a_call_or_words():
+    message, called = tool_message('{"name": "weather", "arguments": {"city": "rome"}}')
+    assert called and message["content"] is None
+    [made] = message["tool_calls"]
+    assert made["type"] == "function" and made["id"].startswith("call_")
+    assert made["function"] == {"name": "weather", "arguments": '{"city": "rome"}'}
+    assert tool_message('{"content": "it is sunny"}') == (
+        {"role": "assistant", "content": "it is sunny"},
+        False,
+    )
+    # cut by max_tokens: the words written; a call left as it came
+    assert tool_message('{"content": "it is su') == (
+        {"role": "assistant", "content": "it is su"},
+        False,
+    )
+    cut = '{"name": "weather", "argu'
+    assert tool_message(cut) == ({"role": "assistant", "content": cut}, False)
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7])
+def test_words_are_read_out_of_their_json_a_whole_character_at_a_time(step):
+    answer = '{"content": "a \\"quote\\", \\u00e9t\\u00e9 \\ud83d\\ude00 and a\\nline"}'
+    words = StreamedWords()
+    pieces = [words.add(answer[i : i + step]) for i in range(0, len(answer), step)]
+    assert "".join(pieces) == json.loads(answer)["content"] == words.sent
+    assert all("\\" not in piece for piece in pieces)  # never half an escape
+
+
+def test_a_call_sends_no_words():
+    words = StreamedWords()
+    answer = '{"name": "time", "arguments": {}}'
+    assert [words.add(character) for character in answer] == [""] * len(answer)
+    assert words.sent == ""
