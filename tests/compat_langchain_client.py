@@ -16,22 +16,10 @@ from typing import Any
 
 from compat_outcome import outcome_of
 from langchain_openai import ChatOpenAI, OpenAIEmbeddings
+from tiny_models import WEATHER
 
 TEXT = "the movie was good"
 QUESTION = "hello, what is a good movie"
-# small, so that the tools, told at the end of the question, fit the tiny model
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["paris", "rome"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
 PERSON = {
     "title": "person",
     "type": "object",

@@ -18,7 +18,7 @@ import socket
 import pytest
 
 from tests.server import RunningServer, running_together
-from tests.tiny_models import CHAT_TEMPLATE, PERSON
+from tests.tiny_models import CHAT_TEMPLATE, PERSON, WEATHER
 
 pytestmark = pytest.mark.slow
 
@@ -605,18 +605,6 @@ def test_a_grammar_that_cannot_be_followed_is_422_naming_the_fault(servers, gram
 
 # --- tools ----------------------------------------------------------------------------------
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["paris", "rome"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
 TIME = {"type": "function", "function": {"name": "time"}}  # (no parameters: it takes none)
 ASK = [{"role": "user", "content": "hi"}]
 

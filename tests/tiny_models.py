@@ -26,6 +26,21 @@ PERSON = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
+# A tool the tool tests offer: small, so that told at the end of a question (a template
+# that leaves tools out) it fits a tiny model's positions. Stdlib only above: the client
+# scripts in their own environments import it too.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["paris", "rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 # a ChatML-like template, as instruction-tuned models ship them
 CHAT_TEMPLATE = (
     "{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}</s>\n"

@@ -795,13 +795,13 @@ class Answer:
         message, called = tool_message(text)
         return message, "tool_calls" if called else reason
 
-    def held_chunk(
+    def held_end(
         self, index: int, output: dict[str, Any], stops: Sequence[str], sent: str
-    ) -> bytes | None:
+    ) -> tuple[bytes | None, str]:
         """The end of a streamed answer held to tools: its call, or its words past those
-        `sent` as they came (None: nothing left)."""
+        `sent` as they came (None: nothing left), and its finish reason."""
         text = cut_at_stop(output["generated_text"], stops)
-        message, _ = self.message(text, finish_reason(output["details"]))
+        message, reason = self.message(text, finish_reason(output["details"]))
         calls = message.get("tool_calls")
         if calls:
             delta: dict[str, Any] = {"tool_calls": [{"index": 0, **call} for call in calls]}
@@ -809,11 +809,11 @@ class Answer:
             words = message["content"] or ""
             rest = words[len(sent) :] if words.startswith(sent) else words
             if not rest and sent:
-                return None
+                return None, reason
             delta = {"content": rest}
         chunk = self.chunk(index, None, answer_tokens(output["details"], len(text)))
         chunk["choices"][0]["delta"] = delta
-        return sse(chunk)
+        return sse(chunk), reason
 
     def chunk(
         self,
@@ -875,14 +875,13 @@ class Answer:
                 except HTTPError as error:
                     yield sse(openai_error_document(error))
                     return
+                reason = finish_reason(output["details"])
                 if self.tools is not None:
-                    last = self.held_chunk(index, output, stops, held[index].sent)
+                    last, reason = self.held_end(index, output, stops, held[index].sent)
                     if last is not None:
                         yield last
                 elif (sending := choice.rest(output, stops)) is not None:
                     yield sse(self.chunk(index, *sending))
-                text = cut_at_stop(output["generated_text"], stops)
-                _, reason = self.message(text, finish_reason(output["details"]))
                 yield sse(self.chunk(index, None, finish=reason))
                 outputs.append(output)
             if include_usage:

@@ -391,8 +391,10 @@ class CausalLMRunner(Runner):
                 top += likeliest(logprobs, top_n) or []
         pieces = TextPieces(self.tokenizer)
         tokens = []
+        so_far: list[int] = []  # (grown a token at a time: a slice each would be quadratic)
         for index, token_id in enumerate(ids):
-            piece = pieces.next_piece(ids[: index + 1])
+            so_far.append(token_id)
+            piece = pieces.next_piece(so_far)
             logprob = chosen[index - 1] if index else None  # nothing before the first
             alternatives = (top[index - 1] if index else []) if top_n else None
             tokens.append(
