@@ -466,6 +466,8 @@ def test_tools_go_to_the_template_or_else_to_the_last_message(tiny_model):
     told = chat_runner.chat_text(messages, [TOOL])  # this template leaves tools out
     assert told != chat_runner.chat_text(messages, None)
     assert '"name": "get_time"' in told and "To call one, answer" in told
+    assert "To call several" not in told
+    assert "To call several, answer a list" in chat_runner.chat_text(messages, [TOOL], True)
     chat_runner.tokenizer.chat_template = (  # one that shows them itself
         "{% if tools %}tools: {{ tools | map(attribute='function.name') | join(',') }}\n"
         "{% endif %}{% for m in messages %}{{ m['content'] }}\n{% endfor %}"

@@ -621,12 +621,12 @@ def test_a_required_tool_call_names_a_tool_and_its_arguments_fit_its_schema(serv
     )
     [choice] = answer.choices
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    [call] = choice.message.tool_calls
-    assert call.type == "function" and call.id.startswith("call_")
-    assert call.function.name in ("weather", "time")
-    arguments = json.loads(call.function.arguments)
-    if call.function.name == "weather":
-        assert arguments["city"] in ("paris", "rome")
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in ("weather", "time")
+        arguments = json.loads(call.function.arguments)
+        if call.function.name == "weather":
+            assert arguments["city"] in ("paris", "rome")
     named = chat.chat.completions.create(
         model=TOOLS_MODEL,
         messages=ASK,
@@ -634,29 +634,86 @@ def test_a_required_tool_call_names_a_tool_and_its_arguments_fit_its_schema(serv
         tool_choice={"type": "function", "function": {"name": "weather"}},
         **{**SAMPLED, "max_tokens": 120},
     )
-    [call] = named.choices[0].message.tool_calls
-    assert call.function.name == "weather"
-    assert json.loads(call.function.arguments)["city"] in ("paris", "rome")
+    for call in named.choices[0].message.tool_calls:
+        assert call.function.name == "weather"
+        assert json.loads(call.function.arguments)["city"] in ("paris", "rome")
+
+
+def asking_tools(**fields):
+    """A sampled chat request to the tools' model, with `fields`."""
+    return {"model": TOOLS_MODEL, "messages": ASK, **SAMPLED, "max_tokens": 120, **fields}
+
+
+def streamed_calls(chat, asked):
+    """A streamed answer's calls (they come whole, in one chunk) and its finish reason."""
+    chunks = list(chat.chat.completions.create(**asked, stream=True))
+    calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices[0].delta.tool_calls]
+    assert len(calls) == 1
+    return calls[0], chunks[-1].choices[0].finish_reason
 
 
 def test_a_streamed_tool_call_comes_whole_in_one_chunk(servers):
     chat = client(servers["tools"])
-    asked = {
-        "model": TOOLS_MODEL,
-        "messages": ASK,
-        "tools": [WEATHER],
-        "tool_choice": "required",
-        **SAMPLED,
-        "max_tokens": 120,
-    }
+    asked = asking_tools(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
     whole = chat.chat.completions.create(**asked)
-    chunks = list(chat.chat.completions.create(**asked, stream=True))
-    calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices[0].delta.tool_calls]
-    assert len(calls) == 1
-    [call] = calls[0]
+    [call], reason = streamed_calls(chat, asked)
     assert call.index == 0 and call.function.name == "weather"
     assert call.function.arguments == whole.choices[0].message.tool_calls[0].function.arguments
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert reason == "tool_calls"
+
+
+def test_an_answer_calls_several_tools_where_parallel_tool_calls_allows(servers):
+    chat = client(servers["tools"])
+    asked = asking_tools(tools=[WEATHER, TIME], tool_choice="required", max_tokens=200)
+    del asked["seed"]
+
+    def calls(seed, **extra):
+        answer = chat.chat.completions.create(**asked, **extra, seed=seed)
+        assert answer.choices[0].finish_reason == "tool_calls", answer
+        return answer.choices[0].message.tool_calls
+
+    for seed in range(6):  # one call each where the client says so
+        assert len(calls(seed, parallel_tool_calls=False)) == 1
+    for seed in range(16):  # (a random model writes a list or a call, as it picks)
+        several = calls(seed)
+        if len(several) > 1:
+            break
+    else:
+        pytest.fail("no seed of 16 answered with several calls")
+    assert len({call.id for call in several}) == len(several)
+    for call in several:
+        assert call.function.name in ("weather", "time")
+        if call.function.name == "weather":
+            assert json.loads(call.function.arguments)["city"] in ("paris", "rome")
+    streamed, reason = streamed_calls(chat, {**asked, "seed": seed})
+    assert [call.index for call in streamed] == list(range(len(several)))
+    assert [c.function.model_dump() for c in streamed] == [c.function.model_dump() for c in several]
+    assert reason == "tool_calls"
+
+
+def test_the_older_functions_call_one_as_the_messages_function_call(servers):
+    chat = client(servers["tools"])
+    functions = [WEATHER["function"], TIME["function"]]
+    asked = asking_tools(functions=functions, function_call={"name": "weather"})
+    answer = chat.chat.completions.create(**asked)
+    [choice] = answer.choices
+    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None
+    assert choice.message.function_call.name == "weather"
+    assert json.loads(choice.message.function_call.arguments)["city"] in ("paris", "rome")
+    chunks = list(chat.chat.completions.create(**asked, stream=True))
+    called = [c.choices[0].delta.function_call for c in chunks if c.choices[0].delta.function_call]
+    assert [c.model_dump() for c in called] == [choice.message.function_call.model_dump()]
+    assert chunks[-1].choices[0].finish_reason == "function_call"
+    # the call and the function's answer, in the older form, and the conversation goes on
+    conversation = [
+        *ASK,
+        {"role": "assistant", "content": None, "function_call": called[0].model_dump()},
+        {"role": "function", "name": "weather", "content": "sunny, 21 degrees"},
+    ]
+    words = chat.chat.completions.create(
+        model=TOOLS_MODEL, messages=conversation, functions=asked["functions"], max_tokens=5
+    )
+    assert words.choices[0].finish_reason in ("stop", "length", "function_call")
 
 
 def test_auto_answers_in_words_or_with_a_call(servers):
@@ -684,7 +741,8 @@ def test_streamed_words_with_tools_come_as_they_are_written(servers):
     asked = {"model": TOOLS_MODEL, "messages": ASK, "tools": [WEATHER], "max_tokens": 80}
     for seed in range(12):  # a seed whose answer is words (a random model picks either)
         whole = chat.chat.completions.create(**asked, temperature=1.0, seed=seed)
-        if whole.choices[0].message.content:
+        content = whole.choices[0].message.content
+        if content and not content.startswith(("{", "[")):  # (not a call cut short)
             break
     else:
         pytest.fail("no seed of 12 answered in words")
@@ -737,9 +795,17 @@ def test_a_conversation_with_a_call_and_its_answer_goes_on(servers):
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "a function's name"),
         ({"tools": [{"type": "retrieval"}]}, "each tool must be"),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, '"tool_choice" must be'),
-        ({"functions": [WEATHER["function"]]}, '"functions" is not supported'),
+        (
+            {"functions": [WEATHER["function"]], "tools": [WEATHER]},
+            '"tools" and "functions" cannot be given together',
+        ),
+        ({"functions": [WEATHER["function"]], "function_call": {"name": "x"}}, "names x"),
+        ({"functions": [WEATHER]}, 'each function must be {"name", "description", "parameters"}'),
     ],
-    ids=["no-tools", "unknown", "with-format", "twice", "name", "kind", "choice", "functions"],
+    ids=[
+        *("no-tools", "unknown", "with-format", "twice", "name", "kind", "choice"),
+        *("functions-and-tools", "function-unknown", "function-as-tool"),
+    ],
 )
 def test_tools_that_cannot_be_offered_are_400(servers, extra, message):
     document = {"messages": MESSAGES, "max_tokens": 5, **extra}
@@ -970,6 +1036,29 @@ def test_completion_echo_puts_the_prompt_before_the_completion_that_stops_alone(
     assert listed.text_offset[0] == 0 and listed.token_logprobs[0] is None
 
 
+def test_a_streamed_echo_sends_the_prompt_first_then_the_completion_as_unstreamed(
+    servers, reference
+):
+    plain = client(servers["plain"])
+    asked = {"model": PLAIN_MODEL, "echo": True, "n": 2, **SAMPLED}
+    whole = plain.completions.create(prompt=PROMPT, **asked)
+    chunks = list(plain.completions.create(prompt=PROMPT, stream=True, **asked))
+    for index, choice in enumerate(whole.choices):
+        texts = [c.choices[0].text for c in chunks if c.choices[0].index == index]
+        assert texts[0] == PROMPT and "".join(texts) == choice.text
+    # token ids are echoed as the text they decode to; nothing generated, the prompt alone
+    ids = reference.tokenizer(PLAIN_MODEL)(PROMPT)["input_ids"]
+    chunks = list(plain.completions.create(prompt=ids, stream=True, **{**asked, "max_tokens": 0}))
+    assert [(c.choices[0].index, c.choices[0].text) for c in chunks if c.choices[0].text] == [
+        (0, PROMPT),
+        (1, PROMPT),
+    ]
+    status, body = servers["plain"].post_json(
+        {"prompt": PROMPT, "echo": True, "logprobs": 0, "stream": True}, "/v1/completions"
+    )
+    assert status == 400 and '"echo" with "logprobs"' in body["error"]["message"], body
+
+
 def test_completion_of_several_prompts_answers_a_choice_each_in_order(servers):
     plain = client(servers["plain"])
     prompts = ["the movie was", "paris is a city", "hello"]
@@ -1077,7 +1166,7 @@ def test_completion_with_more_prompts_than_the_client_cap_is_413(servers):
         {"prompt": [[1], "hello"]},
         {"prompt": PROMPT, "best_of": 2},
         {"prompt": PROMPT, "max_tokens": 0},  # 0 only with echo
-        {"prompt": PROMPT, "echo": True, "stream": True},
+        {"prompt": PROMPT, "echo": True, "logprobs": 1, "stream": True},
         {"prompt": PROMPT, "logprobs": 21},
         {"prompt": PROMPT, "suffix": "end"},
         {"prompt": PROMPT, "stream": "yes"},

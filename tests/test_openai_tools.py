@@ -14,8 +14,9 @@ from rawserve.api.openai_tools import (
     StreamedWords,
     Tools,
     chat_tools,
+    read_function_call,
+    read_functions,
     read_tools,
-    tool_message,
 )
 from rawserve.http.errors import BadRequest
 
@@ -43,6 +44,28 @@ def test_the_grammar_is_a_call_of_the_tools_asked_for_or_words_where_auto():
     assert not Tools(both, "none").held and Tools(both, "auto").held
 
 
+def test_where_several_calls_are_allowed_the_answer_may_be_a_list_of_them():
+    one = call("weather", CITY)
+    several = {"type": "array", "items": one, "minItems": 1}
+    assert Tools([WEATHER], "required", parallel=True).grammar() == {
+        "type": "json",
+        "value": {"anyOf": [one, several]},
+    }
+    assert Tools([WEATHER], "auto", parallel=True).grammar()["value"] == {
+        "anyOf": [one, several, WORDS]
+    }
+    either = {"anyOf": [one, call("time", NO_ARGUMENTS)]}
+    assert Tools([WEATHER, TIME], "required", parallel=True).grammar()["value"] == {
+        "anyOf": [*either["anyOf"], {"type": "array", "items": either, "minItems": 1}]
+    }
+    # a function named is called once, as OpenAI's older functions call one at a time,
+    # whatever parallel_tool_calls says
+    assert not chat_tools([WEATHER], "weather", parallel=True).parallel
+    assert chat_tools([WEATHER], None, parallel=True, older=True) == Tools(
+        [WEATHER], "auto", older=True
+    )
+
+
 def test_the_tools_a_body_offers_and_the_choice_among_them():
     offered = [{"type": "function", "function": {**WEATHER, "description": "d", "strict": True}}]
     assert read_tools("tools", offered, None) == [{**WEATHER, "description": "d"}]
@@ -54,23 +77,60 @@ def test_the_tools_a_body_offers_and_the_choice_among_them():
         chat_tools([WEATHER], "time")
 
 
+def test_the_older_functions_and_the_choice_among_them():
+    assert read_functions("functions", [{**WEATHER, "strict": None}], None) == [WEATHER]
+    assert read_function_call("function_call", {"name": "weather"}, None) == "weather"
+    assert read_function_call("function_call", "auto", None) == "auto"
+    with pytest.raises(BadRequest, match='"function_call" must be'):
+        read_function_call("function_call", "required", None)
+    with pytest.raises(BadRequest, match='"function_call" names time, which is not among the f'):
+        chat_tools([WEATHER], "time", older=True)
+    with pytest.raises(BadRequest, match='"function_call" is .weather., and the request offers'):
+        chat_tools(None, "weather", older=True)
+
+
 def test_an_answer_is_read_back_as_a_call_or_words():
-    message, called = tool_message('{"name": "weather", "arguments": {"city": "rome"}}')
-    assert called and message["content"] is None
+    tools = Tools([WEATHER, TIME], "auto")
+    message, reason = tools.message('{"name": "weather", "arguments": {"city": "rome"}}')
+    assert reason == "tool_calls" and message["content"] is None
     [made] = message["tool_calls"]
     assert made["type"] == "function" and made["id"].startswith("call_")
     assert made["function"] == {"name": "weather", "arguments": '{"city": "rome"}'}
-    assert tool_message('{"content": "it is sunny"}') == (
+    assert tools.message('{"content": "it is sunny"}') == (
         {"role": "assistant", "content": "it is sunny"},
-        False,
+        None,
     )
     # cut by max_tokens: the words written; a call left as it came
-    assert tool_message('{"content": "it is su') == (
+    assert tools.message('{"content": "it is su') == (
         {"role": "assistant", "content": "it is su"},
-        False,
+        None,
     )
     cut = '{"name": "weather", "argu'
-    assert tool_message(cut) == ({"role": "assistant", "content": cut}, False)
+    assert tools.message(cut) == ({"role": "assistant", "content": cut}, None)
+
+
+def test_a_list_of_calls_is_read_back_as_a_call_each():
+    message, reason = Tools([WEATHER, TIME], "required", parallel=True).message(
+        '[{"name": "weather", "arguments": {"city": "rome"}}, {"name": "time", "arguments": {}}]'
+    )
+    assert reason == "tool_calls"
+    assert [made["function"] for made in message["tool_calls"]] == [
+        {"name": "weather", "arguments": '{"city": "rome"}'},
+        {"name": "time", "arguments": "{}"},
+    ]
+    assert len({made["id"] for made in message["tool_calls"]}) == 2
+
+
+def test_an_older_functions_call_is_read_back_as_the_messages_function_call():
+    message, reason = Tools([WEATHER], "weather", older=True).message(
+        '{"name": "weather", "arguments": {"city": "rome"}}'
+    )
+    assert reason == "function_call"
+    assert message == {
+        "role": "assistant",
+        "content": None,
+        "function_call": {"name": "weather", "arguments": '{"city": "rome"}'},
+    }
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 7])

@@ -223,6 +223,9 @@ class OpenAIRoutes:
         choices = generation.choice_params()
         if generation.stream:  # one prompt: a stream a choice
             prompt = generation.items[0]
+            echo_text = None
+            if generation.echo:
+                [echo_text] = await echoed_texts(self.context.tokenizers, model, [prompt])
             streams = [TokenStream(model, prompt, params, deadline) for params in choices]
             try:
                 for stream in streams:  # an error before the first token keeps its status
@@ -231,7 +234,8 @@ class OpenAIRoutes:
                 for stream in streams:
                     stream.close()
                 raise
-            return event_stream(shape.events(streams, generation.stop, generation.include_usage))
+            events = shape.events(streams, generation.stop, generation.include_usage, echo_text)
+            return event_stream(events)
         results = await run_choices(model, generation.items, choices, deadline)
         # the worker answers the pipeline's [{"generated_text", "details"}] per prompt
         outputs = [unwrap(result)[0] for result in results]

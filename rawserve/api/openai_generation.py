@@ -3,12 +3,12 @@ into prompts and worker parameters, and writing their answers, whole or as SSE c
 body is declared once (`CHAT`, `COMPLETION`: `fields.Body`), for its checks and its
 `/openapi.json` schema.
 
-What OpenAI's API has and rawserve does not serve (`functions`, OpenAI's older tools; a
-streamed echo) is refused with 400 naming it, never ignored. Several choices a prompt
-(`n`) are each a generation of their own, queued together, streamed as their tokens come;
-`logit_bias`, `frequency_penalty` and `presence_penalty` change each step's scores in the
-worker; `response_format` and `tools` (`openai_tools`) hold what is generated to a
-grammar.
+What OpenAI's API has and rawserve does not serve (`suffix`, `best_of`; a streamed echo
+with log probabilities) is refused with 400 naming it, never ignored. Several choices a
+prompt (`n`) are each a generation of their own, queued together, streamed as their
+tokens come; `logit_bias`, `frequency_penalty` and `presence_penalty` change each step's
+scores in the worker; `response_format` and `tools` (or the older `functions`;
+`openai_tools`) hold what is generated to a grammar.
 
 Text stops before a stop sequence, as OpenAI's does, streamed too: text that may be the
 start of a stop sequence is held back until the next token says. Log probabilities (chat's
@@ -51,14 +51,17 @@ from rawserve.api.openai_logprobs import (
     prompt_tokens,
 )
 from rawserve.api.openai_tools import (
+    FUNCTION_CALL,
+    FUNCTIONS,
     TOOL_CHOICE,
     TOOLS,
     StreamedWords,
     Tools,
     chat_tools,
+    read_function_call,
+    read_functions,
     read_tool_choice,
     read_tools,
-    tool_message,
 )
 from rawserve.api.routing import DocContext, Schema
 from rawserve.api.streaming import TokenStream, merged, sse
@@ -79,8 +82,8 @@ from rawserve.tasks import (
 from rawserve.tasks.checks import not_blank
 from rawserve.tasks.text_generation import MAX_STOP_SEQUENCES, MAX_TOP_N_TOKENS, PROMPT_TOP_N
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
-MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call"}
 MAX_NEW_TOKENS = 4096
 MAX_CHOICES = 128  # OpenAI's bound on "n"
 GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
@@ -300,14 +303,20 @@ def stop_sequences(value: Any) -> list[str]:
 
 def parse_chat(document: Any) -> GenerationRequest:
     fields = CHAT.read(document)
-    refuse_unserved(fields, CHAT_UNSERVED)
     request = generation_params(fields, "max_completion_tokens", None)
-    fields.value("parallel_tool_calls")
     chat: dict[str, Any] = {"messages": fields.value("messages")}
     params = {**request.params, CHAT_PARAM: True}
-    tools = chat_tools(fields.value("tools"), fields.value("tool_choice"))
+    tools = chat_tools(
+        fields.value("tools"), fields.value("tool_choice"), fields.value("parallel_tool_calls")
+    )
+    older = chat_tools(fields.value("functions"), fields.value("function_call"), older=True)
+    if tools is not None and older is not None:
+        raise BadRequest('"tools" and "functions" cannot be given together')
+    tools = tools or older
     if tools is not None:
         chat["tools"] = tools.template_tools()  # the template shows them to the model
+        if tools.parallel:  # (where the template leaves tools out, the model is told)
+            chat["parallel_tool_calls"] = True
         if tools.held:
             if "grammar" in params:
                 raise BadRequest('"response_format" and tools cannot hold one answer together')
@@ -354,6 +363,10 @@ def messages(value: Any) -> list[dict[str, Any]]:
             raise BadRequest(f"each message's role must be one of {', '.join(ROLES)}")
         entry: dict[str, Any] = {"role": role}
         calls = message.get("tool_calls")  # null (TGI's client sends it) or []: none
+        if (called := message.get("function_call")) is not None:  # OpenAI's older form
+            calls = [*(calls or []), {"function": called}]
+        if role == "function":  # OpenAI's older tool's answer: a tool's, as templates take it
+            role = entry["role"] = "tool"
         if calls:
             if role != "assistant":
                 raise BadRequest("only an assistant's message has tool calls")
@@ -433,8 +446,9 @@ def parse_completion(document: Any, context: DocContext) -> GenerationRequest:
     echo = bool(fields.value("echo"))
     if request.params.get("max_new_tokens") == 0 and not echo:
         raise BadRequest('"max_tokens" must be at least 1 (0 only with "echo": true)')
-    if echo and request.stream:
-        raise BadRequest('"echo" is not supported with "stream": true')
+    if echo and request.stream and fields.value("logprobs") is not None:
+        # (the prompt's scores come with the answer's end, after its tokens)
+        raise BadRequest('"echo" with "logprobs" is not supported with "stream": true')
     alternatives = fields.value("logprobs")
     if alternatives is not None:
         request = with_logprobs(request, alternatives)
@@ -504,7 +518,6 @@ def prompt_schema(context: DocContext) -> Schema:
 # --- the bodies ---------------------------------------------------------------------------
 
 NULLABLE_BOOLEAN: Schema = {"type": ["boolean", "null"]}
-NONE_OR_EMPTY_LIST: Schema = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
 STOP: Schema = {
     "anyOf": [
         {"type": "null"},
@@ -555,6 +568,7 @@ MESSAGE: Schema = {
         },
         "name": {"type": "string"},
         "tool_calls": {"type": ["array", "null"], "items": TOOL_CALL},
+        "function_call": {"anyOf": [TOOL_CALL["properties"]["function"], {"type": "null"}]},
         "tool_call_id": {"type": "string"},
     },
     "additionalProperties": False,
@@ -626,7 +640,6 @@ COMMON: dict[str, Field] = {
     "guided_regex": Field({"type": ["string", "null"], "minLength": 1}, read_guided_regex),
     "guided_choice": Field(GUIDED_CHOICE, read_guided_choice),
 }
-CHAT_UNSERVED = ("functions", "function_call")
 CHAT = Body(
     {
         "messages": Field(
@@ -642,10 +655,10 @@ CHAT = Body(
         "top_logprobs": whole(0, MAX_TOP_N_TOKENS),
         "tools": Field(TOOLS, read_tools),
         "tool_choice": Field(TOOL_CHOICE, read_tool_choice),
-        # one call an answer, whichever it says
         "parallel_tool_calls": flag(True, "whether an answer may call several tools"),
-        "functions": unserved(NONE_OR_EMPTY_LIST, []),  # (OpenAI's older form of tools)
-        "function_call": unserved({"enum": ["none", None]}, "none"),
+        # OpenAI's older form of tools: one call an answer, read back as "function_call"
+        "functions": Field(FUNCTIONS, read_functions),
+        "function_call": Field(FUNCTION_CALL, read_function_call),
     }
 )
 COMPLETION_UNSERVED = ("suffix", "best_of")
@@ -792,8 +805,8 @@ class Answer:
         """A chat answer's message and finish reason: a tool call, where tools hold it."""
         if self.tools is None:
             return {"role": "assistant", "content": text}, reason
-        message, called = tool_message(text)
-        return message, "tool_calls" if called else reason
+        message, called = self.tools.message(text)
+        return message, called or reason
 
     def held_end(
         self, index: int, output: dict[str, Any], stops: Sequence[str], sent: str
@@ -804,7 +817,11 @@ class Answer:
         message, reason = self.message(text, finish_reason(output["details"]))
         calls = message.get("tool_calls")
         if calls:
-            delta: dict[str, Any] = {"tool_calls": [{"index": 0, **call} for call in calls]}
+            delta: dict[str, Any] = {
+                "tool_calls": [{"index": index, **call} for index, call in enumerate(calls)]
+            }
+        elif "function_call" in message:
+            delta = {"function_call": message["function_call"]}
         else:
             words = message["content"] or ""
             rest = words[len(sent) :] if words.startswith(sent) else words
@@ -843,10 +860,14 @@ class Answer:
         return completion_logprobs(tokens, offset, self.logprobs)
 
     async def events(
-        self, streams: Sequence[TokenStream], stops: Sequence[str], include_usage: bool
+        self,
+        streams: Sequence[TokenStream],
+        stops: Sequence[str],
+        include_usage: bool,
+        echoed: str | None = None,
     ) -> AsyncGenerator[bytes, None]:
         """OpenAI's chunks for a streamed generation (a stream a choice, their chunks as
-        they come), then `data: [DONE]`."""
+        they come), then `data: [DONE]`. `echoed`: the prompt, each choice's first chunk."""
         try:
             choices = [Streamed() for _ in streams]
             # an answer held to tools: its words as they come (not with log probabilities,
@@ -858,6 +879,9 @@ class Answer:
                     first = self.chunk(index, "")
                     first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                     yield sse(first)
+            if echoed is not None:
+                for index in range(len(streams)):
+                    yield sse(self.chunk(index, echoed))
             outputs = []
             async for index, chunk in merged(streams):
                 choice = choices[index]

@@ -6,11 +6,14 @@ template (`apply_chat_template(..., tools=...)`; a template that leaves them out
 described at the end of the last message, in the worker), and what is generated is held
 to JSON (`rawserve.worker.grammars`): `{"name": ..., "arguments": {...}}` for a call,
 the arguments held to the function's own JSON schema, or, where `tool_choice` is "auto",
-`{"content": "..."}` for an answer in words. One call an answer (OpenAI's
-`parallel_tool_calls`: false).
+`{"content": "..."}` for an answer in words. Where `parallel_tool_calls` allows (OpenAI's
+default) and no one function is named, an answer may also be a list of calls, each read
+back as a call of its own.
+OpenAI's older form, `functions` and `function_call`, is the same with one call an answer,
+read back as the message's `function_call`.
 
 Streamed, an answer in words is sent as it comes (`StreamedWords` reads the words out of
-the JSON as it grows); a call is sent whole at its end, in one chunk.
+the JSON as it grows); calls are sent whole at its end, in one chunk.
 """
 
 from __future__ import annotations
@@ -37,19 +40,32 @@ def typed_function(function: Schema) -> Schema:
     }
 
 
-TOOL = typed_function(
-    {
-        "name": {"type": "string", "pattern": FUNCTION_NAME},
-        "description": {"type": "string"},
-        "parameters": {"type": "object"},
-        "strict": {"type": ["boolean", "null"]},
-    }
-)
-TOOLS: Schema = {"type": ["array", "null"], "items": TOOL, "maxItems": MAX_TOOLS}
+FUNCTION = {
+    "name": {"type": "string", "pattern": FUNCTION_NAME},
+    "description": {"type": "string"},
+    "parameters": {"type": "object"},
+    "strict": {"type": ["boolean", "null"]},
+}
+TOOLS: Schema = {
+    "type": ["array", "null"],
+    "items": typed_function(FUNCTION),
+    "maxItems": MAX_TOOLS,
+}
+FUNCTIONS: Schema = {
+    "type": ["array", "null"],
+    "items": {"type": "object", "required": ["name"], "properties": FUNCTION},
+    "maxItems": MAX_TOOLS,
+}
 TOOL_CHOICE: Schema = {
     "anyOf": [
         {"enum": ["none", "auto", "required", None]},
         typed_function({"name": {"type": "string"}}),
+    ]
+}
+FUNCTION_CALL: Schema = {
+    "anyOf": [
+        {"enum": ["none", "auto", None]},
+        {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
     ]
 }
 # a function without parameters takes none (OpenAI: "an empty parameter list")
@@ -71,6 +87,8 @@ class Tools:
 
     functions: list[dict[str, Any]]
     choice: str
+    parallel: bool = False  # an answer may call several (OpenAI's `parallel_tool_calls`)
+    older: bool = False  # asked as `functions`: the call read back as a `function_call`
 
     @property
     def held(self) -> bool:
@@ -83,9 +101,39 @@ class Tools:
             answers = [call_schema(function) for function in self.functions]
         else:
             answers = [call_schema(f) for f in self.functions if f["name"] == self.choice]
+        if self.parallel:  # or a list of calls
+            call = answers[0] if len(answers) == 1 else {"anyOf": list(answers)}
+            answers.append({"type": "array", "items": call, "minItems": 1})
         if self.choice == "auto":
             answers.append(WORDS)
         return {"type": "json", "value": answers[0] if len(answers) == 1 else {"anyOf": answers}}
+
+    def message(self, text: str) -> tuple[dict[str, Any], str | None]:
+        """The assistant's message for what a held answer generated, and the finish
+        reason a call gives (None for words). Words cut by `max_tokens` are the words
+        written; a cut call is left as it came, in the message's content."""
+        try:
+            answer = json.loads(text)
+        except ValueError:
+            words = StreamedWords()
+            words.add(text)
+            return {"role": "assistant", "content": words.sent or text}, None
+        calls = answer if isinstance(answer, list) else [answer]
+        if not calls or not all(isinstance(call, dict) and "name" in call for call in calls):
+            content = answer.get("content") if isinstance(answer, dict) else None
+            return {"role": "assistant", "content": text if content is None else content}, None
+        functions = [
+            {"name": call["name"], "arguments": json.dumps(call.get("arguments"))} for call in calls
+        ]
+        if self.older:
+            return {"role": "assistant", "content": None, "function_call": functions[0]}, (
+                "function_call"
+            )
+        tool_calls = [
+            {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": function}
+            for function in functions
+        ]
+        return {"role": "assistant", "content": None, "tool_calls": tool_calls}, "tool_calls"
 
     def template_tools(self) -> list[dict[str, Any]]:
         """The tools as chat templates take them (OpenAI's shape)."""
@@ -108,11 +156,27 @@ def read_tools(name: str, value: Any, context: DocContext | None) -> list[dict[s
     """OpenAI's tools: functions, each with a name and a JSON schema of its arguments."""
     if not isinstance(value, list) or len(value) > MAX_TOOLS:
         raise BadRequest(f'"{name}" must be a list of at most {MAX_TOOLS} tools')
-    functions: dict[str, dict[str, Any]] = {}
+    functions = []
     for tool in value:
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or tool.get("type") != "function":
             raise BadRequest('each tool must be {"type": "function", "function": {"name", ...}}')
+        functions.append(function)
+    return read_functions(name, functions, context)
+
+
+def read_functions(name: str, value: Any, context: DocContext | None) -> list[dict[str, Any]]:
+    """Functions, each with a name and a JSON schema of its arguments (OpenAI's older
+    `functions`; each of `tools` holds one)."""
+    if not isinstance(value, list) or len(value) > MAX_TOOLS:
+        raise BadRequest(f'"{name}" must be a list of at most {MAX_TOOLS} functions')
+    functions: dict[str, dict[str, Any]] = {}
+    for function in value:
+        if not isinstance(function, dict) or "name" not in function:
+            raise BadRequest(
+                'each function must be {"name", "description", "parameters"}'
+                + (' (a tool\'s "function")' if name == "tools" else "")
+            )
         named = function.get("name")
         if (
             not isinstance(named, str)
@@ -148,38 +212,37 @@ def read_tool_choice(name: str, value: Any, context: DocContext | None) -> str:
     )
 
 
-def chat_tools(functions: list[dict[str, Any]] | None, choice: str | None) -> Tools | None:
-    """The tools a chat's answer may call; None where it calls none."""
+def read_function_call(name: str, value: Any, context: DocContext | None) -> str:
+    """OpenAI's older `function_call`: "none", "auto", or `{"name": ...}`, the function the
+    answer must call."""
+    if value in ("none", "auto"):
+        return str(value)
+    if isinstance(value, dict) and isinstance(value.get("name"), str):
+        return str(value["name"])
+    raise BadRequest(f'"{name}" must be "none", "auto" or {{"name": ...}}')
+
+
+def chat_tools(
+    functions: list[dict[str, Any]] | None,
+    choice: str | None,
+    parallel: bool = False,
+    older: bool = False,
+) -> Tools | None:
+    """The tools a chat's answer may call; None where it calls none. `older`: asked as
+    `functions` and `function_call` (one call an answer)."""
+    choice_field, offered = ("function_call", "functions") if older else ("tool_choice", "tools")
     if not functions:
         if choice not in (None, "none", "auto"):
-            raise BadRequest(f'"tool_choice" is {choice!r}, and the request offers no tools')
+            raise BadRequest(f'"{choice_field}" is {choice!r}, and the request offers no {offered}')
         return None
     choice = choice or "auto"
     if choice not in ("auto", "required", "none") and choice not in (
         function["name"] for function in functions
     ):
-        raise BadRequest(f'"tool_choice" names {choice}, which is not among the tools')
-    return Tools(functions, choice)
-
-
-def tool_message(text: str) -> tuple[dict[str, Any], bool]:
-    """The assistant's message for what a held-to answer generated, and whether it is a
-    call. Words cut by `max_tokens` are the words written; a cut call is left as it came."""
-    try:
-        answer = json.loads(text)
-    except ValueError:
-        words = StreamedWords()
-        words.add(text)
-        return {"role": "assistant", "content": words.sent or text}, False
-    if not isinstance(answer, dict) or "name" not in answer:
-        content = answer.get("content") if isinstance(answer, dict) else None
-        return {"role": "assistant", "content": content if content is not None else text}, False
-    call = {
-        "id": "call_" + uuid.uuid4().hex[:24],
-        "type": "function",
-        "function": {"name": answer["name"], "arguments": json.dumps(answer.get("arguments"))},
-    }
-    return {"role": "assistant", "content": None, "tool_calls": [call]}, True
+        raise BadRequest(f'"{choice_field}" names {choice}, which is not among the {offered}')
+    # a function named is called once (OpenAI's "forced function": exactly one call)
+    several = parallel and not older and choice in ("auto", "required")
+    return Tools(functions, choice, parallel=several, older=older)
 
 
 # how an answer in words begins, as the grammar lays JSON out (a space after the colon)

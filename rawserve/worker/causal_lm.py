@@ -37,6 +37,7 @@ PROMPT_SCORES_AT_ONCE = 2**24
 TOOLS_DESCRIBED = (
     '\n\nTools you may call: {}\nTo call one, answer {{"name": ..., "arguments": {{...}}}}.'
 )
+SEVERAL_CALLS = " To call several, answer a list of them."
 
 
 class ScoreRecorder(transformers.LogitsProcessor):
@@ -280,7 +281,9 @@ class CausalLMRunner(Runner):
         rendered with the chat template, or ids as they came (OpenAI's completions take
         them; ValueError for one the model has no embedding for)."""
         if params.get(CHAT_PARAM):
-            text = self.chat_text(item["messages"], item.get("tools"))
+            text = self.chat_text(
+                item["messages"], item.get("tools"), item.get("parallel_tool_calls", False)
+            )
             # the template writes the special tokens it wants (a BOS) itself
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if isinstance(item, list):
@@ -293,12 +296,16 @@ class CausalLMRunner(Runner):
             return item
         return list(self.tokenizer(item)["input_ids"])
 
-    def chat_text(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
+    def chat_text(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None, several: bool = False
+    ) -> str:
         """A chat rendered with the model's template, with the tools it may call: where
-        the template leaves tools out, they are described at the end of the last message."""
+        the template leaves tools out, they are described at the end of the last message
+        (and, where `several`, how to call several at once)."""
         text = self._render(messages, tools)
         if tools and text == self._render(messages, None):
             described = TOOLS_DESCRIBED.format(json.dumps([tool["function"] for tool in tools]))
+            described += SEVERAL_CALLS if several else ""
             last = {**messages[-1], "content": messages[-1]["content"] + described}
             text = self._render([*messages[:-1], last], None)
         return text
