@@ -61,6 +61,15 @@ def test_deeply_nested_json_is_a_400(classifier, depth):
     assert_clear_client_error(status, answer, 400)
 
 
+def test_a_number_too_long_to_read_is_a_400(classifier):
+    # Python reads at most 4,300 digits of a whole number, and says so with a ValueError
+    status, answer = post(
+        classifier, b'{"inputs": "x", "parameters": {"top_k": ' + b"1" * 4301 + b"}}"
+    )
+    assert_clear_client_error(status, answer, 400)
+    assert "a number too long" in answer["error"]
+
+
 def test_a_lone_surrogate_is_refused_at_parse(classifier):
     status, answer = post(classifier, SURROGATE_BODY)
     assert_clear_client_error(status, answer, 400)

@@ -349,6 +349,37 @@ def test_a_grammar_that_cannot_be_used_fails_its_item_alone(runner):
     assert "unclosed character class" in failed.message  # llguidance's lines, on one
 
 
+def test_a_grammar_that_fails_at_its_start_or_as_it_runs_fails_its_item_alone(runner):
+    params = {**GREEDY, "max_new_tokens": 4}
+    looping = {**params, "grammar": {"type": "json", "value": {"$ref": "#"}}}
+    # (past llguidance's bound on the lexer's work once its first token is taken)
+    huge = {**params, "grammar": {"type": "regex", "value": "a{1000000}"}}
+    batches = [Batch(1, ("the movie was",), params), Batch(2, ("a",), looping)]
+    answered = results(serve(runner, {0: [*batches, Batch(3, ("a",), huge)]}))
+    assert answered[1].outputs[0] == static(runner, "the movie was", params)
+    at_start, running = answered[2].outputs[0], answered[3].outputs[0]
+    assert at_start.kind is FailureKind.INPUT and "cannot be used" in at_start.message
+    assert running.kind is FailureKind.INPUT, running
+    assert running.message == "the grammar failed: lexer error: too many expressions constructed"
+    # the static path raises, and its batch is then run in halves down to the item
+    with pytest.raises(ValueError, match="^the grammar failed: lexer error"):
+        runner.run(["a"], dict(huge))
+
+
+def test_a_row_whose_sampling_has_nothing_to_draw_from_fails_alone(runner):
+    sampled = {**GREEDY, "do_sample": True, "seed": 5, "max_new_tokens": 6}
+    # a penalty that divides the seen tokens' scores into infinities
+    broken = {**sampled, "repetition_penalty": 1e-300}
+    mates = [Batch(1, ("the movie was",), GREEDY), Batch(3, ("paris is",), sampled)]
+    answered = results(serve(runner, {0: [*mates, Batch(2, ("the movie was",), broken)]}))
+    failed = answered[2].outputs[0]
+    assert failed.kind is FailureKind.INPUT and "sampling failed numerically" in failed.message
+    alone = results(serve(runner, {0: mates}))
+    assert [answered[b.batch_id].outputs for b in mates] == [
+        alone[b.batch_id].outputs for b in mates
+    ]
+
+
 def test_an_end_of_sequence_waits_for_min_new_tokens_or_never_ends_as_on_the_static_path(
     runner,
 ):

@@ -1138,10 +1138,21 @@ def test_completion_scores_token_ids_as_an_evaluation_harness_reads_them(servers
         ({"prompt": [5, 10**9]}, "token id 1000000000 is not in the model's vocabulary"),
         ({"prompt": [5, 10**9], "echo": True, "max_tokens": 0}, "1000000000 is not in the"),
         ({"prompt": [5] * 300}, "leave room for one new token"),
+        # found by the worker, before the first token: its status, not a stream of an error
+        ({"prompt": [5, 10**9], "stream": True}, "token id 1000000000 is not in the"),
+        (
+            {"prompt": "a", "guided_json": {"$ref": "#"}, "stream": True},
+            "the grammar cannot be used",
+        ),
     ],
-    ids=["empty", "one-empty", "unknown-id", "unknown-id-echoed", "too-long"],
+    ids=[
+        *("empty", "one-empty", "unknown-id", "unknown-id-echoed", "too-long"),
+        *("unknown-id-streamed", "unusable-grammar-streamed"),
+    ],
 )
-def test_token_ids_that_cannot_be_read_are_422(servers, document, message):
+def test_prompts_and_grammars_that_cannot_be_used_are_422_streamed_or_not(
+    servers, document, message
+):
     status, body = servers["plain"].post_json(document, "/v1/completions")
     assert status == 422 and message in body["error"]["message"], body
 

@@ -122,6 +122,7 @@ def test_stream_is_a_top_level_field_of_text_generation_only():
         ("text-generation", {"stop": ["a"] * 17}),
         ("text-generation", {"stop": [""]}),
         ("text-generation", {"temperature": -1}),
+        ("text-generation", {"repetition_penalty": 0}),  # (it divides the scores)
         ("text-generation", {"top_p": 1.5}),
         ("text-generation", {"num_beams": 2}),  # not TGI's (TGI's unserved ones are 422)
         ("question-answering", {"align_to_words": "yes"}),

@@ -32,6 +32,8 @@ def read_json(request: HttpRequest) -> Any:
         raise BadRequest(TOO_DEEP) from None
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise BadRequest("the body is not valid JSON") from None
+    except ValueError:  # a number of more digits than Python converts (4,300)
+        raise BadRequest("the body holds a number too long to read") from None
     # Both checks walk the document, so they run only when the bytes allow a problem:
     # fewer brackets than the limit cannot nest past it, and a surrogate is written as
     # an escape (UTF-8 cannot carry one).

@@ -399,7 +399,7 @@ def template_call(call: Any) -> dict[str, Any]:
         )
     try:
         arguments = json.loads(function["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):  # (a text nested past the parser's limit)
         arguments = function["arguments"]
     entry = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
     if isinstance(call.get("id"), str):

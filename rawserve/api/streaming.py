@@ -77,11 +77,12 @@ class TokenStream:
             self.close()  # the end (None) is queued when the run is cancelled
 
     async def start(self) -> None:
-        """Wait for the first token; an error before it is raised with its status."""
+        """Wait for the first token; an error before it (the request refused or failed,
+        in the server or by the worker) is raised with its status."""
         try:
             self.first = await self.queue.get()
             if self.first is None:
-                self.run.result()  # raises the request's error, with its status
+                self.output()  # raises the request's error, with its status
         except BaseException:
             self.close()
             raise

@@ -75,6 +75,19 @@ def float_range(low: float, high: float) -> Checker:
     return Checker({"type": "number", "minimum": low, "maximum": high}, check)
 
 
+def above_zero(high: float) -> Checker:
+    """A number above 0, at most `high` (a factor that divides: 0 would be a division)."""
+
+    def check(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError("must be a number")
+        if not 0 < value <= high:
+            raise ValueError(f"must be above 0 and at most {high}")
+        return float(value)
+
+    return Checker({"type": "number", "exclusiveMinimum": 0, "maximum": high}, check)
+
+
 @checker({"type": "boolean"})
 def boolean(value: Any) -> bool:
     if not isinstance(value, bool):

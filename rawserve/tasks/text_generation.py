@@ -14,7 +14,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rawserve.tasks.checks import boolean, checker, float_range, ignored, int_range, text
+from rawserve.tasks.checks import (
+    above_zero,
+    boolean,
+    checker,
+    float_range,
+    ignored,
+    int_range,
+    text,
+)
 from rawserve.tasks.rules import Task
 
 # Set by the server's OpenAI chat route, never by a client: each input is a chat
@@ -85,7 +93,7 @@ def grammar(value: Any) -> dict[str, Any]:
         if isinstance(given, str):
             try:
                 given = json.loads(given)
-            except ValueError:
+            except (ValueError, RecursionError):  # (a text nested past the parser's limit)
                 given = None
         if not isinstance(given, dict):
             raise ValueError("of type json takes a JSON schema: an object, or a text of one")
@@ -105,7 +113,7 @@ TASK = Task(
         "return_full_text": boolean,
         "seed": int_range(0, 2**32 - 1),
         "stop": stop_sequences,
-        "repetition_penalty": float_range(0.0, 100.0),
+        "repetition_penalty": above_zero(100.0),
         "details": boolean,
         "top_n_tokens": int_range(0, MAX_TOP_N_TOKENS),
         # the prompt's tokens with their log probabilities, in the details' `prefill`

@@ -64,20 +64,27 @@ class Adjuster(transformers.LogitsProcessor):
 
 
 class GrammarFollower(transformers.LogitsProcessor):
-    """Each row's grammar on `generate`'s scores: the row's last token moves its matcher
-    on, then only what the grammar allows next may be chosen."""
+    """Each running row's grammar on `generate`'s scores: the row's last token moves its
+    matcher on, then only what the grammar allows next may be chosen. A grammar that
+    cannot go on fails the batch (ValueError), which is then run in halves down to its
+    request, alone. (A finished row goes on with padding: its grammar is left be.)"""
 
-    def __init__(self, matchers: list[Any]):
+    def __init__(self, matchers: list[Any], watcher: TokenWatcher):
         self.matchers = matchers
+        self.watcher = watcher
         self.started = False
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        running = [i for i, done in enumerate(self.watcher.done) if not done]
         if self.started:  # (the first call follows the prompt: nothing generated yet)
-            for matcher, token in zip(self.matchers, input_ids[:, -1].tolist(), strict=True):
-                if not matcher.is_stopped():  # (a finished row goes on with padding)
-                    matcher.consume_token(token)
+            last = input_ids[:, -1].tolist()
+            for index in running:
+                if not self.matchers[index].is_stopped():
+                    self.matchers[index].consume_token(last[index])
         self.started = True
-        constrain(scores, list(enumerate(self.matchers)))
+        stuck = constrain(scores, [(index, self.matchers[index]) for index in running])
+        if stuck:
+            raise ValueError(stuck[0][1])
         return scores
 
 
@@ -570,7 +577,7 @@ class CausalLMRunner(Runner):
             processors.append(Adjuster(adjustments, encoded["input_ids"].shape[1]))
         if params.get("grammar"):
             matchers = [self.grammars.matcher(params["grammar"]) for _ in rows]
-            processors.append(GrammarFollower(matchers))
+            processors.append(GrammarFollower(matchers, watcher))
         if wants_logprobs:
             processors.append(recorder)
         with torch.inference_mode():

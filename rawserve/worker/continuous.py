@@ -42,6 +42,7 @@ from rawserve.worker.prefill_graphs import (
     GraphedPrefill,
     Prefilled,
 )
+from rawserve.worker.runner import SAMPLING_FAILED_MESSAGE
 
 RECORDING_TOKENS = 3  # a prefill and two steps at each bucket of rows, to record them
 
@@ -114,6 +115,7 @@ class Generation:
     tokens: list[int] = field(default_factory=list)
     text: str = ""  # the text so far, piece by piece (pieces hold back a cut character)
     finish_reason: str | None = None  # None while it runs
+    failure: str | None = None  # why it failed alone (finish_reason "failed"), for its client
     cap: int = 0  # its own new-token cap: asked, and what its positions allow
     generator: torch.Generator | None = None
     pieces: TextPieces | None = None
@@ -121,6 +123,11 @@ class Generation:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    def fail(self, why: str) -> None:
+        """End it alone: its own settings or grammar cannot go on (the rows beside it do)."""
+        self.failure = why
+        self.finish_reason = "failed"
 
 
 @dataclass(frozen=True)
@@ -410,11 +417,21 @@ class ContinuousBatcher:
             if len(generation.tokens) < generation.min_new_tokens and generation.grammar is None:
                 scores[index, sorted(self.eos_ids)] = float("-inf")
         held = [(i, g.grammar) for i, g in enumerate(rows) if g.grammar is not None and not g.done]
-        constrain(scores, held)
+        for index, why in constrain(scores, held):
+            rows[index].fail(why)
         tokens = scores.argmax(dim=-1)
-        for index, generation in enumerate(rows):
-            if generation.do_sample and not generation.done:
-                tokens[index] = _sample(scores[index], generation)
+        sampled = [i for i, g in enumerate(rows) if g.do_sample and not g.done]
+        if sampled:
+            probabilities = torch.stack([_probabilities(scores[i], rows[i]) for i in sampled])
+            # a row whose settings leave nothing to draw from fails alone (multinomial would
+            # fail the step, and on a GPU the device with it); one look for every row
+            usable = (probabilities.isfinite().all(-1) & (probabilities.sum(-1) > 0)).tolist()
+            for index, row, fine in zip(sampled, probabilities, usable, strict=True):
+                if fine:
+                    generator = rows[index].generator
+                    tokens[index] = torch.multinomial(row, 1, generator=generator)[0]
+                else:
+                    rows[index].fail(SAMPLING_FAILED_MESSAGE)
         chosen = tokens.tolist()
         logprobs: list[float] | None = None
         top: list[list[tuple[int, float]]] | None = None
@@ -506,8 +523,8 @@ def _penalize(scores: torch.Tensor, generation: Generation) -> None:
     scores.scatter_(0, seen, torch.where(score < 0, score * penalty, score / penalty))
 
 
-def _sample(logits: torch.Tensor, generation: Generation) -> torch.Tensor:
-    """A token drawn from one row's logits with its temperature, top-k and top-p."""
+def _probabilities(logits: torch.Tensor, generation: Generation) -> torch.Tensor:
+    """What a token is drawn from, for one row's logits: its temperature, top-k and top-p."""
     logits = logits / max(generation.temperature, 1e-5)
     if generation.top_k:
         kth = torch.topk(logits, min(generation.top_k, logits.shape[-1])).values[-1]
@@ -517,5 +534,4 @@ def _sample(logits: torch.Tensor, generation: Generation) -> torch.Tensor:
         cumulative = ordered.softmax(-1).cumsum(-1)
         drop = cumulative - ordered.softmax(-1) > generation.top_p  # keep the first past p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generation.generator)[0]
+    return logits.softmax(-1)

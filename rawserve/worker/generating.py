@@ -262,6 +262,10 @@ class GenerationLoop:
         opened = self.open.get(batch_id)
         if opened is None:
             return
+        if generation.failure is not None:  # its own settings or grammar: it alone fails
+            self._fail(opened, index, ItemFailure(FailureKind.INPUT, generation.failure), None)
+            self._answer_if_done(opened)
+            return
         if generation.finish_reason == "cancelled":
             log.info(
                 "generation stopped after %d tokens: the client left (or its deadline passed)",

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # (declared in its stubs only)
 
 COMPILED_KEPT = 64
+# llguidance's own bounds on a grammar's work, its errors without the parser's state (the
+# message goes to the client) and nothing printed: a fault is raised, not logged
+LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 # how JSON is laid out, unless the schema's own "x-guidance" says otherwise
 JSON_LAYOUT: JsonCompileOptions = {
     "whitespace_flexible": False,
@@ -61,10 +64,11 @@ class Grammars:
         key = json.dumps(grammar, sort_keys=True)
         pristine = self.compiled.get(key)
         if pristine is None:
-            pristine = llguidance.LLMatcher(self._tokenizer(), grammar_text(grammar))
-            if pristine.is_error():  # (llguidance's message points at the fault in lines)
-                error = " ".join(pristine.get_error().split())
-                raise ValueError(f"the grammar cannot be used: {error}")
+            text = grammar_text(grammar)
+            pristine = llguidance.LLMatcher(self._tokenizer(), text, log_level=0, limits=LIMITS)
+            pristine.compute_bitmask()  # (some faults show only once a first mask is asked)
+            if pristine.is_error():
+                raise ValueError(f"the grammar cannot be used: {fault(pristine)}")
             self.compiled[key] = pristine
             while len(self.compiled) > COMPILED_KEPT:
                 self.compiled.popitem(last=False)
@@ -82,14 +86,23 @@ class Grammars:
         return self.tokenizer
 
 
-def constrain(scores: torch.Tensor, rows: list[tuple[int, llguidance.LLMatcher]]) -> None:
+def fault(matcher: llguidance.LLMatcher) -> str:
+    """A matcher's error, on one line (llguidance's message points at the fault in lines)."""
+    return " ".join(matcher.get_error().replace("<non-verbose/>", "").split())
+
+
+def constrain(
+    scores: torch.Tensor, rows: list[tuple[int, llguidance.LLMatcher]]
+) -> list[tuple[int, str]]:
     """Rows of scores, in place: -inf for every token a row's grammar does not allow next
     (`rows`: each row's index in `scores` and its matcher), the masks computed together
-    on llguidance's threads. A matcher in error (a finished row that took a padding token)
-    or with no way on leaves its row as it is."""
+    on llguidance's threads. Returns the rows whose grammar cannot go on, each with why
+    (its matcher failed, past one of llguidance's limits say, or it allows no token of
+    this model's): their scores are left as they are, and the caller ends them."""
+    stuck = [(index, f"the grammar failed: {fault(m)}") for index, m in rows if m.is_error()]
     rows = [(index, matcher) for index, matcher in rows if not matcher.is_error()]
     if not rows:
-        return
+        return stuck
     width = scores.shape[-1]
     bitmask = llguidance.numpy.allocate_token_bitmask(len(rows), width)
     targets = [(matcher, place) for place, (_, matcher) in enumerate(rows)]
@@ -101,6 +114,9 @@ def constrain(scores: torch.Tensor, rows: list[tuple[int, llguidance.LLMatcher]]
     for place, (index, _) in enumerate(rows):
         if way_on[place]:
             scores[index].masked_fill_(blocked[place], float("-inf"))
+        else:
+            stuck.append((index, "the grammar allows no token this model can write next"))
+    return stuck
 
 
 _executor: llguidance.LLExecutor | None = None

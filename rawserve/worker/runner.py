@@ -31,6 +31,12 @@ log = logging.getLogger("rawserve.runner")
 
 # torch.multinomial's complaint when logits divided by a tiny temperature overflow
 SAMPLING_FAILED = "probability tensor contains either `inf`, `nan` or element < 0"
+# what a client is told of it
+SAMPLING_FAILED_MESSAGE = (
+    "sampling failed numerically with these parameters (a temperature or a "
+    "repetition_penalty very close to 0 leaves no probabilities to draw from): raise it, or "
+    "generate greedily (do_sample false, or temperature 0)"
+)
 
 MAX_INPUT_LENGTH_UNKNOWN = 1_000_000  # a config that names no limit
 _PATHLIKE = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][\w.\-]+){2,}")
@@ -173,12 +179,7 @@ class Runner:
         if isinstance(exc, (ValueError, transformers.pipelines.PipelineException)):
             return ItemFailure(FailureKind.INPUT, _client_message(exc))
         if isinstance(exc, RuntimeError) and SAMPLING_FAILED in str(exc):
-            return ItemFailure(
-                FailureKind.INPUT,
-                "sampling failed numerically with these parameters (a temperature very "
-                "close to 0 makes every probability infinite): raise the temperature, or "
-                "send do_sample false",
-            )
+            return ItemFailure(FailureKind.INPUT, SAMPLING_FAILED_MESSAGE)
         return ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
 
 
