@@ -366,6 +366,39 @@ def test_a_grammar_that_fails_at_its_start_or_as_it_runs_fails_its_item_alone(ru
         runner.run(["a"], dict(huge))
 
 
+def test_a_grammar_compiles_while_the_rows_already_there_go_on(runner, monkeypatch):
+    import threading
+
+    from rawserve.worker.generating import GenerationLoop
+    from rawserve.worker.grammars import Grammars
+
+    answered = threading.Event()  # the plain batch's answer: the compiling may end
+    compile_grammar = Grammars._compile
+
+    released: list[bool] = []
+
+    def slow_compile(self, grammar):  # (in the loop's way, it would wait out its timeout)
+        released.append(answered.wait(timeout=10))
+        return compile_grammar(self, grammar)
+
+    monkeypatch.setattr(Grammars, "_compile", slow_compile)
+    sent: list[Any] = []
+
+    def send(message):
+        sent.append(message)
+        if isinstance(message, BatchResult) and message.batch_id == 1:
+            answered.set()
+
+    params = {**GREEDY, "max_new_tokens": 6}
+    held = {**params, "grammar": {"type": "regex", "value": "[0-9]{3}"}}  # (new: compiles)
+    script = {0: [Batch(2, ("a",), held), Batch(1, ("the movie was",), params)]}
+    GenerationLoop(runner, send, 64).run(Script(script))
+    assert released == [True]  # the plain batch was answered while the grammar compiled
+    got = results(sent)
+    assert got[1].outputs[0] == static(runner, "the movie was", params)
+    assert got[2].outputs[0] == static(runner, "a", held)
+
+
 def test_a_row_whose_sampling_has_nothing_to_draw_from_fails_alone(runner):
     sampled = {**GREEDY, "do_sample": True, "seed": 5, "max_new_tokens": 6}
     # a penalty that divides the seen tokens' scores into infinities

@@ -370,7 +370,7 @@ class CausalLMRunner(Runner):
             min_new_tokens=int(params.get("min_new_tokens") or 0),
             ignore_eos=bool(params.get("ignore_eos")),
             adjustments=ScoreAdjustments.asked(params, self.vocabulary),
-            grammar=self.grammars.matcher(params["grammar"]) if params.get("grammar") else None,
+            compiling=self.grammars.pending(params["grammar"]) if params.get("grammar") else None,
             logprobs=[] if wants_logprobs else None,
             top_n=int(params.get("top_n_tokens") or 0),
             prefill=self.prefill_tokens(ids, params) if scores_prompt(params) else None,

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +46,9 @@ from rawserve.worker.prefill_graphs import (
 )
 from rawserve.worker.runner import SAMPLING_FAILED_MESSAGE
 
+# how long a step with nothing to run but grammars compiling waits for one, before the
+# loop looks at its messages again (a new request, a client gone)
+GRAMMAR_WAIT = 0.02
 RECORDING_TOKENS = 3  # a prefill and two steps at each bucket of rows, to record them
 
 
@@ -103,6 +108,8 @@ class Generation:
     ignore_eos: bool = False  # an end of sequence does not end it (it runs to its cap)
     adjustments: ScoreAdjustments | None = None  # OpenAI's logit bias and penalties
     grammar: Any = None  # what it may generate: an llguidance matcher (rawserve.worker.grammars)
+    # its grammar while it compiles (a `PendingMatcher`): it joins once the grammar is ready
+    compiling: Any = None
     # the log-probability of each chosen token (after the penalties and biases, before
     # temperature and top-k/top-p, as generate's logits processors see it); None: not kept
     logprobs: list[float] | None = None
@@ -261,14 +268,21 @@ class ContinuousBatcher:
     @torch.inference_mode()
     def step(self) -> list[Generation]:
         """Join, decode one token for every row, leave; the sequences that finished."""
-        finished = [g for g in self.waiting if g.done]  # cancelled before they joined
+        ready = self._grammars_ready()
+        # cancelled before they joined, or their grammar cannot be used
+        finished = [g for g in self.waiting if g.done]
         self.waiting = [g for g in self.waiting if not g.done]
         finished += self._leave()
         free = self.max_rows - len(self.rows)
-        if self.waiting and free > 0:
-            self._joining, self.waiting = self.waiting[:free], self.waiting[free:]
+        joining = [g for g in self.waiting if g.compiling is None][:free]
+        if joining:
+            self._joining = joining
+            self.waiting = [g for g in self.waiting if g not in joining]
             self._join(self._joining)
             self._joining = []
+        elif not self.rows and not ready and self.waiting:  # only grammars to wait for
+            compiling = [g.compiling.compiling for g in self.waiting]
+            wait_for_futures(compiling, timeout=GRAMMAR_WAIT, return_when=FIRST_COMPLETED)
         finished += self._leave()  # a sequence may finish on its first token
         if self.rows:
             self._decode()
@@ -297,6 +311,21 @@ class ContinuousBatcher:
         finally:
             self.on_token, self.after_pass = listeners
         return len(self.decode_graphs.shelf.graphs) + len(self.prefill_graphs.shelf.graphs)
+
+    def _grammars_ready(self) -> bool:
+        """The waiting sequences whose grammar has compiled take their matcher (or fail,
+        where it cannot be used); whether any did."""
+        ready = False
+        for generation in self.waiting:
+            if generation.compiling is None or not generation.compiling.ready:
+                continue
+            ready = True
+            try:
+                generation.grammar = generation.compiling.matcher()
+            except ValueError as exc:
+                generation.fail(str(exc))
+            generation.compiling = None
+        return ready
 
     def _run_through(self, prompts: list[list[int]]) -> None:
         for index, prompt in enumerate(prompts):

@@ -9,9 +9,12 @@ JSON is written compactly with one space after its separators (`{"a": 1, "b": 2}
 model free to put whitespace anywhere can run on with it until its token cap.
 
 A grammar is compiled once per model (the latest `COMPILED_KEPT` kept) and each sequence
-gets a copy of its matcher. A step's masks are computed together, unpacked from bits at
-once, and laid on each row in place: with a 50,257-token vocabulary, 28-32 µs a row a
-step at 16-64 rows (CPU), against 61 µs masking a row at a time. Worker process only.
+gets a copy of its matcher. A new one compiles on a thread of its own (llguidance lets go
+of the GIL): a regular expression such as `a{1000000}` takes about a second to reach
+llguidance's bound, and the sequences already running go on meanwhile. A step's masks
+are computed together, unpacked from bits at once, and laid on each row in place: with a
+50,257-token vocabulary, 28-32 µs a row a step at 16-64 rows (CPU), against 61 µs masking
+a row at a time. Worker process only.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -51,29 +55,54 @@ def grammar_text(grammar: Mapping[str, Any]) -> str:
 
 
 class Grammars:
-    """One model's grammars: a fresh matcher for each sequence that asks for one."""
+    """One model's grammars: a fresh matcher for each sequence that asks for one. Used
+    from one thread (the worker's); only compiling runs on another."""
 
     def __init__(self, tokenizer: Any, vocabulary: int):
         self.hf_tokenizer = tokenizer
         self.vocabulary = vocabulary  # the scores' width: the model's token count
         self.tokenizer: llguidance.LLTokenizer | None = None  # made at first use
         self.compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self.compiling: dict[str, Future[llguidance.LLMatcher]] = {}
+        self.thread: ThreadPoolExecutor | None = None  # made at first use
 
     def matcher(self, grammar: Mapping[str, Any]) -> llguidance.LLMatcher:
-        """A matcher at the start of `grammar`; ValueError for one that cannot be used."""
+        """A matcher at the start of `grammar`, now; ValueError for one that cannot be used."""
+        return self.pending(grammar).matcher()
+
+    def pending(self, grammar: Mapping[str, Any]) -> PendingMatcher:
+        """A matcher at the start of `grammar` once it is compiled: one seen before at once,
+        a new one on the compiling thread (sequences asking for it together share it)."""
         key = json.dumps(grammar, sort_keys=True)
-        pristine = self.compiled.get(key)
-        if pristine is None:
-            text = grammar_text(grammar)
-            pristine = llguidance.LLMatcher(self._tokenizer(), text, log_level=0, limits=LIMITS)
-            pristine.compute_bitmask()  # (some faults show only once a first mask is asked)
-            if pristine.is_error():
-                raise ValueError(f"the grammar cannot be used: {fault(pristine)}")
-            self.compiled[key] = pristine
-            while len(self.compiled) > COMPILED_KEPT:
-                self.compiled.popitem(last=False)
+        compiling = self.compiling.get(key)
+        if compiling is None:
+            compiling = Future()
+            if key in self.compiled:
+                compiling.set_result(self.compiled[key])
+            else:
+                if self.thread is None:
+                    self.thread = ThreadPoolExecutor(1, thread_name_prefix="grammars")
+                compiling = self.compiling[key] = self.thread.submit(self._compile, grammar)
+        return PendingMatcher(self, key, compiling)
+
+    def keep(self, key: str, compiling: Future[llguidance.LLMatcher]) -> llguidance.LLMatcher:
+        """A compiled grammar's matcher, kept for the next sequence that asks (ValueError
+        for one that cannot be used, then asked again afresh)."""
+        self.compiling.pop(key, None)
+        pristine = compiling.result()
+        self.compiled[key] = pristine
         self.compiled.move_to_end(key)
-        return pristine.deep_copy()
+        while len(self.compiled) > COMPILED_KEPT:
+            self.compiled.popitem(last=False)
+        return pristine
+
+    def _compile(self, grammar: Mapping[str, Any]) -> llguidance.LLMatcher:
+        text = grammar_text(grammar)
+        pristine = llguidance.LLMatcher(self._tokenizer(), text, log_level=0, limits=LIMITS)
+        pristine.compute_bitmask()  # (some faults show only once a first mask is asked)
+        if pristine.is_error():
+            raise ValueError(f"the grammar cannot be used: {fault(pristine)}")
+        return pristine
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
         if self.tokenizer is None:
@@ -84,6 +113,24 @@ class Grammars:
             except ValueError as exc:  # a slow tokenizer
                 raise ValueError(f"this model's tokenizer cannot follow a grammar: {exc}") from None
         return self.tokenizer
+
+
+class PendingMatcher:
+    """A sequence's matcher while its grammar compiles."""
+
+    def __init__(self, grammars: Grammars, key: str, compiling: Future[llguidance.LLMatcher]):
+        self.grammars = grammars
+        self.key = key
+        self.compiling = compiling
+
+    @property
+    def ready(self) -> bool:
+        return self.compiling.done()
+
+    def matcher(self) -> llguidance.LLMatcher:
+        """The sequence's own matcher (waiting for its grammar if it is not ready); ValueError
+        for a grammar that cannot be used."""
+        return self.grammars.keep(self.key, self.compiling).deep_copy()
 
 
 def fault(matcher: llguidance.LLMatcher) -> str:
