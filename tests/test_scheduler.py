@@ -153,6 +153,21 @@ def test_one_slow_first_call_is_no_reason_to_refuse():
         queue_items(core, [text(20)], now=29.0, deadline=30.0)
 
 
+def test_one_small_call_size_measured_is_no_reason_to_refuse_much_bigger_work():
+    """Twenty calls of one short text each cannot tell a call's fixed cost from a token's:
+    work of long texts in full batches is not refused on a guess that every bit of those
+    calls' time was per token."""
+    core = SchedulerCore(max_queue=1024, max_batch_size=8)
+    for _ in range(20):
+        core.cost_model.observe(3, 0.01)
+    assert core.cost_model.trusted and not core.cost_model.fitted
+    for _ in range(16):  # 64 calls of 8 x 120 tokens: at most 64 x 10 ms, not 200 s
+        queue_items(core, [text(120)] * 32, deadline=30.0)
+    assert len(core) == 512
+    ahead = core.cost_model.drain_seconds([120] * 512, core.max_batch_size)
+    assert ahead == pytest.approx(64 * 0.01, rel=0.2)
+
+
 def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once():
     core = measured(SchedulerCore(max_queue=100, max_batch_size=10), seconds_per_token=0.001)
     for _ in range(20):  # 2 s of work ahead: twenty requests, all in the current turn
@@ -867,6 +882,7 @@ def test_when_padding_dominates_the_plan_groups_lengths():
 
 def test_the_drain_estimate_pads_as_recent_batches_did():
     model = CostModel(memory=0.5)
+    model.observe(500, 0.5, tokens=500)  # (two sizes: the parts told apart)
     model.observe(1000, 1.0, tokens=1000)
     unpadded = model.drain_seconds([100] * 10, max_size=10)
     for _ in range(20):

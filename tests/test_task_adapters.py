@@ -104,6 +104,14 @@ def _rounded(value):
 # --- feature-extraction -------------------------------------------------------------------
 
 
+def test_fill_mask_lists_at_most_the_whole_vocabulary(runner):
+    serving = runner("fill-mask")
+    vocabulary = serving.pipe.model.config.vocab_size
+    [listed] = serving.run(["paris is the [MASK]"], {"top_k": vocabulary + 5})
+    assert len(listed) == vocabulary  # (topk past it would be an index error)
+    assert len({entry["token"] for entry in listed}) == vocabulary
+
+
 def test_embedding_options(runner):
     plain = runner("feature-extraction")
     [tokens] = plain.run(["hello world"], {})

@@ -130,10 +130,16 @@ def test_stream_is_a_top_level_field_of_text_generation_only():
         ("question-answering", {"padding": "longest"}),
         ("question-answering", {"top_k": 0}),
         ("zero-shot-classification", {"candidate_labels": []}),
+        ("zero-shot-classification", {"candidate_labels": None}),  # (null: not given)
+        *(
+            ("zero-shot-classification", {"candidate_labels": ["a"], "hypothesis_template": t})
+            for t in ("{} {}", "{x}", "{:>1000000}", "{0.__class__}", "{", "no place", "{!r}")
+        ),
         ("zero-shot-classification", {"candidate_labels": ["a"], "multi_label": "yes"}),
         ("token-classification", {"aggregation_strategy": "mean"}),
         ("text-classification", {"function_to_apply": "relu"}),
         ("summarization", {"generate_parameters": {"eos_token_id": 1}}),
+        ("summarization", {"generate_parameters": {"repetition_penalty": 0}}),
         ("summarization", {"src_lang": "en"}),
         ("summarization", {"num_return_sequences": 0}),
         ("summarization", {"stop_sequence": "."}),
@@ -148,6 +154,31 @@ def test_parameters_outside_the_rules_are_400(task, parameters):
     }
     with pytest.raises(BadRequest):
         parse_json_body(task, {**document, "parameters": parameters})
+
+
+def test_a_hypothesis_template_has_one_place_for_the_label():
+    for template in ("This text is about {}.", "{0} is the topic"):
+        parsed = parse_json_body(
+            "zero-shot-classification",
+            {
+                "inputs": "x",
+                "parameters": {"candidate_labels": "a", "hypothesis_template": template},
+            },
+        )
+        assert parsed.params["hypothesis_template"] == template
+    with pytest.raises(BadRequest, match='must hold one "{}", where each label goes'):
+        parse_json_body(
+            "zero-shot-classification",
+            {"inputs": "x", "parameters": {"candidate_labels": "a", "hypothesis_template": "{x}"}},
+        )
+
+
+def test_a_nested_generate_parameter_is_named_where_it_is_refused():
+    with pytest.raises(BadRequest, match="'generate_parameters' has num_beams, which must be an"):
+        parse_json_body(
+            "summarization",
+            {"inputs": "x", "parameters": {"generate_parameters": {"num_beams": 9}}},
+        )
 
 
 def test_seq2seq_parameters_as_the_inference_api_names_them():

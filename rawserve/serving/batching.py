@@ -201,6 +201,7 @@ class CostModel:
         self.padding = 1.0  # padded / unpadded tokens of recent calls
         self._fitted = False  # the parts were told apart (calls of different sizes)
         self.calls = 0  # calls measured
+        self.largest = 0  # the largest padded cost of a call measured
 
     @property
     def measured(self) -> bool:
@@ -225,6 +226,7 @@ class CostModel:
             self.padding += (1 - m) * (cost / tokens - self.padding)
         a, p, y = float(max(items, 1)), float(max(cost, 1)), max(seconds, 0.0)
         self.calls += 1
+        self.largest = max(self.largest, cost)
         self._w = m * self._w + 1
         self._a = m * self._a + a
         self._p = m * self._p + p
@@ -296,10 +298,17 @@ class CostModel:
     def drain_seconds_of(
         self, items: int, total_cost: int, max_size: int, workers: int = 1
     ) -> float | None:
-        """`drain_seconds` of `items` items whose costs add up to `total_cost`."""
+        """`drain_seconds` of `items` items whose costs add up to `total_cost`. Before the
+        parts are told apart, no call is taken to cost more than the largest measured: from
+        one size alone a fixed cost a call cannot be told from a cost a token, and taking
+        it all as per token made 16 requests of 32 long texts, after 20 of one short text
+        each, look a hundred times as slow as they were (refused as unable to make their
+        deadlines)."""
         if not self.measured:
             return None
         calls = math.ceil(items / max_size)
         padded = self.padding * total_cost
+        if not self._fitted:
+            padded = min(padded, calls * max(self.largest, 1))
         seconds = calls * self.fixed + self.per_item * items + self.per_token * padded
         return seconds / max(workers, 1)

@@ -94,7 +94,8 @@ def check_params(task: Task, params: Mapping[str, Any]) -> dict[str, Any]:
         raise InvalidRequest(
             f"unknown parameter(s) for {task.name}: {', '.join(unknown)} (allowed: {allowed})"
         )
-    missing = sorted(task.required_params - set(params))
+    given = {name for name, value in params.items() if value is not None}
+    missing = sorted(task.required_params - given)
     if missing:
         raise InvalidRequest(f"missing required parameter(s) for {task.name}: {', '.join(missing)}")
     checked = {}

@@ -13,7 +13,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from rawserve.tasks.checks import Checker, boolean, checker, float_range, int_range, one_of, text
+from rawserve.tasks.checks import (
+    Checker,
+    above_zero,
+    boolean,
+    checker,
+    float_range,
+    int_range,
+    one_of,
+    text,
+)
 from rawserve.tasks.rules import SingleAnswer, Task
 
 # generate() options these tasks take, by name: inside the Inference API's
@@ -31,7 +40,7 @@ GENERATE_PARAMS: dict[str, Checker] = {
     "top_p": float_range(0.0, 1.0),
     "top_k": int_range(1, 1000),
     "num_beams": int_range(1, 8),
-    "repetition_penalty": float_range(0.0, 100.0),
+    "repetition_penalty": above_zero(100.0),  # (it divides the scores)
     "no_repeat_ngram_size": int_range(0, 100),
     "early_stopping": boolean,
 }
@@ -55,7 +64,14 @@ def generate_parameters(value: Any) -> dict[str, Any]:
         raise ValueError(
             f"has unknown option(s) {', '.join(unknown)} (allowed: {', '.join(GENERATE_PARAMS)})"
         )
-    return {name: GENERATE_PARAMS[name](item) for name, item in value.items() if item is not None}
+    checked = {}
+    for name, item in value.items():
+        if item is not None:
+            try:
+                checked[name] = GENERATE_PARAMS[name](item)
+            except ValueError as exc:  # (named: the caller names only generate_parameters)
+                raise ValueError(f"has {name}, which {exc}") from None
+    return checked
 
 
 TRUNCATION_STRATEGIES = ("do_not_truncate", "longest_first", "only_first", "only_second")

@@ -6,10 +6,27 @@ InferenceClient) a list of `{label, score}`, best first: the item is reshaped.
 
 from __future__ import annotations
 
+import string
 from typing import Any
 
-from rawserve.tasks.checks import LABEL_SCORES, boolean, short_text, text, text_list
+from rawserve.tasks.checks import LABEL_SCORES, boolean, checker, short_text, text, text_list
 from rawserve.tasks.rules import Task
+
+ONE_PLACE = 'must hold one "{}", where each label goes (and no other braces: "{{" writes one)'
+
+
+@checker({"type": "string", "minLength": 1, "maxLength": 1000, "pattern": "[{][0]?[}]"})
+def hypothesis_template(value: Any) -> str:
+    """A sentence with one plain `{}` for the label (the pipeline fills it with
+    `str.format`: any other field would fail, or reach into the label's attributes)."""
+    template = short_text(value)
+    try:
+        fields = [parts[1:] for parts in string.Formatter().parse(template) if parts[1] is not None]
+    except ValueError:
+        raise ValueError(ONE_PLACE) from None
+    if len(fields) != 1 or fields[0] not in (("", "", None), ("0", "", None)):
+        raise ValueError(ONE_PLACE)
+    return template
 
 
 def label_score_pairs(output: Any) -> Any:
@@ -28,7 +45,7 @@ TASK = Task(
     {
         "candidate_labels": text_list(100),
         "multi_label": boolean,
-        "hypothesis_template": short_text,
+        "hypothesis_template": hypothesis_template,
     },
     required_params=frozenset({"candidate_labels"}),
     shape_item=label_score_pairs,

@@ -86,6 +86,9 @@ class PipelineRunner(Runner):
         model_inputs = inputs
         if self.task == "image-classification":  # queued as base64 text
             model_inputs = [decode_image(item) for item in inputs]
+        if self.task == "fill-mask" and "top_k" in params:  # all of a small vocabulary, at most
+            vocabulary = self.pipe.model.config.vocab_size
+            params = {**params, "top_k": min(params["top_k"], vocabulary)}
         with torch.inference_mode():
             raw = self.pipe(model_inputs, batch_size=len(inputs), **params)
         return split_outputs(self.task, inputs, raw)
