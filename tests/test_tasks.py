@@ -37,6 +37,7 @@ def test_json_list_is_split_into_items():
         {"inputs": "x", "parameters": {"top_k": 0}},
         {"inputs": "x", "parameters": {"top_k": True}},
         {"inputs": "x", "parameters": []},
+        {"inputs": "x", "options": "x"},  # (the Inference API's options: an object)
         {"inputs": 5},
         {"inputs": []},
         {"inputs": ["x", 5]},

@@ -54,13 +54,16 @@ def inference_body(task_name: str) -> Body:
     schemas from the task's own checkers (a custom handler takes any input and parameters).
     Unknown fields and parameters are refused: a misspelt one would change nothing."""
     task = task_rules(task_name)
-    options = Field({}, description="accepted and ignored (the Inference API's options)")
+    options = Field(
+        {"type": ["object", "null"]},
+        description="accepted and ignored (the Inference API's options: use_cache, wait_for_model)",
+    )
     if task is None:
         return Body(
             {
                 "inputs": Field({"not": {"type": "array", "maxItems": 0}}, required=True),
                 "parameters": Field({"type": ["object", "null"]}),
-                "options": Field({}),
+                "options": options,
             },
             with_model=False,
         )
@@ -121,6 +124,8 @@ def parse_json_body(task_name: str, document: Any, max_items: int = 32) -> Parse
         params = {}
     if not isinstance(params, dict):
         raise BadRequest('"parameters" must be an object')
+    if not isinstance(document.get("options", {}), (dict, type(None))):
+        raise BadRequest('"options" must be an object')
     if task is None:  # custom handler: it validates what it is given
         return ParsedRequest(list(items), dict(params), is_list)
     if task.params_at_root:
