@@ -399,6 +399,18 @@ def test_a_grammar_compiles_while_the_rows_already_there_go_on(runner, monkeypat
     assert got[2].outputs[0] == static(runner, "a", held)
 
 
+def test_a_compiled_grammar_whose_askers_left_is_not_held_as_under_way(runner):
+    from rawserve.worker.grammars import Grammars
+
+    grammars = Grammars(runner.tokenizer, runner.grammars.vocabulary)
+    abandoned = grammars.pending({"type": "regex", "value": "[0-9]{2}"})
+    abandoned.compiling.result()  # compiled; its sequence left before it joined
+    taken = grammars.pending({"type": "regex", "value": "[a-z]{2}"})
+    assert list(grammars.compiling) == ['{"type": "regex", "value": "[a-z]{2}"}']
+    taken.matcher()
+    assert grammars.compiling == {} and len(grammars.compiled) == 1
+
+
 def test_a_row_whose_sampling_has_nothing_to_draw_from_fails_alone(runner):
     sampled = {**GREEDY, "do_sample": True, "seed": 5, "max_new_tokens": 6}
     # a penalty that divides the seen tokens' scores into infinities

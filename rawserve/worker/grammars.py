@@ -75,6 +75,9 @@ class Grammars:
         a new one on the compiling thread (sequences asking for it together share it)."""
         key = json.dumps(grammar, sort_keys=True)
         compiling = self.compiling.get(key)
+        # the table holds the compilations under way; one done is its askers' to keep (a
+        # grammar whose askers all left is not held here for nobody)
+        self.compiling = {named: made for named, made in self.compiling.items() if not made.done()}
         if compiling is None:
             compiling = Future()
             if key in self.compiled:
