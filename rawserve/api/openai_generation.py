@@ -818,7 +818,7 @@ class Answer:
         calls = message.get("tool_calls")
         if calls:
             delta: dict[str, Any] = {
-                "tool_calls": [{"index": index, **call} for index, call in enumerate(calls)]
+                "tool_calls": [{"index": place, **call} for place, call in enumerate(calls)]
             }
         elif "function_call" in message:
             delta = {"function_call": message["function_call"]}

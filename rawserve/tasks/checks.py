@@ -64,28 +64,21 @@ def int_range(low: int, high: int) -> Checker:
     return Checker({"type": "integer", "minimum": low, "maximum": high}, check)
 
 
-def float_range(low: float, high: float) -> Checker:
+def float_range(low: float, high: float, above_low: bool = False) -> Checker:
+    """A number from `low` to `high`; `above_low`: `low` itself excluded (a factor that
+    divides, where 0 would be a division)."""
+
     def check(value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError("must be a number")
+        if above_low and not low < value <= high:
+            raise ValueError(f"must be above {low} and at most {high}")
         if not low <= value <= high:
             raise ValueError(f"must be between {low} and {high}")
         return float(value)
 
-    return Checker({"type": "number", "minimum": low, "maximum": high}, check)
-
-
-def above_zero(high: float) -> Checker:
-    """A number above 0, at most `high` (a factor that divides: 0 would be a division)."""
-
-    def check(value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError("must be a number")
-        if not 0 < value <= high:
-            raise ValueError(f"must be above 0 and at most {high}")
-        return float(value)
-
-    return Checker({"type": "number", "exclusiveMinimum": 0, "maximum": high}, check)
+    bound = "exclusiveMinimum" if above_low else "minimum"
+    return Checker({"type": "number", bound: low, "maximum": high}, check)
 
 
 @checker({"type": "boolean"})

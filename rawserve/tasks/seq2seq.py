@@ -13,16 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rawserve.tasks.checks import (
-    Checker,
-    above_zero,
-    boolean,
-    checker,
-    float_range,
-    int_range,
-    one_of,
-    text,
-)
+from rawserve.tasks.checks import Checker, boolean, checker, float_range, int_range, one_of, text
 from rawserve.tasks.rules import SingleAnswer, Task
 
 # generate() options these tasks take, by name: inside the Inference API's
@@ -40,7 +31,7 @@ GENERATE_PARAMS: dict[str, Checker] = {
     "top_p": float_range(0.0, 1.0),
     "top_k": int_range(1, 1000),
     "num_beams": int_range(1, 8),
-    "repetition_penalty": above_zero(100.0),  # (it divides the scores)
+    "repetition_penalty": float_range(0.0, 100.0, above_low=True),  # (it divides the scores)
     "no_repeat_ngram_size": int_range(0, 100),
     "early_stopping": boolean,
 }

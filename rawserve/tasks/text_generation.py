@@ -14,15 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rawserve.tasks.checks import (
-    above_zero,
-    boolean,
-    checker,
-    float_range,
-    ignored,
-    int_range,
-    text,
-)
+from rawserve.tasks.checks import boolean, checker, float_range, ignored, int_range, text
 from rawserve.tasks.rules import Task
 
 # Set by the server's OpenAI chat route, never by a client: each input is a chat
@@ -113,7 +105,7 @@ TASK = Task(
         "return_full_text": boolean,
         "seed": int_range(0, 2**32 - 1),
         "stop": stop_sequences,
-        "repetition_penalty": above_zero(100.0),
+        "repetition_penalty": float_range(0.0, 100.0, above_low=True),
         "details": boolean,
         "top_n_tokens": int_range(0, MAX_TOP_N_TOKENS),
         # the prompt's tokens with their log probabilities, in the details' `prefill`

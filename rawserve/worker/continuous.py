@@ -268,7 +268,7 @@ class ContinuousBatcher:
     @torch.inference_mode()
     def step(self) -> list[Generation]:
         """Join, decode one token for every row, leave; the sequences that finished."""
-        ready = self._grammars_ready()
+        self._take_compiled_grammars()
         # cancelled before they joined, or their grammar cannot be used
         finished = [g for g in self.waiting if g.done]
         self.waiting = [g for g in self.waiting if not g.done]
@@ -280,7 +280,7 @@ class ContinuousBatcher:
             self.waiting = [g for g in self.waiting if g not in joining]
             self._join(self._joining)
             self._joining = []
-        elif not self.rows and not ready and self.waiting:  # only grammars to wait for
+        elif self.waiting and not self.rows:  # only grammars still compiling to wait for
             compiling = [g.compiling.compiling for g in self.waiting]
             wait_for_futures(compiling, timeout=GRAMMAR_WAIT, return_when=FIRST_COMPLETED)
         finished += self._leave()  # a sequence may finish on its first token
@@ -312,20 +312,17 @@ class ContinuousBatcher:
             self.on_token, self.after_pass = listeners
         return len(self.decode_graphs.shelf.graphs) + len(self.prefill_graphs.shelf.graphs)
 
-    def _grammars_ready(self) -> bool:
+    def _take_compiled_grammars(self) -> None:
         """The waiting sequences whose grammar has compiled take their matcher (or fail,
-        where it cannot be used); whether any did."""
-        ready = False
+        where it cannot be used)."""
         for generation in self.waiting:
             if generation.compiling is None or not generation.compiling.ready:
                 continue
-            ready = True
             try:
                 generation.grammar = generation.compiling.matcher()
             except ValueError as exc:
                 generation.fail(str(exc))
             generation.compiling = None
-        return ready
 
     def _run_through(self, prompts: list[list[int]]) -> None:
         for index, prompt in enumerate(prompts):
