@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rawserve.api.app import App
-from rawserve.api.openai_generation import cut_at_stop, messages, releasable
+from rawserve.api.openai_answers import cut_at_stop, releasable
+from rawserve.api.openai_generation import messages
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.api.tei import scores

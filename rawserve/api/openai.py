@@ -5,8 +5,8 @@
 Embeddings: the workers compute pooled, normalized vectors and their real token counts;
 they are only reshaped here (base64 is the little-endian float32 bytes of the vector,
 encoded by numpy and `base64` in C). Generation goes through the scheduler like any
-text-generation request, batched and cancelled when its client leaves; the shapes are
-`openai_generation`'s. Never imports torch.
+text-generation request, batched and cancelled when its client leaves; the bodies are
+`openai_generation`'s, the answers `openai_answers`'. Never imports torch.
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ from rawserve.api import schemas
 from rawserve.api.bodies import answer, check_client_batch, json_response, read_json
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Field, Fields, text, texts_schema
+from rawserve.api.openai_answers import Answer, Echo
 from rawserve.api.openai_generation import (
     CHAT,
     COMPLETION,
-    Answer,
-    Echo,
     GenerationRequest,
     check_choices,
     check_max_tokens,

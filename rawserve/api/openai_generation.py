@@ -1,6 +1,6 @@
-"""OpenAI's generation shapes: reading `/v1/chat/completions` and `/v1/completions` bodies
-into prompts and worker parameters, and writing their answers, whole or as SSE chunks. Each
-body is declared once (`CHAT`, `COMPLETION`: `fields.Body`), for its checks and its
+"""OpenAI's generation bodies: reading `/v1/chat/completions` and `/v1/completions` bodies
+into prompts and worker parameters (their answers are `openai_answers`'). Each body is
+declared once (`CHAT`, `COMPLETION`: `fields.Body`), for its checks and its
 `/openapi.json` schema.
 
 What OpenAI's API has and rawserve does not serve (`suffix`, `best_of`; a streamed echo
@@ -8,28 +8,21 @@ with log probabilities) is refused with 400 naming it, never ignored. Several ch
 prompt (`n`) are each a generation of their own, queued together, streamed as their
 tokens come; `logit_bias`, `frequency_penalty` and `presence_penalty` change each step's
 scores in the worker; `response_format` and `tools` (or the older `functions`;
-`openai_tools`) hold what is generated to a grammar.
-
-Text stops before a stop sequence, as OpenAI's does, streamed too: text that may be the
-start of a stop sequence is held back until the next token says. Log probabilities (chat's
-`logprobs` and `top_logprobs`, completions' `logprobs`) come from the worker's tokens
-(TGI's shape, with `top_tokens` when alternatives are asked for), each listed with the
-chunk that sends its text. Completions' `echo` puts the prompt before the completion, and
-with `logprobs` lists the prompt's tokens first (the worker's `prefill`, TGI's
-`decoder_input_details`); `max_tokens` 0 with it scores the prompt alone. Server process;
-plain Python.
+`openai_tools`) hold what is generated to a grammar. Log probabilities (chat's `logprobs`
+and `top_logprobs`, completions' `logprobs`) are asked of the worker's tokens (TGI's
+shape, with `top_tokens` when alternatives are asked for). Completions' `echo` puts the
+prompt before the completion, and with `logprobs` lists the prompt's tokens first (the
+worker's `prefill`, TGI's `decoder_input_details`); `max_tokens` 0 with it scores the
+prompt alone. Server process; plain Python.
 """
 
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rawserve import __version__
 from rawserve.api.bodies import check_client_batch
 from rawserve.api.fields import (
     Body,
@@ -42,20 +35,11 @@ from rawserve.api.fields import (
     unicode_text,
     whole,
 )
-from rawserve.api.openai_logprobs import (
-    Listed,
-    answer_tokens,
-    chat_logprobs,
-    completion_logprobs,
-    listed,
-    prompt_tokens,
-)
 from rawserve.api.openai_tools import (
     FUNCTION_CALL,
     FUNCTIONS,
     TOOL_CHOICE,
     TOOLS,
-    StreamedWords,
     Tools,
     chat_tools,
     read_function_call,
@@ -64,13 +48,10 @@ from rawserve.api.openai_tools import (
     read_tools,
 )
 from rawserve.api.routing import DocContext, Schema
-from rawserve.api.streaming import TokenStream, merged, sse
 from rawserve.http.errors import (
     BadRequest,
-    HTTPError,
     PayloadTooLarge,
     UnprocessableInput,
-    openai_error_document,
 )
 from rawserve.tasks import (
     CHAT_PARAM,
@@ -90,10 +71,6 @@ GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choi
 REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~")  # escaped in a literal text (Rust's regex syntax)
 MAX_LOGIT_BIAS = 300  # token ids one request may bias: bounds a step's extra work
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
-# finish reasons: the worker's (TGI's) → OpenAI's
-FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
-# OpenAI's answers name the backend's configuration; TGI's client requires it
-SYSTEM_FINGERPRINT = f"rawserve-{__version__}"
 
 
 @dataclass(frozen=True)
@@ -674,282 +651,3 @@ COMPLETION = Body(
         "best_of": unserved({"enum": [1, None]}, 1),
     }
 )
-
-
-# --- answers ------------------------------------------------------------------------------
-
-
-def cut_at_stop(text: str, stops: Sequence[str]) -> str:
-    """`text` before the first stop sequence in it (all of it when there is none)."""
-    found = [index for stop in stops if (index := text.find(stop)) >= 0]
-    return text[: min(found)] if found else text
-
-
-def releasable(text: str, stops: Sequence[str]) -> tuple[str, bool]:
-    """How much of a streamed text may be sent now, and whether a stop sequence was
-    reached: text that could be the start of a stop sequence waits for the next token."""
-    found = [index for stop in stops if (index := text.find(stop)) >= 0]
-    if found:
-        return text[: min(found)], True
-    held = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), held, -1):
-            if text.endswith(stop[:size]):
-                held = size
-                break
-    return text[: len(text) - held], False
-
-
-def finish_reason(details: dict[str, Any]) -> str:
-    return FINISH_REASONS.get(details.get("finish_reason", ""), "stop")
-
-
-def usage(outputs: Sequence[dict[str, Any]], n: int = 1) -> dict[str, int]:
-    """Tokens read and written: a prompt's once, however many choices follow it (`n`, each
-    prompt's choices one after another)."""
-    prompt = sum(int(o["details"]["prompt_tokens"]) for o in outputs[::n])
-    completion = sum(int(o["details"]["generated_tokens"]) for o in outputs)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-class Unsent:
-    """A stream's tokens whose text has not gone out yet, each with where its text starts
-    in the whole text."""
-
-    def __init__(self) -> None:
-        self.tokens: list[tuple[Listed, int]] = []
-
-    def add(self, token: Listed, start: int) -> None:
-        self.tokens.append((token, start))
-
-    def take(self, sent: int) -> tuple[list[Listed], int]:
-        """The tokens whose text starts within the first `sent` characters (now sent),
-        and where the first of them starts; a token starting past them (past a stop
-        sequence's start, when the text ends there) stays."""
-        taken = [(token, start) for token, start in self.tokens if start < sent]
-        self.tokens = self.tokens[len(taken) :]
-        return [token for token, _ in taken], taken[0][1] if taken else 0
-
-
-@dataclass(frozen=True)
-class Echo:
-    """A prompt as its completion echoes it: its text, and whether it came as token ids
-    (then every token is listed, special ones too: one entry per id sent)."""
-
-    text: str
-    token_ids: bool
-
-
-class Answer:
-    """The shape of one route's answers: ids, objects, and where the text goes."""
-
-    def __init__(
-        self,
-        chat: bool,
-        model: str,
-        logprobs: int | None = None,
-        clock: Callable[[], float] = time.time,
-        tools: Tools | None = None,
-    ):
-        self.chat = chat
-        self.model = model
-        self.logprobs = logprobs  # None: not asked; else the alternatives each token lists
-        # the tools an answer is held to (a call, or words in JSON): read back as OpenAI's
-        self.tools = tools if tools is not None and tools.held else None
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(clock())
-
-    def head(self, chunk: bool) -> dict[str, Any]:
-        kind = "chat.completion" if self.chat else "text_completion"
-        return {
-            "id": self.id,
-            "object": f"{kind}.chunk" if chunk and self.chat else kind,
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": SYSTEM_FINGERPRINT,
-        }
-
-    def whole(
-        self,
-        outputs: Sequence[dict[str, Any]],
-        stops: Sequence[str],
-        echoed: Sequence[Echo] | None = None,
-        n: int = 1,
-    ) -> dict[str, Any]:
-        """The answer: a choice per output, each prompt's `n` one after another (`echoed`:
-        the prompt each one follows)."""
-        choices = []
-        for index, output in enumerate(outputs):
-            text = cut_at_stop(output["generated_text"], stops)
-            tokens = answer_tokens(output["details"], len(text))
-            if echoed is not None:  # the stop sequences cut the completion, not the prompt
-                echo = echoed[index]
-                text = echo.text + text
-                tokens = prompt_tokens(output["details"], echo.token_ids) + tokens
-            choice: dict[str, Any] = {"index": index}
-            reason = finish_reason(output["details"])
-            if self.chat:
-                choice["message"], reason = self.message(text, reason)
-            else:
-                choice["text"] = text
-            choice["logprobs"] = self.listing(tokens)
-            choice["finish_reason"] = reason
-            choices.append(choice)
-        return {**self.head(False), "choices": choices, "usage": usage(outputs, n)}
-
-    def message(self, text: str, reason: str) -> tuple[dict[str, Any], str]:
-        """A chat answer's message and finish reason: a tool call, where tools hold it."""
-        if self.tools is None:
-            return {"role": "assistant", "content": text}, reason
-        message, called = self.tools.message(text)
-        return message, called or reason
-
-    def held_end(
-        self, index: int, output: dict[str, Any], stops: Sequence[str], sent: str
-    ) -> tuple[bytes | None, str]:
-        """The end of a streamed answer held to tools: its call, or its words past those
-        `sent` as they came (None: nothing left), and its finish reason."""
-        text = cut_at_stop(output["generated_text"], stops)
-        message, reason = self.message(text, finish_reason(output["details"]))
-        calls = message.get("tool_calls")
-        if calls:
-            delta: dict[str, Any] = {
-                "tool_calls": [{"index": place, **call} for place, call in enumerate(calls)]
-            }
-        elif "function_call" in message:
-            delta = {"function_call": message["function_call"]}
-        else:
-            words = message["content"] or ""
-            rest = words[len(sent) :] if words.startswith(sent) else words
-            if not rest and sent:
-                return None, reason
-            delta = {"content": rest}
-        chunk = self.chunk(index, None, answer_tokens(output["details"], len(text)))
-        chunk["choices"][0]["delta"] = delta
-        return sse(chunk), reason
-
-    def chunk(
-        self,
-        index: int,
-        text: str | None,
-        tokens: Sequence[Listed] = (),
-        offset: int = 0,
-        finish: str | None = None,
-    ) -> dict[str, Any]:
-        """A streamed chunk of choice `index`: its text, and the tokens it sends (`offset`:
-        where the first one's text starts in the choice's whole text)."""
-        choice: dict[str, Any] = {"index": index}
-        if self.chat:
-            choice["delta"] = {} if text is None else {"content": text}
-        else:
-            choice["text"] = text or ""
-        choice["logprobs"] = self.listing(tokens, offset) if tokens else None
-        choice["finish_reason"] = finish
-        return {**self.head(True), "choices": [choice]}
-
-    def listing(self, tokens: Sequence[Listed], offset: int = 0) -> dict[str, Any] | None:
-        """Tokens' log probabilities in this route's shape; None where none were asked."""
-        if self.logprobs is None:
-            return None
-        if self.chat:
-            return chat_logprobs(tokens)
-        return completion_logprobs(tokens, offset, self.logprobs)
-
-    async def events(
-        self,
-        streams: Sequence[TokenStream],
-        stops: Sequence[str],
-        include_usage: bool,
-        echoed: str | None = None,
-    ) -> AsyncGenerator[bytes, None]:
-        """OpenAI's chunks for a streamed generation (a stream a choice, their chunks as
-        they come), then `data: [DONE]`. `echoed`: the prompt, each choice's first chunk."""
-        try:
-            choices = [Streamed() for _ in streams]
-            # an answer held to tools: its words as they come (not with log probabilities,
-            # which go whole at its end), a call at its end
-            held = [StreamedWords() for _ in streams]
-            words_as_they_come = self.tools is not None and self.logprobs is None
-            if self.chat:  # each choice's first chunk says who speaks
-                for index in range(len(streams)):
-                    first = self.chunk(index, "")
-                    first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                    yield sse(first)
-            if echoed is not None:
-                for index in range(len(streams)):
-                    yield sse(self.chunk(index, echoed))
-            outputs = []
-            async for index, chunk in merged(streams):
-                choice = choices[index]
-                if chunk is not None:
-                    if self.tools is not None:
-                        piece = "" if chunk.token["special"] else chunk.token["text"]
-                        if words_as_they_come and (words := held[index].add(piece)):
-                            yield sse(self.chunk(index, words))
-                        continue
-                    if (sending := choice.add(chunk.token, stops, self.logprobs)) is not None:
-                        yield sse(self.chunk(index, *sending))
-                    continue
-                try:
-                    output = streams[index].output()
-                except HTTPError as error:
-                    yield sse(openai_error_document(error))
-                    return
-                reason = finish_reason(output["details"])
-                if self.tools is not None:
-                    last, reason = self.held_end(index, output, stops, held[index].sent)
-                    if last is not None:
-                        yield last
-                elif (sending := choice.rest(output, stops)) is not None:
-                    yield sse(self.chunk(index, *sending))
-                yield sse(self.chunk(index, None, finish=reason))
-                outputs.append(output)
-            if include_usage:
-                every = usage(outputs, len(outputs))  # one prompt, read once
-                yield sse({**self.head(True), "choices": [], "usage": every})
-            yield b"data: [DONE]\n\n"
-        finally:
-            for stream in streams:
-                stream.close()
-
-
-class Streamed:
-    """One streamed choice's text: what its tokens have made, what has been sent, and the
-    tokens whose text has not gone out yet (it may start a stop sequence)."""
-
-    def __init__(self) -> None:
-        self.text = ""  # generated so far (special tokens left out)
-        self.sent = ""
-        self.unsent = Unsent()
-
-    def add(
-        self, token: Mapping[str, Any], stops: Sequence[str], logprobs: int | None
-    ) -> Release | None:
-        """A new token; what can be sent now."""
-        if token["special"]:
-            return None
-        if logprobs is not None:
-            self.unsent.add(listed(token), len(self.text))
-        self.text += token["text"]
-        ready, _ = releasable(self.text, stops)
-        return self.release(ready)
-
-    def rest(self, output: dict[str, Any], stops: Sequence[str]) -> Release | None:
-        """What a cut character held back, once the whole text is known."""
-        whole = cut_at_stop(output["generated_text"], stops)
-        return self.release(whole) if whole.startswith(self.sent) else None
-
-    def release(self, ready: str) -> Release | None:
-        """The text past what was sent, with its tokens and where the first one starts."""
-        if len(ready) <= len(self.sent):
-            return None
-        text = ready[len(self.sent) :]
-        self.sent = ready
-        return (text, *self.unsent.take(len(ready)))
-
-
-Release = tuple[str, list[Listed], int]  # a chunk's text, its tokens, the first's offset
