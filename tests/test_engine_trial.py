@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from rawserve.shared.messages import Engine
-from rawserve.worker import engine_trial
+from rawserve.worker import engine_trial, precision_trial
 from rawserve.worker.engine_trial import Trial, cached, run_trial, store
 from tests.server import RunningServer
 
@@ -146,6 +146,12 @@ def test_the_server_shows_the_trial_in_its_log_and_info(tiny_model, tmp_path):
         assert info["workers"][0]["dtype_reason"].startswith("auto on cpu: the checkpoint's")
         assert info["workers"][0]["attention"] is None  # a CPU keeps torch's own choice
         assert info["workers"][0]["cuda_graphs"] is None  # nor are graphs tried there
+        # bfloat16 is tried where the CPU computes it in hardware (tests/test_precision_trial.py)
+        tried = info["workers"][0]["bfloat16_trial"]
+        if precision_trial.bf16_units(engine_trial.cpu_facts().get("flags", "")) is None:
+            assert tried is None
+        else:
+            assert tried.startswith("bfloat16 on this CPU's") and " ms against float32's " in tried
         reason = info["workers"][0]["engine_reason"]
         assert "torch" in reason and "onnx" in reason and " ms" in reason
         assert info["engine"] == reason.split("took ")[1].split(" ")[0]  # the fastest first

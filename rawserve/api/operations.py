@@ -216,6 +216,7 @@ def _worker_info(worker: WorkerStatus) -> dict[str, Any]:
         "device": worker.device,
         "dtype": worker.dtype,
         "dtype_reason": worker.dtype_reason,
+        "bfloat16_trial": worker.bfloat16_trial,
         "attention": worker.attention,
         "cuda_graphs": worker.cuda_graphs,
         "engine": worker.engine,

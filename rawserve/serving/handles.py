@@ -168,6 +168,7 @@ class WorkerHandle:
             engine=self.ready.engine.value if self.ready else None,
             engine_reason=self.ready.engine_reason if self.ready else None,
             dtype_reason=self.ready.dtype_reason if self.ready else None,
+            bfloat16_trial=(self.ready.bfloat16_trial or None) if self.ready else None,
             attention=(self.ready.attention or None) if self.ready else None,
             cuda_graphs=(self.ready.cuda_graphs or None) if self.ready else None,
             sequences=self.sequences,

@@ -49,6 +49,7 @@ class WorkerStatus:
     engine: str | None = None  # what runs its forward pass, once loaded
     engine_reason: str | None = None
     dtype_reason: str | None = None  # why that precision, once loaded
+    bfloat16_trial: str | None = None  # what --dtype bfloat16 would give (None: not tried)
     attention: str | None = None  # the attention kernels chosen on a GPU (None: torch's)
     cuda_graphs: str | None = None  # whether its forward pass is replayed (None: none tried)
     sequences: int = 0  # a continuous generation worker: sequences it runs at once

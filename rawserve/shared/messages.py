@@ -167,6 +167,7 @@ class WorkerReady:
     engine: Engine = Engine.TORCH  # what runs the forward pass (never AUTO)
     engine_reason: str = ""  # why that engine, for the log and /info
     dtype_reason: str = ""  # why that precision (half by default on a GPU), for /info
+    bfloat16_trial: str = ""  # what --dtype bfloat16 would give on this CPU ("": not tried)
     attention: str = ""  # the attention kernels chosen on a GPU, for /info ("": torch's)
     cuda_graphs: str = ""  # what became of CUDA graphs on a GPU, for /info ("": none tried)
     # the model's tokenizer in the `tokenizers` library's JSON form (None: it has none):

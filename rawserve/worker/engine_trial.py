@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rawserve.shared.messages import Engine
 
@@ -36,6 +36,8 @@ MIN_ROUNDS = 2  # timed calls per candidate, however slow the batch (on a loaded
 MAX_ROUNDS = 15  # a tiny model stops here, long before the time budget
 TRIAL_BATCH = 8  # items of the trial batch when the server runs no warm-up
 CACHE_PREFIX = "engine-trial-"
+
+K = TypeVar("K")  # what names a timed candidate
 
 
 @dataclass(frozen=True)
@@ -66,23 +68,32 @@ def run_trial(
     budget: float = TRIAL_SECONDS,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Trial:
-    """Time each candidate's batch: one untimed call each (first calls set things up),
-    then rounds in turn (A B A B, so a neighbour's burst falls on both) until every one
-    has MIN_ROUNDS and the budget is spent, or MAX_ROUNDS. The medians decide."""
+    """Time each engine's batch (`timed`); the faster wins."""
+    return Trial(timed(candidates, budget, clock), batch)
+
+
+def timed(
+    candidates: Mapping[K, Callable[[], object]],
+    budget: float = TRIAL_SECONDS,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[K, float]:
+    """The median seconds of each candidate's call: one untimed call each (first calls
+    set things up), then rounds in turn (A B A B, so a neighbour's burst falls on both)
+    until every one has MIN_ROUNDS and the budget is spent, or MAX_ROUNDS."""
     for call in candidates.values():
         call()
-    times: dict[Engine, list[float]] = {engine: [] for engine in candidates}
+    times: dict[K, list[float]] = {name: [] for name in candidates}
     spent = 0.0
     rounds = 0
     while rounds < MAX_ROUNDS and (rounds < MIN_ROUNDS or spent < budget * len(candidates)):
-        for engine, call in candidates.items():
+        for name, call in candidates.items():
             started = clock()
             call()
             took = clock() - started
-            times[engine].append(took)
+            times[name].append(took)
             spent += took
         rounds += 1
-    return Trial({engine: statistics.median(laps) for engine, laps in times.items()}, batch)
+    return {name: statistics.median(laps) for name, laps in times.items()}
 
 
 def installed_version(name: str) -> str:
@@ -92,15 +103,21 @@ def installed_version(name: str) -> str:
         return "none"
 
 
-def machine() -> dict[str, Any]:
-    """What identifies this CPU for a timing: its model, its flags and its core count."""
+def cpu_facts() -> dict[str, str]:
+    """The first core's lines of /proc/cpuinfo ({} where there is none)."""
     facts: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            facts.setdefault(key.strip(), value.strip())  # the first core's lines
+            facts.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    return facts
+
+
+def machine() -> dict[str, Any]:
+    """What identifies this CPU for a timing: its model, its flags and its core count."""
+    facts = cpu_facts()
     name = facts.get("model name") or platform.processor()
     flags = facts.get("flags", "")
     return {
@@ -111,38 +128,52 @@ def machine() -> dict[str, Any]:
     }
 
 
-def _path(cache_dir: Path, key: Mapping[str, Any]) -> Path:
+def _path(cache_dir: Path, prefix: str, key: Mapping[str, Any]) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_dir / f"{CACHE_PREFIX}{digest}.json"
+    return cache_dir / f"{prefix}{digest}.json"
 
 
 def cached(cache_dir: Path, key: Mapping[str, Any]) -> Trial | None:
     """The verdict of an earlier trial with this key; None if there is none (or it cannot
     be read: then the trial runs again)."""
+    stored = recalled(cache_dir, CACHE_PREFIX, key)
     try:
-        stored = json.loads(_path(cache_dir, key).read_text())
-        if stored["key"] != json.loads(json.dumps(key, sort_keys=True)):
-            return None
         seconds = {Engine(name): float(value) for name, value in stored["seconds"].items()}
         return Trial(seconds, int(stored["batch"]), cached=True) if seconds else None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
 def store(cache_dir: Path, key: Mapping[str, Any], trial: Trial) -> None:
-    """Keep the verdict for the next start (written whole, then renamed: workers starting
-    together each write a complete file). A cache that cannot be written is only logged."""
+    """Keep the verdict for the next start."""
     document = {
-        "key": key,
         "batch": trial.batch,
         "seconds": {engine.value: seconds for engine, seconds in trial.seconds.items()},
         "winner": trial.winner.value,
     }
+    remember(cache_dir, CACHE_PREFIX, key, document)
+
+
+def recalled(cache_dir: Path, prefix: str, key: Mapping[str, Any]) -> dict[str, Any]:
+    """What an earlier start measured under this key ({}: nothing, or nothing readable)."""
+    try:
+        stored = json.loads(_path(cache_dir, prefix, key).read_text())
+        if stored["key"] != json.loads(json.dumps(key, sort_keys=True)):
+            return {}
+        return stored if isinstance(stored, dict) else {}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def remember(cache_dir: Path, prefix: str, key: Mapping[str, Any], found: dict[str, Any]) -> None:
+    """Keep a measurement for the next start (written whole, then renamed: workers
+    starting together each write a complete file). A cache that cannot be written is only
+    logged."""
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         fd, scratch = tempfile.mkstemp(prefix=".trial-", dir=cache_dir)
         with os.fdopen(fd, "w") as handle:
-            json.dump(document, handle, indent=1, sort_keys=True)
-        os.replace(scratch, _path(cache_dir, key))
+            json.dump({"key": key, **found}, handle, indent=1, sort_keys=True)
+        os.replace(scratch, _path(cache_dir, prefix, key))
     except OSError:
-        log.warning("could not keep the engine trial in %s", cache_dir, exc_info=True)
+        log.warning("could not keep the trial in %s", cache_dir, exc_info=True)

@@ -20,7 +20,7 @@ import torch
 
 from rawserve.shared.messages import Engine, WorkerConfig
 from rawserve.tasks import SEQ2SEQ_TASKS
-from rawserve.worker import engine_trial, onnx_engine
+from rawserve.worker import engine_trial, onnx_engine, precision_trial
 from rawserve.worker.causal_lm import CausalLMRunner
 from rawserve.worker.encoder import EncoderRunner
 from rawserve.worker.handler import HandlerRunner
@@ -147,6 +147,9 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
     runner = runner or build_runner(config, task, device, None)
     runner.engine, runner.engine_reason = engine, reason
     runner.dtype_reason = dtype_reason
+    runner.bfloat16_trial = bfloat16_trial(config, task, device, runner)
+    if runner.bfloat16_trial:
+        log.info("bfloat16 trial: %s", runner.bfloat16_trial)
     runner.attention = attention
     if config.cuda_graphs and runner.on_cuda:
         runner.cuda_graphs = runner.use_cuda_graphs()
@@ -192,6 +195,53 @@ def measured_engine(config: WorkerConfig, task: str, device: str) -> tuple[Engin
     del torch_runner, onnx_runner
     gc.collect()  # the loser's weights go now, not at some later collection
     return trial.winner, trial.describe(), winner
+
+
+def bfloat16_trial(config: WorkerConfig, task: str, device: str, runner: Runner) -> str:
+    """What --dtype bfloat16 would give an encoder served in float32 on a CPU that computes
+    bfloat16 in hardware, measured once per model and machine ("": not tried):
+    rawserve.worker.precision_trial."""
+    units = precision_trial.bf16_units(engine_trial.cpu_facts().get("flags", ""))
+    if (
+        units is None
+        or device != "cpu"
+        or config.dtype != "auto"  # a precision given is the one wanted
+        or runner.dtype != "float32"
+        or task not in onnx_engine.ONNX_TASKS
+    ):
+        return ""
+    size = config.warmup_batch or engine_trial.TRIAL_BATCH
+    cache_dir = onnx_engine.default_cache_dir()
+    key = {
+        **trial_key(config, task, size),
+        "serving": runner.engine.value,
+        "torch": torch.__version__,
+    }
+    offer = precision_trial.recalled(cache_dir, key)
+    if offer is None:
+        offer = measured_bfloat16(config, task, device, runner, size, units)
+        gc.collect()  # the bfloat16 copy's weights go now
+        if offer is not None:
+            precision_trial.remember(cache_dir, key, offer)
+    return offer.describe() if offer is not None else ""
+
+
+def measured_bfloat16(
+    config: WorkerConfig, task: str, device: str, runner: Runner, size: int, units: str
+) -> precision_trial.Offer | None:
+    """A bfloat16 copy of the model timed against `runner` on the warm-up batch."""
+    batch = example_batch(runner, size)
+    if batch is None:
+        return None
+    inputs, params = batch
+    try:
+        bfloat16 = build_runner(dataclasses.replace(config, dtype="bfloat16"), task, device, None)
+        return precision_trial.measure(
+            partial(runner.run, inputs, params), partial(bfloat16.run, inputs, params), size, units
+        )
+    except Exception:  # noqa: BLE001 - logged; float32 serves as it would have
+        log.warning("the bfloat16 trial failed", exc_info=True)
+        return None
 
 
 def trial_key(config: WorkerConfig, task: str, size: int) -> dict[str, object]:

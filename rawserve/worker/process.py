@@ -167,6 +167,7 @@ def worker_main(
             engine=runner.engine,
             engine_reason=runner.engine_reason,
             dtype_reason=runner.dtype_reason,
+            bfloat16_trial=runner.bfloat16_trial,
             attention=runner.attention,
             cuda_graphs=runner.cuda_graphs,
             tokenizer=runner.tokenizer_json(),

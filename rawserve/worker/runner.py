@@ -64,6 +64,7 @@ class Runner:
         self.device = device
         self.dtype = dtype
         self.dtype_reason = ""  # why that precision, for the log and /info (set on loading)
+        self.bfloat16_trial = ""  # what bfloat16 would give on this CPU ("": not tried)
         self.attention = ""  # the attention kernels chosen on a GPU ("": torch's own)
         self.tokenizer = tokenizer  # None: inputs are not text (or not tokenized here)
         self.engine = Engine.TORCH

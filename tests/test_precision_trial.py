@@ -1,0 +1,159 @@
+"""bfloat16 on a CPU that computes it in hardware: measured against the float32 that
+serves, its answers set beside float32's, offered in the log and /info and never chosen
+by itself; kept per model and machine. No such CPU here: its flags are faked where the
+worker reads them, and the bfloat16 copy is a real one of a tiny model."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from rawserve.shared.messages import Engine
+from rawserve.worker import engine_trial, precision_trial
+from rawserve.worker.precision_trial import Drift, Offer, bf16_units, compare, measure
+from tests.test_engine_trial import FakeClock
+
+AMX_FLAGS = "fpu sse2 avx2 avx512f amx_bf16 amx_tile amx_int8"
+
+
+@pytest.mark.parametrize(
+    ("flags", "units"),
+    [
+        (AMX_FLAGS, "amx_bf16"),  # the matrix units first
+        ("fpu avx2 avx512f avx512_bf16", "avx512_bf16"),
+        ("fpu sse2 avx2 fma", None),  # bfloat16 emulated: nothing to offer
+        ("", None),  # no /proc/cpuinfo
+    ],
+)
+def test_the_units_are_read_from_the_cpus_flags(flags, units):
+    assert bf16_units(flags) == units
+
+
+def test_answers_side_by_side_give_the_largest_difference_and_the_lowest_cosine():
+    vectors = [np.array([[1.0, 0.0, 0.0]], dtype=np.float32), np.array([[0.0, 2.0]])]
+    moved = [np.array([[0.99, 0.01, 0.0]], dtype=np.float32), np.array([[0.0, 2.0]])]
+    drift = compare(vectors, moved)
+    assert drift.largest == pytest.approx(0.01, abs=1e-6)
+    assert drift.cosine == pytest.approx(0.99 / np.hypot(0.99, 0.01))
+    assert drift.same_labels
+    assert compare(vectors, vectors) == Drift(0.0, 1.0, same_labels=True)
+
+
+def test_a_label_that_changes_is_told_apart_from_scores_that_move():
+    float32 = [[{"label": "POSITIVE", "score": 0.51}, {"label": "NEGATIVE", "score": 0.49}]]
+    nearby = [[{"label": "POSITIVE", "score": 0.52}, {"label": "NEGATIVE", "score": 0.48}]]
+    swapped = [[{"label": "NEGATIVE", "score": 0.5}, {"label": "POSITIVE", "score": 0.5}]]
+    assert compare(float32, nearby).same_labels
+    assert compare(float32, nearby).largest == pytest.approx(0.01)
+    assert not compare(float32, swapped).same_labels
+    spans = [{"answer": "river bank", "start": 53, "end": 63, "score": 0.3}]
+    assert not compare(spans, [{**spans[0], "end": 62}]).same_labels
+
+
+def test_answers_of_another_shape_have_no_difference_to_give():
+    drift = compare([[0.1, 0.2, 0.3]], [[0.1, 0.2]])
+    assert drift == Drift(None, None, same_labels=False)
+    assert compare([[1.0]], []).same_labels is False
+    line = Offer("amx_bf16", 8, 0.04, 0.01, drift).describe()
+    assert "differ from float32's in shape" in line
+
+
+@pytest.mark.parametrize(
+    ("float32_ms", "bfloat16_ms", "verdict"),
+    [(40, 10, "faster: --dtype bfloat16 serves it"), (10, 40, "not faster: float32 serves")],
+)
+def test_the_copy_is_timed_against_what_serves(float32_ms, bfloat16_ms, verdict):
+    clock = FakeClock()
+    answers = [np.array([0.6, 0.8])]
+
+    def timed(name: str, ms: float):
+        step = clock.candidate(name, ms / 1000)
+        return lambda: step() or answers
+
+    offer = measure(
+        timed("float32", float32_ms), timed("bfloat16", bfloat16_ms), 8, "amx_bf16", clock
+    )
+    assert offer.float32_seconds == pytest.approx(float32_ms / 1000)
+    assert offer.bfloat16_seconds == pytest.approx(bfloat16_ms / 1000)
+    assert clock.calls[2:6] == ["float32", "bfloat16", "float32", "bfloat16"]  # in turn
+    line = offer.describe()
+    assert line.startswith("bfloat16 on this CPU's amx_bf16, measured now: a batch of 8")
+    assert f"{float32_ms:.1f} ms" in line and f"{bfloat16_ms:.1f} ms" in line
+    assert line.endswith(verdict)
+
+
+def test_a_kept_finding_reads_back_the_same(tmp_path):
+    offer = Offer("amx_bf16", 8, 0.04, 0.01, Drift(0.002, 0.99994, same_labels=True))
+    key = {"model": "m", "machine": {"cpu": "x"}}
+    precision_trial.remember(tmp_path, key, offer)
+    again = precision_trial.recalled(tmp_path, key)
+    assert again == Offer(**{**offer.__dict__, "cached": True})
+    assert "measured at an earlier start (cached)" in again.describe()
+    assert precision_trial.recalled(tmp_path, {**key, "model": "other"}) is None
+
+
+@pytest.fixture
+def bf16_cpu(monkeypatch, tmp_path):
+    """A CPU with AMX, as the worker reads it; its finding kept in a fresh cache."""
+    monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(engine_trial, "cpu_facts", lambda: {"flags": AMX_FLAGS})
+    offers: list[Offer] = []
+    real_measure = precision_trial.measure
+
+    def counted(*args, **kwargs):
+        offers.append(real_measure(*args, **kwargs))
+        return offers[-1]
+
+    monkeypatch.setattr(precision_trial, "measure", counted)
+    return offers
+
+
+def test_a_float32_encoder_on_such_a_cpu_measures_a_real_bfloat16_copy_once(
+    tiny_model, bf16_cpu, caplog
+):
+    from rawserve.worker import loading
+    from tests.tiny_models import worker_config
+
+    config = worker_config(
+        tiny_model("text-classification"), engine=Engine.TORCH, warmup_batch=4, threads=1
+    )
+    with caplog.at_level(logging.INFO, logger="rawserve.worker"):
+        first = loading.load_runner(config, "cpu")
+        second = loading.load_runner(config, "cpu")
+    assert len(bf16_cpu) == 1  # the second start read what the first found
+    offer = bf16_cpu[0]
+    assert first.dtype == "float32"  # offered, never chosen
+    assert 0 < offer.drift.largest < 0.05 and offer.drift.cosine > 0.999  # a real copy
+    assert offer.drift.same_labels
+    assert first.bfloat16_trial == offer.describe()
+    assert "measured now" in first.bfloat16_trial and "(cached)" in second.bfloat16_trial
+    assert any(r.getMessage().startswith("bfloat16 trial: ") for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype"),
+    [
+        ("text-classification", "float32"),  # a precision given is the one wanted
+        ("text-classification", "bfloat16"),
+        ("text-generation", "auto"),  # encoders only
+    ],
+)
+def test_nothing_is_tried_where_nothing_would_be_offered(tiny_model, bf16_cpu, kind, dtype):
+    from rawserve.worker import loading
+    from tests.tiny_models import worker_config
+
+    runner = loading.load_runner(worker_config(tiny_model(kind), dtype=dtype, threads=1), "cpu")
+    assert runner.bfloat16_trial == "" and bf16_cpu == []
+
+
+def test_a_cpu_without_bfloat16_units_tries_nothing(tiny_model, monkeypatch, tmp_path):
+    from rawserve.worker import loading
+    from tests.tiny_models import worker_config
+
+    monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(engine_trial, "cpu_facts", lambda: {"flags": "fpu sse2 avx2"})
+    config = worker_config(tiny_model("text-classification"), threads=1)
+    assert loading.load_runner(config, "cpu").bfloat16_trial == ""
+    assert not list(tmp_path.rglob("bfloat16-trial-*"))
