@@ -2,8 +2,8 @@
 
 On CPUs with bfloat16 matrix units (AMX on recent Xeons; AVX-512's bfloat16 dot products
 on some others) a model may run several times as fast in bfloat16, with answers that move
-in their low digits (all-MiniLM-L6-v2's normalized vectors by at most 0.0025, cosine
-0.99994: bench/RESULTS.md). `--dtype auto` never picks a precision that changes answers,
+in their low digits (all-MiniLM-L6-v2's sentence vectors by at most 0.0027, cosine
+0.99988: bench/RESULTS.md). `--dtype auto` never picks a precision that changes answers,
 so a worker that serves float32 on such a CPU measures a bfloat16 copy of its model on the
 warm-up batch at its first start, compares its answers with float32's, and says in the
 log and /info (`bfloat16_trial`) what `--dtype bfloat16` would give; the copy is dropped.
