@@ -30,7 +30,7 @@ from rawserve.http_process.entry import HttpProcessSpec, ModelSpec, run_http_pro
 from rawserve.http_process.front import listen, requests_answered
 from rawserve.models.hub import ModelNotFound
 from rawserve.models.plan import ModelPlan, plan_models
-from rawserve.ops import loops
+from rawserve.ops import layout_trial, loops
 from rawserve.ops.loading import log_loading_progress
 from rawserve.ops.metrics import Metrics, merge_families
 from rawserve.options import parse_config
@@ -476,6 +476,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for plan in plans:
             log.info("model %s: %s", plan.name, plan.folder or plan.handler)
         return 0
+    if layout_trial.applies(workers, plans, config.model):
+        try:  # at a first start: timed before any worker starts, and kept
+            model = worker_config(plans[0], config.model, workers)
+            workers = layout_trial.settle(workers, model, os.cpu_count() or 1)
+        except KeyboardInterrupt:
+            return 1
     try:
         argv = list(sys.argv[1:] if argv is None else argv)
         return loops.run(serve(config, plans, workers, argv), config.loop)

@@ -8,7 +8,10 @@ by what it depends on: the model's files (by content, so another revision is ano
 key), the task, the batch, the threads, the engines' versions and the CPU. A second
 start with the same key loads only the winner and says it used the cache.
 
-Worker process only; the trial's clock and candidates are injected (tests fake both).
+The timing, the cache folder and what identifies a machine are shared with the bfloat16
+trial (rawserve.worker.precision_trial) and the server's layout trial
+(rawserve.ops.layout_trial), which is why this module never imports torch. The trial's
+clock and candidates are injected (tests fake both).
 """
 
 from __future__ import annotations
@@ -126,6 +129,29 @@ def machine() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "machine": platform.machine(),
     }
+
+
+def default_cache_dir() -> Path:
+    configured = os.environ.get("RAWSERVE_CACHE_DIR")
+    if configured:
+        return Path(configured) / "onnx"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "rawserve" / "onnx"
+
+
+def fingerprint(path: Path, whole_below: int = 256 * 2**20, edge: int = 16 * 2**20) -> str:
+    """sha256 of a file; of its size, first and last `edge` bytes when it is large."""
+    digest = hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        if size <= whole_below:
+            digest.update(handle.read())
+        else:
+            digest.update(str(size).encode())
+            digest.update(handle.read(edge))
+            handle.seek(size - edge)
+            digest.update(handle.read(edge))
+    return digest.hexdigest()[:32]
 
 
 def _path(cache_dir: Path, prefix: str, key: Mapping[str, Any]) -> Path:

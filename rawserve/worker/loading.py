@@ -161,7 +161,7 @@ def measured_engine(config: WorkerConfig, task: str, device: str) -> tuple[Engin
     """--engine auto where both engines serve the task: the faster on this machine, by the
     trial's cached verdict or a trial now; torch alone where ONNX Runtime cannot load it."""
     size = config.warmup_batch or engine_trial.TRIAL_BATCH
-    cache_dir = onnx_engine.default_cache_dir()
+    cache_dir = engine_trial.default_cache_dir()
     key = trial_key(config, task, size)
     trial = engine_trial.cached(cache_dir, key)
     if trial is not None and trial.winner is Engine.TORCH:
@@ -211,7 +211,7 @@ def bfloat16_trial(config: WorkerConfig, task: str, device: str, runner: Runner)
     ):
         return ""
     size = config.warmup_batch or engine_trial.TRIAL_BATCH
-    cache_dir = onnx_engine.default_cache_dir()
+    cache_dir = engine_trial.default_cache_dir()
     key = {
         **trial_key(config, task, size),
         "serving": runner.engine.value,

@@ -47,6 +47,9 @@ import torch
 import transformers
 from transformers import modeling_outputs
 
+from rawserve.worker import engine_trial
+from rawserve.worker.engine_trial import fingerprint
+
 log = logging.getLogger("rawserve.onnx")
 
 RECIPE = 1  # bump when the export recipe changes: cached graphs are made again
@@ -180,7 +183,7 @@ def load_network(model: str, task: str, threads: int, cache_dir: Path | None = N
         log.info("ONNX engine: the model's own graph %s", SHIPPED_GRAPH)
         graph = shipped
     else:
-        graph = exported_graph(folder, head, cache_dir or default_cache_dir())
+        graph = exported_graph(folder, head, cache_dir or engine_trial.default_cache_dir())
     return OnnxNetwork(graph, config, head, threads, os.cpu_count() or 1)
 
 
@@ -193,19 +196,11 @@ def _shipped_fits(graph: Path, head: Head) -> bool:
     return set(head.outputs) <= outputs
 
 
-def default_cache_dir() -> Path:
-    configured = os.environ.get("RAWSERVE_CACHE_DIR")
-    if configured:
-        return Path(configured) / "onnx"
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "rawserve" / "onnx"
-
-
 def cache_key(folder: Path, head: Head) -> dict[str, Any]:
     """What an exported graph depends on: the model's files (by content, so a Hub
     revision or a re-saved folder is another graph), the head and the exporter."""
     files = {
-        path.name: _fingerprint(path)
+        path.name: fingerprint(path)
         for path in sorted(folder.iterdir())
         if path.is_file() and path.suffix in (".json", ".safetensors", ".bin")
     }
@@ -217,21 +212,6 @@ def cache_key(folder: Path, head: Head) -> dict[str, Any]:
         "transformers": _version("transformers"),
         "onnxscript": _version("onnxscript"),
     }
-
-
-def _fingerprint(path: Path, whole_below: int = 256 * 2**20, edge: int = 16 * 2**20) -> str:
-    """sha256 of a file; of its size, first and last `edge` bytes when it is large."""
-    digest = hashlib.sha256()
-    size = path.stat().st_size
-    with open(path, "rb") as handle:
-        if size <= whole_below:
-            digest.update(handle.read())
-        else:
-            digest.update(str(size).encode())
-            digest.update(handle.read(edge))
-            handle.seek(size - edge)
-            digest.update(handle.read(edge))
-    return digest.hexdigest()[:32]
 
 
 def exported_graph(folder: Path, head: Head, cache_dir: Path) -> Path:

@@ -1,0 +1,201 @@
+"""The CPU worker layout settled by measurement: one single-threaded worker a core (the
+rule of rawserve.ops.layout), or one worker with every core, whichever turns this
+machine's cores into more items a second for this model.
+
+The rule was measured on one machine (two AMD cores: about 10 % more items under load
+than one worker of two threads, bench/RESULTS.md), and a rule does not hold on every
+CPU: two hyperthreads of one core share its units, and some models' batches scale well
+across threads. So at a first start with no --device and no --threads, an encoder
+model's layout is timed before its workers start: the per-core candidate's workers, a
+process each with one thread, run the warm-up batch together for a second or two
+(rawserve.worker.layout_timer), then one process with every core runs it alone. More
+items a second wins; a tie goes to one a core, where a lone request still gets every
+core (the executor's core sharing). Each timer loads the model as a worker does, with
+the engine trial's verdict for its threads, which the workers that follow then find
+kept. The verdict is kept beside the engine trial's, keyed by the model's files, its
+settings, the versions and the CPU (rawserve.worker.engine_trial), so a later start
+only reads it; the log and /info's `layout` give the figures.
+
+Server process; starts the timers and reads their figures, never imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from rawserve.config import ModelConfig, WorkerPlan
+from rawserve.models.plan import ModelPlan
+from rawserve.shared.messages import WorkerConfig
+from rawserve.worker import engine_trial
+from rawserve.worker.layout_timer import START_TIMEOUT, timer_main
+
+log = logging.getLogger("rawserve")
+
+CACHE_PREFIX = "layout-trial-"
+TRIAL_BATCH = 8  # items of the timed batch when the server runs no warm-up
+# the encoder tasks (those ONNX Runtime serves too): a batch is one forward pass, so a
+# second or two times it; generation's batches last as long as their longest answer
+MEASURED_TASKS = frozenset(
+    {
+        "feature-extraction",
+        "text-classification",
+        "zero-shot-classification",
+        "token-classification",
+        "fill-mask",
+        "question-answering",
+    }
+)
+FIELDS = ("cores", "workers", "batch", "per_core", "one_worker")
+
+
+@dataclass(frozen=True)
+class LayoutTrial:
+    """Items a second of each candidate on `cores` cores."""
+
+    cores: int
+    workers: int  # of the per-core candidate (fewer than cores where memory holds fewer)
+    batch: int
+    per_core: float  # items/s: `workers` single-threaded workers together
+    one_worker: float  # items/s: one worker with every core
+    cached: bool = False
+
+    @property
+    def one_worker_wins(self) -> bool:
+        return self.one_worker > self.per_core
+
+    def describe(self) -> str:
+        """One line for the log and /info's layout."""
+        if self.one_worker_wins:
+            chosen = f"1 worker x {self.cores} threads"
+        else:
+            chosen = f"{self.workers} worker(s) x 1 thread"
+        source = "measured at an earlier start (cached)" if self.cached else "measured now"
+        return (
+            f"{chosen} on {self.cores} core(s), the faster here, {source}: batches of "
+            f"{self.batch}, {self.workers} worker(s) x 1 thread {self.per_core:.1f} items/s "
+            f"together, 1 worker x {self.cores} threads {self.one_worker:.1f} items/s"
+        )
+
+
+def applies(workers: WorkerPlan, plans: list[ModelPlan], model: ModelConfig) -> bool:
+    """Whether the layout is the trial's to settle: the per-core rule chose it (no
+    --device, no GPU), the cores are shared (no --threads), one encoder model is served,
+    and the rule gave it more than one worker."""
+    plan = plans[0] if len(plans) == 1 else None
+    task = plan.facts.task if plan is not None and plan.facts is not None else None
+    return (
+        workers.chosen
+        and model.threads is None
+        and plan is not None
+        and plan.folder is not None
+        and task in MEASURED_TASKS
+        and len(workers.devices) > 1
+    )
+
+
+def settle(workers: WorkerPlan, config: WorkerConfig, cores: int) -> WorkerPlan:
+    """The plan the trial (kept, or run now) finds faster; `workers` as it is when the
+    trial cannot tell."""
+    trial = measured(config, cores, len(workers.devices))
+    if trial is None:
+        return workers
+    if trial.one_worker_wins:
+        return replace(workers, devices=("cpu",), threads=cores, layout=trial.describe())
+    return replace(workers, layout=trial.describe())
+
+
+def measured(config: WorkerConfig, cores: int, workers: int) -> LayoutTrial | None:
+    """The verdict kept for this model and machine, or one measured now (None: the
+    trial could not time the model; the log says why)."""
+    size = config.warmup_batch or TRIAL_BATCH
+    cache_dir = engine_trial.default_cache_dir()
+    key = trial_key(config, cores, workers, size)
+    stored = engine_trial.recalled(cache_dir, CACHE_PREFIX, key)
+    try:
+        return LayoutTrial(**{name: stored[name] for name in FIELDS}, cached=True)
+    except (KeyError, TypeError):
+        pass
+    log.info(
+        "layout trial (first start only): %d worker(s) x 1 thread against 1 worker x %d "
+        "threads, batches of %d",
+        workers,
+        cores,
+        size,
+    )
+    started = time.monotonic()
+    per_core = items_per_second(replace(config, threads=1), workers, size)
+    one_worker = items_per_second(replace(config, threads=cores), 1, size) if per_core else None
+    if per_core is None or one_worker is None:
+        log.warning("the layout trial could not time the model: one worker a core")
+        return None
+    trial = LayoutTrial(cores, workers, size, per_core, one_worker)
+    found = {name: getattr(trial, name) for name in FIELDS}
+    engine_trial.remember(cache_dir, CACHE_PREFIX, key, found)
+    log.info("layout trial took %.1f s", time.monotonic() - started)
+    return trial
+
+
+def trial_key(config: WorkerConfig, cores: int, workers: int, size: int) -> dict[str, Any]:
+    """What the verdict depends on: the model's files, its task, engine and precision,
+    the batch, the candidates, the versions and the CPU."""
+    files = {
+        path.name: engine_trial.fingerprint(path)
+        for path in sorted(Path(config.model).iterdir())
+        if path.is_file() and path.suffix in (".json", ".safetensors", ".bin", ".onnx")
+    }
+    versions = {name: engine_trial.installed_version(name) for name in VERSIONED}
+    return {
+        "files": files,
+        "task": config.task,
+        "engine": config.engine.value,
+        "dtype": config.dtype,
+        "batch": size,
+        "cores": cores,
+        "workers": workers,
+        "versions": versions,
+        "machine": engine_trial.machine(),
+    }
+
+
+VERSIONED = ("torch", "transformers", "onnxruntime")
+
+
+def items_per_second(config: WorkerConfig, processes: int, size: int) -> float | None:
+    """`processes` timers of `config`, timed together once all are loaded: the items a
+    second of all of them (None: a timer had no batch to time, or failed)."""
+    context = multiprocessing.get_context("spawn")
+    start = context.Barrier(processes)
+    pipes = [context.Pipe(duplex=False) for _ in range(processes)]
+    timers = [
+        context.Process(
+            target=timer_main,
+            args=(config, size, start, sender),
+            name=f"rawserve-layout-{index}",
+            daemon=True,
+        )
+        for index, (_, sender) in enumerate(pipes)
+    ]
+    try:
+        for timer in timers:
+            timer.start()
+        for _, sender in pipes:
+            sender.close()  # a timer that dies is an EOF here
+        wait = START_TIMEOUT + 60  # its load, then its timed stretch
+        medians = [reader.recv() if reader.poll(wait) else None for reader, _ in pipes]
+    except EOFError:
+        return None
+    finally:
+        for timer in timers:
+            timer.join(timeout=5)
+            if timer.exitcode is None:
+                timer.kill()
+                timer.join()
+    seconds = [median for median in medians if isinstance(median, float) and median > 0]
+    if len(seconds) < processes:
+        return None
+    return sum(size / median for median in seconds)

@@ -1,0 +1,68 @@
+"""One timer of the CPU layout trial (rawserve.ops.layout_trial): a process that loads
+the model as a worker does, runs the warm-up batch once, waits until every timer of its
+candidate is ready, then runs the batch for a fixed stretch and reports its median time.
+
+Runs only in the timer's process (started with `spawn`): torch is imported inside
+`timer_main`, never at module level, because the server imports this module to name the
+target.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import statistics
+import threading
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Barrier
+
+from rawserve.shared.logs import setup_worker_logging
+from rawserve.shared.messages import WorkerConfig
+
+log = logging.getLogger("rawserve.worker")
+
+TIMED_SECONDS = 1.5  # the timed stretch, the same for every timer of a candidate
+MIN_ROUNDS = 2  # timed batches, however slow
+START_TIMEOUT = 600.0  # seconds for every timer of a candidate to load its model
+
+
+def timer_main(config: WorkerConfig, size: int, start: Barrier, out: Connection) -> None:
+    """The median seconds of a batch of `size` example inputs, on `out` (None: there is
+    no batch to time, or this timer failed: then the others stop waiting for it)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):  # the server stops its timers itself
+        signal.signal(signum, signal.SIG_IGN)
+    setup_worker_logging("layout")
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    try:
+        median = timed_batch(config, size, start)
+    except (Exception, threading.BrokenBarrierError):  # noqa: BLE001 - reported as None
+        log.warning("a layout timer failed", exc_info=True)
+        start.abort()  # the others stop waiting for this one
+        median = None
+    out.send(median)
+    out.close()
+
+
+def timed_batch(config: WorkerConfig, size: int, start: Barrier) -> float | None:
+    # torch and transformers load here, in the timer's process only
+    from rawserve.worker.loading import load_runner, tokenize_in_the_calling_thread
+    from rawserve.worker.warmup import example_batch
+
+    tokenize_in_the_calling_thread(os.environ)
+    runner = load_runner(config, "cpu")
+    batch = example_batch(runner, size)
+    if batch is None:
+        start.abort()
+        return None
+    inputs, params = batch
+    runner.run(inputs, params)  # first calls set things up
+    start.wait(timeout=START_TIMEOUT)
+    laps: list[float] = []
+    ends = time.perf_counter() + TIMED_SECONDS
+    while len(laps) < MIN_ROUNDS or time.perf_counter() < ends:
+        began = time.perf_counter()
+        runner.run(inputs, params)
+        laps.append(time.perf_counter() - began)
+    return statistics.median(laps)
