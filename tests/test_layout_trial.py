@@ -6,6 +6,7 @@ log and /info; the rule stands wherever the trial cannot tell."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 
@@ -147,3 +148,24 @@ def test_a_first_start_with_no_device_times_the_layout_then_keeps_it(tiny_model,
         log = "\n".join(server.read_log())
         assert "layout trial (first start only)" not in log
         assert re.search(r"layout: .*measured at an earlier start \(cached\)", log)
+
+
+def test_a_timer_that_dies_breaks_the_others_wait_at_once():
+    """A timer killed from outside (say, out of memory) is an EOF on its pipe: the ones
+    waiting for it at the start are released, and the trial cannot tell."""
+    context = multiprocessing.get_context("spawn")
+    start = context.Barrier(3)
+    timed, died = context.Pipe(duplex=False), context.Pipe(duplex=False)
+    timed[1].send(0.25)
+    died[1].close()
+    assert layout_trial.gathered([timed[0], died[0]], start) == [0.25, None]
+    assert start.broken
+
+
+def test_timers_that_never_answer_are_given_up(monkeypatch):
+    monkeypatch.setattr(layout_trial, "START_TIMEOUT", -60.0)  # the deadline is now
+    context = multiprocessing.get_context("spawn")
+    start = context.Barrier(2)
+    silent = context.Pipe(duplex=False)
+    assert layout_trial.gathered([silent[0]], start) == [None]
+    assert start.broken

@@ -25,6 +25,8 @@ import logging
 import multiprocessing
 import time
 from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection, wait
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
 
@@ -185,10 +187,7 @@ def items_per_second(config: WorkerConfig, processes: int, size: int) -> float |
             timer.start()
         for _, sender in pipes:
             sender.close()  # a timer that dies is an EOF here
-        wait = START_TIMEOUT + 60  # its load, then its timed stretch
-        medians = [reader.recv() if reader.poll(wait) else None for reader, _ in pipes]
-    except EOFError:
-        return None
+        medians = gathered([reader for reader, _ in pipes], start)
     finally:
         for timer in timers:
             timer.join(timeout=5)
@@ -199,3 +198,24 @@ def items_per_second(config: WorkerConfig, processes: int, size: int) -> float |
     if len(seconds) < processes:
         return None
     return sum(size / median for median in seconds)
+
+
+def gathered(readers: list[Connection], start: Barrier) -> list[Any]:
+    """Each timer's figure as it comes; a timer that fails or dies (EOF: killed, out of
+    memory) breaks the others' wait at once, and so does a stretch past START_TIMEOUT."""
+    figures: dict[Connection, Any] = {}
+    deadline = time.monotonic() + START_TIMEOUT + 60  # the loads, then the timed stretch
+    while len(figures) < len(readers):
+        left = [reader for reader in readers if reader not in figures]
+        ready = wait(left, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            start.abort()
+            return [None] * len(readers)
+        for reader in (reader for reader in left if reader in ready):
+            try:
+                figures[reader] = reader.recv()
+            except EOFError:
+                figures[reader] = None
+            if figures[reader] is None:
+                start.abort()
+    return [figures[reader] for reader in readers]
