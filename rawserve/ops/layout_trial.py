@@ -145,11 +145,9 @@ def measured(config: WorkerConfig, cores: int, workers: int) -> LayoutTrial | No
 def trial_key(config: WorkerConfig, cores: int, workers: int, size: int) -> dict[str, Any]:
     """What the verdict depends on: the model's files, its task, engine and precision,
     the batch, the candidates, the versions and the CPU."""
-    files = {
-        path.name: engine_trial.fingerprint(path)
-        for path in sorted(Path(config.model).iterdir())
-        if path.is_file() and path.suffix in (".json", ".safetensors", ".bin", ".onnx")
-    }
+    files = engine_trial.fingerprints(
+        Path(config.model), (".json", ".safetensors", ".bin", ".onnx")
+    )
     versions = {name: engine_trial.installed_version(name) for name in VERSIONED}
     return {
         "files": files,

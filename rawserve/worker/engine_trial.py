@@ -154,6 +154,15 @@ def fingerprint(path: Path, whole_below: int = 256 * 2**20, edge: int = 16 * 2**
     return digest.hexdigest()[:32]
 
 
+def fingerprints(folder: Path, suffixes: tuple[str, ...]) -> dict[str, str]:
+    """A model folder's files with these suffixes, each by its content (`fingerprint`)."""
+    return {
+        path.name: fingerprint(path)
+        for path in sorted(folder.iterdir())
+        if path.is_file() and path.suffix in suffixes
+    }
+
+
 def _path(cache_dir: Path, prefix: str, key: Mapping[str, Any]) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_dir / f"{prefix}{digest}.json"

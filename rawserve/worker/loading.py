@@ -212,11 +212,7 @@ def bfloat16_trial(config: WorkerConfig, task: str, device: str, runner: Runner)
         return ""
     size = config.warmup_batch or engine_trial.TRIAL_BATCH
     cache_dir = engine_trial.default_cache_dir()
-    key = {
-        **trial_key(config, task, size),
-        "serving": runner.engine.value,
-        "torch": torch.__version__,
-    }
+    key = {**trial_key(config, task, size), "serving": runner.engine.value}  # torch's version in it
     offer = precision_trial.recalled(cache_dir, key)
     if offer is None:
         offer = measured_bfloat16(config, task, device, runner, size, units)

@@ -48,7 +48,6 @@ import transformers
 from transformers import modeling_outputs
 
 from rawserve.worker import engine_trial
-from rawserve.worker.engine_trial import fingerprint
 
 log = logging.getLogger("rawserve.onnx")
 
@@ -199,13 +198,8 @@ def _shipped_fits(graph: Path, head: Head) -> bool:
 def cache_key(folder: Path, head: Head) -> dict[str, Any]:
     """What an exported graph depends on: the model's files (by content, so a Hub
     revision or a re-saved folder is another graph), the head and the exporter."""
-    files = {
-        path.name: fingerprint(path)
-        for path in sorted(folder.iterdir())
-        if path.is_file() and path.suffix in (".json", ".safetensors", ".bin")
-    }
     return {
-        "files": files,
+        "files": engine_trial.fingerprints(folder, (".json", ".safetensors", ".bin")),
         "head": head.auto_class,
         "recipe": RECIPE,
         "torch": _version("torch"),
