@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -120,6 +121,7 @@ class ModelParts:
     scheduler: Scheduler
     service: ModelService  # the scheduler and workers together (`served` answers with it)
     served: ServedModel
+    facts: dict[str, object]  # what /info says of it (`served.facts`: the same dict)
 
 
 def build_model(
@@ -158,10 +160,16 @@ def build_model(
     executor.on_idle = scheduler.wake  # a worker may be free: the scheduler looks again
     metrics.watch(plan.name, scheduler, executor)
     service = ModelService(scheduler, executor)
-    served = ServedModel(
-        plan.name, service, model_facts(plan, config, workers), aliases=plan.names[1:]
-    )
-    return ModelParts(plan, executor, scheduler, service, served)
+    facts = model_facts(plan, config, workers)
+    served = ServedModel(plan.name, service, facts, aliases=plan.names[1:])
+    return ModelParts(plan, executor, scheduler, service, served, facts)
+
+
+def relayout(model: ModelParts, config: ServerConfig, workers: WorkerPlan) -> None:
+    """The model's workers on the layout its trial settled (before they start), and
+    /info saying so."""
+    model.executor.relayout(worker_config(model.plan, config.model, workers), workers.devices)
+    model.facts.update(model_facts(model.plan, config, workers))
 
 
 async def serve(
@@ -169,9 +177,11 @@ async def serve(
     plans: Sequence[ModelPlan],
     workers: WorkerPlan,
     argv: Sequence[str] = (),
+    settle_layout: bool = False,
 ) -> int:
     """Serve until a signal stops the server (`argv`: the command line, which the HTTP
-    processes of --http-processes N > 1 read again)."""
+    processes of --http-processes N > 1 read again; `settle_layout`: the one model's
+    CPU layout is timed once the server listens, its workers started after)."""
     loop = asyncio.get_running_loop()
     started = time.monotonic()
     metrics = Metrics()
@@ -182,8 +192,9 @@ async def serve(
     ]
     executors = [model.executor for model in models]
     schedulers = [model.scheduler for model in models]
-    for executor in executors:
-        executor.start()
+    if not settle_layout:
+        for executor in executors:
+            executor.start()
     for scheduler in schedulers:
         scheduler.start()
     metrics.start(loop)
@@ -212,7 +223,7 @@ async def serve(
         front.port,
         front.describe(config),
     )
-    if workers.chosen:
+    if workers.chosen and not settle_layout:
         log.info("layout: %s", workers.layout)
     log.info("batch limits: %s", config.model.batch_limits)
 
@@ -239,7 +250,21 @@ async def serve(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
 
-    loaded = loop.create_task(wait_all_ready(models))
+    stop_trial = threading.Event()
+    trial = (
+        loop.create_task(
+            asyncio.to_thread(
+                layout_trial.settle,
+                workers,
+                worker_config(plans[0], config.model, workers),
+                os.cpu_count() or 1,
+                stop_trial,
+            )
+        )
+        if settle_layout
+        else None
+    )
+    loaded = loop.create_task(loaded_after(trial, models, config, front, stop_trial))
     progress = loop.create_task(log_loading_progress(loaded, log))
     stopping = loop.create_task(stop.wait())
     await asyncio.wait([loaded, stopping], return_when=asyncio.FIRST_COMPLETED)
@@ -265,6 +290,9 @@ async def serve(
 
     # Drain: no new connections, /ready and new requests 503, admitted work finishes.
     front.start_draining(config.grace)
+    if trial is not None:  # a layout trial still timing stops, its timers with it
+        stop_trial.set()
+        await asyncio.wait([trial])
     pending = sum(scheduler.pending for scheduler in schedulers)
     log.info("stopped accepting connections; %d item(s) queued or running", pending)
     if not await front.requests_answered(config.grace):
@@ -305,6 +333,9 @@ class OneProcess:
 
     def describe(self, config: ServerConfig) -> str:
         return f"one process, event loop {config.loop}"
+
+    def facts_changed(self) -> None:
+        """Nothing to send: /info reads the models' facts where they are kept."""
 
     def start_draining(self, grace: float) -> None:
         self.app.start_draining()
@@ -350,7 +381,11 @@ class HttpProcesses:
         board = Board.create(len(models))
         bridge = Bridge(
             [
-                BridgedModel(model.service, retry_after=queue_retry_after(model.scheduler))
+                BridgedModel(
+                    model.service,
+                    retry_after=queue_retry_after(model.scheduler),
+                    facts=model.facts,
+                )
                 for model in models
             ],
             board,
@@ -362,12 +397,12 @@ class HttpProcesses:
             model.scheduler.backend = PublishingBackend(model.executor, bridge.publish_soon)
         reserved = reserve_port(config.host, config.port)
         port = reserved.getsockname()[1]
-        described = tuple(
-            ModelSpec(model.served.name, model.served.aliases, model.served.facts)
-            for model in models
-        )
 
         def spec(index: int) -> HttpProcessSpec:
+            described = tuple(  # as /info would say it now (a layout trial may change it)
+                ModelSpec(model.served.name, model.served.aliases, dict(model.facts))
+                for model in models
+            )
             return HttpProcessSpec(tuple(argv), index, port, board.path, described, config.loop)
 
         fleet = Fleet(config.http_processes, run_http_process, spec, bridge)
@@ -392,6 +427,10 @@ class HttpProcesses:
     async def announce(self) -> None:
         await self.bridge.announce()
 
+    def facts_changed(self) -> None:
+        """The HTTP processes' /info says the models' facts as they are now."""
+        self.bridge.send_facts()
+
     def start_draining(self, grace: float) -> None:
         self.fleet.stopping = True
         self.bridge.drain(grace)
@@ -411,6 +450,9 @@ class HttpProcesses:
 
     def kill(self) -> None:
         self.fleet.kill()
+
+
+Front = OneProcess | HttpProcesses  # who speaks HTTP: the serving process, or its fleet
 
 
 def queue_retry_after(scheduler: Scheduler) -> Callable[[], float]:
@@ -436,6 +478,26 @@ def describe(executor: Executor) -> str:
     if engine is None:
         return str(executor.task)
     return f"{executor.task}, engine {engine[0].value} ({engine[1]})"
+
+
+async def loaded_after(
+    trial: asyncio.Task[WorkerPlan] | None,
+    models: Sequence[ModelParts],
+    config: ServerConfig,
+    front: Front,
+    stopped: threading.Event,
+) -> None:
+    """Every model's first worker ready; with a layout `trial`, its workers started on the
+    layout it settles (none once the server is stopping: `stopped`)."""
+    if trial is not None:
+        workers = await trial
+        if stopped.is_set():
+            return
+        relayout(models[0], config, workers)
+        front.facts_changed()
+        log.info("layout: %s", workers.layout)
+        models[0].executor.start()
+    await wait_all_ready(models)
 
 
 async def wait_all_ready(models: Sequence[ModelParts]) -> None:
@@ -476,15 +538,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         for plan in plans:
             log.info("model %s: %s", plan.name, plan.folder or plan.handler)
         return 0
+    settle_layout = False
     if layout_trial.applies(workers, plans, config.model):
-        try:  # at a first start: timed before any worker starts, and kept
-            model = worker_config(plans[0], config.model, workers)
-            workers = layout_trial.settle(workers, model, os.cpu_count() or 1)
-        except KeyboardInterrupt:
-            return 1
+        # a verdict kept from an earlier start, or the trial once the server listens
+        model = worker_config(plans[0], config.model, workers)
+        kept = layout_trial.kept(workers, model, os.cpu_count() or 1)
+        workers = kept or workers
+        settle_layout = kept is None
     try:
         argv = list(sys.argv[1:] if argv is None else argv)
-        return loops.run(serve(config, plans, workers, argv), config.loop)
+        return loops.run(serve(config, plans, workers, argv, settle_layout), config.loop)
     except KeyboardInterrupt:
         return 1
     finally:

@@ -317,6 +317,39 @@ def test_a_worker_turning_busy_or_idle_sends_the_http_processes_no_status():
     assert asyncio.run(scenario()) == [WorkerState.IDLE, WorkerState.DEAD]
 
 
+def test_a_models_facts_reach_every_http_process_when_they_change():
+    """What /info says of a model (its layout, once the layout trial settles it while the
+    server listens) is sent to each HTTP process as it joins and again when it changes;
+    the HTTP process's served model reads it in place."""
+
+    async def scenario() -> tuple[dict, dict]:
+        board = Board.create(1)
+        facts = {"layout": "2 worker(s) x 1 thread by rule", "devices": ["cpu", "cpu"]}
+        model = BridgedModel(StatusOnly(), lambda: 1.0, facts=facts)  # type: ignore[arg-type]
+        bridge = Bridge([model], board, lambda: [], lambda families: [], serving_pid=1)
+        link = Link(board, lambda: [], lambda grace: None, lambda: None)
+        link.facts = [{"layout": "as spawned"}]
+        served = link.facts[0]  # what the HTTP process's ServedModel holds
+        ours, theirs = socket.socketpair()
+        await link.connect(theirs)
+        await bridge.attach(0, 2, ours)
+        while served.get("layout") == "as spawned":
+            await asyncio.sleep(0.001)
+        joined = dict(served)
+        facts.update(layout="1 worker x 2 threads, measured now", devices=["cpu"])
+        bridge.send_facts()
+        while served["devices"] != ["cpu"]:
+            await asyncio.sleep(0.001)
+        assert link.facts[0] is served
+        link.channel.close()  # type: ignore[union-attr]
+        board.remove()
+        return joined, dict(served)
+
+    joined, changed = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert joined == {"layout": "2 worker(s) x 1 thread by rule", "devices": ["cpu", "cpu"]}
+    assert changed == {"layout": "1 worker x 2 threads, measured now", "devices": ["cpu"]}
+
+
 def test_metrics_of_several_processes_are_one_scrape():
     http_one, http_two, serving = Metrics(), Metrics(), Metrics()
     http_one.observe_request("/", "POST", 200, 0.001)

@@ -5,20 +5,25 @@ log and /info; the rule stands wherever the trial cannot tell."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import multiprocessing
 import os
 import re
+import signal
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
 from rawserve.config import WorkerPlan, plan_workers
 from rawserve.models.plan import plan_models
 from rawserve.ops import layout_trial
-from rawserve.ops.layout_trial import LayoutTrial, applies, measured, settle
+from rawserve.ops.layout_trial import LayoutTrial, applies, kept, measured, settle
 from rawserve.options import parse_config
 from rawserve.shared.messages import Engine
-from tests.server import RunningServer
+from tests.server import READY, RunningServer
 from tests.tiny_models import worker_config
 
 
@@ -82,15 +87,46 @@ PER_CORE = WorkerPlan(("cpu",) * 4, 1, True, "4 worker(s) x 1 thread ... one per
 @pytest.mark.parametrize(("one_worker", "devices", "threads"), [(90.0, 4, 1), (110.0, 1, 4)])
 def test_the_verdict_becomes_the_plan(monkeypatch, one_worker, devices, threads):
     trial = LayoutTrial(cores=4, workers=4, batch=8, per_core=100.0, one_worker=one_worker)
-    monkeypatch.setattr(layout_trial, "measured", lambda config, cores, workers: trial)
+    monkeypatch.setattr(layout_trial, "recalled", lambda config, cores, workers: None)
+    monkeypatch.setattr(layout_trial, "measured", lambda config, cores, workers, stop: trial)
     plan = settle(PER_CORE, worker_config_stub(), cores=4)
     assert (plan.devices, plan.threads) == (("cpu",) * devices, threads)
     assert plan.layout == trial.describe() and plan.chosen and plan.share_cores
 
 
 def test_a_trial_that_cannot_tell_keeps_the_rule(monkeypatch):
-    monkeypatch.setattr(layout_trial, "measured", lambda config, cores, workers: None)
+    monkeypatch.setattr(layout_trial, "recalled", lambda config, cores, workers: None)
+    monkeypatch.setattr(layout_trial, "measured", lambda config, cores, workers, stop: None)
     assert settle(PER_CORE, worker_config_stub(), cores=4) == PER_CORE
+
+
+def test_a_model_built_on_the_rule_takes_the_settled_layout_before_its_workers_start(
+    four_cores, tiny_model
+):
+    """The server listens with the rule's plan while the trial runs; the verdict then
+    becomes the model's workers and what /info says, before any worker starts."""
+    from rawserve.main import build_model, relayout
+    from rawserve.ops.metrics import Metrics
+    from rawserve.serving import CoreShare
+
+    config = parse_config(["--model", tiny_model("text-classification")])
+    plans = plan_models(config.models, task=config.task, handler=config.handler)
+    rule = plan_workers(config.model, plans)
+    assert len(rule.devices) == 4 and rule.threads == 1
+    share = CoreShare(cores=4)
+    loop = asyncio.new_event_loop()
+    try:
+        model = build_model(plans[0], config, rule, Metrics(), share, loop)
+        trial = LayoutTrial(cores=4, workers=4, batch=8, per_core=100.0, one_worker=150.0)
+        relayout(model, config, layout_trial.planned(rule, trial))
+    finally:
+        loop.close()
+    workers = model.executor.workers
+    assert [(w.config.device, w.config.threads) for w in workers] == [("cpu", 4)]
+    assert share.workers == workers and len(model.executor.supervisor.records) == 1
+    assert model.served.facts is model.facts
+    assert (model.facts["devices"], model.facts["threads_per_worker"]) == (["cpu"], 4)
+    assert model.facts["layout"] == trial.describe()
 
 
 def worker_config_stub():
@@ -104,7 +140,8 @@ def test_real_timers_measure_both_candidates_once(tiny_model, tmp_path, monkeypa
     loads the model as a worker does; the second start reads the kept verdict."""
     monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path))
     config = worker_config(tiny_model("text-classification"), engine=Engine.TORCH, warmup_batch=4)
-    trial = measured(config, cores=2, workers=2)
+    assert kept(PER_CORE_2, config, cores=2) is None  # nothing kept yet: the trial runs
+    trial = measured(config, cores=2, workers=2, stop=threading.Event())
     assert trial is not None and not trial.cached
     assert (trial.cores, trial.workers, trial.batch) == (2, 2, 4)
     assert trial.per_core > 0 and trial.one_worker > 0
@@ -113,9 +150,27 @@ def test_real_timers_measure_both_candidates_once(tiny_model, tmp_path, monkeypa
         raise AssertionError("timed again")
 
     monkeypatch.setattr(layout_trial, "items_per_second", no_more_timing)
-    again = measured(config, cores=2, workers=2)
-    assert again == LayoutTrial(**{**trial.__dict__, "cached": True})
+    again = LayoutTrial(**{**trial.__dict__, "cached": True})
+    assert kept(PER_CORE_2, config, cores=2) == layout_trial.planned(PER_CORE_2, again)
+    assert settle(PER_CORE_2, config, cores=2).layout == again.describe()
     assert list(tmp_path.rglob("layout-trial-*.json"))
+
+
+PER_CORE_2 = WorkerPlan(("cpu",) * 2, 1, True, "2 worker(s) x 1 thread ... one per core", True)
+
+
+def test_a_stop_ends_a_trial_at_once_and_keeps_nothing(tiny_model, tmp_path, monkeypatch):
+    """The server is stopped while its timers load: they are stopped within a moment,
+    and no verdict is kept (the next start times again)."""
+    monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path))
+    config = worker_config(tiny_model("text-classification"), engine=Engine.TORCH, warmup_batch=4)
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()  # the timers are still importing torch then
+    began = time.monotonic()
+    assert settle(PER_CORE_2, config, cores=2, stop=stop) == PER_CORE_2
+    assert time.monotonic() - began < 30  # the loads cut short, not waited for
+    assert not multiprocessing.active_children()  # no timer left behind
+    assert not list(tmp_path.rglob("layout-trial-*.json"))
 
 
 def test_timers_that_cannot_load_the_model_end_the_trial_at_once(tmp_path, monkeypatch):
@@ -124,7 +179,7 @@ def test_timers_that_cannot_load_the_model_end_the_trial_at_once(tmp_path, monke
     monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "empty").mkdir()
     config = worker_config_stub().__class__(model=str(tmp_path / "empty"), task="fill-mask")
-    assert measured(config, cores=2, workers=2) is None
+    assert measured(config, cores=2, workers=2, stop=threading.Event()) is None
     assert not list(tmp_path.rglob("layout-trial-*.json"))  # nothing kept
 
 
@@ -133,9 +188,15 @@ def test_timers_that_cannot_load_the_model_end_the_trial_at_once(tmp_path, monke
 def test_a_first_start_with_no_device_times_the_layout_then_keeps_it(tiny_model, tmp_path):
     env = {"RAWSERVE_DEVICE": "", "RAWSERVE_CACHE_DIR": str(tmp_path)}  # no --device
     args = ["--model", tiny_model("text-classification"), "--max-batch-size", "4"]
-    with RunningServer(args, env=env).start(timeout=300) as server:
+    with RunningServer(args, env=env).start(wait_ready=False) as server:
+        # the trial runs while the server listens: /health answers, /ready says loading
+        server.wait_for_log(re.compile(r"layout trial \(first start only\)"))
+        assert server.request("GET", "/health")[0] == 200
+        status, _, body = server.request("GET", "/ready")
+        assert status == 503 and json.loads(body)["status"] == "loading", body
+        server.wait_for_log(READY, timeout=300)
         log = "\n".join(server.read_log())
-        assert "layout trial (first start only)" in log
+        assert log.index("layout trial took") < log.index("rawserve INFO layout: ")
         info = json.loads(server.request("GET", "/info")[2])
         assert "the faster here, measured now" in info["layout"]
         cores = os.cpu_count() or 1
@@ -150,6 +211,42 @@ def test_a_first_start_with_no_device_times_the_layout_then_keeps_it(tiny_model,
         assert re.search(r"layout: .*measured at an earlier start \(cached\)", log)
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: no layout to choose")
+def test_a_stop_during_the_first_starts_trial_ends_it_and_the_server_at_once(tiny_model, tmp_path):
+    """SIGTERM while the timers load: the trial stops (nothing kept), no worker starts,
+    and the server exits 0 with none of its processes left running."""
+    env = {"RAWSERVE_DEVICE": "", "RAWSERVE_CACHE_DIR": str(tmp_path)}
+    server = RunningServer(["--model", tiny_model("text-classification")], env=env)
+    server.start(wait_ready=False)
+    try:
+        server.wait_for_log(re.compile(r"layout trial \(first start only\)"))
+        assert server.process is not None
+        children: list[int] = []
+        deadline = time.monotonic() + 30
+        while not children:  # the timers (and the resource tracker), once started
+            assert time.monotonic() < deadline, "no timer started"
+            time.sleep(0.05)
+            children = child_pids(server.process.pid)
+        server.signal(signal.SIGTERM)
+        assert server.process.wait(timeout=30) == 0
+    finally:
+        server.stop()
+    log = "\n".join(server.read_log())
+    assert "layout trial stopped" in log and "worker 0: started" not in log, log
+    assert log.rstrip().endswith("rawserve INFO stopped")
+    assert not list(tmp_path.rglob("layout-trial-*.json"))
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in children):
+        assert time.monotonic() < deadline, [p for p in children if os.path.exists(f"/proc/{p}")]
+        time.sleep(0.1)
+
+
+def child_pids(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task")
+    listed = (task / "children" for task in tasks.iterdir())
+    return [int(child) for children in listed for child in children.read_text().split()]
+
+
 def test_a_timer_that_dies_breaks_the_others_wait_at_once():
     """A timer killed from outside (say, out of memory) is an EOF on its pipe: the ones
     waiting for it at the start are released, and the trial cannot tell."""
@@ -158,7 +255,7 @@ def test_a_timer_that_dies_breaks_the_others_wait_at_once():
     timed, died = context.Pipe(duplex=False), context.Pipe(duplex=False)
     timed[1].send(0.25)
     died[1].close()
-    assert layout_trial.gathered([timed[0], died[0]], start) == [0.25, None]
+    assert layout_trial.gathered([timed[0], died[0]], start, threading.Event()) == [0.25, None]
     assert start.broken
 
 
@@ -167,5 +264,15 @@ def test_timers_that_never_answer_are_given_up(monkeypatch):
     context = multiprocessing.get_context("spawn")
     start = context.Barrier(2)
     silent = context.Pipe(duplex=False)
-    assert layout_trial.gathered([silent[0]], start) == [None]
+    assert layout_trial.gathered([silent[0]], start, threading.Event()) == [None]
+    assert start.broken
+
+
+def test_a_stop_breaks_the_wait_for_timers():
+    context = multiprocessing.get_context("spawn")
+    start = context.Barrier(2)
+    silent = context.Pipe(duplex=False)
+    stop = threading.Event()
+    stop.set()
+    assert layout_trial.gathered([silent[0]], start, stop) == [None]
     assert start.broken

@@ -93,11 +93,12 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
     metrics = ProcessMetrics()
     link = Link(Board(spec.board, len(spec.models)), metrics.families, on_drain, lost.set)
     metrics.link = link
+    link.facts = [dict(model.facts) for model in spec.models]  # the serving process updates them
     served = [
         ServedModel(
             model.name,
             RemoteServing(link, index, metrics.for_model(model.name)),
-            model.facts,
+            link.facts[index],
             aliases=model.aliases,
         )
         for index, model in enumerate(spec.models)

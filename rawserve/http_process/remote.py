@@ -85,6 +85,7 @@ class Link:
         self.streams: dict[int, Callable[[TokenChunk], None]] = {}
         self.statuses: dict[int, tuple[ServingStatus, WorkerReady | None]] = {}
         self.processes: list[dict[str, Any]] = []
+        self.facts: list[dict[str, Any]] = []  # each model's for /info, as last sent
         self.late = LateWatch(self.on_late)
         self._ids = itertools.count(1)
 
@@ -154,6 +155,10 @@ class Link:
                 self.statuses[message[1]] = (message[2], message[3])
             elif kind == "processes":
                 self.processes = message[1]
+            elif kind == "facts" and message[1] < len(self.facts):
+                facts = self.facts[message[1]]  # the served model's own: /info reads it
+                facts.clear()
+                facts.update(message[2])
             elif kind == "ping":  # read up to here: what was sent before is known
                 self.send(("pong", message[1]))
             elif kind == "collect":

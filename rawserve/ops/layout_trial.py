@@ -10,19 +10,22 @@ model's layout is timed before its workers start: the per-core candidate's worke
 process each with one thread, run the warm-up batch together for a second or two
 (rawserve.worker.layout_timer), then one process with every core runs it alone. More
 items a second wins; a tie goes to one a core, where a lone request still gets every
-core (the executor's core sharing). Each timer loads the model as a worker does, with
-the engine trial's verdict for its threads, which the workers that follow then find
-kept. The verdict is kept beside the engine trial's, keyed by the model's files, its
-settings, the versions and the CPU (rawserve.worker.engine_trial), so a later start
-only reads it; the log and /info's `layout` give the figures.
+core (the executor's core sharing). The server already listens meanwhile (`/health`
+answers, `/ready` says loading): the trial runs in a thread of the serving process, and
+a stop ends it. Each timer loads the model as a worker does, with the engine trial's
+verdict for its threads, which the workers that follow then find kept. The verdict is
+kept beside the engine trial's, keyed by the model's files, its settings, the versions
+and the CPU (rawserve.worker.engine_trial), so a later start only reads it, before the
+server listens; the log and /info's `layout` give the figures.
 
-Server process; starts the timers and reads their figures, never imports torch.
+Serving process; starts the timers and reads their figures, never imports torch.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import threading
 import time
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
@@ -52,6 +55,7 @@ MEASURED_TASKS = frozenset(
         "question-answering",
     }
 )
+STOP_POLL = 0.25  # seconds between looks at the stop while timers run
 FIELDS = ("cores", "workers", "batch", "per_core", "one_worker")
 
 
@@ -100,28 +104,51 @@ def applies(workers: WorkerPlan, plans: list[ModelPlan], model: ModelConfig) -> 
     )
 
 
-def settle(workers: WorkerPlan, config: WorkerConfig, cores: int) -> WorkerPlan:
+def kept(workers: WorkerPlan, config: WorkerConfig, cores: int) -> WorkerPlan | None:
+    """The plan of the verdict an earlier start kept for this model and machine; None
+    when there is none (the trial is still to run)."""
+    trial = recalled(config, cores, len(workers.devices))
+    return None if trial is None else planned(workers, trial)
+
+
+def settle(
+    workers: WorkerPlan,
+    config: WorkerConfig,
+    cores: int,
+    stop: threading.Event | None = None,
+) -> WorkerPlan:
     """The plan the trial (kept, or run now) finds faster; `workers` as it is when the
-    trial cannot tell."""
-    trial = measured(config, cores, len(workers.devices))
+    trial cannot tell, or is stopped (`stop` set: the server is stopping)."""
+    trial = recalled(config, cores, len(workers.devices)) or measured(
+        config, cores, len(workers.devices), stop or threading.Event()
+    )
     if trial is None:
         return workers
+    return planned(workers, trial)
+
+
+def planned(workers: WorkerPlan, trial: LayoutTrial) -> WorkerPlan:
     if trial.one_worker_wins:
-        return replace(workers, devices=("cpu",), threads=cores, layout=trial.describe())
+        return replace(workers, devices=("cpu",), threads=trial.cores, layout=trial.describe())
     return replace(workers, layout=trial.describe())
 
 
-def measured(config: WorkerConfig, cores: int, workers: int) -> LayoutTrial | None:
-    """The verdict kept for this model and machine, or one measured now (None: the
-    trial could not time the model; the log says why)."""
+def recalled(config: WorkerConfig, cores: int, workers: int) -> LayoutTrial | None:
     size = config.warmup_batch or TRIAL_BATCH
-    cache_dir = engine_trial.default_cache_dir()
     key = trial_key(config, cores, workers, size)
-    stored = engine_trial.recalled(cache_dir, CACHE_PREFIX, key)
+    stored = engine_trial.recalled(engine_trial.default_cache_dir(), CACHE_PREFIX, key)
     try:
         return LayoutTrial(**{name: stored[name] for name in FIELDS}, cached=True)
     except (KeyError, TypeError):
-        pass
+        return None
+
+
+def measured(
+    config: WorkerConfig, cores: int, workers: int, stop: threading.Event
+) -> LayoutTrial | None:
+    """The two candidates timed now, and the verdict kept (None: the trial could not
+    time the model, or was stopped; the log says which)."""
+    size = config.warmup_batch or TRIAL_BATCH
     log.info(
         "layout trial (first start only): %d worker(s) x 1 thread against 1 worker x %d "
         "threads, batches of %d",
@@ -130,14 +157,20 @@ def measured(config: WorkerConfig, cores: int, workers: int) -> LayoutTrial | No
         size,
     )
     started = time.monotonic()
-    per_core = items_per_second(replace(config, threads=1), workers, size)
-    one_worker = items_per_second(replace(config, threads=cores), 1, size) if per_core else None
+    per_core = items_per_second(replace(config, threads=1), workers, size, stop)
+    one_worker = (
+        items_per_second(replace(config, threads=cores), 1, size, stop) if per_core else None
+    )
+    if stop.is_set():
+        log.info("layout trial stopped: the server is stopping")
+        return None
     if per_core is None or one_worker is None:
         log.warning("the layout trial could not time the model: one worker a core")
         return None
     trial = LayoutTrial(cores, workers, size, per_core, one_worker)
     found = {name: getattr(trial, name) for name in FIELDS}
-    engine_trial.remember(cache_dir, CACHE_PREFIX, key, found)
+    key = trial_key(config, cores, workers, size)
+    engine_trial.remember(engine_trial.default_cache_dir(), CACHE_PREFIX, key, found)
     log.info("layout trial took %.1f s", time.monotonic() - started)
     return trial
 
@@ -165,9 +198,12 @@ def trial_key(config: WorkerConfig, cores: int, workers: int, size: int) -> dict
 VERSIONED = ("torch", "transformers", "onnxruntime")
 
 
-def items_per_second(config: WorkerConfig, processes: int, size: int) -> float | None:
+def items_per_second(
+    config: WorkerConfig, processes: int, size: int, stop: threading.Event
+) -> float | None:
     """`processes` timers of `config`, timed together once all are loaded: the items a
-    second of all of them (None: a timer had no batch to time, or failed)."""
+    second of all of them (None: a timer had no batch to time, or failed, or `stop` was
+    set)."""
     context = multiprocessing.get_context("spawn")
     start = context.Barrier(processes)
     pipes = [context.Pipe(duplex=False) for _ in range(processes)]
@@ -185,10 +221,10 @@ def items_per_second(config: WorkerConfig, processes: int, size: int) -> float |
             timer.start()
         for _, sender in pipes:
             sender.close()  # a timer that dies is an EOF here
-        medians = gathered([reader for reader, _ in pipes], start)
+        medians = gathered([reader for reader, _ in pipes], start, stop)
     finally:
         for timer in timers:
-            timer.join(timeout=5)
+            timer.join(timeout=0 if stop.is_set() else 5)  # stopping: no wait for loads
             if timer.exitcode is None:
                 timer.kill()
                 timer.join()
@@ -198,15 +234,16 @@ def items_per_second(config: WorkerConfig, processes: int, size: int) -> float |
     return sum(size / median for median in seconds)
 
 
-def gathered(readers: list[Connection], start: Barrier) -> list[Any]:
+def gathered(readers: list[Connection], start: Barrier, stop: threading.Event) -> list[Any]:
     """Each timer's figure as it comes; a timer that fails or dies (EOF: killed, out of
-    memory) breaks the others' wait at once, and so does a stretch past START_TIMEOUT."""
+    memory) breaks the others' wait at once, and so do `stop` and a stretch past
+    START_TIMEOUT."""
     figures: dict[Connection, Any] = {}
     deadline = time.monotonic() + START_TIMEOUT + 60  # the loads, then the timed stretch
     while len(figures) < len(readers):
         left = [reader for reader in readers if reader not in figures]
-        ready = wait(left, timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
+        ready = wait(left, timeout=min(STOP_POLL, max(0.0, deadline - time.monotonic())))
+        if stop.is_set() or (not ready and time.monotonic() >= deadline):
             start.abort()
             return [None] * len(readers)
         for reader in (reader for reader in left if reader in ready):

@@ -14,9 +14,10 @@ sends back the answer:
     ("samples", token, families)  an HTTP process's own metrics, asked for by ("collect", token)
 
 It publishes each model's queue state on the `Board` (read by the HTTP processes on
-every request, without a message) and sends ("status", model, snapshot, loaded) and
-("processes", list) when they change. An HTTP process that is gone has its requests
-cancelled (their items withdrawn) and its streams closed. Deadlines are the
+every request, without a message) and sends ("status", model, snapshot, loaded),
+("processes", list) and ("facts", model, facts: what /info says of it) when they
+change. An HTTP process that is gone has its requests cancelled (their items withdrawn)
+and its streams closed. Deadlines are the
 `time.monotonic()` clock's, which every process on the machine shares.
 """
 
@@ -62,6 +63,7 @@ Family = tuple[str, str, str, str, list[tuple[str, dict[str, str], float]]]
 class BridgedModel:
     serving: ModelService
     retry_after: Callable[[], float]  # what a full queue's Retry-After says now
+    facts: Mapping[str, Any] = field(default_factory=dict)  # what /info says of it
     last_status: ServingStatus | None = None
     last_loaded: WorkerReady | None = None
     last_lasting: ServingStatus | None = None  # the last status, less what each batch moves
@@ -121,6 +123,7 @@ class Bridge:
         peer = Peer(index, pid, channel)
         self.peers[index] = peer
         self._send_statuses(peer)
+        self._send_facts(peer)
         self._announce_processes()
         return peer
 
@@ -326,6 +329,15 @@ class Bridge:
                     each.channel.send(("status", index, status, loaded))
             elif peer is not None:
                 peer.channel.send(("status", index, status, loaded))
+
+    def send_facts(self) -> None:
+        """Every model's facts to every HTTP process (they changed: a layout trial)."""
+        for peer in self.peers.values():
+            self._send_facts(peer)
+
+    def _send_facts(self, peer: Peer) -> None:
+        for index, model in enumerate(self.models):
+            peer.channel.send(("facts", index, dict(model.facts)))
 
     def _announce_processes(self) -> None:
         processes = self.processes()

@@ -121,16 +121,9 @@ class WorkerPool(PoolReports):
         self._all_cores: WorkerHandle | None = None  # running a lone item on every core
         self._context = multiprocessing.get_context("spawn")
         # what to do when a worker dies is the supervisor's to say; this pool does it
-        self.supervisor = Supervisor(
-            len(devices), max_failed_restarts=max_failed_restarts, clock=clock
-        )
-        self.workers = [
-            WorkerHandle(index, replace(config, device=device), record)
-            for (index, device), record in zip(
-                enumerate(devices), self.supervisor.records, strict=True
-            )
-        ]
-        self.core_share.workers += [w for w in self.workers if w.config.device == "cpu"]
+        self.max_failed_restarts = max_failed_restarts
+        self.workers: list[WorkerHandle] = []
+        self._place(config, devices)
         self._retries: deque[Job] = deque()  # one-item retries after a crash, served first
         self._batch_ids = itertools.count()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -139,6 +132,26 @@ class WorkerPool(PoolReports):
         self.on_idle = on_idle
         self.metrics = metrics
         self.streams = TokenStreams()  # streamed generations and who takes their tokens
+
+    def _place(self, config: WorkerConfig, devices: Sequence[str]) -> None:
+        """A worker handle a device, each with its supervisor's record."""
+        self.supervisor = Supervisor(
+            len(devices), max_failed_restarts=self.max_failed_restarts, clock=self.clock
+        )
+        self.core_share.workers = [w for w in self.core_share.workers if w not in self.workers]
+        self.workers = [
+            WorkerHandle(index, replace(config, device=device), record)
+            for (index, device), record in zip(
+                enumerate(devices), self.supervisor.records, strict=True
+            )
+        ]
+        self.core_share.workers += [w for w in self.workers if w.config.device == "cpu"]
+
+    def relayout(self, config: WorkerConfig, devices: Sequence[str]) -> None:
+        """Workers of `config` on `devices` instead, before any starts (the CPU layout
+        settled by its trial while the server already listens)."""
+        assert self._first_load is None, "relayout() before start()"
+        self._place(config, devices)
 
     # --- what the scheduler and the serving face use ---------------------------------------
 
