@@ -375,6 +375,22 @@ def test_nothing_queued_ahead_is_no_reason_to_refuse():
         queue_items(core, [text(50)], deadline=1.0)
 
 
+def test_a_generation_that_may_end_early_is_sent_though_its_max_tokens_would_not_fit():
+    """An encoder input that cannot be computed by its deadline even alone waits (and
+    expires unsent); a generation whose max_new_tokens would not fit is sent all the
+    same: it may end at its first new token, and most answers end long before their cap.
+    Judged by its most it sat queued beside an idle worker until a 504."""
+    core = measured(SchedulerCore(), seconds_per_token=0.01)  # 1,000 tokens take 10 s
+    (long_text,) = queue_items(core, [text(1000)], deadline=2.0)
+    assert core.next_batch(0.0) is None
+    (asked_much,) = queue_items(core, [text(5)], deadline=2.0, params={"max_new_tokens": 4000})
+    assert asked_much.cost > long_text.cost and asked_much.least_cost == 5 + 1
+    assert inputs(core.next_batch(0.0)) == [text(5)]
+    at_least = core.new_item(text(5), {"max_new_tokens": 400, "min_new_tokens": 300}, 2.0, 0.0)
+    assert at_least.least_cost == 5 + 300  # then it cannot end before 300 new tokens
+    assert long_text.least_cost == long_text.cost
+
+
 def test_the_cost_of_a_long_input_is_what_the_model_reads_of_it():
     core = SchedulerCore(max_input_tokens=512)
     (long_item,) = queue_items(core, ["word " * 209_700])
