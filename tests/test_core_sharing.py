@@ -42,6 +42,29 @@ def test_a_lone_item_at_low_load_gets_every_core_and_holds_them():
     assert start(shared, 1, size=8) == 2  # the hold ended with that batch
 
 
+def test_a_lone_item_nobody_waits_for_any_more_holds_the_cores_no_longer():
+    """Its client had its 504 (or left) while the batch runs on, hung or slow: the other
+    worker takes the queue at once instead of idling until it ends or times out."""
+    import asyncio
+
+    from rawserve.serving.face import NO_CONTROL
+    from rawserve.serving.handles import Job
+
+    async def scenario() -> tuple[int, int, bool]:
+        shared = executor()
+        woken: list[bool] = []
+        shared.on_idle = lambda: woken.append(True)
+        future = asyncio.get_running_loop().create_future()
+        assert start(shared, 0, size=1) == 4
+        shared.workers[0].job = Job(("hang",), {}, NO_CONTROL, future, 0)
+        held = shared.idle_workers()
+        shared.abandon(future)
+        return held, shared.idle_workers(), bool(woken)
+
+    held, after, woken = asyncio.run(scenario())
+    assert (held, after) == (0, 1) and woken  # the scheduler is told a worker is free
+
+
 def test_a_lone_item_while_another_worker_is_busy_gets_its_share_only():
     shared = executor()
     start(shared, 0, size=8)

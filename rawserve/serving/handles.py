@@ -36,6 +36,7 @@ class Job:
     streamed: bool = False  # tokens of it reached a client: it cannot run again unseen
     waited: float = 0.0  # seconds it waited in the worker behind the batch before it
     cancelled: bool = False  # the worker was told nobody waits for it any more
+    abandoned: bool = False  # nobody waits for it, though its worker runs it to the end
 
 
 class RunningBatches:

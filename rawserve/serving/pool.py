@@ -228,10 +228,15 @@ class WorkerPool(PoolReports):
     def abandon(self, future: asyncio.Future[BatchResult]) -> None:
         """Nobody waits for the batch behind `future` any more (its client left, or its
         deadline passed): a continuous worker frees its rows at its next step. A batch
-        run whole runs on (its worker reads nothing until it is done)."""
+        run whole runs on (its worker reads nothing until it is done), but a lone item
+        that took every core holds them no longer: the other workers take the queue."""
         for worker in self.workers:
             if job := worker.running.waiting_on(future):
                 self._cancel(worker, job)
+            elif worker.job is not None and worker.job.future is future:
+                worker.job.abandoned = True
+                if worker is self._all_cores:
+                    self._pump()
 
     def _cancel(self, worker: WorkerHandle, job: Job) -> None:
         if job.cancelled or worker.conn is None:
@@ -306,9 +311,15 @@ class WorkerPool(PoolReports):
         return ready.device.startswith("cuda")
 
     def _holding_cores(self) -> bool:
-        """A lone item runs on every core: the other CPU workers wait until it is done."""
+        """A lone item runs on every core: the other CPU workers wait until it is done,
+        or until nobody waits for it (a hung or slow batch answered 504 must not keep
+        the others idle for as long as it runs)."""
         holder = self._all_cores
-        return holder is not None and holder.state is WorkerState.BUSY
+        return (
+            holder is not None
+            and holder.state is WorkerState.BUSY
+            and not (holder.job is not None and holder.job.abandoned)
+        )
 
     def _send(self, worker: WorkerHandle, job: Job) -> None:
         if worker.job is None or worker.sequences:
