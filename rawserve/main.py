@@ -198,12 +198,16 @@ async def serve(
     for scheduler in schedulers:
         scheduler.start()
     metrics.start(loop)
-    front = await (
-        HttpProcesses.start(config, models, metrics, argv)
-        if config.http_processes > 1
-        else OneProcess.start(config, models, metrics)
-    )
-    if front is None:  # an HTTP process could not start (it said why)
+    try:
+        front = await (
+            HttpProcesses.start(config, models, metrics, argv)
+            if config.http_processes > 1
+            else OneProcess.start(config, models, metrics)
+        )
+    except OSError as exc:  # the address: in use, not this machine's, no such host
+        log.error("cannot listen on %s port %d: %s", config.host, config.port, reason(exc))
+        front = None
+    if front is None:  # it could not start (the log said why)
         for scheduler in schedulers:
             await scheduler.stop()
         await asyncio.gather(*(executor.shutdown(wait=False) for executor in executors))
@@ -378,6 +382,8 @@ class HttpProcesses:
         metrics: Metrics,
         argv: Sequence[str],
     ) -> HttpProcesses | None:
+        reserved = reserve_port(config.host, config.port)  # first: nothing to undo if taken
+        port = reserved.getsockname()[1]
         board = Board.create(len(models))
         bridge = Bridge(
             [
@@ -395,8 +401,6 @@ class HttpProcesses:
         )
         for model in models:  # a batch leaving a queue is published at once
             model.scheduler.backend = PublishingBackend(model.executor, bridge.publish_soon)
-        reserved = reserve_port(config.host, config.port)
-        port = reserved.getsockname()[1]
 
         def spec(index: int) -> HttpProcessSpec:
             described = tuple(  # as /info would say it now (a layout trial may change it)
@@ -453,6 +457,11 @@ class HttpProcesses:
 
 
 Front = OneProcess | HttpProcesses  # who speaks HTTP: the serving process, or its fleet
+
+
+def reason(error: OSError) -> str:
+    """An OS error's own words ("Address already in use"), without its number."""
+    return error.strerror or str(error)
 
 
 def queue_retry_after(scheduler: Scheduler) -> Callable[[], float]:

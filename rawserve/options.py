@@ -12,6 +12,7 @@ Server process; standard library and the checks of the values' own modules only.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from rawserve.http.tls import server_context
 from rawserve.ops import layout
 from rawserve.ops.loops import LOOPS, chosen_loop
 from rawserve.shared.devices import parse_devices
-from rawserve.shared.logs import LOG_FORMATS
+from rawserve.shared.logs import LOG_FORMATS, LOG_LEVELS
 from rawserve.shared.messages import Engine
 
 # Batch limits by device. A CPU's cost grows with the items, and 32 keeps a batch's time
@@ -217,7 +218,7 @@ OPTIONS = [
     Option(
         "--loop", str, "auto", "the event loop: auto (uvloop where installed), asyncio or uvloop"
     ),
-    Option("--log-level", str, "info", "debug, info, warning or error"),
+    Option("--log-level", str, "info", "debug, info, warning, error or critical"),
     Option("--log-format", str, "text", "text (one line per event) or json (one object a line)"),
     Option("--no-access-log", bool, False, "do not log a line per request"),
     Option(
@@ -227,6 +228,18 @@ OPTIONS = [
         "resolve every --model (downloading Hub models into the cache) and exit",
     ),
 ]
+
+
+def finite_number(text: str) -> float:
+    """A number option's value: `nan` and `inf` pass every `<= 0` check and would then
+    leave requests unanswered (a deadline of nan never comes)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, not {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -263,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
         shown = "" if default is None or "default:" in option.help else f" (default: {default})"
         parser.add_argument(
             option.flag,
-            type=option.type,
+            type=finite_number if option.type is float else option.type,
             default=default,
             help=f"{option.help}{shown} [env {option.env}]",
         )
@@ -301,9 +314,11 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         args.max_queue = GPU_MAX_QUEUE if gpu else CPU_MAX_QUEUE
     if args.http_processes is None:
         args.http_processes = http_processes_default(gpu, os.cpu_count() or 1)
-    for name in ("max_batch_size", "max_queue", "max_client_batch_size", "max_body_bytes", "port"):
-        if getattr(args, name) < (0 if name == "port" else 1):
+    for name in ("max_batch_size", "max_queue", "max_client_batch_size", "max_body_bytes"):
+        if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if not 0 <= args.port <= 65535:  # the socket would take it modulo 65536
+        parser.error("--port must be from 0 (any free port) to 65535")
     if args.batch_timeout <= 0 or args.grace < 0:
         parser.error("--batch-timeout must be positive and --grace not negative")
     if args.timeout <= 0 or args.max_batch_delay_ms < 0:
@@ -336,6 +351,8 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         parser.error(f"--loop must be one of {', '.join(LOOPS)}")
     if args.loop == "uvloop" and chosen_loop("auto") != "uvloop":
         parser.error("--loop uvloop: uvloop is not installed")
+    if args.log_level.upper() not in LOG_LEVELS:
+        parser.error(f"--log-level must be one of {', '.join(LOG_LEVELS).lower()}")
     if args.log_format not in LOG_FORMATS:
         parser.error(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
     chat_template = read_chat_template(args.chat_template, parser)

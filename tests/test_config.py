@@ -10,7 +10,11 @@ code 2 as argparse's own errors.
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
 import ssl
+import subprocess
+import sys
 
 import pytest
 
@@ -19,6 +23,7 @@ from rawserve.main import model_facts, worker_config
 from rawserve.models.plan import ModelPlan
 from rawserve.options import OPTIONS, parse_config
 from rawserve.shared.messages import Engine
+from tests.server import REPO_ROOT
 
 ECHO = ["--handler", "tests.handlers:echo"]
 
@@ -105,7 +110,13 @@ def test_tls_files_are_loaded_into_a_context_at_parse_time(tmp_path):
         (["--device", "gpu"], {}, "invalid device 'gpu'"),
         (["--device", "cuda:2"], {"CUDA_VISIBLE_DEVICES": "0,1"}, "CUDA_VISIBLE_DEVICES=0,1"),
         (["--max-batch-size", "0"], {}, "--max-batch-size must be positive"),
-        (["--port", "-1"], {}, "--port must be positive"),
+        (["--port", "-1"], {}, "--port must be from 0 (any free port) to 65535"),
+        (["--port", "70000"], {}, "--port must be from 0 (any free port) to 65535"),
+        (["--timeout", "nan"], {}, "argument --timeout: must be a finite number, not 'nan'"),
+        (["--keepalive-timeout", "nan"], {}, "argument --keepalive-timeout: must be a finite"),
+        ([], {"RAWSERVE_TIMEOUT": "inf"}, "argument --timeout: must be a finite number"),
+        (["--grace", "ten"], {}, "argument --grace: not a number: 'ten'"),
+        (["--log-level", "verbose"], {}, "--log-level must be one of debug, info, warning"),
         (["--grace", "-1"], {}, "--batch-timeout must be positive and --grace not negative"),
         (["--timeout", "0"], {}, "--timeout must be positive"),
         (["--max-batch-delay-ms", "-1"], {}, "--max-batch-delay-ms not negative"),
@@ -116,7 +127,7 @@ def test_tls_files_are_loaded_into_a_context_at_parse_time(tmp_path):
         (["--log-format", "xml"], {}, "--log-format must be one of text, json"),
         (["--chat-template", "/nonexistent.jinja"], {}, "--chat-template: cannot read"),
         (["--ssl-keyfile", "/nonexistent/key.pem"], {}, "--ssl-keyfile needs --ssl-certfile"),
-        (["--ssl-certfile", "/nonexistent/c.pem"], {}, "--ssl-certfile/--ssl-keyfile: no such"),
+        (["--ssl-certfile", "/nonexistent/c.pem"], {}, "keyfile: no such file: /nonexistent/c.pem"),
         (["--cors-allow-origin", "https://a.example/"], {}, "--cors-allow-origin takes an"),
         ([], {"RAWSERVE_PORT": "eighty"}, "argument --port: invalid int value"),
         ([], {"RAWSERVE_NO_WARMUP": "maybe"}, "RAWSERVE_NO_WARMUP must be one of"),
@@ -187,3 +198,22 @@ def test_a_model_s_workers_and_its_info_are_built_from_the_typed_configuration()
         "max_queue": 256,
         "timeout_seconds": 12.0,
     }
+
+
+@pytest.mark.parametrize("http_processes", ["1", "2"])
+def test_a_port_in_use_stops_the_server_with_a_clear_line_not_a_traceback(http_processes):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [*ECHO, "--host", "127.0.0.1", "--port", str(port)]
+        done = subprocess.run(
+            [sys.executable, "-m", "rawserve", *argv, "--http-processes", http_processes],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": REPO_ROOT},
+        )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"ERROR cannot listen on 127.0.0.1 port {port}: " in done.stderr
+    assert "in use" in done.stderr.lower() and "Traceback" not in done.stderr

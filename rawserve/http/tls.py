@@ -7,6 +7,7 @@ Server process; standard library only.
 from __future__ import annotations
 
 import ssl
+from pathlib import Path
 
 
 def server_context(certfile: str, keyfile: str | None = None) -> ssl.SSLContext:
@@ -14,10 +15,11 @@ def server_context(certfile: str, keyfile: str | None = None) -> ssl.SSLContext:
     itself); ValueError saying what is wrong when they cannot be loaded."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.set_alpn_protocols(["http/1.1"])  # the one protocol this server speaks
+    for path in (certfile, keyfile):  # load_cert_chain's error names no file
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"no such file: {path}")
     try:
         context.load_cert_chain(certfile, keyfile)
-    except FileNotFoundError as exc:
-        raise ValueError(f"no such file: {exc.filename}") from None
     except (OSError, ssl.SSLError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ValueError(f"cannot load the certificate and key: {reason}") from None

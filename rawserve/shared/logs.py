@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any, TextIO
 
 LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # --log-level, any case
 TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 ACCESS_LOGGER = "rawserve.access"
 # huggingface_hub's HTTP client logs every request of a download at INFO
