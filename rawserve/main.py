@@ -192,6 +192,33 @@ async def serve(
     ]
     executors = [model.executor for model in models]
     schedulers = [model.scheduler for model in models]
+    # A stop from the first moment: once workers or HTTP processes are started, dying of
+    # the signal would orphan them; a stop during the start drains once it is done.
+    stop = asyncio.Event()
+    first_signal: float | None = None
+    front: Front | None = None
+
+    def on_signal(signum: int) -> None:
+        nonlocal first_signal
+        now = time.monotonic()
+        if first_signal is not None:
+            if now - first_signal < SIGNAL_REPEAT_SECONDS:
+                return  # the same stop, delivered twice
+            log.warning("second signal: exiting now")
+            for executor in executors:
+                executor.kill()
+            if front is not None:
+                front.kill()
+            kill_leftover_children()  # any started meanwhile (HTTP processes, timers)
+            os._exit(1)
+        first_signal = now
+        log.info(
+            "%s received: draining for up to %.0f s", signal.Signals(signum).name, config.grace
+        )
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
     if not settle_layout:
         for executor in executors:
             executor.start()
@@ -230,29 +257,6 @@ async def serve(
     if workers.chosen and not settle_layout:
         log.info("layout: %s", workers.layout)
     log.info("batch limits: %s", config.model.batch_limits)
-
-    stop = asyncio.Event()
-    first_signal: float | None = None
-
-    def on_signal(signum: int) -> None:
-        nonlocal first_signal
-        now = time.monotonic()
-        if first_signal is not None:
-            if now - first_signal < SIGNAL_REPEAT_SECONDS:
-                return  # the same stop, delivered twice
-            log.warning("second signal: exiting now")
-            for executor in executors:
-                executor.kill()
-            front.kill()
-            os._exit(1)
-        first_signal = now
-        log.info(
-            "%s received: draining for up to %.0f s", signal.Signals(signum).name, config.grace
-        )
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
 
     stop_trial = threading.Event()
     trial = (

@@ -275,6 +275,49 @@ def test_sigterm_drains_every_process_within_the_grace_period():
         server.stop()
 
 
+def test_sigterm_while_the_http_processes_start_drains_instead_of_orphaning_the_workers():
+    """A rolling deploy may stop a server that is still starting: the workers already
+    run, the HTTP processes are on their way. The stop waits for the start to end, then
+    drains as any stop does: exit 0, and every process it started gone."""
+    argv = ["--host", "127.0.0.1", "--port", "0", *SLEEPY, *TWO]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rawserve", *argv],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT},
+    )
+    try:
+        assert process.stderr is not None
+        lines = []
+        while "worker 0: started" not in (line := process.stderr.readline()):
+            assert line, "the server exited:\n" + "".join(lines)
+            lines.append(line)
+        assert not any("listening on" in line for line in lines)  # still starting
+        children = child_pids(process.pid)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+        rest = process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        if process.stderr is not None:
+            process.stderr.close()
+    assert "SIGTERM received" in rest and rest.rstrip().endswith("rawserve INFO stopped"), rest
+    wait_until(lambda: all(gone(pid) for pid in children), 30, "every child exited")
+
+
+def child_pids(pid: int) -> list[int]:
+    tasks = f"/proc/{pid}/task"
+    pids = []
+    for task in os.listdir(tasks):
+        with open(f"{tasks}/{task}/children") as listed:
+            pids += [int(child) for child in listed.read().split()]
+    return pids
+
+
 def test_the_serving_process_dying_stops_the_http_processes_with_a_clear_line():
     server = RunningServer([*SLEEPY, *TWO]).start()
     try:
