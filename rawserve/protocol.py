@@ -43,6 +43,7 @@ import h11
 from rawserve.http import refusals
 from rawserve.http.access_log import log_access
 from rawserve.http.chunked import ChunkedMeter
+from rawserve.http.content_coding import codings, decoded
 from rawserve.http.cors import CorsPolicy
 from rawserve.http.cycle import Cycle, head_request, header, is_probe, keeps_alive
 from rawserve.http.errors import HTTPError, error_response
@@ -303,6 +304,8 @@ class HttpProtocol(asyncio.Protocol):
         cycle.keep_alive = keeps_alive(event, fields)
         try:
             cycle.early = self.app.answer_now(cycle.head)
+            if cycle.early is None and (coding := header(fields, b"content-encoding")):
+                cycle.codings = codings(coding)  # refused from the head if none it reads
         except Exception as exc:  # noqa: BLE001 - error_response logs what is unexpected
             cycle.early = error_response(exc)
         if cycle.early is not None and self.conn.they_are_waiting_for_100_continue:
@@ -349,6 +352,13 @@ class HttpProtocol(asyncio.Protocol):
         request = cycle.head
         request.body = b"".join(cycle.body)
         cycle.body = []
+        if cycle.codings:
+            try:
+                limit = self.settings.max_body_bytes
+                request.body = decoded(request.body, cycle.codings, limit)
+            except HTTPError as exc:
+                self._send(cycle, error_response(exc))
+                return
         cycle.task = self.loop.create_task(self._respond(cycle, request))
 
     async def _respond(self, cycle: Cycle, request: HttpRequest) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+import zlib
 
 import h11
 import pytest
@@ -93,6 +95,71 @@ async def test_post_answers_json_with_request_id(server):
     assert headers[b"x-request-id"] == b"abc-1"
     assert headers[b"content-type"] == b"application/json"
     assert not transport.finished  # keep-alive
+
+
+@pytest.mark.parametrize(
+    ("target", "path"),
+    [
+        (b"/health", "/health"),
+        (b"http://localhost:8000/health?x=1", "/health"),  # a proxy's absolute form
+        (b"HTTPS://example.org", "/"),
+        (b"/%68ealth", "/health"),
+        (b"/models/org%2Fname", "/models/org/name"),  # a Hub id, encoded by its client
+        (b"/ready/tests.handlers%3Aecho", "/ready/tests.handlers:echo"),
+        (b"/%ff", "/\ufffd"),  # not UTF-8: replaced, still no route
+    ],
+)
+async def test_the_routes_see_the_path_whatever_form_the_target_takes(server, target, path):
+    app, protocol, transport = server
+    request = b"GET " + target + b" HTTP/1.1\r\nHost: a\r\n\r\n"
+    protocol.data_received(request)
+    await settle()
+    [(response, body)] = read_responses(transport.written, [request])
+    assert response.status_code == 200 and json.loads(body)["path"] == path
+    assert app.seen[-1].path == path
+
+
+def coded(body: bytes, coding: str) -> bytes:
+    if coding == "gzip":
+        return gzip.compress(body)
+    return zlib.compress(body)
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "GZIP, identity"])
+async def test_a_compressed_body_is_read_as_its_plain_bytes(server, coding):
+    app, protocol, transport = server
+    body = coded(b"hello world", coding.split(",")[0].strip().lower())
+    head = f"POST /x HTTP/1.1\r\nHost: a\r\nContent-Encoding: {coding}\r\n"
+    request = f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
+    protocol.data_received(request)
+    await settle()
+    [(response, answer)] = read_responses(transport.written, [request])
+    assert response.status_code == 200 and json.loads(answer)["body"] == "hello world"
+
+
+@pytest.mark.parametrize(
+    ("coding", "body", "status", "says"),
+    [
+        ("br", b"hello", 415, "content coding 'br' is not one this server reads"),
+        ("gzip", b"hello", 400, "the body is not valid gzip data"),
+        ("gzip", gzip.compress(b"hello")[:-12], 400, "the body's gzip data ends early"),
+        ("gzip", gzip.compress(b"x" * 1_000), 413, "the body decoded is over the limit"),
+    ],
+)
+async def test_a_body_in_a_coding_it_cannot_read_is_refused_not_read_as_text(
+    server, coding, body, status, says
+):
+    app, protocol, transport = server
+    head = f"POST /x HTTP/1.1\r\nHost: a\r\nContent-Encoding: {coding}\r\n"
+    request = f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
+    protocol.data_received(request)
+    await settle()
+    [(response, answer)] = read_responses(transport.written, [request])
+    assert response.status_code == status and says in json.loads(answer)["error"]
+    if status == 415:
+        assert dict(response.headers)[b"accept-encoding"] == b"gzip, deflate"
+    assert not app.seen  # never handed to the app as if it had no coding
+    assert not transport.finished  # the connection goes on
 
 
 async def test_any_transport_with_the_methods_it_uses_will_do():

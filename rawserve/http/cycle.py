@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable
+from urllib.parse import unquote
 
 import h11
 
@@ -37,6 +38,7 @@ class Cycle:
         self.head: HttpRequest | None = None  # the request as the app sees it; body last
         self.early: HttpResponse | None = None  # the answer decided from the head
         self.keep_alive = False  # HTTP/1.1 without Connection: close (from the head)
+        self.codings: list[str] = []  # the body's content codings, undone once it is read
 
     @property
     def is_head(self) -> bool:
@@ -66,13 +68,25 @@ def head_request(
     path, _, query = target.partition("?")
     return HttpRequest(
         method=event.method.decode("ascii", "replace"),
-        path=path,
+        path=routed_path(path),
         query=query,
         headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in fields],
         body=b"",
         request_id=request_id,
         http_version=event.http_version.decode("ascii", "replace"),
     )
+
+
+def routed_path(path: str) -> str:
+    """The path as the routes name it. The absolute form (`http://host/health`, which a
+    server must accept: RFC 9112 section 3.2.2, and which proxies send) loses its scheme
+    and authority; percent-encoded characters are decoded (`/models/org%2Fname` is
+    `/models/org/name`: clients encode the names of models and handlers)."""
+    if path[:1] != "/" and "://" in path:
+        path = "/" + path.partition("://")[2].partition("/")[2]
+    if "%" in path:
+        path = unquote(path, errors="replace")
+    return path
 
 
 def is_probe(event: h11.Request) -> bool:
