@@ -8,6 +8,7 @@ import logging
 import re
 import sys
 import time
+import warnings
 
 import pytest
 
@@ -46,6 +47,35 @@ def test_json_lines_carry_time_level_logger_message_and_extra_fields():
     assert document["message"] == "queue at %d"
     assert document["status"] == 503 and document["request_id"] == "abc"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", document["time"])
+
+
+def test_library_warnings_and_transformers_lines_are_json_lines_too(restore_logging):
+    """With --log-format json a worker's every line is one object: Python warnings
+    (torch's, the libraries') and transformers' loggers, which have a handler of their
+    own, included."""
+    import transformers
+
+    from rawserve.worker.loading import library_logs_through_ours
+
+    stream = io.StringIO()
+    setup_logging("info", "json", stream=stream)
+    library_logs_through_ours()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("a library warning", UserWarning, stacklevel=1)
+        transformers.utils.logging.get_logger("transformers.models.x").warning("a model note")
+    finally:
+        logging.captureWarnings(False)
+        transformers.utils.logging.disable_propagation()
+        transformers.utils.logging.enable_default_handler()
+    documents = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [(d["logger"], d["level"]) for d in documents] == [
+        ("py.warnings", "warning"),
+        ("transformers.models.x", "warning"),
+    ]
+    assert "a library warning" in documents[0]["message"]
+    assert documents[1]["message"] == "a model note"
 
 
 def test_a_traceback_stays_on_one_line_in_both_formats():

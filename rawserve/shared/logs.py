@@ -112,6 +112,9 @@ def setup_logging(
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # Python's warnings (torch's, the libraries') are log lines too: in the same format,
+    # not bare text between JSON objects
+    logging.captureWarnings(True)
     # The access log is INFO; off means it is never even formatted.
     logging.getLogger(ACCESS_LOGGER).setLevel(logging.NOTSET if access_log else logging.WARNING)
     for name in CHATTY_LOGGERS:

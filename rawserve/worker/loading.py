@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import transformers
 
 from rawserve.shared.messages import Engine, WorkerConfig
 from rawserve.tasks import SEQ2SEQ_TASKS
@@ -89,6 +90,14 @@ def choose_attention_kernels(device: str) -> str | None:
         return None
     torch.backends.cuda.enable_cudnn_sdp(False)
     return "flash or memory-efficient kernels, not cuDNN's (which plan anew for every shape)"
+
+
+def library_logs_through_ours() -> None:
+    """transformers' log lines go through the worker's own handler, in the server's
+    format, not through the plain-text handler transformers installs for its loggers
+    (with --log-format json, every line is one JSON object)."""
+    transformers.utils.logging.disable_default_handler()
+    transformers.utils.logging.enable_propagation()
 
 
 def tokenize_in_the_calling_thread(environ: MutableMapping[str, str]) -> None:

@@ -121,9 +121,14 @@ def worker_main(
     started = time.monotonic()
     try:
         # torch and transformers load here, in the worker process only
-        from rawserve.worker.loading import load_runner, tokenize_in_the_calling_thread
+        from rawserve.worker.loading import (
+            library_logs_through_ours,
+            load_runner,
+            tokenize_in_the_calling_thread,
+        )
 
         imported = time.monotonic()
+        library_logs_through_ours()
         tokenize_in_the_calling_thread(os.environ)
         runner = load_runner(config, plan.torch_device)
         log.info(
