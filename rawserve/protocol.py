@@ -71,6 +71,8 @@ from rawserve.http.timer import ConnectionTimer
 log = logging.getLogger("rawserve.protocol")
 
 REFUSAL_LOG_INTERVAL = 10.0  # seconds between "too many connections" warnings
+# the access line of a request whose client left before its answer began (as nginx logs it)
+CLIENT_CLOSED = 499
 # Their states once a request was read whole (an Upgrade we decline by answering ends
 # in MIGHT_SWITCH_PROTOCOL, then DONE).
 _REQUEST_READ = (h11.DONE, h11.MIGHT_SWITCH_PROTOCOL)
@@ -232,8 +234,11 @@ class HttpProtocol(asyncio.Protocol):
         self.state.probe_connections.discard(self)
         if self.flow is not None:
             self.flow.release()  # a streaming response waiting to write must see the close
-        if self.cycle is not None and self.cycle.task is not None:
-            self.cycle.task.cancel()  # the client is gone: withdraw its work
+        cycle = self.cycle
+        if cycle is not None and cycle.task is not None and not cycle.task.done():
+            cycle.task.cancel()  # the client is gone: withdraw its work
+            if not cycle.response_started:  # an access line says so (nginx's 499)
+                self._log_access(cycle, CLIENT_CLOSED, 0)
 
     def pause_writing(self) -> None:
         self._flow.pause_writing()  # and cut off a peer that stays stalled

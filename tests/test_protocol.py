@@ -278,13 +278,18 @@ async def test_errors_are_json_and_hide_internals(server):
     assert transport.finished  # 5xx closes the connection
 
 
-async def test_a_client_that_leaves_cancels_its_request(server):
+async def test_a_client_that_leaves_cancels_its_request(server, caplog):
+    """Its work is withdrawn, and the access log says so (nginx's 499): a client that
+    half-closes after its request, or gives up, is visible to the operator."""
     app, protocol, transport = server
-    protocol.data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
-    await settle()
-    protocol.connection_lost(None)
-    await settle()
+    with caplog.at_level("INFO", logger="rawserve.access"):
+        protocol.data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\nX-Request-Id: gone-1\r\n\r\n")
+        await settle()
+        protocol.connection_lost(None)
+        await settle()
     assert app.cancelled == 1 and not transport.written
+    [line] = [record.getMessage() for record in caplog.records]
+    assert '"GET /slow" 499 0 ' in line and line.endswith("gone-1")
 
 
 async def test_head_answers_headers_only(server):
