@@ -33,6 +33,7 @@ from tests.tiny_models import worker_config
         (188.2, 150.8, "2 worker(s) x 1 thread on 2 core(s)"),
         (120.0, 150.0, "1 worker x 2 threads on 2 core(s)"),
         (150.0, 150.0, "2 worker(s) x 1 thread on 2 core(s)"),  # a tie: one a core
+        (150.0, 160.0, "2 worker(s) x 1 thread on 2 core(s)"),  # within the margin
     ],
 )
 def test_the_faster_candidate_is_chosen_and_both_figures_given(per_core, one_worker, chosen):
@@ -84,7 +85,7 @@ def test_a_single_core_has_nothing_to_compare(monkeypatch, tiny_model):
 PER_CORE = WorkerPlan(("cpu",) * 4, 1, True, "4 worker(s) x 1 thread ... one per core", True)
 
 
-@pytest.mark.parametrize(("one_worker", "devices", "threads"), [(90.0, 4, 1), (110.0, 1, 4)])
+@pytest.mark.parametrize(("one_worker", "devices", "threads"), [(90.0, 4, 1), (120.0, 1, 4)])
 def test_the_verdict_becomes_the_plan(monkeypatch, one_worker, devices, threads):
     trial = LayoutTrial(cores=4, workers=4, batch=8, per_core=100.0, one_worker=one_worker)
     monkeypatch.setattr(layout_trial, "recalled", lambda config, cores, workers: None)
