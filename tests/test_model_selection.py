@@ -143,7 +143,6 @@ async def test_post_root_serves_the_default_model(app):
         ("/models/org/sst2", "cls"),
         ("/models/emb", "emb"),
         ("/models/BAAI/bge-small-en-v1.5", "emb"),
-        ("/models/BAAI%2Fbge-small-en-v1.5", "emb"),  # a client that escapes the slash
     ],
 )
 async def test_post_models_name_serves_that_model(app, path, model):

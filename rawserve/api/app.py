@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection
 from typing import Protocol
-from urllib.parse import unquote
 
 from rawserve.api import schemas
 from rawserve.api.bodies import json_response
@@ -128,10 +127,10 @@ class App:
         methods = self.routes.get(request.path)
         prefix = next((p for p in (MODELS_PREFIX, READY_PREFIX) if request.path.startswith(p)), "")
         if methods is None and prefix:
-            # a name spelt with %-escapes (org%2Fname), or a model not served: 404 naming
-            # the served ones (after the API key: they are not for everyone's eyes)
+            # a model not served: 404 naming the served ones (after the API key: they are
+            # not for everyone's eyes); the protocol has decoded %-escapes (org%2Fname)
             self.authorize(request)
-            model = self.models.get(unquote(request.path.removeprefix(prefix)))
+            model = self.models.get(request.path.removeprefix(prefix))
             methods = self.routes[prefix + model.name]
         if methods is None:
             raise NotFound(f"no route for {request.path}")
