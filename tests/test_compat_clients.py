@@ -154,6 +154,47 @@ def test_generate_takes_one_text(servers):
     assert status == 400 and "one text" in answer["error"]
 
 
+# --- InferenceClient, which posts to POST / ---------------------------------------------
+
+
+@pytest.fixture
+def inference_client(servers):
+    from huggingface_hub import InferenceClient, constants
+
+    # HF_HUB_OFFLINE=1 (the suite's) makes the client refuse every URL, loopback included
+    saved, constants.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE, False
+    client = InferenceClient(base_url=base_url(servers["chat"]))
+    yield client
+    client.close()
+    constants.HF_HUB_OFFLINE = saved
+
+
+@pytest.mark.parametrize("full_text", [None, True, False], ids=["default", "full", "new"])
+def test_post_root_streams_the_text_it_answers_whole(inference_client, full_text):
+    asked = {"max_new_tokens": 6, "do_sample": False}
+    if full_text is not None:
+        asked["return_full_text"] = full_text
+    whole = inference_client.text_generation(PROMPT, **asked)
+    events = list(inference_client.text_generation(PROMPT, stream=True, details=True, **asked))
+    assert events[-1].generated_text == whole
+    # POST /'s default is the Inference API's: the prompt, then what was generated
+    shown = PROMPT if full_text is not False else ""
+    assert whole.startswith(shown)
+    assert "".join(event.token.text for event in events) == whole.removeprefix(shown)
+
+
+def test_post_root_and_generate_stream_send_the_same_tokens(servers):
+    parameters = {"max_new_tokens": 8, "do_sample": False, "return_full_text": False}
+    document = {"inputs": PROMPT, "parameters": parameters}
+    from_tgi = events(servers["chat"], "/generate_stream", document)
+    from_root = events(servers["chat"], "/", {**document, "stream": True})
+
+    def shown(streamed):  # (log probabilities move in their last digits with batch-mates)
+        return [(e["token"]["id"], e["token"]["text"], e["generated_text"]) for e in streamed]
+
+    assert shown(from_root) == shown(from_tgi)
+
+
 # --- TGI's own client ------------------------------------------------------------------
 
 

@@ -88,6 +88,17 @@ async def test_a_cut_character_held_back_arrives_with_the_last_token():
     assert events[-1]["token"]["text"] == "\ufffd"
 
 
+async def test_the_last_token_carries_only_its_own_text_when_the_answer_holds_the_prompt():
+    executor = FakeExecutor()
+    output = {"generated_text": "hello a\ufffd", "details": {}}
+    scheduler = FakeScheduler(executor, [" a", ""], output)
+    model = ServedModel("tiny-gpt", ModelService(scheduler, executor))
+    params = {"max_new_tokens": 2, "return_full_text": True}
+    events = await collect(await open_token_stream(model, "hello", params, deadline=1e9))
+    assert [e["token"]["text"] for e in events] == [" a", "\ufffd"]
+    assert events[-1]["generated_text"] == "hello a\ufffd"
+
+
 async def test_an_error_before_the_first_token_keeps_its_status():
     executor = FakeExecutor()
     full = Refused.because(Reason.QUEUE_FULL, "server busy: queue full", 3.0)

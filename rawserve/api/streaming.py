@@ -34,6 +34,7 @@ from rawserve.http.errors import (
 )
 from rawserve.http.exchange import HttpResponse
 from rawserve.serving.face import Control, ItemResult, Serving, TokenChunk
+from rawserve.tasks.text_generation import returns_full_text
 
 # A stream's queue carries its TokenChunks, then None once its request has finished.
 Run = asyncio.Future[list[ItemResult]]
@@ -60,6 +61,7 @@ class TokenStream:
 
     def __init__(self, model: ServedModel, prompt: Any, params: Mapping[str, Any], deadline: float):
         self.serving: Serving = model.serving
+        self.echoed = prompt if returns_full_text(params) else ""  # what the answer starts with
         self.queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
         self.overflowed = False
         self.closed = False
@@ -181,9 +183,10 @@ async def _events(stream: TokenStream) -> AsyncGenerator[bytes, None]:
             return
         last_token = dict(held.token) if held is not None else None
         text = output["generated_text"]
-        if last_token is not None and not last_token["special"] and text.startswith(emitted):
+        generated = text.removeprefix(stream.echoed)  # the tokens' part of the text
+        if last_token is not None and not last_token["special"] and generated.startswith(emitted):
             # the last token carries whatever a cut multi-byte character held back
-            last_token["text"] = text[len(emitted) :]
+            last_token["text"] = generated[len(emitted) :]
         yield sse(_event(index, last_token, text, output.get("details")))
     finally:
         stream.close()
