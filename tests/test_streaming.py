@@ -118,6 +118,14 @@ async def test_a_failure_after_the_first_token_is_an_error_event():
     assert events[-1] == {"error": "the model failed on this input", "error_type": "internal_error"}
 
 
+async def test_an_input_the_worker_refuses_after_the_first_token_is_typed_as_tgi_types_it():
+    executor = FakeExecutor()
+    failure = ItemFailure(FailureKind.INPUT, "the grammar cannot go on")
+    scheduler = FakeScheduler(executor, [" a"], failure)
+    events = await collect(await open_stream(scheduler, executor))
+    assert events[-1] == {"error": "the grammar cannot go on", "error_type": "validation"}
+
+
 async def test_closing_the_stream_cancels_the_request_and_the_generation():
     executor = FakeExecutor()
     scheduler = FakeScheduler(executor, [" a"] * 1000, {"generated_text": "", "details": {}})

@@ -31,6 +31,7 @@ from rawserve.http.errors import (
     ServiceUnavailable,
     UnprocessableInput,
     error_document,
+    tgi_error,
 )
 from rawserve.http.exchange import HttpResponse
 from rawserve.serving.face import Control, ItemResult, Serving, TokenChunk
@@ -178,8 +179,8 @@ async def _events(stream: TokenStream) -> AsyncGenerator[bytes, None]:
             held = chunk
         try:
             output = stream.output()
-        except HTTPError as error:
-            yield sse(error_document(error))
+        except HTTPError as error:  # TGI's events: TGI's types
+            yield sse(error_document(tgi_error(error)))
             return
         last_token = dict(held.token) if held is not None else None
         text = output["generated_text"]
