@@ -215,7 +215,8 @@ def test_text_generation_streams_one_event_per_token(servers):
     assert len(events) == whole.details.generated_tokens == 8
     assert [e.index for e in events] == list(range(8))
     assert all(e.generated_text is None for e in events[:-1])
-    assert events[-1].generated_text == whole.generated_text
+    # POST /'s default, streamed too: the prompt, then the tokens' text
+    assert events[-1].generated_text == "hello world" + whole.generated_text
     assert events[-1].details.finish_reason == "length"
     assert "".join(e.token.text for e in events) == whole.generated_text
     assert all(e.token.logprob <= 0 for e in events)
@@ -308,7 +309,7 @@ def test_stream_answers_event_stream_in_tgi_shape(servers):
     for event in events:
         assert set(event) == {"index", "token", "generated_text", "details"}
         assert set(event["token"]) == {"id", "text", "logprob", "special"}
-    assert events[-1]["generated_text"] == "".join(e["token"]["text"] for e in events)
+    assert events[-1]["generated_text"] == "hello" + "".join(e["token"]["text"] for e in events)
 
 
 def test_a_client_that_leaves_stops_the_generation(servers):
@@ -335,12 +336,13 @@ def test_a_client_that_leaves_stops_the_generation(servers):
 
 
 def test_stream_errors_before_the_first_token_keep_their_status(servers):
+    # typed as TGI types them (TGI's clients post here): 422 "validation"
     status, answer = servers["generation"].post_json({"inputs": ["a", "b"], "stream": True})
-    assert status == 400
+    assert status == 422 and answer["error_type"] == "validation"
     status, answer = servers["generation"].post_json(
         {"inputs": "a", "parameters": {"max_new_tokens": 0}, "stream": True}
     )
-    assert status == 400
+    assert status == 422 and answer["error_type"] == "validation"
 
 
 # --- the openai client ----------------------------------------------------------------

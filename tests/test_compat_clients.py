@@ -151,7 +151,84 @@ def test_tgi_parameters_rawserve_does_not_serve_are_422_naming_them(servers, pat
 
 def test_generate_takes_one_text(servers):
     status, answer = servers["chat"].post_json({"inputs": [PROMPT]}, "/generate")
-    assert status == 400 and "one text" in answer["error"]
+    assert status == 422 and "one text" in answer["error"]
+
+
+# what TGI's validation refuses: (the prompt, its parameters)
+REFUSED_BY_VALIDATION = [
+    pytest.param(PROMPT, {"max_new_tokens": 0}, id="max_new_tokens 0"),
+    pytest.param(PROMPT, {"max_new_tokens": 100_000}, id="max_new_tokens past the positions"),
+    pytest.param(PROMPT, {"do_sample": True, "temperature": -1}, id="temperature below 0"),
+    pytest.param(PROMPT, {"do_sample": True, "best_of": 2}, id="best_of"),
+    pytest.param("", {"max_new_tokens": 2}, id="blank prompt"),
+    pytest.param("word " * 400, {"max_new_tokens": 2}, id="prompt past the positions"),
+]
+TGI_ROUTES = [
+    pytest.param("/generate", {}, id="generate"),
+    pytest.param("/generate_stream", {}, id="generate_stream"),
+    pytest.param("/", {}, id="root"),
+    pytest.param("/", {"stream": True}, id="root streamed"),
+]
+
+
+@pytest.mark.parametrize(("prompt", "parameters"), REFUSED_BY_VALIDATION)
+@pytest.mark.parametrize(("path", "fields"), TGI_ROUTES)
+def test_what_tgis_validation_refuses_is_422_validation(servers, path, fields, prompt, parameters):
+    document = {"inputs": prompt, "parameters": parameters, **fields}
+    status, answer = servers["chat"].post_json(document, path)
+    assert status == 422 and answer["error_type"] == "validation", answer
+
+
+# --- InferenceClient, which posts to POST / ---------------------------------------------
+
+
+@pytest.fixture
+def inference_client(servers):
+    from huggingface_hub import InferenceClient, constants
+
+    # HF_HUB_OFFLINE=1 (the suite's) makes the client refuse every URL, loopback included
+    saved, constants.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE, False
+    client = InferenceClient(base_url=base_url(servers["chat"]))
+    yield client
+    client.close()
+    constants.HF_HUB_OFFLINE = saved
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(("prompt", "parameters"), REFUSED_BY_VALIDATION)
+def test_inference_client_raises_validation_error(inference_client, prompt, parameters, stream):
+    from huggingface_hub.errors import ValidationError
+
+    with pytest.raises(ValidationError):
+        answer = inference_client.text_generation(prompt, stream=stream, **parameters)
+        if stream:
+            list(answer)
+
+
+@pytest.mark.parametrize("full_text", [None, True, False], ids=["default", "full", "new"])
+def test_post_root_streams_the_text_it_answers_whole(inference_client, full_text):
+    asked = {"max_new_tokens": 6, "do_sample": False}
+    if full_text is not None:
+        asked["return_full_text"] = full_text
+    whole = inference_client.text_generation(PROMPT, **asked)
+    events = list(inference_client.text_generation(PROMPT, stream=True, details=True, **asked))
+    assert events[-1].generated_text == whole
+    # POST /'s default is the Inference API's: the prompt, then what was generated
+    shown = PROMPT if full_text is not False else ""
+    assert whole.startswith(shown)
+    assert "".join(event.token.text for event in events) == whole.removeprefix(shown)
+
+
+def test_post_root_and_generate_stream_send_the_same_tokens(servers):
+    parameters = {"max_new_tokens": 8, "do_sample": False, "return_full_text": False}
+    document = {"inputs": PROMPT, "parameters": parameters}
+    from_tgi = events(servers["chat"], "/generate_stream", document)
+    from_root = events(servers["chat"], "/", {**document, "stream": True})
+
+    def shown(streamed):  # (log probabilities move in their last digits with batch-mates)
+        return [(e["token"]["id"], e["token"]["text"], e["generated_text"]) for e in streamed]
+
+    assert shown(from_root) == shown(from_tgi)
 
 
 # --- TGI's own client ------------------------------------------------------------------
@@ -210,8 +287,9 @@ def test_tgi_client_chats_naming_its_model_tgi(servers, tgi_client_answers):
 def test_tgi_client_shows_rawserves_refusals(tgi_client_answers):
     refused = tgi_client_answers["watermark"]
     assert "watermark" in refused["message"] and "not supported" in refused["message"], refused
+    assert refused["raised"] == "ValidationError"
     too_long = tgi_client_answers["too_long"]
-    assert too_long["raised"] == "BadRequestError" and "max_new_tokens" in too_long["message"]
+    assert too_long["raised"] == "ValidationError" and "max_new_tokens" in too_long["message"]
 
 
 # --- the openai SDK shows rawserve's messages ------------------------------------------

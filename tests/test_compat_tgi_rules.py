@@ -14,6 +14,7 @@ import pytest
 
 from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
+from rawserve.http.errors import BadRequest
 from rawserve.http.exchange import HttpRequest
 from rawserve.serving.face import NO_CONTROL, Control, ItemResult, Refusal
 from rawserve.serving.service import ModelService
@@ -183,7 +184,75 @@ async def test_generate_uses_the_first_model_that_generates_wherever_it_is_liste
 async def test_generate_refuses_an_unserved_parameter_with_422_in_tgis_shape():
     app = App(ServedModels([generation_model()]))
     body = {"inputs": "once", "parameters": {"watermark": True}}
-    with pytest.raises(Exception) as raised:
-        await app.handle(post("/generate", body))
-    assert getattr(raised.value, "status", None) == 422
-    assert "'watermark' is not supported" in str(raised.value)
+    response = await app.handle(post("/generate", body))
+    assert response.status == 422
+    assert "'watermark' is not supported" in json.loads(response.body)["error"]
+
+
+# --- errors typed as TGI types them -------------------------------------------------
+
+# what TGI's validation refuses (422 "validation", which TGI's client and InferenceClient
+# raise as ValidationError); rawserve's own checks answer some of them 400
+REFUSED_BY_VALIDATION = [
+    pytest.param({"max_new_tokens": 0}, id="max_new_tokens 0"),
+    pytest.param({"max_new_tokens": "many"}, id="max_new_tokens not a number"),
+    pytest.param({"temperature": -1}, id="temperature below 0"),
+    pytest.param({"top_p": 1.5}, id="top_p above 1"),
+    pytest.param({"stop": [""]}, id="blank stop"),
+    pytest.param({"best_of": 2}, id="best_of"),
+    pytest.param({"beam_width": 2}, id="unknown parameter"),
+]
+
+
+@pytest.mark.parametrize("parameters", REFUSED_BY_VALIDATION)
+@pytest.mark.parametrize("path", ["/generate", "/generate_stream", "/"])
+async def test_what_tgis_validation_refuses_is_422_validation(path, parameters):
+    app = App(ServedModels([generation_model()]))
+    response = await app.handle(post(path, {"inputs": "once", "parameters": parameters}))
+    assert response.status == 422, response.body
+    assert json.loads(response.body)["error_type"] == "validation"
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        pytest.param({"inputs": ""}, id="blank"),
+        pytest.param({"inputs": ["once"]}, id="a list"),
+        pytest.param({"inputs": "once", "parameters": []}, id="parameters not an object"),
+    ],
+)
+@pytest.mark.parametrize("path", ["/generate", "/generate_stream"])
+async def test_an_input_tgi_cannot_take_is_422_validation(path, document):
+    app = App(ServedModels([generation_model()]))
+    response = await app.handle(post(path, document))
+    assert response.status == 422, response.body
+    assert json.loads(response.body)["error_type"] == "validation"
+
+
+@pytest.mark.parametrize("path", ["/generate", "/generate_stream", "/"])
+async def test_a_body_that_is_not_json_stays_400_as_tgis_json_reader_answers(path):
+    app = App(ServedModels([generation_model()]))
+    request = HttpRequest(
+        "POST", path, "", [("content-type", "application/json")], b"{no", request_id="t"
+    )
+    response = await app.handle(request)
+    assert response.status == 400
+    assert json.loads(response.body)["error_type"] == "bad_request"
+
+
+async def test_a_refusal_tgi_has_no_type_for_keeps_its_status():
+    app = App(ServedModels([generation_model()]))
+    app.start_draining()
+    response = await app.handle(post("/generate", {"inputs": "once"}))
+    assert response.status == 503 and ("Retry-After", "1") in response.headers
+    assert json.loads(response.body)["error_type"] == "unavailable"
+
+
+async def test_post_root_keeps_rawserves_types_for_a_model_that_does_not_generate():
+    app = App(ServedModels([served("emb", "feature-extraction"), generation_model()]))
+    body = {"inputs": "once", "parameters": {"max_new_tokens": 0}}
+    with pytest.raises(BadRequest):  # rendered by the protocol, in rawserve's types
+        await app.handle(post("/", body))
+    response = await app.handle(post("/models/gen", body))  # the generation model's path
+    assert response.status == 422
+    assert json.loads(response.body)["error_type"] == "validation"

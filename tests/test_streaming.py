@@ -88,6 +88,17 @@ async def test_a_cut_character_held_back_arrives_with_the_last_token():
     assert events[-1]["token"]["text"] == "\ufffd"
 
 
+async def test_the_last_token_carries_only_its_own_text_when_the_answer_holds_the_prompt():
+    executor = FakeExecutor()
+    output = {"generated_text": "hello a\ufffd", "details": {}}
+    scheduler = FakeScheduler(executor, [" a", ""], output)
+    model = ServedModel("tiny-gpt", ModelService(scheduler, executor))
+    params = {"max_new_tokens": 2, "return_full_text": True}
+    events = await collect(await open_token_stream(model, "hello", params, deadline=1e9))
+    assert [e["token"]["text"] for e in events] == [" a", "\ufffd"]
+    assert events[-1]["generated_text"] == "hello a\ufffd"
+
+
 async def test_an_error_before_the_first_token_keeps_its_status():
     executor = FakeExecutor()
     full = Refused.because(Reason.QUEUE_FULL, "server busy: queue full", 3.0)
@@ -105,6 +116,14 @@ async def test_a_failure_after_the_first_token_is_an_error_event():
     events = await collect(await open_stream(scheduler, executor))
     assert events[0]["token"]["text"] == " a"
     assert events[-1] == {"error": "the model failed on this input", "error_type": "internal_error"}
+
+
+async def test_an_input_the_worker_refuses_after_the_first_token_is_typed_as_tgi_types_it():
+    executor = FakeExecutor()
+    failure = ItemFailure(FailureKind.INPUT, "the grammar cannot go on")
+    scheduler = FakeScheduler(executor, [" a"], failure)
+    events = await collect(await open_stream(scheduler, executor))
+    assert events[-1] == {"error": "the grammar cannot go on", "error_type": "validation"}
 
 
 async def test_closing_the_stream_cancels_the_request_and_the_generation():

@@ -3,8 +3,9 @@
 The protocol hands it complete requests (it is the protocol's `Application`); each route
 is a handler of one of the route families (inference, OpenAI, TGI, TEI, operations).
 Errors are raised as `rawserve.http.errors.HTTPError` and rendered by the protocol, except
-on the OpenAI routes, whose clients read only OpenAI's error object: the app renders those
-itself (`render_error`), refusals before the route runs included. Never sees a socket,
+on the OpenAI routes, whose clients read only OpenAI's error object, and where TGI's
+clients call, which type errors by TGI's rules: the app renders those itself
+(`error_renderer`), refusals before the route runs included. Never sees a socket,
 never imports h11 or torch.
 """
 
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import Protocol
 
-from rawserve.api import schemas
+from rawserve.api import schemas, tgi
 from rawserve.api.bodies import json_response
 from rawserve.api.context import RouteContext
 from rawserve.api.gate import Gate
@@ -34,8 +35,11 @@ from rawserve.http.errors import (
     NotFound,
     error_response,
     openai_error_response,
+    tgi_error_response,
 )
 from rawserve.http.exchange import HttpRequest, HttpResponse
+
+ErrorRenderer = Callable[[BaseException], HttpResponse]
 
 
 class RouteMetrics(MetricsPage, Protocol):
@@ -111,17 +115,31 @@ class App:
         try:
             response = await self.route(request)
         except Exception as exc:
-            if not self.renders_errors(request):
+            render = self.error_renderer(request)
+            if render is None:
                 raise  # the protocol renders it
-            response = render_error(request, exc)
+            response = render(exc)
         if self.cors is not None:
             self.cors.add_headers(request, response)
         return response
 
-    def renders_errors(self, request: HttpRequest) -> bool:
-        """Whether the app renders a request's errors itself rather than the protocol:
-        in OpenAI's shape on its routes, and where a page must read them (CORS)."""
-        return self.cors is not None or request.path.startswith(OPENAI_PREFIX)
+    def error_renderer(self, request: HttpRequest) -> ErrorRenderer | None:
+        """How the app renders a request's errors itself, or None: the protocol renders
+        them (rawserve's shape). OpenAI's object on its routes, TGI's types where TGI's
+        clients call, and rawserve's shape where a page must read them (CORS)."""
+        if request.path.startswith(OPENAI_PREFIX):
+            return openai_error_response
+        if self.speaks_tgi(request):
+            return tgi_error_response
+        return error_response if self.cors is not None else None
+
+    def speaks_tgi(self, request: HttpRequest) -> bool:
+        """TGI's routes, and `POST /` (or `/models/<name>`) on a text-generation model:
+        TGI's client and InferenceClient post there and type errors by TGI's rules."""
+        if request.path in tgi.PATHS:
+            return True
+        model = self.models.default if request.path == "/" else self.model_paths.get(request.path)
+        return model is not None and model.task == tgi.TASK
 
     async def route(self, request: HttpRequest) -> HttpResponse:
         methods = self.routes.get(request.path)
@@ -156,9 +174,10 @@ class App:
         try:
             response = self.answer_now_plain(request)
         except Exception as exc:
-            if not self.renders_errors(request):
+            render = self.error_renderer(request)
+            if render is None:
                 raise
-            response = render_error(request, exc)
+            response = render(exc)
         if response is not None and self.cors is not None:
             self.cors.add_headers(request, response)
         return response
@@ -197,11 +216,3 @@ class App:
         """Raise 401 unless the request may use its path (probes and metrics are open)."""
         if self.settings.api_key and request.path not in self.open_paths:
             require_bearer(request, self.settings.api_key)
-
-
-def render_error(request: HttpRequest, exc: BaseException) -> HttpResponse:
-    """An error as the route family's clients read it: OpenAI's object on `/v1/`,
-    rawserve's `{"error", "error_type"}` (which TGI's and TEI's clients read) elsewhere."""
-    if request.path.startswith(OPENAI_PREFIX):
-        return openai_error_response(exc)
-    return error_response(exc)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rawserve.http.encoding import dumps
-from rawserve.http.errors import BadRequest, PayloadTooLarge
+from rawserve.http.errors import BadRequest, MalformedRequest, PayloadTooLarge
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.http.header_numbers import header_decimal
 from rawserve.serving.face import ItemResult
@@ -29,11 +29,11 @@ def read_json(request: HttpRequest) -> Any:
     try:
         document = json.loads(body)
     except RecursionError:  # the parser's own limit, well past ours
-        raise BadRequest(TOO_DEEP) from None
+        raise MalformedRequest(TOO_DEEP) from None
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise BadRequest("the body is not valid JSON") from None
+        raise MalformedRequest("the body is not valid JSON") from None
     except ValueError:  # a number of more digits than Python converts (4,300)
-        raise BadRequest("the body holds a number too long to read") from None
+        raise MalformedRequest("the body holds a number too long to read") from None
     # Both checks walk the document, so they run only when the bytes allow a problem:
     # fewer brackets than the limit cannot nest past it, and a surrogate is written as
     # an escape (UTF-8 cannot carry one).
@@ -52,10 +52,11 @@ def _check_document(document: Any) -> None:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
-                raise BadRequest("the JSON body holds a lone surrogate (\\ud800-\\udfff)") from None
+                lone = "the JSON body holds a lone surrogate (\\ud800-\\udfff)"
+                raise MalformedRequest(lone) from None
         elif isinstance(value, (list, dict)):
             if depth > MAX_JSON_DEPTH:
-                raise BadRequest(TOO_DEEP)
+                raise MalformedRequest(TOO_DEEP)
             children = value.items() if isinstance(value, dict) else enumerate(value)
             for key, child in children:
                 if isinstance(key, str):

@@ -31,9 +31,11 @@ from rawserve.http.errors import (
     ServiceUnavailable,
     UnprocessableInput,
     error_document,
+    tgi_error,
 )
 from rawserve.http.exchange import HttpResponse
 from rawserve.serving.face import Control, ItemResult, Serving, TokenChunk
+from rawserve.tasks.text_generation import returns_full_text
 
 # A stream's queue carries its TokenChunks, then None once its request has finished.
 Run = asyncio.Future[list[ItemResult]]
@@ -60,6 +62,7 @@ class TokenStream:
 
     def __init__(self, model: ServedModel, prompt: Any, params: Mapping[str, Any], deadline: float):
         self.serving: Serving = model.serving
+        self.echoed = prompt if returns_full_text(params) else ""  # what the answer starts with
         self.queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
         self.overflowed = False
         self.closed = False
@@ -176,14 +179,15 @@ async def _events(stream: TokenStream) -> AsyncGenerator[bytes, None]:
             held = chunk
         try:
             output = stream.output()
-        except HTTPError as error:
-            yield sse(error_document(error))
+        except HTTPError as error:  # TGI's events: TGI's types
+            yield sse(error_document(tgi_error(error)))
             return
         last_token = dict(held.token) if held is not None else None
         text = output["generated_text"]
-        if last_token is not None and not last_token["special"] and text.startswith(emitted):
+        generated = text.removeprefix(stream.echoed)  # the tokens' part of the text
+        if last_token is not None and not last_token["special"] and generated.startswith(emitted):
             # the last token carries whatever a cut multi-byte character held back
-            last_token["text"] = text[len(emitted) :]
+            last_token["text"] = generated[len(emitted) :]
         yield sse(_event(index, last_token, text, output.get("details")))
     finally:
         stream.close()

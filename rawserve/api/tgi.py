@@ -10,7 +10,9 @@ events). The answers are TGI's: `{"generated_text", "details"}` with `details` w
 (`finish_reason`, `generated_tokens`, `seed`, `prefill`, `tokens`), and the stream's
 `{"index", "token", "generated_text", "details"}` events, the text on the last. Like
 TGI, the routes serve the one generation model: the first served one that generates.
-Errors keep rawserve's `{"error", "error_type"}`, which is TGI's own shape.
+Errors keep rawserve's `{"error", "error_type"}`, which is TGI's own shape, with TGI's
+types (`rawserve.http.errors.tgi_error`: what TGI's validation refuses is 422
+"validation"), as on `POST /` for this task, where TGI's clients post too.
 Server process; never imports torch.
 """
 
@@ -33,6 +35,9 @@ from rawserve.tasks import InvalidRequest, check_generation_length
 
 TAG = "TGI"
 TASK = "text-generation"
+GENERATE = "/generate"
+GENERATE_STREAM = "/generate_stream"
+PATHS = frozenset({GENERATE, GENERATE_STREAM})
 TOKEN: Schema = {
     "type": "object",
     "required": ["id", "text", "logprob", "special"],
@@ -92,10 +97,10 @@ class TgiRoutes:
             events=schemas.generation_events,
         )
         return [
-            Route("POST", "/generate", self.generate, generate, GENERATION, queued=True),
+            Route("POST", GENERATE, self.generate, generate, GENERATION, queued=True),
             Route(
                 "POST",
-                "/generate_stream",
+                GENERATE_STREAM,
                 self.generate_stream,
                 generate_stream,
                 GENERATION,

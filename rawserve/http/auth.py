@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 
-from rawserve.http.errors import BadRequest, Unauthorized
+from rawserve.http.errors import MalformedRequest, Unauthorized
 from rawserve.http.exchange import HttpRequest
 
 
@@ -17,7 +17,7 @@ def require_bearer(request: HttpRequest, api_key: str) -> None:
     """
     given = [value for name, value in request.headers if name == "authorization"]
     if len(given) > 1:
-        raise BadRequest("a request may carry one Authorization header, not several")
+        raise MalformedRequest("a request may carry one Authorization header, not several")
     scheme, _, token = (given[0] if given else "").strip().partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise Unauthorized(

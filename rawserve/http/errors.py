@@ -1,6 +1,7 @@
 """Errors that carry their HTTP status, and the one place that renders any error: in
 rawserve's shape (`error_response`, every route but OpenAI's) or OpenAI's
-(`openai_error_response`, the `/v1/` routes, whose clients read only that shape).
+(`openai_error_response`, the `/v1/` routes, whose clients read only that shape), and
+with TGI's types in rawserve's shape (`tgi_error_response`, the routes TGI's clients use).
 
 Messages are written for the client: they say what to fix and never contain a
 traceback, a path or a repr of internals (those go to the log).
@@ -42,6 +43,11 @@ class HTTPError(Exception):
 class BadRequest(HTTPError):
     status = 400
     error_type = "bad_request"
+
+
+class MalformedRequest(BadRequest):
+    """A request that cannot be read at all (a body that is not JSON, two Authorization
+    headers): nothing it asks was looked at, so it is no validation failure."""
 
 
 class Unauthorized(HTTPError):
@@ -94,6 +100,14 @@ class UnprocessableInput(HTTPError):
     error_type = "unprocessable_input"
 
 
+class ValidationFailed(HTTPError):
+    """TGI's refusal of what a request asks (a parameter out of range, a blank or too long
+    prompt): the only type TGI's client and InferenceClient raise as ValidationError."""
+
+    status = 422
+    error_type = "validation"
+
+
 class HeadersTooLarge(HTTPError):
     status = 431
     error_type = "headers_too_large"
@@ -141,6 +155,23 @@ def as_http_error(exc: BaseException) -> HTTPError:
 def error_document(error: HTTPError) -> dict[str, str]:
     """The JSON body of an error: `{"error": message, "error_type": kind}`."""
     return {"error": _short(error.message), "error_type": error.error_type}
+
+
+def tgi_error_response(exc: BaseException) -> HttpResponse:
+    """`error_response` with TGI's types, for the routes TGI's clients call (`tgi_error`)."""
+    error = tgi_error(as_http_error(exc))
+    return HttpResponse(error.status, dumps(error_document(error)), list(error.headers))
+
+
+def tgi_error(error: HTTPError) -> HTTPError:
+    """The error as TGI types it: TGI refuses whatever its validation finds wrong with 422
+    "validation", so rawserve's 400 and 422 become that. A request that cannot be read
+    keeps its 400 (TGI's JSON reader answers so); the rest keep theirs (TGI has no
+    equivalent of rawserve's 503 with Retry-After, 504 or 413)."""
+    client_error = isinstance(error, (BadRequest, UnprocessableInput))
+    if client_error and not isinstance(error, MalformedRequest):
+        return ValidationFailed(error.message, headers=error.headers)
+    return error
 
 
 def openai_error_response(exc: BaseException) -> HttpResponse:

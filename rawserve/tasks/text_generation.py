@@ -12,6 +12,7 @@ per new token, and so that it never shares a batch.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from rawserve.tasks.checks import boolean, checker, float_range, ignored, int_range, text
@@ -27,6 +28,13 @@ MAX_STOP_SEQUENCES = 16
 # the likeliest tokens a new token's details or stream event may list beside it (OpenAI's
 # top_logprobs goes to 20; TGI's own server defaults to 5)
 MAX_TOP_N_TOKENS = 20
+
+
+def returns_full_text(params: Mapping[str, Any]) -> bool:
+    """Whether an answer's text starts with its prompt: by default it does, streamed or
+    not (the pipeline's and the Inference API's `return_full_text`); TGI's and OpenAI's
+    routes ask for the continuation alone."""
+    return bool(params.get("return_full_text", True))
 
 
 @checker(

@@ -20,7 +20,7 @@ import transformers
 
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits, TokenChunk
 from rawserve.tasks import CHAT_PARAM
-from rawserve.tasks.text_generation import PROMPT_TOP_N
+from rawserve.tasks.text_generation import PROMPT_TOP_N, returns_full_text
 from rawserve.worker.continuous import Generation, ScoreAdjustments, TextPieces, likeliest
 from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.grammars import Grammars, constrain
@@ -460,7 +460,7 @@ class CausalLMRunner(Runner):
         """One item's output in the Inference API's shape (TGI's details when asked)."""
         # the whole decode, as the pipeline does (pieces hold back a cut character)
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        if params.get("return_full_text", control.stream_id is None):
+        if returns_full_text(params):
             text = prompt + text
         output: dict[str, Any] = {"generated_text": text}
         if params.get("details") or control.stream_id is not None:
