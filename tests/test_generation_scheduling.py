@@ -57,6 +57,8 @@ def warm(server):
         ("/v1/completions", {"prompt": HUGE_PROMPT, "max_tokens": 4}),
         ("/", {"inputs": HUGE_PROMPT, "parameters": {"max_new_tokens": 4}}),
         ("/v1/completions", {"prompt": "word " * POSITIONS, "max_tokens": 4}),  # 2x over
+        ("/generate", {"inputs": HUGE_PROMPT, "parameters": {"max_new_tokens": 4}}),  # TGI
+        ("/generate_stream", {"inputs": "word " * POSITIONS}),
     ],
 )
 def test_a_prompt_past_the_positions_is_refused_before_it_queues(server, path, document):

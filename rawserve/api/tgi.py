@@ -26,6 +26,7 @@ from rawserve.api.context import RouteContext
 from rawserve.api.inference import ParsedRequest, inference_request, parse_json_body
 from rawserve.api.openai import GENERATION
 from rawserve.api.outcomes import unwrap
+from rawserve.api.prompts import check_lengths
 from rawserve.api.routing import MODEL_ERRORS, DocContext, Operation, Route, Schema
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
@@ -109,18 +110,19 @@ class TgiRoutes:
         ]
 
     async def generate(self, request: HttpRequest) -> HttpResponse:
-        model, parsed = self.parse(request)
+        model, parsed = await self.parse(request)
         results = await model.run(parsed.inputs, parsed.params, self.context.deadline(request))
         [output] = unwrap(results[0])  # the pipeline's [{"generated_text", "details"}]
         return answer(output, results)
 
     async def generate_stream(self, request: HttpRequest) -> HttpResponse:
-        model, parsed = self.parse(request)
+        model, parsed = await self.parse(request)
         deadline = self.context.deadline(request)
         return await open_token_stream(model, parsed.inputs[0], parsed.params, deadline)
 
-    def parse(self, request: HttpRequest) -> tuple[ServedModel, ParsedRequest]:
-        """The generation model, and the body's prompt and checked parameters."""
+    async def parse(self, request: HttpRequest) -> tuple[ServedModel, ParsedRequest]:
+        """The generation model, and the body's prompt and checked parameters; a prompt
+        that leaves the model no room is refused here, before it queues."""
         document = read_json(request)
         model = self.context.model_for(None, GENERATION)
         if isinstance(document, dict):
@@ -134,4 +136,5 @@ class TgiRoutes:
             check_generation_length(params, model.limits.max_new_tokens)
         except InvalidRequest as exc:
             raise BadRequest(str(exc)) from None
+        await check_lengths(self.context.tokenizers, model, parsed.inputs, chat=False)
         return model, ParsedRequest(parsed.inputs, params, is_list=False)
