@@ -351,6 +351,44 @@ def test_chat_options_it_does_not_serve_are_400_not_ignored(servers, extra):
     assert raised.value.status_code == 400
 
 
+def test_chat_takes_openais_fields_at_their_default_values(servers):
+    """What agents and proxies forward as it is: the defaults of what rawserve does not do,
+    and OpenAI's bookkeeping (dropped)."""
+    answer = client(servers["chat"]).chat.completions.create(
+        model=CHAT_MODEL,
+        messages=MESSAGES,
+        max_tokens=3,
+        store=False,
+        metadata={"run": "7"},
+        service_tier="auto",
+        modalities=["text"],
+        user="someone",
+    )
+    assert answer.usage.completion_tokens <= 3
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"store": True},
+        {"service_tier": "flex"},
+        {"modalities": ["text", "audio"]},
+        {"reasoning_effort": "high"},
+        {"prediction": {"type": "content", "content": "a movie"}},
+    ],
+    ids=repr,
+)
+def test_chat_fields_it_does_not_serve_are_400_naming_them(servers, extra):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as raised:
+        client(servers["chat"]).chat.completions.create(
+            model=CHAT_MODEL, messages=MESSAGES, max_tokens=3, **extra
+        )
+    [name] = extra
+    assert f'"{name}" is not supported by this server' in raised.value.message
+
+
 @pytest.mark.parametrize(
     "messages",
     [
