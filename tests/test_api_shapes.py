@@ -259,6 +259,25 @@ AGREEMENT = [
     ("CHAT", {"messages": HI, "response_format": {"type": "text"}}, True),
     ("CHAT", {"messages": HI, "response_format": {"type": "yaml"}}, False),
     ("CHAT", {"messages": HI, "response_format": {"type": "json_schema"}}, False),
+    # TGI's grammars, as its chat takes them
+    ("CHAT", {"messages": HI, "response_format": {"type": "json", "value": {}}}, True),
+    (
+        "CHAT",
+        {"messages": HI, "response_format": {"type": "json", "value": '{"type": "object"}'}},
+        True,
+    ),
+    ("CHAT", {"messages": HI, "response_format": {"type": "regex", "value": "[a-z]+"}}, True),
+    (
+        "CHAT",
+        {"messages": HI, "response_format": {"type": "json_schema", "value": {"schema": {}}}},
+        True,
+    ),
+    ("CHAT", {"messages": HI, "response_format": {"type": "json_schema", "value": {}}}, False),
+    ("CHAT", {"messages": HI, "response_format": {"type": "regex", "value": ""}}, False),
+    ("CHAT", {"messages": HI, "response_format": {"type": "regex"}}, False),
+    ("CHAT", {"messages": HI, "response_format": {"type": "json", "value": 5}}, False),
+    ("CHAT", {"messages": HI, "tool_prompt": "use a tool"}, True),
+    ("CHAT", {"messages": HI, "tool_prompt": 5}, False),
     ("CHAT", {"messages": HI, "stream": True, "stream_options": {"include_usage": "x"}}, False),
     ("CHAT", {"messages": [{"role": "robot", "content": "hi"}]}, False),
     # OpenAI's fields at their off or default values, and its bookkeeping, are taken

@@ -220,7 +220,13 @@ def read_response_format(
     name: str, value: Any, context: DocContext | None
 ) -> dict[str, Any] | None:
     """The grammar OpenAI's response_format asks for, as the worker takes it (TGI's shape);
-    None for free text. A schema is always held to ("strict" or not)."""
+    None for free text. A schema is always held to ("strict" or not). TGI's chat takes its
+    own grammars here (`{"type", "value"}`, as its /generate does), and so does rawserve."""
+    if isinstance(value, dict) and "value" in value:  # (OpenAI's forms have no "value")
+        try:
+            return text_generation.grammar(value)
+        except ValueError as exc:
+            raise BadRequest(f'"{name}" {exc}') from None
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "text":
         return None
@@ -235,7 +241,8 @@ def read_response_format(
             pass
     raise BadRequest(
         f'"{name}" must be {{"type": "text"}}, {{"type": "json_object"}} or {{"type": '
-        '"json_schema", "json_schema": {"name": ..., "schema": {...}}}'
+        '"json_schema", "json_schema": {"name": ..., "schema": {...}}} (or TGI\'s {"type": '
+        '"json" or "regex", "value": ...})'
     )
 
 
@@ -315,10 +322,13 @@ def parse_chat(document: Any) -> GenerationRequest:
     if tools is not None and older is not None:
         raise BadRequest('"tools" and "functions" cannot be given together')
     tools = tools or older
+    tool_prompt = fields.value("tool_prompt")  # (TGI's: told with the tools, so not without)
     if tools is not None:
         chat["tools"] = tools.template_tools()  # the template shows them to the model
         if tools.parallel:  # (where the template leaves tools out, the model is told)
             chat["parallel_tool_calls"] = True
+        if tool_prompt:
+            chat["tool_prompt"] = unicode_text(tool_prompt, '"tool_prompt"')
         if tools.held:
             if "grammar" in params:
                 raise BadRequest('"response_format" and tools cannot hold one answer together')
@@ -586,10 +596,12 @@ RESPONSE_FORMAT: Schema = {
     "type": ["object", "null"],
     "description": 'free text ({"type": "text"}), any JSON object ({"type": "json_object"}) '
     'or JSON that a schema describes ({"type": "json_schema", "json_schema": {"name", '
-    '"schema"}})',
+    '"schema"}}); or TGI\'s grammars: {"type": "json", "value": schema (or its text)}, '
+    '{"type": "regex", "value": "..."}, {"type": "json_schema", "value": {"name", "schema"}}',
     "required": ["type"],
     "properties": {
-        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "type": {"enum": ["text", "json_object", "json_schema", "json", "regex"]},
+        "value": {"type": ["object", "string"]},  # TGI's
         "json_schema": {
             "type": "object",
             "required": ["schema"],
@@ -601,8 +613,34 @@ RESPONSE_FORMAT: Schema = {
             },
         },
     },
-    "if": {"properties": {"type": {"const": "json_schema"}}},
-    "then": {"required": ["json_schema"]},
+    "allOf": [
+        {
+            "if": {"properties": {"type": {"const": "json_schema"}}},
+            "then": {
+                "oneOf": [
+                    {"required": ["json_schema"]},
+                    {
+                        "required": ["value"],
+                        "properties": {
+                            "value": {
+                                "type": "object",
+                                "required": ["schema"],
+                                "properties": {"schema": {"type": "object"}},
+                            }
+                        },
+                    },
+                ]
+            },
+        },
+        {"if": {"properties": {"type": {"const": "json"}}}, "then": {"required": ["value"]}},
+        {
+            "if": {"properties": {"type": {"const": "regex"}}},
+            "then": {
+                "required": ["value"],
+                "properties": {"value": {"type": "string", "minLength": 1}},
+            },
+        },
+    ],
 }
 METADATA: Schema = {
     "type": ["object", "null"],
@@ -664,6 +702,9 @@ CHAT = Body(
         "tools": Field(TOOLS, read_tools),
         "tool_choice": Field(TOOL_CHOICE, read_tool_choice),
         "parallel_tool_calls": flag(True, "whether an answer may call several tools"),
+        "tool_prompt": text(
+            "TGI's: a text for the model before the tools, at the end of the last message"
+        ),
         # OpenAI's older form of tools: one call an answer, read back as "function_call"
         "functions": Field(FUNCTIONS, read_functions),
         "function_call": Field(FUNCTION_CALL, read_function_call),
