@@ -387,6 +387,7 @@ def test_chat_fields_it_does_not_serve_are_400_naming_them(servers, extra):
         )
     [name] = extra
     assert f'"{name}" is not supported by this server' in raised.value.message
+    assert raised.value.param == name
 
 
 @pytest.mark.parametrize(
