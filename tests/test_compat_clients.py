@@ -320,6 +320,16 @@ def test_openai_sdk_shows_a_404s_message(openai_api):
     assert raised.value.type == "not_found_error"
 
 
+def test_openai_sdk_retrieves_a_served_model_as_listed_and_not_one_not_served(openai_api):
+    import openai
+
+    api = openai_api("chat")
+    assert api.models.retrieve("chat") == api.models.list().data[0]
+    with pytest.raises(openai.NotFoundError) as raised:
+        api.models.retrieve("org/gpt-4o")
+    assert raised.value.code == "model_not_found" and "'org/gpt-4o'" in raised.value.message
+
+
 def test_openai_sdk_shows_a_413s_message(openai_api):
     import openai
 

@@ -71,6 +71,22 @@ async def test_v1_refusals_are_openais_error_object(
         assert ("Allow", "POST") in response.headers
 
 
+@pytest.mark.parametrize(
+    ("document", "param"),
+    [
+        ({"input": "a", "dimensions": 0}, "dimensions"),
+        ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": 5}, "input"),
+        ({"input": "a", "model": 7}, None),  # (read before the body's fields)
+        ({"input": "a", "extra": 1}, None),  # an unknown field: OpenAI names none either
+    ],
+    ids=repr,
+)
+async def test_a_refused_field_is_named_as_openais_param(document, param):
+    error = openai_error(await app().handle(request("POST", "/v1/embeddings", document)), 400)
+    assert error["param"] == param, error
+
+
 def test_v1_refusals_from_the_head_are_openais_error_object_too():
     server = app()
     workers = server.models.default.serving.workers

@@ -549,6 +549,21 @@ def test_tools_go_to_the_template_or_else_to_the_last_message(tiny_model):
         "{% endif %}{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
     )
     assert chat_runner.chat_text(messages, [TOOL]) == "tools: get_time\nwhat time is it\n"
+    told = chat_runner.chat_text(messages, [TOOL], tool_prompt="use a tool")  # TGI's
+    assert told == "tools: get_time\nwhat time is it\n\nuse a tool\n"
+
+
+def test_a_tool_prompt_comes_before_the_tools_described_and_only_with_them(tiny_model):
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32)
+    messages = [{"role": "user", "content": "what time is it"}]
+    told = chat_runner.chat_text(messages, [TOOL], tool_prompt="pick a tool")
+    assert "what time is it\n\npick a tool\n\nTools you may call: " in told
+    plain = chat_runner.chat_text(messages, None)
+    assert chat_runner.chat_text(messages, None, tool_prompt="pick a tool") == plain
 
 
 def streamed(runner, control: Control, script_after: dict[int, list[Any]] | None = None, **kw):

@@ -251,3 +251,26 @@ async def test_v1_models_lists_every_served_model(app):
     request = HttpRequest("GET", "/v1/models", "", KEY, b"", request_id="test")
     listed = json.loads((await app.handle(request)).body)["data"]
     assert [entry["id"] for entry in listed] == ["cls", "emb"]
+
+
+def get(path: str, headers=KEY) -> HttpRequest:
+    return HttpRequest("GET", path, "", headers, b"", request_id="test")
+
+
+# (the openai SDK sends a Hub id's "/" as %2F: the protocol decodes it, test_protocol.py)
+@pytest.mark.parametrize("name", ["emb", "BAAI/bge-small-en-v1.5"])
+async def test_v1_models_gives_a_served_model_by_any_of_its_names_as_listed(app, name):
+    listed = json.loads((await app.handle(get("/v1/models"))).body)["data"]
+    answer = await app.handle(get("/v1/models/" + name))
+    assert answer.status == 200
+    assert json.loads(answer.body) == listed[1]
+
+
+@pytest.mark.parametrize("name", ["gpt-4o", "org/other", "BAAI", ""])
+async def test_v1_models_of_a_name_not_served_is_openais_model_not_found(app, name):
+    answer = await app.handle(get("/v1/models/" + name))
+    assert answer.status == 404
+    error = json.loads(answer.body)["error"]
+    assert (error["code"], error["param"]) == ("model_not_found", "model"), error
+    assert "served: cls, org/sst2, emb" in error["message"]
+    assert (await app.handle(get("/v1/models/emb", headers=[]))).status == 401

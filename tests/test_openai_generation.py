@@ -351,6 +351,45 @@ def test_chat_options_it_does_not_serve_are_400_not_ignored(servers, extra):
     assert raised.value.status_code == 400
 
 
+def test_chat_takes_openais_fields_at_their_default_values(servers):
+    """What agents and proxies forward as it is: the defaults of what rawserve does not do,
+    and OpenAI's bookkeeping (dropped)."""
+    answer = client(servers["chat"]).chat.completions.create(
+        model=CHAT_MODEL,
+        messages=MESSAGES,
+        max_tokens=3,
+        store=False,
+        metadata={"run": "7"},
+        service_tier="auto",
+        modalities=["text"],
+        user="someone",
+    )
+    assert answer.usage.completion_tokens <= 3
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"store": True},
+        {"service_tier": "flex"},
+        {"modalities": ["text", "audio"]},
+        {"reasoning_effort": "high"},
+        {"prediction": {"type": "content", "content": "a movie"}},
+    ],
+    ids=repr,
+)
+def test_chat_fields_it_does_not_serve_are_400_naming_them(servers, extra):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as raised:
+        client(servers["chat"]).chat.completions.create(
+            model=CHAT_MODEL, messages=MESSAGES, max_tokens=3, **extra
+        )
+    [name] = extra
+    assert f'"{name}" is not supported by this server' in raised.value.message
+    assert raised.value.param == name
+
+
 @pytest.mark.parametrize(
     "messages",
     [
@@ -541,6 +580,43 @@ def test_huggingface_hubs_client_generates_within_a_grammar(servers, hub_client_
         )
     assert re.fullmatch("(yes|no), [0-9]{2}", text), text
     assert set(json.loads(person)) == {"name", "age"}, person
+
+
+def test_tgis_grammars_hold_a_chat_as_they_hold_generate(servers, hub_client_may_reach_loopback):
+    """TGI's chat takes its /generate grammars as "response_format", and InferenceClient
+    sends them so."""
+    from huggingface_hub import InferenceClient
+
+    with InferenceClient(base_url=f"http://127.0.0.1:{servers['chat'].port}") as hub:
+
+        def chat(grammar):
+            answer = hub.chat_completion(
+                MESSAGES,
+                model=CHAT_MODEL,
+                response_format=grammar,
+                **{**SAMPLED, "max_tokens": 120},
+            )
+            return answer.choices[0].message.content
+
+        text = chat({"type": "regex", "value": "(yes|no), [0-9]{2}"})
+        person = chat({"type": "json", "value": PERSON})
+    assert re.fullmatch("(yes|no), [0-9]{2}", text), text
+    assert set(json.loads(person)) == {"name", "age"}, person
+
+
+def test_tgis_tool_prompt_is_told_to_the_model_with_the_tools(
+    servers, hub_client_may_reach_loopback
+):
+    from huggingface_hub import InferenceClient
+
+    with InferenceClient(base_url=f"http://127.0.0.1:{servers['tools'].port}") as hub:
+
+        def prompt_tokens(**extra):
+            asked = {"tools": [WEATHER], "tool_choice": "required", "max_tokens": 120}
+            answer = hub.chat_completion(ASK, model=TOOLS_MODEL, **asked, **extra)
+            return answer.usage.prompt_tokens
+
+        assert prompt_tokens(tool_prompt="Answer with a call.") > prompt_tokens()
 
 
 def test_vllms_min_tokens_and_ignore_eos_give_answers_of_a_set_length(servers, reference):

@@ -20,7 +20,7 @@ from rawserve.api.bodies import json_response
 from rawserve.api.context import RouteContext
 from rawserve.api.gate import Gate
 from rawserve.api.inference import MODELS_PREFIX, InferenceRoutes
-from rawserve.api.openai import OPENAI_PREFIX, OpenAIRoutes
+from rawserve.api.openai import OPENAI_MODEL_PREFIX, OPENAI_PREFIX, OpenAIRoutes
 from rawserve.api.openapi import openapi_document
 from rawserve.api.operations import READY_PREFIX, MetricsPage, OperationsRoutes
 from rawserve.api.routing import Handler, Needs, Operation, Route
@@ -40,6 +40,8 @@ from rawserve.http.errors import (
 from rawserve.http.exchange import HttpRequest, HttpResponse
 
 ErrorRenderer = Callable[[BaseException], HttpResponse]
+# the paths that end in a model's name: a route for each name, and 404 for a name not served
+MODEL_PREFIXES = (MODELS_PREFIX, READY_PREFIX, OPENAI_MODEL_PREFIX)
 
 
 class RouteMetrics(MetricsPage, Protocol):
@@ -143,7 +145,7 @@ class App:
 
     async def route(self, request: HttpRequest) -> HttpResponse:
         methods = self.routes.get(request.path)
-        prefix = next((p for p in (MODELS_PREFIX, READY_PREFIX) if request.path.startswith(p)), "")
+        prefix = next((p for p in MODEL_PREFIXES if request.path.startswith(p)), "")
         if methods is None and prefix:
             # a model not served: 404 naming the served ones (after the API key: they are
             # not for everyone's eyes); the protocol has decoded %-escapes (org%2Fname)

@@ -6,7 +6,8 @@ through the same `Body` that describes it, so the two cannot drift.
 
 Unknown fields are refused (OpenAI's routes) or ignored (TEI's, as TEI ignores them);
 `null` reads as absent. Fields are read when a handler asks for them, so a request's
-refusals come in the order its handler meets them.
+refusals come in the order its handler meets them; each names its field (the `param` of
+OpenAI's error object).
 
 Server process; plain Python.
 """
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rawserve.api.routing import DocContext, Schema
-from rawserve.http.errors import BadRequest
+from rawserve.http.errors import BadRequest, HTTPError
 
 # (field name, value (never None unless the field reads null), the route's context) → value
 Reader = Callable[[str, Any, "DocContext | None"], Any]
@@ -106,7 +107,13 @@ class Fields:
         value = self.document.get(name)
         if value is None and not spec.reads_null:
             return spec.default
-        return value if spec.read is None else spec.read(name, value, context)
+        if spec.read is None:
+            return value
+        try:
+            return spec.read(name, value, context)
+        except HTTPError as error:  # OpenAI's error object names the field at fault
+            error.param = error.param or name
+            raise
 
 
 # --- the kinds of field ----------------------------------------------------------------

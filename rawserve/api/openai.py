@@ -1,6 +1,7 @@
 """The OpenAI-compatible routes: `POST /v1/embeddings` (feature-extraction models),
 `POST /v1/chat/completions` and `POST /v1/completions` (text-generation models), and
-`GET /v1/models`; the "model" field picks one of the served models.
+`GET /v1/models` (and `GET /v1/models/<name>`, one of them by any of its names); the
+"model" field picks one of the served models.
 
 Embeddings: the workers compute pooled, normalized vectors and their real token counts;
 they are only reshaped here (base64 is the little-endian float32 bytes of the vector,
@@ -48,6 +49,8 @@ EMBEDDING = Needs(frozenset({EMBEDDING_TASK}), "a feature-extraction model")
 GENERATION = Needs(frozenset({"text-generation"}), "a text-generation model")
 TAG = "OpenAI"
 OPENAI_PREFIX = "/v1/"  # the OpenAI routes: their errors are OpenAI's error object
+# GET /v1/models/<name>: one of the served models, by any name (a Hub id holds a "/")
+OPENAI_MODEL_PREFIX = "/v1/models/"
 ENCODING_FORMATS = ("float", "base64")
 
 
@@ -157,6 +160,12 @@ class OpenAIRoutes:
         models = Operation(
             "The served models (OpenAI)", TAG, response=lambda _: schemas.MODELS_LIST
         )
+        one_model = Operation(
+            "One of the served models, by name (OpenAI)",
+            TAG,
+            response=lambda _: schemas.MODEL,
+            errors=(404,),
+        )
         chat = Operation(
             "Chat completions (OpenAI): messages rendered with the model's chat template",
             TAG,
@@ -178,6 +187,11 @@ class OpenAIRoutes:
             queued("/v1/chat/completions", self.chat_completions, chat, GENERATION),
             queued("/v1/completions", self.completions, completions, GENERATION),
             Route("GET", "/v1/models", self.models_list, models),
+            *(
+                Route("GET", OPENAI_MODEL_PREFIX + name, self.model_route(model), one_model)
+                for model in self.context.models.all
+                for name in model.names
+            ),
         ]
 
     async def embeddings(self, request: HttpRequest) -> HttpResponse:
@@ -247,11 +261,25 @@ class OpenAIRoutes:
         return answer(shape.whole(outputs, generation.stop, echoed, generation.n), results)
 
     async def models_list(self, request: HttpRequest) -> HttpResponse:
-        data = [
-            {"id": model.name, "object": "model", "created": self.created, "owned_by": "rawserve"}
-            for model in self.context.models.all
-        ]
+        data = [self.model_object(model) for model in self.context.models.all]
         return json_response(200, {"object": "list", "data": data})
+
+    def model_route(self, model: ServedModel) -> Handler:
+        """GET /v1/models/<name>: the model as the list shows it (a name that is not
+        served is the app's 404, OpenAI's `model_not_found`)."""
+
+        async def handler(request: HttpRequest) -> HttpResponse:
+            return json_response(200, self.model_object(model))
+
+        return handler
+
+    def model_object(self, model: ServedModel) -> dict[str, Any]:
+        return {
+            "id": model.name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "rawserve",
+        }
 
 
 async def run_choices(

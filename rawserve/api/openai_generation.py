@@ -3,8 +3,10 @@ into prompts and worker parameters (their answers are `openai_answers`'). Each b
 declared once (`CHAT`, `COMPLETION`: `fields.Body`), for its checks and its
 `/openapi.json` schema.
 
-What OpenAI's API has and rawserve does not serve (`suffix`, `best_of`; a streamed echo
-with log probabilities) is refused with 400 naming it, never ignored. Several choices a
+What OpenAI's API has and rawserve does not serve (`suffix`, `best_of`, `store`,
+`service_tier`...; a streamed echo with log probabilities) is taken at its off or default
+value and refused with 400 naming it otherwise, never ignored; OpenAI's bookkeeping
+(`user`, `metadata`) is checked, then dropped. Several choices a
 prompt (`n`) are each a generation of their own, queued together, streamed as their
 tokens come; `logit_bias`, `frequency_penalty` and `presence_penalty` change each step's
 scores in the worker; `response_format` and `tools` (or the older `functions`;
@@ -71,6 +73,8 @@ GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choi
 REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~")  # escaped in a literal text (Rust's regex syntax)
 MAX_LOGIT_BIAS = 300  # token ids one request may bias: bounds a step's extra work
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+# OpenAI's bounds on "metadata": pairs, and the characters of a key and of a value
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
 @dataclass(frozen=True)
@@ -99,13 +103,14 @@ class GenerationRequest:
 def unserved(schema: Schema, *allowed: Any) -> Field:
     """A field rawserve does not serve: only its "off" values (null, false, 0...) are taken;
     anything else is 400."""
+    shown = " or ".join(json.dumps(off) for off in (None, *allowed))
 
     def read(name: str, value: Any, context: DocContext | None) -> Any:
         # false is not 0 here (Python says it is)
         if not any(
             value == off and isinstance(value, bool) == isinstance(off, bool) for off in allowed
         ):
-            raise BadRequest(f'"{name}" is not supported by this server')
+            raise BadRequest(f'"{name}" is not supported by this server: it takes only {shown}')
         return value
 
     return Field(schema, read)
@@ -194,11 +199,34 @@ def read_logit_bias(name: str, value: Any, context: DocContext | None) -> dict[i
     return bias
 
 
+def read_metadata(name: str, value: Any, context: DocContext | None) -> dict[str, str]:
+    """OpenAI's tags for its dashboard: checked as OpenAI checks them, then dropped."""
+    if (
+        not isinstance(value, dict)
+        or len(value) > MAX_METADATA_PAIRS
+        or not all(
+            isinstance(tag, str) and len(key) <= MAX_METADATA_KEY and len(tag) <= MAX_METADATA_VALUE
+            for key, tag in value.items()
+        )
+    ):
+        raise BadRequest(
+            f'"{name}" must be an object of at most {MAX_METADATA_PAIRS} texts by name (names '
+            f"of at most {MAX_METADATA_KEY} characters, texts of at most {MAX_METADATA_VALUE})"
+        )
+    return value
+
+
 def read_response_format(
     name: str, value: Any, context: DocContext | None
 ) -> dict[str, Any] | None:
     """The grammar OpenAI's response_format asks for, as the worker takes it (TGI's shape);
-    None for free text. A schema is always held to ("strict" or not)."""
+    None for free text. A schema is always held to ("strict" or not). TGI's chat takes its
+    own grammars here (`{"type", "value"}`, as its /generate does), and so does rawserve."""
+    if isinstance(value, dict) and "value" in value:  # (OpenAI's forms have no "value")
+        try:
+            return text_generation.grammar(value)
+        except ValueError as exc:
+            raise BadRequest(f'"{name}" {exc}') from None
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "text":
         return None
@@ -213,7 +241,8 @@ def read_response_format(
             pass
     raise BadRequest(
         f'"{name}" must be {{"type": "text"}}, {{"type": "json_object"}} or {{"type": '
-        '"json_schema", "json_schema": {"name": ..., "schema": {...}}}'
+        '"json_schema", "json_schema": {"name": ..., "schema": {...}}} (or TGI\'s {"type": '
+        '"json" or "regex", "value": ...})'
     )
 
 
@@ -280,6 +309,9 @@ def stop_sequences(value: Any) -> list[str]:
 
 def parse_chat(document: Any) -> GenerationRequest:
     fields = CHAT.read(document)
+    refuse_unserved(fields, CHAT_UNSERVED)
+    for name in CHAT_BOOKKEEPING:  # checked, then dropped: they change no answer
+        fields.value(name)
     request = generation_params(fields, "max_completion_tokens", None)
     chat: dict[str, Any] = {"messages": fields.value("messages")}
     params = {**request.params, CHAT_PARAM: True}
@@ -290,10 +322,13 @@ def parse_chat(document: Any) -> GenerationRequest:
     if tools is not None and older is not None:
         raise BadRequest('"tools" and "functions" cannot be given together')
     tools = tools or older
+    tool_prompt = fields.value("tool_prompt")  # (TGI's: told with the tools, so not without)
     if tools is not None:
         chat["tools"] = tools.template_tools()  # the template shows them to the model
         if tools.parallel:  # (where the template leaves tools out, the model is told)
             chat["parallel_tool_calls"] = True
+        if tool_prompt:
+            chat["tool_prompt"] = unicode_text(tool_prompt, '"tool_prompt"')
         if tools.held:
             if "grammar" in params:
                 raise BadRequest('"response_format" and tools cannot hold one answer together')
@@ -561,10 +596,12 @@ RESPONSE_FORMAT: Schema = {
     "type": ["object", "null"],
     "description": 'free text ({"type": "text"}), any JSON object ({"type": "json_object"}) '
     'or JSON that a schema describes ({"type": "json_schema", "json_schema": {"name", '
-    '"schema"}})',
+    '"schema"}}); or TGI\'s grammars: {"type": "json", "value": schema (or its text)}, '
+    '{"type": "regex", "value": "..."}, {"type": "json_schema", "value": {"name", "schema"}}',
     "required": ["type"],
     "properties": {
-        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "type": {"enum": ["text", "json_object", "json_schema", "json", "regex"]},
+        "value": {"type": ["object", "string"]},  # TGI's
         "json_schema": {
             "type": "object",
             "required": ["schema"],
@@ -576,8 +613,40 @@ RESPONSE_FORMAT: Schema = {
             },
         },
     },
-    "if": {"properties": {"type": {"const": "json_schema"}}},
-    "then": {"required": ["json_schema"]},
+    "allOf": [
+        {
+            "if": {"properties": {"type": {"const": "json_schema"}}},
+            "then": {
+                "oneOf": [
+                    {"required": ["json_schema"]},
+                    {
+                        "required": ["value"],
+                        "properties": {
+                            "value": {
+                                "type": "object",
+                                "required": ["schema"],
+                                "properties": {"schema": {"type": "object"}},
+                            }
+                        },
+                    },
+                ]
+            },
+        },
+        {"if": {"properties": {"type": {"const": "json"}}}, "then": {"required": ["value"]}},
+        {
+            "if": {"properties": {"type": {"const": "regex"}}},
+            "then": {
+                "required": ["value"],
+                "properties": {"value": {"type": "string", "minLength": 1}},
+            },
+        },
+    ],
+}
+METADATA: Schema = {
+    "type": ["object", "null"],
+    "maxProperties": MAX_METADATA_PAIRS,
+    "propertyNames": {"maxLength": MAX_METADATA_KEY},
+    "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE},
 }
 LOGIT_BIAS: Schema = {
     "type": ["object", "null"],
@@ -633,10 +702,38 @@ CHAT = Body(
         "tools": Field(TOOLS, read_tools),
         "tool_choice": Field(TOOL_CHOICE, read_tool_choice),
         "parallel_tool_calls": flag(True, "whether an answer may call several tools"),
+        "tool_prompt": text(
+            "TGI's: a text for the model before the tools, at the end of the last message"
+        ),
         # OpenAI's older form of tools: one call an answer, read back as "function_call"
         "functions": Field(FUNCTIONS, read_functions),
         "function_call": Field(FUNCTION_CALL, read_function_call),
+        # OpenAI's bookkeeping (its dashboard, caches and abuse checks; "user" is one too)
+        "metadata": Field(METADATA, read_metadata),
+        "safety_identifier": text(),
+        "prompt_cache_key": text(),
+        # what OpenAI's models do and rawserve's do not (stored answers, service tiers, audio,
+        # predicted outputs, reasoning, web search): taken at their off or default values
+        "store": unserved({"enum": [False, None]}, False),
+        "service_tier": unserved({"enum": ["auto", "default", None]}, "auto", "default"),
+        "modalities": unserved({"enum": [["text"], None]}, ["text"]),
+        "audio": unserved({"type": "null"}),
+        "prediction": unserved({"type": "null"}),
+        "reasoning_effort": unserved({"enum": ["none", None]}, "none"),
+        "verbosity": unserved({"enum": ["medium", None]}, "medium"),
+        "web_search_options": unserved({"type": "null"}),
     }
+)
+CHAT_BOOKKEEPING = ("metadata", "safety_identifier", "prompt_cache_key")
+CHAT_UNSERVED = (
+    "store",
+    "service_tier",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "verbosity",
+    "web_search_options",
 )
 COMPLETION_UNSERVED = ("suffix", "best_of")
 COMPLETION = Body(

@@ -138,25 +138,20 @@ INFO: Schema = {
         "model_type": {"type": "object"},
     },
 }
+MODEL: Schema = {
+    "type": "object",
+    "required": ["id", "object", "created", "owned_by"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "model"},
+        "created": {"type": "integer"},
+        "owned_by": {"type": "string"},
+    },
+}
 MODELS_LIST: Schema = {
     "type": "object",
     "required": ["object", "data"],
-    "properties": {
-        "object": {"const": "list"},
-        "data": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["id", "object", "created", "owned_by"],
-                "properties": {
-                    "id": {"type": "string"},
-                    "object": {"const": "model"},
-                    "created": {"type": "integer"},
-                    "owned_by": {"type": "string"},
-                },
-            },
-        },
-    },
+    "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": MODEL}},
 }
 TEXT: Schema = {"type": "string"}
 DOCUMENT: Schema = {"type": "object", "required": ["openapi", "paths"]}

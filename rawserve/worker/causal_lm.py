@@ -289,7 +289,10 @@ class CausalLMRunner(Runner):
         them; ValueError for one the model has no embedding for)."""
         if params.get(CHAT_PARAM):
             text = self.chat_text(
-                item["messages"], item.get("tools"), item.get("parallel_tool_calls", False)
+                item["messages"],
+                item.get("tools"),
+                item.get("parallel_tool_calls", False),
+                item.get("tool_prompt", ""),
             )
             # the template writes the special tokens it wants (a BOS) itself
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -304,11 +307,19 @@ class CausalLMRunner(Runner):
         return list(self.tokenizer(item)["input_ids"])
 
     def chat_text(
-        self, messages: list[dict[str, Any]], tools: list[Any] | None, several: bool = False
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None,
+        several: bool = False,
+        tool_prompt: str = "",
     ) -> str:
         """A chat rendered with the model's template, with the tools it may call: where
         the template leaves tools out, they are described at the end of the last message
-        (and, where `several`, how to call several at once)."""
+        (and, where `several`, how to call several at once). A `tool_prompt` (TGI's) goes
+        at the end of the last message, before that description, as TGI puts it there."""
+        if tools and tool_prompt:
+            last = {**messages[-1], "content": messages[-1]["content"] + "\n\n" + tool_prompt}
+            messages = [*messages[:-1], last]
         text = self._render(messages, tools)
         if tools and text == self._render(messages, None):
             described = TOOLS_DESCRIBED.format(json.dumps([tool["function"] for tool in tools]))
