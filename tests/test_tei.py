@@ -179,6 +179,20 @@ def test_embed_an_unknown_prompt_name_is_refused_naming_the_known_ones(servers):
     assert_error(status, body, 400, "nope", "query", "passage")
 
 
+def test_post_root_takes_prompt_name_as_inference_client_sends_it(servers):
+    """InferenceClient's feature_extraction(prompt_name=...) posts it at the top of the
+    body to POST /: the same vectors as /embed's, the unknown name the same 400."""
+    server = servers["embedding"]
+    texts = ["what is the capital of france", "paris"]
+    status, on_root = server.post_json({"inputs": texts, "prompt_name": "query"})
+    assert status == 200
+    status, on_embed = server.post_json({"inputs": texts, "prompt_name": "query"}, "/embed")
+    assert status == 200
+    np.testing.assert_allclose(on_root, on_embed, atol=1e-6)
+    status, body = server.post_json({"inputs": "hello", "prompt_name": "nope"})
+    assert_error(status, body, 400, "nope", "query", "passage")
+
+
 def test_embed_too_long_is_422_unless_truncated(servers, reference):
     server = servers["embedding"]
     long_text = " ".join(["hello"] * 400)  # the tiny model takes 128 positions

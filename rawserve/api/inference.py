@@ -20,6 +20,7 @@ from rawserve.api.fields import Body, Field, flag
 from rawserve.api.outcomes import unwrap
 from rawserve.api.prompts import check_lengths
 from rawserve.api.routing import MODEL_ERRORS, DocContext, Needs, Operation, Route, Schema
+from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
 from rawserve.http.errors import BadRequest, UnprocessableInput, UnsupportedMediaType
@@ -245,6 +246,10 @@ class InferenceRoutes:
         self.context.gate.check(model)
         task = model.task
         parsed = parse_body(task, request, self.context.settings.max_client_batch_size)
+        if "prompt_name" in parsed.params:  # the model's own prompt before each text
+            params = dict(parsed.params)
+            inputs = prompted(model, parsed.inputs, params.pop("prompt_name"))
+            parsed = replace(parsed, inputs=inputs, params=params)
         try:
             check_generation_length(parsed.params, model.limits.max_new_tokens)
         except InvalidRequest as exc:

@@ -40,6 +40,7 @@ from rawserve.api.routing import (
     Route,
     Schema,
 )
+from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
 from rawserve.api.tei_bodies import (
     DECODE,
@@ -59,7 +60,7 @@ from rawserve.api.tokens import (
     TooManyTokens,
     UnknownTokenId,
 )
-from rawserve.http.errors import BadRequest, PayloadTooLarge, UnprocessableInput
+from rawserve.http.errors import PayloadTooLarge, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.serving.face import EMBEDDING_ROUTE
 from rawserve.tasks import LOGITS_PARAM
@@ -171,15 +172,7 @@ class TeiRoutes:
         """The texts of `inputs` (one or a list), with the named prompt put before each."""
         texts = fields.value("inputs", self.within(model))
         prompt_name = fields.value("prompt_name")
-        if prompt_name is None:
-            return texts
-        prompt = prompts_of(model).get(prompt_name)
-        if prompt is None:
-            known = ", ".join(sorted(prompts_of(model))) or "it names none"
-            raise BadRequest(
-                f"prompt_name {prompt_name[:100]!r} is not a prompt of this model ({known})"
-            )
-        return [prompt + text for text in texts]
+        return texts if prompt_name is None else prompted(model, texts, prompt_name)
 
     # --- classification ---------------------------------------------------------------
 
@@ -305,11 +298,6 @@ def predictions_from(row: np.ndarray, labels: Mapping[str, str]) -> list[dict[st
 def labels_of(model: ServedModel) -> Mapping[str, str]:
     loaded = model.serving.loaded
     return loaded.details.get("id2label", {}) if loaded else {}
-
-
-def prompts_of(model: ServedModel) -> Mapping[str, str]:
-    loaded = model.serving.loaded
-    return loaded.details.get("prompts", {}) if loaded else {}
 
 
 # --- /info ------------------------------------------------------------------------------

@@ -6,7 +6,15 @@ InferenceClient sends this task's parameters at the top level of the body
 
 from __future__ import annotations
 
-from rawserve.tasks.checks import NUMBER, boolean, int_range, lower_one_of, one_of, text
+from rawserve.tasks.checks import (
+    NUMBER,
+    boolean,
+    int_range,
+    lower_one_of,
+    one_of,
+    short_text,
+    text,
+)
 from rawserve.tasks.rules import Task
 
 TASK = Task(
@@ -18,6 +26,8 @@ TASK = Task(
         "truncate": boolean,
         "truncation_direction": lower_one_of("right", "left"),
         "dimensions": int_range(1, 65536),  # keep the first N (Matryoshka models)
+        # a prompt of the model's own before each text (the server puts it there)
+        "prompt_name": short_text,
     },
     params_at_root=True,
     # a sentence vector [hidden], or token vectors [1, tokens, hidden] (pooling "none")

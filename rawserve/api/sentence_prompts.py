@@ -1,0 +1,30 @@
+"""A sentence-transformers model's named prompts (`config_sentence_transformers.json`'s
+`prompts`, e.g. "query: "): `prompt_name` puts one before each text, on TEI's `/embed`
+and on `POST /` where InferenceClient's `feature_extraction(prompt_name=...)` sends it.
+
+Server process; plain Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from rawserve.api.served import ServedModel
+from rawserve.http.errors import BadRequest
+
+
+def prompts_of(model: ServedModel) -> Mapping[str, str]:
+    loaded = model.serving.loaded
+    return loaded.details.get("prompts", {}) if loaded else {}
+
+
+def prompted(model: ServedModel, texts: Sequence[str], prompt_name: str) -> list[str]:
+    """`texts`, each after the prompt `prompt_name` names; 400 for a name the model's
+    prompts do not have (listing those it has)."""
+    prompt = prompts_of(model).get(prompt_name)
+    if prompt is None:
+        known = ", ".join(sorted(prompts_of(model))) or "it names none"
+        raise BadRequest(
+            f"prompt_name {prompt_name[:100]!r} is not a prompt of this model ({known})"
+        )
+    return [prompt + text for text in texts]
