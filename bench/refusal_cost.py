@@ -86,6 +86,7 @@ class ReadyWorkers:
     ready = True
     healthy = True
     task = "feature-extraction"
+    loaded = None  # what a loaded worker said of its model: nothing the refusal reads
 
     def idle_workers(self) -> int:
         return 0
