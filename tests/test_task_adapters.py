@@ -278,7 +278,8 @@ def test_streamed_tokens_go_to_the_pipe_and_a_cancel_stops_generation(runner):
         generate.bind_stream(None, None)
     assert len(sent) == 3 and all(c.stream_id == 7 and c.index == 0 for c in sent)
     assert output["details"]["finish_reason"] == "cancelled"
-    assert output["generated_text"] == "".join(c.token["text"] for c in sent)
+    # return_full_text's default (POST /'s, streamed or not): the prompt, then the tokens
+    assert output["generated_text"] == "hello" + "".join(c.token["text"] for c in sent)
 
 
 # --- image-classification -----------------------------------------------------------------
