@@ -78,6 +78,17 @@ def test_library_warnings_and_transformers_lines_are_json_lines_too(restore_logg
     assert documents[1]["message"] == "a model note"
 
 
+def test_the_onnx_exporters_per_node_lines_are_left_out_but_its_warnings_kept(restore_logging):
+    """A first start on ONNX Runtime exports the graph: its passes log each node they
+    fold or drop at INFO, some 200 lines in the server's log."""
+    setup_logging("info", "text", stream=io.StringIO())
+    for name in ("onnxscript.optimizer._constant_folding", "onnx_ir.passes.common"):
+        exporter = logging.getLogger(name)
+        assert not exporter.isEnabledFor(logging.INFO)
+        assert exporter.isEnabledFor(logging.WARNING)
+    assert logging.getLogger("rawserve.worker").isEnabledFor(logging.INFO)
+
+
 def test_a_traceback_stays_on_one_line_in_both_formats():
     failed = record("it failed")
     try:

@@ -24,8 +24,9 @@ LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # --log-level, any case
 TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 ACCESS_LOGGER = "rawserve.access"
-# huggingface_hub's HTTP client logs every request of a download at INFO
-CHATTY_LOGGERS = ("httpx2", "httpx", "httpcore")
+# huggingface_hub's HTTP client logs every request of a download at INFO, and the ONNX
+# exporter's graph passes each node they fold or drop (some 200 lines a first start)
+CHATTY_LOGGERS = ("httpx2", "httpx", "httpcore", "onnxscript", "onnx_ir")
 
 # Attributes every LogRecord has; anything else on a record came from `extra=`.
 _STANDARD_ATTRIBUTES = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
