@@ -592,16 +592,14 @@ GUIDED_CHOICE: Schema = {
     "items": {"type": "string", "minLength": 1},
     "minItems": 1,
 }
-RESPONSE_FORMAT: Schema = {
-    "type": ["object", "null"],
+OPENAI_RESPONSE_FORMAT: Schema = {
+    "type": "object",
     "description": 'free text ({"type": "text"}), any JSON object ({"type": "json_object"}) '
     'or JSON that a schema describes ({"type": "json_schema", "json_schema": {"name", '
-    '"schema"}}); or TGI\'s grammars: {"type": "json", "value": schema (or its text)}, '
-    '{"type": "regex", "value": "..."}, {"type": "json_schema", "value": {"name", "schema"}}',
+    '"schema"}})',
     "required": ["type"],
     "properties": {
-        "type": {"enum": ["text", "json_object", "json_schema", "json", "regex"]},
-        "value": {"type": ["object", "string"]},  # TGI's
+        "type": {"enum": ["text", "json_object", "json_schema"]},
         "json_schema": {
             "type": "object",
             "required": ["schema"],
@@ -613,34 +611,12 @@ RESPONSE_FORMAT: Schema = {
             },
         },
     },
-    "allOf": [
-        {
-            "if": {"properties": {"type": {"const": "json_schema"}}},
-            "then": {
-                "oneOf": [
-                    {"required": ["json_schema"]},
-                    {
-                        "required": ["value"],
-                        "properties": {
-                            "value": {
-                                "type": "object",
-                                "required": ["schema"],
-                                "properties": {"schema": {"type": "object"}},
-                            }
-                        },
-                    },
-                ]
-            },
-        },
-        {"if": {"properties": {"type": {"const": "json"}}}, "then": {"required": ["value"]}},
-        {
-            "if": {"properties": {"type": {"const": "regex"}}},
-            "then": {
-                "required": ["value"],
-                "properties": {"value": {"type": "string", "minLength": 1}},
-            },
-        },
-    ],
+    "if": {"properties": {"type": {"const": "json_schema"}}},
+    "then": {"required": ["json_schema"]},
+}
+# OpenAI's forms, or TGI's grammar (`{"type", "value"}`), which TGI's chat takes here
+RESPONSE_FORMAT: Schema = {
+    "anyOf": [{"type": "null"}, OPENAI_RESPONSE_FORMAT, text_generation.GRAMMAR_SCHEMA]
 }
 METADATA: Schema = {
     "type": ["object", "null"],

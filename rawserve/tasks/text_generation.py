@@ -67,8 +67,29 @@ GRAMMAR_SCHEMA = {
     "type": "object",
     "description": "what may be generated: a JSON schema, or a regular expression (TGI's)",
     "required": ["type", "value"],
-    "properties": {"type": {"enum": ["json", "json_schema", "regex"]}, "value": {}},
+    "properties": {
+        "type": {"enum": ["json", "json_schema", "regex"]},
+        "value": {"type": ["object", "string"]},  # json: a schema, or its text
+    },
     "additionalProperties": False,
+    "allOf": [
+        {
+            "if": {"properties": {"type": {"const": "regex"}}},
+            "then": {"properties": {"value": {"type": "string", "minLength": 1}}},
+        },
+        {
+            "if": {"properties": {"type": {"const": "json_schema"}}},
+            "then": {
+                "properties": {
+                    "value": {
+                        "type": "object",
+                        "required": ["schema"],
+                        "properties": {"schema": {"type": "object"}},
+                    }
+                }
+            },
+        },
+    ],
 }
 
 
