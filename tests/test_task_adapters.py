@@ -175,6 +175,22 @@ def test_question_answering_long_contexts_are_read_in_windows(runner):
     assert best["answer"] == context[best["start"] : best["end"]]
 
 
+def test_question_answering_a_stride_past_the_room_the_question_leaves_is_the_client_s(runner):
+    # max_seq_len 16 leaves a 3-token question 10 tokens of context a window, and the
+    # default doc_stride is 8: fine. A 5-token question leaves 8: the tokenizer panicked
+    # on a context that needs windows, and the panic killed the worker.
+    qa = runner("question-answering")
+    context = " ".join(["the city of paris is in france"] * 5)
+    options = {"max_seq_len": 16}
+    [fits] = qa.run([{"question": "who lives here", "context": context}], options)
+    assert fits["answer"] == context[fits["start"] : fits["end"]]
+    question = "who lives in paris now"
+    with pytest.raises(ValueError, match="doc_stride 8 must be less than that"):
+        qa.run([{"question": question, "context": context}], options)
+    [short] = qa.run([{"question": question, "context": "paris"}], options)  # one window
+    assert short["answer"] == "paris"
+
+
 def test_question_answering_batches_answer_what_single_calls_answer(runner):
     qa = runner("question-answering")
     items = [

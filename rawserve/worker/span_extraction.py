@@ -128,6 +128,8 @@ class SpanExtractionRunner(Runner):
     def windows(self, inputs: list[dict[str, str]], options: SpanOptions) -> Any:
         questions = [item["question"] for item in inputs]
         contexts = [item["context"] for item in inputs]
+        for question, context in zip(questions, contexts, strict=True):
+            self.check_stride(question, context, options)
         try:
             return self.tokenizer(
                 questions if self.question_first else contexts,
@@ -147,6 +149,22 @@ class SpanExtractionRunner(Runner):
                     f"{options.max_seq_len} with doc_stride {options.doc_stride}"
                 ) from None
             raise
+
+    def check_stride(self, question: str, context: str, options: SpanOptions) -> None:
+        """Refuse a context cut into windows whose overlap (`doc_stride`) is not shorter
+        than the room the question leaves it: the tokenizers library panics on it, which
+        no `except Exception` catches, and the worker process dies."""
+        tokenizer = self.tokenizer
+        room = options.max_seq_len - tokenizer.num_special_tokens_to_add(pair=True)
+        room -= len(tokenizer(question, add_special_tokens=False)["input_ids"])
+        if not 0 < room <= options.doc_stride:
+            return  # room to overlap, or none at all (the tokenizer's own error says so)
+        if len(tokenizer(context, add_special_tokens=False)["input_ids"]) > room:
+            raise ValueError(
+                f"the question leaves {room} tokens of each window (max_seq_len "
+                f"{options.max_seq_len}) to the context, and doc_stride {options.doc_stride} "
+                f"must be less than that: send a smaller doc_stride or a larger max_seq_len"
+            )
 
     def logits(self, encoded: Any) -> tuple[np.ndarray, np.ndarray]:
         """Start and end logits of every window, in one padded model call."""
