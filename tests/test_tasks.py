@@ -61,6 +61,33 @@ def test_required_parameters():
     assert parsed.params == {"candidate_labels": ["a", "b"]}
 
 
+@pytest.mark.parametrize(
+    ("given", "labels"),
+    [
+        ("urgent, not urgent", ["urgent", "not urgent"]),  # the pipeline splits a text
+        ("sports,politics , ", ["sports", "politics"]),
+        ("sports", ["sports"]),
+        (["a, b", "c"], ["a, b", "c"]),  # a list is the labels as they are
+    ],
+)
+def test_zero_shot_candidate_labels_in_one_text_are_split_at_commas(given, labels):
+    parsed = parse_json_body(
+        "zero-shot-classification", {"inputs": "hi", "parameters": {"candidate_labels": given}}
+    )
+    assert parsed.params == {"candidate_labels": labels}
+    with pytest.raises(BadRequest, match="candidate_labels"):
+        parse_json_body(
+            "zero-shot-classification", {"inputs": "hi", "parameters": {"candidate_labels": ", "}}
+        )
+
+
+def test_token_classification_ignores_no_label_when_asked_with_an_empty_list():
+    parsed = parse_json_body(
+        "token-classification", {"inputs": "hi", "parameters": {"ignore_labels": []}}
+    )
+    assert parsed.params == {"ignore_labels": []}  # every entity, "O" too, as the pipeline
+
+
 def test_pairs_and_question_answering_inputs():
     assert parse_json_body(
         "text-classification", {"inputs": {"text": "a", "text_pair": "b"}}

@@ -126,20 +126,22 @@ def short_text(value: Any) -> str:
     return value
 
 
-def text_list(max_items: int) -> Checker:
+def text_list(max_items: int, min_items: int = 1) -> Checker:
     def check(value: Any) -> list[str]:
         if isinstance(value, str):
             value = [value]
         if (
             not isinstance(value, list)
-            or not 1 <= len(value) <= max_items
+            or not min_items <= len(value) <= max_items
             or not all(isinstance(v, str) and v for v in value)
         ):
-            raise ValueError(f"must be a string or a list of 1 to {max_items} non-empty strings")
+            raise ValueError(
+                f"must be a string or a list of {min_items} to {max_items} non-empty strings"
+            )
         return value
 
     nonempty = {"type": "string", "minLength": 1}
-    items = {"type": "array", "items": nonempty, "minItems": 1, "maxItems": max_items}
+    items = {"type": "array", "items": nonempty, "minItems": min_items, "maxItems": max_items}
     return Checker({"oneOf": [nonempty, items]}, check)
 
 

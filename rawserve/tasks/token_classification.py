@@ -10,7 +10,8 @@ TASK = Task(
     text,
     {
         "aggregation_strategy": one_of("none", "simple", "first", "average", "max"),
-        "ignore_labels": text_list(100),
+        # [] keeps every label, "O" too (the pipeline's default leaves "O" out)
+        "ignore_labels": text_list(100, min_items=0),
     },
     output_schema={
         "type": "array",

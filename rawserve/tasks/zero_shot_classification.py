@@ -29,6 +29,18 @@ def hypothesis_template(value: Any) -> str:
     return template
 
 
+LABELS = text_list(100)
+
+
+@checker(LABELS.schema)
+def candidate_labels(value: Any) -> list[str]:
+    """A list of labels, or one text of them separated by commas, split as the pipeline
+    splits it (`"urgent, not urgent"` is two labels)."""
+    if isinstance(value, str):
+        value = [label.strip() for label in value.split(",") if label.strip()]
+    return LABELS(value)
+
+
 def label_score_pairs(output: Any) -> Any:
     """The pipeline's {sequence, labels, scores} → the Inference API's [{label, score}]."""
     if isinstance(output, dict) and "labels" in output:
@@ -43,7 +55,7 @@ TASK = Task(
     "zero-shot-classification",
     text,
     {
-        "candidate_labels": text_list(100),
+        "candidate_labels": candidate_labels,
         "multi_label": boolean,
         "hypothesis_template": hypothesis_template,
     },
