@@ -221,6 +221,41 @@ AGREEMENT = [
     ("EMBED", {"inputs": "a", "dimensions": 0}, False),
     ("EMBED", {"inputs": "a", "truncation_direction": "up"}, False),
     ("EMBED", {"inputs": "a", "prompt_name": 7}, False),
+    ("SIMILARITY", {"inputs": {"source_sentence": "a", "sentences": ["b", "c"]}}, True),
+    (
+        "SIMILARITY",
+        {
+            "inputs": {"source_sentence": "a", "sentences": ["b"]},
+            "parameters": {"truncate": True, "truncation_direction": "Left", "prompt_name": None},
+        },
+        True,
+    ),
+    (
+        "SIMILARITY",
+        {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "parameters": None},
+        True,
+    ),
+    ("SIMILARITY", {"inputs": {"source_sentence": "a", "sentences": ["b"] * 31}}, True),
+    ("SIMILARITY", {"inputs": {"source_sentence": "a", "sentences": ["b"] * 32}}, False),  # 33
+    ("SIMILARITY", {"inputs": {"source_sentence": "a", "sentences": []}}, False),
+    ("SIMILARITY", {"inputs": {"source_sentence": "a"}}, False),
+    ("SIMILARITY", {"inputs": {"source_sentence": 5, "sentences": ["b"]}}, False),
+    ("SIMILARITY", {"inputs": {"source_sentence": "a", "sentences": "b"}}, False),
+    ("SIMILARITY", {"inputs": {"source_sentence": "a", "sentences": ["b"], "x": 1}}, False),
+    ("SIMILARITY", {"inputs": ["a", "b"]}, False),
+    (
+        "SIMILARITY",
+        {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "parameters": 5},
+        False,
+    ),
+    (
+        "SIMILARITY",
+        {
+            "inputs": {"source_sentence": "a", "sentences": ["b"]},
+            "parameters": {"truncation_direction": "up"},
+        },
+        False,
+    ),
     ("PREDICT", {"inputs": [["a"], ["a", "b"]]}, True),
     ("PREDICT", {"inputs": ["a", "b", "c"]}, False),
     ("RERANK", {"query": "q", "texts": ["a"], "top_n": 1}, True),

@@ -22,13 +22,20 @@ KINDS = {
     # name: (server arguments, paths its document must have, paths it must not)
     "embedding": (
         ["--max-client-batch-size", "4"],
-        {"/", "/embed", "/embed_all", "/tokenize", "/decode", "/v1/embeddings"},
+        {"/", "/embed", "/embed_all", "/similarity", "/tokenize", "/decode", "/v1/embeddings"},
         {"/predict", "/rerank", "/v1/chat/completions", "/v1/completions"},
     ),
     "classifier": (
         [],
         {"/", "/predict", "/tokenize", "/decode"},
-        {"/embed", "/embed_all", "/rerank", "/v1/embeddings", "/v1/chat/completions"},
+        {
+            "/embed",
+            "/embed_all",
+            "/similarity",
+            "/rerank",
+            "/v1/embeddings",
+            "/v1/chat/completions",
+        },
     ),
     "reranker": ([], {"/", "/predict", "/rerank", "/tokenize", "/decode"}, {"/embed"}),
     "chat": (

@@ -261,6 +261,51 @@ def test_embed_bad_requests_are_4xx_with_tei_error_bodies(servers, document):
     assert_error(status, body, status)
 
 
+# --- /similarity, and sentence-similarity on POST / ---------------------------------------
+
+
+def test_similarity_is_each_sentence_s_cosine_with_the_source(servers, reference):
+    source, sentences = "hello world", ["the movie was very good", "hello world", "paris"]
+    vectors = mean_pooled(reference, [source, *sentences])
+    expected = vectors[1:] @ vectors[0]
+    document = {"inputs": {"source_sentence": source, "sentences": sentences}}
+    status, body = servers["embedding"].post_json(document, "/similarity")
+    assert status == 200 and len(body) == 3
+    np.testing.assert_allclose(body, expected, atol=1e-5)
+    assert body[1] == pytest.approx(1, abs=1e-5)
+    # the Inference API's sentence-similarity: the same body, on the model's URL
+    assert servers["embedding"].post_json(document) == (200, body)
+
+
+def test_inference_client_sentence_similarity(servers, monkeypatch):
+    from huggingface_hub import InferenceClient, constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the suite's, for the Hub
+
+    client = InferenceClient(model=f"http://127.0.0.1:{servers['embedding'].port}")
+    scores = client.sentence_similarity("hello world", other_sentences=["paris", "hello world"])
+    assert len(scores) == 2 and scores[1] == pytest.approx(1, abs=1e-5)
+
+
+def test_similarity_parameters_are_tei_s(servers, reference):
+    server = servers["embedding"]
+    long = {"inputs": {"source_sentence": "hello " * 200, "sentences": ["paris"]}}
+    assert_error(*server.post_json(long, "/similarity"), 422, "truncate")
+    cut = {**long, "parameters": {"truncate": True, "truncation_direction": "left"}}
+    assert server.post_json(cut, "/similarity")[0] == 200
+    document = {"inputs": {"source_sentence": "hello", "sentences": ["paris"]}}
+    status, body = server.post_json(
+        {**document, "parameters": {"prompt_name": "query"}}, "/similarity"
+    )
+    prefix = SENTENCE_PROMPTS["query"]
+    vectors = mean_pooled(reference, [prefix + "hello", prefix + "paris"])
+    assert status == 200 and body == pytest.approx([vectors[1] @ vectors[0]], abs=1e-5)
+    too_many = {"inputs": {"source_sentence": "a", "sentences": ["b"] * CLIENT_BATCH}}
+    assert_error(*server.post_json(too_many, "/similarity"), 413)  # the source counts too
+    blank = {"inputs": {"source_sentence": "a", "sentences": [" "]}}
+    assert_error(*server.post_json(blank, "/similarity"), 422)
+
+
 # --- /embed_all -----------------------------------------------------------------------
 
 

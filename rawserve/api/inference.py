@@ -23,6 +23,8 @@ from rawserve.api.routing import MODEL_ERRORS, DocContext, Needs, Operation, Rou
 from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
+from rawserve.api.tei import sentence_similarity
+from rawserve.api.tei_bodies import SIMILARITY
 from rawserve.http.errors import BadRequest, UnprocessableInput, UnsupportedMediaType
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.tasks import (
@@ -159,6 +161,12 @@ def parse_text_body(task_name: str, text: str) -> ParsedRequest:
     return ParsedRequest([item], {}, is_list=False, raw_text=True)
 
 
+def is_sentence_pairs(document: Any) -> bool:
+    """A body of sentence-similarity's shape, `{"inputs": {"source_sentence", "sentences"}}`,
+    which the Inference API takes on an embedding model's URL."""
+    return isinstance(document, dict) and isinstance(document.get("inputs"), dict)
+
+
 def takes_binary_body(task_name: str | None) -> bool:
     """Whether a non-JSON body is this task's input as bytes (an image) rather than text."""
     task = task_rules(task_name) if task_name else None
@@ -245,7 +253,15 @@ class InferenceRoutes:
     async def infer_with(self, model: ServedModel, request: HttpRequest) -> HttpResponse:
         self.context.gate.check(model)
         task = model.task
-        parsed = parse_body(task, request, self.context.settings.max_client_batch_size)
+        max_items = self.context.settings.max_client_batch_size
+        if not is_json(request):
+            parsed = parse_body(task, request, max_items)
+        else:
+            document = read_json(request)
+            if task == "feature-extraction" and is_sentence_pairs(document):
+                fields = SIMILARITY.read(document)  # InferenceClient's sentence_similarity
+                return await sentence_similarity(self.context, model, fields, request)
+            parsed = parse_json_body(task or "", document, max_items)
         if "prompt_name" in parsed.params:  # the model's own prompt before each text
             params = dict(parsed.params)
             inputs = prompted(model, parsed.inputs, params.pop("prompt_name"))

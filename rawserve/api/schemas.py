@@ -57,6 +57,11 @@ TEI_PREDICT_RESPONSE: Schema = {
 }
 
 
+TEI_SIMILARITY_RESPONSE: Schema = {
+    "type": "array",
+    "items": NUMBER,
+    "description": "each sentence's cosine similarity to the source sentence, in order",
+}
 TEI_RERANK_RESPONSE: Schema = {
     "type": "array",
     "items": {

@@ -48,6 +48,7 @@ from rawserve.api.tei_bodies import (
     EMBED_ALL,
     PREDICT,
     RERANK,
+    SIMILARITY,
     TOKENIZE,
     checked_text,
     rank_count,
@@ -103,6 +104,8 @@ class TeiRoutes:
                 "Sentence embeddings", EMBED, schemas.TEI_EMBED_RESPONSE)),
             post("/embed_all", self.embed_all, EMBEDDING, described(
                 "Token embeddings, unpooled", EMBED_ALL, schemas.TEI_EMBED_ALL_RESPONSE)),
+            post("/similarity", self.similarity, EMBEDDING, described(
+                "Sentence similarity", SIMILARITY, schemas.TEI_SIMILARITY_RESPONSE)),
             post("/predict", self.predict, CLASSIFIER, described(
                 "Every label's score", PREDICT, schemas.TEI_PREDICT_RESPONSE)),
             post("/rerank", self.rerank, CROSS_ENCODER, described(
@@ -167,6 +170,12 @@ class TeiRoutes:
         else:
             counts = await asyncio.to_thread(tokenizer.count, texts, limit)
         check_answer_size(sum(counts) * dimensions, largest)
+
+    async def similarity(self, request: HttpRequest) -> HttpResponse:
+        """Each sentence's cosine similarity to the source sentence."""
+        fields = SIMILARITY.read(read_json(request))
+        model = self.context.model_for(fields.get("model"), EMBEDDING)
+        return await sentence_similarity(self.context, model, fields, request)
 
     def texts(self, fields: Fields, model: ServedModel) -> list[str]:
         """The texts of `inputs` (one or a list), with the named prompt put before each."""
@@ -258,6 +267,26 @@ class TeiRoutes:
 
 
 # --- request parts ----------------------------------------------------------------------
+
+
+async def sentence_similarity(
+    context: RouteContext, model: ServedModel, fields: Fields, request: HttpRequest
+) -> HttpResponse:
+    """TEI's /similarity, and the Inference API's sentence-similarity (InferenceClient's
+    `sentence_similarity` posts the same body to `POST /`): the cosine of each sentence's
+    normalized embedding with the source sentence's."""
+    source, sentences = fields.value(
+        "inputs", DocContext(model, context.settings.max_client_batch_size)
+    )
+    options = fields.value("parameters")
+    texts = [source, *sentences]
+    prompt_name = options.value("prompt_name")
+    if prompt_name is not None:
+        texts = prompted(model, texts, prompt_name)
+    params = {"normalize": True, **truncation(options)}
+    results = await model.run(texts, params, context.deadline(request), EMBEDDING_ROUTE)
+    vectors = np.array([unwrap(result)["embedding"] for result in results], dtype=np.float64)
+    return answer([float(score) for score in vectors[1:] @ vectors[0]], results)
 
 
 def input_limit(model: ServedModel) -> int:

@@ -136,6 +136,37 @@ def predict_schema(context: DocContext) -> Schema:
     }
 
 
+def read_similarity_inputs(
+    name: str, value: Any, context: DocContext | None
+) -> tuple[str, list[str]]:
+    """`{"source_sentence": text, "sentences": [text, ...]}`: the source and the others; the
+    source counts as an input against the client batch cap, as TEI counts it."""
+    refusal = BadRequest('"inputs" must be {"source_sentence": text, "sentences": [text, ...]}')
+    if not isinstance(value, dict) or set(value) != {"source_sentence", "sentences"}:
+        raise refusal
+    source, sentences = value["source_sentence"], value["sentences"]
+    if not isinstance(source, str) or not isinstance(sentences, list) or not sentences:
+        raise refusal
+    if not all(isinstance(sentence, str) for sentence in sentences):
+        raise refusal
+    check_client_batch(len(sentences) + 1, max_inputs(context))
+    checked = [checked_text(sentence, '"sentences"') for sentence in sentences]
+    return checked_text(source, '"source_sentence"'), checked
+
+
+def similarity_inputs_schema(context: DocContext) -> Schema:
+    sentences = {"type": "array", "items": {"type": "string"}, "minItems": 1}
+    return {
+        "type": "object",
+        "required": ["source_sentence", "sentences"],
+        "properties": {
+            "source_sentence": {"type": "string"},
+            "sentences": {**sentences, "maxItems": context.max_inputs - 1},
+        },
+        "additionalProperties": False,
+    }
+
+
 def read_ids(name: str, value: Any, context: DocContext | None) -> list[list[int]]:
     return id_inputs(value, max_inputs(context))
 
@@ -218,6 +249,36 @@ RERANK = Body(
         "return_text": flag(False),
         **{name: whole(1, MAX_TOKEN_ID) for name in RANK_COUNT},
         **TRUNCATION,
+    },
+    ignore_unknown=True,
+)
+SIMILARITY_PARAMETERS = Body(
+    {"prompt_name": PROMPT_NAME, **TRUNCATION}, ignore_unknown=True, with_model=False
+)
+
+
+def read_similarity_parameters(name: str, value: Any, context: DocContext | None) -> Fields:
+    """TEI's `parameters` of /similarity, each of them checked (400 naming it)."""
+    if value is not None and not isinstance(value, dict):
+        raise BadRequest(f'"{name}" must be an object')
+    parameters = SIMILARITY_PARAMETERS.read(value or {})
+    for field in SIMILARITY_PARAMETERS.names:
+        parameters.value(field, context)
+    return parameters
+
+
+def similarity_parameters_schema(context: DocContext) -> Schema:
+    return {"anyOf": [SIMILARITY_PARAMETERS.schema(context), {"type": "null"}]}
+
+
+SIMILARITY = Body(
+    {
+        "inputs": Field(
+            similarity_inputs_schema, read_similarity_inputs, reads_null=True, required=True
+        ),
+        "parameters": Field(
+            similarity_parameters_schema, read_similarity_parameters, reads_null=True
+        ),
     },
     ignore_unknown=True,
 )
