@@ -269,3 +269,39 @@ def test_a_tokenizer_that_cannot_be_copied_leaves_the_tokenizing_to_the_model_th
     finally:
         runner.tokenizer = saved
     assert prepare_batch(runner) is not None
+
+
+def tokenizer_panic(tokenizer) -> None:
+    """A real panic of the tokenizers library: an overlap (stride) as long as the room a
+    question leaves its context (transformers checks the stride against the length less
+    the special tokens, not less the question)."""
+    tokenizer(
+        "Where does Zoe live?",
+        "Zoe lives in Zurich. " * 40,
+        truncation="only_second",
+        max_length=16,
+        stride=8,
+        return_overflowing_tokens=True,
+    )
+
+
+def test_a_library_panic_while_preparing_leaves_the_batch_to_the_model_thread(runners):
+    """pyo3 raises a panic as a BaseException: uncaught, it ended the preparing thread and
+    the worker waited for its batch forever."""
+    tokenizer = runners["text-classification"].tokenizer
+    with pytest.raises(BaseException) as raised:  # the premise: a panic, not an Exception
+        tokenizer_panic(tokenizer)
+    assert not isinstance(raised.value, Exception), raised.value
+    receiving, sending = Pipe(duplex=False)
+
+    def prepare(batch: Batch):
+        tokenizer_panic(tokenizer)
+
+    feeder = Feeder(receiving, prepare).start()
+    sending.send(Batch(1, ("a",)))
+    sending.send(Batch(2, ("b",)))
+    sending.send(Shutdown())
+    for batch_id in (1, 2):
+        assert feeder.next().batch_id == batch_id
+        assert feeder.received(batch_id).prepared is None  # left to the model thread
+    assert isinstance(feeder.next(), Shutdown)

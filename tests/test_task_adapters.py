@@ -471,3 +471,26 @@ def test_an_input_past_the_positions_is_cut_where_the_route_truncates(
     assert not any(isinstance(output, ItemFailure) for output in outputs), outputs
     [alone] = run_bisecting(serving, list(inputs[:1]), dict(params))
     assert _rounded(alone) == _rounded(outputs[0])
+
+
+def test_a_library_panic_on_one_input_fails_that_input_alone(runner, monkeypatch):
+    """The tokenizers library panics on some inputs, raised as a BaseException past every
+    `except Exception`: it ended the worker, and every batch-mate with it. Now it is that
+    input's failure (500, logged), found by bisection; the others are answered."""
+    from rawserve.worker.process import run_bisecting
+    from tests.test_prepare_ahead import tokenizer_panic
+
+    serving = runner("text-classification", "text-classification")
+    run = serving.run
+
+    def run_or_panic(inputs, params, control):
+        if "panic" in inputs:
+            tokenizer_panic(serving.tokenizer)
+        return run(inputs, params, control)
+
+    monkeypatch.setattr(serving, "run", run_or_panic)
+    good, failed, also_good = run_bisecting(serving, ["fine", "panic", "fine too"], {})
+    assert isinstance(failed, ItemFailure) and failed.kind is FailureKind.INTERNAL, failed
+    assert failed.message == "the model failed on this input"  # nothing of the library's
+    assert not isinstance(good, ItemFailure) and not isinstance(also_good, ItemFailure)
+    assert run_bisecting(serving, ["fine"], {}) == [good]  # the tokenizer still works

@@ -35,6 +35,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from rawserve.shared.messages import Batch, Shutdown
+from rawserve.worker.library_panics import panics_as_errors
 
 log = logging.getLogger("rawserve.worker")
 
@@ -136,7 +137,8 @@ class Feeder:
                 started = time.perf_counter()
                 received = self._received[message.batch_id]
                 try:
-                    received.prepared = self._prepare(message)
+                    with panics_as_errors():
+                        received.prepared = self._prepare(message)
                 except Exception:  # noqa: BLE001 - the model thread runs it unprepared
                     log.debug("batch %d not prepared", message.batch_id, exc_info=True)
                 received.prepare_seconds = time.perf_counter() - started

@@ -44,6 +44,7 @@ from rawserve.shared.messages import (
 from rawserve.worker.causal_lm import CausalLMRunner
 from rawserve.worker.continuous import ContinuousBatcher, Generation
 from rawserve.worker.feeder import Feeder
+from rawserve.worker.library_panics import panics_as_errors
 from rawserve.worker.process import BatchCap, release_memory, sample_token_counts
 from rawserve.worker.runner import Runner
 
@@ -165,9 +166,10 @@ class GenerationLoop:
         self.open[batch.batch_id] = opened
         for index, item in enumerate(batch.inputs):
             try:
-                generation = self.runner.generation(
-                    (batch.batch_id, index), item, params, batch.control
-                )
+                with panics_as_errors():
+                    generation = self.runner.generation(
+                        (batch.batch_id, index), item, params, batch.control
+                    )
                 if generation.max_new_tokens:
                     self.batcher.add(generation)
             except Exception as exc:  # noqa: BLE001 - every failure becomes data
@@ -204,7 +206,8 @@ class GenerationLoop:
     def _step(self) -> None:
         self.batcher.max_rows = self.cap.limit or self.rows
         try:
-            finished = self.batcher.step()
+            with panics_as_errors():
+                finished = self.batcher.step()
         except Exception as exc:  # noqa: BLE001 - the worker goes on without those rows
             self._on_step_failure(exc)
             return
@@ -279,9 +282,10 @@ class GenerationLoop:
         batch = opened.batch
         tokens = opened.tokens.get(index)
         try:
-            output = self.runner.finished(
-                generation, batch.inputs[index], opened.params, batch.control, tokens
-            )
+            with panics_as_errors():
+                output = self.runner.finished(
+                    generation, batch.inputs[index], opened.params, batch.control, tokens
+                )
         except Exception as exc:  # noqa: BLE001 - a failure becomes data
             output = self.runner.describe_failure(exc)
             log.error("an item's output failed", exc_info=exc)

@@ -43,6 +43,7 @@ from rawserve.shared.messages import (
 )
 from rawserve.shared.pipes import MessageWriter
 from rawserve.worker.feeder import Feeder
+from rawserve.worker.library_panics import panics_as_errors
 
 if TYPE_CHECKING:
     from rawserve.worker.runner import Runner
@@ -296,10 +297,11 @@ def run_bisecting(
 ) -> list[Any]:
     """Run a batch; if it raises, run each half alone, down to the failing items."""
     try:
-        if prepared is None:
-            outputs = runner.run(inputs, params, control)
-        else:
-            outputs = runner.run_prepared(inputs, params, control, prepared)
+        with panics_as_errors():
+            if prepared is None:
+                outputs = runner.run(inputs, params, control)
+            else:
+                outputs = runner.run_prepared(inputs, params, control, prepared)
     except Exception as exc:  # noqa: BLE001 - every failure becomes data, never a pickle
         failure = runner.describe_failure(exc)
         if failure.kind is FailureKind.OUT_OF_MEMORY:
