@@ -281,6 +281,17 @@ def test_no_network_and_nothing_cached_is_one_line(tmp_path):
     assert "org/tiny is not in the Hub cache" in line and "cannot be reached" in line
 
 
+def test_a_network_that_drops_mid_download_is_one_line_and_each_retry_one_log_line(tmp_path):
+    with FakeHub([make_repo()], cut_downloads=True) as hub:
+        result = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint)
+    line = one_error_line(result)
+    assert "could not download org/tiny" in line and "peer closed connection" in line
+    # huggingface_hub's retries are logged through the server's handler alone, never
+    # written a second time bare (which would break --log-format json)
+    retries = [text for text in result.stderr.splitlines() if "Error while downloading" in text]
+    assert retries and all(text.startswith("huggingface_hub.") for text in retries)
+
+
 def test_a_partly_downloaded_snapshot_is_named_as_such(tmp_path):
     with FakeHub([make_repo()]) as hub:
         folder = resolved(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint))
