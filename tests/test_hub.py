@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from rawserve.models.hub import NOT_NEEDED, PICKLED_WEIGHTS, files_to_skip
+from rawserve.models.hub import NOT_NEEDED, PICKLED_WEIGHTS, ModelNotFound, files_to_skip
 from rawserve.models.names import ModelNameError, ModelSpec, default_names, parse_model_spec
+from rawserve.models.plan import plan_models
 from tests.hub_cache import HubRepo, write_hub_cache
 from tests.hub_server import FakeHub
 from tests.server import REPO_ROOT
@@ -175,6 +176,29 @@ def test_a_folder_resolves_to_itself(tmp_path):
 def test_a_missing_folder_is_one_line(tmp_path):
     line = one_error_line(run_resolve(str(tmp_path / "nowhere"), tmp_path))
     assert "no model folder" in line
+
+
+@pytest.mark.parametrize(
+    ("weights", "refused"),
+    [
+        ((), True),
+        (("tf_model.h5", "flax_model.msgpack"), True),  # transformers 5 loads neither
+        (("model.safetensors",), False),
+        (("pytorch_model.bin",), False),
+        (("model.safetensors.index.json", "model-00001-of-00002.safetensors"), False),
+    ],
+)
+def test_a_folder_without_pytorch_weights_is_refused_before_any_worker_loads_it(
+    tmp_path, weights, refused
+):
+    (tmp_path / "model").mkdir()
+    for name in ("config.json", *weights):
+        (tmp_path / "model" / name).write_text('{"architectures": ["BertModel"]}')
+    if not refused:
+        assert plan_models([str(tmp_path / "model")])[0].facts.task == "feature-extraction"
+        return
+    with pytest.raises(ModelNotFound, match=r"model .*/model: the model has no PyTorch weights"):
+        plan_models([str(tmp_path / "model")])
 
 
 # --- a Hub cache, offline --------------------------------------------------------------

@@ -164,11 +164,16 @@ def start_failing(args: list[str], env: dict[str, str]) -> str:
         ("org/gated", r"org/gated is gated: .* set HF_TOKEN"),
         ("not a repo!", r"neither an existing folder nor a Hub repo id"),
         (f"{REPO_ID}:Not-A-Task", r"--model 'org/tiny-bge:Not-A-Task': 'Not-A-Task' .* task"),
+        ("org/tf-only", r"model org/tf-only: the model has no PyTorch weights"),
     ],
 )
 def test_a_model_the_hub_refuses_is_one_clear_line(tmp_path, repo, model, says):
     gated = HubRepo("org/gated", commits=repo.commits, refs=repo.refs, gated=True)
-    with FakeHub([repo, gated]) as hub:
+    files = {**repo.commits[repo.main], "tf_model.h5": b"TensorFlow's weights"}
+    del files["model.safetensors"]
+    tf_only = HubRepo("org/tf-only")
+    tf_only.add_commit(files, refs=("main",))
+    with FakeHub([repo, gated, tf_only]) as hub:
         line = start_failing(["--model", model], hub_env(tmp_path, HF_ENDPOINT=hub.endpoint))
     assert re.search(says, line), line
 
