@@ -15,6 +15,9 @@ the way the Hub answers it (read from huggingface_hub's own code, `hf_api.py`,
   a missing or private repo), `RevisionNotFound` (404), `GatedRepo` (401 without a
   token, 403 with one that has no access), `EntryNotFound` (404).
 
+`FakeHub(repos, cut_downloads=True)` is a network that drops mid-download: every "CDN"
+answer announces the whole file and closes the connection a third of the way into it.
+
 Every request is recorded (method, path, Authorization header) so tests can say what
 went over the wire, or that nothing did.
 """
@@ -43,8 +46,9 @@ class Seen:
 class FakeHub:
     """The stand-in: `with FakeHub([repo]) as hub:` serves on `hub.endpoint`."""
 
-    def __init__(self, repos: list[HubRepo]):
+    def __init__(self, repos: list[HubRepo], cut_downloads: bool = False):
         self.repos = {repo.repo_id: repo for repo in repos}
+        self.cut_downloads = cut_downloads
         self.requests: list[Seen] = []
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
@@ -148,8 +152,13 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if "Content-Length" not in reply.headers:
                 self.send_header("Content-Length", str(len(reply.body)))
             self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(reply.body)
+            if self.command == "HEAD":
+                return
+            if hub.cut_downloads and self.path.startswith(CDN_PREFIX):
+                self.wfile.write(reply.body[: len(reply.body) // 3])
+                self.close_connection = True
+                return
+            self.wfile.write(reply.body)
 
         def _answer(self) -> Reply:
             path = urlsplit(self.path).path

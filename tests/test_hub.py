@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from rawserve.models.hub import NOT_NEEDED, PICKLED_WEIGHTS, files_to_skip
+from rawserve.models.hub import NOT_NEEDED, PICKLED_WEIGHTS, ModelNotFound, files_to_skip
 from rawserve.models.names import ModelNameError, ModelSpec, default_names, parse_model_spec
+from rawserve.models.plan import plan_models
 from tests.hub_cache import HubRepo, write_hub_cache
 from tests.hub_server import FakeHub
 from tests.server import REPO_ROOT
@@ -177,6 +178,29 @@ def test_a_missing_folder_is_one_line(tmp_path):
     assert "no model folder" in line
 
 
+@pytest.mark.parametrize(
+    ("weights", "refused"),
+    [
+        ((), True),
+        (("tf_model.h5", "flax_model.msgpack"), True),  # transformers 5 loads neither
+        (("model.safetensors",), False),
+        (("pytorch_model.bin",), False),
+        (("model.safetensors.index.json", "model-00001-of-00002.safetensors"), False),
+    ],
+)
+def test_a_folder_without_pytorch_weights_is_refused_before_any_worker_loads_it(
+    tmp_path, weights, refused
+):
+    (tmp_path / "model").mkdir()
+    for name in ("config.json", *weights):
+        (tmp_path / "model" / name).write_text('{"architectures": ["BertModel"]}')
+    if not refused:
+        assert plan_models([str(tmp_path / "model")])[0].facts.task == "feature-extraction"
+        return
+    with pytest.raises(ModelNotFound, match=r"model .*/model: the model has no PyTorch weights"):
+        plan_models([str(tmp_path / "model")])
+
+
 # --- a Hub cache, offline --------------------------------------------------------------
 
 
@@ -279,6 +303,17 @@ def test_no_network_and_nothing_cached_is_one_line(tmp_path):
         endpoint = hub.endpoint  # a port that refuses connections once the stand-in stops
     line = one_error_line(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=endpoint))
     assert "org/tiny is not in the Hub cache" in line and "cannot be reached" in line
+
+
+def test_a_network_that_drops_mid_download_is_one_line_and_each_retry_one_log_line(tmp_path):
+    with FakeHub([make_repo()], cut_downloads=True) as hub:
+        result = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint)
+    line = one_error_line(result)
+    assert "could not download org/tiny" in line and "peer closed connection" in line
+    # huggingface_hub's retries are logged through the server's handler alone, never
+    # written a second time bare (which would break --log-format json)
+    retries = [text for text in result.stderr.splitlines() if "Error while downloading" in text]
+    assert retries and all(text.startswith("huggingface_hub.") for text in retries)
 
 
 def test_a_partly_downloaded_snapshot_is_named_as_such(tmp_path):

@@ -138,16 +138,21 @@ def test_download_only_fills_the_cache_and_exits(tmp_path, repo):
     assert "listening" not in result.stderr  # nothing was served
 
 
-def start_failing(args: list[str], env: dict[str, str]) -> str:
-    """Run the server with a model it cannot have: exit code 1 and one error line."""
-    result = subprocess.run(
+def run_to_exit(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run the server until it exits by itself (a model it cannot serve)."""
+    return subprocess.run(
         [sys.executable, "-m", "rawserve", "--port", "0", *args],
         env={**env, "PYTHONPATH": REPO_ROOT},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
         stdin=subprocess.DEVNULL,
     )
+
+
+def start_failing(args: list[str], env: dict[str, str]) -> str:
+    """Run the server with a model it cannot have: exit code 1 and one error line."""
+    result = run_to_exit(args, env)
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
@@ -164,11 +169,16 @@ def start_failing(args: list[str], env: dict[str, str]) -> str:
         ("org/gated", r"org/gated is gated: .* set HF_TOKEN"),
         ("not a repo!", r"neither an existing folder nor a Hub repo id"),
         (f"{REPO_ID}:Not-A-Task", r"--model 'org/tiny-bge:Not-A-Task': 'Not-A-Task' .* task"),
+        ("org/tf-only", r"model org/tf-only: the model has no PyTorch weights"),
     ],
 )
 def test_a_model_the_hub_refuses_is_one_clear_line(tmp_path, repo, model, says):
     gated = HubRepo("org/gated", commits=repo.commits, refs=repo.refs, gated=True)
-    with FakeHub([repo, gated]) as hub:
+    files = {**repo.commits[repo.main], "tf_model.h5": b"TensorFlow's weights"}
+    del files["model.safetensors"]
+    tf_only = HubRepo("org/tf-only")
+    tf_only.add_commit(files, refs=("main",))
+    with FakeHub([repo, gated, tf_only]) as hub:
         line = start_failing(["--model", model], hub_env(tmp_path, HF_ENDPOINT=hub.endpoint))
     assert re.search(says, line), line
 
@@ -183,3 +193,19 @@ def test_a_folder_whose_task_is_unknown_is_one_clear_line(tmp_path):
     (tmp_path / "model" / "config.json").write_text('{"architectures": ["SomethingNew"]}')
     line = start_failing(["--model", str(tmp_path / "model")], hub_env(tmp_path))
     assert "no task is known for the model's architecture" in line and "--task" in line
+
+
+def test_a_repo_uploaded_without_its_tokenizer_stops_the_server_with_one_line(tmp_path, repo):
+    """Not served with a tokenizer of special tokens alone (every text the same answer);
+    the workers' failure reaches the log as one line, not transformers' tracebacks."""
+    files = {k: v for k, v in repo.commits[repo.main].items() if not k.startswith("tokenizer")}
+    untokenized = HubRepo("org/untokenized")
+    untokenized.add_commit(files, refs=("main",))
+    with FakeHub([untokenized]) as hub:
+        args = ["--model", "org/untokenized", "--no-warmup", "--engine", "torch", "--device", "cpu"]
+        result = run_to_exit(args, hub_env(tmp_path, HF_ENDPOINT=hub.endpoint))
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert " ERROR model org/untokenized could not be loaded: " in last
+    assert "the model has no tokenizer files (any of tokenizer.json, vocab.txt)" in last

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -25,6 +26,7 @@ from rawserve.tasks.registry import TASKS
 from tests.server import RunningServer
 from tests.test_model_selection import AnsweringQueue, served
 from tests.test_task_adapters import runner  # noqa: F401 - the in-process runners fixture
+from tests.tiny_models import worker_config
 
 WARMED = re.compile(r"warm-up: a batch of (\d+) took")
 
@@ -68,6 +70,21 @@ def test_every_runner_runs_its_warm_up_batch(runner, task):  # noqa: F811
     kind = KINDS[task]
     seconds = warm_up(runner(kind, task if kind == "seq2seq" else None), size=3)
     assert seconds is not None and seconds > 0
+
+
+@pytest.mark.parametrize("kind", ["text-classification", "feature-extraction"])
+def test_a_model_without_its_tokenizer_files_is_refused_not_served_unknown_tokens(
+    tiny_model, tmp_path, kind
+):
+    """transformers builds such a model a tokenizer of its special tokens alone, which
+    reads every word as the unknown token: every text would get the same answer."""
+    from rawserve.worker.loading import load_runner
+
+    folder = tmp_path / kind
+    shutil.copytree(tiny_model(kind), folder, ignore=shutil.ignore_patterns("tokenizer.json"))
+    assert (folder / "tokenizer_config.json").is_file()  # what the repo kept says nothing
+    with pytest.raises(ValueError, match=r"the model has no tokenizer files \(any of .*\)"):
+        load_runner(worker_config(str(folder), dtype="float32"), "cpu")
 
 
 def test_a_warming_worker_is_not_ready_and_says_so():

@@ -22,6 +22,14 @@ ARCHITECTURE_TASKS = [
     ("LMHeadModel", "text-generation"),
     ("Model", "feature-extraction"),
 ]
+# The weights a worker loads: transformers' (whole or sharded), or a shipped ONNX graph.
+WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "onnx/model.onnx",
+)
 
 
 def default_model() -> str:
@@ -55,9 +63,15 @@ class FolderFacts:
 
 def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
     """The facts of a model folder; `task` (from --task or MODEL:TASK) overrides inference.
-    Raises ValueError with a one-line reason when the folder does not say its task."""
+    Raises ValueError with a one-line reason when the folder does not say its task or
+    holds no weights to load."""
     try:
         task = task or infer_task(model_dir)
+        if not any((model_dir / name).is_file() for name in WEIGHTS):
+            raise ValueError(
+                "the model has no PyTorch weights (model.safetensors or pytorch_model.bin); "
+                "TensorFlow and Flax weights are not loaded"
+            )
         if task != "feature-extraction":
             return FolderFacts(task)
         pooling, normalize = sentence_transformers_pooling(model_dir)

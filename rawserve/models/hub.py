@@ -108,6 +108,7 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
             f"{repo_id!r} is neither an existing folder nor a Hub repo id (org/name)"
         ) from None
     at = f"{repo_id}@{revision}" if revision else repo_id
+    hub_logs_through_ours()
     started = time.monotonic()
     try:
         files = repo_files(repo_id, revision)
@@ -128,6 +129,14 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
         time.monotonic() - started,
     )
     return ResolvedModel(spec, Path(folder), commit)
+
+
+def hub_logs_through_ours() -> None:
+    """huggingface_hub's log lines (a download retried, a file skipped) go through the
+    server's handler only, in its format: the stderr handler the library gives its own
+    loggers wrote each of them a second time, bare, between the server's lines (and
+    between the JSON objects of --log-format json)."""
+    logging.getLogger("huggingface_hub").handlers.clear()
 
 
 def repo_files(repo_id: str, revision: str | None) -> list[str] | None:

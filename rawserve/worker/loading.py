@@ -15,6 +15,7 @@ import logging
 from collections.abc import MutableMapping
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -154,6 +155,7 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
         runner = build_runner(config, task, device, network)
     log.info("engine: %s (%s)", engine.value, reason)
     runner = runner or build_runner(config, task, device, None)
+    refuse_without_vocabulary(runner.tokenizer, Path(model))
     runner.engine, runner.engine_reason = engine, reason
     runner.dtype_reason = dtype_reason
     runner.bfloat16_trial = bfloat16_trial(config, task, device, runner)
@@ -260,6 +262,23 @@ def trial_key(config: WorkerConfig, task: str, size: int) -> dict[str, object]:
         "onnxruntime": engine_trial.installed_version("onnxruntime"),
         "machine": engine_trial.machine(),
     }
+
+
+def refuse_without_vocabulary(tokenizer: Any, folder: Path) -> None:
+    """Raise ValueError when the model's tokenizer was built from no file of its folder.
+
+    transformers builds a tokenizer that has only its special tokens when the folder holds
+    none of its files (a repo uploaded without them): every word is then the unknown
+    token, and every text gets the same answer."""
+    files = getattr(tokenizer, "vocab_files_names", None)
+    if not files:
+        return  # no tokenizer (images), or one that reads no files
+    names = sorted({*files.values(), "tokenizer.json"})
+    if not any((folder / name).is_file() for name in names):
+        raise ValueError(
+            f"the model has no tokenizer files (any of {', '.join(names)}): "
+            "every text would read as unknown tokens"
+        )
 
 
 def build_runner(

@@ -140,9 +140,12 @@ def worker_main(
         runner.bind_stream(out.send, cancelled_stream)  # token streaming, if it streams
         from rawserve.worker.generating import continuous_loop
         from rawserve.worker.warmup import warm_up
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, logged here
-        log.exception("could not load the model")
-        out.send(WorkerLoadFailed(f"{type(exc).__name__}: {str(exc)[:500]}"))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which logs it
+        # One line for the operator: the message's first paragraph (transformers' own
+        # errors nest whole tracebacks after it); where it came from is for --log-level debug.
+        log.debug("could not load the model", exc_info=True)
+        paragraph = str(exc).strip().split("\n\n")[0]
+        out.send(WorkerLoadFailed(f"{type(exc).__name__}: {' '.join(paragraph.split())[:500]}"))
         return
     load_seconds = time.monotonic() - started
     warmup_seconds = None
