@@ -459,6 +459,27 @@ def test_a_seed_gives_the_same_sample_whatever_runs_beside_it(runner):
     assert other_seed.outputs != alone
 
 
+def test_sampling_draws_from_the_tokens_generate_draws_from(runner):
+    # the tiny model's generation config leaves top_k unset: `generate` draws from the 50
+    # likeliest tokens then, and so must the loop (its vocabulary is 400: a draw from all
+    # of it lands outside them most of the time)
+    assert runner.model.generation_config.top_k is None
+    params = {"max_new_tokens": 30, "do_sample": True, "seed": 3, "details": True}
+    listed = {**params, "top_n_tokens": 50}  # (the server allows 20; the worker any)
+    for output in (
+        results(serve(runner, {0: [Batch(1, ("the movie was",), listed)]}))[1].outputs[0],
+        static(runner, "the movie was", listed),
+    ):
+        details = output[0]["details"]
+        for token, top in zip(details["tokens"], details["top_tokens"], strict=True):
+            assert token["id"] in {t["id"] for t in top}
+    # a top_k asked for is taken as it is
+    wide = {**listed, "top_k": 400}
+    details = results(serve(runner, {0: [Batch(1, ("the movie was",), wide)]}))[1].outputs[0][0]
+    tokens = zip(details["details"]["tokens"], details["details"]["top_tokens"], strict=True)
+    assert any(token["id"] not in {t["id"] for t in top} for token, top in tokens)
+
+
 def test_a_cancelled_batch_frees_its_row_at_the_next_step(runner):
     params = {**GREEDY, "max_new_tokens": 200}
     first = Batch(1, ("the movie was",), params)

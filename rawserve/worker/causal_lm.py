@@ -30,6 +30,10 @@ log = logging.getLogger("rawserve.generation")
 
 # The text-generation pipeline's defaults, for what the model's generation config leaves unset.
 PIPELINE_DEFAULTS = {"max_new_tokens": 256, "do_sample": True}
+# What `generate` samples with where neither the request nor the model's generation config
+# says (transformers' global defaults that change a draw; the others are neutral): the
+# continuous loop draws as `generate` would.
+GENERATE_DEFAULTS = {"top_k": 50}
 # A prompt's scores held at once when it is scored (positions × vocabulary; 64 MiB as
 # float32): a 50,257-token vocabulary scores 333 positions a pass, 128,256 scores 130.
 PROMPT_SCORES_AT_ONCE = 2**24
@@ -362,8 +366,11 @@ class CausalLMRunner(Runner):
         kwargs = generate_kwargs(params, self.defaults)
         config = self.model.generation_config
 
-        def setting(name: str) -> Any:  # asked, or the model's generation config
-            return kwargs[name] if name in kwargs else getattr(config, name, None)
+        def setting(name: str) -> Any:  # asked, the model's generation config, generate's
+            if name in kwargs:
+                return kwargs[name]
+            configured = getattr(config, name, None)
+            return GENERATE_DEFAULTS.get(name) if configured is None else configured
 
         wants_logprobs = control.stream_id is not None or bool(params.get("details"))
         asked = setting("max_new_tokens")  # 0: the prompt scored, nothing generated
