@@ -480,6 +480,26 @@ def test_sampling_draws_from_the_tokens_generate_draws_from(runner):
     assert any(token["id"] not in {t["id"] for t in top} for token, top in tokens)
 
 
+@pytest.mark.parametrize(
+    "setting", [{"temperature": 1.5}, {"top_k": 5}, {"top_p": 0.5}], ids=lambda s: next(iter(s))
+)
+def test_a_sampling_setting_samples_beside_do_sample_false_as_tgi_reads_it(runner, setting):
+    # TGI's client sends do_sample false beside the temperature, top_k or top_p it is
+    # given, and TGI samples with them
+    asked = {"max_new_tokens": 12, "seed": 4, "do_sample": False, **setting}
+    sampled = {**asked, "do_sample": True}
+    for params in (asked, sampled):
+        [(_, got, _)] = as_the_static_path(runner, params, ["the movie was"])
+        assert got == static(runner, "the movie was", sampled)
+    greedy = static(runner, "the movie was", {"max_new_tokens": 12, "do_sample": False})
+    assert got != greedy
+    # temperature 0 is greedy whatever comes beside it; 1 alone changes nothing
+    if "temperature" in setting:
+        for unchanged in ({**asked, "temperature": 0.0}, {**asked, "temperature": 1.0}):
+            [(_, got, _)] = as_the_static_path(runner, unchanged, ["the movie was"])
+            assert got == greedy
+
+
 def test_a_cancelled_batch_frees_its_row_at_the_next_step(runner):
     params = {**GREEDY, "max_new_tokens": 200}
     first = Batch(1, ("the movie was",), params)

@@ -208,6 +208,17 @@ def _eos_ids(tokenizer: Any) -> set[int]:
     return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
 
 
+def asks_sampling(params: dict[str, Any]) -> bool:
+    """Whether a temperature (but 1), a top_k or a top_p (below 1) is asked: TGI samples
+    with them even beside do_sample false."""
+    temperature, top_p = params.get("temperature"), params.get("top_p")
+    return (
+        temperature not in (None, 1.0)
+        or params.get("top_k") is not None
+        or (top_p is not None and top_p < 1.0)
+    )
+
+
 def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """generate() options from checked request parameters."""
     kwargs: dict[str, Any] = dict(defaults)
@@ -224,6 +235,8 @@ def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[st
             kwargs[name] = params[name]
     if params.get("ignore_eos"):  # no end of sequence: every row runs to its cap
         kwargs["eos_token_id"] = None
+    if asks_sampling(params):  # as TGI reads them (its client sends do_sample false beside)
+        kwargs["do_sample"] = True
     if kwargs.get("temperature") == 0.0:  # TGI and OpenAI read temperature 0 as greedy
         kwargs.pop("temperature")
         kwargs["do_sample"] = False
