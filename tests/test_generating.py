@@ -500,6 +500,18 @@ def test_a_sampling_setting_samples_beside_do_sample_false_as_tgi_reads_it(runne
             assert got == greedy
 
 
+def test_an_unseeded_sample_names_the_seed_that_repeats_it_as_tgi_does(runner):
+    params = {"max_new_tokens": 12, "do_sample": True, "details": True}
+    first = results(serve(runner, {0: [Batch(1, ("the movie was",), params)]}))[1].outputs[0]
+    seed = first[0]["details"]["seed"]
+    assert isinstance(seed, int)
+    seeded = {**params, "seed": seed}
+    again = results(serve(runner, {0: [Batch(1, ("the movie was",), seeded)]}))[1].outputs[0]
+    assert again == first
+    greedy = results(serve(runner, {0: [Batch(1, ("the movie was",), GREEDY)]}))[1].outputs[0]
+    assert greedy[0]["details"]["seed"] is None  # nothing drawn
+
+
 def test_a_cancelled_batch_frees_its_row_at_the_next_step(runner):
     params = {**GREEDY, "max_new_tokens": 200}
     first = Batch(1, ("the movie was",), params)

@@ -475,6 +475,7 @@ class CausalLMRunner(Runner):
             len(generation.prompt_ids),
             tokens,
             generation.prefill,
+            generation.seed,
         )
 
     def _output(
@@ -487,8 +488,10 @@ class CausalLMRunner(Runner):
         prompt_tokens: int,
         tokens: list[dict[str, Any]] | None,
         prefill: list[dict[str, Any]] | None = None,
+        seed: int | None = None,
     ) -> Any:
-        """One item's output in the Inference API's shape (TGI's details when asked)."""
+        """One item's output in the Inference API's shape (TGI's details when asked;
+        `seed`: the one it sampled with, where not the one asked)."""
         # the whole decode, as the pipeline does (pieces hold back a cut character)
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         if returns_full_text(params):
@@ -499,7 +502,7 @@ class CausalLMRunner(Runner):
                 "finish_reason": finish_reason,
                 "generated_tokens": len(token_ids),
                 "prompt_tokens": prompt_tokens,
-                "seed": params.get("seed"),
+                "seed": params.get("seed") if seed is None else seed,
             }
             if tokens is not None:  # TGI's: the prompt's tokens only on request
                 output["details"].update(prefill=prefill or [], tokens=tokens)

@@ -25,6 +25,7 @@ this model size); bench/generation.py compares this loop with static batching.
 from __future__ import annotations
 
 import inspect
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_for_futures
@@ -49,6 +50,7 @@ from rawserve.worker.runner import SAMPLING_FAILED_MESSAGE
 # how long a step with nothing to run but grammars compiling waits for one, before the
 # loop looks at its messages again (a new request, a client gone)
 GRAMMAR_WAIT = 0.02
+SEEDS = 2**32  # a request's seed is below it (a drawn one too: a client may send it back)
 RECORDING_TOKENS = 3  # a prefill and two steps at each bucket of rows, to record them
 
 
@@ -101,7 +103,7 @@ class Generation:
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: int | None = None  # a sampled one's, drawn when not given
     stop: Sequence[str] = ()
     repetition_penalty: float | None = None  # None or 1.0: none
     min_new_tokens: int = 0  # no end of sequence before this many new tokens
@@ -249,11 +251,10 @@ class ContinuousBatcher:
         generation.cap = min(generation.max_new_tokens, room)
         generation.pieces = TextPieces(self.tokenizer)
         if generation.do_sample:
+            if generation.seed is None:  # drawn, so that its details name what repeats it
+                generation.seed = secrets.randbelow(SEEDS)
             generation.generator = torch.Generator(device=self.device)
-            if generation.seed is not None:
-                generation.generator.manual_seed(generation.seed)
-            else:
-                generation.generator.seed()
+            generation.generator.manual_seed(generation.seed)
         self.waiting.append(generation)
 
     def cancel(self, key: Any) -> None:
