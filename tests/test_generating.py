@@ -338,6 +338,23 @@ def test_a_grammar_holds_what_is_generated_on_both_paths(runner, sampled):
     assert got[0]["details"]["finish_reason"] == "eos_token"
 
 
+def test_a_token_a_grammar_rules_out_is_not_listed_among_the_likeliest(runner):
+    # a choice of two letters, then the end: of the five likeliest asked, at most two
+    # can be chosen at the first step; the others' log probability is -inf (which JSON
+    # cannot carry: it went out as null)
+    params = {**GREEDY, "top_n_tokens": 5, "grammar": {"type": "regex", "value": "(a|c)"}}
+    for _, got, _ in as_the_static_path(runner, params, ["the movie was"]):
+        details = got[0]["details"]
+        assert 1 <= len(details["top_tokens"][0]) <= 2
+        for top in details["top_tokens"]:
+            assert top and all(t["logprob"] > float("-inf") for t in top)
+    streamed = serve(runner, {0: [Batch(1, ("a",), params, control=Control(stream_id=4))]})
+    tokens = [c.token for m in streamed if isinstance(m, TokenChunks) for c in m.chunks]
+    assert tokens and all(
+        all(t["logprob"] > float("-inf") for t in token["top_tokens"]) for token in tokens
+    )
+
+
 def test_a_grammar_that_cannot_be_used_fails_its_item_alone(runner):
     params = {**GREEDY, "max_new_tokens": 4}
     broken = {**params, "grammar": {"type": "regex", "value": "[0-9"}}

@@ -25,6 +25,7 @@ this model size); bench/generation.py compares this loop with static batching.
 from __future__ import annotations
 
 import inspect
+import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED
@@ -507,12 +508,15 @@ class ContinuousBatcher:
 
 def likeliest(logprobs: torch.Tensor, count: int) -> list[list[tuple[int, float]]] | None:
     """Each row's `count` likeliest tokens, (id, log-probability), likeliest first; None
-    for a count of 0."""
+    for a count of 0. A token that cannot be chosen (a grammar or min_new_tokens rules it
+    out: its log probability is -inf, which JSON cannot carry) is not listed."""
     if count <= 0:
         return None
     values, ids = logprobs.topk(min(count, logprobs.shape[-1]), dim=-1)
-    return [list(zip(row_ids, row_values, strict=True)) for row_ids, row_values in
-            zip(ids.tolist(), values.tolist(), strict=True)]  # fmt: skip
+    return [
+        [(i, value) for i, value in zip(row_ids, row_values, strict=True) if value > -math.inf]
+        for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
+    ]
 
 
 def _cleans_up(tokenizer: Any, backend: Any) -> bool:
