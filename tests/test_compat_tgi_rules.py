@@ -178,7 +178,18 @@ async def test_generate_uses_the_first_model_that_generates_wherever_it_is_liste
     assert json.loads(response.body) == {"generated_text": " and so on"}
     queue = gen.serving.queue
     assert isinstance(queue, GeneratingQueue)
-    assert queue.params == [{"return_full_text": False}]  # TGI's default: the continuation
+    # TGI's defaults: the continuation, greedy (unless a sampling setting asks otherwise)
+    assert queue.params == [{"return_full_text": False, "do_sample": False}]
+
+
+async def test_generate_takes_the_sampling_asked_for():
+    gen = generation_model()
+    app = App(ServedModels([gen]))
+    asked = {"do_sample": True, "return_full_text": True}
+    response = await app.handle(post("/generate", {"inputs": "once", "parameters": asked}))
+    assert response.status == 200
+    assert isinstance(gen.serving.queue, GeneratingQueue)
+    assert gen.serving.queue.params == [asked]
 
 
 async def test_generate_refuses_an_unserved_parameter_with_422_in_tgis_shape():

@@ -338,6 +338,23 @@ def test_a_grammar_holds_what_is_generated_on_both_paths(runner, sampled):
     assert got[0]["details"]["finish_reason"] == "eos_token"
 
 
+def test_a_token_a_grammar_rules_out_is_not_listed_among_the_likeliest(runner):
+    # a choice of two letters, then the end: of the five likeliest asked, at most two
+    # can be chosen at the first step; the others' log probability is -inf (which JSON
+    # cannot carry: it went out as null)
+    params = {**GREEDY, "top_n_tokens": 5, "grammar": {"type": "regex", "value": "(a|c)"}}
+    for _, got, _ in as_the_static_path(runner, params, ["the movie was"]):
+        details = got[0]["details"]
+        assert 1 <= len(details["top_tokens"][0]) <= 2
+        for top in details["top_tokens"]:
+            assert top and all(t["logprob"] > float("-inf") for t in top)
+    streamed = serve(runner, {0: [Batch(1, ("a",), params, control=Control(stream_id=4))]})
+    tokens = [c.token for m in streamed if isinstance(m, TokenChunks) for c in m.chunks]
+    assert tokens and all(
+        all(t["logprob"] > float("-inf") for t in token["top_tokens"]) for token in tokens
+    )
+
+
 def test_a_grammar_that_cannot_be_used_fails_its_item_alone(runner):
     params = {**GREEDY, "max_new_tokens": 4}
     broken = {**params, "grammar": {"type": "regex", "value": "[0-9"}}
@@ -457,6 +474,59 @@ def test_a_seed_gives_the_same_sample_whatever_runs_beside_it(runner):
     unseeded = {"max_new_tokens": 20, "do_sample": True, "seed": 8}
     other_seed = results(serve(runner, {0: [Batch(1, ("the movie was",), unseeded)]}))[1]
     assert other_seed.outputs != alone
+
+
+def test_sampling_draws_from_the_tokens_generate_draws_from(runner):
+    # the tiny model's generation config leaves top_k unset: `generate` draws from the 50
+    # likeliest tokens then, and so must the loop (its vocabulary is 400: a draw from all
+    # of it lands outside them most of the time)
+    assert runner.model.generation_config.top_k is None
+    params = {"max_new_tokens": 30, "do_sample": True, "seed": 3, "details": True}
+    listed = {**params, "top_n_tokens": 50}  # (the server allows 20; the worker any)
+    for output in (
+        results(serve(runner, {0: [Batch(1, ("the movie was",), listed)]}))[1].outputs[0],
+        static(runner, "the movie was", listed),
+    ):
+        details = output[0]["details"]
+        for token, top in zip(details["tokens"], details["top_tokens"], strict=True):
+            assert token["id"] in {t["id"] for t in top}
+    # a top_k asked for is taken as it is
+    wide = {**listed, "top_k": 400}
+    details = results(serve(runner, {0: [Batch(1, ("the movie was",), wide)]}))[1].outputs[0][0]
+    tokens = zip(details["details"]["tokens"], details["details"]["top_tokens"], strict=True)
+    assert any(token["id"] not in {t["id"] for t in top} for token, top in tokens)
+
+
+@pytest.mark.parametrize(
+    "setting", [{"temperature": 1.5}, {"top_k": 5}, {"top_p": 0.5}], ids=lambda s: next(iter(s))
+)
+def test_a_sampling_setting_samples_beside_do_sample_false_as_tgi_reads_it(runner, setting):
+    # TGI's client sends do_sample false beside the temperature, top_k or top_p it is
+    # given, and TGI samples with them
+    asked = {"max_new_tokens": 12, "seed": 4, "do_sample": False, **setting}
+    sampled = {**asked, "do_sample": True}
+    for params in (asked, sampled):
+        [(_, got, _)] = as_the_static_path(runner, params, ["the movie was"])
+        assert got == static(runner, "the movie was", sampled)
+    greedy = static(runner, "the movie was", {"max_new_tokens": 12, "do_sample": False})
+    assert got != greedy
+    # temperature 0 is greedy whatever comes beside it; 1 alone changes nothing
+    if "temperature" in setting:
+        for unchanged in ({**asked, "temperature": 0.0}, {**asked, "temperature": 1.0}):
+            [(_, got, _)] = as_the_static_path(runner, unchanged, ["the movie was"])
+            assert got == greedy
+
+
+def test_an_unseeded_sample_names_the_seed_that_repeats_it_as_tgi_does(runner):
+    params = {"max_new_tokens": 12, "do_sample": True, "details": True}
+    first = results(serve(runner, {0: [Batch(1, ("the movie was",), params)]}))[1].outputs[0]
+    seed = first[0]["details"]["seed"]
+    assert isinstance(seed, int)
+    seeded = {**params, "seed": seed}
+    again = results(serve(runner, {0: [Batch(1, ("the movie was",), seeded)]}))[1].outputs[0]
+    assert again == first
+    greedy = results(serve(runner, {0: [Batch(1, ("the movie was",), GREEDY)]}))[1].outputs[0]
+    assert greedy[0]["details"]["seed"] is None  # nothing drawn
 
 
 def test_a_cancelled_batch_frees_its_row_at_the_next_step(runner):

@@ -131,7 +131,9 @@ class TgiRoutes:
             # the route says whether it streams ("stream" is for TGI's POST /)
             document = {k: v for k, v in document.items() if k != "stream"}
         parsed = parse_json_body(TASK, document, 1)
-        params: dict[str, Any] = {"return_full_text": False, **parsed.params}  # TGI's default
+        # TGI's defaults: the continuation alone, and greedy (a temperature, top_k or top_p
+        # asks for sampling in the worker, as TGI reads them)
+        params: dict[str, Any] = {"return_full_text": False, "do_sample": False, **parsed.params}
         try:
             check_generation_length(params, model.limits.max_new_tokens)
         except InvalidRequest as exc:

@@ -30,6 +30,10 @@ log = logging.getLogger("rawserve.generation")
 
 # The text-generation pipeline's defaults, for what the model's generation config leaves unset.
 PIPELINE_DEFAULTS = {"max_new_tokens": 256, "do_sample": True}
+# What `generate` samples with where neither the request nor the model's generation config
+# says (transformers' global defaults that change a draw; the others are neutral): the
+# continuous loop draws as `generate` would.
+GENERATE_DEFAULTS = {"top_k": 50}
 # A prompt's scores held at once when it is scored (positions × vocabulary; 64 MiB as
 # float32): a 50,257-token vocabulary scores 333 positions a pass, 128,256 scores 130.
 PROMPT_SCORES_AT_ONCE = 2**24
@@ -204,6 +208,17 @@ def _eos_ids(tokenizer: Any) -> set[int]:
     return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
 
 
+def asks_sampling(params: dict[str, Any]) -> bool:
+    """Whether a temperature (but 1), a top_k or a top_p (below 1) is asked: TGI samples
+    with them even beside do_sample false."""
+    temperature, top_p = params.get("temperature"), params.get("top_p")
+    return (
+        temperature not in (None, 1.0)
+        or params.get("top_k") is not None
+        or (top_p is not None and top_p < 1.0)
+    )
+
+
 def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """generate() options from checked request parameters."""
     kwargs: dict[str, Any] = dict(defaults)
@@ -220,6 +235,8 @@ def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[st
             kwargs[name] = params[name]
     if params.get("ignore_eos"):  # no end of sequence: every row runs to its cap
         kwargs["eos_token_id"] = None
+    if asks_sampling(params):  # as TGI reads them (its client sends do_sample false beside)
+        kwargs["do_sample"] = True
     if kwargs.get("temperature") == 0.0:  # TGI and OpenAI read temperature 0 as greedy
         kwargs.pop("temperature")
         kwargs["do_sample"] = False
@@ -362,8 +379,11 @@ class CausalLMRunner(Runner):
         kwargs = generate_kwargs(params, self.defaults)
         config = self.model.generation_config
 
-        def setting(name: str) -> Any:  # asked, or the model's generation config
-            return kwargs[name] if name in kwargs else getattr(config, name, None)
+        def setting(name: str) -> Any:  # asked, the model's generation config, generate's
+            if name in kwargs:
+                return kwargs[name]
+            configured = getattr(config, name, None)
+            return GENERATE_DEFAULTS.get(name) if configured is None else configured
 
         wants_logprobs = control.stream_id is not None or bool(params.get("details"))
         asked = setting("max_new_tokens")  # 0: the prompt scored, nothing generated
@@ -455,6 +475,7 @@ class CausalLMRunner(Runner):
             len(generation.prompt_ids),
             tokens,
             generation.prefill,
+            generation.seed,
         )
 
     def _output(
@@ -467,8 +488,10 @@ class CausalLMRunner(Runner):
         prompt_tokens: int,
         tokens: list[dict[str, Any]] | None,
         prefill: list[dict[str, Any]] | None = None,
+        seed: int | None = None,
     ) -> Any:
-        """One item's output in the Inference API's shape (TGI's details when asked)."""
+        """One item's output in the Inference API's shape (TGI's details when asked;
+        `seed`: the one it sampled with, where not the one asked)."""
         # the whole decode, as the pipeline does (pieces hold back a cut character)
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         if returns_full_text(params):
@@ -479,7 +502,7 @@ class CausalLMRunner(Runner):
                 "finish_reason": finish_reason,
                 "generated_tokens": len(token_ids),
                 "prompt_tokens": prompt_tokens,
-                "seed": params.get("seed"),
+                "seed": params.get("seed") if seed is None else seed,
             }
             if tokens is not None:  # TGI's: the prompt's tokens only on request
                 output["details"].update(prefill=prefill or [], tokens=tokens)

@@ -25,6 +25,8 @@ this model size); bench/generation.py compares this loop with static batching.
 from __future__ import annotations
 
 import inspect
+import math
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_for_futures
@@ -49,6 +51,7 @@ from rawserve.worker.runner import SAMPLING_FAILED_MESSAGE
 # how long a step with nothing to run but grammars compiling waits for one, before the
 # loop looks at its messages again (a new request, a client gone)
 GRAMMAR_WAIT = 0.02
+SEEDS = 2**32  # a request's seed is below it (a drawn one too: a client may send it back)
 RECORDING_TOKENS = 3  # a prefill and two steps at each bucket of rows, to record them
 
 
@@ -101,7 +104,7 @@ class Generation:
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: int | None = None  # a sampled one's, drawn when not given
     stop: Sequence[str] = ()
     repetition_penalty: float | None = None  # None or 1.0: none
     min_new_tokens: int = 0  # no end of sequence before this many new tokens
@@ -249,11 +252,10 @@ class ContinuousBatcher:
         generation.cap = min(generation.max_new_tokens, room)
         generation.pieces = TextPieces(self.tokenizer)
         if generation.do_sample:
+            if generation.seed is None:  # drawn, so that its details name what repeats it
+                generation.seed = secrets.randbelow(SEEDS)
             generation.generator = torch.Generator(device=self.device)
-            if generation.seed is not None:
-                generation.generator.manual_seed(generation.seed)
-            else:
-                generation.generator.seed()
+            generation.generator.manual_seed(generation.seed)
         self.waiting.append(generation)
 
     def cancel(self, key: Any) -> None:
@@ -506,12 +508,15 @@ class ContinuousBatcher:
 
 def likeliest(logprobs: torch.Tensor, count: int) -> list[list[tuple[int, float]]] | None:
     """Each row's `count` likeliest tokens, (id, log-probability), likeliest first; None
-    for a count of 0."""
+    for a count of 0. A token that cannot be chosen (a grammar or min_new_tokens rules it
+    out: its log probability is -inf, which JSON cannot carry) is not listed."""
     if count <= 0:
         return None
     values, ids = logprobs.topk(min(count, logprobs.shape[-1]), dim=-1)
-    return [list(zip(row_ids, row_values, strict=True)) for row_ids, row_values in
-            zip(ids.tolist(), values.tolist(), strict=True)]  # fmt: skip
+    return [
+        [(i, value) for i, value in zip(row_ids, row_values, strict=True) if value > -math.inf]
+        for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
+    ]
 
 
 def _cleans_up(tokenizer: Any, backend: Any) -> bool:
