@@ -185,6 +185,7 @@ def test_timers_that_cannot_load_the_model_end_the_trial_at_once(tmp_path, monke
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # two starts, the first timing two layouts: its waits allow 300 s
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: no layout to choose")
 def test_a_first_start_with_no_device_times_the_layout_then_keeps_it(tiny_model, tmp_path):
     env = {"RAWSERVE_DEVICE": "", "RAWSERVE_CACHE_DIR": str(tmp_path)}  # no --device

@@ -188,7 +188,11 @@ def test_poison_inputs_and_worker_restarts_are_counted():
         # after two crashes on its own): a poison input (500), three restarts
         status, _ = faulty.post_json({"inputs": "crash here"}, timeout=60)
         assert status == 500
-        wait_until(lambda: value(scrape(faulty), "rawserve_worker_ready", worker="0", device="cpu"))
+        # a restart loads torch and the model again: allow a loaded machine its time
+        wait_until(
+            lambda: value(scrape(faulty), "rawserve_worker_ready", worker="0", device="cpu"),
+            timeout=90,
+        )
         # remembered: refused without a model call (422)
         status, _ = faulty.post_json({"inputs": "crash here"})
         assert status == 422
