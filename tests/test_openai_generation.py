@@ -1031,6 +1031,25 @@ def test_completion_streamed_with_stop_never_sends_the_stop_text(servers):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_several_prompts_streamed_are_the_choices_unstreamed_with_their_usage(servers):
+    """OpenAI's completions take a list of prompts streamed too (the SDK's and vLLM's):
+    each prompt's choices by index (prompt × n + choice), the texts and usage of the
+    same request unstreamed. It was 400, "a streamed completion takes one prompt"."""
+    plain = client(servers["plain"])
+    prompts = [PROMPT, "another prompt, another answer"]
+    asked = {"model": PLAIN_MODEL, "prompt": prompts, "n": 2, "max_tokens": 8, "temperature": 0}
+    whole = plain.completions.create(**asked)
+    options = {"include_usage": True}
+    chunks = list(plain.completions.create(**asked, stream=True, stream_options=options))
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {choice.index: choice.text for choice in whole.choices}
+    assert len(texts) == 4 and texts[0] != texts[2]
+    assert chunks[-1].usage == whole.usage
+
+
 def test_completion_logprobs_are_openais_lists_with_offsets_and_the_chosen_among_the_top(servers):
     plain = client(servers["plain"])
     answer = plain.completions.create(
@@ -1257,7 +1276,6 @@ def test_completion_with_more_prompts_than_the_client_cap_is_413(servers):
         {"prompt": PROMPT, "logprobs": 21},
         {"prompt": PROMPT, "suffix": "end"},
         {"prompt": PROMPT, "stream": "yes"},
-        {"prompt": [PROMPT, PROMPT], "stream": True},
         {"prompt": PROMPT, "seed": -1},
         {"prompt": PROMPT, "unknown": 1},
     ],

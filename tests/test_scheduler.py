@@ -384,11 +384,29 @@ def test_a_generation_that_may_end_early_is_sent_though_its_max_tokens_would_not
     (long_text,) = queue_items(core, [text(1000)], deadline=2.0)
     assert core.next_batch(0.0) is None
     (asked_much,) = queue_items(core, [text(5)], deadline=2.0, params={"max_new_tokens": 4000})
-    assert asked_much.cost > long_text.cost and asked_much.least_cost == 5 + 1
+    assert asked_much.cost > long_text.cost and asked_much.new_tokens == 4000
     assert inputs(core.next_batch(0.0)) == [text(5)]
-    at_least = core.new_item(text(5), {"max_new_tokens": 400, "min_new_tokens": 300}, 2.0, 0.0)
-    assert at_least.least_cost == 5 + 300  # then it cannot end before 300 new tokens
-    assert long_text.least_cost == long_text.cost
+    at_least = {"max_new_tokens": 400, "min_new_tokens": 300}  # no end before 300 tokens
+    queue_items(core, [text(6)], deadline=2.0, params=at_least)
+    assert inputs(core.next_batch(0.0)) == [text(6)]  # a stream sends what it makes
+    assert long_text.new_tokens == 0
+
+
+def test_a_short_generation_is_sent_after_long_ones_ran_side_by_side():
+    """A continuous worker's sequences are one-item calls to the cost model, each
+    measured over its whole generation, sharing every step with the rows beside it:
+    24 sequences of 66 tokens taking 5 s each after a few short lone ones taught it a
+    fixed part of seconds a call. A chat of 2 new tokens and a 2 s deadline must still
+    go at once (it sat queued beside the free rows until its 504)."""
+    core = SchedulerCore()
+    for cost, seconds in [(25, 0.3), (6, 0.15), (234, 10.0), *[(66, 1.0)] * 8]:
+        core.cost_model.observe(cost, seconds)
+    for _ in range(2):
+        for seconds in [1.0] * 8 + [5.0] * 24:
+            core.cost_model.observe(66, seconds)
+    assert core.cost_model.predict(4 + 1) > 2.0  # its prompt and a first token, taken so
+    queue_items(core, [text(4)], deadline=2.0, params={"max_new_tokens": 2})
+    assert inputs(core.next_batch(0.0)) == [text(4)]
 
 
 def test_the_cost_of_a_long_input_is_what_the_model_reads_of_it():

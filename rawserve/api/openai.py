@@ -234,12 +234,17 @@ class OpenAIRoutes:
         shape = Answer(chat, model.name, generation.logprobs, tools=generation.tools)
         deadline = self.context.deadline(request)
         choices = generation.choice_params()
-        if generation.stream:  # one prompt: a stream a choice
-            prompt = generation.items[0]
-            echo_text = None
+        if generation.stream:  # a stream a choice of each prompt, in OpenAI's order
+            prompts = generation.items
+            echo_texts = None
             if generation.echo:
-                [echo_text] = await echoed_texts(self.context.tokenizers, model, [prompt])
-            streams = [TokenStream(model, prompt, params, deadline) for params in choices]
+                texts = await echoed_texts(self.context.tokenizers, model, prompts)
+                echo_texts = [text for text in texts for _ in choices]
+            streams = [
+                TokenStream(model, prompt, params, deadline)
+                for prompt in prompts
+                for params in choices
+            ]
             try:
                 for stream in streams:  # an error before the first token keeps its status
                     await stream.start()
@@ -247,7 +252,9 @@ class OpenAIRoutes:
                 for stream in streams:
                     stream.close()
                 raise
-            events = shape.events(streams, generation.stop, generation.include_usage, echo_text)
+            events = shape.events(
+                streams, generation.stop, generation.include_usage, len(choices), echo_texts
+            )
             return event_stream(events)
         results = await run_choices(model, generation.items, choices, deadline)
         # the worker answers the pipeline's [{"generated_text", "details"}] per prompt

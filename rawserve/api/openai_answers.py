@@ -219,10 +219,12 @@ class Answer:
         streams: Sequence[TokenStream],
         stops: Sequence[str],
         include_usage: bool,
-        echoed: str | None = None,
+        n: int = 1,
+        echoed: Sequence[str] | None = None,
     ) -> AsyncGenerator[bytes, None]:
-        """OpenAI's chunks for a streamed generation (a stream a choice, their chunks as
-        they come), then `data: [DONE]`. `echoed`: the prompt, each choice's first chunk."""
+        """OpenAI's chunks for a streamed generation (a stream a choice, each prompt's `n`
+        one after another, their chunks as they come), then `data: [DONE]`. `echoed`:
+        each choice's prompt, its first chunk."""
         try:
             choices = [Streamed() for _ in streams]
             # an answer held to tools: its words as they come (not with log probabilities,
@@ -235,9 +237,9 @@ class Answer:
                     first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                     yield sse(first)
             if echoed is not None:
-                for index in range(len(streams)):
-                    yield sse(self.chunk(index, echoed))
-            outputs = []
+                for index, prompt in enumerate(echoed):
+                    yield sse(self.chunk(index, prompt))
+            outputs: list[dict[str, Any]] = [{} for _ in streams]  # by choice, as they end
             async for index, chunk in merged(streams):
                 choice = choices[index]
                 if chunk is not None:
@@ -262,9 +264,9 @@ class Answer:
                 elif (sending := choice.rest(output, stops)) is not None:
                     yield sse(self.chunk(index, *sending))
                 yield sse(self.chunk(index, None, finish=reason))
-                outputs.append(output)
+                outputs[index] = output
             if include_usage:
-                every = usage(outputs, len(outputs))  # one prompt, read once
+                every = usage(outputs, n)  # each prompt read once
                 yield sse({**self.head(True), "choices": [], "usage": every})
             yield b"data: [DONE]\n\n"
         finally:

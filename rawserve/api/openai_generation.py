@@ -443,8 +443,6 @@ def parse_completion(document: Any, context: DocContext) -> GenerationRequest:
     refuse_unserved(fields, COMPLETION_UNSERVED)
     request = generation_params(fields, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
     prompts = fields.value("prompt", context)
-    if request.stream and len(prompts) > 1:
-        raise BadRequest("a streamed completion takes one prompt")
     for prompt in prompts:  # as every route: blank text is well-formed, but nothing to go on
         if prompt == []:
             raise UnprocessableInput('a prompt of token ids in "prompt" has none')

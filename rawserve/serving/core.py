@@ -65,9 +65,7 @@ class WorkItem:
     arrived: float
     cost: int  # estimated tokens
     seq: int
-    # the tokens it costs at the least: a generation may end at its first new token (or
-    # its min_new_tokens) long before the max_new_tokens its `cost` counts
-    least_cost: int = 0
+    new_tokens: int = 0  # the most a generation may add (its `cost` counts them); else 0
     future: asyncio.Future[ItemResult] | None = None
     queued: bool = False
     turn: int = 0  # its place in the fair-share order, set when it is admitted
@@ -175,7 +173,6 @@ class SchedulerCore:
         # a generation also costs a decoding step per new token it asks for: the measured
         # seconds per token then admit, refuse and size by the work asked, not by the prompt
         new_tokens = int(params.get("max_new_tokens") or 0)
-        least_cost = cost + min(new_tokens, max(1, int(params.get("min_new_tokens") or 0)))
         cost += new_tokens
         key = batch_key(params)
         if control != NO_CONTROL:  # a stream never shares a batch; nor do two routes
@@ -189,7 +186,7 @@ class SchedulerCore:
             arrived=now,
             cost=cost,
             seq=next(self._seq),
-            least_cost=least_cost,
+            new_tokens=new_tokens,
         )
 
     # --- admission ----------------------------------------------------------------------
@@ -358,8 +355,8 @@ class SchedulerCore:
         full or when its oldest item has waited `max_batch_delay`. Its head is the item
         whose turn comes first, unless one is close to its deadline: the earliest such
         deadline leads. Expired items never go, nor (once the cost model is trusted)
-        items that cannot be computed before their deadline even alone (a generation:
-        even if it ended at its first new token): they stay queued until they expire.
+        inputs that cannot be computed before their deadline even alone: they stay
+        queued until they expire. A generation goes while its deadline is ahead.
         """
         for queue in sorted(self._queues.values(), key=lambda queue: queue[0].sort_key()):
             batch = self._batch_from(queue, now)
@@ -436,12 +433,15 @@ class SchedulerCore:
 
     def _can_finish(self, item: WorkItem, now: float) -> bool:
         """Whether the item alone could be answered by its deadline. A generation is
-        judged by its least work: asked for many new tokens, it may end at its first
-        (most answers end long before their max_tokens), and a stream sends what it
-        makes until its deadline; judged by its most, it would wait idle for a 504."""
-        if not self.cost_model.trusted:  # one measured call says little of another
+        given its chance: it may end at its first new token (most answers end long
+        before their max_tokens), a stream sends what it makes until its deadline, and
+        the measured seconds of a continuous worker's sequences are those of whole
+        sequences sharing each step with every row beside them, which tell how busy the
+        worker was, not how soon a first token comes (taken as its cost, a short chat
+        with a 3 s deadline sat queued beside a free row until a 504)."""
+        if item.new_tokens or not self.cost_model.trusted:  # (untrusted: one call says little)
             return item.deadline > now
-        alone = self.cost_model.predict(item.least_cost or item.cost) or 0.0
+        alone = self.cost_model.predict(item.cost) or 0.0
         return item.deadline > now + DEADLINE_MARGIN * alone
 
     def _is_urgent(self, item: WorkItem, now: float) -> bool:
