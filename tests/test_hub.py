@@ -236,6 +236,31 @@ def test_a_text_model_without_tokenizer_files_is_refused_before_any_worker_loads
     )
 
 
+@pytest.mark.parametrize(
+    ("task", "served"),
+    [
+        ("text-classification", "text-classification"),
+        ("sentiment-analysis", "text-classification"),  # transformers' other names
+        ("ner", "token-classification"),
+        ("bogus-task", None),  # transformers' KeyError listed its own tasks, in a worker
+        ("image-segmentation", None),  # a pipeline of transformers, not served here
+    ],
+)
+def test_a_task_not_served_is_refused_before_any_worker_starts(tmp_path, task, served):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        (folder / name).write_text('{"architectures": ["BertModel"]}')
+    if served:
+        assert plan_models([f"{folder}:{task}"])[0].facts.task == served
+        assert plan_models([str(folder)], task=task)[0].facts.task == served
+        return
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models([str(folder)], task=task)
+    assert str(caught.value).startswith(f"model {folder}:{task}: {task!r} is not a task served")
+    assert "feature-extraction, fill-mask, text-classification" in str(caught.value)
+
+
 # --- a Hub cache, offline --------------------------------------------------------------
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
 
+from rawserve.tasks.registry import TASKS
+
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"  # what clients see without --model
 NAME_THE_TASK = "name the task (--task, or --model MODEL:TASK)"
 # Architecture name endings → the task a model folder serves when --task is not given.
@@ -51,6 +53,8 @@ TOKENIZER_FILES = (
 FILELESS_TOKENIZERS = {"ByT5Tokenizer", "CanineTokenizer", "PerceiverTokenizer"}
 FILELESS_MODEL_TYPES = {"canine", "perceiver"}
 IMAGE_TASKS = {"image-classification"}  # their inputs are images: no tokenizer
+# transformers' other names for tasks served (`pipeline("sentiment-analysis")`)
+TASK_ALIASES = {"sentiment-analysis": "text-classification", "ner": "token-classification"}
 
 
 def default_model() -> str:
@@ -84,8 +88,11 @@ class FolderFacts:
 
 def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
     """The facts of a model folder; `task` (from --task or MODEL:TASK) overrides inference.
-    Raises ValueError with a one-line reason when the folder does not say its task or
-    holds no weights to load."""
+    Raises ValueError with a one-line reason when the task is not one served, or the
+    folder does not say its task or holds no weights or tokenizer to load."""
+    task = TASK_ALIASES.get(task, task) if task else None
+    if task is not None and task not in TASKS:
+        raise ValueError(f"{task!r} is not a task served (the tasks: {', '.join(TASKS)})")
     try:
         task = task or infer_task(model_dir)
         if not any((model_dir / name).is_file() for name in WEIGHTS):
