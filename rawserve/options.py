@@ -47,6 +47,7 @@ GPU_MAX_QUEUE = 4096
 # the serving process, the worker feeding the GPU and its tokenizer's threads.
 GPU_HTTP_PROCESSES = 8
 
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 ENV_TRUE = ("1", "true", "yes", "on")
 ENV_FALSE = ("", "0", "false", "no", "off")
 
@@ -345,8 +346,11 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         parser.error("--http-processes must be positive")
     if args.generation not in ("continuous", "static"):
         parser.error("--generation must be continuous or static")
-    if args.max_sequences is not None and args.max_sequences < 1:
-        parser.error("--max-sequences must be positive")
+    for name in ("max_sequences", "threads", "max_batch_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.dtype not in DTYPES:
+        parser.error("--dtype must be auto, float32, float16 or bfloat16")
     if args.loop not in LOOPS:
         parser.error(f"--loop must be one of {', '.join(LOOPS)}")
     if args.loop == "uvloop" and chosen_loop("auto") != "uvloop":
