@@ -47,6 +47,7 @@ GPU_MAX_QUEUE = 4096
 # the serving process, the worker feeding the GPU and its tokenizer's threads.
 GPU_HTTP_PROCESSES = 8
 
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 ENV_TRUE = ("1", "true", "yes", "on")
 ENV_FALSE = ("", "0", "false", "no", "off")
 
@@ -192,10 +193,11 @@ OPTIONS = [
     Option("--ssl-keyfile", str, None, "TLS: the private key (PEM), when not in --ssl-certfile"),
     Option(
         "--cors-allow-origin",
-        list,
-        (),
+        str,
+        None,
         "a browser origin that may call the API (repeatable; * for any): answers preflight "
         "OPTIONS and adds the CORS headers",
+        repeatable=True,
     ),
     Option(
         "--grace",
@@ -258,16 +260,6 @@ def build_parser() -> argparse.ArgumentParser:
                 option.flag, action="store_true", default=value in ENV_TRUE, help=help
             )
             continue
-        if option.type is list:  # repeatable; its variable is a comma-separated list
-            value = os.environ.get(option.env, "")
-            values = [v.strip() for v in value.split(",") if v.strip()]
-            parser.add_argument(
-                option.flag,
-                action="append",
-                default=values,
-                help=f"{option.help} [env {option.env}=A,B]",
-            )
-            continue
         if option.repeatable:  # given flags replace the variable's list (read in parse_config)
             help = f"{option.help} [env {option.env}=A,B]"
             parser.add_argument(option.flag, type=option.type, action="append", help=help)
@@ -290,10 +282,8 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
     # One fixed order of checks: a command line with several mistakes is told the first.
-    models = args.model
-    if models is None:
-        listed = os.environ.get("RAWSERVE_MODEL", "")
-        models = [name.strip() for name in listed.split(",") if name.strip()]
+    models = flags_or_variable(args.model, "RAWSERVE_MODEL")
+    origins = flags_or_variable(args.cors_allow_origin, "RAWSERVE_CORS_ALLOW_ORIGIN")
     if args.handler and models:
         parser.error("--handler serves its own callable: give no --model with it")
     try:
@@ -345,8 +335,11 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         parser.error("--http-processes must be positive")
     if args.generation not in ("continuous", "static"):
         parser.error("--generation must be continuous or static")
-    if args.max_sequences is not None and args.max_sequences < 1:
-        parser.error("--max-sequences must be positive")
+    for name in ("max_sequences", "threads", "max_batch_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.dtype not in DTYPES:
+        parser.error("--dtype must be auto, float32, float16 or bfloat16")
     if args.loop not in LOOPS:
         parser.error(f"--loop must be one of {', '.join(LOOPS)}")
     if args.loop == "uvloop" and chosen_loop("auto") != "uvloop":
@@ -357,7 +350,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         parser.error(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
     chat_template = read_chat_template(args.chat_template, parser)
     tls = load_tls(args.ssl_certfile, args.ssl_keyfile, parser)
-    if any(not origin or origin.endswith("/") for origin in args.cors_allow_origin):
+    if any(not origin or origin.endswith("/") for origin in origins):
         parser.error("--cors-allow-origin takes an origin such as https://app.example or *")
     return ServerConfig(
         models=tuple(models),
@@ -392,7 +385,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             max_timeout=args.max_timeout,
             api_key=args.api_key,
             max_client_batch_size=args.max_client_batch_size,
-            cors_allow_origins=tuple(args.cors_allow_origin),
+            cors_allow_origins=tuple(origins),
         ),
         grace=args.grace,
         http_processes=args.http_processes,
@@ -402,6 +395,13 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         access_log=not args.no_access_log,
         download_only=args.download_only,
     )
+
+
+def flags_or_variable(given: list[str] | None, env: str) -> list[str]:
+    """A repeatable option's values: the flags given, else its variable's comma list."""
+    if given is not None:
+        return given
+    return [value.strip() for value in os.environ.get(env, "").split(",") if value.strip()]
 
 
 def batch_defaults(size: int | None, tokens: int | None, gpu: bool) -> tuple[int, int | None, str]:

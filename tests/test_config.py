@@ -131,6 +131,14 @@ def test_tls_files_are_loaded_into_a_context_at_parse_time(tmp_path):
         (["--cors-allow-origin", "https://a.example/"], {}, "--cors-allow-origin takes an"),
         ([], {"RAWSERVE_PORT": "eighty"}, "argument --port: invalid int value"),
         ([], {"RAWSERVE_NO_WARMUP": "maybe"}, "RAWSERVE_NO_WARMUP must be one of"),
+        # each failed in every worker after the server listened, or was silently misread
+        (["--dtype", "float8"], {}, "--dtype must be auto, float32, float16 or bfloat16"),
+        (["--dtype", "int8"], {}, "--dtype must be auto, float32, float16 or bfloat16"),
+        ([], {"RAWSERVE_DTYPE": "fp16"}, "--dtype must be auto, float32, float16 or bfloat16"),
+        (["--threads", "-2"], {}, "--threads must be positive"),
+        (["--threads", "0"], {}, "--threads must be positive"),
+        (["--max-batch-tokens", "0"], {}, "--max-batch-tokens must be positive"),
+        (["--max-sequences", "0"], {}, "--max-sequences must be positive"),
     ],
 )
 def test_an_invalid_command_line_is_refused_with_a_clear_line(

@@ -192,13 +192,73 @@ def test_a_folder_without_pytorch_weights_is_refused_before_any_worker_loads_it(
     tmp_path, weights, refused
 ):
     (tmp_path / "model").mkdir()
-    for name in ("config.json", *weights):
+    for name in ("config.json", "tokenizer.json", *weights):
         (tmp_path / "model" / name).write_text('{"architectures": ["BertModel"]}')
     if not refused:
         assert plan_models([str(tmp_path / "model")])[0].facts.task == "feature-extraction"
         return
     with pytest.raises(ModelNotFound, match=r"model .*/model: the model has no PyTorch weights"):
         plan_models([str(tmp_path / "model")])
+
+
+@pytest.mark.parametrize(
+    ("files", "task", "refused"),
+    [
+        ({}, None, True),  # transformers would advise installing sentencepiece
+        ({"tokenizer_config.json": '{"tokenizer_class": "TokenizersBackend"}'}, None, True),
+        ({"special_tokens_map.json": "{}"}, "text-classification", True),
+        ({"tokenizer.json": "{}"}, None, False),
+        ({"vocab.json": "{}", "merges.txt": ""}, None, False),
+        ({"vocab.txt": ""}, None, False),
+        ({"spiece.model": ""}, None, False),
+        ({"tokenizer_config.json": '{"tokenizer_class": "ByT5Tokenizer"}'}, None, False),
+        ({}, "image-classification", False),  # an image model has no tokenizer
+    ],
+)
+def test_a_text_model_without_tokenizer_files_is_refused_before_any_worker_loads_it(
+    tmp_path, files, task, refused
+):
+    folder = tmp_path / "gpt2-like"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    (folder / "model.safetensors").write_text("")
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    spec = f"{folder}:{task}" if task else str(folder)
+    if not refused:
+        assert plan_models([spec])[0].facts.task == (task or "text-generation")
+        return
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models([spec])
+    assert str(caught.value) == (
+        f"model {spec}: the model has no tokenizer files (tokenizer.json, a vocabulary or a "
+        "sentencepiece model): every text would read as unknown tokens"
+    )
+
+
+@pytest.mark.parametrize(
+    ("task", "served"),
+    [
+        ("text-classification", "text-classification"),
+        ("sentiment-analysis", "text-classification"),  # transformers' other names
+        ("ner", "token-classification"),
+        ("bogus-task", None),  # transformers' KeyError listed its own tasks, in a worker
+        ("image-segmentation", None),  # a pipeline of transformers, not served here
+    ],
+)
+def test_a_task_not_served_is_refused_before_any_worker_starts(tmp_path, task, served):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        (folder / name).write_text('{"architectures": ["BertModel"]}')
+    if served:
+        assert plan_models([f"{folder}:{task}"])[0].facts.task == served
+        assert plan_models([str(folder)], task=task)[0].facts.task == served
+        return
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models([str(folder)], task=task)
+    assert str(caught.value).startswith(f"model {folder}:{task}: {task!r} is not a task served")
+    assert "feature-extraction, fill-mask, text-classification" in str(caught.value)
 
 
 # --- a Hub cache, offline --------------------------------------------------------------

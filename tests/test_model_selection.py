@@ -201,12 +201,37 @@ async def test_a_route_without_a_model_field_uses_the_first_model_that_fits_it(a
     assert computed_by(app, "emb") == 2 and computed_by(app, "cls") == 0
 
 
-async def test_a_route_that_no_model_fits_is_404_naming_what_it_needs(app):
+async def test_a_route_that_no_model_fits_is_404_naming_what_it_needs_and_what_each_serves(app):
     answer = await app.handle(post("/v1/chat/completions", {"messages": []}))
     assert answer.status == 404
-    assert (
-        "needs a text-generation model; 'cls' serves" in json.loads(answer.body)["error"]["message"]
+    assert json.loads(answer.body)["error"]["message"] == (
+        "this route needs a text-generation model; no served model fits "
+        "('cls' serves text-classification, 'emb' serves feature-extraction)"
     )
+
+
+@pytest.mark.parametrize(
+    ("path", "document", "needs"),
+    [
+        ("/v1/chat/completions", {"messages": []}, "a text-generation model"),
+        ("/generate", {"inputs": "hi"}, "a text-generation model"),
+        ("/predict", {"inputs": "hi"}, "a text-classification model"),
+    ],
+)
+async def test_two_models_of_one_task_that_a_route_does_not_fit_are_both_named(
+    path, document, needs
+):
+    models = ServedModels(
+        [served("emb", "feature-extraction"), served("emb2", "feature-extraction")]
+    )
+    try:  # the OpenAI and TGI routes answer in their own error shapes; TEI's raise
+        answer = await App(models).handle(post(path, document, headers=[]))
+        assert answer.status == 404
+        message = answer.body.decode()
+    except NotFound as caught:
+        message = str(caught)
+    assert f"this route needs {needs}; no served model fits (" in message
+    assert "'emb' serves feature-extraction, 'emb2' serves feature-extraction" in message
 
 
 @pytest.mark.parametrize(("model", "status"), [("nope", 404), (7, 400), (["emb"], 400)])

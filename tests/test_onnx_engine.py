@@ -173,6 +173,37 @@ def test_the_export_is_made_once_and_reused(tiny_model, onnx_cache, caplog, monk
     assert onnx_engine.cache_key(folder, other) != onnx_engine.cache_key(folder, head)
 
 
+def test_a_cache_folder_that_cannot_be_written_is_named_not_a_bare_os_error(
+    tiny_model, tmp_path, monkeypatch, caplog
+):
+    """`--engine onnx` fails with the folder and the variable that moves it; `auto`
+    serves with torch and says why (it said the export failed: nothing was exported)."""
+    from rawserve.worker import onnx_engine
+    from rawserve.worker.loading import load_runner
+
+    (tmp_path / "a-file").write_text("")
+    cache = tmp_path / "a-file" / "cache"  # not a folder: root may write anywhere else
+    folder = Path(tiny_model("text-classification"))
+    head = onnx_engine.HEADS["text-classification"]
+    with pytest.raises(OSError) as caught:
+        onnx_engine.exported_graph(folder, head, cache / "onnx")
+    assert str(caught.value) == (
+        f"the ONNX export's cache folder {cache / 'onnx'} cannot be written (Not a directory): "
+        "set RAWSERVE_CACHE_DIR to one that can"
+    )
+    monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(cache))
+    config = WorkerConfig(model=str(folder), task="text-classification", engine=Engine.AUTO)
+    with caplog.at_level(logging.WARNING):
+        runner = load_runner(config, "cpu")
+    assert runner.engine is Engine.TORCH
+    assert runner.engine_reason == "auto: ONNX Runtime could not load the model (OSError)"
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.endswith(
+        "cannot be written (Not a directory): set RAWSERVE_CACHE_DIR to one that can"
+    )
+    assert "Traceback" not in caplog.text
+
+
 def test_a_model_s_own_onnx_file_is_used_as_shipped(tiny_model, onnx_cache, tmp_path, caplog):
     from rawserve.worker import onnx_engine
 

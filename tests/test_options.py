@@ -83,6 +83,14 @@ def test_the_model_list_is_comma_separated_and_given_flags_replace_it(monkeypatc
     assert parse_config(["--revision", "abc123"]).revision == "abc123"
 
 
+def test_given_origins_replace_the_variables_list_as_given_models_do(monkeypatch):
+    clear_environment(monkeypatch)
+    monkeypatch.setenv("RAWSERVE_CORS_ALLOW_ORIGIN", "https://a.example, https://b.example")
+    assert parse_config([]).app.cors_allow_origins == ("https://a.example", "https://b.example")
+    given = parse_config(["--cors-allow-origin", "https://c.example"])
+    assert given.app.cors_allow_origins == ("https://c.example",)
+
+
 SWITCHES = {
     "RAWSERVE_NO_WARMUP": lambda config: not config.model.warmup,
     "RAWSERVE_DOWNLOAD_ONLY": lambda config: config.download_only,

@@ -77,12 +77,16 @@ def test_a_model_without_its_tokenizer_files_is_refused_not_served_unknown_token
     tiny_model, tmp_path, kind
 ):
     """transformers builds such a model a tokenizer of its special tokens alone, which
-    reads every word as the unknown token: every text would get the same answer."""
+    reads every word as the unknown token: every text would get the same answer. (The
+    server refuses a folder with no tokenizer file at all before any worker starts; a
+    worker still refuses one whose files are not its tokenizer's, here a BERT model's
+    folder with a BPE vocabulary.)"""
     from rawserve.worker.loading import load_runner
 
     folder = tmp_path / kind
     shutil.copytree(tiny_model(kind), folder, ignore=shutil.ignore_patterns("tokenizer.json"))
     assert (folder / "tokenizer_config.json").is_file()  # what the repo kept says nothing
+    (folder / "vocab.json").write_text("{}")
     with pytest.raises(ValueError, match=r"the model has no tokenizer files \(any of .*\)"):
         load_runner(worker_config(str(folder), dtype="float32"), "cpu")
 

@@ -9,7 +9,7 @@ Server process; never imports h11 or torch.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,18 +32,33 @@ class Needs:
     def missing(self, model: ServedModel) -> str | None:
         """Why `model` cannot serve the route (a 404's message), or None when it can or
         when it is not known yet (no worker has loaded: the gate answers 503 then)."""
+        unfit = self.unfit(model)
+        return None if unfit is None else f"this route needs {self.what}; {unfit}"
+
+    def none_fits(self, models: Sequence[ServedModel]) -> str | None:
+        """Why none of several served models can serve the route (a 404's message naming
+        each and what it serves), or None when one can or may."""
+        unfit = [self.unfit(model) for model in models]
+        if any(reason is None for reason in unfit):
+            return None
+        served = ", ".join(reason for reason in unfit if reason is not None)
+        return f"this route needs {self.what}; no served model fits ({served})"
+
+    def unfit(self, model: ServedModel) -> str | None:
+        """What `model` serves that the route cannot use, e.g. "'emb' serves
+        feature-extraction"; None when it fits or is not loaded yet."""
         loaded = model.serving.loaded
         if loaded is None:
             return None
         serves = f"{model.name!r} serves {loaded.task}"
         if self.tasks and loaded.task not in self.tasks:
-            return f"this route needs {self.what}; {serves}"
+            return serves
         if self.tokenizer and loaded.tokenizer is None:
-            return f"this route needs a model with a tokenizer; {serves} without one"
+            return f"{serves} without a tokenizer"
         if self.labels is not None:
             labels = len(loaded.details.get("id2label", {}))
             if labels != self.labels:
-                return f"this route needs {self.what}; {serves} with {labels} labels"
+                return f"{serves} with {labels} labels"
         return None
 
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path, PurePath
+from typing import Any
+
+from rawserve.tasks.registry import TASKS
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"  # what clients see without --model
 NAME_THE_TASK = "name the task (--task, or --model MODEL:TASK)"
@@ -30,6 +33,28 @@ WEIGHTS = (
     "pytorch_model.bin.index.json",
     "onnx/model.onnx",
 )
+
+# What a tokenizer is built from, every family's (a fast tokenizer's tokenizer.json, a
+# vocabulary, BPE merges, a sentencepiece or tiktoken model); tokenizer_config.json alone
+# is not one.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab*",
+    "merges.txt",
+    "*.model",
+    "*.spm",
+    "*.tiktoken",
+    "bpe.codes",
+    "dict.txt",
+    "prophetnet.tokenizer",
+)
+# The tokenizers that read no file (bytes or characters are their tokens), as the
+# tokenizer's or the model's config names the class, or the model type that implies it.
+FILELESS_TOKENIZERS = {"ByT5Tokenizer", "CanineTokenizer", "PerceiverTokenizer"}
+FILELESS_MODEL_TYPES = {"canine", "perceiver"}
+IMAGE_TASKS = {"image-classification"}  # their inputs are images: no tokenizer
+# transformers' other names for tasks served (`pipeline("sentiment-analysis")`)
+TASK_ALIASES = {"sentiment-analysis": "text-classification", "ner": "token-classification"}
 
 
 def default_model() -> str:
@@ -63,14 +88,22 @@ class FolderFacts:
 
 def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
     """The facts of a model folder; `task` (from --task or MODEL:TASK) overrides inference.
-    Raises ValueError with a one-line reason when the folder does not say its task or
-    holds no weights to load."""
+    Raises ValueError with a one-line reason when the task is not one served, or the
+    folder does not say its task or holds no weights or tokenizer to load."""
+    task = TASK_ALIASES.get(task, task) if task else None
+    if task is not None and task not in TASKS:
+        raise ValueError(f"{task!r} is not a task served (the tasks: {', '.join(TASKS)})")
     try:
         task = task or infer_task(model_dir)
         if not any((model_dir / name).is_file() for name in WEIGHTS):
             raise ValueError(
                 "the model has no PyTorch weights (model.safetensors or pytorch_model.bin); "
                 "TensorFlow and Flax weights are not loaded"
+            )
+        if task not in IMAGE_TASKS and not has_tokenizer(model_dir):
+            raise ValueError(
+                "the model has no tokenizer files (tokenizer.json, a vocabulary or a "
+                "sentencepiece model): every text would read as unknown tokens"
             )
         if task != "feature-extraction":
             return FolderFacts(task)
@@ -83,6 +116,25 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
     except (OSError, json.JSONDecodeError, AttributeError, KeyError, TypeError) as exc:
         raise ValueError(f"the model's files are unreadable ({type(exc).__name__})") from None
     return FolderFacts(task, pooling, normalize)
+
+
+def has_tokenizer(model_dir: Path) -> bool:
+    """Whether the folder holds what a tokenizer is built from, or names one that needs no
+    file. Without it transformers builds a tokenizer of special tokens alone, or fails
+    advising to install sentencepiece, which would not help."""
+    if any(next(model_dir.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        return True
+    configs = [json_file(model_dir / "tokenizer_config.json"), json_file(model_dir / "config.json")]
+    return any(
+        config.get("tokenizer_class") in FILELESS_TOKENIZERS
+        or config.get("model_type") in FILELESS_MODEL_TYPES
+        for config in configs
+    )
+
+
+def json_file(path: Path) -> dict[str, Any]:
+    """A JSON object file's contents; {} when there is no such file."""
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def infer_task(model_dir: Path) -> str:

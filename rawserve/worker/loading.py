@@ -180,8 +180,9 @@ def measured_engine(config: WorkerConfig, task: str, device: str) -> tuple[Engin
     try:
         network = onnx_engine.load_network(config.model, task, config.threads or 1)
     except Exception as exc:  # noqa: BLE001 - logged; torch serves the model
-        log.warning("the ONNX engine could not load this model: torch runs it", exc_info=True)
-        reason = f"auto: the ONNX export failed ({type(exc).__name__})"
+        log.debug("the ONNX engine's failure", exc_info=True)
+        log.warning("the ONNX engine could not load this model, torch runs it: %s", exc)
+        reason = f"auto: ONNX Runtime could not load the model ({type(exc).__name__})"
         return Engine.TORCH, reason, build_runner(config, task, device, None)
     onnx_runner = build_runner(config, task, device, network)
     if trial is not None:

@@ -217,18 +217,24 @@ def exported_graph(folder: Path, head: Head, cache_dir: Path) -> Path:
     if graph.is_file():
         log.info("ONNX engine: the graph exported before, %s", graph)
         return graph
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with _locked(cache_dir / f".{digest}.lock"):  # workers starting together export once
-        if graph.is_file():
-            return graph
-        started = time.monotonic()
-        scratch = Path(tempfile.mkdtemp(prefix=".export-", dir=cache_dir))
-        try:
-            export(folder, head, scratch / GRAPH_FILE)
-            (scratch / "key.json").write_text(json.dumps(key, indent=1))
-            os.replace(scratch, target)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with _locked(cache_dir / f".{digest}.lock"):  # workers starting together export once
+            if graph.is_file():
+                return graph
+            started = time.monotonic()
+            scratch = Path(tempfile.mkdtemp(prefix=".export-", dir=cache_dir))
+            try:
+                export(folder, head, scratch / GRAPH_FILE)
+                (scratch / "key.json").write_text(json.dumps(key, indent=1))
+                os.replace(scratch, target)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+    except OSError as exc:  # unwritable, not a folder, or full
+        raise OSError(
+            f"the ONNX export's cache folder {cache_dir} cannot be written "
+            f"({exc.strerror or exc}): set RAWSERVE_CACHE_DIR to one that can"
+        ) from exc
         log.info(
             "ONNX engine: exported %s (%s) in %.1f s into %s",
             folder.name,
