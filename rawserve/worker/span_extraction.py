@@ -29,6 +29,7 @@ import torch
 import transformers
 
 from rawserve.shared.messages import NO_CONTROL, Control
+from rawserve.worker.library_panics import LibraryPanic, panics_as_errors
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name
 
@@ -128,20 +129,22 @@ class SpanExtractionRunner(Runner):
     def windows(self, inputs: list[dict[str, str]], options: SpanOptions) -> Any:
         questions = [item["question"] for item in inputs]
         contexts = [item["context"] for item in inputs]
-        for question, context in zip(questions, contexts, strict=True):
-            self.check_stride(question, context, options)
         try:
-            return self.tokenizer(
-                questions if self.question_first else contexts,
-                contexts if self.question_first else questions,
-                padding=False,
-                truncation="only_second" if self.question_first else "only_first",
-                max_length=options.max_seq_len,
-                stride=options.doc_stride,
-                return_token_type_ids=True,
-                return_overflowing_tokens=True,
-                return_offsets_mapping=True,
-            )
+            with panics_as_errors():
+                return self.tokenizer(
+                    questions if self.question_first else contexts,
+                    contexts if self.question_first else questions,
+                    padding=False,
+                    truncation="only_second" if self.question_first else "only_first",
+                    max_length=options.max_seq_len,
+                    stride=options.doc_stride,
+                    return_token_type_ids=True,
+                    return_overflowing_tokens=True,
+                    return_offsets_mapping=True,
+                )
+        except LibraryPanic:
+            self.refuse_stride(questions, options)
+            raise
         except Exception as exc:  # the tokenizers library raises plain Exceptions
             if "truncat" in str(exc).lower():
                 raise ValueError(
@@ -150,21 +153,21 @@ class SpanExtractionRunner(Runner):
                 ) from None
             raise
 
-    def check_stride(self, question: str, context: str, options: SpanOptions) -> None:
-        """Refuse a context cut into windows whose overlap (`doc_stride`) is not shorter
-        than the room the question leaves it: the tokenizers library panics on it, which
-        no `except Exception` catches, and the worker process dies."""
+    def refuse_stride(self, questions: list[str], options: SpanOptions) -> None:
+        """After the tokenizer panicked: raise ValueError when a question leaves its
+        context less room in a window than the overlap (`doc_stride`), which the tokenizers
+        library panics on where transformers' own check (the length less the special
+        tokens, not less the question) lets it through."""
         tokenizer = self.tokenizer
-        room = options.max_seq_len - tokenizer.num_special_tokens_to_add(pair=True)
-        room -= len(tokenizer(question, add_special_tokens=False)["input_ids"])
-        if not 0 < room <= options.doc_stride:
-            return  # room to overlap, or none at all (the tokenizer's own error says so)
-        if len(tokenizer(context, add_special_tokens=False)["input_ids"]) > room:
+        special = tokenizer.num_special_tokens_to_add(pair=True)
+        asked = tokenizer(questions, add_special_tokens=False)["input_ids"]
+        room = options.max_seq_len - special - max(len(ids) for ids in asked)
+        if 0 < room <= options.doc_stride:
             raise ValueError(
                 f"the question leaves {room} tokens of each window (max_seq_len "
                 f"{options.max_seq_len}) to the context, and doc_stride {options.doc_stride} "
                 f"must be less than that: send a smaller doc_stride or a larger max_seq_len"
-            )
+            ) from None
 
     def logits(self, encoded: Any) -> tuple[np.ndarray, np.ndarray]:
         """Start and end logits of every window, in one padded model call."""
