@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rawserve import __version__
 from rawserve.api.settings import AppSettings
@@ -244,6 +245,30 @@ def finite_number(text: str) -> float:
     return value
 
 
+def naming_the_variable(
+    convert: Callable[[str], Any], env: str, text: str | None
+) -> Callable[[str], Any]:
+    """`convert`, whose error for the variable's own value (argparse converts a text
+    default only when the flag is not given) names the variable, not just the flag."""
+    if text is None:
+        return convert
+
+    def checked(value: str) -> Any:
+        try:
+            return convert(value)
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
+            if value is not text:
+                raise
+            if isinstance(exc, argparse.ArgumentTypeError):
+                reason = str(exc)
+            else:
+                reason = "not a whole number" if convert is int else "invalid value"
+            raise argparse.ArgumentTypeError(f"{env}={text!r}: {reason}") from None
+
+    checked.__name__ = convert.__name__  # argparse's "invalid int value" for the flag's own
+    return checked
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rawserve",
@@ -264,11 +289,14 @@ def build_parser() -> argparse.ArgumentParser:
             help = f"{option.help} [env {option.env}=A,B]"
             parser.add_argument(option.flag, type=option.type, action="append", help=help)
             continue
-        default = os.environ.get(option.env, option.default)
+        variable = os.environ.get(option.env)
+        default = option.default if variable is None else variable
+        base: Callable[[str], Any] = finite_number if option.type is float else option.type
+        convert = naming_the_variable(base, option.env, variable)
         shown = "" if default is None or "default:" in option.help else f" (default: {default})"
         parser.add_argument(
             option.flag,
-            type=finite_number if option.type is float else option.type,
+            type=convert,
             default=default,
             help=f"{option.help}{shown} [env {option.env}]",
         )

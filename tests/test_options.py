@@ -104,3 +104,27 @@ def test_the_switches_read_their_variables(monkeypatch, env, value, on):
     clear_environment(monkeypatch)
     monkeypatch.setenv(env, value)
     assert SWITCHES[env](parse_config([])) is on
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "reason"),
+    [
+        ("RAWSERVE_PORT", "abc", "not a whole number"),
+        ("RAWSERVE_MAX_QUEUE", "1.5", "not a whole number"),
+        ("RAWSERVE_TIMEOUT", "nan", "must be a finite number"),
+    ],
+)
+def test_a_bad_variable_is_named_in_its_error(monkeypatch, capsys, env, value, reason):
+    clear_environment(monkeypatch)
+    monkeypatch.setenv(env, value)
+    with pytest.raises(SystemExit) as exit:
+        parse_config([])
+    assert exit.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{env}={value!r}: {reason}" in error
+
+
+def test_a_flag_replaces_a_bad_variable(monkeypatch):
+    clear_environment(monkeypatch)
+    monkeypatch.setenv("RAWSERVE_PORT", "abc")
+    assert parse_config(["--port", "9001"]).port == 9001
