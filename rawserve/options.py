@@ -16,7 +16,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from rawserve import __version__
 from rawserve.api.settings import AppSettings
@@ -269,8 +269,16 @@ def naming_the_variable(
     return checked
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An invalid option is one line, `rawserve: error: ...`, and exit code 2: argparse's
+    usage before it runs to twenty lines that bury the line that matters (--help has it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="rawserve",
         description="Serve a Hugging Face transformers pipeline over HTTP/1.1. "
         "Every option can also be set as RAWSERVE_<OPTION>, e.g. RAWSERVE_PORT=8000.",

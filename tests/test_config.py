@@ -114,7 +114,7 @@ def test_tls_files_are_loaded_into_a_context_at_parse_time(tmp_path):
         (["--port", "70000"], {}, "--port must be from 0 (any free port) to 65535"),
         (["--timeout", "nan"], {}, "argument --timeout: must be a finite number, not 'nan'"),
         (["--keepalive-timeout", "nan"], {}, "argument --keepalive-timeout: must be a finite"),
-        ([], {"RAWSERVE_TIMEOUT": "inf"}, "argument --timeout: must be a finite number"),
+        ([], {"RAWSERVE_TIMEOUT": "inf"}, "RAWSERVE_TIMEOUT='inf': must be a finite number"),
         (["--grace", "ten"], {}, "argument --grace: not a number: 'ten'"),
         (["--log-level", "verbose"], {}, "--log-level must be one of debug, info, warning"),
         (["--grace", "-1"], {}, "--batch-timeout must be positive and --grace not negative"),
@@ -129,7 +129,7 @@ def test_tls_files_are_loaded_into_a_context_at_parse_time(tmp_path):
         (["--ssl-keyfile", "/nonexistent/key.pem"], {}, "--ssl-keyfile needs --ssl-certfile"),
         (["--ssl-certfile", "/nonexistent/c.pem"], {}, "keyfile: no such file: /nonexistent/c.pem"),
         (["--cors-allow-origin", "https://a.example/"], {}, "--cors-allow-origin takes an"),
-        ([], {"RAWSERVE_PORT": "eighty"}, "argument --port: invalid int value"),
+        ([], {"RAWSERVE_PORT": "eighty"}, "RAWSERVE_PORT='eighty': not a whole number"),
         ([], {"RAWSERVE_NO_WARMUP": "maybe"}, "RAWSERVE_NO_WARMUP must be one of"),
         # each failed in every worker after the server listened, or was silently misread
         (["--dtype", "float8"], {}, "--dtype must be auto, float32, float16 or bfloat16"),

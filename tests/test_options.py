@@ -128,3 +128,15 @@ def test_a_flag_replaces_a_bad_variable(monkeypatch):
     clear_environment(monkeypatch)
     monkeypatch.setenv("RAWSERVE_PORT", "abc")
     assert parse_config(["--port", "9001"]).port == 9001
+
+
+@pytest.mark.parametrize(
+    "argv", [["--port", "abc"], ["--engine", "foo"], ["--device", "gpu"], ["--bogus"]]
+)
+def test_an_invalid_option_is_one_error_line(monkeypatch, capsys, argv):
+    clear_environment(monkeypatch)
+    with pytest.raises(SystemExit) as exit:
+        parse_config(argv)
+    assert exit.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("rawserve: error: ")
