@@ -494,3 +494,23 @@ def test_a_library_panic_on_one_input_fails_that_input_alone(runner, monkeypatch
     assert failed.message == "the model failed on this input"  # nothing of the library's
     assert not isinstance(good, ItemFailure) and not isinstance(also_good, ItemFailure)
     assert run_bisecting(serving, ["fine"], {}) == [good]  # the tokenizer still works
+
+
+@pytest.mark.parametrize(
+    ("built_for", "says"),
+    [
+        (None, "is a build without CUDA: install a CUDA build of torch"),
+        ("12.8", "sees no CUDA GPU here: check the driver and CUDA_VISIBLE_DEVICES"),
+    ],
+)
+def test_a_gpu_torch_cannot_use_is_refused_in_words(monkeypatch, built_for, says):
+    """`--device cuda` with a CPU build of torch failed late, on an AssertionError."""
+    import torch
+
+    from rawserve.worker.runner import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", built_for)
+    with pytest.raises(RuntimeError, match=f"{says}, or serve with --device cpu"):
+        resolve_device("cuda:0")
+    assert resolve_device("auto") == "cpu"

@@ -43,8 +43,25 @@ _PATHLIKE = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][\w.\-]+){2,}")
 
 
 def resolve_device(device: str) -> str:
+    """The torch device to load on: `auto` is the GPU where torch sees one. A GPU that torch
+    cannot use is refused here, in words, before a log line claims it (torch's own
+    complaint, an AssertionError from deep in the load, names no remedy)."""
     if device == "auto":
         return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            why = "is a build without CUDA: install a CUDA build of torch"
+        else:
+            why = "sees no CUDA GPU here: check the driver and CUDA_VISIBLE_DEVICES"
+        raise RuntimeError(
+            f"--device asks for a GPU, and torch {torch.__version__} {why}, "
+            "or serve with --device cpu"
+        )
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise RuntimeError(
+            f"--device mps: torch {torch.__version__} sees no Apple GPU here, "
+            "serve with --device cpu"
+        )
     return device
 
 
