@@ -43,18 +43,21 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 # rawserve against the model's own ceiling and the seed's Starlette server, side by side
-# (bench/RESULTS.md): about 9 minutes on 2 cores, loopback only. ARGS="--record" rewrites
-# the Performance section of bench/RESULTS.md, ARGS="--quick" is a short try.
+# (bench/RESULTS.md), then bench-http and bench-generation: about 9 + 4 + 15 minutes on
+# 2 cores, loopback only. ARGS go to bench.compare: ARGS="--record" rewrites the Performance
+# section of bench/RESULTS.md; ARGS="--quick" is a short try, of the other two steps as well.
+QUICK_HTTP := --rounds 1 --duration 2
+QUICK_GENERATION := --rounds 1 --scenarios "16 x 64"
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	HF_HUB_OFFLINE=1 $(PY) -m bench.compare $(ARGS)
-	$(MAKE) bench-http
-	$(MAKE) bench-generation ARGS=
+	$(MAKE) bench-http ARGS='$(if $(filter --quick,$(ARGS)),$(QUICK_HTTP))'
+	$(MAKE) bench-generation ARGS='$(if $(filter --quick,$(ARGS)),$(QUICK_GENERATION))'
 
 # the server's own ceiling (echo handler) at 1, 2, 4 ... HTTP processes, asyncio and uvloop,
 # interleaved (bench/RESULTS.md, "HTTP across processes"): about 4 minutes on 2 cores
 bench-http: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m bench.http_processes
+	HF_HUB_OFFLINE=1 $(PY) -m bench.http_processes $(ARGS)
 
 # served generation (bench/RESULTS.md, "Served generation"): rawserve's continuous and static
 # generation over /v1/completions against in-process static batching of the same prompts,

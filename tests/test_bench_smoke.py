@@ -9,13 +9,15 @@ import argparse
 import asyncio
 import importlib
 import json
+import shlex
+import subprocess
 import time
 
 import pytest
 
 from bench import gpu_round, load, refusal_cost, report, scheduler_cost, spread
 from bench.workloads import RAW_TEXT, BodyFormat, texts
-from tests.server import RunningServer
+from tests.server import REPO_ROOT, RunningServer
 
 pytestmark = pytest.mark.slow
 
@@ -133,3 +135,23 @@ def test_the_machine_s_idle_time_is_read_from_proc_stat():
     before = servers.idle_seconds()
     time.sleep(0.2)
     assert 0 < before <= servers.idle_seconds()
+
+
+def test_make_bench_quick_is_a_short_try_of_every_step():
+    """`make bench ARGS=--quick` shortened bench.compare alone, then ran the HTTP and the
+    generation benchmarks in full (about 19 minutes more)."""
+    planned = subprocess.run(
+        ["make", "-n", "bench", "ARGS=--quick"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+
+    def arguments(module: str) -> list[str]:
+        [line] = [line for line in planned if f"-m {module}" in line]
+        return shlex.split(line.split(f"-m {module}", 1)[1])
+
+    assert arguments("bench.compare") == ["--quick"]
+    assert arguments("bench.http_processes") == ["--rounds", "1", "--duration", "2"]
+    assert arguments("bench.generation_serving") == ["--rounds", "1", "--scenarios", "16 x 64"]
