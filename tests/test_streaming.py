@@ -74,7 +74,7 @@ async def test_one_event_per_token_and_the_last_carries_the_text():
     response = await open_stream(scheduler, executor)
     assert response.status == 200 and response.content_type == "text/event-stream"
     events = await collect(response)
-    assert [e["index"] for e in events] == [0, 1, 2]
+    assert [e["index"] for e in events] == [1, 2, 3]  # from 1, as TGI numbers them
     assert [e["generated_text"] for e in events] == [None, None, " a b"]
     assert events[-1]["details"] == {"finish_reason": "length"}
     assert "".join(e["token"]["text"] for e in events) == " a b"
@@ -131,7 +131,7 @@ async def test_closing_the_stream_cancels_the_request_and_the_generation():
     scheduler = FakeScheduler(executor, [" a"] * 1000, {"generated_text": "", "details": {}})
     response = await open_stream(scheduler, executor)
     first = await anext(response.stream)
-    assert json.loads(first.removeprefix(b"data:"))["index"] == 0
+    assert json.loads(first.removeprefix(b"data:"))["index"] == 1
     await response.stream.aclose()  # what the protocol does when the client leaves
     assert executor.closed == [1]
     await asyncio.wait_for(scheduler.cancelled.wait(), 5)

@@ -5,7 +5,7 @@ the request like any other with that stream's id (which keeps it out of other re
 batches and tells the worker to send a `TokenChunk` per new token), and turns the chunks
 into server-sent events:
 
-    data: {"index": 0, "token": {"id", "text", "logprob", "special"}, "generated_text": null, "details": null}
+    data: {"index": 1, "token": {"id", "text", "logprob", "special"}, "generated_text": null, "details": null}
     ...
     data: {"index": n, "token": {...}, "generated_text": "...", "details": {...}}
 
@@ -169,7 +169,7 @@ async def _events(stream: TokenStream) -> AsyncGenerator[bytes, None]:
     the last, and then sent with the whole text."""
     try:
         held: TokenChunk | None = None
-        index = 0
+        index = 1  # TGI numbers a stream's tokens from 1
         emitted = ""  # the text of the tokens sent so far
         async for chunk in stream.chunks():
             if held is not None:
