@@ -351,9 +351,14 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         parser.error("--timeout must be positive and --max-batch-delay-ms not negative")
     if args.max_timeout <= 0 or args.batching not in ("cost", "count"):
         parser.error("--max-timeout must be positive and --batching cost or count")
+    if args.max_connections < 0 or args.api_key == "":
+        parser.error("--max-connections must not be negative and --api-key not empty")
+    if args.http_processes < 1:
+        parser.error("--http-processes must be positive")
     http = ProtocolSettings(
         max_body_bytes=args.max_body_bytes,
-        max_connections=args.max_connections,
+        # each HTTP process counts its own connections: a share each keeps the whole cap
+        max_connections=-(-args.max_connections // args.http_processes),
         keepalive_timeout=args.keepalive_timeout,
         head_timeout=args.head_timeout,
         body_timeout=args.body_timeout,
@@ -365,10 +370,6 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             "--keepalive-timeout, --head-timeout, --body-timeout and --write-timeout "
             "must be positive"
         )
-    if args.max_connections < 0 or args.api_key == "":
-        parser.error("--max-connections must not be negative and --api-key not empty")
-    if args.http_processes < 1:
-        parser.error("--http-processes must be positive")
     if args.generation not in ("continuous", "static"):
         parser.error("--generation must be continuous or static")
     for name in ("max_sequences", "threads", "max_batch_tokens"):

@@ -45,7 +45,14 @@ from rawserve.http.access_log import log_access
 from rawserve.http.chunked import ChunkedMeter
 from rawserve.http.content_coding import codings, decoded
 from rawserve.http.cors import CorsPolicy
-from rawserve.http.cycle import Cycle, head_request, header, is_probe, keeps_alive
+from rawserve.http.cycle import (
+    Cycle,
+    head_request,
+    header,
+    header_list,
+    is_probe,
+    keeps_alive,
+)
 from rawserve.http.errors import HTTPError, error_response
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.http.flow_control import FlowControl, Transport
@@ -309,7 +316,7 @@ class HttpProtocol(asyncio.Protocol):
         cycle.keep_alive = keeps_alive(event, fields)
         try:
             cycle.early = self.app.answer_now(cycle.head)
-            if cycle.early is None and (coding := header(fields, b"content-encoding")):
+            if cycle.early is None and (coding := header_list(fields, b"content-encoding")):
                 cycle.codings = codings(coding)  # refused from the head if none it reads
         except Exception as exc:  # noqa: BLE001 - error_response logs what is unexpected
             cycle.early = error_response(exc)

@@ -89,6 +89,17 @@ def test_derived_values_are_computed_at_parse_time(tmp_path):
     assert config.app.cors_allow_origins == ("https://a.example", "*")
 
 
+@pytest.mark.parametrize(
+    ("cap", "processes", "each"),
+    [("1000", "1", 1000), ("50", "2", 25), ("1001", "8", 126), ("0", "4", 0)],
+)
+def test_the_connection_cap_is_shared_by_the_http_processes(cap, processes, each):
+    # each process counts only its own connections: with the whole cap each, N processes
+    # held N times --max-connections open
+    argv = ["--max-connections", cap, "--http-processes", processes]
+    assert parse_config(argv).http.max_connections == each
+
+
 def test_tls_files_are_loaded_into_a_context_at_parse_time(tmp_path):
     trustme = pytest.importorskip("trustme")
     issued = trustme.CA().issue_cert("127.0.0.1")

@@ -18,6 +18,8 @@ WINDOW_BITS = {
     "x-gzip": 16 + zlib.MAX_WBITS,
     "deflate": zlib.MAX_WBITS,  # the zlib format, as RFC 9110 names it
 }
+PIECE_BYTES = 1024  # how much of a coded body zlib is given at once
+MAX_MEMBERS = 64  # gzip members in one body: each costs a pass of Python, tiny ones too
 
 
 def codings(field: str | None) -> list[str]:
@@ -40,14 +42,37 @@ def decoded(body: bytes, applied: list[str], limit: int) -> bytes:
     past `limit` bytes (a small bomb must not become gigabytes), BadRequest when it is
     not what its coding says."""
     for name in reversed(applied):
-        inflater = zlib.decompressobj(WINDOW_BITS[name])
+        body = _inflated(body, name, limit)
+    return body
+
+
+def _inflated(body: bytes, name: str, limit: int) -> bytes:
+    """`body` with coding `name` undone. Gzip data may be several members, read one after
+    the other (RFC 1952 section 2.2, as gzip reads them); anything else after the data is
+    refused, as are more than `MAX_MEMBERS` members. The body is fed a piece at a time,
+    so what zlib copies of the rest after each member stays small."""
+    view = memoryview(body)
+    parts: list[bytes] = []  # joined once at the end
+    size = start = 0
+    members = 1
+    inflater = zlib.decompressobj(WINDOW_BITS[name])
+    while start < len(view):
+        if inflater.eof:  # a member ended and more follows
+            if name == "deflate":  # the zlib format holds one stream
+                raise BadRequest("the body has data after the deflate stream")
+            members += 1
+            if members > MAX_MEMBERS:
+                raise BadRequest(f"the body's {name} data has over {MAX_MEMBERS} members")
+            inflater = zlib.decompressobj(WINDOW_BITS[name])
+        piece = view[start : start + PIECE_BYTES]
         try:
-            plain = inflater.decompress(body, limit + 1)
+            parts.append(inflater.decompress(piece, limit + 1 - size))
         except zlib.error:
             raise BadRequest(f"the body is not valid {name} data") from None
-        if len(plain) > limit:
+        size += len(parts[-1])
+        if size > limit:
             raise PayloadTooLarge(f"the body decoded is over the limit of {limit} bytes")
-        if not inflater.eof:
-            raise BadRequest(f"the body's {name} data ends early")
-        body = plain
-    return body
+        start += len(piece) - len(inflater.unused_data)  # below the limit: all else was read
+    if not inflater.eof:
+        raise BadRequest(f"the body's {name} data ends early")
+    return b"".join(parts)

@@ -53,6 +53,13 @@ def header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
     return None
 
 
+def header_list(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """Every value of list-valued header `name` (lower-case), joined as one list (RFC 9110
+    section 5.3: several fields are one list, in order), or None."""
+    values = [value.decode("latin-1") for key, value in headers if key == name]
+    return ", ".join(values) if values else None
+
+
 def keeps_alive(event: h11.Request, fields: list[tuple[bytes, bytes]]) -> bool:
     """HTTP/1.1 without `Connection: close` (what h11 decides, read from the head)."""
     if event.http_version != b"1.1":
