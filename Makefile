@@ -12,7 +12,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-deps lint bench bench-http bench-generation bench-gpu reference-answers clean
+.PHONY: serve test test-deps lint bench bench-http bench-generation bench-generation-overload bench-gpu reference-answers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -68,9 +68,14 @@ bench-generation: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	HF_HUB_OFFLINE=1 $(PY) -m bench.generation_serving $(ARGS)
 
+# served generation past its capacity (bench/generation_overload.py): capacity, then 3x it
+# with 5 s deadlines; goodput, 503s and 504s, 3 rounds, about 6 minutes on 2 cores
+bench-generation-overload: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m bench.generation_overload $(ARGS)
+
 # every GPU measurement in one pass bounded in time (bench/gpu_round.py): attention kernels,
-# graphs in-process, encoders and overload, generation, HTTP processes, a profile, the
-# preparing thread; about 10-17 minutes, the logs and summary.json in bench-gpu/ (ARGS="--budget 400 --stages ...")
+# graphs in-process, encoders and overload, generation and its overload, HTTP processes, a profile, the
+# preparing thread; about 11-19 minutes, the logs and summary.json in bench-gpu/ (ARGS="--budget 400 --stages ...")
 bench-gpu: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	HF_HUB_OFFLINE=1 $(PY) -m bench.gpu_round --out bench-gpu $(ARGS)

@@ -1,6 +1,6 @@
 """One bounded pass over every GPU measurement, for a machine lent for minutes.
 
-    python -m bench.gpu_round --out /tmp/gpu                  # every stage, 10-17 minutes
+    python -m bench.gpu_round --out /tmp/gpu                  # every stage, 11-19 minutes
     python -m bench.gpu_round --out /tmp/gpu --budget 400 --stages encoders generation
 
 Each stage is one of the benchmarks, run as a command of its own under a time limit
@@ -23,6 +23,8 @@ The stages, in the order they run (the in-process ones first: they need no serve
   (`bench.compare --quick`)
 - `generation`: GPT-2-small-sized `/v1/completions`, with CUDA graphs and without
   (`rawserve-eager`), against static `generate` (`bench.generation_serving`)
+- `generation-overload`: the same model at 3x its capacity, 5 s deadlines: goodput,
+  503s and 504s (`bench.generation_overload`)
 - `http`: the echo handler behind 4, 8 and 16 HTTP processes (`bench.http_processes`)
 - `lone`: where a lone request's time goes, with the default HTTP processes and with one
   (`bench.lone_request`)
@@ -75,6 +77,9 @@ def stages(out: Path) -> list[Stage]:
             "bench.generation_serving", "--device", "cuda", "--layers", "12", "--hidden",
             "768", "--rounds", "1", "--duration", "20", "--systems", "rawserve-continuous",
             "rawserve-eager", "static-in-process", "--json", str(out / "generation.json"))),
+        Stage("generation-overload", 100, (
+            "bench.generation_overload", "--device", "cuda", "--layers", "12", "--hidden",
+            "768", "--rounds", "1", "--duration", "8")),
         Stage("http", 120, (
             "bench.http_processes", "--processes", "4", "8", "16", "--loops", "uvloop",
             "--rounds", "1", "--duration", "3", "--clients", "256",

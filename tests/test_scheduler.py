@@ -409,6 +409,35 @@ def test_a_short_generation_is_sent_after_long_ones_ran_side_by_side():
     assert inputs(core.next_batch(0.0)) == [text(4)]
 
 
+def test_a_generation_waits_for_a_row_then_takes_its_whole_time():
+    """A continuous worker's rows share out the queue's work, not a sequence's own: 128
+    new tokens take their steps one after another on one row, once a row is free. Behind
+    128 rows that free in about 3 s, a 128-token answer cannot meet a 5 s deadline and is
+    refused at once (it was admitted as if its own time were a 128th of it, and ended in
+    504 after holding a row), as is one that could not end in time even alone at the pace
+    of full rows; an 8-token one can, and is taken; an idle worker takes a generation its
+    own time allows, with no margin on it."""
+    asks = {"max_new_tokens": 128}
+    core = SchedulerCore(max_queue=512, max_batch_size=1, workers=128)
+    idle = SchedulerCore(max_queue=512, max_batch_size=1, workers=128)
+    for cost, seconds in [(12 + 8, 0.7), (12 + 128, 4.3)] * 3:  # ~0.03 s a token
+        core.cost_model.observe(cost, seconds, cost, 1)
+        idle.cost_model.observe(cost, seconds, cost, 1)
+    own = core.cost_model.predict(12 + 128)
+    assert own == pytest.approx(4.3, abs=0.05)
+    queue_items(idle, [text(12)], deadline=own + 0.2, params=asks)  # idle: admitted
+
+    queue_items(core, [text(12)] * 128, deadline=30.0, params=asks)
+    while core.next_batch(now=0.0):
+        pass
+    assert len(core) == 0  # every row running, about 3 s left of each at t = 1
+    with pytest.raises(DeadlineUnreachable):
+        queue_items(core, [text(12)], now=1.0, deadline=6.0, params=asks)
+    with pytest.raises(DeadlineUnreachable):  # not even alone at this pace: no row for it
+        queue_items(core, [text(12)], now=1.0, deadline=1.0 + own - 0.1, params=asks)
+    queue_items(core, [text(12)], now=1.0, deadline=6.0, params={"max_new_tokens": 8})
+
+
 def test_the_cost_of_a_long_input_is_what_the_model_reads_of_it():
     core = SchedulerCore(max_input_tokens=512)
     (long_item,) = queue_items(core, ["word " * 209_700])

@@ -231,6 +231,8 @@ class SchedulerCore:
         anything refused before the speed is trusted (`CostModel.trusted`)."""
         if not self.cost_model.trusted:
             return False
+        if self.max_size == 1 and all(item.new_tokens for item in items):
+            return self._waits_too_long_for_a_row(items, now)
         deadline = min(item.deadline for item in items)
         own = [item.cost for item in items]
         max_size, workers = self.max_size, self.workers
@@ -266,6 +268,51 @@ class SchedulerCore:
         with_ahead = self.cost_model.drain_seconds(ahead + own, max_size, workers)
         assert with_ahead is not None  # measured, as `everything` was
         return now + ADMIT_MARGIN * (in_flight + with_ahead) > deadline
+
+    def _waits_too_long_for_a_row(self, items: Sequence[WorkItem], now: float) -> bool:
+        """`_misses_deadline` for sequences on a continuous worker's rows. A sequence runs
+        on a row of its own, a step at a time, its own predicted time whole (the rows share
+        out the queue, not a sequence); it starts when a row is free for it: at once while
+        rows are free, else once as many rows have freed as sequences are queued ahead of
+        it, the running ones freeing theirs as predicted. (Counted as the queue's work
+        shared out among the rows, a 128-token answer looked as if it took a 128th of its
+        time: admitted behind full rows, it waited for one, and ended in 504 after holding
+        it for seconds.) While half the rows or more would stay free, a generation is taken
+        whatever its predicted time (it may end early, and the pace measured then may be
+        that of a busier past); beyond, where that time is the pace of the sequences
+        sharing the steps, one that could not end in time is refused too: more rows would
+        go no faster (on a CPU, slower), and its retry may find the worker less busy.
+        (Taken, on a loaded 2-core machine most held a row to their 504.)"""
+        running = len(self._in_flight)
+        if running + self._size + len(items) <= self.workers / 2:
+            return False  # light load: it starts now, and may end early
+        free = self.workers - running
+        deadline = min(item.deadline for item in items)
+        own = max(self.cost_model.predict(item.cost) or 0.0 for item in items)
+        # when each running row frees, soonest first; then rows free at their average pace
+        frees = sorted(max(0.0, f.sent + f.predicted - now) for f in self._in_flight.values())
+        pace = sum(f.predicted for f in self._in_flight.values()) / max(len(frees), 1)
+
+        def wait(queued_ahead: int) -> float:
+            needed = queued_ahead + len(items) - max(free, 0)  # rows that must free first
+            if needed <= 0:
+                return 0.0
+            if needed <= len(frees):
+                return frees[needed - 1]
+            later = needed - len(frees)
+            return (frees[-1] if frees else 0.0) + later * pace / max(self.workers, 1)
+
+        if now + ADMIT_MARGIN * wait(self._size) + own <= deadline:
+            return False
+        last_turn = max(item.turn for item in items)
+        latest = max(item.deadline for item in items)
+        ahead = sum(
+            1
+            for queue in self._queues.values()
+            for i in queue
+            if i.turn <= last_turn and i.deadline <= latest
+        )
+        return now + ADMIT_MARGIN * wait(ahead) + own > deadline
 
     def _in_flight_seconds(self, now: float) -> float:
         left = sum(max(0.0, b.sent + b.predicted - now) for b in self._in_flight.values())

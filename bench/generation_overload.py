@@ -1,0 +1,151 @@
+"""Served generation past its capacity: goodput, refusals and answers too late.
+
+    python -m bench.generation_overload                   # 3 rounds on the CPU
+    python -m bench.generation_overload --rounds 1 --deadline 5 --factor 3
+    python -m bench.generation_overload --device cuda --layers 12 --hidden 768
+
+The model is `bench.generation_serving`'s random GPT-2 (every request makes exactly the
+tokens it asks for). Each round starts rawserve afresh (continuous generation), warms it,
+and measures its capacity: 384 requests of 8-128 new tokens (prompts of 8-32 tokens,
+seeded) over 256 closed-loop clients, in completions per second. Then Poisson arrivals
+at `--factor` times that rate (or at `--rate`, the same for servers compared) for
+`--duration` seconds, each request carrying a deadline (`X-Request-Timeout`), whatever
+the answers.
+
+Reported per round: the capacity; the goodput (answers 200 within their deadline, per
+second) and its ratio to the capacity; answers by status (a 504 is a request admitted and
+then dropped at its deadline: the rows it held were spent for nothing); the 503s' latency
+(a refusal should be at once) and the 200s'. A server that admits only what it can answer
+in time keeps the goodput near the capacity with few 504s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench import generation_serving, load, servers
+
+CAPACITY_CLIENTS = 256  # past the rows of a CPU's workers (2 x 64) and a GPU's (256)
+CAPACITY_REQUESTS = 384
+NEW_TOKENS = (8, 128)
+PROMPTS = 1024  # the open loop cycles through them
+
+
+def requests(folder: Path, seed: int, deadline: float | None) -> tuple[list[bytes], list[int]]:
+    """Seeded prompts and asks, as completions requests (with a deadline, when given)."""
+    rng = random.Random(seed)
+    headers = [] if deadline is None else [("X-Request-Timeout", f"{deadline:g}")]
+    built, asks = [], []
+    for _ in range(PROMPTS):
+        words = rng.randint(*generation_serving.PROMPT_TOKENS)
+        vocabulary = generation_serving.VOCAB_SIZE
+        prompt = " ".join(f"w{rng.randrange(2, vocabulary)}" for _ in range(words))
+        ask = rng.randint(*NEW_TOKENS)
+        body = {"model": str(folder), "prompt": prompt, "max_tokens": ask, "temperature": 0}
+        built.append(
+            load.build_request(
+                json.dumps(body).encode(),
+                path="/v1/completions",
+                content_type="application/json",
+                extra_headers=headers,
+            )
+        )
+        asks.append(ask)
+    return built, asks
+
+
+async def one_round(folder: Path, log: Path, args: argparse.Namespace) -> dict[str, Any]:
+    device = [] if args.device == "cpu" else ["--device", args.device]
+    options = ["--task", "text-generation", *device, "--no-access-log",
+               *shlex.split(args.rawserve_args)]  # fmt: skip
+    process = servers.rawserve(str(folder), log, options, name="rawserve").start()
+    try:
+        probe = generation_serving.completion_request(str(folder), "w2 w3 w4", 1, False)
+        await load.wait_until_serving(
+            process.port, probe, generation_serving.START_TIMEOUT, process.alive
+        )
+        plain, asks = requests(folder, args.seed, None)
+        await generation_serving.closed_loop(  # warm: every row, both ends of the asks
+            process.port, plain[:CAPACITY_CLIENTS], asks[:CAPACITY_CLIENTS], CAPACITY_CLIENTS, 120.0
+        )
+        capacity = await generation_serving.closed_loop(
+            process.port,
+            plain[:CAPACITY_REQUESTS],
+            asks[:CAPACITY_REQUESTS],
+            CAPACITY_CLIENTS,
+            120.0,
+        )
+        rate = capacity["completions_per_s"]
+        arrivals = args.rate or args.factor * rate
+        timed, _ = requests(folder, args.seed + 1, args.deadline)
+        run = await load.open_loop(
+            process.port, timed, arrivals, args.duration, deadline=args.deadline
+        )
+        summary = run.summary()
+        return {
+            "capacity_per_s": rate,
+            "capacity_tokens_per_s": capacity["tokens_per_s"],
+            "rate": round(arrivals, 2),
+            "goodput_per_s": summary["goodput"],
+            "goodput_ratio": round(summary["goodput"] / rate, 3) if rate else None,
+            "statuses": summary["statuses"],
+            "late_200": summary["late_200"],
+            "ok_p50_ms": summary["p50_ms"],
+            "ok_p99_ms": summary["p99_ms"],
+            "refused_p99_ms": summary.get("503", {}).get("p99_ms"),
+        }
+    finally:
+        process.stop()
+
+
+async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    found = []
+    with tempfile.TemporaryDirectory(prefix="generation-overload-") as tmp:
+        folder = generation_serving.save_model(Path(tmp) / "model", args.layers, args.hidden)
+        for round_ in range(1, args.rounds + 1):
+            result = await one_round(folder, Path(tmp) / f"round{round_}.log", args)
+            print(json.dumps({"round": round_, **result}), flush=True)
+            found.append(result)
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.generation_overload", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--factor", type=float, default=3.0, help="times the capacity")
+    parser.add_argument(
+        "--rate", type=float, help="arrivals a second, instead of --factor x the capacity"
+    )
+    parser.add_argument("--deadline", type=float, default=5.0, help="seconds a request has")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--rawserve-args", default="", help="more options for rawserve")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    found = asyncio.run(run(args))
+    ratios = [r["goodput_ratio"] for r in found if r["goodput_ratio"] is not None]
+    if ratios:
+        print(
+            f"goodput / capacity: median {statistics.median(ratios):.2f} "
+            f"[{min(ratios):.2f}-{max(ratios):.2f}] over {len(ratios)} round(s)",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
