@@ -124,6 +124,26 @@ def test_each_item_answers_what_the_static_path_answers_it_alone(runner):
         )
 
 
+def test_a_model_whose_attention_slides_answers_as_the_static_path(tiny_model):
+    """Prompts longer than a Mistral's window of 4 tokens, joining as others decode past
+    it: the model's own cache keeps only a window's tokens, the loop's rows hold them all."""
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    sliding = CausalLMRunner(tiny_model("sliding-window"), "cpu", torch.float32)
+    asks = [30, 12, 25, 20, 8]
+    batches = [
+        Batch(i, (text,), {**GREEDY, "max_new_tokens": n})
+        for i, (text, n) in enumerate(zip(TEXTS, asks, strict=True))
+    ]
+    answered = results(serve(sliding, {0: batches[:2], 3: batches[2:]}, rows=3))
+    for batch in batches:
+        (got,) = answered[batch.batch_id].outputs
+        expected = static(sliding, batch.inputs[0], batch.params)
+        assert without_logprobs(got) == without_logprobs(expected), batch.inputs[0][:20]
+
+
 def as_the_static_path(runner, params: dict[str, Any], texts: list[str]) -> list[tuple]:
     """Each text a batch of its own, all served by the loop at once, each answer checked
     against the static path's (log probabilities aside): (text, answer, static answer)."""

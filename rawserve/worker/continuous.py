@@ -369,11 +369,16 @@ class ContinuousBatcher:
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> Prefilled:
         """The joining rows' forward pass as it is: each layer's keys and values, and the
-        last position's logits."""
+        last position's logits. The cache is every layer's whole keys and values, even
+        for a layer that attends to a sliding window: the model's own cache keeps only
+        the window's last tokens for those, while the slots hold every row's tokens from
+        its first (the window is the attention mask's, which the model builds from its
+        config at every step)."""
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            **{self._cache_name: transformers.DynamicCache()},
             use_cache=True,
             logits_to_keep=1,  # only the last position's scores: the vocabulary is wide
         )
