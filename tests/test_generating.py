@@ -793,3 +793,18 @@ def test_the_end_tokens_the_models_generation_config_names_end_a_sequence(runner
     details = ended.outputs[0][0]["details"]
     assert details["finish_reason"] == "eos_token"
     assert details["generated_tokens"] == ids.index(end) + 1
+
+
+def test_the_end_tokens_the_models_generation_config_names_end_a_row_on_the_static_path(
+    runner, monkeypatch
+):
+    """`generate` ends the row there; its details say so, and list no padding after."""
+    plain = static(runner, "the movie was", GREEDY)
+    ids = [token["id"] for token in plain[0]["details"]["tokens"]]
+    end = ids[len(ids) // 2]
+    monkeypatch.setattr(runner.model.generation_config, "eos_token_id", [end])
+    # beside a longer row that goes on, as generate pads the ended one
+    ended, _ = runner.run(["the movie was", "word " * 30], dict(GREEDY))
+    details = ended[0]["details"]
+    assert details["finish_reason"] == "eos_token"
+    assert [token["id"] for token in details["tokens"]] == ids[: ids.index(end) + 1]

@@ -21,7 +21,13 @@ import transformers
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits, TokenChunk
 from rawserve.tasks import CHAT_PARAM
 from rawserve.tasks.text_generation import PROMPT_TOP_N, returns_full_text
-from rawserve.worker.continuous import Generation, ScoreAdjustments, TextPieces, likeliest
+from rawserve.worker.continuous import (
+    Generation,
+    ScoreAdjustments,
+    TextPieces,
+    end_ids,
+    likeliest,
+)
 from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.grammars import Grammars, constrain
 from rawserve.worker.runner import Runner, dtype_name
@@ -98,6 +104,7 @@ class TokenWatcher(transformers.StoppingCriteria):
     def __init__(
         self,
         tokenizer: Any,
+        eos_ids: set[int],  # the tokens that end a row (the model's own list, a chat's end of turn)
         prompt_length: int,
         batch_size: int,
         stop: Sequence[str],
@@ -115,7 +122,7 @@ class TokenWatcher(transformers.StoppingCriteria):
         self.on_token = on_token
         self.cancelled = cancelled
         self.special_ids = set(tokenizer.all_special_ids)
-        self.eos_ids = set() if ignore_eos else _eos_ids(tokenizer)
+        self.eos_ids = set() if ignore_eos else eos_ids
         self.top_n = top_n  # the likeliest tokens listed beside each new one
         self.token_ids: list[list[int]] = [[] for _ in range(batch_size)]
         self.texts = [""] * batch_size
@@ -202,10 +209,6 @@ def scores_prompt(params: dict[str, Any]) -> bool:
     """Whether the prompt's tokens are listed with their log probabilities (TGI's
     `decoder_input_details`, which its details carry)."""
     return bool(params.get("decoder_input_details") and params.get("details"))
-
-
-def _eos_ids(tokenizer: Any) -> set[int]:
-    return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
 
 
 def asks_sampling(params: dict[str, Any]) -> bool:
@@ -595,6 +598,7 @@ class CausalLMRunner(Runner):
 
         watcher = TokenWatcher(
             self.tokenizer,
+            end_ids(self.tokenizer, self.model),
             encoded["input_ids"].shape[1],
             len(rows),
             params.get("stop", ()),

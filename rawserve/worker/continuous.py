@@ -221,7 +221,7 @@ class ContinuousBatcher:
         # still taken, now warns)
         forward = inspect.signature(model.forward).parameters
         self._cache_name = "cache" if "cache" in forward else "past_key_values"
-        self.eos_ids = _eos_ids(tokenizer, model)
+        self.eos_ids = end_ids(tokenizer, model)
         self.waiting: list[Generation] = []
         self.rows: list[Generation] = []
         self._joining: list[Generation] = []  # being prefilled: neither waiting nor a row
@@ -533,7 +533,7 @@ def _cleans_up(tokenizer: Any, backend: Any) -> bool:
     return type(backend.model).__name__ != "BPE" or bool(getattr(tokenizer, forced, True))
 
 
-def _eos_ids(tokenizer: Any, model: Any) -> set[int]:
+def end_ids(tokenizer: Any, model: Any) -> set[int]:
     """The tokens that end a sequence: the tokenizer's, and those the model's generation
     config names (`generate` stops there too: a chat model's end of turn)."""
     named = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
