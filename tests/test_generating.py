@@ -480,6 +480,15 @@ def test_an_end_of_sequence_waits_for_min_new_tokens_or_never_ends_as_on_the_sta
     assert got[0]["details"]["finish_reason"] == "length"
 
 
+def test_the_models_own_min_new_tokens_holds_on_both_paths(runner, monkeypatch):
+    eos = runner.tokenizer.eos_token_id
+    monkeypatch.setattr(runner.model.generation_config, "min_new_tokens", 4)
+    ending = {**GREEDY, "max_new_tokens": 10, "logit_bias": {eos: 100.0}}  # ends at once
+    [(_, got, _)] = as_the_static_path(runner, ending, ["the movie was"])
+    ids = [t["id"] for t in got[0]["details"]["tokens"]]
+    assert eos not in ids[:4] and ids[4:] == [eos], ids
+
+
 def test_a_seed_gives_the_same_sample_whatever_runs_beside_it(runner):
     params = {"max_new_tokens": 20, "do_sample": True, "seed": 7}
     mine = Batch(1, ("the movie was",), params)
@@ -770,6 +779,27 @@ def test_a_causal_lm_batches_continuously_unless_static_is_asked(runner):
     static_config = WorkerConfig("m", "text-generation", generation="static")
     assert continuous_loop(runner, static_config, print, None) is None
     assert continuous_loop(SimpleNamespace(), config, print, None) is None
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("no_repeat_ngram_size", 2), ("num_beams", 2), ("suppress_tokens", [5]), ("min_p", 0.1)],
+)
+def test_a_model_whose_generation_config_asks_what_the_loop_does_not_apply_runs_static(
+    runner, monkeypatch, setting, value
+):
+    """`generate` applies every setting of the model's generation config: such a model's
+    batches run through it, one call a batch, not through the loop."""
+    from rawserve.worker.generating import continuous_loop
+
+    config = WorkerConfig(model="m", task="text-generation")
+    monkeypatch.setattr(runner.model.generation_config, setting, value)
+    assert runner.unapplied_settings == [f"{setting}={value!r}"]
+    assert continuous_loop(runner, config, print, None) is None
+    neutral = {"no_repeat_ngram_size": 0, "num_beams": 1, "suppress_tokens": [], "min_p": 0.0}
+    monkeypatch.setattr(runner.model.generation_config, setting, neutral[setting])
+    assert runner.unapplied_settings == []
+    assert continuous_loop(runner, config, print, None) is not None
 
 
 def test_a_server_that_is_gone_ends_the_loop(runner):
