@@ -124,6 +124,26 @@ def test_each_item_answers_what_the_static_path_answers_it_alone(runner):
         )
 
 
+def test_a_model_whose_attention_slides_answers_as_the_static_path(tiny_model):
+    """Prompts longer than a Mistral's window of 4 tokens, joining as others decode past
+    it: the model's own cache keeps only a window's tokens, the loop's rows hold them all."""
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    sliding = CausalLMRunner(tiny_model("sliding-window"), "cpu", torch.float32)
+    asks = [30, 12, 25, 20, 8]
+    batches = [
+        Batch(i, (text,), {**GREEDY, "max_new_tokens": n})
+        for i, (text, n) in enumerate(zip(TEXTS, asks, strict=True))
+    ]
+    answered = results(serve(sliding, {0: batches[:2], 3: batches[2:]}, rows=3))
+    for batch in batches:
+        (got,) = answered[batch.batch_id].outputs
+        expected = static(sliding, batch.inputs[0], batch.params)
+        assert without_logprobs(got) == without_logprobs(expected), batch.inputs[0][:20]
+
+
 def as_the_static_path(runner, params: dict[str, Any], texts: list[str]) -> list[tuple]:
     """Each text a batch of its own, all served by the loop at once, each answer checked
     against the static path's (log probabilities aside): (text, answer, static answer)."""
@@ -460,6 +480,15 @@ def test_an_end_of_sequence_waits_for_min_new_tokens_or_never_ends_as_on_the_sta
     assert got[0]["details"]["finish_reason"] == "length"
 
 
+def test_the_models_own_min_new_tokens_holds_on_both_paths(runner, monkeypatch):
+    eos = runner.tokenizer.eos_token_id
+    monkeypatch.setattr(runner.model.generation_config, "min_new_tokens", 4)
+    ending = {**GREEDY, "max_new_tokens": 10, "logit_bias": {eos: 100.0}}  # ends at once
+    [(_, got, _)] = as_the_static_path(runner, ending, ["the movie was"])
+    ids = [t["id"] for t in got[0]["details"]["tokens"]]
+    assert eos not in ids[:4] and ids[4:] == [eos], ids
+
+
 def test_a_seed_gives_the_same_sample_whatever_runs_beside_it(runner):
     params = {"max_new_tokens": 20, "do_sample": True, "seed": 7}
     mine = Batch(1, ("the movie was",), params)
@@ -752,6 +781,27 @@ def test_a_causal_lm_batches_continuously_unless_static_is_asked(runner):
     assert continuous_loop(SimpleNamespace(), config, print, None) is None
 
 
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("no_repeat_ngram_size", 2), ("num_beams", 2), ("suppress_tokens", [5]), ("min_p", 0.1)],
+)
+def test_a_model_whose_generation_config_asks_what_the_loop_does_not_apply_runs_static(
+    runner, monkeypatch, setting, value
+):
+    """`generate` applies every setting of the model's generation config: such a model's
+    batches run through it, one call a batch, not through the loop."""
+    from rawserve.worker.generating import continuous_loop
+
+    config = WorkerConfig(model="m", task="text-generation")
+    monkeypatch.setattr(runner.model.generation_config, setting, value)
+    assert runner.unapplied_settings == [f"{setting}={value!r}"]
+    assert continuous_loop(runner, config, print, None) is None
+    neutral = {"no_repeat_ngram_size": 0, "num_beams": 1, "suppress_tokens": [], "min_p": 0.0}
+    monkeypatch.setattr(runner.model.generation_config, setting, neutral[setting])
+    assert runner.unapplied_settings == []
+    assert continuous_loop(runner, config, print, None) is not None
+
+
 def test_a_server_that_is_gone_ends_the_loop(runner):
     from rawserve.worker.generating import GenerationLoop
 
@@ -773,3 +823,18 @@ def test_the_end_tokens_the_models_generation_config_names_end_a_sequence(runner
     details = ended.outputs[0][0]["details"]
     assert details["finish_reason"] == "eos_token"
     assert details["generated_tokens"] == ids.index(end) + 1
+
+
+def test_the_end_tokens_the_models_generation_config_names_end_a_row_on_the_static_path(
+    runner, monkeypatch
+):
+    """`generate` ends the row there; its details say so, and list no padding after."""
+    plain = static(runner, "the movie was", GREEDY)
+    ids = [token["id"] for token in plain[0]["details"]["tokens"]]
+    end = ids[len(ids) // 2]
+    monkeypatch.setattr(runner.model.generation_config, "eos_token_id", [end])
+    # beside a longer row that goes on, as generate pads the ended one
+    ended, _ = runner.run(["the movie was", "word " * 30], dict(GREEDY))
+    details = ended[0]["details"]
+    assert details["finish_reason"] == "eos_token"
+    assert [token["id"] for token in details["tokens"]] == ids[: ids.index(end) + 1]

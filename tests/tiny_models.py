@@ -59,6 +59,7 @@ KINDS = (
     "text-generation",
     "long-generation",  # the same with 4,096 positions: a generation that runs for seconds
     "chat",
+    "sliding-window",  # a Mistral whose attention slides over 4 tokens, shorter than prompts
     "seq2seq",
     "image-classification",
 )
@@ -75,6 +76,8 @@ def build(kind: str, folder: Path) -> Path:
         return _build_gpt2(folder, positions=4096)
     if kind == "chat":
         return _build_gpt2(folder, chat_template=CHAT_TEMPLATE)
+    if kind == "sliding-window":
+        return _build_mistral(folder)
     if kind == "seq2seq":
         return _build_bart(folder)
     if kind == "image-classification":
@@ -192,10 +195,39 @@ def _build_gpt2(folder: Path, chat_template: str | None = None, positions: int =
         pad_token_id=0,
     )
     model = transformers.GPT2LMHeadModel(config)
+    return _saved(model, tokenizer, folder)
+
+
+def _saved(model, tokenizer, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def _build_mistral(folder: Path) -> Path:
+    import torch
+    import transformers
+
+    tokenizer = bpe_tokenizer()
+    config = transformers.MistralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=4,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    model = transformers.MistralForCausalLM(config)
+    with torch.no_grad():  # sharper scores: greedy choices are never near ties
+        model.lm_head.weight.mul_(20)
+    return _saved(model, tokenizer, folder)
 
 
 def _build_bart(folder: Path) -> Path:
@@ -224,10 +256,7 @@ def _build_bart(folder: Path) -> Path:
         "translation_en_to_fr": {"prefix": "translate English to French: "},
     }
     model = transformers.BartForConditionalGeneration(config)
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return _saved(model, tokenizer, folder)
 
 
 def _build_vit(folder: Path) -> Path:

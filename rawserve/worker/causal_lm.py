@@ -21,7 +21,13 @@ import transformers
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits, TokenChunk
 from rawserve.tasks import CHAT_PARAM
 from rawserve.tasks.text_generation import PROMPT_TOP_N, returns_full_text
-from rawserve.worker.continuous import Generation, ScoreAdjustments, TextPieces, likeliest
+from rawserve.worker.continuous import (
+    Generation,
+    ScoreAdjustments,
+    TextPieces,
+    end_ids,
+    likeliest,
+)
 from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.grammars import Grammars, constrain
 from rawserve.worker.runner import Runner, dtype_name
@@ -34,6 +40,32 @@ PIPELINE_DEFAULTS = {"max_new_tokens": 256, "do_sample": True}
 # says (transformers' global defaults that change a draw; the others are neutral): the
 # continuous loop draws as `generate` would.
 GENERATE_DEFAULTS = {"top_k": 50}
+# The generation-config settings that change what `generate` makes and that the continuous
+# loop does not apply, each with the value that changes nothing (None, or an empty list,
+# changes nothing for every one): a model whose config sets one generates statically, one
+# `generate` call a batch, so that its answers are still `generate`'s.
+UNAPPLIED_SETTINGS: dict[str, Any] = {
+    "num_beams": 1,
+    "penalty_alpha": None,
+    "dola_layers": None,
+    "no_repeat_ngram_size": 0,
+    "min_length": 0,
+    "bad_words_ids": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "sequence_bias": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None,
+    "min_p": 0.0,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "top_h": None,
+    "guidance_scale": 1.0,
+    "watermarking_config": None,
+    "stop_strings": None,
+}
 # A prompt's scores held at once when it is scored (positions × vocabulary; 64 MiB as
 # float32): a 50,257-token vocabulary scores 333 positions a pass, 128,256 scores 130.
 PROMPT_SCORES_AT_ONCE = 2**24
@@ -98,6 +130,7 @@ class TokenWatcher(transformers.StoppingCriteria):
     def __init__(
         self,
         tokenizer: Any,
+        eos_ids: set[int],  # the tokens that end a row (the model's own list, a chat's end of turn)
         prompt_length: int,
         batch_size: int,
         stop: Sequence[str],
@@ -115,7 +148,7 @@ class TokenWatcher(transformers.StoppingCriteria):
         self.on_token = on_token
         self.cancelled = cancelled
         self.special_ids = set(tokenizer.all_special_ids)
-        self.eos_ids = set() if ignore_eos else _eos_ids(tokenizer)
+        self.eos_ids = set() if ignore_eos else eos_ids
         self.top_n = top_n  # the likeliest tokens listed beside each new one
         self.token_ids: list[list[int]] = [[] for _ in range(batch_size)]
         self.texts = [""] * batch_size
@@ -204,10 +237,6 @@ def scores_prompt(params: dict[str, Any]) -> bool:
     return bool(params.get("decoder_input_details") and params.get("details"))
 
 
-def _eos_ids(tokenizer: Any) -> set[int]:
-    return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-
-
 def asks_sampling(params: dict[str, Any]) -> bool:
     """Whether a temperature (but 1), a top_k or a top_p (below 1) is asked: TGI samples
     with them even beside do_sample false."""
@@ -270,6 +299,17 @@ class CausalLMRunner(Runner):
         self.send: Callable[[Any], None] | None = None
         self.cancelled_stream: Any = None  # a shared integer: the stream id to stop
         self.decode_graphs = False  # the continuous batch's steps replayed (a GPU)
+
+    @property
+    def unapplied_settings(self) -> list[str]:
+        """The model's generation-config settings (`name=value`) that the continuous loop
+        does not apply (`UNAPPLIED_SETTINGS`)."""
+        config = self.model.generation_config
+        return [
+            f"{name}={value!r}"
+            for name, neutral in UNAPPLIED_SETTINGS.items()
+            if (value := getattr(config, name, None)) not in (None, [], neutral)
+        ]
 
     def use_cuda_graphs(self) -> str:
         if not GraphedDecode.supports(self.model):
@@ -398,7 +438,7 @@ class CausalLMRunner(Runner):
             seed=params.get("seed"),
             stop=tuple(params.get("stop", ())),
             repetition_penalty=setting("repetition_penalty"),
-            min_new_tokens=int(params.get("min_new_tokens") or 0),
+            min_new_tokens=int(setting("min_new_tokens") or 0),
             ignore_eos=bool(params.get("ignore_eos")),
             adjustments=ScoreAdjustments.asked(params, self.vocabulary),
             compiling=self.grammars.pending(params["grammar"]) if params.get("grammar") else None,
@@ -595,6 +635,7 @@ class CausalLMRunner(Runner):
 
         watcher = TokenWatcher(
             self.tokenizer,
+            end_ids(self.tokenizer, self.model),
             encoded["input_ids"].shape[1],
             len(rows),
             params.get("stop", ()),

@@ -221,7 +221,7 @@ class ContinuousBatcher:
         # still taken, now warns)
         forward = inspect.signature(model.forward).parameters
         self._cache_name = "cache" if "cache" in forward else "past_key_values"
-        self.eos_ids = _eos_ids(tokenizer, model)
+        self.eos_ids = end_ids(tokenizer, model)
         self.waiting: list[Generation] = []
         self.rows: list[Generation] = []
         self._joining: list[Generation] = []  # being prefilled: neither waiting nor a row
@@ -369,11 +369,16 @@ class ContinuousBatcher:
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> Prefilled:
         """The joining rows' forward pass as it is: each layer's keys and values, and the
-        last position's logits."""
+        last position's logits. The cache is every layer's whole keys and values, even
+        for a layer that attends to a sliding window: the model's own cache keeps only
+        the window's last tokens for those, while the slots hold every row's tokens from
+        its first (the window is the attention mask's, which the model builds from its
+        config at every step)."""
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            **{self._cache_name: transformers.DynamicCache()},
             use_cache=True,
             logits_to_keep=1,  # only the last position's scores: the vocabulary is wide
         )
@@ -528,7 +533,7 @@ def _cleans_up(tokenizer: Any, backend: Any) -> bool:
     return type(backend.model).__name__ != "BPE" or bool(getattr(tokenizer, forced, True))
 
 
-def _eos_ids(tokenizer: Any, model: Any) -> set[int]:
+def end_ids(tokenizer: Any, model: Any) -> set[int]:
     """The tokens that end a sequence: the tokenizer's, and those the model's generation
     config names (`generate` stops there too: a chat model's end of turn)."""
     named = getattr(getattr(model, "generation_config", None), "eos_token_id", None)

@@ -58,9 +58,17 @@ ROWS_RESTORE_AFTER = 200  # good steps at lowered rows (after out of memory) bef
 def continuous_loop(
     runner: Runner, config: WorkerConfig, send: Callable[[Any], None], cancelled_stream: Any
 ) -> GenerationLoop | None:
-    """The loop this worker serves with, if it batches continuously (a causal LM, and not
-    `--generation static`); None when it runs one batch after another."""
+    """The loop this worker serves with, if it batches continuously (a causal LM, not
+    `--generation static`, whose generation config asks for nothing the loop does not
+    apply); None when it runs one batch after another."""
     if not isinstance(runner, CausalLMRunner) or config.generation != "continuous":
+        return None
+    if unapplied := runner.unapplied_settings:
+        log.warning(
+            "generation: static (one generate call per batch), not continuous: the model's "
+            "generation config sets %s, which continuous batching does not apply",
+            ", ".join(unapplied),
+        )
         return None
     rows = config.max_sequences or (ROWS_ON_CUDA if runner.on_cuda else ROWS_ON_CPU)
     loop = GenerationLoop(runner, send, rows, cancelled_stream, config.threads)
