@@ -403,3 +403,54 @@ def test_a_bodys_checks_and_its_schema_take_the_same_documents(name, document, t
         assert error.status in (400, 413), error
         parsed = False
     assert (valid, parsed) == (taken, taken)
+
+
+# --- a sentence-transformers model's default prompt ----------------------------------------
+
+
+class Recording(Idle):
+    """A model that answers every input with a zero vector, keeping what it was sent."""
+
+    def __init__(self):
+        self.sent: list[list] = []
+
+    async def run(self, inputs, params, deadline, control=None):
+        import numpy as np
+
+        from rawserve.serving.face import ItemResult
+
+        self.sent.append(list(inputs))
+        vector = np.ones(2, dtype=np.float32)
+        output = {"embedding": vector, "tokens": 1} if control else vector
+        return [ItemResult(output, 0.0, len(inputs), 0.0) for _ in inputs]
+
+
+@pytest.mark.parametrize(
+    ("path", "document", "sent"),
+    [
+        ("/", {"inputs": ["a", "b"]}, ["query: a", "query: b"]),
+        ("/", {"inputs": "a", "prompt_name": "doc"}, ["passage: a"]),
+        ("/embed", {"inputs": "a"}, ["query: a"]),
+        ("/embed", {"inputs": "a", "prompt_name": "doc"}, ["passage: a"]),
+        ("/v1/embeddings", {"input": ["a"]}, ["query: a"]),
+        (
+            "/similarity",
+            {"inputs": {"source_sentence": "a", "sentences": ["b"]}},
+            ["query: a", "query: b"],
+        ),
+    ],
+)
+def test_a_text_sent_without_a_prompt_name_gets_the_model_s_default_prompt(path, document, sent):
+    """sentence-transformers' encode() puts `default_prompt_name`'s prompt before every
+    text not given another; the vectors served are the model's only with it there too."""
+    model = Recording()
+    details = {"prompts": {"query": "query: ", "doc": "passage: "}, "default_prompt_name": "query"}
+    served = ServedModel("m", ModelService(model, Loaded("feature-extraction", details, "{}")), {})
+    app = App(ServedModels([served]), AppSettings())
+    body = json.dumps(document).encode()
+    request = HttpRequest(
+        "POST", path, "", [("content-type", "application/json")], body, request_id="test"
+    )
+    answer = asyncio.run(app.handle(request))
+    assert answer.status == 200, answer.body
+    assert model.sent == [sent]

@@ -8,6 +8,7 @@ would set, exactly as the server does it.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -382,3 +383,84 @@ def test_a_partly_downloaded_snapshot_is_named_as_such(tmp_path):
     (folder / "tokenizer.json").unlink()
     line = one_error_line(run_resolve("org/tiny", tmp_path, HF_HUB_OFFLINE="1"))
     assert "only partly in the Hub cache" in line
+
+
+def sentence_folder(tmp_path, modules, pooling, prompts=None):
+    """A sentence-transformers folder's files: `modules` as (type's last name, path)."""
+    folder = tmp_path / "sentence"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        (folder / name).write_text('{"architectures": ["BertModel"]}')
+    listed = [
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+        for i, (kind, path) in enumerate(modules)
+    ]
+    (folder / "modules.json").write_text(json.dumps(listed))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    if prompts is not None:
+        (folder / "config_sentence_transformers.json").write_text(json.dumps({"prompts": prompts}))
+    return folder
+
+
+ST_MODULES = [("Transformer", ""), ("Pooling", "1_Pooling"), ("Normalize", "2_Normalize")]
+
+
+@pytest.mark.parametrize(
+    ("pooling", "mode"),
+    [
+        ({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}, "cls"),
+        ({"pooling_mode_mean_tokens": True}, "mean"),
+        ({"pooling_mode_max_tokens": True}, "max"),
+        ({"pooling_mode_mean_sqrt_len_tokens": True}, "mean_sqrt_len_tokens"),
+        ({"pooling_mode_weightedmean_tokens": True}, "weightedmean"),
+        ({"pooling_mode_lasttoken": True}, "lasttoken"),
+        ({"pooling_mode": "cls"}, "cls"),  # sentence-transformers 6 names the mode
+        ({"pooling_mode": "lasttoken", "include_prompt": True}, "lasttoken"),
+        ({"pooling_mode": ["max"]}, "max"),
+    ],
+)
+def test_a_sentence_transformers_folder_s_pooling_is_read_in_either_form(tmp_path, pooling, mode):
+    facts = plan_models([str(sentence_folder(tmp_path, ST_MODULES, pooling))])[0].facts
+    assert (facts.pooling, facts.normalize) == (mode, True)
+
+
+@pytest.mark.parametrize(
+    ("modules", "pooling", "prompts", "reason"),
+    [
+        (
+            [*ST_MODULES[:2], ("Dense", "2_Dense"), ("Normalize", "3_Normalize")],
+            {"pooling_mode": "mean"},
+            None,
+            "its sentence-transformers module Dense (2_Dense) is not served",
+        ),
+        (
+            [("Transformer", "0_Transformer"), ("Pooling", "1_Pooling")],
+            {"pooling_mode": "mean"},
+            None,
+            "its transformer is in 0_Transformer/, not the folder's root",
+        ),
+        (ST_MODULES, {"pooling_mode": ["cls", "mean"]}, None, "its pooling cls+mean is not"),
+        (
+            ST_MODULES,
+            {"pooling_mode_cls_token": True, "pooling_mode_max_tokens": True},
+            None,
+            "its pooling cls+max is not served",
+        ),
+        (ST_MODULES, {"pooling_mode": "splade"}, None, "its pooling splade is not served"),
+        (
+            ST_MODULES,
+            {"pooling_mode": "mean", "include_prompt": False},
+            {"query": "query: "},
+            "its pooling leaves its prompts out",
+        ),
+    ],
+)
+def test_a_sentence_transformers_folder_rawserve_would_answer_otherwise_is_refused(
+    tmp_path, modules, pooling, prompts, reason
+):
+    """Its vectors would not be the model's: refused before any worker starts, saying why."""
+    folder = sentence_folder(tmp_path, modules, pooling, prompts)
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models([str(folder)])
+    assert str(caught.value).startswith(f"model {folder}: {reason}")

@@ -141,6 +141,73 @@ def test_sentence_models_pool_as_their_files_say(runner):
     assert api["tokens"] == 4
 
 
+# sentence-transformers' Pooling modes, on one text's token vectors (its formulas)
+ST_POOLING = {
+    "cls": lambda tokens: tokens[0],
+    "lasttoken": lambda tokens: tokens[-1],
+    "max": lambda tokens: tokens.max(0),
+    "mean": lambda tokens: tokens.mean(0),
+    "weightedmean": lambda tokens: weighted(tokens, np.arange(1, len(tokens) + 1)),
+    "mean_sqrt_len_tokens": lambda tokens: tokens.sum(0) / np.sqrt(len(tokens)),
+}
+
+
+def weighted(tokens, weights):
+    return (tokens * weights[:, None]).sum(0) / weights.sum()
+
+
+def sentence_folder(tiny_model, tmp_path, pooling=None, **bert_config):
+    """A copy of the tiny sentence-transformers model, its Pooling config replaced by
+    `pooling`, with a sentence_bert_config.json of `bert_config`."""
+    import json
+    import shutil
+
+    folder = tmp_path / "sentence"
+    shutil.copytree(tiny_model("sentence-embedding"), folder)
+    if pooling is not None:
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    (folder / "sentence_bert_config.json").write_text(json.dumps(bert_config))
+    return folder
+
+
+def sentence_runner(folder):
+    from rawserve.worker.loading import load_runner
+
+    return load_runner(worker_config(str(folder), dtype="float32"), "cpu")
+
+
+@pytest.mark.parametrize("mode", sorted(ST_POOLING))
+def test_sentence_models_pool_in_each_of_sentence_transformers_modes(tiny_model, tmp_path, mode):
+    """Texts of different lengths share a padded batch; each is pooled as its mode says
+    over its own tokens, then normalized (the folder has a Normalize module)."""
+    folder = sentence_folder(
+        tiny_model, tmp_path, {"embedding_dimension": 32, "pooling_mode": mode}
+    )
+    serving = sentence_runner(folder)
+    texts = ["hello world", "the movie was very good in paris"]
+    vectors = serving.run(texts, {})
+    for text, vector in zip(texts, vectors, strict=True):
+        [tokens] = serving.run([text], {"pooling": "none", "normalize": False})
+        expected = ST_POOLING[mode](tokens[0])
+        np.testing.assert_allclose(vector, expected / np.linalg.norm(expected), atol=1e-5)
+
+
+def test_sentence_models_cut_and_lowercase_texts_as_sentence_bert_config_says(tiny_model, tmp_path):
+    import json
+
+    folder = sentence_folder(tiny_model, tmp_path, max_seq_length=5, do_lower_case=True)
+    tokenizer_file = folder / "tokenizer.json"  # a cased tokenizer: the lowercasing shows
+    tokenizer = json.loads(tokenizer_file.read_text())
+    tokenizer["normalizer"]["lowercase"] = False
+    tokenizer_file.write_text(json.dumps(tokenizer))
+    serving = sentence_runner(folder)
+    assert serving.details["max_input_length"] == 5
+    [long] = serving.run(["hello world is good and bad"], {}, EMBEDDING_ROUTE)
+    assert long["tokens"] == 5
+    [upper, lower] = serving.run(["HELLO World", "hello world"], {})
+    np.testing.assert_allclose(upper, lower, atol=1e-6)
+
+
 # --- question-answering -------------------------------------------------------------------
 
 CONTEXT = "john lives in paris and mary lives in london"

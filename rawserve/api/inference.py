@@ -262,9 +262,9 @@ class InferenceRoutes:
                 fields = SIMILARITY.read(document)  # InferenceClient's sentence_similarity
                 return await sentence_similarity(self.context, model, fields, request)
             parsed = parse_json_body(task or "", document, max_items)
-        if "prompt_name" in parsed.params:  # the model's own prompt before each text
+        if task == "feature-extraction":  # the model's own prompt before each text
             params = dict(parsed.params)
-            inputs = prompted(model, parsed.inputs, params.pop("prompt_name"))
+            inputs = prompted(model, parsed.inputs, params.pop("prompt_name", None))
             parsed = replace(parsed, inputs=inputs, params=params)
         try:
             check_generation_length(parsed.params, model.limits.max_new_tokens)

@@ -37,6 +37,7 @@ from rawserve.api.openai_generation import (
 from rawserve.api.outcomes import unwrap
 from rawserve.api.prompts import check_lengths, echoed_texts
 from rawserve.api.routing import MODEL_ERRORS, DocContext, Handler, Needs, Operation, Route
+from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import TokenStream, event_stream
 from rawserve.http.errors import BadRequest, UnprocessableInput
@@ -200,6 +201,7 @@ class OpenAIRoutes:
         fields = EMBEDDINGS.read(document)
         context = DocContext(model, self.context.settings.max_client_batch_size)
         texts, params, encoding_format = parse_embeddings_request(fields, context)
+        texts = prompted(model, texts, None)  # the model's default prompt, if it has one
         # the worker answers {"embedding": float32 vector, "tokens": n} on this route
         results = await model.run(texts, params, self.context.deadline(request), EMBEDDING_ROUTE)
         outputs = [unwrap(result) for result in results]

@@ -1,6 +1,8 @@
 """A sentence-transformers model's named prompts (`config_sentence_transformers.json`'s
 `prompts`, e.g. "query: "): `prompt_name` puts one before each text, on TEI's `/embed`
-and on `POST /` where InferenceClient's `feature_extraction(prompt_name=...)` sends it.
+and on `POST /` where InferenceClient's `feature_extraction(prompt_name=...)` sends it;
+without one, the prompt `default_prompt_name` names goes there, as sentence-transformers
+puts it, on every embedding route.
 
 Server process; plain Python.
 """
@@ -18,9 +20,15 @@ def prompts_of(model: ServedModel) -> Mapping[str, str]:
     return loaded.details.get("prompts", {}) if loaded else {}
 
 
-def prompted(model: ServedModel, texts: Sequence[str], prompt_name: str) -> list[str]:
-    """`texts`, each after the prompt `prompt_name` names; 400 for a name the model's
-    prompts do not have (listing those it has)."""
+def prompted(model: ServedModel, texts: Sequence[str], prompt_name: str | None) -> list[str]:
+    """`texts`, each after the prompt `prompt_name` names (None: the model's default
+    prompt, if it has one); 400 for a name the model's prompts do not have (listing those
+    it has)."""
+    if prompt_name is None:
+        loaded = model.serving.loaded
+        prompt_name = loaded.details.get("default_prompt_name") if loaded else None
+        if prompt_name is None:
+            return list(texts)
     prompt = prompts_of(model).get(prompt_name)
     if prompt is None:
         known = ", ".join(sorted(prompts_of(model))) or "it names none"

@@ -178,10 +178,10 @@ class TeiRoutes:
         return await sentence_similarity(self.context, model, fields, request)
 
     def texts(self, fields: Fields, model: ServedModel) -> list[str]:
-        """The texts of `inputs` (one or a list), with the named prompt put before each."""
+        """The texts of `inputs` (one or a list), with the named prompt (or the model's
+        default one) put before each."""
         texts = fields.value("inputs", self.within(model))
-        prompt_name = fields.value("prompt_name")
-        return texts if prompt_name is None else prompted(model, texts, prompt_name)
+        return prompted(model, texts, fields.value("prompt_name"))
 
     # --- classification ---------------------------------------------------------------
 
@@ -279,10 +279,7 @@ async def sentence_similarity(
         "inputs", DocContext(model, context.settings.max_client_batch_size)
     )
     options = fields.value("parameters")
-    texts = [source, *sentences]
-    prompt_name = options.value("prompt_name")
-    if prompt_name is not None:
-        texts = prompted(model, texts, prompt_name)
+    texts = prompted(model, [source, *sentences], options.value("prompt_name"))
     params = {"normalize": True, **truncation(options)}
     results = await model.run(texts, params, context.deadline(request), EMBEDDING_ROUTE)
     vectors = np.array([unwrap(result)["embedding"] for result in results], dtype=np.float64)

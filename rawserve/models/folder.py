@@ -82,7 +82,9 @@ class FolderFacts:
     pooling and normalization (what /info shows, and what the answers use by default)."""
 
     task: str
-    pooling: str = "none"  # mean, cls, or none (token vectors)
+    # sentence-transformers' mode (cls, mean, max, lasttoken, weightedmean,
+    # mean_sqrt_len_tokens), or none (token vectors)
+    pooling: str = "none"
     normalize: bool = False
 
 
@@ -151,24 +153,83 @@ def infer_task(model_dir: Path) -> str:
 
 def sentence_transformers_prompts(model_dir: Path) -> dict[str, str]:
     """The prompts a sentence-transformers folder names (TEI's `prompt_name`): name → text."""
-    config_file = model_dir / "config_sentence_transformers.json"
-    if not config_file.is_file():
-        return {}
-    prompts = json.loads(config_file.read_text()).get("prompts") or {}
+    prompts = sentence_transformers_config(model_dir).get("prompts") or {}
     return {str(name): str(text) for name, text in prompts.items()}
 
 
+def sentence_transformers_default_prompt(model_dir: Path) -> str | None:
+    """The prompt sentence-transformers puts before every text not given another: the
+    name `default_prompt_name` says, where it is one of the folder's prompts."""
+    name = sentence_transformers_config(model_dir).get("default_prompt_name")
+    return name if name in sentence_transformers_prompts(model_dir) else None
+
+
+def sentence_transformers_config(model_dir: Path) -> dict[str, Any]:
+    return json_file(model_dir / "config_sentence_transformers.json")
+
+
+def sentence_transformers_reading(model_dir: Path) -> tuple[int | None, bool]:
+    """(max_seq_length, do_lower_case) as sentence_bert_config.json says: the tokens a text
+    is cut at (None: the tokenizer's and the model's limit) and whether it is lowercased."""
+    config = json_file(model_dir / "sentence_bert_config.json")
+    return config.get("max_seq_length"), bool(config.get("do_lower_case"))
+
+
+# sentence-transformers' pooling modes, by the switch an older Pooling config sets for
+# each (a current one names them in `pooling_mode`)
+POOLING_SWITCHES = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+POOLING_MODES = set(POOLING_SWITCHES.values())
+# The modules an embedding folder may chain: the model at the folder's root, one Pooling,
+# Normalize. Another (Dense, LayerNorm, ...) changes the vectors in a way rawserve does
+# not compute, so such a folder is refused rather than answered with other vectors.
+SERVED_MODULES = ("Transformer", "Pooling", "Normalize")
+
+
 def sentence_transformers_pooling(model_dir: Path) -> tuple[str, bool]:
-    """(pooling, normalize) as a sentence-transformers folder says; ("none", False) otherwise."""
+    """(pooling, normalize) as a sentence-transformers folder says; ("none", False) otherwise.
+    Raises ValueError for a folder whose vectors rawserve would not compute as it does."""
     modules_file = model_dir / "modules.json"
     if not modules_file.is_file():
         return "none", False
-    modules = json.loads(modules_file.read_text())
-    normalize = any(m.get("type", "").endswith(".Normalize") for m in modules)
-    pooling = "mean"
-    for module in modules:
-        if module.get("type", "").endswith(".Pooling"):
-            pooling_config = json.loads((model_dir / module["path"] / "config.json").read_text())
-            if pooling_config.get("pooling_mode_cls_token"):
-                pooling = "cls"
+    pooling, normalize = "mean", False
+    for module in json.loads(modules_file.read_text()):
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        path = module.get("path", "")
+        if kind not in SERVED_MODULES:
+            raise ValueError(
+                f"its sentence-transformers module {kind or '?'} ({path}) is not served: "
+                f"rawserve computes {', '.join(SERVED_MODULES)} only"
+            )
+        if kind == "Transformer" and path:
+            raise ValueError(
+                f"its transformer is in {path}/, not the folder's root: it is not served"
+            )
+        if kind == "Pooling":
+            pooling = pooling_mode(model_dir, json_file(model_dir / path / "config.json"))
+        normalize = normalize or kind == "Normalize"
     return pooling, normalize
+
+
+def pooling_mode(model_dir: Path, config: dict[str, Any]) -> str:
+    """The one mode a Pooling config names; ValueError for what rawserve does not pool."""
+    modes = config.get("pooling_mode")
+    if modes is None:
+        modes = [mode for switch, mode in POOLING_SWITCHES.items() if config.get(switch)]
+    modes = [modes] if isinstance(modes, str) else list(modes)
+    if len(modes) != 1 or modes[0] not in POOLING_MODES:
+        raise ValueError(
+            f"its pooling {'+'.join(map(str, modes)) or 'names no mode'} is not served: "
+            f"one of {', '.join(sorted(POOLING_MODES))}"
+        )
+    if config.get("include_prompt") is False and any(
+        sentence_transformers_prompts(model_dir).values()
+    ):
+        raise ValueError("its pooling leaves its prompts out (include_prompt false): not served")
+    return modes[0]

@@ -35,7 +35,7 @@ class WorkerConfig:
     device: str = "auto"
     dtype: str = "auto"
     threads: int | None = None
-    pooling: str = "none"  # feature-extraction: mean, cls or none (token vectors)
+    pooling: str = "none"  # feature-extraction: a sentence-transformers mode, or none (tokens)
     normalize: bool = False  # feature-extraction: normalize the pooled vector
     warmup_batch: int = 0  # items of the batch run before reporting ready (0: no warm-up)
     name: str = ""  # the served model's name in log lines, when the server has several

@@ -11,7 +11,11 @@ from typing import Any
 import torch
 import transformers
 
-from rawserve.models.folder import sentence_transformers_prompts
+from rawserve.models.folder import (
+    sentence_transformers_default_prompt,
+    sentence_transformers_prompts,
+    sentence_transformers_reading,
+)
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits
 from rawserve.worker.cuda_graphs import GraphedForward
 from rawserve.worker.onnx_engine import OnnxNetwork
@@ -49,7 +53,12 @@ class EncoderRunner(Runner):
         self.onnx = onnx
         self.default_pooling, self.default_normalize = pooling, normalize
         self.prompts = sentence_transformers_prompts(Path(model))
+        self.default_prompt = sentence_transformers_default_prompt(Path(model))
+        # sentence-transformers cuts a text at max_seq_length and may lowercase it first
+        max_seq_length, self.lowercase = sentence_transformers_reading(Path(model))
         self.max_length = self.max_input_length(self.model.config)
+        if max_seq_length:
+            self.max_length = min(self.max_length, max_seq_length)
 
     @property
     def limits(self) -> ModelLimits:
@@ -63,6 +72,7 @@ class EncoderRunner(Runner):
             "dimensions": self.model.config.hidden_size,
             "max_input_length": self.max_length,
             "prompts": self.prompts,
+            "default_prompt_name": self.default_prompt,
         }
 
     def use_cuda_graphs(self) -> str:
@@ -96,7 +106,7 @@ class EncoderRunner(Runner):
         tokenizer.truncation_side = params.get("truncation_direction", "right")
         truncate = params.get("truncate", True)
         encoded = tokenizer(
-            inputs,
+            [text.lower() for text in inputs] if self.lowercase else inputs,
             padding=True,
             truncation=truncate,
             max_length=self.max_length if truncate else None,
@@ -142,11 +152,7 @@ class EncoderRunner(Runner):
                     vectors = [torch.nn.functional.normalize(v, dim=-1) for v in vectors]
                 # the pipeline's shape: [1, tokens, hidden] per input
                 return [v.unsqueeze(0).cpu().numpy() for v in vectors]
-            if pooling == "cls":
-                pooled = hidden[:, 0]
-            else:
-                weights = mask.unsqueeze(-1).to(hidden.dtype)
-                pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+            pooled = pool(hidden, mask, pooling)
             if normalize:
                 pooled = torch.nn.functional.normalize(pooled, dim=-1)
             vectors = list(pooled.cpu().numpy())
@@ -157,3 +163,21 @@ class EncoderRunner(Runner):
                 for vector, count in zip(vectors, counts, strict=True)
             ]
         return vectors
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """One vector per row of `hidden` (batch, tokens, hidden), as sentence-transformers'
+    Pooling computes `mode`; `mask` is 1 at each real token, padding on either side."""
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    if mode == "cls":  # the first real token
+        return hidden[rows, mask.argmax(1)]
+    if mode == "lasttoken":
+        return hidden[rows, mask.shape[1] - 1 - mask.flip(1).argmax(1)]
+    weights = mask.unsqueeze(-1).to(hidden.dtype)
+    if mode == "max":
+        return hidden.masked_fill(weights == 0, float("-inf")).max(1).values
+    if mode == "weightedmean":  # the n-th real token weighs n
+        weights = weights * mask.cumsum(1).unsqueeze(-1).to(hidden.dtype)
+    total = (hidden * weights).sum(1)
+    count = weights.sum(1).clamp(min=1e-9)
+    return total / (count.sqrt() if mode == "mean_sqrt_len_tokens" else count)
