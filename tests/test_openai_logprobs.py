@@ -25,6 +25,10 @@ def test_an_answers_tokens_leave_out_special_ones_and_end_at_the_texts_cut():
     assert [t.text for t in answer_tokens(details, len(" the end"))] == [" the", " end"]
     # a stop sequence cut the text after " the": the tokens after it are not listed
     assert [t.text for t in answer_tokens(details, len(" the"))] == [" the"]
+    # not cut: tokens that add no text are listed too, as usage counts them
+    details = {"tokens": [token("a", -0.5), token("", -0.7), token("", -0.9)]}
+    assert [t.logprob for t in answer_tokens(details, 1, 1)] == [-0.5, -0.7, -0.9]
+    assert [t.logprob for t in answer_tokens(details, 1)] == [-0.5]  # cut after "a"
     # no details' alternatives (none asked): each token alone
     assert answer_tokens({"tokens": [token("a", -2.0)]}, 1)[0].top == ()
 

@@ -140,7 +140,7 @@ class Answer:
         choices = []
         for index, output in enumerate(outputs):
             text = cut_at_stop(output["generated_text"], stops)
-            tokens = answer_tokens(output["details"], len(text))
+            tokens = answer_tokens(output["details"], len(text), len(output["generated_text"]))
             if echoed is not None:  # the stop sequences cut the completion, not the prompt
                 echo = echoed[index]
                 text = echo.text + text
@@ -183,7 +183,8 @@ class Answer:
             if not rest and sent:
                 return None, reason
             delta = {"content": rest}
-        chunk = self.chunk(index, None, answer_tokens(output["details"], len(text)))
+        tokens = answer_tokens(output["details"], len(text), len(output["generated_text"]))
+        chunk = self.chunk(index, None, tokens)
         chunk["choices"][0]["delta"] = delta
         return sse(chunk), reason
 

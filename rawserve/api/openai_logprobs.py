@@ -46,17 +46,23 @@ def listed(token: Mapping[str, Any], top: Sequence[Mapping[str, Any]] | None = N
     )
 
 
-def answer_tokens(details: dict[str, Any], text_length: int) -> list[Listed]:
+def answer_tokens(
+    details: dict[str, Any], text_length: int, whole_length: int | None = None
+) -> list[Listed]:
     """A whole answer's tokens (its details' `tokens`, and `top_tokens` beside them),
-    up to `text_length` characters of text: a stop sequence's cut ends the list."""
+    up to `text_length` characters of text: a stop sequence's cut ends the list. A text
+    not cut (`text_length` is the `whole_length` generated) lists every token, those that
+    add no text too (an id with no token, the first part of a character), as usage
+    counts them."""
     tokens = details.get("tokens") or []
     tops = details.get("top_tokens") or [None] * len(tokens)
+    cut = whole_length is None or text_length < whole_length
     kept = []
     offset = 0
     for token, top in zip(tokens, tops, strict=True):
         if token.get("special"):
             continue
-        if offset >= text_length:
+        if cut and offset >= text_length:
             break
         kept.append(listed(token, top))
         offset += len(token["text"])
