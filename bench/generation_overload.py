@@ -14,7 +14,8 @@ the answers.
 
 Reported per round: the capacity; the goodput (answers 200 within their deadline, per
 second) and its ratio to the capacity; answers by status (a 504 is a request admitted and
-then dropped at its deadline: the rows it held were spent for nothing); the 503s' latency
+then dropped at its deadline: the rows it held were spent for nothing, unless it expired
+queued, `expired_queued`); the 503s' latency
 (a refusal should be at once) and the 200s'. A server that admits only what it can answer
 in time keeps the goodput near the capacity with few 504s.
 """
@@ -29,6 +30,7 @@ import shlex
 import statistics
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,19 @@ def requests(folder: Path, seed: int, deadline: float | None) -> tuple[list[byte
     return built, asks
 
 
+def queued_expired(port: int) -> int:
+    """Items whose deadline passed while they were queued (the server's /metrics)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    return round(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("rawserve_items_dropped_total") and 'reason="expired"' in line
+        )
+    )
+
+
 async def one_round(folder: Path, log: Path, args: argparse.Namespace) -> dict[str, Any]:
     device = [] if args.device == "cpu" else ["--device", args.device]
     options = ["--task", "text-generation", *device, "--no-access-log",
@@ -92,6 +107,7 @@ async def one_round(folder: Path, log: Path, args: argparse.Namespace) -> dict[s
             process.port, timed, arrivals, args.duration, deadline=args.deadline
         )
         summary = run.summary()
+        expired = queued_expired(process.port)
         return {
             "capacity_per_s": rate,
             "capacity_tokens_per_s": capacity["tokens_per_s"],
@@ -103,6 +119,7 @@ async def one_round(folder: Path, log: Path, args: argparse.Namespace) -> dict[s
             "ok_p50_ms": summary["p50_ms"],
             "ok_p99_ms": summary["p99_ms"],
             "refused_p99_ms": summary.get("503", {}).get("p99_ms"),
+            "expired_queued": expired,  # of the 504s: never reached a row
         }
     finally:
         process.stop()

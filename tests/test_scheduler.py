@@ -438,6 +438,24 @@ def test_a_generation_waits_for_a_row_then_takes_its_whole_time():
     queue_items(core, [text(12)], now=1.0, deadline=6.0, params={"max_new_tokens": 8})
 
 
+def test_a_sequence_stopped_past_its_predicted_time_teaches_the_least_it_takes():
+    """A sequence dropped at its deadline after running longer than predicted: that time
+    is learned (else only the sequences that ended in time, the fast ones, taught the
+    model); one stopped sooner (its client left) teaches nothing."""
+    core = SchedulerCore(max_batch_size=1, workers=8)
+    for cost, seconds in [(20, 0.5), (140, 2.0)] * 3:
+        core.cost_model.observe(cost, seconds, cost, 1)
+    before = core.cost_model.predict(140)
+    (left,) = queue_items(core, [text(12)], params={"max_new_tokens": 128})
+    core.stopped_batch(core.next_batch(now=0.0), now=0.5)
+    assert core.cost_model.predict(140) == pytest.approx(before)
+    assert left.cost == 140
+    queue_items(core, [text(12)], params={"max_new_tokens": 128})
+    core.stopped_batch(core.next_batch(now=1.0), now=1.0 + 3 * before)
+    assert core.cost_model.predict(140) > before
+    assert not core._in_flight
+
+
 def test_the_cost_of_a_long_input_is_what_the_model_reads_of_it():
     core = SchedulerCore(max_input_tokens=512)
     (long_item,) = queue_items(core, ["word " * 209_700])

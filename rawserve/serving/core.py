@@ -531,6 +531,20 @@ class SchedulerCore:
         ratio = sum(token_counts) / estimated
         self.tokens_per_estimate += CALIBRATION_SMOOTHING * (ratio - self.tokens_per_estimate)
 
+    def stopped_batch(self, batch: Sequence[WorkItem], now: float) -> None:
+        """A batch stopped before its end, nobody waiting for it any more (a continuous
+        worker's sequence past its deadline). What it ran says little, unless it ran past
+        its predicted time: that time is then the least it takes, and is learned as such.
+        (Forgotten, only the sequences that ended in time taught the model, the fast ones;
+        under overload its pace looked the better the more sequences missed, and it
+        admitted the more that would.)"""
+        flight = self._pop_in_flight(batch)
+        if flight is None or not flight.predicted:
+            return
+        seconds = min(now - flight.sent, OUTLIER_FACTOR * flight.predicted)
+        if seconds > flight.predicted:
+            self.cost_model.observe(flight.cost, seconds, flight.tokens, flight.items)
+
     def forget_batch(self, batch: Sequence[WorkItem]) -> None:
         """A batch failed in the worker pool: it is no longer in flight, and says nothing."""
         self._pop_in_flight(batch)

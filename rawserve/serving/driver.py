@@ -386,7 +386,7 @@ class Scheduler:
             return
         result: BatchResult = done.result()
         if all(item.future is None or item.future.done() for item in batch):
-            self.core.forget_batch(batch)  # nobody waited: stopped early, it says nothing
+            self.core.stopped_batch(batch, self.clock() - result.waited)  # nobody waited
             return
         # its own run: the time it waited in the worker behind another batch left out
         self.core.finish_batch(batch, self.clock() - result.waited)
