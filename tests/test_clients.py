@@ -213,7 +213,7 @@ def test_text_generation_streams_one_event_per_token(servers):
         )
     )
     assert len(events) == whole.details.generated_tokens == 8
-    assert [e.index for e in events] == list(range(8))
+    assert [e.index for e in events] == list(range(1, 9))  # numbered from 1, as TGI does
     assert all(e.generated_text is None for e in events[:-1])
     # POST /'s default, streamed too: the prompt, then the tokens' text
     assert events[-1].generated_text == "hello world" + whole.generated_text

@@ -153,10 +153,12 @@ def test_a_gpu_worker_attends_without_kernels_that_plan_per_shape(attention_choi
     assert attention_choice.flash_sdp_enabled() and attention_choice.mem_efficient_sdp_enabled()
 
 
-def test_a_handler_on_a_gpu_attends_the_same_way_and_says_so(attention_choice):
+def test_a_handler_on_a_gpu_attends_the_same_way_and_says_so(attention_choice, monkeypatch):
     from rawserve.shared.messages import WorkerConfig
+    from rawserve.worker import loading
     from rawserve.worker.loading import load_runner
 
+    monkeypatch.setattr(loading, "resolve_device", lambda device: device)  # a GPU, faked
     runner = load_runner(WorkerConfig(model="", handler="tests.handlers:echo"), "cuda:0")
     assert runner.attention.startswith("flash or memory-efficient kernels")
     assert not attention_choice.cudnn_sdp_enabled()
@@ -176,6 +178,7 @@ def test_a_worker_on_a_faked_gpu_loads_half_precision_and_says_so(
     from tests.tiny_models import worker_config
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(loading, "resolve_device", lambda device: device)  # a GPU, faked
     seen: dict[str, str] = {}
 
     def build(config, task, device, network):
