@@ -21,7 +21,7 @@ import bisect
 import heapq
 import itertools
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -257,14 +257,7 @@ class SchedulerCore:
         assert alone is not None  # measured, as `everything` was
         if now + alone > deadline:
             return False
-        last_turn = max(item.turn for item in items)
-        latest = max(item.deadline for item in items)
-        ahead = [
-            i.cost
-            for queue in self._queues.values()
-            for i in queue
-            if i.turn <= last_turn and i.deadline <= latest
-        ]
+        ahead = [i.cost for i in self._queued_ahead(items)]
         with_ahead = self.cost_model.drain_seconds(ahead + own, max_size, workers)
         assert with_ahead is not None  # measured, as `everything` was
         return now + ADMIT_MARGIN * (in_flight + with_ahead) > deadline
@@ -304,15 +297,17 @@ class SchedulerCore:
 
         if now + ADMIT_MARGIN * wait(self._size) + own <= deadline:
             return False
+        ahead = sum(1 for _ in self._queued_ahead(items))
+        return now + ADMIT_MARGIN * wait(ahead) + own > deadline
+
+    def _queued_ahead(self, items: Sequence[WorkItem]) -> Iterator[WorkItem]:
+        """The queued items that go before `items`: an earlier or equal turn and deadline."""
         last_turn = max(item.turn for item in items)
         latest = max(item.deadline for item in items)
-        ahead = sum(
-            1
-            for queue in self._queues.values()
-            for i in queue
-            if i.turn <= last_turn and i.deadline <= latest
-        )
-        return now + ADMIT_MARGIN * wait(ahead) + own > deadline
+        for queue in self._queues.values():
+            for queued in queue:
+                if queued.turn <= last_turn and queued.deadline <= latest:
+                    yield queued
 
     def _in_flight_seconds(self, now: float) -> float:
         left = sum(max(0.0, b.sent + b.predicted - now) for b in self._in_flight.values())
