@@ -519,10 +519,11 @@ class HttpProtocol(asyncio.Protocol):
         return failed or self.probe_only or self.conn.their_state not in _REQUEST_READ
 
     def _cors_headers(self, cycle: Cycle, response: HttpResponse) -> list[tuple[str, str]]:
-        """What lets the page of an allowed origin read this answer, unless it already
-        can (the app adds them to its own answers): the protocol's refusals need them."""
+        """What lets the page of an allowed origin read this answer, and `Vary: Origin`
+        for any origin, unless the app added them to its own answer: the protocol's
+        refusals need them."""
         cors = self.app.cors
-        if cors is None or cycle.origin is None:
+        if cors is None:
             return []
         return cors.headers_for(cycle.origin, response.headers)
 

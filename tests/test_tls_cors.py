@@ -265,6 +265,8 @@ def test_an_answer_to_another_origin_or_to_no_origin_has_no_cors_headers(cors_se
         status, headers, _ = cors_server.request("POST", "/", "hello", {**key, **extra})
         assert status == 200
         assert "access-control-allow-origin" not in headers
+        # a shared cache must not hand this answer to an allowed page, nor theirs to this one
+        assert "origin" in vary(headers)
 
 
 def test_an_options_that_is_no_preflight_is_an_ordinary_request(cors_server):
@@ -282,6 +284,7 @@ def test_star_allows_any_origin(any_origin_server):
         "POST", "/", "hi", {"Origin": "https://anywhere.example"}
     )
     assert status == 200 and headers["access-control-allow-origin"] == "*"
+    assert "vary" not in headers  # the same answer for every origin
 
 
 def raw_exchange(server, head: bytes) -> tuple[int, dict[str, str]]:

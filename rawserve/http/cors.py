@@ -20,6 +20,7 @@ PREFLIGHT_MAX_AGE = 600  # seconds a browser may cache a preflight's answer
 EXPOSED_HEADERS = "X-Request-Id, Server-Timing, Retry-After"
 ALLOW_ORIGIN = "Access-Control-Allow-Origin"
 ALLOW_ORIGIN_LOWER = ALLOW_ORIGIN.lower()
+VARY_ORIGIN = ("Vary", "Origin")
 
 
 class CorsPolicy:
@@ -67,14 +68,20 @@ class CorsPolicy:
         self, origin: str | None, present: Sequence[tuple[str, str]] = ()
     ) -> list[tuple[str, str]]:
         """The headers that let the page of `origin` read an answer: none for no origin, an
-        origin not allowed, or an answer whose headers (`present`) already carry them."""
-        if origin is None or not self.allows(origin):
-            return []
+        origin not allowed, or an answer whose headers (`present`) already carry them.
+        With a list of origins every answer says `Vary: Origin`, whoever asked: a cache
+        between browsers and the server must not hand one origin's answer to another."""
         if any(name.lower() == ALLOW_ORIGIN_LOWER for name, _ in present):
             return []
-        if self.any_origin:
-            headers = [(ALLOW_ORIGIN, ANY_ORIGIN)]
-        else:
-            headers = [(ALLOW_ORIGIN, origin), ("Vary", "Origin")]
-        headers.append(("Access-Control-Expose-Headers", EXPOSED_HEADERS))
-        return headers
+        vary = [] if self.any_origin or _varies_by_origin(present) else [VARY_ORIGIN]
+        if origin is None or not self.allows(origin):
+            return vary
+        allow = ANY_ORIGIN if self.any_origin else origin
+        return [(ALLOW_ORIGIN, allow), *vary, ("Access-Control-Expose-Headers", EXPOSED_HEADERS)]
+
+
+def _varies_by_origin(headers: Sequence[tuple[str, str]]) -> bool:
+    return any(
+        name.lower() == "vary" and "origin" in {v.strip().lower() for v in value.split(",")}
+        for name, value in headers
+    )
