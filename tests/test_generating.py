@@ -285,6 +285,30 @@ def test_stop_sequences_end_a_row_as_the_static_path_ends_it(runner):
     assert without_logprobs(got) == without_logprobs(static(runner, "the movie was", params))
 
 
+def test_an_asked_min_new_tokens_holds_stop_sequences_back_on_both_paths(runner):
+    """OpenAI's min_tokens as vLLM reads it: no stop sequence ends a row before it, as
+    no end of sequence does; the output says where in its text stops start to count."""
+    free = {**GREEDY, "max_new_tokens": 12}
+    [(_, got, _)] = as_the_static_path(runner, free, ["the movie was"])
+    ids = [t["id"] for t in got[0]["details"]["tokens"]]
+    texts = [runner.tokenizer.decode(ids[:n]) for n in range(len(ids) + 1)]
+    stop = texts[1][-1]  # the first token's last character: a stop at once
+    held = {**free, "stop": [stop], "min_new_tokens": 6}
+    [(_, got, _)] = as_the_static_path(runner, held, ["the movie was"])
+    details = got[0]["details"]
+    made = details["generated_tokens"]
+    assert made >= 6, got  # without min_new_tokens the first token ends it
+    assert details["stops_from"] == len(texts[5])  # the text before the sixth token
+    # it ends at the first stop that ends in the sixth token's text or a later one's
+    ends = [n for n in range(6, len(ids) + 1) if stop in texts[n][len(texts[n - 1]) :]]
+    if ends:
+        assert details["finish_reason"] == "stop_sequence" and made == ends[0], (ends, got)
+    else:
+        assert details["finish_reason"] == "length" and made == 12, got
+    [(_, alone, _)] = as_the_static_path(runner, {**free, "stop": [stop]}, ["the movie was"])
+    assert alone[0]["details"]["generated_tokens"] == 1  # the stop's first place
+
+
 def test_repetition_penalty_and_return_full_text_as_the_static_path(runner):
     params = {**GREEDY, "repetition_penalty": 1.5, "return_full_text": False}
     (got,) = results(serve(runner, {0: [Batch(1, ("the movie was",), params)]}))[1].outputs

@@ -638,6 +638,24 @@ def test_vllms_min_tokens_and_ignore_eos_give_answers_of_a_set_length(servers, r
     ), body
 
 
+def test_vllms_min_tokens_holds_stop_sequences_back_streamed_or_not(servers):
+    plain = client(servers["plain"])
+    asked = {"model": PLAIN_MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    free = plain.completions.create(**asked).choices[0].text
+    stop = free[0]  # a stop sequence at once
+    cut = plain.completions.create(**asked, stop=[stop])
+    assert cut.choices[0].text == "" and cut.choices[0].finish_reason == "stop"
+    held = {**asked, "stop": [stop], "extra_body": {"min_tokens": 6}}
+    whole = plain.completions.create(**held)
+    text, finish = whole.choices[0].text, whole.choices[0].finish_reason
+    assert whole.usage.completion_tokens >= 6 and text.startswith(stop), whole
+    assert free.startswith(text)  # greedy: the same tokens, cut later or not at all
+    assert free[len(text) :].startswith(stop) if finish == "stop" else text == free
+    chunks = list(plain.completions.create(**held, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == finish
+
+
 def test_vllms_guided_fields_hold_the_answer_as_response_format_does(servers):
     import re
 

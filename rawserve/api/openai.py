@@ -233,7 +233,10 @@ class OpenAIRoutes:
         check_max_tokens(generation, model.limits.max_new_tokens)
         check_choices(generation, self.context.settings.max_client_batch_size)
         await check_lengths(self.context.tokenizers, model, generation.items, chat)
-        shape = Answer(chat, model.name, generation.logprobs, tools=generation.tools)
+        stops_after = int(generation.params.get("min_new_tokens", 0))
+        shape = Answer(
+            chat, model.name, generation.logprobs, tools=generation.tools, stops_after=stops_after
+        )
         deadline = self.context.deadline(request)
         choices = generation.choice_params()
         if generation.stream:  # a stream a choice of each prompt, in OpenAI's order

@@ -34,16 +34,17 @@ FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "length": "lengt
 SYSTEM_FINGERPRINT = f"rawserve-{__version__}"
 
 
-def cut_at_stop(text: str, stops: Sequence[str]) -> str:
-    """`text` before the first stop sequence in it (all of it when there is none)."""
-    found = [index for stop in stops if (index := text.find(stop)) >= 0]
+def cut_at_stop(text: str, stops: Sequence[str], stops_from: int = 0) -> str:
+    """`text` before the first stop sequence in it (all of it when there is none); one
+    that ends at or before `stops_from` (in the text before `min_tokens`) does not count."""
+    found = [index for stop in stops if (index := _find(text, stop, stops_from)) >= 0]
     return text[: min(found)] if found else text
 
 
-def releasable(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+def releasable(text: str, stops: Sequence[str], stops_from: int = 0) -> tuple[str, bool]:
     """How much of a streamed text may be sent now, and whether a stop sequence was
     reached: text that could be the start of a stop sequence waits for the next token."""
-    found = [index for stop in stops if (index := text.find(stop)) >= 0]
+    found = [index for stop in stops if (index := _find(text, stop, stops_from)) >= 0]
     if found:
         return text[: min(found)], True
     held = 0
@@ -53,6 +54,17 @@ def releasable(text: str, stops: Sequence[str]) -> tuple[str, bool]:
                 held = size
                 break
     return text[: len(text) - held], False
+
+
+def _find(text: str, stop: str, stops_from: int) -> int:
+    """Where `stop` first ends past `stops_from` in `text` starts (-1: nowhere)."""
+    return text.find(stop, max(0, stops_from - len(stop) + 1))
+
+
+def stops_from(output: Mapping[str, Any]) -> int:
+    """Where in a finished output's text stop sequences start to count: the worker says
+    where `min_tokens` put it (vLLM's reading: no stop in the text before it)."""
+    return int(output["details"].get("stops_from", 0))
 
 
 def finish_reason(details: dict[str, Any]) -> str:
@@ -109,12 +121,15 @@ class Answer:
         logprobs: int | None = None,
         clock: Callable[[], float] = time.time,
         tools: Tools | None = None,
+        stops_after: int = 0,
     ):
         self.chat = chat
         self.model = model
         self.logprobs = logprobs  # None: not asked; else the alternatives each token lists
         # the tools an answer is held to (a call, or words in JSON): read back as OpenAI's
         self.tools = tools if tools is not None and tools.held else None
+        # OpenAI's min_tokens: no stop sequence counts in the text of the tokens before it
+        self.stops_after = stops_after
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(clock())
 
@@ -139,7 +154,7 @@ class Answer:
         the prompt each one follows)."""
         choices = []
         for index, output in enumerate(outputs):
-            text = cut_at_stop(output["generated_text"], stops)
+            text = cut_at_stop(output["generated_text"], stops, stops_from(output))
             tokens = answer_tokens(output["details"], len(text), len(output["generated_text"]))
             if echoed is not None:  # the stop sequences cut the completion, not the prompt
                 echo = echoed[index]
@@ -168,7 +183,7 @@ class Answer:
     ) -> tuple[bytes | None, str]:
         """The end of a streamed answer held to tools: its call, or its words past those
         `sent` as they came (None: nothing left), and its finish reason."""
-        text = cut_at_stop(output["generated_text"], stops)
+        text = cut_at_stop(output["generated_text"], stops, stops_from(output))
         message, reason = self.message(text, finish_reason(output["details"]))
         calls = message.get("tool_calls")
         if calls:
@@ -227,7 +242,7 @@ class Answer:
         one after another, their chunks as they come), then `data: [DONE]`. `echoed`:
         each choice's prompt, its first chunk."""
         try:
-            choices = [Streamed() for _ in streams]
+            choices = [Streamed(self.stops_after) for _ in streams]
             # an answer held to tools: its words as they come (not with log probabilities,
             # which go whole at its end), a call at its end
             held = [StreamedWords() for _ in streams]
@@ -279,26 +294,32 @@ class Streamed:
     """One streamed choice's text: what its tokens have made, what has been sent, and the
     tokens whose text has not gone out yet (it may start a stop sequence)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stops_after: int = 0) -> None:
         self.text = ""  # generated so far (special tokens left out)
         self.sent = ""
         self.unsent = Unsent()
+        self.stops_after = stops_after  # the first token whose text a stop may end in
+        self.tokens = 0  # how many have come, special ones too (the worker counts them)
+        self.stops_from = 0  # where in the text stops count: the start of that token's
 
     def add(
         self, token: Mapping[str, Any], stops: Sequence[str], logprobs: int | None
     ) -> Release | None:
         """A new token; what can be sent now."""
+        self.tokens += 1
+        if self.tokens <= self.stops_after:
+            self.stops_from = len(self.text)
         if token["special"]:
             return None
         if logprobs is not None:
             self.unsent.add(listed(token), len(self.text))
         self.text += token["text"]
-        ready, _ = releasable(self.text, stops)
+        ready, _ = releasable(self.text, stops, self.stops_from)
         return self.release(ready)
 
     def rest(self, output: dict[str, Any], stops: Sequence[str]) -> Release | None:
         """What a cut character held back, once the whole text is known."""
-        whole = cut_at_stop(output["generated_text"], stops)
+        whole = cut_at_stop(output["generated_text"], stops, stops_from(output))
         return self.release(whole) if whole.startswith(self.sent) else None
 
     def release(self, ready: str) -> Release | None:

@@ -26,6 +26,7 @@ from rawserve.worker.continuous import (
     ScoreAdjustments,
     TextPieces,
     end_ids,
+    ends_a_stop,
     likeliest,
 )
 from rawserve.worker.decode_graphs import GraphedDecode
@@ -124,6 +125,14 @@ class GrammarFollower(transformers.LogitsProcessor):
         return scores
 
 
+def stops_after(params: dict[str, Any]) -> int:
+    """The first new token whose text a stop sequence may end in: an asked
+    `min_new_tokens` (OpenAI's min_tokens) holds stop sequences back as it holds the end
+    of sequence, as vLLM does; the model's own generation config does not (`generate`
+    applies it to the end of sequence alone)."""
+    return int(params.get("min_new_tokens") or 0)
+
+
 class TokenWatcher(transformers.StoppingCriteria):
     """Watches each new token: text, stop sequences, streaming, cancellation."""
 
@@ -140,6 +149,7 @@ class TokenWatcher(transformers.StoppingCriteria):
         keep_tokens: bool = False,
         top_n: int = 0,
         ignore_eos: bool = False,
+        stops_after: int = 0,
     ):
         self.tokenizer = tokenizer
         self.prompt_length = prompt_length
@@ -153,7 +163,7 @@ class TokenWatcher(transformers.StoppingCriteria):
         self.token_ids: list[list[int]] = [[] for _ in range(batch_size)]
         self.texts = [""] * batch_size
         self.pieces = [TextPieces(tokenizer) for _ in range(batch_size)]
-        self.longest_stop = max((len(s) for s in self.stop), default=0)
+        self.stops_after = stops_after  # the first new token a stop sequence may end in
         self.done = [False] * batch_size
         self.finish_reasons = ["length"] * batch_size
         # each row's tokens as TGI's details list them (when asked: they cost a dict each)
@@ -172,10 +182,11 @@ class TokenWatcher(transformers.StoppingCriteria):
             self.token_ids[row].append(token_id)
             piece = self.pieces[row].next_piece(self.token_ids[row])
             self.texts[row] += piece
-            tail = self.texts[row][-(len(piece) + self.longest_stop) :]
             if token_id in self.eos_ids:
                 self.done[row], self.finish_reasons[row] = True, "eos_token"
-            elif piece and any(s in tail for s in self.stop):
+            elif len(self.token_ids[row]) >= self.stops_after and ends_a_stop(
+                self.texts[row], piece, self.stop
+            ):
                 self.done[row], self.finish_reasons[row] = True, "stop_sequence"
             if listed:
                 logprob = float(logprobs[row, token_id]) if logprobs is not None else 0.0
@@ -439,6 +450,7 @@ class CausalLMRunner(Runner):
             stop=tuple(params.get("stop", ())),
             repetition_penalty=setting("repetition_penalty"),
             min_new_tokens=int(setting("min_new_tokens") or 0),
+            stops_after=stops_after(params),
             ignore_eos=bool(params.get("ignore_eos")),
             adjustments=ScoreAdjustments.asked(params, self.vocabulary),
             compiling=self.grammars.pending(params["grammar"]) if params.get("grammar") else None,
@@ -544,6 +556,10 @@ class CausalLMRunner(Runner):
                 "prompt_tokens": prompt_tokens,
                 "seed": params.get("seed") if seed is None else seed,
             }
+            if (after := stops_after(params)) > 1 and params.get("stop"):
+                # where in the text stop sequences count: the start of that token's text
+                before = self.tokenizer.decode(token_ids[: after - 1], skip_special_tokens=True)
+                output["details"]["stops_from"] = len(before)
             if tokens is not None:  # TGI's: the prompt's tokens only on request
                 output["details"].update(prefill=prefill or [], tokens=tokens)
                 if params.get("top_n_tokens"):  # TGI lists them beside the tokens
@@ -645,6 +661,7 @@ class CausalLMRunner(Runner):
             keep_tokens,
             int(params.get("top_n_tokens") or 0),
             bool(params.get("ignore_eos")),
+            stops_after(params),
         )
         processors: list[Any] = []
         adjustments = ScoreAdjustments.asked(params, self.vocabulary)

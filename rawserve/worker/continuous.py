@@ -108,6 +108,9 @@ class Generation:
     stop: Sequence[str] = ()
     repetition_penalty: float | None = None  # None or 1.0: none
     min_new_tokens: int = 0  # no end of sequence before this many new tokens
+    # asked min_tokens (OpenAI's, as vLLM reads it): a stop sequence counts only where it
+    # ends in the text of this new token or a later one
+    stops_after: int = 0
     ignore_eos: bool = False  # an end of sequence does not end it (it runs to its cap)
     adjustments: ScoreAdjustments | None = None  # OpenAI's logit bias and penalties
     grammar: Any = None  # what it may generate: an llguidance matcher (rawserve.worker.grammars)
@@ -501,14 +504,20 @@ class ContinuousBatcher:
                     generation.top = top[index][: generation.top_n]
             if self.on_token is not None:
                 self.on_token(generation, token, piece)
-            longest = max((len(s) for s in generation.stop), default=0)
-            tail = generation.text[-(len(piece) + longest) :]
             if token in self.eos_ids and not generation.ignore_eos:
                 generation.finish_reason = "eos_token"
-            elif piece and any(s in tail for s in generation.stop):
+            elif len(generation.tokens) >= generation.stops_after and ends_a_stop(
+                generation.text, piece, generation.stop
+            ):
                 generation.finish_reason = "stop_sequence"
             elif len(generation.tokens) >= generation.cap:
                 generation.finish_reason = "length"
+
+
+def ends_a_stop(text: str, piece: str, stops: Sequence[str]) -> bool:
+    """Whether a stop sequence ends in `piece`, the newest piece at the end of `text` (one
+    that ended earlier was found then, or did not count yet)."""
+    return bool(piece) and any(stop in text[-(len(piece) + len(stop) - 1) :] for stop in stops)
 
 
 def likeliest(logprobs: torch.Tensor, count: int) -> list[list[tuple[int, float]]] | None:
