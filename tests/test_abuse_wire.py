@@ -21,7 +21,10 @@ pytestmark = pytest.mark.slow
 
 FLOOD_SECONDS = 5.0
 RSS_GROWTH_LIMIT = 10 * 1024 * 1024  # bytes the server may grow under the flood
-PROBE_P99_LIMIT = 0.010  # seconds, /health for another client during the flood
+# seconds, /health for another client during the flood: a loop that served a written
+# block of 2,000 pipelined requests before the probe would take 100 ms or more; the
+# margin is a busy 2-core machine's (11.7 ms seen beside other work, 1-3 ms alone)
+PROBE_P99_LIMIT = 0.040
 
 
 def rss_bytes(pid: int) -> int:

@@ -197,10 +197,13 @@ def test_a_cache_folder_that_cannot_be_written_is_named_not_a_bare_os_error(
         runner = load_runner(config, "cpu")
     assert runner.engine is Engine.TORCH
     assert runner.engine_reason == "auto: ONNX Runtime could not load the model (OSError)"
-    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    [warning] = [w for w in warnings if "ONNX" in w]
     assert warning.endswith(
         "cannot be written (Not a directory): set RAWSERVE_CACHE_DIR to one that can"
     )
+    # on a CPU with bfloat16 units its trial's verdict cannot be kept there either: said so
+    assert all(w.endswith("(Not a directory)") for w in warnings if w != warning), warnings
     assert "Traceback" not in caplog.text
 
 

@@ -210,5 +210,5 @@ def remember(cache_dir: Path, prefix: str, key: Mapping[str, Any], found: dict[s
         with os.fdopen(fd, "w") as handle:
             json.dump({"key": key, **found}, handle, indent=1, sort_keys=True)
         os.replace(scratch, _path(cache_dir, prefix, key))
-    except OSError:
-        log.warning("could not keep the trial in %s", cache_dir, exc_info=True)
+    except OSError as exc:  # one line: the folder and why (a traceback says no more)
+        log.warning("could not keep the trial in %s (%s)", cache_dir, exc.strerror or exc)
