@@ -112,12 +112,24 @@ async def test_post_answers_json_with_request_id(server):
 )
 async def test_the_routes_see_the_path_whatever_form_the_target_takes(server, target, path):
     app, protocol, transport = server
+    protocol.state.metrics = observed = RequestsSeen()
     request = b"GET " + target + b" HTTP/1.1\r\nHost: a\r\n\r\n"
     protocol.data_received(request)
     await settle()
     [(response, body)] = read_responses(transport.written, [request])
     assert response.status_code == 200 and json.loads(body)["path"] == path
     assert app.seen[-1].path == path
+    assert observed.paths == [path]  # and /metrics counts it under its route
+
+
+class RequestsSeen:
+    """Records the paths the protocol reports to the metrics."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    def observe_request(self, path: str, method: str, status: int, seconds: float) -> None:
+        self.paths.append(path)
 
 
 @pytest.mark.parametrize(
