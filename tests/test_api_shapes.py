@@ -484,6 +484,8 @@ def test_a_text_body_is_read_in_the_charset_its_type_names(content_type, body, t
         ("text/plain; charset=punycode", b"a" * 1000),
         ("text/plain; charset=IDNA", b"xn--" + b"a" * 1000),
         ("text/plain; charset=unicode_escape", b"\\u00e9"),
+        # a form upload (curl -F): its parts' framing is no text to run the model on
+        ("multipart/form-data; boundary=x", b"--x\r\nContent-Disposition: form-data"),
     ],
 )
 def test_a_text_body_not_in_its_charset_is_415(content_type, body):

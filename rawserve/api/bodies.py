@@ -86,9 +86,13 @@ def is_json(request: HttpRequest) -> bool:
 
 def read_text(request: HttpRequest) -> str:
     """The request's body as text, in the charset its Content-Type names (UTF-8 where it
-    names none); 415 for a charset this server cannot read, or bytes that are not in it.
-    A charset ignored would read UTF-16 as UTF-8 with a NUL after each letter."""
-    charset = media_type_parameter(request.header("content-type") or "", "charset") or "UTF-8"
+    names none); 415 for a charset this server cannot read, bytes that are not in it, or
+    a multipart form, whose framing would be read as the text. A charset ignored would
+    read UTF-16 as UTF-8 with a NUL after each letter."""
+    content_type = request.header("content-type") or ""
+    if content_type.lstrip().lower().startswith("multipart/"):  # a form upload (curl -F)
+        raise UnsupportedMediaType("a form upload is not read: send the text itself, or JSON")
+    charset = media_type_parameter(content_type, "charset") or "UTF-8"
     try:
         if codecs.lookup(charset).name in PYTHON_ENCODINGS:
             raise LookupError(charset)
