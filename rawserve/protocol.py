@@ -608,7 +608,9 @@ class HttpProtocol(asyncio.Protocol):
         method = request.method.decode("ascii", "replace") if request else "-"
         target = request.target.decode("ascii", "replace") if request else "-"
         if self.state.metrics is not None:
-            self.state.metrics.observe_request(target.partition("?")[0], method, status, seconds)
+            # by the path the routes see (an absolute-form or %-encoded target as routed)
+            path = cycle.head.path if cycle.head is not None else target.partition("?")[0]
+            self.state.metrics.observe_request(path, method, status, seconds)
         peer = functools.partial(_peer, self.transport)
         log_access(peer, method, target, status, size, seconds, cycle.request_id)
 

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rawserve.api.app import App
+from rawserve.api.inference import parse_body
 from rawserve.api.openai_answers import cut_at_stop, releasable
 from rawserve.api.openai_generation import messages
 from rawserve.api.served import ServedModel, ServedModels
@@ -19,7 +20,7 @@ from rawserve.api.settings import AppSettings
 from rawserve.api.tei import scores
 from rawserve.api.tei_bodies import id_inputs, predict_inputs, text_inputs
 from rawserve.api.tokens import utf8_starts
-from rawserve.http.errors import BadRequest, UnprocessableInput
+from rawserve.http.errors import BadRequest, UnprocessableInput, UnsupportedMediaType
 from rawserve.http.exchange import HttpRequest
 from rawserve.serving.service import ModelService
 from rawserve.serving.status import LoadState
@@ -454,3 +455,40 @@ def test_a_text_sent_without_a_prompt_name_gets_the_model_s_default_prompt(path,
     answer = asyncio.run(app.handle(request))
     assert answer.status == 200, answer.body
     assert model.sent == [sent]
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body", "text"),
+    [
+        ("text/plain", "héllo wörld".encode(), "héllo wörld"),
+        ("application/x-www-form-urlencoded", b"hello world", "hello world"),  # curl -d
+        ("text/plain; charset=utf-16le", "héllo".encode("utf-16-le"), "héllo"),
+        ("text/plain; charset=UTF-16", "héllo".encode("utf-16"), "héllo"),  # BOM dropped
+        ('text/plain;charset="latin-1"', "héllo".encode("latin-1"), "héllo"),
+        ("text/plain; format=flowed; charset=utf-8", "héllo".encode(), "héllo"),
+    ],
+)
+def test_a_text_body_is_read_in_the_charset_its_type_names(content_type, body, text):
+    request = HttpRequest("POST", "/", "", [("content-type", content_type)], body, "test")
+    assert parse_body("text-classification", request, 32).inputs == [text]
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [
+        ("text/plain", b"\xff\xfe\x00"),
+        ("text/plain; charset=utf-16", b"\x00"),  # an odd byte count
+        ("text/plain; charset=no-such-charset", b"hello"),
+        ("text/plain; charset=base64", b"aGk="),  # a codec, but not a text encoding
+        # Python's own encodings: punycode decodes a megabyte in a minute
+        ("text/plain; charset=punycode", b"a" * 1000),
+        ("text/plain; charset=IDNA", b"xn--" + b"a" * 1000),
+        ("text/plain; charset=unicode_escape", b"\\u00e9"),
+        # a form upload (curl -F): its parts' framing is no text to run the model on
+        ("multipart/form-data; boundary=x", b"--x\r\nContent-Disposition: form-data"),
+    ],
+)
+def test_a_text_body_not_in_its_charset_is_415(content_type, body):
+    request = HttpRequest("POST", "/", "", [("content-type", content_type)], body, "test")
+    with pytest.raises(UnsupportedMediaType):
+        parse_body("text-classification", request, 32)

@@ -9,7 +9,7 @@ import pytest
 from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
-from rawserve.http.errors import ServiceUnavailable, Unauthorized
+from rawserve.http.errors import HTTPError, ServiceUnavailable, Unauthorized
 from rawserve.http.exchange import HttpRequest
 from rawserve.serving.core import SchedulerCore
 from rawserve.serving.driver import Scheduler
@@ -72,10 +72,29 @@ async def test_inference_goes_the_long_way_until_the_queue_is_full(app):
         app.answer_now(request("POST", "/", b"hello"))
 
 
-def test_only_probes_and_inference_are_answered_at_once(app):
-    assert app.answer_now(request("GET", "/info")) is None
+def test_other_routes_go_the_long_way(app):
+    authorized = [("authorization", "Bearer secret")]
+    assert app.answer_now(request("GET", "/info", headers=authorized)) is None
     assert app.answer_now(request("GET", "/metrics")) is None
-    assert app.answer_now(request("DELETE", "/health")) is None  # handle answers 405
+    assert app.answer_now(request("POST", "/tokenize", b"{}", authorized)) is None
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "headers", "status"),
+    [
+        ("POST", "/tokenize", [], 401),  # its body is not needed to refuse it
+        ("GET", "/info", [], 401),
+        ("POST", "/no-such-route", [], 404),
+        ("DELETE", "/health", [], 405),
+        ("POST", "/health", [], 405),
+        ("PUT", "/tokenize", [("authorization", "Bearer secret")], 405),
+        ("POST", "/models/no-such-model", [("authorization", "Bearer secret")], 404),
+    ],
+)
+def test_what_the_head_alone_refuses_is_refused_from_the_head(app, method, path, headers, status):
+    with pytest.raises(HTTPError) as refused:
+        app.answer_now(request(method, path, b"{}", headers))
+    assert refused.value.status == status
 
 
 def served(name: str, task: str, max_queue: int = 1) -> ServedModel:

@@ -215,6 +215,14 @@ CASES = [
     Case("header line without a colon", get(b"NoColonHere\r\n"), [400]),
     Case("missing Host on HTTP/1.1", b"GET / HTTP/1.1\r\n\r\n", [400]),
     Case("two Host headers", get(b"Host: b\r\n"), [400]),
+    # RFC 9112 section 3.2: a Host that is no uri-host[:port] is 400, as nginx answers
+    Case("space inside Host", b"GET / HTTP/1.1\r\nHost: a b\r\n\r\n", [400]),
+    Case("path inside Host", b"GET / HTTP/1.1\r\nHost: a/b\r\n\r\n", [400]),
+    Case("user inside Host", b"GET / HTTP/1.1\r\nHost: u@a\r\n\r\n", [400]),
+    Case("port not in digits", b"GET / HTTP/1.1\r\nHost: a:b\r\n\r\n", [400]),
+    Case("bad Host on HTTP/1.0", b"GET / HTTP/1.0\r\nHost: a b\r\n\r\n", [400]),
+    Case("IPv6 Host", b"GET / HTTP/1.1\r\nHost: [::1]:80\r\n\r\n", [200], closes=False),
+    Case("empty Host", b"GET / HTTP/1.1\r\nHost:\r\n\r\n", [200], closes=False),
     Case("method with a parenthesis", b"GE(T / HTTP/1.1\r\n" + HOST + b"\r\n", [400]),
     Case(
         "CONNECT tunnel",

@@ -112,12 +112,24 @@ async def test_post_answers_json_with_request_id(server):
 )
 async def test_the_routes_see_the_path_whatever_form_the_target_takes(server, target, path):
     app, protocol, transport = server
+    protocol.state.metrics = observed = RequestsSeen()
     request = b"GET " + target + b" HTTP/1.1\r\nHost: a\r\n\r\n"
     protocol.data_received(request)
     await settle()
     [(response, body)] = read_responses(transport.written, [request])
     assert response.status_code == 200 and json.loads(body)["path"] == path
     assert app.seen[-1].path == path
+    assert observed.paths == [path]  # and /metrics counts it under its route
+
+
+class RequestsSeen:
+    """Records the paths the protocol reports to the metrics."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    def observe_request(self, path: str, method: str, status: int, seconds: float) -> None:
+        self.paths.append(path)
 
 
 @pytest.mark.parametrize(
@@ -221,10 +233,15 @@ class App(EchoApp):
         return None
 
 
-async def test_requests_answered_at_once_keep_pipelined_order_without_a_task():
-    protocol = HttpProtocol(App(), ProtocolSettings(), loop=asyncio.get_running_loop())
+def connected_to(app: FakeApp) -> tuple[HttpProtocol, FakeTransport]:
+    protocol = HttpProtocol(app, ProtocolSettings(), loop=asyncio.get_running_loop())
     transport = FakeTransport()
     protocol.connection_made(transport)
+    return protocol, transport
+
+
+async def test_requests_answered_at_once_keep_pipelined_order_without_a_task():
+    protocol, transport = connected_to(App())
     paths = [f"/now{i}" for i in range(2000)] + ["/later", "/now-after", "/now-refused"]
     requests = [f"GET {path} HTTP/1.1\r\nHost: a\r\n\r\n".encode() for path in paths]
     protocol.data_received(b"".join(requests[:2001]))  # deep pipelining: no recursion
@@ -472,6 +489,20 @@ async def test_expect_100_continue_over_the_limit_gets_413_and_never_100(server)
     assert b"HTTP/1.1 100" not in transport.written
     [(response, _)] = read_responses(transport.written, [head])
     assert response.status_code == 413 and transport.finished
+
+
+async def test_expect_100_continue_refused_from_the_head_is_never_asked_for_its_body():
+    protocol, transport = connected_to(App())
+    head = b"POST /now-refused HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n"
+    head += b"Expect: 100-continue\r\n\r\n"
+    protocol.data_received(head)
+    await settle()
+    assert b"HTTP/1.1 100" not in transport.written
+    [(response, _)] = read_responses(transport.written, [head])
+    # the body may still come: the answer says the connection ends
+    assert response.status_code == 503 and (b"connection", b"close") in response.headers
+    protocol.data_received(b"hello")  # sent anyway: drained, never read as a request
+    assert count_responses(transport.written) == 1 and transport.finished
 
 
 # --- read timeouts on a hand-driven timer ---------------------------------------------
@@ -949,9 +980,7 @@ async def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout():
 
 
 async def test_a_refusal_answered_from_the_head_is_a_whole_keep_alive_503():
-    protocol = HttpProtocol(App(), ProtocolSettings(), loop=asyncio.get_running_loop())
-    transport = FakeTransport()
-    protocol.connection_made(transport)
+    protocol, transport = connected_to(App())
     refused = b"POST /now-refused HTTP/1.1\r\nHost: a\r\nX-Request-Id: r-1\r\n"
     refused += b"Content-Length: 5\r\n\r\nhello"
     protocol.data_received(refused + b"GET /now-next HTTP/1.1\r\nHost: a\r\n\r\n")
@@ -967,9 +996,7 @@ async def test_a_refusal_answered_from_the_head_is_a_whole_keep_alive_503():
 
 
 async def test_a_refusal_to_an_http_1_0_client_still_closes():
-    protocol = HttpProtocol(App(), ProtocolSettings(), loop=asyncio.get_running_loop())
-    transport = FakeTransport()
-    protocol.connection_made(transport)
+    protocol, transport = connected_to(App())
     protocol.data_received(b"POST /now-refused HTTP/1.0\r\nContent-Length: 0\r\n\r\n")
     await settle()
     [(response, _)] = read_responses(transport.written)

@@ -144,6 +144,14 @@ class App:
         return model is not None and model.task == tgi.TASK
 
     async def route(self, request: HttpRequest) -> HttpResponse:
+        methods = self.methods(request)
+        if self.cors is not None and self.cors.is_preflight(request):
+            # a browser sends no API key here
+            return self.cors.preflight(request, allowed_methods(methods))
+        return await self.handler(request, methods)(request)
+
+    def methods(self, request: HttpRequest) -> dict[str, Handler]:
+        """The handlers of the request's path by method; 404 for a path not served."""
         methods = self.routes.get(request.path)
         prefix = next((p for p in MODEL_PREFIXES if request.path.startswith(p)), "")
         if methods is None and prefix:
@@ -154,24 +162,27 @@ class App:
             methods = self.routes[prefix + model.name]
         if methods is None:
             raise NotFound(f"no route for {request.path}")
-        allowed = {*methods, *(["HEAD"] if "GET" in methods else [])}
-        if self.cors is not None and self.cors.is_preflight(request):
-            return self.cors.preflight(request, allowed)  # a browser sends no API key here
+        return methods
+
+    def handler(self, request: HttpRequest, methods: dict[str, Handler]) -> Handler:
+        """The handler of the request's method, once its API key is checked (401), or 405."""
         self.authorize(request)
         handler = methods.get(request.method)
         if handler is None and request.method == "HEAD":
             handler = methods.get("GET")  # the protocol drops the body
         if handler is None:
-            raise MethodNotAllowed(sorted(allowed))
-        return await handler(request)
+            raise MethodNotAllowed(sorted(allowed_methods(methods)))
+        return handler
 
     def answer_now(self, request: HttpRequest) -> HttpResponse | None:
         """The response to a request that needs no waiting, or None: go through `handle`.
 
-        Probes, and inference requests the server cannot take at all right now (draining,
-        loading, the queue full), are answered in the event-loop pass that read them: a
-        probe is not queued behind the pass's other work, and a refusal under overload
-        costs no task. Raises HTTPError as `handle` does.
+        Probes, what the head alone refuses (a path not served, a method it does not
+        take, no API key), and inference requests the server cannot take at all right now
+        (draining, loading, the queue full), are answered in the event-loop pass that read
+        them: a probe is not queued behind the pass's other work, a refusal under overload
+        costs no task, and a refused body is never asked for. Raises HTTPError as
+        `handle` does.
         """
         try:
             response = self.answer_now_plain(request)
@@ -186,6 +197,11 @@ class App:
 
     def answer_now_plain(self, request: HttpRequest) -> HttpResponse | None:
         """`answer_now` without the CORS headers."""
+        if self.cors is not None and self.cors.is_preflight(request):
+            return None
+        # What the head alone refuses (404, 401, 405) is refused before the body is read:
+        # a client that sent `Expect: 100-continue` is then never asked for it.
+        self.handler(request, self.methods(request))
         if request.method not in ("GET", "HEAD", "POST"):
             return None
         if request.path == "/health" and request.method != "POST":
@@ -195,13 +211,10 @@ class App:
         if request.method != "POST" and (model := self.ready_paths.get(request.path)):
             return self.operations.ready_now(model)
         if request.path == "/" and request.method == "POST":
-            self.authorize(request)
             self.inference.refuse_now()
         elif request.method == "POST" and (model := self.model_paths.get(request.path)):
-            self.authorize(request)
             self.inference.refuse_now(model)
         elif request.method == "POST" and (needs := self.named_model_paths.get(request.path)):
-            self.authorize(request)
             self.inference.refuse_now_if_none_can(needs)
         return None
 
@@ -218,3 +231,8 @@ class App:
         """Raise 401 unless the request may use its path (probes and metrics are open)."""
         if self.settings.api_key and request.path not in self.open_paths:
             require_bearer(request, self.settings.api_key)
+
+
+def allowed_methods(methods: dict[str, Handler]) -> set[str]:
+    """A path's methods, with HEAD wherever GET is."""
+    return {*methods, *(["HEAD"] if "GET" in methods else [])}

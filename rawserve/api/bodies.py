@@ -1,5 +1,5 @@
-"""What every route family shares: reading a JSON body, the deadline a request asks for,
-and JSON responses with their Server-Timing.
+"""What every route family shares: reading a JSON or text body, the deadline a request
+asks for, and JSON responses with their Server-Timing.
 
 The one JSON body reader and the one way answers are encoded (orjson, through
 `rawserve.http.encoding`).
@@ -7,16 +7,27 @@ The one JSON body reader and the one way answers are encoded (orjson, through
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Sequence
 from typing import Any
 
 from rawserve.http.encoding import dumps
-from rawserve.http.errors import BadRequest, MalformedRequest, PayloadTooLarge
+from rawserve.http.errors import (
+    BadRequest,
+    MalformedRequest,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+)
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.http.header_numbers import header_decimal
 from rawserve.serving.face import ItemResult
 
+# Python's own encodings (its docs' "Python Specific Encodings"), which are no charset a
+# client names; decoding a megabyte as punycode (or idna, which calls it) takes a minute.
+PYTHON_ENCODINGS = frozenset(
+    {"idna", "palmos", "punycode", "raw-unicode-escape", "undefined", "unicode-escape"}
+)
 MAX_JSON_DEPTH = 64  # levels of nested arrays and objects in a request body
 TOO_DEEP = f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep"
 
@@ -71,6 +82,37 @@ def is_json(request: HttpRequest) -> bool:
     return content_type == "application/json" or (
         not content_type and request.body.lstrip()[:1] == b"{"
     )
+
+
+def read_text(request: HttpRequest) -> str:
+    """The request's body as text, in the charset its Content-Type names (UTF-8 where it
+    names none); 415 for a charset this server cannot read, bytes that are not in it, or
+    a multipart form, whose framing would be read as the text. A charset ignored would
+    read UTF-16 as UTF-8 with a NUL after each letter."""
+    content_type = request.header("content-type") or ""
+    if content_type.lstrip().lower().startswith("multipart/"):  # a form upload (curl -F)
+        raise UnsupportedMediaType("a form upload is not read: send the text itself, or JSON")
+    charset = media_type_parameter(content_type, "charset") or "UTF-8"
+    try:
+        if codecs.lookup(charset).name in PYTHON_ENCODINGS:
+            raise LookupError(charset)
+        return request.body.decode(charset)
+    except LookupError:  # not a codec, or one that is not a text encoding (base64)
+        raise UnsupportedMediaType(
+            f"the charset {charset!r} is not one this server reads"
+        ) from None
+    except UnicodeDecodeError:
+        raise UnsupportedMediaType(f"the body is not {charset} text") from None
+
+
+def media_type_parameter(content_type: str, name: str) -> str | None:
+    """A parameter of a media type (`text/plain; charset="utf-8"`, RFC 9110 section
+    8.3.1: its name in any case, its value a token or a quoted string), or None."""
+    for parameter in content_type.split(";")[1:]:
+        key, _, value = parameter.partition("=")
+        if key.strip().lower() == name:
+            return value.strip().strip('"')
+    return None
 
 
 def check_client_batch(count: int, limit: int) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rawserve.api import schemas
-from rawserve.api.bodies import answer, check_client_batch, is_json, read_json
+from rawserve.api.bodies import answer, check_client_batch, is_json, read_json, read_text
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Field, flag
 from rawserve.api.outcomes import unwrap
@@ -25,7 +25,7 @@ from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
 from rawserve.api.tei import sentence_similarity
 from rawserve.api.tei_bodies import SIMILARITY
-from rawserve.http.errors import BadRequest, UnprocessableInput, UnsupportedMediaType
+from rawserve.http.errors import BadRequest, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.tasks import (
     BlankInput,
@@ -186,11 +186,7 @@ def parse_body(task: str | None, request: HttpRequest, max_items: int) -> Parsed
         return parse_json_body(task or "", read_json(request), max_items)
     if takes_binary_body(task):  # an image's bytes, with or without image/* type
         return parse_binary_body(task or "", request.body)
-    try:
-        text = request.body.decode("utf-8")
-    except UnicodeDecodeError:
-        raise UnsupportedMediaType("the body is not UTF-8 text") from None
-    return parse_text_body(task or "", text)
+    return parse_text_body(task or "", read_text(request))
 
 
 class InferenceRoutes:

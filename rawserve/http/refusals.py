@@ -9,6 +9,7 @@ answers each through the one writer; the messages are written for the client. No
 from __future__ import annotations
 
 import logging
+import re
 
 import h11
 
@@ -25,6 +26,9 @@ from rawserve.http.errors import (
 log = logging.getLogger("rawserve.protocol")
 
 SUPPORTED_VERSIONS = (b"1.0", b"1.1")
+# A Host value: uri-host [":" port] (RFC 3986): an IP literal in brackets, or a name of
+# unreserved characters, %-escapes and sub-delims (no space, "/", "@" or "?").
+_HOST = re.compile(r"(\[[-0-9A-Za-z._~!$&'()*+,;=:]+\]|[-0-9A-Za-z._~%!$&'()*+,;=]*)(:[0-9]*)?")
 
 
 def check_head(
@@ -38,6 +42,9 @@ def check_head(
         return HeadersTooLarge("request headers too large")
     if event.method == b"CONNECT":
         return BadRequest("CONNECT is not supported")  # a 2xx would switch protocols
+    host = header(fields, b"host")  # h11 has refused a second one, and none on HTTP/1.1
+    if host is not None and _HOST.fullmatch(host) is None:
+        return BadRequest("the Host header is not a host name and port")  # RFC 9112 3.2
     length = header(fields, b"content-length")
     chunked = header(fields, b"transfer-encoding") is not None
     if chunked and (length is not None or event.http_version == b"1.0"):
