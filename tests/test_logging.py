@@ -78,6 +78,36 @@ def test_library_warnings_and_transformers_lines_are_json_lines_too(restore_logg
     assert documents[1]["message"] == "a model note"
 
 
+def test_torchs_warnings_are_lines_of_ours_not_of_its_own_handler(restore_logging):
+    """torch gives its loggers a stderr handler of its own that stops their records: the
+    ONNX exporter's "torchvision is not installed" warnings came out in torch's format,
+    between the JSON objects of --log-format json."""
+    pytest.importorskip("torch")
+    from rawserve.worker.loading import library_logs_through_ours
+
+    torch_loggers = [
+        logger
+        for name, logger in logging.root.manager.loggerDict.items()
+        if isinstance(logger, logging.Logger) and name.split(".")[0] == "torch"
+    ]
+    saved = [(logger, list(logger.handlers), logger.propagate) for logger in torch_loggers]
+    stream = io.StringIO()
+    setup_logging("info", "json", stream=stream)
+    try:
+        library_logs_through_ours()
+        logging.getLogger("torch.onnx._internal.exporter._registration").warning(
+            "torchvision is not installed"
+        )
+    finally:
+        logging.captureWarnings(False)
+        for logger, handlers, propagate in saved:
+            logger.handlers[:], logger.propagate = handlers, propagate
+    [document] = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert document["logger"] == "torch.onnx._internal.exporter._registration"
+    assert document["level"] == "warning"
+    assert document["message"] == "torchvision is not installed"
+
+
 def test_the_onnx_exporters_per_node_lines_are_left_out_but_its_warnings_kept(restore_logging):
     """A first start on ONNX Runtime exports the graph: its passes log each node they
     fold or drop at INFO, some 200 lines in the server's log."""
