@@ -14,7 +14,13 @@ import pytest
 
 from rawserve.http.access_log import log_access
 from rawserve.options import parse_config
-from rawserve.shared.logs import TEXT_FORMAT, JsonFormatter, TextFormatter, setup_logging
+from rawserve.shared.logs import (
+    TEXT_FORMAT,
+    JsonFormatter,
+    TextFormatter,
+    setup_logging,
+    setup_worker_logging,
+)
 from tests.server import RunningServer
 
 STOPPED = re.compile(r"INFO stopped$|\"message\": \"stopped\"")  # the last line
@@ -78,6 +84,36 @@ def test_library_warnings_and_transformers_lines_are_json_lines_too(restore_logg
     assert documents[1]["message"] == "a model note"
 
 
+def test_torchs_warnings_are_lines_of_ours_not_of_its_own_handler(restore_logging):
+    """torch gives its loggers a stderr handler of its own that stops their records: the
+    ONNX exporter's "torchvision is not installed" warnings came out in torch's format,
+    between the JSON objects of --log-format json."""
+    pytest.importorskip("torch")
+    from rawserve.worker.loading import library_logs_through_ours
+
+    torch_loggers = [
+        logger
+        for name, logger in logging.root.manager.loggerDict.items()
+        if isinstance(logger, logging.Logger) and name.split(".")[0] == "torch"
+    ]
+    saved = [(logger, list(logger.handlers), logger.propagate) for logger in torch_loggers]
+    stream = io.StringIO()
+    setup_logging("info", "json", stream=stream)
+    try:
+        library_logs_through_ours()
+        logging.getLogger("torch.onnx._internal.exporter._registration").warning(
+            "torchvision is not installed"
+        )
+    finally:
+        logging.captureWarnings(False)
+        for logger, handlers, propagate in saved:
+            logger.handlers[:], logger.propagate = handlers, propagate
+    [document] = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert document["logger"] == "torch.onnx._internal.exporter._registration"
+    assert document["level"] == "warning"
+    assert document["message"] == "torchvision is not installed"
+
+
 def test_the_onnx_exporters_per_node_lines_are_left_out_but_its_warnings_kept(restore_logging):
     """A first start on ONNX Runtime exports the graph: its passes log each node they
     fold or drop at INFO, some 200 lines in the server's log."""
@@ -87,6 +123,27 @@ def test_the_onnx_exporters_per_node_lines_are_left_out_but_its_warnings_kept(re
         assert not exporter.isEnabledFor(logging.INFO)
         assert exporter.isEnabledFor(logging.WARNING)
     assert logging.getLogger("rawserve.worker").isEnabledFor(logging.INFO)
+
+
+@pytest.mark.parametrize(("label", "named"), [(0, "0"), ("cls/0", "cls/0")])
+def test_a_workers_json_lines_name_the_worker_as_its_text_lines_do(
+    restore_logging, monkeypatch, label, named
+):
+    """Of several models, every worker logs "imports took ...", "engine: ..." alike: a
+    JSON line that did not name its worker could be any model's."""
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    for log_format in ("text", "json"):
+        setup_worker_logging(label, {"RAWSERVE_LOG_FORMAT": log_format})
+        logging.getLogger("rawserve.worker").info("engine: torch")
+        logging.getLogger("rawserve.worker").info("a field", extra={"worker": "not this"})
+    logging.captureWarnings(False)
+    text, _, *documents = stream.getvalue().splitlines()
+    assert f" worker-{named} INFO engine: torch" in text
+    assert [(json.loads(line)["worker"], json.loads(line)["message"]) for line in documents] == [
+        (named, "engine: torch"),
+        (named, "a field"),
+    ]
 
 
 def test_a_traceback_stays_on_one_line_in_both_formats():
@@ -267,12 +324,14 @@ def test_an_access_record_is_the_one_logging_makes_with_its_own_time(restore_log
 # --- the access line written straight to the stream --------------------------------
 
 
-def lines_both_ways(log_format: str, text_format: str, monkeypatch) -> tuple[str, str]:
+def lines_both_ways(
+    log_format: str, text_format: str, monkeypatch, fields: dict[str, object] | None = None
+) -> tuple[str, str]:
     """One access line written directly, and the same through logging's record path (a
     filter on the root, which a direct line could not apply, sends it there)."""
     monkeypatch.setattr(time, "time", lambda: 1764230400.0429)
     stream = io.StringIO()
-    setup_logging("info", log_format, stream=stream, text_format=text_format)
+    setup_logging("info", log_format, stream=stream, text_format=text_format, fields=fields)
     monkeypatch.setattr(
         logging.getLogger("rawserve.access"), "handle", lambda record: pytest.fail("a record")
     )
@@ -296,6 +355,9 @@ def test_a_direct_access_line_is_the_line_logging_writes(
     restore_logging, monkeypatch, log_format, text_format
 ):
     direct, through_logging = lines_both_ways(log_format, text_format, monkeypatch)
+    assert direct == through_logging
+    fields = {"worker": "cls/0"}
+    direct, through_logging = lines_both_ways(log_format, text_format, monkeypatch, fields)
     assert direct == through_logging
     message = json.loads(direct)["message"] if log_format == "json" else direct
     assert message.endswith('"GET /a\\x0ab" 200 15 0.2ms id-1')

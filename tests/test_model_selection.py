@@ -17,7 +17,7 @@ import pytest
 from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
-from rawserve.http.errors import NotFound, ServiceUnavailable, Unauthorized
+from rawserve.http.errors import HTTPError, NotFound, ServiceUnavailable, Unauthorized
 from rawserve.http.exchange import HttpRequest
 from rawserve.serving.face import NO_CONTROL, Control, ItemResult, Reason, Refusal
 from rawserve.serving.service import ModelService
@@ -299,3 +299,20 @@ async def test_v1_models_of_a_name_not_served_is_openais_model_not_found(app, na
     assert (error["code"], error["param"]) == ("model_not_found", "model"), error
     assert "served: cls, org/sst2, emb" in error["message"]
     assert (await app.handle(get("/v1/models/emb", headers=[]))).status == 401
+
+
+async def test_openapi_lists_the_routes_each_served_model_fits_described_for_it(app):
+    """The first model classifies, the second embeds: the embedding routes, which a body
+    that names no model takes to the second, are served and so documented, for it."""
+    paths = json.loads((await app.handle(get("/openapi.json"))).body)["paths"]
+    for path in ("/v1/embeddings", "/embed", "/embed_all", "/similarity", "/predict"):
+        assert "post" in paths[path], path
+    assert {"/v1/chat/completions", "/v1/completions", "/generate", "/rerank"}.isdisjoint(paths)
+    for path in (path for path in paths if "post" in paths[path]):  # each one is served
+        try:
+            status = (await app.handle(post(path, {}))).status
+        except HTTPError as refused:  # the body {} is refused, by the route
+            status = refused.status
+        assert status not in (404, 405), path
+    embedded = paths["/embed"]["post"]["responses"]["200"]["content"]["application/json"]
+    assert embedded["schema"]["type"] == "array"

@@ -221,7 +221,7 @@ class App:
     async def openapi(self, request: HttpRequest) -> HttpResponse:
         document = openapi_document(
             self.table,
-            self.models.default,
+            self.models.all,
             self.settings.max_client_batch_size,
             api_key=self.settings.api_key is not None,
         )

@@ -1,7 +1,9 @@
 """`GET /openapi.json`: an OpenAPI 3.1 document of the routes this server serves, made from
-the app's route table (the one it dispatches on): every route that fits the served model,
-with its request and answer schemas for that model's task, and the error answers it may
-give (each `{"error", "error_type"}`, or OpenAI's error object on the OpenAI routes).
+the app's route table (the one it dispatches on): every route that fits a served model
+(its own, or for a route whose body names the model the first that fits, which a body
+naming none gets), with its request and answer schemas for that model's task, and the
+error answers it may give (each `{"error", "error_type"}`, or OpenAI's error object on
+the OpenAI routes).
 
 Server process; plain data.
 """
@@ -29,12 +31,13 @@ DESCRIPTION = (
 
 
 def openapi_document(
-    routes: Sequence[Route], default: ServedModel, max_inputs: int, api_key: bool
+    routes: Sequence[Route], models: Sequence[ServedModel], max_inputs: int, api_key: bool
 ) -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
-        model = route.serves or default
-        if route.needs.missing(model) is not None:
+        candidates = models if route.serves is None else [route.serves]
+        model = next((m for m in candidates if route.needs.missing(m) is None), None)
+        if model is None:
             continue  # answered 404: not part of this server's API
         operation = describe(route, DocContext(model, max_inputs), api_key)
         paths.setdefault(route.path, {})[route.method.lower()] = operation

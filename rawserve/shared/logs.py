@@ -60,10 +60,16 @@ class TextFormatter(logging.Formatter):
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, then the `extra` fields."""
+    """One JSON object per line: time, level, logger, message, the process's own `fields`
+    (a worker's `"worker": "cls/0"`), then the record's `extra` fields."""
+
+    def __init__(self, fields: Mapping[str, object] | None = None):
+        super().__init__()
+        self.fields = dict(fields or {})
 
     def format(self, record: logging.LogRecord) -> str:
         document = json_document(record.created, record.levelname, record.name, record.getMessage())
+        document.update(self.fields)
         for key, value in vars(record).items():
             if key not in _STANDARD_ATTRIBUTES and key not in document:
                 document[key] = value
@@ -86,9 +92,11 @@ def json_document(created: float, level_name: str, logger: str, message: str) ->
     }
 
 
-def make_formatter(log_format: str, text_format: str = TEXT_FORMAT) -> logging.Formatter:
+def make_formatter(
+    log_format: str, text_format: str = TEXT_FORMAT, fields: Mapping[str, object] | None = None
+) -> logging.Formatter:
     if log_format == "json":
-        return JsonFormatter()
+        return JsonFormatter(fields)
     if log_format == "text":
         return TextFormatter(text_format)
     raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, not {log_format!r}")
@@ -101,11 +109,13 @@ def setup_logging(
     *,
     stream: TextIO | None = None,
     text_format: str = TEXT_FORMAT,
+    fields: Mapping[str, object] | None = None,
 ) -> None:
-    """Send every logger's records to `stream` (stderr) as one line each."""
+    """Send every logger's records to `stream` (stderr) as one line each; `fields` go
+    into every JSON line (what `text_format` says of the process in a text line)."""
     global _direct_lines
     handler = logging.StreamHandler(stream or sys.stderr)
-    formatter = make_formatter(log_format, text_format)
+    formatter = make_formatter(log_format, text_format, fields)
     handler.setFormatter(formatter)
     _direct_lines = DirectLines.for_handler(handler, formatter)
     root = logging.getLogger()
@@ -124,13 +134,14 @@ def setup_logging(
 
 def setup_worker_logging(label: str | int, environ: Mapping[str, str] | None = None) -> None:
     """Logging in worker process `label` (e.g. 0, or cls/0), with the server's level and
-    format."""
+    format; each line names the worker (of several models, their workers log alike)."""
     env = os.environ if environ is None else environ
     log_format = env.get("RAWSERVE_LOG_FORMAT", "text")
     setup_logging(
         env.get("RAWSERVE_LOG_LEVEL", "info"),
         log_format if log_format in LOG_FORMATS else "text",
         text_format=f"%(asctime)s worker-{label} %(levelname)s %(message)s",
+        fields={"worker": str(label)},
     )
 
 
@@ -149,9 +160,15 @@ class DirectLines:
     filter added later (a program's own logging, a test's capture) gets the record the
     usual way."""
 
-    def __init__(self, handler: logging.StreamHandler, text: TextFormatter | None):
+    def __init__(
+        self,
+        handler: logging.StreamHandler,
+        text: TextFormatter | None,
+        fields: Mapping[str, object] | None = None,
+    ):
         self.handler = handler
         self.text = text  # None: the handler writes JSON
+        self.fields = dict(fields or {})  # a JSON line's own, after its message
 
     @classmethod
     def for_handler(
@@ -159,7 +176,7 @@ class DirectLines:
     ) -> DirectLines | None:
         """None where the format asks for more than a direct line knows (a file, a line)."""
         if isinstance(formatter, JsonFormatter):
-            return cls(handler, None)
+            return cls(handler, None, formatter.fields)
         if not isinstance(formatter, TextFormatter):
             return None
         asked = set(re.findall(r"%\((\w+)\)", formatter.fmt))
@@ -171,6 +188,7 @@ class DirectLines:
         level_name = logging.getLevelName(level)
         if self.text is None:
             document = json_document(now, level_name, logger, message)
+            document.update(self.fields)
             document.update((k, v) for k, v in fields.items() if k not in document)
             return json.dumps(document, default=str, ensure_ascii=False)
         values = {

@@ -94,11 +94,22 @@ def choose_attention_kernels(device: str) -> str | None:
 
 
 def library_logs_through_ours() -> None:
-    """transformers' log lines go through the worker's own handler, in the server's
-    format, not through the plain-text handler transformers installs for its loggers
-    (with --log-format json, every line is one JSON object)."""
+    """transformers' and torch's log lines go through the worker's own handler, in the
+    server's format, not through the plain-text handlers these libraries install for their
+    loggers (with --log-format json, every line is one JSON object)."""
     transformers.utils.logging.disable_default_handler()
     transformers.utils.logging.enable_propagation()
+    # torch gives "torch" and its registered loggers a stderr handler of its own and stops
+    # their records there (its ONNX exporter's "torchvision is not installed" warnings,
+    # say); a file that TORCH_LOGS_OUT asked for keeps its handler
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if not isinstance(logger, logging.Logger) or name.split(".")[0] != "torch":
+            continue
+        own = [handler for handler in logger.handlers if type(handler) is logging.StreamHandler]
+        for handler in own:
+            logger.removeHandler(handler)
+        if own:
+            logger.propagate = True
 
 
 def tokenize_in_the_calling_thread(environ: MutableMapping[str, str]) -> None:
