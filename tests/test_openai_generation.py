@@ -636,6 +636,7 @@ def test_vllms_min_tokens_and_ignore_eos_give_answers_of_a_set_length(servers, r
     assert (
         status == 400 and '"min_tokens" (5) is more than "max_tokens"' in (body["error"]["message"])
     ), body
+    assert body["error"]["param"] == "min_tokens"
 
 
 def test_vllms_min_tokens_holds_stop_sequences_back_streamed_or_not(servers):
@@ -1354,7 +1355,7 @@ def test_more_new_tokens_than_the_positions_allow_is_refused_on_every_route(
     where TGI's clients post: 422 typed "validation", as TGI refuses it."""
     status, body = servers["chat"].post_json(document, path)
     if path.startswith("/v1/"):
-        assert status == 400, body
+        assert status == 400 and body["error"]["param"] == field.strip('"'), body
         message = body["error"]["message"]
     else:
         assert (status, body["error_type"]) == (422, "validation"), body

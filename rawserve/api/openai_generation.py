@@ -148,7 +148,8 @@ def generation_params(
         params["repetition_penalty"] = repetition_penalty
     if min_tokens := fields.value("min_tokens"):
         if max_tokens is not None and min_tokens > max_tokens:
-            raise BadRequest(f'"min_tokens" ({min_tokens}) is more than "{max_tokens_field}"')
+            message = f'"min_tokens" ({min_tokens}) is more than "{max_tokens_field}"'
+            raise BadRequest(message, param="min_tokens")
         params["min_new_tokens"] = min_tokens
     if fields.value("ignore_eos"):
         params["ignore_eos"] = True
@@ -482,7 +483,7 @@ def check_max_tokens(generation: GenerationRequest, most: int | None) -> None:
     try:
         check_new_tokens(f'"{generation.max_tokens_field}"', asked, most)
     except InvalidRequest as exc:
-        raise BadRequest(str(exc)) from None
+        raise BadRequest(str(exc), param=generation.max_tokens_field) from None
 
 
 def read_prompts(name: str, value: Any, context: DocContext | None) -> list[str | list[int]]:

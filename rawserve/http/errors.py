@@ -34,10 +34,18 @@ class HTTPError(Exception):
     param: str | None = None
     code: str | None = None
 
-    def __init__(self, message: str, *, headers: list[tuple[str, str]] | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        headers: list[tuple[str, str]] | None = None,
+        param: str | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.headers = headers or []
+        if param is not None:  # the field at fault, where a check after its reading knows
+            self.param = param
 
 
 class BadRequest(HTTPError):
