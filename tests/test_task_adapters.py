@@ -3,6 +3,7 @@ batching that answers what single calls answer, and the pipelines' list habits."
 
 from __future__ import annotations
 
+import base64
 import tempfile
 from pathlib import Path
 
@@ -399,6 +400,22 @@ def test_image_classification_decodes_base64_images_in_the_worker(runner, tiny_m
         classify.run([base64.b64encode(b"not an image").decode()], {})
 
 
+def png_head(width: int, height: int) -> str:
+    """A PNG's signature and header alone, base64-encoded: the size of a decompression bomb
+    (a few hundred kilobytes of zeros decode to gigabytes) without its data."""
+    import base64
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        checksum = struct.pack(">I", zlib.crc32(kind + data))
+        return struct.pack(">I", len(data)) + kind + data + checksum
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    image = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+    return base64.b64encode(image).decode()
+
+
 # --- each task's input errors, on every engine that serves the task -----------------------
 
 LONG = " ".join(["hello"] * 200)  # 200 words: past the tiny models' 128 positions
@@ -416,6 +433,7 @@ GOOD = {
     "summarization": "the movie was good",
     "translation": "the movie was good",
     "text2text-generation": "the movie was good",
+    "image-classification": base64.b64encode(png((255, 0, 0))).decode(),
 }
 
 # (model kind, task, failing input, parameters, what the client is told)
@@ -449,6 +467,9 @@ INPUT_ERRORS = [
     ("seq2seq", "summarization", "hello", {"max_new_tokens": 200}, "limit of 127"),
     ("seq2seq", "text2text-generation", LONG, {"truncation": False}, "reads at most 128"),
     ("seq2seq", "text2text-generation", LONG, {"truncation": "do_not_truncate"}, "at most 128"),
+    # Pillow refuses 30000x30000 itself; 10000x10000 it only warns of, then decodes 300 MB
+    ("image-classification", "image-classification", png_head(30000, 30000), {}, "pixels"),
+    ("image-classification", "image-classification", png_head(10000, 10000), {}, "pixels"),
 ]
 
 NEEDS_ONNX = pytest.mark.skipif(

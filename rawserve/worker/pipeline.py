@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -190,11 +191,21 @@ def refuse_past(limit: int) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], 
 
 
 def decode_image(encoded: str) -> Any:
-    """base64 text → an RGB PIL image; anything that is not an image is the client's error."""
+    """base64 text → an RGB PIL image; anything that is not an image is the client's error,
+    and so is an image of more pixels than Pillow's limit against decompression bombs (a
+    few hundred kilobytes of PNG can declare gigabytes of pixels: the header says so
+    before anything is decoded)."""
     from PIL import Image, UnidentifiedImageError  # the optional `image` extra
 
     try:
-        image = Image.open(io.BytesIO(base64.b64decode(encoded)))
+        with warnings.catch_warnings():
+            # Pillow only warns past its limit (and refuses past twice that): refuse both
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(base64.b64decode(encoded)))
         return image.convert("RGB")
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
+        raise ValueError(
+            f"the image has more than {Image.MAX_IMAGE_PIXELS:,} pixels, the most read"
+        ) from exc
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise ValueError("the input is not an image Pillow can read") from exc
