@@ -467,6 +467,8 @@ INPUT_ERRORS = [
     ("seq2seq", "summarization", "hello", {"max_new_tokens": 200}, "limit of 127"),
     ("seq2seq", "text2text-generation", LONG, {"truncation": False}, "reads at most 128"),
     ("seq2seq", "text2text-generation", LONG, {"truncation": "do_not_truncate"}, "at most 128"),
+    # a single text has no second sequence to cut: the strategy cuts nothing of it
+    ("seq2seq", "summarization", LONG, {"truncation": "only_second"}, "reads at most 128"),
     # Pillow refuses 30000x30000 itself; 10000x10000 it only warns of, then decodes 300 MB
     ("image-classification", "image-classification", png_head(30000, 30000), {}, "pixels"),
     ("image-classification", "image-classification", png_head(10000, 10000), {}, "pixels"),

@@ -134,7 +134,8 @@ class Seq2SeqLMRunner(Runner):
         if self.position_limit is not None and length > self.position_limit:
             raise ValueError(  # the encoder would fail on it: say so (truncation was refused)
                 f"the input is {length} tokens and this model reads at most "
-                f"{self.position_limit}: leave out truncation, or set it, to cut it"
+                f"{self.position_limit}: leave out truncation, or set it to true, "
+                "longest_first or only_first, to cut it"
             )
         with torch.inference_mode():
             generated = self.model.generate(**encoded.to(self.device), **options)
@@ -168,7 +169,8 @@ class Seq2SeqLMRunner(Runner):
         limit). A strategy cuts at the tokenizer's limit, bounded by the positions: a
         tokenizer saved without one declares ~1e30, which would cut nothing."""
         truncation = params.get("truncation")
-        if truncation in ("do_not_truncate", False):
+        # only_second cuts nothing of a single text (the tokenizer fails on one too long)
+        if truncation in ("do_not_truncate", "only_second", False):
             return {"truncation": False}
         if truncation is not None:
             declared = self.tokenizer.model_max_length
