@@ -19,6 +19,7 @@ from rawserve.shared.messages import (
     TokenChunk,
 )
 from rawserve.tasks import LOGITS_PARAM, split_outputs
+from rawserve.tasks.seq2seq import OUTPUT_KEYS
 from rawserve.worker.onnx_engine import ONNX_TASKS, onnxruntime_installed
 from tests.tiny_models import worker_config
 
@@ -308,6 +309,25 @@ def test_seq2seq_prefixes_and_output_keys(runner, tiny_model):
         translate.run([text], {"src_lang": "en", "tgt_lang": "de"})
     generated = runner("seq2seq", "text2text-generation").run([text], {"max_new_tokens": 5})
     assert generated == [{"generated_text": generate(text)}]
+
+
+@pytest.mark.parametrize("task", ["summarization", "translation", "text2text-generation"])
+def test_a_seq2seq_model_without_task_settings_is_served(tiny_model, tmp_path, task):
+    """Most seq2seq configs (Marian's, mBART's, NLLB's) name no task_specific_params, and
+    transformers 5's configs have no such attribute unless the file names it."""
+    import json
+    import shutil
+
+    from rawserve.worker.loading import load_runner
+
+    folder = tmp_path / "plain-seq2seq"
+    shutil.copytree(tiny_model("seq2seq"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["task_specific_params"]
+    (folder / "config.json").write_text(json.dumps(config))
+    serving = load_runner(worker_config(str(folder), task, dtype="float32"), "cpu")
+    [answer] = serving.run(["the movie was good"], {"max_new_tokens": 3})
+    assert set(answer) == {OUTPUT_KEYS[task]}
 
 
 # --- text-generation ----------------------------------------------------------------------

@@ -44,7 +44,10 @@ class Seq2SeqLMRunner(Runner):
         self.model = transformers.AutoModelForSeq2SeqLM.from_pretrained(model, dtype=torch_dtype)
         self.model.to(device).eval()
         super().__init__(task, device, dtype_name(self.model), tokenizer)
-        self.task_params: dict[str, Any] = self.model.config.task_specific_params or {}
+        # (transformers 5's configs have the attribute only where the file names it)
+        self.task_params: dict[str, Any] = (
+            getattr(self.model.config, "task_specific_params", None) or {}
+        )
         self.directions = [key for key in self.task_params if key.startswith("translation")]
         # models with absolute positions fail past them: longer inputs are cut there
         self.position_limit: int | None = getattr(
