@@ -420,6 +420,31 @@ def test_image_classification_decodes_base64_images_in_the_worker(runner, tiny_m
         classify.run([base64.b64encode(b"not an image").decode()], {})
 
 
+def test_a_batch_of_images_holds_one_decoded_image_at_a_time(runner, monkeypatch):
+    """A decoded image may take hundreds of megabytes (up to Pillow's 89 million pixels):
+    each is decoded as the pipeline preprocesses it, never a whole batch of them at once
+    (eight of 6000x6000 at once: 1.6 GB at the peak; one at a time: 0.76 GB, as for one)."""
+    import weakref
+
+    from rawserve.worker import pipeline
+
+    decode, alive, counts = pipeline.decode_image, [0], []
+
+    def counted(encoded):
+        image = decode(encoded)
+        alive[0] += 1
+        weakref.finalize(image, lambda: alive.__setitem__(0, alive[0] - 1))
+        counts.append(alive[0])
+        return image
+
+    monkeypatch.setattr(pipeline, "decode_image", counted)
+    classify = runner("image-classification")
+    encoded = [base64.b64encode(png((40 * i, 0, 0))).decode() for i in range(6)]
+    answers = classify.run(encoded, {})
+    assert _rounded(answers) == _rounded([classify.run([item], {})[0] for item in encoded])
+    assert max(counts) <= 2, counts  # the one just preprocessed, at most, and the next
+
+
 def png_head(width: int, height: int) -> str:
     """A PNG's signature and header alone, base64-encoded: the size of a decompression bomb
     (a few hundred kilobytes of zeros decode to gigabytes) without its data."""

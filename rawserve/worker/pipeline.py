@@ -9,7 +9,7 @@ import base64
 import io
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -84,14 +84,18 @@ class PipelineRunner(Runner):
             return self._logits(inputs, params)
         if self._plain_classification(inputs, params):
             return self._classify(inputs)
-        model_inputs = inputs
+        model_inputs: Any = inputs
         if self.task == "image-classification":  # queued as base64 text
-            model_inputs = [decode_image(item) for item in inputs]
+            # decoded as the pipeline preprocesses each (it streams a generator): a batch
+            # holds one full-size image at a time, not all of them at once
+            model_inputs = (decode_image(item) for item in inputs)
         if self.task == "fill-mask" and "top_k" in params:  # all of a small vocabulary, at most
             vocabulary = self.pipe.model.config.vocab_size
             params = {**params, "top_k": min(params["top_k"], vocabulary)}
         with torch.inference_mode():
             raw = self.pipe(model_inputs, batch_size=len(inputs), **params)
+            if isinstance(raw, Iterator):  # a generator's answers: computed as they are read
+                raw = list(raw)
         return split_outputs(self.task, inputs, raw)
 
     @property
