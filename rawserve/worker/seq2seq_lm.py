@@ -49,6 +49,8 @@ class Seq2SeqLMRunner(Runner):
             getattr(self.model.config, "task_specific_params", None) or {}
         )
         self.directions = [key for key in self.task_params if key.startswith("translation")]
+        # the source language of a tokenizer that keeps one (mBART, NLLB, M2M100)
+        self.source_language: str | None = getattr(tokenizer, "src_lang", None)
         # models with absolute positions fail past them: longer inputs are cut there
         self.position_limit: int | None = getattr(
             self.model.config, "max_position_embeddings", None
@@ -99,6 +101,8 @@ class Seq2SeqLMRunner(Runner):
         if self.task != "translation":
             return self.task, {}
         source, target = params.get("src_lang"), params.get("tgt_lang")
+        if self.source_language is not None:  # a request's src_lang is its own, not the next's
+            self.tokenizer.src_lang = self.source_language
         if source is None and target is None:
             # transformers 4's pipeline("translation") took the first direction named
             return (self.directions[0] if self.directions else None), {}
