@@ -330,34 +330,11 @@ def test_a_seq2seq_model_without_task_settings_is_served(tiny_model, tmp_path, t
     assert set(answer) == {OUTPUT_KEYS[task]}
 
 
-def test_a_request_s_source_language_is_its_own(tmp_path):
+def test_a_request_s_source_language_is_its_own(runner, monkeypatch):
     """NLLB's, mBART's and M2M100's tokenizers keep src_lang as their state: a request
     that names none reads its text in the model's own source language, whatever the
     request before it named."""
-    import torch
-    import transformers
-
-    from rawserve.worker.loading import load_runner
-
-    tokenizer = transformers.NllbTokenizer(src_lang="eng_Latn")
-    config = transformers.M2M100Config(
-        vocab_size=len(tokenizer),
-        d_model=16,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=16,
-        decoder_ffn_dim=16,
-        max_position_embeddings=64,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        decoder_start_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    transformers.M2M100ForConditionalGeneration(config).save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    serving = load_runner(worker_config(str(tmp_path), "translation", dtype="float32"), "cpu")
+    serving = runner("multilingual-translation", "translation")
     read: list[list[int]] = []
     generate = serving.model.generate
 
@@ -365,7 +342,7 @@ def test_a_request_s_source_language_is_its_own(tmp_path):
         read.append(inputs["input_ids"][0].tolist())
         return generate(**inputs)
 
-    serving.model.generate = reading
+    monkeypatch.setattr(serving.model, "generate", reading)
     params = {"max_new_tokens": 2, "num_beams": 1}
     serving.run(["hello world"], params)
     serving.run(["hello world"], {**params, "src_lang": "fra_Latn", "tgt_lang": "deu_Latn"})
