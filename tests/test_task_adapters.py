@@ -3,6 +3,7 @@ batching that answers what single calls answer, and the pipelines' list habits."
 
 from __future__ import annotations
 
+import base64
 import tempfile
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from rawserve.shared.messages import (
     TokenChunk,
 )
 from rawserve.tasks import LOGITS_PARAM, split_outputs
+from rawserve.tasks.seq2seq import OUTPUT_KEYS
 from rawserve.worker.onnx_engine import ONNX_TASKS, onnxruntime_installed
 from tests.tiny_models import worker_config
 
@@ -309,6 +311,46 @@ def test_seq2seq_prefixes_and_output_keys(runner, tiny_model):
     assert generated == [{"generated_text": generate(text)}]
 
 
+@pytest.mark.parametrize("task", ["summarization", "translation", "text2text-generation"])
+def test_a_seq2seq_model_without_task_settings_is_served(tiny_model, tmp_path, task):
+    """Most seq2seq configs (Marian's, mBART's, NLLB's) name no task_specific_params, and
+    transformers 5's configs have no such attribute unless the file names it."""
+    import json
+    import shutil
+
+    from rawserve.worker.loading import load_runner
+
+    folder = tmp_path / "plain-seq2seq"
+    shutil.copytree(tiny_model("seq2seq"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["task_specific_params"]
+    (folder / "config.json").write_text(json.dumps(config))
+    serving = load_runner(worker_config(str(folder), task, dtype="float32"), "cpu")
+    [answer] = serving.run(["the movie was good"], {"max_new_tokens": 3})
+    assert set(answer) == {OUTPUT_KEYS[task]}
+
+
+def test_a_request_s_source_language_is_its_own(runner, monkeypatch):
+    """NLLB's, mBART's and M2M100's tokenizers keep src_lang as their state: a request
+    that names none reads its text in the model's own source language, whatever the
+    request before it named."""
+    serving = runner("multilingual-translation", "translation")
+    read: list[list[int]] = []
+    generate = serving.model.generate
+
+    def reading(**inputs):
+        read.append(inputs["input_ids"][0].tolist())
+        return generate(**inputs)
+
+    monkeypatch.setattr(serving.model, "generate", reading)
+    params = {"max_new_tokens": 2, "num_beams": 1}
+    serving.run(["hello world"], params)
+    serving.run(["hello world"], {**params, "src_lang": "fra_Latn", "tgt_lang": "deu_Latn"})
+    serving.run(["hello world"], params)
+    first, french, after = read
+    assert first != french and after == first
+
+
 # --- text-generation ----------------------------------------------------------------------
 
 
@@ -399,6 +441,47 @@ def test_image_classification_decodes_base64_images_in_the_worker(runner, tiny_m
         classify.run([base64.b64encode(b"not an image").decode()], {})
 
 
+def test_a_batch_of_images_holds_one_decoded_image_at_a_time(runner, monkeypatch):
+    """A decoded image may take hundreds of megabytes (up to Pillow's 89 million pixels):
+    each is decoded as the pipeline preprocesses it, never a whole batch of them at once
+    (eight of 6000x6000 at once: 1.6 GB at the peak; one at a time: 0.76 GB, as for one)."""
+    import weakref
+
+    from rawserve.worker import pipeline
+
+    decode, alive, counts = pipeline.decode_image, [0], []
+
+    def counted(encoded):
+        image = decode(encoded)
+        alive[0] += 1
+        weakref.finalize(image, lambda: alive.__setitem__(0, alive[0] - 1))
+        counts.append(alive[0])
+        return image
+
+    monkeypatch.setattr(pipeline, "decode_image", counted)
+    classify = runner("image-classification")
+    encoded = [base64.b64encode(png((40 * i, 0, 0))).decode() for i in range(6)]
+    answers = classify.run(encoded, {})
+    assert _rounded(answers) == _rounded([classify.run([item], {})[0] for item in encoded])
+    assert max(counts) <= 2, counts  # the one just preprocessed, at most, and the next
+
+
+def png_head(width: int, height: int) -> str:
+    """A PNG's signature and header alone, base64-encoded: the size of a decompression bomb
+    (a few hundred kilobytes of zeros decode to gigabytes) without its data."""
+    import base64
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        checksum = struct.pack(">I", zlib.crc32(kind + data))
+        return struct.pack(">I", len(data)) + kind + data + checksum
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    image = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+    return base64.b64encode(image).decode()
+
+
 # --- each task's input errors, on every engine that serves the task -----------------------
 
 LONG = " ".join(["hello"] * 200)  # 200 words: past the tiny models' 128 positions
@@ -416,6 +499,7 @@ GOOD = {
     "summarization": "the movie was good",
     "translation": "the movie was good",
     "text2text-generation": "the movie was good",
+    "image-classification": base64.b64encode(png((255, 0, 0))).decode(),
 }
 
 # (model kind, task, failing input, parameters, what the client is told)
@@ -449,6 +533,11 @@ INPUT_ERRORS = [
     ("seq2seq", "summarization", "hello", {"max_new_tokens": 200}, "limit of 127"),
     ("seq2seq", "text2text-generation", LONG, {"truncation": False}, "reads at most 128"),
     ("seq2seq", "text2text-generation", LONG, {"truncation": "do_not_truncate"}, "at most 128"),
+    # a single text has no second sequence to cut: the strategy cuts nothing of it
+    ("seq2seq", "summarization", LONG, {"truncation": "only_second"}, "reads at most 128"),
+    # Pillow refuses 30000x30000 itself; 10000x10000 it only warns of, then decodes 300 MB
+    ("image-classification", "image-classification", png_head(30000, 30000), {}, "pixels"),
+    ("image-classification", "image-classification", png_head(10000, 10000), {}, "pixels"),
 ]
 
 NEEDS_ONNX = pytest.mark.skipif(

@@ -272,6 +272,32 @@ def test_an_image_body_is_one_base64_input():
         parse_json_body("image-classification", {"inputs": "not base64!"})
 
 
+@pytest.mark.parametrize(
+    "sent",
+    [
+        "data:image/png;base64,iVBORw==",  # a data URL, as browsers and OpenAI's clients send
+        "iVBO\nRw==\n",  # base64 wrapped in lines, as `base64` and base64.encodebytes write it
+        "data:image/png;base64,iVBO\r\nRw==",
+    ],
+)
+def test_an_image_in_json_is_read_as_transformers_load_image_reads_it(sent):
+    assert parse_json_body("image-classification", {"inputs": sent}).inputs == ["iVBORw=="]
+
+
+@pytest.mark.parametrize(
+    "sent", ["http://127.0.0.1/cat.png", "file:///etc/hosts", "data:text/plain;base64,aGk="]
+)
+def test_an_image_is_never_fetched_or_read_from_a_path(sent):
+    with pytest.raises(BadRequest, match="base64"):
+        parse_json_body("image-classification", {"inputs": sent})
+
+
+@pytest.mark.parametrize("sent", ["data:image/png;base64,", " \n"])
+def test_an_image_with_nothing_in_it_is_blank(sent):
+    with pytest.raises(UnprocessableInput, match="empty"):
+        parse_json_body("image-classification", {"inputs": sent})
+
+
 # --- empty input: 422 on every task, alone or inside a list -----------------------------
 
 BLANK_INPUTS = {

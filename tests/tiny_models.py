@@ -61,6 +61,7 @@ KINDS = (
     "chat",
     "sliding-window",  # a Mistral whose attention slides over 4 tokens, shorter than prompts
     "seq2seq",
+    "multilingual-translation",  # an M2M100 with NLLB's tokenizer, which keeps a src_lang
     "image-classification",
 )
 
@@ -80,6 +81,8 @@ def build(kind: str, folder: Path) -> Path:
         return _build_mistral(folder)
     if kind == "seq2seq":
         return _build_bart(folder)
+    if kind == "multilingual-translation":
+        return _build_m2m100(folder)
     if kind == "image-classification":
         return _build_vit(folder)
     return _build_bert(kind, folder)
@@ -257,6 +260,26 @@ def _build_bart(folder: Path) -> Path:
     }
     model = transformers.BartForConditionalGeneration(config)
     return _saved(model, tokenizer, folder)
+
+
+def _build_m2m100(folder: Path) -> Path:
+    """A tiny M2M100 with NLLB's tokenizer (its default vocabulary: language codes such
+    as eng_Latn and fra_Latn, a few hundred tokens), reading English unless told."""
+    import transformers
+
+    tokenizer = transformers.NllbTokenizer(src_lang="eng_Latn")
+    sizes = {"layers": 1, "attention_heads": 2, "ffn_dim": 16}
+    both_sides = {f"{side}_{key}": n for side in ("encoder", "decoder") for key, n in sizes.items()}
+    config = transformers.M2M100Config(
+        vocab_size=len(tokenizer),
+        d_model=16,
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.eos_token_id,
+        **both_sides,
+    )
+    return _saved(transformers.M2M100ForConditionalGeneration(config), tokenizer, folder)
 
 
 def _build_vit(folder: Path) -> Path:

@@ -2,8 +2,9 @@
 
 The image comes as the raw body (InferenceClient sends the file's bytes, without a
 Content-Type) or, in JSON, base64-encoded as `inputs` (what InferenceClient sends when
-there are parameters). Either way it is queued as base64 text, so the messages to the
-worker stay plain data; the worker decodes it with Pillow (the `image` extra).
+there are parameters), or as a data URL. Either way it is queued as base64 text, so the
+messages to the worker stay plain data; the worker decodes it with Pillow (the `image`
+extra).
 """
 
 from __future__ import annotations
@@ -15,19 +16,27 @@ from typing import Any
 from rawserve.tasks.checks import LABEL_SCORES, BlankInput, checker, int_range, one_of
 from rawserve.tasks.rules import Task
 
+DATA_URL_START = "data:image/"
+
 
 @checker({"type": "string", "minLength": 1, "contentEncoding": "base64"})
 def image_base64(value: Any) -> str:
-    if value == "":
-        raise BlankInput("the image is empty")
+    """The image's base64, as transformers' `load_image` reads a string that is neither a
+    URL nor a path: a data URL's payload, lines joined. A URL is never fetched."""
     if isinstance(value, str):
+        head, comma, payload = value.partition(",")
+        if comma and head.startswith(DATA_URL_START) and head.endswith(";base64"):
+            value = payload
+        encoded = "".join(value.split())  # lines of 76, as MIME (and `base64`) wraps them
+        if not encoded:
+            raise BlankInput("the image is empty")
         try:
-            base64.b64decode(value, validate=True)
+            base64.b64decode(encoded, validate=True)
         except (binascii.Error, ValueError):
             pass
         else:
-            return value
-    raise ValueError("each input must be an image, base64-encoded")
+            return encoded
+    raise ValueError("each input must be an image, base64-encoded (or a data URL of one)")
 
 
 def image_from_body(body: bytes) -> str:

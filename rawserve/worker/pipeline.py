@@ -8,7 +8,8 @@ from __future__ import annotations
 import base64
 import io
 import logging
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -83,14 +84,18 @@ class PipelineRunner(Runner):
             return self._logits(inputs, params)
         if self._plain_classification(inputs, params):
             return self._classify(inputs)
-        model_inputs = inputs
+        model_inputs: Any = inputs
         if self.task == "image-classification":  # queued as base64 text
-            model_inputs = [decode_image(item) for item in inputs]
+            # decoded as the pipeline preprocesses each (it streams a generator): a batch
+            # holds one full-size image at a time, not all of them at once
+            model_inputs = (decode_image(item) for item in inputs)
         if self.task == "fill-mask" and "top_k" in params:  # all of a small vocabulary, at most
             vocabulary = self.pipe.model.config.vocab_size
             params = {**params, "top_k": min(params["top_k"], vocabulary)}
         with torch.inference_mode():
             raw = self.pipe(model_inputs, batch_size=len(inputs), **params)
+            if isinstance(raw, Iterator):  # a generator's answers: computed as they are read
+                raw = list(raw)
         return split_outputs(self.task, inputs, raw)
 
     @property
@@ -190,11 +195,21 @@ def refuse_past(limit: int) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], 
 
 
 def decode_image(encoded: str) -> Any:
-    """base64 text → an RGB PIL image; anything that is not an image is the client's error."""
+    """base64 text → an RGB PIL image; anything that is not an image is the client's error,
+    and so is an image of more pixels than Pillow's limit against decompression bombs (a
+    few hundred kilobytes of PNG can declare gigabytes of pixels: the header says so
+    before anything is decoded)."""
     from PIL import Image, UnidentifiedImageError  # the optional `image` extra
 
     try:
-        image = Image.open(io.BytesIO(base64.b64decode(encoded)))
+        with warnings.catch_warnings():
+            # Pillow only warns past its limit (and refuses past twice that): refuse both
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(base64.b64decode(encoded)))
         return image.convert("RGB")
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
+        raise ValueError(
+            f"the image has more than {Image.MAX_IMAGE_PIXELS:,} pixels, the most read"
+        ) from exc
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise ValueError("the input is not an image Pillow can read") from exc

@@ -44,8 +44,13 @@ class Seq2SeqLMRunner(Runner):
         self.model = transformers.AutoModelForSeq2SeqLM.from_pretrained(model, dtype=torch_dtype)
         self.model.to(device).eval()
         super().__init__(task, device, dtype_name(self.model), tokenizer)
-        self.task_params: dict[str, Any] = self.model.config.task_specific_params or {}
+        # (transformers 5's configs have the attribute only where the file names it)
+        self.task_params: dict[str, Any] = (
+            getattr(self.model.config, "task_specific_params", None) or {}
+        )
         self.directions = [key for key in self.task_params if key.startswith("translation")]
+        # the source language of a tokenizer that keeps one (mBART, NLLB, M2M100)
+        self.source_language: str | None = getattr(tokenizer, "src_lang", None)
         # models with absolute positions fail past them: longer inputs are cut there
         self.position_limit: int | None = getattr(
             self.model.config, "max_position_embeddings", None
@@ -96,6 +101,8 @@ class Seq2SeqLMRunner(Runner):
         if self.task != "translation":
             return self.task, {}
         source, target = params.get("src_lang"), params.get("tgt_lang")
+        if self.source_language is not None:  # a request's src_lang is its own, not the next's
+            self.tokenizer.src_lang = self.source_language
         if source is None and target is None:
             # transformers 4's pipeline("translation") took the first direction named
             return (self.directions[0] if self.directions else None), {}
@@ -134,7 +141,8 @@ class Seq2SeqLMRunner(Runner):
         if self.position_limit is not None and length > self.position_limit:
             raise ValueError(  # the encoder would fail on it: say so (truncation was refused)
                 f"the input is {length} tokens and this model reads at most "
-                f"{self.position_limit}: leave out truncation, or set it, to cut it"
+                f"{self.position_limit}: leave out truncation, or set it to true, "
+                "longest_first or only_first, to cut it"
             )
         with torch.inference_mode():
             generated = self.model.generate(**encoded.to(self.device), **options)
@@ -168,7 +176,8 @@ class Seq2SeqLMRunner(Runner):
         limit). A strategy cuts at the tokenizer's limit, bounded by the positions: a
         tokenizer saved without one declares ~1e30, which would cut nothing."""
         truncation = params.get("truncation")
-        if truncation in ("do_not_truncate", False):
+        # only_second cuts nothing of a single text (the tokenizer fails on one too long)
+        if truncation in ("do_not_truncate", "only_second", False):
             return {"truncation": False}
         if truncation is not None:
             declared = self.tokenizer.model_max_length
