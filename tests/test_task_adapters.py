@@ -4,6 +4,7 @@ batching that answers what single calls answer, and the pipelines' list habits."
 from __future__ import annotations
 
 import base64
+import json
 import tempfile
 from pathlib import Path
 
@@ -328,6 +329,35 @@ def test_a_seq2seq_model_without_task_settings_is_served(tiny_model, tmp_path, t
     serving = load_runner(worker_config(str(folder), task, dtype="float32"), "cpu")
     [answer] = serving.run(["the movie was good"], {"max_new_tokens": 3})
     assert set(answer) == {OUTPUT_KEYS[task]}
+
+
+@pytest.mark.parametrize("declared", [16, None])
+def test_a_t5_reads_what_its_tokenizer_declares_or_else_all(tmp_path, declared):
+    """T5 has relative positions, no bound of its own: an input is cut at the length its
+    tokenizer declares (t5-*'s 512), and refused past it when cutting is refused; a
+    tokenizer that declares none leaves inputs whole, as transformers 4 did."""
+    from rawserve.worker.loading import load_runner
+    from tests import fidelity_models
+
+    folder = fidelity_models.build("t5", tmp_path / "t5")
+    if declared is not None:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config["model_max_length"] = declared
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    serving = load_runner(worker_config(str(folder), "text2text-generation"), "cpu")
+    assert serving.limits.max_input_tokens == declared
+    long_text = "the movie was good " * 10  # 40 words: past 16 tokens
+    options = {"max_new_tokens": 3}
+    if declared is None:
+        serving.run([long_text], {**options, "truncation": False})  # read whole
+        return
+    cut = serving.tokenizer.decode(
+        serving.tokenizer(long_text, truncation=True, max_length=declared)["input_ids"],
+        skip_special_tokens=True,
+    )
+    assert serving.run([long_text], options) == serving.run([cut], options)
+    with pytest.raises(ValueError, match=f"reads at most {declared}"):
+        serving.run([long_text], {**options, "truncation": False})
 
 
 def test_a_request_s_source_language_is_its_own(runner, monkeypatch):

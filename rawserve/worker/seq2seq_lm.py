@@ -35,6 +35,8 @@ from rawserve.worker.runner import Runner, dtype_name
 # transformers 4.57's Text2TextGenerationPipeline._default_generation_config
 PIPELINE_NUM_BEAMS = 4
 PIPELINE_MAX_NEW_TOKENS = 256
+# a tokenizer saved without a length declares transformers' VERY_LARGE_INTEGER (~1e30)
+UNDECLARED_LENGTH = 10**9
 UNSET_MAX_LENGTH = (None, 20)  # 20 is generate()'s own default: the model named no length
 
 
@@ -55,6 +57,14 @@ class Seq2SeqLMRunner(Runner):
         self.position_limit: int | None = getattr(
             self.model.config, "max_position_embeddings", None
         )
+        # What an input is cut to by default, and refused past when cutting is refused:
+        # the positions, or for a model without them (T5's relative positions) the limit
+        # its tokenizer declares (512 for t5-*): an input bounded only by the body size
+        # would take the encoder's attention gigabytes (16,000 tokens: 12 GB on a tiny T5).
+        declared = tokenizer.model_max_length
+        self.input_limit: int | None = self.position_limit or (
+            declared if declared < UNDECLARED_LENGTH else None
+        )
         self.defaults = self.pipeline_defaults()
 
     @property
@@ -63,7 +73,7 @@ class Seq2SeqLMRunner(Runner):
         # such bound
         positions = self.position_limit
         return ModelLimits(
-            max_input_tokens=positions,  # inputs are truncated to it by default
+            max_input_tokens=self.input_limit,  # inputs are truncated to it by default
             max_new_tokens=positions - 1 if positions else None,
         )
 
@@ -138,10 +148,10 @@ class Seq2SeqLMRunner(Runner):
         )
         encoded.pop("token_type_ids", None)  # tokenizers that make them; generate() refuses them
         length = encoded["input_ids"].shape[1]
-        if self.position_limit is not None and length > self.position_limit:
+        if self.input_limit is not None and length > self.input_limit:
             raise ValueError(  # the encoder would fail on it: say so (truncation was refused)
                 f"the input is {length} tokens and this model reads at most "
-                f"{self.position_limit}: leave out truncation, or set it to true, "
+                f"{self.input_limit}: leave out truncation, or set it to true, "
                 "longest_first or only_first, to cut it"
             )
         with torch.inference_mode():
@@ -171,21 +181,21 @@ class Seq2SeqLMRunner(Runner):
                 raise ValueError(f"{name} {caller[name]} is over this model's limit of {limit}")
 
     def cut(self, params: dict[str, Any]) -> dict[str, Any]:
-        """The tokenizer's truncation arguments: the caller's strategy, else the model's
-        position limit (transformers 4 did not truncate, and failed on inputs past that
-        limit). A strategy cuts at the tokenizer's limit, bounded by the positions: a
-        tokenizer saved without one declares ~1e30, which would cut nothing."""
+        """The tokenizer's truncation arguments: the caller's strategy, else the input
+        limit (transformers 4 did not truncate, and failed on inputs past the positions).
+        A strategy cuts at the tokenizer's limit, bounded by the positions: a tokenizer
+        saved without one declares ~1e30, which would cut nothing."""
         truncation = params.get("truncation")
         # only_second cuts nothing of a single text (the tokenizer fails on one too long)
         if truncation in ("do_not_truncate", "only_second", False):
             return {"truncation": False}
         if truncation is not None:
             declared = self.tokenizer.model_max_length
-            if self.position_limit is None:
+            if self.input_limit is None:
                 return {"truncation": truncation}
-            return {"truncation": truncation, "max_length": min(declared, self.position_limit)}
-        if self.position_limit is not None:
-            return {"truncation": True, "max_length": self.position_limit}
+            return {"truncation": truncation, "max_length": min(declared, self.input_limit)}
+        if self.input_limit is not None:
+            return {"truncation": True, "max_length": self.input_limit}
         return {"truncation": False}
 
 
