@@ -655,8 +655,19 @@ class WorkerPool(PoolReports):
             settle(job.future, result=BatchResult(job.batch_id, (CRASHED_ALONE,), 0.0))
 
     def _respawn(self, worker: WorkerHandle) -> None:
-        if not self._closing and worker.state is WorkerState.DEAD:
+        if self._closing or worker.state is not WorkerState.DEAD:
+            return
+        try:
             self._spawn(worker)
+        except OSError as exc:  # out of file descriptors or processes, for now
+            decision = self.supervisor.exited(worker.index, while_loading=True, held=None)
+            log.error(
+                "worker %s: could not start its process (%s); trying again in %.1f s",
+                worker.label,
+                exc,
+                decision.restart_in,
+            )
+            self._running_loop.call_later(decision.restart_in, self._respawn, worker)
 
     def _notify_idle(self) -> None:
         if self.on_idle is not None:
