@@ -26,7 +26,7 @@ from rawserve import __version__
 from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.config import Batching, ModelConfig, ServerConfig, WorkerPlan, plan_workers
-from rawserve.http.limits import ServerState
+from rawserve.http.limits import PROBE_RESERVE, ServerState
 from rawserve.http_process.entry import HttpProcessSpec, ModelSpec, run_http_process
 from rawserve.http_process.front import listen, requests_answered
 from rawserve.models.hub import ModelNotFound
@@ -34,6 +34,7 @@ from rawserve.models.plan import ModelPlan, plan_models
 from rawserve.ops import layout_trial, loops
 from rawserve.ops.loading import log_loading_progress
 from rawserve.ops.metrics import Metrics, merge_families
+from rawserve.ops.open_files import raise_open_files_limit
 from rawserve.options import parse_config
 from rawserve.protocol import HttpProtocol
 from rawserve.serving import CoreShare, ModelService, Scheduler, SchedulerCore
@@ -551,6 +552,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for plan in plans:
             log.info("model %s: %s", plan.name, plan.folder or plan.handler)
         return 0
+    # each HTTP process holds its share of the cap, and the probes' reserve past it
+    cap = config.http.max_connections
+    raise_open_files_limit(cap + PROBE_RESERVE if cap else 0)
     settle_layout = False
     if layout_trial.applies(workers, plans, config.model):
         # a verdict kept from an earlier start, or the trial once the server listens

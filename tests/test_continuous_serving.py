@@ -188,3 +188,30 @@ def test_a_worker_killed_with_sequences_running_answers_every_one(servers):
         assert status == 200, answer
         assert answer["choices"][0]["text"] == expected["choices"][0]["text"]
     assert complete(server, "hello", 2)[0] == 200
+
+
+def test_the_batch_timeout_kills_a_hung_worker_not_a_long_generation(tiny_model):
+    """A continuous worker's sequences run as long as their deadlines allow: the batch
+    timeout tells a worker that stopped finishing passes from one that runs a long
+    generation, streamed or not, and kills only the first."""
+    args = ["--model", tiny_model("long-generation"), "--batch-timeout", "0.5"]
+    with RunningServer(
+        [*args, "--max-sequences", "2", "--threads", "1", "--device", "cpu"]
+    ) as server:
+        status, answer = complete(server, "the movie was", LONG)
+        assert status == 200, answer
+        assert answer["usage"]["completion_tokens"] == LONG
+        with start_stream(server, "the movie was", LONG) as sock:
+            sock.settimeout(60)
+            received = b""
+            while not received.endswith(b"0\r\n\r\n"):
+                chunk = sock.recv(65536)
+                assert chunk, received[-300:]
+                received += chunk
+        assert b'"error"' not in received and b'"finish_reason":"length"' in received
+
+        status, _, body = server.request("GET", "/info")
+        [pid] = [w["pid"] for w in json.loads(body)["workers"]]
+        with start_stream(server, "the movie was", LONG) as sock:
+            os.kill(pid, signal.SIGSTOP)  # hung: it finishes no pass any more
+            server.wait_for_log(re.compile(rf"killing process {pid}"), timeout=30)

@@ -7,6 +7,7 @@ of memory on purpose), first through the executor alone, then through the real s
 from __future__ import annotations
 
 import asyncio
+import errno
 import http.client
 import json
 import os
@@ -18,7 +19,7 @@ import time
 import pytest
 
 from rawserve.main import SIGNAL_REPEAT_SECONDS
-from rawserve.serving import supervision
+from rawserve.serving import pool, supervision
 from rawserve.serving.core import SchedulerCore
 from rawserve.serving.pool import WorkerPool
 from rawserve.serving.supervision import (
@@ -188,6 +189,31 @@ async def test_a_hung_batch_is_answered_and_its_worker_restarted(faulty_executor
     assert result.outputs == (TIMED_OUT, TIMED_OUT)
     await idle(faulty_executor)
     assert worker.pid != first_pid and worker.record.restarts == 1
+    result = await asyncio.wait_for(faulty_executor.submit(["after"], {}), 30)
+    assert result.outputs[0]["input"] == "after"
+
+
+@pytest.mark.slow
+async def test_a_restart_that_cannot_start_a_process_is_tried_again(faulty_executor, monkeypatch):
+    """Out of file descriptors (clients holding them all) as a dead worker restarts: the
+    restart is tried again after its backoff, not given up for good."""
+    worker = faulty_executor.workers[0]
+    first_pid = worker.pid
+    refused = []
+
+    def out_of_descriptors(context, handle):
+        refused.append(handle)
+        monkeypatch.setattr(pool, "start_process", start_process)  # the next one starts
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    start_process = pool.start_process
+    monkeypatch.setattr(pool, "start_process", out_of_descriptors)
+    restarted = asyncio.Event()
+    faulty_executor.on_idle = restarted.set
+    os.kill(first_pid, signal.SIGKILL)
+    await asyncio.wait_for(restarted.wait(), 30)
+    assert refused == [worker] and worker.pid != first_pid
+    assert worker.record.restarts == 2  # the death, then the start that failed
     result = await asyncio.wait_for(faulty_executor.submit(["after"], {}), 30)
     assert result.outputs[0]["input"] == "after"
 

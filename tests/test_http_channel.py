@@ -5,12 +5,14 @@ them, metrics merged across processes, and the options that choose them."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import importlib.util
 import os
 import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,6 +20,7 @@ from rawserve.http_process import remote
 from rawserve.http_process.remote import Link, RemoteServing
 from rawserve.ops.metrics import Metrics, merge_families, render_families
 from rawserve.options import parse_config
+from rawserve.serving import fleet as fleet_module
 from rawserve.serving.bridge import Bridge, BridgedModel
 from rawserve.serving.face import (
     Control,
@@ -29,6 +32,7 @@ from rawserve.serving.face import (
     WorkerState,
     WorkerStatus,
 )
+from rawserve.serving.fleet import Fleet
 from rawserve.shared.board import FULL, HEALTHY, READY, Board
 from rawserve.shared.channel import Channel
 from rawserve.shared.late_watch import LateWatch
@@ -384,3 +388,56 @@ def test_bad_http_processes_or_loop_stop_with_a_clear_line(argv, capsys):
         parse_config(argv)
     assert stopped.value.code == 2
     assert argv[0] in capsys.readouterr().err
+
+
+# --- the fleet of HTTP processes --------------------------------------------------------
+
+
+def hold_until_closed(spec: object, sock: socket.socket) -> None:
+    """An HTTP process's stand-in: it lives until the serving end closes its socket."""
+    sock.recv(1)
+
+
+class ListeningAtOnce:
+    """A bridge that finds every HTTP process listening as soon as it is attached."""
+
+    def __init__(self) -> None:
+        self.attached: list[int] = []
+        self.ends: list[socket.socket] = []
+        self.replaced = asyncio.Event()
+
+    async def attach(self, index: int, pid: int, sock: socket.socket) -> SimpleNamespace:
+        self.attached.append(pid)
+        self.ends.append(sock)
+        if len(self.attached) > 1:
+            self.replaced.set()
+        peer = SimpleNamespace(listening=asyncio.Event())
+        peer.listening.set()
+        return peer
+
+
+async def test_an_http_process_that_cannot_be_replaced_yet_is_tried_again(monkeypatch):
+    """Out of file descriptors (or processes) when an HTTP process died: its replacement
+    is tried again after a pause, not given up for the server's lifetime."""
+    monkeypatch.setattr(fleet_module, "RESTART_PAUSE", 0.05)
+    bridge = ListeningAtOnce()
+    fleet = Fleet(1, hold_until_closed, lambda index: None, bridge)  # type: ignore[arg-type]
+    await fleet.start()
+    refused = []
+
+    def out_of_descriptors() -> tuple[socket.socket, socket.socket]:
+        refused.append(True)
+        monkeypatch.setattr(fleet_module.socket, "socketpair", socketpair)  # the next works
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    socketpair = socket.socketpair
+    monkeypatch.setattr(fleet_module.socket, "socketpair", out_of_descriptors)
+    try:
+        fleet.processes[0].kill()
+        await asyncio.wait_for(bridge.replaced.wait(), 60)
+        assert refused and fleet.pids() == bridge.attached[1:]
+    finally:
+        fleet.kill()
+        await fleet.wait_exited(10)
+        for end in bridge.ends:
+            end.close()

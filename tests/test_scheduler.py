@@ -29,7 +29,7 @@ from rawserve.serving.core import (
 )
 from rawserve.serving.driver import DELIVERY_SLICE, Scheduler
 from rawserve.serving.minima import REBUILD_SLACK, QueueMinima
-from rawserve.serving.refusals import Reason, Refusal, Refused
+from rawserve.serving.refusals import Reason, Refusal, Refused, shutting_down
 from rawserve.shared.messages import NO_CONTROL, BatchResult, FailureKind, ItemFailure
 
 
@@ -705,6 +705,27 @@ async def test_a_look_that_raises_is_logged_and_the_next_wake_looks_again(driver
     assert backend.calls[0][0] == ["a", "b"]
     backend.finish(0)
     assert [(await first)[0].output, (await second)[0].output] == ["out:a", "out:b"]
+
+
+async def test_batches_failed_by_the_shutdown_are_answered_without_an_error_line(driver, caplog):
+    """Past the grace every batch still running fails with the shutdown's refusal (on a
+    continuous worker one per sequence): the clients get 503, and the log says so once,
+    with no error line per batch; any other failure of a batch is still an error."""
+    scheduler, backend = driver
+    runs = [asyncio.create_task(scheduler.run([x], {}, scheduler.clock() + 5)) for x in "ab"]
+    await until(lambda: len(backend.calls) == 1)
+    backend.calls[0][2].set_exception(shutting_down())
+    for run in runs:
+        with pytest.raises(Refused) as refused:
+            await run
+        assert refused.value.refusal.reason is Reason.SHUTTING_DOWN
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    third = asyncio.create_task(scheduler.run(["c"], {}, scheduler.clock() + 5))
+    await until(lambda: len(backend.calls) == 2)
+    backend.calls[1][2].set_exception(RuntimeError("the pool broke"))
+    with pytest.raises(Refused):
+        await third
+    assert "a batch of 1 failed in the worker pool: the pool broke" in caplog.text
 
 
 async def answered_at_each_pass(slice_answers: bool) -> list[int]:

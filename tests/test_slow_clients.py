@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import resource
 import socket
 import time
 from collections.abc import Callable
@@ -327,3 +328,27 @@ def test_a_refused_large_body_still_lets_the_client_read_its_413(guarded_server)
             data += chunk
     [(status, headers, body)] = parse(bytes(data))
     assert status == 413 and headers[b"connection"] == b"close"
+
+
+def test_a_low_open_files_limit_is_raised_so_that_past_the_cap_probes_are_answered():
+    """With a soft `ulimit -n` below the cap (1024 on many machines, under the default
+    cap of 1000 plus the probes' 32), the server raises it at start-up: idle clients
+    holding every connection cannot have a liveness probe reset instead of answered."""
+    cap = 300
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if min(soft, hard) < 2 * cap and resource.RLIM_INFINITY not in (soft, hard):
+        pytest.skip(f"the open files limit ({soft}, {hard}) holds too few connections")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (cap // 2, hard))  # inherited by the server
+    try:
+        server = RunningServer(["--handler", "tests.handlers:echo", "--max-connections", str(cap)])
+        server.start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with server:
+        held = [socket.create_connection(("127.0.0.1", server.port), 10) for _ in range(cap)]
+        try:
+            status, _, body = server.request("GET", "/health")
+            assert status == 200, body
+        finally:
+            for sock in held:
+                sock.close()

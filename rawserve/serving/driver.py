@@ -380,7 +380,9 @@ class Scheduler:
         if done.cancelled() or done.exception() is not None:
             self.core.forget_batch(batch)
             error = done.exception() if not done.cancelled() else None
-            log.error("a batch of %d failed in the worker pool: %s", len(batch), error)
+            stopped = isinstance(error, Refused) and error.refusal.reason is Reason.SHUTTING_DOWN
+            if not stopped:  # (the end of the grace is logged once, not once a batch)
+                log.error("a batch of %d failed in the worker pool: %s", len(batch), error)
             for item in batch:
                 _settle(item, exception=_as_refusal(error))
             return

@@ -62,8 +62,13 @@ class Fleet:
             name=f"rawserve-http-{index}",
             daemon=True,  # never outlives the serving process
         )
-        process.start()
-        theirs.close()
+        try:
+            process.start()
+        except OSError:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
         self.processes[index] = process
         self._started[index] = time.monotonic()
         peer = await self.bridge.attach(index, process.pid or 0, ours)
@@ -105,6 +110,15 @@ class Fleet:
             await self._start_one(index)
         except HttpProcessFailed as exc:
             log.error("%s", exc)  # its exit is seen by _on_exit, which tries again
+        except OSError as exc:  # out of file descriptors or processes: none started to exit
+            log.error(
+                "HTTP process %d could not be started (%s); trying again in %.0f s",
+                index,
+                exc,
+                RESTART_PAUSE,
+            )
+            loop = asyncio.get_running_loop()
+            loop.call_later(RESTART_PAUSE, lambda: loop.create_task(self._restart(index)))
 
     def pids(self) -> list[int]:
         return [process.pid for process in self.processes.values() if process.pid]

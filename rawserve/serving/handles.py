@@ -117,6 +117,7 @@ class WorkerHandle:
         self.prepare_seconds = 0.0  # ... and their preparation's, done ahead (an average)
         self.ready: WorkerReady | None = None
         self.started_at = 0.0
+        self.heard_at = 0.0  # when its last message came (a continuous worker's sign of life)
         self.record = record  # its restarts and crashes, counted by the supervisor
         self.batch_cap: int | None = None  # lowered by the worker after out-of-memory errors
         # a continuous worker: the sequences it runs at once (0: one batch at a time) and

@@ -10,9 +10,11 @@ hands it: `submit(inputs, params)` returns an asyncio future of the batch's
 What to do when a worker dies (restart when, retry which items, quarantine what) is
 decided by the pure supervision core (`rawserve.serving.supervision`); this module only
 carries it out. A batch running longer than `batch_timeout` gets its worker killed and
-its items answered with a failure. The worker's effective batch cap (lowered after
-out-of-memory errors) is learned from its results and offered to the scheduler through
-`batch_cap()`.
+its items answered with a failure; on a continuous generation worker, whose sequences run
+as long as their deadlines allow, only once the worker has also gone `batch_timeout`
+without ending a forward pass (hung, not busy with a long generation). The worker's
+effective batch cap (lowered after out-of-memory errors) is learned from its results and
+offered to the scheduler through `batch_cap()`.
 
 A GPU worker holds two batches: the one it computes and the next, sent before the first
 is answered, so that the GPU starts the next batch at once instead of idling through the
@@ -56,10 +58,12 @@ from rawserve.serving.supervision import (
 )
 from rawserve.shared.messages import (
     NO_CONTROL,
+    PROGRESS_EVERY,
     Batch,
     BatchResult,
     Cancel,
     Control,
+    Progress,
     Shutdown,
     TokenChunk,
     TokenChunks,
@@ -441,11 +445,19 @@ class WorkerPool(PoolReports):
     def _on_batch_timeout(self, worker: WorkerHandle, job: Job) -> None:
         if not worker.holds(job):
             return
+        if worker.sequences:  # it hangs only if it has ended no pass for as long
+            quiet_until = worker.heard_at + PROGRESS_EVERY + self.batch_timeout
+            if quiet_until > self.clock():
+                job.watchdog = self._running_loop.call_later(
+                    quiet_until - self.clock(), self._on_batch_timeout, worker, job
+                )
+                return
         log.error(
-            "worker %s: a batch of %d ran over %.0f s; killing process %s",
+            "worker %s: a batch of %d ran over %g s%s; killing process %s",
             worker.label,
             len(job.inputs),
             self.batch_timeout,
+            " and no decoding step ended meanwhile" if worker.sequences else "",
             worker.pid,
         )
         self._detach(worker.running.pop(job.batch_id) or self._take_job(worker))
@@ -504,6 +516,9 @@ class WorkerPool(PoolReports):
         self._on_exit(worker, process)
 
     def _on_message(self, worker: WorkerHandle, message: Any) -> None:
+        worker.heard_at = self.clock()
+        if isinstance(message, Progress):
+            return  # only a sign of life
         if isinstance(message, TokenChunks):
             for chunk in message.chunks:
                 self._on_token(worker, chunk)
@@ -640,8 +655,19 @@ class WorkerPool(PoolReports):
             settle(job.future, result=BatchResult(job.batch_id, (CRASHED_ALONE,), 0.0))
 
     def _respawn(self, worker: WorkerHandle) -> None:
-        if not self._closing and worker.state is WorkerState.DEAD:
+        if self._closing or worker.state is not WorkerState.DEAD:
+            return
+        try:
             self._spawn(worker)
+        except OSError as exc:  # out of file descriptors or processes, for now
+            decision = self.supervisor.exited(worker.index, while_loading=True, held=None)
+            log.error(
+                "worker %s: could not start its process (%s); trying again in %.1f s",
+                worker.label,
+                exc,
+                decision.restart_in,
+            )
+            self._running_loop.call_later(decision.restart_in, self._respawn, worker)
 
     def _notify_idle(self) -> None:
         if self.on_idle is not None:

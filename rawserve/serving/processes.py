@@ -18,17 +18,26 @@ from rawserve.worker.process import worker_main
 
 def start_process(context: SpawnContext, worker: WorkerHandle) -> tuple[BaseProcess, Connection]:
     """Start `worker`'s process (setting its process, its batch pipe and its stream to
-    stop); the read end of its replies, non-blocking, is returned."""
-    batches_in, batches_out = context.Pipe(duplex=False)
-    replies_in, replies_out = context.Pipe(duplex=False)
-    worker.cancelled_stream = context.Value("q", 0, lock=False)  # a stream to stop
-    process = context.Process(
-        target=worker_main,
-        args=(batches_in, replies_out, worker.config, worker.label, worker.cancelled_stream),
-        name=f"rawserve-worker-{worker.index}",
-        daemon=True,
-    )
-    process.start()
+    stop); the read end of its replies, non-blocking, is returned. Where it cannot (out of
+    file descriptors or processes), the pipes it opened are closed and the error raised."""
+    opened: list[Connection] = []
+    try:
+        batches_in, batches_out = context.Pipe(duplex=False)
+        opened += (batches_in, batches_out)
+        replies_in, replies_out = context.Pipe(duplex=False)
+        opened += (replies_in, replies_out)
+        worker.cancelled_stream = context.Value("q", 0, lock=False)  # a stream to stop
+        process = context.Process(
+            target=worker_main,
+            args=(batches_in, replies_out, worker.config, worker.label, worker.cancelled_stream),
+            name=f"rawserve-worker-{worker.index}",
+            daemon=True,
+        )
+        process.start()
+    except OSError:
+        for end in opened:
+            end.close()
+        raise
     batches_in.close()
     replies_out.close()  # the worker holds the only write end: its exit is our EOF
     worker.process, worker.conn = process, batches_out

@@ -131,6 +131,17 @@ class TokenChunks:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """A continuous generation worker's sign of life while its passes stream nothing
+    (its sequences are not streamed): a forward pass has ended. Sent at most once every
+    `PROGRESS_EVERY` seconds, so that the server's batch timeout tells a long generation
+    from a hung worker."""
+
+
+PROGRESS_EVERY = 1.0  # seconds between two `Progress` messages at most
+
+
+@dataclass(frozen=True)
 class Cancel:
     """The server no longer wants a batch's answer (its client left, or its deadline
     passed). A continuous worker ends the batch's sequences at its next decoding step and

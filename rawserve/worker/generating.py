@@ -31,11 +31,13 @@ from typing import Any
 
 from rawserve.shared.memory import FreeMemoryReleaser
 from rawserve.shared.messages import (
+    PROGRESS_EVERY,
     Batch,
     BatchResult,
     Cancel,
     FailureKind,
     ItemFailure,
+    Progress,
     Shutdown,
     TokenChunk,
     TokenChunks,
@@ -138,6 +140,7 @@ class GenerationLoop:
             cuda_graphs=runner.decode_graphs,
         )
         self.streamed: list[TokenChunk] = []  # this forward pass's tokens for their streams
+        self.progress_at = 0.0  # when a pass's end was last sent (tokens, or `Progress`)
         self.open: dict[int, OpenBatch] = {}  # by batch id
         self.cap = BatchCap(ROWS_RESTORE_AFTER)
         self.releaser = FreeMemoryReleaser()
@@ -257,12 +260,19 @@ class GenerationLoop:
 
     def _send_streamed(self) -> None:
         """A forward pass is over: its streamed tokens go in one message, before the next
-        pass starts (a joiner's first token does not wait for the decoding step)."""
-        if not self.streamed:
+        pass starts (a joiner's first token does not wait for the decoding step); with
+        none, a `Progress` now and then says the worker is not hung."""
+        now = self.clock()
+        if self.streamed:
+            message: TokenChunks | Progress = TokenChunks(tuple(self.streamed))
+            self.streamed = []
+        elif now - self.progress_at >= PROGRESS_EVERY:
+            message = Progress()
+        else:
             return
-        chunks, self.streamed = tuple(self.streamed), []
+        self.progress_at = now
         try:
-            self.send(TokenChunks(chunks))
+            self.send(message)
         except (OSError, ValueError):  # the server is gone
             self.server_gone = True
 

@@ -1,0 +1,49 @@
+"""The process's open files limit (`ulimit -n`), raised at start-up to what the
+connection cap needs.
+
+A connection takes a file descriptor before anything can be said on it: past the limit
+the event loop cannot accept it, and resets it, so the cap's 503 and the probes' reserve
+past the cap (rawserve.http.limits) would never be reached. Many machines start a shell
+with a soft limit of 1024, under the default cap of 1000 plus the probes' 32 and the
+server's own descriptors; the hard limit is usually far higher, and a process may raise
+its soft limit up to it (as Go's runtime does for every program). Only as far as needed:
+raised to the hard limit, libraries that still use `select()` would fail on the
+descriptors above 1024. The HTTP processes inherit the limit.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+
+log = logging.getLogger("rawserve")
+
+OWN_FILES = 64  # descriptors a process holds besides its connections: pipes, the listener
+
+
+def raise_open_files_limit(connections: int) -> None:
+    """Make room for `connections` open connections in each process (0: no cap, nothing
+    to make room for); warn where the hard limit does not allow it."""
+    if not connections:
+        return
+    needed = connections + OWN_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open files limit to %d: %s", target, exc)
+            target = soft
+        else:
+            log.info("open files limit raised from %d to %d", soft, target)
+    if target < needed:
+        log.warning(
+            "the open files limit (%d, ulimit -n) holds fewer than the %d connections a "
+            "process may keep (--max-connections, plus probes): past it new connections "
+            "are reset, not answered",
+            target,
+            connections,
+        )
