@@ -153,16 +153,16 @@ class App:
     def methods(self, request: HttpRequest) -> dict[str, Handler]:
         """The handlers of the request's path by method; 404 for a path not served."""
         methods = self.routes.get(request.path)
+        if methods is not None:
+            return methods
         prefix = next((p for p in MODEL_PREFIXES if request.path.startswith(p)), "")
-        if methods is None and prefix:
-            # a model not served: 404 naming the served ones (after the API key: they are
-            # not for everyone's eyes); the protocol has decoded %-escapes (org%2Fname)
-            self.authorize(request)
-            model = self.models.get(request.path.removeprefix(prefix))
-            methods = self.routes[prefix + model.name]
-        if methods is None:
+        if not prefix:
             raise NotFound(f"no route for {request.path}")
-        return methods
+        # a model not served: 404 naming the served ones (after the API key: they are not
+        # for everyone's eyes); the protocol has decoded %-escapes (org%2Fname)
+        self.authorize(request)
+        model = self.models.get(request.path.removeprefix(prefix))
+        return self.routes[prefix + model.name]
 
     def handler(self, request: HttpRequest, methods: dict[str, Handler]) -> Handler:
         """The handler of the request's method, once its API key is checked (401), or 405."""
