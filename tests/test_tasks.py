@@ -184,6 +184,21 @@ def test_parameters_outside_the_rules_are_400(task, parameters):
         parse_json_body(task, {**document, "parameters": parameters})
 
 
+@pytest.mark.parametrize(
+    ("task", "name", "given", "read"),
+    [
+        ("text-classification", "function_to_apply", "SOFTMAX", "softmax"),
+        ("image-classification", "function_to_apply", "Sigmoid", "sigmoid"),
+        ("token-classification", "aggregation_strategy", "SIMPLE", "simple"),
+    ],
+)
+def test_the_pipelines_named_choices_are_taken_in_any_case(task, name, given, read):
+    """transformers reads them as an enum's members by name, upper-cased."""
+    inputs = "aGVsbG8=" if task == "image-classification" else "x"
+    parsed = parse_json_body(task, {"inputs": inputs, "parameters": {name: given}})
+    assert parsed.params[name] == read
+
+
 def test_a_hypothesis_template_has_one_place_for_the_label():
     for template in ("This text is about {}.", "{0} is the topic"):
         parsed = parse_json_body(

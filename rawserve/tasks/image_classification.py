@@ -13,7 +13,7 @@ import base64
 import binascii
 from typing import Any
 
-from rawserve.tasks.checks import LABEL_SCORES, BlankInput, checker, int_range, one_of
+from rawserve.tasks.checks import LABEL_SCORES, BlankInput, checker, int_range, lower_one_of
 from rawserve.tasks.rules import Task
 
 DATA_URL_START = "data:image/"
@@ -48,7 +48,7 @@ TASK = Task(
     image_base64,
     {
         "top_k": int_range(1, 1000),
-        "function_to_apply": one_of("sigmoid", "softmax", "none"),
+        "function_to_apply": lower_one_of("sigmoid", "softmax", "none"),
     },
     binary_input=True,
     output_schema=LABEL_SCORES,

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from rawserve.tasks.checks import LABEL_SCORE, checker, int_range, not_blank, one_of, one_or_list
+from rawserve.tasks.checks import (
+    LABEL_SCORE,
+    checker,
+    int_range,
+    lower_one_of,
+    not_blank,
+    one_or_list,
+)
 from rawserve.tasks.rules import SingleAnswer, Task
 
 # Set by the server's TEI routes (/predict, /rerank), never by a client (it is not an
@@ -48,7 +55,7 @@ TASK = Task(
     text_or_pair,
     {
         "top_k": int_range(1, 1000),
-        "function_to_apply": one_of("sigmoid", "softmax", "none"),
+        "function_to_apply": lower_one_of("sigmoid", "softmax", "none"),
     },
     single_answer=SingleAnswer.LIST_OF_LISTS,
     output_schema=one_or_list(LABEL_SCORE),

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from rawserve.tasks.checks import NUMBER, one_of, text, text_list
+from rawserve.tasks.checks import NUMBER, lower_one_of, text, text_list
 from rawserve.tasks.rules import Task
 
 TASK = Task(
     "token-classification",
     text,
     {
-        "aggregation_strategy": one_of("none", "simple", "first", "average", "max"),
+        "aggregation_strategy": lower_one_of("none", "simple", "first", "average", "max"),
         # [] keeps every label, "O" too (the pipeline's default leaves "O" out)
         "ignore_labels": text_list(100, min_items=0),
     },
