@@ -1003,6 +1003,17 @@ async def test_a_refusal_to_an_http_1_0_client_still_closes():
     assert response.status_code == 503 and transport.finished
 
 
+def test_reason_phrases_are_rfc_9110s():
+    assert [reason(s) for s in (200, 413, 416, 422, 503, 299)] == [
+        "OK",
+        "Content Too Large",
+        "Range Not Satisfiable",
+        "Unprocessable Content",
+        "Service Unavailable",
+        "",
+    ]
+
+
 def h11_written(status: int, fields: list[tuple[str, str]], body: bytes) -> bytes:
     """What h11 writes for this answer to a keep-alive request it read whole."""
     conn = h11.Connection(h11.SERVER)
@@ -1024,6 +1035,8 @@ def h11_written(status: int, fields: list[tuple[str, str]], body: bytes) -> byte
         (503, "application/json", (("Retry-After", "2"),)),
         (404, "", (("Access-Control-Allow-Origin", "https://a.example"), ("Vary", "Origin"))),
         (299, "application/json", ()),  # no reason phrase
+        (413, "application/json", ()),
+        (422, "application/json", ()),
         (200, "application/json", (("Server-Timing", 'queue;dur=0.10, batch;desc="3"'),)),
         (200, "application/json", (("X-Tab", "a\tb"), ("X-Empty", ""), ("x~!#$%&'*+.^_`|", "~"))),
     ],

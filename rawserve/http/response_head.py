@@ -153,7 +153,17 @@ def render_request_fields(response: HttpResponse, request_id: str, started: floa
     )
 
 
+# RFC 9110's names where Python 3.11's `http` still has RFC 7231's
+RFC_9110_PHRASES = {
+    413: "Content Too Large",
+    416: "Range Not Satisfiable",
+    422: "Unprocessable Content",
+}
+
+
 def reason(status: int) -> str:
+    if status in RFC_9110_PHRASES:
+        return RFC_9110_PHRASES[status]
     try:
         return HTTPStatus(status).phrase
     except ValueError:
