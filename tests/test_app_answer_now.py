@@ -9,7 +9,7 @@ import pytest
 from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
-from rawserve.http.errors import HTTPError, ServiceUnavailable, Unauthorized
+from rawserve.http.errors import HTTPError, NotFound, ServiceUnavailable, Unauthorized
 from rawserve.http.exchange import HttpRequest
 from rawserve.serving.core import SchedulerCore
 from rawserve.serving.driver import Scheduler
@@ -131,8 +131,14 @@ async def test_routes_whose_body_names_the_model_are_refused_from_the_head_when_
         app.answer_now(predict)
     # /tokenize runs in the server: never refused for a full queue
     assert app.answer_now(request("POST", "/tokenize", b'{"inputs": "hi"}')) is None
-    # a route no served model fits goes the long way (to its 404), full queues or not
-    assert app.answer_now(request("POST", "/v1/chat/completions", b"{}")) is None
+    # a route no served model fits is a 404 whatever its body: refused from the head
+    unfit = app.answer_now(request("POST", "/v1/chat/completions", b"{}"))
+    assert unfit is not None and unfit.status == 404
+    message = json.loads(unfit.body)["error"]["message"]
+    assert "no served model fits" in message and "'classifier' serves" in message
+    alone = App(ServedModels([served("embedder", "feature-extraction")]))
+    with pytest.raises(NotFound, match="'embedder' serves feature-extraction"):
+        alone.answer_now(request("POST", "/predict", b'{"inputs": "hi"}'))
 
 
 class Drops:

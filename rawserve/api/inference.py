@@ -25,7 +25,7 @@ from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
 from rawserve.api.tei import sentence_similarity
 from rawserve.api.tei_bodies import SIMILARITY
-from rawserve.http.errors import BadRequest, UnprocessableInput
+from rawserve.http.errors import BadRequest, NotFound, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.tasks import (
     BlankInput,
@@ -225,15 +225,18 @@ class InferenceRoutes:
 
     def refuse_now_if_none_can(self, needs: Needs) -> None:
         """For a route whose body names the model (OpenAI, TEI): raise the 503 of the
-        first model that fits the route when none of them can take work now, without
-        reading the body. A body naming another model would have had its own answer (a
-        404, a 400); under overload a quick 503 matters more than that precision."""
-        gate = self.context.gate
-        fitting = [model for model in self.context.models.all if needs.missing(model) is None]
+        first model that fits the route when none of them can take work now, or the 404
+        when none fits it at all, without reading the body. A body naming another model
+        would have had its own answer (a 404, a 400); under overload a quick 503 matters
+        more than that precision."""
+        gate, models = self.context.gate, self.context.models.all
+        fitting = [model for model in models if needs.missing(model) is None]
+        if not fitting:  # every body is a 404 saying what each serves: said from the head
+            unfit = needs.missing(models[0]) if len(models) == 1 else needs.none_fits(models)
+            raise NotFound(unfit or f"this route needs {needs.what}")
         if any(gate.open_for(model) and not model.serving.full for model in fitting):
             return  # one of them can: the request is read and routed as usual
-        if fitting:
-            self.refuse_now(fitting[0])
+        self.refuse_now(fitting[0])
 
     async def infer(self, request: HttpRequest) -> HttpResponse:
         return await self.infer_with(self.context.models.default, request)
