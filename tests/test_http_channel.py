@@ -446,10 +446,15 @@ async def test_an_http_process_that_cannot_be_replaced_yet_is_tried_again(monkey
             end.close()
 
 
-def saying_alive(spec: tuple[float, float, float], sock: socket.socket) -> None:
+def saying_alive(spec: tuple[float, float, float] | None, sock: socket.socket) -> None:
     """An HTTP process's stand-in: `spec[0]` s to start, then it says it is alive every
     `spec[1]` s from its event loop, busy between two with passes of `spec[2]` s each (a
-    big answer's JSON), until the serving end closes its socket."""
+    big answer's JSON), until the serving end closes its socket; with no `spec`, one
+    stuck before it listens."""
+    if spec is None:
+        while sock.recv(4096):  # what the serving process tells it, never read
+            pass
+        return
     starting, every, long_pass = spec
     time.sleep(starting)
 
@@ -522,6 +527,32 @@ async def test_an_http_process_busy_with_long_passes_is_not_killed(monkeypatch, 
             await asyncio.sleep(2.5)
         assert not [r for r in caplog.records if "silent" in r.message]
         assert fleet.pids() == [first.pid] and first.is_alive()
+    finally:
+        await stop_fleet(fleet, board)
+
+
+async def test_an_http_process_stuck_before_it_listens_is_killed_and_tried_again(monkeypatch):
+    """A replacement that never comes to listen is not left in place of the one it
+    replaces (the server one HTTP process short for good): it is killed, and another
+    started."""
+    monkeypatch.setattr(fleet_module, "RESTART_PAUSE", 0.05)
+    specs = iter([(0.0, 0.05, 0.0), None, (0.0, 0.05, 0.0)])  # the first replacement is stuck
+    board = Board.create(0)
+    bridge = Bridge([], board, lambda: [], merge_families, os.getpid())
+    fleet = Fleet(1, saying_alive, lambda index: next(specs), bridge)
+    await fleet.start()
+    monkeypatch.setattr(fleet_module, "START_SECONDS", 2.0)  # for the replacements
+    try:
+        first = fleet.processes[0]
+        first.kill()
+        until = time.monotonic() + 60
+        stuck = None
+        while (peer := fleet.peers.get(0)) is None or peer.pid == first.pid:
+            stuck = stuck or (fleet.processes[0] if fleet.processes.get(0) is not first else None)
+            assert time.monotonic() < until, "the stuck replacement was left in place"
+            await asyncio.sleep(0.05)
+        assert stuck is not None and stuck.exitcode == -signal.SIGKILL
+        assert fleet.pids() == [peer.pid] != [stuck.pid]
     finally:
         await stop_fleet(fleet, board)
 

@@ -93,6 +93,7 @@ class Fleet:
         )
         if not listening.done():
             listening.cancel()
+            process.kill()  # stuck, if still there: its exit is seen by _on_exit
             raise HttpProcessFailed(f"HTTP process {index} could not start listening")
         if self.processes.get(index) is process:  # (not one that exited at once)
             self.peers[index] = peer
