@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import importlib.util
+import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from rawserve.http_process import remote
+from rawserve.http_process.entry import say_alive
 from rawserve.http_process.remote import Link, RemoteServing
 from rawserve.ops.metrics import Metrics, merge_families, render_families
 from rawserve.options import parse_config
@@ -411,7 +414,7 @@ class ListeningAtOnce:
         self.ends.append(sock)
         if len(self.attached) > 1:
             self.replaced.set()
-        peer = SimpleNamespace(listening=asyncio.Event())
+        peer = SimpleNamespace(listening=asyncio.Event(), heard=True)
         peer.listening.set()
         return peer
 
@@ -441,3 +444,139 @@ async def test_an_http_process_that_cannot_be_replaced_yet_is_tried_again(monkey
         await fleet.wait_exited(10)
         for end in bridge.ends:
             end.close()
+
+
+def saying_alive(spec: tuple[float, float, float] | None, sock: socket.socket) -> None:
+    """An HTTP process's stand-in: `spec[0]` s to start, then it says it is alive every
+    `spec[1]` s from its event loop, busy between two with passes of `spec[2]` s each (a
+    big answer's JSON), until the serving end closes its socket; with no `spec`, one
+    stuck before it listens."""
+    if spec is None:
+        while sock.recv(4096):  # what the serving process tells it, never read
+            pass
+        return
+    starting, every, long_pass = spec
+    time.sleep(starting)
+
+    async def live() -> None:
+        loop = asyncio.get_running_loop()
+        closed = asyncio.Event()
+        channel = await Channel.over(sock, lambda messages: None, closed.set)
+        say_alive(channel.send, every)
+        channel.send(("listening", os.getpid()))
+
+        def busy() -> None:
+            time.sleep(long_pass)
+            loop.call_later(every, busy)
+
+        if long_pass:
+            busy()
+        await closed.wait()
+
+    asyncio.run(live())
+
+
+async def watched_fleet(spec: tuple[float, float, float]) -> tuple[Fleet, Board]:
+    board = Board.create(0)
+    bridge = Bridge([], board, lambda: [], merge_families, os.getpid())
+    fleet = Fleet(1, saying_alive, lambda index: spec, bridge)
+    await fleet.start()
+    return fleet, board
+
+
+async def stop_fleet(fleet: Fleet, board: Board) -> None:
+    fleet.kill()
+    await fleet.wait_exited(10)
+    board.remove()
+
+
+async def test_an_http_process_silent_for_seconds_is_killed_and_another_started(
+    monkeypatch, caplog
+):
+    """A stopped HTTP process (or one whose loop is stuck) would be handed new
+    connections that hang: silent past the bound, it is killed and replaced."""
+    monkeypatch.setattr(fleet_module, "SILENT_SECONDS", 1.0)
+    monkeypatch.setattr(fleet_module, "WATCH_SECONDS", 0.1)
+    fleet, board = await watched_fleet((0.0, 0.05, 0.0))
+    try:
+        first = fleet.processes[0]
+        with caplog.at_level(logging.ERROR, "rawserve"):
+            stopped = time.time()
+            os.kill(first.pid, signal.SIGSTOP)
+            until = time.monotonic() + 60
+            while (peer := fleet.peers.get(0)) is None or peer.pid == first.pid:
+                assert time.monotonic() < until, "no other HTTP process started"
+                await asyncio.sleep(0.05)
+        assert first.exitcode == -signal.SIGKILL
+        killed = [r for r in caplog.records if "silent" in r.message]
+        assert len(killed) == 1 and f"(pid {first.pid}) silent for 1 s" in killed[0].message
+        assert 1.0 - 0.1 <= killed[0].created - stopped < 1.0 + 3.0
+        assert fleet.pids() == [peer.pid] and fleet.processes[0].is_alive()
+    finally:
+        await stop_fleet(fleet, board)
+
+
+async def test_an_http_process_busy_with_long_passes_is_not_killed(monkeypatch, caplog):
+    """A loop that turns, however busy, says it is alive between two passes."""
+    monkeypatch.setattr(fleet_module, "SILENT_SECONDS", 1.0)
+    monkeypatch.setattr(fleet_module, "WATCH_SECONDS", 0.1)
+    fleet, board = await watched_fleet((0.0, 0.05, 0.4))  # busy 8 parts in 9
+    try:
+        first = fleet.processes[0]
+        with caplog.at_level(logging.ERROR, "rawserve"):
+            await asyncio.sleep(2.5)
+        assert not [r for r in caplog.records if "silent" in r.message]
+        assert fleet.pids() == [first.pid] and first.is_alive()
+    finally:
+        await stop_fleet(fleet, board)
+
+
+async def test_an_http_process_stuck_before_it_listens_is_killed_and_tried_again(monkeypatch):
+    """A replacement that never comes to listen is not left in place of the one it
+    replaces (the server one HTTP process short for good): it is killed, and another
+    started."""
+    monkeypatch.setattr(fleet_module, "RESTART_PAUSE", 0.05)
+    specs = iter([(0.0, 0.05, 0.0), None, (0.0, 0.05, 0.0)])  # the first replacement is stuck
+    board = Board.create(0)
+    bridge = Bridge([], board, lambda: [], merge_families, os.getpid())
+    fleet = Fleet(1, saying_alive, lambda index: next(specs), bridge)
+    await fleet.start()
+    monkeypatch.setattr(fleet_module, "START_SECONDS", 2.0)  # for the replacements
+    try:
+        first = fleet.processes[0]
+        first.kill()
+        until = time.monotonic() + 60
+        stuck = None
+        while (peer := fleet.peers.get(0)) is None or peer.pid == first.pid:
+            stuck = stuck or (fleet.processes[0] if fleet.processes.get(0) is not first else None)
+            assert time.monotonic() < until, "the stuck replacement was left in place"
+            await asyncio.sleep(0.05)
+        assert stuck is not None and stuck.exitcode == -signal.SIGKILL
+        assert fleet.pids() == [peer.pid] != [stuck.pid]
+    finally:
+        await stop_fleet(fleet, board)
+
+
+async def test_a_replacement_slow_to_start_is_not_killed_for_the_silence_of_the_one_before(
+    monkeypatch, caplog
+):
+    monkeypatch.setattr(fleet_module, "SILENT_SECONDS", 0.5)
+    monkeypatch.setattr(fleet_module, "WATCH_SECONDS", 0.05)
+    monkeypatch.setattr(fleet_module, "RESTART_PAUSE", 0.0)
+    specs = iter([(0.0, 0.05, 0.0), (1.5, 0.05, 0.0)])  # the replacement takes 1.5 s
+    board = Board.create(0)
+    bridge = Bridge([], board, lambda: [], merge_families, os.getpid())
+    fleet = Fleet(1, saying_alive, lambda index: next(specs), bridge)
+    await fleet.start()
+    try:
+        first = fleet.processes[0]
+        with caplog.at_level(logging.ERROR, "rawserve"):
+            first.kill()
+            until = time.monotonic() + 60
+            while (peer := fleet.peers.get(0)) is None or peer.pid == first.pid:
+                assert time.monotonic() < until, "no other HTTP process started"
+                await asyncio.sleep(0.05)
+        assert not [r for r in caplog.records if "silent" in r.message]
+        assert fleet.pids() == [peer.pid] and fleet.processes[0].is_alive()
+    finally:
+        await stop_fleet(fleet, board)

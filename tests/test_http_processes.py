@@ -4,6 +4,7 @@ that leave, /metrics, /info, probes, draining, processes that die). Loopback onl
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -119,6 +120,14 @@ def busy(server: RunningServer, name: str, seconds: float) -> subprocess.Popen:
 
 def computed(server: RunningServer, name: str) -> bool:
     return any(f"'{name}'" in line for line in server.read_log() if "sleepy handler" in line)
+
+
+def queue_one(server: RunningServer, connection: Connection, name: str) -> None:
+    """Send one item over `connection` (not waiting for its answer) and wait until it is
+    queued behind the busy worker."""
+    body = json.dumps({"inputs": name, "parameters": {"sleep": 0.4}})
+    connection.http.request("POST", "/", body=body, headers=JSON)
+    wait_until(lambda: metric(server, "rawserve_queue_depth") == 1, what="the item queued")
 
 
 @pytest.fixture(scope="module")
@@ -240,13 +249,7 @@ def test_an_http_process_that_dies_is_replaced_and_its_items_withdrawn(server):
     worker = busy(server, "orphan-busy", 2.0)
     connections = one_connection_each(server)
     victim, survivor = list(connections)
-    connections[victim].http.request(
-        "POST",
-        "/",
-        body=json.dumps({"inputs": "orphan", "parameters": {"sleep": 0.4}}),
-        headers=JSON,
-    )
-    wait_until(lambda: metric(server, "rawserve_queue_depth") == 1, what="the item queued")
+    queue_one(server, connections[victim], "orphan")
     os.kill(victim, signal.SIGKILL)
     server.wait_for_log(re.compile(rf"HTTP process \d \(pid {victim}\) exited"), 30)
     wait_until(lambda: metric(server, "rawserve_queue_depth") == 0, what="the item withdrawn")
@@ -257,6 +260,32 @@ def test_an_http_process_that_dies_is_replaced_and_its_items_withdrawn(server):
     assert not computed(server, "orphan")
     for connection in connections.values():
         connection.close()
+
+
+def test_an_http_process_that_hangs_is_killed_and_replaced_and_its_items_withdrawn(server):
+    """A stopped HTTP process is handed about half the new connections, which would hang
+    forever: silent past the bound, it is killed and replaced like one that died."""
+    worker = busy(server, "hung-busy", 7.0)  # past the bound (5 s): the item stays queued
+    connections = one_connection_each(server)
+    victim = list(connections)[0]
+    queue_one(server, connections[victim], "hung")
+    os.kill(victim, signal.SIGSTOP)
+    for connection in connections.values():
+        connection.close()
+    try:
+        server.wait_for_log(re.compile(rf"HTTP process \d \(pid {victim}\) silent"), 30)
+        server.wait_for_log(re.compile(rf"HTTP process \d \(pid {victim}\) exited"), 30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # not left stopped if still there
+            os.kill(victim, signal.SIGCONT)
+    wait_until(lambda: metric(server, "rawserve_queue_depth") == 0, what="the item withdrawn")
+    wait_until(lambda: replaced(server, victim), what="a new HTTP process listed")
+    worker.wait(30)
+    for _ in range(20):  # new connections, spread over both processes
+        connection = Connection(server, timeout=10)
+        assert connection.request("GET", "/health")[0] == 200
+        connection.close()
+    assert not computed(server, "hung")
 
 
 def test_sigterm_drains_every_process_within_the_grace_period():

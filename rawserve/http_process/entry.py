@@ -3,8 +3,9 @@ with the `spawn` method (a fresh interpreter that imports this module and calls
 `run_http_process`), it reads the same command line, listens on the server's port beside
 the other HTTP processes (SO_REUSEPORT: the kernel spreads connections between them),
 serves every route through the protocol and the API with each model's face a client of
-the serving process (rawserve.http_process.remote), and stops when the serving process
-says drain, or at once (exit code 1) when the serving process is gone.
+the serving process (rawserve.http_process.remote), tells the serving process that its
+event loop turns (`say_alive`: one found silent is killed and replaced), and stops when
+the serving process says drain, or at once (exit code 1) when the serving process is gone.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,9 @@ from rawserve.shared.memory import fix_mmap_threshold
 log = logging.getLogger("rawserve")
 
 FINAL_WRITE_SECONDS = 1.0  # after the grace period: time to write the last answers
+# how often this process says it is alive; the serving process kills one silent for
+# seconds (rawserve.serving.fleet.SILENT_SECONDS), so this is a small part of that
+ALIVE_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,19 @@ class ProcessMetrics(Metrics):
     async def scrape(self) -> tuple[bytes, str]:
         assert self.link is not None
         return render_families(await self.link.scrape()), CONTENT_TYPE
+
+
+def say_alive(send: Callable[[tuple[str]], None], every: float = ALIVE_SECONDS) -> None:
+    """Send ("alive",) now and every `every` seconds from a timer of the running event
+    loop: a loop that is stopped (SIGSTOP) or stuck in a call says nothing, while one busy
+    with long passes (a big answer's JSON) still says it between two. No work per request."""
+    loop = asyncio.get_running_loop()
+
+    def beat() -> None:
+        send(("alive",))
+        loop.call_later(every, beat)
+
+    beat()
 
 
 def run_http_process(spec: HttpProcessSpec, sock: socket.socket) -> None:
@@ -115,6 +132,7 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
     metrics.start(loop)
     for signum in (signal.SIGTERM, signal.SIGINT):  # a stop sent to the whole group
         loop.add_signal_handler(signum, on_drain, config.grace)
+    say_alive(link.send)
     link.send(("listening", os.getpid()))
     fix_mmap_threshold()
     gc.collect()

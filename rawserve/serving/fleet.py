@@ -1,8 +1,10 @@
 """The HTTP processes of `--http-processes` N > 1, as the serving process keeps them:
 started with the `spawn` method (fresh interpreters: nothing of this process's state,
 threads or workers' pipes leaks into them), each given its end of a socket pair that
-the bridge serves, replaced when one dies (the bridge withdraws its requests first), and
-stopped at the end of the drain.
+the bridge serves, replaced when one dies (the bridge withdraws its requests first),
+killed and so replaced when one falls silent (stopped, or its event loop stuck: the
+kernel would go on handing it new connections that hang), and stopped at the end of the
+drain.
 
 The entry function is given by constructor (it lives with the HTTP side, which the
 serving side never imports); so is the plain-data description of each process.
@@ -19,12 +21,20 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from rawserve.serving.bridge import Bridge
+from rawserve.serving.bridge import Bridge, Peer
 
 log = logging.getLogger("rawserve")
 
 START_SECONDS = 60.0  # how long a new HTTP process may take to listen
 RESTART_PAUSE = 1.0  # a process that died this soon after starting is restarted after a pause
+# Each HTTP process says "alive" every half second from its event loop
+# (rawserve.http_process.entry.say_alive). One not heard at SILENT_SECONDS / WATCH_SECONDS
+# looks in a row is stopped or stuck, and killed. A busy loop still speaks between two
+# passes, and one pass of 5 s would be over a gigabyte of an answer's JSON (orjson).
+# Looks are counted, not the time since the last "alive": this process's own loop held
+# up does not make every HTTP process look silent at once.
+SILENT_SECONDS = 5.0
+WATCH_SECONDS = 0.5
 
 
 class HttpProcessFailed(RuntimeError):
@@ -44,7 +54,9 @@ class Fleet:
         self.spec = spec
         self.bridge = bridge
         self.processes: dict[int, BaseProcess] = {}
+        self.peers: dict[int, Peer] = {}  # each listening process's end of its channel
         self.stopping = False
+        self._silent: dict[int, int] = {}  # looks in a row that heard nothing, by index
         self._started: dict[int, float] = {}
         self._context = multiprocessing.get_context("spawn")
 
@@ -52,6 +64,7 @@ class Fleet:
         """Start every HTTP process and wait until each listens; HttpProcessFailed if one
         cannot."""
         await asyncio.gather(*(self._start_one(index) for index in range(self.count)))
+        asyncio.get_running_loop().call_later(WATCH_SECONDS, self._watch)
 
     async def _start_one(self, index: int) -> None:
         loop = asyncio.get_running_loop()
@@ -80,7 +93,11 @@ class Fleet:
         )
         if not listening.done():
             listening.cancel()
+            process.kill()  # stuck, if still there: its exit is seen by _on_exit
             raise HttpProcessFailed(f"HTTP process {index} could not start listening")
+        if self.processes.get(index) is process:  # (not one that exited at once)
+            self.peers[index] = peer
+            self._silent[index] = 0
 
     def _on_exit(self, index: int, process: BaseProcess, exited: asyncio.Future[None]) -> None:
         loop = asyncio.get_running_loop()
@@ -90,6 +107,7 @@ class Fleet:
             exited.set_result(None)
         if self.processes.get(index) is process:
             del self.processes[index]
+            self.peers.pop(index, None)  # its replacement is watched once it listens
         if self.stopping:
             return
         log.warning(
@@ -102,6 +120,30 @@ class Fleet:
         lived = time.monotonic() - self._started.get(index, 0.0)
         pause = RESTART_PAUSE if lived < RESTART_PAUSE else 0.0
         loop.call_later(pause, lambda: loop.create_task(self._restart(index)))
+
+    def _watch(self) -> None:
+        """Kill each HTTP process silent for SILENT_SECONDS: its exit is seen by
+        `_on_exit`, which has its requests withdrawn and another started."""
+        if self.stopping:
+            return
+        for index, peer in list(self.peers.items()):
+            if peer.heard:
+                peer.heard = False
+                self._silent[index] = 0
+            else:
+                self._silent[index] += 1
+                if self._silent[index] * WATCH_SECONDS >= SILENT_SECONDS:
+                    process = self.processes[index]
+                    log.error(
+                        "HTTP process %d (pid %s) silent for %.0f s (stopped, or its event "
+                        "loop stuck): killing it",
+                        index,
+                        process.pid,
+                        SILENT_SECONDS,
+                    )
+                    del self.peers[index]
+                    process.kill()
+        asyncio.get_running_loop().call_later(WATCH_SECONDS, self._watch)
 
     async def _restart(self, index: int) -> None:
         if self.stopping:
