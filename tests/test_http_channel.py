@@ -111,6 +111,24 @@ def test_the_board_is_read_by_another_mapping_of_the_same_file():
         board.remove()
 
 
+def test_health_turns_503_in_every_http_process_once_the_serving_process_stops_writing():
+    """A serving process stopped or stuck writes no board: /health through the HTTP
+    processes must say so, as one process that stopped would not answer it."""
+    board = Board.create(1)
+    try:
+        link = Link(board, lambda: [], lambda grace: None, lambda: None)
+        serving = RemoteServing(link, 0)
+        board.publish(0, ready=True, healthy=True, full=False, retry_after=None)
+        assert serving.snapshot().healthy
+        silent = time.monotonic() - remote.SERVING_SILENT_SECONDS - 1
+        board.publish(0, ready=True, healthy=True, full=False, retry_after=None, at=silent)
+        assert not serving.snapshot().healthy
+        board.publish(0, ready=True, healthy=True, full=False, retry_after=None)  # back
+        assert serving.snapshot().healthy
+    finally:
+        board.remove()
+
+
 # the serving process's side: the same state published again and again, for a while
 PUBLISHER = """
 import sys, time

@@ -45,6 +45,10 @@ log = logging.getLogger("rawserve")
 # request is answered 504 here (the serving process answers on time while it runs).
 LATE_SECONDS = 1.0
 SCRAPE_SECONDS = 5.0  # how long /metrics waits for the serving process's merged families
+# The serving process writes the board every 5 ms; this long without a write, it is
+# stopped or stuck, and `/health` answers 503 so that an orchestrator restarts the server
+# (its own passes take milliseconds; a liveness probe acts after several failures)
+SERVING_SILENT_SECONDS = 10.0
 # the serving side's text for a full queue (rawserve.serving.driver), said here at once
 QUEUE_FULL_MESSAGE = "server busy: queue full"
 NOT_LOADED = ServingStatus(
@@ -244,8 +248,14 @@ class RemoteServing:
             snapshot,
             ready=self.ready,
             full=self.full,
-            healthy=self.board.flag(self.index, HEALTHY),
+            healthy=self.board.flag(self.index, HEALTHY) and self.serving_process_turns,
         )
+
+    @property
+    def serving_process_turns(self) -> bool:
+        """Whether the serving process has published lately: one stopped or stuck writes
+        nothing, and `/health` must say so, as it would if this process were that one."""
+        return self.board.age(self.index) < SERVING_SILENT_SECONDS
 
     def open_stream(self, on_token: Callable[[TokenChunk], None]) -> int:
         stream = self.link.next_id()

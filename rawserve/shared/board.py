@@ -1,11 +1,13 @@
 """The serving process's published queue state, read by the HTTP processes without a
 message: a small file mapped into every process's memory (`mmap`).
 
-One record per served model, four 8-byte floats: ready (a worker is loaded and warm),
-healthy (not every worker keeps dying), full (the queue is at its bound), and the
-Retry-After a full queue gives. Only the serving process writes (every few
-milliseconds, mostly the same values again); the HTTP processes read it on every
-request (a refusal at the queue bound is answered at once, with no round trip).
+One record per served model, five 8-byte floats: ready (a worker is loaded and warm),
+healthy (not every worker keeps dying), full (the queue is at its bound), the
+Retry-After a full queue gives, and when it was written (the system's monotonic clock,
+the same in every process). Only the serving process writes (every few milliseconds,
+mostly the same values again); the HTTP processes read it on every request (a refusal
+at the queue bound is answered at once, with no round trip), and a record not written
+for seconds says the serving process is stopped or stuck.
 
 Each field is written whole, through a memoryview of doubles: one aligned 8-byte copy,
 atomic, so a reader sees the old value or the new. Not `struct.pack_into`: it zeroes
@@ -19,9 +21,10 @@ import math
 import mmap
 import os
 import tempfile
+import time
 
-FIELDS = 4  # per model
-READY, HEALTHY, FULL, RETRY_AFTER = range(FIELDS)
+FIELDS = 5  # per model
+READY, HEALTHY, FULL, RETRY_AFTER, WRITTEN_AT = range(FIELDS)
 FIELD_SIZE = 8  # a double
 
 
@@ -52,9 +55,17 @@ class Board:
         return cls(path, models, create=True)
 
     def publish(
-        self, model: int, *, ready: bool, healthy: bool, full: bool, retry_after: float | None
+        self,
+        model: int,
+        *,
+        ready: bool,
+        healthy: bool,
+        full: bool,
+        retry_after: float | None,
+        at: float | None = None,
     ) -> None:
-        values = (float(ready), float(healthy), float(full), retry_after)
+        written = time.monotonic() if at is None else at
+        values = (float(ready), float(healthy), float(full), retry_after, written)
         for field, value in enumerate(values):
             self._fields[model * FIELDS + field] = math.nan if value is None else value
 
@@ -64,6 +75,10 @@ class Board:
 
     def flag(self, model: int, field: int) -> bool:
         return self.read(model, field) == 1.0
+
+    def age(self, model: int) -> float:
+        """Seconds since the model's record was last written."""
+        return time.monotonic() - self.read(model, WRITTEN_AT)
 
     def retry_after(self, model: int) -> float | None:
         value = self.read(model, RETRY_AFTER)
