@@ -466,6 +466,8 @@ def test_a_text_sent_without_a_prompt_name_gets_the_model_s_default_prompt(path,
         ("text/plain; charset=UTF-16", "héllo".encode("utf-16"), "héllo"),  # BOM dropped
         ('text/plain;charset="latin-1"', "héllo".encode("latin-1"), "héllo"),
         ("text/plain; format=flowed; charset=utf-8", "héllo".encode(), "héllo"),
+        ("text/plain", "\ufeffhéllo".encode(), "héllo"),  # a UTF-8 byte order mark
+        ("text/plain; charset=utf-16le", "\ufeffhéllo".encode("utf-16-le"), "héllo"),
     ],
 )
 def test_a_text_body_is_read_in_the_charset_its_type_names(content_type, body, text):

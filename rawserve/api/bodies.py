@@ -28,6 +28,7 @@ from rawserve.serving.face import ItemResult
 PYTHON_ENCODINGS = frozenset(
     {"idna", "palmos", "punycode", "raw-unicode-escape", "undefined", "unicode-escape"}
 )
+BYTE_ORDER_MARK = "\ufeff"
 MAX_JSON_DEPTH = 64  # levels of nested arrays and objects in a request body
 TOO_DEEP = f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep"
 
@@ -96,7 +97,9 @@ def read_text(request: HttpRequest) -> str:
     try:
         if codecs.lookup(charset).name in PYTHON_ENCODINGS:
             raise LookupError(charset)
-        return request.body.decode(charset)
+        # a byte order mark is no text (a file saved by Notepad starts with one); the
+        # WHATWG decoders drop it, as Python's "utf-16" does but not its "utf-8"
+        return request.body.decode(charset).removeprefix(BYTE_ORDER_MARK)
     except LookupError:  # not a codec, or one that is not a text encoding (base64)
         raise UnsupportedMediaType(
             f"the charset {charset!r} is not one this server reads"
