@@ -432,7 +432,7 @@ class ListeningAtOnce:
         self.ends.append(sock)
         if len(self.attached) > 1:
             self.replaced.set()
-        peer = SimpleNamespace(listening=asyncio.Event(), heard=True)
+        peer = SimpleNamespace(listening=asyncio.Event(), silent_looks=0)
         peer.listening.set()
         return peer
 

@@ -25,7 +25,7 @@ from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
 from rawserve.api.tei import sentence_similarity
 from rawserve.api.tei_bodies import SIMILARITY
-from rawserve.http.errors import BadRequest, NotFound, UnprocessableInput
+from rawserve.http.errors import BadRequest, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.tasks import (
     BlankInput,
@@ -231,9 +231,9 @@ class InferenceRoutes:
         more than that precision."""
         gate, models = self.context.gate, self.context.models.all
         fitting = [model for model in models if needs.missing(model) is None]
-        if not fitting:  # every body is a 404 saying what each serves: said from the head
-            unfit = needs.missing(models[0]) if len(models) == 1 else needs.none_fits(models)
-            raise NotFound(unfit or f"this route needs {needs.what}")
+        if not fitting:  # every body gets the route's 404 (what each serves): from the head
+            self.context.model_for(None, needs)  # (raises it)
+            return
         if any(gate.open_for(model) and not model.serving.full for model in fitting):
             return  # one of them can: the request is read and routed as usual
         self.refuse_now(fitting[0])

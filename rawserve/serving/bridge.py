@@ -12,7 +12,7 @@ sends back the answer:
     ("scrape", rid)               /metrics: every process's families, merged
                                   → ("scraped", rid, families)
     ("samples", token, families)  an HTTP process's own metrics, asked for by ("collect", token)
-    ("alive",)                    its event loop turns (every half second: `Peer.heard`)
+    ("alive",)                    its event loop turns (every half second: `Peer.silent_looks`)
 
 It publishes each model's queue state on the `Board` (read by the HTTP processes on
 every request, without a message) and sends ("status", model, snapshot, loaded),
@@ -80,7 +80,7 @@ class Peer:
     runs: dict[int, RunningRequest] = field(default_factory=dict)
     streams: dict[int, tuple[ModelService, int]] = field(default_factory=dict)
     listening: asyncio.Event = field(default_factory=asyncio.Event)  # its socket is open
-    heard: bool = False  # it said it is alive since the fleet last looked (and cleared it)
+    silent_looks: int = 0  # the fleet's looks since it last said it is alive
 
 
 class Bridge:
@@ -212,7 +212,7 @@ class Bridge:
                 if len(gathered) >= expected and not done.done():
                     done.set_result(None)
         elif kind == "alive":
-            peer.heard = True
+            peer.silent_looks = 0
 
     def _begin(
         self,

@@ -56,7 +56,6 @@ class Fleet:
         self.processes: dict[int, BaseProcess] = {}
         self.peers: dict[int, Peer] = {}  # each listening process's end of its channel
         self.stopping = False
-        self._silent: dict[int, int] = {}  # looks in a row that heard nothing, by index
         self._started: dict[int, float] = {}
         self._context = multiprocessing.get_context("spawn")
 
@@ -97,7 +96,6 @@ class Fleet:
             raise HttpProcessFailed(f"HTTP process {index} could not start listening")
         if self.processes.get(index) is process:  # (not one that exited at once)
             self.peers[index] = peer
-            self._silent[index] = 0
 
     def _on_exit(self, index: int, process: BaseProcess, exited: asyncio.Future[None]) -> None:
         loop = asyncio.get_running_loop()
@@ -127,22 +125,18 @@ class Fleet:
         if self.stopping:
             return
         for index, peer in list(self.peers.items()):
-            if peer.heard:
-                peer.heard = False
-                self._silent[index] = 0
-            else:
-                self._silent[index] += 1
-                if self._silent[index] * WATCH_SECONDS >= SILENT_SECONDS:
-                    process = self.processes[index]
-                    log.error(
-                        "HTTP process %d (pid %s) silent for %.0f s (stopped, or its event "
-                        "loop stuck): killing it",
-                        index,
-                        process.pid,
-                        SILENT_SECONDS,
-                    )
-                    del self.peers[index]
-                    process.kill()
+            peer.silent_looks += 1  # (the bridge sets it back to 0 at each "alive")
+            if peer.silent_looks * WATCH_SECONDS >= SILENT_SECONDS:
+                process = self.processes[index]
+                log.error(
+                    "HTTP process %d (pid %s) silent for %.0f s (stopped, or its event "
+                    "loop stuck): killing it",
+                    index,
+                    process.pid,
+                    SILENT_SECONDS,
+                )
+                del self.peers[index]
+                process.kill()
         asyncio.get_running_loop().call_later(WATCH_SECONDS, self._watch)
 
     async def _restart(self, index: int) -> None:
