@@ -52,6 +52,8 @@ class AnsweringQueue:
             outputs: list[Any] = [
                 {"embedding": np.full(3, len(self.calls), "f4"), "tokens": 2} for _ in inputs
             ]
+        elif self.task == "text-generation":
+            outputs = [[{"generated_text": self.name}] for _ in inputs]
         else:
             outputs = [{"label": self.name, "score": 1.0} for _ in inputs]
         return [ItemResult(output, 0.0, len(inputs), 0.001) for output in outputs]
@@ -264,6 +266,26 @@ async def test_one_served_model_answers_to_any_name(name):
     assert json.loads(response.body)["model"] == "emb"  # the answer names the served model
     embedded = await app.handle(post("/embed", {"inputs": "hi", "model": name or "x"}))
     assert embedded.status == 200
+
+
+@pytest.mark.parametrize(("name", "model"), [("gen", "gen"), ("gen2", "gen2"), (None, "gen")])
+async def test_tgis_generate_takes_the_model_field_as_the_other_routes_do(name, model):
+    """Of several generation models, TGI's routes serve the one the body names (the first
+    without a name), and the documented body says so."""
+    models = ServedModels([served("gen", "text-generation"), served("gen2", "text-generation")])
+    app = App(models)
+    document = {"inputs": "hi", **({"model": name} if name else {})}
+    answer = await app.handle(post("/generate", document, headers=[]))
+    assert answer.status == 200 and json.loads(answer.body)["generated_text"] == model
+    assert [computed_by(app, each) for each in ("gen", "gen2")] == [
+        int(model == "gen"),
+        int(model == "gen2"),
+    ]
+    not_served = await app.handle(post("/generate", {"inputs": "hi", "model": "nope"}, headers=[]))
+    assert not_served.status == 404 and "served: gen, gen2" in not_served.body.decode()
+    paths = json.loads((await app.handle(get("/openapi.json", headers=[]))).body)["paths"]
+    body = paths["/generate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert "string" in body["properties"]["model"]["type"]
 
 
 async def test_one_served_model_still_refuses_a_model_field_that_is_not_a_name():

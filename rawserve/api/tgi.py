@@ -23,6 +23,7 @@ from typing import Any
 from rawserve.api import schemas
 from rawserve.api.bodies import answer, read_json
 from rawserve.api.context import RouteContext
+from rawserve.api.fields import MODEL
 from rawserve.api.inference import ParsedRequest, inference_request, parse_json_body
 from rawserve.api.openai import GENERATION
 from rawserve.api.outcomes import unwrap
@@ -71,8 +72,10 @@ GENERATE_RESPONSE: Schema = {
 
 
 def generate_request(context: DocContext) -> Schema:
-    """TGI's body: `POST /`'s for the text-generation task, one text as `inputs`."""
-    return inference_request(context)
+    """TGI's body: `POST /`'s for the text-generation task, one text as `inputs`, and the
+    "model" field that picks one of several served models, as on the other API routes."""
+    schema = inference_request(context)
+    return {**schema, "properties": {**schema["properties"], "model": MODEL.schema_in(context)}}
 
 
 class TgiRoutes:
@@ -124,12 +127,14 @@ class TgiRoutes:
         """The generation model, and the body's prompt and checked parameters; a prompt
         that leaves the model no room is refused here, before it queues."""
         document = read_json(request)
-        model = self.context.model_for(None, GENERATION)
+        name = None
         if isinstance(document, dict):
             if "inputs" in document and not isinstance(document["inputs"], str):
                 raise BadRequest('"inputs" must be one text')
+            name = document.get("model")
             # the route says whether it streams ("stream" is for TGI's POST /)
-            document = {k: v for k, v in document.items() if k != "stream"}
+            document = {k: v for k, v in document.items() if k not in ("stream", "model")}
+        model = self.context.model_for(name, GENERATION)
         parsed = parse_json_body(TASK, document, 1)
         # TGI's defaults: the continuation alone, and greedy (a temperature, top_k or top_p
         # asks for sampling in the worker, as TGI reads them)
