@@ -641,6 +641,23 @@ async def test_connections_past_the_cap_get_503_and_the_cap_frees_up():
     assert [r.status_code for r, _ in read_responses(transport.written)] == [200]
 
 
+@pytest.mark.parametrize(
+    "target", [b"/health", b"/ready?x=1", b"/ready/cls", b"http://a/health", b"/%68ealth"]
+)
+async def test_a_probe_past_the_cap_is_answered_in_any_form_the_routes_take(target):
+    loop = asyncio.get_running_loop()
+    state = ServerState()
+    settings = ProtocolSettings(max_connections=1)
+    HttpProtocol(EchoApp(), settings, state, loop=loop).connection_made(FakeTransport())
+    protocol = HttpProtocol(EchoApp(), settings, state, loop=loop)  # past the cap
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    protocol.data_received(b"GET " + target + b" HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    [(response, _)] = read_responses(transport.written)
+    assert response.status_code == 200 and transport.finished
+
+
 # --- flow control ---------------------------------------------------------------------
 
 

@@ -14,11 +14,9 @@ from urllib.parse import unquote
 
 import h11
 
+from rawserve.http.access_log import is_probe as is_probe_path
 from rawserve.http.chunked import ChunkedMeter
 from rawserve.http.exchange import HttpRequest, HttpResponse
-
-# Paths taken on a connection past --max-connections (one probe there, then close).
-PROBE_PATHS = (b"/health", b"/ready")
 
 
 class Cycle:
@@ -97,7 +95,12 @@ def routed_path(path: str) -> str:
 
 
 def is_probe(event: h11.Request) -> bool:
-    return event.method in (b"GET", b"HEAD") and event.target.partition(b"?")[0] in PROBE_PATHS
+    """A liveness or readiness probe, in any form of its target that the routes take (a
+    connection past --max-connections is taken for one, then closed)."""
+    if event.method not in (b"GET", b"HEAD"):
+        return False
+    path = routed_path(event.target.partition(b"?")[0].decode("latin-1"))
+    return is_probe_path(event.method.decode("ascii"), path)
 
 
 def head_size(event: h11.Request, fields: list[tuple[bytes, bytes]]) -> int:
