@@ -47,6 +47,7 @@ from rawserve.http.content_coding import codings, decoded
 from rawserve.http.cors import CorsPolicy
 from rawserve.http.cycle import (
     Cycle,
+    has_content,
     head_request,
     header,
     header_list,
@@ -320,11 +321,13 @@ class HttpProtocol(asyncio.Protocol):
                 cycle.codings = codings(coding)  # refused from the head if none it reads
         except Exception as exc:  # noqa: BLE001 - error_response logs what is unexpected
             cycle.early = error_response(exc)
-        if cycle.early is not None and self.conn.they_are_waiting_for_100_continue:
+        # with no body to come, nothing waits for a 100: the request is answered whole
+        waits = self.conn.they_are_waiting_for_100_continue and has_content(fields)
+        if cycle.early is not None and waits:
             # no 100: the client does not send the body, so the connection ends after
             self._enter(Phase.RESPONDING)
             self._send(cycle, cycle.early)
-        elif self.conn.they_are_waiting_for_100_continue:
+        elif waits:
             # Only now that the head is accepted: a refused request never sees a 100.
             self._write(
                 self.conn.send(

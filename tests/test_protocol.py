@@ -505,6 +505,21 @@ async def test_expect_100_continue_refused_from_the_head_is_never_asked_for_its_
     assert count_responses(transport.written) == 1 and transport.finished
 
 
+@pytest.mark.parametrize("framing", [b"", b"Content-Length: 0\r\n"])
+async def test_expect_100_continue_without_a_body_is_answered_and_the_connection_kept(framing):
+    """No content to wait for (RFC 9110 section 10.1.1): no 100, and an answer from the
+    head, as any other, leaves the connection open for the next request."""
+    protocol, transport = connected_to(App())
+    head = b"POST /now-refused HTTP/1.1\r\nHost: a\r\n" + framing
+    head += b"Expect: 100-continue\r\n\r\n"
+    protocol.data_received(head + head)
+    await settle()
+    assert b"HTTP/1.1 100" not in transport.written
+    answers = read_responses(transport.written, [head, head])
+    assert [response.status_code for response, _ in answers] == [503, 503]
+    assert not transport.finished
+
+
 # --- read timeouts on a hand-driven timer ---------------------------------------------
 
 

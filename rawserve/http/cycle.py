@@ -51,6 +51,12 @@ def header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
     return None
 
 
+def has_content(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """Whether a request's framing says a body follows (h11 has checked the framing)."""
+    length = header(headers, b"content-length")
+    return header(headers, b"transfer-encoding") is not None or int(length or 0) > 0
+
+
 def header_list(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
     """Every value of list-valued header `name` (lower-case), joined as one list (RFC 9110
     section 5.3: several fields are one list, in order), or None."""
