@@ -19,6 +19,7 @@ from rawserve.http.exchange import HttpRequest
 from rawserve.serving.face import NO_CONTROL, Control, ItemResult, Refusal
 from rawserve.serving.service import ModelService
 from rawserve.tasks import InvalidRequest, UnservedParameter, check_params, task_rules
+from rawserve.tasks.text_generation import API_SAMPLING
 from tests.test_model_selection import ReadyWorkers, served
 
 TASK = task_rules("text-generation")
@@ -178,8 +179,9 @@ async def test_generate_uses_the_first_model_that_generates_wherever_it_is_liste
     assert json.loads(response.body) == {"generated_text": " and so on"}
     queue = gen.serving.queue
     assert isinstance(queue, GeneratingQueue)
-    # TGI's defaults: the continuation, greedy (unless a sampling setting asks otherwise)
-    assert queue.params == [{"return_full_text": False, "do_sample": False}]
+    # TGI's defaults: the continuation, greedy (unless a sampling setting asks otherwise),
+    # and TGI's temperature when sampling (not the pipeline's)
+    assert queue.params == [{"return_full_text": False, "do_sample": False, API_SAMPLING: True}]
 
 
 async def test_generate_takes_the_sampling_asked_for():
@@ -189,7 +191,7 @@ async def test_generate_takes_the_sampling_asked_for():
     response = await app.handle(post("/generate", {"inputs": "once", "parameters": asked}))
     assert response.status == 200
     assert isinstance(gen.serving.queue, GeneratingQueue)
-    assert gen.serving.queue.params == [asked]
+    assert gen.serving.queue.params == [{**asked, API_SAMPLING: True}]
 
 
 async def test_generate_refuses_an_unserved_parameter_with_422_in_tgis_shape():

@@ -27,6 +27,7 @@ from rawserve.shared.messages import (
     TokenChunks,
     WorkerConfig,
 )
+from rawserve.tasks.text_generation import API_SAMPLING
 from tests.tiny_models import PERSON
 
 POSITIONS = 256  # the tiny GPT-2's (tests/tiny_models.py)
@@ -568,6 +569,42 @@ def test_a_sampling_setting_samples_beside_do_sample_false_as_tgi_reads_it(runne
         for unchanged in ({**asked, "temperature": 0.0}, {**asked, "temperature": 1.0}):
             [(_, got, _)] = as_the_static_path(runner, unchanged, ["the movie was"])
             assert got == greedy
+
+
+def test_post_root_samples_at_the_pipelines_temperature_and_the_api_routes_at_theirs(runner):
+    """Where neither the request nor the model's generation config sets a temperature,
+    `POST /` samples as the text-generation pipeline does (0.7); the OpenAI and TGI routes
+    (which mark their requests) as OpenAI and TGI do (1), on both paths."""
+    assert runner.model.generation_config.temperature is None
+    differ = []
+    for seed in (0, 1):  # (a near-uniform tiny model may draw alike at both, on one seed)
+        asked = {"max_new_tokens": 40, "seed": seed}
+        answers = []
+        for params, temperature in ((asked, 0.7), ({**asked, API_SAMPLING: True}, 1.0)):
+            [(_, got, _)] = as_the_static_path(runner, params, ["the movie was"])
+            explicit = {**asked, "do_sample": True, "temperature": temperature}
+            assert got == static(runner, "the movie was", explicit)
+            answers.append(got)
+        differ.append(answers[0] != answers[1])
+    assert any(differ)
+
+
+def test_the_models_own_temperature_wins_over_the_pipelines(tiny_model, tmp_path):
+    import json
+    import shutil
+
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    folder = shutil.copytree(tiny_model("text-generation"), tmp_path / "model")
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, "temperature": 1.3}))
+    runner = CausalLMRunner(str(folder), "cpu", torch.float32)
+    asked = {"max_new_tokens": 40, "seed": 0}
+    [(_, got, _)] = as_the_static_path(runner, asked, ["the movie was"])
+    assert got == static(runner, "the movie was", {**asked, "temperature": 1.3})
+    assert got != static(runner, "the movie was", {**asked, "temperature": 0.7})
 
 
 def test_an_unseeded_sample_names_the_seed_that_repeats_it_as_tgi_does(runner):

@@ -63,7 +63,12 @@ from rawserve.tasks import (
     text_generation,
 )
 from rawserve.tasks.checks import not_blank
-from rawserve.tasks.text_generation import MAX_STOP_SEQUENCES, MAX_TOP_N_TOKENS, PROMPT_TOP_N
+from rawserve.tasks.text_generation import (
+    API_SAMPLING,
+    MAX_STOP_SEQUENCES,
+    MAX_TOP_N_TOKENS,
+    PROMPT_TOP_N,
+)
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call"}
@@ -127,7 +132,7 @@ def generation_params(
 ) -> GenerationRequest:
     """The parameters both routes share."""
     fields.value("user")
-    params: dict[str, Any] = {"return_full_text": False, "details": True}
+    params: dict[str, Any] = {"return_full_text": False, "details": True, API_SAMPLING: True}
     max_tokens = fields.value(max_tokens_field)
     if max_tokens is None and max_tokens_field != "max_tokens":
         max_tokens = fields.value("max_tokens")

@@ -34,6 +34,7 @@ from rawserve.api.streaming import open_token_stream
 from rawserve.http.errors import BadRequest
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.tasks import InvalidRequest, check_generation_length
+from rawserve.tasks.text_generation import API_SAMPLING
 
 TAG = "TGI"
 TASK = "text-generation"
@@ -138,7 +139,12 @@ class TgiRoutes:
         parsed = parse_json_body(TASK, document, 1)
         # TGI's defaults: the continuation alone, and greedy (a temperature, top_k or top_p
         # asks for sampling in the worker, as TGI reads them)
-        params: dict[str, Any] = {"return_full_text": False, "do_sample": False, **parsed.params}
+        params: dict[str, Any] = {
+            "return_full_text": False,
+            "do_sample": False,
+            **parsed.params,
+            API_SAMPLING: True,
+        }
         try:
             check_generation_length(params, model.limits.max_new_tokens)
         except InvalidRequest as exc:

@@ -24,6 +24,10 @@ CHAT_PARAM = "chat"
 # Set by the server's OpenAI completions route (echo with logprobs), never by a client:
 # with `decoder_input_details`, the likeliest tokens listed beside each of the prompt's.
 PROMPT_TOP_N = "prompt_top_n"
+# Set by the server's OpenAI and TGI routes, never by a client: they sample at their own
+# default temperature (1) where the request and the model's generation config set none,
+# not at the text-generation pipeline's (0.7), which `POST /` keeps.
+API_SAMPLING = "api_sampling"
 MAX_STOP_SEQUENCES = 16
 # the likeliest tokens a new token's details or stream event may list beside it (OpenAI's
 # top_logprobs goes to 20; TGI's own server defaults to 5)

@@ -20,7 +20,7 @@ import transformers
 
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits, TokenChunk
 from rawserve.tasks import CHAT_PARAM
-from rawserve.tasks.text_generation import PROMPT_TOP_N, returns_full_text
+from rawserve.tasks.text_generation import API_SAMPLING, PROMPT_TOP_N, returns_full_text
 from rawserve.worker.continuous import (
     Generation,
     ScoreAdjustments,
@@ -36,7 +36,7 @@ from rawserve.worker.runner import Runner, dtype_name
 log = logging.getLogger("rawserve.generation")
 
 # The text-generation pipeline's defaults, for what the model's generation config leaves unset.
-PIPELINE_DEFAULTS = {"max_new_tokens": 256, "do_sample": True}
+PIPELINE_DEFAULTS: dict[str, Any] = {"max_new_tokens": 256, "do_sample": True, "temperature": 0.7}
 # What `generate` samples with where neither the request nor the model's generation config
 # says (transformers' global defaults that change a draw; the others are neutral): the
 # continuous loop draws as `generate` would.
@@ -260,8 +260,11 @@ def asks_sampling(params: dict[str, Any]) -> bool:
 
 
 def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-    """generate() options from checked request parameters."""
+    """generate() options from checked request parameters, on top of `defaults` (the
+    pipeline's, for what the model's generation config leaves unset)."""
     kwargs: dict[str, Any] = dict(defaults)
+    if params.get(API_SAMPLING):
+        kwargs.pop("temperature", None)
     for name in (
         "max_new_tokens",
         "do_sample",
@@ -280,6 +283,8 @@ def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[st
     if kwargs.get("temperature") == 0.0:  # TGI and OpenAI read temperature 0 as greedy
         kwargs.pop("temperature")
         kwargs["do_sample"] = False
+    if not kwargs.get("do_sample") and "temperature" not in params:
+        kwargs.pop("temperature", None)  # a default for sampling only (as the pipeline's)
     return kwargs
 
 
@@ -304,6 +309,8 @@ class CausalLMRunner(Runner):
             or 1_000_000
         )
         self.defaults = {k: v for k, v in PIPELINE_DEFAULTS.items() if k not in configured}
+        # whether it samples, said outright: the pipeline's temperature is for sampling only
+        self.defaults["do_sample"] = bool({**PIPELINE_DEFAULTS, **configured}["do_sample"])
         self.special_ids = set(self.tokenizer.all_special_ids)
         self.vocabulary = self.model.get_input_embeddings().num_embeddings  # ids it can read
         self.grammars = Grammars(self.tokenizer, self.model.get_output_embeddings().out_features)
