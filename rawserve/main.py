@@ -459,6 +459,7 @@ class HttpProcesses:
 
     def kill(self) -> None:
         self.fleet.kill()
+        self.board.remove()  # the process exits at once: nothing else would remove it
 
 
 Front = OneProcess | HttpProcesses  # who speaks HTTP: the serving process, or its fleet
