@@ -459,6 +459,7 @@ class HttpProcesses:
 
     def kill(self) -> None:
         self.fleet.kill()
+        self.board.remove()  # the process exits at once: nothing else would remove it
 
 
 Front = OneProcess | HttpProcesses  # who speaks HTTP: the serving process, or its fleet
@@ -476,13 +477,23 @@ def queue_retry_after(scheduler: Scheduler) -> Callable[[], float]:
 
 def reserve_port(host: str, port: int) -> socket.socket:
     """A socket bound to (`host`, `port`) with SO_REUSEPORT that never listens: it holds
-    the port (the one the system picks for port 0) for the HTTP processes to listen on."""
+    the port (the one the system picks for port 0) for the HTTP processes to listen on.
+
+    SO_REUSEPORT is set once bound: a port another server holds, even one whose HTTP
+    processes set it too, is then refused as in use instead of shared with it (the
+    kernel would split the clients between two servers). SO_REUSEADDR, as a listener
+    has it: connections left in TIME_WAIT by a server just stopped do not hold the port."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
     reserved = socket.socket(family, kind, proto)
-    reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    reserved.bind(address)
+    try:
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        reserved.bind(address)
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    except OSError:
+        reserved.close()
+        raise
     return reserved
 
 

@@ -499,8 +499,10 @@ class HttpProtocol(asyncio.Protocol):
             self.close()
             return
         finally:
+            # one line however it ended: a stream cut short (the client left, the write
+            # timeout) says what it sent, as nginx logs a response cut short
+            self._log_access(cycle, response.status, sent)
             await _close_stream(response)  # stops the producer (e.g. generation) if we left
-        self._log_access(cycle, response.status, sent)
         self._finish_cycle(close)
 
     def _start_response(self, cycle: Cycle) -> bool:

@@ -220,8 +220,12 @@ def test_a_model_s_workers_and_its_info_are_built_from_the_typed_configuration()
 
 
 @pytest.mark.parametrize("http_processes", ["1", "2"])
-def test_a_port_in_use_stops_the_server_with_a_clear_line_not_a_traceback(http_processes):
+@pytest.mark.parametrize("shared", [False, True], ids=["plain", "reuse_port"])
+def test_a_port_in_use_stops_the_server_with_a_clear_line_not_a_traceback(http_processes, shared):
+    """`shared`: the port is held as another server's HTTP processes hold it (with
+    SO_REUSEPORT), which a second server must not join and split its clients with."""
     with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, int(shared))
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]

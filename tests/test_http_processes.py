@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from rawserve.main import SIGNAL_REPEAT_SECONDS
 from tests.server import REPO_ROOT, RunningServer
 
 pytestmark = pytest.mark.slow
@@ -347,20 +348,53 @@ def child_pids(pid: int) -> list[int]:
     return pids
 
 
+def board_path(http_pid: int) -> str:
+    """The file of the queue state an HTTP process has mapped (rawserve.shared.board)."""
+    with open(f"/proc/{http_pid}/maps") as maps:
+        for line in maps:
+            if "rawserve-board-" in line:
+                return line.split(maxsplit=5)[5].strip()
+    raise AssertionError(f"HTTP process {http_pid} maps no board")
+
+
 def test_the_serving_process_dying_stops_the_http_processes_with_a_clear_line():
+    """kill -9 of the serving process: the HTTP processes and the workers exit by
+    themselves, the port is free, and nothing is left in shared memory."""
     server = RunningServer([*SLEEPY, *TWO]).start()
     try:
         pids = http_pids(server)
         _, _, body = server.request("GET", "/info")
         workers = json.loads(body)["worker_pids"]
+        board = board_path(pids[0])
+        assert os.path.exists(board)
         server.process.kill()
         assert server.process.wait(10) != 0
         wait_until(lambda: all(gone(pid) for pid in pids), 30, "the HTTP processes exited")
         server.wait_for_log(re.compile("the serving process is gone; stopping"), 10)
+        wait_until(lambda: all(gone(pid) for pid in workers), 30, "the workers exited")
+        assert not os.path.exists(board)
     finally:
         for pid in [*pids, *workers]:
             if not gone(pid):
                 os.kill(pid, signal.SIGKILL)
+        server.stop()
+
+
+def test_a_second_signal_exits_at_once_and_leaves_nothing_in_shared_memory():
+    server = RunningServer([*SLEEPY, *TWO, "--grace", "30"]).start()
+    try:
+        pids = http_pids(server)
+        board = board_path(pids[0])
+        worker = busy(server, "held", 20.0)  # holds the drain
+        server.signal(signal.SIGTERM)
+        server.wait_for_log(re.compile("SIGTERM received"), 10)
+        time.sleep(SIGNAL_REPEAT_SECONDS + 0.2)  # (sooner, it counts as the same stop)
+        server.signal(signal.SIGINT)
+        assert server.process.wait(10) == 1
+        wait_until(lambda: all(gone(pid) for pid in pids), 10, "the HTTP processes exited")
+        assert not os.path.exists(board)
+        worker.wait(10)
+    finally:
         server.stop()
 
 

@@ -381,6 +381,33 @@ async def test_streamed_response_is_chunked_and_stops_when_the_client_leaves():
     assert produced == [0, 1]
 
 
+async def test_a_stream_the_client_leaves_midway_has_its_access_line(caplog):
+    """A token stream whose client vanishes mid-answer is still one access line (and one
+    count in /metrics): the status its head said and the bytes sent until then, as
+    nginx logs a response cut short."""
+    loop = asyncio.get_running_loop()
+    gate = asyncio.Event()
+
+    async def tokens():
+        yield b"data: 0\n\n"
+        await gate.wait()
+        yield b"data: 1\n\n"
+
+    class StreamApp(FakeApp):
+        async def handle(self, request):
+            return HttpResponse(200, content_type="text/event-stream", stream=tokens())
+
+    protocol = HttpProtocol(StreamApp(), loop=loop)
+    protocol.connection_made(FakeTransport())
+    with caplog.at_level("INFO", logger="rawserve.access"):
+        protocol.data_received(b"GET /s HTTP/1.1\r\nHost: a\r\nX-Request-Id: left-1\r\n\r\n")
+        await settle()
+        protocol.connection_lost(None)
+        await settle()
+    [line] = [record.getMessage() for record in caplog.records]
+    assert '"GET /s" 200 9 ' in line and line.endswith("left-1")
+
+
 class PiecesApp(FakeApp):
     """Streams three pieces of different sizes (one of them empty), or answers JSON."""
 
