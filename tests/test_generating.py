@@ -652,6 +652,31 @@ def test_chat_inputs_render_with_the_template_as_the_static_path(tiny_model):
     assert without_logprobs(got) == without_logprobs(expected)
 
 
+# Mistral's and Llama 2's templates refuse a conversation out of order in these words
+ALTERNATING = (
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{{ message['content'] }}{% endfor %}"
+)
+
+
+def test_a_templates_refusal_reaches_the_client_in_its_own_words(tiny_model):
+    import torch
+
+    from rawserve.tasks import CHAT_PARAM
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, ALTERNATING)
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "hi"}]}
+    params = {**GREEDY, CHAT_PARAM: True, "return_full_text": False}
+    (failed,) = results(serve(chat_runner, {0: [Batch(1, (chat,), params)]}))[1].outputs
+    assert failed.kind is FailureKind.INPUT
+    assert failed.message == (
+        "the chat template refused the messages: "
+        "Conversation roles must alternate user/assistant/user/assistant/..."
+    )
+
+
 TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
 
 

@@ -31,7 +31,7 @@ from rawserve.worker.continuous import (
 )
 from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.grammars import Grammars, constrain
-from rawserve.worker.runner import Runner, dtype_name
+from rawserve.worker.runner import Runner, WrittenForClients, dtype_name
 
 log = logging.getLogger("rawserve.generation")
 
@@ -404,7 +404,7 @@ class CausalLMRunner(Runner):
                 )
             )
         except jinja2.TemplateError as exc:  # the template refuses these messages
-            raise ValueError(f"the chat template refused the messages: {exc}") from None
+            raise WrittenForClients(f"the chat template refused the messages: {exc}") from None
 
     def _check_lengths(self, params: dict[str, Any], longest_prompt: int) -> None:
         """ValueError when the new tokens asked, or a prompt, cannot fit the positions."""
