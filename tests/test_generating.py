@@ -677,6 +677,29 @@ def test_a_templates_refusal_reaches_the_client_in_its_own_words(tiny_model):
     )
 
 
+def test_a_developer_message_is_a_system_one_unless_the_template_names_the_role(tiny_model):
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    system_only = (  # as Llama 3's and Qwen's: a system message first, else a default one
+        "{% if messages[0]['role'] == 'system' %}[{{ messages[0]['content'] }}]"
+        "{% set messages = messages[1:] %}{% else %}[be brief]{% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
+    chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, system_only)
+    messages = [
+        {"role": "developer", "content": "answer in French"},
+        {"role": "user", "content": "hi"},
+    ]
+    assert chat_runner.chat_text(messages, None) == "[answer in French]user: hi\n"
+    chat_runner.tokenizer.chat_template = (  # one that has a place of its own for the role
+        "{% for m in messages %}{% if m['role'] == 'developer' %}dev {% endif %}"
+        "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
+    assert chat_runner.chat_text(messages, None) == ("dev developer: answer in French\nuser: hi\n")
+
+
 TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
 
 

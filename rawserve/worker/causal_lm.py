@@ -384,7 +384,14 @@ class CausalLMRunner(Runner):
         """A chat rendered with the model's template, with the tools it may call: where
         the template leaves tools out, they are described at the end of the last message
         (and, where `several`, how to call several at once). A `tool_prompt` (TGI's) goes
-        at the end of the last message, before that description, as TGI puts it there."""
+        at the end of the last message, before that description, as TGI puts it there.
+        OpenAI's `developer` messages are `system` ones to a template that does not name
+        that role (most do not: they would drop it, or refuse it), as vLLM reads them."""
+        if "developer" not in str(self.tokenizer.chat_template):
+            messages = [
+                {**message, "role": "system"} if message["role"] == "developer" else message
+                for message in messages
+            ]
         if tools and tool_prompt:
             last = {**messages[-1], "content": messages[-1]["content"] + "\n\n" + tool_prompt}
             messages = [*messages[:-1], last]
