@@ -677,6 +677,17 @@ def test_a_templates_refusal_reaches_the_client_in_its_own_words(tiny_model):
     )
 
 
+def test_a_chat_template_that_is_not_jinja_fails_the_load_not_each_chat(tiny_model):
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    with pytest.raises(ValueError, match=r"--chat-template: the template is not valid Jinja"):
+        CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, "{% for m in messages %}")
+    # one that refuses some chats (a user's "hi" alone, here) loads: it refuses them one by one
+    CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, ALTERNATING.replace("user", "x"))
+
+
 def test_a_developer_message_is_a_system_one_unless_the_template_names_the_role(tiny_model):
     import torch
 

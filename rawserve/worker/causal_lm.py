@@ -283,6 +283,20 @@ def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[st
     return kwargs
 
 
+def check_template(tokenizer: Any) -> None:
+    """ValueError, at load, for a --chat-template that is not Jinja: each chat would
+    otherwise be refused with 422 as if its messages were at fault. (Rendering a chat
+    compiles the whole template; only a syntax error is the template's own fault.)"""
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(
+            f"--chat-template: the template is not valid Jinja: {exc} (line {exc.lineno})"
+        ) from None
+    except jinja2.TemplateError:  # it may refuse this chat: that is for each request's
+        pass
+
+
 class CausalLMRunner(Runner):
     """text-generation on an `AutoModelForCausalLM`: batched with left padding, in the
     Inference API's shapes."""
@@ -293,6 +307,7 @@ class CausalLMRunner(Runner):
             tokenizer.pad_token = tokenizer.eos_token
         if chat_template is not None:  # --chat-template: for a tokenizer that has none
             tokenizer.chat_template = chat_template
+            check_template(tokenizer)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
         self.model.to(device).eval()
         super().__init__("text-generation", device, dtype_name(self.model), tokenizer)
