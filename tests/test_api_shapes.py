@@ -133,6 +133,21 @@ def test_chat_messages_keep_text_only():
         messages([{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}])
 
 
+def test_an_answer_sent_back_as_openais_sdk_dumps_it_is_its_text():
+    # `messages.append(completion.choices[0].message.model_dump())`: every field of the answer
+    dumped = {"role": "assistant", "content": "yo", "refusal": None, "annotations": None}
+    dumped |= {"audio": None, "function_call": None, "tool_calls": None}
+    assert messages([dumped]) == [{"role": "assistant", "content": "yo"}]
+    refused = {**dumped, "content": None, "refusal": "I cannot help with that"}
+    assert messages([refused]) == [{"role": "assistant", "content": "I cannot help with that"}]
+    parts = {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}
+    assert messages([parts]) == [{"role": "assistant", "content": "no"}]
+    with pytest.raises(BadRequest, match="audio is not supported"):
+        messages([{**dumped, "audio": {"id": "audio_1"}}])
+    with pytest.raises(BadRequest, match="only an assistant's message has a refusal"):
+        messages([{"role": "user", "content": "hi", "refusal": "no"}])
+
+
 # --- /openapi.json for every task, and CORS -----------------------------------------------
 
 

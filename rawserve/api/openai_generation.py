@@ -66,7 +66,11 @@ from rawserve.tasks.checks import not_blank
 from rawserve.tasks.text_generation import MAX_STOP_SEQUENCES, MAX_TOP_N_TOKENS, PROMPT_TOP_N
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# what an answer's message carries beside its content, sent back with it as OpenAI's SDK
+# dumps it (`message.model_dump()`): an assistant's refusal, web search's citations, audio
+ANSWER_KEYS = {"refusal", "annotations", "audio"}
 MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call"}
+MESSAGE_KEYS |= ANSWER_KEYS
 MAX_NEW_TOKENS = 4096
 MAX_CHOICES = 128  # OpenAI's bound on "n"
 GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
@@ -375,6 +379,7 @@ def messages(value: Any) -> list[dict[str, Any]]:
         if role not in ROLES:
             raise BadRequest(f"each message's role must be one of {', '.join(ROLES)}")
         entry: dict[str, Any] = {"role": role}
+        refusal = refusal_text(message, role)
         calls = message.get("tool_calls")  # null (TGI's client sends it) or []: none
         if (called := message.get("function_call")) is not None:  # OpenAI's older form
             calls = [*(calls or []), {"function": called}]
@@ -387,7 +392,10 @@ def messages(value: Any) -> list[dict[str, Any]]:
             content = message.get("content")  # (null beside calls)
             entry["content"] = "" if content in (None, "") else message_text(content)
         else:
-            entry["content"] = message_text(message.get("content"))
+            content = message.get("content")  # (an assistant's null beside its refusal)
+            entry["content"] = message_text(
+                refusal if content in (None, "") and refusal else content
+            )
         for key in ("name", "tool_call_id"):
             if (given := message.get(key)) is not None:
                 if not isinstance(given, str):
@@ -395,6 +403,22 @@ def messages(value: Any) -> list[dict[str, Any]]:
                 entry[key] = unicode_text(given, f"a message's {key}")
         checked.append(entry)
     return checked
+
+
+def refusal_text(message: dict[str, Any], role: str) -> str | None:
+    """An assistant's refusal, the text it answered (None: none). An answer's other fields
+    sent back with it are dropped: its citations, and its audio where it had none (rawserve
+    answers no audio, and takes none)."""
+    if message.get("audio") is not None:
+        raise BadRequest("a message's audio is not supported by this server: it takes only null")
+    if not isinstance(message.get("annotations", []), (list, type(None))):
+        raise BadRequest("a message's annotations must be a list")
+    refusal = message.get("refusal")
+    if refusal is None:
+        return None
+    if role != "assistant" or not isinstance(refusal, str):
+        raise BadRequest("only an assistant's message has a refusal, a text")
+    return unicode_text(refusal, "a message's refusal")
 
 
 def template_call(call: Any) -> dict[str, Any]:
@@ -421,20 +445,22 @@ def template_call(call: Any) -> dict[str, Any]:
 
 
 def message_text(content: Any) -> str:
-    """A message's content: a text, or a list of text parts (joined)."""
+    """A message's content: a text, or a list of text parts (joined; an assistant's
+    refusal part is the text it answered)."""
     if isinstance(content, str):
         return unicode_text(content, "a message's content")
     if isinstance(content, list) and content:
         texts = []
         for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            key = "refusal" if kind == "refusal" else "text"
             if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-                or set(part) - {"type", "text"}
+                kind not in ("text", "refusal")
+                or not isinstance(part.get(key), str)
+                or set(part) != {"type", key}
             ):
                 raise BadRequest('content parts must be {"type": "text", "text": ...}: text only')
-            texts.append(unicode_text(part["text"], "a message's content"))
+            texts.append(unicode_text(part[key], "a message's content"))
         return "".join(texts)
     raise BadRequest("a message's content must be a text or a list of text parts")
 
@@ -552,6 +578,12 @@ TEXT_PART: Schema = {
     "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
     "additionalProperties": False,
 }
+REFUSAL_PART: Schema = {  # an assistant's, sent back as OpenAI's answer had it
+    "type": "object",
+    "required": ["type", "refusal"],
+    "properties": {"type": {"const": "refusal"}, "refusal": {"type": "string"}},
+    "additionalProperties": False,
+}
 TOOL_CALL: Schema = {
     "type": "object",
     "required": ["function"],
@@ -573,7 +605,7 @@ MESSAGE: Schema = {
         "content": {
             "anyOf": [
                 {"type": "string"},
-                {"type": "array", "items": TEXT_PART, "minItems": 1},
+                {"type": "array", "items": {"anyOf": [TEXT_PART, REFUSAL_PART]}, "minItems": 1},
                 {"type": "null"},  # (an assistant's, beside its tool calls)
             ]
         },
@@ -581,6 +613,10 @@ MESSAGE: Schema = {
         "tool_calls": {"type": ["array", "null"], "items": TOOL_CALL},
         "function_call": {"anyOf": [TOOL_CALL["properties"]["function"], {"type": "null"}]},
         "tool_call_id": {"type": "string"},
+        # an answer's, sent back with it: what an assistant refused with, citations (dropped)
+        "refusal": {"type": ["string", "null"]},
+        "annotations": {"type": ["array", "null"]},
+        "audio": {"type": "null"},
     },
     "additionalProperties": False,
 }
