@@ -711,6 +711,19 @@ def test_a_developer_message_is_a_system_one_unless_the_template_names_the_role(
     assert chat_runner.chat_text(messages, None) == ("dev developer: answer in French\nuser: hi\n")
 
 
+def test_a_reasoning_models_template_is_said_to_drop_earlier_thinking(tiny_model):
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32)
+    assert chat_runner.details["chat_drops_reasoning"] is False
+    chat_runner.tokenizer.chat_template = (  # Qwen3's way with an earlier answer
+        "{% for m in messages %}{{ m.content.split('</think>')[-1] }}\n{% endfor %}"
+    )
+    assert chat_runner.details["chat_drops_reasoning"] is True
+
+
 TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
 
 

@@ -24,6 +24,9 @@ CHAT_PARAM = "chat"
 # Set by the server's OpenAI completions route (echo with logprobs), never by a client:
 # with `decoder_input_details`, the likeliest tokens listed beside each of the prompt's.
 PROMPT_TOP_N = "prompt_top_n"
+# Where a reasoning model's thinking ends in an answer. The chat templates of reasoning
+# models (Qwen3's, DeepSeek-R1's, QwQ's) keep only what follows it in earlier answers.
+REASONING_END = "</think>"
 MAX_STOP_SEQUENCES = 16
 # the likeliest tokens a new token's details or stream event may list beside it (OpenAI's
 # top_logprobs goes to 20; TGI's own server defaults to 5)

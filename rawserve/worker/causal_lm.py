@@ -20,7 +20,7 @@ import transformers
 
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits, TokenChunk
 from rawserve.tasks import CHAT_PARAM
-from rawserve.tasks.text_generation import PROMPT_TOP_N, returns_full_text
+from rawserve.tasks.text_generation import PROMPT_TOP_N, REASONING_END, returns_full_text
 from rawserve.worker.continuous import (
     Generation,
     ScoreAdjustments,
@@ -358,6 +358,8 @@ class CausalLMRunner(Runner):
     def details(self) -> dict[str, Any]:
         return {
             "chat_template": bool(self.tokenizer.chat_template),
+            # (so earlier answers' thinking is not counted against the positions)
+            "chat_drops_reasoning": REASONING_END in str(self.tokenizer.chat_template),
             "max_input_length": self.max_positions,
         }
 
