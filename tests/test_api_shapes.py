@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from rawserve.api.app import App
 from rawserve.api.inference import parse_body
 from rawserve.api.openai_answers import cut_at_stop, releasable
-from rawserve.api.openai_generation import messages
+from rawserve.api.openai_generation import messages, parse_chat
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.api.tei import scores
@@ -146,6 +146,20 @@ def test_an_answer_sent_back_as_openais_sdk_dumps_it_is_its_text():
         messages([{**dumped, "audio": {"id": "audio_1"}}])
     with pytest.raises(BadRequest, match="only an assistant's message has a refusal"):
         messages([{"role": "user", "content": "hi", "refusal": "no"}])
+
+
+def test_chat_template_kwargs_go_to_the_template_with_the_chat():
+    hi = [{"role": "user", "content": "hi"}]
+    chat = parse_chat({"messages": hi, "chat_template_kwargs": {"enable_thinking": False}})
+    assert chat.items == [{"messages": hi, "template_kwargs": {"enable_thinking": False}}]
+    assert parse_chat({"messages": hi, "chat_template_kwargs": None}).items == [{"messages": hi}]
+    with pytest.raises(BadRequest, match="cannot set add_generation_prompt, tokenize"):
+        parse_chat(
+            {"messages": hi, "chat_template_kwargs": {"tokenize": 1, "add_generation_prompt": 0}}
+        )
+    for wrong in ([], {"no-name": 1}, {"_private": 1}, {f"k{i}": i for i in range(33)}):
+        with pytest.raises(BadRequest, match="must be an object of at most 32 values by name"):
+            parse_chat({"messages": hi, "chat_template_kwargs": wrong})
 
 
 # --- /openapi.json for every task, and CORS -----------------------------------------------

@@ -724,6 +724,27 @@ def test_a_reasoning_models_template_is_said_to_drop_earlier_thinking(tiny_model
     assert chat_runner.details["chat_drops_reasoning"] is True
 
 
+def test_chat_template_kwargs_are_the_templates_variables(tiny_model):
+    import torch
+
+    from rawserve.tasks import CHAT_PARAM
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    thinking = (  # as Qwen3's: thinking left out when the client asks
+        "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+        "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}"
+    )
+    chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, thinking)
+    messages = [{"role": "user", "content": "hi"}]
+    assert chat_runner.chat_text(messages, None) == "hi\n"
+    assert chat_runner.chat_text(messages, None, variables={"enable_thinking": False}) == (
+        "hi\n<think></think>"
+    )
+    chat = {"messages": messages, "template_kwargs": {"enable_thinking": False}}
+    ids = chat_runner.prompt_ids(chat, {CHAT_PARAM: True})
+    assert chat_runner.tokenizer.decode(ids) == "hi\n<think></think>"
+
+
 TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
 
 

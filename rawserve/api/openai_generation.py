@@ -21,6 +21,7 @@ prompt alone. Server process; plain Python.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -72,6 +73,19 @@ ANSWER_KEYS = {"refusal", "annotations", "audio"}
 MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call"}
 MESSAGE_KEYS |= ANSWER_KEYS
 MAX_NEW_TOKENS = 4096
+# chat_template_kwargs (vLLM's): the template's own settings, never the names that
+# apply_chat_template or the template's functions already take
+MAX_TEMPLATE_KWARGS = 32
+TEMPLATE_NAME = re.compile("[A-Za-z][A-Za-z0-9_]*")
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "messages", "conversation", "tools", "documents", "chat_template",
+        "add_generation_prompt", "continue_final_message", "tokenize",
+        "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors",
+        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception",
+        "strftime_now",
+    }
+)  # fmt: skip
 MAX_CHOICES = 128  # OpenAI's bound on "n"
 GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
 REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~")  # escaped in a literal text (Rust's regex syntax)
@@ -327,6 +341,8 @@ def parse_chat(document: Any) -> GenerationRequest:
     if tools is not None and older is not None:
         raise BadRequest('"tools" and "functions" cannot be given together')
     tools = tools or older
+    if variables := fields.value("chat_template_kwargs"):
+        chat["template_kwargs"] = variables
     tool_prompt = fields.value("tool_prompt")  # (TGI's: told with the tools, so not without)
     if tools is not None:
         chat["tools"] = tools.template_tools()  # the template shows them to the model
@@ -345,6 +361,22 @@ def parse_chat(document: Any) -> GenerationRequest:
     if top is not None:
         raise BadRequest('"top_logprobs" needs "logprobs": true')
     return request
+
+
+def read_template_kwargs(name: str, value: Any, context: DocContext | None) -> dict[str, Any]:
+    """vLLM's chat_template_kwargs: variables for the chat template, by name."""
+    if (
+        not isinstance(value, dict)
+        or len(value) > MAX_TEMPLATE_KWARGS
+        or not all(TEMPLATE_NAME.fullmatch(key) for key in value)
+    ):
+        raise BadRequest(
+            f'"{name}" must be an object of at most {MAX_TEMPLATE_KWARGS} values by name '
+            '(such as {"enable_thinking": false})'
+        )
+    if taken := sorted(RESERVED_TEMPLATE_NAMES & set(value)):
+        raise BadRequest(f'"{name}" cannot set {", ".join(taken)}: the server sets it')
+    return value
 
 
 def with_logprobs(request: GenerationRequest, alternatives: int) -> GenerationRequest:
@@ -620,6 +652,15 @@ MESSAGE: Schema = {
     },
     "additionalProperties": False,
 }
+TEMPLATE_KWARGS: Schema = {
+    "type": ["object", "null"],
+    "description": "variables for the chat template, by name (vLLM's)",
+    "maxProperties": MAX_TEMPLATE_KWARGS,
+    "propertyNames": {
+        "pattern": f"^{TEMPLATE_NAME.pattern}$",
+        "not": {"enum": sorted(RESERVED_TEMPLATE_NAMES)},
+    },
+}
 MAX_TOKENS = whole(1, MAX_NEW_TOKENS)
 PENALTY: Schema = {"type": ["number", "null"], "minimum": -2, "maximum": 2}
 GUIDED_CHOICE: Schema = {
@@ -716,6 +757,8 @@ CHAT = Body(
         "tool_prompt": text(
             "TGI's: a text for the model before the tools, at the end of the last message"
         ),
+        # vLLM's: the template's own settings (Qwen3's enable_thinking...)
+        "chat_template_kwargs": Field(TEMPLATE_KWARGS, read_template_kwargs),
         # OpenAI's older form of tools: one call an answer, read back as "function_call"
         "functions": Field(FUNCTIONS, read_functions),
         "function_call": Field(FUNCTION_CALL, read_function_call),

@@ -378,6 +378,7 @@ class CausalLMRunner(Runner):
                 item.get("tools"),
                 item.get("parallel_tool_calls", False),
                 item.get("tool_prompt", ""),
+                item.get("template_kwargs"),
             )
             # the template writes the special tokens it wants (a BOS) itself
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -397,13 +398,17 @@ class CausalLMRunner(Runner):
         tools: list[Any] | None,
         several: bool = False,
         tool_prompt: str = "",
+        variables: dict[str, Any] | None = None,
     ) -> str:
         """A chat rendered with the model's template, with the tools it may call: where
         the template leaves tools out, they are described at the end of the last message
         (and, where `several`, how to call several at once). A `tool_prompt` (TGI's) goes
         at the end of the last message, before that description, as TGI puts it there.
         OpenAI's `developer` messages are `system` ones to a template that does not name
-        that role (most do not: they would drop it, or refuse it), as vLLM reads them."""
+        that role (most do not: they would drop it, or refuse it), as vLLM reads them.
+        `variables`: the template's own settings a client asked for (vLLM's
+        `chat_template_kwargs`, such as Qwen3's `enable_thinking`)."""
+        variables = variables or {}
         if "developer" not in str(self.tokenizer.chat_template):
             messages = [
                 {**message, "role": "system"} if message["role"] == "developer" else message
@@ -412,19 +417,21 @@ class CausalLMRunner(Runner):
         if tools and tool_prompt:
             last = {**messages[-1], "content": messages[-1]["content"] + "\n\n" + tool_prompt}
             messages = [*messages[:-1], last]
-        text = self._render(messages, tools)
-        if tools and text == self._render(messages, None):
+        text = self._render(messages, tools, variables)
+        if tools and text == self._render(messages, None, variables):
             described = TOOLS_DESCRIBED.format(json.dumps([tool["function"] for tool in tools]))
             described += SEVERAL_CALLS if several else ""
             last = {**messages[-1], "content": messages[-1]["content"] + described}
-            text = self._render([*messages[:-1], last], None)
+            text = self._render([*messages[:-1], last], None, variables)
         return text
 
-    def _render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
+    def _render(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None, variables: dict[str, Any]
+    ) -> str:
         try:
             return str(
                 self.tokenizer.apply_chat_template(
-                    messages, tools=tools, tokenize=False, add_generation_prompt=True
+                    messages, tools=tools, tokenize=False, add_generation_prompt=True, **variables
                 )
             )
         except jinja2.TemplateError as exc:  # the template refuses these messages
