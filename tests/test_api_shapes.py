@@ -162,6 +162,21 @@ def test_chat_template_kwargs_go_to_the_template_with_the_chat():
             parse_chat({"messages": hi, "chat_template_kwargs": wrong})
 
 
+def test_a_prefill_is_asked_as_vllm_asks_it():
+    said = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well,"}]
+    prefill = {"add_generation_prompt": False, "continue_final_message": True}
+    chat = parse_chat({"messages": said, **prefill})
+    assert chat.items == [{"messages": said, "opening": prefill}]
+    assert parse_chat({"messages": said, "add_generation_prompt": True}).items == [
+        {"messages": said}
+    ]
+    with pytest.raises(BadRequest, match='needs "add_generation_prompt": false'):
+        parse_chat({"messages": said, "continue_final_message": True})
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with pytest.raises(BadRequest, match="cannot go with tools"):
+        parse_chat({"messages": said, **prefill, "tools": tools})
+
+
 # --- /openapi.json for every task, and CORS -----------------------------------------------
 
 

@@ -745,6 +745,20 @@ def test_chat_template_kwargs_are_the_templates_variables(tiny_model):
     assert chat_runner.tokenizer.decode(ids) == "hi\n<think></think>"
 
 
+def test_a_prefilled_answer_goes_on_from_the_last_messages_text(tiny_model):
+    import torch
+
+    from rawserve.tasks import CHAT_PARAM
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32)
+    said = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well,"}]
+    opening = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = chat_runner.prompt_ids({"messages": said, "opening": opening}, {CHAT_PARAM: True})
+    assert ids == chat_runner.tokenizer.apply_chat_template(said, return_dict=False, **opening)
+    assert chat_runner.tokenizer.decode(ids).endswith("<s>assistant\nWell,")
+
+
 TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
 
 

@@ -343,8 +343,15 @@ def parse_chat(document: Any) -> GenerationRequest:
     tools = tools or older
     if variables := fields.value("chat_template_kwargs"):
         chat["template_kwargs"] = variables
+    opening = answer_opening(fields)
+    if opening:
+        chat["opening"] = opening
     tool_prompt = fields.value("tool_prompt")  # (TGI's: told with the tools, so not without)
     if tools is not None:
+        if opening.get("continue_final_message"):
+            raise BadRequest(
+                '"continue_final_message" cannot go with tools: a call opens its answer'
+            )
         chat["tools"] = tools.template_tools()  # the template shows them to the model
         if tools.parallel:  # (where the template leaves tools out, the model is told)
             chat["parallel_tool_calls"] = True
@@ -361,6 +368,22 @@ def parse_chat(document: Any) -> GenerationRequest:
     if top is not None:
         raise BadRequest('"top_logprobs" needs "logprobs": true')
     return request
+
+
+def answer_opening(fields: Fields) -> dict[str, bool]:
+    """vLLM's add_generation_prompt and continue_final_message, where they are not their
+    defaults (the template opens an answer of its own; the last message is not continued)."""
+    opening = {}
+    if not fields.value("add_generation_prompt"):
+        opening["add_generation_prompt"] = False
+    if fields.value("continue_final_message"):
+        if "add_generation_prompt" not in opening:
+            raise BadRequest(
+                '"continue_final_message" goes on with the last message: it needs '
+                '"add_generation_prompt": false'
+            )
+        opening["continue_final_message"] = True
+    return opening
 
 
 def read_template_kwargs(name: str, value: Any, context: DocContext | None) -> dict[str, Any]:
@@ -759,6 +782,10 @@ CHAT = Body(
         ),
         # vLLM's: the template's own settings (Qwen3's enable_thinking...)
         "chat_template_kwargs": Field(TEMPLATE_KWARGS, read_template_kwargs),
+        "add_generation_prompt": flag(True, "vLLM's: the template opens the answer's turn"),
+        "continue_final_message": flag(
+            False, "vLLM's: the answer goes on with the last message's text (a prefill)"
+        ),
         # OpenAI's older form of tools: one call an answer, read back as "function_call"
         "functions": Field(FUNCTIONS, read_functions),
         "function_call": Field(FUNCTION_CALL, read_function_call),

@@ -378,7 +378,7 @@ class CausalLMRunner(Runner):
                 item.get("tools"),
                 item.get("parallel_tool_calls", False),
                 item.get("tool_prompt", ""),
-                item.get("template_kwargs"),
+                {**item.get("template_kwargs", {}), **item.get("opening", {})},
             )
             # the template writes the special tokens it wants (a BOS) itself
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -407,7 +407,9 @@ class CausalLMRunner(Runner):
         OpenAI's `developer` messages are `system` ones to a template that does not name
         that role (most do not: they would drop it, or refuse it), as vLLM reads them.
         `variables`: the template's own settings a client asked for (vLLM's
-        `chat_template_kwargs`, such as Qwen3's `enable_thinking`)."""
+        `chat_template_kwargs`, such as Qwen3's `enable_thinking`), and how the answer
+        opens (vLLM's `add_generation_prompt`, true unless said, and
+        `continue_final_message`: the last message's text goes on, as a prefill)."""
         variables = variables or {}
         if "developer" not in str(self.tokenizer.chat_template):
             messages = [
@@ -431,7 +433,10 @@ class CausalLMRunner(Runner):
         try:
             return str(
                 self.tokenizer.apply_chat_template(
-                    messages, tools=tools, tokenize=False, add_generation_prompt=True, **variables
+                    messages,
+                    tools=tools,
+                    tokenize=False,
+                    **{"add_generation_prompt": True, **variables},
                 )
             )
         except jinja2.TemplateError as exc:  # the template refuses these messages
