@@ -686,6 +686,7 @@ def test_a_chat_template_that_is_not_jinja_fails_the_load_not_each_chat(tiny_mod
         CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, "{% for m in messages %}")
     # one that refuses some chats (a user's "hi" alone, here) loads: it refuses them one by one
     CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, ALTERNATING.replace("user", "x"))
+    CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, "{{ messages[0].content + 1 }}")
 
 
 def test_a_developer_message_is_a_system_one_unless_the_template_names_the_role(tiny_model):
