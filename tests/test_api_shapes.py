@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from rawserve.api.app import App
 from rawserve.api.inference import parse_body
 from rawserve.api.openai_answers import cut_at_stop, releasable
-from rawserve.api.openai_generation import messages
+from rawserve.api.openai_generation import messages, parse_chat
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.api.tei import scores
@@ -131,6 +131,50 @@ def test_chat_messages_keep_text_only():
         messages([{"role": "user", "content": "x", "tool_calls": [call]}])
     with pytest.raises(BadRequest, match="each tool call must be"):
         messages([{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}])
+
+
+def test_an_answer_sent_back_as_openais_sdk_dumps_it_is_its_text():
+    # `messages.append(completion.choices[0].message.model_dump())`: every field of the answer
+    dumped = {"role": "assistant", "content": "yo", "refusal": None, "annotations": None}
+    dumped |= {"audio": None, "function_call": None, "tool_calls": None}
+    assert messages([dumped]) == [{"role": "assistant", "content": "yo"}]
+    refused = {**dumped, "content": None, "refusal": "I cannot help with that"}
+    assert messages([refused]) == [{"role": "assistant", "content": "I cannot help with that"}]
+    parts = {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}
+    assert messages([parts]) == [{"role": "assistant", "content": "no"}]
+    with pytest.raises(BadRequest, match="audio is not supported"):
+        messages([{**dumped, "audio": {"id": "audio_1"}}])
+    with pytest.raises(BadRequest, match="only an assistant's message has a refusal"):
+        messages([{"role": "user", "content": "hi", "refusal": "no"}])
+
+
+def test_chat_template_kwargs_go_to_the_template_with_the_chat():
+    hi = [{"role": "user", "content": "hi"}]
+    chat = parse_chat({"messages": hi, "chat_template_kwargs": {"enable_thinking": False}})
+    assert chat.items == [{"messages": hi, "template_kwargs": {"enable_thinking": False}}]
+    assert parse_chat({"messages": hi, "chat_template_kwargs": None}).items == [{"messages": hi}]
+    with pytest.raises(BadRequest, match="cannot set add_generation_prompt, tokenize"):
+        parse_chat(
+            {"messages": hi, "chat_template_kwargs": {"tokenize": 1, "add_generation_prompt": 0}}
+        )
+    for wrong in ([], {"no-name": 1}, {"_private": 1}, {f"k{i}": i for i in range(33)}):
+        with pytest.raises(BadRequest, match="must be an object of at most 32 values by name"):
+            parse_chat({"messages": hi, "chat_template_kwargs": wrong})
+
+
+def test_a_prefill_is_asked_as_vllm_asks_it():
+    said = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well,"}]
+    prefill = {"add_generation_prompt": False, "continue_final_message": True}
+    chat = parse_chat({"messages": said, **prefill})
+    assert chat.items == [{"messages": said, "opening": prefill}]
+    assert parse_chat({"messages": said, "add_generation_prompt": True}).items == [
+        {"messages": said}
+    ]
+    with pytest.raises(BadRequest, match='needs "add_generation_prompt": false'):
+        parse_chat({"messages": said, "continue_final_message": True})
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with pytest.raises(BadRequest, match="cannot go with tools"):
+        parse_chat({"messages": said, **prefill, "tools": tools})
 
 
 # --- /openapi.json for every task, and CORS -----------------------------------------------

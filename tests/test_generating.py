@@ -689,6 +689,114 @@ def test_chat_inputs_render_with_the_template_as_the_static_path(tiny_model):
     assert without_logprobs(got) == without_logprobs(expected)
 
 
+# Mistral's and Llama 2's templates refuse a conversation out of order in these words
+ALTERNATING = (
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{{ message['content'] }}{% endfor %}"
+)
+
+
+def test_a_templates_refusal_reaches_the_client_in_its_own_words(tiny_model):
+    import torch
+
+    from rawserve.tasks import CHAT_PARAM
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, ALTERNATING)
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "hi"}]}
+    params = {**GREEDY, CHAT_PARAM: True, "return_full_text": False}
+    (failed,) = results(serve(chat_runner, {0: [Batch(1, (chat,), params)]}))[1].outputs
+    assert failed.kind is FailureKind.INPUT
+    assert failed.message == (
+        "the chat template refused the messages: "
+        "Conversation roles must alternate user/assistant/user/assistant/..."
+    )
+
+
+def test_a_chat_template_that_is_not_jinja_fails_the_load_not_each_chat(tiny_model):
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    with pytest.raises(ValueError, match=r"--chat-template: the template is not valid Jinja"):
+        CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, "{% for m in messages %}")
+    # one that refuses some chats (a user's "hi" alone, here) loads: it refuses them one by one
+    CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, ALTERNATING.replace("user", "x"))
+    CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, "{{ messages[0].content + 1 }}")
+
+
+def test_a_developer_message_is_a_system_one_unless_the_template_names_the_role(tiny_model):
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    system_only = (  # as Llama 3's and Qwen's: a system message first, else a default one
+        "{% if messages[0]['role'] == 'system' %}[{{ messages[0]['content'] }}]"
+        "{% set messages = messages[1:] %}{% else %}[be brief]{% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
+    chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, system_only)
+    messages = [
+        {"role": "developer", "content": "answer in French"},
+        {"role": "user", "content": "hi"},
+    ]
+    assert chat_runner.chat_text(messages, None) == "[answer in French]user: hi\n"
+    chat_runner.tokenizer.chat_template = (  # one that has a place of its own for the role
+        "{% for m in messages %}{% if m['role'] == 'developer' %}dev {% endif %}"
+        "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
+    assert chat_runner.chat_text(messages, None) == ("dev developer: answer in French\nuser: hi\n")
+
+
+def test_a_reasoning_models_template_is_said_to_drop_earlier_thinking(tiny_model):
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32)
+    assert chat_runner.details["chat_drops_reasoning"] is False
+    chat_runner.tokenizer.chat_template = (  # Qwen3's way with an earlier answer
+        "{% for m in messages %}{{ m.content.split('</think>')[-1] }}\n{% endfor %}"
+    )
+    assert chat_runner.details["chat_drops_reasoning"] is True
+
+
+def test_chat_template_kwargs_are_the_templates_variables(tiny_model):
+    import torch
+
+    from rawserve.tasks import CHAT_PARAM
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    thinking = (  # as Qwen3's: thinking left out when the client asks
+        "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+        "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}"
+    )
+    chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, thinking)
+    messages = [{"role": "user", "content": "hi"}]
+    assert chat_runner.chat_text(messages, None) == "hi\n"
+    assert chat_runner.chat_text(messages, None, variables={"enable_thinking": False}) == (
+        "hi\n<think></think>"
+    )
+    chat = {"messages": messages, "template_kwargs": {"enable_thinking": False}}
+    ids = chat_runner.prompt_ids(chat, {CHAT_PARAM: True})
+    assert chat_runner.tokenizer.decode(ids) == "hi\n<think></think>"
+
+
+def test_a_prefilled_answer_goes_on_from_the_last_messages_text(tiny_model):
+    import torch
+
+    from rawserve.tasks import CHAT_PARAM
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32)
+    said = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well,"}]
+    opening = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = chat_runner.prompt_ids({"messages": said, "opening": opening}, {CHAT_PARAM: True})
+    assert ids == chat_runner.tokenizer.apply_chat_template(said, return_dict=False, **opening)
+    assert chat_runner.tokenizer.decode(ids).endswith("<s>assistant\nWell,")
+
+
 TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
 
 

@@ -276,15 +276,14 @@ def test_stop_sequences_and_positions_end_a_row(runner):
 
 
 class FakeServing:
-    def __init__(self, tokenizer_json: str, positions: int):
+    def __init__(self, tokenizer_json: str, positions: int, drops_reasoning: bool = False):
         from types import SimpleNamespace
 
-        self.loaded = SimpleNamespace(
-            tokenizer=tokenizer_json, details={"max_input_length": positions}
-        )
+        details = {"max_input_length": positions, "chat_drops_reasoning": drops_reasoning}
+        self.loaded = SimpleNamespace(tokenizer=tokenizer_json, details=details)
 
 
-def check(prompts, chat, positions=64):
+def check(prompts, chat, positions=64, drops_reasoning=False):
     import asyncio
 
     from rawserve.api.prompts import check_lengths
@@ -292,7 +291,8 @@ def check(prompts, chat, positions=64):
     from rawserve.api.tokens import ServerTokenizers
     from tests.tiny_models import bpe_tokenizer
 
-    serving = FakeServing(bpe_tokenizer().backend_tokenizer.to_str(), positions)
+    tokenizer = bpe_tokenizer().backend_tokenizer.to_str()
+    serving = FakeServing(tokenizer, positions, drops_reasoning)
     model = ServedModel("m", serving)  # type: ignore[arg-type]
     asyncio.run(check_lengths(ServerTokenizers(), model, prompts, chat))
 
@@ -310,6 +310,21 @@ def test_the_prompt_check_counts_texts_and_chats():
     huge = {"messages": [{"role": "user", "content": "word " * 100}]}
     with pytest.raises(UnprocessableInput):
         check([huge], chat=True)
+
+
+def test_a_reasoning_models_chat_is_not_counted_with_the_thinking_its_template_drops():
+    from rawserve.http.errors import UnprocessableInput
+
+    thought = {"role": "assistant", "content": "<think>" + "word " * 100 + "</think>\nyes"}
+    chat = {
+        "messages": [{"role": "user", "content": "hi"}, thought, {"role": "user", "content": "and"}]
+    }
+    check([chat], chat=True, drops_reasoning=True)  # Qwen3's template keeps only "yes"
+    with pytest.raises(UnprocessableInput):  # a template that keeps it all
+        check([chat], chat=True)
+    said = {"role": "user", "content": "<think>" + "word " * 100 + "</think>"}
+    with pytest.raises(UnprocessableInput):  # only an answer's thinking is dropped
+        check([{"messages": [said]}], chat=True, drops_reasoning=True)
 
 
 def test_the_prompt_check_counts_token_ids_as_they_are():

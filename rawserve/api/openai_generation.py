@@ -21,6 +21,7 @@ prompt alone. Server process; plain Python.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -71,8 +72,25 @@ from rawserve.tasks.text_generation import (
 )
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# what an answer's message carries beside its content, sent back with it as OpenAI's SDK
+# dumps it (`message.model_dump()`): an assistant's refusal, web search's citations, audio
+ANSWER_KEYS = {"refusal", "annotations", "audio"}
 MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call"}
+MESSAGE_KEYS |= ANSWER_KEYS
 MAX_NEW_TOKENS = 4096
+# chat_template_kwargs (vLLM's): the template's own settings, never the names that
+# apply_chat_template or the template's functions already take
+MAX_TEMPLATE_KWARGS = 32
+TEMPLATE_NAME = re.compile("[A-Za-z][A-Za-z0-9_]*")
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "messages", "conversation", "tools", "documents", "chat_template",
+        "add_generation_prompt", "continue_final_message", "tokenize",
+        "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors",
+        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception",
+        "strftime_now",
+    }
+)  # fmt: skip
 MAX_CHOICES = 128  # OpenAI's bound on "n"
 GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
 REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~")  # escaped in a literal text (Rust's regex syntax)
@@ -328,8 +346,17 @@ def parse_chat(document: Any) -> GenerationRequest:
     if tools is not None and older is not None:
         raise BadRequest('"tools" and "functions" cannot be given together')
     tools = tools or older
+    if variables := fields.value("chat_template_kwargs"):
+        chat["template_kwargs"] = variables
+    opening = answer_opening(fields)
+    if opening:
+        chat["opening"] = opening
     tool_prompt = fields.value("tool_prompt")  # (TGI's: told with the tools, so not without)
     if tools is not None:
+        if opening.get("continue_final_message"):
+            raise BadRequest(
+                '"continue_final_message" cannot go with tools: a call opens its answer'
+            )
         chat["tools"] = tools.template_tools()  # the template shows them to the model
         if tools.parallel:  # (where the template leaves tools out, the model is told)
             chat["parallel_tool_calls"] = True
@@ -346,6 +373,38 @@ def parse_chat(document: Any) -> GenerationRequest:
     if top is not None:
         raise BadRequest('"top_logprobs" needs "logprobs": true')
     return request
+
+
+def answer_opening(fields: Fields) -> dict[str, bool]:
+    """vLLM's add_generation_prompt and continue_final_message, where they are not their
+    defaults (the template opens an answer of its own; the last message is not continued)."""
+    opening = {}
+    if not fields.value("add_generation_prompt"):
+        opening["add_generation_prompt"] = False
+    if fields.value("continue_final_message"):
+        if "add_generation_prompt" not in opening:
+            raise BadRequest(
+                '"continue_final_message" goes on with the last message: it needs '
+                '"add_generation_prompt": false'
+            )
+        opening["continue_final_message"] = True
+    return opening
+
+
+def read_template_kwargs(name: str, value: Any, context: DocContext | None) -> dict[str, Any]:
+    """vLLM's chat_template_kwargs: variables for the chat template, by name."""
+    if (
+        not isinstance(value, dict)
+        or len(value) > MAX_TEMPLATE_KWARGS
+        or not all(TEMPLATE_NAME.fullmatch(key) for key in value)
+    ):
+        raise BadRequest(
+            f'"{name}" must be an object of at most {MAX_TEMPLATE_KWARGS} values by name '
+            '(such as {"enable_thinking": false})'
+        )
+    if taken := sorted(RESERVED_TEMPLATE_NAMES & set(value)):
+        raise BadRequest(f'"{name}" cannot set {", ".join(taken)}: the server sets it')
+    return value
 
 
 def with_logprobs(request: GenerationRequest, alternatives: int) -> GenerationRequest:
@@ -380,6 +439,7 @@ def messages(value: Any) -> list[dict[str, Any]]:
         if role not in ROLES:
             raise BadRequest(f"each message's role must be one of {', '.join(ROLES)}")
         entry: dict[str, Any] = {"role": role}
+        refusal = refusal_text(message, role)
         calls = message.get("tool_calls")  # null (TGI's client sends it) or []: none
         if (called := message.get("function_call")) is not None:  # OpenAI's older form
             calls = [*(calls or []), {"function": called}]
@@ -392,7 +452,10 @@ def messages(value: Any) -> list[dict[str, Any]]:
             content = message.get("content")  # (null beside calls)
             entry["content"] = "" if content in (None, "") else message_text(content)
         else:
-            entry["content"] = message_text(message.get("content"))
+            content = message.get("content")  # (an assistant's null beside its refusal)
+            entry["content"] = message_text(
+                refusal if content in (None, "") and refusal else content
+            )
         for key in ("name", "tool_call_id"):
             if (given := message.get(key)) is not None:
                 if not isinstance(given, str):
@@ -400,6 +463,22 @@ def messages(value: Any) -> list[dict[str, Any]]:
                 entry[key] = unicode_text(given, f"a message's {key}")
         checked.append(entry)
     return checked
+
+
+def refusal_text(message: dict[str, Any], role: str) -> str | None:
+    """An assistant's refusal, the text it answered (None: none). An answer's other fields
+    sent back with it are dropped: its citations, and its audio where it had none (rawserve
+    answers no audio, and takes none)."""
+    if message.get("audio") is not None:
+        raise BadRequest("a message's audio is not supported by this server: it takes only null")
+    if not isinstance(message.get("annotations", []), (list, type(None))):
+        raise BadRequest("a message's annotations must be a list")
+    refusal = message.get("refusal")
+    if refusal is None:
+        return None
+    if role != "assistant" or not isinstance(refusal, str):
+        raise BadRequest("only an assistant's message has a refusal, a text")
+    return unicode_text(refusal, "a message's refusal")
 
 
 def template_call(call: Any) -> dict[str, Any]:
@@ -426,20 +505,22 @@ def template_call(call: Any) -> dict[str, Any]:
 
 
 def message_text(content: Any) -> str:
-    """A message's content: a text, or a list of text parts (joined)."""
+    """A message's content: a text, or a list of text parts (joined; an assistant's
+    refusal part is the text it answered)."""
     if isinstance(content, str):
         return unicode_text(content, "a message's content")
     if isinstance(content, list) and content:
         texts = []
         for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            key = "refusal" if kind == "refusal" else "text"
             if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-                or set(part) - {"type", "text"}
+                kind not in ("text", "refusal")
+                or not isinstance(part.get(key), str)
+                or set(part) != {"type", key}
             ):
                 raise BadRequest('content parts must be {"type": "text", "text": ...}: text only')
-            texts.append(unicode_text(part["text"], "a message's content"))
+            texts.append(unicode_text(part[key], "a message's content"))
         return "".join(texts)
     raise BadRequest("a message's content must be a text or a list of text parts")
 
@@ -557,6 +638,12 @@ TEXT_PART: Schema = {
     "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
     "additionalProperties": False,
 }
+REFUSAL_PART: Schema = {  # an assistant's, sent back as OpenAI's answer had it
+    "type": "object",
+    "required": ["type", "refusal"],
+    "properties": {"type": {"const": "refusal"}, "refusal": {"type": "string"}},
+    "additionalProperties": False,
+}
 TOOL_CALL: Schema = {
     "type": "object",
     "required": ["function"],
@@ -578,7 +665,7 @@ MESSAGE: Schema = {
         "content": {
             "anyOf": [
                 {"type": "string"},
-                {"type": "array", "items": TEXT_PART, "minItems": 1},
+                {"type": "array", "items": {"anyOf": [TEXT_PART, REFUSAL_PART]}, "minItems": 1},
                 {"type": "null"},  # (an assistant's, beside its tool calls)
             ]
         },
@@ -586,8 +673,21 @@ MESSAGE: Schema = {
         "tool_calls": {"type": ["array", "null"], "items": TOOL_CALL},
         "function_call": {"anyOf": [TOOL_CALL["properties"]["function"], {"type": "null"}]},
         "tool_call_id": {"type": "string"},
+        # an answer's, sent back with it: what an assistant refused with, citations (dropped)
+        "refusal": {"type": ["string", "null"]},
+        "annotations": {"type": ["array", "null"]},
+        "audio": {"type": "null"},
     },
     "additionalProperties": False,
+}
+TEMPLATE_KWARGS: Schema = {
+    "type": ["object", "null"],
+    "description": "variables for the chat template, by name (vLLM's)",
+    "maxProperties": MAX_TEMPLATE_KWARGS,
+    "propertyNames": {
+        "pattern": f"^{TEMPLATE_NAME.pattern}$",
+        "not": {"enum": sorted(RESERVED_TEMPLATE_NAMES)},
+    },
 }
 MAX_TOKENS = whole(1, MAX_NEW_TOKENS)
 PENALTY: Schema = {"type": ["number", "null"], "minimum": -2, "maximum": 2}
@@ -684,6 +784,12 @@ CHAT = Body(
         "parallel_tool_calls": flag(True, "whether an answer may call several tools"),
         "tool_prompt": text(
             "TGI's: a text for the model before the tools, at the end of the last message"
+        ),
+        # vLLM's: the template's own settings (Qwen3's enable_thinking...)
+        "chat_template_kwargs": Field(TEMPLATE_KWARGS, read_template_kwargs),
+        "add_generation_prompt": flag(True, "vLLM's: the template opens the answer's turn"),
+        "continue_final_message": flag(
+            False, "vLLM's: the answer goes on with the last message's text (a prefill)"
         ),
         # OpenAI's older form of tools: one call an answer, read back as "function_call"
         "functions": Field(FUNCTIONS, read_functions),

@@ -13,7 +13,9 @@ limit, it is refused in milliseconds and never waits.
 A chat is counted by its messages' texts alone, with a margin for the tokens its
 template may join across their ends: the template only adds to them, so a chat whose texts
 are that far over the limit is surely over; the rest is the worker's to judge when it
-renders the template. A prompt of token ids (OpenAI's completions take them) is counted
+renders the template. (A reasoning model's template drops the thinking of earlier answers,
+everything before their `</think>`: for such a model, as its worker says, that is not
+counted.) A prompt of token ids (OpenAI's completions take them) is counted
 as it is, and decoded here when its completion echoes it.
 """
 
@@ -34,6 +36,7 @@ from rawserve.api.tokens import (
     UnknownTokenId,
 )
 from rawserve.http.errors import BadRequest, UnprocessableInput
+from rawserve.tasks.text_generation import REASONING_END
 
 
 async def check_lengths(
@@ -51,7 +54,8 @@ async def check_lengths(
         raise too_long(most)
     bound = most
     if chat:
-        texts = [prompt_text(prompt) for prompt in prompts]
+        drops_reasoning = bool(loaded.details.get("chat_drops_reasoning")) if loaded else False
+        texts = [prompt_text(prompt, drops_reasoning) for prompt in prompts]
         bound += COUNT_MARGIN * max((len(p.get("messages", ())) for p in prompts), default=1)
     else:
         texts = [prompt for prompt in prompts if isinstance(prompt, str)]
@@ -105,13 +109,16 @@ def count_within(
         tokenizer.encode(text, special, bound)
 
 
-def prompt_text(chat: Any) -> str:
+def prompt_text(chat: Any, drops_reasoning: bool = False) -> str:
     """The texts of a chat's messages, together (`{"messages": [...]}`; content is a text
-    or OpenAI's list of parts, checked before this)."""
+    or OpenAI's list of parts, checked before this); where the template `drops_reasoning`,
+    an answer's text only from the end of its thinking."""
     parts: list[str] = []
     for message in chat.get("messages", ()) if isinstance(chat, dict) else ():
         content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
+        if isinstance(content, str) and drops_reasoning and message.get("role") == "assistant":
+            parts.append(content.rsplit(REASONING_END, 1)[-1])
+        elif isinstance(content, str):
             parts.append(content)
         elif isinstance(content, list):
             parts += [p["text"] for p in content if isinstance(p, dict) and "text" in p]

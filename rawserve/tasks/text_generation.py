@@ -28,6 +28,9 @@ PROMPT_TOP_N = "prompt_top_n"
 # default temperature (1) where the request and the model's generation config set none,
 # not at the text-generation pipeline's (0.7), which `POST /` keeps.
 API_SAMPLING = "api_sampling"
+# Where a reasoning model's thinking ends in an answer. The chat templates of reasoning
+# models (Qwen3's, DeepSeek-R1's, QwQ's) keep only what follows it in earlier answers.
+REASONING_END = "</think>"
 MAX_STOP_SEQUENCES = 16
 # the likeliest tokens a new token's details or stream event may list beside it (OpenAI's
 # top_logprobs goes to 20; TGI's own server defaults to 5)

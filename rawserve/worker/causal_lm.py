@@ -20,7 +20,12 @@ import transformers
 
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits, TokenChunk
 from rawserve.tasks import CHAT_PARAM
-from rawserve.tasks.text_generation import API_SAMPLING, PROMPT_TOP_N, returns_full_text
+from rawserve.tasks.text_generation import (
+    API_SAMPLING,
+    PROMPT_TOP_N,
+    REASONING_END,
+    returns_full_text,
+)
 from rawserve.worker.continuous import (
     Generation,
     ScoreAdjustments,
@@ -31,7 +36,7 @@ from rawserve.worker.continuous import (
 )
 from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.grammars import Grammars, constrain
-from rawserve.worker.runner import Runner, dtype_name
+from rawserve.worker.runner import Runner, WrittenForClients, dtype_name
 
 log = logging.getLogger("rawserve.generation")
 
@@ -288,6 +293,20 @@ def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[st
     return kwargs
 
 
+def check_template(tokenizer: Any) -> None:
+    """ValueError, at load, for a --chat-template that is not Jinja: each chat would
+    otherwise be refused with 422 as if its messages were at fault. (Rendering a chat
+    compiles the whole template; only a syntax error is the template's own fault.)"""
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(
+            f"--chat-template: the template is not valid Jinja: {exc} (line {exc.lineno})"
+        ) from None
+    except Exception:  # noqa: BLE001 - what it does with this chat is for each request
+        pass
+
+
 class CausalLMRunner(Runner):
     """text-generation on an `AutoModelForCausalLM`: batched with left padding, in the
     Inference API's shapes."""
@@ -298,6 +317,7 @@ class CausalLMRunner(Runner):
             tokenizer.pad_token = tokenizer.eos_token
         if chat_template is not None:  # --chat-template: for a tokenizer that has none
             tokenizer.chat_template = chat_template
+            check_template(tokenizer)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
         self.model.to(device).eval()
         super().__init__("text-generation", device, dtype_name(self.model), tokenizer)
@@ -350,6 +370,8 @@ class CausalLMRunner(Runner):
     def details(self) -> dict[str, Any]:
         return {
             "chat_template": bool(self.tokenizer.chat_template),
+            # (so earlier answers' thinking is not counted against the positions)
+            "chat_drops_reasoning": REASONING_END in str(self.tokenizer.chat_template),
             "max_input_length": self.max_positions,
         }
 
@@ -368,6 +390,7 @@ class CausalLMRunner(Runner):
                 item.get("tools"),
                 item.get("parallel_tool_calls", False),
                 item.get("tool_prompt", ""),
+                {**item.get("template_kwargs", {}), **item.get("opening", {})},
             )
             # the template writes the special tokens it wants (a BOS) itself
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -387,31 +410,49 @@ class CausalLMRunner(Runner):
         tools: list[Any] | None,
         several: bool = False,
         tool_prompt: str = "",
+        variables: dict[str, Any] | None = None,
     ) -> str:
         """A chat rendered with the model's template, with the tools it may call: where
         the template leaves tools out, they are described at the end of the last message
         (and, where `several`, how to call several at once). A `tool_prompt` (TGI's) goes
-        at the end of the last message, before that description, as TGI puts it there."""
+        at the end of the last message, before that description, as TGI puts it there.
+        OpenAI's `developer` messages are `system` ones to a template that does not name
+        that role (most do not: they would drop it, or refuse it), as vLLM reads them.
+        `variables`: the template's own settings a client asked for (vLLM's
+        `chat_template_kwargs`, such as Qwen3's `enable_thinking`), and how the answer
+        opens (vLLM's `add_generation_prompt`, true unless said, and
+        `continue_final_message`: the last message's text goes on, as a prefill)."""
+        variables = variables or {}
+        if "developer" not in str(self.tokenizer.chat_template):
+            messages = [
+                {**message, "role": "system"} if message["role"] == "developer" else message
+                for message in messages
+            ]
         if tools and tool_prompt:
             last = {**messages[-1], "content": messages[-1]["content"] + "\n\n" + tool_prompt}
             messages = [*messages[:-1], last]
-        text = self._render(messages, tools)
-        if tools and text == self._render(messages, None):
+        text = self._render(messages, tools, variables)
+        if tools and text == self._render(messages, None, variables):
             described = TOOLS_DESCRIBED.format(json.dumps([tool["function"] for tool in tools]))
             described += SEVERAL_CALLS if several else ""
             last = {**messages[-1], "content": messages[-1]["content"] + described}
-            text = self._render([*messages[:-1], last], None)
+            text = self._render([*messages[:-1], last], None, variables)
         return text
 
-    def _render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
+    def _render(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None, variables: dict[str, Any]
+    ) -> str:
         try:
             return str(
                 self.tokenizer.apply_chat_template(
-                    messages, tools=tools, tokenize=False, add_generation_prompt=True
+                    messages,
+                    tools=tools,
+                    tokenize=False,
+                    **{"add_generation_prompt": True, **variables},
                 )
             )
         except jinja2.TemplateError as exc:  # the template refuses these messages
-            raise ValueError(f"the chat template refused the messages: {exc}") from None
+            raise WrittenForClients(f"the chat template refused the messages: {exc}") from None
 
     def _check_lengths(self, params: dict[str, Any], longest_prompt: int) -> None:
         """ValueError when the new tokens asked, or a prompt, cannot fit the positions."""

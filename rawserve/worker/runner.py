@@ -40,6 +40,13 @@ SAMPLING_FAILED_MESSAGE = (
 
 MAX_INPUT_LENGTH_UNKNOWN = 1_000_000  # a config that names no limit
 _PATHLIKE = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][\w.\-]+){2,}")
+MAX_CLIENT_MESSAGE = 300  # characters of a failure's first line that a client is told
+
+
+class WrittenForClients(ValueError):
+    """An input refused with words written for the client (a chat template's own
+    `raise_exception`): told as they are, not scrubbed of what looks like a path, which
+    would turn "user/assistant/user" into "<path>"."""
 
 
 def resolve_device(device: str) -> str:
@@ -194,6 +201,8 @@ class Runner:
             return ItemFailure(
                 FailureKind.OUT_OF_MEMORY, "the model ran out of memory on this input"
             )
+        if isinstance(exc, WrittenForClients):
+            return ItemFailure(FailureKind.INPUT, _first_line(exc)[:MAX_CLIENT_MESSAGE])
         if isinstance(exc, (ValueError, transformers.pipelines.PipelineException)):
             return ItemFailure(FailureKind.INPUT, _client_message(exc))
         if isinstance(exc, RuntimeError) and SAMPLING_FAILED in str(exc):
@@ -201,6 +210,9 @@ class Runner:
         return ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def _client_message(exc: BaseException) -> str:
-    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return _PATHLIKE.sub("<path>", first_line)[:300]
+    return _PATHLIKE.sub("<path>", _first_line(exc))[:MAX_CLIENT_MESSAGE]
