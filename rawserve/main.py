@@ -478,10 +478,17 @@ def queue_retry_after(scheduler: Scheduler) -> Callable[[], float]:
 
 def reserve_port(host: str, port: int) -> socket.socket:
     """A socket bound to (`host`, `port`) with SO_REUSEPORT that never listens: it holds
-    the port (the one the system picks for port 0) for the HTTP processes to listen on."""
+    the port (the one the system picks for port 0) for the HTTP processes to listen on.
+    OSError (EADDRINUSE) when any other socket holds it, SO_REUSEPORT or not."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
+    # SO_REUSEPORT alone would bind beside another server of this user that shares its
+    # port the same way (another rawserve's HTTP processes), and the kernel would split
+    # the clients between the two: a bind that shares with nothing must succeed first.
+    with socket.socket(family, kind, proto) as alone:
+        alone.bind(address)
+        address = alone.getsockname()  # port 0: the port the system picked
     reserved = socket.socket(family, kind, proto)
     reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     reserved.bind(address)

@@ -220,8 +220,12 @@ def test_a_model_s_workers_and_its_info_are_built_from_the_typed_configuration()
 
 
 @pytest.mark.parametrize("http_processes", ["1", "2"])
-def test_a_port_in_use_stops_the_server_with_a_clear_line_not_a_traceback(http_processes):
+@pytest.mark.parametrize("shared", [False, True], ids=["plain", "reuseport"])
+def test_a_port_in_use_stops_the_server_with_a_clear_line_not_a_traceback(http_processes, shared):
+    # reuseport: the port is another server's that shares it (another rawserve's HTTP
+    # processes): the kernel would let this one listen beside it and split the clients
     with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, int(shared))
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
@@ -230,7 +234,7 @@ def test_a_port_in_use_stops_the_server_with_a_clear_line_not_a_traceback(http_p
             [sys.executable, "-m", "rawserve", *argv, "--http-processes", http_processes],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=60,
             env={**os.environ, "PYTHONPATH": REPO_ROOT},
         )
     assert done.returncode == 1, done.stderr[-2000:]
