@@ -249,11 +249,12 @@ async def serve(
     gc.collect()
     gc.freeze()
     scheme = "https" if config.tls else "http"
+    host = f"[{config.host}]" if ":" in config.host else config.host  # an IPv6 URL's brackets
     log.info(
         "rawserve %s listening on %s://%s:%d (model loading; %s)",
         __version__,
         scheme,
-        config.host,
+        host,
         front.port,
         front.describe(config),
     )
