@@ -10,6 +10,7 @@ worker processes do.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import gc
 import logging
 import multiprocessing
@@ -27,6 +28,7 @@ from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.config import Batching, ModelConfig, ServerConfig, WorkerPlan, plan_workers
 from rawserve.http.limits import PROBE_RESERVE, ServerState
+from rawserve.http.tls import validity_warning
 from rawserve.http_process.entry import HttpProcessSpec, ModelSpec, run_http_process
 from rawserve.http_process.front import listen, requests_answered
 from rawserve.models.hub import ModelNotFound
@@ -247,11 +249,12 @@ async def serve(
     gc.collect()
     gc.freeze()
     scheme = "https" if config.tls else "http"
+    host = f"[{config.host}]" if ":" in config.host else config.host  # an IPv6 URL's brackets
     log.info(
         "rawserve %s listening on %s://%s:%d (model loading; %s)",
         __version__,
         scheme,
-        config.host,
+        host,
         front.port,
         front.describe(config),
     )
@@ -563,6 +566,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for plan in plans:
             log.info("model %s: %s", plan.name, plan.folder or plan.handler)
         return 0
+    now = datetime.datetime.now(datetime.UTC)
+    if config.tls and (warning := validity_warning(config.tls.certfile, now)):
+        log.warning("%s: every client that verifies it will refuse to connect", warning)
     # each HTTP process holds its share of the cap, and the probes' reserve past it
     cap = config.http.max_connections
     raise_open_files_limit(cap + PROBE_RESERVE if cap else 0)

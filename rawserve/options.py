@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -338,8 +339,9 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     )
     if args.max_queue is None:
         args.max_queue = GPU_MAX_QUEUE if gpu else CPU_MAX_QUEUE
+    cores = os.cpu_count() or 1
     if args.http_processes is None:
-        args.http_processes = http_processes_default(gpu, os.cpu_count() or 1)
+        args.http_processes = http_processes_default(gpu, cores)
     for name in ("max_batch_size", "max_queue", "max_client_batch_size", "max_body_bytes"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
@@ -353,8 +355,9 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         parser.error("--max-timeout must be positive and --batching cost or count")
     if args.max_connections < 0 or args.api_key == "":
         parser.error("--max-connections must not be negative and --api-key not empty")
-    if args.http_processes < 1:
-        parser.error("--http-processes must be positive")
+    if not 1 <= args.http_processes <= cores:  # one speaks HTTP on a core at most
+        parser.error(f"--http-processes must be from 1 to {cores}, this machine's cores")
+    check_host(args.host, parser)
     http = ProtocolSettings(
         max_body_bytes=args.max_body_bytes,
         # each HTTP process counts its own connections: a share each keeps the whole cap
@@ -432,6 +435,19 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         access_log=not args.no_access_log,
         download_only=args.download_only,
     )
+
+
+def check_host(host: str, parser: argparse.ArgumentParser) -> None:
+    """--host names an address of some kind: an empty one would listen on every interface
+    (asyncio reads "" as all of them), and a name nothing resolves would stop the start
+    only once the workers are loading. Whether it is this machine's is known on binding."""
+    if not host.strip():
+        parser.error("--host must be an address or a host name (0.0.0.0: every interface)")
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        parser.error(f"--host {host!r} is not an address or a host name: {reason}")
 
 
 def flags_or_variable(given: list[str] | None, env: str) -> list[str]:

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LISTENING = re.compile(r"listening on https?://[\d.]+:(\d+)")
+LISTENING = re.compile(r"listening on https?://(?:[\d.]+|\[[\da-f:]+\]):(\d+)")
 READY = re.compile(r"ready in [\d.]+ s")
 
 

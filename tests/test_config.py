@@ -10,6 +10,7 @@ code 2 as argparse's own errors.
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import os
 import socket
 import ssl
@@ -23,7 +24,7 @@ from rawserve.main import model_facts, worker_config
 from rawserve.models.plan import ModelPlan
 from rawserve.options import OPTIONS, parse_config
 from rawserve.shared.messages import Engine
-from tests.server import REPO_ROOT
+from tests.server import REPO_ROOT, RunningServer
 
 ECHO = ["--handler", "tests.handlers:echo"]
 
@@ -93,9 +94,10 @@ def test_derived_values_are_computed_at_parse_time(tmp_path):
     ("cap", "processes", "each"),
     [("1000", "1", 1000), ("50", "2", 25), ("1001", "8", 126), ("0", "4", 0)],
 )
-def test_the_connection_cap_is_shared_by_the_http_processes(cap, processes, each):
+def test_the_connection_cap_is_shared_by_the_http_processes(monkeypatch, cap, processes, each):
     # each process counts only its own connections: with the whole cap each, N processes
     # held N times --max-connections open
+    monkeypatch.setattr("os.cpu_count", lambda: 8)  # at most one HTTP process per core
     argv = ["--max-connections", cap, "--http-processes", processes]
     assert parse_config(argv).http.max_connections == each
 
@@ -234,9 +236,31 @@ def test_a_port_in_use_stops_the_server_with_a_clear_line_not_a_traceback(http_p
             [sys.executable, "-m", "rawserve", *argv, "--http-processes", http_processes],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=60,
             env={**os.environ, "PYTHONPATH": REPO_ROOT},
         )
     assert done.returncode == 1, done.stderr[-2000:]
     assert f"ERROR cannot listen on 127.0.0.1 port {port}: " in done.stderr
     assert "in use" in done.stderr.lower() and "Traceback" not in done.stderr
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback on this machine")
+@pytest.mark.parametrize("http_processes", ["1", "2"])
+def test_an_ipv6_host_serves_and_the_log_gives_its_url_with_brackets(http_processes):
+    args = [*ECHO, "--host", "::1", "--http-processes", http_processes]
+    with RunningServer(args) as server:
+        [line] = [line for line in server.lines if "listening on" in line]
+        assert f"listening on http://[::1]:{server.port} " in line  # a URL a client can use
+        connection = http.client.HTTPConnection("::1", server.port, timeout=30)
+        connection.request("GET", "/health")
+        assert connection.getresponse().status == 200
+        connection.close()

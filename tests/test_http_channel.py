@@ -392,6 +392,7 @@ def test_metrics_of_several_processes_are_one_scrape():
 
 
 def test_http_processes_and_the_loop_are_options_and_variables(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 4)  # at most one process per core
     assert parse_config([]).http_processes == 1
     assert parse_config(["--http-processes", "4"]).http_processes == 4
     monkeypatch.setenv("RAWSERVE_HTTP_PROCESSES", "3")

@@ -28,6 +28,7 @@ SAMPLES = {
     "--cors-allow-origin": "https://app.example",
     "--chat-template": __file__,  # a file that exists: its text is read at parse time
     "--loop": "asyncio",
+    "--host": "localhost",  # a name this machine resolves
 }
 # Each needs a real certificate file; tests/test_tls_cors.py serves TLS from them.
 NEEDS_FILES = {"--ssl-certfile", "--ssl-keyfile"}
@@ -52,6 +53,7 @@ def flag_and_variable(option: Option) -> tuple[list[str], str]:
 )
 def test_an_option_as_its_variable_reads_as_its_flag(monkeypatch, option):
     clear_environment(monkeypatch)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)  # --http-processes 7 fits the cores
     argv, value = flag_and_variable(option)
     from_flag = parse_config(argv)
     monkeypatch.setenv(option.env, value)
@@ -140,3 +142,36 @@ def test_an_invalid_option_is_one_error_line(monkeypatch, capsys, argv):
     assert exit.value.code == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("rawserve: error: ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        # asyncio would read "" as every interface: a variable left empty must not do that
+        (["--host", ""], "--host must be an address or a host name"),
+        (["--host", " "], "--host must be an address or a host name"),
+        (["--host", "a..b"], "--host 'a..b' is not an address or a host name"),
+        # 1000 Python processes on 8 cores: only contention, and minutes to start
+        (["--http-processes", "1000"], "--http-processes must be from 1 to 8"),
+        (["--http-processes", "9"], "--http-processes must be from 1 to 8"),
+    ],
+)
+def test_an_address_or_a_process_count_that_cannot_serve_is_refused_before_loading(
+    monkeypatch, capsys, argv, says
+):
+    clear_environment(monkeypatch)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    with pytest.raises(SystemExit) as exit:
+        parse_config(["--handler", "tests.handlers:echo", *argv])
+    assert exit.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"rawserve: error: {says}")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "0.0.0.0", "localhost"])
+def test_an_address_or_a_name_of_this_machine_is_taken(monkeypatch, host):
+    clear_environment(monkeypatch)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    config = parse_config(["--handler", "tests.handlers:echo", "--host", host])
+    assert config.host == host
+    assert parse_config(["--handler", "tests.handlers:echo", "--http-processes", "8"])

@@ -10,6 +10,7 @@ unharmed). CORS: requests are sent as a browser sends them: a preflight `OPTIONS
 
 from __future__ import annotations
 
+import datetime
 import http.client
 import json
 import re
@@ -22,6 +23,7 @@ import time
 
 import pytest
 
+from rawserve.http.tls import validity_warning
 from tests.server import REPO_ROOT, RunningServer
 
 pytestmark = pytest.mark.slow
@@ -166,6 +168,83 @@ def test_bad_tls_options_stop_the_server_with_a_clear_message(args):
     )  # fmt: skip
     assert done.returncode != 0
     assert "ssl" in done.stderr.lower() and "Traceback" not in done.stderr
+
+
+def bad_tls_files(ca, folder):
+    """Certificate and key files an operator gets wrong, each with the words its error
+    must say."""
+    from cryptography.hazmat.primitives import serialization
+
+    issued, other = ca.issue_cert("127.0.0.1"), ca.issue_cert("127.0.0.1")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    issued.cert_chain_pems[0].write_to_path(str(cert))
+    issued.private_key_pem.write_to_path(str(key))
+    other_key = folder / "other-key.pem"
+    other.private_key_pem.write_to_path(str(other_key))
+    encrypted = folder / "encrypted-key.pem"
+    loaded = serialization.load_pem_private_key(issued.private_key_pem.bytes(), None)
+    encrypted.write_bytes(
+        loaded.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"secret"),
+        )
+    )
+    der = folder / "cert.der"
+    der.write_bytes(ssl.PEM_cert_to_DER_cert(issued.cert_chain_pems[0].bytes().decode()))
+    return {
+        "encrypted-key": ([cert, encrypted], ["encrypted", "passphrase", str(encrypted)]),
+        "key-of-another": ([cert, other_key], ["does not match", str(other_key)]),
+        "der-certificate": ([der, key], ["no PEM certificate", str(der)]),
+        "key-as-certificate": ([key, cert], ["no PEM certificate", str(key)]),
+        "no-key-anywhere": ([cert, None], ["no PEM private key", "--ssl-keyfile"]),
+        "a-folder": ([folder, key], ["not a file", str(folder)]),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["encrypted-key", "key-of-another", "der-certificate", "key-as-certificate",
+     "no-key-anywhere", "a-folder"],
+)  # fmt: skip
+def test_wrong_tls_files_are_one_line_naming_the_file_and_what_is_wrong(ca, tmp_path, case):
+    (certfile, keyfile), words = bad_tls_files(ca, tmp_path)[case]
+    args = ["--ssl-certfile", str(certfile)]
+    if keyfile is not None:
+        args += ["--ssl-keyfile", str(keyfile)]
+    done = subprocess.run(
+        [sys.executable, "-m", "rawserve", *ECHO, "--port", "0", *args],
+        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    # never OpenSSL's prompt for a passphrase, nor its "[SSL] PEM lib (_ssl.c:3905)"
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("rawserve: error: --ssl-certfile/--ssl-keyfile: ")
+    assert all(word in done.stderr for word in words), done.stderr
+
+
+@pytest.mark.parametrize(
+    ("valid", "warning"),
+    [
+        ((-10, -1), "expired on"),
+        ((1, 10), "is not valid before"),
+        ((-1, 10), None),
+    ],
+    ids=["expired", "not-yet-valid", "valid"],
+)
+def test_a_certificate_out_of_its_dates_is_warned_of(ca, tmp_path, valid, warning):
+    now = datetime.datetime.now(datetime.UTC)
+    not_before, not_after = (now + datetime.timedelta(days=days) for days in valid)
+    issued = ca.issue_cert("127.0.0.1", not_before=not_before, not_after=not_after)
+    certfile = tmp_path / "cert.pem"
+    for index, blob in enumerate(issued.cert_chain_pems):  # the leaf first, then its CA
+        blob.write_to_path(str(certfile), append=index > 0)
+    said = validity_warning(str(certfile), now)
+    if warning is None:
+        assert said is None
+    else:
+        day = (not_after if warning == "expired on" else not_before).strftime("%Y-%m-%d")
+        assert said is not None and warning in said and day in said and str(certfile) in said
 
 
 def test_a_certificate_file_that_holds_the_key_too_is_enough(certificate_files, ca, tmp_path):
