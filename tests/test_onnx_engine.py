@@ -207,6 +207,42 @@ def test_a_cache_folder_that_cannot_be_written_is_named_not_a_bare_os_error(
     assert "Traceback" not in caplog.text
 
 
+def test_a_cached_graph_that_cannot_be_loaded_is_exported_again(
+    tiny_model, onnx_cache, tmp_path, monkeypatch, caplog
+):
+    """A cut-short or damaged graph in the cache (a full disk, a crash before the data
+    reached it, a hand edit) is made again, said in one line: it stopped the server at
+    every start with --engine onnx, and kept auto on torch for good."""
+    from rawserve.worker import onnx_engine
+
+    folder = Path(tiny_model("text-classification"))
+    head = onnx_engine.HEADS["text-classification"]
+    good = onnx_engine.exported_graph(folder, head, onnx_cache)
+    cache = tmp_path / "onnx"
+    shutil.copytree(good.parent, cache / good.parent.name)
+    broken = cache / good.parent.name / onnx_engine.GRAPH_FILE
+    broken.write_bytes(good.read_bytes()[:5000])
+    exports = []
+
+    def export(source, export_head, path):
+        exports.append(source)
+        shutil.copy(good, path)
+
+    monkeypatch.setattr(onnx_engine, "export", export)
+    with caplog.at_level(logging.INFO, logger="rawserve.onnx"):
+        network = onnx_engine.load_network(str(folder), "text-classification", 1, cache)
+    assert exports == [folder] and network.graph == broken
+    assert broken.read_bytes() == good.read_bytes()
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith(f"ONNX engine: the cached graph {broken} cannot be loaded (")
+    assert warning.endswith("): exported again")
+    assert "Traceback" not in caplog.text
+    assert sorted(path.name for path in cache.iterdir()) == [
+        f".{good.parent.name.rpartition('-')[2]}.lock",
+        good.parent.name,
+    ]
+
+
 def test_a_model_s_own_onnx_file_is_used_as_shipped(tiny_model, onnx_cache, tmp_path, caplog):
     from rawserve.worker import onnx_engine
 

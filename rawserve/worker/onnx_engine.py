@@ -177,13 +177,31 @@ def load_network(model: str, task: str, threads: int, cache_dir: Path | None = N
     head = HEADS[task]
     folder = Path(model)
     config = transformers.AutoConfig.from_pretrained(model)
+    cores = os.cpu_count() or 1
     shipped = folder / SHIPPED_GRAPH
     if shipped.is_file() and _shipped_fits(shipped, head):
         log.info("ONNX engine: the model's own graph %s", SHIPPED_GRAPH)
-        graph = shipped
-    else:
-        graph = exported_graph(folder, head, cache_dir or engine_trial.default_cache_dir())
-    return OnnxNetwork(graph, config, head, threads, os.cpu_count() or 1)
+        return OnnxNetwork(shipped, config, head, threads, cores)
+    cache_dir = cache_dir or engine_trial.default_cache_dir()
+    graph = exported_graph(folder, head, cache_dir)
+    try:
+        return OnnxNetwork(graph, config, head, threads, cores)
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's errors derive from Exception only
+        # A graph cut short (a crash before its data reached the disk, a full disk, a hand
+        # edit) would fail every start: it is made again.
+        damaged = _identity(graph)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.warning(
+            "ONNX engine: the cached graph %s cannot be loaded (%s): exported again", graph, reason
+        )
+    graph = exported_graph(folder, head, cache_dir, damaged)
+    return OnnxNetwork(graph, config, head, threads, cores)
+
+
+def _identity(path: Path) -> tuple[int, int, int]:
+    """What tells one file from the one that replaces it at the same path."""
+    stat = path.stat()
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 def _shipped_fits(graph: Path, head: Head) -> bool:
@@ -208,20 +226,25 @@ def cache_key(folder: Path, head: Head) -> dict[str, Any]:
     }
 
 
-def exported_graph(folder: Path, head: Head, cache_dir: Path) -> Path:
-    """The cached export of `folder` for `head`; made now (once, under a lock) if missing."""
+def exported_graph(
+    folder: Path, head: Head, cache_dir: Path, damaged: tuple[int, int, int] | None = None
+) -> Path:
+    """The cached export of `folder` for `head`; made now (once, under a lock) if missing,
+    or if it is still the file `damaged` identifies (`_identity`), one that would not load."""
     key = cache_key(folder, head)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     target = cache_dir / f"{folder.resolve().name}-{digest}"
     graph = target / GRAPH_FILE
-    if graph.is_file():
+    if graph.is_file() and damaged is None:
         log.info("ONNX engine: the graph exported before, %s", graph)
         return graph
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         with _locked(cache_dir / f".{digest}.lock"):  # workers starting together export once
-            if graph.is_file():
+            if graph.is_file() and _identity(graph) != damaged:
+                log.info("ONNX engine: the graph another worker exported meanwhile, %s", graph)
                 return graph
+            shutil.rmtree(target, ignore_errors=True)
             started = time.monotonic()
             scratch = Path(tempfile.mkdtemp(prefix=".export-", dir=cache_dir))
             try:
@@ -235,13 +258,13 @@ def exported_graph(folder: Path, head: Head, cache_dir: Path) -> Path:
             f"the ONNX export's cache folder {cache_dir} cannot be written "
             f"({exc.strerror or exc}): set RAWSERVE_CACHE_DIR to one that can"
         ) from exc
-        log.info(
-            "ONNX engine: exported %s (%s) in %.1f s into %s",
-            folder.name,
-            head.auto_class,
-            time.monotonic() - started,
-            target,
-        )
+    log.info(
+        "ONNX engine: exported %s (%s) in %.1f s into %s",
+        folder.name,
+        head.auto_class,
+        time.monotonic() - started,
+        target,
+    )
     return graph
 
 
