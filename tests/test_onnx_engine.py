@@ -243,6 +243,45 @@ def test_a_cached_graph_that_cannot_be_loaded_is_exported_again(
     ]
 
 
+def test_the_cache_keeps_one_export_per_model_folder_and_head(
+    tiny_model, tmp_path, monkeypatch, caplog
+):
+    """Weights saved again in place (or a new torch) make another export: the one it
+    replaces, and what a worker killed while exporting left, are removed, or every
+    version of a model kept a whole copy of its weights in the cache."""
+    from rawserve.worker import onnx_engine
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model("text-classification"), folder)
+    cache = tmp_path / "onnx"
+
+    def export(source, head, path):
+        path.write_bytes(b"a graph")
+
+    monkeypatch.setattr(onnx_engine, "export", export)
+    classifier = onnx_engine.HEADS["text-classification"]
+    first = onnx_engine.exported_graph(folder, classifier, cache).parent
+    vectors = onnx_engine.exported_graph(folder, onnx_engine.HEADS["feature-extraction"], cache)
+    elsewhere = tmp_path / "other" / "model"  # another folder of the same name
+    shutil.copytree(folder, elsewhere)
+    (elsewhere / "config.json").write_text((folder / "config.json").read_text() + "\n")
+    other = onnx_engine.exported_graph(elsewhere, classifier, cache).parent
+
+    (folder / "model.safetensors").write_bytes(
+        (folder / "model.safetensors").read_bytes()[:-4] + b"\0\0\0\0"
+    )
+    digest = onnx_engine.key_digest(onnx_engine.cache_key(folder, classifier))
+    killed = cache / f".export-{digest}-killed"
+    killed.mkdir()
+    (killed / "model.onnx").write_bytes(b"half a graph")
+    with caplog.at_level(logging.INFO, logger="rawserve.onnx"):
+        second = onnx_engine.exported_graph(folder, classifier, cache).parent
+    assert second != first and (second / "model.onnx").is_file()
+    assert not first.exists() and not killed.exists()
+    assert vectors.is_file() and other.exists()  # another head, another folder: kept
+    assert f"removed {first}, this model's export from before" in caplog.text
+
+
 def test_a_model_s_own_onnx_file_is_used_as_shipped(tiny_model, onnx_cache, tmp_path, caplog):
     from rawserve.worker import onnx_engine
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import hashlib
 import importlib.metadata
 import io
@@ -226,13 +227,18 @@ def cache_key(folder: Path, head: Head) -> dict[str, Any]:
     }
 
 
+def key_digest(key: dict[str, Any]) -> str:
+    """What names an export in the cache (and its lock, and its folder while it is made)."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
 def exported_graph(
     folder: Path, head: Head, cache_dir: Path, damaged: tuple[int, int, int] | None = None
 ) -> Path:
     """The cached export of `folder` for `head`; made now (once, under a lock) if missing,
     or if it is still the file `damaged` identifies (`_identity`), one that would not load."""
     key = cache_key(folder, head)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    digest = key_digest(key)
     target = cache_dir / f"{folder.resolve().name}-{digest}"
     graph = target / GRAPH_FILE
     if graph.is_file() and damaged is None:
@@ -245,14 +251,18 @@ def exported_graph(
                 log.info("ONNX engine: the graph another worker exported meanwhile, %s", graph)
                 return graph
             shutil.rmtree(target, ignore_errors=True)
+            for left in cache_dir.glob(f".export-{digest}-*"):  # of a worker killed exporting
+                shutil.rmtree(left, ignore_errors=True)
             started = time.monotonic()
-            scratch = Path(tempfile.mkdtemp(prefix=".export-", dir=cache_dir))
+            scratch = Path(tempfile.mkdtemp(prefix=f".export-{digest}-", dir=cache_dir))
             try:
                 export(folder, head, scratch / GRAPH_FILE)
-                (scratch / "key.json").write_text(json.dumps(key, indent=1))
+                source = {**key, "folder": str(folder.resolve())}
+                (scratch / "key.json").write_text(json.dumps(source, indent=1))
                 os.replace(scratch, target)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
+            _drop_replaced(cache_dir, target, source)
     except OSError as exc:  # unwritable, not a folder, or full
         raise OSError(
             f"the ONNX export's cache folder {cache_dir} cannot be written "
@@ -266,6 +276,24 @@ def exported_graph(
         target,
     )
     return graph
+
+
+def _drop_replaced(cache_dir: Path, target: Path, source: dict[str, Any]) -> None:
+    """The exports of the same folder and head made before from other files (weights saved
+    again in place) or by other versions of the exporter: no start asks for them again, and
+    each would keep a whole copy of the model's weights in the cache for good."""
+    name = glob.escape(target.name.rpartition("-")[0])  # the folder's name: "[" is no pattern
+    for key_file in cache_dir.glob(f"{name}-*/key.json"):
+        try:
+            made = json.loads(key_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(made, dict):
+            continue
+        same = made.get("folder") == source["folder"] and made.get("head") == source["head"]
+        if same and key_file.parent != target:
+            shutil.rmtree(key_file.parent, ignore_errors=True)
+            log.info("ONNX engine: removed %s, this model's export from before", key_file.parent)
 
 
 @contextlib.contextmanager
