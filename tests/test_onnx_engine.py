@@ -282,6 +282,43 @@ def test_the_cache_keeps_one_export_per_model_folder_and_head(
     assert f"removed {first}, this model's export from before" in caplog.text
 
 
+def test_a_cache_that_fills_up_while_fusing_is_one_line_not_a_traceback(
+    tiny_model, onnx_cache, tmp_path, monkeypatch, caplog
+):
+    """A full disk is the cache folder's failure, said as such in one line (auto then
+    serves with torch), not the fusions' failure with a traceback, after which the
+    export failed anyway."""
+    import errno
+
+    import onnx_ir
+
+    from rawserve.worker import onnx_engine
+
+    folder = Path(tiny_model("text-classification"))
+    head = onnx_engine.HEADS["text-classification"]
+    good = onnx_engine.exported_graph(folder, head, onnx_cache)
+
+    def export(source, export_head, path):
+        shutil.copy(good, path)
+        onnx_engine._fuse(path)
+
+    def full(graph, path, *args, **kwargs):
+        Path(path).write_bytes(b"half a gra")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(onnx_engine, "export", export)
+    monkeypatch.setattr(onnx_ir, "save", full)
+    cache = tmp_path / "onnx"
+    with caplog.at_level(logging.INFO, logger="rawserve.onnx"), pytest.raises(OSError) as caught:
+        onnx_engine.exported_graph(folder, head, cache)
+    assert str(caught.value) == (
+        f"the ONNX export's cache folder {cache} cannot be written (No space left on device): "
+        "set RAWSERVE_CACHE_DIR to one that can"
+    )
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [path.name for path in cache.iterdir() if not path.name.endswith(".lock")] == []
+
+
 def test_a_model_s_own_onnx_file_is_used_as_shipped(tiny_model, onnx_cache, tmp_path, caplog):
     from rawserve.worker import onnx_engine
 

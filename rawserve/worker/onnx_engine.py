@@ -374,7 +374,8 @@ def _max_positions(model: Any) -> int:
 
 def _fuse(path: Path) -> None:
     """onnxscript's onnxruntime fusions (fused attention, layer norms, GELU), in place.
-    A graph they cannot rewrite is kept as exported: slower, not wrong."""
+    A graph they cannot rewrite is kept as exported: slower, not wrong. A fused graph that
+    cannot be written (a full disk) is the cache folder's failure: raised as the export's."""
     try:
         import onnx_ir
         from onnxscript.rewriter.ort_fusions import optimize_for_ort
@@ -383,10 +384,11 @@ def _fuse(path: Path) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             graph, counts = optimize_for_ort(graph)
-        fused_path = path.with_name("fused-" + path.name)
-        onnx_ir.save(graph, fused_path)
-        os.replace(fused_path, path)
-        fused = {name: count for name, count in counts.items() if count}
-        log.info("ONNX engine: fused %s", fused or "nothing")
     except Exception:  # noqa: BLE001 - an optimisation, never a reason to fail
         log.warning("ONNX engine: the fusions failed; the graph stays as exported", exc_info=True)
+        return
+    fused_path = path.with_name("fused-" + path.name)
+    onnx_ir.save(graph, fused_path)
+    os.replace(fused_path, path)
+    fused = {name: count for name, count in counts.items() if count}
+    log.info("ONNX engine: fused %s", fused or "nothing")
