@@ -319,6 +319,40 @@ def test_a_cache_that_fills_up_while_fusing_is_one_line_not_a_traceback(
     assert [path.name for path in cache.iterdir() if not path.name.endswith(".lock")] == []
 
 
+def test_the_exporter_s_own_log_lines_go_to_the_debug_log(
+    tiny_model, onnx_cache, tmp_path, monkeypatch, caplog
+):
+    """torch's exporter warns that torchvision is not installed, four lines at every
+    export: nothing for the user to act on (no encoder uses torchvision's operators)."""
+    import torch
+
+    from rawserve.worker import onnx_engine
+
+    folder = Path(tiny_model("text-classification"))
+    head = onnx_engine.HEADS["text-classification"]
+    good = onnx_engine.exported_graph(folder, head, onnx_cache)
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    for name in ("torch", "torch.onnx"):  # through the worker's handler, as in a worker
+        monkeypatch.setattr(logging.getLogger(name), "handlers", [])
+        monkeypatch.setattr(logging.getLogger(name), "propagate", True)
+
+    class Program:
+        def save(self, path):
+            shutil.copy(good, path)
+
+    def exporter(*args, **kwargs):
+        registration.warning("torchvision is not installed. Skipping %s", "torchvision::nms")
+        return Program()
+
+    monkeypatch.setattr(torch.onnx, "export", exporter)
+    with caplog.at_level(logging.DEBUG):
+        onnx_engine.export(folder, head, tmp_path / "model.onnx")
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "exporter: torchvision is not installed. Skipping torchvision::nms" in caplog.text
+    exporter = logging.getLogger("torch.onnx")
+    assert exporter.handlers == [] and exporter.propagate  # as it was, after the export
+
+
 def test_a_model_s_own_onnx_file_is_used_as_shipped(tiny_model, onnx_cache, tmp_path, caplog):
     from rawserve.worker import onnx_engine
 

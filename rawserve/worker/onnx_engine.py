@@ -335,13 +335,14 @@ def export(folder: Path, head: Head, path: Path) -> None:
     sequence = torch.export.Dim("sequence", max=max(8, _max_positions(model)))
     wrapper = _Forward(model, input_names, head.outputs).eval()
     chatter = io.StringIO()
-    # The exporter's progress lines and its libraries' deprecation warnings are not the
-    # user's to act on: they go to the debug log.
+    # The exporter's progress lines, its log lines ("torchvision is not installed") and its
+    # libraries' deprecation warnings are not the user's to act on: they go to the debug log.
     with (
         torch.inference_mode(False),
         torch.no_grad(),
         warnings.catch_warnings(),
         contextlib.redirect_stdout(chatter),
+        _exporter_logs_at_debug(),
     ):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -360,6 +361,24 @@ def export(folder: Path, head: Head, path: Path) -> None:
     program.save(str(path))
     del program, model, wrapper
     _fuse(path)
+
+
+class _AtDebug(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        level = record.levelno if record.levelno >= logging.ERROR else logging.DEBUG
+        log.log(level, "exporter: %s", record.getMessage())
+
+
+@contextlib.contextmanager
+def _exporter_logs_at_debug() -> Iterator[None]:
+    """torch.onnx's log lines as debug lines of this module's log (an error stays one)."""
+    exporter = logging.getLogger("torch.onnx")
+    handlers, propagate = exporter.handlers, exporter.propagate
+    exporter.handlers, exporter.propagate = [_AtDebug()], False
+    try:
+        yield
+    finally:
+        exporter.handlers, exporter.propagate = handlers, propagate
 
 
 def _forward_inputs(model: Any) -> set[str]:
