@@ -243,6 +243,34 @@ def test_a_cached_graph_that_cannot_be_loaded_is_exported_again(
     ]
 
 
+def test_a_cached_graph_removed_while_it_was_loaded_is_exported_again(
+    tiny_model, onnx_cache, tmp_path, monkeypatch
+):
+    """Another server's new export of the folder removes this one's predecessor: a worker
+    that had not opened it yet exports it again (it raised FileNotFoundError)."""
+    from rawserve.worker import onnx_engine
+
+    folder = Path(tiny_model("text-classification"))
+    head = onnx_engine.HEADS["text-classification"]
+    good = onnx_engine.exported_graph(folder, head, onnx_cache)
+    cache = tmp_path / "onnx"
+    shutil.copytree(good.parent, cache / good.parent.name)
+    network_class = onnx_engine.OnnxNetwork
+    opened = []
+
+    def network(graph, *args):
+        if not opened:
+            opened.append(graph)
+            shutil.rmtree(graph.parent)
+            raise RuntimeError(f"NO_SUCHFILE : Load model from {graph} failed")
+        return network_class(graph, *args)
+
+    monkeypatch.setattr(onnx_engine, "OnnxNetwork", network)
+    monkeypatch.setattr(onnx_engine, "export", lambda source, h, path: shutil.copy(good, path))
+    loaded = onnx_engine.load_network(str(folder), "text-classification", 1, cache)
+    assert loaded.graph == opened[0] and loaded.graph.read_bytes() == good.read_bytes()
+
+
 def test_the_cache_keeps_one_export_per_model_folder_and_head(
     tiny_model, tmp_path, monkeypatch, caplog
 ):

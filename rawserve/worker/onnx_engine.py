@@ -199,9 +199,13 @@ def load_network(model: str, task: str, threads: int, cache_dir: Path | None = N
     return OnnxNetwork(graph, config, head, threads, cores)
 
 
-def _identity(path: Path) -> tuple[int, int, int]:
-    """What tells one file from the one that replaces it at the same path."""
-    stat = path.stat()
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """What tells one file from the one that replaces it at the same path (None: gone,
+    removed as another export's predecessor while this worker was loading it)."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
     return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
