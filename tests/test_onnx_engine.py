@@ -135,6 +135,37 @@ def test_every_encoder_task_answers_what_torch_answers(runners, kind, task, inpu
     assert_close(alone, expected)
 
 
+@pytest.mark.parametrize(
+    ("engine", "message"),
+    [
+        (
+            Engine.ONNX,
+            "[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running Where "
+            "node. Status Message: bfc_arena.cc:360 void* onnxruntime::BFCArena::"
+            "AllocateRawInternal(size_t, bool, onnxruntime::Stream*) Failed to allocate memory "
+            "for requested buffer of size 4294967296",
+        ),
+        (
+            Engine.TORCH,
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+            "memory: you tried to allocate 8589934592 bytes. Error code 12 (Cannot allocate "
+            "memory)",
+        ),
+    ],
+)
+def test_a_batch_too_large_for_the_cpu_s_memory_is_out_of_memory(runners, engine, message):
+    """What each engine raises when a batch does not fit in RAM (read from each with a
+    memory limit): out of memory, so the batch is split and the worker's cap lowered, as
+    the README says of a CPU; it was "the model failed on this input", a 500 per item."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+
+    from rawserve.shared.messages import FailureKind
+
+    runner = runners("text-classification", "text-classification", engine)
+    raised = Fail(message) if engine is Engine.ONNX else RuntimeError(message)
+    assert runner.describe_failure(raised).kind is FailureKind.OUT_OF_MEMORY
+
+
 def test_the_packaged_minilm_answers_what_torch_answers(runners):
     from rawserve.models.folder import default_model
 
