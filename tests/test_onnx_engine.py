@@ -135,6 +135,37 @@ def test_every_encoder_task_answers_what_torch_answers(runners, kind, task, inpu
     assert_close(alone, expected)
 
 
+@pytest.mark.parametrize(
+    ("engine", "message"),
+    [
+        (
+            Engine.ONNX,
+            "[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running Where "
+            "node. Status Message: bfc_arena.cc:360 void* onnxruntime::BFCArena::"
+            "AllocateRawInternal(size_t, bool, onnxruntime::Stream*) Failed to allocate memory "
+            "for requested buffer of size 4294967296",
+        ),
+        (
+            Engine.TORCH,
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+            "memory: you tried to allocate 8589934592 bytes. Error code 12 (Cannot allocate "
+            "memory)",
+        ),
+    ],
+)
+def test_a_batch_too_large_for_the_cpu_s_memory_is_out_of_memory(runners, engine, message):
+    """What each engine raises when a batch does not fit in RAM (read from each with a
+    memory limit): out of memory, so the batch is split and the worker's cap lowered, as
+    the README says of a CPU; it was "the model failed on this input", a 500 per item."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+
+    from rawserve.shared.messages import FailureKind
+
+    runner = runners("text-classification", "text-classification", engine)
+    raised = Fail(message) if engine is Engine.ONNX else RuntimeError(message)
+    assert runner.describe_failure(raised).kind is FailureKind.OUT_OF_MEMORY
+
+
 def test_the_packaged_minilm_answers_what_torch_answers(runners):
     from rawserve.models.folder import default_model
 
@@ -205,6 +236,180 @@ def test_a_cache_folder_that_cannot_be_written_is_named_not_a_bare_os_error(
     # on a CPU with bfloat16 units its trial's verdict cannot be kept there either: said so
     assert all(w.endswith("(Not a directory)") for w in warnings if w != warning), warnings
     assert "Traceback" not in caplog.text
+
+
+def test_a_cached_graph_that_cannot_be_loaded_is_exported_again(
+    tiny_model, onnx_cache, tmp_path, monkeypatch, caplog
+):
+    """A cut-short or damaged graph in the cache (a full disk, a crash before the data
+    reached it, a hand edit) is made again, said in one line: it stopped the server at
+    every start with --engine onnx, and kept auto on torch for good."""
+    from rawserve.worker import onnx_engine
+
+    folder = Path(tiny_model("text-classification"))
+    head = onnx_engine.HEADS["text-classification"]
+    good = onnx_engine.exported_graph(folder, head, onnx_cache)
+    cache = tmp_path / "onnx"
+    shutil.copytree(good.parent, cache / good.parent.name)
+    broken = cache / good.parent.name / onnx_engine.GRAPH_FILE
+    broken.write_bytes(good.read_bytes()[:5000])
+    exports = []
+
+    def export(source, export_head, path):
+        exports.append(source)
+        shutil.copy(good, path)
+
+    monkeypatch.setattr(onnx_engine, "export", export)
+    with caplog.at_level(logging.INFO, logger="rawserve.onnx"):
+        network = onnx_engine.load_network(str(folder), "text-classification", 1, cache)
+    assert exports == [folder] and network.graph == broken
+    assert broken.read_bytes() == good.read_bytes()
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith(f"ONNX engine: the cached graph {broken} cannot be loaded (")
+    assert warning.endswith("): exported again")
+    assert "Traceback" not in caplog.text
+    assert sorted(path.name for path in cache.iterdir()) == [
+        f".{good.parent.name.rpartition('-')[2]}.lock",
+        good.parent.name,
+    ]
+
+
+def test_a_cached_graph_removed_while_it_was_loaded_is_exported_again(
+    tiny_model, onnx_cache, tmp_path, monkeypatch
+):
+    """Another server's new export of the folder removes this one's predecessor: a worker
+    that had not opened it yet exports it again (it raised FileNotFoundError)."""
+    from rawserve.worker import onnx_engine
+
+    folder = Path(tiny_model("text-classification"))
+    head = onnx_engine.HEADS["text-classification"]
+    good = onnx_engine.exported_graph(folder, head, onnx_cache)
+    cache = tmp_path / "onnx"
+    shutil.copytree(good.parent, cache / good.parent.name)
+    network_class = onnx_engine.OnnxNetwork
+    opened = []
+
+    def network(graph, *args):
+        if not opened:
+            opened.append(graph)
+            shutil.rmtree(graph.parent)
+            raise RuntimeError(f"NO_SUCHFILE : Load model from {graph} failed")
+        return network_class(graph, *args)
+
+    monkeypatch.setattr(onnx_engine, "OnnxNetwork", network)
+    monkeypatch.setattr(onnx_engine, "export", lambda source, h, path: shutil.copy(good, path))
+    loaded = onnx_engine.load_network(str(folder), "text-classification", 1, cache)
+    assert loaded.graph == opened[0] and loaded.graph.read_bytes() == good.read_bytes()
+
+
+def test_the_cache_keeps_one_export_per_model_folder_and_head(
+    tiny_model, tmp_path, monkeypatch, caplog
+):
+    """Weights saved again in place (or a new torch) make another export: the one it
+    replaces, and what a worker killed while exporting left, are removed, or every
+    version of a model kept a whole copy of its weights in the cache."""
+    from rawserve.worker import onnx_engine
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model("text-classification"), folder)
+    cache = tmp_path / "onnx"
+
+    def export(source, head, path):
+        path.write_bytes(b"a graph")
+
+    monkeypatch.setattr(onnx_engine, "export", export)
+    classifier = onnx_engine.HEADS["text-classification"]
+    first = onnx_engine.exported_graph(folder, classifier, cache).parent
+    vectors = onnx_engine.exported_graph(folder, onnx_engine.HEADS["feature-extraction"], cache)
+    elsewhere = tmp_path / "other" / "model"  # another folder of the same name
+    shutil.copytree(folder, elsewhere)
+    (elsewhere / "config.json").write_text((folder / "config.json").read_text() + "\n")
+    other = onnx_engine.exported_graph(elsewhere, classifier, cache).parent
+
+    (folder / "model.safetensors").write_bytes(
+        (folder / "model.safetensors").read_bytes()[:-4] + b"\0\0\0\0"
+    )
+    digest = onnx_engine.key_digest(onnx_engine.cache_key(folder, classifier))
+    killed = cache / f".export-{digest}-killed"
+    killed.mkdir()
+    (killed / "model.onnx").write_bytes(b"half a graph")
+    with caplog.at_level(logging.INFO, logger="rawserve.onnx"):
+        second = onnx_engine.exported_graph(folder, classifier, cache).parent
+    assert second != first and (second / "model.onnx").is_file()
+    assert not first.exists() and not killed.exists()
+    assert vectors.is_file() and other.exists()  # another head, another folder: kept
+    assert f"removed {first}, this model's export from before" in caplog.text
+
+
+def test_a_cache_that_fills_up_while_fusing_is_one_line_not_a_traceback(
+    tiny_model, onnx_cache, tmp_path, monkeypatch, caplog
+):
+    """A full disk is the cache folder's failure, said as such in one line (auto then
+    serves with torch), not the fusions' failure with a traceback, after which the
+    export failed anyway."""
+    import errno
+
+    import onnx_ir
+
+    from rawserve.worker import onnx_engine
+
+    folder = Path(tiny_model("text-classification"))
+    head = onnx_engine.HEADS["text-classification"]
+    good = onnx_engine.exported_graph(folder, head, onnx_cache)
+
+    def export(source, export_head, path):
+        shutil.copy(good, path)
+        onnx_engine._fuse(path)
+
+    def full(graph, path, *args, **kwargs):
+        Path(path).write_bytes(b"half a gra")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(onnx_engine, "export", export)
+    monkeypatch.setattr(onnx_ir, "save", full)
+    cache = tmp_path / "onnx"
+    with caplog.at_level(logging.INFO, logger="rawserve.onnx"), pytest.raises(OSError) as caught:
+        onnx_engine.exported_graph(folder, head, cache)
+    assert str(caught.value) == (
+        f"the ONNX export's cache folder {cache} cannot be written (No space left on device): "
+        "set RAWSERVE_CACHE_DIR to one that can"
+    )
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [path.name for path in cache.iterdir() if not path.name.endswith(".lock")] == []
+
+
+def test_the_exporter_s_own_log_lines_go_to_the_debug_log(
+    tiny_model, onnx_cache, tmp_path, monkeypatch, caplog
+):
+    """torch's exporter warns that torchvision is not installed, four lines at every
+    export: nothing for the user to act on (no encoder uses torchvision's operators)."""
+    import torch
+
+    from rawserve.worker import onnx_engine
+
+    folder = Path(tiny_model("text-classification"))
+    head = onnx_engine.HEADS["text-classification"]
+    good = onnx_engine.exported_graph(folder, head, onnx_cache)
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    for name in ("torch", "torch.onnx"):  # through the worker's handler, as in a worker
+        monkeypatch.setattr(logging.getLogger(name), "handlers", [])
+        monkeypatch.setattr(logging.getLogger(name), "propagate", True)
+
+    class Program:
+        def save(self, path):
+            shutil.copy(good, path)
+
+    def exporter(*args, **kwargs):
+        registration.warning("torchvision is not installed. Skipping %s", "torchvision::nms")
+        return Program()
+
+    monkeypatch.setattr(torch.onnx, "export", exporter)
+    with caplog.at_level(logging.DEBUG):
+        onnx_engine.export(folder, head, tmp_path / "model.onnx")
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "exporter: torchvision is not installed. Skipping torchvision::nms" in caplog.text
+    exporter = logging.getLogger("torch.onnx")
+    assert exporter.handlers == [] and exporter.propagate  # as it was, after the export
 
 
 def test_a_model_s_own_onnx_file_is_used_as_shipped(tiny_model, onnx_cache, tmp_path, caplog):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import hashlib
 import importlib.metadata
 import io
@@ -177,13 +178,35 @@ def load_network(model: str, task: str, threads: int, cache_dir: Path | None = N
     head = HEADS[task]
     folder = Path(model)
     config = transformers.AutoConfig.from_pretrained(model)
+    cores = os.cpu_count() or 1
     shipped = folder / SHIPPED_GRAPH
     if shipped.is_file() and _shipped_fits(shipped, head):
         log.info("ONNX engine: the model's own graph %s", SHIPPED_GRAPH)
-        graph = shipped
-    else:
-        graph = exported_graph(folder, head, cache_dir or engine_trial.default_cache_dir())
-    return OnnxNetwork(graph, config, head, threads, os.cpu_count() or 1)
+        return OnnxNetwork(shipped, config, head, threads, cores)
+    cache_dir = cache_dir or engine_trial.default_cache_dir()
+    graph = exported_graph(folder, head, cache_dir)
+    try:
+        return OnnxNetwork(graph, config, head, threads, cores)
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's errors derive from Exception only
+        # A graph cut short (a crash before its data reached the disk, a full disk, a hand
+        # edit) would fail every start: it is made again.
+        damaged = _identity(graph)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.warning(
+            "ONNX engine: the cached graph %s cannot be loaded (%s): exported again", graph, reason
+        )
+    graph = exported_graph(folder, head, cache_dir, damaged)
+    return OnnxNetwork(graph, config, head, threads, cores)
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """What tells one file from the one that replaces it at the same path (None: gone,
+    removed as another export's predecessor while this worker was loading it)."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 def _shipped_fits(graph: Path, head: Head) -> bool:
@@ -208,41 +231,73 @@ def cache_key(folder: Path, head: Head) -> dict[str, Any]:
     }
 
 
-def exported_graph(folder: Path, head: Head, cache_dir: Path) -> Path:
-    """The cached export of `folder` for `head`; made now (once, under a lock) if missing."""
+def key_digest(key: dict[str, Any]) -> str:
+    """What names an export in the cache (and its lock, and its folder while it is made)."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def exported_graph(
+    folder: Path, head: Head, cache_dir: Path, damaged: tuple[int, int, int] | None = None
+) -> Path:
+    """The cached export of `folder` for `head`; made now (once, under a lock) if missing,
+    or if it is still the file `damaged` identifies (`_identity`), one that would not load."""
     key = cache_key(folder, head)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    digest = key_digest(key)
     target = cache_dir / f"{folder.resolve().name}-{digest}"
     graph = target / GRAPH_FILE
-    if graph.is_file():
+    if graph.is_file() and damaged is None:
         log.info("ONNX engine: the graph exported before, %s", graph)
         return graph
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         with _locked(cache_dir / f".{digest}.lock"):  # workers starting together export once
-            if graph.is_file():
+            if graph.is_file() and _identity(graph) != damaged:
+                log.info("ONNX engine: the graph another worker exported meanwhile, %s", graph)
                 return graph
+            shutil.rmtree(target, ignore_errors=True)
+            for left in cache_dir.glob(f".export-{digest}-*"):  # of a worker killed exporting
+                shutil.rmtree(left, ignore_errors=True)
             started = time.monotonic()
-            scratch = Path(tempfile.mkdtemp(prefix=".export-", dir=cache_dir))
+            scratch = Path(tempfile.mkdtemp(prefix=f".export-{digest}-", dir=cache_dir))
             try:
                 export(folder, head, scratch / GRAPH_FILE)
-                (scratch / "key.json").write_text(json.dumps(key, indent=1))
+                source = {**key, "folder": str(folder.resolve())}
+                (scratch / "key.json").write_text(json.dumps(source, indent=1))
                 os.replace(scratch, target)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
+            _drop_replaced(cache_dir, target, source)
     except OSError as exc:  # unwritable, not a folder, or full
         raise OSError(
             f"the ONNX export's cache folder {cache_dir} cannot be written "
             f"({exc.strerror or exc}): set RAWSERVE_CACHE_DIR to one that can"
         ) from exc
-        log.info(
-            "ONNX engine: exported %s (%s) in %.1f s into %s",
-            folder.name,
-            head.auto_class,
-            time.monotonic() - started,
-            target,
-        )
+    log.info(
+        "ONNX engine: exported %s (%s) in %.1f s into %s",
+        folder.name,
+        head.auto_class,
+        time.monotonic() - started,
+        target,
+    )
     return graph
+
+
+def _drop_replaced(cache_dir: Path, target: Path, source: dict[str, Any]) -> None:
+    """The exports of the same folder and head made before from other files (weights saved
+    again in place) or by other versions of the exporter: no start asks for them again, and
+    each would keep a whole copy of the model's weights in the cache for good."""
+    name = glob.escape(target.name.rpartition("-")[0])  # the folder's name: "[" is no pattern
+    for key_file in cache_dir.glob(f"{name}-*/key.json"):
+        try:
+            made = json.loads(key_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(made, dict):
+            continue
+        same = made.get("folder") == source["folder"] and made.get("head") == source["head"]
+        if same and key_file.parent != target:
+            shutil.rmtree(key_file.parent, ignore_errors=True)
+            log.info("ONNX engine: removed %s, this model's export from before", key_file.parent)
 
 
 @contextlib.contextmanager
@@ -284,13 +339,14 @@ def export(folder: Path, head: Head, path: Path) -> None:
     sequence = torch.export.Dim("sequence", max=max(8, _max_positions(model)))
     wrapper = _Forward(model, input_names, head.outputs).eval()
     chatter = io.StringIO()
-    # The exporter's progress lines and its libraries' deprecation warnings are not the
-    # user's to act on: they go to the debug log.
+    # The exporter's progress lines, its log lines ("torchvision is not installed") and its
+    # libraries' deprecation warnings are not the user's to act on: they go to the debug log.
     with (
         torch.inference_mode(False),
         torch.no_grad(),
         warnings.catch_warnings(),
         contextlib.redirect_stdout(chatter),
+        _exporter_logs_at_debug(),
     ):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -311,6 +367,24 @@ def export(folder: Path, head: Head, path: Path) -> None:
     _fuse(path)
 
 
+class _AtDebug(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        level = record.levelno if record.levelno >= logging.ERROR else logging.DEBUG
+        log.log(level, "exporter: %s", record.getMessage())
+
+
+@contextlib.contextmanager
+def _exporter_logs_at_debug() -> Iterator[None]:
+    """torch.onnx's log lines as debug lines of this module's log (an error stays one)."""
+    exporter = logging.getLogger("torch.onnx")
+    handlers, propagate = exporter.handlers, exporter.propagate
+    exporter.handlers, exporter.propagate = [_AtDebug()], False
+    try:
+        yield
+    finally:
+        exporter.handlers, exporter.propagate = handlers, propagate
+
+
 def _forward_inputs(model: Any) -> set[str]:
     import inspect
 
@@ -323,7 +397,8 @@ def _max_positions(model: Any) -> int:
 
 def _fuse(path: Path) -> None:
     """onnxscript's onnxruntime fusions (fused attention, layer norms, GELU), in place.
-    A graph they cannot rewrite is kept as exported: slower, not wrong."""
+    A graph they cannot rewrite is kept as exported: slower, not wrong. A fused graph that
+    cannot be written (a full disk) is the cache folder's failure: raised as the export's."""
     try:
         import onnx_ir
         from onnxscript.rewriter.ort_fusions import optimize_for_ort
@@ -332,10 +407,11 @@ def _fuse(path: Path) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             graph, counts = optimize_for_ort(graph)
-        fused_path = path.with_name("fused-" + path.name)
-        onnx_ir.save(graph, fused_path)
-        os.replace(fused_path, path)
-        fused = {name: count for name, count in counts.items() if count}
-        log.info("ONNX engine: fused %s", fused or "nothing")
     except Exception:  # noqa: BLE001 - an optimisation, never a reason to fail
         log.warning("ONNX engine: the fusions failed; the graph stays as exported", exc_info=True)
+        return
+    fused_path = path.with_name("fused-" + path.name)
+    onnx_ir.save(graph, fused_path)
+    os.replace(fused_path, path)
+    fused = {name: count for name, count in counts.items() if count}
+    log.info("ONNX engine: fused %s", fused or "nothing")

@@ -38,6 +38,13 @@ SAMPLING_FAILED_MESSAGE = (
     "generate greedily (do_sample false, or temperature 0)"
 )
 
+# what a batch too large for the memory raises, besides MemoryError and CUDA's own error
+OUT_OF_MEMORY_MESSAGES = (
+    "out of memory",  # CUDA's, and what handlers put in a MemoryError
+    "can't allocate memory",  # torch's CPU allocator, a RuntimeError
+    "Failed to allocate memory",  # ONNX Runtime's arena, its own exception class
+)
+
 MAX_INPUT_LENGTH_UNKNOWN = 1_000_000  # a config that names no limit
 _PATHLIKE = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][\w.\-]+){2,}")
 MAX_CLIENT_MESSAGE = 300  # characters of a failure's first line that a client is told
@@ -197,7 +204,8 @@ class Runner:
 
     def describe_failure(self, exc: BaseException) -> ItemFailure:
         """Turn a failure on one item into a message that is safe to send to a client."""
-        if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "out of memory" in str(exc):
+        out_of_memory = any(message in str(exc) for message in OUT_OF_MEMORY_MESSAGES)
+        if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or out_of_memory:
             return ItemFailure(
                 FailureKind.OUT_OF_MEMORY, "the model ran out of memory on this input"
             )
