@@ -714,6 +714,24 @@ def test_a_templates_refusal_reaches_the_client_in_its_own_words(tiny_model):
     )
 
 
+def test_a_template_that_fails_on_a_chat_fails_that_chat_as_its_input(tiny_model):
+    """A template that breaks on some messages (here: text plus a number) is the chat's
+    fault to the client, as vLLM answers 400, not the model's failure (500)."""
+    import torch
+
+    from rawserve.tasks import CHAT_PARAM
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    template = "{% for m in messages %}{{ m.content + (1 if m.role == 'system' else '') }}"
+    template += "{% endfor %}"
+    chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, template)
+    chat = {"messages": [{"role": "system", "content": "be"}, {"role": "user", "content": "hi"}]}
+    params = {**GREEDY, CHAT_PARAM: True, "return_full_text": False}
+    (failed,) = results(serve(chat_runner, {0: [Batch(1, (chat,), params)]}))[1].outputs
+    assert failed.kind is FailureKind.INPUT
+    assert failed.message.startswith("the chat template failed on these messages (TypeError: ")
+
+
 def test_a_chat_template_that_is_not_jinja_fails_the_load_not_each_chat(tiny_model):
     import torch
 

@@ -453,6 +453,9 @@ class CausalLMRunner(Runner):
             )
         except jinja2.TemplateError as exc:  # the template refuses these messages
             raise WrittenForClients(f"the chat template refused the messages: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - it breaks on these messages: theirs to change
+            reason = f"{type(exc).__name__}: {exc}"
+            raise ValueError(f"the chat template failed on these messages ({reason})") from None
 
     def _check_lengths(self, params: dict[str, Any], longest_prompt: int) -> None:
         """ValueError when the new tokens asked, or a prompt, cannot fit the positions."""
