@@ -36,7 +36,7 @@ from rawserve.serving.face import (
     WorkerStatus,
 )
 from rawserve.serving.fleet import Fleet
-from rawserve.shared.board import FULL, HEALTHY, READY, Board
+from rawserve.shared.board import FULL, HEALTHY, READY, Board, remove_orphans
 from rawserve.shared.channel import Channel
 from rawserve.shared.late_watch import LateWatch
 from tests.server import REPO_ROOT
@@ -107,6 +107,26 @@ def test_the_board_is_read_by_another_mapping_of_the_same_file():
         assert reader.flag(1, FULL) and reader.flag(1, READY)
         assert reader.retry_after(1) == 2.5
         assert not reader.flag(0, FULL)  # each model its own record
+    finally:
+        board.remove()
+
+
+def test_the_boards_of_serving_processes_that_are_gone_are_removed(tmp_path):
+    """A server killed with its HTTP processes leaves its board: the next one removes it."""
+    import subprocess
+
+    exited = subprocess.Popen(["true"])
+    exited.wait()  # reaped: no process has its pid
+    dead_pid = exited.pid
+    names = [f"rawserve-board-{dead_pid}-abc", f"rawserve-board-{os.getpid()}-abc"]
+    names += ["rawserve-board-xyz", "other-file"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    remove_orphans(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
+    board = Board.create(1)
+    try:
+        assert os.path.basename(board.path).startswith(f"rawserve-board-{os.getpid()}-")
     finally:
         board.remove()
 

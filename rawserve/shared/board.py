@@ -26,6 +26,7 @@ import time
 FIELDS = 5  # per model
 READY, HEALTHY, FULL, RETRY_AFTER, WRITTEN_AT = range(FIELDS)
 FIELD_SIZE = 8  # a double
+PREFIX = "rawserve-board-"  # then the serving process's pid, a dash, a random part
 
 
 class Board:
@@ -47,9 +48,13 @@ class Board:
 
     @classmethod
     def create(cls, models: int) -> Board:
-        """A new board in a fresh file (in shared memory where the system has it)."""
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        handle, path = tempfile.mkstemp(prefix="rawserve-board-", dir=folder)
+        """A new board in a fresh file (in shared memory where the system has it), named
+        by the serving process; the boards of serving processes that are gone are removed
+        (a server killed outright, its HTTP processes with it, could not remove its own)."""
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        remove_orphans(folder)
+        prefix = f"{PREFIX}{os.getpid()}-"
+        handle, path = tempfile.mkstemp(prefix=prefix, dir=folder)
         os.close(handle)
         os.unlink(path)  # created again, exclusively, by the constructor
         return cls(path, models, create=True)
@@ -90,3 +95,25 @@ class Board:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def remove_orphans(folder: str) -> None:
+    """Remove the boards in `folder` whose serving process is gone (one of another user,
+    or a pid taken again since, is left alone)."""
+    for name in os.listdir(folder):
+        pid = name.removeprefix(PREFIX).partition("-")[0]
+        if name.startswith(PREFIX) and pid.isdigit() and not is_running(int(pid)):
+            try:
+                os.unlink(os.path.join(folder, name))
+            except OSError:
+                pass  # removed meanwhile, or not ours to remove
+
+
+def is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
