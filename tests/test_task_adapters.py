@@ -90,6 +90,35 @@ def test_batched_and_single_calls_answer_what_the_pipeline_answers_per_input(
         assert _rounded(alone[0]) == _rounded(direct)
 
 
+def test_a_zero_shot_requests_labels_are_scored_together_not_one_pass_each(runner):
+    """The pipeline scores each (text, label) pair; a request's pairs go through the
+    model in passes of many, up to a bound, not one forward pass a label."""
+    from rawserve.worker.pipeline import ZERO_SHOT_PAIRS_PER_PASS
+
+    serving = runner("zero-shot-classification", "zero-shot-classification")
+    passes: list[int] = []
+    hook = serving.pipe.model.register_forward_hook(
+        lambda _, args, kwargs, out: passes.append(len(kwargs["input_ids"])), with_kwargs=True
+    )
+    labels = [f"label {i}" for i in range(ZERO_SHOT_PAIRS_PER_PASS + 6)]
+    try:
+        answered = serving.run(["i like this film", "paris"], {"candidate_labels": labels})
+    finally:
+        hook.remove()
+    pairs = 2 * len(labels)
+    assert sum(passes) == pairs and max(passes) == ZERO_SHOT_PAIRS_PER_PASS
+    assert len(passes) == -(-pairs // ZERO_SHOT_PAIRS_PER_PASS)
+    one_pass_each = [
+        split_outputs(
+            "zero-shot-classification",
+            [text],
+            serving.pipe([text], batch_size=1, candidate_labels=labels),
+        )[0]
+        for text in ("i like this film", "paris")
+    ]
+    assert _rounded(answered) == _rounded(one_pass_each)
+
+
 def _rounded(value):
     if isinstance(value, float):
         return round(value, 4)

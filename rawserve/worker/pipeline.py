@@ -22,6 +22,10 @@ from rawserve.worker.cuda_graphs import GraphedForward
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name, resolve_dtype
 
+# (text, label) pairs in one forward pass of a zero-shot classifier: a bound on the padded
+# batch's memory (a request may bring 32 texts and 100 labels)
+ZERO_SHOT_PAIRS_PER_PASS = 64
+
 
 class PipelineRunner(Runner):
     """Any task through `transformers.pipeline`."""
@@ -92,8 +96,14 @@ class PipelineRunner(Runner):
         if self.task == "fill-mask" and "top_k" in params:  # all of a small vocabulary, at most
             vocabulary = self.pipe.model.config.vocab_size
             params = {**params, "top_k": min(params["top_k"], vocabulary)}
+        batch_size = len(inputs)
+        if self.task == "zero-shot-classification":
+            # the pipeline scores each (text, label) pair, `batch_size` pairs a forward pass:
+            # a request's pairs together, not one pass a label (ten times slower)
+            pairs = len(inputs) * len(params.get("candidate_labels", ()))
+            batch_size = max(batch_size, min(pairs, ZERO_SHOT_PAIRS_PER_PASS))
         with torch.inference_mode():
-            raw = self.pipe(model_inputs, batch_size=len(inputs), **params)
+            raw = self.pipe(model_inputs, batch_size=batch_size, **params)
             if isinstance(raw, Iterator):  # a generator's answers: computed as they are read
                 raw = list(raw)
         return split_outputs(self.task, inputs, raw)
