@@ -32,7 +32,8 @@ class FakeExecutor:
 
 
 class FakeScheduler:
-    """Sends the given token texts to the stream, then answers `output`."""
+    """Sends the given token texts to the stream (a `(text, True)` pair: a special
+    token), then answers `output`."""
 
     def __init__(self, executor, texts, output, *, fail_first=None):
         self.executor, self.texts, self.output, self.fail_first = (
@@ -49,7 +50,8 @@ class FakeScheduler:
         listener = self.executor.listeners[control.stream_id]
         try:
             for index, text in enumerate(self.texts):
-                token = {"id": index, "text": text, "logprob": -0.5, "special": False}
+                text, special = text if isinstance(text, tuple) else (text, False)
+                token = {"id": index, "text": text, "logprob": -0.5, "special": special}
                 listener(TokenChunk(control.stream_id, 0, token))
                 await asyncio.sleep(0)  # the worker's tokens arrive one loop turn apart
         except asyncio.CancelledError:
@@ -86,6 +88,15 @@ async def test_a_cut_character_held_back_arrives_with_the_last_token():
     scheduler = FakeScheduler(executor, [" a", ""], {"generated_text": " a\ufffd", "details": {}})
     events = await collect(await open_stream(scheduler, executor))
     assert events[-1]["token"]["text"] == "\ufffd"
+
+
+async def test_a_cut_character_arrives_with_the_last_token_after_a_special_token():
+    # the answer's text leaves special tokens out: so does the text matched against it
+    executor = FakeExecutor()
+    texts = [" a", ("<s>", True), ""]
+    scheduler = FakeScheduler(executor, texts, {"generated_text": " a\ufffd", "details": {}})
+    events = await collect(await open_stream(scheduler, executor))
+    assert [e["token"]["text"] for e in events] == [" a", "<s>", "\ufffd"]
 
 
 async def test_the_last_token_carries_only_its_own_text_when_the_answer_holds_the_prompt():

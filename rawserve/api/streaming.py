@@ -170,11 +170,11 @@ async def _events(stream: TokenStream) -> AsyncGenerator[bytes, None]:
     try:
         held: TokenChunk | None = None
         index = 1  # TGI numbers a stream's tokens from 1
-        emitted = ""  # the text of the tokens sent so far
+        emitted = ""  # the text of the tokens sent so far, special ones left out as the answer's
         async for chunk in stream.chunks():
             if held is not None:
                 yield sse(_event(index, held.token))
-                emitted += held.token["text"]
+                emitted += "" if held.token["special"] else held.token["text"]
                 index += 1
             held = chunk
         try:
