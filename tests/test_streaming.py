@@ -83,6 +83,15 @@ async def test_one_event_per_token_and_the_last_carries_the_text():
     assert executor.closed == [1]
 
 
+async def test_a_stream_asks_proxies_not_to_buffer_it():
+    # nginx buffers a proxied answer unless its configuration or the answer says not to
+    executor = FakeExecutor()
+    scheduler = FakeScheduler(executor, [" a"], {"generated_text": " a", "details": {}})
+    response = await open_stream(scheduler, executor)
+    await collect(response)
+    assert ("X-Accel-Buffering", "no") in response.headers
+
+
 async def test_a_cut_character_held_back_arrives_with_the_last_token():
     executor = FakeExecutor()
     scheduler = FakeScheduler(executor, [" a", ""], {"generated_text": " a\ufffd", "details": {}})

@@ -158,7 +158,9 @@ async def open_token_stream(
 def event_stream(events: AsyncGenerator[bytes, None]) -> HttpResponse:
     return HttpResponse(
         200,
-        headers=[("Cache-Control", "no-cache")],
+        # X-Accel-Buffering: nginx passes each event on as it comes, even where its
+        # configuration buffers proxied answers (its default)
+        headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")],
         content_type="text/event-stream",
         stream=events,
     )
