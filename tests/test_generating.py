@@ -881,6 +881,21 @@ def test_a_streamed_batch_sends_each_token_as_the_static_path_streams_it(runner)
     assert "tokens" not in answer.outputs[0]["details"]  # a stream sent them one by one
 
 
+def test_a_streamed_token_says_whether_the_generation_goes_on_after_it(runner):
+    # a stream's events need not wait for the next token to know this one was not the last
+    chunks, _ = streamed(runner, Control(stream_id=9))
+    texts = [c.token["text"] for c in chunks if c.index == 0]
+    for i in (0, 1):
+        said = [c.more for c in chunks if c.index == i]
+        assert said == [True] * (GREEDY["max_new_tokens"] - 1) + [False]  # "length"
+    stop = next(text for text in texts[2:] if text.strip())  # ends item 0 early
+    params = {**GREEDY, "stop": [stop]}
+    sent = serve(runner, {0: [Batch(1, ("the movie was",), params, control=Control(stream_id=9))]})
+    said = [c.more for m in sent if isinstance(m, TokenChunks) for c in m.chunks]
+    assert results(sent)[1].outputs[0]["details"]["finish_reason"] == "stop_sequence"
+    assert said == [True] * (len(said) - 1) + [False]
+
+
 def test_each_forward_pass_sends_every_streams_tokens_in_one_message(runner):
     one = Batch(1, ("the movie was",), GREEDY, control=Control(stream_id=9))
     two = Batch(2, ("a good film",), GREEDY, control=Control(stream_id=10))

@@ -32,7 +32,8 @@ class FakeExecutor:
 
 
 class FakeScheduler:
-    """Sends the given token texts to the stream, then answers `output`."""
+    """Sends the given token texts to the stream (a `(text, True)` pair: a special
+    token), then answers `output`."""
 
     def __init__(self, executor, texts, output, *, fail_first=None):
         self.executor, self.texts, self.output, self.fail_first = (
@@ -49,7 +50,8 @@ class FakeScheduler:
         listener = self.executor.listeners[control.stream_id]
         try:
             for index, text in enumerate(self.texts):
-                token = {"id": index, "text": text, "logprob": -0.5, "special": False}
+                text, special = text if isinstance(text, tuple) else (text, False)
+                token = {"id": index, "text": text, "logprob": -0.5, "special": special}
                 listener(TokenChunk(control.stream_id, 0, token))
                 await asyncio.sleep(0)  # the worker's tokens arrive one loop turn apart
         except asyncio.CancelledError:
@@ -81,11 +83,60 @@ async def test_one_event_per_token_and_the_last_carries_the_text():
     assert executor.closed == [1]
 
 
+async def test_a_stream_asks_proxies_not_to_buffer_it():
+    # nginx buffers a proxied answer unless its configuration or the answer says not to
+    executor = FakeExecutor()
+    scheduler = FakeScheduler(executor, [" a"], {"generated_text": " a", "details": {}})
+    response = await open_stream(scheduler, executor)
+    await collect(response)
+    assert ("X-Accel-Buffering", "no") in response.headers
+
+
+class OneThenTheRest(FakeScheduler):
+    """Sends a first token the worker says more follow, and the rest once told to."""
+
+    def __init__(self, executor, texts, output):
+        super().__init__(executor, texts, output)
+        self.go_on = asyncio.Event()
+
+    async def run(self, inputs, params, deadline, control):
+        listener = self.executor.listeners[control.stream_id]
+        for index, text in enumerate(self.texts):
+            token = {"id": index, "text": text, "logprob": -0.5, "special": False}
+            more = index < len(self.texts) - 1
+            listener(TokenChunk(control.stream_id, 0, token, more))
+            await self.go_on.wait()
+        return [ItemResult(self.output, 0.0, 1, 0.0)]
+
+
+async def test_a_token_more_follow_is_sent_without_waiting_for_the_next():
+    executor = FakeExecutor()
+    output = {"generated_text": " a b", "details": {}}
+    scheduler = OneThenTheRest(executor, [" a", " b"], output)
+    response = await open_stream(scheduler, executor)
+    events = response.stream.__aiter__()
+    first = json.loads((await asyncio.wait_for(anext(events), 5)).removeprefix(b"data:"))
+    assert first["token"]["text"] == " a" and first["generated_text"] is None
+    scheduler.go_on.set()
+    rest = [json.loads(chunk.removeprefix(b"data:")) async for chunk in events]
+    assert [e["token"]["text"] for e in rest] == [" b"]
+    assert [e["index"] for e in rest] == [2] and rest[-1]["generated_text"] == " a b"
+
+
 async def test_a_cut_character_held_back_arrives_with_the_last_token():
     executor = FakeExecutor()
     scheduler = FakeScheduler(executor, [" a", ""], {"generated_text": " a\ufffd", "details": {}})
     events = await collect(await open_stream(scheduler, executor))
     assert events[-1]["token"]["text"] == "\ufffd"
+
+
+async def test_a_cut_character_arrives_with_the_last_token_after_a_special_token():
+    # the answer's text leaves special tokens out: so does the text matched against it
+    executor = FakeExecutor()
+    texts = [" a", ("<s>", True), ""]
+    scheduler = FakeScheduler(executor, texts, {"generated_text": " a\ufffd", "details": {}})
+    events = await collect(await open_stream(scheduler, executor))
+    assert [e["token"]["text"] for e in events] == [" a", "<s>", "\ufffd"]
 
 
 async def test_the_last_token_carries_only_its_own_text_when_the_answer_holds_the_prompt():

@@ -9,8 +9,9 @@ into server-sent events:
     ...
     data: {"index": n, "token": {...}, "generated_text": "...", "details": {...}}
 
-The last token's event carries the full text, as TGI's does (one token is held back
-until the batch's result says whether it was the last). When the client leaves, the
+The last token's event carries the full text, as TGI's does: a token the worker says
+the generation goes on after is sent at once, any other is held back until the next token
+or the batch's result says whether it was the last. When the client leaves, the
 protocol closes the event iterator: the listener is removed, the queued item withdrawn,
 and the worker told to stop generating. A client that stays connected but does not read
 gets the same once `STREAM_BUFFER_TOKENS` tokens wait for it (then an error event), and
@@ -158,25 +159,31 @@ async def open_token_stream(
 def event_stream(events: AsyncGenerator[bytes, None]) -> HttpResponse:
     return HttpResponse(
         200,
-        headers=[("Cache-Control", "no-cache")],
+        # X-Accel-Buffering: nginx passes each event on as it comes, even where its
+        # configuration buffers proxied answers (its default)
+        headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")],
         content_type="text/event-stream",
         stream=events,
     )
 
 
 async def _events(stream: TokenStream) -> AsyncGenerator[bytes, None]:
-    """TGI's events: a token each, the last one held back until the result says it was
-    the last, and then sent with the whole text."""
+    """TGI's events: a token each, one that may be the last held back until the result
+    says it was, and then sent with the whole text."""
     try:
         held: TokenChunk | None = None
         index = 1  # TGI numbers a stream's tokens from 1
-        emitted = ""  # the text of the tokens sent so far
+        emitted = ""  # the text of the tokens sent so far, special ones left out as the answer's
         async for chunk in stream.chunks():
-            if held is not None:
-                yield sse(_event(index, held.token))
-                emitted += held.token["text"]
-                index += 1
+            ready = [held] if held is not None else []  # a token came after it: not the last
             held = chunk
+            if chunk.more:  # more follow: no need to wait for the next to know
+                ready.append(chunk)
+                held = None
+            for sent in ready:
+                yield sse(_event(index, sent.token))
+                emitted += "" if sent.token["special"] else sent.token["text"]
+                index += 1
         try:
             output = stream.output()
         except HTTPError as error:  # TGI's events: TGI's types

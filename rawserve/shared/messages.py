@@ -119,6 +119,9 @@ class TokenChunk:
     stream_id: int
     index: int  # the item's position in its batch
     token: Mapping[str, Any]  # TGI's token: {"id", "text", "logprob", "special"}
+    # the generation goes on after this token (unless it fails or its client leaves);
+    # False where it ends here, or where the worker cannot tell
+    more: bool = False
 
 
 @dataclass(frozen=True)

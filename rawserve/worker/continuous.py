@@ -197,7 +197,8 @@ class ContinuousBatcher:
     `add` queues a sequence, `cancel` ends one (it leaves at the next step), `step` lets
     waiting sequences join (prefill), runs one decoding step for every running row, and
     returns the sequences that finished in it. `on_token(generation, token, piece)` hears
-    every new token with the text it adds, and `after_pass()` is called once a forward
+    every new token with the text it adds (the generation's `finish_reason` already set
+    where the token ends it), and `after_pass()` is called once a forward
     pass's tokens are all heard (the joiners' prefill, a decoding step), so a listener can
     send them together before the next pass. When a step raises (the model failed, or ran
     out of memory), `drop_running` takes the sequences it was running out of the batch.
@@ -502,8 +503,6 @@ class ContinuousBatcher:
                 generation.logprobs.append(logprobs[index])
                 if generation.top_n and top is not None:
                     generation.top = top[index][: generation.top_n]
-            if self.on_token is not None:
-                self.on_token(generation, token, piece)
             if token in self.eos_ids and not generation.ignore_eos:
                 generation.finish_reason = "eos_token"
             elif len(generation.tokens) >= generation.stops_after and ends_a_stop(
@@ -512,6 +511,8 @@ class ContinuousBatcher:
                 generation.finish_reason = "stop_sequence"
             elif len(generation.tokens) >= generation.cap:
                 generation.finish_reason = "length"
+            if self.on_token is not None:  # told once it is known whether the token ends it
+                self.on_token(generation, token, piece)
 
 
 def ends_a_stop(text: str, piece: str, stops: Sequence[str]) -> bool:

@@ -256,7 +256,8 @@ class GenerationLoop:
         if stream_id is None:
             opened.tokens[index].append(token)
             return
-        self.streamed.append(TokenChunk(stream_id=stream_id, index=index, token=token))
+        more = generation.finish_reason is None  # decided before the token is heard
+        self.streamed.append(TokenChunk(stream_id, index, token, more))
 
     def _send_streamed(self) -> None:
         """A forward pass is over: its streamed tokens go in one message, before the next
