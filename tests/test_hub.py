@@ -464,3 +464,16 @@ def test_a_sentence_transformers_folder_rawserve_would_answer_otherwise_is_refus
     with pytest.raises(ModelNotFound) as caught:
         plan_models([str(folder)])
     assert str(caught.value).startswith(f"model {folder}: {reason}")
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_a_cached_file_whose_blob_is_gone_is_named_at_start(tmp_path, name):
+    # the snapshot is whole, so huggingface_hub resolves it offline; the file links to nothing
+    repo = make_repo()
+    storage = write_hub_cache(tmp_path, repo)
+    link = storage / "snapshots" / repo.main / name
+    link.resolve().unlink()
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models([str(link.parent)])
+    assert f": {name} links to ../../blobs/" in str(caught.value)
+    assert "which is missing: download the model again" in str(caught.value)
