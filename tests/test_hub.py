@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -56,7 +57,9 @@ def make_repo(repo_id: str = "org/tiny", **kwargs) -> HubRepo:
     return repo
 
 
-def run_resolve(spec: str, home: Path, **env: str) -> subprocess.CompletedProcess[str]:
+def run_resolve(
+    spec: str, home: Path, timeout: float = 120, **env: str
+) -> subprocess.CompletedProcess[str]:
     environ = {
         k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING", "TRANSFORMERS"))
     }
@@ -72,7 +75,7 @@ def run_resolve(spec: str, home: Path, **env: str) -> subprocess.CompletedProces
         env=environ,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
 
@@ -364,6 +367,21 @@ def test_no_network_and_nothing_cached_is_one_line(tmp_path):
         endpoint = hub.endpoint  # a port that refuses connections once the stand-in stops
     line = one_error_line(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=endpoint))
     assert "org/tiny is not in the Hub cache" in line and "cannot be reached" in line
+
+
+def test_a_hub_that_never_answers_is_given_up_then_the_cache_serves(tmp_path):
+    """A Hub (or a proxy) that takes the connection and never answers: huggingface_hub
+    set no limit on the repo's info, and the start waited forever. Each wait now ends
+    after HF_HUB_ETAG_TIMEOUT seconds: one line with nothing cached, the cache otherwise."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # connects, never answers
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        env = {"HF_ENDPOINT": endpoint, "HF_HUB_ETAG_TIMEOUT": "1"}
+        line = one_error_line(run_resolve("org/tiny", tmp_path, timeout=60, **env))
+        assert "org/tiny is not in the Hub cache" in line and "cannot be reached" in line
+        repo = make_repo()
+        write_hub_cache(tmp_path / "hub", repo)
+        folder = resolved(run_resolve("org/tiny", tmp_path, timeout=60, **env))
+    assert folder.name == repo.main
 
 
 def test_a_network_that_drops_mid_download_is_one_line_and_each_retry_one_log_line(tmp_path):
