@@ -13,6 +13,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -382,6 +384,34 @@ def test_a_hub_that_never_answers_is_given_up_then_the_cache_serves(tmp_path):
         write_hub_cache(tmp_path / "hub", repo)
         folder = resolved(run_resolve("org/tiny", tmp_path, timeout=60, **env))
     assert folder.name == repo.main
+
+
+class WebPage(BaseHTTPRequestHandler):
+    """What HF_ENDPOINT set to a web site, or a proxy's login form, answers."""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        page = b"<html><body>Sign in to continue</body></html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        self.wfile.write(page)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+
+def test_an_endpoint_that_is_not_the_hub_is_named(tmp_path):
+    """It answered 'could not resolve org/tiny: JSONDecodeError'."""
+    with ThreadingHTTPServer(("127.0.0.1", 0), WebPage) as page:
+        threading.Thread(target=page.serve_forever, daemon=True).start()
+        endpoint = f"http://127.0.0.1:{page.server_address[1]}"
+        line = one_error_line(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=endpoint))
+        page.shutdown()
+    assert line == (
+        f"error: {endpoint} answered for org/tiny with something other than the Hub's API "
+        "(not JSON): check HF_ENDPOINT, or a proxy in the way"
+    )
 
 
 def test_a_network_that_drops_mid_download_is_one_line_and_each_retry_one_log_line(tmp_path):

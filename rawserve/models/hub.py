@@ -15,6 +15,7 @@ Never imports torch or transformers (huggingface_hub does not either).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -218,6 +219,11 @@ def explain(exc: BaseException, repo_id: str, revision: str | None) -> str:
         if constants.is_offline_mode():
             return f"{where} and HF_HUB_OFFLINE=1 forbids downloading it"
         return f"{where} and the Hub ({constants.ENDPOINT}) cannot be reached"
+    if isinstance(exc, json.JSONDecodeError):  # a web page, a proxy's login form
+        return (
+            f"{constants.ENDPOINT} answered for {at} with something other than the Hub's "
+            "API (not JSON): check HF_ENDPOINT, or a proxy in the way"
+        )
     if isinstance(exc, HfHubHTTPError) and exc.response is not None:
         return f"the Hub answered {exc.response.status_code} for {at}"
     if isinstance(exc, (httpx2.HTTPError, OSError)):
