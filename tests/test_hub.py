@@ -342,12 +342,14 @@ def test_a_pinned_revision_downloads_that_commit(tmp_path):
         ("org/tiny@v9", None, ["org/tiny has no revision 'v9'"]),
         ("org/gated", None, ["org/gated is gated", "set HF_TOKEN"]),
         ("org/gated", "hf_other", ["org/gated is gated", "has no access"]),
+        # it was 'the Hub answered 401 for org/tiny', a public repo
+        ("org/tiny", "hf_revoked", ["refused the token in use (HF_TOKEN", "not valid"]),
     ],
 )
 def test_what_the_hub_refuses_is_one_line(tmp_path, spec, token, words):
     repos = [make_repo(), make_repo("org/gated", gated=True, granted_tokens={"hf_granted"})]
     env = {"HF_TOKEN": token} if token else {}
-    with FakeHub(repos) as hub:
+    with FakeHub(repos, revoked=frozenset({"hf_revoked"})) as hub:
         line = one_error_line(run_resolve(spec, tmp_path, HF_ENDPOINT=hub.endpoint, **env))
     for word in words:
         assert word in line

@@ -225,6 +225,11 @@ def explain(exc: BaseException, repo_id: str, revision: str | None) -> str:
             "API (not JSON): check HF_ENDPOINT, or a proxy in the way"
         )
     if isinstance(exc, HfHubHTTPError) and exc.response is not None:
+        if exc.response.status_code == 401 and get_token():  # a token the Hub does not know
+            return (
+                f"the Hub refused the token in use (HF_TOKEN, or the one `hf auth login` "
+                f"saved) for {at}: it is not valid; set a valid token, or none for a public repo"
+            )
         return f"the Hub answered {exc.response.status_code} for {at}"
     if isinstance(exc, (httpx2.HTTPError, OSError)):
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
