@@ -747,3 +747,21 @@ def test_a_model_transformers_would_fail_to_load_is_refused_naming_the_file(
         load_runner(worker_config(str(folder), engine=Engine.TORCH), "cpu")
     assert str(caught.value).startswith(says) and "\n" not in str(caught.value)
     assert "[y/N]" not in capfd.readouterr().out
+
+
+def test_weights_that_do_not_match_the_config_are_one_line_that_says_so(tiny_model, tmp_path):
+    """The pipeline nests each class's traceback after 'Could not load model ... with
+    any of the following classes: (...)', which was all the line said."""
+    from rawserve.worker.loading import load_runner
+    from rawserve.worker.process import load_failed
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for path in Path(tiny_model("text-classification")).iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    with_config(intermediate_size=74)(folder)  # the weights' layers are 37 wide
+    with pytest.raises(Exception) as caught:
+        load_runner(worker_config(str(folder), engine=Engine.TORCH), "cpu")
+    assert load_failed(caught.value).message.startswith(
+        "the weights' shapes do not match config.json ("
+    )

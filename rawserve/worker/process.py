@@ -85,11 +85,21 @@ class BatchCap:
 
 def load_failed(exc: Exception) -> WorkerLoadFailed:
     """A model load's failure in one line for the operator: the message's first paragraph
-    (transformers' own errors nest whole tracebacks after it); where it came from is for
-    --log-level debug."""
+    (transformers' own errors nest whole tracebacks after it), or where a pipeline nests
+    each model class's traceback, the error its last one ends with; where it came from is
+    for --log-level debug."""
     log.debug("could not load the model", exc_info=True)
-    paragraph = str(exc).strip().split("\n\n")[0]
-    return WorkerLoadFailed(f"{type(exc).__name__}: {' '.join(paragraph.split())[:500]}")
+    text = str(exc).strip()
+    paragraph = text.split("\n\n")[0]
+    line = f"{type(exc).__name__}: {paragraph}"
+    if "See the original errors:" in text:  # "Could not load model ... with any of ..."
+        line = text.splitlines()[-1]
+    if "ignore_mismatched_sizes" in line:
+        line = (
+            "the weights' shapes do not match config.json (a config edited, or weights of "
+            "another size): transformers' LOAD REPORT, logged before, lists each tensor"
+        )
+    return WorkerLoadFailed(" ".join(line.split())[:500])
 
 
 def worker_main(
