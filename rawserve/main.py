@@ -518,7 +518,10 @@ async def loaded_after(
     """Every model's first worker ready; with a layout `trial`, its workers started on the
     layout it settles (none once the server is stopping: `stopped`)."""
     if trial is not None:
-        workers = await trial
+        try:
+            workers = await trial
+        except layout_trial.ModelLoadFailed as exc:
+            raise RuntimeError(f"model {models[0].plan.name} could not be loaded: {exc}") from None
         if stopped.is_set():
             return
         relayout(models[0], config, workers)

@@ -15,7 +15,9 @@ the way the Hub answers it (read from huggingface_hub's own code, `hf_api.py`,
   a missing or private repo), `RevisionNotFound` (404), `GatedRepo` (401 without a
   token, 403 with one that has no access), `EntryNotFound` (404).
 
-`FakeHub(repos, cut_downloads=True)` is a network that drops mid-download: every "CDN"
+`FakeHub(repos, revoked={token})` refuses that token on every request, as the Hub
+answers a revoked or mistyped token (401, no error code). `FakeHub(repos,
+cut_downloads=True)` is a network that drops mid-download: every "CDN"
 answer announces the whole file and closes the connection a third of the way into it.
 
 Every request is recorded (method, path, Authorization header) so tests can say what
@@ -46,9 +48,15 @@ class Seen:
 class FakeHub:
     """The stand-in: `with FakeHub([repo]) as hub:` serves on `hub.endpoint`."""
 
-    def __init__(self, repos: list[HubRepo], cut_downloads: bool = False):
+    def __init__(
+        self,
+        repos: list[HubRepo],
+        cut_downloads: bool = False,
+        revoked: frozenset[str] = frozenset(),
+    ):
         self.repos = {repo.repo_id: repo for repo in repos}
         self.cut_downloads = cut_downloads
+        self.revoked = revoked  # tokens the Hub refuses on every request (401)
         self.requests: list[Seen] = []
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
@@ -119,7 +127,7 @@ class Reply:
 
 
 def hub_error(status: int, code: str, message: str, commit: str | None = None) -> Reply:
-    headers = {"X-Error-Code": code, "X-Error-Message": message}
+    headers = {"X-Error-Message": message, **({"X-Error-Code": code} if code else {})}
     if commit:
         headers["X-Repo-Commit"] = commit
     body = json.dumps({"error": message}).encode()
@@ -162,6 +170,9 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
 
         def _answer(self) -> Reply:
             path = urlsplit(self.path).path
+            token = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
+            if token in hub.revoked:  # the Hub's answer to a token it does not know
+                return hub_error(401, "", "Invalid credentials in Authorization header")
             if path.startswith(CDN_PREFIX):
                 content = hub.blob_for(path.removeprefix(CDN_PREFIX))
                 return Reply(200, content) if content is not None else Reply(404)

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -56,7 +59,9 @@ def make_repo(repo_id: str = "org/tiny", **kwargs) -> HubRepo:
     return repo
 
 
-def run_resolve(spec: str, home: Path, **env: str) -> subprocess.CompletedProcess[str]:
+def run_resolve(
+    spec: str, home: Path, timeout: float = 120, **env: str
+) -> subprocess.CompletedProcess[str]:
     environ = {
         k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING", "TRANSFORMERS"))
     }
@@ -72,7 +77,7 @@ def run_resolve(spec: str, home: Path, **env: str) -> subprocess.CompletedProces
         env=environ,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
 
@@ -337,12 +342,14 @@ def test_a_pinned_revision_downloads_that_commit(tmp_path):
         ("org/tiny@v9", None, ["org/tiny has no revision 'v9'"]),
         ("org/gated", None, ["org/gated is gated", "set HF_TOKEN"]),
         ("org/gated", "hf_other", ["org/gated is gated", "has no access"]),
+        # it was 'the Hub answered 401 for org/tiny', a public repo
+        ("org/tiny", "hf_revoked", ["refused the token in use (HF_TOKEN", "not valid"]),
     ],
 )
 def test_what_the_hub_refuses_is_one_line(tmp_path, spec, token, words):
     repos = [make_repo(), make_repo("org/gated", gated=True, granted_tokens={"hf_granted"})]
     env = {"HF_TOKEN": token} if token else {}
-    with FakeHub(repos) as hub:
+    with FakeHub(repos, revoked=frozenset({"hf_revoked"})) as hub:
         line = one_error_line(run_resolve(spec, tmp_path, HF_ENDPOINT=hub.endpoint, **env))
     for word in words:
         assert word in line
@@ -364,6 +371,49 @@ def test_no_network_and_nothing_cached_is_one_line(tmp_path):
         endpoint = hub.endpoint  # a port that refuses connections once the stand-in stops
     line = one_error_line(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=endpoint))
     assert "org/tiny is not in the Hub cache" in line and "cannot be reached" in line
+
+
+def test_a_hub_that_never_answers_is_given_up_then_the_cache_serves(tmp_path):
+    """A Hub (or a proxy) that takes the connection and never answers: huggingface_hub
+    set no limit on the repo's info, and the start waited forever. Each wait now ends
+    after HF_HUB_ETAG_TIMEOUT seconds: one line with nothing cached, the cache otherwise."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # connects, never answers
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        env = {"HF_ENDPOINT": endpoint, "HF_HUB_ETAG_TIMEOUT": "1"}
+        line = one_error_line(run_resolve("org/tiny", tmp_path, timeout=60, **env))
+        assert "org/tiny is not in the Hub cache" in line and "cannot be reached" in line
+        repo = make_repo()
+        write_hub_cache(tmp_path / "hub", repo)
+        folder = resolved(run_resolve("org/tiny", tmp_path, timeout=60, **env))
+    assert folder.name == repo.main
+
+
+class WebPage(BaseHTTPRequestHandler):
+    """What HF_ENDPOINT set to a web site, or a proxy's login form, answers."""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        page = b"<html><body>Sign in to continue</body></html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        self.wfile.write(page)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+
+def test_an_endpoint_that_is_not_the_hub_is_named(tmp_path):
+    """It answered 'could not resolve org/tiny: JSONDecodeError'."""
+    with ThreadingHTTPServer(("127.0.0.1", 0), WebPage) as page:
+        threading.Thread(target=page.serve_forever, daemon=True).start()
+        endpoint = f"http://127.0.0.1:{page.server_address[1]}"
+        line = one_error_line(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=endpoint))
+        page.shutdown()
+    assert line == (
+        f"error: {endpoint} answered for org/tiny with something other than the Hub's API "
+        "(not JSON): check HF_ENDPOINT, or a proxy in the way"
+    )
 
 
 def test_a_network_that_drops_mid_download_is_one_line_and_each_retry_one_log_line(tmp_path):
@@ -464,3 +514,16 @@ def test_a_sentence_transformers_folder_rawserve_would_answer_otherwise_is_refus
     with pytest.raises(ModelNotFound) as caught:
         plan_models([str(folder)])
     assert str(caught.value).startswith(f"model {folder}: {reason}")
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_a_cached_file_whose_blob_is_gone_is_named_at_start(tmp_path, name):
+    # the snapshot is whole, so huggingface_hub resolves it offline; the file links to nothing
+    repo = make_repo()
+    storage = write_hub_cache(tmp_path, repo)
+    link = storage / "snapshots" / repo.main / name
+    link.resolve().unlink()
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models([str(link.parent)])
+    assert f": {name} links to ../../blobs/" in str(caught.value)
+    assert "which is missing: download the model again" in str(caught.value)

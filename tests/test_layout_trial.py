@@ -174,14 +174,39 @@ def test_a_stop_ends_a_trial_at_once_and_keeps_nothing(tiny_model, tmp_path, mon
     assert not list(tmp_path.rglob("layout-trial-*.json"))
 
 
-def test_timers_that_cannot_load_the_model_end_the_trial_at_once(tmp_path, monkeypatch):
-    """Every timer fails (no model in the folder): none waits for the others, and the
-    trial says it cannot tell."""
+def test_timers_that_cannot_load_the_model_end_the_trial_with_the_reason(tmp_path, monkeypatch):
+    """The timers cannot load the model (no model in the folder): the first to fail ends
+    the trial with the one line a worker would report (the workers, which load it the
+    same way, would fail alike), none waits for the others, and nothing is kept."""
     monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "empty").mkdir()
     config = worker_config_stub().__class__(model=str(tmp_path / "empty"), task="fill-mask")
-    assert measured(config, cores=2, workers=2, stop=threading.Event()) is None
+    with pytest.raises(layout_trial.ModelLoadFailed) as caught:
+        measured(config, cores=2, workers=2, stop=threading.Event())
+    assert "\n" not in str(caught.value) and str(tmp_path / "empty") in str(caught.value)
+    assert not multiprocessing.active_children()  # no timer left behind
     assert not list(tmp_path.rglob("layout-trial-*.json"))  # nothing kept
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: no layout to choose")
+def test_a_first_start_with_a_model_that_cannot_load_stops_before_any_worker(tiny_model, tmp_path):
+    """A load the layout timers fail is the server's load failure: one line naming the
+    model, exit 1, no worker started to fail the same load again."""
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    for path in Path(tiny_model("text-classification")).iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    (folder / "model.safetensors").write_bytes(b"\xff" * 64)  # not a safetensors file
+    env = {"RAWSERVE_DEVICE": "", "RAWSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    server = RunningServer(["--model", str(folder)], env=env).start(wait_ready=False)
+    try:
+        assert server.process is not None and server.process.wait(timeout=120) == 1
+    finally:
+        server.stop()
+    log = "\n".join(server.read_log())
+    assert "layout trial (first start only)" in log and "worker 0: started" not in log, log
+    said = "ERROR model broken could not be loaded: ValueError: model.safetensors is not a whole"
+    assert said in log, log
 
 
 @pytest.mark.slow

@@ -729,3 +729,68 @@ def test_a_gpu_torch_cannot_use_is_refused_in_words(monkeypatch, built_for, says
     with pytest.raises(RuntimeError, match=f"{says}, or serve with --device cpu"):
         resolve_device("cuda:0")
     assert resolve_device("auto") == "cpu"
+
+
+def cut_short(folder: Path) -> None:
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # a download interrupted
+
+
+def with_config(**changes):
+    def change(folder: Path) -> None:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+    return change
+
+
+OWN_CODE = {"AutoConfig": "configuration_my.MyConfig", "AutoModel": "modeling_my.MyModel"}
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        (cut_short, "model.safetensors is not a whole safetensors file (Error while "),
+        (
+            with_config(model_type="mybert", auto_map=OWN_CODE),
+            "config.json's model_type 'mybert' is not one transformers knows: it names the "
+            "model's own Python code (auto_map), which rawserve does not run",
+        ),
+        (with_config(model_type="frobnicator"), "config.json's model_type 'frobnicator' is not"),
+    ],
+)
+def test_a_model_transformers_would_fail_to_load_is_refused_naming_the_file(
+    tiny_model, tmp_path, capfd, damage, says
+):
+    """Refused in one line that names the file, before transformers fails on it: its
+    safetensors error named no file, and for a model's own code it printed a question
+    ("Do you wish to run the custom code? [y/N]") to the worker's output."""
+    from rawserve.worker.loading import load_runner
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for path in Path(tiny_model("text-classification")).iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    damage(folder)
+    with pytest.raises(ValueError) as caught:
+        load_runner(worker_config(str(folder), engine=Engine.TORCH), "cpu")
+    assert str(caught.value).startswith(says) and "\n" not in str(caught.value)
+    assert "[y/N]" not in capfd.readouterr().out
+
+
+def test_weights_that_do_not_match_the_config_are_one_line_that_says_so(tiny_model, tmp_path):
+    """The pipeline nests each class's traceback after 'Could not load model ... with
+    any of the following classes: (...)', which was all the line said."""
+    from rawserve.worker.loading import load_runner
+    from rawserve.worker.process import load_failed
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for path in Path(tiny_model("text-classification")).iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    with_config(intermediate_size=74)(folder)  # the weights' layers are 37 wide
+    with pytest.raises(Exception) as caught:
+        load_runner(worker_config(str(folder), engine=Engine.TORCH), "cpu")
+    assert load_failed(caught.value).message.startswith(
+        "the weights' shapes do not match config.json ("
+    )

@@ -4,6 +4,7 @@ the name clients call it by."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
@@ -96,6 +97,7 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
     if task is not None and task not in TASKS:
         raise ValueError(f"{task!r} is not a task served (the tasks: {', '.join(TASKS)})")
     try:
+        refuse_broken_links(model_dir)
         task = task or infer_task(model_dir)
         if not any((model_dir / name).is_file() for name in WEIGHTS):
             raise ValueError(
@@ -118,6 +120,19 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
     except (OSError, json.JSONDecodeError, AttributeError, KeyError, TypeError) as exc:
         raise ValueError(f"the model's files are unreadable ({type(exc).__name__})") from None
     return FolderFacts(task, pooling, normalize)
+
+
+def refuse_broken_links(model_dir: Path) -> None:
+    """Raise ValueError naming a file of the folder that links to nothing: in the Hub
+    cache, a snapshot's file whose blob is gone (a download cut short, a cache pruned by
+    hand). Read as absent, it was refused as a model without weights or a config."""
+    for path in sorted(model_dir.rglob("*")):
+        if path.is_symlink() and not path.exists():
+            name = path.relative_to(model_dir).as_posix()
+            raise ValueError(
+                f"{name} links to {os.readlink(path)}, which is missing: download the "
+                "model again (without HF_HUB_OFFLINE=1), or restore the file"
+            )
 
 
 def has_tokenizer(model_dir: Path) -> bool:

@@ -15,6 +15,7 @@ Never imports torch or transformers (huggingface_hub does not either).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -23,7 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx2
-from huggingface_hub import HfApi, constants, get_cached_repo_tree, get_token, snapshot_download
+from huggingface_hub import (
+    HfApi,
+    constants,
+    get_cached_repo_tree,
+    get_session,
+    get_token,
+    snapshot_download,
+)
 from huggingface_hub.errors import (
     CachedRepoTreeNotFoundError,
     DisabledRepoError,
@@ -109,6 +117,7 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
         ) from None
     at = f"{repo_id}@{revision}" if revision else repo_id
     hub_logs_through_ours()
+    hub_requests_time_out()
     started = time.monotonic()
     try:
         files = repo_files(repo_id, revision)
@@ -137,6 +146,26 @@ def hub_logs_through_ours() -> None:
     loggers wrote each of them a second time, bare, between the server's lines (and
     between the JSON objects of --log-format json)."""
     logging.getLogger("huggingface_hub").handlers.clear()
+
+
+def hub_requests_time_out() -> None:
+    """Every request to the Hub gives up after HF_HUB_ETAG_TIMEOUT seconds (10 unless set)
+    without a byte: huggingface_hub sets that limit on file requests, but none on the
+    repo's info (model_info, and snapshot_download's own call), so a Hub or a proxy that
+    took the connection and never answered held the server's start forever. A download
+    that goes on, however slowly, is not cut: the limit is on each wait for bytes."""
+    hooks = get_session().event_hooks["request"]
+    if bounded_waits not in hooks:
+        hooks.append(bounded_waits)
+
+
+def bounded_waits(request: httpx2.Request) -> None:
+    """A request's waits (connect, read, write, pool) that have no limit get the Hub's."""
+    limit = float(constants.HF_HUB_ETAG_TIMEOUT)
+    waits = request.extensions.get("timeout") or dict.fromkeys(("connect", "read", "write", "pool"))
+    request.extensions["timeout"] = {
+        name: limit if seconds is None else seconds for name, seconds in waits.items()
+    }
 
 
 def repo_files(repo_id: str, revision: str | None) -> list[str] | None:
@@ -190,7 +219,17 @@ def explain(exc: BaseException, repo_id: str, revision: str | None) -> str:
         if constants.is_offline_mode():
             return f"{where} and HF_HUB_OFFLINE=1 forbids downloading it"
         return f"{where} and the Hub ({constants.ENDPOINT}) cannot be reached"
+    if isinstance(exc, json.JSONDecodeError):  # a web page, a proxy's login form
+        return (
+            f"{constants.ENDPOINT} answered for {at} with something other than the Hub's "
+            "API (not JSON): check HF_ENDPOINT, or a proxy in the way"
+        )
     if isinstance(exc, HfHubHTTPError) and exc.response is not None:
+        if exc.response.status_code == 401 and get_token():  # a token the Hub does not know
+            return (
+                f"the Hub refused the token in use (HF_TOKEN, or the one `hf auth login` "
+                f"saved) for {at}: it is not valid; set a valid token, or none for a public repo"
+            )
         return f"the Hub answered {exc.response.status_code} for {at}"
     if isinstance(exc, (httpx2.HTTPError, OSError)):
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -36,7 +36,7 @@ from typing import Any
 
 from rawserve.config import ModelConfig, WorkerPlan
 from rawserve.models.plan import ModelPlan
-from rawserve.shared.messages import WorkerConfig
+from rawserve.shared.messages import WorkerConfig, WorkerLoadFailed
 from rawserve.worker import engine_trial
 from rawserve.worker.layout_timer import START_TIMEOUT, timer_main
 
@@ -62,6 +62,10 @@ MEASURED_TASKS = frozenset(
 SWITCH_MARGIN = 1.1
 STOP_POLL = 0.25  # seconds between looks at the stop while timers run
 FIELDS = ("cores", "workers", "batch", "per_core", "one_worker")
+
+
+class ModelLoadFailed(RuntimeError):
+    """A timer could not load the model: the one line a worker would have reported."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,8 @@ def settle(
     stop: threading.Event | None = None,
 ) -> WorkerPlan:
     """The plan the trial (kept, or run now) finds faster; `workers` as it is when the
-    trial cannot tell, or is stopped (`stop` set: the server is stopping)."""
+    trial cannot tell, or is stopped (`stop` set: the server is stopping). Raises
+    ModelLoadFailed when the model cannot be loaded."""
     trial = recalled(config, cores, len(workers.devices)) or measured(
         config, cores, len(workers.devices), stop or threading.Event()
     )
@@ -210,7 +215,8 @@ def items_per_second(
 ) -> float | None:
     """`processes` timers of `config`, timed together once all are loaded: the items a
     second of all of them (None: a timer had no batch to time, or failed, or `stop` was
-    set)."""
+    set). Raises ModelLoadFailed when a timer could not load the model: its workers,
+    which load it the same way, would fail alike, after the trial and each in turn."""
     context = multiprocessing.get_context("spawn")
     start = context.Barrier(processes)
     pipes = [context.Pipe(duplex=False) for _ in range(processes)]
@@ -223,6 +229,7 @@ def items_per_second(
         )
         for index, (_, sender) in enumerate(pipes)
     ]
+    medians: list[Any] = []
     try:
         for timer in timers:
             timer.start()
@@ -230,11 +237,16 @@ def items_per_second(
             sender.close()  # a timer that dies is an EOF here
         medians = gathered([reader for reader, _ in pipes], start, stop)
     finally:
+        # stopping, or the model cannot be loaded: no wait for the other timers' loads
+        cut_short = stop.is_set() or any(isinstance(m, WorkerLoadFailed) for m in medians)
         for timer in timers:
-            timer.join(timeout=0 if stop.is_set() else 5)  # stopping: no wait for loads
+            timer.join(timeout=0 if cut_short else 5)
             if timer.exitcode is None:
                 timer.kill()
                 timer.join()
+    for median in medians:
+        if isinstance(median, WorkerLoadFailed):  # the workers would fail alike
+            raise ModelLoadFailed(median.message)
     seconds = [median for median in medians if isinstance(median, float) and median > 0]
     if len(seconds) < processes:
         return None
@@ -244,7 +256,8 @@ def items_per_second(
 def gathered(readers: list[Connection], start: Barrier, stop: threading.Event) -> list[Any]:
     """Each timer's figure as it comes; a timer that fails or dies (EOF: killed, out of
     memory) breaks the others' wait at once, and so do `stop` and a stretch past
-    START_TIMEOUT."""
+    START_TIMEOUT. A timer that could not load the model ends the wait at once (the
+    others' figures None): the trial cannot go on."""
     figures: dict[Connection, Any] = {}
     deadline = time.monotonic() + START_TIMEOUT + 60  # the loads, then the timed stretch
     while len(figures) < len(readers):
@@ -258,6 +271,8 @@ def gathered(readers: list[Connection], start: Barrier, stop: threading.Event) -
                 figures[reader] = reader.recv()
             except EOFError:
                 figures[reader] = None
-            if figures[reader] is None:
+            if not isinstance(figures[reader], float):
                 start.abort()
+            if isinstance(figures[reader], WorkerLoadFailed):
+                return [figures.get(each) for each in readers]
     return [figures[reader] for reader in readers]

@@ -19,7 +19,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Barrier
 
 from rawserve.shared.logs import setup_worker_logging
-from rawserve.shared.messages import WorkerConfig
+from rawserve.shared.messages import WorkerConfig, WorkerLoadFailed
+from rawserve.worker.process import load_failed
 
 log = logging.getLogger("rawserve.worker")
 
@@ -28,15 +29,24 @@ MIN_ROUNDS = 2  # timed batches, however slow
 START_TIMEOUT = 600.0  # seconds for every timer of a candidate to load its model
 
 
+class LoadFailed(Exception):
+    """The timer could not load the model; its one line is the argument."""
+
+
 def timer_main(config: WorkerConfig, size: int, start: Barrier, out: Connection) -> None:
     """The median seconds of a batch of `size` example inputs, on `out` (None: there is
-    no batch to time, or this timer failed: then the others stop waiting for it)."""
+    no batch to time, or this timer failed: then the others stop waiting for it; a
+    WorkerLoadFailed: the model cannot be loaded, as a worker would report it)."""
     for signum in (signal.SIGINT, signal.SIGTERM):  # the server stops its timers itself
         signal.signal(signum, signal.SIG_IGN)
     setup_worker_logging("layout")
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    median: float | WorkerLoadFailed | None
     try:
         median = timed_batch(config, size, start)
+    except LoadFailed as failed:  # the workers would fail alike: the server stops on it
+        start.abort()
+        median = failed.args[0]
     except (Exception, threading.BrokenBarrierError):  # noqa: BLE001 - reported as None
         log.warning("a layout timer failed", exc_info=True)
         start.abort()  # the others stop waiting for this one
@@ -56,7 +66,10 @@ def timed_batch(config: WorkerConfig, size: int, start: Barrier) -> float | None
 
     library_logs_through_ours()
     tokenize_in_the_calling_thread(os.environ)
-    runner = load_runner(config, "cpu")
+    try:
+        runner = load_runner(config, "cpu")
+    except Exception as exc:  # noqa: BLE001 - one line, as a worker reports it
+        raise LoadFailed(load_failed(exc)) from exc
     batch = example_batch(runner, size)
     if batch is None:
         start.abort()

@@ -17,8 +17,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import safetensors
 import torch
 import transformers
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from rawserve.shared.messages import Engine, WorkerConfig
 from rawserve.tasks import SEQ2SEQ_TASKS
@@ -151,6 +153,7 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
     model, task = config.model, config.task
     if task is None:
         raise ValueError("no task: the server names the task of every model it serves")
+    refuse_unloadable_files(Path(model))
     bf16 = device.startswith("cuda") and torch.cuda.is_bf16_supported()
     dtype, dtype_reason = choose_dtype(config.dtype, device, saved_dtype(Path(model)), bf16)
     log.info("dtype: %s (%s)", dtype, dtype_reason)
@@ -274,6 +277,36 @@ def trial_key(config: WorkerConfig, task: str, size: int) -> dict[str, object]:
         "onnxruntime": engine_trial.installed_version("onnxruntime"),
         "machine": engine_trial.machine(),
     }
+
+
+def refuse_unloadable_files(folder: Path) -> None:
+    """Raise ValueError, naming the file, for what transformers would fail to load less
+    clearly: a model type it does not know, or only through the model's own Python code
+    (it asked on the terminal whether to run it, and failed), and a safetensors file cut
+    short or corrupt (safetensors' own error names no file)."""
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    model_type = config.get("model_type")
+    known = model_type in CONFIG_MAPPING_NAMES
+    if config.get("auto_map") and not known:
+        raise ValueError(
+            f"config.json's model_type {model_type!r} is not one transformers knows: it "
+            "names the model's own Python code (auto_map), which rawserve does not run "
+            "(no trust_remote_code)"
+        )
+    if model_type is not None and not known:
+        raise ValueError(
+            f"config.json's model_type {model_type!r} is not one transformers "
+            f"{transformers.__version__} knows: a later transformers may serve it"
+        )
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safetensors.safe_open(str(path), framework="pt"):
+                pass
+        except safetensors.SafetensorError as exc:
+            raise ValueError(
+                f"{path.name} is not a whole safetensors file ({exc}): download it again"
+            ) from None
 
 
 def refuse_without_vocabulary(tokenizer: Any, folder: Path) -> None:

@@ -83,6 +83,25 @@ class BatchCap:
                 self.limit, self._lowered_from = None, 0
 
 
+def load_failed(exc: Exception) -> WorkerLoadFailed:
+    """A model load's failure in one line for the operator: the message's first paragraph
+    (transformers' own errors nest whole tracebacks after it), or where a pipeline nests
+    each model class's traceback, the error its last one ends with; where it came from is
+    for --log-level debug."""
+    log.debug("could not load the model", exc_info=True)
+    text = str(exc).strip()
+    paragraph = text.split("\n\n")[0]
+    line = f"{type(exc).__name__}: {paragraph}"
+    if "See the original errors:" in text:  # "Could not load model ... with any of ..."
+        line = text.splitlines()[-1]
+    if "ignore_mismatched_sizes" in line:
+        line = (
+            "the weights' shapes do not match config.json (a config edited, or weights of "
+            "another size): transformers' LOAD REPORT, logged before, lists each tensor"
+        )
+    return WorkerLoadFailed(" ".join(line.split())[:500])
+
+
 def worker_main(
     batches: Connection,
     replies: Connection,
@@ -141,11 +160,7 @@ def worker_main(
         from rawserve.worker.generating import continuous_loop
         from rawserve.worker.warmup import warm_up
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which logs it
-        # One line for the operator: the message's first paragraph (transformers' own
-        # errors nest whole tracebacks after it); where it came from is for --log-level debug.
-        log.debug("could not load the model", exc_info=True)
-        paragraph = str(exc).strip().split("\n\n")[0]
-        out.send(WorkerLoadFailed(f"{type(exc).__name__}: {' '.join(paragraph.split())[:500]}"))
+        out.send(load_failed(exc))
         return
     load_seconds = time.monotonic() - started
     warmup_seconds = None
