@@ -1,6 +1,7 @@
 # `make serve` and `make test` do all the set-up on a fresh clone: a virtual
 # environment in .venv with the pinned CPU build of torch (override TORCH_SPEC for
-# a CUDA build, e.g. `make serve TORCH_SPEC=torch==2.13.0 PIP_TORCH_ARGS=--index-url=...`).
+# a CUDA build, e.g. `make serve TORCH_SPEC=torch==2.13.0 PIP_TORCH_ARGS=--index-url=...`,
+# after `make clean` where .venv exists: it is made once, and holds the CPU build).
 
 PYTHON ?= python3
 VENV ?= .venv

@@ -242,6 +242,22 @@ def test_a_text_model_without_tokenizer_files_is_refused_before_any_worker_loads
     )
 
 
+def test_an_image_model_without_pillow_names_the_extra_before_any_worker_loads_it(
+    tmp_path, monkeypatch
+):
+    folder = tmp_path / "vit"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"architectures": ["ViTForImageClassification"]}')
+    (folder / "model.safetensors").write_text("")
+    monkeypatch.setitem(sys.modules, "PIL", None)  # as where the image extra is not installed
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models([str(folder)])
+    assert str(caught.value) == (
+        f"model {folder}: image-classification reads images with Pillow, which is not "
+        "installed (pip install 'rawserve[image]')"
+    )
+
+
 @pytest.mark.parametrize(
     ("task", "served"),
     [

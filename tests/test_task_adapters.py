@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -794,3 +795,20 @@ def test_weights_that_do_not_match_the_config_are_one_line_that_says_so(tiny_mod
     assert load_failed(caught.value).message.startswith(
         "the weights' shapes do not match config.json ("
     )
+
+
+def test_a_handler_module_in_the_current_directory_is_found_by_the_rawserve_command(
+    tmp_path, monkeypatch
+):
+    from rawserve.worker.handler import HandlerRunner
+
+    (tmp_path / "doubling_handler.py").write_text(
+        "def make():\n    return lambda inputs, **params: [x * 2 for x in inputs]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    # the `rawserve` command's sys.path starts at its script's folder, not the current one
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    try:
+        assert HandlerRunner("doubling_handler:make", "cpu").run([1, 2], {}) == [2, 4]
+    finally:
+        sys.modules.pop("doubling_handler", None)

@@ -3,6 +3,7 @@ the name clients call it by."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -92,7 +93,8 @@ class FolderFacts:
 def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
     """The facts of a model folder; `task` (from --task or MODEL:TASK) overrides inference.
     Raises ValueError with a one-line reason when the task is not one served, or the
-    folder does not say its task or holds no weights or tokenizer to load."""
+    folder does not say its task or holds no weights or tokenizer to load, or an image
+    task's Pillow is not installed."""
     task = TASK_ALIASES.get(task, task) if task else None
     if task is not None and task not in TASKS:
         raise ValueError(f"{task!r} is not a task served (the tasks: {', '.join(TASKS)})")
@@ -103,6 +105,11 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
             raise ValueError(
                 "the model has no PyTorch weights (model.safetensors or pytorch_model.bin); "
                 "TensorFlow and Flax weights are not loaded"
+            )
+        if task in IMAGE_TASKS and importlib.util.find_spec("PIL") is None:
+            raise ValueError(
+                f"{task} reads images with Pillow, which is not installed "
+                "(pip install 'rawserve[image]')"
             )
         if task not in IMAGE_TASKS and not has_tokenizer(model_dir):
             raise ValueError(

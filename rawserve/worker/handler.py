@@ -6,6 +6,8 @@ Worker process only.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
 
 from rawserve.shared.messages import NO_CONTROL, Control
@@ -18,6 +20,10 @@ class HandlerRunner(Runner):
 
     def __init__(self, spec: str, device: str):
         module_name, _, factory_name = spec.partition(":")
+        # a module of the folder the server was started in, as `python -m rawserve` finds it
+        # (its sys.path[0]); the `rawserve` command's sys.path starts at its script's folder
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
         factory = getattr(importlib.import_module(module_name), factory_name or "handler")
         self.handler = factory()
         super().__init__(CUSTOM_TASK, device)
