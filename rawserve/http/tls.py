@@ -40,9 +40,10 @@ def server_context(certfile: str, keyfile: str | None = None) -> ssl.SSLContext:
         if path is not None and not Path(path).is_file():
             raise ValueError(f"not a file: {path}")
     keysource = keyfile or certfile
-    if not CERTIFICATE_PEM.search(read_text(certfile)):
+    certificates = read_text(certfile)
+    if not CERTIFICATE_PEM.search(certificates):
         raise ValueError(f"{certfile} holds no PEM certificate (-----BEGIN CERTIFICATE-----)")
-    if PRIVATE_KEY_PEM not in read_text(keysource):
+    if PRIVATE_KEY_PEM not in (read_text(keyfile) if keyfile else certificates):
         where = "" if keyfile else " (give the key with --ssl-keyfile)"
         raise ValueError(f"{keysource} holds no PEM private key{where}")
     try:

@@ -48,6 +48,7 @@ from huggingface_hub.utils import validate_repo_id
 from tqdm.std import tqdm
 
 from rawserve.models.names import ModelSpec, default_names
+from rawserve.shared.logs import first_line
 
 log = logging.getLogger("rawserve.models")
 
@@ -232,8 +233,7 @@ def explain(exc: BaseException, repo_id: str, revision: str | None) -> str:
             )
         return f"the Hub answered {exc.response.status_code} for {at}"
     if isinstance(exc, (httpx2.HTTPError, OSError)):
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return f"could not download {at}: {first_line[:200]}"
+        return f"could not download {at}: {first_line(exc)[:200]}"
     return f"could not resolve {at}: {type(exc).__name__}"
 
 

@@ -101,8 +101,10 @@ def remove_orphans(folder: str) -> None:
     """Remove the boards in `folder` whose serving process is gone (one of another user,
     or a pid taken again since, is left alone)."""
     for name in os.listdir(folder):
+        if not name.startswith(PREFIX):
+            continue
         pid = name.removeprefix(PREFIX).partition("-")[0]
-        if name.startswith(PREFIX) and pid.isdigit() and not is_running(int(pid)):
+        if pid.isdigit() and not is_running(int(pid)):
             try:
                 os.unlink(os.path.join(folder, name))
             except OSError:
@@ -115,5 +117,5 @@ def is_running(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's
-        return True
+        pass
     return True

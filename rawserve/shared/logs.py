@@ -80,6 +80,12 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(document, default=str, ensure_ascii=False)
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message in one line, its first (its type's name if it has none): a
+    library's message may nest whole tracebacks after it."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def json_document(created: float, level_name: str, logger: str, message: str) -> dict[str, Any]:
     """The keys every JSON line starts with."""
     return {

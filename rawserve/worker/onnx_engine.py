@@ -48,6 +48,7 @@ import torch
 import transformers
 from transformers import modeling_outputs
 
+from rawserve.shared.logs import first_line
 from rawserve.worker import engine_trial
 
 log = logging.getLogger("rawserve.onnx")
@@ -191,9 +192,10 @@ def load_network(model: str, task: str, threads: int, cache_dir: Path | None = N
         # A graph cut short (a crash before its data reached the disk, a full disk, a hand
         # edit) would fail every start: it is made again.
         damaged = _identity(graph)
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.warning(
-            "ONNX engine: the cached graph %s cannot be loaded (%s): exported again", graph, reason
+            "ONNX engine: the cached graph %s cannot be loaded (%s): exported again",
+            graph,
+            first_line(exc),
         )
     graph = exported_graph(folder, head, cache_dir, damaged)
     return OnnxNetwork(graph, config, head, threads, cores)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import transformers
 
+from rawserve.shared.logs import first_line
 from rawserve.shared.messages import (
     NO_CONTROL,
     Control,
@@ -210,7 +211,7 @@ class Runner:
                 FailureKind.OUT_OF_MEMORY, "the model ran out of memory on this input"
             )
         if isinstance(exc, WrittenForClients):
-            return ItemFailure(FailureKind.INPUT, _first_line(exc)[:MAX_CLIENT_MESSAGE])
+            return ItemFailure(FailureKind.INPUT, first_line(exc)[:MAX_CLIENT_MESSAGE])
         if isinstance(exc, (ValueError, transformers.pipelines.PipelineException)):
             return ItemFailure(FailureKind.INPUT, _client_message(exc))
         if isinstance(exc, RuntimeError) and SAMPLING_FAILED in str(exc):
@@ -218,9 +219,5 @@ class Runner:
         return ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
 def _client_message(exc: BaseException) -> str:
-    return _PATHLIKE.sub("<path>", _first_line(exc))[:MAX_CLIENT_MESSAGE]
+    return _PATHLIKE.sub("<path>", first_line(exc))[:MAX_CLIENT_MESSAGE]
