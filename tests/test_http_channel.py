@@ -362,6 +362,33 @@ def test_a_worker_turning_busy_or_idle_sends_the_http_processes_no_status():
     assert asyncio.run(scenario()) == [WorkerState.IDLE, WorkerState.DEAD]
 
 
+def test_an_http_process_is_listed_once_it_listens_not_when_it_attaches():
+    """A replacement HTTP process is attached a moment before it listens: listed in /info
+    then, a client reading the list would count on a process the kernel cannot yet hand
+    connections to."""
+
+    async def scenario() -> tuple[list, list, list]:
+        board = Board.create(0)
+        bridge = Bridge([], board, lambda: [], lambda families: [], serving_pid=1)
+        received: list = []
+        ours, theirs = socket.socketpair()
+        http_side = await Channel.over(theirs, received.extend, lambda: None)
+        await bridge.attach(0, 2, ours)
+        attached = bridge.processes()
+        http_side.send(("listening", 2))
+        while not any(m[0] == "processes" for m in received):
+            await asyncio.sleep(0.001)
+        http_side.close()
+        board.remove()
+        announced = next(m[1] for m in received if m[0] == "processes")
+        return attached, bridge.processes(), announced
+
+    attached, listening, announced = asyncio.run(scenario())
+    serving = {"role": "serving", "pid": 1}
+    assert attached == [serving]
+    assert listening == announced == [serving, {"role": "http", "index": 0, "pid": 2}]
+
+
 def test_a_models_facts_reach_every_http_process_when_they_change():
     """What /info says of a model (its layout, once the layout trial settles it while the
     server listens) is sent to each HTTP process as it joins and again when it changes;

@@ -126,7 +126,6 @@ class Bridge:
         self.peers[index] = peer
         self._send_statuses(peer)
         self._send_facts(peer)
-        self._announce_processes()
         return peer
 
     def detach(self, peer: Peer) -> None:
@@ -144,12 +143,14 @@ class Bridge:
         self._announce_processes()
 
     def processes(self) -> list[dict[str, Any]]:
-        """Every process of the server, for /info."""
+        """Every process of the server, for /info: an HTTP process once it accepts
+        connections (a replacement is attached a moment before it listens)."""
         return [
             {"role": "serving", "pid": self.serving_pid},
             *(
                 {"role": "http", "index": peer.index, "pid": peer.pid}
                 for peer in sorted(self.peers.values(), key=lambda peer: peer.index)
+                if peer.listening.is_set()
             ),
         ]
 
@@ -203,6 +204,7 @@ class Bridge:
                 ping.set_result(None)
         elif kind == "listening":
             peer.listening.set()
+            self._announce_processes()
         elif kind == "samples":
             _, token, families = message
             collecting = self._collecting.get(token)
