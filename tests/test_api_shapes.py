@@ -148,6 +148,21 @@ def test_an_answer_sent_back_as_openais_sdk_dumps_it_is_its_text():
         messages([{"role": "user", "content": "hi", "refusal": "no"}])
 
 
+def test_an_answer_of_the_sdks_parse_sent_back_is_its_text_and_calls():
+    # `chat.completions.parse(...)`'s message appended as it is: the SDK sends its `parsed`
+    # (the structured answer, or null) and each call's `parsed_arguments`
+    function = {"name": "f", "arguments": '{"a": 1}', "parsed_arguments": {"a": 1}}
+    call = {"id": "c1", "type": "function", "function": function}
+    parsed = {"role": "assistant", "content": '{"a": 1}', "refusal": None, "parsed": {"a": 1}}
+    assert messages([parsed]) == [{"role": "assistant", "content": '{"a": 1}'}]
+    called = {**parsed, "content": None, "parsed": None, "tool_calls": [call]}
+    assert messages([called])[0]["tool_calls"] == [
+        {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}, "id": "c1"}
+    ]
+    with pytest.raises(BadRequest, match="a message cannot have 'weight'"):
+        messages([{"role": "user", "content": "hi", "weight": 1}])
+
+
 def test_chat_template_kwargs_go_to_the_template_with_the_chat():
     hi = [{"role": "user", "content": "hi"}]
     chat = parse_chat({"messages": hi, "chat_template_kwargs": {"enable_thinking": False}})

@@ -73,8 +73,9 @@ from rawserve.tasks.text_generation import (
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # what an answer's message carries beside its content, sent back with it as OpenAI's SDK
-# dumps it (`message.model_dump()`): an assistant's refusal, web search's citations, audio
-ANSWER_KEYS = {"refusal", "annotations", "audio"}
+# dumps it (`message.model_dump()`): an assistant's refusal, web search's citations, audio,
+# and the structured answer that the SDK's `parse()` read out of the content (dropped)
+ANSWER_KEYS = {"refusal", "annotations", "audio", "parsed"}
 MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call"}
 MESSAGE_KEYS |= ANSWER_KEYS
 MAX_NEW_TOKENS = 4096
@@ -430,10 +431,15 @@ def messages(value: Any) -> list[dict[str, Any]]:
         raise BadRequest('"messages" must be a non-empty list of {"role", "content"}')
     checked = []
     for message in value:
-        if not isinstance(message, dict) or not set(message) <= MESSAGE_KEYS:
+        if not isinstance(message, dict):
             raise BadRequest(
                 'each message must be {"role", "content"} (and "name"; an assistant\'s '
                 '"tool_calls", a tool\'s "tool_call_id")'
+            )
+        if unknown := sorted(set(message) - MESSAGE_KEYS):
+            raise BadRequest(
+                f"a message cannot have {', '.join(repr(key)[:60] for key in unknown[:10])}"
+                f" (its fields: {', '.join(sorted(MESSAGE_KEYS))})"
             )
         role = message.get("role")
         if role not in ROLES:
