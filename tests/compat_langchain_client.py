@@ -45,11 +45,19 @@ outcome = outcome_of(shape)
 def main(base_url: str) -> None:
     api = {"base_url": f"{base_url}/v1", "api_key": "unused"}
     embeddings = OpenAIEmbeddings(model="emb", check_embedding_ctx_length=False, **api)
+    # its default chunk_size sends 1000 texts a request; rawserve takes 32 (as TEI)
+    chunked = OpenAIEmbeddings(
+        model="emb", check_embedding_ctx_length=False, chunk_size=32, max_retries=0, **api
+    )
     chat = ChatOpenAI(model="chat", max_tokens=5, temperature=0, **api)
     roomy = ChatOpenAI(model="chat", max_tokens=60, temperature=0, **api)
     calls = {
         "embed_query": lambda: embeddings.embed_query(TEXT),
         "embed_documents": lambda: embeddings.embed_documents([TEXT, "i like it"]),
+        "embed_many": lambda: chunked.embed_documents([TEXT] * 40),
+        "embed_many_unchunked": lambda: OpenAIEmbeddings(
+            model="emb", check_embedding_ctx_length=False, max_retries=0, **api
+        ).embed_documents([TEXT] * 40),
         "invoke": lambda: chat.invoke(QUESTION),
         "stream": lambda: [chunk.content for chunk in chat.stream(QUESTION)],
         # tools and structured output: what agents and extraction chains ask for

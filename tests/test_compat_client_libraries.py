@@ -220,6 +220,9 @@ def test_langchain_openai_embeddings(servers, langchain):
     vector = expected["data"][0]["embedding"]
     assert close(langchain["embed_query"], vector)
     assert len(langchain["embed_documents"]) == 2 and close(langchain["embed_documents"][0], vector)
+    # more texts than the client batch cap: chunked as the README says, else 413 in words
+    assert len(langchain["embed_many"]) == 40 and close(langchain["embed_many"][39], vector)
+    assert "at most 32" in langchain["embed_many_unchunked"]["message"]
 
 
 def test_langchain_chat_openai_invokes_and_streams(servers, langchain):

@@ -8,6 +8,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -687,6 +688,57 @@ def test_an_input_past_the_positions_is_cut_where_the_route_truncates(
     assert not any(isinstance(output, ItemFailure) for output in outputs), outputs
     [alone] = run_bisecting(serving, list(inputs[:1]), dict(params))
     assert _rounded(alone) == _rounded(outputs[0])
+
+
+def roberta_folder(folder: Path, task: str) -> Path:
+    """A tiny RoBERTa (64 positions, padding id 1) with the tiny models' tokenizer, which
+    declares no length: its tokens sit at positions 2 to 63, so it reads 62 of them."""
+    import torch
+    import transformers
+
+    from tests.tiny_models import VOCAB
+
+    torch.manual_seed(0)
+    config = transformers.RobertaConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=37,
+        max_position_embeddings=64,
+        pad_token_id=1,
+    )
+    if task == "text-classification":  # a cross-encoder
+        config.num_labels = 1
+        model: Any = transformers.RobertaForSequenceClassification(config)
+    else:
+        model = transformers.RobertaModel(config)
+    model.save_pretrained(folder)
+    transformers.BertTokenizer(vocab={word: i for i, word in enumerate(VOCAB)}).save_pretrained(
+        folder
+    )
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("task", "params"),
+    [("feature-extraction", {"pooling": "mean"}), ("text-classification", {LOGITS_PARAM: True})],
+)
+def test_a_roberta_s_length_leaves_out_the_positions_before_its_first_token(tmp_path, task, params):
+    """RoBERTa-like models number tokens from the padding id + 1: the input length is the
+    positions less those, so an input cut to it runs, and one just over it is refused in
+    words rather than failing the model with an index out of range."""
+    from rawserve.worker.loading import load_runner
+    from rawserve.worker.process import run_bisecting
+
+    folder = roberta_folder(tmp_path, task)
+    serving = load_runner(worker_config(str(folder), task, dtype="float32"), "cpu")
+    assert serving.details["max_input_length"] == 62
+    cut = run_bisecting(serving, [LONG], {**params, "truncate": True})
+    assert not isinstance(cut[0], ItemFailure), cut
+    [over] = run_bisecting(serving, [" ".join(["hello"] * 61)], {**params, "truncate": False})
+    assert isinstance(over, ItemFailure) and over.kind is FailureKind.INPUT, over
+    assert "at most 62" in over.message, over.message
 
 
 def test_a_library_panic_on_one_input_fails_that_input_alone(runner, monkeypatch):

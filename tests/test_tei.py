@@ -708,3 +708,16 @@ def test_info_carries_teis_fields_beside_rawserves(servers, tiny_model):
     assert infos["reranker"]["model_type"] == {
         "reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
     }
+
+
+@pytest.mark.parametrize(
+    ("pooling", "tei_pooling"),
+    [(None, "mean"), ("none", "mean"), ("cls", "cls"), ("lasttoken", "last_token")],
+)
+def test_info_names_the_pooling_as_tei_does(pooling, tei_pooling):
+    """TEI's `model_type.embedding.pooling` says `last_token` where sentence-transformers
+    says `lasttoken`: a client that checks TEI's names finds it."""
+    from rawserve.api.tei import tei_model_type
+
+    details = {"pooling": pooling}
+    assert tei_model_type("feature-extraction", details) == {"embedding": {"pooling": tei_pooling}}

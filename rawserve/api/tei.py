@@ -81,6 +81,9 @@ MAX_TOKENIZE_TOKENS = 131072
 NUMBER_BYTES = 12
 TAG = "Text Embeddings Inference"
 TOKENIZER_ERRORS = (400, 404, 413, 422, 503)
+# TEI's names of sentence-transformers' pooling modes, where they differ (TEI has none for
+# max, weightedmean and mean_sqrt_len_tokens: /info says sentence-transformers' own)
+TEI_POOLING_NAMES = {"lasttoken": "last_token"}
 INLINE_COUNT = 4096  # characters counted on the event loop; more: in a thread
 
 
@@ -364,7 +367,8 @@ def tei_model_type(task: str | None, details: Mapping[str, Any]) -> dict[str, An
     """TEI's ModelType: embedding (its pooling), classifier or reranker (its labels)."""
     if task == "feature-extraction":
         pooling = details.get("pooling")
-        return {"embedding": {"pooling": "mean" if pooling in (None, "none") else pooling}}
+        pooling = "mean" if pooling in (None, "none") else pooling
+        return {"embedding": {"pooling": TEI_POOLING_NAMES.get(pooling, pooling)}}
     if task == "text-classification":
         id2label = dict(details.get("id2label", {}))
         labels = {"id2label": id2label, "label2id": {v: int(k) for k, v in id2label.items()}}

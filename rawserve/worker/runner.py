@@ -47,6 +47,24 @@ OUT_OF_MEMORY_MESSAGES = (
 )
 
 MAX_INPUT_LENGTH_UNKNOWN = 1_000_000  # a config that names no limit
+# Models whose position ids count on from the padding id (RoBERTa's scheme: the first token
+# sits at position pad_token_id + 1), so the first pad_token_id + 1 positions hold no token
+PADDING_OFFSET_MODEL_TYPES = frozenset(
+    {
+        "camembert",
+        "data2vec-text",
+        "esm",
+        "ibert",
+        "longformer",
+        "luke",
+        "mpnet",
+        "roberta",
+        "roberta-prelayernorm",
+        "xlm-roberta",
+        "xlm-roberta-xl",
+        "xmod",
+    }
+)
 _PATHLIKE = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][\w.\-]+){2,}")
 MAX_CLIENT_MESSAGE = 300  # characters of a failure's first line that a client is told
 
@@ -82,6 +100,20 @@ def resolve_device(device: str) -> str:
 
 def resolve_dtype(dtype: str) -> Any:
     return "auto" if dtype == "auto" else getattr(torch, dtype)
+
+
+def token_positions(config: Any) -> int | None:
+    """The tokens a model's position embeddings can place, where its config names them:
+    `max_position_embeddings` (or `n_positions`), less the positions a RoBERTa-like model
+    leaves before its first token."""
+    positions = getattr(config, "max_position_embeddings", None) or getattr(
+        config, "n_positions", None
+    )
+    if not positions:
+        return None
+    if getattr(config, "model_type", None) in PADDING_OFFSET_MODEL_TYPES:
+        positions -= int(getattr(config, "pad_token_id", None) or 0) + 1
+    return int(positions)
 
 
 def dtype_name(model: Any) -> str:
@@ -131,11 +163,7 @@ class Runner:
 
     def max_input_length(self, config: Any) -> int:
         """The most tokens an input may have: the tokenizer's limit or the model's positions."""
-        positions = (
-            getattr(config, "max_position_embeddings", None)
-            or getattr(config, "n_positions", None)
-            or MAX_INPUT_LENGTH_UNKNOWN
-        )
+        positions = token_positions(config) or MAX_INPUT_LENGTH_UNKNOWN
         limit = self.tokenizer.model_max_length if self.tokenizer is not None else positions
         return int(min(limit, positions))
 

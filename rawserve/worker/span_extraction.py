@@ -31,7 +31,7 @@ import transformers
 from rawserve.shared.messages import NO_CONTROL, Control
 from rawserve.worker.library_panics import LibraryPanic, panics_as_errors
 from rawserve.worker.onnx_engine import OnnxNetwork
-from rawserve.worker.runner import Runner, dtype_name
+from rawserve.worker.runner import Runner, dtype_name, token_positions
 
 DEFAULT_MAX_SEQ_LEN = 384
 DEFAULT_DOC_STRIDE = 128
@@ -67,9 +67,7 @@ class SpanExtractionRunner(Runner):
         super().__init__("question-answering", device, dtype_name(self.model), tokenizer)
         self.onnx = onnx
         # the longest window the model can read (absolute position embeddings), if it says
-        self.position_limit: int | None = getattr(
-            self.model.config, "max_position_embeddings", None
-        )
+        self.position_limit = token_positions(self.model.config)
         # the pipeline's default, kept within what the model can read (a tokenizer that
         # names no length would otherwise ask for windows the model fails on)
         self.default_max_seq_len = min(
