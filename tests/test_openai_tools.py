@@ -121,6 +121,22 @@ def test_a_list_of_calls_is_read_back_as_a_call_each():
     assert len({made["id"] for made in message["tool_calls"]}) == 2
 
 
+def test_a_calls_arguments_keep_the_numbers_and_text_the_model_wrote():
+    """Read as floats, 1e999 came back as Infinity: not JSON, and a JavaScript client's
+    JSON.parse of the arguments failed; the arguments are still JSON, and the same JSON."""
+    written = '{"days": 1e999, "t": -0.10, "n": [2, 3.5e-3], "city": "Zürich"}'
+    generated = '{"name": "weather", "arguments": ' + written + "}"
+    message, _ = Tools([WEATHER], "required").message(generated)
+    arguments = message["tool_calls"][0]["function"]["arguments"]
+    assert arguments == written
+    assert json.loads(arguments) == json.loads(generated)["arguments"]
+    nested = '{"name": "weather", "arguments": ' + "[" * 5000 + "]" * 5000 + "}"
+    assert Tools([WEATHER], "required").message(nested) == (
+        {"role": "assistant", "content": nested},
+        None,
+    )
+
+
 def test_an_older_functions_call_is_read_back_as_the_messages_function_call():
     message, reason = Tools([WEATHER], "weather", older=True).message(
         '{"name": "weather", "arguments": {"city": "rome"}}'

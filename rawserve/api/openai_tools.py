@@ -113,18 +113,20 @@ class Tools:
         reason a call gives (None for words). Words cut by `max_tokens` are the words
         written; a cut call is left as it came, in the message's content."""
         try:
-            answer = json.loads(text)
-        except ValueError:
+            answer = json.loads(text, parse_float=WrittenNumber)
+            calls = answer if isinstance(answer, list) else [answer]
+            functions = [
+                {"name": call["name"], "arguments": as_written(call.get("arguments"))}
+                for call in calls
+                if isinstance(call, dict) and "name" in call
+            ]
+        except (ValueError, RecursionError):  # cut short, or nested past the parser's limit
             words = StreamedWords()
             words.add(text)
             return {"role": "assistant", "content": words.sent or text}, None
-        calls = answer if isinstance(answer, list) else [answer]
-        if not calls or not all(isinstance(call, dict) and "name" in call for call in calls):
+        if not calls or len(functions) < len(calls):
             content = answer.get("content") if isinstance(answer, dict) else None
             return {"role": "assistant", "content": text if content is None else content}, None
-        functions = [
-            {"name": call["name"], "arguments": json.dumps(call.get("arguments"))} for call in calls
-        ]
         if self.older:
             return {"role": "assistant", "content": None, "function_call": functions[0]}, (
                 "function_call"
@@ -243,6 +245,26 @@ def chat_tools(
     # a function named is called once (OpenAI's "forced function": exactly one call)
     several = parallel and not older and choice in ("auto", "required")
     return Tools(functions, choice, parallel=several, older=older)
+
+
+class WrittenNumber(str):
+    """A JSON number with a fraction or exponent as the model wrote it: read as a float,
+    1e999 would be written back as Infinity, which is not JSON."""
+
+
+def as_written(value: Any) -> str:
+    """A call's arguments (read with their numbers as written) as a text of JSON again."""
+    if isinstance(value, WrittenNumber):
+        return str(value)
+    if isinstance(value, dict):
+        members = (
+            f"{json.dumps(key, ensure_ascii=False)}: {as_written(item)}"
+            for key, item in value.items()
+        )
+        return "{" + ", ".join(members) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(as_written(item) for item in value) + "]"
+    return json.dumps(value, ensure_ascii=False)
 
 
 # how an answer in words begins, as the grammar lays JSON out (a space after the colon)
