@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -47,6 +48,35 @@ async def channel_pair(received: list[list]) -> tuple[Channel, Channel]:
     sender = await Channel.over(ours, lambda messages: None, lambda: None)
     receiver = await Channel.over(theirs, received.append, lambda: None)
     return sender, receiver
+
+
+@pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
+def test_a_message_sent_at_once_reaches_an_owner_that_holds_its_channel(loop_name):
+    """A peer may write before `Channel.over` has returned (a new HTTP process was asked
+    for its metrics while it connected): its messages wait until the owner holds the
+    channel, which answering them needs, instead of ending the connection."""
+    from rawserve.ops import loops
+
+    async def scenario() -> list:
+        ours, theirs = socket.socketpair()
+        peer = await Channel.over(theirs, lambda messages: None, lambda: None)
+        peer.send(("collect", 1))
+        peer.flush()
+        await asyncio.sleep(0.05)  # the frame waits in the socket
+        owner: dict[str, Channel] = {}
+        seen: list = []
+
+        def on_messages(messages: list) -> None:
+            seen.append(("collect", 1) in messages and "channel" in owner)
+
+        owner["channel"] = await Channel.over(ours, on_messages, lambda: None)
+        while not seen:
+            await asyncio.sleep(0.001)
+        peer.close()
+        owner["channel"].close()
+        return seen
+
+    assert loops.run(scenario(), loop_name) == [True]
 
 
 def test_the_messages_of_one_event_loop_pass_go_in_one_write():
@@ -129,6 +159,29 @@ def test_the_boards_of_serving_processes_that_are_gone_are_removed(tmp_path):
         assert os.path.basename(board.path).startswith(f"rawserve-board-{os.getpid()}-")
     finally:
         board.remove()
+
+
+def test_a_board_is_removed_by_an_http_process_only_once_its_serving_process_is_gone(tmp_path):
+    """An HTTP process that loses its channel removes the board only if the serving
+    process that made it is gone (a zombie is): while it runs, removing it left every
+    HTTP process started after unable to open it, for the server's whole life."""
+    import subprocess
+
+    zombie = subprocess.Popen(["true"])
+    stat = Path(f"/proc/{zombie.pid}/stat")
+    while stat.read_text().rpartition(")")[2].split()[0] != "Z":
+        time.sleep(0.01)  # exited, not yet waited for
+    try:
+        boards = {}
+        for owner in (os.getpid(), zombie.pid):
+            path = tmp_path / f"rawserve-board-{owner}-abc"
+            path.write_bytes(bytes(64))
+            boards[owner] = Board(str(path), 1)
+        boards[os.getpid()].remove_if_orphaned(wait=0.1)
+        boards[zombie.pid].remove_if_orphaned(wait=0.1)
+        assert [p.name for p in tmp_path.iterdir()] == [f"rawserve-board-{os.getpid()}-abc"]
+    finally:
+        zombie.wait()
 
 
 def test_health_turns_503_in_every_http_process_once_the_serving_process_stops_writing():

@@ -27,11 +27,31 @@ JSON = {"Content-Type": "application/json"}
 CURL_POST = ["curl", "-s", "-o", "/dev/null", "-H", "Content-Type: application/json", "-d"]
 
 
+# what a test opened, closed after it even when it fails (left open, a failed test's
+# sockets and clients are reported as unclosed in whichever later test collects them)
+OPENED: list[Connection] = []
+CLIENTS: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def closed_after():
+    yield
+    for connection in OPENED:
+        connection.close()
+    for client in CLIENTS:
+        if client.poll() is None:
+            client.kill()
+        client.wait(10)
+    OPENED.clear()
+    CLIENTS.clear()
+
+
 class Connection:
     """One keep-alive connection: it stays with the HTTP process that accepted it."""
 
     def __init__(self, server: RunningServer, timeout: float = 30):
         self.http = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+        OPENED.append(self)
 
     def request(
         self, method: str, path: str, body: object = None, headers: dict | None = None
@@ -115,6 +135,7 @@ def busy(server: RunningServer, name: str, seconds: float) -> subprocess.Popen:
     """Keep the only worker busy for `seconds` with input `name` (from another client)."""
     body = json.dumps({"inputs": name, "parameters": {"sleep": seconds}})
     client = subprocess.Popen([*CURL_POST, body, f"http://127.0.0.1:{server.port}/"])
+    CLIENTS.append(client)
     server.wait_for_log(re.compile(re.escape(f"sleeping {seconds} s on ['{name}']")), 30)
     return client
 
@@ -199,6 +220,7 @@ def test_the_queue_bound_is_refused_by_every_http_process_without_asking(server)
         )  # fmt: skip
         for i in range(2)
     ]
+    CLIENTS.extend(queued)
     wait_until(lambda: metric(server, "rawserve_queue_depth") == 2, what="two items queued")
     wait_until(
         lambda: all(c.request("GET", "/ready")[0] == 503 for c in connections.values()),

@@ -150,7 +150,7 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
             spec.index,
             os.getpid(),
         )
-        link.board.remove()  # its owner died without removing it (kill -9, OOM killer)
+        link.board.remove_if_orphaned()  # its owner died without removing it (kill -9)
         state.close_all()
         return 1
     app.start_draining()

@@ -263,7 +263,8 @@ class Bridge:
         token = next(self._ids)
         done = asyncio.get_running_loop().create_future()
         gathered: list[list[Family]] = []
-        others = list(self.peers.values())
+        # (one still starting has no metrics yet, and would answer once it has imported)
+        others = [other for other in self.peers.values() if other.listening.is_set()]
         self._collecting[token] = (done, gathered, len(others))
         for other in others:
             other.channel.send(("collect", token))

@@ -96,15 +96,30 @@ class Board:
         except FileNotFoundError:
             pass
 
+    def remove_if_orphaned(self, wait: float = 1.0) -> None:
+        """Delete the file if the serving process that made it is gone (killed outright,
+        it could not), waiting up to `wait` s for one on its way out (its sockets close
+        a moment before it is gone); while that process runs, the file is its own, and
+        the HTTP processes it starts still open it."""
+        until = time.monotonic() + wait
+        while not orphaned(os.path.basename(self.path)):
+            if time.monotonic() > until:
+                return
+            time.sleep(0.02)
+        self.remove()
+
+
+def orphaned(name: str) -> bool:
+    """Whether `name` is a board whose serving process is gone (one of another user, or
+    a pid taken again since, is not)."""
+    pid = name.removeprefix(PREFIX).partition("-")[0]
+    return name.startswith(PREFIX) and pid.isdigit() and not is_running(int(pid))
+
 
 def remove_orphans(folder: str) -> None:
-    """Remove the boards in `folder` whose serving process is gone (one of another user,
-    or a pid taken again since, is left alone)."""
+    """Remove the boards in `folder` whose serving process is gone."""
     for name in os.listdir(folder):
-        if not name.startswith(PREFIX):
-            continue
-        pid = name.removeprefix(PREFIX).partition("-")[0]
-        if pid.isdigit() and not is_running(int(pid)):
+        if orphaned(name):
             try:
                 os.unlink(os.path.join(folder, name))
             except OSError:
@@ -112,10 +127,17 @@ def remove_orphans(folder: str) -> None:
 
 
 def is_running(pid: int) -> bool:
+    """Whether `pid` is a process that has not exited (one exited but not yet waited for
+    by its parent, a zombie, has)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's
-        pass
-    return True
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:  # gone meanwhile, or a system without /proc
+        return not os.path.isdir("/proc")
+    return state not in ("Z", "X")

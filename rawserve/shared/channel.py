@@ -35,6 +35,10 @@ class Channel(asyncio.Protocol):
         self.closed = False
         self._outbox: list[Any] = []
         self._buffer = bytearray()
+        # Until `over` has returned, the owner does not hold the channel that answering
+        # needs: what the peer sent at once waits here (the loop may read before).
+        self._owned = False
+        self._waiting: list[list[Any]] = []
 
     @classmethod
     async def over(
@@ -48,7 +52,16 @@ class Channel(asyncio.Protocol):
         sock.setblocking(False)
         channel = cls(on_messages, on_closed, loop)
         await loop.connect_accepted_socket(lambda: channel, sock)
+        loop.call_soon(channel._owner_holds_it)
         return channel
+
+    def _owner_holds_it(self) -> None:
+        self._owned = True
+        for messages in self._waiting:
+            self.on_messages(messages)
+        self._waiting = []
+        if self.closed:  # (the peer left meanwhile: told after what it sent)
+            self.on_closed()
 
     def send(self, message: Any) -> None:
         """Queue `message`; the pass's messages are written together when it ends."""
@@ -90,9 +103,13 @@ class Channel(asyncio.Protocol):
         if start:
             del buffer[:start]
         for messages in frames:
-            self.on_messages(messages)
+            if self._owned:
+                self.on_messages(messages)
+            else:
+                self._waiting.append(messages)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.closed:
             self.closed = True
-            self.on_closed()
+            if self._owned:
+                self.on_closed()
