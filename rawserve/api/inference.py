@@ -14,7 +14,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rawserve.api import schemas
-from rawserve.api.bodies import answer, check_client_batch, is_json, read_json, read_text
+from rawserve.api.bodies import (
+    answer,
+    check_client_batch,
+    is_json,
+    read_json,
+    read_text,
+    refuse_form_upload,
+)
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Field, flag
 from rawserve.api.outcomes import unwrap
@@ -185,6 +192,7 @@ def parse_body(task: str | None, request: HttpRequest, max_items: int) -> Parsed
     if is_json(request):
         return parse_json_body(task or "", read_json(request), max_items)
     if takes_binary_body(task):  # an image's bytes, with or without image/* type
+        refuse_form_upload(request, "the image's bytes (curl --data-binary @image.png)")
         return parse_binary_body(task or "", request.body)
     return parse_text_body(task or "", read_text(request))
 
