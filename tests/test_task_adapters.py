@@ -411,6 +411,17 @@ def test_a_request_s_source_language_is_its_own(runner, monkeypatch):
     assert first != french and after == first
 
 
+@pytest.mark.parametrize("languages", [("xx_Zzzz", "fra_Latn"), ("eng_Latn", "xx_Zzzz")])
+def test_a_language_the_model_does_not_know_is_refused_either_way(runner, languages):
+    # an unknown source language was read as the unknown token: a translation of the
+    # text as if from no language, answered 200, where an unknown target was refused
+    serving = runner("multilingual-translation", "translation")
+    source, target = languages
+    params = {"max_new_tokens": 2, "num_beams": 1, "src_lang": source, "tgt_lang": target}
+    with pytest.raises(ValueError, match="does not know the language 'xx_Zzzz'"):
+        serving.run(["hello world"], params)
+
+
 # --- text-generation ----------------------------------------------------------------------
 
 
