@@ -301,6 +301,23 @@ AGREEMENT = [
         },
         False,
     ),
+    # the same body on the Inference API's POST /, which refuses what it does not read
+    ("INFERENCE_SIMILARITY", {"inputs": {"source_sentence": "a", "sentences": ["b"]}}, True),
+    (
+        "INFERENCE_SIMILARITY",
+        {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "options": {"use_cache": 1}},
+        True,
+    ),
+    (
+        "INFERENCE_SIMILARITY",
+        {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "x": 1},
+        False,
+    ),
+    (
+        "INFERENCE_SIMILARITY",
+        {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "parameters": {"x": 1}},
+        False,
+    ),
     ("PREDICT", {"inputs": [["a"], ["a", "b"]]}, True),
     ("PREDICT", {"inputs": ["a", "b", "c"]}, False),
     ("RERANK", {"query": "q", "texts": ["a"], "top_n": 1}, True),

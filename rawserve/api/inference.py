@@ -31,7 +31,7 @@ from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
 from rawserve.api.tei import sentence_similarity
-from rawserve.api.tei_bodies import SIMILARITY
+from rawserve.api.tei_bodies import INFERENCE_SIMILARITY
 from rawserve.http.errors import BadRequest, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.tasks import (
@@ -266,7 +266,8 @@ class InferenceRoutes:
         else:
             document = read_json(request)
             if task == "feature-extraction" and is_sentence_pairs(document):
-                fields = SIMILARITY.read(document)  # InferenceClient's sentence_similarity
+                # InferenceClient's sentence_similarity
+                fields = INFERENCE_SIMILARITY.read(document)
                 return await sentence_similarity(self.context, model, fields, request)
             parsed = parse_json_body(task or "", document, max_items)
         if task == "feature-extraction":  # the model's own prompt before each text
