@@ -316,6 +316,23 @@ AGREEMENT = [
         },
         False,
     ),
+    # the same body on the Inference API's POST /, which refuses what it does not read
+    ("INFERENCE_SIMILARITY", {"inputs": {"source_sentence": "a", "sentences": ["b"]}}, True),
+    (
+        "INFERENCE_SIMILARITY",
+        {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "options": {"use_cache": 1}},
+        True,
+    ),
+    (
+        "INFERENCE_SIMILARITY",
+        {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "x": 1},
+        False,
+    ),
+    (
+        "INFERENCE_SIMILARITY",
+        {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "parameters": {"x": 1}},
+        False,
+    ),
     ("PREDICT", {"inputs": [["a"], ["a", "b"]]}, True),
     ("PREDICT", {"inputs": ["a", "b", "c"]}, False),
     ("RERANK", {"query": "q", "texts": ["a"], "top_n": 1}, True),
@@ -553,3 +570,12 @@ def test_a_text_body_not_in_its_charset_is_415(content_type, body):
     request = HttpRequest("POST", "/", "", [("content-type", content_type)], body, "test")
     with pytest.raises(UnsupportedMediaType):
         parse_body("text-classification", request, 32)
+
+
+def test_an_image_sent_as_a_form_upload_is_415_saying_what_to_send():
+    # curl -F file=@cat.png: the form's framing around the image is no image Pillow reads
+    body = b'--x\r\nContent-Disposition: form-data; name="file"\r\n\r\n\x89PNG\r\n--x--\r\n'
+    headers = [("content-type", "multipart/form-data; boundary=x")]
+    request = HttpRequest("POST", "/", "", headers, body, "test")
+    with pytest.raises(UnsupportedMediaType, match="the image's bytes"):
+        parse_body("image-classification", request, 32)

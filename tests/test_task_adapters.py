@@ -412,6 +412,39 @@ def test_a_request_s_source_language_is_its_own(runner, monkeypatch):
     assert first != french and after == first
 
 
+@pytest.mark.parametrize("languages", [("xx_Zzzz", "fra_Latn"), ("eng_Latn", "xx_Zzzz")])
+def test_a_language_the_model_does_not_know_is_refused_either_way(runner, languages):
+    # an unknown source language was read as the unknown token: a translation of the
+    # text as if from no language, answered 200, where an unknown target was refused
+    serving = runner("multilingual-translation", "translation")
+    source, target = languages
+    params = {"max_new_tokens": 2, "num_beams": 1, "src_lang": source, "tgt_lang": target}
+    with pytest.raises(ValueError, match="does not know the language 'xx_Zzzz'"):
+        serving.run(["hello world"], params)
+
+
+def test_a_target_language_alone_is_translated_into_from_the_models_own(runner, monkeypatch):
+    # tgt_lang without src_lang was dropped: the answer came in the model's default
+    # language, 200, where transformers 4's pipeline refused it; the text is read in the
+    # tokenizer's own source language, as a request that names none is
+    serving = runner("multilingual-translation", "translation")
+    forced: list[object] = []
+    generate = serving.model.generate
+
+    def recording(**options):
+        forced.append(options.get("forced_bos_token_id"))
+        return generate(**options)
+
+    monkeypatch.setattr(serving.model, "generate", recording)
+    params = {"max_new_tokens": 2, "num_beams": 1}
+    serving.run(["hello world"], {**params, "tgt_lang": "fra_Latn"})
+    both = {"src_lang": serving.source_language, "tgt_lang": "fra_Latn"}
+    serving.run(["hello world"], {**params, **both})
+    assert forced[0] == forced[1] == serving.tokenizer.convert_tokens_to_ids("fra_Latn")
+    with pytest.raises(ValueError, match="tgt_lang"):  # a source alone says into what?
+        serving.run(["hello world"], {**params, "src_lang": "fra_Latn"})
+
+
 # --- text-generation ----------------------------------------------------------------------
 
 

@@ -287,6 +287,23 @@ def test_inference_client_sentence_similarity(servers, monkeypatch):
     assert len(scores) == 2 and scores[1] == pytest.approx(1, abs=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"parameters": {"truncate": True, "nromalize": False}}, "nromalize"),
+        ({"top_k": 2}, "top_k"),
+    ],
+)
+def test_sentence_similarity_on_the_inference_api_refuses_what_it_does_not_read(
+    servers, extra, named
+):
+    # POST / refuses unknown fields and parameters for every task: a misspelt one would
+    # silently change nothing (TEI's /similarity ignores them, as TEI does)
+    document = {"inputs": {"source_sentence": "hello", "sentences": ["paris"]}, **extra}
+    assert_error(*servers["embedding"].post_json(document), 400, named)
+    assert servers["embedding"].post_json(document, "/similarity")[0] == 200
+
+
 def test_similarity_parameters_are_tei_s(servers, reference):
     server = servers["embedding"]
     long = {"inputs": {"source_sentence": "hello " * 200, "sentences": ["paris"]}}

@@ -90,9 +90,8 @@ def read_text(request: HttpRequest) -> str:
     names none); 415 for a charset this server cannot read, bytes that are not in it, or
     a multipart form, whose framing would be read as the text. A charset ignored would
     read UTF-16 as UTF-8 with a NUL after each letter."""
+    refuse_form_upload(request, "the text itself, or JSON")
     content_type = request.header("content-type") or ""
-    if content_type.lstrip().lower().startswith("multipart/"):  # a form upload (curl -F)
-        raise UnsupportedMediaType("a form upload is not read: send the text itself, or JSON")
     charset = media_type_parameter(content_type, "charset") or "UTF-8"
     try:
         if codecs.lookup(charset).name in PYTHON_ENCODINGS:
@@ -106,6 +105,14 @@ def read_text(request: HttpRequest) -> str:
         ) from None
     except UnicodeDecodeError:
         raise UnsupportedMediaType(f"the body is not {charset} text") from None
+
+
+def refuse_form_upload(request: HttpRequest, send: str) -> None:
+    """415 for a multipart form (curl -F): its parts' framing would be read as the input.
+    `send` says what to send instead."""
+    content_type = request.header("content-type") or ""
+    if content_type.lstrip().lower().startswith("multipart/"):
+        raise UnsupportedMediaType(f"a form upload is not read: send {send}")
 
 
 def media_type_parameter(content_type: str, name: str) -> str | None:

@@ -14,7 +14,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rawserve.api import schemas
-from rawserve.api.bodies import answer, check_client_batch, is_json, read_json, read_text
+from rawserve.api.bodies import (
+    answer,
+    check_client_batch,
+    is_json,
+    read_json,
+    read_text,
+    refuse_form_upload,
+)
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Field, flag
 from rawserve.api.outcomes import unwrap
@@ -24,7 +31,7 @@ from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
 from rawserve.api.tei import sentence_similarity
-from rawserve.api.tei_bodies import SIMILARITY
+from rawserve.api.tei_bodies import INFERENCE_SIMILARITY
 from rawserve.http.errors import BadRequest, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.tasks import (
@@ -185,6 +192,7 @@ def parse_body(task: str | None, request: HttpRequest, max_items: int) -> Parsed
     if is_json(request):
         return parse_json_body(task or "", read_json(request), max_items)
     if takes_binary_body(task):  # an image's bytes, with or without image/* type
+        refuse_form_upload(request, "the image's bytes (curl --data-binary @image.png)")
         return parse_binary_body(task or "", request.body)
     return parse_text_body(task or "", read_text(request))
 
@@ -258,7 +266,8 @@ class InferenceRoutes:
         else:
             document = read_json(request)
             if task == "feature-extraction" and is_sentence_pairs(document):
-                fields = SIMILARITY.read(document)  # InferenceClient's sentence_similarity
+                # InferenceClient's sentence_similarity
+                fields = INFERENCE_SIMILARITY.read(document)
                 return await sentence_similarity(self.context, model, fields, request)
             parsed = parse_json_body(task or "", document, max_items)
         if task == "feature-extraction":  # the model's own prompt before each text

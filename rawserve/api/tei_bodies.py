@@ -252,36 +252,43 @@ RERANK = Body(
     },
     ignore_unknown=True,
 )
-SIMILARITY_PARAMETERS = Body(
-    {"prompt_name": PROMPT_NAME, **TRUNCATION}, ignore_unknown=True, with_model=False
-)
 
 
-def read_similarity_parameters(name: str, value: Any, context: DocContext | None) -> Fields:
-    """TEI's `parameters` of /similarity, each of them checked (400 naming it)."""
-    if value is not None and not isinstance(value, dict):
-        raise BadRequest(f'"{name}" must be an object')
-    parameters = SIMILARITY_PARAMETERS.read(value or {})
-    for field in SIMILARITY_PARAMETERS.names:
-        parameters.value(field, context)
-    return parameters
+def similarity_body(ignore_unknown: bool) -> Body:
+    """TEI's /similarity body (`ignore_unknown`: as TEI, fields it does not use are
+    ignored), or the same body on the Inference API's `POST /`, which refuses unknown
+    fields and parameters as it does for every task, and takes its `options`."""
+    parameters_body = Body(
+        {"prompt_name": PROMPT_NAME, **TRUNCATION},
+        ignore_unknown=ignore_unknown,
+        with_model=False,
+    )
 
+    def read_parameters(name: str, value: Any, context: DocContext | None) -> Fields:
+        """`parameters`, each of them checked (400 naming it)."""
+        if value is not None and not isinstance(value, dict):
+            raise BadRequest(f'"{name}" must be an object')
+        parameters = parameters_body.read(value or {})
+        for field in parameters_body.names:
+            parameters.value(field, context)
+        return parameters
 
-def similarity_parameters_schema(context: DocContext) -> Schema:
-    return {"anyOf": [SIMILARITY_PARAMETERS.schema(context), {"type": "null"}]}
+    def parameters_schema(context: DocContext) -> Schema:
+        return {"anyOf": [parameters_body.schema(context), {"type": "null"}]}
 
-
-SIMILARITY = Body(
-    {
+    fields = {
         "inputs": Field(
             similarity_inputs_schema, read_similarity_inputs, reads_null=True, required=True
         ),
-        "parameters": Field(
-            similarity_parameters_schema, read_similarity_parameters, reads_null=True
-        ),
-    },
-    ignore_unknown=True,
-)
+        "parameters": Field(parameters_schema, read_parameters, reads_null=True),
+    }
+    if not ignore_unknown:
+        fields["options"] = Field({"type": ["object", "null"]})
+    return Body(fields, ignore_unknown=ignore_unknown, with_model=ignore_unknown)
+
+
+SIMILARITY = similarity_body(ignore_unknown=True)
+INFERENCE_SIMILARITY = similarity_body(ignore_unknown=False)
 TOKENIZE = Body(
     {"inputs": INPUTS, "add_special_tokens": flag(True), "prompt_name": PROMPT_NAME, **TRUNCATION},
     ignore_unknown=True,

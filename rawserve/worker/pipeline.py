@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import transformers
 
-from rawserve.shared.messages import NO_CONTROL, Control
+from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits
 from rawserve.tasks import LOGITS_PARAM, split_outputs
 from rawserve.worker.cuda_graphs import GraphedForward
 from rawserve.worker.onnx_engine import OnnxNetwork
@@ -61,6 +61,13 @@ class PipelineRunner(Runner):
             self.pipe.model.register_forward_pre_hook(
                 refuse_past(self.max_length), with_kwargs=True
             )
+
+    @property
+    def limits(self) -> ModelLimits:
+        """No input costs more than `max_length` tokens: these pipelines cut a longer one
+        or refuse it (the scheduler's estimate by characters would otherwise take a long
+        word, one token to the model, for thousands and hold it queued past its deadline)."""
+        return ModelLimits(max_input_tokens=self.max_length)
 
     @property
     def details(self) -> dict[str, Any]:

@@ -119,10 +119,17 @@ class Seq2SeqLMRunner(Runner):
         key = f"translation_{source}_to_{target}"
         if key in self.task_params:
             return key, {}
-        if hasattr(self.tokenizer, "src_lang") and source and target:  # mBART, NLLB, M2M100
-            target_id = self.tokenizer.convert_tokens_to_ids(target)
-            if target_id in (None, self.tokenizer.unk_token_id):
-                raise ValueError(f"this model does not know the language {target!r}")
+        if hasattr(self.tokenizer, "src_lang"):  # mBART, NLLB, M2M100: languages by code
+            source = source or self.source_language  # the text's, as when neither is named
+            if not (source and target):
+                raise ValueError(
+                    "this model translates between languages named by code: send tgt_lang "
+                    "(and src_lang, the text's, where the model names none)"
+                )
+            source_id, target_id = self.tokenizer.convert_tokens_to_ids([source, target])
+            for language, token_id in ((source, source_id), (target, target_id)):
+                if token_id in (None, self.tokenizer.unk_token_id):  # (read as the unknown token)
+                    raise ValueError(f"this model does not know the language {language!r}")
             self.tokenizer.src_lang = source
             return None, {"forced_bos_token_id": target_id}
         if self.directions:
