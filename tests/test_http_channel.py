@@ -491,6 +491,49 @@ def test_metrics_of_several_processes_are_one_scrape():
     assert page.count("# TYPE rawserve_requests_total counter") == 1
 
 
+def test_a_scrape_keeps_the_counts_of_an_http_process_killed_or_silent(monkeypatch):
+    """Counters summed over the HTTP processes never go down: one killed (its counts go
+    on as it last gave them) or one that does not answer in time (stopped: its counts
+    as last given, not its stale gauges). A sum that fell would read, to Prometheus's
+    rate(), as every counter of the server reset."""
+    monkeypatch.setattr("rawserve.serving.bridge.COLLECT_SECONDS", 0.2)
+
+    async def scenario() -> list[str]:
+        board = Board.create(0)
+        bridge = Bridge([], board, lambda: [], merge_families, serving_pid=1)
+        metrics = [Metrics(), Metrics(), Metrics()]
+        links = []
+        for index, counted in enumerate(metrics):
+            for _ in range(index + 1):
+                counted.observe_request("/", "POST", 200, 0.001)
+            link = Link(board, counted.families, lambda grace: None, lambda: None)
+            ours, theirs = socket.socketpair()
+            await link.connect(theirs)
+            await bridge.attach(index, 10 + index, ours)
+            link.send(("listening", 10 + index))
+            links.append(link)
+        metrics[2].loop_lag_last.set(9.0)
+        while len(bridge.processes()) < 4:
+            await asyncio.sleep(0.001)
+        pages = [render_families(await links[0].scrape()).decode()]  # 1 + 2 + 3
+        links[1].channel.close()  # type: ignore[union-attr]  # killed
+        links[2].channel.on_messages = lambda messages: None  # type: ignore[union-attr]
+        while 1 in bridge.peers:
+            await asyncio.sleep(0.001)
+        pages.append(render_families(await links[0].scrape()).decode())
+        for link in (links[0], links[2]):
+            link.channel.close()  # type: ignore[union-attr]
+        board.remove()
+        return pages
+
+    before, after = asyncio.run(asyncio.wait_for(scenario(), 10))
+    total = 'rawserve_requests_total{method="POST",route="other",status="200"} '
+    assert total + "6.0" in before
+    assert total + "6.0" in after
+    assert "rawserve_event_loop_lag_last_seconds 9.0" in before
+    assert "rawserve_event_loop_lag_last_seconds 9.0" not in after
+
+
 def test_http_processes_and_the_loop_are_options_and_variables(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 4)  # at most one process per core
     assert parse_config([]).http_processes == 1

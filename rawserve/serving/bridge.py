@@ -81,6 +81,7 @@ class Peer:
     streams: dict[int, tuple[ModelService, int]] = field(default_factory=dict)
     listening: asyncio.Event = field(default_factory=asyncio.Event)  # its socket is open
     silent_looks: int = 0  # the fleet's looks since it last said it is alive
+    families: list[Family] = field(default_factory=list)  # its metrics, as last given
 
 
 class Bridge:
@@ -99,7 +100,12 @@ class Bridge:
         self.serving_pid = serving_pid
         self.peers: dict[int, Peer] = {}  # by HTTP process index
         self._ids = itertools.count(1)
-        self._collecting: dict[int, tuple[asyncio.Future[None], list[list[Family]], int]] = {}
+        # each scrape's: done once every HTTP process asked has given its metrics
+        self._collecting: dict[int, tuple[asyncio.Future[None], set[int]]] = {}
+        # the counters of the HTTP processes gone, as they last gave them: a scrape's
+        # sums go on from them (a process killed taking its counts would read, to
+        # Prometheus, as every counter of the server reset)
+        self._gone_counts: list[Family] = []
         self._publisher: asyncio.Task[None] | None = None
         self._pings: dict[int, asyncio.Future[None]] = {}
         self._publish_due = False
@@ -132,6 +138,7 @@ class Bridge:
         """The HTTP process is gone: withdraw what it asked for."""
         if self.peers.get(peer.index) is peer:
             del self.peers[peer.index]
+        self._gone_counts = self.merge([self._gone_counts, _counts(peer.families)])
         for running in peer.runs.values():
             running.cancel()
         if peer.runs:
@@ -207,11 +214,12 @@ class Bridge:
             self._announce_processes()
         elif kind == "samples":
             _, token, families = message
+            peer.families = families
             collecting = self._collecting.get(token)
             if collecting is not None:
-                done, gathered, expected = collecting
-                gathered.append(families)
-                if len(gathered) >= expected and not done.done():
+                done, waiting = collecting
+                waiting.discard(peer.index)
+                if not waiting and not done.done():
                     done.set_result(None)
         elif kind == "alive":
             peer.silent_looks = 0
@@ -262,10 +270,10 @@ class Bridge:
     async def _scrape(self, peer: Peer, rid: int) -> None:
         token = next(self._ids)
         done = asyncio.get_running_loop().create_future()
-        gathered: list[list[Family]] = []
         # (one still starting has no metrics yet, and would answer once it has imported)
         others = [other for other in self.peers.values() if other.listening.is_set()]
-        self._collecting[token] = (done, gathered, len(others))
+        waiting = {other.index for other in others}
+        self._collecting[token] = (done, waiting)
         for other in others:
             other.channel.send(("collect", token))
         try:
@@ -275,7 +283,14 @@ class Bridge:
             log.warning("/metrics: not every HTTP process gave its metrics in time")
         finally:
             del self._collecting[token]
-        peer.channel.send(("scraped", rid, self.merge([self.own_families(), *gathered])))
+        # every process there now (one gone meanwhile is in `_gone_counts`); one that
+        # did not answer in time by its counters as last given (its gauges are stale)
+        families = [
+            _counts(other.families) if index in waiting else other.families
+            for index, other in self.peers.items()
+        ]
+        merged = self.merge([self.own_families(), self._gone_counts, *families])
+        peer.channel.send(("scraped", rid, merged))
 
     # --- publishing ---------------------------------------------------------------------
 
@@ -350,6 +365,12 @@ class Bridge:
         processes = self.processes()
         for peer in self.peers.values():
             peer.channel.send(("processes", processes))
+
+
+def _counts(families: list[Family]) -> list[Family]:
+    """`families` less the gauges: what a process counted, which stays true of it once it
+    is gone or silent (a gauge says how it is now)."""
+    return [family for family in families if family[1] != "gauge"]
 
 
 def _lasting(status: ServingStatus) -> ServingStatus:
