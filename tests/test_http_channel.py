@@ -442,6 +442,28 @@ def test_an_http_process_is_listed_once_it_listens_not_when_it_attaches():
     assert listening == announced == [serving, {"role": "http", "index": 0, "pid": 2}]
 
 
+def test_an_http_process_attached_once_the_drain_began_is_told_to_drain():
+    """A replacement HTTP process started a moment before SIGTERM is attached after the
+    drain was sent to the others: told nothing, it would listen on, and the server wait
+    the whole grace period for it to exit."""
+
+    async def scenario() -> list:
+        board = Board.create(0)
+        bridge = Bridge([], board, lambda: [], lambda families: [], serving_pid=1)
+        bridge.drain(7.0)
+        received: list = []
+        ours, theirs = socket.socketpair()
+        http_side = await Channel.over(theirs, received.extend, lambda: None)
+        await bridge.attach(0, 2, ours)
+        while not any(m[0] == "drain" for m in received):
+            await asyncio.sleep(0.001)
+        http_side.close()
+        board.remove()
+        return [m for m in received if m[0] == "drain"]
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 10)) == [("drain", 7.0)]
+
+
 def test_a_models_facts_reach_every_http_process_when_they_change():
     """What /info says of a model (its layout, once the layout trial settles it while the
     server listens) is sent to each HTTP process as it joins and again when it changes;

@@ -111,6 +111,9 @@ class Bridge:
         self._publish_due = False
         # its event loop, once started (asking for the running loop makes a system call)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # the grace period of the drain under way: an HTTP process attached after it
+        # began (a replacement started a moment before) is told too
+        self._draining: float | None = None
 
     # --- peers --------------------------------------------------------------------------
 
@@ -132,6 +135,8 @@ class Bridge:
         self.peers[index] = peer
         self._send_statuses(peer)
         self._send_facts(peer)
+        if self._draining is not None:
+            channel.send(("drain", self._draining))
         return peer
 
     def detach(self, peer: Peer) -> None:
@@ -180,6 +185,7 @@ class Bridge:
 
     def drain(self, grace: float) -> None:
         """Tell every HTTP process to stop accepting and finish what it has."""
+        self._draining = grace
         for peer in self.peers.values():
             peer.channel.send(("drain", grace))
 
