@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 
 from rawserve.http_process import remote
-from rawserve.http_process.entry import say_alive
+from rawserve.http_process.entry import HttpProcessSpec, say_alive, serve_http
 from rawserve.http_process.remote import Link, RemoteServing
 from rawserve.ops.metrics import Metrics, merge_families, render_families
 from rawserve.options import parse_config
@@ -554,6 +554,19 @@ def test_a_scrape_keeps_the_counts_of_an_http_process_killed_or_silent(monkeypat
     assert total + "6.0" in after
     assert "rawserve_event_loop_lag_last_seconds 9.0" in before
     assert "rawserve_event_loop_lag_last_seconds 9.0" not in after
+
+
+def test_an_http_process_whose_board_is_gone_as_it_starts_stops_with_a_clear_line(tmp_path, caplog):
+    """The serving process killed while a replacement HTTP process imports: the others
+    remove the board (its owner is gone), and the replacement, opening it then, stops
+    with the line they log, not a FileNotFoundError traceback."""
+    spec = HttpProcessSpec((), 1, 0, str(tmp_path / "board-gone"), (), "asyncio")
+    ours, theirs = socket.socketpair()
+    with caplog.at_level(logging.ERROR, logger="rawserve"):
+        assert asyncio.run(serve_http(spec, theirs)) == 1
+    ours.close()
+    theirs.close()
+    assert "the serving process is gone; stopping" in caplog.text
 
 
 def test_http_processes_and_the_loop_are_options_and_variables(monkeypatch):

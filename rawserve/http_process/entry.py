@@ -40,6 +40,7 @@ FINAL_WRITE_SECONDS = 1.0  # after the grace period: time to write the last answ
 # how often this process says it is alive; the serving process kills one silent for
 # seconds (rawserve.serving.fleet.SILENT_SECONDS), so this is a small part of that
 ALIVE_SECONDS = 0.5
+SERVING_GONE = "HTTP process %d (pid %d): the serving process is gone; stopping"
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,13 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
         grace = seconds
         drain.set()
 
+    try:
+        board = Board(spec.board, len(spec.models))
+    except FileNotFoundError:  # removed by the others: the serving process died meanwhile
+        log.error(SERVING_GONE, spec.index, os.getpid())
+        return 1
     metrics = ProcessMetrics()
-    link = Link(Board(spec.board, len(spec.models)), metrics.families, on_drain, lost.set)
+    link = Link(board, metrics.families, on_drain, lost.set)
     metrics.link = link
     link.facts = [dict(model.facts) for model in spec.models]  # the serving process updates them
     served = [
@@ -145,11 +151,7 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
         task.cancel()
     server.close()
     if lost.is_set():
-        log.error(
-            "HTTP process %d (pid %d): the serving process is gone; stopping",
-            spec.index,
-            os.getpid(),
-        )
+        log.error(SERVING_GONE, spec.index, os.getpid())
         link.board.remove_if_orphaned()  # its owner died without removing it (kill -9)
         state.close_all()
         return 1
