@@ -28,9 +28,11 @@ log = logging.getLogger("rawserve")
 START_SECONDS = 60.0  # how long a new HTTP process may take to listen
 RESTART_PAUSE = 1.0  # a process that died this soon after starting is restarted after a pause
 # Each HTTP process says "alive" every half second from its event loop
-# (rawserve.http_process.entry.say_alive). One not heard at SILENT_SECONDS / WATCH_SECONDS
-# looks in a row is stopped or stuck, and killed. A busy loop still speaks between two
-# passes, and one pass of 5 s would be over a gigabyte of an answer's JSON (orjson).
+# (rawserve.http_process.entry.say_alive). One not heard at more than SILENT_SECONDS /
+# WATCH_SECONDS looks in a row (the first may come just after it spoke: at that many
+# looks, it may have been silent one look less) is stopped or stuck, and killed. A busy
+# loop still speaks between two passes, and one pass of 5 s would be over a gigabyte of
+# an answer's JSON (orjson).
 # Looks are counted, not the time since the last "alive": this process's own loop held
 # up does not make every HTTP process look silent at once.
 SILENT_SECONDS = 5.0
@@ -126,7 +128,7 @@ class Fleet:
             return
         for index, peer in list(self.peers.items()):
             peer.silent_looks += 1  # (the bridge sets it back to 0 at each "alive")
-            if peer.silent_looks * WATCH_SECONDS >= SILENT_SECONDS:
+            if peer.silent_looks > round(SILENT_SECONDS / WATCH_SECONDS):
                 process = self.processes[index]
                 log.error(
                     "HTTP process %d (pid %s) silent for %.0f s (stopped, or its event "
