@@ -687,6 +687,36 @@ async def stop_fleet(fleet: Fleet, board: Board) -> None:
     board.remove()
 
 
+def listening_once(spec: tuple[float, float, float] | str, sock: socket.socket) -> None:
+    """An HTTP process's stand-in: as `saying_alive`, or one that exits before it listens
+    ("exit")."""
+    if spec == "exit":
+        sys.exit(1)
+    saying_alive(spec, sock)  # type: ignore[arg-type]
+
+
+async def test_a_replacement_that_exits_before_it_listens_is_logged_once(monkeypatch, caplog):
+    """Its exit is logged (and another started); a second line saying it "could not start
+    listening" told of a stuck process that was not."""
+    monkeypatch.setattr(fleet_module, "RESTART_PAUSE", 0.05)
+    board = Board.create(0)
+    bridge = Bridge([], board, lambda: [], merge_families, os.getpid())
+    specs = iter([(0.0, 0.05, 0.0)])
+    fleet = Fleet(1, listening_once, lambda index: next(specs, "exit"), bridge)
+    await fleet.start()
+    try:
+        with caplog.at_level(logging.WARNING, "rawserve"):
+            fleet.processes[0].kill()
+            until = time.monotonic() + 60
+            while not any("exited with code 1" in r.message for r in caplog.records):
+                assert time.monotonic() < until, "the replacement did not exit"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)  # (the start that waited for it ends meanwhile)
+        assert not [r for r in caplog.records if "could not start listening" in r.message]
+    finally:
+        await stop_fleet(fleet, board)
+
+
 async def test_an_http_process_silent_for_seconds_is_killed_and_another_started(
     monkeypatch, caplog
 ):

@@ -40,7 +40,12 @@ WATCH_SECONDS = 0.5
 
 
 class HttpProcessFailed(RuntimeError):
-    """An HTTP process could not start listening."""
+    """An HTTP process could not start listening (`exited`: it exited first, which the
+    fleet's watch of its exit has logged)."""
+
+    def __init__(self, message: str, exited: bool):
+        super().__init__(message)
+        self.exited = exited
 
 
 class Fleet:
@@ -94,8 +99,10 @@ class Fleet:
         )
         if not listening.done():
             listening.cancel()
-            process.kill()  # stuck, if still there: its exit is seen by _on_exit
-            raise HttpProcessFailed(f"HTTP process {index} could not start listening")
+            if exited.done():
+                raise HttpProcessFailed(f"HTTP process {index} exited before it listened", True)
+            process.kill()  # stuck: its exit is seen by _on_exit
+            raise HttpProcessFailed(f"HTTP process {index} could not start listening", False)
         if self.processes.get(index) is process:  # (not one that exited at once)
             self.peers[index] = peer
 
@@ -147,7 +154,8 @@ class Fleet:
         try:
             await self._start_one(index)
         except HttpProcessFailed as exc:
-            log.error("%s", exc)  # its exit is seen by _on_exit, which tries again
+            if not exc.exited:  # (an exit is logged by _on_exit, which tries again)
+                log.error("%s", exc)
         except OSError as exc:  # out of file descriptors or processes: none started to exit
             log.error(
                 "HTTP process %d could not be started (%s); trying again in %.0f s",
