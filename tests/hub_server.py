@@ -53,10 +53,12 @@ class FakeHub:
         repos: list[HubRepo],
         cut_downloads: bool = False,
         revoked: frozenset[str] = frozenset(),
+        failing: int | None = None,
     ):
         self.repos = {repo.repo_id: repo for repo in repos}
         self.cut_downloads = cut_downloads
         self.revoked = revoked  # tokens the Hub refuses on every request (401)
+        self.failing = failing  # a status every request gets (the Hub down or overloaded)
         self.requests: list[Seen] = []
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
@@ -170,6 +172,8 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
 
         def _answer(self) -> Reply:
             path = urlsplit(self.path).path
+            if hub.failing is not None:
+                return hub_error(hub.failing, "", "Internal Error")
             token = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
             if token in hub.revoked:  # the Hub's answer to a token it does not know
                 return hub_error(401, "", "Invalid credentials in Authorization header")

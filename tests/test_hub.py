@@ -339,6 +339,26 @@ def test_a_download_fills_the_cache_and_a_second_start_needs_no_hub(tmp_path):
         assert resolved(again) == folder
 
 
+def test_a_failing_hub_serves_the_cache_and_says_so(tmp_path):
+    """The Hub down (5xx) or busy (429) must not stop a restart the cache can serve: the
+    repo's listing asked first failed the start, although the download then falls back."""
+    repo = make_repo()
+    with FakeHub([repo]) as hub:
+        folder = resolved(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint))
+    with FakeHub([repo], failing=503) as hub:
+        result = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint)
+    assert resolved(result) == folder
+    assert "the Hub answered 503 for org/tiny: the cache decides" in result.stderr
+
+
+@pytest.mark.parametrize("status", [500, 429])
+def test_a_failing_hub_with_nothing_cached_says_to_try_again_later(tmp_path, status):
+    with FakeHub([make_repo()], failing=status) as hub:
+        line = one_error_line(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint))
+    assert "org/tiny is not in the Hub cache" in line
+    assert f"answered {status}: the Hub is failing or busy; try again later" in line
+
+
 def test_a_pinned_revision_downloads_that_commit(tmp_path):
     repo = make_repo()
     first = repo.main

@@ -178,6 +178,12 @@ def repo_files(repo_id: str, revision: str | None) -> list[str] | None:
             return [sibling.rfilename for sibling in info.siblings or []]
         except (httpx2.ConnectError, httpx2.TimeoutException, OfflineModeIsEnabled):
             pass  # no network: the cache decides (snapshot_download reports what is missing)
+        except HfHubHTTPError as exc:
+            # the Hub failing (5xx, 429) must not stop a start the cache can serve:
+            # snapshot_download asks again, then serves the cache or says what is wrong
+            status = exc.response.status_code if exc.response is not None else 0
+            if later(status):
+                log.warning("the Hub answered %d for %s: the cache decides", status, repo_id)
     try:
         return [entry.path for entry in get_cached_repo_tree(repo_id, revision=revision)]
     except CachedRepoTreeNotFoundError:
@@ -219,6 +225,10 @@ def explain(exc: BaseException, repo_id: str, revision: str | None) -> str:
         where = f"{at} is {cached} in the Hub cache ({constants.HF_HUB_CACHE})"
         if constants.is_offline_mode():
             return f"{where} and HF_HUB_OFFLINE=1 forbids downloading it"
+        failed = exc.__cause__
+        if isinstance(failed, HfHubHTTPError) and failed.response is not None:
+            status = failed.response.status_code
+            return f"{where} and the Hub ({constants.ENDPOINT}) answered {status}{later(status)}"
         return f"{where} and the Hub ({constants.ENDPOINT}) cannot be reached"
     if isinstance(exc, json.JSONDecodeError):  # a web page, a proxy's login form
         return (
@@ -231,10 +241,16 @@ def explain(exc: BaseException, repo_id: str, revision: str | None) -> str:
                 f"the Hub refused the token in use (HF_TOKEN, or the one `hf auth login` "
                 f"saved) for {at}: it is not valid; set a valid token, or none for a public repo"
             )
-        return f"the Hub answered {exc.response.status_code} for {at}"
+        status = exc.response.status_code
+        return f"the Hub answered {status} for {at}{later(status)}"
     if isinstance(exc, (httpx2.HTTPError, OSError)):
         return f"could not download {at}: {first_line(exc)[:200]}"
     return f"could not resolve {at}: {type(exc).__name__}"
+
+
+def later(status: int) -> str:
+    """What to do about an answer of `status`: the Hub failing or busy passes."""
+    return ": the Hub is failing or busy; try again later" if status >= 500 or status == 429 else ""
 
 
 class LoggedProgress(tqdm):
