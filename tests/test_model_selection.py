@@ -53,7 +53,8 @@ class AnsweringQueue:
                 {"embedding": np.full(3, len(self.calls), "f4"), "tokens": 2} for _ in inputs
             ]
         elif self.task == "text-generation":
-            outputs = [[{"generated_text": self.name}] for _ in inputs]
+            details = {"finish_reason": "length", "generated_tokens": 1, "prompt_tokens": 1}
+            outputs = [[{"generated_text": self.name, "details": details}] for _ in inputs]
         else:
             outputs = [{"label": self.name, "score": 1.0} for _ in inputs]
         return [ItemResult(output, 0.0, len(inputs), 0.001) for output in outputs]
@@ -338,3 +339,42 @@ async def test_openapi_lists_the_routes_each_served_model_fits_described_for_it(
         assert status not in (404, 405), path
     embedded = paths["/embed"]["post"]["responses"]["200"]["content"]["application/json"]
     assert embedded["schema"]["type"] == "array"
+
+
+@pytest.mark.parametrize("name", ["gen", "gen2"])
+@pytest.mark.parametrize(
+    ("route", "document"),
+    [
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ],
+)
+async def test_a_models_own_path_serves_its_openai_generation_routes(name, route, document):
+    """InferenceClient appends the OpenAI route to a model's URL (`/models/<name>`, the
+    Inference API's), with that URL as the body's "model": the path names the model."""
+    models = ServedModels([served("gen", "text-generation"), served("gen2", "text-generation")])
+    for model in models.all:
+        model.serving.loaded.details["chat_template"] = "{{ messages[0].content }}"
+    app = App(models)
+    document = {**document, "model": f"http://127.0.0.1:8000/models/{name}"}
+    answer = await app.handle(post(f"/models/{name}{route}", document, headers=[]))
+    assert answer.status == 200, answer.body
+    assert json.loads(answer.body)["model"] == name
+    assert [computed_by(app, each) for each in ("gen", "gen2")] == [
+        int(name == "gen"),
+        int(name == "gen2"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("/models/nope/v1/chat/completions", "no model named 'nope' is served"),
+        ("/models/emb/v1/completions", "this route needs a text-generation model"),
+    ],
+)
+async def test_a_models_own_openai_route_refuses_in_openais_shape(path, message):
+    models = ServedModels([served("gen", "text-generation"), served("emb", "feature-extraction")])
+    answer = await App(models).handle(post(path, {"prompt": "hi"}, headers=[]))
+    assert answer.status == 404
+    assert json.loads(answer.body)["error"]["message"].startswith(message)

@@ -20,7 +20,12 @@ from rawserve.api.bodies import json_response
 from rawserve.api.context import RouteContext
 from rawserve.api.gate import Gate
 from rawserve.api.inference import MODELS_PREFIX, InferenceRoutes
-from rawserve.api.openai import OPENAI_MODEL_PREFIX, OPENAI_PREFIX, OpenAIRoutes
+from rawserve.api.openai import (
+    MODEL_GENERATION_PATHS,
+    OPENAI_MODEL_PREFIX,
+    OpenAIRoutes,
+    speaks_openai,
+)
 from rawserve.api.openapi import openapi_document
 from rawserve.api.operations import READY_PREFIX, MetricsPage, OperationsRoutes
 from rawserve.api.routing import Handler, Needs, Operation, Route
@@ -129,7 +134,7 @@ class App:
         """How the app renders a request's errors itself, or None: the protocol renders
         them (rawserve's shape). OpenAI's object on its routes, TGI's types where TGI's
         clients call, and rawserve's shape where a page must read them (CORS)."""
-        if request.path.startswith(OPENAI_PREFIX):
+        if speaks_openai(request.path):
             return openai_error_response
         if self.speaks_tgi(request):
             return tgi_error_response
@@ -161,8 +166,12 @@ class App:
         # a model not served: 404 naming the served ones (after the API key: they are not
         # for everyone's eyes); the protocol has decoded %-escapes (org%2Fname)
         self.authorize(request)
-        model = self.models.get(request.path.removeprefix(prefix))
-        return self.routes[prefix + model.name]
+        name = request.path.removeprefix(prefix)
+        route = ""  # the path after the name: /models/<name>/v1/chat/completions
+        if prefix == MODELS_PREFIX:
+            route = next((path for path in MODEL_GENERATION_PATHS if name.endswith(path)), "")
+        model = self.models.get(name.removesuffix(route))
+        return self.routes[prefix + model.name + route]
 
     def handler(self, request: HttpRequest, methods: dict[str, Handler]) -> Handler:
         """The handler of the request's method, once its API key is checked (401), or 405."""

@@ -37,10 +37,15 @@ class RouteContext:
         if name is not None and not isinstance(name, str):
             raise BadRequest('"model" must be a string')
         model = self.select(name, needs)
+        self.take(model, needs)
+        return model
+
+    def take(self, model: ServedModel, needs: Needs) -> None:
+        """Raise unless `model` takes work now (503 while loading or draining) and fits
+        the route (404 saying what it needs)."""
         self.gate.check(model)
         if (missing := needs.missing(model)) is not None:
             raise NotFound(missing)
-        return model
 
     def select(self, name: str | None, needs: Needs) -> ServedModel:
         """The model a body names. One served model answers to any name, as TEI and TGI

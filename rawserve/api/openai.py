@@ -1,7 +1,10 @@
 """The OpenAI-compatible routes: `POST /v1/embeddings` (feature-extraction models),
 `POST /v1/chat/completions` and `POST /v1/completions` (text-generation models), and
 `GET /v1/models` (and `GET /v1/models/<name>`, one of them by any of its names); the
-"model" field picks one of the served models.
+"model" field picks one of the served models. The generation routes are also served
+under each model's own path, `POST /models/<name>/v1/chat/completions` and
+`/models/<name>/v1/completions`, as the Inference API serves them: there the path
+names the model.
 
 Embeddings: the workers compute pooled, normalized vectors and their real token counts;
 they are only reshaped here (base64 is the little-endian float32 bytes of the vector,
@@ -24,6 +27,7 @@ from rawserve.api import schemas
 from rawserve.api.bodies import answer, check_client_batch, json_response, read_json
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Field, Fields, text, texts_schema
+from rawserve.api.inference import MODELS_PREFIX
 from rawserve.api.openai_answers import Answer, Echo
 from rawserve.api.openai_generation import (
     CHAT,
@@ -52,7 +56,17 @@ TAG = "OpenAI"
 OPENAI_PREFIX = "/v1/"  # the OpenAI routes: their errors are OpenAI's error object
 # GET /v1/models/<name>: one of the served models, by any name (a Hub id holds a "/")
 OPENAI_MODEL_PREFIX = "/v1/models/"
+# POST /models/<name> + these: a model's generation routes by its own path, the Inference
+# API's (InferenceClient appends them to a model's URL; its body's "model" is that URL)
+MODEL_GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 ENCODING_FORMATS = ("float", "base64")
+
+
+def speaks_openai(path: str) -> bool:
+    """Whether a path is one of the OpenAI routes, whose errors are OpenAI's object."""
+    return path.startswith(OPENAI_PREFIX) or (
+        path.startswith(MODELS_PREFIX) and path.endswith(MODEL_GENERATION_PATHS)
+    )
 
 
 def read_input(name: str, value: Any, context: DocContext | None) -> list[str]:
@@ -187,6 +201,19 @@ class OpenAIRoutes:
             queued("/v1/embeddings", self.embeddings, embeddings, EMBEDDING),
             queued("/v1/chat/completions", self.chat_completions, chat, GENERATION),
             queued("/v1/completions", self.completions, completions, GENERATION),
+            *(
+                Route(
+                    "POST",
+                    MODELS_PREFIX + name + path,
+                    self.model_generation(model, chat=path == MODEL_GENERATION_PATHS[0]),
+                    chat if path == MODEL_GENERATION_PATHS[0] else completions,
+                    GENERATION,
+                    serves=model,
+                )
+                for model in self.context.models.all
+                for name in model.names
+                for path in MODEL_GENERATION_PATHS
+            ),
             Route("GET", "/v1/models", self.models_list, models),
             *(
                 Route("GET", OPENAI_MODEL_PREFIX + name, self.model_route(model), one_model)
@@ -210,6 +237,27 @@ class OpenAIRoutes:
     async def chat_completions(self, request: HttpRequest) -> HttpResponse:
         document = read_json(request)
         model = self.context.model_for(named(document), GENERATION)
+        return await self.chat(request, model, document)
+
+    async def completions(self, request: HttpRequest) -> HttpResponse:
+        document = read_json(request)
+        model = self.context.model_for(named(document), GENERATION)
+        return await self.complete(request, model, document)
+
+    def model_generation(self, model: ServedModel, chat: bool) -> Handler:
+        """POST /models/<name>/v1/chat/completions (or /v1/completions): the path names
+        the model; the body's "model" is not read (InferenceClient sends the URL there)."""
+
+        async def handler(request: HttpRequest) -> HttpResponse:
+            document = read_json(request)
+            self.context.take(model, GENERATION)
+            if chat:
+                return await self.chat(request, model, document)
+            return await self.complete(request, model, document)
+
+        return handler
+
+    async def chat(self, request: HttpRequest, model: ServedModel, document: Any) -> HttpResponse:
         generation = parse_chat(document)
         loaded = model.serving.loaded
         if loaded is not None and not loaded.details.get("chat_template"):
@@ -219,9 +267,9 @@ class OpenAIRoutes:
             )
         return await self.generate(request, model, generation, chat=True)
 
-    async def completions(self, request: HttpRequest) -> HttpResponse:
-        document = read_json(request)
-        model = self.context.model_for(named(document), GENERATION)
+    async def complete(
+        self, request: HttpRequest, model: ServedModel, document: Any
+    ) -> HttpResponse:
         context = DocContext(model, self.context.settings.max_client_batch_size)
         generation = parse_completion(document, context)
         return await self.generate(request, model, generation, chat=False)

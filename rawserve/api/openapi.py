@@ -15,7 +15,7 @@ from http import HTTPStatus
 from typing import Any
 
 from rawserve import __version__
-from rawserve.api.openai import OPENAI_PREFIX
+from rawserve.api.openai import speaks_openai
 from rawserve.api.routing import DocContext, Route
 from rawserve.api.schemas import ERROR, OPENAI_ERROR, TEXT
 from rawserve.api.served import ServedModel
@@ -67,7 +67,7 @@ def describe(route: Route, context: DocContext, api_key: bool) -> dict[str, Any]
     errors = set(operation.errors)
     if api_key and route.secured:
         errors.add(401)
-    error = OPENAI_ERROR_REF if route.path.startswith(OPENAI_PREFIX) else ERROR_REF
+    error = OPENAI_ERROR_REF if speaks_openai(route.path) else ERROR_REF
     for status in sorted(errors - set(operation.answers)):
         responses[str(status)] = answer(status, {"application/json": {"schema": error}})
     described: dict[str, Any] = {
