@@ -34,7 +34,7 @@ from rawserve.api.streaming import open_token_stream
 from rawserve.http.errors import BadRequest
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.tasks import InvalidRequest, check_generation_length
-from rawserve.tasks.text_generation import API_SAMPLING
+from rawserve.tasks.text_generation import API_SAMPLING, tgi_output
 
 TAG = "TGI"
 TASK = "text-generation"
@@ -117,7 +117,7 @@ class TgiRoutes:
         model, parsed = await self.parse(request)
         results = await model.run(parsed.inputs, parsed.params, self.context.deadline(request))
         [output] = unwrap(results[0])  # the pipeline's [{"generated_text", "details"}]
-        return answer(output, results)
+        return answer(tgi_output(output), results)
 
     async def generate_stream(self, request: HttpRequest) -> HttpResponse:
         model, parsed = await self.parse(request)
