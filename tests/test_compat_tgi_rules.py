@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from rawserve.http.exchange import HttpRequest
 from rawserve.serving.face import NO_CONTROL, Control, ItemResult, Refusal
 from rawserve.serving.service import ModelService
 from rawserve.tasks import InvalidRequest, UnservedParameter, check_params, task_rules
-from rawserve.tasks.text_generation import API_SAMPLING
+from rawserve.tasks.text_generation import API_SAMPLING, MAX_STOP_SEQUENCES
 from tests.test_model_selection import ReadyWorkers, served
 
 TASK = task_rules("text-generation")
@@ -227,6 +228,25 @@ async def test_details_hold_tgis_fields_only(path):
         {"id": 2, "text": "ce", "logprob": -1.5},
     ]
     assert details["tokens"] == WORKER_DETAILS["tokens"]
+
+
+async def test_info_holds_what_tgis_info_requires_for_a_model_that_generates():
+    gen = generation_model()
+    assert isinstance(gen.serving.workers, ReadyWorkers)
+    gen.serving.workers.loaded = replace(
+        gen.serving.workers.loaded, details={"max_input_length": 64}
+    )
+    app = App(ServedModels([gen, served("emb", "feature-extraction")]))
+    response = await app.handle(HttpRequest("GET", "/info", "", [], b"", request_id="t"))
+    info = json.loads(response.body)
+    assert info["model_pipeline_tag"] == "text-generation"
+    assert info["max_input_tokens"] == 63 and info["max_total_tokens"] == 64
+    assert info["max_best_of"] == 1 and info["max_stop_sequences"] == MAX_STOP_SEQUENCES
+    assert isinstance(info["validation_workers"], int) and isinstance(info["router"], str)
+    # and not where the model /info describes does not generate
+    app = App(ServedModels([served("emb", "feature-extraction"), generation_model()]))
+    response = await app.handle(HttpRequest("GET", "/info", "", [], b"", request_id="t"))
+    assert "max_total_tokens" not in json.loads(response.body)
 
 
 async def test_generate_refuses_an_unserved_parameter_with_422_in_tgis_shape():
