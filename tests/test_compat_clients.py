@@ -73,6 +73,8 @@ def test_generate_details_list_every_token_with_its_logprob(servers):
     status, answer = servers["chat"].post_json(document, "/generate")
     assert status == 200, answer
     details = answer["details"]
+    # TGI's Details, no more: clients typed from TGI's OpenAPI document read these
+    assert set(details) == {"finish_reason", "generated_tokens", "seed", "prefill", "tokens"}
     assert details["finish_reason"] in ("length", "eos_token")
     assert details["prefill"] == [] and details["seed"] is None
     tokens = details["tokens"]
@@ -95,6 +97,12 @@ def test_generate_stream_sends_tgis_events_the_text_on_the_last(servers):
     assert all(event["generated_text"] is None and event["details"] is None for event in middle)
     assert last["generated_text"] == whole["generated_text"]
     assert last["details"]["generated_tokens"] == len(streamed)
+    # TGI's StreamDetails: the prompt's length as `input_length` (InferenceClient types it)
+    assert set(last["details"]) == {"finish_reason", "generated_tokens", "input_length", "seed"}
+    parameters = {**CLIENT_DEFAULTS, "max_new_tokens": 1, "decoder_input_details": True}
+    prefilled = {"inputs": PROMPT, "parameters": parameters}
+    prefill = servers["chat"].post_json(prefilled, "/generate")[1]["details"]["prefill"]
+    assert last["details"]["input_length"] == len(prefill) >= 2
 
 
 def test_top_n_tokens_lists_the_likeliest_tokens_beside_each_as_tgi_does(servers):
@@ -122,7 +130,7 @@ def test_decoder_input_details_lists_the_prompts_tokens_as_tgi_does(servers):
     status, whole = servers["chat"].post_json(document, "/generate")
     assert status == 200, whole
     prefill = whole["details"]["prefill"]
-    assert len(prefill) == whole["details"]["prompt_tokens"] >= 2
+    assert len(prefill) >= 2 and all(set(token) == {"id", "text", "logprob"} for token in prefill)
     assert prefill[0]["logprob"] is None and all(t["logprob"] <= 0 for t in prefill[1:])
     assert "".join(token["text"] for token in prefill) == PROMPT
     # as TGI: not with a stream

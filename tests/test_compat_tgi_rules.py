@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from rawserve.http.exchange import HttpRequest
 from rawserve.serving.face import NO_CONTROL, Control, ItemResult, Refusal
 from rawserve.serving.service import ModelService
 from rawserve.tasks import InvalidRequest, UnservedParameter, check_params, task_rules
-from rawserve.tasks.text_generation import API_SAMPLING
+from rawserve.tasks.text_generation import API_SAMPLING, MAX_STOP_SEQUENCES
 from tests.test_model_selection import ReadyWorkers, served
 
 TASK = task_rules("text-generation")
@@ -140,6 +141,21 @@ def test_a_parameter_tgi_does_not_have_is_still_unknown():
         check_params(TASK, {"beam_width": 2})
 
 
+# a worker's details: TGI's fields, and beside them what the OpenAI routes read
+WORKER_DETAILS = {
+    "finish_reason": "length",
+    "generated_tokens": 1,
+    "prompt_tokens": 2,
+    "stops_from": 0,
+    "seed": None,
+    "prefill": [
+        {"id": 1, "text": "on", "logprob": None, "special": False},
+        {"id": 2, "text": "ce", "logprob": -1.5, "special": False},
+    ],
+    "tokens": [{"id": 3, "text": " and", "logprob": -0.5, "special": False}],
+}
+
+
 class GeneratingQueue:
     """A generation model's queue that answers at once, as the worker shapes it."""
 
@@ -159,7 +175,10 @@ class GeneratingQueue:
         control: Control = NO_CONTROL,
     ) -> list[ItemResult]:
         self.params.append(dict(params))
-        return [ItemResult([{"generated_text": " and so on"}], 0.0, 1, 0.001) for _ in inputs]
+        output: dict[str, Any] = {"generated_text": " and so on"}
+        if params.get("details"):
+            output["details"] = WORKER_DETAILS
+        return [ItemResult([output], 0.0, 1, 0.001) for _ in inputs]
 
 
 def generation_model() -> ServedModel:
@@ -192,6 +211,42 @@ async def test_generate_takes_the_sampling_asked_for():
     assert response.status == 200
     assert isinstance(gen.serving.queue, GeneratingQueue)
     assert gen.serving.queue.params == [{**asked, API_SAMPLING: True}]
+
+
+@pytest.mark.parametrize("path", ["/generate", "/"])
+async def test_details_hold_tgis_fields_only(path):
+    app = App(ServedModels([generation_model()]))
+    document = {"inputs": "once", "parameters": {"details": True, "decoder_input_details": True}}
+    response = await app.handle(post(path, document))
+    assert response.status == 200, response.body
+    answer = json.loads(response.body)
+    [details] = [each["details"] for each in (answer if path == "/" else [answer])]
+    # TGI's Details: clients typed from TGI's OpenAPI document read these, and no more
+    assert set(details) == {"finish_reason", "generated_tokens", "seed", "prefill", "tokens"}
+    assert details["prefill"] == [
+        {"id": 1, "text": "on", "logprob": None},
+        {"id": 2, "text": "ce", "logprob": -1.5},
+    ]
+    assert details["tokens"] == WORKER_DETAILS["tokens"]
+
+
+async def test_info_holds_what_tgis_info_requires_for_a_model_that_generates():
+    gen = generation_model()
+    assert isinstance(gen.serving.workers, ReadyWorkers)
+    gen.serving.workers.loaded = replace(
+        gen.serving.workers.loaded, details={"max_input_length": 64}
+    )
+    app = App(ServedModels([gen, served("emb", "feature-extraction")]))
+    response = await app.handle(HttpRequest("GET", "/info", "", [], b"", request_id="t"))
+    info = json.loads(response.body)
+    assert info["model_pipeline_tag"] == "text-generation"
+    assert info["max_input_tokens"] == 63 and info["max_total_tokens"] == 64
+    assert info["max_best_of"] == 1 and info["max_stop_sequences"] == MAX_STOP_SEQUENCES
+    assert isinstance(info["validation_workers"], int) and isinstance(info["router"], str)
+    # and not where the model /info describes does not generate
+    app = App(ServedModels([served("emb", "feature-extraction"), generation_model()]))
+    response = await app.handle(HttpRequest("GET", "/info", "", [], b"", request_id="t"))
+    assert "max_total_tokens" not in json.loads(response.body)
 
 
 async def test_generate_refuses_an_unserved_parameter_with_422_in_tgis_shape():

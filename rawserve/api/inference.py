@@ -45,6 +45,7 @@ from rawserve.tasks import (
     task_rules,
 )
 from rawserve.tasks.image_classification import image_from_body
+from rawserve.tasks.text_generation import tgi_output
 
 MODELS_PREFIX = "/models/"  # POST /models/<name>: one of the served models, by any name
 
@@ -285,5 +286,10 @@ class InferenceRoutes:
             return await open_token_stream(model, parsed.inputs[0], parsed.params, deadline)
         results = await model.run(parsed.inputs, parsed.params, deadline)
         outputs = [unwrap(result) for result in results]
+        if task == "text-generation":  # the pipeline's [{"generated_text", "details"}]
+            outputs = [
+                [tgi_output(each) for each in output] if isinstance(output, list) else output
+                for output in outputs
+            ]
         document = shape_answer(task, outputs, parsed.is_list, raw_text=parsed.raw_text)
         return answer(document, results)

@@ -19,6 +19,7 @@ from rawserve.api.gate import LOADING_RETRY_AFTER
 from rawserve.api.routing import Handler, Operation, Route
 from rawserve.api.served import ServedModel
 from rawserve.api.tei import tei_info
+from rawserve.api.tgi import tgi_info
 from rawserve.http.errors import NotFound
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.ops.info import versions
@@ -153,12 +154,12 @@ class OperationsRoutes:
 
     async def info(self, request: HttpRequest) -> HttpResponse:
         """The default model's document (as with one model), every model's in "models",
-        and TEI's fields for the default model."""
+        and TEI's fields for the default model (TGI's too for one that generates)."""
         await self.refresh()
         model = self.models.default
         document = self.info_document(model)
         document["models"] = [self.info_document(model, server=False) for model in self.models.all]
-        document.update(tei_info(model, self.max_client_batch_size))
+        document.update(tei_info(model, self.max_client_batch_size), **tgi_info(model))
         return json_response(200, document)
 
     async def metrics_page(self, request: HttpRequest) -> HttpResponse:

@@ -36,7 +36,7 @@ from rawserve.http.errors import (
 )
 from rawserve.http.exchange import HttpResponse
 from rawserve.serving.face import Control, ItemResult, Serving, TokenChunk
-from rawserve.tasks.text_generation import returns_full_text
+from rawserve.tasks.text_generation import returns_full_text, tgi_output
 
 # A stream's queue carries its TokenChunks, then None once its request has finished.
 Run = asyncio.Future[list[ItemResult]]
@@ -195,7 +195,8 @@ async def _events(stream: TokenStream) -> AsyncGenerator[bytes, None]:
         if last_token is not None and not last_token["special"] and generated.startswith(emitted):
             # the last token carries whatever a cut multi-byte character held back
             last_token["text"] = generated[len(emitted) :]
-        yield sse(_event(index, last_token, text, output.get("details")))
+        details = tgi_output(output, streamed=True).get("details")
+        yield sse(_event(index, last_token, text, details))
     finally:
         stream.close()
 

@@ -34,7 +34,7 @@ from rawserve.api.streaming import open_token_stream
 from rawserve.http.errors import BadRequest
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.tasks import InvalidRequest, check_generation_length
-from rawserve.tasks.text_generation import API_SAMPLING
+from rawserve.tasks.text_generation import API_SAMPLING, MAX_STOP_SEQUENCES, tgi_output
 
 TAG = "TGI"
 TASK = "text-generation"
@@ -70,6 +70,24 @@ GENERATE_RESPONSE: Schema = {
         },
     },
 }
+
+
+def tgi_info(model: ServedModel) -> dict[str, Any]:
+    """TGI's /info fields that TEI's do not hold, for a model that generates (TGI's
+    `Info` requires them): its limits as rawserve checks them."""
+    if model.task != TASK:
+        return {}
+    loaded = model.serving.loaded
+    positions = int(loaded.details.get("max_input_length") or 0) if loaded else 0
+    return {
+        "model_pipeline_tag": TASK,
+        "max_best_of": 1,  # best_of above 1 is refused
+        "max_stop_sequences": MAX_STOP_SEQUENCES,
+        "max_input_tokens": max(positions - 1, 0),  # a prompt leaves room for one token
+        "max_total_tokens": positions,
+        "validation_workers": len(model.serving.snapshot().workers),
+        "router": "rawserve",
+    }
 
 
 def generate_request(context: DocContext) -> Schema:
@@ -117,7 +135,7 @@ class TgiRoutes:
         model, parsed = await self.parse(request)
         results = await model.run(parsed.inputs, parsed.params, self.context.deadline(request))
         [output] = unwrap(results[0])  # the pipeline's [{"generated_text", "details"}]
-        return answer(output, results)
+        return answer(tgi_output(output), results)
 
     async def generate_stream(self, request: HttpRequest) -> HttpResponse:
         model, parsed = await self.parse(request)

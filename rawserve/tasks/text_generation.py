@@ -35,6 +35,9 @@ MAX_STOP_SEQUENCES = 16
 # the likeliest tokens a new token's details or stream event may list beside it (OpenAI's
 # top_logprobs goes to 20; TGI's own server defaults to 5)
 MAX_TOP_N_TOKENS = 20
+# the fields of TGI's `Details` (an answer's) and `StreamDetails` (a stream's last event)
+TGI_DETAILS = ("finish_reason", "generated_tokens", "seed", "prefill", "tokens", "top_tokens")
+TGI_STREAM_DETAILS = ("finish_reason", "generated_tokens", "input_length", "seed")
 
 
 def returns_full_text(params: Mapping[str, Any]) -> bool:
@@ -42,6 +45,28 @@ def returns_full_text(params: Mapping[str, Any]) -> bool:
     not (the pipeline's and the Inference API's `return_full_text`); TGI's and OpenAI's
     routes ask for the continuation alone."""
     return bool(params.get("return_full_text", True))
+
+
+def tgi_output(output: Any, *, streamed: bool = False) -> Any:
+    """A worker's `{"generated_text", "details"}` as TGI answers it.
+
+    The worker's details also carry what rawserve's OpenAI routes read (`prompt_tokens`
+    for `usage`, `stops_from`); TGI's answers hold TGI's fields only, as the clients typed
+    from its OpenAPI document read them: `Details` (a prefill token without `special`), or
+    on a stream's last event `StreamDetails`, the prompt's tokens counted as its
+    `input_length`. Any other output (a handler's) is answered as it is."""
+    if not isinstance(output, Mapping) or not isinstance(output.get("details"), Mapping):
+        return output
+    details = dict(output["details"])
+    if "prompt_tokens" in details:
+        details["input_length"] = details["prompt_tokens"]
+    if "prefill" in details:
+        details["prefill"] = [
+            {"id": token["id"], "text": token["text"], "logprob": token["logprob"]}
+            for token in details["prefill"]
+        ]
+    fields = TGI_STREAM_DETAILS if streamed else TGI_DETAILS
+    return {**output, "details": {name: details[name] for name in fields if name in details}}
 
 
 @checker(
