@@ -503,6 +503,10 @@ def test_an_end_of_sequence_waits_for_min_new_tokens_or_never_ends_as_on_the_sta
     [(_, got, _)] = as_the_static_path(runner, endless, ["the movie was"])
     assert [t["id"] for t in got[0]["details"]["tokens"]] == [eos] * 10
     assert got[0]["details"]["finish_reason"] == "length"
+    # with no end of sequence, min_new_tokens has none to hold back: the end token is a
+    # token like the others (generate, and vLLM's min_tokens beside ignore_eos)
+    [(_, got, _)] = as_the_static_path(runner, {**endless, "min_new_tokens": 4}, ["the movie was"])
+    assert [t["id"] for t in got[0]["details"]["tokens"]] == [eos] * 10
 
 
 def test_the_models_own_min_new_tokens_holds_on_both_paths(runner, monkeypatch):
