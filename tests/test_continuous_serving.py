@@ -98,6 +98,61 @@ def test_sequences_side_by_side_answer_as_they_do_alone(servers):
             assert answer["usage"]["completion_tokens"] == tokens
 
 
+# prompts of multi-byte characters (the byte-level tokenizer splits them across tokens)
+# with stop sequences that span tokens, one a prefix of another, or come at once
+MIXED = [
+    ("日本 the movie 😀", {"stop": ["th", "the"]}),
+    ("é paris 中文字", {"stop": ["a b"], "seed": 3, "temperature": 0.9}),
+    ("😀🎉 good film", {"stop": [" "]}),
+    ("hello ü", {"seed": 5, "temperature": 1.3, "top_p": 0.9}),
+    ("a b 日本", {"stop": ["e"], "logprobs": 2}),
+]
+
+
+def sse_events(body: bytes) -> list[dict]:
+    lines = [line[5:].strip() for line in body.decode().splitlines() if line.startswith("data:")]
+    return [json.loads(line) for line in lines if line != "[DONE]"]
+
+
+def test_streamed_pieces_side_by_side_make_the_whole_answer_and_the_tokenizers_counts(
+    servers, tiny_model
+):
+    """Streamed beside each other (and beside a stream whose client leaves), each
+    answer's pieces make the text that the same request answers whole: a character cut
+    across tokens is sent once whole, a stop sequence never; the usage counts the
+    tokenizer's tokens; nothing runs after."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model("long-generation"))
+    server = servers["rows"]
+
+    def ask(prompt: str, extra: dict, stream: bool) -> tuple[int, bytes]:
+        document = {"prompt": prompt, "max_tokens": 30, "temperature": 0, **extra}
+        if stream:
+            document.update(stream=True, stream_options={"include_usage": True})
+        status, _, body = server.request(
+            "POST", "/v1/completions", json.dumps(document), {"Content-Type": "application/json"}
+        )
+        return status, body
+
+    leaving = start_stream(server, "the movie was", LONG)
+    with ThreadPoolExecutor(len(MIXED)) as pool:
+        streams = list(pool.map(lambda mix: ask(*mix, stream=True), MIXED))
+    leaving.close()
+    for (prompt, extra), (status, body) in zip(MIXED, streams, strict=True):
+        assert status == 200, body
+        whole_status, whole_body = ask(prompt, extra, stream=False)
+        whole = json.loads(whole_body)
+        [choice] = whole["choices"]
+        events = sse_events(body)
+        pieces = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        assert pieces == choice["text"], (prompt, extra)
+        assert [e["usage"] for e in events if e.get("usage")] == [whole["usage"]]
+        assert whole["usage"]["prompt_tokens"] == len(tokenizer(prompt)["input_ids"])
+        assert not any(stop in choice["text"] for stop in extra.get("stop", []))
+    wait_running(server, 0)
+
+
 def test_a_deadline_mid_generation_is_504_on_time_and_frees_the_row(servers):
     server = servers["one row"]
     before = len(server.read_log())

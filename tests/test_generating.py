@@ -503,6 +503,10 @@ def test_an_end_of_sequence_waits_for_min_new_tokens_or_never_ends_as_on_the_sta
     [(_, got, _)] = as_the_static_path(runner, endless, ["the movie was"])
     assert [t["id"] for t in got[0]["details"]["tokens"]] == [eos] * 10
     assert got[0]["details"]["finish_reason"] == "length"
+    # with no end of sequence, min_new_tokens has none to hold back: the end token is a
+    # token like the others (generate, and vLLM's min_tokens beside ignore_eos)
+    [(_, got, _)] = as_the_static_path(runner, {**endless, "min_new_tokens": 4}, ["the movie was"])
+    assert [t["id"] for t in got[0]["details"]["tokens"]] == [eos] * 10
 
 
 def test_the_models_own_min_new_tokens_holds_on_both_paths(runner, monkeypatch):
@@ -1040,3 +1044,94 @@ def test_the_end_tokens_the_models_generation_config_names_end_a_row_on_the_stat
     details = ended[0]["details"]
     assert details["finish_reason"] == "eos_token"
     assert [token["id"] for token in details["tokens"]] == ids[: ids.index(end) + 1]
+
+
+def a_mix():
+    """Random mixes of sequences for the loop: prompts of token ids (short, or near the
+    positions limit), caps from 0 to the room left, greedy or seeded sampling, stop
+    sequences (one spanning tokens, one a prefix of another), an end token made likely
+    (so rows leave early), min_new_tokens, ignore_eos, OpenAI's penalties; each joining
+    at its own look, some streamed, some cancelled."""
+    from hypothesis import strategies as st
+
+    prompt = st.one_of(
+        st.lists(st.integers(3, 399), min_size=1, max_size=40),
+        st.integers(1, 6).map(lambda room: [7] * (POSITIONS - room)),
+    )
+    item = st.fixed_dictionaries(
+        {
+            "prompt": prompt,
+            "params": st.fixed_dictionaries(
+                {
+                    "max_new_tokens": st.sampled_from([0, 1, 3, 12, POSITIONS - 1]),
+                    "seed": st.integers(0, 2**32 - 1),  # (what samples, repeats)
+                },
+                optional={
+                    "do_sample": st.just(True),
+                    "temperature": st.sampled_from([0.5, 1.5]),
+                    "top_k": st.sampled_from([1, 5]),
+                    "top_p": st.sampled_from([0.3, 0.9]),
+                    "repetition_penalty": st.sampled_from([0.8, 1.3]),
+                    "stop": st.sampled_from([["e"], ["th", "the"], ["a b"]]),
+                    "logit_bias": st.sampled_from([{2: 3.0}, {2: 100.0}]),  # the end token
+                    "min_new_tokens": st.sampled_from([2, 5]),
+                    "ignore_eos": st.just(True),
+                    "frequency_penalty": st.just(0.5),
+                    "presence_penalty": st.just(1.0),
+                },
+            ),
+            "look": st.integers(0, 6),
+            "streamed": st.booleans(),
+            "cancelled": st.booleans(),
+        }
+    )
+    return st.lists(item, min_size=1, max_size=6), st.integers(1, 4)
+
+
+def streamed_ids(sent: list[Any], stream_id: int) -> list[int]:
+    return [
+        chunk.token["id"]
+        for message in sent
+        if isinstance(message, TokenChunks)
+        for chunk in message.chunks
+        if chunk.stream_id == stream_id
+    ]
+
+
+# (generate warns where min_new_tokens runs past the positions: the loop stops there too)
+@pytest.mark.filterwarnings("ignore:Unfeasible length constraints")
+def test_any_mix_answers_each_sequence_as_the_static_path_answers_it_alone(runner):
+    """Whatever runs beside a sequence, joins or leaves when, it makes the tokens and
+    text one `generate` call makes for it alone, and is answered once."""
+    from hypothesis import given, settings
+
+    @settings(derandomize=True, max_examples=10, deadline=None, database=None)
+    @given(*a_mix())
+    def check(items, rows):
+        batches, script = [], {}
+        for index, item in enumerate(items):
+            params = {**item["params"], "details": True, "return_full_text": False}
+            control = Control(stream_id=100 + index) if item["streamed"] else Control()
+            batches.append(Batch(index, (item["prompt"],), params, control=control))
+            script.setdefault(item["look"], []).append(batches[-1])
+            if item["cancelled"]:
+                script.setdefault(item["look"] + 3, []).append(Cancel(index))
+        sent = serve(runner, script, rows=rows)
+        answered = results(sent)
+        assert sorted(answered) == list(range(len(items)))
+        for batch in batches:
+            (got,) = answered[batch.batch_id].outputs
+            details = got["details"] if batch.control.stream_id else got[0]["details"]
+            if details["finish_reason"] == "cancelled":
+                continue
+            [expected] = static(runner, batch.inputs[0], batch.params)
+            if batch.control.stream_id:
+                ids = streamed_ids(sent, batch.control.stream_id)
+                assert got["generated_text"] == expected["generated_text"]
+            else:
+                ids = [token["id"] for token in details["tokens"]]
+                assert got[0]["generated_text"] == expected["generated_text"]
+            assert ids == [token["id"] for token in expected["details"]["tokens"]]
+            assert details["finish_reason"] == expected["details"]["finish_reason"]
+
+    check()

@@ -450,8 +450,10 @@ class ContinuousBatcher:
                 made = generation.tokens if adjustments.penalizes else []
                 tokens = torch.tensor([made], device=scores.device, dtype=torch.long)
                 adjustments.apply(scores[index : index + 1], tokens)
-            # (a grammar says itself when the end may come)
-            if len(generation.tokens) < generation.min_new_tokens and generation.grammar is None:
+            # (a grammar says itself when the end may come; with ignore_eos the end token
+            # ends nothing, so there is no end to hold back, as `generate` has none)
+            holds_end = generation.grammar is None and not generation.ignore_eos
+            if holds_end and len(generation.tokens) < generation.min_new_tokens:
                 scores[index, sorted(self.eos_ids)] = float("-inf")
         held = [(i, g.grammar) for i, g in enumerate(rows) if g.grammar is not None and not g.done]
         for index, why in constrain(scores, held):
