@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import pytest
 
 from rawserve.shared.messages import (
     EMBEDDING_ROUTE,
+    BatchResult,
     Control,
     Engine,
     FailureKind,
@@ -880,6 +883,81 @@ def test_weights_that_do_not_match_the_config_are_one_line_that_says_so(tiny_mod
     assert load_failed(caught.value).message.startswith(
         "the weights' shapes do not match config.json ("
     )
+
+
+def handler_runner(monkeypatch, tmp_path, source: str, factory: str = "make"):
+    """A HandlerRunner of a module written now, `source` its code."""
+    from rawserve.worker.handler import HandlerRunner
+
+    name = f"handler_{tmp_path.name}"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return HandlerRunner(f"{name}:{factory}", "cpu")
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [
+        ("def make():\n    return 42\n", "the factory returned int, not a callable"),
+        (
+            "def make():\n    async def f(inputs, **params):\n        return inputs\n"
+            "    return f\n",
+            "the factory returned an async function",
+        ),
+    ],
+)
+def test_a_handler_that_cannot_be_called_as_one_is_refused_at_load(
+    monkeypatch, tmp_path, source, says
+):
+    """It was served as ready, and every request failed with 500."""
+    with pytest.raises(TypeError) as refused:
+        handler_runner(monkeypatch, tmp_path, source)
+    assert f":make: {says}" in str(refused.value)
+
+
+def test_a_handler_raising_systemexit_on_one_input_fails_that_input_alone(monkeypatch, tmp_path):
+    """SystemExit, KeyboardInterrupt or a BaseException of the handler's own passed every
+    `except Exception` and ended the worker: its batch-mates were run again, and a server of
+    one worker per core was unready for a restart's imports."""
+    from rawserve.worker.process import run_bisecting
+
+    source = (
+        "import sys\n"
+        "class Stop(BaseException):\n    pass\n"
+        "def make():\n"
+        "    def f(inputs, **params):\n"
+        "        if 'exit' in inputs: sys.exit(3)\n"
+        "        if 'interrupt' in inputs: raise KeyboardInterrupt\n"
+        "        if 'stop' in inputs: raise Stop('stop')\n"
+        "        return [x.upper() for x in inputs]\n"
+        "    return f\n"
+    )
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    answers = run_bisecting(serving, ["a", "exit", "b", "interrupt", "c", "stop"], {})
+    assert answers[0::2] == ["A", "B", "C"]
+    for failed in answers[1::2]:
+        assert failed == ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
+
+
+def test_an_output_pickle_cannot_write_fails_its_item_and_not_the_worker():
+    """A handler's answer holding a lock or a lambda ended the worker as it sent the batch's
+    result: its batch-mates were run again, and the input alone killed it twice more."""
+    from rawserve.shared.pipes import MessageReader, MessageWriter
+    from rawserve.worker.process import send_result
+
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)  # as the server reads it
+    try:
+        result = BatchResult(7, ("a", threading.Lock(), np.arange(3), lambda: 1), 0.01)
+        assert send_result(MessageWriter(write_end), result)
+        [sent] = MessageReader().read(read_end)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    cannot = ItemFailure(FailureKind.INTERNAL, "the model's answer to this input cannot be sent")
+    assert sent.batch_id == 7 and sent.outputs[0] == "a" and sent.outputs[1::2] == (cannot,) * 2
+    assert sent.outputs[2].tolist() == [0, 1, 2]
 
 
 def test_a_handler_module_in_the_current_directory_is_found_by_the_rawserve_command(

@@ -18,10 +18,11 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import pickle
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -231,13 +232,39 @@ def worker_main(
                 ahead.token_counts if ahead is not None else sample_token_counts(runner, message),
                 prepare_seconds=received.prepare_seconds,
             )
-            try:
-                out.send(result)
-            except (OSError, ValueError):  # the server is gone
+            if not send_result(out, result):  # the server is gone
                 return
             # after the reply: the server is not kept waiting (nor the next batch)
             releaser.after_batch(next_waiting=feeder.waiting())
             free_since = time.perf_counter()
+
+
+def send_result(out: MessageWriter, result: BatchResult) -> bool:
+    """Send a batch's result; False when the server is gone. An output that pickle cannot
+    write (a handler's answer holding a lock, a lambda, an open file) is its item's
+    failure: its batch-mates are answered and the worker lives on, where the worker would
+    die of it, and die again running the input alone, as of a poison input."""
+    try:
+        out.send(result)
+        return True
+    except Exception:  # noqa: BLE001 - the server is gone, or pickle refused an output
+        pass  # (nothing was written: pickling comes first)
+    outputs = tuple(sendable(output) for output in result.outputs)
+    try:
+        out.send(replace(result, outputs=outputs))
+    except (OSError, ValueError):  # the server is gone
+        return False
+    return True
+
+
+def sendable(output: Any) -> Any:
+    """`output`, or its item's failure where pickle cannot write it."""
+    try:
+        pickle.dumps(output, protocol=5)
+    except Exception as exc:  # noqa: BLE001 - what pickle raises depends on the object
+        log.error("an output cannot be sent to the server: %s: %s", type(exc).__name__, exc)
+        return ItemFailure(FailureKind.INTERNAL, "the model's answer to this input cannot be sent")
+    return output
 
 
 @dataclass
