@@ -905,6 +905,10 @@ def handler_runner(monkeypatch, tmp_path, source: str, factory: str = "make"):
             "    return f\n",
             "the factory returned an async function",
         ),
+        (
+            "def make():\n    return lambda: []\n",
+            "the factory returned a callable that takes no positional argument",
+        ),
     ],
 )
 def test_a_handler_that_cannot_be_called_as_one_is_refused_at_load(
@@ -938,6 +942,34 @@ def test_a_handler_raising_systemexit_on_one_input_fails_that_input_alone(monkey
     assert answers[0::2] == ["A", "B", "C"]
     for failed in answers[1::2]:
         assert failed == ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
+
+
+@pytest.mark.parametrize(
+    ("params", "says"),
+    [
+        ({"inputs": 1}, "multiple values for argument 'inputs'"),
+        ({"top_k": 2, "colour": "red"}, "unexpected keyword argument 'colour'"),
+    ],
+)
+def test_parameters_a_handler_cannot_take_are_the_client_s_to_fix(
+    monkeypatch, tmp_path, params, says
+):
+    """They raised TypeError in the call: 500, "the model failed on this input", and an
+    error with its traceback in the log for each such request."""
+    from rawserve.worker.process import run_bisecting
+
+    source = (
+        "def make():\n"
+        "    def f(inputs, top_k=1):\n"
+        "        return [[x] * top_k for x in inputs]\n"
+        "    return f\n"
+    )
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    assert run_bisecting(serving, ["a", "b"], {"top_k": 2}) == [["a", "a"], ["b", "b"]]
+    refused = run_bisecting(serving, ["a", "b"], params)
+    assert [failure.kind for failure in refused] == [FailureKind.INPUT] * 2
+    assert refused[0].message.startswith("invalid parameters for the handler: ")
+    assert says in refused[0].message
 
 
 def test_an_output_pickle_cannot_write_fails_its_item_and_not_the_worker():

@@ -31,23 +31,19 @@ class HandlerRunner(Runner):
             sys.path.insert(0, os.getcwd())
         factory = getattr(importlib.import_module(module_name), factory_name or "handler")
         self.handler = factory()
-        # refused at load, not served as ready with every request failing
-        if not callable(self.handler):
-            raise TypeError(
-                f"--handler {spec}: the factory returned {type(self.handler).__name__}, "
-                "not a callable f(inputs, **params)"
-            )
-        called = type(self.handler).__call__  # an instance's own `async def __call__`
-        if inspect.iscoroutinefunction(self.handler) or inspect.iscoroutinefunction(called):
-            raise TypeError(
-                f"--handler {spec}: the factory returned an async function; "
-                "the handler is called in the worker's thread: make it a plain def"
-            )
+        self.signature = handler_signature(spec, self.handler)
         super().__init__(CUSTOM_TASK, device)
 
     def run(
         self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
     ) -> list[Any]:
+        if self.signature is not None:
+            # parameters the handler cannot take (one it does not name, where it has no
+            # **params; `inputs`, its own) are the client's to fix (422), not its failure
+            try:
+                self.signature.bind(inputs, **params)
+            except TypeError as exc:
+                raise ValueError(f"invalid parameters for the handler: {exc}") from None
         try:
             return list(self.handler(inputs, **params))
         except Exception:
@@ -56,3 +52,32 @@ class HandlerRunner(Runner):
             # SIGINT: the handler raised it), a class of its own: this input failed, and
             # the worker lives on rather than dying of it (and again on the input alone)
             raise HandlerStopped(f"the handler raised {type(exc).__name__}: {exc}") from exc
+
+
+def handler_signature(spec: str, handler: Any) -> inspect.Signature | None:
+    """The signature of what the factory returned (None: it has none to read); what cannot
+    be called as `f(inputs, **params)` is refused at load, not served as ready with every
+    request failing."""
+    if not callable(handler):
+        raise TypeError(
+            f"--handler {spec}: the factory returned {type(handler).__name__}, "
+            "not a callable f(inputs, **params)"
+        )
+    called = type(handler).__call__  # an instance's own `async def __call__`
+    if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(called):
+        raise TypeError(
+            f"--handler {spec}: the factory returned an async function; "
+            "the handler is called in the worker's thread: make it a plain def"
+        )
+    try:
+        signature = inspect.signature(handler)
+    except (TypeError, ValueError):  # a callable written in C may have none
+        return None
+    try:
+        signature.bind_partial([])
+    except TypeError:
+        raise TypeError(
+            f"--handler {spec}: the factory returned a callable that takes no "
+            "positional argument, not f(inputs, **params)"
+        ) from None
+    return signature
