@@ -972,6 +972,27 @@ def test_parameters_a_handler_cannot_take_are_the_client_s_to_fix(
     assert says in refused[0].message
 
 
+def test_the_failing_item_s_error_is_logged_alone_not_chained_to_its_batch_s(
+    monkeypatch, tmp_path, caplog
+):
+    """The halves ran inside the batch's `except`: the item's logged traceback carried each
+    larger batch's, the same error over again, "During handling of the above exception,
+    another exception occurred" (five times over in a batch of 32)."""
+    from rawserve.worker.process import run_bisecting
+
+    source = (
+        "def make():\n"
+        "    def f(inputs, **params):\n"
+        "        if 'bad' in inputs: raise RuntimeError('bad')\n"
+        "        return inputs\n"
+        "    return f\n"
+    )
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    assert run_bisecting(serving, ["a", "b", "bad", "c"], {})[3] == "c"
+    [record] = [record for record in caplog.records if record.msg == "an item failed"]
+    assert record.exc_info is not None and record.exc_info[1].__context__ is None
+
+
 def test_an_output_pickle_cannot_write_fails_its_item_and_not_the_worker():
     """A handler's answer holding a lock or a lambda ended the worker as it sent the batch's
     result: its batch-mates were run again, and the input alone killed it twice more."""

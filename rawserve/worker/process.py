@@ -362,17 +362,20 @@ def run_bisecting(
             if failure.kind is not FailureKind.INPUT:
                 log.error("an item failed", exc_info=exc)
             return [failure]
-        half = len(inputs) // 2
-        return run_bisecting(runner, inputs[:half], params, cap, control) + run_bisecting(
-            runner, inputs[half:], params, cap, control
-        )
-    if len(outputs) != len(inputs):
-        log.error("the model answered %d outputs for %d inputs", len(outputs), len(inputs))
-        failure = ItemFailure(
-            FailureKind.INTERNAL, "the model answered the wrong number of outputs"
-        )
-        return [failure] * len(inputs)
-    return outputs
+    else:
+        if len(outputs) != len(inputs):
+            log.error("the model answered %d outputs for %d inputs", len(outputs), len(inputs))
+            failure = ItemFailure(
+                FailureKind.INTERNAL, "the model answered the wrong number of outputs"
+            )
+            return [failure] * len(inputs)
+        return outputs
+    # the halves run after the batch's error is handled: the failing item's own error is
+    # then logged alone, not chained to each larger batch's ("During handling of ...")
+    half = len(inputs) // 2
+    return run_bisecting(runner, inputs[:half], params, cap, control) + run_bisecting(
+        runner, inputs[half:], params, cap, control
+    )
 
 
 def release_memory() -> None:
