@@ -4,8 +4,10 @@ batching that answers what single calls answer, and the pipelines' list habits."
 from __future__ import annotations
 
 import base64
+import copyreg
 import json
 import os
+import pickle
 import sys
 import tempfile
 import threading
@@ -887,8 +889,12 @@ def test_weights_that_do_not_match_the_config_are_one_line_that_says_so(tiny_mod
 
 def handler_runner(monkeypatch, tmp_path, source: str, factory: str = "make"):
     """A HandlerRunner of a module written now, `source` its code."""
+    import torch
+
     from rawserve.worker.handler import HandlerRunner
 
+    # the runner sends this process's tensors as arrays from now on: not past the test
+    monkeypatch.setitem(copyreg.dispatch_table, torch.Tensor, None)
     name = f"handler_{tmp_path.name}"
     (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -991,6 +997,29 @@ def test_the_failing_item_s_error_is_logged_alone_not_chained_to_its_batch_s(
     assert run_bisecting(serving, ["a", "b", "bad", "c"], {})[3] == "c"
     [record] = [record for record in caplog.records if record.msg == "an item failed"]
     assert record.exc_info is not None and record.exc_info[1].__context__ is None
+
+
+def test_a_handler_s_torch_tensors_reach_the_server_as_arrays_it_writes_as_json(
+    monkeypatch, tmp_path
+):
+    """They reached the server as tensors: unpickling them loaded torch into the server's
+    own process, and its JSON encoder refused them (500)."""
+    import torch
+
+    from rawserve.http.encoding import dumps
+
+    source = (
+        "import torch\n"
+        "def make():\n"
+        "    def f(inputs, **params):\n"
+        "        return [{'v': torch.tensor([x, 2.0], requires_grad=True),\n"
+        "                 's': torch.tensor(0.5, dtype=torch.bfloat16)} for x in inputs]\n"
+        "    return f\n"
+    )
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    [answer] = pickle.loads(pickle.dumps(serving.run([1.0], {}), protocol=5))
+    assert not isinstance(answer["v"], torch.Tensor) and isinstance(answer["v"], np.ndarray)
+    assert json.loads(dumps(answer)) == {"v": [1.0, 2.0], "s": 0.5}
 
 
 def test_an_output_pickle_cannot_write_fails_its_item_and_not_the_worker():

@@ -5,11 +5,15 @@ Worker process only.
 
 from __future__ import annotations
 
+import copyreg
 import importlib
 import inspect
 import os
 import sys
 from typing import Any
+
+import numpy as np
+import torch
 
 from rawserve.shared.messages import NO_CONTROL, Control
 from rawserve.tasks import CUSTOM_TASK
@@ -32,6 +36,7 @@ class HandlerRunner(Runner):
         factory = getattr(importlib.import_module(module_name), factory_name or "handler")
         self.handler = factory()
         self.signature = handler_signature(spec, self.handler)
+        copyreg.pickle(torch.Tensor, tensor_as_array)  # this worker's answers are its
         super().__init__(CUSTOM_TASK, device)
 
     def run(
@@ -81,3 +86,13 @@ def handler_signature(spec: str, handler: Any) -> inspect.Signature | None:
             "positional argument, not f(inputs, **params)"
         ) from None
     return signature
+
+
+def tensor_as_array(tensor: torch.Tensor) -> tuple[Any, tuple[np.ndarray]]:
+    """How a torch tensor in a handler's answer is sent to the server: as a numpy array,
+    which the server writes as JSON. Sent as a tensor, it loaded torch into the server's
+    process to unpickle it, which then failed to encode it (500)."""
+    data = tensor.detach().cpu()
+    if data.dtype == torch.bfloat16:  # numpy has no bfloat16
+        data = data.float()
+    return np.asarray, (data.numpy(),)
