@@ -4,7 +4,6 @@ batching that answers what single calls answer, and the pipelines' list habits."
 from __future__ import annotations
 
 import base64
-import copyreg
 import json
 import os
 import pickle
@@ -889,12 +888,8 @@ def test_weights_that_do_not_match_the_config_are_one_line_that_says_so(tiny_mod
 
 def handler_runner(monkeypatch, tmp_path, source: str, factory: str = "make"):
     """A HandlerRunner of a module written now, `source` its code."""
-    import torch
-
     from rawserve.worker.handler import HandlerRunner
 
-    # the runner sends this process's tensors as arrays from now on: not past the test
-    monkeypatch.setitem(copyreg.dispatch_table, torch.Tensor, None)
     name = f"handler_{tmp_path.name}"
     (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -999,47 +994,67 @@ def test_the_failing_item_s_error_is_logged_alone_not_chained_to_its_batch_s(
     assert record.exc_info is not None and record.exc_info[1].__context__ is None
 
 
-def test_a_handler_s_torch_tensors_reach_the_server_as_arrays_it_writes_as_json(
-    monkeypatch, tmp_path
-):
-    """They reached the server as tensors: unpickling them loaded torch into the server's
-    own process, and its JSON encoder refused them (500)."""
-    import torch
-
-    from rawserve.http.encoding import dumps
-
-    source = (
-        "import torch\n"
-        "def make():\n"
-        "    def f(inputs, **params):\n"
-        "        return [{'v': torch.tensor([x, 2.0], requires_grad=True),\n"
-        "                 's': torch.tensor(0.5, dtype=torch.bfloat16)} for x in inputs]\n"
-        "    return f\n"
-    )
-    serving = handler_runner(monkeypatch, tmp_path, source)
-    [answer] = pickle.loads(pickle.dumps(serving.run([1.0], {}), protocol=5))
-    assert not isinstance(answer["v"], torch.Tensor) and isinstance(answer["v"], np.ndarray)
-    assert json.loads(dumps(answer)) == {"v": [1.0, 2.0], "s": 0.5}
-
-
-def test_an_output_pickle_cannot_write_fails_its_item_and_not_the_worker():
-    """A handler's answer holding a lock or a lambda ended the worker as it sent the batch's
-    result: its batch-mates were run again, and the input alone killed it twice more."""
+def sent(result: BatchResult, pickler: Any = pickle.Pickler) -> BatchResult:
+    """`result` as the server reads it, sent as a worker sends it."""
     from rawserve.shared.pipes import MessageReader, MessageWriter
     from rawserve.worker.process import send_result
 
     read_end, write_end = os.pipe()
     os.set_blocking(read_end, False)  # as the server reads it
     try:
-        result = BatchResult(7, ("a", threading.Lock(), np.arange(3), lambda: 1), 0.01)
-        assert send_result(MessageWriter(write_end), result)
-        [sent] = MessageReader().read(read_end)
+        writer = MessageWriter(write_end)
+        writer.pickler = pickler
+        assert send_result(writer, result)
+        [message] = MessageReader().read(read_end)
     finally:
         os.close(read_end)
         os.close(write_end)
+    return message
+
+
+def test_a_handler_s_answers_reach_the_server_as_plain_data(monkeypatch, tmp_path):
+    """Pickled as they were, a torch tensor loaded torch into the server's process (then
+    500: its JSON encoder refused it), and an object of the handler's own class imported
+    the handler's module into the server, or killed the worker where the server could not
+    import it (its message unreadable), three times over, and quarantined the input."""
+    import torch
+
+    from rawserve.http.encoding import dumps
+
+    source = (
+        "import dataclasses, datetime, torch\n"
+        "@dataclasses.dataclass\n"
+        "class Scored:\n    label: str\n    score: object\n"
+        "class Opaque:\n    pass\n"
+        "def make():\n"
+        "    def f(inputs, **params):\n"
+        "        return [{'v': torch.tensor([1.0, 2.0], requires_grad=True),\n"
+        "                 's': torch.tensor(0.5, dtype=torch.bfloat16)},\n"
+        "                Scored('a', torch.tensor(0.25)), Opaque(),\n"
+        "                datetime.date(2024, 1, 2), 'plain']\n"
+        "    return f\n"
+    )
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    outputs = serving.run(["one"] * 5, {})
+    answers = sent(BatchResult(1, tuple(outputs), 0.01), serving.answer_pickler).outputs
+    tensors, scored, opaque, date, plain = answers
+    assert isinstance(tensors["v"], np.ndarray) and not isinstance(scored["score"], torch.Tensor)
+    assert json.loads(dumps(tensors)) == {"v": [1.0, 2.0], "s": 0.5}
+    assert json.loads(dumps(scored)) == {"label": "a", "score": 0.25}
+    assert opaque == ItemFailure(
+        FailureKind.INTERNAL, "the model's answer to this input cannot be sent"
+    )
+    assert (json.loads(dumps(date)), plain) == ("2024-01-02", "plain")
+
+
+def test_an_output_pickle_cannot_write_fails_its_item_and_not_the_worker():
+    """A handler's answer holding a lock or a lambda ended the worker as it sent the batch's
+    result: its batch-mates were run again, and the input alone killed it twice more."""
+    result = BatchResult(7, ("a", threading.Lock(), np.arange(3), lambda: 1), 0.01)
+    answers = sent(result)
     cannot = ItemFailure(FailureKind.INTERNAL, "the model's answer to this input cannot be sent")
-    assert sent.batch_id == 7 and sent.outputs[0] == "a" and sent.outputs[1::2] == (cannot,) * 2
-    assert sent.outputs[2].tolist() == [0, 1, 2]
+    assert answers.batch_id == 7 and answers.outputs[0] == "a"
+    assert answers.outputs[1::2] == (cannot,) * 2 and answers.outputs[2].tolist() == [0, 1, 2]
 
 
 def test_a_handler_module_in_the_current_directory_is_found_by_the_rawserve_command(

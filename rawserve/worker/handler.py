@@ -5,10 +5,11 @@ Worker process only.
 
 from __future__ import annotations
 
-import copyreg
+import dataclasses
 import importlib
 import inspect
 import os
+import pickle
 import sys
 from typing import Any
 
@@ -19,6 +20,41 @@ from rawserve.shared.messages import NO_CONTROL, Control
 from rawserve.tasks import CUSTOM_TASK
 from rawserve.worker.runner import Runner
 
+# Packages whose objects a handler's answer may hold as they are: the server unpickles
+# them without loading anything it does not load already (or a module of the standard
+# library), and its JSON encoder writes them.
+SENT_AS_THEY_ARE = frozenset(
+    {"builtins", "copyreg", "rawserve", "numpy", "datetime", "uuid", "decimal", "collections"}
+)
+
+
+class AnswerPickler(pickle.Pickler):
+    """Writes a handler's answers for the server as plain data. Pickled as they are, a
+    torch tensor loaded torch into the server's process to be read (and then failed to be
+    encoded: 500), and an object of the handler's own classes imported the handler's module
+    there (running its top-level code in the server), or, where the server could not
+    import it, made the message unreadable: the worker was killed as broken, three times,
+    and the input quarantined."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            data = obj.detach().cpu()
+            if data.dtype == torch.bfloat16:  # numpy has no bfloat16
+                data = data.float()
+            return np.asarray, (data.numpy(),)
+        named = obj if isinstance(obj, type) or callable(obj) else type(obj)
+        module = getattr(named, "__module__", None) or ""
+        if module.partition(".")[0] in SENT_AS_THEY_ARE:
+            return NotImplemented
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # as JSON writes it
+            return dict, (
+                {field.name: getattr(obj, field.name) for field in dataclasses.fields(obj)},
+            )
+        raise pickle.PicklingError(
+            f"the handler answered an object of {module}.{type(obj).__qualname__}: "
+            "answer plain data (dicts, lists, strings, numbers, numpy arrays or torch tensors)"
+        )
+
 
 class HandlerStopped(RuntimeError):
     """The handler raised an exception that is no `Exception` (SystemExit and the like)."""
@@ -26,6 +62,8 @@ class HandlerStopped(RuntimeError):
 
 class HandlerRunner(Runner):
     """`--handler module:factory`: the factory returns `f(inputs: list, **params) -> list`."""
+
+    answer_pickler = AnswerPickler
 
     def __init__(self, spec: str, device: str):
         module_name, _, factory_name = spec.partition(":")
@@ -36,7 +74,6 @@ class HandlerRunner(Runner):
         factory = getattr(importlib.import_module(module_name), factory_name or "handler")
         self.handler = factory()
         self.signature = handler_signature(spec, self.handler)
-        copyreg.pickle(torch.Tensor, tensor_as_array)  # this worker's answers are its
         super().__init__(CUSTOM_TASK, device)
 
     def run(
@@ -86,13 +123,3 @@ def handler_signature(spec: str, handler: Any) -> inspect.Signature | None:
             "positional argument, not f(inputs, **params)"
         ) from None
     return signature
-
-
-def tensor_as_array(tensor: torch.Tensor) -> tuple[Any, tuple[np.ndarray]]:
-    """How a torch tensor in a handler's answer is sent to the server: as a numpy array,
-    which the server writes as JSON. Sent as a tensor, it loaded torch into the server's
-    process to unpickle it, which then failed to encode it (500)."""
-    data = tensor.detach().cpu()
-    if data.dtype == torch.bfloat16:  # numpy has no bfloat16
-        data = data.float()
-    return np.asarray, (data.numpy(),)

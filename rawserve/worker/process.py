@@ -18,7 +18,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import pickle
 import signal
 import time
 from collections.abc import Callable
@@ -202,6 +201,7 @@ def worker_main(
     if generating is not None:
         generating.run(Feeder(batches).start())
         return
+    out.pickler = runner.answer_pickler
     feeder = Feeder(batches, prepare, timed=True).start()  # the next arrives while one runs
     cap = BatchCap()
     releaser = FreeMemoryReleaser()  # tensors of every shape: the heap would only grow
@@ -240,16 +240,17 @@ def worker_main(
 
 
 def send_result(out: MessageWriter, result: BatchResult) -> bool:
-    """Send a batch's result; False when the server is gone. An output that pickle cannot
-    write (a handler's answer holding a lock, a lambda, an open file) is its item's
-    failure: its batch-mates are answered and the worker lives on, where the worker would
-    die of it, and die again running the input alone, as of a poison input."""
+    """Send a batch's result; False when the server is gone. An output that cannot be
+    pickled for the server (a handler's answer holding a lock, a lambda, an open file, an
+    object of its own module's class) is its item's failure: its batch-mates are answered
+    and the worker lives on, where the worker would die of it, and die again running the
+    input alone, as of a poison input."""
     try:
         out.send(result)
         return True
     except Exception:  # noqa: BLE001 - the server is gone, or pickle refused an output
         pass  # (nothing was written: pickling comes first)
-    outputs = tuple(sendable(output) for output in result.outputs)
+    outputs = tuple(sendable(out, output) for output in result.outputs)
     try:
         out.send(replace(result, outputs=outputs))
     except (OSError, ValueError):  # the server is gone
@@ -257,10 +258,10 @@ def send_result(out: MessageWriter, result: BatchResult) -> bool:
     return True
 
 
-def sendable(output: Any) -> Any:
-    """`output`, or its item's failure where pickle cannot write it."""
+def sendable(out: MessageWriter, output: Any) -> Any:
+    """`output`, or its item's failure where the writer cannot write it."""
     try:
-        pickle.dumps(output, protocol=5)
+        out.encode(output)
     except Exception as exc:  # noqa: BLE001 - what pickle raises depends on the object
         log.error("an output cannot be sent to the server: %s: %s", type(exc).__name__, exc)
         return ItemFailure(FailureKind.INTERNAL, "the model's answer to this input cannot be sent")
