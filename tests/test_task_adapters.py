@@ -973,6 +973,21 @@ def test_parameters_a_handler_cannot_take_are_the_client_s_to_fix(
     assert says in refused[0].message
 
 
+@pytest.mark.parametrize("answer", ["{'label': 'yes'}", "'yes'", "None"])
+def test_a_handler_answering_one_value_for_its_batch_fails_it(
+    monkeypatch, tmp_path, caplog, answer
+):
+    """A dict or a text was read as the list of answers: `{"label": "yes"}` for one input
+    answered "label", and "ab" for two answered "a" and "b", all 200."""
+    from rawserve.worker.process import run_bisecting
+
+    source = f"def make():\n    return lambda inputs, **params: {answer}\n"
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    failed = ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
+    assert run_bisecting(serving, ["a", "b", "c"], {}) == [failed] * 3
+    assert "not a list of one answer per input" in caplog.text
+
+
 def test_the_failing_item_s_error_is_logged_alone_not_chained_to_its_batch_s(
     monkeypatch, tmp_path, caplog
 ):

@@ -11,6 +11,7 @@ import inspect
 import os
 import pickle
 import sys
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -87,13 +88,20 @@ class HandlerRunner(Runner):
             except TypeError as exc:
                 raise ValueError(f"invalid parameters for the handler: {exc}") from None
         try:
-            return list(self.handler(inputs, **params))
+            answers = self.handler(inputs, **params)
         except Exception:
             raise
         except BaseException as exc:  # SystemExit, KeyboardInterrupt (the worker ignores
             # SIGINT: the handler raised it), a class of its own: this input failed, and
             # the worker lives on rather than dying of it (and again on the input alone)
             raise HandlerStopped(f"the handler raised {type(exc).__name__}: {exc}") from exc
+        # one answer where a list of them was due: a dict or a text would be read as its
+        # keys or characters, each the answer of an input
+        if isinstance(answers, (Mapping, str, bytes)) or not isinstance(answers, Iterable):
+            raise TypeError(
+                f"the handler returned {type(answers).__name__}, not a list of one answer per input"
+            )
+        return list(answers)
 
 
 def handler_signature(spec: str, handler: Any) -> inspect.Signature | None:
