@@ -988,6 +988,29 @@ def test_a_handler_answering_one_value_for_its_batch_fails_it(
     assert "not a list of one answer per input" in caplog.text
 
 
+def test_a_handler_that_consumes_its_list_still_has_its_failing_batch_split(monkeypatch, tmp_path):
+    """The handler was given the batch's own list: one that popped its inputs as it went
+    and then failed left the bisection an empty list to split, and a batch of four was
+    answered with one failure (its good items never answered)."""
+    from rawserve.worker.process import run_bisecting
+
+    source = (
+        "def make():\n"
+        "    def f(inputs, **params):\n"
+        "        answers = []\n"
+        "        while inputs:\n"
+        "            text = inputs.pop(0)\n"
+        "            if text == 'bad': raise RuntimeError('bad')\n"
+        "            answers.append(text.upper())\n"
+        "        return answers\n"
+        "    return f\n"
+    )
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    answers = run_bisecting(serving, ["a", "b", "bad", "c"], {})
+    assert answers[:2] == ["A", "B"] and answers[3] == "C"
+    assert answers[2] == ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
+
+
 def test_the_failing_item_s_error_is_logged_alone_not_chained_to_its_batch_s(
     monkeypatch, tmp_path, caplog
 ):

@@ -87,8 +87,8 @@ class HandlerRunner(Runner):
                 self.signature.bind(inputs, **params)
             except TypeError as exc:
                 raise ValueError(f"invalid parameters for the handler: {exc}") from None
-        try:
-            answers = self.handler(inputs, **params)
+        try:  # a copy: a handler may consume its list, which a failed batch splits again
+            answers = self.handler(list(inputs), **params)
         except Exception:
             raise
         except BaseException as exc:  # SystemExit, KeyboardInterrupt (the worker ignores
