@@ -1011,6 +1011,27 @@ def test_a_handler_that_consumes_its_list_still_has_its_failing_batch_split(monk
     assert answers[2] == ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
 
 
+def test_an_error_that_cannot_be_told_fails_its_input_not_the_worker(monkeypatch, tmp_path):
+    """A handler's exception whose `__str__` raises escaped the bisection from its
+    description (the worker died, and twice more on the input alone)."""
+    from rawserve.worker.process import run_bisecting
+
+    source = (
+        "class Untold(Exception):\n"
+        "    def __str__(self):\n"
+        "        raise RuntimeError('no words')\n"
+        "def make():\n"
+        "    def f(inputs, **params):\n"
+        "        if 'bad' in inputs: raise Untold()\n"
+        "        return inputs\n"
+        "    return f\n"
+    )
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    a, failed, c = run_bisecting(serving, ["a", "bad", "c"], {})
+    assert (a, c) == ("a", "c")
+    assert failed == ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
+
+
 def test_the_failing_item_s_error_is_logged_alone_not_chained_to_its_batch_s(
     monkeypatch, tmp_path, caplog
 ):

@@ -349,7 +349,10 @@ def run_bisecting(
             else:
                 outputs = runner.run_prepared(inputs, params, control, prepared)
     except Exception as exc:  # noqa: BLE001 - every failure becomes data, never a pickle
-        failure = runner.describe_failure(exc)
+        try:
+            failure = runner.describe_failure(exc)
+        except Exception:  # noqa: BLE001 - an error that cannot be told (its __str__ raises)
+            failure = ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
         if failure.kind is FailureKind.OUT_OF_MEMORY:
             release_memory()
             if cap is not None and len(inputs) > 1:
