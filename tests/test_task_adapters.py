@@ -921,6 +921,27 @@ def test_a_handler_that_cannot_be_called_as_one_is_refused_at_load(
     assert f":make: {says}" in str(refused.value)
 
 
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import argparse\nargparse.ArgumentParser().parse_args(['--served'])\n",
+        "import sys\ndef make():\n    sys.exit('no model here')\n",
+    ],
+)
+def test_a_handler_that_exits_as_it_loads_is_a_load_failure(monkeypatch, tmp_path, source):
+    """SystemExit from the module's import (a script's argparse reading the server's
+    argv) or from the factory ended the worker as it loaded: restarted with backoff, it
+    died again, for ever, where a load error stops the server with its reason."""
+    from rawserve.worker.handler import HandlerStopped
+    from rawserve.worker.process import load_failed
+
+    with pytest.raises(HandlerStopped) as stopped:
+        handler_runner(monkeypatch, tmp_path, source)
+    assert load_failed(stopped.value).message.startswith(
+        "HandlerStopped: the handler raised SystemExit: "
+    )
+
+
 def test_a_handler_raising_systemexit_on_one_input_fails_that_input_alone(monkeypatch, tmp_path):
     """SystemExit, KeyboardInterrupt or a BaseException of the handler's own passed every
     `except Exception` and ended the worker: its batch-mates were run again, and a server of

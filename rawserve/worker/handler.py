@@ -11,7 +11,8 @@ import inspect
 import os
 import pickle
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -61,6 +62,22 @@ class HandlerStopped(RuntimeError):
     """The handler raised an exception that is no `Exception` (SystemExit and the like)."""
 
 
+@contextmanager
+def exits_as_errors() -> Iterator[None]:
+    """Within it, SystemExit, KeyboardInterrupt (the worker ignores SIGINT: only the
+    handler's code raises it) or a BaseException class of the handler's own is raised as
+    a HandlerStopped, an ordinary error: of an input, which fails alone while the worker
+    lives on (it died, and again on the input alone), or of the load, which stops the
+    server with its reason (the worker died, and was restarted to die again, forever)."""
+    try:
+        yield
+    except Exception:
+        raise
+    except BaseException as exc:
+        told = f": {exc}" if str(exc) else ""
+        raise HandlerStopped(f"the handler raised {type(exc).__name__}{told}") from exc
+
+
 class HandlerRunner(Runner):
     """`--handler module:factory`: the factory returns `f(inputs: list, **params) -> list`."""
 
@@ -72,8 +89,9 @@ class HandlerRunner(Runner):
         # (its sys.path[0]); the `rawserve` command's sys.path starts at its script's folder
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
-        factory = getattr(importlib.import_module(module_name), factory_name or "handler")
-        self.handler = factory()
+        with exits_as_errors():  # a module that parses sys.argv as it is imported, say
+            factory = getattr(importlib.import_module(module_name), factory_name or "handler")
+            self.handler = factory()
         self.signature = handler_signature(spec, self.handler)
         super().__init__(CUSTOM_TASK, device)
 
@@ -87,14 +105,8 @@ class HandlerRunner(Runner):
                 self.signature.bind(inputs, **params)
             except TypeError as exc:
                 raise ValueError(f"invalid parameters for the handler: {exc}") from None
-        try:  # a copy: a handler may consume its list, which a failed batch splits again
-            answers = self.handler(list(inputs), **params)
-        except Exception:
-            raise
-        except BaseException as exc:  # SystemExit, KeyboardInterrupt (the worker ignores
-            # SIGINT: the handler raised it), a class of its own: this input failed, and
-            # the worker lives on rather than dying of it (and again on the input alone)
-            raise HandlerStopped(f"the handler raised {type(exc).__name__}: {exc}") from exc
+        with exits_as_errors():  # a copy: a handler may consume its list, which a failed
+            answers = self.handler(list(inputs), **params)  # batch splits again
         # one answer where a list of them was due: a dict or a text would be read as its
         # keys or characters, each the answer of an input
         if isinstance(answers, (Mapping, str, bytes)) or not isinstance(answers, Iterable):
