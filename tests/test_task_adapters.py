@@ -1053,6 +1053,23 @@ def test_an_error_that_cannot_be_told_fails_its_input_not_the_worker(monkeypatch
     assert failed == ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
 
 
+def test_an_input_a_handler_leaves_unanswered_fails_alone(monkeypatch, tmp_path):
+    """A handler that skipped an input (one answer fewer) failed its whole batch: every
+    batch-mate got 500 "the model answered the wrong number of outputs"."""
+    from rawserve.worker.process import run_bisecting
+
+    source = (
+        "def make():\n"
+        "    return lambda inputs, **params: [x.upper() for x in inputs if x != 'skip']\n"
+    )
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    answers = run_bisecting(serving, ["a", "b", "skip", "c", "d"], {})
+    assert answers[:2] == ["A", "B"] and answers[3:] == ["C", "D"]
+    assert answers[2] == ItemFailure(
+        FailureKind.INTERNAL, "the model answered the wrong number of outputs"
+    )
+
+
 def test_the_failing_item_s_error_is_logged_alone_not_chained_to_its_batch_s(
     monkeypatch, tmp_path, caplog
 ):

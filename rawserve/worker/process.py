@@ -341,7 +341,8 @@ def run_bisecting(
     control: Control = NO_CONTROL,
     prepared: Any = None,
 ) -> list[Any]:
-    """Run a batch; if it raises, run each half alone, down to the failing items."""
+    """Run a batch; if it raises (or answers a count of outputs not its inputs'), run each
+    half alone, down to the failing items."""
     try:
         with panics_as_errors():
             if prepared is None:
@@ -367,13 +368,14 @@ def run_bisecting(
                 log.error("an item failed", exc_info=exc)
             return [failure]
     else:
-        if len(outputs) != len(inputs):
-            log.error("the model answered %d outputs for %d inputs", len(outputs), len(inputs))
-            failure = ItemFailure(
-                FailureKind.INTERNAL, "the model answered the wrong number of outputs"
-            )
-            return [failure] * len(inputs)
-        return outputs
+        if len(outputs) == len(inputs):
+            return outputs
+        if len(inputs) == 1:  # an input a handler answered with no answer, or several
+            log.error("the model answered %d outputs for 1 input", len(outputs))
+            return [
+                ItemFailure(FailureKind.INTERNAL, "the model answered the wrong number of outputs")
+            ]
+        # which input was miscounted is not known: the halves are run, as for an error
     # the halves run after the batch's error is handled: the failing item's own error is
     # then logged alone, not chained to each larger batch's ("During handling of ...")
     half = len(inputs) // 2
