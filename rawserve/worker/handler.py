@@ -105,8 +105,9 @@ class HandlerRunner(Runner):
                 self.signature.bind(inputs, **params)
             except TypeError as exc:
                 raise ValueError(f"invalid parameters for the handler: {exc}") from None
-        with exits_as_errors():  # a copy: a handler may consume its list, which a failed
-            answers = self.handler(list(inputs), **params)  # batch splits again
+        # a copy: a handler may consume its list, which a failed batch is split from again
+        with exits_as_errors():
+            answers = self.handler(list(inputs), **params)
         # one answer where a list of them was due: a dict or a text would be read as its
         # keys or characters, each the answer of an input
         if isinstance(answers, (Mapping, str, bytes)) or not isinstance(answers, Iterable):
