@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ GPU_MAX_QUEUE = 4096
 GPU_HTTP_PROCESSES = 8
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# --handler: a module the worker imports, and the factory in it (`handler` if not named)
+HANDLER_SPEC = re.compile(r"[^\W\d]\w*(\.[^\W\d]\w*)*(:([^\W\d]\w*)?)?")
 ENV_TRUE = ("1", "true", "yes", "on")
 ENV_FALSE = ("", "0", "false", "no", "off")
 
@@ -323,6 +326,11 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     origins = flags_or_variable(args.cors_allow_origin, "RAWSERVE_CORS_ALLOW_ORIGIN")
     if args.handler and models:
         parser.error("--handler serves its own callable: give no --model with it")
+    if args.handler and not HANDLER_SPEC.fullmatch(args.handler):
+        parser.error(
+            f"--handler {args.handler!r} is not MODULE or MODULE:FACTORY "
+            "(a dotted module name, and a name in it)"
+        )
     try:
         engine = Engine(args.engine)
     except ValueError:

@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import sys
+import threading
 import time
 import warnings
 
@@ -144,6 +145,25 @@ def test_a_workers_json_lines_name_the_worker_as_its_text_lines_do(
         (named, "engine: torch"),
         (named, "a field"),
     ]
+
+
+def test_a_threads_uncaught_error_is_one_log_line(restore_logging, monkeypatch):
+    """A thread a handler starts that raises wrote Python's bare traceback to stderr, many
+    lines amid the log (with --log-format json, lines that are not JSON)."""
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+    stream = io.StringIO()
+    setup_logging("info", "json", stream=stream)
+
+    def fail():
+        raise ZeroDivisionError("in a thread")
+
+    thread = threading.Thread(target=fail, name="model-helper")
+    thread.start()
+    thread.join()
+    [line] = stream.getvalue().splitlines()
+    document = json.loads(line)
+    assert (document["level"], document["message"]) == ("error", "thread model-helper failed")
+    assert "ZeroDivisionError: in a thread" in document["exception"]
 
 
 def test_a_traceback_stays_on_one_line_in_both_formats():

@@ -168,6 +168,23 @@ def test_an_address_or_a_process_count_that_cannot_serve_is_refused_before_loadi
     assert line.startswith(f"rawserve: error: {says}")
 
 
+@pytest.mark.parametrize("spec", [":", ":make", ".relative:make", "a b:c", "m:f:g", "m.:f"])
+def test_a_handler_that_names_no_module_and_factory_is_refused_before_loading(
+    monkeypatch, capsys, spec
+):
+    """It started a worker, which spent its imports (seconds) to fail on the name, exit 1."""
+    clear_environment(monkeypatch)
+    with pytest.raises(SystemExit) as exit:
+        parse_config(["--handler", spec])
+    assert exit.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == f"rawserve: error: --handler {spec!r} is not MODULE or MODULE:FACTORY " + (
+        "(a dotted module name, and a name in it)"
+    )
+    for good in ("shout", "shout:", "my_pkg.handlers:make", "tests.handlers:echo"):
+        assert parse_config(["--handler", good]).handler == good
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "0.0.0.0", "localhost"])
 def test_an_address_or_a_name_of_this_machine_is_taken(monkeypatch, host):
     clear_environment(monkeypatch)

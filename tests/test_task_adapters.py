@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import pickle
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ import pytest
 
 from rawserve.shared.messages import (
     EMBEDDING_ROUTE,
+    BatchResult,
     Control,
     Engine,
     FailureKind,
@@ -880,6 +884,274 @@ def test_weights_that_do_not_match_the_config_are_one_line_that_says_so(tiny_mod
     assert load_failed(caught.value).message.startswith(
         "the weights' shapes do not match config.json ("
     )
+
+
+def handler_runner(monkeypatch, tmp_path, source: str, factory: str = "make"):
+    """A HandlerRunner of a module written now, `source` its code."""
+    from rawserve.worker.handler import HandlerRunner
+
+    name = f"handler_{tmp_path.name}"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return HandlerRunner(f"{name}:{factory}", "cpu")
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [
+        ("def make():\n    return 42\n", "the factory returned int, not a callable"),
+        (
+            "def make():\n    async def f(inputs, **params):\n        return inputs\n"
+            "    return f\n",
+            "the factory returned an async function",
+        ),
+        (
+            "def make():\n    return lambda: []\n",
+            "the factory returned a callable that takes no positional argument",
+        ),
+    ],
+)
+def test_a_handler_that_cannot_be_called_as_one_is_refused_at_load(
+    monkeypatch, tmp_path, source, says
+):
+    """It was served as ready, and every request failed with 500."""
+    with pytest.raises(TypeError) as refused:
+        handler_runner(monkeypatch, tmp_path, source)
+    assert f":make: {says}" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import argparse\nargparse.ArgumentParser().parse_args(['--served'])\n",
+        "import sys\ndef make():\n    sys.exit('no model here')\n",
+    ],
+)
+def test_a_handler_that_exits_as_it_loads_is_a_load_failure(monkeypatch, tmp_path, source):
+    """SystemExit from the module's import (a script's argparse reading the server's
+    argv) or from the factory ended the worker as it loaded: restarted with backoff, it
+    died again, for ever, where a load error stops the server with its reason."""
+    from rawserve.worker.handler import HandlerStopped
+    from rawserve.worker.process import load_failed
+
+    with pytest.raises(HandlerStopped) as stopped:
+        handler_runner(monkeypatch, tmp_path, source)
+    assert load_failed(stopped.value).message.startswith(
+        "HandlerStopped: the handler raised SystemExit: "
+    )
+
+
+def test_a_handler_raising_systemexit_on_one_input_fails_that_input_alone(monkeypatch, tmp_path):
+    """SystemExit, KeyboardInterrupt or a BaseException of the handler's own passed every
+    `except Exception` and ended the worker: its batch-mates were run again, and a server of
+    one worker per core was unready for a restart's imports."""
+    from rawserve.worker.process import run_bisecting
+
+    source = (
+        "import sys\n"
+        "class Stop(BaseException):\n    pass\n"
+        "def make():\n"
+        "    def f(inputs, **params):\n"
+        "        if 'exit' in inputs: sys.exit(3)\n"
+        "        if 'interrupt' in inputs: raise KeyboardInterrupt\n"
+        "        if 'stop' in inputs: raise Stop('stop')\n"
+        "        return [x.upper() for x in inputs]\n"
+        "    return f\n"
+    )
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    answers = run_bisecting(serving, ["a", "exit", "b", "interrupt", "c", "stop"], {})
+    assert answers[0::2] == ["A", "B", "C"]
+    for failed in answers[1::2]:
+        assert failed == ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
+
+
+@pytest.mark.parametrize(
+    ("params", "says"),
+    [
+        ({"inputs": 1}, "multiple values for argument 'inputs'"),
+        ({"top_k": 2, "colour": "red"}, "unexpected keyword argument 'colour'"),
+    ],
+)
+def test_parameters_a_handler_cannot_take_are_the_client_s_to_fix(
+    monkeypatch, tmp_path, params, says
+):
+    """They raised TypeError in the call: 500, "the model failed on this input", and an
+    error with its traceback in the log for each such request."""
+    from rawserve.worker.process import run_bisecting
+
+    source = (
+        "def make():\n"
+        "    def f(inputs, top_k=1):\n"
+        "        return [[x] * top_k for x in inputs]\n"
+        "    return f\n"
+    )
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    assert run_bisecting(serving, ["a", "b"], {"top_k": 2}) == [["a", "a"], ["b", "b"]]
+    refused = run_bisecting(serving, ["a", "b"], params)
+    assert [failure.kind for failure in refused] == [FailureKind.INPUT] * 2
+    assert refused[0].message.startswith("invalid parameters for the handler: ")
+    assert says in refused[0].message
+
+
+@pytest.mark.parametrize("answer", ["{'label': 'yes'}", "'yes'", "None"])
+def test_a_handler_answering_one_value_for_its_batch_fails_it(
+    monkeypatch, tmp_path, caplog, answer
+):
+    """A dict or a text was read as the list of answers: `{"label": "yes"}` for one input
+    answered "label", and "ab" for two answered "a" and "b", all 200."""
+    from rawserve.worker.process import run_bisecting
+
+    source = f"def make():\n    return lambda inputs, **params: {answer}\n"
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    failed = ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
+    assert run_bisecting(serving, ["a", "b", "c"], {}) == [failed] * 3
+    assert "not a list of one answer per input" in caplog.text
+
+
+def test_a_handler_that_consumes_its_list_still_has_its_failing_batch_split(monkeypatch, tmp_path):
+    """The handler was given the batch's own list: one that popped its inputs as it went
+    and then failed left the bisection an empty list to split, and a batch of four was
+    answered with one failure (its good items never answered)."""
+    from rawserve.worker.process import run_bisecting
+
+    source = (
+        "def make():\n"
+        "    def f(inputs, **params):\n"
+        "        answers = []\n"
+        "        while inputs:\n"
+        "            text = inputs.pop(0)\n"
+        "            if text == 'bad': raise RuntimeError('bad')\n"
+        "            answers.append(text.upper())\n"
+        "        return answers\n"
+        "    return f\n"
+    )
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    answers = run_bisecting(serving, ["a", "b", "bad", "c"], {})
+    assert answers[:2] == ["A", "B"] and answers[3] == "C"
+    assert answers[2] == ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
+
+
+def test_an_error_that_cannot_be_told_fails_its_input_not_the_worker(monkeypatch, tmp_path):
+    """A handler's exception whose `__str__` raises escaped the bisection from its
+    description (the worker died, and twice more on the input alone)."""
+    from rawserve.worker.process import run_bisecting
+
+    source = (
+        "class Untold(Exception):\n"
+        "    def __str__(self):\n"
+        "        raise RuntimeError('no words')\n"
+        "def make():\n"
+        "    def f(inputs, **params):\n"
+        "        if 'bad' in inputs: raise Untold()\n"
+        "        return inputs\n"
+        "    return f\n"
+    )
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    a, failed, c = run_bisecting(serving, ["a", "bad", "c"], {})
+    assert (a, c) == ("a", "c")
+    assert failed == ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
+
+
+def test_an_input_a_handler_leaves_unanswered_fails_alone(monkeypatch, tmp_path):
+    """A handler that skipped an input (one answer fewer) failed its whole batch: every
+    batch-mate got 500 "the model answered the wrong number of outputs"."""
+    from rawserve.worker.process import run_bisecting
+
+    source = (
+        "def make():\n"
+        "    return lambda inputs, **params: [x.upper() for x in inputs if x != 'skip']\n"
+    )
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    answers = run_bisecting(serving, ["a", "b", "skip", "c", "d"], {})
+    assert answers[:2] == ["A", "B"] and answers[3:] == ["C", "D"]
+    assert answers[2] == ItemFailure(
+        FailureKind.INTERNAL, "the model answered the wrong number of outputs"
+    )
+
+
+def test_the_failing_item_s_error_is_logged_alone_not_chained_to_its_batch_s(
+    monkeypatch, tmp_path, caplog
+):
+    """The halves ran inside the batch's `except`: the item's logged traceback carried each
+    larger batch's, the same error over again, "During handling of the above exception,
+    another exception occurred" (five times over in a batch of 32)."""
+    from rawserve.worker.process import run_bisecting
+
+    source = (
+        "def make():\n"
+        "    def f(inputs, **params):\n"
+        "        if 'bad' in inputs: raise RuntimeError('bad')\n"
+        "        return inputs\n"
+        "    return f\n"
+    )
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    assert run_bisecting(serving, ["a", "b", "bad", "c"], {})[3] == "c"
+    [record] = [record for record in caplog.records if record.msg == "an item failed"]
+    assert record.exc_info is not None and record.exc_info[1].__context__ is None
+
+
+def sent(result: BatchResult, pickler: Any = pickle.Pickler) -> BatchResult:
+    """`result` as the server reads it, sent as a worker sends it."""
+    from rawserve.shared.pipes import MessageReader, MessageWriter
+    from rawserve.worker.process import send_result
+
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)  # as the server reads it
+    try:
+        writer = MessageWriter(write_end)
+        writer.pickler = pickler
+        assert send_result(writer, result)
+        [message] = MessageReader().read(read_end)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    return message
+
+
+def test_a_handler_s_answers_reach_the_server_as_plain_data(monkeypatch, tmp_path):
+    """Pickled as they were, a torch tensor loaded torch into the server's process (then
+    500: its JSON encoder refused it), and an object of the handler's own class imported
+    the handler's module into the server, or killed the worker where the server could not
+    import it (its message unreadable), three times over, and quarantined the input."""
+    import torch
+
+    from rawserve.http.encoding import dumps
+
+    source = (
+        "import dataclasses, datetime, torch\n"
+        "@dataclasses.dataclass\n"
+        "class Scored:\n    label: str\n    score: object\n"
+        "class Opaque:\n    pass\n"
+        "def make():\n"
+        "    def f(inputs, **params):\n"
+        "        return [{'v': torch.tensor([1.0, 2.0], requires_grad=True),\n"
+        "                 's': torch.tensor(0.5, dtype=torch.bfloat16)},\n"
+        "                Scored('a', torch.tensor(0.25)), Opaque(),\n"
+        "                datetime.date(2024, 1, 2), 'plain']\n"
+        "    return f\n"
+    )
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    outputs = serving.run(["one"] * 5, {})
+    answers = sent(BatchResult(1, tuple(outputs), 0.01), serving.answer_pickler).outputs
+    tensors, scored, opaque, date, plain = answers
+    assert isinstance(tensors["v"], np.ndarray) and not isinstance(scored["score"], torch.Tensor)
+    assert json.loads(dumps(tensors)) == {"v": [1.0, 2.0], "s": 0.5}
+    assert json.loads(dumps(scored)) == {"label": "a", "score": 0.25}
+    assert opaque == ItemFailure(
+        FailureKind.INTERNAL, "the model's answer to this input cannot be sent"
+    )
+    assert (json.loads(dumps(date)), plain) == ("2024-01-02", "plain")
+
+
+def test_an_output_pickle_cannot_write_fails_its_item_and_not_the_worker():
+    """A handler's answer holding a lock or a lambda ended the worker as it sent the batch's
+    result: its batch-mates were run again, and the input alone killed it twice more."""
+    result = BatchResult(7, ("a", threading.Lock(), np.arange(3), lambda: 1), 0.01)
+    answers = sent(result)
+    cannot = ItemFailure(FailureKind.INTERNAL, "the model's answer to this input cannot be sent")
+    assert answers.batch_id == 7 and answers.outputs[0] == "a"
+    assert answers.outputs[1::2] == (cannot,) * 2 and answers.outputs[2].tolist() == [0, 1, 2]
 
 
 def test_a_handler_module_in_the_current_directory_is_found_by_the_rawserve_command(

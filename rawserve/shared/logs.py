@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any, TextIO
@@ -108,6 +109,19 @@ def make_formatter(
     raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, not {log_format!r}")
 
 
+def log_thread_failure(args: threading.ExceptHookArgs) -> None:
+    """A thread's uncaught error (a thread a handler started, a library's) as one line of
+    the log, where Python writes a bare traceback of many lines to stderr."""
+    if args.exc_type is SystemExit:
+        return  # a thread that exits, as Python's own hook takes it
+    name = args.thread.name if args.thread is not None else "?"
+    logging.getLogger("rawserve").error(
+        "thread %s failed",
+        name,
+        exc_info=args.exc_value,
+    )
+
+
 def setup_logging(
     level: str = "info",
     log_format: str = "text",
@@ -130,8 +144,9 @@ def setup_logging(
     root.addHandler(handler)
     root.setLevel(level.upper())
     # Python's warnings (torch's, the libraries') are log lines too: in the same format,
-    # not bare text between JSON objects
+    # not bare text between JSON objects; and so is a thread's uncaught error
     logging.captureWarnings(True)
+    threading.excepthook = log_thread_failure
     # The access log is INFO; off means it is never even formatted.
     logging.getLogger(ACCESS_LOGGER).setLevel(logging.NOTSET if access_log else logging.WARNING)
     for name in CHATTY_LOGGERS:

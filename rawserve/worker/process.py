@@ -21,7 +21,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -201,6 +201,7 @@ def worker_main(
     if generating is not None:
         generating.run(Feeder(batches).start())
         return
+    out.pickler = runner.answer_pickler
     feeder = Feeder(batches, prepare, timed=True).start()  # the next arrives while one runs
     cap = BatchCap()
     releaser = FreeMemoryReleaser()  # tensors of every shape: the heap would only grow
@@ -231,13 +232,40 @@ def worker_main(
                 ahead.token_counts if ahead is not None else sample_token_counts(runner, message),
                 prepare_seconds=received.prepare_seconds,
             )
-            try:
-                out.send(result)
-            except (OSError, ValueError):  # the server is gone
+            if not send_result(out, result):  # the server is gone
                 return
             # after the reply: the server is not kept waiting (nor the next batch)
             releaser.after_batch(next_waiting=feeder.waiting())
             free_since = time.perf_counter()
+
+
+def send_result(out: MessageWriter, result: BatchResult) -> bool:
+    """Send a batch's result; False when the server is gone. An output that cannot be
+    pickled for the server (a handler's answer holding a lock, a lambda, an open file, an
+    object of its own module's class) is its item's failure: its batch-mates are answered
+    and the worker lives on, where the worker would die of it, and die again running the
+    input alone, as of a poison input."""
+    try:
+        out.send(result)
+        return True
+    except Exception:  # noqa: BLE001 - the server is gone, or pickle refused an output
+        pass  # (nothing was written: pickling comes first)
+    outputs = tuple(sendable(out, output) for output in result.outputs)
+    try:
+        out.send(replace(result, outputs=outputs))
+    except (OSError, ValueError):  # the server is gone
+        return False
+    return True
+
+
+def sendable(out: MessageWriter, output: Any) -> Any:
+    """`output`, or its item's failure where the writer cannot write it."""
+    try:
+        out.encode(output)
+    except Exception as exc:  # noqa: BLE001 - what pickle raises depends on the object
+        log.error("an output cannot be sent to the server: %s: %s", type(exc).__name__, exc)
+        return ItemFailure(FailureKind.INTERNAL, "the model's answer to this input cannot be sent")
+    return output
 
 
 @dataclass
@@ -313,7 +341,8 @@ def run_bisecting(
     control: Control = NO_CONTROL,
     prepared: Any = None,
 ) -> list[Any]:
-    """Run a batch; if it raises, run each half alone, down to the failing items."""
+    """Run a batch; if it raises (or answers a count of outputs not its inputs'), run each
+    half alone, down to the failing items."""
     try:
         with panics_as_errors():
             if prepared is None:
@@ -321,7 +350,10 @@ def run_bisecting(
             else:
                 outputs = runner.run_prepared(inputs, params, control, prepared)
     except Exception as exc:  # noqa: BLE001 - every failure becomes data, never a pickle
-        failure = runner.describe_failure(exc)
+        try:
+            failure = runner.describe_failure(exc)
+        except Exception:  # noqa: BLE001 - an error that cannot be told (its __str__ raises)
+            failure = ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
         if failure.kind is FailureKind.OUT_OF_MEMORY:
             release_memory()
             if cap is not None and len(inputs) > 1:
@@ -335,17 +367,21 @@ def run_bisecting(
             if failure.kind is not FailureKind.INPUT:
                 log.error("an item failed", exc_info=exc)
             return [failure]
-        half = len(inputs) // 2
-        return run_bisecting(runner, inputs[:half], params, cap, control) + run_bisecting(
-            runner, inputs[half:], params, cap, control
-        )
-    if len(outputs) != len(inputs):
-        log.error("the model answered %d outputs for %d inputs", len(outputs), len(inputs))
-        failure = ItemFailure(
-            FailureKind.INTERNAL, "the model answered the wrong number of outputs"
-        )
-        return [failure] * len(inputs)
-    return outputs
+    else:
+        if len(outputs) == len(inputs):
+            return outputs
+        if len(inputs) == 1:  # an input a handler answered with no answer, or several
+            log.error("the model answered %d outputs for 1 input", len(outputs))
+            return [
+                ItemFailure(FailureKind.INTERNAL, "the model answered the wrong number of outputs")
+            ]
+        # which input was miscounted is not known: the halves are run, as for an error
+    # the halves run after the batch's error is handled: the failing item's own error is
+    # then logged alone, not chained to each larger batch's ("During handling of ...")
+    half = len(inputs) // 2
+    return run_bisecting(runner, inputs[:half], params, cap, control) + run_bisecting(
+        runner, inputs[half:], params, cap, control
+    )
 
 
 def release_memory() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import pickle
 import re
 from collections.abc import Callable
 from typing import Any
@@ -122,6 +123,9 @@ def dtype_name(model: Any) -> str:
 
 class Runner:
     """A model loaded in this worker, for one task."""
+
+    # what writes this runner's answers to the server (a handler's restricts what they hold)
+    answer_pickler: type[pickle.Pickler] = pickle.Pickler
 
     def __init__(self, task: str, device: str, dtype: str = "float32", tokenizer: Any = None):
         self.task = task
