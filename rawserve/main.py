@@ -47,6 +47,7 @@ from rawserve.shared.board import Board
 from rawserve.shared.logs import setup_logging
 from rawserve.shared.memory import fix_mmap_threshold
 from rawserve.shared.messages import WorkerConfig
+from rawserve.tasks import CUSTOM_TASK
 
 log = logging.getLogger("rawserve")
 
@@ -505,6 +506,8 @@ def describe(executor: Executor) -> str:
     engine = executor.engine
     if engine is None:
         return str(executor.task)
+    if executor.task == CUSTOM_TASK:
+        return "a custom handler"  # its engine is its own
     return f"{executor.task}, engine {engine[0].value} ({engine[1]})"
 
 

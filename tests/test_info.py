@@ -32,6 +32,9 @@ def test_info_tells_the_model_settings_versions_and_worker_pids(server):
         server.wait_for_log(re.compile(rf"worker {index}: \S+ model ready"))
     info = json.loads(server.request("GET", "/info")[2])
     assert info["task"] == "custom"
+    # a handler is not warmed (its inputs are its own) nor said to be, nor given an engine
+    assert not any("warming up" in line for line in server.lines)
+    assert server.wait_for_log(re.compile(r"ready in .* s: serving a custom handler$"))
     assert info["handler"] == "tests.handlers:echo"
     # no --device on a machine without a GPU: one single-threaded worker per core
     assert info["devices"] == ["cpu"] * len(info["workers"]) and info["threads_per_worker"] == 1

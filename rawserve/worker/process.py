@@ -158,13 +158,15 @@ def worker_main(
         )
         runner.bind_stream(out.send, cancelled_stream)  # token streaming, if it streams
         from rawserve.worker.generating import continuous_loop
-        from rawserve.worker.warmup import warm_up
+        from rawserve.worker.warmup import example, warm_up
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which logs it
         out.send(load_failed(exc))
         return
     load_seconds = time.monotonic() - started
     warmup_seconds = None
-    if config.warmup_batch:  # the first client's request costs what every later one costs
+    # the first client's request costs what every later one costs (a task with no example
+    # input, a handler's, is not warmed: nor said to be)
+    if config.warmup_batch and example(runner) is not None:
         out.send(WorkerWarming(load_seconds))
         warmup_seconds = warm_up(runner, config.warmup_batch)
     # a causal LM batches continuously: sequences join and leave between decoding steps
