@@ -136,3 +136,15 @@ def recording():
         return inner(inputs, **params)
 
     return handle
+
+
+def lingering_thread():
+    """Starts a thread that never ends and is no daemon: it holds its worker at exit."""
+    import threading
+
+    threading.Thread(target=time.sleep, args=(3600,), name="forever").start()
+
+    def handle(inputs, **params):
+        return list(inputs)
+
+    return handle

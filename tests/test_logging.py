@@ -400,3 +400,16 @@ def test_an_access_line_that_cannot_be_written_is_reported_as_logging_reports_it
     setup_logging("info", "text", stream=Broken())
     log_access("10.0.0.1:5000", "GET", "/a", 200, 15, 0.0002, "id-1")  # raises nothing
     assert "Logging error" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_worker_held_at_exit_by_a_thread_of_its_own_is_killed_with_a_line_saying_so():
+    server = RunningServer(["--handler", "tests.handlers:lingering_thread", "--device", "cpu"])
+    with server:
+        assert server.post_json({"inputs": "hello"})[0] == 200
+        server.stop()
+        server.wait_for_log(STOPPED)
+    assert any(
+        re.search(r"WARNING worker 0: did not exit within 2 s; killed$", line)
+        for line in server.lines
+    ), server.lines[-10:]

@@ -275,13 +275,14 @@ class WorkerPool(PoolReports):
                 worker.process.kill()
             self._take_all(worker, error=stopping)
         timeout = EXIT_TIMEOUT if wait else 0.0
-        await asyncio.gather(
-            *(
-                asyncio.to_thread(join_or_kill, w.process, timeout)
-                for w in self.workers
-                if w.process
-            )
+        exiting = [(w, w.process) for w in self.workers if w.process]
+        killed = await asyncio.gather(
+            *(asyncio.to_thread(join_or_kill, process, timeout) for _, process in exiting)
         )
+        for (worker, _), was_killed in zip(exiting, killed, strict=True):
+            if was_killed and wait:  # (an idle worker exits at once, unless a thread of
+                # its own code, a handler's say, is still running and holds it)
+                log.warning("worker %s: did not exit within %.0f s; killed", worker.label, timeout)
         for worker in self.workers:
             worker.state = WorkerState.STOPPED
 

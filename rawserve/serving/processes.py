@@ -45,8 +45,11 @@ def start_process(context: SpawnContext, worker: WorkerHandle) -> tuple[BaseProc
     return process, replies_in
 
 
-def join_or_kill(process: BaseProcess, timeout: float) -> None:
+def join_or_kill(process: BaseProcess, timeout: float) -> bool:
+    """Wait up to `timeout` for `process` to exit, then kill it; whether it was killed."""
     process.join(timeout=timeout)
-    if process.exitcode is None:
-        process.kill()
-        process.join()
+    if process.exitcode is not None:
+        return False
+    process.kill()
+    process.join()
+    return True
