@@ -97,7 +97,7 @@ class Application(Protocol):
 
     @property
     def draining(self) -> bool:
-        """The server is shutting down: every 5xx closes its connection."""
+        """The server is shutting down: every answer closes its connection."""
         ...
 
     @property
@@ -518,10 +518,14 @@ class HttpProtocol(asyncio.Protocol):
 
     def _closes_after(self, response: HttpResponse) -> bool:
         """Whether this answer ends the connection (said in its head as Connection: close)."""
-        # A 503 (queue full, loading) keeps the connection unless the server is draining:
-        # under overload, closing would make every refused client pay a new connection.
-        failed = response.status >= 500 and (response.status != 503 or self.app.draining)
-        return failed or self.probe_only or self.conn.their_state not in _REQUEST_READ
+        # A 503 (queue full, loading) keeps the connection: under overload, closing would
+        # make every refused client pay a new connection. While draining every answer
+        # closes: the drain ends by closing every connection, and one kept now would be
+        # closed later without a word, perhaps as a pooled client sends on it.
+        failed = response.status >= 500 and response.status != 503
+        if failed or self.app.draining or self.probe_only:
+            return True
+        return self.conn.their_state not in _REQUEST_READ
 
     def _cors_headers(self, cycle: Cycle, response: HttpResponse) -> list[tuple[str, str]]:
         """What lets the page of an allowed origin read this answer, and `Vary: Origin`

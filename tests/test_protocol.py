@@ -1062,6 +1062,26 @@ async def test_a_refusal_to_an_http_1_0_client_still_closes():
     assert response.status_code == 503 and transport.finished
 
 
+async def test_while_draining_every_answer_says_the_connection_closes():
+    # The drain ends by closing every connection: one left open after an answer would be
+    # closed later without a word, under a pooled client that may be sending on it.
+    app = App()
+    protocol, transport = connected_to(app)
+    protocol.data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    app.draining = True  # a stop signal, while the request is in progress
+    app.release.set()
+    await settle()
+    [(response, _)] = read_responses(transport.written)
+    assert response.status_code == 200 and (b"connection", b"close") in response.headers
+    assert transport.finished
+    probe, probe_transport = connected_to(app)
+    probe.data_received(b"GET /now-probe HTTP/1.1\r\nHost: a\r\n\r\n")  # answered at once
+    [(response, _)] = read_responses(probe_transport.written)
+    assert response.status_code == 200 and (b"connection", b"close") in response.headers
+    assert probe_transport.finished
+
+
 def test_reason_phrases_are_rfc_9110s():
     assert [reason(s) for s in (200, 413, 416, 422, 503, 299)] == [
         "OK",
