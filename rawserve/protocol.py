@@ -448,7 +448,7 @@ class HttpProtocol(asyncio.Protocol):
                 if body:
                     pieces.append(self.conn.send(h11.Data(data=body)))
                 pieces.append(self.conn.send(h11.EndOfMessage()))
-            except h11.LocalProtocolError:
+            except (h11.LocalProtocolError, UnicodeEncodeError):  # a head h11 cannot write
                 log.exception("could not send a response")
                 self.close()
                 return

@@ -784,6 +784,21 @@ async def test_an_error_after_the_head_is_out_closes_instead_of_a_second_respons
     assert b"secret" not in transport.written
 
 
+async def test_an_answer_whose_head_cannot_be_written_closes_the_connection(caplog):
+    """A header value outside ASCII (h11 writes none) ends the connection with a log
+    line, where the failure was lost in the request's task and the client waited on."""
+
+    class BadHeaderApp(FakeApp):
+        async def handle(self, request):
+            return HttpResponse(200, b"{}", [("X-Echo", "caf\xe9")])
+
+    protocol, transport = connected_to(BadHeaderApp())
+    protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    assert transport.closed and count_responses(transport.written) == 0
+    assert "could not send a response" in caplog.text
+
+
 async def test_every_response_has_a_request_id_server_timing_and_an_access_line(server, caplog):
     app, protocol, transport = server
     requests = [
