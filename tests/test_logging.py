@@ -179,6 +179,27 @@ def test_a_traceback_stays_on_one_line_in_both_formats():
     assert "ValueError" in json.loads(JsonFormatter().format(failed))["exception"]
 
 
+# What a client's text may carry into a message (a handler's error quoting its input):
+# a carriage return and a line of the server's own, a terminal's escape, line separators
+FORGED_TEXT = "bad\r2026-01-01 00:00:00,000 rawserve ERROR forged\x1b[2J\u2028\u2029\x85\x9b\x7f"
+
+
+def test_a_clients_text_in_a_message_cannot_start_a_line_or_drive_a_terminal():
+    failed = record("an item failed: %s", forged=FORGED_TEXT)
+    failed.args = (FORGED_TEXT,)
+    try:
+        raise RuntimeError(FORGED_TEXT)
+    except RuntimeError:
+        failed.exc_info = sys.exc_info()
+    text = TextFormatter().format(failed)
+    assert text.isprintable() and "\\x0d2026-01-01" in text  # one line, and visible
+    line = JsonFormatter().format(failed)
+    assert line.isprintable() and len(line.splitlines()) == 1  # splitlines: U+2028 too
+    document = json.loads(line)
+    assert document["message"] == f"an item failed: {FORGED_TEXT}"  # the text as it was
+    assert document["forged"] == FORGED_TEXT and FORGED_TEXT in document["exception"]
+
+
 @pytest.mark.parametrize("access_log", [True, False])
 def test_the_access_log_switch(restore_logging, access_log):
     stream = io.StringIO()

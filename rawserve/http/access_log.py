@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from rawserve.shared.logs import direct_lines
+from rawserve.shared.logs import direct_lines, escaped
 
 access_log = logging.getLogger("rawserve.access")
 
@@ -34,13 +34,8 @@ def escape(value: str) -> str:
     if value.isprintable() and '"' not in value and "\\" not in value:
         return value  # what nearly every request sends: no copy
     return "".join(
-        char if char.isprintable() and char not in _FIELD_ENDS else _escaped(char) for char in value
+        char if char.isprintable() and char not in _FIELD_ENDS else escaped(char) for char in value
     )
-
-
-def _escaped(char: str) -> str:
-    code = ord(char)
-    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
 
 
 def is_probe(method: str, path: str) -> bool:
