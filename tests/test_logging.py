@@ -325,6 +325,18 @@ def test_json_access_lines_keep_the_values_as_sent_and_an_escaped_message(restor
         assert TEXT_ACCESS.match(document["message"])["status"] == "404"
 
 
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_the_target_of_a_head_refused_as_too_large_is_cut_in_its_access_line(
+    restore_logging, log_format
+):
+    """A head over 16 KiB that came in one read is parsed, then refused with 431: its
+    100 KB path made a 100 KB line, a line per request as large as the client likes."""
+    [line] = access_lines("info", log_format, ("GET", "/" + "a" * 100_000, "id"))
+    assert len(line) < 40_000  # the JSON line holds the target twice: key and message
+    target = json.loads(line)["target"] if log_format == "json" else line.split('"')[1]
+    assert target.endswith("a...") and len(target) < 17_000
+
+
 @pytest.mark.parametrize("path", ["/health", "/ready", "/ready/some-model", "/health?x=1"])
 def test_probes_are_logged_at_debug_only(restore_logging, path):
     assert access_lines("info", "text", ("GET", path, "id"), ("POST", path, "id")) == [
