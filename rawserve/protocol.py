@@ -54,7 +54,7 @@ from rawserve.http.cycle import (
     is_probe,
     keeps_alive,
 )
-from rawserve.http.errors import HTTPError, error_response
+from rawserve.http.errors import HTTPError, InternalError, error_response
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.http.flow_control import FlowControl, Transport
 from rawserve.http.limits import (
@@ -423,8 +423,8 @@ class HttpProtocol(asyncio.Protocol):
         """The one writer of a whole answer: its head from `rawserve.http.response_head`,
         by hand on a connection that stays open (where h11 would write the head as given;
         h11 is restarted after), framed by h11 where the connection ends or h11 would
-        write the head its own way, and by hand where h11 has no request to answer; then
-        the connection is kept or closed."""
+        write the head its own way, and by hand where h11 has no request to answer (or
+        cannot write the app's head: a 500 then); then the connection is kept or closed."""
         if not self._start_response(cycle):
             return
         close = close or self._closes_after(response)
@@ -437,6 +437,7 @@ class HttpProtocol(asyncio.Protocol):
         framed_by_h11 = self.conn.our_state is h11.SEND_RESPONSE or (
             self.conn.their_state is h11.ERROR
         )
+        pieces: list[bytes | None] | None = None
         if kept is not None:
             timing = render_request_fields(response, cycle.request_id, cycle.started)
             pieces = [kept, timing, body]
@@ -444,15 +445,19 @@ class HttpProtocol(asyncio.Protocol):
             fields = fixed_fields(response.content_type, headers, length, close)
             fields += request_fields(response, cycle.request_id, cycle.started)
             try:
-                pieces = [self.conn.send(h11_head(response.status, fields))]
+                framed: list[bytes | None] = [self.conn.send(h11_head(response.status, fields))]
                 if body:
-                    pieces.append(self.conn.send(h11.Data(data=body)))
-                pieces.append(self.conn.send(h11.EndOfMessage()))
-            except h11.LocalProtocolError:
+                    framed.append(self.conn.send(h11.Data(data=body)))
+                framed.append(self.conn.send(h11.EndOfMessage()))
+                pieces = framed
+            except (h11.LocalProtocolError, UnicodeEncodeError):  # a field h11 cannot write
                 log.exception("could not send a response")
-                self.close()
-                return
-        else:
+                # h11 is done with this connection: a 500 of the server's own fields, by hand
+                response = error_response(InternalError("the answer could not be written"))
+                headers = (*response.headers, *self._cors_headers(cycle, response))
+                length, close, framed_by_h11 = len(response.body), True, False
+                body = b"" if cycle.is_head else response.body
+        if pieces is None:
             fixed = render_fixed(response.status, response.content_type, headers, length, close)
             timing = render_request_fields(response, cycle.request_id, cycle.started)
             pieces = [fixed, timing, body]

@@ -179,6 +179,27 @@ def test_a_traceback_stays_on_one_line_in_both_formats():
     assert "ValueError" in json.loads(JsonFormatter().format(failed))["exception"]
 
 
+# What a client's text may carry into a message (a handler's error quoting its input):
+# a carriage return and a line of the server's own, a terminal's escape, line separators
+FORGED_TEXT = "bad\r2026-01-01 00:00:00,000 rawserve ERROR forged\x1b[2J\u2028\u2029\x85\x9b\x7f"
+
+
+def test_a_clients_text_in_a_message_cannot_start_a_line_or_drive_a_terminal():
+    failed = record("an item failed: %s", forged=FORGED_TEXT)
+    failed.args = (FORGED_TEXT,)
+    try:
+        raise RuntimeError(FORGED_TEXT)
+    except RuntimeError:
+        failed.exc_info = sys.exc_info()
+    text = TextFormatter().format(failed)
+    assert text.isprintable() and "\\x0d2026-01-01" in text  # one line, and visible
+    line = JsonFormatter().format(failed)
+    assert line.isprintable() and len(line.splitlines()) == 1  # splitlines: U+2028 too
+    document = json.loads(line)
+    assert document["message"] == f"an item failed: {FORGED_TEXT}"  # the text as it was
+    assert document["forged"] == FORGED_TEXT and FORGED_TEXT in document["exception"]
+
+
 @pytest.mark.parametrize("access_log", [True, False])
 def test_the_access_log_switch(restore_logging, access_log):
     stream = io.StringIO()
@@ -302,6 +323,18 @@ def test_json_access_lines_keep_the_values_as_sent_and_an_escaped_message(restor
         assert (document["method"], document["target"]) == (method, target)
         assert document["request_id"] == request_id and document["status"] == 404
         assert TEXT_ACCESS.match(document["message"])["status"] == "404"
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_the_target_of_a_head_refused_as_too_large_is_cut_in_its_access_line(
+    restore_logging, log_format
+):
+    """A head over 16 KiB that came in one read is parsed, then refused with 431: its
+    100 KB path made a 100 KB line, a line per request as large as the client likes."""
+    [line] = access_lines("info", log_format, ("GET", "/" + "a" * 100_000, "id"))
+    assert len(line) < 40_000  # the JSON line holds the target twice: key and message
+    target = json.loads(line)["target"] if log_format == "json" else line.split('"')[1]
+    assert target.endswith("a...") and len(target) < 17_000
 
 
 @pytest.mark.parametrize("path", ["/health", "/ready", "/ready/some-model", "/health?x=1"])

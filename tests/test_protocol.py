@@ -784,6 +784,27 @@ async def test_an_error_after_the_head_is_out_closes_instead_of_a_second_respons
     assert b"secret" not in transport.written
 
 
+async def test_an_answer_whose_head_cannot_be_written_is_a_500_then_the_close(caplog):
+    """A header value outside ASCII (h11 writes none) is a 500 and a log line, where the
+    failure was lost in the request's task and the client waited on without an answer."""
+
+    class BadHeaderApp(FakeApp):
+        async def handle(self, request):
+            return HttpResponse(200, b"{}", [("X-Echo", "caf\xe9")])
+
+    protocol, transport = connected_to(BadHeaderApp())
+    request = b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"
+    with caplog.at_level("INFO", logger="rawserve.access"):
+        protocol.data_received(request)
+        await settle()
+    [(response, body)] = read_responses(transport.written, [request])
+    assert response.status_code == 500 and b"x-echo" not in dict(response.headers)
+    assert json.loads(body)["error"] == "the answer could not be written"
+    assert transport.finished
+    assert "could not send a response" in caplog.text
+    assert '"GET /" 500' in caplog.text  # its access line
+
+
 async def test_every_response_has_a_request_id_server_timing_and_an_access_line(server, caplog):
     app, protocol, transport = server
     requests = [

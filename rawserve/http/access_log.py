@@ -10,7 +10,8 @@ DEBUG: an orchestrator asks every few seconds, and those lines would drown the r
 What a client chose (method, target, request id) is escaped in the text line: a quote, a
 backslash or a character that is not printable becomes `\\xHH` (or `\\uHHHH`), so a path
 cannot close the quoted field and write fields of its own, nor start a line. The JSON
-keys carry the values as sent (JSON escapes them itself).
+keys carry the values as sent (JSON escapes them itself). A target longer than a head may
+be (a head refused as too large) is cut, with "..." at its end.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from rawserve.shared.logs import direct_lines
+from rawserve.shared.logs import direct_lines, escaped
 
 access_log = logging.getLogger("rawserve.access")
 
@@ -26,6 +27,9 @@ LINE = '%s "%s %s" %d %d %.1fms %s'  # peer "method target" status bytes duratio
 PROBE_PATHS = ("/health", "/ready")
 _PROBE_PREFIX = "/ready/"
 _FIELD_ENDS = ('"', "\\")  # a quote ends a quoted field; a backslash escapes
+# A target is cut past this many characters: a head within its 16 KiB has a shorter one,
+# but a larger head that came in one read is parsed before its 431
+MAX_TARGET_CHARS = 16 * 1024
 
 
 def escape(value: str) -> str:
@@ -34,13 +38,8 @@ def escape(value: str) -> str:
     if value.isprintable() and '"' not in value and "\\" not in value:
         return value  # what nearly every request sends: no copy
     return "".join(
-        char if char.isprintable() and char not in _FIELD_ENDS else _escaped(char) for char in value
+        char if char.isprintable() and char not in _FIELD_ENDS else escaped(char) for char in value
     )
-
-
-def _escaped(char: str) -> str:
-    code = ord(char)
-    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
 
 
 def is_probe(method: str, path: str) -> bool:
@@ -63,6 +62,8 @@ def log_access(
         return
     if callable(peer):
         peer = peer()
+    if len(target) > MAX_TARGET_CHARS:
+        target = target[:MAX_TARGET_CHARS] + "..."
     args = (peer, escape(method), escape(target), status, size, 1000 * seconds, escape(request_id))
     fields = {
         "peer": peer,

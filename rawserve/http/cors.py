@@ -9,6 +9,7 @@ Server process; plain functions of requests and responses, no I/O.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Sequence
 
 from rawserve.http.errors import Forbidden, MethodNotAllowed
@@ -21,6 +22,9 @@ EXPOSED_HEADERS = "X-Request-Id, Server-Timing, Retry-After"
 ALLOW_ORIGIN = "Access-Control-Allow-Origin"
 ALLOW_ORIGIN_LOWER = ALLOW_ORIGIN.lower()
 VARY_ORIGIN = ("Vary", "Origin")
+# What a browser asks for in Access-Control-Request-Headers: header names, comma-separated
+_NAME = r"[-!#$%&'*+.^_`|~0-9a-zA-Z]+"  # RFC 9110's token
+_HEADER_NAMES = re.compile(rf"{_NAME}(?:[ \t]*,[ \t]*{_NAME})*")
 
 
 class CorsPolicy:
@@ -55,7 +59,9 @@ class CorsPolicy:
             ("Vary", "Origin, Access-Control-Request-Method, Access-Control-Request-Headers"),
         ]
         asked = request.header("access-control-request-headers")
-        if asked:  # any header: the API key and X-Request-Timeout are the likely ones
+        # any header: the API key and X-Request-Timeout are the likely ones. Only names come
+        # back: other bytes cannot be written in a head, or are no header's
+        if asked and _HEADER_NAMES.fullmatch(asked):
             headers.append(("Access-Control-Allow-Headers", asked))
         return HttpResponse(204, b"", headers, content_type="")
 

@@ -33,8 +33,41 @@ CHATTY_LOGGERS = ("httpx2", "httpx", "httpcore", "onnxscript", "onnx_ir")
 _STANDARD_ATTRIBUTES = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 
 
+def printable(line: str) -> str:
+    """`line` as one line a terminal shows as it is: a newline as `\\n`, every other
+    character that is not printable (a carriage return, the ESC of a terminal's escape,
+    U+2028, a C1 control) as `escaped`: a client's text quoted in a message cannot start
+    a line of its own nor drive the terminal."""
+    if line.isprintable():
+        return line  # nearly every line: no copy
+    return "".join(
+        char if char.isprintable() else "\\n" if char == "\n" else escaped(char) for char in line
+    )
+
+
+def escaped(char: str) -> str:
+    """A character as `\\xHH`, `\\uHHHH` or `\\UHHHHHHHH`."""
+    code = ord(char)
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def json_line(document: Mapping[str, object]) -> str:
+    """`document` as one line of JSON. `json.dumps` escapes the C0 controls; the other
+    characters that are not printable (DEL, the C1 controls, U+2028, U+2029) are escaped
+    too: a reader splitting lines as Python's `str.splitlines` does, or a terminal, would
+    take some for a line break or a control. They only occur inside strings, where
+    `\\uHHHH` is the same character."""
+    line = json.dumps(document, default=str, ensure_ascii=False)
+    if line.isprintable():
+        return line
+    return "".join(char if char.isprintable() else json.dumps(char)[1:-1] for char in line)
+
+
 class TextFormatter(logging.Formatter):
-    """The classic text line; a multi-line message or traceback is kept on one line."""
+    """The classic text line; a multi-line message or traceback is kept on one line,
+    and what is not printable is escaped (`printable`)."""
 
     def __init__(self, fmt: str = TEXT_FORMAT):
         super().__init__(fmt)
@@ -42,7 +75,7 @@ class TextFormatter(logging.Formatter):
         self._stamp = (-1, "")  # (second, its date and time): one strftime a second
 
     def format(self, record: logging.LogRecord) -> str:
-        return super().format(record).replace("\n", "\\n")
+        return printable(super().format(record))
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
         if datefmt is not None:
@@ -78,7 +111,7 @@ class JsonFormatter(logging.Formatter):
             document["exception"] = self.formatException(record.exc_info)
         if record.stack_info:
             document["stack"] = self.formatStack(record.stack_info)
-        return json.dumps(document, default=str, ensure_ascii=False)
+        return json_line(document)
 
 
 def first_line(exc: BaseException) -> str:
@@ -211,14 +244,14 @@ class DirectLines:
             document = json_document(now, level_name, logger, message)
             document.update(self.fields)
             document.update((k, v) for k, v in fields.items() if k not in document)
-            return json.dumps(document, default=str, ensure_ascii=False)
+            return json_line(document)
         values = {
             "asctime": self.text.stamp(now),
             "name": logger,
             "levelname": level_name,
             "message": message,
         }
-        return (self.text.fmt % values).replace("\n", "\\n")
+        return printable(self.text.fmt % values)
 
     def write(self, line: str) -> bool:
         """Write one line as `StreamHandler.emit` does; False where that failed (the
