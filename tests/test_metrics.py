@@ -58,6 +58,18 @@ def wait_until(condition: Callable[[], bool], timeout: float = 20) -> None:
         time.sleep(0.02)
 
 
+async def leave_while(server: RunningServer, body: bytes, gauge: str) -> None:
+    """POST `body`, leave once `gauge` (queue depth, items in flight) shows it, and
+    wait until the gauge is back to 0."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    headers = [("Content-Type", "application/json")]
+    leaving = asyncio.create_task(exchange(reader, writer, "POST", "/", body, headers))
+    await asyncio.to_thread(wait_until, lambda: value(scrape(server), gauge) == 1)
+    leaving.cancel()
+    writer.close()
+    await asyncio.to_thread(wait_until, lambda: value(scrape(server), gauge) == 0)
+
+
 def test_metrics_count_requests_batches_and_every_kind_of_drop(server):
     before = scrape(server)
     bodies = [json.dumps({"inputs": f"item {i}"}).encode() for i in range(24)]
@@ -81,16 +93,7 @@ def test_metrics_count_requests_batches_and_every_kind_of_drop(server):
         status, _ = await client.request("POST", "/", b"late", [("X-Request-Timeout", "0.2")])
         assert status == 504
         # queued behind the busy worker, then the client leaves: "disconnected"
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        leaving = asyncio.create_task(exchange(reader, writer, "POST", "/", b"gone", []))
-        await asyncio.to_thread(
-            wait_until, lambda: value(scrape(server), "rawserve_queue_depth") == 1
-        )
-        leaving.cancel()
-        writer.close()
-        await asyncio.to_thread(
-            wait_until, lambda: value(scrape(server), "rawserve_queue_depth") == 0
-        )
+        await leave_while(server, json.dumps({"inputs": "gone"}).encode(), "rawserve_queue_depth")
         assert (await busy)[0] == 200
 
     asyncio.run(drops())
@@ -146,6 +149,24 @@ def test_queue_depth_and_queued_tokens_while_items_wait(server):
     asyncio.run(scenario())
 
 
+def test_a_batch_computed_for_a_client_that_left_is_still_counted(server):
+    """The worker spent that time on it: a model call, in `batch_size` and
+    `batch_compute_seconds` (not a drop: it was not answered without a model call)."""
+    before = scrape(server)
+
+    body = json.dumps({"inputs": "leaving", "parameters": {"sleep": 0.5}}).encode()
+    asyncio.run(leave_while(server, body, "rawserve_items_in_flight"))
+    after = scrape(server)
+
+    def grew(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert grew("rawserve_requests_total", route="/", method="POST", status="499") == 1
+    assert grew("rawserve_batch_size_sum") == 1
+    assert grew("rawserve_batch_compute_seconds_sum") >= 0.4
+    assert grew("rawserve_items_dropped_total") == 0
+
+
 def test_unknown_paths_share_one_route_label():
     metrics = Metrics(routes={"/", "/metrics"})
     for path in ("/a", "/b", "/c"):
@@ -198,6 +219,8 @@ def test_poison_inputs_and_worker_restarts_are_counted():
         assert status == 422
         samples = scrape(faulty)
     assert value(samples, "rawserve_items_dropped_total", reason="poison") == 2
+    # one model call (its retries alone are the pool's); the refusal is none
+    assert value(samples, "rawserve_batch_size_count") == 1
     assert value(samples, "rawserve_worker_restarts_total", worker="0") == 3
     assert value(samples, "rawserve_requests_total", route="/", method="POST", status="500") == 1
 

@@ -34,6 +34,7 @@ from rawserve.serving.refusals import (
     model_failed,
     shutting_down,
 )
+from rawserve.serving.supervision import REFUSED_POISON
 from rawserve.shared.late_watch import LateWatch
 from rawserve.shared.messages import NO_CONTROL, BatchResult, Control
 
@@ -387,6 +388,11 @@ class Scheduler:
                 _settle(item, exception=_as_refusal(error))
             return
         result: BatchResult = done.result()
+        # a model call, whether or not anyone still waits for it; inputs refused as
+        # poison were never computed (counted as dropped)
+        computed = sum(output is not REFUSED_POISON for output in result.outputs)
+        if self.metrics is not None and computed:
+            self.metrics.observe_batch(computed, result.compute_seconds)
         if all(item.future is None or item.future.done() for item in batch):
             self.core.stopped_batch(batch, self.clock() - result.waited)  # nobody waited
             return
@@ -394,8 +400,6 @@ class Scheduler:
         self.core.finish_batch(batch, self.clock() - result.waited)
         if result.token_counts:
             self.core.calibrate(batch, result.token_counts)
-        if self.metrics is not None:
-            self.metrics.observe_batch(len(batch), result.compute_seconds)
         answers = [
             (item, ItemResult(output, sent - item.arrived, len(batch), result.compute_seconds))
             for item, output in zip(batch, result.outputs, strict=True)
