@@ -4,12 +4,13 @@ the held-back last token, errors before and after the first token, and cleanup."
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 
 import pytest
 
 from rawserve.api.served import ServedModel
-from rawserve.api.streaming import open_token_stream
+from rawserve.api.streaming import TokenStream, open_token_stream
 from rawserve.http.errors import ServiceUnavailable
 from rawserve.serving.face import ItemResult, Reason, Refused
 from rawserve.serving.service import ModelService
@@ -186,3 +187,24 @@ async def test_closing_the_stream_cancels_the_request_and_the_generation():
     await response.stream.aclose()  # what the protocol does when the client leaves
     assert executor.closed == [1]
     await asyncio.wait_for(scheduler.cancelled.wait(), 5)
+
+
+async def test_a_stream_closed_unread_after_its_request_failed_leaves_no_error_to_log():
+    """Streams of one answer (OpenAI's `n`, a list of prompts) share a deadline: when it
+    passes they all fail, the answer reads one failure and closes the rest unread. Those
+    failures are the answer's, told already: asyncio must find none left unretrieved."""
+    unretrieved = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: unretrieved.append(context["message"]))
+    executor = FakeExecutor()
+    late = Refused.because(Reason.DEADLINE_PASSED, "the request's deadline passed")
+    scheduler = FakeScheduler(executor, [], None, fail_first=late)
+    model = ServedModel("tiny-gpt", ModelService(scheduler, executor))
+    streams = [TokenStream(model, "hello", {"max_new_tokens": 3}, deadline=1e9) for _ in "ab"]
+    await asyncio.wait([stream.run for stream in streams])
+    for stream in streams:
+        stream.close()
+    del streams, stream
+    gc.collect()
+    loop.set_exception_handler(None)
+    assert unretrieved == []

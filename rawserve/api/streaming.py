@@ -70,8 +70,16 @@ class TokenStream:
         self.stream_id = self.serving.open_stream(self.on_token)
         running = model.run([prompt], params, deadline, Control(stream_id=self.stream_id))
         self.run: Run = asyncio.ensure_future(running)
-        self.run.add_done_callback(lambda _: self.queue.put_nowait(None))
+        self.run.add_done_callback(self._on_run_end)
         self.first: TokenChunk | None = None
+
+    def _on_run_end(self, run: Run) -> None:
+        # `output()` reads a failure where the answer tells it; streams of one answer share
+        # a deadline and fail together, and those closed unread must not be logged as
+        # errors nobody retrieved
+        if not run.cancelled():
+            run.exception()
+        self.queue.put_nowait(None)
 
     def on_token(self, chunk: TokenChunk) -> None:
         if self.queue.qsize() < STREAM_BUFFER_TOKENS:
