@@ -15,7 +15,13 @@ from rawserve.http.auth import require_bearer
 from rawserve.http.chunked import ChunkedMeter
 from rawserve.http.content_coding import decoded
 from rawserve.http.cors import EXPOSED_HEADERS, CorsPolicy
-from rawserve.http.errors import BadRequest, GatewayTimeout, ServiceUnavailable, Unauthorized
+from rawserve.http.errors import (
+    BadRequest,
+    GatewayTimeout,
+    MalformedRequest,
+    ServiceUnavailable,
+    Unauthorized,
+)
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.http.limits import LINGER_SECONDS
 from rawserve.http.response_head import (
@@ -992,6 +998,14 @@ def test_what_python_reads_as_a_number_but_http_does_not_is_400(value):
 def test_a_deadline_of_no_time_is_400(value):
     request = HttpRequest("POST", "/", "", [("x-request-timeout", value)], b"", "id")
     with pytest.raises(BadRequest, match="more than 0 seconds"):
+        request_timeout(request, default=30, longest=60)
+
+
+@pytest.mark.parametrize("values", [("5", "0.5"), ("0.5", "5"), ("5", "5")])
+def test_two_request_timeout_headers_are_a_bad_request_whatever_their_order(values):
+    headers = [("x-request-timeout", value) for value in values]
+    request = HttpRequest("POST", "/", "", headers, b"", "id")
+    with pytest.raises(MalformedRequest, match="one X-Request-Timeout header"):
         request_timeout(request, default=30, longest=60)
 
 

@@ -438,6 +438,22 @@ def test_a_generation_waits_for_a_row_then_takes_its_whole_time():
     queue_items(core, [text(12)], now=1.0, deadline=6.0, params={"max_new_tokens": 8})
 
 
+@pytest.mark.parametrize(("rows", "prompts"), [(1, 1), (4, 3)])
+def test_an_idle_continuous_worker_takes_a_generation_whatever_its_predicted_time(rows, prompts):
+    """With no sequence running and none queued, nothing is ahead: a generation that its
+    predicted time says would not end in time is sent all the same (it may end early),
+    as on every other worker. With one row (`--max-sequences 1`), or a list that takes
+    more than half the rows, it was refused 503 by an idle worker, 'the work queued
+    ahead would outlast the request's deadline'."""
+    asks = {"max_new_tokens": 128}
+    core = SchedulerCore(max_queue=16, max_batch_size=1, workers=rows)
+    for cost, seconds in [(12 + 8, 0.7), (12 + 128, 4.3)] * 3:  # ~0.03 s a token
+        core.cost_model.observe(cost, seconds, cost, 1)
+    own = core.cost_model.predict(12 + 128)
+    queue_items(core, [text(12)] * prompts, deadline=own / 2, params=asks)
+    assert len(core) == prompts
+
+
 def test_a_sequence_stopped_past_its_predicted_time_teaches_the_least_it_takes():
     """A sequence dropped at its deadline after running longer than predicted: that time
     is learned (else only the sequences that ended in time, the fast ones, taught the

@@ -4,16 +4,21 @@ the held-back last token, errors before and after the first token, and cleanup."
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 
 import pytest
 
-from rawserve.api.served import ServedModel
-from rawserve.api.streaming import open_token_stream
+from rawserve.api.app import App
+from rawserve.api.served import ServedModel, ServedModels
+from rawserve.api.settings import AppSettings
+from rawserve.api.streaming import STREAM_BUFFER_TOKENS, TokenStream, open_token_stream
 from rawserve.http.errors import ServiceUnavailable
+from rawserve.http.exchange import HttpRequest
 from rawserve.serving.face import ItemResult, Reason, Refused
 from rawserve.serving.service import ModelService
-from rawserve.shared.messages import FailureKind, ItemFailure, TokenChunk
+from rawserve.serving.status import LoadState
+from rawserve.shared.messages import FailureKind, ItemFailure, TokenChunk, WorkerReady
 
 
 class FakeExecutor:
@@ -186,3 +191,73 @@ async def test_closing_the_stream_cancels_the_request_and_the_generation():
     await response.stream.aclose()  # what the protocol does when the client leaves
     assert executor.closed == [1]
     await asyncio.wait_for(scheduler.cancelled.wait(), 5)
+
+
+async def test_a_stream_closed_unread_after_its_request_failed_leaves_no_error_to_log():
+    """Streams of one answer (OpenAI's `n`, a list of prompts) share a deadline: when it
+    passes they all fail, the answer reads one failure and closes the rest unread. Those
+    failures are the answer's, told already: asyncio must find none left unretrieved."""
+    unretrieved = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: unretrieved.append(context["message"]))
+    executor = FakeExecutor()
+    late = Refused.because(Reason.DEADLINE_PASSED, "the request's deadline passed")
+    scheduler = FakeScheduler(executor, [], None, fail_first=late)
+    model = ServedModel("tiny-gpt", ModelService(scheduler, executor))
+    streams = [TokenStream(model, "hello", {"max_new_tokens": 3}, deadline=1e9) for _ in "ab"]
+    await asyncio.wait([stream.run for stream in streams])
+    for stream in streams:
+        stream.close()
+    del streams, stream
+    gc.collect()
+    loop.set_exception_handler(None)
+    assert unretrieved == []
+
+
+class OneRow(FakeScheduler):
+    """A worker with one row: each generation sends `texts` once it holds the row."""
+
+    def __init__(self, executor, texts, output):
+        super().__init__(executor, texts, output)
+        self.row = asyncio.Lock()
+
+    async def run(self, inputs, params, deadline, control):
+        async with self.row:
+            return await super().run(inputs, params, deadline, control)
+
+
+class StreamingWorkers(FakeExecutor):
+    ready = healthy = True
+    loaded = WorkerReady(1, "text-generation", "cpu", "float32", load_seconds=0)
+
+    def load_state(self):
+        return LoadState.READY, None
+
+    def status(self):
+        return []
+
+
+async def test_choices_waiting_for_a_row_do_not_make_the_first_ones_tokens_overflow():
+    """OpenAI's `n` streams a choice each; with rows for fewer, the others wait for one
+    while the first one's tokens come: those are read as they come, not held back (past
+    STREAM_BUFFER_TOKENS unread, a stream is stopped as if its client fell behind)."""
+    workers = StreamingWorkers()
+    tokens = STREAM_BUFFER_TOKENS + 10
+    output = {"generated_text": "", "details": {"finish_reason": "length"}}
+    queue = OneRow(workers, [" a"] * tokens, output)
+    models = ServedModels([ServedModel("tiny-gpt", ModelService(queue, workers))])
+    document = {"prompt": "hello", "n": 2, "max_tokens": tokens, "stream": True}
+    body = json.dumps(document).encode()
+    request = HttpRequest(
+        "POST", "/v1/completions", "", [("content-type", "application/json")], body, "id"
+    )
+    response = await App(models, AppSettings()).handle(request)
+    assert response is not None and response.stream is not None
+    chunks = [chunk async for chunk in response.stream]
+    assert chunks[-1] == b"data: [DONE]\n\n"
+    events = [json.loads(chunk.removeprefix(b"data:")) for chunk in chunks[:-1]]
+    assert not [event for event in events if "error" in event]
+    ends = [
+        event["choices"][0]["index"] for event in events if event["choices"][0]["finish_reason"]
+    ]
+    assert sorted(ends) == [0, 1]

@@ -134,11 +134,15 @@ def check_client_batch(count: int, limit: int) -> None:
 
 
 def request_timeout(request: HttpRequest, default: float, longest: float) -> float:
-    """Seconds the request may take: its X-Request-Timeout (at most `longest`) or `default`."""
-    header = request.header("x-request-timeout")
-    if header is None:
+    """Seconds the request may take: its X-Request-Timeout (at most `longest`) or `default`.
+    Two such headers are 400: which one counts would be a guess (a proxy may have added
+    its own), and a proxy may join them into one list, which is no number either."""
+    given = [value for name, value in request.headers if name == "x-request-timeout"]
+    if not given:
         return default
-    seconds = header_decimal(header)
+    if len(given) > 1:
+        raise MalformedRequest("a request may carry one X-Request-Timeout header, not several")
+    seconds = header_decimal(given[0])
     if seconds is None:  # HTTP's grammar: digits and at most one dot
         raise BadRequest("X-Request-Timeout must be a number of seconds in digits, such as 2.5")
     if seconds <= 0:

@@ -298,9 +298,11 @@ class OpenAIRoutes:
                 for prompt in prompts
                 for params in choices
             ]
+            # an error before the first token keeps its status; the other choices may wait
+            # for rows while the first one's tokens come, and are read from then on (held
+            # back, those tokens would pile up for nobody): their errors are error events
             try:
-                for stream in streams:  # an error before the first token keeps its status
-                    await stream.start()
+                await streams[0].start()
             except BaseException:
                 for stream in streams:
                     stream.close()

@@ -70,8 +70,17 @@ class TokenStream:
         self.stream_id = self.serving.open_stream(self.on_token)
         running = model.run([prompt], params, deadline, Control(stream_id=self.stream_id))
         self.run: Run = asyncio.ensure_future(running)
-        self.run.add_done_callback(lambda _: self.queue.put_nowait(None))
+        self.run.add_done_callback(self._on_run_end)
+        self.started = False  # `start()` has waited for the first token
         self.first: TokenChunk | None = None
+
+    def _on_run_end(self, run: Run) -> None:
+        # `output()` reads a failure where the answer tells it; streams of one answer share
+        # a deadline and fail together, and those closed unread must not be logged as
+        # errors nobody retrieved
+        if not run.cancelled():
+            run.exception()
+        self.queue.put_nowait(None)
 
     def on_token(self, chunk: TokenChunk) -> None:
         if self.queue.qsize() < STREAM_BUFFER_TOKENS:
@@ -84,6 +93,7 @@ class TokenStream:
         """Wait for the first token; an error before it (the request refused or failed,
         in the server or by the worker) is raised with its status."""
         try:
+            self.started = True
             self.first = await self.queue.get()
             if self.first is None:
                 self.output()  # raises the request's error, with its status
@@ -92,8 +102,9 @@ class TokenStream:
             raise
 
     async def chunks(self) -> AsyncGenerator[TokenChunk, None]:
-        """Every token chunk, the first included, until the request has finished."""
-        chunk = self.first
+        """Every token chunk, the first included, until the request has finished (an
+        error before the first token, for a stream not started, is for `output()`)."""
+        chunk = self.first if self.started else await self.queue.get()
         while chunk is not None:
             yield chunk
             chunk = await self.queue.get()

@@ -279,6 +279,8 @@ class SchedulerCore:
         running = len(self._in_flight)
         if running + self._size + len(items) <= self.workers / 2:
             return False  # light load: it starts now, and may end early
+        if not running and not self._size:
+            return False  # nothing ahead, no row shared: its own time is no reason
         free = self.workers - running
         deadline = min(item.deadline for item in items)
         own = max(self.cost_model.predict(item.cost) or 0.0 for item in items)
