@@ -9,7 +9,9 @@
 # the same package as `make serve`, here without the test and dev extras (EXTRAS). A
 # CUDA build of torch carries its CUDA libraries, so the slim base serves both; the host
 # needs the NVIDIA driver and container toolkit. Models downloaded from the Hub are kept
-# in the /cache volume (HF_HOME), so a restarted container does not download them again.
+# in the /cache volume (HF_HOME), so a restarted container does not download them again;
+# so are the first start's trial verdicts and ONNX exports (RAWSERVE_CACHE_DIR), so it does
+# not measure and export again either.
 # Options are flags after the image name or RAWSERVE_* variables (`-e RAWSERVE_MODEL=...`).
 # No Docker daemon was available where this file was written: it is checked statically
 # (tests/test_dockerfile.py), not built there.
@@ -28,6 +30,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1 \
     PATH=/app/.venv/bin:$PATH \
     HF_HOME=/cache/huggingface \
+    RAWSERVE_CACHE_DIR=/cache/rawserve \
     RAWSERVE_HOST=0.0.0.0 \
     RAWSERVE_PORT=8000
 

@@ -138,7 +138,7 @@ def test_the_port_is_exposed_and_served_on_all_interfaces():
     [expose] = instructions("EXPOSE")
     assert expose.value == (env["RAWSERVE_PORT"],)
     assert env["RAWSERVE_HOST"] == "0.0.0.0"
-    known = {option.env for option in OPTIONS}
+    known = {option.env for option in OPTIONS} | {"RAWSERVE_CACHE_DIR"}  # the trials' cache
     assert {name for name in env if name.startswith("RAWSERVE_")} <= known
     # the Kubernetes manifest serves the image on the same port
     deployment = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "deployment.yaml").read_text())
@@ -157,6 +157,15 @@ def test_the_model_cache_is_a_volume_owned_by_the_user():
         f"chown -R {user.value[0]}:" in c.value[0] and cache in c.value[0]
         for c in instructions("RUN")
     )
+
+
+def test_the_trial_verdicts_and_onnx_exports_are_kept_in_the_volume():
+    """A first start's trials and ONNX export (tens of seconds) are what a restart skips:
+    kept in the container's home, a new container (an upgrade, a rescheduled pod) made
+    them all again at every start."""
+    [volume] = instructions("VOLUME")
+    [cache] = volume.value
+    assert environment()["RAWSERVE_CACHE_DIR"].startswith(cache + "/")
 
 
 def test_every_copied_file_exists_and_is_in_the_build_context():

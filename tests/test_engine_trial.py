@@ -91,6 +91,33 @@ def test_the_verdict_is_kept_per_key(tmp_path):
     assert cached(tmp_path, key) is None  # a damaged file: the trial runs again
 
 
+@pytest.mark.parametrize(
+    "seconds",
+    [
+        {"onnx": None, "torch": 0.004},
+        {"onnx": "fast", "torch": 0.004},
+        {"onnx": float("nan"), "torch": 0.004},
+        {"onnx": -1.0, "torch": 0.004},
+        {"auto": 0.001, "torch": 0.004},  # no engine that runs
+        {"tensorrt": 0.001, "torch": 0.004},
+    ],
+)
+def test_a_verdict_with_damaged_figures_is_measured_again(tmp_path, seconds):
+    key = {"files": {"config.json": "ab"}, "batch": 8}
+    engine_trial.remember(
+        tmp_path, engine_trial.CACHE_PREFIX, key, {"batch": 8, "seconds": seconds}
+    )
+    assert cached(tmp_path, key) is None
+
+
+def test_a_cache_file_nested_past_the_parser_s_depth_is_measured_again(tmp_path):
+    key = {"batch": 8}
+    store(tmp_path, key, Trial({Engine.TORCH: 0.004}, 8))
+    (file,) = tmp_path.glob("engine-trial-*.json")
+    file.write_text("[" * 100_000 + "]" * 100_000)
+    assert cached(tmp_path, key) is None
+
+
 def test_the_description_gives_the_figures_fastest_first():
     line = Trial({Engine.TORCH: 0.0123, Engine.ONNX: 0.0101}, 32).describe()
     assert line.startswith("auto: ") and "measured now" in line

@@ -23,6 +23,7 @@ from rawserve.ops import layout_trial
 from rawserve.ops.layout_trial import LayoutTrial, applies, kept, measured, settle
 from rawserve.options import parse_config
 from rawserve.shared.messages import Engine
+from rawserve.worker import engine_trial
 from tests.server import READY, RunningServer
 from tests.tiny_models import worker_config
 
@@ -155,6 +156,33 @@ def test_real_timers_measure_both_candidates_once(tiny_model, tmp_path, monkeypa
     assert kept(PER_CORE_2, config, cores=2) == layout_trial.planned(PER_CORE_2, again)
     assert settle(PER_CORE_2, config, cores=2).layout == again.describe()
     assert list(tmp_path.rglob("layout-trial-*.json"))
+
+
+@pytest.mark.parametrize(
+    "figures",
+    [
+        {"per_core": None, "one_worker": 150.0},
+        {"per_core": 150.0, "one_worker": "fast"},
+        {"per_core": 0, "one_worker": 150.0},
+        {"per_core": 150.0},
+    ],
+)
+def test_a_kept_verdict_with_damaged_figures_is_measured_again(
+    tiny_model, tmp_path, monkeypatch, figures
+):
+    """A layout file edited or damaged by hand: the trial runs again, where reading it
+    failed the start with a traceback (a null multiplied)."""
+    monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path))
+    config = worker_config(tiny_model("text-classification"), engine=Engine.TORCH, warmup_batch=4)
+    key = layout_trial.trial_key(config, cores=2, workers=2, size=4)
+    stored = {"cores": 2, "workers": 2, "batch": 4, **figures}
+    engine_trial.remember(engine_trial.default_cache_dir(), layout_trial.CACHE_PREFIX, key, stored)
+    assert kept(PER_CORE_2, config, cores=2) is None
+    figures = {"per_core": 150.0, "one_worker": 120.0}
+    engine_trial.remember(engine_trial.default_cache_dir(), layout_trial.CACHE_PREFIX, key, figures)
+    assert kept(PER_CORE_2, config, cores=2) == layout_trial.planned(
+        PER_CORE_2, LayoutTrial(2, 2, 4, 150.0, 120.0, cached=True)
+    )
 
 
 PER_CORE_2 = WorkerPlan(("cpu",) * 2, 1, True, "2 worker(s) x 1 thread ... one per core", True)

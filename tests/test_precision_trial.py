@@ -5,6 +5,7 @@ worker reads them, and the bfloat16 copy is a real one of a tiny model."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -92,6 +93,34 @@ def test_a_kept_finding_reads_back_the_same(tmp_path):
     assert again == Offer(**{**offer.__dict__, "cached": True})
     assert "measured at an earlier start (cached)" in again.describe()
     assert precision_trial.recalled(tmp_path, {**key, "model": "other"}) is None
+
+
+@pytest.mark.parametrize(
+    "damaged",
+    [
+        {"drift": {"largest": "x", "cosine": 0.9, "same_labels": True}},
+        {"drift": {"largest": 0.002, "cosine": None, "same_labels": True}},
+        {"drift": [1, 2]},
+        {"float32_seconds": None},
+        {"bfloat16_seconds": float("nan")},
+    ],
+)
+def test_a_kept_finding_with_damaged_figures_is_measured_again(tmp_path, damaged):
+    """A file edited or damaged by hand is not the start's failure (describe() formats its
+    numbers): the finding is measured again."""
+    offer = Offer("amx_bf16", 8, 0.04, 0.01, Drift(0.002, 0.99994, same_labels=True))
+    key = {"model": "m"}
+    precision_trial.remember(tmp_path, key, offer)
+    (file,) = tmp_path.glob("bfloat16-trial-*.json")
+    file.write_text(json.dumps({**json.loads(file.read_text()), **damaged}))
+    assert precision_trial.recalled(tmp_path, key) is None
+
+
+def test_a_kept_finding_of_answers_of_another_shape_reads_back(tmp_path):
+    offer = Offer("amx_bf16", 8, 0.04, 0.01, Drift(None, None, same_labels=False))
+    precision_trial.remember(tmp_path, {"model": "m"}, offer)
+    again = precision_trial.recalled(tmp_path, {"model": "m"})
+    assert again is not None and "differ from float32's in shape" in again.describe()
 
 
 @pytest.fixture

@@ -149,10 +149,12 @@ def recalled(config: WorkerConfig, cores: int, workers: int) -> LayoutTrial | No
     size = config.warmup_batch or TRIAL_BATCH
     key = trial_key(config, cores, workers, size)
     stored = engine_trial.recalled(engine_trial.default_cache_dir(), CACHE_PREFIX, key)
-    try:
-        return LayoutTrial(**{name: stored[name] for name in FIELDS}, cached=True)
-    except (KeyError, TypeError):
+    try:  # the cores, workers and batch are the key's; the figures are checked
+        per_core = engine_trial.positive(stored["per_core"])
+        one_worker = engine_trial.positive(stored["one_worker"])
+    except (KeyError, TypeError, ValueError):
         return None
+    return LayoutTrial(cores, workers, size, per_core, one_worker, cached=True)
 
 
 def measured(

@@ -20,6 +20,7 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -168,13 +169,25 @@ def _path(cache_dir: Path, prefix: str, key: Mapping[str, Any]) -> Path:
     return cache_dir / f"{prefix}{digest}.json"
 
 
+def positive(value: Any) -> float:
+    """A kept figure (seconds, items a second) as a number a verdict can use: finite and
+    above zero. ValueError for anything else (a file edited or damaged: a null, a string,
+    NaN), so the trial runs again instead of a start failing on it."""
+    number = float(value)
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"not a positive figure: {value!r}")
+    return number
+
+
 def cached(cache_dir: Path, key: Mapping[str, Any]) -> Trial | None:
     """The verdict of an earlier trial with this key; None if there is none (or it cannot
-    be read: then the trial runs again)."""
+    be read, or names no engine that runs: then the trial runs again)."""
     stored = recalled(cache_dir, CACHE_PREFIX, key)
     try:
-        seconds = {Engine(name): float(value) for name, value in stored["seconds"].items()}
-        return Trial(seconds, int(stored["batch"]), cached=True) if seconds else None
+        seconds = {Engine(name): positive(value) for name, value in stored["seconds"].items()}
+        if not seconds or Engine.AUTO in seconds:
+            return None
+        return Trial(seconds, int(stored["batch"]), cached=True)
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -196,7 +209,7 @@ def recalled(cache_dir: Path, prefix: str, key: Mapping[str, Any]) -> dict[str, 
         if stored["key"] != json.loads(json.dumps(key, sort_keys=True)):
             return {}
         return stored if isinstance(stored, dict) else {}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # RecursionError: [[[[...
         return {}
 
 

@@ -157,17 +157,25 @@ def recalled(cache_dir: Path, key: Mapping[str, Any]) -> Offer | None:
     """What an earlier start measured under this key; None if nothing (readable)."""
     stored = engine_trial.recalled(cache_dir, CACHE_PREFIX, key)
     try:
-        offer = Offer(
+        return Offer(
             units=str(stored["units"]),
             batch=int(stored["batch"]),
-            float32_seconds=float(stored["float32_seconds"]),
-            bfloat16_seconds=float(stored["bfloat16_seconds"]),
-            drift=Drift(**stored["drift"]),
+            float32_seconds=engine_trial.positive(stored["float32_seconds"]),
+            bfloat16_seconds=engine_trial.positive(stored["bfloat16_seconds"]),
+            drift=kept_drift(stored["drift"]),
             cached=True,
         )
     except (KeyError, TypeError, ValueError):
         return None
-    return offer if offer.bfloat16_seconds > 0 else None
+
+
+def kept_drift(stored: Mapping[str, Any]) -> Drift:
+    """A kept Drift whose numbers are numbers (both, or neither: answers of another shape):
+    `Offer.describe` formats them. ValueError or TypeError for a damaged one."""
+    largest, cosine = stored["largest"], stored["cosine"]
+    if largest is None and cosine is None:
+        return Drift(None, None, same_labels=False)
+    return Drift(float(largest), float(cosine), bool(stored["same_labels"]))
 
 
 def remember(cache_dir: Path, key: Mapping[str, Any], offer: Offer) -> None:
