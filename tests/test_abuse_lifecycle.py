@@ -152,6 +152,25 @@ def test_a_stop_after_a_worker_was_killed_leaks_no_semaphore(tiny_model, tmp_pat
     assert not [line for line in lines if "leaked" in line], lines[-10:]
 
 
+def test_a_stop_during_the_first_starts_trial_leaks_no_semaphore(tiny_model, tmp_path):
+    """The layout trial's timers are killed when the server stops during a first start;
+    one that had exported the ONNX graph (its exporter draws progress bars) held tqdm's
+    semaphore, reported as leaked by a bare warning after the last line."""
+    server = RunningServer(
+        ["--model", tiny_model("sentence-embedding"), "--engine", "auto"],
+        env={"RAWSERVE_CACHE_DIR": str(tmp_path / "cache"), "RAWSERVE_DEVICE": ""},
+    )
+    server.start(wait_ready=False)
+    try:
+        server.wait_for_log(re.compile(r"worker-layout INFO ONNX engine: exported"), 60)
+    finally:
+        code = server.stop()
+    assert code == 0
+    lines = all_log_lines(server)
+    assert any("layout trial stopped" in line for line in lines), lines[-10:]
+    assert not [line for line in lines if "leaked" in line], lines[-10:]
+
+
 def test_the_same_stop_signal_twice_at_once_still_drains():
     """`make serve` stopped with SIGTERM to its process group: the server gets the signal
     from the group and again from make, a moment apart; that is one stop, not two."""

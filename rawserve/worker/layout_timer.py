@@ -20,7 +20,7 @@ from multiprocessing.synchronize import Barrier
 
 from rawserve.shared.logs import setup_worker_logging
 from rawserve.shared.messages import WorkerConfig, WorkerLoadFailed
-from rawserve.worker.process import load_failed
+from rawserve.worker.process import load_failed, no_progress_bars
 
 log = logging.getLogger("rawserve.worker")
 
@@ -39,8 +39,8 @@ def timer_main(config: WorkerConfig, size: int, start: Barrier, out: Connection)
     WorkerLoadFailed: the model cannot be loaded, as a worker would report it)."""
     for signum in (signal.SIGINT, signal.SIGTERM):  # the server stops its timers itself
         signal.signal(signum, signal.SIG_IGN)
+    no_progress_bars()
     setup_worker_logging("layout")
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     median: float | WorkerLoadFailed | None
     try:
         median = timed_batch(config, size, start)

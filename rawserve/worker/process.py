@@ -102,6 +102,20 @@ def load_failed(exc: Exception) -> WorkerLoadFailed:
     return WorkerLoadFailed(" ".join(line.split())[:500])
 
 
+def no_progress_bars() -> None:
+    """No progress bars (they are noise in a server's log), and above all no tqdm lock in a
+    process the server may kill: tqdm makes a multiprocessing semaphore for its bars, which
+    a process killed (at the end of the grace period, a stop during the first start's
+    trial, or from outside) leaves to the resource tracker, and the stop then warned of a
+    "leaked semaphore"."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    # Bars drawn by others (the ONNX exporter's) still take tqdm's lock: make it a thread
+    # lock only. Imported here, not at the top: this module is imported by the server too.
+    import tqdm.std
+
+    tqdm.std.TqdmDefaultWriteLock.mp_lock = None
+
+
 def worker_main(
     batches: Connection,
     replies: Connection,
@@ -120,16 +134,7 @@ def worker_main(
     # mid-batch (it was restarted, its batch retried as if its input had crashed it).
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
-    # No progress bars (they are noise in a server's log), and above all no tqdm lock:
-    # tqdm makes a multiprocessing semaphore for its bars, which a worker that is killed
-    # (at the end of the grace period, or from outside) leaves to the resource tracker,
-    # and every stop then warned of a "leaked semaphore".
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-    # Bars drawn by others (the ONNX exporter's) still take tqdm's lock: make it a thread
-    # lock only. Imported here, not at the top: this module is imported by the server too.
-    import tqdm.std
-
-    tqdm.std.TqdmDefaultWriteLock.mp_lock = None
+    no_progress_bars()
     setup_worker_logging(label)  # the server's --log-level and --log-format, from the env
     try:
         os.nice(WORKER_NICENESS)
