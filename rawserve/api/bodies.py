@@ -18,6 +18,7 @@ from rawserve.http.errors import (
     MalformedRequest,
     PayloadTooLarge,
     UnsupportedMediaType,
+    single_header,
 )
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.http.header_numbers import header_decimal
@@ -135,14 +136,12 @@ def check_client_batch(count: int, limit: int) -> None:
 
 def request_timeout(request: HttpRequest, default: float, longest: float) -> float:
     """Seconds the request may take: its X-Request-Timeout (at most `longest`) or `default`.
-    Two such headers are 400: which one counts would be a guess (a proxy may have added
-    its own), and a proxy may join them into one list, which is no number either."""
-    given = [value for name, value in request.headers if name == "x-request-timeout"]
-    if not given:
+    Two such headers are 400 (`single_header`), as they are when a proxy joins them into
+    one list, which is no number."""
+    header = single_header(request, "x-request-timeout")
+    if header is None:
         return default
-    if len(given) > 1:
-        raise MalformedRequest("a request may carry one X-Request-Timeout header, not several")
-    seconds = header_decimal(given[0])
+    seconds = header_decimal(header)
     if seconds is None:  # HTTP's grammar: digits and at most one dot
         raise BadRequest("X-Request-Timeout must be a number of seconds in digits, such as 2.5")
     if seconds <= 0:

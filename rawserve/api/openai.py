@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -60,6 +60,8 @@ OPENAI_MODEL_PREFIX = "/v1/models/"
 # API's (InferenceClient appends them to a model's URL; its body's "model" is that URL)
 MODEL_GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 ENCODING_FORMATS = ("float", "base64")
+# what answers a generation route's body once the model is known: `chat` or `complete`
+Answering = Callable[[HttpRequest, ServedModel, Any], Awaitable[HttpResponse]]
 
 
 def speaks_openai(path: str) -> bool:
@@ -205,14 +207,19 @@ class OpenAIRoutes:
                 Route(
                     "POST",
                     MODELS_PREFIX + name + path,
-                    self.model_generation(model, chat=path == MODEL_GENERATION_PATHS[0]),
-                    chat if path == MODEL_GENERATION_PATHS[0] else completions,
+                    self.model_generation(model, answer),
+                    schema,
                     GENERATION,
                     serves=model,
                 )
                 for model in self.context.models.all
                 for name in model.names
-                for path in MODEL_GENERATION_PATHS
+                for path, answer, schema in zip(
+                    MODEL_GENERATION_PATHS,
+                    (self.chat, self.complete),
+                    (chat, completions),
+                    strict=True,
+                )
             ),
             Route("GET", "/v1/models", self.models_list, models),
             *(
@@ -244,16 +251,15 @@ class OpenAIRoutes:
         model = self.context.model_for(named(document), GENERATION)
         return await self.complete(request, model, document)
 
-    def model_generation(self, model: ServedModel, chat: bool) -> Handler:
-        """POST /models/<name>/v1/chat/completions (or /v1/completions): the path names
-        the model; the body's "model" is not read (InferenceClient sends the URL there)."""
+    def model_generation(self, model: ServedModel, answer: Answering) -> Handler:
+        """POST /models/<name>/v1/chat/completions (or /v1/completions), answered by
+        `answer`: the path names the model; the body's "model" is not read
+        (InferenceClient sends the URL there)."""
 
         async def handler(request: HttpRequest) -> HttpResponse:
             document = read_json(request)
             self.context.take(model, GENERATION)
-            if chat:
-                return await self.chat(request, model, document)
-            return await self.complete(request, model, document)
+            return await answer(request, model, document)
 
         return handler
 

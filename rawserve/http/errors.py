@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from rawserve.http.encoding import dumps
-from rawserve.http.exchange import HttpResponse
+from rawserve.http.exchange import HttpRequest, HttpResponse
 
 log = logging.getLogger("rawserve.errors")
 
@@ -56,6 +56,15 @@ class BadRequest(HTTPError):
 class MalformedRequest(BadRequest):
     """A request that cannot be read at all (a body that is not JSON, two Authorization
     headers): nothing it asks was looked at, so it is no validation failure."""
+
+
+def single_header(request: HttpRequest, name: str) -> str | None:
+    """The request's `name` header (lower-case), or None; two of them are 400: which one
+    counts would be a guess (a proxy may have added its own, or checked the other)."""
+    given = [value for key, value in request.headers if key == name]
+    if len(given) > 1:
+        raise MalformedRequest(f"a request may carry one {name.title()} header, not several")
+    return given[0] if given else None
 
 
 class Unauthorized(HTTPError):
