@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from rawserve.api.app import App
 from rawserve.api.inference import parse_body
 from rawserve.api.openai_answers import cut_at_stop, releasable
-from rawserve.api.openai_generation import messages, parse_chat
+from rawserve.api.openai_generation import parse_chat
+from rawserve.api.openai_messages import messages
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.api.tei import scores

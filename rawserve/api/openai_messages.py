@@ -1,0 +1,190 @@
+"""OpenAI's chat messages: reading a chat body's `messages` into what the chat template
+takes (role and text content, an assistant's tool calls with their arguments as objects, a
+tool's answer to one), and the schema `/openapi.json` shows for one message. What an
+answer's message carries beside its content, sent back with it, is taken and dropped
+(an assistant's refusal is the text it answered). The rest of the chat body is
+`openai_generation`'s. Server process; plain Python.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rawserve.api.fields import unicode_text
+from rawserve.api.routing import DocContext, Schema
+from rawserve.http.errors import BadRequest
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# what an answer's message carries beside its content, sent back with it as OpenAI's SDK
+# dumps it (`message.model_dump()`): an assistant's refusal, web search's citations, audio,
+# and the structured answer that the SDK's `parse()` read out of the content (dropped)
+ANSWER_KEYS = {"refusal", "annotations", "audio", "parsed"}
+MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call"}
+MESSAGE_KEYS |= ANSWER_KEYS
+
+
+def read_messages(name: str, value: Any, context: DocContext | None) -> list[dict[str, str]]:
+    if value is None:
+        raise BadRequest(f'"{name}" is required')
+    return messages(value)
+
+
+def messages(value: Any) -> list[dict[str, Any]]:
+    """OpenAI's messages as the chat template takes them: role and text content, an
+    assistant's tool calls (their arguments as objects, as templates write them) and a
+    tool's answer to one."""
+    if not isinstance(value, list) or not value:
+        raise BadRequest('"messages" must be a non-empty list of {"role", "content"}')
+    checked = []
+    for message in value:
+        if not isinstance(message, dict):
+            raise BadRequest(
+                'each message must be {"role", "content"} (and "name"; an assistant\'s '
+                '"tool_calls", a tool\'s "tool_call_id")'
+            )
+        if unknown := sorted(set(message) - MESSAGE_KEYS):
+            raise BadRequest(
+                f"a message cannot have {', '.join(repr(key)[:60] for key in unknown[:10])}"
+                f" (its fields: {', '.join(sorted(MESSAGE_KEYS))})"
+            )
+        role = message.get("role")
+        if role not in ROLES:
+            raise BadRequest(f"each message's role must be one of {', '.join(ROLES)}")
+        entry: dict[str, Any] = {"role": role}
+        refusal = refusal_text(message, role)
+        calls = message.get("tool_calls")  # null (TGI's client sends it) or []: none
+        if (called := message.get("function_call")) is not None:  # OpenAI's older form
+            calls = [*(calls or []), {"function": called}]
+        if role == "function":  # OpenAI's older tool's answer: a tool's, as templates take it
+            role = entry["role"] = "tool"
+        if calls:
+            if role != "assistant":
+                raise BadRequest("only an assistant's message has tool calls")
+            entry["tool_calls"] = [template_call(call) for call in calls]
+            content = message.get("content")  # (null beside calls)
+            entry["content"] = "" if content in (None, "") else message_text(content)
+        else:
+            content = message.get("content")  # (an assistant's null beside its refusal)
+            entry["content"] = message_text(
+                refusal if content in (None, "") and refusal else content
+            )
+        for key in ("name", "tool_call_id"):
+            if (given := message.get(key)) is not None:
+                if not isinstance(given, str):
+                    raise BadRequest(f"a message's {key} must be a string")
+                entry[key] = unicode_text(given, f"a message's {key}")
+        checked.append(entry)
+    return checked
+
+
+def refusal_text(message: dict[str, Any], role: str) -> str | None:
+    """An assistant's refusal, the text it answered (None: none). An answer's other fields
+    sent back with it are dropped: its citations, and its audio where it had none (rawserve
+    answers no audio, and takes none)."""
+    if message.get("audio") is not None:
+        raise BadRequest("a message's audio is not supported by this server: it takes only null")
+    if not isinstance(message.get("annotations", []), (list, type(None))):
+        raise BadRequest("a message's annotations must be a list")
+    refusal = message.get("refusal")
+    if refusal is None:
+        return None
+    if role != "assistant" or not isinstance(refusal, str):
+        raise BadRequest("only an assistant's message has a refusal, a text")
+    return unicode_text(refusal, "a message's refusal")
+
+
+def template_call(call: Any) -> dict[str, Any]:
+    """An assistant's tool call as chat templates take it: its arguments an object where
+    OpenAI's text of them is one."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if (
+        not isinstance(function, dict)
+        or not isinstance(function.get("name"), str)
+        or not isinstance(function.get("arguments"), str)
+    ):
+        raise BadRequest(
+            'each tool call must be {"id", "type": "function", "function": {"name", '
+            '"arguments": a text of JSON}}'
+        )
+    try:
+        arguments = json.loads(function["arguments"])
+    except (ValueError, RecursionError):  # (a text nested past the parser's limit)
+        arguments = function["arguments"]
+    entry = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        entry["id"] = call["id"]
+    return entry
+
+
+def message_text(content: Any) -> str:
+    """A message's content: a text, or a list of text parts (joined; an assistant's
+    refusal part is the text it answered)."""
+    if isinstance(content, str):
+        return unicode_text(content, "a message's content")
+    if isinstance(content, list) and content:
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            key = "refusal" if kind == "refusal" else "text"
+            if (
+                kind not in ("text", "refusal")
+                or not isinstance(part.get(key), str)
+                or set(part) != {"type", key}
+            ):
+                raise BadRequest('content parts must be {"type": "text", "text": ...}: text only')
+            texts.append(unicode_text(part[key], "a message's content"))
+        return "".join(texts)
+    raise BadRequest("a message's content must be a text or a list of text parts")
+
+
+# --- the schema of one message ------------------------------------------------------------
+
+TEXT_PART: Schema = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "additionalProperties": False,
+}
+REFUSAL_PART: Schema = {  # an assistant's, sent back as OpenAI's answer had it
+    "type": "object",
+    "required": ["type", "refusal"],
+    "properties": {"type": {"const": "refusal"}, "refusal": {"type": "string"}},
+    "additionalProperties": False,
+}
+TOOL_CALL: Schema = {
+    "type": "object",
+    "required": ["function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name", "arguments"],
+            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+        },
+    },
+}
+MESSAGE: Schema = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"enum": list(ROLES)},
+        "content": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"anyOf": [TEXT_PART, REFUSAL_PART]}, "minItems": 1},
+                {"type": "null"},  # (an assistant's, beside its tool calls)
+            ]
+        },
+        "name": {"type": "string"},
+        "tool_calls": {"type": ["array", "null"], "items": TOOL_CALL},
+        "function_call": {"anyOf": [TOOL_CALL["properties"]["function"], {"type": "null"}]},
+        "tool_call_id": {"type": "string"},
+        # an answer's, sent back with it: what an assistant refused with, citations (dropped)
+        "refusal": {"type": ["string", "null"]},
+        "annotations": {"type": ["array", "null"]},
+        "audio": {"type": "null"},
+    },
+    "additionalProperties": False,
+}
