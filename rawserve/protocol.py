@@ -66,6 +66,7 @@ from rawserve.http.limits import (
 )
 from rawserve.http.request_ids import new_request_id, request_id
 from rawserve.http.response_head import (
+    Fields,
     body_framing,
     fixed_fields,
     h11_head,
@@ -428,45 +429,66 @@ class HttpProtocol(asyncio.Protocol):
         if not self._start_response(cycle):
             return
         close = close or self._closes_after(response)
-        headers = (*response.headers, *self._cors_headers(cycle, response))
-        length = len(response.body)
-        body = b"" if cycle.is_head else response.body
-        kept = None
         if not close and self._stays_open_after(cycle):
-            kept = render_kept(response.status, response.content_type, headers, length)
-        framed_by_h11 = self.conn.our_state is h11.SEND_RESPONSE or (
-            self.conn.their_state is h11.ERROR
-        )
-        pieces: list[bytes | None] | None = None
-        if kept is not None:
-            timing = render_request_fields(response, cycle.request_id, cycle.started)
-            pieces = [kept, timing, body]
-        elif framed_by_h11:
-            fields = fixed_fields(response.content_type, headers, length, close)
-            fields += request_fields(response, cycle.request_id, cycle.started)
+            kept = self._kept_answer(cycle, response)
+            if kept is not None:
+                self._write_answer(cycle, response, kept)
+                self._restart_h11()
+                return
+        if self.conn.our_state is h11.SEND_RESPONSE or self.conn.their_state is h11.ERROR:
             try:
-                framed: list[bytes | None] = [self.conn.send(h11_head(response.status, fields))]
-                if body:
-                    framed.append(self.conn.send(h11.Data(data=body)))
-                framed.append(self.conn.send(h11.EndOfMessage()))
-                pieces = framed
+                framed = self._h11_answer(cycle, response, close)
             except (h11.LocalProtocolError, UnicodeEncodeError):  # a field h11 cannot write
                 log.exception("could not send a response")
                 # h11 is done with this connection: a 500 of the server's own fields, by hand
                 response = error_response(InternalError("the answer could not be written"))
-                headers = (*response.headers, *self._cors_headers(cycle, response))
-                length, close, framed_by_h11 = len(response.body), True, False
-                body = b"" if cycle.is_head else response.body
-        if pieces is None:
-            fixed = render_fixed(response.status, response.content_type, headers, length, close)
-            timing = render_request_fields(response, cycle.request_id, cycle.started)
-            pieces = [fixed, timing, body]
+                close = True
+            else:
+                self._write_answer(cycle, response, framed)
+                self._finish_cycle(close)
+                return
+        self._write_answer(cycle, response, self._fixed_answer(cycle, response, close))
+        self._finish_cycle(True)  # written past h11: the connection cannot go on
+
+    def _kept_answer(self, cycle: Cycle, response: HttpResponse) -> list[bytes | None] | None:
+        """The answer by hand, on a connection that stays open; None where the app's head
+        has a field h11 would write its own way."""
+        headers, body = self._answer_parts(cycle, response)
+        head = render_kept(response.status, response.content_type, headers, len(response.body))
+        if head is None:
+            return None
+        return [head, render_request_fields(response, cycle.request_id, cycle.started), body]
+
+    def _h11_answer(self, cycle: Cycle, response: HttpResponse, close: bool) -> list[bytes | None]:
+        """The answer framed by h11 (which raises for a field it cannot write)."""
+        headers, body = self._answer_parts(cycle, response)
+        fields = fixed_fields(response.content_type, headers, len(response.body), close)
+        fields += request_fields(response, cycle.request_id, cycle.started)
+        pieces: list[bytes | None] = [self.conn.send(h11_head(response.status, fields))]
+        if body:
+            pieces.append(self.conn.send(h11.Data(data=body)))
+        pieces.append(self.conn.send(h11.EndOfMessage()))
+        return pieces
+
+    def _fixed_answer(
+        self, cycle: Cycle, response: HttpResponse, close: bool
+    ) -> list[bytes | None]:
+        """The answer by hand, where h11 has no request to answer."""
+        headers, body = self._answer_parts(cycle, response)
+        length = len(response.body)
+        head = render_fixed(response.status, response.content_type, headers, length, close)
+        return [head, render_request_fields(response, cycle.request_id, cycle.started), body]
+
+    def _answer_parts(self, cycle: Cycle, response: HttpResponse) -> tuple[Fields, bytes]:
+        """The app's headers with the CORS ones, and the body (none to a HEAD request)."""
+        headers = (*response.headers, *self._cors_headers(cycle, response))
+        return headers, b"" if cycle.is_head else response.body
+
+    def _write_answer(
+        self, cycle: Cycle, response: HttpResponse, pieces: list[bytes | None]
+    ) -> None:
         self._write_all(pieces)  # one send for the whole answer
-        self._log_access(cycle, response.status, length)
-        if kept is not None:
-            self._restart_h11()
-        else:
-            self._finish_cycle(close or not framed_by_h11)
+        self._log_access(cycle, response.status, len(response.body))
 
     async def _send_stream(self, cycle: Cycle, response: HttpResponse) -> None:
         """Send a body produced piece by piece (chunked), waiting while the peer is slow.
