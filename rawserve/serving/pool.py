@@ -535,29 +535,36 @@ class WorkerPool(PoolReports):
                 message.load_seconds,
             )
         elif isinstance(message, WorkerReady):
-            worker.ready = message
-            worker.sequences = message.sequences
-            worker.overlap = not message.sequences and self.overlaps(message)
-            worker.state = WorkerState.IDLE
-            self.supervisor.loaded(worker.index)
-            warmed = message.warmup_seconds
-            log.info(
-                "worker %s: %s model ready on %s (engine %s) in %.1f s%s",
-                worker.label,
-                message.task,
-                message.device,
-                message.engine.value,
-                message.load_seconds + (warmed or 0.0),
-                f" (warm-up {warmed:.2f} s)" if warmed is not None else "",
-            )
-            if self._first_load and not self._first_load.done():
-                self._first_load.set_result(message)
-            self._pump()
+            self._on_ready(worker, message)
         elif isinstance(message, WorkerLoadFailed):
-            log.error("worker %s: could not load the model: %s", worker.label, message.message)
-            if self._first_load and not self._first_load.done():
-                self._first_load.set_exception(RuntimeError(message.message))
-                self._closing = True  # a model that never loaded will not load on retry
+            self._on_load_failed(worker, message)
+
+    def _on_ready(self, worker: WorkerHandle, ready: WorkerReady) -> None:
+        """The worker has loaded (and warmed up) its model: it takes batches from now."""
+        worker.ready = ready
+        worker.sequences = ready.sequences
+        worker.overlap = not ready.sequences and self.overlaps(ready)
+        worker.state = WorkerState.IDLE
+        self.supervisor.loaded(worker.index)
+        warmed = ready.warmup_seconds
+        log.info(
+            "worker %s: %s model ready on %s (engine %s) in %.1f s%s",
+            worker.label,
+            ready.task,
+            ready.device,
+            ready.engine.value,
+            ready.load_seconds + (warmed or 0.0),
+            f" (warm-up {warmed:.2f} s)" if warmed is not None else "",
+        )
+        if self._first_load and not self._first_load.done():
+            self._first_load.set_result(ready)
+        self._pump()
+
+    def _on_load_failed(self, worker: WorkerHandle, failed: WorkerLoadFailed) -> None:
+        log.error("worker %s: could not load the model: %s", worker.label, failed.message)
+        if self._first_load and not self._first_load.done():
+            self._first_load.set_exception(RuntimeError(failed.message))
+            self._closing = True  # a model that never loaded will not load on retry
 
     def _on_token(self, worker: WorkerHandle, chunk: TokenChunk) -> None:
         job = worker.running.streaming(chunk.stream_id) or worker.job
