@@ -335,13 +335,7 @@ def parse_chat(document: Any) -> GenerationRequest:
     request = generation_params(fields, "max_completion_tokens", None)
     chat: dict[str, Any] = {"messages": fields.value("messages")}
     params = {**request.params, CHAT_PARAM: True}
-    tools = chat_tools(
-        fields.value("tools"), fields.value("tool_choice"), fields.value("parallel_tool_calls")
-    )
-    older = chat_tools(fields.value("functions"), fields.value("function_call"), older=True)
-    if tools is not None and older is not None:
-        raise BadRequest('"tools" and "functions" cannot be given together')
-    tools = tools or older
+    tools = requested_tools(fields)
     if variables := fields.value("chat_template_kwargs"):
         chat["template_kwargs"] = variables
     opening = answer_opening(fields)
@@ -353,15 +347,7 @@ def parse_chat(document: Any) -> GenerationRequest:
             raise BadRequest(
                 '"continue_final_message" cannot go with tools: a call opens its answer'
             )
-        chat["tools"] = tools.template_tools()  # the template shows them to the model
-        if tools.parallel:  # (where the template leaves tools out, the model is told)
-            chat["parallel_tool_calls"] = True
-        if tool_prompt:
-            chat["tool_prompt"] = unicode_text(tool_prompt, '"tool_prompt"')
-        if tools.held:
-            if "grammar" in params:
-                raise BadRequest('"response_format" and tools cannot hold one answer together')
-            params["grammar"] = tools.grammar()
+        offer_tools(tools, tool_prompt, chat, params)
     request = replace(request, items=[chat], params=params, tools=tools)
     top = fields.value("top_logprobs")
     if fields.value("logprobs"):
@@ -369,6 +355,34 @@ def parse_chat(document: Any) -> GenerationRequest:
     if top is not None:
         raise BadRequest('"top_logprobs" needs "logprobs": true')
     return request
+
+
+def requested_tools(fields: Fields) -> Tools | None:
+    """The functions a chat's answer may call: OpenAI's tools, or its older functions (not
+    both); None for none."""
+    tools = chat_tools(
+        fields.value("tools"), fields.value("tool_choice"), fields.value("parallel_tool_calls")
+    )
+    older = chat_tools(fields.value("functions"), fields.value("function_call"), older=True)
+    if tools is not None and older is not None:
+        raise BadRequest('"tools" and "functions" cannot be given together')
+    return tools or older
+
+
+def offer_tools(
+    tools: Tools, tool_prompt: str | None, chat: dict[str, Any], params: dict[str, Any]
+) -> None:
+    """Put `tools` in the chat the template renders, and hold the answer to a call's
+    grammar where the tool choice asks for one (in the worker's `params`)."""
+    chat["tools"] = tools.template_tools()  # the template shows them to the model
+    if tools.parallel:  # (where the template leaves tools out, the model is told)
+        chat["parallel_tool_calls"] = True
+    if tool_prompt:
+        chat["tool_prompt"] = unicode_text(tool_prompt, '"tool_prompt"')
+    if tools.held:
+        if "grammar" in params:
+            raise BadRequest('"response_format" and tools cannot hold one answer together')
+        params["grammar"] = tools.grammar()
 
 
 def answer_opening(fields: Fields) -> dict[str, bool]:
