@@ -16,6 +16,8 @@ import re
 import socket
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.server import RunningServer, running_together
 from tests.tiny_models import CHAT_TEMPLATE, PERSON, WEATHER
@@ -1374,3 +1376,57 @@ def test_new_tokens_within_the_positions_stop_where_the_prompt_leaves_none(serve
     if answer.choices[0].finish_reason == "length":  # the tiny model may stop by itself
         assert answer.usage.total_tokens == POSITIONS
     assert answer.usage.total_tokens <= POSITIONS
+
+
+# --- each field's values, fuzzed --------------------------------------------------------
+
+# values of the wrong kind, extremes, and a few valid ones (small: each 200 generates)
+FIELD_VALUES = [
+    0, -1, 1, 2, 2**63, 2**64, 1e308, -0.0, 1e-30, 1.5, float("nan"), float("inf"),
+    -float("inf"), True, False, "3", "", [], {}, ["x"], {"1": 1},
+]  # fmt: skip
+COMPLETION_FIELDS = [
+    "max_tokens", "temperature", "top_p", "n", "seed", "logprobs", "echo", "repetition_penalty",
+    "frequency_penalty", "presence_penalty", "min_tokens", "stop", "logit_bias", "ignore_eos",
+]  # fmt: skip
+CHAT_FIELDS = [
+    *COMPLETION_FIELDS[:5],
+    "top_logprobs",
+    "max_completion_tokens",
+    *COMPLETION_FIELDS[7:],
+]
+
+
+def no_constant(name: str) -> None:
+    raise AssertionError(f"{name} in an answer: JSON has no such number")
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    route=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+    data=st.data(),
+    value=st.sampled_from(FIELD_VALUES),
+)
+def test_any_value_of_a_field_is_answered_well_or_refused_naming_that_field(
+    servers, route, data, value
+):
+    """Every refusal of a field's value names it in the error's `param` (as OpenAI's
+    clients read it), whichever check refuses it; an answer has a sane, well-typed body."""
+    chat = route.endswith("chat/completions")
+    name = data.draw(st.sampled_from(CHAT_FIELDS if chat else COMPLETION_FIELDS))
+    document = {"messages": MESSAGES} if chat else {"prompt": PROMPT}
+    document = {**document, "max_tokens": 2, name: value}
+    if name == "max_completion_tokens":
+        del document["max_tokens"]
+    status, _, raw = servers["chat"].request(
+        "POST", route, json.dumps(document).encode(), {"Content-Type": "application/json"}
+    )
+    body = json.loads(raw, parse_constant=no_constant)
+    if status == 200:
+        choices = body["choices"]
+        asked = value if name == "n" else 1
+        assert [choice["index"] for choice in choices] == list(range(asked)), body
+        assert body["usage"]["completion_tokens"] <= 2 * asked or name == "max_completion_tokens"
+        return
+    assert status in (400, 422), (document, body)
+    assert body["error"]["param"] == name, (document, body)

@@ -14,6 +14,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.server import RunningServer, running_together
 from tests.tiny_models import SENTENCE_PROMPTS
@@ -259,6 +261,39 @@ def test_embed_bad_requests_are_4xx_with_tei_error_bodies(servers, document):
     status, body = servers["embedding"].post_json(document, "/embed")
     assert status in (400, 422), (status, body)
     assert_error(status, body, status)
+
+
+HIDDEN = 32  # the tiny sentence-embedding model's vector size
+DIMENSIONS = [
+    0, -1, 1, HIDDEN, HIDDEN + 1, 65536, 65537, 2**63, 2**64, 1.5, 1e308, -0.0, float("nan"),
+    True, False, "3", "", [], {},
+]  # fmt: skip
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    route=st.sampled_from(["/embed", "/v1/embeddings", "/"]),
+    dimensions=st.sampled_from(DIMENSIONS),
+)
+def test_any_dimensions_value_keeps_that_many_or_is_refused_naming_it(servers, route, dimensions):
+    """Every embedding route keeps the first `dimensions` of the vector, or refuses the value
+    with a 4xx that names the field (OpenAI's `param` too), wherever it is checked."""
+    text = {"input": "hello"} if route.startswith("/v1/") else {"inputs": "hello"}
+    status, _, raw = servers["embedding"].request(
+        "POST", route, json.dumps({**text, "dimensions": dimensions}).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    body = json.loads(raw)
+    if status == 200:
+        vector = body["data"][0]["embedding"] if route.startswith("/v1/") else body
+        vector = vector[0] if route == "/embed" else vector
+        assert len(vector) == dimensions, body
+        return
+    assert status in (400, 422), body
+    if route.startswith("/v1/"):
+        assert body["error"]["param"] == "dimensions", body
+    else:
+        assert "dimensions" in body["error"], body
 
 
 # --- /similarity, and sentence-similarity on POST / ---------------------------------------

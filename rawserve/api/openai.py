@@ -44,6 +44,7 @@ from rawserve.api.routing import MODEL_ERRORS, DocContext, Handler, Needs, Opera
 from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import TokenStream, event_stream
+from rawserve.api.tei_bodies import details
 from rawserve.http.errors import BadRequest, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.serving.face import EMBEDDING_ROUTE, ItemResult
@@ -93,8 +94,13 @@ def read_encoding_format(name: str, value: Any, context: DocContext | None) -> s
 
 
 def read_dimensions(name: str, value: Any, context: DocContext | None) -> int:
+    """A vector size from 1 to the model's (refused here, where the error names the field,
+    rather than by the worker)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise BadRequest('"dimensions" must be a positive integer')
+    most = details(context).get("dimensions") if context is not None else None
+    if most is not None and value > most:
+        raise UnprocessableInput(f'"dimensions" must be at most {most} for this model')
     return value
 
 
@@ -117,7 +123,7 @@ def parse_embeddings_request(
     texts = fields.value("input", context)
     encoding_format = fields.value("encoding_format")
     params: dict[str, Any] = {}
-    dimensions = fields.value("dimensions")
+    dimensions = fields.value("dimensions", context)
     if dimensions is not None:
         params["dimensions"] = dimensions
     fields.value("model")

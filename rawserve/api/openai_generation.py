@@ -188,7 +188,7 @@ def generation_params(
         params["stop"] = stop
     stream = fields.value("stream")
     if fields.get("stream_options") is not None and not stream:
-        raise BadRequest('"stream_options" goes with "stream": true')
+        raise BadRequest('"stream_options" goes with "stream": true', param="stream_options")
     include_usage = bool(fields.value("stream_options"))
     n = fields.value("n") or 1
     return GenerationRequest([], params, stop, stream, include_usage, max_tokens_field, n=n)
@@ -353,7 +353,7 @@ def parse_chat(document: Any) -> GenerationRequest:
     if fields.value("logprobs"):
         return with_logprobs(request, top or 0)
     if top is not None:
-        raise BadRequest('"top_logprobs" needs "logprobs": true')
+        raise BadRequest('"top_logprobs" needs "logprobs": true', param="top_logprobs")
     return request
 
 
@@ -433,17 +433,19 @@ def parse_completion(document: Any, context: DocContext) -> GenerationRequest:
     prompts = fields.value("prompt", context)
     for prompt in prompts:  # as every route: blank text is well-formed, but nothing to go on
         if prompt == []:
-            raise UnprocessableInput('a prompt of token ids in "prompt" has none')
+            raise UnprocessableInput('a prompt of token ids in "prompt" has none', param="prompt")
         try:
             if isinstance(prompt, str):
                 not_blank(prompt, 'a text of "prompt"')
         except BlankInput as exc:
-            raise UnprocessableInput(str(exc)) from None
+            raise UnprocessableInput(str(exc), param="prompt") from None
     items = [unicode_text(p, '"prompt"') if isinstance(p, str) else p for p in prompts]
     request = replace(request, items=items)
     echo = bool(fields.value("echo"))
     if request.params.get("max_new_tokens") == 0 and not echo:
-        raise BadRequest('"max_tokens" must be at least 1 (0 only with "echo": true)')
+        raise BadRequest(
+            '"max_tokens" must be at least 1 (0 only with "echo": true)', param="max_tokens"
+        )
     if echo and request.stream and fields.value("logprobs") is not None:
         # (the prompt's scores come with the answer's end, after its tokens)
         raise BadRequest('"echo" with "logprobs" is not supported with "stream": true')
