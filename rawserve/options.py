@@ -188,7 +188,13 @@ OPTIONS = [
         30.0,
         "seconds a client may go without reading its answer before it is cut off",
     ),
-    Option("--api-key", str, None, "inference endpoints need Authorization: Bearer KEY (401)"),
+    Option(
+        "--api-key",
+        str,
+        None,
+        "every route but /health, /ready, /ready/<model> and /metrics needs "
+        "Authorization: Bearer KEY (else 401)",
+    ),
     Option(
         "--chat-template",
         str,
