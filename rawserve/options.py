@@ -94,9 +94,9 @@ OPTIONS = [
         "--device",
         str,
         None,
-        "cpu, cuda, cuda:N, or a comma list: one worker per entry (default: one worker, on the "
-        "first GPU; on a CPU machine one single-threaded worker per core it may run on, as "
-        "memory allows)",
+        "cpu, cuda, cuda:N, mps, auto (a GPU where torch sees one), or a comma list: one worker "
+        "per entry (default: one worker, on the first GPU; on a CPU machine one "
+        "single-threaded worker per core it may run on, as memory allows)",
     ),
     Option(
         "--engine",
