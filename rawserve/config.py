@@ -30,7 +30,7 @@ from rawserve.api.settings import AppSettings
 from rawserve.http.limits import ProtocolSettings
 from rawserve.models.plan import ModelPlan
 from rawserve.ops import layout
-from rawserve.shared.devices import parse_devices
+from rawserve.shared.devices import cpu_cores, parse_devices
 from rawserve.shared.messages import Engine
 
 
@@ -119,7 +119,7 @@ def plan_workers(
     single-threaded worker per core for each model, as many as memory holds copies of all
     the models (rawserve.ops.layout); otherwise one worker per device given (`cores`: the
     machine's, read when not given)."""
-    cores = cores or os.cpu_count() or 1
+    cores = cores or cpu_cores()
     devices = model.devices
     reason = f"--device {model.device or 'auto'}"
     chosen = False

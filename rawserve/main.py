@@ -44,6 +44,7 @@ from rawserve.serving import WorkerPool as Executor
 from rawserve.serving.bridge import Bridge, BridgedModel, PublishingBackend
 from rawserve.serving.fleet import Fleet, HttpProcessFailed
 from rawserve.shared.board import Board
+from rawserve.shared.devices import cpu_cores
 from rawserve.shared.logs import setup_logging
 from rawserve.shared.memory import fix_mmap_threshold
 from rawserve.shared.messages import WorkerConfig
@@ -270,7 +271,7 @@ async def serve(
                 layout_trial.settle,
                 workers,
                 worker_config(plans[0], config.model, workers),
-                os.cpu_count() or 1,
+                cpu_cores(),
                 stop_trial,
             )
         )
@@ -582,7 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if layout_trial.applies(workers, plans, config.model):
         # a verdict kept from an earlier start, or the trial once the server listens
         model = worker_config(plans[0], config.model, workers)
-        kept = layout_trial.kept(workers, model, os.cpu_count() or 1)
+        kept = layout_trial.kept(workers, model, cpu_cores())
         workers = kept or workers
         settle_layout = kept is None
     try:

@@ -27,7 +27,7 @@ from rawserve.http.limits import ProtocolSettings
 from rawserve.http.tls import server_context
 from rawserve.ops import layout
 from rawserve.ops.loops import LOOPS, chosen_loop
-from rawserve.shared.devices import parse_devices
+from rawserve.shared.devices import cpu_cores, parse_devices
 from rawserve.shared.logs import LOG_FORMATS, LOG_LEVELS
 from rawserve.shared.messages import Engine
 
@@ -94,8 +94,9 @@ OPTIONS = [
         "--device",
         str,
         None,
-        "cpu, cuda, cuda:N, or a comma list: one worker per entry (default: one worker per "
-        "GPU; on a CPU machine one single-threaded worker per core, as memory allows)",
+        "cpu, cuda, cuda:N, mps, auto (a GPU where torch sees one), or a comma list: one worker "
+        "per entry (default: one worker, on the first GPU; on a CPU machine one "
+        "single-threaded worker per core it may run on, as memory allows)",
     ),
     Option(
         "--engine",
@@ -187,7 +188,13 @@ OPTIONS = [
         30.0,
         "seconds a client may go without reading its answer before it is cut off",
     ),
-    Option("--api-key", str, None, "inference endpoints need Authorization: Bearer KEY (401)"),
+    Option(
+        "--api-key",
+        str,
+        None,
+        "every route but /health, /ready, /ready/<model> and /metrics needs "
+        "Authorization: Bearer KEY (else 401)",
+    ),
     Option(
         "--chat-template",
         str,
@@ -220,7 +227,7 @@ OPTIONS = [
         None,
         "processes that speak HTTP (connections, parsing, JSON) beside the one serving "
         "process that schedules and feeds the workers; 1: one process does both (default: "
-        f"1; on a GPU {GPU_HTTP_PROCESSES}, at most half the cores)",
+        f"1; on a GPU half the cores, at most {GPU_HTTP_PROCESSES})",
     ),
     Option(
         "--loop", str, "auto", "the event loop: auto (uvloop where installed), asyncio or uvloop"
@@ -347,7 +354,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     )
     if args.max_queue is None:
         args.max_queue = GPU_MAX_QUEUE if gpu else CPU_MAX_QUEUE
-    cores = os.cpu_count() or 1
+    cores = cpu_cores()
     if args.http_processes is None:
         args.http_processes = http_processes_default(gpu, cores)
     for name in ("max_batch_size", "max_queue", "max_client_batch_size", "max_body_bytes"):

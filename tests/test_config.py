@@ -97,7 +97,8 @@ def test_derived_values_are_computed_at_parse_time(tmp_path):
 def test_the_connection_cap_is_shared_by_the_http_processes(monkeypatch, cap, processes, each):
     # each process counts only its own connections: with the whole cap each, N processes
     # held N times --max-connections open
-    monkeypatch.setattr("os.cpu_count", lambda: 8)  # at most one HTTP process per core
+    # at most one HTTP process per core
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     argv = ["--max-connections", cap, "--http-processes", processes]
     assert parse_config(argv).http.max_connections == each
 

@@ -62,13 +62,27 @@ def settled(argv: list[str]) -> WorkerPlan:
 def test_no_device_on_a_cpu_machine_is_the_per_core_layout(monkeypatch):
     monkeypatch.delenv("RAWSERVE_DEVICE", raising=False)
     monkeypatch.setattr("rawserve.ops.layout.gpu_present", lambda: False)
-    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(4)))
     workers = settled(["--handler", "tests.handlers:echo"])
     assert workers.devices == ("cpu",) * 4 and workers.threads == 1 and workers.share_cores
     assert "one per core" in workers.layout and workers.chosen
     explicit = settled(["--handler", "tests.handlers:echo", "--device", "cpu"])
     assert explicit.devices == ("cpu",) and explicit.threads == 4 and explicit.share_cores
     assert explicit.layout == "--device cpu" and not explicit.chosen
+
+
+def test_the_layout_counts_the_cores_this_process_may_run_on(monkeypatch):
+    """Started with `taskset -c 0,1` (or a container's --cpuset-cpus) on a machine of 64
+    cores, the server may run on 2: one worker per core is 2 workers, and
+    --http-processes is bounded by the same 2."""
+    monkeypatch.delenv("RAWSERVE_DEVICE", raising=False)
+    monkeypatch.setattr("rawserve.ops.layout.gpu_present", lambda: False)
+    monkeypatch.setattr("os.cpu_count", lambda: 64)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    workers = settled(["--handler", "tests.handlers:echo"])
+    assert workers.devices == ("cpu", "cpu") and workers.threads == 1
+    with pytest.raises(SystemExit):
+        parse_config(["--handler", "tests.handlers:echo", "--http-processes", "3"])
 
 
 def test_several_models_count_every_copy_and_runtime():

@@ -205,7 +205,7 @@ def test_a_gpu_queues_several_batches_and_a_cpu_keeps_its_bound(gpu):
 
 
 def test_a_gpu_machine_speaks_http_from_several_processes(gpu, monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
     assert parse_config([]).http_processes == 8
     assert parse_config(["--http-processes", "1"]).http_processes == 1
     assert parse_config(["--device", "cpu"]).http_processes == 1  # the cores are the workers'

@@ -570,7 +570,8 @@ def test_an_http_process_whose_board_is_gone_as_it_starts_stops_with_a_clear_lin
 
 
 def test_http_processes_and_the_loop_are_options_and_variables(monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 4)  # at most one process per core
+    # at most one process per core
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(4)))
     assert parse_config([]).http_processes == 1
     assert parse_config(["--http-processes", "4"]).http_processes == 4
     monkeypatch.setenv("RAWSERVE_HTTP_PROCESSES", "3")

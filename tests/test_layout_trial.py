@@ -22,6 +22,7 @@ from rawserve.models.plan import plan_models
 from rawserve.ops import layout_trial
 from rawserve.ops.layout_trial import LayoutTrial, applies, kept, measured, settle
 from rawserve.options import parse_config
+from rawserve.shared.devices import cpu_cores
 from rawserve.shared.messages import Engine
 from rawserve.worker import engine_trial
 from tests.server import READY, RunningServer
@@ -55,7 +56,7 @@ def four_cores(monkeypatch):
     """A CPU machine of four cores, no GPU, and no --device given."""
     monkeypatch.delenv("RAWSERVE_DEVICE", raising=False)
     monkeypatch.setattr("rawserve.ops.layout.gpu_present", lambda: False)
-    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(4)))
 
 
 def planned(argv: list[str]) -> tuple[WorkerPlan, bool]:
@@ -79,7 +80,7 @@ def test_the_trial_settles_only_what_the_per_core_rule_chose(four_cores, tiny_mo
 def test_a_single_core_has_nothing_to_compare(monkeypatch, tiny_model):
     monkeypatch.delenv("RAWSERVE_DEVICE", raising=False)
     monkeypatch.setattr("rawserve.ops.layout.gpu_present", lambda: False)
-    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(1)))
     assert not planned(["--model", tiny_model("text-classification")])[1]
 
 
@@ -216,7 +217,7 @@ def test_timers_that_cannot_load_the_model_end_the_trial_with_the_reason(tmp_pat
     assert not list(tmp_path.rglob("layout-trial-*.json"))  # nothing kept
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: no layout to choose")
+@pytest.mark.skipif(cpu_cores() < 2, reason="one core: no layout to choose")
 def test_a_first_start_with_a_model_that_cannot_load_stops_before_any_worker(tiny_model, tmp_path):
     """A load the layout timers fail is the server's load failure: one line naming the
     model, exit 1, no worker started to fail the same load again."""
@@ -239,7 +240,7 @@ def test_a_first_start_with_a_model_that_cannot_load_stops_before_any_worker(tin
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # two starts, the first timing two layouts: its waits allow 300 s
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: no layout to choose")
+@pytest.mark.skipif(cpu_cores() < 2, reason="one core: no layout to choose")
 def test_a_first_start_with_no_device_times_the_layout_then_keeps_it(tiny_model, tmp_path):
     env = {"RAWSERVE_DEVICE": "", "RAWSERVE_CACHE_DIR": str(tmp_path)}  # no --device
     args = ["--model", tiny_model("text-classification"), "--max-batch-size", "4"]
@@ -254,7 +255,7 @@ def test_a_first_start_with_no_device_times_the_layout_then_keeps_it(tiny_model,
         assert log.index("layout trial took") < log.index("rawserve INFO layout: ")
         info = json.loads(server.request("GET", "/info")[2])
         assert "the faster here, measured now" in info["layout"]
-        cores = os.cpu_count() or 1
+        cores = cpu_cores()
         if info["layout"].startswith("1 worker x"):
             assert (info["devices"], info["threads_per_worker"]) == (["cpu"], cores)
         else:
@@ -266,7 +267,7 @@ def test_a_first_start_with_no_device_times_the_layout_then_keeps_it(tiny_model,
         assert re.search(r"layout: .*measured at an earlier start \(cached\)", log)
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: no layout to choose")
+@pytest.mark.skipif(cpu_cores() < 2, reason="one core: no layout to choose")
 def test_a_stop_during_the_first_starts_trial_ends_it_and_the_server_at_once(tiny_model, tmp_path):
     """SIGTERM while the timers load: the trial stops (nothing kept), no worker starts,
     and the server exits 0 with none of its processes left running."""

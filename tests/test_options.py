@@ -53,7 +53,8 @@ def flag_and_variable(option: Option) -> tuple[list[str], str]:
 )
 def test_an_option_as_its_variable_reads_as_its_flag(monkeypatch, option):
     clear_environment(monkeypatch)
-    monkeypatch.setattr("os.cpu_count", lambda: 8)  # --http-processes 7 fits the cores
+    # --http-processes 7 fits the cores
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     argv, value = flag_and_variable(option)
     from_flag = parse_config(argv)
     monkeypatch.setenv(option.env, value)
@@ -160,7 +161,7 @@ def test_an_address_or_a_process_count_that_cannot_serve_is_refused_before_loadi
     monkeypatch, capsys, argv, says
 ):
     clear_environment(monkeypatch)
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     with pytest.raises(SystemExit) as exit:
         parse_config(["--handler", "tests.handlers:echo", *argv])
     assert exit.value.code == 2
@@ -188,7 +189,7 @@ def test_a_handler_that_names_no_module_and_factory_is_refused_before_loading(
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "0.0.0.0", "localhost"])
 def test_an_address_or_a_name_of_this_machine_is_taken(monkeypatch, host):
     clear_environment(monkeypatch)
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     config = parse_config(["--handler", "tests.handlers:echo", "--host", host])
     assert config.host == host
     assert parse_config(["--handler", "tests.handlers:echo", "--http-processes", "8"])

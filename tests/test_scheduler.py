@@ -375,6 +375,15 @@ def test_nothing_queued_ahead_is_no_reason_to_refuse():
         queue_items(core, [text(50)], deadline=1.0)
 
 
+def test_nothing_ahead_is_no_reason_to_refuse_an_item_close_to_its_own_time():
+    """An item that alone would end just before its deadline, within the margin kept
+    for a model call's variance, is not refused as if work were queued ahead of it: with
+    nothing ahead a retry would meet the same (it waits, and is 504 if it cannot go)."""
+    core = measured(SchedulerCore(), seconds_per_token=0.01)
+    queue_items(core, [text(90)], deadline=1.0)  # alone 0.9 s: in time, not with margin
+    assert len(core) == 1
+
+
 def test_a_generation_that_may_end_early_is_sent_though_its_max_tokens_would_not_fit():
     """An encoder input that cannot be computed by its deadline even alone waits (and
     expires unsent); a generation whose max_new_tokens would not fit is sent all the

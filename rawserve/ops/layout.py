@@ -7,7 +7,7 @@ item still gets every core (the executor's core sharing). Each worker holds its 
 of the model, so the count is bounded by memory: never more copies than fit in
 `RAM_SHARE` of the machine's RAM, a copy counted as COPY_FACTOR x the weights on disk
 (the weights, plus the runtime's own buffers) plus WORKER_OVERHEAD (the interpreter,
-torch and the tokenizer). GPU machines keep one worker per device.
+torch and the tokenizer). A GPU machine gets one worker, on its first GPU (`--device` names more).
 
 Server process; reads /proc and the model folder's file sizes, never imports torch.
 """

@@ -226,8 +226,9 @@ class SchedulerCore:
     def _misses_deadline(self, items: Sequence[WorkItem], now: float) -> bool:
         """Whether the work ahead of `items` (queued items with an earlier or equal turn and
         deadline, and the batches in flight) would make them miss their deadline, at the
-        measured speed, when alone they would not. Items that cannot make it even alone
-        are let through: the estimate is no proof, and no retry would help them. Nor is
+        measured speed, when alone they would not (both with ADMIT_MARGIN). Items that
+        cannot make it even alone are let through: the estimate is no proof, and no retry
+        would help them (one that cannot go in time waits, and expires unsent). Nor is
         anything refused before the speed is trusted (`CostModel.trusted`)."""
         if not self.cost_model.trusted:
             return False
@@ -255,7 +256,7 @@ class SchedulerCore:
             return False
         alone = self.cost_model.drain_seconds(own, max_size, workers)
         assert alone is not None  # measured, as `everything` was
-        if now + alone > deadline:
+        if now + ADMIT_MARGIN * alone > deadline:  # as with nothing ahead: not its cause
             return False
         ahead = [i.cost for i in self._queued_ahead(items)]
         with_ahead = self.cost_model.drain_seconds(ahead + own, max_size, workers)

@@ -1,4 +1,4 @@
-"""How CPU workers split the machine's cores (`--share-cores`).
+"""How CPU workers split the cores this process may run on (`--share-cores`).
 
 The CPU workers of every served model split the cores evenly, except that a batch of one
 item with no other CPU worker busy gets every core (low-load latency); a continuous
@@ -8,10 +8,10 @@ model's pool registers its CPU workers in the one `CoreShare` of the server.
 
 from __future__ import annotations
 
-import os
 from typing import Protocol
 
 from rawserve.serving.status import WorkerState
+from rawserve.shared.devices import cpu_cores
 
 
 class CpuWorker(Protocol):
@@ -24,7 +24,7 @@ class CoreShare:
     cores (each model's pool registers its CPU workers here)."""
 
     def __init__(self, cores: int | None = None):
-        self.cores = cores or os.cpu_count() or 1  # read once: each call reads a file in /sys
+        self.cores = cores or cpu_cores()  # read once: each call asks the kernel
         self.workers: list[CpuWorker] = []
 
     def threads_for(self, worker: CpuWorker, size: int) -> tuple[int, bool]:

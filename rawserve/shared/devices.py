@@ -1,4 +1,5 @@
-"""Device specs: parsing `--device` and isolating one device per worker process.
+"""Device specs: parsing `--device`, isolating one device per worker process, and the
+CPU cores this process may run on.
 
 Pure functions, no torch: the server parses and checks the list; each worker calls
 `isolate` before torch initialises CUDA, so worker N sees only its own GPU. When the
@@ -8,8 +9,19 @@ list, as it would for torch in the server's environment.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on: its CPU affinity (`taskset`, a container's
+    `--cpuset-cpus`), which workers and threads inherit, not every core of the machine
+    (os.cpu_count): one worker per core on 2 allowed cores of 64 is 2 workers, not 64."""
+    if hasattr(os, "sched_getaffinity"):  # Linux; elsewhere every core is allowed
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rawserve.shared.devices import cpu_cores
 from rawserve.shared.messages import Engine
 
 log = logging.getLogger("rawserve.worker")
@@ -127,7 +128,7 @@ def machine() -> dict[str, Any]:
     return {
         "cpu": name,
         "flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
-        "cores": os.cpu_count(),
+        "cores": cpu_cores(),
         "machine": platform.machine(),
     }
 

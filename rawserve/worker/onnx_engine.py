@@ -48,6 +48,7 @@ import torch
 import transformers
 from transformers import modeling_outputs
 
+from rawserve.shared.devices import cpu_cores
 from rawserve.shared.logs import first_line
 from rawserve.worker import engine_trial
 
@@ -179,7 +180,7 @@ def load_network(model: str, task: str, threads: int, cache_dir: Path | None = N
     head = HEADS[task]
     folder = Path(model)
     config = transformers.AutoConfig.from_pretrained(model)
-    cores = os.cpu_count() or 1
+    cores = cpu_cores()
     shipped = folder / SHIPPED_GRAPH
     if shipped.is_file() and _shipped_fits(shipped, head):
         log.info("ONNX engine: the model's own graph %s", SHIPPED_GRAPH)
