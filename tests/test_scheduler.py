@@ -86,6 +86,31 @@ def test_delay_is_one_deadline_from_the_oldest_item():
     assert inputs(batch) == ["first", "second"]
 
 
+def test_the_delay_never_spends_a_deadline():
+    """A batch delay longer than a request's time would keep a lone item beside an idle
+    worker until its 504: the wait ends by half the time the item was given, and (once
+    speeds are known) at once for an item whose time leaves no room for a batch-mate."""
+    core = SchedulerCore(max_batch_size=8, max_batch_delay=2.0)
+    queue_items(core, ["lone"], now=0.0, deadline=1.0)
+    assert core.next_wakeup(now=0.0) == pytest.approx(0.5)
+    assert core.next_batch(now=0.49) is None
+    assert inputs(core.next_batch(now=0.5)) == ["lone"]
+
+    core = measured(SchedulerCore(max_batch_size=8, max_batch_delay=5.0), seconds_per_token=0.01)
+    queue_items(core, [text(10)], now=0.0, deadline=1.0)  # alone 0.1 s: waits half its time
+    assert core.next_wakeup(now=0.0) == pytest.approx(0.5)
+    assert core.next_batch(now=0.4) is None
+    assert len(core.next_batch(now=0.5)) == 1
+    queue_items(core, [text(45)], now=1.0, deadline=2.0)  # 0.45 s alone: no room for two
+    assert len(core.next_batch(now=1.0)) == 1
+
+
+def test_a_deadline_far_off_keeps_the_whole_delay():
+    core = SchedulerCore(max_batch_size=8, max_batch_delay=0.2)
+    queue_items(core, ["a"], now=0.0, deadline=30.0)
+    assert core.next_wakeup(now=0.0) == pytest.approx(0.2)
+
+
 def test_full_batch_goes_at_once_despite_the_delay():
     core = SchedulerCore(max_batch_size=3, max_batch_delay=10.0)
     queue_items(core, ["a", "b", "c", "d"])

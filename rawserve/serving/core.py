@@ -436,7 +436,7 @@ class SchedulerCore:
         batch = choose_batch(
             viable, limits, lambda item: self._is_urgent(item, now), self.cost_model
         )
-        waiting = now < minima.oldest().arrived + self.max_batch_delay
+        waiting = now < self._wait_ends(minima)
         if waiting and not self._is_full(batch, len(viable), limits):
             return None
         self._take(queue, batch, window_size)
@@ -493,6 +493,19 @@ class SchedulerCore:
         alone = self.cost_model.predict(item.cost)
         return alone is not None and item.deadline - now <= URGENT_BATCHES * alone
 
+    def _wait_ends(self, minima: QueueMinima[WorkItem]) -> float:
+        """When a free worker stops waiting for a key's batch to fill: `max_batch_delay`
+        after its oldest item, or sooner, when half the time its most pressing item was
+        given has passed. A delay longer than a request's deadline otherwise spent all of
+        it beside an idle worker (a 504 with nothing else queued). Once speeds are known,
+        a batch whose token budget leaves no room for another item goes before that
+        (`_is_full`): an item that needs more than half its time goes when it comes."""
+        delay_ends = minima.oldest().arrived + self.max_batch_delay
+        if self.max_batch_delay <= 0:  # no wait to shorten (the default)
+            return delay_ends
+        pressing = minima.earliest_deadline()
+        return min(delay_ends, pressing.arrived + (pressing.deadline - pressing.arrived) / 2)
+
     def next_wakeup(self, now: float, free_workers: int = 1) -> float | None:
         """When the queue next needs a look: a deadline, or (for a free worker) a batch
         delay running out. Times already past are left out: with no free worker the
@@ -500,7 +513,7 @@ class SchedulerCore:
         times = []
         for minima in self._minima.values():
             if free_workers > 0:
-                times.append(minima.oldest().arrived + self.max_batch_delay)
+                times.append(self._wait_ends(minima))
             times.append(minima.earliest_deadline().deadline)
         return min((t for t in times if t > now), default=None)
 
