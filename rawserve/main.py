@@ -279,7 +279,12 @@ async def serve(
         else None
     )
     loaded = loop.create_task(loaded_after(trial, models, config, front, stop_trial))
-    progress = loop.create_task(log_loading_progress(loaded, log))
+    waiting_for = (
+        (lambda: [model.plan.name for model in models if not model.service.ready])
+        if len(models) > 1
+        else None
+    )
+    progress = loop.create_task(log_loading_progress(loaded, log, waiting_for=waiting_for))
     stopping = loop.create_task(stop.wait())
     await asyncio.wait([loaded, stopping], return_when=asyncio.FIRST_COMPLETED)
     progress.cancel()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -14,6 +15,7 @@ import warnings
 import pytest
 
 from rawserve.http.access_log import log_access
+from rawserve.ops.loading import log_loading_progress
 from rawserve.options import parse_config
 from rawserve.shared.logs import (
     TEXT_FORMAT,
@@ -446,3 +448,39 @@ def test_a_worker_held_at_exit_by_a_thread_of_its_own_is_killed_with_a_line_sayi
         re.search(r"WARNING worker 0: did not exit within 2 s; killed$", line)
         for line in server.lines
     ), server.lines[-10:]
+
+
+async def test_the_loading_progress_line_names_the_models_not_ready_yet(caplog):
+    """With several models, which one is slow to load (or stuck) is what an operator
+    reading the log needs: each line names those still loading."""
+    loaded = asyncio.get_running_loop().create_future()
+    waiting = ["gen", "cls"]
+    log = logging.getLogger("rawserve")
+    with caplog.at_level(logging.INFO, logger="rawserve"):
+        progress = asyncio.ensure_future(
+            log_loading_progress(loaded, log, interval=0.01, waiting_for=lambda: waiting)
+        )
+        while not caplog.records:
+            await asyncio.sleep(0.01)
+        waiting = ["gen"]
+        caplog.clear()
+        while not caplog.records:
+            await asyncio.sleep(0.01)
+        loaded.set_result(None)
+        await progress
+    line = caplog.records[0]
+    assert re.fullmatch(r"still loading gen \(\d+ s\)", line.getMessage())
+    assert line.models == ["gen"]  # a JSON line's field too
+
+
+async def test_one_models_loading_progress_line_stays_as_it_was(caplog):
+    loaded = asyncio.get_running_loop().create_future()
+    with caplog.at_level(logging.INFO, logger="rawserve"):
+        progress = asyncio.ensure_future(
+            log_loading_progress(loaded, logging.getLogger("rawserve"), interval=0.01)
+        )
+        while not caplog.records:
+            await asyncio.sleep(0.01)
+        loaded.set_result(None)
+        await progress
+    assert re.fullmatch(r"still loading the model \(\d+ s\)", caplog.records[0].getMessage())

@@ -378,3 +378,18 @@ async def test_a_models_own_openai_route_refuses_in_openais_shape(path, message)
     answer = await App(models).handle(post(path, {"prompt": "hi"}, headers=[]))
     assert answer.status == 404
     assert json.loads(answer.body)["error"]["message"].startswith(message)
+
+
+async def test_health_of_several_models_says_which_one_keeps_failing(app):
+    """/health turns 503 for the whole process when one model's restarts keep failing
+    (an orchestrator replaces it); the body names the model, as /ready's does."""
+    answer = await app.handle(get("/health", headers=[]))
+    assert answer.status == 200
+    assert json.loads(answer.body)["models"] == {"cls": "ok", "emb": "ok"}
+    app.models.get("emb").serving.workers.healthy = False
+    answer = await app.handle(get("/health", headers=[]))
+    assert answer.status == 503
+    assert json.loads(answer.body) == {
+        "status": "unhealthy",
+        "models": {"cls": "ok", "emb": "unhealthy"},
+    }

@@ -99,9 +99,14 @@ class OperationsRoutes:
         ]  # fmt: skip
 
     def health_now(self) -> HttpResponse:
-        if not all(model.serving.snapshot().healthy for model in self.models.all):
-            return json_response(503, {"status": "unhealthy"})  # restarts keep failing
-        return json_response(200, {"status": "ok"})
+        """503 once any model's workers keep dying (its restarts keep failing): the whole
+        process is then to be replaced. Of several models, the body says which."""
+        healthy = {model.name: model.serving.snapshot().healthy for model in self.models.all}
+        status = "ok" if all(healthy.values()) else "unhealthy"
+        document: dict[str, Any] = {"status": status}
+        if len(healthy) > 1:
+            document["models"] = {name: "ok" if ok else "unhealthy" for name, ok in healthy.items()}
+        return json_response(200 if status == "ok" else 503, document)
 
     def ready_now(self, model: ServedModel | None = None) -> HttpResponse:
         """200 when every served model (or `model` alone) takes work now: loaded, warm and

@@ -127,6 +127,7 @@ STATUS: Schema = {
         "status": {"type": "string"},
         "task": {"type": ["string", "null"]},
         "elapsed_seconds": NUMBER,
+        "models": {"type": "object", "additionalProperties": {"type": "string"}},  # several
     },
 }
 INFO: Schema = {
