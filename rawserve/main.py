@@ -239,9 +239,7 @@ async def serve(
         log.error("cannot listen on %s port %d: %s", config.host, config.port, reason(exc))
         front = None
     if front is None:  # it could not start (the log said why)
-        for scheduler in schedulers:
-            await scheduler.stop()
-        await asyncio.gather(*(executor.shutdown(wait=False) for executor in executors))
+        await abandon(models)
         return 1
     fix_mmap_threshold()  # large blocks mapped on their own: the heap does not creep
     # What is built by now lives as long as the server: leave it out of the collector's
@@ -264,19 +262,7 @@ async def serve(
     log.info("batch limits: %s", config.model.batch_limits)
 
     stop_trial = threading.Event()
-    trial = (
-        loop.create_task(
-            asyncio.to_thread(
-                layout_trial.settle,
-                workers,
-                worker_config(plans[0], config.model, workers),
-                os.cpu_count() or 1,
-                stop_trial,
-            )
-        )
-        if settle_layout
-        else None
-    )
+    trial = start_layout_trial(plans[0], config, workers, stop_trial) if settle_layout else None
     loaded = loop.create_task(loaded_after(trial, models, config, front, stop_trial))
     progress = loop.create_task(log_loading_progress(loaded, log))
     stopping = loop.create_task(stop.wait())
@@ -286,19 +272,13 @@ async def serve(
         if loaded.exception() is not None:
             log.error("%s", loaded.exception())
             front.close()
-            for scheduler in schedulers:
-                await scheduler.stop()
-            await asyncio.gather(*(executor.shutdown(wait=False) for executor in executors))
+            await abandon(models)
             await front.closed()
             return 1
-        serving = ", ".join(
-            f"{model.plan.name} ({describe(model.executor)})"
-            if len(models) > 1
-            else describe(model.executor)
-            for model in models
-        )
         await front.announce()
-        log.info("ready in %.1f s: serving %s", time.monotonic() - started, serving)
+        log.info(
+            "ready in %.1f s: serving %s", time.monotonic() - started, describe_serving(models)
+        )
     await stopping
 
     # Drain: no new connections, /ready and new requests 503, admitted work finishes.
@@ -499,6 +479,32 @@ def reserve_port(host: str, port: int) -> socket.socket:
         reserved.close()
         raise
     return reserved
+
+
+def start_layout_trial(
+    plan: ModelPlan, config: ServerConfig, workers: WorkerPlan, stopped: threading.Event
+) -> asyncio.Task[WorkerPlan]:
+    """The CPU layout of `plan`'s workers timed on a thread, the event loop serving
+    meanwhile (`stopped`: the server is stopping, the trial with it)."""
+    model = worker_config(plan, config.model, workers)
+    settle = asyncio.to_thread(layout_trial.settle, workers, model, os.cpu_count() or 1, stopped)
+    return asyncio.get_running_loop().create_task(settle)
+
+
+async def abandon(models: Sequence[ModelParts]) -> None:
+    """A server that cannot go on (it could not listen, a model could not load): its
+    schedulers stopped, its workers shut down without waiting for their batches."""
+    for model in models:
+        await model.scheduler.stop()
+    await asyncio.gather(*(model.executor.shutdown(wait=False) for model in models))
+
+
+def describe_serving(models: Sequence[ModelParts]) -> str:
+    """What the ready line says is served: each model's task and engine (and its name,
+    when there are several)."""
+    if len(models) == 1:
+        return describe(models[0].executor)
+    return ", ".join(f"{model.plan.name} ({describe(model.executor)})" for model in models)
 
 
 def describe(executor: Executor) -> str:
