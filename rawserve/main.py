@@ -198,31 +198,9 @@ async def serve(
     schedulers = [model.scheduler for model in models]
     # A stop from the first moment: once workers or HTTP processes are started, dying of
     # the signal would orphan them; a stop during the start drains once it is done.
-    stop = asyncio.Event()
-    first_signal: float | None = None
-    front: Front | None = None
-
-    def on_signal(signum: int) -> None:
-        nonlocal first_signal
-        now = time.monotonic()
-        if first_signal is not None:
-            if now - first_signal < SIGNAL_REPEAT_SECONDS:
-                return  # the same stop, delivered twice
-            log.warning("second signal: exiting now")
-            for executor in executors:
-                executor.kill()
-            if front is not None:
-                front.kill()
-            kill_leftover_children()  # any started meanwhile (HTTP processes, timers)
-            os._exit(1)
-        first_signal = now
-        log.info(
-            "%s received: draining for up to %.0f s", signal.Signals(signum).name, config.grace
-        )
-        stop.set()
-
+    stop = Stop(config.grace, executors)
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
+        loop.add_signal_handler(signum, stop.on_signal, signum)
     if not settle_layout:
         for executor in executors:
             executor.start()
@@ -238,6 +216,7 @@ async def serve(
     except OSError as exc:  # the address: in use, not this machine's, no such host
         log.error("cannot listen on %s port %d: %s", config.host, config.port, reason(exc))
         front = None
+    stop.front = front
     if front is None:  # it could not start (the log said why)
         await abandon(models)
         return 1
@@ -265,7 +244,7 @@ async def serve(
     trial = start_layout_trial(plans[0], config, workers, stop_trial) if settle_layout else None
     loaded = loop.create_task(loaded_after(trial, models, config, front, stop_trial))
     progress = loop.create_task(log_loading_progress(loaded, log))
-    stopping = loop.create_task(stop.wait())
+    stopping = loop.create_task(stop.asked.wait())
     await asyncio.wait([loaded, stopping], return_when=asyncio.FIRST_COMPLETED)
     progress.cancel()
     if loaded.done():
@@ -300,6 +279,35 @@ async def serve(
     await front.closed()
     log.info("stopped")
     return 0
+
+
+class Stop:
+    """SIGTERM and SIGINT: the first drains the server (`asked`); a second, unless it is
+    the first delivered twice, kills every worker and HTTP process and exits at once."""
+
+    def __init__(self, grace: float, executors: Sequence[Executor]):
+        self.grace = grace
+        self.executors = executors
+        self.front: Front | None = None  # once started: its HTTP processes die too
+        self.asked = asyncio.Event()
+        self.first: float | None = None  # when the first signal came
+
+    def on_signal(self, signum: int) -> None:
+        now = time.monotonic()
+        if self.first is not None:
+            if now - self.first < SIGNAL_REPEAT_SECONDS:
+                return  # the same stop, delivered twice
+            log.warning("second signal: exiting now")
+            for executor in self.executors:
+                executor.kill()
+            if self.front is not None:
+                self.front.kill()
+            kill_leftover_children()  # any started meanwhile (HTTP processes, timers)
+            os._exit(1)
+        self.first = now
+        name = signal.Signals(signum).name
+        log.info("%s received: draining for up to %.0f s", name, self.grace)
+        self.asked.set()
 
 
 class OneProcess:
