@@ -199,31 +199,9 @@ async def serve(
     schedulers = [model.scheduler for model in models]
     # A stop from the first moment: once workers or HTTP processes are started, dying of
     # the signal would orphan them; a stop during the start drains once it is done.
-    stop = asyncio.Event()
-    first_signal: float | None = None
-    front: Front | None = None
-
-    def on_signal(signum: int) -> None:
-        nonlocal first_signal
-        now = time.monotonic()
-        if first_signal is not None:
-            if now - first_signal < SIGNAL_REPEAT_SECONDS:
-                return  # the same stop, delivered twice
-            log.warning("second signal: exiting now")
-            for executor in executors:
-                executor.kill()
-            if front is not None:
-                front.kill()
-            kill_leftover_children()  # any started meanwhile (HTTP processes, timers)
-            os._exit(1)
-        first_signal = now
-        log.info(
-            "%s received: draining for up to %.0f s", signal.Signals(signum).name, config.grace
-        )
-        stop.set()
-
+    stop = Stop(config.grace, executors)
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
+        loop.add_signal_handler(signum, stop.on_signal, signum)
     if not settle_layout:
         for executor in executors:
             executor.start()
@@ -239,10 +217,9 @@ async def serve(
     except OSError as exc:  # the address: in use, not this machine's, no such host
         log.error("cannot listen on %s port %d: %s", config.host, config.port, reason(exc))
         front = None
+    stop.front = front
     if front is None:  # it could not start (the log said why)
-        for scheduler in schedulers:
-            await scheduler.stop()
-        await asyncio.gather(*(executor.shutdown(wait=False) for executor in executors))
+        await abandon(models)
         return 1
     fix_mmap_threshold()  # large blocks mapped on their own: the heap does not creep
     # What is built by now lives as long as the server: leave it out of the collector's
@@ -265,19 +242,7 @@ async def serve(
     log.info("batch limits: %s", config.model.batch_limits)
 
     stop_trial = threading.Event()
-    trial = (
-        loop.create_task(
-            asyncio.to_thread(
-                layout_trial.settle,
-                workers,
-                worker_config(plans[0], config.model, workers),
-                cpu_cores(),
-                stop_trial,
-            )
-        )
-        if settle_layout
-        else None
-    )
+    trial = start_layout_trial(plans[0], config, workers, stop_trial) if settle_layout else None
     loaded = loop.create_task(loaded_after(trial, models, config, front, stop_trial))
     waiting_for = (
         (lambda: [model.plan.name for model in models if not model.service.ready])
@@ -285,26 +250,20 @@ async def serve(
         else None
     )
     progress = loop.create_task(log_loading_progress(loaded, log, waiting_for=waiting_for))
-    stopping = loop.create_task(stop.wait())
+    stopping = loop.create_task(stop.asked.wait())
     await asyncio.wait([loaded, stopping], return_when=asyncio.FIRST_COMPLETED)
     progress.cancel()
     if loaded.done():
         if loaded.exception() is not None:
             log.error("%s", loaded.exception())
             front.close()
-            for scheduler in schedulers:
-                await scheduler.stop()
-            await asyncio.gather(*(executor.shutdown(wait=False) for executor in executors))
+            await abandon(models)
             await front.closed()
             return 1
-        serving = ", ".join(
-            f"{model.plan.name} ({describe(model.executor)})"
-            if len(models) > 1
-            else describe(model.executor)
-            for model in models
-        )
         await front.announce()
-        log.info("ready in %.1f s: serving %s", time.monotonic() - started, serving)
+        log.info(
+            "ready in %.1f s: serving %s", time.monotonic() - started, describe_serving(models)
+        )
     await stopping
 
     # Drain: no new connections, /ready and new requests 503, admitted work finishes.
@@ -326,6 +285,35 @@ async def serve(
     await front.closed()
     log.info("stopped")
     return 0
+
+
+class Stop:
+    """SIGTERM and SIGINT: the first drains the server (`asked`); a second, unless it is
+    the first delivered twice, kills every worker and HTTP process and exits at once."""
+
+    def __init__(self, grace: float, executors: Sequence[Executor]):
+        self.grace = grace
+        self.executors = executors
+        self.front: Front | None = None  # once started: its HTTP processes die too
+        self.asked = asyncio.Event()
+        self.first: float | None = None  # when the first signal came
+
+    def on_signal(self, signum: int) -> None:
+        now = time.monotonic()
+        if self.first is not None:
+            if now - self.first < SIGNAL_REPEAT_SECONDS:
+                return  # the same stop, delivered twice
+            log.warning("second signal: exiting now")
+            for executor in self.executors:
+                executor.kill()
+            if self.front is not None:
+                self.front.kill()
+            kill_leftover_children()  # any started meanwhile (HTTP processes, timers)
+            os._exit(1)
+        self.first = now
+        name = signal.Signals(signum).name
+        log.info("%s received: draining for up to %.0f s", name, self.grace)
+        self.asked.set()
 
 
 class OneProcess:
@@ -505,6 +493,32 @@ def reserve_port(host: str, port: int) -> socket.socket:
         reserved.close()
         raise
     return reserved
+
+
+def start_layout_trial(
+    plan: ModelPlan, config: ServerConfig, workers: WorkerPlan, stopped: threading.Event
+) -> asyncio.Task[WorkerPlan]:
+    """The CPU layout of `plan`'s workers timed on a thread, the event loop serving
+    meanwhile (`stopped`: the server is stopping, the trial with it)."""
+    model = worker_config(plan, config.model, workers)
+    settle = asyncio.to_thread(layout_trial.settle, workers, model, cpu_cores(), stopped)
+    return asyncio.get_running_loop().create_task(settle)
+
+
+async def abandon(models: Sequence[ModelParts]) -> None:
+    """A server that cannot go on (it could not listen, a model could not load): its
+    schedulers stopped, its workers shut down without waiting for their batches."""
+    for model in models:
+        await model.scheduler.stop()
+    await asyncio.gather(*(model.executor.shutdown(wait=False) for model in models))
+
+
+def describe_serving(models: Sequence[ModelParts]) -> str:
+    """What the ready line says is served: each model's task and engine (and its name,
+    when there are several)."""
+    if len(models) == 1:
+        return describe(models[0].executor)
+    return ", ".join(f"{model.plan.name} ({describe(model.executor)})" for model in models)
 
 
 def describe(executor: Executor) -> str:

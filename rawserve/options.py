@@ -357,22 +357,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     cores = cpu_cores()
     if args.http_processes is None:
         args.http_processes = http_processes_default(gpu, cores)
-    for name in ("max_batch_size", "max_queue", "max_client_batch_size", "max_body_bytes"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be positive")
-    if not 0 <= args.port <= 65535:  # the socket would take it modulo 65536
-        parser.error("--port must be from 0 (any free port) to 65535")
-    if args.batch_timeout <= 0 or args.grace < 0:
-        parser.error("--batch-timeout must be positive and --grace not negative")
-    if args.timeout <= 0 or args.max_batch_delay_ms < 0:
-        parser.error("--timeout must be positive and --max-batch-delay-ms not negative")
-    if args.max_timeout <= 0 or args.batching not in ("cost", "count"):
-        parser.error("--max-timeout must be positive and --batching cost or count")
-    if args.max_connections < 0 or args.api_key == "":
-        parser.error("--max-connections must not be negative and --api-key not empty")
-    if not 1 <= args.http_processes <= cores:  # one speaks HTTP on a core at most
-        parser.error(f"--http-processes must be from 1 to {cores}, this machine's cores")
-    check_host(args.host, parser)
+    check_values(args, parser, cores)
     http = ProtocolSettings(
         max_body_bytes=args.max_body_bytes,
         # each HTTP process counts its own connections: a share each keeps the whole cap
@@ -382,27 +367,6 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         body_timeout=args.body_timeout,
         write_timeout=args.write_timeout,
     )
-    timeouts = (http.keepalive_timeout, http.head_timeout, http.body_timeout, http.write_timeout)
-    if min(timeouts) <= 0:
-        parser.error(
-            "--keepalive-timeout, --head-timeout, --body-timeout and --write-timeout "
-            "must be positive"
-        )
-    if args.generation not in ("continuous", "static"):
-        parser.error("--generation must be continuous or static")
-    for name in ("max_sequences", "threads", "max_batch_tokens"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be positive")
-    if args.dtype not in DTYPES:
-        parser.error("--dtype must be auto, float32, float16 or bfloat16")
-    if args.loop not in LOOPS:
-        parser.error(f"--loop must be one of {', '.join(LOOPS)}")
-    if args.loop == "uvloop" and chosen_loop("auto") != "uvloop":
-        parser.error("--loop uvloop: uvloop is not installed")
-    if args.log_level.upper() not in LOG_LEVELS:
-        parser.error(f"--log-level must be one of {', '.join(LOG_LEVELS).lower()}")
-    if args.log_format not in LOG_FORMATS:
-        parser.error(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
     chat_template = read_chat_template(args.chat_template, parser)
     tls = load_tls(args.ssl_certfile, args.ssl_keyfile, parser)
     if any(not origin or origin.endswith("/") for origin in origins):
@@ -450,6 +414,48 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         access_log=not args.no_access_log,
         download_only=args.download_only,
     )
+
+
+def check_values(args: argparse.Namespace, parser: argparse.ArgumentParser, cores: int) -> None:
+    """Refuse, as argparse does, the first option whose value is out of its range or not
+    one of its choices (`cores`: this machine's, which bound --http-processes)."""
+    for name in ("max_batch_size", "max_queue", "max_client_batch_size", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    if not 0 <= args.port <= 65535:  # the socket would take it modulo 65536
+        parser.error("--port must be from 0 (any free port) to 65535")
+    if args.batch_timeout <= 0 or args.grace < 0:
+        parser.error("--batch-timeout must be positive and --grace not negative")
+    if args.timeout <= 0 or args.max_batch_delay_ms < 0:
+        parser.error("--timeout must be positive and --max-batch-delay-ms not negative")
+    if args.max_timeout <= 0 or args.batching not in ("cost", "count"):
+        parser.error("--max-timeout must be positive and --batching cost or count")
+    if args.max_connections < 0 or args.api_key == "":
+        parser.error("--max-connections must not be negative and --api-key not empty")
+    if not 1 <= args.http_processes <= cores:  # one speaks HTTP on a core at most
+        parser.error(f"--http-processes must be from 1 to {cores}, this machine's cores")
+    check_host(args.host, parser)
+    timeouts = (args.keepalive_timeout, args.head_timeout, args.body_timeout, args.write_timeout)
+    if min(timeouts) <= 0:
+        parser.error(
+            "--keepalive-timeout, --head-timeout, --body-timeout and --write-timeout "
+            "must be positive"
+        )
+    if args.generation not in ("continuous", "static"):
+        parser.error("--generation must be continuous or static")
+    for name in ("max_sequences", "threads", "max_batch_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.dtype not in DTYPES:
+        parser.error("--dtype must be auto, float32, float16 or bfloat16")
+    if args.loop not in LOOPS:
+        parser.error(f"--loop must be one of {', '.join(LOOPS)}")
+    if args.loop == "uvloop" and chosen_loop("auto") != "uvloop":
+        parser.error("--loop uvloop: uvloop is not installed")
+    if args.log_level.upper() not in LOG_LEVELS:
+        parser.error(f"--log-level must be one of {', '.join(LOG_LEVELS).lower()}")
+    if args.log_format not in LOG_FORMATS:
+        parser.error(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
 
 
 def check_host(host: str, parser: argparse.ArgumentParser) -> None:

@@ -480,9 +480,8 @@ class HttpProtocol(asyncio.Protocol):
         return [head, render_request_fields(response, cycle.request_id, cycle.started), body]
 
     def _answer_parts(self, cycle: Cycle, response: HttpResponse) -> tuple[Fields, bytes]:
-        """The app's headers with the CORS ones, and the body (none to a HEAD request)."""
-        headers = (*response.headers, *self._cors_headers(cycle, response))
-        return headers, b"" if cycle.is_head else response.body
+        """The answer's headers, and the body (none to a HEAD request)."""
+        return self._answer_headers(cycle, response), b"" if cycle.is_head else response.body
 
     def _write_answer(
         self, cycle: Cycle, response: HttpResponse, pieces: list[bytes | None]
@@ -500,7 +499,7 @@ class HttpProtocol(asyncio.Protocol):
             await _close_stream(response)
             return
         close = self._closes_after(response)
-        headers = (*response.headers, *self._cors_headers(cycle, response))
+        headers = self._answer_headers(cycle, response)
         fields = fixed_fields(response.content_type, headers, None, close)
         fields += request_fields(response, cycle.request_id, cycle.started)
         sent = 0
@@ -554,14 +553,13 @@ class HttpProtocol(asyncio.Protocol):
             return True
         return self.conn.their_state not in _REQUEST_READ
 
-    def _cors_headers(self, cycle: Cycle, response: HttpResponse) -> list[tuple[str, str]]:
-        """What lets the page of an allowed origin read this answer, and `Vary: Origin`
-        for any origin, unless the app added them to its own answer: the protocol's
-        refusals need them."""
+    def _answer_headers(self, cycle: Cycle, response: HttpResponse) -> Fields:
+        """The app's headers, whole answers and streams alike, with what lets the page of
+        an allowed origin read this answer and `Vary: Origin` for any origin, unless the
+        app added them to its own answer: the protocol's refusals need them."""
         cors = self.app.cors
-        if cors is None:
-            return []
-        return cors.headers_for(cycle.origin, response.headers)
+        extra = [] if cors is None else cors.headers_for(cycle.origin, response.headers)
+        return (*response.headers, *extra)
 
     def _stays_open_after(self, cycle: Cycle) -> bool:
         """Whether h11 would keep the connection after answering `cycle`, and write the

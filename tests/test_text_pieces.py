@@ -1,4 +1,4 @@
-"""A sequence's text, token by token (rawserve.worker.continuous.TextPieces): the pieces
+"""A sequence's text, token by token (rawserve.worker.text_pieces.TextPieces): the pieces
 add up to what the tokenizer decodes of the whole sequence, a character cut between
 tokens waits for its last byte, and the backend is called directly only where the
 tokenizer's own `decode` would add nothing to it."""
@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from rawserve.worker.continuous import TextPieces, text_decoder  # noqa: E402
+from rawserve.worker.text_pieces import TextPieces, text_decoder  # noqa: E402
 from tests.tiny_models import VOCAB, bpe_tokenizer  # noqa: E402
 
 TEXTS = ["the movie was good", "héllo wörld, naïve café", "日本語のテキスト and more", "a"]

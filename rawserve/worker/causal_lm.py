@@ -29,7 +29,6 @@ from rawserve.tasks.text_generation import (
 from rawserve.worker.continuous import (
     Generation,
     ScoreAdjustments,
-    TextPieces,
     end_ids,
     ends_a_stop,
     likeliest,
@@ -37,6 +36,7 @@ from rawserve.worker.continuous import (
 from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.grammars import Grammars, constrain
 from rawserve.worker.runner import Runner, WrittenForClients, dtype_name
+from rawserve.worker.text_pieces import TextPieces
 
 log = logging.getLogger("rawserve.generation")
 

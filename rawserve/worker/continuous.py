@@ -47,50 +47,13 @@ from rawserve.worker.prefill_graphs import (
     Prefilled,
 )
 from rawserve.worker.runner import SAMPLING_FAILED_MESSAGE
+from rawserve.worker.text_pieces import TextPieces
 
 # how long a step with nothing to run but grammars compiling waits for one, before the
 # loop looks at its messages again (a new request, a client gone)
 GRAMMAR_WAIT = 0.02
 SEEDS = 2**32  # a request's seed is below it (a drawn one too: a client may send it back)
 RECORDING_TOKENS = 3  # a prefill and two steps at each bucket of rows, to record them
-
-
-class TextPieces:
-    """Incremental detokenization of one sequence, as TGI does it: each new token's text
-    comes from decoding a short window of tokens, so a step costs the same however long
-    the text has grown, and a token that ends inside a multi-byte character adds "" until
-    the character is whole."""
-
-    def __init__(self, tokenizer: Any):
-        self.decode = text_decoder(tokenizer)
-        self.prefix_offset = 0
-        self.read_offset = 0
-
-    def next_piece(self, ids: Sequence[int]) -> str:
-        """The text that the newest of `ids` (the sequence's tokens so far) adds."""
-        prefix, read = self.prefix_offset, self.read_offset
-        before = self.decode(ids[prefix:read])
-        after = self.decode(ids[prefix:])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""  # wait for the rest of a multi-byte character
-        self.prefix_offset, self.read_offset = read, len(ids)
-        return after[len(before) :]
-
-
-def text_decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
-    """`decode(ids)` → their text, special tokens left out, as `tokenizer.decode` gives
-    it. A fast tokenizer that cleans nothing up after its backend is called directly:
-    transformers' own `decode` costs ~2 µs a call around the backend's ~0.6, and a
-    decoding step makes two calls a row (at 64 rows, ~180 of the ~320 µs a step spends on
-    its new tokens, on a 2-core CPU: on a GPU a replayed step takes ~1.1 ms)."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    plain = (
-        type(tokenizer).decode is transformers.PreTrainedTokenizerFast.decode
-        and type(tokenizer)._decode is transformers.PreTrainedTokenizerFast._decode
-    )
-    if backend is not None and plain and not _cleans_up(tokenizer, backend):
-        return lambda ids: backend.decode(list(ids), skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 @dataclass(eq=False)
@@ -534,15 +497,6 @@ def likeliest(logprobs: torch.Tensor, count: int) -> list[list[tuple[int, float]
         [(i, value) for i, value in zip(row_ids, row_values, strict=True) if value > -math.inf]
         for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
     ]
-
-
-def _cleans_up(tokenizer: Any, backend: Any) -> bool:
-    """Whether transformers' `decode` changes the backend's text (its clean-up of spaces
-    before punctuation, which it skips for BPE models unless told otherwise)."""
-    if not getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return False
-    forced = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
-    return type(backend.model).__name__ != "BPE" or bool(getattr(tokenizer, forced, True))
 
 
 def end_ids(tokenizer: Any, model: Any) -> set[int]:
