@@ -129,6 +129,26 @@ def test_a_classifier_whose_tokenizer_has_no_pad_token_answers_each_input_as_alo
     assert len(logits) == 2 and not np.allclose(logits[0], logits[1])
 
 
+def test_token_vectors_of_a_model_whose_tokenizer_has_no_pad_token(tiny_model, tmp_path):
+    """A GPT-2 without a pad token serves feature-extraction (as the pipeline does, an input
+    at a time): batched, each input's vectors are those it has alone (its pads masked)."""
+    import shutil
+
+    from rawserve.worker.loading import load_runner
+
+    folder = Path(shutil.copytree(tiny_model("text-generation"), tmp_path / "vectors"))
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({**tokenizer_config, "pad_token": None})
+    )
+    config = worker_config(str(folder), "feature-extraction", dtype="float32", engine=Engine.TORCH)
+    serving = load_runner(config, "cpu")
+    texts = ["i like it", "the movie was very bad"]
+    batched = serving.run(texts, {})
+    for text, vectors in zip(texts, batched, strict=True):
+        np.testing.assert_allclose(vectors, serving.run([text], {})[0], atol=1e-5)
+
+
 def test_a_zero_shot_requests_labels_are_scored_together_not_one_pass_each(runner):
     """The pipeline scores each (text, label) pair; a request's pairs go through the
     model in passes of many, up to a bound, not one forward pass a label."""
