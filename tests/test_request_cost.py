@@ -92,6 +92,28 @@ def test_truncated_offsets_point_into_the_whole_text(tokenizer):
         assert raw[token["start"] : token["stop"]].decode() == token["text"]
 
 
+@pytest.mark.parametrize("add_special", [True, False])
+def test_offsets_are_the_librarys_where_the_post_processor_trims_them(add_special):
+    """A RoBERTa-style tokenizer's post-processor takes the space out of a "Ġword" token's
+    offsets: once, as encoding the text whole does (not once more when the special tokens
+    are added, which would cut a letter off each word)."""
+    from tests.tiny_models import bpe_tokenizer
+
+    library = bpe_tokenizer().backend_tokenizer
+    library.post_processor = tokenizers.processors.RobertaProcessing(("</s>", 2), ("<s>", 1))
+    text = "héllo the movie 😀 was good"
+    body = asyncio.run(
+        ServerTokenizer(library.to_str()).tokenize([text], add_special, TokenBound(LIMIT), 2**20)
+    )
+    [tokens] = json.loads(body)
+    expected = library.encode(text, add_special_tokens=add_special)
+    assert [token["id"] for token in tokens] == expected.ids
+    spans = zip(expected.offsets, expected.special_tokens_mask, strict=True)
+    assert [token["text"] for token in tokens if not token["special"]] == [
+        text[start:stop] for (start, stop), special in spans if not special
+    ]
+
+
 def test_a_long_word_without_spaces_is_answered_whole(tokenizer):
     """One word of 900 KB is one unknown token: counted in pieces, it fits."""
     encoding, _ = tokenizer.encode("a" * 900_000, True, TokenBound(LIMIT))

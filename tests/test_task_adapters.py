@@ -96,6 +96,59 @@ def test_batched_and_single_calls_answer_what_the_pipeline_answers_per_input(
         assert _rounded(alone[0]) == _rounded(direct)
 
 
+def test_a_classifier_whose_tokenizer_has_no_pad_token_answers_each_input_as_alone(
+    tiny_model, tmp_path
+):
+    """A GPT-2 classifier whose tokenizer has no pad token: the pipeline answers it an input
+    at a time (it cannot pad them into one batch); so does the worker, whatever the batch."""
+    import shutil
+
+    from rawserve.worker.loading import load_runner
+
+    folder = Path(shutil.copytree(tiny_model("text-generation"), tmp_path / "classifier"))
+    edits = {
+        "tokenizer_config.json": {"pad_token": None},
+        "config.json": {
+            "architectures": ["GPT2ForSequenceClassification"],
+            "pad_token_id": None,
+            "id2label": {"0": "NEGATIVE", "1": "POSITIVE"},
+        },
+    }
+    for name, changes in edits.items():
+        found = json.loads((folder / name).read_text())
+        (folder / name).write_text(json.dumps({**found, **changes}))
+    config = worker_config(str(folder), "text-classification", dtype="float32", engine=Engine.TORCH)
+    serving = load_runner(config, "cpu")
+    texts = ["i like it", "the movie was very bad"]
+    expected = [serving.pipe(text) for text in texts]
+    assert _rounded(serving.run(texts, {})) == _rounded([found[0] for found in expected])
+    assert _rounded(serving.run(texts, {"top_k": None})) == _rounded(
+        [serving.pipe(text, top_k=None) for text in texts]
+    )
+    logits = serving.run(texts, {LOGITS_PARAM: True})
+    assert len(logits) == 2 and not np.allclose(logits[0], logits[1])
+
+
+def test_token_vectors_of_a_model_whose_tokenizer_has_no_pad_token(tiny_model, tmp_path):
+    """A GPT-2 without a pad token serves feature-extraction (as the pipeline does, an input
+    at a time): batched, each input's vectors are those it has alone (its pads masked)."""
+    import shutil
+
+    from rawserve.worker.loading import load_runner
+
+    folder = Path(shutil.copytree(tiny_model("text-generation"), tmp_path / "vectors"))
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({**tokenizer_config, "pad_token": None})
+    )
+    config = worker_config(str(folder), "feature-extraction", dtype="float32", engine=Engine.TORCH)
+    serving = load_runner(config, "cpu")
+    texts = ["i like it", "the movie was very bad"]
+    batched = serving.run(texts, {})
+    for text, vectors in zip(texts, batched, strict=True):
+        np.testing.assert_allclose(vectors, serving.run([text], {})[0], atol=1e-5)
+
+
 def test_a_zero_shot_requests_labels_are_scored_together_not_one_pass_each(runner):
     """The pipeline scores each (text, label) pair; a request's pairs go through the
     model in passes of many, up to a bound, not one forward pass a label."""

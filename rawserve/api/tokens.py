@@ -92,6 +92,12 @@ class ServerTokenizer:
         # a model's tokenizer may pad or cut to its length; an answer lists real tokens
         self.tokenizer.no_padding()
         self.tokenizer.no_truncation()
+        # The post-processor runs once, after an input is cut, as in the library's own
+        # encode: it adds the special tokens and may trim offsets (RoBERTa's take the space
+        # out of "Ġword"), which a second run would do again, a letter off each word.
+        self.finisher = tokenizers.Tokenizer(tokenizers.models.BPE())
+        self.finisher.post_processor = self.tokenizer.post_processor
+        self.tokenizer.post_processor = None
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     async def tokenize(
@@ -145,7 +151,7 @@ class ServerTokenizer:
     ) -> tuple[tokenizers.Encoding, int]:
         """`text`'s encoding within `bound`, and the character where the encoded part
         starts (0 unless the start was cut). Never encodes much more than it keeps."""
-        specials = self.tokenizer.num_special_tokens_to_add(False) if add_special else 0
+        specials = self.finisher.num_special_tokens_to_add(False) if add_special else 0
         budget = max(bound.max_tokens - specials, 0)
         piece_start, piece_end = 0, len(text)
         if len(text) > CHUNK_CHARS:
@@ -160,8 +166,7 @@ class ServerTokenizer:
             if not bound.truncate:
                 raise TooManyTokens(bound.max_tokens)
             encoding.truncate(budget, direction=bound.direction)
-        if add_special:
-            encoding = self.tokenizer.post_process(encoding, add_special_tokens=True)
+        encoding = self.finisher.post_process(encoding, add_special_tokens=add_special)
         return encoding, piece_start
 
     def _span_past(self, text: str, tokens: int, from_end: bool) -> tuple[int, int] | None:

@@ -42,6 +42,9 @@ class EncoderRunner(Runner):
         sentence-transformers files (rawserve.models.folder); `onnx`, when given, runs the
         forward pass instead of torch."""
         tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+        if tokenizer.pad_token is None:  # a GPT-2's: a batch still needs one to pad with
+            # (its pads are masked out, so any token does: each input answers as alone)
+            tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
         if onnx is None:
             self.model: Any = transformers.AutoModel.from_pretrained(
                 model, dtype=resolve_dtype(dtype)

@@ -50,6 +50,13 @@ class PipelineRunner(Runner):
                 check.setLevel(level)
         super().__init__(task, device, dtype_name(self.pipe.model), self.pipe.tokenizer)
         self.onnx = onnx
+        # A tokenizer without a pad token cannot pad inputs into one batch (nor may a
+        # decoder's classifier without one read a batch): the pipeline answers such a
+        # model an input at a time, and so does `run`. The pad token it is given here is
+        # never placed (one input needs none); it lets the pipeline's steps run as they are.
+        self.batches = self.tokenizer is None or self.tokenizer.pad_token is not None
+        if not self.batches:
+            self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
         config = self.pipe.model.config
         self.max_length = self.max_input_length(config) if self.tokenizer is not None else None
         if self.max_length is not None:
@@ -91,6 +98,8 @@ class PipelineRunner(Runner):
     def run(
         self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
     ) -> list[Any]:
+        if not self.batches and len(inputs) > 1:
+            return [answer for item in inputs for answer in self.run([item], params, control)]
         if params.get(LOGITS_PARAM):
             return self._logits(inputs, params)
         if self._plain_classification(inputs, params):
@@ -117,7 +126,7 @@ class PipelineRunner(Runner):
 
     @property
     def prepares_ahead(self) -> bool:
-        return self.task == "text-classification" and self.tokenizer is not None
+        return self.task == "text-classification" and self.tokenizer is not None and self.batches
 
     def prepare(
         self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
