@@ -52,8 +52,11 @@ The rest (`--stages others`):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -66,6 +69,9 @@ from typing import Any
 TAIL_LINES = 20
 # one command on a lent GPU may run 600 s: the stages, and the wheels' install before them
 BUDGET = 500.0
+# a dry run's stages may take this many times their GPU limits: a CPU shared by its tools
+# builds and loads the models, and runs what the GPU skips (ONNX Runtime's ceiling)
+DRY_RUN_SLOWER = 4
 
 
 @dataclass(frozen=True)
@@ -86,52 +92,55 @@ def stages(out: Path, dry_run: bool = False) -> list[Stage]:
     def sized(gpu: Any, cpu: Any) -> Any:
         return cpu if dry_run else gpu
 
+    def stage(name: str, seconds: int, argv: tuple[str, ...], targets: bool = False) -> Stage:
+        return Stage(name, seconds * sized(1, DRY_RUN_SLOWER), argv, targets)
+
     device = sized("cuda", "cpu")
     model = ("--layers", sized("12", "2"), "--hidden", sized("768", "64"))
     encoder = sized("bert-base-classification", "classification")
     clients = ("--clients", sized("1,64,256", "1,4"), "--client-processes", sized("6", "1"))
     return [
-        Stage("http", 45, (
+        stage("http", 45, (
             "bench.http_processes", "--processes", *sized(("8", "16"), ("1", "2")), "--loops",
             "uvloop", "--rounds", "1", "--duration", sized("3", "0.5"), "--clients",
             sized("256", "16"), "--client-processes", sized("6", "1")), targets=True),
-        Stage("encoders", 150, (
+        stage("encoders", 150, (
             "bench.compare", "--device", device, "--quick", "--scenarios", encoder,
             "--text-sets", "short", "--servers", "rawserve-default,rawserve-threads2",
             *clients, "--json", str(out / "encoders.json")), targets=True),
-        Stage("generation", 190, (
+        stage("generation", 190, (
             "bench.generation_serving", "--device", device, *model, "--rounds", "1",
             "--duration", sized("20", "2"), "--systems", "rawserve-continuous",
             "static-in-process", "--scenarios", "64 x 64", "mixed 256 x 8-256",
             "stream 1 x 64", "stream 16 x 64", "stream 64 x 64", "--json",
             str(out / "generation.json")), targets=True),
-        Stage("generation-overload", 100, (
+        stage("generation-overload", 100, (
             "bench.generation_overload", "--device", device, *model, "--rounds", "1",
             "--duration", sized("8", "1")), targets=True),
-        Stage("encoders-more", 150, (
+        stage("encoders-more", 150, (
             "bench.compare", "--device", device, "--quick", "--scenarios", encoder,
             "--text-sets", "short", "--servers", "rawserve-eager,rawserve-lists,seed-batching",
             *clients, "--json", str(out / "encoders-more.json"))),
-        Stage("generation-eager", 120, (
+        stage("generation-eager", 120, (
             "bench.generation_serving", "--device", device, *model, "--rounds", "1",
             "--duration", sized("20", "2"), "--systems", "rawserve-eager", "--json",
             str(out / "generation-eager.json"))),
-        Stage("decode", 70, (
+        stage("decode", 70, (
             "bench.generation", "--device", device, *model, "--rounds", "1")),
-        Stage("graphs", 70, (
+        stage("graphs", 70, (
             "bench.cuda_graphs", "--device", sized("cuda:0", "cpu"), "--batches",
             *sized(("1", "16", "64", "256"), ("1", "4")), "--seconds", sized("0.5", "0.1"),
             "--rounds", sized("2", "1"))),
-        Stage("attention", 80, (
+        stage("attention", 80, (
             "bench.attention_shapes", "--device", device, "--batches", sized("30", "2"),
             "--new-tokens", sized("32", "2"), *sized((), ("--choices", "default", "math")))),
-        Stage("lone", 60, (
+        stage("lone", 60, (
             "bench.lone_request", "--scenario", encoder, "--requests", sized("300", "5"),
             "--config=", "--config=--http-processes 1", "--out", str(out / "lone"))),
-        Stage("profile", 50, (
+        stage("profile", 50, (
             "bench.profile", "--scenario", encoder, "--clients", sized("256", "4"),
             "--seconds", sized("6", "1"), "--rate", "200", "--out", str(out / "profile"))),
-        Stage("overlap", 50, (
+        stage("overlap", 50, (
             "bench.overlap", "--prepare", "--device", device, "--batch", sized("256", "8"),
             *model, "--rounds", sized("2", "1"), "--seconds", sized("3", "0.5"))),
     ]  # fmt: skip
@@ -143,14 +152,20 @@ def run_stage(stage: Stage, out: Path, python: str = sys.executable) -> dict[str
     log = out / f"{stage.name}.log"
     started = time.monotonic()
     with log.open("wb") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+        # a group of its own: at its end, past its limit, or when the round is stopped,
+        # whatever it started (its servers, their workers) goes with it
+        process = subprocess.Popen(
+            command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        timed_out = False
         try:
-            code = process.wait(timeout=stage.seconds)
-            timed_out = False
+            process.wait(timeout=stage.seconds)
         except subprocess.TimeoutExpired:
-            process.kill()
-            code = process.wait()
             timed_out = True
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            code = process.wait()
     return {
         "stage": stage.name,
         "command": command,

@@ -115,6 +115,37 @@ def test_the_gpu_round_runs_each_stage_bounded_and_skips_what_the_budget_cannot_
     assert json.loads((tmp_path / "summary.json").read_text()) == found
 
 
+def test_a_gpu_round_stage_past_its_limit_takes_its_servers_with_it(tmp_path, monkeypatch):
+    """A benchmark killed at its limit leaves no server of its own behind, on the GPU and
+    the cores, for the stages after it."""
+    (tmp_path / "starts_a_server.py").write_text(
+        "import subprocess, sys, time\n"
+        "server = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(tmp_path / 'pid')!r}, 'w').write(str(server.pid))\n"
+        "time.sleep(120)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    stuck = gpu_round.Stage("stuck", 3, ("starts_a_server",))
+
+    found = gpu_round.run_stage(stuck, tmp_path)
+
+    assert found["timed_out"]
+    server = int((tmp_path / "pid").read_text())
+    ends = time.monotonic() + 10
+    while time.monotonic() < ends and running(server):
+        time.sleep(0.05)
+    assert not running(server)
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs (a child ended but not yet reaped by anyone counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 @pytest.mark.parametrize("dry_run", [False, True])
 def test_every_gpu_round_stage_names_a_benchmark_that_takes_its_options(
     tmp_path, monkeypatch, dry_run
