@@ -197,7 +197,12 @@ def run(chosen: Sequence[Stage], out: Path, budget: float) -> list[dict[str, Any
                 print(f"== {stage.name}: skipped, {left:.0f} s left of the budget", flush=True)
                 continue
             print(f"== {stage.name} (at most {stage.seconds} s)", flush=True)
-            result = run_stage(stage, out)
+            try:
+                result = run_stage(stage, out)
+            except KeyboardInterrupt:  # stopped from outside: what ran is kept
+                found.append({"stage": stage.name, "interrupted": True})
+                print(f"== {stage.name}: interrupted", flush=True)
+                break
             found.append(result)
             print(tail(Path(result["log"])), flush=True)
             ended = "ran out of time" if result["timed_out"] else f"exit {result['exit']}"

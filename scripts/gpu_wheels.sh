@@ -55,7 +55,9 @@ export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 PYTHO
 export RAWSERVE_BENCH_TOKENIZER=$here/tokenizer
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-python3 -m bench.gpu_round --out /tmp/round --pack "$out/round.tar.gz" "$@"
+# stopped (SIGINT) short of the command's 600 s whatever happens: the round then ends its
+# stage, writes its summary and packs what it has
+timeout -s INT 570 python3 -m bench.gpu_round --out /tmp/round --pack "$out/round.tar.gz" "$@"
 code=$?
 cp /tmp/round/summary.json "$out/" 2>/dev/null
 exit $code
