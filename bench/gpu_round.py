@@ -100,47 +100,47 @@ def stages(out: Path, dry_run: bool = False) -> list[Stage]:
     encoder = sized("bert-base-classification", "classification")
     clients = ("--clients", sized("1,64,256", "1,4"), "--client-processes", sized("6", "1"))
     return [
-        stage("http", 45, (
+        stage("http", 40, (
             "bench.http_processes", "--processes", *sized(("8", "16"), ("1", "2")), "--loops",
             "uvloop", "--rounds", "1", "--duration", sized("3", "0.5"), "--clients",
             sized("256", "16"), "--client-processes", sized("6", "1")), targets=True),
-        stage("encoders", 150, (
+        stage("encoders", 170, (
             "bench.compare", "--device", device, "--quick", "--scenarios", encoder,
             "--text-sets", "short", "--servers", "rawserve-default,rawserve-threads2",
             *clients, "--json", str(out / "encoders.json")), targets=True),
-        stage("generation", 190, (
+        stage("generation", 180, (
             "bench.generation_serving", "--device", device, *model, "--rounds", "1",
             "--duration", sized("20", "2"), "--systems", "rawserve-continuous",
             "static-in-process", "--scenarios", "64 x 64", "mixed 256 x 8-256",
             "stream 1 x 64", "stream 16 x 64", "stream 64 x 64", "--json",
             str(out / "generation.json")), targets=True),
-        stage("generation-overload", 100, (
+        stage("generation-overload", 95, (
             "bench.generation_overload", "--device", device, *model, "--rounds", "1",
             "--duration", sized("8", "1")), targets=True),
-        stage("encoders-more", 150, (
+        stage("encoders-more", 120, (
             "bench.compare", "--device", device, "--quick", "--scenarios", encoder,
             "--text-sets", "short", "--servers", "rawserve-eager,rawserve-lists,seed-batching",
             *clients, "--json", str(out / "encoders-more.json"))),
-        stage("generation-eager", 120, (
+        stage("generation-eager", 90, (
             "bench.generation_serving", "--device", device, *model, "--rounds", "1",
             "--duration", sized("20", "2"), "--systems", "rawserve-eager", "--json",
             str(out / "generation-eager.json"))),
-        stage("decode", 70, (
+        stage("decode", 60, (
             "bench.generation", "--device", device, *model, "--rounds", "1")),
-        stage("graphs", 70, (
+        stage("graphs", 50, (
             "bench.cuda_graphs", "--device", sized("cuda:0", "cpu"), "--batches",
             *sized(("1", "16", "64", "256"), ("1", "4")), "--seconds", sized("0.5", "0.1"),
             "--rounds", sized("2", "1"))),
-        stage("attention", 80, (
+        stage("attention", 60, (
             "bench.attention_shapes", "--device", device, "--batches", sized("30", "2"),
             "--new-tokens", sized("32", "2"), *sized((), ("--choices", "default", "math")))),
-        stage("lone", 60, (
+        stage("lone", 40, (
             "bench.lone_request", "--scenario", encoder, "--requests", sized("300", "5"),
             "--config=", "--config=--http-processes 1", "--out", str(out / "lone"))),
-        stage("profile", 50, (
+        stage("profile", 40, (
             "bench.profile", "--scenario", encoder, "--clients", sized("256", "4"),
             "--seconds", sized("6", "1"), "--rate", "200", "--out", str(out / "profile"))),
-        stage("overlap", 50, (
+        stage("overlap", 40, (
             "bench.overlap", "--prepare", "--device", device, "--batch", sized("256", "8"),
             *model, "--rounds", sized("2", "1"), "--seconds", sized("3", "0.5"))),
     ]  # fmt: skip
