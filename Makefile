@@ -74,9 +74,12 @@ bench-generation: $(STAMP)
 bench-generation-overload: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m bench.generation_overload $(ARGS)
 
-# every GPU measurement in one pass bounded in time (bench/gpu_round.py): attention kernels,
-# graphs in-process, encoders and overload, generation and its overload, HTTP processes, a profile, the
-# preparing thread; about 11-19 minutes, the logs and summary.json in bench-gpu/ (ARGS="--budget 400 --stages ...")
+# every GPU measurement in one pass bounded in time (bench/gpu_round.py): the issues' open
+# targets first (HTTP processes, encoders and their overload, generation and its overload),
+# then the rest as the budget (500 s) allows; the logs and summary.json in bench-gpu/
+# (ARGS="--stages others" for the rest, ARGS="--dry-run" for every stage on the CPU, tiny).
+# On a lent GPU machine: scripts/gpu_wheels.sh here, then gpu-wheels/round.sh there
+# (bench/RESULTS.md, "Measuring on a lent GPU").
 bench-gpu: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	HF_HUB_OFFLINE=1 $(PY) -m bench.gpu_round --out bench-gpu $(ARGS)

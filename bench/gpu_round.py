@@ -1,31 +1,47 @@
 """One bounded pass over every GPU measurement, for a machine lent for minutes.
 
-    python -m bench.gpu_round --out /tmp/gpu                  # every stage, 11-19 minutes
-    python -m bench.gpu_round --out /tmp/gpu --budget 400 --stages encoders generation
+    python -m bench.gpu_round --out /tmp/gpu                 # the open targets, then the rest
+    python -m bench.gpu_round --out /tmp/gpu --stages others # the rest, a second command
+    python -m bench.gpu_round --out /tmp/dry --dry-run       # every stage on the CPU, tiny
+
+A lent machine runs one command for at most 600 s: the default `--budget` (500 s) holds the
+stages that measure the issues' open targets, which run first, and whatever of the rest
+still fits; `--stages others` runs the rest in a second command. On the machine itself,
+`scripts/gpu_wheels.sh` prepares what it lacks (bench/RESULTS.md, "Measuring on a lent
+GPU"). `--dry-run` runs every stage's command, the same options at tiny sizes, on the
+CPU: a wrong option fails here, not on the GPU.
 
 Each stage is one of the benchmarks, run as a command of its own under a time limit
 (killed past it: what it printed so far is kept), its output in `OUT/<stage>.log` and its
 last lines on the screen as it ends. A stage that would not fit in what is left of
 `--budget` is skipped, and says so. Where `nvidia-smi` is installed, `OUT/dmon.log`
 records the GPU's use each second meanwhile. `OUT/summary.json` lists every stage: its
-command, exit status, seconds, and whether it ran out of time.
+command, exit status, seconds, and whether it ran out of time. `--pack FILE` packs OUT
+into one archive at the end (a lent machine sends back only a few files).
 
-The stages, in the order they run (the in-process ones first: they need no server):
+The open targets (`--stages targets`), in the order they run:
 
-- `attention`: attention kernels on new shapes (`bench.attention_shapes`)
-- `graphs`: the worker's runner with CUDA graphs and without, in-process
-  (`bench.cuda_graphs`)
-- `decode`: GPT-2-small-sized generation in-process: static `generate`, the continuous
-  loop, and the loop replayed from CUDA graphs (`bench.generation --device cuda`)
-- `encoders`: BERT-base-sized classifier over HTTP, with CUDA graphs and without
-  (`rawserve-eager`), with a worker of two torch threads (`rawserve-threads2`: the cores
-  it leaves the HTTP processes), against the seed's server, with the 3x overload
-  (`bench.compare --quick`)
-- `generation`: GPT-2-small-sized `/v1/completions`, with CUDA graphs and without
-  (`rawserve-eager`), against static `generate` (`bench.generation_serving`)
+- `http`: the echo handler behind 8 and 16 HTTP processes (`bench.http_processes`):
+  20,000 requests/s with 16 cores
+- `encoders`: the BERT-base-sized classifier over HTTP, rawserve with no options and with
+  a worker of two torch threads (`rawserve-threads2`), each with the 3x overload
+  (`bench.compare --quick`): 503 p99 within 10 ms, goodput
+- `generation`: GPT-2-small-sized `/v1/completions` against static `generate`
+  (`bench.generation_serving`): 64 clients and mixed lengths against static batching,
+  the first token at 16 streams against a lone one's, inter-token p99 at 64 streams
 - `generation-overload`: the same model at 3x its capacity, 5 s deadlines: goodput,
   503s and 504s (`bench.generation_overload`)
-- `http`: the echo handler behind 4, 8 and 16 HTTP processes (`bench.http_processes`)
+
+The rest (`--stages others`):
+
+- `encoders-more`: the same with CUDA graphs off (`rawserve-eager`), lists of 32 texts and
+  the seed's server
+- `generation-eager`: served generation with CUDA graphs off, every scenario
+- `decode`: generation in-process: static `generate`, the continuous loop, and the loop
+  replayed from CUDA graphs (`bench.generation`)
+- `graphs`: the worker's runner with CUDA graphs and without, in-process
+  (`bench.cuda_graphs`)
+- `attention`: attention kernels on new shapes (`bench.attention_shapes`)
 - `lone`: where a lone request's time goes, with the default HTTP processes and with one
   (`bench.lone_request`)
 - `profile`: a sampling profile of the server at 256 clients (`bench.profile`, needs
@@ -36,10 +52,14 @@ The stages, in the order they run (the in-process ones first: they need no serve
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +67,11 @@ from pathlib import Path
 from typing import Any
 
 TAIL_LINES = 20
+# one command on a lent GPU may run 600 s: the stages, and the wheels' install before them
+BUDGET = 500.0
+# a dry run's stages may take this many times their GPU limits: a CPU shared by its tools
+# builds and loads the models, and runs what the GPU skips (ONNX Runtime's ceiling)
+DRY_RUN_SLOWER = 4
 
 
 @dataclass(frozen=True)
@@ -54,46 +79,70 @@ class Stage:
     name: str
     seconds: int  # its time limit
     argv: tuple[str, ...]  # after `python -m`
+    targets: bool = False  # measures an open target of the issues: runs in the first command
 
 
-def stages(out: Path) -> list[Stage]:
+def stages(out: Path, dry_run: bool = False) -> list[Stage]:
+    """Every stage, the open targets' first (they fit the default budget together).
+
+    A dry run gives each stage the same options at sizes a CPU runs in seconds (tiny
+    models, short runs), so a wrong option or value shows here, not on the GPU.
+    """
+
+    def sized(gpu: Any, cpu: Any) -> Any:
+        return cpu if dry_run else gpu
+
+    def stage(name: str, seconds: int, argv: tuple[str, ...], targets: bool = False) -> Stage:
+        return Stage(name, seconds * sized(1, DRY_RUN_SLOWER), argv, targets)
+
+    device = sized("cuda", "cpu")
+    model = ("--layers", sized("12", "2"), "--hidden", sized("768", "64"))
+    encoder = sized("bert-base-classification", "classification")
+    clients = ("--clients", sized("1,64,256", "1,4"), "--client-processes", sized("6", "1"))
     return [
-        Stage("attention", 80, (
-            "bench.attention_shapes", "--device", "cuda", "--batches", "30",
-            "--new-tokens", "32")),
-        Stage("graphs", 70, (
-            "bench.cuda_graphs", "--batches", "1", "16", "64", "256", "--seconds", "0.5",
-            "--rounds", "2")),
-        Stage("decode", 70, (
-            "bench.generation", "--device", "cuda", "--layers", "12", "--hidden", "768",
-            "--rounds", "1")),
-        Stage("encoders", 300, (
-            "bench.compare", "--device", "cuda", "--quick", "--scenarios",
-            "bert-base-classification", "--text-sets", "short", "--servers",
-            "rawserve-default,rawserve-eager,rawserve-threads2,rawserve-lists,seed-batching",
-            "--json",
-            str(out / "encoders.json"))),
-        Stage("generation", 230, (
-            "bench.generation_serving", "--device", "cuda", "--layers", "12", "--hidden",
-            "768", "--rounds", "1", "--duration", "20", "--systems", "rawserve-continuous",
-            "rawserve-eager", "static-in-process", "--json", str(out / "generation.json"))),
-        Stage("generation-overload", 100, (
-            "bench.generation_overload", "--device", "cuda", "--layers", "12", "--hidden",
-            "768", "--rounds", "1", "--duration", "8")),
-        Stage("http", 120, (
-            "bench.http_processes", "--processes", "4", "8", "16", "--loops", "uvloop",
-            "--rounds", "1", "--duration", "3", "--clients", "256",
-            "--client-processes", "6")),
-        Stage("lone", 80, (
-            "bench.lone_request", "--scenario", "bert-base-classification", "--requests",
-            "300", "--config=", "--config=--http-processes 1", "--out",
-            str(out / "lone"))),
-        Stage("profile", 60, (
-            "bench.profile", "--scenario", "bert-base-classification", "--clients", "256",
-            "--seconds", "6", "--rate", "200", "--out", str(out / "profile"))),
-        Stage("overlap", 60, (
-            "bench.overlap", "--prepare", "--device", "cuda", "--batch", "256", "--layers",
-            "12", "--hidden", "768", "--rounds", "2", "--seconds", "3")),
+        stage("http", 40, (
+            "bench.http_processes", "--processes", *sized(("8", "16"), ("1", "2")), "--loops",
+            "uvloop", "--rounds", "1", "--duration", sized("3", "0.5"), "--clients",
+            sized("256", "16"), "--client-processes", sized("6", "1")), targets=True),
+        stage("encoders", 170, (
+            "bench.compare", "--device", device, "--quick", "--scenarios", encoder,
+            "--text-sets", "short", "--servers", "rawserve-default,rawserve-threads2",
+            *clients, "--json", str(out / "encoders.json")), targets=True),
+        stage("generation", 180, (
+            "bench.generation_serving", "--device", device, *model, "--rounds", "1",
+            "--duration", sized("20", "2"), "--systems", "rawserve-continuous",
+            "static-in-process", "--scenarios", "64 x 64", "mixed 256 x 8-256",
+            "stream 1 x 64", "stream 16 x 64", "stream 64 x 64", "--json",
+            str(out / "generation.json")), targets=True),
+        stage("generation-overload", 95, (
+            "bench.generation_overload", "--device", device, *model, "--rounds", "1",
+            "--duration", sized("8", "1")), targets=True),
+        stage("encoders-more", 120, (
+            "bench.compare", "--device", device, "--quick", "--scenarios", encoder,
+            "--text-sets", "short", "--servers", "rawserve-eager,rawserve-lists,seed-batching",
+            *clients, "--json", str(out / "encoders-more.json"))),
+        stage("generation-eager", 90, (
+            "bench.generation_serving", "--device", device, *model, "--rounds", "1",
+            "--duration", sized("20", "2"), "--systems", "rawserve-eager", "--json",
+            str(out / "generation-eager.json"))),
+        stage("decode", 60, (
+            "bench.generation", "--device", device, *model, "--rounds", "1")),
+        stage("graphs", 50, (
+            "bench.cuda_graphs", "--device", sized("cuda:0", "cpu"), "--batches",
+            *sized(("1", "16", "64", "256"), ("1", "4")), "--seconds", sized("0.5", "0.1"),
+            "--rounds", sized("2", "1"))),
+        stage("attention", 60, (
+            "bench.attention_shapes", "--device", device, "--batches", sized("30", "2"),
+            "--new-tokens", sized("32", "2"), *sized((), ("--choices", "default", "math")))),
+        stage("lone", 40, (
+            "bench.lone_request", "--scenario", encoder, "--requests", sized("300", "5"),
+            "--config=", "--config=--http-processes 1", "--out", str(out / "lone"))),
+        stage("profile", 40, (
+            "bench.profile", "--scenario", encoder, "--clients", sized("256", "4"),
+            "--seconds", sized("6", "1"), "--rate", "200", "--out", str(out / "profile"))),
+        stage("overlap", 40, (
+            "bench.overlap", "--prepare", "--device", device, "--batch", sized("256", "8"),
+            *model, "--rounds", sized("2", "1"), "--seconds", sized("3", "0.5"))),
     ]  # fmt: skip
 
 
@@ -103,14 +152,20 @@ def run_stage(stage: Stage, out: Path, python: str = sys.executable) -> dict[str
     log = out / f"{stage.name}.log"
     started = time.monotonic()
     with log.open("wb") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+        # a group of its own: at its end, past its limit, or when the round is stopped,
+        # whatever it started (its servers, their workers) goes with it
+        process = subprocess.Popen(
+            command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        timed_out = False
         try:
-            code = process.wait(timeout=stage.seconds)
-            timed_out = False
+            process.wait(timeout=stage.seconds)
         except subprocess.TimeoutExpired:
-            process.kill()
-            code = process.wait()
             timed_out = True
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            code = process.wait()
     return {
         "stage": stage.name,
         "command": command,
@@ -142,7 +197,12 @@ def run(chosen: Sequence[Stage], out: Path, budget: float) -> list[dict[str, Any
                 print(f"== {stage.name}: skipped, {left:.0f} s left of the budget", flush=True)
                 continue
             print(f"== {stage.name} (at most {stage.seconds} s)", flush=True)
-            result = run_stage(stage, out)
+            try:
+                result = run_stage(stage, out)
+            except KeyboardInterrupt:  # stopped from outside: what ran is kept
+                found.append({"stage": stage.name, "interrupted": True})
+                print(f"== {stage.name}: interrupted", flush=True)
+                break
             found.append(result)
             print(tail(Path(result["log"])), flush=True)
             ended = "ran out of time" if result["timed_out"] else f"exit {result['exit']}"
@@ -155,17 +215,51 @@ def run(chosen: Sequence[Stage], out: Path, budget: float) -> list[dict[str, Any
     return found
 
 
+def pack(out: Path, archive: Path) -> None:
+    """Every file of OUT in one archive (a machine may send back only a few files)."""
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(out, arcname=out.name or "round")
+
+
+def chosen_stages(names: Sequence[str], out: Path, dry_run: bool) -> list[Stage]:
+    """The stages named, in the round's order; `targets` and `others` name the two groups."""
+    every = stages(out, dry_run)
+    wanted = set(names)
+    return [
+        stage
+        for stage in every
+        if stage.name in wanted or ("targets" if stage.targets else "others") in wanted
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.gpu_round", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--out", type=Path, required=True, help="a folder for the logs")
-    parser.add_argument("--budget", type=float, default=1200.0, help="seconds for all stages")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help=f"seconds for all stages (default: {BUDGET:.0f}; none in a dry run)",
+    )
     names = [stage.name for stage in stages(Path())]
-    parser.add_argument("--stages", nargs="+", choices=names, default=names)
+    parser.add_argument(
+        "--stages", nargs="+", choices=[*names, "targets", "others"], default=["targets", "others"]
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="every stage on the CPU at tiny sizes"
+    )
+    parser.add_argument("--pack", type=Path, help="also pack OUT into this .tar.gz at the end")
     args = parser.parse_args(argv)
-    chosen = [stage for stage in stages(args.out) if stage.name in args.stages]
-    found = run(chosen, args.out, args.budget)
+    budget = args.budget or (float("inf") if args.dry_run else BUDGET)
+    chosen = chosen_stages(args.stages, args.out, args.dry_run)
+    try:
+        found = run(chosen, args.out, budget)
+    finally:
+        if args.pack:
+            pack(args.out, args.pack)
     return 0 if all(f.get("exit") == 0 for f in found) else 1
 
 

@@ -11,6 +11,7 @@ import importlib
 import json
 import shlex
 import subprocess
+import tarfile
 import time
 
 import pytest
@@ -114,18 +115,96 @@ def test_the_gpu_round_runs_each_stage_bounded_and_skips_what_the_budget_cannot_
     assert json.loads((tmp_path / "summary.json").read_text()) == found
 
 
-def test_every_gpu_round_stage_names_a_benchmark_that_takes_its_options(tmp_path, monkeypatch):
+def test_a_gpu_round_stage_past_its_limit_takes_its_servers_with_it(tmp_path, monkeypatch):
+    """A benchmark killed at its limit leaves no server of its own behind, on the GPU and
+    the cores, for the stages after it."""
+    (tmp_path / "starts_a_server.py").write_text(
+        "import subprocess, sys, time\n"
+        "server = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(tmp_path / 'pid')!r}, 'w').write(str(server.pid))\n"
+        "time.sleep(120)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    stuck = gpu_round.Stage("stuck", 3, ("starts_a_server",))
+
+    found = gpu_round.run_stage(stuck, tmp_path)
+
+    assert found["timed_out"]
+    server = int((tmp_path / "pid").read_text())
+    ends = time.monotonic() + 10
+    while time.monotonic() < ends and running(server):
+        time.sleep(0.05)
+    assert not running(server)
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs (a child ended but not yet reaped by anyone counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_every_gpu_round_stage_names_a_benchmark_that_takes_its_options(
+    tmp_path, monkeypatch, dry_run
+):
+    """On the GPU and in the CPU's dry run alike: a wrong option or value fails here, not
+    minutes into a lent machine's time."""
+    from bench import generation_serving, models, servers
+
+    parsed_args = []
+
     def parse_only(parser, args=None, namespace=None):
-        _, unknown = parser.parse_known_args(args, namespace)  # checks types and choices
+        parsed, unknown = parser.parse_known_args(args, namespace)  # checks types and choices
         assert not unknown, unknown
+        parsed_args.append(parsed)
         raise SystemExit(0)  # parsed: the benchmark itself does not run
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
-    for stage in gpu_round.stages(tmp_path):
+    generation_scenarios = {s.name for s in generation_serving.scenarios(0)}
+    for stage in gpu_round.stages(tmp_path, dry_run):
         module = importlib.import_module(stage.argv[0])
         with pytest.raises(SystemExit) as parsed:
             module.main(list(stage.argv[1:]))
         assert parsed.value.code == 0, stage.name
+        args = vars(parsed_args[-1])
+        # the values each benchmark looks up only once it runs
+        if stage.argv[0] == "bench.compare":
+            assert set(args["scenarios"].split(",")) <= set(models.BUILDERS), stage.name
+            assert set(args["servers"].split(",")) <= set(servers.SERVERS), stage.name
+        if stage.argv[0] in ("bench.lone_request", "bench.profile"):
+            assert args["scenario"] in models.BUILDERS, stage.name
+        if stage.argv[0] == "bench.generation_serving" and args["scenarios"]:
+            assert set(args["scenarios"]) <= generation_scenarios, stage.name
+        if "--device" in stage.argv:
+            assert args["device"].startswith("cpu" if dry_run else "cuda"), stage.name
+
+
+def test_the_gpu_round_s_open_targets_come_first_and_fit_its_default_budget(tmp_path):
+    """One command on a lent GPU runs at most 600 s: the stages that measure the issues'
+    open targets run first and fit the default budget together, the wheels' install
+    beside it; the rest fit a second command."""
+    every = gpu_round.stages(tmp_path)
+    targets = gpu_round.chosen_stages(["targets"], tmp_path, dry_run=False)
+    assert targets == every[: len(targets)] and len(targets) < len(every)
+    assert sum(stage.seconds for stage in targets) <= gpu_round.BUDGET <= 540
+    others = gpu_round.chosen_stages(["others"], tmp_path, dry_run=False)
+    assert others == every[len(targets) :]
+    assert sum(stage.seconds for stage in others) <= gpu_round.BUDGET  # a second command
+    some = gpu_round.chosen_stages(["others", "http"], tmp_path, dry_run=False)
+    assert some == [every[0], *others]  # in the round's order
+
+
+def test_the_gpu_round_packs_what_it_wrote_into_one_archive(tmp_path):
+    out = tmp_path / "round"
+    found = gpu_round.run([gpu_round.Stage("quick", 30, ("json.tool", "--help"))], out, 60)
+    gpu_round.pack(out, tmp_path / "back" / "round.tar.gz")
+
+    with tarfile.open(tmp_path / "back" / "round.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"round/summary.json", "round/quick.log"} <= names and found[0]["exit"] == 0
 
 
 def test_the_machine_s_idle_time_is_read_from_proc_stat():
