@@ -1046,6 +1046,24 @@ def test_the_chunk_meter_counts_announced_sizes_extensions_and_trailers():
     assert endless.over
 
 
+def test_the_chunk_meter_takes_a_body_of_exactly_the_limit_and_reads_across_splits():
+    exact = ChunkedMeter(limit=5)
+    exact.feed(b"5\r\nhello\r\n0\r\n\r\n")
+    assert exact.done and not exact.over
+    split = ChunkedMeter(limit=100)  # a chunk's data split between two reads
+    split.feed(b"5\r\nhel")
+    split.feed(b"lo\r\n1;" + b"e" * 200)
+    assert split.over
+    # h11 takes chunk sizes of up to 20 digits: leading zeros do not stop the count
+    padded = ChunkedMeter(limit=100)
+    padded.feed(b"0" * 19 + b"1;" + b"e" * 60 + b"\r\nx\r\n1;" + b"e" * 60 + b"\r\n")
+    assert padded.over
+    for refused in (b"0" * 20 + b"1\r\n", b"x\r\n"):  # h11 refuses the body: 400, not 413
+        meter = ChunkedMeter(limit=100)
+        meter.feed(refused)
+        assert meter.done and not meter.over
+
+
 async def test_a_chunked_body_over_the_limit_on_the_wire_is_413(server):
     app, protocol, transport = server  # max_body_bytes=100
     head = b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
