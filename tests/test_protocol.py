@@ -905,6 +905,31 @@ async def test_the_503_past_the_connection_cap_lets_an_allowed_page_read_it():
     assert cors_of(response)[b"access-control-allow-origin"] == ORIGIN.encode()
 
 
+@pytest.mark.parametrize(
+    ("method", "headers", "preflight"),
+    [
+        ("OPTIONS", [("origin", ORIGIN), ("access-control-request-method", "POST")], True),
+        ("POST", [("origin", ORIGIN), ("access-control-request-method", "POST")], False),
+        ("OPTIONS", [("access-control-request-method", "POST")], False),  # no browser's
+        ("OPTIONS", [("origin", ORIGIN)], False),  # a page's own OPTIONS request
+    ],
+)
+def test_only_a_browsers_options_asking_for_a_method_is_a_preflight(method, headers, preflight):
+    request = HttpRequest(method, "/", "", headers, b"", "id")
+    assert CorsPolicy.is_preflight(request) is preflight
+
+
+def test_cors_headers_say_vary_origin_once_and_only_for_a_list_of_origins():
+    exposed = ("Access-Control-Expose-Headers", EXPOSED_HEADERS)
+    assert CorsPolicy(["*"]).headers_for(ORIGIN) == [("Access-Control-Allow-Origin", "*"), exposed]
+    listed = CorsPolicy([ORIGIN])
+    allow = ("Access-Control-Allow-Origin", ORIGIN)
+    assert listed.headers_for(ORIGIN, [("Vary", "Accept-Encoding, origin")]) == [allow, exposed]
+    other = [("Vary", "Accept-Encoding"), ("X-Request-Id", "origin")]  # no Vary on Origin yet
+    assert listed.headers_for(ORIGIN, other) == [allow, ("Vary", "Origin"), exposed]
+    assert listed.headers_for("https://other.example") == [("Vary", "Origin")]
+
+
 async def test_cors_headers_are_added_once_and_never_to_a_preflight_answer():
     class PreflightApp(CorsApp):
         def answer_now(self, request: HttpRequest) -> HttpResponse | None:
