@@ -10,7 +10,7 @@ import zlib
 import h11
 import pytest
 
-from rawserve.api.bodies import request_timeout
+from rawserve.api.bodies import MAX_JSON_DEPTH, read_json, request_timeout
 from rawserve.http.auth import require_bearer
 from rawserve.http.chunked import ChunkedMeter
 from rawserve.http.content_coding import decoded
@@ -989,6 +989,27 @@ def test_require_bearer(authorization, accepted):
     with pytest.raises(Unauthorized) as caught:
         require_bearer(request, "k3y")
     assert dict(caught.value.headers)["WWW-Authenticate"].startswith("Bearer")
+
+
+def json_request(body: bytes) -> HttpRequest:
+    return HttpRequest("POST", "/", "", [("content-type", "application/json")], body, "id")
+
+
+def test_a_json_body_nested_past_the_limit_or_with_a_lone_surrogate_is_refused():
+    depth = MAX_JSON_DEPTH
+    # at the limit, with more brackets than the limit in all: taken
+    deepest = b"[" * depth + b"]" * depth
+    assert read_json(json_request(b"[" + deepest[1:-1] + b", []]")) is not None
+    for body in (
+        b"[" * (depth + 1) + b"]" * (depth + 1),
+        b'{"a": ' * (depth + 1) + b"1" + b"}" * (depth + 1),
+    ):
+        with pytest.raises(MalformedRequest, match="nested more than"):
+            read_json(json_request(body))
+    for escape in (b'"\\ud800"', b'"\\uDC00"'):
+        with pytest.raises(MalformedRequest, match="lone surrogate"):
+            read_json(json_request(escape))
+    assert read_json(json_request(b'"\\ud83d\\ude00"')) == "\U0001f600"  # a pair: one character
 
 
 @pytest.mark.parametrize("order", [("k3y", "wrong"), ("wrong", "k3y"), ("k3y", "k3y")])
