@@ -7,6 +7,7 @@ from rawserve.api.openai_logprobs import (
     chat_logprobs,
     completion_logprobs,
     listed,
+    prompt_tokens,
 )
 
 
@@ -31,6 +32,13 @@ def test_an_answers_tokens_leave_out_special_ones_and_end_at_the_texts_cut():
     assert [t.logprob for t in answer_tokens(details, 1)] == [-0.5]  # cut after "a"
     # no details' alternatives (none asked): each token alone
     assert answer_tokens({"tokens": [token("a", -2.0)]}, 1)[0].top == ()
+
+
+def test_an_echoed_prompt_leaves_out_special_tokens_unless_sent_as_ids():
+    details = {"prefill": [token("<s>", None, special=True), token("hi", -1.5)]}
+    assert [(t.text, t.logprob) for t in prompt_tokens(details)] == [("hi", -1.5)]
+    assert [t.text for t in prompt_tokens(details, special=True)] == ["<s>", "hi"]
+    assert prompt_tokens({"prefill": None}) == []
 
 
 def test_chat_lists_each_token_with_its_bytes_and_alternatives():

@@ -10,7 +10,7 @@ import zlib
 import h11
 import pytest
 
-from rawserve.api.bodies import request_timeout
+from rawserve.api.bodies import MAX_JSON_DEPTH, read_json, request_timeout
 from rawserve.http.auth import require_bearer
 from rawserve.http.chunked import ChunkedMeter
 from rawserve.http.content_coding import decoded
@@ -905,6 +905,31 @@ async def test_the_503_past_the_connection_cap_lets_an_allowed_page_read_it():
     assert cors_of(response)[b"access-control-allow-origin"] == ORIGIN.encode()
 
 
+@pytest.mark.parametrize(
+    ("method", "headers", "preflight"),
+    [
+        ("OPTIONS", [("origin", ORIGIN), ("access-control-request-method", "POST")], True),
+        ("POST", [("origin", ORIGIN), ("access-control-request-method", "POST")], False),
+        ("OPTIONS", [("access-control-request-method", "POST")], False),  # no browser's
+        ("OPTIONS", [("origin", ORIGIN)], False),  # a page's own OPTIONS request
+    ],
+)
+def test_only_a_browsers_options_asking_for_a_method_is_a_preflight(method, headers, preflight):
+    request = HttpRequest(method, "/", "", headers, b"", "id")
+    assert CorsPolicy.is_preflight(request) is preflight
+
+
+def test_cors_headers_say_vary_origin_once_and_only_for_a_list_of_origins():
+    exposed = ("Access-Control-Expose-Headers", EXPOSED_HEADERS)
+    assert CorsPolicy(["*"]).headers_for(ORIGIN) == [("Access-Control-Allow-Origin", "*"), exposed]
+    listed = CorsPolicy([ORIGIN])
+    allow = ("Access-Control-Allow-Origin", ORIGIN)
+    assert listed.headers_for(ORIGIN, [("Vary", "Accept-Encoding, origin")]) == [allow, exposed]
+    other = [("Vary", "Accept-Encoding"), ("X-Request-Id", "origin")]  # no Vary on Origin yet
+    assert listed.headers_for(ORIGIN, other) == [allow, ("Vary", "Origin"), exposed]
+    assert listed.headers_for("https://other.example") == [("Vary", "Origin")]
+
+
 async def test_cors_headers_are_added_once_and_never_to_a_preflight_answer():
     class PreflightApp(CorsApp):
         def answer_now(self, request: HttpRequest) -> HttpResponse | None:
@@ -964,6 +989,27 @@ def test_require_bearer(authorization, accepted):
     with pytest.raises(Unauthorized) as caught:
         require_bearer(request, "k3y")
     assert dict(caught.value.headers)["WWW-Authenticate"].startswith("Bearer")
+
+
+def json_request(body: bytes) -> HttpRequest:
+    return HttpRequest("POST", "/", "", [("content-type", "application/json")], body, "id")
+
+
+def test_a_json_body_nested_past_the_limit_or_with_a_lone_surrogate_is_refused():
+    depth = MAX_JSON_DEPTH
+    # at the limit, with more brackets than the limit in all: taken
+    deepest = b"[" * depth + b"]" * depth
+    assert read_json(json_request(b"[" + deepest[1:-1] + b", []]")) is not None
+    for body in (
+        b"[" * (depth + 1) + b"]" * (depth + 1),
+        b'{"a": ' * (depth + 1) + b"1" + b"}" * (depth + 1),
+    ):
+        with pytest.raises(MalformedRequest, match="nested more than"):
+            read_json(json_request(body))
+    for escape in (b'"\\ud800"', b'"\\uDC00"'):
+        with pytest.raises(MalformedRequest, match="lone surrogate"):
+            read_json(json_request(escape))
+    assert read_json(json_request(b'"\\ud83d\\ude00"')) == "\U0001f600"  # a pair: one character
 
 
 @pytest.mark.parametrize("order", [("k3y", "wrong"), ("wrong", "k3y"), ("k3y", "k3y")])
@@ -1044,6 +1090,24 @@ def test_the_chunk_meter_counts_announced_sizes_extensions_and_trailers():
     endless = ChunkedMeter(limit=100)
     endless.feed(b"1;" + b"e" * 200)  # an extension that never ends
     assert endless.over
+
+
+def test_the_chunk_meter_takes_a_body_of_exactly_the_limit_and_reads_across_splits():
+    exact = ChunkedMeter(limit=5)
+    exact.feed(b"5\r\nhello\r\n0\r\n\r\n")
+    assert exact.done and not exact.over
+    split = ChunkedMeter(limit=100)  # a chunk's data split between two reads
+    split.feed(b"5\r\nhel")
+    split.feed(b"lo\r\n1;" + b"e" * 200)
+    assert split.over
+    # h11 takes chunk sizes of up to 20 digits: leading zeros do not stop the count
+    padded = ChunkedMeter(limit=100)
+    padded.feed(b"0" * 19 + b"1;" + b"e" * 60 + b"\r\nx\r\n1;" + b"e" * 60 + b"\r\n")
+    assert padded.over
+    for refused in (b"0" * 20 + b"1\r\n", b"x\r\n"):  # h11 refuses the body: 400, not 413
+        meter = ChunkedMeter(limit=100)
+        meter.feed(refused)
+        assert meter.done and not meter.over
 
 
 async def test_a_chunked_body_over_the_limit_on_the_wire_is_413(server):

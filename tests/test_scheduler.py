@@ -574,6 +574,17 @@ def test_choose_batch_respects_its_bounds_and_always_takes_the_head(
         assert padded_cost(item.cost for item in batch) <= max_tokens
 
 
+def test_a_batch_of_exactly_the_token_budget_goes_and_count_mode_keeps_queue_order():
+    queue = [Plain(cost, deadline=float(i)) for i, cost in enumerate([4, 4, 8, 1])]
+    # 3 x 8 is over 12 tokens: count mode stops there; cost-aware mode skips the 8 and
+    # takes the 1 (3 x 4 = 12: at the budget, taken)
+    count = choose_batch(queue, BatchLimits(max_size=8, max_tokens=12, group_lengths=False))
+    assert [item.cost for item in count] == [4, 4]
+    grouped = choose_batch(queue, BatchLimits(max_size=8, max_tokens=12, group_lengths=True))
+    assert [item.cost for item in grouped] == [4, 4, 1]
+    assert padded_cost([3, 5]) == 10 and padded_cost([]) == 0
+
+
 def planned_partners_by_every_size(queue, limits, model) -> set[int]:
     """The cheapest plan as first written: every call size tried at every end (slow)."""
     head = queue[0]
