@@ -13,6 +13,7 @@ from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
 
 from rawserve.serving.handles import WorkerHandle
+from rawserve.shared.board import SharedMemoryError
 from rawserve.worker.process import worker_main
 
 
@@ -26,7 +27,10 @@ def start_process(context: SpawnContext, worker: WorkerHandle) -> tuple[BaseProc
         opened += (batches_in, batches_out)
         replies_in, replies_out = context.Pipe(duplex=False)
         opened += (replies_in, replies_out)
-        worker.cancelled_stream = context.Value("q", 0, lock=False)  # a stream to stop
+        try:
+            worker.cancelled_stream = context.Value("q", 0, lock=False)  # a stream to stop
+        except OSError as exc:
+            raise SharedMemoryError(exc) from exc
         process = context.Process(
             target=worker_main,
             args=(batches_in, replies_out, worker.config, worker.label, worker.cancelled_stream),
