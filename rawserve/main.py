@@ -43,7 +43,7 @@ from rawserve.serving import CoreShare, ModelService, Scheduler, SchedulerCore
 from rawserve.serving import WorkerPool as Executor
 from rawserve.serving.bridge import Bridge, BridgedModel, PublishingBackend
 from rawserve.serving.fleet import Fleet, HttpProcessFailed
-from rawserve.shared.board import Board
+from rawserve.shared.board import Board, SharedMemoryError
 from rawserve.shared.devices import cpu_cores
 from rawserve.shared.logs import setup_logging
 from rawserve.shared.memory import fix_mmap_threshold
@@ -202,9 +202,14 @@ async def serve(
     stop = Stop(config.grace, executors)
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.on_signal, signum)
-    if not settle_layout:
-        for executor in executors:
-            executor.start()
+    try:
+        if not settle_layout:
+            for executor in executors:
+                executor.start()
+    except SharedMemoryError as exc:
+        log.error("%s", exc)
+        await asyncio.gather(*(executor.shutdown(wait=False) for executor in executors))
+        return 1
     for scheduler in schedulers:
         scheduler.start()
     metrics.start(loop)
@@ -214,6 +219,9 @@ async def serve(
             if config.http_processes > 1
             else OneProcess.start(config, models, metrics)
         )
+    except SharedMemoryError as exc:  # the HTTP processes' board
+        log.error("%s", exc)
+        front = None
     except OSError as exc:  # the address: in use, not this machine's, no such host
         log.error("cannot listen on %s port %d: %s", config.host, config.port, reason(exc))
         front = None

@@ -245,6 +245,46 @@ def test_a_port_in_use_stops_the_server_with_a_clear_line_not_a_traceback(http_p
     assert "in use" in done.stderr.lower() and "Traceback" not in done.stderr
 
 
+READ_ONLY_SHARED_MEMORY = """
+import errno, sys, tempfile
+
+made = tempfile.mkstemp
+refused_prefix = sys.argv.pop(1)
+
+def refused(*args, prefix=None, **kwargs):  # /dev/shm mounted read-only
+    if prefix and prefix.startswith(refused_prefix):
+        raise OSError(errno.EROFS, "Read-only file system", f"/dev/shm/{prefix}refused")
+    return made(*args, prefix=prefix, **kwargs)
+
+tempfile.mkstemp = refused
+from rawserve.main import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("http_processes", "refused"),
+    [("1", "pym-"), ("2", "rawserve-board-")],
+    ids=["worker-flags", "http-board"],
+)
+def test_shared_memory_that_cannot_be_made_stops_the_server_with_one_line(http_processes, refused):
+    """A read-only or full /dev/shm: the workers' stop flags (multiprocessing's `pym-`
+    files) or the HTTP processes' board cannot be made, so the server stops at once with
+    one line naming the folder, not a traceback, nor a "cannot listen" that blames the
+    port."""
+    argv = [*ECHO, "--device", "cpu", "--port", "0", "--http-processes", http_processes]
+    done = subprocess.run(
+        [sys.executable, "-c", READ_ONLY_SHARED_MEMORY, refused, *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT},
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "ERROR cannot make shared memory in /dev/shm (Read-only file system)" in done.stderr
+    assert "Traceback" not in done.stderr and "cannot listen" not in done.stderr
+
+
 def ipv6_loopback() -> bool:
     try:
         with socket.socket(socket.AF_INET6) as probe:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -123,6 +124,20 @@ def test_the_description_gives_the_figures_fastest_first():
     assert line.startswith("auto: ") and "measured now" in line
     assert line.index("onnx 10.1 ms") < line.index("torch 12.3 ms")
     assert "a batch of 32" in line
+
+
+def test_a_user_without_a_home_still_gets_a_cache_folder(monkeypatch):
+    """HOME unset and a uid the password database does not know (a container's arbitrary
+    uid): the cache folder is under /, as Docker's home for such a user, not a crash."""
+    monkeypatch.delenv("RAWSERVE_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("HOME", raising=False)
+
+    def unknown_uid(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.setattr("pwd.getpwuid", unknown_uid)
+    assert engine_trial.default_cache_dir() == Path("/.cache/rawserve/onnx")
 
 
 def test_the_machine_fingerprint_names_the_cpu():

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
+import threading
+import time
 
 import pytest
 
 from rawserve.serving.pool import WorkerPool
+from rawserve.serving.processes import join_or_kill
 from rawserve.shared.messages import FailureKind, ItemFailure, WorkerConfig
 from tests.tiny_models import worker_config
 
@@ -70,3 +74,25 @@ async def test_a_model_that_cannot_load_is_reported(tmp_path):
     with pytest.raises(RuntimeError):
         await asyncio.wait_for(executor.wait_ready(), 120)
     await executor.shutdown(wait=False)
+
+
+def test_a_process_waited_for_twice_at_once_is_never_called_killed():
+    """At shutdown an exiting worker is waited for by the shutdown and by the reader that
+    saw its pipe close, at once: the one the kernel did not reap for must find the exit
+    code, not say the worker "did not exit" and SIGKILL its pid (perhaps another's now)."""
+    context = multiprocessing.get_context("fork")  # cheap: the race needs many exits
+    for _ in range(20):
+        process = context.Process(target=time.sleep, args=(0.01,))
+        process.start()
+        killed: list[bool] = []
+
+        def wait(process=process, killed=killed):
+            killed.append(join_or_kill(process, 30.0))
+
+        waiters = [threading.Thread(target=wait) for _ in range(2)]
+        for waiter in waiters:
+            waiter.start()
+        for waiter in waiters:
+            waiter.join()
+        assert killed == [False, False]
+        assert process.exitcode == 0

@@ -36,6 +36,7 @@ from typing import Any
 
 from rawserve.config import ModelConfig, WorkerPlan
 from rawserve.models.plan import ModelPlan
+from rawserve.shared.board import SharedMemoryError
 from rawserve.shared.messages import WorkerConfig, WorkerLoadFailed
 from rawserve.worker import engine_trial
 from rawserve.worker.layout_timer import START_TIMEOUT, timer_main
@@ -220,7 +221,10 @@ def items_per_second(
     set). Raises ModelLoadFailed when a timer could not load the model: its workers,
     which load it the same way, would fail alike, after the trial and each in turn."""
     context = multiprocessing.get_context("spawn")
-    start = context.Barrier(processes)
+    try:
+        start = context.Barrier(processes)
+    except OSError as exc:  # its semaphores live in /dev/shm
+        raise SharedMemoryError(exc) from exc
     pipes = [context.Pipe(duplex=False) for _ in range(processes)]
     timers = [
         context.Process(

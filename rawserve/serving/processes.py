@@ -8,11 +8,14 @@ only inside the worker process.
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
 
 from rawserve.serving.handles import WorkerHandle
+from rawserve.shared.board import SharedMemoryError
 from rawserve.worker.process import worker_main
 
 
@@ -26,7 +29,10 @@ def start_process(context: SpawnContext, worker: WorkerHandle) -> tuple[BaseProc
         opened += (batches_in, batches_out)
         replies_in, replies_out = context.Pipe(duplex=False)
         opened += (replies_in, replies_out)
-        worker.cancelled_stream = context.Value("q", 0, lock=False)  # a stream to stop
+        try:
+            worker.cancelled_stream = context.Value("q", 0, lock=False)  # a stream to stop
+        except OSError as exc:
+            raise SharedMemoryError(exc) from exc
         process = context.Process(
             target=worker_main,
             args=(batches_in, replies_out, worker.config, worker.label, worker.cancelled_stream),
@@ -45,11 +51,25 @@ def start_process(context: SpawnContext, worker: WorkerHandle) -> tuple[BaseProc
     return process, replies_in
 
 
+_reaping: weakref.WeakKeyDictionary[BaseProcess, threading.Lock] = weakref.WeakKeyDictionary()
+_reaping_lock = threading.Lock()
+
+
 def join_or_kill(process: BaseProcess, timeout: float) -> bool:
-    """Wait up to `timeout` for `process` to exit, then kill it; whether it was killed."""
-    process.join(timeout=timeout)
-    if process.exitcode is not None:
-        return False
-    process.kill()
-    process.join()
-    return True
+    """Wait up to `timeout` for `process` to exit, then kill it; whether it was killed.
+
+    One caller at a time per process: a worker that exits at shutdown is waited for by
+    the shutdown and by the reader that saw its pipe close, each in a thread, and of two
+    waits on one child the kernel reaps it for one; the other's wait fails (ECHILD),
+    which multiprocessing reads as "still running": that caller then said the worker
+    "did not exit" and sent SIGKILL to its pid, which the system may have given to
+    another process by then. Taking turns, the second finds the exit code."""
+    with _reaping_lock:
+        lock = _reaping.setdefault(process, threading.Lock())
+    with lock:
+        process.join(timeout=timeout)
+        if process.exitcode is not None:
+            return False
+        process.kill()
+        process.join()
+        return True

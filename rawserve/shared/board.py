@@ -29,6 +29,25 @@ FIELD_SIZE = 8  # a double
 PREFIX = "rawserve-board-"  # then the serving process's pid, a dash, a random part
 
 
+class SharedMemoryError(OSError):
+    """Shared memory that cannot be made: a file in /dev/shm (in the temporary folder
+    where there is no /dev/shm; Python's multiprocessing chooses the same way) that a
+    read-only or full filesystem refuses. The workers' stop flags and the HTTP processes'
+    board live there, so the server cannot start without it; `strerror` says so in one
+    line, naming the folder and the way out."""
+
+    def __init__(self, cause: OSError):
+        folder = os.path.dirname(cause.filename) if cause.filename else "/dev/shm"
+        super().__init__(
+            cause.errno,
+            f"cannot make shared memory in {folder} ({cause.strerror or cause}): "
+            "mount a writable /dev/shm (without one, set TMPDIR to a writable folder)",
+        )
+
+    def __str__(self) -> str:  # the line, without OSError's "[Errno N]"
+        return str(self.strerror)
+
+
 class Board:
     def __init__(self, path: str, models: int, create: bool = False):
         self.path = path
@@ -51,13 +70,16 @@ class Board:
         """A new board in a fresh file (in shared memory where the system has it), named
         by the serving process; the boards of serving processes that are gone are removed
         (a server killed outright, its HTTP processes with it, could not remove its own)."""
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        remove_orphans(folder)
-        prefix = f"{PREFIX}{os.getpid()}-"
-        handle, path = tempfile.mkstemp(prefix=prefix, dir=folder)
-        os.close(handle)
-        os.unlink(path)  # created again, exclusively, by the constructor
-        return cls(path, models, create=True)
+        try:
+            folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            remove_orphans(folder)
+            prefix = f"{PREFIX}{os.getpid()}-"
+            handle, path = tempfile.mkstemp(prefix=prefix, dir=folder)
+            os.close(handle)
+            os.unlink(path)  # created again, exclusively, by the constructor
+            return cls(path, models, create=True)
+        except OSError as exc:
+            raise SharedMemoryError(exc) from exc
 
     def publish(
         self,

@@ -134,11 +134,22 @@ def machine() -> dict[str, Any]:
 
 
 def default_cache_dir() -> Path:
+    """$RAWSERVE_CACHE_DIR/onnx, else under $XDG_CACHE_HOME or ~/.cache. A user with no
+    home (HOME unset and no entry in the password database, as an arbitrary container
+    uid has) gets `/` as home, as Docker gives one: a cache there that cannot be written
+    is logged, never a failed start."""
     configured = os.environ.get("RAWSERVE_CACHE_DIR")
     if configured:
         return Path(configured) / "onnx"
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = os.environ.get("XDG_CACHE_HOME") or str(home() / ".cache")
     return Path(base) / "rawserve" / "onnx"
+
+
+def home() -> Path:
+    try:
+        return Path.home()
+    except RuntimeError:  # "Could not determine home directory."
+        return Path("/")
 
 
 def fingerprint(path: Path, whole_below: int = 256 * 2**20, edge: int = 16 * 2**20) -> str:
