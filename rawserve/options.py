@@ -298,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
         if option.type is bool:  # a switch; its variable is 1/true/yes/on or 0/false/no/off
             value = os.environ.get(option.env, "").strip().lower()
             if value not in ENV_TRUE + ENV_FALSE:
-                parser.error(f"{option.env} must be one of {', '.join(ENV_TRUE + ENV_FALSE)}")
+                named = ", ".join(word for word in ENV_TRUE + ENV_FALSE if word)
+                parser.error(f"{option.env} must be one of {named}, or empty")
             help = f"{option.help} [env {option.env}=1]"
             parser.add_argument(
                 option.flag, action="store_true", default=value in ENV_TRUE, help=help

@@ -109,6 +109,18 @@ def test_the_switches_read_their_variables(monkeypatch, env, value, on):
     assert SWITCHES[env](parse_config([])) is on
 
 
+def test_a_switch_variable_of_another_word_names_the_words_it_takes(monkeypatch, capsys):
+    clear_environment(monkeypatch)
+    monkeypatch.setenv("RAWSERVE_NO_WARMUP", "maybe")
+    with pytest.raises(SystemExit) as exit:
+        parse_config([])
+    assert exit.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.endswith(
+        "RAWSERVE_NO_WARMUP must be one of 1, true, yes, on, 0, false, no, off, or empty"
+    )
+
+
 @pytest.mark.parametrize(
     ("env", "value", "reason"),
     [
