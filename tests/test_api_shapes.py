@@ -16,16 +16,22 @@ from rawserve.api.inference import parse_body
 from rawserve.api.openai_answers import cut_at_stop, releasable
 from rawserve.api.openai_generation import parse_chat
 from rawserve.api.openai_messages import messages
+from rawserve.api.openai_responses import ResponseAnswer, parse_response
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.api.tei import scores
 from rawserve.api.tei_bodies import id_inputs, predict_inputs, text_inputs
 from rawserve.api.tokens import utf8_starts
-from rawserve.http.errors import BadRequest, UnprocessableInput, UnsupportedMediaType
+from rawserve.http.errors import (
+    BadRequest,
+    GatewayTimeout,
+    UnprocessableInput,
+    UnsupportedMediaType,
+)
 from rawserve.http.exchange import HttpRequest
 from rawserve.serving.service import ModelService
 from rawserve.serving.status import LoadState
-from rawserve.shared.messages import WorkerReady
+from rawserve.shared.messages import TokenChunk, WorkerReady
 from rawserve.tasks import TASKS
 
 # --- stop sequences, streamed ------------------------------------------------------------
@@ -580,3 +586,42 @@ def test_an_image_sent_as_a_form_upload_is_415_saying_what_to_send():
     request = HttpRequest("POST", "/", "", headers, body, "test")
     with pytest.raises(UnsupportedMediaType, match="the image's bytes"):
         parse_body("image-classification", request, 32)
+
+
+class TimedOutStream:
+    """A streamed generation whose deadline passed after its first tokens."""
+
+    def __init__(self, texts: list[str]):
+        self.texts = texts
+        self.closed = False
+
+    async def chunks(self):
+        for text in self.texts:
+            yield TokenChunk(1, 0, {"id": 1, "text": text, "logprob": 0.0, "special": False})
+
+    def output(self):
+        raise GatewayTimeout("the request timed out after 1 s")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_response_stream_that_fails_once_begun_ends_with_response_failed():
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    _, settings = parse_response({"input": "hi", "stream": True})
+    stream = TimedOutStream(["he", "llo"])
+
+    async def read() -> list[bytes]:
+        events = ResponseAnswer("m", settings).events([stream], [], False)  # type: ignore[list-item]
+        return [event async for event in events]
+
+    raw = asyncio.run(read())
+    events = [TypeAdapter(ResponseStreamEvent).validate_json(e.split(b"data: ", 1)[1]) for e in raw]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "hello"
+    last = events[-1]
+    assert last.type == "response.failed" and last.response.status == "failed"
+    assert last.response.error.code == "server_error" and "timed out" in last.response.error.message
+    assert stream.closed

@@ -536,6 +536,155 @@ def test_scores_that_cannot_be_changed_so_are_refused(servers, document, status,
     assert answered == status and message in body["error"]["message"], body
 
 
+# --- responses ------------------------------------------------------------------------------
+
+
+def test_a_response_answers_what_the_same_chat_answers_in_openais_response_object(servers):
+    from openai.types.responses import Response
+
+    openai_client = client(servers["chat"])
+    [system, user] = MESSAGES
+    asked = {"max_output_tokens": 12, "temperature": 0}
+    response = openai_client.responses.create(
+        model=CHAT_MODEL, instructions=system["content"], input=user["content"], **asked
+    )
+    chat = openai_client.chat.completions.create(
+        model=CHAT_MODEL, messages=MESSAGES, max_tokens=12, temperature=0
+    )
+    [choice] = chat.choices
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.model == CHAT_MODEL
+    assert response.output_text == choice.message.content
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant"
+    assert message.content[0].annotations == []
+    if choice.finish_reason == "length":
+        assert response.status == "incomplete"
+        assert response.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert response.status == "completed" and response.incomplete_details is None
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.usage.total_tokens == chat.usage.total_tokens
+    # the raw answer is the SDK's type, whole (not only what its lenient reading keeps)
+    status, raw = servers["chat"].post_json({"input": "hi", **asked}, "/v1/responses")
+    assert status == 200
+    Response.model_validate(raw)
+
+
+def test_a_streamed_response_is_openais_event_sequence_ending_as_the_whole_one(servers):
+    openai_client = client(servers["chat"])
+    asked = {"model": CHAT_MODEL, "input": MESSAGES, "max_output_tokens": 12, "temperature": 0}
+    whole = openai_client.responses.create(**asked)
+    events = list(openai_client.responses.create(**asked, stream=True))
+    kinds = [e.type for e in events]
+    opening = ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[:4] == [*opening, "response.content_part.added"]
+    closing = ["response.output_text.done", "response.content_part.done"]
+    assert kinds[-4:] == [*closing, "response.output_item.done", f"response.{whole.status}"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == events[-4].text == whole.output_text
+    assert events[-1].response.output_text == whole.output_text
+    assert events[-1].response.usage == whole.usage
+    # each as `event:` and `data:` lines, as OpenAI's stream sends them
+    body = json.dumps({**asked, "stream": True}).encode()
+    status, headers, raw = servers["chat"].request(
+        "POST", "/v1/responses", body, {"Content-Type": "application/json"}
+    )
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert raw.startswith(b"event: response.created\ndata: {")
+
+
+def test_a_responses_input_of_messages_and_text_parts_is_the_same_chat(servers):
+    openai_client = client(servers["chat"])
+    earlier = openai_client.responses.create(
+        model=CHAT_MODEL, input="hello", max_output_tokens=3, temperature=0
+    )
+    parts = [{"type": "input_text", "text": "what is "}, {"type": "input_text", "text": "a film"}]
+    conversation = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": "hello"},
+        earlier.output[0].model_dump(exclude_none=True),  # an answer sent back as it came
+        {"type": "message", "role": "user", "content": parts},
+    ]
+    response = openai_client.responses.create(
+        model=CHAT_MODEL, input=conversation, max_output_tokens=6, temperature=0
+    )
+    chat = openai_client.chat.completions.create(
+        model=CHAT_MODEL,
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": earlier.output_text},
+            {"role": "user", "content": "what is a film"},
+        ],
+        max_tokens=6,
+        temperature=0,
+    )
+    assert response.output_text == chat.choices[0].message.content
+
+
+def test_a_response_held_to_a_json_schema_is_json_it_describes(servers):
+    text = {"format": {"type": "json_schema", "name": "person", "schema": PERSON}}
+    response = client(servers["chat"]).responses.create(
+        model=CHAT_MODEL, input="who?", max_output_tokens=120, temperature=0, text=text
+    )
+    person = json.loads(response.output_text)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+    assert response.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"background": True}, "background"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "4"}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
+        ({"input": [{"role": "tool", "content": "4"}]}, "input"),
+        ({"input": []}, "input"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"text": {"format": {"type": "yaml"}}}, "text"),
+        ({"stream_options": {"include_usage": True}}, None),  # (not a Responses field)
+    ],
+)
+def test_what_responses_does_not_serve_is_400_naming_its_field(servers, extra, param):
+    document = {"input": "hi", "max_output_tokens": 2, **extra}
+    status, body = servers["chat"].post_json(document, "/v1/responses")
+    assert status == 400, body
+    assert body["error"]["param"] == param and body["error"]["type"] == "invalid_request_error"
+
+
+def test_responses_takes_what_stores_and_tags_at_their_no_op_values(servers):
+    document = {
+        "input": "hi",
+        "max_output_tokens": 2,
+        "store": True,  # OpenAI's default: nothing is stored, and the answer says so
+        "metadata": {"team": "a"},
+        "user": "u-1",
+        "tools": [],
+        "tool_choice": "auto",
+    }
+    status, body = servers["chat"].post_json(document, "/v1/responses")
+    assert status == 200 and body["store"] is False, body
+
+
+def test_responses_by_a_models_path_and_on_models_it_cannot_chat_with(servers):
+    status, body = servers["chat"].post_json(
+        {"input": "hi", "max_output_tokens": 2}, f"/models/{CHAT_MODEL}/v1/responses"
+    )
+    assert status == 200 and body["object"] == "response"
+    status, body = servers["plain"].post_json({"input": "hi"}, "/v1/responses")
+    assert status == 400 and "chat template" in body["error"]["message"]
+    status, body = servers["handler"].post_json({"input": "hi"}, "/v1/responses")
+    assert status == 404 and "text-generation" in body["error"]["message"]
+
+
 # --- structured output ---------------------------------------------------------------------
 
 

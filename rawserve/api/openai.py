@@ -1,10 +1,10 @@
 """The OpenAI-compatible routes: `POST /v1/embeddings` (feature-extraction models),
-`POST /v1/chat/completions` and `POST /v1/completions` (text-generation models), and
+`POST /v1/chat/completions`, `POST /v1/completions` and `POST /v1/responses` (OpenAI's
+Responses API, a chat in its shape: `openai_responses`) for text-generation models, and
 `GET /v1/models` (and `GET /v1/models/<name>`, one of them by any of its names); the
 "model" field picks one of the served models. The generation routes are also served
-under each model's own path, `POST /models/<name>/v1/chat/completions` and
-`/models/<name>/v1/completions`, as the Inference API serves them: there the path
-names the model.
+under each model's own path, `POST /models/<name>/v1/chat/completions` (and so on), as
+the Inference API serves them: there the path names the model.
 
 Embeddings: the workers compute pooled, normalized vectors and their real token counts;
 they are only reshaped here (base64 is the little-endian float32 bytes of the vector,
@@ -38,6 +38,13 @@ from rawserve.api.openai_generation import (
     parse_chat,
     parse_completion,
 )
+from rawserve.api.openai_responses import (
+    EVENT_SCHEMA,
+    RESPONSE_SCHEMA,
+    RESPONSES,
+    ResponseAnswer,
+    parse_response,
+)
 from rawserve.api.outcomes import unwrap
 from rawserve.api.prompts import check_lengths, echoed_texts
 from rawserve.api.routing import MODEL_ERRORS, DocContext, Handler, Needs, Operation, Route
@@ -59,7 +66,7 @@ OPENAI_PREFIX = "/v1/"  # the OpenAI routes: their errors are OpenAI's error obj
 OPENAI_MODEL_PREFIX = "/v1/models/"
 # POST /models/<name> + these: a model's generation routes by its own path, the Inference
 # API's (InferenceClient appends them to a model's URL; its body's "model" is that URL)
-MODEL_GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+MODEL_GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 ENCODING_FORMATS = ("float", "base64")
 # what answers a generation route's body once the model is known: `chat` or `complete`
 Answering = Callable[[HttpRequest, ServedModel, Any], Awaitable[HttpResponse]]
@@ -205,10 +212,19 @@ class OpenAIRoutes:
             errors=MODEL_ERRORS,
             events=lambda _: schemas.OPENAI_COMPLETION_CHUNK,
         )
+        responses = Operation(
+            "Responses (OpenAI): input messages rendered with the model's chat template",
+            TAG,
+            RESPONSES.schema,
+            lambda _: RESPONSE_SCHEMA,
+            errors=MODEL_ERRORS,
+            events=lambda _: EVENT_SCHEMA,
+        )
         return [
             queued("/v1/embeddings", self.embeddings, embeddings, EMBEDDING),
             queued("/v1/chat/completions", self.chat_completions, chat, GENERATION),
             queued("/v1/completions", self.completions, completions, GENERATION),
+            queued("/v1/responses", self.responses, responses, GENERATION),
             *(
                 Route(
                     "POST",
@@ -222,8 +238,8 @@ class OpenAIRoutes:
                 for name in model.names
                 for path, answer, schema in zip(
                     MODEL_GENERATION_PATHS,
-                    (self.chat, self.complete),
-                    (chat, completions),
+                    (self.chat, self.complete, self.respond),
+                    (chat, completions, responses),
                     strict=True,
                 )
             ),
@@ -257,6 +273,11 @@ class OpenAIRoutes:
         model = self.context.model_for(named(document), GENERATION)
         return await self.complete(request, model, document)
 
+    async def responses(self, request: HttpRequest) -> HttpResponse:
+        document = read_json(request)
+        model = self.context.model_for(named(document), GENERATION)
+        return await self.respond(request, model, document)
+
     def model_generation(self, model: ServedModel, answer: Answering) -> Handler:
         """POST /models/<name>/v1/chat/completions (or /v1/completions), answered by
         `answer`: the path names the model; the body's "model" is not read
@@ -271,13 +292,17 @@ class OpenAIRoutes:
 
     async def chat(self, request: HttpRequest, model: ServedModel, document: Any) -> HttpResponse:
         generation = parse_chat(document)
-        loaded = model.serving.loaded
-        if loaded is not None and not loaded.details.get("chat_template"):
-            raise BadRequest(
-                "this model's tokenizer has no chat template: start the server with "
-                "--chat-template FILE (a Jinja template), or use /v1/completions"
-            )
+        check_chat_template(model)
         return await self.generate(request, model, generation, chat=True)
+
+    async def respond(
+        self, request: HttpRequest, model: ServedModel, document: Any
+    ) -> HttpResponse:
+        """A Response: its input is a chat, answered in the Responses API's shape."""
+        generation, settings = parse_response(document)
+        check_chat_template(model)
+        shape = ResponseAnswer(model.name, settings)
+        return await self.generate(request, model, generation, chat=True, shape=shape)
 
     async def complete(
         self, request: HttpRequest, model: ServedModel, document: Any
@@ -287,16 +312,27 @@ class OpenAIRoutes:
         return await self.generate(request, model, generation, chat=False)
 
     async def generate(
-        self, request: HttpRequest, model: ServedModel, generation: GenerationRequest, chat: bool
+        self,
+        request: HttpRequest,
+        model: ServedModel,
+        generation: GenerationRequest,
+        chat: bool,
+        shape: Answer | ResponseAnswer | None = None,
     ) -> HttpResponse:
-        """Queue the prompts like any text-generation request; answer whole or streamed."""
+        """Queue the prompts like any text-generation request; answer whole or streamed, in
+        `shape` (chat's or completions' where none is given)."""
         check_max_tokens(generation, model.limits.max_new_tokens)
         check_choices(generation, self.context.settings.max_client_batch_size)
         await check_lengths(self.context.tokenizers, model, generation.items, chat)
         stops_after = int(generation.params.get("min_new_tokens", 0))
-        shape = Answer(
-            chat, model.name, generation.logprobs, tools=generation.tools, stops_after=stops_after
-        )
+        if shape is None:
+            shape = Answer(
+                chat,
+                model.name,
+                generation.logprobs,
+                tools=generation.tools,
+                stops_after=stops_after,
+            )
         deadline = self.context.deadline(request)
         choices = generation.choice_params()
         if generation.stream:  # a stream a choice of each prompt, in OpenAI's order
@@ -354,6 +390,16 @@ class OpenAIRoutes:
             "created": self.created,
             "owned_by": "rawserve",
         }
+
+
+def check_chat_template(model: ServedModel) -> None:
+    """400 where the model has no chat template to render messages with."""
+    loaded = model.serving.loaded
+    if loaded is not None and not loaded.details.get("chat_template"):
+        raise BadRequest(
+            "this model's tokenizer has no chat template: start the server with "
+            "--chat-template FILE (a Jinja template), or use /v1/completions"
+        )
 
 
 async def run_choices(
