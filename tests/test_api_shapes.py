@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rawserve.api.app import App
+from rawserve.api.bodies import media_type_parameter, server_timing
 from rawserve.api.inference import parse_body
 from rawserve.api.openai_answers import cut_at_stop, releasable
 from rawserve.api.openai_generation import parse_chat
@@ -25,10 +26,12 @@ from rawserve.api.tokens import utf8_starts
 from rawserve.http.errors import (
     BadRequest,
     GatewayTimeout,
+    PayloadTooLarge,
     UnprocessableInput,
     UnsupportedMediaType,
 )
 from rawserve.http.exchange import HttpRequest
+from rawserve.serving.face import ItemResult
 from rawserve.serving.service import ModelService
 from rawserve.serving.status import LoadState
 from rawserve.shared.messages import TokenChunk, WorkerReady
@@ -452,6 +455,8 @@ AGREEMENT = [
     ("COMPLETION", {"prompt": "a", "min_tokens": -1}, False),
     ("COMPLETION", {"prompt": "a", "suffix": "b"}, False),
     ("COMPLETION", {"prompt": "a", "unknown": 1}, False),
+    ("COMPLETION", {"prompt": "a", "model": "m"}, True),  # every body names its model
+    ("COMPLETION", {"prompt": "a", "model": 7}, False),
 ]
 
 
@@ -487,6 +492,70 @@ def test_a_bodys_checks_and_its_schema_take_the_same_documents(name, document, t
         assert error.status in (400, 413), error
         parsed = False
     assert (valid, parsed) == (taken, taken)
+
+
+def test_a_fields_schema_documents_its_default_and_description():
+    from rawserve.api.fields import flag, text
+
+    context = None  # a field of a fixed schema documents it whatever the route serves
+    assert flag(False, "said").schema_in(context) == {
+        "type": ["boolean", "null"],
+        "default": False,
+        "description": "said",
+    }
+    assert text().schema_in(context) == {"type": ["string", "null"]}
+
+
+def test_unknown_fields_are_named_at_most_ten_each_cut_to_60_characters():
+    from rawserve.api.fields import Body
+
+    document = {f"{n:02}" + "x" * 100: 1 for n in range(12)}
+    with pytest.raises(BadRequest) as raised:
+        Body({}).read(document)
+    names = str(raised.value).removeprefix("unknown field(s): ").split(" (allowed")[0]
+    assert names.split(", ") == [repr(name)[:60] for name in sorted(document)[:10]]
+
+
+def test_a_refused_field_is_named_as_the_param_unless_its_reader_named_one():
+    from rawserve.api.fields import Body, Field, whole
+
+    def named_inside(name, value, context):
+        raise BadRequest("no", param=f"{name}[0]")
+
+    fields = Body({"n": whole(1, 5), "list": Field({}, named_inside)}).read({"n": 9, "list": 1})
+    for name, param in [("n", "n"), ("list", "list[0]")]:
+        with pytest.raises(BadRequest) as raised:
+            fields.value(name)
+        assert raised.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("value", "taken"),
+    [(2, True), (5, True), (1, False), (6, False), (True, False), ("3", False), (3.0, False)],
+)
+def test_an_integer_field_takes_whole_numbers_from_its_low_to_its_high(value, taken):
+    from rawserve.api.fields import read_integer
+
+    if taken:
+        assert read_integer("n", value, 2, 5) == value
+    else:
+        with pytest.raises(BadRequest, match='"n" must be an integer from 2 to 5'):
+            read_integer("n", value, 2, 5)
+
+
+@pytest.mark.parametrize(
+    ("value", "taken"),
+    [(0.5, True), (2, True), (0.25, False), (2.5, False), (True, False), ("1", False)]
+    + [(float("nan"), False)],
+)
+def test_a_number_field_takes_numbers_from_its_low_to_its_high(value, taken):
+    from rawserve.api.fields import read_number
+
+    if taken:
+        assert read_number("x", value, 0.5, 2.0) == value
+    else:
+        with pytest.raises(BadRequest, match='"x" must be'):
+            read_number("x", value, 0.5, 2.0)
 
 
 # --- a sentence-transformers model's default prompt ----------------------------------------
@@ -577,6 +646,46 @@ def test_a_text_body_not_in_its_charset_is_415(content_type, body):
     request = HttpRequest("POST", "/", "", [("content-type", content_type)], body, "test")
     with pytest.raises(UnsupportedMediaType):
         parse_body("text-classification", request, 32)
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "inputs"),
+    [
+        ([], b' {"inputs": "a"}', ["a"]),  # InferenceClient posts JSON untyped
+        ([("content-type", "Application/JSON; charset=utf-8")], b'"a"', None),
+        ([], b'["a"]', ['["a"]']),  # untyped, and not an object: text
+        ([], b"a {", ["a {"]),
+    ],
+)
+def test_a_body_is_read_as_json_when_so_typed_or_untyped_and_an_object(headers, body, inputs):
+    request = HttpRequest("POST", "/", "", headers, body, "test")
+    if inputs is None:  # JSON, but no object: refused as JSON is, not taken as text
+        with pytest.raises(BadRequest, match="object"):
+            parse_body("text-classification", request, 32)
+    else:
+        assert parse_body("text-classification", request, 32).inputs == inputs
+
+
+def test_a_request_of_exactly_the_input_cap_is_taken():
+    def request(count):
+        body = json.dumps({"inputs": ["a"] * count}).encode()
+        return HttpRequest("POST", "/", "", [("content-type", "application/json")], body, "t")
+
+    assert len(parse_body("text-classification", request(3), 3).inputs) == 3
+    with pytest.raises(PayloadTooLarge, match="4 inputs in one request: at most 3"):
+        parse_body("text-classification", request(4), 3)
+
+
+def test_a_media_types_parameter_is_found_by_its_name_in_any_case():
+    assert media_type_parameter('text/plain; Charset="utf-8"', "charset") == "utf-8"
+    assert media_type_parameter("text/plain; format=flowed; charset=x", "format") == "flowed"
+    assert media_type_parameter("text/plain; format=flowed", "charset") is None
+    assert media_type_parameter("charset=utf-8", "charset") is None  # the type, no parameter
+
+
+def test_server_timing_gives_the_longest_queue_and_model_times_and_the_largest_batch():
+    results = [ItemResult(None, 0.5, 3, 0.125), ItemResult(None, 0.25, 4, 0.375)]
+    assert server_timing(results) == 'queue;dur=500.00, model;dur=375.00, batch;desc="4"'
 
 
 def test_an_image_sent_as_a_form_upload_is_415_saying_what_to_send():

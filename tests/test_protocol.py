@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import re
 import zlib
 
 import h11
@@ -15,15 +16,20 @@ from rawserve.http.auth import require_bearer
 from rawserve.http.chunked import ChunkedMeter
 from rawserve.http.content_coding import decoded
 from rawserve.http.cors import EXPOSED_HEADERS, CorsPolicy
+from rawserve.http.cycle import head_size
 from rawserve.http.errors import (
     BadRequest,
     GatewayTimeout,
+    HeadersTooLarge,
     MalformedRequest,
+    PayloadTooLarge,
     ServiceUnavailable,
     Unauthorized,
 )
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.http.limits import LINGER_SECONDS
+from rawserve.http.refusals import check_head
+from rawserve.http.request_ids import request_id
 from rawserve.http.response_head import (
     fixed_fields,
     reason,
@@ -102,6 +108,28 @@ async def test_post_answers_json_with_request_id(server):
     assert headers[b"x-request-id"] == b"abc-1"
     assert headers[b"content-type"] == b"application/json"
     assert not transport.finished  # keep-alive
+
+
+@pytest.mark.parametrize(
+    ("given", "echoed"),
+    [
+        ("a" * 128, True),
+        ("!~" * 64, True),  # the first and last visible characters
+        ("a" * 129, False),
+        ("", False),
+        (None, False),
+        ("two words", False),
+        ("caf\u00e9", False),
+        ("tab\there", False),
+        ("del\x7f", False),
+        ("x\n", False),
+    ],
+)
+def test_a_request_id_is_echoed_only_when_it_is_1_to_128_visible_ascii_characters(given, echoed):
+    made = request_id(given)
+    assert (made == given) is echoed
+    if not echoed:  # 32 hex digits, new each time
+        assert re.fullmatch("[0-9a-f]{32}", made) and request_id(given) != made
 
 
 @pytest.mark.parametrize(
@@ -286,6 +314,17 @@ async def test_body_over_the_limit_is_413_from_content_length(server):
     assert response.status_code == 413
     assert json.loads(body)["error_type"] == "payload_too_large"
     assert transport.finished and not app.seen
+
+
+def test_a_head_or_an_announced_body_of_exactly_the_limit_is_taken():
+    event = h11.Request(
+        method="POST", target="/", headers=[("Host", "a"), ("Content-Length", "100")]
+    )
+    fields = list(event.headers)
+    size = head_size(event, fields)
+    assert check_head(event, fields, max_head_bytes=size, max_body_bytes=100) is None
+    assert isinstance(check_head(event, fields, size - 1, 100), HeadersTooLarge)
+    assert isinstance(check_head(event, fields, size, 99), PayloadTooLarge)
 
 
 async def test_chunked_body_over_the_limit_is_413(server):

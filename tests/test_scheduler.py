@@ -641,6 +641,13 @@ def test_items_of_one_length_go_in_full_calls_the_heads_first(queued):
     assert len(partners) == 256 and id(queue[0]) in partners
 
 
+def test_items_of_one_token_still_fill_a_call_only_to_the_token_budget():
+    queue = [Plain(1, deadline=float(i)) for i in range(10)]
+    model = CostModel()
+    model.fixed = 1.0  # the fixed part dominates: as few calls as the limits allow
+    assert len(plan_partners(queue, BatchLimits(10, 4), model)) == 4
+
+
 def test_a_deep_gpu_queue_is_planned_in_time_linear_in_its_length():
     """A GPU's defaults (batches of 256 items, 16,384 tokens) plan over 1,024 queued
     items: each start enters the planner's window once, and once more per longer length

@@ -10,7 +10,7 @@ import itertools
 import re
 import secrets
 
-_GIVEN_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # 1-128 visible ASCII characters
+_GIVEN_ID = re.compile(r"[\x21-\x7e]{1,128}")  # 1-128 visible ASCII characters
 _PREFIX = secrets.token_hex(8)
 _COUNTER = itertools.count()
 
@@ -21,4 +21,4 @@ def new_request_id() -> str:
 
 def request_id(given: str | None) -> str:
     """The client's id if it may be echoed (1-128 visible ASCII characters), else a new one."""
-    return given if given and _GIVEN_ID.match(given) else new_request_id()
+    return given if given and _GIVEN_ID.fullmatch(given) else new_request_id()
