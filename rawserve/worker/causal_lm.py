@@ -26,16 +26,11 @@ from rawserve.tasks.text_generation import (
     REASONING_END,
     returns_full_text,
 )
-from rawserve.worker.continuous import (
-    Generation,
-    ScoreAdjustments,
-    end_ids,
-    ends_a_stop,
-    likeliest,
-)
+from rawserve.worker.continuous import Generation, end_ids, ends_a_stop
 from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.grammars import Grammars, constrain
 from rawserve.worker.runner import Runner, WrittenForClients, dtype_name
+from rawserve.worker.scores import ScoreAdjustments, likeliest
 from rawserve.worker.text_pieces import TextPieces
 
 log = logging.getLogger("rawserve.generation")
