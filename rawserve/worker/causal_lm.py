@@ -424,12 +424,12 @@ class CausalLMRunner(Runner):
             item,
             params,
             control,
-            generation.tokens,
-            generation.finish_reason or "length",
-            len(generation.prompt_ids),
-            tokens,
-            generation.prefill,
-            generation.seed,
+            token_ids=generation.tokens,
+            finish_reason=generation.finish_reason or "length",
+            prompt_tokens=len(generation.prompt_ids),
+            tokens=tokens,
+            prefill=generation.prefill,
+            seed=generation.seed,
         )
 
     def _output(
@@ -437,6 +437,7 @@ class CausalLMRunner(Runner):
         prompt: Any,
         params: dict[str, Any],
         control: Control,
+        *,
         token_ids: list[int],
         finish_reason: str,
         prompt_tokens: int,
@@ -516,11 +517,11 @@ class CausalLMRunner(Runner):
                     prompt,
                     params,
                     control,
-                    token_ids,
-                    finish_reason,
-                    lengths[row],
-                    tokens,
-                    prefill,
+                    token_ids=token_ids,
+                    finish_reason=finish_reason,
+                    prompt_tokens=lengths[row],
+                    tokens=tokens,
+                    prefill=prefill,
                 )
             )
         return outputs
@@ -554,16 +555,16 @@ class CausalLMRunner(Runner):
         watcher = TokenWatcher(
             self.tokenizer,
             end_ids(self.tokenizer, self.model),
-            encoded["input_ids"].shape[1],
-            len(rows),
-            params.get("stop", ()),
-            recorder,
-            on_token,
-            cancelled,
-            keep_tokens,
-            int(params.get("top_n_tokens") or 0),
-            bool(params.get("ignore_eos")),
-            stops_after(params),
+            prompt_length=encoded["input_ids"].shape[1],
+            batch_size=len(rows),
+            stop=params.get("stop", ()),
+            recorder=recorder,
+            on_token=on_token,
+            cancelled=cancelled,
+            keep_tokens=keep_tokens,
+            top_n=int(params.get("top_n_tokens") or 0),
+            ignore_eos=bool(params.get("ignore_eos")),
+            stops_after=stops_after(params),
         )
         processors: list[Any] = []
         adjustments = ScoreAdjustments.asked(params, self.vocabulary)

@@ -80,6 +80,7 @@ class TokenWatcher(transformers.StoppingCriteria):
         self,
         tokenizer: Any,
         eos_ids: set[int],  # the tokens that end a row (the model's own list, a chat's end of turn)
+        *,
         prompt_length: int,
         batch_size: int,
         stop: Sequence[str],
