@@ -365,14 +365,32 @@ class CausalLMRunner(Runner):
         """The prompt's tokens as TGI's details list them under `prefill` (TGI's
         `decoder_input_details`): each one's text (what it adds to the prompt's text; a
         special token its own) and its log probability given the ones before it (none for
-        the first), from a forward pass over the prompt; with `PROMPT_TOP_N`, the
-        likeliest tokens at each position too.
+        the first); with `PROMPT_TOP_N`, the likeliest tokens at each position too."""
+        top_n = int(params.get(PROMPT_TOP_N) or 0)
+        chosen, top = self._score_prompt(ids, top_n)
+        pieces = TextPieces(self.tokenizer)
+        tokens = []
+        so_far: list[int] = []  # (grown a token at a time: a slice each would be quadratic)
+        for index, token_id in enumerate(ids):
+            so_far.append(token_id)
+            piece = pieces.next_piece(so_far)
+            logprob = chosen[index - 1] if index else None  # nothing before the first
+            alternatives = (top[index - 1] if index else []) if top_n else None
+            tokens.append(
+                tgi_token(self.tokenizer, self.special_ids, token_id, piece, logprob, alternatives)
+            )
+        return tokens
+
+    def _score_prompt(
+        self, ids: list[int], top_n: int
+    ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """From a forward pass over the prompt: each token's log probability given the
+        ones before it (from the second on), and the `top_n` likeliest tokens there.
 
         The pass runs a window of positions at a time over a growing KV cache: the scores
         of a whole prompt at once (positions × vocabulary) would cost more memory than the
         model's cache for it: positions × a vocabulary of 50,000-150,000 tokens, gigabytes
         for a long prompt."""
-        top_n = int(params.get(PROMPT_TOP_N) or 0)
         chosen: list[float] = []
         top: list[list[tuple[int, float]]] = []
         with torch.inference_mode():
@@ -388,18 +406,7 @@ class CausalLMRunner(Runner):
                 following = tensor[0, window.start + 1 : window.stop + 1, None]
                 chosen += logprobs.gather(1, following)[:, 0].tolist()
                 top += likeliest(logprobs, top_n) or []
-        pieces = TextPieces(self.tokenizer)
-        tokens = []
-        so_far: list[int] = []  # (grown a token at a time: a slice each would be quadratic)
-        for index, token_id in enumerate(ids):
-            so_far.append(token_id)
-            piece = pieces.next_piece(so_far)
-            logprob = chosen[index - 1] if index else None  # nothing before the first
-            alternatives = (top[index - 1] if index else []) if top_n else None
-            tokens.append(
-                tgi_token(self.tokenizer, self.special_ids, token_id, piece, logprob, alternatives)
-            )
-        return tokens
+        return chosen, top
 
     def token(
         self,
