@@ -2,10 +2,10 @@
 
 `python -m rawserve` or `rawserve`. The options are read and checked by rawserve.options
 into a frozen `ServerConfig` (rawserve.config); this module only builds the parts from
-it, each given what it needs by its constructor: protocol → app → scheduler → executor,
-and runs them until a signal stops them. Who speaks HTTP (this process, or HTTP
-processes of its own) is rawserve.fronts. The server process never imports torch; the
-worker processes do.
+it, each given what it needs by its constructor: each model's scheduler → executor here,
+and the front that speaks HTTP to them (rawserve.fronts: protocol → app, in this process
+or in HTTP processes of its own), and runs them until a signal stops them. The server
+process never imports torch; the worker processes do.
 """
 
 from __future__ import annotations
