@@ -2,9 +2,10 @@
 
 `python -m rawserve` or `rawserve`. The options are read and checked by rawserve.options
 into a frozen `ServerConfig` (rawserve.config); this module only builds the parts from
-it, each given what it needs by its constructor: protocol → app → scheduler → executor,
-and runs them until a signal stops them. The server process never imports torch; the
-worker processes do.
+it, each given what it needs by its constructor: each model's scheduler → executor here,
+and the front that speaks HTTP to them (rawserve.fronts: protocol → app, in this process
+or in HTTP processes of its own), and runs them until a signal stops them. The server
+process never imports torch; the worker processes do.
 """
 
 from __future__ import annotations
@@ -16,34 +17,28 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rawserve import __version__
-from rawserve.api.app import App
-from rawserve.api.served import ServedModel, ServedModels
+from rawserve.api.served import ServedModel
 from rawserve.config import Batching, ModelConfig, ServerConfig, WorkerPlan, plan_workers
-from rawserve.http.limits import PROBE_RESERVE, ServerState
+from rawserve.fronts import FINAL_WRITE_SECONDS, Front, HttpProcesses, OneProcess
+from rawserve.http.limits import PROBE_RESERVE
 from rawserve.http.tls import validity_warning
-from rawserve.http_process.entry import HttpProcessSpec, ModelSpec, run_http_process
-from rawserve.http_process.front import listen, requests_answered
 from rawserve.models.hub import ModelNotFound
 from rawserve.models.plan import ModelPlan, plan_models
 from rawserve.ops import layout_trial, loops
 from rawserve.ops.loading import log_loading_progress
-from rawserve.ops.metrics import Metrics, merge_families
+from rawserve.ops.metrics import Metrics
 from rawserve.ops.open_files import raise_open_files_limit
 from rawserve.options import parse_config
-from rawserve.protocol import HttpProtocol
 from rawserve.serving import CoreShare, ModelService, Scheduler, SchedulerCore
 from rawserve.serving import WorkerPool as Executor
-from rawserve.serving.bridge import Bridge, BridgedModel, PublishingBackend
-from rawserve.serving.fleet import Fleet, HttpProcessFailed
-from rawserve.shared.board import Board, SharedMemoryError
+from rawserve.shared.board import SharedMemoryError
 from rawserve.shared.devices import cpu_cores
 from rawserve.shared.logs import setup_logging
 from rawserve.shared.memory import fix_mmap_threshold
@@ -52,7 +47,6 @@ from rawserve.tasks import CUSTOM_TASK
 
 log = logging.getLogger("rawserve")
 
-FINAL_WRITE_SECONDS = 1.0  # after the grace period: time to write the last 503s
 # A second SIGTERM/SIGINT this soon after the first is the same stop delivered twice
 # (`make serve` stopped through its process group: from the group, then from make).
 SIGNAL_REPEAT_SECONDS = 1.0
@@ -324,183 +318,9 @@ class Stop:
         self.asked.set()
 
 
-class OneProcess:
-    """HTTP served by the serving process itself (--http-processes 1): no hop between."""
-
-    def __init__(self, app: App, state: ServerState, server: asyncio.Server):
-        self.app = app
-        self.state = state
-        self.server = server
-        self.port: int = server.sockets[0].getsockname()[1]
-
-    @classmethod
-    async def start(
-        cls, config: ServerConfig, models: Sequence[ModelParts], metrics: Metrics
-    ) -> OneProcess:
-        loop = asyncio.get_running_loop()
-        app = App(ServedModels([model.served for model in models]), config.app, metrics=metrics)
-        state = ServerState(metrics=metrics)
-        settings = config.http
-        server = await listen(
-            config, lambda: HttpProtocol(app, settings, state, loop=loop), config.port
-        )
-        return cls(app, state, server)
-
-    def describe(self, config: ServerConfig) -> str:
-        return f"one process, event loop {config.loop}"
-
-    def facts_changed(self) -> None:
-        """Nothing to send: /info reads the models' facts where they are kept."""
-
-    def start_draining(self, grace: float) -> None:
-        self.app.start_draining()
-        self.server.close()
-
-    async def requests_answered(self, timeout: float) -> bool:
-        return await requests_answered(self.state, timeout)
-
-    def close(self) -> None:
-        self.server.close()
-        self.state.close_all()
-
-    async def closed(self) -> None:
-        pass
-
-    async def announce(self) -> None:
-        pass
-
-    def kill(self) -> None:
-        pass
-
-
-class HttpProcesses:
-    """HTTP served by --http-processes N processes of their own, which reach the models
-    through the bridge; the port is reserved here (SO_REUSEPORT, never listening) and
-    each HTTP process listens on it."""
-
-    def __init__(self, fleet: Fleet, bridge: Bridge, board: Board, reserved: socket.socket):
-        self.fleet = fleet
-        self.bridge = bridge
-        self.board = board
-        self.reserved = reserved
-        self.port: int = reserved.getsockname()[1]
-
-    @classmethod
-    async def start(
-        cls,
-        config: ServerConfig,
-        models: Sequence[ModelParts],
-        metrics: Metrics,
-        argv: Sequence[str],
-    ) -> HttpProcesses | None:
-        reserved = reserve_port(config.host, config.port)  # first: nothing to undo if taken
-        port = reserved.getsockname()[1]
-        board = Board.create(len(models))
-        bridge = Bridge(
-            [
-                BridgedModel(
-                    model.service,
-                    retry_after=queue_retry_after(model.scheduler),
-                    facts=model.facts,
-                )
-                for model in models
-            ],
-            board,
-            own_families=metrics.families,
-            merge=merge_families,
-            serving_pid=os.getpid(),
-        )
-        for model in models:  # a batch leaving a queue is published at once
-            model.scheduler.backend = PublishingBackend(model.executor, bridge.publish_soon)
-
-        def spec(index: int) -> HttpProcessSpec:
-            described = tuple(  # as /info would say it now (a layout trial may change it)
-                ModelSpec(model.served.name, model.served.aliases, dict(model.facts))
-                for model in models
-            )
-            return HttpProcessSpec(tuple(argv), index, port, board.path, described, config.loop)
-
-        fleet = Fleet(config.http_processes, run_http_process, spec, bridge)
-        bridge.start()
-        try:
-            await fleet.start()
-        except HttpProcessFailed as exc:
-            log.error("%s", exc)
-            fleet.kill()
-            await bridge.stop()
-            board.remove()
-            reserved.close()
-            return None
-        return cls(fleet, bridge, board, reserved)
-
-    def describe(self, config: ServerConfig) -> str:
-        return (
-            f"{config.http_processes} HTTP processes (pids "
-            f"{', '.join(map(str, self.fleet.pids()))}), event loop {config.loop}"
-        )
-
-    async def announce(self) -> None:
-        await self.bridge.announce()
-
-    def facts_changed(self) -> None:
-        """The HTTP processes' /info says the models' facts as they are now."""
-        self.bridge.send_facts()
-
-    def start_draining(self, grace: float) -> None:
-        self.fleet.stopping = True
-        self.bridge.drain(grace)
-
-    async def requests_answered(self, timeout: float) -> bool:
-        return await self.fleet.wait_exited(timeout)
-
-    def close(self) -> None:
-        self.fleet.stopping = True
-        self.bridge.drain(0.0)  # those still there close what they hold and exit
-
-    async def closed(self) -> None:
-        await self.fleet.stop(FINAL_WRITE_SECONDS)
-        await self.bridge.stop()
-        self.board.remove()
-        self.reserved.close()
-
-    def kill(self) -> None:
-        self.fleet.kill()
-        self.board.remove()  # the process exits at once: nothing else would remove it
-
-
-Front = OneProcess | HttpProcesses  # who speaks HTTP: the serving process, or its fleet
-
-
 def reason(error: OSError) -> str:
     """An OS error's own words ("Address already in use"), without its number."""
     return error.strerror or str(error)
-
-
-def queue_retry_after(scheduler: Scheduler) -> Callable[[], float]:
-    """What a full queue's Retry-After says now (without counting a refusal)."""
-    return lambda: scheduler.core.retry_after(time.monotonic())
-
-
-def reserve_port(host: str, port: int) -> socket.socket:
-    """A socket bound to (`host`, `port`) with SO_REUSEPORT that never listens: it holds
-    the port (the one the system picks for port 0) for the HTTP processes to listen on.
-
-    SO_REUSEPORT is set once bound: a port another server holds, even one whose HTTP
-    processes set it too, is then refused as in use instead of shared with it (the
-    kernel would split the clients between two servers). SO_REUSEADDR, as a listener
-    has it: connections left in TIME_WAIT by a server just stopped do not hold the port."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    reserved = socket.socket(family, kind, proto)
-    try:
-        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        reserved.bind(address)
-        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    except OSError:
-        reserved.close()
-        raise
-    return reserved
 
 
 def start_layout_trial(

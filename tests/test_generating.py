@@ -321,7 +321,7 @@ def test_repetition_penalty_and_return_full_text_as_the_static_path(runner):
 def test_openais_penalties_count_each_rows_new_tokens():
     import torch
 
-    from rawserve.worker.continuous import ScoreAdjustments
+    from rawserve.worker.scores import ScoreAdjustments
 
     scores = torch.zeros(2, 6)
     made = torch.tensor([[1, 1, 3], [2, 2, 2]])

@@ -1,17 +1,19 @@
 """text-generation on a causal LM: batched `generate` with left padding, stop sequences,
 and token streaming.
 
-Worker process only (imports torch and transformers). One `TokenWatcher` runs after every
-decoding step: it turns each row's new token into text, ends rows that produced a stop
-sequence, hands tokens to a streamed request's sink, and stops everything when the
-server says the stream's client has gone (a shared integer, checked once a step).
+Worker process only (imports torch and transformers). One `TokenWatcher` (with the
+other hooks a `generate` call is given, in generate_hooks) runs after every decoding
+step: it turns each row's new token into text, ends rows that produced a stop sequence,
+hands tokens to a streamed request's sink, and stops everything when the server says
+the stream's client has gone (a shared integer, checked once a step). This module holds
+the runner: prompts and chats, the settings of each request, the answer's shape, and
+the items it hands the continuous loop.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jinja2
@@ -26,19 +28,19 @@ from rawserve.tasks.text_generation import (
     REASONING_END,
     returns_full_text,
 )
-from rawserve.worker.continuous import (
-    Generation,
-    ScoreAdjustments,
-    end_ids,
-    ends_a_stop,
-    likeliest,
-)
+from rawserve.worker.continuous import Generation, end_ids
 from rawserve.worker.decode_graphs import GraphedDecode
-from rawserve.worker.grammars import Grammars, constrain
+from rawserve.worker.generate_hooks import (
+    Adjuster,
+    GrammarFollower,
+    ScoreRecorder,
+    TokenWatcher,
+    tgi_token,
+)
+from rawserve.worker.grammars import Grammars
 from rawserve.worker.runner import Runner, WrittenForClients, dtype_name
+from rawserve.worker.scores import ScoreAdjustments, likeliest
 from rawserve.worker.text_pieces import TextPieces
-
-log = logging.getLogger("rawserve.generation")
 
 # The text-generation pipeline's defaults, for what the model's generation config leaves unset.
 PIPELINE_DEFAULTS: dict[str, Any] = {"max_new_tokens": 256, "do_sample": True, "temperature": 0.7}
@@ -82,163 +84,12 @@ TOOLS_DESCRIBED = (
 SEVERAL_CALLS = " To call several, answer a list of them."
 
 
-class ScoreRecorder(transformers.LogitsProcessor):
-    """Keeps the last step's log-probabilities, for the tokens' `logprob`."""
-
-    def __init__(self) -> None:
-        self.logprobs: torch.Tensor | None = None
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.logprobs = scores.float().log_softmax(-1)
-        return scores
-
-
-class Adjuster(transformers.LogitsProcessor):
-    """OpenAI's logit bias and penalties (`ScoreAdjustments`) on `generate`'s scores."""
-
-    def __init__(self, adjustments: ScoreAdjustments, prompt_width: int):
-        self.adjustments = adjustments
-        self.prompt_width = prompt_width  # where each row's new tokens start
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.adjustments.apply(scores, input_ids[:, self.prompt_width :])
-        return scores
-
-
-class GrammarFollower(transformers.LogitsProcessor):
-    """Each running row's grammar on `generate`'s scores: the row's last token moves its
-    matcher on, then only what the grammar allows next may be chosen. A grammar that
-    cannot go on fails the batch (ValueError), which is then run in halves down to its
-    request, alone. (A finished row goes on with padding: its grammar is left be.)"""
-
-    def __init__(self, matchers: list[Any], watcher: TokenWatcher):
-        self.matchers = matchers
-        self.watcher = watcher
-        self.started = False
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        running = [i for i, done in enumerate(self.watcher.done) if not done]
-        if self.started:  # (the first call follows the prompt: nothing generated yet)
-            last = input_ids[:, -1].tolist()
-            for index in running:
-                if not self.matchers[index].is_stopped():
-                    self.matchers[index].consume_token(last[index])
-        self.started = True
-        stuck = constrain(scores, [(index, self.matchers[index]) for index in running])
-        if stuck:
-            raise ValueError(stuck[0][1])
-        return scores
-
-
 def stops_after(params: dict[str, Any]) -> int:
     """The first new token whose text a stop sequence may end in: an asked
     `min_new_tokens` (OpenAI's min_tokens) holds stop sequences back as it holds the end
     of sequence, as vLLM does; the model's own generation config does not (`generate`
     applies it to the end of sequence alone)."""
     return int(params.get("min_new_tokens") or 0)
-
-
-class TokenWatcher(transformers.StoppingCriteria):
-    """Watches each new token: text, stop sequences, streaming, cancellation."""
-
-    def __init__(
-        self,
-        tokenizer: Any,
-        eos_ids: set[int],  # the tokens that end a row (the model's own list, a chat's end of turn)
-        prompt_length: int,
-        batch_size: int,
-        stop: Sequence[str],
-        recorder: ScoreRecorder,
-        on_token: Callable[[int, dict[str, Any]], None] | None = None,
-        cancelled: Callable[[], bool] = lambda: False,
-        keep_tokens: bool = False,
-        top_n: int = 0,
-        ignore_eos: bool = False,
-        stops_after: int = 0,
-    ):
-        self.tokenizer = tokenizer
-        self.prompt_length = prompt_length
-        self.stop = list(stop)
-        self.recorder = recorder
-        self.on_token = on_token
-        self.cancelled = cancelled
-        self.special_ids = set(tokenizer.all_special_ids)
-        self.eos_ids = set() if ignore_eos else eos_ids
-        self.top_n = top_n  # the likeliest tokens listed beside each new one
-        self.token_ids: list[list[int]] = [[] for _ in range(batch_size)]
-        self.texts = [""] * batch_size
-        self.pieces = [TextPieces(tokenizer) for _ in range(batch_size)]
-        self.stops_after = stops_after  # the first new token a stop sequence may end in
-        self.done = [False] * batch_size
-        self.finish_reasons = ["length"] * batch_size
-        # each row's tokens as TGI's details list them (when asked: they cost a dict each)
-        self.tokens: list[list[dict[str, Any]]] | None = (
-            [[] for _ in range(batch_size)] if keep_tokens else None
-        )
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        new_tokens = input_ids[:, -1].tolist()
-        logprobs = self.recorder.logprobs
-        listed = self.on_token is not None or self.tokens is not None
-        top = likeliest(logprobs, self.top_n) if listed and logprobs is not None else None
-        for row, token_id in enumerate(new_tokens):
-            if self.done[row]:
-                continue
-            self.token_ids[row].append(token_id)
-            piece = self.pieces[row].next_piece(self.token_ids[row])
-            self.texts[row] += piece
-            if token_id in self.eos_ids:
-                self.done[row], self.finish_reasons[row] = True, "eos_token"
-            elif len(self.token_ids[row]) >= self.stops_after and ends_a_stop(
-                self.texts[row], piece, self.stop
-            ):
-                self.done[row], self.finish_reasons[row] = True, "stop_sequence"
-            if listed:
-                logprob = float(logprobs[row, token_id]) if logprobs is not None else 0.0
-                token = tgi_token(
-                    self.tokenizer,
-                    self.special_ids,
-                    token_id,
-                    piece,
-                    logprob,
-                    top[row] if top is not None else None,
-                )
-                if self.tokens is not None:
-                    self.tokens[row].append(token)
-                if self.on_token is not None:
-                    self.on_token(row, token)
-        if not all(self.done) and self.cancelled():
-            log.info("generation stopped after %d tokens: the client left", len(self.token_ids[0]))
-            self.done = [True] * len(self.done)
-            self.finish_reasons = ["cancelled"] * len(self.done)
-        return torch.tensor(self.done, dtype=torch.bool, device=input_ids.device)
-
-
-def tgi_token(
-    tokenizer: Any,
-    special_ids: set[int],
-    token_id: int,
-    piece: str,
-    logprob: float | None,
-    top: list[tuple[int, float]] | None = None,
-) -> dict[str, Any]:
-    """A new token as TGI's streams and details list it (a special token shows its own
-    text, which the running text skips; a prompt's first token has no log probability),
-    with the likeliest tokens at its step under "top_tokens" where they were asked for
-    (each token's own text: an alternative has no place in the running text)."""
-    special = token_id in special_ids
-    token: dict[str, Any] = {
-        "id": token_id,
-        "text": tokenizer.decode([token_id]) if special else piece,
-        "logprob": logprob,
-        "special": special,
-    }
-    if top is not None:
-        token["top_tokens"] = [
-            {"id": i, "text": tokenizer.decode([i]), "logprob": p, "special": i in special_ids}
-            for i, p in top
-        ]
-    return token
 
 
 def lists_tokens(params: dict[str, Any], control: Control) -> bool:
@@ -514,14 +365,32 @@ class CausalLMRunner(Runner):
         """The prompt's tokens as TGI's details list them under `prefill` (TGI's
         `decoder_input_details`): each one's text (what it adds to the prompt's text; a
         special token its own) and its log probability given the ones before it (none for
-        the first), from a forward pass over the prompt; with `PROMPT_TOP_N`, the
-        likeliest tokens at each position too.
+        the first); with `PROMPT_TOP_N`, the likeliest tokens at each position too."""
+        top_n = int(params.get(PROMPT_TOP_N) or 0)
+        chosen, top = self._score_prompt(ids, top_n)
+        pieces = TextPieces(self.tokenizer)
+        tokens = []
+        so_far: list[int] = []  # (grown a token at a time: a slice each would be quadratic)
+        for index, token_id in enumerate(ids):
+            so_far.append(token_id)
+            piece = pieces.next_piece(so_far)
+            logprob = chosen[index - 1] if index else None  # nothing before the first
+            alternatives = (top[index - 1] if index else []) if top_n else None
+            tokens.append(
+                tgi_token(self.tokenizer, self.special_ids, token_id, piece, logprob, alternatives)
+            )
+        return tokens
+
+    def _score_prompt(
+        self, ids: list[int], top_n: int
+    ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """From a forward pass over the prompt: each token's log probability given the
+        ones before it (from the second on), and the `top_n` likeliest tokens there.
 
         The pass runs a window of positions at a time over a growing KV cache: the scores
         of a whole prompt at once (positions × vocabulary) would cost more memory than the
         model's cache for it: positions × a vocabulary of 50,000-150,000 tokens, gigabytes
         for a long prompt."""
-        top_n = int(params.get(PROMPT_TOP_N) or 0)
         chosen: list[float] = []
         top: list[list[tuple[int, float]]] = []
         with torch.inference_mode():
@@ -537,18 +406,7 @@ class CausalLMRunner(Runner):
                 following = tensor[0, window.start + 1 : window.stop + 1, None]
                 chosen += logprobs.gather(1, following)[:, 0].tolist()
                 top += likeliest(logprobs, top_n) or []
-        pieces = TextPieces(self.tokenizer)
-        tokens = []
-        so_far: list[int] = []  # (grown a token at a time: a slice each would be quadratic)
-        for index, token_id in enumerate(ids):
-            so_far.append(token_id)
-            piece = pieces.next_piece(so_far)
-            logprob = chosen[index - 1] if index else None  # nothing before the first
-            alternatives = (top[index - 1] if index else []) if top_n else None
-            tokens.append(
-                tgi_token(self.tokenizer, self.special_ids, token_id, piece, logprob, alternatives)
-            )
-        return tokens
+        return chosen, top
 
     def token(
         self,
@@ -573,12 +431,12 @@ class CausalLMRunner(Runner):
             item,
             params,
             control,
-            generation.tokens,
-            generation.finish_reason or "length",
-            len(generation.prompt_ids),
-            tokens,
-            generation.prefill,
-            generation.seed,
+            token_ids=generation.tokens,
+            finish_reason=generation.finish_reason or "length",
+            prompt_tokens=len(generation.prompt_ids),
+            tokens=tokens,
+            prefill=generation.prefill,
+            seed=generation.seed,
         )
 
     def _output(
@@ -586,6 +444,7 @@ class CausalLMRunner(Runner):
         prompt: Any,
         params: dict[str, Any],
         control: Control,
+        *,
         token_ids: list[int],
         finish_reason: str,
         prompt_tokens: int,
@@ -665,11 +524,11 @@ class CausalLMRunner(Runner):
                     prompt,
                     params,
                     control,
-                    token_ids,
-                    finish_reason,
-                    lengths[row],
-                    tokens,
-                    prefill,
+                    token_ids=token_ids,
+                    finish_reason=finish_reason,
+                    prompt_tokens=lengths[row],
+                    tokens=tokens,
+                    prefill=prefill,
                 )
             )
         return outputs
@@ -703,16 +562,16 @@ class CausalLMRunner(Runner):
         watcher = TokenWatcher(
             self.tokenizer,
             end_ids(self.tokenizer, self.model),
-            encoded["input_ids"].shape[1],
-            len(rows),
-            params.get("stop", ()),
-            recorder,
-            on_token,
-            cancelled,
-            keep_tokens,
-            int(params.get("top_n_tokens") or 0),
-            bool(params.get("ignore_eos")),
-            stops_after(params),
+            prompt_length=encoded["input_ids"].shape[1],
+            batch_size=len(rows),
+            stop=params.get("stop", ()),
+            recorder=recorder,
+            on_token=on_token,
+            cancelled=cancelled,
+            keep_tokens=keep_tokens,
+            top_n=int(params.get("top_n_tokens") or 0),
+            ignore_eos=bool(params.get("ignore_eos")),
+            stops_after=stops_after(params),
         )
         processors: list[Any] = []
         adjustments = ScoreAdjustments.asked(params, self.vocabulary)

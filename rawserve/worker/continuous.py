@@ -25,9 +25,8 @@ this model size); bench/generation.py compares this loop with static batching.
 from __future__ import annotations
 
 import inspect
-import math
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field
@@ -47,6 +46,12 @@ from rawserve.worker.prefill_graphs import (
     Prefilled,
 )
 from rawserve.worker.runner import SAMPLING_FAILED_MESSAGE
+from rawserve.worker.scores import (
+    ScoreAdjustments,
+    likeliest,
+    penalize_repetition,
+    sampling_probabilities,
+)
 from rawserve.worker.text_pieces import TextPieces
 
 # how long a step with nothing to run but grammars compiling waits for one, before the
@@ -104,54 +109,6 @@ class Generation:
         """End it alone: its own settings or grammar cannot go on (the rows beside it do)."""
         self.failure = why
         self.finish_reason = "failed"
-
-
-@dataclass(frozen=True)
-class ScoreAdjustments:
-    """OpenAI's changes to a row's scores before a token is chosen, after the repetition
-    penalty (as `generate` applies its own processors first): `logit_bias` added to the
-    tokens it names, then `frequency_penalty` taken off a token's score for each time it
-    was generated and `presence_penalty` once if it was (the new tokens only, not the
-    prompt's, as vLLM counts them)."""
-
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-
-    @classmethod
-    def asked(cls, params: Mapping[str, Any], vocabulary: int) -> ScoreAdjustments | None:
-        """The adjustments `params` ask for (None: none); ValueError for a biased token
-        the model does not have."""
-        bias = tuple((int(k), float(v)) for k, v in (params.get("logit_bias") or {}).items())
-        unknown = [token for token, _ in bias if not 0 <= token < vocabulary]
-        if unknown:
-            raise ValueError(
-                f"logit_bias names the token id {unknown[0]}, which is not in the model's "
-                f"vocabulary (ids run from 0 to {vocabulary - 1})"
-            )
-        adjustments = cls(
-            bias,
-            float(params.get("frequency_penalty") or 0.0),
-            float(params.get("presence_penalty") or 0.0),
-        )
-        return adjustments if adjustments != cls() else None
-
-    @property
-    def penalizes(self) -> bool:
-        return bool(self.frequency_penalty or self.presence_penalty)
-
-    def apply(self, scores: torch.Tensor, made: torch.Tensor) -> None:
-        """Rows of scores, in place, given the tokens each row generated so far (`made`: a
-        row of ids each)."""
-        if self.logit_bias:
-            tokens, biases = zip(*self.logit_bias, strict=True)
-            scores[:, list(tokens)] += torch.tensor(biases, device=scores.device)
-        if made.shape[1] == 0 or not self.penalizes:
-            return
-        counts = torch.zeros_like(scores).scatter_add_(
-            1, made, torch.ones(made.shape, dtype=scores.dtype, device=scores.device)
-        )
-        scores -= counts * self.frequency_penalty + (counts > 0) * self.presence_penalty
 
 
 class ContinuousBatcher:
@@ -407,8 +364,10 @@ class ContinuousBatcher:
         for index, generation in enumerate(rows):
             if generation.done:
                 continue
-            if generation.repetition_penalty not in (None, 1.0):
-                _penalize(scores[index], generation)
+            penalty = generation.repetition_penalty
+            if penalty is not None and penalty != 1.0:
+                sequence = generation.prompt_ids + generation.tokens
+                penalize_repetition(scores[index], penalty, sequence)
             if (adjustments := generation.adjustments) is not None:
                 made = generation.tokens if adjustments.penalizes else []
                 tokens = torch.tensor([made], device=scores.device, dtype=torch.long)
@@ -424,7 +383,9 @@ class ContinuousBatcher:
         tokens = scores.argmax(dim=-1)
         sampled = [i for i, g in enumerate(rows) if g.do_sample and not g.done]
         if sampled:
-            probabilities = torch.stack([_probabilities(scores[i], rows[i]) for i in sampled])
+            probabilities = torch.stack(
+                [sampling_probabilities(scores[i], rows[i]) for i in sampled]
+            )
             # a row whose settings leave nothing to draw from fails alone (multinomial would
             # fail the step, and on a GPU the device with it); one look for every row
             usable = (probabilities.isfinite().all(-1) & (probabilities.sum(-1) > 0)).tolist()
@@ -486,19 +447,6 @@ def ends_a_stop(text: str, piece: str, stops: Sequence[str]) -> bool:
     return bool(piece) and any(stop in text[-(len(piece) + len(stop) - 1) :] for stop in stops)
 
 
-def likeliest(logprobs: torch.Tensor, count: int) -> list[list[tuple[int, float]]] | None:
-    """Each row's `count` likeliest tokens, (id, log-probability), likeliest first; None
-    for a count of 0. A token that cannot be chosen (a grammar or min_new_tokens rules it
-    out: its log probability is -inf, which JSON cannot carry) is not listed."""
-    if count <= 0:
-        return None
-    values, ids = logprobs.topk(min(count, logprobs.shape[-1]), dim=-1)
-    return [
-        [(i, value) for i, value in zip(row_ids, row_values, strict=True) if value > -math.inf]
-        for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
-    ]
-
-
 def end_ids(tokenizer: Any, model: Any) -> set[int]:
     """The tokens that end a sequence: the tokenizer's, and those the model's generation
     config names (`generate` stops there too: a chat model's end of turn)."""
@@ -513,27 +461,3 @@ def _cache_of(out: Any) -> Any:
     older `past_key_values`)."""
     cache = out.get("cache")
     return cache if cache is not None else out.get("past_key_values")
-
-
-def _penalize(scores: torch.Tensor, generation: Generation) -> None:
-    """transformers' repetition penalty on one row's scores, in place: every token already
-    in the sequence (prompt and new tokens) scores lower."""
-    assert generation.repetition_penalty is not None
-    penalty = generation.repetition_penalty
-    seen = torch.tensor(generation.prompt_ids + generation.tokens, device=scores.device)
-    score = scores.gather(0, seen)
-    scores.scatter_(0, seen, torch.where(score < 0, score * penalty, score / penalty))
-
-
-def _probabilities(logits: torch.Tensor, generation: Generation) -> torch.Tensor:
-    """What a token is drawn from, for one row's logits: its temperature, top-k and top-p."""
-    logits = logits / max(generation.temperature, 1e-5)
-    if generation.top_k:
-        kth = torch.topk(logits, min(generation.top_k, logits.shape[-1])).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if generation.top_p is not None and generation.top_p < 1.0:
-        ordered, order = torch.sort(logits, descending=True)
-        cumulative = ordered.softmax(-1).cumsum(-1)
-        drop = cumulative - ordered.softmax(-1) > generation.top_p  # keep the first past p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits.softmax(-1)

@@ -1,0 +1,226 @@
+"""Who speaks HTTP: the serving process itself (`OneProcess`) or, with --http-processes
+N > 1, a fleet of HTTP processes of its own (`HttpProcesses`); either is the server's
+`Front`, which main.py starts, drains and closes the same way.
+
+An entry point beside main.py (the one other module that may import rawserve.protocol
+is http_process/entry.py): it builds the listening side from the models main.py built,
+and owns the port reserved for the HTTP processes. What it needs of a model is
+`ServedParts`; it knows nothing of how they were built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from rawserve.api.app import App
+from rawserve.api.served import ServedModel, ServedModels
+from rawserve.config import ServerConfig
+from rawserve.http.limits import ServerState
+from rawserve.http_process.entry import HttpProcessSpec, ModelSpec, run_http_process
+from rawserve.http_process.front import listen, requests_answered
+from rawserve.ops.metrics import Metrics, merge_families
+from rawserve.protocol import HttpProtocol
+from rawserve.serving import ModelService, Scheduler
+from rawserve.serving import WorkerPool as Executor
+from rawserve.serving.bridge import Bridge, BridgedModel, PublishingBackend
+from rawserve.serving.fleet import Fleet, HttpProcessFailed
+from rawserve.shared.board import Board
+
+log = logging.getLogger("rawserve")
+
+FINAL_WRITE_SECONDS = 1.0  # after the grace period: time to write the last 503s
+
+
+class ServedParts(Protocol):
+    """What a front needs of one served model (main.py's `ModelParts`)."""
+
+    @property
+    def executor(self) -> Executor: ...
+    @property
+    def scheduler(self) -> Scheduler: ...
+    @property
+    def service(self) -> ModelService: ...
+    @property
+    def served(self) -> ServedModel: ...
+    @property
+    def facts(self) -> dict[str, object]: ...
+
+
+class OneProcess:
+    """HTTP served by the serving process itself (--http-processes 1): no hop between."""
+
+    def __init__(self, app: App, state: ServerState, server: asyncio.Server):
+        self.app = app
+        self.state = state
+        self.server = server
+        self.port: int = server.sockets[0].getsockname()[1]
+
+    @classmethod
+    async def start(
+        cls, config: ServerConfig, models: Sequence[ServedParts], metrics: Metrics
+    ) -> OneProcess:
+        loop = asyncio.get_running_loop()
+        app = App(ServedModels([model.served for model in models]), config.app, metrics=metrics)
+        state = ServerState(metrics=metrics)
+        settings = config.http
+        server = await listen(
+            config, lambda: HttpProtocol(app, settings, state, loop=loop), config.port
+        )
+        return cls(app, state, server)
+
+    def describe(self, config: ServerConfig) -> str:
+        return f"one process, event loop {config.loop}"
+
+    def facts_changed(self) -> None:
+        """Nothing to send: /info reads the models' facts where they are kept."""
+
+    def start_draining(self, grace: float) -> None:
+        self.app.start_draining()
+        self.server.close()
+
+    async def requests_answered(self, timeout: float) -> bool:
+        return await requests_answered(self.state, timeout)
+
+    def close(self) -> None:
+        self.server.close()
+        self.state.close_all()
+
+    async def closed(self) -> None:
+        pass
+
+    async def announce(self) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+
+class HttpProcesses:
+    """HTTP served by --http-processes N processes of their own, which reach the models
+    through the bridge; the port is reserved here (SO_REUSEPORT, never listening) and
+    each HTTP process listens on it."""
+
+    def __init__(self, fleet: Fleet, bridge: Bridge, board: Board, reserved: socket.socket):
+        self.fleet = fleet
+        self.bridge = bridge
+        self.board = board
+        self.reserved = reserved
+        self.port: int = reserved.getsockname()[1]
+
+    @classmethod
+    async def start(
+        cls,
+        config: ServerConfig,
+        models: Sequence[ServedParts],
+        metrics: Metrics,
+        argv: Sequence[str],
+    ) -> HttpProcesses | None:
+        reserved = reserve_port(config.host, config.port)  # first: nothing to undo if taken
+        port = reserved.getsockname()[1]
+        board = Board.create(len(models))
+        bridge = Bridge(
+            [
+                BridgedModel(
+                    model.service,
+                    retry_after=queue_retry_after(model.scheduler),
+                    facts=model.facts,
+                )
+                for model in models
+            ],
+            board,
+            own_families=metrics.families,
+            merge=merge_families,
+            serving_pid=os.getpid(),
+        )
+        for model in models:  # a batch leaving a queue is published at once
+            model.scheduler.backend = PublishingBackend(model.executor, bridge.publish_soon)
+
+        def spec(index: int) -> HttpProcessSpec:
+            described = tuple(  # as /info would say it now (a layout trial may change it)
+                ModelSpec(model.served.name, model.served.aliases, dict(model.facts))
+                for model in models
+            )
+            return HttpProcessSpec(tuple(argv), index, port, board.path, described, config.loop)
+
+        fleet = Fleet(config.http_processes, run_http_process, spec, bridge)
+        bridge.start()
+        try:
+            await fleet.start()
+        except HttpProcessFailed as exc:
+            log.error("%s", exc)
+            fleet.kill()
+            await bridge.stop()
+            board.remove()
+            reserved.close()
+            return None
+        return cls(fleet, bridge, board, reserved)
+
+    def describe(self, config: ServerConfig) -> str:
+        return (
+            f"{config.http_processes} HTTP processes (pids "
+            f"{', '.join(map(str, self.fleet.pids()))}), event loop {config.loop}"
+        )
+
+    async def announce(self) -> None:
+        await self.bridge.announce()
+
+    def facts_changed(self) -> None:
+        """The HTTP processes' /info says the models' facts as they are now."""
+        self.bridge.send_facts()
+
+    def start_draining(self, grace: float) -> None:
+        self.fleet.stopping = True
+        self.bridge.drain(grace)
+
+    async def requests_answered(self, timeout: float) -> bool:
+        return await self.fleet.wait_exited(timeout)
+
+    def close(self) -> None:
+        self.fleet.stopping = True
+        self.bridge.drain(0.0)  # those still there close what they hold and exit
+
+    async def closed(self) -> None:
+        await self.fleet.stop(FINAL_WRITE_SECONDS)
+        await self.bridge.stop()
+        self.board.remove()
+        self.reserved.close()
+
+    def kill(self) -> None:
+        self.fleet.kill()
+        self.board.remove()  # the process exits at once: nothing else would remove it
+
+
+Front = OneProcess | HttpProcesses  # who speaks HTTP: the serving process, or its fleet
+
+
+def queue_retry_after(scheduler: Scheduler) -> Callable[[], float]:
+    """What a full queue's Retry-After says now (without counting a refusal)."""
+    return lambda: scheduler.core.retry_after(time.monotonic())
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to (`host`, `port`) with SO_REUSEPORT that never listens: it holds
+    the port (the one the system picks for port 0) for the HTTP processes to listen on.
+
+    SO_REUSEPORT is set once bound: a port another server holds, even one whose HTTP
+    processes set it too, is then refused as in use instead of shared with it (the
+    kernel would split the clients between two servers). SO_REUSEADDR, as a listener
+    has it: connections left in TIME_WAIT by a server just stopped do not hold the port."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    reserved = socket.socket(family, kind, proto)
+    try:
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        reserved.bind(address)
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    except OSError:
+        reserved.close()
+        raise
+    return reserved

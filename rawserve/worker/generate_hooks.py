@@ -1,0 +1,177 @@
+"""What a `generate` call is given to do rawserve's part at each decoding step (the
+static path of causal_lm): logits processors that record the step's log probabilities
+(`ScoreRecorder`), apply OpenAI's logit bias and penalties (`Adjuster`) and hold each row
+to its grammar (`GrammarFollower`), and the stopping criterion that watches each new
+token (`TokenWatcher`: its text, stop sequences, streaming, cancellation), with the token
+in TGI's shape (`tgi_token`), which the continuous loop's tokens take too.
+
+Worker process only (imports torch and transformers).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import transformers
+
+from rawserve.worker.continuous import ends_a_stop
+from rawserve.worker.grammars import constrain
+from rawserve.worker.scores import ScoreAdjustments, likeliest
+from rawserve.worker.text_pieces import TextPieces
+
+log = logging.getLogger("rawserve.generation")
+
+
+class ScoreRecorder(transformers.LogitsProcessor):
+    """Keeps the last step's log-probabilities, for the tokens' `logprob`."""
+
+    def __init__(self) -> None:
+        self.logprobs: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.logprobs = scores.float().log_softmax(-1)
+        return scores
+
+
+class Adjuster(transformers.LogitsProcessor):
+    """OpenAI's logit bias and penalties (`ScoreAdjustments`) on `generate`'s scores."""
+
+    def __init__(self, adjustments: ScoreAdjustments, prompt_width: int):
+        self.adjustments = adjustments
+        self.prompt_width = prompt_width  # where each row's new tokens start
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.adjustments.apply(scores, input_ids[:, self.prompt_width :])
+        return scores
+
+
+class GrammarFollower(transformers.LogitsProcessor):
+    """Each running row's grammar on `generate`'s scores: the row's last token moves its
+    matcher on, then only what the grammar allows next may be chosen. A grammar that
+    cannot go on fails the batch (ValueError), which is then run in halves down to its
+    request, alone. (A finished row goes on with padding: its grammar is left be.)"""
+
+    def __init__(self, matchers: list[Any], watcher: TokenWatcher):
+        self.matchers = matchers
+        self.watcher = watcher
+        self.started = False
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        running = [i for i, done in enumerate(self.watcher.done) if not done]
+        if self.started:  # (the first call follows the prompt: nothing generated yet)
+            last = input_ids[:, -1].tolist()
+            for index in running:
+                if not self.matchers[index].is_stopped():
+                    self.matchers[index].consume_token(last[index])
+        self.started = True
+        stuck = constrain(scores, [(index, self.matchers[index]) for index in running])
+        if stuck:
+            raise ValueError(stuck[0][1])
+        return scores
+
+
+class TokenWatcher(transformers.StoppingCriteria):
+    """Watches each new token: text, stop sequences, streaming, cancellation."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        eos_ids: set[int],  # the tokens that end a row (the model's own list, a chat's end of turn)
+        *,
+        prompt_length: int,
+        batch_size: int,
+        stop: Sequence[str],
+        recorder: ScoreRecorder,
+        on_token: Callable[[int, dict[str, Any]], None] | None = None,
+        cancelled: Callable[[], bool] = lambda: False,
+        keep_tokens: bool = False,
+        top_n: int = 0,
+        ignore_eos: bool = False,
+        stops_after: int = 0,
+    ):
+        self.tokenizer = tokenizer
+        self.prompt_length = prompt_length
+        self.stop = list(stop)
+        self.recorder = recorder
+        self.on_token = on_token
+        self.cancelled = cancelled
+        self.special_ids = set(tokenizer.all_special_ids)
+        self.eos_ids = set() if ignore_eos else eos_ids
+        self.top_n = top_n  # the likeliest tokens listed beside each new one
+        self.token_ids: list[list[int]] = [[] for _ in range(batch_size)]
+        self.texts = [""] * batch_size
+        self.pieces = [TextPieces(tokenizer) for _ in range(batch_size)]
+        self.stops_after = stops_after  # the first new token a stop sequence may end in
+        self.done = [False] * batch_size
+        self.finish_reasons = ["length"] * batch_size
+        # each row's tokens as TGI's details list them (when asked: they cost a dict each)
+        self.tokens: list[list[dict[str, Any]]] | None = (
+            [[] for _ in range(batch_size)] if keep_tokens else None
+        )
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        new_tokens = input_ids[:, -1].tolist()
+        logprobs = self.recorder.logprobs
+        listed = self.on_token is not None or self.tokens is not None
+        top = likeliest(logprobs, self.top_n) if listed and logprobs is not None else None
+        for row, token_id in enumerate(new_tokens):
+            if self.done[row]:
+                continue
+            self.token_ids[row].append(token_id)
+            piece = self.pieces[row].next_piece(self.token_ids[row])
+            self.texts[row] += piece
+            if token_id in self.eos_ids:
+                self.done[row], self.finish_reasons[row] = True, "eos_token"
+            elif len(self.token_ids[row]) >= self.stops_after and ends_a_stop(
+                self.texts[row], piece, self.stop
+            ):
+                self.done[row], self.finish_reasons[row] = True, "stop_sequence"
+            if listed:
+                logprob = float(logprobs[row, token_id]) if logprobs is not None else 0.0
+                token = tgi_token(
+                    self.tokenizer,
+                    self.special_ids,
+                    token_id,
+                    piece,
+                    logprob,
+                    top[row] if top is not None else None,
+                )
+                if self.tokens is not None:
+                    self.tokens[row].append(token)
+                if self.on_token is not None:
+                    self.on_token(row, token)
+        if not all(self.done) and self.cancelled():
+            log.info("generation stopped after %d tokens: the client left", len(self.token_ids[0]))
+            self.done = [True] * len(self.done)
+            self.finish_reasons = ["cancelled"] * len(self.done)
+        return torch.tensor(self.done, dtype=torch.bool, device=input_ids.device)
+
+
+def tgi_token(
+    tokenizer: Any,
+    special_ids: set[int],
+    token_id: int,
+    piece: str,
+    logprob: float | None,
+    top: list[tuple[int, float]] | None = None,
+) -> dict[str, Any]:
+    """A new token as TGI's streams and details list it (a special token shows its own
+    text, which the running text skips; a prompt's first token has no log probability),
+    with the likeliest tokens at its step under "top_tokens" where they were asked for
+    (each token's own text: an alternative has no place in the running text)."""
+    special = token_id in special_ids
+    token: dict[str, Any] = {
+        "id": token_id,
+        "text": tokenizer.decode([token_id]) if special else piece,
+        "logprob": logprob,
+        "special": special,
+    }
+    if top is not None:
+        token["top_tokens"] = [
+            {"id": i, "text": tokenizer.decode([i]), "logprob": p, "special": i in special_ids}
+            for i, p in top
+        ]
+    return token

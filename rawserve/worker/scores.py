@@ -1,0 +1,108 @@
+"""A row's scores before a token is chosen, and what is read from them after: the
+repetition penalty, OpenAI's logit bias and penalties (`ScoreAdjustments`), the
+probabilities a sampled token is drawn from, and the likeliest tokens listed beside it.
+
+Worker process only (imports torch). Shared by both generation paths: the continuous
+loop (`continuous`) applies them step by step, `causal_lm` hands `generate` the
+adjustments as a logits processor and lists the likeliest tokens from its scores.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+class Sampling(Protocol):
+    """A sampled row's settings (a `continuous.Generation`)."""
+
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+
+
+@dataclass(frozen=True)
+class ScoreAdjustments:
+    """OpenAI's changes to a row's scores before a token is chosen, after the repetition
+    penalty (as `generate` applies its own processors first): `logit_bias` added to the
+    tokens it names, then `frequency_penalty` taken off a token's score for each time it
+    was generated and `presence_penalty` once if it was (the new tokens only, not the
+    prompt's, as vLLM counts them)."""
+
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    @classmethod
+    def asked(cls, params: Mapping[str, Any], vocabulary: int) -> ScoreAdjustments | None:
+        """The adjustments `params` ask for (None: none); ValueError for a biased token
+        the model does not have."""
+        bias = tuple((int(k), float(v)) for k, v in (params.get("logit_bias") or {}).items())
+        unknown = [token for token, _ in bias if not 0 <= token < vocabulary]
+        if unknown:
+            raise ValueError(
+                f"logit_bias names the token id {unknown[0]}, which is not in the model's "
+                f"vocabulary (ids run from 0 to {vocabulary - 1})"
+            )
+        adjustments = cls(
+            bias,
+            float(params.get("frequency_penalty") or 0.0),
+            float(params.get("presence_penalty") or 0.0),
+        )
+        return adjustments if adjustments != cls() else None
+
+    @property
+    def penalizes(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty)
+
+    def apply(self, scores: torch.Tensor, made: torch.Tensor) -> None:
+        """Rows of scores, in place, given the tokens each row generated so far (`made`: a
+        row of ids each)."""
+        if self.logit_bias:
+            tokens, biases = zip(*self.logit_bias, strict=True)
+            scores[:, list(tokens)] += torch.tensor(biases, device=scores.device)
+        if made.shape[1] == 0 or not self.penalizes:
+            return
+        counts = torch.zeros_like(scores).scatter_add_(
+            1, made, torch.ones(made.shape, dtype=scores.dtype, device=scores.device)
+        )
+        scores -= counts * self.frequency_penalty + (counts > 0) * self.presence_penalty
+
+
+def penalize_repetition(scores: torch.Tensor, penalty: float, sequence: list[int]) -> None:
+    """transformers' repetition penalty on one row's scores, in place: every token already
+    in the `sequence` (prompt and new tokens) scores lower."""
+    seen = torch.tensor(sequence, device=scores.device)
+    score = scores.gather(0, seen)
+    scores.scatter_(0, seen, torch.where(score < 0, score * penalty, score / penalty))
+
+
+def sampling_probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """What a token is drawn from, for one row's logits: its temperature, top-k and top-p."""
+    logits = logits / max(sampling.temperature, 1e-5)
+    if sampling.top_k:
+        kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1])).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p is not None and sampling.top_p < 1.0:
+        ordered, order = torch.sort(logits, descending=True)
+        cumulative = ordered.softmax(-1).cumsum(-1)
+        drop = cumulative - ordered.softmax(-1) > sampling.top_p  # keep the first past p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits.softmax(-1)
+
+
+def likeliest(logprobs: torch.Tensor, count: int) -> list[list[tuple[int, float]]] | None:
+    """Each row's `count` likeliest tokens, (id, log-probability), likeliest first; None
+    for a count of 0. A token that cannot be chosen (a grammar or min_new_tokens rules it
+    out: its log probability is -inf, which JSON cannot carry) is not listed."""
+    if count <= 0:
+        return None
+    values, ids = logprobs.topk(min(count, logprobs.shape[-1]), dim=-1)
+    return [
+        [(i, value) for i, value in zip(row_ids, row_values, strict=True) if value > -math.inf]
+        for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
+    ]
