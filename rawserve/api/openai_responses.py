@@ -44,7 +44,9 @@ ROLES = ("user", "assistant", "system", "developer")
 # (sent back as the SDK dumps an output item)
 PART_KEYS = {"input_text": {"type", "text"}, "output_text": {"type", "text", "annotations"}}
 PART_KEYS["output_text"] |= {"logprobs"}
-MESSAGE_KEYS = {"type", "role", "content", "id", "status"}
+# (an earlier answer's `id`, `status` and `phase`, null or OpenAI's "commentary" or
+# "final_answer", come back with it and are dropped)
+MESSAGE_KEYS = {"type", "role", "content", "id", "status", "phase"}
 INPUT_HELP = (
     '"input" must be a text or a non-empty list of messages {"role", "content"}, each '
     'content a text or a list of {"type": "input_text", "text"} parts (this server serves '
