@@ -666,7 +666,10 @@ def test_a_response_held_to_a_json_schema_is_json_it_describes(servers):
         ({"input": []}, "input"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"text": {"format": {"type": "yaml"}}}, "text"),
-        ({"stream_options": {"include_usage": True}}, None),  # (not a Responses field)
+        ({"stream_options": {"include_obfuscation": True}}, "stream_options"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # (chat's)
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"n": 2}, None),  # (not a Responses field)
     ],
 )
 def test_what_responses_does_not_serve_is_400_naming_its_field(servers, extra, param):
@@ -685,6 +688,9 @@ def test_responses_takes_what_stores_and_tags_at_their_no_op_values(servers):
         "user": "u-1",
         "tools": [],
         "tool_choice": "auto",
+        "top_logprobs": 0,
+        "max_tool_calls": None,
+        "stream_options": {"include_obfuscation": False},
     }
     status, body = servers["chat"].post_json(document, "/v1/responses")
     assert status == 200 and body["store"] is False, body

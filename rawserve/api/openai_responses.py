@@ -152,6 +152,12 @@ RESPONSES = Body(
         "prompt": unserved({"type": "null"}),
         "truncation": unserved({"enum": ["disabled", None]}, "disabled"),
         "service_tier": unserved({"enum": ["auto", "default", None]}, "auto", "default"),
+        "top_logprobs": unserved({"enum": [0, None]}, 0),
+        "max_tool_calls": unserved({"type": "null"}),
+        # (no delta is padded: obfuscation taken off only)
+        "stream_options": unserved(
+            {"type": ["object", "null"]}, {}, {"include_obfuscation": False}
+        ),
     }
 )
 UNSERVED = (
@@ -165,6 +171,9 @@ UNSERVED = (
     "prompt",
     "truncation",
     "service_tier",
+    "top_logprobs",
+    "max_tool_calls",
+    "stream_options",
 )
 BOOKKEEPING = ("store", "metadata", "user", "safety_identifier", "prompt_cache_key")
 # a Response's settings, said back as it was asked (OpenAI's answer repeats them)
