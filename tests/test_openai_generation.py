@@ -626,6 +626,22 @@ def test_a_responses_input_of_messages_and_text_parts_is_the_same_chat(servers):
     assert response.output_text == chat.choices[0].message.content
 
 
+def test_an_answer_sent_back_with_every_field_the_sdk_dumps_is_taken(servers):
+    # `output[0].model_dump(mode="json")`, as an app stores a conversation: its nulls too
+    answer = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "status": "completed",
+        "phase": None,
+        "content": [{"type": "output_text", "text": "hi", "annotations": [], "logprobs": None}],
+    }
+    conversation = [{"role": "user", "content": "hello"}, answer, {"role": "user", "content": "?"}]
+    document = {"input": conversation, "max_output_tokens": 2}
+    status, body = servers["chat"].post_json(document, "/v1/responses")
+    assert status == 200 and body["object"] == "response", body
+
+
 def test_a_response_held_to_a_json_schema_is_json_it_describes(servers):
     text = {"format": {"type": "json_schema", "name": "person", "schema": PERSON}}
     response = client(servers["chat"]).responses.create(
@@ -650,7 +666,10 @@ def test_a_response_held_to_a_json_schema_is_json_it_describes(servers):
         ({"input": []}, "input"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"text": {"format": {"type": "yaml"}}}, "text"),
-        ({"stream_options": {"include_usage": True}}, None),  # (not a Responses field)
+        ({"stream_options": {"include_obfuscation": True}}, "stream_options"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # (chat's)
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"n": 2}, None),  # (not a Responses field)
     ],
 )
 def test_what_responses_does_not_serve_is_400_naming_its_field(servers, extra, param):
@@ -669,6 +688,9 @@ def test_responses_takes_what_stores_and_tags_at_their_no_op_values(servers):
         "user": "u-1",
         "tools": [],
         "tool_choice": "auto",
+        "top_logprobs": 0,
+        "max_tool_calls": None,
+        "stream_options": {"include_obfuscation": False},
     }
     status, body = servers["chat"].post_json(document, "/v1/responses")
     assert status == 200 and body["store"] is False, body

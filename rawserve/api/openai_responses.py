@@ -44,7 +44,9 @@ ROLES = ("user", "assistant", "system", "developer")
 # (sent back as the SDK dumps an output item)
 PART_KEYS = {"input_text": {"type", "text"}, "output_text": {"type", "text", "annotations"}}
 PART_KEYS["output_text"] |= {"logprobs"}
-MESSAGE_KEYS = {"type", "role", "content", "id", "status"}
+# (an earlier answer's `id`, `status` and `phase`, null or OpenAI's "commentary" or
+# "final_answer", come back with it and are dropped)
+MESSAGE_KEYS = {"type", "role", "content", "id", "status", "phase"}
 INPUT_HELP = (
     '"input" must be a text or a non-empty list of messages {"role", "content"}, each '
     'content a text or a list of {"type": "input_text", "text"} parts (this server serves '
@@ -150,6 +152,12 @@ RESPONSES = Body(
         "prompt": unserved({"type": "null"}),
         "truncation": unserved({"enum": ["disabled", None]}, "disabled"),
         "service_tier": unserved({"enum": ["auto", "default", None]}, "auto", "default"),
+        "top_logprobs": unserved({"enum": [0, None]}, 0),
+        "max_tool_calls": unserved({"type": "null"}),
+        # (no delta is padded: obfuscation taken off only)
+        "stream_options": unserved(
+            {"type": ["object", "null"]}, {}, {"include_obfuscation": False}
+        ),
     }
 )
 UNSERVED = (
@@ -163,6 +171,9 @@ UNSERVED = (
     "prompt",
     "truncation",
     "service_tier",
+    "top_logprobs",
+    "max_tool_calls",
+    "stream_options",
 )
 BOOKKEEPING = ("store", "metadata", "user", "safety_identifier", "prompt_cache_key")
 # a Response's settings, said back as it was asked (OpenAI's answer repeats them)
