@@ -1,10 +1,13 @@
 """How rawserve installs beside what users already have: the packaged default model's
-package is imported only when the default model is served."""
+package is imported only when the default model is served, and the Python versions it
+declares are those tried."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 from tests.server import REPO_ROOT
 
@@ -33,3 +36,16 @@ def test_naming_another_model_never_imports_the_default_models_package():
 def test_the_default_model_imports_it_when_it_is_used():
     code = "import rawserve.models.folder as f\nf.default_model()"
     assert DEFAULT_MODEL_PACKAGE in imported_after(code)
+
+
+def test_the_python_classifiers_start_at_the_floor_and_the_readme_names_them():
+    project = tomllib.loads((Path(REPO_ROOT) / "pyproject.toml").read_text())["project"]
+    floor = project["requires-python"].removeprefix(">=")
+    prefix = "Programming Language :: Python :: 3."
+    minors = sorted(
+        int(c.removeprefix(prefix)) for c in project["classifiers"] if c.startswith(prefix)
+    )
+    assert minors == list(range(int(floor.removeprefix("3.")), minors[-1] + 1))
+    readme = (Path(REPO_ROOT) / "README.md").read_text()
+    [line] = [part for part in readme.split("\n\n") if part.startswith("Python versions:")]
+    assert all(f"3.{minor}" in line for minor in minors)

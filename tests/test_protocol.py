@@ -6,6 +6,7 @@ import asyncio
 import gzip
 import json
 import re
+import socket
 import zlib
 
 import h11
@@ -1174,6 +1175,32 @@ async def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout():
     assert not transport.closed
     loop.advance(0.2)
     assert transport.aborted  # what waits to be written is dropped, not flushed forever
+
+
+class BigAnswerApp(FakeApp):
+    async def handle(self, request: HttpRequest) -> HttpResponse:
+        return HttpResponse(200, b"x" * (4 << 20))
+
+
+async def test_the_event_loops_own_transport_pauses_writing_for_a_client_that_reads_nothing():
+    """On the standard event loop's socket transport (--loop asyncio), not a fake: its
+    writelines never pauses writing on Python 3.12 and 3.13, so a client that read nothing
+    was never cut off and its answer stayed buffered."""
+    loop = asyncio.get_running_loop()
+    ours, peer = socket.socketpair()
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    protocol = HttpProtocol(
+        BigAnswerApp(), ProtocolSettings(write_timeout=0.2, keepalive_timeout=60), loop=loop
+    )
+    transport, _ = await loop.connect_accepted_socket(lambda: protocol, ours)
+    try:
+        peer.sendall(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+        async with asyncio.timeout(10):
+            while not transport.is_closing():  # the write timeout aborts it
+                await asyncio.sleep(0.05)
+    finally:
+        transport.abort()
+        peer.close()
 
 
 async def test_a_refusal_answered_from_the_head_is_a_whole_keep_alive_503():

@@ -13,7 +13,7 @@ be an `asyncio.Transport` (uvloop's are not).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 
@@ -25,7 +25,7 @@ class ReadingSwitch(Protocol):
 class Transport(ReadingSwitch, Protocol):
     """What a connection uses of its transport: asyncio's, uvloop's, or a test's fake."""
 
-    def writelines(self, list_of_data: Iterable[bytes], /) -> None: ...
+    def write(self, data: bytes, /) -> None: ...
     def can_write_eof(self) -> bool: ...
     def write_eof(self) -> None: ...
     def close(self) -> None: ...
