@@ -609,8 +609,10 @@ class HttpProtocol(asyncio.Protocol):
         pauses writing on Python 3.12 and 3.13, so a client that reads nothing would
         never meet --write-timeout."""
         transport = self.transport
+        if transport is None or self.phase in (Phase.LINGER, Phase.CLOSED):
+            return
         data = b"".join(piece for piece in pieces if piece)
-        if data and transport is not None and self.phase not in (Phase.LINGER, Phase.CLOSED):
+        if data:
             transport.write(data)
 
     def close(self) -> None:

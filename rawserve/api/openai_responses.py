@@ -42,8 +42,10 @@ from rawserve.http.errors import BadRequest, HTTPError
 ROLES = ("user", "assistant", "system", "developer")
 # the text parts a message's content may hold: the client's, and an earlier answer's
 # (sent back as the SDK dumps an output item)
-PART_KEYS = {"input_text": {"type", "text"}, "output_text": {"type", "text", "annotations"}}
-PART_KEYS["output_text"] |= {"logprobs"}
+PART_KEYS = {
+    "input_text": {"type", "text"},
+    "output_text": {"type", "text", "annotations", "logprobs"},
+}
 # (an earlier answer's `id`, `status` and `phase`, null or OpenAI's "commentary" or
 # "final_answer", come back with it and are dropped)
 MESSAGE_KEYS = {"type", "role", "content", "id", "status", "phase"}
@@ -175,7 +177,14 @@ UNSERVED = (
     "max_tool_calls",
     "stream_options",
 )
-BOOKKEEPING = ("store", "metadata", "user", "safety_identifier", "prompt_cache_key")
+BOOKKEEPING = (
+    "store",
+    "metadata",
+    "user",
+    "safety_identifier",
+    "prompt_cache_key",
+    "parallel_tool_calls",
+)
 # a Response's settings, said back as it was asked (OpenAI's answer repeats them)
 SETTINGS = ("instructions", "max_output_tokens", "temperature", "top_p")
 
@@ -186,12 +195,11 @@ def parse_response(document: Any) -> tuple[GenerationRequest, dict[str, Any]]:
     refuse_unserved(fields, UNSERVED)
     for name in BOOKKEEPING:  # checked, then dropped
         fields.value(name)
-    fields.value("parallel_tool_calls")
     messages = fields.value("input")
     instructions = fields.value("instructions")
     if instructions is not None:
-        messages = [{"role": "system", "content": unicode_text(instructions, '"instructions"')}]
-        messages += fields.value("input")
+        system = {"role": "system", "content": unicode_text(instructions, '"instructions"')}
+        messages = [system, *messages]
     chat: dict[str, Any] = {"messages": messages}
     for name, chats in (
         ("max_output_tokens", "max_completion_tokens"),
