@@ -739,6 +739,33 @@ def test_a_json_object_response_format_gives_a_json_object(servers):
     assert answer.choices[0].finish_reason == "stop"
 
 
+def test_a_schema_beside_json_object_is_held_to(servers):
+    # what langchain-huggingface's ChatHuggingFace.with_structured_output(method="json_schema")
+    # sends (Together's and Fireworks' form): the schema was dropped, any object answered
+    status, body = servers["chat"].post_json(
+        {
+            "model": CHAT_MODEL,
+            "messages": MESSAGES,
+            **SAMPLED,
+            "max_tokens": 120,
+            "response_format": {"type": "json_object", "schema": PERSON},
+        },
+        "/v1/chat/completions",
+    )
+    assert status == 200, body
+    person = json.loads(body["choices"][0]["message"]["content"])
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int), person
+    status, body = servers["chat"].post_json(
+        {
+            "model": CHAT_MODEL,
+            "messages": MESSAGES,
+            "response_format": {"type": "json_object", "schema": 3},
+        },
+        "/v1/chat/completions",
+    )
+    assert status == 400 and "response_format" in body["error"]["message"]
+
+
 def test_huggingface_hubs_client_generates_within_a_grammar(servers, hub_client_may_reach_loopback):
     import re
 

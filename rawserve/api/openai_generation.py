@@ -251,7 +251,14 @@ def read_response_format(
     if kind == "text":
         return None
     if kind == "json_object":
-        return {"type": "json", "value": {"type": "object"}}
+        # a schema beside it (Together's and Fireworks' form, which langchain-huggingface's
+        # ChatHuggingFace sends for structured output) is held to, never dropped
+        if "schema" not in value:
+            return {"type": "json", "value": {"type": "object"}}
+        try:
+            return text_generation.grammar({"type": "json", "value": value["schema"]})
+        except ValueError as exc:
+            raise BadRequest(f'"{name}.schema" {exc}') from None
     if kind == "json_schema":
         try:
             return text_generation.grammar(
@@ -559,6 +566,8 @@ OPENAI_RESPONSE_FORMAT: Schema = {
     "required": ["type"],
     "properties": {
         "type": {"enum": ["text", "json_object", "json_schema"]},
+        # beside json_object: the JSON schema the object is held to
+        "schema": {"type": ["object", "string"]},
         "json_schema": {
             "type": "object",
             "required": ["schema"],
