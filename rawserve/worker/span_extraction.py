@@ -29,12 +29,11 @@ import torch
 import transformers
 
 from rawserve.shared.messages import NO_CONTROL, Control
+from rawserve.tasks.question_answering import DOC_STRIDE, MAX_SEQ_LEN
 from rawserve.worker.library_panics import LibraryPanic, panics_as_errors
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name, token_positions
 
-DEFAULT_MAX_SEQ_LEN = 384
-DEFAULT_DOC_STRIDE = 128
 DEFAULT_MAX_ANSWER_LEN = 15
 NO_NULL_SCORE = 1_000_000.0  # the pipeline's start value for the lowest "no answer" score
 MASKED_LOGIT = -10000.0
@@ -72,8 +71,8 @@ class SpanExtractionRunner(Runner):
         # names no length would otherwise ask for windows the model fails on)
         self.default_max_seq_len = min(
             self.tokenizer.model_max_length,
-            DEFAULT_MAX_SEQ_LEN,
-            self.position_limit or DEFAULT_MAX_SEQ_LEN,
+            MAX_SEQ_LEN,
+            self.position_limit or MAX_SEQ_LEN,
         )
         self.question_first = self.tokenizer.padding_side == "right"
 
@@ -85,7 +84,7 @@ class SpanExtractionRunner(Runner):
             )
         doc_stride = params.get("doc_stride")
         if doc_stride is None:
-            doc_stride = min(max_seq_len // 2, DEFAULT_DOC_STRIDE)
+            doc_stride = min(max_seq_len // 2, DOC_STRIDE)
         if doc_stride > max_seq_len:
             raise ValueError(
                 f"doc_stride ({doc_stride}) is larger than max_seq_len ({max_seq_len})"
