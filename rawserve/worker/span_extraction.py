@@ -35,6 +35,7 @@ from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name, token_positions
 
 DEFAULT_MAX_ANSWER_LEN = 15
+WINDOWS_PER_PASS = 64  # windows in one forward pass: a bound on its memory
 NO_NULL_SCORE = 1_000_000.0  # the pipeline's start value for the lowest "no answer" score
 MASKED_LOGIT = -10000.0
 
@@ -167,14 +168,29 @@ class SpanExtractionRunner(Runner):
             ) from None
 
     def logits(self, encoded: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Start and end logits of every window, in one padded model call."""
+        """Start and end logits of every window, padded to the longest, in passes of at
+        most WINDOWS_PER_PASS windows (a few kilobytes of context with a `doc_stride` just
+        under `max_seq_len` make thousands: in one pass, a base-sized model's attention
+        over them needs gigabytes)."""
         names = self.tokenizer.model_input_names
-        batch = self.tokenizer.pad(
-            {name: encoded[name] for name in names if name in encoded}, return_tensors="pt"
-        )
-        with torch.inference_mode():
-            out = self.model(**{name: tensor.to(self.device) for name, tensor in batch.items()})
-        return out.start_logits.float().cpu().numpy(), out.end_logits.float().cpu().numpy()
+        features = {name: encoded[name] for name in names if name in encoded}
+        longest = max(len(ids) for ids in encoded["input_ids"])
+        starts, ends = [], []
+        for first in range(0, len(encoded["input_ids"]), WINDOWS_PER_PASS):
+            batch = self.tokenizer.pad(
+                {
+                    name: values[first : first + WINDOWS_PER_PASS]
+                    for name, values in features.items()
+                },
+                padding="max_length",
+                max_length=longest,
+                return_tensors="pt",
+            )
+            with torch.inference_mode():
+                out = self.model(**{name: t.to(self.device) for name, t in batch.items()})
+            starts.append(out.start_logits.float().cpu().numpy())
+            ends.append(out.end_logits.float().cpu().numpy())
+        return np.concatenate(starts), np.concatenate(ends)
 
     def read_window(
         self,
