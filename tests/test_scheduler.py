@@ -31,6 +31,7 @@ from rawserve.serving.driver import DELIVERY_SLICE, Scheduler
 from rawserve.serving.minima import REBUILD_SLACK, QueueMinima
 from rawserve.serving.refusals import Reason, Refusal, Refused, shutting_down
 from rawserve.shared.messages import NO_CONTROL, BatchResult, FailureKind, ItemFailure
+from rawserve.tasks import estimate_tokens
 
 
 def queue_items(core: SchedulerCore, values, now=0.0, deadline=30.0, params=None):
@@ -521,6 +522,30 @@ def test_a_generation_costs_its_prompt_and_the_new_tokens_it_asks_for():
     core.cost_model.observe(520, 1.0, 520, 1)
     core.cost_model.observe(768, 1.5, 768, 1)
     assert core.cost_model.predict(long.cost) > core.cost_model.predict(short.cost)
+
+
+def test_a_zero_shot_input_costs_a_pair_per_candidate_label():
+    core = SchedulerCore(max_input_tokens=512)
+    one, hundred = (
+        core.new_item(text(100), {"candidate_labels": [f"label {i}" for i in range(n)]}, 30, 0)
+        for n in (1, 100)
+    )
+    assert hundred.cost == 100 * one.cost
+    (long,) = queue_items(core, ["word " * 1000], params={"candidate_labels": ["a", "b"]})
+    assert long.cost == 2 * 512  # each pair is cut where the model stops reading
+
+
+def test_a_question_answering_input_costs_the_windows_its_stride_makes():
+    core = SchedulerCore()
+    item = {"question": "who?", "context": "word " * 800}  # ~1000 tokens
+    default, dense = (
+        core.new_item(item, params, 30.0, 0.0)
+        for params in ({}, {"max_seq_len": 128, "doc_stride": 120})
+    )
+    assert default.cost >= 1000  # windows of 384 tokens, 252 new ones each: 4 of them
+    assert dense.cost >= 100 * 128  # a window every few tokens, 128 tokens each
+    short = {"question": "who?", "context": "a short one"}
+    assert core.new_item(short, {}, 30.0, 0.0).cost == estimate_tokens(short)  # one window
 
 
 async def test_a_request_that_can_never_be_admitted_is_refused_for_good(driver):

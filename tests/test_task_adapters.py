@@ -349,6 +349,30 @@ def test_question_answering_a_stride_past_the_room_the_question_leaves_is_the_cl
     assert short["answer"] == "paris"
 
 
+def test_question_answering_runs_many_windows_in_bounded_passes(runner, monkeypatch):
+    """A doc_stride just under max_seq_len makes a window every token or two: the
+    windows go through the model a bounded number at a time, with the same answers."""
+    from rawserve.worker import span_extraction
+    from rawserve.worker.span_extraction import WINDOWS_PER_PASS
+
+    qa = runner("question-answering")
+    item = {"question": "where", "context": CONTEXT * 18}
+    options = {"max_seq_len": 16, "doc_stride": 10}
+    passes: list[int] = []
+    hook = qa.model.register_forward_hook(
+        lambda _, args, kwargs, out: passes.append(len(kwargs["input_ids"])), with_kwargs=True
+    )
+    try:
+        [answer] = qa.run([item], {**options, "top_k": 3})
+    finally:
+        hook.remove()
+    assert len(passes) > 1 and max(passes) == WINDOWS_PER_PASS
+    monkeypatch.setattr(span_extraction, "WINDOWS_PER_PASS", len(passes) * WINDOWS_PER_PASS)
+    [whole] = qa.run([item], {**options, "top_k": 3})  # every window in one pass
+    assert [a["answer"] for a in answer] == [a["answer"] for a in whole]
+    np.testing.assert_allclose([a["score"] for a in answer], [a["score"] for a in whole])
+
+
 def test_question_answering_batches_answer_what_single_calls_answer(runner):
     qa = runner("question-answering")
     items = [

@@ -35,7 +35,7 @@ from rawserve.serving.batching import (
 from rawserve.serving.face import ItemResult
 from rawserve.serving.minima import QueueMinima
 from rawserve.shared.messages import NO_CONTROL, Control
-from rawserve.tasks import batch_key, estimate_tokens
+from rawserve.tasks import batch_key, estimate_tokens, model_tokens
 
 URGENT_BATCHES = 2.0  # an item this many batch-times from its deadline joins any batch
 # A batch is sent only to items whose deadline is this many predicted batch-times away:
@@ -170,6 +170,7 @@ class SchedulerCore:
         cost = max(1, round(estimate_tokens(value) * self.tokens_per_estimate))
         if self.max_input_tokens is not None:  # a long text costs what the model reads of it
             cost = min(cost, self.max_input_tokens)
+        cost = model_tokens(value, params, cost)  # read once per label, per window
         # a generation also costs a decoding step per new token it asks for: the measured
         # seconds per token then admit, refuse and size by the work asked, not by the prompt
         new_tokens = int(params.get("max_new_tokens") or 0)

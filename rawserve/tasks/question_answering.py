@@ -9,10 +9,34 @@ fast tokenizer, changes nothing (only the context is cut into windows).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Any
 
 from rawserve.tasks.checks import NUMBER, boolean, checker, int_range, not_blank, one_or_list
 from rawserve.tasks.rules import Task
+
+MAX_SEQ_LEN = 384  # the pipeline's window, in tokens
+DOC_STRIDE = 128  # the pipeline's overlap of two windows, at most half a window
+SPECIAL_TOKENS = 3  # a window is [CLS] question [SEP] context [SEP]
+
+
+def window_tokens(item: Mapping[str, str], params: Mapping[str, Any], tokens: int) -> int:
+    """The tokens the model reads for one (question, context) pair of `tokens` tokens:
+    its context cut into windows of `max_seq_len` tokens, each after the question, that
+    overlap by `doc_stride`. A stride close to the window's room starts a window every
+    token or two, so a few kilobytes of context become thousands of windows."""
+    size = params.get("max_seq_len") or MAX_SEQ_LEN
+    stride = params.get("doc_stride")
+    if stride is None:
+        stride = min(size // 2, DOC_STRIDE)
+    question = SPECIAL_TOKENS + len(item["question"]) // 4
+    room = size - question  # of the context, in each window
+    if room - stride < 1:  # no window fits (the worker refuses it)
+        return tokens
+    context = max(tokens - question, 1)
+    windows = 1 + math.ceil(max(0, context - room) / (room - stride))
+    return windows * min(size, tokens)
 
 
 @checker(

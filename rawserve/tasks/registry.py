@@ -133,6 +133,21 @@ def estimate_tokens(item: Any) -> int:
     return 1
 
 
+def model_tokens(item: Any, params: Mapping[str, Any], tokens: int) -> int:
+    """The tokens the model reads for one input of `tokens` tokens, where its task reads
+    it more than once: a zero-shot text once per candidate label (a (text, hypothesis)
+    pair each), a question-answering context once per window. Counted as the input's
+    own tokens, a request with 100 labels or a `doc_stride` just under `max_seq_len`
+    took one turn and one item's share of the deadline for a hundred or a thousand
+    times the work, and held the worker long past its 504."""
+    labels = params.get("candidate_labels")
+    if isinstance(labels, list):
+        return tokens * max(len(labels), 1)
+    if isinstance(item, dict) and isinstance(item.get("question"), str) and "context" in item:
+        return question_answering.window_tokens(item, params, tokens)
+    return tokens
+
+
 def split_outputs(task_name: str, inputs: Sequence[Any], raw: Any) -> list[Any]:
     """Turn one pipeline call's answer into one output per input.
 

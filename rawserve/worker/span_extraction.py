@@ -29,13 +29,13 @@ import torch
 import transformers
 
 from rawserve.shared.messages import NO_CONTROL, Control
+from rawserve.tasks.question_answering import DOC_STRIDE, MAX_SEQ_LEN
 from rawserve.worker.library_panics import LibraryPanic, panics_as_errors
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name, token_positions
 
-DEFAULT_MAX_SEQ_LEN = 384
-DEFAULT_DOC_STRIDE = 128
 DEFAULT_MAX_ANSWER_LEN = 15
+WINDOWS_PER_PASS = 64  # windows in one forward pass: a bound on its memory
 NO_NULL_SCORE = 1_000_000.0  # the pipeline's start value for the lowest "no answer" score
 MASKED_LOGIT = -10000.0
 
@@ -72,8 +72,8 @@ class SpanExtractionRunner(Runner):
         # names no length would otherwise ask for windows the model fails on)
         self.default_max_seq_len = min(
             self.tokenizer.model_max_length,
-            DEFAULT_MAX_SEQ_LEN,
-            self.position_limit or DEFAULT_MAX_SEQ_LEN,
+            MAX_SEQ_LEN,
+            self.position_limit or MAX_SEQ_LEN,
         )
         self.question_first = self.tokenizer.padding_side == "right"
 
@@ -85,7 +85,7 @@ class SpanExtractionRunner(Runner):
             )
         doc_stride = params.get("doc_stride")
         if doc_stride is None:
-            doc_stride = min(max_seq_len // 2, DEFAULT_DOC_STRIDE)
+            doc_stride = min(max_seq_len // 2, DOC_STRIDE)
         if doc_stride > max_seq_len:
             raise ValueError(
                 f"doc_stride ({doc_stride}) is larger than max_seq_len ({max_seq_len})"
@@ -168,14 +168,29 @@ class SpanExtractionRunner(Runner):
             ) from None
 
     def logits(self, encoded: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Start and end logits of every window, in one padded model call."""
+        """Start and end logits of every window, padded to the longest, in passes of at
+        most WINDOWS_PER_PASS windows (a few kilobytes of context with a `doc_stride` just
+        under `max_seq_len` make thousands: in one pass, a base-sized model's attention
+        over them needs gigabytes)."""
         names = self.tokenizer.model_input_names
-        batch = self.tokenizer.pad(
-            {name: encoded[name] for name in names if name in encoded}, return_tensors="pt"
-        )
-        with torch.inference_mode():
-            out = self.model(**{name: tensor.to(self.device) for name, tensor in batch.items()})
-        return out.start_logits.float().cpu().numpy(), out.end_logits.float().cpu().numpy()
+        features = {name: encoded[name] for name in names if name in encoded}
+        longest = max(len(ids) for ids in encoded["input_ids"])
+        starts, ends = [], []
+        for first in range(0, len(encoded["input_ids"]), WINDOWS_PER_PASS):
+            batch = self.tokenizer.pad(
+                {
+                    name: values[first : first + WINDOWS_PER_PASS]
+                    for name, values in features.items()
+                },
+                padding="max_length",
+                max_length=longest,
+                return_tensors="pt",
+            )
+            with torch.inference_mode():
+                out = self.model(**{name: t.to(self.device) for name, t in batch.items()})
+            starts.append(out.start_logits.float().cpu().numpy())
+            ends.append(out.end_logits.float().cpu().numpy())
+        return np.concatenate(starts), np.concatenate(ends)
 
     def read_window(
         self,
