@@ -427,6 +427,20 @@ def test_a_generation_that_may_end_early_is_sent_though_its_max_tokens_would_not
     assert long_text.new_tokens == 0
 
 
+def test_an_input_larger_than_any_call_measured_is_sent_once_and_measured():
+    """Its time is an extrapolation from smaller calls (here 1 s for 1,000 tokens predicts
+    10 s for 10,000, past its 5 s deadline): it is sent while it has time, not kept
+    beside an idle worker until its 504. Once a call that size is measured slow, the
+    next one that cannot make its deadline waits, as any measured size does."""
+    core = measured(SchedulerCore(), seconds_per_token=0.001)
+    queue_items(core, [text(10_000)], deadline=5.0)
+    batch = core.next_batch(0.0)
+    assert batch is not None and inputs(batch) == [text(10_000)]
+    core.finish_batch(batch, 9.0)  # it took 9 s
+    queue_items(core, [text(10_000)], now=9.0, deadline=14.0)
+    assert core.next_batch(9.0) is None
+
+
 def test_a_short_generation_is_sent_after_long_ones_ran_side_by_side():
     """A continuous worker's sequences are one-item calls to the cost model, each
     measured over its whole generation, sharing every step with the rows beside it:

@@ -484,9 +484,15 @@ class SchedulerCore:
         the measured seconds of a continuous worker's sequences are those of whole
         sequences sharing each step with every row beside them, which tell how busy the
         worker was, not how soon a first token comes (taken as its cost, a short chat
-        with a 3 s deadline sat queued beside a free row until a 504)."""
+        with a 3 s deadline sat queued beside a free row until a 504). Nor is an item
+        larger than any call measured: its time is an extrapolation from smaller calls,
+        whose fixed costs it counts as if per token (a question-answering context of 440
+        windows, predicted past its 30 s deadline from short questions, waited for its 504
+        where it ran in 2.7 s)."""
         if item.new_tokens or not self.cost_model.trusted:  # (untrusted: one call says little)
             return item.deadline > now
+        if item.cost > self.cost_model.largest:  # past every call measured: a guess
+            return item.deadline > now  # run it once; its time is then measured
         alone = self.cost_model.predict(item.cost) or 0.0
         return item.deadline > now + DEADLINE_MARGIN * alone
 
