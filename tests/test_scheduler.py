@@ -549,6 +549,16 @@ def test_a_zero_shot_input_costs_a_pair_per_candidate_label():
     assert long.cost == 2 * 512  # each pair is cut where the model stops reading
 
 
+def test_a_beam_search_costs_its_beams_for_each_new_token():
+    core = SchedulerCore()
+    greedy, beams, sampled = (
+        core.new_item(text(10), {"max_new_tokens": 100, **extra}, 30, 0)
+        for extra in ({}, {"num_beams": 8}, {"do_sample": True, "num_return_sequences": 4})
+    )
+    assert (greedy.cost, beams.cost, sampled.cost) == (10 + 100, 10 + 800, 10 + 400)
+    assert beams.new_tokens == 100  # the answer's length is the same
+
+
 def test_a_question_answering_input_costs_the_windows_its_stride_makes():
     core = SchedulerCore()
     item = {"question": "who?", "context": "word " * 800}  # ~1000 tokens

@@ -119,6 +119,15 @@ class Decision:
     wake_at: float | None
 
 
+def decoded_rows(params: Mapping[str, Any]) -> int:
+    """The rows a generation decodes at each step: one, or a beam search's beams (and at
+    least the sequences it returns). Counted as one row, a summary of 8 beams took one
+    turn and one item's share of the deadline for 8 times the decoding."""
+    beams = params.get("num_beams") or 1
+    returned = params.get("num_return_sequences") or 1
+    return max(int(beams), int(returned), 1)
+
+
 @dataclass
 class SchedulerCore:
     """The queue and the batching rules; no I/O, no clock of its own."""
@@ -174,7 +183,7 @@ class SchedulerCore:
         # a generation also costs a decoding step per new token it asks for: the measured
         # seconds per token then admit, refuse and size by the work asked, not by the prompt
         new_tokens = int(params.get("max_new_tokens") or 0)
-        cost += new_tokens
+        cost += new_tokens * decoded_rows(params)
         key = batch_key(params)
         if control != NO_CONTROL:  # a stream never shares a batch; nor do two routes
             key += repr(control)
