@@ -34,7 +34,7 @@ from rawserve.models.plan import ModelPlan, plan_models
 from rawserve.ops import layout_trial, loops
 from rawserve.ops.loading import log_loading_progress
 from rawserve.ops.metrics import Metrics
-from rawserve.ops.open_files import raise_open_files_limit
+from rawserve.ops.open_files import open_standard_descriptors, raise_open_files_limit
 from rawserve.options import parse_config
 from rawserve.serving import CoreShare, ModelService, Scheduler, SchedulerCore
 from rawserve.serving import WorkerPool as Executor
@@ -400,6 +400,7 @@ async def stop_all(executors: Sequence[Executor]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    open_standard_descriptors()  # before anything opens a file that would take their place
     config = parse_config(argv)
     setup_logging(config.log_level, config.log_format, access_log=config.access_log)
     # The workers inherit the environment: they log at the same level and format.
