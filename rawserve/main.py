@@ -403,6 +403,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     open_standard_descriptors()  # before anything opens a file that would take their place
     config = parse_config(argv)
     setup_logging(config.log_level, config.log_format, access_log=config.access_log)
+    # Until serve() puts the server's own handlers in place, SIGTERM stops the start as
+    # Ctrl-C does: as a container's PID 1 (no init) the kernel ignores a signal left at its
+    # default action, so a stop during a model's download waited for the SIGKILL after it.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     # The workers inherit the environment: they log at the same level and format.
     os.environ.update(RAWSERVE_LOG_LEVEL=config.log_level, RAWSERVE_LOG_FORMAT=config.log_format)
     try:
