@@ -30,6 +30,7 @@ from rawserve.fronts import FINAL_WRITE_SECONDS, Front, HttpProcesses, OneProces
 from rawserve.http.limits import PROBE_RESERVE
 from rawserve.http.tls import validity_warning
 from rawserve.models.hub import ModelNotFound
+from rawserve.models.names import as_text
 from rawserve.models.plan import ModelPlan, plan_models
 from rawserve.ops import layout_trial, loops
 from rawserve.ops.loading import log_loading_progress
@@ -59,7 +60,7 @@ def model_facts(plan: ModelPlan, config: ServerConfig, workers: WorkerPlan) -> d
     facts: dict[str, object] = {
         "name": plan.name,
         "names": list(plan.names),
-        "model": None if plan.handler else plan.source,
+        "model": None if plan.handler else as_text(plan.source),
         "revision": plan.commit,
         "handler": plan.handler,
         "requested_task": plan.requested_task,
