@@ -30,11 +30,12 @@ from rawserve.fronts import FINAL_WRITE_SECONDS, Front, HttpProcesses, OneProces
 from rawserve.http.limits import PROBE_RESERVE
 from rawserve.http.tls import validity_warning
 from rawserve.models.hub import ModelNotFound
+from rawserve.models.names import as_text
 from rawserve.models.plan import ModelPlan, plan_models
 from rawserve.ops import layout_trial, loops
 from rawserve.ops.loading import log_loading_progress
 from rawserve.ops.metrics import Metrics
-from rawserve.ops.open_files import raise_open_files_limit
+from rawserve.ops.open_files import open_standard_descriptors, raise_open_files_limit
 from rawserve.options import parse_config
 from rawserve.serving import CoreShare, ModelService, Scheduler, SchedulerCore
 from rawserve.serving import WorkerPool as Executor
@@ -59,7 +60,7 @@ def model_facts(plan: ModelPlan, config: ServerConfig, workers: WorkerPlan) -> d
     facts: dict[str, object] = {
         "name": plan.name,
         "names": list(plan.names),
-        "model": None if plan.handler else plan.source,
+        "model": None if plan.handler else as_text(plan.source),
         "revision": plan.commit,
         "handler": plan.handler,
         "requested_task": plan.requested_task,
@@ -400,8 +401,13 @@ async def stop_all(executors: Sequence[Executor]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    open_standard_descriptors()  # before anything opens a file that would take their place
     config = parse_config(argv)
     setup_logging(config.log_level, config.log_format, access_log=config.access_log)
+    # Until serve() puts the server's own handlers in place, SIGTERM stops the start as
+    # Ctrl-C does: as a container's PID 1 (no init) the kernel ignores a signal left at its
+    # default action, so a stop during a model's download waited for the SIGKILL after it.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     # The workers inherit the environment: they log at the same level and format.
     os.environ.update(RAWSERVE_LOG_LEVEL=config.log_level, RAWSERVE_LOG_FORMAT=config.log_format)
     try:

@@ -25,10 +25,15 @@ class RunningServer:
     """A rawserve process; its log lines are kept in `lines` and matched as they come."""
 
     def __init__(
-        self, args: Sequence[str], env: dict[str, str] | None = None, own_group: bool = False
+        self,
+        args: Sequence[str],
+        env: dict[str, str] | None = None,
+        own_group: bool = False,
+        closed: Sequence[int] = (),
     ):
         self.args = ["--host", "127.0.0.1", "--port", "0", *args]
         self.own_group = own_group  # a process group of its own: it can be signalled whole
+        self.closed = tuple(closed)  # standard descriptors it starts without (0: stdin, 1)
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": REPO_ROOT, **(env or {})}
         self.lines: list[str] = []
         self._new_lines: queue.Queue[str | None] = queue.Queue()
@@ -44,6 +49,7 @@ class RunningServer:
             text=True,
             env=self.env,
             start_new_session=self.own_group,
+            preexec_fn=self._close_descriptors if self.closed else None,
         )
         self._reader = threading.Thread(target=self._read_log, daemon=True)
         self._reader.start()
@@ -55,6 +61,10 @@ class RunningServer:
             self.stop()  # a server that did not come up must not outlive the test
             raise
         return self
+
+    def _close_descriptors(self) -> None:
+        for fd in self.closed:
+            os.close(fd)
 
     def _read_log(self) -> None:
         assert self.process and self.process.stderr

@@ -184,6 +184,25 @@ def test_the_same_stop_signal_twice_at_once_still_drains():
     assert lines[-1].endswith("rawserve INFO stopped"), lines[-5:]
 
 
+def test_a_server_started_with_stdin_and_stdout_closed_stops_cleanly():
+    """A process manager may start the server with a standard descriptor closed (`<&-`,
+    `>&-`): the event loop took it for its own and uvloop aborted the clean stop (exit
+    134), and the workers, started without it too, took it for a pipe of theirs. Both
+    are /dev/null now, in the server and in what it starts."""
+    server = RunningServer(["--handler", "tests.handlers:echo"], closed=(0, 1)).start()
+    try:
+        status, answer = server.post_json({"inputs": "x"})
+        assert status == 200, answer
+        worker = answer["pid"]
+        for process in (server.process.pid, worker):
+            for fd in (0, 1):
+                assert os.readlink(f"/proc/{process}/fd/{fd}") == os.devnull, (process, fd)
+        server.signal(signal.SIGTERM)
+        assert server.process.wait(timeout=30) == 0
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("http_processes", ["1", "2"])
 def test_a_stop_sent_to_the_whole_process_group_drains_through_the_same_workers(
     http_processes,

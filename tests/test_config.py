@@ -245,6 +245,35 @@ def test_a_port_in_use_stops_the_server_with_a_clear_line_not_a_traceback(http_p
     assert "in use" in done.stderr.lower() and "Traceback" not in done.stderr
 
 
+SIGTERM_WHILE_FINDING_THE_MODEL = """
+import os, signal, sys, time
+import rawserve.main
+
+def downloading(*args, **kwargs):  # a Hub download, stopped by the orchestrator
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)
+
+rawserve.main.plan_models = downloading
+raise SystemExit(rawserve.main.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_while_the_model_is_found_stops_the_start():
+    """A container's PID 1 (the Dockerfile's entry point, no init) is never ended by a
+    signal left at its default action: SIGTERM before the server's own handlers (a stop
+    during a model's download) was ignored there until the SIGKILL after it. It stops
+    the start as Ctrl-C does, in a container or not."""
+    done = subprocess.run(
+        [sys.executable, "-c", SIGTERM_WHILE_FINDING_THE_MODEL, *ECHO, "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT},
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
 READ_ONLY_SHARED_MEMORY = """
 import errno, sys, tempfile
 

@@ -150,6 +150,11 @@ def test_a_malformed_model_name_is_refused_with_a_reason(text):
         ("emb=org/name", ("emb", "org/name")),
         ("/models/bge/", ("bge",)),
         ("cls=/models/sst2:text-classification", ("cls", "sst2")),
+        ("/models/modèle", ("modèle",)),
+        # a command line read in an ASCII locale (LC_ALL=C PYTHONUTF8=0): the bytes of è
+        # as surrogates, which a JSON answer could not carry (/v1/models and /info: 500)
+        ("/models/mod\udcc3\udca8le", ("modèle",)),
+        ("/models/mod\udce8le", ("mod\ufffdle",)),  # Latin-1 bytes: not UTF-8
     ],
 )
 def test_clients_call_a_model_by_its_alias_then_its_repo_id_or_folder_name(text, names):

@@ -113,7 +113,17 @@ def default_names(spec: ModelSpec) -> tuple[str, ...]:
         names.append(spec.alias)
     if spec.is_folder:
         folder = PurePath(spec.source.rstrip("/") or spec.source)
-        names.append(folder.name or spec.source)
+        names.append(as_text(folder.name or spec.source))
     else:
         names.append(spec.source)
     return tuple(dict.fromkeys(names))
+
+
+def as_text(path: str) -> str:
+    """A path as the text clients read and send (UTF-8, in JSON and URLs). Where Python
+    reads the command line in an ASCII locale (`LC_ALL=C PYTHONUTF8=0`), a non-ASCII
+    folder name holds its bytes as lone surrogates, which no UTF-8 writer takes; they
+    are read back as the UTF-8 they are (a byte that is not: U+FFFD)."""
+    if path.isascii():
+        return path
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "replace")

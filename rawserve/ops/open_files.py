@@ -9,16 +9,36 @@ server's own descriptors; the hard limit is usually far higher, and a process ma
 its soft limit up to it (as Go's runtime does for every program). Only as far as needed:
 raised to the hard limit, libraries that still use `select()` would fail on the
 descriptors above 1024. The HTTP processes inherit the limit.
+
+And the standard descriptors (0, 1, 2) are open: a process started with one closed
+(`>&-`, `2>&-`, a service manager's) takes it for the next file it opens, the event
+loop's own, and uvloop aborts the process as it closes such a descriptor at the end of a
+clean stop (exit code 134); the worker and HTTP processes start without it too, and take
+it for one of their pipes (a handler's print would write into it). Each closed one is
+opened on /dev/null first, as OpenSSH's daemon does.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import resource
 
 log = logging.getLogger("rawserve")
 
 OWN_FILES = 64  # descriptors a process holds besides its connections: pipes, the listener
+STANDARD_DESCRIPTORS = (0, 1, 2)
+
+
+def open_standard_descriptors() -> None:
+    """Open /dev/null on each standard descriptor that is closed, inherited by the
+    processes the server starts (Python opens a file for this process alone)."""
+    for fd in STANDARD_DESCRIPTORS:
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one
+            os.set_inheritable(fd, True)
 
 
 def raise_open_files_limit(connections: int) -> None:
