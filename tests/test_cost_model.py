@@ -90,6 +90,82 @@ def test_a_device_that_slows_down_is_followed():
     assert model.predict(full, BATCH) == pytest.approx(2 * GPU.seconds(BATCH, full), rel=1e-3)
 
 
+def exact_fit(calls, fixed: float, per_item: float, per_token: float) -> CostModel:
+    """A model without memory loss (plain least squares) fitted on calls of (items,
+    padded cost) that took exactly `fixed + per_item x items + per_token x padded`."""
+    model = CostModel(memory=1.0)
+    for items, padded in calls:
+        model.observe(padded, fixed + per_item * items + per_token * padded, items=items)
+    return model
+
+
+# items and padded costs that vary independently of each other
+GRID = [(items, padded) for items in (1, 2, 3, 4) for padded in (1, 100, 200, 300)]
+
+
+def test_calls_of_one_item_and_one_token_are_fitted_as_they_are():
+    model = exact_fit(GRID, fixed=0.01, per_item=0.002, per_token=0.0001)
+    assert model.fitted
+    assert model.fixed == pytest.approx(0.01)
+    assert model.per_item == pytest.approx(0.002)
+    assert model.per_token == pytest.approx(0.0001)
+
+
+def test_a_part_that_fits_negative_is_noise_and_the_other_part_explains_the_time():
+    """The parts are never negative (a bigger call never predicts less): when the joint
+    fit gives one part a negative slope, the other part alone is fitted."""
+    items_noise = exact_fit(GRID, fixed=1.0, per_item=-0.01, per_token=0.001)
+    assert items_noise.fitted and items_noise.per_item == 0.0
+    assert items_noise.per_token == pytest.approx(0.001)
+    assert items_noise.fixed == pytest.approx(1.0 - 0.01 * 2.5)  # the items' mean part
+    tokens_noise = exact_fit(GRID, fixed=1.0, per_item=0.05, per_token=-0.0001)
+    assert tokens_noise.fitted and tokens_noise.per_token == 0.0
+    assert tokens_noise.per_item == pytest.approx(0.05)
+    assert tokens_noise.fixed == pytest.approx(1.0 - 0.0001 * 150.25)
+
+
+@pytest.mark.parametrize("part", ["items", "tokens"])
+def test_a_part_whose_size_alone_varies_is_fitted_alone(part):
+    """Sizes that vary little seconds apart: one-item calls of 10 to 40 tokens (or calls
+    of 1 to 4 items of one padded cost) are fitted exactly."""
+    if part == "tokens":
+        model = exact_fit([(1, n) for n in (10, 20, 30, 40)], 0.002, 0.0, 0.0001)
+        assert model.per_token == pytest.approx(0.0001) and model.per_item == 0.0
+    else:
+        model = exact_fit([(n, 100) for n in (1, 2, 3, 4)], 0.002, 0.001, 0.0)
+        assert model.per_item == pytest.approx(0.001) and model.per_token == 0.0
+    assert model.fitted and model.fixed == pytest.approx(0.002)
+
+
+@pytest.mark.parametrize("part", ["items", "tokens"])
+def test_a_size_is_told_apart_once_it_varies_by_more_than_five_percent_of_its_mean(part):
+    def fit(low: int, high: int) -> CostModel:
+        sizes = [low, high] * 10
+        calls = [(n, 1000) for n in sizes] if part == "items" else [(1, n) for n in sizes]
+        return exact_fit(calls, 0.01, 0.001, 0.0001)
+
+    assert fit(92, 108).fitted  # 8% of the mean either side
+    assert not fit(97, 103).fitted  # 3%: one size, as far as the fit can tell
+
+
+def test_calls_of_one_size_keep_the_parts_learned_before_scaled_to_their_time():
+    device = Device(fixed=0.01, per_item=0.002, per_token=0.0001)
+    model = exact_fit(GRID, device.fixed, device.per_item, device.per_token)
+    model.memory = 0.0  # from now on only the latest call counts: one size
+    model.observe(300, 2 * device.seconds(4, 300), items=4)  # twice as slow
+    assert model.fitted
+    assert model.predict(300, 4) == pytest.approx(2 * device.seconds(4, 300))
+    assert model.predict(1, 1) == pytest.approx(2 * device.seconds(1, 1))
+
+
+def test_the_speed_is_trusted_from_the_second_call_measured():
+    model = CostModel()
+    model.observe(100, 0.1)
+    assert model.measured and not model.trusted  # one call: maybe a cold first one
+    model.observe(100, 0.1)
+    assert model.trusted
+
+
 def test_before_any_measurement_everything_is_admitted():
     core = SchedulerCore(max_queue=10_000, max_batch_size=BATCH)
     items = [core.new_item(text(TEXT_TOKENS), {}, 0.001, 0.0) for _ in range(5000)]

@@ -168,7 +168,7 @@ def test_one_slow_first_call_is_no_reason_to_refuse():
     core.cost_model.observe(5, 0.5)  # a cold first call: 0.1 s per token
     for _ in range(60):  # 60 requests, 120 s of work at that speed
         queue_items(core, [text(20)], deadline=30.0)
-    queue_items(core, [text(20)], deadline=30.0)  # admitted: one sample is no proof
+    queue_items(core, [text(20)], now=29.0, deadline=30.0)  # admitted: one sample is no proof
     core.cost_model.observe(600, 0.05)  # the next call shows the real speed
     queue_items(core, [text(20)], deadline=30.0)
     assert len(core) == 62
@@ -590,6 +590,8 @@ def test_cost_model_fits_a_fixed_cost_and_a_cost_per_token():
     assert model.fixed == pytest.approx(0.005)
     assert model.per_token == pytest.approx(0.0001)
     assert model.drain_seconds([100] * 64, max_size=32) == pytest.approx(2 * 0.005 + 0.64)
+    # two workers share the calls out: half the time
+    assert model.drain_seconds([100] * 64, 32, workers=2) == pytest.approx(0.005 + 0.32)
 
 
 def test_cost_model_with_one_size_measured_is_proportional():
@@ -1104,6 +1106,8 @@ def test_the_drain_estimate_pads_as_recent_batches_did():
     model.observe(500, 0.5, tokens=500)  # (two sizes: the parts told apart)
     model.observe(1000, 1.0, tokens=1000)
     unpadded = model.drain_seconds([100] * 10, max_size=10)
+    model.observe(1000, 1.0, tokens=500)  # half padding: the average goes half way there
+    assert model.padding == pytest.approx(1.5)
     for _ in range(20):
         model.observe(1000, 1.0, tokens=500)  # every call half padding
     assert model.padding == pytest.approx(2.0, rel=1e-3)

@@ -162,14 +162,10 @@ def plan_partners(queue: Sequence[ItemT], limits: BatchLimits, model: CostModel)
         start = starts[0][1]
         best[stop] = best[start] + fixed + price * (stop - start)
         cut[stop] = start
-    end = count
-    while end > 0:
-        start = cut[end]
-        members = order[start:end]
-        if any(item is head for item in members):
-            return {id(item) for item in members}
-        end = start
-    return {id(head)}
+    end = count  # the plan's calls, last first, cover the queue: one holds the head
+    while not any(item is head for item in order[cut[end] : end]):
+        end = cut[end]
+    return {id(item) for item in order[cut[end] : end]}
 
 
 class CostModel:
@@ -256,7 +252,7 @@ class CostModel:
             per_token = (cov_py * var_a - cov_ay * cov_ap) / det
             if per_item >= 0 and per_token >= 0:
                 slopes = (per_item, per_token)
-            elif per_token >= 0 or per_item < 0:  # one part is noise: the tokens alone
+            elif per_item < 0:  # the items' part is noise (or both are): the tokens alone
                 slopes = (0.0, max(cov_py / var_p, 0.0))
             else:
                 slopes = (max(cov_ay / var_a, 0.0), 0.0)

@@ -253,8 +253,7 @@ class SchedulerCore:
         everything = self.cost_model.drain_seconds_of(
             self._size + len(own), self._queued_cost + sum(own), max_size, workers
         )
-        if everything is None:
-            return False  # not measured (trusted is)
+        assert everything is not None  # measured, as trusted
         # the batches in flight take at most their whole predicted time: when even that
         # leaves room, what is left of it need not be summed (a continuous worker has
         # hundreds of one-item batches in flight)
