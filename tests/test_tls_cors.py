@@ -288,6 +288,7 @@ def test_preflight_from_an_allowed_origin_allows_the_method_and_headers(cors_ser
         cors_server, origin=origin, headers="content-type, authorization, x-request-timeout"
     )
     assert status == 204 and body == b""  # no API key: a browser's preflight carries none
+    assert "content-length" not in headers  # a 204 says none (RFC 9110 section 8.6)
     assert headers["access-control-allow-origin"] == origin
     assert "POST" in [m.strip() for m in headers["access-control-allow-methods"].split(",")]
     allowed = {h.strip().lower() for h in headers["access-control-allow-headers"].split(",")}
