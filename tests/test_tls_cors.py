@@ -347,6 +347,10 @@ def test_an_error_answer_carries_them_too_so_the_page_can_read_it(cors_server):
     status, headers, body = cors_server.request("POST", "/", "no key", {"Origin": ORIGIN})
     assert status == 401 and json.loads(body)["error"]
     assert headers["access-control-allow-origin"] == ORIGIN
+    # and its headers: what to send (WWW-Authenticate), when to come back (Retry-After),
+    # which methods a path takes (a 405's Allow)
+    exposed = {h.strip().lower() for h in headers["access-control-expose-headers"].split(",")}
+    assert {"www-authenticate", "retry-after", "allow", "x-request-id"} <= exposed
 
 
 def test_an_answer_to_another_origin_or_to_no_origin_has_no_cors_headers(cors_server):
