@@ -733,6 +733,9 @@ def test_a_response_stream_that_fails_once_begun_ends_with_response_failed():
     last = events[-1]
     assert last.type == "response.failed" and last.response.status == "failed"
     assert last.response.error.code == "server_error" and "timed out" in last.response.error.message
+    # what was said before the failure stays in the Response, as OpenAI's keeps it
+    [message] = last.response.output
+    assert message.status == "incomplete" and message.content[0].text == "hello"
     assert stream.closed
 
 
