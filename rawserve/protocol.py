@@ -68,6 +68,7 @@ from rawserve.http.request_ids import new_request_id, request_id
 from rawserve.http.response_head import (
     Fields,
     body_framing,
+    content_length,
     fixed_fields,
     h11_head,
     render_fixed,
@@ -462,7 +463,8 @@ class HttpProtocol(asyncio.Protocol):
     def _h11_answer(self, cycle: Cycle, response: HttpResponse, close: bool) -> list[bytes | None]:
         """The answer framed by h11 (which raises for a field it cannot write)."""
         headers, body = self._answer_parts(cycle, response)
-        fields = fixed_fields(response.content_type, headers, len(response.body), close)
+        length = content_length(response.status, len(response.body))
+        fields = fixed_fields(response.content_type, headers, length, close)
         fields += request_fields(response, cycle.request_id, cycle.started)
         pieces: list[bytes | None] = [self.conn.send(h11_head(response.status, fields))]
         if body:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from rawserve.api.app import App
 from rawserve.api.bodies import media_type_parameter, server_timing
 from rawserve.api.inference import parse_body
-from rawserve.api.openai_answers import cut_at_stop, releasable
+from rawserve.api.openai_answers import Answer, cut_at_stop, releasable
 from rawserve.api.openai_generation import parse_chat
 from rawserve.api.openai_messages import messages
 from rawserve.api.openai_responses import ResponseAnswer, parse_response
@@ -733,4 +733,24 @@ def test_a_response_stream_that_fails_once_begun_ends_with_response_failed():
     last = events[-1]
     assert last.type == "response.failed" and last.response.status == "failed"
     assert last.response.error.code == "server_error" and "timed out" in last.response.error.message
+    # what was said before the failure stays in the Response, as OpenAI's keeps it
+    [message] = last.response.output
+    assert message.status == "incomplete" and message.content[0].text == "hello"
+    assert stream.closed
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_an_openai_stream_that_fails_once_begun_ends_with_its_error_then_done(chat):
+    """As vLLM ends one: the error event, then `data: [DONE]`, so a client that reads up to
+    [DONE] sees the stream end rather than a cut connection."""
+    stream = TimedOutStream(["he", "llo"])
+
+    async def read() -> list[bytes]:
+        events = Answer(chat, "m").events([stream], [], False)  # type: ignore[list-item]
+        return [event async for event in events]
+
+    raw = asyncio.run(read())
+    assert raw[-1] == b"data: [DONE]\n\n"
+    error = json.loads(raw[-2].removeprefix(b"data:"))["error"]
+    assert error["code"] == "timeout" and "timed out" in error["message"], error
     assert stream.closed

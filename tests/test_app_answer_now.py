@@ -167,3 +167,16 @@ async def test_a_refusal_from_the_head_is_counted_once_against_the_model_that_gi
     with pytest.raises(ServiceUnavailable):
         app.answer_now(request("POST", "/embed", b'{"inputs": "hi"}'))
     assert drops.reasons == ["rejected"]
+
+
+async def test_options_star_asks_about_the_server_as_a_whole(app):
+    """`OPTIONS *` (RFC 9110 section 9.3.7) is answered with the methods the server
+    serves, key or not (it names no route); any other method on `*` is 405."""
+    answer = app.answer_now(request("OPTIONS", "*"))
+    assert answer is not None and answer.status == 204 and answer.body == b""
+    allowed = {method.strip() for method in dict(answer.headers)["Allow"].split(",")}
+    assert allowed == {"GET", "HEAD", "OPTIONS", "POST"}
+    assert (await app.handle(request("OPTIONS", "*"))).status == 204
+    with pytest.raises(HTTPError) as refused:
+        app.answer_now(request("GET", "*"))
+    assert refused.value.status == 405

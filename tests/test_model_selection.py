@@ -128,6 +128,23 @@ def test_an_unknown_name_is_404_listing_the_served_names(name):
     assert len(message) < 300  # a hostile name is not echoed whole
 
 
+def test_a_folder_served_under_two_aliases_is_named_by_its_alias_and_its_404_says_so():
+    """`--model a=./cls --model b=./cls`: both are served; the folder's name, which
+    both would answer to, is neither's, and a request naming it is told why."""
+    folder = {"model": "/models/cls/"}
+    models = ServedModels(
+        [
+            ServedModel("a", served("a", "x").serving, folder),
+            ServedModel("b", served("b", "y").serving, folder),
+        ]
+    )
+    assert models.get("b") is models.all[1]
+    with pytest.raises(NotFound) as caught:
+        models.get("cls")
+    message = str(caught.value)
+    assert "'cls' names several served models (a, b)" in message and "alias" in message
+
+
 def test_two_models_may_not_share_a_name():
     with pytest.raises(ValueError, match="both named 'emb'"):
         ServedModels([served("emb", "x"), served("cls", "y", ("emb",))])

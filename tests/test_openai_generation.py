@@ -527,7 +527,11 @@ def test_penalties_take_repeated_tokens_down(servers, reference):
         ({"logit_bias": {"5": 101}}, 400, '"logit_bias[5]" must be between'),
         ({"logit_bias": [5]}, 400, '"logit_bias" must be an object'),
         ({"logit_bias": {str(i): 1 for i in range(301)}}, 400, "at most 300"),
-        ({"logit_bias": {"1000000": 1}}, 422, "logit_bias names the token id 1000000"),
+        (
+            {"logit_bias": {"1000000": 1}},
+            422,
+            "the token id 1000000 is not in the model's vocabulary",
+        ),
     ],
     ids=["frequency", "presence", "key", "bias", "list", "count", "unknown-id"],
 )
@@ -1469,6 +1473,25 @@ def test_prompts_and_grammars_that_cannot_be_used_are_422_streamed_or_not(
 ):
     status, body = servers["plain"].post_json(document, "/v1/completions")
     assert status == 422 and message in body["error"]["message"], body
+
+
+@pytest.mark.parametrize(
+    ("route", "document", "param"),
+    [
+        ("/v1/completions", {"prompt": [5, 10**9]}, "prompt"),
+        ("/v1/completions", {"prompt": [[5], [6, 10**9]], "stream": True}, "prompt"),
+        ("/v1/completions", {"prompt": "a", "logit_bias": {"1000000000": 5}}, "logit_bias"),
+        ("/v1/chat/completions", {"logit_bias": {"1000000000": -5}}, "logit_bias"),
+    ],
+    ids=["prompt", "prompts-streamed", "logit-bias", "chat-logit-bias"],
+)
+def test_a_token_id_the_model_has_not_is_422_naming_its_field(servers, route, document, param):
+    """Checked before the request is queued, against the loaded model's vocabulary, and
+    named as vLLM names it (OpenAI's `param`)."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in route else {}
+    status, body = servers["chat"].post_json({**chat, **document, "max_tokens": 2}, route)
+    assert status == 422 and body["error"]["param"] == param, body
+    assert "1000000000 is not in the model's vocabulary" in body["error"]["message"], body
 
 
 def test_completion_with_more_prompts_than_the_client_cap_is_413(servers):

@@ -288,6 +288,7 @@ def test_preflight_from_an_allowed_origin_allows_the_method_and_headers(cors_ser
         cors_server, origin=origin, headers="content-type, authorization, x-request-timeout"
     )
     assert status == 204 and body == b""  # no API key: a browser's preflight carries none
+    assert "content-length" not in headers  # a 204 says none (RFC 9110 section 8.6)
     assert headers["access-control-allow-origin"] == origin
     assert "POST" in [m.strip() for m in headers["access-control-allow-methods"].split(",")]
     allowed = {h.strip().lower() for h in headers["access-control-allow-headers"].split(",")}
@@ -346,6 +347,10 @@ def test_an_error_answer_carries_them_too_so_the_page_can_read_it(cors_server):
     status, headers, body = cors_server.request("POST", "/", "no key", {"Origin": ORIGIN})
     assert status == 401 and json.loads(body)["error"]
     assert headers["access-control-allow-origin"] == ORIGIN
+    # and its headers: what to send (WWW-Authenticate), when to come back (Retry-After),
+    # which methods a path takes (a 405's Allow)
+    exposed = {h.strip().lower() for h in headers["access-control-expose-headers"].split(",")}
+    assert {"www-authenticate", "retry-after", "allow", "x-request-id"} <= exposed
 
 
 def test_an_answer_to_another_origin_or_to_no_origin_has_no_cors_headers(cors_server):

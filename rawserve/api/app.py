@@ -47,6 +47,9 @@ from rawserve.http.exchange import HttpRequest, HttpResponse
 ErrorRenderer = Callable[[BaseException], HttpResponse]
 # the paths that end in a model's name: a route for each name, and 404 for a name not served
 MODEL_PREFIXES = (MODELS_PREFIX, READY_PREFIX, OPENAI_MODEL_PREFIX)
+# the asterisk form's target: `OPTIONS *` asks about the server as a whole (RFC 9110
+# section 9.3.7); it names no route, so it needs no API key
+SERVER_WIDE = "*"
 
 
 class RouteMetrics(MetricsPage, Protocol):
@@ -100,7 +103,13 @@ class App:
             if route.serves is not None:
                 paths = self.model_paths if route.method == "POST" else self.ready_paths
                 paths[route.path] = route.serves
-        self.open_paths = frozenset(route.path for route in self.table if not route.secured)
+        self.open_paths = frozenset(
+            [SERVER_WIDE, *(route.path for route in self.table if not route.secured)]
+        )
+        # what `OPTIONS *` answers: every method some route serves
+        self.server_methods = sorted(
+            {"OPTIONS"}.union(*(allowed_methods(methods) for methods in self.routes.values()))
+        )
         # the routes whose body names the model: what each needs of it
         self.named_model_paths: dict[str, Needs] = {
             route.path: route.needs for route in self.table if route.queued
@@ -157,6 +166,8 @@ class App:
 
     def methods(self, request: HttpRequest) -> dict[str, Handler]:
         """The handlers of the request's path by method; 404 for a path not served."""
+        if request.path == SERVER_WIDE:
+            return {"OPTIONS": self.server_options}
         methods = self.routes.get(request.path)
         if methods is not None:
             return methods
@@ -211,6 +222,8 @@ class App:
         # What the head alone refuses (404, 401, 405) is refused before the body is read:
         # a client that sent `Expect: 100-continue` is then never asked for it.
         self.handler(request, self.methods(request))
+        if request.path == SERVER_WIDE:
+            return self.server_options_now()
         if request.method not in ("GET", "HEAD", "POST"):
             return None
         if request.path == "/health" and request.method != "POST":
@@ -226,6 +239,14 @@ class App:
         elif request.method == "POST" and (needs := self.named_model_paths.get(request.path)):
             self.inference.refuse_now_if_none_can(needs)
         return None
+
+    async def server_options(self, request: HttpRequest) -> HttpResponse:
+        return self.server_options_now()
+
+    def server_options_now(self) -> HttpResponse:
+        """204 with `Allow`: the methods this server serves."""
+        allow = ("Allow", ", ".join(self.server_methods))
+        return HttpResponse(204, b"", [allow], content_type="")
 
     async def openapi(self, request: HttpRequest) -> HttpResponse:
         document = openapi_document(

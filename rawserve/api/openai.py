@@ -35,6 +35,7 @@ from rawserve.api.openai_generation import (
     GenerationRequest,
     check_choices,
     check_max_tokens,
+    check_token_ids,
     parse_chat,
     parse_completion,
 )
@@ -322,6 +323,8 @@ class OpenAIRoutes:
         """Queue the prompts like any text-generation request; answer whole or streamed, in
         `shape` (chat's or completions' where none is given)."""
         check_max_tokens(generation, model.limits.max_new_tokens)
+        loaded = model.serving.loaded
+        check_token_ids(generation, loaded.details.get("vocabulary") if loaded else None)
         check_choices(generation, self.context.settings.max_client_batch_size)
         await check_lengths(self.context.tokenizers, model, generation.items, chat)
         stops_after = int(generation.params.get("min_new_tokens", 0))

@@ -32,6 +32,8 @@ from rawserve.http.errors import HTTPError, openai_error_document
 FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
 # OpenAI's answers name the backend's configuration; TGI's client requires it
 SYSTEM_FINGERPRINT = f"rawserve-{__version__}"
+# what ends an OpenAI stream, after its last chunk or its error event
+DONE = b"data: [DONE]\n\n"
 
 
 def cut_at_stop(text: str, stops: Sequence[str], stops_from: int = 0) -> str:
@@ -269,8 +271,9 @@ class Answer:
                     continue
                 try:
                     output = streams[index].output()
-                except HTTPError as error:
+                except HTTPError as error:  # the error, then the end, as vLLM ends it
                     yield sse(openai_error_document(error))
+                    yield DONE
                     return
                 reason = finish_reason(output["details"])
                 if self.tools is not None:
@@ -284,7 +287,7 @@ class Answer:
             if include_usage:
                 every = usage(outputs, n)  # each prompt read once
                 yield sse({**self.head(True), "choices": [], "usage": every})
-            yield b"data: [DONE]\n\n"
+            yield DONE
         finally:
             for stream in streams:
                 stream.close()

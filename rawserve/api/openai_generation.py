@@ -25,6 +25,7 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from typing import Any
 
 from rawserve.api.bodies import check_client_batch
@@ -480,6 +481,24 @@ def check_max_tokens(generation: GenerationRequest, most: int | None) -> None:
         check_new_tokens(f'"{generation.max_tokens_field}"', asked, most)
     except InvalidRequest as exc:
         raise BadRequest(str(exc), param=generation.max_tokens_field) from None
+
+
+def check_token_ids(generation: GenerationRequest, vocabulary: int | None) -> None:
+    """422 naming the field (as vLLM names it) for a token id, in a prompt of ids or in
+    `logit_bias`, that the model has none for (`vocabulary`: its token count; None, not
+    known yet: the worker refuses such an id), checked before the request is queued."""
+    if not vocabulary:
+        return
+    prompt_ids = chain.from_iterable(i for i in generation.items if isinstance(i, list))
+    biased = generation.params.get("logit_bias") or {}
+    for param, ids in (("prompt", prompt_ids), ("logit_bias", biased)):
+        unknown = next((token_id for token_id in ids if token_id >= vocabulary), None)
+        if unknown is not None:
+            raise UnprocessableInput(
+                f"the token id {unknown} is not in the model's vocabulary (ids run from 0 "
+                f"to {vocabulary - 1})",
+                param=param,
+            )
 
 
 def read_prompts(name: str, value: Any, context: DocContext | None) -> list[str | list[int]]:

@@ -321,7 +321,9 @@ class ResponseAnswer:
                 output = streams[0].output()
             except HTTPError as error:  # OpenAI's stream ends so when its answer fails
                 failure = {"code": "server_error", "message": error.message}
-                failed = self.response("failed", [], error=failure)
+                # the text sent before the failure stays in it, as OpenAI's keeps it
+                said = [self.message(choice.sent, "incomplete")] if choice.sent else []
+                failed = self.response("failed", said, error=failure)
                 yield event("response.failed", next(number), response=failed)
                 return
             if (sending := choice.rest(output, stops)) is not None:

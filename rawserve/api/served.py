@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Any
 
 from rawserve.api.outcomes import http_error
@@ -97,5 +98,19 @@ class ServedModels:
         model = self._by_name.get(name)
         if model is None:
             served = ", ".join(self._by_name)
+            sharing = [m.name for m in self.all if name in source_names(m.facts.get("model"))]
+            if len(sharing) > 1:  # the same folder or Hub id served twice: neither answers to it
+                raise ModelNotFound(
+                    f"{name[:100]!r} names several served models ({', '.join(sharing)}): "
+                    "name one by its alias"
+                )
             raise ModelNotFound(f"no model named {name[:100]!r} is served (served: {served})")
         return model
+
+
+def source_names(source: object) -> tuple[str, ...]:
+    """The names a model's source (its facts' `model`: a folder or a Hub id, as given)
+    would give it without an alias: the source itself, and its last component."""
+    if not isinstance(source, str):
+        return ()
+    return (source, PurePath(source.rstrip("/") or source).name)

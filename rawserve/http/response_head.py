@@ -45,6 +45,12 @@ _NO_BODY = (204, 304)
 Fields = tuple[tuple[str, str], ...]
 
 
+def content_length(status: int, size: int) -> int | None:
+    """The Content-Length of an answer of `size` bytes: None for 204 and 304, which have
+    no body (a 204 must not say one: RFC 9110 section 8.6)."""
+    return None if status in _NO_BODY else size
+
+
 def fixed_fields(content_type: str, headers: Fields, length: int | None, close: bool) -> Fields:
     """The fields that do not change from one request to the next for the same answer.
     `length`: None for a body sent piece by piece (h11 frames it)."""

@@ -224,6 +224,7 @@ class CausalLMRunner(Runner):
             # (so earlier answers' thinking is not counted against the positions)
             "chat_drops_reasoning": REASONING_END in str(self.tokenizer.chat_template),
             "max_input_length": self.max_positions,
+            "vocabulary": self.vocabulary,  # the token ids a prompt or logit_bias may name
         }
 
     def prompts(self, inputs: list[Any], params: dict[str, Any]) -> Any:
