@@ -88,6 +88,10 @@ def test_the_pieces_so_far_are_the_start_of_the_whole_decoding_whatever_the_toke
         assert tokenizer.decode(ids[: n + 1], skip_special_tokens=True).startswith(made)
     whole = tokenizer.decode(ids, skip_special_tokens=True)
     assert whole.startswith(made)
+    # told which token is the last, the pieces add up to the whole decoding
+    pieces = TextPieces(tokenizer)
+    made = "".join(pieces.next_piece(ids[: n + 1], n == len(ids) - 1) for n in range(len(ids)))
+    assert made == whole
 
 
 @functools.cache

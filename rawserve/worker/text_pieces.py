@@ -23,7 +23,8 @@ class TextPieces:
     another kind follows: its decoder turns a run of them into their text only where the
     whole run is valid UTF-8, and into a U+FFFD a byte otherwise, so a character that
     looked whole may yet turn into U+FFFDs. The pieces add up to what `tokenizer.decode`
-    gives for the whole sequence, less what the last tokens still hold back."""
+    gives for the whole sequence (less what the last tokens still hold back, until told
+    which token is the last)."""
 
     def __init__(self, tokenizer: Any):
         self.decode = text_decoder(tokenizer)
@@ -31,14 +32,16 @@ class TextPieces:
         self.prefix_offset = 0
         self.read_offset = 0
 
-    def next_piece(self, ids: Sequence[int]) -> str:
-        """The text that the newest of `ids` (the sequence's tokens so far) adds."""
-        if ids[-1] in self.byte_ids:
+    def next_piece(self, ids: Sequence[int], last: bool = False) -> str:
+        """The text that the newest of `ids` (the sequence's tokens so far) adds; `last`:
+        the sequence ends with it, so it adds whatever was held back too (a U+FFFD where
+        bytes never made a character)."""
+        if ids[-1] in self.byte_ids and not last:
             return ""  # wait for the end of the run of byte tokens
         prefix, read = self.prefix_offset, self.read_offset
         before = self.decode(ids[prefix:read])
         after = self.decode(ids[prefix:])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
+        if not last and (len(after) <= len(before) or after.endswith("\ufffd")):
             return ""  # wait for the rest of a multi-byte character
         self.prefix_offset, self.read_offset = read, len(ids)
         return after[len(before) :]
