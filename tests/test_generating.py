@@ -145,6 +145,31 @@ def test_a_model_whose_attention_slides_answers_as_the_static_path(tiny_model):
         assert without_logprobs(got) == without_logprobs(expected), batch.inputs[0][:20]
 
 
+def test_a_byte_fallback_models_tokens_add_up_to_its_text_on_both_paths(tiny_model):
+    """A Llama's tokenizer spells what it lacks as byte tokens, which a random model draws
+    often, in runs that are not UTF-8: the tokens' texts, the last one's too (a run it
+    ends held back until then), add up to the text, which is what the tokenizer decodes."""
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    llama = CausalLMRunner(tiny_model("byte-fallback-generation"), "cpu", torch.float32)
+    params = {"max_new_tokens": 12, "do_sample": True, "temperature": 1.5, "details": True}
+    params["return_full_text"] = False
+    batches = [Batch(seed, ("the movie",), {**params, "seed": seed}) for seed in range(8)]
+    answered = results(serve(llama, {0: batches}))
+    outputs = [answered[batch.batch_id].outputs[0][0] for batch in batches]
+    outputs += [static(llama, "the movie", batch.params)[0] for batch in batches[:2]]
+    for output in outputs:
+        tokens = output["details"]["tokens"]
+        ids = [token["id"] for token in tokens]
+        assert output["generated_text"] == llama.tokenizer.decode(ids, skip_special_tokens=True)
+        assert "".join(t["text"] for t in tokens if not t["special"]) == output["generated_text"]
+    # a run of byte tokens held back to the last token (as a random model draws them)
+    first, last = llama.tokenizer.convert_tokens_to_ids(["<0x00>", "<0xFF>"])
+    assert any(first <= o["details"]["tokens"][-1]["id"] <= last for o in outputs)
+
+
 def as_the_static_path(runner, params: dict[str, Any], texts: list[str]) -> list[tuple]:
     """Each text a batch of its own, all served by the loop at once, each answer checked
     against the static path's (log probabilities aside): (text, answer, static answer)."""

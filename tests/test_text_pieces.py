@@ -5,12 +5,16 @@ tokenizer's own `decode` would add nothing to it."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
 
 from rawserve.worker.text_pieces import TextPieces, text_decoder  # noqa: E402
-from tests.tiny_models import VOCAB, bpe_tokenizer  # noqa: E402
+from tests.tiny_models import VOCAB, bpe_tokenizer, byte_fallback_tokenizer  # noqa: E402
 
 TEXTS = ["the movie was good", "héllo wörld, naïve café", "日本語のテキスト and more", "a"]
 
@@ -54,3 +58,42 @@ def test_the_backend_is_called_directly_only_where_decode_adds_nothing():
     words.clean_up_tokenization_spaces = True  # its decode may change the backend's text
     words.decode = its_own
     assert text_decoder(words)([5, 6]) == "the tokenizer's own decode"
+
+
+def test_a_run_of_byte_tokens_adds_its_text_once_the_run_is_over():
+    # a byte-fallback tokenizer (Llama's) decodes a run of byte tokens as a whole: "é"
+    # followed by a lone byte is three U+FFFDs, not "é" and one
+    tokenizer = byte_fallback_tokenizer()
+    bytes_ = tokenizer.convert_tokens_to_ids(["<0xC3>", "<0xA9>", "<0xE2>"])
+    ids = bytes_ + tokenizer.encode(" the", add_special_tokens=False)
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    assert whole.startswith("\ufffd" * 3)
+    pieces = TextPieces(tokenizer)
+    made = [pieces.next_piece(ids[: n + 1]) for n in range(len(ids))]
+    assert made[:3] == ["", "", ""]
+    assert "".join(made) == whole
+
+
+@pytest.mark.parametrize("build", [bpe_tokenizer, byte_fallback_tokenizer])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(picks=st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=10))
+def test_the_pieces_so_far_are_the_start_of_the_whole_decoding_whatever_the_tokens(build, picks):
+    # any tokens, bytes that never make UTF-8 too: the text sent so far never changes
+    tokenizer = _tokenizers(build)
+    ids = [3 + pick % (len(tokenizer) - 3) for pick in picks]  # past the special tokens
+    pieces = TextPieces(tokenizer)
+    made = ""
+    for n in range(len(ids)):
+        made += pieces.next_piece(ids[: n + 1])
+        assert tokenizer.decode(ids[: n + 1], skip_special_tokens=True).startswith(made)
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    assert whole.startswith(made)
+    # told which token is the last, the pieces add up to the whole decoding
+    pieces = TextPieces(tokenizer)
+    made = "".join(pieces.next_piece(ids[: n + 1], n == len(ids) - 1) for n in range(len(ids)))
+    assert made == whole
+
+
+@functools.cache
+def _tokenizers(build):
+    return build()

@@ -59,6 +59,7 @@ KINDS = (
     "text-generation",
     "long-generation",  # the same with 4,096 positions: a generation that runs for seconds
     "chat",
+    "byte-fallback-generation",  # a Llama with its tokenizer: bytes as <0xNN> tokens
     "sliding-window",  # a Mistral whose attention slides over 4 tokens, shorter than prompts
     "seq2seq",
     "multilingual-translation",  # an M2M100 with NLLB's tokenizer, which keeps a src_lang
@@ -77,6 +78,8 @@ def build(kind: str, folder: Path) -> Path:
         return _build_gpt2(folder, positions=4096)
     if kind == "chat":
         return _build_gpt2(folder, chat_template=CHAT_TEMPLATE)
+    if kind == "byte-fallback-generation":
+        return _build_llama(folder)
     if kind == "sliding-window":
         return _build_mistral(folder)
     if kind == "seq2seq":
@@ -179,6 +182,44 @@ def bpe_tokenizer():
         pad_token="<pad>",
         unk_token="<unk>",
     )
+
+
+def byte_fallback_tokenizer():
+    """A small Llama tokenizer (SentencePiece-style BPE, trained here on `WORDS`): a
+    character it lacks is spelled as byte tokens, <0x00> to <0xFF>, and its decoder turns
+    a run of them into text only where the run is valid UTF-8 as a whole."""
+    import tokenizers
+    import transformers
+    from tokenizers import models, pre_tokenizers, trainers
+
+    trained = tokenizers.Tokenizer(models.BPE(byte_fallback=True))
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False)
+    sentences = [" ".join(WORDS[i : i + 7]) for i in range(len(WORDS))] + ["héllo café 日本"]
+    trained.train_from_iterator(sentences, trainer)
+    state = json.loads(trained.to_str())["model"]
+    learned = sorted(state["vocab"], key=state["vocab"].get)
+    names = ["<unk>", "<s>", "</s>", *(f"<0x{byte:02X}>" for byte in range(256)), *learned]
+    merges = [tuple(pair) for pair in state["merges"]]
+    vocab = {name: i for i, name in enumerate(dict.fromkeys(names))}
+    return transformers.LlamaTokenizer(vocab=vocab, merges=merges)
+
+
+def _build_llama(folder: Path) -> Path:
+    import transformers
+
+    tokenizer = byte_fallback_tokenizer()
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return _saved(transformers.LlamaForCausalLM(config), tokenizer, folder)
 
 
 def _build_gpt2(folder: Path, chat_template: str | None = None, positions: int = 256) -> Path:

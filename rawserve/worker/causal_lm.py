@@ -374,7 +374,7 @@ class CausalLMRunner(Runner):
         so_far: list[int] = []  # (grown a token at a time: a slice each would be quadratic)
         for index, token_id in enumerate(ids):
             so_far.append(token_id)
-            piece = pieces.next_piece(so_far)
+            piece = pieces.next_piece(so_far, last=index == len(ids) - 1)
             logprob = chosen[index - 1] if index else None  # nothing before the first
             alternatives = (top[index - 1] if index else []) if top_n else None
             tokens.append(
@@ -573,6 +573,7 @@ class CausalLMRunner(Runner):
             top_n=int(params.get("top_n_tokens") or 0),
             ignore_eos=bool(params.get("ignore_eos")),
             stops_after=stops_after(params),
+            max_new_tokens=kwargs["max_new_tokens"],
         )
         processors: list[Any] = []
         adjustments = ScoreAdjustments.asked(params, self.vocabulary)

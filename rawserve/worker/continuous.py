@@ -423,13 +423,15 @@ class ContinuousBatcher:
             if generation.grammar is not None:
                 generation.grammar.consume_token(token)
             assert generation.pieces is not None  # set by add()
-            piece = generation.pieces.next_piece(generation.tokens)
+            ends = token in self.eos_ids and not generation.ignore_eos
+            last = ends or len(generation.tokens) >= generation.cap
+            piece = generation.pieces.next_piece(generation.tokens, last)
             generation.text += piece
             if generation.logprobs is not None and logprobs is not None:
                 generation.logprobs.append(logprobs[index])
                 if generation.top_n and top is not None:
                     generation.top = top[index][: generation.top_n]
-            if token in self.eos_ids and not generation.ignore_eos:
+            if ends:
                 generation.finish_reason = "eos_token"
             elif len(generation.tokens) >= generation.stops_after and ends_a_stop(
                 generation.text, piece, generation.stop

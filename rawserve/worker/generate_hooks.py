@@ -11,6 +11,7 @@ Worker process only (imports torch and transformers).
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -91,8 +92,11 @@ class TokenWatcher(transformers.StoppingCriteria):
         top_n: int = 0,
         ignore_eos: bool = False,
         stops_after: int = 0,
+        max_new_tokens: int | None = None,
     ):
         self.tokenizer = tokenizer
+        # a row's last token (the cap's) adds what its text held back
+        self.max_new_tokens = max_new_tokens or sys.maxsize
         self.prompt_length = prompt_length
         self.stop = list(stop)
         self.recorder = recorder
@@ -121,7 +125,8 @@ class TokenWatcher(transformers.StoppingCriteria):
             if self.done[row]:
                 continue
             self.token_ids[row].append(token_id)
-            piece = self.pieces[row].next_piece(self.token_ids[row])
+            last = token_id in self.eos_ids or len(self.token_ids[row]) >= self.max_new_tokens
+            piece = self.pieces[row].next_piece(self.token_ids[row], last)
             self.texts[row] += piece
             if token_id in self.eos_ids:
                 self.done[row], self.finish_reasons[row] = True, "eos_token"

@@ -6,6 +6,7 @@ Worker process only (imports transformers).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,22 +17,48 @@ class TextPieces:
     """Incremental detokenization of one sequence, as TGI does it: each new token's text
     comes from decoding a short window of tokens, so a step costs the same however long
     the text has grown, and a token that ends inside a multi-byte character adds "" until
-    the character is whole."""
+    the character is whole.
+
+    A byte-fallback tokenizer's byte tokens (Llama's <0xE2>) add "" until a token of
+    another kind follows: its decoder turns a run of them into their text only where the
+    whole run is valid UTF-8, and into a U+FFFD a byte otherwise, so a character that
+    looked whole may yet turn into U+FFFDs. The pieces add up to what `tokenizer.decode`
+    gives for the whole sequence (less what the last tokens still hold back, until told
+    which token is the last)."""
 
     def __init__(self, tokenizer: Any):
         self.decode = text_decoder(tokenizer)
+        self.byte_ids = byte_fallback_ids(tokenizer)
         self.prefix_offset = 0
         self.read_offset = 0
 
-    def next_piece(self, ids: Sequence[int]) -> str:
-        """The text that the newest of `ids` (the sequence's tokens so far) adds."""
+    def next_piece(self, ids: Sequence[int], last: bool = False) -> str:
+        """The text that the newest of `ids` (the sequence's tokens so far) adds; `last`:
+        the sequence ends with it, so it adds whatever was held back too (a U+FFFD where
+        bytes never made a character)."""
+        if ids[-1] in self.byte_ids and not last:
+            return ""  # wait for the end of the run of byte tokens
         prefix, read = self.prefix_offset, self.read_offset
         before = self.decode(ids[prefix:read])
         after = self.decode(ids[prefix:])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
+        if not last and (len(after) <= len(before) or after.endswith("\ufffd")):
             return ""  # wait for the rest of a multi-byte character
         self.prefix_offset, self.read_offset = read, len(ids)
         return after[len(before) :]
+
+
+@functools.lru_cache(maxsize=8)
+def byte_fallback_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of a byte-fallback tokenizer's byte tokens, <0x00> to <0xFF> (none for
+    another tokenizer: a token so named there decodes to its name)."""
+    names = [f"<0x{byte:02X}>" for byte in range(256)]
+    ids = tokenizer.convert_tokens_to_ids(names)
+    unknown = tokenizer.unk_token_id
+    return frozenset(
+        i
+        for name, i in zip(names, ids, strict=True)
+        if i is not None and i != unknown and tokenizer.decode([i]) != name
+    )
 
 
 def text_decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
