@@ -180,3 +180,15 @@ async def test_options_star_asks_about_the_server_as_a_whole(app):
     with pytest.raises(HTTPError) as refused:
         app.answer_now(request("GET", "*"))
     assert refused.value.status == 405
+
+
+async def test_a_loading_model_is_no_reason_to_read_a_body_another_must_refuse():
+    loading = served("loading", "feature-extraction")
+    loading.serving.workers.ready = False
+    full = served("full", "feature-extraction")
+    app = App(ServedModels([loading, full]))
+    embed = request("POST", "/embed", b'{"inputs": "hi"}')
+    assert app.answer_now(embed) is None  # "full" has room: the body is read
+    fill(full)
+    with pytest.raises(ServiceUnavailable, match="the model is loading"):
+        app.answer_now(embed)  # neither can take it: the first one's 503, from the head

@@ -158,6 +158,24 @@ def test_calls_of_one_size_keep_the_parts_learned_before_scaled_to_their_time():
     assert model.predict(1, 1) == pytest.approx(2 * device.seconds(1, 1))
 
 
+@pytest.mark.parametrize("steady", ["items", "tokens"])
+def test_a_part_whose_size_stops_varying_keeps_what_was_learned_of_it(steady):
+    """Full batches of varying lengths (the items stay), or calls filled to a token
+    budget (the tokens stay): the part that stays cannot be measured, and is not folded
+    into the fixed part, so a lone call is still predicted at its own time."""
+    device = Device(fixed=0.01, per_item=0.002, per_token=0.0001)
+    model = exact_fit(GRID, device.fixed, device.per_item, device.per_token)
+    model.memory = 0.5  # the grid is soon forgotten
+    for padded_or_items in [1, 2, 3, 4] * 20:
+        items, padded = (4, 100 * padded_or_items) if steady == "items" else (padded_or_items, 400)
+        model.observe(padded, device.seconds(items, padded), items=items)
+    assert model.fixed == pytest.approx(0.01)
+    assert model.per_item == pytest.approx(0.002)
+    assert model.per_token == pytest.approx(0.0001)
+    # 0.022 s; its steady part taken as fixed, 0.028 s (items) or 0.052 s (tokens)
+    assert model.predict(100, 1) == pytest.approx(device.seconds(1, 100))
+
+
 def test_the_speed_is_trusted_from_the_second_call_measured():
     model = CostModel()
     model.observe(100, 0.1)

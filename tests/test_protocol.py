@@ -28,6 +28,7 @@ from rawserve.http.errors import (
     Unauthorized,
 )
 from rawserve.http.exchange import HttpRequest, HttpResponse
+from rawserve.http.flow_control import FlowControl
 from rawserve.http.limits import LINGER_SECONDS
 from rawserve.http.refusals import check_head
 from rawserve.http.request_ids import request_id
@@ -775,6 +776,29 @@ async def test_a_peer_that_does_not_read_its_answers_is_not_read_from(server):
     protocol.resume_writing()
     await settle()
     assert [r.path for r in app.seen] == ["/a"] and transport.reading
+    protocol.pause_writing()  # it stops reading again: so does the server
+    protocol.data_received(b"GET /b HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    assert [r.path for r in app.seen] == ["/a"] and not transport.reading
+    protocol.resume_writing()
+    await settle()
+    assert [r.path for r in app.seen] == ["/a", "/b"] and transport.reading
+
+
+async def test_a_released_flow_lets_writers_on_and_can_pause_again():
+    """Once the connection is gone, nothing waits to write; the flow is as if writing
+    had never paused, so a later pause (of a new transport's buffer) holds writers."""
+    flow = FlowControl(FakeTransport(), asyncio.get_running_loop(), 60.0, lambda: None)
+    flow.pause_writing()
+    flow.release()
+    assert not flow.write_paused
+    await asyncio.wait_for(flow.drain(), timeout=5.0)
+    flow.pause_writing()
+    waiting = asyncio.ensure_future(flow.drain())
+    await settle()
+    assert not waiting.done()
+    flow.resume_writing()
+    await asyncio.wait_for(waiting, timeout=5.0)
 
 
 async def test_a_stream_waits_while_writing_is_paused():

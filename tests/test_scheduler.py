@@ -106,6 +106,16 @@ def test_the_delay_never_spends_a_deadline():
     assert len(core.next_batch(now=1.0)) == 1
 
 
+def test_the_wait_is_shortened_from_the_arrival_whatever_the_delay():
+    """Half the time an item was given counts from its arrival, not from the clock's
+    zero; and a delay under a second is shortened as well as a longer one."""
+    core = SchedulerCore(max_batch_size=8, max_batch_delay=0.8)
+    queue_items(core, ["lone"], now=100.0, deadline=101.0)
+    assert core.next_wakeup(now=100.0) == pytest.approx(100.5)
+    assert core.next_batch(now=100.49) is None
+    assert inputs(core.next_batch(now=100.5)) == ["lone"]
+
+
 def test_a_deadline_far_off_keeps_the_whole_delay():
     core = SchedulerCore(max_batch_size=8, max_batch_delay=0.2)
     queue_items(core, ["a"], now=0.0, deadline=30.0)
@@ -154,6 +164,15 @@ def test_retry_after_follows_the_queue_and_the_measured_speed():
     queue_items(core, [text(100)] * 100)
     measured(core, seconds_per_token=0.001, fixed=0.05)  # 10 calls x (0.05 + 1 s)
     assert core.retry_after(now=0.0) == pytest.approx(10 * 0.05 + 10.0)
+
+
+def test_retry_after_counts_what_is_left_of_the_batches_in_flight():
+    core = measured(SchedulerCore(max_queue=100, max_batch_size=10), 0.001, fixed=0.05)
+    queue_items(core, [text(100)] * 30)
+    assert len(core.next_batch(now=0.0)) == 10  # one call in flight: 0.05 + 1 s
+    queued = 2 * (0.05 + 1.0)
+    assert core.retry_after(now=0.25) == pytest.approx(queued + 1.05 - 0.25)
+    assert core.retry_after() == pytest.approx(queued)  # no clock: the queue alone
 
 
 def test_everything_is_admitted_before_the_speed_is_measured():
@@ -324,12 +343,14 @@ def test_a_long_item_is_not_starved_by_a_stream_of_short_ones():
     assert step == 1  # it leads the first batch after it became the earliest deadline
 
 
-def test_an_urgent_item_joins_a_batch_whatever_its_length():
+@pytest.mark.parametrize("start", [0.0, 1000.0])
+def test_an_urgent_item_joins_a_batch_whatever_its_length(start):
     core = measured(SchedulerCore(max_batch_size=8), seconds_per_token=1e-5, fixed=0.01)
-    head = queue_items(core, [text(10)], deadline=0.019)
-    queue_items(core, [text(10)] * 2, deadline=1.0)
-    urgent = queue_items(core, [text(200)], deadline=0.02)  # alone 0.012 s: no time to wait
-    assert core.next_batch(now=0.0) == head + urgent
+    head = queue_items(core, [text(10)], now=start, deadline=start + 0.019)
+    queue_items(core, [text(10)] * 2, now=start, deadline=start + 1.0)
+    # alone 0.012 s: no time to wait
+    urgent = queue_items(core, [text(200)], now=start, deadline=start + 0.02)
+    assert core.next_batch(now=start) == head + urgent
 
 
 def test_a_long_item_that_can_wait_does_not_pad_a_batch_of_short_ones():

@@ -256,10 +256,15 @@ class CostModel:
                 slopes = (0.0, max(cov_py / var_p, 0.0))
             else:
                 slopes = (max(cov_ay / var_a, 0.0), 0.0)
-        elif p_varies:  # tokens and items move together (or items stay): the tokens
-            slopes = (0.0, cov_py / var_p) if cov_py >= 0 else None
-        elif a_varies:
-            slopes = (cov_ay / var_a, 0.0) if cov_ay >= 0 else None
+        elif p_varies:  # the tokens alone: the items move with them, or stay
+            # items that stay (full batches) keep the part learned of them: folded into
+            # the fixed part, it was counted again for a call of fewer items (a lone
+            # request predicted ~25% too slow)
+            per_item = 0.0 if a_varies or not self._fitted else self.per_item
+            slopes = (per_item, cov_py / var_p) if cov_py >= 0 else None
+        elif a_varies:  # the tokens stay (calls filled to a token budget): so does their part
+            per_token = self.per_token if self._fitted else 0.0
+            slopes = (cov_ay / var_a, per_token) if cov_ay >= 0 else None
         if slopes is not None:
             fixed = mean_y - slopes[0] * mean_a - slopes[1] * mean_p
             if fixed >= 0:
