@@ -433,6 +433,15 @@ def check_values(args: argparse.Namespace, parser: argparse.ArgumentParser, core
         parser.error("--max-timeout must be positive and --batching cost or count")
     if args.max_connections < 0 or args.api_key == "":
         parser.error("--max-connections must not be negative and --api-key not empty")
+    if args.api_key is not None and not (
+        args.api_key.isprintable() and args.api_key.strip() == args.api_key
+    ):
+        # a header value cannot end in whitespace or hold a control character: with such
+        # a key (a secret file's last newline) every request would be refused as a wrong key
+        parser.error(
+            "--api-key holds a control character or ends in whitespace (a file's last "
+            "newline?), which no Authorization header can carry"
+        )
     if not 1 <= args.http_processes <= cores:  # one speaks HTTP on a core at most
         parser.error(f"--http-processes must be from 1 to {cores}, this machine's cores")
     check_host(args.host, parser)

@@ -167,9 +167,13 @@ def test_an_invalid_option_is_one_error_line(monkeypatch, capsys, argv):
         # 1000 Python processes on 8 cores: only contention, and minutes to start
         (["--http-processes", "1000"], "--http-processes must be from 1 to 8"),
         (["--http-processes", "9"], "--http-processes must be from 1 to 8"),
+        # a client can send none of these: every request would be 401 "not valid"
+        (["--api-key", "secret\n"], "--api-key holds a control character or ends in"),
+        (["--api-key", " secret"], "--api-key holds a control character or ends in"),
+        (["--api-key", "sec\x00ret"], "--api-key holds a control character or ends in"),
     ],
 )
-def test_an_address_or_a_process_count_that_cannot_serve_is_refused_before_loading(
+def test_an_address_a_process_count_or_a_key_that_cannot_serve_is_refused_before_loading(
     monkeypatch, capsys, argv, says
 ):
     clear_environment(monkeypatch)

@@ -641,6 +641,28 @@ def test_a_batch_of_images_holds_one_decoded_image_at_a_time(runner, monkeypatch
     assert max(counts) <= 2, counts  # the one just preprocessed, at most, and the next
 
 
+def test_an_image_input_never_reaches_ghostscript(monkeypatch):
+    """An EPS "image" is PostScript, which Pillow renders by running Ghostscript wherever
+    it is installed: a client's program run on the server. Only raster formats are read."""
+    from PIL import EpsImagePlugin
+
+    from rawserve.worker import pipeline
+
+    ran = []
+
+    def ghostscript(*args, **kwargs):
+        ran.append(args)
+        raise OSError("Ghostscript ran")
+
+    monkeypatch.setattr(EpsImagePlugin, "has_ghostscript", lambda: True)  # as if installed
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", ghostscript)
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\nshowpage\n%%EOF\n"
+    with pytest.raises(ValueError, match="not an image Pillow can read .PNG, JPEG"):
+        pipeline.decode_image(base64.b64encode(eps).decode())
+    assert not ran
+    assert pipeline.decode_image(base64.b64encode(png((9, 9, 9))).decode()).size == (40, 30)
+
+
 def png_head(width: int, height: int) -> str:
     """A PNG's signature and header alone, base64-encoded: the size of a decompression bomb
     (a few hundred kilobytes of zeros decode to gigabytes) without its data."""

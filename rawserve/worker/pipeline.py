@@ -25,6 +25,10 @@ from rawserve.worker.runner import Runner, dtype_name, resolve_dtype
 # (text, label) pairs in one forward pass of a zero-shot classifier: a bound on the padded
 # batch's memory (a request may bring 32 texts and 100 labels)
 ZERO_SHOT_PAIRS_PER_PASS = 64
+# The formats an image input is read in: the raster ones clients send. Pillow opens
+# forty-odd by default, EPS among them, which it renders by running Ghostscript on the
+# client's PostScript wherever Ghostscript is installed.
+IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "TIFF", "WEBP")
 
 
 class PipelineRunner(Runner):
@@ -221,21 +225,22 @@ def refuse_past(limit: int) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], 
 
 
 def decode_image(encoded: str) -> Any:
-    """base64 text → an RGB PIL image; anything that is not an image is the client's error,
-    and so is an image of more pixels than Pillow's limit against decompression bombs (a
-    few hundred kilobytes of PNG can declare gigabytes of pixels: the header says so
-    before anything is decoded)."""
+    """base64 text → an RGB PIL image; anything that is not an image in `IMAGE_FORMATS` is
+    the client's error, and so is an image of more pixels than Pillow's limit against
+    decompression bombs (a few hundred kilobytes of PNG can declare gigabytes of pixels:
+    the header says so before anything is decoded)."""
     from PIL import Image, UnidentifiedImageError  # the optional `image` extra
 
     try:
         with warnings.catch_warnings():
             # Pillow only warns past its limit (and refuses past twice that): refuse both
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(base64.b64decode(encoded)))
+            image = Image.open(io.BytesIO(base64.b64decode(encoded)), formats=IMAGE_FORMATS)
         return image.convert("RGB")
     except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
         raise ValueError(
             f"the image has more than {Image.MAX_IMAGE_PIXELS:,} pixels, the most read"
         ) from exc
     except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise ValueError("the input is not an image Pillow can read") from exc
+        formats = ", ".join(IMAGE_FORMATS)
+        raise ValueError(f"the input is not an image Pillow can read ({formats})") from exc
