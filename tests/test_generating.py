@@ -555,12 +555,50 @@ def test_sampling_draws_from_the_tokens_generate_draws_from(runner):
     assert any(token["id"] not in {t["id"] for t in top} for token, top in tokens)
 
 
+def test_typical_p_keeps_the_tokens_transformers_typical_warper_keeps():
+    """The loop's draw is `generate`'s: temperature, top-k, top-p, then typical
+    filtering, each as transformers' warper does it."""
+    import torch
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+        TypicalLogitsWarper,
+    )
+
+    from rawserve.worker.scores import sampling_probabilities
+
+    generator = torch.Generator().manual_seed(0)
+    for spread in (0.1, 1.0, 5.0):  # near uniform to peaked
+        logits = torch.randn(1, 400, generator=generator) * spread
+        for mass in (0.01, 0.2, 0.5, 0.95, 0.999):
+            for temperature, top_k, top_p in ((1.0, None, None), (0.7, 50, 0.9)):
+                chain = [TypicalLogitsWarper(mass)]
+                if top_k is not None:
+                    chain[:0] = [
+                        TemperatureLogitsWarper(temperature),
+                        TopKLogitsWarper(top_k),
+                        TopPLogitsWarper(top_p),
+                    ]
+                expected = logits
+                for warper in chain:
+                    expected = warper(None, expected)
+                settings = SimpleNamespace(
+                    temperature=temperature, top_k=top_k, top_p=top_p, typical_p=mass
+                )
+                got = sampling_probabilities(logits[0], settings)
+                assert torch.equal(got > 0, expected[0].softmax(-1) > 0), (spread, mass)
+                torch.testing.assert_close(got, expected[0].softmax(-1))
+
+
 @pytest.mark.parametrize(
-    "setting", [{"temperature": 1.5}, {"top_k": 5}, {"top_p": 0.5}], ids=lambda s: next(iter(s))
+    "setting",
+    [{"temperature": 1.5}, {"top_k": 5}, {"top_p": 0.5}, {"typical_p": 0.5}],
+    ids=lambda s: next(iter(s)),
 )
 def test_a_sampling_setting_samples_beside_do_sample_false_as_tgi_reads_it(runner, setting):
-    # TGI's client sends do_sample false beside the temperature, top_k or top_p it is
-    # given, and TGI samples with them
+    # TGI's client sends do_sample false beside the temperature, top_k, top_p or
+    # typical_p it is given, and TGI samples with them
     asked = {"max_new_tokens": 12, "seed": 4, "do_sample": False, **setting}
     sampled = {**asked, "do_sample": True}
     for params in (asked, sampled):
@@ -591,6 +629,21 @@ def test_post_root_samples_at_the_pipelines_temperature_and_the_api_routes_at_th
             answers.append(got)
         differ.append(answers[0] != answers[1])
     assert any(differ)
+
+
+def test_the_models_own_typical_p_is_applied_by_the_loop_as_generate_applies_it(
+    runner, monkeypatch
+):
+    from rawserve.worker.generating import continuous_loop
+
+    monkeypatch.setattr(runner.model.generation_config, "typical_p", 0.3)
+    assert runner.unapplied_settings == []
+    assert continuous_loop(runner, WorkerConfig("m", "text-generation"), print, None) is not None
+    asked = {"max_new_tokens": 12, "seed": 4, "do_sample": True}
+    [(_, got, _)] = as_the_static_path(runner, asked, ["the movie was"])
+    assert got == static(runner, "the movie was", {**asked, "typical_p": 0.3})
+    monkeypatch.setattr(runner.model.generation_config, "typical_p", 1.0)
+    assert got != static(runner, "the movie was", asked)
 
 
 def test_the_models_own_temperature_wins_over_the_pipelines(tiny_model, tmp_path):
