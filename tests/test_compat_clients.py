@@ -146,7 +146,6 @@ def test_decoder_input_details_lists_the_prompts_tokens_as_tgi_does(servers):
         ("best_of", 2),
         ("watermark", True),
         ("truncate", 10),
-        ("typical_p", 0.5),
         ("frequency_penalty", 0.5),
     ],
 )
@@ -155,6 +154,36 @@ def test_tgi_parameters_rawserve_does_not_serve_are_422_naming_them(servers, pat
     parameters = {**CLIENT_DEFAULTS, name: value}
     status, answer = servers["chat"].post_json({"inputs": PROMPT, "parameters": parameters}, path)
     assert status == 422 and name in answer["error"], answer
+
+
+# what langchain-huggingface 1.2.3's HuggingFaceEndpoint sends by default (InferenceClient
+# drops its nulls), with a seed
+LANGCHAIN_DEFAULTS = {
+    "max_new_tokens": 8,
+    "top_p": 0.95,
+    "typical_p": 0.95,
+    "temperature": 0.8,
+    "return_full_text": False,
+    "stop": [],
+    "do_sample": False,
+    "watermark": False,
+}
+
+
+@pytest.mark.parametrize("path", ["/generate", "/"])
+def test_typical_p_samples_and_a_seed_repeats_it(servers, path):
+    chat = servers["chat"]
+    typical = {**CLIENT_DEFAULTS, "max_new_tokens": 8, "typical_p": 0.95}
+    status, answer = chat.post_json({"inputs": PROMPT, "parameters": typical}, path)
+    assert status == 200, answer
+    answer = answer if path == "/generate" else answer[0]
+    seed = answer["details"]["seed"]
+    assert isinstance(seed, int)  # it sampled (greedy names no seed)
+    again = {"inputs": PROMPT, "parameters": {**typical, "seed": seed}}
+    assert chat.post_json(again, path)[1] == (answer if path == "/generate" else [answer])
+    defaults = {"inputs": PROMPT, "parameters": {**LANGCHAIN_DEFAULTS, "seed": 3}}
+    status, first = chat.post_json(defaults, path)
+    assert status == 200 and chat.post_json(defaults, path) == (200, first), first
 
 
 def test_generate_takes_one_text(servers):

@@ -61,7 +61,7 @@ def test_the_parameters_tgis_client_sends_unset_are_taken_and_left_out():
 
 @pytest.mark.parametrize(
     ("name", "neutral"),
-    [("best_of", 1), ("frequency_penalty", 0.0), ("typical_p", 1.0)],
+    [("best_of", 1), ("frequency_penalty", 0.0)],
 )
 def test_a_neutral_value_is_taken_as_unset(name, neutral):
     assert TASK is not None
@@ -74,7 +74,6 @@ def test_a_neutral_value_is_taken_as_unset(name, neutral):
         ("best_of", 2),
         ("watermark", True),
         ("truncate", 0),
-        ("typical_p", 0.9),
         ("frequency_penalty", 0.1),
         ("adapter_id", "lora"),
         ("watermark", 0),  # false is not 0
@@ -84,6 +83,13 @@ def test_a_value_rawserve_cannot_honour_is_refused_naming_it(name, value):
     assert TASK is not None
     with pytest.raises(UnservedParameter, match=f"'{name}' is not supported"):
         check_params(TASK, {name: value})
+
+
+@pytest.mark.parametrize("value", [0.95, 0.01, 1.0])
+def test_typical_p_is_served_from_above_0_to_1_which_is_off(value):
+    # LangChain's HuggingFaceEndpoint sends typical_p 0.95 unless told otherwise
+    assert TASK is not None
+    assert check_params(TASK, {"typical_p": value}) == {"typical_p": value}
 
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
@@ -266,6 +272,8 @@ REFUSED_BY_VALIDATION = [
     pytest.param({"max_new_tokens": "many"}, id="max_new_tokens not a number"),
     pytest.param({"temperature": -1}, id="temperature below 0"),
     pytest.param({"top_p": 1.5}, id="top_p above 1"),
+    pytest.param({"typical_p": 0}, id="typical_p 0"),
+    pytest.param({"typical_p": 1.5}, id="typical_p above 1"),
     pytest.param({"stop": [""]}, id="blank stop"),
     pytest.param({"best_of": 2}, id="best_of"),
     pytest.param({"beam_width": 2}, id="unknown parameter"),

@@ -581,11 +581,57 @@ def test_sampling_draws_from_the_tokens_generate_draws_from(runner):
 
 
 @pytest.mark.parametrize(
-    "setting", [{"temperature": 1.5}, {"top_k": 5}, {"top_p": 0.5}], ids=lambda s: next(iter(s))
+    ("temperature", "top_k", "top_p", "min_p", "typical_p"),
+    [
+        (1.0, None, None, None, 0.5),
+        (1.0, None, None, 0.2, None),
+        (0.7, 50, 0.9, 0.1, 0.9),
+    ],
+)
+def test_sampling_keeps_the_tokens_transformers_warpers_keep(
+    temperature, top_k, top_p, min_p, typical_p
+):
+    """The loop's draw is `generate`'s: temperature, top-k, top-p, min-p, then typical
+    filtering, each as transformers' warper does it."""
+    import torch
+    from transformers.generation import logits_process as warpers
+
+    from rawserve.worker.scores import sampling_probabilities
+
+    generator = torch.Generator().manual_seed(0)
+    settings = SimpleNamespace(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p
+    )
+    for spread in (0.1, 1.0, 5.0):  # near uniform to peaked
+        logits = torch.randn(1, 400, generator=generator) * spread
+        for mass in (0.01, 0.2, 0.5, 0.95, 0.999) if typical_p else (None,):
+            chain = [
+                warpers.TemperatureLogitsWarper(temperature),
+                *([warpers.TopKLogitsWarper(top_k)] if top_k else []),
+                *([warpers.TopPLogitsWarper(top_p)] if top_p else []),
+                *([warpers.MinPLogitsWarper(min_p)] if min_p else []),
+                *([warpers.TypicalLogitsWarper(mass)] if mass else []),
+            ]
+            expected = logits
+            for warper in chain:
+                expected = warper(None, expected)
+            got = sampling_probabilities(logits[0], replace_typical(settings, mass))
+            assert torch.equal(got > 0, expected[0].softmax(-1) > 0), (spread, mass)
+            torch.testing.assert_close(got, expected[0].softmax(-1))
+
+
+def replace_typical(settings: SimpleNamespace, mass: float | None) -> SimpleNamespace:
+    return SimpleNamespace(**{**vars(settings), "typical_p": mass})
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [{"temperature": 1.5}, {"top_k": 5}, {"top_p": 0.5}, {"typical_p": 0.5}],
+    ids=lambda s: next(iter(s)),
 )
 def test_a_sampling_setting_samples_beside_do_sample_false_as_tgi_reads_it(runner, setting):
-    # TGI's client sends do_sample false beside the temperature, top_k or top_p it is
-    # given, and TGI samples with them
+    # TGI's client sends do_sample false beside the temperature, top_k, top_p or
+    # typical_p it is given, and TGI samples with them
     asked = {"max_new_tokens": 12, "seed": 4, "do_sample": False, **setting}
     sampled = {**asked, "do_sample": True}
     for params in (asked, sampled):
@@ -616,6 +662,24 @@ def test_post_root_samples_at_the_pipelines_temperature_and_the_api_routes_at_th
             answers.append(got)
         differ.append(answers[0] != answers[1])
     assert any(differ)
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "neutral"), [("typical_p", 0.3, 1.0), ("min_p", 0.9, 0.0)]
+)
+def test_the_models_own_typical_p_and_min_p_are_applied_by_the_loop_as_generate_applies_them(
+    runner, monkeypatch, setting, value, neutral
+):
+    from rawserve.worker.generating import continuous_loop
+
+    monkeypatch.setattr(runner.model.generation_config, setting, value)
+    assert runner.unapplied_settings == []
+    assert continuous_loop(runner, WorkerConfig("m", "text-generation"), print, None) is not None
+    asked = {"max_new_tokens": 12, "seed": 4, "do_sample": True}
+    [(_, got, _)] = as_the_static_path(runner, asked, ["the movie was"])
+    assert got == static(runner, "the movie was", {**asked, setting: value})
+    monkeypatch.setattr(runner.model.generation_config, setting, neutral)
+    assert got != static(runner, "the movie was", asked)
 
 
 def test_the_models_own_temperature_wins_over_the_pipelines(tiny_model, tmp_path):
@@ -1014,7 +1078,12 @@ def test_a_causal_lm_batches_continuously_unless_static_is_asked(runner):
 
 @pytest.mark.parametrize(
     ("setting", "value"),
-    [("no_repeat_ngram_size", 2), ("num_beams", 2), ("suppress_tokens", [5]), ("min_p", 0.1)],
+    [
+        ("no_repeat_ngram_size", 2),
+        ("num_beams", 2),
+        ("suppress_tokens", [5]),
+        ("epsilon_cutoff", 0.1),
+    ],
 )
 def test_a_model_whose_generation_config_asks_what_the_loop_does_not_apply_runs_static(
     runner, monkeypatch, setting, value
@@ -1027,7 +1096,12 @@ def test_a_model_whose_generation_config_asks_what_the_loop_does_not_apply_runs_
     monkeypatch.setattr(runner.model.generation_config, setting, value)
     assert runner.unapplied_settings == [f"{setting}={value!r}"]
     assert continuous_loop(runner, config, print, None) is None
-    neutral = {"no_repeat_ngram_size": 0, "num_beams": 1, "suppress_tokens": [], "min_p": 0.0}
+    neutral = {
+        "no_repeat_ngram_size": 0,
+        "num_beams": 1,
+        "suppress_tokens": [],
+        "epsilon_cutoff": 0.0,
+    }
     monkeypatch.setattr(runner.model.generation_config, setting, neutral[setting])
     assert runner.unapplied_settings == []
     assert continuous_loop(runner, config, print, None) is not None

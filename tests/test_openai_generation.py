@@ -843,6 +843,18 @@ def test_vllms_min_tokens_and_ignore_eos_give_answers_of_a_set_length(servers, r
     assert body["error"]["param"] == "min_tokens"
 
 
+def test_vllms_min_p_keeps_only_tokens_near_the_likeliest(servers):
+    plain = client(servers["plain"])
+    asked = {"model": PLAIN_MODEL, "prompt": PROMPT, "max_tokens": 8}
+    greedy = plain.completions.create(**asked, temperature=0).choices[0].text
+    # min_p 1: only the likeliest token is left to sample (the seeds draw alike)
+    for seed in (1, 2):
+        held = {"temperature": 1.0, "seed": seed, "extra_body": {"min_p": 1.0}}
+        assert plain.completions.create(**asked, **held).choices[0].text == greedy
+    status, body = servers["plain"].post_json({**asked, "min_p": 1.5}, "/v1/completions")
+    assert status == 400 and '"min_p" must be between' in body["error"]["message"], body
+
+
 def test_vllms_min_tokens_holds_stop_sequences_back_streamed_or_not(servers):
     plain = client(servers["plain"])
     asked = {"model": PLAIN_MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}

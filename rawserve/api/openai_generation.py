@@ -163,6 +163,8 @@ def generation_params(
     top_p = fields.value("top_p")
     if top_p is not None:
         params["top_p"] = top_p
+    if min_p := fields.value("min_p"):  # 0: none
+        params["min_p"] = min_p
     repetition_penalty = fields.value("repetition_penalty")
     if repetition_penalty is not None:
         params["repetition_penalty"] = repetition_penalty
@@ -640,6 +642,11 @@ COMMON: dict[str, Field] = {
     "presence_penalty": Field(PENALTY, lambda name, value, _: read_number(name, value, -2, 2)),
     "logit_bias": Field(LOGIT_BIAS, read_logit_bias),
     "response_format": Field(RESPONSE_FORMAT, read_response_format),
+    # vLLM's: a sampled token is at least min_p times as likely as the likeliest (0: any)
+    "min_p": Field(
+        {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+        lambda name, value, _: read_number(name, value, 0.0, 1.0),
+    ),
     # vLLM's: no end of sequence before min_tokens, or none at all (benchmarks ask for
     # answers of a fixed length)
     "min_tokens": whole(0, MAX_NEW_TOKENS),

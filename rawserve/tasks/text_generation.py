@@ -167,6 +167,8 @@ TASK = Task(
         "seed": int_range(0, 2**32 - 1),
         "stop": stop_sequences,
         "repetition_penalty": float_range(0.0, 100.0, above_low=True),
+        # typical decoding (TGI's; 1: off): it samples, as a top_p below 1 does
+        "typical_p": float_range(0.0, 1.0, above_low=True),
         "details": boolean,
         "top_n_tokens": int_range(0, MAX_TOP_N_TOKENS),
         # the prompt's tokens with their log probabilities, in the details' `prefill`
@@ -175,7 +177,6 @@ TASK = Task(
         # null or false (or their neutral value) when unset; anything else is a 422
         "best_of": ignored(1),
         "frequency_penalty": ignored(0),
-        "typical_p": ignored(1),
         "truncate": ignored(),
         "watermark": ignored(False),
         "grammar": grammar,

@@ -65,8 +65,6 @@ UNAPPLIED_SETTINGS: dict[str, Any] = {
     "forced_bos_token_id": None,
     "forced_eos_token_id": None,
     "exponential_decay_length_penalty": None,
-    "min_p": 0.0,
-    "typical_p": 1.0,
     "epsilon_cutoff": 0.0,
     "eta_cutoff": 0.0,
     "top_h": None,
@@ -105,13 +103,14 @@ def scores_prompt(params: dict[str, Any]) -> bool:
 
 
 def asks_sampling(params: dict[str, Any]) -> bool:
-    """Whether a temperature (but 1), a top_k or a top_p (below 1) is asked: TGI samples
-    with them even beside do_sample false."""
-    temperature, top_p = params.get("temperature"), params.get("top_p")
+    """Whether a temperature (but 1), a top_k, or a top_p or typical_p (below 1) is asked:
+    TGI samples with them even beside do_sample false."""
+    temperature = params.get("temperature")
+    below_one = [params.get(name) for name in ("top_p", "typical_p")]
     return (
         temperature not in (None, 1.0)
         or params.get("top_k") is not None
-        or (top_p is not None and top_p < 1.0)
+        or any(value is not None and value < 1.0 for value in below_one)
     )
 
 
@@ -127,6 +126,8 @@ def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[st
         "temperature",
         "top_p",
         "top_k",
+        "min_p",
+        "typical_p",
         "repetition_penalty",
         "min_new_tokens",
     ):
@@ -349,6 +350,8 @@ class CausalLMRunner(Runner):
             temperature=setting("temperature") or 1.0,
             top_k=setting("top_k"),
             top_p=setting("top_p"),
+            min_p=setting("min_p"),
+            typical_p=setting("typical_p"),
             seed=params.get("seed"),
             stop=tuple(params.get("stop", ())),
             repetition_penalty=setting("repetition_penalty"),

@@ -72,6 +72,8 @@ class Generation:
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None  # None or 0.0: none
+    typical_p: float | None = None  # None or 1.0: none
     seed: int | None = None  # a sampled one's, drawn when not given
     stop: Sequence[str] = ()
     repetition_penalty: float | None = None  # None or 1.0: none

@@ -23,6 +23,8 @@ class Sampling(Protocol):
     temperature: float
     top_k: int | None
     top_p: float | None
+    min_p: float | None
+    typical_p: float | None
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,8 @@ def penalize_repetition(scores: torch.Tensor, penalty: float, sequence: list[int
 
 
 def sampling_probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """What a token is drawn from, for one row's logits: its temperature, top-k and top-p."""
+    """What a token is drawn from, for one row's logits: its temperature, top-k, top-p,
+    min-p and typical_p, in `generate`'s order."""
     logits = logits / max(sampling.temperature, 1e-5)
     if sampling.top_k:
         kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1])).values[-1]
@@ -92,7 +95,27 @@ def sampling_probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Te
         cumulative = ordered.softmax(-1).cumsum(-1)
         drop = cumulative - ordered.softmax(-1) > sampling.top_p  # keep the first past p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if sampling.min_p:  # not a token less likely than min_p times the likeliest
+        probabilities = logits.softmax(-1)
+        unlikely = probabilities < sampling.min_p * probabilities.max()
+        logits = logits.masked_fill(unlikely, float("-inf"))
+    if sampling.typical_p is not None and sampling.typical_p < 1.0:
+        logits = typical(logits, sampling.typical_p)
     return logits.softmax(-1)
+
+
+def typical(logits: torch.Tensor, mass: float) -> torch.Tensor:
+    """Typical decoding (Meister et al.) on one row's logits, as transformers'
+    `TypicalLogitsWarper` does it: the tokens whose surprise is nearest the row's entropy,
+    nearest first, up to the first that brings their probability to `mass` (at least one)."""
+    logprobs = logits.log_softmax(-1)
+    entropy = -(logprobs * logprobs.exp()).nansum()
+    distance, order = torch.sort((-logprobs - entropy).abs())
+    cumulative = logits[order].softmax(-1).cumsum(-1)
+    last = min(int((cumulative < mass).sum()), len(order) - 1)
+    drop = distance > distance[last]
+    drop[0] = False
+    return logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
 
 
 def likeliest(logprobs: torch.Tensor, count: int) -> list[list[tuple[int, float]]] | None:
