@@ -190,6 +190,22 @@ def test_embed_all_over_the_bound_is_refused_before_the_work(tokenizer_json):
     assert "fewer or shorter" in body["error"]
 
 
+def test_an_echo_with_logprobs_over_the_bound_is_refused_before_the_work(tokenizer_json):
+    """Each echoed prompt token lists its alternatives in every choice: 4 prompts of about
+    120 tokens with 20 alternatives make about 200 KB of answer. The idle queue fails
+    any call: a 413 here was decided before the model ran."""
+    app = app_for("text-generation", tokenizer_json, {}, max_answer_bytes=100_000)
+    one = "hello world " * 60
+    document = {"prompt": one, "max_tokens": 0, "echo": True, "logprobs": 20}
+    for larger in ({"prompt": [one] * 4}, {"n": 4}):
+        status, body = post(app, "/v1/completions", {**document, **larger})
+        assert status == 413 and "100,000 bytes" in body["error"]["message"]
+    # one prompt, one choice: about 50 KB; without log probabilities: the prompt's text
+    for smaller in ({}, {"prompt": [one] * 4, "logprobs": None}):
+        status, body = post(app, "/v1/completions", {**document, **smaller})
+        assert status != 413, body
+
+
 # --- a real server's memory -------------------------------------------------------------
 
 

@@ -47,7 +47,7 @@ from rawserve.api.openai_responses import (
     parse_response,
 )
 from rawserve.api.outcomes import unwrap
-from rawserve.api.prompts import check_lengths, echoed_texts
+from rawserve.api.prompts import check_echo_size, check_lengths, echoed_texts
 from rawserve.api.routing import MODEL_ERRORS, DocContext, Handler, Needs, Operation, Route
 from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
@@ -327,6 +327,15 @@ class OpenAIRoutes:
         check_token_ids(generation, loaded.details.get("vocabulary") if loaded else None)
         check_choices(generation, self.context.settings.max_client_batch_size)
         await check_lengths(self.context.tokenizers, model, generation.items, chat)
+        if generation.echo and generation.logprobs is not None:
+            await check_echo_size(
+                self.context.tokenizers,
+                model,
+                generation.items,
+                generation.logprobs + 1,  # the chosen token is listed among them
+                generation.n,
+                self.context.settings.max_answer_bytes,
+            )
         stops_after = int(generation.params.get("min_new_tokens", 0))
         if shape is None:
             shape = Answer(

@@ -29,13 +29,14 @@ from rawserve.api.served import ServedModel
 from rawserve.api.tokens import (
     COUNT_MARGIN,
     INLINE_LIMIT,
+    AnswerTooLarge,
     ServerTokenizer,
     ServerTokenizers,
     TokenBound,
     TooManyTokens,
     UnknownTokenId,
 )
-from rawserve.http.errors import BadRequest, UnprocessableInput
+from rawserve.http.errors import BadRequest, PayloadTooLarge, UnprocessableInput
 from rawserve.tasks.text_generation import REASONING_END
 
 
@@ -69,6 +70,40 @@ async def check_lengths(
             await asyncio.to_thread(count_within, tokenizer, texts, bound, not chat)
     except TooManyTokens:
         raise too_long(most) from None
+
+
+# about the JSON one listed log probability takes in a completion's answer (`"text":
+# -5.6512823,` in `top_logprobs`, with the token's own entries): 4,001 echoed tokens with
+# 20 alternatives each made 1.71 MB, 20.4 bytes each
+LISTED_BYTES = 20
+
+
+async def check_echo_size(
+    tokenizers: ServerTokenizers,
+    model: ServedModel,
+    prompts: Sequence[Any],
+    listed: int,
+    copies: int,
+    largest: int,
+) -> None:
+    """413 when the prompts' echoed tokens, each listed with `listed` log probabilities in
+    each of `copies` choices, would make an answer over `largest` bytes; counted with the
+    server's tokenizer only where prompts of the model's whole length would not fit."""
+    loaded = model.serving.loaded
+    positions = int(loaded.details.get("max_input_length") or 0) if loaded else 0
+    per_token = listed * copies * LISTED_BYTES
+    if positions < 1 or len(prompts) * positions * per_token <= largest:
+        return
+    counts = [len(prompt) for prompt in prompts if isinstance(prompt, list)]
+    texts = [prompt for prompt in prompts if isinstance(prompt, str)]
+    tokenizer = await tokenizers.get(model) if texts else None
+    if tokenizer is not None:
+        if sum(len(text) for text in texts) <= INLINE_LIMIT:
+            counts += tokenizer.count(texts, positions)
+        else:  # the encoder lets go of the GIL: the event loop goes on meanwhile
+            counts += await asyncio.to_thread(tokenizer.count, texts, positions)
+    if sum(counts) * per_token > largest:
+        raise PayloadTooLarge(str(AnswerTooLarge(largest)))
 
 
 def too_long(most: int) -> UnprocessableInput:
