@@ -28,6 +28,7 @@ from rawserve.shared.messages import (
     WorkerConfig,
 )
 from rawserve.tasks.text_generation import API_SAMPLING
+from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE
 from tests.tiny_models import PERSON
 
 POSITIONS = 256  # the tiny GPT-2's (tests/tiny_models.py)
@@ -510,6 +511,34 @@ def test_a_row_whose_sampling_has_nothing_to_draw_from_fails_alone(runner):
     assert [answered[b.batch_id].outputs for b in mates] == [
         alone[b.batch_id].outputs for b in mates
     ]
+
+
+@pytest.mark.parametrize("fault", [float("nan"), float("inf"), -float("inf")])
+def test_a_row_whose_model_scores_are_not_numbers_fails_alone_as_the_models_fault(runner, fault):
+    """A model that overflows (float16 on a long input, a broken checkpoint) on one row:
+    greedy took token 0 from NaN scores and answered it, sampling blamed the temperature
+    the client never set (422); that row now fails alone with 500 saying why."""
+    head = runner.model.get_output_embeddings()
+    calls = []
+
+    def overflow(_module, _inputs, output):
+        calls.append(1)
+        if len(calls) == 1:  # the first pass: the batch's first row alone
+            output[0] = fault
+        return output
+
+    greedy = {**GREEDY, "max_new_tokens": 4}
+    sampled = {**greedy, "do_sample": True, "seed": 5}
+    mates = [Batch(1, ("the movie was", "paris is"), greedy), Batch(2, ("a",), sampled)]
+    hook = head.register_forward_hook(overflow)
+    try:
+        answered = results(serve(runner, {0: mates}))
+    finally:
+        hook.remove()
+    alone = results(serve(runner, {0: mates}))
+    first, second = answered[1].outputs
+    assert first == ItemFailure(FailureKind.INTERNAL, MODEL_SCORES_FAILED_MESSAGE)
+    assert second == alone[1].outputs[1] and answered[2].outputs == alone[2].outputs
 
 
 def test_an_end_of_sequence_waits_for_min_new_tokens_or_never_ends_as_on_the_static_path(

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import transformers
 
+from rawserve.shared.messages import FailureKind
 from rawserve.worker.cuda_graphs import ROW_BUCKETS
 from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.grammars import constrain
@@ -45,7 +46,7 @@ from rawserve.worker.prefill_graphs import (
     GraphedPrefill,
     Prefilled,
 )
-from rawserve.worker.runner import SAMPLING_FAILED_MESSAGE
+from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE, SAMPLING_FAILED_MESSAGE
 from rawserve.worker.scores import (
     ScoreAdjustments,
     likeliest,
@@ -99,6 +100,7 @@ class Generation:
     text: str = ""  # the text so far, piece by piece (pieces hold back a cut character)
     finish_reason: str | None = None  # None while it runs
     failure: str | None = None  # why it failed alone (finish_reason "failed"), for its client
+    failure_kind: FailureKind = FailureKind.INPUT  # whose fault: its settings' or the model's
     cap: int = 0  # its own new-token cap: asked, and what its positions allow
     generator: torch.Generator | None = None
     pieces: TextPieces | None = None
@@ -107,9 +109,11 @@ class Generation:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def fail(self, why: str) -> None:
-        """End it alone: its own settings or grammar cannot go on (the rows beside it do)."""
+    def fail(self, why: str, kind: FailureKind = FailureKind.INPUT) -> None:
+        """End it alone: its own settings or grammar cannot go on, or the model's scores
+        for it are not numbers (the rows beside it go on)."""
         self.failure = why
+        self.failure_kind = kind
         self.finish_reason = "failed"
 
 
@@ -363,6 +367,13 @@ class ContinuousBatcher:
         """Each row's next token (greedy, or sampled with its own settings and generator),
         taken into its sequence."""
         scores = logits.float()  # as generate scores them
+        # a row whose scores hold NaN or +inf, or no finite score at all, is the model's
+        # fault, not its settings': greedy would take token 0 as if it were an answer, and
+        # sampling would blame the temperature; the row fails alone, saying so
+        broken = (scores.isnan() | scores.isposinf()).any(-1) | scores.isneginf().all(-1)
+        for generation, fault in zip(rows, broken.tolist(), strict=True):
+            if fault and not generation.done:
+                generation.fail(MODEL_SCORES_FAILED_MESSAGE, FailureKind.INTERNAL)
         for index, generation in enumerate(rows):
             if generation.done:
                 continue

@@ -284,8 +284,11 @@ class GenerationLoop:
         opened = self.open.get(batch_id)
         if opened is None:
             return
-        if generation.failure is not None:  # its own settings or grammar: it alone fails
-            self._fail(opened, index, ItemFailure(FailureKind.INPUT, generation.failure), None)
+        if generation.failure is not None:  # its settings, grammar or scores: it alone fails
+            failure = ItemFailure(generation.failure_kind, generation.failure)
+            if failure.kind is not FailureKind.INPUT:
+                log.warning("a sequence failed: %s", failure.message)
+            self._fail(opened, index, failure, None)
             self._answer_if_done(opened)
             return
         if generation.finish_reason == "cancelled":

@@ -39,6 +39,13 @@ SAMPLING_FAILED_MESSAGE = (
     "repetition_penalty very close to 0 leaves no probabilities to draw from): raise it, or "
     "generate greedily (do_sample false, or temperature 0)"
 )
+# what a client is told when the model's own scores are NaN or infinite before any setting
+# of the request touched them (an overflow, as float16 meets on long inputs; a broken
+# checkpoint): no token can be chosen from them, whatever the request asks
+MODEL_SCORES_FAILED_MESSAGE = (
+    "the model's scores for this input are not numbers (NaN or infinite: the model "
+    "overflowed, or its weights are broken); no token can be chosen from them"
+)
 
 # what a batch too large for the memory raises, besides MemoryError and CUDA's own error
 OUT_OF_MEMORY_MESSAGES = (
