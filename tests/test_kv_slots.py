@@ -169,3 +169,38 @@ def test_on_a_gpu_the_first_buffers_hold_every_row_and_the_columns_memory_allows
     slots = KvSlots(torch.device("cpu"), 16, 1024)
     slots.join(one, one, mask)
     assert slots.free_memory is None and slots.capacity == (1, 64)  # a CPU's, as before
+
+
+def test_rows_grow_by_doubling_up_to_the_batch_limit():
+    """Joining rows past the allocated ones doubles the rows (amortised), never past
+    `max_rows`, and takes at once as many as a large join needs."""
+    one = [torch.ones(1, HEADS, 2, DIM) for _ in range(LAYERS)]
+    mask = torch.ones((1, 2), dtype=torch.long)
+    slots = KvSlots(torch.device("cpu"), 5)
+    allocated = []
+    for _ in range(5):
+        slots.join(one, one, mask)
+        allocated.append(slots.capacity[0])
+    assert allocated == [1, 2, 4, 4, 5]  # doubled, then cut at max_rows
+    slots = KvSlots(torch.device("cpu"), 16)
+    slots.join(one, one, mask)
+    three = [torch.ones(3, HEADS, 2, DIM) for _ in range(LAYERS)]
+    slots.join(three, three, torch.ones((3, 2), dtype=torch.long))
+    assert slots.capacity[0] == 4  # the rows the join needs, more than twice 1
+
+
+def test_a_join_as_wide_as_a_full_window_keeps_its_columns(monkeypatch):
+    """A row exactly as long as the window fits its columns: the buffer is not widened."""
+    monkeypatch.setattr(kv_slots, "FIRST_LENGTH_CAPACITY", 4)
+    slots = KvSlots(torch.device("cpu"), 16)
+    two = [torch.ones(1, HEADS, 2, DIM) for _ in range(LAYERS)]
+    slots.join(two, two, torch.ones((1, 2), dtype=torch.long))
+    for _ in range(2):  # fill the buffer's 4 columns
+        cache, _ = slots.open_column()
+        for layer in range(LAYERS):
+            cache.layers[layer].update(two[layer][:, :, :1], two[layer][:, :, :1])
+        slots.close_column()
+    assert (slots.start, slots.end, slots.capacity) == (0, 4, (1, 4))
+    four = [torch.ones(1, HEADS, 4, DIM) for _ in range(LAYERS)]
+    slots.join(four, four, torch.ones((1, 4), dtype=torch.long))
+    assert (slots.start, slots.end, slots.capacity) == (0, 4, (2, 4))
