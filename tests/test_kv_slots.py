@@ -204,3 +204,18 @@ def test_a_join_as_wide_as_a_full_window_keeps_its_columns(monkeypatch):
     four = [torch.ones(1, HEADS, 4, DIM) for _ in range(LAYERS)]
     slots.join(four, four, torch.ones((1, 4), dtype=torch.long))
     assert (slots.start, slots.end, slots.capacity) == (0, 4, (2, 4))
+
+
+def test_a_join_longer_than_the_buffer_widens_it_for_its_row_and_the_next_column(monkeypatch):
+    """A row wider than the buffer's columns: the buffer takes it and the next step's
+    column, so that step writes in place rather than allocating again."""
+    monkeypatch.setattr(kv_slots, "FIRST_LENGTH_CAPACITY", 4)
+    slots = KvSlots(torch.device("cpu"), 16)
+    two = [torch.ones(1, HEADS, 2, DIM) for _ in range(LAYERS)]
+    slots.join(two, two, torch.ones((1, 2), dtype=torch.long))
+    nine = [torch.ones(1, HEADS, 9, DIM) for _ in range(LAYERS)]
+    slots.join(nine, nine, torch.ones((1, 9), dtype=torch.long))
+    assert (slots.start, slots.end, slots.capacity) == (0, 9, (2, 10))
+    layout = slots.layout
+    cache, mask = slots.open_column()
+    assert slots.layout == layout and mask.shape == (2, 10)
