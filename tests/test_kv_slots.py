@@ -164,8 +164,96 @@ def test_on_a_gpu_the_first_buffers_hold_every_row_and_the_columns_memory_allows
 
     assert first_buffers(16 * 64, 1024) == (16, 64)  # every row, the first columns
     assert first_buffers(16 * 300, 1024) == (16, 256)  # columns doubled while they fit
+    assert first_buffers(16 * 128, 1024) == (16, 128)  # doubled to exactly what fits
+    assert first_buffers(16 * 10_000, 256) == (16, 512)  # exactly twice the model's length
     assert first_buffers(16 * 10_000, 300) == (16, 1024)  # twice the model's length
     assert first_buffers(16 * 63, 1024) == (1, 64)  # not even that: as on a CPU
     slots = KvSlots(torch.device("cpu"), 16, 1024)
     slots.join(one, one, mask)
     assert slots.free_memory is None and slots.capacity == (1, 64)  # a CPU's, as before
+
+
+def test_rows_grow_by_doubling_up_to_the_batch_limit():
+    """Joining rows past the allocated ones doubles the rows (amortised), never past
+    `max_rows`, and takes at once as many as a large join needs."""
+    one = [torch.ones(1, HEADS, 2, DIM) for _ in range(LAYERS)]
+    mask = torch.ones((1, 2), dtype=torch.long)
+    slots = KvSlots(torch.device("cpu"), 5)
+    allocated = []
+    for _ in range(5):
+        slots.join(one, one, mask)
+        allocated.append(slots.capacity[0])
+    assert allocated == [1, 2, 4, 4, 5]  # doubled, then cut at max_rows
+    slots = KvSlots(torch.device("cpu"), 16)
+    slots.join(one, one, mask)
+    three = [torch.ones(3, HEADS, 2, DIM) for _ in range(LAYERS)]
+    slots.join(three, three, torch.ones((3, 2), dtype=torch.long))
+    assert slots.capacity[0] == 4  # the rows the join needs, more than twice 1
+
+
+def test_a_join_as_wide_as_a_full_window_keeps_its_columns(monkeypatch):
+    """A row exactly as long as the window fits its columns: the buffer is not widened."""
+    monkeypatch.setattr(kv_slots, "FIRST_LENGTH_CAPACITY", 4)
+    slots = KvSlots(torch.device("cpu"), 16)
+    two = [torch.ones(1, HEADS, 2, DIM) for _ in range(LAYERS)]
+    slots.join(two, two, torch.ones((1, 2), dtype=torch.long))
+    for _ in range(2):  # fill the buffer's 4 columns
+        cache, _ = slots.open_column()
+        for layer in range(LAYERS):
+            cache.layers[layer].update(two[layer][:, :, :1], two[layer][:, :, :1])
+        slots.close_column()
+    assert (slots.start, slots.end, slots.capacity) == (0, 4, (1, 4))
+    four = [torch.ones(1, HEADS, 4, DIM) for _ in range(LAYERS)]
+    slots.join(four, four, torch.ones((1, 4), dtype=torch.long))
+    assert (slots.start, slots.end, slots.capacity) == (0, 4, (2, 4))
+
+
+def test_a_join_longer_than_the_buffer_widens_it_for_its_row_and_the_next_column(monkeypatch):
+    """A row wider than the buffer's columns: the buffer takes it and the next step's
+    column, so that step writes in place rather than allocating again."""
+    monkeypatch.setattr(kv_slots, "FIRST_LENGTH_CAPACITY", 4)
+    slots = KvSlots(torch.device("cpu"), 16)
+    two = [torch.ones(1, HEADS, 2, DIM) for _ in range(LAYERS)]
+    slots.join(two, two, torch.ones((1, 2), dtype=torch.long))
+    nine = [torch.ones(1, HEADS, 9, DIM) for _ in range(LAYERS)]
+    slots.join(nine, nine, torch.ones((1, 9), dtype=torch.long))
+    assert (slots.start, slots.end, slots.capacity) == (0, 9, (2, 10))
+    layout = slots.layout
+    cache, mask = slots.open_column()
+    assert slots.layout == layout and mask.shape == (2, 10)
+
+
+@pytest.mark.parametrize(("length", "start", "grown"), [(4, 2, 4), (8, 3, 16)])
+def test_a_full_buffer_compacts_when_half_of_it_is_free_else_doubles(
+    length, start, grown, monkeypatch
+):
+    """A full buffer whose leading columns no row needs any more: it is compacted in
+    place when they are half of it or more, else moved into one twice as long."""
+    monkeypatch.setattr(kv_slots, "FIRST_LENGTH_CAPACITY", length)
+    slots = KvSlots(torch.device("cpu"), 16)
+    one = [torch.ones(1, HEADS, 1, DIM) for _ in range(LAYERS)]
+    mask = torch.ones((1, 1), dtype=torch.long)
+
+    def step():
+        cache, _ = slots.open_column()
+        for layer in range(LAYERS):
+            cache.layers[layer].update(one[layer], one[layer])
+        slots.close_column()
+
+    slots.join(one, one, mask)
+    for _ in range(start):
+        step()
+    slots.join(one, one, mask)  # its only column: `start`
+    slots.keep([False, True])
+    while slots.end < length:
+        step()
+    assert (slots.start, slots.capacity) == (start, (2, length))
+    step()
+    assert (slots.start, slots.end, slots.capacity) == (0, length - start + 1, (2, grown))
+
+
+def test_the_first_buffer_holds_twice_the_first_rows():
+    slots = KvSlots(torch.device("cpu"), 16)
+    wide = [torch.ones(1, HEADS, 40, DIM) for _ in range(LAYERS)]
+    slots.join(wide, wide, torch.ones((1, 40), dtype=torch.long))
+    assert slots.capacity == (1, 80)  # FIRST_LENGTH_CAPACITY (64) is less

@@ -415,6 +415,51 @@ def test_a_list_longer_than_the_queue_can_never_be_admitted():
         queue_items(core, ["e"])
 
 
+def test_a_list_is_refused_by_its_earliest_deadline():
+    """The items of a list are admitted together: one of them that would be late behind
+    the queue refuses the list, whatever time the others have."""
+    core = measured(SchedulerCore(max_queue=100, max_batch_size=10), seconds_per_token=0.001)
+    for _ in range(20):  # 2 s of work ahead
+        queue_items(core, [text(100)], deadline=30.0)
+    items = [core.new_item(v, {}, deadline, 29.5) for v, deadline in [("a", 31.0), ("b", 99.0)]]
+    with pytest.raises(DeadlineUnreachable):
+        core.admit(items, 29.5)
+    assert len(core) == 20
+
+
+def test_a_one_item_worker_judges_a_list_by_rows_only_when_all_of_it_generates():
+    """Sequences on a continuous worker's rows, half of them free, are taken whatever is
+    queued; a list with an input that generates nothing is judged as batches are, and
+    refused behind queued work it cannot end after."""
+    core = measured(SchedulerCore(max_queue=100, max_batch_size=1, workers=8), 0.01)
+    queue_items(core, [text(200)] * 2, deadline=0.5)  # 2 s each, 0.5 s on 8 workers
+
+    def admit(params: dict) -> None:
+        gen = core.new_item(text(5), {"max_new_tokens": 1}, 0.5, 0.0)
+        core.admit([gen, core.new_item(text(5), params, 0.5, 0.0)], 0.0)
+
+    with pytest.raises(DeadlineUnreachable):
+        admit({})
+    admit({"max_new_tokens": 1})  # four of eight rows in use: taken
+    assert len(core) == 4
+
+
+def test_batches_in_flight_are_not_summed_when_their_whole_time_leaves_room(monkeypatch):
+    """Admission is O(1) while the batches in flight, taken at their whole predicted
+    time shared out among the workers, leave the deadline room: what is left of each
+    (a continuous worker has hundreds in flight) is summed only when it does not."""
+    core = measured(SchedulerCore(max_batch_size=10, workers=2), seconds_per_token=0.01)
+    queue_items(core, [text(100)] * 10)
+    assert len(core.next_batch(now=0.0)) == 10  # 10 s predicted, 5 s on each of 2 workers
+    summed = []
+    sum_left = core._in_flight_seconds
+    monkeypatch.setattr(core, "_in_flight_seconds", lambda now: summed.append(now) or sum_left(now))
+    queue_items(core, ["x"], now=0.0, deadline=ADMIT_MARGIN * 5 + 0.5)
+    assert summed == []
+    queue_items(core, ["y"], now=1.0, deadline=1.0 + ADMIT_MARGIN * 4.5 + 0.5)  # 4.5 s left
+    assert summed == [1.0]
+
+
 def test_nothing_queued_ahead_is_no_reason_to_refuse():
     core = measured(SchedulerCore(), seconds_per_token=0.01)  # 200 tokens take 2 s
     queue_items(core, [text(200)], deadline=1.0)  # alone it cannot make it: let it try
