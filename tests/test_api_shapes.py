@@ -6,13 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
+import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from rawserve.api.app import App
-from rawserve.api.bodies import media_type_parameter, server_timing
+from rawserve.api.bodies import (
+    LARGE_ANSWER_ENTRIES,
+    built_answer,
+    media_type_parameter,
+    server_timing,
+)
 from rawserve.api.inference import parse_body
 from rawserve.api.openai_answers import Answer, cut_at_stop, releasable
 from rawserve.api.openai_generation import parse_chat
@@ -754,3 +761,24 @@ def test_an_openai_stream_that_fails_once_begun_ends_with_its_error_then_done(ch
     error = json.loads(raw[-2].removeprefix(b"data:"))["error"]
     assert error["code"] == "timeout" and "timed out" in error["message"], error
     assert stream.closed
+
+
+def test_a_large_answer_is_built_off_the_event_loop_byte_for_byte_the_same():
+    builders: list[int] = []
+    document = {"choices": [{"logprobs": {"token_logprobs": [-0.5, None, 1e-9]}}], "x": "é"}
+
+    def build() -> dict:
+        builders.append(threading.get_ident())
+        return document
+
+    async def both() -> tuple[bytes, bytes, int]:
+        results = [ItemResult(output=None, queue_seconds=0.0, compute_seconds=0.0, batch_size=1)]
+        small = await built_answer(build, results, LARGE_ANSWER_ENTRIES)
+        large = await built_answer(build, results, LARGE_ANSWER_ENTRIES + 1)
+        assert small.headers == large.headers
+        return small.body, large.body, threading.get_ident()
+
+    small, large, loop_thread = asyncio.run(both())
+    assert small == large == orjson.dumps(document)
+    # the small one where it was asked for, the large one on another thread
+    assert builders[0] == loop_thread != builders[1]

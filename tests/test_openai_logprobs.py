@@ -7,6 +7,7 @@ from rawserve.api.openai_logprobs import (
     chat_logprobs,
     completion_logprobs,
     listed,
+    listed_entries,
     prompt_tokens,
 )
 
@@ -71,3 +72,11 @@ def test_completions_list_offsets_from_where_the_chunk_starts_and_the_chosen_amo
         "text_offset": [10, 12],
     }
     assert completion_logprobs(tokens, 0, 0)["top_logprobs"] is None
+
+
+def test_the_entries_an_answer_lists_count_the_prompts_tokens_and_alternatives():
+    details = {"prefill": [token("<s>", None), token("hi", -1.5)], "tokens": [token("a", -0.5)]}
+    outputs = [{"generated_text": "a", "details": details}, {"generated_text": ""}]
+    assert listed_entries(outputs, 2) == 3 * 3
+    assert listed_entries(outputs, 0) == 3
+    assert listed_entries(outputs, None) == 0  # no log probabilities asked for

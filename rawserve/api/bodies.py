@@ -7,9 +7,10 @@ The one JSON body reader and the one way answers are encoded (orjson, through
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rawserve.http.encoding import dumps
@@ -30,6 +31,10 @@ PYTHON_ENCODINGS = frozenset(
     {"idna", "palmos", "punycode", "raw-unicode-escape", "undefined", "unicode-escape"}
 )
 BYTE_ORDER_MARK = "\ufeff"
+# Entries (tokens, and their alternatives) an answer lists past which it is built and
+# encoded on a thread: shaping a few megabytes of log probabilities takes the event loop
+# a few hundred milliseconds, during which no other client of this process is heard.
+LARGE_ANSWER_ENTRIES = 4_000
 MAX_JSON_DEPTH = 64  # levels of nested arrays and objects in a request body
 TOO_DEEP = f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep"
 
@@ -165,3 +170,16 @@ def json_response(
 def answer(document: Any, results: Sequence[ItemResult]) -> HttpResponse:
     """200 with `document`, timed by the results it was made of."""
     return json_response(200, document, [("Server-Timing", server_timing(results))])
+
+
+async def built_answer(
+    build: Callable[[], Any], results: Sequence[ItemResult], entries: int
+) -> HttpResponse:
+    """200 with the document `build` makes, as `answer`. One listing more than
+    `LARGE_ANSWER_ENTRIES` entries is built and encoded on a thread: that work holds the
+    GIL, but Python hands it to the event loop's thread every switch interval (5 ms), so
+    the loop goes on serving other clients meanwhile. A small one is built where it is
+    asked for (a thread's hop costs more than it saves)."""
+    if entries <= LARGE_ANSWER_ENTRIES:
+        return answer(build(), results)
+    return await asyncio.to_thread(lambda: answer(build(), results))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -24,7 +25,13 @@ from typing import Any
 import numpy as np
 
 from rawserve.api import schemas
-from rawserve.api.bodies import answer, check_client_batch, json_response, read_json
+from rawserve.api.bodies import (
+    answer,
+    built_answer,
+    check_client_batch,
+    json_response,
+    read_json,
+)
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Field, Fields, text, texts_schema
 from rawserve.api.inference import MODELS_PREFIX
@@ -39,6 +46,7 @@ from rawserve.api.openai_generation import (
     parse_chat,
     parse_completion,
 )
+from rawserve.api.openai_logprobs import listed_entries
 from rawserve.api.openai_responses import (
     EVENT_SCHEMA,
     RESPONSE_SCHEMA,
@@ -380,7 +388,9 @@ class OpenAIRoutes:
             items = zip(texts, generation.items, strict=True)
             echoes = [Echo(text, isinstance(prompt, list)) for text, prompt in items]
             echoed = [echo for echo in echoes for _ in choices]
-        return answer(shape.whole(outputs, generation.stop, echoed, generation.n), results)
+        entries = listed_entries(outputs, generation.logprobs)
+        build = functools.partial(shape.whole, outputs, generation.stop, echoed, generation.n)
+        return await built_answer(build, results, entries)
 
     async def models_list(self, request: HttpRequest) -> HttpResponse:
         data = [self.model_object(model) for model in self.context.models.all]

@@ -76,6 +76,16 @@ def prompt_tokens(details: dict[str, Any], special: bool = False) -> list[Listed
     return [listed(token) for token in prefill if special or not token.get("special")]
 
 
+def listed_entries(outputs: Iterable[Mapping[str, Any]], alternatives: int | None) -> int:
+    """About how many entries the answer to `outputs` lists: each token of their details
+    (the prompt's too) with its alternatives; 0 where none are asked for (`None`)."""
+    if alternatives is None:
+        return 0
+    details = [output.get("details") or {} for output in outputs]
+    tokens = sum(len(d.get("prefill") or ()) + len(d.get("tokens") or ()) for d in details)
+    return tokens * (alternatives + 1)
+
+
 def chat_logprobs(tokens: Iterable[Listed]) -> dict[str, Any]:
     return {
         "content": [
