@@ -541,6 +541,27 @@ def test_a_row_whose_model_scores_are_not_numbers_fails_alone_as_the_models_faul
     assert second == alone[1].outputs[1] and answered[2].outputs == alone[2].outputs
 
 
+def test_a_row_whose_model_scores_are_not_numbers_fails_alone_on_the_static_path_too(runner):
+    """`generate` took token 0 from a row of NaN scores (greedy) or blamed a temperature
+    the client never set (sampling, 422): that row fails alone with the loop's 500."""
+    from rawserve.worker.process import run_bisecting
+
+    poisoned = runner.tokenizer("paris", add_special_tokens=False)["input_ids"][0]
+
+    def overflow(_module, inputs, output):  # a prompt holding "paris" overflows
+        return output.masked_fill((inputs[0] == poisoned)[..., None], float("nan"))
+
+    greedy = {**GREEDY, "max_new_tokens": 3}
+    for params in (greedy, {**greedy, "do_sample": True, "seed": 5}):
+        hook = runner.model.get_input_embeddings().register_forward_hook(overflow)
+        try:
+            good, failed = run_bisecting(runner, ["the movie was", "paris is"], params)
+        finally:
+            hook.remove()
+        assert failed == ItemFailure(FailureKind.INTERNAL, MODEL_SCORES_FAILED_MESSAGE)
+        assert good == static(runner, "the movie was", params)
+
+
 def test_an_end_of_sequence_waits_for_min_new_tokens_or_never_ends_as_on_the_static_path(
     runner,
 ):

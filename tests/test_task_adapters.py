@@ -772,6 +772,54 @@ def test_an_input_error_is_the_client_s_on_every_engine(
     assert isinstance(good, ItemFailure) == isinstance(alone, ItemFailure), (good, alone)
 
 
+# (task, an input whose scores the model breaks, parameters, the route's control): each
+# runs beside GOOD[task], the model kind being the task's
+NOT_NUMBERS = [
+    ("text-classification", "paris", {}, Control()),
+    ("text-classification", "paris", {"top_k": 2}, Control()),
+    ("text-classification", "paris", {LOGITS_PARAM: True}, Control()),
+    ("token-classification", "mary", {}, Control()),
+    ("fill-mask", "the [MASK] movie", {"top_k": 2}, Control()),
+    ("zero-shot-classification", "paris", {"candidate_labels": ["movie", "city"]}, Control()),
+    ("question-answering", {"question": "where", "context": "berlin"}, {}, Control()),
+    ("feature-extraction", "paris", {}, Control()),
+    ("feature-extraction", "paris", {"normalize": False}, Control(embedding_route=True)),
+    ("feature-extraction", "paris", {"normalize": True}, Control(embedding_route=True)),
+]
+
+
+@pytest.mark.parametrize(("task", "bad", "params", "control"), NOT_NUMBERS)
+def test_an_input_whose_model_output_is_not_numbers_fails_alone_as_the_models_fault(
+    runner, task, bad, params, control
+):
+    """A model that overflows (float16 on a long input, a broken checkpoint) on one input:
+    its NaN scores or vectors were answered 200 as nulls (a null score, a null vector, no
+    entities at all); that input now fails alone with 500 saying why, as in generation."""
+    from rawserve.worker.process import run_bisecting
+
+    serving = runner(task, task)
+    model = serving.pipe.model if hasattr(serving, "pipe") else serving.model
+    text = bad["context"] if isinstance(bad, dict) else bad
+    marker = serving.tokenizer(text, add_special_tokens=False)["input_ids"][-1]
+
+    def overflow(_module, args, output):  # the input holding the marker's token overflows
+        return output.masked_fill((args[0] == marker).unsqueeze(-1), float("nan"))
+
+    hook = model.get_input_embeddings().register_forward_hook(overflow)
+    try:
+        good, failed = run_bisecting(serving, [GOOD[task], bad], dict(params), control=control)
+    finally:
+        hook.remove()
+    assert failed == ItemFailure(
+        FailureKind.INTERNAL,
+        f"the model's {'vectors' if task == 'feature-extraction' else 'scores'} for this "
+        "input are not numbers (NaN or infinite: the model overflowed, or its weights are "
+        "broken)",
+    )
+    [alone] = run_bisecting(serving, [GOOD[task]], dict(params), control=control)
+    assert _rounded(good) == _rounded(alone)
+
+
 @pytest.mark.parametrize("kind", ["token-classification", "seq2seq", "text-generation"])
 def test_the_tiny_models_tokenizers_declare_no_length_limit(tiny_model, kind):
     """The premise of the length cases: like tokenizers saved without a limit, these

@@ -61,7 +61,7 @@ from rawserve.api.tokens import (
     TooManyTokens,
     UnknownTokenId,
 )
-from rawserve.http.errors import PayloadTooLarge, UnprocessableInput
+from rawserve.http.errors import InternalError, PayloadTooLarge, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.serving.face import EMBEDDING_ROUTE
 from rawserve.tasks import LOGITS_PARAM
@@ -309,8 +309,8 @@ def scores(logits: Any, raw: bool) -> np.ndarray:
     """Scores from one input's logits: as they are, or a softmax (a sigmoid for one label),
     as TEI makes them."""
     row = np.asarray(logits, dtype=np.float64)
-    if not np.all(np.isfinite(row)):
-        raise UnprocessableInput("the model's scores for this input are not numbers")
+    if not np.all(np.isfinite(row)):  # the worker fails such an input first: the model's fault
+        raise InternalError("the model's scores for this input are not numbers")
     if raw:
         return row
     if row.size == 1:

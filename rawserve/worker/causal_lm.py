@@ -35,6 +35,7 @@ from rawserve.worker.generate_hooks import (
     GrammarFollower,
     ScoreRecorder,
     TokenWatcher,
+    refuse_broken_scores,
     tgi_token,
 )
 from rawserve.worker.grammars import Grammars
@@ -587,12 +588,17 @@ class CausalLMRunner(Runner):
             processors.append(GrammarFollower(matchers, watcher))
         if wants_logprobs:
             processors.append(recorder)
-        with torch.inference_mode():
-            self.model.generate(
-                **encoded,
-                **kwargs,
-                pad_token_id=self.tokenizer.pad_token_id,
-                logits_processor=transformers.LogitsProcessorList(processors),
-                stopping_criteria=transformers.StoppingCriteriaList([watcher]),
-            )
+        head = self.model.get_output_embeddings()
+        hook = head.register_forward_hook(refuse_broken_scores(watcher))
+        try:
+            with torch.inference_mode():
+                self.model.generate(
+                    **encoded,
+                    **kwargs,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    logits_processor=transformers.LogitsProcessorList(processors),
+                    stopping_criteria=transformers.StoppingCriteriaList([watcher]),
+                )
+        finally:
+            hook.remove()
         return watcher

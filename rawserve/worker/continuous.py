@@ -52,6 +52,7 @@ from rawserve.worker.scores import (
     likeliest,
     penalize_repetition,
     sampling_probabilities,
+    unusable,
 )
 from rawserve.worker.text_pieces import TextPieces
 
@@ -370,7 +371,7 @@ class ContinuousBatcher:
         # a row whose scores hold NaN or +inf, or no finite score at all, is the model's
         # fault, not its settings': greedy would take token 0 as if it were an answer, and
         # sampling would blame the temperature; the row fails alone, saying so
-        broken = (scores.isnan() | scores.isposinf()).any(-1) | scores.isneginf().all(-1)
+        broken = unusable(scores)
         for generation, fault in zip(rows, broken.tolist(), strict=True):
             if fault and not generation.done:
                 generation.fail(MODEL_SCORES_FAILED_MESSAGE, FailureKind.INTERNAL)

@@ -19,7 +19,7 @@ from rawserve.models.folder import (
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits
 from rawserve.worker.cuda_graphs import GraphedForward
 from rawserve.worker.onnx_engine import OnnxNetwork
-from rawserve.worker.runner import Runner, dtype_name, resolve_dtype
+from rawserve.worker.runner import Runner, dtype_name, refuse_not_numbers, resolve_dtype
 
 
 class EncoderRunner(Runner):
@@ -147,6 +147,7 @@ class EncoderRunner(Runner):
             hidden = graphed(encoded) if graphed else self.model(**encoded).last_hidden_state
             hidden = hidden.float()
             mask = encoded["attention_mask"]
+            refuse_not_numbers(hidden, "vectors", mask)
             if dimensions is not None:  # Matryoshka-style: keep the first dimensions
                 hidden = hidden[..., :dimensions]
             if pooling == "none":

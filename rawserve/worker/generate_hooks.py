@@ -20,7 +20,8 @@ import transformers
 
 from rawserve.worker.continuous import ends_a_stop
 from rawserve.worker.grammars import constrain
-from rawserve.worker.scores import ScoreAdjustments, likeliest
+from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE, NotNumbers
+from rawserve.worker.scores import ScoreAdjustments, likeliest, unusable
 from rawserve.worker.text_pieces import TextPieces
 
 log = logging.getLogger("rawserve.generation")
@@ -72,6 +73,23 @@ class GrammarFollower(transformers.LogitsProcessor):
         if stuck:
             raise ValueError(stuck[0][1])
         return scores
+
+
+def refuse_broken_scores(watcher: TokenWatcher) -> Callable[[Any, Any, torch.Tensor], None]:
+    """A forward hook for the model's output layer during a `generate` call: `NotNumbers`
+    where a running row's scores for its next token are NaN or +inf (or none finite),
+    read before `generate`'s processors (a temperature, a repetition penalty) touch them,
+    so that their own overflow stays the client's. Greedy took token 0 from such a row
+    and sampling blamed a temperature the client never set."""
+
+    def check(_module: Any, _args: Any, output: torch.Tensor) -> None:
+        broken = unusable(output[:, -1].float())
+        if len(broken) == len(watcher.done):  # a finished row goes on with padding
+            broken &= ~torch.tensor(watcher.done, device=broken.device)
+        if bool(broken.any()):
+            raise NotNumbers(MODEL_SCORES_FAILED_MESSAGE)
+
+    return check
 
 
 class TokenWatcher(transformers.StoppingCriteria):

@@ -20,7 +20,7 @@ from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits
 from rawserve.tasks import LOGITS_PARAM, split_outputs
 from rawserve.worker.cuda_graphs import GraphedForward
 from rawserve.worker.onnx_engine import OnnxNetwork
-from rawserve.worker.runner import Runner, dtype_name, resolve_dtype
+from rawserve.worker.runner import Runner, dtype_name, refuse_not_numbers, resolve_dtype
 
 # (text, label) pairs in one forward pass of a zero-shot classifier: a bound on the padded
 # batch's memory (a request may bring 32 texts and 100 labels)
@@ -72,6 +72,8 @@ class PipelineRunner(Runner):
             self.pipe.model.register_forward_pre_hook(
                 refuse_past(self.max_length), with_kwargs=True
             )
+        # every pipeline's scores pass here, however it called the model
+        self.pipe.model.register_forward_hook(refuse_broken_scores, with_kwargs=True)
 
     @property
     def limits(self) -> ModelLimits:
@@ -204,9 +206,25 @@ class PipelineRunner(Runner):
 
     def _forward_logits(self, encoded: Any) -> Any:
         """The model's logits for tensors on its device: replayed where a graph fits."""
-        if self.graphed is not None:
-            return self.graphed(encoded)
+        if self.graphed is not None:  # a replay runs no hook: checked here
+            logits = self.graphed(encoded)
+            refuse_not_numbers(logits, "scores")
+            return logits
         return self.pipe.model(**encoded).logits
+
+
+def refuse_broken_scores(
+    module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+) -> None:
+    """A forward hook that raises `NotNumbers` where the model's scores (a classifier's
+    logits, each token's, a span's start and end) hold NaN or infinity at a real token."""
+    mask = kwargs.get("attention_mask")
+    for name in ("logits", "start_logits", "end_logits"):
+        scores = getattr(output, name, None) if not isinstance(output, dict) else output.get(name)
+        if isinstance(scores, torch.Tensor):
+            if name != "logits":  # one score a token
+                scores = scores.unsqueeze(-1)
+            refuse_not_numbers(scores, "scores", mask)
 
 
 def refuse_past(limit: int) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], None]:

@@ -371,7 +371,11 @@ def run_bisecting(
                     cap.limit,
                 )
         if len(inputs) == 1:
-            if failure.kind is not FailureKind.INPUT:
+            from rawserve.worker.runner import NotNumbers  # the worker's (imports torch)
+
+            if isinstance(exc, NotNumbers):  # the model's numbers, not a bug to trace
+                log.warning("an item failed: %s", exc)
+            elif failure.kind is not FailureKind.INPUT:
                 log.error("an item failed", exc_info=exc)
             return [failure]
     else:

@@ -39,12 +39,14 @@ SAMPLING_FAILED_MESSAGE = (
     "repetition_penalty very close to 0 leaves no probabilities to draw from): raise it, or "
     "generate greedily (do_sample false, or temperature 0)"
 )
+# why a model's output is NaN or infinite: an overflow, as float16 meets on long inputs,
+# or a broken checkpoint (the model's fault, never the request's: a 500)
+NOT_NUMBERS_WHY = "(NaN or infinite: the model overflowed, or its weights are broken)"
 # what a client is told when the model's own scores are NaN or infinite before any setting
-# of the request touched them (an overflow, as float16 meets on long inputs; a broken
-# checkpoint): no token can be chosen from them, whatever the request asks
+# of the request touched them: no token can be chosen from them, whatever the request asks
 MODEL_SCORES_FAILED_MESSAGE = (
-    "the model's scores for this input are not numbers (NaN or infinite: the model "
-    "overflowed, or its weights are broken); no token can be chosen from them"
+    f"the model's scores for this input are not numbers {NOT_NUMBERS_WHY}; "
+    "no token can be chosen from them"
 )
 
 # what a batch too large for the memory raises, besides MemoryError and CUDA's own error
@@ -75,6 +77,24 @@ PADDING_OFFSET_MODEL_TYPES = frozenset(
 )
 _PATHLIKE = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][\w.\-]+){2,}")
 MAX_CLIENT_MESSAGE = 300  # characters of a failure's first line that a client is told
+
+
+class NotNumbers(ArithmeticError):
+    """A model's output (scores, vectors) for an input holds NaN or infinity: the model's
+    fault, told to the client as its own words with a 500 (the input's batch-mates, run
+    apart from it, are answered)."""
+
+
+def refuse_not_numbers(values: torch.Tensor, what: str, mask: Any = None) -> None:
+    """Raise `NotNumbers` where `values` (batch, features) or (batch, tokens, features)
+    hold NaN or infinity; `mask` (batch, tokens): 0 at a padding position, which is not
+    read. JSON has no form for such a number: written as null, a score or a vector reads
+    as an answer (a null score, "no entities", a null vector) where there is none."""
+    finite = values.isfinite().all(-1)
+    if mask is not None and finite.dim() == 2:
+        finite = finite | (mask.to(finite.device) == 0)
+    if not bool(finite.all()):
+        raise NotNumbers(f"the model's {what} for this input are not numbers {NOT_NUMBERS_WHY}")
 
 
 class WrittenForClients(ValueError):
@@ -249,6 +269,8 @@ class Runner:
             return ItemFailure(
                 FailureKind.OUT_OF_MEMORY, "the model ran out of memory on this input"
             )
+        if isinstance(exc, NotNumbers):
+            return ItemFailure(FailureKind.INTERNAL, str(exc))
         if isinstance(exc, WrittenForClients):
             return ItemFailure(FailureKind.INPUT, first_line(exc)[:MAX_CLIENT_MESSAGE])
         if isinstance(exc, (ValueError, transformers.pipelines.PipelineException)):

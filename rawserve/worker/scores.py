@@ -75,6 +75,13 @@ class ScoreAdjustments:
         scores -= counts * self.frequency_penalty + (counts > 0) * self.presence_penalty
 
 
+def unusable(scores: torch.Tensor) -> torch.Tensor:
+    """Which rows of a model's own scores (batch, vocabulary), before any setting of the
+    request touched them, no token can be chosen from: one NaN or +inf, or no finite
+    score at all."""
+    return (scores.isnan() | scores.isposinf()).any(-1) | scores.isneginf().all(-1)
+
+
 def penalize_repetition(scores: torch.Tensor, penalty: float, sequence: list[int]) -> None:
     """transformers' repetition penalty on one row's scores, in place: every token already
     in the `sequence` (prompt and new tokens) scores lower."""

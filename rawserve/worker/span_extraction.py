@@ -32,7 +32,7 @@ from rawserve.shared.messages import NO_CONTROL, Control
 from rawserve.tasks.question_answering import DOC_STRIDE, MAX_SEQ_LEN
 from rawserve.worker.library_panics import LibraryPanic, panics_as_errors
 from rawserve.worker.onnx_engine import OnnxNetwork
-from rawserve.worker.runner import Runner, dtype_name, token_positions
+from rawserve.worker.runner import Runner, dtype_name, refuse_not_numbers, token_positions
 
 DEFAULT_MAX_ANSWER_LEN = 15
 WINDOWS_PER_PASS = 64  # windows in one forward pass: a bound on its memory
@@ -188,6 +188,8 @@ class SpanExtractionRunner(Runner):
             )
             with torch.inference_mode():
                 out = self.model(**{name: t.to(self.device) for name, t in batch.items()})
+            for scores in (out.start_logits, out.end_logits):  # one score a token
+                refuse_not_numbers(scores.unsqueeze(-1), "scores", batch.get("attention_mask"))
             starts.append(out.start_logits.float().cpu().numpy())
             ends.append(out.end_logits.float().cpu().numpy())
         return np.concatenate(starts), np.concatenate(ends)
