@@ -92,9 +92,13 @@ class Recorded(list):
 
 class NoText:
     eos_token_id = None
+    unk_token_id = None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return ""
+
+    def convert_tokens_to_ids(self, tokens: Sequence[str]) -> list[None]:
+        return [None] * len(tokens)  # no byte tokens
 
 
 @pytest.fixture(scope="module")
