@@ -92,9 +92,13 @@ class Recorded(list):
 
 class NoText:
     eos_token_id = None
+    unk_token_id = None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return ""
+
+    def convert_tokens_to_ids(self, tokens: Sequence[str]) -> list[None]:
+        return [None] * len(tokens)  # no byte tokens
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +130,24 @@ def run(model, cuda_graphs: bool, rounds: Sequence[Sequence[tuple[int, int]]], r
         for generation in batcher.step():
             made[generation.key] = generation.tokens
     return made, batcher
+
+
+def test_copies_of_a_prompt_replay_one_row_of_a_prefill_graph_each_then_go_on_alike(
+    model, recorded
+):
+    def copies(cuda_graphs: bool) -> dict[int, list[int]]:
+        batcher = ContinuousBatcher(model, NoText(), POSITIONS, 8, cuda_graphs=cuda_graphs)
+        for key, prompt in enumerate([[5, 6, 7], [9] * 12, [5, 6, 7], [5, 6, 7], [9] * 12]):
+            batcher.add(Generation(key, prompt, 6))
+        made = {}
+        while batcher.busy:
+            made.update((g.key, g.tokens) for g in batcher.step())
+        return made
+
+    plain = copies(False)
+    assert copies(True) == plain
+    assert plain[0] == plain[2] == plain[3] and plain[1] == plain[4]  # greedy copies
+    assert [p.shape for p in recorded.prefills] == [(2, 16)]  # one row a prompt
 
 
 def test_a_step_runs_at_the_next_bucket_of_rows_and_a_power_of_two_of_columns():

@@ -609,6 +609,33 @@ def test_a_seed_gives_the_same_sample_whatever_runs_beside_it(runner):
     assert other_seed.outputs != alone
 
 
+def test_the_copies_of_a_prompt_share_one_prefill_and_answer_as_each_alone(runner, monkeypatch):
+    """A request's `n` choices join as copies of one prompt: it is prefilled once, and each
+    copy answers what it answers alone (a seeded one its own sample, greedy ones alike)."""
+    from rawserve.worker.continuous import ContinuousBatcher
+
+    prefilled: list[int] = []
+    prefill = ContinuousBatcher._prefill
+
+    def counted(self, ids, mask):
+        prefilled.append(len(ids))
+        return prefill(self, ids, mask)
+
+    monkeypatch.setattr(ContinuousBatcher, "_prefill", counted)
+    sampled = {"max_new_tokens": 12, "do_sample": True}
+    copies = [Batch(j, ("the movie was",), {**sampled, "seed": 7 + j}) for j in range(3)]
+    greedy = [Batch(j, ("good film, bad film " * 3,), GREEDY) for j in (3, 4)]
+    joining = [copies[0], greedy[0], copies[1], greedy[1], copies[2]]  # interleaved
+    together = results(serve(runner, {0: joining}))
+    assert prefilled == [2]  # one row for each prompt
+    outputs = {b.batch_id: without_logprobs(together[b.batch_id].outputs) for b in joining}
+    for batch in joining:
+        alone = results(serve(runner, {0: [batch]}))[batch.batch_id].outputs
+        assert outputs[batch.batch_id] == without_logprobs(alone), batch.batch_id
+    assert len({str(outputs[j]) for j in range(3)}) > 1  # each its own sample
+    assert outputs[3] == outputs[4]
+
+
 def test_sampling_draws_from_the_tokens_generate_draws_from(runner):
     # the tiny model's generation config leaves top_k unset: `generate` draws from the 50
     # likeliest tokens then, and so must the loop (its vocabulary is 400: a draw from all

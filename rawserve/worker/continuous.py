@@ -232,11 +232,14 @@ class ContinuousBatcher:
             return 0
         listeners = self.on_token, self.after_pass
         self.on_token = self.after_pass = None
+        # each row's prompt its own (its first token): copies of one would be prefilled
+        # as one row, and the prefills of more rows would go unrecorded
+        vocabulary = self.model.get_input_embeddings().num_embeddings
         try:
             for rows in ROW_BUCKETS:
                 if rows > self.max_rows:
                     break
-                self._run_through([prompt] * rows)
+                self._run_through([[row % vocabulary, *prompt[1:]] for row in range(rows)])
             length = 2 * MIN_PREFILL_TOKENS
             while length <= min(MAX_PREFILL_TOKENS, self.max_positions - RECORDING_TOKENS):
                 self._run_through([(prompt * length)[:length]])
@@ -278,11 +281,17 @@ class ContinuousBatcher:
 
     def _join(self, generations: list[Generation]) -> None:
         """Prefill the joining sequences together (left-padded, each with its own
-        positions) and add their rows to the batch's cache, aligned at the right end."""
-        lengths = [len(g.prompt_ids) for g in generations]
+        positions) and add their rows to the batch's cache, aligned at the right end.
+
+        A prompt that several of them share (a request's `n` choices) is prefilled once:
+        its keys, values and scores are copied into each of their rows, which then go on
+        on their own (each sampling with its own generator), as vLLM forks a prompt's
+        cache for its `n` sequences."""
+        prompts = list(dict.fromkeys(tuple(g.prompt_ids) for g in generations))
+        lengths = [len(prompt) for prompt in prompts]
         width = max(lengths)
         ids = torch.tensor(
-            [[0] * (width - len(g.prompt_ids)) + g.prompt_ids for g in generations],
+            [[0] * (width - len(prompt)) + list(prompt) for prompt in prompts],
             device=self.device,
         )
         mask = torch.tensor(
@@ -291,6 +300,14 @@ class ContinuousBatcher:
         graphed = self.prefill_graphs
         prefilled = graphed.prefill(ids, mask) if graphed else None
         keys, values, logits = prefilled or self._prefill(ids, mask)
+        if len(prompts) < len(generations):  # each sequence's row of its prompt's
+            row_of = {prompt: row for row, prompt in enumerate(prompts)}
+            sources = [row_of[tuple(g.prompt_ids)] for g in generations]
+            lengths = [lengths[row] for row in sources]
+            index = torch.tensor(sources, device=self.device)
+            keys = [k.index_select(0, index) for k in keys]
+            values = [v.index_select(0, index) for v in values]
+            logits, mask = logits.index_select(0, index), mask.index_select(0, index)
         self._slots.join(keys, values, mask)
         positions = torch.tensor(lengths, dtype=torch.long, device=self.device)
         self._positions = torch.cat([self._positions, positions])
