@@ -120,6 +120,21 @@ def test_a_batch_mates_long_prompt_never_shortens_another_sequence(runner):
     assert generated(batched[1])[1] == "length"
 
 
+def test_a_prompt_of_all_the_positions_is_scored_on_both_paths(runner):
+    """max_new_tokens 0 scores the prompt: every position may hold a prompt token, on the
+    static path (`run`) and the continuous loop's (`generation`); one more is refused."""
+    params = {"max_new_tokens": 0, "details": True, "decoder_input_details": True}
+    params["return_full_text"] = False  # (a prompt of ids, as OpenAI's completions send it)
+    full, over = [91] * POSITIONS, [91] * (POSITIONS + 1)
+    (output,) = runner.run([full], params)
+    assert len(output[0]["details"]["prefill"]) == POSITIONS
+    assert len(runner.generation("key", full, params).prefill) == POSITIONS
+    with pytest.raises(ValueError, match=f"at most {POSITIONS} "):
+        runner.run([over], params)
+    with pytest.raises(ValueError, match=f"at most {POSITIONS} "):
+        runner.generation("key", over, params)
+
+
 # --- continuous batching ------------------------------------------------------------------
 
 

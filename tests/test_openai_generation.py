@@ -1350,6 +1350,26 @@ def test_completion_echo_scores_the_prompt_with_nothing_generated(servers, refer
     assert all(len(top) <= 2 for top in listed.top_logprobs[1:])
 
 
+@pytest.mark.parametrize("as_ids", [True, False], ids=["token ids", "text"])
+def test_a_prompt_of_all_the_positions_is_scored_when_nothing_is_generated(servers, as_ids):
+    """With max_tokens 0 no token follows the prompt: the model reads a window of all its
+    positions (as evaluation harnesses send them), one token more is refused."""
+    text = "x" * POSITIONS  # one token a letter
+    prompt = [91] * POSITIONS if as_ids else text
+    asked = {"echo": True, "logprobs": 1, "max_tokens": 0}
+    status, body = servers["plain"].post_json({"prompt": prompt, **asked}, "/v1/completions")
+    assert status == 200, body
+    assert body["usage"] == {
+        "prompt_tokens": POSITIONS,
+        "completion_tokens": 0,
+        "total_tokens": POSITIONS,
+    }
+    assert len(body["choices"][0]["logprobs"]["token_logprobs"]) == POSITIONS
+    longer = [91] * (POSITIONS + 1) if as_ids else text + "x"
+    status, body = servers["plain"].post_json({"prompt": longer, **asked}, "/v1/completions")
+    assert status == 422 and f"at most {POSITIONS} " in body["error"]["message"], body
+
+
 def test_completion_echo_puts_the_prompt_before_the_completion_that_stops_alone(servers):
     plain = client(servers["plain"])
     free = plain.completions.create(model=PLAIN_MODEL, prompt=PROMPT, **SAMPLED)

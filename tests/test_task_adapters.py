@@ -443,6 +443,25 @@ def test_a_seq2seq_model_without_task_settings_is_served(tiny_model, tmp_path, t
     assert set(answer) == {OUTPUT_KEYS[task]}
 
 
+@pytest.mark.parametrize("configured", [{"max_length": 300}, {"max_new_tokens": 200}])
+def test_a_generation_config_length_past_the_positions_stops_there(
+    tiny_model, tmp_path, configured
+):
+    """A model's own generation config may name more decoder tokens than its positions
+    (128 here): its default output stops at the positions, where generate() would fail."""
+    import shutil
+
+    from rawserve.worker.loading import load_runner
+
+    folder = tmp_path / "long-config"
+    shutil.copytree(tiny_model("seq2seq"), folder)
+    settings = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**settings, **configured}))
+    serving = load_runner(worker_config(str(folder), "summarization"), "cpu")
+    [answer] = serving.run(["the movie was good"], {"num_beams": 1, "min_new_tokens": 127})
+    assert set(answer) == {"summary_text"}
+
+
 @pytest.mark.parametrize("declared", [16, None])
 def test_a_t5_reads_what_its_tokenizer_declares_or_else_all(tmp_path, declared):
     """T5 has relative positions, no bound of its own: an input is cut at the length its

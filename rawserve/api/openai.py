@@ -334,7 +334,8 @@ class OpenAIRoutes:
         loaded = model.serving.loaded
         check_token_ids(generation, loaded.details.get("vocabulary") if loaded else None)
         check_choices(generation, self.context.settings.max_client_batch_size)
-        await check_lengths(self.context.tokenizers, model, generation.items, chat)
+        scored = generation.params.get("max_new_tokens") == 0  # echo: nothing after the prompt
+        await check_lengths(self.context.tokenizers, model, generation.items, chat, scored)
         if generation.echo and generation.logprobs is not None:
             await check_echo_size(
                 self.context.tokenizers,

@@ -3,12 +3,13 @@ prompts as an echo shows them.
 
 A causal LM reads its prompt and then writes at least one token within its positions, so a
 prompt of as many tokens as it has positions cannot be answered at all (text generation
-does not cut prompts). Left to the worker, such a prompt is refused only when it runs;
-while it waits it is counted in the queue at its full length (a 900 KB text: hundreds of
-thousands of tokens), which made every other client's `Retry-After` and deadline check
-see a queue that would take many minutes to drain. Counted here, in the server, with the
-model's own tokenizer (`tokens.ServerTokenizer`), a piece at a time and never past the
-limit, it is refused in milliseconds and never waits.
+does not cut prompts); one only scored (`max_tokens` 0 with `echo`) may fill them. Left to
+the worker, such a prompt is refused only when it runs; while it waits it is counted in
+the queue at its full length (a 900 KB text: hundreds of thousands of tokens), which made
+every other client's `Retry-After` and deadline check see a queue that would take many
+minutes to drain. Counted here, in the server, with the model's own tokenizer
+(`tokens.ServerTokenizer`), a piece at a time and never past the limit, it is refused in
+milliseconds and never waits.
 
 A chat is counted by its messages' texts alone, with a margin for the tokens its
 template may join across their ends: the template only adds to them, so a chat whose texts
@@ -41,18 +42,24 @@ from rawserve.tasks.text_generation import REASONING_END
 
 
 async def check_lengths(
-    tokenizers: ServerTokenizers, model: ServedModel, prompts: Sequence[Any], chat: bool
+    tokenizers: ServerTokenizers,
+    model: ServedModel,
+    prompts: Sequence[Any],
+    chat: bool,
+    scored: bool = False,
 ) -> None:
-    """422 when a prompt leaves no room for one new token; nothing when the model or its
+    """422 when a prompt leaves no room for one new token (or, `scored`, when nothing is
+    generated after it, has more tokens than the positions); nothing when the model or its
     tokenizer is not known here (the worker still refuses such a prompt). A prompt of
     token ids is counted as it is."""
     loaded = model.serving.loaded
     positions = int(loaded.details.get("max_input_length") or 0) if loaded else 0
     if positions < 1:
         return
-    most = positions - 1  # the prompt's tokens, and one new token after them
+    # the prompt's tokens, and one new token after them (none after a prompt only scored)
+    most = positions if scored else positions - 1
     if any(isinstance(prompt, list) and len(prompt) > most for prompt in prompts):
-        raise too_long(most)
+        raise too_long(most, scored)
     bound = most
     if chat:
         drops_reasoning = bool(loaded.details.get("chat_drops_reasoning")) if loaded else False
@@ -69,7 +76,7 @@ async def check_lengths(
         else:  # the encoder lets go of the GIL: the event loop goes on meanwhile
             await asyncio.to_thread(count_within, tokenizer, texts, bound, not chat)
     except TooManyTokens:
-        raise too_long(most) from None
+        raise too_long(most, scored) from None
 
 
 # about the JSON one listed log probability takes in a completion's answer (`"text":
@@ -106,10 +113,11 @@ async def check_echo_size(
         raise PayloadTooLarge(str(AnswerTooLarge(largest)))
 
 
-def too_long(most: int) -> UnprocessableInput:
+def too_long(most: int, scored: bool = False) -> UnprocessableInput:
+    room = "to be scored" if scored else "to leave room for one new token"
     return UnprocessableInput(
-        f"a prompt has more than {most} tokens: the model takes at most {most} to "
-        "leave room for one new token (text generation does not cut prompts)"
+        f"a prompt has more than {most} tokens: the model takes at most {most} {room} "
+        "(text generation does not cut prompts)"
     )
 
 

@@ -312,12 +312,18 @@ class CausalLMRunner(Runner):
             raise ValueError(f"the chat template failed on these messages ({reason})") from None
 
     def _check_lengths(self, params: dict[str, Any], longest_prompt: int) -> None:
-        """ValueError when the new tokens asked, or a prompt, cannot fit the positions."""
+        """ValueError when the new tokens asked, or a prompt, cannot fit the positions (a
+        prompt only scored, max_new_tokens 0, may fill them: no token follows it)."""
         most = self.max_positions - 1
         asked = params.get("max_new_tokens")
         if asked is not None and asked > most:  # the server refuses it first: a backstop
             raise ValueError(f"max_new_tokens is {asked}, and this model generates at most {most}")
-        if self.max_positions - longest_prompt < 1:
+        if asked == 0 and longest_prompt > self.max_positions:
+            raise ValueError(
+                f"the prompt is {longest_prompt} tokens: the model reads at most "
+                f"{self.max_positions} (scored, with no new token after them)"
+            )
+        if asked != 0 and longest_prompt > most:
             raise ValueError(
                 f"the prompt is {longest_prompt} tokens: the model takes at most "
                 f"{most} to leave room for one new token"

@@ -9,7 +9,8 @@ in order, each over the one before (tests/test_fidelity.py holds the answers to 
 
 1. the model's generation config;
 2. the pipeline's defaults where the model says nothing: `num_beams=4`, and
-   `max_new_tokens=256` unless the model names a length;
+   `max_new_tokens=256` unless the model names a length (one past its decoder's
+   positions stops at them);
 3. the model's `task_specific_params` for the task (for translation: the direction asked
    with src_lang/tgt_lang, else the first the config names), e.g. t5's summarization
    `num_beams=4, min_length=30, no_repeat_ngram_size=3, length_penalty=2`;
@@ -93,6 +94,11 @@ class Seq2SeqLMRunner(Runner):
                 PIPELINE_MAX_NEW_TOKENS + 1 if self.position_limit is None else self.position_limit
             )
             defaults["max_new_tokens"] = min(PIPELINE_MAX_NEW_TOKENS, limit - 1)
+        elif self.position_limit is not None and (
+            (configured.max_new_tokens or 0) > self.position_limit - 1
+            or (configured.max_new_tokens is None and configured.max_length > self.position_limit)
+        ):  # the model's own length runs past its decoder's positions: it stops there
+            defaults["max_new_tokens"] = self.position_limit - 1
         if configured.pad_token_id is None and self.tokenizer.pad_token_id is not None:
             defaults["pad_token_id"] = self.tokenizer.pad_token_id
         return defaults
