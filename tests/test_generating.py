@@ -362,6 +362,24 @@ def test_openais_penalties_count_each_rows_new_tokens():
         ScoreAdjustments.asked({"logit_bias": {6: 1.0}}, 6)
 
 
+def test_a_row_is_unusable_for_a_nan_a_positive_infinity_or_no_finite_score():
+    import torch
+
+    from rawserve.worker.scores import unusable
+
+    nan, inf = float("nan"), float("inf")
+    rows = [
+        [0.0, 1.0, -inf],  # a token ruled out: usable
+        [nan, 1.0, 2.0],
+        [-inf, nan, -inf],
+        [1.0, inf, -inf],
+        [-inf, -inf, -inf],
+        [3e38, -3e38, 0.0],  # large but finite: usable
+    ]
+    assert unusable(torch.tensor(rows)).tolist() == [False, True, True, True, True, False]
+    assert unusable(torch.tensor(rows, dtype=torch.float16)[4:5]).tolist() == [True]
+
+
 def test_openais_penalties_and_logit_bias_as_the_static_path(runner):
     params = {
         **GREEDY,

@@ -78,8 +78,10 @@ class ScoreAdjustments:
 def unusable(scores: torch.Tensor) -> torch.Tensor:
     """Which rows of a model's own scores (batch, vocabulary), before any setting of the
     request touched them, no token can be chosen from: one NaN or +inf, or no finite
-    score at all."""
-    return (scores.isnan() | scores.isposinf()).any(-1) | scores.isneginf().all(-1)
+    score at all. One reduction tells all three: a row's maximum is NaN where it holds a
+    NaN (max propagates it), +inf where it holds +inf, and -inf where nothing is finite;
+    it runs at every step of every row, over the whole vocabulary."""
+    return ~scores.amax(-1).isfinite()
 
 
 def penalize_repetition(scores: torch.Tensor, penalty: float, sequence: list[int]) -> None:
