@@ -387,11 +387,12 @@ class ContinuousBatcher:
         scores = logits.float()  # as generate scores them
         # a row whose scores hold NaN or +inf, or no finite score at all, is the model's
         # fault, not its settings': greedy would take token 0 as if it were an answer, and
-        # sampling would blame the temperature; the row fails alone, saying so
+        # sampling would blame the temperature; the row fails alone, saying so. It is read
+        # with the step's first look at the device (read here, the sampling work would be
+        # queued only once the forward pass is done); till then its scores are zeros,
+        # which rank and draw without failing the step.
         broken = unusable(scores)
-        for generation, fault in zip(rows, broken.tolist(), strict=True):
-            if fault and not generation.done:
-                generation.fail(MODEL_SCORES_FAILED_MESSAGE, FailureKind.INTERNAL)
+        scores.masked_fill_(broken[:, None], 0.0)
         for index, generation in enumerate(rows):
             if generation.done:
                 continue
@@ -419,8 +420,15 @@ class ContinuousBatcher:
             )
             # a row whose settings leave nothing to draw from fails alone (multinomial would
             # fail the step, and on a GPU the device with it); one look for every row
-            usable = (probabilities.isfinite().all(-1) & (probabilities.sum(-1) > 0)).tolist()
+            drawable = probabilities.isfinite().all(-1) & (probabilities.sum(-1) > 0)
+        for generation, fault in zip(rows, broken.tolist(), strict=True):
+            if fault and not generation.done:
+                generation.fail(MODEL_SCORES_FAILED_MESSAGE, FailureKind.INTERNAL)
+        if sampled:
+            usable = drawable.tolist()
             for index, row, fine in zip(sampled, probabilities, usable, strict=True):
+                if rows[index].done:  # its model's scores were not numbers
+                    continue
                 if fine:
                     generator = rows[index].generator
                     tokens[index] = torch.multinomial(row, 1, generator=generator)[0]
