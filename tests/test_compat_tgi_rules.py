@@ -247,12 +247,20 @@ async def test_info_holds_what_tgis_info_requires_for_a_model_that_generates():
     info = json.loads(response.body)
     assert info["model_pipeline_tag"] == "text-generation"
     assert info["max_input_tokens"] == 63 and info["max_total_tokens"] == 64
+    assert info["max_input_length"] == 63  # TGI 1.x's name of max_input_tokens
     assert info["max_best_of"] == 1 and info["max_stop_sequences"] == MAX_STOP_SEQUENCES
     assert isinstance(info["validation_workers"], int) and isinstance(info["router"], str)
     # and not where the model /info describes does not generate
-    app = App(ServedModels([served("emb", "feature-extraction"), generation_model()]))
+    emb = served("emb", "feature-extraction")
+    assert isinstance(emb.serving.workers, ReadyWorkers)
+    emb.serving.workers.loaded = replace(
+        emb.serving.workers.loaded, details={"max_input_length": 128}
+    )
+    app = App(ServedModels([emb, generation_model()]))
     response = await app.handle(HttpRequest("GET", "/info", "", [], b"", request_id="t"))
-    assert "max_total_tokens" not in json.loads(response.body)
+    info = json.loads(response.body)
+    assert "max_total_tokens" not in info
+    assert info["max_input_length"] == 128  # TEI's: the encoder's length, as it is
 
 
 async def test_generate_refuses_an_unserved_parameter_with_422_in_tgis_shape():

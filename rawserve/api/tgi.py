@@ -73,17 +73,21 @@ GENERATE_RESPONSE: Schema = {
 
 
 def tgi_info(model: ServedModel) -> dict[str, Any]:
-    """TGI's /info fields that TEI's do not hold, for a model that generates (TGI's
-    `Info` requires them): its limits as rawserve checks them."""
+    """TGI's /info fields, for a model that generates (TGI's `Info` requires them): its
+    limits as rawserve checks them, `max_input_length` as TGI 1.x meant it (a prompt's
+    most tokens) in place of TEI's."""
     if model.task != TASK:
         return {}
     loaded = model.serving.loaded
     positions = int(loaded.details.get("max_input_length") or 0) if loaded else 0
+    max_input_tokens = max(positions - 1, 0)  # a prompt leaves room for one token
     return {
         "model_pipeline_tag": TASK,
         "max_best_of": 1,  # best_of above 1 is refused
         "max_stop_sequences": MAX_STOP_SEQUENCES,
-        "max_input_tokens": max(positions - 1, 0),  # a prompt leaves room for one token
+        "max_input_tokens": max_input_tokens,
+        # TGI 1.x's name of the same limit (TEI's field of this name is an encoder's length)
+        "max_input_length": max_input_tokens,
         "max_total_tokens": positions,
         "validation_workers": len(model.serving.snapshot().workers),
         "router": "rawserve",
