@@ -36,8 +36,8 @@ from rawserve.api.tokens import utf8_starts
 from rawserve.http.errors import (
     BadRequest,
     GatewayTimeout,
+    InternalError,
     PayloadTooLarge,
-    UnprocessableInput,
     UnsupportedMediaType,
 )
 from rawserve.http.exchange import HttpRequest
@@ -120,7 +120,7 @@ def test_scores_are_a_softmax_a_sigmoid_or_raw_and_never_nan():
     assert scores([0.0, 0.0], raw=False).tolist() == [0.5, 0.5]
     assert scores([0.0], raw=False).tolist() == [0.5]
     assert scores([2.0, -1.0], raw=True).tolist() == [2.0, -1.0]
-    with pytest.raises(UnprocessableInput):
+    with pytest.raises(InternalError):  # the model's fault: 500
         scores([float("nan"), 1.0], raw=False)
 
 
