@@ -8,6 +8,7 @@ import asyncio
 import json
 import threading
 
+import numpy as np
 import orjson
 import pytest
 from hypothesis import given
@@ -16,9 +17,11 @@ from hypothesis import strategies as st
 from rawserve.api.app import App
 from rawserve.api.bodies import (
     LARGE_ANSWER_ENTRIES,
+    NUMBERS_PER_ENTRY,
     built_answer,
     media_type_parameter,
     server_timing,
+    vector_entries,
 )
 from rawserve.api.inference import parse_body
 from rawserve.api.openai_answers import Answer, cut_at_stop, releasable
@@ -33,8 +36,8 @@ from rawserve.api.tokens import utf8_starts
 from rawserve.http.errors import (
     BadRequest,
     GatewayTimeout,
+    InternalError,
     PayloadTooLarge,
-    UnprocessableInput,
     UnsupportedMediaType,
 )
 from rawserve.http.exchange import HttpRequest
@@ -117,7 +120,7 @@ def test_scores_are_a_softmax_a_sigmoid_or_raw_and_never_nan():
     assert scores([0.0, 0.0], raw=False).tolist() == [0.5, 0.5]
     assert scores([0.0], raw=False).tolist() == [0.5]
     assert scores([2.0, -1.0], raw=True).tolist() == [2.0, -1.0]
-    with pytest.raises(UnprocessableInput):
+    with pytest.raises(InternalError):  # the model's fault: 500
         scores([float("nan"), 1.0], raw=False)
 
 
@@ -782,3 +785,27 @@ def test_a_large_answer_is_built_off_the_event_loop_byte_for_byte_the_same():
     assert small == large == orjson.dumps(document)
     # the small one where it was asked for, the large one on another thread
     assert builders[0] == loop_thread != builders[1]
+
+
+def test_token_vectors_weigh_by_their_numbers_and_a_large_set_is_built_off_the_loop():
+    # /embed_all's and POST / feature-extraction's answers: a [tokens, hidden] array each
+    vectors = [np.full((500, 1024), 0.1, dtype=np.float32), np.zeros((1, 3, 4), np.float32)]
+    assert vector_entries(vectors) == (500 * 1024 + 12) // NUMBERS_PER_ENTRY
+    assert vector_entries([{"label": "A"}, [0.5]]) == 0  # no arrays: nothing to weigh
+    assert vector_entries(vectors) > LARGE_ANSWER_ENTRIES >= vector_entries(vectors[1:])
+    builders: list[int] = []
+
+    def build() -> list:
+        builders.append(threading.get_ident())
+        return vectors
+
+    async def both() -> tuple[bytes, bytes]:
+        results = [ItemResult(output=None, queue_seconds=0.0, compute_seconds=0.0, batch_size=1)]
+        large = await built_answer(build, results, vector_entries(vectors))
+        assert builders == [builders[0]] and builders[0] != threading.get_ident()
+        small = await built_answer(build, results, vector_entries(vectors[1:]))
+        assert builders[1] == threading.get_ident()
+        return small.body, large.body
+
+    small, large = asyncio.run(both())
+    assert small == large == orjson.dumps(vectors, option=orjson.OPT_SERIALIZE_NUMPY)

@@ -82,3 +82,19 @@ def test_plain_documents_match_the_standard_library():
 def test_what_json_cannot_hold_is_refused():
     with pytest.raises(TypeError):
         encoding.dumps(object())
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        [np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4), np.ones((1, 2, 3))],
+        np.arange(12).reshape(3, 4)[:, ::2],  # strided rows
+        np.zeros((0, 4), np.float32),
+        np.array([[True, False]]),
+        np.full((2, 2), np.nan),
+        [[1, 2], (3, "é"), {"a": [np.float32(1.5)], 7: None}],
+        [],
+    ],
+)
+def test_an_answer_encoded_in_pieces_is_the_same_bytes(value):
+    assert encoding.dumps_in_pieces(value) == encoding.dumps(value)

@@ -15,12 +15,13 @@ from typing import Any
 
 from rawserve.api import schemas
 from rawserve.api.bodies import (
-    answer,
+    built_answer,
     check_client_batch,
     is_json,
     read_json,
     read_text,
     refuse_form_upload,
+    vector_entries,
 )
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Field, flag
@@ -291,5 +292,8 @@ class InferenceRoutes:
                 [tgi_output(each) for each in output] if isinstance(output, list) else output
                 for output in outputs
             ]
-        document = shape_answer(task, outputs, parsed.is_list, raw_text=parsed.raw_text)
-        return answer(document, results)
+        # feature-extraction's token vectors make answers of tens of megabytes
+        build = functools.partial(
+            shape_answer, task, outputs, parsed.is_list, raw_text=parsed.raw_text
+        )
+        return await built_answer(build, results, vector_entries(outputs))

@@ -27,7 +27,7 @@ import numpy as np
 
 from rawserve import __version__
 from rawserve.api import schemas
-from rawserve.api.bodies import answer, json_response, read_json
+from rawserve.api.bodies import answer, built_answer, json_response, read_json, vector_entries
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Fields
 from rawserve.api.outcomes import unwrap
@@ -154,7 +154,7 @@ class TeiRoutes:
         vectors = [unwrap(result)[0] for result in results]
         # the exact count, for a model whose sizes were not known before the work
         check_answer_size(sum(int(np.size(v)) for v in vectors), self.settings.max_answer_bytes)
-        return answer(vectors, results)
+        return await built_answer(lambda: vectors, results, vector_entries(vectors))
 
     async def check_embed_all_size(self, model: ServedModel, texts: list[str]) -> None:
         """413 before the work when the token vectors of `texts` would make an answer over
