@@ -11,12 +11,15 @@ and owns the port reserved for the HTTP processes. What it needs of a model is
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
@@ -106,12 +109,12 @@ class HttpProcesses:
     through the bridge; the port is reserved here (SO_REUSEPORT, never listening) and
     each HTTP process listens on it."""
 
-    def __init__(self, fleet: Fleet, bridge: Bridge, board: Board, reserved: socket.socket):
+    def __init__(self, fleet: Fleet, bridge: Bridge, board: Board, reserved: ReservedPort):
         self.fleet = fleet
         self.bridge = bridge
         self.board = board
         self.reserved = reserved
-        self.port: int = reserved.getsockname()[1]
+        self.port: int = reserved.port
 
     @classmethod
     async def start(
@@ -122,7 +125,7 @@ class HttpProcesses:
         argv: Sequence[str],
     ) -> HttpProcesses | None:
         reserved = reserve_port(config.host, config.port)  # first: nothing to undo if taken
-        port = reserved.getsockname()[1]
+        port = reserved.port
         board = Board.create(len(models))
         bridge = Bridge(
             [
@@ -204,14 +207,35 @@ def queue_retry_after(scheduler: Scheduler) -> Callable[[], float]:
     return lambda: scheduler.core.retry_after(time.monotonic())
 
 
-def reserve_port(host: str, port: int) -> socket.socket:
+@dataclass
+class ReservedPort:
+    """The port the HTTP processes listen on, held by the serving process: a socket bound
+    to it that never listens, and (on Linux) the port's claim among rawserve servers."""
+
+    bound: socket.socket
+    claim: socket.socket | None
+
+    @property
+    def port(self) -> int:
+        return int(self.bound.getsockname()[1])
+
+    def close(self) -> None:
+        self.bound.close()
+        if self.claim is not None:
+            self.claim.close()
+
+
+def reserve_port(host: str, port: int) -> ReservedPort:
     """A socket bound to (`host`, `port`) with SO_REUSEPORT that never listens: it holds
     the port (the one the system picks for port 0) for the HTTP processes to listen on.
 
-    SO_REUSEPORT is set once bound: a port another server holds, even one whose HTTP
-    processes set it too, is then refused as in use instead of shared with it (the
-    kernel would split the clients between two servers). SO_REUSEADDR, as a listener
-    has it: connections left in TIME_WAIT by a server just stopped do not hold the port."""
+    SO_REUSEPORT is set once bound: a port another server's HTTP processes listen on is
+    then refused as in use instead of shared with it (the kernel would split the clients
+    between two servers). SO_REUSEADDR, as a listener has it: connections left in
+    TIME_WAIT by a server just stopped do not hold the port. But two sockets with
+    SO_REUSEADDR bind one port while neither listens: two servers started at the same
+    instant both came up on it and split its clients. So the port is also claimed by
+    name (`claim_port`), which only one process holds."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
@@ -220,7 +244,25 @@ def reserve_port(host: str, port: int) -> socket.socket:
         reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         reserved.bind(address)
         reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        claim = claim_port(reserved.getsockname())
     except OSError:
         reserved.close()
         raise
-    return reserved
+    return ReservedPort(reserved, claim)
+
+
+def claim_port(address: Any) -> socket.socket | None:
+    """A Unix socket bound to a name in Linux's abstract namespace made of the bound
+    `address`: EADDRINUSE where another server holds it. The name is no file (nothing to
+    clean up: it goes with the process, however it ends) and, like a port, belongs to the
+    network namespace. None elsewhere (no such namespace)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    host, port = address[0], address[1]
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        claim.bind(f"\0rawserve port {host} {port}")
+    except OSError:
+        claim.close()
+        raise OSError(errno.EADDRINUSE, "Address already in use") from None
+    return claim

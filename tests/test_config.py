@@ -10,6 +10,7 @@ code 2 as argparse's own errors.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import http.client
 import os
 import socket
@@ -20,6 +21,7 @@ import sys
 import pytest
 
 from rawserve.config import Batching, ServerConfig, plan_workers
+from rawserve.fronts import reserve_port
 from rawserve.main import model_facts, worker_config
 from rawserve.models.plan import ModelPlan
 from rawserve.options import OPTIONS, parse_config
@@ -243,6 +245,24 @@ def test_a_port_in_use_stops_the_server_with_a_clear_line_not_a_traceback(http_p
     assert done.returncode == 1, done.stderr[-2000:]
     assert f"ERROR cannot listen on 127.0.0.1 port {port}: " in done.stderr
     assert "in use" in done.stderr.lower() and "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's abstract names")
+def test_two_servers_started_at_once_cannot_both_reserve_one_port():
+    """Two sockets with SO_REUSEADDR bind one port while neither listens: two servers
+    with HTTP processes started at the same instant both came up on it (the kernel then
+    split the clients between them). The port's claim is held by one process only, and
+    let go with it."""
+    first = reserve_port("127.0.0.1", 0)
+    port = first.port
+    try:
+        with pytest.raises(OSError) as refused:
+            reserve_port("127.0.0.1", port)
+        assert refused.value.errno == errno.EADDRINUSE
+    finally:
+        first.close()
+    again = reserve_port("127.0.0.1", port)  # a server stopped: the next takes it
+    again.close()
 
 
 SIGTERM_WHILE_FINDING_THE_MODEL = """
