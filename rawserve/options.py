@@ -179,6 +179,12 @@ OPTIONS = [
     Option("--max-timeout", float, 300.0, "the longest deadline X-Request-Timeout may ask for"),
     Option("--max-body-bytes", int, 1024 * 1024, "largest accepted request body; beyond it: 413"),
     Option("--max-connections", int, 1000, "open connections; past it: 503 (0: no cap)"),
+    Option(
+        "--stream-keepalive",
+        float,
+        15.0,
+        "seconds a stream may stay silent before it is sent a `: keep-alive` comment (0: never)",
+    ),
     Option("--keepalive-timeout", float, 5.0, "seconds an idle keep-alive connection stays open"),
     Option("--head-timeout", float, 10.0, "seconds to receive a request's head; beyond: 408"),
     Option("--body-timeout", float, 30.0, "seconds to receive a request's body; beyond: 408"),
@@ -406,6 +412,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             api_key=args.api_key,
             max_client_batch_size=args.max_client_batch_size,
             cors_allow_origins=tuple(origins),
+            stream_keepalive=args.stream_keepalive or None,
         ),
         grace=args.grace,
         http_processes=args.http_processes,
@@ -451,6 +458,8 @@ def check_values(args: argparse.Namespace, parser: argparse.ArgumentParser, core
             "--keepalive-timeout, --head-timeout, --body-timeout and --write-timeout "
             "must be positive"
         )
+    if args.stream_keepalive < 0:
+        parser.error("--stream-keepalive must not be negative (0: no keep-alive comments)")
     if args.generation not in ("continuous", "static"):
         parser.error("--generation must be continuous or static")
     for name in ("max_sequences", "threads", "max_batch_tokens"):

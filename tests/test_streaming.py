@@ -12,7 +12,12 @@ import pytest
 from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
-from rawserve.api.streaming import STREAM_BUFFER_TOKENS, TokenStream, open_token_stream
+from rawserve.api.streaming import (
+    KEEP_ALIVE,
+    STREAM_BUFFER_TOKENS,
+    TokenStream,
+    open_token_stream,
+)
 from rawserve.http.errors import ServiceUnavailable
 from rawserve.http.exchange import HttpRequest
 from rawserve.serving.face import ItemResult, Reason, Refused
@@ -261,3 +266,85 @@ async def test_choices_waiting_for_a_row_do_not_make_the_first_ones_tokens_overf
         event["choices"][0]["index"] for event in events if event["choices"][0]["finish_reason"]
     ]
     assert sorted(ends) == [0, 1]
+
+
+class Gated(OneRow):
+    """A generation that starts once `gate` opens: a stream queued behind others."""
+
+    def __init__(self, executor, texts, output, *, fail_first=None):
+        super().__init__(executor, texts, output)
+        self.fail_first = fail_first
+        self.gate = asyncio.Event()
+
+    async def run(self, inputs, params, deadline, control):
+        try:
+            await self.gate.wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return await super().run(inputs, params, deadline, control)
+
+
+async def open_waiting_stream(scheduler, executor):
+    model = ServedModel("tiny-gpt", ModelService(scheduler, executor))
+    params = {"max_new_tokens": 3}
+    return await open_token_stream(model, "hello", params, deadline=1e9, keepalive=0.01)
+
+
+async def test_a_stream_waiting_for_its_first_token_is_sent_keep_alive_comments():
+    """Proxies cut a response silent past their read timeout (nginx's 60 s by default):
+    a stream waiting for its first token goes out, kept alive with SSE comments."""
+    executor = FakeExecutor()
+    output = {"generated_text": " a b", "details": {"finish_reason": "length"}}
+    scheduler = Gated(executor, [" a", " b"], output)
+    response = await open_waiting_stream(scheduler, executor)  # no token came yet
+    assert await anext(response.stream) == KEEP_ALIVE
+    assert await anext(response.stream) == KEEP_ALIVE
+    scheduler.gate.set()
+    chunks = [chunk async for chunk in response.stream]
+    events = [json.loads(chunk.removeprefix(b"data:")) for chunk in chunks if chunk != KEEP_ALIVE]
+    assert [event["index"] for event in events] == [1, 2]
+    assert events[-1]["generated_text"] == " a b"
+
+
+async def test_an_error_after_keep_alive_comments_is_an_error_event():
+    executor = FakeExecutor()
+    full = Refused.because(Reason.QUEUE_FULL, "server busy: queue full", 3.0)
+    scheduler = Gated(executor, [], None, fail_first=full)
+    response = await open_waiting_stream(scheduler, executor)
+    assert await anext(response.stream) == KEEP_ALIVE
+    scheduler.gate.set()
+    chunks = [chunk async for chunk in response.stream if chunk != KEEP_ALIVE]
+    assert [json.loads(chunk.removeprefix(b"data:")) for chunk in chunks] == [
+        {"error": "server busy: queue full", "error_type": "unavailable"}
+    ]
+    assert executor.closed == [1]
+
+
+async def test_a_client_leaving_during_keep_alive_comments_withdraws_its_request():
+    executor = FakeExecutor()
+    scheduler = Gated(executor, [" a"], {"generated_text": " a", "details": {}})
+    response = await open_waiting_stream(scheduler, executor)
+    assert await anext(response.stream) == KEEP_ALIVE
+    await response.stream.aclose()  # what the protocol does when the client leaves
+    assert executor.closed == [1]
+    await asyncio.wait_for(scheduler.cancelled.wait(), 5)
+
+
+async def test_an_openai_stream_waiting_for_its_first_token_is_kept_alive():
+    workers = StreamingWorkers()
+    output = {"generated_text": " a", "details": {"finish_reason": "length"}}
+    scheduler = Gated(workers, [" a"], output)
+    models = ServedModels([ServedModel("tiny-gpt", ModelService(scheduler, workers))])
+    document = {"prompt": "hello", "stream": True}
+    body = json.dumps(document).encode()
+    request = HttpRequest(
+        "POST", "/v1/completions", "", [("content-type", "application/json")], body, "id"
+    )
+    response = await App(models, AppSettings(stream_keepalive=0.01)).handle(request)
+    assert response is not None and response.stream is not None
+    assert await anext(response.stream) == KEEP_ALIVE
+    scheduler.gate.set()
+    chunks = [chunk async for chunk in response.stream if chunk != KEEP_ALIVE]
+    assert chunks[-1] == b"data: [DONE]\n\n"
+    assert json.loads(chunks[-2].removeprefix(b"data:"))["choices"][0]["finish_reason"]

@@ -284,7 +284,10 @@ class InferenceRoutes:
             await check_lengths(self.context.tokenizers, model, parsed.inputs, chat=False)
         deadline = self.context.deadline(request)
         if parsed.stream:
-            return await open_token_stream(model, parsed.inputs[0], parsed.params, deadline)
+            keepalive = self.context.settings.stream_keepalive
+            return await open_token_stream(
+                model, parsed.inputs[0], parsed.params, deadline, keepalive
+            )
         results = await model.run(parsed.inputs, parsed.params, deadline)
         outputs = [unwrap(result) for result in results]
         if task == "text-generation":  # the pipeline's [{"generated_text", "details"}]

@@ -367,11 +367,13 @@ class OpenAIRoutes:
                 for prompt in prompts
                 for params in choices
             ]
-            # an error before the first token keeps its status; the other choices may wait
+            # an error before the first token keeps its status (unless the keep-alive
+            # interval passes before it: then it is an error event); the other choices may wait
             # for rows while the first one's tokens come, and are read from then on (held
             # back, those tokens would pile up for nobody): their errors are error events
+            keepalive = self.context.settings.stream_keepalive
             try:
-                await streams[0].start()
+                await streams[0].start(keepalive)
             except BaseException:
                 for stream in streams:
                     stream.close()
@@ -379,7 +381,7 @@ class OpenAIRoutes:
             events = shape.events(
                 streams, generation.stop, generation.include_usage, len(choices), echo_texts
             )
-            return event_stream(events)
+            return event_stream(events, keepalive)
         results = await run_choices(model, generation.items, choices, deadline)
         # the worker answers the pipeline's [{"generated_text", "details"}] per prompt
         outputs = [unwrap(result)[0] for result in results]

@@ -13,3 +13,4 @@ class AppSettings:
     max_client_batch_size: int = 32  # inputs in one request (TEI's name and default); more: 413
     cors_allow_origins: tuple[str, ...] = ()  # browser origins that may call; "*": any
     max_answer_bytes: int = 32 * 2**20  # the most one answer may hold (about); more: 413
+    stream_keepalive: float | None = 15.0  # a silent stream's comment interval; None: none

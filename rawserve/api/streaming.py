@@ -15,7 +15,14 @@ or the batch's result says whether it was the last. When the client leaves, the
 protocol closes the event iterator: the listener is removed, the queued item withdrawn,
 and the worker told to stop generating. A client that stays connected but does not read
 gets the same once `STREAM_BUFFER_TOKENS` tokens wait for it (then an error event), and
-the protocol's write timeout ends it. Never imports torch.
+the protocol's write timeout ends it.
+
+A stream silent for `keepalive` seconds (queued behind others, a long prefill, a grammar
+compiling) is sent a comment, `: keep-alive` (SSE clients skip comments, as TGI's do):
+proxies and load balancers cut a response silent past their read timeout (nginx's and
+AWS ALB's 60 s by default). Its head goes out with the first token, or at the first
+comment if that comes first: from then on an error before the first token is an error
+event, as one after it is. Never imports torch.
 """  # noqa: E501
 
 from __future__ import annotations
@@ -47,6 +54,9 @@ STREAM_BUFFER_TOKENS = 1024
 OVERFLOW = ServiceUnavailable(
     f"the stream was stopped: its client left {STREAM_BUFFER_TOKENS} tokens unread"
 )
+
+# What a stream silent for its keep-alive interval is sent: an SSE comment
+KEEP_ALIVE = b": keep-alive\n\n"
 
 
 def sse(document: Any) -> bytes:
@@ -89,14 +99,18 @@ class TokenStream:
             self.overflowed = True
             self.close()  # the end (None) is queued when the run is cancelled
 
-    async def start(self) -> None:
-        """Wait for the first token; an error before it (the request refused or failed,
-        in the server or by the worker) is raised with its status."""
+    async def start(self, patience: float | None = None) -> None:
+        """Wait for the first token, `patience` seconds at most (None: as long as it
+        takes); an error before it (the request refused or failed, in the server or by
+        the worker) is raised with its status. Past `patience` it returns without it:
+        the stream is sent, and an error before the first token is for `output()`."""
         try:
+            self.first = await asyncio.wait_for(self.queue.get(), patience)
             self.started = True
-            self.first = await self.queue.get()
             if self.first is None:
                 self.output()  # raises the request's error, with its status
+        except TimeoutError:
+            return
         except BaseException:
             self.close()
             raise
@@ -157,25 +171,52 @@ async def merged(
 
 
 async def open_token_stream(
-    model: ServedModel, prompt: Any, params: Mapping[str, Any], deadline: float
+    model: ServedModel,
+    prompt: Any,
+    params: Mapping[str, Any],
+    deadline: float,
+    keepalive: float | None = None,
 ) -> HttpResponse:
-    """Start a streamed generation; errors before its first token keep their status."""
+    """Start a streamed generation; errors before its first token keep their status
+    unless `keepalive` seconds pass before it (None: never a keep-alive comment)."""
     if params.get("decoder_input_details"):  # TGI refuses it the same way
         raise UnprocessableInput("decoder_input_details is not supported when streaming tokens")
     stream = TokenStream(model, prompt, params, deadline)
-    await stream.start()
-    return event_stream(_events(stream))
+    await stream.start(keepalive)
+    return event_stream(_events(stream), keepalive)
 
 
-def event_stream(events: AsyncGenerator[bytes, None]) -> HttpResponse:
+def event_stream(events: AsyncGenerator[bytes, None], keepalive: float | None) -> HttpResponse:
     return HttpResponse(
         200,
         # X-Accel-Buffering: nginx passes each event on as it comes, even where its
         # configuration buffers proxied answers (its default)
         headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")],
         content_type="text/event-stream",
-        stream=events,
+        stream=events if keepalive is None else kept_alive(events, keepalive),
     )
+
+
+async def kept_alive(
+    events: AsyncGenerator[bytes, None], interval: float
+) -> AsyncGenerator[bytes, None]:
+    """`events`, with `KEEP_ALIVE` after every `interval` seconds none came."""
+    following: asyncio.Future[bytes] | None = None
+    try:
+        while True:
+            following = asyncio.ensure_future(events.__anext__())
+            while not (await asyncio.wait({following}, timeout=interval))[0]:
+                yield KEEP_ALIVE
+            try:
+                event = following.result()
+            except StopAsyncIteration:
+                return
+            yield event
+    finally:  # the client left (or the events failed): the events are closed too
+        if following is not None and not following.done():
+            following.cancel()
+            await asyncio.wait({following})
+        await events.aclose()
 
 
 async def _events(stream: TokenStream) -> AsyncGenerator[bytes, None]:

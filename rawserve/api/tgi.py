@@ -144,7 +144,8 @@ class TgiRoutes:
     async def generate_stream(self, request: HttpRequest) -> HttpResponse:
         model, parsed = await self.parse(request)
         deadline = self.context.deadline(request)
-        return await open_token_stream(model, parsed.inputs[0], parsed.params, deadline)
+        keepalive = self.context.settings.stream_keepalive
+        return await open_token_stream(model, parsed.inputs[0], parsed.params, deadline, keepalive)
 
     async def parse(self, request: HttpRequest) -> tuple[ServedModel, ParsedRequest]:
         """The generation model, and the body's prompt and checked parameters; a prompt
