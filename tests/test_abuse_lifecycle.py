@@ -203,6 +203,32 @@ def test_a_server_started_with_stdin_and_stdout_closed_stops_cleanly():
         server.stop()
 
 
+@pytest.mark.parametrize("closed", [(0, 1, 2), (2,)])
+def test_each_closed_standard_descriptor_is_opened_on_dev_null_for_what_the_process_starts(
+    tmp_path, closed
+):
+    # stderr too, which the server test above leaves open for its log; and inheritable,
+    # or the worker and HTTP processes would start without them again
+    report = tmp_path / "report.json"
+    code = (
+        "import json, os, sys; from rawserve.ops.open_files import open_standard_descriptors; "
+        "open_standard_descriptors(); "
+        "seen = [(os.readlink(f'/proc/self/fd/{fd}'), os.get_inheritable(fd)) for fd in range(3)]; "
+        "open(sys.argv[1], 'w').write(json.dumps(seen))"
+    )
+    shut = " ".join(f"{fd}>&-" for fd in closed)
+    command = f'exec "$0" -c "$1" "$2" {shut}'
+    subprocess.run(
+        ["sh", "-c", command, sys.executable, code, str(report)],
+        cwd=REPO_ROOT,
+        check=True,
+        timeout=60,
+    )
+    seen = json.loads(report.read_text())
+    for fd in closed:
+        assert seen[fd] == [os.devnull, True], fd
+
+
 @pytest.mark.parametrize("http_processes", ["1", "2"])
 def test_a_stop_sent_to_the_whole_process_group_drains_through_the_same_workers(
     http_processes,

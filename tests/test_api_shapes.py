@@ -25,7 +25,7 @@ from rawserve.api.bodies import (
 )
 from rawserve.api.inference import parse_body
 from rawserve.api.openai_answers import Answer, cut_at_stop, releasable
-from rawserve.api.openai_generation import parse_chat
+from rawserve.api.openai_generation import GenerationRequest, check_token_ids, parse_chat
 from rawserve.api.openai_messages import messages
 from rawserve.api.openai_responses import ResponseAnswer, parse_response
 from rawserve.api.served import ServedModel, ServedModels
@@ -38,6 +38,7 @@ from rawserve.http.errors import (
     GatewayTimeout,
     InternalError,
     PayloadTooLarge,
+    UnprocessableInput,
     UnsupportedMediaType,
 )
 from rawserve.http.exchange import HttpRequest
@@ -809,3 +810,13 @@ def test_token_vectors_weigh_by_their_numbers_and_a_large_set_is_built_off_the_l
 
     small, large = asyncio.run(both())
     assert small == large == orjson.dumps(vectors, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def test_a_token_id_is_checked_against_the_vocabulary_up_to_its_last_id():
+    last = GenerationRequest([[0, 9], "a text"], {"logit_bias": {9: 1.0}})
+    check_token_ids(last, 10)  # ids run from 0 to 9
+    check_token_ids(GenerationRequest([[10]], {}), None)  # not known yet: the worker checks
+    for items, bias, param in (([[3], [5, 10]], {}, "prompt"), ([[3]], {10: 1.0}, "logit_bias")):
+        with pytest.raises(UnprocessableInput, match="token id 10 is not in the") as refused:
+            check_token_ids(GenerationRequest(items, {"logit_bias": bias}), 10)
+        assert refused.value.param == param

@@ -98,3 +98,19 @@ def test_what_json_cannot_hold_is_refused():
 )
 def test_an_answer_encoded_in_pieces_is_the_same_bytes(value):
     assert encoding.dumps_in_pieces(value) == encoding.dumps(value)
+
+
+def test_an_answer_in_pieces_is_encoded_a_row_or_an_item_at_a_time(monkeypatch):
+    # each orjson call holds the GIL: a large array or list must not be one call
+    calls: list[object] = []
+    dumps = encoding.dumps
+    monkeypatch.setattr(encoding, "dumps", lambda value: calls.append(value) or dumps(value))
+    rows = np.arange(6, dtype=np.float32).reshape(3, 2)
+    assert encoding.dumps_in_pieces(rows) == dumps(rows)
+    assert len(calls) == 3  # a row each
+    calls.clear()
+    assert encoding.dumps_in_pieces([{"a": 1}, "b"]) == dumps([{"a": 1}, "b"])
+    assert calls == [{"a": 1}, "b"]  # an object whole
+    calls.clear()
+    vector = np.zeros(4, np.float32)  # one row: orjson's own float32 digits
+    assert encoding.dumps_in_pieces(vector) == dumps(vector) and len(calls) == 1

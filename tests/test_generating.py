@@ -715,6 +715,27 @@ def test_sampling_keeps_the_tokens_transformers_warpers_keep(
             torch.testing.assert_close(got, expected[0].softmax(-1))
 
 
+def test_min_p_keeps_a_token_exactly_min_p_times_as_likely_as_the_likeliest():
+    # as transformers' MinPLogitsWarper: only a token less likely than that is dropped
+    import torch
+
+    from rawserve.worker.scores import sampling_probabilities
+
+    settings = SimpleNamespace(temperature=1.0, top_k=None, top_p=None, min_p=1.0, typical_p=None)
+    tied = torch.tensor([0.0, 0.0, float("-inf")])
+    assert sampling_probabilities(tied, settings).tolist() == [0.5, 0.5, 0.0]
+
+
+def test_typical_keeps_every_token_where_their_probability_never_reaches_the_mass():
+    # (the summed probabilities of float32 scores may end just under a mass near 1)
+    import torch
+
+    from rawserve.worker.scores import typical
+
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    assert torch.equal(typical(logits, 1.5), logits)
+
+
 def replace_typical(settings: SimpleNamespace, mass: float | None) -> SimpleNamespace:
     return SimpleNamespace(**{**vars(settings), "typical_p": mass})
 

@@ -31,7 +31,8 @@ from rawserve.serving.driver import DELIVERY_SLICE, Scheduler
 from rawserve.serving.minima import REBUILD_SLACK, QueueMinima
 from rawserve.serving.refusals import Reason, Refusal, Refused, shutting_down
 from rawserve.shared.messages import NO_CONTROL, BatchResult, FailureKind, ItemFailure
-from rawserve.tasks import estimate_tokens
+from rawserve.tasks import estimate_tokens, model_tokens
+from rawserve.tasks.question_answering import window_tokens
 
 
 def queue_items(core: SchedulerCore, values, now=0.0, deadline=30.0, params=None):
@@ -636,6 +637,40 @@ def test_a_question_answering_input_costs_the_windows_its_stride_makes():
     assert dense.cost >= 100 * 128  # a window every few tokens, 128 tokens each
     short = {"question": "who?", "context": "a short one"}
     assert core.new_item(short, {}, 30.0, 0.0).cost == estimate_tokens(short)  # one window
+
+
+@pytest.mark.parametrize(
+    ("params", "tokens", "read"),
+    [
+        # a question of 13 tokens (3 special, 40 characters) leaves 371 of a 384-token
+        # window to the context; the next window starts 371 - 128 = 243 tokens later
+        ({}, 13 + 371, 384),
+        ({}, 13 + 372, 2 * 384),
+        ({}, 13 + 371 + 243, 2 * 384),
+        ({}, 13 + 371 + 244, 3 * 384),
+        ({}, 10, 10),  # a short pair: one window of its own length
+        # no stride given: half the window (here under 128); 0 is a stride of its own
+        ({"max_seq_len": 100}, 13 + 87 + 37, 2 * 100),
+        ({"max_seq_len": 100}, 13 + 87 + 38, 3 * 100),
+        ({"max_seq_len": 100, "doc_stride": 0}, 13 + 87 + 38, 2 * 100),
+        # a window that moves one token at a time; one that cannot move (refused)
+        ({"max_seq_len": 128, "doc_stride": 114}, 1000, (1 + 1000 - 13 - 115) * 128),
+        ({"max_seq_len": 128, "doc_stride": 115}, 1000, 1000),
+    ],
+)
+def test_a_question_answering_pair_reads_as_many_windows_as_the_pipeline_cuts(params, tokens, read):
+    item = {"question": "q" * 40, "context": "..."}
+    assert window_tokens(item, params, tokens) == read
+    assert model_tokens(item, params, tokens) == read
+
+
+def test_only_a_list_of_labels_or_a_question_with_a_context_is_read_more_than_once():
+    assert model_tokens("a text", {"candidate_labels": ["a", "b", "c"]}, 7) == 21
+    assert model_tokens("a text", {"candidate_labels": []}, 7) == 7
+    dense = {"max_seq_len": 128, "doc_stride": 114}
+    assert model_tokens({"question": "who?", "context": "x"}, dense, 1000) > 1000
+    assert model_tokens({"question": "who?"}, dense, 1000) == 1000
+    assert model_tokens({"question": 3, "context": "x"}, dense, 1000) == 1000
 
 
 async def test_a_request_that_can_never_be_admitted_is_refused_for_good(driver):

@@ -97,3 +97,16 @@ def test_the_pieces_so_far_are_the_start_of_the_whole_decoding_whatever_the_toke
 @functools.cache
 def _tokenizers(build):
     return build()
+
+
+@pytest.mark.parametrize("build", [bpe_tokenizer, byte_fallback_tokenizer])
+def test_a_special_token_between_words_adds_nothing_and_the_next_word_keeps_its_space(build):
+    # a skipped special token must not start the next window: Llama's decoder drops the
+    # space of the window's first word
+    tokenizer = _tokenizers(build)
+    eos = tokenizer.eos_token_id
+    ids = tokenizer.encode("the movie", add_special_tokens=False) + [eos, eos]
+    ids += tokenizer.encode(" was good", add_special_tokens=False)
+    pieces = TextPieces(tokenizer)
+    made = [pieces.next_piece(ids[: n + 1]) for n in range(len(ids))]
+    assert "".join(made) == tokenizer.decode(ids, skip_special_tokens=True) == "the movie was good"

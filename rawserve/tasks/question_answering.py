@@ -34,7 +34,7 @@ def window_tokens(item: Mapping[str, str], params: Mapping[str, Any], tokens: in
     room = size - question  # of the context, in each window
     if room - stride < 1:  # no window fits (the worker refuses it)
         return tokens
-    context = max(tokens - question, 1)
+    context = tokens - question
     windows = 1 + math.ceil(max(0, context - room) / (room - stride))
     return windows * min(size, tokens)
 
