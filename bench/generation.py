@@ -55,9 +55,13 @@ class NoTokenizer:
     """What the loop needs of a tokenizer when nothing stops on text: no end of sequence."""
 
     eos_token_id = None
+    unk_token_id = None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return ""
+
+    def convert_tokens_to_ids(self, tokens: Sequence[str]) -> list[None]:
+        return [None] * len(tokens)  # no byte tokens (a byte-fallback tokenizer's)
 
 
 def prompts(count: int, rng: random.Random) -> list[list[int]]:

@@ -234,3 +234,15 @@ def test_make_bench_quick_is_a_short_try_of_every_step():
     assert arguments("bench.compare") == ["--quick"]
     assert arguments("bench.http_processes") == ["--rounds", "1", "--duration", "2"]
     assert arguments("bench.generation_serving") == ["--rounds", "1", "--scenarios", "16 x 64"]
+
+
+def test_the_generation_benchmark_s_stand_in_tokenizer_serves_the_loop_s_text():
+    """The decoding benchmark drives the continuous loop with a tokenizer of no text;
+    the loop's text reader must take it (it failed the GPU round's decode stage when
+    the reader came to ask a tokenizer for its byte tokens)."""
+    from bench.generation import NoTokenizer
+    from rawserve.worker.text_pieces import TextPieces
+
+    pieces = TextPieces(NoTokenizer())
+    assert pieces.next_piece([5, 6], last=False) == ""
+    assert pieces.next_piece([5, 6, 7], last=True) == ""
