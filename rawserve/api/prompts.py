@@ -23,8 +23,8 @@ as it is, and decoded here when its completion echoes it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from rawserve.api.served import ServedModel
 from rawserve.api.tokens import (
@@ -40,6 +40,8 @@ from rawserve.api.tokens import (
 from rawserve.http.errors import BadRequest, PayloadTooLarge, UnprocessableInput
 from rawserve.tasks.text_generation import REASONING_END
 
+T = TypeVar("T")
+
 
 async def check_lengths(
     tokenizers: ServerTokenizers,
@@ -52,8 +54,7 @@ async def check_lengths(
     generated after it, has more tokens than the positions); nothing when the model or its
     tokenizer is not known here (the worker still refuses such a prompt). A prompt of
     token ids is counted as it is."""
-    loaded = model.serving.loaded
-    positions = int(loaded.details.get("max_input_length") or 0) if loaded else 0
+    positions = model.positions
     if positions < 1:
         return
     # the prompt's tokens, and one new token after them (none after a prompt only scored)
@@ -62,6 +63,7 @@ async def check_lengths(
         raise too_long(most, scored)
     bound = most
     if chat:
+        loaded = model.serving.loaded
         drops_reasoning = bool(loaded.details.get("chat_drops_reasoning")) if loaded else False
         texts = [prompt_text(prompt, drops_reasoning) for prompt in prompts]
         bound += COUNT_MARGIN * max((len(p.get("messages", ())) for p in prompts), default=1)
@@ -71,10 +73,7 @@ async def check_lengths(
     if tokenizer is None:
         return
     try:
-        if sum(len(text) for text in texts) <= INLINE_LIMIT:
-            count_within(tokenizer, texts, bound, not chat)
-        else:  # the encoder lets go of the GIL: the event loop goes on meanwhile
-            await asyncio.to_thread(count_within, tokenizer, texts, bound, not chat)
+        await by_length(texts, count_within, tokenizer, texts, bound, not chat)
     except TooManyTokens:
         raise too_long(most, scored) from None
 
@@ -96,8 +95,7 @@ async def check_echo_size(
     """413 when the prompts' echoed tokens, each listed with `listed` log probabilities in
     each of `copies` choices, would make an answer over `largest` bytes; counted with the
     server's tokenizer only where prompts of the model's whole length would not fit."""
-    loaded = model.serving.loaded
-    positions = int(loaded.details.get("max_input_length") or 0) if loaded else 0
+    positions = model.positions
     per_token = listed * copies * LISTED_BYTES
     if positions < 1 or len(prompts) * positions * per_token <= largest:
         return
@@ -105,12 +103,17 @@ async def check_echo_size(
     texts = [prompt for prompt in prompts if isinstance(prompt, str)]
     tokenizer = await tokenizers.get(model) if texts else None
     if tokenizer is not None:
-        if sum(len(text) for text in texts) <= INLINE_LIMIT:
-            counts += tokenizer.count(texts, positions)
-        else:  # the encoder lets go of the GIL: the event loop goes on meanwhile
-            counts += await asyncio.to_thread(tokenizer.count, texts, positions)
+        counts += await by_length(texts, tokenizer.count, texts, positions)
     if sum(counts) * per_token > largest:
         raise PayloadTooLarge(str(AnswerTooLarge(largest)))
+
+
+async def by_length(texts: Sequence[str], work: Callable[..., T], *args: Any) -> T:
+    """`work(*args)`, about `texts`: here for short texts, on a thread for long ones (the
+    encoder lets go of the GIL: the event loop goes on meanwhile)."""
+    if sum(len(text) for text in texts) <= INLINE_LIMIT:
+        return work(*args)
+    return await asyncio.to_thread(work, *args)
 
 
 def too_long(most: int, scored: bool = False) -> UnprocessableInput:

@@ -43,6 +43,13 @@ class ServedModel:
         return loaded.task if loaded else None
 
     @property
+    def positions(self) -> int:
+        """The most tokens the loaded model reads of an input (its worker's
+        `max_input_length`); 0 until a worker has loaded it."""
+        loaded = self.serving.loaded
+        return int(loaded.details.get("max_input_length") or 0) if loaded else 0
+
+    @property
     def limits(self) -> ModelLimits:
         """What the loaded model can take (unknown until a worker is ready)."""
         loaded = self.serving.loaded

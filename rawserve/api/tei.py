@@ -291,8 +291,7 @@ async def sentence_similarity(
 
 def input_limit(model: ServedModel) -> int:
     """The most tokens an input of `model` may have (special tokens included)."""
-    loaded = model.serving.loaded
-    named = int(loaded.details.get("max_input_length") or 0) if loaded else 0
+    named = model.positions
     return min(named, MAX_TOKENIZE_TOKENS) if named > 0 else MAX_TOKENIZE_TOKENS
 
 

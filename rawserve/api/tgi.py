@@ -78,8 +78,7 @@ def tgi_info(model: ServedModel) -> dict[str, Any]:
     most tokens) in place of TEI's."""
     if model.task != TASK:
         return {}
-    loaded = model.serving.loaded
-    positions = int(loaded.details.get("max_input_length") or 0) if loaded else 0
+    positions = model.positions
     max_input_tokens = max(positions - 1, 0)  # a prompt leaves room for one token
     return {
         "model_pipeline_tag": TASK,

@@ -143,10 +143,11 @@ class TokenWatcher(transformers.StoppingCriteria):
             if self.done[row]:
                 continue
             self.token_ids[row].append(token_id)
-            last = token_id in self.eos_ids or len(self.token_ids[row]) >= self.max_new_tokens
+            ends = token_id in self.eos_ids
+            last = ends or len(self.token_ids[row]) >= self.max_new_tokens
             piece = self.pieces[row].next_piece(self.token_ids[row], last)
             self.texts[row] += piece
-            if token_id in self.eos_ids:
+            if ends:
                 self.done[row], self.finish_reasons[row] = True, "eos_token"
             elif len(self.token_ids[row]) >= self.stops_after and ends_a_stop(
                 self.texts[row], piece, self.stop

@@ -216,15 +216,12 @@ class PipelineRunner(Runner):
 def refuse_broken_scores(
     module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
 ) -> None:
-    """A forward hook that raises `NotNumbers` where the model's scores (a classifier's
-    logits, each token's, a span's start and end) hold NaN or infinity at a real token."""
-    mask = kwargs.get("attention_mask")
-    for name in ("logits", "start_logits", "end_logits"):
-        scores = getattr(output, name, None) if not isinstance(output, dict) else output.get(name)
-        if isinstance(scores, torch.Tensor):
-            if name != "logits":  # one score a token
-                scores = scores.unsqueeze(-1)
-            refuse_not_numbers(scores, "scores", mask)
+    """A forward hook that raises `NotNumbers` where the model's scores (an input's
+    logits, or each token's) hold NaN or infinity at a real token. (Question answering's
+    start and end scores are checked by its own runner, `span_extraction`.)"""
+    logits = output.get("logits") if isinstance(output, dict) else None  # a ModelOutput
+    if isinstance(logits, torch.Tensor):
+        refuse_not_numbers(logits, "scores", kwargs.get("attention_mask"))
 
 
 def refuse_past(limit: int) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], None]:
