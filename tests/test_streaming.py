@@ -268,6 +268,43 @@ async def test_choices_waiting_for_a_row_do_not_make_the_first_ones_tokens_overf
     assert sorted(ends) == [0, 1]
 
 
+class RoomForOne(FakeScheduler):
+    """A queue with room for one item: a second run while the first runs is refused."""
+
+    def __init__(self, executor, texts, output):
+        super().__init__(executor, texts, output)
+        self.running = 0
+
+    async def run(self, inputs, params, deadline, control):
+        if self.running:
+            raise Refused.because(Reason.QUEUE_FULL, "server busy: queue full", 3.0)
+        self.running += 1
+        try:
+            return await super().run(inputs, params, deadline, control)
+        finally:
+            self.running -= 1
+
+
+async def test_a_stream_of_several_choices_the_queue_cannot_hold_is_503_not_a_torn_stream():
+    """A request is admitted whole: a choice refused at admission refuses the request
+    with 503 and Retry-After (what OpenAI's clients retry), not a stream of one choice's
+    tokens ending in an error event."""
+    workers = StreamingWorkers()
+    output = {"generated_text": " a b", "details": {"finish_reason": "length"}}
+    queue = RoomForOne(workers, [" a", " b"], output)
+    models = ServedModels([ServedModel("tiny-gpt", ModelService(queue, workers))])
+    document = {"prompt": "hello", "n": 2, "max_tokens": 2, "stream": True}
+    body = json.dumps(document).encode()
+    request = HttpRequest(
+        "POST", "/v1/completions", "", [("content-type", "application/json")], body, "id"
+    )
+    response = await App(models, AppSettings()).handle(request)
+    assert response is not None and response.status == 503, response.status
+    assert ("Retry-After", "3") in response.headers
+    assert response.stream is None
+    assert sorted(workers.closed) == [1, 2]
+
+
 class Gated(OneRow):
     """A generation that starts once `gate` opens: a stream queued behind others."""
 

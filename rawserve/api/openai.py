@@ -370,10 +370,15 @@ class OpenAIRoutes:
             # an error before the first token keeps its status (unless the keep-alive
             # interval passes before it: then it is an error event); the other choices may wait
             # for rows while the first one's tokens come, and are read from then on (held
-            # back, those tokens would pile up for nobody): their errors are error events
+            # back, those tokens would pile up for nobody): their errors are error events,
+            # but a refusal at admission, known by the first token, refuses the request
+            # whole (503 with Retry-After), as it refuses one not streamed
             keepalive = self.context.settings.stream_keepalive
             try:
                 await streams[0].start(keepalive)
+                for stream in streams[1:]:
+                    if stream.run.done():
+                        stream.output()  # raises its error, with its status
             except BaseException:
                 for stream in streams:
                     stream.close()
