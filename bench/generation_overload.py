@@ -10,7 +10,9 @@ and measures its capacity: 384 requests of 8-128 new tokens (prompts of 8-32 tok
 seeded) over 256 closed-loop clients, in completions per second. Then Poisson arrivals
 at `--factor` times that rate (or at `--rate`, the same for servers compared) for
 `--duration` seconds, each request carrying a deadline (`X-Request-Timeout`), whatever
-the answers.
+the answers. With `--default-length N` the requests are chat completions naming no
+`max_tokens`: each makes the N new tokens the model's generation config says (what a
+chat client that sets no length gets), so the server must count them by the model's.
 
 Reported per round: the capacity; the goodput (answers 200 within their deadline, per
 second) and its ratio to the capacity; answers by status (a 504 is a request admitted and
@@ -43,8 +45,15 @@ NEW_TOKENS = (8, 128)
 PROMPTS = 1024  # the open loop cycles through them
 
 
-def requests(folder: Path, seed: int, deadline: float | None) -> tuple[list[bytes], list[int]]:
-    """Seeded prompts and asks, as completions requests (with a deadline, when given)."""
+# a chat template for the model's tokenizer, which has none: the turns' texts in a row
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+
+
+def requests(
+    folder: Path, seed: int, deadline: float | None, default_length: int | None = None
+) -> tuple[list[bytes], list[int]]:
+    """Seeded prompts and asks, as completions requests (with a deadline, when given), or
+    as chat completions naming no length (`default_length`: what the model makes then)."""
     rng = random.Random(seed)
     headers = [] if deadline is None else [("X-Request-Timeout", f"{deadline:g}")]
     built, asks = [], []
@@ -53,11 +62,17 @@ def requests(folder: Path, seed: int, deadline: float | None) -> tuple[list[byte
         vocabulary = generation_serving.VOCAB_SIZE
         prompt = " ".join(f"w{rng.randrange(2, vocabulary)}" for _ in range(words))
         ask = rng.randint(*NEW_TOKENS)
-        body = {"model": str(folder), "prompt": prompt, "max_tokens": ask, "temperature": 0}
+        body: dict[str, Any] = {"model": str(folder), "temperature": 0}
+        if default_length:
+            ask, path = default_length, "/v1/chat/completions"
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            path = "/v1/completions"
+            body.update(prompt=prompt, max_tokens=ask)
         built.append(
             load.build_request(
                 json.dumps(body).encode(),
-                path="/v1/completions",
+                path=path,
                 content_type="application/json",
                 extra_headers=headers,
             )
@@ -83,13 +98,17 @@ async def one_round(folder: Path, log: Path, args: argparse.Namespace) -> dict[s
     device = [] if args.device == "cpu" else ["--device", args.device]
     options = ["--task", "text-generation", *device, "--no-access-log",
                *shlex.split(args.rawserve_args)]  # fmt: skip
+    if args.default_length:
+        template = log.with_suffix(".jinja")
+        template.write_text(CHAT_TEMPLATE)
+        options += ["--chat-template", str(template)]
     process = servers.rawserve(str(folder), log, options, name="rawserve").start()
     try:
         probe = generation_serving.completion_request(str(folder), "w2 w3 w4", 1, False)
         await load.wait_until_serving(
             process.port, probe, generation_serving.START_TIMEOUT, process.alive
         )
-        plain, asks = requests(folder, args.seed, None)
+        plain, asks = requests(folder, args.seed, None, args.default_length)
         await generation_serving.closed_loop(  # warm: every row, both ends of the asks
             process.port, plain[:CAPACITY_CLIENTS], asks[:CAPACITY_CLIENTS], CAPACITY_CLIENTS, 120.0
         )
@@ -102,7 +121,7 @@ async def one_round(folder: Path, log: Path, args: argparse.Namespace) -> dict[s
         )
         rate = capacity["completions_per_s"]
         arrivals = args.rate or args.factor * rate
-        timed, _ = requests(folder, args.seed + 1, args.deadline)
+        timed, _ = requests(folder, args.seed + 1, args.deadline, args.default_length)
         run = await load.open_loop(
             process.port, timed, arrivals, args.duration, deadline=args.deadline
         )
@@ -129,6 +148,10 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     found = []
     with tempfile.TemporaryDirectory(prefix="generation-overload-") as tmp:
         folder = generation_serving.save_model(Path(tmp) / "model", args.layers, args.hidden)
+        if args.default_length:  # what a request naming no length makes
+            path = folder / "generation_config.json"
+            config = json.loads(path.read_text())
+            path.write_text(json.dumps({**config, "max_new_tokens": args.default_length}))
         for round_ in range(1, args.rounds + 1):
             result = await one_round(folder, Path(tmp) / f"round{round_}.log", args)
             print(json.dumps({"round": round_, **result}), flush=True)
@@ -152,6 +175,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--rawserve-args", default="", help="more options for rawserve")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--default-length",
+        type=int,
+        help="chat requests naming no max_tokens; the model's generation config makes this many",
+    )
     args = parser.parse_args(argv)
     found = asyncio.run(run(args))
     ratios = [r["goodput_ratio"] for r in found if r["goodput_ratio"] is not None]

@@ -17,7 +17,13 @@ from rawserve.serving.driver import Scheduler
 from rawserve.serving.pool import WorkerPool
 from rawserve.serving.status import WorkerState
 from rawserve.serving.supervision import CRASHED_ALONE
-from rawserve.shared.messages import BatchResult, ItemFailure, WorkerConfig, WorkerReady
+from rawserve.shared.messages import (
+    BatchResult,
+    ItemFailure,
+    ModelLimits,
+    WorkerConfig,
+    WorkerReady,
+)
 from tests.tiny_models import worker_config
 
 FAULTY = "tests.handlers:faulty"
@@ -149,8 +155,7 @@ class OneWorker:
     def batch_cap(self) -> int | None:
         return None
 
-    def max_input_tokens(self) -> int | None:
-        return None
+    limits = ModelLimits()
 
     def concurrency(self) -> int:
         return 1

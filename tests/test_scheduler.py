@@ -30,7 +30,14 @@ from rawserve.serving.core import (
 from rawserve.serving.driver import DELIVERY_SLICE, Scheduler
 from rawserve.serving.minima import REBUILD_SLACK, QueueMinima
 from rawserve.serving.refusals import Reason, Refusal, Refused, shutting_down
-from rawserve.shared.messages import NO_CONTROL, BatchResult, FailureKind, ItemFailure
+from rawserve.shared.messages import (
+    NO_CONTROL,
+    BatchResult,
+    Control,
+    FailureKind,
+    ItemFailure,
+    ModelLimits,
+)
 from rawserve.tasks import estimate_tokens, model_tokens
 from rawserve.tasks.question_answering import window_tokens
 
@@ -488,10 +495,29 @@ def test_a_generation_that_may_end_early_is_sent_though_its_max_tokens_would_not
     (asked_much,) = queue_items(core, [text(5)], deadline=2.0, params={"max_new_tokens": 4000})
     assert asked_much.cost > long_text.cost and asked_much.new_tokens == 4000
     assert inputs(core.next_batch(0.0)) == [text(5)]
-    at_least = {"max_new_tokens": 400, "min_new_tokens": 300}  # no end before 300 tokens
-    queue_items(core, [text(6)], deadline=2.0, params=at_least)
-    assert inputs(core.next_batch(0.0)) == [text(6)]  # a stream sends what it makes
     assert long_text.new_tokens == 0
+    idle = measured(SchedulerCore(), seconds_per_token=0.01)
+    at_least = {"max_new_tokens": 400, "min_new_tokens": 300}  # no end before 300 tokens
+    queue_items(idle, [text(6)], deadline=2.0, params=at_least)
+    assert inputs(idle.next_batch(0.0)) == [text(6)]  # an idle worker: its chance
+
+
+def test_past_half_the_rows_a_generation_that_cannot_end_in_time_waits_unless_streamed():
+    """Behind busy rows, a sequence's predicted time is the pace of the rows it would
+    share: one that can no longer end by its deadline at it waits queued for its 504
+    instead of holding a row to it (on a CPU such sequences held rows to their 504s,
+    leaving none for those that could end). A stream is still sent: it gets what is
+    made in time."""
+    core = measured(SchedulerCore(max_batch_size=1, workers=4), seconds_per_token=0.01)
+    queue_items(core, [text(5), text(5)], params={"max_new_tokens": 10})
+    assert [inputs(core.next_batch(0.0)) for _ in range(2)] == [[text(5)], [text(5)]]
+    long = {"max_new_tokens": 400}  # 4 s alone
+    queue_items(core, [text(6)], deadline=6.0, params=long)  # it would end in time now
+    assert core.next_batch(3.0) is None  # two rows of four busy: no longer
+    core.admit([core.new_item(text(7), long, 6.0, 0.0, Control(stream_id=1))], 0.0)
+    assert inputs(core.next_batch(3.0)) == [text(7)]
+    queue_items(core, [text(8)], now=3.0, deadline=30.0, params=long)
+    assert inputs(core.next_batch(3.0)) == [text(8)]  # in time at that pace: it goes
 
 
 def test_an_input_larger_than_any_call_measured_is_sent_once_and_measured():
@@ -624,6 +650,29 @@ def test_a_beam_search_costs_its_beams_for_each_new_token():
     )
     assert (greedy.cost, beams.cost, sampled.cost) == (10 + 100, 10 + 800, 10 + 400)
     assert beams.new_tokens == 100  # the answer's length is the same
+
+
+def test_a_generation_naming_no_length_costs_the_models_default_length_and_beams():
+    core = SchedulerCore(default_new_tokens=256, default_beams=4)
+    unnamed, named, scored = (
+        core.new_item(text(10), params, 30, 0)
+        for params in ({}, {"max_new_tokens": 16, "num_beams": 1}, {"max_new_tokens": 0})
+    )
+    assert (unnamed.cost, unnamed.new_tokens) == (10 + 4 * 256, 256)
+    assert (named.cost, named.new_tokens) == (10 + 16, 16)
+    assert (scored.cost, scored.new_tokens) == (10, 0)  # a prompt only scored generates none
+    # an encoder's items, whose model generates nothing by default, cost their tokens
+    assert SchedulerCore().new_item(text(10), {}, 30, 0).cost == 10
+
+
+def test_the_inference_apis_generate_parameters_count_as_the_parameters_do():
+    core = SchedulerCore(default_new_tokens=142, default_beams=4)
+    nested, total_length = (
+        core.new_item(text(10), {"generate_parameters": asked}, 30, 0)
+        for asked in ({"max_new_tokens": 50, "num_beams": 2}, {"max_length": 60})
+    )
+    assert (nested.cost, nested.new_tokens) == (10 + 2 * 50, 50)
+    assert (total_length.cost, total_length.new_tokens) == (10 + 4 * 60, 60)
 
 
 def test_a_question_answering_input_costs_the_windows_its_stride_makes():
@@ -838,8 +887,7 @@ class FakeBackend:
     def batch_cap(self) -> int | None:
         return None
 
-    def max_input_tokens(self) -> int | None:
-        return None
+    limits = ModelLimits()
 
     def concurrency(self) -> int:
         return self.workers

@@ -460,6 +460,34 @@ def test_a_generation_config_length_past_the_positions_stops_there(
     serving = load_runner(worker_config(str(folder), "summarization"), "cpu")
     [answer] = serving.run(["the movie was good"], {"num_beams": 1, "min_new_tokens": 127})
     assert set(answer) == {"summary_text"}
+    assert serving.limits.default_new_tokens == 127  # what the server counts it to cost
+
+
+@pytest.mark.parametrize(
+    ("kind", "task", "configured", "new_tokens", "beams"),
+    [
+        ("text-generation", "text-generation", {}, 255, 1),  # 256, within 256 positions
+        ("text-generation", "text-generation", {"max_new_tokens": 40, "num_beams": 3}, 40, 3),
+        ("seq2seq", "summarization", {}, 127, 4),  # the pipeline's beams, within positions
+        ("seq2seq", "summarization", {"max_length": 21, "num_beams": 2}, 20, 2),
+    ],
+)
+def test_a_generation_models_default_length_and_beams_are_told_to_the_server(
+    tiny_model, tmp_path, kind, task, configured, new_tokens, beams
+):
+    """A request naming no length or beams gets the model's generation config's (else the
+    pipeline's): the server counts its cost by them (rawserve.serving.core.decoding)."""
+    import shutil
+
+    from rawserve.worker.loading import load_runner
+
+    folder = tmp_path / "configured"
+    shutil.copytree(tiny_model(kind), folder)
+    path = folder / "generation_config.json"
+    settings = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**settings, **configured}))
+    limits = load_runner(worker_config(str(folder), task), "cpu").limits
+    assert (limits.default_new_tokens, limits.default_beams) == (new_tokens, beams)
 
 
 @pytest.mark.parametrize("declared", [16, None])

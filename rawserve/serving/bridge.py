@@ -45,7 +45,7 @@ from rawserve.serving.face import (
 from rawserve.serving.service import ModelService
 from rawserve.shared.board import Board
 from rawserve.shared.channel import Channel
-from rawserve.shared.messages import BatchResult
+from rawserve.shared.messages import BatchResult, ModelLimits
 
 log = logging.getLogger("rawserve")
 
@@ -404,7 +404,8 @@ class Backend(Protocol):
 
     def batch_cap(self) -> int | None: ...
 
-    def max_input_tokens(self) -> int | None: ...
+    @property
+    def limits(self) -> ModelLimits: ...
 
     def concurrency(self) -> int: ...
 
@@ -429,8 +430,9 @@ class PublishingBackend:
     def batch_cap(self) -> int | None:
         return self.backend.batch_cap()
 
-    def max_input_tokens(self) -> int | None:
-        return self.backend.max_input_tokens()
+    @property
+    def limits(self) -> ModelLimits:
+        return self.backend.limits
 
     def concurrency(self) -> int:
         return self.backend.concurrency()

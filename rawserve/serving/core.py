@@ -119,13 +119,21 @@ class Decision:
     wake_at: float | None
 
 
-def decoded_rows(params: Mapping[str, Any]) -> int:
-    """The rows a generation decodes at each step: one, or a beam search's beams (and at
-    least the sequences it returns). Counted as one row, a summary of 8 beams took one
-    turn and one item's share of the deadline for 8 times the decoding."""
-    beams = params.get("num_beams") or 1
-    returned = params.get("num_return_sequences") or 1
-    return max(int(beams), int(returned), 1)
+def decoding(params: Mapping[str, Any], new_tokens: int = 0, beams: int = 1) -> tuple[int, int]:
+    """The new tokens a generation may add and the rows it decodes at each step: what it
+    asked (among its parameters or in the Inference API's `generate_parameters`), else the
+    model's own defaults (`new_tokens`, `beams`: its generation config's or the
+    pipeline's). A beam search decodes its beams, and at least the sequences it returns:
+    counted as one row, a summary of 8 beams took one turn and one item's share of the
+    deadline for 8 times the decoding. A chat naming no `max_tokens` runs to the model's
+    default length: counted as no new tokens, it looked like a short encoder call."""
+    nested = params.get("generate_parameters")
+    asked = {**nested, **params} if isinstance(nested, Mapping) else params
+    most = asked.get("max_new_tokens")
+    if most is None:  # transformers 4's total length, else the model's default
+        most = asked.get("max_length") or new_tokens
+    rows = max(int(asked.get("num_beams") or beams), int(asked.get("num_return_sequences") or 1))
+    return int(most), max(rows, 1)
 
 
 @dataclass
@@ -150,6 +158,9 @@ class SchedulerCore:
     items_per_second: float | None = None  # measured service rate (for reports)
     tokens_per_estimate: float = 1.0  # real tokens per estimated token, learned from workers
     max_input_tokens: int | None = None  # the model reads no more (it truncates): cost cap
+    # what a generation naming no length or beams makes (the model's defaults, ModelLimits)
+    default_new_tokens: int = 0
+    default_beams: int = 1
     _turn: int = 0  # the fair-share turn being served: the latest turn sent to a worker
 
     def __len__(self) -> int:
@@ -182,8 +193,8 @@ class SchedulerCore:
         cost = model_tokens(value, params, cost)  # read once per label, per window
         # a generation also costs a decoding step per new token it asks for: the measured
         # seconds per token then admit, refuse and size by the work asked, not by the prompt
-        new_tokens = int(params.get("max_new_tokens") or 0)
-        cost += new_tokens * decoded_rows(params)
+        new_tokens, rows = decoding(params, self.default_new_tokens, self.default_beams)
+        cost += new_tokens * rows
         key = batch_key(params)
         if control != NO_CONTROL:  # a stream never shares a batch; nor do two routes
             key += repr(control)
@@ -486,18 +497,25 @@ class SchedulerCore:
         return not limits.group_lengths and len(batch) < candidates
 
     def _can_finish(self, item: WorkItem, now: float) -> bool:
-        """Whether the item alone could be answered by its deadline. A generation is
-        given its chance: it may end at its first new token (most answers end long
-        before their max_tokens), a stream sends what it makes until its deadline, and
-        the measured seconds of a continuous worker's sequences are those of whole
-        sequences sharing each step with every row beside them, which tell how busy the
-        worker was, not how soon a first token comes (taken as its cost, a short chat
-        with a 3 s deadline sat queued beside a free row until a 504). Nor is an item
+        """Whether the item alone could be answered by its deadline. A stream is given
+        its chance (it sends what it makes until its deadline), and so is a generation
+        while half the workers' rows or more are free: it may end at its first new token
+        (most answers end long before their max_tokens), and the measured seconds of a
+        continuous worker's sequences are those of whole sequences sharing each step
+        with every row beside them, which tell how busy the worker was, not how soon a
+        first token comes (taken as its cost, a short chat with a 3 s deadline sat queued
+        beside a free row until a 504). Past that, its predicted time is the pace of the
+        rows it would share: one that cannot end by its deadline at that pace waits
+        queued for its 504 rather than holding a row to it. Nor is an item
         larger than any call measured: its time is an extrapolation from smaller calls,
         whose fixed costs it counts as if per token (a question-answering context of 440
         windows, predicted past its 30 s deadline from short questions, waited for its 504
         where it ran in 2.7 s)."""
-        if item.new_tokens or not self.cost_model.trusted:  # (untrusted: one call says little)
+        if not self.cost_model.trusted:  # one call says little
+            return item.deadline > now
+        if item.new_tokens and (
+            item.control != NO_CONTROL or len(self._in_flight) < self.workers / 2
+        ):
             return item.deadline > now
         if item.cost > self.cost_model.largest:  # past every call measured: a guess
             return item.deadline > now  # run it once; its time is then measured

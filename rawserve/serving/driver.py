@@ -36,7 +36,7 @@ from rawserve.serving.refusals import (
 )
 from rawserve.serving.supervision import REFUSED_POISON
 from rawserve.shared.late_watch import LateWatch
-from rawserve.shared.messages import NO_CONTROL, BatchResult, Control
+from rawserve.shared.messages import NO_CONTROL, BatchResult, Control, ModelLimits
 
 log = logging.getLogger("rawserve.scheduler")
 
@@ -58,8 +58,9 @@ class Backend(Protocol):
         """The most items a batch may carry now (lowered after out-of-memory errors)."""
         ...
 
-    def max_input_tokens(self) -> int | None:
-        """The most tokens the model reads of one input (it truncates); None: unknown."""
+    @property
+    def limits(self) -> ModelLimits:
+        """What the loaded model takes and generates by default (unknown until loaded)."""
         ...
 
     def concurrency(self) -> int:
@@ -313,7 +314,10 @@ class Scheduler:
         now = self.clock()
         self.core.batch_cap = self.backend.batch_cap()
         self.core.workers = self.backend.concurrency()
-        self.core.max_input_tokens = self.backend.max_input_tokens()
+        limits = self.backend.limits
+        self.core.max_input_tokens = limits.longest_input
+        self.core.default_new_tokens = limits.default_new_tokens
+        self.core.default_beams = limits.default_beams
         decision = self.core.decide(now, self.backend.idle_workers())
         for item in decision.expired:
             _settle(

@@ -60,14 +60,6 @@ class PoolReports:
         loaded = self.loaded
         return loaded.limits if loaded else ModelLimits()
 
-    def max_input_tokens(self) -> int | None:
-        """The most tokens the model reads of one input: its truncation length, else (a
-        generation model, which refuses a longer prompt) its positions."""
-        limits = self.limits
-        if limits.max_input_tokens is not None:
-            return limits.max_input_tokens
-        return limits.max_new_tokens + 1 if limits.max_new_tokens is not None else None
-
     @property
     def engine(self) -> tuple[Engine, str] | None:
         """What runs the loaded workers' forward pass, and why; None before one loaded."""

@@ -166,6 +166,18 @@ class ModelLimits:
 
     max_input_tokens: int | None = None  # it reads no more of an input (truncates); None: ?
     max_new_tokens: int | None = None  # the longest generation its positions allow
+    # what a generation that names no length or beams gets (the model's generation config,
+    # else the pipeline's defaults): its cost in the server; 0 new tokens: it generates none
+    default_new_tokens: int = 0
+    default_beams: int = 1
+
+    @property
+    def longest_input(self) -> int | None:
+        """The most tokens the model reads of one input: its truncation length, else (a
+        generation model, which refuses a longer prompt) its positions; None: unknown."""
+        if self.max_input_tokens is not None:
+            return self.max_input_tokens
+        return self.max_new_tokens + 1 if self.max_new_tokens is not None else None
 
 
 @dataclass(frozen=True)

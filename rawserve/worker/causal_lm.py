@@ -217,7 +217,16 @@ class CausalLMRunner(Runner):
 
     @property
     def limits(self) -> ModelLimits:
-        return ModelLimits(max_new_tokens=self.max_positions - 1)  # after a one-token prompt
+        most = self.max_positions - 1  # after a one-token prompt
+        config = self.model.generation_config
+        # what `generate` runs to where a request names no length (the pipeline's default
+        # unless the model's generation config sets one)
+        default = self.defaults.get("max_new_tokens", config.max_new_tokens) or 0
+        return ModelLimits(
+            max_new_tokens=most,
+            default_new_tokens=min(default, most),
+            default_beams=config.num_beams or 1,
+        )
 
     @property
     def details(self) -> dict[str, Any]:

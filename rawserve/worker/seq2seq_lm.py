@@ -73,9 +73,18 @@ class Seq2SeqLMRunner(Runner):
         # the decoder starts from one token; models with relative positions (T5) have no
         # such bound
         positions = self.position_limit
+        most = positions - 1 if positions else None
+        config = self.model.generation_config
+        # what `generate` runs to where a request names no length or beams (its max_length
+        # counts the decoder's start token)
+        default = self.defaults.get("max_new_tokens", config.max_new_tokens)
+        if default is None:
+            default = max((config.max_length or 1) - 1, 0)
         return ModelLimits(
             max_input_tokens=self.input_limit,  # inputs are truncated to it by default
-            max_new_tokens=positions - 1 if positions else None,
+            max_new_tokens=most,
+            default_new_tokens=default if most is None else min(default, most),
+            default_beams=self.defaults.get("num_beams", config.num_beams) or 1,
         )
 
     @property
