@@ -130,6 +130,12 @@ def test_a_calls_arguments_keep_the_numbers_and_text_the_model_wrote():
     arguments = message["tool_calls"][0]["function"]["arguments"]
     assert arguments == written
     assert json.loads(arguments) == json.loads(generated)["arguments"]
+    # an integer past Python's 4,300 digits (a ValueError, read as a call cut short: the
+    # call was sent as words), and -0, written back as 0
+    written = '{"days": ' + "7" * 5000 + ', "t": -0}'
+    generated = '{"name": "weather", "arguments": ' + written + "}"
+    message, reason = Tools([WEATHER], "required").message(generated)
+    assert reason == "tool_calls" and message["tool_calls"][0]["function"]["arguments"] == written
     nested = '{"name": "weather", "arguments": ' + "[" * 5000 + "]" * 5000 + "}"
     assert Tools([WEATHER], "required").message(nested) == (
         {"role": "assistant", "content": nested},

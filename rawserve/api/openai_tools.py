@@ -113,7 +113,7 @@ class Tools:
         reason a call gives (None for words). Words cut by `max_tokens` are the words
         written; a cut call is left as it came, in the message's content."""
         try:
-            answer = json.loads(text, parse_float=WrittenNumber)
+            answer = json.loads(text, parse_float=WrittenNumber, parse_int=WrittenNumber)
             calls = answer if isinstance(answer, list) else [answer]
             functions = [
                 {"name": call["name"], "arguments": as_written(call.get("arguments"))}
@@ -248,8 +248,9 @@ def chat_tools(
 
 
 class WrittenNumber(str):
-    """A JSON number with a fraction or exponent as the model wrote it: read as a float,
-    1e999 would be written back as Infinity, which is not JSON."""
+    """A JSON number as the model wrote it: read as a float, 1e999 would be written back
+    as Infinity, which is not JSON; read as an int, one of over 4,300 digits is an error
+    (Python's bound), and -0 would be written back as 0."""
 
 
 def as_written(value: Any) -> str:
