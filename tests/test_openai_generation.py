@@ -917,6 +917,28 @@ def test_vllms_guided_fields_hold_the_answer_as_response_format_does(servers):
     assert status == 400 and "not several" in body["error"]["message"], body
 
 
+def test_vllms_structured_outputs_hold_the_answer_as_its_guided_fields_did(servers):
+    """vLLM 0.12 took out the guided fields for `structured_outputs`, which its documents
+    and clients now send: it was a 400 (an unknown field)."""
+
+    def completion(structured_outputs):
+        document = {"prompt": PROMPT, "max_tokens": 120, "seed": 3}
+        document["structured_outputs"] = structured_outputs
+        return servers["plain"].post_json(document, "/v1/completions")
+
+    status, body = completion({"choice": ["yes (sure)", "no."]})
+    assert status == 200 and body["choices"][0]["text"] in ("yes (sure)", "no."), body
+    status, body = completion({"regex": "[0-9]{4}", "grammar": None})
+    assert status == 200 and re.fullmatch("[0-9]{4}", body["choices"][0]["text"]), body
+    status, body = completion({"json": PERSON})
+    assert status == 200 and set(json.loads(body["choices"][0]["text"])) == {"name", "age"}
+    status, body = completion({"json_object": True})
+    assert status == 200 and isinstance(json.loads(body["choices"][0]["text"]), dict), body
+    for refused in ({"grammar": 'root ::= "a"'}, {}, {"regex": "a", "choice": ["a"]}):
+        status, body = completion(refused)
+        assert status == 400 and body["error"]["param"] == "structured_outputs", body
+
+
 @pytest.mark.parametrize(
     ("grammar", "message"),
     [
