@@ -26,6 +26,8 @@ TIME = {"name": "time"}
 
 
 def call(name, arguments):
+    if arguments is not NO_ARGUMENTS:  # (its references resolved in it)
+        arguments = {"$id": f"urn:rawserve:tool:{name}", **arguments}
     return {
         "type": "object",
         "properties": {"name": {"const": name}, "arguments": arguments},
@@ -64,6 +66,19 @@ def test_where_several_calls_are_allowed_the_answer_may_be_a_list_of_them():
     assert chat_tools([WEATHER], None, parallel=True, older=True) == Tools(
         [WEATHER], "auto", older=True
     )
+
+
+def test_a_functions_references_are_to_its_own_parameters():
+    """pydantic writes a nested model as `{"$ref": "#/$defs/Place"}` beside the `$defs`;
+    held inside the call's grammar, "#" was the call's root, and the grammar a 422."""
+    import llguidance
+
+    from rawserve.worker.grammars import grammar_text
+
+    place = {"type": "object", "properties": {"city": {"type": "string"}}}
+    parameters = {"properties": {"place": {"$ref": "#/$defs/Place"}}, "$defs": {"Place": place}}
+    tools = Tools([{"name": "go", "parameters": parameters}, TIME], "auto", parallel=True)
+    assert llguidance.LLMatcher.validate_grammar(grammar_text(tools.grammar())) == ""
 
 
 def test_the_tools_a_body_offers_and_the_choice_among_them():
