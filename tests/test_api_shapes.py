@@ -28,6 +28,7 @@ from rawserve.api.openai_answers import Answer, cut_at_stop, releasable
 from rawserve.api.openai_generation import GenerationRequest, check_token_ids, parse_chat
 from rawserve.api.openai_messages import messages
 from rawserve.api.openai_responses import ResponseAnswer, parse_response
+from rawserve.api.openai_tools import Tools
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.api.tei import scores
@@ -765,6 +766,28 @@ def test_an_openai_stream_that_fails_once_begun_ends_with_its_error_then_done(ch
     error = json.loads(raw[-2].removeprefix(b"data:"))["error"]
     assert error["code"] == "timeout" and "timed out" in error["message"], error
     assert stream.closed
+
+
+class FinishedStream(TimedOutStream):
+    """A streamed generation that ended at a stop sequence (the worker's text goes past it)."""
+
+    def output(self):
+        details = {"finish_reason": "stop_sequence", "generated_tokens": 4, "prompt_tokens": 1}
+        return {"generated_text": "".join(self.texts), "details": details}
+
+
+def test_a_stream_held_to_tools_sends_no_words_past_a_stop_sequence():
+    """The words of an answer held to tools went out as they came, past a stop sequence,
+    and then the words up to it again, whole: "hello worldhell"."""
+    stream = FinishedStream(['{"content": "', "hel", "lo w", "orld"])
+
+    async def read() -> list[bytes]:
+        answer = Answer(True, "m", tools=Tools([{"name": "f"}], "auto"))
+        return [event async for event in answer.events([stream], ["o w"], False)]  # type: ignore[list-item]
+
+    chunks = [json.loads(event.removeprefix(b"data:")) for event in asyncio.run(read())[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "hell"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_a_large_answer_is_built_off_the_event_loop_byte_for_byte_the_same():

@@ -808,6 +808,28 @@ def test_tgis_grammars_hold_a_chat_as_they_hold_generate(servers, hub_client_may
     assert set(json.loads(person)) == {"name", "age"}, person
 
 
+def test_huggingface_hubs_client_sends_a_json_schema_as_tgis_json_object(
+    servers, hub_client_may_reach_loopback
+):
+    """InferenceClient sends OpenAI's json_schema as `{"type": "json_object", "value":
+    schema}`, which TGI reads as its "json" grammar (an alias): it was a 400."""
+    from huggingface_hub import InferenceClient
+
+    with InferenceClient(base_url=f"http://127.0.0.1:{servers['chat'].port}") as hub:
+        answer = hub.chat_completion(
+            MESSAGES,
+            model=CHAT_MODEL,
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+            **{**SAMPLED, "max_tokens": 120},
+        )
+    person = json.loads(answer.choices[0].message.content)
+    assert set(person) == {"name", "age"}, person
+    document = {"inputs": PROMPT, "parameters": {"max_new_tokens": 120, "seed": 1}}
+    document["parameters"]["grammar"] = {"type": "json_object", "value": PERSON}
+    status, body = servers["plain"].post_json(document, "/generate")
+    assert status == 200 and set(json.loads(body["generated_text"])) == {"name", "age"}, body
+
+
 def test_tgis_tool_prompt_is_told_to_the_model_with_the_tools(
     servers, hub_client_may_reach_loopback
 ):
@@ -893,6 +915,28 @@ def test_vllms_guided_fields_hold_the_answer_as_response_format_does(servers):
         {"prompt": PROMPT, "guided_regex": "a+", "guided_choice": ["a"]}, "/v1/completions"
     )
     assert status == 400 and "not several" in body["error"]["message"], body
+
+
+def test_vllms_structured_outputs_hold_the_answer_as_its_guided_fields_did(servers):
+    """vLLM 0.12 took out the guided fields for `structured_outputs`, which its documents
+    and clients now send: it was a 400 (an unknown field)."""
+
+    def completion(structured_outputs):
+        document = {"prompt": PROMPT, "max_tokens": 120, "seed": 3}
+        document["structured_outputs"] = structured_outputs
+        return servers["plain"].post_json(document, "/v1/completions")
+
+    status, body = completion({"choice": ["yes (sure)", "no."]})
+    assert status == 200 and body["choices"][0]["text"] in ("yes (sure)", "no."), body
+    status, body = completion({"regex": "[0-9]{4}", "grammar": None})
+    assert status == 200 and re.fullmatch("[0-9]{4}", body["choices"][0]["text"]), body
+    status, body = completion({"json": PERSON})
+    assert status == 200 and set(json.loads(body["choices"][0]["text"])) == {"name", "age"}
+    status, body = completion({"json_object": True})
+    assert status == 200 and isinstance(json.loads(body["choices"][0]["text"]), dict), body
+    for refused in ({"grammar": 'root ::= "a"'}, {}, {"regex": "a", "choice": ["a"]}):
+        status, body = completion(refused)
+        assert status == 400 and body["error"]["param"] == "structured_outputs", body
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,8 @@ TIME = {"name": "time"}
 
 
 def call(name, arguments):
+    if arguments is not NO_ARGUMENTS:  # (its references resolved in it)
+        arguments = {"$id": f"urn:rawserve:tool:{name}", **arguments}
     return {
         "type": "object",
         "properties": {"name": {"const": name}, "arguments": arguments},
@@ -64,6 +66,19 @@ def test_where_several_calls_are_allowed_the_answer_may_be_a_list_of_them():
     assert chat_tools([WEATHER], None, parallel=True, older=True) == Tools(
         [WEATHER], "auto", older=True
     )
+
+
+def test_a_functions_references_are_to_its_own_parameters():
+    """pydantic writes a nested model as `{"$ref": "#/$defs/Place"}` beside the `$defs`;
+    held inside the call's grammar, "#" was the call's root, and the grammar a 422."""
+    import llguidance
+
+    from rawserve.worker.grammars import grammar_text
+
+    place = {"type": "object", "properties": {"city": {"type": "string"}}}
+    parameters = {"properties": {"place": {"$ref": "#/$defs/Place"}}, "$defs": {"Place": place}}
+    tools = Tools([{"name": "go", "parameters": parameters}, TIME], "auto", parallel=True)
+    assert llguidance.LLMatcher.validate_grammar(grammar_text(tools.grammar())) == ""
 
 
 def test_the_tools_a_body_offers_and_the_choice_among_them():
@@ -130,6 +145,12 @@ def test_a_calls_arguments_keep_the_numbers_and_text_the_model_wrote():
     arguments = message["tool_calls"][0]["function"]["arguments"]
     assert arguments == written
     assert json.loads(arguments) == json.loads(generated)["arguments"]
+    # an integer past Python's 4,300 digits (a ValueError, read as a call cut short: the
+    # call was sent as words), and -0, written back as 0
+    written = '{"days": ' + "7" * 5000 + ', "t": -0}'
+    generated = '{"name": "weather", "arguments": ' + written + "}"
+    message, reason = Tools([WEATHER], "required").message(generated)
+    assert reason == "tool_calls" and message["tool_calls"][0]["function"]["arguments"] == written
     nested = '{"name": "weather", "arguments": ' + "[" * 5000 + "]" * 5000 + "}"
     assert Tools([WEATHER], "required").message(nested) == (
         {"role": "assistant", "content": nested},

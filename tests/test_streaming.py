@@ -16,6 +16,7 @@ from rawserve.api.streaming import (
     KEEP_ALIVE,
     STREAM_BUFFER_TOKENS,
     TokenStream,
+    kept_alive,
     open_token_stream,
 )
 from rawserve.http.errors import ServiceUnavailable
@@ -385,3 +386,36 @@ async def test_an_openai_stream_waiting_for_its_first_token_is_kept_alive():
     chunks = [chunk async for chunk in response.stream if chunk != KEEP_ALIVE]
     assert chunks[-1] == b"data: [DONE]\n\n"
     assert json.loads(chunks[-2].removeprefix(b"data:"))["choices"][0]["finish_reason"]
+
+
+async def test_a_stream_whose_events_end_as_its_client_leaves_leaves_no_error_to_log():
+    """A client that reads the last event and hangs up at once (OpenAI's SDK, at `[DONE]`):
+    the events' end and the response's cancellation came in one turn of the loop, and the
+    end (a StopAsyncIteration) was left unread, logged by asyncio as an error."""
+    unretrieved = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: unretrieved.append(context["message"]))
+    for _ in range(3):  # (whichever runs first in that turn)
+        await _events_end_as_the_client_leaves()
+    gc.collect()
+    loop.set_exception_handler(None)
+    assert unretrieved == []
+
+
+async def _events_end_as_the_client_leaves():
+    last = asyncio.Event()
+
+    async def events():
+        yield b"data: [DONE]\n\n"
+        await last.wait()
+
+    async def respond():
+        async for _ in kept_alive(events(), 60):
+            pass
+
+    responding = asyncio.ensure_future(respond())
+    for _ in range(5):
+        await asyncio.sleep(0)  # the last event sent; the next one awaited
+    last.set()  # the events end...
+    responding.cancel()  # ...as the client leaves
+    await asyncio.wait({responding})

@@ -262,7 +262,9 @@ class Answer:
                 choice = choices[index]
                 if chunk is not None:
                     if self.tools is not None:
-                        piece = "" if chunk.token["special"] else chunk.token["text"]
+                        # its JSON as a plain answer's text: up to a stop sequence
+                        released = choice.add(chunk.token, stops, None)
+                        piece = released[0] if released is not None else ""
                         if words_as_they_come and (words := held[index].add(piece)):
                             yield sse(self.chunk(index, words))
                         continue

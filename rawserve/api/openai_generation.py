@@ -89,7 +89,13 @@ RESERVED_TEMPLATE_NAMES = frozenset(
     }
 )  # fmt: skip
 MAX_CHOICES = 128  # OpenAI's bound on "n"
-GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+GRAMMAR_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+)
 REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~")  # escaped in a literal text (Rust's regex syntax)
 MAX_LOGIT_BIAS = 300  # token ids one request may bias: bounds a step's extra work
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -295,6 +301,23 @@ def read_guided_choice(name: str, value: Any, context: DocContext | None) -> dic
         raise BadRequest(f'"{name}" must be a non-empty list of non-empty texts')
     escaped = ("".join("\\" + c if c in REGEX_SPECIAL else c for c in text) for text in value)
     return {"type": "regex", "value": "(" + "|".join(escaped) + ")"}
+
+
+def read_structured_outputs(name: str, value: Any, context: DocContext | None) -> dict[str, Any]:
+    """vLLM's form of the guided fields since 0.12: `{"json" | "regex" | "choice": ...}`,
+    or `{"json_object": true}` (its other fields taken where null or false)."""
+    readers = {"json": read_guided_json, "regex": read_guided_regex, "choice": read_guided_choice}
+    asked = value if isinstance(value, dict) else {}
+    asked = {key: given for key, given in asked.items() if given not in (None, False)}
+    if asked == {"json_object": True}:
+        return {"type": "json", "value": {"type": "object"}}
+    if len(asked) != 1 or next(iter(asked)) not in readers:
+        raise BadRequest(
+            f'"{name}" must hold one of "json", "regex", "choice" or "json_object": true '
+            "(this server follows no other)"
+        )
+    [(key, given)] = asked.items()
+    return readers[key](f"{name}.{key}", given, context)
 
 
 def read_top_p(name: str, value: Any, context: DocContext | None) -> float:
@@ -579,6 +602,17 @@ GUIDED_CHOICE: Schema = {
     "items": {"type": "string", "minLength": 1},
     "minItems": 1,
 }
+STRUCTURED_OUTPUTS: Schema = {
+    "type": ["object", "null"],
+    "description": 'vLLM\'s: one of {"json": schema}, {"regex": ...}, {"choice": [...]} or '
+    '{"json_object": true}',
+    "properties": {
+        "json": {"type": ["object", "string", "null"]},
+        "regex": {"type": ["string", "null"], "minLength": 1},
+        "choice": GUIDED_CHOICE,
+        "json_object": {"type": ["boolean", "null"]},
+    },
+}
 OPENAI_RESPONSE_FORMAT: Schema = {
     "type": "object",
     "description": 'free text ({"type": "text"}), any JSON object ({"type": "json_object"}) '
@@ -655,6 +689,7 @@ COMMON: dict[str, Field] = {
     "guided_json": Field({"type": ["object", "string", "null"]}, read_guided_json),
     "guided_regex": Field({"type": ["string", "null"], "minLength": 1}, read_guided_regex),
     "guided_choice": Field(GUIDED_CHOICE, read_guided_choice),
+    "structured_outputs": Field(STRUCTURED_OUTPUTS, read_structured_outputs),
 }
 CHAT = Body(
     {

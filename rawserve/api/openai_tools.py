@@ -113,7 +113,7 @@ class Tools:
         reason a call gives (None for words). Words cut by `max_tokens` are the words
         written; a cut call is left as it came, in the message's content."""
         try:
-            answer = json.loads(text, parse_float=WrittenNumber)
+            answer = json.loads(text, parse_float=WrittenNumber, parse_int=WrittenNumber)
             calls = answer if isinstance(answer, list) else [answer]
             functions = [
                 {"name": call["name"], "arguments": as_written(call.get("arguments"))}
@@ -143,12 +143,14 @@ class Tools:
 
 
 def call_schema(function: dict[str, Any]) -> Schema:
+    arguments = function.get("parameters") or NO_ARGUMENTS
+    if arguments is not NO_ARGUMENTS:
+        # a resource of its own: a reference in it ("#/$defs/...", as pydantic writes
+        # them) is to its own root still, not to the call's that holds it
+        arguments = {"$id": f"urn:rawserve:tool:{function['name']}", **arguments}
     return {
         "type": "object",
-        "properties": {
-            "name": {"const": function["name"]},
-            "arguments": function.get("parameters") or NO_ARGUMENTS,
-        },
+        "properties": {"name": {"const": function["name"]}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
@@ -248,8 +250,9 @@ def chat_tools(
 
 
 class WrittenNumber(str):
-    """A JSON number with a fraction or exponent as the model wrote it: read as a float,
-    1e999 would be written back as Infinity, which is not JSON."""
+    """A JSON number as the model wrote it: read as a float, 1e999 would be written back
+    as Infinity, which is not JSON; read as an int, one of over 4,300 digits is an error
+    (Python's bound), and -0 would be written back as 0."""
 
 
 def as_written(value: Any) -> str:

@@ -213,9 +213,14 @@ async def kept_alive(
                 return
             yield event
     finally:  # the client left (or the events failed): the events are closed too
-        if following is not None and not following.done():
-            following.cancel()
-            await asyncio.wait({following})
+        if following is not None:
+            if not following.done():
+                following.cancel()
+                await asyncio.wait({following})
+            if not following.cancelled():
+                # read: the events may have ended (or failed) as the client left, in the
+                # same turn of the loop, with no one left to tell
+                following.exception()
         await events.aclose()
 
 

@@ -100,7 +100,7 @@ GRAMMAR_SCHEMA = {
     "description": "what may be generated: a JSON schema, or a regular expression (TGI's)",
     "required": ["type", "value"],
     "properties": {
-        "type": {"enum": ["json", "json_schema", "regex"]},
+        "type": {"enum": ["json", "json_object", "json_schema", "regex"]},
         "value": {"type": ["object", "string"]},  # json: a schema, or its text
     },
     "additionalProperties": False,
@@ -128,11 +128,14 @@ GRAMMAR_SCHEMA = {
 @checker(GRAMMAR_SCHEMA)
 def grammar(value: Any) -> dict[str, Any]:
     """TGI's grammar as the worker takes it: `{"type": "json", "value": schema}` (the
-    schema an object, or a text of one; "json_schema" takes `{"name", "schema"}`, as
-    OpenAI's response_format does), or `{"type": "regex", "value": text}`. Whether the
+    schema an object, or a text of one; "json_object" is TGI's other name for it;
+    "json_schema" takes `{"name", "schema"}`, as OpenAI's response_format does), or
+    `{"type": "regex", "value": text}`. Whether the
     schema or expression can be followed is the worker's to say, when it compiles it."""
     if not isinstance(value, dict) or set(value) != {"type", "value"}:
-        raise ValueError('must be {"type": "json", "json_schema" or "regex", "value": ...}')
+        raise ValueError(
+            'must be {"type": "json", "json_object", "json_schema" or "regex", "value": ...}'
+        )
     kind, given = value["type"], value["value"]
     if kind == "regex":
         if not isinstance(given, str) or not given:
@@ -142,7 +145,7 @@ def grammar(value: Any) -> dict[str, Any]:
         if not isinstance(given, dict) or not isinstance(given.get("schema"), dict):
             raise ValueError('of type json_schema takes {"name", "schema": {...}} as its value')
         return {"type": "json", "value": given["schema"]}
-    if kind == "json":
+    if kind in ("json", "json_object"):  # (TGI's alias, which InferenceClient sends)
         if isinstance(given, str):
             try:
                 given = json.loads(given)
