@@ -253,11 +253,9 @@ def test_a_stop_sent_to_the_whole_process_group_drains_through_the_same_workers(
     assert lines[-1].endswith("rawserve INFO stopped"), lines[-5:]
 
 
-@pytest.mark.parametrize(
-    ("flag", "default"),
-    [("--max-queue", "256"), ("--timeout", "30"), ("--grace", "30"), ("--port", "8000")],
-)
-def test_help_shows_the_defaults(flag, default):
+@pytest.fixture(scope="module")
+def help_lines() -> list[str]:
+    """`python -m rawserve --help`, run once for every flag checked."""
     result = subprocess.run(
         [sys.executable, "-m", "rawserve", "--help"],
         capture_output=True,
@@ -266,7 +264,15 @@ def test_help_shows_the_defaults(flag, default):
         timeout=60,
         check=True,
     )
-    lines = result.stdout.splitlines()
+    return result.stdout.splitlines()
+
+
+@pytest.mark.parametrize(
+    ("flag", "default"),
+    [("--max-queue", "256"), ("--timeout", "30"), ("--grace", "30"), ("--port", "8000")],
+)
+def test_help_shows_the_defaults(help_lines, flag, default):
+    lines = help_lines
     start = next(i for i, line in enumerate(lines) if line.strip().startswith(flag + " "))
     end = next(i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("-"))
     text = " ".join(line.strip() for line in lines[start:end])
