@@ -103,8 +103,13 @@ def test_the_grace_period_bounds_the_exit_even_with_a_busy_worker():
 # --- 3. an input is quarantined only after crashing a worker alone twice -------------
 
 
+# the request waits through two worker restarts (each imports torch again): 30 s, the
+# default deadline, is not always enough on a busy machine
+THROUGH_RESTARTS = ["--timeout", "120"]
+
+
 def test_two_outside_kills_do_not_make_an_input_poison():
-    with RunningServer(["--handler", FAULTY, "--no-access-log"]) as server:
+    with RunningServer(["--handler", FAULTY, "--no-access-log", *THROUGH_RESTARTS]) as server:
         document = {"inputs": "innocent", "parameters": {"sleep": 1.5}}
         thread, answers = post_in_background(server, document)
         for run in (1, 2):  # kill the worker in the batch, then in the lone retry
@@ -118,8 +123,8 @@ def test_two_outside_kills_do_not_make_an_input_poison():
 
 
 def test_an_input_that_crashes_the_worker_alone_is_still_quarantined():
-    with RunningServer(["--handler", FAULTY, "--no-access-log"]) as server:
-        status, answer = server.post_json({"inputs": "crash"})
+    with RunningServer(["--handler", FAULTY, "--no-access-log", *THROUGH_RESTARTS]) as server:
+        status, answer = server.post_json({"inputs": "crash"}, timeout=120)
         assert status == 500, answer
         wait_until_serving(server)
         status, answer = server.post_json({"inputs": "crash"})
