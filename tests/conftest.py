@@ -13,20 +13,30 @@ os.environ.setdefault("RAWSERVE_ENGINE", "torch")
 # one with the default layout (RAWSERVE_DEVICE="" is no --device).
 os.environ.setdefault("RAWSERVE_DEVICE", "auto")
 
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 
 from tests import tiny_models  # noqa: E402
+
+# the folder of the session's tiny models, passed on to the pytest runs a test starts
+# (tests/test_http_processes.py), which then build none of the kinds built here
+MODELS_FOLDER = "RAWSERVE_TEST_MODELS"
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """`tiny_model("fill-mask")` → the folder of a tiny random model for that kind."""
-    root = tmp_path_factory.mktemp("models")
-    built: dict[str, str] = {}
+    given = os.environ.get(MODELS_FOLDER)
+    root = Path(given) if given else tmp_path_factory.mktemp("models")
 
     def get(kind: str) -> str:
-        if kind not in built:
-            built[kind] = str(tiny_models.build(kind, root / kind))
-        return built[kind]
+        folder, built = root / kind, root / f"{kind}.built"  # once its files are all saved
+        if not built.exists():
+            tiny_models.build(kind, folder)
+            built.touch()
+        return str(folder)
 
-    return get
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(MODELS_FOLDER, str(root))
+        yield get

@@ -55,8 +55,12 @@ def flat_cost():
 
 
 def slow_loading():
-    """Takes a while to load, then echoes."""
-    time.sleep(float(os.environ.get("RAWSERVE_TEST_LOAD_SECONDS", "3")))
+    """Takes a while to load, then echoes: RAWSERVE_TEST_LOAD_SECONDS, or until the file
+    RAWSERVE_TEST_LOADED (when set) exists, whichever comes first."""
+    end = time.monotonic() + float(os.environ.get("RAWSERVE_TEST_LOAD_SECONDS", "3"))
+    loaded = os.environ.get("RAWSERVE_TEST_LOADED")
+    while time.monotonic() < end and not (loaded and os.path.exists(loaded)):
+        time.sleep(0.05)
     return echo()
 
 

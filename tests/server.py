@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,6 +41,18 @@ class RunningServer:
         self.port: int | None = None
 
     def start(self, wait_ready: bool = True, timeout: float = 120) -> RunningServer:
+        self.launch()
+        try:
+            self.port = int(self.wait_for_log(LISTENING, timeout).group(1))
+            if wait_ready:
+                self.wait_for_log(READY, timeout)
+        except BaseException:
+            self.stop()  # a server that did not come up must not outlive the test
+            raise
+        return self
+
+    def launch(self) -> None:
+        """The process, started; `start` then waits for its port (and readiness)."""
         self.process = subprocess.Popen(
             [sys.executable, "-m", "rawserve", *self.args],
             stdin=subprocess.DEVNULL,
@@ -53,14 +65,6 @@ class RunningServer:
         )
         self._reader = threading.Thread(target=self._read_log, daemon=True)
         self._reader.start()
-        try:
-            self.port = int(self.wait_for_log(LISTENING, timeout).group(1))
-            if wait_ready:
-                self.wait_for_log(READY, timeout)
-        except BaseException:
-            self.stop()  # a server that did not come up must not outlive the test
-            raise
-        return self
 
     def _close_descriptors(self) -> None:
         for fd in self.closed:
@@ -163,11 +167,14 @@ def running_together(
     servers: Mapping[str, RunningServer], clients: dict[Any, Any] | None = None
 ) -> Iterator[Mapping[str, RunningServer]]:
     """Start every server at once (their models load side by side), wait until each is
-    ready, and stop them all on the way out, whatever happened. `clients` (a test
-    module's open HTTP clients, by key) are closed and forgotten before the servers stop."""
+    ready, and stop them all on the way out, whatever happened: they drain side by side
+    too. `clients` (a test module's open HTTP clients, by key) are closed and forgotten
+    before the servers stop."""
     try:
         for server in servers.values():
-            server.start(wait_ready=False)
+            server.launch()
+        for server in servers.values():
+            server.port = int(server.wait_for_log(LISTENING, timeout=150).group(1))
         for server in servers.values():
             server.wait_for_log(READY, timeout=150)
         yield servers
@@ -176,6 +183,13 @@ def running_together(
             client.close()
         if clients is not None:
             clients.clear()
+        launched = [server.process for server in servers.values() if server.process is not None]
+        for process in launched:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in launched:
+            with suppress(subprocess.TimeoutExpired):  # then stop() signals again, and kills
+                process.wait(timeout=30)
         for server in servers.values():
             if server.process is not None:
                 server.stop()

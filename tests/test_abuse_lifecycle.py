@@ -103,8 +103,13 @@ def test_the_grace_period_bounds_the_exit_even_with_a_busy_worker():
 # --- 3. an input is quarantined only after crashing a worker alone twice -------------
 
 
+# the request waits through two worker restarts (each imports torch again): 30 s, the
+# default deadline, is not always enough on a busy machine
+THROUGH_RESTARTS = ["--timeout", "120"]
+
+
 def test_two_outside_kills_do_not_make_an_input_poison():
-    with RunningServer(["--handler", FAULTY, "--no-access-log"]) as server:
+    with RunningServer(["--handler", FAULTY, "--no-access-log", *THROUGH_RESTARTS]) as server:
         document = {"inputs": "innocent", "parameters": {"sleep": 1.5}}
         thread, answers = post_in_background(server, document)
         for run in (1, 2):  # kill the worker in the batch, then in the lone retry
@@ -118,8 +123,8 @@ def test_two_outside_kills_do_not_make_an_input_poison():
 
 
 def test_an_input_that_crashes_the_worker_alone_is_still_quarantined():
-    with RunningServer(["--handler", FAULTY, "--no-access-log"]) as server:
-        status, answer = server.post_json({"inputs": "crash"})
+    with RunningServer(["--handler", FAULTY, "--no-access-log", *THROUGH_RESTARTS]) as server:
+        status, answer = server.post_json({"inputs": "crash"}, timeout=120)
         assert status == 500, answer
         wait_until_serving(server)
         status, answer = server.post_json({"inputs": "crash"})
@@ -253,11 +258,9 @@ def test_a_stop_sent_to_the_whole_process_group_drains_through_the_same_workers(
     assert lines[-1].endswith("rawserve INFO stopped"), lines[-5:]
 
 
-@pytest.mark.parametrize(
-    ("flag", "default"),
-    [("--max-queue", "256"), ("--timeout", "30"), ("--grace", "30"), ("--port", "8000")],
-)
-def test_help_shows_the_defaults(flag, default):
+@pytest.fixture(scope="module")
+def help_lines() -> list[str]:
+    """`python -m rawserve --help`, run once for every flag checked."""
     result = subprocess.run(
         [sys.executable, "-m", "rawserve", "--help"],
         capture_output=True,
@@ -266,7 +269,15 @@ def test_help_shows_the_defaults(flag, default):
         timeout=60,
         check=True,
     )
-    lines = result.stdout.splitlines()
+    return result.stdout.splitlines()
+
+
+@pytest.mark.parametrize(
+    ("flag", "default"),
+    [("--max-queue", "256"), ("--timeout", "30"), ("--grace", "30"), ("--port", "8000")],
+)
+def test_help_shows_the_defaults(help_lines, flag, default):
+    lines = help_lines
     start = next(i for i, line in enumerate(lines) if line.strip().startswith(flag + " "))
     end = next(i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("-"))
     text = " ".join(line.strip() for line in lines[start:end])

@@ -187,15 +187,16 @@ def test_busy_worker_batches_and_parameters_never_mix(echo_server):
     assert max(sizes) == 6  # the waiting items of one key left together
 
 
-def test_ready_is_503_while_loading_and_posts_get_retry_after():
-    server = RunningServer(
-        ["--handler", "tests.handlers:slow_loading"], env={"RAWSERVE_TEST_LOAD_SECONDS": "4"}
-    )
+def test_ready_is_503_while_loading_and_posts_get_retry_after(tmp_path):
+    loaded = tmp_path / "loaded"  # the load lasts until it exists
+    env = {"RAWSERVE_TEST_LOAD_SECONDS": "60", "RAWSERVE_TEST_LOADED": str(loaded)}
+    server = RunningServer(["--handler", "tests.handlers:slow_loading"], env=env)
     with server.start(wait_ready=False):
         status, headers, body = server.request("GET", "/ready")
         assert status == 503 and json.loads(body)["status"] == "loading"
         status, headers, body = server.request("POST", "/", b"hello")
         assert status == 503 and int(headers["retry-after"]) >= 1
+        loaded.touch()
         server.wait_for_log(re.compile(r"ready in"), timeout=60)
         assert server.request("GET", "/ready")[0] == 200
         status, _, body = server.request("POST", "/", b"hello")

@@ -421,9 +421,11 @@ def test_a_second_signal_exits_at_once_and_leaves_nothing_in_shared_memory():
 
 
 @pytest.mark.timeout(900)  # it starts a dozen servers
-def test_the_same_routes_behave_the_same_with_two_http_processes():
+def test_the_same_routes_behave_the_same_with_two_http_processes(tiny_model):
     """A representative subset of the end-to-end tests (TLS, CORS, API keys, token streams,
-    bad requests, batching), run again with every server they start at two processes."""
+    bad requests, batching), run again with every server they start at two processes. They
+    serve the tiny models of this session (`tiny_model` names their folder in the
+    environment): the run builds only the kinds not built yet."""
     selection = [
         "tests/test_tls_cors.py",
         "tests/test_end_to_end.py::test_bad_requests_get_clear_4xx",

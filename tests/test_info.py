@@ -72,10 +72,10 @@ def test_the_server_process_never_loads_torch(server):
     assert "/transformers/" not in mapped
 
 
-def test_while_loading_ready_tells_the_phase_and_the_log_tells_the_progress():
-    loading = RunningServer(
-        ["--handler", "tests.handlers:slow_loading"], env={"RAWSERVE_TEST_LOAD_SECONDS": "6"}
-    )
+def test_while_loading_ready_tells_the_phase_and_the_log_tells_the_progress(tmp_path):
+    loaded = tmp_path / "loaded"  # the load lasts until it exists
+    env = {"RAWSERVE_TEST_LOAD_SECONDS": "60", "RAWSERVE_TEST_LOADED": str(loaded)}
+    loading = RunningServer(["--handler", "tests.handlers:slow_loading"], env=env)
     with loading.start(wait_ready=False):
         status, headers, body = loading.request("GET", "/ready")
         assert status == 503 and headers["retry-after"] == "5"
@@ -86,6 +86,7 @@ def test_while_loading_ready_tells_the_phase_and_the_log_tells_the_progress():
         assert status == 200 and json.loads(body)["workers"][0]["state"] == "loading"
         seconds = int(loading.wait_for_log(STILL_LOADING, timeout=60).group(1))
         assert seconds >= 4
+        loaded.touch()
         loading.wait_for_log(re.compile(r"ready in [\d.]+ s"), timeout=60)
         status, _, body = loading.request("GET", "/ready")
         assert status == 200 and json.loads(body)["status"] == "ready"

@@ -3,9 +3,10 @@
 
 Answers are compared with greedy generation in this process (temperature 0), so the
 text, the finish reason and the token counts are checked, not just the shapes. The
-servers start together, once for the module: a model whose tokenizer has a chat template,
-one without (plain completions; chat needs `--chat-template FILE`), the same model given
-a template file, and a handler server (not a text-generation model at all).
+servers start together, once for the module: a model whose tokenizer has a chat template
+and one without (plain completions; chat needs `--chat-template FILE`); then, where a test
+asks for them, a long model with a template that shows tools, the plain model given a
+template file, and a handler server (not a text-generation model at all).
 """
 
 from __future__ import annotations
@@ -55,8 +56,20 @@ TOOLS_TEMPLATE = (  # a template that shows the tools itself, as instruction-tun
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model, template_file):
-    plain = tiny_model("text-generation")
+def servers(tiny_model):
+    """The two that most tests ask for."""
+    started = {
+        "chat": RunningServer(["--model", tiny_model("chat"), "--max-client-batch-size", "4"]),
+        "plain": RunningServer(["--model", tiny_model("text-generation")]),
+    }
+    with running_together(started, OPEN_CLIENTS):
+        yield started
+
+
+@pytest.fixture(scope="module")
+def more_servers(tiny_model, template_file):
+    """Those that a few tests ask for, started apart: a run of some of this module's
+    tests (tests/test_http_processes.py's) starts only the servers they use."""
     tools_template = template_file.parent / "tools.jinja"
     tools_template.write_text(TOOLS_TEMPLATE)
     started = {
@@ -64,16 +77,16 @@ def servers(tiny_model, template_file):
         "tools": RunningServer(
             ["--model", tiny_model("long-generation"), "--chat-template", str(tools_template)]
         ),
-        "chat": RunningServer(["--model", tiny_model("chat"), "--max-client-batch-size", "4"]),
-        "plain": RunningServer(["--model", plain]),
-        "template-file": RunningServer(["--model", plain, "--chat-template", str(template_file)]),
+        "template-file": RunningServer(
+            ["--model", tiny_model("text-generation"), "--chat-template", str(template_file)]
+        ),
         "handler": RunningServer(["--handler", "tests.handlers:echo"]),
     }
     with running_together(started, OPEN_CLIENTS):
         yield started
 
 
-OPEN_CLIENTS: dict[int, object] = {}  # closed with the servers
+OPEN_CLIENTS: dict[int, object] = {}  # closed with the servers (either group, at the end)
 
 
 def client(server):
@@ -418,8 +431,8 @@ def test_chat_without_a_template_is_400_saying_how_to_give_one(servers):
     assert "chat template" in message and "--chat-template" in message
 
 
-def test_chat_template_file_renders_the_prompt(servers, reference):
-    answer = client(servers["template-file"]).chat.completions.create(
+def test_chat_template_file_renders_the_prompt(more_servers, reference):
+    answer = client(more_servers["template-file"]).chat.completions.create(
         model=PLAIN_MODEL, messages=MESSAGES, max_tokens=6, temperature=0
     )
     ids = chat_prompt_ids(reference, "text-generation", MESSAGES, template=FILE_TEMPLATE)
@@ -433,12 +446,12 @@ def test_the_tiny_chat_models_template_is_the_one_tested(reference):
     assert reference.tokenizer("chat").chat_template == CHAT_TEMPLATE
 
 
-def test_generation_routes_on_a_model_that_does_not_generate_are_404(servers):
+def test_generation_routes_on_a_model_that_does_not_generate_are_404(more_servers):
     for path, document in [
         ("/v1/chat/completions", {"messages": MESSAGES}),
         ("/v1/completions", {"prompt": PROMPT}),
     ]:
-        status, body = servers["handler"].post_json(document, path)
+        status, body = more_servers["handler"].post_json(document, path)
         assert status == 404 and "text-generation" in body["error"]["message"], body
 
 
@@ -700,14 +713,14 @@ def test_responses_takes_what_stores_and_tags_at_their_no_op_values(servers):
     assert status == 200 and body["store"] is False, body
 
 
-def test_responses_by_a_models_path_and_on_models_it_cannot_chat_with(servers):
+def test_responses_by_a_models_path_and_on_models_it_cannot_chat_with(servers, more_servers):
     status, body = servers["chat"].post_json(
         {"input": "hi", "max_output_tokens": 2}, f"/models/{CHAT_MODEL}/v1/responses"
     )
     assert status == 200 and body["object"] == "response"
     status, body = servers["plain"].post_json({"input": "hi"}, "/v1/responses")
     assert status == 400 and "chat template" in body["error"]["message"]
-    status, body = servers["handler"].post_json({"input": "hi"}, "/v1/responses")
+    status, body = more_servers["handler"].post_json({"input": "hi"}, "/v1/responses")
     assert status == 404 and "text-generation" in body["error"]["message"]
 
 
@@ -831,11 +844,11 @@ def test_huggingface_hubs_client_sends_a_json_schema_as_tgis_json_object(
 
 
 def test_tgis_tool_prompt_is_told_to_the_model_with_the_tools(
-    servers, hub_client_may_reach_loopback
+    more_servers, hub_client_may_reach_loopback
 ):
     from huggingface_hub import InferenceClient
 
-    with InferenceClient(base_url=f"http://127.0.0.1:{servers['tools'].port}") as hub:
+    with InferenceClient(base_url=f"http://127.0.0.1:{more_servers['tools'].port}") as hub:
 
         def prompt_tokens(**extra):
             asked = {"tools": [WEATHER], "tool_choice": "required", "max_tokens": 120}
@@ -964,8 +977,8 @@ TIME = {"type": "function", "function": {"name": "time"}}  # (no parameters: it 
 ASK = [{"role": "user", "content": "hi"}]
 
 
-def test_a_required_tool_call_names_a_tool_and_its_arguments_fit_its_schema(servers):
-    chat = client(servers["tools"])
+def test_a_required_tool_call_names_a_tool_and_its_arguments_fit_its_schema(more_servers):
+    chat = client(more_servers["tools"])
     answer = chat.chat.completions.create(
         model=TOOLS_MODEL,
         messages=ASK,
@@ -1007,8 +1020,8 @@ def streamed_calls(chat, asked):
     return calls[0], chunks[-1].choices[0].finish_reason
 
 
-def test_a_streamed_tool_call_comes_whole_in_one_chunk(servers):
-    chat = client(servers["tools"])
+def test_a_streamed_tool_call_comes_whole_in_one_chunk(more_servers):
+    chat = client(more_servers["tools"])
     asked = asking_tools(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
     whole = chat.chat.completions.create(**asked)
     [call], reason = streamed_calls(chat, asked)
@@ -1017,8 +1030,8 @@ def test_a_streamed_tool_call_comes_whole_in_one_chunk(servers):
     assert reason == "tool_calls"
 
 
-def test_an_answer_calls_several_tools_where_parallel_tool_calls_allows(servers):
-    chat = client(servers["tools"])
+def test_an_answer_calls_several_tools_where_parallel_tool_calls_allows(more_servers):
+    chat = client(more_servers["tools"])
     asked = asking_tools(tools=[WEATHER, TIME], tool_choice="required", max_tokens=200)
     del asked["seed"]
 
@@ -1046,8 +1059,8 @@ def test_an_answer_calls_several_tools_where_parallel_tool_calls_allows(servers)
     assert reason == "tool_calls"
 
 
-def test_the_older_functions_call_one_as_the_messages_function_call(servers):
-    chat = client(servers["tools"])
+def test_the_older_functions_call_one_as_the_messages_function_call(more_servers):
+    chat = client(more_servers["tools"])
     functions = [WEATHER["function"], TIME["function"]]
     asked = asking_tools(functions=functions, function_call={"name": "weather"})
     answer = chat.chat.completions.create(**asked)
@@ -1071,8 +1084,8 @@ def test_the_older_functions_call_one_as_the_messages_function_call(servers):
     assert words.choices[0].finish_reason in ("stop", "length", "function_call")
 
 
-def test_auto_answers_in_words_or_with_a_call(servers):
-    chat = client(servers["tools"])
+def test_auto_answers_in_words_or_with_a_call(more_servers):
+    chat = client(more_servers["tools"])
     for seed in range(4):
         answer = chat.chat.completions.create(
             model=TOOLS_MODEL,
@@ -1091,8 +1104,8 @@ def test_auto_answers_in_words_or_with_a_call(servers):
             assert choice.finish_reason in ("stop", "length")
 
 
-def test_streamed_words_with_tools_come_as_they_are_written(servers):
-    chat = client(servers["tools"])
+def test_streamed_words_with_tools_come_as_they_are_written(more_servers):
+    chat = client(more_servers["tools"])
     asked = {"model": TOOLS_MODEL, "messages": ASK, "tools": [WEATHER], "max_tokens": 80}
     for seed in range(12):  # a seed whose answer is words (a random model picks either)
         whole = chat.chat.completions.create(**asked, temperature=1.0, seed=seed)
