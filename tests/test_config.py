@@ -265,6 +265,43 @@ def test_two_servers_started_at_once_cannot_both_reserve_one_port():
     again.close()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's abstract names")
+def test_a_port_claim_is_of_its_host_and_port_both():
+    """The claim names the address and the port: two servers on one host at two ports,
+    or at one port on two addresses, each hold their own."""
+    first = reserve_port("127.0.0.1", 0)
+    try:
+        second = reserve_port("127.0.0.1", 0)  # another port
+        second.close()
+        other_address = reserve_port("127.0.0.2", first.port)
+        other_address.close()
+    finally:
+        first.close()
+
+
+def test_the_reserved_port_takes_the_http_processes_and_no_time_wait_holds_it():
+    """What the HTTP processes need of the reserved port: each listens on it beside the
+    reservation (SO_REUSEPORT, as asyncio's reuse_port sets it); and a connection a server
+    just stopped left in TIME_WAIT does not keep the next server from it (SO_REUSEADDR)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    accepted.close()  # the server's side closes first: it is the one left waiting
+    client.close()
+    listener.close()
+    reserved = reserve_port("127.0.0.1", port)
+    try:
+        process = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        process.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        process.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        process.bind(("127.0.0.1", port))
+        process.listen()
+        process.close()
+    finally:
+        reserved.close()
+
+
 SIGTERM_WHILE_FINDING_THE_MODEL = """
 import os, signal, sys, time
 import rawserve.main

@@ -205,6 +205,20 @@ def test_the_likeliest_tokens_are_listed_as_the_static_path_lists_them(runner):
             )
 
 
+def test_each_row_lists_as_many_likeliest_tokens_as_it_asked_beside_others(runner):
+    """Rows asking for more alternatives, fewer, or none share a step: each gets its own."""
+    asked = {1: 3, 2: 1, 3: 0}
+    batches = [
+        Batch(n, ("the movie was",), {**GREEDY, "top_n_tokens": top} if top else GREEDY)
+        for n, top in asked.items()
+    ]
+    answered = results(serve(runner, {0: batches}))
+    for n, top in asked.items():
+        details = answered[n].outputs[0][0]["details"]
+        listed = [len(t) for t in details.get("top_tokens", [])]
+        assert details["tokens"] and listed == [top] * len(details["tokens"]) if top else not listed
+
+
 def test_a_streamed_token_carries_its_likeliest_tokens(runner):
     batch = Batch(
         1, ("the movie was",), {**GREEDY, "top_n_tokens": 2}, control=Control(stream_id=4)

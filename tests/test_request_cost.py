@@ -14,6 +14,7 @@ import json
 import platform
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import tokenizers
@@ -21,6 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rawserve.api.app import App
+from rawserve.api.prompts import LISTED_BYTES, check_echo_size
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.api.tokens import (
@@ -30,7 +32,7 @@ from rawserve.api.tokens import (
     TooManyTokens,
     pieces,
 )
-from rawserve.http.errors import HTTPError, error_response
+from rawserve.http.errors import HTTPError, PayloadTooLarge, error_response
 from rawserve.http.exchange import HttpRequest
 from rawserve.serving.service import ModelService
 from rawserve.shared.memory import give_back_free_memory
@@ -204,6 +206,38 @@ def test_an_echo_with_logprobs_over_the_bound_is_refused_before_the_work(tokeniz
     for smaller in ({}, {"prompt": [one] * 4, "logprobs": None}):
         status, body = post(app, "/v1/completions", {**document, **smaller})
         assert status != 413, body
+
+
+class CountingTokenizers:
+    """The server's tokenizers, as check_echo_size asks them: one word, one token."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    async def get(self, model):
+        self.asked += 1
+        return self
+
+    def count(self, texts, most):
+        return [len(text.split()) for text in texts]
+
+
+def test_an_echo_answer_of_the_bound_exactly_is_allowed_and_counted_only_if_it_may_not_fit():
+    tokenizers = CountingTokenizers()
+    model = SimpleNamespace(positions=10)  # as ServedModel says it: its input length
+    per_token = 2 * 3 * LISTED_BYTES  # 2 listed in each of 3 choices
+
+    def check(prompts, tokens, model=model):
+        asyncio.run(check_echo_size(tokenizers, model, prompts, 2, 3, tokens * per_token))
+
+    check(["a b c"], 10)  # a prompt of the model's whole length fits: nothing counted
+    assert tokenizers.asked == 0
+    check(["a b c", [1, 2]], 5)  # five tokens in all: the bound exactly
+    assert tokenizers.asked == 1
+    with pytest.raises(PayloadTooLarge, match="answer"):
+        check(["a b c", [1, 2, 3]], 5)
+    check(["a b c"] * 100, 0, SimpleNamespace(positions=0))  # not loaded: the worker checks
+    assert tokenizers.asked == 2  # the refused one's only
 
 
 # --- a real server's memory -------------------------------------------------------------

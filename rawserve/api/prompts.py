@@ -94,10 +94,11 @@ async def check_echo_size(
 ) -> None:
     """413 when the prompts' echoed tokens, each listed with `listed` log probabilities in
     each of `copies` choices, would make an answer over `largest` bytes; counted with the
-    server's tokenizer only where prompts of the model's whole length would not fit."""
+    server's tokenizer only where prompts of the model's whole length would not fit (none
+    where the model is not known yet: its positions are 0)."""
     positions = model.positions
     per_token = listed * copies * LISTED_BYTES
-    if positions < 1 or len(prompts) * positions * per_token <= largest:
+    if len(prompts) * positions * per_token <= largest:
         return
     counts = [len(prompt) for prompt in prompts if isinstance(prompt, list)]
     texts = [prompt for prompt in prompts if isinstance(prompt, str)]
