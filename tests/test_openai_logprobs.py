@@ -80,3 +80,26 @@ def test_the_entries_an_answer_lists_count_the_prompts_tokens_and_alternatives()
     assert listed_entries(outputs, 2) == 3 * 3
     assert listed_entries(outputs, 0) == 3
     assert listed_entries(outputs, None) == 0  # no log probabilities asked for
+
+
+def test_a_token_that_ends_inside_a_character_shows_as_itself_among_its_alternatives():
+    # "日" is three bytes, three byte-level tokens: the first two add no text, and decoded
+    # alone each is a U+FFFD; listed among its step's alternatives, the chosen token reads
+    # as it does in the answer, once, so that a client finds it there (lm-evaluation-harness
+    # counts an answer greedy when each token is the likeliest key of its alternatives)
+    first = {
+        "id": 162,
+        "text": "",
+        "logprob": -0.25,
+        "special": False,
+        "top_tokens": [
+            {"id": 162, "text": "\ufffd", "logprob": -0.25, "special": False},
+            {"id": 163, "text": "\ufffd", "logprob": -1.5, "special": False},
+        ],
+    }
+    tokens = [listed(first)]
+    (top,) = completion_logprobs(tokens, 0, 2)["top_logprobs"]
+    assert list(top.items()) == [("", -0.25), ("\ufffd", -1.5)]  # likeliest first
+    chat = chat_logprobs(tokens)["content"][0]
+    assert chat["top_logprobs"][0] == {"token": "", "logprob": -0.25, "bytes": []}
+    assert chat["top_logprobs"][0]["bytes"] == chat["bytes"]

@@ -36,13 +36,19 @@ class Listed:
 
 def listed(token: Mapping[str, Any], top: Sequence[Mapping[str, Any]] | None = None) -> Listed:
     """A worker's token (TGI's shape) with its alternatives (`top`, or its own
-    `top_tokens`)."""
+    `top_tokens`). Among them the token itself reads as in the answer: an alternative's
+    text is decoded alone, which for a token that ends inside a character is a U+FFFD
+    where the token adds "" (OpenAI's clients look for the chosen token among them)."""
     alternatives = top if top is not None else token.get("top_tokens") or ()
     logprob = token["logprob"]
+    chosen = token.get("id")
     return Listed(
         token["text"],
         None if logprob is None else float(logprob),
-        tuple((t["text"], float(t["logprob"])) for t in alternatives),
+        tuple(
+            (token["text"] if t.get("id") == chosen else t["text"], float(t["logprob"]))
+            for t in alternatives
+        ),
     )
 
 
