@@ -10,6 +10,7 @@ skips to the next scripted look), and `Shutdown` once the script is spent.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -88,7 +89,7 @@ def results(sent: list[Any]) -> dict[int, BatchResult]:
 def without_logprobs(output: Any) -> Any:
     """An output without its tokens' logprobs: a row's scores move in their last digits
     with its batch-mates (padding changes the sums' order), its tokens do not."""
-    if isinstance(output, (list, tuple)):
+    if isinstance(output, Sequence) and not isinstance(output, str):  # tokens' columns too
         return [without_logprobs(o) for o in output]
     if isinstance(output, dict):
         return {k: without_logprobs(v) for k, v in output.items() if k != "logprob"}

@@ -46,7 +46,7 @@ from rawserve.tasks import (
     task_rules,
 )
 from rawserve.tasks.image_classification import image_from_body
-from rawserve.tasks.text_generation import tgi_output
+from rawserve.tasks.text_generation import listed_tokens, tgi_output
 
 MODELS_PREFIX = "/models/"  # POST /models/<name>: one of the served models, by any name
 
@@ -290,13 +290,20 @@ class InferenceRoutes:
             )
         results = await model.run(parsed.inputs, parsed.params, deadline)
         outputs = [unwrap(result) for result in results]
+        # feature-extraction's token vectors make answers of tens of megabytes, and so do
+        # text-generation's details listing a long prompt's tokens
+        entries = vector_entries(outputs)
         if task == "text-generation":  # the pipeline's [{"generated_text", "details"}]
-            outputs = [
-                [tgi_output(each) for each in output] if isinstance(output, list) else output
-                for output in outputs
-            ]
-        # feature-extraction's token vectors make answers of tens of megabytes
-        build = functools.partial(
-            shape_answer, task, outputs, parsed.is_list, raw_text=parsed.raw_text
-        )
-        return await built_answer(build, results, vector_entries(outputs))
+            generated = [output for output in outputs if isinstance(output, list)]
+            entries = sum(listed_tokens(each) for output in generated for each in output)
+
+        def build() -> Any:
+            shaped = outputs
+            if task == "text-generation":
+                shaped = [
+                    [tgi_output(each) for each in output] if isinstance(output, list) else output
+                    for output in outputs
+                ]
+            return shape_answer(task, shaped, parsed.is_list, raw_text=parsed.raw_text)
+
+        return await built_answer(build, results, entries)

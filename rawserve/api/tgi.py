@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from rawserve.api import schemas
-from rawserve.api.bodies import answer, read_json
+from rawserve.api.bodies import built_answer, read_json
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import MODEL
 from rawserve.api.inference import ParsedRequest, inference_request, parse_json_body
@@ -34,7 +34,12 @@ from rawserve.api.streaming import open_token_stream
 from rawserve.http.errors import BadRequest
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.tasks import InvalidRequest, check_generation_length
-from rawserve.tasks.text_generation import API_SAMPLING, MAX_STOP_SEQUENCES, tgi_output
+from rawserve.tasks.text_generation import (
+    API_SAMPLING,
+    MAX_STOP_SEQUENCES,
+    listed_tokens,
+    tgi_output,
+)
 
 TAG = "TGI"
 TASK = "text-generation"
@@ -138,7 +143,8 @@ class TgiRoutes:
         model, parsed = await self.parse(request)
         results = await model.run(parsed.inputs, parsed.params, self.context.deadline(request))
         [output] = unwrap(results[0])  # the pipeline's [{"generated_text", "details"}]
-        return answer(tgi_output(output), results)
+        # a long prompt's tokens listed make an answer of megabytes: built on a thread
+        return await built_answer(lambda: tgi_output(output), results, listed_tokens(output))
 
     async def generate_stream(self, request: HttpRequest) -> HttpResponse:
         model, parsed = await self.parse(request)

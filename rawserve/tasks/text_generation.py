@@ -15,6 +15,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from rawserve.shared.token_columns import listed, token_count
 from rawserve.tasks.checks import boolean, checker, float_range, ignored, int_range, text
 from rawserve.tasks.rules import Task
 
@@ -66,7 +67,17 @@ def tgi_output(output: Any, *, streamed: bool = False) -> Any:
             for token in details["prefill"]
         ]
     fields = TGI_STREAM_DETAILS if streamed else TGI_DETAILS
-    return {**output, "details": {name: details[name] for name in fields if name in details}}
+    kept = {name: listed(details[name]) for name in fields if name in details}
+    return {**output, "details": kept}
+
+
+def listed_tokens(output: Any) -> int:
+    """How many tokens (alternatives included) a worker's output lists in its details;
+    counted without making them, so the answer's size is known before it is built."""
+    if not isinstance(output, Mapping) or not isinstance(output.get("details"), Mapping):
+        return 0
+    details = output["details"]
+    return sum(token_count(details.get(name)) for name in ("prefill", "tokens", "top_tokens"))
 
 
 @checker(

@@ -21,6 +21,7 @@ import torch
 import transformers
 
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits, TokenChunk
+from rawserve.shared.token_columns import columns, token_lists
 from rawserve.tasks import CHAT_PARAM
 from rawserve.tasks.text_generation import (
     API_SAMPLING,
@@ -491,11 +492,12 @@ class CausalLMRunner(Runner):
                 before = self.tokenizer.decode(token_ids[: after - 1], skip_special_tokens=True)
                 output["details"]["stops_from"] = len(before)
             if tokens is not None:  # TGI's: the prompt's tokens only on request
-                output["details"].update(prefill=prefill or [], tokens=tokens)
+                # as columns: thousands of dicts would take the server's loop to unpickle
+                output["details"].update(prefill=columns(prefill or []), tokens=columns(tokens))
                 if params.get("top_n_tokens"):  # TGI lists them beside the tokens
                     listed = [dict(token) for token in tokens]
                     top = [token.pop("top_tokens", []) for token in listed]
-                    output["details"].update(tokens=listed, top_tokens=top)
+                    output["details"].update(tokens=columns(listed), top_tokens=token_lists(top))
         # pipe(x) answers [{"generated_text": ...}] per input
         return output if control.stream_id is not None else [output]
 
