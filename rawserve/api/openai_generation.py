@@ -380,7 +380,7 @@ def parse_chat(document: Any) -> GenerationRequest:
             raise BadRequest(
                 '"continue_final_message" cannot go with tools: a call opens its answer'
             )
-        offer_tools(tools, tool_prompt, chat, params)
+        tools = offer_tools(tools, tool_prompt, chat, params)
     request = replace(request, items=[chat], params=params, tools=tools)
     top = fields.value("top_logprobs")
     if fields.value("logprobs"):
@@ -404,18 +404,27 @@ def requested_tools(fields: Fields) -> Tools | None:
 
 def offer_tools(
     tools: Tools, tool_prompt: str | None, chat: dict[str, Any], params: dict[str, Any]
-) -> None:
+) -> Tools:
     """Put `tools` in the chat the template renders, and hold the answer to a call's
-    grammar where the tool choice asks for one (in the worker's `params`)."""
+    grammar where the tool choice asks for one (in the worker's `params`): with a JSON
+    response_format, an answer that does not call follows it (OpenAI's way; where a
+    call is required, the format holds nothing, as in vLLM). The tools, as they hold it."""
     chat["tools"] = tools.template_tools()  # the template shows them to the model
     if tools.parallel:  # (where the template leaves tools out, the model is told)
         chat["parallel_tool_calls"] = True
     if tool_prompt:
         chat["tool_prompt"] = unicode_text(tool_prompt, '"tool_prompt"')
     if tools.held:
-        if "grammar" in params:
-            raise BadRequest('"response_format" and tools cannot hold one answer together')
+        answer_format = params.get("grammar")
+        if answer_format is not None:
+            if answer_format["type"] != "json":
+                raise BadRequest(
+                    "a regular expression cannot hold an answer that may call tools (a JSON "
+                    "schema can)"
+                )
+            tools = replace(tools, answer_format=answer_format["value"])
         params["grammar"] = tools.grammar()
+    return tools
 
 
 def answer_opening(fields: Fields) -> dict[str, bool]:
