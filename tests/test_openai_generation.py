@@ -743,6 +743,26 @@ def test_a_json_schema_response_format_gives_json_it_describes(servers, stream):
         assert len(person["name"]) <= 5 and 0 <= person["age"] <= 150
 
 
+def test_pydantic_models_whose_formats_the_grammar_does_not_know_are_parsed(servers):
+    """pydantic writes "password" for SecretStr, "path" for Path: each request the openai
+    SDK's `.parse` sent with such a model was a 422 "Unknown format"."""
+    from pathlib import Path
+    from typing import Annotated
+
+    from pydantic import BaseModel, Field, SecretStr
+
+    class Login(BaseModel):
+        token: Annotated[SecretStr, Field(max_length=4)]
+        home: Annotated[Path, Field(json_schema_extra={"maxLength": 4})]  # (in the schema)
+        data: Annotated[bytes, Field(json_schema_extra={"maxLength": 4})]
+
+    chat = client(servers["chat"])
+    asked = {"model": CHAT_MODEL, "messages": MESSAGES, **SAMPLED, "max_tokens": 120}
+    answer = chat.chat.completions.parse(**asked, response_format=Login)
+    login = answer.choices[0].message.parsed
+    assert isinstance(login, Login) and len(login.token.get_secret_value()) <= 4
+
+
 def test_a_json_object_response_format_gives_a_json_object(servers):
     plain = client(servers["plain"])
     answer = plain.completions.create(
