@@ -269,10 +269,11 @@ def read_response_format(
         except ValueError as exc:
             raise BadRequest(f'"{name}.schema" {exc}') from None
     if kind == "json_schema":
+        described = value.get("json_schema")
+        if isinstance(described, dict):
+            check_schema_description(f"{name}.json_schema", described)
         try:
-            return text_generation.grammar(
-                {"type": "json_schema", "value": value.get("json_schema")}
-            )
+            return text_generation.grammar({"type": "json_schema", "value": described})
         except ValueError:
             pass
     raise BadRequest(
@@ -280,6 +281,20 @@ def read_response_format(
         '"json_schema", "json_schema": {"name": ..., "schema": {...}}} (or TGI\'s {"type": '
         '"json" or "regex", "value": ...})'
     )
+
+
+def check_schema_description(name: str, described: dict[str, Any]) -> None:
+    """What OpenAI and vLLM hold a json_schema's fields beside its schema to: a name (a
+    text; not OpenAI's pattern for it, which vLLM does not hold to either), a text for
+    its description, and true or false for "strict"."""
+    if not isinstance(described.get("name"), str):
+        raise BadRequest(
+            f'"{name}.name" must be a text: the name of the schema', param=f"{name}.name"
+        )
+    if described.get("description") is not None and not isinstance(described["description"], str):
+        raise BadRequest(f'"{name}.description" must be a text', param=f"{name}.description")
+    if described.get("strict") is not None and not isinstance(described["strict"], bool):
+        raise BadRequest(f'"{name}.strict" must be true or false', param=f"{name}.strict")
 
 
 def read_guided_json(name: str, value: Any, context: DocContext | None) -> dict[str, Any]:
@@ -634,10 +649,10 @@ OPENAI_RESPONSE_FORMAT: Schema = {
         "schema": {"type": ["object", "string"]},
         "json_schema": {
             "type": "object",
-            "required": ["schema"],
+            "required": ["name", "schema"],
             "properties": {
                 "name": {"type": "string"},
-                "description": {"type": "string"},
+                "description": {"type": ["string", "null"]},
                 "schema": {"type": "object"},
                 "strict": {"type": ["boolean", "null"]},
             },

@@ -63,7 +63,8 @@ FUNCTIONS: Schema = {
 TOOL_CHOICE: Schema = {
     "anyOf": [
         {"enum": ["none", "auto", "required", None]},
-        typed_function({"name": {"type": "string"}}),
+        # (its "type" may be left out, as vLLM takes it)
+        {**typed_function({"name": {"type": "string"}}), "required": ["function"]},
     ]
 }
 FUNCTION_CALL: Schema = {
@@ -217,6 +218,8 @@ def read_functions(name: str, value: Any, context: DocContext | None) -> list[di
         description = function.get("description")
         if description is not None and not isinstance(description, str):
             raise BadRequest(f"the description of {named} must be a text")
+        if function.get("strict") is not None and not isinstance(function["strict"], bool):
+            raise BadRequest(f'"strict" of {named} must be true or false')
         if named in functions:
             raise BadRequest(f"two tools are named {named}")
         functions[named] = {
@@ -230,7 +233,12 @@ def read_tool_choice(name: str, value: Any, context: DocContext | None) -> str:
     if value in ("none", "auto", "required"):
         return str(value)
     function = value.get("function") if isinstance(value, dict) else None
-    if isinstance(function, dict) and isinstance(function.get("name"), str):
+    # (a choice without "type" is a function's, as vLLM takes it; another type is none)
+    if (
+        isinstance(function, dict)
+        and isinstance(function.get("name"), str)
+        and value.get("type", "function") == "function"
+    ):
         return str(function["name"])
     raise BadRequest(
         f'"{name}" must be "none", "auto", "required" or {{"type": "function", "function": '
