@@ -17,7 +17,8 @@ OpenAI's older form, `functions` and `function_call`, is the same with one call 
 read back as the message's `function_call`.
 
 Streamed, an answer in words is sent as it comes (`StreamedWords` reads the words out of
-the JSON as it grows, or the format's JSON itself); calls are sent whole at its end, in one chunk.
+the JSON as it grows, or the format's JSON itself); calls are sent whole at its end, in
+one chunk.
 """
 
 from __future__ import annotations
