@@ -374,6 +374,30 @@ AGREEMENT = [
     ("CHAT", {"messages": HI, "tools": [{"type": "function"}]}, False),
     ("CHAT", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, True),
     ("CHAT", {"messages": HI, "tool_choice": {"type": "function", "function": {}}}, False),
+    # OpenAI's and vLLM's rules: a named choice's type is "function" (left out, vLLM's
+    # default), a tool's "strict" and a json_schema's are true or false, its name a text
+    # (OpenAI's pattern for the name is not held to, as vLLM does not)
+    ("CHAT", {"messages": HI, "tool_choice": {"function": {"name": "f"}}}, True),
+    ("CHAT", {"messages": HI, "tool_choice": {"type": "file", "function": {"name": "f"}}}, False),
+    (
+        "CHAT",
+        {"messages": HI, "tools": [{"type": "function", "function": {"name": "f", "strict": 1}}]},
+        False,
+    ),
+    *(
+        (
+            "CHAT",
+            {"messages": HI, "response_format": {"type": "json_schema", "json_schema": described}},
+            taken,
+        )
+        for described, taken in [
+            ({"name": "a b", "schema": {}, "strict": None, "description": None}, True),
+            ({"name": "x", "schema": {}, "strict": "yes"}, False),
+            ({"schema": {}}, False),
+            ({"name": 3, "schema": {}}, False),
+            ({"name": "x", "schema": {}, "description": 3}, False),
+        ]
+    ),
     (
         "CHAT",
         {

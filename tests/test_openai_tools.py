@@ -184,3 +184,48 @@ def test_a_call_sends_no_words():
     answer = '{"name": "time", "arguments": {}}'
     assert [words.add(character) for character in answer] == [""] * len(answer)
     assert words.sent == ""
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"place": {"$ref": "#/$defs/Place"}},
+    "required": ["place"],
+    "$defs": {"Place": CITY},
+}
+
+
+def test_with_a_response_format_an_answer_calls_or_follows_the_format():
+    """What agent SDKs send (tools, and a response_format for the final answer): it was a
+    400; the answer that does not call is the format's JSON, its references its own."""
+    import llguidance
+
+    from rawserve.worker.grammars import grammar_text
+
+    tools = Tools([WEATHER, TIME], "auto", answer_format=PERSON)
+    held = tools.grammar()["value"]["anyOf"][-1]
+    assert held["properties"]["content"] == {"$id": "urn:rawserve:response-format", **PERSON}
+    assert llguidance.LLMatcher.validate_grammar(grammar_text(tools.grammar())) == ""
+    answer = '{"place": {"city": "rome", "n": 1e999}}'  # (as written: 1e999 is no float)
+    assert tools.message('{"content": ' + answer + "}") == (
+        {"role": "assistant", "content": answer},
+        None,
+    )
+    assert tools.message('{"content": {"place": {"ci') == (
+        {"role": "assistant", "content": '{"place": {"ci'},
+        None,
+    )
+    _, reason = tools.message('{"name": "time", "arguments": {}}')
+    assert reason == "tool_calls"
+    # where a call is required, the calls alone hold the answer (as in vLLM)
+    required = Tools([WEATHER, TIME], "required", answer_format=PERSON)
+    assert required.grammar() == Tools([WEATHER, TIME], "required").grammar()
+
+
+@pytest.mark.parametrize("step", [1, 2, 5])
+def test_an_answer_held_to_a_format_is_streamed_as_written(step):
+    answer = '{"content": {"place": {"city": "a \\"b\\" \\u00e9"}}}'
+    words = Tools([WEATHER], "auto", answer_format=PERSON).words()
+    pieces = "".join(words.add(answer[i : i + step]) for i in range(0, len(answer), step))
+    assert pieces == words.sent == answer[len('{"content": ') : -1]
+    call = Tools([WEATHER], "auto", answer_format=PERSON).words()
+    assert call.add('{"name": "weather", "arguments": {"city": "x"}}') == ""

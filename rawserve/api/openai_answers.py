@@ -247,7 +247,7 @@ class Answer:
             choices = [Streamed(self.stops_after) for _ in streams]
             # an answer held to tools: its words as they come (not with log probabilities,
             # which go whole at its end), a call at its end
-            held = [StreamedWords() for _ in streams]
+            held = [self.tools.words() if self.tools else StreamedWords() for _ in streams]
             words_as_they_come = self.tools is not None and self.logprobs is None
             if self.chat:  # each choice's first chunk says who speaks
                 for index in range(len(streams)):

@@ -269,10 +269,11 @@ def read_response_format(
         except ValueError as exc:
             raise BadRequest(f'"{name}.schema" {exc}') from None
     if kind == "json_schema":
+        described = value.get("json_schema")
+        if isinstance(described, dict):
+            check_schema_description(f"{name}.json_schema", described)
         try:
-            return text_generation.grammar(
-                {"type": "json_schema", "value": value.get("json_schema")}
-            )
+            return text_generation.grammar({"type": "json_schema", "value": described})
         except ValueError:
             pass
     raise BadRequest(
@@ -280,6 +281,20 @@ def read_response_format(
         '"json_schema", "json_schema": {"name": ..., "schema": {...}}} (or TGI\'s {"type": '
         '"json" or "regex", "value": ...})'
     )
+
+
+def check_schema_description(name: str, described: dict[str, Any]) -> None:
+    """What OpenAI and vLLM hold a json_schema's fields beside its schema to: a name (a
+    text; not OpenAI's pattern for it, which vLLM does not hold to either), a text for
+    its description, and true or false for "strict"."""
+    if not isinstance(described.get("name"), str):
+        raise BadRequest(
+            f'"{name}.name" must be a text: the name of the schema', param=f"{name}.name"
+        )
+    if described.get("description") is not None and not isinstance(described["description"], str):
+        raise BadRequest(f'"{name}.description" must be a text', param=f"{name}.description")
+    if described.get("strict") is not None and not isinstance(described["strict"], bool):
+        raise BadRequest(f'"{name}.strict" must be true or false', param=f"{name}.strict")
 
 
 def read_guided_json(name: str, value: Any, context: DocContext | None) -> dict[str, Any]:
@@ -380,7 +395,7 @@ def parse_chat(document: Any) -> GenerationRequest:
             raise BadRequest(
                 '"continue_final_message" cannot go with tools: a call opens its answer'
             )
-        offer_tools(tools, tool_prompt, chat, params)
+        tools = offer_tools(tools, tool_prompt, chat, params)
     request = replace(request, items=[chat], params=params, tools=tools)
     top = fields.value("top_logprobs")
     if fields.value("logprobs"):
@@ -404,18 +419,27 @@ def requested_tools(fields: Fields) -> Tools | None:
 
 def offer_tools(
     tools: Tools, tool_prompt: str | None, chat: dict[str, Any], params: dict[str, Any]
-) -> None:
+) -> Tools:
     """Put `tools` in the chat the template renders, and hold the answer to a call's
-    grammar where the tool choice asks for one (in the worker's `params`)."""
+    grammar where the tool choice asks for one (in the worker's `params`): with a JSON
+    response_format, an answer that does not call follows it (OpenAI's way; where a
+    call is required, the format holds nothing, as in vLLM). The tools, as they hold it."""
     chat["tools"] = tools.template_tools()  # the template shows them to the model
     if tools.parallel:  # (where the template leaves tools out, the model is told)
         chat["parallel_tool_calls"] = True
     if tool_prompt:
         chat["tool_prompt"] = unicode_text(tool_prompt, '"tool_prompt"')
     if tools.held:
-        if "grammar" in params:
-            raise BadRequest('"response_format" and tools cannot hold one answer together')
+        answer_format = params.get("grammar")
+        if answer_format is not None:
+            if answer_format["type"] != "json":
+                raise BadRequest(
+                    "a regular expression cannot hold an answer that may call tools (a JSON "
+                    "schema can)"
+                )
+            tools = replace(tools, answer_format=answer_format["value"])
         params["grammar"] = tools.grammar()
+    return tools
 
 
 def answer_opening(fields: Fields) -> dict[str, bool]:
@@ -625,10 +649,10 @@ OPENAI_RESPONSE_FORMAT: Schema = {
         "schema": {"type": ["object", "string"]},
         "json_schema": {
             "type": "object",
-            "required": ["schema"],
+            "required": ["name", "schema"],
             "properties": {
                 "name": {"type": "string"},
-                "description": {"type": "string"},
+                "description": {"type": ["string", "null"]},
                 "schema": {"type": "object"},
                 "strict": {"type": ["boolean", "null"]},
             },

@@ -6,14 +6,19 @@ template (`apply_chat_template(..., tools=...)`; a template that leaves them out
 described at the end of the last message, in the worker), and what is generated is held
 to JSON (`rawserve.worker.grammars`): `{"name": ..., "arguments": {...}}` for a call,
 the arguments held to the function's own JSON schema, or, where `tool_choice` is "auto",
-`{"content": "..."}` for an answer in words. Where `parallel_tool_calls` allows (OpenAI's
+`{"content": "..."}` for an answer in words. With a `response_format` beside the tools
+(as agent SDKs send it: the answer calls, or else follows the format), the answer that
+does not call is `{"content": ...}` holding JSON of that format, read back as the
+message's content as written; where a call is required, the calls' grammar holds the
+answer alone, as vLLM's does. Where `parallel_tool_calls` allows (OpenAI's
 default) and no one function is named, an answer may also be a list of calls, each read
 back as a call of its own.
 OpenAI's older form, `functions` and `function_call`, is the same with one call an answer,
 read back as the message's `function_call`.
 
 Streamed, an answer in words is sent as it comes (`StreamedWords` reads the words out of
-the JSON as it grows); calls are sent whole at its end, in one chunk.
+the JSON as it grows, or the format's JSON itself); calls are sent whole at its end, in
+one chunk.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ FUNCTIONS: Schema = {
 TOOL_CHOICE: Schema = {
     "anyOf": [
         {"enum": ["none", "auto", "required", None]},
-        typed_function({"name": {"type": "string"}}),
+        # (its "type" may be left out, as vLLM takes it)
+        {**typed_function({"name": {"type": "string"}}), "required": ["function"]},
     ]
 }
 FUNCTION_CALL: Schema = {
@@ -89,6 +95,8 @@ class Tools:
     choice: str
     parallel: bool = False  # an answer may call several (OpenAI's `parallel_tool_calls`)
     older: bool = False  # asked as `functions`: the call read back as a `function_call`
+    # the JSON schema of an answer that does not call (the request's response_format)
+    answer_format: dict[str, Any] | None = None
 
     @property
     def held(self) -> bool:
@@ -105,7 +113,7 @@ class Tools:
             call = answers[0] if len(answers) == 1 else {"anyOf": list(answers)}
             answers.append({"type": "array", "items": call, "minItems": 1})
         if self.choice == "auto":
-            answers.append(WORDS)
+            answers.append(WORDS if self.answer_format is None else formatted(self.answer_format))
         return {"type": "json", "value": answers[0] if len(answers) == 1 else {"anyOf": answers}}
 
     def message(self, text: str) -> tuple[dict[str, Any], str | None]:
@@ -121,11 +129,16 @@ class Tools:
                 if isinstance(call, dict) and "name" in call
             ]
         except (ValueError, RecursionError):  # cut short, or nested past the parser's limit
+            if self.answer_format is not None:  # the format's JSON as far as it came
+                return {"role": "assistant", "content": text.removeprefix(FORMATTED_OPENING)}, None
             words = StreamedWords()
             words.add(text)
             return {"role": "assistant", "content": words.sent or text}, None
         if not calls or len(functions) < len(calls):
             content = answer.get("content") if isinstance(answer, dict) else None
+            if content is not None and self.answer_format is not None:
+                # the format's JSON as written (not read and written again), its braces off
+                content = text.strip().removeprefix(FORMATTED_OPENING).removesuffix("}")
             return {"role": "assistant", "content": text if content is None else content}, None
         if self.older:
             return {"role": "assistant", "content": None, "function_call": functions[0]}, (
@@ -136,6 +149,10 @@ class Tools:
             for function in functions
         ]
         return {"role": "assistant", "content": None, "tool_calls": tool_calls}, "tool_calls"
+
+    def words(self) -> StreamedWords:
+        """A reader of the words (or the format's JSON) of an answer that does not call."""
+        return StreamedWords(formatted=self.answer_format is not None)
 
     def template_tools(self) -> list[dict[str, Any]]:
         """The tools as chat templates take them (OpenAI's shape)."""
@@ -154,6 +171,13 @@ def call_schema(function: dict[str, Any]) -> Schema:
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+def formatted(answer_format: dict[str, Any]) -> Schema:
+    """An answer that does not call: `{"content": ...}`, the content held to the format."""
+    # a resource of its own, as a function's parameters are (its references to its root)
+    content = {"$id": "urn:rawserve:response-format", **answer_format}
+    return {**WORDS, "properties": {"content": content}}
 
 
 def read_tools(name: str, value: Any, context: DocContext | None) -> list[dict[str, Any]]:
@@ -195,6 +219,8 @@ def read_functions(name: str, value: Any, context: DocContext | None) -> list[di
         description = function.get("description")
         if description is not None and not isinstance(description, str):
             raise BadRequest(f"the description of {named} must be a text")
+        if function.get("strict") is not None and not isinstance(function["strict"], bool):
+            raise BadRequest(f'"strict" of {named} must be true or false')
         if named in functions:
             raise BadRequest(f"two tools are named {named}")
         functions[named] = {
@@ -208,7 +234,12 @@ def read_tool_choice(name: str, value: Any, context: DocContext | None) -> str:
     if value in ("none", "auto", "required"):
         return str(value)
     function = value.get("function") if isinstance(value, dict) else None
-    if isinstance(function, dict) and isinstance(function.get("name"), str):
+    # (a choice without "type" is a function's, as vLLM takes it; another type is none)
+    if (
+        isinstance(function, dict)
+        and isinstance(function.get("name"), str)
+        and value.get("type", "function") == "function"
+    ):
         return str(function["name"])
     raise BadRequest(
         f'"{name}" must be "none", "auto", "required" or {{"type": "function", "function": '
@@ -270,18 +301,24 @@ def as_written(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-# how an answer in words begins, as the grammar lays JSON out (a space after the colon)
+# how an answer in words begins, as the grammar lays JSON out (a space after the colon);
+# one held to a response_format begins without the quote
 WORDS_OPENING = '{"content": "'
+FORMATTED_OPENING = '{"content": '
 
 
 class StreamedWords:
     """A streamed answer held to tools, read as it comes: where it writes words
     (`{"content": "..."}`), the words, decoded from JSON a whole character at a time;
-    where it calls, nothing until its end (`sent` stays empty)."""
+    where it calls, nothing until its end (`sent` stays empty). `formatted`: the content
+    is JSON of the request's response_format, sent as written but for its last character
+    (which may be the closing brace around it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, formatted: bool = False) -> None:
+        self.formatted = formatted
+        self.opening = FORMATTED_OPENING if formatted else WORDS_OPENING
         self.raw = ""  # the JSON so far
-        self.read = len(WORDS_OPENING)  # where the words not yet decoded start in it
+        self.read = len(self.opening)  # where the words not yet decoded start in it
         self.sent = ""
         self.closed = False  # the words' closing quote has come
 
@@ -289,8 +326,13 @@ class StreamedWords:
         """The words `piece` completes ("" while none: still the opening, a call, or an
         escape not yet whole)."""
         self.raw += piece
-        if self.closed or not self.raw.startswith(WORDS_OPENING):
+        if self.closed or not self.raw.startswith(self.opening):
             return ""
+        if self.formatted:
+            written = self.raw[self.read : -1]
+            self.read += len(written)
+            self.sent += written
+            return written
         words = []
         while self.read < len(self.raw):
             character = self.raw[self.read]

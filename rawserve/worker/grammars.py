@@ -46,12 +46,29 @@ JSON_LAYOUT: JsonCompileOptions = {
 }
 
 
+# llguidance's fault for a "format" it does not know: lenient, it is a warning instead
+UNKNOWN_FORMAT = "Unknown format"
+
+
 def grammar_text(grammar: Mapping[str, Any]) -> str:
     """llguidance's grammar for TGI's `{"type": "json" | "regex", "value": ...}`."""
     if grammar["type"] == "regex":
         return str(llguidance.LLMatcher.grammar_from_regex(grammar["value"]))
     schema = grammar["value"]
     return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT))
+
+
+def formats_as_annotations(grammar: Mapping[str, Any]) -> str | None:
+    """llguidance's grammar for a JSON schema whose "format"s it does not know are taken as
+    annotations, as JSON Schema takes them (pydantic writes "binary" for bytes, "password"
+    for SecretStr, "path" for Path...); the formats it knows are held to still. None where
+    the schema has other faults too (the first of them is the one to report)."""
+    lenient: JsonCompileOptions = {**JSON_LAYOUT, "lenient": True}
+    text = str(llguidance.LLMatcher.grammar_from_json_schema(grammar["value"], defaults=lenient))
+    failed, faults = llguidance.LLMatcher.validate_grammar_with_warnings(text, limits=LIMITS)
+    if failed or not all(UNKNOWN_FORMAT in warning for warning in faults):
+        return None
+    return text
 
 
 class Grammars:
@@ -100,11 +117,20 @@ class Grammars:
         return pristine
 
     def _compile(self, grammar: Mapping[str, Any]) -> llguidance.LLMatcher:
-        text = grammar_text(grammar)
-        pristine = llguidance.LLMatcher(self._tokenizer(), text, log_level=0, limits=LIMITS)
-        pristine.compute_bitmask()  # (some faults show only once a first mask is asked)
+        pristine = self._matcher(grammar_text(grammar))
+        # a format it does not know, alone, is an annotation (else the first fault is told)
+        annotated = None
+        if grammar["type"] == "json" and pristine.is_error() and UNKNOWN_FORMAT in fault(pristine):
+            annotated = formats_as_annotations(grammar)
+        if annotated is not None:
+            pristine = self._matcher(annotated)
         if pristine.is_error():
             raise ValueError(f"the grammar cannot be used: {fault(pristine)}")
+        return pristine
+
+    def _matcher(self, text: str) -> llguidance.LLMatcher:
+        pristine = llguidance.LLMatcher(self._tokenizer(), text, log_level=0, limits=LIMITS)
+        pristine.compute_bitmask()  # (some faults show only once a first mask is asked)
         return pristine
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
