@@ -96,8 +96,7 @@ class ReadyWorkers:
     def batch_cap(self) -> int | None:
         return None
 
-    def max_input_tokens(self) -> int | None:
-        return None
+    limits = ModelLimits()  # an echo: nothing is cut, nothing generated
 
     def concurrency(self) -> int:
         return 1

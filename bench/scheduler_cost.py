@@ -24,7 +24,7 @@ from typing import Any
 from rawserve.ops.loops import run as run_on_loop
 from rawserve.serving.core import SchedulerCore
 from rawserve.serving.driver import Scheduler
-from rawserve.shared.messages import NO_CONTROL, BatchResult, Control
+from rawserve.shared.messages import NO_CONTROL, BatchResult, Control, ModelLimits
 
 WARM_SECONDS = 1.0  # the cost model measures its first batches before a round starts
 
@@ -46,8 +46,7 @@ class InstantWorkers:
     def batch_cap(self) -> int | None:
         return None
 
-    def max_input_tokens(self) -> int | None:
-        return None
+    limits = ModelLimits()  # an echo: nothing is cut, nothing generated
 
     def concurrency(self) -> int:
         return self.workers
