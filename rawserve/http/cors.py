@@ -19,7 +19,9 @@ ANY_ORIGIN = "*"
 PREFLIGHT_MAX_AGE = 600  # seconds a browser may cache a preflight's answer
 # response headers a page's script may read besides the CORS-safelisted ones: the request's id
 # and timing, when to come back (503, 429), what a 401 asks for, what a 405 allows
-EXPOSED_HEADERS = "X-Request-Id, Server-Timing, Retry-After, WWW-Authenticate, Allow"
+EXPOSED_HEADERS = (
+    "X-Request-Id, Server-Timing, Retry-After, Retry-After-Ms, WWW-Authenticate, Allow"
+)
 ALLOW_ORIGIN = "Access-Control-Allow-Origin"
 ALLOW_ORIGIN_LOWER = ALLOW_ORIGIN.lower()
 VARY_ORIGIN = ("Vary", "Origin")
