@@ -153,8 +153,16 @@ class ServiceUnavailable(HTTPError):
 
 
 class GatewayTimeout(HTTPError):
+    """The request's deadline passed. The deadline spans a client's retries, as gRPC's
+    does: a retry only runs the model again to the same 504, and the openai SDKs retry
+    every 5xx twice unless told not to (`X-Should-Retry: false`), which kept a caller
+    of a 50 ms deadline 1.6 s for three 504s."""
+
     status = 504
     error_type = "timeout"
+
+    def __init__(self, message: str):
+        super().__init__(message, headers=[("X-Should-Retry", "false")])
 
 
 def error_response(exc: BaseException) -> HttpResponse:
