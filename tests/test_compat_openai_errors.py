@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx2
+import openai
 import pytest
 
 from rawserve.api.app import App
+from rawserve.api.outcomes import http_error
 from rawserve.api.served import ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.http.errors import (
@@ -21,8 +24,10 @@ from rawserve.http.errors import (
     ServiceUnavailable,
     Unauthorized,
     openai_error_document,
+    openai_error_response,
 )
 from rawserve.http.exchange import HttpRequest, HttpResponse
+from rawserve.serving.face import Reason, Refusal
 from tests.test_model_selection import KEY, ReadyWorkers, served
 
 
@@ -131,3 +136,28 @@ def test_openai_error_document_keeps_messages_short_and_statuses_typed():
     long = openai_error_document(ServiceUnavailable("x" * 1000))["error"]
     assert long["message"] is not None and len(long["message"]) == 300
     assert openai_error_document(InternalError("boom"))["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize(
+    ("refusal", "attempts"),
+    [
+        # a passed deadline spans the retries (as gRPC's does): a retry only runs the model
+        # again to the same 504, and keeps the caller three deadlines and two back-offs
+        (Refusal(Reason.DEADLINE_PASSED, "the request's deadline passed"), 1),
+        # a busy queue: retried, after the milliseconds the answer asks for
+        (Refusal(Reason.QUEUE_FULL, "server busy: queue full", 0.01), 3),
+    ],
+)
+def test_the_openai_sdk_retries_a_busy_queue_but_not_a_passed_deadline(refusal, attempts):
+    answer = openai_error_response(http_error(refusal))
+    sent = []
+
+    def reply(request: httpx2.Request) -> httpx2.Response:
+        sent.append(request.headers["x-stainless-retry-count"])
+        return httpx2.Response(answer.status, headers=answer.headers, content=answer.body)
+
+    transport = httpx2.Client(transport=httpx2.MockTransport(reply))
+    client = openai.OpenAI(base_url="http://rawserve/v1", api_key="k", http_client=transport)
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.completions.create(model="m", prompt="a")
+    assert raised.value.status_code == answer.status and len(sent) == attempts

@@ -18,8 +18,11 @@ from rawserve.http.exchange import HttpRequest, HttpResponse
 ANY_ORIGIN = "*"
 PREFLIGHT_MAX_AGE = 600  # seconds a browser may cache a preflight's answer
 # response headers a page's script may read besides the CORS-safelisted ones: the request's id
-# and timing, when to come back (503, 429), what a 401 asks for, what a 405 allows
-EXPOSED_HEADERS = "X-Request-Id, Server-Timing, Retry-After, WWW-Authenticate, Allow"
+# and timing, when to come back or not (503, 429, 504), what a 401 asks for, what a 405 allows
+EXPOSED_HEADERS = (
+    "X-Request-Id, Server-Timing, Retry-After, Retry-After-Ms, X-Should-Retry, "
+    "WWW-Authenticate, Allow"
+)
 ALLOW_ORIGIN = "Access-Control-Allow-Origin"
 ALLOW_ORIGIN_LOWER = ALLOW_ORIGIN.lower()
 VARY_ORIGIN = ("Vary", "Origin")
