@@ -167,7 +167,7 @@ async def test_an_error_before_the_first_token_keeps_its_status():
     scheduler = FakeScheduler(executor, [], None, fail_first=full)
     with pytest.raises(ServiceUnavailable) as refused:
         await open_stream(scheduler, executor)
-    assert refused.value.status == 503 and refused.value.retry_after == 3
+    assert refused.value.status == 503 and 3 <= refused.value.retry_after <= 6  # spread
     assert executor.closed == [1]
 
 
@@ -301,7 +301,7 @@ async def test_a_stream_of_several_choices_the_queue_cannot_hold_is_503_not_a_to
     )
     response = await App(models, AppSettings()).handle(request)
     assert response is not None and response.status == 503, response.status
-    assert ("Retry-After", "3") in response.headers
+    assert 3 <= int(dict(response.headers)["Retry-After"]) <= 6  # 3 s spread
     assert response.stream is None
     assert sorted(workers.closed) == [1, 2]
 
