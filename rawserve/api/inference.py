@@ -292,10 +292,11 @@ class InferenceRoutes:
         outputs = [unwrap(result) for result in results]
         # feature-extraction's token vectors make answers of tens of megabytes, and so do
         # text-generation's details listing a long prompt's tokens
-        entries = vector_entries(outputs)
         if task == "text-generation":  # the pipeline's [{"generated_text", "details"}]
             generated = [output for output in outputs if isinstance(output, list)]
             entries = sum(listed_tokens(each) for output in generated for each in output)
+        else:
+            entries = vector_entries(outputs)
 
         def build() -> Any:
             shaped = outputs

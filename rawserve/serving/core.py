@@ -133,7 +133,7 @@ def decoding(params: Mapping[str, Any], new_tokens: int = 0, beams: int = 1) -> 
     if most is None:  # transformers 4's total length, else the model's default
         most = asked.get("max_length") or new_tokens
     rows = max(int(asked.get("num_beams") or beams), int(asked.get("num_return_sequences") or 1))
-    return int(most), max(rows, 1)
+    return int(most), rows
 
 
 @dataclass

@@ -493,11 +493,13 @@ class CausalLMRunner(Runner):
                 output["details"]["stops_from"] = len(before)
             if tokens is not None:  # TGI's: the prompt's tokens only on request
                 # as columns: thousands of dicts would take the server's loop to unpickle
-                output["details"].update(prefill=columns(prefill or []), tokens=columns(tokens))
+                output["details"]["prefill"] = columns(prefill or [])
                 if params.get("top_n_tokens"):  # TGI lists them beside the tokens
                     listed = [dict(token) for token in tokens]
                     top = [token.pop("top_tokens", []) for token in listed]
                     output["details"].update(tokens=columns(listed), top_tokens=token_lists(top))
+                else:
+                    output["details"]["tokens"] = columns(tokens)
         # pipe(x) answers [{"generated_text": ...}] per input
         return output if control.stream_id is not None else [output]
 
