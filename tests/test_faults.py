@@ -21,7 +21,9 @@ import pytest
 from rawserve.main import SIGNAL_REPEAT_SECONDS
 from rawserve.serving import pool, supervision
 from rawserve.serving.core import SchedulerCore
+from rawserve.serving.driver import Scheduler
 from rawserve.serving.pool import WorkerPool
+from rawserve.serving.refusals import Reason, Refused
 from rawserve.serving.supervision import (
     CRASHED_ALONE,
     REFUSED_POISON,
@@ -216,6 +218,29 @@ async def test_a_restart_that_cannot_start_a_process_is_tried_again(faulty_execu
     assert worker.record.restarts == 2  # the death, then the start that failed
     result = await asyncio.wait_for(faulty_executor.submit(["after"], {}), 30)
     assert result.outputs[0]["input"] == "after"
+
+
+@pytest.mark.slow
+async def test_a_request_the_restart_would_outlast_is_answered_503_at_once(faulty_executor):
+    """Wired as the server wires them: a death that leaves no worker serving tells the
+    scheduler when one should serve again (a backoff and a start as fast as the first),
+    and the request the dead worker held, due before then, is answered 503 at once, not
+    504 at its deadline."""
+    scheduler = Scheduler(SchedulerCore(), faulty_executor)
+    faulty_executor.on_idle = scheduler.wake
+    faulty_executor.on_down = scheduler.answer_unreachable
+    scheduler.start()
+    worker = faulty_executor.workers[0]
+    held = asyncio.create_task(scheduler.run(["held"], {"sleep": 2.0}, time.monotonic() + 0.5))
+    async with asyncio.timeout(10):
+        while worker.job is None:
+            await asyncio.sleep(0)
+    os.kill(worker.pid, signal.SIGKILL)
+    with pytest.raises(Refused) as refused:
+        await asyncio.wait_for(held, 10)
+    assert refused.value.refusal.reason is Reason.LOADING  # 503
+    assert (refused.value.refusal.retry_after or 0) > 0  # until the restart should be over
+    await scheduler.stop()
 
 
 @pytest.mark.slow

@@ -1157,6 +1157,55 @@ async def test_a_run_begun_without_a_task_hears_its_results_once_in_order(driver
     assert len(ends.heard) == 1 and len(scheduler.core) == 0
 
 
+class Drops:
+    """The scheduler's metrics, as far as dropped items go."""
+
+    def __init__(self) -> None:
+        self.dropped: dict[str, int] = {}
+
+    def drop(self, reason: str, count: int = 1) -> None:
+        if count:
+            self.dropped[reason] = self.dropped.get(reason, 0) + count
+
+    def observe_batch(self, size: int, compute_seconds: float) -> None:
+        pass
+
+
+async def test_runs_due_before_a_restart_is_over_are_answered_503_at_once_the_others_wait():
+    """No worker serves and none should for 10 s: a run due earlier, sent or queued, is
+    answered now (503 with that wait: retrying then, or elsewhere, can succeed), not left
+    to a 504 at its deadline; a run with time enough waits and is served."""
+    backend, drops = FakeBackend(), Drops()
+    scheduler = Scheduler(SchedulerCore(max_queue=8), backend, metrics=drops)
+    scheduler.start()
+    now = scheduler.clock()
+    sent = asyncio.create_task(scheduler.run(["sent"], {}, now + 5))
+    await until(lambda: len(backend.calls) == 1)  # (its worker then died)
+    queued = asyncio.create_task(scheduler.run(["q1", "q2"], {"k": 1}, now + 5))
+    patient = asyncio.create_task(scheduler.run(["patient"], {}, now + 60))
+    await until(lambda: len(scheduler.core) == 3)
+    scheduler.answer_unreachable(now + 10)
+    for task in (sent, queued):
+        with pytest.raises(Refused) as refused:
+            await task
+        assert refused.value.refusal.reason is Reason.LOADING  # 503, Retry-After
+        assert 9 < (refused.value.refusal.retry_after or 0) <= 10
+    assert drops.dropped == {"rejected": 2} and len(scheduler.core) == 1
+    assert not patient.done()
+    backend.finish(0)  # the restarted worker is free: the run that waited goes
+    await until(lambda: len(backend.calls) == 2)
+    backend.finish(1)
+    assert [r.output for r in await patient] == ["out:patient"]
+    longest = asyncio.create_task(scheduler.run(["x"], {}, now + 300))
+    await until(lambda: len(backend.calls) == 3)
+    scheduler.answer_unreachable(math.inf)  # every worker keeps dying: none waits for it
+    with pytest.raises(Refused) as refused:
+        await longest
+    assert refused.value.refusal.reason is Reason.LOADING
+    assert refused.value.refusal.retry_after is None
+    await scheduler.stop()
+
+
 async def test_a_run_begun_without_a_task_ends_at_its_first_error_or_its_deadline(driver):
     scheduler, backend = driver
     real_submit = backend.submit

@@ -14,6 +14,7 @@ import asyncio
 import functools
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -32,6 +33,7 @@ from rawserve.serving.refusals import (
     Refused,
     deadline_passed,
     model_failed,
+    not_back_in_time,
     shutting_down,
 )
 from rawserve.serving.supervision import REFUSED_POISON
@@ -167,6 +169,7 @@ class Scheduler:
         self._runs: dict[int, list[asyncio.Future[ItemResult]]] = {}
         self._run_ids = itertools.count()
         self._late = LateWatch(self._on_late, clock)
+        self._not_back_in_time: set[int] = set()  # runs ended by `answer_unreachable`
 
     def start(self) -> None:
         self._loop = self._loop or asyncio.get_running_loop()
@@ -287,7 +290,11 @@ class Scheduler:
         queue, and the model stops on those it still computes where it can."""
         expired = self._runs.pop(run_id, None) is None  # `_on_late` took it
         self._late.forget(run_id)
-        self._count_withdrawn(items, deadline, expired)
+        if run_id in self._not_back_in_time:  # refused (503), not expired
+            self._not_back_in_time.discard(run_id)
+            self._count_dropped("rejected", sum(item.queued for item in items))
+        else:
+            self._count_withdrawn(items, deadline, expired)
         for item, future in zip(items, futures, strict=True):
             self.core.remove(item)
             if not future.done():
@@ -304,6 +311,23 @@ class Scheduler:
         waiting = next((f for f in futures or () if not f.done()), None)
         if waiting is not None:
             waiting.set_exception(deadline_passed())
+
+    def answer_unreachable(self, serving_again_at: float) -> None:
+        """No worker serves, and none should before `serving_again_at` (math.inf: none
+        is expected, every worker keeps dying): each run due before then is answered
+        now, 503 with the wait for the restart, rather than left to wait out its deadline
+        for a 504, which tells a client not to retry where a retry after the restart (or
+        at another replica) would be answered."""
+        now = self.clock()
+        due = [run_id for run_id, at in self._late.late_at.items() if at < serving_again_at]
+        retry_after = None if serving_again_at == math.inf else max(serving_again_at - now, 0.0)
+        for run_id in due:
+            futures = self._runs.pop(run_id, None)
+            self._late.forget(run_id)
+            waiting = next((f for f in futures or () if not f.done()), None)
+            if waiting is not None:
+                self._not_back_in_time.add(run_id)
+                waiting.set_exception(not_back_in_time(retry_after))
 
     def _look(self) -> None:
         """One look at the queue: answer what expired, send what is ready, and set the

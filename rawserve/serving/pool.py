@@ -134,6 +134,9 @@ class WorkerPool(PoolReports):
         self._closing = False
         self._first_load: asyncio.Future[WorkerReady] | None = None
         self.on_idle = on_idle
+        # told, when a death leaves no worker serving, when one should serve again (the
+        # scheduler answers at once the requests due before then)
+        self.on_down: Callable[[float], None] | None = None
         self.metrics = metrics
         self.streams = TokenStreams()  # streamed generations and who takes their tokens
 
@@ -545,7 +548,7 @@ class WorkerPool(PoolReports):
         worker.sequences = ready.sequences
         worker.overlap = not ready.sequences and self.overlaps(ready)
         worker.state = WorkerState.IDLE
-        self.supervisor.loaded(worker.index)
+        self.supervisor.loaded(worker.index, self.clock() - worker.started_at)
         warmed = ready.warmup_seconds
         log.info(
             "worker %s: %s model ready on %s (engine %s) in %.1f s%s",
@@ -634,6 +637,9 @@ class WorkerPool(PoolReports):
         )
         self._running_loop.call_later(decision.restart_in, self._respawn, worker)
         self._pump()  # another worker may be free for the retries
+        back = self.serving_again_at()
+        if back is not None and self.on_down is not None:
+            self.on_down(back)
 
     def _carry_out(self, worker: WorkerHandle, job: Job, lost: LostBatch) -> None:
         """Do what supervision decided for the batch a dead worker held."""

@@ -55,6 +55,18 @@ def shutting_down() -> Refused:
     return Refused.because(Reason.SHUTTING_DOWN, "server shutting down")
 
 
+def not_back_in_time(retry_after: float | None) -> Refused:
+    """No worker of the model serves, and none would before the request's deadline: a
+    restart to wait for (`retry_after`: until it should be over), or none in sight."""
+    if retry_after is None:
+        message = "the model worker keeps dying; it cannot answer this request"
+    else:
+        message = (
+            "the model worker is restarting; it would not be back before this request's deadline"
+        )
+    return Refused.because(Reason.LOADING, message, retry_after)
+
+
 def model_failed() -> Refused:
     return Refused.because(
         Reason.MODEL_FAILED, "the model worker failed while computing this request"

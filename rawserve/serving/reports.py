@@ -29,6 +29,10 @@ class PoolReports:
         starting = [(w.state, w.started_at) for w in self.workers if w.state.starting]
         return load_state(starting, self.supervisor.restarted, self.clock())
 
+    def serving_again_at(self) -> float | None:
+        """While no worker serves: when one should again (`Supervisor.serving_again_at`)."""
+        return self.supervisor.serving_again_at([(w.state, w.started_at) for w in self.workers])
+
     def status(self) -> list[WorkerStatus]:
         """Each worker's state, for /info and /metrics."""
         return [worker.status() for worker in self.workers]

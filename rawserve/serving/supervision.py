@@ -1,5 +1,6 @@
 """Supervision of the model workers, decided without I/O: restarts and their backoff,
-crash counting, what becomes of a batch whose worker died, poison quarantine, health.
+crash counting, what becomes of a batch whose worker died, poison quarantine, health,
+and when a model with no worker serving should be served again.
 
 Like the scheduling core, these are plain synchronous objects driven by an injected
 clock, so every decision is tested with a fake one (tests/test_supervision.py); the
@@ -17,6 +18,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -115,6 +117,8 @@ class WorkerRecord:
     crashes: int = 0  # in a row, died after it was ready without answering a batch
     # the wait before its next restart (read when made: tests shorten it)
     backoff: float = field(default_factory=lambda: RESTART_BACKOFF_FIRST)
+    restart_at: float = 0.0  # when its next process is spawned, once it died
+    start_seconds: float | None = None  # the fastest a process of it went from start to ready
 
 
 class LostBatch(enum.Enum):
@@ -154,11 +158,16 @@ class Supervisor:
         self.records = [WorkerRecord() for _ in range(workers)]
         self.max_failed_restarts = max_failed_restarts
         self.max_crashes = max_crashes
+        self.clock = clock
         self.poison = PoisonMemory(clock=clock)
 
-    def loaded(self, index: int) -> None:
-        """A worker's process loaded the model: its failed loads are forgiven."""
-        self.records[index].failed_restarts = 0
+    def loaded(self, index: int, start_seconds: float) -> None:
+        """A worker's process loaded the model (and warmed up) `start_seconds` after it
+        started: its failed loads are forgiven."""
+        record = self.records[index]
+        record.failed_restarts = 0
+        if record.start_seconds is None or start_seconds < record.start_seconds:
+            record.start_seconds = start_seconds
 
     def answered(self, index: int) -> None:
         """A worker answered a batch: it works, so earlier crashes are forgotten."""
@@ -176,6 +185,7 @@ class Supervisor:
         else:
             record.crashes += 1
         record.restarts += 1
+        record.restart_at = self.clock() + record.backoff
         decision = ExitDecision(record.backoff, lost)
         record.backoff = min(record.backoff * 2, RESTART_BACKOFF_MAX)
         return decision
@@ -208,6 +218,27 @@ class Supervisor:
     @property
     def restarted(self) -> bool:
         return any(r.restarts for r in self.records)
+
+    def serving_again_at(self, workers: Sequence[tuple[WorkerState, float]]) -> float | None:
+        """While no worker serves: the soonest one should again, each dead one once its
+        backoff is over and each starting one from its start, in the time its fastest
+        start took (`workers`: each worker's state and its process's start time). Nothing
+        is expected (math.inf) while every worker keeps dying (`healthy` is False). None
+        while a worker serves, or where no guess is founded: a worker that never started
+        (the first load), or none on its way (stopped)."""
+        if any(state.serving for state, _ in workers):
+            return None
+        if not self.healthy:
+            return math.inf
+        soonest = math.inf
+        for record, (state, started_at) in zip(self.records, workers, strict=True):
+            if state is WorkerState.STOPPED:
+                continue
+            if record.start_seconds is None:
+                return None
+            began = record.restart_at if state is WorkerState.DEAD else started_at
+            soonest = min(soonest, began + record.start_seconds)
+        return None if soonest == math.inf else soonest
 
 
 def load_state(
