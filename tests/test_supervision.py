@@ -4,6 +4,7 @@ no worker process."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 
@@ -16,7 +17,9 @@ from rawserve.http.exchange import HttpRequest
 from rawserve.serving import supervision
 from rawserve.serving.core import SchedulerCore
 from rawserve.serving.driver import Scheduler
+from rawserve.serving.handles import Job
 from rawserve.serving.pool import WorkerPool
+from rawserve.serving.refusals import Refused
 from rawserve.serving.service import ModelService
 from rawserve.serving.status import LoadState, WorkerState
 from rawserve.serving.supervision import (
@@ -26,7 +29,7 @@ from rawserve.serving.supervision import (
     Supervisor,
     load_state,
 )
-from rawserve.shared.messages import WorkerConfig
+from rawserve.shared.messages import NO_CONTROL, WorkerConfig
 
 
 class Clock:
@@ -174,3 +177,21 @@ def test_health_turns_503_once_every_worker_of_a_model_keeps_failing_to_load():
     for _ in range(2):  # no process is started: the supervisor is told of the deaths
         pool.supervisor.exited(0, while_loading=True, held=None)
     assert health() == (503, {"status": "unhealthy"})
+
+
+async def test_a_retry_after_a_crash_is_dropped_once_nobody_waits_for_it():
+    """Retries run one at a time ahead of the queue: one whose client left (or whose
+    deadline passed, or that was answered 503 for the restart) is not run for nobody."""
+    loop = asyncio.get_running_loop()
+    pool = WorkerPool(WorkerConfig(model="unused"), ["cpu"], loop=loop)
+    left, waited, running = (loop.create_future() for _ in range(3))
+    for batch_id, (value, future) in enumerate([("a", left), ("b", waited), ("c", running)]):
+        pool._retry_alone(Job((value,), {}, NO_CONTROL, future, batch_id))
+    worker = pool.workers[0]
+    worker.job = pool._retries.pop()  # "c" runs again on the restarted worker
+    pool.abandon(left)
+    pool.abandon(running)
+    assert [job.inputs for job in pool._retries] == [("b",)]  # its client still waits
+    assert worker.job.abandoned  # (a batch run whole runs on: its worker reads nothing)
+    await asyncio.wait_for(asyncio.wait([left]), 5)  # answered, for nobody
+    assert isinstance(left.exception(), Refused) and not waited.done()

@@ -410,7 +410,9 @@ class Scheduler:
             self.core.forget_batch(batch)
             error = done.exception() if not done.cancelled() else None
             stopped = isinstance(error, Refused) and error.refusal.reason is Reason.SHUTTING_DOWN
-            if not stopped:  # (the end of the grace is logged once, not once a batch)
+            # (the end of the grace is logged once, not once a batch; a batch nobody waits
+            # for, as a retry after a crash that was dropped, fails for nobody)
+            if not stopped and any(item.future and not item.future.done() for item in batch):
                 log.error("a batch of %d failed in the worker pool: %s", len(batch), error)
             for item in batch:
                 _settle(item, exception=_as_refusal(error))

@@ -37,6 +37,12 @@ class Job:
     waited: float = 0.0  # seconds it waited in the worker behind the batch before it
     cancelled: bool = False  # the worker was told nobody waits for it any more
     abandoned: bool = False  # nobody waits for it, though its worker runs it to the end
+    # an item retried alone after a crash: the future of the batch it was a part of
+    part_of: asyncio.Future[BatchResult] | None = None
+
+    def answers(self, future: asyncio.Future[BatchResult]) -> bool:
+        """Whether `future` waits for this batch: its own, or the one it was a part of."""
+        return self.future is future or self.part_of is future
 
 
 class RunningBatches:
@@ -83,7 +89,7 @@ class RunningBatches:
 
     def waiting_on(self, future: asyncio.Future[BatchResult]) -> Job | None:
         """The batch whose answer `future` waits for."""
-        return next((job for job in self._jobs.values() if job.future is future), None)
+        return next((job for job in self._jobs.values() if job.answers(future)), None)
 
     def take_all(self) -> list[Job]:
         """Every batch held, in the order sent; none held afterwards."""

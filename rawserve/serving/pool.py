@@ -236,14 +236,23 @@ class WorkerPool(PoolReports):
         """Nobody waits for the batch behind `future` any more (its client left, or its
         deadline passed): a continuous worker frees its rows at its next step. A batch
         run whole runs on (its worker reads nothing until it is done), but a lone item
-        that took every core holds them no longer: the other workers take the queue."""
+        that took every core holds them no longer: the other workers take the queue. A
+        retry after a crash that has not started is dropped: retries run one at a time
+        ahead of the queue, and one for nobody (a whole generation, after a continuous
+        worker's crash) kept every request behind it waiting."""
+        dropped = [retry for retry in self._retries if retry.answers(future)]
+        for retry in dropped:
+            self._retries.remove(retry)
+            settle(retry.future, error=Refused.because(Reason.NO_WORKER, "nobody waits for it"))
         for worker in self.workers:
             if job := worker.running.waiting_on(future):
                 self._cancel(worker, job)
-            elif worker.job is not None and worker.job.future is future:
+            elif worker.job is not None and worker.job.answers(future):
                 worker.job.abandoned = True
                 if worker is self._all_cores:
                     self._pump()
+        if dropped:
+            self._pump()  # the queue goes on where the retries held it
 
     def _cancel(self, worker: WorkerHandle, job: Job) -> None:
         if job.cancelled or worker.conn is None:
@@ -437,7 +446,10 @@ class WorkerPool(PoolReports):
         for value in job.inputs:
             future = self._running_loop.create_future()
             key = PoisonMemory.key(value, job.params)
-            self._retries.append(Job((value,), job.params, job.control, future, job.batch_id, key))
+            retry = Job(
+                (value,), job.params, job.control, future, job.batch_id, key, part_of=job.future
+            )
+            self._retries.append(retry)
             futures.append(future)
         self._watch(assemble(job.future, job.batch_id, [None] * len(futures), futures))
 
