@@ -127,20 +127,25 @@ def test_the_process_is_unhealthy_only_when_every_worker_keeps_dying():
     assert sup.healthy
 
 
-def test_a_model_with_no_worker_serving_is_expected_back_after_a_backoff_and_its_fastest_start():
+def test_a_model_with_no_worker_serving_is_expected_back_after_a_backoff_and_a_start():
+    """A worker is expected to start as fast as its fastest restart so far; before one
+    is timed, in a share of its first start (which pays what a restart may not)."""
     sup, clock = supervisor(workers=2)
     dead, loading, idle = WorkerState.DEAD, WorkerState.LOADING, WorkerState.IDLE
     assert sup.serving_again_at([(loading, 0.0), (loading, 0.0)]) is None  # no start seen
-    sup.loaded(0, 6.0)
-    sup.loaded(1, 4.0)
-    sup.loaded(0, 5.0)  # the fastest start of each is kept
+    sup.loaded(0, 12.0)
+    sup.loaded(1, 8.0)
     clock.now = 100.0
     sup.exited(0, while_loading=False, held=None)
     sup.exited(1, while_loading=False, held=None)
     assert sup.serving_again_at([(idle, 0.0), (dead, 0.0)]) is None  # one still serves
-    first = supervision.RESTART_BACKOFF_FIRST
-    assert sup.serving_again_at([(dead, 0.0), (dead, 0.0)]) == 100.0 + first + 4.0
-    # worker 0 restarted at 100.2 (5 s to start); worker 1 is stopped (shutting down)
+    first, share = supervision.RESTART_BACKOFF_FIRST, supervision.FIRST_START_SHARE
+    assert sup.serving_again_at([(dead, 0.0), (dead, 0.0)]) == 100.0 + first + share * 8.0
+    sup.loaded(0, 6.0)  # restarts timed: the fastest is expected
+    sup.loaded(0, 5.0)
+    sup.loaded(0, 7.0)
+    sup.exited(0, while_loading=False, held=None)
+    # worker 0 restarted at 100.2; worker 1 is stopped (shutting down)
     assert sup.serving_again_at([(loading, 100.2), (WorkerState.STOPPED, 0.0)]) == 105.2
     assert sup.serving_again_at([(WorkerState.STOPPED, 0.0)] * 2) is None  # none on its way
     for _ in range(supervision.MAX_CRASHES):  # both keep dying: none is expected
