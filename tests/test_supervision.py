@@ -5,6 +5,7 @@ no worker process."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import math
 
@@ -14,6 +15,7 @@ from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.http.exchange import HttpRequest
+from rawserve.serving import pool as pool_module
 from rawserve.serving import supervision
 from rawserve.serving.core import SchedulerCore
 from rawserve.serving.driver import Scheduler
@@ -200,3 +202,25 @@ async def test_a_retry_after_a_crash_is_dropped_once_nobody_waits_for_it():
     assert worker.job.abandoned  # (a batch run whole runs on: its worker reads nothing)
     await asyncio.wait_for(asyncio.wait([left]), 5)  # answered, for nobody
     assert isinstance(left.exception(), Refused) and not waited.done()
+
+
+async def test_a_restart_that_cannot_start_a_process_says_the_model_is_back_later(monkeypatch):
+    """Out of file descriptors as a dead worker restarts: the next try is a backoff away,
+    and the requests due before it ends are told so at once."""
+    loop = asyncio.get_running_loop()
+    pool = WorkerPool(WorkerConfig(model="unused"), ["cpu"], loop=loop)
+    told: list[float] = []
+    pool.on_down = told.append
+    worker = pool.workers[0]
+    worker.record.first_start = 8.0  # a restart is expected to take 4 s
+    worker.state = WorkerState.DEAD
+
+    def out_of_descriptors(context, handle):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(pool_module, "start_process", out_of_descriptors)
+    before = pool.clock()
+    pool._respawn(worker)
+    pool._closing = True  # (its next try, a backoff away, is not made)
+    first = supervision.RESTART_BACKOFF_FIRST
+    assert len(told) == 1 and before + first + 4.0 <= told[0] <= pool.clock() + first + 4.0

@@ -649,9 +649,7 @@ class WorkerPool(PoolReports):
         )
         self._running_loop.call_later(decision.restart_in, self._respawn, worker)
         self._pump()  # another worker may be free for the retries
-        back = self.serving_again_at()
-        if back is not None and self.on_down is not None:
-            self.on_down(back)
+        self._tell_down()
 
     def _carry_out(self, worker: WorkerHandle, job: Job, lost: LostBatch) -> None:
         """Do what supervision decided for the batch a dead worker held."""
@@ -694,6 +692,13 @@ class WorkerPool(PoolReports):
                 decision.restart_in,
             )
             self._running_loop.call_later(decision.restart_in, self._respawn, worker)
+            self._tell_down()  # later than it said
+
+    def _tell_down(self) -> None:
+        """With no worker serving, tell `on_down` when one should again."""
+        back = self.serving_again_at()
+        if back is not None and self.on_down is not None:
+            self.on_down(back)
 
     def _notify_idle(self) -> None:
         if self.on_idle is not None:
