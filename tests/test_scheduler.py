@@ -1206,6 +1206,42 @@ async def test_runs_due_before_a_restart_is_over_are_answered_503_at_once_the_ot
     await scheduler.stop()
 
 
+class Abandons(FakeBackend):
+    """A backend that records the batches nobody waits for any more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.abandoned: list[asyncio.Future] = []
+
+    def abandon(self, future) -> None:
+        self.abandoned.append(future)
+
+
+async def test_a_batch_is_abandoned_once_none_of_its_requests_waits_for_it():
+    """The pool then drops what it holds of it (a retry of each item after a crash, run
+    one at a time ahead of the queue), not before: a request still waits for another."""
+    backend = Abandons()
+    scheduler = Scheduler(SchedulerCore(max_batch_size=4, max_queue=8), backend)
+    scheduler.start()
+    deadline = scheduler.clock() + 60
+    busy = asyncio.create_task(scheduler.run(["busy"], {}, deadline))
+    await until(lambda: len(backend.calls) == 1)
+    first = asyncio.create_task(scheduler.run(["a"], {}, deadline))
+    second = asyncio.create_task(scheduler.run(["b"], {}, deadline))
+    await until(lambda: len(scheduler.core) == 2)
+    backend.finish(0)
+    await busy
+    await until(lambda: len(backend.calls) == 2)
+    assert backend.calls[1][0] == ["a", "b"]  # one batch of two requests
+    first.cancel()  # its client left
+    await asyncio.gather(first, return_exceptions=True)
+    assert backend.abandoned == []  # the other still waits for it
+    second.cancel()
+    await asyncio.gather(second, return_exceptions=True)
+    assert backend.abandoned == [backend.calls[1][2]]
+    await scheduler.stop()
+
+
 async def test_a_run_begun_without_a_task_ends_at_its_first_error_or_its_deadline(driver):
     scheduler, backend = driver
     real_submit = backend.submit

@@ -170,6 +170,9 @@ class Scheduler:
         self._run_ids = itertools.count()
         self._late = LateWatch(self._on_late, clock)
         self._not_back_in_time: set[int] = set()  # runs ended by `answer_unreachable`
+        # the batches sent and not answered yet, by their future: abandoned once none of
+        # their items is waited for
+        self._sent: dict[asyncio.Future[BatchResult], list[WorkItem]] = {}
 
     def start(self) -> None:
         self._loop = self._loop or asyncio.get_running_loop()
@@ -299,10 +302,13 @@ class Scheduler:
             self.core.remove(item)
             if not future.done():
                 future.cancel()
-            # (awaiting a future that times out or is cancelled cancels it: the batch says
-            # whether the model still works on it)
-            if item.batch is not None and not item.batch.done():
-                self.backend.abandon(item.batch)  # its own model call: free its rows
+        # (awaiting a future that times out or is cancelled cancels it: the batch says
+        # whether the model still works on it)
+        running = {item.batch for item in items if item.batch is not None}
+        for batch in (batch for batch in running if not batch.done()):
+            mates = self._sent.get(batch, ())
+            if all(mate.future is None or mate.future.done() for mate in mates):
+                self.backend.abandon(batch)  # nobody waits for it: free its rows, its retries
 
     def _on_late(self, run_id: int) -> None:
         """A run's deadline passed: it ends with DEADLINE_PASSED (through the first of its
@@ -399,12 +405,14 @@ class Scheduler:
                 _settle(item, exception=_as_refusal(exc))
             return
         self.in_flight += len(batch)
-        if len(batch) == 1:  # a batch of its own (a continuous worker's): it may be abandoned
-            lead.batch = future
+        self._sent[future] = batch
+        for item in batch:
+            item.batch = future
         future.add_done_callback(lambda done: self._on_batch_done(batch, now, done))
 
     def _on_batch_done(self, batch: list[WorkItem], sent: float, done: asyncio.Future) -> None:
         self.in_flight -= len(batch)
+        del self._sent[done]
         self.wake()
         if done.cancelled() or done.exception() is not None:
             self.core.forget_batch(batch)
