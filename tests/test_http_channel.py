@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,7 +38,7 @@ from rawserve.serving.face import (
     WorkerStatus,
 )
 from rawserve.serving.fleet import Fleet
-from rawserve.shared.board import FULL, HEALTHY, READY, Board, remove_orphans
+from rawserve.shared.board import FULL, HEALTHY, READY, Board, SharedMemoryError, remove_orphans
 from rawserve.shared.channel import Channel
 from rawserve.shared.late_watch import LateWatch
 from tests.server import REPO_ROOT
@@ -139,6 +140,29 @@ def test_the_board_is_read_by_another_mapping_of_the_same_file():
         assert not reader.flag(0, FULL)  # each model its own record
     finally:
         board.remove()
+
+
+def test_a_full_shared_memory_folder_refuses_the_board_where_it_is_made(monkeypatch):
+    """A full /dev/shm makes the file and maps it all the same; the first write to a page
+    it has no room for killed the serving process with SIGBUS, without a line. Its pages
+    are asked for when the board is made: the server stops with its one line instead,
+    and leaves no file behind."""
+    asked: list[int] = []
+
+    def full(fd: int, offset: int, length: int) -> None:
+        asked.append(length)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full, raising=False)
+    with pytest.raises(SharedMemoryError) as refused:
+        Board.create(1)
+    assert str(refused.value).startswith("cannot make shared memory in ")
+    assert "(No space left on device): mount a writable /dev/shm" in str(refused.value)
+    assert asked == [40]  # the record of one model, five doubles
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    assert not [
+        name for name in os.listdir(folder) if name.startswith(f"rawserve-board-{os.getpid()}-")
+    ]
 
 
 def test_the_boards_of_serving_processes_that_are_gone_are_removed(tmp_path):
