@@ -20,8 +20,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from rawserve.http.errors import ServiceUnavailable
 from rawserve.http_process import remote
-from rawserve.http_process.entry import HttpProcessSpec, say_alive, serve_http
+from rawserve.http_process.entry import HttpProcessSpec, ProcessMetrics, say_alive, serve_http
 from rawserve.http_process.remote import Link, RemoteServing
 from rawserve.ops.metrics import Metrics, merge_families, render_families
 from rawserve.options import parse_config
@@ -578,6 +579,32 @@ def test_a_scrape_keeps_the_counts_of_an_http_process_killed_or_silent(monkeypat
     assert total + "6.0" in after
     assert "rawserve_event_loop_lag_last_seconds 9.0" in before
     assert "rawserve_event_loop_lag_last_seconds 9.0" not in after
+
+
+def test_a_scrape_the_serving_process_does_not_answer_fails_rather_than_counting_less(
+    monkeypatch,
+):
+    """The serving process stopped or stuck: /metrics is 503 (Prometheus marks the scrape
+    failed), not this HTTP process's counters alone, a part of the server's sums that
+    Prometheus's rate() would read as every counter reset."""
+    monkeypatch.setattr(remote, "SCRAPE_SECONDS", 0.05)
+
+    async def scenario() -> None:
+        board = Board.create(0)
+        metrics = ProcessMetrics()
+        metrics.observe_request("/", "POST", 200, 0.001)
+        metrics.link = Link(board, metrics.families, lambda grace: None, lambda: None)
+        ours, theirs = socket.socketpair()  # nothing answers at `ours`
+        await metrics.link.connect(theirs)
+        try:
+            with pytest.raises(ServiceUnavailable):
+                await metrics.scrape()
+        finally:
+            metrics.link.channel.close()  # type: ignore[union-attr]
+            ours.close()
+            board.remove()
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
 
 
 def test_an_http_process_whose_board_is_gone_as_it_starts_stops_with_a_clear_line(tmp_path, caplog):
