@@ -150,7 +150,7 @@ class TokenStream:
             self.request_id,
             error.status,
             error.message,
-            extra={"request_id": self.request_id, "status": error.status},
+            extra={"request_id": self.request_id},
         )
         return error
 
