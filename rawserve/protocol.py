@@ -322,7 +322,7 @@ class HttpProtocol(asyncio.Protocol):
             if cycle.early is None and (coding := header_list(fields, b"content-encoding")):
                 cycle.codings = codings(coding)  # refused from the head if none it reads
         except Exception as exc:  # noqa: BLE001 - error_response logs what is unexpected
-            cycle.early = error_response(exc)
+            cycle.early = error_response(exc, cycle.request_id)
         # with no body to come, nothing waits for a 100: the request is answered whole
         waits = self.conn.they_are_waiting_for_100_continue and has_content(fields)
         if cycle.early is not None and waits:
@@ -384,7 +384,7 @@ class HttpProtocol(asyncio.Protocol):
         except asyncio.CancelledError:
             return  # the client left: its work is withdrawn, nobody to answer
         except Exception as exc:  # noqa: BLE001 - error_response logs what is unexpected
-            response = error_response(exc)
+            response = error_response(exc, cycle.request_id)
         if self.cycle is not cycle or self.phase is not Phase.RESPONDING:
             await _close_stream(response)
             return
@@ -440,7 +440,11 @@ class HttpProtocol(asyncio.Protocol):
             try:
                 framed = self._h11_answer(cycle, response, close)
             except (h11.LocalProtocolError, UnicodeEncodeError):  # a field h11 cannot write
-                log.exception("could not send a response")
+                log.exception(
+                    "could not send the response to request %s",
+                    cycle.request_id,
+                    extra={"request_id": cycle.request_id},
+                )
                 # h11 is done with this connection: a 500 of the server's own fields, by hand
                 response = error_response(InternalError("the answer could not be written"))
                 close = True
@@ -523,7 +527,11 @@ class HttpProtocol(asyncio.Protocol):
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - the head is out: all we can do is close
-            log.exception("a streamed response failed")
+            log.exception(
+                "the streamed response to request %s failed",
+                cycle.request_id,
+                extra={"request_id": cycle.request_id},
+            )
             self.close()
             return
         finally:

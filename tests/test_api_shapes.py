@@ -37,6 +37,7 @@ from rawserve.api.tokens import utf8_starts
 from rawserve.http.errors import (
     BadRequest,
     GatewayTimeout,
+    HTTPError,
     InternalError,
     PayloadTooLarge,
     UnprocessableInput,
@@ -739,6 +740,7 @@ class TimedOutStream:
     def __init__(self, texts: list[str]):
         self.texts = texts
         self.closed = False
+        self.ended: list[HTTPError] = []  # the errors its events ended with (logged)
 
     async def chunks(self):
         for text in self.texts:
@@ -746,6 +748,10 @@ class TimedOutStream:
 
     def output(self):
         raise GatewayTimeout("the request timed out after 1 s")
+
+    def ended_with(self, error: HTTPError) -> HTTPError:
+        self.ended.append(error)
+        return error
 
     def close(self) -> None:
         self.closed = True
@@ -772,6 +778,7 @@ def test_a_response_stream_that_fails_once_begun_ends_with_response_failed():
     # what was said before the failure stays in the Response, as OpenAI's keeps it
     [message] = last.response.output
     assert message.status == "incomplete" and message.content[0].text == "hello"
+    assert [error.status for error in stream.ended] == [504]  # and its log line says so
     assert stream.closed
 
 
@@ -789,6 +796,7 @@ def test_an_openai_stream_that_fails_once_begun_ends_with_its_error_then_done(ch
     assert raw[-1] == b"data: [DONE]\n\n"
     error = json.loads(raw[-2].removeprefix(b"data:"))["error"]
     assert error["code"] == "timeout" and "timed out" in error["message"], error
+    assert [error.status for error in stream.ended] == [504]  # and its log line says so
     assert stream.closed
 
 

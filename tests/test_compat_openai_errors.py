@@ -121,15 +121,19 @@ async def test_other_routes_keep_rawserves_shape():
     }
 
 
-async def test_an_unexpected_failure_on_v1_is_a_bare_500_in_openais_shape():
+async def test_an_unexpected_failure_on_v1_is_a_bare_500_in_openais_shape(caplog):
     server = app()
 
     async def broken(request: HttpRequest) -> HttpResponse:
         raise RuntimeError("/secret/path")
 
     server.routes["/v1/models"]["GET"] = broken
-    error = openai_error(await server.handle(request("GET", "/v1/models")), 500)
+    with caplog.at_level("ERROR", logger="rawserve.errors"):
+        error = openai_error(await server.handle(request("GET", "/v1/models")), 500)
     assert error["message"] == "internal server error" and error["type"] == "server_error"
+    # the traceback's line names the request, as the access line and the client do
+    [record] = caplog.records
+    assert record.getMessage().endswith("request t") and record.exc_info is not None
 
 
 def test_openai_error_document_keeps_messages_short_and_statuses_typed():

@@ -13,14 +13,16 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from rawserve.http.errors import ServiceUnavailable
 from rawserve.http_process import remote
-from rawserve.http_process.entry import HttpProcessSpec, say_alive, serve_http
+from rawserve.http_process.entry import HttpProcessSpec, ProcessMetrics, say_alive, serve_http
 from rawserve.http_process.remote import Link, RemoteServing
 from rawserve.ops.metrics import Metrics, merge_families, render_families
 from rawserve.options import parse_config
@@ -37,7 +39,7 @@ from rawserve.serving.face import (
     WorkerStatus,
 )
 from rawserve.serving.fleet import Fleet
-from rawserve.shared.board import FULL, HEALTHY, READY, Board, remove_orphans
+from rawserve.shared.board import FULL, HEALTHY, READY, Board, SharedMemoryError, remove_orphans
 from rawserve.shared.channel import Channel
 from rawserve.shared.late_watch import LateWatch
 from tests.server import REPO_ROOT
@@ -139,6 +141,29 @@ def test_the_board_is_read_by_another_mapping_of_the_same_file():
         assert not reader.flag(0, FULL)  # each model its own record
     finally:
         board.remove()
+
+
+def test_a_full_shared_memory_folder_refuses_the_board_where_it_is_made(monkeypatch):
+    """A full /dev/shm makes the file and maps it all the same; the first write to a page
+    it has no room for killed the serving process with SIGBUS, without a line. Its pages
+    are asked for when the board is made: the server stops with its one line instead,
+    and leaves no file behind."""
+    asked: list[int] = []
+
+    def full(fd: int, offset: int, length: int) -> None:
+        asked.append(length)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full, raising=False)
+    with pytest.raises(SharedMemoryError) as refused:
+        Board.create(1)
+    assert str(refused.value).startswith("cannot make shared memory in ")
+    assert "(No space left on device): mount a writable /dev/shm" in str(refused.value)
+    assert asked == [40]  # the record of one model, five doubles
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    assert not [
+        name for name in os.listdir(folder) if name.startswith(f"rawserve-board-{os.getpid()}-")
+    ]
 
 
 def test_the_boards_of_serving_processes_that_are_gone_are_removed(tmp_path):
@@ -554,6 +579,32 @@ def test_a_scrape_keeps_the_counts_of_an_http_process_killed_or_silent(monkeypat
     assert total + "6.0" in after
     assert "rawserve_event_loop_lag_last_seconds 9.0" in before
     assert "rawserve_event_loop_lag_last_seconds 9.0" not in after
+
+
+def test_a_scrape_the_serving_process_does_not_answer_fails_rather_than_counting_less(
+    monkeypatch,
+):
+    """The serving process stopped or stuck: /metrics is 503 (Prometheus marks the scrape
+    failed), not this HTTP process's counters alone, a part of the server's sums that
+    Prometheus's rate() would read as every counter reset."""
+    monkeypatch.setattr(remote, "SCRAPE_SECONDS", 0.05)
+
+    async def scenario() -> None:
+        board = Board.create(0)
+        metrics = ProcessMetrics()
+        metrics.observe_request("/", "POST", 200, 0.001)
+        metrics.link = Link(board, metrics.families, lambda grace: None, lambda: None)
+        ours, theirs = socket.socketpair()  # nothing answers at `ours`
+        await metrics.link.connect(theirs)
+        try:
+            with pytest.raises(ServiceUnavailable):
+                await metrics.scrape()
+        finally:
+            metrics.link.channel.close()  # type: ignore[union-attr]
+            ours.close()
+            board.remove()
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
 
 
 def test_an_http_process_whose_board_is_gone_as_it_starts_stops_with_a_clear_line(tmp_path, caplog):

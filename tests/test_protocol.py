@@ -871,8 +871,24 @@ async def test_an_answer_whose_head_cannot_be_written_is_a_500_then_the_close(ca
     assert response.status_code == 500 and b"x-echo" not in dict(response.headers)
     assert json.loads(body)["error"] == "the answer could not be written"
     assert transport.finished
-    assert "could not send a response" in caplog.text
+    assert "could not send the response to request " in caplog.text
     assert '"GET /" 500' in caplog.text  # its access line
+
+
+async def test_an_unexpected_errors_traceback_names_the_request_its_500_answers(server, caplog):
+    """The client and the access line know a 500 by its request id; the log line with the
+    traceback says the same id (and carries it as a field), so an operator finds why a
+    request failed on a busy server."""
+    app, protocol, transport = server
+    request = b"GET /crash HTTP/1.1\r\nHost: a\r\nX-Request-Id: failing-7\r\n\r\n"
+    with caplog.at_level("ERROR", logger="rawserve.errors"):
+        protocol.data_received(request)
+        await settle()
+    [(response, _)] = read_responses(transport.written, [request])
+    assert response.status_code == 500 and dict(response.headers)[b"x-request-id"] == b"failing-7"
+    [record] = [r for r in caplog.records if r.name == "rawserve.errors"]
+    assert "request failing-7" in record.getMessage() and record.exc_info is not None
+    assert getattr(record, "request_id", None) == "failing-7"
 
 
 async def test_every_response_has_a_request_id_server_timing_and_an_access_line(server, caplog):

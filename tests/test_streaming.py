@@ -180,6 +180,26 @@ async def test_a_failure_after_the_first_token_is_an_error_event():
     assert events[-1] == {"error": "the model failed on this input", "error_type": "internal_error"}
 
 
+async def test_a_stream_ending_with_an_error_event_says_so_in_a_line_naming_its_request(caplog):
+    """Its head went out as 200, which is what its access line and /metrics say; the
+    client's last event is the error. A warning names the request and the error, so an
+    operator finds streams that failed once begun (a deadline, a worker's failure)."""
+    executor = FakeExecutor()
+    failure = ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
+    model = ServedModel(
+        "tiny-gpt", ModelService(FakeScheduler(executor, [" a"], failure), executor)
+    )
+    with caplog.at_level("WARNING", logger="rawserve.streams"):
+        response = await open_token_stream(model, "hello", {}, 1e9, request_id="stream-9")
+        events = await collect(response)
+    assert response.status == 200 and events[-1]["error_type"] == "internal_error"
+    [record] = caplog.records
+    assert record.getMessage() == (
+        "request stream-9: its stream ended with an error event: 500 the model failed on this input"
+    )
+    assert getattr(record, "request_id", None) == "stream-9"
+
+
 async def test_an_input_the_worker_refuses_after_the_first_token_is_typed_as_tgi_types_it():
     executor = FakeExecutor()
     failure = ItemFailure(FailureKind.INPUT, "the grammar cannot go on")

@@ -44,7 +44,7 @@ from rawserve.http.errors import (
 )
 from rawserve.http.exchange import HttpRequest, HttpResponse
 
-ErrorRenderer = Callable[[BaseException], HttpResponse]
+ErrorRenderer = Callable[[BaseException, str], HttpResponse]  # the error, the request id
 # the paths that end in a model's name: a route for each name, and 404 for a name not served
 MODEL_PREFIXES = (MODELS_PREFIX, READY_PREFIX, OPENAI_MODEL_PREFIX)
 # the asterisk form's target: `OPTIONS *` asks about the server as a whole (RFC 9110
@@ -134,7 +134,7 @@ class App:
             render = self.error_renderer(request)
             if render is None:
                 raise  # the protocol renders it
-            response = render(exc)
+            response = render(exc, request.request_id)
         if self.cors is not None:
             self.cors.add_headers(request, response)
         return response
@@ -210,7 +210,7 @@ class App:
             render = self.error_renderer(request)
             if render is None:
                 raise
-            response = render(exc)
+            response = render(exc, request.request_id)
         if response is not None and self.cors is not None:
             self.cors.add_headers(request, response)
         return response

@@ -286,7 +286,7 @@ class InferenceRoutes:
         if parsed.stream:
             keepalive = self.context.settings.stream_keepalive
             return await open_token_stream(
-                model, parsed.inputs[0], parsed.params, deadline, keepalive
+                model, parsed.inputs[0], parsed.params, deadline, keepalive, request.request_id
             )
         results = await model.run(parsed.inputs, parsed.params, deadline)
         outputs = [unwrap(result) for result in results]

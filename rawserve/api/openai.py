@@ -363,7 +363,7 @@ class OpenAIRoutes:
                 texts = await echoed_texts(self.context.tokenizers, model, prompts)
                 echo_texts = [text for text in texts for _ in choices]
             streams = [
-                TokenStream(model, prompt, params, deadline)
+                TokenStream(model, prompt, params, deadline, request.request_id)
                 for prompt in prompts
                 for params in choices
             ]

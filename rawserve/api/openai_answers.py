@@ -274,7 +274,7 @@ class Answer:
                 try:
                     output = streams[index].output()
                 except HTTPError as error:  # the error, then the end, as vLLM ends it
-                    yield sse(openai_error_document(error))
+                    yield sse(openai_error_document(streams[index].ended_with(error)))
                     yield DONE
                     return
                 reason = finish_reason(output["details"])

@@ -320,6 +320,7 @@ class ResponseAnswer:
             try:
                 output = streams[0].output()
             except HTTPError as error:  # OpenAI's stream ends so when its answer fails
+                streams[0].ended_with(error)
                 failure = {"code": "server_error", "message": error.message}
                 # the text sent before the failure stays in it, as OpenAI's keeps it
                 said = [self.message(choice.sent, "incomplete")] if choice.sent else []

@@ -28,6 +28,7 @@ event, as one after it is. Never imports torch.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
@@ -44,6 +45,8 @@ from rawserve.http.errors import (
 from rawserve.http.exchange import HttpResponse
 from rawserve.serving.face import Control, ItemResult, Serving, TokenChunk
 from rawserve.tasks.text_generation import returns_full_text, tgi_output
+
+log = logging.getLogger("rawserve.streams")
 
 # A stream's queue carries its TokenChunks, then None once its request has finished.
 Run = asyncio.Future[list[ItemResult]]
@@ -71,8 +74,16 @@ class TokenStream:
     told to stop generating if it still is.
     """
 
-    def __init__(self, model: ServedModel, prompt: Any, params: Mapping[str, Any], deadline: float):
+    def __init__(
+        self,
+        model: ServedModel,
+        prompt: Any,
+        params: Mapping[str, Any],
+        deadline: float,
+        request_id: str = "-",
+    ):
         self.serving: Serving = model.serving
+        self.request_id = request_id  # what its error event's log line names
         self.echoed = prompt if returns_full_text(params) else ""  # what the answer starts with
         self.queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
         self.overflowed = False
@@ -130,6 +141,19 @@ class TokenStream:
         [result] = self.run.result()
         return unwrap(result)
 
+    def ended_with(self, error: HTTPError) -> HTTPError:
+        """`error`, which the stream's client gets as its last event, logged with the
+        request's id: its head went out as 200, which its access line and /metrics say,
+        so this line is where an operator finds how it ended."""
+        log.warning(
+            "request %s: its stream ended with an error event: %d %s",
+            self.request_id,
+            error.status,
+            error.message,
+            extra={"request_id": self.request_id},
+        )
+        return error
+
     def close(self) -> None:
         """Stop the generation and withdraw the request (once; then it does nothing)."""
         if self.closed:
@@ -176,12 +200,13 @@ async def open_token_stream(
     params: Mapping[str, Any],
     deadline: float,
     keepalive: float | None = None,
+    request_id: str = "-",
 ) -> HttpResponse:
     """Start a streamed generation; errors before its first token keep their status
     unless `keepalive` seconds pass before it (None: never a keep-alive comment)."""
     if params.get("decoder_input_details"):  # TGI refuses it the same way
         raise UnprocessableInput("decoder_input_details is not supported when streaming tokens")
-    stream = TokenStream(model, prompt, params, deadline)
+    stream = TokenStream(model, prompt, params, deadline, request_id)
     await stream.start(keepalive)
     return event_stream(_events(stream), keepalive)
 
@@ -244,7 +269,7 @@ async def _events(stream: TokenStream) -> AsyncGenerator[bytes, None]:
         try:
             output = stream.output()
         except HTTPError as error:  # TGI's events: TGI's types
-            yield sse(error_document(tgi_error(error)))
+            yield sse(error_document(tgi_error(stream.ended_with(error))))
             return
         last_token = dict(held.token) if held is not None else None
         text = output["generated_text"]

@@ -150,7 +150,9 @@ class TgiRoutes:
         model, parsed = await self.parse(request)
         deadline = self.context.deadline(request)
         keepalive = self.context.settings.stream_keepalive
-        return await open_token_stream(model, parsed.inputs[0], parsed.params, deadline, keepalive)
+        return await open_token_stream(
+            model, parsed.inputs[0], parsed.params, deadline, keepalive, request.request_id
+        )
 
     async def parse(self, request: HttpRequest) -> tuple[ServedModel, ParsedRequest]:
         """The generation model, and the body's prompt and checked parameters; a prompt

@@ -165,22 +165,28 @@ class GatewayTimeout(HTTPError):
         super().__init__(message, headers=[("X-Should-Retry", "false")])
 
 
-def error_response(exc: BaseException) -> HttpResponse:
+def error_response(exc: BaseException, request_id: str | None = None) -> HttpResponse:
     """Turn any exception into a JSON error response; unknown ones become a bare 500.
 
     The one place where errors become responses: the protocol calls it for what the app
     raises and for its own connection-level errors (malformed, too large, too slow), and
     a stream calls it for an error after its head went out.
     """
-    error = as_http_error(exc)
+    error = as_http_error(exc, request_id)
     return HttpResponse(error.status, dumps(error_document(error)), list(error.headers))
 
 
-def as_http_error(exc: BaseException) -> HTTPError:
-    """The error itself if it carries a status; else (logged) a bare 500."""
+def as_http_error(exc: BaseException, request_id: str | None = None) -> HTTPError:
+    """The error itself if it carries a status; else a bare 500, its traceback logged
+    with the id of the request it answers (the one its access line and client see)."""
     if isinstance(exc, HTTPError):
         return exc
-    log.error("unexpected error while handling a request", exc_info=exc)
+    log.error(
+        "unexpected error while handling request %s",
+        request_id or "-",
+        exc_info=exc,
+        extra={"request_id": request_id},
+    )
     return InternalError("internal server error")
 
 
@@ -189,9 +195,9 @@ def error_document(error: HTTPError) -> dict[str, str]:
     return {"error": _short(error.message), "error_type": error.error_type}
 
 
-def tgi_error_response(exc: BaseException) -> HttpResponse:
+def tgi_error_response(exc: BaseException, request_id: str | None = None) -> HttpResponse:
     """`error_response` with TGI's types, for the routes TGI's clients call (`tgi_error`)."""
-    error = tgi_error(as_http_error(exc))
+    error = tgi_error(as_http_error(exc, request_id))
     return HttpResponse(error.status, dumps(error_document(error)), list(error.headers))
 
 
@@ -206,10 +212,10 @@ def tgi_error(error: HTTPError) -> HTTPError:
     return error
 
 
-def openai_error_response(exc: BaseException) -> HttpResponse:
+def openai_error_response(exc: BaseException, request_id: str | None = None) -> HttpResponse:
     """`error_response` in OpenAI's shape, for the OpenAI routes (`/v1/...`): its clients
     (the openai SDK, langchain, litellm) show `body["error"]["message"]` and nothing else."""
-    error = as_http_error(exc)
+    error = as_http_error(exc, request_id)
     return HttpResponse(error.status, dumps(openai_error_document(error)), list(error.headers))
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
+from rawserve.http.errors import ServiceUnavailable
 from rawserve.http.limits import ServerState
 from rawserve.http_process.front import listen, requests_answered
 from rawserve.http_process.remote import Link, RemoteServing
@@ -72,8 +73,13 @@ class ProcessMetrics(Metrics):
         self.link: Link | None = None
 
     async def scrape(self) -> tuple[bytes, str]:
+        """The whole server's metrics; 503 when the serving process does not answer (a
+        failed scrape, not counters that seem to fall)."""
         assert self.link is not None
-        return render_families(await self.link.scrape()), CONTENT_TYPE
+        families = await self.link.scrape()
+        if families is None:
+            raise ServiceUnavailable("the serving process did not answer: no metrics now")
+        return render_families(families), CONTENT_TYPE
 
 
 def say_alive(send: Callable[[tuple[str]], None], every: float = ALIVE_SECONDS) -> None:

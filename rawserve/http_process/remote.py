@@ -110,9 +110,10 @@ class Link:
         self.send(message)
         return future
 
-    async def scrape(self) -> list[Family]:
-        """Every process's metric families, merged by the serving process (this
-        process's alone, said in a warning, when the serving process does not answer)."""
+    async def scrape(self) -> list[Family] | None:
+        """Every process's metric families, merged by the serving process; None (said in
+        a warning) when it does not answer: this process's alone hold a part of every
+        counter, and a sum that fell reads, to Prometheus's rate(), as a reset."""
         rid = self.next_id()
         try:
             families: list[Family] = await asyncio.wait_for(
@@ -120,8 +121,8 @@ class Link:
             )
             return families
         except (TimeoutError, Refused):
-            log.warning("/metrics: the serving process did not answer; this process's alone")
-            return self.families()
+            log.warning("/metrics: the serving process did not answer; no metrics this time")
+            return None
         finally:
             self.pending.pop(rid, None)
 

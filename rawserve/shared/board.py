@@ -56,8 +56,12 @@ class Board:
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                allocate(fd, size)
             self._map = mmap.mmap(fd, size)
+        except OSError:
+            if create:
+                os.unlink(path)
+            raise
         finally:
             os.close(fd)
         self._fields = memoryview(self._map).cast("d")  # page-aligned: every field aligned
@@ -129,6 +133,16 @@ class Board:
                 return
             time.sleep(0.02)
         self.remove()
+
+
+def allocate(fd: int, size: int) -> None:
+    """Give the file `fd` its `size` bytes as pages of its filesystem, now: a full /dev/shm
+    refuses them here (ENOSPC), where a file only truncated to its size is mapped all the
+    same and the first write to it kills the process with SIGBUS, without a word."""
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, 0, size)
+    else:  # macOS has none (nor a /dev/shm: the file is in the temporary folder)
+        os.ftruncate(fd, size)
 
 
 def orphaned(name: str) -> bool:
