@@ -39,6 +39,7 @@ from rawserve.ops.open_files import open_standard_descriptors, raise_open_files_
 from rawserve.options import parse_config
 from rawserve.serving import CoreShare, ModelService, Scheduler, SchedulerCore
 from rawserve.serving import WorkerPool as Executor
+from rawserve.shared import log_writer
 from rawserve.shared.board import SharedMemoryError
 from rawserve.shared.devices import cpu_cores
 from rawserve.shared.logs import setup_logging
@@ -313,6 +314,7 @@ class Stop:
             if self.front is not None:
                 self.front.kill()
             kill_leftover_children()  # any started meanwhile (HTTP processes, timers)
+            log_writer.wait_written(0.5)  # os._exit skips the exit hook that writes them
             os._exit(1)
         self.first = now
         name = signal.Signals(signum).name

@@ -39,6 +39,8 @@ class RunningServer:
         self._new_lines: queue.Queue[str | None] = queue.Queue()
         self.process: subprocess.Popen[str] | None = None
         self.port: int | None = None
+        self._reading = threading.Event()  # cleared: its stderr is not read (pause_log)
+        self._reading.set()
 
     def start(self, wait_ready: bool = True, timeout: float = 120) -> RunningServer:
         self.launch()
@@ -73,8 +75,17 @@ class RunningServer:
     def _read_log(self) -> None:
         assert self.process and self.process.stderr
         for line in self.process.stderr:
+            self._reading.wait()
             self._new_lines.put(line.rstrip("\n"))
         self._new_lines.put(None)
+
+    def pause_log(self) -> None:
+        """Stop reading the server's stderr (as a stalled log shipper would): its pipe
+        fills, and a process writing to it blocks."""
+        self._reading.clear()
+
+    def resume_log(self) -> None:
+        self._reading.set()
 
     def wait_for_log(self, pattern: re.Pattern[str], timeout: float = 60) -> re.Match[str]:
         """Block until a log line matches (checking lines already seen first)."""

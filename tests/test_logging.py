@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import io
 import json
 import logging
@@ -17,6 +18,7 @@ import pytest
 from rawserve.http.access_log import log_access
 from rawserve.ops.loading import log_loading_progress
 from rawserve.options import parse_config
+from rawserve.shared import log_writer
 from rawserve.shared.logs import (
     TEXT_FORMAT,
     JsonFormatter,
@@ -141,6 +143,7 @@ def test_a_workers_json_lines_name_the_worker_as_its_text_lines_do(
         logging.getLogger("rawserve.worker").info("engine: torch")
         logging.getLogger("rawserve.worker").info("a field", extra={"worker": "not this"})
     logging.captureWarnings(False)
+    log_writer.wait_written(5)  # stderr is written by a thread of its own
     text, _, *documents = stream.getvalue().splitlines()
     assert f" worker-{named} INFO engine: torch" in text
     assert [(json.loads(line)["worker"], json.loads(line)["message"]) for line in documents] == [
@@ -274,6 +277,26 @@ def test_no_access_log_from_the_environment():
         server.wait_for_log(STOPPED)
     assert not [line for line in server.lines if "rawserve.access" in line]
     assert any("ready in" in line for line in server.lines)  # the rest is still logged
+
+
+@pytest.mark.slow
+def test_a_log_nobody_reads_never_stops_the_server():
+    """A log shipper that stalls (or a terminal paused) stops reading stderr: once its
+    pipe was full (some 400 access lines), every log write blocked the event loop, and
+    the server answered nothing, not even /health, until someone read again."""
+    with RunningServer(["--handler", "tests.handlers:echo"]) as server:
+        server.pause_log()
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        for _ in range(1500):  # some 200 KB of access lines: three pipes' worth
+            connection.request("POST", "/", body="hello")
+            response = connection.getresponse()
+            assert (response.status, response.read()[:10]) == (200, b'{"input":"')
+        connection.close()
+        assert server.request("GET", "/health", timeout=10)[0] == 200
+        server.resume_log()
+        server.request("GET", "/the-last-request")
+        server.wait_for_log(re.compile("/the-last-request"))
+    assert len([line for line in server.lines if '"POST /" 200' in line]) == 1500
 
 
 def test_text_times_match_the_standard_formatter_across_seconds():

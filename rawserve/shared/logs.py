@@ -21,6 +21,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, TextIO
 
+from rawserve.shared.log_writer import background
+
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # --log-level, any case
 TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -165,9 +167,11 @@ def setup_logging(
     fields: Mapping[str, object] | None = None,
 ) -> None:
     """Send every logger's records to `stream` (stderr) as one line each; `fields` go
-    into every JSON line (what `text_format` says of the process in a text line)."""
+    into every JSON line (what `text_format` says of the process in a text line).
+    stderr is written by a thread of its own (`log_writer`): a reader that stalls never
+    stops the process; a `stream` given is written in the caller's thread."""
     global _direct_lines
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler = logging.StreamHandler(stream or background(sys.stderr))
     formatter = make_formatter(log_format, text_format, fields)
     handler.setFormatter(formatter)
     _direct_lines = DirectLines.for_handler(handler, formatter)

@@ -1,0 +1,102 @@
+"""The log written to stderr by a thread: a write never blocks, lines stay in order, a
+reader gone for long loses the lines past the buffer (counted), and exit writes the rest."""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+
+import pytest
+
+from rawserve.shared.log_writer import BackgroundWriter
+
+
+class StalledStream(io.StringIO):
+    """A stderr nobody reads until `reader_back` is set: its writes block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reader_back = threading.Event()
+        self.blocked = threading.Event()  # a write is waiting for the reader
+
+    def write(self, text: str) -> int:
+        if not self.reader_back.is_set():
+            self.blocked.set()
+            self.reader_back.wait()
+        return super().write(text)
+
+
+def test_writes_return_while_the_reader_is_away_and_arrive_in_order():
+    stream = StalledStream()
+    writer = BackgroundWriter(stream)
+    for number in range(1000):
+        writer.write(f"line {number}\n")  # would block here, were it written in place
+    assert stream.blocked.wait(5)
+    assert stream.getvalue() == ""
+    stream.reader_back.set()
+    assert writer.wait_written(5)
+    assert stream.getvalue() == "".join(f"line {number}\n" for number in range(1000))
+    writer.close()
+
+
+def test_lines_past_the_buffer_are_dropped_and_counted_once_the_reader_is_back(caplog):
+    stream = StalledStream()
+    writer = BackgroundWriter(stream, limit=100)
+    writer.write("first\n")  # taken by the thread, which then waits for the reader
+    assert stream.blocked.wait(5)
+    kept = [f"kept {number:02d}\n" for number in range(12)]  # 96 characters: within
+    for line in kept:
+        writer.write(line)
+    for _ in range(7):
+        writer.write("dropped\n")
+    with caplog.at_level(logging.WARNING, logger="rawserve"):
+        stream.reader_back.set()
+        assert writer.wait_written(5)
+    assert stream.getvalue() == "first\n" + "".join(kept)
+    assert [record.getMessage() for record in caplog.records] == [
+        "7 log lines were dropped: nothing read the log (stderr) for a while"
+    ]
+    writer.close()
+
+
+def test_close_writes_what_is_pending_and_gives_up_on_a_stalled_reader():
+    stream = io.StringIO()
+    writer = BackgroundWriter(stream)
+    writer.write("stopped\n")
+    writer.close()
+    assert stream.getvalue() == "stopped\n"
+    assert not writer._thread.is_alive()
+
+    stalled = StalledStream()
+    writer = BackgroundWriter(stalled)
+    writer.write("never read\n")
+    writer.close(timeout=0.1)  # the exit is not held up for good
+    assert writer._thread.is_alive()
+    stalled.reader_back.set()
+    writer._thread.join(5)
+    assert stalled.getvalue() == "never read\n"
+
+
+@pytest.mark.parametrize("error", [BrokenPipeError, ValueError])
+def test_a_broken_stderr_loses_lines_but_not_the_writer(error):
+    """A closed stderr (ValueError) or a reader that exited (EPIPE): the lines are lost,
+    the process goes on, and a reader back later gets what comes after."""
+
+    class Broken(io.StringIO):
+        broken = True
+
+        def write(self, text: str) -> int:
+            if self.broken:
+                raise error("the reader is gone")
+            return super().write(text)
+
+    stream = Broken()
+    writer = BackgroundWriter(stream)
+    writer.write("lost\n")
+    assert writer.wait_written(5)
+    stream.broken = False
+    writer.write("after\n")
+    assert writer.wait_written(5)
+    assert stream.getvalue() == "after\n"
+    writer.close()
