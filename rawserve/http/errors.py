@@ -177,9 +177,14 @@ def error_response(exc: BaseException) -> HttpResponse:
 
 
 def as_http_error(exc: BaseException) -> HTTPError:
-    """The error itself if it carries a status; else (logged) a bare 500."""
+    """The error itself if it carries a status; else (logged) a bare 500. The server's own
+    memory running out is no bug of the request's: a 503 that a retry, later or on another
+    replica, may get past (a traceback per request would only add to the pressure)."""
     if isinstance(exc, HTTPError):
         return exc
+    if isinstance(exc, MemoryError):
+        log.warning("out of memory handling a request: answered 503")
+        return ServiceUnavailable("the server is out of memory: try again later")
     log.error("unexpected error while handling a request", exc_info=exc)
     return InternalError("internal server error")
 
