@@ -41,7 +41,7 @@ from typing import Any, Protocol
 from rawserve.serving.cores import CoreShare
 from rawserve.serving.handles import Job, WorkerHandle, assemble, settle
 from rawserve.serving.processes import join_or_kill, start_process
-from rawserve.serving.refusals import Reason, Refused, shutting_down
+from rawserve.serving.refusals import Reason, Refused, out_of_memory, shutting_down
 from rawserve.serving.reports import PoolReports
 from rawserve.serving.status import WorkerState
 from rawserve.serving.streams import TokenStreams
@@ -327,6 +327,7 @@ class WorkerPool(PoolReports):
         )
 
     def _send(self, worker: WorkerHandle, job: Job) -> None:
+        state = worker.state
         if worker.job is None or worker.sequences:
             worker.state = WorkerState.BUSY
             self._start(worker, job)
@@ -339,6 +340,25 @@ class WorkerPool(PoolReports):
             worker.conn.send(batch)
         except (OSError, ValueError) as exc:  # the pipe broke: the reader will see the exit
             log.warning("worker %s: could not send a batch: %s", worker.label, exc)
+        except MemoryError:  # pickling comes first: nothing reached the worker
+            self._take_back(worker, job, state)
+
+    def _take_back(self, worker: WorkerHandle, job: Job, state: WorkerState) -> None:
+        """A batch the server had no memory to write to its worker: refused (503), and the
+        worker left as it was, where it looked busy with nothing to do until --batch-timeout
+        killed it as hung."""
+        log.error(
+            "worker %s: no memory to send it a batch of %d: refused", worker.label, len(job.inputs)
+        )
+        if worker.queued is job:
+            self._take_queued(worker, error=out_of_memory())
+            return
+        if worker.job is job:
+            self._take_job(worker, error=out_of_memory())
+        else:  # a continuous worker's
+            worker.running.pop(job.batch_id)
+            self._detach(job, out_of_memory())
+        worker.state = state
 
     def _threads_for(self, worker: WorkerHandle, size: int) -> int | None:
         """With `share_cores`, CPU workers (of every served model) split the cores evenly,
