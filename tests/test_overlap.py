@@ -80,6 +80,37 @@ async def test_a_batch_the_server_has_no_memory_to_send_is_refused_and_the_worke
     assert [batch.inputs for batch in worker.conn.sent] == [("c",)]
 
 
+class ExitedProcess:
+    """A worker process that has exited (killed by the kernel's OOM killer, say)."""
+
+    pid, exitcode = 4321, -9
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+
+async def test_a_dead_worker_no_thread_can_wait_for_is_restarted_all_the_same(monkeypatch, caplog):
+    """At the server's memory limit no thread can start: the wait for a dead worker's exit
+    raised, and the worker was never restarted; it looked busy for good (every request
+    504) while /health and /ready said ok."""
+    pool = WorkerPool(WorkerConfig(model="", handler=FAULTY), ["cpu"])
+    pool._loop = asyncio.get_running_loop()
+    worker = pool.workers[0]
+    worker.state, worker.process = WorkerState.BUSY, ExitedProcess()  # type: ignore[assignment]
+
+    async def no_thread(*args):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(asyncio, "to_thread", no_thread)
+    monkeypatch.setattr(pool, "_respawn", lambda worker: None)  # no process: its timer only
+    await pool._reap(worker, worker.process)
+    assert worker.state is WorkerState.DEAD
+    assert "process 4321 exited with code -9" in caplog.text and "restarting in" in caplog.text
+
+
 @pytest.fixture
 def fast_restarts(monkeypatch):
     monkeypatch.setattr(supervision, "RESTART_BACKOFF_FIRST", 0.05)

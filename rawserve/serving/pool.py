@@ -77,6 +77,7 @@ from rawserve.shared.pipes import MessageReader
 log = logging.getLogger("rawserve.executor")  # the name operators filter on, kept
 
 STOP_TIMEOUT = 10.0  # seconds a worker whose pipe closed gets to exit before it is killed
+REAP_POLL_SECONDS = 0.05  # how often that exit is looked for where no thread can wait for it
 EXIT_TIMEOUT = 2.0  # seconds an idle worker gets to exit at shutdown before it is killed
 BATCH_TIMEOUT = 120.0  # seconds a batch may run before its worker is killed
 # A worker holding two batches is sent its second this long before the running one is
@@ -533,8 +534,22 @@ class WorkerPool(PoolReports):
 
     async def _reap(self, worker: WorkerHandle, process: BaseProcess) -> None:
         """Wait for a worker whose pipe has closed to exit (killing it if it lingers)."""
-        await asyncio.to_thread(join_or_kill, process, STOP_TIMEOUT)
+        try:
+            await asyncio.to_thread(join_or_kill, process, STOP_TIMEOUT)
+        except RuntimeError:  # no thread can start: the server at its memory limit
+            log.warning("worker %s: no thread to wait for its exit in: waiting here", worker.label)
+            await self._reap_here(process)
         self._on_exit(worker, process)
+
+    async def _reap_here(self, process: BaseProcess) -> None:
+        """`join_or_kill` without a thread, its exit looked for now and then: the worker
+        was otherwise never restarted, and looked busy for good (every request 504, while
+        /health and /ready said ok)."""
+        loop = self._running_loop
+        deadline = loop.time() + STOP_TIMEOUT
+        while process.exitcode is None and loop.time() < deadline:
+            await asyncio.sleep(REAP_POLL_SECONDS)
+        join_or_kill(process, 0)  # reaped by now, or killed
 
     def _on_message(self, worker: WorkerHandle, message: Any) -> None:
         worker.heard_at = self.clock()
