@@ -278,7 +278,7 @@ class WorkerPool(PoolReports):
         timeout = EXIT_TIMEOUT if wait else 0.0
         exiting = [(w, w.process) for w in self.workers if w.process]
         killed = await asyncio.gather(
-            *(asyncio.to_thread(join_or_kill, process, timeout) for _, process in exiting)
+            *(self._join_or_kill(process, timeout) for _, process in exiting)
         )
         for (worker, _), was_killed in zip(exiting, killed, strict=True):
             if was_killed and wait:  # (an idle worker exits at once, unless a thread of
@@ -534,22 +534,23 @@ class WorkerPool(PoolReports):
 
     async def _reap(self, worker: WorkerHandle, process: BaseProcess) -> None:
         """Wait for a worker whose pipe has closed to exit (killing it if it lingers)."""
-        try:
-            await asyncio.to_thread(join_or_kill, process, STOP_TIMEOUT)
-        except RuntimeError:  # no thread can start: the server at its memory limit
-            log.warning("worker %s: no thread to wait for its exit in: waiting here", worker.label)
-            await self._reap_here(process)
+        await self._join_or_kill(process, STOP_TIMEOUT)
         self._on_exit(worker, process)
 
-    async def _reap_here(self, process: BaseProcess) -> None:
-        """`join_or_kill` without a thread, its exit looked for now and then: the worker
-        was otherwise never restarted, and looked busy for good (every request 504, while
-        /health and /ready said ok)."""
+    async def _join_or_kill(self, process: BaseProcess, timeout: float) -> bool:
+        """`join_or_kill` in a thread; where none can start (the server at its memory
+        limit), its exit looked for from the event loop now and then. (The error once
+        ended the wait: a dead worker was never restarted and looked busy for good, every
+        request 504 while /health and /ready said ok.)"""
+        try:
+            return await asyncio.to_thread(join_or_kill, process, timeout)
+        except RuntimeError:  # "can't start new thread"
+            log.warning("no thread to wait for process %s in: waiting on the loop", process.pid)
         loop = self._running_loop
-        deadline = loop.time() + STOP_TIMEOUT
+        deadline = loop.time() + timeout
         while process.exitcode is None and loop.time() < deadline:
             await asyncio.sleep(REAP_POLL_SECONDS)
-        join_or_kill(process, 0)  # reaped by now, or killed
+        return join_or_kill(process, 0)  # reaped by now, or killed
 
     def _on_message(self, worker: WorkerHandle, message: Any) -> None:
         worker.heard_at = self.clock()
