@@ -78,6 +78,8 @@ class EchoApp(FakeApp):
             raise RuntimeError("secret /home/internal/path detail")
         if request.path == "/no-memory":
             raise MemoryError
+        if request.path == "/no-thread":
+            raise RuntimeError("can't start new thread")
         return HttpResponse(
             200, json.dumps({"path": request.path, "body": request.body.decode()}).encode()
         )
@@ -372,10 +374,13 @@ async def test_the_server_out_of_memory_answers_503_not_a_reset_nor_a_traceback(
 ):
     """Under `ulimit -v` or strict overcommit, a body the server cannot hold once reset
     the connection with no answer (and a traceback a connection in the log), and a route
-    out of memory was a 500, as a bug; both are a 503 a retry may get past."""
+    out of memory (or with no memory left for a thread's stack) was a 500, as a bug; all
+    are a 503 a retry may get past."""
     app, protocol, transport = server
-    failing = b"GET /no-memory HTTP/1.1\r\nHost: a\r\n\r\n"
-    protocol.data_received(failing)
+    failing = [
+        f"GET /{path} HTTP/1.1\r\nHost: a\r\n\r\n".encode() for path in ("no-memory", "no-thread")
+    ]
+    protocol.data_received(b"".join(failing))
     await settle()
     head = b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\n"
     protocol.data_received(head)
@@ -385,8 +390,8 @@ async def test_the_server_out_of_memory_answers_503_not_a_reset_nor_a_traceback(
 
     monkeypatch.setattr(protocol.conn, "next_event", no_memory)  # the body cannot be held
     protocol.data_received(b"0123456789")
-    answers = read_responses(transport.written, [failing, head + b"0123456789"])
-    assert [answer.status_code for answer, _ in answers] == [503, 503]
+    answers = read_responses(transport.written, [*failing, head + b"0123456789"])
+    assert [answer.status_code for answer, _ in answers] == [503, 503, 503]
     for answer, body in answers:
         assert (b"retry-after", b"1") in answer.headers
         assert json.loads(body)["error_type"] == "unavailable"

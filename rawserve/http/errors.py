@@ -16,6 +16,8 @@ from rawserve.http.exchange import HttpRequest, HttpResponse
 
 log = logging.getLogger("rawserve.errors")
 
+NO_THREAD = "can't start new thread"  # CPython's RuntimeError where a thread cannot start
+
 MAX_MESSAGE_CHARS = 300  # messages may quote the client's input (a path): keep them short
 # OpenAI's error types by status; other 4xx are "invalid_request_error", 5xx "server_error"
 OPENAI_ERROR_TYPES = {
@@ -182,7 +184,8 @@ def as_http_error(exc: BaseException) -> HTTPError:
     replica, may get past (a traceback per request would only add to the pressure)."""
     if isinstance(exc, HTTPError):
         return exc
-    if isinstance(exc, MemoryError):
+    # (a thread's stack is memory too: the routes that tokenize or encode in a thread)
+    if isinstance(exc, MemoryError) or str(exc) == NO_THREAD:
         log.warning("out of memory handling a request: answered 503")
         return ServiceUnavailable("the server is out of memory: try again later")
     log.error("unexpected error while handling a request", exc_info=exc)
