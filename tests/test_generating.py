@@ -1248,6 +1248,29 @@ def test_rows_lowered_below_those_running_let_none_join_until_they_leave(runner)
     assert (len(batcher.rows), len(batcher.waiting)) == (3, 4)
 
 
+def test_an_answer_with_no_memory_to_write_fails_alone_and_the_loop_goes_on(runner):
+    """Out of memory pickling one batch's answer once ended the loop, and the worker with
+    it: every sequence running beside it failed or ran again. That batch alone fails."""
+    from rawserve.worker.generating import GenerationLoop
+
+    params = {"max_new_tokens": 4, "do_sample": False}
+    longer = {**params, "max_new_tokens": 12}
+    sent: list[Any] = []
+
+    def send(message: Any) -> None:
+        answer = isinstance(message, BatchResult) and message.batch_id == 1
+        if answer and not isinstance(message.outputs[0], ItemFailure):
+            raise MemoryError
+        sent.append(message)
+
+    batches = [Batch(1, ("the movie was",), params), Batch(2, ("a good film",), longer)]
+    GenerationLoop(runner, send, 8).run(Script({0: batches}))
+    answered = results(sent)
+    (failure,) = answered[1].outputs
+    assert isinstance(failure, ItemFailure) and failure.kind is FailureKind.OUT_OF_MEMORY
+    assert answered[2].outputs == (static(runner, "a good film", longer),)
+
+
 def test_a_causal_lm_batches_continuously_unless_static_is_asked(runner):
     from rawserve.worker.generating import ROWS_ON_CPU, continuous_loop
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rawserve.shared.memory import FreeMemoryReleaser
@@ -340,7 +340,19 @@ class GenerationLoop:
             self.clock() - opened.arrived,
             token_counts=sample_token_counts(self.runner, batch),
         )
+        if not self._answer(result):  # it fails alone, where the worker would die of it
+            why = "the model's answer to this input cannot be sent (out of memory)"
+            failed = ItemFailure(FailureKind.OUT_OF_MEMORY, why)
+            self._answer(replace(result, outputs=(failed,) * len(result.outputs)))
+
+    def _answer(self, result: BatchResult) -> bool:
+        """Send a batch's answer; False where there is no memory to write it (pickling
+        comes first: nothing was written)."""
         try:
             self.send(result)
+        except MemoryError:
+            log.error("out of memory writing the answer to a batch of %d", len(result.outputs))
+            return False
         except (OSError, ValueError):  # the server is gone
             self.server_gone = True
+        return True
