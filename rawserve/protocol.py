@@ -54,7 +54,7 @@ from rawserve.http.cycle import (
     is_probe,
     keeps_alive,
 )
-from rawserve.http.errors import HTTPError, InternalError, error_response
+from rawserve.http.errors import HTTPError, InternalError, as_http_error, error_response
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.http.flow_control import FlowControl, Transport
 from rawserve.http.limits import (
@@ -227,8 +227,11 @@ class HttpProtocol(asyncio.Protocol):
                 return
         elif self.phase is Phase.BODY and not self._measure_chunks(data):
             return
-        self.conn.receive_data(data)
-        self.handle_events()
+        try:
+            self.conn.receive_data(data)
+            self.handle_events()
+        except MemoryError as exc:  # its bytes cannot be held now: an answer, not a reset
+            self._fail(as_http_error(exc))
 
     def eof_received(self) -> bool | None:
         self.eof_seen = True

@@ -4,6 +4,7 @@ the log and /info show the figures."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 from pathlib import Path
@@ -117,6 +118,21 @@ def test_a_cache_file_nested_past_the_parser_s_depth_is_measured_again(tmp_path)
     (file,) = tmp_path.glob("engine-trial-*.json")
     file.write_text("[" * 100_000 + "]" * 100_000)
     assert cached(tmp_path, key) is None
+
+
+def test_a_full_disk_keeps_no_verdict_and_leaves_no_scratch_file(tmp_path, monkeypatch, caplog):
+    """Each start that cannot keep its trial says so in one line; the half-written file
+    goes, else a full cache folder gained one more at every start."""
+
+    def disk_full(document, handle, **options):
+        handle.write('{"key": ')
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(json, "dump", disk_full)
+    with caplog.at_level(logging.WARNING, logger="rawserve.worker"):
+        store(tmp_path, {"batch": 8}, Trial({Engine.TORCH: 0.004}, 8))
+    assert "could not keep the trial" in caplog.text and "No space left" in caplog.text
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_description_gives_the_figures_fastest_first():

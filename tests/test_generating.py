@@ -1194,6 +1194,83 @@ def test_a_failing_step_fails_its_running_sequences_and_the_loop_goes_on(
         assert loop.cap.limit is None
 
 
+class PrefillOutOfMemory:
+    """A model's forward that runs out of memory on a prefill of several prompts at once,
+    or of one longer than `fits` tokens (a decoding step, one token a row, always fits)."""
+
+    def __init__(self, forward, fits: int):
+        self.forward, self.fits = forward, fits
+
+    def __call__(self, *args, **kwargs):
+        import torch
+
+        rows, width = kwargs["input_ids"].shape
+        if width > 1 and (rows > 1 or width > self.fits):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return self.forward(*args, **kwargs)
+
+
+def test_joiners_out_of_memory_join_again_fewer_and_the_running_rows_go_on(runner, monkeypatch):
+    """One request too large for the memory never fails its batch-mates: the rows running
+    when it joined go on, the prompts that joined with it join again one at a time, and
+    only the one that does not fit even alone fails."""
+    from rawserve.worker.generating import GenerationLoop
+
+    params = {"max_new_tokens": 10, "do_sample": False}
+    running = Batch(1, ("the movie was",), params)
+    joining = [Batch(2, ("a good film", "hello"), params), Batch(3, ("the " * 40,), params)]
+    sent: list[Any] = []
+    loop = GenerationLoop(runner, sent.append, 8)
+    monkeypatch.setattr(runner.model, "forward", PrefillOutOfMemory(runner.model.forward, 20))
+    loop.run(Script({0: [running], 2: joining}))
+    monkeypatch.undo()
+    answered = results(sent)
+    assert answered[1].outputs == (static(runner, "the movie was", params),)
+    assert answered[2].outputs == tuple(static(runner, t, params) for t in ("a good film", "hello"))
+    (failure,) = answered[3].outputs
+    assert isinstance(failure, ItemFailure) and failure.kind is FailureKind.OUT_OF_MEMORY
+
+
+def test_rows_lowered_below_those_running_let_none_join_until_they_leave(runner):
+    """After running out of memory the rows running may outnumber the lowered cap: nobody
+    joins meanwhile (a negative room once let all but the last few waiting in)."""
+    from rawserve.worker.continuous import ContinuousBatcher, Generation
+
+    batcher = ContinuousBatcher(runner.model, runner.tokenizer, runner.max_positions, 8)
+    ids = runner.tokenizer("the movie was")["input_ids"]
+    for index in range(3):
+        batcher.add(Generation(("running", index), ids, 5))
+    batcher.step()
+    batcher.max_rows = 1
+    for index in range(4):
+        batcher.add(Generation(("waiting", index), ids, 5))
+    batcher.step()
+    assert (len(batcher.rows), len(batcher.waiting)) == (3, 4)
+
+
+def test_an_answer_with_no_memory_to_write_fails_alone_and_the_loop_goes_on(runner):
+    """Out of memory pickling one batch's answer once ended the loop, and the worker with
+    it: every sequence running beside it failed or ran again. That batch alone fails."""
+    from rawserve.worker.generating import GenerationLoop
+
+    params = {"max_new_tokens": 4, "do_sample": False}
+    longer = {**params, "max_new_tokens": 12}
+    sent: list[Any] = []
+
+    def send(message: Any) -> None:
+        answer = isinstance(message, BatchResult) and message.batch_id == 1
+        if answer and not isinstance(message.outputs[0], ItemFailure):
+            raise MemoryError
+        sent.append(message)
+
+    batches = [Batch(1, ("the movie was",), params), Batch(2, ("a good film",), longer)]
+    GenerationLoop(runner, send, 8).run(Script({0: batches}))
+    answered = results(sent)
+    (failure,) = answered[1].outputs
+    assert isinstance(failure, ItemFailure) and failure.kind is FailureKind.OUT_OF_MEMORY
+    assert answered[2].outputs == (static(runner, "a good film", longer),)
+
+
 def test_a_causal_lm_batches_continuously_unless_static_is_asked(runner):
     from rawserve.worker.generating import ROWS_ON_CPU, continuous_loop
 

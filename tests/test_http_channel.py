@@ -9,6 +9,7 @@ import errno
 import importlib.util
 import logging
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -108,6 +109,46 @@ def test_the_messages_of_one_event_loop_pass_go_in_one_write():
     assert [message for frame in received for message in frame] == [
         ("item", index) for index in range(100)
     ]
+
+
+def test_a_pass_with_no_memory_to_pickle_goes_message_by_message_and_the_channel_goes_on(
+    monkeypatch, caplog
+):
+    """Out of memory pickling a pass's messages together (many large answers at once) once
+    left them in the outbox, where no later `send` scheduled a write again: every answer
+    after it waited for its deadline, for good. Each now goes alone; one too large even
+    alone is dropped (its run ends at its deadline), and the channel goes on."""
+    dumps = pickle.dumps
+
+    def short_of_memory(messages, *args, **kwargs):
+        if len(messages) > 1 or messages == [("item", "huge")]:
+            raise MemoryError
+        return dumps(messages, *args, **kwargs)
+
+    async def until(received: list[list], count: int) -> None:
+        while sum(map(len, received)) < count:
+            await asyncio.sleep(0.001)
+
+    async def scenario() -> list[list]:
+        received: list[list] = []
+        sender, receiver = await channel_pair(received)
+        monkeypatch.setattr(pickle, "dumps", short_of_memory)
+        for message in (("item", 1), ("item", "huge"), ("item", 2)):
+            sender.send(message)
+        await asyncio.wait_for(until(received, 2), 10)
+        sender.send(("item", 3))  # a later pass
+        await asyncio.wait_for(until(received, 3), 10)
+        sender.close()
+        receiver.close()
+        return received
+
+    received = asyncio.run(scenario())
+    assert [message for frame in received for message in frame] == [
+        ("item", 1),
+        ("item", 2),
+        ("item", 3),
+    ]
+    assert "a message to the other process is dropped" in caplog.text
 
 
 def test_a_peer_that_closes_its_end_is_told_once():

@@ -15,6 +15,7 @@ from rawserve.serving import supervision
 from rawserve.serving.core import SchedulerCore
 from rawserve.serving.driver import Scheduler
 from rawserve.serving.pool import WorkerPool
+from rawserve.serving.refusals import Reason, Refused
 from rawserve.serving.status import WorkerState
 from rawserve.serving.supervision import CRASHED_ALONE
 from rawserve.shared.messages import (
@@ -48,6 +49,68 @@ def test_a_gpu_worker_holds_two_batches_and_a_cpu_worker_one(overlap, device, tw
     assert pool.idle_workers() == (1 if two else 0)
     worker.queued = object()  # type: ignore[assignment]
     assert pool.idle_workers() == 0  # two in flight at most
+
+
+class PipeWithoutMemory:
+    """A worker's batch pipe in a server out of memory: a batch of more than one input
+    cannot be pickled (nothing is written); a single one goes."""
+
+    def __init__(self):
+        self.sent: list[object] = []
+
+    def send(self, batch) -> None:
+        if len(batch.inputs) > 1:
+            raise MemoryError
+        self.sent.append(batch)
+
+
+async def test_a_batch_the_server_has_no_memory_to_send_is_refused_and_the_worker_stays_free():
+    """The batch was once left as the worker's job though it never reached it: the worker
+    looked busy with nothing to do until --batch-timeout killed it (every request waiting
+    meanwhile), and its items were told that the model failed."""
+    pool = WorkerPool(WorkerConfig(model="", handler=FAULTY), ["cpu"])
+    pool._loop = asyncio.get_running_loop()
+    worker = pool.workers[0]
+    worker.state, worker.conn = WorkerState.IDLE, PipeWithoutMemory()
+    with pytest.raises(Refused) as refused:
+        await pool.submit(["a", "b"], {})
+    assert refused.value.refusal.reason is Reason.OUT_OF_MEMORY
+    assert worker.state is WorkerState.IDLE and worker.job is None
+    pool.submit(["c"], {})  # the next batch goes to the same worker at once
+    assert [batch.inputs for batch in worker.conn.sent] == [("c",)]
+
+
+class ExitedProcess:
+    """A worker process that has exited (killed by the kernel's OOM killer, say)."""
+
+    pid, exitcode = 4321, -9
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+
+async def test_a_dead_worker_no_thread_can_wait_for_is_restarted_all_the_same(monkeypatch, caplog):
+    """At the server's memory limit no thread can start: the wait for a dead worker's exit
+    raised, and the worker was never restarted; it looked busy for good (every request
+    504) while /health and /ready said ok."""
+    pool = WorkerPool(WorkerConfig(model="", handler=FAULTY), ["cpu"])
+    pool._loop = asyncio.get_running_loop()
+    worker = pool.workers[0]
+    worker.state, worker.process = WorkerState.BUSY, ExitedProcess()  # type: ignore[assignment]
+
+    async def no_thread(*args):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(asyncio, "to_thread", no_thread)
+    monkeypatch.setattr(pool, "_respawn", lambda worker: None)  # no process: its timer only
+    await pool._reap(worker, worker.process)
+    assert worker.state is WorkerState.DEAD
+    assert "process 4321 exited with code -9" in caplog.text and "restarting in" in caplog.text
+    await pool.shutdown()  # the stop waits for its workers the same way
+    assert worker.state is WorkerState.STOPPED
 
 
 @pytest.fixture

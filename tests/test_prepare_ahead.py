@@ -194,6 +194,33 @@ def test_a_feeder_that_times_nothing_keeps_nothing():
     assert feeder._received == {}
 
 
+def _run_out_of_memory() -> None:
+    raise MemoryError
+
+
+class OutOfMemoryOnArrival:
+    """A message whose unpickling runs out of memory, as a large batch's may in a worker
+    at its memory limit."""
+
+    def __reduce__(self):
+        return (_run_out_of_memory, ())
+
+
+def test_a_message_that_cannot_be_read_stops_the_worker_instead_of_hanging_it(caplog):
+    """The reading thread once died of it, leaving the model thread waiting for a batch
+    that never came until --batch-timeout killed the worker (its clients' deadlines long
+    past); the worker now stops at once, and the server restarts it and retries."""
+    receiving, sending = Pipe(duplex=False)
+    feeder = Feeder(receiving, timed=True).start()
+    sending.send(OutOfMemoryOnArrival())
+    taken: list[object] = []
+    model_thread = threading.Thread(target=lambda: taken.append(feeder.next()), daemon=True)
+    model_thread.start()
+    model_thread.join(10)
+    assert taken and isinstance(taken[0], Shutdown)
+    assert "cannot be read" in caplog.text and "MemoryError" in caplog.text
+
+
 class RecordingLoop:
     """Stands in for the event loop where the pool sets its timers: records each delay."""
 

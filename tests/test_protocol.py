@@ -76,6 +76,10 @@ class EchoApp(FakeApp):
             raise GatewayTimeout("deadline passed")
         if request.path == "/crash":
             raise RuntimeError("secret /home/internal/path detail")
+        if request.path == "/no-memory":
+            raise MemoryError
+        if request.path == "/no-thread":
+            raise RuntimeError("can't start new thread")
         return HttpResponse(
             200, json.dumps({"path": request.path, "body": request.body.decode()}).encode()
         )
@@ -363,6 +367,36 @@ async def test_errors_are_json_and_hide_internals(server):
     }
     assert b"secret" not in transport.written and b"/home" not in transport.written
     assert transport.finished  # 5xx closes the connection
+
+
+async def test_the_server_out_of_memory_answers_503_not_a_reset_nor_a_traceback(
+    server, monkeypatch, caplog
+):
+    """Under `ulimit -v` or strict overcommit, a body the server cannot hold once reset
+    the connection with no answer (and a traceback a connection in the log), and a route
+    out of memory (or with no memory left for a thread's stack) was a 500, as a bug; all
+    are a 503 a retry may get past."""
+    app, protocol, transport = server
+    failing = [
+        f"GET /{path} HTTP/1.1\r\nHost: a\r\n\r\n".encode() for path in ("no-memory", "no-thread")
+    ]
+    protocol.data_received(b"".join(failing))
+    await settle()
+    head = b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\n"
+    protocol.data_received(head)
+
+    def no_memory():
+        raise MemoryError
+
+    monkeypatch.setattr(protocol.conn, "next_event", no_memory)  # the body cannot be held
+    protocol.data_received(b"0123456789")
+    answers = read_responses(transport.written, [*failing, head + b"0123456789"])
+    assert [answer.status_code for answer, _ in answers] == [503, 503, 503]
+    for answer, body in answers:
+        assert (b"retry-after", b"1") in answer.headers
+        assert json.loads(body)["error_type"] == "unavailable"
+    assert transport.finished
+    assert "Traceback" not in caplog.text and "out of memory" in caplog.text
 
 
 async def test_a_client_that_leaves_cancels_its_request(server, caplog):

@@ -16,6 +16,8 @@ from rawserve.http.exchange import HttpRequest, HttpResponse
 
 log = logging.getLogger("rawserve.errors")
 
+NO_THREAD = "can't start new thread"  # CPython's RuntimeError where a thread cannot start
+
 MAX_MESSAGE_CHARS = 300  # messages may quote the client's input (a path): keep them short
 # OpenAI's error types by status; other 4xx are "invalid_request_error", 5xx "server_error"
 OPENAI_ERROR_TYPES = {
@@ -178,9 +180,16 @@ def error_response(exc: BaseException, request_id: str | None = None) -> HttpRes
 
 def as_http_error(exc: BaseException, request_id: str | None = None) -> HTTPError:
     """The error itself if it carries a status; else a bare 500, its traceback logged
-    with the id of the request it answers (the one its access line and client see)."""
+    with the id of the request it answers (the one its access line and client see). The
+    server's own memory running out is no bug of the request's: a 503 that a retry, later
+    or on another replica, may get past (a traceback per request would only add to the
+    pressure)."""
     if isinstance(exc, HTTPError):
         return exc
+    # (a thread's stack is memory too: the routes that tokenize or encode in a thread)
+    if isinstance(exc, MemoryError) or str(exc) == NO_THREAD:
+        log.warning("out of memory handling request %s: answered 503", request_id or "-")
+        return ServiceUnavailable("the server is out of memory: try again later")
     log.error(
         "unexpected error while handling request %s",
         request_id or "-",

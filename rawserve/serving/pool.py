@@ -41,7 +41,7 @@ from typing import Any, Protocol
 from rawserve.serving.cores import CoreShare
 from rawserve.serving.handles import Job, WorkerHandle, assemble, settle
 from rawserve.serving.processes import join_or_kill, start_process
-from rawserve.serving.refusals import Reason, Refused, shutting_down
+from rawserve.serving.refusals import Reason, Refused, out_of_memory, shutting_down
 from rawserve.serving.reports import PoolReports
 from rawserve.serving.status import WorkerState
 from rawserve.serving.streams import TokenStreams
@@ -77,6 +77,7 @@ from rawserve.shared.pipes import MessageReader
 log = logging.getLogger("rawserve.executor")  # the name operators filter on, kept
 
 STOP_TIMEOUT = 10.0  # seconds a worker whose pipe closed gets to exit before it is killed
+REAP_POLL_SECONDS = 0.05  # how often that exit is looked for where no thread can wait for it
 EXIT_TIMEOUT = 2.0  # seconds an idle worker gets to exit at shutdown before it is killed
 BATCH_TIMEOUT = 120.0  # seconds a batch may run before its worker is killed
 # A worker holding two batches is sent its second this long before the running one is
@@ -289,7 +290,7 @@ class WorkerPool(PoolReports):
         timeout = EXIT_TIMEOUT if wait else 0.0
         exiting = [(w, w.process) for w in self.workers if w.process]
         killed = await asyncio.gather(
-            *(asyncio.to_thread(join_or_kill, process, timeout) for _, process in exiting)
+            *(self._join_or_kill(process, timeout) for _, process in exiting)
         )
         for (worker, _), was_killed in zip(exiting, killed, strict=True):
             if was_killed and wait:  # (an idle worker exits at once, unless a thread of
@@ -339,6 +340,7 @@ class WorkerPool(PoolReports):
         )
 
     def _send(self, worker: WorkerHandle, job: Job) -> None:
+        state = worker.state
         if worker.job is None or worker.sequences:
             worker.state = WorkerState.BUSY
             self._start(worker, job)
@@ -351,6 +353,25 @@ class WorkerPool(PoolReports):
             worker.conn.send(batch)
         except (OSError, ValueError) as exc:  # the pipe broke: the reader will see the exit
             log.warning("worker %s: could not send a batch: %s", worker.label, exc)
+        except MemoryError:  # pickling comes first: nothing reached the worker
+            self._take_back(worker, job, state)
+
+    def _take_back(self, worker: WorkerHandle, job: Job, state: WorkerState) -> None:
+        """A batch the server had no memory to write to its worker: refused (503), and the
+        worker left as it was, where it looked busy with nothing to do until --batch-timeout
+        killed it as hung."""
+        log.error(
+            "worker %s: no memory to send it a batch of %d: refused", worker.label, len(job.inputs)
+        )
+        if worker.queued is job:
+            self._take_queued(worker, error=out_of_memory())
+            return
+        if worker.job is job:
+            self._take_job(worker, error=out_of_memory())
+        else:  # a continuous worker's
+            worker.running.pop(job.batch_id)
+            self._detach(job, out_of_memory())
+        worker.state = state
 
     def _threads_for(self, worker: WorkerHandle, size: int) -> int | None:
         """With `share_cores`, CPU workers (of every served model) split the cores evenly,
@@ -528,8 +549,23 @@ class WorkerPool(PoolReports):
 
     async def _reap(self, worker: WorkerHandle, process: BaseProcess) -> None:
         """Wait for a worker whose pipe has closed to exit (killing it if it lingers)."""
-        await asyncio.to_thread(join_or_kill, process, STOP_TIMEOUT)
+        await self._join_or_kill(process, STOP_TIMEOUT)
         self._on_exit(worker, process)
+
+    async def _join_or_kill(self, process: BaseProcess, timeout: float) -> bool:
+        """`join_or_kill` in a thread; where none can start (the server at its memory
+        limit), its exit looked for from the event loop now and then. (The error once
+        ended the wait: a dead worker was never restarted and looked busy for good, every
+        request 504 while /health and /ready said ok.)"""
+        try:
+            return await asyncio.to_thread(join_or_kill, process, timeout)
+        except RuntimeError:  # "can't start new thread"
+            log.warning("no thread to wait for process %s in: waiting on the loop", process.pid)
+        loop = self._running_loop
+        deadline = loop.time() + timeout
+        while process.exitcode is None and loop.time() < deadline:
+            await asyncio.sleep(REAP_POLL_SECONDS)
+        return join_or_kill(process, 0)  # reaped by now, or killed
 
     def _on_message(self, worker: WorkerHandle, message: Any) -> None:
         worker.heard_at = self.clock()

@@ -24,6 +24,7 @@ class Reason(enum.Enum):
     DEADLINE_PASSED = "deadline_passed"
     INPUT_REJECTED = "input_rejected"  # the model rejected the input: the client's to fix
     MODEL_FAILED = "model_failed"  # the model worker failed while computing it
+    OUT_OF_MEMORY = "out_of_memory"  # the server had no memory to send it on: retry later
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,10 @@ def not_back_in_time(retry_after: float | None) -> Refused:
             "the model worker is restarting; it would not be back before this request's deadline"
         )
     return Refused.because(Reason.LOADING, message, retry_after)
+
+
+def out_of_memory() -> Refused:
+    return Refused.because(Reason.OUT_OF_MEMORY, "the server is out of memory: try again later")
 
 
 def model_failed() -> Refused:

@@ -12,6 +12,7 @@ not read yet. `on_messages` is called with each frame's messages, in order;
 from __future__ import annotations
 
 import asyncio
+import logging
 import pickle
 import socket
 import struct
@@ -19,6 +20,8 @@ from collections.abc import Callable
 from typing import Any, cast
 
 LENGTH = struct.Struct("!Q")
+
+log = logging.getLogger("rawserve.channel")
 
 
 class Channel(asyncio.Protocol):
@@ -74,8 +77,22 @@ class Channel(asyncio.Protocol):
     def flush(self) -> None:
         if not self._outbox or self.transport is None or self.closed:
             return
-        payload = pickle.dumps(self._outbox, protocol=5)
-        self._outbox = []
+        outbox, self._outbox = self._outbox, []
+        try:
+            self._write(outbox)
+        except MemoryError:
+            # The pass's messages together do not fit: each goes alone, and one that does
+            # not fit even alone is dropped (its run ends at its deadline), not the channel
+            # (left in the outbox, they were never written, nor anything sent after them).
+            for message in outbox:
+                try:
+                    self._write([message])
+                except MemoryError:
+                    log.error("out of memory: a message to the other process is dropped")
+
+    def _write(self, messages: list[Any]) -> None:
+        assert self.transport is not None
+        payload = pickle.dumps(messages, protocol=5)
         self.transport.write(LENGTH.pack(len(payload)) + payload)
 
     def close(self) -> None:

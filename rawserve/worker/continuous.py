@@ -128,7 +128,9 @@ class ContinuousBatcher:
     where the token ends it), and `after_pass()` is called once a forward
     pass's tokens are all heard (the joiners' prefill, a decoding step), so a listener can
     send them together before the next pass. When a step raises (the model failed, or ran
-    out of memory), `drop_running` takes the sequences it was running out of the batch.
+    out of memory), `drop_failed` takes the sequences it failed out of the batch: only the
+    joining ones where their own prefill raised (the rows run on), else every one it ran;
+    `wait_again` puts sequences that have no token yet back in the queue.
     """
 
     def __init__(
@@ -156,6 +158,7 @@ class ContinuousBatcher:
         self.waiting: list[Generation] = []
         self.rows: list[Generation] = []
         self._joining: list[Generation] = []  # being prefilled: neither waiting nor a row
+        self._prefilling = False  # the joiners' own forward pass runs: the rows untouched
         self._slots = KvSlots(self.device, max_rows, max_positions)
         self._positions = torch.zeros(0, dtype=torch.long, device=self.device)
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
@@ -206,7 +209,7 @@ class ContinuousBatcher:
         finished = [g for g in self.waiting if g.done]
         self.waiting = [g for g in self.waiting if not g.done]
         finished += self._leave()
-        free = self.max_rows - len(self.rows)
+        free = max(0, self.max_rows - len(self.rows))  # fewer after running out of memory
         joining = [g for g in self.waiting if g.compiling is None][:free]
         if joining:
             self._joining = joining
@@ -266,11 +269,25 @@ class ContinuousBatcher:
         while self.busy:
             self.step()
 
+    def drop_failed(self) -> list[Generation]:
+        """After a step raised: the sequences it failed, taken out of the batch. Where the
+        joining sequences' own prefill raised, the rows had not been touched: only the
+        joiners go, and the rows run on; elsewhere every sequence it ran (`drop_running`)."""
+        if not self._prefilling:
+            return self.drop_running()
+        joining, self._joining, self._prefilling = self._joining, [], False
+        return joining
+
+    def wait_again(self, generations: list[Generation]) -> None:
+        """Sequences with no token yet (joiners whose prefill failed) back at the head of
+        the queue: they join later, exactly as if they had come then."""
+        self.waiting = [*generations, *self.waiting]
+
     def drop_running(self) -> list[Generation]:
         """After a step raised: the sequences it was running (rows, and those joining),
         taken out of the batch with its cache; the waiting ones stay to run later."""
         running = self.rows + [g for g in self._joining if g not in self.rows]
-        self.rows, self._joining = [], []
+        self.rows, self._joining, self._prefilling = [], [], False
         # its buffers go too: the step may have run out of memory
         self._slots = KvSlots(self.device, self.max_rows, self.max_positions)
         self._positions = torch.zeros(0, dtype=torch.long, device=self.device)
@@ -287,6 +304,7 @@ class ContinuousBatcher:
         its keys, values and scores are copied into each of their rows, which then go on
         on their own (each sampling with its own generator), as vLLM forks a prompt's
         cache for its `n` sequences."""
+        self._prefilling = True  # till the joiners' pass is done, the rows are as they were
         prompts = list(dict.fromkeys(tuple(g.prompt_ids) for g in generations))
         lengths = [len(prompt) for prompt in prompts]
         width = max(lengths)
@@ -308,6 +326,7 @@ class ContinuousBatcher:
             keys = [k.index_select(0, index) for k in keys]
             values = [v.index_select(0, index) for v in values]
             logits, mask = logits.index_select(0, index), mask.index_select(0, index)
+        self._prefilling = False
         self._slots.join(keys, values, mask)
         positions = torch.tensor(lengths, dtype=torch.long, device=self.device)
         self._positions = torch.cat([self._positions, positions])

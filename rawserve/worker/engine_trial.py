@@ -229,6 +229,7 @@ def remember(cache_dir: Path, prefix: str, key: Mapping[str, Any], found: dict[s
     """Keep a measurement for the next start (written whole, then renamed: workers
     starting together each write a complete file). A cache that cannot be written is only
     logged."""
+    scratch = None
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         fd, scratch = tempfile.mkstemp(prefix=".trial-", dir=cache_dir)
@@ -237,3 +238,5 @@ def remember(cache_dir: Path, prefix: str, key: Mapping[str, Any], found: dict[s
         os.replace(scratch, _path(cache_dir, prefix, key))
     except OSError as exc:  # one line: the folder and why (a traceback says no more)
         log.warning("could not keep the trial in %s (%s)", cache_dir, exc.strerror or exc)
+        if scratch is not None:  # a full disk: else every start leaves one more file
+            Path(scratch).unlink(missing_ok=True)

@@ -122,6 +122,14 @@ class Feeder:
                 self._messages_read += 1
                 self._read_into.put(CLOSED)
                 return
+            except Exception:  # noqa: BLE001 - out of memory unpickling a large batch, say
+                # The pipe's stream is lost past this message, and the batch in it with
+                # it: the worker ends, so the server restarts it and runs its batches
+                # again at once, instead of waiting on it until --batch-timeout.
+                log.exception("a message from the server cannot be read: the worker stops")
+                self._messages_read += 1
+                self._read_into.put(CLOSED)
+                return
             if self._timed and isinstance(message, Batch):
                 self._received[message.batch_id] = Received(time.perf_counter())
             self._messages_read += 1

@@ -16,7 +16,10 @@ Items are turned into sequences, and finished sequences into outputs, by the run
 (rawserve.worker.causal_lm), so an item gets here what one `generate` call gives it: an
 input that cannot run fails alone, at once, with the same message. A step that raises
 fails the sequences it was running (the runner's `describe_failure`) and the loop goes
-on; after an out-of-memory error it runs half as many rows at once for a while.
+on; after an out-of-memory error it runs half as many rows at once for a while. Where
+the joining sequences' own prefill raised, the running rows go on untouched; joiners
+that ran out of memory together wait and join again, fewer at a time, so that only one
+too large even alone fails.
 
 Worker process only (it drives the model).
 """
@@ -26,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rawserve.shared.memory import FreeMemoryReleaser
@@ -228,16 +231,21 @@ class GenerationLoop:
 
     def _on_step_failure(self, exc: Exception) -> None:
         self.streamed = []  # a failed pass's tokens: its sequences fail instead
-        running = self.batcher.drop_running()
+        running = self.batcher.drop_failed()
         failure = self.runner.describe_failure(exc)
         if failure.kind is FailureKind.OUT_OF_MEMORY:
             release_memory()
-            self.cap.lower(max(len(running), 2))
+            self.cap.lower(max(len(self.batcher.rows) + len(running), 2))
             log.warning(
                 "out of memory running %d sequences: %d at once for a while",
-                len(running),
+                len(self.batcher.rows) + len(running),
                 self.cap.limit,
             )
+            # joiners with no token yet, run out of memory together: they join again, fewer
+            # at a time, until one that does not fit even alone fails alone
+            if len(running) > 1 and not any(generation.tokens for generation in running):
+                self.batcher.wait_again(running)
+                return
         for index, generation in enumerate(running):
             batch_id, item = generation.key
             opened = self.open.get(batch_id)
@@ -332,7 +340,19 @@ class GenerationLoop:
             self.clock() - opened.arrived,
             token_counts=sample_token_counts(self.runner, batch),
         )
+        if not self._answer(result):  # it fails alone, where the worker would die of it
+            why = "the model's answer to this input cannot be sent (out of memory)"
+            failed = ItemFailure(FailureKind.OUT_OF_MEMORY, why)
+            self._answer(replace(result, outputs=(failed,) * len(result.outputs)))
+
+    def _answer(self, result: BatchResult) -> bool:
+        """Send a batch's answer; False where there is no memory to write it (pickling
+        comes first: nothing was written)."""
         try:
             self.send(result)
+        except MemoryError:
+            log.error("out of memory writing the answer to a batch of %d", len(result.outputs))
+            return False
         except (OSError, ValueError):  # the server is gone
             self.server_gone = True
+        return True
