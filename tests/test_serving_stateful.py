@@ -512,3 +512,12 @@ def test_a_batch_nobody_waits_for_is_not_run_again_after_a_crash(loaded, kind):
     serving.answer(*serving.answerable()[0])
     assert fresh.outcome == "results"
     serving.check()
+
+
+def test_a_worker_holding_two_batches_takes_the_second_at_once_until_one_is_timed(loaded):
+    """Until a batch has been timed, a worker that holds two batches takes its second as
+    the first starts: what is queued goes behind it then, not once the first is answered."""
+    serving = loaded(kind="overlap", max_batch_size=1)
+    serving.arrive(["a", "b"], {}, timeout=8.0)
+    assert sent(serving) == [("a",), ("b",)]
+    serving.check()

@@ -404,6 +404,8 @@ class WorkerPool(PoolReports):
         worker.second_open = not (worker.overlap and hold > 0)
         if not worker.second_open:
             self._running_loop.call_later(hold, self._open_second, worker, job)
+        elif worker.overlap:  # room behind it at once: what is queued may go now
+            self._notify_idle()
 
     def _open_second(self, worker: WorkerHandle, job: Job) -> None:
         if worker.job is job:  # (a batch since started holds its own time)
