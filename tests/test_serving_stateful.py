@@ -1,13 +1,18 @@
-"""The serving side driven step by step: the scheduler's driver over the real worker pool,
-the worker processes faked, on an event loop whose clock only the test moves. The test
-plays the clients, the clock (the loop's timers fire at their times: deadlines, batch
-delays, batch timeouts, restart backoffs) and the workers (they load, answer, stream
-tokens, crash and come back), and checks the serving side against a plain record of the
-requests: a request admitted ends exactly once and by its deadline (unless its client
-left first, and then it is never heard), each answer is its own input's, no input is sent
-to a worker once its request has ended, no item waits queued beside an idle worker, the
-queue, the batches in flight and the dropped-item counts agree with the record, and after
-the shutdown nothing is left behind.
+"""A model-based test of the serving side: the scheduler's driver over the real worker pool,
+the worker processes faked, on an event loop whose clock only the test moves.
+
+Hypothesis drives random interleavings of what happens to a served model: requests arrive
+(one input or several, with one of two batch keys, generations, streamed generations;
+deadlines near and far), clients leave, the clock moves (the loop's timers fire at their
+times: deadlines, batch delays, batch timeouts, restart backoffs), workers load, answer
+their batches (in order, or a continuous worker's in any order; some inputs failing),
+stream tokens, crash mid-batch and come back, and the server shuts down. After every step
+the serving side is checked against a plain record of the requests: a request admitted
+ends exactly once and by its deadline (unless its client left first, and then it is never
+heard), each answer is its own input's, no input is sent to a worker once its request
+has ended, no item waits queued beside an idle worker, the queue, the batches in flight
+and the dropped-item counts agree with the record, and after the shutdown nothing is
+left behind.
 """
 
 from __future__ import annotations
@@ -19,6 +24,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from rawserve.serving import pool as pool_module
 from rawserve.serving.core import SchedulerCore
@@ -39,12 +54,20 @@ from rawserve.shared.messages import (
     Shutdown,
     TokenChunk,
     WorkerConfig,
+    WorkerLoadFailed,
     WorkerReady,
 )
 
 # Times are multiples of 1/64 s: their sums and differences are exact, so a timer set for
 # a deadline fires at the deadline itself.
 TICK = 1 / 64
+TIMEOUTS = [4 * TICK, 0.5, 2.0, 8.0]
+KINDS = {  # a request's parameters, and how many inputs it may have
+    "plain": ({}, [1, 1, 2, 3, 12]),
+    "other key": ({"top_k": 1}, [1, 2]),
+    "generation": ({"max_new_tokens": 8}, [1, 2]),
+    "stream": ({"max_new_tokens": 8}, [1]),
+}
 BATCH_TIMEOUT = 4.0
 # what supervision answers for an input in place of the model
 SUPERVISION_OUTPUTS = (CRASHED_ALONE, CRASHED_MID_STREAM, TIMED_OUT)
@@ -444,7 +467,7 @@ class Serving:
         assert self.errors == [], self.errors
 
 
-# --- the cases found, each on its own ----------------------------------------------------
+# --- what the model-based test found, each on its own ------------------------------------
 
 
 @pytest.fixture
@@ -521,3 +544,154 @@ def test_a_worker_holding_two_batches_takes_the_second_at_once_until_one_is_time
     serving.arrive(["a", "b"], {}, timeout=8.0)
     assert sent(serving) == [("a",), ("b",)]
     serving.check()
+
+
+# --- the model-based test ----------------------------------------------------------------
+
+
+class ServingMachine(RuleBasedStateMachine):
+    """The clients, the clock and the workers of one served model, at random."""
+
+    serving: Serving
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        super().__init__()
+        self.monkeypatch = monkeypatch
+
+    @initialize(
+        workers=st.integers(1, 2),
+        kind=st.sampled_from(["whole", "overlap", "continuous"]),
+        max_batch_size=st.integers(1, 4),
+        max_queue=st.integers(2, 16),
+        delay=st.sampled_from([0.0, 2 * TICK]),
+        loaded=st.sampled_from([True, True, True, False]),
+    )
+    def start(self, workers, kind, max_batch_size, max_queue, delay, loaded) -> None:
+        self.serving = Serving(
+            workers=workers,
+            kind=kind,
+            max_batch_size=max_batch_size,
+            max_queue=max_queue,
+            delay=delay,
+            monkeypatch=self.monkeypatch,
+        )
+        if loaded:  # (else they load as a step)
+            for worker in self.serving.pool.workers:
+                self.serving.load(worker)
+
+    # --- the clients -----------------------------------------------------------------
+
+    @precondition(lambda self: not self.serving.stopped)
+    @rule(
+        kind=st.sampled_from(sorted(KINDS)),
+        size=st.integers(0, 4),
+        timeout=st.sampled_from(TIMEOUTS),
+        length=st.integers(1, 40),
+    )
+    def arrive(self, kind, size, timeout, length) -> None:
+        params, sizes = KINDS[kind]
+        number = len(self.serving.requests)
+        count = sizes[size % len(sizes)]
+        inputs = [f"r{number}i{k} " + "x" * (length * (k + 1)) for k in range(count)]
+        self.serving.arrive(inputs, params, timeout, stream=kind == "stream")
+
+    @precondition(lambda self: any(r.live for r in self.serving.requests))
+    @rule(data=st.data())
+    def leave(self, data) -> None:
+        live = [r for r in self.serving.requests if r.live]
+        self.serving.leave(data.draw(st.sampled_from(live)))
+
+    @rule(ticks=st.sampled_from([1, 4, 32, 128, 512]))
+    def advance(self, ticks) -> None:
+        self.serving.advance(ticks * TICK)
+
+    # --- the workers -----------------------------------------------------------------
+
+    @precondition(lambda self: bool(self.serving.answerable()))
+    @rule(data=st.data())
+    def answer(self, data) -> None:
+        worker, conn, batch = data.draw(st.sampled_from(self.serving.answerable()))
+        failing = data.draw(st.sets(st.sampled_from(batch.inputs)))
+        self.serving.answer(worker, conn, batch, failing)
+
+    @precondition(lambda self: bool(self.serving.answerable()))
+    @rule(data=st.data())
+    def answer_as_a_timer_fires(self, data) -> None:
+        """The answer comes in the loop's pass where the next timer (a deadline, say)
+        fires, read before it."""
+        worker, conn, batch = data.draw(st.sampled_from(self.serving.answerable()))
+        due = self.serving.loop.next_timer()
+        if due is not None:
+            self.serving.loop.now = max(self.serving.loop.now, due)
+        self.serving.answer(worker, conn, batch)
+
+    @precondition(lambda self: bool(self.serving.answerable()))
+    @rule()
+    def answer_everything(self) -> None:
+        while answerable := self.serving.answerable():
+            self.serving.answer(*answerable[0])
+
+    @precondition(lambda self: any(b.control.stream_id for _, _, b in self.serving.answerable()))
+    @rule(data=st.data())
+    def stream_a_token(self, data) -> None:
+        streaming = [(w, b) for w, _, b in self.serving.answerable() if b.control.stream_id]
+        self.serving.stream_a_token(*data.draw(st.sampled_from(streaming)))
+
+    @precondition(lambda self: bool(self.serving.loading()))
+    @rule(data=st.data())
+    def load(self, data) -> None:
+        self.serving.load(data.draw(st.sampled_from(self.serving.loading())))
+
+    # (a first load that fails stops the server: `wait_ready` raises)
+    @precondition(lambda self: self.serving.pool.loaded and self.serving.loading())
+    @rule(data=st.data())
+    def fail_to_load(self, data) -> None:
+        worker = data.draw(st.sampled_from(self.serving.loading()))
+        self.serving.act(self.serving.pool._on_message, worker, WorkerLoadFailed("no memory"))
+        self.serving.crash(worker)
+
+    @precondition(lambda self: bool(self.serving.alive()))
+    @rule(data=st.data())
+    def crash(self, data) -> None:
+        worker, _ = data.draw(st.sampled_from(self.serving.alive()))
+        self.serving.crash(worker)
+
+    @rule()
+    def reap_the_killed(self) -> None:
+        self.serving.reap_the_killed()
+
+    # (late, else it cuts most runs short)
+    @precondition(lambda self: not self.serving.stopped and len(self.serving.requests) > 8)
+    @rule()
+    def shut_down(self) -> None:
+        self.serving.shut_down()
+
+    # --- the checks ------------------------------------------------------------------
+
+    @invariant()
+    def holds(self) -> None:
+        if hasattr(self, "serving"):
+            self.serving.check()
+
+    def teardown(self) -> None:
+        if not hasattr(self, "serving"):
+            return
+        try:
+            if not self.serving.stopped:
+                self.serving.shut_down()
+            self.serving.check()
+            self.serving.check_nothing_is_left()
+        finally:
+            self.serving.close()
+
+
+def test_the_serving_side_keeps_its_promises_whatever_happens_in_between(monkeypatch):
+    run_state_machine_as_test(
+        lambda: ServingMachine(monkeypatch),
+        settings=settings(
+            max_examples=80,  # (tens of thousands, run by hand, found nothing more)
+            stateful_step_count=50,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
