@@ -263,7 +263,11 @@ class Serving:
 
     # --- the clients -----------------------------------------------------------------
 
-    def arrive(self, inputs: list[str], params: dict, timeout: float, stream=False) -> Request:
+    def arrive(
+        self, inputs: list[str], params: dict, timeout: float, stream=False, awaited=False
+    ) -> Request:
+        """A request begun (`Scheduler.begin`, as behind HTTP processes), or `awaited` by
+        a task (`Scheduler.run`)."""
         request = Request(len(self.requests), inputs, dict(params), self.loop.now + timeout)
         self.requests.append(request)
         self.owner.update(dict.fromkeys(inputs, request))
@@ -287,8 +291,26 @@ class Serving:
                 return
             request.admitted = True
 
-        self.act(begin)
+        def run() -> None:
+            request.admitted = True  # (unless the task is refused at once)
+            task = self.loop.create_task(
+                self.scheduler.run(inputs, request.params, request.deadline, control)
+            )
+            request.running = task
+            task.add_done_callback(lambda task: self.on_done(request, task))
+
+        self.act(run if awaited else begin)
         return request
+
+    def on_done(self, request: Request, task: asyncio.Task) -> None:
+        if task.cancelled():  # its client left
+            return
+        error = task.exception()
+        if isinstance(error, Refused) and error.refusal.reason in ADMISSION_REASONS:
+            request.admitted = False
+            self.end_stream(request)
+            return
+        self.on_end(request, None if error else task.result(), error)
 
     def on_end(self, request: Request, results, error) -> None:
         assert not request.cancelled, "heard after its client left"
@@ -587,13 +609,14 @@ class ServingMachine(RuleBasedStateMachine):
         size=st.integers(0, 4),
         timeout=st.sampled_from(TIMEOUTS),
         length=st.integers(1, 40),
+        awaited=st.booleans(),
     )
-    def arrive(self, kind, size, timeout, length) -> None:
+    def arrive(self, kind, size, timeout, length, awaited) -> None:
         params, sizes = KINDS[kind]
         number = len(self.serving.requests)
         count = sizes[size % len(sizes)]
         inputs = [f"r{number}i{k} " + "x" * (length * (k + 1)) for k in range(count)]
-        self.serving.arrive(inputs, params, timeout, stream=kind == "stream")
+        self.serving.arrive(inputs, params, timeout, stream=kind == "stream", awaited=awaited)
 
     @precondition(lambda self: any(r.live for r in self.serving.requests))
     @rule(data=st.data())
