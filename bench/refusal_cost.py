@@ -101,7 +101,7 @@ class ReadyWorkers:
     def concurrency(self) -> int:
         return 1
 
-    def abandon(self, future) -> None:
+    def abandon(self, future, items=None) -> None:
         pass
 
     def submit(self, inputs: Any, params: Any, control: Any = None) -> Any:

@@ -18,7 +18,7 @@ import argparse
 import asyncio
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from rawserve.ops.loops import run as run_on_loop
@@ -51,7 +51,9 @@ class InstantWorkers:
     def concurrency(self) -> int:
         return self.workers
 
-    def abandon(self, future: asyncio.Future[BatchResult]) -> None:
+    def abandon(
+        self, future: asyncio.Future[BatchResult], items: Collection[int] | None = None
+    ) -> None:
         pass
 
     def submit(

@@ -223,7 +223,7 @@ class OneWorker:
     def concurrency(self) -> int:
         return 1
 
-    def abandon(self, future) -> None:
+    def abandon(self, future, items=None) -> None:
         pass
 
     def submit(self, inputs, params, control):

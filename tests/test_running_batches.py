@@ -86,8 +86,8 @@ def test_a_batch_is_found_by_its_stream_and_by_its_future(loop):
     running.add(streamed)
     running.add(plain)
     assert running.streaming(7) is streamed and running.streaming(8) is None
-    assert running.waiting_on(plain.future) is plain
-    assert running.waiting_on(loop.create_future()) is None
+    assert running.forget(loop.create_future()) == []
+    assert running.forget(plain.future) == [plain] and plain.abandoned
     running.pop(1)
     assert running.streaming(7) is None  # answered: its stream is no longer this worker's
 
@@ -112,3 +112,20 @@ def test_a_worker_that_runs_batches_whole_keeps_its_room_rules(loop):
     overlapping.queued = job(loop, 2)
     assert overlapping.room() == 0
     assert overlapping.holds(overlapping.queued) and not overlapping.holds(job(loop, 3))
+
+
+def test_a_job_learns_which_of_its_items_nobody_waits_for_and_so_do_its_parts(loop):
+    """The scheduler says which items of its batch nobody waits for any more (by their
+    places in it); a part of the batch (a retry of one item after a crash, the items not
+    refused as poison) reads them at its own inputs' places."""
+    whole = job(loop, 1, items=4)
+    retry = whole.part([2], loop.create_future())
+    rest = whole.part([1, 3], loop.create_future())
+    assert retry.inputs == ("prompt 2",) and rest.inputs == ("prompt 1", "prompt 3")
+    elsewhere = loop.create_future()
+    assert not any(each.forget(elsewhere) for each in (whole, retry, rest))
+    assert not whole.forget(whole.future, [0, 3]) and whole.gone == {0, 3}
+    assert not rest.forget(whole.future, [0, 3]) and rest.gone == {1}
+    assert retry.forget(whole.future, [2]) and retry.gone == {0}
+    assert rest.forget(whole.future) and not whole.abandoned  # (each is told on its own)
+    assert whole.forget(whole.future, [1, 2]) and whole.abandoned

@@ -892,7 +892,7 @@ class FakeBackend:
     def concurrency(self) -> int:
         return self.workers
 
-    def abandon(self, future) -> None:
+    def abandon(self, future, items=None) -> None:
         pass
 
     def idle_workers(self) -> int:

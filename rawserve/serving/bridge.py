@@ -28,7 +28,7 @@ import asyncio
 import itertools
 import logging
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -409,7 +409,9 @@ class Backend(Protocol):
 
     def concurrency(self) -> int: ...
 
-    def abandon(self, future: asyncio.Future[BatchResult]) -> None: ...
+    def abandon(
+        self, future: asyncio.Future[BatchResult], items: Collection[int] | None = None
+    ) -> None: ...
 
     def submit(
         self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control
@@ -437,8 +439,10 @@ class PublishingBackend:
     def concurrency(self) -> int:
         return self.backend.concurrency()
 
-    def abandon(self, future: asyncio.Future[BatchResult]) -> None:
-        self.backend.abandon(future)
+    def abandon(
+        self, future: asyncio.Future[BatchResult], items: Collection[int] | None = None
+    ) -> None:
+        self.backend.abandon(future, items)
 
     def submit(
         self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control

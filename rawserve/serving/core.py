@@ -69,7 +69,7 @@ class WorkItem:
     future: asyncio.Future[ItemResult] | None = None
     queued: bool = False
     turn: int = 0  # its place in the fair-share order, set when it is admitted
-    batch: asyncio.Future[Any] | None = None  # the model call it is a part of, once sent
+    batch: asyncio.Future[Any] | None = None  # the model call it is part of, once sent
 
     def sort_key(self) -> tuple[int, float, int]:
         """Fair-share turn first; within a turn, earliest deadline first."""

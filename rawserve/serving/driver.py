@@ -16,7 +16,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from rawserve.serving.core import (
@@ -36,7 +36,7 @@ from rawserve.serving.refusals import (
     not_back_in_time,
     shutting_down,
 )
-from rawserve.serving.supervision import REFUSED_POISON
+from rawserve.serving.supervision import NOT_RUN, REFUSED_POISON
 from rawserve.shared.late_watch import LateWatch
 from rawserve.shared.messages import NO_CONTROL, BatchResult, Control, ModelLimits
 
@@ -69,8 +69,11 @@ class Backend(Protocol):
         """How many batches the workers run side by side (a continuous worker: its rows)."""
         ...
 
-    def abandon(self, future: asyncio.Future[BatchResult]) -> None:
-        """Nobody waits for that batch any more: stop it where the worker can."""
+    def abandon(
+        self, future: asyncio.Future[BatchResult], items: Collection[int] | None = None
+    ) -> None:
+        """Nobody waits for that batch any more, or (`items`) for its items at those
+        places: stop it where the worker can, and never run them again."""
         ...
 
     def submit(
@@ -167,12 +170,10 @@ class Scheduler:
         self.in_flight = 0  # items inside model calls
         # each run's futures, until it ends or its deadline passes (one timer for them all)
         self._runs: dict[int, list[asyncio.Future[ItemResult]]] = {}
+        self._sent: dict[asyncio.Future[BatchResult], list[WorkItem]] = {}  # until answered
         self._run_ids = itertools.count()
         self._late = LateWatch(self._on_late, clock)
         self._not_back_in_time: set[int] = set()  # runs ended by `answer_unreachable`
-        # the batches sent and not answered yet, by their future: abandoned once none of
-        # their items is waited for
-        self._sent: dict[asyncio.Future[BatchResult], list[WorkItem]] = {}
 
     def start(self) -> None:
         self._loop = self._loop or asyncio.get_running_loop()
@@ -290,7 +291,8 @@ class Scheduler:
         deadline: float,
     ) -> None:
         """A run is over (answered, failed or withdrawn): its items still queued leave the
-        queue, and the model stops on those it still computes where it can."""
+        queue, and the model stops on the batches it still computes for nobody where it
+        can (a batch other runs wait for goes on)."""
         expired = self._runs.pop(run_id, None) is None  # `_on_late` took it
         self._late.forget(run_id)
         if run_id in self._not_back_in_time:  # refused (503), not expired
@@ -304,11 +306,16 @@ class Scheduler:
                 future.cancel()
         # (awaiting a future that times out or is cancelled cancels it: the batch says
         # whether the model still works on it)
-        running = {item.batch for item in items if item.batch is not None}
-        for batch in (batch for batch in running if not batch.done()):
-            mates = self._sent.get(batch, ())
-            if all(mate.future is None or mate.future.done() for mate in mates):
-                self.backend.abandon(batch)  # nobody waits for it: free its rows, its retries
+        sent = {id(item.batch): item.batch for item in items if item.batch is not None}
+        for batch in sent.values():
+            members = self._sent.get(batch)
+            if batch.done() or members is None:
+                continue
+            gone = [place for place, member in enumerate(members) if not _waits(member)]
+            if len(gone) == len(members):
+                self.backend.abandon(batch)  # e.g. a continuous worker frees its rows
+            else:  # others wait for the batch: only these items are not run again
+                self.backend.abandon(batch, gone)
 
     def _on_late(self, run_id: int) -> None:
         """A run's deadline passed: it ends with DEADLINE_PASSED (through the first of its
@@ -412,7 +419,7 @@ class Scheduler:
 
     def _on_batch_done(self, batch: list[WorkItem], sent: float, done: asyncio.Future) -> None:
         self.in_flight -= len(batch)
-        del self._sent[done]
+        self._sent.pop(done, None)
         self.wake()
         if done.cancelled() or done.exception() is not None:
             self.core.forget_batch(batch)
@@ -427,8 +434,10 @@ class Scheduler:
             return
         result: BatchResult = done.result()
         # a model call, whether or not anyone still waits for it; inputs refused as
-        # poison were never computed (counted as dropped)
-        computed = sum(output is not REFUSED_POISON for output in result.outputs)
+        # poison (counted as dropped) or not run again for nobody were never computed
+        computed = sum(
+            output is not REFUSED_POISON and output is not NOT_RUN for output in result.outputs
+        )
         if self.metrics is not None and computed:
             self.metrics.observe_batch(computed, result.compute_seconds)
         if all(item.future is None or item.future.done() for item in batch):
@@ -459,6 +468,11 @@ def _as_refusal(error: BaseException | None) -> Refused:
     if isinstance(error, Refused):
         return error
     return model_failed()
+
+
+def _waits(item: WorkItem) -> bool:
+    """Whether someone still waits for the item's answer."""
+    return item.future is not None and not item.future.done()
 
 
 def _settle(

@@ -4,7 +4,7 @@ through it (`Job`; a continuous worker's many at once: `RunningBatches`)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -37,12 +37,48 @@ class Job:
     waited: float = 0.0  # seconds it waited in the worker behind the batch before it
     cancelled: bool = False  # the worker was told nobody waits for it any more
     abandoned: bool = False  # nobody waits for it, though its worker runs it to the end
-    # an item retried alone after a crash: the future of the batch it was a part of
-    part_of: asyncio.Future[BatchResult] | None = None
+    # a part of the scheduler's batch `whole` (a retry of one of its items after a crash,
+    # or its inputs not refused as poison), and its inputs' places in that batch
+    whole: asyncio.Future[BatchResult] | None = None  # None: it is the scheduler's batch
+    places: tuple[int, ...] = ()
+    gone: frozenset[int] = frozenset()  # the indices of its inputs nobody waits for
 
-    def answers(self, future: asyncio.Future[BatchResult]) -> bool:
-        """Whether `future` waits for this batch: its own, or the one it was a part of."""
-        return self.future is future or self.part_of is future
+    def place(self, index: int) -> int:
+        """The place of its input at `index` in the scheduler's batch."""
+        return self.places[index] if self.whole is not None else index
+
+    def forget(
+        self, future: asyncio.Future[BatchResult], items: Collection[int] | None = None
+    ) -> bool:
+        """Nobody waits for the scheduler's batch `future` any more, or (`items`) for its
+        items at those places: note which of its own inputs that is; whether nobody waits
+        for any of them now."""
+        if (self.whole or self.future) is not future:
+            return False
+        for index in range(len(self.inputs)):
+            if items is None or self.place(index) in items:
+                self.gone |= {index}
+        self.abandoned = len(self.gone) == len(self.inputs)
+        return self.abandoned
+
+    def part(
+        self,
+        indices: Sequence[int],
+        future: asyncio.Future[BatchResult],
+        poison_key: str | None = None,
+    ) -> Job:
+        """A job of its inputs at `indices`, answered on `future`: a part of the same
+        scheduler's batch."""
+        return Job(
+            tuple(self.inputs[index] for index in indices),
+            self.params,
+            self.control,
+            future,
+            self.batch_id,
+            poison_key,
+            whole=self.whole or self.future,
+            places=tuple(self.place(index) for index in indices),
+        )
 
 
 class RunningBatches:
@@ -87,9 +123,12 @@ class RunningBatches:
     def streaming(self, stream_id: int) -> Job | None:
         return self._streams.get(stream_id)
 
-    def waiting_on(self, future: asyncio.Future[BatchResult]) -> Job | None:
-        """The batch whose answer `future` waits for."""
-        return next((job for job in self._jobs.values() if job.answers(future)), None)
+    def forget(
+        self, future: asyncio.Future[BatchResult], items: Collection[int] | None = None
+    ) -> list[Job]:
+        """The batches nobody waits for any more, told that nobody waits for the
+        scheduler's batch `future`, or for its `items` (`Job.forget`)."""
+        return [job for job in self._jobs.values() if job.forget(future, items)]
 
     def take_all(self) -> list[Job]:
         """Every batch held, in the order sent; none held afterwards."""

@@ -32,7 +32,7 @@ import logging
 import multiprocessing
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -49,6 +49,7 @@ from rawserve.serving.supervision import (
     CRASHED_ALONE,
     CRASHED_MID_STREAM,
     MAX_FAILED_RESTARTS,
+    NOT_RUN,
     REFUSED_POISON,
     TIMED_OUT,
     Held,
@@ -212,11 +213,8 @@ class WorkerPool(PoolReports):
         if all(refused):
             future.set_result(BatchResult(batch_id, (REFUSED_POISON,) * len(inputs), 0.0))
             return future
-        kept = tuple(value for value, bad in zip(inputs, refused, strict=True) if not bad)
-        inner = self._running_loop.create_future()
-        self._send(worker, Job(kept, params, control, inner, batch_id))
-        slots = [REFUSED_POISON if bad else None for bad in refused]
-        self._watch(assemble(future, batch_id, slots, [inner]))
+        whole = Job(tuple(inputs), params, control, future, batch_id)
+        self._send(worker, self._part(whole, [REFUSED_POISON if bad else None for bad in refused]))
         return future
 
     def open_stream(self, on_token: Callable[[TokenChunk], None]) -> int:
@@ -233,27 +231,30 @@ class WorkerPool(PoolReports):
             elif worker.cancelled_stream is not None:
                 worker.cancelled_stream.value = stream_id
 
-    def abandon(self, future: asyncio.Future[BatchResult]) -> None:
-        """Nobody waits for the batch behind `future` any more (its client left, or its
-        deadline passed): a continuous worker frees its rows at its next step. A batch
-        run whole runs on (its worker reads nothing until it is done), but a lone item
-        that took every core holds them no longer: the other workers take the queue. A
-        retry after a crash that has not started is dropped: retries run one at a time
-        ahead of the queue, and one for nobody (a whole generation, after a continuous
-        worker's crash) kept every request behind it waiting."""
-        dropped = [retry for retry in self._retries if retry.answers(future)]
+    def abandon(
+        self, future: asyncio.Future[BatchResult], items: Collection[int] | None = None
+    ) -> None:
+        """Nobody waits for the batch behind `future` any more (its clients left, or their
+        deadlines passed), or for its `items` (their places in it): a continuous worker
+        frees their rows at its next step. A batch run whole runs on (its worker reads
+        nothing until it is done), but a lone item that took every core holds them no
+        longer: the other workers take the queue. None of them runs again after a crash:
+        the retries waiting are dropped (run past their deadlines, they were computed for
+        nobody while the queue waited behind them)."""
+        dropped = [retry for retry in self._retries if retry.forget(future, items)]
         for retry in dropped:
             self._retries.remove(retry)
-            settle(retry.future, error=Refused.because(Reason.NO_WORKER, "nobody waits for it"))
+            not_run(retry)
         for worker in self.workers:
-            if job := worker.running.waiting_on(future):
-                self._cancel(worker, job)
-            elif worker.job is not None and worker.job.answers(future):
-                worker.job.abandoned = True
-                if worker is self._all_cores:
-                    self._pump()
+            for running in worker.running.forget(future, items):
+                self._cancel(worker, running)
+            if worker.queued is not None:
+                worker.queued.forget(future, items)  # (sent: it runs, but never again)
+            job = worker.job
+            if job is not None and job.forget(future, items) and worker is self._all_cores:
+                self._pump()
         if dropped:
-            self._pump()  # the queue goes on where the retries held it
+            self._pump()  # the queue no longer waits behind them
 
     def _cancel(self, worker: WorkerHandle, job: Job) -> None:
         if job.cancelled or worker.conn is None:
@@ -427,6 +428,8 @@ class WorkerPool(PoolReports):
         worker.second_open = not (worker.overlap and hold > 0)
         if not worker.second_open:
             self._running_loop.call_later(hold, self._open_second, worker, job)
+        elif worker.overlap:  # room behind it at once: what is queued may go now
+            self._notify_idle()
 
     def _open_second(self, worker: WorkerHandle, job: Job) -> None:
         if worker.job is job:  # (a batch since started holds its own time)
@@ -462,17 +465,37 @@ class WorkerPool(PoolReports):
         return job
 
     def _retry_alone(self, job: Job) -> None:
-        """After a crash, run each item of the lost batch alone, ahead of the queue."""
-        futures = []
-        for value in job.inputs:
+        """After a crash, run each item of the lost batch alone, ahead of the queue (those
+        nobody waits for any more are not run)."""
+        futures: list[asyncio.Future[BatchResult]] = []
+        slots: list[Any] = []
+        for index, value in enumerate(job.inputs):
+            if index in job.gone:
+                slots.append(NOT_RUN)
+                continue
             future = self._running_loop.create_future()
-            key = PoisonMemory.key(value, job.params)
-            retry = Job(
-                (value,), job.params, job.control, future, job.batch_id, key, part_of=job.future
-            )
-            self._retries.append(retry)
+            self._retries.append(job.part([index], future, PoisonMemory.key(value, job.params)))
             futures.append(future)
-        self._watch(assemble(job.future, job.batch_id, [None] * len(futures), futures))
+            slots.append(None)
+        self._watch(assemble(job.future, job.batch_id, slots, futures))
+
+    def _run_again_whole(self, job: Job) -> None:
+        """A batch a dead worker held behind the one it ran never started: it runs again
+        whole, ahead of the queue, but for the items nobody waits for any more."""
+        if job.abandoned:
+            not_run(job)
+        elif job.gone:
+            slots = [NOT_RUN if index in job.gone else None for index in range(len(job.inputs))]
+            self._retries.append(self._part(job, slots))
+        else:
+            self._retries.append(replace(job, watchdog=None, waited=0.0))
+
+    def _part(self, job: Job, slots: list[Any]) -> Job:
+        """A job of `job`'s inputs whose slot is None, whose outputs answer `job`'s future
+        in those slots, the other slots as they are."""
+        inner = self._running_loop.create_future()
+        self._watch(assemble(job.future, job.batch_id, slots, [inner]))
+        return job.part([index for index, slot in enumerate(slots) if slot is None], inner)
 
     def _watch(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = self._running_loop.create_task(coroutine)
@@ -671,8 +694,8 @@ class WorkerPool(PoolReports):
             self._carry_out(
                 worker, lost, self.supervisor.lost(Held(lost.streamed, lost.poison_key))
             )
-        if behind is not None:  # it never started (see the module's docstring): run it again
-            self._retries.append(replace(behind, watchdog=None, waited=0.0))
+        if behind is not None:  # it never started (see the module's docstring)
+            self._run_again_whole(behind)
         log.error(
             "worker %s: process %d exited with code %s%s%s%s; restarting in %.1f s",
             worker.label,
@@ -688,7 +711,11 @@ class WorkerPool(PoolReports):
         self._tell_down()
 
     def _carry_out(self, worker: WorkerHandle, job: Job, lost: LostBatch) -> None:
-        """Do what supervision decided for the batch a dead worker held."""
+        """Do what supervision decided for the batch a dead worker held; nothing for one
+        nobody waits for any more (it is not run again)."""
+        if job.abandoned or job.cancelled:
+            not_run(job)
+            return
         if lost is LostBatch.FAIL_MID_STREAM:
             outputs = (CRASHED_MID_STREAM,) * len(job.inputs)
             settle(job.future, result=BatchResult(job.batch_id, outputs, 0.0))
@@ -739,6 +766,12 @@ class WorkerPool(PoolReports):
     def _notify_idle(self) -> None:
         if self.on_idle is not None:
             self.on_idle()
+
+
+def not_run(job: Job) -> None:
+    """Answer a batch nobody waits for without running it (a batch it is part of may
+    still be waited for: its other parts are answered as they come)."""
+    settle(job.future, result=BatchResult(job.batch_id, (NOT_RUN,) * len(job.inputs), 0.0))
 
 
 def remembered(average: float, seconds: float) -> float:

@@ -47,6 +47,9 @@ REFUSED_POISON = ItemFailure(
 CRASHED_MID_STREAM = ItemFailure(
     FailureKind.INTERNAL, "the model worker crashed while streaming this answer"
 )
+NOT_RUN = ItemFailure(  # nobody waits for it any more: not run again after a crash
+    FailureKind.INTERNAL, "this input was not run again after a crash: nobody waits for it"
+)
 TIMED_OUT = ItemFailure(
     FailureKind.INTERNAL, "the model did not finish this batch within the batch timeout"
 )

@@ -1,0 +1,720 @@
+"""A model-based test of the serving side: the scheduler's driver over the real worker pool,
+the worker processes faked, on an event loop whose clock only the test moves.
+
+Hypothesis drives random interleavings of what happens to a served model: requests arrive
+(one input or several, with one of two batch keys, generations, streamed generations;
+deadlines near and far), clients leave, the clock moves (the loop's timers fire at their
+times: deadlines, batch delays, batch timeouts, restart backoffs), workers load, answer
+their batches (in order, or a continuous worker's in any order; some inputs failing),
+stream tokens, crash mid-batch and come back, and the server shuts down. After every step
+the serving side is checked against a plain record of the requests: a request admitted
+ends exactly once and by its deadline (unless its client left first, and then it is never
+heard), each answer is its own input's, no input is sent to a worker once its request
+has ended, no item waits queued beside an idle worker, the queue, the batches in flight
+and the dropped-item counts agree with the record, and after the shutdown nothing is
+left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from rawserve.serving import pool as pool_module
+from rawserve.serving.core import SchedulerCore
+from rawserve.serving.driver import Scheduler
+from rawserve.serving.handles import WorkerHandle
+from rawserve.serving.pool import WorkerPool
+from rawserve.serving.refusals import Reason, Refused
+from rawserve.serving.status import WorkerState
+from rawserve.serving.supervision import CRASHED_ALONE, CRASHED_MID_STREAM, TIMED_OUT
+from rawserve.shared.messages import (
+    NO_CONTROL,
+    Batch,
+    BatchResult,
+    Cancel,
+    Control,
+    FailureKind,
+    ItemFailure,
+    Shutdown,
+    TokenChunk,
+    WorkerConfig,
+    WorkerLoadFailed,
+    WorkerReady,
+)
+
+# Times are multiples of 1/64 s: their sums and differences are exact, so a timer set for
+# a deadline fires at the deadline itself.
+TICK = 1 / 64
+TIMEOUTS = [4 * TICK, 0.5, 2.0, 8.0]
+KINDS = {  # a request's parameters, and how many inputs it may have
+    "plain": ({}, [1, 1, 2, 3, 12]),
+    "other key": ({"top_k": 1}, [1, 2]),
+    "generation": ({"max_new_tokens": 8}, [1, 2]),
+    "stream": ({"max_new_tokens": 8}, [1]),
+}
+BATCH_TIMEOUT = 4.0
+# what supervision answers for an input in place of the model
+SUPERVISION_OUTPUTS = (CRASHED_ALONE, CRASHED_MID_STREAM, TIMED_OUT)
+ADMISSION_REASONS = {Reason.QUEUE_FULL, Reason.DEADLINE_UNREACHABLE, Reason.NEVER_ADMISSIBLE}
+TOKEN = {"id": 1, "text": "a", "logprob": 0.0, "special": False}
+
+
+class TestClockLoop(asyncio.SelectorEventLoop):
+    """An event loop whose time is the test's: a timer fires once the test moves the clock
+    to it, never by waiting. The fake workers' replies are handed to the pool directly,
+    so there is nothing to read."""
+
+    __test__ = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 1000.0
+
+    def time(self) -> float:
+        return self.now
+
+    def add_reader(self, fd: Any, callback: Any, *args: Any) -> None:
+        pass
+
+    def remove_reader(self, fd: Any) -> bool:
+        return False
+
+    # (what is ready and what is scheduled are read from the loop's own lists: asyncio has
+    # no public way to ask)
+    def next_timer(self) -> float | None:
+        return min((h.when() for h in self._scheduled if not h.cancelled()), default=None)
+
+    def run_ready(self) -> None:
+        """Run callbacks until none is ready and no timer is due (a bound catches a spin)."""
+        for _ in range(10_000):
+            self.call_soon(self.stop)
+            self.run_forever()
+            due = self.next_timer()
+            if not self._ready and (due is None or due > self.now):
+                return
+        raise AssertionError("the event loop never settles: something spins")
+
+
+class FakeProcess:
+    pids = itertools.count(1000)
+
+    def __init__(self) -> None:
+        self.pid = next(self.pids)
+        self.exitcode: int | None = None
+        self.reaped = False
+
+    def kill(self) -> None:
+        if self.exitcode is None:
+            self.exitcode = -9
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+class FakeConn:
+    """A worker process's batch pipe: what it was sent, and which batches it answered."""
+
+    def __init__(self, process: FakeProcess, on_batch) -> None:
+        self.process = process
+        self.on_batch = on_batch
+        self.batches: list[Batch] = []
+        self.answered: set[int] = set()
+        self.cancelled: set[int] = set()
+
+    def send(self, message: Any) -> None:
+        if isinstance(message, Batch):
+            self.on_batch(message)
+            self.batches.append(message)
+        elif isinstance(message, Cancel):
+            self.cancelled.add(message.batch_id)
+        elif isinstance(message, Shutdown) and self.process.exitcode is None:
+            self.process.exitcode = 0
+
+    def unanswered(self) -> list[Batch]:
+        return [b for b in self.batches if b.batch_id not in self.answered]
+
+
+class NoReplies:
+    def fileno(self) -> int:
+        return -1
+
+    def close(self) -> None:
+        pass
+
+
+class Counts:
+    """The scheduler's and the pool's metrics."""
+
+    def __init__(self) -> None:
+        self.dropped: Counter[str] = Counter()
+
+    def drop(self, reason: str, count: int = 1) -> None:
+        self.dropped[reason] += count
+
+    def observe_batch(self, size: int, compute_seconds: float) -> None:
+        assert size > 0
+
+
+@dataclass(eq=False)
+class Request:
+    """What the test knows of a request: the reference the serving side is checked by."""
+
+    number: int
+    inputs: list[str]
+    params: dict[str, Any]
+    deadline: float
+    stream_id: int | None = None
+    running: Any = None
+    admitted: bool = False
+    cancelled: bool = False
+    ends: list[tuple[float, list | None, BaseException | None]] = field(default_factory=list)
+    unsent_at_end: int = 0  # its inputs never sent to a worker when it ended or was withdrawn
+    tokens: int = 0
+
+    @property
+    def live(self) -> bool:
+        return self.admitted and not self.cancelled and not self.ends
+
+    @property
+    def outcome(self) -> Reason | str | None:
+        if not self.ends:
+            return None
+        _, results, error = self.ends[0]
+        return "results" if results is not None else error.refusal.reason  # type: ignore[union-attr]
+
+
+class Serving:
+    """One model's scheduler and worker pool on a `TestClockLoop`, their worker processes
+    faked: the test plays the clients, the clock and the workers."""
+
+    def __init__(
+        self,
+        *,
+        workers: int = 1,
+        kind: str = "whole",
+        max_batch_size: int = 4,
+        max_queue: int = 16,
+        delay: float = 0.0,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        self.loop = TestClockLoop()
+        self.errors: list[dict] = []
+        self.loop.set_exception_handler(lambda _, context: self.errors.append(context))
+        self.requests: list[Request] = []
+        self.owner: dict[str, Request] = {}
+        self.sent: set[str] = set()  # inputs sent to a worker, once or more
+        self.sent_after_end: list[str] = []
+        self.conns: dict[int, FakeConn] = {}  # by pid
+        self.sequences = 3 if kind == "continuous" else 0
+        self.delay = delay
+        self.stopped = False
+        self.counts = Counts()
+        monkeypatch.setattr(pool_module, "start_process", self.start_process)
+        self.pool = WorkerPool(
+            WorkerConfig(model="fake"),
+            ["cpu"] * workers,
+            batch_timeout=BATCH_TIMEOUT,
+            overlap=kind == "overlap",
+            metrics=self.counts,
+            loop=self.loop,
+            clock=self.loop.time,
+        )
+        core = SchedulerCore(
+            max_queue=max_queue, max_batch_size=max_batch_size, max_batch_delay=delay
+        )
+        self.scheduler = Scheduler(
+            core, self.pool, clock=self.loop.time, loop=self.loop, metrics=self.counts
+        )
+        self.pool.on_idle = self.scheduler.wake
+        self.act(self.scheduler.start)
+        self.act(self.pool.start)
+
+    def start_process(self, context: Any, worker: WorkerHandle) -> tuple[Any, Any]:
+        process = FakeProcess()
+        conn = FakeConn(process, self.on_batch)
+        self.conns[process.pid] = conn
+        worker.process, worker.conn = process, conn  # type: ignore[assignment]
+        worker.cancelled_stream = type("Shared", (), {"value": 0})()
+        return process, NoReplies()
+
+    def act(self, action, *args) -> None:
+        """Run `action` on the loop, and everything it sets off that is due now."""
+        self.loop.call_soon(action, *args)
+        self.loop.run_ready()
+
+    def close(self) -> None:
+        self.loop.close()
+
+    # --- the clients -----------------------------------------------------------------
+
+    def arrive(
+        self, inputs: list[str], params: dict, timeout: float, stream=False, awaited=False
+    ) -> Request:
+        """A request begun (`Scheduler.begin`, as behind HTTP processes), or `awaited` by
+        a task (`Scheduler.run`)."""
+        request = Request(len(self.requests), inputs, dict(params), self.loop.now + timeout)
+        self.requests.append(request)
+        self.owner.update(dict.fromkeys(inputs, request))
+        control = NO_CONTROL
+        if stream:
+            request.stream_id = self.pool.open_stream(lambda chunk: self.on_token(request))
+            control = Control(stream_id=request.stream_id)
+
+        def begin() -> None:
+            try:
+                request.running = self.scheduler.begin(
+                    inputs,
+                    request.params,
+                    request.deadline,
+                    control,
+                    lambda results, error: self.on_end(request, results, error),
+                )
+            except Refused as refused:
+                assert refused.refusal.reason in ADMISSION_REASONS
+                self.end_stream(request)
+                return
+            request.admitted = True
+
+        def run() -> None:
+            request.admitted = True  # (unless the task is refused at once)
+            task = self.loop.create_task(
+                self.scheduler.run(inputs, request.params, request.deadline, control)
+            )
+            request.running = task
+            task.add_done_callback(lambda task: self.on_done(request, task))
+
+        self.act(run if awaited else begin)
+        return request
+
+    def on_done(self, request: Request, task: asyncio.Task) -> None:
+        if task.cancelled():  # its client left
+            return
+        error = task.exception()
+        if isinstance(error, Refused) and error.refusal.reason in ADMISSION_REASONS:
+            request.admitted = False
+            self.end_stream(request)
+            return
+        self.on_end(request, None if error else task.result(), error)
+
+    def on_end(self, request: Request, results, error) -> None:
+        assert not request.cancelled, "heard after its client left"
+        request.ends.append((self.loop.now, results, error))
+        request.unsent_at_end = sum(value not in self.sent for value in request.inputs)
+        self.end_stream(request)
+
+    def end_stream(self, request: Request) -> None:
+        if request.stream_id is not None:
+            self.pool.close_stream(request.stream_id)
+
+    def on_token(self, request: Request) -> None:
+        assert request.live, "a token for a request that has ended"
+        request.tokens += 1
+
+    def leave(self, request: Request) -> None:
+        def cancel() -> None:
+            request.cancelled = True
+            request.unsent_at_end = sum(value not in self.sent for value in request.inputs)
+            request.running.cancel()
+            self.end_stream(request)
+
+        self.act(cancel)
+
+    # --- the clock -------------------------------------------------------------------
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock, stopping at every timer on the way (each fires at its time)."""
+        target = self.loop.now + seconds
+        while (due := self.loop.next_timer()) is not None and due <= target:
+            self.loop.now = max(self.loop.now, due)
+            self.loop.run_ready()
+        self.loop.now = target
+        self.loop.run_ready()
+
+    # --- the workers -----------------------------------------------------------------
+
+    def on_batch(self, batch: Batch) -> None:
+        assert 1 <= len(batch.inputs) <= self.scheduler.core.max_batch_size
+        for value in batch.inputs:
+            request = self.owner[value]
+            assert batch.params == request.params, "inputs of two batch keys in one batch"
+            if not request.live:
+                self.sent_after_end.append(value)
+            self.sent.add(value)
+
+    def alive(self) -> list[tuple[WorkerHandle, FakeConn]]:
+        """Each worker with a process (running, or dead and not yet reaped)."""
+        return [
+            (w, self.conns[w.process.pid])
+            for w in self.pool.workers
+            if w.process is not None and not w.process.reaped  # type: ignore[attr-defined]
+        ]
+
+    def answerable(self) -> list[tuple[WorkerHandle, FakeConn, Batch]]:
+        """The batches a worker may answer next: the first it holds, a continuous
+        worker's any."""
+        found = []
+        for worker, conn in self.alive():
+            waiting = conn.unanswered()
+            found += [(worker, conn, batch) for batch in waiting[: None if self.sequences else 1]]
+        return found
+
+    def answer(self, worker: WorkerHandle, conn: FakeConn, batch: Batch, failing=()) -> None:
+        outputs = tuple(
+            ItemFailure(FailureKind.INPUT, f"bad {value}") if value in failing else ("out", value)
+            for value in batch.inputs
+        )
+        conn.answered.add(batch.batch_id)
+        self.act(self.pool._on_message, worker, BatchResult(batch.batch_id, outputs, 2 * TICK))
+
+    def stream_a_token(self, worker: WorkerHandle, batch: Batch) -> None:
+        assert batch.control.stream_id is not None
+        self.act(self.pool._on_message, worker, TokenChunk(batch.control.stream_id, 0, TOKEN))
+
+    def loading(self) -> list[WorkerHandle]:
+        return [
+            w
+            for w, conn in self.alive()
+            if w.state is WorkerState.LOADING and conn.process.exitcode is None
+        ]
+
+    def load(self, worker: WorkerHandle) -> None:
+        assert worker.process is not None
+        ready = WorkerReady(
+            worker.process.pid, "text-generation", "cpu", "float32", 0.1, sequences=self.sequences
+        )
+        self.act(self.pool._on_message, worker, ready)
+
+    def crash(self, worker: WorkerHandle) -> None:
+        """The worker's process dies (mid-batch or not), and its pipe's end is read."""
+        worker.process.kill()  # type: ignore[union-attr]
+        self.reap(worker)
+
+    def reap(self, worker: WorkerHandle) -> None:
+        process = worker.process
+        process.reaped = True  # type: ignore[union-attr]
+        self.act(self.pool._on_exit, worker, process)
+
+    def reap_the_killed(self) -> None:
+        """The workers the pool killed (a batch ran over its timeout) are seen to exit."""
+        for worker, conn in self.alive():
+            if conn.process.exitcode is not None:
+                self.reap(worker)
+
+    def shut_down(self) -> None:
+        """What the server does once its grace is over: the queue answered 503, then the
+        workers stopped (those still running killed, their batches answered 503)."""
+        self.stopped = True
+        self.loop.run_until_complete(self.scheduler.stop())
+        self.loop.run_until_complete(self.pool.shutdown(wait=True))
+        self.reap_the_killed()
+        self.loop.run_ready()
+
+    # --- the checks ------------------------------------------------------------------
+
+    def check(self) -> None:
+        assert self.errors == [], self.errors
+        assert self.sent_after_end == [], "computed for a request that had ended"
+        for request in self.requests:
+            self.check_request(request)
+        self.check_books()
+
+    def check_request(self, request: Request) -> None:
+        assert len(request.ends) <= 1, request.ends
+        if request.admitted and not request.cancelled and self.loop.now >= request.deadline:
+            assert request.ends, f"request {request.number} outlived its deadline"
+        for when, results, error in request.ends:
+            if results is None:
+                assert isinstance(error, Refused), error
+                if error.refusal.reason is Reason.DEADLINE_PASSED:
+                    assert when >= request.deadline
+                else:
+                    assert error.refusal.reason is Reason.SHUTTING_DOWN, error
+                continue
+            assert when < request.deadline, "answered past its deadline"
+            assert len(results) == len(request.inputs)
+            for value, result in zip(request.inputs, results, strict=True):
+                own = (("out", value), ItemFailure(FailureKind.INPUT, f"bad {value}"))
+                assert result.output in own or result.output in SUPERVISION_OUTPUTS, (
+                    value,
+                    result.output,
+                )
+
+    def check_books(self) -> None:
+        scheduler, core = self.scheduler, self.scheduler.core
+        queued = [item for queue in core._queues.values() for item in queue]
+        assert len(core) == len(queued) <= core.max_queue
+        assert core.queued_tokens() == sum(item.cost for item in queued)
+        for item in queued:
+            assert item.queued and self.owner[item.input].live, "a withdrawn item left queued"
+        assert len(scheduler._runs) == sum(r.live for r in self.requests)
+        assert scheduler.in_flight == sum(len(batch) for batch in scheduler._sent.values())
+        assert len(core._in_flight) == len(scheduler._sent)
+        if not self.stopped and self.delay == 0 and self.pool.idle_workers():
+            ready = [item for item in queued if core._can_finish(item, self.loop.now)]
+            assert ready == [], "queued beside a free worker"
+        # every item answered without a model call is counted once, by why
+        refused = [r for r in self.requests if not r.admitted]
+        assert self.counts.dropped["rejected"] == sum(len(r.inputs) for r in refused)
+        left = [r for r in self.requests if r.cancelled]
+        assert self.counts.dropped["disconnected"] == sum(r.unsent_at_end for r in left)
+        late = [r for r in self.requests if r.outcome is Reason.DEADLINE_PASSED]
+        assert self.counts.dropped["expired"] == sum(r.unsent_at_end for r in late)
+
+    def check_nothing_is_left(self) -> None:
+        """After the shutdown: every request admitted ended, and nothing is held."""
+        for request in self.requests:
+            if request.admitted and not request.cancelled:
+                assert len(request.ends) == 1, f"request {request.number} never ended"
+        assert len(self.scheduler.core) == 0 and self.scheduler.in_flight == 0
+        assert self.scheduler.core._in_flight == {} and self.scheduler._sent == {}
+        assert self.scheduler._runs == {}
+        assert not self.pool._retries and not self.pool._tasks
+        assert self.pool.streams._listeners == {}
+        assert self.errors == [], self.errors
+
+
+# --- what the model-based test found, each on its own ------------------------------------
+
+
+@pytest.fixture
+def loaded(monkeypatch):
+    """Makes a `Serving` whose one worker has loaded (closed after the test)."""
+    made: list[Serving] = []
+
+    def make(**options) -> Serving:
+        made.append(Serving(monkeypatch=monkeypatch, **options))
+        made[-1].load(made[-1].pool.workers[0])
+        return made[-1]
+
+    yield make
+    for serving in made:
+        serving.close()
+
+
+@pytest.fixture
+def serving(loaded):
+    return loaded()
+
+
+def sent(serving: Serving) -> list[tuple[str, ...]]:
+    return [batch.inputs for conn in serving.conns.values() for batch in conn.batches]
+
+
+@pytest.mark.parametrize("ended", ["before the crash", "after it"])
+def test_an_input_whose_request_ended_is_not_run_again_after_a_crash(serving, ended):
+    """A batch lost in a crash runs again an item at a time, ahead of the queue: an item
+    whose request has ended (504 at its deadline, or its client left) ran for nobody,
+    while the queue waited behind it."""
+    worker = serving.pool.workers[0]
+    busy = serving.arrive(["busy"], {}, timeout=8.0)
+    short = serving.arrive(["short"], {}, timeout=0.5)
+    long = serving.arrive(["long"], {}, timeout=8.0)
+    serving.answer(*serving.answerable()[0])
+    assert sent(serving) == [("busy",), ("short", "long")] and busy.outcome == "results"
+    if ended == "before the crash":
+        serving.advance(1.0)
+    serving.crash(worker)
+    serving.advance(1.0)  # the short deadline has passed before the worker is back
+    assert short.outcome is Reason.DEADLINE_PASSED
+    serving.load(worker)
+    assert sent(serving)[2:] == [("long",)]  # only the input someone waits for
+    serving.answer(*serving.answerable()[0])
+    assert long.outcome == "results" and long.ends[0][1][0].output == ("out", "long")
+    serving.check()
+
+
+@pytest.mark.parametrize("kind", ["whole", "overlap"])
+def test_a_batch_nobody_waits_for_is_not_run_again_after_a_crash(loaded, kind):
+    """Nor is the batch a worker held behind the one it ran, once nobody waits for it."""
+    serving = loaded(kind=kind, max_batch_size=1)
+    worker = serving.pool.workers[0]
+    late = [serving.arrive([value], {}, timeout=0.5) for value in ("late", "later")]
+    held = [("late",), ("later",)] if kind == "overlap" else [("late",)]
+    assert sent(serving) == held
+    serving.advance(1.0)  # their deadline passes while their batches are held
+    assert [request.outcome for request in late] == [Reason.DEADLINE_PASSED] * 2
+    serving.crash(worker)
+    serving.advance(1.0)
+    serving.load(worker)
+    fresh = serving.arrive(["fresh"], {}, timeout=8.0)
+    assert sent(serving) == [*held, ("fresh",)]  # not run again, nor waited for
+    serving.answer(*serving.answerable()[0])
+    assert fresh.outcome == "results"
+    serving.check()
+
+
+def test_a_worker_holding_two_batches_takes_the_second_at_once_until_one_is_timed(loaded):
+    """Until a batch has been timed, a worker that holds two batches takes its second as
+    the first starts: what is queued goes behind it then, not once the first is answered."""
+    serving = loaded(kind="overlap", max_batch_size=1)
+    serving.arrive(["a", "b"], {}, timeout=8.0)
+    assert sent(serving) == [("a",), ("b",)]
+    serving.check()
+
+
+# --- the model-based test ----------------------------------------------------------------
+
+
+class ServingMachine(RuleBasedStateMachine):
+    """The clients, the clock and the workers of one served model, at random."""
+
+    serving: Serving
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        super().__init__()
+        self.monkeypatch = monkeypatch
+
+    @initialize(
+        workers=st.integers(1, 2),
+        kind=st.sampled_from(["whole", "overlap", "continuous"]),
+        max_batch_size=st.integers(1, 4),
+        max_queue=st.integers(2, 16),
+        delay=st.sampled_from([0.0, 2 * TICK]),
+        loaded=st.sampled_from([True, True, True, False]),
+    )
+    def start(self, workers, kind, max_batch_size, max_queue, delay, loaded) -> None:
+        self.serving = Serving(
+            workers=workers,
+            kind=kind,
+            max_batch_size=max_batch_size,
+            max_queue=max_queue,
+            delay=delay,
+            monkeypatch=self.monkeypatch,
+        )
+        if loaded:  # (else they load as a step)
+            for worker in self.serving.pool.workers:
+                self.serving.load(worker)
+
+    # --- the clients -----------------------------------------------------------------
+
+    @precondition(lambda self: not self.serving.stopped)
+    @rule(
+        kind=st.sampled_from(sorted(KINDS)),
+        size=st.integers(0, 4),
+        timeout=st.sampled_from(TIMEOUTS),
+        length=st.integers(1, 40),
+        awaited=st.booleans(),
+    )
+    def arrive(self, kind, size, timeout, length, awaited) -> None:
+        params, sizes = KINDS[kind]
+        number = len(self.serving.requests)
+        count = sizes[size % len(sizes)]
+        inputs = [f"r{number}i{k} " + "x" * (length * (k + 1)) for k in range(count)]
+        self.serving.arrive(inputs, params, timeout, stream=kind == "stream", awaited=awaited)
+
+    @precondition(lambda self: any(r.live for r in self.serving.requests))
+    @rule(data=st.data())
+    def leave(self, data) -> None:
+        live = [r for r in self.serving.requests if r.live]
+        self.serving.leave(data.draw(st.sampled_from(live)))
+
+    @rule(ticks=st.sampled_from([1, 4, 32, 128, 512]))
+    def advance(self, ticks) -> None:
+        self.serving.advance(ticks * TICK)
+
+    # --- the workers -----------------------------------------------------------------
+
+    @precondition(lambda self: bool(self.serving.answerable()))
+    @rule(data=st.data())
+    def answer(self, data) -> None:
+        worker, conn, batch = data.draw(st.sampled_from(self.serving.answerable()))
+        failing = data.draw(st.sets(st.sampled_from(batch.inputs)))
+        self.serving.answer(worker, conn, batch, failing)
+
+    @precondition(lambda self: bool(self.serving.answerable()))
+    @rule(data=st.data())
+    def answer_as_a_timer_fires(self, data) -> None:
+        """The answer comes in the loop's pass where the next timer (a deadline, say)
+        fires, read before it."""
+        worker, conn, batch = data.draw(st.sampled_from(self.serving.answerable()))
+        due = self.serving.loop.next_timer()
+        if due is not None:
+            self.serving.loop.now = max(self.serving.loop.now, due)
+        self.serving.answer(worker, conn, batch)
+
+    @precondition(lambda self: bool(self.serving.answerable()))
+    @rule()
+    def answer_everything(self) -> None:
+        while answerable := self.serving.answerable():
+            self.serving.answer(*answerable[0])
+
+    @precondition(lambda self: any(b.control.stream_id for _, _, b in self.serving.answerable()))
+    @rule(data=st.data())
+    def stream_a_token(self, data) -> None:
+        streaming = [(w, b) for w, _, b in self.serving.answerable() if b.control.stream_id]
+        self.serving.stream_a_token(*data.draw(st.sampled_from(streaming)))
+
+    @precondition(lambda self: bool(self.serving.loading()))
+    @rule(data=st.data())
+    def load(self, data) -> None:
+        self.serving.load(data.draw(st.sampled_from(self.serving.loading())))
+
+    # (a first load that fails stops the server: `wait_ready` raises)
+    @precondition(lambda self: self.serving.pool.loaded and self.serving.loading())
+    @rule(data=st.data())
+    def fail_to_load(self, data) -> None:
+        worker = data.draw(st.sampled_from(self.serving.loading()))
+        self.serving.act(self.serving.pool._on_message, worker, WorkerLoadFailed("no memory"))
+        self.serving.crash(worker)
+
+    @precondition(lambda self: bool(self.serving.alive()))
+    @rule(data=st.data())
+    def crash(self, data) -> None:
+        worker, _ = data.draw(st.sampled_from(self.serving.alive()))
+        self.serving.crash(worker)
+
+    @rule()
+    def reap_the_killed(self) -> None:
+        self.serving.reap_the_killed()
+
+    # (late, else it cuts most runs short)
+    @precondition(lambda self: not self.serving.stopped and len(self.serving.requests) > 8)
+    @rule()
+    def shut_down(self) -> None:
+        self.serving.shut_down()
+
+    # --- the checks ------------------------------------------------------------------
+
+    @invariant()
+    def holds(self) -> None:
+        if hasattr(self, "serving"):
+            self.serving.check()
+
+    def teardown(self) -> None:
+        if not hasattr(self, "serving"):
+            return
+        try:
+            if not self.serving.stopped:
+                self.serving.shut_down()
+            self.serving.check()
+            self.serving.check_nothing_is_left()
+        finally:
+            self.serving.close()
+
+
+def test_the_serving_side_keeps_its_promises_whatever_happens_in_between(monkeypatch):
+    run_state_machine_as_test(
+        lambda: ServingMachine(monkeypatch),
+        settings=settings(
+            max_examples=80,  # (tens of thousands, run by hand, found nothing more)
+            stateful_step_count=50,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
