@@ -1137,6 +1137,20 @@ def test_each_forward_pass_sends_every_streams_tokens_in_one_message(runner):
         assert len([c for c in streamed if c.stream_id == stream_id]) == GREEDY["max_new_tokens"]
 
 
+def test_no_more_sequences_run_at_once_than_the_loops_rows(runner):
+    """`--max-sequences`: a sequence waits for a free row, and takes one as it frees."""
+    streams = [
+        Batch(i, (text,), {**GREEDY, "max_new_tokens": n}, control=Control(stream_id=20 + i))
+        for i, (text, n) in enumerate([("the movie was", 3), ("a good film", 6), ("word", 3)])
+    ]
+    sent = serve(runner, {0: streams}, rows=2)
+    passes = [{c.stream_id for c in m.chunks} for m in sent if isinstance(m, TokenChunks)]
+    assert max(len(rows) for rows in passes) == 2  # a token per running row each pass
+    assert sorted(results(sent)) == [0, 1, 2]
+    # the third joins as the first leaves: after their prefill and two steps
+    assert [22 in rows for rows in passes][:4] == [False, False, False, True]
+
+
 def test_the_shared_cancelled_stream_integer_stops_that_stream_only(runner):
     flag = SimpleNamespace(value=9)
     chunks, answer = streamed(runner, Control(stream_id=9), cancelled_stream=flag)
@@ -1159,39 +1173,64 @@ class FailingForward:
         return self.forward(*args, **kwargs)
 
 
-@pytest.mark.parametrize(
-    ("error", "kind"),
-    [
-        (RuntimeError("a kernel failed"), FailureKind.INTERNAL),
-        ("oom", FailureKind.OUT_OF_MEMORY),
-    ],
-)
-def test_a_failing_step_fails_its_running_sequences_and_the_loop_goes_on(
-    runner, monkeypatch, error, kind
-):
-    import torch
-
+def test_a_failing_step_fails_its_running_sequences_and_the_loop_goes_on(runner, monkeypatch):
     from rawserve.worker.generating import GenerationLoop
 
-    exc = torch.OutOfMemoryError("CUDA out of memory") if error == "oom" else error
     params = {"max_new_tokens": 10, "do_sample": False}
     running = [Batch(1, ("the movie was",), params), Batch(2, ("a good film",), params)]
     later = Batch(3, ("hello",), params)
     sent: list[Any] = []
     loop = GenerationLoop(runner, sent.append, 8)
-    failing = FailingForward(runner.model.forward, exc, failing={4})  # a step, not the join
-    monkeypatch.setattr(runner.model, "forward", failing)
+    failing = FailingForward(runner.model.forward, RuntimeError("a kernel failed"), {4})
+    monkeypatch.setattr(runner.model, "forward", failing)  # a step, not the join
     loop.run(Script({0: running, 8: [later]}))
     monkeypatch.undo()
     answered = results(sent)
     for batch_id in (1, 2):
         (failure,) = answered[batch_id].outputs
-        assert isinstance(failure, ItemFailure) and failure.kind is kind
+        assert isinstance(failure, ItemFailure) and failure.kind is FailureKind.INTERNAL
     assert answered[3].outputs == (static(runner, "hello", params),)
-    if kind is FailureKind.OUT_OF_MEMORY:
-        assert loop.cap.limit == 1  # two rows ran out of memory: one at a time for a while
-    else:
-        assert loop.cap.limit is None
+    assert loop.cap.limit is None
+
+
+def test_sequences_out_of_memory_together_start_again_fewer_at_once(runner, monkeypatch):
+    """As the static path splits a batch that ran out of memory and retries its halves:
+    the sequences start again from their prompts, half as many at once, and answer what
+    they answer alone (a seeded sample its own); a stream that has sent tokens cannot
+    start again, nor can a sequence that ran out of memory alone: those fail."""
+    import torch
+
+    from rawserve.worker.generating import GenerationLoop
+
+    greedy = {"max_new_tokens": 5, "do_sample": False, "details": True}
+    sampled = {"max_new_tokens": 5, "do_sample": True, "seed": 5, "details": True}
+    running = [
+        Batch(1, ("the movie was",), greedy),
+        Batch(2, ("a good film",), sampled),
+        Batch(3, ("hello",), greedy, control=Control(stream_id=7)),
+    ]
+    oom = torch.OutOfMemoryError("CUDA out of memory")
+
+    def serve_failing(batches: list[Batch], failing: set[int]) -> tuple[Any, dict]:
+        sent: list[Any] = []
+        loop = GenerationLoop(runner, sent.append, 8)
+        monkeypatch.setattr(runner.model, "forward", FailingForward(forward, oom, failing))
+        loop.run(Script({0: batches}))
+        monkeypatch.undo()
+        return loop, results(sent)
+
+    forward = runner.model.forward
+    loop, answered = serve_failing(running, {4})  # the prefill, two steps, out of memory
+    for batch in running[:2]:
+        expected = static(runner, batch.inputs[0], batch.params)
+        (got,) = answered[batch.batch_id].outputs
+        assert without_logprobs(got) == without_logprobs(expected), batch.batch_id
+    assert loop.cap.limit == 1  # three rows ran out of memory: one at a time for a while
+    (failure,) = answered[3].outputs  # its first tokens are with its client
+    assert isinstance(failure, ItemFailure) and failure.kind is FailureKind.OUT_OF_MEMORY
+    _, answered = serve_failing(running[:1], {3})  # alone: nothing to split
+    (failure,) = answered[1].outputs
+    assert isinstance(failure, ItemFailure) and failure.kind is FailureKind.OUT_OF_MEMORY
 
 
 def test_a_causal_lm_batches_continuously_unless_static_is_asked(runner):
