@@ -317,6 +317,27 @@ def test_batches_are_answered_as_they_finish_not_as_they_came(runner):
     assert answered[2].compute_seconds < answered[1].compute_seconds
 
 
+def test_a_sequence_done_at_its_first_token_leaves_before_the_decoding_step(runner, monkeypatch):
+    """Its prefill made its only token: no decoding step runs for it."""
+    one = Batch(1, ("a good film",), {"max_new_tokens": 1, "do_sample": False})
+    counted = FailingForward(runner.model.forward, RuntimeError("unused"), set())
+    monkeypatch.setattr(runner.model, "forward", counted)
+    answered = results(serve(runner, {0: [one]}))
+    monkeypatch.undo()
+    assert counted.calls == 1  # the prefill alone
+    assert answered[1].outputs == (static(runner, "a good film", one.params),)
+
+
+def test_a_sequence_is_answered_at_the_step_it_ends_before_the_next_one(runner):
+    streamed = Batch(1, ("the movie was",), GREEDY, control=Control(stream_id=9))
+    short = Batch(2, ("a good film",), {"max_new_tokens": 3, "do_sample": False})
+    sent = serve(runner, {0: [streamed, short]})
+    passes = [i for i, m in enumerate(sent) if isinstance(m, TokenChunks)]
+    answer = next(i for i, m in enumerate(sent) if isinstance(m, BatchResult))
+    assert sent[answer].batch_id == 2
+    assert answer == passes[2] + 1  # the prefill, two steps: then its answer, then a step
+
+
 def test_stop_sequences_end_a_row_as_the_static_path_ends_it(runner):
     (free,) = static(runner, "the movie was", {**GREEDY, "max_new_tokens": 30})
     words = free["generated_text"].removeprefix("the movie was").split()
