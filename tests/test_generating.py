@@ -317,6 +317,25 @@ def test_batches_are_answered_as_they_finish_not_as_they_came(runner):
     assert answered[2].compute_seconds < answered[1].compute_seconds
 
 
+def test_a_batchs_compute_seconds_run_from_its_arrival_to_its_answer(runner, monkeypatch):
+    """A clock that a forward pass moves by one second: the short batch arrives after the
+    long one's prefill and four steps, and is answered after its prefill and two steps;
+    the long one after its prefill, 19 steps and the short one's prefill."""
+    now = [0.0]
+    forward = runner.model.forward
+
+    def one_second(*args, **kwargs):
+        now[0] += 1
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner.model, "forward", one_second)
+    long = Batch(1, ("the movie was",), {"max_new_tokens": 20, "do_sample": False})
+    short = Batch(2, ("a good film",), {"max_new_tokens": 3, "do_sample": False})
+    answered = results(serve(runner, {0: [long], 5: [short]}, clock=lambda: now[0]))
+    monkeypatch.undo()
+    assert (answered[1].compute_seconds, answered[2].compute_seconds) == (21, 3)
+
+
 def test_a_sequence_done_at_its_first_token_leaves_before_the_decoding_step(runner, monkeypatch):
     """Its prefill made its only token: no decoding step runs for it."""
     one = Batch(1, ("a good film",), {"max_new_tokens": 1, "do_sample": False})
