@@ -1233,6 +1233,28 @@ def test_a_failing_step_fails_its_running_sequences_and_the_loop_goes_on(runner,
     assert loop.cap.limit is None
 
 
+def test_a_failing_prefill_fails_the_sequences_joining_in_it(runner, monkeypatch):
+    """They are neither waiting nor rows while it runs: they fail, not hang unanswered."""
+    from rawserve.worker.generating import GenerationLoop
+
+    params = {"max_new_tokens": 6, "do_sample": False}
+    running = Batch(1, ("the movie was",), params)
+    joining = Batch(2, ("a good film",), params)
+    later = Batch(3, ("hello",), params)
+    sent: list[Any] = []
+    loop = GenerationLoop(runner, sent.append, 8)
+    # calls: the first's prefill and a step, then the joiner's prefill
+    failing = FailingForward(runner.model.forward, RuntimeError("a kernel failed"), {3})
+    monkeypatch.setattr(runner.model, "forward", failing)
+    loop.run(Script({0: [running], 2: [joining], 8: [later]}))
+    monkeypatch.undo()
+    answered = results(sent)
+    assert sorted(answered) == [1, 2, 3]
+    (failure,) = answered[2].outputs
+    assert isinstance(failure, ItemFailure) and failure.kind is FailureKind.INTERNAL
+    assert answered[3].outputs == (static(runner, "hello", params),)
+
+
 def test_sequences_out_of_memory_together_start_again_fewer_at_once(runner, monkeypatch):
     """As the static path splits a batch that ran out of memory and retries its halves:
     the sequences start again from their prompts, half as many at once, and answer what
