@@ -896,6 +896,17 @@ def test_a_cancelled_batch_frees_its_row_at_the_next_step(runner):
     assert answered[2].outputs[0][0]["details"]["generated_tokens"] == 5
 
 
+def test_a_waiting_sequence_takes_a_cancelled_rows_place_before_the_next_step(runner):
+    params = {**GREEDY, "max_new_tokens": 30}
+    streams = [Batch(i, (text,), params, control=Control(stream_id=i)) for i, text in
+               enumerate(["the movie was", "a good film", "word"])]  # fmt: skip
+    sent = serve(runner, {0: streams, 4: [Cancel(1)]}, rows=2)
+    passes = [{c.stream_id for c in m.chunks} for m in sent if isinstance(m, TokenChunks)]
+    cancelled = max(i for i, rows in enumerate(passes) if 1 in rows)
+    assert passes[cancelled + 1] == {2}  # the third's prefill, then the step of both
+    assert passes[cancelled + 2] == {0, 2}
+
+
 def test_a_prompt_that_cannot_fit_fails_alone_at_once_as_the_static_path_fails(runner):
     too_long = "word " * POSITIONS
     params = {"max_new_tokens": 10, "do_sample": False}
