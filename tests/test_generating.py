@@ -367,6 +367,25 @@ def test_stop_sequences_end_a_row_as_the_static_path_ends_it(runner):
     assert without_logprobs(got) == without_logprobs(static(runner, "the movie was", params))
 
 
+@pytest.mark.parametrize(
+    ("text", "piece", "stops", "ends"),
+    [
+        ("so abc", "c", ["abc"], True),  # begun two pieces before, ended in this one
+        ("so abc", "bc", ["abc"], True),
+        ("abc", "abc", ["abc"], True),
+        ("so abcd", "d", ["abc"], False),  # ended in an earlier piece: found then
+        ("so ab", "b", ["abc"], False),
+        ("so abc", "", ["abc"], False),  # no text new (a cut character held back)
+        ("a b", "", ["a"], False),
+        ("x", "x", ["y", "x"], True),  # any of them
+    ],
+)
+def test_a_stop_sequence_counts_in_the_piece_it_ends_in(text, piece, stops, ends):
+    from rawserve.worker.continuous import ends_a_stop
+
+    assert ends_a_stop(text, piece, stops) is ends
+
+
 def test_an_asked_min_new_tokens_holds_stop_sequences_back_on_both_paths(runner):
     """OpenAI's min_tokens as vLLM reads it: no stop sequence ends a row before it, as
     no end of sequence does; the output says where in its text stops start to count."""
