@@ -942,6 +942,19 @@ def test_a_prompt_that_cannot_fit_fails_alone_at_once_as_the_static_path_fails(r
     assert results(sent)[2].outputs[0].kind is FailureKind.INPUT
 
 
+def test_prompts_only_scored_take_no_row_even_one_filling_the_positions(runner, monkeypatch):
+    """max_new_tokens 0: nothing to generate, so no forward pass, and a prompt as long as
+    the positions is scored as on the static path (no new token needs room after it)."""
+    prompts = ([7] * POSITIONS, [7, 8, 9])
+    params = {**GREEDY, "max_new_tokens": 0, "return_full_text": False}
+    counted = FailingForward(runner.model.forward, RuntimeError("unused"), set())
+    monkeypatch.setattr(runner.model, "forward", counted)
+    answered = results(serve(runner, {0: [Batch(1, prompts, params)]}))
+    assert counted.calls == 0
+    monkeypatch.undo()
+    assert answered[1].outputs == tuple(static(runner, prompt, params) for prompt in prompts)
+
+
 def test_a_prompt_of_token_ids_answers_as_its_text_on_both_paths(runner):
     params = {**GREEDY, "max_new_tokens": 12, "details": True, "return_full_text": False}
     texts = ["the movie was", "paris is a city of"]
