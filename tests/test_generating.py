@@ -1244,13 +1244,16 @@ def test_the_shared_cancelled_stream_integer_stops_that_stream_only(runner):
 
 
 class FailingForward:
-    """A model's forward that raises `error` on the calls listed in `failing` (1-based)."""
+    """A model's forward that raises `error` on the calls listed in `failing` (1-based);
+    `rows`: each call's rows."""
 
     def __init__(self, forward, error: Exception, failing: set[int]):
         self.forward, self.error, self.failing, self.calls = forward, error, failing, 0
+        self.rows: list[int] = []
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
+        self.rows.append(len(kwargs["input_ids"]))
         if self.calls in self.failing:
             raise self.error
         return self.forward(*args, **kwargs)
@@ -1319,13 +1322,15 @@ def test_sequences_out_of_memory_together_start_again_fewer_at_once(runner, monk
     def serve_failing(batches: list[Batch], failing: set[int]) -> tuple[Any, dict]:
         sent: list[Any] = []
         loop = GenerationLoop(runner, sent.append, 8)
-        monkeypatch.setattr(runner.model, "forward", FailingForward(forward, oom, failing))
+        calls = FailingForward(forward, oom, failing)
+        monkeypatch.setattr(runner.model, "forward", calls)
         loop.run(Script({0: batches}))
         monkeypatch.undo()
-        return loop, results(sent)
+        return calls.rows, loop, results(sent)
 
     forward = runner.model.forward
-    loop, answered = serve_failing(running, {4})  # the prefill, two steps, out of memory
+    rows, loop, answered = serve_failing(running, {4})  # the prefill, two steps, out of memory
+    assert rows[:4] == [3, 3, 3, 3] and set(rows[4:]) == {1}  # then one at a time
     for batch in running[:2]:
         expected = static(runner, batch.inputs[0], batch.params)
         (got,) = answered[batch.batch_id].outputs
@@ -1333,7 +1338,7 @@ def test_sequences_out_of_memory_together_start_again_fewer_at_once(runner, monk
     assert loop.cap.limit == 1  # three rows ran out of memory: one at a time for a while
     (failure,) = answered[3].outputs  # its first tokens are with its client
     assert isinstance(failure, ItemFailure) and failure.kind is FailureKind.OUT_OF_MEMORY
-    _, answered = serve_failing(running[:1], {3})  # alone: nothing to split
+    _, _, answered = serve_failing(running[:1], {3})  # alone: nothing to split
     (failure,) = answered[1].outputs
     assert isinstance(failure, ItemFailure) and failure.kind is FailureKind.OUT_OF_MEMORY
 
