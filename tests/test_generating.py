@@ -1343,6 +1343,24 @@ def test_sequences_out_of_memory_together_start_again_fewer_at_once(runner, monk
     assert isinstance(failure, ItemFailure) and failure.kind is FailureKind.OUT_OF_MEMORY
 
 
+def test_after_out_of_memory_the_rows_double_back_after_good_steps(runner, monkeypatch):
+    import torch
+
+    from rawserve.worker.generating import GenerationLoop
+
+    params = {"max_new_tokens": 8, "do_sample": False}
+    batches = [Batch(i, (text,), params) for i, text in enumerate(TEXTS[:3])]
+    loop = GenerationLoop(runner, lambda message: None, 8)
+    loop.cap.restore_after = 2
+    oom = torch.OutOfMemoryError("CUDA out of memory")
+    calls = FailingForward(runner.model.forward, oom, {2})  # the first step
+    monkeypatch.setattr(runner.model, "forward", calls)
+    loop.run(Script({0: batches}))
+    monkeypatch.undo()
+    assert calls.rows[:3] == [3, 3, 1]  # one at a time after it, then more again
+    assert max(calls.rows[3:]) > 1 and loop.cap.limit is None
+
+
 def test_a_causal_lm_batches_continuously_unless_static_is_asked(runner):
     from rawserve.worker.generating import ROWS_ON_CPU, continuous_loop
 
