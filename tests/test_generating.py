@@ -1234,6 +1234,26 @@ def test_no_more_sequences_run_at_once_than_the_loops_rows(runner):
     assert [22 in rows for rows in passes][:4] == [False, False, False, True]
 
 
+def test_passes_with_no_tokens_to_stream_say_progress_once_a_second(runner, monkeypatch):
+    """The server counts a worker hung when it hears nothing: with no stream to send to,
+    a pass says `Progress`, at most once every PROGRESS_EVERY seconds (a clock that each
+    forward pass moves by a quarter of one: every fourth pass)."""
+    from rawserve.shared.messages import PROGRESS_EVERY, Progress
+
+    now = [0.0]
+    forward = runner.model.forward
+
+    def a_quarter(*args, **kwargs):
+        now[0] += PROGRESS_EVERY / 4
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner.model, "forward", a_quarter)
+    quiet = Batch(1, ("the movie was",), {"max_new_tokens": 12, "do_sample": False})
+    sent = serve(runner, {0: [quiet]}, clock=lambda: now[0])
+    monkeypatch.undo()
+    assert [type(m) for m in sent] == [Progress] * 3 + [BatchResult]
+
+
 def test_the_shared_cancelled_stream_integer_stops_that_stream_only(runner):
     flag = SimpleNamespace(value=9)
     chunks, answer = streamed(runner, Control(stream_id=9), cancelled_stream=flag)
