@@ -916,7 +916,7 @@ def test_a_cancelled_batch_frees_its_row_at_the_next_step(runner):
 
 
 def test_a_waiting_sequence_takes_a_cancelled_rows_place_before_the_next_step(runner):
-    params = {**GREEDY, "max_new_tokens": 30}
+    params = {**GREEDY, "max_new_tokens": 10}
     streams = [Batch(i, (text,), params, control=Control(stream_id=i)) for i, text in
                enumerate(["the movie was", "a good film", "word"])]  # fmt: skip
     sent = serve(runner, {0: streams, 4: [Cancel(1)]}, rows=2)
