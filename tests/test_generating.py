@@ -1435,6 +1435,8 @@ def test_a_server_that_is_gone_ends_the_loop(runner):
     params = {"max_new_tokens": 200, "do_sample": False}
     loop.run(Script({0: [Batch(1, ("the movie was",), params, control=Control(stream_id=3))]}))
     assert loop.server_gone
+    (row,) = loop.batcher.rows  # not run to its end: the loop stops after that step
+    assert len(row.tokens) == 2  # its prefill's token could not go, nor its step's
 
 
 def test_the_end_tokens_the_models_generation_config_names_end_a_sequence(runner, monkeypatch):
