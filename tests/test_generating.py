@@ -596,9 +596,12 @@ def test_a_row_whose_sampling_has_nothing_to_draw_from_fails_alone(runner):
     # a penalty that divides the seen tokens' scores into infinities
     broken = {**sampled, "repetition_penalty": 1e-300}
     mates = [Batch(1, ("the movie was",), GREEDY), Batch(3, ("paris is",), sampled)]
-    answered = results(serve(runner, {0: [*mates, Batch(2, ("the movie was",), broken)]}))
+    streamed = Batch(2, ("the movie was",), broken, control=Control(stream_id=4))
+    sent = serve(runner, {0: [*mates, streamed]})
+    answered = results(sent)
     failed = answered[2].outputs[0]
     assert failed.kind is FailureKind.INPUT and "sampling failed numerically" in failed.message
+    assert streamed_ids(sent, 4) == []  # no token drawn: none streamed
     alone = results(serve(runner, {0: mates}))
     assert [answered[b.batch_id].outputs for b in mates] == [
         alone[b.batch_id].outputs for b in mates
