@@ -1451,6 +1451,11 @@ def test_the_end_tokens_the_models_generation_config_names_end_a_sequence(runner
     details = ended.outputs[0][0]["details"]
     assert details["finish_reason"] == "eos_token"
     assert details["generated_tokens"] == ids.index(end) + 1
+    # and the tokenizer's own end token still ends one (made the likeliest)
+    likely = {**GREEDY, "logit_bias": {runner.tokenizer.eos_token_id: 100.0}}
+    ended = results(serve(runner, {0: [Batch(1, ("the movie was",), likely)]}))[1]
+    details = ended.outputs[0][0]["details"]
+    assert (details["finish_reason"], details["generated_tokens"]) == ("eos_token", 1)
 
 
 def test_the_end_tokens_the_models_generation_config_names_end_a_row_on_the_static_path(
