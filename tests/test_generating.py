@@ -918,6 +918,17 @@ def test_a_cancelled_batch_frees_its_row_at_the_next_step(runner):
     assert answered[2].outputs[0][0]["details"]["generated_tokens"] == 5
 
 
+def test_a_sequence_cancelled_while_it_waits_never_runs(runner, monkeypatch):
+    running = Batch(1, ("the movie was",), {**GREEDY, "max_new_tokens": 6})
+    waiting = Batch(2, ("word " * 20,), GREEDY)  # its prefill: wider than any other pass
+    counted = FailingForward(runner.model.forward, RuntimeError("unused"), set())
+    monkeypatch.setattr(runner.model, "forward", counted)
+    answered = results(serve(runner, {0: [running, waiting], 2: [Cancel(2)]}, rows=1))
+    monkeypatch.undo()
+    assert answered[2].outputs[0][0]["details"]["finish_reason"] == "cancelled"
+    assert max(counted.widths) < 20 and max(counted.rows) == 1
+
+
 def test_a_waiting_sequence_takes_a_cancelled_rows_place_before_the_next_step(runner):
     params = {**GREEDY, "max_new_tokens": 10}
     streams = [Batch(i, (text,), params, control=Control(stream_id=i)) for i, text in
@@ -1268,15 +1279,17 @@ def test_the_shared_cancelled_stream_integer_stops_that_stream_only(runner):
 
 class FailingForward:
     """A model's forward that raises `error` on the calls listed in `failing` (1-based);
-    `rows`: each call's rows."""
+    `rows` and `widths`: each call's rows and tokens a row."""
 
     def __init__(self, forward, error: Exception, failing: set[int]):
         self.forward, self.error, self.failing, self.calls = forward, error, failing, 0
         self.rows: list[int] = []
+        self.widths: list[int] = []
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
         self.rows.append(len(kwargs["input_ids"]))
+        self.widths.append(kwargs["input_ids"].shape[1])
         if self.calls in self.failing:
             raise self.error
         return self.forward(*args, **kwargs)
