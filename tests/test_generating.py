@@ -317,6 +317,46 @@ def test_batches_are_answered_as_they_finish_not_as_they_came(runner):
     assert answered[2].compute_seconds < answered[1].compute_seconds
 
 
+def test_a_batchs_compute_seconds_run_from_its_arrival_to_its_answer(runner, monkeypatch):
+    """A clock that a forward pass moves by one second: the short batch arrives after the
+    long one's prefill and four steps, and is answered after its prefill and two steps;
+    the long one after its prefill, 19 steps and the short one's prefill."""
+    now = [0.0]
+    forward = runner.model.forward
+
+    def one_second(*args, **kwargs):
+        now[0] += 1
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner.model, "forward", one_second)
+    long = Batch(1, ("the movie was",), {"max_new_tokens": 20, "do_sample": False})
+    short = Batch(2, ("a good film",), {"max_new_tokens": 3, "do_sample": False})
+    answered = results(serve(runner, {0: [long], 5: [short]}, clock=lambda: now[0]))
+    monkeypatch.undo()
+    assert (answered[1].compute_seconds, answered[2].compute_seconds) == (21, 3)
+
+
+def test_a_sequence_done_at_its_first_token_leaves_before_the_decoding_step(runner, monkeypatch):
+    """Its prefill made its only token: no decoding step runs for it."""
+    one = Batch(1, ("a good film",), {"max_new_tokens": 1, "do_sample": False})
+    counted = FailingForward(runner.model.forward, RuntimeError("unused"), set())
+    monkeypatch.setattr(runner.model, "forward", counted)
+    answered = results(serve(runner, {0: [one]}))
+    monkeypatch.undo()
+    assert counted.calls == 1  # the prefill alone
+    assert answered[1].outputs == (static(runner, "a good film", one.params),)
+
+
+def test_a_sequence_is_answered_at_the_step_it_ends_before_the_next_one(runner):
+    streamed = Batch(1, ("the movie was",), GREEDY, control=Control(stream_id=9))
+    short = Batch(2, ("a good film",), {"max_new_tokens": 3, "do_sample": False})
+    sent = serve(runner, {0: [streamed, short]})
+    passes = [i for i, m in enumerate(sent) if isinstance(m, TokenChunks)]
+    answer = next(i for i, m in enumerate(sent) if isinstance(m, BatchResult))
+    assert sent[answer].batch_id == 2
+    assert answer == passes[2] + 1  # the prefill, two steps: then its answer, then a step
+
+
 def test_stop_sequences_end_a_row_as_the_static_path_ends_it(runner):
     (free,) = static(runner, "the movie was", {**GREEDY, "max_new_tokens": 30})
     words = free["generated_text"].removeprefix("the movie was").split()
@@ -325,6 +365,25 @@ def test_stop_sequences_end_a_row_as_the_static_path_ends_it(runner):
     (got,) = results(serve(runner, {0: [Batch(1, ("the movie was",), params)]}))[1].outputs
     assert got[0]["details"]["finish_reason"] == "stop_sequence"
     assert without_logprobs(got) == without_logprobs(static(runner, "the movie was", params))
+
+
+@pytest.mark.parametrize(
+    ("text", "piece", "stops", "ends"),
+    [
+        ("so abc", "c", ["abc"], True),  # begun two pieces before, ended in this one
+        ("so abc", "bc", ["abc"], True),
+        ("abc", "abc", ["abc"], True),
+        ("so abcd", "d", ["abc"], False),  # ended in an earlier piece: found then
+        ("so ab", "b", ["abc"], False),
+        ("so abc", "", ["abc"], False),  # no text new (a cut character held back)
+        ("a b", "", ["a"], False),
+        ("x", "x", ["y", "x"], True),  # any of them
+    ],
+)
+def test_a_stop_sequence_counts_in_the_piece_it_ends_in(text, piece, stops, ends):
+    from rawserve.worker.continuous import ends_a_stop
+
+    assert ends_a_stop(text, piece, stops) is ends
 
 
 def test_an_asked_min_new_tokens_holds_stop_sequences_back_on_both_paths(runner):
@@ -537,9 +596,12 @@ def test_a_row_whose_sampling_has_nothing_to_draw_from_fails_alone(runner):
     # a penalty that divides the seen tokens' scores into infinities
     broken = {**sampled, "repetition_penalty": 1e-300}
     mates = [Batch(1, ("the movie was",), GREEDY), Batch(3, ("paris is",), sampled)]
-    answered = results(serve(runner, {0: [*mates, Batch(2, ("the movie was",), broken)]}))
+    streamed = Batch(2, ("the movie was",), broken, control=Control(stream_id=4))
+    sent = serve(runner, {0: [*mates, streamed]})
+    answered = results(sent)
     failed = answered[2].outputs[0]
     assert failed.kind is FailureKind.INPUT and "sampling failed numerically" in failed.message
+    assert streamed_ids(sent, 4) == []  # no token drawn: none streamed
     alone = results(serve(runner, {0: mates}))
     assert [answered[b.batch_id].outputs for b in mates] == [
         alone[b.batch_id].outputs for b in mates
@@ -856,6 +918,28 @@ def test_a_cancelled_batch_frees_its_row_at_the_next_step(runner):
     assert answered[2].outputs[0][0]["details"]["generated_tokens"] == 5
 
 
+def test_a_sequence_cancelled_while_it_waits_never_runs(runner, monkeypatch):
+    running = Batch(1, ("the movie was",), {**GREEDY, "max_new_tokens": 6})
+    waiting = Batch(2, ("word " * 20,), GREEDY)  # its prefill: wider than any other pass
+    counted = FailingForward(runner.model.forward, RuntimeError("unused"), set())
+    monkeypatch.setattr(runner.model, "forward", counted)
+    answered = results(serve(runner, {0: [running, waiting], 2: [Cancel(2)]}, rows=1))
+    monkeypatch.undo()
+    assert answered[2].outputs[0][0]["details"]["finish_reason"] == "cancelled"
+    assert max(counted.widths) < 20 and max(counted.rows) == 1
+
+
+def test_a_waiting_sequence_takes_a_cancelled_rows_place_before_the_next_step(runner):
+    params = {**GREEDY, "max_new_tokens": 10}
+    streams = [Batch(i, (text,), params, control=Control(stream_id=i)) for i, text in
+               enumerate(["the movie was", "a good film", "word"])]  # fmt: skip
+    sent = serve(runner, {0: streams, 4: [Cancel(1)]}, rows=2)
+    passes = [{c.stream_id for c in m.chunks} for m in sent if isinstance(m, TokenChunks)]
+    cancelled = max(i for i, rows in enumerate(passes) if 1 in rows)
+    assert passes[cancelled + 1] == {2}  # the third's prefill, then the step of both
+    assert passes[cancelled + 2] == {0, 2}
+
+
 def test_a_prompt_that_cannot_fit_fails_alone_at_once_as_the_static_path_fails(runner):
     too_long = "word " * POSITIONS
     params = {"max_new_tokens": 10, "do_sample": False}
@@ -870,6 +954,19 @@ def test_a_prompt_that_cannot_fit_fails_alone_at_once_as_the_static_path_fails(r
     # a batch with nothing to run is answered without a step
     sent = serve(runner, {0: [Batch(2, (too_long,), params)]})
     assert results(sent)[2].outputs[0].kind is FailureKind.INPUT
+
+
+def test_prompts_only_scored_take_no_row_even_one_filling_the_positions(runner, monkeypatch):
+    """max_new_tokens 0: nothing to generate, so no forward pass, and a prompt as long as
+    the positions is scored as on the static path (no new token needs room after it)."""
+    prompts = ([7] * POSITIONS, [7, 8, 9])
+    params = {**GREEDY, "max_new_tokens": 0, "return_full_text": False}
+    counted = FailingForward(runner.model.forward, RuntimeError("unused"), set())
+    monkeypatch.setattr(runner.model, "forward", counted)
+    answered = results(serve(runner, {0: [Batch(1, prompts, params)]}))
+    assert counted.calls == 0
+    monkeypatch.undo()
+    assert answered[1].outputs == tuple(static(runner, prompt, params) for prompt in prompts)
 
 
 def test_a_prompt_of_token_ids_answers_as_its_text_on_both_paths(runner):
@@ -1137,6 +1234,40 @@ def test_each_forward_pass_sends_every_streams_tokens_in_one_message(runner):
         assert len([c for c in streamed if c.stream_id == stream_id]) == GREEDY["max_new_tokens"]
 
 
+def test_no_more_sequences_run_at_once_than_the_loops_rows(runner):
+    """`--max-sequences`: a sequence waits for a free row, and takes one as it frees."""
+    streams = [
+        Batch(i, (text,), {**GREEDY, "max_new_tokens": n}, control=Control(stream_id=20 + i))
+        for i, (text, n) in enumerate([("the movie was", 3), ("a good film", 6), ("word", 3)])
+    ]
+    sent = serve(runner, {0: streams}, rows=2)
+    passes = [{c.stream_id for c in m.chunks} for m in sent if isinstance(m, TokenChunks)]
+    assert max(len(rows) for rows in passes) == 2  # a token per running row each pass
+    assert sorted(results(sent)) == [0, 1, 2]
+    # the third joins as the first leaves: after their prefill and two steps
+    assert [22 in rows for rows in passes][:4] == [False, False, False, True]
+
+
+def test_passes_with_no_tokens_to_stream_say_progress_once_a_second(runner, monkeypatch):
+    """The server counts a worker hung when it hears nothing: with no stream to send to,
+    a pass says `Progress`, at most once every PROGRESS_EVERY seconds (a clock that each
+    forward pass moves by a quarter of one: every fourth pass)."""
+    from rawserve.shared.messages import PROGRESS_EVERY, Progress
+
+    now = [0.0]
+    forward = runner.model.forward
+
+    def a_quarter(*args, **kwargs):
+        now[0] += PROGRESS_EVERY / 4
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner.model, "forward", a_quarter)
+    quiet = Batch(1, ("the movie was",), {"max_new_tokens": 12, "do_sample": False})
+    sent = serve(runner, {0: [quiet]}, clock=lambda: now[0])
+    monkeypatch.undo()
+    assert [type(m) for m in sent] == [Progress] * 3 + [BatchResult]
+
+
 def test_the_shared_cancelled_stream_integer_stops_that_stream_only(runner):
     flag = SimpleNamespace(value=9)
     chunks, answer = streamed(runner, Control(stream_id=9), cancelled_stream=flag)
@@ -1147,51 +1278,123 @@ def test_the_shared_cancelled_stream_integer_stops_that_stream_only(runner):
 
 
 class FailingForward:
-    """A model's forward that raises `error` on the calls listed in `failing` (1-based)."""
+    """A model's forward that raises `error` on the calls listed in `failing` (1-based);
+    `rows` and `widths`: each call's rows and tokens a row."""
 
     def __init__(self, forward, error: Exception, failing: set[int]):
         self.forward, self.error, self.failing, self.calls = forward, error, failing, 0
+        self.rows: list[int] = []
+        self.widths: list[int] = []
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
+        self.rows.append(len(kwargs["input_ids"]))
+        self.widths.append(kwargs["input_ids"].shape[1])
         if self.calls in self.failing:
             raise self.error
         return self.forward(*args, **kwargs)
 
 
-@pytest.mark.parametrize(
-    ("error", "kind"),
-    [
-        (RuntimeError("a kernel failed"), FailureKind.INTERNAL),
-        ("oom", FailureKind.OUT_OF_MEMORY),
-    ],
-)
-def test_a_failing_step_fails_its_running_sequences_and_the_loop_goes_on(
-    runner, monkeypatch, error, kind
-):
-    import torch
-
+def test_a_failing_step_fails_its_running_sequences_and_the_loop_goes_on(runner, monkeypatch):
     from rawserve.worker.generating import GenerationLoop
 
-    exc = torch.OutOfMemoryError("CUDA out of memory") if error == "oom" else error
     params = {"max_new_tokens": 10, "do_sample": False}
     running = [Batch(1, ("the movie was",), params), Batch(2, ("a good film",), params)]
     later = Batch(3, ("hello",), params)
     sent: list[Any] = []
     loop = GenerationLoop(runner, sent.append, 8)
-    failing = FailingForward(runner.model.forward, exc, failing={4})  # a step, not the join
-    monkeypatch.setattr(runner.model, "forward", failing)
+    failing = FailingForward(runner.model.forward, RuntimeError("a kernel failed"), {4})
+    monkeypatch.setattr(runner.model, "forward", failing)  # a step, not the join
     loop.run(Script({0: running, 8: [later]}))
     monkeypatch.undo()
     answered = results(sent)
     for batch_id in (1, 2):
         (failure,) = answered[batch_id].outputs
-        assert isinstance(failure, ItemFailure) and failure.kind is kind
+        assert isinstance(failure, ItemFailure) and failure.kind is FailureKind.INTERNAL
     assert answered[3].outputs == (static(runner, "hello", params),)
-    if kind is FailureKind.OUT_OF_MEMORY:
-        assert loop.cap.limit == 1  # two rows ran out of memory: one at a time for a while
-    else:
-        assert loop.cap.limit is None
+    assert loop.cap.limit is None
+
+
+def test_a_failing_prefill_fails_the_sequences_joining_in_it(runner, monkeypatch):
+    """They are neither waiting nor rows while it runs: they fail, not hang unanswered."""
+    from rawserve.worker.generating import GenerationLoop
+
+    params = {"max_new_tokens": 6, "do_sample": False}
+    running = Batch(1, ("the movie was",), params)
+    joining = Batch(2, ("a good film",), params)
+    later = Batch(3, ("hello",), params)
+    sent: list[Any] = []
+    loop = GenerationLoop(runner, sent.append, 8)
+    # calls: the first's prefill and a step, then the joiner's prefill
+    failing = FailingForward(runner.model.forward, RuntimeError("a kernel failed"), {3})
+    monkeypatch.setattr(runner.model, "forward", failing)
+    loop.run(Script({0: [running], 2: [joining], 8: [later]}))
+    monkeypatch.undo()
+    answered = results(sent)
+    assert sorted(answered) == [1, 2, 3]
+    (failure,) = answered[2].outputs
+    assert isinstance(failure, ItemFailure) and failure.kind is FailureKind.INTERNAL
+    assert answered[3].outputs == (static(runner, "hello", params),)
+
+
+def test_sequences_out_of_memory_together_start_again_fewer_at_once(runner, monkeypatch):
+    """As the static path splits a batch that ran out of memory and retries its halves:
+    the sequences start again from their prompts, half as many at once, and answer what
+    they answer alone (a seeded sample its own); a stream that has sent tokens cannot
+    start again, nor can a sequence that ran out of memory alone: those fail."""
+    import torch
+
+    from rawserve.worker.generating import GenerationLoop
+
+    greedy = {"max_new_tokens": 5, "do_sample": False, "details": True}
+    sampled = {"max_new_tokens": 5, "do_sample": True, "seed": 5, "details": True}
+    running = [
+        Batch(1, ("the movie was",), greedy),
+        Batch(2, ("a good film",), sampled),
+        Batch(3, ("hello",), greedy, control=Control(stream_id=7)),
+    ]
+    oom = torch.OutOfMemoryError("CUDA out of memory")
+
+    def serve_failing(batches: list[Batch], failing: set[int]) -> tuple[Any, dict]:
+        sent: list[Any] = []
+        loop = GenerationLoop(runner, sent.append, 8)
+        calls = FailingForward(forward, oom, failing)
+        monkeypatch.setattr(runner.model, "forward", calls)
+        loop.run(Script({0: batches}))
+        monkeypatch.undo()
+        return calls.rows, loop, results(sent)
+
+    forward = runner.model.forward
+    rows, loop, answered = serve_failing(running, {4})  # the prefill, two steps, out of memory
+    assert rows[:4] == [3, 3, 3, 3] and set(rows[4:]) == {1}  # then one at a time
+    for batch in running[:2]:
+        expected = static(runner, batch.inputs[0], batch.params)
+        (got,) = answered[batch.batch_id].outputs
+        assert without_logprobs(got) == without_logprobs(expected), batch.batch_id
+    assert loop.cap.limit == 1  # three rows ran out of memory: one at a time for a while
+    (failure,) = answered[3].outputs  # its first tokens are with its client
+    assert isinstance(failure, ItemFailure) and failure.kind is FailureKind.OUT_OF_MEMORY
+    _, _, answered = serve_failing(running[:1], {3})  # alone: nothing to split
+    (failure,) = answered[1].outputs
+    assert isinstance(failure, ItemFailure) and failure.kind is FailureKind.OUT_OF_MEMORY
+
+
+def test_after_out_of_memory_the_rows_double_back_after_good_steps(runner, monkeypatch):
+    import torch
+
+    from rawserve.worker.generating import GenerationLoop
+
+    params = {"max_new_tokens": 8, "do_sample": False}
+    batches = [Batch(i, (text,), params) for i, text in enumerate(TEXTS[:3])]
+    loop = GenerationLoop(runner, lambda message: None, 8)
+    loop.cap.restore_after = 2
+    oom = torch.OutOfMemoryError("CUDA out of memory")
+    calls = FailingForward(runner.model.forward, oom, {2})  # the first step
+    monkeypatch.setattr(runner.model, "forward", calls)
+    loop.run(Script({0: batches}))
+    monkeypatch.undo()
+    assert calls.rows[:3] == [3, 3, 1]  # one at a time after it, then more again
+    assert max(calls.rows[3:]) > 1 and loop.cap.limit is None
 
 
 class PrefillOutOfMemory:
@@ -1325,6 +1528,8 @@ def test_a_server_that_is_gone_ends_the_loop(runner):
     params = {"max_new_tokens": 200, "do_sample": False}
     loop.run(Script({0: [Batch(1, ("the movie was",), params, control=Control(stream_id=3))]}))
     assert loop.server_gone
+    (row,) = loop.batcher.rows  # not run to its end: the loop stops after that step
+    assert len(row.tokens) == 2  # its prefill's token could not go, nor its step's
 
 
 def test_the_end_tokens_the_models_generation_config_names_end_a_sequence(runner, monkeypatch):
@@ -1336,6 +1541,11 @@ def test_the_end_tokens_the_models_generation_config_names_end_a_sequence(runner
     details = ended.outputs[0][0]["details"]
     assert details["finish_reason"] == "eos_token"
     assert details["generated_tokens"] == ids.index(end) + 1
+    # and the tokenizer's own end token still ends one (made the likeliest)
+    likely = {**GREEDY, "logit_bias": {runner.tokenizer.eos_token_id: 100.0}}
+    ended = results(serve(runner, {0: [Batch(1, ("the movie was",), likely)]}))[1]
+    details = ended.outputs[0][0]["details"]
+    assert (details["finish_reason"], details["generated_tokens"]) == ("eos_token", 1)
 
 
 def test_the_end_tokens_the_models_generation_config_names_end_a_row_on_the_static_path(

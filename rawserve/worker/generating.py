@@ -19,7 +19,9 @@ fails the sequences it was running (the runner's `describe_failure`) and the loo
 on; after an out-of-memory error it runs half as many rows at once for a while. Where
 the joining sequences' own prefill raised, the running rows go on untouched; joiners
 that ran out of memory together wait and join again, fewer at a time, so that only one
-too large even alone fails.
+too large even alone fails. Where a decoding step ran out, the sequences it was running
+start again from their prompts, as the static path splits a batch and retries its halves
+(not one that ran out of memory alone, nor a stream that has sent tokens: those fail).
 
 Worker process only (it drives the model).
 """
@@ -246,12 +248,37 @@ class GenerationLoop:
             if len(running) > 1 and not any(generation.tokens for generation in running):
                 self.batcher.wait_again(running)
                 return
+        retry = failure.kind is FailureKind.OUT_OF_MEMORY and len(running) > 1
         for index, generation in enumerate(running):
             batch_id, item = generation.key
             opened = self.open.get(batch_id)
-            if opened is not None:
-                self._fail(opened, item, failure, exc if index == 0 else None)
-                self._answer_if_done(opened)
+            if opened is None:
+                continue
+            if retry and self._start_again(opened, item, generation):
+                continue
+            self._fail(opened, item, failure, exc if index == 0 else None)
+            self._answer_if_done(opened)
+
+    def _start_again(self, opened: OpenBatch, index: int, generation: Generation) -> bool:
+        """A sequence that ran out of memory beside others queued again from its prompt
+        (the same seed: the same sample); False where it cannot be: a stream that has
+        sent tokens, or its item fails now."""
+        batch = opened.batch
+        if batch.control.stream_id is not None and generation.tokens:
+            return False
+        try:
+            with panics_as_errors():
+                again = self.runner.generation(
+                    generation.key, batch.inputs[index], opened.params, batch.control
+                )
+                again.seed = generation.seed
+                self.batcher.add(again)
+        except Exception:  # noqa: BLE001 - it fails as it was going to
+            return False
+        opened.generations[index] = again
+        if index in opened.tokens:
+            opened.tokens[index] = []
+        return True
 
     def _on_token(self, generation: Generation, token_id: int, piece: str) -> None:
         """A new token: streamed to its client, or kept for the details, if wanted."""
