@@ -3,9 +3,13 @@ reader gone for long loses the lines past the buffer (counted), and exit writes 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import os
+import select
 import threading
+import time
 
 import pytest
 
@@ -100,3 +104,31 @@ def test_a_broken_stderr_loses_lines_but_not_the_writer(error):
     assert writer.wait_written(5)
     assert stream.getvalue() == "after\n"
     writer.close()
+
+
+def test_a_pipe_with_room_is_written_in_place_and_a_full_one_through_the_thread():
+    """Lines go straight into a pipe that has room (no hand-off to the thread); once the
+    pipe is full they wait in the buffer, and reach the reader, in order, as it reads."""
+    read_end, write_end = os.pipe()
+    with open(write_end, "w") as stream, open(read_end, "rb", buffering=0) as reader:
+        writer = BackgroundWriter(stream)
+        writer.write("in place\n")
+        assert writer.wait_written(0)  # written before `write` returned: nothing pending
+        assert reader.read(100) == b"in place\n"
+        os.set_blocking(write_end, False)
+        filler = b"x" * 4096
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(write_end, filler)  # the pipe full, as a reader that stalled
+        os.set_blocking(write_end, True)
+        lines = [f"line {number}\n" for number in range(100)]
+        for line in lines:
+            writer.write(line)  # returns at once: the pipe is full
+        assert not writer.wait_written(0.05)
+        received, end = b"", time.monotonic() + 10
+        while not received.endswith(b"line 99\n") and time.monotonic() < end:
+            if select.select([reader], [], [], 1)[0]:  # (never a read that blocks for good)
+                received += reader.read(65536)
+        assert received.lstrip(b"x").decode() == "".join(lines)
+        assert writer.wait_written(5)
+        writer.close()

@@ -1,30 +1,41 @@
-"""The log's lines written to stderr by a thread of their own.
+"""The log's lines written to stderr without ever blocking the thread that logs.
 
 A process that writes its log on the thread that serves (the event loop, a worker's model
 thread) stops serving whenever stderr stops being read: a log shipper that stalls, a
 terminal paused with Ctrl-S, a pipe into a reader that hangs. Once the pipe's buffer (64
 KiB, some 400 access lines) is full, every write blocks: no answer, no `/health`, not even
-the drain a SIGTERM asks for. Here a write only appends to a buffer and returns; a thread
-writes what has gathered, in one call, and flushes. While nothing reads, the buffer holds
-up to `limit` characters; lines past it are dropped and counted, and a warning says how
-many once the reader is back. Never imports h11 or torch.
+the drain a SIGTERM asks for. Here a line is written in place only while stderr can take
+it at once (poll says so: the usual case, which costs no thread hand-off); otherwise it
+goes to a buffer that a thread of its own writes out, in order, as the reader takes it.
+While nothing reads, the buffer holds up to `limit` characters; lines past it are dropped
+and counted, and a warning says how many once the reader is back. Never imports h11 or
+torch.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import select
 import threading
+import time
 from collections import deque
 from typing import TextIO
 
 BUFFER_LIMIT = 8 * 2**20  # characters held while nothing reads (about 50,000 access lines)
+# A line this long or shorter is written in place when poll says the stream can take it
+# (a pipe then has room for PIPE_BUF bytes; a character is at most 4 bytes in UTF-8)
+IN_PLACE_CHARS = select.PIPE_BUF // 4
+# After each write the thread lets lines gather this long: a slow reader's lines go out
+# many at a time, not each with a wake-up that takes the GIL from the loop.
+GATHER_SECONDS = 0.005
 EXIT_WAIT = 2.0  # seconds the last lines are given at exit, should stderr still be stalled
 
 
 class BackgroundWriter:
     """A text stream for `logging.StreamHandler` whose `write` never blocks: the text goes
-    to `stream` from a daemon thread, in the order written."""
+    to `stream` in place where it can take it at once, else from a daemon thread, in the
+    order written."""
 
     def __init__(self, stream: TextIO, limit: int = BUFFER_LIMIT):
         self.stream = stream
@@ -37,6 +48,7 @@ class BackgroundWriter:
         self._idle = threading.Event()  # nothing pending, nothing being written
         self._idle.set()
         self._closing = False
+        self._poll = ready_poll(stream)  # None: no descriptor to ask, the thread writes all
         self._thread = threading.Thread(target=self._run, name="rawserve-log", daemon=True)
         self._thread.start()
         atexit.register(self.close)
@@ -47,15 +59,25 @@ class BackgroundWriter:
 
     def write(self, text: str) -> int:
         with self._lock:
+            if self._idle.is_set() and len(text) <= IN_PLACE_CHARS and self._can_take():
+                self.stream.write(text)  # (an error is the handler's, as before)
+                self.stream.flush()
+                return len(text)
             if self._size + len(text) > self.limit:
                 self._dropped += text.count("\n") or 1
                 return len(text)
             self._pending.append(text)
             self._size += len(text)
-            self._idle.clear()
+            if self._idle.is_set():
+                self._idle.clear()
         if not self._wake.is_set():  # (a busy loop writes many lines before the thread runs)
             self._wake.set()
         return len(text)
+
+    def _can_take(self) -> bool:
+        """Whether the stream takes a short line now without blocking (or fails at once:
+        a reader gone)."""
+        return self._poll is not None and bool(self._poll.poll(0))
 
     def flush(self) -> None:
         """Nothing: the thread flushes what it writes."""
@@ -86,6 +108,8 @@ class BackgroundWriter:
                     self.stream.flush()
                 except Exception:  # noqa: BLE001 - a closed or broken stderr: lines lost
                     pass
+            if not self._closing:
+                time.sleep(GATHER_SECONDS)  # the next lines gather meanwhile
             if dropped:  # a line of the log's own format, written next time round
                 logging.getLogger("rawserve").warning(
                     "%d log lines were dropped: nothing read the log (stderr) for a while",
@@ -96,6 +120,17 @@ class BackgroundWriter:
                     self._idle.set()
                     if self._closing:
                         return
+
+
+def ready_poll(stream: TextIO) -> select.poll | None:
+    """A poll of `stream`'s descriptor for room to write; None where it has none."""
+    try:
+        descriptor = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.StringIO, a closed stream
+        return None
+    poll = select.poll()
+    poll.register(descriptor, select.POLLOUT)
+    return poll
 
 
 _writers: dict[int, BackgroundWriter] = {}
