@@ -31,7 +31,7 @@ from rawserve.serving.supervision import (
     PoisonMemory,
 )
 from rawserve.shared.messages import FailureKind, ItemFailure, WorkerConfig
-from rawserve.worker.process import BatchCap, run_batch
+from rawserve.worker.batch_runs import BatchCap, run_batch
 from tests.load import Client
 from tests.server import RunningServer
 

@@ -639,7 +639,7 @@ def test_a_row_whose_model_scores_are_not_numbers_fails_alone_as_the_models_faul
 def test_a_row_whose_model_scores_are_not_numbers_fails_alone_on_the_static_path_too(runner):
     """`generate` took token 0 from a row of NaN scores (greedy) or blamed a temperature
     the client never set (sampling, 422): that row fails alone with the loop's 500."""
-    from rawserve.worker.process import run_bisecting
+    from rawserve.worker.batch_runs import run_bisecting
 
     poisoned = runner.tokenizer("paris", add_special_tokens=False)["input_ids"][0]
 

@@ -808,7 +808,7 @@ def test_an_input_error_is_the_client_s_on_every_engine(
 ):
     """Run as the worker runs a batch (bisected on failure): the failing input is a 422
     that says what to fix, and its batch-mate is answered where the parameters allow."""
-    from rawserve.worker.process import run_bisecting
+    from rawserve.worker.batch_runs import run_bisecting
 
     serving = runner(kind, task, engine)
     good, failed = run_bisecting(serving, [GOOD[task], bad], dict(params))
@@ -842,7 +842,7 @@ def test_an_input_whose_model_output_is_not_numbers_fails_alone_as_the_models_fa
     """A model that overflows (float16 on a long input, a broken checkpoint) on one input:
     its NaN scores or vectors were answered 200 as nulls (a null score, a null vector, no
     entities at all); that input now fails alone with 500 saying why, as in generation."""
-    from rawserve.worker.process import run_bisecting
+    from rawserve.worker.batch_runs import run_bisecting
 
     serving = runner(task, task)
     model = serving.pipe.model if hasattr(serving, "pipe") else serving.model
@@ -912,7 +912,7 @@ def test_an_input_past_the_positions_is_cut_where_the_route_truncates(
 ):
     """Whatever the tokenizer declares (the tiny models' declare no limit, ~1e30), a
     truncating route cuts at the model's positions: answered, in a list as alone."""
-    from rawserve.worker.process import run_bisecting
+    from rawserve.worker.batch_runs import run_bisecting
 
     serving = runner(kind, task, engine)
     outputs = run_bisecting(serving, list(inputs), dict(params))
@@ -959,8 +959,8 @@ def test_a_roberta_s_length_leaves_out_the_positions_before_its_first_token(tmp_
     """RoBERTa-like models number tokens from the padding id + 1: the input length is the
     positions less those, so an input cut to it runs, and one just over it is refused in
     words rather than failing the model with an index out of range."""
+    from rawserve.worker.batch_runs import run_bisecting
     from rawserve.worker.loading import load_runner
-    from rawserve.worker.process import run_bisecting
 
     folder = roberta_folder(tmp_path, task)
     serving = load_runner(worker_config(str(folder), task, dtype="float32"), "cpu")
@@ -976,7 +976,7 @@ def test_a_library_panic_on_one_input_fails_that_input_alone(runner, monkeypatch
     """The tokenizers library panics on some inputs, raised as a BaseException past every
     `except Exception`: it ended the worker, and every batch-mate with it. Now it is that
     input's failure (500, logged), found by bisection; the others are answered."""
-    from rawserve.worker.process import run_bisecting
+    from rawserve.worker.batch_runs import run_bisecting
     from tests.test_prepare_ahead import tokenizer_panic
 
     serving = runner("text-classification", "text-classification")
@@ -1140,7 +1140,7 @@ def test_a_handler_raising_systemexit_on_one_input_fails_that_input_alone(monkey
     """SystemExit, KeyboardInterrupt or a BaseException of the handler's own passed every
     `except Exception` and ended the worker: its batch-mates were run again, and a server of
     one worker per core was unready for a restart's imports."""
-    from rawserve.worker.process import run_bisecting
+    from rawserve.worker.batch_runs import run_bisecting
 
     source = (
         "import sys\n"
@@ -1172,7 +1172,7 @@ def test_parameters_a_handler_cannot_take_are_the_client_s_to_fix(
 ):
     """They raised TypeError in the call: 500, "the model failed on this input", and an
     error with its traceback in the log for each such request."""
-    from rawserve.worker.process import run_bisecting
+    from rawserve.worker.batch_runs import run_bisecting
 
     source = (
         "def make():\n"
@@ -1194,7 +1194,7 @@ def test_a_handler_answering_one_value_for_its_batch_fails_it(
 ):
     """A dict or a text was read as the list of answers: `{"label": "yes"}` for one input
     answered "label", and "ab" for two answered "a" and "b", all 200."""
-    from rawserve.worker.process import run_bisecting
+    from rawserve.worker.batch_runs import run_bisecting
 
     source = f"def make():\n    return lambda inputs, **params: {answer}\n"
     serving = handler_runner(monkeypatch, tmp_path, source)
@@ -1207,7 +1207,7 @@ def test_a_handler_that_consumes_its_list_still_has_its_failing_batch_split(monk
     """The handler was given the batch's own list: one that popped its inputs as it went
     and then failed left the bisection an empty list to split, and a batch of four was
     answered with one failure (its good items never answered)."""
-    from rawserve.worker.process import run_bisecting
+    from rawserve.worker.batch_runs import run_bisecting
 
     source = (
         "def make():\n"
@@ -1229,7 +1229,7 @@ def test_a_handler_that_consumes_its_list_still_has_its_failing_batch_split(monk
 def test_an_error_that_cannot_be_told_fails_its_input_not_the_worker(monkeypatch, tmp_path):
     """A handler's exception whose `__str__` raises escaped the bisection from its
     description (the worker died, and twice more on the input alone)."""
-    from rawserve.worker.process import run_bisecting
+    from rawserve.worker.batch_runs import run_bisecting
 
     source = (
         "class Untold(Exception):\n"
@@ -1250,7 +1250,7 @@ def test_an_error_that_cannot_be_told_fails_its_input_not_the_worker(monkeypatch
 def test_an_input_a_handler_leaves_unanswered_fails_alone(monkeypatch, tmp_path):
     """A handler that skipped an input (one answer fewer) failed its whole batch: every
     batch-mate got 500 "the model answered the wrong number of outputs"."""
-    from rawserve.worker.process import run_bisecting
+    from rawserve.worker.batch_runs import run_bisecting
 
     source = (
         "def make():\n"
@@ -1270,7 +1270,7 @@ def test_the_failing_item_s_error_is_logged_alone_not_chained_to_its_batch_s(
     """The halves ran inside the batch's `except`: the item's logged traceback carried each
     larger batch's, the same error over again, "During handling of the above exception,
     another exception occurred" (five times over in a batch of 32)."""
-    from rawserve.worker.process import run_bisecting
+    from rawserve.worker.batch_runs import run_bisecting
 
     source = (
         "def make():\n"

@@ -48,11 +48,11 @@ from rawserve.shared.messages import (
     TokenChunks,
     WorkerConfig,
 )
+from rawserve.worker.batch_runs import BatchCap, release_memory, sample_token_counts
 from rawserve.worker.causal_lm import CausalLMRunner
 from rawserve.worker.continuous import ContinuousBatcher, Generation
 from rawserve.worker.feeder import Feeder
 from rawserve.worker.library_panics import panics_as_errors
-from rawserve.worker.process import BatchCap, release_memory, sample_token_counts
 from rawserve.worker.runner import Runner
 
 log = logging.getLogger("rawserve.generation")

@@ -8,9 +8,9 @@ a one-way pipe of its own that the server's event loop reads (`rawserve.shared.p
 Runs only in the child (started with `spawn`, so this module must stay importable
 without side effects). torch and transformers are imported inside `worker_main`, never
 at module level, because the server process imports this module to name the target.
-A batch that raises is bisected, so only the items that fail get an `ItemFailure`. An
-out-of-memory error also lowers the worker's effective batch cap for a while (larger
-batches are run in chunks); each `BatchResult` tells the parent the current cap.
+Batches run through `rawserve.worker.batch_runs` (bisected on failure, chunked by the
+batch cap an out-of-memory error lowers); each `BatchResult` tells the parent the
+current cap.
 """
 
 from __future__ import annotations
@@ -29,10 +29,8 @@ from rawserve.shared.devices import isolate
 from rawserve.shared.logs import setup_worker_logging
 from rawserve.shared.memory import FreeMemoryReleaser
 from rawserve.shared.messages import (
-    NO_CONTROL,
     Batch,
     BatchResult,
-    Control,
     FailureKind,
     ItemFailure,
     Shutdown,
@@ -42,45 +40,17 @@ from rawserve.shared.messages import (
     WorkerWarming,
 )
 from rawserve.shared.pipes import MessageWriter
+from rawserve.worker.batch_runs import BatchCap, run_batch, sample_token_counts
 from rawserve.worker.feeder import Feeder
-from rawserve.worker.library_panics import panics_as_errors
 
 if TYPE_CHECKING:
     from rawserve.worker.runner import Runner
 
 log = logging.getLogger("rawserve.worker")
 
-CAP_RESTORE_AFTER = 20  # good batches at a lowered cap before it is doubled again
 # The worker runs at a lower CPU priority than the server process: when both want a core,
 # the event loop (answers, 503s, /health) goes first and the model waits a moment.
 WORKER_NICENESS = 10
-TOKEN_SAMPLE_EVERY = 16  # count real tokens on one batch in this many (it costs a tokenize)
-
-
-class BatchCap:
-    """The effective batch size after out-of-memory errors: halved on each, then
-    doubled back after every CAP_RESTORE_AFTER batches that fit, up to no cap."""
-
-    def __init__(self, restore_after: int = CAP_RESTORE_AFTER):
-        self.restore_after = restore_after
-        self.limit: int | None = None
-        self._lowered_from = 0  # the largest batch that ran out of memory
-        self._good = 0
-
-    def lower(self, size: int) -> None:
-        self.limit = max(1, min(size // 2, self.limit or size))
-        self._lowered_from = max(self._lowered_from, size)
-        self._good = 0
-
-    def on_success(self) -> None:
-        if self.limit is None:
-            return
-        self._good += 1
-        if self._good >= self.restore_after:
-            self._good = 0
-            self.limit *= 2
-            if self.limit >= self._lowered_from:
-                self.limit, self._lowered_from = None, 0
 
 
 def load_failed(exc: Exception) -> WorkerLoadFailed:
@@ -301,104 +271,3 @@ def prepare_batch(runner: Runner) -> Callable[[Batch], Ahead] | None:
         return Ahead(tensors, sample_token_counts(runner, batch, tokenizer))
 
     return prepare
-
-
-def sample_token_counts(
-    runner: Runner, batch: Batch, tokenizer: Any = None
-) -> tuple[int, ...] | None:
-    """Real token counts of the batch's inputs, on one batch in TOKEN_SAMPLE_EVERY
-    (counted with `tokenizer`, the calling thread's own, when given)."""
-    if batch.batch_id % TOKEN_SAMPLE_EVERY:
-        return None
-    try:
-        counts = runner.count_tokens(list(batch.inputs), tokenizer)
-    except Exception:  # noqa: BLE001 - a measurement, never a reason to fail a batch
-        log.debug("could not count tokens", exc_info=True)
-        return None
-    return tuple(counts) if counts is not None else None
-
-
-def run_batch(
-    runner: Runner,
-    inputs: list[Any],
-    params: dict[str, Any],
-    cap: BatchCap | None = None,
-    control: Control = NO_CONTROL,
-    prepared: Any = None,
-) -> list[Any]:
-    """Run a batch in chunks no larger than the cap, each bisected on failure.
-    `prepared`: what `runner.prepare` made of the whole batch (used when it runs whole)."""
-    cap = cap or BatchCap()
-    size = cap.limit or len(inputs)
-    if size < len(inputs):
-        prepared = None
-    outputs: list[Any] = []
-    for start in range(0, len(inputs), size):
-        chunk = inputs[start : start + size]
-        outputs += run_bisecting(runner, chunk, params, cap, control, prepared)
-    cap.on_success()
-    return outputs
-
-
-def run_bisecting(
-    runner: Runner,
-    inputs: list[Any],
-    params: dict[str, Any],
-    cap: BatchCap | None = None,
-    control: Control = NO_CONTROL,
-    prepared: Any = None,
-) -> list[Any]:
-    """Run a batch; if it raises (or answers a count of outputs not its inputs'), run each
-    half alone, down to the failing items."""
-    try:
-        with panics_as_errors():
-            if prepared is None:
-                outputs = runner.run(inputs, params, control)
-            else:
-                outputs = runner.run_prepared(inputs, params, control, prepared)
-    except Exception as exc:  # noqa: BLE001 - every failure becomes data, never a pickle
-        try:
-            failure = runner.describe_failure(exc)
-        except Exception:  # noqa: BLE001 - an error that cannot be told (its __str__ raises)
-            failure = ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
-        if failure.kind is FailureKind.OUT_OF_MEMORY:
-            release_memory()
-            if cap is not None and len(inputs) > 1:
-                cap.lower(len(inputs))
-                log.warning(
-                    "out of memory on a batch of %d: split, batch cap now %d",
-                    len(inputs),
-                    cap.limit,
-                )
-        if len(inputs) == 1:
-            from rawserve.worker.runner import NotNumbers  # the worker's (imports torch)
-
-            if isinstance(exc, NotNumbers):  # the model's numbers, not a bug to trace
-                log.warning("an item failed: %s", exc)
-            elif failure.kind is not FailureKind.INPUT:
-                log.error("an item failed", exc_info=exc)
-            return [failure]
-    else:
-        if len(outputs) == len(inputs):
-            return outputs
-        if len(inputs) == 1:  # an input a handler answered with no answer, or several
-            log.error("the model answered %d outputs for 1 input", len(outputs))
-            return [
-                ItemFailure(FailureKind.INTERNAL, "the model answered the wrong number of outputs")
-            ]
-        # which input was miscounted is not known: the halves are run, as for an error
-    # the halves run after the batch's error is handled: the failing item's own error is
-    # then logged alone, not chained to each larger batch's ("During handling of ...")
-    half = len(inputs) // 2
-    return run_bisecting(runner, inputs[:half], params, cap, control) + run_bisecting(
-        runner, inputs[half:], params, cap, control
-    )
-
-
-def release_memory() -> None:
-    """After an out-of-memory error: drop the failed call's tensors and cached blocks."""
-    gc.collect()
-    import torch  # in the worker process only: the server imports this module
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
