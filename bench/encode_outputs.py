@@ -10,8 +10,10 @@ pipeline's shape), a 128-token one, and a pooled sentence vector.
 
 from __future__ import annotations
 
+import argparse
 import json
 import timeit
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -26,7 +28,11 @@ def per_call_us(function, repeat: int = 7) -> float:
     return min(timeit.repeat(function, number=runs, repeat=repeat)) / runs * 1e6
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
+    # no options: --help says what it measures, rather than starting the measurement
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args(argv)
     rng = np.random.default_rng(0)
     print(
         "| output shape | before (tolist + json) | after (orjson) | speed-up "

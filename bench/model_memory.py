@@ -13,6 +13,7 @@ The packaged all-MiniLM-L6-v2 (22.7 M parameters, 90 MB of float32 weights).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import tempfile
@@ -62,7 +63,11 @@ def measure(aliases: Sequence[str], devices: str, logs: Path) -> tuple[float, li
         server.stop()
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    # no options: --help says what it measures, rather than starting the measurement
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args(argv)
     print("| served | server RSS | worker RSS (each) | total |")
     print("| --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory(prefix="rawserve-memory-") as logs:

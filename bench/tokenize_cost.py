@@ -13,10 +13,11 @@ Per text of the short corpus, on all-MiniLM-L6-v2's WordPiece tokenizer:
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 BATCH = 64
@@ -47,7 +48,11 @@ def collate(ids: list[list[int]]) -> tuple[Any, Any]:
     return torch.from_numpy(tokens), torch.from_numpy(mask)
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    # no options: --help says what it measures, rather than starting the measurement
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args(argv)
     import tokenizers
     import transformers
 

@@ -246,3 +246,15 @@ def test_the_generation_benchmark_s_stand_in_tokenizer_serves_the_loop_s_text():
     pieces = TextPieces(NoTokenizer())
     assert pieces.next_piece([5, 6], last=False) == ""
     assert pieces.next_piece([5, 6, 7], last=True) == ""
+
+
+@pytest.mark.parametrize("name", ["encode_outputs", "tokenize_cost", "model_memory"])
+def test_a_benchmark_without_options_says_what_it_measures_on_help(name, capsys):
+    """`--help` printed usage; before, these three started their measurement (servers, a
+    minute of timing) whatever they were given."""
+    module = importlib.import_module(f"bench.{name}")
+    with pytest.raises(SystemExit) as exited:
+        module.main(["--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and module.__doc__.split("\n")[0] in out
