@@ -34,6 +34,11 @@ class Workers(FakeBackend):
     def load_state(self):
         return LoadState.LOADING, None
 
+    restart_in: float | None = None  # a first load: no estimate
+
+    def back_in(self):
+        return self.restart_in
+
     def status(self):
         return []
 
@@ -192,3 +197,20 @@ async def test_a_loading_model_is_no_reason_to_read_a_body_another_must_refuse()
     fill(full)
     with pytest.raises(ServiceUnavailable, match="the model is loading"):
         app.answer_now(embed)  # neither can take it: the first one's 503, from the head
+
+
+@pytest.mark.parametrize(("restart_in", "wait"), [(None, "5"), (12.4, "12"), (0.2, "1")])
+def test_a_restarting_model_asks_for_the_wait_its_restart_should_take(restart_in, wait):
+    """A model whose workers restart asks clients to come back when it should serve
+    again (a large model's restart takes far longer than 5 s), never under a second; a
+    first load, with nothing to go by, asks for 5 s."""
+    model = served("restarting", "feature-extraction")
+    model.serving.workers.ready = False
+    model.serving.workers.restart_in = restart_in
+    app = App(ServedModels([model]))
+    with pytest.raises(ServiceUnavailable) as refused:
+        app.answer_now(request("POST", "/embed", b'{"inputs": "hi"}'))
+    assert dict(refused.value.headers)["Retry-After"] == wait
+    ready = app.answer_now(request("GET", "/ready"))
+    assert ready is not None and ready.status == 503
+    assert dict(ready.headers)["Retry-After"] == wait

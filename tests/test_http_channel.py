@@ -330,6 +330,30 @@ def test_a_full_queue_is_refused_from_the_board_without_a_message():
         board.remove()
 
 
+def test_a_restarts_wait_reaches_the_http_processes_through_the_board():
+    """While no worker serves, the serving process publishes how long its restart should
+    take where a full queue publishes its wait; an HTTP process's 503s then ask for that,
+    not the 5 s of a first load."""
+    board = Board.create(1)
+    try:
+        serving = StatusOnly()
+        model = BridgedModel(serving, lambda: 1.0)  # type: ignore[arg-type]
+        bridge = Bridge([model], board, lambda: [], lambda families: [], serving_pid=1)
+        link = Link(board, lambda: [], lambda grace: None, lambda: None)  # never connected
+        remote_serving = RemoteServing(link, 0, Dropped())
+        serving.ready, serving.back_in = False, 12.5  # restarting
+        bridge.publish()
+        assert remote_serving.back_in == 12.5
+        serving.back_in = None  # a first load: no estimate
+        bridge.publish()
+        assert remote_serving.back_in is None
+        serving.ready, serving.back_in = True, 3.0  # serving: a full queue's wait is its own
+        bridge.publish()
+        assert board.retry_after(0) is None
+    finally:
+        board.remove()
+
+
 def test_a_run_crosses_the_channel_and_a_cancel_follows_a_client_that_leaves():
     async def scenario() -> tuple[list, list]:
         board = Board.create(1)
@@ -421,6 +445,7 @@ class StatusOnly:
         self.loaded = None
         self.ready = True
         self.full = False
+        self.back_in: float | None = None
 
     def snapshot(self) -> ServingStatus:
         worker = WorkerStatus(0, "cpu", "float32", self.state, 7, 0, None)

@@ -7,7 +7,7 @@ from rawserve.api.outcomes import http_error
 from rawserve.api.served import ServedModel
 from rawserve.serving.face import Reason, Refusal
 
-LOADING_RETRY_AFTER = 5.0  # seconds a client should wait while a model loads
+LOADING_RETRY_AFTER = 5.0  # seconds a client should wait while a model loads (no estimate)
 
 
 class Gate:
@@ -26,5 +26,13 @@ class Gate:
         if self.draining:
             raise http_error(Refusal(Reason.SHUTTING_DOWN, "the server is shutting down"))
         if not model.serving.ready:
-            loading = Refusal(Reason.LOADING, "the model is loading", LOADING_RETRY_AFTER)
+            loading = Refusal(Reason.LOADING, "the model is loading", loading_retry_after(model))
             raise http_error(loading)
+
+
+def loading_retry_after(model: ServedModel) -> float:
+    """How long a client should wait while `model` has no worker serving: until its
+    restart should be over, where that is known (never under a second), else
+    LOADING_RETRY_AFTER."""
+    back_in = model.serving.back_in
+    return LOADING_RETRY_AFTER if back_in is None else max(back_in, 1.0)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from rawserve.api import schemas
 from rawserve.api.bodies import json_response
 from rawserve.api.context import RouteContext
-from rawserve.api.gate import LOADING_RETRY_AFTER
+from rawserve.api.gate import loading_retry_after
 from rawserve.api.routing import Handler, Operation, Route
 from rawserve.api.served import ServedModel
 from rawserve.api.tei import tei_info
@@ -121,10 +121,10 @@ class OperationsRoutes:
             if len(models) > 1
             else {}
         )
-        for status in statuses.values():  # a model still loading says more than a full one
-            if status["status"] not in ("ready", "full"):
-                headers = [("Retry-After", str(round(LOADING_RETRY_AFTER)))]
-                return json_response(503, {**status, **several}, headers)
+        for served, status in zip(models, statuses.values(), strict=True):
+            if status["status"] not in ("ready", "full"):  # says more than a full one
+                wait = max(1, round(loading_retry_after(served)))  # as a 503's own
+                return json_response(503, {**status, **several}, [("Retry-After", str(wait))])
         if any(status["status"] == "full" for status in statuses.values()):
             headers = [("Retry-After", str(FULL_RETRY_AFTER))]
             return json_response(503, {"status": "full", **several}, headers)

@@ -238,6 +238,11 @@ class RemoteServing:
         return self.board.flag(self.index, FULL)
 
     @property
+    def back_in(self) -> float | None:
+        # a model not ready has its restart's wait where a full queue has its own
+        return None if self.ready else self.board.retry_after(self.index)
+
+    @property
     def loaded(self) -> WorkerReady | None:
         status = self.link.statuses.get(self.index)
         return status[1] if status else None

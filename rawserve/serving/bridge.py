@@ -328,13 +328,15 @@ class Bridge:
         self._publish_due = False
         for index, model in enumerate(self.models):
             serving = model.serving
-            full = serving.full
+            full, ready = serving.full, serving.ready
+            # the wait a refusal asks for: a full queue's, or a restart's while none serves
+            retry_after = model.retry_after() if full else None if ready else serving.back_in
             self.board.publish(
                 index,
-                ready=serving.ready,
+                ready=ready,
                 healthy=model.last_status.healthy if model.last_status else True,
                 full=full,
-                retry_after=model.retry_after() if full else None,
+                retry_after=retry_after,
             )
 
     def _status(self, model: BridgedModel) -> ServingStatus:

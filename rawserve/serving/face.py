@@ -109,6 +109,12 @@ class Serving(Protocol):
     def full(self) -> bool: ...
 
     @property
+    def back_in(self) -> float | None:
+        """While no worker serves (restarting): the seconds until one should again; None
+        where that is not known (a first load, every worker dying)."""
+        ...
+
+    @property
     def loaded(self) -> WorkerReady | None:
         """What a loaded worker said of its model (task, limits, tokenizer); None until
         one has loaded."""

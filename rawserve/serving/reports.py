@@ -4,6 +4,7 @@ and the facts its loaded workers gave of their model (task, limits, engine). Rea
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from rawserve.serving.handles import WorkerHandle
@@ -32,6 +33,14 @@ class PoolReports:
     def serving_again_at(self) -> float | None:
         """While no worker serves: when one should again (`Supervisor.serving_again_at`)."""
         return self.supervisor.serving_again_at([(w.state, w.started_at) for w in self.workers])
+
+    def back_in(self) -> float | None:
+        """While no worker serves: the seconds until one should again; None where that is
+        not known (a first load, no worker on its way, every worker dying)."""
+        at = self.serving_again_at()
+        if at is None or at == math.inf:
+            return None
+        return max(at - self.clock(), 0.0)
 
     def status(self) -> list[WorkerStatus]:
         """Each worker's state, for /info and /metrics."""

@@ -56,6 +56,8 @@ class Workers(Protocol):
 
     def load_state(self) -> tuple[LoadState, float | None]: ...
 
+    def back_in(self) -> float | None: ...
+
     def status(self) -> list[WorkerStatus]: ...
 
     def open_stream(self, on_token: Callable[[TokenChunk], None]) -> int: ...
@@ -101,6 +103,10 @@ class ModelService:
     @property
     def full(self) -> bool:
         return self.queue.full
+
+    @property
+    def back_in(self) -> float | None:
+        return self.workers.back_in()
 
     @property
     def loaded(self) -> WorkerReady | None:
