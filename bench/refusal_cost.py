@@ -110,6 +110,9 @@ class ReadyWorkers:
     def load_state(self) -> tuple[LoadState, float | None]:
         return LoadState.LOADING, None  # (never asked: the worker is ready)
 
+    def back_in(self) -> float | None:
+        return None  # (never asked: the worker is ready)
+
     def status(self) -> list[WorkerStatus]:
         return []
 

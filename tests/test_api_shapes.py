@@ -228,6 +228,9 @@ class Loaded:
     def load_state(self):
         return LoadState.LOADING, None
 
+    def back_in(self):
+        return None
+
     def status(self):
         return []
 

@@ -71,6 +71,9 @@ class ReadyWorkers:
     def load_state(self) -> tuple[LoadState, float | None]:
         return LoadState.LOADING, None
 
+    def back_in(self) -> float | None:
+        return None
+
     def status(self) -> list[WorkerStatus]:
         return []
 

@@ -259,6 +259,9 @@ class StreamingWorkers(FakeExecutor):
     def load_state(self):
         return LoadState.READY, None
 
+    def back_in(self):
+        return None
+
     def status(self):
         return []
 
