@@ -123,7 +123,7 @@ class OperationsRoutes:
         )
         for served, status in zip(models, statuses.values(), strict=True):
             if status["status"] not in ("ready", "full"):  # says more than a full one
-                wait = max(1, round(loading_retry_after(served)))  # as a 503's own
+                wait = round(loading_retry_after(served))  # (a second at least)
                 return json_response(503, {**status, **several}, [("Retry-After", str(wait))])
         if any(status["status"] == "full" for status in statuses.values()):
             headers = [("Retry-After", str(FULL_RETRY_AFTER))]

@@ -306,8 +306,7 @@ class Scheduler:
                 future.cancel()
         # (awaiting a future that times out or is cancelled cancels it: the batch says
         # whether the model still works on it)
-        sent = {id(item.batch): item.batch for item in items if item.batch is not None}
-        for batch in sent.values():
+        for batch in {item.batch for item in items if item.batch is not None}:
             members = self._sent.get(batch)
             if batch.done() or members is None:
                 continue
@@ -427,7 +426,7 @@ class Scheduler:
             stopped = isinstance(error, Refused) and error.refusal.reason is Reason.SHUTTING_DOWN
             # (the end of the grace is logged once, not once a batch; a batch nobody waits
             # for, as a retry after a crash that was dropped, fails for nobody)
-            if not stopped and any(item.future and not item.future.done() for item in batch):
+            if not stopped and any(_waits(item) for item in batch):
                 log.error("a batch of %d failed in the worker pool: %s", len(batch), error)
             for item in batch:
                 _settle(item, exception=_as_refusal(error))
@@ -440,7 +439,7 @@ class Scheduler:
         )
         if self.metrics is not None and computed:
             self.metrics.observe_batch(computed, result.compute_seconds)
-        if all(item.future is None or item.future.done() for item in batch):
+        if not any(_waits(item) for item in batch):
             self.core.stopped_batch(batch, self.clock() - result.waited)  # nobody waited
             return
         # its own run: the time it waited in the worker behind another batch left out

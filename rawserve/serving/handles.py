@@ -55,9 +55,8 @@ class Job:
         for any of them now."""
         if (self.whole or self.future) is not future:
             return False
-        for index in range(len(self.inputs)):
-            if items is None or self.place(index) in items:
-                self.gone |= {index}
+        indices = range(len(self.inputs))
+        self.gone |= {i for i in indices if items is None or self.place(i) in items}
         self.abandoned = len(self.gone) == len(self.inputs)
         return self.abandoned
 

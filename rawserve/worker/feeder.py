@@ -118,15 +118,14 @@ class Feeder:
         while True:
             try:
                 message = self._batches.recv()
-            except (EOFError, OSError):  # the server is gone
-                self._messages_read += 1
-                self._read_into.put(CLOSED)
-                return
-            except Exception:  # noqa: BLE001 - out of memory unpickling a large batch, say
-                # The pipe's stream is lost past this message, and the batch in it with
-                # it: the worker ends, so the server restarts it and runs its batches
-                # again at once, instead of waiting on it until --batch-timeout.
-                log.exception("a message from the server cannot be read: the worker stops")
+            except Exception as exc:  # noqa: BLE001 - the worker stops either way
+                # EOFError, OSError: the server is gone. Anything else (out of memory
+                # unpickling a large batch, say): the pipe's stream is lost past this
+                # message, and the batch in it with it; the worker ends, so the server
+                # restarts it and runs its batches again at once, instead of waiting on it
+                # until --batch-timeout.
+                if not isinstance(exc, (EOFError, OSError)):
+                    log.exception("a message from the server cannot be read: the worker stops")
                 self._messages_read += 1
                 self._read_into.put(CLOSED)
                 return

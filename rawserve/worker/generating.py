@@ -237,10 +237,11 @@ class GenerationLoop:
         failure = self.runner.describe_failure(exc)
         if failure.kind is FailureKind.OUT_OF_MEMORY:
             release_memory()
-            self.cap.lower(max(len(self.batcher.rows) + len(running), 2))
+            sequences = len(self.batcher.rows) + len(running)  # (the rows go on after a prefill)
+            self.cap.lower(max(sequences, 2))
             log.warning(
                 "out of memory running %d sequences: %d at once for a while",
-                len(self.batcher.rows) + len(running),
+                sequences,
                 self.cap.limit,
             )
             # joiners with no token yet, run out of memory together: they join again, fewer
