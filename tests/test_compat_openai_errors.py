@@ -107,7 +107,7 @@ def test_v1_refusals_from_the_head_are_openais_error_object_too():
     }
     assert answer is not None and dict(answer.headers)["Retry-After"]
     with pytest.raises(Unauthorized):  # other routes: raised for the protocol to render
-        server.answer_now(request("POST", "/embed", {"inputs": "a"}, headers=[]))
+        server.answer_now(request("POST", "/", {"inputs": "a"}, headers=[]))
 
 
 async def test_other_routes_keep_rawserves_shape():

@@ -40,6 +40,7 @@ from rawserve.http.errors import (
     NotFound,
     error_response,
     openai_error_response,
+    tei_error_response,
     tgi_error_response,
 )
 from rawserve.http.exchange import HttpRequest, HttpResponse
@@ -77,6 +78,8 @@ class App:
         self.openai = OpenAIRoutes(context)
         self.tei = TeiRoutes(context)
         self.tgi = TgiRoutes(context)
+        tei_routes = self.tei.routes()
+        self.tei_paths = frozenset(route.path for route in tei_routes)
         self.operations = OperationsRoutes(context, metrics, facts)
         openapi = Operation(
             "This document: the routes this server serves",
@@ -88,7 +91,7 @@ class App:
             *self.inference.routes(),  # POST /, and POST /models/<name> for each name
             *self.operations.routes(),
             *self.openai.routes(),
-            *self.tei.routes(),
+            *tei_routes,
             *self.tgi.routes(),
             Route("GET", "/openapi.json", self.openapi, openapi),
         ]
@@ -141,12 +144,14 @@ class App:
 
     def error_renderer(self, request: HttpRequest) -> ErrorRenderer | None:
         """How the app renders a request's errors itself, or None: the protocol renders
-        them (rawserve's shape). OpenAI's object on its routes, TGI's types where TGI's
-        clients call, and rawserve's shape where a page must read them (CORS)."""
+        them (rawserve's shape). OpenAI's object on its routes, TGI's or TEI's types where
+        their clients call, and rawserve's shape where a page must read them (CORS)."""
         if speaks_openai(request.path):
             return openai_error_response
         if self.speaks_tgi(request):
             return tgi_error_response
+        if request.path in self.tei_paths:
+            return tei_error_response
         return error_response if self.cors is not None else None
 
     def speaks_tgi(self, request: HttpRequest) -> bool:

@@ -39,7 +39,9 @@ def http_error(refusal: Refusal) -> HTTPError:
     # queue full, deadline unreachable, no worker, loading, shutting down: retry later
     retry_after = refusal.retry_after if refusal.retry_after is not None else DEFAULT_RETRY_AFTER
     if reason in BUSY:
-        return ServiceUnavailable(refusal.message, retry_after=spread(retry_after), in_ms=True)
+        return ServiceUnavailable(
+            refusal.message, retry_after=spread(retry_after), in_ms=True, busy=True
+        )
     return ServiceUnavailable(refusal.message, retry_after=retry_after)
 
 

@@ -24,7 +24,7 @@ from rawserve.api.fields import (
     whole,
 )
 from rawserve.api.routing import DocContext, Schema
-from rawserve.http.errors import BadRequest, UnprocessableInput
+from rawserve.http.errors import BadRequest, EmptyInput, UnprocessableInput
 from rawserve.tasks.checks import BlankInput, not_blank
 
 DIRECTIONS = ("left", "right", "Left", "Right")  # TEI takes both spellings
@@ -52,7 +52,9 @@ def read_texts(name: str, value: Any, context: DocContext | None) -> list[str]:
 def text_inputs(value: Any, max_inputs: int) -> list[str]:
     """`inputs` as a list of texts: one text, or a non-empty list of them."""
     texts = [value] if isinstance(value, str) else value
-    if not isinstance(texts, list) or not texts:
+    if texts == []:
+        raise EmptyInput('"inputs" must be a text or a non-empty list of texts')
+    if not isinstance(texts, list):
         raise BadRequest('"inputs" must be a text or a non-empty list of texts')
     if not all(isinstance(text, str) for text in texts):
         if all(isinstance(item, (int, list)) for item in texts):
@@ -70,7 +72,9 @@ def predict_inputs(value: Any) -> tuple[list[Any], bool]:
     )
     if isinstance(value, str):
         return [checked_text(value, '"inputs"')], False
-    if not isinstance(value, list) or not value:
+    if value == []:
+        raise EmptyInput('"inputs" must not be an empty list')
+    if not isinstance(value, list):
         raise refusal
     if all(isinstance(item, str) for item in value):
         if len(value) > 2:
@@ -95,7 +99,9 @@ def sequence(texts: list[str]) -> str | dict[str, str]:
 def id_inputs(value: Any, max_lists: int) -> list[list[int]]:
     """`ids`: one list of token ids, or a non-empty list of them."""
     refusal = BadRequest('"ids" must be a list of token ids, or a non-empty list of such lists')
-    if not isinstance(value, list) or not value:
+    if value == []:
+        raise EmptyInput(refusal.message)
+    if not isinstance(value, list):
         raise refusal
     lists = value if all(isinstance(item, list) for item in value) else [value]
     check_client_batch(len(lists), max_lists)
@@ -189,7 +195,9 @@ def read_query(name: str, value: Any, context: DocContext | None) -> str:
 def read_rerank_texts(name: str, value: Any, context: DocContext | None) -> list[str]:
     if value is None:
         raise BadRequest(f'"{name}" is required')
-    if not isinstance(value, list) or not value or not all(isinstance(t, str) for t in value):
+    if value == []:
+        raise EmptyInput(f'"{name}" must be a non-empty list of strings')
+    if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
         raise BadRequest(f'"{name}" must be a non-empty list of strings')
     check_client_batch(len(value), max_inputs(context))
     return value

@@ -1,7 +1,8 @@
 """Errors that carry their HTTP status, and the one place that renders any error: in
 rawserve's shape (`error_response`, every route but OpenAI's) or OpenAI's
 (`openai_error_response`, the `/v1/` routes, whose clients read only that shape), and
-with TGI's types in rawserve's shape (`tgi_error_response`, the routes TGI's clients use).
+with TGI's or TEI's types in rawserve's shape (`tgi_error_response`, `tei_error_response`:
+the routes those servers' clients use).
 
 Messages are written for the client: they say what to fix and never contain a
 traceback, a path or a repr of internals (those go to the log).
@@ -53,6 +54,10 @@ class HTTPError(Exception):
 class BadRequest(HTTPError):
     status = 400
     error_type = "bad_request"
+
+
+class EmptyInput(BadRequest):
+    """A list of inputs with nothing in it: TEI types it apart (`Empty`)."""
 
 
 class MalformedRequest(BadRequest):
@@ -141,10 +146,13 @@ class ServiceUnavailable(HTTPError):
     status = 503
     error_type = "unavailable"
 
-    def __init__(self, message: str, *, retry_after: float = 1.0, in_ms: bool = False):
+    def __init__(
+        self, message: str, *, retry_after: float = 1.0, in_ms: bool = False, busy: bool = False
+    ):
         """`in_ms`: say the wait in milliseconds too (`Retry-After-Ms`, which the openai
         SDKs read before `Retry-After`), where a spread wait must not be rounded back
-        to the same second for every client."""
+        to the same second for every client; `busy`: refused for the load (a full queue),
+        not for the server's state (loading, restarting, stopping)."""
         millis = round(retry_after * 1000)
         seconds = max(1, round(millis / 1000))
         headers = [("Retry-After", str(seconds))]
@@ -152,6 +160,7 @@ class ServiceUnavailable(HTTPError):
             headers.append(("Retry-After-Ms", str(millis)))
         super().__init__(message, headers=headers)
         self.retry_after = seconds
+        self.busy = busy
 
 
 class GatewayTimeout(HTTPError):
@@ -219,6 +228,31 @@ def tgi_error(error: HTTPError) -> HTTPError:
     if client_error and not isinstance(error, MalformedRequest):
         return ValidationFailed(error.message, headers=error.headers)
     return error
+
+
+def tei_error_response(exc: BaseException, request_id: str | None = None) -> HttpResponse:
+    """`error_response` with TEI's types (`tei_error_type`), for TEI's routes."""
+    error = as_http_error(exc, request_id)
+    document = {"error": _short(error.message), "error_type": tei_error_type(error)}
+    return HttpResponse(error.status, dumps(document), list(error.headers))
+
+
+def tei_error_type(error: HTTPError) -> str:
+    """The error as TEI types it, where TEI has a type for it (its `ErrorType`: `Empty`,
+    `Validation`, `Tokenizer`, `Overloaded`, `Unhealthy`, `Backend`): what TEI's
+    validation refuses (rawserve's 400, 413 and 422) is `Validation`, a full queue
+    `Overloaded`, a model loading or restarting `Unhealthy`, a model's failure `Backend`.
+    The statuses stay rawserve's (TEI answers a full queue 429 where rawserve answers 503
+    with Retry-After), and the rest keep rawserve's types (401, 404, 504: TEI has none)."""
+    if isinstance(error, EmptyInput):
+        return "Empty"
+    if isinstance(error, (BadRequest, PayloadTooLarge, UnprocessableInput)):
+        return error.error_type if isinstance(error, MalformedRequest) else "Validation"
+    if isinstance(error, ServiceUnavailable):
+        return "Overloaded" if error.busy else "Unhealthy"
+    if isinstance(error, InternalError):
+        return "Backend"
+    return error.error_type
 
 
 def openai_error_response(exc: BaseException, request_id: str | None = None) -> HttpResponse:
