@@ -19,9 +19,11 @@ fails the sequences it was running (the runner's `describe_failure`) and the loo
 on; after an out-of-memory error it runs half as many rows at once for a while. Where
 the joining sequences' own prefill raised, the running rows go on untouched; joiners
 that ran out of memory together wait and join again, fewer at a time, so that only one
-too large even alone fails. Where a decoding step ran out, the sequences it was running
-start again from their prompts, as the static path splits a batch and retries its halves
-(not one that ran out of memory alone, nor a stream that has sent tokens: those fail).
+too large even alone fails; joiners whose prefill failed otherwise join again in halves,
+as the static path bisects a failing batch, down to the prompts that fail alone. Where a
+decoding step ran out, the sequences it was running start again from their prompts, as
+the static path splits a batch and retries its halves (not one that ran out of memory
+alone, nor a stream that has sent tokens: those fail).
 
 Worker process only (it drives the model).
 """
@@ -233,8 +235,22 @@ class GenerationLoop:
 
     def _on_step_failure(self, exc: Exception) -> None:
         self.streamed = []  # a failed pass's tokens: its sequences fail instead
+        prefill = self.batcher.prefilling  # the joiners' own pass failed: the rows go on
         running = self.batcher.drop_failed()
         failure = self.runner.describe_failure(exc)
+        if prefill and len(running) > 1 and failure.kind is not FailureKind.OUT_OF_MEMORY:
+            # the model failed on one of their prompts, maybe: as the static path bisects
+            # a failing batch, they join again in halves, down to the prompts that fail
+            # alone (each prefilled once more at most for every halving: it ends)
+            at_most = len(running) // 2
+            log.warning(
+                "a prefill of %d sequences failed (%s): they join again, %d at a time",
+                len(running),
+                failure.message,
+                at_most,
+            )
+            self.batcher.wait_again(running, at_most)
+            return
         if failure.kind is FailureKind.OUT_OF_MEMORY:
             release_memory()
             sequences = len(self.batcher.rows) + len(running)  # (the rows go on after a prefill)
