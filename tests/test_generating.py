@@ -10,6 +10,7 @@ skips to the next scripted look), and `Shutdown` once the script is spent.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -1358,6 +1359,7 @@ POISON = "a prompt the model fails on"
 
 
 def serve_poisoned(runner, monkeypatch, script: dict[int, list[Any]]) -> tuple[list[int], dict]:
+    """The loop's answers, and the rows of each prefill it ran, where `POISON` fails."""
     from rawserve.worker.generating import GenerationLoop
 
     sent: list[Any] = []
@@ -1370,7 +1372,7 @@ def serve_poisoned(runner, monkeypatch, script: dict[int, list[Any]]) -> tuple[l
 
 
 def test_a_prompt_whose_prefill_fails_fails_alone_and_its_joiners_answer_as_alone(
-    runner, monkeypatch
+    runner, monkeypatch, caplog
 ):
     """One prompt the model fails on never fails the prompts that joined beside it: they
     join again in halves, as the static path bisects a batch, and answer what they answer
@@ -1379,8 +1381,13 @@ def test_a_prompt_whose_prefill_fails_fails_alone_and_its_joiners_answer_as_alon
     greedy = {"max_new_tokens": 6, "do_sample": False, "details": True}
     sampled = {"max_new_tokens": 6, "do_sample": True, "seed": 5, "details": True}
     running = Batch(1, ("the movie was",), greedy)
-    joining = [Batch(2, ("a good film", POISON, "hello"), greedy), Batch(3, (TEXTS[3],), sampled)]
-    prefills, answered = serve_poisoned(runner, monkeypatch, {0: [running], 2: joining})
+    ids = ("r-film", "r-poison", "r-hello")
+    joining = [
+        Batch(2, ("a good film", POISON, "hello"), greedy, request_ids=ids),
+        Batch(3, (TEXTS[3],), sampled),
+    ]
+    with caplog.at_level(logging.ERROR, "rawserve.generation"):
+        prefills, answered = serve_poisoned(runner, monkeypatch, {0: [running], 2: joining})
     # four fail together; of the halves, the poisoned one splits again and the other joins
     assert prefills == [1, 4, 2, 1, 1, 2]
     alone = [
@@ -1393,6 +1400,10 @@ def test_a_prompt_whose_prefill_fails_fails_alone_and_its_joiners_answer_as_alon
     assert without_logprobs(got) == without_logprobs(alone)
     assert failure == runner.describe_failure(IndexError("index out of range in self"))
     assert failure.kind is FailureKind.INTERNAL
+    # its traceback in the worker's log names the request the access log names
+    [logged] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert logged.getMessage() == "generation failed (request r-poison)"
+    assert logged.request_id == "r-poison"  # a JSON line's field
 
 
 def test_prompts_that_all_fail_their_prefill_each_fail_and_the_loop_ends(runner, monkeypatch):

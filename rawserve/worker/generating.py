@@ -339,7 +339,10 @@ class GenerationLoop:
         if generation.failure is not None:  # its settings, grammar or scores: it alone fails
             failure = ItemFailure(generation.failure_kind, generation.failure)
             if failure.kind is not FailureKind.INPUT:
-                log.warning("a sequence failed: %s", failure.message)
+                request = opened.batch.request_id(index)
+                named = {"request_id": request}  # a JSON line's field, as the access log's
+                log.warning("a sequence failed (request %s): %s", request, failure.message,
+                            extra=named)  # fmt: skip
             self._fail(opened, index, failure, None)
             self._answer_if_done(opened)
             return
@@ -362,14 +365,18 @@ class GenerationLoop:
                 )
         except Exception as exc:  # noqa: BLE001 - a failure becomes data
             output = self.runner.describe_failure(exc)
-            log.error("an item's output failed", exc_info=exc)
+            request = batch.request_id(index)
+            log.error("an item's output failed (request %s)", request, exc_info=exc,
+                      extra={"request_id": request})  # fmt: skip
         opened.outputs[index] = output
 
     def _fail(
         self, opened: OpenBatch, index: int, failure: ItemFailure, exc: BaseException | None
     ) -> None:
         if failure.kind is not FailureKind.INPUT and exc is not None:
-            log.error("generation failed", exc_info=exc)
+            request = opened.batch.request_id(index)
+            log.error("generation failed (request %s)", request, exc_info=exc,
+                      extra={"request_id": request})  # fmt: skip
         opened.outputs[index] = failure
         opened.generations.pop(index, None)
 
