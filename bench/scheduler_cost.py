@@ -57,7 +57,11 @@ class InstantWorkers:
         pass
 
     def submit(
-        self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control
+        self,
+        inputs: Sequence[Any],
+        params: Mapping[str, Any],
+        control: Control,
+        request_ids: Sequence[str] = (),
     ) -> asyncio.Future[BatchResult]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[BatchResult] = loop.create_future()

@@ -77,6 +77,7 @@ from rawserve.http.response_head import (
     request_fields,
 )
 from rawserve.http.timer import ConnectionTimer
+from rawserve.shared.logs import REQUEST_ID
 
 log = logging.getLogger("rawserve.protocol")
 
@@ -382,6 +383,7 @@ class HttpProtocol(asyncio.Protocol):
         cycle.task = self.loop.create_task(self._respond(cycle, request))
 
     async def _respond(self, cycle: Cycle, request: HttpRequest) -> None:
+        REQUEST_ID.set(cycle.request_id)  # (this task's own context)
         try:
             response = await self.app.handle(request)
         except asyncio.CancelledError:

@@ -10,6 +10,7 @@ skips to the next scripted look), and `Shutdown` once the script is spent.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -1335,6 +1336,87 @@ def test_a_failing_prefill_fails_the_sequences_joining_in_it(runner, monkeypatch
     (failure,) = answered[2].outputs
     assert isinstance(failure, ItemFailure) and failure.kind is FailureKind.INTERNAL
     assert answered[3].outputs == (static(runner, "hello", params),)
+
+
+class PoisonPrefill:
+    """A model's forward that raises an index error on a prefill with `poison` (a prompt's
+    ids) among its rows, as a model may on one input; `prefills`: each prefill's rows."""
+
+    def __init__(self, forward, poison: list[int]):
+        self.forward, self.poison = forward, poison
+        self.prefills: list[int] = []
+
+    def __call__(self, *args, **kwargs):
+        ids = kwargs["input_ids"]
+        if ids.shape[1] > 1:
+            self.prefills.append(len(ids))
+            if any(row[-len(self.poison) :] == self.poison for row in ids.tolist()):
+                raise IndexError("index out of range in self")
+        return self.forward(*args, **kwargs)
+
+
+POISON = "a prompt the model fails on"
+
+
+def serve_poisoned(runner, monkeypatch, script: dict[int, list[Any]]) -> tuple[list[int], dict]:
+    """The loop's answers, and the rows of each prefill it ran, where `POISON` fails."""
+    from rawserve.worker.generating import GenerationLoop
+
+    sent: list[Any] = []
+    poison = runner.tokenizer(POISON)["input_ids"][1:]  # after its first word
+    forward = PoisonPrefill(runner.model.forward, poison)
+    monkeypatch.setattr(runner.model, "forward", forward)
+    GenerationLoop(runner, sent.append, 8).run(Script(script))
+    monkeypatch.undo()
+    return forward.prefills, results(sent)
+
+
+def test_a_prompt_whose_prefill_fails_fails_alone_and_its_joiners_answer_as_alone(
+    runner, monkeypatch, caplog
+):
+    """One prompt the model fails on never fails the prompts that joined beside it: they
+    join again in halves, as the static path bisects a batch, and answer what they answer
+    alone (a seeded sample its own); it alone fails, as it fails alone; the running row
+    goes on untouched."""
+    greedy = {"max_new_tokens": 6, "do_sample": False, "details": True}
+    sampled = {"max_new_tokens": 6, "do_sample": True, "seed": 5, "details": True}
+    running = Batch(1, ("the movie was",), greedy)
+    ids = ("r-film", "r-poison", "r-hello")
+    joining = [
+        Batch(2, ("a good film", POISON, "hello"), greedy, request_ids=ids),
+        Batch(3, (TEXTS[3],), sampled),
+    ]
+    with caplog.at_level(logging.ERROR, "rawserve.generation"):
+        prefills, answered = serve_poisoned(runner, monkeypatch, {0: [running], 2: joining})
+    # four fail together; of the halves, the poisoned one splits again and the other joins
+    assert prefills == [1, 4, 2, 1, 1, 2]
+    alone = [
+        static(runner, text, params)
+        for text, params in [("the movie was", greedy), ("a good film", greedy),
+                             ("hello", greedy), (TEXTS[3], sampled)]
+    ]  # fmt: skip
+    first, failure, last = answered[2].outputs
+    got = [answered[1].outputs[0], first, last, answered[3].outputs[0]]
+    assert without_logprobs(got) == without_logprobs(alone)
+    assert failure == runner.describe_failure(IndexError("index out of range in self"))
+    assert failure.kind is FailureKind.INTERNAL
+    # its traceback in the worker's log names the request the access log names
+    [logged] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert logged.getMessage() == "generation failed (request r-poison)"
+    assert logged.request_id == "r-poison"  # a JSON line's field
+
+
+def test_prompts_that_all_fail_their_prefill_each_fail_and_the_loop_ends(runner, monkeypatch):
+    """Halving ends: each prompt is prefilled once more at most for every halving."""
+    params = {"max_new_tokens": 4, "do_sample": False}
+    running = Batch(1, ("the movie was",), params)
+    poisoned = Batch(
+        2, tuple(f"{word} {POISON}" for word in ("one", "two", "three", "four")), params
+    )
+    prefills, answered = serve_poisoned(runner, monkeypatch, {0: [running], 2: [poisoned]})
+    assert prefills == [1, 4, 2, 1, 1, 2, 1, 1]
+    assert all(isinstance(f, ItemFailure) for f in answered[2].outputs)
+    assert answered[1].outputs == (static(runner, "the movie was", params),)
 
 
 def test_sequences_out_of_memory_together_start_again_fewer_at_once(runner, monkeypatch):

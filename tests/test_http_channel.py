@@ -28,7 +28,7 @@ from rawserve.http_process.remote import Link, RemoteServing
 from rawserve.ops.metrics import Metrics, merge_families, render_families
 from rawserve.options import parse_config
 from rawserve.serving import fleet as fleet_module
-from rawserve.serving.bridge import Bridge, BridgedModel
+from rawserve.serving.bridge import Bridge, BridgedModel, Peer
 from rawserve.serving.face import (
     Control,
     ItemResult,
@@ -43,6 +43,7 @@ from rawserve.serving.fleet import Fleet
 from rawserve.shared.board import FULL, HEALTHY, READY, Board, SharedMemoryError, remove_orphans
 from rawserve.shared.channel import Channel
 from rawserve.shared.late_watch import LateWatch
+from rawserve.shared.logs import REQUEST_ID
 from tests.server import REPO_ROOT
 
 
@@ -378,6 +379,7 @@ def test_a_run_crosses_the_channel_and_a_cancel_follows_a_client_that_leaves():
         serving_side = await Channel.over(theirs, answer, lambda: None)
         remote = RemoteServing(link, 0)
         loop = asyncio.get_running_loop()
+        REQUEST_ID.set("r-hello")  # as the protocol sets it in the task answering a request
         answered = await remote.run(["hello"], {}, loop.time() + 5, Control())
         with pytest.raises(Refused) as refused:
             await remote.run(["refuse"], {}, loop.time() + 5, Control())
@@ -395,6 +397,8 @@ def test_a_run_crosses_the_channel_and_a_cancel_follows_a_client_that_leaves():
 
     answered, seen = asyncio.run(scenario())
     assert answered == [ItemResult({"echo": "hello"}, 0.0, 1, 0.0)]
+    hello = next(m for m in seen if m[0] == "run" and m[3] == ["hello"])
+    assert hello[7] == "r-hello"  # its items' log lines in a worker name it
     left = next(m[1] for m in seen if m[0] == "run" and m[3] == ["left"])
     assert ("cancel", left) in seen
 
@@ -450,6 +454,35 @@ class StatusOnly:
     def snapshot(self) -> ServingStatus:
         worker = WorkerStatus(0, "cpu", "float32", self.state, 7, 0, None)
         return ServingStatus(True, True, False, 8, LoadState.LOADING, None, (worker,))
+
+
+class Begins(StatusOnly):
+    """A model's serving side that hears which request it queues items for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.request_ids: list[str] = []
+
+    def begin(self, inputs, params, deadline, control, on_end) -> object:
+        self.request_ids.append(REQUEST_ID.get())
+        return object()
+
+
+def test_an_http_processs_run_queues_its_items_under_its_request_id():
+    async def scenario() -> list[str]:
+        board = Board.create(1)
+        try:
+            serving = Begins()
+            model = BridgedModel(serving, lambda: 1.0)  # type: ignore[arg-type]
+            bridge = Bridge([model], board, lambda: [], lambda families: [], serving_pid=1)
+            peer = Peer(0, 2, SimpleNamespace())  # type: ignore[arg-type]
+            bridge._receive(peer, ("run", 1, 0, ["a"], {}, 5.0, Control(), "r-7"))
+            assert REQUEST_ID.get() == ""  # set for that run only
+            return serving.request_ids
+        finally:
+            board.remove()
+
+    assert asyncio.run(scenario()) == ["r-7"]
 
 
 def test_the_late_watch_calls_each_run_late_once_at_its_time_on_one_timer():

@@ -45,6 +45,7 @@ from rawserve.protocol import (
     ProtocolSettings,
     ServerState,
 )
+from rawserve.shared.logs import REQUEST_ID
 from tests.fake_transport import (
     FakeApp,
     FakeTimerLoop,
@@ -114,6 +115,27 @@ async def test_post_answers_json_with_request_id(server):
     assert headers[b"x-request-id"] == b"abc-1"
     assert headers[b"content-type"] == b"application/json"
     assert not transport.finished  # keep-alive
+
+
+async def test_the_task_answering_a_request_knows_its_request_id():
+    """What the serving side tags the request's items with, for a worker's log lines: each
+    request's own, in the task that answers it, and nothing outside it."""
+
+    class IdApp(FakeApp):
+        def __init__(self) -> None:
+            self.ids: list[str] = []
+
+        async def handle(self, request: HttpRequest) -> HttpResponse:
+            self.ids.append(REQUEST_ID.get())
+            return HttpResponse(200, b"{}")
+
+    app = IdApp()
+    protocol = HttpProtocol(app, ProtocolSettings(), loop=asyncio.get_running_loop())
+    protocol.connection_made(FakeTransport())
+    for given in (b"abc-1", b"abc-2"):
+        protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\nX-Request-Id: %s\r\n\r\n" % given)
+        await settle()
+    assert app.ids == ["abc-1", "abc-2"] and REQUEST_ID.get() == ""
 
 
 @pytest.mark.parametrize(

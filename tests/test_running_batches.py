@@ -12,9 +12,10 @@ import asyncio
 import pytest
 
 from rawserve.serving.handles import Job, RunningBatches, WorkerHandle
+from rawserve.serving.pool import WorkerPool
 from rawserve.serving.status import WorkerState
 from rawserve.serving.supervision import WorkerRecord
-from rawserve.shared.messages import NO_CONTROL, Control, WorkerConfig
+from rawserve.shared.messages import NO_CONTROL, Batch, Control, WorkerConfig
 
 
 @pytest.fixture
@@ -129,3 +130,26 @@ def test_a_job_learns_which_of_its_items_nobody_waits_for_and_so_do_its_parts(lo
     assert retry.forget(whole.future, [2]) and retry.gone == {0}
     assert rest.forget(whole.future) and not whole.abandoned  # (each is told on its own)
     assert whole.forget(whole.future, [1, 2]) and whole.abandoned
+
+
+class Pipe:
+    def __init__(self) -> None:
+        self.sent: list[Batch] = []
+
+    def send(self, batch: Batch) -> None:
+        self.sent.append(batch)
+
+
+async def test_a_batch_and_each_part_of_it_carry_their_inputs_request_ids():
+    """Sent to the worker with the batch, for its log lines about an item; a part of the
+    batch (its inputs not refused as poison, a retry of one alone after a crash) carries
+    its own inputs' ids."""
+    loop = asyncio.get_running_loop()
+    pool = WorkerPool(WorkerConfig(model="unused"), ["cpu"], loop=loop)
+    worker = pool.workers[0]
+    worker.state, worker.conn = WorkerState.IDLE, Pipe()
+    pool.submit(["a", "b"], {}, NO_CONTROL, ["r1", "r2"])
+    whole = worker.job
+    assert whole is not None and worker.conn.sent[0].request_ids == ("r1", "r2")
+    assert whole.part([1], loop.create_future()).request_ids == ("r2",)
+    assert Batch(1, ("a",)).request_id(0) == "-"  # none given

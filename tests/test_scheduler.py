@@ -30,6 +30,7 @@ from rawserve.serving.core import (
 from rawserve.serving.driver import DELIVERY_SLICE, Scheduler
 from rawserve.serving.minima import REBUILD_SLACK, QueueMinima
 from rawserve.serving.refusals import Reason, Refusal, Refused, shutting_down
+from rawserve.shared.logs import REQUEST_ID
 from rawserve.shared.messages import (
     NO_CONTROL,
     BatchResult,
@@ -882,6 +883,7 @@ class FakeBackend:
     def __init__(self, workers: int = 1):
         self.workers = workers
         self.calls: list[tuple[list, dict, asyncio.Future]] = []
+        self.request_ids: list[tuple[str, ...]] = []  # each call's
         self.free_looks = 0
 
     def batch_cap(self) -> int | None:
@@ -900,9 +902,10 @@ class FakeBackend:
         self.free_looks += idle > 0  # the scheduler looked at the queue with a worker free
         return idle
 
-    def submit(self, inputs, params, control=NO_CONTROL):
+    def submit(self, inputs, params, control=NO_CONTROL, request_ids=()):
         future = asyncio.get_running_loop().create_future()
         self.calls.append((list(inputs), dict(params), future))
+        self.request_ids.append(tuple(request_ids))
         return future
 
     def finish(self, index: int, outputs=None) -> None:
@@ -943,6 +946,23 @@ async def test_idle_worker_gets_the_first_item_at_once_then_batches_while_busy(d
     backend.finish(2)
     assert [r.output for r in await first] == ["out:a"]
     assert [(await task)[0].output for task in rest] == [f"out:{x}" for x in "bcdef"]
+
+
+async def test_each_item_of_a_batch_names_its_own_request_to_the_pool(driver):
+    """The protocol sets the request id in the task that answers a request: the items the
+    task queues carry it into their batch, for the worker's log lines about them."""
+    scheduler, backend = driver
+
+    async def run_as(request_id: str, inputs: list[str]) -> list:
+        REQUEST_ID.set(request_id)
+        return await scheduler.run(inputs, {}, scheduler.clock() + 5)
+
+    runs = [asyncio.create_task(run_as("r1", ["a", "b"])), asyncio.create_task(run_as("r2", ["c"]))]
+    await until(lambda: len(backend.calls) == 1)
+    (ids,) = backend.request_ids  # (in fair-share order)
+    assert dict(zip(backend.calls[0][0], ids, strict=True)) == {"a": "r1", "b": "r1", "c": "r2"}
+    backend.finish(0)
+    await asyncio.gather(*runs)
 
 
 async def test_arrivals_in_one_loop_pass_are_looked_at_once_and_batched(driver):
@@ -1127,7 +1147,7 @@ async def test_a_cancelled_request_is_withdrawn(driver):
     assert len(backend.calls) == 1
 
 
-def refuse_every_batch(inputs, params, control):
+def refuse_every_batch(inputs, params, control, request_ids=()):
     """A worker pool's `submit` that refuses every batch (no worker free)."""
     raise Refused.because(Reason.NO_WORKER, "no model worker is free")
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import pickle
 import sys
 import tempfile
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -995,6 +997,26 @@ def test_a_library_panic_on_one_input_fails_that_input_alone(runner, monkeypatch
     assert run_bisecting(serving, ["fine"], {}) == [good]  # the tokenizer still works
 
 
+def test_an_item_that_fails_alone_is_logged_with_its_request_id(caplog):
+    """The worker's traceback of an item's failure names the request the access log names,
+    found through the bisection (its batch-mates' ids named nowhere)."""
+    from rawserve.worker.batch_runs import run_batch
+
+    def run(inputs, params, control):
+        if "bad" in inputs:
+            raise IndexError("index out of range in self")
+        return [len(text) for text in inputs]
+
+    failed = ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
+    runner = SimpleNamespace(run=run, describe_failure=lambda exc: failed)
+    with caplog.at_level(logging.ERROR, "rawserve.worker"):
+        outputs = run_batch(runner, ["ok", "bad", "fine"], {}, request_ids=["r-1", "r-2", "r-3"])
+    assert outputs == [2, failed, 4]
+    [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert record.getMessage() == "an item failed (request r-2)"
+    assert record.request_id == "r-2"  # a JSON line's field, as the access log's
+
+
 @pytest.mark.parametrize(
     ("built_for", "says"),
     [
@@ -1281,7 +1303,7 @@ def test_the_failing_item_s_error_is_logged_alone_not_chained_to_its_batch_s(
     )
     serving = handler_runner(monkeypatch, tmp_path, source)
     assert run_bisecting(serving, ["a", "b", "bad", "c"], {})[3] == "c"
-    [record] = [record for record in caplog.records if record.msg == "an item failed"]
+    [record] = [record for record in caplog.records if record.msg.startswith("an item failed")]
     assert record.exc_info is not None and record.exc_info[1].__context__ is None
 
 

@@ -38,6 +38,7 @@ from rawserve.serving.face import (
 from rawserve.shared.board import FULL, HEALTHY, READY, Board
 from rawserve.shared.channel import Channel
 from rawserve.shared.late_watch import LateWatch
+from rawserve.shared.logs import REQUEST_ID
 
 log = logging.getLogger("rawserve")
 
@@ -206,7 +207,17 @@ class RemoteServing:
     ) -> list[ItemResult]:
         link = self.link
         rid = link.next_id()
-        message = ("run", rid, self.index, list(inputs), dict(params), deadline, control)
+        request_id = REQUEST_ID.get()  # the request this task answers (set by the protocol)
+        message = (
+            "run",
+            rid,
+            self.index,
+            list(inputs),
+            dict(params),
+            deadline,
+            control,
+            request_id,
+        )
         future = link.ask(message)
         # answered with Refused when late (a deadline already passed: LATE_SECONDS from now)
         link.late.watch(rid, max(deadline, time.monotonic()) + LATE_SECONDS)

@@ -4,8 +4,8 @@ Each HTTP process holds a `Serving` client per model (rawserve.http_process.remo
 sends plain-data messages; the bridge carries each out on the real serving side and
 sends back the answer:
 
-    ("run", rid, model, inputs, params, deadline, control)  → ("done", rid, results)
-                                                              or ("refused", rid, refusal)
+    ("run", rid, model, inputs, params, deadline, control, request_id)
+                                  → ("done", rid, results) or ("refused", rid, refusal)
     ("cancel", rid)               the client left: its items are withdrawn
     ("close_stream", stream)      a token stream is over (its tokens: ("token", stream, chunk))
     ("statuses", rid)             /info: every model's status now → ("statuses", rid, list)
@@ -30,9 +30,9 @@ import logging
 import socket
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
-from rawserve.serving.driver import RunningRequest
+from rawserve.serving.driver import Backend, RunningRequest
 from rawserve.serving.face import (
     Control,
     ItemResult,
@@ -45,6 +45,7 @@ from rawserve.serving.face import (
 from rawserve.serving.service import ModelService
 from rawserve.shared.board import Board
 from rawserve.shared.channel import Channel
+from rawserve.shared.logs import REQUEST_ID
 from rawserve.shared.messages import BatchResult, ModelLimits
 
 log = logging.getLogger("rawserve")
@@ -194,8 +195,13 @@ class Bridge:
     def _receive(self, peer: Peer, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "run":
-            _, rid, model, inputs, params, deadline, control = message
-            self._begin(peer, rid, self.models[model].serving, inputs, params, deadline, control)
+            _, rid, model, inputs, params, deadline, control, request_id = message
+            named = REQUEST_ID.set(request_id)  # what its items' log lines in a worker name
+            try:
+                serving = self.models[model].serving
+                self._begin(peer, rid, serving, inputs, params, deadline, control)
+            finally:
+                REQUEST_ID.reset(named)
             self.publish_soon()  # its items admitted (or refused)
         elif kind == "cancel":
             running = peer.runs.pop(message[1], None)
@@ -399,27 +405,6 @@ def _settled(state: WorkerState) -> WorkerState:
     return WorkerState.IDLE if state is WorkerState.BUSY else state
 
 
-class Backend(Protocol):
-    """The worker pool as the scheduler sees it (rawserve.serving.driver.Backend)."""
-
-    def idle_workers(self) -> int: ...
-
-    def batch_cap(self) -> int | None: ...
-
-    @property
-    def limits(self) -> ModelLimits: ...
-
-    def concurrency(self) -> int: ...
-
-    def abandon(
-        self, future: asyncio.Future[BatchResult], items: Collection[int] | None = None
-    ) -> None: ...
-
-    def submit(
-        self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control
-    ) -> asyncio.Future[BatchResult]: ...
-
-
 class PublishingBackend:
     """A scheduler's backend that has the board published whenever a batch leaves the
     queue, so that no HTTP process reads "full" of a queue that has room."""
@@ -447,7 +432,11 @@ class PublishingBackend:
         self.backend.abandon(future, items)
 
     def submit(
-        self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control
+        self,
+        inputs: Sequence[Any],
+        params: Mapping[str, Any],
+        control: Control,
+        request_ids: Sequence[str] = (),
     ) -> asyncio.Future[BatchResult]:
         self.published()
-        return self.backend.submit(inputs, params, control)
+        return self.backend.submit(inputs, params, control, request_ids)

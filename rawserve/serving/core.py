@@ -70,6 +70,7 @@ class WorkItem:
     queued: bool = False
     turn: int = 0  # its place in the fair-share order, set when it is admitted
     batch: asyncio.Future[Any] | None = None  # the model call it is part of, once sent
+    request_id: str = ""  # its request's, for the worker's log lines ("": none)
 
     def sort_key(self) -> tuple[int, float, int]:
         """Fair-share turn first; within a turn, earliest deadline first."""
@@ -186,6 +187,7 @@ class SchedulerCore:
         deadline: float,
         now: float,
         control: Control = NO_CONTROL,
+        request_id: str = "",
     ) -> WorkItem:
         cost = max(1, round(estimate_tokens(value) * self.tokens_per_estimate))
         if self.max_input_tokens is not None:  # a long text costs what the model reads of it
@@ -208,6 +210,7 @@ class SchedulerCore:
             cost=cost,
             seq=next(self._seq),
             new_tokens=new_tokens,
+            request_id=request_id,
         )
 
     # --- admission ----------------------------------------------------------------------

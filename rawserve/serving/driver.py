@@ -38,6 +38,7 @@ from rawserve.serving.refusals import (
 )
 from rawserve.serving.supervision import NOT_RUN, REFUSED_POISON
 from rawserve.shared.late_watch import LateWatch
+from rawserve.shared.logs import REQUEST_ID
 from rawserve.shared.messages import NO_CONTROL, BatchResult, Control, ModelLimits
 
 log = logging.getLogger("rawserve.scheduler")
@@ -77,8 +78,14 @@ class Backend(Protocol):
         ...
 
     def submit(
-        self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control
-    ) -> asyncio.Future[BatchResult]: ...
+        self,
+        inputs: Sequence[Any],
+        params: Mapping[str, Any],
+        control: Control,
+        request_ids: Sequence[str] = (),
+    ) -> asyncio.Future[BatchResult]:
+        """Send a batch to a worker; `request_ids`: each input's request's, for its log."""
+        ...
 
 
 # How a run begun without a task ends: its results in order, or the error that ended it.
@@ -265,7 +272,11 @@ class Scheduler:
         under a new run id whose deadline is watched."""
         loop = self._loop or asyncio.get_running_loop()
         now = self.clock()
-        items = [self.core.new_item(value, params, deadline, now, control) for value in inputs]
+        request_id = REQUEST_ID.get()  # the request this task answers (set by the protocol)
+        items = [
+            self.core.new_item(value, params, deadline, now, control, request_id)
+            for value in inputs
+        ]
         futures: list[asyncio.Future[ItemResult]] = []
         for item in items:
             item.future = future = loop.create_future()
@@ -403,7 +414,8 @@ class Scheduler:
     def _dispatch(self, batch: list[WorkItem], now: float) -> None:
         try:
             lead = batch[0]
-            future = self.backend.submit([item.input for item in batch], lead.params, lead.control)
+            inputs, ids = [item.input for item in batch], [item.request_id for item in batch]
+            future = self.backend.submit(inputs, lead.params, lead.control, ids)
         except Exception as exc:  # noqa: BLE001 - the batch fails, the loop goes on
             self.core.forget_batch(batch)
             log.error("the worker pool refused a batch of %d: %s", len(batch), exc)

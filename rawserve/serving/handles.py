@@ -42,6 +42,7 @@ class Job:
     whole: asyncio.Future[BatchResult] | None = None  # None: it is the scheduler's batch
     places: tuple[int, ...] = ()
     gone: frozenset[int] = frozenset()  # the indices of its inputs nobody waits for
+    request_ids: tuple[str, ...] = ()  # each input's request's, for the worker's log
 
     def place(self, index: int) -> int:
         """The place of its input at `index` in the scheduler's batch."""
@@ -77,6 +78,7 @@ class Job:
             poison_key,
             whole=self.whole or self.future,
             places=tuple(self.place(index) for index in indices),
+            request_ids=tuple(self.request_ids[index] for index in indices if self.request_ids),
         )
 
 

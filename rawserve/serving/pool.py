@@ -194,7 +194,11 @@ class WorkerPool(PoolReports):
         return sum(w.sequences or 1 for w in self.workers)
 
     def submit(
-        self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control = NO_CONTROL
+        self,
+        inputs: Sequence[Any],
+        params: Mapping[str, Any],
+        control: Control = NO_CONTROL,
+        request_ids: Sequence[str] = (),
     ) -> asyncio.Future[BatchResult]:
         # the scheduler may send a second batch in the same breath as a lone item that
         # took every core: it runs on a free worker anyway (briefly one thread too many)
@@ -204,8 +208,11 @@ class WorkerPool(PoolReports):
         future = self._running_loop.create_future()
         batch_id = next(self._batch_ids)
         refused = [self.supervisor.is_poison(value, params) for value in inputs]
+        whole = Job(
+            tuple(inputs), params, control, future, batch_id, request_ids=tuple(request_ids)
+        )
         if not any(refused):
-            self._send(worker, Job(tuple(inputs), params, control, future, batch_id))
+            self._send(worker, whole)
             return future
         log.warning("refused %d input(s) that crashed a worker before", sum(refused))
         if self.metrics is not None:
@@ -213,7 +220,6 @@ class WorkerPool(PoolReports):
         if all(refused):
             future.set_result(BatchResult(batch_id, (REFUSED_POISON,) * len(inputs), 0.0))
             return future
-        whole = Job(tuple(inputs), params, control, future, batch_id)
         self._send(worker, self._part(whole, [REFUSED_POISON if bad else None for bad in refused]))
         return future
 
@@ -349,7 +355,9 @@ class WorkerPool(PoolReports):
             worker.queued, worker.queued_at = job, self.clock()
         try:
             threads = self._threads_for(worker, len(job.inputs))
-            batch = Batch(job.batch_id, job.inputs, dict(job.params), threads, job.control)
+            batch = Batch(
+                job.batch_id, job.inputs, dict(job.params), threads, job.control, job.request_ids
+            )
             assert worker.conn is not None, "spawned workers have a pipe"
             worker.conn.send(batch)
         except (OSError, ValueError) as exc:  # the pipe broke: the reader will see the exit

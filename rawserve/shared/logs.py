@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
+from contextvars import ContextVar
 from typing import Any, TextIO
 
 from rawserve.shared.log_writer import background
@@ -30,6 +31,11 @@ ACCESS_LOGGER = "rawserve.access"
 # huggingface_hub's HTTP client logs every request of a download at INFO, and the ONNX
 # exporter's graph passes each node they fold or drop (some 200 lines a first start)
 CHATTY_LOGGERS = ("httpx2", "httpx", "httpcore", "onnxscript", "onnx_ir")
+
+# The request a task serves (its X-Request-Id), set by the protocol in the task that answers
+# it: the serving side tags the items it queues with it, so that a model worker's log line
+# about an item names the request the access log names (tasks the answer starts inherit it)
+REQUEST_ID: ContextVar[str] = ContextVar("rawserve_request_id", default="")
 
 # Attributes every LogRecord has; anything else on a record came from `extra=`.
 _STANDARD_ATTRIBUTES = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}

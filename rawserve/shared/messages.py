@@ -81,6 +81,13 @@ class Batch:
         None  # intra-op threads (torch or ONNX Runtime) for this call; None: as loaded
     )
     control: Control = NO_CONTROL
+    # each input's request id (its response's X-Request-Id, as the access log names it),
+    # for the worker's log lines about an item; () where the server gave none
+    request_ids: tuple[str, ...] = ()
+
+    def request_id(self, index: int) -> str:
+        """The request id of the input at `index`, for a log line ("-": none given)."""
+        return self.request_ids[index] if index < len(self.request_ids) else "-"
 
 
 class FailureKind(enum.Enum):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from rawserve.shared.messages import NO_CONTROL, Batch, Control, FailureKind, ItemFailure
@@ -74,17 +75,19 @@ def run_batch(
     cap: BatchCap | None = None,
     control: Control = NO_CONTROL,
     prepared: Any = None,
+    request_ids: Sequence[str] = (),
 ) -> list[Any]:
     """Run a batch in chunks no larger than the cap, each bisected on failure.
-    `prepared`: what `runner.prepare` made of the whole batch (used when it runs whole)."""
+    `prepared`: what `runner.prepare` made of the whole batch (used when it runs whole);
+    `request_ids`: each input's request's, named by the log line of an item that fails."""
     cap = cap or BatchCap()
     size = cap.limit or len(inputs)
     if size < len(inputs):
         prepared = None
     outputs: list[Any] = []
     for start in range(0, len(inputs), size):
-        chunk = inputs[start : start + size]
-        outputs += run_bisecting(runner, chunk, params, cap, control, prepared)
+        chunk, ids = inputs[start : start + size], request_ids[start : start + size]
+        outputs += run_bisecting(runner, chunk, params, cap, control, prepared, ids)
     cap.on_success()
     return outputs
 
@@ -96,6 +99,7 @@ def run_bisecting(
     cap: BatchCap | None = None,
     control: Control = NO_CONTROL,
     prepared: Any = None,
+    request_ids: Sequence[str] = (),
 ) -> list[Any]:
     """Run a batch; if it raises (or answers a count of outputs not its inputs'), run each
     half alone, down to the failing items."""
@@ -122,16 +126,21 @@ def run_bisecting(
         if len(inputs) == 1:
             from rawserve.worker.runner import NotNumbers  # the worker's (imports torch)
 
+            request = request_ids[0] if request_ids else "-"
+            named = {"request_id": request}  # a JSON line's field, as the access log's
             if isinstance(exc, NotNumbers):  # the model's numbers, not a bug to trace
-                log.warning("an item failed: %s", exc)
+                log.warning("an item failed (request %s): %s", request, exc, extra=named)
             elif failure.kind is not FailureKind.INPUT:
-                log.error("an item failed", exc_info=exc)
+                log.error("an item failed (request %s)", request, exc_info=exc, extra=named)
             return [failure]
     else:
         if len(outputs) == len(inputs):
             return outputs
         if len(inputs) == 1:  # an input a handler answered with no answer, or several
-            log.error("the model answered %d outputs for 1 input", len(outputs))
+            request = request_ids[0] if request_ids else "-"
+            log.error(
+                "the model answered %d outputs for 1 input (request %s)", len(outputs), request
+            )
             return [
                 ItemFailure(FailureKind.INTERNAL, "the model answered the wrong number of outputs")
             ]
@@ -139,8 +148,9 @@ def run_bisecting(
     # the halves run after the batch's error is handled: the failing item's own error is
     # then logged alone, not chained to each larger batch's ("During handling of ...")
     half = len(inputs) // 2
-    return run_bisecting(runner, inputs[:half], params, cap, control) + run_bisecting(
-        runner, inputs[half:], params, cap, control
+    first = run_bisecting(runner, inputs[:half], params, cap, control, None, request_ids[:half])
+    return first + run_bisecting(
+        runner, inputs[half:], params, cap, control, None, request_ids[half:]
     )
 
 

@@ -103,6 +103,9 @@ class Generation:
     failure: str | None = None  # why it failed alone (finish_reason "failed"), for its client
     failure_kind: FailureKind = FailureKind.INPUT  # whose fault: its settings' or the model's
     cap: int = 0  # its own new-token cap: asked, and what its positions allow
+    # the most sequences it may be prefilled with (0: any): lowered each time a prefill
+    # it joined in failed, so that a prompt the model fails on ends up failing alone
+    joins_at_most: int = 0
     generator: torch.Generator | None = None
     pieces: TextPieces | None = None
 
@@ -130,7 +133,8 @@ class ContinuousBatcher:
     send them together before the next pass. When a step raises (the model failed, or ran
     out of memory), `drop_failed` takes the sequences it failed out of the batch: only the
     joining ones where their own prefill raised (the rows run on), else every one it ran;
-    `wait_again` puts sequences that have no token yet back in the queue.
+    `wait_again` puts sequences that have no token yet back in the queue (fewer of them
+    prefilled at once, if asked).
     """
 
     def __init__(
@@ -211,6 +215,9 @@ class ContinuousBatcher:
         finished += self._leave()
         free = max(0, self.max_rows - len(self.rows))  # fewer after running out of memory
         joining = [g for g in self.waiting if g.compiling is None][:free]
+        if joining and (at_most := joining[0].joins_at_most):  # after a failed prefill
+            joining = joining[:at_most]
+            joining = joining[: min(g.joins_at_most or at_most for g in joining)]
         if joining:
             self._joining = joining
             self.waiting = [g for g in self.waiting if g not in joining]
@@ -278,9 +285,19 @@ class ContinuousBatcher:
         joining, self._joining, self._prefilling = self._joining, [], False
         return joining
 
-    def wait_again(self, generations: list[Generation]) -> None:
+    @property
+    def prefilling(self) -> bool:
+        """The joiners' own prefill is running (read after a step raised, before
+        `drop_failed`: the step failed in it, not in the rows' decoding)."""
+        return self._prefilling
+
+    def wait_again(self, generations: list[Generation], at_most: int = 0) -> None:
         """Sequences with no token yet (joiners whose prefill failed) back at the head of
-        the queue: they join later, exactly as if they had come then."""
+        the queue: they join later, exactly as if they had come then; `at_most` of them
+        prefilled together (0: as many as there is room for)."""
+        if at_most:
+            for generation in generations:
+                generation.joins_at_most = at_most
         self.waiting = [*generations, *self.waiting]
 
     def drop_running(self) -> list[Generation]:

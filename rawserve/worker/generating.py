@@ -19,9 +19,11 @@ fails the sequences it was running (the runner's `describe_failure`) and the loo
 on; after an out-of-memory error it runs half as many rows at once for a while. Where
 the joining sequences' own prefill raised, the running rows go on untouched; joiners
 that ran out of memory together wait and join again, fewer at a time, so that only one
-too large even alone fails. Where a decoding step ran out, the sequences it was running
-start again from their prompts, as the static path splits a batch and retries its halves
-(not one that ran out of memory alone, nor a stream that has sent tokens: those fail).
+too large even alone fails; joiners whose prefill failed otherwise join again in halves,
+as the static path bisects a failing batch, down to the prompts that fail alone. Where a
+decoding step ran out, the sequences it was running start again from their prompts, as
+the static path splits a batch and retries its halves (not one that ran out of memory
+alone, nor a stream that has sent tokens: those fail).
 
 Worker process only (it drives the model).
 """
@@ -233,8 +235,22 @@ class GenerationLoop:
 
     def _on_step_failure(self, exc: Exception) -> None:
         self.streamed = []  # a failed pass's tokens: its sequences fail instead
+        prefill = self.batcher.prefilling  # the joiners' own pass failed: the rows go on
         running = self.batcher.drop_failed()
         failure = self.runner.describe_failure(exc)
+        if prefill and len(running) > 1 and failure.kind is not FailureKind.OUT_OF_MEMORY:
+            # the model failed on one of their prompts, maybe: as the static path bisects
+            # a failing batch, they join again in halves, down to the prompts that fail
+            # alone (each prefilled once more at most for every halving: it ends)
+            at_most = len(running) // 2
+            log.warning(
+                "a prefill of %d sequences failed (%s): they join again, %d at a time",
+                len(running),
+                failure.message,
+                at_most,
+            )
+            self.batcher.wait_again(running, at_most)
+            return
         if failure.kind is FailureKind.OUT_OF_MEMORY:
             release_memory()
             sequences = len(self.batcher.rows) + len(running)  # (the rows go on after a prefill)
@@ -323,7 +339,10 @@ class GenerationLoop:
         if generation.failure is not None:  # its settings, grammar or scores: it alone fails
             failure = ItemFailure(generation.failure_kind, generation.failure)
             if failure.kind is not FailureKind.INPUT:
-                log.warning("a sequence failed: %s", failure.message)
+                request = opened.batch.request_id(index)
+                named = {"request_id": request}  # a JSON line's field, as the access log's
+                log.warning("a sequence failed (request %s): %s", request, failure.message,
+                            extra=named)  # fmt: skip
             self._fail(opened, index, failure, None)
             self._answer_if_done(opened)
             return
@@ -346,14 +365,18 @@ class GenerationLoop:
                 )
         except Exception as exc:  # noqa: BLE001 - a failure becomes data
             output = self.runner.describe_failure(exc)
-            log.error("an item's output failed", exc_info=exc)
+            request = batch.request_id(index)
+            log.error("an item's output failed (request %s)", request, exc_info=exc,
+                      extra={"request_id": request})  # fmt: skip
         opened.outputs[index] = output
 
     def _fail(
         self, opened: OpenBatch, index: int, failure: ItemFailure, exc: BaseException | None
     ) -> None:
         if failure.kind is not FailureKind.INPUT and exc is not None:
-            log.error("generation failed", exc_info=exc)
+            request = opened.batch.request_id(index)
+            log.error("generation failed (request %s)", request, exc_info=exc,
+                      extra={"request_id": request})  # fmt: skip
         opened.outputs[index] = failure
         opened.generations.pop(index, None)
 

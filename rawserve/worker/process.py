@@ -199,7 +199,8 @@ def worker_main(
             ahead: Ahead | None = received.prepared
             inputs, params = list(message.inputs), dict(message.params)
             tensors = ahead.tensors if ahead is not None else None
-            outputs = run_batch(runner, inputs, params, cap, message.control, tensors)
+            ids = message.request_ids
+            outputs = run_batch(runner, inputs, params, cap, message.control, tensors, ids)
             result = BatchResult(
                 message.batch_id,
                 tuple(outputs),
