@@ -162,7 +162,7 @@ class Answer:
             if echoed is not None:  # the stop sequences cut the completion, not the prompt
                 echo = echoed[index]
                 text = echo.text + text
-                tokens = prompt_tokens(output["details"], echo.token_ids) + tokens
+                tokens = prompt_tokens(output["details"], echo.token_ids, echo.text) + tokens
             choice: dict[str, Any] = {"index": index}
             reason = finish_reason(output["details"])
             if self.chat:

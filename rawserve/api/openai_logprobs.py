@@ -14,9 +14,10 @@ An echoed prompt's tokens (the details' `prefill`) come first, the first of them
 log probability (nothing comes before it). Special tokens (the end of the sequence, a
 prompt's start) are left out, as their text is left out of the answer's, but for a prompt
 sent as token ids: its client counts the ids it sent (an evaluation harness slices the
-list by them), and for an end of sequence that adds text: a run of byte tokens right
-before it is held back until it comes, and its text (TGI's) is that text, then its own.
-Tokens past a stop sequence's start, whose text is cut, are left out too.
+list by them), for one a prompt spelled out (its text is in the echo), and for an end of
+sequence that adds text: a run of byte tokens right before it is held back until it
+comes, and its text (TGI's) is that text, then its own. Tokens past a stop sequence's
+start, whose text is cut, are left out too.
 Server process; plain Python.
 """
 
@@ -87,11 +88,18 @@ def adding(special: Mapping[str, Any], held: int) -> dict[str, Any] | None:
     return {**special, "text": special["text"][:held]} if held > 0 else None
 
 
-def prompt_tokens(details: dict[str, Any], special: bool = False) -> list[Listed]:
+def prompt_tokens(details: dict[str, Any], special: bool = False, text: str = "") -> list[Listed]:
     """An echoed prompt's tokens (its details' `prefill`), special ones left out unless
-    asked for (a prompt sent as token ids lists one entry per id, as its client counts)."""
-    prefill = details.get("prefill") or []
-    return [listed(token) for token in prefill if special or not token.get("special")]
+    asked for (a prompt sent as token ids lists one entry per id, as its client counts)
+    or the echoed `text` holds theirs where they come: a prompt that spelled one out
+    ("</s>" written in it) echoes it, one the tokenizer added (a prompt's start) not."""
+    kept = []
+    offset = 0
+    for token in details.get("prefill") or []:
+        if special or not token.get("special") or text.startswith(token["text"], offset):
+            kept.append(listed(token))
+            offset += len(token["text"])
+    return kept
 
 
 def listed_entries(outputs: Iterable[Mapping[str, Any]], alternatives: int | None) -> int:
