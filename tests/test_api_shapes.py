@@ -825,6 +825,57 @@ def test_a_stream_held_to_tools_sends_no_words_past_a_stop_sequence():
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+class EndedStream(TimedOutStream):
+    """A streamed generation of a byte-fallback model that ended at its end of sequence
+    right after a run of byte tokens: the run's text came with the end's token (TGI's)."""
+
+    def __init__(self, tokens: list[dict]):
+        super().__init__([])
+        self.tokens = tokens
+
+    async def chunks(self):
+        for token in self.tokens:
+            yield TokenChunk(1, 0, token)
+
+    def output(self):
+        text = "".join(t["text"].removesuffix("</s>") for t in self.tokens)
+        details = {"finish_reason": "eos_token", "generated_tokens": 4, "prompt_tokens": 1}
+        return {"generated_text": text, "details": {**details, "tokens": self.tokens}}
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_text_a_run_of_byte_tokens_held_back_to_the_end_of_sequence_is_listed_with_it(chat):
+    """The end of sequence's text is "\ufffd</s>": the answer's text ends "\ufffd", and its
+    tokens' texts add up to it, streamed or not, the end's listed with what it added."""
+
+    def token(id_: int, text: str, special: bool = False) -> dict:
+        top = [{"id": id_, "text": text, "logprob": -0.5, "special": special}]
+        return {"id": id_, "text": text, "logprob": -0.5, "special": special, "top_tokens": top}
+
+    ended = [token(7, " the"), token(200, ""), token(201, ""), token(2, "\ufffd\ufffd</s>", True)]
+
+    async def read() -> list[bytes]:
+        answer = Answer(chat, "m", logprobs=1)
+        return [event async for event in answer.events([EndedStream(ended)], [], False)]
+
+    chunks = [json.loads(event.removeprefix(b"data:")) for event in asyncio.run(read())[:-1]]
+    whole = Answer(chat, "m", logprobs=1).whole([EndedStream(ended).output()], [])
+    for choices in ([c["choices"][0] for c in chunks], whole["choices"]):
+        said = [c.get("message") or c.get("delta") for c in choices] if chat else choices
+        texts = [c.get("content") or "" if chat else c["text"] for c in said]
+        assert "".join(texts) == " the\ufffd\ufffd"
+        listed = [c["logprobs"] for c in choices if c["logprobs"]]
+        if chat:
+            entries = [entry for logprobs in listed for entry in logprobs["content"]]
+            made = bytes(byte for entry in entries for byte in entry["bytes"]).decode()
+            assert [entry["token"] for entry in entries] == [" the", "", "", "\ufffd\ufffd"]
+            assert entries[-1]["top_logprobs"][0]["token"] == "\ufffd\ufffd"
+        else:
+            made = "".join(text for logprobs in listed for text in logprobs["tokens"])
+            assert listed[-1]["text_offset"][-1] == len(" the")
+        assert made == " the\ufffd\ufffd"
+
+
 def test_a_large_answer_is_built_off_the_event_loop_byte_for_byte_the_same():
     builders: list[int] = []
     document = {"choices": [{"logprobs": {"token_logprobs": [-0.5, None, 1e-9]}}], "x": "é"}

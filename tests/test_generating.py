@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -171,6 +172,45 @@ def test_a_byte_fallback_models_tokens_add_up_to_its_text_on_both_paths(tiny_mod
     # a run of byte tokens held back to the last token (as a random model draws them)
     first, last = llama.tokenizer.convert_tokens_to_ids(["<0x00>", "<0xFF>"])
     assert any(first <= o["details"]["tokens"][-1]["id"] <= last for o in outputs)
+
+
+def test_a_run_of_byte_tokens_that_the_end_of_sequence_ends_is_in_that_tokens_text(tiny_model):
+    """A run of byte tokens right before the end of sequence is held back until it comes:
+    the end's text is what the run adds, then its own ("\ufffd</s>", as TGI's), streamed
+    or not, on both paths, so the tokens hold all the text does."""
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    llama = CausalLMRunner(tiny_model("byte-fallback-generation"), "cpu", torch.float32)
+    tokenizer = llama.tokenizer
+    eos = tokenizer.eos_token_id
+    params = {"max_new_tokens": 12, "do_sample": True, "temperature": 1.5, "details": True}
+    params |= {"return_full_text": False, "logit_bias": {str(eos): 6.0}}  # ends early
+    batches = [Batch(seed, ("the movie",), {**params, "seed": seed}) for seed in range(2, 7)]
+    streams = [replace(b, batch_id=b.batch_id + 8, control=Control(stream_id=b.batch_id + 1))
+               for b in batches]  # fmt: skip
+    sent = serve(llama, {0: batches + streams})
+    answered = results(sent)
+    chunks = [c for m in sent if isinstance(m, TokenChunks) for c in m.chunks]
+    ended_on_a_run = 0
+    for batch in batches:
+        output = answered[batch.batch_id].outputs[0][0]
+        tokens = output["details"]["tokens"]
+        ids = [token["id"] for token in tokens]
+        assert output["generated_text"] == tokenizer.decode(ids, skip_special_tokens=True)
+        streamed = [c.token for c in chunks if c.stream_id == batch.batch_id + 1]
+        assert without_logprobs(streamed) == without_logprobs(tokens)
+        own = [tokenizer.decode([token["id"]]) if token["special"] else "" for token in tokens]
+        texts = [token["text"] for token in tokens]
+        assert all(text.endswith(name) for text, name in zip(texts, own, strict=True))
+        made = "".join(text.removesuffix(name) for text, name in zip(texts, own, strict=True))
+        assert made == output["generated_text"]
+        if ids[-1] == eos and texts[-1] != own[-1]:
+            ended_on_a_run += 1
+            expected = static(llama, "the movie", batch.params)
+            assert without_logprobs(expected) == [without_logprobs(output)]
+    assert ended_on_a_run  # (as a random model draws them)
 
 
 def as_the_static_path(runner, params: dict[str, Any], texts: list[str]) -> list[tuple]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rawserve.api.openai_answers import Answer, Echo
 from rawserve.api.openai_logprobs import (
     answer_tokens,
     chat_logprobs,
@@ -40,6 +41,25 @@ def test_an_echoed_prompt_leaves_out_special_tokens_unless_sent_as_ids():
     assert [(t.text, t.logprob) for t in prompt_tokens(details)] == [("hi", -1.5)]
     assert [t.text for t in prompt_tokens(details, special=True)] == ["<s>", "hi"]
     assert prompt_tokens({"prefill": None}) == []
+
+
+def test_an_echoed_prompt_lists_the_special_tokens_it_spelled_out():
+    """A text prompt that wrote "</s>" echoes it: its token is listed where it comes, so
+    the tokens add up to the text and their offsets stay on it; the start the tokenizer
+    added is not in the echo, nor listed."""
+    prefill = [token("<s>", None, special=True), token("hi", -1.5)]
+    prefill += [token("</s>", -2.0, special=True), token(" you", -1.0)]
+    prefill += [token("\ufffd</s>", -2.5, special=True)]  # a run of byte tokens it ended
+    details = {"prefill": prefill, "tokens": [token(" we", -0.5)], "prompt_tokens": 5}
+    output = {"generated_text": " we", "details": {**details, "generated_tokens": 1}}
+    echo = Echo("hi</s> you\ufffd</s>", token_ids=False)
+    [choice] = Answer(False, "m", logprobs=0).whole([output], [], [echo])["choices"]
+    assert choice["text"] == "hi</s> you\ufffd</s> we"
+    listed = choice["logprobs"]
+    assert listed["tokens"] == ["hi", "</s>", " you", "\ufffd</s>", " we"]
+    where = zip(listed["tokens"], listed["text_offset"], strict=True)
+    assert all(choice["text"].startswith(text, at) for text, at in where)
+    assert [t.text for t in prompt_tokens(details, text="hi you")] == ["hi", " you"]
 
 
 def test_chat_lists_each_token_with_its_bytes_and_alternatives():

@@ -74,13 +74,31 @@ def test_a_run_of_byte_tokens_adds_its_text_once_the_run_is_over():
     assert "".join(made) == whole
 
 
+def test_a_run_of_byte_tokens_that_a_special_token_follows_adds_its_text_with_the_next_word():
+    # the special token's own text is left out of the text, and so is all it would add
+    # (a client skips special tokens' texts): the run's text comes with the next word
+    tokenizer = byte_fallback_tokenizer()
+    eos = tokenizer.eos_token_id
+    ids = tokenizer.convert_tokens_to_ids(["<0x5D>", "<0x52>"]) + [eos]
+    ids += tokenizer.encode(" the", add_special_tokens=False)
+    pieces = TextPieces(tokenizer)
+    made = [pieces.next_piece(ids[: n + 1]) for n in range(len(ids))]
+    assert made[:3] == ["", "", ""]
+    assert "".join(made) == tokenizer.decode(ids, skip_special_tokens=True) == "]R the"
+    # the last token, special or not, adds what was held back
+    pieces = TextPieces(tokenizer)
+    made = [pieces.next_piece(ids[: n + 1], n == 2) for n in range(3)]
+    assert made == ["", "", "]R"]
+
+
 @pytest.mark.parametrize("build", [bpe_tokenizer, byte_fallback_tokenizer])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(picks=st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=10))
 def test_the_pieces_so_far_are_the_start_of_the_whole_decoding_whatever_the_tokens(build, picks):
-    # any tokens, bytes that never make UTF-8 too: the text sent so far never changes
+    # any tokens, bytes that never make UTF-8 and special tokens (one in four) too: the
+    # text sent so far never changes
     tokenizer = _tokenizers(build)
-    ids = [3 + pick % (len(tokenizer) - 3) for pick in picks]  # past the special tokens
+    ids = [pick % 3 if pick % 4 == 0 else 3 + pick % (len(tokenizer) - 3) for pick in picks]
     pieces = TextPieces(tokenizer)
     made = ""
     for n in range(len(ids)):

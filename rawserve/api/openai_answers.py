@@ -18,6 +18,7 @@ from typing import Any
 from rawserve import __version__
 from rawserve.api.openai_logprobs import (
     Listed,
+    adding,
     answer_tokens,
     chat_logprobs,
     completion_logprobs,
@@ -161,7 +162,7 @@ class Answer:
             if echoed is not None:  # the stop sequences cut the completion, not the prompt
                 echo = echoed[index]
                 text = echo.text + text
-                tokens = prompt_tokens(output["details"], echo.token_ids) + tokens
+                tokens = prompt_tokens(output["details"], echo.token_ids, echo.text) + tokens
             choice: dict[str, Any] = {"index": index}
             reason = finish_reason(output["details"])
             if self.chat:
@@ -306,6 +307,7 @@ class Streamed:
         self.stops_after = stops_after  # the first token whose text a stop may end in
         self.tokens = 0  # how many have come, special ones too (the worker counts them)
         self.stops_from = 0  # where in the text stops count: the start of that token's
+        self.special: Mapping[str, Any] | None = None  # the newest token, if special
 
     def add(
         self, token: Mapping[str, Any], stops: Sequence[str], logprobs: int | None
@@ -314,6 +316,7 @@ class Streamed:
         self.tokens += 1
         if self.tokens <= self.stops_after:
             self.stops_from = len(self.text)
+        self.special = token if token["special"] and logprobs is not None else None
         if token["special"]:
             return None
         if logprobs is not None:
@@ -323,8 +326,14 @@ class Streamed:
         return self.release(ready)
 
     def rest(self, output: dict[str, Any], stops: Sequence[str]) -> Release | None:
-        """What a cut character held back, once the whole text is known."""
-        whole = cut_at_stop(output["generated_text"], stops, stops_from(output))
+        """What a cut character held back, once the whole text is known (listed with
+        the special token that ends the text where that token added it)."""
+        text = output["generated_text"]
+        if self.special is not None and (
+            ending := adding(self.special, len(text) - len(self.text))
+        ):
+            self.unsent.add(listed(ending), len(self.text))
+        whole = cut_at_stop(text, stops, stops_from(output))
         return self.release(whole) if whole.startswith(self.sent) else None
 
     def release(self, ready: str) -> Release | None:

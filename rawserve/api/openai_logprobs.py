@@ -14,7 +14,10 @@ An echoed prompt's tokens (the details' `prefill`) come first, the first of them
 log probability (nothing comes before it). Special tokens (the end of the sequence, a
 prompt's start) are left out, as their text is left out of the answer's, but for a prompt
 sent as token ids: its client counts the ids it sent (an evaluation harness slices the
-list by them). Tokens past a stop sequence's start, whose text is cut, are left out too.
+list by them), for one a prompt spelled out (its text is in the echo), and for an end of
+sequence that adds text: a run of byte tokens right before it is held back until it
+comes, and its text (TGI's) is that text, then its own. Tokens past a stop sequence's
+start, whose text is cut, are left out too.
 Server process; plain Python.
 """
 
@@ -63,23 +66,40 @@ def answer_tokens(
     tokens = details.get("tokens") or []
     tops = details.get("top_tokens") or [None] * len(tokens)
     cut = whole_length is None or text_length < whole_length
+    end = text_length if whole_length is None else whole_length
     kept = []
     offset = 0
-    for token, top in zip(tokens, tops, strict=True):
-        if token.get("special"):
-            continue
+    for index, token in enumerate(tokens):
         if cut and offset >= text_length:
             break
-        kept.append(listed(token, top))
+        if token.get("special"):
+            last = index == len(tokens) - 1
+            if not last or (token := adding(token, end - offset)) is None:
+                continue
+        kept.append(listed(token, tops[index]))
         offset += len(token["text"])
     return kept
 
 
-def prompt_tokens(details: dict[str, Any], special: bool = False) -> list[Listed]:
+def adding(special: Mapping[str, Any], held: int) -> dict[str, Any] | None:
+    """A special token that ends an answer as the text it adds to it: the first `held`
+    characters of its text (what a run of byte tokens held back until it came; its own
+    text follows, which the answer leaves out); None where it adds nothing."""
+    return {**special, "text": special["text"][:held]} if held > 0 else None
+
+
+def prompt_tokens(details: dict[str, Any], special: bool = False, text: str = "") -> list[Listed]:
     """An echoed prompt's tokens (its details' `prefill`), special ones left out unless
-    asked for (a prompt sent as token ids lists one entry per id, as its client counts)."""
-    prefill = details.get("prefill") or []
-    return [listed(token) for token in prefill if special or not token.get("special")]
+    asked for (a prompt sent as token ids lists one entry per id, as its client counts)
+    or the echoed `text` holds theirs where they come: a prompt that spelled one out
+    ("</s>" written in it) echoes it, one the tokenizer added (a prompt's start) not."""
+    kept = []
+    offset = 0
+    for token in details.get("prefill") or []:
+        if special or not token.get("special") or text.startswith(token["text"], offset):
+            kept.append(listed(token))
+            offset += len(token["text"])
+    return kept
 
 
 def listed_entries(outputs: Iterable[Mapping[str, Any]], alternatives: int | None) -> int:

@@ -185,11 +185,15 @@ def tgi_token(
     """A new token as TGI's streams and details list it (a special token shows its own
     text, which the running text skips; a prompt's first token has no log probability),
     with the likeliest tokens at its step under "top_tokens" where they were asked for
-    (each token's own text: an alternative has no place in the running text)."""
+    (each token's own text: an alternative has no place in the running text).
+
+    A special token's text starts with its `piece` where it has one: what a run of byte
+    tokens held back until it came (an end of sequence right after them), as TGI's text
+    for it is ("\ufffd</s>"); else the tokens' texts would lose what the text keeps."""
     special = token_id in special_ids
     token: dict[str, Any] = {
         "id": token_id,
-        "text": tokenizer.decode([token_id]) if special else piece,
+        "text": piece + tokenizer.decode([token_id]) if special else piece,
         "logprob": logprob,
         "special": special,
     }

@@ -22,13 +22,15 @@ class TextPieces:
     A byte-fallback tokenizer's byte tokens (Llama's <0xE2>) add "" until a token of
     another kind follows: its decoder turns a run of them into their text only where the
     whole run is valid UTF-8, and into a U+FFFD a byte otherwise, so a character that
-    looked whole may yet turn into U+FFFDs. The pieces add up to what `tokenizer.decode`
-    gives for the whole sequence (less what the last tokens still hold back, until told
-    which token is the last)."""
+    looked whole may yet turn into U+FFFDs. A special token adds "" too, unless it is the
+    last: its text is left out (and it does not end the run: the decoding skips it), so
+    what it would release waits for the next token whose text counts. The pieces add up
+    to what `tokenizer.decode` gives for the whole sequence (less what the last tokens
+    still hold back, until told which token is the last)."""
 
     def __init__(self, tokenizer: Any):
         self.decode = text_decoder(tokenizer)
-        self.byte_ids = byte_fallback_ids(tokenizer)
+        self.held_ids = held_ids(tokenizer)
         self.prefix_offset = 0
         self.read_offset = 0
 
@@ -36,8 +38,8 @@ class TextPieces:
         """The text that the newest of `ids` (the sequence's tokens so far) adds; `last`:
         the sequence ends with it, so it adds whatever was held back too (a U+FFFD where
         bytes never made a character)."""
-        if ids[-1] in self.byte_ids and not last:
-            return ""  # wait for the end of the run of byte tokens
+        if ids[-1] in self.held_ids and not last:
+            return ""  # wait for the end of the run of byte tokens, or for a word
         prefix, read = self.prefix_offset, self.read_offset
         before = self.decode(ids[prefix:read])
         after = self.decode(ids[prefix:])
@@ -45,6 +47,13 @@ class TextPieces:
             return ""  # wait for the rest of a multi-byte character
         self.prefix_offset, self.read_offset = read, len(ids)
         return after[len(before) :]
+
+
+@functools.lru_cache(maxsize=8)
+def held_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of the tokens that add "" unless they are the last: byte tokens and special
+    tokens."""
+    return byte_fallback_ids(tokenizer) | frozenset(tokenizer.all_special_ids)
 
 
 @functools.lru_cache(maxsize=8)
