@@ -62,6 +62,7 @@ from rawserve.http.limits import (
     READ_AHEAD_LIMIT,
     Phase,
     ProtocolSettings,
+    Seats,
     ServerState,
 )
 from rawserve.http.request_ids import new_request_id, request_id
@@ -141,6 +142,7 @@ class HttpProtocol(asyncio.Protocol):
         self.timer = ConnectionTimer(self.loop, self._on_deadline)
         self.eof_seen = False  # the peer has half-closed
         self.probe_only = False  # taken past the connection cap: one probe, then close
+        self.seats = Seats()  # the seats it holds (none yet; one of the state's once taken)
         self.read_ahead = 0  # bytes received since h11 last needed data
         self.handling_events = False  # handle_events is running (guards re-entry)
         # per request
@@ -154,6 +156,7 @@ class HttpProtocol(asyncio.Protocol):
     def _enter(self, phase: Phase) -> None:
         """Move to `phase` and arm its deadline (the one place that does both)."""
         self.phase = phase
+        self.seats.mark(self, phase is Phase.IDLE)  # an idle one gives way past the cap
         delay = self.settings.deadlines.get(phase)
         if phase is Phase.CLOSED:
             self.timer.stop()
@@ -198,12 +201,12 @@ class HttpProtocol(asyncio.Protocol):
         self.flow = FlowControl(
             self.transport, self.loop, self.settings.write_timeout, self._on_write_timeout
         )
-        cap = self.settings.max_connections
-        if not cap or len(self.state.connections) < cap:
-            self.state.connections.add(self)
-        elif len(self.state.probe_connections) < PROBE_RESERVE:
+        # past the cap, in place of a connection idle between requests, if one is
+        if self.state.connections.take(self, self.settings.max_connections):
+            self.seats = self.state.connections
+        elif self.state.probe_connections.take(self, PROBE_RESERVE):
             self.probe_only = True
-            self.state.probe_connections.add(self)
+            self.seats = self.state.probe_connections
         else:
             self._refuse()
             return
@@ -243,8 +246,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._enter(Phase.CLOSED)
-        self.state.connections.discard(self)
-        self.state.probe_connections.discard(self)
+        self.seats.leave(self)
         if self.flow is not None:
             self.flow.release()  # a streaming response waiting to write must see the close
         cycle = self.cycle

@@ -725,11 +725,8 @@ async def test_the_peer_closing_ends_the_linger_at_once(timed):
 # --- connection cap -------------------------------------------------------------------
 
 
-async def test_connections_past_the_cap_get_503_and_the_cap_frees_up():
+def connector(app, settings, state):
     loop = asyncio.get_running_loop()
-    state = ServerState()
-    settings = ProtocolSettings(max_connections=2)
-    app = EchoApp()
 
     def connect():
         protocol = HttpProtocol(app, settings, state, loop=loop)
@@ -737,7 +734,17 @@ async def test_connections_past_the_cap_get_503_and_the_cap_frees_up():
         protocol.connection_made(transport)
         return protocol, transport
 
+    return connect
+
+
+async def test_connections_past_the_cap_get_503_and_the_cap_frees_up():
+    state = ServerState()
+    app = EchoApp()
+    connect = connector(app, ProtocolSettings(max_connections=2), state)
     kept = [connect(), connect()]
+    for protocol, _ in kept:  # busy: an idle one would give way
+        protocol.data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
     # past the cap, a connection is taken for one probe: anything else is 503
     over, over_transport = connect()
     over.data_received(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi")
@@ -750,13 +757,16 @@ async def test_connections_past_the_cap_get_503_and_the_cap_frees_up():
     await settle()
     [(response, _)] = read_responses(probe_transport.written)
     assert response.status_code == 200 and probe_transport.finished  # answered, then closed
-    # past the cap and the probes' reserve: refused at once
+    # past the cap and the probes' reserve, every one busy (the two answered linger):
+    # refused at once
     reserve = [connect() for _ in range(PROBE_RESERVE - 2)]
+    for protocol, _ in reserve:
+        protocol.data_received(b"GET /hea")  # mid-head
     refused, refused_transport = connect()
     [(response, body)] = read_responses(refused_transport.written)
     assert response.status_code == 503 and refused_transport.finished
     assert len(state.connections) == 2 and state.refused == 1
-    assert len(reserve) == PROBE_RESERVE - 2
+    assert not any(transport.closed for _, transport in [*kept, *reserve])
     kept[0][0].connection_lost(None)
     protocol, transport = connect()
     protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
@@ -764,17 +774,53 @@ async def test_connections_past_the_cap_get_503_and_the_cap_frees_up():
     assert [r.status_code for r, _ in read_responses(transport.written)] == [200]
 
 
+async def test_past_the_cap_a_new_connection_takes_the_place_of_the_one_idle_longest():
+    state = ServerState()
+    connect = connector(EchoApp(), ProtocolSettings(max_connections=2), state)
+    (answered, answered_transport), (_, fresh_transport) = connect(), connect()
+    request = b"GET /a HTTP/1.1\r\nHost: a\r\n\r\n"
+    answered.data_received(request)  # answered, then idle again: after `fresh`
+    await settle()
+    assert count_responses(answered_transport.written) == 1
+    protocol, transport = connect()
+    # the one idle longest is closed quietly, as at keep-alive expiry; the new one is
+    # seated in full
+    assert fresh_transport.closed and not fresh_transport.written
+    assert not answered_transport.closed and not protocol.probe_only
+    protocol.data_received(b"POST /b HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi")
+    await settle()
+    [(response, _)] = read_responses(transport.written)
+    assert response.status_code == 200 and not transport.finished
+    # then the next one idle longest: its one answer is all it was written
+    connect()
+    assert answered_transport.closed and count_responses(answered_transport.written) == 1
+    assert not transport.closed and len(state.connections) == 2
+
+
+async def test_past_the_cap_idle_probe_connections_give_way_to_a_probe():
+    state = ServerState()
+    app = EchoApp()
+    connect = connector(app, ProtocolSettings(max_connections=1), state)
+    busy, _ = connect()
+    busy.data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    reserve = [connect() for _ in range(PROBE_RESERVE)]  # idle, each holding a probe seat
+    probe, transport = connect()
+    assert probe.probe_only and state.refused == 0
+    assert [t.closed for _, t in reserve] == [True] + [False] * (PROBE_RESERVE - 1)
+    probe.data_received(b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    [(response, _)] = read_responses(transport.written)
+    assert response.status_code == 200 and not busy.transport.closed
+
+
 @pytest.mark.parametrize(
     "target", [b"/health", b"/ready?x=1", b"/ready/cls", b"http://a/health", b"/%68ealth"]
 )
 async def test_a_probe_past_the_cap_is_answered_in_any_form_the_routes_take(target):
-    loop = asyncio.get_running_loop()
-    state = ServerState()
-    settings = ProtocolSettings(max_connections=1)
-    HttpProtocol(EchoApp(), settings, state, loop=loop).connection_made(FakeTransport())
-    protocol = HttpProtocol(EchoApp(), settings, state, loop=loop)  # past the cap
-    transport = FakeTransport()
-    protocol.connection_made(transport)
+    connect = connector(EchoApp(), ProtocolSettings(max_connections=1), ServerState())
+    connect()[0].data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")  # busy
+    protocol, transport = connect()  # past the cap
     protocol.data_received(b"GET " + target + b" HTTP/1.1\r\nHost: a\r\n\r\n")
     await settle()
     [(response, _)] = read_responses(transport.written)
@@ -1006,11 +1052,9 @@ async def test_a_refusal_after_the_head_lets_an_allowed_page_read_it(request_byt
 
 
 async def test_the_503_past_the_connection_cap_lets_an_allowed_page_read_it():
-    loop = asyncio.get_running_loop()
-    state, settings, app = ServerState(), ProtocolSettings(max_connections=1), CorsApp()
-    for _ in range(2):
-        protocol, transport = HttpProtocol(app, settings, state, loop=loop), FakeTransport()
-        protocol.connection_made(transport)
+    connect = connector(CorsApp(), ProtocolSettings(max_connections=1), ServerState())
+    connect()[0].data_received(b"GET /h")  # busy, mid-head: it keeps its seat
+    protocol, transport = connect()
     sent = with_origin(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi")
     protocol.data_received(sent)
     await settle()

@@ -9,12 +9,14 @@ they hold whatever its client does:
   `rawserve.http.chunked`);
 - time: the head, body and keep-alive timeouts, and the write timeout: a client that
   reads none of its answer for `write_timeout` seconds is cut off;
-- connections: past `max_connections`, a few more (`PROBE_RESERVE`) are taken for
-  probes only (`/health`, `/ready` answered, anything else 503), then refused.
+- connections: past `max_connections`, a new connection takes the place of the one
+  idle longest between requests (closed quietly, as at keep-alive expiry); where every
+  one is busy, a few more (`PROBE_RESERVE`) are taken for probes only (`/health`,
+  `/ready` answered, anything else 503), the same way; then it is refused.
 
 A connection is always in one `Phase`, and each phase but RESPONDING has a deadline.
 `ServerState` is what every connection of one server shares: the open connections the
-cap counts, the refusals, the metrics. Plain values; no I/O.
+cap counts (`Seats`), the refusals, the metrics. Plain values; no I/O.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -30,7 +33,7 @@ from rawserve.http.cycle import Cycle
 READ_AHEAD_LIMIT = 64 * 1024  # bytes read but not yet parsed, per connection
 LINGER_SECONDS = 2.0  # after our last response, how long we drain the peer's bytes
 # Past --max-connections, this many more connections are taken, each for one probe: a
-# liveness probe must not fail (and restart a healthy server) because idle clients hold
+# liveness probe must not fail (and restart a healthy server) because busy clients hold
 # every connection.
 PROBE_RESERVE = 32
 
@@ -51,7 +54,7 @@ class ProtocolSettings:
     keepalive_timeout: float = 5.0  # idle between requests; expiry closes quietly
     head_timeout: float = 10.0  # from a request's first byte to the end of its head
     body_timeout: float = 30.0  # from the end of the head to the end of the body
-    max_connections: int = 1000  # open connections; past it new ones get 503 (0: no cap)
+    max_connections: int = 1000  # open connections; past it, idle ones give way (0: no cap)
     write_timeout: float = 30.0  # a client that reads nothing of its answer this long: cut off
 
     @functools.cached_property
@@ -79,13 +82,51 @@ class RequestObserver(Protocol):
     def observe_request(self, path: str, method: str, status: int, seconds: float) -> None: ...
 
 
+class Seats:
+    """The open connections of one kind, and those of them between requests in the order
+    they went idle, so that the one idle longest is found without a scan."""
+
+    def __init__(self) -> None:
+        self.open: set[OpenConnection] = set()
+        self.idle: dict[OpenConnection, None] = {}  # longest idle first (a dict keeps order)
+
+    def __len__(self) -> int:
+        return len(self.open)
+
+    def __iter__(self) -> Iterator[OpenConnection]:
+        return iter(self.open)
+
+    def take(self, connection: OpenConnection, limit: int) -> bool:
+        """Seat `connection` if fewer than `limit` are open (0: no limit), else in place of
+        the one idle longest, closed quietly (nginx's reusable connections); False where
+        every seat is busy: mid-request, answering or closing are never closed for this."""
+        if limit and len(self.open) >= limit:
+            if not self.idle:
+                return False
+            longest = next(iter(self.idle))
+            self.leave(longest)
+            longest.close()
+        self.open.add(connection)
+        return True
+
+    def mark(self, connection: OpenConnection, idle: bool) -> None:
+        """`connection` is now between requests (last in line to be closed), or not."""
+        self.idle.pop(connection, None)
+        if idle and connection in self.open:
+            self.idle[connection] = None
+
+    def leave(self, connection: OpenConnection) -> None:
+        self.open.discard(connection)
+        self.idle.pop(connection, None)
+
+
 @dataclass
 class ServerState:
     """Shared by every connection of one server."""
 
     metrics: RequestObserver | None = None
-    connections: set[OpenConnection] = field(default_factory=set)
-    probe_connections: set[OpenConnection] = field(default_factory=set)  # past the cap
+    connections: Seats = field(default_factory=Seats)
+    probe_connections: Seats = field(default_factory=Seats)  # past the cap
     refused: int = 0  # connections refused past `max_connections`
     last_refusal_log: float = float("-inf")
 
