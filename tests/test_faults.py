@@ -241,6 +241,12 @@ async def test_a_request_the_restart_would_outlast_is_answered_503_at_once(fault
         await asyncio.wait_for(held, 10)
     assert refused.value.refusal.reason is Reason.LOADING  # 503
     assert 25 < (refused.value.refusal.retry_after or 0) <= 31  # until the restart's end
+    # one handed on a moment later (by an HTTP process that read the board before it
+    # said so) is answered the same, at once
+    with pytest.raises(Refused) as refused:
+        await asyncio.wait_for(scheduler.run(["late"], {}, time.monotonic() + 5), 10)
+    assert refused.value.refusal.reason is Reason.LOADING
+    assert 25 < (refused.value.refusal.retry_after or 0) <= 31
     await scheduler.stop()
 
 

@@ -419,6 +419,8 @@ class Backend(Protocol):
         self, inputs: Sequence[Any], params: Mapping[str, Any], control: Control
     ) -> asyncio.Future[BatchResult]: ...
 
+    def serving_again_at(self) -> float | None: ...
+
 
 class PublishingBackend:
     """A scheduler's backend that has the board published whenever a batch leaves the
@@ -451,3 +453,6 @@ class PublishingBackend:
     ) -> asyncio.Future[BatchResult]:
         self.published()
         return self.backend.submit(inputs, params, control)
+
+    def serving_again_at(self) -> float | None:
+        return self.backend.serving_again_at()
