@@ -81,7 +81,7 @@ from rawserve.http.timer import ConnectionTimer
 
 log = logging.getLogger("rawserve.protocol")
 
-REFUSAL_LOG_INTERVAL = 10.0  # seconds between "too many connections" warnings
+CAP_LOG_INTERVAL = 10.0  # seconds between two warnings that the connection cap is reached
 # the access line of a request whose client left before its answer began (as nginx logs it)
 CLIENT_CLOSED = 499
 # Their states once a request was read whole (an Upgrade we decline by answering ends
@@ -201,9 +201,12 @@ class HttpProtocol(asyncio.Protocol):
         self.flow = FlowControl(
             self.transport, self.loop, self.settings.write_timeout, self._on_write_timeout
         )
-        # past the cap, in place of a connection idle between requests, if one is
-        if self.state.connections.take(self, self.settings.max_connections):
-            self.seats = self.state.connections
+        connections, cap = self.state.connections, self.settings.max_connections
+        full = bool(cap) and len(connections) >= cap  # a seat only in place of an idle one
+        if connections.take(self, cap):
+            self.seats = connections
+            if full:
+                self._warn_at_cap("closing the connection idle longest for each new one")
         elif self.state.probe_connections.take(self, PROBE_RESERVE):
             self.probe_only = True
             self.seats = self.state.probe_connections
@@ -413,16 +416,18 @@ class HttpProtocol(asyncio.Protocol):
     def _refuse(self) -> None:
         """Past the connection cap and the probes' reserve: 503 before reading anything."""
         self.state.refused += 1
-        now = time.monotonic()
-        if now - self.state.last_refusal_log >= REFUSAL_LOG_INTERVAL:
-            self.state.last_refusal_log = now
-            log.warning(
-                "refusing connections: %d open (--max-connections); %d refused so far",
-                len(self.state.connections),
-                self.state.refused,
-            )
+        self._warn_at_cap(f"refusing connections, every one busy; {self.state.refused} so far")
         self.cycle = Cycle(None, new_request_id())
         self._send(self.cycle, error_response(refusals.too_many_connections()), close=True)
+
+    def _warn_at_cap(self, what: str) -> None:
+        """Tell the operator the cap is reached (once per CAP_LOG_INTERVAL)."""
+        now = time.monotonic()
+        if now - self.state.last_cap_log >= CAP_LOG_INTERVAL:
+            self.state.last_cap_log = now
+            log.warning(
+                "%d connections open (--max-connections): %s", len(self.state.connections), what
+            )
 
     # --- writing ----------------------------------------------------------------------
 

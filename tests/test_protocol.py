@@ -774,7 +774,7 @@ async def test_connections_past_the_cap_get_503_and_the_cap_frees_up():
     assert [r.status_code for r, _ in read_responses(transport.written)] == [200]
 
 
-async def test_past_the_cap_a_new_connection_takes_the_place_of_the_one_idle_longest():
+async def test_past_the_cap_a_new_connection_takes_the_place_of_the_one_idle_longest(caplog):
     state = ServerState()
     connect = connector(EchoApp(), ProtocolSettings(max_connections=2), state)
     (answered, answered_transport), (_, fresh_transport) = connect(), connect()
@@ -787,6 +787,7 @@ async def test_past_the_cap_a_new_connection_takes_the_place_of_the_one_idle_lon
     # seated in full
     assert fresh_transport.closed and not fresh_transport.written
     assert not answered_transport.closed and not protocol.probe_only
+    assert "2 connections open (--max-connections): closing the connection idle" in caplog.text
     protocol.data_received(b"POST /b HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi")
     await settle()
     [(response, _)] = read_responses(transport.written)

@@ -128,7 +128,7 @@ class ServerState:
     connections: Seats = field(default_factory=Seats)
     probe_connections: Seats = field(default_factory=Seats)  # past the cap
     refused: int = 0  # connections refused past `max_connections`
-    last_refusal_log: float = float("-inf")
+    last_cap_log: float = float("-inf")
 
     def busy_tasks(self) -> set[asyncio.Task[None]]:
         """The tasks of requests the app is still working on, on every connection."""
