@@ -156,7 +156,8 @@ class HttpProtocol(asyncio.Protocol):
     def _enter(self, phase: Phase) -> None:
         """Move to `phase` and arm its deadline (the one place that does both)."""
         self.phase = phase
-        self.seats.mark(self, phase is Phase.IDLE)  # an idle one gives way past the cap
+        # an idle one gives way past the cap
+        self.seats.mark(self, self.loop.time() if phase is Phase.IDLE else None)
         delay = self.settings.deadlines.get(phase)
         if phase is Phase.CLOSED:
             self.timer.stop()
@@ -203,11 +204,12 @@ class HttpProtocol(asyncio.Protocol):
         )
         connections, cap = self.state.connections, self.settings.max_connections
         full = bool(cap) and len(connections) >= cap  # a seat only in place of an idle one
-        if connections.take(self, cap):
+        now = self.loop.time()
+        if connections.take(self, cap, now):
             self.seats = connections
             if full:
                 self._warn_at_cap("closing the connection idle longest for each new one")
-        elif self.state.probe_connections.take(self, PROBE_RESERVE):
+        elif self.state.probe_connections.take(self, PROBE_RESERVE, now):
             self.probe_only = True
             self.seats = self.state.probe_connections
         else:

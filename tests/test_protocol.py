@@ -29,7 +29,7 @@ from rawserve.http.errors import (
 )
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.http.flow_control import FlowControl
-from rawserve.http.limits import LINGER_SECONDS
+from rawserve.http.limits import GIVE_WAY_AFTER, LINGER_SECONDS
 from rawserve.http.refusals import check_head
 from rawserve.http.request_ids import request_id
 from rawserve.http.response_head import (
@@ -725,8 +725,8 @@ async def test_the_peer_closing_ends_the_linger_at_once(timed):
 # --- connection cap -------------------------------------------------------------------
 
 
-def connector(app, settings, state):
-    loop = asyncio.get_running_loop()
+def connector(app, settings, state, loop=None):
+    loop = loop or asyncio.get_running_loop()
 
     def connect():
         protocol = HttpProtocol(app, settings, state, loop=loop)
@@ -775,9 +775,11 @@ async def test_connections_past_the_cap_get_503_and_the_cap_frees_up():
 
 
 async def test_past_the_cap_a_new_connection_takes_the_place_of_the_one_idle_longest(caplog):
+    loop = FakeTimerLoop(asyncio.get_running_loop())
     state = ServerState()
-    connect = connector(EchoApp(), ProtocolSettings(max_connections=2), state)
+    connect = connector(EchoApp(), ProtocolSettings(max_connections=2), state, loop)
     (answered, answered_transport), (_, fresh_transport) = connect(), connect()
+    loop.advance(GIVE_WAY_AFTER)
     request = b"GET /a HTTP/1.1\r\nHost: a\r\n\r\n"
     answered.data_received(request)  # answered, then idle again: after `fresh`
     await settle()
@@ -792,20 +794,28 @@ async def test_past_the_cap_a_new_connection_takes_the_place_of_the_one_idle_lon
     await settle()
     [(response, _)] = read_responses(transport.written)
     assert response.status_code == 200 and not transport.finished
-    # then the next one idle longest: its one answer is all it was written
+    # one idle for less than GIVE_WAY_AFTER may be a new connection whose request is on
+    # its way: it stays, and the next connection gets a probe's seat (503 but a probe)
+    loop.advance(GIVE_WAY_AFTER / 2)
+    over, _ = connect()
+    assert over.probe_only and not answered_transport.closed
+    # then the one idle longest gives way: its one answer is all it was written
+    loop.advance(GIVE_WAY_AFTER / 2)
     connect()
     assert answered_transport.closed and count_responses(answered_transport.written) == 1
     assert not transport.closed and len(state.connections) == 2
 
 
 async def test_past_the_cap_idle_probe_connections_give_way_to_a_probe():
+    loop = FakeTimerLoop(asyncio.get_running_loop())
     state = ServerState()
     app = EchoApp()
-    connect = connector(app, ProtocolSettings(max_connections=1), state)
+    connect = connector(app, ProtocolSettings(max_connections=1), state, loop)
     busy, _ = connect()
     busy.data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
     await settle()
     reserve = [connect() for _ in range(PROBE_RESERVE)]  # idle, each holding a probe seat
+    loop.advance(GIVE_WAY_AFTER)
     probe, transport = connect()
     assert probe.probe_only and state.refused == 0
     assert [t.closed for _, t in reserve] == [True] + [False] * (PROBE_RESERVE - 1)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import h11
 import pytest
 
+from rawserve.http.limits import GIVE_WAY_AFTER
 from tests.load import Client
 from tests.server import RunningServer
 
@@ -195,8 +196,10 @@ def test_past_the_cap_a_new_connection_is_answered_in_place_of_the_one_idle_long
                     (status, _, _), connection = await info_over_new_connection()
                     assert status == 200  # kept alive, so it counts against the cap
                     held.append(connection)
-                # every one is idle between requests: the first to go idle gives way,
-                # closed without a word (as at keep-alive expiry), and the rest stay
+                # every one is idle between requests, for long enough: the first to go
+                # idle gives way, closed without a word (as at keep-alive expiry), and
+                # the rest stay
+                await asyncio.sleep(GIVE_WAY_AFTER)
                 (status, _, _), connection = await info_over_new_connection()
                 held.append(connection)
                 assert status == 200

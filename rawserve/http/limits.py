@@ -10,9 +10,10 @@ they hold whatever its client does:
 - time: the head, body and keep-alive timeouts, and the write timeout: a client that
   reads none of its answer for `write_timeout` seconds is cut off;
 - connections: past `max_connections`, a new connection takes the place of the one
-  idle longest between requests (closed quietly, as at keep-alive expiry); where every
-  one is busy, a few more (`PROBE_RESERVE`) are taken for probes only (`/health`,
-  `/ready` answered, anything else 503), the same way; then it is refused.
+  idle longest between requests, once idle `GIVE_WAY_AFTER` (closed quietly, as at
+  keep-alive expiry); where none is, a few more (`PROBE_RESERVE`) are taken for probes
+  only (`/health`, `/ready` answered, anything else 503), their idle ones giving way
+  alike; then it is refused.
 
 A connection is always in one `Phase`, and each phase but RESPONDING has a deadline.
 `ServerState` is what every connection of one server shares: the open connections the
@@ -36,6 +37,10 @@ LINGER_SECONDS = 2.0  # after our last response, how long we drain the peer's by
 # liveness probe must not fail (and restart a healthy server) because busy clients hold
 # every connection.
 PROBE_RESERVE = 32
+# Past --max-connections, a connection idle this long gives way to a new one; one idle
+# less may be a new connection whose request is on its way (a burst past the cap would
+# close each other's before reading them, where the cap's 503 tells a client to retry).
+GIVE_WAY_AFTER = 1.0
 
 
 class Phase(enum.Enum):
@@ -88,7 +93,8 @@ class Seats:
 
     def __init__(self) -> None:
         self.open: set[OpenConnection] = set()
-        self.idle: dict[OpenConnection, None] = {}  # longest idle first (a dict keeps order)
+        # since when each is idle, longest idle first (a dict keeps its order)
+        self.idle: dict[OpenConnection, float] = {}
 
     def __len__(self) -> int:
         return len(self.open)
@@ -96,24 +102,26 @@ class Seats:
     def __iter__(self) -> Iterator[OpenConnection]:
         return iter(self.open)
 
-    def take(self, connection: OpenConnection, limit: int) -> bool:
+    def take(self, connection: OpenConnection, limit: int, now: float) -> bool:
         """Seat `connection` if fewer than `limit` are open (0: no limit), else in place of
-        the one idle longest, closed quietly (nginx's reusable connections); False where
-        every seat is busy: mid-request, answering or closing are never closed for this."""
+        the one idle longest, closed quietly (nginx's reusable connections), if it has
+        been idle `GIVE_WAY_AFTER`; False where none has: one mid-request, answering or
+        closing is never closed for this."""
         if limit and len(self.open) >= limit:
-            if not self.idle:
+            longest = next(iter(self.idle), None)
+            if longest is None or self.idle[longest] > now - GIVE_WAY_AFTER:
                 return False
-            longest = next(iter(self.idle))
             self.leave(longest)
             longest.close()
         self.open.add(connection)
         return True
 
-    def mark(self, connection: OpenConnection, idle: bool) -> None:
-        """`connection` is now between requests (last in line to be closed), or not."""
+    def mark(self, connection: OpenConnection, idle_since: float | None) -> None:
+        """`connection` is between requests since `idle_since` (last in line to be
+        closed), or (None) no longer."""
         self.idle.pop(connection, None)
-        if idle and connection in self.open:
-            self.idle[connection] = None
+        if idle_since is not None and connection in self.open:
+            self.idle[connection] = idle_since
 
     def leave(self, connection: OpenConnection) -> None:
         self.open.discard(connection)
