@@ -637,6 +637,11 @@ class HttpProtocol(asyncio.Protocol):
         if data:
             transport.write(data)
 
+    @property
+    def sending(self) -> bool:
+        """Some of an answer still waits in the transport (past the cap, it keeps its seat)."""
+        return self.transport is not None and self.transport.get_write_buffer_size() > 0
+
     def close(self) -> None:
         """Close at once (the peer left, went idle, an answer broke off, or shutdown)."""
         self._enter(Phase.CLOSED)

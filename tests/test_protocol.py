@@ -806,6 +806,20 @@ async def test_past_the_cap_a_new_connection_takes_the_place_of_the_one_idle_lon
     assert not transport.closed and len(state.connections) == 2
 
 
+async def test_past_the_cap_an_idle_connection_still_sending_its_answer_keeps_its_seat():
+    """Closed, it would hold its socket, no longer counted, until its client reads."""
+    loop = FakeTimerLoop(asyncio.get_running_loop())
+    connect = connector(EchoApp(), ProtocolSettings(max_connections=1), ServerState(), loop)
+    _, slow_reader = connect()
+    slow_reader.buffered = 1000  # of its last answer, not yet taken by its client
+    loop.advance(GIVE_WAY_AFTER)
+    over, _ = connect()
+    assert over.probe_only and not slow_reader.closed
+    slow_reader.buffered = 0
+    protocol, _ = connect()
+    assert not protocol.probe_only and slow_reader.closed
+
+
 async def test_past_the_cap_idle_probe_connections_give_way_to_a_probe():
     loop = FakeTimerLoop(asyncio.get_running_loop())
     state = ServerState()
