@@ -186,8 +186,8 @@ class HttpProtocol(asyncio.Protocol):
             self._fail(refusals.too_slow("head"))
         elif self.phase is Phase.BODY:
             self._fail(refusals.too_slow("body"))
-        elif self.phase is Phase.LINGER and self.transport is not None:
-            self.transport.close()
+        elif self.phase is Phase.LINGER:
+            self._close_transport()
 
     @property
     def _reading(self) -> bool:
@@ -645,8 +645,16 @@ class HttpProtocol(asyncio.Protocol):
     def close(self) -> None:
         """Close at once (the peer left, went idle, an answer broke off, or shutdown)."""
         self._enter(Phase.CLOSED)
-        if self.transport is not None:
-            self.transport.close()
+        self._close_transport()
+
+    def _close_transport(self) -> None:
+        """Close once what waits in the transport is written, within --write-timeout
+        however little waits (the transport would wait for a peer that never reads)."""
+        if self.transport is None:
+            return
+        if self.sending:
+            self._flow.closing()
+        self.transport.close()
 
     def _close_gracefully(self) -> None:
         """After our last response: FIN, then drain the peer's bytes until its FIN or

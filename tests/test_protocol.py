@@ -1320,6 +1320,31 @@ async def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout():
     assert transport.aborted  # what waits to be written is dropped, not flushed forever
 
 
+@pytest.mark.parametrize("closed_by", ["keep-alive", "linger"])
+async def test_a_connection_closed_with_some_of_its_answer_unread_is_cut_off_in_time(closed_by):
+    """The transport closes once what waits in it is written; under the high-water mark
+    writing never paused, so nothing cut off a client that read none of it: its socket
+    stayed open (and counted by the connection cap) for as long as it did not read."""
+    loop = FakeTimerLoop(asyncio.get_running_loop())
+    settings = ProtocolSettings(write_timeout=3, keepalive_timeout=5)
+    protocol = HttpProtocol(EchoApp(), settings, loop=loop)
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    closing = b"Connection: close\r\n" if closed_by == "linger" else b""
+    protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\n" + closing + b"\r\n")
+    await settle()
+    transport.buffered = 1000  # of its answer, never taken by its client
+    loop.advance(LINGER_SECONDS if closing else 5)  # the linger's end, or the keep-alive's
+    assert transport.closed and not transport.aborted
+    protocol.pause_writing()  # (a pause and a resume, then, give the rest a fresh timeout)
+    loop.advance(2)
+    protocol.resume_writing()
+    loop.advance(2.9)
+    assert not transport.aborted
+    loop.advance(0.2)
+    assert transport.aborted  # dropped: the socket closes
+
+
 class BigAnswerApp(FakeApp):
     async def handle(self, request: HttpRequest) -> HttpResponse:
         return HttpResponse(200, b"x" * (4 << 20))
