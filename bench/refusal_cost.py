@@ -79,6 +79,9 @@ class CountingTransport(asyncio.Transport):
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return ("127.0.0.1", 50000) if name == "peername" else default
 
+    def get_write_buffer_size(self) -> int:
+        return 0
+
 
 class ReadyWorkers:
     """The executor's face the routes read: one ready worker, never free."""

@@ -62,6 +62,7 @@ from rawserve.http.limits import (
     READ_AHEAD_LIMIT,
     Phase,
     ProtocolSettings,
+    Seats,
     ServerState,
 )
 from rawserve.http.request_ids import new_request_id, request_id
@@ -81,7 +82,7 @@ from rawserve.shared.logs import REQUEST_ID
 
 log = logging.getLogger("rawserve.protocol")
 
-REFUSAL_LOG_INTERVAL = 10.0  # seconds between "too many connections" warnings
+CAP_LOG_INTERVAL = 10.0  # seconds between two warnings that the connection cap is reached
 # the access line of a request whose client left before its answer began (as nginx logs it)
 CLIENT_CLOSED = 499
 # Their states once a request was read whole (an Upgrade we decline by answering ends
@@ -142,6 +143,7 @@ class HttpProtocol(asyncio.Protocol):
         self.timer = ConnectionTimer(self.loop, self._on_deadline)
         self.eof_seen = False  # the peer has half-closed
         self.probe_only = False  # taken past the connection cap: one probe, then close
+        self.seats = Seats()  # the seats it holds (none yet; one of the state's once taken)
         self.read_ahead = 0  # bytes received since h11 last needed data
         self.handling_events = False  # handle_events is running (guards re-entry)
         # per request
@@ -155,6 +157,8 @@ class HttpProtocol(asyncio.Protocol):
     def _enter(self, phase: Phase) -> None:
         """Move to `phase` and arm its deadline (the one place that does both)."""
         self.phase = phase
+        # an idle one gives way past the cap
+        self.seats.mark(self, self.loop.time() if phase is Phase.IDLE else None)
         delay = self.settings.deadlines.get(phase)
         if phase is Phase.CLOSED:
             self.timer.stop()
@@ -183,8 +187,8 @@ class HttpProtocol(asyncio.Protocol):
             self._fail(refusals.too_slow("head"))
         elif self.phase is Phase.BODY:
             self._fail(refusals.too_slow("body"))
-        elif self.phase is Phase.LINGER and self.transport is not None:
-            self.transport.close()
+        elif self.phase is Phase.LINGER:
+            self._close_transport()
 
     @property
     def _reading(self) -> bool:
@@ -199,12 +203,16 @@ class HttpProtocol(asyncio.Protocol):
         self.flow = FlowControl(
             self.transport, self.loop, self.settings.write_timeout, self._on_write_timeout
         )
-        cap = self.settings.max_connections
-        if not cap or len(self.state.connections) < cap:
-            self.state.connections.add(self)
-        elif len(self.state.probe_connections) < PROBE_RESERVE:
+        connections, cap = self.state.connections, self.settings.max_connections
+        full = bool(cap) and len(connections) >= cap  # a seat only in place of an idle one
+        now = self.loop.time()
+        if connections.take(self, cap, now):
+            self.seats = connections
+            if full:
+                self._warn_at_cap("closing the connection idle longest for each new one")
+        elif self.state.probe_connections.take(self, PROBE_RESERVE, now):
             self.probe_only = True
-            self.state.probe_connections.add(self)
+            self.seats = self.state.probe_connections
         else:
             self._refuse()
             return
@@ -244,8 +252,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._enter(Phase.CLOSED)
-        self.state.connections.discard(self)
-        self.state.probe_connections.discard(self)
+        self.seats.leave(self)
         if self.flow is not None:
             self.flow.release()  # a streaming response waiting to write must see the close
         cycle = self.cycle
@@ -413,16 +420,18 @@ class HttpProtocol(asyncio.Protocol):
     def _refuse(self) -> None:
         """Past the connection cap and the probes' reserve: 503 before reading anything."""
         self.state.refused += 1
-        now = time.monotonic()
-        if now - self.state.last_refusal_log >= REFUSAL_LOG_INTERVAL:
-            self.state.last_refusal_log = now
-            log.warning(
-                "refusing connections: %d open (--max-connections); %d refused so far",
-                len(self.state.connections),
-                self.state.refused,
-            )
+        self._warn_at_cap(f"refusing connections, every one busy; {self.state.refused} so far")
         self.cycle = Cycle(None, new_request_id())
         self._send(self.cycle, error_response(refusals.too_many_connections()), close=True)
+
+    def _warn_at_cap(self, what: str) -> None:
+        """Tell the operator the cap is reached (once per CAP_LOG_INTERVAL)."""
+        now = time.monotonic()
+        if now - self.state.last_cap_log >= CAP_LOG_INTERVAL:
+            self.state.last_cap_log = now
+            log.warning(
+                "%d connections open (--max-connections): %s", len(self.state.connections), what
+            )
 
     # --- writing ----------------------------------------------------------------------
 
@@ -630,11 +639,24 @@ class HttpProtocol(asyncio.Protocol):
         if data:
             transport.write(data)
 
+    @property
+    def sending(self) -> bool:
+        """Some of an answer still waits in the transport (past the cap, it keeps its seat)."""
+        return self.transport is not None and self.transport.get_write_buffer_size() > 0
+
     def close(self) -> None:
         """Close at once (the peer left, went idle, an answer broke off, or shutdown)."""
         self._enter(Phase.CLOSED)
-        if self.transport is not None:
-            self.transport.close()
+        self._close_transport()
+
+    def _close_transport(self) -> None:
+        """Close once what waits in the transport is written, within --write-timeout
+        however little waits (the transport would wait for a peer that never reads)."""
+        if self.transport is None:
+            return
+        if self.sending:
+            self._flow.closing()
+        self.transport.close()
 
     def _close_gracefully(self) -> None:
         """After our last response: FIN, then drain the peer's bytes until its FIN or

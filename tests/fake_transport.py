@@ -34,6 +34,7 @@ class FakeTransport:
         self.eof_written = False
         self.reading = True
         self.aborted = False  # closed without writing what waits
+        self.buffered = 0  # bytes written that the peer has not taken yet
 
     def write(self, data: bytes) -> None:
         assert not self.closed, "write after close"
@@ -58,6 +59,9 @@ class FakeTransport:
 
     def is_closing(self) -> bool:
         return self.closed
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -65,6 +66,9 @@ async def test_a_killed_worker_comes_back_and_its_batch_is_retried(fill_mask_exe
     assert not any(isinstance(output, ItemFailure) for output in result.outputs)
     assert worker.pid != first_pid and worker.record.restarts == 1 and fill_mask_executor.ready
     assert len(fill_mask_executor.poison) == 0
+    # the OOM killer's first choice, raised once over the server's (not again per restart)
+    raised = min(int(Path("/proc/self/oom_score_adj").read_text()) + 500, 1000)
+    assert int(Path(f"/proc/{worker.pid}/oom_score_adj").read_text()) == raised
 
 
 async def test_a_model_that_cannot_load_is_reported(tmp_path):

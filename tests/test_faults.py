@@ -196,6 +196,36 @@ async def test_a_hung_batch_is_answered_and_its_worker_restarted(faulty_executor
 
 
 @pytest.mark.slow
+async def test_no_batch_goes_to_a_worker_whose_pipe_closed_while_its_exit_is_awaited(
+    faulty_executor,
+):
+    """Between the end of a dead worker's pipe and its exit (a process may take a while
+    to let go of its memory) it looked idle: a batch sent to it then went nowhere, was
+    lost with it, and ran again item by item after the restart."""
+    worker = faulty_executor.workers[0]
+    first_pid = worker.pid
+    pipe_closed, exit_seen = asyncio.Event(), asyncio.Event()
+    reap = faulty_executor._reap
+
+    async def slow_exit(handle, process):
+        pipe_closed.set()
+        await exit_seen.wait()
+        await reap(handle, process)
+
+    faulty_executor._reap = slow_exit
+    os.kill(first_pid, signal.SIGKILL)
+    await asyncio.wait_for(pipe_closed.wait(), 30)
+    assert faulty_executor.idle_workers() == 0  # the scheduler keeps its queue
+    with pytest.raises(Refused):
+        faulty_executor.submit(["during"], {})
+    exit_seen.set()
+    await idle(faulty_executor)
+    assert worker.pid != first_pid
+    result = await asyncio.wait_for(faulty_executor.submit(["after", "both"], {}), 30)
+    assert [output["batch"] for output in result.outputs] == [["after", "both"]] * 2
+
+
+@pytest.mark.slow
 async def test_a_restart_that_cannot_start_a_process_is_tried_again(faulty_executor, monkeypatch):
     """Out of file descriptors (clients holding them all) as a dead worker restarts: the
     restart is tried again after its backoff, not given up for good."""
@@ -241,6 +271,12 @@ async def test_a_request_the_restart_would_outlast_is_answered_503_at_once(fault
         await asyncio.wait_for(held, 10)
     assert refused.value.refusal.reason is Reason.LOADING  # 503
     assert 25 < (refused.value.refusal.retry_after or 0) <= 31  # until the restart's end
+    # one handed on a moment later (by an HTTP process that read the board before it
+    # said so) is answered the same, at once
+    with pytest.raises(Refused) as refused:
+        await asyncio.wait_for(scheduler.run(["late"], {}, time.monotonic() + 5), 10)
+    assert refused.value.refusal.reason is Reason.LOADING
+    assert 25 < (refused.value.refusal.retry_after or 0) <= 31
     await scheduler.stop()
 
 

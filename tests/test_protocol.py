@@ -29,7 +29,7 @@ from rawserve.http.errors import (
 )
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.http.flow_control import FlowControl
-from rawserve.http.limits import LINGER_SECONDS
+from rawserve.http.limits import GIVE_WAY_AFTER, LINGER_SECONDS
 from rawserve.http.refusals import check_head
 from rawserve.http.request_ids import request_id
 from rawserve.http.response_head import (
@@ -747,11 +747,8 @@ async def test_the_peer_closing_ends_the_linger_at_once(timed):
 # --- connection cap -------------------------------------------------------------------
 
 
-async def test_connections_past_the_cap_get_503_and_the_cap_frees_up():
-    loop = asyncio.get_running_loop()
-    state = ServerState()
-    settings = ProtocolSettings(max_connections=2)
-    app = EchoApp()
+def connector(app, settings, state, loop=None):
+    loop = loop or asyncio.get_running_loop()
 
     def connect():
         protocol = HttpProtocol(app, settings, state, loop=loop)
@@ -759,7 +756,17 @@ async def test_connections_past_the_cap_get_503_and_the_cap_frees_up():
         protocol.connection_made(transport)
         return protocol, transport
 
+    return connect
+
+
+async def test_connections_past_the_cap_get_503_and_the_cap_frees_up():
+    state = ServerState()
+    app = EchoApp()
+    connect = connector(app, ProtocolSettings(max_connections=2), state)
     kept = [connect(), connect()]
+    for protocol, _ in kept:  # busy: an idle one would give way
+        protocol.data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
     # past the cap, a connection is taken for one probe: anything else is 503
     over, over_transport = connect()
     over.data_received(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi")
@@ -772,13 +779,16 @@ async def test_connections_past_the_cap_get_503_and_the_cap_frees_up():
     await settle()
     [(response, _)] = read_responses(probe_transport.written)
     assert response.status_code == 200 and probe_transport.finished  # answered, then closed
-    # past the cap and the probes' reserve: refused at once
+    # past the cap and the probes' reserve, every one busy (the two answered linger):
+    # refused at once
     reserve = [connect() for _ in range(PROBE_RESERVE - 2)]
+    for protocol, _ in reserve:
+        protocol.data_received(b"GET /hea")  # mid-head
     refused, refused_transport = connect()
     [(response, body)] = read_responses(refused_transport.written)
     assert response.status_code == 503 and refused_transport.finished
     assert len(state.connections) == 2 and state.refused == 1
-    assert len(reserve) == PROBE_RESERVE - 2
+    assert not any(transport.closed for _, transport in [*kept, *reserve])
     kept[0][0].connection_lost(None)
     protocol, transport = connect()
     protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
@@ -786,17 +796,78 @@ async def test_connections_past_the_cap_get_503_and_the_cap_frees_up():
     assert [r.status_code for r, _ in read_responses(transport.written)] == [200]
 
 
+async def test_past_the_cap_a_new_connection_takes_the_place_of_the_one_idle_longest(caplog):
+    loop = FakeTimerLoop(asyncio.get_running_loop())
+    state = ServerState()
+    connect = connector(EchoApp(), ProtocolSettings(max_connections=2), state, loop)
+    (answered, answered_transport), (_, fresh_transport) = connect(), connect()
+    loop.advance(GIVE_WAY_AFTER)
+    request = b"GET /a HTTP/1.1\r\nHost: a\r\n\r\n"
+    answered.data_received(request)  # answered, then idle again: after `fresh`
+    await settle()
+    assert count_responses(answered_transport.written) == 1
+    protocol, transport = connect()
+    # the one idle longest is closed quietly, as at keep-alive expiry; the new one is
+    # seated in full
+    assert fresh_transport.closed and not fresh_transport.written
+    assert not answered_transport.closed and not protocol.probe_only
+    assert "2 connections open (--max-connections): closing the connection idle" in caplog.text
+    protocol.data_received(b"POST /b HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi")
+    await settle()
+    [(response, _)] = read_responses(transport.written)
+    assert response.status_code == 200 and not transport.finished
+    # one idle for less than GIVE_WAY_AFTER may be a new connection whose request is on
+    # its way: it stays, and the next connection gets a probe's seat (503 but a probe)
+    loop.advance(GIVE_WAY_AFTER / 2)
+    over, _ = connect()
+    assert over.probe_only and not answered_transport.closed
+    # then the one idle longest gives way: its one answer is all it was written
+    loop.advance(GIVE_WAY_AFTER / 2)
+    connect()
+    assert answered_transport.closed and count_responses(answered_transport.written) == 1
+    assert not transport.closed and len(state.connections) == 2
+
+
+async def test_past_the_cap_an_idle_connection_still_sending_its_answer_keeps_its_seat():
+    """Closed, it would hold its socket, no longer counted, until its client reads."""
+    loop = FakeTimerLoop(asyncio.get_running_loop())
+    connect = connector(EchoApp(), ProtocolSettings(max_connections=1), ServerState(), loop)
+    _, slow_reader = connect()
+    slow_reader.buffered = 1000  # of its last answer, not yet taken by its client
+    loop.advance(GIVE_WAY_AFTER)
+    over, _ = connect()
+    assert over.probe_only and not slow_reader.closed
+    slow_reader.buffered = 0
+    protocol, _ = connect()
+    assert not protocol.probe_only and slow_reader.closed
+
+
+async def test_past_the_cap_idle_probe_connections_give_way_to_a_probe():
+    loop = FakeTimerLoop(asyncio.get_running_loop())
+    state = ServerState()
+    app = EchoApp()
+    connect = connector(app, ProtocolSettings(max_connections=1), state, loop)
+    busy, _ = connect()
+    busy.data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    reserve = [connect() for _ in range(PROBE_RESERVE)]  # idle, each holding a probe seat
+    loop.advance(GIVE_WAY_AFTER)
+    probe, transport = connect()
+    assert probe.probe_only and state.refused == 0
+    assert [t.closed for _, t in reserve] == [True] + [False] * (PROBE_RESERVE - 1)
+    probe.data_received(b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    [(response, _)] = read_responses(transport.written)
+    assert response.status_code == 200 and not busy.transport.closed
+
+
 @pytest.mark.parametrize(
     "target", [b"/health", b"/ready?x=1", b"/ready/cls", b"http://a/health", b"/%68ealth"]
 )
 async def test_a_probe_past_the_cap_is_answered_in_any_form_the_routes_take(target):
-    loop = asyncio.get_running_loop()
-    state = ServerState()
-    settings = ProtocolSettings(max_connections=1)
-    HttpProtocol(EchoApp(), settings, state, loop=loop).connection_made(FakeTransport())
-    protocol = HttpProtocol(EchoApp(), settings, state, loop=loop)  # past the cap
-    transport = FakeTransport()
-    protocol.connection_made(transport)
+    connect = connector(EchoApp(), ProtocolSettings(max_connections=1), ServerState())
+    connect()[0].data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")  # busy
+    protocol, transport = connect()  # past the cap
     protocol.data_received(b"GET " + target + b" HTTP/1.1\r\nHost: a\r\n\r\n")
     await settle()
     [(response, _)] = read_responses(transport.written)
@@ -1028,11 +1099,9 @@ async def test_a_refusal_after_the_head_lets_an_allowed_page_read_it(request_byt
 
 
 async def test_the_503_past_the_connection_cap_lets_an_allowed_page_read_it():
-    loop = asyncio.get_running_loop()
-    state, settings, app = ServerState(), ProtocolSettings(max_connections=1), CorsApp()
-    for _ in range(2):
-        protocol, transport = HttpProtocol(app, settings, state, loop=loop), FakeTransport()
-        protocol.connection_made(transport)
+    connect = connector(CorsApp(), ProtocolSettings(max_connections=1), ServerState())
+    connect()[0].data_received(b"GET /h")  # busy, mid-head: it keeps its seat
+    protocol, transport = connect()
     sent = with_origin(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi")
     protocol.data_received(sent)
     await settle()
@@ -1271,6 +1340,31 @@ async def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout():
     assert not transport.closed
     loop.advance(0.2)
     assert transport.aborted  # what waits to be written is dropped, not flushed forever
+
+
+@pytest.mark.parametrize("closed_by", ["keep-alive", "linger"])
+async def test_a_connection_closed_with_some_of_its_answer_unread_is_cut_off_in_time(closed_by):
+    """The transport closes once what waits in it is written; under the high-water mark
+    writing never paused, so nothing cut off a client that read none of it: its socket
+    stayed open (and counted by the connection cap) for as long as it did not read."""
+    loop = FakeTimerLoop(asyncio.get_running_loop())
+    settings = ProtocolSettings(write_timeout=3, keepalive_timeout=5)
+    protocol = HttpProtocol(EchoApp(), settings, loop=loop)
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    closing = b"Connection: close\r\n" if closed_by == "linger" else b""
+    protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\n" + closing + b"\r\n")
+    await settle()
+    transport.buffered = 1000  # of its answer, never taken by its client
+    loop.advance(LINGER_SECONDS if closing else 5)  # the linger's end, or the keep-alive's
+    assert transport.closed and not transport.aborted
+    protocol.pause_writing()  # (a pause and a resume, then, give the rest a fresh timeout)
+    loop.advance(2)
+    protocol.resume_writing()
+    loop.advance(2.9)
+    assert not transport.aborted
+    loop.advance(0.2)
+    assert transport.aborted  # dropped: the socket closes
 
 
 class BigAnswerApp(FakeApp):

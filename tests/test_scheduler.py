@@ -885,6 +885,7 @@ class FakeBackend:
         self.calls: list[tuple[list, dict, asyncio.Future]] = []
         self.request_ids: list[tuple[str, ...]] = []  # each call's
         self.free_looks = 0
+        self.back_at: float | None = None  # while no worker serves: when one should again
 
     def batch_cap(self) -> int | None:
         return None
@@ -907,6 +908,9 @@ class FakeBackend:
         self.calls.append((list(inputs), dict(params), future))
         self.request_ids.append(tuple(request_ids))
         return future
+
+    def serving_again_at(self) -> float | None:
+        return self.back_at
 
     def finish(self, index: int, outputs=None) -> None:
         inputs, _, future = self.calls[index]
@@ -1223,6 +1227,40 @@ async def test_runs_due_before_a_restart_is_over_are_answered_503_at_once_the_ot
         await longest
     assert refused.value.refusal.reason is Reason.LOADING
     assert refused.value.refusal.retry_after is None
+    await scheduler.stop()
+
+
+async def test_a_run_admitted_once_no_worker_serves_is_answered_as_the_waiting_ones_were():
+    """A run handed on a moment after the restart was told (by an HTTP process that read
+    the board before it said so, or a route that tokenized meanwhile) and due before the
+    restart is over is answered 503 at once too, not left to wait out the restart or its
+    deadline; one with time enough waits; once a worker serves, runs go as before."""
+    backend, drops = FakeBackend(), Drops()
+    scheduler = Scheduler(SchedulerCore(max_queue=8), backend, metrics=drops)
+    scheduler.start()
+    now = scheduler.clock()
+    backend.back_at = now + 10
+    scheduler.answer_unreachable(now + 10)  # none waited then
+    with pytest.raises(Refused) as refused:
+        await scheduler.run(["late"], {}, now + 5)
+    assert refused.value.refusal.reason is Reason.LOADING  # 503, Retry-After
+    assert 9 < (refused.value.refusal.retry_after or 0) <= 10
+    assert drops.dropped == {"rejected": 1} and len(scheduler.core) == 0 and not backend.calls
+    patient = asyncio.create_task(scheduler.run(["patient"], {}, now + 60))
+    await until(lambda: len(backend.calls) == 1)
+    backend.finish(0)
+    assert [r.output for r in await patient] == ["out:patient"]
+    backend.back_at = math.inf
+    scheduler.answer_unreachable(math.inf)  # every worker keeps dying: none waits for it
+    with pytest.raises(Refused) as refused:
+        await scheduler.run(["x"], {}, now + 300)
+    assert refused.value.refusal.retry_after is None
+    backend.back_at = None  # a worker serves again
+    quick = asyncio.create_task(scheduler.run(["quick"], {}, now + 5))
+    await until(lambda: len(backend.calls) == 2)
+    backend.finish(1)
+    assert [r.output for r in await quick] == ["out:quick"]
+    assert drops.dropped == {"rejected": 2}
     await scheduler.stop()
 
 

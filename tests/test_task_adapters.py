@@ -1158,6 +1158,29 @@ def test_a_handler_that_exits_as_it_loads_is_a_load_failure(monkeypatch, tmp_pat
     )
 
 
+@pytest.mark.parametrize(("inherited", "raised"), [(0, 500), (700, 1000), (-1000, -500)])
+def test_a_worker_raises_its_oom_score_adj_so_the_kernel_kills_it_first(
+    tmp_path, inherited, raised
+):
+    """When memory runs out, a worker killed is restarted; the server killed is gone."""
+    from rawserve.worker.process import prefer_for_oom_kill
+
+    adj = tmp_path / "oom_score_adj"
+    adj.write_text(f"{inherited}\n")
+    assert prefer_for_oom_kill(str(adj)) == raised and int(adj.read_text()) == raised
+
+
+@pytest.mark.parametrize("found", [None, "", "not a number\n"])
+def test_a_worker_that_cannot_raise_its_oom_score_adj_runs_as_it_is(tmp_path, found):
+    from rawserve.worker.process import prefer_for_oom_kill
+
+    adj = tmp_path / "oom_score_adj"  # none there: not Linux
+    if found is not None:
+        adj.write_text(found)
+    assert prefer_for_oom_kill(str(adj)) is None
+    assert not adj.exists() if found is None else adj.read_text() == found
+
+
 def test_a_handler_raising_systemexit_on_one_input_fails_that_input_alone(monkeypatch, tmp_path):
     """SystemExit, KeyboardInterrupt or a BaseException of the handler's own passed every
     `except Exception` and ended the worker: its batch-mates were run again, and a server of

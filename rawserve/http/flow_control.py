@@ -4,7 +4,8 @@ and give up on a peer that reads nothing for too long.
 Reading is paused when requests pile up faster than they are answered (pipelining) or the
 peer does not read its answers; writing producers wait on `drain()` while the transport's
 write buffer is over its high-water mark (`pause_writing`/`resume_writing`), and if it
-stays there for `write_timeout` seconds, `on_stalled` is called (the connection is cut).
+stays there for `write_timeout` seconds, `on_stalled` is called (the connection is cut);
+the same once the transport closes with bytes still to send (`closing`), however few.
 Pause and resume are idempotent, so callers need not track who paused what. Knows
 nothing of HTTP; `Transport` says what a connection uses of its transport, which need not
 be an `asyncio.Transport` (uvloop's are not).
@@ -31,6 +32,7 @@ class Transport(ReadingSwitch, Protocol):
     def close(self) -> None: ...
     def abort(self) -> None: ...
     def get_extra_info(self, name: str, default: Any = None, /) -> Any: ...
+    def get_write_buffer_size(self) -> int: ...
 
 
 class FlowControl:
@@ -45,7 +47,9 @@ class FlowControl:
         self._loop = loop
         self._write_timeout = write_timeout
         self._on_stalled = on_stalled
-        self._stall_timer: asyncio.TimerHandle | None = None  # armed while writing is paused
+        # armed while writing is paused, and while the transport closes with bytes to send
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._closing = False
         self.read_paused = False
         self.write_paused = False
         self._writable = asyncio.Event()
@@ -70,11 +74,12 @@ class FlowControl:
         if not self.write_paused:
             self.write_paused = True
             self._writable.clear()
-        if self._stall_timer is None:
-            self._stall_timer = self._loop.call_later(self._write_timeout, self._stalled)
+        self._arm_stall_timer()
 
     def resume_writing(self) -> None:
         self._stop_stall_timer()
+        if self._closing:  # the rest must go too: a fresh write timeout for it
+            self._arm_stall_timer()
         if self.write_paused:
             self.write_paused = False
             self._writable.set()
@@ -84,6 +89,17 @@ class FlowControl:
         self._stop_stall_timer()
         self.write_paused = False
         self._writable.set()
+
+    def closing(self) -> None:
+        """The transport closes once what waits in it is written, for as long as that
+        takes: a peer that reads none of it for the write timeout is cut off then too,
+        paused or not (else its socket stays open while it does not read)."""
+        self._closing = True
+        self._arm_stall_timer()
+
+    def _arm_stall_timer(self) -> None:
+        if self._stall_timer is None:
+            self._stall_timer = self._loop.call_later(self._write_timeout, self._stalled)
 
     def _stalled(self) -> None:
         self._stall_timer = None

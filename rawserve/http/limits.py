@@ -9,12 +9,15 @@ they hold whatever its client does:
   `rawserve.http.chunked`);
 - time: the head, body and keep-alive timeouts, and the write timeout: a client that
   reads none of its answer for `write_timeout` seconds is cut off;
-- connections: past `max_connections`, a few more (`PROBE_RESERVE`) are taken for
-  probes only (`/health`, `/ready` answered, anything else 503), then refused.
+- connections: past `max_connections`, a new connection takes the place of the one
+  idle longest between requests, once idle `GIVE_WAY_AFTER` (closed quietly, as at
+  keep-alive expiry); where none is, a few more (`PROBE_RESERVE`) are taken for probes
+  only (`/health`, `/ready` answered, anything else 503), their idle ones giving way
+  alike; then it is refused.
 
 A connection is always in one `Phase`, and each phase but RESPONDING has a deadline.
 `ServerState` is what every connection of one server shares: the open connections the
-cap counts, the refusals, the metrics. Plain values; no I/O.
+cap counts (`Seats`), the refusals, the metrics. Plain values; no I/O.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -30,9 +34,13 @@ from rawserve.http.cycle import Cycle
 READ_AHEAD_LIMIT = 64 * 1024  # bytes read but not yet parsed, per connection
 LINGER_SECONDS = 2.0  # after our last response, how long we drain the peer's bytes
 # Past --max-connections, this many more connections are taken, each for one probe: a
-# liveness probe must not fail (and restart a healthy server) because idle clients hold
+# liveness probe must not fail (and restart a healthy server) because busy clients hold
 # every connection.
 PROBE_RESERVE = 32
+# Past --max-connections, a connection idle this long gives way to a new one; one idle
+# less may be a new connection whose request is on its way (a burst past the cap would
+# close each other's before reading them, where the cap's 503 tells a client to retry).
+GIVE_WAY_AFTER = 1.0
 
 
 class Phase(enum.Enum):
@@ -51,7 +59,7 @@ class ProtocolSettings:
     keepalive_timeout: float = 5.0  # idle between requests; expiry closes quietly
     head_timeout: float = 10.0  # from a request's first byte to the end of its head
     body_timeout: float = 30.0  # from the end of the head to the end of the body
-    max_connections: int = 1000  # open connections; past it new ones get 503 (0: no cap)
+    max_connections: int = 1000  # open connections; past it, idle ones give way (0: no cap)
     write_timeout: float = 30.0  # a client that reads nothing of its answer this long: cut off
 
     @functools.cached_property
@@ -70,6 +78,11 @@ class OpenConnection(Protocol):
 
     cycle: Cycle | None  # the exchange under way
 
+    @property
+    def sending(self) -> bool:
+        """Some of its last answer still waits to be sent (a close would wait for it)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -79,15 +92,58 @@ class RequestObserver(Protocol):
     def observe_request(self, path: str, method: str, status: int, seconds: float) -> None: ...
 
 
+class Seats:
+    """The open connections of one kind, and those of them between requests in the order
+    they went idle, so that the one idle longest is found without a scan."""
+
+    def __init__(self) -> None:
+        self.open: set[OpenConnection] = set()
+        # since when each is idle, longest idle first (a dict keeps its order)
+        self.idle: dict[OpenConnection, float] = {}
+
+    def __len__(self) -> int:
+        return len(self.open)
+
+    def __iter__(self) -> Iterator[OpenConnection]:
+        return iter(self.open)
+
+    def take(self, connection: OpenConnection, limit: int, now: float) -> bool:
+        """Seat `connection` if fewer than `limit` are open (0: no limit), else in place of
+        the one idle longest, closed quietly (nginx's reusable connections), if it has
+        been idle `GIVE_WAY_AFTER` and has sent all of its last answer; False where not:
+        one mid-request, answering or closing is never closed for this. (Closed with an
+        answer still to send, it would hold its socket, no longer counted, for as long as
+        its client does not read.)"""
+        if limit and len(self.open) >= limit:
+            longest = next(iter(self.idle), None)
+            if longest is None or self.idle[longest] > now - GIVE_WAY_AFTER or longest.sending:
+                return False
+            self.leave(longest)
+            longest.close()
+        self.open.add(connection)
+        return True
+
+    def mark(self, connection: OpenConnection, idle_since: float | None) -> None:
+        """`connection` is between requests since `idle_since` (last in line to be
+        closed), or (None) no longer."""
+        self.idle.pop(connection, None)
+        if idle_since is not None and connection in self.open:
+            self.idle[connection] = idle_since
+
+    def leave(self, connection: OpenConnection) -> None:
+        self.open.discard(connection)
+        self.idle.pop(connection, None)
+
+
 @dataclass
 class ServerState:
     """Shared by every connection of one server."""
 
     metrics: RequestObserver | None = None
-    connections: set[OpenConnection] = field(default_factory=set)
-    probe_connections: set[OpenConnection] = field(default_factory=set)  # past the cap
+    connections: Seats = field(default_factory=Seats)
+    probe_connections: Seats = field(default_factory=Seats)  # past the cap
     refused: int = 0  # connections refused past `max_connections`
-    last_refusal_log: float = float("-inf")
+    last_cap_log: float = float("-inf")
 
     def busy_tasks(self) -> set[asyncio.Task[None]]:
         """The tasks of requests the app is still working on, on every connection."""

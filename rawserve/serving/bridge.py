@@ -440,3 +440,6 @@ class PublishingBackend:
     ) -> asyncio.Future[BatchResult]:
         self.published()
         return self.backend.submit(inputs, params, control, request_ids)
+
+    def serving_again_at(self) -> float | None:
+        return self.backend.serving_again_at()

@@ -87,6 +87,11 @@ class Backend(Protocol):
         """Send a batch to a worker; `request_ids`: each input's request's, for its log."""
         ...
 
+    def serving_again_at(self) -> float | None:
+        """While no worker serves: when one should again (math.inf: none is expected);
+        None while one serves, or where that is not known."""
+        ...
+
 
 # How a run begun without a task ends: its results in order, or the error that ended it.
 RunEnd = Callable[[list[ItemResult] | None, BaseException | None], None]
@@ -181,6 +186,9 @@ class Scheduler:
         self._run_ids = itertools.count()
         self._late = LateWatch(self._on_late, clock)
         self._not_back_in_time: set[int] = set()  # runs ended by `answer_unreachable`
+        # told by `answer_unreachable` that no worker serves: until one does again, a run
+        # admitted is checked as the runs waiting then were
+        self._down = False
 
     def start(self) -> None:
         self._loop = self._loop or asyncio.get_running_loop()
@@ -272,6 +280,8 @@ class Scheduler:
         under a new run id whose deadline is watched."""
         loop = self._loop or asyncio.get_running_loop()
         now = self.clock()
+        if self._down:
+            self._refuse_unreachable(deadline, len(inputs), now)
         request_id = REQUEST_ID.get()  # the request this task answers (set by the protocol)
         items = [
             self.core.new_item(value, params, deadline, now, control, request_id)
@@ -341,9 +351,9 @@ class Scheduler:
         now, 503 with the wait for the restart, rather than left to wait out its deadline
         for a 504, which tells a client not to retry where a retry after the restart (or
         at another replica) would be answered."""
-        now = self.clock()
+        self._down = True
         due = [run_id for run_id, at in self._late.late_at.items() if at < serving_again_at]
-        retry_after = None if serving_again_at == math.inf else max(serving_again_at - now, 0.0)
+        retry_after = _restart_wait(serving_again_at, self.clock())
         for run_id in due:
             futures = self._runs.pop(run_id, None)
             self._late.forget(run_id)
@@ -351,6 +361,18 @@ class Scheduler:
             if waiting is not None:
                 self._not_back_in_time.add(run_id)
                 waiting.set_exception(not_back_in_time(retry_after))
+
+    def _refuse_unreachable(self, deadline: float, items: int, now: float) -> None:
+        """While no worker serves, raise for a run due before one should again what the
+        runs waiting when that was told got (`answer_unreachable`): admitted a moment
+        before (an HTTP process that read the board before it said so, a route that
+        tokenized meanwhile), it would otherwise wait out the restart or its deadline."""
+        serving_again_at = self.backend.serving_again_at()
+        if serving_again_at is None:  # serving again (or no guess): admitted as before
+            self._down = False
+        elif deadline < serving_again_at:
+            self._count_dropped("rejected", items)
+            raise not_back_in_time(_restart_wait(serving_again_at, now))
 
     def _look(self) -> None:
         """One look at the queue: answer what expired, send what is ready, and set the
@@ -479,6 +501,12 @@ def _as_refusal(error: BaseException | None) -> Refused:
     if isinstance(error, Refused):
         return error
     return model_failed()
+
+
+def _restart_wait(serving_again_at: float, now: float) -> float | None:
+    """The Retry-After of a run the restart would outlast: until it should be over, or
+    None where none is expected."""
+    return None if serving_again_at == math.inf else max(serving_again_at - now, 0.0)
 
 
 def _waits(item: WorkItem) -> bool:

@@ -152,6 +152,9 @@ class WorkerHandle:
         # the id of a stream whose client left, shared with the process: it stops generating
         self.cancelled_stream: SharedInt | None = None
         self.job: Job | None = None  # the batch it is computing
+        # its pipe has closed: it will answer nothing more, and takes no batch while its
+        # exit is awaited (a process may take a while to let go of its memory)
+        self.gone = False
         # the batch sent behind it, waiting in the worker (two in flight: `overlap`)
         self.queued: Job | None = None
         self.queued_at = 0.0  # when `queued` was sent
@@ -176,6 +179,8 @@ class WorkerHandle:
         overlaps (once that batch is near its end); a continuous worker one per free row
         (each batch of one item: `batch_cap`), none while it runs a retry that must run
         alone (a crash must name its input)."""
+        if self.gone:
+            return 0
         if self.sequences:
             serving = self.state in (WorkerState.IDLE, WorkerState.BUSY)
             if not serving or self.running.holds_retry:

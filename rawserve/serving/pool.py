@@ -323,7 +323,7 @@ class WorkerPool(PoolReports):
     def _next_idle(self, *, despite_hold: bool = False) -> WorkerHandle | None:
         if self._holding_cores() and not despite_hold:
             return None
-        return next((w for w in self.workers if w.state is WorkerState.IDLE), None)
+        return next((w for w in self.workers if w.state is WorkerState.IDLE and not w.gone), None)
 
     def overlaps(self, ready: WorkerReady) -> bool:
         """Whether a worker that just loaded holds two batches. Yes on a GPU: it computes
@@ -540,6 +540,7 @@ class WorkerPool(PoolReports):
         process, replies_in = start_process(self._context, worker)
         worker.state = WorkerState.LOADING
         worker.queued, worker.overlap, worker.sequences = None, False, 0
+        worker.gone = False
         worker.second_open, worker.run_seconds, worker.prepare_seconds = True, 0.0, 0.0
         worker.ready = None
         worker.batch_cap = None
@@ -574,6 +575,7 @@ class WorkerPool(PoolReports):
         for message in messages:
             self._on_message(worker, message)
         if reader.closed:  # end of file: the worker has exited (or is about to)
+            worker.gone = worker.gone or process is worker.process
             self._running_loop.remove_reader(fd)
             replies.close()
             self._watch(self._reap(worker, process))

@@ -51,6 +51,12 @@ log = logging.getLogger("rawserve.worker")
 # The worker runs at a lower CPU priority than the server process: when both want a core,
 # the event loop (answers, 503s, /health) goes first and the model waits a moment.
 WORKER_NICENESS = 10
+# And the kernel's first choice when memory runs out: a worker killed is restarted (its
+# requests retried), the server process killed ends the server. A process may raise its
+# own oom_score_adj (up to 1000) without privileges.
+OOM_SCORE_ADJ_RAISE = 500
+OOM_SCORE_ADJ_MAX = 1000
+OOM_SCORE_ADJ_FILE = "/proc/self/oom_score_adj"
 
 
 def load_failed(exc: Exception) -> WorkerLoadFailed:
@@ -70,6 +76,23 @@ def load_failed(exc: Exception) -> WorkerLoadFailed:
             "another size): transformers' LOAD REPORT, logged before, lists each tensor"
         )
     return WorkerLoadFailed(" ".join(line.split())[:500])
+
+
+def prefer_for_oom_kill(path: str = OOM_SCORE_ADJ_FILE) -> int | None:
+    """Raise this process's oom_score_adj by OOM_SCORE_ADJ_RAISE over what it inherited
+    (at most OOM_SCORE_ADJ_MAX); the value set, or None where there is no such file
+    (not Linux) or it cannot be written."""
+    try:
+        with open(path, encoding="ascii") as file:
+            inherited = int(file.read())
+        raised = min(inherited + OOM_SCORE_ADJ_RAISE, OOM_SCORE_ADJ_MAX)
+        with open(path, "w", encoding="ascii") as file:
+            file.write(str(raised))
+    except (OSError, ValueError) as exc:
+        log.debug("oom_score_adj left as inherited: %s", exc)
+        return None
+    log.debug("oom_score_adj %d, raised from %d", raised, inherited)
+    return raised
 
 
 def no_progress_bars() -> None:
@@ -110,6 +133,7 @@ def worker_main(
         os.nice(WORKER_NICENESS)
     except OSError:  # not allowed here: run at the server's priority
         pass
+    prefer_for_oom_kill()
     plan = isolate(config.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
     if plan.visible_gpus is not None:  # before torch initialises CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = plan.visible_gpus
