@@ -3,7 +3,10 @@
 Each is made once with pip (pinned versions, `--no-input`) and kept in pytest's cache, so
 only the first run pays for it; a fresh temporary folder is used when the cache is off.
 A test that needs one is skipped, saying why, only when pip cannot reach the package
-index; any other failure to install fails the test.
+index; any other failure to install fails the test. `installing` makes it in a thread,
+while the servers the clients will talk to start (pip mostly waits on the network), and
+pip leaves the byte-compiling to the first import of each module (the scripts import a
+small part of what it installs).
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -25,19 +30,40 @@ UNREACHABLE = re.compile(
 INSTALL_SECONDS = 900  # the largest set (litellm, haystack, llama-index) takes ~2 min on 2 cores
 
 
-def client_python(request: pytest.FixtureRequest, name: str, requirements: Sequence[str]) -> Path:
-    """The interpreter of the virtual environment `name` holding `requirements`, made
-    now unless the cache already has it with exactly these requirements."""
+@contextmanager
+def installing(
+    request: pytest.FixtureRequest, name: str, requirements: Sequence[str], waiter: str
+) -> Iterator[Future[Path]]:
+    """The interpreter of the virtual environment `name` holding `requirements`, made in a
+    thread unless the cache already has it with exactly these requirements: the future's
+    result (or its skip, or its failure) once it is done; left only once it is done. Made
+    only where a test selected in `request`'s module uses the fixture `waiter` (the one
+    that waits for it)."""
+    used = any(
+        waiter in item.fixturenames
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+    )
+    if not used:
+        yield Future()  # nobody waits for it
+        return
     cache = getattr(request.config, "cache", None)
     tmp_path_factory = request.getfixturevalue("tmp_path_factory")
     folder = Path(cache.mkdir(name)) if cache is not None else tmp_path_factory.mktemp(name)
+    with ThreadPoolExecutor(1, thread_name_prefix=name) as pool:
+        yield pool.submit(made, folder, requirements)
+
+
+def made(folder: Path, requirements: Sequence[str]) -> Path:
+    """The interpreter of the environment in `folder`, made now unless it holds exactly
+    `requirements` already."""
     python = folder / "bin" / "python"
     stamp = folder / "installed"
     wanted = "\n".join(requirements)
     if stamp.exists() and stamp.read_text() == wanted and python.exists():
         return python
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(folder)], check=True)
-    pip = [str(python), "-m", "pip", "install", "--no-input", "--quiet"]
+    pip = [str(python), "-m", "pip", "install", "--no-input", "--quiet", "--no-compile"]
     installed = subprocess.run(
         [*pip, "--disable-pip-version-check", *requirements],
         capture_output=True,

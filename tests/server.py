@@ -12,8 +12,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager, suppress
 from typing import Any
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -204,3 +204,34 @@ def running_together(
         for server in servers.values():
             if server.process is not None:
                 server.stop()
+
+
+@contextmanager
+def started_as_used(
+    request: Any, servers: Mapping[str, Callable[[], RunningServer]]
+) -> Iterator[Callable[[str], RunningServer]]:
+    """`get(name)`: the module's server `name` (the name of the fixture that hands it out).
+    The servers that the tests selected in `request`'s module use (as a fixture, or as a
+    parameter's value passed to `request.getfixturevalue`) start together, on entry
+    (`running_together`): their models load side by side, not one after the other, and a
+    run of some of the module's tests starts only the servers those use. Any other starts
+    alone when asked for. All stop on the way out."""
+    used: set[str] = set()
+    for item in request.session.items:
+        if getattr(item, "module", None) is request.module:
+            used.update(item.fixturenames)
+            callspec = getattr(item, "callspec", None)
+            if callspec is not None:
+                used.update(value for value in callspec.params.values() if isinstance(value, str))
+    started = {name: make() for name, make in servers.items() if name in used}
+    alone: dict[str, RunningServer] = {}
+    with running_together(started), ExitStack() as later:
+
+        def get(name: str) -> RunningServer:
+            if name in started:
+                return started[name]
+            if name not in alone:
+                alone[name] = later.enter_context(servers[name]())
+            return alone[name]
+
+        yield get

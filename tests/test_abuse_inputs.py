@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server import RunningServer
+from tests.server import RunningServer, started_as_used
 
 pytestmark = pytest.mark.slow
 
@@ -28,22 +28,37 @@ def nested(depth: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def classifier(tiny_model):
-    with RunningServer(["--model", tiny_model("text-classification"), "--threads", "1"]) as server:
+def servers(request, tiny_model):
+    """The module's servers its selected tests use, started together."""
+    one = ["--threads", "1"]
+    with started_as_used(
+        request,
+        {
+            "classifier": lambda: RunningServer(
+                ["--model", tiny_model("text-classification"), *one]
+            ),
+            "generator": lambda: RunningServer(["--model", tiny_model("text-generation"), *one]),
+            "summarizer": lambda: RunningServer(
+                ["--model", tiny_model("seq2seq"), "--task", "summarization", *one]
+            ),
+        },
+    ) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def generator(tiny_model):
-    with RunningServer(["--model", tiny_model("text-generation"), "--threads", "1"]) as server:
-        yield server
+def classifier(servers):
+    return servers("classifier")
 
 
 @pytest.fixture(scope="module")
-def summarizer(tiny_model):
-    args = ["--model", tiny_model("seq2seq"), "--task", "summarization", "--threads", "1"]
-    with RunningServer(args) as server:
-        yield server
+def generator(servers):
+    return servers("generator")
+
+
+@pytest.fixture(scope="module")
+def summarizer(servers):
+    return servers("summarizer")
 
 
 def post(server: RunningServer, body: bytes) -> tuple[int, dict]:

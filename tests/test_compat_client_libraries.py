@@ -4,22 +4,24 @@ embedder and haystack's Hugging Face API components, each called the way its own
 documentation shows (one script per client, tests/compat_*_client.py, printing JSON).
 
 They share one virtual environment of their own (they install together; rawserve's stays
-free of their hundreds of dependencies), made once and kept in pytest's cache
-(tests/compat_venvs.py). Each answer is compared with what rawserve answers the same
-request sent directly, and each client's refusal with rawserve's own message.
+free of their hundreds of dependencies), made once, while the servers start, and kept in
+pytest's cache (tests/compat_venvs.py). Each answer is compared with what rawserve answers
+the same request sent directly, and each client's refusal with rawserve's own message.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.compat_venvs import INSTALL_SECONDS, client_env, client_python
+from tests.compat_venvs import INSTALL_SECONDS, client_env, installing
 from tests.server import RunningServer, running_together
 
 # the first test to run makes the clients' environment (about 2 minutes on 2 cores) before
@@ -49,7 +51,13 @@ BLANK = "is empty or only whitespace"
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model):
+def clients_installing(request) -> Iterator[Future[Path]]:
+    with installing(request, "compat-client-libraries", CLIENTS, "clients_python") as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, clients_installing):  # the clients' environment is made meanwhile
     threads = ["--threads", "1"]
     started = {
         # TEI's routes take the first model that fits them, POST / (where haystack's TEI
@@ -73,9 +81,9 @@ def servers(tiny_model):
         yield started
 
 
-@pytest.fixture(scope="session")
-def clients_python(request) -> Path:
-    return client_python(request, "compat-client-libraries", CLIENTS)
+@pytest.fixture(scope="module")
+def clients_python(clients_installing) -> Path:
+    return clients_installing.result()
 
 
 def url(server: RunningServer) -> str:

@@ -2,8 +2,9 @@
 routes and its own client (text-generation 0.7.0, in a virtual environment of its own:
 it pins huggingface_hub < 1), and the openai SDK showing rawserve's error messages.
 
-The virtual environment is made once (pytest's cache keeps it between runs); the test
-that needs it is skipped, saying why, only when pip cannot reach the package index.
+The virtual environment is made once, while the servers start (pytest's cache keeps it
+between runs); the test that needs it is skipped, saying why, only when pip cannot reach
+the package index.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
-from tests.compat_venvs import client_python
+from tests.compat_venvs import installing
 from tests.server import RunningServer, running_together
 from tests.test_compat_tgi_rules import CLIENT_DEFAULTS
 
@@ -27,7 +30,15 @@ PROMPT = "the movie was"
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model):
+def tgi_client_installing(request) -> Iterator[Future[Path]]:
+    with installing(
+        request, "compat-text-generation-0.7.0", [TGI_CLIENT], "tgi_client_python"
+    ) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, tgi_client_installing):  # the client's environment is made meanwhile
     started = {
         # a generation model with a chat template, prompts capped at 2 per request
         "chat": RunningServer(
@@ -271,9 +282,9 @@ def test_post_root_and_generate_stream_send_the_same_tokens(servers):
 # --- TGI's own client ------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def tgi_client_python(request) -> Path:
-    return client_python(request, "compat-text-generation-0.7.0", [TGI_CLIENT])
+@pytest.fixture(scope="module")
+def tgi_client_python(tgi_client_installing) -> Path:
+    return tgi_client_installing.result()
 
 
 @pytest.fixture(scope="module")

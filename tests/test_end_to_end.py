@@ -13,34 +13,51 @@ import numpy as np
 import pytest
 
 from tests.load import Client, run_load
-from tests.server import RunningServer
+from tests.server import RunningServer, started_as_used
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def default_server():
-    with RunningServer([]) as server:
+def servers(request, tiny_model):
+    """The module's servers its selected tests use, started together."""
+    with started_as_used(
+        request,
+        {
+            "default_server": lambda: RunningServer([]),
+            "fill_mask_server": lambda: RunningServer(
+                ["--model", tiny_model("fill-mask"), "--task", "fill-mask"]
+            ),
+            # the task is inferred from the model's config
+            "classifier_server": lambda: RunningServer(
+                ["--model", tiny_model("text-classification")]
+            ),
+            "echo_server": lambda: RunningServer(
+                ["--handler", "tests.handlers:sleepy", "--max-batch-size", "8"]
+            ),
+        },
+    ) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def fill_mask_server(tiny_model):
-    with RunningServer(["--model", tiny_model("fill-mask"), "--task", "fill-mask"]) as server:
-        yield server
+def default_server(servers):
+    return servers("default_server")
 
 
 @pytest.fixture(scope="module")
-def classifier_server(tiny_model):
-    # the task is inferred from the model's config
-    with RunningServer(["--model", tiny_model("text-classification")]) as server:
-        yield server
+def fill_mask_server(servers):
+    return servers("fill_mask_server")
 
 
 @pytest.fixture(scope="module")
-def echo_server():
-    with RunningServer(["--handler", "tests.handlers:sleepy", "--max-batch-size", "8"]) as server:
-        yield server
+def classifier_server(servers):
+    return servers("classifier_server")
+
+
+@pytest.fixture(scope="module")
+def echo_server(servers):
+    return servers("echo_server")
 
 
 def curl(*args: str) -> str:

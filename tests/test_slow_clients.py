@@ -16,7 +16,7 @@ import pytest
 
 from rawserve.http.limits import GIVE_WAY_AFTER
 from tests.load import Client
-from tests.server import RunningServer
+from tests.server import RunningServer, started_as_used
 
 pytestmark = pytest.mark.slow
 
@@ -26,21 +26,33 @@ SLOW_CLIENTS = 100  # of each kind: silent, half a head, half a body
 
 
 @pytest.fixture(scope="module")
-def guarded_server():
-    """Long read timeouts (slow clients stay connected), and an API key."""
-    args = ["--handler", "tests.handlers:echo", "--head-timeout", "60", "--body-timeout", "60"]
-    with RunningServer(
-        [*args, "--keepalive-timeout", "60"], env={"RAWSERVE_API_KEY": API_KEY}
+def servers(request):
+    """The module's servers its selected tests use, started together: `guarded_server`
+    has long read timeouts (slow clients stay connected) and an API key, `strict_server`
+    read timeouts of one second."""
+    echo = ["--handler", "tests.handlers:echo"]
+    guarded = ["--head-timeout", "60", "--body-timeout", "60", "--keepalive-timeout", "60"]
+    strict = ["--head-timeout", "1", "--body-timeout", "1", "--keepalive-timeout", "30"]
+    with started_as_used(
+        request,
+        {
+            "guarded_server": lambda: RunningServer(
+                [*echo, *guarded], env={"RAWSERVE_API_KEY": API_KEY}
+            ),
+            "strict_server": lambda: RunningServer([*echo, *strict]),
+        },
     ) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def strict_server():
-    """Read timeouts of one second."""
-    args = ["--head-timeout", "1", "--body-timeout", "1", "--keepalive-timeout", "30"]
-    with RunningServer(["--handler", "tests.handlers:echo", *args]) as server:
-        yield server
+def guarded_server(servers):
+    return servers("guarded_server")
+
+
+@pytest.fixture(scope="module")
+def strict_server(servers):
+    return servers("strict_server")
 
 
 async def read_until_closed(reader: asyncio.StreamReader, limit: float) -> bytes:

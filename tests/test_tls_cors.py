@@ -24,7 +24,7 @@ import time
 import pytest
 
 from rawserve.http.tls import validity_warning
-from tests.server import REPO_ROOT, RunningServer
+from tests.server import REPO_ROOT, RunningServer, started_as_used
 
 pytestmark = pytest.mark.slow
 
@@ -53,12 +53,30 @@ def certificate_files(ca, tmp_path_factory):
     return certfile, keyfile, cafile
 
 
-@pytest.fixture(scope="module")
-def tls_server(certificate_files):
+def serving_tls(certificate_files) -> RunningServer:
     certfile, keyfile, _ = certificate_files
     args = [*ECHO, "--ssl-certfile", str(certfile), "--ssl-keyfile", str(keyfile)]
-    with RunningServer([*args, "--head-timeout", "2"]) as server:
+    return RunningServer([*args, "--head-timeout", "2"])
+
+
+@pytest.fixture(scope="module")
+def servers(request):
+    """The module's servers its selected tests use, started together."""
+    origins = ["--cors-allow-origin", ORIGIN, "--cors-allow-origin", OTHER_ORIGIN]
+    with started_as_used(
+        request,
+        {
+            "tls_server": lambda: serving_tls(request.getfixturevalue("certificate_files")),
+            "cors_server": lambda: RunningServer([*ECHO, *origins, "--api-key", API_KEY]),
+            "any_origin_server": lambda: RunningServer([*ECHO, "--cors-allow-origin", "*"]),
+        },
+    ) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def tls_server(servers):
+    return servers("tls_server")
 
 
 def https(server, ca, method, path, body=None, headers=None):
@@ -259,16 +277,13 @@ def test_a_certificate_file_that_holds_the_key_too_is_enough(certificate_files, 
 
 
 @pytest.fixture(scope="module")
-def cors_server():
-    origins = ["--cors-allow-origin", ORIGIN, "--cors-allow-origin", OTHER_ORIGIN]
-    with RunningServer([*ECHO, *origins, "--api-key", API_KEY]) as server:
-        yield server
+def cors_server(servers):
+    return servers("cors_server")
 
 
 @pytest.fixture(scope="module")
-def any_origin_server():
-    with RunningServer([*ECHO, "--cors-allow-origin", "*"]) as server:
-        yield server
+def any_origin_server(servers):
+    return servers("any_origin_server")
 
 
 def preflight(server, path="/", origin=ORIGIN, method="POST", headers="content-type", timeout=60):
