@@ -56,6 +56,7 @@ class NoTokenizer:
 
     eos_token_id = None
     unk_token_id = None
+    all_special_ids: list[int] = []
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return ""

@@ -133,7 +133,9 @@ def stages(out: Path, dry_run: bool = False) -> list[Stage]:
             "--rounds", sized("2", "1"))),
         stage("attention", 60, (
             "bench.attention_shapes", "--device", device, "--batches", sized("30", "2"),
-            "--new-tokens", sized("32", "2"), *sized((), ("--choices", "default", "math")))),
+            "--new-tokens", sized("32", "2"), *sized((), ("--choices", "default", "math")),
+            # (a CPU without half-precision units takes a minute a half batch of BERT-base)
+            "--dtype", sized("float16", "float32"))),
         stage("lone", 40, (
             "bench.lone_request", "--scenario", encoder, "--requests", sized("300", "5"),
             "--config=", "--config=--http-processes 1", "--out", str(out / "lone"))),

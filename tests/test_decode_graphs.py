@@ -93,6 +93,7 @@ class Recorded(list):
 class NoText:
     eos_token_id = None
     unk_token_id = None
+    all_special_ids: list[int] = []
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return ""
