@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.server import module_tests
+
 # what pip says when it cannot reach the index (no network, no proxy)
 UNREACHABLE = re.compile(
     r"NewConnectionError|Failed to establish|Temporary failure in name resolution|"
@@ -39,11 +41,7 @@ def installing(
     result (or its skip, or its failure) once it is done; left only once it is done. Made
     only where a test selected in `request`'s module uses the fixture `waiter` (the one
     that waits for it)."""
-    used = any(
-        waiter in item.fixturenames
-        for item in request.session.items
-        if getattr(item, "module", None) is request.module
-    )
+    used = any(waiter in item.fixturenames for item in module_tests(request))
     if not used:
         yield Future()  # nobody waits for it
         return

@@ -206,6 +206,13 @@ def running_together(
                 server.stop()
 
 
+def module_tests(request: Any) -> list[Any]:
+    """The tests this run selected in `request`'s module."""
+    return [
+        item for item in request.session.items if getattr(item, "module", None) is request.module
+    ]
+
+
 @contextmanager
 def started_as_used(
     request: Any, servers: Mapping[str, Callable[[], RunningServer]]
@@ -217,12 +224,11 @@ def started_as_used(
     run of some of the module's tests starts only the servers those use. Any other starts
     alone when asked for. All stop on the way out."""
     used: set[str] = set()
-    for item in request.session.items:
-        if getattr(item, "module", None) is request.module:
-            used.update(item.fixturenames)
-            callspec = getattr(item, "callspec", None)
-            if callspec is not None:
-                used.update(value for value in callspec.params.values() if isinstance(value, str))
+    for item in module_tests(request):
+        used.update(item.fixturenames)
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None:
+            used.update(value for value in callspec.params.values() if isinstance(value, str))
     started = {name: make() for name, make in servers.items() if name in used}
     alone: dict[str, RunningServer] = {}
     with running_together(started), ExitStack() as later:
