@@ -559,6 +559,35 @@ def test_a_batch_nobody_waits_for_is_not_run_again_after_a_crash(loaded, kind):
     serving.check()
 
 
+def test_an_input_quarantined_as_the_restart_outlasts_its_deadline_gets_its_verdict(loaded):
+    """An input that crashes the worker alone a second time is quarantined: its request is
+    answered with that failure (500), not with the 503 "restarting" that the requests
+    still waiting get as the worker dies with a restart that would outlast them (told in
+    the same breath; once a client retried to get the 500). The innocent input of its
+    batch, answered alone meanwhile, gets its result."""
+    serving = loaded(max_batch_size=4)
+    serving.pool.on_down = serving.scheduler.answer_unreachable  # as the server wires it
+    worker = serving.pool.workers[0]
+    serving.arrive(["busy"], {}, timeout=8.0)
+    mate = serving.arrive(["mate"], {}, timeout=1.5)
+    poison = serving.arrive(["poison"], {}, timeout=1.5)
+    serving.answer(*serving.answerable()[0])
+    serving.crash(worker)  # holding ("mate", "poison"): each runs again alone
+    serving.advance(0.5)
+    serving.load(worker)
+    serving.answer(*serving.answerable()[0])  # the mate
+    serving.crash(worker)  # the poison alone, once
+    serving.advance(0.5)
+    serving.load(worker)
+    queued = serving.arrive(["queued"], {}, timeout=0.5)
+    assert sent(serving)[1:] == [("mate", "poison"), ("mate",), ("poison",), ("poison",)]
+    serving.crash(worker)  # twice: quarantined; the next restart is 1 s away
+    assert queued.outcome is Reason.LOADING  # (503: it waits for the restart)
+    assert poison.outcome == mate.outcome == "results"
+    assert poison.ends[0][1][0].output == CRASHED_ALONE
+    assert mate.ends[0][1][0].output == ("out", "mate")
+
+
 def test_a_worker_holding_two_batches_takes_the_second_at_once_until_one_is_timed(loaded):
     """Until a batch has been timed, a worker that holds two batches takes its second as
     the first starts: what is queued goes behind it then, not once the first is answered."""

@@ -180,8 +180,8 @@ class Scheduler:
         self._look_due = False  # a look is scheduled for the end of this pass
         self._running = False  # between start() and stop()
         self.in_flight = 0  # items inside model calls
-        # each run's futures, until it ends or its deadline passes (one timer for them all)
-        self._runs: dict[int, list[asyncio.Future[ItemResult]]] = {}
+        # each run's items, until it ends or its deadline passes (one timer for them all)
+        self._runs: dict[int, list[WorkItem]] = {}
         self._sent: dict[asyncio.Future[BatchResult], list[WorkItem]] = {}  # until answered
         self._run_ids = itertools.count()
         self._late = LateWatch(self._on_late, clock)
@@ -300,7 +300,7 @@ class Scheduler:
             raise self._refusal(refused, len(items)) from None
         self.wake()
         run_id = next(self._run_ids)
-        self._runs[run_id] = futures
+        self._runs[run_id] = items
         self._late.watch(run_id, deadline)  # then `_on_late` fails it with DEADLINE_PASSED
         return run_id, items, futures
 
@@ -340,8 +340,8 @@ class Scheduler:
     def _on_late(self, run_id: int) -> None:
         """A run's deadline passed: it ends with DEADLINE_PASSED (through the first of its
         items not answered yet; its other items are withdrawn as it ends)."""
-        futures = self._runs.pop(run_id, None)
-        waiting = next((f for f in futures or () if not f.done()), None)
+        items = self._runs.pop(run_id, ())
+        waiting = next((item.future for item in items if _waits(item)), None)
         if waiting is not None:
             waiting.set_exception(deadline_passed())
 
@@ -350,15 +350,16 @@ class Scheduler:
         is expected, every worker keeps dying): each run due before then is answered
         now, 503 with the wait for the restart, rather than left to wait out its deadline
         for a 504, which tells a client not to retry where a retry after the restart (or
-        at another replica) would be answered."""
+        at another replica) would be answered. A run whose answer has come meanwhile (its
+        batch answered as the worker died: an input of it quarantined, say) gets that."""
         self._down = True
         due = [run_id for run_id, at in self._late.late_at.items() if at < serving_again_at]
         retry_after = _restart_wait(serving_again_at, self.clock())
         for run_id in due:
-            futures = self._runs.pop(run_id, None)
-            self._late.forget(run_id)
-            waiting = next((f for f in futures or () if not f.done()), None)
+            waiting = _waiting_for_a_worker(self._runs.get(run_id, ()))
             if waiting is not None:
+                del self._runs[run_id]
+                self._late.forget(run_id)
                 self._not_back_in_time.add(run_id)
                 waiting.set_exception(not_back_in_time(retry_after))
 
@@ -507,6 +508,17 @@ def _restart_wait(serving_again_at: float, now: float) -> float | None:
     """The Retry-After of a run the restart would outlast: until it should be over, or
     None where none is expected."""
     return None if serving_again_at == math.inf else max(serving_again_at - now, 0.0)
+
+
+def _waiting_for_a_worker(items: Sequence[WorkItem]) -> asyncio.Future[ItemResult] | None:
+    """The future of a run's first item that still waits for a worker to compute it
+    (None: each one is answered, or its batch is: the answer is on its way)."""
+    waiting = (item for item in items if _waits(item))
+    return next((item.future for item in waiting if not _batch_answered(item)), None)
+
+
+def _batch_answered(item: WorkItem) -> bool:
+    return item.batch is not None and item.batch.done()
 
 
 def _waits(item: WorkItem) -> bool:

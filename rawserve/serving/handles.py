@@ -24,12 +24,15 @@ class SharedInt(Protocol):
 
 @dataclass(eq=False)
 class Job:
-    """A batch on its way through a worker, and the future that waits for it."""
+    """A batch on its way through a worker, and the scheduler's batch it answers: the
+    whole of it, or a part (a retry of one of its items after a crash, or its inputs not
+    refused as poison) that fills its places in it (`Assembly`). Answered once, by
+    `answer`."""
 
     inputs: tuple[Any, ...]
     params: Mapping[str, Any]
     control: Control
-    future: asyncio.Future[BatchResult]
+    future: asyncio.Future[BatchResult]  # the scheduler's batch
     batch_id: int
     poison_key: str | None = None  # set on a one-item retry after a crash
     watchdog: asyncio.TimerHandle | None = None
@@ -37,16 +40,38 @@ class Job:
     waited: float = 0.0  # seconds it waited in the worker behind the batch before it
     cancelled: bool = False  # the worker was told nobody waits for it any more
     abandoned: bool = False  # nobody waits for it, though its worker runs it to the end
-    # a part of the scheduler's batch `whole` (a retry of one of its items after a crash,
-    # or its inputs not refused as poison), and its inputs' places in that batch
-    whole: asyncio.Future[BatchResult] | None = None  # None: it is the scheduler's batch
+    # once the scheduler's batch is answered in parts: the parts' assembly, and this
+    # job's inputs' places in that batch
+    assembly: Assembly | None = None
     places: tuple[int, ...] = ()
     gone: frozenset[int] = frozenset()  # the indices of its inputs nobody waits for
     request_ids: tuple[str, ...] = ()  # each input's request's, for the worker's log
+    answered: bool = False
 
     def place(self, index: int) -> int:
         """The place of its input at `index` in the scheduler's batch."""
-        return self.places[index] if self.whole is not None else index
+        return self.places[index] if self.assembly is not None else index
+
+    def answer(
+        self, result: BatchResult | None = None, *, error: BaseException | None = None
+    ) -> None:
+        """Answer it once, with its result or with an error (`settle`); a part fills its
+        places in the scheduler's batch."""
+        if self.answered:
+            return
+        self.answered = True
+        if self.assembly is None:
+            settle(self.future, result=result, error=error)
+        elif result is not None:
+            self.assembly.fill([self.place(i) for i in range(len(self.inputs))], result)
+        else:
+            self.assembly.fail(error)
+
+    def answer_unrun(self, indices: Sequence[int], output: Any) -> None:
+        """Answer its inputs at `indices` with `output` without running them (refused as
+        poison, not run for nobody); its parts answer the others."""
+        places = [self.place(index) for index in indices]
+        self._assembly().fill(places, BatchResult(self.batch_id, (output,) * len(places), 0.0))
 
     def forget(
         self, future: asyncio.Future[BatchResult], items: Collection[int] | None = None
@@ -54,32 +79,61 @@ class Job:
         """Nobody waits for the scheduler's batch `future` any more, or (`items`) for its
         items at those places: note which of its own inputs that is; whether nobody waits
         for any of them now."""
-        if (self.whole or self.future) is not future:
+        if self.future is not future:
             return False
         indices = range(len(self.inputs))
         self.gone |= {i for i in indices if items is None or self.place(i) in items}
         self.abandoned = len(self.gone) == len(self.inputs)
         return self.abandoned
 
-    def part(
-        self,
-        indices: Sequence[int],
-        future: asyncio.Future[BatchResult],
-        poison_key: str | None = None,
-    ) -> Job:
-        """A job of its inputs at `indices`, answered on `future`: a part of the same
-        scheduler's batch."""
+    def part(self, indices: Sequence[int], poison_key: str | None = None) -> Job:
+        """A job of its inputs at `indices`: a part of the same scheduler's batch."""
         return Job(
             tuple(self.inputs[index] for index in indices),
             self.params,
             self.control,
-            future,
+            self.future,
             self.batch_id,
             poison_key,
-            whole=self.whole or self.future,
+            assembly=self._assembly(),
             places=tuple(self.place(index) for index in indices),
             request_ids=tuple(self.request_ids[index] for index in indices if self.request_ids),
         )
+
+    def _assembly(self) -> Assembly:
+        """The assembly of its batch's parts (made as the batch is first split: from then
+        on its parts answer it, not this job)."""
+        if self.assembly is None:
+            self.assembly = Assembly(self.future, self.batch_id, len(self.inputs))
+            self.places = tuple(range(len(self.inputs)))
+        return self.assembly
+
+
+class Assembly:
+    """The scheduler's batch answered in parts: each part fills its places as it is
+    answered, and the batch is answered as its last place is filled, in the same call (a
+    verdict given as a worker dies, a quarantine say, reaches the scheduler's batch before
+    the scheduler is told that no worker serves and answers 503 every request still
+    waiting). The first error answers the batch."""
+
+    def __init__(self, target: asyncio.Future[BatchResult], batch_id: int, size: int):
+        self.target = target
+        self.batch_id = batch_id
+        self._outputs: list[Any] = [None] * size
+        self._unfilled = set(range(size))
+        self._seconds = 0.0
+
+    def fill(self, places: Sequence[int], result: BatchResult) -> None:
+        for place, output in zip(places, result.outputs, strict=True):
+            self._outputs[place] = output
+            self._unfilled.discard(place)
+        self._seconds += result.compute_seconds
+        if not self._unfilled:
+            outputs = tuple(self._outputs)
+            settle(self.target, result=BatchResult(self.batch_id, outputs, self._seconds))
+
+    def fail(self, error: BaseException | None) -> None:
+        settle(self.target, error=error)
 
 
 class RunningBatches:
@@ -243,21 +297,3 @@ def settle(
         future.set_result(result)
     else:
         future.set_exception(error or Refused.because(Reason.NO_WORKER, "no result"))
-
-
-async def assemble(
-    target: asyncio.Future[BatchResult],
-    batch_id: int,
-    slots: list[Any],
-    parts: list[asyncio.Future[BatchResult]],
-) -> None:
-    """Fill the empty `slots` in order from the outputs of `parts`; answer `target`."""
-    try:
-        results = await asyncio.gather(*parts)
-    except Exception as exc:  # noqa: BLE001 - handed on to whoever waits for the batch
-        settle(target, error=exc)
-        return
-    outputs = iter(output for result in results for output in result.outputs)
-    filled = tuple(next(outputs) if slot is None else slot for slot in slots)
-    seconds = sum(result.compute_seconds for result in results)
-    settle(target, result=BatchResult(batch_id, filled, seconds))

@@ -39,7 +39,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
 from rawserve.serving.cores import CoreShare
-from rawserve.serving.handles import Job, WorkerHandle, assemble, settle
+from rawserve.serving.handles import Job, WorkerHandle
 from rawserve.serving.processes import join_or_kill, start_process
 from rawserve.serving.refusals import Reason, Refused, out_of_memory, shutting_down
 from rawserve.serving.reports import PoolReports
@@ -220,7 +220,8 @@ class WorkerPool(PoolReports):
         if all(refused):
             future.set_result(BatchResult(batch_id, (REFUSED_POISON,) * len(inputs), 0.0))
             return future
-        self._send(worker, self._part(whole, [REFUSED_POISON if bad else None for bad in refused]))
+        whole.answer_unrun([i for i, bad in enumerate(refused) if bad], REFUSED_POISON)
+        self._send(worker, whole.part([i for i, bad in enumerate(refused) if not bad]))
         return future
 
     def open_stream(self, on_token: Callable[[TokenChunk], None]) -> int:
@@ -282,7 +283,7 @@ class WorkerPool(PoolReports):
         self._closing = True
         stopping = shutting_down()
         while self._retries:
-            settle(self._retries.popleft().future, error=stopping)
+            self._retries.popleft().answer(error=stopping)
         for worker in self.workers:
             if worker.process is None or worker.state is WorkerState.DEAD:
                 continue
@@ -448,7 +449,7 @@ class WorkerPool(PoolReports):
         """Detach the batch waiting behind the worker's job; fail it with `error` if given."""
         job, worker.queued = worker.queued, None
         if job is not None and error is not None:
-            settle(job.future, error=error)
+            job.answer(error=error)
         return job
 
     def _take_job(self, worker: WorkerHandle, *, error: Exception | None = None) -> Job | None:
@@ -469,23 +470,17 @@ class WorkerPool(PoolReports):
             if job.watchdog is not None:
                 job.watchdog.cancel()
             if error is not None:
-                settle(job.future, error=error)
+                job.answer(error=error)
         return job
 
     def _retry_alone(self, job: Job) -> None:
         """After a crash, run each item of the lost batch alone, ahead of the queue (those
         nobody waits for any more are not run)."""
-        futures: list[asyncio.Future[BatchResult]] = []
-        slots: list[Any] = []
         for index, value in enumerate(job.inputs):
             if index in job.gone:
-                slots.append(NOT_RUN)
-                continue
-            future = self._running_loop.create_future()
-            self._retries.append(job.part([index], future, PoisonMemory.key(value, job.params)))
-            futures.append(future)
-            slots.append(None)
-        self._watch(assemble(job.future, job.batch_id, slots, futures))
+                job.answer_unrun([index], NOT_RUN)
+            else:
+                self._retries.append(job.part([index], PoisonMemory.key(value, job.params)))
 
     def _run_again_whole(self, job: Job) -> None:
         """A batch a dead worker held behind the one it ran never started: it runs again
@@ -493,17 +488,10 @@ class WorkerPool(PoolReports):
         if job.abandoned:
             not_run(job)
         elif job.gone:
-            slots = [NOT_RUN if index in job.gone else None for index in range(len(job.inputs))]
-            self._retries.append(self._part(job, slots))
+            job.answer_unrun(sorted(job.gone), NOT_RUN)
+            self._retries.append(job.part([i for i in range(len(job.inputs)) if i not in job.gone]))
         else:
             self._retries.append(replace(job, watchdog=None, waited=0.0))
-
-    def _part(self, job: Job, slots: list[Any]) -> Job:
-        """A job of `job`'s inputs whose slot is None, whose outputs answer `job`'s future
-        in those slots, the other slots as they are."""
-        inner = self._running_loop.create_future()
-        self._watch(assemble(job.future, job.batch_id, slots, [inner]))
-        return job.part([index for index, slot in enumerate(slots) if slot is None], inner)
 
     def _watch(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = self._running_loop.create_task(coroutine)
@@ -529,7 +517,7 @@ class WorkerPool(PoolReports):
             worker.pid,
         )
         self._detach(worker.running.pop(job.batch_id) or self._take_job(worker))
-        settle(job.future, result=BatchResult(job.batch_id, (TIMED_OUT,) * len(job.inputs), 0.0))
+        job.answer(BatchResult(job.batch_id, (TIMED_OUT,) * len(job.inputs), 0.0))
         worker.state = WorkerState.DEAD  # until the reader sees it exit and restarts it
         if worker.process is not None:
             worker.process.kill()
@@ -681,7 +669,7 @@ class WorkerPool(PoolReports):
                 result.effective_batch_cap or "the configured maximum",
             )
             worker.batch_cap = result.effective_batch_cap
-        settle(job.future, result=replace(result, waited=job.waited) if job.waited else result)
+        job.answer(replace(result, waited=job.waited) if job.waited else result)
         if not self._closing:
             self._pump()
 
@@ -728,7 +716,7 @@ class WorkerPool(PoolReports):
             return
         if lost is LostBatch.FAIL_MID_STREAM:
             outputs = (CRASHED_MID_STREAM,) * len(job.inputs)
-            settle(job.future, result=BatchResult(job.batch_id, outputs, 0.0))
+            job.answer(BatchResult(job.batch_id, outputs, 0.0))
         elif lost is LostBatch.RETRY_ALONE:
             self._retry_alone(job)
         elif lost is LostBatch.RUN_AGAIN_ALONE:
@@ -749,7 +737,7 @@ class WorkerPool(PoolReports):
             )
             if self.metrics is not None:
                 self.metrics.drop("poison")
-            settle(job.future, result=BatchResult(job.batch_id, (CRASHED_ALONE,), 0.0))
+            job.answer(BatchResult(job.batch_id, (CRASHED_ALONE,), 0.0))
 
     def _respawn(self, worker: WorkerHandle) -> None:
         if self._closing or worker.state is not WorkerState.DEAD:
@@ -781,7 +769,7 @@ class WorkerPool(PoolReports):
 def not_run(job: Job) -> None:
     """Answer a batch nobody waits for without running it (a batch it is part of may
     still be waited for: its other parts are answered as they come)."""
-    settle(job.future, result=BatchResult(job.batch_id, (NOT_RUN,) * len(job.inputs), 0.0))
+    job.answer(BatchResult(job.batch_id, (NOT_RUN,) * len(job.inputs), 0.0))
 
 
 def remembered(average: float, seconds: float) -> float:
