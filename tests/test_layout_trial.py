@@ -332,3 +332,23 @@ def test_a_stop_breaks_the_wait_for_timers():
     stop.set()
     assert layout_trial.gathered([silent[0]], start, stop) == [None]
     assert start.broken
+
+
+def test_a_timer_is_the_kernels_first_choice_when_memory_runs_out(monkeypatch):
+    """A timer loads the model beside the server (one a core): out of memory, the kernel
+    should kill a timer (the trial cannot tell, the rule's layout stands) rather than the
+    server, as it would a worker. The server keeps its own value: only the timer's process
+    raises its own, before it loads the model."""
+    from rawserve.worker import layout_timer
+
+    steps: list[str] = []
+    monkeypatch.setattr(layout_timer.signal, "signal", lambda signum, handler: None)
+    monkeypatch.setattr(layout_timer, "no_progress_bars", lambda: None)
+    monkeypatch.setattr(layout_timer, "setup_worker_logging", lambda label: None)
+    monkeypatch.setattr(layout_timer, "prefer_for_oom_kill", lambda: steps.append("raised"))
+    monkeypatch.setattr(
+        layout_timer, "timed_batch", lambda config, size, start: steps.append("timed") or 0.25
+    )
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    layout_timer.timer_main(worker_config_stub(), 4, multiprocessing.Barrier(1), writer)
+    assert reader.recv() == 0.25 and steps == ["raised", "timed"]

@@ -20,7 +20,7 @@ from multiprocessing.synchronize import Barrier
 
 from rawserve.shared.logs import setup_worker_logging
 from rawserve.shared.messages import WorkerConfig, WorkerLoadFailed
-from rawserve.worker.process import load_failed, no_progress_bars
+from rawserve.worker.process import load_failed, no_progress_bars, prefer_for_oom_kill
 
 log = logging.getLogger("rawserve.worker")
 
@@ -41,6 +41,9 @@ def timer_main(config: WorkerConfig, size: int, start: Barrier, out: Connection)
         signal.signal(signum, signal.SIG_IGN)
     no_progress_bars()
     setup_worker_logging("layout")
+    # a model loaded a core, beside the server: when memory runs out, a timer killed
+    # leaves the rule's layout (the trial cannot tell), the server killed ends the start
+    prefer_for_oom_kill()
     median: float | WorkerLoadFailed | None
     try:
         median = timed_batch(config, size, start)
