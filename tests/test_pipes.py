@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import tempfile
 
@@ -9,7 +11,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rawserve.shared.messages import BatchResult, FailureKind, ItemFailure
+from rawserve.serving.pool import WorkerPool
+from rawserve.serving.status import WorkerState
+from rawserve.shared.messages import NO_CONTROL, BatchResult, FailureKind, ItemFailure, WorkerConfig
 from rawserve.shared.pipes import MessageReader, MessageWriter
 
 MESSAGES = [
@@ -64,6 +68,87 @@ def test_any_split_of_the_byte_stream_gives_the_same_messages(cuts):
     got, reader = read_in_pieces(frames(), cuts)
     assert len(got) == len(MESSAGES) and all(map(same, got, MESSAGES))
     assert reader.closed and reader.pending_bytes == 0
+
+
+def no_memory() -> None:
+    raise MemoryError
+
+
+class TooLargeToHold:
+    """A message the server has no memory to unpickle."""
+
+    def __reduce__(self):
+        return no_memory, ()
+
+
+def test_a_message_that_cannot_be_held_ends_the_reading_but_not_what_came_before():
+    """The server out of memory for a worker's message: the reading stops there (the
+    stream is cut inside it), saying why and how large it was, and the messages before
+    it in the same read are handed on (they were lost with it)."""
+    stream = frames([MESSAGES[0], TooLargeToHold(), MESSAGES[1]])
+    got, reader = read_in_pieces(stream, [])
+    assert len(got) == 1 and same(got[0], MESSAGES[0])
+    assert isinstance(reader.failure, MemoryError) and reader.closed
+    assert reader.message_bytes == len(frames([TooLargeToHold()])) - 8
+    assert reader.read(-1) == []  # nothing more is read (not even from a closed fd)
+
+
+class Pipe:
+    def send(self, message) -> None:
+        pass
+
+
+class KilledProcess:
+    exitcode: int | None = None
+    pid = 1
+
+    def kill(self) -> None:
+        self.exitcode = -9
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+class Replies:
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+async def test_a_worker_whose_message_the_server_cannot_hold_is_restarted_its_answers_kept(
+    caplog,
+):
+    """A result read just before a message the server has no memory for answers its batch
+    (it was lost, and its batch ran again as if it had crashed the worker), and the
+    worker is stopped, to be restarted, with one line that says why (no traceback: the
+    worker is not at fault)."""
+    pool = WorkerPool(WorkerConfig(model="unused"), ["cpu"], loop=asyncio.get_running_loop())
+    worker = pool.workers[0]
+    worker.state, worker.conn = WorkerState.IDLE, Pipe()
+    answered = pool.submit(["a"], {}, NO_CONTROL)
+    assert worker.job is not None
+    result = BatchResult(worker.job.batch_id, ({"label": "a"},), 0.1)
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.write(write, frames([result, TooLargeToHold()]))
+    os.close(write)
+    process = KilledProcess()
+    with caplog.at_level(logging.ERROR, "rawserve.executor"):
+        pool._on_readable(worker, Replies(read), MessageReader(), process)
+        await asyncio.gather(*pool._tasks)
+    assert answered.result().outputs == ({"label": "a"},)
+    assert process.exitcode == -9
+    [line] = caplog.records
+    assert line.getMessage() == (
+        f"worker 0: no memory to read its message of {len(frames([TooLargeToHold()])) - 8} "
+        "bytes; restarting it"
+    )
+    assert line.exc_info is None
 
 
 def test_nothing_to_read_is_not_the_end():

@@ -553,20 +553,34 @@ class WorkerPool(PoolReports):
     ) -> None:
         """The worker's pipe has bytes (or its end): hand each whole message on."""
         fd = replies.fileno()
-        try:
-            messages = reader.read(fd)
-        except Exception:  # noqa: BLE001 - a pipe we cannot read is a dead worker
-            log.exception("worker %s: unreadable message; stopping it", worker.label)
-            messages = []
-            reader.closed = True
-            process.kill()
+        messages = reader.read(fd)
         for message in messages:
             self._on_message(worker, message)
+        if reader.failure is not None:  # a pipe we cannot read on is a dead worker
+            self._unreadable(worker, reader)
+            process.kill()
         if reader.closed:  # end of file: the worker has exited (or is about to)
             worker.gone = worker.gone or process is worker.process
             self._running_loop.remove_reader(fd)
             replies.close()
             self._watch(self._reap(worker, process))
+
+    def _unreadable(self, worker: WorkerHandle, reader: MessageReader) -> None:
+        """Say in one line why the worker's next message could not be read: the server
+        had no memory for it (the worker is not at fault; its batch runs again), or it
+        could not be unpickled (a bug: the traceback is given)."""
+        if isinstance(reader.failure, MemoryError):
+            log.error(
+                "worker %s: no memory to read its message of %s bytes; restarting it",
+                worker.label,
+                reader.message_bytes,
+            )
+            return
+        log.error(
+            "worker %s: unreadable message; restarting it",
+            worker.label,
+            exc_info=reader.failure,
+        )
 
     async def _reap(self, worker: WorkerHandle, process: BaseProcess) -> None:
         """Wait for a worker whose pipe has closed to exit (killing it if it lingers)."""

@@ -51,13 +51,25 @@ class MessageReader:
         self._buffer = bytearray(FIRST_BUFFER)
         self._filled = 0  # bytes of the current message (length included) read so far
         self.closed = False  # the writer's end is closed: no more messages
+        # why nothing more can be read (no memory for a message, or one that cannot be
+        # unpickled): the stream is cut inside it; `closed` is then set too
+        self.failure: Exception | None = None
 
     def read(self, fd: int) -> list[Any]:
         """Every message that can be completed from `fd` now, without blocking.
 
-        Sets `closed` at end of file; pickle errors propagate (a broken pipe).
+        Sets `closed` at end of file. A message that cannot be held or unpickled ends the
+        reading: `failure` says why, `closed` is set, and the messages before it are
+        returned (a worker's answers read in the same pass are not lost with it).
         """
-        messages = []
+        messages: list[Any] = []
+        try:
+            self._read_into(fd, messages)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller as `failure`
+            self.failure, self.closed = exc, True
+        return messages
+
+    def _read_into(self, fd: int, messages: list[Any]) -> None:
         while not self.closed:
             end = self._message_end()
             if len(self._buffer) < end:
@@ -73,13 +85,16 @@ class MessageReader:
                 break
             self._filled += count
             if self._filled == end and end > LENGTH.size:
-                payload = memoryview(self._buffer)[LENGTH.size : end]
-                messages.append(pickle.loads(payload))
-                payload.release()
+                with memoryview(self._buffer)[LENGTH.size : end] as payload:
+                    messages.append(pickle.loads(payload))
                 self._filled = 0
                 if len(self._buffer) > KEEP_BUFFER:
                     self._buffer = bytearray(FIRST_BUFFER)
-        return messages
+
+    @property
+    def message_bytes(self) -> int | None:
+        """The size of the message being read (None: its length is not read yet)."""
+        return self._message_end() - LENGTH.size if self._filled >= LENGTH.size else None
 
     def _message_end(self) -> int:
         """How many bytes the current message takes, its length first."""
