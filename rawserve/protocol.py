@@ -41,7 +41,7 @@ from typing import Protocol, cast
 import h11
 
 from rawserve.http import refusals
-from rawserve.http.access_log import log_access
+from rawserve.http.access_log import RETRY_HEADER, log_access, retry_count
 from rawserve.http.chunked import ChunkedMeter
 from rawserve.http.content_coding import codings, decoded
 from rawserve.http.cors import CorsPolicy
@@ -312,6 +312,7 @@ class HttpProtocol(asyncio.Protocol):
         fields = list(event.headers)  # h11's Headers iterate slowly: one pass, kept
         given_id = header(fields, b"x-request-id")
         self.cycle = Cycle(event, request_id(given_id), header(fields, b"origin"))
+        self.cycle.retry = retry_count(header(fields, RETRY_HEADER))
         self._enter(Phase.BODY)
         limits = self.settings
         error = refusals.check_head(event, fields, limits.max_head_bytes, limits.max_body_bytes)
@@ -689,7 +690,7 @@ class HttpProtocol(asyncio.Protocol):
             path = cycle.head.path if cycle.head is not None else target.partition("?")[0]
             self.state.metrics.observe_request(path, method, status, seconds)
         peer = functools.partial(_peer, self.transport)
-        log_access(peer, method, target, status, size, seconds, cycle.request_id)
+        log_access(peer, method, target, status, size, seconds, cycle.request_id, cycle.retry)
 
 
 async def _close_stream(response: HttpResponse) -> None:

@@ -1037,6 +1037,27 @@ async def test_every_response_has_a_request_id_server_timing_and_an_access_line(
     assert '"GET /bad" 400' in lines[1]
 
 
+async def test_a_clients_retry_is_marked_in_its_access_record(server, caplog):
+    """OpenAI's SDK says which try a request is (`x-stainless-retry-count`, 0 the first):
+    its retries after a 429 or a 503 are marked (the JSON key `retry`), the first try
+    and a count that is none are not."""
+    app, protocol, transport = server
+    counts = [b"0", b"2", b"-1", b"12345", b"\xb2", None]
+    requests = [
+        b"GET /ok HTTP/1.1\r\nHost: a\r\n"
+        + (b"x-stainless-retry-count: " + count + b"\r\n" if count is not None else b"")
+        + b"\r\n"
+        for count in counts
+    ]
+    with caplog.at_level("INFO", logger="rawserve.access"):
+        for request in requests:
+            protocol.data_received(request)
+            await settle()
+    assert [getattr(record, "retry", 0) for record in caplog.records] == [0, 2, 0, 0, 0, 0]
+    # the text line is as it was: its request id last
+    assert all(r.getMessage().endswith(f"ms {r.request_id}") for r in caplog.records)
+
+
 # --- CORS on the protocol's own refusals -----------------------------------------------
 
 ORIGIN = "https://app.example"

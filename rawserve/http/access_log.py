@@ -12,6 +12,11 @@ backslash or a character that is not printable becomes `\\xHH` (or `\\uHHHH`), s
 cannot close the quoted field and write fields of its own, nor start a line. The JSON
 keys carry the values as sent (JSON escapes them itself). A target longer than a head may
 be (a head refused as too large) is cut, with "..." at its end.
+
+A client's retry of a request it sent before is marked in the JSON keys (`retry`: the
+how-manieth), where the client says so: OpenAI's SDK (and every SDK Stainless makes)
+sends `x-stainless-retry-count` with each try, and its retries (after a 408, a 429, a 5xx
+or a lost connection) are otherwise lines like any other.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ _FIELD_ENDS = ('"', "\\")  # a quote ends a quoted field; a backslash escapes
 # A target is cut past this many characters: a head within its 16 KiB has a shorter one,
 # but a larger head that came in one read is parsed before its 431
 MAX_TARGET_CHARS = 16 * 1024
+RETRY_HEADER = b"x-stainless-retry-count"
+MAX_RETRY_DIGITS = 3  # a retry count is small: a longer value is not one
 
 
 def escape(value: str) -> str:
@@ -40,6 +47,13 @@ def escape(value: str) -> str:
     return "".join(
         char if char.isprintable() and char not in _FIELD_ENDS else escaped(char) for char in value
     )
+
+
+def retry_count(value: str | None) -> int:
+    """The retry a request is by its `RETRY_HEADER` (0: the first try, or no count)."""
+    if value is None or len(value) > MAX_RETRY_DIGITS:
+        return 0
+    return int(value) if value.isascii() and value.isdigit() else 0  # ("²" is a digit)
 
 
 def is_probe(method: str, path: str) -> bool:
@@ -54,9 +68,11 @@ def log_access(
     size: int,
     seconds: float,
     request_id: str,
+    retry: int = 0,
 ) -> None:
     """Log one response (`peer`: the client's address, or a function that says it, called
-    only when the line is written: nothing is formatted for a log that is off)."""
+    only when the line is written: nothing is formatted for a log that is off; `retry`:
+    the client's retry it answers, a JSON key only)."""
     level = logging.DEBUG if is_probe(method, target.partition("?")[0]) else logging.INFO
     if not access_log.isEnabledFor(level):
         return
@@ -74,6 +90,8 @@ def log_access(
         "duration_ms": round(1000 * seconds, 3),
         "request_id": request_id,
     }
+    if retry:
+        fields["retry"] = retry
     direct = direct_lines(access_log, level)
     if direct is None or not direct.write(direct.line(level, access_log.name, LINE % args, fields)):
         access_log.log(level, LINE, *args, extra=fields)  # another handler, or a failed write

@@ -37,6 +37,7 @@ class Cycle:
         self.early: HttpResponse | None = None  # the answer decided from the head
         self.keep_alive = False  # HTTP/1.1 without Connection: close (from the head)
         self.codings: list[str] = []  # the body's content codings, undone once it is read
+        self.retry = 0  # the client's retry this is, by its own count (`access_log`)
 
     @property
     def is_head(self) -> bool:
