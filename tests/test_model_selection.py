@@ -224,6 +224,24 @@ async def test_a_route_without_a_model_field_uses_the_first_model_that_fits_it(a
     assert computed_by(app, "emb") == 2 and computed_by(app, "cls") == 0
 
 
+async def test_a_restarting_model_keeps_its_task_and_never_takes_another_models_route(app):
+    """cls, the first model, restarts: not ready, but what it serves is known. A route it
+    does not fit that names no model goes to emb, and a body naming cls there is 404
+    saying what cls serves (a retry would not change it), not a 503 to come back."""
+    workers = app.models.get("cls").serving.workers
+    assert isinstance(workers, ReadyWorkers)
+    workers.ready = False
+    response = await app.handle(post("/v1/embeddings", {"input": "hi"}))
+    assert response.status == 200 and json.loads(response.body)["model"] == "emb"
+    named = await app.handle(post("/v1/embeddings", {"input": "hi", "model": "cls"}))
+    assert named.status == 404
+    assert json.loads(named.body)["error"]["message"] == (
+        "this route needs a feature-extraction model; 'cls' serves text-classification"
+    )
+    with pytest.raises(ServiceUnavailable):  # its own requests wait for it
+        await app.handle(post("/models/cls", {"inputs": "x"}))
+
+
 async def test_a_route_that_no_model_fits_is_404_naming_what_it_needs_and_what_each_serves(app):
     answer = await app.handle(post("/v1/chat/completions", {"messages": []}))
     assert answer.status == 404
