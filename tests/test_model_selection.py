@@ -242,6 +242,27 @@ async def test_a_restarting_model_keeps_its_task_and_never_takes_another_models_
         await app.handle(post("/models/cls", {"inputs": "x"}))
 
 
+async def test_a_model_still_loading_never_takes_the_route_of_one_that_is_ready():
+    """gen, listed first, loads for minutes while emb is ready: before a worker has loaded
+    gen, the task its folder says (its facts') tells the routes it cannot embed, so an
+    /embed that names no model is emb's, not a 503 "loading" for gen."""
+    workers = ReadyWorkers("text-generation")
+    workers.ready, workers.loaded = False, None  # type: ignore[assignment]
+    loading = ModelService(AnsweringQueue("gen", "text-generation"), workers)
+    gen = ServedModel("gen", loading, {"task": "text-generation"})
+    app = App(ServedModels([gen, served("emb", "feature-extraction")]))
+    assert app.answer_now(post("/embed", {"inputs": "hi"}, headers=[])) is None
+    embedded = await app.handle(post("/embed", {"inputs": "hi"}, headers=[]))
+    assert embedded.status == 200 and computed_by(app, "emb") == 1
+    named = await app.handle(post("/embed", {"inputs": "hi", "model": "gen"}, headers=[]))
+    assert named.status == 404
+    assert json.loads(named.body)["error"] == (
+        "this route needs a feature-extraction model; 'gen' serves text-generation"
+    )
+    generated = await app.handle(post("/generate", {"inputs": "hi"}, headers=[]))
+    assert generated.status == 503  # its own requests wait for it
+
+
 async def test_a_route_that_no_model_fits_is_404_naming_what_it_needs_and_what_each_serves(app):
     answer = await app.handle(post("/v1/chat/completions", {"messages": []}))
     assert answer.status == 404
