@@ -65,6 +65,8 @@ def model_facts(plan: ModelPlan, config: ServerConfig, workers: WorkerPlan) -> d
         "revision": plan.commit,
         "handler": plan.handler,
         "requested_task": plan.requested_task,
+        # the task its folder says, which its workers serve: known before one loads
+        "task": plan.facts.task if plan.facts is not None else None,
     }
     if plan.facts is not None and plan.facts.task == "feature-extraction":
         facts.update(pooling=plan.facts.pooling, normalize=plan.facts.normalize)

@@ -219,6 +219,30 @@ async def test_a_loading_model_is_no_reason_to_read_a_body_another_must_refuse()
     assert json.loads(answer.body) == {"error": "the model is loading", "error_type": "Unhealthy"}
 
 
+@pytest.mark.parametrize(
+    ("state", "healthy", "message"),
+    [
+        (LoadState.LOADING, True, "the model is loading"),
+        (LoadState.WARMING, True, "the model is warming up"),
+        (LoadState.RESTARTING, True, "the model worker is restarting"),
+        (LoadState.RESTARTING, False, "the model worker keeps dying; it cannot take requests"),
+    ],
+)
+def test_a_model_that_takes_no_work_says_why_as_ready_does(state, healthy, message):
+    """A client refused while the model's worker restarts (or keeps dying) is told so,
+    not that the model is loading, as /ready and /health tell the operator."""
+    model = served("model", "text-classification")
+    workers = model.serving.workers
+    workers.ready, workers.healthy = False, healthy
+    workers.load_state = lambda: (state, None)  # type: ignore[method-assign]
+    app = App(ServedModels([model]))
+    with pytest.raises(ServiceUnavailable) as refused:
+        app.answer_now(request("POST", "/", b"hi"))
+    assert str(refused.value) == message
+    ready = json.loads(app.answer_now(request("GET", "/ready")).body)  # type: ignore[union-attr]
+    assert ready["status"] == state.value
+
+
 @pytest.mark.parametrize(("restart_in", "wait"), [(None, "5"), (12.4, "12"), (0.2, "1")])
 def test_a_restarting_model_asks_for_the_wait_its_restart_should_take(restart_in, wait):
     """A model whose workers restart asks clients to come back when it should serve

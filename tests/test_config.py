@@ -23,6 +23,7 @@ import pytest
 from rawserve.config import Batching, ServerConfig, plan_workers
 from rawserve.fronts import reserve_port
 from rawserve.main import model_facts, worker_config
+from rawserve.models.folder import FolderFacts
 from rawserve.models.plan import ModelPlan
 from rawserve.options import OPTIONS, parse_config
 from rawserve.shared.messages import Engine
@@ -214,6 +215,9 @@ def test_a_model_s_workers_and_its_info_are_built_from_the_typed_configuration()
         2,
     )
     assert facts["requested_engine"] == "auto" and facts["warmup"] is True
+    assert facts["task"] is None  # a handler says nothing of itself before it loads
+    folder = ModelPlan(("emb",), "/m", "/m", facts=FolderFacts("feature-extraction"))
+    assert model_facts(folder, config, workers)["task"] == "feature-extraction"
     assert facts["batching"] == {
         "max_batch_size": 8,
         "max_batch_delay_ms": 0.0,

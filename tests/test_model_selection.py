@@ -224,6 +224,45 @@ async def test_a_route_without_a_model_field_uses_the_first_model_that_fits_it(a
     assert computed_by(app, "emb") == 2 and computed_by(app, "cls") == 0
 
 
+async def test_a_restarting_model_keeps_its_task_and_never_takes_another_models_route(app):
+    """cls, the first model, restarts: not ready, but what it serves is known. A route it
+    does not fit that names no model goes to emb, and a body naming cls there is 404
+    saying what cls serves (a retry would not change it), not a 503 to come back."""
+    workers = app.models.get("cls").serving.workers
+    assert isinstance(workers, ReadyWorkers)
+    workers.ready = False
+    response = await app.handle(post("/v1/embeddings", {"input": "hi"}))
+    assert response.status == 200 and json.loads(response.body)["model"] == "emb"
+    named = await app.handle(post("/v1/embeddings", {"input": "hi", "model": "cls"}))
+    assert named.status == 404
+    assert json.loads(named.body)["error"]["message"] == (
+        "this route needs a feature-extraction model; 'cls' serves text-classification"
+    )
+    with pytest.raises(ServiceUnavailable):  # its own requests wait for it
+        await app.handle(post("/models/cls", {"inputs": "x"}))
+
+
+async def test_a_model_still_loading_never_takes_the_route_of_one_that_is_ready():
+    """gen, listed first, loads for minutes while emb is ready: before a worker has loaded
+    gen, the task its folder says (its facts') tells the routes it cannot embed, so an
+    /embed that names no model is emb's, not a 503 "loading" for gen."""
+    workers = ReadyWorkers("text-generation")
+    workers.ready, workers.loaded = False, None  # type: ignore[assignment]
+    loading = ModelService(AnsweringQueue("gen", "text-generation"), workers)
+    gen = ServedModel("gen", loading, {"task": "text-generation"})
+    app = App(ServedModels([gen, served("emb", "feature-extraction")]))
+    assert app.answer_now(post("/embed", {"inputs": "hi"}, headers=[])) is None
+    embedded = await app.handle(post("/embed", {"inputs": "hi"}, headers=[]))
+    assert embedded.status == 200 and computed_by(app, "emb") == 1
+    named = await app.handle(post("/embed", {"inputs": "hi", "model": "gen"}, headers=[]))
+    assert named.status == 404
+    assert json.loads(named.body)["error"] == (
+        "this route needs a feature-extraction model; 'gen' serves text-generation"
+    )
+    generated = await app.handle(post("/generate", {"inputs": "hi"}, headers=[]))
+    assert generated.status == 503  # its own requests wait for it
+
+
 async def test_a_route_that_no_model_fits_is_404_naming_what_it_needs_and_what_each_serves(app):
     answer = await app.handle(post("/v1/chat/completions", {"messages": []}))
     assert answer.status == 404

@@ -597,6 +597,24 @@ def test_a_worker_holding_two_batches_takes_the_second_at_once_until_one_is_time
     serving.check()
 
 
+def test_a_model_whose_worker_restarts_still_says_what_it_serves(serving):
+    """While its only worker loads again after a crash, the model is not ready, but what
+    the worker said of it still holds: a restart loads the same model. Of several served
+    models, a route that names none goes to the first that fits it by this report: were
+    it gone, a restarting model of another task would take (and refuse with 503) the
+    requests of the model that serves the route."""
+    worker = serving.pool.workers[0]
+    before = serving.pool.loaded
+    assert before is not None and before.task == "text-generation"
+    serving.crash(worker)
+    serving.advance(10.0)  # past the restart's backoff: a new process is loading
+    assert worker.state is WorkerState.LOADING and not serving.pool.ready
+    assert serving.pool.loaded == before
+    serving.load(worker)
+    assert serving.pool.ready and serving.pool.loaded == worker.ready
+    serving.check()
+
+
 # --- the model-based test ----------------------------------------------------------------
 
 

@@ -41,11 +41,12 @@ class RouteContext:
         return model
 
     def take(self, model: ServedModel, needs: Needs) -> None:
-        """Raise unless `model` takes work now (503 while loading or draining) and fits
-        the route (404 saying what it needs)."""
-        self.gate.check(model)
+        """Raise unless `model` fits the route (404 saying what it needs: what a model
+        serves is known while it restarts, and a retry would not change it) and takes
+        work now (503 while loading or draining)."""
         if (missing := needs.missing(model)) is not None:
             raise NotFound(missing)
+        self.gate.check(model)
 
     def select(self, name: str | None, needs: Needs) -> ServedModel:
         """The model a body names. One served model answers to any name, as TEI and TGI

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rawserve.api.outcomes import http_error
 from rawserve.api.served import ServedModel
-from rawserve.serving.face import Reason, Refusal
+from rawserve.serving.face import LoadState, Reason, Refusal
 
 LOADING_RETRY_AFTER = 5.0  # seconds a client should wait while a model loads (no estimate)
 
@@ -26,8 +26,21 @@ class Gate:
         if self.draining:
             raise http_error(Refusal(Reason.SHUTTING_DOWN, "the server is shutting down"))
         if not model.serving.ready:
-            loading = Refusal(Reason.LOADING, "the model is loading", loading_retry_after(model))
-            raise http_error(loading)
+            message = not_ready_message(model)
+            raise http_error(Refusal(Reason.LOADING, message, loading_retry_after(model)))
+
+
+def not_ready_message(model: ServedModel) -> str:
+    """Why `model` takes no work, as /ready and /health say it: a model whose worker
+    crashed is not "loading" to a client told to come back (nor one that keeps dying)."""
+    snapshot = model.serving.snapshot()
+    if not snapshot.healthy:
+        return "the model worker keeps dying; it cannot take requests"
+    if snapshot.load_state is LoadState.RESTARTING:
+        return "the model worker is restarting"
+    if snapshot.load_state is LoadState.WARMING:
+        return "the model is warming up"
+    return "the model is loading"
 
 
 def loading_retry_after(model: ServedModel) -> float:

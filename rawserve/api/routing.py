@@ -46,13 +46,16 @@ class Needs:
 
     def unfit(self, model: ServedModel) -> str | None:
         """What `model` serves that the route cannot use, e.g. "'emb' serves
-        feature-extraction"; None when it fits or is not loaded yet."""
+        feature-extraction"; None when it fits, or may: before a worker has loaded it,
+        only its folder's task is known (so a model still loading never takes the
+        requests of a route that another, ready, model fits)."""
         loaded = model.serving.loaded
+        task = loaded.task if loaded is not None else model.facts.get("task")
+        serves = f"{model.name!r} serves {task}"
+        if self.tasks and isinstance(task, str) and task not in self.tasks:
+            return serves
         if loaded is None:
             return None
-        serves = f"{model.name!r} serves {loaded.task}"
-        if self.tasks and loaded.task not in self.tasks:
-            return serves
         if self.tokenizer and loaded.tokenizer is None:
             return f"{serves} without a tokenizer"
         if self.labels is not None:

@@ -141,6 +141,7 @@ class WorkerPool(PoolReports):
         self.on_down: Callable[[float], None] | None = None
         self.metrics = metrics
         self.streams = TokenStreams()  # streamed generations and who takes their tokens
+        self.last_ready: WorkerReady | None = None  # what a worker last said of the model
 
     def _place(self, config: WorkerConfig, devices: Sequence[str]) -> None:
         """A worker handle a device, each with its supervisor's record."""
@@ -627,7 +628,7 @@ class WorkerPool(PoolReports):
 
     def _on_ready(self, worker: WorkerHandle, ready: WorkerReady) -> None:
         """The worker has loaded (and warmed up) its model: it takes batches from now."""
-        worker.ready = ready
+        worker.ready = self.last_ready = ready
         worker.sequences = ready.sequences
         worker.overlap = not ready.sequences and self.overlaps(ready)
         worker.state = WorkerState.IDLE

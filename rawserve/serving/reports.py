@@ -19,6 +19,7 @@ class PoolReports:
     workers: list[WorkerHandle]
     supervisor: Supervisor
     clock: Callable[[], float]
+    last_ready: WorkerReady | None  # what a worker last said of the model when it loaded
 
     @property
     def ready(self) -> bool:
@@ -59,8 +60,10 @@ class PoolReports:
     @property
     def loaded(self) -> WorkerReady | None:
         """What a loaded worker said of its model (task, dtype, details, tokenizer); None
-        until one has loaded."""
-        return next((w.ready for w in self.workers if w.ready), None)
+        until one has loaded. While every worker restarts, the last one's: a restart loads
+        the same model, and the routes still pick a model by its task (of several, a route
+        that names none goes to the first that fits, never to one restarting that does not)."""
+        return next((w.ready for w in self.workers if w.ready), self.last_ready)
 
     @property
     def task(self) -> str | None:
