@@ -205,7 +205,8 @@ OPTIONS = [
         "--chat-template",
         str,
         None,
-        "a Jinja chat template FILE for /v1/chat/completions, when the tokenizer has none",
+        "a Jinja chat template FILE for /v1/chat/completions: for a tokenizer that has none; "
+        "it replaces the own template of every generation model served",
     ),
     Option("--ssl-certfile", str, None, "TLS: the certificate chain (PEM; may hold the key too)"),
     Option("--ssl-keyfile", str, None, "TLS: the private key (PEM), when not in --ssl-certfile"),

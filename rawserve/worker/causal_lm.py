@@ -169,7 +169,8 @@ class CausalLMRunner(Runner):
         tokenizer = transformers.AutoTokenizer.from_pretrained(model, padding_side="left")
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        if chat_template is not None:  # --chat-template: for a tokenizer that has none
+        # --chat-template: for a tokenizer that has none, or to replace its own
+        if chat_template is not None:
             tokenizer.chat_template = chat_template
             check_template(tokenizer)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
