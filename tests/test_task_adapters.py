@@ -1017,6 +1017,29 @@ def test_an_item_that_fails_alone_is_logged_with_its_request_id(caplog):
     assert record.request_id == "r-2"  # a JSON line's field, as the access log's
 
 
+def test_an_input_failing_outside_a_pipeline_does_not_load_the_pipelines(monkeypatch):
+    """Every runner asked whether a failure was a pipeline's, and reading the name loaded
+    transformers.pipelines: the first input to fail in an embedding, generation or handler
+    worker (a 422 as much as a 500) held its batch, and the worker, for seconds."""
+    import transformers
+
+    from rawserve.worker.pipeline import PipelineRunner
+    from rawserve.worker.runner import Runner
+
+    refused = transformers.pipelines.PipelineException("fill-mask", "tiny", "no mask token")
+    pipeline_runner = object.__new__(PipelineRunner)  # what it says needs no model loaded
+    assert pipeline_runner.describe_failure(refused) == ItemFailure(
+        FailureKind.INPUT, "no mask token"
+    )
+    # as in a worker that has not loaded them: the name read loads the module anew
+    monkeypatch.delitem(sys.modules, "transformers.pipelines")
+    monkeypatch.delattr(transformers, "pipelines")
+    runner = Runner("feature-extraction", "cpu")
+    assert runner.describe_failure(ValueError("too long")).kind is FailureKind.INPUT
+    assert runner.describe_failure(RuntimeError("a bug")).kind is FailureKind.INTERNAL
+    assert "transformers.pipelines" not in sys.modules
+
+
 @pytest.mark.parametrize(
     ("built_for", "says"),
     [

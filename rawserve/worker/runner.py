@@ -273,12 +273,13 @@ class Runner:
             return ItemFailure(FailureKind.INTERNAL, str(exc))
         if isinstance(exc, WrittenForClients):
             return ItemFailure(FailureKind.INPUT, first_line(exc)[:MAX_CLIENT_MESSAGE])
-        if isinstance(exc, (ValueError, transformers.pipelines.PipelineException)):
-            return ItemFailure(FailureKind.INPUT, _client_message(exc))
+        if isinstance(exc, ValueError):
+            return ItemFailure(FailureKind.INPUT, client_message(exc))
         if isinstance(exc, RuntimeError) and SAMPLING_FAILED in str(exc):
             return ItemFailure(FailureKind.INPUT, SAMPLING_FAILED_MESSAGE)
         return ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
 
 
-def _client_message(exc: BaseException) -> str:
+def client_message(exc: BaseException) -> str:
+    """An input's failure in words for its client: its first line, paths left out."""
     return _PATHLIKE.sub("<path>", first_line(exc))[:MAX_CLIENT_MESSAGE]
