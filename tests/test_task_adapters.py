@@ -1160,6 +1160,32 @@ def test_a_handler_that_cannot_be_called_as_one_is_refused_at_load(
     assert f":make: {says}" in str(refused.value)
 
 
+def test_a_handler_using_torch_has_its_threads_set_before_its_factory_runs(monkeypatch, tmp_path):
+    """A handler's worker no longer imports torch itself; one whose module does gets its
+    threads set as a model's worker does, before the factory loads its own model."""
+    import torch
+
+    from rawserve.shared.messages import WorkerConfig
+    from rawserve.worker.handler import load_handler
+
+    name = f"handler_{tmp_path.name}"
+    (tmp_path / f"{name}.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    threads = torch.get_num_threads()\n"
+        "    return lambda inputs, **params: [threads for _ in inputs]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    before = torch.get_num_threads()
+    try:
+        runner = load_handler(WorkerConfig(model="", handler=f"{name}:make", threads=1), "auto")
+        assert runner.run(["x"], {}) == [1]
+        assert runner.device == ("cuda:0" if torch.cuda.is_available() else "cpu")  # torch's
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(
     "source",
     [
