@@ -111,7 +111,7 @@ def test_a_gpu_machine_keeps_one_worker_per_device(monkeypatch):
     ],
 )
 def test_a_worker_tokenizes_in_the_calling_thread_unless_the_environment_says(given, expected):
-    from rawserve.worker.loading import tokenize_in_the_calling_thread
+    from rawserve.worker.libraries import tokenize_in_the_calling_thread
 
     environ = dict(given)
     tokenize_in_the_calling_thread(environ)

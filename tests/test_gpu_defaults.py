@@ -155,10 +155,10 @@ def test_a_gpu_worker_attends_without_kernels_that_plan_per_shape(attention_choi
 
 def test_a_handler_on_a_gpu_attends_the_same_way_and_says_so(attention_choice, monkeypatch):
     from rawserve.shared.messages import WorkerConfig
-    from rawserve.worker import loading
+    from rawserve.worker import handler
     from rawserve.worker.loading import load_runner
 
-    monkeypatch.setattr(loading, "resolve_device", lambda device: device)  # a GPU, faked
+    monkeypatch.setattr(handler, "resolve_device", lambda device: device)  # a GPU, faked
     runner = load_runner(WorkerConfig(model="", handler="tests.handlers:echo"), "cuda:0")
     assert runner.attention.startswith("flash or memory-efficient kernels")
     assert not attention_choice.cudnn_sdp_enabled()

@@ -60,27 +60,34 @@ def test_json_lines_carry_time_level_logger_message_and_extra_fields():
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", document["time"])
 
 
-def test_library_warnings_and_transformers_lines_are_json_lines_too(restore_logging):
+@pytest.fixture
+def json_lines(restore_logging):
+    """The worker's log set up as --log-format json: the lines written, read as objects;
+    transformers' own logging is left as the library sets itself up."""
+    import transformers
+
+    stream = io.StringIO()
+    setup_logging("info", "json", stream=stream)
+    yield lambda: [json.loads(line) for line in stream.getvalue().splitlines()]
+    logging.captureWarnings(False)
+    transformers.utils.logging.disable_propagation()
+    transformers.utils.logging.enable_default_handler()
+
+
+def test_library_warnings_and_transformers_lines_are_json_lines_too(json_lines):
     """With --log-format json a worker's every line is one object: Python warnings
     (torch's, the libraries') and transformers' loggers, which have a handler of their
     own, included."""
     import transformers
 
-    from rawserve.worker.loading import library_logs_through_ours
+    from rawserve.worker.libraries import library_logs_through_ours
 
-    stream = io.StringIO()
-    setup_logging("info", "json", stream=stream)
     library_logs_through_ours()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.warn("a library warning", UserWarning, stacklevel=1)
-        transformers.utils.logging.get_logger("transformers.models.x").warning("a model note")
-    finally:
-        logging.captureWarnings(False)
-        transformers.utils.logging.disable_propagation()
-        transformers.utils.logging.enable_default_handler()
-    documents = [json.loads(line) for line in stream.getvalue().splitlines()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("a library warning", UserWarning, stacklevel=1)
+    transformers.utils.logging.get_logger("transformers.models.x").warning("a model note")
+    documents = json_lines()
     assert [(d["logger"], d["level"]) for d in documents] == [
         ("py.warnings", "warning"),
         ("transformers.models.x", "warning"),
@@ -89,12 +96,40 @@ def test_library_warnings_and_transformers_lines_are_json_lines_too(restore_logg
     assert documents[1]["message"] == "a model note"
 
 
+def test_a_handler_s_transformers_lines_are_json_lines_from_its_factory_on(
+    json_lines, monkeypatch, tmp_path
+):
+    """A handler's worker imports no transformers itself: where the handler's module does,
+    its loggers are set up before the factory runs (which loads the handler's model, and
+    logs as it does)."""
+    import transformers
+
+    from rawserve.shared.messages import WorkerConfig
+    from rawserve.worker.handler import load_handler
+
+    (tmp_path / "noting_handler.py").write_text(
+        "import transformers\n"
+        "def make():\n"
+        "    transformers.utils.logging.get_logger('transformers.models.x').warning('loading')\n"
+        "    return lambda inputs, **params: list(inputs)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "noting_handler", raising=False)
+    transformers.utils.logging.disable_propagation()  # as the library sets itself up
+    transformers.utils.logging.enable_default_handler()
+    load_handler(WorkerConfig(model="", handler="noting_handler:make"), "cpu")
+    documents = json_lines()
+    assert [(d["logger"], d["message"]) for d in documents] == [
+        ("transformers.models.x", "loading")
+    ]
+
+
 def test_torchs_warnings_are_lines_of_ours_not_of_its_own_handler(restore_logging):
     """torch gives its loggers a stderr handler of its own that stops their records: the
     ONNX exporter's "torchvision is not installed" warnings came out in torch's format,
     between the JSON objects of --log-format json."""
     pytest.importorskip("torch")
-    from rawserve.worker.loading import library_logs_through_ours
+    from rawserve.worker.libraries import library_logs_through_ours
 
     torch_loggers = [
         logger

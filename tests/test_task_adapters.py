@@ -1017,6 +1017,29 @@ def test_an_item_that_fails_alone_is_logged_with_its_request_id(caplog):
     assert record.request_id == "r-2"  # a JSON line's field, as the access log's
 
 
+def test_an_input_failing_outside_a_pipeline_does_not_load_the_pipelines(monkeypatch):
+    """Every runner asked whether a failure was a pipeline's, and reading the name loaded
+    transformers.pipelines: the first input to fail in an embedding, generation or handler
+    worker (a 422 as much as a 500) held its batch, and the worker, for seconds."""
+    import transformers
+
+    from rawserve.worker.pipeline import PipelineRunner
+    from rawserve.worker.runner import Runner
+
+    refused = transformers.pipelines.PipelineException("fill-mask", "tiny", "no mask token")
+    pipeline_runner = object.__new__(PipelineRunner)  # what it says needs no model loaded
+    assert pipeline_runner.describe_failure(refused) == ItemFailure(
+        FailureKind.INPUT, "no mask token"
+    )
+    # as in a worker that has not loaded them: the name read loads the module anew
+    monkeypatch.delitem(sys.modules, "transformers.pipelines")
+    monkeypatch.delattr(transformers, "pipelines")
+    runner = Runner("feature-extraction", "cpu")
+    assert runner.describe_failure(ValueError("too long")).kind is FailureKind.INPUT
+    assert runner.describe_failure(RuntimeError("a bug")).kind is FailureKind.INTERNAL
+    assert "transformers.pipelines" not in sys.modules
+
+
 @pytest.mark.parametrize(
     ("built_for", "says"),
     [
@@ -1135,6 +1158,32 @@ def test_a_handler_that_cannot_be_called_as_one_is_refused_at_load(
     with pytest.raises(TypeError) as refused:
         handler_runner(monkeypatch, tmp_path, source)
     assert f":make: {says}" in str(refused.value)
+
+
+def test_a_handler_using_torch_has_its_threads_set_before_its_factory_runs(monkeypatch, tmp_path):
+    """A handler's worker no longer imports torch itself; one whose module does gets its
+    threads set as a model's worker does, before the factory loads its own model."""
+    import torch
+
+    from rawserve.shared.messages import WorkerConfig
+    from rawserve.worker.handler import load_handler
+
+    name = f"handler_{tmp_path.name}"
+    (tmp_path / f"{name}.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    threads = torch.get_num_threads()\n"
+        "    return lambda inputs, **params: [threads for _ in inputs]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    before = torch.get_num_threads()
+    try:
+        runner = load_handler(WorkerConfig(model="", handler=f"{name}:make", threads=1), "auto")
+        assert runner.run(["x"], {}) == [1]
+        assert runner.device == ("cuda:0" if torch.cuda.is_available() else "cpu")  # torch's
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(

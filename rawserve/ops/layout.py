@@ -14,10 +14,11 @@ Server process; reads /proc and the model folder's file sizes, never imports tor
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from rawserve.shared.devices import gpu_present
 
 RAM_SHARE = 0.5  # of the machine's RAM, for all the model workers together
 COPY_FACTOR = 2.0
@@ -82,11 +83,3 @@ def on_gpu(devices: Sequence[str] | None, present: Callable[[], bool] | None = N
     if devices and all(device != "auto" for device in devices):
         return False
     return (present or gpu_present)()
-
-
-def gpu_present() -> bool:
-    """Whether this machine shows a GPU torch could use (without importing torch)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() in ("", "-1"):
-        return False
-    return Path("/dev/nvidia0").exists() or Path("/dev/kfd").exists()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 
 def cpu_cores() -> int:
@@ -21,6 +22,14 @@ def cpu_cores() -> int:
     if hasattr(os, "sched_getaffinity"):  # Linux; elsewhere every core is allowed
         return len(os.sched_getaffinity(0)) or 1
     return os.cpu_count() or 1
+
+
+def gpu_present() -> bool:
+    """Whether this machine shows a GPU torch could use (without importing torch)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return Path("/dev/nvidia0").exists() or Path("/dev/kfd").exists()
 
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")

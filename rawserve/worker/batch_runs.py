@@ -4,14 +4,15 @@ after an out-of-memory error and raised again after batches that fit; and the re
 counts sampled for the server's cost model. Shared by the static batch loop
 (`rawserve.worker.process`) and continuous generation (`rawserve.worker.generating`).
 
-Worker process only: torch is imported inside the functions that need it, since the
-server imports the worker's modules to name the process's target.
+Worker process only: imports no torch, since the server imports the worker's modules to
+name the process's target (and a handler's worker may not load it at all).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -124,7 +125,7 @@ def run_bisecting(
                     cap.limit,
                 )
         if len(inputs) == 1:
-            from rawserve.worker.runner import NotNumbers  # the worker's (imports torch)
+            from rawserve.worker.runner import NotNumbers  # the worker's
 
             request = request_ids[0] if request_ids else "-"
             named = {"request_id": request}  # a JSON line's field, as the access log's
@@ -157,7 +158,6 @@ def run_bisecting(
 def release_memory() -> None:
     """After an out-of-memory error: drop the failed call's tensors and cached blocks."""
     gc.collect()
-    import torch  # in the worker process only: the server imports this module
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    torch = sys.modules.get("torch")  # cached blocks are torch's, where a handler loaded it
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()

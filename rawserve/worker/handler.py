@@ -1,6 +1,8 @@
 """`--handler module:factory`: a user's callable instead of a transformers model.
 
-Worker process only.
+Worker process only. Imports neither torch nor transformers: a handler that uses neither
+is not made to load them (they were most of such a worker's start); one that does gets
+them set up as a model's worker sets them up.
 """
 
 from __future__ import annotations
@@ -8,19 +10,22 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import logging
 import os
 import pickle
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Any
 
-import numpy as np
-import torch
-
-from rawserve.shared.messages import NO_CONTROL, Control
+from rawserve.shared.devices import gpu_present
+from rawserve.shared.messages import NO_CONTROL, Control, WorkerConfig
 from rawserve.tasks import CUSTOM_TASK
-from rawserve.worker.runner import Runner
+from rawserve.worker.libraries import library_logs_through_ours
+from rawserve.worker.runner import Runner, choose_attention_kernels, resolve_device
+
+log = logging.getLogger("rawserve.worker")
 
 # Packages whose objects a handler's answer may hold as they are: the server unpickles
 # them without loading anything it does not load already (or a module of the standard
@@ -39,7 +44,10 @@ class AnswerPickler(pickle.Pickler):
     and the input quarantined."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
+        torch = sys.modules.get("torch")  # an answer holds a tensor only where torch is loaded
+        if torch is not None and isinstance(obj, torch.Tensor):
+            import numpy as np  # loaded with torch
+
             data = obj.detach().cpu()
             if data.dtype == torch.bfloat16:  # numpy has no bfloat16
                 data = data.float()
@@ -84,13 +92,10 @@ class HandlerRunner(Runner):
     answer_pickler = AnswerPickler
 
     def __init__(self, spec: str, device: str):
-        module_name, _, factory_name = spec.partition(":")
-        # a module of the folder the server was started in, as `python -m rawserve` finds it
-        # (its sys.path[0]); the `rawserve` command's sys.path starts at its script's folder
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        with exits_as_errors():  # a module that parses sys.argv as it is imported, say
-            factory = getattr(importlib.import_module(module_name), factory_name or "handler")
+        factory_name = spec.partition(":")[2]
+        module = handler_module(spec)
+        with exits_as_errors():
+            factory = getattr(module, factory_name or "handler")
             self.handler = factory()
         self.signature = handler_signature(spec, self.handler)
         super().__init__(CUSTOM_TASK, device)
@@ -115,6 +120,49 @@ class HandlerRunner(Runner):
                 f"the handler returned {type(answers).__name__}, not a list of one answer per input"
             )
         return list(answers)
+
+
+def handler_module(spec: str) -> ModuleType:
+    """The module `spec` names, imported from the folder the server was started in, as
+    `python -m rawserve` finds it (its sys.path[0]); the `rawserve` command's sys.path
+    starts at its script's folder."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    with exits_as_errors():  # a module that parses sys.argv as it is imported, say
+        return importlib.import_module(spec.partition(":")[0])
+
+
+def load_handler(config: WorkerConfig, device: str) -> HandlerRunner:
+    """`config.handler`'s runner. The libraries its code loads are set up as for a model:
+    those its module's imports loaded before its factory runs, those the factory loaded
+    after it."""
+    assert config.handler is not None
+    handler_module(config.handler)
+    set_up_libraries(config, device)
+    runner = HandlerRunner(config.handler, device)
+    runner.device, runner.attention = set_up_libraries(config, device)
+    if runner.attention:  # a handler's own model attends as ours do
+        log.info("attention: %s", runner.attention)
+    return runner
+
+
+def set_up_libraries(config: WorkerConfig, device: str) -> tuple[str, str]:
+    """Set up the libraries loaded by now as a model's worker sets them up (again, for
+    those set up before): their log lines through ours and, where torch is loaded, its
+    threads and, on a GPU, its attention kernels. The device the handler runs on, and
+    the attention kernels chosen ("": torch's own, or no torch), are returned: `auto` is
+    what torch sees where it is loaded (a GPU it cannot use is refused in words), or
+    else what the machine shows."""
+    library_logs_through_ours()
+    torch = sys.modules.get("torch")
+    if torch is None:
+        if device == "auto":
+            return ("cuda:0" if gpu_present() else "cpu"), ""
+        return device, ""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = resolve_device(device)
+    return device, choose_attention_kernels(device) or ""
 
 
 def handler_signature(spec: str, handler: Any) -> inspect.Signature | None:

@@ -60,11 +60,8 @@ def timer_main(config: WorkerConfig, size: int, start: Barrier, out: Connection)
 
 def timed_batch(config: WorkerConfig, size: int, start: Barrier) -> float | None:
     # torch and transformers load here, in the timer's process only
-    from rawserve.worker.loading import (
-        library_logs_through_ours,
-        load_runner,
-        tokenize_in_the_calling_thread,
-    )
+    from rawserve.worker.libraries import library_logs_through_ours, tokenize_in_the_calling_thread
+    from rawserve.worker.loading import load_runner
     from rawserve.worker.warmup import example_batch
 
     library_logs_through_ours()

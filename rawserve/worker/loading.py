@@ -12,7 +12,6 @@ import dataclasses
 import gc
 import json
 import logging
-from collections.abc import MutableMapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,9 +26,9 @@ from rawserve.tasks import SEQ2SEQ_TASKS
 from rawserve.worker import engine_trial, onnx_engine, precision_trial
 from rawserve.worker.causal_lm import CausalLMRunner
 from rawserve.worker.encoder import EncoderRunner
-from rawserve.worker.handler import HandlerRunner
+from rawserve.worker.handler import load_handler
 from rawserve.worker.pipeline import PipelineRunner
-from rawserve.worker.runner import Runner, resolve_device, resolve_dtype
+from rawserve.worker.runner import Runner, choose_attention_kernels, resolve_device, resolve_dtype
 from rawserve.worker.seq2seq_lm import Seq2SeqLMRunner
 from rawserve.worker.span_extraction import SpanExtractionRunner
 from rawserve.worker.warmup import example_batch
@@ -80,55 +79,6 @@ def choose_dtype(requested: str, device: str, saved: str | None, bf16: bool) -> 
     return "float16", f"auto on {device}: half precision (float16; --dtype float32 for full)"
 
 
-def choose_attention_kernels(device: str) -> str | None:
-    """On a GPU, attention by kernels that need no plan per shape; None on a CPU.
-
-    PyTorch's attention prefers cuDNN's kernels on recent GPUs, and cuDNN builds a graph
-    for every new shape of its inputs, on the CPU, before it runs. A server's batches
-    come in ever-new shapes (items by padded tokens; a longer key at every decoding
-    step), so that planning, not the GPU, set the pace of an H100 worker: its GPU was
-    busy a tenth to a third of the time (bench/RESULTS.md). The flash and memory-
-    efficient kernels plan nothing and run any shape at once."""
-    if not device.startswith("cuda"):
-        return None
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    return "flash or memory-efficient kernels, not cuDNN's (which plan anew for every shape)"
-
-
-def library_logs_through_ours() -> None:
-    """transformers' and torch's log lines go through the worker's own handler, in the
-    server's format, not through the plain-text handlers these libraries install for their
-    loggers (with --log-format json, every line is one JSON object)."""
-    transformers.utils.logging.disable_default_handler()
-    transformers.utils.logging.enable_propagation()
-    # torch gives "torch" and its registered loggers a stderr handler of its own and stops
-    # their records there (its ONNX exporter's "torchvision is not installed" warnings,
-    # say); a file that TORCH_LOGS_OUT asked for keeps its handler
-    for name, logger in list(logging.root.manager.loggerDict.items()):
-        if not isinstance(logger, logging.Logger) or name.split(".")[0] != "torch":
-            continue
-        own = [handler for handler in logger.handlers if type(handler) is logging.StreamHandler]
-        for handler in own:
-            logger.removeHandler(handler)
-        if own:
-            logger.propagate = True
-
-
-def tokenize_in_the_calling_thread(environ: MutableMapping[str, str]) -> None:
-    """A worker's fast tokenizer runs in the thread that calls it, not on a pool of its own,
-    unless the environment says otherwise (`TOKENIZERS_PARALLELISM`, `RAYON_NUM_THREADS`).
-
-    Its pool is as large as the machine (rayon), in every worker. On a CPU, where each
-    worker is given its share of the cores, the pool's threads queued behind the other
-    workers and the server while the model's thread waited for them: on two cores with
-    two single-threaded workers, 7-10 % of the machine stood idle and the server
-    answered 5-10 % fewer texts (bench/RESULTS.md). On a GPU the tokenizing runs on the
-    preparing thread beside the GPU's work, and every GPU figure so far was measured
-    without the pool (the benchmark's servers had it off), up to 12,400 texts/s."""
-    if "TOKENIZERS_PARALLELISM" not in environ and "RAYON_NUM_THREADS" not in environ:
-        environ["TOKENIZERS_PARALLELISM"] = "false"
-
-
 def saved_dtype(folder: Path) -> str | None:
     """The dtype a model folder's config.json names (`dtype`, or the older `torch_dtype`)."""
     try:
@@ -140,16 +90,14 @@ def saved_dtype(folder: Path) -> str | None:
 
 
 def load_runner(config: WorkerConfig, device: str) -> Runner:
+    if config.handler:
+        return load_handler(config, device)
     if config.threads:
         torch.set_num_threads(config.threads)
     device = resolve_device(device)
     attention = choose_attention_kernels(device) or ""
     if attention:
         log.info("attention: %s", attention)
-    if config.handler:
-        handler = HandlerRunner(config.handler, device)
-        handler.attention = attention  # a handler's own model attends the same way
-        return handler
     model, task = config.model, config.task
     if task is None:
         raise ValueError("no task: the server names the task of every model it serves")

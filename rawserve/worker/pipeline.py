@@ -16,11 +16,17 @@ import numpy as np
 import torch
 import transformers
 
-from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits
+from rawserve.shared.messages import NO_CONTROL, Control, FailureKind, ItemFailure, ModelLimits
 from rawserve.tasks import LOGITS_PARAM, split_outputs
 from rawserve.worker.cuda_graphs import GraphedForward
 from rawserve.worker.onnx_engine import OnnxNetwork
-from rawserve.worker.runner import Runner, dtype_name, refuse_not_numbers, resolve_dtype
+from rawserve.worker.runner import (
+    Runner,
+    client_message,
+    dtype_name,
+    refuse_not_numbers,
+    resolve_dtype,
+)
 
 # (text, label) pairs in one forward pass of a zero-shot classifier: a bound on the padded
 # batch's memory (a request may bring 32 texts and 100 labels)
@@ -129,6 +135,14 @@ class PipelineRunner(Runner):
             if isinstance(raw, Iterator):  # a generator's answers: computed as they are read
                 raw = list(raw)
         return split_outputs(self.task, inputs, raw)
+
+    def describe_failure(self, exc: BaseException) -> ItemFailure:
+        # The pipeline's refusal of an input is the client's to fix. Asked here, not of
+        # every runner: reading transformers.pipelines imports it (seconds, on the model's
+        # thread) where nothing had, at the first input that failed.
+        if isinstance(exc, transformers.pipelines.PipelineException):
+            return ItemFailure(FailureKind.INPUT, client_message(exc))
+        return super().describe_failure(exc)
 
     @property
     def prepares_ahead(self) -> bool:

@@ -7,7 +7,8 @@ a one-way pipe of its own that the server's event loop reads (`rawserve.shared.p
 
 Runs only in the child (started with `spawn`, so this module must stay importable
 without side effects). torch and transformers are imported inside `worker_main`, never
-at module level, because the server process imports this module to name the target.
+at module level, because the server process imports this module to name the target;
+and for a model only: a handler's worker loads what the handler's own code imports.
 Batches run through `rawserve.worker.batch_runs` (bisected on failure, chunked by the
 batch cap an out-of-memory error lowers); each `BatchResult` tells the parent the
 current cap.
@@ -42,8 +43,10 @@ from rawserve.shared.messages import (
 from rawserve.shared.pipes import MessageWriter
 from rawserve.worker.batch_runs import BatchCap, run_batch, sample_token_counts
 from rawserve.worker.feeder import Feeder
+from rawserve.worker.libraries import library_logs_through_ours, tokenize_in_the_calling_thread
 
 if TYPE_CHECKING:
+    from rawserve.worker.generating import GenerationLoop
     from rawserve.worker.runner import Runner
 
 log = logging.getLogger("rawserve.worker")
@@ -138,25 +141,25 @@ def worker_main(
     if plan.visible_gpus is not None:  # before torch initialises CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = plan.visible_gpus
     started = time.monotonic()
+    tokenize_in_the_calling_thread(os.environ)
     try:
-        # torch and transformers load here, in the worker process only
-        from rawserve.worker.loading import (
-            library_logs_through_ours,
-            load_runner,
-            tokenize_in_the_calling_thread,
-        )
+        if config.handler:  # its own code imports what it uses (and its load counts them)
+            from rawserve.worker.handler import load_handler
 
-        imported = time.monotonic()
-        library_logs_through_ours()
-        tokenize_in_the_calling_thread(os.environ)
-        runner = load_runner(config, plan.torch_device)
+            imported = time.monotonic()
+            runner: Runner = load_handler(config, plan.torch_device)
+        else:  # torch and transformers load here, in the worker process only
+            from rawserve.worker.loading import load_runner
+
+            imported = time.monotonic()
+            library_logs_through_ours()
+            runner = load_runner(config, plan.torch_device)
         log.info(
             "imports took %.2f s, the model load %.2f s",
             imported - started,
             time.monotonic() - imported,
         )
         runner.bind_stream(out.send, cancelled_stream)  # token streaming, if it streams
-        from rawserve.worker.generating import continuous_loop
         from rawserve.worker.warmup import example, warm_up
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which logs it
         out.send(load_failed(exc))
@@ -168,8 +171,7 @@ def worker_main(
     if config.warmup_batch and example(runner) is not None:
         out.send(WorkerWarming(load_seconds))
         warmup_seconds = warm_up(runner, config.warmup_batch)
-    # a causal LM batches continuously: sequences join and leave between decoding steps
-    generating = continuous_loop(runner, config, out.send, cancelled_stream)
+    generating = generation_loop(runner, config, out.send, cancelled_stream)
     prepares = config.prepare_ahead
     if prepares is None:
         prepares = runner.on_cuda
@@ -239,6 +241,19 @@ def worker_main(
             # after the reply: the server is not kept waiting (nor the next batch)
             releaser.after_batch(next_waiting=feeder.waiting())
             free_since = time.perf_counter()
+
+
+def generation_loop(
+    runner: Runner, config: WorkerConfig, send: Callable[[Any], None], cancelled_stream: Any
+) -> GenerationLoop | None:
+    """The loop a causal LM is served with: sequences join and leave the running batch
+    between decoding steps (None: one batch after another). Never a handler's: its worker
+    does not import the causal LM's modules (and torch with them) to be told so."""
+    if config.handler:
+        return None
+    from rawserve.worker.generating import continuous_loop
+
+    return continuous_loop(runner, config, send, cancelled_stream)
 
 
 def send_result(out: MessageWriter, result: BatchResult) -> bool:

@@ -2,7 +2,9 @@
 plain-data output per input (numpy arrays or Python lists/dicts), and says safely what
 went wrong when an input fails.
 
-Worker process only (imports torch and transformers).
+Worker process only. torch is imported where it is used, not at the top: a handler's
+runner shares this base, and a worker whose handler uses no torch never loads it
+(importing it was most of such a worker's start).
 """
 
 from __future__ import annotations
@@ -11,11 +13,9 @@ import copy
 import logging
 import pickle
 import re
+import sys
 from collections.abc import Callable
-from typing import Any
-
-import torch
-import transformers
+from typing import TYPE_CHECKING, Any
 
 from rawserve.shared.logs import first_line
 from rawserve.shared.messages import (
@@ -26,8 +26,12 @@ from rawserve.shared.messages import (
     ItemFailure,
     ModelLimits,
 )
-from rawserve.worker.cuda_graphs import GraphedForward
-from rawserve.worker.onnx_engine import OnnxNetwork
+
+if TYPE_CHECKING:
+    import torch
+
+    from rawserve.worker.cuda_graphs import GraphedForward
+    from rawserve.worker.onnx_engine import OnnxNetwork
 
 log = logging.getLogger("rawserve.runner")
 
@@ -107,6 +111,8 @@ def resolve_device(device: str) -> str:
     """The torch device to load on: `auto` is the GPU where torch sees one. A GPU that torch
     cannot use is refused here, in words, before a log line claims it (torch's own
     complaint, an AssertionError from deep in the load, names no remedy)."""
+    import torch
+
     if device == "auto":
         return "cuda:0" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -127,7 +133,26 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_dtype(dtype: str) -> Any:
+    import torch
+
     return "auto" if dtype == "auto" else getattr(torch, dtype)
+
+
+def choose_attention_kernels(device: str) -> str | None:
+    """On a GPU, attention by kernels that need no plan per shape; None on a CPU.
+
+    PyTorch's attention prefers cuDNN's kernels on recent GPUs, and cuDNN builds a graph
+    for every new shape of its inputs, on the CPU, before it runs. A server's batches
+    come in ever-new shapes (items by padded tokens; a longer key at every decoding
+    step), so that planning, not the GPU, set the pace of an H100 worker: its GPU was
+    busy a tenth to a third of the time (bench/RESULTS.md). The flash and memory-
+    efficient kernels plan nothing and run any shape at once."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return "flash or memory-efficient kernels, not cuDNN's (which plan anew for every shape)"
 
 
 def token_positions(config: Any) -> int | None:
@@ -188,6 +213,10 @@ class Runner:
     def tokenizer_json(self) -> str | None:
         """The tokenizer in the `tokenizers` library's JSON form, for the server (None: the
         model has no such tokenizer)."""
+        if self.tokenizer is None:  # a handler's worker may not have transformers loaded
+            return None
+        import transformers
+
         if isinstance(self.tokenizer, transformers.PreTrainedTokenizerFast):
             return str(self.tokenizer.backend_tokenizer.to_str())
         return None
@@ -246,8 +275,11 @@ class Runner:
         return "off: this task's forward pass is not replayed"
 
     def set_threads(self, count: int) -> None:
-        """Intra-op threads for the next batches (cheap: the pools are kept)."""
-        torch.set_num_threads(count)
+        """Intra-op threads for the next batches (cheap: the pools are kept): torch's, where
+        it is loaded (a handler may use none)."""
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.set_num_threads(count)
         if self.onnx is not None:
             self.onnx.set_threads(count)
 
@@ -265,7 +297,10 @@ class Runner:
     def describe_failure(self, exc: BaseException) -> ItemFailure:
         """Turn a failure on one item into a message that is safe to send to a client."""
         out_of_memory = any(message in str(exc) for message in OUT_OF_MEMORY_MESSAGES)
-        if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or out_of_memory:
+        torch = sys.modules.get("torch")  # only a torch loaded raises its errors
+        if torch is not None and isinstance(exc, torch.OutOfMemoryError):
+            out_of_memory = True
+        if isinstance(exc, MemoryError) or out_of_memory:
             return ItemFailure(
                 FailureKind.OUT_OF_MEMORY, "the model ran out of memory on this input"
             )
@@ -273,12 +308,13 @@ class Runner:
             return ItemFailure(FailureKind.INTERNAL, str(exc))
         if isinstance(exc, WrittenForClients):
             return ItemFailure(FailureKind.INPUT, first_line(exc)[:MAX_CLIENT_MESSAGE])
-        if isinstance(exc, (ValueError, transformers.pipelines.PipelineException)):
-            return ItemFailure(FailureKind.INPUT, _client_message(exc))
+        if isinstance(exc, ValueError):
+            return ItemFailure(FailureKind.INPUT, client_message(exc))
         if isinstance(exc, RuntimeError) and SAMPLING_FAILED in str(exc):
             return ItemFailure(FailureKind.INPUT, SAMPLING_FAILED_MESSAGE)
         return ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
 
 
-def _client_message(exc: BaseException) -> str:
+def client_message(exc: BaseException) -> str:
+    """An input's failure in words for its client: its first line, paths left out."""
     return _PATHLIKE.sub("<path>", first_line(exc))[:MAX_CLIENT_MESSAGE]
