@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import gc
+import importlib.util
 import logging
 import multiprocessing
 import os
@@ -403,6 +404,18 @@ async def wait_all_ready(models: Sequence[ModelParts]) -> None:
 
 async def stop_all(executors: Sequence[Executor]) -> None:
     await asyncio.gather(*(executor.shutdown(wait=True) for executor in executors))
+
+
+def command() -> int:
+    """The `rawserve` command (the script pip writes calls this).
+
+    multiprocessing's spawn runs the program's `__main__` script again in each process it
+    starts (as `__mp_main__`), unless that script is a package's `__main__` module, as with
+    `python -m rawserve`. The command's script imports this module: run again, it loaded the
+    whole serving side (HTTP, routes, metrics) in every worker, ~1 s and ~28 MB each. Named
+    as `python -m rawserve` is, the script is left alone in the processes it starts."""
+    sys.modules["__main__"].__spec__ = importlib.util.find_spec("rawserve.__main__")
+    return main()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,6 +4,7 @@ declares are those tried."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tomllib
@@ -49,3 +50,36 @@ def test_the_python_classifiers_start_at_the_floor_and_the_readme_names_them():
     readme = (Path(REPO_ROOT) / "README.md").read_text()
     [line] = [part for part in readme.split("\n\n") if part.startswith("Python versions:")]
     assert all(f"3.{minor}" in line for minor in minors)
+
+
+def test_the_rawserve_command_s_processes_do_not_run_its_script_again(tmp_path):
+    """multiprocessing's spawn runs the program's script again in each process it starts:
+    the `rawserve` command's script, which imports rawserve.main, loaded the whole serving
+    side in every worker. The entry point pip writes the script for names the processes'
+    `__main__` as `python -m rawserve` does; a spawned process must not import rawserve.main."""
+    project = tomllib.loads((Path(REPO_ROOT) / "pyproject.toml").read_text())["project"]
+    module, _, function = project["scripts"]["rawserve"].partition(":")
+    in_the_child = "import sys; sys.exit(3 if 'rawserve.main' in sys.modules else 0)"
+    script = tmp_path / "rawserve"
+    script.write_text(  # what pip writes for the entry point, its serving stood in for
+        f"import sys\nfrom {module} import {function}\n"
+        "if __name__ == '__main__':\n"
+        "    import multiprocessing, rawserve.main\n"
+        "    def serve():\n"
+        "        child = multiprocessing.get_context('spawn').Process(\n"
+        f"            target=exec, args=({in_the_child!r},))\n"
+        "        child.start()\n"
+        "        child.join()\n"
+        "        return child.exitcode\n"
+        "    rawserve.main.main = serve\n"
+        f"    sys.exit(sys.modules[{module!r}].{function}())\n"
+    )
+    ran = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        timeout=120,
+    )
+    assert ran.returncode == 0, ran.stderr
