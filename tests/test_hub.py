@@ -557,6 +557,25 @@ def test_a_sentence_transformers_folder_rawserve_would_answer_otherwise_is_refus
     assert str(caught.value).startswith(f"model {folder}: {reason}")
 
 
+def test_a_model_s_files_are_read_as_utf_8_whatever_the_locale(tmp_path, ascii_locale):
+    """JSON is UTF-8: labels, names and paths beyond ASCII (a multilingual classifier's)
+    are read in an ASCII locale too, not refused as undecodable."""
+    classifier = tmp_path / "classifier"
+    classifier.mkdir()
+    config = {"architectures": ["BertForSequenceClassification"], "id2label": {"0": "négatif"}}
+    tokenizer = {"tokenizer_class": "ByT5Tokenizer", "name_or_path": "équipe/modèle"}
+    for name, document in (("config.json", config), ("tokenizer_config.json", tokenizer)):
+        (classifier / name).write_text(json.dumps(document, ensure_ascii=False), "utf-8")
+    (classifier / "model.safetensors").write_bytes(b"")
+    sentence = sentence_folder(tmp_path, ST_MODULES, {"pooling_mode": "cls"})
+    modules = json.loads((sentence / "modules.json").read_text("utf-8"))
+    modules[0]["name"] = "modèle"
+    (sentence / "modules.json").write_text(json.dumps(modules, ensure_ascii=False), "utf-8")
+    plans = plan_models([str(classifier), str(sentence)])
+    assert [plan.facts.task for plan in plans] == ["text-classification", "feature-extraction"]
+    assert plans[1].facts.pooling == "cls"
+
+
 @pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
 def test_a_cached_file_whose_blob_is_gone_is_named_at_start(tmp_path, name):
     # the snapshot is whole, so huggingface_hub resolves it offline; the file links to nothing

@@ -158,14 +158,14 @@ def has_tokenizer(model_dir: Path) -> bool:
 
 def json_file(path: Path) -> dict[str, Any]:
     """A JSON object file's contents; {} when there is no such file."""
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
 def infer_task(model_dir: Path) -> str:
     """The task of a local model folder, from sentence-transformers files or config.json."""
     if (model_dir / "modules.json").is_file():
         return "feature-extraction"
-    config = json.loads((model_dir / "config.json").read_text())
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     for architecture in config.get("architectures") or []:
         for ending, task in ARCHITECTURE_TASKS:
             if architecture.endswith(ending):
@@ -221,7 +221,7 @@ def sentence_transformers_pooling(model_dir: Path) -> tuple[str, bool]:
     if not modules_file.is_file():
         return "none", False
     pooling, normalize = "mean", False
-    for module in json.loads(modules_file.read_text()):
+    for module in json.loads(modules_file.read_text(encoding="utf-8")):
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         path = module.get("path", "")
         if kind not in SERVED_MODULES:
