@@ -74,6 +74,19 @@ def test_the_defaults_are_the_option_table_s(monkeypatch):
     assert (config.log_format, config.access_log, config.download_only) == ("text", True, False)
 
 
+@pytest.mark.parametrize(
+    ("argv", "longest"),
+    [
+        ([], 300.0),
+        (["--timeout", "600"], 600.0),  # a request asking for 600 s gets them, not 300
+        (["--timeout", "600", "--max-timeout", "900"], 900.0),
+        (["--timeout", "5", "--max-timeout", "5"], 5.0),
+    ],
+)
+def test_a_request_may_ask_for_at_least_the_default_deadline(argv, longest):
+    assert parse_config(argv).app.max_timeout == longest
+
+
 def test_derived_values_are_computed_at_parse_time(tmp_path):
     template = tmp_path / "chat.jinja"
     template.write_text("{{ messages }}", encoding="utf-8")
@@ -155,6 +168,9 @@ def test_tls_files_are_loaded_into_a_context_at_parse_time(tmp_path):
         (["--threads", "0"], {}, "--threads must be positive"),
         (["--max-batch-tokens", "0"], {}, "--max-batch-tokens must be positive"),
         (["--max-sequences", "0"], {}, "--max-sequences must be positive"),
+        # a request asking for 20 s would have been given 10, one asking none 30
+        (["--max-timeout", "10"], {}, "--max-timeout (10 s) must not be below --timeout (30 s"),
+        ([], {"RAWSERVE_TIMEOUT": "60", "RAWSERVE_MAX_TIMEOUT": "45"}, "(45 s) must not be below"),
     ],
 )
 def test_an_invalid_command_line_is_refused_with_a_clear_line(
