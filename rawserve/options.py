@@ -114,7 +114,8 @@ OPTIONS = [
         "--threads",
         int,
         None,
-        "torch threads per worker (default: the busy CPU workers share the cores)",
+        "torch threads per worker, at most the cores (default: the busy CPU workers share "
+        "the cores)",
     ),
     Option(
         "--max-batch-size",
@@ -482,6 +483,10 @@ def check_values(args: argparse.Namespace, parser: argparse.ArgumentParser, core
     for name in ("max_sequences", "threads", "max_batch_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.threads is not None and args.threads > cores:
+        # more only contend for the cores; torch's thread pool crashed the worker with
+        # tens of thousands, and the restarted one failed on memory
+        parser.error(f"--threads must be from 1 to {cores}, this machine's cores")
     if args.dtype not in DTYPES:
         parser.error("--dtype must be auto, float32, float16 or bfloat16")
     if args.loop not in LOOPS:

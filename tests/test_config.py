@@ -166,6 +166,7 @@ def test_tls_files_are_loaded_into_a_context_at_parse_time(tmp_path):
         ([], {"RAWSERVE_DTYPE": "fp16"}, "--dtype must be auto, float32, float16 or bfloat16"),
         (["--threads", "-2"], {}, "--threads must be positive"),
         (["--threads", "0"], {}, "--threads must be positive"),
+        (["--threads", "99999"], {}, "--threads must be from 1 to "),  # the worker crashed
         (["--max-batch-tokens", "0"], {}, "--max-batch-tokens must be positive"),
         (["--max-sequences", "0"], {}, "--max-sequences must be positive"),
         # a request asking for 20 s would have been given 10, one asking none 30
@@ -201,7 +202,8 @@ def test_the_workers_per_core_are_planned_once_the_models_are_known(monkeypatch)
         (["--device", "cpu", "--threads", "3"], 1, 3),  # --threads: as given
     ],
 )
-def test_threads_per_worker_split_the_cores_between_cpu_workers(argv, models, threads):
+def test_threads_per_worker_split_the_cores_between_cpu_workers(monkeypatch, argv, models, threads):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))  # --threads 3 fits
     model = parse_config(argv).model
     plans = [handler_plan(f"m{index}") for index in range(models)]
     workers = plan_workers(model, plans, cores=8)
