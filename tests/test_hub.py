@@ -566,6 +566,9 @@ def test_a_sentence_transformers_folder_rawserve_would_answer_otherwise_is_refus
         ("config.json", b'{"a": "\xe9"}', "is not valid JSON ('utf-8' codec"),
         ("modules.json", '[{"type": "Transformer"', "is not valid JSON (Expecting"),
         ("1_Pooling/config.json", "{'pooling_mode': 'cls'}", "is not valid JSON (Expecting"),
+        # a chat template added by hand: the worker failed on json's words alone, naming no file
+        ("tokenizer_config.json", '{"chat_template": "{{ x }}",}', "is not valid JSON (Expect"),
+        ("generation_config.json", '{"temperature": .7}', "is not valid JSON (Expecting"),
     ],
 )
 def test_a_model_file_that_is_not_json_is_named_with_its_fault(tmp_path, name, text, fault):

@@ -55,6 +55,9 @@ TOKENIZER_FILES = (
 FILELESS_TOKENIZERS = {"ByT5Tokenizer", "CanineTokenizer", "PerceiverTokenizer"}
 FILELESS_MODEL_TYPES = {"canine", "perceiver"}
 IMAGE_TASKS = {"image-classification"}  # their inputs are images: no tokenizer
+# The small JSON files transformers reads beside config.json that operators edit (a chat
+# template added to tokenizer_config.json, sampling defaults in generation_config.json).
+EDITED_BY_HAND = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 # transformers' other names for tasks served (`pipeline("sentiment-analysis")`)
 TASK_ALIASES = {"sentiment-analysis": "text-classification", "ner": "token-classification"}
 
@@ -116,6 +119,9 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
                 "the model has no tokenizer files (tokenizer.json, a vocabulary or a "
                 "sentencepiece model): every text would read as unknown tokens"
             )
+        for name in EDITED_BY_HAND:  # a worker's load would fail on it naming no file
+            if (model_dir / name).is_file():
+                read_json(model_dir / name)
         if task != "feature-extraction":
             return FolderFacts(task)
         pooling, normalize = sentence_transformers_pooling(model_dir)
