@@ -50,6 +50,9 @@ GPU_MAX_QUEUE = 4096
 # the serving process, the worker feeding the GPU and its tokenizer's threads.
 GPU_HTTP_PROCESSES = 8
 
+# The longest deadline a request may ask for by default; a longer --timeout raises it.
+DEFAULT_MAX_TIMEOUT = 300.0
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # --handler: a module the worker imports, and the factory in it (`handler` if not named)
 HANDLER_SPEC = re.compile(r"[^\W\d]\w*(\.[^\W\d]\w*)*(:([^\W\d]\w*)?)?")
@@ -111,7 +114,8 @@ OPTIONS = [
         "--threads",
         int,
         None,
-        "torch threads per worker (default: the busy CPU workers share the cores)",
+        "torch threads per worker, at most the cores (default: the busy CPU workers share "
+        "the cores)",
     ),
     Option(
         "--max-batch-size",
@@ -176,7 +180,13 @@ OPTIONS = [
         "--max-client-batch-size", int, 32, "inputs allowed in one request (TEI's name); more: 413"
     ),
     Option("--timeout", float, 30.0, "default request deadline in seconds"),
-    Option("--max-timeout", float, 300.0, "the longest deadline X-Request-Timeout may ask for"),
+    Option(
+        "--max-timeout",
+        float,
+        None,
+        "the longest deadline X-Request-Timeout may ask for, not below --timeout (default: "
+        f"{DEFAULT_MAX_TIMEOUT:.0f}, or --timeout where longer)",
+    ),
     Option("--max-body-bytes", int, 1024 * 1024, "largest accepted request body; beyond it: 413"),
     Option("--max-connections", int, 1000, "open connections; past it: 503 (0: no cap)"),
     Option(
@@ -437,8 +447,16 @@ def check_values(args: argparse.Namespace, parser: argparse.ArgumentParser, core
         parser.error("--batch-timeout must be positive and --grace not negative")
     if args.timeout <= 0 or args.max_batch_delay_ms < 0:
         parser.error("--timeout must be positive and --max-batch-delay-ms not negative")
+    if args.max_timeout is None:
+        args.max_timeout = max(DEFAULT_MAX_TIMEOUT, args.timeout)
     if args.max_timeout <= 0 or args.batching not in ("cost", "count"):
         parser.error("--max-timeout must be positive and --batching cost or count")
+    if args.max_timeout < args.timeout:
+        # a request asking for more time than the cap would get less than one asking none
+        parser.error(
+            f"--max-timeout ({args.max_timeout:g} s) must not be below --timeout "
+            f"({args.timeout:g} s, the deadline of a request that asks for none)"
+        )
     if args.max_connections < 0 or args.api_key == "":
         parser.error("--max-connections must not be negative and --api-key not empty")
     if args.api_key is not None and not (
@@ -466,6 +484,10 @@ def check_values(args: argparse.Namespace, parser: argparse.ArgumentParser, core
     for name in ("max_sequences", "threads", "max_batch_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.threads is not None and args.threads > cores:
+        # more only contend for the cores; torch's thread pool crashed the worker with
+        # tens of thousands, and the restarted one failed on memory
+        parser.error(f"--threads must be from 1 to {cores}, this machine's cores")
     if args.dtype not in DTYPES:
         parser.error("--dtype must be auto, float32, float16 or bfloat16")
     if args.loop not in LOOPS:

@@ -40,3 +40,15 @@ def tiny_model(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(MODELS_FOLDER, str(root))
         yield get
+
+
+@pytest.fixture
+def ascii_locale(monkeypatch):
+    """Text files read as Python reads them in an ASCII locale (`LC_ALL=C PYTHONUTF8=0`):
+    a read that names no encoding decodes the locale's, ASCII."""
+    read_text = Path.read_text
+
+    def in_the_locale(self, encoding=None, *args, **kwargs):
+        return read_text(self, encoding or "ascii", *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", in_the_locale)

@@ -75,6 +75,19 @@ def test_the_defaults_are_the_option_table_s(monkeypatch):
     assert (config.log_format, config.access_log, config.download_only) == ("text", True, False)
 
 
+@pytest.mark.parametrize(
+    ("argv", "longest"),
+    [
+        ([], 300.0),
+        (["--timeout", "600"], 600.0),  # a request asking for 600 s gets them, not 300
+        (["--timeout", "600", "--max-timeout", "900"], 900.0),
+        (["--timeout", "5", "--max-timeout", "5"], 5.0),
+    ],
+)
+def test_a_request_may_ask_for_at_least_the_default_deadline(argv, longest):
+    assert parse_config(argv).app.max_timeout == longest
+
+
 def test_derived_values_are_computed_at_parse_time(tmp_path):
     template = tmp_path / "chat.jinja"
     template.write_text("{{ messages }}", encoding="utf-8")
@@ -154,8 +167,12 @@ def test_tls_files_are_loaded_into_a_context_at_parse_time(tmp_path):
         ([], {"RAWSERVE_DTYPE": "fp16"}, "--dtype must be auto, float32, float16 or bfloat16"),
         (["--threads", "-2"], {}, "--threads must be positive"),
         (["--threads", "0"], {}, "--threads must be positive"),
+        (["--threads", "99999"], {}, "--threads must be from 1 to "),  # the worker crashed
         (["--max-batch-tokens", "0"], {}, "--max-batch-tokens must be positive"),
         (["--max-sequences", "0"], {}, "--max-sequences must be positive"),
+        # a request asking for 20 s would have been given 10, one asking none 30
+        (["--max-timeout", "10"], {}, "--max-timeout (10 s) must not be below --timeout (30 s"),
+        ([], {"RAWSERVE_TIMEOUT": "60", "RAWSERVE_MAX_TIMEOUT": "45"}, "(45 s) must not be below"),
     ],
 )
 def test_an_invalid_command_line_is_refused_with_a_clear_line(
@@ -186,7 +203,8 @@ def test_the_workers_per_core_are_planned_once_the_models_are_known(monkeypatch)
         (["--device", "cpu", "--threads", "3"], 1, 3),  # --threads: as given
     ],
 )
-def test_threads_per_worker_split_the_cores_between_cpu_workers(argv, models, threads):
+def test_threads_per_worker_split_the_cores_between_cpu_workers(monkeypatch, argv, models, threads):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))  # --threads 3 fits
     model = parse_config(argv).model
     plans = [handler_plan(f"m{index}") for index in range(models)]
     workers = plan_workers(model, plans, cores=8)

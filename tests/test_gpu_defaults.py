@@ -130,6 +130,18 @@ def test_the_checkpoint_dtype_is_read_from_its_config(tmp_path):
     assert saved_dtype(tmp_path) is None
 
 
+def test_the_checkpoint_dtype_is_read_whatever_the_locale(tmp_path, ascii_locale):
+    """A config.json beyond ASCII (a label's accent) is read in an ASCII locale too: its
+    dtype is not lost (a GPU would load a bfloat16 checkpoint in float16), nor the model
+    refused."""
+    from rawserve.worker.loading import refuse_unloadable_files, saved_dtype
+
+    config = {"model_type": "bert", "dtype": "bfloat16", "id2label": {"0": "négatif"}}
+    (tmp_path / "config.json").write_text(json.dumps(config, ensure_ascii=False), "utf-8")
+    assert saved_dtype(tmp_path) == "bfloat16"
+    refuse_unloadable_files(tmp_path)  # a model type transformers knows, no weights to check
+
+
 @pytest.fixture
 def attention_choice():
     """torch's attention flags as they were, after a test that sets them."""

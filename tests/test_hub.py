@@ -557,6 +557,52 @@ def test_a_sentence_transformers_folder_rawserve_would_answer_otherwise_is_refus
     assert str(caught.value).startswith(f"model {folder}: {reason}")
 
 
+@pytest.mark.parametrize(
+    ("name", "text", "fault"),
+    [
+        ("config.json", '{"architectures": ["BertModel"],}', "is not valid JSON (Expecting"),
+        ("config.json", "", "is not valid JSON (Expecting value: line 1 column 1"),
+        ("config.json", '["BertModel"]', "is not a JSON object"),
+        ("config.json", b'{"a": "\xe9"}', "is not valid JSON ('utf-8' codec"),
+        ("modules.json", '[{"type": "Transformer"', "is not valid JSON (Expecting"),
+        ("1_Pooling/config.json", "{'pooling_mode': 'cls'}", "is not valid JSON (Expecting"),
+        # a chat template added by hand: the worker failed on json's words alone, naming no file
+        ("tokenizer_config.json", '{"chat_template": "{{ x }}",}', "is not valid JSON (Expect"),
+        ("generation_config.json", '{"temperature": .7}', "is not valid JSON (Expecting"),
+    ],
+)
+def test_a_model_file_that_is_not_json_is_named_with_its_fault(tmp_path, name, text, fault):
+    """A config edited by hand: the line names the file and where it breaks, where it
+    said only \"the model's files are unreadable (JSONDecodeError)\"."""
+    folder = sentence_folder(tmp_path, ST_MODULES, {"pooling_mode": "cls"})
+    if name == "config.json":  # where the task is read from
+        (folder / "modules.json").unlink()
+    file = folder / name
+    file.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models([str(folder)])
+    assert str(caught.value).startswith(f"model {folder}: {file} {fault}")
+
+
+def test_a_model_s_files_are_read_as_utf_8_whatever_the_locale(tmp_path, ascii_locale):
+    """JSON is UTF-8: labels, names and paths beyond ASCII (a multilingual classifier's)
+    are read in an ASCII locale too, not refused as undecodable."""
+    classifier = tmp_path / "classifier"
+    classifier.mkdir()
+    config = {"architectures": ["BertForSequenceClassification"], "id2label": {"0": "négatif"}}
+    tokenizer = {"tokenizer_class": "ByT5Tokenizer", "name_or_path": "équipe/modèle"}
+    for name, document in (("config.json", config), ("tokenizer_config.json", tokenizer)):
+        (classifier / name).write_text(json.dumps(document, ensure_ascii=False), "utf-8")
+    (classifier / "model.safetensors").write_bytes(b"")
+    sentence = sentence_folder(tmp_path, ST_MODULES, {"pooling_mode": "cls"})
+    modules = json.loads((sentence / "modules.json").read_text("utf-8"))
+    modules[0]["name"] = "modèle"
+    (sentence / "modules.json").write_text(json.dumps(modules, ensure_ascii=False), "utf-8")
+    plans = plan_models([str(classifier), str(sentence)])
+    assert [plan.facts.task for plan in plans] == ["text-classification", "feature-extraction"]
+    assert plans[1].facts.pooling == "cls"
+
+
 @pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
 def test_a_cached_file_whose_blob_is_gone_is_named_at_start(tmp_path, name):
     # the snapshot is whole, so huggingface_hub resolves it offline; the file links to nothing

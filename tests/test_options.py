@@ -29,6 +29,7 @@ SAMPLES = {
     "--chat-template": __file__,  # a file that exists: its text is read at parse time
     "--loop": "asyncio",
     "--host": "localhost",  # a name this machine resolves
+    "--max-timeout": "600",  # not below --timeout's 30
 }
 # Each needs a real certificate file; tests/test_tls_cors.py serves TLS from them.
 NEEDS_FILES = {"--ssl-certfile", "--ssl-keyfile"}

@@ -55,6 +55,9 @@ TOKENIZER_FILES = (
 FILELESS_TOKENIZERS = {"ByT5Tokenizer", "CanineTokenizer", "PerceiverTokenizer"}
 FILELESS_MODEL_TYPES = {"canine", "perceiver"}
 IMAGE_TASKS = {"image-classification"}  # their inputs are images: no tokenizer
+# The small JSON files transformers reads beside config.json that operators edit (a chat
+# template added to tokenizer_config.json, sampling defaults in generation_config.json).
+EDITED_BY_HAND = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 # transformers' other names for tasks served (`pipeline("sentiment-analysis")`)
 TASK_ALIASES = {"sentiment-analysis": "text-classification", "ner": "token-classification"}
 
@@ -116,6 +119,9 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
                 "the model has no tokenizer files (tokenizer.json, a vocabulary or a "
                 "sentencepiece model): every text would read as unknown tokens"
             )
+        for name in EDITED_BY_HAND:  # a worker's load would fail on it naming no file
+            if (model_dir / name).is_file():
+                read_json(model_dir / name)
         if task != "feature-extraction":
             return FolderFacts(task)
         pooling, normalize = sentence_transformers_pooling(model_dir)
@@ -124,7 +130,7 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
         raise ValueError(
             f"the model has no {missing} to read its task from: {NAME_THE_TASK}"
         ) from None
-    except (OSError, json.JSONDecodeError, AttributeError, KeyError, TypeError) as exc:
+    except (OSError, AttributeError, KeyError, TypeError) as exc:
         raise ValueError(f"the model's files are unreadable ({type(exc).__name__})") from None
     return FolderFacts(task, pooling, normalize)
 
@@ -158,14 +164,32 @@ def has_tokenizer(model_dir: Path) -> bool:
 
 def json_file(path: Path) -> dict[str, Any]:
     """A JSON object file's contents; {} when there is no such file."""
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return json_object(path) if path.is_file() else {}
+
+
+def json_object(path: Path) -> dict[str, Any]:
+    """A JSON object file's contents; ValueError naming the file where it holds another."""
+    document = read_json(path)
+    if not isinstance(document, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return document
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's contents, read as UTF-8 (JSON's encoding, whatever the locale);
+    ValueError naming the file and the fault where it is not JSON (a config edited by
+    hand), which json's own error does not name."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise ValueError(f"{path} is not valid JSON ({exc})") from None
 
 
 def infer_task(model_dir: Path) -> str:
     """The task of a local model folder, from sentence-transformers files or config.json."""
     if (model_dir / "modules.json").is_file():
         return "feature-extraction"
-    config = json.loads((model_dir / "config.json").read_text())
+    config = json_object(model_dir / "config.json")
     for architecture in config.get("architectures") or []:
         for ending, task in ARCHITECTURE_TASKS:
             if architecture.endswith(ending):
@@ -221,7 +245,7 @@ def sentence_transformers_pooling(model_dir: Path) -> tuple[str, bool]:
     if not modules_file.is_file():
         return "none", False
     pooling, normalize = "mean", False
-    for module in json.loads(modules_file.read_text()):
+    for module in read_json(modules_file):
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         path = module.get("path", "")
         if kind not in SERVED_MODULES:

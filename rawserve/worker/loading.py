@@ -82,7 +82,7 @@ def choose_dtype(requested: str, device: str, saved: str | None, bf16: bool) -> 
 def saved_dtype(folder: Path) -> str | None:
     """The dtype a model folder's config.json names (`dtype`, or the older `torch_dtype`)."""
     try:
-        config = json.loads((folder / "config.json").read_text())
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     named = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
@@ -233,7 +233,7 @@ def refuse_unloadable_files(folder: Path) -> None:
     (it asked on the terminal whether to run it, and failed), and a safetensors file cut
     short or corrupt (safetensors' own error names no file)."""
     config_file = folder / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
     model_type = config.get("model_type")
     known = model_type in CONFIG_MAPPING_NAMES
     if config.get("auto_map") and not known:
