@@ -341,6 +341,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+HANDLER_IGNORES: dict[str, Callable[[argparse.Namespace], bool]] = {
+    "--task": lambda args: bool(args.task),
+    "--revision": lambda args: bool(args.revision),
+    "--chat-template": lambda args: bool(args.chat_template),
+}
+
+
 def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     """The checked configuration of `argv` (sys.argv when None) and the RAWSERVE_*
     variables; on an invalid value, the error line and exit code 2 (SystemExit)."""
@@ -351,6 +358,10 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     origins = flags_or_variable(args.cors_allow_origin, "RAWSERVE_CORS_ALLOW_ORIGIN")
     if args.handler and models:
         parser.error("--handler serves its own callable: give no --model with it")
+    # what a handler does not read: silently ignored, it would look honoured
+    unread = [flag for flag, given in HANDLER_IGNORES.items() if args.handler and given(args)]
+    if unread:
+        parser.error(f"--handler serves its own callable: {', '.join(unread)} would not apply")
     if args.handler and not HANDLER_SPEC.fullmatch(args.handler):
         parser.error(
             f"--handler {args.handler!r} is not MODULE or MODULE:FACTORY "

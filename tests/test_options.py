@@ -186,6 +186,27 @@ def test_an_address_a_process_count_or_a_key_that_cannot_serve_is_refused_before
     assert line.startswith(f"rawserve: error: {says}")
 
 
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        (["--task", "fill-mask"], "--task"),
+        (["--revision", "v2"], "--revision"),
+        (["--chat-template", "chat.jinja", "--revision", "v2"], "--revision, --chat-template"),
+    ],
+)
+def test_options_a_handler_does_not_read_are_refused_not_ignored(monkeypatch, capsys, given, named):
+    """A handler serves its own callable: a task, revision or chat template given beside it
+    was silently ignored, as though honoured. (An engine is left: tests and deployments
+    set RAWSERVE_ENGINE for every server.)"""
+    clear_environment(monkeypatch)
+    with pytest.raises(SystemExit) as exit:
+        parse_config(["--handler", "tests.handlers:echo", *given])
+    assert exit.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == f"rawserve: error: --handler serves its own callable: {named} would not apply"
+    assert parse_config(["--handler", "tests.handlers:echo", "--engine", "torch"]).handler
+
+
 @pytest.mark.parametrize("spec", [":", ":make", ".relative:make", "a b:c", "m:f:g", "m.:f"])
 def test_a_handler_that_names_no_module_and_factory_is_refused_before_loading(
     monkeypatch, capsys, spec
