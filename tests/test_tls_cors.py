@@ -67,6 +67,9 @@ def servers(request):
         request,
         {
             "tls_server": lambda: serving_tls(request.getfixturevalue("certificate_files")),
+            "combined_tls_server": lambda: RunningServer(
+                [*ECHO, "--ssl-certfile", str(request.getfixturevalue("combined_certificate"))]
+            ),
             "cors_server": lambda: RunningServer([*ECHO, *origins, "--api-key", API_KEY]),
             "any_origin_server": lambda: RunningServer([*ECHO, "--cors-allow-origin", "*"]),
         },
@@ -265,12 +268,22 @@ def test_a_certificate_out_of_its_dates_is_warned_of(ca, tmp_path, valid, warnin
         assert said is not None and warning in said and day in said and str(certfile) in said
 
 
-def test_a_certificate_file_that_holds_the_key_too_is_enough(certificate_files, ca, tmp_path):
+@pytest.fixture(scope="module")
+def combined_certificate(certificate_files, tmp_path_factory):
+    """The key and the certificate chain in one file, and no --ssl-keyfile."""
     certfile, keyfile, _ = certificate_files
-    combined = tmp_path / "combined.pem"
+    combined = tmp_path_factory.mktemp("combined") / "combined.pem"
     combined.write_bytes(keyfile.read_bytes() + certfile.read_bytes())
-    with RunningServer([*ECHO, "--ssl-certfile", str(combined)]) as server:
-        assert https(server, ca, "GET", "/health")[0] == 200
+    return combined
+
+
+@pytest.fixture(scope="module")
+def combined_tls_server(servers):
+    return servers("combined_tls_server")
+
+
+def test_a_certificate_file_that_holds_the_key_too_is_enough(combined_tls_server, ca):
+    assert https(combined_tls_server, ca, "GET", "/health")[0] == 200
 
 
 # --- CORS -----------------------------------------------------------------------------
