@@ -41,6 +41,9 @@ def servers(request, tiny_model):
             "summarizer": lambda: RunningServer(
                 ["--model", tiny_model("seq2seq"), "--task", "summarization", *one]
             ),
+            "small_queue": lambda: RunningServer(
+                ["--handler", "tests.handlers:echo", "--max-queue", "4"]
+            ),
         },
     ) as server:
         yield server
@@ -59,6 +62,11 @@ def generator(servers):
 @pytest.fixture(scope="module")
 def summarizer(servers):
     return servers("summarizer")
+
+
+@pytest.fixture(scope="module")
+def small_queue(servers):
+    return servers("small_queue")
 
 
 def post(server: RunningServer, body: bytes) -> tuple[int, dict]:
@@ -159,8 +167,8 @@ def test_a_length_beyond_the_models_positions_is_refused(request, model, length,
 # --- 6. a request that can never be admitted is 413, not 503 ------------------------
 
 
-def test_a_list_longer_than_the_queue_is_413_without_retry_after():
-    with RunningServer(["--handler", "tests.handlers:echo", "--max-queue", "4"]) as server:
+def test_a_list_longer_than_the_queue_is_413_without_retry_after(small_queue):
+    with small_queue as server:
         status, headers, body = server.request(
             "POST", "/", json.dumps({"inputs": list("abcde")}), {"Content-Type": "application/json"}
         )

@@ -19,13 +19,14 @@ import time
 
 import pytest
 
-from tests.server import REPO_ROOT, RunningServer
+from tests.server import REPO_ROOT, RunningServer, started_as_used
 
 pytestmark = pytest.mark.slow
 
 FAULTY = "tests.handlers:faulty"
 SLEEPING = re.compile(r"faulty handler: sleeping")
 STARTED = re.compile(r"worker 0: started \(pid (\d+)")
+GRACE = 2.0  # seconds: the grace period of the server whose exit is timed
 EXIT_SLACK = 1.5  # seconds past the grace period the process may take to exit
 
 
@@ -80,12 +81,43 @@ def worker_pid(server: RunningServer) -> int:
     return json.loads(body)["worker_pids"][0]
 
 
+@pytest.fixture(scope="module")
+def servers(request, tiny_model, tmp_path_factory):
+    """`servers(name)`: a server of its own for each test that stops, signals or kills
+    it, those the selected tests use started together (their workers load side by side).
+    A test that watches its server come up, or counts its workers' deaths, starts it
+    itself."""
+
+    def model_server(kind: str, engine: str) -> RunningServer:
+        args = ["--model", tiny_model(kind), "--engine", engine, "--device", "cpu"]
+        cache = tmp_path_factory.mktemp(f"{kind}-{engine}") / "cache"  # a fresh one
+        return RunningServer([*args, "--threads", "1"], env={"RAWSERVE_CACHE_DIR": str(cache)})
+
+    def in_a_group(http_processes: str) -> RunningServer:
+        args = ["--handler", FAULTY, "--grace", "20", "--http-processes", http_processes]
+        return RunningServer(args, own_group=True)
+
+    echo = ["--handler", "tests.handlers:echo"]
+    with started_as_used(
+        request,
+        {
+            "grace_server": lambda: RunningServer(["--handler", FAULTY, "--grace", str(GRACE)]),
+            "text-classification-torch": lambda: model_server("text-classification", "torch"),
+            "sentence-embedding-onnx": lambda: model_server("sentence-embedding", "onnx"),
+            "signalled_twice_server": lambda: RunningServer(echo),
+            "closed_descriptors_server": lambda: RunningServer(echo, closed=(0, 1)),
+            "group-of-1": lambda: in_a_group("1"),
+            "group-of-2": lambda: in_a_group("2"),
+        },
+    ) as get:
+        yield get
+
+
 # --- 2. --grace is a hard bound on the exit ------------------------------------------
 
 
-def test_the_grace_period_bounds_the_exit_even_with_a_busy_worker():
-    grace = 2.0
-    server = RunningServer(["--handler", FAULTY, "--grace", str(grace)]).start()
+def test_the_grace_period_bounds_the_exit_even_with_a_busy_worker(servers):
+    server = servers("grace_server")
     try:
         thread, answers = post_in_background(server, {"inputs": "x", "parameters": {"sleep": 30}})
         server.wait_for_log(SLEEPING, timeout=30)
@@ -97,7 +129,7 @@ def test_the_grace_period_bounds_the_exit_even_with_a_busy_worker():
     finally:
         server.stop()
     assert answers and answers[0][0] == 503
-    assert elapsed <= grace + EXIT_SLACK, f"exited {elapsed:.1f} s after SIGTERM (grace {grace})"
+    assert elapsed <= GRACE + EXIT_SLACK, f"exited {elapsed:.1f} s after SIGTERM (grace {GRACE})"
 
 
 # --- 3. an input is quarantined only after crashing a worker alone twice -------------
@@ -134,16 +166,12 @@ def test_an_input_that_crashes_the_worker_alone_is_still_quarantined():
 # --- 12. small things a user sees -----------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("kind", "engine"), [("text-classification", "torch"), ("sentence-embedding", "onnx")]
-)
-def test_a_stop_after_a_worker_was_killed_leaks_no_semaphore(tiny_model, tmp_path, kind, engine):
+@pytest.mark.parametrize("model", ["text-classification-torch", "sentence-embedding-onnx"])
+def test_a_stop_after_a_worker_was_killed_leaks_no_semaphore(servers, model):
     """A worker killed from outside (or at the end of the grace period) cannot clean up
     after itself: it must hold nothing the resource tracker would report as leaked (the
     ONNX engine's worker exports the graph first: a fresh cache makes it)."""
-    args = ["--model", tiny_model(kind), "--engine", engine, "--device", "cpu", "--threads", "1"]
-    server = RunningServer(args, env={"RAWSERVE_CACHE_DIR": str(tmp_path / "cache")})
-    server.start()
+    server = servers(model)
     try:
         os.kill(worker_pid(server), signal.SIGKILL)
         wait_for_nth(server, STARTED, 2)
@@ -176,10 +204,10 @@ def test_a_stop_during_the_first_starts_trial_leaks_no_semaphore(tiny_model, tmp
     assert not [line for line in lines if "leaked" in line], lines[-10:]
 
 
-def test_the_same_stop_signal_twice_at_once_still_drains():
+def test_the_same_stop_signal_twice_at_once_still_drains(servers):
     """`make serve` stopped with SIGTERM to its process group: the server gets the signal
     from the group and again from make, a moment apart; that is one stop, not two."""
-    server = RunningServer(["--handler", "tests.handlers:echo"]).start()
+    server = servers("signalled_twice_server")
     server.signal(signal.SIGTERM)
     server.wait_for_log(re.compile("SIGTERM received"))
     server.signal(signal.SIGTERM)  # make forwards the one it got
@@ -189,12 +217,12 @@ def test_the_same_stop_signal_twice_at_once_still_drains():
     assert lines[-1].endswith("rawserve INFO stopped"), lines[-5:]
 
 
-def test_a_server_started_with_stdin_and_stdout_closed_stops_cleanly():
+def test_a_server_started_with_stdin_and_stdout_closed_stops_cleanly(servers):
     """A process manager may start the server with a standard descriptor closed (`<&-`,
     `>&-`): the event loop took it for its own and uvloop aborted the clean stop (exit
     134), and the workers, started without it too, took it for a pipe of theirs. Both
     are /dev/null now, in the server and in what it starts."""
-    server = RunningServer(["--handler", "tests.handlers:echo"], closed=(0, 1)).start()
+    server = servers("closed_descriptors_server")
     try:
         status, answer = server.post_json({"inputs": "x"})
         assert status == 200, answer
@@ -234,15 +262,12 @@ def test_each_closed_standard_descriptor_is_opened_on_dev_null_for_what_the_proc
         assert seen[fd] == [os.devnull, True], fd
 
 
-@pytest.mark.parametrize("http_processes", ["1", "2"])
-def test_a_stop_sent_to_the_whole_process_group_drains_through_the_same_workers(
-    http_processes,
-):
+@pytest.mark.parametrize("group", [pytest.param(f"group-of-{n}", id=n) for n in ("1", "2")])
+def test_a_stop_sent_to_the_whole_process_group_drains_through_the_same_workers(servers, group):
     """systemd stops a service, and `kill -- -PGID` a group, by signalling every process
     in it: the workers too. They leave the stop to the server, which drains: the batch
     in hand is answered by the worker that ran it, with no restart and no input blamed."""
-    args = ["--handler", FAULTY, "--grace", "20", "--http-processes", http_processes]
-    server = RunningServer(args, own_group=True).start()
+    server = servers(group)  # --grace 20, and 1 or 2 HTTP processes
     try:
         pids = json.loads(server.request("GET", "/info")[2])["worker_pids"]
         thread, answers = post_in_background(server, {"inputs": "x", "parameters": {"sleep": 1}})

@@ -15,19 +15,53 @@ import threading
 import pytest
 
 from tests.load import Client
-from tests.server import RunningServer
+from tests.server import RunningServer, started_as_used
 
 pytestmark = pytest.mark.slow
 
 LONG_TEXT = "word " * 209_700  # just under 1 MiB; the model reads its first 512 tokens
 
 
+@pytest.fixture(scope="module")
+def servers(request):
+    """A server of its own for each test, those the selected tests use started together
+    (their workers load side by side)."""
+    paced = ["--handler", "tests.abuse_handlers:paced", "--max-queue", "1024"]
+    paced += ["--max-client-batch-size", "256", "--max-batch-size", "16", "--no-access-log"]
+    with started_as_used(
+        request,
+        {
+            "minilm_server": lambda: RunningServer(["--no-access-log"]),  # the packaged MiniLM
+            "paced_server": lambda: RunningServer(paced),
+            "faulty_server": lambda: RunningServer(
+                ["--handler", "tests.handlers:faulty", "--no-access-log"]
+            ),
+        },
+    ) as get:
+        yield get
+
+
+@pytest.fixture(scope="module")
+def minilm_server(servers):
+    return servers("minilm_server")
+
+
+@pytest.fixture(scope="module")
+def paced_server(servers):
+    return servers("paced_server")
+
+
+@pytest.fixture(scope="module")
+def faulty_server(servers):
+    return servers("faulty_server")
+
+
 # --- 4. no false "deadline unreachable" on an idle server ----------------------------
 
 
-def test_a_long_text_on_an_idle_server_is_answered_not_refused():
+def test_a_long_text_on_an_idle_server_is_answered_not_refused(minilm_server):
     sentence = "the quick brown fox jumps over the lazy dog and keeps running far away " * 4
-    with RunningServer(["--no-access-log"]) as server:  # the packaged MiniLM
+    with minilm_server as server:
         for _ in range(4):  # a few large lists teach the cost model the speed
             status, answer = server.post_json({"inputs": [sentence] * 32})
             assert status == 200, answer
@@ -50,14 +84,12 @@ async def queued_items(port: int) -> float:
     return float(match.group(1))
 
 
-def test_large_lists_do_not_starve_single_requests():
+def test_large_lists_do_not_starve_single_requests(paced_server):
     """Fairness as order, which holds on any machine: single requests sent one after
     another while two lists of 256 items are queued are each answered while the lists are
     still being computed. A queue served in arrival order would answer the first single
     only after all 512 items (32 batches of 16)."""
-    args = ["--handler", "tests.abuse_handlers:paced", "--max-queue", "1024"]
-    args += ["--max-client-batch-size", "256", "--max-batch-size", "16", "--no-access-log"]
-    with RunningServer(args) as server:
+    with paced_server as server:
 
         async def scenario() -> tuple[list[bool], list[int]]:
             client = Client(server.port)
@@ -86,9 +118,9 @@ def test_large_lists_do_not_starve_single_requests():
 # --- 11. items that queued while the worker was busy go out together -----------------
 
 
-def test_items_queued_behind_a_slow_batch_go_out_as_one_batch():
+def test_items_queued_behind_a_slow_batch_go_out_as_one_batch(faulty_server):
     lengths = [1, 5, 20, 40, 60, 80, 120, 160, 200]
-    with RunningServer(["--handler", "tests.handlers:faulty", "--no-access-log"]) as server:
+    with faulty_server as server:
         answers: list = []
 
         def post(document: dict) -> None:

@@ -15,12 +15,13 @@ import time
 import h11
 import pytest
 
-from tests.server import RunningServer
+from tests.server import RunningServer, started_as_used
 
 pytestmark = pytest.mark.slow
 
 FLOOD_SECONDS = 5.0
 RSS_GROWTH_LIMIT = 10 * 1024 * 1024  # bytes the server may grow under the flood
+BIG_ANSWER = 8 * 1024 * 1024  # bytes of an answer a client that never reads is sent
 # seconds, /health for another client during the flood: a loop that served a written
 # block of 2,000 pipelined requests before the probe would take 100 ms or more; the
 # margin is a busy 2-core machine's (11.7 ms seen beside other work, 1-3 ms alone)
@@ -75,23 +76,31 @@ def read_answers(sock: socket.socket, limit: float) -> list[tuple[int, bytes]]:
 
 
 @pytest.fixture(scope="module")
-def echo_server():
-    with RunningServer(
-        [
-            "--handler",
-            "tests.handlers:echo",
-            "--max-body-bytes",
-            "4096",
-            "--body-timeout",
-            "10",
-            "--max-connections",
-            "8",
-            "--keepalive-timeout",
-            "60",
-            "--no-access-log",
-        ]
-    ) as server:
-        yield server
+def servers(request):
+    """The module's servers its selected tests use, started together."""
+    echo = ["--handler", "tests.handlers:echo", "--max-body-bytes", "4096", "--body-timeout"]
+    echo += ["10", "--max-connections", "8", "--keepalive-timeout", "60", "--no-access-log"]
+    big = ["--handler", "tests.abuse_handlers:big_answers", "--no-access-log"]
+    big_env = {"RAWSERVE_TEST_ANSWER_BYTES": str(BIG_ANSWER), "RAWSERVE_WRITE_TIMEOUT": "1"}
+    with started_as_used(
+        request,
+        {
+            "echo_server": lambda: RunningServer(echo),
+            "big_answer_server": lambda: RunningServer(big, env=big_env),
+        },
+    ) as get:
+        yield get
+
+
+@pytest.fixture(scope="module")
+def echo_server(servers):
+    return servers("echo_server")
+
+
+@pytest.fixture(scope="module")
+def big_answer_server(servers):
+    """Answers of BIG_ANSWER bytes, and a write timeout of 1 s."""
+    return servers("big_answer_server")
 
 
 # --- 1. pipelined bytes are read within a bound, whatever the number of answers -----
@@ -216,10 +225,8 @@ def test_probes_are_answered_when_the_connection_cap_is_reached(echo_server):
 # --- 10. a client that never reads its answer is closed after --write-timeout --------
 
 
-def test_a_client_that_never_reads_is_closed_after_the_write_timeout():
-    env = {"RAWSERVE_TEST_ANSWER_BYTES": str(8 * 1024 * 1024), "RAWSERVE_WRITE_TIMEOUT": "1"}
-    args = ["--handler", "tests.abuse_handlers:big_answers", "--no-access-log"]
-    with RunningServer(args, env=env) as server:
+def test_a_client_that_never_reads_is_closed_after_the_write_timeout(big_answer_server):
+    with big_answer_server as server:
         with connect(server.port, rcvbuf=4096) as sock:
             sock.sendall(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\n\r\nx")
             time.sleep(4)  # the client reads nothing: the wait is what is tested
@@ -230,4 +237,4 @@ def test_a_client_that_never_reads_is_closed_after_the_write_timeout():
                     received += len(data)
             except (ConnectionResetError, TimeoutError):
                 pass
-        assert received < 8 * 1024 * 1024, "the server held the answer for a client not reading"
+        assert received < BIG_ANSWER, "the server held the answer for a client not reading"

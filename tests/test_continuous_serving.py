@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.server import RunningServer, running_together
+from tests.server import RunningServer, started_as_used
 
 pytestmark = pytest.mark.slow
 
@@ -30,18 +30,35 @@ ASKS = [("the movie was", 3), ("a long and winding road to", 40), ("hello", 12),
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model):
+def started(request, tiny_model):
+    """The module's servers its selected tests use, started together."""
     model = tiny_model("long-generation")
-    started = {
-        "rows": RunningServer(
-            ["--model", model, "--max-sequences", "8", "--threads", "1", "--device", "cpu"]
-        ),
-        "one row": RunningServer(
-            ["--model", model, "--max-sequences", "1", "--threads", "1", "--device", "cpu"]
-        ),
-    }
-    with running_together(started):
-        yield started
+
+    def serving(*extra: str):
+        return lambda: RunningServer(
+            ["--model", model, *extra, "--threads", "1", "--device", "cpu"]
+        )
+
+    with started_as_used(
+        request,
+        {
+            "rows_server": serving("--max-sequences", "8"),
+            "one_row_server": serving("--max-sequences", "1"),
+            # its own: its test stops the worker
+            "watched_server": serving("--batch-timeout", "0.5", "--max-sequences", "2"),
+        },
+    ) as get:
+        yield get
+
+
+@pytest.fixture(scope="module")
+def servers(started):
+    return {"rows": started("rows_server"), "one row": started("one_row_server")}
+
+
+@pytest.fixture(scope="module")
+def watched_server(started):
+    return started("watched_server")
 
 
 def complete(server: RunningServer, prompt: str, tokens: int, **headers: str) -> tuple[int, dict]:
@@ -245,28 +262,26 @@ def test_a_worker_killed_with_sequences_running_answers_every_one(servers):
     assert complete(server, "hello", 2)[0] == 200
 
 
-def test_the_batch_timeout_kills_a_hung_worker_not_a_long_generation(tiny_model):
+def test_the_batch_timeout_kills_a_hung_worker_not_a_long_generation(watched_server):
     """A continuous worker's sequences run as long as their deadlines allow: the batch
-    timeout tells a worker that stopped finishing passes from one that runs a long
+    timeout (0.5 s) tells a worker that stopped finishing passes from one that runs a long
     generation, streamed or not, and kills only the first."""
-    args = ["--model", tiny_model("long-generation"), "--batch-timeout", "0.5"]
-    with RunningServer(
-        [*args, "--max-sequences", "2", "--threads", "1", "--device", "cpu"]
-    ) as server:
-        status, answer = complete(server, "the movie was", LONG)
-        assert status == 200, answer
-        assert answer["usage"]["completion_tokens"] == LONG
-        with start_stream(server, "the movie was", LONG) as sock:
-            sock.settimeout(60)
-            received = b""
-            while not received.endswith(b"0\r\n\r\n"):
-                chunk = sock.recv(65536)
-                assert chunk, received[-300:]
-                received += chunk
-        assert b'"error"' not in received and b'"finish_reason":"length"' in received
+    server = watched_server
 
-        status, _, body = server.request("GET", "/info")
-        [pid] = [w["pid"] for w in json.loads(body)["workers"]]
-        with start_stream(server, "the movie was", LONG) as sock:
-            os.kill(pid, signal.SIGSTOP)  # hung: it finishes no pass any more
-            server.wait_for_log(re.compile(rf"killing process {pid}"), timeout=30)
+    status, answer = complete(server, "the movie was", LONG)
+    assert status == 200, answer
+    assert answer["usage"]["completion_tokens"] == LONG
+    with start_stream(server, "the movie was", LONG) as sock:
+        sock.settimeout(60)
+        received = b""
+        while not received.endswith(b"0\r\n\r\n"):
+            chunk = sock.recv(65536)
+            assert chunk, received[-300:]
+            received += chunk
+    assert b'"error"' not in received and b'"finish_reason":"length"' in received
+
+    status, _, body = server.request("GET", "/info")
+    [pid] = [w["pid"] for w in json.loads(body)["workers"]]
+    with start_stream(server, "the movie was", LONG) as sock:
+        os.kill(pid, signal.SIGSTOP)  # hung: it finishes no pass any more
+        server.wait_for_log(re.compile(rf"killing process {pid}"), timeout=30)

@@ -35,6 +35,11 @@ def servers(request, tiny_model):
             "echo_server": lambda: RunningServer(
                 ["--handler", "tests.handlers:sleepy", "--max-batch-size", "8"]
             ),
+            # no arguments: its model and body limit come from the environment
+            "env_server": lambda: RunningServer(
+                [],
+                env={"RAWSERVE_MODEL": tiny_model("fill-mask"), "RAWSERVE_MAX_BODY_BYTES": "20"},
+            ),
         },
     ) as server:
         yield server
@@ -58,6 +63,11 @@ def classifier_server(servers):
 @pytest.fixture(scope="module")
 def echo_server(servers):
     return servers("echo_server")
+
+
+@pytest.fixture(scope="module")
+def env_server(servers):
+    return servers("env_server")
 
 
 def curl(*args: str) -> str:
@@ -220,9 +230,8 @@ def test_ready_is_503_while_loading_and_posts_get_retry_after(tmp_path):
         assert status == 200 and json.loads(body)["input"] == "hello"
 
 
-def test_environment_variables_set_options(tiny_model):
-    env = {"RAWSERVE_MODEL": tiny_model("fill-mask"), "RAWSERVE_MAX_BODY_BYTES": "20"}
-    with RunningServer([], env=env) as server:
+def test_environment_variables_set_options(env_server):
+    with env_server as server:
         status, _, _ = server.request("POST", "/", b"x" * 21)
         assert status == 413
         status, _, body = server.request("POST", "/", b"a [MASK]")

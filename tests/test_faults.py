@@ -33,7 +33,7 @@ from rawserve.serving.supervision import (
 from rawserve.shared.messages import FailureKind, ItemFailure, WorkerConfig
 from rawserve.worker.batch_runs import BatchCap, run_batch
 from tests.load import Client
-from tests.server import RunningServer
+from tests.server import RunningServer, started_as_used
 
 FAULTY = "tests.handlers:faulty"
 
@@ -320,10 +320,37 @@ async def test_repeated_failed_restarts_make_the_process_unhealthy(
 
 
 @pytest.fixture(scope="module")
-def faulty_server():
-    args = ["--handler", FAULTY, "--batch-timeout", "3", "--max-batch-size", "16"]
-    with RunningServer(args, env={"RAWSERVE_TEST_OOM_ABOVE": "6"}) as server:
-        yield server
+def servers(request):
+    """The module's servers its selected tests use, started together."""
+    faulty = ["--handler", FAULTY, "--batch-timeout", "3", "--max-batch-size", "16"]
+    two_workers = ["--device", "cpu,cpu", "--threads", "1", "--max-batch-size", "1"]
+    with started_as_used(
+        request,
+        {
+            "faulty_server": lambda: RunningServer(faulty, env={"RAWSERVE_TEST_OOM_ABOVE": "6"}),
+            # their own: their tests stop them
+            "draining_server": lambda: RunningServer(
+                ["--handler", FAULTY, "--max-batch-size", "2", "--grace", "30"]
+            ),
+            "two_workers_server": lambda: RunningServer(["--handler", FAULTY, *two_workers]),
+        },
+    ) as get:
+        yield get
+
+
+@pytest.fixture(scope="module")
+def faulty_server(servers):
+    return servers("faulty_server")
+
+
+@pytest.fixture(scope="module")
+def draining_server(servers):
+    return servers("draining_server")
+
+
+@pytest.fixture(scope="module")
+def two_workers_server(servers):
+    return servers("two_workers_server")
 
 
 async def post(client: Client, text: str, **params) -> tuple[int, dict]:
@@ -457,9 +484,8 @@ def test_a_hung_request_gets_500_and_the_queue_moves_on(faulty_server):
 
 
 @pytest.mark.slow
-def test_sigterm_under_load_finishes_in_flight_work_and_exits_0():
-    server = RunningServer(["--handler", FAULTY, "--max-batch-size", "2", "--grace", "30"])
-    with server:
+def test_sigterm_under_load_finishes_in_flight_work_and_exits_0(draining_server):
+    with draining_server as server:
         keepalive = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
 
         def ready_on_the_open_connection() -> int:
@@ -488,10 +514,8 @@ def test_sigterm_under_load_finishes_in_flight_work_and_exits_0():
 
 
 @pytest.mark.slow
-def test_two_cpu_workers_share_the_load_and_a_second_signal_exits_at_once():
-    args = ["--handler", FAULTY, "--device", "cpu,cpu", "--threads", "1", "--max-batch-size", "1"]
-    server = RunningServer(args)
-    with server:
+def test_two_cpu_workers_share_the_load_and_a_second_signal_exits_at_once(two_workers_server):
+    with two_workers_server as server:
         server.wait_for_log(re.compile(r"worker 1: .* ready"), 120)
         server.wait_for_log(re.compile(r"worker 0: .* ready"), 120)
 

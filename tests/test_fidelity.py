@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests import fidelity_models
-from tests.server import RunningServer
+from tests.server import RunningServer, module_tests, running_together
 
 pytestmark = pytest.mark.slow
 
@@ -49,22 +49,21 @@ def fidelity_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(fidelity_model):
-    """`server(model, task)` -> a running rawserve, one per model and task for the module."""
-    running: dict[tuple[str, str], RunningServer] = {}
-
-    def get(model: str, task: str) -> RunningServer:
-        if (model, task) not in running:
-            # one thread: the answers do not depend on how busy the machine is, nor does
-            # beam search crawl when other processes hold the cores; a deadline far off
-            args = ["--model", str(fidelity_model(model)), "--task", task, "--threads", "1"]
-            args += ["--timeout", "300", "--max-timeout", "300"]
-            running[model, task] = RunningServer(args).start()
-        return running[model, task]
-
-    yield get
-    for started in running.values():
-        started.stop()
+def server(request, fidelity_model):
+    """`server(model, task)` -> a running rawserve, one per model and task for the module:
+    those of the cases this run selected, started together (their models load side by
+    side, not one after the other)."""
+    selected = (getattr(item, "callspec", None) for item in module_tests(request))
+    cases = (callspec.params["case"] for callspec in selected if callspec is not None)
+    together = {}
+    for model, task in sorted({(case["model"], case["task"]) for case in cases}):
+        # one thread: the answers do not depend on how busy the machine is, nor does
+        # beam search crawl when other processes hold the cores; a deadline far off
+        args = ["--model", str(fidelity_model(model)), "--task", task, "--threads", "1"]
+        args += ["--timeout", "300", "--max-timeout", "300"]
+        together[f"{model} {task}"] = RunningServer(args)
+    with running_together(together):
+        yield lambda model, task: together[f"{model} {task}"]
 
 
 def test_the_fixture_covers_what_the_issue_names():

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from rawserve.main import SIGNAL_REPEAT_SECONDS
-from tests.server import REPO_ROOT, RunningServer
+from tests.server import REPO_ROOT, RunningServer, started_as_used
 
 pytestmark = pytest.mark.slow
 
@@ -153,9 +153,39 @@ def queue_one(server: RunningServer, connection: Connection, name: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def server():
-    with RunningServer([*SLEEPY, *TWO, "--max-queue", "2"]) as server:
-        yield server
+def servers(request):
+    """The module's servers its selected tests use, started together: the one most tests
+    share, and one of its own for each test that stops or kills its server."""
+    with started_as_used(
+        request,
+        {
+            "server": lambda: RunningServer([*SLEEPY, *TWO, "--max-queue", "2"]),
+            "draining_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "10"]),
+            "orphaned_server": lambda: RunningServer([*SLEEPY, *TWO]),
+            "signalled_twice_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "30"]),
+        },
+    ) as get:
+        yield get
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers("server")
+
+
+@pytest.fixture(scope="module")
+def draining_server(servers):
+    return servers("draining_server")
+
+
+@pytest.fixture(scope="module")
+def orphaned_server(servers):
+    return servers("orphaned_server")
+
+
+@pytest.fixture(scope="module")
+def signalled_twice_server(servers):
+    return servers("signalled_twice_server")
 
 
 def test_both_http_processes_answer_and_info_lists_every_process(server):
@@ -311,8 +341,8 @@ def test_an_http_process_that_hangs_is_killed_and_replaced_and_its_items_withdra
     assert not computed(server, "hung")
 
 
-def test_sigterm_drains_every_process_within_the_grace_period():
-    server = RunningServer([*SLEEPY, *TWO, "--grace", "10"]).start()
+def test_sigterm_drains_every_process_within_the_grace_period(draining_server):
+    server = draining_server  # --grace 10
     try:
         pids = http_pids(server)
         worker = busy(server, "drain-busy", 1.0)
@@ -379,10 +409,10 @@ def board_path(http_pid: int) -> str:
     raise AssertionError(f"HTTP process {http_pid} maps no board")
 
 
-def test_the_serving_process_dying_stops_the_http_processes_with_a_clear_line():
+def test_the_serving_process_dying_stops_the_http_processes_with_a_clear_line(orphaned_server):
     """kill -9 of the serving process: the HTTP processes and the workers exit by
     themselves, the port is free, and nothing is left in shared memory."""
-    server = RunningServer([*SLEEPY, *TWO]).start()
+    server = orphaned_server
     try:
         pids = http_pids(server)
         _, _, body = server.request("GET", "/info")
@@ -402,8 +432,10 @@ def test_the_serving_process_dying_stops_the_http_processes_with_a_clear_line():
         server.stop()
 
 
-def test_a_second_signal_exits_at_once_and_leaves_nothing_in_shared_memory():
-    server = RunningServer([*SLEEPY, *TWO, "--grace", "30"]).start()
+def test_a_second_signal_exits_at_once_and_leaves_nothing_in_shared_memory(
+    signalled_twice_server,
+):
+    server = signalled_twice_server  # --grace 30
     try:
         pids = http_pids(server)
         board = board_path(pids[0])

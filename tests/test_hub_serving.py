@@ -21,7 +21,7 @@ import pytest
 
 from tests.hub_cache import HubRepo, folder_files, write_hub_cache
 from tests.hub_server import FakeHub
-from tests.server import REPO_ROOT, RunningServer
+from tests.server import REPO_ROOT, RunningServer, running_together
 
 pytestmark = pytest.mark.slow
 
@@ -73,10 +73,12 @@ def test_a_hub_id_serves_from_the_cache_offline_as_its_folder_would(tmp_path, re
     write_hub_cache(tmp_path / "hub", repo)
     snapshot = tmp_path / "hub" / "models--org--tiny-bge" / "snapshots" / repo.main
     env = hub_env(tmp_path, HF_HUB_OFFLINE="1")
-    with (
-        serving(["--model", REPO_ID], env) as by_id,
-        serving(["--model", str(snapshot)], env) as by_folder,
-    ):
+    both = {
+        "id": serving(["--model", REPO_ID], env),
+        "folder": serving(["--model", str(snapshot)], env),
+    }
+    with running_together(both):
+        by_id, by_folder = both["id"], both["folder"]
         facts = info(by_id)
         assert facts["task"] == "feature-extraction"  # inferred, no --task
         assert (facts["pooling"], facts["normalize"]) == ("cls", True)
@@ -99,11 +101,14 @@ def test_a_pinned_commit_serves_that_commit(tmp_path, repo):
     write_hub_cache(tmp_path / "hub", repo)
     env = hub_env(tmp_path, HF_HUB_OFFLINE="1")
     old = mean_commit(repo)
-    with serving(["--model", f"{REPO_ID}@{old}"], env) as pinned:
-        facts = info(pinned)
+    pinned = {
+        "in the name": serving(["--model", f"{REPO_ID}@{old}"], env),
+        "by --revision": serving(["--model", REPO_ID, "--revision", old], env),
+    }
+    with running_together(pinned):
+        facts = info(pinned["in the name"])
         assert (facts["pooling"], facts["revision"]) == ("mean", old)
-    with serving(["--model", REPO_ID, "--revision", old], env) as pinned:
-        assert info(pinned)["revision"] == old
+        assert info(pinned["by --revision"])["revision"] == old
 
 
 def test_the_real_download_path_then_a_restart_with_the_hub_gone(tmp_path, repo):
@@ -116,8 +121,12 @@ def test_the_real_download_path_then_a_restart_with_the_hub_gone(tmp_path, repo)
         assert hub.seen(prefix="/cdn/")  # the weights came through the download path
     assert progress  # the download logged its progress
     # the stand-in is gone: the cache serves, with HF_HUB_OFFLINE or without
-    for offline in ("1", "0"):
-        with serving(["--model", REPO_ID], {**env, "HF_HUB_OFFLINE": offline}) as again:
+    offline_or_not = {
+        offline: serving(["--model", REPO_ID], {**env, "HF_HUB_OFFLINE": offline})
+        for offline in ("1", "0")
+    }
+    with running_together(offline_or_not):
+        for again in offline_or_not.values():
             np.testing.assert_array_equal(embed(again, "the movie"), downloaded)
 
 

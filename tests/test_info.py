@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.server import RunningServer
+from tests.server import RunningServer, started_as_used
 
 pytestmark = pytest.mark.slow
 
@@ -16,13 +16,31 @@ STILL_LOADING = re.compile(r"still loading the model \((\d+) s\)")
 
 
 @pytest.fixture(scope="module")
-def server():
+def servers(request):
+    """The module's servers its selected tests use, started together."""
     args = ["--handler", "tests.handlers:echo", "--max-batch-size", "8", "--max-queue", "16"]
+    args += ["--timeout", "12", "--max-batch-delay-ms", "2"]
     no_device = {"RAWSERVE_DEVICE": ""}  # the layout a user gets with no --device
-    with RunningServer(
-        [*args, "--timeout", "12", "--max-batch-delay-ms", "2"], env=no_device
-    ) as running:
-        yield running
+    with started_as_used(
+        request,
+        {
+            "server": lambda: RunningServer(args, env=no_device),
+            "guarded_server": lambda: RunningServer(
+                ["--handler", "tests.handlers:echo", "--api-key", "s3cret"]
+            ),
+        },
+    ) as get:
+        yield get
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers("server")
+
+
+@pytest.fixture(scope="module")
+def guarded_server(servers):
+    return servers("guarded_server")
 
 
 def test_info_tells_the_model_settings_versions_and_worker_pids(server):
@@ -92,8 +110,8 @@ def test_while_loading_ready_tells_the_phase_and_the_log_tells_the_progress(tmp_
         assert status == 200 and json.loads(body)["status"] == "ready"
 
 
-def test_with_an_api_key_metrics_stay_open_and_info_needs_the_key():
-    with RunningServer(["--handler", "tests.handlers:echo", "--api-key", "s3cret"]) as guarded:
+def test_with_an_api_key_metrics_stay_open_and_info_needs_the_key(guarded_server):
+    with guarded_server as guarded:
         assert guarded.request("GET", "/metrics")[0] == 200
         assert guarded.request("GET", "/info")[0] == 401
         status, _, body = guarded.request(

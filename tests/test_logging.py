@@ -26,7 +26,7 @@ from rawserve.shared.logs import (
     setup_logging,
     setup_worker_logging,
 )
-from tests.server import RunningServer
+from tests.server import RunningServer, started_as_used
 
 STOPPED = re.compile(r"INFO stopped$|\"message\": \"stopped\"")  # the last line
 
@@ -283,9 +283,48 @@ def test_bad_logging_options_are_refused(monkeypatch, capsys, argv, env):
     assert "rawserve: error:" in capsys.readouterr().err
 
 
+@pytest.fixture(scope="module")
+def servers(request):
+    """A server of its own for each slow test (each stops it), those the selected tests
+    use started together (their workers load side by side)."""
+    echo = ["--handler", "tests.handlers:echo"]
+    with started_as_used(
+        request,
+        {
+            "json_server": lambda: RunningServer([*echo, "--log-format", "json"]),
+            "quiet_server": lambda: RunningServer(echo, env={"RAWSERVE_NO_ACCESS_LOG": "1"}),
+            "unread_server": lambda: RunningServer(echo),
+            "lingering_server": lambda: RunningServer(
+                ["--handler", "tests.handlers:lingering_thread", "--device", "cpu"]
+            ),
+        },
+    ) as get:
+        yield get
+
+
+@pytest.fixture(scope="module")
+def json_server(servers):
+    return servers("json_server")
+
+
+@pytest.fixture(scope="module")
+def quiet_server(servers):
+    return servers("quiet_server")
+
+
+@pytest.fixture(scope="module")
+def unread_server(servers):
+    return servers("unread_server")
+
+
+@pytest.fixture(scope="module")
+def lingering_server(servers):
+    return servers("lingering_server")
+
+
 @pytest.mark.slow
-def test_json_logs_from_the_server_and_its_worker_with_an_access_line_per_request():
-    server = RunningServer(["--handler", "tests.handlers:echo", "--log-format", "json"])
+def test_json_logs_from_the_server_and_its_worker_with_an_access_line_per_request(json_server):
+    server = json_server
     with server:
         status, headers, _ = server.request("POST", "/?x=1", "hello", {"X-Request-Id": "req-42"})
         assert status == 200
@@ -301,10 +340,8 @@ def test_json_logs_from_the_server_and_its_worker_with_an_access_line_per_reques
 
 
 @pytest.mark.slow
-def test_no_access_log_from_the_environment():
-    server = RunningServer(
-        ["--handler", "tests.handlers:echo"], env={"RAWSERVE_NO_ACCESS_LOG": "1"}
-    )
+def test_no_access_log_from_the_environment(quiet_server):
+    server = quiet_server
     with server:
         assert server.request("POST", "/", "hello")[0] == 200
         assert server.request("GET", "/nope")[0] == 404
@@ -315,11 +352,11 @@ def test_no_access_log_from_the_environment():
 
 
 @pytest.mark.slow
-def test_a_log_nobody_reads_never_stops_the_server():
+def test_a_log_nobody_reads_never_stops_the_server(unread_server):
     """A log shipper that stalls (or a terminal paused) stops reading stderr: once its
     pipe was full (some 400 access lines), every log write blocked the event loop, and
     the server answered nothing, not even /health, until someone read again."""
-    with RunningServer(["--handler", "tests.handlers:echo"]) as server:
+    with unread_server as server:
         server.pause_log()
         connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
         for _ in range(1500):  # some 200 KB of access lines: three pipes' worth
@@ -496,8 +533,10 @@ def test_an_access_line_that_cannot_be_written_is_reported_as_logging_reports_it
 
 
 @pytest.mark.slow
-def test_a_worker_held_at_exit_by_a_thread_of_its_own_is_killed_with_a_line_saying_so():
-    server = RunningServer(["--handler", "tests.handlers:lingering_thread", "--device", "cpu"])
+def test_a_worker_held_at_exit_by_a_thread_of_its_own_is_killed_with_a_line_saying_so(
+    lingering_server,
+):
+    server = lingering_server
     with server:
         assert server.post_json({"inputs": "hello"})[0] == 200
         server.stop()

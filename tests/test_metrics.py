@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rawserve.ops.metrics import Metrics
 from tests.load import Client, exchange, run_load
-from tests.server import RunningServer
+from tests.server import RunningServer, started_as_used
 
 pytestmark = pytest.mark.slow
 
@@ -21,10 +21,28 @@ BUSY_SECONDS = 1.5  # how long one request keeps the only worker busy
 
 
 @pytest.fixture(scope="module")
-def server():
-    args = ["--handler", "tests.handlers:sleepy", "--max-batch-size", "4"]
-    with RunningServer([*args, "--max-queue", str(MAX_QUEUE)]) as running:
-        yield running
+def servers(request):
+    """The module's servers its selected tests use, started together."""
+    sleepy = ["--handler", "tests.handlers:sleepy", "--max-batch-size", "4"]
+    with started_as_used(
+        request,
+        {
+            "server": lambda: RunningServer([*sleepy, "--max-queue", str(MAX_QUEUE)]),
+            # its own: its test crashes the worker
+            "faulty_server": lambda: RunningServer(["--handler", "tests.handlers:faulty"]),
+        },
+    ) as get:
+        yield get
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers("server")
+
+
+@pytest.fixture(scope="module")
+def faulty_server(servers):
+    return servers("faulty_server")
 
 
 def scrape(server: RunningServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -203,8 +221,8 @@ async def test_the_loop_lag_probe_sees_a_blocked_loop():
     assert metrics.registry.get_sample_value("rawserve_event_loop_lag_last_seconds") >= 0.05
 
 
-def test_poison_inputs_and_worker_restarts_are_counted():
-    with RunningServer(["--handler", "tests.handlers:faulty"]) as faulty:
+def test_poison_inputs_and_worker_restarts_are_counted(faulty_server):
+    with faulty_server as faulty:
         # it crashes its worker, then twice more alone (an input is quarantined only
         # after two crashes on its own): a poison input (500), three restarts
         status, _ = faulty.post_json({"inputs": "crash here"}, timeout=60)

@@ -20,7 +20,7 @@ import pytest
 
 from bench.isolation import saturating, timed_requests
 from tests.load import Client
-from tests.server import RunningServer
+from tests.server import RunningServer, started_as_used
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +28,9 @@ JSON = [("Content-Type", "application/json")]
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_model):
-    """emb (the default: first) and cls, named by alias, cls with its task given."""
-    args = [
+def servers(request, tiny_model):
+    """The module's servers its selected tests use, started together."""
+    pair = [
         "--model",
         f"emb={tiny_model('sentence-embedding')}",
         "--model",
@@ -38,8 +38,35 @@ def pair(tiny_model):
         "--max-batch-size",
         "8",
     ]
-    with RunningServer(args) as server:
-        yield server
+    saturated = [
+        "--model",
+        f"cls={tiny_model('text-classification')}",
+        "--model",
+        f"gen={tiny_model('text-generation')}",
+        "--max-queue",
+        "8",
+        "--max-batch-size",
+        "4",
+        "--max-sequences",  # one sequence a worker: 16 clients fill the queue
+        "1",
+    ]
+    with started_as_used(
+        request,
+        {"pair": lambda: RunningServer(pair), "saturated": lambda: RunningServer(saturated)},
+    ) as get:
+        yield get
+
+
+@pytest.fixture(scope="module")
+def pair(servers):
+    """emb (the default: first) and cls, named by alias, cls with its task given."""
+    return servers("pair")
+
+
+@pytest.fixture(scope="module")
+def saturated(servers):
+    """cls and gen, gen with one sequence a worker and a queue of 8."""
+    return servers("saturated")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -135,25 +162,13 @@ def test_log_lines_name_the_model_of_each_worker(pair):
 # --- isolation -----------------------------------------------------------------------
 
 
-def test_a_saturated_model_never_refuses_or_fails_the_other(tiny_model):
+def test_a_saturated_model_never_refuses_or_fails_the_other(saturated):
     """While the generation model is saturated (its queue at its bound, its clients
     refused with 503), every classification is answered 200, from cls's own worker, and
     cls's queue stays empty between requests: nothing is shared with the saturated model.
     What holds on any machine is asserted here; the latency beside the saturated model
     (p99 within 2x of alone) is measured by `python -m bench.isolation`."""
-    args = [
-        "--model",
-        f"cls={tiny_model('text-classification')}",
-        "--model",
-        f"gen={tiny_model('text-generation')}",
-        "--max-queue",
-        "8",
-        "--max-batch-size",
-        "4",
-        "--max-sequences",  # one sequence a worker: 16 clients fill the queue
-        "1",
-    ]
-    with RunningServer(args) as server:
+    with saturated as server:
         info = json.loads(server.request("GET", "/info")[2])
         pids = {model["name"]: set(model["worker_pids"]) for model in info["models"]}
         assert not pids["cls"] & pids["gen"]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from rawserve.shared.messages import EMBEDDING_ROUTE, NO_CONTROL, Control, Engine, WorkerConfig
-from tests.server import RunningServer
+from tests.server import RunningServer, running_together
 
 pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
 
@@ -483,7 +483,13 @@ def test_the_server_says_which_engine_runs_and_why(tiny_model, onnx_cache):
 
     env = {"RAWSERVE_CACHE_DIR": str(onnx_cache.parent), "RAWSERVE_ENGINE": "auto"}  # the default
     args = ["--model", tiny_model("text-classification"), "--device", "cpu"]
-    with RunningServer(args, env=env).start() as server:
+    generation = ["--model", tiny_model("text-generation"), "--device", "cpu"]
+    both = {
+        "encoder": RunningServer(args, env=env),
+        "generation": RunningServer(generation, env=env),
+    }
+    with running_together(both):  # they load side by side
+        server = both["encoder"]
         # both engines serve the task: the faster here, by a trial (tests/test_engine_trial.py)
         assert any("(auto: the faster here" in line for line in server.lines)
         with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/info") as answer:
@@ -498,8 +504,7 @@ def test_the_server_says_which_engine_runs_and_why(tiny_model, onnx_cache):
         with urllib.request.urlopen(request) as answer:
             labels = [item["label"] for item in json.load(answer)]
         assert set(labels) <= {"NEGATIVE", "POSITIVE"} and len(labels) == 2
-    generation = ["--model", tiny_model("text-generation"), "--device", "cpu"]
-    with RunningServer(generation, env=env).start() as server:
+        server = both["generation"]
         assert any("engine torch (auto: ONNX Runtime serves" in line for line in server.lines)
 
 

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.server import RunningServer, running_together
+from tests.server import RunningServer, module_tests, running_together
 from tests.tiny_models import CHAT_TEMPLATE, PERSON, WEATHER
 
 pytestmark = pytest.mark.slow
@@ -56,34 +56,46 @@ TOOLS_TEMPLATE = (  # a template that shows the tools itself, as instruction-tun
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model):
-    """The two that most tests ask for."""
+def every_server(request, tiny_model, template_file):
+    """The servers of the two groups below that this run's selected tests use, started
+    together (their models load side by side): a run of some of this module's tests
+    (tests/test_http_processes.py's) starts only the groups they use."""
+    tools_template = template_file.parent / "tools.jinja"
+    tools_template.write_text(TOOLS_TEMPLATE)
+    tools_chat, file_chat = (
+        ["--chat-template", str(path)] for path in (tools_template, template_file)
+    )
+    groups = {
+        "servers": {  # the two that most tests ask for
+            "chat": ["--model", tiny_model("chat"), "--max-client-batch-size", "4"],
+            "plain": ["--model", tiny_model("text-generation")],
+        },
+        "more_servers": {  # those that a few tests ask for
+            # 4,096 positions: room for the tools' schemas in the prompt
+            "tools": ["--model", tiny_model("long-generation"), *tools_chat],
+            "template-file": ["--model", tiny_model("text-generation"), *file_chat],
+            "handler": ["--handler", "tests.handlers:echo"],
+        },
+    }
+    used = {name for item in module_tests(request) for name in item.fixturenames}
     started = {
-        "chat": RunningServer(["--model", tiny_model("chat"), "--max-client-batch-size", "4"]),
-        "plain": RunningServer(["--model", tiny_model("text-generation")]),
+        name: RunningServer(args)
+        for group, members in groups.items()
+        if group in used
+        for name, args in members.items()
     }
     with running_together(started, OPEN_CLIENTS):
         yield started
 
 
 @pytest.fixture(scope="module")
-def more_servers(tiny_model, template_file):
-    """Those that a few tests ask for, started apart: a run of some of this module's
-    tests (tests/test_http_processes.py's) starts only the servers they use."""
-    tools_template = template_file.parent / "tools.jinja"
-    tools_template.write_text(TOOLS_TEMPLATE)
-    started = {
-        # 4,096 positions: room for the tools' schemas in the prompt
-        "tools": RunningServer(
-            ["--model", tiny_model("long-generation"), "--chat-template", str(tools_template)]
-        ),
-        "template-file": RunningServer(
-            ["--model", tiny_model("text-generation"), "--chat-template", str(template_file)]
-        ),
-        "handler": RunningServer(["--handler", "tests.handlers:echo"]),
-    }
-    with running_together(started, OPEN_CLIENTS):
-        yield started
+def servers(every_server):
+    return {name: every_server[name] for name in ("chat", "plain")}
+
+
+@pytest.fixture(scope="module")
+def more_servers(every_server):
+    return {name: every_server[name] for name in ("tools", "template-file", "handler")}
 
 
 OPEN_CLIENTS: dict[int, object] = {}  # closed with the servers (either group, at the end)

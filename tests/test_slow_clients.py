@@ -23,16 +23,24 @@ pytestmark = pytest.mark.slow
 API_KEY = "test-key-0123456789"
 AUTH = [("Authorization", f"Bearer {API_KEY}")]
 SLOW_CLIENTS = 100  # of each kind: silent, half a head, half a body
+CAP = 20  # connections the capped server holds
 
 
 @pytest.fixture(scope="module")
 def servers(request):
     """The module's servers its selected tests use, started together: `guarded_server`
     has long read timeouts (slow clients stay connected) and an API key, `strict_server`
-    read timeouts of one second."""
+    read timeouts of one second; the others are each a test's own."""
     echo = ["--handler", "tests.handlers:echo"]
     guarded = ["--head-timeout", "60", "--body-timeout", "60", "--keepalive-timeout", "60"]
     strict = ["--head-timeout", "1", "--body-timeout", "1", "--keepalive-timeout", "30"]
+    recording = ["--handler", "tests.handlers:recording", "--max-batch-size", "1"]
+
+    def recording_server() -> RunningServer:
+        record, gate = request.getfixturevalue("recording_files")
+        env = {"RAWSERVE_TEST_RECORD": str(record), "RAWSERVE_TEST_GATE": str(gate)}
+        return RunningServer([*recording, "--max-queue", "1"], env=env)
+
     with started_as_used(
         request,
         {
@@ -40,6 +48,9 @@ def servers(request):
                 [*echo, *guarded], env={"RAWSERVE_API_KEY": API_KEY}
             ),
             "strict_server": lambda: RunningServer([*echo, *strict]),
+            "idle_closing_server": lambda: RunningServer([*echo, "--keepalive-timeout", "1"]),
+            "capped_server": lambda: RunningServer([*echo, "--max-connections", str(CAP)]),
+            "recording_server": recording_server,
         },
     ) as server:
         yield server
@@ -53,6 +64,32 @@ def guarded_server(servers):
 @pytest.fixture(scope="module")
 def strict_server(servers):
     return servers("strict_server")
+
+
+@pytest.fixture(scope="module")
+def idle_closing_server(servers):
+    """--keepalive-timeout 1"""
+    return servers("idle_closing_server")
+
+
+@pytest.fixture(scope="module")
+def capped_server(servers):
+    """--max-connections CAP"""
+    return servers("capped_server")
+
+
+@pytest.fixture(scope="module")
+def recording_files(tmp_path_factory):
+    """The file `recording_server`'s handler appends each input it computes to, and the
+    one its input "gate" waits for."""
+    folder = tmp_path_factory.mktemp("recording")
+    return folder / "record", folder / "gate"
+
+
+@pytest.fixture(scope="module")
+def recording_server(servers):
+    """The recording handler, one item a batch, a queue of one."""
+    return servers("recording_server")
 
 
 async def read_until_closed(reader: asyncio.StreamReader, limit: float) -> bytes:
@@ -165,9 +202,8 @@ def test_slow_clients_get_408_at_the_read_timeout_then_a_close(strict_server):
     assert strict_server.request("GET", "/health")[0] == 200
 
 
-def test_an_idle_connection_with_nothing_sent_is_closed_without_an_answer():
-    args = ["--handler", "tests.handlers:echo", "--keepalive-timeout", "1"]
-    with RunningServer(args) as server:
+def test_an_idle_connection_with_nothing_sent_is_closed_without_an_answer(idle_closing_server):
+    with idle_closing_server as server:
 
         async def scenario():
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
@@ -182,11 +218,11 @@ def test_an_idle_connection_with_nothing_sent_is_closed_without_an_answer():
 # --- the connection cap ---------------------------------------------------------------
 
 
-def test_past_the_cap_a_new_connection_is_answered_in_place_of_the_one_idle_longest():
-    cap = 20
-    with RunningServer(
-        ["--handler", "tests.handlers:echo", "--max-connections", str(cap)]
-    ) as server:
+def test_past_the_cap_a_new_connection_is_answered_in_place_of_the_one_idle_longest(
+    capped_server,
+):
+    cap = CAP
+    with capped_server as server:
         port = server.port
 
         async def info_over_new_connection():
@@ -231,11 +267,11 @@ def test_past_the_cap_a_new_connection_is_answered_in_place_of_the_one_idle_long
 # --- a client leaving while its request is queued --------------------------------------
 
 
-def test_a_request_whose_client_leaves_while_queued_is_never_computed(tmp_path):
-    record, gate = tmp_path / "record", tmp_path / "gate"
-    env = {"RAWSERVE_TEST_RECORD": str(record), "RAWSERVE_TEST_GATE": str(gate)}
-    args = ["--handler", "tests.handlers:recording", "--max-batch-size", "1", "--max-queue", "1"]
-    with RunningServer(args, env=env) as server:
+def test_a_request_whose_client_leaves_while_queued_is_never_computed(
+    recording_server, recording_files
+):
+    record, gate = recording_files
+    with recording_server as server:
         port = server.port
         computed = lambda: record.read_text().split() if record.exists() else []  # noqa: E731
 

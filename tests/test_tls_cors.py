@@ -67,6 +67,9 @@ def servers(request):
         request,
         {
             "tls_server": lambda: serving_tls(request.getfixturevalue("certificate_files")),
+            "combined_tls_server": lambda: RunningServer(
+                [*ECHO, "--ssl-certfile", str(request.getfixturevalue("combined_certificate"))]
+            ),
             "cors_server": lambda: RunningServer([*ECHO, *origins, "--api-key", API_KEY]),
             "any_origin_server": lambda: RunningServer([*ECHO, "--cors-allow-origin", "*"]),
         },
@@ -171,21 +174,57 @@ def test_without_cors_options_is_405(tls_server, ca):
     assert status == 405 and "Access-Control-Allow-Origin" not in headers
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ["--ssl-certfile", "/nonexistent/cert.pem"],
-        ["--ssl-keyfile", "/nonexistent/key.pem"],  # a key without a certificate
-    ],
-    ids=["missing-file", "key-only"],
-)
-def test_bad_tls_options_stop_the_server_with_a_clear_message(args):
-    done = subprocess.run(
-        [sys.executable, "-m", "rawserve", *ECHO, "--port", "0", *args],
-        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
-    )  # fmt: skip
+BAD_OPTIONS = {
+    "missing-file": ["--ssl-certfile", "/nonexistent/cert.pem"],
+    "key-only": ["--ssl-keyfile", "/nonexistent/key.pem"],  # a key without a certificate
+}
+
+
+@pytest.fixture(scope="module")
+def refused_starts(wrong_tls_files):
+    """`refused_starts[case]`: how `python -m rawserve` with the TLS options of that case
+    (BAD_OPTIONS, `wrong_tls_files`) ended. Every case runs at once on first use: each
+    exits before it listens, and none waits for another."""
+    started = {}
+
+    def start(case, args, **options):
+        started[case] = subprocess.Popen(
+            [sys.executable, "-m", "rawserve", *ECHO, "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, **options,
+        )  # fmt: skip
+
+    for case, args in BAD_OPTIONS.items():
+        start(case, args)
+    for case, ((certfile, keyfile), _) in wrong_tls_files.items():
+        args = ["--ssl-certfile", str(certfile)]
+        if keyfile is not None:
+            args += ["--ssl-keyfile", str(keyfile)]
+        start(case, args, stdin=subprocess.DEVNULL)
+    ended = {}
+    try:
+        for case, process in started.items():
+            stdout, stderr = process.communicate(timeout=60)
+            ended[case] = subprocess.CompletedProcess(
+                process.args, process.returncode, stdout, stderr
+            )
+    finally:
+        for process in started.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return ended
+
+
+@pytest.mark.parametrize("case", list(BAD_OPTIONS))
+def test_bad_tls_options_stop_the_server_with_a_clear_message(refused_starts, case):
+    done = refused_starts[case]
     assert done.returncode != 0
     assert "ssl" in done.stderr.lower() and "Traceback" not in done.stderr
+
+
+@pytest.fixture(scope="module")
+def wrong_tls_files(ca, tmp_path_factory):
+    return bad_tls_files(ca, tmp_path_factory.mktemp("wrong-tls"))
 
 
 def bad_tls_files(ca, folder):
@@ -225,15 +264,11 @@ def bad_tls_files(ca, folder):
     ["encrypted-key", "key-of-another", "der-certificate", "key-as-certificate",
      "no-key-anywhere", "a-folder"],
 )  # fmt: skip
-def test_wrong_tls_files_are_one_line_naming_the_file_and_what_is_wrong(ca, tmp_path, case):
-    (certfile, keyfile), words = bad_tls_files(ca, tmp_path)[case]
-    args = ["--ssl-certfile", str(certfile)]
-    if keyfile is not None:
-        args += ["--ssl-keyfile", str(keyfile)]
-    done = subprocess.run(
-        [sys.executable, "-m", "rawserve", *ECHO, "--port", "0", *args],
-        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+def test_wrong_tls_files_are_one_line_naming_the_file_and_what_is_wrong(
+    wrong_tls_files, refused_starts, case
+):
+    _, words = wrong_tls_files[case]
+    done = refused_starts[case]  # its stdin /dev/null
     # never OpenSSL's prompt for a passphrase, nor its "[SSL] PEM lib (_ssl.c:3905)"
     assert done.returncode == 2 and done.stdout == ""
     assert len(done.stderr.splitlines()) == 1, done.stderr
@@ -265,12 +300,22 @@ def test_a_certificate_out_of_its_dates_is_warned_of(ca, tmp_path, valid, warnin
         assert said is not None and warning in said and day in said and str(certfile) in said
 
 
-def test_a_certificate_file_that_holds_the_key_too_is_enough(certificate_files, ca, tmp_path):
+@pytest.fixture(scope="module")
+def combined_certificate(certificate_files, tmp_path_factory):
+    """The key and the certificate chain in one file, and no --ssl-keyfile."""
     certfile, keyfile, _ = certificate_files
-    combined = tmp_path / "combined.pem"
+    combined = tmp_path_factory.mktemp("combined") / "combined.pem"
     combined.write_bytes(keyfile.read_bytes() + certfile.read_bytes())
-    with RunningServer([*ECHO, "--ssl-certfile", str(combined)]) as server:
-        assert https(server, ca, "GET", "/health")[0] == 200
+    return combined
+
+
+@pytest.fixture(scope="module")
+def combined_tls_server(servers):
+    return servers("combined_tls_server")
+
+
+def test_a_certificate_file_that_holds_the_key_too_is_enough(combined_tls_server, ca):
+    assert https(combined_tls_server, ca, "GET", "/health")[0] == 200
 
 
 # --- CORS -----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from rawserve.serving.status import LoadState, WorkerState
 from rawserve.shared.messages import WorkerConfig, WorkerReady, WorkerWarming
 from rawserve.tasks import check_input, check_params, task_rules
 from rawserve.tasks.registry import TASKS
-from tests.server import RunningServer
+from tests.server import RunningServer, started_as_used
 from tests.test_model_selection import AnsweringQueue, served
 from tests.test_task_adapters import runner  # noqa: F401 - the in-process runners fixture
 from tests.tiny_models import worker_config
@@ -169,10 +169,33 @@ def scrape_value(server: RunningServer, name: str) -> float:
     )
 
 
+@pytest.fixture(scope="module")
+def servers(request, tiny_model):
+    """The module's servers its selected tests use, started together."""
+    model = ["--model", tiny_model("text-classification"), "--threads", "1"]
+    with started_as_used(
+        request,
+        {
+            "warmed_server": lambda: RunningServer([*model, "--max-batch-size", "16"]),
+            "unwarmed_server": lambda: RunningServer([*model, "--no-warmup"]),
+        },
+    ) as get:
+        yield get
+
+
+@pytest.fixture(scope="module")
+def warmed_server(servers):
+    return servers("warmed_server")
+
+
+@pytest.fixture(scope="module")
+def unwarmed_server(servers):
+    return servers("unwarmed_server")
+
+
 @pytest.mark.slow
-def test_the_server_warms_each_worker_with_a_full_batch_counted_nowhere(tiny_model):
-    args = ["--model", tiny_model("text-classification"), "--max-batch-size", "16"]
-    with RunningServer([*args, "--threads", "1"]) as server:
+def test_the_server_warms_each_worker_with_a_full_batch_counted_nowhere(warmed_server):
+    with warmed_server as server:
         assert int(server.wait_for_log(WARMED).group(1)) == 16
         assert any("warming up" in line for line in server.lines)
         [worker] = json.loads(server.request("GET", "/info")[2])["workers"]
@@ -183,9 +206,8 @@ def test_the_server_warms_each_worker_with_a_full_batch_counted_nowhere(tiny_mod
 
 
 @pytest.mark.slow
-def test_no_warmup_reports_ready_without_it(tiny_model):
-    args = ["--model", tiny_model("text-classification"), "--no-warmup", "--threads", "1"]
-    with RunningServer(args) as server:
+def test_no_warmup_reports_ready_without_it(unwarmed_server):
+    with unwarmed_server as server:
         document = json.loads(server.request("GET", "/info")[2])
         assert document["warmup"] is False
         assert document["workers"][0]["warmup_seconds"] is None
