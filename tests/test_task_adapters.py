@@ -1041,18 +1041,29 @@ def test_an_input_failing_outside_a_pipeline_does_not_load_the_pipelines(monkeyp
 
 
 @pytest.mark.parametrize(
-    ("built_for", "says"),
+    ("built_for", "visible", "says"),
     [
-        (None, "is a build without CUDA: install a CUDA build of torch"),
-        ("12.8", "sees no CUDA GPU here: check the driver and CUDA_VISIBLE_DEVICES"),
+        (None, None, "is a build without CUDA: install a CUDA build of torch"),
+        ("12.8", None, "sees no CUDA GPU here: check the driver"),
+        (  # --device cuda:3 on a machine of one GPU
+            "12.8",
+            "3",
+            "sees no CUDA GPU among CUDA_VISIBLE_DEVICES=3, the GPUs this worker was given: "
+            "check that they exist \\(nvidia-smi lists them\\)",
+        ),
     ],
 )
-def test_a_gpu_torch_cannot_use_is_refused_in_words(monkeypatch, built_for, says):
-    """`--device cuda` with a CPU build of torch failed late, on an AssertionError."""
+def test_a_gpu_torch_cannot_use_is_refused_in_words(monkeypatch, built_for, visible, says):
+    """`--device cuda` with a CPU build of torch failed late, on an AssertionError; a GPU
+    named that the machine does not have was blamed on the driver."""
     import torch
 
     from rawserve.worker.runner import resolve_device
 
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", built_for)
     with pytest.raises(RuntimeError, match=f"{says}, or serve with --device cpu"):

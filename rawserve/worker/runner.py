@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import pickle
 import re
 import sys
@@ -118,8 +119,15 @@ def resolve_device(device: str) -> str:
     if device.startswith("cuda") and not torch.cuda.is_available():
         if torch.version.cuda is None:
             why = "is a build without CUDA: install a CUDA build of torch"
+        elif visible := os.environ.get("CUDA_VISIBLE_DEVICES"):
+            # `--device cuda:3` gives the worker GPU 3 alone: on a machine of one GPU it
+            # sees none, and the driver is not what to check
+            why = (
+                f"sees no CUDA GPU among CUDA_VISIBLE_DEVICES={visible}, the GPUs this "
+                "worker was given: check that they exist (nvidia-smi lists them)"
+            )
         else:
-            why = "sees no CUDA GPU here: check the driver and CUDA_VISIBLE_DEVICES"
+            why = "sees no CUDA GPU here: check the driver"
         raise RuntimeError(
             f"--device asks for a GPU, and torch {torch.__version__} {why}, "
             "or serve with --device cpu"
