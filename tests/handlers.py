@@ -93,11 +93,12 @@ def failing_on_marker():
 def faulty():
     """Echoes, and fails on purpose: an input containing "crash" kills the worker process,
     one containing "hang" never finishes, a batch larger than RAWSERVE_TEST_OOM_ABOVE items
-    (when set) raises MemoryError, and the parameter `sleep` sleeps that long per batch."""
+    (when set) raises MemoryError, and the parameter `sleep` sleeps that long per batch
+    (with `until`, a file's path: only until that file exists)."""
     inner = echo()
     oom_above = int(os.environ.get("RAWSERVE_TEST_OOM_ABOVE", "0"))
 
-    def handle(inputs, sleep=0.0, **params):
+    def handle(inputs, sleep=0.0, until=None, **params):
         if any("crash" in str(item) for item in inputs):
             os._exit(3)
         if any("hang" in str(item) for item in inputs):
@@ -107,7 +108,12 @@ def faulty():
         if sleep >= 0.3:  # tests wait for this line to know the worker is busy
             print(f"faulty handler: sleeping {sleep} s on {list(inputs)}", file=sys.stderr)
             sys.stderr.flush()
-        time.sleep(sleep)
+        if until is None:
+            time.sleep(sleep)
+        else:
+            end = time.monotonic() + sleep
+            while time.monotonic() < end and not os.path.exists(until):
+                time.sleep(0.01)
         return inner(inputs, **params)
 
     return handle

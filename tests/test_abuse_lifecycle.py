@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 FAULTY = "tests.handlers:faulty"
 SLEEPING = re.compile(r"faulty handler: sleeping")
 STARTED = re.compile(r"worker 0: started \(pid (\d+)")
+DIED_HOLDING = re.compile(r"worker 0: process \d+ exited with code -9 holding a batch of 1;")
 GRACE = 2.0  # seconds: the grace period of the server whose exit is timed
 EXIT_SLACK = 1.5  # seconds past the grace period the process may take to exit
 
@@ -140,14 +141,20 @@ def test_the_grace_period_bounds_the_exit_even_with_a_busy_worker(servers):
 THROUGH_RESTARTS = ["--timeout", "120"]
 
 
-def test_two_outside_kills_do_not_make_an_input_poison():
+def test_two_outside_kills_do_not_make_an_input_poison(tmp_path):
+    # Each run of the input is held until the file `go` exists: the kills land in the
+    # batch and in the lone retry however slow the machine (with a fixed sleep, a kill on
+    # a loaded one came after the batch had been answered and killed an idle worker).
+    go = tmp_path / "go"
     with RunningServer(["--handler", FAULTY, "--no-access-log", *THROUGH_RESTARTS]) as server:
-        document = {"inputs": "innocent", "parameters": {"sleep": 1.5}}
+        document = {"inputs": "innocent", "parameters": {"sleep": 60, "until": str(go)}}
         thread, answers = post_in_background(server, document)
         for run in (1, 2):  # kill the worker in the batch, then in the lone retry
             wait_for_nth(server, SLEEPING, run)
             os.kill(worker_pid(server), signal.SIGKILL)
             wait_for_nth(server, STARTED, run + 1)
+        assert count_matches(server, DIED_HOLDING) == 2, server.lines[-10:]
+        go.touch()
         thread.join(timeout=60)
         assert answers and answers[0][0] == 200, answers
         status, answer = server.post_json(document)
