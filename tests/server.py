@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from typing import Any
 
+import pytest
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LISTENING = re.compile(r"listening on https?://(?:[\d.]+|\[[\da-f:]+\]):(\d+)")
 READY = re.compile(r"ready in [\d.]+ s")
@@ -241,3 +243,14 @@ def started_as_used(
             return alone[name]
 
         yield get
+
+
+def module_server(name: str) -> Any:
+    """The module-scoped fixture `name`: the module's server `name`, from its `servers`
+    fixture (`started_as_used`). In a test module: `faulty = module_server("faulty")`."""
+
+    @pytest.fixture(scope="module", name=name)
+    def fixture(servers: Callable[[str], RunningServer]) -> RunningServer:
+        return servers(name)
+
+    return fixture

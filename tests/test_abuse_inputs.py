@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server import RunningServer, started_as_used
+from tests.server import RunningServer, module_server, started_as_used
 
 pytestmark = pytest.mark.slow
 
@@ -49,24 +49,10 @@ def servers(request, tiny_model):
         yield server
 
 
-@pytest.fixture(scope="module")
-def classifier(servers):
-    return servers("classifier")
-
-
-@pytest.fixture(scope="module")
-def generator(servers):
-    return servers("generator")
-
-
-@pytest.fixture(scope="module")
-def summarizer(servers):
-    return servers("summarizer")
-
-
-@pytest.fixture(scope="module")
-def small_queue(servers):
-    return servers("small_queue")
+classifier = module_server("classifier")
+generator = module_server("generator")
+summarizer = module_server("summarizer")
+small_queue = module_server("small_queue")
 
 
 def post(server: RunningServer, body: bytes) -> tuple[int, dict]:

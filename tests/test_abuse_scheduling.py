@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from tests.load import Client
-from tests.server import RunningServer, started_as_used
+from tests.server import RunningServer, module_server, started_as_used
 
 pytestmark = pytest.mark.slow
 
@@ -41,19 +41,9 @@ def servers(request):
         yield get
 
 
-@pytest.fixture(scope="module")
-def minilm_server(servers):
-    return servers("minilm_server")
-
-
-@pytest.fixture(scope="module")
-def paced_server(servers):
-    return servers("paced_server")
-
-
-@pytest.fixture(scope="module")
-def faulty_server(servers):
-    return servers("faulty_server")
+minilm_server = module_server("minilm_server")
+paced_server = module_server("paced_server")
+faulty_server = module_server("faulty_server")
 
 
 # --- 4. no false "deadline unreachable" on an idle server ----------------------------

@@ -15,7 +15,7 @@ import time
 import h11
 import pytest
 
-from tests.server import RunningServer, started_as_used
+from tests.server import RunningServer, module_server, started_as_used
 
 pytestmark = pytest.mark.slow
 
@@ -92,15 +92,9 @@ def servers(request):
         yield get
 
 
-@pytest.fixture(scope="module")
-def echo_server(servers):
-    return servers("echo_server")
-
-
-@pytest.fixture(scope="module")
-def big_answer_server(servers):
-    """Answers of BIG_ANSWER bytes, and a write timeout of 1 s."""
-    return servers("big_answer_server")
+echo_server = module_server("echo_server")
+# Answers of BIG_ANSWER bytes, and a write timeout of 1 s.
+big_answer_server = module_server("big_answer_server")
 
 
 # --- 1. pipelined bytes are read within a bound, whatever the number of answers -----

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.load import Client, run_load
-from tests.server import RunningServer, started_as_used
+from tests.server import RunningServer, module_server, started_as_used
 
 pytestmark = pytest.mark.slow
 
@@ -45,29 +45,11 @@ def servers(request, tiny_model):
         yield server
 
 
-@pytest.fixture(scope="module")
-def default_server(servers):
-    return servers("default_server")
-
-
-@pytest.fixture(scope="module")
-def fill_mask_server(servers):
-    return servers("fill_mask_server")
-
-
-@pytest.fixture(scope="module")
-def classifier_server(servers):
-    return servers("classifier_server")
-
-
-@pytest.fixture(scope="module")
-def echo_server(servers):
-    return servers("echo_server")
-
-
-@pytest.fixture(scope="module")
-def env_server(servers):
-    return servers("env_server")
+default_server = module_server("default_server")
+fill_mask_server = module_server("fill_mask_server")
+classifier_server = module_server("classifier_server")
+echo_server = module_server("echo_server")
+env_server = module_server("env_server")
 
 
 def curl(*args: str) -> str:

@@ -33,7 +33,7 @@ from rawserve.serving.supervision import (
 from rawserve.shared.messages import FailureKind, ItemFailure, WorkerConfig
 from rawserve.worker.batch_runs import BatchCap, run_batch
 from tests.load import Client
-from tests.server import RunningServer, started_as_used
+from tests.server import RunningServer, module_server, started_as_used
 
 FAULTY = "tests.handlers:faulty"
 
@@ -338,19 +338,9 @@ def servers(request):
         yield get
 
 
-@pytest.fixture(scope="module")
-def faulty_server(servers):
-    return servers("faulty_server")
-
-
-@pytest.fixture(scope="module")
-def draining_server(servers):
-    return servers("draining_server")
-
-
-@pytest.fixture(scope="module")
-def two_workers_server(servers):
-    return servers("two_workers_server")
+faulty_server = module_server("faulty_server")
+draining_server = module_server("draining_server")
+two_workers_server = module_server("two_workers_server")
 
 
 async def post(client: Client, text: str, **params) -> tuple[int, dict]:

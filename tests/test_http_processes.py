@@ -17,7 +17,7 @@ import time
 import pytest
 
 from rawserve.main import SIGNAL_REPEAT_SECONDS
-from tests.server import REPO_ROOT, RunningServer, started_as_used
+from tests.server import REPO_ROOT, RunningServer, module_server, started_as_used
 
 pytestmark = pytest.mark.slow
 
@@ -168,24 +168,10 @@ def servers(request):
         yield get
 
 
-@pytest.fixture(scope="module")
-def server(servers):
-    return servers("server")
-
-
-@pytest.fixture(scope="module")
-def draining_server(servers):
-    return servers("draining_server")
-
-
-@pytest.fixture(scope="module")
-def orphaned_server(servers):
-    return servers("orphaned_server")
-
-
-@pytest.fixture(scope="module")
-def signalled_twice_server(servers):
-    return servers("signalled_twice_server")
+server = module_server("server")
+draining_server = module_server("draining_server")
+orphaned_server = module_server("orphaned_server")
+signalled_twice_server = module_server("signalled_twice_server")
 
 
 def test_both_http_processes_answer_and_info_lists_every_process(server):

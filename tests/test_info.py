@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.server import RunningServer, started_as_used
+from tests.server import RunningServer, module_server, started_as_used
 
 pytestmark = pytest.mark.slow
 
@@ -33,14 +33,8 @@ def servers(request):
         yield get
 
 
-@pytest.fixture(scope="module")
-def server(servers):
-    return servers("server")
-
-
-@pytest.fixture(scope="module")
-def guarded_server(servers):
-    return servers("guarded_server")
+server = module_server("server")
+guarded_server = module_server("guarded_server")
 
 
 def test_info_tells_the_model_settings_versions_and_worker_pids(server):

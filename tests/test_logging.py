@@ -26,7 +26,7 @@ from rawserve.shared.logs import (
     setup_logging,
     setup_worker_logging,
 )
-from tests.server import RunningServer, started_as_used
+from tests.server import RunningServer, module_server, started_as_used
 
 STOPPED = re.compile(r"INFO stopped$|\"message\": \"stopped\"")  # the last line
 
@@ -302,24 +302,10 @@ def servers(request):
         yield get
 
 
-@pytest.fixture(scope="module")
-def json_server(servers):
-    return servers("json_server")
-
-
-@pytest.fixture(scope="module")
-def quiet_server(servers):
-    return servers("quiet_server")
-
-
-@pytest.fixture(scope="module")
-def unread_server(servers):
-    return servers("unread_server")
-
-
-@pytest.fixture(scope="module")
-def lingering_server(servers):
-    return servers("lingering_server")
+json_server = module_server("json_server")
+quiet_server = module_server("quiet_server")
+unread_server = module_server("unread_server")
+lingering_server = module_server("lingering_server")
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rawserve.ops.metrics import Metrics
 from tests.load import Client, exchange, run_load
-from tests.server import RunningServer, started_as_used
+from tests.server import RunningServer, module_server, started_as_used
 
 pytestmark = pytest.mark.slow
 
@@ -35,14 +35,8 @@ def servers(request):
         yield get
 
 
-@pytest.fixture(scope="module")
-def server(servers):
-    return servers("server")
-
-
-@pytest.fixture(scope="module")
-def faulty_server(servers):
-    return servers("faulty_server")
+server = module_server("server")
+faulty_server = module_server("faulty_server")
 
 
 def scrape(server: RunningServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -20,7 +20,7 @@ import pytest
 
 from bench.isolation import saturating, timed_requests
 from tests.load import Client
-from tests.server import RunningServer, started_as_used
+from tests.server import RunningServer, module_server, started_as_used
 
 pytestmark = pytest.mark.slow
 
@@ -57,16 +57,10 @@ def servers(request, tiny_model):
         yield get
 
 
-@pytest.fixture(scope="module")
-def pair(servers):
-    """emb (the default: first) and cls, named by alias, cls with its task given."""
-    return servers("pair")
-
-
-@pytest.fixture(scope="module")
-def saturated(servers):
-    """cls and gen, gen with one sequence a worker and a queue of 8."""
-    return servers("saturated")
+# emb (the default: first) and cls, named by alias, cls with its task given.
+pair = module_server("pair")
+# cls and gen, gen with one sequence a worker and a queue of 8.
+saturated = module_server("saturated")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -16,7 +16,7 @@ import pytest
 
 from rawserve.http.limits import GIVE_WAY_AFTER
 from tests.load import Client
-from tests.server import RunningServer, started_as_used
+from tests.server import RunningServer, module_server, started_as_used
 
 pytestmark = pytest.mark.slow
 
@@ -56,26 +56,12 @@ def servers(request):
         yield server
 
 
-@pytest.fixture(scope="module")
-def guarded_server(servers):
-    return servers("guarded_server")
-
-
-@pytest.fixture(scope="module")
-def strict_server(servers):
-    return servers("strict_server")
-
-
-@pytest.fixture(scope="module")
-def idle_closing_server(servers):
-    """--keepalive-timeout 1"""
-    return servers("idle_closing_server")
-
-
-@pytest.fixture(scope="module")
-def capped_server(servers):
-    """--max-connections CAP"""
-    return servers("capped_server")
+guarded_server = module_server("guarded_server")
+strict_server = module_server("strict_server")
+# --keepalive-timeout 1
+idle_closing_server = module_server("idle_closing_server")
+# --max-connections CAP
+capped_server = module_server("capped_server")
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +72,8 @@ def recording_files(tmp_path_factory):
     return folder / "record", folder / "gate"
 
 
-@pytest.fixture(scope="module")
-def recording_server(servers):
-    """The recording handler, one item a batch, a queue of one."""
-    return servers("recording_server")
+# The recording handler, one item a batch, a queue of one.
+recording_server = module_server("recording_server")
 
 
 async def read_until_closed(reader: asyncio.StreamReader, limit: float) -> bytes:

@@ -24,7 +24,7 @@ import time
 import pytest
 
 from rawserve.http.tls import validity_warning
-from tests.server import REPO_ROOT, RunningServer, started_as_used
+from tests.server import REPO_ROOT, RunningServer, module_server, started_as_used
 
 pytestmark = pytest.mark.slow
 
@@ -77,9 +77,7 @@ def servers(request):
         yield server
 
 
-@pytest.fixture(scope="module")
-def tls_server(servers):
-    return servers("tls_server")
+tls_server = module_server("tls_server")
 
 
 def https(server, ca, method, path, body=None, headers=None):
@@ -309,9 +307,7 @@ def combined_certificate(certificate_files, tmp_path_factory):
     return combined
 
 
-@pytest.fixture(scope="module")
-def combined_tls_server(servers):
-    return servers("combined_tls_server")
+combined_tls_server = module_server("combined_tls_server")
 
 
 def test_a_certificate_file_that_holds_the_key_too_is_enough(combined_tls_server, ca):
@@ -321,14 +317,8 @@ def test_a_certificate_file_that_holds_the_key_too_is_enough(combined_tls_server
 # --- CORS -----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cors_server(servers):
-    return servers("cors_server")
-
-
-@pytest.fixture(scope="module")
-def any_origin_server(servers):
-    return servers("any_origin_server")
+cors_server = module_server("cors_server")
+any_origin_server = module_server("any_origin_server")
 
 
 def preflight(server, path="/", origin=ORIGIN, method="POST", headers="content-type", timeout=60):

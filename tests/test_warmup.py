@@ -23,7 +23,7 @@ from rawserve.serving.status import LoadState, WorkerState
 from rawserve.shared.messages import WorkerConfig, WorkerReady, WorkerWarming
 from rawserve.tasks import check_input, check_params, task_rules
 from rawserve.tasks.registry import TASKS
-from tests.server import RunningServer, started_as_used
+from tests.server import RunningServer, module_server, started_as_used
 from tests.test_model_selection import AnsweringQueue, served
 from tests.test_task_adapters import runner  # noqa: F401 - the in-process runners fixture
 from tests.tiny_models import worker_config
@@ -183,14 +183,8 @@ def servers(request, tiny_model):
         yield get
 
 
-@pytest.fixture(scope="module")
-def warmed_server(servers):
-    return servers("warmed_server")
-
-
-@pytest.fixture(scope="module")
-def unwarmed_server(servers):
-    return servers("unwarmed_server")
+warmed_server = module_server("warmed_server")
+unwarmed_server = module_server("unwarmed_server")
 
 
 @pytest.mark.slow
