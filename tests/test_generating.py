@@ -73,6 +73,16 @@ def runner(tiny_model):
     return CausalLMRunner(tiny_model("text-generation"), "cpu", torch.float32)
 
 
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    """A Llama: a byte-fallback tokenizer, which spells what it lacks as byte tokens."""
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    return CausalLMRunner(tiny_model("byte-fallback-generation"), "cpu", torch.float32)
+
+
 def serve(runner, script: dict[int, list[Any]], rows: int = 64, **loop_args) -> list[Any]:
     """Everything the loop sends while it serves `script`."""
     from rawserve.worker.generating import GenerationLoop
@@ -149,15 +159,10 @@ def test_a_model_whose_attention_slides_answers_as_the_static_path(tiny_model):
         assert without_logprobs(got) == without_logprobs(expected), batch.inputs[0][:20]
 
 
-def test_a_byte_fallback_models_tokens_add_up_to_its_text_on_both_paths(tiny_model):
+def test_a_byte_fallback_models_tokens_add_up_to_its_text_on_both_paths(llama):
     """A Llama's tokenizer spells what it lacks as byte tokens, which a random model draws
     often, in runs that are not UTF-8: the tokens' texts, the last one's too (a run it
     ends held back until then), add up to the text, which is what the tokenizer decodes."""
-    import torch
-
-    from rawserve.worker.causal_lm import CausalLMRunner
-
-    llama = CausalLMRunner(tiny_model("byte-fallback-generation"), "cpu", torch.float32)
     params = {"max_new_tokens": 12, "do_sample": True, "temperature": 1.5, "details": True}
     params["return_full_text"] = False
     batches = [Batch(seed, ("the movie",), {**params, "seed": seed}) for seed in range(8)]
@@ -174,15 +179,10 @@ def test_a_byte_fallback_models_tokens_add_up_to_its_text_on_both_paths(tiny_mod
     assert any(first <= o["details"]["tokens"][-1]["id"] <= last for o in outputs)
 
 
-def test_a_run_of_byte_tokens_that_the_end_of_sequence_ends_is_in_that_tokens_text(tiny_model):
+def test_a_run_of_byte_tokens_that_the_end_of_sequence_ends_is_in_that_tokens_text(llama):
     """A run of byte tokens right before the end of sequence is held back until it comes:
     the end's text is what the run adds, then its own ("\ufffd</s>", as TGI's), streamed
     or not, on both paths, so the tokens hold all the text does."""
-    import torch
-
-    from rawserve.worker.causal_lm import CausalLMRunner
-
-    llama = CausalLMRunner(tiny_model("byte-fallback-generation"), "cpu", torch.float32)
     tokenizer = llama.tokenizer
     eos = tokenizer.eos_token_id
     params = {"max_new_tokens": 12, "do_sample": True, "temperature": 1.5, "details": True}
@@ -449,6 +449,29 @@ def test_an_asked_min_new_tokens_holds_stop_sequences_back_on_both_paths(runner)
         assert details["finish_reason"] == "length" and made == 12, got
     [(_, alone, _)] = as_the_static_path(runner, {**free, "stop": [stop]}, ["the movie was"])
     assert alone[0]["details"]["generated_tokens"] == 1  # the stop's first place
+
+
+def test_min_new_tokens_ending_in_a_run_of_byte_tokens_counts_stops_where_a_stream_does(llama):
+    """An emoji is four byte tokens on a Llama, its text coming whole with the token after
+    them: where min_new_tokens ends inside that run, the text before its token is what
+    the pieces made (the run held back, as a stream has it), not the run decoded into
+    U+FFFDs, so a stop in the emoji cuts the whole answer where it cuts the stream."""
+    from rawserve.api.openai_answers import Streamed, cut_at_stop, stops_from
+
+    forced = {**GREEDY, "return_full_text": False, "grammar": {"type": "regex", "value": "ab😀cd"}}
+    stop = ["😀"]
+    for at_least in (4, 7):  # inside the run (tokens 3 to 6); the token its text comes with
+        params = {**forced, "stop": stop, "min_new_tokens": at_least}
+        [(_, got, _)] = as_the_static_path(llama, params, ["the movie"])
+        output = got[0]
+        tokens = output["details"]["tokens"]
+        assert [t["text"] for t in tokens] == ["a", "b", "", "", "", "", "😀c"]
+        assert output["details"]["stops_from"] == len("ab")
+        streamed = Streamed(at_least)
+        sent = [streamed.add(token, stop, None) for token in tokens]
+        sent.append(streamed.rest(output, stop))
+        assert "".join(release[0] for release in sent if release) == "ab"
+        assert cut_at_stop(output["generated_text"], stop, stops_from(output)) == "ab"
 
 
 def test_repetition_penalty_and_return_full_text_as_the_static_path(runner):

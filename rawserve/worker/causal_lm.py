@@ -42,7 +42,7 @@ from rawserve.worker.generate_hooks import (
 from rawserve.worker.grammars import Grammars
 from rawserve.worker.runner import Runner, WrittenForClients, dtype_name
 from rawserve.worker.scores import ScoreAdjustments, likeliest
-from rawserve.worker.text_pieces import TextPieces
+from rawserve.worker.text_pieces import TextPieces, running_text
 
 # The text-generation pipeline's defaults, for what the model's generation config leaves unset.
 PIPELINE_DEFAULTS: dict[str, Any] = {"max_new_tokens": 256, "do_sample": True, "temperature": 0.7}
@@ -489,8 +489,10 @@ class CausalLMRunner(Runner):
                 "seed": params.get("seed") if seed is None else seed,
             }
             if (after := stops_after(params)) > 1 and params.get("stop"):
-                # where in the text stop sequences count: the start of that token's text
-                before = self.tokenizer.decode(token_ids[: after - 1], skip_special_tokens=True)
+                # where in the text stop sequences count: the start of that token's text,
+                # as the pieces made it (a character its token ends held back, as in a
+                # stream: its bytes before that token are no U+FFFDs)
+                before = running_text(self.tokenizer, token_ids[: after - 1])
                 output["details"]["stops_from"] = len(before)
             if tokens is not None:  # TGI's: the prompt's tokens only on request
                 # as columns: thousands of dicts would take the server's loop to unpickle

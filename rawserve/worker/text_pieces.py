@@ -49,6 +49,14 @@ class TextPieces:
         return after[len(before) :]
 
 
+def running_text(tokenizer: Any, ids: Sequence[int]) -> str:
+    """A sequence's text after `ids` while more tokens follow: their pieces, what they
+    hold back (a cut character, a run of byte tokens) left out, as it was when the token
+    after them came."""
+    pieces = TextPieces(tokenizer)
+    return "".join(pieces.next_piece(ids[: n + 1]) for n in range(len(ids)))
+
+
 @functools.lru_cache(maxsize=8)
 def held_ids(tokenizer: Any) -> frozenset[int]:
     """The ids of the tokens that add "" unless they are the last: byte tokens and special
