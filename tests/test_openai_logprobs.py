@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from rawserve.api.openai_answers import Answer, Echo
 from rawserve.api.openai_logprobs import (
     answer_tokens,
@@ -60,6 +62,37 @@ def test_an_echoed_prompt_lists_the_special_tokens_it_spelled_out():
     where = zip(listed["tokens"], listed["text_offset"], strict=True)
     assert all(choice["text"].startswith(text, at) for text, at in where)
     assert [t.text for t in prompt_tokens(details, text="hi you")] == ["hi", " you"]
+
+
+# a Llama's prompt tokens as its worker lists them: its decoder strips the space that
+# starts a text, so the first word comes without it ("▁" alone adds "")
+STRIPPED = [
+    (" hello world", False, ["", "hello", " wor", "l", "d"]),
+    ("  hello", False, ["", " ", "hello"]),
+    ("<s> hello", False, ["<s>", "", "hello"]),  # "<s>" spelled out, its token listed
+    ("<s> hello world", True, ["<s>", "", "hello", " wor", "l", "d"]),  # ids, decoded
+]
+
+
+@pytest.mark.parametrize(("echoed", "ids", "texts"), STRIPPED)
+def test_an_echoed_prompts_tokens_add_up_to_it_where_the_decoding_stripped_its_space(
+    echoed, ids, texts
+):
+    """The space is the first word's token's: the tokens add up to the echo, and each
+    offset is where its token's text starts in the answer's text, the completion's too."""
+    prefill = [
+        token(text, None if n == 0 else -1.0, special=text == "<s>") for n, text in enumerate(texts)
+    ]
+    details = {"prefill": prefill, "tokens": [token(" we", -0.5)], "prompt_tokens": len(texts)}
+    output = {"generated_text": " we", "details": {**details, "generated_tokens": 1}}
+    [choice] = Answer(False, "m", logprobs=0).whole([output], [], [Echo(echoed, ids)])["choices"]
+    listed = choice["logprobs"]
+    assert choice["text"] == echoed + " we" == "".join(listed["tokens"])
+    where = zip(listed["tokens"], listed["text_offset"], strict=True)
+    assert all(choice["text"].startswith(text, at) for text, at in where)
+    assert listed["tokens"][-1] == " we" and listed["text_offset"][-1] == len(echoed)
+    # no echo to follow (TGI's details): the texts as the worker made them
+    assert [t.text for t in prompt_tokens(details, special=True)] == texts
 
 
 def test_chat_lists_each_token_with_its_bytes_and_alternatives():

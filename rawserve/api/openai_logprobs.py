@@ -92,14 +92,28 @@ def prompt_tokens(details: dict[str, Any], special: bool = False, text: str = ""
     """An echoed prompt's tokens (its details' `prefill`), special ones left out unless
     asked for (a prompt sent as token ids lists one entry per id, as its client counts)
     or the echoed `text` holds theirs where they come: a prompt that spelled one out
-    ("</s>" written in it) echoes it, one the tokenizer added (a prompt's start) not."""
+    ("</s>" written in it) echoes it, one the tokenizer added (a prompt's start) not. A
+    space the tokens' decoding stripped from the echo's first word is its token's again,
+    so that the tokens add up to the echo and their offsets stay on it."""
     kept = []
     offset = 0
+    stripped = False  # the one space a decoding strips at its start, given back
     for token in details.get("prefill") or []:
         if special or not token.get("special") or text.startswith(token["text"], offset):
+            if not stripped and not token.get("special") and _lost_space(text, offset, token):
+                token, stripped = {**token, "text": " " + token["text"]}, True
             kept.append(listed(token))
             offset += len(token["text"])
     return kept
+
+
+def _lost_space(text: str, offset: int, token: Mapping[str, Any]) -> bool:
+    """Whether the echo has a space at `offset` that the token's text, found right after
+    it, lacks: a SentencePiece decoder (Llama's) strips the space that starts its text,
+    the one it writes for its own "▁" and one the prompt began with alike (" hello" lists
+    "hello"), so the prompt's first word lacks it."""
+    own = token["text"]
+    return bool(own) and not text.startswith(own, offset) and text.startswith(" " + own, offset)
 
 
 def listed_entries(outputs: Iterable[Mapping[str, Any]], alternatives: int | None) -> int:
