@@ -159,10 +159,36 @@ def test_a_model_whose_attention_slides_answers_as_the_static_path(tiny_model):
         assert without_logprobs(got) == without_logprobs(expected), batch.inputs[0][:20]
 
 
+def after_the_prompt(tokenizer, prompt: str, ids: list[int]) -> str:
+    """The text of `ids` as the pipeline gives it: the whole sequence decoded, less its
+    prompt's text."""
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    whole = tokenizer.decode(prompt_ids + ids, skip_special_tokens=True)
+    return whole[len(tokenizer.decode(prompt_ids, skip_special_tokens=True)) :]
+
+
+def test_a_llamas_first_word_keeps_the_space_that_parts_it_from_the_prompt(llama):
+    """A SentencePiece decoder strips the space a text starts with: the new tokens are
+    decoded after the prompt's end, so "▁good" after "the movie" is " good", whole,
+    streamed and in the full text, on both paths, as the pipeline gives it."""
+    good = llama.tokenizer.convert_tokens_to_ids("▁goo")
+    params = {**GREEDY, "max_new_tokens": 2, "logit_bias": {str(good): 100.0}}
+    streamed = Batch(9, ("the movie",), params, control=Control(stream_id=9))
+    sent = serve(llama, {0: [Batch(1, ("the movie",), params), streamed]})
+    chunks = [c.token["text"] for m in sent if isinstance(m, TokenChunks) for c in m.chunks]
+    [(_, got, expected)] = as_the_static_path(llama, params, ["the movie"])
+    for output in (got[0], expected[0]):
+        assert output["generated_text"] == "the movie goo goo"
+        assert [t["text"] for t in output["details"]["tokens"]] == [" goo", " goo"] == chunks
+    [(_, got, _)] = as_the_static_path(llama, {**params, "return_full_text": False}, ["the"])
+    assert got[0]["generated_text"] == " goo goo"
+
+
 def test_a_byte_fallback_models_tokens_add_up_to_its_text_on_both_paths(llama):
     """A Llama's tokenizer spells what it lacks as byte tokens, which a random model draws
     often, in runs that are not UTF-8: the tokens' texts, the last one's too (a run it
-    ends held back until then), add up to the text, which is what the tokenizer decodes."""
+    ends held back until then), add up to the text, which is what the tokenizer decodes
+    of the whole sequence past the prompt (the pipeline's text)."""
     params = {"max_new_tokens": 12, "do_sample": True, "temperature": 1.5, "details": True}
     params["return_full_text"] = False
     batches = [Batch(seed, ("the movie",), {**params, "seed": seed}) for seed in range(8)]
@@ -172,7 +198,7 @@ def test_a_byte_fallback_models_tokens_add_up_to_its_text_on_both_paths(llama):
     for output in outputs:
         tokens = output["details"]["tokens"]
         ids = [token["id"] for token in tokens]
-        assert output["generated_text"] == llama.tokenizer.decode(ids, skip_special_tokens=True)
+        assert output["generated_text"] == after_the_prompt(llama.tokenizer, "the movie", ids)
         assert "".join(t["text"] for t in tokens if not t["special"]) == output["generated_text"]
     # a run of byte tokens held back to the last token (as a random model draws them)
     first, last = llama.tokenizer.convert_tokens_to_ids(["<0x00>", "<0xFF>"])
@@ -198,7 +224,7 @@ def test_a_run_of_byte_tokens_that_the_end_of_sequence_ends_is_in_that_tokens_te
         output = answered[batch.batch_id].outputs[0][0]
         tokens = output["details"]["tokens"]
         ids = [token["id"] for token in tokens]
-        assert output["generated_text"] == tokenizer.decode(ids, skip_special_tokens=True)
+        assert output["generated_text"] == after_the_prompt(tokenizer, "the movie", ids)
         streamed = [c.token for c in chunks if c.stream_id == batch.batch_id + 1]
         assert without_logprobs(streamed) == without_logprobs(tokens)
         own = [tokenizer.decode([token["id"]]) if token["special"] else "" for token in tokens]

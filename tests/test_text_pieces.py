@@ -13,7 +13,12 @@ from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
 
-from rawserve.worker.text_pieces import TextPieces, text_decoder  # noqa: E402
+from rawserve.worker.text_pieces import (  # noqa: E402
+    TextPieces,
+    generated_text,
+    prompt_context,
+    text_decoder,
+)
 from tests.tiny_models import VOCAB, bpe_tokenizer, byte_fallback_tokenizer  # noqa: E402
 
 TEXTS = ["the movie was good", "héllo wörld, naïve café", "日本語のテキスト and more", "a"]
@@ -110,6 +115,52 @@ def test_the_pieces_so_far_are_the_start_of_the_whole_decoding_whatever_the_toke
     pieces = TextPieces(tokenizer)
     made = "".join(pieces.next_piece(ids[: n + 1], n == len(ids) - 1) for n in range(len(ids)))
     assert made == whole
+
+
+@pytest.mark.parametrize("build", [bpe_tokenizer, byte_fallback_tokenizer])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompt=st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=6),
+    picks=st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=8),
+)
+def test_the_pieces_after_a_prompt_add_up_to_the_generated_text_whatever_the_tokens(
+    build, prompt, picks
+):
+    # decoded after the end of any prompt (bytes that never make UTF-8 and special tokens
+    # in either), the text sent so far never changes and the pieces add up to the text
+    tokenizer = _tokenizers(build)
+    prompt_ids, ids = (
+        [pick % 3 if pick % 4 == 0 else 3 + pick % (len(tokenizer) - 3) for pick in picks]
+        for picks in (prompt, picks)
+    )
+    context = prompt_context(tokenizer, prompt_ids)
+    assert len(context) <= 1 and set(context) <= set(prompt_ids)
+    whole = generated_text(tokenizer, ids, context)
+    pieces = TextPieces(tokenizer, context)
+    made = ""
+    for n in range(len(ids)):
+        made += pieces.next_piece(ids[: n + 1], n == len(ids) - 1)
+        assert whole.startswith(made)
+    assert made == whole
+
+
+def test_the_first_word_after_a_prompt_keeps_its_space_where_a_run_of_bytes_ends_it():
+    # a Llama's decoder strips the space a text starts with: decoded after the prompt's
+    # last word, the first new word keeps it, and the prompt's own run of byte tokens
+    # (an emoji it ends with) is left out, so that new bytes cannot join it
+    tokenizer = byte_fallback_tokenizer()
+    good = tokenizer.convert_tokens_to_ids(["▁goo"])
+    assert tokenizer.decode(good) == "goo"  # alone: the space stripped
+    for prompt, emoji in [("the movie", 0), ("the movie 😀", 4)]:  # its four byte tokens
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        context = prompt_context(tokenizer, prompt_ids)
+        assert context == prompt_ids[len(prompt_ids) - emoji - 1 :][:1]
+        pieces = TextPieces(tokenizer, context)
+        ids = good + tokenizer.convert_tokens_to_ids(["<0xE2>", "<0x82>", "<0xAC>"]) + good
+        made = [pieces.next_piece(ids[: n + 1], n == len(ids) - 1) for n in range(len(ids))]
+        assert made == [" goo", "", "", "", "€ goo"]
+        assert generated_text(tokenizer, ids, context) == " goo€ goo"
+    assert prompt_context(tokenizer, tokenizer.convert_tokens_to_ids(["<0xE2>"])) == []
 
 
 @functools.cache

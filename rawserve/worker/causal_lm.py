@@ -42,7 +42,13 @@ from rawserve.worker.generate_hooks import (
 from rawserve.worker.grammars import Grammars
 from rawserve.worker.runner import Runner, WrittenForClients, dtype_name
 from rawserve.worker.scores import ScoreAdjustments, likeliest
-from rawserve.worker.text_pieces import TextPieces, running_text
+from rawserve.worker.text_pieces import (
+    CONTEXT_TOKENS,
+    TextPieces,
+    generated_text,
+    prompt_context,
+    running_text,
+)
 
 # The text-generation pipeline's defaults, for what the model's generation config leaves unset.
 PIPELINE_DEFAULTS: dict[str, Any] = {"max_new_tokens": 256, "do_sample": True, "temperature": 0.7}
@@ -456,6 +462,7 @@ class CausalLMRunner(Runner):
             token_ids=generation.tokens,
             finish_reason=generation.finish_reason or "length",
             prompt_tokens=len(generation.prompt_ids),
+            context=prompt_context(self.tokenizer, generation.prompt_ids),
             tokens=tokens,
             prefill=generation.prefill,
             seed=generation.seed,
@@ -470,14 +477,16 @@ class CausalLMRunner(Runner):
         token_ids: list[int],
         finish_reason: str,
         prompt_tokens: int,
+        context: list[int],
         tokens: list[dict[str, Any]] | None,
         prefill: list[dict[str, Any]] | None = None,
         seed: int | None = None,
     ) -> Any:
         """One item's output in the Inference API's shape (TGI's details when asked;
-        `seed`: the one it sampled with, where not the one asked)."""
+        `context`: the end of its prompt, which its text is decoded after; `seed`: the
+        one it sampled with, where not the one asked)."""
         # the whole decode, as the pipeline does (pieces hold back a cut character)
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        text = generated_text(self.tokenizer, token_ids, context)
         if returns_full_text(params):
             text = prompt + text
         output: dict[str, Any] = {"generated_text": text}
@@ -492,7 +501,7 @@ class CausalLMRunner(Runner):
                 # where in the text stop sequences count: the start of that token's text,
                 # as the pieces made it (a character its token ends held back, as in a
                 # stream: its bytes before that token are no U+FFFDs)
-                before = running_text(self.tokenizer, token_ids[: after - 1])
+                before = running_text(self.tokenizer, token_ids[: after - 1], context)
                 output["details"]["stops_from"] = len(before)
             if tokens is not None:  # TGI's: the prompt's tokens only on request
                 # as columns: thousands of dicts would take the server's loop to unpickle
@@ -542,10 +551,8 @@ class CausalLMRunner(Runner):
         outputs = []
         for row, prompt in enumerate(inputs):
             token_ids, finish_reason, tokens = made[row]
-            prefill = None
-            if scores_prompt(params):
-                ids = encoded["input_ids"][row, -lengths[row] :].tolist()
-                prefill = self.prefill_tokens(ids, params)
+            ids = encoded["input_ids"][row, -lengths[row] :].tolist()
+            prefill = self.prefill_tokens(ids, params) if scores_prompt(params) else None
             outputs.append(
                 self._output(
                     prompt,
@@ -554,6 +561,7 @@ class CausalLMRunner(Runner):
                     token_ids=token_ids,
                     finish_reason=finish_reason,
                     prompt_tokens=lengths[row],
+                    context=prompt_context(self.tokenizer, ids),
                     tokens=tokens,
                     prefill=prefill,
                 )
@@ -571,6 +579,9 @@ class CausalLMRunner(Runner):
         """One `generate` call over some of the batch's rows (`rows`: their places in the
         batch, which streamed tokens carry); its watcher holds what each row made."""
         stream_id = control.stream_id
+        # each row's text decoded after the end of its prompt (left padding: specials)
+        ends = encoded["input_ids"][:, -CONTEXT_TOKENS:].tolist()
+        contexts = [prompt_context(self.tokenizer, ids) for ids in ends]
         encoded = {name: value.to(self.device) for name, value in encoded.items()}
         recorder = ScoreRecorder()
         keep_tokens = lists_tokens(params, control)
@@ -600,6 +611,7 @@ class CausalLMRunner(Runner):
             ignore_eos=bool(params.get("ignore_eos")),
             stops_after=stops_after(params),
             max_new_tokens=kwargs["max_new_tokens"],
+            contexts=contexts,
         )
         processors: list[Any] = []
         adjustments = ScoreAdjustments.asked(params, self.vocabulary)

@@ -54,7 +54,7 @@ from rawserve.worker.scores import (
     sampling_probabilities,
     unusable,
 )
-from rawserve.worker.text_pieces import TextPieces
+from rawserve.worker.text_pieces import TextPieces, prompt_context
 
 # how long a step with nothing to run but grammars compiling waits for one, before the
 # loop looks at its messages again (a new request, a client gone)
@@ -188,7 +188,8 @@ class ContinuousBatcher:
                 f"{self.max_positions - 1} to leave room for one new token"
             )
         generation.cap = min(generation.max_new_tokens, room)
-        generation.pieces = TextPieces(self.tokenizer)
+        context = prompt_context(self.tokenizer, generation.prompt_ids)
+        generation.pieces = TextPieces(self.tokenizer, context)
         if generation.do_sample:
             if generation.seed is None:  # drawn, so that its details name what repeats it
                 generation.seed = secrets.randbelow(SEEDS)

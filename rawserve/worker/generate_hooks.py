@@ -111,6 +111,7 @@ class TokenWatcher(transformers.StoppingCriteria):
         ignore_eos: bool = False,
         stops_after: int = 0,
         max_new_tokens: int | None = None,
+        contexts: Sequence[Sequence[int]] = (),
     ):
         self.tokenizer = tokenizer
         # a row's last token (the cap's) adds what its text held back
@@ -125,7 +126,10 @@ class TokenWatcher(transformers.StoppingCriteria):
         self.top_n = top_n  # the likeliest tokens listed beside each new one
         self.token_ids: list[list[int]] = [[] for _ in range(batch_size)]
         self.texts = [""] * batch_size
-        self.pieces = [TextPieces(tokenizer) for _ in range(batch_size)]
+        # each row's text decoded after the end of its prompt (`prompt_context`)
+        self.pieces = [
+            TextPieces(tokenizer, contexts[row] if contexts else ()) for row in range(batch_size)
+        ]
         self.stops_after = stops_after  # the first new token a stop sequence may end in
         self.done = [False] * batch_size
         self.finish_reasons = ["length"] * batch_size

@@ -12,6 +12,9 @@ from typing import Any
 
 import transformers
 
+# how far back from a prompt's end its last word is looked for (`prompt_context`)
+CONTEXT_TOKENS = 8
+
 
 class TextPieces:
     """Incremental detokenization of one sequence, as TGI does it: each new token's text
@@ -26,11 +29,18 @@ class TextPieces:
     last: its text is left out (and it does not end the run: the decoding skips it), so
     what it would release waits for the next token whose text counts. The pieces add up
     to what `tokenizer.decode` gives for the whole sequence (less what the last tokens
-    still hold back, until told which token is the last)."""
+    still hold back, until told which token is the last).
 
-    def __init__(self, tokenizer: Any):
+    A generated sequence's first pieces are decoded after the end of its prompt (its
+    `context`, from `prompt_context`), as TGI's are and as the pipeline's text reads: a
+    SentencePiece decoder (Llama's, Mistral's) strips the space that starts a text, so
+    the first word decoded alone would lose the space that parts it from the prompt
+    ("the movie" then "▁good" is " good"). The pieces then add up to `generated_text`."""
+
+    def __init__(self, tokenizer: Any, context: Sequence[int] = ()):
         self.decode = text_decoder(tokenizer)
         self.held_ids = held_ids(tokenizer)
+        self.context = list(context)  # decoded before the window while it starts at 0
         self.prefix_offset = 0
         self.read_offset = 0
 
@@ -41,20 +51,48 @@ class TextPieces:
         if ids[-1] in self.held_ids and not last:
             return ""  # wait for the end of the run of byte tokens, or for a word
         prefix, read = self.prefix_offset, self.read_offset
-        before = self.decode(ids[prefix:read])
-        after = self.decode(ids[prefix:])
+        if prefix == 0 and self.context:
+            before = self.decode([*self.context, *ids[:read]])
+            after = self.decode([*self.context, *ids])
+        else:
+            before = self.decode(ids[prefix:read])
+            after = self.decode(ids[prefix:])
         if not last and (len(after) <= len(before) or after.endswith("\ufffd")):
             return ""  # wait for the rest of a multi-byte character
         self.prefix_offset, self.read_offset = read, len(ids)
         return after[len(before) :]
 
 
-def running_text(tokenizer: Any, ids: Sequence[int]) -> str:
+def running_text(tokenizer: Any, ids: Sequence[int], context: Sequence[int] = ()) -> str:
     """A sequence's text after `ids` while more tokens follow: their pieces, what they
     hold back (a cut character, a run of byte tokens) left out, as it was when the token
     after them came."""
-    pieces = TextPieces(tokenizer)
+    pieces = TextPieces(tokenizer, context)
     return "".join(pieces.next_piece(ids[: n + 1]) for n in range(len(ids)))
+
+
+def generated_text(tokenizer: Any, ids: Sequence[int], context: Sequence[int] = ()) -> str:
+    """The whole text of a generated sequence's tokens, decoded after its prompt's
+    `context` as its pieces are (the pipeline's text: the whole sequence decoded, less
+    its prompt's text)."""
+    if context:
+        before = tokenizer.decode(context, skip_special_tokens=True)
+        whole = tokenizer.decode([*context, *ids], skip_special_tokens=True)
+        if whole.startswith(before):  # (else the tokens changed its text: decoded alone)
+            return whole[len(before) :]
+    return str(tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def prompt_context(tokenizer: Any, prompt_ids: Sequence[int]) -> list[int]:
+    """The end of a prompt that its generated tokens are decoded after: its last token
+    whose text stands alone (not a byte token, whose run the new tokens' bytes could join,
+    not a special one, not part of a character); none where the last few have none."""
+    held = held_ids(tokenizer)
+    for start in range(len(prompt_ids) - 1, max(-1, len(prompt_ids) - 1 - CONTEXT_TOKENS), -1):
+        token = prompt_ids[start]
+        if token not in held and "\ufffd" not in tokenizer.decode([token]):
+            return [token]
+    return []
 
 
 @functools.lru_cache(maxsize=8)
