@@ -170,16 +170,23 @@ def after_the_prompt(tokenizer, prompt: str, ids: list[int]) -> str:
 def test_a_llamas_first_word_keeps_the_space_that_parts_it_from_the_prompt(llama):
     """A SentencePiece decoder strips the space a text starts with: the new tokens are
     decoded after the prompt's end, so "▁good" after "the movie" is " good", whole,
-    streamed and in the full text, on both paths, as the pipeline gives it."""
+    streamed and in the full text, on both paths, as the pipeline gives it; and so is
+    it among the likeliest tokens, as it reads where chosen."""
     good = llama.tokenizer.convert_tokens_to_ids("▁goo")
-    params = {**GREEDY, "max_new_tokens": 2, "logit_bias": {str(good): 100.0}}
+    params = {**GREEDY, "max_new_tokens": 2, "logit_bias": {str(good): 100.0}, "top_n_tokens": 2}
     streamed = Batch(9, ("the movie",), params, control=Control(stream_id=9))
     sent = serve(llama, {0: [Batch(1, ("the movie",), params), streamed]})
-    chunks = [c.token["text"] for m in sent if isinstance(m, TokenChunks) for c in m.chunks]
+    chunks = [c.token for m in sent if isinstance(m, TokenChunks) for c in m.chunks]
+    assert [t["text"] for t in chunks] == [" goo", " goo"]
+    assert [t["top_tokens"][0]["text"] for t in chunks] == [" goo", " goo"]
     [(_, got, expected)] = as_the_static_path(llama, params, ["the movie"])
     for output in (got[0], expected[0]):
         assert output["generated_text"] == "the movie goo goo"
-        assert [t["text"] for t in output["details"]["tokens"]] == [" goo", " goo"] == chunks
+        assert [t["text"] for t in output["details"]["tokens"]] == [" goo", " goo"]
+        top = output["details"]["top_tokens"]
+        assert [(alternatives[0]["id"], alternatives[0]["text"]) for alternatives in top] == [
+            (good, " goo")
+        ] * 2
     [(_, got, _)] = as_the_static_path(llama, {**params, "return_full_text": False}, ["the"])
     assert got[0]["generated_text"] == " goo goo"
 

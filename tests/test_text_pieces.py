@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 
 from rawserve.worker.text_pieces import (  # noqa: E402
     TextPieces,
+    alternative_text,
     generated_text,
     prompt_context,
     text_decoder,
@@ -161,6 +162,16 @@ def test_the_first_word_after_a_prompt_keeps_its_space_where_a_run_of_bytes_ends
         assert made == [" goo", "", "", "", "€ goo"]
         assert generated_text(tokenizer, ids, context) == " goo€ goo"
     assert prompt_context(tokenizer, tokenizer.convert_tokens_to_ids(["<0xE2>"])) == []
+
+
+def test_an_alternative_reads_as_it_would_where_chosen():
+    # after a word: a Llama's "▁goo" keeps its space; a byte token, a special token and
+    # a byte-level BPE's tokens read as they do alone
+    llama = byte_fallback_tokenizer()
+    ids = llama.convert_tokens_to_ids(["▁goo", "<0xE2>", "</s>"])
+    assert [alternative_text(llama, i) for i in ids] == [" goo", "\ufffd", "</s>"]
+    bpe = _tokenizers(bpe_tokenizer)
+    assert all(alternative_text(bpe, i) == bpe.decode([i]) for i in range(len(bpe)))
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from rawserve.worker.continuous import ends_a_stop
 from rawserve.worker.grammars import constrain
 from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE, NotNumbers
 from rawserve.worker.scores import ScoreAdjustments, likeliest, unusable
-from rawserve.worker.text_pieces import TextPieces
+from rawserve.worker.text_pieces import TextPieces, alternative_text
 
 log = logging.getLogger("rawserve.generation")
 
@@ -189,7 +189,8 @@ def tgi_token(
     """A new token as TGI's streams and details list it (a special token shows its own
     text, which the running text skips; a prompt's first token has no log probability),
     with the likeliest tokens at its step under "top_tokens" where they were asked for
-    (each token's own text: an alternative has no place in the running text).
+    (each token's own text as it reads after a word, `alternative_text`: an alternative
+    has no place in the running text).
 
     A special token's text starts with its `piece` where it has one: what a run of byte
     tokens held back until it came (an end of sequence right after them), as TGI's text
@@ -203,7 +204,12 @@ def tgi_token(
     }
     if top is not None:
         token["top_tokens"] = [
-            {"id": i, "text": tokenizer.decode([i]), "logprob": p, "special": i in special_ids}
+            {
+                "id": i,
+                "text": alternative_text(tokenizer, i),
+                "logprob": p,
+                "special": i in special_ids,
+            }
             for i, p in top
         ]
     return token

@@ -14,6 +14,8 @@ import transformers
 
 # how far back from a prompt's end its last word is looked for (`prompt_context`)
 CONTEXT_TOKENS = 8
+# a word that a step's alternatives are decoded after (`alternative_text`)
+PLAIN_WORD = "a"
 
 
 class TextPieces:
@@ -93,6 +95,27 @@ def prompt_context(tokenizer: Any, prompt_ids: Sequence[int]) -> list[int]:
         if token not in held and "\ufffd" not in tokenizer.decode([token]):
             return [token]
     return []
+
+
+def alternative_text(tokenizer: Any, token_id: int) -> str:
+    """A token's own text as a step's alternatives list it: as it reads after a word
+    (`PLAIN_WORD`), as the chosen token's piece reads. Decoded alone, a SentencePiece
+    decoder (Llama's) strips the space it starts with: "▁good" would be "good" among the
+    alternatives and " good" where chosen. A special token's text is its own."""
+    word = plain_word(tokenizer)
+    if word is not None and token_id not in held_ids(tokenizer):
+        both = tokenizer.decode([word, token_id])
+        if both.startswith(PLAIN_WORD):
+            return str(both[len(PLAIN_WORD) :])
+    return str(tokenizer.decode([token_id]))
+
+
+@functools.lru_cache(maxsize=8)
+def plain_word(tokenizer: Any) -> int | None:
+    """A token that reads `PLAIN_WORD` alone, which alternatives are decoded after (None:
+    none)."""
+    ids = tokenizer.encode(PLAIN_WORD, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 and tokenizer.decode(ids) == PLAIN_WORD else None
 
 
 @functools.lru_cache(maxsize=8)
