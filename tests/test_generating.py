@@ -191,6 +191,21 @@ def test_a_llamas_first_word_keeps_the_space_that_parts_it_from_the_prompt(llama
     assert got[0]["generated_text"] == " goo goo"
 
 
+@pytest.mark.parametrize("prompt", [" hello world", "  hello", "the movie 😀"])
+def test_a_llamas_echoed_prompt_lists_tokens_that_add_up_to_it(llama, prompt):
+    """Completions' echo with log probabilities: a Llama's decoder strips the space a
+    prompt starts with, which its first word's token lists again; then the new tokens."""
+    from rawserve.api.openai_answers import Answer, Echo
+
+    params = {**GREEDY, "max_new_tokens": 3, "decoder_input_details": True}
+    [output] = static(llama, prompt, {**params, "return_full_text": False})
+    [choice] = Answer(False, "m", logprobs=0).whole([output], [], [Echo(prompt, False)])["choices"]
+    listed = choice["logprobs"]
+    assert "".join(listed["tokens"]) == choice["text"] == prompt + output["generated_text"]
+    where = zip(listed["tokens"], listed["text_offset"], strict=True)
+    assert all(choice["text"].startswith(text, at) for text, at in where)
+
+
 def test_a_byte_fallback_models_tokens_add_up_to_its_text_on_both_paths(llama):
     """A Llama's tokenizer spells what it lacks as byte tokens, which a random model draws
     often, in runs that are not UTF-8: the tokens' texts, the last one's too (a run it

@@ -29,7 +29,7 @@ from rawserve.tasks.text_generation import (
     REASONING_END,
     returns_full_text,
 )
-from rawserve.worker.continuous import Generation, end_ids
+from rawserve.worker.continuous import Generation, cache_keyword, cache_of, end_ids
 from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.generate_hooks import (
     Adjuster,
@@ -424,12 +424,13 @@ class CausalLMRunner(Runner):
         with torch.inference_mode():
             tensor = torch.tensor([ids], device=self.device)
             cache = None
+            keyword = cache_keyword(self.model)  # (a renamed keyword warns)
             at_once = max(1, PROMPT_SCORES_AT_ONCE // self.vocabulary)
             # the last token's scores say what would follow the prompt: not needed
             for start in range(0, len(ids) - 1, at_once):
                 window = slice(start, min(start + at_once, len(ids) - 1))
-                out = self.model(input_ids=tensor[:, window], past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
+                out = self.model(input_ids=tensor[:, window], use_cache=True, **{keyword: cache})
+                cache = cache_of(out)
                 logprobs = out.logits[0].float().log_softmax(-1)
                 following = tensor[0, window.start + 1 : window.stop + 1, None]
                 chosen += logprobs.gather(1, following)[:, 0].tolist()

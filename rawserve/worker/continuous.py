@@ -154,10 +154,7 @@ class ContinuousBatcher:
         self.max_rows = max_rows
         self.on_token = on_token
         self.after_pass = after_pass
-        # the cache's keyword: `cache` since transformers renamed it (`past_key_values`,
-        # still taken, now warns)
-        forward = inspect.signature(model.forward).parameters
-        self._cache_name = "cache" if "cache" in forward else "past_key_values"
+        self._cache_name = cache_keyword(model)
         self.eos_ids = end_ids(tokenizer, model)
         self.waiting: list[Generation] = []
         self.rows: list[Generation] = []
@@ -367,7 +364,7 @@ class ContinuousBatcher:
             use_cache=True,
             logits_to_keep=1,  # only the last position's scores: the vocabulary is wide
         )
-        layers = _cache_of(out).layers
+        layers = cache_of(out).layers
         return (
             [layer.keys for layer in layers],
             [layer.values for layer in layers],
@@ -534,7 +531,14 @@ def end_ids(tokenizer: Any, model: Any) -> set[int]:
     return {int(i) for i in ids if i is not None}
 
 
-def _cache_of(out: Any) -> Any:
+def cache_keyword(model: Any) -> str:
+    """The keyword a model's forward pass takes its KV cache by: `cache` since
+    transformers renamed it (`past_key_values`, still taken, now warns)."""
+    forward = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in forward else "past_key_values"
+
+
+def cache_of(out: Any) -> Any:
     """A forward pass's KV cache, under its name in this transformers (`cache`, or the
     older `past_key_values`)."""
     cache = out.get("cache")
