@@ -188,7 +188,13 @@ OPTIONS = [
         f"{DEFAULT_MAX_TIMEOUT:.0f}, or --timeout where longer)",
     ),
     Option("--max-body-bytes", int, 1024 * 1024, "largest accepted request body; beyond it: 413"),
-    Option("--max-connections", int, 1000, "open connections; past it: 503 (0: no cap)"),
+    Option(
+        "--max-connections",
+        int,
+        1000,
+        "open connections, all HTTP processes together; past it the one idle longest is "
+        "closed, or where none is idle the new one is answered 503 (0: no cap)",
+    ),
     Option(
         "--stream-keepalive",
         float,
