@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from rawserve.api.openai_generation import MAX_NEW_TOKENS
 from rawserve.ops.metrics import Metrics
 from rawserve.options import OPTIONS
 from rawserve.serving.core import SchedulerCore
@@ -117,3 +118,11 @@ def test_every_file_make_target_and_module_the_docs_name_exists(doc):
         if not (ROOT / path).exists():
             missing.append(path)
     assert not missing
+
+
+def test_the_limits_table_gives_the_cap_on_new_tokens():
+    """max_tokens past 4,096 is refused whatever the model's positions: a reader of the
+    table, which named only the positions, expected a 32k-position model to take 8,192."""
+    readme = text(ROOT / "README.md")
+    [row] = re.findall(r"^\| generation length \|.*$", readme, re.MULTILINE)
+    assert f"at most {MAX_NEW_TOKENS:,}" in row
