@@ -126,3 +126,21 @@ def test_the_limits_table_gives_the_cap_on_new_tokens():
     readme = text(ROOT / "README.md")
     [row] = re.findall(r"^\| generation length \|.*$", readme, re.MULTILINE)
     assert f"at most {MAX_NEW_TOKENS:,}" in row
+
+
+def test_every_environment_variable_rawserve_reads_is_named_in_the_docs():
+    """Beside RAWSERVE_<OPTION>: a variable read where the docs do not name it (the ONNX
+    cache under $XDG_CACHE_HOME, the GPUs `cuda:N` counts) changes what they describe."""
+    reads = re.compile(
+        r'(?:environ\.get|getenv)\(\s*"([A-Z][A-Z0-9_]*)"'  # os.environ.get("NAME")
+        r'|"([A-Z][A-Z0-9_]*)" (?:not )?in \w*environ'  # "NAME" in os.environ
+    )
+    read = {
+        name
+        for source in (ROOT / "rawserve").rglob("*.py")
+        for match in reads.findall(text(source))
+        for name in match
+        if name
+    }
+    docs = "".join(text(doc) for doc in DOCS)
+    assert read and not {name for name in read if name not in docs}
