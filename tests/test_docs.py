@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rawserve.api.openai_generation import MAX_NEW_TOKENS
+from rawserve.http.cors import EXPOSED_HEADERS
 from rawserve.ops.metrics import Metrics
 from rawserve.options import OPTIONS
 from rawserve.serving.core import SchedulerCore
@@ -144,3 +145,11 @@ def test_every_environment_variable_rawserve_reads_is_named_in_the_docs():
     }
     docs = "".join(text(doc) for doc in DOCS)
     assert read and not {name for name in read if name not in docs}
+
+
+def test_the_readme_lists_the_headers_cors_exposes():
+    """A browser's script reads only the headers exposed to it: README is where its
+    author looks for which (X-Should-Retry was missing)."""
+    readme = " ".join(text(ROOT / "README.md").split())
+    [listed] = re.findall(r"and exposes (`[^;]*);", readme)
+    assert re.findall(r"`([\w-]+)`", listed) == EXPOSED_HEADERS.split(", ")
