@@ -170,6 +170,25 @@ def test_defaults_fill_only_what_a_name_leaves_open():
     assert folder.revision is None  # a folder has no revisions
 
 
+@pytest.mark.parametrize(
+    "models",
+    [
+        [],  # the packaged model: a folder
+        ["/models/bge"],
+        ["org/name@v2"],  # names its own
+        ["/models/bge", "emb=org/name@main"],
+    ],
+)
+def test_a_revision_no_model_takes_is_refused_not_ignored(models):
+    """`--revision v1` beside folders only (or the packaged model) was silently unused:
+    the server served what it had, as though pinned. Refused before anything resolves."""
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models(models, revision="v1")
+    assert str(caught.value) == (
+        "--revision 'v1' applies to Hub repos named without @REVISION, and no --model names one"
+    )
+
+
 def test_safetensors_make_the_pickled_weights_unneeded():
     assert files_to_skip(["model.safetensors", "pytorch_model.bin"]) == NOT_NEEDED + PICKLED_WEIGHTS
     assert files_to_skip(["pytorch_model.bin"]) == NOT_NEEDED
