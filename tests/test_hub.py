@@ -189,6 +189,20 @@ def test_a_revision_no_model_takes_is_refused_not_ignored(models):
     )
 
 
+def test_a_task_no_model_takes_is_refused_not_ignored(tmp_path):
+    """Every model names its own task: `--task` was silently unused."""
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        (tmp_path / name).write_text('{"architectures": ["BertModel"]}')
+    named = [f"a={tmp_path}:fill-mask", f"b={tmp_path}:ner"]
+    assert [plan.facts.task for plan in plan_models(named)] == ["fill-mask", "token-classification"]
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models(named, task="text-classification")
+    assert str(caught.value) == (
+        "--task 'text-classification' applies to the models named without :TASK, "
+        "and no --model is one"
+    )
+
+
 def test_safetensors_make_the_pickled_weights_unneeded():
     assert files_to_skip(["model.safetensors", "pytorch_model.bin"]) == NOT_NEEDED + PICKLED_WEIGHTS
     assert files_to_skip(["pytorch_model.bin"]) == NOT_NEEDED

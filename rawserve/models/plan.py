@@ -54,7 +54,7 @@ def plan_models(
     """The plans of the models named on the command line (the packaged model when none
     is), in order: the first is the default. Raises ModelNotFound (one line) on a name
     that cannot be read, a model that cannot be had, one whose task is unknown, or a
-    `revision` that no model takes."""
+    `task` or `revision` that no model takes."""
     if handler:
         if models:
             raise ModelNotFound("--handler serves its own callable: give no --model with it")
@@ -70,6 +70,10 @@ def plan_models(
         raise ModelNotFound(
             f"--revision {revision!r} applies to Hub repos named without @REVISION, "
             "and no --model names one"
+        )
+    if task and specs and all(spec.task for spec in specs):
+        raise ModelNotFound(
+            f"--task {task!r} applies to the models named without :TASK, and no --model is one"
         )
     if not specs:
         folder = Path(default_model())
