@@ -189,6 +189,22 @@ def test_a_revision_no_model_takes_is_refused_not_ignored(models):
     )
 
 
+def test_a_chat_template_no_model_reads_is_refused_not_ignored(tmp_path):
+    """--chat-template beside an embedding model alone was silently unused (and never
+    checked: a template that is not Jinja passed too)."""
+    for kind, architecture in (("encoder", "BertModel"), ("gpt2", "GPT2LMHeadModel")):
+        (tmp_path / kind).mkdir()
+        for name in ("config.json", "tokenizer.json", "model.safetensors"):
+            (tmp_path / kind / name).write_text(f'{{"architectures": ["{architecture}"]}}')
+    both = [str(tmp_path / "encoder"), str(tmp_path / "gpt2")]
+    assert len(plan_models(both, chat_template=True)) == 2
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models(both[:1], chat_template=True)
+    assert str(caught.value) == (
+        "--chat-template applies to text-generation models, and none is served"
+    )
+
+
 def test_a_task_no_model_takes_is_refused_not_ignored(tmp_path):
     """Every model names its own task: `--task` was silently unused."""
     for name in ("config.json", "tokenizer.json", "model.safetensors"):

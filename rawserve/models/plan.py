@@ -50,11 +50,12 @@ def plan_models(
     task: str | None = None,
     revision: str | None = None,
     handler: str | None = None,
+    chat_template: bool = False,
 ) -> list[ModelPlan]:
     """The plans of the models named on the command line (the packaged model when none
     is), in order: the first is the default. Raises ModelNotFound (one line) on a name
     that cannot be read, a model that cannot be had, one whose task is unknown, or a
-    `task` or `revision` that no model takes."""
+    `task`, `revision` or `chat_template` (--chat-template given) that no model takes."""
     if handler:
         if models:
             raise ModelNotFound("--handler serves its own callable: give no --model with it")
@@ -79,8 +80,12 @@ def plan_models(
         folder = Path(default_model())
         facts = _facts(folder, task, DEFAULT_MODEL_NAME)
         names = (DEFAULT_MODEL_NAME, PACKAGED_REPO_ID)
-        return [ModelPlan(names, PACKAGED_REPO_ID, str(folder), None, facts, None, task)]
-    plans = [_plan(spec.with_defaults(task=task, revision=revision)) for spec in specs]
+        plans = [ModelPlan(names, PACKAGED_REPO_ID, str(folder), None, facts, None, task)]
+    else:
+        plans = [_plan(spec.with_defaults(task=task, revision=revision)) for spec in specs]
+    generates = any(plan.facts and plan.facts.task == "text-generation" for plan in plans)
+    if chat_template and not generates:  # only a text-generation model's chat reads it
+        raise ModelNotFound("--chat-template applies to text-generation models, and none is served")
     return _unique_names(plans)
 
 
