@@ -354,6 +354,22 @@ def test_an_offline_cache_serves_the_default_branch_a_tag_and_a_commit(tmp_path)
     assert resolved(pinned) == snapshots / old
 
 
+def test_an_offline_cache_serves_a_commit_by_its_short_form(tmp_path):
+    """README's own example pins `@5c38ec7c`: huggingface_hub found a short commit in the
+    cache only by the ref a download under that name left, so a cache filled by its
+    branch said "not in the Hub cache" offline. One the cache does not hold still does."""
+    repo = make_repo()
+    old = repo.main
+    repo.add_commit({**FILES, "config.json": b'{"architectures": ["BertModel"]}'}, refs=("main",))
+    write_hub_cache(tmp_path / "hub", repo)
+    snapshots = tmp_path / "hub" / "models--org--tiny" / "snapshots"
+    for commit in (old, repo.main):
+        pinned = run_resolve(f"org/tiny@{commit[:8]}", tmp_path, HF_HUB_OFFLINE="1")
+        assert resolved(pinned) == snapshots / commit
+    line = one_error_line(run_resolve("org/tiny@0000000", tmp_path, HF_HUB_OFFLINE="1"))
+    assert "org/tiny@0000000 is not in the Hub cache" in line
+
+
 @pytest.mark.parametrize(
     ("spec", "words"),
     [
