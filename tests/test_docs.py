@@ -14,7 +14,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from rawserve.api.openai_generation import MAX_NEW_TOKENS
 from rawserve.http.cors import EXPOSED_HEADERS
 from rawserve.ops.metrics import Metrics
-from rawserve.options import OPTIONS
+from rawserve.options import (
+    CPU_MAX_BATCH_SIZE,
+    CPU_MAX_QUEUE,
+    DEFAULT_MAX_TIMEOUT,
+    GPU_MAX_BATCH_SIZE,
+    GPU_MAX_BATCH_TOKENS,
+    GPU_MAX_QUEUE,
+    OPTIONS,
+)
 from rawserve.serving.core import SchedulerCore
 from rawserve.serving.status import WorkerState, WorkerStatus
 
@@ -52,6 +60,46 @@ def test_every_option_has_a_row_in_the_readme_s_table():
     rows = re.findall(r"^\| (`--[^|]*)\|", text(ROOT / "README.md"), re.MULTILINE)
     listed = {flag for row in rows for flag in re.findall(r"`(--[a-z-]+)", row)}
     assert FLAGS - {"--help"} == listed
+
+
+def readme_defaults() -> dict[str, str]:
+    """The options table's default column, by flag (`--a` / `--b` rows split in two)."""
+    rows = re.findall(r"^\| (`--[^|]*)\| ([^|]*) \|", text(ROOT / "README.md"), re.MULTILINE)
+    cells = {}
+    for flags, default in rows:
+        named = re.findall(r"`(--[a-z-]+)", flags)
+        given = default.replace("`", "").split(" / ")  # "none" for both, or one each
+        given = given * len(named) if len(given) == 1 else given
+        cells.update(zip(named, (cell.strip() for cell in given), strict=True))
+    return cells
+
+
+def as_written(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, int) and value >= 2**20 and value % 2**20 == 0:
+        return f"{value >> 20} MiB"
+    return str(value)
+
+
+def test_the_readme_s_defaults_are_the_parser_s():
+    cells = readme_defaults()
+    wrong = {
+        option.flag: (cells[option.flag], option.default)
+        for option in OPTIONS
+        if option.default is not None and option.type is not bool
+        if not cells[option.flag].startswith(as_written(option.default))
+    }
+    # those the device decides, named in the parser's constants
+    for flag, values in {
+        "--max-batch-size": (CPU_MAX_BATCH_SIZE, GPU_MAX_BATCH_SIZE),
+        "--max-queue": (CPU_MAX_QUEUE, GPU_MAX_QUEUE),
+        "--max-batch-tokens": (f"{GPU_MAX_BATCH_TOKENS:,}",),
+        "--max-timeout": (as_written(DEFAULT_MAX_TIMEOUT),),
+    }.items():
+        if not all(str(value) in cells[flag] for value in values):
+            wrong[flag] = (cells[flag], values)
+    assert not wrong
 
 
 def exported_metrics() -> set[str]:
