@@ -58,6 +58,8 @@ VOLUME ["/cache"]
 EXPOSE 8000
 # /health is liveness: 200 while the server can serve or recover (also while the model
 # loads); a first start may download the model before it listens, hence the long start.
+# It reads the port and TLS from the RAWSERVE_* variables (not the arguments after the
+# image's name): a TLS port closes plain HTTP at once, so over TLS it asks in TLS.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
-    CMD ["/app/.venv/bin/python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('RAWSERVE_PORT', '8000'), timeout=4)"]
+    CMD ["/app/.venv/bin/python", "-c", "import os, ssl, urllib.request; tls = bool(os.environ.get('RAWSERVE_SSL_CERTFILE')); urllib.request.urlopen('%s://127.0.0.1:%s/health' % ('https' if tls else 'http', os.environ.get('RAWSERVE_PORT', '8000')), timeout=4, context=ssl._create_unverified_context() if tls else None)"]
 ENTRYPOINT ["/app/.venv/bin/python", "-m", "rawserve"]

@@ -188,7 +188,13 @@ OPTIONS = [
         f"{DEFAULT_MAX_TIMEOUT:.0f}, or --timeout where longer)",
     ),
     Option("--max-body-bytes", int, 1024 * 1024, "largest accepted request body; beyond it: 413"),
-    Option("--max-connections", int, 1000, "open connections; past it: 503 (0: no cap)"),
+    Option(
+        "--max-connections",
+        int,
+        1000,
+        "open connections, all HTTP processes together; past it the one idle longest is "
+        "closed, or where none is idle the new one is answered 503 (0: no cap)",
+    ),
     Option(
         "--stream-keepalive",
         float,
@@ -454,22 +460,28 @@ def check_values(args: argparse.Namespace, parser: argparse.ArgumentParser, core
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if not 0 <= args.port <= 65535:  # the socket would take it modulo 65536
         parser.error("--port must be from 0 (any free port) to 65535")
-    if args.batch_timeout <= 0 or args.grace < 0:
-        parser.error("--batch-timeout must be positive and --grace not negative")
-    if args.timeout <= 0 or args.max_batch_delay_ms < 0:
-        parser.error("--timeout must be positive and --max-batch-delay-ms not negative")
+    # each message names the option at fault alone: one naming two sent a user with an
+    # empty RAWSERVE_API_KEY to look at --max-connections
+    for wrong, message in (
+        (args.batch_timeout <= 0, "--batch-timeout must be positive"),
+        (args.grace < 0, "--grace must not be negative"),
+        (args.timeout <= 0, "--timeout must be positive"),
+        (args.max_batch_delay_ms < 0, "--max-batch-delay-ms must not be negative"),
+        (args.max_timeout is not None and args.max_timeout <= 0, "--max-timeout must be positive"),
+        (args.batching not in ("cost", "count"), "--batching must be cost or count"),
+        (args.max_connections < 0, "--max-connections must not be negative (0: no cap)"),
+        (args.api_key == "", "--api-key must not be empty (leave it unset for no key)"),
+    ):
+        if wrong:
+            parser.error(message)
     if args.max_timeout is None:
         args.max_timeout = max(DEFAULT_MAX_TIMEOUT, args.timeout)
-    if args.max_timeout <= 0 or args.batching not in ("cost", "count"):
-        parser.error("--max-timeout must be positive and --batching cost or count")
     if args.max_timeout < args.timeout:
         # a request asking for more time than the cap would get less than one asking none
         parser.error(
             f"--max-timeout ({args.max_timeout:g} s) must not be below --timeout "
             f"({args.timeout:g} s, the deadline of a request that asks for none)"
         )
-    if args.max_connections < 0 or args.api_key == "":
-        parser.error("--max-connections must not be negative and --api-key not empty")
     if args.api_key is not None and not (
         args.api_key.isprintable() and args.api_key.strip() == args.api_key
     ):

@@ -204,3 +204,23 @@ def test_the_health_check_passes_on_a_serving_server_and_fails_without_one():
         assert subprocess.run(words, env=env, capture_output=True).returncode == 0
     env = {**os.environ, "RAWSERVE_PORT": str(server.port)}  # nothing listens there now
     assert subprocess.run(words, env=env, capture_output=True).returncode != 0
+
+
+@pytest.mark.slow
+def test_the_health_check_asks_a_tls_server_in_tls(tmp_path):
+    """Over plain HTTP, a server given RAWSERVE_SSL_CERTFILE closed the check's connection
+    at once: the container was unhealthy for as long as it served."""
+    import trustme
+
+    key_and_certificate = tmp_path / "server.pem"
+    trustme.CA().issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(
+        str(key_and_certificate)
+    )
+    [check] = instructions("HEALTHCHECK")
+    words = [sys.executable, *check.value[2:]]
+    server = RunningServer(["--handler", "tests.handlers:echo"])
+    server.env["RAWSERVE_SSL_CERTFILE"] = str(key_and_certificate)
+    with server:
+        env = {**server.env, "RAWSERVE_PORT": str(server.port)}
+        checked = subprocess.run(words, env=env, capture_output=True, text=True)
+        assert checked.returncode == 0, checked.stderr

@@ -170,6 +170,55 @@ def test_defaults_fill_only_what_a_name_leaves_open():
     assert folder.revision is None  # a folder has no revisions
 
 
+@pytest.mark.parametrize(
+    "models",
+    [
+        [],  # the packaged model: a folder
+        ["/models/bge"],
+        ["org/name@v2"],  # names its own
+        ["/models/bge", "emb=org/name@main"],
+    ],
+)
+def test_a_revision_no_model_takes_is_refused_not_ignored(models):
+    """`--revision v1` beside folders only (or the packaged model) was silently unused:
+    the server served what it had, as though pinned. Refused before anything resolves."""
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models(models, revision="v1")
+    assert str(caught.value) == (
+        "--revision 'v1' applies to Hub repos named without @REVISION, and no --model names one"
+    )
+
+
+def test_a_chat_template_no_model_reads_is_refused_not_ignored(tmp_path):
+    """--chat-template beside an embedding model alone was silently unused (and never
+    checked: a template that is not Jinja passed too)."""
+    for kind, architecture in (("encoder", "BertModel"), ("gpt2", "GPT2LMHeadModel")):
+        (tmp_path / kind).mkdir()
+        for name in ("config.json", "tokenizer.json", "model.safetensors"):
+            (tmp_path / kind / name).write_text(f'{{"architectures": ["{architecture}"]}}')
+    both = [str(tmp_path / "encoder"), str(tmp_path / "gpt2")]
+    assert len(plan_models(both, chat_template=True)) == 2
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models(both[:1], chat_template=True)
+    assert str(caught.value) == (
+        "--chat-template applies to text-generation models, and none is served"
+    )
+
+
+def test_a_task_no_model_takes_is_refused_not_ignored(tmp_path):
+    """Every model names its own task: `--task` was silently unused."""
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        (tmp_path / name).write_text('{"architectures": ["BertModel"]}')
+    named = [f"a={tmp_path}:fill-mask", f"b={tmp_path}:ner"]
+    assert [plan.facts.task for plan in plan_models(named)] == ["fill-mask", "token-classification"]
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models(named, task="text-classification")
+    assert str(caught.value) == (
+        "--task 'text-classification' applies to the models named without :TASK, "
+        "and no --model is one"
+    )
+
+
 def test_safetensors_make_the_pickled_weights_unneeded():
     assert files_to_skip(["model.safetensors", "pytorch_model.bin"]) == NOT_NEEDED + PICKLED_WEIGHTS
     assert files_to_skip(["pytorch_model.bin"]) == NOT_NEEDED
@@ -303,6 +352,22 @@ def test_an_offline_cache_serves_the_default_branch_a_tag_and_a_commit(tmp_path)
     assert resolved(run_resolve("org/tiny@v1", tmp_path, HF_HUB_OFFLINE="1")) == snapshots / old
     pinned = run_resolve(f"org/tiny@{old}", tmp_path, HF_HUB_OFFLINE="1")
     assert resolved(pinned) == snapshots / old
+
+
+def test_an_offline_cache_serves_a_commit_by_its_short_form(tmp_path):
+    """README's own example pins `@5c38ec7c`: huggingface_hub found a short commit in the
+    cache only by the ref a download under that name left, so a cache filled by its
+    branch said "not in the Hub cache" offline. One the cache does not hold still does."""
+    repo = make_repo()
+    old = repo.main
+    repo.add_commit({**FILES, "config.json": b'{"architectures": ["BertModel"]}'}, refs=("main",))
+    write_hub_cache(tmp_path / "hub", repo)
+    snapshots = tmp_path / "hub" / "models--org--tiny" / "snapshots"
+    for commit in (old, repo.main):
+        pinned = run_resolve(f"org/tiny@{commit[:8]}", tmp_path, HF_HUB_OFFLINE="1")
+        assert resolved(pinned) == snapshots / commit
+    line = one_error_line(run_resolve("org/tiny@0000000", tmp_path, HF_HUB_OFFLINE="1"))
+    assert "org/tiny@0000000 is not in the Hub cache" in line
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import validate_repo_id
 from tqdm.std import tqdm
 
@@ -68,6 +70,8 @@ NOT_NEEDED = [
 ]
 PICKLED_WEIGHTS = ["*.bin", "*.pt", "*.pth"]  # skipped when the repo has safetensors
 PROGRESS_SECONDS = 5.0  # a download logs a progress line this often
+# a commit as `git log --oneline` and the Hub's pages show it: its first hex digits
+SHORT_COMMIT = re.compile(r"[0-9a-f]{7,39}")
 
 
 class ModelNotFound(Exception):
@@ -121,10 +125,11 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
     hub_requests_time_out()
     started = time.monotonic()
     try:
-        files = repo_files(repo_id, revision)
+        asked = cached_commit(repo_id, revision)  # the user's words stay in the messages
+        files = repo_files(repo_id, asked)
         folder = snapshot_download(
             repo_id,
-            revision=revision,
+            revision=asked,
             ignore_patterns=files_to_skip(files),
             tqdm_class=LoggedProgress,
         )
@@ -139,6 +144,20 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
         time.monotonic() - started,
     )
     return ResolvedModel(spec, Path(folder), commit)
+
+
+def cached_commit(repo_id: str, revision: str | None) -> str | None:
+    """`revision`, or the full id of the one cached commit it abbreviates. huggingface_hub
+    finds a short commit in the cache only by the ref that a download under that same
+    name left: a commit cached by its full id or by a branch was "not in the Hub cache"
+    offline, though it was. (Online, the Hub reads the short form as that commit too.)"""
+    if revision is None or not SHORT_COMMIT.fullmatch(revision):
+        return revision
+    storage = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
+    if (storage / "refs" / revision).is_file():  # a branch or tag of that name, or a download
+        return revision
+    commits = [snapshot.name for snapshot in (storage / "snapshots").glob(revision + "*")]
+    return commits[0] if len(commits) == 1 else revision
 
 
 def hub_logs_through_ours() -> None:

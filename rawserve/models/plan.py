@@ -50,26 +50,42 @@ def plan_models(
     task: str | None = None,
     revision: str | None = None,
     handler: str | None = None,
+    chat_template: bool = False,
 ) -> list[ModelPlan]:
     """The plans of the models named on the command line (the packaged model when none
     is), in order: the first is the default. Raises ModelNotFound (one line) on a name
-    that cannot be read, a model that cannot be had, or one whose task is unknown."""
+    that cannot be read, a model that cannot be had, one whose task is unknown, or a
+    `task`, `revision` or `chat_template` (--chat-template given) that no model takes."""
     if handler:
         if models:
             raise ModelNotFound("--handler serves its own callable: give no --model with it")
         return [ModelPlan((served_name(None, handler),), handler, None, handler=handler)]
-    if not models:
+    specs = []
+    for text in models:
+        try:
+            specs.append(parse_model_spec(text))
+        except ModelNameError as exc:
+            raise ModelNotFound(f"--model {text!r}: {exc}") from None
+    if revision and not any(not spec.is_folder and not spec.revision for spec in specs):
+        # it would be silently unused, as though honoured (the packaged model is a folder)
+        raise ModelNotFound(
+            f"--revision {revision!r} applies to Hub repos named without @REVISION, "
+            "and no --model names one"
+        )
+    if task and specs and all(spec.task for spec in specs):
+        raise ModelNotFound(
+            f"--task {task!r} applies to the models named without :TASK, and no --model is one"
+        )
+    if not specs:
         folder = Path(default_model())
         facts = _facts(folder, task, DEFAULT_MODEL_NAME)
         names = (DEFAULT_MODEL_NAME, PACKAGED_REPO_ID)
-        return [ModelPlan(names, PACKAGED_REPO_ID, str(folder), None, facts, None, task)]
-    plans = []
-    for text in models:
-        try:
-            spec = parse_model_spec(text).with_defaults(task=task, revision=revision)
-        except ModelNameError as exc:
-            raise ModelNotFound(f"--model {text!r}: {exc}") from None
-        plans.append(_plan(spec))
+        plans = [ModelPlan(names, PACKAGED_REPO_ID, str(folder), None, facts, None, task)]
+    else:
+        plans = [_plan(spec.with_defaults(task=task, revision=revision)) for spec in specs]
+    generates = any(plan.facts and plan.facts.task == "text-generation" for plan in plans)
+    if chat_template and not generates:  # only a text-generation model's chat reads it
+        raise ModelNotFound("--chat-template applies to text-generation models, and none is served")
     return _unique_names(plans)
 
 
