@@ -372,6 +372,10 @@ AGREEMENT = [
     ("EMBEDDINGS", {"input": ["a"], "encoding_format": "base64", "user": "u"}, True),
     ("EMBEDDINGS", {"input": "a", "encoding_format": "int8"}, False),
     ("EMBEDDINGS", {"input": "a", "unknown": 1}, False),  # OpenAI's routes refuse it
+    ("EMBEDDINGS", {"input": [[2, 9, 3], [2, 10]], "encoding_format": "base64"}, True),
+    ("EMBEDDINGS", {"input": [2, 9, 3]}, True),  # one token array
+    ("EMBEDDINGS", {"input": [[2, 9], "a"]}, False),  # one form for all
+    ("EMBEDDINGS", {"input": [[-1]]}, False),
     ("CHAT", {"messages": HI, "max_completion_tokens": 5, "stream": True}, True),
     ("CHAT", {"messages": HI, "stream": True, "stream_options": {"include_usage": True}}, True),
     ("CHAT", {"messages": HI, "tools": [], "tool_choice": "none", "logprobs": False}, True),
@@ -647,6 +651,45 @@ def test_a_text_sent_without_a_prompt_name_gets_the_model_s_default_prompt(path,
     answer = asyncio.run(app.handle(request))
     assert answer.status == 200, answer.body
     assert model.sent == [sent]
+
+
+def embeddings_of(document, details):
+    """(the answer, what the model was sent) of POST /v1/embeddings with `document`."""
+    model = Recording()
+    served = ServedModel("m", ModelService(model, Loaded("feature-extraction", details, "{}")), {})
+    app = App(ServedModels([served]), AppSettings())
+    body = json.dumps(document).encode()
+    request = HttpRequest(
+        "POST", "/v1/embeddings", "", [("content-type", "application/json")], body, "test"
+    )
+    return asyncio.run(app.handle(request)), model.sent
+
+
+def test_openai_embeddings_take_token_arrays_as_the_models_input():
+    """langchain-openai's OpenAIEmbeddings (by default) and OpenAI's API send token
+    arrays: they were a 400. The ids go to the model as they are, without a prompt."""
+    details = {"prompts": {"query": "query: "}, "default_prompt_name": "query", "vocabulary": 30}
+    document = {"input": [[2, 9, 10, 3], [2, 5]], "model": "m", "encoding_format": "base64"}
+    answer, sent = embeddings_of(document, details)
+    assert answer.status == 200, answer.body
+    assert sent == [[[2, 9, 10, 3], [2, 5]]]
+    assert [item["index"] for item in json.loads(answer.body)["data"]] == [0, 1]
+    answer, sent = embeddings_of({"input": [2, 9, 3]}, details)
+    assert (answer.status, sent) == (200, [[[2, 9, 3]]])
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        ([[2, 30]], "the token id 30 is not in the model's vocabulary (ids run from 0 to 29)"),
+        ([[2, 9], []], 'a token array of "input" has no ids'),
+    ],
+)
+def test_openai_embeddings_refuse_a_token_array_the_model_cannot_read(ids, message):
+    answer, sent = embeddings_of({"input": ids}, {"vocabulary": 30})
+    assert answer.status == 422 and sent == []
+    error = json.loads(answer.body)["error"]
+    assert (error["message"], error["param"]) == (message, "input")
 
 
 @pytest.mark.parametrize(
