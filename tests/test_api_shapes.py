@@ -376,6 +376,11 @@ AGREEMENT = [
     ("EMBEDDINGS", {"input": [2, 9, 3]}, True),  # one token array
     ("EMBEDDINGS", {"input": [[2, 9], "a"]}, False),  # one form for all
     ("EMBEDDINGS", {"input": [[-1]]}, False),
+    ("RERANK_DOCUMENTS", {"query": "q", "documents": ["a", {"text": "b"}], "top_n": 0}, True),
+    ("RERANK_DOCUMENTS", {"query": "q", "documents": ["a"], "rank_fields": ["x"]}, True),
+    ("RERANK_DOCUMENTS", {"query": "q", "documents": [{"title": "b"}]}, False),
+    ("RERANK_DOCUMENTS", {"query": "q", "documents": []}, False),
+    ("RERANK_DOCUMENTS", {"documents": ["a"]}, False),
     ("CHAT", {"messages": HI, "max_completion_tokens": 5, "stream": True}, True),
     ("CHAT", {"messages": HI, "stream": True, "stream_options": {"include_usage": True}}, True),
     ("CHAT", {"messages": HI, "tools": [], "tool_choice": "none", "logprobs": False}, True),
@@ -690,6 +695,50 @@ def test_openai_embeddings_refuse_a_token_array_the_model_cannot_read(ids, messa
     assert answer.status == 422 and sent == []
     error = json.loads(answer.body)["error"]
     assert (error["message"], error["param"]) == (message, "input")
+
+
+class Scoring(Idle):
+    """A cross-encoder whose logit for a (query, text) pair is the text's length."""
+
+    async def run(self, inputs, params, deadline, control=None):
+        assert params.get("logits")
+        return [ItemResult([float(len(pair["text_pair"]))], 0.0, 1, 0.0) for pair in inputs]
+
+
+def reranked(path, document):
+    details = {"id2label": {"0": "LABEL_0"}}
+    served = ServedModel("m", ModelService(Scoring(), Loaded("text-classification", details, "{}")))
+    app = App(ServedModels([served]), AppSettings())
+    body = json.dumps(document).encode()
+    request = HttpRequest("POST", path, "", [("content-type", "application/json")], body, "test")
+    answer = asyncio.run(app.handle(request))
+    return answer.status, json.loads(answer.body)
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/v2/rerank"])
+def test_the_rerank_of_cohere_jina_and_vllm_is_answered_in_their_shape(path):
+    """litellm's `hosted_vllm/` and `infinity/` providers post vLLM's and Infinity's
+    rerank to /rerank (`documents` where TEI's has `texts`), its `cohere/` provider to
+    /v2/rerank: they were a 400 ("texts" is required) and a 404."""
+    document = {"model": "m", "query": "q", "documents": ["ab", "abcd", {"text": "abc"}]}
+    status, body = reranked(path, {**document, "top_n": 2})
+    assert status == 200, body
+    assert body["model"] == "m" and body["id"].startswith("rerank-")
+    results = body["results"]
+    assert [(r["index"], r["document"]["text"]) for r in results] == [(1, "abcd"), (2, "abc")]
+    assert results[0]["relevance_score"] == pytest.approx(1 / (1 + np.exp(-4.0)))
+    status, body = reranked(path, {**document, "top_n": 0, "return_documents": False})
+    assert [r["index"] for r in body["results"]] == [1, 2, 0]
+    assert all("document" not in r for r in body["results"])
+
+
+@pytest.mark.parametrize(
+    ("document", "status"),
+    [({"query": "q", "documents": []}, 400), ({"query": "q", "documents": ["a", " "]}, 422)],
+)
+def test_the_rerank_of_cohere_jina_and_vllm_refuses_what_teis_refuses(document, status):
+    assert reranked("/v1/rerank", document)[0] == status
+    assert reranked("/rerank", document)[0] == status
 
 
 @pytest.mark.parametrize(
