@@ -25,10 +25,16 @@ from rawserve.api.bodies import (
 )
 from rawserve.api.inference import parse_body
 from rawserve.api.openai_answers import Answer, cut_at_stop, releasable
-from rawserve.api.openai_generation import GenerationRequest, check_token_ids, parse_chat
+from rawserve.api.openai_generation import (
+    GenerationRequest,
+    check_token_ids,
+    parse_chat,
+    parse_completion,
+)
 from rawserve.api.openai_messages import messages
 from rawserve.api.openai_responses import ResponseAnswer, parse_response
 from rawserve.api.openai_tools import Tools
+from rawserve.api.routing import DocContext
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.api.tei import scores
@@ -198,6 +204,27 @@ def test_chat_template_kwargs_go_to_the_template_with_the_chat():
     for wrong in ([], {"no-name": 1}, {"_private": 1}, {f"k{i}": i for i in range(33)}):
         with pytest.raises(BadRequest, match="must be an object of at most 32 values by name"):
             parse_chat({"messages": hi, "chat_template_kwargs": wrong})
+
+
+@pytest.mark.parametrize(("top_k", "asked"), [(5, 5), (0, 0), (-1, 0), (None, None)])
+def test_vllms_top_k_is_taken_on_both_routes(top_k, asked):
+    """litellm forwards `top_k` on every OpenAI-compatible provider (`openai/`,
+    `hosted_vllm/`, `huggingface/`), as vLLM takes it: it was a 400 (unknown field). -1
+    and 0 are vLLM's "every token"."""
+    hi = [{"role": "user", "content": "hi"}]
+    served = ServedModel("m", ModelService(Idle(), Loaded("text-generation", {}, "{}")))
+    context = DocContext(served, 32)
+    chat = parse_chat({"messages": hi, "max_tokens": 3, "top_k": top_k})
+    completion = parse_completion({"prompt": "hi", "top_k": top_k}, context)
+    assert chat.params.get("top_k") == completion.params.get("top_k") == asked
+    assert ("top_k" in chat.params) == (top_k is not None)
+
+
+@pytest.mark.parametrize("top_k", [-2, 1.5, "5", True])
+def test_vllms_top_k_refuses_what_vllm_refuses(top_k):
+    with pytest.raises(BadRequest, match='"top_k" must be an integer from -1') as refused:
+        parse_chat({"messages": [{"role": "user", "content": "hi"}], "top_k": top_k})
+    assert refused.value.param == "top_k"
 
 
 def test_a_prefill_is_asked_as_vllm_asks_it():

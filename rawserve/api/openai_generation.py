@@ -171,6 +171,9 @@ def generation_params(
         params["top_p"] = top_p
     if min_p := fields.value("min_p"):  # 0: none
         params["min_p"] = min_p
+    top_k = fields.value("top_k")
+    if top_k is not None:  # vLLM's -1 and 0: every token (the model's own default is off)
+        params["top_k"] = max(top_k, 0)
     repetition_penalty = fields.value("repetition_penalty")
     if repetition_penalty is not None:
         params["repetition_penalty"] = repetition_penalty
@@ -711,6 +714,8 @@ COMMON: dict[str, Field] = {
         {"type": ["number", "null"], "minimum": 0, "maximum": 1},
         lambda name, value, _: read_number(name, value, 0.0, 1.0),
     ),
+    # vLLM's: sample from the k likeliest tokens only (-1 or 0: from all of them)
+    "top_k": whole(-1, 2**31 - 1),
     # vLLM's: no end of sequence before min_tokens, or none at all (benchmarks ask for
     # answers of a fixed length)
     "min_tokens": whole(0, MAX_NEW_TOKENS),
