@@ -25,10 +25,16 @@ from rawserve.api.bodies import (
 )
 from rawserve.api.inference import parse_body
 from rawserve.api.openai_answers import Answer, cut_at_stop, releasable
-from rawserve.api.openai_generation import GenerationRequest, check_token_ids, parse_chat
+from rawserve.api.openai_generation import (
+    GenerationRequest,
+    check_token_ids,
+    parse_chat,
+    parse_completion,
+)
 from rawserve.api.openai_messages import messages
 from rawserve.api.openai_responses import ResponseAnswer, parse_response
 from rawserve.api.openai_tools import Tools
+from rawserve.api.routing import DocContext
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.api.tei import scores
@@ -198,6 +204,27 @@ def test_chat_template_kwargs_go_to_the_template_with_the_chat():
     for wrong in ([], {"no-name": 1}, {"_private": 1}, {f"k{i}": i for i in range(33)}):
         with pytest.raises(BadRequest, match="must be an object of at most 32 values by name"):
             parse_chat({"messages": hi, "chat_template_kwargs": wrong})
+
+
+@pytest.mark.parametrize(("top_k", "asked"), [(5, 5), (0, 0), (-1, 0), (None, None)])
+def test_vllms_top_k_is_taken_on_both_routes(top_k, asked):
+    """litellm forwards `top_k` on every OpenAI-compatible provider (`openai/`,
+    `hosted_vllm/`, `huggingface/`), as vLLM takes it: it was a 400 (unknown field). -1
+    and 0 are vLLM's "every token"."""
+    hi = [{"role": "user", "content": "hi"}]
+    served = ServedModel("m", ModelService(Idle(), Loaded("text-generation", {}, "{}")))
+    context = DocContext(served, 32)
+    chat = parse_chat({"messages": hi, "max_tokens": 3, "top_k": top_k})
+    completion = parse_completion({"prompt": "hi", "top_k": top_k}, context)
+    assert chat.params.get("top_k") == completion.params.get("top_k") == asked
+    assert ("top_k" in chat.params) == (top_k is not None)
+
+
+@pytest.mark.parametrize("top_k", [-2, 1.5, "5", True])
+def test_vllms_top_k_refuses_what_vllm_refuses(top_k):
+    with pytest.raises(BadRequest, match='"top_k" must be an integer from -1') as refused:
+        parse_chat({"messages": [{"role": "user", "content": "hi"}], "top_k": top_k})
+    assert refused.value.param == "top_k"
 
 
 def test_a_prefill_is_asked_as_vllm_asks_it():
@@ -372,6 +399,15 @@ AGREEMENT = [
     ("EMBEDDINGS", {"input": ["a"], "encoding_format": "base64", "user": "u"}, True),
     ("EMBEDDINGS", {"input": "a", "encoding_format": "int8"}, False),
     ("EMBEDDINGS", {"input": "a", "unknown": 1}, False),  # OpenAI's routes refuse it
+    ("EMBEDDINGS", {"input": [[2, 9, 3], [2, 10]], "encoding_format": "base64"}, True),
+    ("EMBEDDINGS", {"input": [2, 9, 3]}, True),  # one token array
+    ("EMBEDDINGS", {"input": [[2, 9], "a"]}, False),  # one form for all
+    ("EMBEDDINGS", {"input": [[-1]]}, False),
+    ("RERANK_DOCUMENTS", {"query": "q", "documents": ["a", {"text": "b"}], "top_n": 0}, True),
+    ("RERANK_DOCUMENTS", {"query": "q", "documents": ["a"], "rank_fields": ["x"]}, True),
+    ("RERANK_DOCUMENTS", {"query": "q", "documents": [{"title": "b"}]}, False),
+    ("RERANK_DOCUMENTS", {"query": "q", "documents": []}, False),
+    ("RERANK_DOCUMENTS", {"documents": ["a"]}, False),
     ("CHAT", {"messages": HI, "max_completion_tokens": 5, "stream": True}, True),
     ("CHAT", {"messages": HI, "stream": True, "stream_options": {"include_usage": True}}, True),
     ("CHAT", {"messages": HI, "tools": [], "tool_choice": "none", "logprobs": False}, True),
@@ -647,6 +683,89 @@ def test_a_text_sent_without_a_prompt_name_gets_the_model_s_default_prompt(path,
     answer = asyncio.run(app.handle(request))
     assert answer.status == 200, answer.body
     assert model.sent == [sent]
+
+
+def embeddings_of(document, details):
+    """(the answer, what the model was sent) of POST /v1/embeddings with `document`."""
+    model = Recording()
+    served = ServedModel("m", ModelService(model, Loaded("feature-extraction", details, "{}")), {})
+    app = App(ServedModels([served]), AppSettings())
+    body = json.dumps(document).encode()
+    request = HttpRequest(
+        "POST", "/v1/embeddings", "", [("content-type", "application/json")], body, "test"
+    )
+    return asyncio.run(app.handle(request)), model.sent
+
+
+def test_openai_embeddings_take_token_arrays_as_the_models_input():
+    """langchain-openai's OpenAIEmbeddings (by default) and OpenAI's API send token
+    arrays: they were a 400. The ids go to the model as they are, without a prompt."""
+    details = {"prompts": {"query": "query: "}, "default_prompt_name": "query", "vocabulary": 30}
+    document = {"input": [[2, 9, 10, 3], [2, 5]], "model": "m", "encoding_format": "base64"}
+    answer, sent = embeddings_of(document, details)
+    assert answer.status == 200, answer.body
+    assert sent == [[[2, 9, 10, 3], [2, 5]]]
+    assert [item["index"] for item in json.loads(answer.body)["data"]] == [0, 1]
+    answer, sent = embeddings_of({"input": [2, 9, 3]}, details)
+    assert (answer.status, sent) == (200, [[[2, 9, 3]]])
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        ([[2, 30]], "the token id 30 is not in the model's vocabulary (ids run from 0 to 29)"),
+        ([[2, 9], []], 'a token array of "input" has no ids'),
+    ],
+)
+def test_openai_embeddings_refuse_a_token_array_the_model_cannot_read(ids, message):
+    answer, sent = embeddings_of({"input": ids}, {"vocabulary": 30})
+    assert answer.status == 422 and sent == []
+    error = json.loads(answer.body)["error"]
+    assert (error["message"], error["param"]) == (message, "input")
+
+
+class Scoring(Idle):
+    """A cross-encoder whose logit for a (query, text) pair is the text's length."""
+
+    async def run(self, inputs, params, deadline, control=None):
+        assert params.get("logits")
+        return [ItemResult([float(len(pair["text_pair"]))], 0.0, 1, 0.0) for pair in inputs]
+
+
+def reranked(path, document):
+    details = {"id2label": {"0": "LABEL_0"}}
+    served = ServedModel("m", ModelService(Scoring(), Loaded("text-classification", details, "{}")))
+    app = App(ServedModels([served]), AppSettings())
+    body = json.dumps(document).encode()
+    request = HttpRequest("POST", path, "", [("content-type", "application/json")], body, "test")
+    answer = asyncio.run(app.handle(request))
+    return answer.status, json.loads(answer.body)
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/v2/rerank"])
+def test_the_rerank_of_cohere_jina_and_vllm_is_answered_in_their_shape(path):
+    """litellm's `hosted_vllm/` and `infinity/` providers post vLLM's and Infinity's
+    rerank to /rerank (`documents` where TEI's has `texts`), its `cohere/` provider to
+    /v2/rerank: they were a 400 ("texts" is required) and a 404."""
+    document = {"model": "m", "query": "q", "documents": ["ab", "abcd", {"text": "abc"}]}
+    status, body = reranked(path, {**document, "top_n": 2})
+    assert status == 200, body
+    assert body["model"] == "m" and body["id"].startswith("rerank-")
+    results = body["results"]
+    assert [(r["index"], r["document"]["text"]) for r in results] == [(1, "abcd"), (2, "abc")]
+    assert results[0]["relevance_score"] == pytest.approx(1 / (1 + np.exp(-4.0)))
+    status, body = reranked(path, {**document, "top_n": 0, "return_documents": False})
+    assert [r["index"] for r in body["results"]] == [1, 2, 0]
+    assert all("document" not in r for r in body["results"])
+
+
+@pytest.mark.parametrize(
+    ("document", "status"),
+    [({"query": "q", "documents": []}, 400), ({"query": "q", "documents": ["a", " "]}, 422)],
+)
+def test_the_rerank_of_cohere_jina_and_vllm_refuses_what_teis_refuses(document, status):
+    assert reranked("/v1/rerank", document)[0] == status
+    assert reranked("/rerank", document)[0] == status
 
 
 @pytest.mark.parametrize(

@@ -411,7 +411,8 @@ def test_openai_models_lists_the_served_model(servers, tiny_model):
     [
         {"model": EMBEDDING},
         {"input": 5},
-        {"input": [1, 2, 3]},
+        {"input": [[1, 2, 3], "x"]},  # token arrays or texts, one form for all
+        {"input": [-1]},
         {"input": []},
         {"input": "x", "encoding_format": "int8"},
         {"input": "x", "dimensions": 0},

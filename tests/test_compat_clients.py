@@ -392,7 +392,9 @@ def test_openai_sdk_shows_a_422s_message(openai_api):
 
     with pytest.raises(openai.UnprocessableEntityError) as raised:
         openai_api("chat").completions.create(model="chat", prompt="word " * 400, max_tokens=2)
-    assert "a prompt has more than 255 tokens" in str(raised.value), raised.value
+    assert "a prompt is longer than the model's context length: it takes at most 255 tokens" in str(
+        raised.value
+    ), raised.value
 
 
 def test_openai_sdk_shows_a_503s_message(openai_api):
@@ -415,4 +417,6 @@ def test_openai_sdk_shows_a_stream_errors_message(openai_api):
             model="chat", prompt="word " * 400, max_tokens=2, stream=True
         ):
             pass
-    assert "a prompt has more than 255 tokens" in str(raised.value), raised.value
+    assert "a prompt is longer than the model's context length: it takes at most 255 tokens" in str(
+        raised.value
+    ), raised.value

@@ -1063,6 +1063,7 @@ def test_a_prompt_that_cannot_fit_fails_alone_at_once_as_the_static_path_fails(r
         runner.run([too_long], dict(params))
     assert failed == runner.describe_failure(raised.value)
     assert failed.kind is FailureKind.INPUT and "leave room for one new token" in failed.message
+    assert "is longer than the model's context length" in failed.message  # litellm's words
     # a batch with nothing to run is answered without a step
     sent = serve(runner, {0: [Batch(2, (too_long,), params)]})
     assert results(sent)[2].outputs[0].kind is FailureKind.INPUT

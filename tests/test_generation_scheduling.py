@@ -298,7 +298,7 @@ class FakeServing:
         self.loaded = SimpleNamespace(tokenizer=tokenizer_json, details=details)
 
 
-def check(prompts, chat, positions=64, drops_reasoning=False):
+def check(prompts, chat, positions=64, drops_reasoning=False, scored=False):
     import asyncio
 
     from rawserve.api.prompts import check_lengths
@@ -309,7 +309,23 @@ def check(prompts, chat, positions=64, drops_reasoning=False):
     tokenizer = bpe_tokenizer().backend_tokenizer.to_str()
     serving = FakeServing(tokenizer, positions, drops_reasoning)
     model = ServedModel("m", serving)  # type: ignore[arg-type]
-    asyncio.run(check_lengths(ServerTokenizers(), model, prompts, chat))
+    asyncio.run(check_lengths(ServerTokenizers(), model, prompts, chat, scored))
+
+
+# what litellm looks for in an error's words to raise ContextWindowExceededError (which its
+# Router's `context_window_fallbacks` act on), one of the phrases it knows from servers
+CONTEXT_WINDOW_WORDS = "is longer than the model's context length"
+
+
+def test_a_prompt_past_the_positions_is_refused_in_words_naming_the_context_length():
+    """litellm read rawserve's refusal ("a prompt has more than N tokens") as an
+    UnprocessableEntityError, never as the context window exceeded."""
+    from rawserve.http.errors import UnprocessableInput
+
+    for scored in (False, True):
+        with pytest.raises(UnprocessableInput) as raised:
+            check(["word " * 100], chat=False, scored=scored)
+        assert CONTEXT_WINDOW_WORDS in str(raised.value)
 
 
 def test_the_prompt_check_counts_texts_and_chats():
@@ -346,5 +362,5 @@ def test_the_prompt_check_counts_token_ids_as_they_are():
     from rawserve.http.errors import UnprocessableInput
 
     check([[5] * 63], chat=False)  # one position left for the new token
-    with pytest.raises(UnprocessableInput, match="more than 63 tokens"):
+    with pytest.raises(UnprocessableInput, match="at most 63 tokens"):
         check([[5] * 2, [5] * 64], chat=False)

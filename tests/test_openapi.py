@@ -23,7 +23,7 @@ KINDS = {
     "embedding": (
         ["--max-client-batch-size", "4"],
         {"/", "/embed", "/embed_all", "/similarity", "/tokenize", "/decode", "/v1/embeddings"},
-        {"/predict", "/rerank", "/v1/chat/completions", "/v1/completions"},
+        {"/predict", "/rerank", "/v1/rerank", "/v1/chat/completions", "/v1/completions"},
     ),
     "classifier": (
         [],
@@ -37,7 +37,11 @@ KINDS = {
             "/v1/chat/completions",
         },
     ),
-    "reranker": ([], {"/", "/predict", "/rerank", "/tokenize", "/decode"}, {"/embed"}),
+    "reranker": (
+        [],
+        {"/", "/predict", "/rerank", "/v1/rerank", "/v2/rerank", "/tokenize", "/decode"},
+        {"/embed"},
+    ),
     "chat": (
         [],
         {"/", "/v1/chat/completions", "/v1/completions", "/tokenize", "/decode"},

@@ -234,6 +234,25 @@ def test_sentence_models_pool_as_their_files_say(runner):
     assert api["tokens"] == 4
 
 
+def test_token_ids_are_embedded_as_the_text_they_tokenize(runner):
+    """OpenAI's token arrays: the model's own ids (special tokens included) read as they
+    are give the text's vector, beside texts in one batch too; longer ones are cut as a
+    text is, and an id past the vocabulary is the input's error, never the model's."""
+    serving = runner("sentence-embedding")
+    texts = ["hello world", "the movie was good"]
+    ids = [serving.tokenizer(text)["input_ids"] for text in texts]
+    by_text = serving.run(texts, {}, EMBEDDING_ROUTE)
+    mixed = serving.run([ids[0], texts[1], ids[1]], {}, EMBEDDING_ROUTE)
+    for got, expected in zip(mixed, [by_text[0], by_text[1], by_text[1]], strict=True):
+        np.testing.assert_allclose(got["embedding"], expected["embedding"], atol=1e-5)
+        assert got["tokens"] == expected["tokens"]
+    most = serving.details["max_input_length"]
+    [long] = serving.run([ids[0] * most], {}, EMBEDDING_ROUTE)
+    assert long["tokens"] == most
+    with pytest.raises(ValueError, match="not in the model.s vocabulary"):
+        serving.run([[2, serving.details["vocabulary"]]], {}, EMBEDDING_ROUTE)
+
+
 # sentence-transformers' Pooling modes, on one text's token vectors (its formulas)
 ST_POOLING = {
     "cls": lambda tokens: tokens[0],

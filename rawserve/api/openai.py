@@ -28,12 +28,11 @@ from rawserve.api import schemas
 from rawserve.api.bodies import (
     answer,
     built_answer,
-    check_client_batch,
     json_response,
     read_json,
 )
 from rawserve.api.context import RouteContext
-from rawserve.api.fields import Body, Field, Fields, text, texts_schema
+from rawserve.api.fields import Body, Field, Fields, text
 from rawserve.api.inference import MODELS_PREFIX
 from rawserve.api.openai_answers import Answer, Echo
 from rawserve.api.openai_generation import (
@@ -45,6 +44,9 @@ from rawserve.api.openai_generation import (
     check_token_ids,
     parse_chat,
     parse_completion,
+    prompt_schema,
+    read_prompts,
+    refuse_unknown_ids,
 )
 from rawserve.api.openai_logprobs import listed_entries
 from rawserve.api.openai_responses import (
@@ -88,19 +90,13 @@ def speaks_openai(path: str) -> bool:
     )
 
 
-def read_input(name: str, value: Any, context: DocContext | None) -> list[str]:
-    """OpenAI's "input": a text or a non-empty list of them (not token arrays)."""
+def read_input(name: str, value: Any, context: DocContext | None) -> list[str | list[int]]:
+    """OpenAI's "input": a text, an array of token ids, or a non-empty list of either (one
+    form for all), as completions' "prompt"; langchain-openai's `OpenAIEmbeddings` sends
+    token arrays unless built with `check_embedding_ctx_length=False`."""
     if value is None:
         raise BadRequest('the JSON body must be an object with an "input" field')
-    texts = [value] if isinstance(value, str) else value
-    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-        raise BadRequest(
-            '"input" must be a string or a non-empty list of strings '
-            "(token arrays are not supported)"
-        )
-    assert context is not None
-    check_client_batch(len(texts), context.max_inputs)
-    return texts
+    return read_prompts(name, value, context)
 
 
 def read_encoding_format(name: str, value: Any, context: DocContext | None) -> str:
@@ -122,7 +118,7 @@ def read_dimensions(name: str, value: Any, context: DocContext | None) -> int:
 
 EMBEDDINGS = Body(
     {
-        "input": Field(texts_schema, read_input, reads_null=True, required=True),
+        "input": Field(prompt_schema, read_input, reads_null=True, required=True),
         "encoding_format": Field(
             {"enum": [*ENCODING_FORMATS, None]}, read_encoding_format, default="float"
         ),
@@ -134,8 +130,10 @@ EMBEDDINGS = Body(
 
 def parse_embeddings_request(
     fields: Fields, context: DocContext
-) -> tuple[list[str], dict[str, Any], str]:
-    """(texts, worker parameters, encoding format) of an OpenAI embeddings body."""
+) -> tuple[list[str | list[int]], dict[str, Any], str]:
+    """(inputs, worker parameters, encoding format) of an OpenAI embeddings body: an input
+    is a text or the model's token ids, read as they are (special tokens included, as
+    `/tokenize` gives them; 422 for an id the model has no embedding for)."""
     texts = fields.value("input", context)
     encoding_format = fields.value("encoding_format")
     params: dict[str, Any] = {}
@@ -145,10 +143,14 @@ def parse_embeddings_request(
     fields.value("model")
     fields.value("user")
     for one in texts:  # as every route: blank text is well-formed, but nothing to embed
+        if one == []:
+            raise UnprocessableInput('a token array of "input" has no ids', param="input")
         try:
-            not_blank(one, 'a text of "input"')
+            if isinstance(one, str):
+                not_blank(one, 'a text of "input"')
         except BlankInput as exc:
-            raise UnprocessableInput(str(exc)) from None
+            raise UnprocessableInput(str(exc), param="input") from None
+    refuse_unknown_ids(texts, details(context).get("vocabulary"), "input")
     return texts, params, encoding_format
 
 
@@ -265,10 +267,12 @@ class OpenAIRoutes:
         model = self.context.model_for(named(document), EMBEDDING)
         fields = EMBEDDINGS.read(document)
         context = DocContext(model, self.context.settings.max_client_batch_size)
-        texts, params, encoding_format = parse_embeddings_request(fields, context)
-        texts = prompted(model, texts, None)  # the model's default prompt, if it has one
+        inputs, params, encoding_format = parse_embeddings_request(fields, context)
+        texts = [one for one in inputs if isinstance(one, str)]
+        if len(texts) == len(inputs):  # texts, not token ids: those are read as sent
+            inputs = [*prompted(model, texts, None)]  # the model's default prompt, if any
         # the worker answers {"embedding": float32 vector, "tokens": n} on this route
-        results = await model.run(texts, params, self.context.deadline(request), EMBEDDING_ROUTE)
+        results = await model.run(inputs, params, self.context.deadline(request), EMBEDDING_ROUTE)
         outputs = [unwrap(result) for result in results]
         return answer(embedding_response(outputs, encoding_format, model.name), results)
 

@@ -171,6 +171,9 @@ def generation_params(
         params["top_p"] = top_p
     if min_p := fields.value("min_p"):  # 0: none
         params["min_p"] = min_p
+    top_k = fields.value("top_k")
+    if top_k is not None:  # vLLM's -1 and 0: every token (the model's own default is off)
+        params["top_k"] = max(top_k, 0)
     repetition_penalty = fields.value("repetition_penalty")
     if repetition_penalty is not None:
         params["repetition_penalty"] = repetition_penalty
@@ -536,18 +539,24 @@ def check_token_ids(generation: GenerationRequest, vocabulary: int | None) -> No
     """422 naming the field (as vLLM names it) for a token id, in a prompt of ids or in
     `logit_bias`, that the model has none for (`vocabulary`: its token count; None, not
     known yet: the worker refuses such an id), checked before the request is queued."""
+    refuse_unknown_ids(generation.items, vocabulary, "prompt")
+    refuse_unknown_ids([list(generation.params.get("logit_bias") or {})], vocabulary, "logit_bias")
+
+
+def refuse_unknown_ids(items: Sequence[Any], vocabulary: int | None, param: str) -> None:
+    """422 naming `param` for the first token id, in the items that are lists of ids, that
+    the model has no embedding for (`vocabulary`: its token count; None, not known yet: the
+    worker refuses such an id)."""
     if not vocabulary:
         return
-    prompt_ids = chain.from_iterable(i for i in generation.items if isinstance(i, list))
-    biased = generation.params.get("logit_bias") or {}
-    for param, ids in (("prompt", prompt_ids), ("logit_bias", biased)):
-        unknown = next((token_id for token_id in ids if token_id >= vocabulary), None)
-        if unknown is not None:
-            raise UnprocessableInput(
-                f"the token id {unknown} is not in the model's vocabulary (ids run from 0 "
-                f"to {vocabulary - 1})",
-                param=param,
-            )
+    ids = chain.from_iterable(item for item in items if isinstance(item, list))
+    unknown = next((token_id for token_id in ids if token_id >= vocabulary), None)
+    if unknown is not None:
+        raise UnprocessableInput(
+            f"the token id {unknown} is not in the model's vocabulary (ids run from 0 "
+            f"to {vocabulary - 1})",
+            param=param,
+        )
 
 
 def read_prompts(name: str, value: Any, context: DocContext | None) -> list[str | list[int]]:
@@ -563,7 +572,7 @@ def read_prompts(name: str, value: Any, context: DocContext | None) -> list[str 
         prompts = value
     else:
         raise BadRequest(
-            '"prompt" must be a text, a list of token ids, or a non-empty list of either '
+            f'"{name}" must be a text, a list of token ids, or a non-empty list of either '
             "(one form for all)"
         )
     assert context is not None
@@ -705,6 +714,8 @@ COMMON: dict[str, Field] = {
         {"type": ["number", "null"], "minimum": 0, "maximum": 1},
         lambda name, value, _: read_number(name, value, 0.0, 1.0),
     ),
+    # vLLM's: sample from the k likeliest tokens only (-1 or 0: from all of them)
+    "top_k": whole(-1, 2**31 - 1),
     # vLLM's: no end of sequence before min_tokens, or none at all (benchmarks ask for
     # answers of a fixed length)
     "min_tokens": whole(0, MAX_NEW_TOKENS),

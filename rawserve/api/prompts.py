@@ -118,10 +118,13 @@ async def by_length(texts: Sequence[str], work: Callable[..., T], *args: Any) ->
 
 
 def too_long(most: int, scored: bool = False) -> UnprocessableInput:
+    """The refusal of a prompt past the positions. Its words name the model's context
+    length, as OpenAI's and vLLM's do: litellm raises ContextWindowExceededError (which
+    its Router's `context_window_fallbacks` act on) for a message that does."""
     room = "to be scored" if scored else "to leave room for one new token"
     return UnprocessableInput(
-        f"a prompt has more than {most} tokens: the model takes at most {most} {room} "
-        "(text generation does not cut prompts)"
+        f"a prompt is longer than the model's context length: it takes at most {most} "
+        f"tokens {room} (text generation does not cut prompts)"
     )
 
 

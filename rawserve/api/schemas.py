@@ -62,16 +62,32 @@ TEI_SIMILARITY_RESPONSE: Schema = {
     "items": NUMBER,
     "description": "each sentence's cosine similarity to the source sentence, in order",
 }
-TEI_RERANK_RESPONSE: Schema = {
-    "type": "array",
-    "items": {
+
+
+def ranked(score: str, text: str, text_schema: Schema) -> Schema:
+    """A list of ranks, each with its text's index, its score as `score` and, when asked,
+    the text as `text`."""
+    rank = {
         "type": "object",
-        "required": ["index", "score"],
+        "required": ["index", score],
         "properties": {
             "index": {"type": "integer", "minimum": 0},
-            "score": NUMBER,
-            "text": {"type": "string"},
+            score: NUMBER,
+            text: text_schema,
         },
+    }
+    return {"type": "array", "items": rank}
+
+
+TEI_RERANK_RESPONSE = ranked("score", "text", {"type": "string"})
+RANKED_TEXT = {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}
+RERANK_DOCUMENTS_RESPONSE: Schema = {
+    "type": "object",
+    "required": ["id", "model", "results"],
+    "properties": {
+        "id": {"type": "string"},
+        "model": {"type": "string"},
+        "results": ranked("relevance_score", "document", RANKED_TEXT),
     },
 }
 

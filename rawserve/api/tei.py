@@ -1,7 +1,9 @@
 """Text Embeddings Inference's routes, in TEI's request and response shapes:
 `/embed`, `/embed_all` (feature-extraction), `/predict` (text-classification), `/rerank`
 (a cross-encoder: text-classification with one label), `/tokenize` and `/decode` (any
-model with a tokenizer), and TEI's fields for `/info`.
+model with a tokenizer), and TEI's fields for `/info`. The same cross-encoders also rank
+in the shape of Cohere's, Jina's and vLLM's rerank (`/v1/rerank`, `/v2/rerank`, and
+`/rerank` where a body has `documents`), which litellm's rerank providers post.
 
 Embeddings and scores are computed by the workers, batched with every other request;
 `/predict` and `/rerank` ask them for logits and make scores, labels and the order here.
@@ -19,6 +21,7 @@ imports torch.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -48,6 +51,7 @@ from rawserve.api.tei_bodies import (
     EMBED_ALL,
     PREDICT,
     RERANK,
+    RERANK_DOCUMENTS,
     SIMILARITY,
     TOKENIZE,
     checked_text,
@@ -63,7 +67,7 @@ from rawserve.api.tokens import (
 )
 from rawserve.http.errors import InternalError, PayloadTooLarge, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
-from rawserve.serving.face import EMBEDDING_ROUTE
+from rawserve.serving.face import EMBEDDING_ROUTE, ItemResult
 from rawserve.tasks import LOGITS_PARAM
 
 EMBEDDING = Needs(frozenset({"feature-extraction"}), "a feature-extraction model")
@@ -85,6 +89,9 @@ TOKENIZER_ERRORS = (400, 404, 413, 422, 503)
 # max, weightedmean and mean_sqrt_len_tokens: /info says sentence-transformers' own)
 TEI_POOLING_NAMES = {"lasttoken": "last_token"}
 INLINE_COUNT = 4096  # characters counted on the event loop; more: in a thread
+# the rerank of Cohere (`/v2/rerank`, litellm's `cohere/`), Jina and vLLM (`/v1/rerank`;
+# `/rerank` takes it too, where a body has `documents`)
+RERANK_DOCUMENTS_PATHS = ("/v1/rerank", "/v2/rerank")
 
 
 class TeiRoutes:
@@ -113,6 +120,16 @@ class TeiRoutes:
                 "Every label's score", PREDICT, schemas.TEI_PREDICT_RESPONSE)),
             post("/rerank", self.rerank, CROSS_ENCODER, described(
                 "Texts ranked by relevance to a query", RERANK, schemas.TEI_RERANK_RESPONSE)),
+            *(
+                post(path, self.rerank_documents, CROSS_ENCODER, Operation(
+                    "Documents ranked by relevance to a query (Cohere, Jina, vLLM)",
+                    TAG,
+                    RERANK_DOCUMENTS.schema,
+                    lambda _: schemas.RERANK_DOCUMENTS_RESPONSE,
+                    errors=MODEL_ERRORS,
+                ))
+                for path in RERANK_DOCUMENTS_PATHS
+            ),
             post("/tokenize", self.tokenize, TOKENIZER, replace(described(
                 "Tokens and their offsets", TOKENIZE, schemas.TEI_TOKENIZE_RESPONSE),
                 errors=TOKENIZER_ERRORS)),
@@ -203,31 +220,70 @@ class TeiRoutes:
         return answer(predictions if is_batch else predictions[0], results)
 
     async def rerank(self, request: HttpRequest) -> HttpResponse:
-        """Each text's relevance to the query, most relevant first."""
-        fields = RERANK.read(read_json(request))
+        """Each text's relevance to the query, most relevant first. A body with
+        `documents` instead of `texts` is the rerank of Cohere, Jina and vLLM, answered
+        in their shape, as vLLM and Infinity serve it on this path."""
+        document = read_json(request)
+        if isinstance(document, dict) and "documents" in document and "texts" not in document:
+            return await self.documents_ranked(request, document)
+        fields = RERANK.read(document)
         model = self.context.model_for(fields.get("model"), CROSS_ENCODER)
-        query = fields.value("query")
         texts = fields.value("texts", self.within(model))
-        checked_text(query, '"query"')
-        for text in texts:
-            checked_text(text, '"texts"')
         raw_scores = fields.value("raw_scores")
         return_text = fields.value("return_text")
         best = rank_count(fields, len(texts))
-        pairs = [{"text": query, "text_pair": text} for text in texts]
-        params = {LOGITS_PARAM: True, **truncation(fields)}
-        results = await model.run(pairs, params, self.context.deadline(request))
+        relevance, results = await self.relevance(
+            request, model, fields, (texts, '"texts"'), raw_scores
+        )
         ranks = []
-        for index, result in enumerate(results):
-            rank: dict[str, Any] = {
-                "index": index,
-                "score": float(scores(unwrap(result), raw_scores)[0]),
-            }
+        for index, score in enumerate(relevance):
+            rank: dict[str, Any] = {"index": index, "score": score}
             if return_text:
                 rank["text"] = texts[index]
             ranks.append(rank)
         ranks.sort(key=lambda rank: rank["score"], reverse=True)
         return answer(ranks[:best], results)
+
+    async def rerank_documents(self, request: HttpRequest) -> HttpResponse:
+        """`/v1/rerank` and `/v2/rerank`: the rerank of Cohere, Jina and vLLM."""
+        return await self.documents_ranked(request, read_json(request))
+
+    async def documents_ranked(self, request: HttpRequest, document: Any) -> HttpResponse:
+        """`documents` ranked by relevance to `query` (sigmoid scores, as TEI's), answered
+        as vLLM and Jina answer (`results`, each its `index`, `relevance_score` and
+        `document`), which litellm's and Cohere's clients read too."""
+        fields = RERANK_DOCUMENTS.read(document)
+        model = self.context.model_for(fields.get("model"), CROSS_ENCODER)
+        texts = fields.value("documents", self.within(model))
+        relevance, results = await self.relevance(request, model, fields, (texts, '"documents"'))
+        order = sorted(range(len(texts)), key=lambda index: relevance[index], reverse=True)
+        ranked = []
+        for index in order[: fields.value("top_n") or len(texts)]:
+            result: dict[str, Any] = {"index": index, "relevance_score": relevance[index]}
+            if fields.value("return_documents"):
+                result["document"] = {"text": texts[index]}
+            ranked.append(result)
+        body = {"id": f"rerank-{uuid.uuid4().hex}", "model": model.name, "results": ranked}
+        return answer(body, results)
+
+    async def relevance(
+        self,
+        request: HttpRequest,
+        model: ServedModel,
+        fields: Fields,
+        named_texts: tuple[list[str], str],
+        raw_scores: bool = False,
+    ) -> tuple[list[float], list[ItemResult]]:
+        """Each text's score against the body's query, in the texts' order, and the
+        results they came from (`named_texts`: the texts, and their field's name)."""
+        query = checked_text(fields.value("query"), '"query"')
+        texts, name = named_texts
+        for text in texts:
+            checked_text(text, name)
+        pairs = [{"text": query, "text_pair": text} for text in texts]
+        params = {LOGITS_PARAM: True, **truncation(fields)}
+        results = await model.run(pairs, params, self.context.deadline(request))
+        return [float(scores(unwrap(result), raw_scores)[0]) for result in results], results
 
     # --- the tokenizer ----------------------------------------------------------------
 

@@ -208,6 +208,24 @@ def rerank_texts_schema(context: DocContext) -> Schema:
     return {**many, "maxItems": context.max_inputs}
 
 
+def read_documents(name: str, value: Any, context: DocContext | None) -> list[str]:
+    """The `documents` of Cohere's, Jina's and vLLM's rerank: texts, or objects holding
+    one as `text` (Cohere's first API took both)."""
+    if isinstance(value, list):
+        value = [item.get("text") if isinstance(item, dict) else item for item in value]
+    return read_rerank_texts(name, value, context)
+
+
+def documents_schema(context: DocContext) -> Schema:
+    document = {
+        "anyOf": [
+            {"type": "string"},
+            {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}},
+        ]
+    }
+    return {"type": "array", "items": document, "minItems": 1, "maxItems": context.max_inputs}
+
+
 def prompt_name_schema(context: DocContext) -> Schema:
     return {"enum": [*sorted(details(context).get("prompts", {})), None]}
 
@@ -256,6 +274,20 @@ RERANK = Body(
         "raw_scores": flag(False),
         "return_text": flag(False),
         **{name: whole(1, MAX_TOKEN_ID) for name in RANK_COUNT},
+        **TRUNCATION,
+    },
+    ignore_unknown=True,
+)
+
+# The rerank API of Cohere, Jina, vLLM and Infinity (litellm's `cohere/`, `hosted_vllm/`
+# and `infinity/` providers post it): `documents` for TEI's `texts`; `top_n` 0 is all,
+# as vLLM reads it. Fields of theirs not read here are ignored, as on TEI's routes.
+RERANK_DOCUMENTS = Body(
+    {
+        "query": Field({"type": "string"}, read_query, reads_null=True, required=True),
+        "documents": Field(documents_schema, read_documents, reads_null=True, required=True),
+        "top_n": whole(0, MAX_TOKEN_ID),
+        "return_documents": flag(True, "Each result's document, as `document.text`."),
         **TRUNCATION,
     },
     ignore_unknown=True,

@@ -337,13 +337,14 @@ class CausalLMRunner(Runner):
             raise ValueError(f"max_new_tokens is {asked}, and this model generates at most {most}")
         if asked == 0 and longest_prompt > self.max_positions:
             raise ValueError(
-                f"the prompt is {longest_prompt} tokens: the model reads at most "
-                f"{self.max_positions} (scored, with no new token after them)"
+                f"the prompt is {longest_prompt} tokens, which is longer than the model's "
+                f"context length: it reads at most {self.max_positions} (scored, with no new "
+                "token after them)"
             )
         if asked != 0 and longest_prompt > most:
             raise ValueError(
-                f"the prompt is {longest_prompt} tokens: the model takes at most "
-                f"{most} to leave room for one new token"
+                f"the prompt is {longest_prompt} tokens, which is longer than the model's "
+                f"context length: it takes at most {most} to leave room for one new token"
             )
 
     # --- one item at a time, for the continuous loop (rawserve.worker.generating) -----------

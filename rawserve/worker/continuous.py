@@ -181,8 +181,9 @@ class ContinuousBatcher:
         room = self.max_positions - len(generation.prompt_ids)
         if room < 1 or not generation.prompt_ids:
             raise ValueError(
-                f"the prompt is {len(generation.prompt_ids)} tokens: the model takes at most "
-                f"{self.max_positions - 1} to leave room for one new token"
+                f"the prompt is {len(generation.prompt_ids)} tokens, which is longer than the "
+                f"model's context length: it takes at most {self.max_positions - 1} to leave "
+                "room for one new token"
             )
         generation.cap = min(generation.max_new_tokens, room)
         context = prompt_context(self.tokenizer, generation.prompt_ids)

@@ -60,6 +60,7 @@ class EncoderRunner(Runner):
         # sentence-transformers cuts a text at max_seq_length and may lowercase it first
         max_seq_length, self.lowercase = sentence_transformers_reading(Path(model))
         self.max_length = self.max_input_length(self.model.config)
+        self.vocabulary = int(self.model.config.vocab_size)  # the token ids an input may name
         if max_seq_length:
             self.max_length = min(self.max_length, max_seq_length)
 
@@ -74,6 +75,7 @@ class EncoderRunner(Runner):
             "normalize": self.default_normalize,
             "dimensions": self.model.config.hidden_size,
             "max_input_length": self.max_length,
+            "vocabulary": self.vocabulary,
             "prompts": self.prompts,
             "default_prompt_name": self.default_prompt,
         }
@@ -108,13 +110,20 @@ class EncoderRunner(Runner):
         preparing thread's own)."""
         tokenizer.truncation_side = params.get("truncation_direction", "right")
         truncate = params.get("truncate", True)
-        encoded = tokenizer(
-            [text.lower() for text in inputs] if self.lowercase else inputs,
-            padding=True,
-            truncation=truncate,
-            max_length=self.max_length if truncate else None,
-            return_tensors="pt",
-        )
+        reading = {"truncation": truncate, "max_length": self.max_length if truncate else None}
+        if any(isinstance(item, list) for item in inputs):
+            encoded = tokenizer.pad(
+                [self._row(tokenizer, item, reading) for item in inputs],
+                padding=True,
+                return_tensors="pt",
+            )
+        else:
+            encoded = tokenizer(
+                [text.lower() for text in inputs] if self.lowercase else inputs,
+                padding=True,
+                return_tensors="pt",
+                **reading,
+            )
         length = encoded["input_ids"].shape[1]
         if length > self.max_length:
             raise ValueError(
@@ -122,6 +131,27 @@ class EncoderRunner(Runner):
                 "send truncate: true to cut it"
             )
         return encoded
+
+    def _row(self, tokenizer: Any, item: Any, reading: dict[str, Any]) -> dict[str, list[int]]:
+        """One input of a batch that holds token ids (OpenAI's token arrays): the ids as
+        they are, as the model's own tokenizer gives them (special tokens included), cut as
+        a text is; a text beside them tokenized alone."""
+        if not isinstance(item, list):
+            return dict(tokenizer(item.lower() if self.lowercase else item, **reading))
+        unknown = next((i for i in item if not 0 <= i < self.vocabulary), None)
+        if unknown is not None:
+            raise ValueError(
+                f"the token id {unknown} is not in the model's vocabulary (ids run from 0 "
+                f"to {self.vocabulary - 1})"
+            )
+        ids = item
+        if reading["truncation"] and len(ids) > self.max_length:
+            keep_end = tokenizer.truncation_side == "left"
+            ids = ids[-self.max_length :] if keep_end else ids[: self.max_length]
+        row = {"input_ids": ids, "attention_mask": [1] * len(ids)}
+        if "token_type_ids" in tokenizer.model_input_names:
+            row["token_type_ids"] = [0] * len(ids)
+        return row
 
     def run_prepared(
         self, inputs: list[Any], params: dict[str, Any], control: Control, prepared: Any
