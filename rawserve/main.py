@@ -432,7 +432,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # before anything listens: a Hub model is downloaded (or found in the cache) once,
         # here, and the workers are given its folder
         plans = plan_models(
-            config.models, task=config.task, revision=config.revision, handler=config.handler
+            config.models,
+            task=config.task,
+            revision=config.revision,
+            handler=config.handler,
+            engine=config.model.engine,
         )
     except ModelNotFound as exc:
         log.error("%s", exc)

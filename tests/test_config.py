@@ -353,6 +353,30 @@ def test_sigterm_while_the_model_is_found_stops_the_start():
     assert "Traceback" not in done.stderr
 
 
+def test_engine_onnx_refuses_a_generation_model_before_any_worker_starts(tmp_path):
+    """The refusal came from each worker as it loaded, once the server listened; the
+    folder's task says it before then."""
+    model = tmp_path / "gen"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    for name in ("tokenizer.json", "model.safetensors"):
+        (model / name).write_text("{}")
+    argv = ["--model", str(model), "--engine", "onnx", "--device", "cpu", "--port", "0"]
+    done = subprocess.run(
+        [sys.executable, "-m", "rawserve", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    [line] = [line for line in done.stderr.splitlines() if "ERROR" in line]
+    assert line.endswith(
+        "ERROR model gen: --engine onnx: ONNX Runtime serves the encoder tasks, not text-generation"
+    )
+    assert "worker 0: started" not in done.stderr
+
+
 READ_ONLY_SHARED_MEMORY = """
 import errno, sys, tempfile
 

@@ -23,6 +23,8 @@ from rawserve.models.folder import (
 )
 from rawserve.models.hub import ModelNotFound, resolve_model
 from rawserve.models.names import ModelNameError, ModelSpec, parse_model_spec
+from rawserve.shared.messages import Engine
+from rawserve.tasks import onnx_unfit
 
 PACKAGED_REPO_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what the packaged model is
 
@@ -50,10 +52,23 @@ def plan_models(
     task: str | None = None,
     revision: str | None = None,
     handler: str | None = None,
+    engine: Engine = Engine.AUTO,
 ) -> list[ModelPlan]:
     """The plans of the models named on the command line (the packaged model when none
     is), in order: the first is the default. Raises ModelNotFound (one line) on a name
-    that cannot be read, a model that cannot be had, or one whose task is unknown."""
+    that cannot be read, a model that cannot be had, one whose task is unknown, or one
+    whose task `engine` does not serve."""
+    plans = _plans(models, task, revision, handler)
+    for plan in plans:
+        unfit = onnx_unfit(plan.facts.task) if plan.facts and engine is Engine.ONNX else None
+        if unfit:  # said before any worker starts, not by each worker as it loads
+            raise ModelNotFound(f"model {plan.name}: --engine onnx: {unfit}")
+    return plans
+
+
+def _plans(
+    models: Sequence[str], task: str | None, revision: str | None, handler: str | None
+) -> list[ModelPlan]:
     if handler:
         if models:
             raise ModelNotFound("--handler serves its own callable: give no --model with it")

@@ -38,6 +38,7 @@ from rawserve.config import ModelConfig, WorkerPlan
 from rawserve.models.plan import ModelPlan
 from rawserve.shared.board import SharedMemoryError
 from rawserve.shared.messages import WorkerConfig, WorkerLoadFailed
+from rawserve.tasks import ENCODER_TASKS
 from rawserve.worker import engine_trial
 from rawserve.worker.layout_timer import START_TIMEOUT, timer_main
 
@@ -45,18 +46,7 @@ log = logging.getLogger("rawserve")
 
 CACHE_PREFIX = "layout-trial-"
 TRIAL_BATCH = 8  # items of the timed batch when the server runs no warm-up
-# the encoder tasks (those ONNX Runtime serves too): a batch is one forward pass, so a
-# second or two times it; generation's batches last as long as their longest answer
-MEASURED_TASKS = frozenset(
-    {
-        "feature-extraction",
-        "text-classification",
-        "zero-shot-classification",
-        "token-classification",
-        "fill-mask",
-        "question-answering",
-    }
-)
+MEASURED_TASKS = ENCODER_TASKS  # a batch is one forward pass: a second or two times it
 # one worker with every core must beat one a core by this much to be chosen: one a core
 # was measured the faster under load (bench/RESULTS.md), and a trial run while other work
 # shares the machine has seen swings of 1.3-2x either way

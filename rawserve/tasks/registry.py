@@ -44,6 +44,28 @@ TASKS: dict[str, Task] = {
 
 # Tasks served by a custom handler take any JSON input and any parameters.
 CUSTOM_TASK = "custom"
+# The encoder tasks: a batch is one forward pass. ONNX Runtime serves these (--engine
+# onnx), and the CPU layout trial times them; a generation's batch lasts as long as its
+# longest answer.
+ENCODER_TASKS = frozenset(
+    {
+        "feature-extraction",
+        "text-classification",
+        "zero-shot-classification",
+        "token-classification",
+        "fill-mask",
+        "question-answering",
+    }
+)
+
+
+def onnx_unfit(task: str) -> str | None:
+    """Why ONNX Runtime cannot serve `task` (None: it can, where the device and the
+    installed packages let it), said alike by the server before any worker starts and
+    by a worker choosing its engine."""
+    if task in ENCODER_TASKS:
+        return None
+    return f"ONNX Runtime serves the encoder tasks, not {task}"
 
 
 def task_rules(name: str) -> Task | None:
