@@ -58,6 +58,9 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 HANDLER_SPEC = re.compile(r"[^\W\d]\w*(\.[^\W\d]\w*)*(:([^\W\d]\w*)?)?")
 ENV_TRUE = ("1", "true", "yes", "on")
 ENV_FALSE = ("", "0", "false", "no", "off")
+# huggingface_hub reads these with int() as it is imported: another value (even an empty
+# one) ended the server's start in its traceback, before anything was checked
+HUB_SECONDS_VARIABLES = ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
 
 
 @dataclass(frozen=True)
@@ -273,6 +276,15 @@ def finite_number(text: str) -> float:
     return value
 
 
+def whole_number(text: str) -> bool:
+    """Whether `int()` reads `text`."""
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
 def naming_the_variable(
     convert: Callable[[str], Any], env: str, text: str | None
 ) -> Callable[[str], Any]:
@@ -354,6 +366,9 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
     # One fixed order of checks: a command line with several mistakes is told the first.
+    for variable in HUB_SECONDS_VARIABLES:
+        if (text := os.environ.get(variable)) is not None and not whole_number(text):
+            parser.error(f"{variable}={text!r}: not a whole number of seconds")
     models = flags_or_variable(args.model, "RAWSERVE_MODEL")
     origins = flags_or_variable(args.cors_allow_origin, "RAWSERVE_CORS_ALLOW_ORIGIN")
     if args.handler and models:

@@ -173,6 +173,9 @@ def test_tls_files_are_loaded_into_a_context_at_parse_time(tmp_path):
         # a request asking for 20 s would have been given 10, one asking none 30
         (["--max-timeout", "10"], {}, "--max-timeout (10 s) must not be below --timeout (30 s"),
         ([], {"RAWSERVE_TIMEOUT": "60", "RAWSERVE_MAX_TIMEOUT": "45"}, "(45 s) must not be below"),
+        # huggingface_hub's own, read by int() as it is imported: its traceback, before
+        ([], {"HF_HUB_ETAG_TIMEOUT": "abc"}, "HF_HUB_ETAG_TIMEOUT='abc': not a whole number of"),
+        ([], {"HF_HUB_DOWNLOAD_TIMEOUT": "2.5"}, "HF_HUB_DOWNLOAD_TIMEOUT='2.5': not a whole"),
     ],
 )
 def test_an_invalid_command_line_is_refused_with_a_clear_line(
@@ -351,6 +354,22 @@ def test_sigterm_while_the_model_is_found_stops_the_start():
     )
     assert done.returncode == 1, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+def test_a_hub_variable_huggingface_hub_cannot_read_is_one_line_not_its_traceback():
+    """huggingface_hub reads HF_HUB_ETAG_TIMEOUT as it is imported: the command's own
+    imports must leave it until the command line is checked."""
+    done = subprocess.run(
+        [sys.executable, "-m", "rawserve", "--model", "org/name", "--download-only"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT, "HF_HUB_ETAG_TIMEOUT": "abc"},
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr == (
+        "rawserve: error: HF_HUB_ETAG_TIMEOUT='abc': not a whole number of seconds\n"
+    )
 
 
 def test_engine_onnx_refuses_a_generation_model_before_any_worker_starts(tmp_path):
