@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
@@ -207,9 +208,10 @@ def items_per_second(
     config: WorkerConfig, processes: int, size: int, stop: threading.Event
 ) -> float | None:
     """`processes` timers of `config`, timed together once all are loaded: the items a
-    second of all of them (None: a timer had no batch to time, or failed, or `stop` was
-    set). Raises ModelLoadFailed when a timer could not load the model: its workers,
-    which load it the same way, would fail alike, after the trial and each in turn."""
+    second of all of them (None: a timer had no batch to time, or failed, or could not
+    start, or `stop` was set). Raises ModelLoadFailed when a timer could not load the
+    model: its workers, which load it the same way, would fail alike, after the trial and
+    each in turn."""
     context = multiprocessing.get_context("spawn")
     try:
         start = context.Barrier(processes)
@@ -226,20 +228,31 @@ def items_per_second(
         for index, (_, sender) in enumerate(pipes)
     ]
     medians: list[Any] = []
+    running: list[BaseProcess] = []
     try:
-        for timer in timers:
-            timer.start()
+        try:
+            for timer in timers:
+                timer.start()
+                running.append(timer)
+        except OSError as exc:  # no process left for one (ulimit -u): the trial cannot tell
+            log.warning("the layout trial could not start a timer (%s)", exc)
+            return None
         for _, sender in pipes:
             sender.close()  # a timer that dies is an EOF here
         medians = gathered([reader for reader, _ in pipes], start, stop)
     finally:
-        # stopping, or the model cannot be loaded: no wait for the other timers' loads
-        cut_short = stop.is_set() or any(isinstance(m, WorkerLoadFailed) for m in medians)
-        for timer in timers:
-            timer.join(timeout=0 if cut_short else 5)
-            if timer.exitcode is None:
-                timer.kill()
-                timer.join()
+        # stopping, the model cannot be loaded, or a timer never started: no wait for
+        # the other timers' loads
+        cut_short = (
+            stop.is_set()
+            or len(running) < processes
+            or any(isinstance(m, WorkerLoadFailed) for m in medians)
+        )
+        for process in running:  # (one never started cannot be joined)
+            process.join(timeout=0 if cut_short else 5)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
     for median in medians:
         if isinstance(median, WorkerLoadFailed):  # the workers would fail alike
             raise ModelLoadFailed(median.message)
