@@ -436,6 +436,38 @@ def test_shared_memory_that_cannot_be_made_stops_the_server_with_one_line(http_p
     assert "Traceback" not in done.stderr and "cannot listen" not in done.stderr
 
 
+NO_PROCESS_FOR_HTTP = """
+import errno, multiprocessing.context, sys
+
+spawn = multiprocessing.context.SpawnProcess.start
+
+def refused(process):  # out of processes (ulimit -u) as the HTTP processes start
+    if process.name.startswith("rawserve-http"):
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+    spawn(process)
+
+multiprocessing.context.SpawnProcess.start = refused
+from rawserve.main import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def test_an_http_process_the_system_refuses_stops_the_server_saying_so():
+    """It said "cannot listen on 127.0.0.1 port N: Resource temporarily unavailable",
+    blaming the port."""
+    argv = [*ECHO, "--device", "cpu", "--port", "0", "--http-processes", "2"]
+    done = subprocess.run(
+        [sys.executable, "-c", NO_PROCESS_FOR_HTTP, *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT},
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "ERROR an HTTP process could not be started ([Errno 11] Resource" in done.stderr
+    assert "Traceback" not in done.stderr and "cannot listen" not in done.stderr
+
+
 def ipv6_loopback() -> bool:
     try:
         with socket.socket(socket.AF_INET6) as probe:
