@@ -39,6 +39,15 @@ def no_variables(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
+def run_python(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`python ARGS` with this checkout's rawserve (and `env` added), as an operator runs
+    the server: what it wrote, and its exit code."""
+    environment = {**os.environ, "PYTHONPATH": REPO_ROOT, **env}
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=60, env=environment
+    )
+
+
 def handler_plan(name: str = "echo") -> ModelPlan:
     return ModelPlan((name,), "tests.handlers:echo", None, handler="tests.handlers:echo")
 
@@ -260,13 +269,7 @@ def test_a_port_in_use_stops_the_server_with_a_clear_line_not_a_traceback(http_p
         taken.listen()
         port = taken.getsockname()[1]
         argv = [*ECHO, "--host", "127.0.0.1", "--port", str(port)]
-        done = subprocess.run(
-            [sys.executable, "-m", "rawserve", *argv, "--http-processes", http_processes],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={**os.environ, "PYTHONPATH": REPO_ROOT},
-        )
+        done = run_python("-m", "rawserve", *argv, "--http-processes", http_processes)
     assert done.returncode == 1, done.stderr[-2000:]
     assert f"ERROR cannot listen on 127.0.0.1 port {port}: " in done.stderr
     assert "in use" in done.stderr.lower() and "Traceback" not in done.stderr
@@ -345,13 +348,7 @@ def test_sigterm_while_the_model_is_found_stops_the_start():
     signal left at its default action: SIGTERM before the server's own handlers (a stop
     during a model's download) was ignored there until the SIGKILL after it. It stops
     the start as Ctrl-C does, in a container or not."""
-    done = subprocess.run(
-        [sys.executable, "-c", SIGTERM_WHILE_FINDING_THE_MODEL, *ECHO, "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": REPO_ROOT},
-    )
+    done = run_python("-c", SIGTERM_WHILE_FINDING_THE_MODEL, *ECHO, "--port", "0")
     assert done.returncode == 1, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
 
@@ -359,12 +356,8 @@ def test_sigterm_while_the_model_is_found_stops_the_start():
 def test_a_hub_variable_huggingface_hub_cannot_read_is_one_line_not_its_traceback():
     """huggingface_hub reads HF_HUB_ETAG_TIMEOUT as it is imported: the command's own
     imports must leave it until the command line is checked."""
-    done = subprocess.run(
-        [sys.executable, "-m", "rawserve", "--model", "org/name", "--download-only"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": REPO_ROOT, "HF_HUB_ETAG_TIMEOUT": "abc"},
+    done = run_python(
+        "-m", "rawserve", "--model", "org/name", "--download-only", HF_HUB_ETAG_TIMEOUT="abc"
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr == (
@@ -381,13 +374,7 @@ def test_engine_onnx_refuses_a_generation_model_before_any_worker_starts(tmp_pat
     for name in ("tokenizer.json", "model.safetensors"):
         (model / name).write_text("{}")
     argv = ["--model", str(model), "--engine", "onnx", "--device", "cpu", "--port", "0"]
-    done = subprocess.run(
-        [sys.executable, "-m", "rawserve", *argv],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": REPO_ROOT, "HF_HUB_OFFLINE": "1"},
-    )
+    done = run_python("-m", "rawserve", *argv, HF_HUB_OFFLINE="1")
     assert done.returncode == 1, done.stderr[-2000:]
     [line] = [line for line in done.stderr.splitlines() if "ERROR" in line]
     assert line.endswith(
@@ -424,13 +411,7 @@ def test_shared_memory_that_cannot_be_made_stops_the_server_with_one_line(http_p
     one line naming the folder, not a traceback, nor a "cannot listen" that blames the
     port."""
     argv = [*ECHO, "--device", "cpu", "--port", "0", "--http-processes", http_processes]
-    done = subprocess.run(
-        [sys.executable, "-c", READ_ONLY_SHARED_MEMORY, refused, *argv],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": REPO_ROOT},
-    )
+    done = run_python("-c", READ_ONLY_SHARED_MEMORY, refused, *argv)
     assert done.returncode == 1, done.stderr[-2000:]
     assert "ERROR cannot make shared memory in /dev/shm (Read-only file system)" in done.stderr
     assert "Traceback" not in done.stderr and "cannot listen" not in done.stderr
@@ -456,13 +437,7 @@ def test_an_http_process_the_system_refuses_stops_the_server_saying_so():
     """It said "cannot listen on 127.0.0.1 port N: Resource temporarily unavailable",
     blaming the port."""
     argv = [*ECHO, "--device", "cpu", "--port", "0", "--http-processes", "2"]
-    done = subprocess.run(
-        [sys.executable, "-c", NO_PROCESS_FOR_HTTP, *argv],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": REPO_ROOT},
-    )
+    done = run_python("-c", NO_PROCESS_FOR_HTTP, *argv)
     assert done.returncode == 1, done.stderr[-2000:]
     assert "ERROR an HTTP process could not be started ([Errno 11] Resource" in done.stderr
     assert "Traceback" not in done.stderr and "cannot listen" not in done.stderr
