@@ -12,6 +12,7 @@ Server process; standard library and the checks of the values' own modules only.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import re
@@ -30,6 +31,7 @@ from rawserve.ops.loops import LOOPS, chosen_loop
 from rawserve.shared.devices import cpu_cores, parse_devices
 from rawserve.shared.logs import LOG_FORMATS, LOG_LEVELS
 from rawserve.shared.messages import Engine
+from rawserve.tasks import onnx_unfit
 
 # Batch limits by device. A CPU's cost grows with the items, and 32 keeps a batch's time
 # short; a GPU's throughput doubles from 64 to 256 items (an H100, BERT-base: the issue's
@@ -402,6 +404,13 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     if args.http_processes is None:
         args.http_processes = http_processes_default(gpu, cores)
     check_values(args, parser, cores)
+    if engine is Engine.ONNX and not args.handler:  # (a handler's engine is its own)
+        # what a worker would refuse once loaded, known now but for the model's task
+        device = next((d for d in devices or () if d not in ("cpu", "auto")), None)
+        installed = importlib.util.find_spec("onnxruntime") is not None  # the `onnx` extra
+        unfit = onnx_unfit(None, device or ("cuda" if gpu else "cpu"), args.dtype, installed)
+        if unfit:
+            parser.error(f"--engine onnx: {unfit}")
     http = ProtocolSettings(
         max_body_bytes=args.max_body_bytes,
         # each HTTP process counts its own connections: a share each keeps the whole cap

@@ -102,14 +102,14 @@ def test_derived_values_are_computed_at_parse_time(tmp_path):
     template.write_text("{{ messages }}", encoding="utf-8")
     config = parse_config(
         [
-            *["--device", "cuda:0, CUDA:1", "--engine", "onnx", "--batching", "count"],
+            *["--device", "cuda:0, CUDA:1", "--engine", "auto", "--batching", "count"],
             *["--chat-template", str(template), "--no-warmup", "--no-access-log"],
             *["--cors-allow-origin", "https://a.example", "--cors-allow-origin", "*"],
         ]
     )
     model = config.model
     assert model.device == "cuda:0, CUDA:1" and model.devices == ("cuda:0", "cuda:1")
-    assert model.engine is Engine.ONNX and model.batching is Batching.COUNT
+    assert model.engine is Engine.AUTO and model.batching is Batching.COUNT
     assert model.chat_template == "{{ messages }}"  # the file's text, read once
     assert not model.warmup and not config.access_log
     assert config.app.cors_allow_origins == ("https://a.example", "*")
@@ -185,6 +185,9 @@ def test_tls_files_are_loaded_into_a_context_at_parse_time(tmp_path):
         # huggingface_hub's own, read by int() as it is imported: its traceback, before
         ([], {"HF_HUB_ETAG_TIMEOUT": "abc"}, "HF_HUB_ETAG_TIMEOUT='abc': not a whole number of"),
         ([], {"HF_HUB_DOWNLOAD_TIMEOUT": "2.5"}, "HF_HUB_DOWNLOAD_TIMEOUT='2.5': not a whole"),
+        # each refused by every worker once it had imported torch, after the server listened
+        (["--engine", "onnx", "--device", "cpu,cuda:1"], {}, "CPU only, not on cuda:1"),
+        (["--engine", "onnx", "--device", "cpu", "--dtype", "bfloat16"], {}, "float32 here, not"),
     ],
 )
 def test_an_invalid_command_line_is_refused_with_a_clear_line(

@@ -59,13 +59,21 @@ ENCODER_TASKS = frozenset(
 )
 
 
-def onnx_unfit(task: str) -> str | None:
-    """Why ONNX Runtime cannot serve `task` (None: it can, where the device and the
-    installed packages let it), said alike by the server before any worker starts and
-    by a worker choosing its engine."""
-    if task in ENCODER_TASKS:
-        return None
-    return f"ONNX Runtime serves the encoder tasks, not {task}"
+def onnx_unfit(
+    task: str | None, device: str = "cpu", dtype: str = "auto", installed: bool = True
+) -> str | None:
+    """Why ONNX Runtime cannot serve `task` (None: not known yet) on `device` in `dtype`
+    (`installed`: whether onnxruntime is); None where it can. Said alike by the server
+    before any worker starts, of what it knows then, and by a worker choosing its engine."""
+    if task is not None and task not in ENCODER_TASKS:
+        return f"ONNX Runtime serves the encoder tasks, not {task}"
+    if device != "cpu":
+        return f"ONNX Runtime runs here on the CPU only, not on {device}"
+    if dtype not in ("auto", "float32"):
+        return f"ONNX Runtime runs float32 here, not {dtype}"
+    if not installed:
+        return "onnxruntime is not installed (pip install 'rawserve[onnx]')"
+    return None
 
 
 def task_rules(name: str) -> Task | None:

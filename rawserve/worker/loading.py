@@ -40,13 +40,7 @@ def choose_engine(
     requested: Engine, task: str, device: str, dtype: str, onnx_installed: bool
 ) -> tuple[Engine, str]:
     """The engine that runs `task` here, and why; ValueError when `onnx` cannot."""
-    unfit = onnx_unfit(task)
-    if unfit is None and device != "cpu":
-        unfit = f"ONNX Runtime runs here on the CPU only, not on {device}"
-    elif unfit is None and dtype not in ("auto", "float32"):
-        unfit = f"ONNX Runtime runs float32 here, not {dtype}"
-    elif unfit is None and not onnx_installed:
-        unfit = "onnxruntime is not installed (pip install 'rawserve[onnx]')"
+    unfit = onnx_unfit(task, device, dtype, onnx_installed)
     if requested is Engine.TORCH:
         return Engine.TORCH, "--engine torch"
     if requested is Engine.ONNX:
