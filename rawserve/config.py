@@ -128,7 +128,11 @@ def plan_workers(
             devices = tuple(parse_devices("auto", os.environ.get("CUDA_VISIBLE_DEVICES")))
         else:
             size = sum(layout.model_bytes(Path(plan.folder)) for plan in plans if plan.folder)
-            per_core = layout.cpu_layout(cores, layout.ram_bytes(), size, models=len(plans))
+            handler = any(plan.handler for plan in plans)  # (served alone)
+            overhead = layout.HANDLER_OVERHEAD if handler else layout.WORKER_OVERHEAD
+            per_core = layout.cpu_layout(
+                cores, layout.ram_bytes(), size, models=len(plans), overhead=overhead
+            )
             devices, reason, chosen = ("cpu",) * per_core.workers, per_core.reason, True
     threads = model.threads
     if threads is None:  # every model has a worker per device

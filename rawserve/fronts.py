@@ -155,8 +155,11 @@ class HttpProcesses:
         bridge.start()
         try:
             await fleet.start()
-        except HttpProcessFailed as exc:
-            log.error("%s", exc)
+        except (HttpProcessFailed, OSError) as exc:
+            # an OSError: no process left for one (ulimit -u), which the port is not to
+            # blame for (the server's "cannot listen on" line)
+            failed = isinstance(exc, HttpProcessFailed)
+            log.error("%s", exc if failed else f"an HTTP process could not be started ({exc})")
             fleet.kill()
             await bridge.stop()
             board.remove()

@@ -437,6 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             revision=config.revision,
             handler=config.handler,
             chat_template=config.model.chat_template is not None,
+            engine=config.model.engine,
         )
     except ModelNotFound as exc:
         log.error("%s", exc)

@@ -12,6 +12,7 @@ Server process; standard library and the checks of the values' own modules only.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import re
@@ -30,6 +31,7 @@ from rawserve.ops.loops import LOOPS, chosen_loop
 from rawserve.shared.devices import cpu_cores, parse_devices
 from rawserve.shared.logs import LOG_FORMATS, LOG_LEVELS
 from rawserve.shared.messages import Engine
+from rawserve.tasks import onnx_unfit
 
 # Batch limits by device. A CPU's cost grows with the items, and 32 keeps a batch's time
 # short; a GPU's throughput doubles from 64 to 256 items (an H100, BERT-base: the issue's
@@ -58,6 +60,9 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 HANDLER_SPEC = re.compile(r"[^\W\d]\w*(\.[^\W\d]\w*)*(:([^\W\d]\w*)?)?")
 ENV_TRUE = ("1", "true", "yes", "on")
 ENV_FALSE = ("", "0", "false", "no", "off")
+# huggingface_hub reads these with int() as it is imported: another value (even an empty
+# one) ended the server's start in its traceback, before anything was checked
+HUB_SECONDS_VARIABLES = ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
 
 
 @dataclass(frozen=True)
@@ -279,6 +284,15 @@ def finite_number(text: str) -> float:
     return value
 
 
+def whole_number(text: str) -> bool:
+    """Whether `int()` reads `text`."""
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
 def naming_the_variable(
     convert: Callable[[str], Any], env: str, text: str | None
 ) -> Callable[[str], Any]:
@@ -360,6 +374,9 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
     # One fixed order of checks: a command line with several mistakes is told the first.
+    for variable in HUB_SECONDS_VARIABLES:
+        if (text := os.environ.get(variable)) is not None and not whole_number(text):
+            parser.error(f"{variable}={text!r}: not a whole number of seconds")
     models = flags_or_variable(args.model, "RAWSERVE_MODEL")
     origins = flags_or_variable(args.cors_allow_origin, "RAWSERVE_CORS_ALLOW_ORIGIN")
     if args.handler and models:
@@ -393,6 +410,13 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     if args.http_processes is None:
         args.http_processes = http_processes_default(gpu, cores)
     check_values(args, parser, cores)
+    if engine is Engine.ONNX and not args.handler:  # (a handler's engine is its own)
+        # what a worker would refuse once loaded, known now but for the model's task
+        device = next((d for d in devices or () if d not in ("cpu", "auto")), None)
+        installed = importlib.util.find_spec("onnxruntime") is not None  # the `onnx` extra
+        unfit = onnx_unfit(None, device or ("cuda" if gpu else "cpu"), args.dtype, installed)
+        if unfit:
+            parser.error(f"--engine onnx: {unfit}")
     http = ProtocolSettings(
         max_body_bytes=args.max_body_bytes,
         # each HTTP process counts its own connections: a share each keeps the whole cap

@@ -39,6 +39,15 @@ def no_variables(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
+def run_python(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`python ARGS` with this checkout's rawserve (and `env` added), as an operator runs
+    the server: what it wrote, and its exit code."""
+    environment = {**os.environ, "PYTHONPATH": REPO_ROOT, **env}
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=60, env=environment
+    )
+
+
 def handler_plan(name: str = "echo") -> ModelPlan:
     return ModelPlan((name,), "tests.handlers:echo", None, handler="tests.handlers:echo")
 
@@ -93,14 +102,14 @@ def test_derived_values_are_computed_at_parse_time(tmp_path):
     template.write_text("{{ messages }}", encoding="utf-8")
     config = parse_config(
         [
-            *["--device", "cuda:0, CUDA:1", "--engine", "onnx", "--batching", "count"],
+            *["--device", "cuda:0, CUDA:1", "--engine", "auto", "--batching", "count"],
             *["--chat-template", str(template), "--no-warmup", "--no-access-log"],
             *["--cors-allow-origin", "https://a.example", "--cors-allow-origin", "*"],
         ]
     )
     model = config.model
     assert model.device == "cuda:0, CUDA:1" and model.devices == ("cuda:0", "cuda:1")
-    assert model.engine is Engine.ONNX and model.batching is Batching.COUNT
+    assert model.engine is Engine.AUTO and model.batching is Batching.COUNT
     assert model.chat_template == "{{ messages }}"  # the file's text, read once
     assert not model.warmup and not config.access_log
     assert config.app.cors_allow_origins == ("https://a.example", "*")
@@ -178,6 +187,12 @@ def test_tls_files_are_loaded_into_a_context_at_parse_time(tmp_path):
         # a request asking for 20 s would have been given 10, one asking none 30
         (["--max-timeout", "10"], {}, "--max-timeout (10 s) must not be below --timeout (30 s"),
         ([], {"RAWSERVE_TIMEOUT": "60", "RAWSERVE_MAX_TIMEOUT": "45"}, "(45 s) must not be below"),
+        # huggingface_hub's own, read by int() as it is imported: its traceback, before
+        ([], {"HF_HUB_ETAG_TIMEOUT": "abc"}, "HF_HUB_ETAG_TIMEOUT='abc': not a whole number of"),
+        ([], {"HF_HUB_DOWNLOAD_TIMEOUT": "2.5"}, "HF_HUB_DOWNLOAD_TIMEOUT='2.5': not a whole"),
+        # each refused by every worker once it had imported torch, after the server listened
+        (["--engine", "onnx", "--device", "cpu,cuda:1"], {}, "CPU only, not on cuda:1"),
+        (["--engine", "onnx", "--device", "cpu", "--dtype", "bfloat16"], {}, "float32 here, not"),
     ],
 )
 def test_an_invalid_command_line_is_refused_with_a_clear_line(
@@ -262,13 +277,7 @@ def test_a_port_in_use_stops_the_server_with_a_clear_line_not_a_traceback(http_p
         taken.listen()
         port = taken.getsockname()[1]
         argv = [*ECHO, "--host", "127.0.0.1", "--port", str(port)]
-        done = subprocess.run(
-            [sys.executable, "-m", "rawserve", *argv, "--http-processes", http_processes],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={**os.environ, "PYTHONPATH": REPO_ROOT},
-        )
+        done = run_python("-m", "rawserve", *argv, "--http-processes", http_processes)
     assert done.returncode == 1, done.stderr[-2000:]
     assert f"ERROR cannot listen on 127.0.0.1 port {port}: " in done.stderr
     assert "in use" in done.stderr.lower() and "Traceback" not in done.stderr
@@ -347,15 +356,39 @@ def test_sigterm_while_the_model_is_found_stops_the_start():
     signal left at its default action: SIGTERM before the server's own handlers (a stop
     during a model's download) was ignored there until the SIGKILL after it. It stops
     the start as Ctrl-C does, in a container or not."""
-    done = subprocess.run(
-        [sys.executable, "-c", SIGTERM_WHILE_FINDING_THE_MODEL, *ECHO, "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": REPO_ROOT},
-    )
+    done = run_python("-c", SIGTERM_WHILE_FINDING_THE_MODEL, *ECHO, "--port", "0")
     assert done.returncode == 1, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+def test_a_hub_variable_huggingface_hub_cannot_read_is_one_line_not_its_traceback():
+    """huggingface_hub reads HF_HUB_ETAG_TIMEOUT as it is imported: the command's own
+    imports must leave it until the command line is checked."""
+    done = run_python(
+        "-m", "rawserve", "--model", "org/name", "--download-only", HF_HUB_ETAG_TIMEOUT="abc"
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr == (
+        "rawserve: error: HF_HUB_ETAG_TIMEOUT='abc': not a whole number of seconds\n"
+    )
+
+
+def test_engine_onnx_refuses_a_generation_model_before_any_worker_starts(tmp_path):
+    """The refusal came from each worker as it loaded, once the server listened; the
+    folder's task says it before then."""
+    model = tmp_path / "gen"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    for name in ("tokenizer.json", "model.safetensors"):
+        (model / name).write_text("{}")
+    argv = ["--model", str(model), "--engine", "onnx", "--device", "cpu", "--port", "0"]
+    done = run_python("-m", "rawserve", *argv, HF_HUB_OFFLINE="1")
+    assert done.returncode == 1, done.stderr[-2000:]
+    [line] = [line for line in done.stderr.splitlines() if "ERROR" in line]
+    assert line.endswith(
+        "ERROR model gen: --engine onnx: ONNX Runtime serves the encoder tasks, not text-generation"
+    )
+    assert "worker 0: started" not in done.stderr
 
 
 READ_ONLY_SHARED_MEMORY = """
@@ -386,15 +419,35 @@ def test_shared_memory_that_cannot_be_made_stops_the_server_with_one_line(http_p
     one line naming the folder, not a traceback, nor a "cannot listen" that blames the
     port."""
     argv = [*ECHO, "--device", "cpu", "--port", "0", "--http-processes", http_processes]
-    done = subprocess.run(
-        [sys.executable, "-c", READ_ONLY_SHARED_MEMORY, refused, *argv],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": REPO_ROOT},
-    )
+    done = run_python("-c", READ_ONLY_SHARED_MEMORY, refused, *argv)
     assert done.returncode == 1, done.stderr[-2000:]
     assert "ERROR cannot make shared memory in /dev/shm (Read-only file system)" in done.stderr
+    assert "Traceback" not in done.stderr and "cannot listen" not in done.stderr
+
+
+NO_PROCESS_FOR_HTTP = """
+import errno, multiprocessing.context, sys
+
+spawn = multiprocessing.context.SpawnProcess.start
+
+def refused(process):  # out of processes (ulimit -u) as the HTTP processes start
+    if process.name.startswith("rawserve-http"):
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+    spawn(process)
+
+multiprocessing.context.SpawnProcess.start = refused
+from rawserve.main import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def test_an_http_process_the_system_refuses_stops_the_server_saying_so():
+    """It said "cannot listen on 127.0.0.1 port N: Resource temporarily unavailable",
+    blaming the port."""
+    argv = [*ECHO, "--device", "cpu", "--port", "0", "--http-processes", "2"]
+    done = run_python("-c", NO_PROCESS_FOR_HTTP, *argv)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "ERROR an HTTP process could not be started ([Errno 11] Resource" in done.stderr
     assert "Traceback" not in done.stderr and "cannot listen" not in done.stderr
 
 

@@ -85,6 +85,18 @@ def test_the_layout_counts_the_cores_this_process_may_run_on(monkeypatch):
         parse_config(["--handler", "tests.handlers:echo", "--http-processes", "3"])
 
 
+def test_a_handler_s_workers_are_counted_at_what_they_load_not_at_a_model_s(monkeypatch):
+    """A handler's worker imports neither torch nor a tokenizer (33 MiB before its own
+    code): counted at a model worker's 400 MiB, 8 cores with 4 GiB of RAM got 5."""
+    monkeypatch.delenv("RAWSERVE_DEVICE", raising=False)
+    monkeypatch.setattr("rawserve.ops.layout.gpu_present", lambda: False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr("rawserve.ops.layout.ram_bytes", lambda: 4 * GIB)
+    workers = settled(["--handler", "tests.handlers:echo"])
+    assert workers.devices == ("cpu",) * 8
+    assert "at 40 MiB each" in workers.layout
+
+
 def test_several_models_count_every_copy_and_runtime():
     mib = 2**20
     assert cpu_layout(16, 8 * GIB, 100 * mib).workers == 6  # 4 GiB / (2 x 100 + 400) MiB

@@ -634,6 +634,9 @@ def test_a_sentence_transformers_folder_rawserve_would_answer_otherwise_is_refus
         # a chat template added by hand: the worker failed on json's words alone, naming no file
         ("tokenizer_config.json", '{"chat_template": "{{ x }}",}', "is not valid JSON (Expect"),
         ("generation_config.json", '{"temperature": .7}', "is not valid JSON (Expecting"),
+        # a download cut short: each worker failed on json's words alone, naming no file,
+        # after an ONNX export that failed on it too
+        ("tokenizer.json", '{"version": "1.0", "trunc', "is not valid JSON (Unterminated"),
     ],
 )
 def test_a_model_file_that_is_not_json_is_named_with_its_fault(tmp_path, name, text, fault):

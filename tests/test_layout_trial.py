@@ -6,6 +6,7 @@ log and /info; the rule stands wherever the trial cannot tell."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import multiprocessing
 import os
@@ -352,3 +353,17 @@ def test_a_timer_is_the_kernels_first_choice_when_memory_runs_out(monkeypatch):
     reader, writer = multiprocessing.Pipe(duplex=False)
     layout_timer.timer_main(worker_config_stub(), 4, multiprocessing.Barrier(1), writer)
     assert reader.recv() == 0.25 and steps == ["raised", "timed"]
+
+
+def test_timers_the_system_refuses_a_process_leave_the_rule(monkeypatch, caplog):
+    """Out of processes (ulimit -u): the trial cannot tell, and says why. A timer that
+    never started was joined all the same, and the server's first start ended on
+    "can only join a started process"."""
+
+    def refused(process) -> None:
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", refused)
+    stop = threading.Event()
+    assert layout_trial.items_per_second(worker_config_stub(), 2, 8, stop) is None
+    assert "could not start a timer ([Errno 11] Resource temporarily unavailable)" in caplog.text

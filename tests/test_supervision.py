@@ -31,7 +31,7 @@ from rawserve.serving.supervision import (
     Supervisor,
     load_state,
 )
-from rawserve.shared.messages import NO_CONTROL, WorkerConfig
+from rawserve.shared.messages import NO_CONTROL, WorkerConfig, WorkerLoadFailed
 
 
 class Clock:
@@ -184,6 +184,9 @@ def test_health_turns_503_once_every_worker_of_a_model_keeps_failing_to_load():
     for _ in range(2):  # no process is started: the supervisor is told of the deaths
         pool.supervisor.exited(0, while_loading=True, held=None)
     assert health() == (503, {"status": "unhealthy"})
+    ready = app.answer_now(HttpRequest("GET", "/ready", "", [], b"", request_id="t"))
+    assert ready is not None and ready.status == 503  # not "restarting" for good
+    assert json.loads(ready.body)["status"] == "unhealthy"
 
 
 async def test_a_retry_after_a_crash_is_dropped_once_nobody_waits_for_it():
@@ -224,3 +227,101 @@ async def test_a_restart_that_cannot_start_a_process_says_the_model_is_back_late
     pool._closing = True  # (its next try, a backoff away, is not made)
     first = supervision.RESTART_BACKOFF_FIRST
     assert len(told) == 1 and before + first + 4.0 <= told[0] <= pool.clock() + first + 4.0
+
+
+class DyingProcess:
+    """A worker process that died before it said anything (an import failing in the
+    spawned process, a handler's module that exits as it loads, killed for memory)."""
+
+    pid = 4321
+
+    def __init__(self, exitcode: int):
+        self.exitcode = exitcode
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("fault", "cause"),
+    [
+        ("exits", "its worker process exited with code 3, 2 times in a row"),
+        ("killed", "its worker process was killed by SIGKILL (out of memory, or a kill -9), 2"),
+        ("refused", "could not start its worker process ([Errno 11] no processes left), 2 "),
+    ],
+)
+async def test_workers_that_never_start_fail_the_first_load_saying_why(monkeypatch, fault, cause):
+    """A worker whose process dies before it is ready at every start, or that the system
+    refuses a process (ulimit -u), fails the first load once every worker has failed
+    `max_failed_restarts` times, as a model its worker cannot load does: the server stops
+    saying why. It was restarted for good (and a refused first process raised out of
+    the server's start), /ready saying "restarting" and the log "still loading"."""
+    monkeypatch.setattr(supervision, "RESTART_BACKOFF_FIRST", 0.001)
+    loop = asyncio.get_running_loop()
+    pool = WorkerPool(WorkerConfig(model="unused"), ["cpu", "cpu"], max_failed_restarts=2)
+    starts: list[int] = []
+
+    def spawn(worker) -> None:
+        starts.append(worker.index)
+        if fault == "refused":
+            raise OSError(errno.EAGAIN, "no processes left")
+        worker.state = WorkerState.LOADING
+        worker.process = DyingProcess(3 if fault == "exits" else -9)
+        loop.call_soon(pool._on_exit, worker, worker.process)
+
+    monkeypatch.setattr(pool, "_spawn", spawn)
+    pool.start()
+    with pytest.raises(RuntimeError) as failed:
+        await asyncio.wait_for(pool.wait_ready(), 10)
+    assert str(failed.value).startswith(cause)
+    assert sorted(starts) == [0, 0, 1, 1]
+    await pool.shutdown(wait=False)
+
+
+async def test_a_worker_that_keeps_failing_to_load_once_served_says_why_once(monkeypatch, caplog):
+    """Its model folder removed since the first load, a restarted worker fails to load
+    at every start: it is tried again (the model may come back), and the log says once
+    that it keeps failing, with the cause its worker gave, beside /health's 503."""
+    loop = asyncio.get_running_loop()
+    pool = WorkerPool(WorkerConfig(model="unused"), ["cpu"], max_failed_restarts=2, loop=loop)
+    pool._first_load = loop.create_future()
+    pool._first_load.set_result(None)  # it served
+    monkeypatch.setattr(pool, "_respawn", lambda worker: None)  # no process: its timer only
+    worker = pool.workers[0]
+    for _ in range(3):
+        worker.state, worker.process = WorkerState.LOADING, DyingProcess(0)
+        pool._on_load_failed(worker, WorkerLoadFailed("FileNotFoundError: no such folder"))
+        pool._on_exit(worker, worker.process)
+    said = [r.getMessage() for r in caplog.records if "starts failed" in r.getMessage()]
+    assert said == [
+        "worker 0: its last 2 starts failed (FileNotFoundError: no such folder); "
+        "it keeps being tried again"
+    ]
+    assert not pool.healthy
+
+
+async def test_a_worker_that_keeps_failing_to_start_beside_one_loading_is_said_once(
+    monkeypatch, caplog
+):
+    """The first load goes on while another worker may yet load: the one that keeps
+    failing is said once (not only once a first load is over: its count is past the
+    bound by then), and the first load is not failed for it."""
+    loop = asyncio.get_running_loop()
+    pool = WorkerPool(WorkerConfig(model="unused"), ["cpu", "cpu"], max_failed_restarts=2)
+    pool._loop = loop
+    pool._first_load = loop.create_future()
+    monkeypatch.setattr(pool, "_respawn", lambda worker: None)  # no process: its timer only
+    dying, loading = pool.workers
+    loading.state = WorkerState.LOADING
+    for _ in range(3):
+        dying.state, dying.process = WorkerState.LOADING, DyingProcess(3)
+        pool._on_exit(dying, dying.process)
+    said = [r.getMessage() for r in caplog.records if "starts failed" in r.getMessage()]
+    assert said == [
+        "worker 0: its last 2 starts failed (its worker process exited with code 3); "
+        "it keeps being tried again"
+    ]
+    assert not pool._first_load.done() and pool.healthy

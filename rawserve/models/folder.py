@@ -39,8 +39,9 @@ WEIGHTS = (
 # What a tokenizer is built from, every family's (a fast tokenizer's tokenizer.json, a
 # vocabulary, BPE merges, a sentencepiece or tiktoken model); tokenizer_config.json alone
 # is not one.
+TOKENIZER_JSON = "tokenizer.json"  # a fast tokenizer's, whole
 TOKENIZER_FILES = (
-    "tokenizer.json",
+    TOKENIZER_JSON,
     "vocab*",
     "merges.txt",
     "*.model",
@@ -122,6 +123,8 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
         for name in EDITED_BY_HAND:  # a worker's load would fail on it naming no file
             if (model_dir / name).is_file():
                 read_json(model_dir / name)
+        if task not in IMAGE_TASKS and (model_dir / TOKENIZER_JSON).is_file():
+            read_json(model_dir / TOKENIZER_JSON)  # (as above: a download cut short, say)
         if task != "feature-extraction":
             return FolderFacts(task)
         pooling, normalize = sentence_transformers_pooling(model_dir)

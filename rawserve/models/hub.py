@@ -10,7 +10,11 @@ the repo also has safetensors) are not downloaded. Progress goes to the log, a l
 few seconds; every way resolution can fail becomes one `ModelNotFound` whose message
 says what to do, never a traceback.
 
-Never imports torch or transformers (huggingface_hub does not either).
+Never imports torch or transformers (huggingface_hub does not either). huggingface_hub
+reads its HF_* variables as its modules load (`huggingface_hub.constants`), and a value
+it cannot read (HF_HUB_ETAG_TIMEOUT=abc) ends that import in a traceback: those modules
+are imported where they are used, once the command line, which refuses such a value in
+one line (rawserve.options), has been read.
 """
 
 from __future__ import annotations
@@ -25,14 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx2
-from huggingface_hub import (
-    HfApi,
-    constants,
-    get_cached_repo_tree,
-    get_session,
-    get_token,
-    snapshot_download,
-)
 from huggingface_hub.errors import (
     CachedRepoTreeNotFoundError,
     DisabledRepoError,
@@ -121,6 +117,8 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
             f"{repo_id!r} is neither an existing folder nor a Hub repo id (org/name)"
         ) from None
     at = f"{repo_id}@{revision}" if revision else repo_id
+    from huggingface_hub import snapshot_download  # (here: see the module's docstring)
+
     hub_logs_through_ours()
     hub_requests_time_out()
     started = time.monotonic()
@@ -174,6 +172,8 @@ def hub_requests_time_out() -> None:
     repo's info (model_info, and snapshot_download's own call), so a Hub or a proxy that
     took the connection and never answered held the server's start forever. A download
     that goes on, however slowly, is not cut: the limit is on each wait for bytes."""
+    from huggingface_hub import get_session  # (here: see the module's docstring)
+
     hooks = get_session().event_hooks["request"]
     if bounded_waits not in hooks:
         hooks.append(bounded_waits)
@@ -181,6 +181,8 @@ def hub_requests_time_out() -> None:
 
 def bounded_waits(request: httpx2.Request) -> None:
     """A request's waits (connect, read, write, pool) that have no limit get the Hub's."""
+    from huggingface_hub import constants  # (here: see the module's docstring)
+
     limit = float(constants.HF_HUB_ETAG_TIMEOUT)
     waits = request.extensions.get("timeout") or dict.fromkeys(("connect", "read", "write", "pool"))
     request.extensions["timeout"] = {
@@ -191,6 +193,8 @@ def bounded_waits(request: httpx2.Request) -> None:
 def repo_files(repo_id: str, revision: str | None) -> list[str] | None:
     """The repo's file names at `revision`: from the Hub, else from the listing cached
     by an earlier download (offline), else None (unknown: nothing is skipped by name)."""
+    from huggingface_hub import HfApi, constants, get_cached_repo_tree  # (see the docstring)
+
     if not constants.is_offline_mode():
         try:
             info = HfApi().model_info(repo_id, revision=revision)
@@ -219,6 +223,8 @@ def files_to_skip(files: Sequence[str] | None) -> list[str]:
 
 def explain(exc: BaseException, repo_id: str, revision: str | None) -> str:
     """One line for a failed resolution: what went wrong and what to do about it."""
+    from huggingface_hub import constants, get_token  # (here: see the module's docstring)
+
     at = f"{repo_id}@{revision}" if revision else repo_id
     if isinstance(exc, GatedRepoError):
         if get_token() is None:

@@ -23,6 +23,8 @@ from rawserve.models.folder import (
 )
 from rawserve.models.hub import ModelNotFound, resolve_model
 from rawserve.models.names import ModelNameError, ModelSpec, parse_model_spec
+from rawserve.shared.messages import Engine
+from rawserve.tasks import onnx_unfit
 
 PACKAGED_REPO_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what the packaged model is
 
@@ -51,11 +53,27 @@ def plan_models(
     revision: str | None = None,
     handler: str | None = None,
     chat_template: bool = False,
+    engine: Engine = Engine.AUTO,
 ) -> list[ModelPlan]:
     """The plans of the models named on the command line (the packaged model when none
     is), in order: the first is the default. Raises ModelNotFound (one line) on a name
-    that cannot be read, a model that cannot be had, one whose task is unknown, or a
-    `task`, `revision` or `chat_template` (--chat-template given) that no model takes."""
+    that cannot be read, a model that cannot be had, one whose task is unknown, one
+    whose task `engine` does not serve, or a `task`, `revision` or `chat_template`
+    (--chat-template given) that no model takes."""
+    plans = _plans(models, task, revision, handler)
+    for plan in plans:
+        unfit = onnx_unfit(plan.facts.task) if plan.facts and engine is Engine.ONNX else None
+        if unfit:  # said before any worker starts, not by each worker as it loads
+            raise ModelNotFound(f"model {plan.name}: --engine onnx: {unfit}")
+    generates = any(plan.facts and plan.facts.task == "text-generation" for plan in plans)
+    if chat_template and not generates:  # only a text-generation model's chat reads it
+        raise ModelNotFound("--chat-template applies to text-generation models, and none is served")
+    return plans
+
+
+def _plans(
+    models: Sequence[str], task: str | None, revision: str | None, handler: str | None
+) -> list[ModelPlan]:
     if handler:
         if models:
             raise ModelNotFound("--handler serves its own callable: give no --model with it")
@@ -83,9 +101,6 @@ def plan_models(
         plans = [ModelPlan(names, PACKAGED_REPO_ID, str(folder), None, facts, None, task)]
     else:
         plans = [_plan(spec.with_defaults(task=task, revision=revision)) for spec in specs]
-    generates = any(plan.facts and plan.facts.task == "text-generation" for plan in plans)
-    if chat_template and not generates:  # only a text-generation model's chat reads it
-        raise ModelNotFound("--chat-template applies to text-generation models, and none is served")
     return _unique_names(plans)
 
 

@@ -7,7 +7,9 @@ item still gets every core (the executor's core sharing). Each worker holds its 
 of the model, so the count is bounded by memory: never more copies than fit in
 `RAM_SHARE` of the machine's RAM, a copy counted as COPY_FACTOR x the weights on disk
 (the weights, plus the runtime's own buffers) plus WORKER_OVERHEAD (the interpreter,
-torch and the tokenizer). A GPU machine gets one worker, on its first GPU (`--device` names more).
+torch and the tokenizer); a `--handler`'s worker, which loads only what its own code
+imports, HANDLER_OVERHEAD (what its code loads is not known before). A GPU machine gets
+one worker, on its first GPU (`--device` names more).
 
 Server process; reads /proc and the model folder's file sizes, never imports torch.
 """
@@ -23,6 +25,7 @@ from rawserve.shared.devices import gpu_present
 RAM_SHARE = 0.5  # of the machine's RAM, for all the model workers together
 COPY_FACTOR = 2.0
 WORKER_OVERHEAD = 400 * 2**20  # bytes: measured RSS of a worker before its model
+HANDLER_OVERHEAD = 40 * 2**20  # ... of a handler's worker before its code (33 MiB measured)
 # The weights' formats, preferred first: a folder with several holds one copy in each.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".onnx")
 
@@ -34,11 +37,18 @@ class Layout:
     reason: str  # one line for the log
 
 
-def cpu_layout(cores: int, ram_bytes: int | None, model_bytes: int, models: int = 1) -> Layout:
+def cpu_layout(
+    cores: int,
+    ram_bytes: int | None,
+    model_bytes: int,
+    models: int = 1,
+    overhead: int = WORKER_OVERHEAD,
+) -> Layout:
     """One single-threaded worker per core for each of `models` models (`model_bytes` on
-    disk together), as many per model as memory allows (at least one)."""
+    disk together), as many per model as memory allows (at least one); `overhead`: each
+    worker's before its model (HANDLER_OVERHEAD for a handler's)."""
     cores = max(1, cores)
-    per_worker = COPY_FACTOR * model_bytes + models * WORKER_OVERHEAD
+    per_worker = COPY_FACTOR * model_bytes + models * overhead
     if ram_bytes is None:
         return Layout(cores, 1, f"one worker per core ({cores}); RAM unknown")
     fit = max(1, int(RAM_SHARE * ram_bytes // per_worker))

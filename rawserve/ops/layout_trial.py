@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from rawserve.config import ModelConfig, WorkerPlan
 from rawserve.models.plan import ModelPlan
 from rawserve.shared.board import SharedMemoryError
 from rawserve.shared.messages import WorkerConfig, WorkerLoadFailed
+from rawserve.tasks import ENCODER_TASKS
 from rawserve.worker import engine_trial
 from rawserve.worker.layout_timer import START_TIMEOUT, timer_main
 
@@ -45,18 +47,7 @@ log = logging.getLogger("rawserve")
 
 CACHE_PREFIX = "layout-trial-"
 TRIAL_BATCH = 8  # items of the timed batch when the server runs no warm-up
-# the encoder tasks (those ONNX Runtime serves too): a batch is one forward pass, so a
-# second or two times it; generation's batches last as long as their longest answer
-MEASURED_TASKS = frozenset(
-    {
-        "feature-extraction",
-        "text-classification",
-        "zero-shot-classification",
-        "token-classification",
-        "fill-mask",
-        "question-answering",
-    }
-)
+MEASURED_TASKS = ENCODER_TASKS  # a batch is one forward pass: a second or two times it
 # one worker with every core must beat one a core by this much to be chosen: one a core
 # was measured the faster under load (bench/RESULTS.md), and a trial run while other work
 # shares the machine has seen swings of 1.3-2x either way
@@ -217,9 +208,10 @@ def items_per_second(
     config: WorkerConfig, processes: int, size: int, stop: threading.Event
 ) -> float | None:
     """`processes` timers of `config`, timed together once all are loaded: the items a
-    second of all of them (None: a timer had no batch to time, or failed, or `stop` was
-    set). Raises ModelLoadFailed when a timer could not load the model: its workers,
-    which load it the same way, would fail alike, after the trial and each in turn."""
+    second of all of them (None: a timer had no batch to time, or failed, or could not
+    start, or `stop` was set). Raises ModelLoadFailed when a timer could not load the
+    model: its workers, which load it the same way, would fail alike, after the trial and
+    each in turn."""
     context = multiprocessing.get_context("spawn")
     try:
         start = context.Barrier(processes)
@@ -236,20 +228,31 @@ def items_per_second(
         for index, (_, sender) in enumerate(pipes)
     ]
     medians: list[Any] = []
+    running: list[BaseProcess] = []
     try:
-        for timer in timers:
-            timer.start()
+        try:
+            for timer in timers:
+                timer.start()
+                running.append(timer)
+        except OSError as exc:  # no process left for one (ulimit -u): the trial cannot tell
+            log.warning("the layout trial could not start a timer (%s)", exc)
+            return None
         for _, sender in pipes:
             sender.close()  # a timer that dies is an EOF here
         medians = gathered([reader for reader, _ in pipes], start, stop)
     finally:
-        # stopping, or the model cannot be loaded: no wait for the other timers' loads
-        cut_short = stop.is_set() or any(isinstance(m, WorkerLoadFailed) for m in medians)
-        for timer in timers:
-            timer.join(timeout=0 if cut_short else 5)
-            if timer.exitcode is None:
-                timer.kill()
-                timer.join()
+        # stopping, the model cannot be loaded, or a timer never started: no wait for
+        # the other timers' loads
+        cut_short = (
+            stop.is_set()
+            or len(running) < processes
+            or any(isinstance(m, WorkerLoadFailed) for m in medians)
+        )
+        for process in running:  # (one never started cannot be joined)
+            process.join(timeout=0 if cut_short else 5)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
     for median in medians:
         if isinstance(median, WorkerLoadFailed):  # the workers would fail alike
             raise ModelLoadFailed(median.message)

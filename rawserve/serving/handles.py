@@ -219,6 +219,7 @@ class WorkerHandle:
         self.run_seconds = 0.0  # its recent batches' own time (an average; 0: none yet)
         self.prepare_seconds = 0.0  # ... and their preparation's, done ahead (an average)
         self.ready: WorkerReady | None = None
+        self.load_failure: str | None = None  # why its process could not load, as it said
         self.started_at = 0.0
         self.heard_at = 0.0  # when its last message came (a continuous worker's sign of life)
         self.record = record  # its restarts and crashes, counted by the supervisor

@@ -30,6 +30,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import signal
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
@@ -57,6 +58,7 @@ from rawserve.serving.supervision import (
     PoisonMemory,
     Supervisor,
 )
+from rawserve.shared.board import SharedMemoryError
 from rawserve.shared.messages import (
     NO_CONTROL,
     PROGRESS_EVERY,
@@ -169,7 +171,12 @@ class WorkerPool(PoolReports):
         self._loop = self._loop or asyncio.get_running_loop()
         self._first_load = self._loop.create_future()
         for worker in self.workers:
-            self._spawn(worker)
+            try:
+                self._spawn(worker)
+            except SharedMemoryError:
+                raise  # no worker can start without it: the server stops, saying so
+            except OSError as exc:  # out of file descriptors or processes, for now
+                self._spawn_failed(worker, exc)
 
     async def wait_ready(self) -> WorkerReady:
         """Wait for the first worker to load; raises RuntimeError if loading failed."""
@@ -531,7 +538,7 @@ class WorkerPool(PoolReports):
         worker.queued, worker.overlap, worker.sequences = None, False, 0
         worker.gone = False
         worker.second_open, worker.run_seconds, worker.prepare_seconds = True, 0.0, 0.0
-        worker.ready = None
+        worker.ready = worker.load_failure = None
         worker.batch_cap = None
         worker.started_at = self.clock()
         log.info(
@@ -649,6 +656,7 @@ class WorkerPool(PoolReports):
 
     def _on_load_failed(self, worker: WorkerHandle, failed: WorkerLoadFailed) -> None:
         log.error("worker %s: could not load the model: %s", worker.label, failed.message)
+        worker.load_failure = failed.message
         if self._first_load and not self._first_load.done():
             self._first_load.set_exception(RuntimeError(failed.message))
             self._closing = True  # a model that never loaded will not load on retry
@@ -709,15 +717,17 @@ class WorkerPool(PoolReports):
             )
         if behind is not None:  # it never started (see the module's docstring)
             self._run_again_whole(behind)
+        cause = worker.load_failure or f"its worker process {exit_words(process.exitcode)}"
+        gave_up = was_loading and self._start_failed(worker, cause)
         log.error(
-            "worker %s: process %d exited with code %s%s%s%s; restarting in %.1f s",
+            "worker %s: process %d exited with code %s%s%s%s; %s",
             worker.label,
             process.pid,
             process.exitcode,
             " while loading" if was_loading else "",
             f" holding a batch of {len(job.inputs)}" if job else "",
             f" and one of {len(behind.inputs)} behind it" if behind else "",
-            decision.restart_in,
+            "not restarted" if gave_up else f"restarting in {decision.restart_in:.1f} s",
         )
         self._running_loop.call_later(decision.restart_in, self._respawn, worker)
         self._pump()  # another worker may be free for the retries
@@ -760,15 +770,45 @@ class WorkerPool(PoolReports):
         try:
             self._spawn(worker)
         except OSError as exc:  # out of file descriptors or processes, for now
-            decision = self.supervisor.exited(worker.index, while_loading=True, held=None)
+            self._spawn_failed(worker, exc)
+
+    def _spawn_failed(self, worker: WorkerHandle, exc: OSError) -> None:
+        """The system refused the worker a process: a failed start, tried again after
+        its backoff."""
+        decision = self.supervisor.exited(worker.index, while_loading=True, held=None)
+        cause = f"could not start its worker process ({exc})"
+        gave_up = self._start_failed(worker, cause)
+        log.error(
+            "worker %s: %s; %s",
+            worker.label,
+            cause,
+            "not tried again" if gave_up else f"trying again in {decision.restart_in:.1f} s",
+        )
+        self._running_loop.call_later(decision.restart_in, self._respawn, worker)
+        self._tell_down()  # later than it said
+
+    def _start_failed(self, worker: WorkerHandle, cause: str) -> bool:
+        """A worker's process died, or could not start, before it was ready (`cause`:
+        why, as the worker said it where it did); whether the pool gives up. Once every
+        worker keeps failing so before any was ever ready, the first load fails with that
+        cause: the server stops saying why, as for a model its worker says it cannot load
+        (restarted, each failed the same way and the server said "loading" for good). A
+        worker that keeps failing while another serves, or may yet, is said once, and
+        tried again."""
+        failed = worker.record.failed_restarts
+        first_load = self._first_load
+        if first_load is not None and not first_load.done() and not self.supervisor.healthy:
+            first_load.set_exception(RuntimeError(f"{cause}, {failed} times in a row"))
+            self._closing = True
+            return True
+        if failed == self.max_failed_restarts:  # (another worker may serve, or soon)
             log.error(
-                "worker %s: could not start its process (%s); trying again in %.1f s",
+                "worker %s: its last %d starts failed (%s); it keeps being tried again",
                 worker.label,
-                exc,
-                decision.restart_in,
+                failed,
+                cause,
             )
-            self._running_loop.call_later(decision.restart_in, self._respawn, worker)
-            self._tell_down()  # later than it said
+        return False
 
     def _tell_down(self) -> None:
         """With no worker serving, tell `on_down` when one should again."""
@@ -779,6 +819,19 @@ class WorkerPool(PoolReports):
     def _notify_idle(self) -> None:
         if self.on_idle is not None:
             self.on_idle()
+
+
+def exit_words(exitcode: int | None) -> str:
+    """How a process ended, in words: the code it exited with, or the signal that
+    killed it (SIGKILL is most often the kernel's OOM killer: said, as a hint)."""
+    if exitcode == -signal.SIGKILL:
+        return "was killed by SIGKILL (out of memory, or a kill -9)"
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
 
 
 def not_run(job: Job) -> None:

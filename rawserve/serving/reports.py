@@ -26,10 +26,11 @@ class PoolReports:
         return any(w.state.serving for w in self.workers)
 
     def load_state(self) -> tuple[LoadState, float | None]:
-        """While no worker is ready: loading or restarting, and for how many seconds the
-        longest load has run (None when no worker is loading right now)."""
+        """While no worker is ready: loading, restarting or unhealthy, and for how many
+        seconds the longest load has run (None when no worker is loading right now)."""
         starting = [(w.state, w.started_at) for w in self.workers if w.state.starting]
-        return load_state(starting, self.supervisor.restarted, self.clock())
+        supervisor = self.supervisor
+        return load_state(starting, supervisor.restarted, self.clock(), supervisor.healthy)
 
     def serving_again_at(self) -> float | None:
         """While no worker serves: when one should again (`Supervisor.serving_again_at`)."""

@@ -32,6 +32,7 @@ class LoadState(enum.Enum):
     LOADING = "loading"
     WARMING = "warming"  # loaded, warming up: ready in a moment
     RESTARTING = "restarting"
+    UNHEALTHY = "unhealthy"  # every worker keeps dying (as /health says)
 
 
 @dataclass(frozen=True)

@@ -261,12 +261,18 @@ class Supervisor:
 
 
 def load_state(
-    starting: Sequence[tuple[WorkerState, float]], restarted: bool, now: float
+    starting: Sequence[tuple[WorkerState, float]],
+    restarted: bool,
+    now: float,
+    healthy: bool = True,
 ) -> tuple[LoadState, float | None]:
-    """While no worker is ready: loading, warming or restarting, and for how many seconds
-    the longest load has run (None when no worker is loading). `starting` holds the state
-    and start time of each worker on its way to serving."""
-    if restarted:
+    """While no worker is ready: loading, warming, restarting or, once every worker keeps
+    dying (`healthy` False), unhealthy, and for how many seconds the longest load has run
+    (None when no worker is loading). `starting` holds the state and start time of each
+    worker on its way to serving."""
+    if not healthy:
+        state = LoadState.UNHEALTHY
+    elif restarted:
         state = LoadState.RESTARTING
     elif starting and all(s is WorkerState.WARMING for s, _ in starting):
         state = LoadState.WARMING

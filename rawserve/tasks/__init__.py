@@ -9,6 +9,7 @@ any part of either process.
 from rawserve.tasks.checks import BlankInput
 from rawserve.tasks.registry import (
     CUSTOM_TASK,
+    ENCODER_TASKS,
     TASKS,
     batch_key,
     check_generation_length,
@@ -17,6 +18,7 @@ from rawserve.tasks.registry import (
     check_params,
     estimate_tokens,
     model_tokens,
+    onnx_unfit,
     shape_answer,
     split_outputs,
     task_rules,
@@ -30,6 +32,7 @@ __all__ = [
     "BlankInput",
     "CHAT_PARAM",
     "CUSTOM_TASK",
+    "ENCODER_TASKS",
     "GENERATE_PARAMS",
     "LOGITS_PARAM",
     "SEQ2SEQ_TASKS",
@@ -45,6 +48,7 @@ __all__ = [
     "check_params",
     "estimate_tokens",
     "model_tokens",
+    "onnx_unfit",
     "shape_answer",
     "split_outputs",
     "task_rules",

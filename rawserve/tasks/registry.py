@@ -44,6 +44,36 @@ TASKS: dict[str, Task] = {
 
 # Tasks served by a custom handler take any JSON input and any parameters.
 CUSTOM_TASK = "custom"
+# The encoder tasks: a batch is one forward pass. ONNX Runtime serves these (--engine
+# onnx), and the CPU layout trial times them; a generation's batch lasts as long as its
+# longest answer.
+ENCODER_TASKS = frozenset(
+    {
+        "feature-extraction",
+        "text-classification",
+        "zero-shot-classification",
+        "token-classification",
+        "fill-mask",
+        "question-answering",
+    }
+)
+
+
+def onnx_unfit(
+    task: str | None, device: str = "cpu", dtype: str = "auto", installed: bool = True
+) -> str | None:
+    """Why ONNX Runtime cannot serve `task` (None: not known yet) on `device` in `dtype`
+    (`installed`: whether onnxruntime is); None where it can. Said alike by the server
+    before any worker starts, of what it knows then, and by a worker choosing its engine."""
+    if task is not None and task not in ENCODER_TASKS:
+        return f"ONNX Runtime serves the encoder tasks, not {task}"
+    if device != "cpu":
+        return f"ONNX Runtime runs here on the CPU only, not on {device}"
+    if dtype not in ("auto", "float32"):
+        return f"ONNX Runtime runs float32 here, not {dtype}"
+    if not installed:
+        return "onnxruntime is not installed (pip install 'rawserve[onnx]')"
+    return None
 
 
 def task_rules(name: str) -> Task | None:

@@ -22,7 +22,7 @@ import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from rawserve.shared.messages import Engine, WorkerConfig
-from rawserve.tasks import SEQ2SEQ_TASKS
+from rawserve.tasks import SEQ2SEQ_TASKS, onnx_unfit
 from rawserve.worker import engine_trial, onnx_engine, precision_trial
 from rawserve.worker.causal_lm import CausalLMRunner
 from rawserve.worker.encoder import EncoderRunner
@@ -40,15 +40,7 @@ def choose_engine(
     requested: Engine, task: str, device: str, dtype: str, onnx_installed: bool
 ) -> tuple[Engine, str]:
     """The engine that runs `task` here, and why; ValueError when `onnx` cannot."""
-    unfit = None
-    if task not in onnx_engine.ONNX_TASKS:
-        unfit = f"ONNX Runtime serves the encoder tasks, not {task}"
-    elif device != "cpu":
-        unfit = f"ONNX Runtime runs here on the CPU only, not on {device}"
-    elif dtype not in ("auto", "float32"):
-        unfit = f"ONNX Runtime runs float32 here, not {dtype}"
-    elif not onnx_installed:
-        unfit = "onnxruntime is not installed (pip install 'rawserve[onnx]')"
+    unfit = onnx_unfit(task, device, dtype, onnx_installed)
     if requested is Engine.TORCH:
         return Engine.TORCH, "--engine torch"
     if requested is Engine.ONNX:
