@@ -41,7 +41,6 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import validate_repo_id
 from tqdm.std import tqdm
 
@@ -151,6 +150,9 @@ def cached_commit(repo_id: str, revision: str | None) -> str | None:
     offline, though it was. (Online, the Hub reads the short form as that commit too.)"""
     if revision is None or not SHORT_COMMIT.fullmatch(revision):
         return revision
+    from huggingface_hub import constants  # (here: see the module's docstring)
+    from huggingface_hub.file_download import repo_folder_name
+
     storage = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
     if (storage / "refs" / revision).is_file():  # a branch or tag of that name, or a download
         return revision
