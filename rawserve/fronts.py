@@ -71,9 +71,9 @@ class OneProcess:
         loop = asyncio.get_running_loop()
         app = App(ServedModels([model.served for model in models]), config.app, metrics=metrics)
         state = ServerState(metrics=metrics)
-        settings = config.http
+        settings, tls = config.http, config.ssl_context
         server = await listen(
-            config, lambda: HttpProtocol(app, settings, state, loop=loop), config.port
+            config, lambda: HttpProtocol(app, settings, state, loop=loop, tls=tls), config.port
         )
         return cls(app, state, server)
 

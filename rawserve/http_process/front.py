@@ -19,17 +19,12 @@ async def listen(
     reuse_port: bool = False,
 ) -> asyncio.Server:
     """The listening server on `port` (`reuse_port`: beside the other HTTP processes, the
-    kernel spreading new connections between them)."""
+    kernel spreading new connections between them). Plain TCP, with TLS too: each
+    connection's protocol does its own handshake once the connection cap has seated it
+    (`rawserve.http.handshake`)."""
     loop = asyncio.get_running_loop()
     return await loop.create_server(
-        factory,
-        config.host,
-        port,
-        backlog=BACKLOG,
-        ssl=config.ssl_context,
-        reuse_port=reuse_port or None,
-        # a client that never finishes its TLS hello is let go as a slow head would be
-        ssl_handshake_timeout=config.http.head_timeout if config.tls else None,
+        factory, config.host, port, backlog=BACKLOG, reuse_port=reuse_port or None
     )
 
 
