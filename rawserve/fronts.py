@@ -26,7 +26,7 @@ from rawserve.api.served import ServedModel, ServedModels
 from rawserve.config import ServerConfig
 from rawserve.http.limits import ServerState
 from rawserve.http_process.entry import HttpProcessSpec, ModelSpec, run_http_process
-from rawserve.http_process.front import listen, requests_answered
+from rawserve.http_process.front import dual_stack, listen, requests_answered
 from rawserve.ops.metrics import Metrics, merge_families
 from rawserve.protocol import HttpProtocol
 from rawserve.serving import ModelService, Scheduler
@@ -71,9 +71,9 @@ class OneProcess:
         loop = asyncio.get_running_loop()
         app = App(ServedModels([model.served for model in models]), config.app, metrics=metrics)
         state = ServerState(metrics=metrics)
-        settings = config.http
+        settings, tls = config.http, config.ssl_context
         server = await listen(
-            config, lambda: HttpProtocol(app, settings, state, loop=loop), config.port
+            config, lambda: HttpProtocol(app, settings, state, loop=loop, tls=tls), config.port
         )
         return cls(app, state, server)
 
@@ -245,6 +245,8 @@ def reserve_port(host: str, port: int) -> ReservedPort:
     reserved = socket.socket(family, kind, proto)
     try:
         reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if dual_stack(host):  # the port for IPv4 too, as the HTTP processes listen on it
+            reserved.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         reserved.bind(address)
         reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         claim = claim_port(reserved.getsockname())

@@ -16,7 +16,10 @@ What one connection may cost is bounded whatever its client does (the limits, an
 phases with their deadlines: `rawserve.http.limits`).
 
 A connection is always in one `Phase`; `_enter` is the one transition, and it arms the
-phase's deadline on the connection's single timer (`rawserve.http.timer`):
+phase's deadline on the connection's single timer (`rawserve.http.timer`). Over TLS it
+starts in HANDSHAKE, holding its seat from the TCP accept (`rawserve.http.handshake`):
+
+    HANDSHAKE ──done──▶ IDLE (as below); failed or timed out: CLOSED
 
     IDLE ──first byte──▶ HEAD ──head──▶ BODY ──end of body──▶ RESPONDING ──answer──▶ IDLE
       │ keep-alive:       │ head timeout:  │ body timeout:                        │ or, after
@@ -34,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import ssl
 import time
 from collections.abc import Iterable
 from typing import Protocol, cast
@@ -57,6 +61,7 @@ from rawserve.http.cycle import (
 from rawserve.http.errors import HTTPError, InternalError, as_http_error, error_response
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.http.flow_control import FlowControl, Transport
+from rawserve.http.handshake import begun_now
 from rawserve.http.limits import (
     PROBE_RESERVE,
     READ_AHEAD_LIMIT,
@@ -129,12 +134,14 @@ class HttpProtocol(asyncio.Protocol):
         state: ServerState | None = None,
         *,
         loop: asyncio.AbstractEventLoop | None = None,
+        tls: ssl.SSLContext | None = None,
     ):
         # server-wide
         self.app = app
         self.settings = settings or ProtocolSettings()
         self.state = state or ServerState()
         self.loop = loop or asyncio.get_event_loop()
+        self.tls = tls  # each connection upgrades itself, once it has its seat
         # per connection
         self.conn = self._new_h11()
         self.transport: Transport | None = None
@@ -146,6 +153,9 @@ class HttpProtocol(asyncio.Protocol):
         self.seats = Seats()  # the seats it holds (none yet; one of the state's once taken)
         self.read_ahead = 0  # bytes received since h11 last needed data
         self.handling_events = False  # handle_events is running (guards re-entry)
+        self.handshake: asyncio.Future[None] | None = None
+        # what the client sent between the handshake's end and our seeing it end
+        self.handshake_data: list[bytes] = []
         # per request
         self.cycle: Cycle | None = None
 
@@ -157,8 +167,9 @@ class HttpProtocol(asyncio.Protocol):
     def _enter(self, phase: Phase) -> None:
         """Move to `phase` and arm its deadline (the one place that does both)."""
         self.phase = phase
-        # an idle one gives way past the cap
-        self.seats.mark(self, self.loop.time() if phase is Phase.IDLE else None)
+        # an idle one gives way past the cap, as one silent in its TLS handshake does
+        waiting = phase in (Phase.IDLE, Phase.HANDSHAKE)
+        self.seats.mark(self, self.loop.time() if waiting else None)
         delay = self.settings.deadlines.get(phase)
         if phase is Phase.CLOSED:
             self.timer.stop()
@@ -216,9 +227,47 @@ class HttpProtocol(asyncio.Protocol):
         else:
             self._refuse()
             return
+        if self.tls is None:
+            self._enter(Phase.IDLE)
+        else:
+            self._enter(Phase.HANDSHAKE)
+            self.handshake = begun_now(self._handshake(self.transport, self.tls), self.loop)
+
+    async def _handshake(self, transport: Transport, context: ssl.SSLContext) -> None:
+        """Upgrade to TLS within --head-timeout (a client that never finishes its hello is
+        let go as a slow head is); failed, the connection ends and frees its seat."""
+        try:
+            secure = await self.loop.start_tls(
+                cast(asyncio.WriteTransport, transport),
+                self,
+                context,
+                server_side=True,
+                ssl_handshake_timeout=self.settings.head_timeout,
+            )
+        except OSError as exc:  # timed out, reset, not TLS: the client's doing, as a bad head
+            log.debug("TLS handshake with %s failed: %r", _peer(transport), exc)
+            secure = None
+        if secure is None or self.phase is not Phase.HANDSHAKE:  # failed, or closed meanwhile
+            if secure is not None:
+                secure.close()
+            self.connection_lost(None)  # the loop says so of some failed handshakes, not all
+            return
+        self.transport = cast(Transport, secure)
+        self.flow = FlowControl(
+            self.transport, self.loop, self.settings.write_timeout, self._on_write_timeout
+        )
         self._enter(Phase.IDLE)
+        # bytes the client sent right after its hello, passed on before this task ran
+        early, self.handshake_data = self.handshake_data, []
+        for data in early:
+            self.data_received(data)
+        if self.eof_seen and self._reading:
+            self.eof_received()
 
     def data_received(self, data: bytes) -> None:
+        if self.phase is Phase.HANDSHAKE:
+            self.handshake_data.append(data)  # read once `_handshake` goes on
+            return
         if self.phase in (Phase.LINGER, Phase.CLOSED):
             return  # lingering after our last response: drain and drop
         self.read_ahead += len(data)
@@ -244,7 +293,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         self.eof_seen = True
-        if not self._reading:
+        if not self._reading:  # (in HANDSHAKE: `_handshake` reads it once it goes on)
             return None  # done lingering, or the client left before its answer: close
         self.conn.receive_data(b"")
         self.handle_events()
@@ -419,9 +468,13 @@ class HttpProtocol(asyncio.Protocol):
         self._send(cycle, error_response(error), close=True)
 
     def _refuse(self) -> None:
-        """Past the connection cap and the probes' reserve: 503 before reading anything."""
+        """Past the connection cap and the probes' reserve: 503 before reading anything
+        (over TLS, closed before any handshake work: no answer can reach it without)."""
         self.state.refused += 1
         self._warn_at_cap(f"refusing connections, every one busy; {self.state.refused} so far")
+        if self.tls is not None:
+            self.close()
+            return
         self.cycle = Cycle(None, new_request_id())
         self._send(self.cycle, error_response(refusals.too_many_connections()), close=True)
 

@@ -8,6 +8,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -173,6 +174,18 @@ class RunningServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def ipv6_loopback() -> bool:
+    """Whether this machine has IPv6 (a test of `::` or `::1` is skipped where not)."""
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
 
 
 @contextmanager

@@ -27,7 +27,7 @@ from rawserve.models.folder import FolderFacts
 from rawserve.models.plan import ModelPlan
 from rawserve.options import OPTIONS, parse_config
 from rawserve.shared.messages import Engine
-from tests.server import REPO_ROOT, RunningServer
+from tests.server import REPO_ROOT, RunningServer, ipv6_loopback
 
 ECHO = ["--handler", "tests.handlers:echo"]
 
@@ -449,15 +449,6 @@ def test_an_http_process_the_system_refuses_stops_the_server_saying_so():
     assert done.returncode == 1, done.stderr[-2000:]
     assert "ERROR an HTTP process could not be started ([Errno 11] Resource" in done.stderr
     assert "Traceback" not in done.stderr and "cannot listen" not in done.stderr
-
-
-def ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as probe:
-            probe.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
 
 
 @pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback on this machine")

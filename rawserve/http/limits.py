@@ -13,9 +13,12 @@ they hold whatever its client does:
   idle longest between requests, once idle `GIVE_WAY_AFTER` (closed quietly, as at
   keep-alive expiry); where none is, a few more (`PROBE_RESERVE`) are taken for probes
   only (`/health`, `/ready` answered, anything else 503), their idle ones giving way
-  alike; then it is refused.
+  alike; then it is refused. Over TLS a connection is counted from its TCP accept, its
+  handshake included (one still in its handshake gives way as an idle one does), and
+  one refused is closed before any handshake work.
 
-A connection is always in one `Phase`, and each phase but RESPONDING has a deadline.
+A connection is always in one `Phase`, and each phase but RESPONDING has a deadline
+(HANDSHAKE's is the TLS handshake's own, `loop.start_tls`'s timeout).
 `ServerState` is what every connection of one server shares: the open connections the
 cap counts (`Seats`), the refusals, the metrics. Plain values; no I/O.
 """
@@ -44,6 +47,8 @@ GIVE_WAY_AFTER = 1.0
 
 
 class Phase(enum.Enum):
+    # TLS: accepted, its handshake under way; deadline: --head-timeout, start_tls's own
+    HANDSHAKE = "handshake"
     IDLE = "idle"  # between requests; deadline: keep-alive, then a quiet close
     HEAD = "head"  # a request's first byte arrived; deadline: its head (408)
     BODY = "body"  # the head is accepted; deadline: its body (408)
@@ -124,8 +129,8 @@ class Seats:
         return True
 
     def mark(self, connection: OpenConnection, idle_since: float | None) -> None:
-        """`connection` is between requests since `idle_since` (last in line to be
-        closed), or (None) no longer."""
+        """`connection` is between requests (or in its TLS handshake) since `idle_since`
+        (last in line to be closed), or (None) no longer."""
         self.idle.pop(connection, None)
         if idle_since is not None and connection in self.open:
             self.idle[connection] = idle_since

@@ -136,10 +136,13 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
     app.operations.processes = lambda: link.processes
     app.operations.refresh = link.refresh
     state = ServerState(metrics=metrics)
-    settings = config.http
+    settings, tls = config.http, config.ssl_context
     await link.connect(sock)
     server = await listen(
-        config, lambda: HttpProtocol(app, settings, state, loop=loop), spec.port, reuse_port=True
+        config,
+        lambda: HttpProtocol(app, settings, state, loop=loop, tls=tls),
+        spec.port,
+        reuse_port=True,
     )
     metrics.start(loop)
     for signum in (signal.SIGTERM, signal.SIGINT):  # a stop sent to the whole group

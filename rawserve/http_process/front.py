@@ -4,6 +4,8 @@ and waiting for the requests in progress while draining."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import socket
 from collections.abc import Callable
 
 from rawserve.config import ServerConfig
@@ -19,18 +21,37 @@ async def listen(
     reuse_port: bool = False,
 ) -> asyncio.Server:
     """The listening server on `port` (`reuse_port`: beside the other HTTP processes, the
-    kernel spreading new connections between them)."""
+    kernel spreading new connections between them). Plain TCP, with TLS too: each
+    connection's protocol does its own handshake once the connection cap has seated it
+    (`rawserve.http.handshake`). `::` is one socket for IPv4 and IPv6 (`dual_stack`)."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(
-        factory,
-        config.host,
-        port,
+    if not dual_stack(config.host):
+        return await loop.create_server(
+            factory, config.host, port, backlog=BACKLOG, reuse_port=reuse_port or None
+        )
+    sock = socket.create_server(
+        (config.host, port),
+        family=socket.AF_INET6,
         backlog=BACKLOG,
-        ssl=config.ssl_context,
-        reuse_port=reuse_port or None,
-        # a client that never finishes its TLS hello is let go as a slow head would be
-        ssl_handshake_timeout=config.http.head_timeout if config.tls else None,
+        reuse_port=reuse_port,
+        dualstack_ipv6=True,
     )
+    try:
+        return await loop.create_server(factory, sock=sock, backlog=BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def dual_stack(host: str) -> bool:
+    """Whether `host` is `::`, served to IPv4 clients too, as Linux binds it by default
+    and gunicorn, hypercorn, Go and Node serve it (asyncio alone would bind it for IPv6
+    only); where the system has no such sockets, it is bound as given."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # a name
+        return False
+    return address.version == 6 and address.is_unspecified and socket.has_dualstack_ipv6()
 
 
 async def requests_answered(state: ServerState, timeout: float) -> bool:
