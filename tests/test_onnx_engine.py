@@ -428,6 +428,160 @@ def test_a_model_s_own_onnx_file_is_used_as_shipped(tiny_model, onnx_cache, tmp_
     assert not (tmp_path / "x").exists()  # nothing exported
 
 
+def graph_file(path, inputs, outputs, batch="batch"):
+    """A hand-made graph's declaration alone (no nodes, no weights): `inputs` and
+    `outputs` map each name to (element type, rank)."""
+    import onnx
+    from onnx import helper
+
+    def value(name, element, rank):
+        return helper.make_tensor_value_info(name, element, [batch, "sequence", 4][:rank])
+
+    graph = helper.make_graph(
+        [],
+        "shipped",
+        [value(name, *kind) for name, kind in inputs.items()],
+        [value(name, *kind) for name, kind in outputs.items()],
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(helper.make_model(graph), str(path))
+    return path
+
+
+INT64, FLOAT, FLOAT16 = 7, 1, 10  # onnx.TensorProto's element types
+TOKENS = {"input_ids": (INT64, 2), "attention_mask": (INT64, 2), "token_type_ids": (INT64, 2)}
+
+
+@pytest.mark.parametrize(
+    ("task", "inputs", "outputs", "batch", "reason"),
+    [
+        # sentence-transformers' onnx/model.onnx, and an optimum classifier's
+        ("feature-extraction", TOKENS, {"last_hidden_state": (FLOAT, 3)}, "batch", None),
+        ("text-classification", TOKENS, {"logits": (FLOAT, 2)}, "batch", None),
+        (
+            "feature-extraction",
+            {**TOKENS, "position_ids": (INT64, 2)},
+            {"last_hidden_state": (FLOAT, 3)},
+            "batch",
+            "inputs the tokenizer does not give (position_ids)",
+        ),
+        (
+            "feature-extraction",
+            {"attention_mask": (INT64, 2)},
+            {"last_hidden_state": (FLOAT, 3)},
+            "batch",
+            "no input_ids (it takes attention_mask)",
+        ),
+        (
+            "feature-extraction",
+            {"input_ids": (FLOAT, 2)},
+            {"last_hidden_state": (FLOAT, 3)},
+            "batch",
+            "input_ids is not int64",
+        ),
+        (
+            "feature-extraction",
+            TOKENS,
+            {"last_hidden_state": (FLOAT, 3)},
+            1,  # exported for one item at a time
+            "input_ids is not of any batch size and length",
+        ),
+        (
+            "feature-extraction",
+            TOKENS,
+            {"token_embeddings": (FLOAT, 3), "sentence_embedding": (FLOAT, 2)},
+            "batch",
+            "answers no last_hidden_state (it answers token_embeddings, sentence_embedding)",
+        ),
+        (
+            "feature-extraction",
+            TOKENS,
+            {"last_hidden_state": (FLOAT16, 3)},
+            "batch",
+            "last_hidden_state is not float32",
+        ),
+        (  # a sentence classifier's logits where each token's are read
+            "token-classification",
+            TOKENS,
+            {"logits": (FLOAT, 2)},
+            "batch",
+            "logits has 2 dimensions, not 3",
+        ),
+    ],
+)
+def test_a_shipped_graph_serves_only_what_it_fits(tmp_path, task, inputs, outputs, batch, reason):
+    """What the runners feed (the tokenizer's int64 tensors, of any batch and length) and
+    read (the head's float32 outputs): a graph that differs failed every request, or
+    answered from zeros fed in place of an input it takes."""
+    from rawserve.worker import onnx_engine
+
+    graph = graph_file(tmp_path / "model.onnx", inputs, outputs, batch)
+    unfit = onnx_engine.shipped_unfit(graph, onnx_engine.HEADS[task])
+    assert unfit == reason or (reason is not None and unfit is not None and reason in unfit)
+
+
+@pytest.mark.parametrize(
+    ("shipped", "reason"),
+    [
+        ("not a graph", "cannot be read ("),
+        ("outputs", "answers no last_hidden_state (it answers sentence_embedding)"),
+        ("no nodes", "ONNX Runtime cannot load it ("),  # declared as it should be, but empty
+    ],
+)
+def test_a_shipped_graph_that_cannot_serve_is_said_and_the_model_exported(
+    tiny_model, onnx_cache, tmp_path, caplog, shipped, reason
+):
+    """It stopped the server (--engine onnx), kept auto on torch, or was passed over
+    without a word: now one line says why, and the export serves."""
+    from rawserve.worker import onnx_engine
+
+    source = Path(tiny_model("feature-extraction"))
+    head = onnx_engine.HEADS["feature-extraction"]
+    exported = onnx_engine.exported_graph(source, head, onnx_cache)
+    folder = tmp_path / source.name  # the same name and files: the same cached export
+    shutil.copytree(source, folder)
+    graph = folder / "onnx" / "model.onnx"
+    if shipped == "not a graph":
+        graph.parent.mkdir()
+        graph.write_bytes(b"version https://git-lfs.github.com/spec/v1\n")
+    else:
+        outputs = {"sentence_embedding": (FLOAT, 2)} if shipped == "outputs" else None
+        graph_file(graph, TOKENS, outputs or {"last_hidden_state": (FLOAT, 3)})
+    with caplog.at_level(logging.INFO, logger="rawserve.onnx"):
+        network = onnx_engine.load_network(str(folder), "feature-extraction", 1, onnx_cache)
+    assert network.graph == exported and network.source == onnx_engine.EXPORTED
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith(
+        "ONNX engine: the model's own onnx/model.onnx does not serve feature-extraction: "
+    )
+    assert reason in warning and warning.endswith("; exported instead")
+
+
+def test_the_engine_reason_names_the_graph_served(tiny_model, onnx_cache, tmp_path):
+    """/info's engine_reason and the ready line say whether the repo's own graph runs."""
+    from rawserve.worker import onnx_engine
+    from rawserve.worker.loading import load_runner
+
+    source = Path(tiny_model("feature-extraction"))
+    folder = tmp_path / "with-onnx"
+    shutil.copytree(source, folder)
+    graph = onnx_engine.exported_graph(source, onnx_engine.HEADS["feature-extraction"], onnx_cache)
+    reasons = {}
+    for served in ("exported", "shipped"):
+        if served == "shipped":
+            (folder / "onnx").mkdir()
+            shutil.copy(graph, folder / "onnx" / "model.onnx")
+        config = WorkerConfig(
+            model=str(source if served == "exported" else folder),
+            task="feature-extraction",
+            dtype="float32",
+            engine=Engine.ONNX,
+        )
+        reasons[served] = load_runner(config, "cpu").engine_reason
+    assert reasons["exported"] == "--engine onnx; graph: exported"
+    assert reasons["shipped"] == "--engine onnx; graph: the model's own onnx/model.onnx"
+
+
 def test_the_cache_key_follows_the_files_content(tiny_model, tmp_path):
     from rawserve.worker import onnx_engine
 

@@ -107,8 +107,10 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
     elif engine is Engine.ONNX:
         network = onnx_engine.load_network(model, task, config.threads or 1)
         runner = build_runner(config, task, device, network)
-    log.info("engine: %s (%s)", engine.value, reason)
     runner = runner or build_runner(config, task, device, None)
+    if engine is Engine.ONNX and runner.onnx is not None:  # which graph it runs
+        reason = f"{reason}; graph: {runner.onnx.source}"
+    log.info("engine: %s (%s)", engine.value, reason)
     refuse_without_vocabulary(runner.tokenizer, Path(model))
     runner.engine, runner.engine_reason = engine, reason
     runner.dtype_reason = dtype_reason

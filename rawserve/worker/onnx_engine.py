@@ -7,16 +7,18 @@ start/end logits, last hidden state) as torch tensors, so every runner and pipel
 its own pre- and post-processing and answers as the torch engine does (within 1e-4).
 
 The graph comes from the model folder when it ships one (`onnx/model.onnx`, as many Hub
-repos do), otherwise it is exported once into a cache folder keyed by the model's files,
-the head, and the exporter's versions, so a restart loads it in a second. The recipe,
-measured on all-MiniLM-L6-v2 with torch 2.13, transformers 5.23, onnxruntime 1.32 on
-2 cores: `torch.onnx.export(dynamo=True)` with dynamic batch and sequence dims (about
-18 s), then onnxscript's onnxruntime fusions (about 4 s), which fuse each layer's
-attention into one `Attention` node, plus SkipLayerNormalization and BiasGelu; outputs
-within 1e-5 of torch. Without the fusions the graph runs about 5 % slower at batch 64
-(216 against 228 items/s with 2 threads; torch: 202). The legacy exporter followed by
-onnxruntime's BERT optimizer fuses as well, but needs the head count per architecture
-and is deprecated; optimum-onnx pins transformers 4.
+repos do) that fits what the runners feed and read (`shipped_unfit`; one that does not,
+or that onnxruntime cannot load, is said in a line), otherwise it is exported once into
+a cache folder keyed by the model's files, the head, and the exporter's versions, so a
+restart loads it in a second. The recipe, measured on all-MiniLM-L6-v2 with torch 2.13,
+transformers 5.23, onnxruntime 1.32 on 2 cores: `torch.onnx.export(dynamo=True)` with
+dynamic batch and sequence dims (about 18 s), then onnxscript's onnxruntime fusions
+(about 4 s), which fuse each layer's attention into one `Attention` node, plus
+SkipLayerNormalization and BiasGelu; outputs within 1e-5 of torch. Without the fusions
+the graph runs about 5 % slower at batch 64 (216 against 228 items/s with 2 threads;
+torch: 202). The legacy exporter followed by onnxruntime's BERT optimizer fuses as well,
+but needs the head count per architecture and is deprecated; optimum-onnx pins
+transformers 4.
 
 ONNX Runtime sets its intra-op threads per session, not per call: a session is made at
 load for each thread count the core sharing may ask for (busy workers one core each, a
@@ -56,41 +58,50 @@ log = logging.getLogger("rawserve.onnx")
 
 RECIPE = 1  # bump when the export recipe changes: cached graphs are made again
 SHIPPED_GRAPH = Path("onnx") / "model.onnx"
+SHIPPED = f"the model's own {SHIPPED_GRAPH}"  # where the served graph came from, for /info
+EXPORTED = "exported"
+# What the runners feed a network: the tokenizer's tensors, (batch, sequence) of int64
+FED_INPUTS = frozenset({"input_ids", "attention_mask", "token_type_ids"})
 GRAPH_FILE = "model.onnx"
 EXPORT_BATCH = 2  # the example batch traced at export (its sizes are made dynamic)
 
 
 @dataclass(frozen=True)
 class Head:
-    """What a task's model answers: its transformers class, ONNX outputs, output class."""
+    """What a task's model answers: its transformers class, ONNX outputs, output class,
+    and the dimensions of each output (batch, then labels, or sequence and more)."""
 
     auto_class: str
     outputs: tuple[str, ...]
     output_class: type
+    rank: int
 
 
 HEADS: dict[str, Head] = {
     "feature-extraction": Head(
-        "AutoModel", ("last_hidden_state",), modeling_outputs.BaseModelOutput
+        "AutoModel", ("last_hidden_state",), modeling_outputs.BaseModelOutput, 3
     ),
     "text-classification": Head(
         "AutoModelForSequenceClassification",
         ("logits",),
         modeling_outputs.SequenceClassifierOutput,
+        2,
     ),
     "zero-shot-classification": Head(
         "AutoModelForSequenceClassification",
         ("logits",),
         modeling_outputs.SequenceClassifierOutput,
+        2,
     ),
     "token-classification": Head(
-        "AutoModelForTokenClassification", ("logits",), modeling_outputs.TokenClassifierOutput
+        "AutoModelForTokenClassification", ("logits",), modeling_outputs.TokenClassifierOutput, 3
     ),
-    "fill-mask": Head("AutoModelForMaskedLM", ("logits",), modeling_outputs.MaskedLMOutput),
+    "fill-mask": Head("AutoModelForMaskedLM", ("logits",), modeling_outputs.MaskedLMOutput, 3),
     "question-answering": Head(
         "AutoModelForQuestionAnswering",
         ("start_logits", "end_logits"),
         modeling_outputs.QuestionAnsweringModelOutput,
+        2,
     ),
 }
 ONNX_TASKS = frozenset(HEADS)
@@ -114,12 +125,21 @@ def _version(name: str) -> str:
 class OnnxNetwork(torch.nn.Module):
     """A transformers model's forward pass, run by onnxruntime on the CPU."""
 
-    def __init__(self, graph: Path, config: Any, head: Head, threads: int, cores: int = 1):
+    def __init__(
+        self,
+        graph: Path,
+        config: Any,
+        head: Head,
+        threads: int,
+        cores: int = 1,
+        source: str = EXPORTED,
+    ):
         super().__init__()
         import onnxruntime  # the optional `onnx` extra: imported only when the engine runs
 
         self.ort = onnxruntime
         self.graph = graph
+        self.source = source  # SHIPPED or EXPORTED, for the log and /info
         self.config = config
         # transformers' pipelines name the model by it in their errors (fill-mask's "no
         # mask token"): without it the client's error would become an AttributeError.
@@ -182,9 +202,17 @@ def load_network(model: str, task: str, threads: int, cache_dir: Path | None = N
     config = transformers.AutoConfig.from_pretrained(model)
     cores = cpu_cores()
     shipped = folder / SHIPPED_GRAPH
-    if shipped.is_file() and _shipped_fits(shipped, head):
-        log.info("ONNX engine: the model's own graph %s", SHIPPED_GRAPH)
-        return OnnxNetwork(shipped, config, head, threads, cores)
+    if shipped.is_file():
+        unfit = shipped_unfit(shipped, head)
+        if unfit is None:
+            try:
+                network = OnnxNetwork(shipped, config, head, threads, cores, SHIPPED)
+            except Exception as exc:  # noqa: BLE001 - onnxruntime's errors derive from Exception
+                unfit = f"ONNX Runtime cannot load it ({first_line(exc)})"
+            else:
+                log.info("ONNX engine: the model's own graph %s", SHIPPED_GRAPH)
+                return network
+        log.warning("ONNX engine: %s does not serve %s: %s; exported instead", SHIPPED, task, unfit)
     cache_dir = cache_dir or engine_trial.default_cache_dir()
     graph = exported_graph(folder, head, cache_dir)
     try:
@@ -212,13 +240,43 @@ def _identity(path: Path) -> tuple[int, int, int] | None:
     return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
-def _shipped_fits(graph: Path, head: Head) -> bool:
-    """A shipped graph serves this head when it answers the outputs the runner reads
-    (read from the graph alone, without its weights)."""
+def shipped_unfit(graph: Path, head: Head) -> str | None:
+    """Why a shipped graph cannot serve this head (None: it can), read from the graph
+    alone, without its weights: it must take only the tokenizer's int64 tensors, of any
+    batch and length, and answer the head's outputs in float32 with the head's dimensions.
+    Whether its answers are the model's is not checked: the repo's export is trusted."""
     import onnx  # the optional `onnx` extra
 
-    outputs = {node.name for node in onnx.load(str(graph), load_external_data=False).graph.output}
-    return set(head.outputs) <= outputs
+    try:
+        model = onnx.load(str(graph), load_external_data=False)
+    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, an OSError
+        return f"it cannot be read ({first_line(exc) or type(exc).__name__})"
+    weights = {tensor.name for tensor in model.graph.initializer}  # listed as inputs by old graphs
+    inputs = {value.name: value for value in model.graph.input if value.name not in weights}
+    outputs = {value.name: value for value in model.graph.output}
+    if "input_ids" not in inputs:
+        return f"it takes no input_ids (it takes {', '.join(inputs) or 'nothing'})"
+    unfed = sorted(set(inputs) - FED_INPUTS)
+    if unfed:
+        return f"it takes inputs the tokenizer does not give ({', '.join(unfed)})"
+    for name, value in inputs.items():
+        tensor = value.type.tensor_type
+        if tensor.elem_type != onnx.TensorProto.INT64:
+            return f"its {name} is not int64"
+        if tensor.HasField("shape") and (
+            len(tensor.shape.dim) != 2 or any(dim.HasField("dim_value") for dim in tensor.shape.dim)
+        ):
+            return f"its {name} is not of any batch size and length"
+    missing = [name for name in head.outputs if name not in outputs]
+    if missing:
+        return f"it answers no {', '.join(missing)} (it answers {', '.join(outputs) or 'nothing'})"
+    for name in head.outputs:
+        tensor = outputs[name].type.tensor_type
+        if tensor.elem_type != onnx.TensorProto.FLOAT:
+            return f"its {name} is not float32"
+        if tensor.HasField("shape") and len(tensor.shape.dim) != head.rank:
+            return f"its {name} has {len(tensor.shape.dim)} dimensions, not {head.rank}"
+    return None
 
 
 def cache_key(folder: Path, head: Head) -> dict[str, Any]:
