@@ -20,6 +20,7 @@ Server process; reads only the model folders' sizes and the machine's cores and 
 from __future__ import annotations
 
 import enum
+import importlib.util
 import os
 import ssl
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ from rawserve.models.plan import ModelPlan
 from rawserve.ops import layout
 from rawserve.shared.devices import cpu_cores, parse_devices
 from rawserve.shared.messages import Engine
+from rawserve.tasks import onnx_unfit
 
 
 class Batching(enum.Enum):
@@ -72,6 +74,16 @@ class ModelConfig:
     max_queue: int
     batch_timeout: float  # seconds a batch may run before its worker is restarted
     batch_limits: str = "as given"  # which batch limits are the device's defaults, and why
+
+    @property
+    def onnx_graphs(self) -> bool:
+        """Whether the ONNX engine may serve an encoder task here (not --engine torch; on
+        the CPU, in float32, with onnxruntime): a Hub repo's own graph is then fetched."""
+        if self.engine is Engine.TORCH:
+            return False
+        installed = importlib.util.find_spec("onnxruntime") is not None  # the `onnx` extra
+        device = "cuda" if layout.on_gpu(self.devices) else "cpu"
+        return onnx_unfit(None, device, self.dtype, installed) is None
 
 
 @dataclass(frozen=True)

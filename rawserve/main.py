@@ -438,6 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             handler=config.handler,
             chat_template=config.model.chat_template is not None,
             engine=config.model.engine,
+            onnx_graphs=config.model.onnx_graphs,
         )
     except ModelNotFound as exc:
         log.error("%s", exc)

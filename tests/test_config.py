@@ -462,3 +462,18 @@ def test_an_ipv6_host_serves_and_the_log_gives_its_url_with_brackets(http_proces
         connection.request("GET", "/health")
         assert connection.getresponse().status == 200
         connection.close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "fetched"),
+    [
+        (["--device", "cpu"], True),  # --engine auto: ONNX Runtime may win the trial
+        (["--device", "cpu", "--engine", "onnx"], True),
+        (["--device", "cpu", "--engine", "torch"], False),
+        (["--device", "cuda:0"], False),
+        (["--device", "cpu", "--dtype", "bfloat16"], False),
+    ],
+)
+def test_a_repo_s_onnx_graph_is_fetched_only_where_the_onnx_engine_may_run(argv, fetched):
+    pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+    assert parse_config(argv).model.onnx_graphs is fetched

@@ -39,6 +39,19 @@ except (ModelNameError, ModelNotFound) as exc:
     sys.exit(1)
 """
 
+PLAN = """
+import logging, sys
+from rawserve.models.hub import ModelNotFound
+from rawserve.models.plan import plan_models
+logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+logging.getLogger("httpx2").setLevel(logging.WARNING)
+try:
+    print(plan_models([sys.argv[1]], onnx_graphs=sys.argv[2] == "onnx")[0].folder)
+except ModelNotFound as exc:
+    print(f"error: {exc}", file=sys.stderr)
+    sys.exit(1)
+"""
+
 FILES = {
     "config.json": b'{"architectures": ["BertModel"], "hidden_size": 32}',
     "modules.json": b'[{"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"}]',
@@ -60,8 +73,9 @@ def make_repo(repo_id: str = "org/tiny", **kwargs) -> HubRepo:
 
 
 def run_resolve(
-    spec: str, home: Path, timeout: float = 120, **env: str
+    spec: str, home: Path, timeout: float = 120, script: str = RESOLVE, engine: str = "", **env: str
 ) -> subprocess.CompletedProcess[str]:
+    """`script` (RESOLVE, or PLAN with `engine`) run on `spec` as the server would."""
     environ = {
         k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING", "TRANSFORMERS"))
     }
@@ -73,7 +87,7 @@ def run_resolve(
         **env,
     )
     return subprocess.run(
-        [sys.executable, "-c", RESOLVE, spec],
+        [sys.executable, "-c", script, spec, engine],
         env=environ,
         capture_output=True,
         text=True,
@@ -407,6 +421,62 @@ def test_a_download_fills_the_cache_and_a_second_start_needs_no_hub(tmp_path):
     for offline in ("1", "0"):
         again = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint, HF_HUB_OFFLINE=offline)
         assert resolved(again) == folder
+
+
+SHIPPED = {
+    "onnx/model.onnx": os.urandom(1000),  # the repo's own float32 export
+    "onnx/model.onnx_data": os.urandom(3000),  # its weights, kept apart
+}
+VARIANTS = {
+    "onnx/model_qint8_avx512.onnx": os.urandom(500),  # quantized: answers otherwise
+    "onnx/model_O4.onnx": os.urandom(500),
+    "model.onnx": os.urandom(500),  # an optimum export at the top: not what the engine reads
+}
+
+
+def test_a_repo_s_own_onnx_graph_is_fetched_for_the_onnx_engine(tmp_path):
+    """The ONNX engine serves a folder's own onnx/model.onnx, loaded in a second, where
+    an export takes tens: a Hub repo's was never downloaded, so every repo was exported.
+    Its quantized variants, and every other ONNX file, stay on the Hub."""
+    repo = HubRepo("org/tiny")
+    repo.add_commit({**FILES, **SHIPPED, **VARIANTS}, refs=("main",))
+    with FakeHub([repo]) as hub:
+        result = run_resolve("org/tiny", tmp_path, 120, PLAN, "onnx", HF_ENDPOINT=hub.endpoint)
+        folder = resolved(result)
+    assert files_in(folder) == NEEDED | set(SHIPPED)
+    for name, content in SHIPPED.items():
+        assert (folder / name).read_bytes() == content
+    assert "model org/tiny: the repo's onnx/model.onnx, for the ONNX engine (" in result.stderr
+
+
+def test_a_generating_repo_s_onnx_graph_is_not_fetched(tmp_path):
+    """The ONNX engine serves the encoder tasks: a decoder's export would be downloaded
+    for nothing."""
+    repo = HubRepo("org/gen")
+    config = b'{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}'
+    files = {"config.json": config, "tokenizer.json": b"{}", "model.safetensors": b"0"}
+    repo.add_commit({**files, **SHIPPED}, refs=("main",))
+    with FakeHub([repo]) as hub:
+        result = run_resolve("org/gen", tmp_path, 120, PLAN, "onnx", HF_ENDPOINT=hub.endpoint)
+    assert files_in(resolved(result)) == set(files)
+
+
+def test_an_onnx_graph_that_cannot_be_had_is_one_line_and_the_model_served(tmp_path):
+    """Offline, a cache filled for --engine torch lacks it: the model is served all the
+    same, and exported."""
+    repo = HubRepo("org/tiny")
+    repo.add_commit({**FILES, **SHIPPED}, refs=("main",))
+    with FakeHub([repo]) as hub:  # downloaded once without it (--engine torch)
+        folder = resolved(
+            run_resolve("org/tiny", tmp_path, 120, PLAN, "torch", HF_ENDPOINT=hub.endpoint)
+        )
+    result = run_resolve("org/tiny", tmp_path, 120, PLAN, "onnx", HF_HUB_OFFLINE="1")
+    assert resolved(result) == folder and files_in(folder) == NEEDED
+    assert "Traceback" not in result.stderr
+    [line] = [line for line in result.stderr.splitlines() if "onnx/model.onnx" in line]
+    assert line.startswith("rawserve.models the repo's onnx/model.onnx was not downloaded (")
+    assert "HF_HUB_OFFLINE=1" in line
+    assert line.endswith("): the ONNX engine exports the model instead")
 
 
 def test_a_failing_hub_serves_the_cache_and_says_so(tmp_path):

@@ -6,9 +6,11 @@ through `huggingface_hub.snapshot_download`, so everything it honours applies: t
 (`HF_HOME`, `HF_HUB_CACHE`), `HF_TOKEN` for private and gated repos, `HF_ENDPOINT` for a
 mirror, `HF_HUB_OFFLINE=1` to use the cache alone. Files the worker never reads (other
 frameworks' weights, exported ONNX/OpenVINO copies, and the pickled PyTorch weights when
-the repo also has safetensors) are not downloaded. Progress goes to the log, a line every
-few seconds; every way resolution can fail becomes one `ModelNotFound` whose message
-says what to do, never a traceback.
+the repo also has safetensors) are not downloaded, but for a repo's own float32
+`onnx/model.onnx`, fetched apart (`fetch_shipped_graph`) once the model's task says the
+ONNX engine may serve it (never its quantized variants: they answer otherwise). Progress
+goes to the log, a line every few seconds; every way resolution can fail becomes one
+`ModelNotFound` whose message says what to do, never a traceback.
 
 Never imports torch or transformers (huggingface_hub does not either). huggingface_hub
 reads its HF_* variables as its modules load (`huggingface_hub.constants`), and a value
@@ -64,6 +66,8 @@ NOT_NEEDED = [
     "coreml/*",
 ]
 PICKLED_WEIGHTS = ["*.bin", "*.pt", "*.pth"]  # skipped when the repo has safetensors
+SHIPPED_GRAPH = "onnx/model.onnx"  # a repo's own float32 export, which the ONNX engine serves
+SHIPPED_GRAPH_DATA = ("onnx/model.onnx_data", "onnx/model.onnx.data")  # its weights, kept apart
 PROGRESS_SECONDS = 5.0  # a download logs a progress line this often
 # a commit as `git log --oneline` and the Hub's pages show it: its first hex digits
 SHORT_COMMIT = re.compile(r"[0-9a-f]{7,39}")
@@ -80,6 +84,7 @@ class ResolvedModel:
     spec: ModelSpec
     folder: Path
     commit: str | None = None  # the Hub commit the folder holds; None for a plain folder
+    files: tuple[str, ...] | None = None  # the repo's file names at that commit, if known
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -140,7 +145,40 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
         Path(folder).parent.parent,
         time.monotonic() - started,
     )
-    return ResolvedModel(spec, Path(folder), commit)
+    return ResolvedModel(spec, Path(folder), commit, None if files is None else tuple(files))
+
+
+def fetch_shipped_graph(resolved: ResolvedModel) -> None:
+    """The repo's own `onnx/model.onnx` (and its weights file, if kept apart) into the
+    model's folder, for the ONNX engine: loaded in a second where an export takes tens.
+    Nothing where the repo has none; a failure is a log line, and the engine exports."""
+    files = resolved.files or ()
+    if resolved.repo_id is None or SHIPPED_GRAPH not in files:
+        return
+    if (resolved.folder / SHIPPED_GRAPH).is_file():
+        return
+    from huggingface_hub import hf_hub_download  # (here: see the module's docstring)
+
+    started = time.monotonic()
+    try:
+        for name in (SHIPPED_GRAPH, *(name for name in SHIPPED_GRAPH_DATA if name in files)):
+            hf_hub_download(
+                resolved.repo_id, name, revision=resolved.commit, tqdm_class=LoggedProgress
+            )
+    except Exception as exc:  # noqa: BLE001 - the engine exports the model instead
+        reason = explain(exc, resolved.repo_id, resolved.commit)
+        log.warning(
+            "the repo's %s was not downloaded (%s): the ONNX engine exports the model instead",
+            SHIPPED_GRAPH,
+            reason,
+        )
+        return
+    log.info(
+        "model %s: the repo's %s, for the ONNX engine (%.1f s)",
+        resolved.repo_id,
+        SHIPPED_GRAPH,
+        time.monotonic() - started,
+    )
 
 
 def cached_commit(repo_id: str, revision: str | None) -> str | None:

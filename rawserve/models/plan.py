@@ -21,7 +21,7 @@ from rawserve.models.folder import (
     read_facts,
     served_name,
 )
-from rawserve.models.hub import ModelNotFound, resolve_model
+from rawserve.models.hub import ModelNotFound, fetch_shipped_graph, resolve_model
 from rawserve.models.names import ModelNameError, ModelSpec, parse_model_spec
 from rawserve.shared.messages import Engine
 from rawserve.tasks import onnx_unfit
@@ -54,13 +54,15 @@ def plan_models(
     handler: str | None = None,
     chat_template: bool = False,
     engine: Engine = Engine.AUTO,
+    onnx_graphs: bool = False,
 ) -> list[ModelPlan]:
     """The plans of the models named on the command line (the packaged model when none
     is), in order: the first is the default. Raises ModelNotFound (one line) on a name
     that cannot be read, a model that cannot be had, one whose task is unknown, one
     whose task `engine` does not serve, or a `task`, `revision` or `chat_template`
-    (--chat-template given) that no model takes."""
-    plans = _plans(models, task, revision, handler)
+    (--chat-template given) that no model takes. `onnx_graphs`: whether the ONNX engine
+    may serve an encoder task here (a Hub repo's own onnx/model.onnx is then fetched)."""
+    plans = _plans(models, task, revision, handler, onnx_graphs)
     for plan in plans:
         unfit = onnx_unfit(plan.facts.task) if plan.facts and engine is Engine.ONNX else None
         if unfit:  # said before any worker starts, not by each worker as it loads
@@ -72,7 +74,11 @@ def plan_models(
 
 
 def _plans(
-    models: Sequence[str], task: str | None, revision: str | None, handler: str | None
+    models: Sequence[str],
+    task: str | None,
+    revision: str | None,
+    handler: str | None,
+    onnx_graphs: bool = False,
 ) -> list[ModelPlan]:
     if handler:
         if models:
@@ -100,13 +106,16 @@ def _plans(
         names = (DEFAULT_MODEL_NAME, PACKAGED_REPO_ID)
         plans = [ModelPlan(names, PACKAGED_REPO_ID, str(folder), None, facts, None, task)]
     else:
-        plans = [_plan(spec.with_defaults(task=task, revision=revision)) for spec in specs]
+        specs = [spec.with_defaults(task=task, revision=revision) for spec in specs]
+        plans = [_plan(spec, onnx_graphs) for spec in specs]
     return _unique_names(plans)
 
 
-def _plan(spec: ModelSpec) -> ModelPlan:
+def _plan(spec: ModelSpec, onnx_graphs: bool = False) -> ModelPlan:
     resolved = resolve_model(spec)
     facts = _facts(resolved.folder, spec.task, str(spec))
+    if onnx_graphs and onnx_unfit(facts.task) is None:  # only where the engine may read it
+        fetch_shipped_graph(resolved)
     return ModelPlan(
         names=resolved.names,
         source=spec.source,
