@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -216,3 +217,21 @@ def test_the_server_shows_the_trial_in_its_log_and_info(tiny_model, tmp_path):
         assert info["requested_engine"] == "auto"
     with RunningServer(args, env=env).start() as server:
         assert any("an earlier start (cached)" in line for line in server.read_log())
+
+
+def test_a_verdict_is_kept_apart_for_the_folder_s_own_graph(tiny_model, tmp_path):
+    """A verdict timed on the export was reused once the folder had its own graph (one
+    fetched from the Hub since), though ONNX Runtime then ran another graph; a folder
+    without one keeps the key, and the verdicts, it had."""
+    from rawserve.worker.loading import trial_key
+    from tests.tiny_models import worker_config
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model("text-classification"), folder)
+    config = worker_config(str(folder), engine=Engine.AUTO)
+    exported = trial_key(config, "text-classification", 8)
+    assert "shipped" not in exported
+    (folder / "onnx").mkdir()
+    (folder / "onnx" / "model.onnx").write_bytes(b"a graph")
+    shipped = trial_key(config, "text-classification", 8)
+    assert shipped != exported and shipped == {**exported, "shipped": shipped["shipped"]}

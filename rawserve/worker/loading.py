@@ -209,9 +209,13 @@ def measured_bfloat16(
 
 
 def trial_key(config: WorkerConfig, task: str, size: int) -> dict[str, object]:
-    """What the trial's verdict depends on (rawserve.worker.engine_trial)."""
+    """What the trial's verdict depends on (rawserve.worker.engine_trial): the graph
+    ONNX Runtime ran is the export of the model's files, or the folder's own graph
+    (one that appears, fetched from the Hub later, is another contest)."""
+    shipped = Path(config.model) / onnx_engine.SHIPPED_GRAPH
     return {
         **onnx_engine.cache_key(Path(config.model), onnx_engine.HEADS[task]),
+        **({"shipped": engine_trial.fingerprint(shipped)} if shipped.is_file() else {}),
         "task": task,
         "batch": size,
         "threads": config.threads,
