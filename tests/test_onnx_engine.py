@@ -582,6 +582,33 @@ def test_the_engine_reason_names_the_graph_served(tiny_model, onnx_cache, tmp_pa
     assert reasons["shipped"] == "--engine onnx; graph: the model's own onnx/model.onnx"
 
 
+def test_a_folder_with_only_its_onnx_graph_is_served_by_the_default_engine(
+    tiny_model, onnx_cache, tmp_path, caplog
+):
+    """A folder of an ONNX-only repo (transformers.js' kind: onnx/model.onnx, no torch
+    weights) was served with --engine onnx, but the default, auto, stopped the start on
+    transformers' OSError as it built a torch runner to time against ONNX Runtime."""
+    from rawserve.worker import onnx_engine
+    from rawserve.worker.loading import load_runner
+
+    source = Path(tiny_model("feature-extraction"))
+    graph = onnx_engine.exported_graph(source, onnx_engine.HEADS["feature-extraction"], onnx_cache)
+    folder = tmp_path / "onnx-only"
+    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    (folder / "onnx").mkdir()
+    shutil.copy(graph, folder / "onnx" / "model.onnx")
+    config = WorkerConfig(
+        model=str(folder), task="feature-extraction", dtype="auto", engine=Engine.AUTO
+    )
+    with caplog.at_level(logging.WARNING):
+        runner = load_runner(config, "cpu")
+    assert runner.engine is Engine.ONNX
+    assert runner.engine_reason.startswith("auto: the model has no weights for torch, only ")
+    assert not caplog.records  # nor a bfloat16 trial of weights it has not
+    [vector] = runner.run(["hello world"], {}, NO_CONTROL)
+    assert np.isfinite(vector).all()
+
+
 def test_the_cache_key_follows_the_files_content(tiny_model, tmp_path):
     from rawserve.worker import onnx_engine
 

@@ -27,14 +27,15 @@ ARCHITECTURE_TASKS = [
     ("LMHeadModel", "text-generation"),
     ("Model", "feature-extraction"),
 ]
-# The weights a worker loads: transformers' (whole or sharded), or a shipped ONNX graph.
-WEIGHTS = (
+# The weights a worker loads: transformers' (whole or sharded), or a shipped ONNX graph
+# (an ONNX-only repo, as transformers.js ones are, is served by the ONNX engine alone).
+TORCH_WEIGHTS = (
     "model.safetensors",
     "model.safetensors.index.json",
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
-    "onnx/model.onnx",
 )
+WEIGHTS = (*TORCH_WEIGHTS, "onnx/model.onnx")
 
 # What a tokenizer is built from, every family's (a fast tokenizer's tokenizer.json, a
 # vocabulary, BPE merges, a sentencepiece or tiktoken model); tokenizer_config.json alone

@@ -21,6 +21,7 @@ import torch
 import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
+from rawserve.models.folder import TORCH_WEIGHTS
 from rawserve.shared.messages import Engine, WorkerConfig
 from rawserve.tasks import SEQ2SEQ_TASKS, onnx_unfit
 from rawserve.worker import engine_trial, onnx_engine, precision_trial
@@ -127,6 +128,10 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
 def measured_engine(config: WorkerConfig, task: str, device: str) -> tuple[Engine, str, Runner]:
     """--engine auto where both engines serve the task: the faster on this machine, by the
     trial's cached verdict or a trial now; torch alone where ONNX Runtime cannot load it."""
+    if not torch_loads(Path(config.model)):  # its own ONNX graph alone: nothing to contest
+        network = onnx_engine.load_network(config.model, task, config.threads or 1)
+        reason = f"auto: the model has no weights for torch, only {onnx_engine.SHIPPED_GRAPH}"
+        return Engine.ONNX, reason, build_runner(config, task, device, network)
     size = config.warmup_batch or engine_trial.TRIAL_BATCH
     cache_dir = engine_trial.default_cache_dir()
     key = trial_key(config, task, size)
@@ -176,6 +181,7 @@ def bfloat16_trial(config: WorkerConfig, task: str, device: str, runner: Runner)
         or config.dtype != "auto"  # a precision given is the one wanted
         or runner.dtype != "float32"
         or task not in onnx_engine.ONNX_TASKS
+        or not torch_loads(Path(config.model))  # no weights to make a bfloat16 copy of
     ):
         return ""
     size = config.warmup_batch or engine_trial.TRIAL_BATCH
@@ -206,6 +212,11 @@ def measured_bfloat16(
     except Exception:  # noqa: BLE001 - logged; float32 serves as it would have
         log.warning("the bfloat16 trial failed", exc_info=True)
         return None
+
+
+def torch_loads(folder: Path) -> bool:
+    """Whether the folder has weights torch loads (not an ONNX-only folder)."""
+    return any((folder / name).is_file() for name in TORCH_WEIGHTS)
 
 
 def trial_key(config: WorkerConfig, task: str, size: int) -> dict[str, object]:
