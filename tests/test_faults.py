@@ -431,7 +431,8 @@ def test_kill_9_under_load_every_request_is_answered_once(faulty_server):
 
     ready_while_down, answers, killed = asyncio.run(asyncio.wait_for(scenario(), 150))
     assert ready_while_down == 503
-    assert [status for status, _ in answers] == [200] * len(texts)
+    refused = [(status, body) for status, body in answers if status != 200]
+    assert not refused, refused[:3]  # (their bodies say why)
     assert [answer["input"] for _, answer in answers] == texts  # each its own answer, once
     assert {answer["pid"] for _, answer in answers} - {killed}  # served again after the kill
     assert faulty_server.request("GET", "/ready")[0] == 200
