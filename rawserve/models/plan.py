@@ -100,13 +100,24 @@ def _plans(
         names = (DEFAULT_MODEL_NAME, PACKAGED_REPO_ID)
         plans = [ModelPlan(names, PACKAGED_REPO_ID, str(folder), None, facts, None, task)]
     else:
-        plans = [_plan(spec.with_defaults(task=task, revision=revision)) for spec in specs]
+        plans = [
+            _plan(spec.with_defaults(task=task, revision=revision), as_named(spec, task))
+            for spec in specs
+        ]
     return _unique_names(plans)
 
 
-def _plan(spec: ModelSpec) -> ModelPlan:
+def as_named(spec: ModelSpec, task: str | None) -> str:
+    """A model as the command line named it, for its errors: its --model text, and the
+    --task it takes where that names none of its own (never a `:TASK` the user did not
+    type)."""
+    return f"{spec} (--task {task})" if task and not spec.task else str(spec)
+
+
+def _plan(spec: ModelSpec, named: str) -> ModelPlan:
+    """`spec` with --task and --revision applied (`named`: as the command line named it)."""
     resolved = resolve_model(spec)
-    facts = _facts(resolved.folder, spec.task, str(spec))
+    facts = _facts(resolved.folder, spec.task, named)
     return ModelPlan(
         names=resolved.names,
         source=spec.source,
