@@ -250,6 +250,8 @@ async def serve(
     log.info("batch limits: %s", config.model.batch_limits)
 
     stop_trial = threading.Event()
+    if settle_layout:  # the trial loads the model first: part of its load, as /ready says
+        models[0].executor.preparing()
     trial = start_layout_trial(plans[0], config, workers, stop_trial) if settle_layout else None
     loaded = loop.create_task(loaded_after(trial, models, config, front, stop_trial))
     waiting_for = (
