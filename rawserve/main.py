@@ -17,6 +17,7 @@ import importlib.util
 import logging
 import multiprocessing
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -53,6 +54,9 @@ log = logging.getLogger("rawserve")
 # A second SIGTERM/SIGINT this soon after the first is the same stop delivered twice
 # (`make serve` stopped through its process group: from the group, then from make).
 SIGNAL_REPEAT_SECONDS = 1.0
+# this start's id, given to its workers and its layout trial's timers: a trial verdict
+# kept under it was measured at this very start, which the ready line says
+START_ID = secrets.token_hex(8)
 
 
 def model_facts(plan: ModelPlan, config: ServerConfig, workers: WorkerPlan) -> dict[str, object]:
@@ -113,6 +117,7 @@ def worker_config(
         chat_template=model.chat_template,
         generation=model.generation,
         max_sequences=model.max_sequences,
+        start=START_ID,
     )
 
 
