@@ -17,7 +17,6 @@ clock and candidates are injected (tests fake both).
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import logging
 import math
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rawserve.shared import installed
 from rawserve.shared.devices import cpu_cores
 from rawserve.shared.messages import Engine
 
@@ -114,10 +114,8 @@ def timed(
 
 
 def installed_version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "none"
+    """`name`'s version, whichever distribution provides it ("none": not installed)."""
+    return installed.version(name) or "none"
 
 
 def cpu_facts() -> dict[str, str]:
