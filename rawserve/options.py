@@ -96,7 +96,13 @@ OPTIONS = [
         None,
         "pipeline task of the models named without :TASK (default: inferred from the files)",
     ),
-    Option("--handler", str, None, "MODULE:FACTORY returning f(inputs: list, **params) -> list"),
+    Option(
+        "--handler",
+        str,
+        None,
+        "MODULE[:FACTORY]: serve what FACTORY() returns (FACTORY default: handler), "
+        "f(inputs: list, **params) -> list",
+    ),
     Option("--host", str, "127.0.0.1", "bind address"),
     Option("--port", int, 8000, "bind port"),
     Option(
