@@ -357,7 +357,13 @@ def build_parser() -> argparse.ArgumentParser:
         default = option.default if variable is None else variable
         base: Callable[[str], Any] = finite_number if option.type is float else option.type
         convert = naming_the_variable(base, option.env, variable)
-        shown = "" if default is None or "default:" in option.help else f" (default: {default})"
+        # the key is a secret: --help output is pasted into tickets and CI logs
+        secret = option.env == KEY_VARIABLE
+        shown = (
+            ""
+            if default is None or secret or "default:" in option.help
+            else f" (default: {default})"
+        )
         parser.add_argument(
             option.flag,
             type=convert,

@@ -115,6 +115,19 @@ def test_an_empty_variable_reads_as_unset(monkeypatch, option, empty):
     assert parse_config([]) == defaults(monkeypatch)
 
 
+def test_help_never_shows_the_api_key_its_variable_holds(monkeypatch, capsys):
+    """--help showed each variable's value as the option's default, the key's too: output
+    pasted into a ticket or a CI log gave the key away."""
+    clear_environment(monkeypatch)
+    monkeypatch.setenv("RAWSERVE_API_KEY", "s3cret-value")
+    monkeypatch.setenv("RAWSERVE_PORT", "9001")
+    with pytest.raises(SystemExit):
+        parse_config(["--help"])
+    shown = capsys.readouterr().out
+    assert "s3cret-value" not in shown and "RAWSERVE_API_KEY" in shown
+    assert "(default: 9001)" in shown  # another variable's value is still shown
+
+
 def test_an_empty_api_key_variable_is_refused_not_read_as_no_key(monkeypatch, capsys):
     """Unset, the key is none at all: a secret that expanded to nothing must not open
     every route."""
