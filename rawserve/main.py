@@ -17,6 +17,7 @@ import importlib.util
 import logging
 import multiprocessing
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -53,6 +54,9 @@ log = logging.getLogger("rawserve")
 # A second SIGTERM/SIGINT this soon after the first is the same stop delivered twice
 # (`make serve` stopped through its process group: from the group, then from make).
 SIGNAL_REPEAT_SECONDS = 1.0
+# this start's id, given to its workers and its layout trial's timers: a trial verdict
+# kept under it was measured at this very start, which the ready line says
+START_ID = secrets.token_hex(8)
 
 
 def model_facts(plan: ModelPlan, config: ServerConfig, workers: WorkerPlan) -> dict[str, object]:
@@ -113,6 +117,7 @@ def worker_config(
         chat_template=model.chat_template,
         generation=model.generation,
         max_sequences=model.max_sequences,
+        start=START_ID,
     )
 
 
@@ -250,6 +255,8 @@ async def serve(
     log.info("batch limits: %s", config.model.batch_limits)
 
     stop_trial = threading.Event()
+    if settle_layout:  # the trial loads the model first: part of its load, as /ready says
+        models[0].executor.preparing()
     trial = start_layout_trial(plans[0], config, workers, stop_trial) if settle_layout else None
     loaded = loop.create_task(loaded_after(trial, models, config, front, stop_trial))
     waiting_for = (

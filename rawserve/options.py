@@ -63,6 +63,7 @@ ENV_FALSE = ("", "0", "false", "no", "off")
 # huggingface_hub reads these with int() as it is imported: another value (even an empty
 # one) ended the server's start in its traceback, before anything was checked
 HUB_SECONDS_VARIABLES = ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
+KEY_VARIABLE = "RAWSERVE_API_KEY"  # empty, still a value: see `variable_value`
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,13 @@ OPTIONS = [
         None,
         "pipeline task of the models named without :TASK (default: inferred from the files)",
     ),
-    Option("--handler", str, None, "MODULE:FACTORY returning f(inputs: list, **params) -> list"),
+    Option(
+        "--handler",
+        str,
+        None,
+        "MODULE[:FACTORY]: serve what FACTORY() returns (FACTORY default: handler), "
+        "f(inputs: list, **params) -> list",
+    ),
     Option("--host", str, "127.0.0.1", "bind address"),
     Option("--port", int, 8000, "bind port"),
     Option(
@@ -346,11 +353,17 @@ def build_parser() -> argparse.ArgumentParser:
             help = f"{option.help} [env {option.env}=A,B]"
             parser.add_argument(option.flag, type=option.type, action="append", help=help)
             continue
-        variable = os.environ.get(option.env)
+        variable = variable_value(option.env)
         default = option.default if variable is None else variable
         base: Callable[[str], Any] = finite_number if option.type is float else option.type
         convert = naming_the_variable(base, option.env, variable)
-        shown = "" if default is None or "default:" in option.help else f" (default: {default})"
+        # the key is a secret: --help output is pasted into tickets and CI logs
+        secret = option.env == KEY_VARIABLE
+        shown = (
+            ""
+            if default is None or secret or "default:" in option.help
+            else f" (default: {default})"
+        )
         parser.add_argument(
             option.flag,
             type=convert,
@@ -558,6 +571,16 @@ def check_host(host: str, parser: argparse.ArgumentParser) -> None:
     except (OSError, UnicodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         parser.error(f"--host {host!r} is not an address or a host name: {reason}")
+
+
+def variable_value(env: str) -> str | None:
+    """A RAWSERVE_* variable's value; None where it is unset, or empty as `RAWSERVE_PORT=`
+    in a compose or unit file leaves it (click reads a variable so). RAWSERVE_API_KEY empty
+    is a value, and refused: read as unset, it would serve with no key at all."""
+    value = os.environ.get(env)
+    if value is None or (not value.strip() and env != KEY_VARIABLE):
+        return None
+    return value
 
 
 def flags_or_variable(given: list[str] | None, env: str) -> list[str]:

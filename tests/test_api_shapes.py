@@ -334,6 +334,10 @@ AGREEMENT = [
     ("EMBED", {"inputs": "a", "dimensions": 0}, False),
     ("EMBED", {"inputs": "a", "truncation_direction": "up"}, False),
     ("EMBED", {"inputs": "a", "prompt_name": 7}, False),
+    ("EMBED", {"inputs": [[2, 9, 3], [2, 10]]}, True),  # TEI's token ids
+    ("EMBED", {"inputs": [2, 9, 3]}, True),
+    ("EMBED", {"inputs": [[2, 9], "a"]}, False),  # one form for all
+    ("EMBED", {"inputs": [[-1]]}, False),
     ("SIMILARITY", {"inputs": {"source_sentence": "a", "sentences": ["b", "c"]}}, True),
     (
         "SIMILARITY",
@@ -650,7 +654,10 @@ class Recording(Idle):
 
         self.sent.append(list(inputs))
         vector = np.ones(2, dtype=np.float32)
-        output = {"embedding": vector, "tokens": 1} if control else vector
+        if control is None or not control.embedding_route:  # token vectors, as a pipeline's
+            output = vector[None, None, :]
+        else:
+            output = {"embedding": vector, "tokens": 1}
         return [ItemResult(output, 0.0, len(inputs), 0.0) for _ in inputs]
 
 
@@ -685,15 +692,13 @@ def test_a_text_sent_without_a_prompt_name_gets_the_model_s_default_prompt(path,
     assert model.sent == [sent]
 
 
-def embeddings_of(document, details):
-    """(the answer, what the model was sent) of POST /v1/embeddings with `document`."""
+def embeddings_of(document, details, path="/v1/embeddings"):
+    """(the answer, what the model was sent) of POST `path` with `document`."""
     model = Recording()
     served = ServedModel("m", ModelService(model, Loaded("feature-extraction", details, "{}")), {})
     app = App(ServedModels([served]), AppSettings())
     body = json.dumps(document).encode()
-    request = HttpRequest(
-        "POST", "/v1/embeddings", "", [("content-type", "application/json")], body, "test"
-    )
+    request = HttpRequest("POST", path, "", [("content-type", "application/json")], body, "test")
     return asyncio.run(app.handle(request)), model.sent
 
 
@@ -722,6 +727,34 @@ def test_openai_embeddings_refuse_a_token_array_the_model_cannot_read(ids, messa
     assert answer.status == 422 and sent == []
     error = json.loads(answer.body)["error"]
     assert (error["message"], error["param"]) == (message, "input")
+
+
+@pytest.mark.parametrize("path", ["/embed", "/embed_all"])
+def test_teis_embed_routes_take_token_ids_as_the_models_input(path):
+    """TEI's `inputs` may be token ids (its `Input::Ids`), one list or a list of them:
+    they were a 400. The ids go to the model as they are, without the default prompt."""
+    details = {"prompts": {"query": "query: "}, "default_prompt_name": "query", "vocabulary": 30}
+    answer, sent = embeddings_of({"inputs": [[2, 9, 10, 3], [2, 5]]}, details, path)
+    assert (answer.status, sent) == (200, [[[2, 9, 10, 3], [2, 5]]]), answer.body
+    answer, sent = embeddings_of({"inputs": [2, 9, 3]}, details, path)
+    assert (answer.status, sent) == (200, [[[2, 9, 3]]]), answer.body
+
+
+@pytest.mark.parametrize("path", ["/embed", "/embed_all"])
+@pytest.mark.parametrize(
+    ("document", "status", "message"),
+    [
+        ({"inputs": [[2, 30]]}, 422, "the token id 30 is not in the model's vocabulary"),
+        ({"inputs": [[2, 9], []]}, 422, 'a token array of "inputs" has no ids'),
+        ({"inputs": [[2, 9], "a"]}, 400, "(one form for all)"),
+        ({"inputs": [2, 9], "prompt_name": "query"}, 400, '"prompt_name" puts a text'),
+    ],
+)
+def test_teis_embed_routes_refuse_token_ids_the_model_cannot_read(path, document, status, message):
+    details = {"prompts": {"query": "query: "}, "vocabulary": 30}
+    answer, sent = embeddings_of(document, details, path)
+    assert (answer.status, sent) == (status, []), answer.body
+    assert message in json.loads(answer.body)["error"]
 
 
 class Scoring(Idle):

@@ -4,6 +4,7 @@ the log and /info show the figures."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -94,6 +95,18 @@ def test_the_verdict_is_kept_per_key(tmp_path):
     assert cached(tmp_path, key) is None  # a damaged file: the trial runs again
 
 
+def test_a_verdict_kept_by_this_very_start_says_so_not_an_earlier_one(tmp_path):
+    """A first start's layout trial loads the model in its timers, which measure the
+    engines and keep the verdict: its workers then said "measured at an earlier start"."""
+    key = {"files": {"config.json": "ab"}, "batch": 8}
+    store(tmp_path, key, Trial({Engine.TORCH: 0.004, Engine.ONNX: 0.003}, 8), start="s1")
+    kept = cached(tmp_path, key, start="s1")
+    assert kept is not None and "measured at this start (cached)" in kept.describe()
+    for later in ("s2", ""):  # another start, or none named
+        kept = cached(tmp_path, key, start=later)
+        assert kept is not None and "measured at an earlier start (cached)" in kept.describe()
+
+
 @pytest.mark.parametrize(
     "seconds",
     [
@@ -163,8 +176,9 @@ def test_the_machine_fingerprint_names_the_cpu():
 
 
 def test_a_second_load_uses_the_cached_verdict(tiny_model, tmp_path, monkeypatch, caplog):
-    """In process: the first load measures both engines, the second loads only the winner
-    the first one found, and says it came from the cache."""
+    """In process: the first load measures both engines, the second (a later start's)
+    loads only the winner the first one found, and says it came from an earlier start's
+    cache; one of the same start (a worker after its layout trial's timer) says so."""
     pytest.importorskip("onnxruntime")
     from rawserve.worker import loading
     from tests.tiny_models import worker_config
@@ -182,12 +196,14 @@ def test_a_second_load_uses_the_cached_verdict(tiny_model, tmp_path, monkeypatch
 
     monkeypatch.setattr(engine_trial, "run_trial", counted)
     with caplog.at_level(logging.INFO, logger="rawserve.worker"):
-        first = loading.load_runner(config, "cpu")
-        second = loading.load_runner(config, "cpu")
+        first = loading.load_runner(dataclasses.replace(config, start="first"), "cpu")
+        second = loading.load_runner(dataclasses.replace(config, start="second"), "cpu")
+        again = loading.load_runner(dataclasses.replace(config, start="first"), "cpu")
     assert len(trials) == 1  # the second start measured nothing
-    assert first.engine is second.engine is trials[0].winner
+    assert first.engine is second.engine is again.engine is trials[0].winner
     assert "measured now" in first.engine_reason and " ms" in first.engine_reason
-    assert "(cached)" in second.engine_reason
+    assert "measured at an earlier start (cached)" in second.engine_reason
+    assert "measured at this start (cached)" in again.engine_reason
     assert any("measured now" in record.getMessage() for record in caplog.records)
     assert list((tmp_path / "onnx").glob("engine-trial-*.json"))
 

@@ -345,10 +345,15 @@ def test_a_task_not_served_is_refused_before_any_worker_starts(tmp_path, task, s
         assert plan_models([f"{folder}:{task}"])[0].facts.task == served
         assert plan_models([str(folder)], task=task)[0].facts.task == served
         return
-    with pytest.raises(ModelNotFound) as caught:
-        plan_models([str(folder)], task=task)
-    assert str(caught.value).startswith(f"model {folder}:{task}: {task!r} is not a task served")
-    assert "feature-extraction, fill-mask, text-classification" in str(caught.value)
+    # the model named as the user typed it: `:TASK`, or --task beside it
+    for models, given, named in (
+        ([f"{folder}:{task}"], None, f"{folder}:{task}"),
+        ([str(folder)], task, f"{folder} (--task {task})"),
+    ):
+        with pytest.raises(ModelNotFound) as caught:
+            plan_models(models, task=given)
+        assert str(caught.value).startswith(f"model {named}: {task!r} is not a task served")
+        assert "feature-extraction, fill-mask, text-classification" in str(caught.value)
 
 
 # --- a Hub cache, offline --------------------------------------------------------------

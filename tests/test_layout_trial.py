@@ -251,6 +251,7 @@ def test_a_first_start_with_no_device_times_the_layout_then_keeps_it(tiny_model,
         assert server.request("GET", "/health")[0] == 200
         status, _, body = server.request("GET", "/ready")
         assert status == 503 and json.loads(body)["status"] == "loading", body
+        assert json.loads(body)["elapsed_seconds"] >= 0, body  # the trial is the load's part
         server.wait_for_log(READY, timeout=300)
         log = "\n".join(server.read_log())
         assert log.index("layout trial took") < log.index("rawserve INFO layout: ")

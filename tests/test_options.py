@@ -102,6 +102,43 @@ SWITCHES = {
 }
 
 
+@pytest.mark.parametrize(
+    "option", [o for o in OPTIONS if o.env != "RAWSERVE_API_KEY"], ids=lambda o: o.env
+)
+@pytest.mark.parametrize("empty", ["", " "])
+def test_an_empty_variable_reads_as_unset(monkeypatch, option, empty):
+    """`RAWSERVE_PORT=` in a compose or unit file, as click reads a variable: an empty
+    number was an error and an empty --host refused, while empty switches and lists
+    read as unset."""
+    clear_environment(monkeypatch)
+    monkeypatch.setenv(option.env, empty)
+    assert parse_config([]) == defaults(monkeypatch)
+
+
+def test_help_never_shows_the_api_key_its_variable_holds(monkeypatch, capsys):
+    """--help showed each variable's value as the option's default, the key's too: output
+    pasted into a ticket or a CI log gave the key away."""
+    clear_environment(monkeypatch)
+    monkeypatch.setenv("RAWSERVE_API_KEY", "s3cret-value")
+    monkeypatch.setenv("RAWSERVE_PORT", "9001")
+    with pytest.raises(SystemExit):
+        parse_config(["--help"])
+    shown = capsys.readouterr().out
+    assert "s3cret-value" not in shown and "RAWSERVE_API_KEY" in shown
+    assert "(default: 9001)" in shown  # another variable's value is still shown
+
+
+def test_an_empty_api_key_variable_is_refused_not_read_as_no_key(monkeypatch, capsys):
+    """Unset, the key is none at all: a secret that expanded to nothing must not open
+    every route."""
+    clear_environment(monkeypatch)
+    monkeypatch.setenv("RAWSERVE_API_KEY", "")
+    with pytest.raises(SystemExit) as exit:
+        parse_config([])
+    assert exit.value.code == 2
+    assert "--api-key must not be empty" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("env", SWITCHES)
 @pytest.mark.parametrize(("value", "on"), [("1", True), ("yes", True), ("0", False), ("", False)])
 def test_the_switches_read_their_variables(monkeypatch, env, value, on):

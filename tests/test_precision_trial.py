@@ -93,6 +93,11 @@ def test_a_kept_finding_reads_back_the_same(tmp_path):
     assert again == Offer(**{**offer.__dict__, "cached": True})
     assert "measured at an earlier start (cached)" in again.describe()
     assert precision_trial.recalled(tmp_path, {**key, "model": "other"}) is None
+    precision_trial.remember(tmp_path, key, offer, start="s1")  # this very start's trial
+    again = precision_trial.recalled(tmp_path, key, start="s1")
+    assert again is not None and "measured at this start (cached)" in again.describe()
+    again = precision_trial.recalled(tmp_path, key, start="s2")
+    assert again is not None and "measured at an earlier start (cached)" in again.describe()
 
 
 @pytest.mark.parametrize(

@@ -170,6 +170,23 @@ def test_why_no_worker_is_ready_and_for_how_long(starting, restarted, expected):
     assert load_state(starting, restarted, now=5.0) == expected
 
 
+def test_a_first_load_counts_from_when_the_model_was_first_worked_on():
+    """A first start's layout trial loads the model before any worker starts: /ready said
+    "loading" without `elapsed_seconds` all through it, then counted from the workers."""
+    clock = Clock()
+    pool = WorkerPool(WorkerConfig(model="unused"), ["cpu"], clock=clock)
+    assert pool.load_state() == (LoadState.LOADING, None)  # nothing begun yet
+    pool.preparing()  # at 0: the trial begins
+    clock.now = 40.0
+    assert pool.load_state() == (LoadState.LOADING, 40.0)
+    [worker] = pool.workers
+    worker.state, worker.started_at = WorkerState.LOADING, 40.0  # the trial is done
+    clock.now = 45.0
+    assert pool.load_state() == (LoadState.LOADING, 45.0)  # one load, trial included
+    pool.last_ready = object()  # type: ignore[assignment] - loaded once: a later load alone
+    assert pool.load_state() == (LoadState.LOADING, 5.0)
+
+
 def test_health_turns_503_once_every_worker_of_a_model_keeps_failing_to_load():
     pool = WorkerPool(WorkerConfig(model="unused"), ["cpu"], max_failed_restarts=2)
     service = ModelService(Scheduler(SchedulerCore(), pool), pool)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -65,7 +65,7 @@ from rawserve.api.tokens import (
     TooManyTokens,
     UnknownTokenId,
 )
-from rawserve.http.errors import InternalError, PayloadTooLarge, UnprocessableInput
+from rawserve.http.errors import BadRequest, InternalError, PayloadTooLarge, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.serving.face import EMBEDDING_ROUTE, ItemResult
 from rawserve.tasks import LOGITS_PARAM
@@ -148,7 +148,7 @@ class TeiRoutes:
         """A pooled sentence vector per input (normalized unless `normalize: false`)."""
         fields = EMBED.read(read_json(request))
         model = self.context.model_for(fields.get("model"), EMBEDDING)
-        texts = self.texts(fields, model)
+        inputs = self.inputs(fields, model)
         params: dict[str, Any] = {
             "normalize": fields.value("normalize"),
             **truncation(fields),
@@ -156,39 +156,45 @@ class TeiRoutes:
         dimensions = fields.value("dimensions")
         if dimensions is not None:
             params["dimensions"] = dimensions
-        results = await model.run(texts, params, self.context.deadline(request), EMBEDDING_ROUTE)
+        results = await model.run(inputs, params, self.context.deadline(request), EMBEDDING_ROUTE)
         return answer([unwrap(result)["embedding"] for result in results], results)
 
     async def embed_all(self, request: HttpRequest) -> HttpResponse:
         """Every token's vector, unpooled, per input."""
         fields = EMBED_ALL.read(read_json(request))
         model = self.context.model_for(fields.get("model"), EMBEDDING)
-        texts = self.texts(fields, model)
+        inputs = self.inputs(fields, model)
         params = {"pooling": "none", "normalize": False, **truncation(fields)}
-        await self.check_embed_all_size(model, texts)
-        results = await model.run(texts, params, self.context.deadline(request))
+        await self.check_embed_all_size(model, inputs)
+        results = await model.run(inputs, params, self.context.deadline(request))
         # the worker answers the pipeline's [1, tokens, hidden] per input
         vectors = [unwrap(result)[0] for result in results]
         # the exact count, for a model whose sizes were not known before the work
         check_answer_size(sum(int(np.size(v)) for v in vectors), self.settings.max_answer_bytes)
         return await built_answer(lambda: vectors, results, vector_entries(vectors))
 
-    async def check_embed_all_size(self, model: ServedModel, texts: list[str]) -> None:
-        """413 before the work when the token vectors of `texts` would make an answer over
-        the bound: counted with the server's tokenizer when the worst case is over it."""
+    async def check_embed_all_size(
+        self, model: ServedModel, inputs: Sequence[str | list[int]]
+    ) -> None:
+        """413 before the work when the token vectors of `inputs` would make an answer over
+        the bound: texts counted with the server's tokenizer when the worst case is over it,
+        token ids as they are."""
         loaded = model.serving.loaded
         dimensions = int(loaded.details.get("dimensions") or 0) if loaded else 0
         limit = input_limit(model)
         largest = self.settings.max_answer_bytes
         if loaded is None or loaded.tokenizer is None or not dimensions:
             return
-        if len(texts) * limit * dimensions * NUMBER_BYTES <= largest:
+        if len(inputs) * limit * dimensions * NUMBER_BYTES <= largest:
             return  # even inputs of the model's whole length fit
-        tokenizer = await self.tokenizer(model)
-        if sum(len(text) for text in texts) <= INLINE_COUNT:
-            counts = tokenizer.count(texts, limit)
-        else:
-            counts = await asyncio.to_thread(tokenizer.count, texts, limit)
+        texts = [one for one in inputs if isinstance(one, str)]
+        counts = [min(len(one), limit) for one in inputs if isinstance(one, list)]
+        if texts:
+            tokenizer = await self.tokenizer(model)
+            if sum(len(text) for text in texts) <= INLINE_COUNT:
+                counts += tokenizer.count(texts, limit)
+            else:
+                counts += await asyncio.to_thread(tokenizer.count, texts, limit)
         check_answer_size(sum(counts) * dimensions, largest)
 
     async def similarity(self, request: HttpRequest) -> HttpResponse:
@@ -196,6 +202,17 @@ class TeiRoutes:
         fields = SIMILARITY.read(read_json(request))
         model = self.context.model_for(fields.get("model"), EMBEDDING)
         return await sentence_similarity(self.context, model, fields, request)
+
+    def inputs(self, fields: Fields, model: ServedModel) -> list[str | list[int]]:
+        """The inputs of /embed and /embed_all: texts with their prompt, as `texts` gives
+        them, or token ids as they are (a prompt is text: `prompt_name` is refused with them)."""
+        inputs = fields.value("inputs", self.within(model))
+        texts = [one for one in inputs if isinstance(one, str)]
+        if len(texts) == len(inputs):
+            return [*prompted(model, texts, fields.value("prompt_name"))]
+        if fields.value("prompt_name") is not None:
+            raise BadRequest('"prompt_name" puts a text before texts: send token ids without it')
+        return inputs
 
     def texts(self, fields: Fields, model: ServedModel) -> list[str]:
         """The texts of `inputs` (one or a list), with the named prompt (or the model's

@@ -1,6 +1,6 @@
 """The bodies of TEI's routes, each declared once (`fields.Body`): what `/openapi.json` says
 of a field and how the handler reads it come from the same `Field`. Also the readers of
-TEI's input forms: texts, a text or a pair, token ids.
+TEI's input forms: texts, texts or token ids, a text or a pair, token ids.
 
 TEI's routes ignore fields they do not use (TEI's clients send some that only some
 servers read). Blank text is 422, as on every route. Server process; plain Python.
@@ -23,6 +23,7 @@ from rawserve.api.fields import (
     unicode_text,
     whole,
 )
+from rawserve.api.openai_generation import prompt_schema, read_prompts, refuse_unknown_ids
 from rawserve.api.routing import DocContext, Schema
 from rawserve.http.errors import BadRequest, EmptyInput, UnprocessableInput
 from rawserve.tasks.checks import BlankInput, not_blank
@@ -62,6 +63,20 @@ def text_inputs(value: Any, max_inputs: int) -> list[str]:
         raise BadRequest('"inputs" must be a text or a non-empty list of texts')
     check_client_batch(len(texts), max_inputs)
     return [checked_text(text, '"inputs"') for text in texts]
+
+
+def read_embed_inputs(name: str, value: Any, context: DocContext | None) -> list[str | list[int]]:
+    """`inputs` of /embed and /embed_all: texts, or TEI's token ids (one list of the model's
+    ids, or a non-empty list of such lists; one form for all, as on /v1/embeddings), read
+    as they are: 422 for a list of no ids or an id past the model's vocabulary."""
+    if not isinstance(value, list) or all(isinstance(item, str) for item in value):
+        return [*text_inputs(value, max_inputs(context))]
+    inputs = read_prompts(name, value, context)
+    if [] in inputs:
+        raise UnprocessableInput(f'a token array of "{name}" has no ids')
+    assert context is not None
+    refuse_unknown_ids(inputs, details(context).get("vocabulary"), name)
+    return inputs
 
 
 def predict_inputs(value: Any) -> tuple[list[Any], bool]:
@@ -237,6 +252,7 @@ def documented_dimensions(context: DocContext) -> int:
 # --- the bodies ------------------------------------------------------------------------
 
 INPUTS = Field(texts_schema, read_texts, reads_null=True, required=True)
+EMBED_INPUTS = Field(prompt_schema, read_embed_inputs, reads_null=True, required=True)
 PROMPT_NAME = Field(
     prompt_name_schema,
     read_string,
@@ -249,7 +265,7 @@ TRUNCATION = {
 }
 EMBED = Body(
     {
-        "inputs": INPUTS,
+        "inputs": EMBED_INPUTS,
         "normalize": flag(True),
         "prompt_name": PROMPT_NAME,
         "dimensions": whole(1, MAX_DIMENSIONS, documented_dimensions),
@@ -257,7 +273,9 @@ EMBED = Body(
     },
     ignore_unknown=True,
 )
-EMBED_ALL = Body({"inputs": INPUTS, "prompt_name": PROMPT_NAME, **TRUNCATION}, ignore_unknown=True)
+EMBED_ALL = Body(
+    {"inputs": EMBED_INPUTS, "prompt_name": PROMPT_NAME, **TRUNCATION}, ignore_unknown=True
+)
 PREDICT = Body(
     {
         "inputs": Field(predict_schema, read_predict_inputs, reads_null=True, required=True),

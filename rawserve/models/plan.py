@@ -106,14 +106,27 @@ def _plans(
         names = (DEFAULT_MODEL_NAME, PACKAGED_REPO_ID)
         plans = [ModelPlan(names, PACKAGED_REPO_ID, str(folder), None, facts, None, task)]
     else:
-        specs = [spec.with_defaults(task=task, revision=revision) for spec in specs]
-        plans = [_plan(spec, onnx_graphs) for spec in specs]
+        plans = [
+            _plan(
+                spec.with_defaults(task=task, revision=revision), as_named(spec, task), onnx_graphs
+            )
+            for spec in specs
+        ]
     return _unique_names(plans)
 
 
-def _plan(spec: ModelSpec, onnx_graphs: bool = False) -> ModelPlan:
+def as_named(spec: ModelSpec, task: str | None) -> str:
+    """A model as the command line named it, for its errors: its --model text, and the
+    --task it takes where that names none of its own (never a `:TASK` the user did not
+    type)."""
+    return f"{spec} (--task {task})" if task and not spec.task else str(spec)
+
+
+def _plan(spec: ModelSpec, named: str, onnx_graphs: bool = False) -> ModelPlan:
+    """`spec` with --task and --revision applied (`named`: as the command line named it;
+    `onnx_graphs`: fetch the repo's own ONNX graph where the engine may read it)."""
     resolved = resolve_model(spec)
-    facts = _facts(resolved.folder, spec.task, str(spec))
+    facts = _facts(resolved.folder, spec.task, named)
     if onnx_graphs and onnx_unfit(facts.task) is None:  # only where the engine may read it
         fetch_shipped_graph(resolved)
     return ModelPlan(

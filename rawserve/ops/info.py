@@ -7,17 +7,12 @@ never imports torch or transformers.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
+
+from rawserve.shared import installed
 
 VERSIONED = ("rawserve", "transformers", "torch", "onnxruntime", "h11", "prometheus_client")
 
 
 @functools.cache
 def versions() -> dict[str, str | None]:
-    found: dict[str, str | None] = {}
-    for name in VERSIONED:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = None
-    return found
+    return {name: installed.version(name) for name in VERSIONED}

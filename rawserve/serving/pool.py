@@ -144,6 +144,7 @@ class WorkerPool(PoolReports):
         self.metrics = metrics
         self.streams = TokenStreams()  # streamed generations and who takes their tokens
         self.last_ready: WorkerReady | None = None  # what a worker last said of the model
+        self.preparing_since: float | None = None  # see `preparing`
 
     def _place(self, config: WorkerConfig, devices: Sequence[str]) -> None:
         """A worker handle a device, each with its supervisor's record."""
@@ -164,6 +165,11 @@ class WorkerPool(PoolReports):
         settled by its trial while the server already listens)."""
         assert self._first_load is None, "relayout() before start()"
         self._place(config, devices)
+
+    def preparing(self) -> None:
+        """The model's first load begins now, before its workers start (a first start's
+        layout trial loads and times it first): /ready counts the load's seconds from here."""
+        self.preparing_since = self.clock()
 
     # --- what the scheduler and the serving face use ---------------------------------------
 

@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 
 from rawserve.serving.handles import WorkerHandle
-from rawserve.serving.status import LoadState, WorkerStatus
+from rawserve.serving.status import LoadState, WorkerState, WorkerStatus
 from rawserve.serving.supervision import PoisonMemory, Supervisor, load_state
 from rawserve.shared.messages import Engine, ModelLimits, WorkerReady
 
@@ -20,6 +20,9 @@ class PoolReports:
     supervisor: Supervisor
     clock: Callable[[], float]
     last_ready: WorkerReady | None  # what a worker last said of the model when it loaded
+    # when the first load began, where that was before any worker started (a first start's
+    # layout trial loads the model to time it): /ready counts the load from then
+    preparing_since: float | None
 
     @property
     def ready(self) -> bool:
@@ -29,6 +32,9 @@ class PoolReports:
         """While no worker is ready: loading, restarting or unhealthy, and for how many
         seconds the longest load has run (None when no worker is loading right now)."""
         starting = [(w.state, w.started_at) for w in self.workers if w.state.starting]
+        since = self.preparing_since
+        if since is not None and self.last_ready is None:  # the first load, trial included
+            starting = [(s, min(at, since)) for s, at in starting] or [(WorkerState.LOADING, since)]
         supervisor = self.supervisor
         return load_state(starting, supervisor.restarted, self.clock(), supervisor.healthy)
 

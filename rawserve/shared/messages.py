@@ -52,6 +52,9 @@ class WorkerConfig:
     # on a GPU: forward passes and decoding steps replayed from CUDA graphs (rawserve.worker
     # .cuda_graphs, decode_graphs, prefill_graphs)
     cuda_graphs: bool = False
+    # this server start's id: a trial verdict kept under it was measured at this very
+    # start (by its layout trial's timers, which load the model first), not an earlier one
+    start: str = ""
 
 
 @dataclass(frozen=True)

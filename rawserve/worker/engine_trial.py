@@ -17,7 +17,6 @@ clock and candidates are injected (tests fake both).
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import logging
 import math
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rawserve.shared import installed
 from rawserve.shared.devices import cpu_cores
 from rawserve.shared.messages import Engine
 
@@ -52,6 +52,7 @@ class Trial:
     seconds: Mapping[Engine, float]
     batch: int
     cached: bool = False
+    this_start: bool = False  # cached by this very start (its layout trial's timers)
 
     @property
     def winner(self) -> Engine:
@@ -63,8 +64,19 @@ class Trial:
             f"{engine.value} {seconds * 1000:.1f} ms"
             for engine, seconds in sorted(self.seconds.items(), key=lambda pair: pair[1])
         )
-        source = "measured at an earlier start (cached)" if self.cached else "measured now"
+        source = verdict_source(self.cached, self.this_start)
         return f"auto: the faster here, {source}: a batch of {self.batch} took {figures}"
+
+
+def verdict_source(cached: bool, this_start: bool) -> str:
+    """How a trial's verdict was had, for its line: measured by this worker now, kept by
+    this very start (its layout trial's timers load the model first and keep what they
+    measure; a worker restarted finds its sibling's), or kept by an earlier start."""
+    if not cached:
+        return "measured now"
+    if this_start:
+        return "measured at this start (cached)"
+    return "measured at an earlier start (cached)"
 
 
 def run_trial(
@@ -102,10 +114,8 @@ def timed(
 
 
 def installed_version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "none"
+    """`name`'s version, whichever distribution provides it ("none": not installed)."""
+    return installed.version(name) or "none"
 
 
 def cpu_facts() -> dict[str, str]:
@@ -191,22 +201,25 @@ def positive(value: Any) -> float:
     return number
 
 
-def cached(cache_dir: Path, key: Mapping[str, Any]) -> Trial | None:
-    """The verdict of an earlier trial with this key; None if there is none (or it cannot
-    be read, or names no engine that runs: then the trial runs again)."""
+def cached(cache_dir: Path, key: Mapping[str, Any], start: str = "") -> Trial | None:
+    """The verdict of an earlier trial with this key (`start`: this server start's id, to
+    tell one kept by this start); None if there is none (or it cannot be read, or names no
+    engine that runs: then the trial runs again)."""
     stored = recalled(cache_dir, CACHE_PREFIX, key)
     try:
         seconds = {Engine(name): positive(value) for name, value in stored["seconds"].items()}
         if not seconds or Engine.AUTO in seconds:
             return None
-        return Trial(seconds, int(stored["batch"]), cached=True)
+        this_start = bool(start) and stored.get("start") == start
+        return Trial(seconds, int(stored["batch"]), cached=True, this_start=this_start)
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def store(cache_dir: Path, key: Mapping[str, Any], trial: Trial) -> None:
-    """Keep the verdict for the next start."""
+def store(cache_dir: Path, key: Mapping[str, Any], trial: Trial, start: str = "") -> None:
+    """Keep the verdict for the next start (`start`: this server start's id)."""
     document = {
+        "start": start,
         "batch": trial.batch,
         "seconds": {engine.value: seconds for engine, seconds in trial.seconds.items()},
         "winner": trial.winner.value,

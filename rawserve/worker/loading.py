@@ -135,7 +135,7 @@ def measured_engine(config: WorkerConfig, task: str, device: str) -> tuple[Engin
     size = config.warmup_batch or engine_trial.TRIAL_BATCH
     cache_dir = engine_trial.default_cache_dir()
     key = trial_key(config, task, size)
-    trial = engine_trial.cached(cache_dir, key)
+    trial = engine_trial.cached(cache_dir, key, config.start)
     if trial is not None and trial.winner is Engine.TORCH:
         return Engine.TORCH, trial.describe(), build_runner(config, task, device, None)
     try:
@@ -162,7 +162,7 @@ def measured_engine(config: WorkerConfig, task: str, device: str) -> tuple[Engin
     except Exception:  # noqa: BLE001 - a failed trial is logged; ONNX Runtime serves
         log.warning("the engine trial failed", exc_info=True)
         return Engine.ONNX, "auto: the engine trial failed", onnx_runner
-    engine_trial.store(cache_dir, key, trial)
+    engine_trial.store(cache_dir, key, trial, config.start)
     winner = runners.pop(trial.winner)
     runners.clear()
     del torch_runner, onnx_runner
@@ -187,12 +187,12 @@ def bfloat16_trial(config: WorkerConfig, task: str, device: str, runner: Runner)
     size = config.warmup_batch or engine_trial.TRIAL_BATCH
     cache_dir = engine_trial.default_cache_dir()
     key = {**trial_key(config, task, size), "serving": runner.engine.value}  # torch's version in it
-    offer = precision_trial.recalled(cache_dir, key)
+    offer = precision_trial.recalled(cache_dir, key, config.start)
     if offer is None:
         offer = measured_bfloat16(config, task, device, runner, size, units)
         gc.collect()  # the bfloat16 copy's weights go now
         if offer is not None:
-            precision_trial.remember(cache_dir, key, offer)
+            precision_trial.remember(cache_dir, key, offer, config.start)
     return offer.describe() if offer is not None else ""
 
 

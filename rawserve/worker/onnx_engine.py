@@ -33,6 +33,7 @@ import fcntl
 import glob
 import hashlib
 import importlib.metadata
+import importlib.util
 import io
 import json
 import logging
@@ -108,11 +109,9 @@ ONNX_TASKS = frozenset(HEADS)
 
 
 def onnxruntime_installed() -> bool:
-    try:
-        importlib.metadata.version("onnxruntime")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+    """Whether `onnxruntime` can be imported: from the `onnx` extra's onnxruntime, or from
+    onnxruntime-gpu, -openvino and the others that provide the same module."""
+    return importlib.util.find_spec("onnxruntime") is not None
 
 
 def _version(name: str) -> str:

@@ -59,6 +59,7 @@ class Offer:
     bfloat16_seconds: float
     drift: Drift
     cached: bool = False
+    this_start: bool = False  # cached by this very start (its layout trial's timers)
 
     @property
     def speedup(self) -> float:
@@ -66,7 +67,7 @@ class Offer:
 
     def describe(self) -> str:
         """One line for the log and /info's bfloat16_trial."""
-        source = "measured at an earlier start (cached)" if self.cached else "measured now"
+        source = engine_trial.verdict_source(self.cached, self.this_start)
         timing = (
             f"bfloat16 on this CPU's {self.units}, {source}: a batch of {self.batch} took "
             f"{self.bfloat16_seconds * 1000:.1f} ms against float32's "
@@ -153,8 +154,9 @@ def leaves(answer: Any) -> Iterator[Any]:
         yield answer
 
 
-def recalled(cache_dir: Path, key: Mapping[str, Any]) -> Offer | None:
-    """What an earlier start measured under this key; None if nothing (readable)."""
+def recalled(cache_dir: Path, key: Mapping[str, Any], start: str = "") -> Offer | None:
+    """What was measured under this key (`start`: this server start's id, to tell one kept
+    by this start); None if nothing (readable)."""
     stored = engine_trial.recalled(cache_dir, CACHE_PREFIX, key)
     try:
         return Offer(
@@ -164,6 +166,7 @@ def recalled(cache_dir: Path, key: Mapping[str, Any]) -> Offer | None:
             bfloat16_seconds=engine_trial.positive(stored["bfloat16_seconds"]),
             drift=kept_drift(stored["drift"]),
             cached=True,
+            this_start=bool(start) and stored.get("start") == start,
         )
     except (KeyError, TypeError, ValueError):
         return None
@@ -178,7 +181,9 @@ def kept_drift(stored: Mapping[str, Any]) -> Drift:
     return Drift(float(largest), float(cosine), bool(stored["same_labels"]))
 
 
-def remember(cache_dir: Path, key: Mapping[str, Any], offer: Offer) -> None:
+def remember(cache_dir: Path, key: Mapping[str, Any], offer: Offer, start: str = "") -> None:
+    """Keep a measurement for the next start (`start`: this server start's id)."""
     found = asdict(offer)
     found.pop("cached")
-    engine_trial.remember(cache_dir, CACHE_PREFIX, key, found)
+    found.pop("this_start")
+    engine_trial.remember(cache_dir, CACHE_PREFIX, key, {**found, "start": start})
