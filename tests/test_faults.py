@@ -403,7 +403,11 @@ def test_out_of_memory_is_split_and_the_lower_cap_shows_in_info(faulty_server):
 
 @pytest.mark.slow
 def test_kill_9_under_load_every_request_is_answered_once(faulty_server):
+    """Requests admitted before the kill wait for the restart and are answered once; one
+    that arrives while no worker serves is refused at once, 503 "restarting", and the
+    client comes back, as a client told to retry does."""
     texts = [f"load-{i}" for i in range(48)]
+    refused_while_down: list[dict] = []
 
     async def scenario():
         client = Client(faulty_server.port)
@@ -414,6 +418,10 @@ def test_kill_9_under_load_every_request_is_answered_once(faulty_server):
         async def one(text):
             async with gate:
                 result = await post(client, text, sleep=0.05)
+                while result[0] == 503 and "restarting" in result[1].get("error", ""):
+                    refused_while_down.append(result[1])
+                    await asyncio.sleep(0.1)
+                    result = await post(client, text, sleep=0.05)
             answered.append(result)
             if len(answered) >= 5:
                 some_answered.set()
@@ -433,6 +441,7 @@ def test_kill_9_under_load_every_request_is_answered_once(faulty_server):
     assert ready_while_down == 503
     refused = [(status, body) for status, body in answers if status != 200]
     assert not refused, refused[:3]  # (their bodies say why)
+    assert all(body["error_type"] == "unavailable" for body in refused_while_down)
     assert [answer["input"] for _, answer in answers] == texts  # each its own answer, once
     assert {answer["pid"] for _, answer in answers} - {killed}  # served again after the kill
     assert faulty_server.request("GET", "/ready")[0] == 200
