@@ -1873,3 +1873,17 @@ def test_formats_a_grammar_does_not_know_are_annotations_those_it_knows_are_held
     beside = {"properties": {"a": {"format": "binary"}, "b": {"not": {"const": 1}}}}
     with pytest.raises(ValueError, match="Unknown format: binary"):
         grammars.matcher({"type": "json", "value": beside})
+
+
+def test_a_model_whose_config_names_no_positions_takes_at_most_the_unknown_ceiling(
+    runner, monkeypatch
+):
+    """Its positions were taken as a million: 999,999 new tokens were its limit, which the
+    server then allowed. Unknown, they are the server's ceiling to bound, and the worker
+    refuses past it too."""
+    from rawserve.tasks.rules import UNKNOWN_POSITIONS_NEW_TOKENS
+
+    monkeypatch.setattr(runner, "declared_positions", None)
+    assert runner.limits.max_new_tokens is None
+    with pytest.raises(ValueError, match=f"generates at most {UNKNOWN_POSITIONS_NEW_TOKENS}"):
+        runner.run(["hi"], {"max_new_tokens": UNKNOWN_POSITIONS_NEW_TOKENS + 1})

@@ -17,7 +17,7 @@ from typing import Any
 
 from rawserve.shared.token_columns import listed, token_count
 from rawserve.tasks.checks import boolean, checker, float_range, ignored, int_range, text
-from rawserve.tasks.rules import Task
+from rawserve.tasks.rules import MAX_NEW_TOKENS, Task
 
 # Set by the server's OpenAI chat route, never by a client: each input is a chat
 # (`{"messages": [...]}`) that the worker renders with the model's chat template.
@@ -172,7 +172,7 @@ TASK = Task(
     "text-generation",
     text,
     {
-        "max_new_tokens": int_range(1, 4096),
+        "max_new_tokens": int_range(1, MAX_NEW_TOKENS),  # the positions bound it further
         "do_sample": boolean,
         "temperature": float_range(0.0, 100.0),
         "top_p": float_range(0.0, 1.0),
