@@ -1176,3 +1176,23 @@ def test_new_tokens_log_probabilities_past_the_answer_bound_are_413_before_the_m
     assert message.startswith("the answer would be larger than 32 MiB")
     assert f'ask for fewer new tokens ("{field}")' in message
     assert generated(path, body(10_000), 131_072)[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "document", "listed"),
+    [
+        ("/v1/chat/completions", {"messages": HI}, False),
+        ("/v1/chat/completions", {"messages": HI, "logprobs": True}, True),
+        ("/v1/completions", {"prompt": "hi", "echo": True}, False),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 0}, True),
+        ("/v1/responses", {"input": "hi"}, False),
+    ],
+)
+def test_the_openai_routes_ask_the_worker_for_token_counts_only_without_logprobs(
+    path, document, listed
+):
+    from rawserve.tasks.text_generation import TOKEN_COUNTS_ONLY
+
+    status, answer, [params] = generated(path, document, 8192)
+    assert status == 200, answer
+    assert params["details"] and params.get(TOKEN_COUNTS_ONLY, False) is not listed

@@ -73,6 +73,7 @@ from rawserve.tasks.text_generation import (
     MAX_STOP_SEQUENCES,
     MAX_TOP_N_TOKENS,
     PROMPT_TOP_N,
+    TOKEN_COUNTS_ONLY,
 )
 
 # chat_template_kwargs (vLLM's): the template's own settings, never the names that
@@ -153,7 +154,12 @@ def generation_params(
 ) -> GenerationRequest:
     """The parameters both routes share."""
     fields.value("user")
-    params: dict[str, Any] = {"return_full_text": False, "details": True, API_SAMPLING: True}
+    params: dict[str, Any] = {
+        "return_full_text": False,
+        "details": True,  # (usage and the finish reason)
+        TOKEN_COUNTS_ONLY: True,  # unless log probabilities are asked (`with_logprobs`)
+        API_SAMPLING: True,
+    }
     max_tokens = fields.value(max_tokens_field)
     if max_tokens is None and max_tokens_field != "max_tokens":
         max_tokens = fields.value("max_tokens")
@@ -481,6 +487,7 @@ def with_logprobs(request: GenerationRequest, alternatives: int) -> GenerationRe
     """The request with its tokens' log probabilities asked for, and `alternatives` of
     the likeliest tokens beside each (the worker's `top_n_tokens`)."""
     params = dict(request.params)
+    del params[TOKEN_COUNTS_ONLY]
     if alternatives:
         params["top_n_tokens"] = alternatives
     return replace(request, params=params, logprobs=alternatives)

@@ -29,6 +29,10 @@ PROMPT_TOP_N = "prompt_top_n"
 # default temperature (1) where the request and the model's generation config set none,
 # not at the text-generation pipeline's (0.7), which `POST /` keeps.
 API_SAMPLING = "api_sampling"
+# Set by the server's OpenAI routes, never by a client, where no log probabilities are
+# asked: the details hold the counts and the finish reason, not each token (a list that
+# grows with the tokens asked, up to the model's positions, and that nothing would read).
+TOKEN_COUNTS_ONLY = "token_counts_only"
 # Where a reasoning model's thinking ends in an answer. The chat templates of reasoning
 # models (Qwen3's, DeepSeek-R1's, QwQ's) keep only what follows it in earlier answers.
 REASONING_END = "</think>"

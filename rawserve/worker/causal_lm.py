@@ -27,6 +27,7 @@ from rawserve.tasks.text_generation import (
     API_SAMPLING,
     PROMPT_TOP_N,
     REASONING_END,
+    TOKEN_COUNTS_ONLY,
     returns_full_text,
 )
 from rawserve.worker.continuous import Generation, cache_keyword, cache_of, end_ids
@@ -102,8 +103,10 @@ def stops_after(params: dict[str, Any]) -> int:
 
 def lists_tokens(params: dict[str, Any], control: Control) -> bool:
     """Whether a whole answer's details list its tokens, as TGI's do (a stream sends
-    them one by one)."""
-    return control.stream_id is None and bool(params.get("details"))
+    them one by one; the OpenAI routes ask for the counts alone where no log
+    probabilities are asked)."""
+    wanted = bool(params.get("details")) and not params.get(TOKEN_COUNTS_ONLY)
+    return control.stream_id is None and wanted
 
 
 def scores_prompt(params: dict[str, Any]) -> bool:
@@ -369,7 +372,7 @@ class CausalLMRunner(Runner):
             configured = getattr(config, name, None)
             return GENERATE_DEFAULTS.get(name) if configured is None else configured
 
-        wants_logprobs = control.stream_id is not None or bool(params.get("details"))
+        wants_logprobs = control.stream_id is not None or lists_tokens(params, control)
         asked = setting("max_new_tokens")  # 0: the prompt scored, nothing generated
         return Generation(
             key,
