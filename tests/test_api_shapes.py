@@ -1196,3 +1196,15 @@ def test_the_openai_routes_ask_the_worker_for_token_counts_only_without_logprobs
     status, answer, [params] = generated(path, document, 8192)
     assert status == 200, answer
     assert params["details"] and params.get(TOKEN_COUNTS_ONLY, False) is not listed
+
+
+def test_min_tokens_past_the_positions_is_refused_naming_it():
+    """No answer of the model can reach it: refused as `max_tokens` is, not left to end
+    at the positions short of what it promised."""
+    document = {"messages": HI, "min_tokens": 9000}
+    status, answer, sent = generated("/v1/chat/completions", document, 8192)
+    assert (status, sent) == (400, [])
+    assert answer["error"]["param"] == "min_tokens"
+    assert answer["error"]["message"] == (
+        '"min_tokens" is 9000, and this model generates at most 8191 tokens'
+    )
