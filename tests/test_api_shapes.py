@@ -53,8 +53,9 @@ from rawserve.http.exchange import HttpRequest
 from rawserve.serving.face import ItemResult
 from rawserve.serving.service import ModelService
 from rawserve.serving.status import LoadState
-from rawserve.shared.messages import TokenChunk, WorkerReady
+from rawserve.shared.messages import ModelLimits, TokenChunk, WorkerReady
 from rawserve.tasks import TASKS
+from rawserve.tasks.rules import UNKNOWN_POSITIONS_NEW_TOKENS
 
 # --- stop sequences, streamed ------------------------------------------------------------
 
@@ -248,9 +249,20 @@ def test_a_prefill_is_asked_as_vllm_asks_it():
 class Loaded:
     """A model's workers as the app reads them, loaded."""
 
-    def __init__(self, task: str, details: dict, tokenizer: str | None):
+    def __init__(
+        self, task: str, details: dict, tokenizer: str | None, limits: ModelLimits | None = None
+    ):
         self.task, self.ready, self.healthy = task, True, True
-        self.loaded = WorkerReady(1, task, "cpu", "float32", 0.1, details, tokenizer=tokenizer)
+        self.loaded = WorkerReady(
+            1,
+            task,
+            "cpu",
+            "float32",
+            0.1,
+            details,
+            tokenizer=tokenizer,
+            limits=limits or ModelLimits(),
+        )
 
     def load_state(self):
         return LoadState.LOADING, None
@@ -1083,3 +1095,149 @@ def test_a_token_id_is_checked_against_the_vocabulary_up_to_its_last_id():
         ) as refused:
             check_token_ids(GenerationRequest(items, {"logit_bias": bias}), 10)
         assert refused.value.param == param
+
+
+# --- new tokens past 4,096, within a model's positions ------------------------------------
+
+
+class Generating(Idle):
+    """A text-generation model that answers one token, keeping the parameters it was sent."""
+
+    def __init__(self):
+        self.sent: list[dict] = []
+
+    async def run(self, inputs, params, deadline, control=None):
+        self.sent.append(dict(params))
+        details = {"finish_reason": "length", "generated_tokens": 1, "prompt_tokens": 1}
+        output = [{"generated_text": " a", "details": details}]
+        return [ItemResult(output, 0.0, 1, 0.0) for _ in inputs]
+
+
+def generated(path, document, positions):
+    """(status, body, the parameters the model was sent) of `document` posted to `path` of
+    a text-generation model of `positions` positions (None: unknown, as a handler's)."""
+    model = Generating()
+    details = {"chat_template": True, "max_input_length": positions or 0}
+    limits = ModelLimits(max_new_tokens=positions - 1 if positions else None)
+    served = ServedModel("m", ModelService(model, Loaded("text-generation", details, None, limits)))
+    app = App(ServedModels([served]), AppSettings())
+    body = json.dumps(document).encode()
+    request = HttpRequest("POST", path, "", [("content-type", "application/json")], body, "test")
+    answer = asyncio.run(app.handle(request))
+    return answer.status, json.loads(answer.body), model.sent
+
+
+def route_id(value):
+    return value if isinstance(value, str) else ""
+
+
+HI = [{"role": "user", "content": "hi"}]
+NEW_TOKENS = [  # (path, a body asking for `n` new tokens, the field that asks them)
+    ("/v1/completions", lambda n: {"prompt": "hi", "max_tokens": n}, "max_tokens"),
+    ("/v1/chat/completions", lambda n: {"messages": HI, "max_tokens": n}, "max_tokens"),
+    (
+        "/v1/chat/completions",
+        lambda n: {"messages": HI, "max_completion_tokens": n},
+        "max_completion_tokens",
+    ),
+    ("/v1/responses", lambda n: {"input": "hi", "max_output_tokens": n}, "max_output_tokens"),
+    ("/generate", lambda n: {"inputs": "hi", "parameters": {"max_new_tokens": n}}, None),
+    ("/", lambda n: {"inputs": "hi", "parameters": {"max_new_tokens": n}}, None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "field"), NEW_TOKENS, ids=route_id)
+def test_new_tokens_past_4096_are_taken_where_the_model_s_positions_hold_them(path, body, field):
+    """A model of 8,192 positions was refused `max_tokens` 5,000 (400: at most 4,096) on
+    every route, where vLLM and TGI take up to the context length; past its positions it
+    is still a 400 naming the field."""
+    status, answer, sent = generated(path, body(5000), 8192)
+    assert status == 200, answer
+    assert [params["max_new_tokens"] for params in sent] == [5000]
+    status, answer, sent = generated(path, body(8192), 8192)
+    assert status == (400 if field else 422) and sent == []  # 422: where TGI's types apply
+    error = answer["error"]  # OpenAI's object, or TGI's text
+    message = error["message"] if isinstance(error, dict) else error
+    assert "is 8192, and this model generates at most 8191 tokens" in message
+    if field is not None:
+        assert (answer["error"]["param"], f'"{field}" is 8192') == (
+            field,
+            message[: len(field) + 10],
+        )
+
+
+@pytest.mark.parametrize(("path", "body", "field"), NEW_TOKENS, ids=route_id)
+def test_where_the_positions_are_unknown_new_tokens_stop_at_4096(path, body, field):
+    assert generated(path, body(UNKNOWN_POSITIONS_NEW_TOKENS), None)[0] == 200
+    status, answer, sent = generated(path, body(UNKNOWN_POSITIONS_NEW_TOKENS + 1), None)
+    assert (status, sent) == (400 if field else 422, [])
+
+
+TOP_TEN = {"details": True, "top_n_tokens": 10}
+LISTED = [  # (path, a body listing the log probabilities of `n` new tokens, the field)
+    ("/v1/completions", lambda n: {"prompt": "hi", "max_tokens": n, "logprobs": 20}, "max_tokens"),
+    (
+        "/v1/chat/completions",
+        lambda n: {"messages": HI, "max_tokens": n, "logprobs": True, "top_logprobs": 20},
+        "max_tokens",
+    ),
+    (
+        "/generate",
+        lambda n: {"inputs": "hi", "parameters": {"max_new_tokens": n, **TOP_TEN}},
+        "max_new_tokens",
+    ),
+    (
+        "/",
+        lambda n: {"inputs": "hi", "parameters": {"max_new_tokens": n, **TOP_TEN}},
+        "max_new_tokens",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "field"), LISTED, ids=route_id)
+def test_new_tokens_log_probabilities_past_the_answer_bound_are_413_before_the_model_runs(
+    path, body, field
+):
+    """A model of 131,072 positions takes `max_tokens` 100,000; each of those tokens
+    listed with 20 alternatives would make an answer of 40 to 130 MB (with `n` and
+    several prompts, gigabytes): counted as the echo's are, it is refused before it
+    queues. The same request asking for 10,000 runs."""
+    status, answer, sent = generated(path, body(100_000), 131_072)
+    assert (status, sent) == (413, [])
+    error = answer["error"]
+    message = error["message"] if isinstance(error, dict) else error
+    assert message.startswith("the answer would be larger than 32 MiB")
+    assert f'ask for fewer new tokens ("{field}")' in message
+    assert generated(path, body(10_000), 131_072)[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "document", "listed"),
+    [
+        ("/v1/chat/completions", {"messages": HI}, False),
+        ("/v1/chat/completions", {"messages": HI, "logprobs": True}, True),
+        ("/v1/completions", {"prompt": "hi", "echo": True}, False),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 0}, True),
+        ("/v1/responses", {"input": "hi"}, False),
+    ],
+)
+def test_the_openai_routes_ask_the_worker_for_token_counts_only_without_logprobs(
+    path, document, listed
+):
+    from rawserve.tasks.text_generation import TOKEN_COUNTS_ONLY
+
+    status, answer, [params] = generated(path, document, 8192)
+    assert status == 200, answer
+    assert params["details"] and params.get(TOKEN_COUNTS_ONLY, False) is not listed
+
+
+def test_min_tokens_past_the_positions_is_refused_naming_it():
+    """No answer of the model can reach it: refused as `max_tokens` is, not left to end
+    at the positions short of what it promised."""
+    document = {"messages": HI, "min_tokens": 9000}
+    status, answer, sent = generated("/v1/chat/completions", document, 8192)
+    assert (status, sent) == (400, [])
+    assert answer["error"]["param"] == "min_tokens"
+    assert answer["error"]["message"] == (
+        '"min_tokens" is 9000, and this model generates at most 8191 tokens'
+    )

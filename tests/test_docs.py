@@ -25,6 +25,7 @@ from rawserve.options import (
 )
 from rawserve.serving.core import SchedulerCore
 from rawserve.serving.status import WorkerState, WorkerStatus
+from rawserve.tasks.rules import UNKNOWN_POSITIONS_NEW_TOKENS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -170,11 +171,12 @@ def test_every_file_make_target_and_module_the_docs_name_exists(doc):
 
 
 def test_the_limits_table_gives_the_cap_on_new_tokens():
-    """max_tokens past 4,096 is refused whatever the model's positions: a reader of the
-    table, which named only the positions, expected a 32k-position model to take 8,192."""
+    """The new tokens a request may ask: the model's positions, the ceiling where they
+    are unknown, and the bound whatever they are, as the checks have them."""
     readme = text(ROOT / "README.md")
     [row] = re.findall(r"^\| generation length \|.*$", readme, re.MULTILINE)
     assert f"at most {MAX_NEW_TOKENS:,}" in row
+    assert f"T5's relative positions: {UNKNOWN_POSITIONS_NEW_TOKENS:,})" in row
 
 
 def test_every_environment_variable_rawserve_reads_is_named_in_the_docs():

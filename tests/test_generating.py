@@ -1873,3 +1873,38 @@ def test_formats_a_grammar_does_not_know_are_annotations_those_it_knows_are_held
     beside = {"properties": {"a": {"format": "binary"}, "b": {"not": {"const": 1}}}}
     with pytest.raises(ValueError, match="Unknown format: binary"):
         grammars.matcher({"type": "json", "value": beside})
+
+
+def test_a_model_whose_config_names_no_positions_takes_at_most_the_unknown_ceiling(
+    runner, monkeypatch
+):
+    """Its positions were taken as a million: 999,999 new tokens were its limit, which the
+    server then allowed. Unknown, they are the server's ceiling to bound, and the worker
+    refuses past it too."""
+    from rawserve.tasks.rules import UNKNOWN_POSITIONS_NEW_TOKENS
+
+    monkeypatch.setattr(runner, "declared_positions", None)
+    assert runner.limits.max_new_tokens is None
+    with pytest.raises(ValueError, match=f"generates at most {UNKNOWN_POSITIONS_NEW_TOKENS}"):
+        runner.run(["hi"], {"max_new_tokens": UNKNOWN_POSITIONS_NEW_TOKENS + 1})
+
+
+def test_details_of_counts_only_list_no_tokens_on_either_path(runner):
+    """An OpenAI answer asking no log probabilities had every new token listed in its
+    details all the same (in the worker, across the pipe, in the server): a list that
+    grows with the tokens asked, up to the model's positions, that nothing read. Asked
+    for counts only, the details hold the counts and the finish reason alone."""
+    from rawserve.tasks.text_generation import TOKEN_COUNTS_ONLY
+
+    counts = {**GREEDY, TOKEN_COUNTS_ONLY: True}
+    [[static_output]] = runner.run(["the movie was"], dict(counts))
+    sent = serve(runner, {0: [Batch(1, ("the movie was",), counts)]})
+    [continuous_output] = results(sent)[1].outputs[0]
+    [listed] = results(serve(runner, {0: [Batch(2, ("the movie was",), GREEDY)]}))[2].outputs[0]
+    assert "tokens" in listed["details"]
+    for output in (static_output, continuous_output):
+        details = output["details"]
+        assert "tokens" not in details
+        assert details["generated_tokens"] == listed["details"]["generated_tokens"]
+        assert details["finish_reason"] == listed["details"]["finish_reason"]
+        assert output["generated_text"] == listed["generated_text"]

@@ -11,7 +11,14 @@ from rawserve.api.inference import (
     takes_binary_body,
 )
 from rawserve.http.errors import BadRequest, UnprocessableInput
-from rawserve.tasks import TASKS, batch_key, shape_answer, split_outputs
+from rawserve.tasks import (
+    TASKS,
+    InvalidRequest,
+    batch_key,
+    check_generation_length,
+    shape_answer,
+    split_outputs,
+)
 
 
 def test_raw_text_is_one_input():
@@ -240,6 +247,30 @@ def test_seq2seq_parameters_as_the_inference_api_names_them():
     )
     assert parsed.params["generate_parameters"] == {"max_new_tokens": 5, "num_beams": 2}
     assert parsed.params["src_lang"] == "en"
+
+
+@pytest.mark.parametrize(
+    ("params", "positions", "taken"),
+    [
+        ({"max_new_tokens": 5000}, 16_384, True),  # LED's 16k: was 400 past 1,024
+        ({"generate_parameters": {"max_length": 5001}}, 16_384, True),
+        ({"max_new_tokens": 16_384}, 16_384, False),  # the decoder's start takes one
+        ({"max_new_tokens": 4096}, None, True),  # T5's relative positions: the ceiling
+        ({"max_new_tokens": 4097}, None, False),
+        ({"generate_parameters": {"max_length": 4098}}, None, False),
+        ({"min_new_tokens": 4097}, None, False),
+    ],
+)
+def test_seq2seq_lengths_reach_the_decoder_s_positions(params, positions, taken):
+    """A model of long positions takes a long summary; one of unknown positions takes up
+    to `UNKNOWN_POSITIONS_NEW_TOKENS`."""
+    parsed = parse_json_body("summarization", {"inputs": "x", "parameters": params})
+    longest = positions - 1 if positions else None
+    if taken:
+        check_generation_length(parsed.params, longest)
+    else:
+        with pytest.raises(InvalidRequest, match="and this model generates at most"):
+            check_generation_length(parsed.params, longest)
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ from rawserve.api.bodies import (
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Field, flag
 from rawserve.api.outcomes import unwrap
-from rawserve.api.prompts import check_lengths
+from rawserve.api.prompts import check_details_size, check_lengths
 from rawserve.api.routing import MODEL_ERRORS, DocContext, Needs, Operation, Route, Schema
 from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
@@ -36,6 +36,7 @@ from rawserve.api.tei_bodies import INFERENCE_SIMILARITY
 from rawserve.http.errors import BadRequest, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.tasks import (
+    CUSTOM_TASK,
     BlankInput,
     InvalidRequest,
     UnservedParameter,
@@ -277,7 +278,8 @@ class InferenceRoutes:
             inputs = prompted(model, parsed.inputs, params.pop("prompt_name", None))
             parsed = replace(parsed, inputs=inputs, params=params)
         try:
-            check_generation_length(parsed.params, model.limits.max_new_tokens)
+            if task != CUSTOM_TASK:  # (a handler's own parameters are its to read)
+                check_generation_length(parsed.params, model.limits.max_new_tokens)
         except InvalidRequest as exc:
             raise BadRequest(str(exc)) from None
         if task == "text-generation":
@@ -288,6 +290,9 @@ class InferenceRoutes:
             return await open_token_stream(
                 model, parsed.inputs[0], parsed.params, deadline, keepalive, request.request_id
             )
+        if task == "text-generation":
+            largest = self.context.settings.max_answer_bytes
+            check_details_size(model, parsed.params, len(parsed.inputs), largest)
         results = await model.run(parsed.inputs, parsed.params, deadline)
         outputs = [unwrap(result) for result in results]
         # feature-extraction's token vectors make answers of tens of megabytes, and so do

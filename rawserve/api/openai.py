@@ -57,7 +57,14 @@ from rawserve.api.openai_responses import (
     parse_response,
 )
 from rawserve.api.outcomes import unwrap
-from rawserve.api.prompts import check_echo_size, check_lengths, echoed_texts
+from rawserve.api.prompts import (
+    CHAT_LISTED_BYTES,
+    LISTED_BYTES,
+    check_echo_size,
+    check_generated_size,
+    check_lengths,
+    echoed_texts,
+)
 from rawserve.api.routing import MODEL_ERRORS, DocContext, Handler, Needs, Operation, Route
 from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
@@ -340,14 +347,25 @@ class OpenAIRoutes:
         check_choices(generation, self.context.settings.max_client_batch_size)
         scored = generation.params.get("max_new_tokens") == 0  # echo: nothing after the prompt
         await check_lengths(self.context.tokenizers, model, generation.items, chat, scored)
+        largest = self.context.settings.max_answer_bytes
+        if generation.logprobs is not None and not generation.stream:  # (a stream: as it goes)
+            asked = generation.params.get("max_new_tokens")
+            largest -= check_generated_size(
+                model.limits.default_new_tokens if asked is None else asked,
+                generation.logprobs + 1,  # the chosen token is listed among them
+                len(generation.items) * generation.n,
+                CHAT_LISTED_BYTES if chat else LISTED_BYTES,
+                largest,
+                generation.max_tokens_field,
+            )
         if generation.echo and generation.logprobs is not None:
             await check_echo_size(
                 self.context.tokenizers,
                 model,
                 generation.items,
-                generation.logprobs + 1,  # the chosen token is listed among them
+                generation.logprobs + 1,
                 generation.n,
-                self.context.settings.max_answer_bytes,
+                largest,
             )
         stops_after = int(generation.params.get("min_new_tokens", 0))
         if shape is None:

@@ -67,14 +67,15 @@ from rawserve.tasks import (
     text_generation,
 )
 from rawserve.tasks.checks import not_blank
+from rawserve.tasks.rules import MAX_NEW_TOKENS
 from rawserve.tasks.text_generation import (
     API_SAMPLING,
     MAX_STOP_SEQUENCES,
     MAX_TOP_N_TOKENS,
     PROMPT_TOP_N,
+    TOKEN_COUNTS_ONLY,
 )
 
-MAX_NEW_TOKENS = 4096
 # chat_template_kwargs (vLLM's): the template's own settings, never the names that
 # apply_chat_template or the template's functions already take
 MAX_TEMPLATE_KWARGS = 32
@@ -153,7 +154,12 @@ def generation_params(
 ) -> GenerationRequest:
     """The parameters both routes share."""
     fields.value("user")
-    params: dict[str, Any] = {"return_full_text": False, "details": True, API_SAMPLING: True}
+    params: dict[str, Any] = {
+        "return_full_text": False,
+        "details": True,  # (usage and the finish reason)
+        TOKEN_COUNTS_ONLY: True,  # unless log probabilities are asked (`with_logprobs`)
+        API_SAMPLING: True,
+    }
     max_tokens = fields.value(max_tokens_field)
     if max_tokens is None and max_tokens_field != "max_tokens":
         max_tokens = fields.value("max_tokens")
@@ -481,6 +487,7 @@ def with_logprobs(request: GenerationRequest, alternatives: int) -> GenerationRe
     """The request with its tokens' log probabilities asked for, and `alternatives` of
     the likeliest tokens beside each (the worker's `top_n_tokens`)."""
     params = dict(request.params)
+    del params[TOKEN_COUNTS_ONLY]
     if alternatives:
         params["top_n_tokens"] = alternatives
     return replace(request, params=params, logprobs=alternatives)
@@ -523,16 +530,21 @@ def parse_completion(document: Any, context: DocContext) -> GenerationRequest:
 
 
 def check_max_tokens(generation: GenerationRequest, most: int | None) -> None:
-    """400 for more new tokens than the model's positions allow (`most`; None: no known
-    bound), checked before the request is queued: the rule `POST /` applies to
-    `max_new_tokens`, worded with the field this client sent."""
-    asked = generation.params.get("max_new_tokens")
-    if asked is None:
-        return
-    try:
-        check_new_tokens(f'"{generation.max_tokens_field}"', asked, most)
-    except InvalidRequest as exc:
-        raise BadRequest(str(exc), param=generation.max_tokens_field) from None
+    """400 for more new tokens (or `min_tokens`) than the model's positions allow
+    (`most`; None: unknown, and `check_new_tokens`' ceiling bounds them), checked before
+    the request is queued: the rule `POST /` applies to `max_new_tokens`, worded with the
+    field this client sent."""
+    for name, sent in (
+        ("max_new_tokens", generation.max_tokens_field),
+        ("min_new_tokens", "min_tokens"),
+    ):
+        asked = generation.params.get(name)
+        if asked is None:
+            continue
+        try:
+            check_new_tokens(f'"{sent}"', asked, most)
+        except InvalidRequest as exc:
+            raise BadRequest(str(exc), param=sent) from None
 
 
 def check_token_ids(generation: GenerationRequest, vocabulary: int | None) -> None:

@@ -23,7 +23,7 @@ as it is, and decoded here when its completion echoes it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from rawserve.api.served import ServedModel
@@ -82,6 +82,27 @@ async def check_lengths(
 # -5.6512823,` in `top_logprobs`, with the token's own entries): 4,001 echoed tokens with
 # 20 alternatives each made 1.71 MB, 20.4 bytes each
 LISTED_BYTES = 20
+# the same in a chat's answer (`{"token", "logprob", "bytes", "top_logprobs"}`: 62 to 79
+# bytes each, with 20 alternatives and with none) and in TGI's details (`{"id", "text",
+# "logprob", "special"}`: about 55)
+CHAT_LISTED_BYTES = 60
+TGI_LISTED_BYTES = 50
+
+
+def check_generated_size(
+    new_tokens: int, listed: int, copies: int, entry_bytes: int, largest: int, field: str
+) -> int:
+    """413 naming `field` (the new tokens' field) when `copies` answers of `new_tokens`
+    tokens, each token listed with `listed` log probabilities of about `entry_bytes`
+    bytes, could make an answer over `largest` bytes; else those bytes. Counted before
+    the request is queued, from the tokens it asks for: an answer may run to them, and a
+    model's positions let a request ask for hundreds of thousands (with 20 alternatives
+    and several choices, gigabytes)."""
+    size = new_tokens * listed * copies * entry_bytes
+    if size > largest:
+        remedy = f'ask for fewer new tokens ("{field}"), log probabilities or answers'
+        raise PayloadTooLarge(str(AnswerTooLarge(largest, remedy)), param=field)
+    return size
 
 
 async def check_echo_size(
@@ -107,6 +128,24 @@ async def check_echo_size(
         counts += await by_length(texts, tokenizer.count, texts, positions)
     if sum(counts) * per_token > largest:
         raise PayloadTooLarge(str(AnswerTooLarge(largest)))
+
+
+def check_details_size(
+    model: ServedModel, params: Mapping[str, Any], copies: int, largest: int
+) -> None:
+    """413 when the details of `copies` answers in TGI's shape (`details`: each new token,
+    with its `top_n_tokens` alternatives) could make an answer over `largest` bytes."""
+    if not params.get("details"):
+        return
+    asked = params.get("max_new_tokens")
+    check_generated_size(
+        model.limits.default_new_tokens if asked is None else asked,
+        int(params.get("top_n_tokens") or 0) + 1,
+        copies,
+        TGI_LISTED_BYTES,
+        largest,
+        "max_new_tokens",
+    )
 
 
 async def by_length(texts: Sequence[str], work: Callable[..., T], *args: Any) -> T:

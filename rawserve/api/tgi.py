@@ -27,7 +27,7 @@ from rawserve.api.fields import MODEL
 from rawserve.api.inference import ParsedRequest, inference_request, parse_json_body
 from rawserve.api.openai import GENERATION
 from rawserve.api.outcomes import unwrap
-from rawserve.api.prompts import check_lengths
+from rawserve.api.prompts import check_details_size, check_lengths
 from rawserve.api.routing import MODEL_ERRORS, DocContext, Operation, Route, Schema
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
@@ -141,6 +141,7 @@ class TgiRoutes:
 
     async def generate(self, request: HttpRequest) -> HttpResponse:
         model, parsed = await self.parse(request)
+        check_details_size(model, parsed.params, 1, self.context.settings.max_answer_bytes)
         results = await model.run(parsed.inputs, parsed.params, self.context.deadline(request))
         [output] = unwrap(results[0])  # the pipeline's [{"generated_text", "details"}]
         # a long prompt's tokens listed make an answer of megabytes: built on a thread

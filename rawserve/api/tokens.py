@@ -64,10 +64,10 @@ class TooManyTokens(ValueError):
 class AnswerTooLarge(ValueError):
     """An answer that would hold more bytes than one answer may."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, remedy: str = "send fewer or shorter inputs"):
         super().__init__(
             f"the answer would be larger than {size_text(limit)}, the most one answer may "
-            "hold: send fewer or shorter inputs"
+            f"hold: {remedy}"
         )
         self.limit = limit
 

@@ -25,7 +25,13 @@ from rawserve.tasks import (
     zero_shot_classification,
 )
 from rawserve.tasks.checks import IGNORED, BlankInput, Unserved
-from rawserve.tasks.rules import InvalidRequest, SingleAnswer, Task, UnservedParameter
+from rawserve.tasks.rules import (
+    UNKNOWN_POSITIONS_NEW_TOKENS,
+    InvalidRequest,
+    SingleAnswer,
+    Task,
+    UnservedParameter,
+)
 
 TASKS: dict[str, Task] = {
     task.name: task
@@ -91,10 +97,10 @@ def check_input(task: Task, item: Any) -> Any:
 
 def check_generation_length(params: Mapping[str, Any], longest: int | None) -> None:
     """Refuse a generation the loaded model cannot make: more new tokens than its
-    positions allow (`longest`, None when it has no such bound). `max_length` and
-    `min_length` (transformers 4's names) count the decoder's start token too."""
-    if longest is None:
-        return
+    positions allow (`longest`; None where they are unknown: `check_new_tokens`'s
+    ceiling). `max_length` and `min_length` (transformers 4's names) count the decoder's
+    start token too."""
+    longest = UNKNOWN_POSITIONS_NEW_TOKENS if longest is None else longest
     nested = params.get("generate_parameters")
     sources = [params, nested if isinstance(nested, Mapping) else {}]
     for name, most in (
@@ -112,8 +118,11 @@ def check_generation_length(params: Mapping[str, Any], longest: int | None) -> N
 def check_new_tokens(name: str, asked: int, most: int | None) -> None:
     """The one rule of every generation route: asking for more new tokens than the
     model's positions allow is refused (400), never cut to fit. `name` is the field
-    the client sent (`max_new_tokens`, OpenAI's `max_tokens`...)."""
-    if most is not None and asked > most:
+    the client sent (`max_new_tokens`, OpenAI's `max_tokens`...); `most` None: the
+    model's positions are unknown (a handler; a model whose config names none), and
+    `UNKNOWN_POSITIONS_NEW_TOKENS` bounds it."""
+    most = UNKNOWN_POSITIONS_NEW_TOKENS if most is None else most
+    if asked > most:
         raise InvalidRequest(f"{name} is {asked}, and this model generates at most {most} tokens")
 
 

@@ -14,16 +14,17 @@ from __future__ import annotations
 from typing import Any
 
 from rawserve.tasks.checks import Checker, boolean, checker, float_range, int_range, one_of, text
-from rawserve.tasks.rules import SingleAnswer, Task
+from rawserve.tasks.rules import MAX_NEW_TOKENS, SingleAnswer, Task
 
 # generate() options these tasks take, by name: inside the Inference API's
 # `generate_parameters`, or directly among the parameters.
 GENERATE_PARAMS: dict[str, Checker] = {
-    "max_new_tokens": int_range(1, 1024),
-    "min_new_tokens": int_range(0, 1024),
+    # (the model's positions bound them further)
+    "max_new_tokens": int_range(1, MAX_NEW_TOKENS),
+    "min_new_tokens": int_range(0, MAX_NEW_TOKENS),
     # lengths count the decoder's start token, as generate() counts them
-    "max_length": int_range(1, 2048),
-    "min_length": int_range(0, 2048),
+    "max_length": int_range(1, MAX_NEW_TOKENS + 1),
+    "min_length": int_range(0, MAX_NEW_TOKENS + 1),
     "num_return_sequences": int_range(1, 8),
     "length_penalty": float_range(-100.0, 100.0),
     "do_sample": boolean,

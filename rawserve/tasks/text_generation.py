@@ -17,7 +17,7 @@ from typing import Any
 
 from rawserve.shared.token_columns import listed, token_count
 from rawserve.tasks.checks import boolean, checker, float_range, ignored, int_range, text
-from rawserve.tasks.rules import Task
+from rawserve.tasks.rules import MAX_NEW_TOKENS, Task
 
 # Set by the server's OpenAI chat route, never by a client: each input is a chat
 # (`{"messages": [...]}`) that the worker renders with the model's chat template.
@@ -29,6 +29,10 @@ PROMPT_TOP_N = "prompt_top_n"
 # default temperature (1) where the request and the model's generation config set none,
 # not at the text-generation pipeline's (0.7), which `POST /` keeps.
 API_SAMPLING = "api_sampling"
+# Set by the server's OpenAI routes, never by a client, where no log probabilities are
+# asked: the details hold the counts and the finish reason, not each token (a list that
+# grows with the tokens asked, up to the model's positions, and that nothing would read).
+TOKEN_COUNTS_ONLY = "token_counts_only"
 # Where a reasoning model's thinking ends in an answer. The chat templates of reasoning
 # models (Qwen3's, DeepSeek-R1's, QwQ's) keep only what follows it in earlier answers.
 REASONING_END = "</think>"
@@ -172,7 +176,7 @@ TASK = Task(
     "text-generation",
     text,
     {
-        "max_new_tokens": int_range(1, 4096),
+        "max_new_tokens": int_range(1, MAX_NEW_TOKENS),  # the positions bound it further
         "do_sample": boolean,
         "temperature": float_range(0.0, 100.0),
         "top_p": float_range(0.0, 1.0),

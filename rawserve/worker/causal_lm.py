@@ -22,11 +22,12 @@ import transformers
 
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits, TokenChunk
 from rawserve.shared.token_columns import columns, token_lists
-from rawserve.tasks import CHAT_PARAM
+from rawserve.tasks import CHAT_PARAM, check_new_tokens
 from rawserve.tasks.text_generation import (
     API_SAMPLING,
     PROMPT_TOP_N,
     REASONING_END,
+    TOKEN_COUNTS_ONLY,
     returns_full_text,
 )
 from rawserve.worker.continuous import Generation, cache_keyword, cache_of, end_ids
@@ -52,6 +53,8 @@ from rawserve.worker.text_pieces import (
 
 # The text-generation pipeline's defaults, for what the model's generation config leaves unset.
 PIPELINE_DEFAULTS: dict[str, Any] = {"max_new_tokens": 256, "do_sample": True, "temperature": 0.7}
+# the positions of a model whose config names none (a recurrent one reads any length)
+UNDECLARED_POSITIONS = 1_000_000
 # What `generate` samples with where neither the request nor the model's generation config
 # says (transformers' global defaults that change a draw; the others are neutral): the
 # continuous loop draws as `generate` would.
@@ -100,8 +103,10 @@ def stops_after(params: dict[str, Any]) -> int:
 
 def lists_tokens(params: dict[str, Any], control: Control) -> bool:
     """Whether a whole answer's details list its tokens, as TGI's do (a stream sends
-    them one by one)."""
-    return control.stream_id is None and bool(params.get("details"))
+    them one by one; the OpenAI routes ask for the counts alone where no log
+    probabilities are asked)."""
+    wanted = bool(params.get("details")) and not params.get(TOKEN_COUNTS_ONLY)
+    return control.stream_id is None and wanted
 
 
 def scores_prompt(params: dict[str, Any]) -> bool:
@@ -184,11 +189,12 @@ class CausalLMRunner(Runner):
         super().__init__("text-generation", device, dtype_name(self.model), tokenizer)
         configured = self.model.generation_config.to_diff_dict()
         config = self.model.config
-        self.max_positions = (
-            getattr(config, "max_position_embeddings", None)
-            or getattr(config, "n_positions", None)
-            or 1_000_000
-        )
+        # the positions its config names (None: it names none, and a prompt is not
+        # bounded here, but its new tokens are: UNKNOWN_POSITIONS_NEW_TOKENS)
+        self.declared_positions: int | None = getattr(
+            config, "max_position_embeddings", None
+        ) or getattr(config, "n_positions", None)
+        self.max_positions = self.declared_positions or UNDECLARED_POSITIONS
         self.defaults = {k: v for k, v in PIPELINE_DEFAULTS.items() if k not in configured}
         # whether it samples, said outright: the pipeline's temperature is for sampling only
         self.defaults["do_sample"] = bool({**PIPELINE_DEFAULTS, **configured}["do_sample"])
@@ -225,14 +231,15 @@ class CausalLMRunner(Runner):
 
     @property
     def limits(self) -> ModelLimits:
-        most = self.max_positions - 1  # after a one-token prompt
+        # after a one-token prompt (None: unknown, and the server's ceiling bounds it)
+        most = self.declared_positions - 1 if self.declared_positions else None
         config = self.model.generation_config
         # what `generate` runs to where a request names no length (the pipeline's default
         # unless the model's generation config sets one)
         default = self.defaults.get("max_new_tokens", config.max_new_tokens) or 0
         return ModelLimits(
             max_new_tokens=most,
-            default_new_tokens=min(default, most),
+            default_new_tokens=default if most is None else min(default, most),
             default_beams=config.num_beams or 1,
         )
 
@@ -333,8 +340,8 @@ class CausalLMRunner(Runner):
         prompt only scored, max_new_tokens 0, may fill them: no token follows it)."""
         most = self.max_positions - 1
         asked = params.get("max_new_tokens")
-        if asked is not None and asked > most:  # the server refuses it first: a backstop
-            raise ValueError(f"max_new_tokens is {asked}, and this model generates at most {most}")
+        if asked is not None:  # the server refuses it first: a backstop
+            check_new_tokens("max_new_tokens", asked, self.limits.max_new_tokens)
         if asked == 0 and longest_prompt > self.max_positions:
             raise ValueError(
                 f"the prompt is {longest_prompt} tokens, which is longer than the model's "
@@ -365,7 +372,7 @@ class CausalLMRunner(Runner):
             configured = getattr(config, name, None)
             return GENERATE_DEFAULTS.get(name) if configured is None else configured
 
-        wants_logprobs = control.stream_id is not None or bool(params.get("details"))
+        wants_logprobs = control.stream_id is not None or lists_tokens(params, control)
         asked = setting("max_new_tokens")  # 0: the prompt scored, nothing generated
         return Generation(
             key,
