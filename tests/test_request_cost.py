@@ -199,12 +199,36 @@ def test_an_echo_with_logprobs_over_the_bound_is_refused_before_the_work(tokeniz
     app = app_for("text-generation", tokenizer_json, {}, max_answer_bytes=100_000)
     one = "hello world " * 60
     document = {"prompt": one, "max_tokens": 0, "echo": True, "logprobs": 20}
-    for larger in ({"prompt": [one] * 4}, {"n": 4}):
+    for larger in ({"prompt": [one] * 4}, {"n": 4}, {"n": 4, "max_tokens": 1}):
         status, body = post(app, "/v1/completions", {**document, **larger})
         assert status == 413 and "100,000 bytes" in body["error"]["message"]
     # one prompt, one choice: about 50 KB; without log probabilities: the prompt's text
     for smaller in ({}, {"prompt": [one] * 4, "logprobs": None}):
         status, body = post(app, "/v1/completions", {**document, **smaller})
+        assert status != 413, body
+
+
+def test_the_prompt_s_tokens_in_tgi_details_over_the_bound_are_refused_before_the_work(
+    tokenizer_json,
+):
+    """`decoder_input_details` lists each of the prompt's tokens (`prefill`, about 50
+    bytes each): a prompt of the model's whole length is megabytes for a long-context
+    model, several of them on `POST /` more. They are counted with the new tokens' before
+    the request queues; the idle queue fails any call, so a 413 here came first."""
+    app = app_for("text-generation", tokenizer_json, {}, max_answer_bytes=5_000)
+    asked = {"details": True, "decoder_input_details": True, "max_new_tokens": 1}
+    long_one, half = "hello world " * 60, "hello world " * 30  # about 120 and 60 tokens
+    for path, inputs in (("/generate", long_one), ("/", [half, half])):
+        status, body = post(app, path, {"inputs": inputs, "parameters": asked})
+        assert status == 413, body
+        assert "5,000 bytes" in body["error"] and "decoder_input_details" in body["error"]
+    without = {**asked, "decoder_input_details": False}
+    for path, inputs, parameters in (
+        ("/generate", long_one, without),
+        ("/generate", half, asked),
+        ("/", [half], asked),
+    ):
+        status, body = post(app, path, {"inputs": inputs, "parameters": parameters})
         assert status != 413, body
 
 

@@ -292,7 +292,8 @@ class InferenceRoutes:
             )
         if task == "text-generation":
             largest = self.context.settings.max_answer_bytes
-            check_details_size(model, parsed.params, len(parsed.inputs), largest)
+            tokenizers = self.context.tokenizers
+            await check_details_size(tokenizers, model, parsed.inputs, parsed.params, largest)
         results = await model.run(parsed.inputs, parsed.params, deadline)
         outputs = [unwrap(result) for result in results]
         # feature-extraction's token vectors make answers of tens of megabytes, and so do

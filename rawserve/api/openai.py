@@ -348,9 +348,10 @@ class OpenAIRoutes:
         scored = generation.params.get("max_new_tokens") == 0  # echo: nothing after the prompt
         await check_lengths(self.context.tokenizers, model, generation.items, chat, scored)
         largest = self.context.settings.max_answer_bytes
+        generated = 0  # the bytes the new tokens' log probabilities may take
         if generation.logprobs is not None and not generation.stream:  # (a stream: as it goes)
             asked = generation.params.get("max_new_tokens")
-            largest -= check_generated_size(
+            generated = check_generated_size(
                 model.limits.default_new_tokens if asked is None else asked,
                 generation.logprobs + 1,  # the chosen token is listed among them
                 len(generation.items) * generation.n,
@@ -366,6 +367,7 @@ class OpenAIRoutes:
                 generation.logprobs + 1,
                 generation.n,
                 largest,
+                generated,
             )
         stops_after = int(generation.params.get("min_new_tokens", 0))
         if shape is None:

@@ -112,40 +112,68 @@ async def check_echo_size(
     listed: int,
     copies: int,
     largest: int,
+    used: int = 0,
 ) -> None:
     """413 when the prompts' echoed tokens, each listed with `listed` log probabilities in
-    each of `copies` choices, would make an answer over `largest` bytes; counted with the
+    each of `copies` choices, would make an answer over `largest` bytes with the `used`
+    bytes counted before them."""
+    per_token = listed * copies * LISTED_BYTES
+    await check_prompt_tokens_size(tokenizers, model, prompts, per_token, largest, used)
+
+
+async def check_prompt_tokens_size(
+    tokenizers: ServerTokenizers,
+    model: ServedModel,
+    prompts: Sequence[Any],
+    per_token: int,
+    largest: int,
+    used: int,
+    remedy: str | None = None,
+) -> None:
+    """413 when the prompts' tokens, listed at `per_token` bytes each, would make an answer
+    over `largest` bytes with the `used` bytes counted before them; counted with the
     server's tokenizer only where prompts of the model's whole length would not fit (none
     where the model is not known yet: its positions are 0)."""
     positions = model.positions
-    per_token = listed * copies * LISTED_BYTES
-    if len(prompts) * positions * per_token <= largest:
+    if used + len(prompts) * positions * per_token <= largest:
         return
     counts = [len(prompt) for prompt in prompts if isinstance(prompt, list)]
     texts = [prompt for prompt in prompts if isinstance(prompt, str)]
     tokenizer = await tokenizers.get(model) if texts else None
     if tokenizer is not None:
         counts += await by_length(texts, tokenizer.count, texts, positions)
-    if sum(counts) * per_token > largest:
-        raise PayloadTooLarge(str(AnswerTooLarge(largest)))
+    if used + sum(counts) * per_token > largest:
+        too_large = AnswerTooLarge(largest) if remedy is None else AnswerTooLarge(largest, remedy)
+        raise PayloadTooLarge(str(too_large))
 
 
-def check_details_size(
-    model: ServedModel, params: Mapping[str, Any], copies: int, largest: int
+async def check_details_size(
+    tokenizers: ServerTokenizers,
+    model: ServedModel,
+    prompts: Sequence[Any],
+    params: Mapping[str, Any],
+    largest: int,
 ) -> None:
-    """413 when the details of `copies` answers in TGI's shape (`details`: each new token,
-    with its `top_n_tokens` alternatives) could make an answer over `largest` bytes."""
+    """413 when the details of answers in TGI's shape, one for each of `prompts`, could
+    make an answer over `largest` bytes: `details` lists each new token with its
+    `top_n_tokens` alternatives, and with `decoder_input_details` each of the prompt's
+    tokens too (its `prefill`, a prompt's whole length: up to the model's positions)."""
     if not params.get("details"):
         return
     asked = params.get("max_new_tokens")
-    check_generated_size(
+    used = check_generated_size(
         model.limits.default_new_tokens if asked is None else asked,
         int(params.get("top_n_tokens") or 0) + 1,
-        copies,
+        len(prompts),
         TGI_LISTED_BYTES,
         largest,
         "max_new_tokens",
     )
+    if params.get("decoder_input_details"):
+        remedy = 'send shorter prompts, or ask without "decoder_input_details"'
+        await check_prompt_tokens_size(
+            tokenizers, model, prompts, TGI_LISTED_BYTES, largest, used, remedy
+        )
 
 
 async def by_length(texts: Sequence[str], work: Callable[..., T], *args: Any) -> T:

@@ -141,7 +141,9 @@ class TgiRoutes:
 
     async def generate(self, request: HttpRequest) -> HttpResponse:
         model, parsed = await self.parse(request)
-        check_details_size(model, parsed.params, 1, self.context.settings.max_answer_bytes)
+        largest = self.context.settings.max_answer_bytes
+        tokenizers = self.context.tokenizers
+        await check_details_size(tokenizers, model, parsed.inputs, parsed.params, largest)
         results = await model.run(parsed.inputs, parsed.params, self.context.deadline(request))
         [output] = unwrap(results[0])  # the pipeline's [{"generated_text", "details"}]
         # a long prompt's tokens listed make an answer of megabytes: built on a thread
