@@ -82,7 +82,7 @@ class ModelConfig:
         if self.engine is Engine.TORCH:
             return False
         installed = importlib.util.find_spec("onnxruntime") is not None  # the `onnx` extra
-        device = "cuda" if layout.on_gpu(self.devices) else "cpu"
+        device = layout.engine_device(self.devices)
         return onnx_unfit(None, device, self.dtype, installed) is None
 
 

@@ -425,9 +425,9 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     check_values(args, parser, cores)
     if engine is Engine.ONNX and not args.handler:  # (a handler's engine is its own)
         # what a worker would refuse once loaded, known now but for the model's task
-        device = next((d for d in devices or () if d not in ("cpu", "auto")), None)
+        device = layout.engine_device(devices, lambda: gpu)
         installed = importlib.util.find_spec("onnxruntime") is not None  # the `onnx` extra
-        unfit = onnx_unfit(None, device or ("cuda" if gpu else "cpu"), args.dtype, installed)
+        unfit = onnx_unfit(None, device, args.dtype, installed)
         if unfit:
             parser.error(f"--engine onnx: {unfit}")
     http = ProtocolSettings(

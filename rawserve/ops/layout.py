@@ -93,3 +93,11 @@ def on_gpu(devices: Sequence[str] | None, present: Callable[[], bool] | None = N
     if devices and all(device != "auto" for device in devices):
         return False
     return (present or gpu_present)()
+
+
+def engine_device(devices: Sequence[str] | None, present: Callable[[], bool] | None = None) -> str:
+    """The device an engine is judged for with `devices` (--device parsed; None: the
+    default layout): the first one named that is neither cpu nor auto (cuda:1, mps), else
+    cuda where the workers run on a GPU, else cpu."""
+    named = next((device for device in devices or () if device not in ("cpu", "auto")), None)
+    return named or ("cuda" if on_gpu(devices, present) else "cpu")
