@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from pathlib import Path
 
 import numpy as np
 import orjson
 import pytest
+import tokenizers
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -348,7 +350,9 @@ AGREEMENT = [
     ("EMBED", {"inputs": "a", "prompt_name": 7}, False),
     ("EMBED", {"inputs": [[2, 9, 3], [2, 10]]}, True),  # TEI's token ids
     ("EMBED", {"inputs": [2, 9, 3]}, True),
-    ("EMBED", {"inputs": [[2, 9], "a"]}, False),  # one form for all
+    ("EMBED", {"inputs": [[2, 9], "a"]}, True),  # TEI mixes texts and ids
+    ("EMBED", {"inputs": [[2, 9], 3]}, False),
+    ("EMBED", {"inputs": [[2, 9], "a"] * 17}, False),
     ("EMBED", {"inputs": [[-1]]}, False),
     ("SIMILARITY", {"inputs": {"source_sentence": "a", "sentences": ["b", "c"]}}, True),
     (
@@ -704,10 +708,11 @@ def test_a_text_sent_without_a_prompt_name_gets_the_model_s_default_prompt(path,
     assert model.sent == [sent]
 
 
-def embeddings_of(document, details, path="/v1/embeddings"):
+def embeddings_of(document, details, path="/v1/embeddings", tokenizer="{}"):
     """(the answer, what the model was sent) of POST `path` with `document`."""
     model = Recording()
-    served = ServedModel("m", ModelService(model, Loaded("feature-extraction", details, "{}")), {})
+    workers = Loaded("feature-extraction", details, tokenizer)
+    served = ServedModel("m", ModelService(model, workers), {})
     app = App(ServedModels([served]), AppSettings())
     body = json.dumps(document).encode()
     request = HttpRequest("POST", path, "", [("content-type", "application/json")], body, "test")
@@ -758,8 +763,9 @@ def test_teis_embed_routes_take_token_ids_as_the_models_input(path):
     [
         ({"inputs": [[2, 30]]}, 422, "the token id 30 is not in the model's vocabulary"),
         ({"inputs": [[2, 9], []]}, 422, 'a token array of "inputs" has no ids'),
-        ({"inputs": [[2, 9], "a"]}, 400, "(one form for all)"),
-        ({"inputs": [2, 9], "prompt_name": "query"}, 400, '"prompt_name" puts a text'),
+        ({"inputs": [[2, 9], 3]}, 400, "a non-empty list of texts and lists of token ids"),
+        ({"inputs": [[2, 9], " "]}, 422, 'a text of "inputs"'),
+        ({"inputs": [2, 9], "prompt_name": "doc"}, 400, "'doc' is not a prompt of this model"),
     ],
 )
 def test_teis_embed_routes_refuse_token_ids_the_model_cannot_read(path, document, status, message):
@@ -767,6 +773,23 @@ def test_teis_embed_routes_refuse_token_ids_the_model_cannot_read(path, document
     answer, sent = embeddings_of(document, details, path)
     assert (answer.status, sent) == (status, []), answer.body
     assert message in json.loads(answer.body)["error"]
+
+
+@pytest.mark.parametrize("path", ["/embed", "/embed_all"])
+def test_teis_embed_routes_take_texts_and_token_ids_mixed_as_tei_does(path, tiny_model):
+    """TEI's `inputs` may mix texts and token ids in one batch, and with `prompt_name` it
+    decodes the ids (without their special tokens) and puts the prompt first: both were a
+    400. Without a prompt named, the ids go as they are."""
+    tokenizer = (Path(tiny_model("sentence-embedding")) / "tokenizer.json").read_text()
+    ids = tokenizers.Tokenizer.from_str(tokenizer).encode("hello world").ids  # [CLS] ... [SEP]
+    details = {"prompts": {"query": "query: "}, "default_prompt_name": "query"}
+    document = {"inputs": ["a", ids, "b"]}
+    answer, sent = embeddings_of(document, details, path, tokenizer)
+    assert (answer.status, sent) == (200, [["query: a", ids, "query: b"]]), answer.body
+    answer, sent = embeddings_of({**document, "prompt_name": "query"}, details, path, tokenizer)
+    assert (answer.status, sent) == (200, [["query: a", "query: hello world", "query: b"]])
+    answer, sent = embeddings_of({"inputs": ids, "prompt_name": "query"}, details, path, tokenizer)
+    assert (answer.status, sent) == (200, [["query: hello world"]]), answer.body
 
 
 class Scoring(Idle):

@@ -148,7 +148,7 @@ class TeiRoutes:
         """A pooled sentence vector per input (normalized unless `normalize: false`)."""
         fields = EMBED.read(read_json(request))
         model = self.context.model_for(fields.get("model"), EMBEDDING)
-        inputs = self.inputs(fields, model)
+        inputs = await self.inputs(fields, model)
         params: dict[str, Any] = {
             "normalize": fields.value("normalize"),
             **truncation(fields),
@@ -163,7 +163,7 @@ class TeiRoutes:
         """Every token's vector, unpooled, per input."""
         fields = EMBED_ALL.read(read_json(request))
         model = self.context.model_for(fields.get("model"), EMBEDDING)
-        inputs = self.inputs(fields, model)
+        inputs = await self.inputs(fields, model)
         params = {"pooling": "none", "normalize": False, **truncation(fields)}
         await self.check_embed_all_size(model, inputs)
         results = await model.run(inputs, params, self.context.deadline(request))
@@ -203,16 +203,35 @@ class TeiRoutes:
         model = self.context.model_for(fields.get("model"), EMBEDDING)
         return await sentence_similarity(self.context, model, fields, request)
 
-    def inputs(self, fields: Fields, model: ServedModel) -> list[str | list[int]]:
+    async def inputs(self, fields: Fields, model: ServedModel) -> list[str | list[int]]:
         """The inputs of /embed and /embed_all: texts with their prompt, as `texts` gives
-        them, or token ids as they are (a prompt is text: `prompt_name` is refused with them)."""
+        them, and token ids as they are; with `prompt_name`, as TEI reads them, the ids
+        decoded (without their special tokens) and put after the prompt as a text."""
         inputs = fields.value("inputs", self.within(model))
-        texts = [one for one in inputs if isinstance(one, str)]
-        if len(texts) == len(inputs):
-            return [*prompted(model, texts, fields.value("prompt_name"))]
-        if fields.value("prompt_name") is not None:
-            raise BadRequest('"prompt_name" puts a text before texts: send token ids without it')
-        return inputs
+        prompt_name = fields.value("prompt_name")
+        id_lists = [one for one in inputs if isinstance(one, list)]
+        if prompt_name is not None and id_lists:
+            prompted(model, [], prompt_name)  # (a name the model has not: 400 first)
+            decoded = iter(await self.decoded(model, id_lists))
+            texts = [one if isinstance(one, str) else next(decoded) for one in inputs]
+            return [*prompted(model, texts, prompt_name)]
+        given = [one for one in inputs if isinstance(one, str)]
+        with_prompt = iter(prompted(model, given, prompt_name))
+        return [next(with_prompt) if isinstance(one, str) else one for one in inputs]
+
+    async def decoded(self, model: ServedModel, id_lists: list[list[int]]) -> list[str]:
+        """The texts of token ids that a prompt is put before, their special tokens left
+        out (the text is encoded again, with them)."""
+        tokenizer = await self.context.tokenizers.get(model)
+        if tokenizer is None:
+            raise BadRequest(
+                '"prompt_name" with token ids needs the model\'s tokenizer in the server, and '
+                "this model's has no `tokenizers` form: send the inputs as text"
+            )
+        try:
+            return await tokenizer.decode(id_lists, skip_special=True)
+        except UnknownTokenId as exc:
+            raise UnprocessableInput(str(exc)) from None
 
     def texts(self, fields: Fields, model: ServedModel) -> list[str]:
         """The texts of `inputs` (one or a list), with the named prompt (or the model's

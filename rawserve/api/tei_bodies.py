@@ -23,7 +23,7 @@ from rawserve.api.fields import (
     unicode_text,
     whole,
 )
-from rawserve.api.openai_generation import prompt_schema, read_prompts, refuse_unknown_ids
+from rawserve.api.openai_generation import is_token_ids, refuse_unknown_ids
 from rawserve.api.routing import DocContext, Schema
 from rawserve.http.errors import BadRequest, EmptyInput, UnprocessableInput
 from rawserve.tasks.checks import BlankInput, not_blank
@@ -66,17 +66,31 @@ def text_inputs(value: Any, max_inputs: int) -> list[str]:
 
 
 def read_embed_inputs(name: str, value: Any, context: DocContext | None) -> list[str | list[int]]:
-    """`inputs` of /embed and /embed_all: texts, or TEI's token ids (one list of the model's
-    ids, or a non-empty list of such lists; one form for all, as on /v1/embeddings), read
-    as they are: 422 for a list of no ids or an id past the model's vocabulary."""
+    """`inputs` of /embed and /embed_all: a text, one list of the model's token ids, or a
+    non-empty list of texts and lists of ids, mixed as TEI takes them (its `Input`). 422
+    for a blank text, a list of no ids or an id past the model's vocabulary."""
     if not isinstance(value, list) or all(isinstance(item, str) for item in value):
         return [*text_inputs(value, max_inputs(context))]
-    inputs = read_prompts(name, value, context)
+    inputs = [value] if is_token_ids(value) else value
+    if not all(isinstance(item, str) or is_token_ids(item) for item in inputs):
+        raise BadRequest(
+            f'"{name}" must be a text, a list of token ids, or a non-empty list of texts '
+            "and lists of token ids"
+        )
+    check_client_batch(len(inputs), max_inputs(context))
     if [] in inputs:
         raise UnprocessableInput(f'a token array of "{name}" has no ids')
     assert context is not None
     refuse_unknown_ids(inputs, details(context).get("vocabulary"), name)
-    return inputs
+    return [checked_text(item, f'"{name}"') if isinstance(item, str) else item for item in inputs]
+
+
+def embed_inputs_schema(context: DocContext) -> Schema:
+    text = {"type": "string"}
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+    mixed = {"anyOf": [text, ids]}
+    listed = {"type": "array", "items": mixed, "minItems": 1, "maxItems": context.max_inputs}
+    return {"oneOf": [text, ids, listed]}
 
 
 def predict_inputs(value: Any) -> tuple[list[Any], bool]:
@@ -252,7 +266,7 @@ def documented_dimensions(context: DocContext) -> int:
 # --- the bodies ------------------------------------------------------------------------
 
 INPUTS = Field(texts_schema, read_texts, reads_null=True, required=True)
-EMBED_INPUTS = Field(prompt_schema, read_embed_inputs, reads_null=True, required=True)
+EMBED_INPUTS = Field(embed_inputs_schema, read_embed_inputs, reads_null=True, required=True)
 PROMPT_NAME = Field(
     prompt_name_schema,
     read_string,
