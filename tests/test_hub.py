@@ -466,6 +466,35 @@ def test_a_generating_repo_s_onnx_graph_is_not_fetched(tmp_path):
     assert files_in(resolved(result)) == set(files)
 
 
+def test_an_onnx_only_repo_is_served_by_the_onnx_engine_and_refused_clearly_elsewhere(tmp_path):
+    """A transformers.js-style repo (its graph, a tokenizer, a config; no torch weights)
+    was refused at plan time ("no PyTorch weights") though the ONNX engine serves such a
+    folder: its graph is now fetched first. Where the engine may not serve it (--engine
+    torch, a GPU; a generation model) the refusal says so, and nothing is downloaded."""
+    files = {name: FILES[name] for name in NEEDED - {"model.safetensors"}}
+    config = b'{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}'
+    repo, generating = HubRepo("org/tiny"), HubRepo("org/gen")
+    repo.add_commit({**files, **SHIPPED}, refs=("main",))
+    generating.add_commit(
+        {"config.json": config, "tokenizer.json": b"{}", **SHIPPED}, refs=("main",)
+    )
+    with FakeHub([repo, generating]) as hub:
+        result = run_resolve("org/tiny", tmp_path, 120, PLAN, "onnx", HF_ENDPOINT=hub.endpoint)
+        assert files_in(resolved(result)) == set(files) | set(SHIPPED)
+        for spec, engine, reason in (
+            ("org/tiny", "torch", "ONNX Runtime serves it only on the CPU, in float32,"),
+            ("org/gen", "onnx", "ONNX Runtime serves the encoder tasks, not text-generation"),
+        ):
+            home = tmp_path / engine
+            result = run_resolve(spec, home, 120, PLAN, engine, HF_ENDPOINT=hub.endpoint)
+            assert result.returncode == 1
+            assert f"error: model {spec}: the repo has no PyTorch weights, only its ONNX " in (
+                result.stderr
+            )
+            assert reason in result.stderr
+            assert not list((home / "hub").rglob("*.onnx*"))
+
+
 def test_an_onnx_graph_that_cannot_be_had_is_one_line_and_the_model_served(tmp_path):
     """Offline, a cache filled for --engine torch lacks it: the model is served all the
     same, and exported."""

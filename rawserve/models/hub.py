@@ -8,7 +8,8 @@ mirror, `HF_HUB_OFFLINE=1` to use the cache alone. Files the worker never reads 
 frameworks' weights, exported ONNX/OpenVINO copies, and the pickled PyTorch weights when
 the repo also has safetensors) are not downloaded, but for a repo's own float32
 `onnx/model.onnx`, fetched apart (`fetch_shipped_graph`) once the model's task says the
-ONNX engine may serve it (never its quantized variants: they answer otherwise). Progress
+ONNX engine may serve it (never its quantized variants: they answer otherwise), the
+repo's only weights where it has no others (`only_shipped_graph`). Progress
 goes to the log, a line every few seconds; every way resolution can fail becomes one
 `ModelNotFound` whose message says what to do, never a traceback.
 
@@ -148,10 +149,11 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
     return ResolvedModel(spec, Path(folder), commit, None if files is None else tuple(files))
 
 
-def fetch_shipped_graph(resolved: ResolvedModel) -> None:
+def fetch_shipped_graph(resolved: ResolvedModel, only_weights: bool = False) -> None:
     """The repo's own `onnx/model.onnx` (and its weights file, if kept apart) into the
     model's folder, for the ONNX engine: loaded in a second where an export takes tens.
-    Nothing where the repo has none; a failure is a log line, and the engine exports."""
+    Nothing where the repo has none; a failure is a log line, and the engine exports,
+    but ModelNotFound where the graph is the repo's `only_weights`."""
     files = resolved.files or ()
     if resolved.repo_id is None or SHIPPED_GRAPH not in files:
         return
@@ -167,6 +169,10 @@ def fetch_shipped_graph(resolved: ResolvedModel) -> None:
             )
     except Exception as exc:  # noqa: BLE001 - the engine exports the model instead
         reason = explain(exc, resolved.repo_id, resolved.commit)
+        if only_weights:
+            raise ModelNotFound(
+                f"the repo's {SHIPPED_GRAPH}, its only weights, was not downloaded: {reason}"
+            ) from exc
         log.warning(
             "the repo's %s was not downloaded (%s): the ONNX engine exports the model instead",
             SHIPPED_GRAPH,
@@ -179,6 +185,13 @@ def fetch_shipped_graph(resolved: ResolvedModel) -> None:
         SHIPPED_GRAPH,
         time.monotonic() - started,
     )
+
+
+def only_shipped_graph(resolved: ResolvedModel, torch_weights: Sequence[str]) -> bool:
+    """Whether the repo's weights are its own ONNX graph alone, none of `torch_weights`
+    (an ONNX-only repo, as transformers.js ones are); False where its files are not known."""
+    files = set(resolved.files or ())
+    return SHIPPED_GRAPH in files and not files.intersection(torch_weights)
 
 
 def cached_commit(repo_id: str, revision: str | None) -> str | None:

@@ -16,17 +16,32 @@ from pathlib import Path
 
 from rawserve.models.folder import (
     DEFAULT_MODEL_NAME,
+    TASK_ALIASES,
+    TORCH_WEIGHTS,
     FolderFacts,
     default_model,
+    infer_task,
     read_facts,
     served_name,
 )
-from rawserve.models.hub import ModelNotFound, fetch_shipped_graph, resolve_model
+from rawserve.models.hub import (
+    SHIPPED_GRAPH,
+    ModelNotFound,
+    ResolvedModel,
+    fetch_shipped_graph,
+    only_shipped_graph,
+    resolve_model,
+)
 from rawserve.models.names import ModelNameError, ModelSpec, parse_model_spec
 from rawserve.shared.messages import Engine
 from rawserve.tasks import onnx_unfit
 
 PACKAGED_REPO_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what the packaged model is
+# why an ONNX-only repo is not served where the ONNX engine may not run
+ONNX_ELSEWHERE = (
+    "ONNX Runtime serves it only on the CPU, in float32, with onnxruntime installed and "
+    "--engine auto or onnx"
+)
 
 
 @dataclass(frozen=True)
@@ -126,6 +141,8 @@ def _plan(spec: ModelSpec, named: str, onnx_graphs: bool = False) -> ModelPlan:
     """`spec` with --task and --revision applied (`named`: as the command line named it;
     `onnx_graphs`: fetch the repo's own ONNX graph where the engine may read it)."""
     resolved = resolve_model(spec)
+    if only_shipped_graph(resolved, TORCH_WEIGHTS):  # its graph is the model, or nothing is
+        _fetch_only_graph(resolved, spec.task, named, onnx_graphs)
     facts = _facts(resolved.folder, spec.task, named)
     if onnx_graphs and onnx_unfit(facts.task) is None:  # only where the engine may read it
         fetch_shipped_graph(resolved)
@@ -137,6 +154,28 @@ def _plan(spec: ModelSpec, named: str, onnx_graphs: bool = False) -> ModelPlan:
         facts=facts,
         requested_task=spec.task,
     )
+
+
+def _fetch_only_graph(
+    resolved: ResolvedModel, task: str | None, named: str, onnx_graphs: bool
+) -> None:
+    """An ONNX-only repo's graph, where the ONNX engine may serve the model here; else
+    ModelNotFound saying why it cannot be served (nothing is downloaded for it). A task
+    the folder does not say is left to its facts to report."""
+    try:
+        task = TASK_ALIASES.get(task, task) if task else infer_task(resolved.folder)
+    except (OSError, ValueError):
+        return
+    unfit = onnx_unfit(task) or (None if onnx_graphs else ONNX_ELSEWHERE)
+    if unfit:
+        raise ModelNotFound(
+            f"model {named}: the repo has no PyTorch weights, only its ONNX graph "
+            f"({SHIPPED_GRAPH}), and {unfit}"
+        )
+    try:
+        fetch_shipped_graph(resolved, only_weights=True)
+    except ModelNotFound as exc:
+        raise ModelNotFound(f"model {named}: {exc}") from None
 
 
 def _facts(folder: Path, task: str | None, named: str) -> FolderFacts:
