@@ -46,6 +46,17 @@ def test_model_size_is_one_copy_of_the_weights(tmp_path):
     assert model_bytes(tmp_path / "missing") == 0
 
 
+def test_an_onnx_only_folder_s_size_is_its_graph_and_the_graph_s_weights(tmp_path):
+    """Its weights are under onnx/ alone: counted as none, the memory bound let a CPU
+    machine start a worker per core whatever the model's size."""
+    (tmp_path / "onnx").mkdir()
+    (tmp_path / "onnx" / "model.onnx").write_bytes(b"x" * 100)
+    (tmp_path / "onnx" / "model.onnx_data").write_bytes(b"x" * 3000)
+    (tmp_path / "onnx" / "model_quantized.onnx").write_bytes(b"x" * 900)  # not served
+    (tmp_path / "config.json").write_text("{}")
+    assert model_bytes(tmp_path) == 3100
+
+
 def test_ram_is_read_from_meminfo(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24576000 kB\nMemFree:  100 kB\n")

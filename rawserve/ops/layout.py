@@ -28,6 +28,8 @@ WORKER_OVERHEAD = 400 * 2**20  # bytes: measured RSS of a worker before its mode
 HANDLER_OVERHEAD = 40 * 2**20  # ... of a handler's worker before its code (33 MiB measured)
 # The weights' formats, preferred first: a folder with several holds one copy in each.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".onnx")
+# A folder's own ONNX graph under onnx/, and its weights where they are kept apart.
+SHIPPED_GRAPH_FILES = ("model.onnx", "model.onnx_data", "model.onnx.data")
 
 
 @dataclass(frozen=True)
@@ -73,15 +75,18 @@ def ram_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
 
 
 def model_bytes(folder: Path) -> int:
-    """The size of one copy of a model folder's weights on disk (0 if none is found)."""
+    """The size of one copy of a model folder's weights on disk (0 if none is found): its
+    weights at the top, else its own ONNX graph (an ONNX-only folder, transformers.js'
+    kind), with the graph's weights kept apart beside it."""
     try:
         for suffix in WEIGHT_SUFFIXES:
             sizes = [path.stat().st_size for path in folder.glob(f"*{suffix}") if path.is_file()]
             if sizes:
                 return sum(sizes)
+        shipped = [folder / "onnx" / name for name in SHIPPED_GRAPH_FILES]
+        return sum(path.stat().st_size for path in shipped if path.is_file())
     except OSError:
         return 0
-    return 0
 
 
 def on_gpu(devices: Sequence[str] | None, present: Callable[[], bool] | None = None) -> bool:
