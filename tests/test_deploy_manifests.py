@@ -128,6 +128,17 @@ def test_an_init_container_fetches_the_hub_model_the_server_then_serves_offline(
     assert {arg for arg in fetch["args"] if arg.startswith("--")} <= flags
     assert environment(fetch)["RAWSERVE_MODEL"] == env()["RAWSERVE_MODEL"]
     assert "/" in env()["RAWSERVE_MODEL"]  # a Hub repo id, not a folder
+    # what --download-only fetches is planned for the device, engine, precision and task
+    # its options name: the server's own, or the cache lacks what the server reads
+    planning = (
+        "RAWSERVE_DEVICE",
+        "RAWSERVE_ENGINE",
+        "RAWSERVE_DTYPE",
+        "RAWSERVE_TASK",
+        "RAWSERVE_REVISION",
+    )
+    for name in planning:
+        assert environment(fetch).get(name) == env().get(name), name
     assert env()["HF_HUB_OFFLINE"] == "1" and "HF_HUB_OFFLINE" not in environment(fetch)
     # both see the same cache, at HF_HOME
     assert environment(fetch)["HF_HOME"] == env()["HF_HOME"]
