@@ -36,6 +36,13 @@ from tests.tiny_models import PERSON
 
 POSITIONS = 256  # the tiny GPT-2's (tests/tiny_models.py)
 GREEDY = {"max_new_tokens": 20, "do_sample": False, "details": True}
+# what four seeded choices of one prompt made when each scored the prompt on its own
+ECHOED_CHOICES = [
+    "is isi hate is\x18",
+    "gL w\ufffd is with",
+    "est\ufffdovil\x125",
+    " works\ufffdfQ\ufffd l",
+]
 TEXTS = ["the movie was", "word " * 60, "a", "good film, bad film " * 5, "word " * 110]
 
 
@@ -841,6 +848,35 @@ def test_the_copies_of_a_prompt_share_one_prefill_and_answer_as_each_alone(runne
         assert outputs[batch.batch_id] == without_logprobs(alone), batch.batch_id
     assert len({str(outputs[j]) for j in range(3)}) > 1  # each its own sample
     assert outputs[3] == outputs[4]
+
+
+def test_the_copies_of_a_prompt_scored_for_echo_score_it_once(runner, monkeypatch):
+    """Completions' echo with log probabilities and `n` 4: four sequences of one prompt,
+    each with its seed (seed + j), each listing the prompt's tokens with their scores. The
+    prompt is scored once, not once a choice; each lists the same prompt tokens, and its
+    own sample (the texts as they were when each choice scored it again)."""
+    from rawserve.tasks.text_generation import PROMPT_TOP_N
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    scored: list[int] = []
+    score = CausalLMRunner._score_prompt
+
+    def counted(self, ids, top_n):
+        scored.append(len(ids))
+        return score(self, ids, top_n)
+
+    monkeypatch.setattr(CausalLMRunner, "_score_prompt", counted)
+    params = {"max_new_tokens": 6, "do_sample": True, "details": True}
+    params.update(decoder_input_details=True, return_full_text=False, **{PROMPT_TOP_N: 1})
+    prompt = "the copies of one prompt, scored for an echo"
+    choices = [Batch(j, (prompt,), {**params, "seed": 11 + j}) for j in range(4)]
+    answered = results(serve(runner, {0: choices}))
+    outputs = [answered[j].outputs[0][0] for j in range(4)]
+    assert len(scored) == 1
+    prefills = [output["details"]["prefill"] for output in outputs]
+    assert "".join(token["text"] for token in prefills[0]) == prompt
+    assert all(prefill == prefills[0] for prefill in prefills)
+    assert [output["generated_text"] for output in outputs] == ECHOED_CHOICES
 
 
 def test_sampling_draws_from_the_tokens_generate_draws_from(runner):
