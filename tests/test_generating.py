@@ -36,6 +36,22 @@ from tests.tiny_models import PERSON
 
 POSITIONS = 256  # the tiny GPT-2's (tests/tiny_models.py)
 GREEDY = {"max_new_tokens": 20, "do_sample": False, "details": True}
+# what four seeded choices of one prompt made when each scored the prompt on its own
+ECHOED_CHOICES = [
+    "is isi hate is\x18",
+    "gL w\ufffd is with",
+    "est\ufffdovil\x125",
+    " works\ufffdfQ\ufffd l",
+]
+# what four seeded choices of one prompt, and a prompt beside them, made when each copy
+# that joined later prefilled the prompt on its own
+LATE_CHOICES = [
+    "est li it\ufffd\ufffd\ufffd\ufffdlin",
+    "maryparis\ufffd anil\ufffdoodot",
+    "verF\ufffdq\ufffdi\ufffd\ufffd",
+    "{\ufffdG\x13ove\ufffdoodapital",
+    "adcity\ufffden t with f",
+]
 TEXTS = ["the movie was", "word " * 60, "a", "good film, bad film " * 5, "word " * 110]
 
 
@@ -816,19 +832,25 @@ def test_a_seed_gives_the_same_sample_whatever_runs_beside_it(runner):
     assert other_seed.outputs != alone
 
 
-def test_the_copies_of_a_prompt_share_one_prefill_and_answer_as_each_alone(runner, monkeypatch):
-    """A request's `n` choices join as copies of one prompt: it is prefilled once, and each
-    copy answers what it answers alone (a seeded one its own sample, greedy ones alike)."""
+@pytest.fixture
+def prefilled(monkeypatch) -> list[int]:
+    """The rows of each prefill the loop runs (the model's pass over joining prompts)."""
     from rawserve.worker.continuous import ContinuousBatcher
 
-    prefilled: list[int] = []
+    rows: list[int] = []
     prefill = ContinuousBatcher._prefill
 
     def counted(self, ids, mask):
-        prefilled.append(len(ids))
+        rows.append(len(ids))
         return prefill(self, ids, mask)
 
     monkeypatch.setattr(ContinuousBatcher, "_prefill", counted)
+    return rows
+
+
+def test_the_copies_of_a_prompt_share_one_prefill_and_answer_as_each_alone(runner, prefilled):
+    """A request's `n` choices join as copies of one prompt: it is prefilled once, and each
+    copy answers what it answers alone (a seeded one its own sample, greedy ones alike)."""
     sampled = {"max_new_tokens": 12, "do_sample": True}
     copies = [Batch(j, ("the movie was",), {**sampled, "seed": 7 + j}) for j in range(3)]
     greedy = [Batch(j, ("good film, bad film " * 3,), GREEDY) for j in (3, 4)]
@@ -841,6 +863,53 @@ def test_the_copies_of_a_prompt_share_one_prefill_and_answer_as_each_alone(runne
         assert outputs[batch.batch_id] == without_logprobs(alone), batch.batch_id
     assert len({str(outputs[j]) for j in range(3)}) > 1  # each its own sample
     assert outputs[3] == outputs[4]
+
+
+def test_copies_of_a_prompt_that_join_later_take_its_prefill_from_a_running_row(runner, prefilled):
+    """A request's `n` choices come as n batches (each its own seed, seed + j), which may
+    reach the loop a step apart: the later copies take the prompt's keys and values from
+    the running row that holds them, not a prefill of their own, beside a new prompt that
+    is prefilled. Each answers what it answered with a prefill of its own."""
+    params = {"max_new_tokens": 8, "do_sample": True, "details": True, "return_full_text": False}
+    prompt = "copies of one prompt, a step apart"
+    copies = [Batch(j, (prompt,), {**params, "seed": 5 + j}) for j in range(4)]
+    other = Batch(4, ("good film",), {**params, "seed": 5})
+    script = {0: copies[:1], 2: [copies[1], other], 3: copies[2:3], 4: copies[3:]}
+    answered = results(serve(runner, script))
+    assert prefilled == [1, 1]  # the prompt once; the other prompt on its own
+    texts = [answered[j].outputs[0][0]["generated_text"] for j in range(5)]
+    assert texts == LATE_CHOICES
+    alone = results(serve(runner, {0: [other]}))[4].outputs[0][0]["generated_text"]
+    assert texts[4] == alone
+
+
+def test_the_copies_of_a_prompt_scored_for_echo_score_it_once(runner, monkeypatch):
+    """Completions' echo with log probabilities and `n` 4: four sequences of one prompt,
+    each with its seed (seed + j), each listing the prompt's tokens with their scores. The
+    prompt is scored once, not once a choice; each lists the same prompt tokens, and its
+    own sample (the texts as they were when each choice scored it again)."""
+    from rawserve.tasks.text_generation import PROMPT_TOP_N
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    scored: list[int] = []
+    score = CausalLMRunner._score_prompt
+
+    def counted(self, ids, top_n):
+        scored.append(len(ids))
+        return score(self, ids, top_n)
+
+    monkeypatch.setattr(CausalLMRunner, "_score_prompt", counted)
+    params = {"max_new_tokens": 6, "do_sample": True, "details": True}
+    params.update(decoder_input_details=True, return_full_text=False, **{PROMPT_TOP_N: 1})
+    prompt = "the copies of one prompt, scored for an echo"
+    choices = [Batch(j, (prompt,), {**params, "seed": 11 + j}) for j in range(4)]
+    answered = results(serve(runner, {0: choices}))
+    outputs = [answered[j].outputs[0][0] for j in range(4)]
+    assert len(scored) == 1
+    prefills = [output["details"]["prefill"] for output in outputs]
+    assert "".join(token["text"] for token in prefills[0]) == prompt
+    assert all(prefill == prefills[0] for prefill in prefills)
+    assert [output["generated_text"] for output in outputs] == ECHOED_CHOICES
 
 
 def test_sampling_draws_from_the_tokens_generate_draws_from(runner):

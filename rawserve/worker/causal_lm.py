@@ -86,6 +86,9 @@ UNAPPLIED_SETTINGS: dict[str, Any] = {
 # A prompt's scores held at once when it is scored (positions × vocabulary; 64 MiB as
 # float32): a 50,257-token vocabulary scores 333 positions a pass, 128,256 scores 130.
 PROMPT_SCORES_AT_ONCE = 2**24
+# a prompt's scores: each token's log probability given the ones before it (from the
+# second on), and the likeliest tokens at each of those positions, (id, log probability)
+PromptScores = tuple[list[float], list[list[tuple[int, float]]]]
 # tools told to a model whose chat template leaves them out (the answer is held to the form)
 TOOLS_DESCRIBED = (
     '\n\nTools you may call: {}\nTo call one, answer {{"name": ..., "arguments": {{...}}}}.'
@@ -204,6 +207,9 @@ class CausalLMRunner(Runner):
         self.send: Callable[[Any], None] | None = None
         self.cancelled_stream: Any = None  # a shared integer: the stream id to stop
         self.decode_graphs = False  # the continuous batch's steps replayed (a GPU)
+        # the latest prompt scored (its ids and `top_n`) and its scores: a request's `n`
+        # choices come as n sequences of one prompt, each asking for its scores
+        self._scored: tuple[tuple[int, ...], int, PromptScores] | None = None
 
     @property
     def unapplied_settings(self) -> list[str]:
@@ -403,7 +409,7 @@ class CausalLMRunner(Runner):
         special token its own) and its log probability given the ones before it (none for
         the first); with `PROMPT_TOP_N`, the likeliest tokens at each position too."""
         top_n = int(params.get(PROMPT_TOP_N) or 0)
-        chosen, top = self._score_prompt(ids, top_n)
+        chosen, top = self._scores_of(ids, top_n)
         pieces = TextPieces(self.tokenizer)
         tokens = []
         so_far: list[int] = []  # (grown a token at a time: a slice each would be quadratic)
@@ -417,9 +423,18 @@ class CausalLMRunner(Runner):
             )
         return tokens
 
-    def _score_prompt(
-        self, ids: list[int], top_n: int
-    ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    def _scores_of(self, ids: list[int], top_n: int) -> PromptScores:
+        """The prompt's scores (`_score_prompt`), reused where the prompt scored last is
+        this one: each of a request's `n` choices asks for them, one after another, and
+        scoring it again would be a forward pass over the whole prompt per choice."""
+        key = tuple(ids)
+        if self._scored is not None and self._scored[:2] == (key, top_n):
+            return self._scored[2]
+        scores = self._score_prompt(ids, top_n)
+        self._scored = (key, top_n, scores)
+        return scores
+
+    def _score_prompt(self, ids: list[int], top_n: int) -> PromptScores:
         """From a forward pass over the prompt: each token's log probability given the
         ones before it (from the second on), and the `top_n` likeliest tokens there.
 

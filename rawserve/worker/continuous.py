@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import transformers
 
 from rawserve.shared.messages import FailureKind
@@ -61,6 +62,10 @@ from rawserve.worker.text_pieces import TextPieces, prompt_context
 GRAMMAR_WAIT = 0.02
 SEEDS = 2**32  # a request's seed is below it (a drawn one too: a client may send it back)
 RECORDING_TOKENS = 3  # a prefill and two steps at each bucket of rows, to record them
+# the latest prompts prefilled whose last scores are kept, so that a copy of one that joins
+# later (a request's `n` choices reach the loop a step apart) takes its keys and values
+# from a running row instead of a prefill of its own
+FORKABLE_PROMPTS = 8
 
 
 @dataclass(eq=False)
@@ -163,6 +168,8 @@ class ContinuousBatcher:
         self._slots = KvSlots(self.device, max_rows, max_positions)
         self._positions = torch.zeros(0, dtype=torch.long, device=self.device)
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
+        # the last prefilled prompts' scores for the token after them (FORKABLE_PROMPTS)
+        self._prompt_scores: dict[tuple[int, ...], torch.Tensor] = {}
         # decoding steps and prefills replayed from CUDA graphs (rawserve.worker.decode_graphs,
         # prefill_graphs)
         graphs = cuda_graphs and GraphedDecode.supports(model)
@@ -308,6 +315,7 @@ class ContinuousBatcher:
         self._slots = KvSlots(self.device, self.max_rows, self.max_positions)
         self._positions = torch.zeros(0, dtype=torch.long, device=self.device)
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._prompt_scores = {}
         return running
 
     # --- the batch's cache ----------------------------------------------------------------
@@ -319,24 +327,31 @@ class ContinuousBatcher:
         A prompt that several of them share (a request's `n` choices) is prefilled once:
         its keys, values and scores are copied into each of their rows, which then go on
         on their own (each sampling with its own generator), as vLLM forks a prompt's
-        cache for its `n` sequences."""
+        cache for its `n` sequences. A prompt that a running row holds (copies a step
+        apart) is not prefilled again: its keys and values are that row's first columns."""
         self._prefilling = True  # till the joiners' pass is done, the rows are as they were
         prompts = list(dict.fromkeys(tuple(g.prompt_ids) for g in generations))
+        forked = self._forked(prompts)
+        fresh = [prompt for prompt in prompts if prompt not in forked]
+        prompts = fresh + list(forked)  # the rows of `keys`, `values` and `logits` below
         lengths = [len(prompt) for prompt in prompts]
         width = max(lengths)
-        ids = torch.tensor(
-            [[0] * (width - len(prompt)) + list(prompt) for prompt in prompts],
-            device=self.device,
-        )
         mask = torch.tensor(
             [[0] * (width - n) + [1] * n for n in lengths], dtype=torch.long, device=self.device
         )
-        graphed = self.prefill_graphs
-        prefilled = graphed.prefill(ids, mask) if graphed else None
-        keys, values, logits = prefilled or self._prefill(ids, mask)
-        if len(prompts) < len(generations):  # each sequence's row of its prompt's
-            row_of = {prompt: row for row, prompt in enumerate(prompts)}
-            sources = [row_of[tuple(g.prompt_ids)] for g in generations]
+        parts = [self._prefilled(fresh, width)] if fresh else []
+        for prompt, (their_keys, their_values, scores) in forked.items():
+            pad = (0, 0, width - len(prompt), 0)  # left, in the columns
+            padded = [F.pad(k, pad) for k in their_keys], [F.pad(v, pad) for v in their_values]
+            parts.append((*padded, scores[None].clone()))  # (choosing writes over scores)
+        keys, values, logits = parts[0]
+        if len(parts) > 1:
+            keys = [torch.cat(layer) for layer in zip(*(p[0] for p in parts), strict=True)]
+            values = [torch.cat(layer) for layer in zip(*(p[1] for p in parts), strict=True)]
+            logits = torch.cat([p[2] for p in parts])
+        row_of = {prompt: row for row, prompt in enumerate(prompts)}
+        sources = [row_of[tuple(g.prompt_ids)] for g in generations]
+        if sources != list(range(len(prompts))):  # each sequence's row of its prompt's
             lengths = [lengths[row] for row in sources]
             index = torch.tensor(sources, device=self.device)
             keys = [k.index_select(0, index) for k in keys]
@@ -349,6 +364,51 @@ class ContinuousBatcher:
         self.rows += generations
         tokens = self._choose(logits, generations)
         self._last = torch.cat([self._last, tokens])
+
+    def _prefilled(self, prompts: list[tuple[int, ...]], width: int) -> Prefilled:
+        """The prompts' forward pass, its keys and values left-padded to `width` columns;
+        their last scores are kept for copies that join later."""
+        longest = max(len(prompt) for prompt in prompts)
+        ids = torch.tensor(
+            [[0] * (longest - len(prompt)) + list(prompt) for prompt in prompts],
+            device=self.device,
+        )
+        mask = torch.tensor(
+            [[0] * (longest - len(p)) + [1] * len(p) for p in prompts],
+            dtype=torch.long,
+            device=self.device,
+        )
+        graphed = self.prefill_graphs
+        prefilled = graphed.prefill(ids, mask) if graphed else None
+        keys, values, logits = prefilled or self._prefill(ids, mask)
+        for prompt, scores in zip(prompts, logits, strict=True):
+            self._prompt_scores.pop(prompt, None)  # the latest last
+            self._prompt_scores[prompt] = scores.clone()  # (choosing writes over its scores)
+        for prompt in list(self._prompt_scores)[:-FORKABLE_PROMPTS]:
+            del self._prompt_scores[prompt]
+        pad = (0, 0, width - longest, 0)
+        if width > longest:
+            keys, values = [F.pad(k, pad) for k in keys], [F.pad(v, pad) for v in values]
+        return keys, values, logits
+
+    def _forked(
+        self, prompts: list[tuple[int, ...]]
+    ) -> dict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]]:
+        """The prompts that a running row holds, with its keys and values over them and
+        their scores: its cache holds the prompt, then its tokens but the latest."""
+        forked = {}
+        for prompt in prompts:
+            scores = self._prompt_scores.get(prompt)
+            if scores is None:
+                continue
+            for row, generation in enumerate(self.rows):
+                same = len(generation.prompt_ids) == len(prompt) and generation.tokens
+                if same and tuple(generation.prompt_ids) == prompt:
+                    stop = self._slots.end - (len(generation.tokens) - 1)
+                    keys, values = self._slots.row_columns(row, stop - len(prompt), stop)
+                    forked[prompt] = keys, values, scores
+                    break
+        return forked
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> Prefilled:
         """The joining rows' forward pass as it is: each layer's keys and values, and the

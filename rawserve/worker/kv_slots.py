@@ -121,6 +121,14 @@ class KvSlots:
         self._mask[self.rows : rows, first : self.end] = mask
         self.rows = rows
 
+    def row_columns(
+        self, row: int, first: int, stop: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A copy of one row's keys and values over the columns `[first, stop)`, per layer
+        `[1, heads, stop - first, dim]` as a prefill makes them (to join another row)."""
+        window = (slice(row, row + 1), slice(None), slice(first, stop))
+        return [k[window].clone() for k in self.keys], [v[window].clone() for v in self.values]
+
     def open_column(self) -> tuple[transformers.Cache, torch.Tensor]:
         """Before a decoding step: the cache to hand the model, and the mask with the new
         token's column. `close_column` after the step takes the column in."""
