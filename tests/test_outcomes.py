@@ -25,7 +25,20 @@ from rawserve.serving.face import FailureKind, ItemFailure, ItemResult, Reason, 
 )
 def test_every_reason_has_its_status_and_keeps_its_message(reason, status):
     error = http_error(Refusal(reason, "what the client reads"))
-    assert error.status == status and error.message == "what the client reads"
+    assert error.status == status and error.message.startswith("what the client reads")
+
+
+@pytest.mark.parametrize("reason", [Reason.DEADLINE_PASSED, Reason.DEADLINE_UNREACHABLE])
+def test_a_deadline_refusal_names_the_header_that_asks_for_a_longer_one(reason):
+    """A client that named no deadline got `--timeout`'s, and a 504 or 503 that only said
+    it passed (or would): a long generation cut at 30 s never learnt how to ask for more."""
+    message = http_error(Refusal(reason, "the request's deadline passed")).message
+    assert message.startswith("the request's deadline passed") and "X-Request-Timeout" in message
+
+
+@pytest.mark.parametrize("reason", [r for r in Reason if "DEADLINE" not in r.name])
+def test_no_other_refusal_speaks_of_deadlines(reason):
+    assert http_error(Refusal(reason, "what the client reads")).message == "what the client reads"
 
 
 def test_a_refusal_that_a_retry_can_help_says_when_and_defaults_to_a_second():

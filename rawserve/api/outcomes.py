@@ -23,6 +23,8 @@ from rawserve.serving.face import FailureKind, ItemFailure, ItemResult, Reason, 
 
 DEFAULT_RETRY_AFTER = 1.0  # seconds a client waits on a 503 that names no time
 BUSY = (Reason.QUEUE_FULL, Reason.DEADLINE_UNREACHABLE)  # refusals many clients get at once
+# A deadline a client did not choose (`--timeout`) is news to it: say how to ask for more.
+LONGER_DEADLINE = "X-Request-Timeout asks for a longer deadline, in seconds"
 
 
 def http_error(refusal: Refusal) -> HTTPError:
@@ -31,7 +33,7 @@ def http_error(refusal: Refusal) -> HTTPError:
     if reason is Reason.NEVER_ADMISSIBLE:  # a retry cannot help: never 503
         return PayloadTooLarge(refusal.message)
     if reason is Reason.DEADLINE_PASSED:
-        return GatewayTimeout(refusal.message)
+        return GatewayTimeout(f"{refusal.message}; {LONGER_DEADLINE}")
     if reason is Reason.INPUT_REJECTED:
         return UnprocessableInput(refusal.message)
     if reason is Reason.MODEL_FAILED:
@@ -39,9 +41,10 @@ def http_error(refusal: Refusal) -> HTTPError:
     # queue full, deadline unreachable, no worker, loading, shutting down: retry later
     retry_after = refusal.retry_after if refusal.retry_after is not None else DEFAULT_RETRY_AFTER
     if reason in BUSY:
-        return ServiceUnavailable(
-            refusal.message, retry_after=spread(retry_after), in_ms=True, busy=True
-        )
+        message = refusal.message
+        if reason is Reason.DEADLINE_UNREACHABLE:
+            message = f"{message}; {LONGER_DEADLINE}"
+        return ServiceUnavailable(message, retry_after=spread(retry_after), in_ms=True, busy=True)
     return ServiceUnavailable(refusal.message, retry_after=retry_after)
 
 
