@@ -27,13 +27,18 @@ BUSY = (Reason.QUEUE_FULL, Reason.DEADLINE_UNREACHABLE)  # refusals many clients
 LONGER_DEADLINE = "X-Request-Timeout asks for a longer deadline, in seconds"
 
 
-def http_error(refusal: Refusal) -> HTTPError:
-    """The HTTP error a client gets for `refusal`."""
+def http_error(refusal: Refusal, longest_deadline: float | None = None) -> HTTPError:
+    """The HTTP error a client gets for `refusal`; a deadline's names the header that asks
+    for a longer one, and the most it may ask (`longest_deadline`: --max-timeout, where
+    known), for a client that asked for more and was given that."""
     reason = refusal.reason
+    longer = LONGER_DEADLINE
+    if longest_deadline is not None:
+        longer += f", up to {longest_deadline:g}"
     if reason is Reason.NEVER_ADMISSIBLE:  # a retry cannot help: never 503
         return PayloadTooLarge(refusal.message)
     if reason is Reason.DEADLINE_PASSED:
-        return GatewayTimeout(f"{refusal.message}; {LONGER_DEADLINE}")
+        return GatewayTimeout(f"{refusal.message}; {longer}")
     if reason is Reason.INPUT_REJECTED:
         return UnprocessableInput(refusal.message)
     if reason is Reason.MODEL_FAILED:
@@ -43,7 +48,7 @@ def http_error(refusal: Refusal) -> HTTPError:
     if reason in BUSY:
         message = refusal.message
         if reason is Reason.DEADLINE_UNREACHABLE:
-            message = f"{message}; {LONGER_DEADLINE}"
+            message = f"{message}; {longer}"
         return ServiceUnavailable(message, retry_after=spread(retry_after), in_ms=True, busy=True)
     return ServiceUnavailable(refusal.message, retry_after=retry_after)
 
