@@ -171,7 +171,13 @@ def build_model(
     metrics.watch(plan.name, scheduler, executor)
     service = ModelService(scheduler, executor)
     facts = model_facts(plan, config, workers)
-    served = ServedModel(plan.name, service, facts, aliases=plan.names[1:])
+    served = ServedModel(
+        plan.name,
+        service,
+        facts,
+        aliases=plan.names[1:],
+        longest_deadline=config.app.max_timeout,  # what a deadline's error says may be asked
+    )
     return ModelParts(plan, executor, scheduler, service, served, facts)
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from rawserve.api.outcomes import http_error, unwrap
-from rawserve.http.errors import error_response
-from rawserve.serving.face import FailureKind, ItemFailure, ItemResult, Reason, Refusal
+from rawserve.api.served import ServedModel
+from rawserve.http.errors import GatewayTimeout, error_response
+from rawserve.serving.face import FailureKind, ItemFailure, ItemResult, Reason, Refusal, Refused
 
 
 @pytest.mark.parametrize(
@@ -25,7 +26,36 @@ from rawserve.serving.face import FailureKind, ItemFailure, ItemResult, Reason, 
 )
 def test_every_reason_has_its_status_and_keeps_its_message(reason, status):
     error = http_error(Refusal(reason, "what the client reads"))
-    assert error.status == status and error.message == "what the client reads"
+    assert error.status == status and error.message.startswith("what the client reads")
+
+
+@pytest.mark.parametrize("reason", [Reason.DEADLINE_PASSED, Reason.DEADLINE_UNREACHABLE])
+def test_a_deadline_refusal_names_the_header_that_asks_for_a_longer_one(reason):
+    """A client that named no deadline got `--timeout`'s, and a 504 or 503 that only said
+    it passed (or would): a long generation cut at 30 s never learnt how to ask for more."""
+    message = http_error(Refusal(reason, "the request's deadline passed")).message
+    assert message.startswith("the request's deadline passed") and "X-Request-Timeout" in message
+
+
+async def test_a_served_models_deadline_error_says_the_most_a_request_may_ask():
+    """A client that asked X-Request-Timeout 1000 was given --max-timeout's 300 s: told
+    only to ask for a longer deadline, it would ask for 1000 again."""
+
+    class Late:
+        async def run(self, inputs, params, deadline, control):
+            raise Refused.because(Reason.DEADLINE_PASSED, "the request's deadline passed")
+
+    served = ServedModel("m", Late(), longest_deadline=300.0)  # type: ignore[arg-type]
+    with pytest.raises(GatewayTimeout) as late:
+        await served.run(["hello"], {}, deadline=0.0)
+    assert late.value.message.endswith(
+        "X-Request-Timeout asks for a longer deadline, in seconds, up to 300"
+    )
+
+
+@pytest.mark.parametrize("reason", [r for r in Reason if "DEADLINE" not in r.name])
+def test_no_other_refusal_speaks_of_deadlines(reason):
+    assert http_error(Refusal(reason, "what the client reads")).message == "what the client reads"
 
 
 def test_a_refusal_that_a_retry_can_help_says_when_and_defaults_to_a_second():

@@ -20,6 +20,7 @@ from rawserve.shared.messages import (
     EMBEDDING_ROUTE,
     NO_CONTROL,
     Batch,
+    Cancel,
     FailureKind,
     ItemFailure,
     Shutdown,
@@ -180,6 +181,25 @@ def test_the_feeder_tells_whether_the_next_batch_is_already_here():
     go_on.set()
     assert feeder.next().batch_id == 1
     assert not feeder.waiting()
+
+
+def test_the_feeder_says_when_the_server_no_longer_wants_the_batch_running():
+    """A batch run whole reads no message until it is done: the feeder's thread does, so
+    a generation nobody waits for (its clients left, or their deadlines passed) stops at
+    its next token instead of running to its max_tokens long after its 504. A cancel of
+    a batch queued behind it holds for that one; those of batches gone before are let go."""
+    receiving, sending = Pipe(duplex=False)
+    feeder = Feeder(receiving, timed=True).start()
+    for message in [Batch(1, ("a",)), Batch(2, ("b",)), Cancel(2), Cancel(0)]:
+        sending.send(message)
+    assert feeder.next().batch_id == 1 and not feeder.running_cancelled()
+    assert feeder.next().batch_id == 2
+    assert feeder.next() == Cancel(2)  # (passed on too: the continuous loop reads them)
+    assert feeder.running_cancelled()
+    assert feeder.next() == Cancel(0)
+    sending.send(Batch(3, ("c",)))
+    assert feeder.next().batch_id == 3 and not feeder.running_cancelled()
+    assert feeder._cancelled == set()
 
 
 def test_a_feeder_that_times_nothing_keeps_nothing():

@@ -23,6 +23,7 @@ from rawserve.serving.core import (
     ADMIT_MARGIN,
     DeadlineUnreachable,
     NeverAdmissible,
+    OwnTimeUnreachable,
     QueueFull,
     SchedulerCore,
     WorkItem,
@@ -579,6 +580,28 @@ def test_a_generation_waits_for_a_row_then_takes_its_whole_time():
     with pytest.raises(DeadlineUnreachable):  # not even alone at this pace: no row for it
         queue_items(core, [text(12)], now=1.0, deadline=1.0 + own - 0.1, params=asks)
     queue_items(core, [text(12)], now=1.0, deadline=6.0, params={"max_new_tokens": 8})
+
+
+def test_a_sequence_refused_for_its_own_length_is_told_so_not_blamed_on_work_ahead():
+    """Past half the rows, a sequence whose own new tokens cannot end by its deadline at
+    the rows' pace is refused, with a row free and nothing queued: its 503 said 'the
+    work queued ahead would outlast the request's deadline', and a client that retried
+    as told met the same while the load lasted. It now says its own tokens are the
+    cause, and that fewer, or more time, would do; behind full rows the work ahead is
+    still named."""
+    core = measured(SchedulerCore(max_batch_size=1, workers=4), seconds_per_token=0.01)
+    queue_items(core, [text(5)] * 3, params={"max_new_tokens": 100})
+    while core.next_batch(now=0.0):
+        pass
+    assert len(core) == 0  # three of four rows busy, one free
+    with pytest.raises(OwnTimeUnreachable) as refused:
+        queue_items(core, [text(5)], deadline=2.0, params={"max_new_tokens": 400})  # 4 s
+    assert "the new tokens it asks for" in refused.value.reason
+    queue_items(core, [text(5)], deadline=2.0, params={"max_new_tokens": 100})  # 1 s
+    assert inputs(core.next_batch(now=0.0)) == [text(5)]  # every row busy now, for 1 s
+    with pytest.raises(DeadlineUnreachable) as refused:  # in time alone, not behind them
+        queue_items(core, [text(5)], deadline=1.0, params={"max_new_tokens": 10})
+    assert not isinstance(refused.value, OwnTimeUnreachable)
 
 
 @pytest.mark.parametrize(("rows", "prompts"), [(1, 1), (4, 3)])

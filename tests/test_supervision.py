@@ -31,7 +31,7 @@ from rawserve.serving.supervision import (
     Supervisor,
     load_state,
 )
-from rawserve.shared.messages import NO_CONTROL, WorkerConfig, WorkerLoadFailed
+from rawserve.shared.messages import NO_CONTROL, Cancel, WorkerConfig, WorkerLoadFailed
 
 
 class Clock:
@@ -219,9 +219,37 @@ async def test_a_retry_after_a_crash_is_dropped_once_nobody_waits_for_it():
     pool.abandon(left)
     pool.abandon(running)
     assert [job.inputs for job in pool._retries] == [("b",)]  # its client still waits
-    assert worker.job.abandoned  # (a batch run whole runs on: its worker reads nothing)
+    assert worker.job.abandoned  # (it runs on, told so: a generation stops early)
     await asyncio.wait_for(asyncio.wait([left]), 5)  # answered, for nobody
     assert left.result().outputs == (NOT_RUN,) and not waited.done()  # never run
+
+
+class SentMessages(list):
+    """A worker's pipe that keeps what the server sends it."""
+
+    def send(self, message: object) -> None:
+        self.append(message)
+
+
+async def test_a_batch_run_whole_is_told_once_nobody_waits_for_any_of_it():
+    """A worker of `--generation static` ran a non-streamed batch to its max_tokens
+    whatever happened to its requests: one past its deadline (504) held the worker for as
+    long again, and every request queued behind it met its own 504. It is now told (its
+    feeder thread reads it) once none of its items is waited for, as is a batch sent to
+    wait behind it."""
+    loop = asyncio.get_running_loop()
+    pool = WorkerPool(WorkerConfig(model="unused"), ["cpu"], loop=loop)
+    worker = pool.workers[0]
+    worker.conn = sent = SentMessages()  # type: ignore[assignment] - what reaches the worker
+    running, behind = loop.create_future(), loop.create_future()
+    worker.job = Job(("a", "b"), {}, NO_CONTROL, running, 1)
+    worker.queued = Job(("c",), {}, NO_CONTROL, behind, 2)
+    pool.abandon(running, {0})
+    assert sent == []  # the other item's request still waits
+    pool.abandon(running, {1})
+    pool.abandon(behind)
+    pool.abandon(running)  # told once
+    assert sent == [Cancel(1), Cancel(2)]
 
 
 async def test_a_restart_that_cannot_start_a_process_says_the_model_is_back_later(monkeypatch):

@@ -650,6 +650,27 @@ def test_streamed_tokens_go_to_the_pipe_and_a_cancel_stops_generation(runner):
     assert output["generated_text"] == "hello" + "".join(c.token["text"] for c in sent)
 
 
+def test_a_batch_nobody_waits_for_stops_generating_at_its_next_token(runner):
+    """Not streamed, `generate` ran a batch to its max_tokens whatever happened to its
+    requests: past their deadline (504), a worker of `--generation static` went on for
+    as long again while every request queued behind it met its own 504."""
+    generate = runner("text-generation")
+    asked: list[bool] = []
+
+    def cancelled() -> bool:  # asked once a token: the server gives up after the third
+        asked.append(True)
+        return len(asked) > 3
+
+    generate.bind_cancel(cancelled)
+    try:
+        params = {"max_new_tokens": 50, "do_sample": False, "ignore_eos": True}
+        [[output]] = generate.run(["hello"], {**params, "details": True})
+    finally:
+        generate.bind_cancel(lambda: False)
+    assert output["details"]["finish_reason"] == "cancelled"
+    assert output["details"]["generated_tokens"] < 50
+
+
 # --- image-classification -----------------------------------------------------------------
 
 

@@ -23,15 +23,22 @@ from rawserve.serving.face import FailureKind, ItemFailure, ItemResult, Reason, 
 
 DEFAULT_RETRY_AFTER = 1.0  # seconds a client waits on a 503 that names no time
 BUSY = (Reason.QUEUE_FULL, Reason.DEADLINE_UNREACHABLE)  # refusals many clients get at once
+# A deadline a client did not choose (`--timeout`) is news to it: say how to ask for more.
+LONGER_DEADLINE = "X-Request-Timeout asks for a longer deadline, in seconds"
 
 
-def http_error(refusal: Refusal) -> HTTPError:
-    """The HTTP error a client gets for `refusal`."""
+def http_error(refusal: Refusal, longest_deadline: float | None = None) -> HTTPError:
+    """The HTTP error a client gets for `refusal`; a deadline's names the header that asks
+    for a longer one, and the most it may ask (`longest_deadline`: --max-timeout, where
+    known), for a client that asked for more and was given that."""
     reason = refusal.reason
+    longer = LONGER_DEADLINE
+    if longest_deadline is not None:
+        longer += f", up to {longest_deadline:g}"
     if reason is Reason.NEVER_ADMISSIBLE:  # a retry cannot help: never 503
         return PayloadTooLarge(refusal.message)
     if reason is Reason.DEADLINE_PASSED:
-        return GatewayTimeout(refusal.message)
+        return GatewayTimeout(f"{refusal.message}; {longer}")
     if reason is Reason.INPUT_REJECTED:
         return UnprocessableInput(refusal.message)
     if reason is Reason.MODEL_FAILED:
@@ -39,9 +46,10 @@ def http_error(refusal: Refusal) -> HTTPError:
     # queue full, deadline unreachable, no worker, loading, shutting down: retry later
     retry_after = refusal.retry_after if refusal.retry_after is not None else DEFAULT_RETRY_AFTER
     if reason in BUSY:
-        return ServiceUnavailable(
-            refusal.message, retry_after=spread(retry_after), in_ms=True, busy=True
-        )
+        message = refusal.message
+        if reason is Reason.DEADLINE_UNREACHABLE:
+            message = f"{message}; {longer}"
+        return ServiceUnavailable(message, retry_after=spread(retry_after), in_ms=True, busy=True)
     return ServiceUnavailable(refusal.message, retry_after=retry_after)
 
 

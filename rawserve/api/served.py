@@ -31,6 +31,7 @@ class ServedModel:
     serving: Serving
     facts: Mapping[str, Any] = field(default_factory=dict)  # its options, for /info
     aliases: tuple[str, ...] = ()  # other names it answers to (the Hub id beside an alias)
+    longest_deadline: float | None = None  # seconds X-Request-Timeout may ask (--max-timeout)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -66,7 +67,7 @@ class ServedModel:
         try:
             return await self.serving.run(inputs, params, deadline, control)
         except Refused as refused:
-            raise http_error(refused.refusal) from None
+            raise http_error(refused.refusal, self.longest_deadline) from None
 
     def refuse_if_full(self) -> None:
         """Raise the 503 a request would get now because the queue is full."""

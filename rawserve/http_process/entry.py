@@ -129,6 +129,7 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
             RemoteServing(link, index, metrics.for_model(model.name)),
             link.facts[index],
             aliases=model.aliases,
+            longest_deadline=config.app.max_timeout,
         )
         for index, model in enumerate(spec.models)
     ]

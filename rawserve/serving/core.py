@@ -93,6 +93,17 @@ class DeadlineUnreachable(QueueFull):
     reason = "the work queued ahead would outlast the request's deadline"
 
 
+class OwnTimeUnreachable(DeadlineUnreachable):
+    """Refused at admission by a continuous worker past half its rows: the sequence's own
+    new tokens, at the pace of the rows it would share, would not end by its deadline,
+    with no work ahead of it to blame (a row may be free for it now)."""
+
+    reason = (
+        "at the pace of the sequences running now, the new tokens it asks for would not all "
+        "come before its deadline: ask for fewer, or retry when it is less busy"
+    )
+
+
 class NeverAdmissible(Exception):
     """Refused at admission for good: more items than the queue can ever hold."""
 
@@ -222,7 +233,9 @@ class SchedulerCore:
         Raises NeverAdmissible for more items than the queue holds, QueueFull over the
         queue bound, and DeadlineUnreachable (given `now`) when the work queued ahead,
         at the measured speed, would end after the items' deadline (never when nothing
-        is queued ahead: the items' own cost alone is no reason to send them away).
+        is queued ahead: the items' own cost alone is no reason to send them away), or
+        OwnTimeUnreachable where a continuous worker's pace refuses sequences for their
+        own length, not for the work ahead.
         """
         if len(items) > self.max_queue:
             raise NeverAdmissible(len(items), self.max_queue)
@@ -231,6 +244,10 @@ class SchedulerCore:
         for offset, item in enumerate(items):
             item.turn = self._turn + offset
         if now is not None and items and self._misses_deadline(items, now):
+            if self._continuous(items) and now + self._own_seconds(items) > min(
+                item.deadline for item in items
+            ):
+                raise OwnTimeUnreachable(self.retry_after(now))
             raise DeadlineUnreachable(self.retry_after(now))
         for item in items:
             queue = self._queues.get(item.key)
@@ -256,7 +273,7 @@ class SchedulerCore:
         anything refused before the speed is trusted (`CostModel.trusted`)."""
         if not self.cost_model.trusted:
             return False
-        if self.max_size == 1 and all(item.new_tokens for item in items):
+        if self._continuous(items):
             return self._waits_too_long_for_a_row(items, now)
         deadline = min(item.deadline for item in items)
         own = [item.cost for item in items]
@@ -286,6 +303,14 @@ class SchedulerCore:
         assert with_ahead is not None  # measured, as `everything` was
         return now + ADMIT_MARGIN * (in_flight + with_ahead) > deadline
 
+    def _continuous(self, items: Sequence[WorkItem]) -> bool:
+        """Whether `items` are sequences on a continuous worker's rows."""
+        return self.max_size == 1 and all(item.new_tokens for item in items)
+
+    def _own_seconds(self, items: Sequence[WorkItem]) -> float:
+        """The longest predicted time of `items`' sequences, each on a row of its own."""
+        return max(self.cost_model.predict(item.cost) or 0.0 for item in items)
+
     def _waits_too_long_for_a_row(self, items: Sequence[WorkItem], now: float) -> bool:
         """`_misses_deadline` for sequences on a continuous worker's rows. A sequence runs
         on a row of its own, a step at a time, its own predicted time whole (the rows share
@@ -307,7 +332,7 @@ class SchedulerCore:
             return False  # nothing ahead, no row shared: its own time is no reason
         free = self.workers - running
         deadline = min(item.deadline for item in items)
-        own = max(self.cost_model.predict(item.cost) or 0.0 for item in items)
+        own = self._own_seconds(items)
         # when each running row frees, soonest first; then rows free at their average pace
         frees = sorted(max(0.0, f.sent + f.predicted - now) for f in self._in_flight.values())
         pace = sum(f.predicted for f in self._in_flight.values()) / max(len(frees), 1)

@@ -257,11 +257,13 @@ class WorkerPool(PoolReports):
     ) -> None:
         """Nobody waits for the batch behind `future` any more (its clients left, or their
         deadlines passed), or for its `items` (their places in it): a continuous worker
-        frees their rows at its next step. A batch run whole runs on (its worker reads
-        nothing until it is done), but a lone item that took every core holds them no
-        longer: the other workers take the queue. None of them runs again after a crash:
-        the retries waiting are dropped (run past their deadlines, they were computed for
-        nobody while the queue waited behind them)."""
+        frees their rows at its next step. A batch run whole is told so too, once nobody
+        waits for any of it: a generation stops at its next token (`generate` ran a
+        non-streamed one to its max_tokens, long past its 504, while every request queued
+        behind it met its own); other tasks run on, but a lone item that took every core
+        holds them no longer: the other workers take the queue. None of them runs again
+        after a crash: the retries waiting are dropped (run past their deadlines, they
+        were computed for nobody while the queue waited behind them)."""
         dropped = [retry for retry in self._retries if retry.forget(future, items)]
         for retry in dropped:
             self._retries.remove(retry)
@@ -269,11 +271,14 @@ class WorkerPool(PoolReports):
         for worker in self.workers:
             for running in worker.running.forget(future, items):
                 self._cancel(worker, running)
-            if worker.queued is not None:
-                worker.queued.forget(future, items)  # (sent: it runs, but never again)
+            queued = worker.queued
+            if queued is not None and queued.forget(future, items):
+                self._cancel(worker, queued)  # (sent: it runs, stopped, but never again)
             job = worker.job
-            if job is not None and job.forget(future, items) and worker is self._all_cores:
-                self._pump()
+            if job is not None and job.forget(future, items):
+                self._cancel(worker, job)
+                if worker is self._all_cores:
+                    self._pump()
         if dropped:
             self._pump()  # the queue no longer waits behind them
 

@@ -158,7 +158,8 @@ PROGRESS_EVERY = 1.0  # seconds between two `Progress` messages at most
 class Cancel:
     """The server no longer wants a batch's answer (its client left, or its deadline
     passed). A continuous worker ends the batch's sequences at its next decoding step and
-    answers the batch with what it has; a worker that runs one batch at a time ignores it."""
+    answers the batch with what it has; a worker that runs one batch at a time (its feeder
+    thread reads it meanwhile) stops a generation at its next token, and runs the rest on."""
 
     batch_id: int
 

@@ -206,6 +206,7 @@ class CausalLMRunner(Runner):
         self.grammars = Grammars(self.tokenizer, self.model.get_output_embeddings().out_features)
         self.send: Callable[[Any], None] | None = None
         self.cancelled_stream: Any = None  # a shared integer: the stream id to stop
+        self.batch_cancelled: Callable[[], bool] = lambda: False  # nobody waits for it
         self.decode_graphs = False  # the continuous batch's steps replayed (a GPU)
         # the latest prompt scored (its ids and `top_n`) and its scores: a request's `n`
         # choices come as n sequences of one prompt, each asking for its scores
@@ -543,6 +544,9 @@ class CausalLMRunner(Runner):
         """Where token chunks go (the worker's pipe) and where cancellations come from."""
         self.send, self.cancelled_stream = send, cancelled_stream
 
+    def bind_cancel(self, cancelled: Callable[[], bool]) -> None:
+        self.batch_cancelled = cancelled
+
     def run(
         self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
     ) -> list[Any]:
@@ -618,6 +622,8 @@ class CausalLMRunner(Runner):
                 send(TokenChunk(stream_id=stream_id, index=rows[index], token=token))
 
         def cancelled() -> bool:
+            if self.batch_cancelled():
+                return True
             flag = self.cancelled_stream
             return stream_id is not None and flag is not None and flag.value == stream_id
 

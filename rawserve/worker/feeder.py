@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from rawserve.shared.messages import Batch, Shutdown
+from rawserve.shared.messages import Batch, Cancel, Shutdown
 from rawserve.worker.library_panics import panics_as_errors
 
 log = logging.getLogger("rawserve.worker")
@@ -75,6 +75,11 @@ class Feeder:
         # one thread only, so they need no lock
         self._messages_read = 0
         self._messages_taken = 0
+        # the batches the server no longer wants (read here, passed on as messages too),
+        # and the batch the model thread took last: what `running_cancelled` compares
+        self._cancelled: set[int] = set()
+        self._cancel_lock = threading.Lock()
+        self._running: int | None = None
         if prepare is not None:  # the reader hands each message to the preparing thread
             self._read_into: queue.SimpleQueue[Any] = queue.SimpleQueue()
             self._threads.append(
@@ -96,7 +101,16 @@ class Feeder:
         """The next message from the server (a `Shutdown` once its end is closed)."""
         message = self._queue.get()
         self._messages_taken += 1
+        if isinstance(message, Batch):
+            self._running = message.batch_id
+            with self._cancel_lock:  # the cancels of the batches before it are moot
+                self._cancelled = {i for i in self._cancelled if i >= message.batch_id}
         return message
+
+    def running_cancelled(self) -> bool:
+        """Whether the server no longer wants the batch the model thread took last (its
+        clients left, or their deadlines passed): a generation stops at its next token."""
+        return self._running in self._cancelled
 
     def waiting(self) -> bool:
         """Whether a message is here that the model thread has not taken (queued, or
@@ -131,6 +145,9 @@ class Feeder:
                 return
             if self._timed and isinstance(message, Batch):
                 self._received[message.batch_id] = Received(time.perf_counter())
+            if isinstance(message, Cancel):
+                with self._cancel_lock:
+                    self._cancelled.add(message.batch_id)
             self._messages_read += 1
             self._read_into.put(message)
             if isinstance(message, Shutdown):

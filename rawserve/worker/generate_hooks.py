@@ -172,7 +172,10 @@ class TokenWatcher(transformers.StoppingCriteria):
                 if self.on_token is not None:
                     self.on_token(row, token)
         if not all(self.done) and self.cancelled():
-            log.info("generation stopped after %d tokens: the client left", len(self.token_ids[0]))
+            log.info(
+                "generation stopped after %d tokens: the client left (or its deadline passed)",
+                len(self.token_ids[0]),
+            )
             self.done = [True] * len(self.done)
             self.finish_reasons = ["cancelled"] * len(self.done)
         return torch.tensor(self.done, dtype=torch.bool, device=input_ids.device)

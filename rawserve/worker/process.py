@@ -206,6 +206,7 @@ def worker_main(
         return
     out.pickler = runner.answer_pickler
     feeder = Feeder(batches, prepare, timed=True).start()  # the next arrives while one runs
+    runner.bind_cancel(feeder.running_cancelled)  # a generation nobody waits for stops
     cap = BatchCap()
     releaser = FreeMemoryReleaser()  # tensors of every shape: the heap would only grow
     threads = config.threads

@@ -294,6 +294,10 @@ class Runner:
     def bind_stream(self, send: Callable[[Any], None], cancelled_stream: Any) -> None:
         """Runners that stream tokens get the worker's pipe and the cancel flag here."""
 
+    def bind_cancel(self, cancelled: Callable[[], bool]) -> None:
+        """Runners that can stop a batch midway (a generation, at its next token) get here
+        what says that nobody waits for the batch they run any more."""
+
     def count_tokens(self, inputs: list[Any], tokenizer: Any = None) -> list[int] | None:
         """Real tokens per text input (for the server's length estimate); None if unknown.
         `tokenizer`: the calling thread's own (the preparing thread's), if not the model's."""
