@@ -445,6 +445,34 @@ def test_seq2seq_prefixes_and_output_keys(runner, tiny_model):
     assert generated == [{"generated_text": generate(text)}]
 
 
+class GivesUp:
+    """What says whether anybody waits for the batch: asked once a token, the server gives
+    up after `after` of them."""
+
+    def __init__(self, after: int):
+        self.after, self.asked = after, 0
+
+    def __call__(self) -> bool:
+        self.asked += 1
+        return self.asked > self.after
+
+
+@pytest.mark.parametrize("beams", [1, 4])
+def test_a_seq2seq_batch_nobody_waits_for_stops_generating_at_its_next_token(runner, beams):
+    """As a causal model's: `generate` ran a summary or translation to its length whatever
+    happened to its requests, so one past its deadline (504) held the worker while every
+    request queued behind it met its own 504. Beam search stops as greedy search does."""
+    summarize = runner("seq2seq", "summarization")
+    summarize.bind_cancel(cancelled := GivesUp(after=3))
+    try:
+        params = {"max_new_tokens": 40, "min_new_tokens": 40, "num_beams": beams}
+        [output] = summarize.run(["the movie was very good and i like it"], params)
+    finally:
+        summarize.bind_cancel(lambda: False)
+    assert cancelled.asked == 4  # (not asked again: it stopped there)
+    assert len(summarize.tokenizer(output["summary_text"])["input_ids"]) < 40
+
+
 @pytest.mark.parametrize("task", ["summarization", "translation", "text2text-generation"])
 def test_a_seq2seq_model_without_task_settings_is_served(tiny_model, tmp_path, task):
     """Most seq2seq configs (Marian's, mBART's, NLLB's) name no task_specific_params, and
@@ -655,13 +683,7 @@ def test_a_batch_nobody_waits_for_stops_generating_at_its_next_token(runner):
     requests: past their deadline (504), a worker of `--generation static` went on for
     as long again while every request queued behind it met its own 504."""
     generate = runner("text-generation")
-    asked: list[bool] = []
-
-    def cancelled() -> bool:  # asked once a token: the server gives up after the third
-        asked.append(True)
-        return len(asked) > 3
-
-    generate.bind_cancel(cancelled)
+    generate.bind_cancel(GivesUp(after=3))
     try:
         params = {"max_new_tokens": 50, "do_sample": False, "ignore_eos": True}
         [[output]] = generate.run(["hello"], {**params, "details": True})

@@ -23,6 +23,8 @@ differences).
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +41,23 @@ PIPELINE_MAX_NEW_TOKENS = 256
 # a tokenizer saved without a length declares transformers' VERY_LARGE_INTEGER (~1e30)
 UNDECLARED_LENGTH = 10**9
 UNSET_MAX_LENGTH = (None, 20)  # 20 is generate()'s own default: the model named no length
+
+log = logging.getLogger("rawserve.generation")
+
+
+class Abandoned(transformers.StoppingCriteria):
+    """Stops every row (and every beam) at the next token once nobody waits for the batch
+    (its clients left, or their deadlines passed): `generate` would run it to its length
+    while the requests queued behind it met their own 504."""
+
+    def __init__(self, cancelled: Callable[[], bool]):
+        self.cancelled = cancelled
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        stop = self.cancelled()
+        if stop:
+            log.info("generation stopped: nobody waits for it (clients gone, deadlines passed)")
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
 class Seq2SeqLMRunner(Runner):
@@ -67,6 +86,7 @@ class Seq2SeqLMRunner(Runner):
             declared if declared < UNDECLARED_LENGTH else None
         )
         self.defaults = self.pipeline_defaults()
+        self.batch_cancelled: Callable[[], bool] = lambda: False  # nobody waits for it
 
     @property
     def limits(self) -> ModelLimits:
@@ -90,6 +110,9 @@ class Seq2SeqLMRunner(Runner):
     @property
     def details(self) -> dict[str, Any]:
         return {"translations": sorted(self.directions)}
+
+    def bind_cancel(self, cancelled: Callable[[], bool]) -> None:
+        self.batch_cancelled = cancelled
 
     def pipeline_defaults(self) -> dict[str, Any]:
         """Step 2: what the pipeline set where the model's generation config says nothing."""
@@ -177,7 +200,13 @@ class Seq2SeqLMRunner(Runner):
                 "longest_first or only_first, to cut it"
             )
         with torch.inference_mode():
-            generated = self.model.generate(**encoded.to(self.device), **options)
+            generated = self.model.generate(
+                **encoded.to(self.device),
+                **options,
+                stopping_criteria=transformers.StoppingCriteriaList(
+                    [Abandoned(self.batch_cancelled)]
+                ),
+            )
         texts = self.tokenizer.batch_decode(
             generated,
             skip_special_tokens=True,
