@@ -100,7 +100,7 @@ class ServerConfig:
     tls: Tls | None
     http: ProtocolSettings  # what each connection is allowed
     app: AppSettings
-    grace: float  # seconds to drain on SIGTERM/SIGINT
+    grace: float  # seconds to drain on SIGTERM/SIGINT/SIGHUP
     http_processes: int  # processes that speak HTTP; 1: the serving process does too
     loop: str  # the event loop that runs: "uvloop" or "asyncio" (--loop, settled)
     log_level: str

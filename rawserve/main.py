@@ -38,6 +38,7 @@ from rawserve.ops import layout_trial, loops
 from rawserve.ops.loading import log_loading_progress
 from rawserve.ops.metrics import Metrics
 from rawserve.ops.open_files import open_standard_descriptors, raise_open_files_limit
+from rawserve.ops.stop_signals import stop_signals
 from rawserve.options import parse_config
 from rawserve.serving import CoreShare, ModelService, Scheduler, SchedulerCore
 from rawserve.serving import WorkerPool as Executor
@@ -51,7 +52,7 @@ from rawserve.tasks import CUSTOM_TASK
 
 log = logging.getLogger("rawserve")
 
-# A second SIGTERM/SIGINT this soon after the first is the same stop delivered twice
+# A second stop signal this soon after the first is the same stop delivered twice
 # (`make serve` stopped through its process group: from the group, then from make).
 SIGNAL_REPEAT_SECONDS = 1.0
 # this start's id, given to its workers and its layout trial's timers: a trial verdict
@@ -211,7 +212,7 @@ async def serve(
     # A stop from the first moment: once workers or HTTP processes are started, dying of
     # the signal would orphan them; a stop during the start drains once it is done.
     stop = Stop(config.grace, executors)
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in stop_signals():
         loop.add_signal_handler(signum, stop.on_signal, signum)
     try:
         if not settle_layout:
@@ -309,7 +310,7 @@ async def serve(
 
 
 class Stop:
-    """SIGTERM and SIGINT: the first drains the server (`asked`); a second, unless it is
+    """SIGTERM, SIGINT and SIGHUP: the first drains the server (`asked`); a second, unless it is
     the first delivered twice, kills every worker and HTTP process and exits at once."""
 
     def __init__(self, grace: float, executors: Sequence[Executor]):

@@ -250,7 +250,7 @@ OPTIONS = [
         "--grace",
         float,
         30.0,
-        "seconds to drain on SIGTERM/SIGINT; then what is left gets 503, busy workers are "
+        "seconds to drain on SIGTERM/SIGINT/SIGHUP; then what is left gets 503, busy workers are "
         "killed, and the server exits within a second",
     ),
     Option(

@@ -109,6 +109,8 @@ def servers(request, tiny_model, tmp_path_factory):
             "closed_descriptors_server": lambda: RunningServer(echo, closed=(0, 1)),
             "group-of-1": lambda: in_a_group("1"),
             "group-of-2": lambda: in_a_group("2"),
+            "hung-up-group-of-1": lambda: in_a_group("1"),
+            "hung-up-group-of-2": lambda: in_a_group("2"),
         },
     ) as get:
         yield get
@@ -269,17 +271,28 @@ def test_each_closed_standard_descriptor_is_opened_on_dev_null_for_what_the_proc
         assert seen[fd] == [os.devnull, True], fd
 
 
-@pytest.mark.parametrize("group", [pytest.param(f"group-of-{n}", id=n) for n in ("1", "2")])
-def test_a_stop_sent_to_the_whole_process_group_drains_through_the_same_workers(servers, group):
+@pytest.mark.parametrize(
+    ("group", "signum"),
+    [
+        pytest.param(f"{name}group-of-{n}", signum, id=f"{signum.name}-{n}")
+        for name, signum in (("", signal.SIGTERM), ("hung-up-", signal.SIGHUP))
+        for n in ("1", "2")
+    ],
+)
+def test_a_stop_sent_to_the_whole_process_group_drains_through_the_same_workers(
+    servers, group, signum
+):
     """systemd stops a service, and `kill -- -PGID` a group, by signalling every process
     in it: the workers too. They leave the stop to the server, which drains: the batch
-    in hand is answered by the worker that ran it, with no restart and no input blamed."""
+    in hand is answered by the worker that ran it, with no restart and no input blamed.
+    A closed terminal sends SIGHUP to the group: every process died of it, the answer in
+    hand lost (the connection closed without one)."""
     server = servers(group)  # --grace 20, and 1 or 2 HTTP processes
     try:
         pids = json.loads(server.request("GET", "/info")[2])["worker_pids"]
         thread, answers = post_in_background(server, {"inputs": "x", "parameters": {"sleep": 1}})
         server.wait_for_log(SLEEPING, timeout=30)
-        server.signal_group(signal.SIGTERM)
+        server.signal_group(signum)
         assert server.process.wait(timeout=30) == 0
         thread.join(timeout=10)
     finally:

@@ -13,6 +13,7 @@ import dataclasses
 import errno
 import http.client
 import os
+import signal
 import socket
 import ssl
 import subprocess
@@ -25,6 +26,7 @@ from rawserve.fronts import reserve_port
 from rawserve.main import model_facts, worker_config
 from rawserve.models.folder import FolderFacts
 from rawserve.models.plan import ModelPlan
+from rawserve.ops.stop_signals import stop_signals
 from rawserve.options import OPTIONS, parse_config
 from rawserve.shared.messages import Engine
 from tests.server import REPO_ROOT, RunningServer, ipv6_loopback
@@ -478,3 +480,17 @@ def test_an_ipv6_host_serves_and_the_log_gives_its_url_with_brackets(http_proces
 def test_a_repo_s_onnx_graph_is_fetched_only_where_the_onnx_engine_may_run(argv, fetched):
     pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
     assert parse_config(argv).model.onnx_graphs is fetched
+
+
+def test_a_closed_terminal_drains_the_server_unless_nohup_keeps_it_running():
+    """SIGHUP (a terminal closed, to the whole process group) killed every process at once,
+    its answers in flight lost: it drains as SIGTERM does. Ignored, as `nohup` leaves it,
+    it is left ignored: the server outlives its terminal."""
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        assert stop_signals() == (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        assert stop_signals() == (signal.SIGTERM, signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGHUP, before)

@@ -14,7 +14,6 @@ import asyncio
 import gc
 import logging
 import os
-import signal
 import socket
 import sys
 from collections.abc import Callable, Mapping
@@ -29,6 +28,7 @@ from rawserve.http_process.front import listen, requests_answered
 from rawserve.http_process.remote import Link, RemoteServing
 from rawserve.ops import loops
 from rawserve.ops.metrics import CONTENT_TYPE, Metrics, render_families
+from rawserve.ops.stop_signals import stop_signals
 from rawserve.options import parse_config
 from rawserve.protocol import HttpProtocol
 from rawserve.shared.board import Board
@@ -146,7 +146,7 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
         reuse_port=True,
     )
     metrics.start(loop)
-    for signum in (signal.SIGTERM, signal.SIGINT):  # a stop sent to the whole group
+    for signum in stop_signals():  # a stop sent to the whole group (a closed terminal's)
         loop.add_signal_handler(signum, on_drain, config.grace)
     say_alive(link.send)
     link.send(("listening", os.getpid()))

@@ -37,7 +37,8 @@ def timer_main(config: WorkerConfig, size: int, start: Barrier, out: Connection)
     """The median seconds of a batch of `size` example inputs, on `out` (None: there is
     no batch to time, or this timer failed: then the others stop waiting for it; a
     WorkerLoadFailed: the model cannot be loaded, as a worker would report it)."""
-    for signum in (signal.SIGINT, signal.SIGTERM):  # the server stops its timers itself
+    # the server stops its timers itself
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     no_progress_bars()
     setup_worker_logging("layout")

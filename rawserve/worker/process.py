@@ -128,7 +128,7 @@ def worker_main(
     # stop of a service, `kill -- -PGID`) reaches the workers too: the server drains and
     # then stops its workers itself (or kills them), so a worker must not die of it
     # mid-batch (it was restarted, its batch retried as if its input had crashed it).
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (SIGHUP: a closed terminal)
         signal.signal(signum, signal.SIG_IGN)
     no_progress_bars()
     setup_worker_logging(label)  # the server's --log-level and --log-format, from the env
