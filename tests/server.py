@@ -66,12 +66,14 @@ class RunningServer:
             text=True,
             env=self.env,
             start_new_session=self.own_group,
-            preexec_fn=self._close_descriptors if self.closed else None,
+            preexec_fn=self._prepare_child if self.own_group or self.closed else None,
         )
         self._reader = threading.Thread(target=self._read_log, daemon=True)
         self._reader.start()
 
-    def _close_descriptors(self) -> None:
+    def _prepare_child(self) -> None:
+        if self.own_group:  # as a terminal's session starts it, even where the tests run
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)  # under nohup (SIGHUP ignored)
         for fd in self.closed:
             os.close(fd)
 
