@@ -23,7 +23,7 @@ import enum
 import importlib.util
 import os
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,11 +79,18 @@ class ModelConfig:
     def onnx_graphs(self) -> bool:
         """Whether the ONNX engine may serve an encoder task here (not --engine torch; on
         the CPU, in float32, with onnxruntime): a Hub repo's own graph is then fetched."""
-        if self.engine is Engine.TORCH:
-            return False
-        installed = importlib.util.find_spec("onnxruntime") is not None  # the `onnx` extra
-        device = layout.engine_device(self.devices)
-        return onnx_unfit(None, device, self.dtype, installed) is None
+        return self.engine is not Engine.TORCH and onnx_unfit_here(self.devices, self.dtype) is None
+
+
+def onnx_unfit_here(
+    devices: Sequence[str] | None, dtype: str, gpu: Callable[[], bool] | None = None
+) -> str | None:
+    """Why ONNX Runtime cannot serve an encoder task on the device `devices` name (--device
+    parsed; None: the default layout, `gpu` saying whether it is a GPU's), in `dtype`, with
+    what is installed; None where it can. What a worker would refuse once loaded, known
+    before any starts but for the model's task."""
+    installed = importlib.util.find_spec("onnxruntime") is not None  # the `onnx` extra
+    return onnx_unfit(None, layout.engine_device(devices, gpu), dtype, installed)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ Server process; standard library and the checks of the values' own modules only.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import os
 import re
@@ -23,7 +22,7 @@ from typing import Any, NoReturn
 
 from rawserve import __version__
 from rawserve.api.settings import AppSettings
-from rawserve.config import Batching, ModelConfig, ServerConfig, Tls
+from rawserve.config import Batching, ModelConfig, ServerConfig, Tls, onnx_unfit_here
 from rawserve.http.limits import ProtocolSettings
 from rawserve.http.tls import server_context
 from rawserve.ops import layout
@@ -31,7 +30,6 @@ from rawserve.ops.loops import LOOPS, chosen_loop
 from rawserve.shared.devices import cpu_cores, parse_devices
 from rawserve.shared.logs import LOG_FORMATS, LOG_LEVELS
 from rawserve.shared.messages import Engine
-from rawserve.tasks import onnx_unfit
 
 # Batch limits by device. A CPU's cost grows with the items, and 32 keeps a batch's time
 # short; a GPU's throughput doubles from 64 to 256 items (an H100, BERT-base: the issue's
@@ -424,10 +422,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         args.http_processes = http_processes_default(gpu, cores)
     check_values(args, parser, cores)
     if engine is Engine.ONNX and not args.handler:  # (a handler's engine is its own)
-        # what a worker would refuse once loaded, known now but for the model's task
-        device = layout.engine_device(devices, lambda: gpu)
-        installed = importlib.util.find_spec("onnxruntime") is not None  # the `onnx` extra
-        unfit = onnx_unfit(None, device, args.dtype, installed)
+        unfit = onnx_unfit_here(devices, args.dtype, lambda: gpu)
         if unfit:
             parser.error(f"--engine onnx: {unfit}")
     http = ProtocolSettings(

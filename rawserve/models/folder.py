@@ -35,7 +35,9 @@ TORCH_WEIGHTS = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
-WEIGHTS = (*TORCH_WEIGHTS, "onnx/model.onnx")
+SHIPPED_GRAPH = "onnx/model.onnx"  # a repo's own float32 export, which the ONNX engine serves
+SHIPPED_GRAPH_DATA = ("onnx/model.onnx_data", "onnx/model.onnx.data")  # its weights, kept apart
+WEIGHTS = (*TORCH_WEIGHTS, SHIPPED_GRAPH)
 
 # What a tokenizer is built from, every family's (a fast tokenizer's tokenizer.json, a
 # vocabulary, BPE merges, a sentencepiece or tiktoken model); tokenizer_config.json alone

@@ -47,6 +47,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import validate_repo_id
 from tqdm.std import tqdm
 
+from rawserve.models.folder import SHIPPED_GRAPH, SHIPPED_GRAPH_DATA, TORCH_WEIGHTS
 from rawserve.models.names import ModelSpec, default_names
 from rawserve.shared.logs import first_line
 
@@ -67,8 +68,6 @@ NOT_NEEDED = [
     "coreml/*",
 ]
 PICKLED_WEIGHTS = ["*.bin", "*.pt", "*.pth"]  # skipped when the repo has safetensors
-SHIPPED_GRAPH = "onnx/model.onnx"  # a repo's own float32 export, which the ONNX engine serves
-SHIPPED_GRAPH_DATA = ("onnx/model.onnx_data", "onnx/model.onnx.data")  # its weights, kept apart
 PROGRESS_SECONDS = 5.0  # a download logs a progress line this often
 # a commit as `git log --oneline` and the Hub's pages show it: its first hex digits
 SHORT_COMMIT = re.compile(r"[0-9a-f]{7,39}")
@@ -187,11 +186,11 @@ def fetch_shipped_graph(resolved: ResolvedModel, only_weights: bool = False) -> 
     )
 
 
-def only_shipped_graph(resolved: ResolvedModel, torch_weights: Sequence[str]) -> bool:
-    """Whether the repo's weights are its own ONNX graph alone, none of `torch_weights`
-    (an ONNX-only repo, as transformers.js ones are); False where its files are not known."""
+def only_shipped_graph(resolved: ResolvedModel) -> bool:
+    """Whether the repo's weights are its own ONNX graph alone, none that torch loads (an
+    ONNX-only repo, as transformers.js ones are); False where its files are not known."""
     files = set(resolved.files or ())
-    return SHIPPED_GRAPH in files and not files.intersection(torch_weights)
+    return SHIPPED_GRAPH in files and not files.intersection(TORCH_WEIGHTS)
 
 
 def cached_commit(repo_id: str, revision: str | None) -> str | None:

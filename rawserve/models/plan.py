@@ -16,8 +16,8 @@ from pathlib import Path
 
 from rawserve.models.folder import (
     DEFAULT_MODEL_NAME,
+    SHIPPED_GRAPH,
     TASK_ALIASES,
-    TORCH_WEIGHTS,
     FolderFacts,
     default_model,
     infer_task,
@@ -25,7 +25,6 @@ from rawserve.models.folder import (
     served_name,
 )
 from rawserve.models.hub import (
-    SHIPPED_GRAPH,
     ModelNotFound,
     ResolvedModel,
     fetch_shipped_graph,
@@ -141,7 +140,7 @@ def _plan(spec: ModelSpec, named: str, onnx_graphs: bool = False) -> ModelPlan:
     """`spec` with --task and --revision applied (`named`: as the command line named it;
     `onnx_graphs`: fetch the repo's own ONNX graph where the engine may read it)."""
     resolved = resolve_model(spec)
-    if only_shipped_graph(resolved, TORCH_WEIGHTS):  # its graph is the model, or nothing is
+    if only_shipped_graph(resolved):  # its graph is the model, or nothing is
         _fetch_only_graph(resolved, spec.task, named, onnx_graphs)
     facts = _facts(resolved.folder, spec.task, named)
     if onnx_graphs and onnx_unfit(facts.task) is None:  # only where the engine may read it

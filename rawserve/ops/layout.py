@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rawserve.models.folder import SHIPPED_GRAPH, SHIPPED_GRAPH_DATA
 from rawserve.shared.devices import gpu_present
 
 RAM_SHARE = 0.5  # of the machine's RAM, for all the model workers together
@@ -28,8 +29,6 @@ WORKER_OVERHEAD = 400 * 2**20  # bytes: measured RSS of a worker before its mode
 HANDLER_OVERHEAD = 40 * 2**20  # ... of a handler's worker before its code (33 MiB measured)
 # The weights' formats, preferred first: a folder with several holds one copy in each.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".onnx")
-# A folder's own ONNX graph under onnx/, and its weights where they are kept apart.
-SHIPPED_GRAPH_FILES = ("model.onnx", "model.onnx_data", "model.onnx.data")
 
 
 @dataclass(frozen=True)
@@ -83,7 +82,7 @@ def model_bytes(folder: Path) -> int:
             sizes = [path.stat().st_size for path in folder.glob(f"*{suffix}") if path.is_file()]
             if sizes:
                 return sum(sizes)
-        shipped = [folder / "onnx" / name for name in SHIPPED_GRAPH_FILES]
+        shipped = [folder / name for name in (SHIPPED_GRAPH, *SHIPPED_GRAPH_DATA)]
         return sum(path.stat().st_size for path in shipped if path.is_file())
     except OSError:
         return 0

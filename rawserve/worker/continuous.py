@@ -336,9 +336,7 @@ class ContinuousBatcher:
         prompts = fresh + list(forked)  # the rows of `keys`, `values` and `logits` below
         lengths = [len(prompt) for prompt in prompts]
         width = max(lengths)
-        mask = torch.tensor(
-            [[0] * (width - n) + [1] * n for n in lengths], dtype=torch.long, device=self.device
-        )
+        mask = self._left_mask(lengths, width)
         parts = [self._prefilled(fresh, width)] if fresh else []
         for prompt, (their_keys, their_values, scores) in forked.items():
             pad = (0, 0, width - len(prompt), 0)  # left, in the columns
@@ -373,11 +371,7 @@ class ContinuousBatcher:
             [[0] * (longest - len(prompt)) + list(prompt) for prompt in prompts],
             device=self.device,
         )
-        mask = torch.tensor(
-            [[0] * (longest - len(p)) + [1] * len(p) for p in prompts],
-            dtype=torch.long,
-            device=self.device,
-        )
+        mask = self._left_mask([len(prompt) for prompt in prompts], longest)
         graphed = self.prefill_graphs
         prefilled = graphed.prefill(ids, mask) if graphed else None
         keys, values, logits = prefilled or self._prefill(ids, mask)
@@ -390,6 +384,11 @@ class ContinuousBatcher:
         if width > longest:
             keys, values = [F.pad(k, pad) for k in keys], [F.pad(v, pad) for v in values]
         return keys, values, logits
+
+    def _left_mask(self, lengths: list[int], width: int) -> torch.Tensor:
+        """The attention mask of rows of `lengths` tokens, left-padded to `width`."""
+        rows = [[0] * (width - n) + [1] * n for n in lengths]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def _forked(
         self, prompts: list[tuple[int, ...]]

@@ -21,7 +21,7 @@ import torch
 import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-from rawserve.models.folder import TORCH_WEIGHTS
+from rawserve.models.folder import SHIPPED_GRAPH, TORCH_WEIGHTS
 from rawserve.shared.messages import Engine, WorkerConfig
 from rawserve.tasks import SEQ2SEQ_TASKS, onnx_unfit
 from rawserve.worker import engine_trial, onnx_engine, precision_trial
@@ -130,7 +130,7 @@ def measured_engine(config: WorkerConfig, task: str, device: str) -> tuple[Engin
     trial's cached verdict or a trial now; torch alone where ONNX Runtime cannot load it."""
     if not torch_loads(Path(config.model)):  # its own ONNX graph alone: nothing to contest
         network = onnx_engine.load_network(config.model, task, config.threads or 1)
-        reason = f"auto: the model has no weights for torch, only {onnx_engine.SHIPPED_GRAPH}"
+        reason = f"auto: the model has no weights for torch, only {SHIPPED_GRAPH}"
         return Engine.ONNX, reason, build_runner(config, task, device, network)
     size = config.warmup_batch or engine_trial.TRIAL_BATCH
     cache_dir = engine_trial.default_cache_dir()
@@ -223,7 +223,7 @@ def trial_key(config: WorkerConfig, task: str, size: int) -> dict[str, object]:
     """What the trial's verdict depends on (rawserve.worker.engine_trial): the graph
     ONNX Runtime ran is the export of the model's files, or the folder's own graph
     (one that appears, fetched from the Hub later, is another contest)."""
-    shipped = Path(config.model) / onnx_engine.SHIPPED_GRAPH
+    shipped = Path(config.model) / SHIPPED_GRAPH
     return {
         **onnx_engine.cache_key(Path(config.model), onnx_engine.HEADS[task]),
         **({"shipped": engine_trial.fingerprint(shipped)} if shipped.is_file() else {}),

@@ -51,6 +51,7 @@ import torch
 import transformers
 from transformers import modeling_outputs
 
+from rawserve.models.folder import SHIPPED_GRAPH
 from rawserve.shared.devices import cpu_cores
 from rawserve.shared.logs import first_line
 from rawserve.worker import engine_trial
@@ -58,7 +59,6 @@ from rawserve.worker import engine_trial
 log = logging.getLogger("rawserve.onnx")
 
 RECIPE = 1  # bump when the export recipe changes: cached graphs are made again
-SHIPPED_GRAPH = Path("onnx") / "model.onnx"
 SHIPPED = f"the model's own {SHIPPED_GRAPH}"  # where the served graph came from, for /info
 EXPORTED = "exported"
 # What the runners feed a network: the tokenizer's tensors, (batch, sequence) of int64
