@@ -31,7 +31,7 @@ from rawserve.api.settings import AppSettings
 from rawserve.http.limits import ProtocolSettings
 from rawserve.models.plan import ModelPlan
 from rawserve.ops import layout
-from rawserve.shared.devices import cpu_cores, parse_devices
+from rawserve.shared.devices import AFFINITY, CoreCount, core_count, parse_devices
 from rawserve.shared.messages import Engine
 from rawserve.tasks import onnx_unfit
 
@@ -138,7 +138,8 @@ def plan_workers(
     single-threaded worker per core for each model, as many as memory holds copies of all
     the models (rawserve.ops.layout); otherwise one worker per device given (`cores`: the
     machine's, read when not given)."""
-    cores = cores or cpu_cores()
+    found = core_count() if cores is None else CoreCount(cores, AFFINITY)
+    cores = found.cores
     devices = model.devices
     reason = f"--device {model.device or 'auto'}"
     chosen = False
@@ -158,4 +159,5 @@ def plan_workers(
         cpu_devices = sum(device in ("cpu", "auto") for device in devices)
         cpu_workers = max(1, cpu_devices * max(1, len(plans)))
         threads = max(1, cores // cpu_workers)
+    reason += layout.container_limits(found)
     return WorkerPlan(devices, threads, model.threads is None, reason, chosen)

@@ -52,3 +52,10 @@ def ascii_locale(monkeypatch):
         return read_text(self, encoding or "ascii", *args, **kwargs)
 
     monkeypatch.setattr(Path, "read_text", in_the_locale)
+
+
+@pytest.fixture(autouse=True)
+def no_container_limits(monkeypatch):
+    """The in-process tests fake the cores and the RAM they count; the cgroup limits of a
+    CI runner's own container are not theirs to count (tests/test_devices.py builds its own)."""
+    monkeypatch.setattr("rawserve.shared.cgroups.ROOT", Path("/nonexistent-cgroup-root"))

@@ -9,6 +9,7 @@ from rawserve.models.plan import plan_models
 from rawserve.ops.layout import WORKER_OVERHEAD, cpu_layout, model_bytes, ram_bytes
 from rawserve.options import parse_config
 from tests.server import RunningServer
+from tests.test_devices import v1_tree, v2_tree
 
 GIB = 2**30
 
@@ -64,6 +65,18 @@ def test_ram_is_read_from_meminfo(tmp_path):
     assert ram_bytes(tmp_path / "missing") is None
 
 
+def test_a_container_s_memory_limit_bounds_the_ram(tmp_path):
+    """`docker run --memory 4g` on a 64 GiB host: MemTotal is the host's, and copies
+    planned for 64 GiB were killed by the kernel past 4."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal:       {64 * GIB // 1024} kB\n")
+    root = v2_tree(tmp_path / "root", "max 100000", str(4 * GIB))
+    assert ram_bytes(meminfo, root) == 4 * GIB
+    assert ram_bytes(tmp_path / "missing", root) == 4 * GIB
+    unlimited = v1_tree(tmp_path / "unlimited", "-1")
+    assert ram_bytes(meminfo, unlimited) == 64 * GIB
+
+
 def settled(argv: list[str]) -> WorkerPlan:
     config = parse_config(argv)
     plans = plan_models(config.models, task=config.task, handler=config.handler)
@@ -94,6 +107,24 @@ def test_the_layout_counts_the_cores_this_process_may_run_on(monkeypatch):
     assert workers.devices == ("cpu", "cpu") and workers.threads == 1
     with pytest.raises(SystemExit):
         parse_config(["--handler", "tests.handlers:echo", "--http-processes", "3"])
+
+
+def test_the_layout_counts_a_container_s_limits_and_says_so(monkeypatch, tmp_path):
+    """`docker run --cpus 2 --memory 4g` on a 64-core host: 2 workers, and the log line
+    and /info's layout say which limits made them 2."""
+    monkeypatch.delenv("RAWSERVE_DEVICE", raising=False)
+    monkeypatch.setattr("rawserve.ops.layout.gpu_present", lambda: False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
+    root = v2_tree(tmp_path, "200000 100000", str(4 * GIB))
+    monkeypatch.setattr("rawserve.shared.cgroups.ROOT", root)
+    workers = settled(["--handler", "tests.handlers:echo"])
+    assert workers.devices == ("cpu", "cpu") and workers.threads == 1
+    assert "a cgroup CPU limit of 2 (/sys/fs/cgroup/cpu.max), of 64 allowed" in workers.layout
+    assert "RAM at most 4.0 GiB (/sys/fs/cgroup/memory.max)" in workers.layout
+    explicit = settled(["--handler", "tests.handlers:echo", "--device", "cpu"])
+    assert explicit.threads == 2 and "cgroup CPU limit" in explicit.layout
+    with pytest.raises(SystemExit):  # --http-processes and --threads: at most 2 too
+        parse_config(["--handler", "tests.handlers:echo", "--threads", "3"])
 
 
 def test_a_handler_s_workers_are_counted_at_what_they_load_not_at_a_model_s(monkeypatch):

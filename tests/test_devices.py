@@ -1,10 +1,14 @@
-"""Device lists and per-worker GPU isolation, without a GPU."""
+"""Device lists and per-worker GPU isolation, without a GPU; the cores a process may
+run on, its container's CPU limit counted (on fake cgroup trees)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from rawserve.shared.devices import DevicePlan, isolate, parse_devices
+from rawserve.shared import cgroups
+from rawserve.shared.devices import AFFINITY, DevicePlan, core_count, isolate, parse_devices
 
 
 @pytest.mark.parametrize(
@@ -55,3 +59,103 @@ def test_two_gpu_workers_never_share_a_visible_device():
     plans = [isolate(device) for device in parse_devices("cuda:0,cuda:1")]
     assert [plan.visible_gpus for plan in plans] == ["0", "1"]
     assert {plan.torch_device for plan in plans} == {"cuda:0"}
+
+
+# --- the cores: the affinity, and a container's CPU limit --------------------------
+
+
+def cgroup_tree(root: Path, cgroup: str, mountinfo: str, files: dict[str, str]) -> Path:
+    """A fake `/` with this process's /proc/self/cgroup and mountinfo, and cgroup files."""
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text(cgroup)
+    (root / "proc/self/mountinfo").write_text(mountinfo)
+    for name, text in files.items():
+        (root / name.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+        (root / name.lstrip("/")).write_text(text)
+    return root
+
+
+V2_MOUNT = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
+V1_MOUNTS = (
+    "31 23 0:28 / /sys/fs/cgroup rw - tmpfs tmpfs rw,mode=755\n"
+    "32 31 0:29 /docker/abc /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
+    "35 31 0:32 /docker/abc /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n"
+)
+
+
+def v2_tree(root: Path, cpu_max: str, memory_max: str = "max") -> Path:
+    """`docker run --cpus …` on cgroup v2, with its own cgroup namespace: its cgroup is `/`."""
+    files = {"sys/fs/cgroup/cpu.max": cpu_max, "sys/fs/cgroup/memory.max": memory_max}
+    return cgroup_tree(root, "0::/\n", V2_MOUNT, files)
+
+
+def v1_tree(root: Path, quota: str, limit: str = "9223372036854771712") -> Path:
+    """The same on cgroup v1 without a cgroup namespace: its cgroup is /docker/abc, which
+    the controllers' mounts show at their mount points."""
+    files = {
+        "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": quota,
+        "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000",
+        "sys/fs/cgroup/memory/memory.limit_in_bytes": limit,
+    }
+    cgroup = "12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/docker/abc\n"
+    return cgroup_tree(root, cgroup, V1_MOUNTS, files)
+
+
+@pytest.mark.parametrize(
+    ("tree", "cores"),
+    [
+        (lambda root: v2_tree(root, "200000 100000"), 2),  # --cpus 2
+        (lambda root: v2_tree(root, "150000 100000"), 2),  # --cpus 1.5: rounded up
+        (lambda root: v2_tree(root, "10000 100000"), 1),  # --cpus 0.1: one at least
+        (lambda root: v2_tree(root, "max 100000"), 64),  # no limit
+        (lambda root: v2_tree(root, "12800000 100000"), 64),  # more than the affinity
+        (lambda root: v1_tree(root, "300000"), 3),
+        (lambda root: v1_tree(root, "-1"), 64),
+        (lambda root: root, 64),  # no /proc, no cgroup files
+    ],
+)
+def test_a_container_s_cpu_limit_bounds_the_cores(tmp_path, monkeypatch, tree, cores):
+    """`docker run --cpus 2` (a Kubernetes CPU limit) on a 64-core host leaves all 64 in
+    the affinity: counted as 64, the layout planned 64 workers throttled to 2 CPUs."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
+    found = core_count(tree(tmp_path))
+    assert found.cores == cores
+    assert (found.source == AFFINITY) == (cores == 64)
+
+
+def test_the_source_names_the_limit_and_the_file_that_sets_it(tmp_path, monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
+    found = core_count(v1_tree(tmp_path, "200000"))
+    assert "/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us" in found.source
+    assert "of 64 allowed" in found.source
+
+
+def test_a_parent_cgroup_s_lower_limit_holds(tmp_path, monkeypatch):
+    """A Kubernetes pod's limit sits on the pod's cgroup, above the container's own."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    files = {
+        "sys/fs/cgroup/kubepods/pod1/cpu.max": "100000 100000",
+        "sys/fs/cgroup/kubepods/pod1/c1/cpu.max": "max 100000",
+        "sys/fs/cgroup/kubepods/pod1/c1/memory.max": "max",
+        "sys/fs/cgroup/kubepods/pod1/memory.max": str(3 * 2**30),
+    }
+    root = cgroup_tree(tmp_path, "0::/kubepods/pod1/c1\n", V2_MOUNT, files)
+    assert core_count(root).cores == 1
+    assert cgroups.memory_limit(root) == cgroups.Limit(
+        3 * 2**30, Path("/sys/fs/cgroup/kubepods/pod1/memory.max")
+    )
+
+
+@pytest.mark.parametrize(
+    ("tree", "limit"),
+    [
+        (lambda root: v2_tree(root, "max 100000", str(4 * 2**30)), 4 * 2**30),
+        (lambda root: v2_tree(root, "max 100000", "max"), None),
+        (lambda root: v1_tree(root, "-1", str(2 * 2**30)), 2 * 2**30),
+        (lambda root: v1_tree(root, "-1"), None),  # v1's "no limit": a huge number
+        (lambda root: v2_tree(root, "max 100000", "not a number"), None),
+    ],
+)
+def test_a_container_s_memory_limit_is_read(tmp_path, tree, limit):
+    found = cgroups.memory_limit(tree(tmp_path))
+    assert (found and found.value) == limit

@@ -5,13 +5,15 @@ Measured on 2 cores (bench/RESULTS.md): one single-threaded worker per core serv
 team of threads stalls whenever one of them loses its core to the event loop; a lone
 item still gets every core (the executor's core sharing). Each worker holds its own copy
 of the model, so the count is bounded by memory: never more copies than fit in
-`RAM_SHARE` of the machine's RAM, a copy counted as COPY_FACTOR x the weights on disk
+`RAM_SHARE` of the RAM this process may use (the machine's, or less where a container's
+memory limit says so), a copy counted as COPY_FACTOR x the weights on disk
 (the weights, plus the runtime's own buffers) plus WORKER_OVERHEAD (the interpreter,
 torch and the tokenizer); a `--handler`'s worker, which loads only what its own code
 imports, HANDLER_OVERHEAD (what its code loads is not known before). A GPU machine gets
 one worker, on its first GPU (`--device` names more).
 
-Server process; reads /proc and the model folder's file sizes, never imports torch.
+Server process; reads /proc, the cgroup's limits and the model folder's file sizes, never
+imports torch.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rawserve.models.folder import SHIPPED_GRAPH, SHIPPED_GRAPH_DATA
-from rawserve.shared.devices import gpu_present
+from rawserve.shared import cgroups
+from rawserve.shared.devices import AFFINITY, CoreCount, gpu_present
 
 RAM_SHARE = 0.5  # of the machine's RAM, for all the model workers together
 COPY_FACTOR = 2.0
@@ -62,8 +65,19 @@ def cpu_layout(
     return Layout(workers, 1, reason)
 
 
-def ram_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """The machine's RAM (MemTotal), or None where /proc/meminfo cannot be read."""
+def ram_bytes(meminfo: Path = Path("/proc/meminfo"), cgroup_root: Path | None = None) -> int | None:
+    """The RAM this process may use: the machine's (MemTotal), or its cgroup's memory
+    limit where that is lower (a container's `--memory`: MemTotal there is the host's,
+    and copies planned for it would be killed by the kernel); None where neither can be
+    read."""
+    total = _mem_total(meminfo)
+    limit = cgroups.memory_limit(cgroup_root)
+    if limit is None:
+        return total
+    return int(limit.value) if total is None else min(total, int(limit.value))
+
+
+def _mem_total(meminfo: Path) -> int | None:
     try:
         for line in meminfo.read_text().splitlines():
             if line.startswith("MemTotal:"):
@@ -71,6 +85,16 @@ def ram_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def container_limits(cores: CoreCount, cgroup_root: Path | None = None) -> str:
+    """What a container's limits made of the cores and RAM counted, for the log and /info
+    ("" where none is set): an operator sees why 2 workers start on a 64-core host."""
+    notes = [] if cores.source == AFFINITY else [f"{cores.cores} core(s): {cores.source}"]
+    memory = cgroups.memory_limit(cgroup_root)
+    if memory is not None:
+        notes.append(f"RAM at most {memory.value / 2**30:.1f} GiB ({memory.file})")
+    return f" [container limits: {'; '.join(notes)}]" if notes else ""
 
 
 def model_bytes(folder: Path) -> int:

@@ -37,7 +37,9 @@ from typing import Any
 
 from rawserve.config import ModelConfig, WorkerPlan
 from rawserve.models.plan import ModelPlan
+from rawserve.ops.layout import container_limits
 from rawserve.shared.board import SharedMemoryError
+from rawserve.shared.devices import core_count
 from rawserve.shared.messages import WorkerConfig, WorkerLoadFailed
 from rawserve.tasks import ENCODER_TASKS
 from rawserve.worker import engine_trial
@@ -132,9 +134,10 @@ def settle(
 
 
 def planned(workers: WorkerPlan, trial: LayoutTrial) -> WorkerPlan:
+    described = trial.describe() + container_limits(core_count())
     if trial.one_worker_wins:
-        return replace(workers, devices=("cpu",), threads=trial.cores, layout=trial.describe())
-    return replace(workers, layout=trial.describe())
+        return replace(workers, devices=("cpu",), threads=trial.cores, layout=described)
+    return replace(workers, layout=described)
 
 
 def recalled(config: WorkerConfig, cores: int, workers: int) -> LayoutTrial | None:

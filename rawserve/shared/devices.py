@@ -1,5 +1,5 @@
 """Device specs: parsing `--device`, isolating one device per worker process, and the
-CPU cores this process may run on.
+CPU cores this process may run on (its affinity, and its container's CPU limit).
 
 Pure functions, no torch: the server parses and checks the list; each worker calls
 `isolate` before torch initialises CUDA, so worker N sees only its own GPU. When the
@@ -9,19 +9,46 @@ list, as it would for torch in the server's environment.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from rawserve.shared import cgroups
+
+AFFINITY = "the CPU affinity"
+
+
+@dataclass(frozen=True)
+class CoreCount:
+    cores: int
+    source: str  # where the count came from, for the log and /info
+
 
 def cpu_cores() -> int:
+    """The cores this process may run on (`core_count`)."""
+    return core_count().cores
+
+
+def core_count(cgroup_root: Path | None = None) -> CoreCount:
     """The cores this process may run on: its CPU affinity (`taskset`, a container's
     `--cpuset-cpus`), which workers and threads inherit, not every core of the machine
-    (os.cpu_count): one worker per core on 2 allowed cores of 64 is 2 workers, not 64."""
+    (os.cpu_count): one worker per core on 2 allowed cores of 64 is 2 workers, not 64.
+    Fewer where its cgroup's CPU quota allows fewer (`docker run --cpus 2`, a Kubernetes
+    CPU limit: every core stays in the affinity, and 64 threads would be throttled to the
+    time of 2), rounded up, as the JVM and .NET round it (Rust's `available_parallelism` rounds
+    down)."""
     if hasattr(os, "sched_getaffinity"):  # Linux; elsewhere every core is allowed
-        return len(os.sched_getaffinity(0)) or 1
-    return os.cpu_count() or 1
+        allowed = len(os.sched_getaffinity(0)) or 1
+    else:
+        allowed = os.cpu_count() or 1
+    limit = cgroups.cpu_limit(cgroup_root)
+    if limit is not None and math.ceil(limit.value) < allowed:
+        cores = max(1, math.ceil(limit.value))
+        source = f"a cgroup CPU limit of {limit.value:g} ({limit.file}), of {allowed} allowed"
+        return CoreCount(cores, source)
+    return CoreCount(allowed, AFFINITY)
 
 
 def gpu_present() -> bool:
