@@ -187,6 +187,23 @@ def test_a_kept_verdict_with_damaged_figures_is_measured_again(
     )
 
 
+def test_weights_the_server_cannot_read_are_reported_by_the_trial_not_a_traceback(
+    tiny_model, tmp_path, monkeypatch
+):
+    """A model folder saved by root (`save_pretrained` writes its weights 0600) served by
+    an image's non-root user: reading the kept verdict's key failed the start with a
+    traceback from main; now nothing is kept, and the timers, which load the model as a
+    worker does, end the start with the one line a worker would report."""
+    monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path))
+    config = worker_config(tiny_model("text-classification"), engine=Engine.TORCH, warmup_batch=4)
+
+    def unreadable(path: Path, *args: object) -> str:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(engine_trial, "fingerprint", unreadable)
+    assert kept(PER_CORE_2, config, cores=2) is None
+
+
 PER_CORE_2 = WorkerPlan(("cpu",) * 2, 1, True, "2 worker(s) x 1 thread ... one per core", True)
 
 

@@ -142,7 +142,10 @@ def planned(workers: WorkerPlan, trial: LayoutTrial) -> WorkerPlan:
 
 def recalled(config: WorkerConfig, cores: int, workers: int) -> LayoutTrial | None:
     size = config.warmup_batch or TRIAL_BATCH
-    key = trial_key(config, cores, workers, size)
+    try:
+        key = trial_key(config, cores, workers, size)
+    except OSError:  # a file the server cannot read: its timers report it, in one line
+        return None
     stored = engine_trial.recalled(engine_trial.default_cache_dir(), CACHE_PREFIX, key)
     try:  # the cores, workers and batch are the key's; the figures are checked
         per_core = engine_trial.positive(stored["per_core"])
