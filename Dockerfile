@@ -11,7 +11,8 @@
 # needs the NVIDIA driver and container toolkit. Models downloaded from the Hub are kept
 # in the /cache volume (HF_HOME), so a restarted container does not download them again;
 # so are the first start's trial verdicts and ONNX exports (RAWSERVE_CACHE_DIR), so it does
-# not measure and export again either.
+# not measure and export again either. With a read-only root (`--read-only`), /tmp must be
+# writable too (`--tmpfs /tmp`): torch makes its compiler's cache folder there on import.
 # Options are flags after the image name or RAWSERVE_* variables (`-e RAWSERVE_MODEL=...`).
 # No Docker daemon was available where this file was written: it is checked statically
 # (tests/test_dockerfile.py), not built there.

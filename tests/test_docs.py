@@ -43,7 +43,9 @@ OTHER_COMMANDS_FLAGS = {
     "--index-url",
     "--minutes",
     "--python-version",
+    "--read-only",
     "--served-model-name",
+    "--tmpfs",
 }
 
 
