@@ -101,6 +101,9 @@ def v1_tree(root: Path, quota: str, limit: str = "9223372036854771712") -> Path:
     return cgroup_tree(root, cgroup, V1_MOUNTS, files)
 
 
+OUTSIDE = {"sys/fs/cgroup/cpu.max": "400000 100000", "sys/fs/cpu.max": "100000 100000"}
+
+
 @pytest.mark.parametrize(
     ("tree", "cores"),
     [
@@ -112,7 +115,12 @@ def v1_tree(root: Path, quota: str, limit: str = "9223372036854771712") -> Path:
         (lambda root: v1_tree(root, "300000"), 3),
         (lambda root: v1_tree(root, "-1"), 64),
         (lambda root: root, 64),  # no /proc, no cgroup files
+        (  # a cgroup outside the namespace's root: the root's limit, nothing above it
+            lambda root: cgroup_tree(root, "0::/../sibling\n", V2_MOUNT, OUTSIDE),
+            4,
+        ),
     ],
+    ids=["v2-2", "v2-1.5", "v2-0.1", "v2-max", "v2-128", "v1-3", "v1-none", "none", "outside"],
 )
 def test_a_container_s_cpu_limit_bounds_the_cores(tmp_path, monkeypatch, tree, cores):
     """`docker run --cpus 2` (a Kubernetes CPU limit) on a 64-core host leaves all 64 in
@@ -155,6 +163,7 @@ def test_a_parent_cgroup_s_lower_limit_holds(tmp_path, monkeypatch):
         (lambda root: v1_tree(root, "-1"), None),  # v1's "no limit": a huge number
         (lambda root: v2_tree(root, "max 100000", "not a number"), None),
     ],
+    ids=["v2-4g", "v2-max", "v1-2g", "v1-none", "v2-garbled"],
 )
 def test_a_container_s_memory_limit_is_read(tmp_path, tree, limit):
     found = cgroups.memory_limit(tree(tmp_path))

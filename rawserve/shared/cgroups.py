@@ -115,6 +115,8 @@ def _folders(root: Path, controller: str) -> Iterator[tuple[Path, int]]:
             if path != mount.root and not path.startswith(mount.root.rstrip("/") + "/"):
                 continue  # not under what this mount shows (another namespace's)
             inside = path[len(mount.root.rstrip("/")) :].strip("/")
+            if ".." in inside.split("/"):  # outside this cgroup namespace: its root's limit
+                inside = ""
             folder = root / mount.point.lstrip("/") / inside
             top = root / mount.point.lstrip("/")
             while True:
