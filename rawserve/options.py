@@ -27,7 +27,7 @@ from rawserve.http.limits import ProtocolSettings
 from rawserve.http.tls import server_context
 from rawserve.ops import layout
 from rawserve.ops.loops import LOOPS, chosen_loop
-from rawserve.shared.devices import cpu_cores, parse_devices
+from rawserve.shared.devices import CoreCount, core_count, parse_devices
 from rawserve.shared.logs import LOG_FORMATS, LOG_LEVELS
 from rawserve.shared.messages import Engine
 
@@ -417,9 +417,9 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     )
     if args.max_queue is None:
         args.max_queue = GPU_MAX_QUEUE if gpu else CPU_MAX_QUEUE
-    cores = cpu_cores()
+    cores = core_count()
     if args.http_processes is None:
-        args.http_processes = http_processes_default(gpu, cores)
+        args.http_processes = http_processes_default(gpu, cores.cores)
     check_values(args, parser, cores)
     if engine is Engine.ONNX and not args.handler:  # (a handler's engine is its own)
         unfit = onnx_unfit_here(devices, args.dtype, lambda: gpu)
@@ -484,9 +484,13 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     )
 
 
-def check_values(args: argparse.Namespace, parser: argparse.ArgumentParser, cores: int) -> None:
+def check_values(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, cores: CoreCount
+) -> None:
     """Refuse, as argparse does, the first option whose value is out of its range or not
-    one of its choices (`cores`: this machine's, which bound --http-processes)."""
+    one of its choices (`cores`: those this process may use, which bound --http-processes
+    and --threads)."""
+    allowed = f"the cores this process may use ({cores.source})"
     for name in ("max_batch_size", "max_queue", "max_client_batch_size", "max_body_bytes"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
@@ -523,8 +527,8 @@ def check_values(args: argparse.Namespace, parser: argparse.ArgumentParser, core
             "--api-key holds a control character or ends in whitespace (a file's last "
             "newline?), which no Authorization header can carry"
         )
-    if not 1 <= args.http_processes <= cores:  # one speaks HTTP on a core at most
-        parser.error(f"--http-processes must be from 1 to {cores}, this machine's cores")
+    if not 1 <= args.http_processes <= cores.cores:  # one speaks HTTP on a core at most
+        parser.error(f"--http-processes must be from 1 to {cores.cores}, {allowed}")
     check_host(args.host, parser)
     timeouts = (args.keepalive_timeout, args.head_timeout, args.body_timeout, args.write_timeout)
     if min(timeouts) <= 0:
@@ -539,10 +543,10 @@ def check_values(args: argparse.Namespace, parser: argparse.ArgumentParser, core
     for name in ("max_sequences", "threads", "max_batch_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
-    if args.threads is not None and args.threads > cores:
+    if args.threads is not None and args.threads > cores.cores:
         # more only contend for the cores; torch's thread pool crashed the worker with
         # tens of thousands, and the restarted one failed on memory
-        parser.error(f"--threads must be from 1 to {cores}, this machine's cores")
+        parser.error(f"--threads must be from 1 to {cores.cores}, {allowed}")
     if args.dtype not in DTYPES:
         parser.error("--dtype must be auto, float32, float16 or bfloat16")
     if args.loop not in LOOPS:

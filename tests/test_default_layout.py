@@ -109,7 +109,7 @@ def test_the_layout_counts_the_cores_this_process_may_run_on(monkeypatch):
         parse_config(["--handler", "tests.handlers:echo", "--http-processes", "3"])
 
 
-def test_the_layout_counts_a_container_s_limits_and_says_so(monkeypatch, tmp_path):
+def test_the_layout_counts_a_container_s_limits_and_says_so(monkeypatch, tmp_path, capsys):
     """`docker run --cpus 2 --memory 4g` on a 64-core host: 2 workers, and the log line
     and /info's layout say which limits made them 2."""
     monkeypatch.delenv("RAWSERVE_DEVICE", raising=False)
@@ -123,8 +123,11 @@ def test_the_layout_counts_a_container_s_limits_and_says_so(monkeypatch, tmp_pat
     assert "RAM at most 4.0 GiB (/sys/fs/cgroup/memory.max)" in workers.layout
     explicit = settled(["--handler", "tests.handlers:echo", "--device", "cpu"])
     assert explicit.threads == 2 and "cgroup CPU limit" in explicit.layout
-    with pytest.raises(SystemExit):  # --http-processes and --threads: at most 2 too
-        parse_config(["--handler", "tests.handlers:echo", "--threads", "3"])
+    for option in ("--threads", "--http-processes"):  # at most 2 too, and why
+        with pytest.raises(SystemExit):
+            parse_config(["--handler", "tests.handlers:echo", option, "3"])
+        refusal = capsys.readouterr().err
+        assert f"{option} must be from 1 to 2, the cores this process may use (a cgroup" in refusal
 
 
 def test_a_handler_s_workers_are_counted_at_what_they_load_not_at_a_model_s(monkeypatch):
