@@ -1,6 +1,19 @@
-"""`python -m rawserve`: the command line lives in rawserve.main."""
+"""`python -m rawserve`: the command line lives in rawserve.main.
 
-from rawserve.main import main
+SIGTERM stops the start as Ctrl-C does from this first line on: as a container's PID 1
+(the Dockerfile's entry point, no init) the kernel ignores a signal left at its default
+action, and one sent while the server's modules are still being imported (a pod deleted
+as it starts) was lost, the server then serving until the SIGKILL after it.
+"""
+
+import signal
+
+signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+try:
+    from rawserve.main import main
+except KeyboardInterrupt:  # stopped while importing, as main() stops on one while starting
+    raise SystemExit(1) from None
 
 if __name__ == "__main__":
     raise SystemExit(main())

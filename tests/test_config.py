@@ -363,6 +363,28 @@ def test_sigterm_while_the_model_is_found_stops_the_start():
     assert "Traceback" not in done.stderr
 
 
+SIGTERM_WHILE_IMPORTING = """
+import os, runpy, signal, sys
+
+class StoppedWhileImporting:  # the orchestrator's SIGTERM as the server's modules load
+    def find_spec(self, name, path=None, target=None):
+        if name == "rawserve.main":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+sys.meta_path.insert(0, StoppedWhileImporting())
+runpy.run_module("rawserve", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_sigterm_while_the_server_s_modules_are_imported_stops_the_start():
+    """`python -m rawserve` as a container's PID 1: a SIGTERM in the half second its
+    modules take to import was ignored, and the server went on to serve until the
+    SIGKILL after it. It stops the start from the command's first line."""
+    done = run_python("-c", SIGTERM_WHILE_IMPORTING, *ECHO, "--port", "0")
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
 def test_a_hub_variable_huggingface_hub_cannot_read_is_one_line_not_its_traceback():
     """huggingface_hub reads HF_HUB_ETAG_TIMEOUT as it is imported: the command's own
     imports must leave it until the command line is checked."""
