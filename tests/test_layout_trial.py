@@ -27,6 +27,7 @@ from rawserve.shared.devices import cpu_cores
 from rawserve.shared.messages import Engine
 from rawserve.worker import engine_trial
 from tests.server import READY, RunningServer
+from tests.test_devices import v2_tree
 from tests.tiny_models import worker_config
 
 
@@ -202,6 +203,17 @@ def test_weights_the_server_cannot_read_are_reported_by_the_trial_not_a_tracebac
 
     monkeypatch.setattr(engine_trial, "fingerprint", unreadable)
     assert kept(PER_CORE_2, config, cores=2) is None
+
+
+def test_a_verdict_s_layout_still_names_the_container_s_limits(tmp_path, monkeypatch):
+    """The trial's line replaces the rule's in the log and /info: the limits that set
+    the cores it timed on stay in it."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr("rawserve.shared.cgroups.ROOT", v2_tree(tmp_path, "200000 100000"))
+    settled = layout_trial.planned(PER_CORE_2, LayoutTrial(2, 2, 4, 150.0, 120.0))
+    assert settled.layout.endswith(
+        "a cgroup CPU limit of 2 (/sys/fs/cgroup/cpu.max), of 64 allowed]"
+    )
 
 
 PER_CORE_2 = WorkerPlan(("cpu",) * 2, 1, True, "2 worker(s) x 1 thread ... one per core", True)
