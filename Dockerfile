@@ -14,6 +14,8 @@
 # not measure and export again either. With a read-only root (`--read-only`), /tmp must be
 # writable too (`--tmpfs /tmp`): torch makes its compiler's cache folder there on import.
 # Options are flags after the image name or RAWSERVE_* variables (`-e RAWSERVE_MODEL=...`).
+# `docker stop` kills after 10 s, before a drain of --grace (30 s) ends: run with
+# `--stop-timeout 40`.
 # No Docker daemon was available where this file was written: it is checked statically
 # (tests/test_dockerfile.py), not built there.
 

@@ -45,6 +45,7 @@ OTHER_COMMANDS_FLAGS = {
     "--python-version",
     "--read-only",
     "--served-model-name",
+    "--stop-timeout",
     "--tmpfs",
 }
 
