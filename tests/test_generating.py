@@ -1714,6 +1714,47 @@ def test_rows_lowered_below_those_running_let_none_join_until_they_leave(runner)
     assert (len(batcher.rows), len(batcher.waiting)) == (3, 4)
 
 
+def test_prompts_joining_together_are_prefilled_by_length_not_padded_to_the_longest():
+    """One long prompt beside short ones is a pass of its own: padded to it, the short
+    ones cost as much as it each, and every running row waits for them."""
+    from rawserve.worker.continuous import like_lengths
+
+    long, shorts = (7,) * 3500, [(index,) * 8 for index in range(31)]
+    assert like_lengths([*shorts[:10], long, *shorts[10:]]) == [[long], shorts]
+    same = [(index,) * 300 for index in range(32)]  # like lengths: one pass, as before
+    assert like_lengths(same) == [same]
+    small = [(index,) * (5 + index) for index in range(32)]  # a small pass is never split
+    assert like_lengths(small) == [sorted(small, key=len, reverse=True)]
+
+
+def test_each_pass_of_a_join_answers_as_its_prompts_alone(runner, monkeypatch):
+    """Prompts of unlike lengths joining at one step are prefilled in passes of like
+    lengths, and each row then decodes what its prompt decodes alone."""
+    from rawserve.worker import continuous
+    from rawserve.worker.continuous import ContinuousBatcher, Generation
+
+    monkeypatch.setattr(continuous, "PREFILL_SMALL", 0, raising=False)  # tiny prompts split too
+    long = "the movie was good and the film was great and i like it"
+    texts = ["the movie was", long, "a good film"]
+    prompts = [runner.tokenizer(text)["input_ids"] for text in texts]
+
+    def generated(batch: list[list[int]]) -> tuple[list[list[int]], list[tuple[int, ...]]]:
+        batcher = ContinuousBatcher(runner.model, runner.tokenizer, runner.max_positions, 8)
+        passes: list[tuple[int, ...]] = []
+        prefill = batcher._prefill
+        batcher._prefill = lambda ids, mask: passes.append(tuple(ids.shape)) or prefill(ids, mask)
+        generations = [Generation(index, ids, 6) for index, ids in enumerate(batch)]
+        for generation in generations:
+            batcher.add(generation)
+        while batcher.busy:
+            batcher.step()
+        return [generation.tokens for generation in generations], passes
+
+    together, passes = generated(prompts)
+    assert passes == [(1, len(prompts[1])), (2, len(prompts[0]))]  # the long one alone
+    assert together == [generated([ids])[0][0] for ids in prompts]
+
+
 def test_an_answer_with_no_memory_to_write_fails_alone_and_the_loop_goes_on(runner):
     """Out of memory pickling one batch's answer once ended the loop, and the worker with
     it: every sequence running beside it failed or ran again. That batch alone fails."""

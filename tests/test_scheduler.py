@@ -399,6 +399,22 @@ def test_a_single_input_is_not_queued_behind_a_whole_list():
     assert len(first) == 32
 
 
+def test_partners_of_a_like_length_do_not_put_later_arrivals_behind_the_turns_they_skip():
+    """Cost-aware batching takes the head's partners by length from further back in the
+    turns; the turns in between are not served, and a later single input goes before them."""
+    core = measured(SchedulerCore(max_batch_size=8, max_queue=1024), 1e-3, fixed=0.05)
+    lengths = [10] + [200] * 20 + [10] * 4 + [200] * 231  # 256 inputs, 5 short ones
+    listed = queue_items(core, [text(n) for n in lengths])
+    first = core.next_batch(now=0.0)
+    assert [item.turn for item in first] == [0, 21, 22, 23, 24]  # the short ones
+    (single,) = queue_items(core, [text(200)], now=0.1)
+    sent = []  # the list's inputs sent before the single one's call
+    while single not in (batch := core.next_batch(now=0.2)):
+        sent += batch
+    assert not sent  # not the 20 inputs of the turns skipped
+    assert batch[:2] == [listed[1], single]  # it shares the list's next turn
+
+
 def test_two_lists_take_turns():
     core = SchedulerCore(max_batch_size=4, max_queue=64)
     a = queue_items(core, [f"a{i}" for i in range(8)])
