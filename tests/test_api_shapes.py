@@ -1030,6 +1030,40 @@ class EndedStream(TimedOutStream):
         return {"generated_text": text, "details": {**details, "tokens": self.tokens}}
 
 
+class StreamedOutput(EndedStream):
+    """The same, its output as a stream's: its tokens went out one by one, not listed again."""
+
+    def output(self):
+        output = super().output()
+        return {**output, "details": {k: v for k, v in output["details"].items() if k != "tokens"}}
+
+
+@pytest.mark.parametrize(
+    "texts", [['{"name": "f", ', '"arguments": {}}', "</s>"], ['{"content": "', "hi", '"}', "</s>"]]
+)
+def test_a_stream_held_to_tools_lists_its_tokens_where_log_probabilities_are_asked(texts):
+    """A call (or words) sent at the stream's end comes with its tokens' log probabilities,
+    as the whole answer lists them: the stream's own output lists none."""
+    tokens = [
+        {"id": place, "text": text, "logprob": -0.5, "special": text == "</s>"}
+        for place, text in enumerate(texts)
+    ]
+    for token in tokens:
+        token["top_tokens"] = [dict(token)]
+    stream = StreamedOutput(tokens)
+    tools = Tools([{"name": "f"}], "auto")
+
+    async def read() -> list[bytes]:
+        answer = Answer(True, "m", logprobs=1, tools=tools)
+        return [event async for event in answer.events([stream], [], False)]  # type: ignore[list-item]
+
+    chunks = [json.loads(event.removeprefix(b"data:")) for event in asyncio.run(read())[:-1]]
+    listed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    whole = Answer(True, "m", logprobs=1, tools=tools).whole([EndedStream(tokens).output()], [])
+    assert listed == [whole["choices"][0]["logprobs"]]
+    assert [entry["token"] for entry in listed[0]["content"]] == texts[:-1]
+
+
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
 def test_text_a_run_of_byte_tokens_held_back_to_the_end_of_sequence_is_listed_with_it(chat):
     """The end of sequence's text is "\ufffd</s>": the answer's text ends "\ufffd", and its
