@@ -159,6 +159,11 @@ def test_chat_messages_keep_text_only():
             ],
         }
     ]
+    # none written (as clients send a call of a function without parameters): none
+    for written in ("", " "):
+        unwritten = {**call, "function": {"name": "f", "arguments": written}}
+        (sent,) = messages([{"role": "assistant", "content": None, "tool_calls": [unwritten]}])
+        assert sent["tool_calls"][0]["function"]["arguments"] == {}
     with pytest.raises(BadRequest, match="only an assistant's message has tool calls"):
         messages([{"role": "user", "content": "x", "tool_calls": [call]}])
     with pytest.raises(BadRequest, match="each tool call must be"):
