@@ -159,6 +159,11 @@ def test_chat_messages_keep_text_only():
             ],
         }
     ]
+    # none written (as clients send a call of a function without parameters): none
+    for written in ("", " "):
+        unwritten = {**call, "function": {"name": "f", "arguments": written}}
+        (sent,) = messages([{"role": "assistant", "content": None, "tool_calls": [unwritten]}])
+        assert sent["tool_calls"][0]["function"]["arguments"] == {}
     with pytest.raises(BadRequest, match="only an assistant's message has tool calls"):
         messages([{"role": "user", "content": "x", "tool_calls": [call]}])
     with pytest.raises(BadRequest, match="each tool call must be"):
@@ -1028,6 +1033,40 @@ class EndedStream(TimedOutStream):
         text = "".join(t["text"].removesuffix("</s>") for t in self.tokens)
         details = {"finish_reason": "eos_token", "generated_tokens": 4, "prompt_tokens": 1}
         return {"generated_text": text, "details": {**details, "tokens": self.tokens}}
+
+
+class StreamedOutput(EndedStream):
+    """The same, its output as a stream's: its tokens went out one by one, not listed again."""
+
+    def output(self):
+        output = super().output()
+        return {**output, "details": {k: v for k, v in output["details"].items() if k != "tokens"}}
+
+
+@pytest.mark.parametrize(
+    "texts", [['{"name": "f", ', '"arguments": {}}', "</s>"], ['{"content": "', "hi", '"}', "</s>"]]
+)
+def test_a_stream_held_to_tools_lists_its_tokens_where_log_probabilities_are_asked(texts):
+    """A call (or words) sent at the stream's end comes with its tokens' log probabilities,
+    as the whole answer lists them: the stream's own output lists none."""
+    tokens = [
+        {"id": place, "text": text, "logprob": -0.5, "special": text == "</s>"}
+        for place, text in enumerate(texts)
+    ]
+    for token in tokens:
+        token["top_tokens"] = [dict(token)]
+    stream = StreamedOutput(tokens)
+    tools = Tools([{"name": "f"}], "auto")
+
+    async def read() -> list[bytes]:
+        answer = Answer(True, "m", logprobs=1, tools=tools)
+        return [event async for event in answer.events([stream], [], False)]  # type: ignore[list-item]
+
+    chunks = [json.loads(event.removeprefix(b"data:")) for event in asyncio.run(read())[:-1]]
+    listed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    whole = Answer(True, "m", logprobs=1, tools=tools).whole([EndedStream(tokens).output()], [])
+    assert listed == [whole["choices"][0]["logprobs"]]
+    assert [entry["token"] for entry in listed[0]["content"]] == texts[:-1]
 
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])

@@ -11,6 +11,7 @@ skips to the next scripted look), and `Shutdown` once the script is spent.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import replace
 from types import SimpleNamespace
@@ -1353,6 +1354,57 @@ def test_a_tool_prompt_comes_before_the_tools_described_and_only_with_them(tiny_
     assert "what time is it\n\npick a tool\n\nTools you may call: " in told
     plain = chat_runner.chat_text(messages, None)
     assert chat_runner.chat_text(messages, None, tool_prompt="pick a tool") == plain
+
+
+# Mistral's templates (Mistral 7B v0.3's, Nemo's, Small's) check each tool call id so
+MISTRAL_IDS = (
+    "{% for m in messages %}{% for call in m.tool_calls or [] %}"
+    "{% if call.id|length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric "
+    "strings with length 9!') }}{% endif %}[CALL {{ call.id }}]{% endfor %}"
+    "{% if m.role == 'tool' %}{% if m.tool_call_id|length != 9 %}{{ raise_exception("
+    "'Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "[RESULT {{ m.tool_call_id }}]{% endif %}{{ m.content }}\n{% endfor %}"
+)
+
+
+def test_a_mistral_template_takes_openais_tool_call_ids_as_nine_characters(tiny_model):
+    """OpenAI's ids (rawserve's answers give them) are longer than the 9 characters Mistral's
+    templates take: each goes to such a template as 9 letters and digits, the same for a
+    call and its answer; one of 9 already stays."""
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, MISTRAL_IDS)
+    call = {"type": "function", "function": {"name": "get_time", "arguments": {}}}
+    messages = [
+        {"role": "user", "content": "what time is it"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {**call, "id": "call_0123456789abcdef01234567"},
+                {**call, "id": "a1B2c3D4e"},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_0123456789abcdef01234567", "content": "noon"},
+        {"role": "tool", "tool_call_id": "a1B2c3D4e", "content": "noon"},
+    ]
+    text = chat_runner.chat_text(messages, None)
+    shortened = re.fullmatch(
+        r"what time is it\n\[CALL (\w{9})\]\[CALL a1B2c3D4e\]\n"
+        r"\[RESULT (\w{9})\]noon\n\[RESULT a1B2c3D4e\]noon\n",
+        text,
+    )
+    assert shortened is not None, text
+    assert shortened[1] == shortened[2]
+    chat_runner.tokenizer.chat_template = (  # another template shows the ids as they came
+        "{% for m in messages %}{% for call in m.tool_calls or [] %}[CALL {{ call.id }}]"
+        "{% endfor %}{{ m.tool_call_id }}{% endfor %}"
+    )
+    assert chat_runner.chat_text(messages, None) == (
+        "[CALL call_0123456789abcdef01234567][CALL a1B2c3D4e]call_0123456789abcdef01234567a1B2c3D4e"
+    )
 
 
 def streamed(runner, control: Control, script_after: dict[int, list[Any]] | None = None, **kw):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 
 from rawserve.api.openai_tools import (
@@ -79,6 +80,20 @@ def test_a_functions_references_are_to_its_own_parameters():
     parameters = {"properties": {"place": {"$ref": "#/$defs/Place"}}, "$defs": {"Place": place}}
     tools = Tools([{"name": "go", "parameters": parameters}, TIME], "auto", parallel=True)
     assert llguidance.LLMatcher.validate_grammar(grammar_text(tools.grammar())) == ""
+
+
+def test_a_calls_arguments_are_an_object_where_its_parameters_leave_the_type_out():
+    """Without "type", a schema of properties holds any JSON (`null`, a number): a call's
+    arguments are still an object, which every client unpacks as the function's."""
+    untyped = {"properties": {"q": {"type": "string"}}, "required": ["q"]}
+    grammar = Tools([{"name": "find", "parameters": untyped}], "find").grammar()["value"]
+    arguments = grammar["properties"]["arguments"]
+    jsonschema.validate({"q": "x"}, arguments)
+    for written in (None, 5, "q", ["q"]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(written, arguments)
+    typed = Tools([WEATHER], "weather").grammar()["value"]["properties"]["arguments"]
+    assert typed["type"] == "object"
 
 
 def test_the_tools_a_body_offers_and_the_choice_among_them():

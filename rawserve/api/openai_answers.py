@@ -182,10 +182,17 @@ class Answer:
         return message, called or reason
 
     def held_end(
-        self, index: int, output: dict[str, Any], stops: Sequence[str], sent: str
+        self,
+        index: int,
+        output: dict[str, Any],
+        stops: Sequence[str],
+        sent: str,
+        tokens: Sequence[Listed] = (),
     ) -> tuple[bytes | None, str]:
         """The end of a streamed answer held to tools: its call, or its words past those
-        `sent` as they came (None: nothing left), and its finish reason."""
+        `sent` as they came (None: nothing left), with its `tokens` (listed where log
+        probabilities are asked: a stream's output does not list them), and its finish
+        reason."""
         text = cut_at_stop(output["generated_text"], stops, stops_from(output))
         message, reason = self.message(text, finish_reason(output["details"]))
         calls = message.get("tool_calls")
@@ -201,7 +208,6 @@ class Answer:
             if not rest and sent:
                 return None, reason
             delta = {"content": rest}
-        tokens = answer_tokens(output["details"], len(text), len(output["generated_text"]))
         chunk = self.chunk(index, None, tokens)
         chunk["choices"][0]["delta"] = delta
         return sse(chunk), reason
@@ -249,6 +255,7 @@ class Answer:
             # an answer held to tools: its words as they come (not with log probabilities,
             # which go whole at its end), a call at its end
             held = [self.tools.words() if self.tools else StreamedWords() for _ in streams]
+            held_tokens: list[list[Listed]] = [[] for _ in streams]
             words_as_they_come = self.tools is not None and self.logprobs is None
             if self.chat:  # each choice's first chunk says who speaks
                 for index in range(len(streams)):
@@ -264,8 +271,9 @@ class Answer:
                 if chunk is not None:
                     if self.tools is not None:
                         # its JSON as a plain answer's text: up to a stop sequence
-                        released = choice.add(chunk.token, stops, None)
+                        released = choice.add(chunk.token, stops, self.logprobs)
                         piece = released[0] if released is not None else ""
+                        held_tokens[index] += released[1] if released is not None else []
                         if words_as_they_come and (words := held[index].add(piece)):
                             yield sse(self.chunk(index, words))
                         continue
@@ -280,7 +288,10 @@ class Answer:
                     return
                 reason = finish_reason(output["details"])
                 if self.tools is not None:
-                    last, reason = self.held_end(index, output, stops, held[index].sent)
+                    if (rest := choice.rest(output, stops)) is not None:
+                        held_tokens[index] += rest[1]
+                    sent = held[index].sent
+                    last, reason = self.held_end(index, output, stops, sent, held_tokens[index])
                     if last is not None:
                         yield last
                 elif (sending := choice.rest(output, stops)) is not None:

@@ -96,7 +96,7 @@ def refusal_text(message: dict[str, Any], role: str) -> str | None:
 
 def template_call(call: Any) -> dict[str, Any]:
     """An assistant's tool call as chat templates take it: its arguments an object where
-    OpenAI's text of them is one."""
+    OpenAI's text of them is one (or is empty: a call without arguments)."""
     function = call.get("function") if isinstance(call, dict) else None
     if (
         not isinstance(function, dict)
@@ -107,8 +107,8 @@ def template_call(call: Any) -> dict[str, Any]:
             'each tool call must be {"id", "type": "function", "function": {"name", '
             '"arguments": a text of JSON}}'
         )
-    try:
-        arguments = json.loads(function["arguments"])
+    try:  # none written (a call of a function without parameters) are none, as vLLM reads them
+        arguments = json.loads(function["arguments"]) if function["arguments"].strip() else {}
     except (ValueError, RecursionError):  # (a text nested past the parser's limit)
         arguments = function["arguments"]
     entry = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}

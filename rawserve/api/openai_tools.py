@@ -163,8 +163,9 @@ def call_schema(function: dict[str, Any]) -> Schema:
     arguments = function.get("parameters") or NO_ARGUMENTS
     if arguments is not NO_ARGUMENTS:
         # a resource of its own: a reference in it ("#/$defs/...", as pydantic writes
-        # them) is to its own root still, not to the call's that holds it
-        arguments = {"$id": f"urn:rawserve:tool:{function['name']}", **arguments}
+        # them) is to its own root still, not to the call's that holds it; an object where
+        # it leaves its type out (it would hold nothing else: `null` would do)
+        arguments = {"$id": f"urn:rawserve:tool:{function['name']}", "type": "object", **arguments}
     return {
         "type": "object",
         "properties": {"name": {"const": function["name"]}, "arguments": arguments},

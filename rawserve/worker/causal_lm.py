@@ -12,6 +12,7 @@ the items it hands the continuous loop.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from typing import Any
@@ -94,6 +95,28 @@ TOOLS_DESCRIBED = (
     '\n\nTools you may call: {}\nTo call one, answer {{"name": ..., "arguments": {{...}}}}.'
 )
 SEVERAL_CALLS = " To call several, answer a list of them."
+# Mistral's templates refuse a tool call id that is not 9 letters and digits, in these words
+NINE_CHARACTER_IDS = "alphanumeric strings with length 9"
+
+
+def nine_character_ids(message: dict[str, Any]) -> dict[str, Any]:
+    """`message` with each tool call id that is not 9 letters and digits as 9 that are: the
+    first 9 hex digits of its SHA-256, the same for a call and the answer naming it."""
+    if isinstance(message.get("tool_call_id"), str):
+        message = {**message, "tool_call_id": nine_characters(message["tool_call_id"])}
+    if message.get("tool_calls"):
+        calls = [
+            {**call, "id": nine_characters(call["id"])} if isinstance(call.get("id"), str) else call
+            for call in message["tool_calls"]
+        ]
+        message = {**message, "tool_calls": calls}
+    return message
+
+
+def nine_characters(call_id: str) -> str:
+    if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
 def stops_after(params: dict[str, Any]) -> int:
@@ -306,13 +329,18 @@ class CausalLMRunner(Runner):
         `variables`: the template's own settings a client asked for (vLLM's
         `chat_template_kwargs`, such as Qwen3's `enable_thinking`), and how the answer
         opens (vLLM's `add_generation_prompt`, true unless said, and
-        `continue_final_message`: the last message's text goes on, as a prefill)."""
+        `continue_final_message`: the last message's text goes on, as a prefill). A template
+        that takes only Mistral's tool call ids (9 letters and digits) gets every other id
+        as 9 of its own, a call's and its answer's the same, as vLLM shortens them for
+        Mistral: OpenAI's ids (rawserve's own answers' too) are longer."""
         variables = variables or {}
         if "developer" not in str(self.tokenizer.chat_template):
             messages = [
                 {**message, "role": "system"} if message["role"] == "developer" else message
                 for message in messages
             ]
+        if NINE_CHARACTER_IDS in str(self.tokenizer.chat_template):
+            messages = [nine_character_ids(message) for message in messages]
         if tools and tool_prompt:
             last = {**messages[-1], "content": messages[-1]["content"] + "\n\n" + tool_prompt}
             messages = [*messages[:-1], last]
