@@ -832,6 +832,18 @@ def test_a_seed_gives_the_same_sample_whatever_runs_beside_it(runner):
     assert other_seed.outputs != alone
 
 
+def test_a_seed_gives_the_same_sample_whatever_runs_beside_it_on_the_static_path(runner):
+    # requests with equal parameters share a batch; `generate` draws a batch's rows from
+    # one generator, so a seeded row must not share its draws with a batch-mate
+    params = {"max_new_tokens": 20, "do_sample": True, "seed": 7, "details": True}
+    alone = static(runner, "the movie was", params)
+    beside = runner.run(["word " * 9, "the movie was", "the movie was"], dict(params))
+    assert beside[1] == beside[2] == alone
+    # and as the loop samples it
+    looped = results(serve(runner, {0: [Batch(1, ("the movie was",), params)]}))[1].outputs
+    assert without_logprobs(looped[0]) == without_logprobs(alone)
+
+
 @pytest.fixture
 def prefilled(monkeypatch) -> list[int]:
     """The rows of each prefill the loop runs (the model's pass over joining prompts)."""

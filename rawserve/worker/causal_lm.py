@@ -561,13 +561,22 @@ class CausalLMRunner(Runner):
         for row, length in enumerate(lengths):
             cap = min(kwargs["max_new_tokens"], self.max_positions - length)
             groups.setdefault(cap, []).append(row)
-        if "seed" in params:
-            torch.manual_seed(params["seed"])
+        # A seeded sample repeats whatever runs beside it, as in the continuous loop: one
+        # `generate` draws all its rows from one generator, so each seeded row runs alone,
+        # from its seed (else its text would change with its batch-mates).
+        seeded = "seed" in params and bool(kwargs.get("do_sample"))
         made: dict[int, tuple[list[int], str, Any]] = {}
         if 0 in groups:  # max_new_tokens 0: the prompts scored, nothing generated
             none: list[dict[str, Any]] | None = [] if lists_tokens(params, control) else None
             made.update((row, ([], "length", none)) for row in groups.pop(0))
-        for cap, rows in groups.items():
+        calls = [
+            (cap, part)
+            for cap, rows in groups.items()
+            for part in ([[row] for row in rows] if seeded else [rows])
+        ]
+        for cap, rows in calls:
+            if seeded:
+                torch.manual_seed(params["seed"])
             width = max(lengths[row] for row in rows)  # the group's own left padding
             group = {name: value[rows, -width:] for name, value in encoded.items()}
             watcher = self._generate(
