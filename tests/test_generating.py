@@ -996,6 +996,24 @@ def test_min_p_keeps_a_token_exactly_min_p_times_as_likely_as_the_likeliest():
     assert sampling_probabilities(tied, settings).tolist() == [0.5, 0.5, 0.0]
 
 
+@pytest.mark.parametrize("top_p", [0.3, 0.5, 0.6, 0.9])
+def test_top_p_cuts_where_transformers_warper_cuts_at_its_bound_and_among_ties(top_p):
+    # (a bfloat16 model's scores tie often): the tokens kept are the warper's, as the
+    # static path's `generate` keeps them; vLLM cuts at the bound as it does
+    import torch
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    from rawserve.worker.scores import sampling_probabilities
+
+    settings = SimpleNamespace(temperature=1.0, top_k=None, top_p=top_p, min_p=None, typical_p=None)
+    tied = torch.tensor([2.0, 1.0, 2.0, 0.0, 2.0, 1.0, 2.0, -1.0, 1.0])
+    expected = TopPLogitsWarper(top_p)(None, tied[None].clone())[0].softmax(-1)
+    assert torch.equal(sampling_probabilities(tied, settings), expected)
+    # the likeliest token holds exactly half: at top_p 0.5 it is the only one kept
+    halves = sampling_probabilities(torch.tensor([0.25, 0.5, 0.25]).log(), settings)
+    assert halves[1] > 0 and int((halves > 0).sum()) == 1 + (top_p > 0.5) + (top_p > 0.75)
+
+
 def test_typical_keeps_every_token_where_their_probability_never_reaches_the_mass():
     # (the summed probabilities of float32 scores may end just under a mass near 1)
     import torch

@@ -100,10 +100,13 @@ def sampling_probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Te
         kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if sampling.top_p is not None and sampling.top_p < 1.0:
-        ordered, order = torch.sort(logits, descending=True)
-        cumulative = ordered.softmax(-1).cumsum(-1)
-        drop = cumulative - ordered.softmax(-1) > sampling.top_p  # keep the first past p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        # as transformers' TopPLogitsWarper (and vLLM) cut: the least likely tokens go while
+        # their mass stays within 1 - top_p (a token that brings the rest to exactly top_p
+        # goes too; of tied ones, the same as there), the likeliest always stays
+        ordered, order = torch.sort(logits)
+        drop = ordered.softmax(-1).cumsum(-1) <= 1 - sampling.top_p
+        drop[-1] = False
+        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
     if sampling.min_p:  # not a token less likely than min_p times the likeliest
         probabilities = logits.softmax(-1)
         unlikely = probabilities < sampling.min_p * probabilities.max()
