@@ -1050,6 +1050,14 @@ def test_a_sampling_setting_samples_beside_do_sample_false_as_tgi_reads_it(runne
             assert got == greedy
 
 
+def test_a_temperature_near_0_draws_as_the_loop_draws_on_the_static_path(runner):
+    # scores divided by 1e-45 overflow: `generate` had nothing to draw from (a 422) where
+    # the loop, dividing by no less than 1e-5, answered
+    params = {"max_new_tokens": 8, "do_sample": True, "seed": 3, "temperature": 1e-45}
+    [(_, got, _)] = as_the_static_path(runner, params, ["the movie was"])
+    assert got == static(runner, "the movie was", {**params, "temperature": 1e-5})
+
+
 def test_post_root_samples_at_the_pipelines_temperature_and_the_api_routes_at_theirs(runner):
     """Where neither the request nor the model's generation config sets a temperature,
     `POST /` samples as the text-generation pipeline does (0.7); the OpenAI and TGI routes

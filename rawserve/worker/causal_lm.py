@@ -42,7 +42,7 @@ from rawserve.worker.generate_hooks import (
 )
 from rawserve.worker.grammars import Grammars
 from rawserve.worker.runner import Runner, WrittenForClients, dtype_name
-from rawserve.worker.scores import ScoreAdjustments, likeliest
+from rawserve.worker.scores import MIN_TEMPERATURE, ScoreAdjustments, likeliest
 from rawserve.worker.text_pieces import (
     CONTEXT_TOKENS,
     TextPieces,
@@ -158,6 +158,8 @@ def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[st
         kwargs["do_sample"] = False
     if not kwargs.get("do_sample") and "temperature" not in params:
         kwargs.pop("temperature", None)  # a default for sampling only (as the pipeline's)
+    if kwargs.get("do_sample") and kwargs.get("temperature", 1.0) < MIN_TEMPERATURE:
+        kwargs["temperature"] = MIN_TEMPERATURE  # as the continuous loop divides by no less
     return kwargs
 
 

@@ -16,6 +16,10 @@ from typing import Any, Protocol
 
 import torch
 
+# the least temperature a draw divides by: below it a row's scores could overflow to
+# infinities and leave nothing to draw from (at it, the draw is all but greedy)
+MIN_TEMPERATURE = 1e-5
+
 
 class Sampling(Protocol):
     """A sampled row's settings (a `continuous.Generation`)."""
@@ -95,7 +99,7 @@ def penalize_repetition(scores: torch.Tensor, penalty: float, sequence: list[int
 def sampling_probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """What a token is drawn from, for one row's logits: its temperature, top-k, top-p,
     min-p and typical_p, in `generate`'s order."""
-    logits = logits / max(sampling.temperature, 1e-5)
+    logits = logits / max(sampling.temperature, MIN_TEMPERATURE)
     if sampling.top_k:
         kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
