@@ -646,6 +646,22 @@ def test_a_token_a_grammar_rules_out_is_not_listed_among_the_likeliest(runner):
     )
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_grammar_ends_the_answer_before_min_new_tokens_on_both_paths(runner, sampled):
+    # min_tokens held the end back on the static path where the grammar allowed only the
+    # end: greedy wrote token 0 after the answer, sampling failed as if numerically
+    params = {
+        **GREEDY,
+        "min_new_tokens": 8,
+        "return_full_text": False,
+        "grammar": {"type": "regex", "value": "(yes|no)"},
+        **({"do_sample": True, "seed": 1} if sampled else {}),
+    }
+    [(_, got, _)] = as_the_static_path(runner, params, ["the movie was"])
+    assert got[0]["generated_text"] in ("yes", "no")
+    assert got[0]["details"]["finish_reason"] == "eos_token"
+
+
 def test_a_grammar_that_cannot_be_used_fails_its_item_alone(runner):
     params = {**GREEDY, "max_new_tokens": 4}
     broken = {**params, "grammar": {"type": "regex", "value": "[0-9"}}

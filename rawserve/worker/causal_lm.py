@@ -151,6 +151,8 @@ def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[st
             kwargs[name] = params[name]
     if params.get("ignore_eos"):  # no end of sequence: every row runs to its cap
         kwargs["eos_token_id"] = None
+    if params.get("grammar"):  # it says itself when the end may come: none is held back
+        kwargs["min_new_tokens"] = 0  # (where it allows the end alone, nothing would be left)
     if asks_sampling(params):  # as TGI reads them (its client sends do_sample false beside)
         kwargs["do_sample"] = True
     if kwargs.get("temperature") == 0.0:  # TGI and OpenAI read temperature 0 as greedy
