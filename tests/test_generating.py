@@ -1066,6 +1066,16 @@ def test_a_sampling_setting_samples_beside_do_sample_false_as_tgi_reads_it(runne
             assert got == greedy
 
 
+def test_vllms_top_k_off_leaves_a_greedy_model_greedy(runner, monkeypatch):
+    # vLLM's clients send top_k -1 (read as 0: every token) by default; at its off value
+    # it asks for no sampling that the model's generation config does not do
+    monkeypatch.setitem(runner.defaults, "do_sample", False)
+    greedy = static(runner, "the movie was", {"max_new_tokens": 12, "do_sample": False})
+    asked = {"max_new_tokens": 12, "seed": 4, "top_k": 0, API_SAMPLING: True}
+    [(_, got, _)] = as_the_static_path(runner, asked, ["the movie was"])
+    assert got == greedy
+
+
 def test_a_temperature_near_0_draws_as_the_loop_draws_on_the_static_path(runner):
     # scores divided by 1e-45 overflow: `generate` had nothing to draw from (a 422) where
     # the loop, dividing by no less than 1e-5, answered

@@ -119,13 +119,14 @@ def scores_prompt(params: dict[str, Any]) -> bool:
 
 
 def asks_sampling(params: dict[str, Any]) -> bool:
-    """Whether a temperature (but 1), a top_k, or a top_p or typical_p (below 1) is asked:
-    TGI samples with them even beside do_sample false."""
+    """Whether a temperature (but 1), a top_k (but vLLM's 0, every token), or a top_p or
+    typical_p (below 1) is asked: TGI samples with them even beside do_sample false. A
+    setting at its off value changes nothing (a model that decodes greedily stays so)."""
     temperature = params.get("temperature")
     below_one = [params.get(name) for name in ("top_p", "typical_p")]
     return (
         temperature not in (None, 1.0)
-        or params.get("top_k") is not None
+        or bool(params.get("top_k"))
         or any(value is not None and value < 1.0 for value in below_one)
     )
 
