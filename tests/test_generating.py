@@ -647,6 +647,22 @@ def test_a_token_a_grammar_rules_out_is_not_listed_among_the_likeliest(runner):
     )
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_grammar_ends_the_answer_before_min_new_tokens_on_both_paths(runner, sampled):
+    # min_tokens held the end back on the static path where the grammar allowed only the
+    # end: greedy wrote token 0 after the answer, sampling failed as if numerically
+    params = {
+        **GREEDY,
+        "min_new_tokens": 8,
+        "return_full_text": False,
+        "grammar": {"type": "regex", "value": "(yes|no)"},
+        **({"do_sample": True, "seed": 1} if sampled else {}),
+    }
+    [(_, got, _)] = as_the_static_path(runner, params, ["the movie was"])
+    assert got[0]["generated_text"] in ("yes", "no")
+    assert got[0]["details"]["finish_reason"] == "eos_token"
+
+
 def test_a_grammar_that_cannot_be_used_fails_its_item_alone(runner):
     params = {**GREEDY, "max_new_tokens": 4}
     broken = {**params, "grammar": {"type": "regex", "value": "[0-9"}}
@@ -833,6 +849,18 @@ def test_a_seed_gives_the_same_sample_whatever_runs_beside_it(runner):
     assert other_seed.outputs != alone
 
 
+def test_a_seed_gives_the_same_sample_whatever_runs_beside_it_on_the_static_path(runner):
+    # requests with equal parameters share a batch; `generate` draws a batch's rows from
+    # one generator, so a seeded row must not share its draws with a batch-mate
+    params = {"max_new_tokens": 20, "do_sample": True, "seed": 7, "details": True}
+    alone = static(runner, "the movie was", params)
+    beside = runner.run(["word " * 9, "the movie was", "the movie was"], dict(params))
+    assert beside[1] == beside[2] == alone
+    # and as the loop samples it
+    looped = results(serve(runner, {0: [Batch(1, ("the movie was",), params)]}))[1].outputs
+    assert without_logprobs(looped[0]) == without_logprobs(alone)
+
+
 @pytest.fixture
 def prefilled(monkeypatch) -> list[int]:
     """The rows of each prefill the loop runs (the model's pass over joining prompts)."""
@@ -985,6 +1013,24 @@ def test_min_p_keeps_a_token_exactly_min_p_times_as_likely_as_the_likeliest():
     assert sampling_probabilities(tied, settings).tolist() == [0.5, 0.5, 0.0]
 
 
+@pytest.mark.parametrize("top_p", [0.3, 0.5, 0.6, 0.9])
+def test_top_p_cuts_where_transformers_warper_cuts_at_its_bound_and_among_ties(top_p):
+    # (a bfloat16 model's scores tie often): the tokens kept are the warper's, as the
+    # static path's `generate` keeps them; vLLM cuts at the bound as it does
+    import torch
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    from rawserve.worker.scores import sampling_probabilities
+
+    settings = SimpleNamespace(temperature=1.0, top_k=None, top_p=top_p, min_p=None, typical_p=None)
+    tied = torch.tensor([2.0, 1.0, 2.0, 0.0, 2.0, 1.0, 2.0, -1.0, 1.0])
+    expected = TopPLogitsWarper(top_p)(None, tied[None].clone())[0].softmax(-1)
+    assert torch.equal(sampling_probabilities(tied, settings), expected)
+    # the likeliest token holds exactly half: at top_p 0.5 it is the only one kept
+    halves = sampling_probabilities(torch.tensor([0.25, 0.5, 0.25]).log(), settings)
+    assert halves[1] > 0 and int((halves > 0).sum()) == 1 + (top_p > 0.5) + (top_p > 0.75)
+
+
 def test_typical_keeps_every_token_where_their_probability_never_reaches_the_mass():
     # (the summed probabilities of float32 scores may end just under a mass near 1)
     import torch
@@ -1019,6 +1065,24 @@ def test_a_sampling_setting_samples_beside_do_sample_false_as_tgi_reads_it(runne
         for unchanged in ({**asked, "temperature": 0.0}, {**asked, "temperature": 1.0}):
             [(_, got, _)] = as_the_static_path(runner, unchanged, ["the movie was"])
             assert got == greedy
+
+
+def test_vllms_top_k_off_leaves_a_greedy_model_greedy(runner, monkeypatch):
+    # vLLM's clients send top_k -1 (read as 0: every token) by default; at its off value
+    # it asks for no sampling that the model's generation config does not do
+    monkeypatch.setitem(runner.defaults, "do_sample", False)
+    greedy = static(runner, "the movie was", {"max_new_tokens": 12, "do_sample": False})
+    asked = {"max_new_tokens": 12, "seed": 4, "top_k": 0, API_SAMPLING: True}
+    [(_, got, _)] = as_the_static_path(runner, asked, ["the movie was"])
+    assert got == greedy
+
+
+def test_a_temperature_near_0_draws_as_the_loop_draws_on_the_static_path(runner):
+    # scores divided by 1e-45 overflow: `generate` had nothing to draw from (a 422) where
+    # the loop, dividing by no less than 1e-5, answered
+    params = {"max_new_tokens": 8, "do_sample": True, "seed": 3, "temperature": 1e-45}
+    [(_, got, _)] = as_the_static_path(runner, params, ["the movie was"])
+    assert got == static(runner, "the movie was", {**params, "temperature": 1e-5})
 
 
 def test_post_root_samples_at_the_pipelines_temperature_and_the_api_routes_at_theirs(runner):

@@ -43,7 +43,7 @@ from rawserve.worker.generate_hooks import (
 )
 from rawserve.worker.grammars import Grammars
 from rawserve.worker.runner import Runner, WrittenForClients, dtype_name
-from rawserve.worker.scores import ScoreAdjustments, likeliest
+from rawserve.worker.scores import MIN_TEMPERATURE, ScoreAdjustments, likeliest
 from rawserve.worker.text_pieces import (
     CONTEXT_TOKENS,
     TextPieces,
@@ -142,13 +142,14 @@ def scores_prompt(params: dict[str, Any]) -> bool:
 
 
 def asks_sampling(params: dict[str, Any]) -> bool:
-    """Whether a temperature (but 1), a top_k, or a top_p or typical_p (below 1) is asked:
-    TGI samples with them even beside do_sample false."""
+    """Whether a temperature (but 1), a top_k (but vLLM's 0, every token), or a top_p or
+    typical_p (below 1) is asked: TGI samples with them even beside do_sample false. A
+    setting at its off value changes nothing (a model that decodes greedily stays so)."""
     temperature = params.get("temperature")
     below_one = [params.get(name) for name in ("top_p", "typical_p")]
     return (
         temperature not in (None, 1.0)
-        or params.get("top_k") is not None
+        or bool(params.get("top_k"))
         or any(value is not None and value < 1.0 for value in below_one)
     )
 
@@ -174,6 +175,8 @@ def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[st
             kwargs[name] = params[name]
     if params.get("ignore_eos"):  # no end of sequence: every row runs to its cap
         kwargs["eos_token_id"] = None
+    if params.get("grammar"):  # it says itself when the end may come: none is held back
+        kwargs["min_new_tokens"] = 0  # (where it allows the end alone, nothing would be left)
     if asks_sampling(params):  # as TGI reads them (its client sends do_sample false beside)
         kwargs["do_sample"] = True
     if kwargs.get("temperature") == 0.0:  # TGI and OpenAI read temperature 0 as greedy
@@ -181,6 +184,8 @@ def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[st
         kwargs["do_sample"] = False
     if not kwargs.get("do_sample") and "temperature" not in params:
         kwargs.pop("temperature", None)  # a default for sampling only (as the pipeline's)
+    if kwargs.get("do_sample") and kwargs.get("temperature", 1.0) < MIN_TEMPERATURE:
+        kwargs["temperature"] = MIN_TEMPERATURE  # as the continuous loop divides by no less
     return kwargs
 
 
@@ -589,13 +594,22 @@ class CausalLMRunner(Runner):
         for row, length in enumerate(lengths):
             cap = min(kwargs["max_new_tokens"], self.max_positions - length)
             groups.setdefault(cap, []).append(row)
-        if "seed" in params:
-            torch.manual_seed(params["seed"])
+        # A seeded sample repeats whatever runs beside it, as in the continuous loop: one
+        # `generate` draws all its rows from one generator, so each seeded row runs alone,
+        # from its seed (else its text would change with its batch-mates).
+        seeded = "seed" in params and bool(kwargs.get("do_sample"))
         made: dict[int, tuple[list[int], str, Any]] = {}
         if 0 in groups:  # max_new_tokens 0: the prompts scored, nothing generated
             none: list[dict[str, Any]] | None = [] if lists_tokens(params, control) else None
             made.update((row, ([], "length", none)) for row in groups.pop(0))
-        for cap, rows in groups.items():
+        calls = [
+            (cap, part)
+            for cap, rows in groups.items()
+            for part in ([[row] for row in rows] if seeded else [rows])
+        ]
+        for cap, rows in calls:
+            if seeded:
+                torch.manual_seed(params["seed"])
             width = max(lengths[row] for row in rows)  # the group's own left padding
             group = {name: value[rows, -width:] for name, value in encoded.items()}
             watcher = self._generate(

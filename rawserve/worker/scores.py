@@ -16,6 +16,10 @@ from typing import Any, Protocol
 
 import torch
 
+# the least temperature a draw divides by: below it a row's scores could overflow to
+# infinities and leave nothing to draw from (at it, the draw is all but greedy)
+MIN_TEMPERATURE = 1e-5
+
 
 class Sampling(Protocol):
     """A sampled row's settings (a `continuous.Generation`)."""
@@ -95,15 +99,18 @@ def penalize_repetition(scores: torch.Tensor, penalty: float, sequence: list[int
 def sampling_probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """What a token is drawn from, for one row's logits: its temperature, top-k, top-p,
     min-p and typical_p, in `generate`'s order."""
-    logits = logits / max(sampling.temperature, 1e-5)
+    logits = logits / max(sampling.temperature, MIN_TEMPERATURE)
     if sampling.top_k:
         kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if sampling.top_p is not None and sampling.top_p < 1.0:
-        ordered, order = torch.sort(logits, descending=True)
-        cumulative = ordered.softmax(-1).cumsum(-1)
-        drop = cumulative - ordered.softmax(-1) > sampling.top_p  # keep the first past p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        # as transformers' TopPLogitsWarper (and vLLM) cut: the least likely tokens go while
+        # their mass stays within 1 - top_p (a token that brings the rest to exactly top_p
+        # goes too; of tied ones, the same as there), the likeliest always stays
+        ordered, order = torch.sort(logits)
+        drop = ordered.softmax(-1).cumsum(-1) <= 1 - sampling.top_p
+        drop[-1] = False
+        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
     if sampling.min_p:  # not a token less likely than min_p times the likeliest
         probabilities = logits.softmax(-1)
         unlikely = probabilities < sampling.min_p * probabilities.max()
