@@ -48,13 +48,53 @@ JSON_LAYOUT: JsonCompileOptions = {
 
 # llguidance's fault for a "format" it does not know: lenient, it is a warning instead
 UNKNOWN_FORMAT = "Unknown format"
+# the keywords whose value is a schema, a list of schemas, or schemas by name: where an
+# object's own may be (allOf's are left as written: closed, each would refuse the others')
+SUBSCHEMA = (
+    "items",
+    "additionalItems",
+    "additionalProperties",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+)
+SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with each object that lists its properties and leaves `additionalProperties`
+    unstated taking those alone, as xgrammar (vLLM's default) and outlines (TGI's) generate
+    it; llguidance follows JSON Schema, which lets other keys in: a model wrote keys of its
+    own into a call's arguments, which the function called with them refuses. A schema
+    that states `additionalProperties` is held to what it says."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    for keyword in SUBSCHEMA:
+        if isinstance(closed.get(keyword), dict):
+            closed[keyword] = closed_objects(closed[keyword])
+    for keyword in SUBSCHEMA_LISTS:
+        if isinstance(closed.get(keyword), list):
+            closed[keyword] = [closed_objects(each) for each in closed[keyword]]
+    for keyword in SUBSCHEMA_MAPS:
+        if isinstance(closed.get(keyword), dict):
+            closed[keyword] = {name: closed_objects(s) for name, s in closed[keyword].items()}
+    if (
+        "properties" in closed
+        and not {"additionalProperties", "unevaluatedProperties"} & closed.keys()
+    ):
+        closed["additionalProperties"] = False
+    return closed
 
 
 def grammar_text(grammar: Mapping[str, Any]) -> str:
     """llguidance's grammar for TGI's `{"type": "json" | "regex", "value": ...}`."""
     if grammar["type"] == "regex":
         return str(llguidance.LLMatcher.grammar_from_regex(grammar["value"]))
-    schema = grammar["value"]
+    schema = closed_objects(grammar["value"])
     return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT))
 
 
@@ -64,7 +104,8 @@ def formats_as_annotations(grammar: Mapping[str, Any]) -> str | None:
     for SecretStr, "path" for Path...); the formats it knows are held to still. None where
     the schema has other faults too (the first of them is the one to report)."""
     lenient: JsonCompileOptions = {**JSON_LAYOUT, "lenient": True}
-    text = str(llguidance.LLMatcher.grammar_from_json_schema(grammar["value"], defaults=lenient))
+    schema = closed_objects(grammar["value"])
+    text = str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=lenient))
     failed, faults = llguidance.LLMatcher.validate_grammar_with_warnings(text, limits=LIMITS)
     if failed or not all(UNKNOWN_FORMAT in warning for warning in faults):
         return None
