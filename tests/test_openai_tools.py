@@ -175,7 +175,7 @@ def test_a_calls_arguments_keep_the_numbers_and_text_the_model_wrote():
 
 
 def test_an_older_functions_call_is_read_back_as_the_messages_function_call():
-    message, reason = Tools([WEATHER], "weather", older=True).message(
+    message, reason = Tools([WEATHER], "auto", older=True).message(
         '{"name": "weather", "arguments": {"city": "rome"}}'
     )
     assert reason == "function_call"
@@ -184,6 +184,19 @@ def test_an_older_functions_call_is_read_back_as_the_messages_function_call():
         "content": None,
         "function_call": {"name": "weather", "arguments": '{"city": "rome"}'},
     }
+
+
+@pytest.mark.parametrize("older", [False, True])
+def test_a_call_of_the_function_named_ends_as_words_do(older):
+    """OpenAI ends a call it was told to make with finish_reason "stop" (vLLM too, since
+    its #25054): the worker's reason stands. "auto" and "required" end with the calls."""
+    generated = '{"name": "weather", "arguments": {"city": "rome"}}'
+    message, reason = Tools([WEATHER, TIME], "weather", older=older).message(generated)
+    assert reason is None
+    assert message["function_call" if older else "tool_calls"]
+    for choice in ("auto", "required")[: 1 if older else 2]:
+        _, reason = Tools([WEATHER, TIME], choice, older=older).message(generated)
+        assert reason == ("function_call" if older else "tool_calls")
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 7])
