@@ -316,15 +316,29 @@ def test_objects_are_closed_where_their_schema_leaves_additional_properties_out(
 
     item = {"properties": {"a": {}}}
     schema = {
-        "properties": {"list": {"items": item}, "either": {"anyOf": [item, {"type": "null"}]}},
+        "properties": {
+            "list": {"items": item},
+            "either": {"anyOf": [item, {"type": "null"}]},
+            "other": {"not": item},  # (left as written: closed, it would let more in)
+        },
         "$defs": {"Item": item},
-        "allOf": [item],  # left as written: closed, each branch would refuse the others' keys
     }
     closed = closed_objects(schema)
     for instance in ({"x": 1}, {"list": [{"x": 1}]}, {"either": {"x": 1}}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(instance, closed)
     assert closed["$defs"]["Item"]["additionalProperties"] is False
-    assert closed["allOf"] == [item] and "additionalProperties" not in item  # (not changed)
+    assert closed["properties"]["other"] == {"not": item} and "additionalProperties" not in item
     for stated in ({"additionalProperties": True}, {"unevaluatedProperties": False}):
         assert closed_objects({**item, **stated}) == {**item, **stated}
+    # a key required and not listed, and objects of several schemas, are left open
+    unlisted = {**item, "required": ["b"]}
+    assert closed_objects(unlisted) == unlisted
+    for composed in (
+        {"allOf": [item, {"properties": {"b": {}}}]},
+        {"$ref": "#/$defs/Item", "properties": {"b": {}}, "$defs": {"Item": item}},
+        {"properties": {"kind": {}}, "anyOf": [item, {"properties": {"b": {}}}]},
+        {"properties": {"deep": {"properties": {"kind": {}}, "oneOf": [item]}}},
+    ):
+        assert closed_objects(composed) == composed
+        jsonschema.validate({"a": 1, "b": 2, "kind": 3}, composed)

@@ -48,46 +48,72 @@ JSON_LAYOUT: JsonCompileOptions = {
 
 # llguidance's fault for a "format" it does not know: lenient, it is a warning instead
 UNKNOWN_FORMAT = "Unknown format"
-# the keywords whose value is a schema, a list of schemas, or schemas by name: where an
-# object's own may be (allOf's are left as written: closed, each would refuse the others')
-SUBSCHEMA = (
-    "items",
-    "additionalItems",
-    "additionalProperties",
-    "contains",
-    "not",
-    "if",
-    "then",
-    "else",
-)
-SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+# the keywords whose value is a schema, a list of schemas, or schemas by name
+SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "contains", "if", "then", "else")
+SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# what holds an object's keys beside its own properties: closed, one would refuse the other's
+COMPOSING = {"allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "dependentSchemas", "not"}
 
 
 def closed_objects(schema: Any) -> Any:
     """`schema` with each object that lists its properties and leaves `additionalProperties`
     unstated taking those alone, as xgrammar (vLLM's default) and outlines (TGI's) generate
     it; llguidance follows JSON Schema, which lets other keys in: a model wrote keys of its
-    own into a call's arguments, which the function called with them refuses. A schema
-    that states `additionalProperties` is held to what it says."""
+    own into a call's arguments, which the function called with them refuses. What states
+    `additionalProperties` (or `unevaluatedProperties`) is held to what it says, an object
+    that requires a key it does not list stays open, and so does a schema that composes an
+    object of several (properties beside an anyOf or a $ref, an allOf of two): as written."""
+    return schema if composes(schema) else closed(schema)
+
+
+def composes(schema: Any) -> bool:
+    if not isinstance(schema, dict):
+        return False
+    if "properties" in schema and COMPOSING & schema.keys():
+        return True
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return True
+    return any(composes(each) for each in subschemas(schema))
+
+
+def subschemas(schema: dict[str, Any]) -> list[Any]:
+    found = [schema.get(keyword) for keyword in SUBSCHEMA]
+    found += [
+        each for k in SUBSCHEMA_LISTS if isinstance(schema.get(k), list) for each in schema[k]
+    ]
+    found += [
+        each
+        for k in SUBSCHEMA_MAPS
+        if isinstance(schema.get(k), dict)
+        for each in schema[k].values()
+    ]
+    return [each for each in found if isinstance(each, dict)]
+
+
+def closed(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
-    closed = dict(schema)
+    schema = dict(schema)  # (what is under "not" is left as written: closed, it would open)
     for keyword in SUBSCHEMA:
-        if isinstance(closed.get(keyword), dict):
-            closed[keyword] = closed_objects(closed[keyword])
+        if isinstance(schema.get(keyword), dict):
+            schema[keyword] = closed(schema[keyword])
     for keyword in SUBSCHEMA_LISTS:
-        if isinstance(closed.get(keyword), list):
-            closed[keyword] = [closed_objects(each) for each in closed[keyword]]
+        if isinstance(schema.get(keyword), list):
+            schema[keyword] = [closed(each) for each in schema[keyword]]
     for keyword in SUBSCHEMA_MAPS:
-        if isinstance(closed.get(keyword), dict):
-            closed[keyword] = {name: closed_objects(s) for name, s in closed[keyword].items()}
+        if isinstance(schema.get(keyword), dict):
+            schema[keyword] = {name: closed(each) for name, each in schema[keyword].items()}
+    listed = schema.get("properties")
+    required = schema.get("required", [])
     if (
-        "properties" in closed
-        and not {"additionalProperties", "unevaluatedProperties"} & closed.keys()
+        isinstance(listed, dict)
+        and not {"additionalProperties", "unevaluatedProperties"} & schema.keys()
+        and isinstance(required, list)
+        and all(isinstance(key, str) and key in listed for key in required)
     ):
-        closed["additionalProperties"] = False
-    return closed
+        schema["additionalProperties"] = False
+    return schema
 
 
 def grammar_text(grammar: Mapping[str, Any]) -> str:
