@@ -1235,6 +1235,44 @@ def test_where_the_positions_are_unknown_new_tokens_stop_at_4096(path, body, fie
     assert (status, sent) == (400 if field else 422, [])
 
 
+class Asked(Generating):
+    """A model that keeps what it was asked: each chat and its parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.chats: list[dict] = []
+
+    async def run(self, inputs, params, deadline, control=None):
+        self.chats.extend(inputs)
+        return await super().run(inputs, params, deadline, control)
+
+
+@pytest.mark.parametrize("parallel", [None, True, False])
+def test_a_template_that_takes_one_call_an_answer_holds_the_answer_to_one(parallel):
+    """Llama 3.1-3.3's templates refuse an assistant's message of several calls: a model
+    that wrote two (parallel_tool_calls allowed them) made the next turn a 422. Where the
+    worker says its template does, the answer calls one tool, asked parallel or not."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    asking = {"messages": HI, "tools": [tool], "tool_choice": "required"}
+    if parallel is not None:
+        asking["parallel_tool_calls"] = parallel
+    body = json.dumps(asking).encode()
+
+    def held(one_call):
+        model = Asked()
+        details = {"chat_template": True, "chat_one_call": one_call}
+        served = ServedModel("m", ModelService(model, Loaded("text-generation", details, None)))
+        app = App(ServedModels([served]), AppSettings())
+        headers = [("content-type", "application/json")]
+        request = HttpRequest("POST", "/v1/chat/completions", "", headers, body, "test")
+        assert asyncio.run(app.handle(request)).status == 200
+        [chat], [params] = model.chats, model.sent
+        return "parallel_tool_calls" in chat, "array" in json.dumps(params["grammar"])
+
+    assert held(True) == (False, False)  # one call: not told of several, no list of them
+    assert held(False) == ((True, True) if parallel is not False else (False, False))
+
+
 TOP_TEN = {"details": True, "top_n_tokens": 10}
 LISTED = [  # (path, a body listing the log probabilities of `n` new tokens, the field)
     ("/v1/completions", lambda n: {"prompt": "hi", "max_tokens": n, "logprobs": 20}, "max_tokens"),

@@ -1348,6 +1348,21 @@ def test_a_reasoning_models_template_is_said_to_drop_earlier_thinking(tiny_model
     assert chat_runner.details["chat_drops_reasoning"] is True
 
 
+def test_a_template_that_takes_one_tool_call_an_answer_is_said_to(tiny_model):
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32)
+    assert chat_runner.details["chat_one_call"] is False
+    chat_runner.tokenizer.chat_template = (  # Llama 3.1-3.3's check of an earlier answer
+        "{% for m in messages %}{% if m.tool_calls and m.tool_calls|length != 1 %}"
+        '{{ raise_exception("This model only supports single tool-calls at once!") }}'
+        "{% endif %}{{ m.content }}\n{% endfor %}"
+    )
+    assert chat_runner.details["chat_one_call"] is True
+
+
 def test_chat_template_kwargs_are_the_templates_variables(tiny_model):
     import torch
 

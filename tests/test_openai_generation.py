@@ -1037,6 +1037,15 @@ def test_a_required_tool_call_names_a_tool_and_its_arguments_fit_its_schema(more
     for call in named.choices[0].message.tool_calls:
         assert call.function.name == "weather"
         assert json.loads(call.function.arguments)["city"] in ("paris", "rome")
+    # a call forced ends as OpenAI and vLLM end it: "stop", whole or streamed
+    assert named.choices[0].finish_reason == "stop"
+    forced = asking_tools(tools=[WEATHER, TIME], tool_choice=named_choice("weather"))
+    [call], reason = streamed_calls(chat, forced)
+    assert call.function.name == "weather" and reason == "stop"
+
+
+def named_choice(name):
+    return {"type": "function", "function": {"name": name}}
 
 
 def asking_tools(**fields):
@@ -1097,13 +1106,14 @@ def test_the_older_functions_call_one_as_the_messages_function_call(more_servers
     asked = asking_tools(functions=functions, function_call={"name": "weather"})
     answer = chat.chat.completions.create(**asked)
     [choice] = answer.choices
-    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None
+    # (a call forced ends with "stop", as OpenAI ends it)
+    assert choice.finish_reason == "stop" and choice.message.tool_calls is None
     assert choice.message.function_call.name == "weather"
     assert json.loads(choice.message.function_call.arguments)["city"] in ("paris", "rome")
     chunks = list(chat.chat.completions.create(**asked, stream=True))
     called = [c.choices[0].delta.function_call for c in chunks if c.choices[0].delta.function_call]
     assert [c.model_dump() for c in called] == [choice.message.function_call.model_dump()]
-    assert chunks[-1].choices[0].finish_reason == "function_call"
+    assert chunks[-1].choices[0].finish_reason == "stop"
     # the call and the function's answer, in the older form, and the conversation goes on
     conversation = [
         *ASK,

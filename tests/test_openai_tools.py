@@ -4,6 +4,7 @@ JSON as it grows (`rawserve.api.openai_tools`)."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jsonschema
@@ -174,7 +175,7 @@ def test_a_calls_arguments_keep_the_numbers_and_text_the_model_wrote():
 
 
 def test_an_older_functions_call_is_read_back_as_the_messages_function_call():
-    message, reason = Tools([WEATHER], "weather", older=True).message(
+    message, reason = Tools([WEATHER], "auto", older=True).message(
         '{"name": "weather", "arguments": {"city": "rome"}}'
     )
     assert reason == "function_call"
@@ -183,6 +184,19 @@ def test_an_older_functions_call_is_read_back_as_the_messages_function_call():
         "content": None,
         "function_call": {"name": "weather", "arguments": '{"city": "rome"}'},
     }
+
+
+@pytest.mark.parametrize("older", [False, True])
+def test_a_call_of_the_function_named_ends_as_words_do(older):
+    """OpenAI ends a call it was told to make with finish_reason "stop" (vLLM too, since
+    its #25054): the worker's reason stands. "auto" and "required" end with the calls."""
+    generated = '{"name": "weather", "arguments": {"city": "rome"}}'
+    message, reason = Tools([WEATHER, TIME], "weather", older=older).message(generated)
+    assert reason is None
+    assert message["function_call" if older else "tool_calls"]
+    for choice in ("auto", "required")[: 1 if older else 2]:
+        _, reason = Tools([WEATHER, TIME], choice, older=older).message(generated)
+        assert reason == ("function_call" if older else "tool_calls")
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 7])
@@ -244,3 +258,87 @@ def test_an_answer_held_to_a_format_is_streamed_as_written(step):
     assert pieces == words.sent == answer[len('{"content": ') : -1]
     call = Tools([WEATHER], "auto", answer_format=PERSON).words()
     assert call.add('{"name": "weather", "arguments": {"city": "x"}}') == ""
+
+
+@functools.cache
+def byte_level_tokens():
+    import llguidance.hf
+
+    from tests.tiny_models import bpe_tokenizer
+
+    tokenizer = bpe_tokenizer()
+    return tokenizer, llguidance.hf.from_tokenizer(tokenizer)
+
+
+def held_to(grammar):
+    """Whether a text is one that `grammar` lets a model write, a byte-level token at a time."""
+    import llguidance
+
+    from rawserve.worker.grammars import grammar_text
+
+    tokenizer, tokens = byte_level_tokens()
+
+    def holds(text):
+        matcher = llguidance.LLMatcher(tokens, grammar_text(grammar), log_level=0)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return all(matcher.consume_token(i) for i in ids) and matcher.is_accepting()
+
+    return holds
+
+
+def test_a_calls_arguments_take_only_the_parameters_listed():
+    """JSON Schema lets keys a schema does not list into an object; LangChain's `@tool`
+    schemas leave `additionalProperties` out, and a model wrote `"": ...` keys beside the
+    arguments, which the function called with them refused. Unstated, only the listed
+    properties come, as xgrammar (vLLM) and outlines (TGI) generate them; stated, it holds."""
+    place = {"type": "object", "properties": {"city": {"type": "string"}}}
+    parameters = {
+        "properties": {"place": {"$ref": "#/$defs/Place"}, "days": {"type": "integer"}},
+        "$defs": {"Place": place},
+    }
+    holds = held_to(Tools([{"name": "go", "parameters": parameters}], "go").grammar())
+    assert holds('{"name": "go", "arguments": {"place": {"city": "rome"}, "days": 2}}')
+    assert not holds('{"name": "go", "arguments": {"place": {"city": "rome"}, "": 2}}')
+    assert not holds('{"name": "go", "arguments": {"place": {"city": "rome", "n": 1}}}')
+    # a listed key comes once (in the schema's order): no duplicate keys
+    assert not holds('{"name": "go", "arguments": {"days": 1, "days": 2}}')
+    stated = {**parameters, "additionalProperties": {"type": "integer"}}
+    open_call = held_to(Tools([{"name": "go", "parameters": stated}], "go").grammar())
+    assert open_call('{"name": "go", "arguments": {"days": 1, "n": 2}}')
+    # the same for a response_format
+    answer_format = {"type": "json", "value": {"type": "object", "properties": {"a": {}}}}
+    assert held_to(answer_format)('{"a": 1}')
+    assert not held_to(answer_format)('{"a": 1, "b": 2}')
+
+
+def test_objects_are_closed_where_their_schema_leaves_additional_properties_out():
+    from rawserve.worker.grammars import closed_objects
+
+    item = {"properties": {"a": {}}}
+    schema = {
+        "properties": {
+            "list": {"items": item},
+            "either": {"anyOf": [item, {"type": "null"}]},
+            "other": {"not": item},  # (left as written: closed, it would let more in)
+        },
+        "$defs": {"Item": item},
+    }
+    closed = closed_objects(schema)
+    for instance in ({"x": 1}, {"list": [{"x": 1}]}, {"either": {"x": 1}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(instance, closed)
+    assert closed["$defs"]["Item"]["additionalProperties"] is False
+    assert closed["properties"]["other"] == {"not": item} and "additionalProperties" not in item
+    for stated in ({"additionalProperties": True}, {"unevaluatedProperties": False}):
+        assert closed_objects({**item, **stated}) == {**item, **stated}
+    # a key required and not listed, and objects of several schemas, are left open
+    unlisted = {**item, "required": ["b"]}
+    assert closed_objects(unlisted) == unlisted
+    for composed in (
+        {"allOf": [item, {"properties": {"b": {}}}]},
+        {"$ref": "#/$defs/Item", "properties": {"b": {}}, "$defs": {"Item": item}},
+        {"properties": {"kind": {}}, "anyOf": [item, {"properties": {"b": {}}}]},
+        {"properties": {"deep": {"properties": {"kind": {}}, "oneOf": [item]}}},
+    ):
+        assert closed_objects(composed) == composed
+        jsonschema.validate({"a": 1, "b": 2, "kind": 3}, composed)

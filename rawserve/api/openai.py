@@ -311,7 +311,8 @@ class OpenAIRoutes:
         return handler
 
     async def chat(self, request: HttpRequest, model: ServedModel, document: Any) -> HttpResponse:
-        generation = parse_chat(document)
+        loaded = model.serving.loaded
+        generation = parse_chat(document, bool(loaded and loaded.details.get("chat_one_call")))
         check_chat_template(model)
         return await self.generate(request, model, generation, chat=True)
 

@@ -384,7 +384,9 @@ def stop_sequences(value: Any) -> list[str]:
     return [unicode_text(s, '"stop"') for s in stops]
 
 
-def parse_chat(document: Any) -> GenerationRequest:
+def parse_chat(document: Any, one_call: bool = False) -> GenerationRequest:
+    """A chat request; `one_call`: the model's template takes one tool call an answer (its
+    answer is held to one, `parallel_tool_calls` or not)."""
     fields = CHAT.read(document)
     refuse_unserved(fields, CHAT_UNSERVED)
     for name in CHAT_BOOKKEEPING:  # checked, then dropped: they change no answer
@@ -392,7 +394,7 @@ def parse_chat(document: Any) -> GenerationRequest:
     request = generation_params(fields, "max_completion_tokens", None)
     chat: dict[str, Any] = {"messages": fields.value("messages")}
     params = {**request.params, CHAT_PARAM: True}
-    tools = requested_tools(fields)
+    tools = requested_tools(fields, one_call)
     if variables := fields.value("chat_template_kwargs"):
         chat["template_kwargs"] = variables
     opening = answer_opening(fields)
@@ -414,12 +416,12 @@ def parse_chat(document: Any) -> GenerationRequest:
     return request
 
 
-def requested_tools(fields: Fields) -> Tools | None:
+def requested_tools(fields: Fields, one_call: bool = False) -> Tools | None:
     """The functions a chat's answer may call: OpenAI's tools, or its older functions (not
-    both); None for none."""
-    tools = chat_tools(
-        fields.value("tools"), fields.value("tool_choice"), fields.value("parallel_tool_calls")
-    )
+    both); None for none. `one_call`: a call an answer, as Llama 3.1-3.3's templates take
+    an assistant's calls back (`parallel_tool_calls` allows several; one is within it)."""
+    parallel = fields.value("parallel_tool_calls") and not one_call
+    tools = chat_tools(fields.value("tools"), fields.value("tool_choice"), parallel)
     older = chat_tools(fields.value("functions"), fields.value("function_call"), older=True)
     if tools is not None and older is not None:
         raise BadRequest('"tools" and "functions" cannot be given together')

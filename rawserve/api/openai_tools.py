@@ -118,8 +118,9 @@ class Tools:
 
     def message(self, text: str) -> tuple[dict[str, Any], str | None]:
         """The assistant's message for what a held answer generated, and the finish
-        reason a call gives (None for words). Words cut by `max_tokens` are the words
-        written; a cut call is left as it came, in the message's content."""
+        reason a call gives (None for words, and for a call of the function the request
+        named, which OpenAI and vLLM end with "stop"). Words cut by `max_tokens` are the
+        words written; a cut call is left as it came, in the message's content."""
         try:
             answer = json.loads(text, parse_float=WrittenNumber, parse_int=WrittenNumber)
             calls = answer if isinstance(answer, list) else [answer]
@@ -140,15 +141,17 @@ class Tools:
                 # the format's JSON as written (not read and written again), its braces off
                 content = text.strip().removeprefix(FORMATTED_OPENING).removesuffix("}")
             return {"role": "assistant", "content": text if content is None else content}, None
+        named = self.choice not in ("auto", "required")  # a call forced: it ends as words do
         if self.older:
             return {"role": "assistant", "content": None, "function_call": functions[0]}, (
-                "function_call"
+                None if named else "function_call"
             )
         tool_calls = [
             {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": function}
             for function in functions
         ]
-        return {"role": "assistant", "content": None, "tool_calls": tool_calls}, "tool_calls"
+        message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
+        return message, None if named else "tool_calls"
 
     def words(self) -> StreamedWords:
         """A reader of the words (or the format's JSON) of an answer that does not call."""

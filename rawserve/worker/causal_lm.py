@@ -97,6 +97,8 @@ TOOLS_DESCRIBED = (
 SEVERAL_CALLS = " To call several, answer a list of them."
 # Mistral's templates refuse a tool call id that is not 9 letters and digits, in these words
 NINE_CHARACTER_IDS = "alphanumeric strings with length 9"
+# Llama 3.1-3.3's templates refuse an answer of several tool calls, in these words
+ONE_CALL_AT_ONCE = "only supports single tool-calls at once"
 
 
 def nine_character_ids(message: dict[str, Any]) -> dict[str, Any]:
@@ -284,6 +286,8 @@ class CausalLMRunner(Runner):
             "chat_template": bool(self.tokenizer.chat_template),
             # (so earlier answers' thinking is not counted against the positions)
             "chat_drops_reasoning": REASONING_END in str(self.tokenizer.chat_template),
+            # (so an answer calls one tool: a list of calls would be refused the next turn)
+            "chat_one_call": ONE_CALL_AT_ONCE in str(self.tokenizer.chat_template),
             "max_input_length": self.max_positions,
             "vocabulary": self.vocabulary,  # the token ids a prompt or logit_bias may name
         }

@@ -48,13 +48,79 @@ JSON_LAYOUT: JsonCompileOptions = {
 
 # llguidance's fault for a "format" it does not know: lenient, it is a warning instead
 UNKNOWN_FORMAT = "Unknown format"
+# the keywords whose value is a schema, a list of schemas, or schemas by name
+SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "contains", "if", "then", "else")
+SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# what holds an object's keys beside its own properties: closed, one would refuse the other's
+COMPOSING = {"allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "dependentSchemas", "not"}
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with each object that lists its properties and leaves `additionalProperties`
+    unstated taking those alone, as xgrammar (vLLM's default) and outlines (TGI's) generate
+    it; llguidance follows JSON Schema, which lets other keys in: a model wrote keys of its
+    own into a call's arguments, which the function called with them refuses. What states
+    `additionalProperties` (or `unevaluatedProperties`) is held to what it says, an object
+    that requires a key it does not list stays open, and so does a schema that composes an
+    object of several (properties beside an anyOf or a $ref, an allOf of two): as written."""
+    return schema if composes(schema) else closed(schema)
+
+
+def composes(schema: Any) -> bool:
+    if not isinstance(schema, dict):
+        return False
+    if "properties" in schema and COMPOSING & schema.keys():
+        return True
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return True
+    return any(composes(each) for each in subschemas(schema))
+
+
+def subschemas(schema: dict[str, Any]) -> list[Any]:
+    found = [schema.get(keyword) for keyword in SUBSCHEMA]
+    found += [
+        each for k in SUBSCHEMA_LISTS if isinstance(schema.get(k), list) for each in schema[k]
+    ]
+    found += [
+        each
+        for k in SUBSCHEMA_MAPS
+        if isinstance(schema.get(k), dict)
+        for each in schema[k].values()
+    ]
+    return [each for each in found if isinstance(each, dict)]
+
+
+def closed(schema: Any) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    schema = dict(schema)  # (what is under "not" is left as written: closed, it would open)
+    for keyword in SUBSCHEMA:
+        if isinstance(schema.get(keyword), dict):
+            schema[keyword] = closed(schema[keyword])
+    for keyword in SUBSCHEMA_LISTS:
+        if isinstance(schema.get(keyword), list):
+            schema[keyword] = [closed(each) for each in schema[keyword]]
+    for keyword in SUBSCHEMA_MAPS:
+        if isinstance(schema.get(keyword), dict):
+            schema[keyword] = {name: closed(each) for name, each in schema[keyword].items()}
+    listed = schema.get("properties")
+    required = schema.get("required", [])
+    if (
+        isinstance(listed, dict)
+        and not {"additionalProperties", "unevaluatedProperties"} & schema.keys()
+        and isinstance(required, list)
+        and all(isinstance(key, str) and key in listed for key in required)
+    ):
+        schema["additionalProperties"] = False
+    return schema
 
 
 def grammar_text(grammar: Mapping[str, Any]) -> str:
     """llguidance's grammar for TGI's `{"type": "json" | "regex", "value": ...}`."""
     if grammar["type"] == "regex":
         return str(llguidance.LLMatcher.grammar_from_regex(grammar["value"]))
-    schema = grammar["value"]
+    schema = closed_objects(grammar["value"])
     return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT))
 
 
@@ -64,7 +130,8 @@ def formats_as_annotations(grammar: Mapping[str, Any]) -> str | None:
     for SecretStr, "path" for Path...); the formats it knows are held to still. None where
     the schema has other faults too (the first of them is the one to report)."""
     lenient: JsonCompileOptions = {**JSON_LAYOUT, "lenient": True}
-    text = str(llguidance.LLMatcher.grammar_from_json_schema(grammar["value"], defaults=lenient))
+    schema = closed_objects(grammar["value"])
+    text = str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=lenient))
     failed, faults = llguidance.LLMatcher.validate_grammar_with_warnings(text, limits=LIMITS)
     if failed or not all(UNKNOWN_FORMAT in warning for warning in faults):
         return None
