@@ -472,6 +472,24 @@ def test_stop_sequences_end_a_row_as_the_static_path_ends_it(runner):
     assert without_logprobs(got) == without_logprobs(static(runner, "the movie was", params))
 
 
+def test_a_running_sequence_keeps_no_more_of_its_text_than_its_stops_need(runner):
+    """Its text is decoded whole at its end: a step copying the text so far for each row
+    would cost each step more as the texts grow."""
+    from rawserve.worker.continuous import ContinuousBatcher, Generation
+
+    batcher = ContinuousBatcher(runner.model, runner.tokenizer, POSITIONS)
+    ids = runner.tokenizer("the movie was")["input_ids"]
+    batcher.add(Generation(1, ids, max_new_tokens=30, stop=("\x00\x00\x00",)))
+    finished = []
+    while batcher.busy:
+        finished += batcher.step()
+    [generation] = finished
+    assert generation.finish_reason == "length"
+    assert len(runner.tokenizer.decode(generation.tokens)) > 10
+    texts = [v for k, v in vars(generation).items() if isinstance(v, str) and k != "finish_reason"]
+    assert texts and max(len(text) for text in texts) <= 2  # the stop's length, less one
+
+
 @pytest.mark.parametrize(
     ("text", "piece", "stops", "ends"),
     [
