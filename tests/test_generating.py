@@ -564,6 +564,39 @@ def test_repetition_penalty_and_return_full_text_as_the_static_path(runner):
     assert got[0]["generated_text"] != plain[0]["generated_text"].removeprefix("the movie was")
 
 
+def test_a_penalized_rows_ids_are_not_made_anew_from_lists_at_each_step(runner, monkeypatch):
+    """A row's repetition penalty reads its prompt's and new tokens' ids, its frequency
+    penalty its new tokens': kept on the device and grown by a token a step, not made
+    into a tensor again from the whole lists at every step (a cost growing with them)."""
+    import sys
+
+    import torch
+
+    from rawserve.worker.continuous import ContinuousBatcher, Generation
+    from rawserve.worker.scores import ScoreAdjustments
+
+    batcher = ContinuousBatcher(runner.model, runner.tokenizer, POSITIONS)
+    ids = runner.tokenizer("the movie was " * 10)["input_ids"]
+    penalties = ScoreAdjustments(frequency_penalty=0.5, presence_penalty=0.5)
+    generation = Generation(1, ids, 20, repetition_penalty=1.5, adjustments=penalties)
+    batcher.add(generation)
+    batcher.step()  # the prefill, and the first token
+    converted = []
+    tensor = torch.tensor
+
+    def spied(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        made = tensor(data, *args, **kwargs)
+        if sys._getframe(1).f_globals["__name__"].startswith("rawserve"):
+            converted.append(made.numel())
+        return made
+
+    monkeypatch.setattr(torch, "tensor", spied)
+    while batcher.busy:
+        batcher.step()
+    assert len(generation.tokens) == 20
+    assert all(count <= 1 for count in converted), converted
+
+
 def test_openais_penalties_count_each_rows_new_tokens():
     import torch
 

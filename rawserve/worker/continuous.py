@@ -50,6 +50,7 @@ from rawserve.worker.prefill_graphs import (
 from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE, SAMPLING_FAILED_MESSAGE
 from rawserve.worker.scores import (
     ScoreAdjustments,
+    TokenRun,
     likeliest,
     penalize_repetition,
     sampling_probabilities,
@@ -116,6 +117,10 @@ class Generation:
     joins_at_most: int = 0
     generator: torch.Generator | None = None
     pieces: TextPieces | None = None
+    # its ids on the device, for its repetition penalty (prompt and new tokens) and its
+    # frequency and presence penalties (new tokens): grown a step at a time
+    seen: TokenRun | None = None
+    made: TokenRun | None = None
 
     @property
     def done(self) -> bool:
@@ -495,12 +500,15 @@ class ContinuousBatcher:
                 continue
             penalty = generation.repetition_penalty
             if penalty is not None and penalty != 1.0:
-                sequence = generation.prompt_ids + generation.tokens
-                penalize_repetition(scores[index], penalty, sequence)
+                if generation.seen is None:
+                    generation.seen = TokenRun(generation.prompt_ids, scores.device)
+                seen = generation.seen.after(generation.tokens)
+                penalize_repetition(scores[index], penalty, seen)
             if (adjustments := generation.adjustments) is not None:
-                made = generation.tokens if adjustments.penalizes else []
-                tokens = torch.tensor([made], device=scores.device, dtype=torch.long)
-                adjustments.apply(scores[index : index + 1], tokens)
+                if generation.made is None:
+                    generation.made = TokenRun((), scores.device)
+                made = generation.made.after(generation.tokens if adjustments.penalizes else ())
+                adjustments.apply(scores[index : index + 1], made[None])
             # (a grammar says itself when the end may come; with ignore_eos the end token
             # ends nothing, so there is no end to hold back, as `generate` has none)
             holds_end = generation.grammar is None and not generation.ignore_eos
