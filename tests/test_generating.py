@@ -490,6 +490,27 @@ def test_a_running_sequence_keeps_no_more_of_its_text_than_its_stops_need(runner
     assert texts and max(len(text) for text in texts) <= 2  # the stop's length, less one
 
 
+def test_the_static_paths_watcher_keeps_no_more_of_a_rows_text_than_its_stops_need(runner):
+    import torch
+
+    from rawserve.worker.generate_hooks import TokenWatcher
+
+    ids = runner.tokenizer("the movie was good, the film was bad")["input_ids"]
+    watcher = TokenWatcher(
+        runner.tokenizer,
+        set(),
+        prompt_length=0,
+        batch_size=1,
+        stop=["\x00\x00\x00"],
+        recorder=SimpleNamespace(logprobs=None),
+    )
+    for end in range(1, len(ids) + 1):  # a token at a time, as generate calls it
+        watcher(torch.tensor([ids[:end]]), None)
+    assert not any(watcher.done)
+    assert "film was bad" in runner.tokenizer.decode(watcher.token_ids[0])
+    assert "film was bad" not in repr(vars(watcher))
+
+
 @pytest.mark.parametrize(
     ("text", "piece", "stops", "ends"),
     [
