@@ -26,7 +26,7 @@ from rawserve.api.bodies import (
     vector_entries,
 )
 from rawserve.api.inference import parse_body
-from rawserve.api.openai_answers import Answer, cut_at_stop, releasable
+from rawserve.api.openai_answers import Answer, Streamed, cut_at_stop, releasable
 from rawserve.api.openai_generation import (
     GenerationRequest,
     check_token_ids,
@@ -81,6 +81,45 @@ def test_streamed_text_is_the_whole_answer_cut_before_the_first_stop(tokens, sto
     whole = cut_at_stop(text, stop)
     assert whole.startswith(sent)
     assert not any(s in whole for s in stop)
+
+
+@given(pieces, stops, st.integers(0, 6))
+def test_a_streamed_choice_sends_what_its_whole_text_releases(tokens, stop, stops_after):
+    """Token by token, a choice sends what `releasable` lets go of the whole text so far
+    (stops counted from the `stops_after`-th token's text on), though it keeps and
+    searches only the end of it."""
+    streamed = Streamed(stops_after)
+    text, sent, stops_from = "", "", 0
+    for number, token in enumerate(tokens, 1):
+        if number <= stops_after:
+            stops_from = len(text)
+        text += token
+        ready, _ = releasable(text, stop, stops_from)
+        expected = ready[len(sent) :] if len(ready) > len(sent) else None
+        sent = ready if expected is not None else sent
+        release = streamed.add({"text": token, "special": False}, stop, None)
+        assert (release[0] if release is not None else None) == expected
+    assert streamed.sent == sent
+
+
+def test_a_long_streamed_choice_searches_only_the_end_of_its_text(monkeypatch):
+    """Each token's search for stop sequences covers the text not sent yet and the last
+    characters sent (one fewer than the longest stop), not all of it: a long answer's
+    stream costs the server no more per token as it grows."""
+    from rawserve.api import openai_answers
+
+    searched = []
+
+    def spied(text: str, stops: list[str], stops_from: int = 0) -> tuple[str, bool]:
+        searched.append(len(text))
+        return releasable(text, stops, stops_from)
+
+    monkeypatch.setattr(openai_answers, "releasable", spied)
+    streamed = Streamed()
+    for _ in range(1000):
+        streamed.add({"text": " word", "special": False}, ["\n\n"], None)
+    assert len(streamed.sent) == 5000
+    assert max(searched) == len(" word") + 1
 
 
 def test_text_that_may_start_a_stop_sequence_waits():

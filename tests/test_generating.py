@@ -473,6 +473,45 @@ def test_stop_sequences_end_a_row_as_the_static_path_ends_it(runner):
     assert without_logprobs(got) == without_logprobs(static(runner, "the movie was", params))
 
 
+def test_a_running_sequence_keeps_no_more_of_its_text_than_its_stops_need(runner):
+    """Its text is decoded whole at its end: a step copying the text so far for each row
+    would cost each step more as the texts grow."""
+    from rawserve.worker.continuous import ContinuousBatcher, Generation
+
+    batcher = ContinuousBatcher(runner.model, runner.tokenizer, POSITIONS)
+    ids = runner.tokenizer("the movie was")["input_ids"]
+    batcher.add(Generation(1, ids, max_new_tokens=30, stop=("\x00\x00\x00",)))
+    finished = []
+    while batcher.busy:
+        finished += batcher.step()
+    [generation] = finished
+    assert generation.finish_reason == "length"
+    assert len(runner.tokenizer.decode(generation.tokens)) > 10
+    texts = [v for k, v in vars(generation).items() if isinstance(v, str) and k != "finish_reason"]
+    assert texts and max(len(text) for text in texts) <= 2  # the stop's length, less one
+
+
+def test_the_static_paths_watcher_keeps_no_more_of_a_rows_text_than_its_stops_need(runner):
+    import torch
+
+    from rawserve.worker.generate_hooks import TokenWatcher
+
+    ids = runner.tokenizer("the movie was good, the film was bad")["input_ids"]
+    watcher = TokenWatcher(
+        runner.tokenizer,
+        set(),
+        prompt_length=0,
+        batch_size=1,
+        stop=["\x00\x00\x00"],
+        recorder=SimpleNamespace(logprobs=None),
+    )
+    for end in range(1, len(ids) + 1):  # a token at a time, as generate calls it
+        watcher(torch.tensor([ids[:end]]), None)
+    assert not any(watcher.done)
+    assert "film was bad" in runner.tokenizer.decode(watcher.token_ids[0])
+    assert "film was bad" not in repr(vars(watcher))
+
+
 @pytest.mark.parametrize(
     ("text", "piece", "stops", "ends"),
     [
@@ -545,6 +584,39 @@ def test_repetition_penalty_and_return_full_text_as_the_static_path(runner):
     assert without_logprobs(got) == without_logprobs(static(runner, "the movie was", params))
     plain = results(serve(runner, {0: [Batch(1, ("the movie was",), GREEDY)]}))[1].outputs[0]
     assert got[0]["generated_text"] != plain[0]["generated_text"].removeprefix("the movie was")
+
+
+def test_a_penalized_rows_ids_are_not_made_anew_from_lists_at_each_step(runner, monkeypatch):
+    """A row's repetition penalty reads its prompt's and new tokens' ids, its frequency
+    penalty its new tokens': kept on the device and grown by a token a step, not made
+    into a tensor again from the whole lists at every step (a cost growing with them)."""
+    import sys
+
+    import torch
+
+    from rawserve.worker.continuous import ContinuousBatcher, Generation
+    from rawserve.worker.scores import ScoreAdjustments
+
+    batcher = ContinuousBatcher(runner.model, runner.tokenizer, POSITIONS)
+    ids = runner.tokenizer("the movie was " * 10)["input_ids"]
+    penalties = ScoreAdjustments(frequency_penalty=0.5, presence_penalty=0.5)
+    generation = Generation(1, ids, 20, repetition_penalty=1.5, adjustments=penalties)
+    batcher.add(generation)
+    batcher.step()  # the prefill, and the first token
+    converted = []
+    tensor = torch.tensor
+
+    def spied(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        made = tensor(data, *args, **kwargs)
+        if sys._getframe(1).f_globals["__name__"].startswith("rawserve"):
+            converted.append(made.numel())
+        return made
+
+    monkeypatch.setattr(torch, "tensor", spied)
+    while batcher.busy:
+        batcher.step()
+    assert len(generation.tokens) == 20
+    assert all(count <= 1 for count in converted), converted
 
 
 def test_openais_penalties_count_each_rows_new_tokens():

@@ -308,17 +308,32 @@ class Answer:
 
 
 class Streamed:
-    """One streamed choice's text: what its tokens have made, what has been sent, and the
-    tokens whose text has not gone out yet (it may start a stop sequence)."""
+    """One streamed choice's text: how long it has grown, what has been sent, and the
+    text and tokens that have not gone out yet (they may start a stop sequence).
+
+    Only the unsent text and the last characters sent are kept whole and searched for
+    stop sequences: what may begin one is not sent, so none that counts begins further
+    back. A token's work then does not grow with the text (searching and copying all of
+    it at each token made a long answer's stream cost the server more with every token)."""
 
     def __init__(self, stops_after: int = 0) -> None:
-        self.text = ""  # generated so far (special tokens left out)
-        self.sent = ""
+        self.length = 0  # of the text generated so far (special tokens left out)
+        self.pieces: list[str] = []  # the text sent, chunk by chunk
+        self.sent_length = 0
+        self.held = ""  # the text past what was sent
+        self.recent = ""  # the end of the text sent, where a stop may begin
         self.unsent = Unsent()
         self.stops_after = stops_after  # the first token whose text a stop may end in
         self.tokens = 0  # how many have come, special ones too (the worker counts them)
         self.stops_from = 0  # where in the text stops count: the start of that token's
         self.special: Mapping[str, Any] | None = None  # the newest token, if special
+
+    @property
+    def sent(self) -> str:
+        """The text sent so far."""
+        if len(self.pieces) > 1:
+            self.pieces = ["".join(self.pieces)]
+        return self.pieces[0] if self.pieces else ""
 
     def add(
         self, token: Mapping[str, Any], stops: Sequence[str], logprobs: int | None
@@ -326,34 +341,49 @@ class Streamed:
         """A new token; what can be sent now."""
         self.tokens += 1
         if self.tokens <= self.stops_after:
-            self.stops_from = len(self.text)
+            self.stops_from = self.length
         self.special = token if token["special"] and logprobs is not None else None
         if token["special"]:
             return None
         if logprobs is not None:
-            self.unsent.add(listed(token), len(self.text))
-        self.text += token["text"]
-        ready, _ = releasable(self.text, stops, self.stops_from)
-        return self.release(ready)
+            self.unsent.add(listed(token), self.length)
+        self.held += token["text"]
+        self.length += len(token["text"])
+        # a stop may begin in the last characters sent (one fewer than the longest stop):
+        # one that counted no more once stops counted from a later token on
+        keep = max(map(len, stops), default=1) - 1
+        self.recent = (
+            self.recent[len(self.recent) - keep :] if len(self.recent) > keep else self.recent
+        )
+        start = self.sent_length - len(self.recent)
+        ready, _ = releasable(self.recent + self.held, stops, self.stops_from - start)
+        if start + len(ready) <= self.sent_length:
+            return None
+        text = ready[len(self.recent) :]
+        self.held = self.held[len(text) :]
+        self.recent += text
+        return self._send(text)
 
     def rest(self, output: dict[str, Any], stops: Sequence[str]) -> Release | None:
         """What a cut character held back, once the whole text is known (listed with
         the special token that ends the text where that token added it)."""
         text = output["generated_text"]
-        if self.special is not None and (
-            ending := adding(self.special, len(text) - len(self.text))
-        ):
-            self.unsent.add(listed(ending), len(self.text))
+        if self.special is not None and (ending := adding(self.special, len(text) - self.length)):
+            self.unsent.add(listed(ending), self.length)
         whole = cut_at_stop(text, stops, stops_from(output))
-        return self.release(whole) if whole.startswith(self.sent) else None
-
-    def release(self, ready: str) -> Release | None:
-        """The text past what was sent, with its tokens and where the first one starts."""
-        if len(ready) <= len(self.sent):
+        if not whole.startswith(self.sent):
             return None
-        text = ready[len(self.sent) :]
-        self.sent = ready
-        return (text, *self.unsent.take(len(ready)))
+        self.held = ""
+        return self._send(whole[self.sent_length :])
+
+    def _send(self, text: str) -> Release | None:
+        """`text`, what follows the text sent, sent now with its tokens and where the
+        first one starts (None: nothing to send)."""
+        if not text:
+            return None
+        self.pieces.append(text)
+        self.sent_length += len(text)
+        return (text, *self.unsent.take(self.sent_length))
 
 
 Release = tuple[str, list[Listed], int]  # a chunk's text, its tokens, the first's offset

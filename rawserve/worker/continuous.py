@@ -51,6 +51,7 @@ from rawserve.worker.prefill_graphs import (
 from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE, SAMPLING_FAILED_MESSAGE
 from rawserve.worker.scores import (
     ScoreAdjustments,
+    TokenRun,
     likeliest,
     penalize_repetition,
     sampling_probabilities,
@@ -111,7 +112,10 @@ class Generation:
     # the prompt's tokens with their log probabilities (TGI's details' `prefill`), if asked
     prefill: list[dict[str, Any]] | None = None
     tokens: list[int] = field(default_factory=list)
-    text: str = ""  # the text so far, piece by piece (pieces hold back a cut character)
+    # the end of its text that a stop sequence ending in a later piece may begin in
+    # (`stop_tail`): the whole text, copied at every token, would cost each step more as
+    # the text grows
+    tail: str = ""
     finish_reason: str | None = None  # None while it runs
     failure: str | None = None  # why it failed alone (finish_reason "failed"), for its client
     failure_kind: FailureKind = FailureKind.INPUT  # whose fault: its settings' or the model's
@@ -121,6 +125,10 @@ class Generation:
     joins_at_most: int = 0
     generator: torch.Generator | None = None
     pieces: TextPieces | None = None
+    # its ids on the device, for its repetition penalty (prompt and new tokens) and its
+    # frequency and presence penalties (new tokens): grown a step at a time
+    seen: TokenRun | None = None
+    made: TokenRun | None = None
 
     @property
     def done(self) -> bool:
@@ -501,12 +509,15 @@ class ContinuousBatcher:
                 continue
             penalty = generation.repetition_penalty
             if penalty is not None and penalty != 1.0:
-                sequence = generation.prompt_ids + generation.tokens
-                penalize_repetition(scores[index], penalty, sequence)
+                if generation.seen is None:
+                    generation.seen = TokenRun(generation.prompt_ids, scores.device)
+                seen = generation.seen.after(generation.tokens)
+                penalize_repetition(scores[index], penalty, seen)
             if (adjustments := generation.adjustments) is not None:
-                made = generation.tokens if adjustments.penalizes else []
-                tokens = torch.tensor([made], device=scores.device, dtype=torch.long)
-                adjustments.apply(scores[index : index + 1], tokens)
+                if generation.made is None:
+                    generation.made = TokenRun((), scores.device)
+                made = generation.made.after(generation.tokens if adjustments.penalizes else ())
+                adjustments.apply(scores[index : index + 1], made[None])
             # (a grammar says itself when the end may come; with ignore_eos the end token
             # ends nothing, so there is no end to hold back, as `generate` has none)
             holds_end = generation.grammar is None and not generation.ignore_eos
@@ -568,7 +579,8 @@ class ContinuousBatcher:
             ends = token in self.eos_ids and not generation.ignore_eos
             last = ends or len(generation.tokens) >= generation.cap
             piece = generation.pieces.next_piece(generation.tokens, last)
-            generation.text += piece
+            text = generation.tail + piece
+            generation.tail = stop_tail(text, generation.stop)
             if generation.logprobs is not None and logprobs is not None:
                 generation.logprobs.append(logprobs[index])
                 if generation.top_n and top is not None:
@@ -576,7 +588,7 @@ class ContinuousBatcher:
             if ends:
                 generation.finish_reason = "eos_token"
             elif len(generation.tokens) >= generation.stops_after and ends_a_stop(
-                generation.text, piece, generation.stop
+                text, piece, generation.stop
             ):
                 generation.finish_reason = "stop_sequence"
             elif len(generation.tokens) >= generation.cap:
@@ -606,6 +618,13 @@ def ends_a_stop(text: str, piece: str, stops: Sequence[str]) -> bool:
     """Whether a stop sequence ends in `piece`, the newest piece at the end of `text` (one
     that ended earlier was found then, or did not count yet)."""
     return bool(piece) and any(stop in text[-(len(piece) + len(stop) - 1) :] for stop in stops)
+
+
+def stop_tail(text: str, stops: Sequence[str]) -> str:
+    """The end of `text` that a stop sequence ending in a later piece may begin in: one
+    character fewer than the longest stop ("" without stops)."""
+    keep = max(map(len, stops), default=1) - 1
+    return text[len(text) - keep :] if len(text) > keep else text
 
 
 def end_ids(tokenizer: Any, model: Any) -> set[int]:

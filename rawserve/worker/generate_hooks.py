@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import transformers
 
-from rawserve.worker.continuous import ends_a_stop
+from rawserve.worker.continuous import ends_a_stop, stop_tail
 from rawserve.worker.grammars import constrain
 from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE, NotNumbers
 from rawserve.worker.scores import ScoreAdjustments, likeliest, unusable
@@ -125,7 +125,9 @@ class TokenWatcher(transformers.StoppingCriteria):
         self.eos_ids = set() if ignore_eos else eos_ids
         self.top_n = top_n  # the likeliest tokens listed beside each new one
         self.token_ids: list[list[int]] = [[] for _ in range(batch_size)]
-        self.texts = [""] * batch_size
+        # each row's text's end that a stop sequence may begin in (`stop_tail`: its whole
+        # text, copied at every token, would cost each step more as it grows)
+        self.tails = [""] * batch_size
         # each row's text decoded after the end of its prompt (`prompt_context`)
         self.pieces = [
             TextPieces(tokenizer, contexts[row] if contexts else ()) for row in range(batch_size)
@@ -150,11 +152,12 @@ class TokenWatcher(transformers.StoppingCriteria):
             ends = token_id in self.eos_ids
             last = ends or len(self.token_ids[row]) >= self.max_new_tokens
             piece = self.pieces[row].next_piece(self.token_ids[row], last)
-            self.texts[row] += piece
+            text = self.tails[row] + piece
+            self.tails[row] = stop_tail(text, self.stop)
             if ends:
                 self.done[row], self.finish_reasons[row] = True, "eos_token"
             elif len(self.token_ids[row]) >= self.stops_after and ends_a_stop(
-                self.texts[row], piece, self.stop
+                text, piece, self.stop
             ):
                 self.done[row], self.finish_reasons[row] = True, "stop_sequence"
             if listed:

@@ -10,7 +10,7 @@ adjustments as a logits processor and lists the likeliest tokens from its scores
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -88,10 +88,39 @@ def unusable(scores: torch.Tensor) -> torch.Tensor:
     return ~scores.amax(-1).isfinite()
 
 
-def penalize_repetition(scores: torch.Tensor, penalty: float, sequence: list[int]) -> None:
+class TokenRun:
+    """A sequence's token ids as a tensor on the device, grown by its new tokens at each
+    step (in a buffer that doubles when full). Why: made anew from the Python lists at
+    every step, a penalized row's tensor cost it time that grew with its sequence, ~0.2 ms
+    a step at 1,000 tokens on a CPU, more than a small model's decoding step on a GPU."""
+
+    def __init__(self, first: Sequence[int], device: torch.device):
+        self.device = device
+        self._buffer = torch.tensor(list(first), dtype=torch.long, device=device)
+        self.length = len(first)
+        self.taken = 0  # of the new tokens
+
+    def after(self, tokens: Sequence[int]) -> torch.Tensor:
+        """The ids: the first ones, then `tokens` (the sequence's new tokens so far, of
+        which those not taken yet are added)."""
+        new = tokens[self.taken :]
+        if new:
+            length = self.length + len(new)
+            if length > len(self._buffer):
+                grown = torch.empty(2 * length, dtype=torch.long, device=self.device)
+                grown[: self.length] = self._buffer[: self.length]
+                self._buffer = grown
+            if len(new) == 1:  # (a step's: one write)
+                self._buffer[self.length] = new[0]
+            else:
+                self._buffer[self.length : length] = torch.tensor(new, device=self.device)
+            self.length, self.taken = length, len(tokens)
+        return self._buffer[: self.length]
+
+
+def penalize_repetition(scores: torch.Tensor, penalty: float, seen: torch.Tensor) -> None:
     """transformers' repetition penalty on one row's scores, in place: every token already
-    in the `sequence` (prompt and new tokens) scores lower."""
-    seen = torch.tensor(sequence, device=scores.device)
+    in the sequence (`seen`: its prompt's and new tokens' ids) scores lower."""
     score = scores.gather(0, seen)
     scores.scatter_(0, seen, torch.where(score < 0, score * penalty, score / penalty))
 
