@@ -377,6 +377,9 @@ class OpenAIRoutes:
                 generation.logprobs,
                 tools=generation.tools,
                 stops_after=stops_after,
+                # a reasoning model's thinking, apart: not where a grammar holds the answer
+                # from its first token (it has no room to think)
+                thinking=None if "grammar" in generation.params else model.thinking,
             )
         deadline = self.context.deadline(request)
         choices = generation.choice_params()

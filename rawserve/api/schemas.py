@@ -259,7 +259,12 @@ OPENAI_CHAT_RESPONSE = completion_object(
             "message": {
                 "type": "object",
                 "required": ["role", "content"],
-                "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                "properties": {
+                    "role": {"const": "assistant"},
+                    "content": {"type": ["string", "null"]},
+                    # a reasoning model's thinking (its content null where it never closed)
+                    "reasoning_content": {"type": ["string", "null"]},
+                },
             },
             "finish_reason": FINISH,
         },
