@@ -219,3 +219,37 @@ def test_a_template_that_writes_the_closing_tag_makes_a_reasoning_model(tiny_mod
         {"role": "assistant", "content": "Hello!", "reasoning_content": "Let me see."},
     ]
     assert "<think>\nLet me see.\n</think>\n\nHello!" in runner.chat_text(chat, None)
+
+
+def test_openais_client_reads_the_thinking_of_an_answer_and_of_its_stream():
+    """OpenAI's SDK keeps a field it does not type (`reasoning_content`) on the message and
+    on the delta, where reasoning clients read it: rawserve's answers, replayed to it."""
+    import httpx2
+    from openai import OpenAI
+
+    answer = Answer(True, "m", thinking=OPENED_IN_ANSWER)
+
+    def reply(request: httpx2.Request) -> httpx2.Response:
+        if json.loads(request.content).get("stream"):
+
+            async def read() -> list[bytes]:
+                return [e async for e in answer.events([Stream(TOKENS)], [], False)]  # type: ignore[list-item]
+
+            body = b"".join(asyncio.run(read()))
+            return httpx2.Response(200, content=body, headers={"content-type": "text/event-stream"})
+        return httpx2.Response(200, json=answer.whole([Stream(TOKENS).output()], []))
+
+    client = OpenAI(
+        base_url="http://replayed/v1",
+        api_key="-",
+        http_client=httpx2.Client(transport=httpx2.MockTransport(reply)),
+    )
+    said = [{"role": "user", "content": "hi"}]
+    message = client.chat.completions.create(model="m", messages=said).choices[0].message
+    assert (message.reasoning_content, message.content) == ("\nLet me", "Hello!")  # type: ignore[attr-defined]
+    deltas = [
+        chunk.choices[0].delta
+        for chunk in client.chat.completions.create(model="m", messages=said, stream=True)
+    ]
+    thought = "".join(getattr(delta, "reasoning_content", None) or "" for delta in deltas)
+    assert (thought, "".join(delta.content or "" for delta in deltas)) == ("\nLet me", "Hello!")
