@@ -253,3 +253,40 @@ def test_openais_client_reads_the_thinking_of_an_answer_and_of_its_stream():
     ]
     thought = "".join(getattr(delta, "reasoning_content", None) or "" for delta in deltas)
     assert (thought, "".join(delta.content or "" for delta in deltas)) == ("\nLet me", "Hello!")
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["free", "held-to-a-format"])
+async def test_a_chat_stream_splits_the_thinking_its_worker_says_the_model_writes(held):
+    """The route takes where the thinking opens from the worker's details, and leaves an
+    answer held to a grammar whole: the grammar holds it from its first token."""
+    from dataclasses import replace
+
+    from rawserve.api.app import App
+    from rawserve.api.served import ServedModel, ServedModels
+    from rawserve.api.settings import AppSettings
+    from rawserve.http.exchange import HttpRequest
+    from rawserve.serving.service import ModelService
+    from tests.test_streaming import FakeScheduler, StreamingWorkers
+
+    workers = StreamingWorkers()
+    details = {"chat_template": True, "thinking": OPENED_IN_PROMPT}
+    workers.loaded = replace(StreamingWorkers.loaded, details=details)
+    text = ["hm", "</th", "ink>", "Hello"]
+    output = {"generated_text": "".join(text), "details": {"finish_reason": "eos_token"}}
+    models = ServedModels(
+        [ServedModel("m", ModelService(FakeScheduler(workers, text, output), workers))]
+    )
+    document = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    if held:
+        document["response_format"] = {"type": "json_object"}
+    body = json.dumps(document).encode()
+    headers = [("content-type", "application/json")]
+    request = HttpRequest("POST", "/v1/chat/completions", "", headers, body, "id")
+    response = await App(models, AppSettings()).handle(request)
+    assert response is not None and response.stream is not None
+    sent = [chunk async for chunk in response.stream]
+    chunks = [json.loads(chunk.removeprefix(b"data:")) for chunk in sent[:-1]]
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
+    thought = "".join(delta.get(REASONING, "") for delta in deltas)
+    said = "".join(delta.get("content") or "" for delta in deltas)
+    assert (thought, said) == (("", "hm</think>Hello") if held else ("hm", "Hello"))
