@@ -255,10 +255,13 @@ def test_openais_client_reads_the_thinking_of_an_answer_and_of_its_stream():
     assert (thought, "".join(delta.content or "" for delta in deltas)) == ("\nLet me", "Hello!")
 
 
-@pytest.mark.parametrize("held", [False, True], ids=["free", "held-to-a-format"])
-async def test_a_chat_stream_splits_the_thinking_its_worker_says_the_model_writes(held):
+@pytest.mark.parametrize(
+    ("held", "kept"), [(False, False), (True, False), (False, True)], ids=["free", "held", "kept"]
+)
+async def test_a_chat_stream_splits_the_thinking_its_worker_says_the_model_writes(held, kept):
     """The route takes where the thinking opens from the worker's details, and leaves an
-    answer held to a grammar whole: the grammar holds it from its first token."""
+    answer held to a grammar whole (the grammar holds it from its first token), and every
+    answer where the operator keeps the thinking in the content (`--thinking-in-content`)."""
     from dataclasses import replace
 
     from rawserve.api.app import App
@@ -282,11 +285,11 @@ async def test_a_chat_stream_splits_the_thinking_its_worker_says_the_model_write
     body = json.dumps(document).encode()
     headers = [("content-type", "application/json")]
     request = HttpRequest("POST", "/v1/chat/completions", "", headers, body, "id")
-    response = await App(models, AppSettings()).handle(request)
+    response = await App(models, AppSettings(thinking_in_content=kept)).handle(request)
     assert response is not None and response.stream is not None
     sent = [chunk async for chunk in response.stream]
     chunks = [json.loads(chunk.removeprefix(b"data:")) for chunk in sent[:-1]]
     deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
     thought = "".join(delta.get(REASONING, "") for delta in deltas)
     said = "".join(delta.get("content") or "" for delta in deltas)
-    assert (thought, said) == (("", "hm</think>Hello") if held else ("hm", "Hello"))
+    assert (thought, said) == (("", "hm</think>Hello") if held or kept else ("hm", "Hello"))

@@ -378,8 +378,11 @@ class OpenAIRoutes:
                 tools=generation.tools,
                 stops_after=stops_after,
                 # a reasoning model's thinking, apart: not where a grammar holds the answer
-                # from its first token (it has no room to think)
-                thinking=None if "grammar" in generation.params else model.thinking,
+                # from its first token (it has no room to think), nor where the operator
+                # keeps it in the content
+                thinking=None
+                if "grammar" in generation.params or self.context.settings.thinking_in_content
+                else model.thinking,
             )
         deadline = self.context.deadline(request)
         choices = generation.choice_params()
