@@ -255,10 +255,17 @@ def test_openais_client_reads_the_thinking_of_an_answer_and_of_its_stream():
     assert (thought, "".join(delta.content or "" for delta in deltas)) == ("\nLet me", "Hello!")
 
 
-@pytest.mark.parametrize(
-    ("held", "kept"), [(False, False), (True, False), (False, True)], ids=["free", "held", "kept"]
-)
-async def test_a_chat_stream_splits_the_thinking_its_worker_says_the_model_writes(held, kept):
+ASKED = {  # what a chat body asks beside its messages, and whether the answer is split
+    "free": ({}, True),
+    "held": ({"response_format": {"type": "json_object"}}, False),
+    "kept": ({}, False),  # --thinking-in-content
+    # no generation prompt: the template did not open the thinking, the answer goes on
+    "prefilled": ({"add_generation_prompt": False, "continue_final_message": True}, False),
+}
+
+
+@pytest.mark.parametrize("case", ASKED)
+async def test_a_chat_stream_splits_the_thinking_its_worker_says_the_model_writes(case):
     """The route takes where the thinking opens from the worker's details, and leaves an
     answer held to a grammar whole (the grammar holds it from its first token), and every
     answer where the operator keeps the thinking in the content (`--thinking-in-content`)."""
@@ -279,17 +286,17 @@ async def test_a_chat_stream_splits_the_thinking_its_worker_says_the_model_write
     models = ServedModels(
         [ServedModel("m", ModelService(FakeScheduler(workers, text, output), workers))]
     )
-    document = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
-    if held:
-        document["response_format"] = {"type": "json_object"}
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]
+    fields, splits = ASKED[case]
+    document = {"messages": chat, "stream": True, **fields}
     body = json.dumps(document).encode()
     headers = [("content-type", "application/json")]
     request = HttpRequest("POST", "/v1/chat/completions", "", headers, body, "id")
-    response = await App(models, AppSettings(thinking_in_content=kept)).handle(request)
+    response = await App(models, AppSettings(thinking_in_content=case == "kept")).handle(request)
     assert response is not None and response.stream is not None
     sent = [chunk async for chunk in response.stream]
     chunks = [json.loads(chunk.removeprefix(b"data:")) for chunk in sent[:-1]]
     deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
     thought = "".join(delta.get(REASONING, "") for delta in deltas)
     said = "".join(delta.get("content") or "" for delta in deltas)
-    assert (thought, said) == (("", "hm</think>Hello") if held or kept else ("hm", "Hello"))
+    assert (thought, said) == (("hm", "Hello") if splits else ("", "hm</think>Hello"))

@@ -65,6 +65,7 @@ from rawserve.api.prompts import (
     check_lengths,
     echoed_texts,
 )
+from rawserve.api.reasoning import answers_opening
 from rawserve.api.routing import MODEL_ERRORS, DocContext, Handler, Needs, Operation, Route
 from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
@@ -382,7 +383,7 @@ class OpenAIRoutes:
                 # keeps it in the content
                 thinking=None
                 if "grammar" in generation.params or self.context.settings.thinking_in_content
-                else model.thinking,
+                else answers_opening(model.thinking, generation.items),
             )
         deadline = self.context.deadline(request)
         choices = generation.choice_params()

@@ -5,7 +5,8 @@ DeepSeek's name), the rest in its `content`, whole or as it is streamed.
 A reasoning model is one whose chat template writes `</think>` (Qwen3's, QwQ's,
 DeepSeek-R1's): the worker says so, and whether the template opens the thinking in the
 prompt itself (QwQ's and DeepSeek-R1's end it with `<think>`: the answer holds only
-`...</think>answer`) or the model opens it (Qwen3's). An answer whose thinking the model
+`...</think>answer`; not where a chat asks for no generation prompt, its answer going on
+from its last message) or the model opens it (Qwen3's). An answer whose thinking the model
 may open and does not (Qwen3's with `enable_thinking` false) is all content; thinking
 never closed (`max_tokens` reached inside it) is all reasoning, its content null, as
 vLLM answers it. The tags go in neither, even split over tokens; the white space between
@@ -14,7 +15,15 @@ the thinking and the answer is left out. Server process; plain Python.
 
 from __future__ import annotations
 
-from rawserve.tasks.text_generation import OPENED_IN_PROMPT, REASONING_END, REASONING_START
+from collections.abc import Sequence
+from typing import Any
+
+from rawserve.tasks.text_generation import (
+    OPENED_IN_ANSWER,
+    OPENED_IN_PROMPT,
+    REASONING_END,
+    REASONING_START,
+)
 
 # the delta's (and the message's) key a piece of text goes under
 REASONING = "reasoning_content"
@@ -73,6 +82,16 @@ class Thinking:
     def _take(self, kind: str, size: int) -> list[Piece]:
         text, self.held = self.held[:size], self.held[size:]
         return [(kind, text)] if text else []
+
+
+def answers_opening(thinking: str | None, chats: Sequence[Any]) -> str | None:
+    """Where the thinking of answers to `chats` opens, for a model whose template opens it
+    as `thinking` says: a chat that asks for no generation prompt (one that goes on from
+    its last message's text) was given no `<think>` by the template."""
+    unprompted = any(
+        chat.get("opening", {}).get("add_generation_prompt") is False for chat in chats
+    )
+    return OPENED_IN_ANSWER if thinking == OPENED_IN_PROMPT and unprompted else thinking
 
 
 def split(text: str, opened: str) -> tuple[str | None, str | None]:
