@@ -97,10 +97,11 @@ def output(text: str, reason: str = "eos_token") -> dict:
 def test_a_reasoning_models_chat_answer_carries_its_thinking_apart():
     answer = Answer(True, "m", thinking=OPENED_IN_PROMPT)
     [choice] = answer.whole([output("Let me see.\n</think>\n\nHello!")], [])["choices"]
-    assert choice["message"] == {
+    assert choice["message"] == {  # under vLLM's names, old and new
         "role": "assistant",
         "content": "Hello!",
         "reasoning_content": "Let me see.\n",
+        "reasoning": "Let me see.\n",
     }
     [cut] = answer.whole([output("Let me", "length")], [])["choices"]
     assert cut["message"]["content"] is None and cut["message"]["reasoning_content"] == "Let me"
@@ -157,7 +158,10 @@ def test_a_stream_sends_the_thinking_then_the_answer_and_never_a_tag(logprobs):
     said = "".join(delta.get("content") or "" for delta in deltas)
     assert (thought, said) == ("\nLet me", "Hello!")
     assert not any("think" in text for delta in deltas for text in delta.values())
-    assert [delta for delta in deltas if REASONING in delta][0] == {REASONING: "\n"}
+    assert [delta for delta in deltas if REASONING in delta][0] == {
+        "reasoning_content": "\n",
+        "reasoning": "\n",
+    }
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     if logprobs:  # every token listed once, in order, those of the tags too
         listed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
@@ -300,3 +304,21 @@ async def test_a_chat_stream_splits_the_thinking_its_worker_says_the_model_write
     thought = "".join(delta.get(REASONING, "") for delta in deltas)
     said = "".join(delta.get("content") or "" for delta in deltas)
     assert (thought, said) == (("hm", "Hello") if splits else ("", "hm</think>Hello"))
+
+
+def test_hugging_faces_client_reads_the_thinking_by_its_own_name():
+    """huggingface_hub's InferenceClient types it `reasoning`, on the message and delta."""
+    from huggingface_hub import ChatCompletionOutput, ChatCompletionStreamOutput
+
+    answer = Answer(True, "m", thinking=OPENED_IN_ANSWER)
+    whole = ChatCompletionOutput.parse_obj_as_instance(answer.whole([Stream(TOKENS).output()], []))
+    assert (whole.choices[0].message.reasoning, whole.choices[0].message.content) == (
+        "\nLet me",
+        "Hello!",
+    )
+    chunks = [
+        ChatCompletionStreamOutput.parse_obj_as_instance(c)
+        for c in streamed(answer, Stream(TOKENS))
+    ]
+    deltas = [chunk.choices[0].delta for chunk in chunks]
+    assert "".join(delta.reasoning or "" for delta in deltas) == "\nLet me"

@@ -382,7 +382,9 @@ class OpenAIRoutes:
                 # from its first token (it has no room to think), nor where the operator
                 # keeps it in the content
                 thinking=None
-                if "grammar" in generation.params or self.context.settings.thinking_in_content
+                if not chat
+                or "grammar" in generation.params
+                or self.context.settings.thinking_in_content
                 else answers_opening(model.thinking, generation.items),
             )
         deadline = self.context.deadline(request)

@@ -27,7 +27,7 @@ from rawserve.api.openai_logprobs import (
     prompt_tokens,
 )
 from rawserve.api.openai_tools import StreamedWords, Tools
-from rawserve.api.reasoning import Thinking, split
+from rawserve.api.reasoning import CONTENT, REASONING, Thinking, said, split
 from rawserve.api.streaming import TokenStream, merged, sse
 from rawserve.http.errors import HTTPError, openai_error_document
 
@@ -183,7 +183,8 @@ class Answer:
         """A chat answer's message and finish reason: a tool call, where tools hold it."""
         if self.tools is None and self.thinking is not None:
             reasoning, content = split(text, self.thinking)
-            return {"role": "assistant", "content": content, "reasoning_content": reasoning}, reason
+            message = {"role": "assistant", **said(CONTENT, content), **said(REASONING, reasoning)}
+            return message, reason
         if self.tools is None:
             return {"role": "assistant", "content": text}, reason
         message, called = self.tools.message(text)
@@ -258,7 +259,7 @@ class Answer:
         chunks = []
         for kind, piece in pieces:
             chunk = self.chunk(index, piece, thought.tokens)
-            chunk["choices"][0]["delta"] = {kind: piece}
+            chunk["choices"][0]["delta"] = said(kind, piece)
             thought.tokens = []
             chunks.append(chunk)
         if ended and thought.tokens:  # those of a tag, with nothing after it
@@ -313,8 +314,8 @@ class Answer:
                             yield sse(self.chunk(index, words))
                         continue
                     if (sending := choice.add(chunk.token, stops, self.logprobs)) is not None:
-                        for said in self.sending(index, sending, thoughts):
-                            yield sse(said)
+                        for ready in self.sending(index, sending, thoughts):
+                            yield sse(ready)
                     continue
                 try:
                     output = streams[index].output()
@@ -332,8 +333,8 @@ class Answer:
                         yield last
                 else:
                     sending = choice.rest(output, stops)
-                    for said in self.sending(index, sending, thoughts, ended=True):
-                        yield sse(said)
+                    for ready in self.sending(index, sending, thoughts, ended=True):
+                        yield sse(ready)
                 yield sse(self.chunk(index, None, finish=reason))
                 outputs[index] = output
             if include_usage:

@@ -1,6 +1,7 @@
 """A reasoning model's thinking, apart from its answer: what it writes between `<think>`
 and `</think>` goes in a chat answer's `reasoning_content` (vLLM's, SGLang's and
-DeepSeek's name), the rest in its `content`, whole or as it is streamed.
+DeepSeek's name) and `reasoning` (newer vLLM's, and the one Hugging Face's client types),
+the rest in its `content`, whole or as it is streamed.
 
 A reasoning model is one whose chat template writes `</think>` (Qwen3's, QwQ's,
 DeepSeek-R1's): the worker says so, and whether the template opens the thinking in the
@@ -25,9 +26,11 @@ from rawserve.tasks.text_generation import (
     REASONING_START,
 )
 
-# the delta's (and the message's) key a piece of text goes under
+# the delta's (and the message's) key a piece of text goes under (its thinking, under each
+# of the names clients read it by)
 REASONING = "reasoning_content"
 CONTENT = "content"
+REASONING_NAMES = (REASONING, "reasoning")
 
 Piece = tuple[str, str]  # (REASONING or CONTENT, its text)
 
@@ -84,14 +87,21 @@ class Thinking:
         return [(kind, text)] if text else []
 
 
+def said(kind: str, text: str | None) -> dict[str, str | None]:
+    """A piece of an answer under its keys: its thinking under each of its names."""
+    return {name: text for name in REASONING_NAMES} if kind == REASONING else {CONTENT: text}
+
+
 def answers_opening(thinking: str | None, chats: Sequence[Any]) -> str | None:
     """Where the thinking of answers to `chats` opens, for a model whose template opens it
     as `thinking` says: a chat that asks for no generation prompt (one that goes on from
     its last message's text) was given no `<think>` by the template."""
+    if thinking != OPENED_IN_PROMPT:
+        return thinking
     unprompted = any(
         chat.get("opening", {}).get("add_generation_prompt") is False for chat in chats
     )
-    return OPENED_IN_ANSWER if thinking == OPENED_IN_PROMPT and unprompted else thinking
+    return OPENED_IN_ANSWER if unprompted else thinking
 
 
 def split(text: str, opened: str) -> tuple[str | None, str | None]:

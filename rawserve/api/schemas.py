@@ -264,6 +264,7 @@ OPENAI_CHAT_RESPONSE = completion_object(
                     "content": {"type": ["string", "null"]},
                     # a reasoning model's thinking (its content null where it never closed)
                     "reasoning_content": {"type": ["string", "null"]},
+                    "reasoning": {"type": ["string", "null"]},  # (the same, newer vLLM's name)
                 },
             },
             "finish_reason": FINISH,
