@@ -269,6 +269,13 @@ OPTIONS = [
     Option("--log-format", str, "text", "text (one line per event) or json (one object a line)"),
     Option("--no-access-log", bool, False, "do not log a line per request"),
     Option(
+        "--thinking-in-content",
+        bool,
+        False,
+        "leave a reasoning model's thinking in its chat answers' content, tags and all, "
+        "rather than apart in reasoning_content",
+    ),
+    Option(
         "--download-only",
         bool,
         False,
@@ -473,6 +480,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             max_client_batch_size=args.max_client_batch_size,
             cors_allow_origins=tuple(origins),
             stream_keepalive=args.stream_keepalive or None,
+            thinking_in_content=args.thinking_in_content,
         ),
         grace=args.grace,
         http_processes=args.http_processes,

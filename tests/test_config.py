@@ -107,6 +107,7 @@ def test_derived_values_are_computed_at_parse_time(tmp_path):
             *["--device", "cuda:0, CUDA:1", "--engine", "auto", "--batching", "count"],
             *["--chat-template", str(template), "--no-warmup", "--no-access-log"],
             *["--cors-allow-origin", "https://a.example", "--cors-allow-origin", "*"],
+            "--thinking-in-content",
         ]
     )
     model = config.model
@@ -115,6 +116,7 @@ def test_derived_values_are_computed_at_parse_time(tmp_path):
     assert model.chat_template == "{{ messages }}"  # the file's text, read once
     assert not model.warmup and not config.access_log
     assert config.app.cors_allow_origins == ("https://a.example", "*")
+    assert config.app.thinking_in_content and not parse_config([]).app.thinking_in_content
 
 
 @pytest.mark.parametrize(

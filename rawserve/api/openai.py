@@ -65,6 +65,7 @@ from rawserve.api.prompts import (
     check_lengths,
     echoed_texts,
 )
+from rawserve.api.reasoning import answers_opening
 from rawserve.api.routing import MODEL_ERRORS, DocContext, Handler, Needs, Operation, Route
 from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
@@ -378,6 +379,14 @@ class OpenAIRoutes:
                 generation.logprobs,
                 tools=generation.tools,
                 stops_after=stops_after,
+                # a reasoning model's thinking, apart: not where a grammar holds the answer
+                # from its first token (it has no room to think), nor where the operator
+                # keeps it in the content
+                thinking=None
+                if not chat
+                or "grammar" in generation.params
+                or self.context.settings.thinking_in_content
+                else answers_opening(model.thinking, generation.items),
             )
         deadline = self.context.deadline(request)
         choices = generation.choice_params()

@@ -4,7 +4,8 @@ streamed as the worker's tokens come, in chat's or completions' shape.
 Text stops before a stop sequence, as OpenAI's does, streamed too: text that may be the
 start of a stop sequence is held back until the next token says. Log probabilities are
 listed with the chunk that sends their token's text; an answer held to tools is read back
-as OpenAI's calls (`openai_tools`). Server process; plain Python.
+as OpenAI's calls (`openai_tools`); a reasoning model's thinking goes apart from its answer
+(`reasoning`). Server process; plain Python.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from rawserve.api.openai_logprobs import (
     prompt_tokens,
 )
 from rawserve.api.openai_tools import StreamedWords, Tools
+from rawserve.api.reasoning import CONTENT, REASONING, Thinking, said, split
 from rawserve.api.streaming import TokenStream, merged, sse
 from rawserve.http.errors import HTTPError, openai_error_document
 
@@ -125,6 +127,7 @@ class Answer:
         clock: Callable[[], float] = time.time,
         tools: Tools | None = None,
         stops_after: int = 0,
+        thinking: str | None = None,
     ):
         self.chat = chat
         self.model = model
@@ -133,6 +136,8 @@ class Answer:
         self.tools = tools if tools is not None and tools.held else None
         # OpenAI's min_tokens: no stop sequence counts in the text of the tokens before it
         self.stops_after = stops_after
+        # a reasoning model's chat answer, free text: where its thinking opens (`reasoning`)
+        self.thinking = thinking if chat and self.tools is None else None
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(clock())
 
@@ -176,6 +181,10 @@ class Answer:
 
     def message(self, text: str, reason: str) -> tuple[dict[str, Any], str]:
         """A chat answer's message and finish reason: a tool call, where tools hold it."""
+        if self.tools is None and self.thinking is not None:
+            reasoning, content = split(text, self.thinking)
+            message = {"role": "assistant", **said(CONTENT, content), **said(REASONING, reasoning)}
+            return message, reason
         if self.tools is None:
             return {"role": "assistant", "content": text}, reason
         message, called = self.tools.message(text)
@@ -231,6 +240,32 @@ class Answer:
         choice["finish_reason"] = finish
         return {**self.head(True), "choices": [choice]}
 
+    def sending(
+        self,
+        index: int,
+        sending: Release | None,
+        thoughts: Sequence[ThoughtChoice] | None,
+        ended: bool = False,
+    ) -> list[dict[str, Any]]:
+        """The chunks that a choice's released text (and, `ended`, the end) sends: a
+        reasoning model's as reasoning or content as its thinking says, each piece's tokens
+        with the first chunk that goes after them."""
+        if thoughts is None:
+            return [self.chunk(index, *sending)] if sending is not None else []
+        thought = thoughts[index]
+        text, tokens, _ = sending if sending is not None else ("", [], 0)
+        thought.tokens += tokens
+        pieces = thought.thinking.add(text) + (thought.thinking.end() if ended else [])
+        chunks = []
+        for kind, piece in pieces:
+            chunk = self.chunk(index, piece, thought.tokens)
+            chunk["choices"][0]["delta"] = said(kind, piece)
+            thought.tokens = []
+            chunks.append(chunk)
+        if ended and thought.tokens:  # those of a tag, with nothing after it
+            chunks.append(self.chunk(index, None, thought.tokens))
+        return chunks
+
     def listing(self, tokens: Sequence[Listed], offset: int = 0) -> dict[str, Any] | None:
         """Tokens' log probabilities in this route's shape; None where none were asked."""
         if self.logprobs is None:
@@ -256,6 +291,7 @@ class Answer:
             # which go whole at its end), a call at its end
             held = [self.tools.words() if self.tools else StreamedWords() for _ in streams]
             held_tokens: list[list[Listed]] = [[] for _ in streams]
+            thoughts = [ThoughtChoice(self.thinking) for _ in streams] if self.thinking else None
             words_as_they_come = self.tools is not None and self.logprobs is None
             if self.chat:  # each choice's first chunk says who speaks
                 for index in range(len(streams)):
@@ -278,7 +314,8 @@ class Answer:
                             yield sse(self.chunk(index, words))
                         continue
                     if (sending := choice.add(chunk.token, stops, self.logprobs)) is not None:
-                        yield sse(self.chunk(index, *sending))
+                        for ready in self.sending(index, sending, thoughts):
+                            yield sse(ready)
                     continue
                 try:
                     output = streams[index].output()
@@ -294,8 +331,10 @@ class Answer:
                     last, reason = self.held_end(index, output, stops, sent, held_tokens[index])
                     if last is not None:
                         yield last
-                elif (sending := choice.rest(output, stops)) is not None:
-                    yield sse(self.chunk(index, *sending))
+                else:
+                    sending = choice.rest(output, stops)
+                    for ready in self.sending(index, sending, thoughts, ended=True):
+                        yield sse(ready)
                 yield sse(self.chunk(index, None, finish=reason))
                 outputs[index] = output
             if include_usage:
@@ -305,6 +344,15 @@ class Answer:
         finally:
             for stream in streams:
                 stream.close()
+
+
+class ThoughtChoice:
+    """One streamed choice of a reasoning model: its thinking, and the tokens whose text
+    it holds (the start of a tag, perhaps)."""
+
+    def __init__(self, opened: str) -> None:
+        self.thinking = Thinking(opened)
+        self.tokens: list[Listed] = []
 
 
 class Streamed:

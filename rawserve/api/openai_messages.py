@@ -2,8 +2,9 @@
 takes (role and text content, an assistant's tool calls with their arguments as objects, a
 tool's answer to one), and the schema `/openapi.json` shows for one message. What an
 answer's message carries beside its content, sent back with it, is taken and dropped
-(an assistant's refusal is the text it answered). The rest of the chat body is
-`openai_generation`'s. Server process; plain Python.
+(an assistant's refusal is the text it answered; a reasoning model's thinking goes to the
+template as `reasoning_content`, which reasoning models' templates read). The rest of the
+chat body is `openai_generation`'s. Server process; plain Python.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 ANSWER_KEYS = {"refusal", "annotations", "audio", "parsed"}
 MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call"}
 MESSAGE_KEYS |= ANSWER_KEYS
+# an assistant's thinking, sent back as a reasoning model's answer had it (vLLM's and
+# DeepSeek's name, and the newer vLLM's): the template's `reasoning_content`
+REASONING_KEYS = ("reasoning_content", "reasoning")
+MESSAGE_KEYS |= set(REASONING_KEYS)
 
 
 def read_messages(name: str, value: Any, context: DocContext | None) -> list[dict[str, str]]:
@@ -58,6 +63,7 @@ def messages(value: Any) -> list[dict[str, Any]]:
             calls = [*(calls or []), {"function": called}]
         if role == "function":  # OpenAI's older tool's answer: a tool's, as templates take it
             role = entry["role"] = "tool"
+        thought = reasoning_text(message, role)
         if calls:
             if role != "assistant":
                 raise BadRequest("only an assistant's message has tool calls")
@@ -65,10 +71,15 @@ def messages(value: Any) -> list[dict[str, Any]]:
             content = message.get("content")  # (null beside calls)
             entry["content"] = "" if content in (None, "") else message_text(content)
         else:
-            content = message.get("content")  # (an assistant's null beside its refusal)
+            # (an assistant's null beside its refusal, or beside thinking that never closed)
+            content = message.get("content")
+            if content is None and thought is not None:
+                content = ""
             entry["content"] = message_text(
                 refusal if content in (None, "") and refusal else content
             )
+        if thought is not None:
+            entry["reasoning_content"] = thought
         for key in ("name", "tool_call_id"):
             if (given := message.get(key)) is not None:
                 if not isinstance(given, str):
@@ -92,6 +103,16 @@ def refusal_text(message: dict[str, Any], role: str) -> str | None:
     if role != "assistant" or not isinstance(refusal, str):
         raise BadRequest("only an assistant's message has a refusal, a text")
     return unicode_text(refusal, "a message's refusal")
+
+
+def reasoning_text(message: dict[str, Any], role: str) -> str | None:
+    """An assistant's thinking, under either name (None: none)."""
+    given = [message[key] for key in REASONING_KEYS if message.get(key) is not None]
+    if not given:
+        return None
+    if role != "assistant" or not all(isinstance(text, str) for text in given):
+        raise BadRequest("only an assistant's message has reasoning_content, a text")
+    return unicode_text(given[0], "a message's reasoning_content")
 
 
 def template_call(call: Any) -> dict[str, Any]:
@@ -185,6 +206,9 @@ MESSAGE: Schema = {
         "refusal": {"type": ["string", "null"]},
         "annotations": {"type": ["array", "null"]},
         "audio": {"type": "null"},
+        # a reasoning model's answer's thinking, sent back with it
+        "reasoning_content": {"type": ["string", "null"]},
+        "reasoning": {"type": ["string", "null"]},
     },
     "additionalProperties": False,
 }

@@ -259,7 +259,13 @@ OPENAI_CHAT_RESPONSE = completion_object(
             "message": {
                 "type": "object",
                 "required": ["role", "content"],
-                "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                "properties": {
+                    "role": {"const": "assistant"},
+                    "content": {"type": ["string", "null"]},
+                    # a reasoning model's thinking (its content null where it never closed)
+                    "reasoning_content": {"type": ["string", "null"]},
+                    "reasoning": {"type": ["string", "null"]},  # (the same, newer vLLM's name)
+                },
             },
             "finish_reason": FINISH,
         },

@@ -51,6 +51,13 @@ class ServedModel:
         return int(loaded.details.get("max_input_length") or 0) if loaded else 0
 
     @property
+    def thinking(self) -> str | None:
+        """Where the loaded model's thinking opens, if it is a reasoning model (its
+        worker's `thinking`: `rawserve.api.reasoning`); None for one that does not reason."""
+        loaded = self.serving.loaded
+        return loaded.details.get("thinking") if loaded else None
+
+    @property
     def limits(self) -> ModelLimits:
         """What the loaded model can take (unknown until a worker is ready)."""
         loaded = self.serving.loaded

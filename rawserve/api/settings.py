@@ -14,3 +14,4 @@ class AppSettings:
     cors_allow_origins: tuple[str, ...] = ()  # browser origins that may call; "*": any
     max_answer_bytes: int = 32 * 2**20  # the most one answer may hold (about); more: 413
     stream_keepalive: float | None = 15.0  # a silent stream's comment interval; None: none
+    thinking_in_content: bool = False  # a reasoning model's thinking not apart (`reasoning`)

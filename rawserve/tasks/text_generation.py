@@ -36,6 +36,11 @@ TOKEN_COUNTS_ONLY = "token_counts_only"
 # Where a reasoning model's thinking ends in an answer. The chat templates of reasoning
 # models (Qwen3's, DeepSeek-R1's, QwQ's) keep only what follows it in earlier answers.
 REASONING_END = "</think>"
+REASONING_START = "<think>"
+# Where a reasoning model's thinking opens (its worker's `thinking` detail): in the prompt,
+# where its chat template ends it with `<think>`, or in the answer, by the model.
+OPENED_IN_PROMPT = "prompt"
+OPENED_IN_ANSWER = "answer"
 MAX_STOP_SEQUENCES = 16
 # the likeliest tokens a new token's details or stream event may list beside it (OpenAI's
 # top_logprobs goes to 20; TGI's own server defaults to 5)

@@ -26,8 +26,11 @@ from rawserve.shared.token_columns import columns, token_lists
 from rawserve.tasks import CHAT_PARAM, check_new_tokens
 from rawserve.tasks.text_generation import (
     API_SAMPLING,
+    OPENED_IN_ANSWER,
+    OPENED_IN_PROMPT,
     PROMPT_TOP_N,
     REASONING_END,
+    REASONING_START,
     TOKEN_COUNTS_ONLY,
     returns_full_text,
 )
@@ -288,9 +291,23 @@ class CausalLMRunner(Runner):
             "chat_drops_reasoning": REASONING_END in str(self.tokenizer.chat_template),
             # (so an answer calls one tool: a list of calls would be refused the next turn)
             "chat_one_call": ONE_CALL_AT_ONCE in str(self.tokenizer.chat_template),
+            "thinking": self.thinking,
             "max_input_length": self.max_positions,
             "vocabulary": self.vocabulary,  # the token ids a prompt or logit_bias may name
         }
+
+    @property
+    def thinking(self) -> str | None:
+        """Where a reasoning model's thinking opens (its template writes `</think>`): in
+        the prompt, where the template ends it with `<think>` (QwQ's, DeepSeek-R1's), else
+        in the answer, by the model (Qwen3's); None for a model that does not reason."""
+        if REASONING_END not in str(self.tokenizer.chat_template):
+            return None
+        try:
+            prompt = self._render([{"role": "user", "content": "hi"}], None, {})
+        except (WrittenForClients, ValueError):  # (it asks for more than one message)
+            return OPENED_IN_ANSWER
+        return OPENED_IN_PROMPT if prompt.rstrip().endswith(REASONING_START) else OPENED_IN_ANSWER
 
     def prompts(self, inputs: list[Any], params: dict[str, Any]) -> Any:
         """The batch's prompts as token ids, left-padded (`prompt_ids` for each)."""

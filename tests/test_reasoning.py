@@ -1,0 +1,324 @@
+"""A reasoning model's thinking apart from its answer (`rawserve.api.reasoning`): the
+split of a whole answer and of a stream, however its tokens cut the tags; chat answers'
+`reasoning_content`, whole and streamed, with their log probabilities; a message sent back
+with its thinking; and which templates make a model a reasoning one (the worker's)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from rawserve.api.openai_answers import Answer
+from rawserve.api.openai_messages import messages
+from rawserve.api.reasoning import REASONING, Thinking, split
+from rawserve.http.errors import BadRequest
+from rawserve.shared.messages import TokenChunk
+from rawserve.tasks.text_generation import OPENED_IN_ANSWER, OPENED_IN_PROMPT
+
+# As Qwen3's template, shortened: the model opens its thinking; an earlier answer's goes to
+# the template as `reasoning_content`, or is cut out of its content; `enable_thinking`
+# false closes an empty one in the prompt.
+QWEN3_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.content is string %}{%- set content = message.content %}"
+    "{%- else %}{%- set content = '' %}{%- endif %}"
+    "{%- if message.role == 'assistant' %}"
+    "{%- set reasoning_content = '' %}"
+    "{%- if message.reasoning_content is string %}"
+    "{%- set reasoning_content = message.reasoning_content %}"
+    "{%- elif '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n')"
+    ".split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{%- if loop.last and reasoning_content %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n')"
+    " + '\\n</think>\\n\\n' + content.lstrip('\\n') + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+# As DeepSeek-R1-Distill's (and QwQ's): the template opens the thinking in the prompt
+R1_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}{% set content = message['content'] %}"
+    "{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "{{ '<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}"
+)
+
+ANSWERS = [  # (how the thinking opens, the text generated, its reasoning and content)
+    (OPENED_IN_ANSWER, "<think>\nLet me see.\n</think>\n\nHello!", "\nLet me see.\n", "Hello!"),
+    (OPENED_IN_PROMPT, "Let me see.\n</think>\n\nHello!", "Let me see.\n", "Hello!"),
+    (OPENED_IN_PROMPT, "<think>\nhm</think>Hello!", "\nhm", "Hello!"),  # opened twice
+    (OPENED_IN_ANSWER, "Hello!", None, "Hello!"),  # Qwen3's without thinking
+    (OPENED_IN_ANSWER, "  <thi", None, "  <thi"),  # not a tag after all
+    (OPENED_IN_ANSWER, "a < b </think>", None, "a < b </think>"),  # never opened
+    (OPENED_IN_ANSWER, "<think>\nLet me", "\nLet me", None),  # max_tokens hit inside
+    (OPENED_IN_PROMPT, "Let me see. </", "Let me see. </", None),
+    (OPENED_IN_PROMPT, "hm</think>\n\n", "hm", None),  # nothing after it
+    (OPENED_IN_PROMPT, "</think>Hello!", "", "Hello!"),
+]
+
+
+@pytest.mark.parametrize(("opened", "text", "reasoning", "content"), ANSWERS)
+def test_a_whole_answer_is_split_into_its_reasoning_and_content(opened, text, reasoning, content):
+    assert split(text, opened) == (reasoning, content)
+
+
+@pytest.mark.parametrize(("opened", "text", "reasoning", "content"), ANSWERS)
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+def test_a_streamed_answer_is_split_as_the_whole_one_however_its_pieces_cut_it(
+    opened, text, reasoning, content, size
+):
+    thinking = Thinking(opened)
+    pieces = []
+    for start in range(0, len(text), size):
+        pieces += thinking.add(text[start : start + size])
+    pieces += thinking.end()
+    said = {kind: "".join(piece for k, piece in pieces if k == kind) for kind, _ in pieces}
+    assert said.get(REASONING, "") == (reasoning or "")
+    assert said.get("content", "") == (content or "")
+    kinds = [kind for kind, _ in pieces]
+    assert kinds == sorted(kinds, key=lambda kind: kind != REASONING)  # reasoning first
+
+
+def output(text: str, reason: str = "eos_token") -> dict:
+    details = {"finish_reason": reason, "generated_tokens": 9, "prompt_tokens": 3}
+    return {"generated_text": text, "details": details}
+
+
+def test_a_reasoning_models_chat_answer_carries_its_thinking_apart():
+    answer = Answer(True, "m", thinking=OPENED_IN_PROMPT)
+    [choice] = answer.whole([output("Let me see.\n</think>\n\nHello!")], [])["choices"]
+    assert choice["message"] == {  # under vLLM's names, old and new
+        "role": "assistant",
+        "content": "Hello!",
+        "reasoning_content": "Let me see.\n",
+        "reasoning": "Let me see.\n",
+    }
+    [cut] = answer.whole([output("Let me", "length")], [])["choices"]
+    assert cut["message"]["content"] is None and cut["message"]["reasoning_content"] == "Let me"
+    assert cut["finish_reason"] == "length"
+
+
+def test_a_model_that_does_not_reason_answers_as_before():
+    text = "<think>a</think>b"
+    [chat] = Answer(True, "m").whole([output(text)], [])["choices"]
+    assert chat["message"] == {"role": "assistant", "content": text}
+    completions = Answer(False, "m", thinking=OPENED_IN_ANSWER)
+    [completion] = completions.whole([output(text)], [])["choices"]
+    assert completion["text"] == text  # (completions are never split)
+
+
+class Stream:
+    """A streamed generation: its tokens, then its output."""
+
+    def __init__(self, texts: list[str], reason: str = "eos_token"):
+        self.tokens = [
+            {"id": place, "text": text, "logprob": -0.5, "special": False}
+            for place, text in enumerate(texts)
+        ]
+        for token in self.tokens:
+            token["top_tokens"] = [dict(token)]
+        self.reason = reason
+
+    async def chunks(self):
+        for token in self.tokens:
+            yield TokenChunk(1, 0, token)
+
+    def output(self):
+        return output("".join(token["text"] for token in self.tokens), self.reason)
+
+    def close(self) -> None:
+        pass
+
+
+def streamed(answer: Answer, stream: Stream, stops: list[str] = ()) -> list[dict]:  # type: ignore[assignment]
+    async def read() -> list[bytes]:
+        return [event async for event in answer.events([stream], stops, False)]  # type: ignore[list-item]
+
+    return [json.loads(event.removeprefix(b"data:")) for event in asyncio.run(read())[:-1]]
+
+
+TOKENS = ["<", "think", ">\n", "Let", " me</", "th", "ink", ">\n", "\nHel", "lo!"]
+
+
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_a_stream_sends_the_thinking_then_the_answer_and_never_a_tag(logprobs):
+    chunks = streamed(Answer(True, "m", logprobs, thinking=OPENED_IN_ANSWER), Stream(TOKENS))
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
+    thought = "".join(delta.get(REASONING, "") for delta in deltas)
+    said = "".join(delta.get("content") or "" for delta in deltas)
+    assert (thought, said) == ("\nLet me", "Hello!")
+    assert not any("think" in text for delta in deltas for text in delta.values())
+    assert [delta for delta in deltas if REASONING in delta][0] == {
+        "reasoning_content": "\n",
+        "reasoning": "\n",
+    }
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    if logprobs:  # every token listed once, in order, those of the tags too
+        listed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+        assert [entry["token"] for entry in sum((x["content"] for x in listed), [])] == TOKENS
+
+
+def test_a_stream_cut_inside_its_thinking_sends_it_all_as_reasoning():
+    stream = Stream(["Let", " me </", "thi"], reason="length")
+    chunks = streamed(Answer(True, "m", thinking=OPENED_IN_PROMPT), stream)
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
+    assert "".join(delta.get(REASONING, "") for delta in deltas) == "Let me </thi"
+    assert not any(delta.get("content") for delta in deltas)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_stop_sequence_ends_a_streamed_answer_after_its_thinking():
+    stream = Stream(["hm", "</think>", "Hello", " world"], reason="stop_sequence")
+    chunks = streamed(Answer(True, "m", thinking=OPENED_IN_PROMPT), stream, [" wor"])
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
+    assert "".join(delta.get("content") or "" for delta in deltas) == "Hello"
+    assert "".join(delta.get(REASONING, "") for delta in deltas) == "hm"
+
+
+@pytest.mark.parametrize("key", ["reasoning_content", "reasoning"])
+def test_an_answer_sent_back_with_its_thinking_gives_it_to_the_template(key):
+    sent = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello!", key: "Let me see."},
+        {"role": "user", "content": "again"},
+    ]
+    assert messages(sent)[1] == {
+        "role": "assistant",
+        "content": "Hello!",
+        "reasoning_content": "Let me see.",
+    }
+    none = {"role": "assistant", "content": "Hello!", key: None}  # vLLM's, thinking none
+    assert messages([none]) == [{"role": "assistant", "content": "Hello!"}]
+    cut = {"role": "assistant", "content": None, key: "Let me"}  # thinking that never closed
+    assert messages([cut]) == [{"role": "assistant", "content": "", "reasoning_content": "Let me"}]
+    with pytest.raises(BadRequest, match="reasoning_content"):
+        messages([{"role": "user", "content": "hi", key: "hm"}])
+    with pytest.raises(BadRequest, match="reasoning_content"):
+        messages([{"role": "assistant", "content": "hi", key: 3}])
+
+
+def test_a_template_that_writes_the_closing_tag_makes_a_reasoning_model(tiny_model):
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32)
+    assert runner.details["thinking"] is None
+    for template, opened in ((QWEN3_TEMPLATE, OPENED_IN_ANSWER), (R1_TEMPLATE, OPENED_IN_PROMPT)):
+        runner.tokenizer.chat_template = template
+        assert runner.details["thinking"] == opened
+    runner.tokenizer.chat_template = QWEN3_TEMPLATE  # an earlier answer's thinking, given apart
+    chat = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello!", "reasoning_content": "Let me see."},
+    ]
+    assert "<think>\nLet me see.\n</think>\n\nHello!" in runner.chat_text(chat, None)
+
+
+def test_openais_client_reads_the_thinking_of_an_answer_and_of_its_stream():
+    """OpenAI's SDK keeps a field it does not type (`reasoning_content`) on the message and
+    on the delta, where reasoning clients read it: rawserve's answers, replayed to it."""
+    import httpx2
+    from openai import OpenAI
+
+    answer = Answer(True, "m", thinking=OPENED_IN_ANSWER)
+
+    def reply(request: httpx2.Request) -> httpx2.Response:
+        if json.loads(request.content).get("stream"):
+
+            async def read() -> list[bytes]:
+                return [e async for e in answer.events([Stream(TOKENS)], [], False)]  # type: ignore[list-item]
+
+            body = b"".join(asyncio.run(read()))
+            return httpx2.Response(200, content=body, headers={"content-type": "text/event-stream"})
+        return httpx2.Response(200, json=answer.whole([Stream(TOKENS).output()], []))
+
+    client = OpenAI(
+        base_url="http://replayed/v1",
+        api_key="-",
+        http_client=httpx2.Client(transport=httpx2.MockTransport(reply)),
+    )
+    said = [{"role": "user", "content": "hi"}]
+    message = client.chat.completions.create(model="m", messages=said).choices[0].message
+    assert (message.reasoning_content, message.content) == ("\nLet me", "Hello!")  # type: ignore[attr-defined]
+    deltas = [
+        chunk.choices[0].delta
+        for chunk in client.chat.completions.create(model="m", messages=said, stream=True)
+    ]
+    thought = "".join(getattr(delta, "reasoning_content", None) or "" for delta in deltas)
+    assert (thought, "".join(delta.content or "" for delta in deltas)) == ("\nLet me", "Hello!")
+
+
+ASKED = {  # what a chat body asks beside its messages, and whether the answer is split
+    "free": ({}, True),
+    "held": ({"response_format": {"type": "json_object"}}, False),
+    "kept": ({}, False),  # --thinking-in-content
+    # no generation prompt: the template did not open the thinking, the answer goes on
+    "prefilled": ({"add_generation_prompt": False, "continue_final_message": True}, False),
+}
+
+
+@pytest.mark.parametrize("case", ASKED)
+async def test_a_chat_stream_splits_the_thinking_its_worker_says_the_model_writes(case):
+    """The route takes where the thinking opens from the worker's details, and leaves an
+    answer held to a grammar whole (the grammar holds it from its first token), and every
+    answer where the operator keeps the thinking in the content (`--thinking-in-content`)."""
+    from dataclasses import replace
+
+    from rawserve.api.app import App
+    from rawserve.api.served import ServedModel, ServedModels
+    from rawserve.api.settings import AppSettings
+    from rawserve.http.exchange import HttpRequest
+    from rawserve.serving.service import ModelService
+    from tests.test_streaming import FakeScheduler, StreamingWorkers
+
+    workers = StreamingWorkers()
+    details = {"chat_template": True, "thinking": OPENED_IN_PROMPT}
+    workers.loaded = replace(StreamingWorkers.loaded, details=details)
+    text = ["hm", "</th", "ink>", "Hello"]
+    output = {"generated_text": "".join(text), "details": {"finish_reason": "eos_token"}}
+    models = ServedModels(
+        [ServedModel("m", ModelService(FakeScheduler(workers, text, output), workers))]
+    )
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]
+    fields, splits = ASKED[case]
+    document = {"messages": chat, "stream": True, **fields}
+    body = json.dumps(document).encode()
+    headers = [("content-type", "application/json")]
+    request = HttpRequest("POST", "/v1/chat/completions", "", headers, body, "id")
+    response = await App(models, AppSettings(thinking_in_content=case == "kept")).handle(request)
+    assert response is not None and response.stream is not None
+    sent = [chunk async for chunk in response.stream]
+    chunks = [json.loads(chunk.removeprefix(b"data:")) for chunk in sent[:-1]]
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
+    thought = "".join(delta.get(REASONING, "") for delta in deltas)
+    said = "".join(delta.get("content") or "" for delta in deltas)
+    assert (thought, said) == (("hm", "Hello") if splits else ("", "hm</think>Hello"))
+
+
+def test_hugging_faces_client_reads_the_thinking_by_its_own_name():
+    """huggingface_hub's InferenceClient types it `reasoning`, on the message and delta."""
+    from huggingface_hub import ChatCompletionOutput, ChatCompletionStreamOutput
+
+    answer = Answer(True, "m", thinking=OPENED_IN_ANSWER)
+    whole = ChatCompletionOutput.parse_obj_as_instance(answer.whole([Stream(TOKENS).output()], []))
+    assert (whole.choices[0].message.reasoning, whole.choices[0].message.content) == (
+        "\nLet me",
+        "Hello!",
+    )
+    chunks = [
+        ChatCompletionStreamOutput.parse_obj_as_instance(c)
+        for c in streamed(answer, Stream(TOKENS))
+    ]
+    deltas = [chunk.choices[0].delta for chunk in chunks]
+    assert "".join(delta.reasoning or "" for delta in deltas) == "\nLet me"
