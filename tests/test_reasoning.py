@@ -261,7 +261,7 @@ def test_openais_client_reads_the_thinking_of_an_answer_and_of_its_stream():
 
 ASKED = {  # what a chat body asks beside its messages, and whether the answer is split
     "free": ({}, True),
-    "held": ({"response_format": {"type": "json_object"}}, False),
+    "held": ({"response_format": {"type": "json_object"}}, True),  # held after the thinking
     "kept": ({}, False),  # --thinking-in-content
     # no generation prompt: the template did not open the thinking, the answer goes on
     "prefilled": ({"add_generation_prompt": False, "continue_final_message": True}, False),
@@ -270,9 +270,9 @@ ASKED = {  # what a chat body asks beside its messages, and whether the answer i
 
 @pytest.mark.parametrize("case", ASKED)
 async def test_a_chat_stream_splits_the_thinking_its_worker_says_the_model_writes(case):
-    """The route takes where the thinking opens from the worker's details, and leaves an
-    answer held to a grammar whole (the grammar holds it from its first token), and every
-    answer where the operator keeps the thinking in the content (`--thinking-in-content`)."""
+    """The route takes where the thinking opens from the worker's details (an answer held
+    to a grammar too: the worker holds it only after the thinking), and leaves every answer
+    whole where the operator keeps the thinking in the content (`--thinking-in-content`)."""
     from dataclasses import replace
 
     from rawserve.api.app import App
@@ -322,3 +322,147 @@ def test_hugging_faces_client_reads_the_thinking_by_its_own_name():
     ]
     deltas = [chunk.choices[0].delta for chunk in chunks]
     assert "".join(delta.reasoning or "" for delta in deltas) == "\nLet me"
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("tags", ["tokens", "text"])
+def test_a_grammar_holds_a_reasoning_models_answer_only_after_its_thinking(tiny_model, tags):
+    """vLLM's way: free text up to the first `</think>` (opened by the model, or in the
+    prompt), then the answer held; each tag its own token (an added one: llguidance reads
+    it as no text) or spelled in pieces. Without "thinking", held from the first token."""
+    import transformers
+
+    from rawserve.worker.grammars import Grammars
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model("chat"))
+    if tags == "tokens":  # as Qwen3's tokenizer has them
+        tokenizer.add_tokens(["<think>", "</think>"])
+    grammars = Grammars(tokenizer, len(tokenizer))
+
+    def takes(opened, text: str) -> bool:
+        grammar = {"type": "json", "value": SCHEMA, **({"thinking": opened} if opened else {})}
+        matcher = grammars.matcher(grammar)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return matcher.consume_tokens(ids) and matcher.is_accepting()
+
+    answer = '{"a": 1}'
+    assert takes(OPENED_IN_ANSWER, f"<think>\nhm, {{ < </th </think>\n\n{answer}")
+    assert takes(OPENED_IN_ANSWER, answer)  # (it need not think)
+    assert not takes(OPENED_IN_ANSWER, f"hm</think>{answer}")  # never opened
+    assert not takes(OPENED_IN_ANSWER, f"<think>a</think>b</think>{answer}")  # held after one
+    assert takes(OPENED_IN_PROMPT, f"hm\n</think>\n\n{answer}")
+    assert takes(OPENED_IN_PROMPT, f"</think>{answer}")
+    assert not takes(OPENED_IN_PROMPT, answer)  # the thinking is open: it has to close
+    assert not takes(None, f"<think>hm</think>{answer}")
+    assert takes(None, answer)
+    pieces = [tokenizer.convert_tokens_to_ids(c) for c in "</think>"]  # the tag as text
+    matcher = grammars.matcher({"type": "json", "value": SCHEMA, "thinking": OPENED_IN_PROMPT})
+    assert matcher.consume_tokens(pieces + tokenizer(answer)["input_ids"])
+    assert matcher.is_accepting()
+
+
+@pytest.fixture(scope="module")
+def reasoner(tiny_model):
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    return CausalLMRunner(tiny_model("chat"), "cpu", torch.float32)
+
+
+def test_the_worker_says_per_prompt_whether_a_grammar_waits_for_the_thinking(reasoner):
+    """Read from the prompt the template rendered for the request: ending in `<think>`,
+    the thinking is open; in `</think>` (Qwen3's with enable_thinking false), no thinking
+    comes; else the model may open it. Only a reasoning model's chats."""
+    from rawserve.tasks import CHAT_PARAM
+
+    held = {CHAT_PARAM: True, "grammar": {"type": "json", "value": SCHEMA}}
+    chat = [{"role": "user", "content": "hi"}]
+
+    def grammar(template: str, params: dict, variables=None) -> dict | None:
+        reasoner.tokenizer.chat_template = template
+        item = {"messages": chat, "template_kwargs": variables or {}}
+        return reasoner.held_to(params, reasoner.prompt_ids(item, {CHAT_PARAM: True}))
+
+    try:
+        assert grammar(R1_TEMPLATE, held)["thinking"] == OPENED_IN_PROMPT
+        assert grammar(QWEN3_TEMPLATE, held)["thinking"] == OPENED_IN_ANSWER
+        assert "thinking" not in grammar(QWEN3_TEMPLATE, held, {"enable_thinking": False})
+        assert grammar(R1_TEMPLATE, {**held, CHAT_PARAM: False}) == held["grammar"]
+        assert grammar(R1_TEMPLATE, {CHAT_PARAM: True}) is None
+        assert grammar("{{ messages[0]['content'] }}", held) == held["grammar"]
+    finally:
+        reasoner.tokenizer.chat_template = None
+
+
+def test_a_reasoning_model_thinks_before_its_held_answer_on_both_paths(reasoner):
+    """Held from its first token, an R1 model's answer was JSON inside its open thinking:
+    now it may write what the grammar would refuse (a token forced by logit_bias)."""
+    from rawserve.tasks import CHAT_PARAM
+    from tests.test_generating import GREEDY, as_the_static_path
+
+    free = reasoner.tokenizer.convert_tokens_to_ids("h")
+    params = {
+        **GREEDY,
+        CHAT_PARAM: True,
+        "return_full_text": False,
+        "max_new_tokens": 3,
+        "logit_bias": {free: 100.0},
+        "grammar": {"type": "json", "value": SCHEMA},
+    }
+    reasoner.tokenizer.chat_template = R1_TEMPLATE
+    try:
+        item = {"messages": [{"role": "user", "content": "hi"}]}
+        [(_, got, _)] = as_the_static_path(reasoner, params, [item])  # type: ignore[list-item]
+    finally:
+        reasoner.tokenizer.chat_template = None
+    assert got[0]["generated_text"] == "hhh"
+
+
+CALLED = ["Rome", "?</th", "ink>\n\n", '{"name": "weather", ', '"arguments": {"city": "rome"}}']
+WORDS = ["<think>", "hm</think>", '{"content": "it is', ' sunny"}']
+
+
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_a_call_or_words_are_read_from_the_answer_after_its_thinking(logprobs):
+    """An answer held to tools, whole or streamed: its thinking as reasoning (streamed as
+    it comes where no log probabilities hold the answer to its end), the call or the
+    words read from what follows; thinking never closed calls nothing."""
+    from rawserve.api.openai_tools import Tools
+    from tests.test_openai_tools import WEATHER
+
+    def answer(opened: str) -> Answer:
+        return Answer(True, "m", logprobs, tools=Tools([WEATHER], "auto"), thinking=opened)
+
+    [whole] = answer(OPENED_IN_PROMPT).whole([Stream(CALLED).output()], [])["choices"]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None
+    assert whole["message"][REASONING] == whole["message"]["reasoning"] == "Rome?"
+    [made] = whole["message"]["tool_calls"]
+    assert made["function"] == {"name": "weather", "arguments": '{"city": "rome"}'}
+
+    def deltas(opened: str, texts: list[str], reason: str = "eos_token") -> list[dict]:
+        chunks = streamed(answer(opened), Stream(texts, reason))
+        said = [chunk["choices"][0]["delta"] for chunk in chunks]
+        assert not any("think" in json.dumps(delta) for delta in said)
+        return said
+
+    said = deltas(OPENED_IN_PROMPT, CALLED)
+    assert "".join(delta.get(REASONING, "") for delta in said) == "Rome?"
+    [calls] = [delta["tool_calls"] for delta in said if "tool_calls" in delta]
+    assert calls[0]["function"] == made["function"]
+    said = deltas(OPENED_IN_ANSWER, WORDS)
+    assert "".join(delta.get(REASONING, "") for delta in said) == "hm"
+    assert "".join(delta.get("content") or "" for delta in said) == "it is sunny"
+    if logprobs is None:  # the words as they come, after the thinking
+        assert [delta.get("content") for delta in said][-3:] == ["it is", " sunny", None]
+    [cut] = answer(OPENED_IN_PROMPT).whole([output("Rome", "length")], [])["choices"]
+    assert cut["message"] == {"role": "assistant", "content": None, **said_apart("Rome")}
+    said = deltas(OPENED_IN_PROMPT, ["Ro", "me"], "length")
+    assert "".join(delta.get(REASONING, "") for delta in said) == "Rome"
+    assert not any(delta.get("content") or "tool_calls" in delta for delta in said)
+
+
+def said_apart(thought: str) -> dict:
+    return {REASONING: thought, "reasoning": thought}

@@ -379,13 +379,11 @@ class OpenAIRoutes:
                 generation.logprobs,
                 tools=generation.tools,
                 stops_after=stops_after,
-                # a reasoning model's thinking, apart: not where a grammar holds the answer
-                # from its first token (it has no room to think), nor where the operator
+                # a reasoning model's thinking, apart (before an answer a grammar holds
+                # too: the worker holds it after the thinking), but where the operator
                 # keeps it in the content
                 thinking=None
-                if not chat
-                or "grammar" in generation.params
-                or self.context.settings.thinking_in_content
+                if not chat or self.context.settings.thinking_in_content
                 else answers_opening(model.thinking, generation.items),
             )
         deadline = self.context.deadline(request)

@@ -136,8 +136,9 @@ class Answer:
         self.tools = tools if tools is not None and tools.held else None
         # OpenAI's min_tokens: no stop sequence counts in the text of the tokens before it
         self.stops_after = stops_after
-        # a reasoning model's chat answer, free text: where its thinking opens (`reasoning`)
-        self.thinking = thinking if chat and self.tools is None else None
+        # a reasoning model's chat answer: where its thinking opens (`reasoning`); one held
+        # to tools or a grammar thinks first too, held only after it (the worker's grammar)
+        self.thinking = thinking if chat else None
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(clock())
 
@@ -180,15 +181,17 @@ class Answer:
         return {**self.head(False), "choices": choices, "usage": usage(outputs, n)}
 
     def message(self, text: str, reason: str) -> tuple[dict[str, Any], str]:
-        """A chat answer's message and finish reason: a tool call, where tools hold it."""
-        if self.tools is None and self.thinking is not None:
+        """A chat answer's message and finish reason: a tool call, where tools hold it (read
+        from the answer after a reasoning model's thinking)."""
+        reasoning: str | None = None
+        content: str | None = text
+        if self.thinking is not None:
             reasoning, content = split(text, self.thinking)
-            message = {"role": "assistant", **said(CONTENT, content), **said(REASONING, reasoning)}
-            return message, reason
-        if self.tools is None:
-            return {"role": "assistant", "content": text}, reason
-        message, called = self.tools.message(text)
-        return message, called or reason
+        thought = said(REASONING, reasoning) if reasoning is not None else {}
+        if self.tools is None or content is None:  # (thinking never closed: no call)
+            return {"role": "assistant", **said(CONTENT, content), **thought}, reason
+        message, called = self.tools.message(content)
+        return {**message, **thought}, called or reason
 
     def held_end(
         self,
@@ -197,13 +200,16 @@ class Answer:
         stops: Sequence[str],
         sent: str,
         tokens: Sequence[Listed] = (),
+        thought: str = "",
     ) -> tuple[bytes | None, str]:
         """The end of a streamed answer held to tools: its call, or its words past those
         `sent` as they came (None: nothing left), with its `tokens` (listed where log
-        probabilities are asked: a stream's output does not list them), and its finish
-        reason."""
+        probabilities are asked: a stream's output does not list them), its thinking past
+        the `thought` sent, and its finish reason."""
         text = cut_at_stop(output["generated_text"], stops, stops_from(output))
         message, reason = self.message(text, finish_reason(output["details"]))
+        reasoning = message.get(REASONING) or ""
+        thinking = reasoning[len(thought) :] if reasoning.startswith(thought) else ""
         calls = message.get("tool_calls")
         if calls:
             delta: dict[str, Any] = {
@@ -214,9 +220,11 @@ class Answer:
         else:
             words = message["content"] or ""
             rest = words[len(sent) :] if words.startswith(sent) else words
-            if not rest and sent:
+            if not rest and (sent or thought) and not thinking:
                 return None, reason
-            delta = {"content": rest}
+            delta = {"content": rest} if rest or not thinking else {}
+        if thinking:
+            delta = {**said(REASONING, thinking), **delta}
         chunk = self.chunk(index, None, tokens)
         chunk["choices"][0]["delta"] = delta
         return sse(chunk), reason
@@ -266,6 +274,27 @@ class Answer:
             chunks.append(self.chunk(index, None, thought.tokens))
         return chunks
 
+    def held_words(
+        self,
+        index: int,
+        piece: str,
+        words: StreamedWords,
+        thought: ThoughtChoice | None,
+    ) -> list[dict[str, Any]]:
+        """The chunks that a piece of a streamed answer held to tools sends as it comes: a
+        reasoning model's thinking as reasoning, the words after it as content."""
+        pieces = [(CONTENT, piece)] if thought is None else thought.thinking.add(piece)
+        chunks = []
+        for kind, text in pieces:
+            if kind == REASONING and thought is not None:
+                chunk = self.chunk(index, text)
+                chunk["choices"][0]["delta"] = said(REASONING, text)
+                thought.thought += text
+                chunks.append(chunk)
+            elif said_words := words.add(text):
+                chunks.append(self.chunk(index, said_words))
+        return chunks
+
     def listing(self, tokens: Sequence[Listed], offset: int = 0) -> dict[str, Any] | None:
         """Tokens' log probabilities in this route's shape; None where none were asked."""
         if self.logprobs is None:
@@ -310,8 +339,10 @@ class Answer:
                         released = choice.add(chunk.token, stops, self.logprobs)
                         piece = released[0] if released is not None else ""
                         held_tokens[index] += released[1] if released is not None else []
-                        if words_as_they_come and (words := held[index].add(piece)):
-                            yield sse(self.chunk(index, words))
+                        if words_as_they_come:
+                            thought = thoughts[index] if thoughts is not None else None
+                            for ready in self.held_words(index, piece, held[index], thought):
+                                yield sse(ready)
                         continue
                     if (sending := choice.add(chunk.token, stops, self.logprobs)) is not None:
                         for ready in self.sending(index, sending, thoughts):
@@ -328,7 +359,10 @@ class Answer:
                     if (rest := choice.rest(output, stops)) is not None:
                         held_tokens[index] += rest[1]
                     sent = held[index].sent
-                    last, reason = self.held_end(index, output, stops, sent, held_tokens[index])
+                    thought_sent = thoughts[index].thought if thoughts is not None else ""
+                    last, reason = self.held_end(
+                        index, output, stops, sent, held_tokens[index], thought_sent
+                    )
                     if last is not None:
                         yield last
                 else:
@@ -353,6 +387,7 @@ class ThoughtChoice:
     def __init__(self, opened: str) -> None:
         self.thinking = Thinking(opened)
         self.tokens: list[Listed] = []
+        self.thought = ""  # (an answer held to tools: its thinking sent as it came)
 
 
 class Streamed:

@@ -11,7 +11,9 @@ from its last message) or the model opens it (Qwen3's). An answer whose thinking
 may open and does not (Qwen3's with `enable_thinking` false) is all content; thinking
 never closed (`max_tokens` reached inside it) is all reasoning, its content null, as
 vLLM answers it. The tags go in neither, even split over tokens; the white space between
-the thinking and the answer is left out. Server process; plain Python.
+the thinking and the answer is left out. An answer held to a grammar is split too: the
+worker holds it only after the thinking (`rawserve.worker.grammars.thinking_first`).
+Server process; plain Python.
 """
 
 from __future__ import annotations

@@ -90,6 +90,9 @@ UNAPPLIED_SETTINGS: dict[str, Any] = {
 # A prompt's scores held at once when it is scored (positions × vocabulary; 64 MiB as
 # float32): a 50,257-token vocabulary scores 333 positions a pass, 128,256 scores 130.
 PROMPT_SCORES_AT_ONCE = 2**24
+# the end of a chat prompt read for where it leaves a reasoning model's thinking: a tag
+# and the white space after it, even spelled a character a token
+OPENING_TOKENS = 32
 # a prompt's scores: each token's log probability given the ones before it (from the
 # second on), and the likeliest tokens at each of those positions, (id, log probability)
 PromptScores = tuple[list[float], list[list[tuple[int, float]]]]
@@ -301,13 +304,37 @@ class CausalLMRunner(Runner):
         """Where a reasoning model's thinking opens (its template writes `</think>`): in
         the prompt, where the template ends it with `<think>` (QwQ's, DeepSeek-R1's), else
         in the answer, by the model (Qwen3's); None for a model that does not reason."""
-        if REASONING_END not in str(self.tokenizer.chat_template):
+        if not self.reasons:
             return None
         try:
             prompt = self._render([{"role": "user", "content": "hi"}], None, {})
         except (WrittenForClients, ValueError):  # (it asks for more than one message)
             return OPENED_IN_ANSWER
         return OPENED_IN_PROMPT if prompt.rstrip().endswith(REASONING_START) else OPENED_IN_ANSWER
+
+    def opening(self, ids: list[int]) -> str | None:
+        """Where a chat prompt leaves a reasoning model's thinking (its ids: the end will
+        do), as its template rendered it for this request: opened (`OPENED_IN_PROMPT`:
+        the prompt ends with `<think>`), closed already (None: ends with `</think>`, as
+        Qwen3's with `enable_thinking` false), else for the model to open, or not."""
+        end = self.tokenizer.decode(ids[-OPENING_TOKENS:]).rstrip()
+        if end.endswith(REASONING_END):
+            return None
+        return OPENED_IN_PROMPT if end.endswith(REASONING_START) else OPENED_IN_ANSWER
+
+    def held_to(self, params: dict[str, Any], ids: list[int]) -> dict[str, Any] | None:
+        """The grammar a prompt's answer is held to (None: none): a reasoning model's chat
+        answer after its thinking (the grammar's "thinking": where it opens, if it may)."""
+        grammar = params.get("grammar")
+        if not grammar or not params.get(CHAT_PARAM) or not self.reasons:
+            return grammar
+        opened = self.opening(ids)
+        return grammar if opened is None else {**grammar, "thinking": opened}
+
+    @property
+    def reasons(self) -> bool:
+        """Whether the model reasons: its chat template writes `</think>`."""
+        return REASONING_END in str(self.tokenizer.chat_template)
 
     def prompts(self, inputs: list[Any], params: dict[str, Any]) -> Any:
         """The batch's prompts as token ids, left-padded (`prompt_ids` for each)."""
@@ -452,7 +479,7 @@ class CausalLMRunner(Runner):
             stops_after=stops_after(params),
             ignore_eos=bool(params.get("ignore_eos")),
             adjustments=ScoreAdjustments.asked(params, self.vocabulary),
-            compiling=self.grammars.pending(params["grammar"]) if params.get("grammar") else None,
+            compiling=self.grammars.pending(held) if (held := self.held_to(params, ids)) else None,
             logprobs=[] if wants_logprobs else None,
             top_n=int(params.get("top_n_tokens") or 0),
             prefill=self.prefill_tokens(ids, params) if scores_prompt(params) else None,
@@ -672,6 +699,7 @@ class CausalLMRunner(Runner):
         stream_id = control.stream_id
         # each row's text decoded after the end of its prompt (left padding: specials)
         ends = encoded["input_ids"][:, -CONTEXT_TOKENS:].tolist()
+        opening_ends = encoded["input_ids"][:, -OPENING_TOKENS:].tolist()
         contexts = [prompt_context(self.tokenizer, ids) for ids in ends]
         encoded = {name: value.to(self.device) for name, value in encoded.items()}
         recorder = ScoreRecorder()
@@ -711,7 +739,8 @@ class CausalLMRunner(Runner):
         if adjustments is not None:  # before the recorder: the log probabilities follow them
             processors.append(Adjuster(adjustments, encoded["input_ids"].shape[1]))
         if params.get("grammar"):
-            matchers = [self.grammars.matcher(params["grammar"]) for _ in rows]
+            held = [self.held_to(params, row) or params["grammar"] for row in opening_ends]
+            matchers = [self.grammars.matcher(grammar) for grammar in held]  # (each row's own)
             processors.append(GrammarFollower(matchers, watcher))
         if wants_logprobs:
             processors.append(recorder)

@@ -6,7 +6,9 @@ Each step, a sequence's matcher says which tokens may come next; every other tok
 score becomes -inf before one is chosen (greedy or sampled), and the chosen token moves
 the matcher on. Once the grammar is complete, only the end of the sequence may come.
 JSON is written compactly with one space after its separators (`{"a": 1, "b": 2}`): a
-model free to put whitespace anywhere can run on with it until its token cap.
+model free to put whitespace anywhere can run on with it until its token cap. A reasoning
+model's chat answer thinks first, free, and is held after its `</think>` (`thinking_first`;
+the grammar's "thinking", which the worker sets per prompt, says where the thinking opens).
 
 A grammar is compiled once per model (the latest `COMPILED_KEPT` kept) and each sequence
 gets a copy of its matcher. A new one compiles on a thread of its own (llguidance lets go
@@ -30,6 +32,8 @@ import llguidance.hf
 import llguidance.numpy
 import numpy
 import torch
+
+from rawserve.tasks.text_generation import OPENED_IN_PROMPT, REASONING_END, REASONING_START
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # (declared in its stubs only)
@@ -124,6 +128,38 @@ def grammar_text(grammar: Mapping[str, Any]) -> str:
     return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT))
 
 
+def thinking_first(text: str, opened: str, tag_tokens: Mapping[str, int]) -> str:
+    """llguidance's grammar `text` with a reasoning model's thinking before what it holds,
+    as vLLM holds such an answer only after its thinking: where it opens in the prompt
+    (`OPENED_IN_PROMPT`), free text up to the first `</think>`; else (the model may open
+    it) nothing or `<think>` and that. White space may follow the thinking. A tag is its
+    text, in any tokens, or its own token (`tag_tokens`: a tag's special token, which
+    llguidance does not read as the tag's text: an added one, such as Qwen3's)."""
+    top = json.loads(text)
+    answer, *others = top["grammars"]
+
+    def tag(name: str) -> str:
+        written = json.dumps(name)
+        return f"({written} | <[{tag_tokens[name]}]>)" if name in tag_tokens else written
+
+    thought = "thought: through WS?"
+    if REASONING_END in tag_tokens:  # (its token is no text a lexeme can end with)
+        thought += f" | TEXT? <[{tag_tokens[REASONING_END]}]> WS?"
+    start = "thought" if opened == OPENED_IN_PROMPT else f"({tag(REASONING_START)} thought)?"
+    closing = REASONING_END.replace("/", "\\/")
+    lark = "\n".join(
+        (
+            f"start: {start} @answer",
+            thought,
+            f"through[lazy]: /(?s:.*){closing}/",  # (lazy: it ends at the first)
+            f"TEXT: /(?s:.+)/ & ~/(?s:.*{closing}.*)/",
+            "WS: /[ \\t\\r\\n]+/",
+        )
+    )
+    thinking = {"name": "thinking", "lark_grammar": lark}
+    return json.dumps({**top, "grammars": [thinking, {**answer, "name": "answer"}, *others]})
+
+
 def formats_as_annotations(grammar: Mapping[str, Any]) -> str | None:
     """llguidance's grammar for a JSON schema whose "format"s it does not know are taken as
     annotations, as JSON Schema takes them (pydantic writes "binary" for bytes, "password"
@@ -184,16 +220,27 @@ class Grammars:
         return pristine
 
     def _compile(self, grammar: Mapping[str, Any]) -> llguidance.LLMatcher:
-        pristine = self._matcher(grammar_text(grammar))
+        pristine = self._matcher(self._held(grammar_text(grammar), grammar))
         # a format it does not know, alone, is an annotation (else the first fault is told)
         annotated = None
         if grammar["type"] == "json" and pristine.is_error() and UNKNOWN_FORMAT in fault(pristine):
             annotated = formats_as_annotations(grammar)
         if annotated is not None:
-            pristine = self._matcher(annotated)
+            pristine = self._matcher(self._held(annotated, grammar))
         if pristine.is_error():
             raise ValueError(f"the grammar cannot be used: {fault(pristine)}")
         return pristine
+
+    def _held(self, text: str, grammar: Mapping[str, Any]) -> str:
+        """The grammar `text`, after the thinking where `grammar` says it may come first
+        (its "thinking": where it opens, the worker's per prompt)."""
+        if not grammar.get("thinking"):
+            return text
+        tokenizer = self._tokenizer()
+        ids = self.hf_tokenizer.get_vocab()
+        tags = [tag for tag in (REASONING_START, REASONING_END) if tag in ids]
+        special = {tag: ids[tag] for tag in tags if tokenizer.is_special_token(ids[tag])}
+        return thinking_first(text, grammar["thinking"], special)
 
     def _matcher(self, text: str) -> llguidance.LLMatcher:
         pristine = llguidance.LLMatcher(self._tokenizer(), text, log_level=0, limits=LIMITS)
