@@ -120,7 +120,7 @@ def test_a_model_that_does_not_reason_answers_as_before():
 class Stream:
     """A streamed generation: its tokens, then its output."""
 
-    def __init__(self, texts: list[str], reason: str = "eos_token"):
+    def __init__(self, texts: list[str], reason: str = "eos_token", opened: str | None = None):
         self.tokens = [
             {"id": place, "text": text, "logprob": -0.5, "special": False}
             for place, text in enumerate(texts)
@@ -128,10 +128,11 @@ class Stream:
         for token in self.tokens:
             token["top_tokens"] = [dict(token)]
         self.reason = reason
+        self.opened = opened  # where the worker says the thinking opens, if it says
 
     async def chunks(self):
-        for token in self.tokens:
-            yield TokenChunk(1, 0, token)
+        for place, token in enumerate(self.tokens):
+            yield TokenChunk(1, 0, token, opened=None if place else self.opened)
 
     def output(self):
         return output("".join(token["text"] for token in self.tokens), self.reason)
@@ -466,3 +467,58 @@ def test_a_call_or_words_are_read_from_the_answer_after_its_thinking(logprobs):
 
 def said_apart(thought: str) -> dict:
     return {REASONING: thought, "reasoning": thought}
+
+
+# As DeepSeek-V3.1's: its `thinking` setting opens the thinking in the prompt; else closed
+V31_TEMPLATE = (
+    "{% for message in messages %}{{ '<｜User｜>' + message['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}"
+    "{% if thinking %}{{ '<think>' }}{% else %}{{ '</think>' }}{% endif %}{% endif %}"
+)
+
+
+def test_the_worker_tells_where_each_answers_thinking_opens_on_every_path(reasoner):
+    """The template's settings move it: the model's `thinking` detail is read without
+    them, so DeepSeek-V3.1's answers with `thinking: true` were all taken for content."""
+    from rawserve.shared.messages import Batch, Control, TokenChunks
+    from rawserve.tasks import CHAT_PARAM
+    from tests.test_generating import GREEDY, results, serve
+
+    params = {**GREEDY, CHAT_PARAM: True, "return_full_text": False, "max_new_tokens": 2}
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    thinks = {**chat, "template_kwargs": {"thinking": True}}
+    reasoner.tokenizer.chat_template = V31_TEMPLATE
+    try:
+        assert reasoner.details["thinking"] == OPENED_IN_ANSWER  # (its default)
+        whole, closed = (reasoner.run([item], params)[0][0] for item in (thinks, chat))
+        looped = [
+            Batch(1, (thinks,), params),
+            Batch(2, (thinks,), params, control=Control(stream_id=7)),
+        ]
+        sent = serve(reasoner, {0: looped})
+        static: list = []
+        reasoner.bind_stream(static.append, None)
+        reasoner.run([thinks], params, Control(stream_id=8))
+    finally:
+        reasoner.tokenizer.chat_template = None
+        reasoner.bind_stream(None, None)  # type: ignore[arg-type]
+    assert whole["details"]["thinking"] == OPENED_IN_PROMPT
+    assert closed["details"]["thinking"] == OPENED_IN_ANSWER
+    answered = results(sent)
+    [[looped_whole]], [looped_stream] = answered[1].outputs, answered[2].outputs
+    assert looped_whole["details"]["thinking"] == looped_stream["details"]["thinking"]
+    assert looped_stream["details"]["thinking"] == OPENED_IN_PROMPT
+    chunks = [chunk for m in sent if isinstance(m, TokenChunks) for chunk in m.chunks] + static
+    assert [chunk.opened for chunk in chunks] == [OPENED_IN_PROMPT, None] * 2  # the first's
+
+
+def test_the_chat_route_splits_each_answer_where_its_worker_says_the_thinking_opens():
+    answer = Answer(True, "m", thinking=OPENED_IN_ANSWER)  # (the model's default)
+    told = output("hm</think>Hi")
+    told["details"]["thinking"] = OPENED_IN_PROMPT
+    [choice] = answer.whole([told], [])["choices"]
+    assert (choice["message"][REASONING], choice["message"]["content"]) == ("hm", "Hi")
+    chunks = streamed(answer, Stream(["hm</th", "ink>Hi"], opened=OPENED_IN_PROMPT))
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
+    assert "".join(delta.get(REASONING, "") for delta in deltas) == "hm"
+    assert "".join(delta.get("content") or "" for delta in deltas) == "Hi"

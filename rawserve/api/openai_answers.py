@@ -172,7 +172,7 @@ class Answer:
             choice: dict[str, Any] = {"index": index}
             reason = finish_reason(output["details"])
             if self.chat:
-                choice["message"], reason = self.message(text, reason)
+                choice["message"], reason = self.message(text, reason, output["details"])
             else:
                 choice["text"] = text
             choice["logprobs"] = self.listing(tokens)
@@ -180,13 +180,16 @@ class Answer:
             choices.append(choice)
         return {**self.head(False), "choices": choices, "usage": usage(outputs, n)}
 
-    def message(self, text: str, reason: str) -> tuple[dict[str, Any], str]:
+    def message(
+        self, text: str, reason: str, details: Mapping[str, Any] | None = None
+    ) -> tuple[dict[str, Any], str]:
         """A chat answer's message and finish reason: a tool call, where tools hold it (read
-        from the answer after a reasoning model's thinking)."""
+        from the answer after a reasoning model's thinking, which opens where the worker's
+        `details` say, else where the model's do)."""
         reasoning: str | None = None
         content: str | None = text
         if self.thinking is not None:
-            reasoning, content = split(text, self.thinking)
+            reasoning, content = split(text, (details or {}).get("thinking") or self.thinking)
         thought = said(REASONING, reasoning) if reasoning is not None else {}
         if self.tools is None or content is None:  # (thinking never closed: no call)
             return {"role": "assistant", **said(CONTENT, content), **thought}, reason
@@ -207,7 +210,8 @@ class Answer:
         probabilities are asked: a stream's output does not list them), its thinking past
         the `thought` sent, and its finish reason."""
         text = cut_at_stop(output["generated_text"], stops, stops_from(output))
-        message, reason = self.message(text, finish_reason(output["details"]))
+        details = output["details"]
+        message, reason = self.message(text, finish_reason(details), details)
         reasoning = message.get(REASONING) or ""
         thinking = reasoning[len(thought) :] if reasoning.startswith(thought) else ""
         calls = message.get("tool_calls")
@@ -334,6 +338,8 @@ class Answer:
             async for index, chunk in merged(streams):
                 choice = choices[index]
                 if chunk is not None:
+                    if thoughts is not None and chunk.opened is not None:  # its first token
+                        thoughts[index] = ThoughtChoice(chunk.opened)
                     if self.tools is not None:
                         # its JSON as a plain answer's text: up to a stop sequence
                         released = choice.add(chunk.token, stops, self.logprobs)

@@ -7,10 +7,12 @@ A reasoning model is one whose chat template writes `</think>` (Qwen3's, QwQ's,
 DeepSeek-R1's): the worker says so, and whether the template opens the thinking in the
 prompt itself (QwQ's and DeepSeek-R1's end it with `<think>`: the answer holds only
 `...</think>answer`; not where a chat asks for no generation prompt, its answer going on
-from its last message) or the model opens it (Qwen3's). An answer whose thinking the model
-may open and does not (Qwen3's with `enable_thinking` false) is all content; thinking
-never closed (`max_tokens` reached inside it) is all reasoning, its content null, as
-vLLM answers it. The tags go in neither, even split over tokens; the white space between
+from its last message) or the model opens it (Qwen3's); and again with each answer, from
+the prompt rendered for it (a template's settings, such as DeepSeek-V3.1's `thinking`,
+may open it there or not): the answer is split where it says. An answer whose thinking
+the model may open and does not (Qwen3's with `enable_thinking` false) is all content;
+thinking never closed (`max_tokens` reached inside it) is all reasoning, its content null,
+as vLLM answers it. The tags go in neither, even split over tokens; the white space between
 the thinking and the answer is left out. An answer held to a grammar is split too: the
 worker holds it only after the thinking (`rawserve.worker.grammars.thinking_first`).
 Server process; plain Python.

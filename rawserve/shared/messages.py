@@ -132,6 +132,9 @@ class TokenChunk:
     # the generation goes on after this token (unless it fails or its client leaves);
     # False where it ends here, or where the worker cannot tell
     more: bool = False
+    # with a reasoning model's first chat token: where this prompt leaves its thinking to
+    # open (`CausalLMRunner.opened`), which a chat template's settings may change
+    opened: str | None = None
 
 
 @dataclass(frozen=True)

@@ -322,6 +322,15 @@ class CausalLMRunner(Runner):
             return None
         return OPENED_IN_PROMPT if end.endswith(REASONING_START) else OPENED_IN_ANSWER
 
+    def opened(self, params: dict[str, Any], ids: list[int]) -> str | None:
+        """Where a reasoning model's chat answer to the prompt `ids` opens its thinking, told
+        to the server with it (a template's settings, such as DeepSeek-V3.1's `thinking`,
+        change it from the `thinking` detail): in the prompt, else in the answer (one the
+        prompt closed opens none); None for other answers."""
+        if not params.get(CHAT_PARAM) or not self.reasons:
+            return None
+        return OPENED_IN_PROMPT if self.opening(ids) == OPENED_IN_PROMPT else OPENED_IN_ANSWER
+
     def held_to(self, params: dict[str, Any], ids: list[int]) -> dict[str, Any] | None:
         """The grammar a prompt's answer is held to (None: none): a reasoning model's chat
         answer after its thinking (the grammar's "thinking": where it opens, if it may)."""
@@ -572,6 +581,7 @@ class CausalLMRunner(Runner):
             tokens=tokens,
             prefill=generation.prefill,
             seed=generation.seed,
+            opened=self.opened(params, generation.prompt_ids),
         )
 
     def _output(
@@ -587,10 +597,12 @@ class CausalLMRunner(Runner):
         tokens: list[dict[str, Any]] | None,
         prefill: list[dict[str, Any]] | None = None,
         seed: int | None = None,
+        opened: str | None = None,
     ) -> Any:
         """One item's output in the Inference API's shape (TGI's details when asked;
         `context`: the end of its prompt, which its text is decoded after; `seed`: the
-        one it sampled with, where not the one asked)."""
+        one it sampled with, where not the one asked; `opened`: where a reasoning model's
+        thinking opens, `opened`'s)."""
         # the whole decode, as the pipeline does (pieces hold back a cut character)
         text = generated_text(self.tokenizer, token_ids, context)
         if returns_full_text(params):
@@ -603,6 +615,8 @@ class CausalLMRunner(Runner):
                 "prompt_tokens": prompt_tokens,
                 "seed": params.get("seed") if seed is None else seed,
             }
+            if opened is not None:
+                output["details"]["thinking"] = opened
             if (after := stops_after(params)) > 1 and params.get("stop"):
                 # where in the text stop sequences count: the start of that token's text,
                 # as the pieces made it (a character its token ends held back, as in a
@@ -682,6 +696,7 @@ class CausalLMRunner(Runner):
                     context=prompt_context(self.tokenizer, ids),
                     tokens=tokens,
                     prefill=prefill,
+                    opened=self.opened(params, ids),
                 )
             )
         return outputs
@@ -708,9 +723,11 @@ class CausalLMRunner(Runner):
         on_token = None
         if stream_id is not None and self.send is not None:
             send = self.send
+            unheard = {index: self.opened(params, row) for index, row in enumerate(opening_ends)}
 
             def on_token(index: int, token: dict[str, Any]) -> None:
-                send(TokenChunk(stream_id=stream_id, index=rows[index], token=token))
+                opened = unheard.pop(index, None)  # (with a row's first token)
+                send(TokenChunk(stream_id=stream_id, index=rows[index], token=token, opened=opened))
 
         def cancelled() -> bool:
             if self.batch_cancelled():

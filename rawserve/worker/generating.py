@@ -309,7 +309,9 @@ class GenerationLoop:
             opened.tokens[index].append(token)
             return
         more = generation.finish_reason is None  # decided before the token is heard
-        self.streamed.append(TokenChunk(stream_id, index, token, more))
+        first = len(generation.tokens) == 1
+        thinking = self.runner.opened(opened.params, generation.prompt_ids) if first else None
+        self.streamed.append(TokenChunk(stream_id, index, token, more, thinking))
 
     def _send_streamed(self) -> None:
         """A forward pass is over: its streamed tokens go in one message, before the next
