@@ -504,6 +504,8 @@ def test_the_worker_tells_where_each_answers_thinking_opens_on_every_path(reason
         reasoner.bind_stream(None, None)  # type: ignore[arg-type]
     assert whole["details"]["thinking"] == OPENED_IN_PROMPT
     assert closed["details"]["thinking"] == OPENED_IN_ANSWER
+    # (its two tokens in thinking never closed; none where the prompt closed it)
+    assert (whole["details"]["reasoning_tokens"], closed["details"]["reasoning_tokens"]) == (2, 0)
     answered = results(sent)
     [[looped_whole]], [looped_stream] = answered[1].outputs, answered[2].outputs
     assert looped_whole["details"]["thinking"] == looped_stream["details"]["thinking"]
@@ -522,3 +524,29 @@ def test_the_chat_route_splits_each_answer_where_its_worker_says_the_thinking_op
     deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
     assert "".join(delta.get(REASONING, "") for delta in deltas) == "hm"
     assert "".join(delta.get("content") or "" for delta in deltas) == "Hi"
+
+
+def test_usage_counts_the_tokens_the_thinking_took(reasoner):
+    """OpenAI's `completion_tokens_details.reasoning_tokens` (vLLM's too): the tokens up to
+    the one that ends `</think>`, however the tag is spelled; all where it never closes,
+    none where it never opens. Only a reasoning model's chat answers say it."""
+    from rawserve.api.openai_answers import usage
+    from rawserve.api.openai_responses import ResponseAnswer, parse_response
+
+    def ids(text: str) -> list[int]:
+        return reasoner.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    thinking, answer = ids("hm, ") + ids("</think>"), ids("\n\nHi")
+    assert reasoner.thought_tokens(thinking + answer, [], OPENED_IN_PROMPT) == len(thinking)
+    opened = ids("<think>") + thinking
+    assert reasoner.thought_tokens(opened + answer, [], OPENED_IN_ANSWER) == len(opened)
+    assert reasoner.thought_tokens(answer, [], OPENED_IN_ANSWER) == 0
+    assert reasoner.thought_tokens(answer, [], OPENED_IN_PROMPT) == len(answer)
+    told = [output("a"), output("b")]
+    for place, each in enumerate(told):
+        each["details"]["reasoning_tokens"] = 4 + place
+    answered = Answer(True, "m", thinking=OPENED_IN_PROMPT).whole(told, [])
+    assert answered["usage"]["completion_tokens_details"] == {"reasoning_tokens": 9}
+    assert "completion_tokens_details" not in usage([output("a")])
+    response = ResponseAnswer("m", parse_response({"input": "hi"})[1]).whole(told[1:], [])
+    assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": 5}

@@ -76,16 +76,23 @@ def finish_reason(details: dict[str, Any]) -> str:
     return FINISH_REASONS.get(details.get("finish_reason", ""), "stop")
 
 
-def usage(outputs: Sequence[dict[str, Any]], n: int = 1) -> dict[str, int]:
+def usage(outputs: Sequence[dict[str, Any]], n: int = 1) -> dict[str, Any]:
     """Tokens read and written: a prompt's once, however many choices follow it (`n`, each
-    prompt's choices one after another)."""
+    prompt's choices one after another); a reasoning model's chat answers', the tokens
+    their thinking took among them (OpenAI's `completion_tokens_details`, as vLLM's)."""
     prompt = sum(int(o["details"]["prompt_tokens"]) for o in outputs[::n])
     completion = sum(int(o["details"]["generated_tokens"]) for o in outputs)
-    return {
+    counted: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+    thought = [
+        o["details"]["reasoning_tokens"] for o in outputs if "reasoning_tokens" in o["details"]
+    ]
+    if thought:
+        counted["completion_tokens_details"] = {"reasoning_tokens": sum(thought)}
+    return counted
 
 
 class Unsent:

@@ -276,7 +276,9 @@ class ResponseAnswer:
             "input_tokens": counted["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": counted["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {
+                "reasoning_tokens": output["details"].get("reasoning_tokens", 0)
+            },
             "total_tokens": counted["total_tokens"],
         }
         if finish_reason(output["details"]) == "length":

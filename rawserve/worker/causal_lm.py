@@ -331,6 +331,26 @@ class CausalLMRunner(Runner):
             return None
         return OPENED_IN_PROMPT if self.opening(ids) == OPENED_IN_PROMPT else OPENED_IN_ANSWER
 
+    def thought_tokens(self, token_ids: list[int], context: list[int], opened: str) -> int:
+        """How many of a reasoning model's answer's tokens its thinking took, up to the one
+        that ends its `</think>` (all where it never closes; none where it does not open),
+        as the server splits its text: the fewest whose text holds the tag, found in a
+        few decodes (the text of more tokens holds what theirs does)."""
+
+        def text(count: int) -> str:
+            return generated_text(self.tokenizer, token_ids[:count], context)
+
+        whole = text(len(token_ids))
+        if opened != OPENED_IN_PROMPT and not whole.lstrip().startswith(REASONING_START):
+            return 0
+        if REASONING_END not in whole:
+            return len(token_ids)
+        low, high = 1, len(token_ids)
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if REASONING_END in text(middle) else (middle + 1, high)
+        return low
+
     def held_to(self, params: dict[str, Any], ids: list[int]) -> dict[str, Any] | None:
         """The grammar a prompt's answer is held to (None: none): a reasoning model's chat
         answer after its thinking (the grammar's "thinking": where it opens, if it may)."""
@@ -617,6 +637,8 @@ class CausalLMRunner(Runner):
             }
             if opened is not None:
                 output["details"]["thinking"] = opened
+                thought = self.thought_tokens(token_ids, context, opened)
+                output["details"]["reasoning_tokens"] = thought
             if (after := stops_after(params)) > 1 and params.get("stop"):
                 # where in the text stop sequences count: the start of that token's text,
                 # as the pieces made it (a character its token ends held back, as in a
