@@ -64,6 +64,8 @@ ANSWERS = [  # (how the thinking opens, the text generated, its reasoning and co
     (OPENED_IN_PROMPT, "Let me see. </", "Let me see. </", None),
     (OPENED_IN_PROMPT, "hm</think>\n\n", "hm", None),  # nothing after it
     (OPENED_IN_PROMPT, "</think>Hello!", "", "Hello!"),
+    (OPENED_IN_PROMPT, "\n\n", "\n\n", None),  # cut inside the open thinking
+    (OPENED_IN_PROMPT, " <th", " <th", None),
 ]
 
 

@@ -81,9 +81,14 @@ class Thinking:
 
     def end(self) -> list[Piece]:
         """What was held back, once the answer has ended: reasoning where the thinking
-        never closed, else content (the start of a tag that did not come)."""
+        never closed, else content (the start of a tag that did not come; white space
+        alone, or such a start, is what the answer is before a tag: the thinking where the
+        prompt opened it)."""
         if not self.held or self.state == "closed":
             return []
+        if self.state == "opening":
+            self.state = self.unopened
+            self.thought = self.state == REASONING
         return self._take(REASONING if self.state == REASONING else CONTENT, len(self.held))
 
     def _take(self, kind: str, size: int) -> list[Piece]:
