@@ -1223,6 +1223,18 @@ def test_an_unseeded_sample_names_the_seed_that_repeats_it_as_tgi_does(runner):
     assert greedy[0]["details"]["seed"] is None  # nothing drawn
 
 
+def test_a_greedy_answer_names_no_seed_though_one_was_sent_as_tgi_does(runner):
+    """TGI's details carry the seed a sample was drawn with, and null for a greedy answer
+    whatever seed was sent; the seed sent was echoed as if it had been used."""
+    seeded = {**GREEDY, "max_new_tokens": 4, "seed": 7}
+    looped = results(serve(runner, {0: [Batch(1, ("the movie was",), seeded)]}))[1].outputs[0]
+    [statically] = runner.run(["the movie was"], seeded)
+    assert looped[0]["details"]["seed"] is None
+    assert statically[0]["details"]["seed"] is None
+    sampled = {**seeded, "do_sample": True}
+    assert runner.run(["the movie was"], sampled)[0][0]["details"]["seed"] == 7
+
+
 def test_a_cancelled_batch_frees_its_row_at_the_next_step(runner):
     params = {**GREEDY, "max_new_tokens": 200}
     first = Batch(1, ("the movie was",), params)

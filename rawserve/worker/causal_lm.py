@@ -544,7 +544,7 @@ class CausalLMRunner(Runner):
             context=prompt_context(self.tokenizer, generation.prompt_ids),
             tokens=tokens,
             prefill=generation.prefill,
-            seed=generation.seed,
+            seed=generation.seed if generation.do_sample else None,
         )
 
     def _output(
@@ -563,7 +563,7 @@ class CausalLMRunner(Runner):
     ) -> Any:
         """One item's output in the Inference API's shape (TGI's details when asked;
         `context`: the end of its prompt, which its text is decoded after; `seed`: the
-        one it sampled with, where not the one asked)."""
+        one it sampled with, None for a greedy answer, as TGI answers whatever was sent)."""
         # the whole decode, as the pipeline does (pieces hold back a cut character)
         text = generated_text(self.tokenizer, token_ids, context)
         if returns_full_text(params):
@@ -574,7 +574,7 @@ class CausalLMRunner(Runner):
                 "finish_reason": finish_reason,
                 "generated_tokens": len(token_ids),
                 "prompt_tokens": prompt_tokens,
-                "seed": params.get("seed") if seed is None else seed,
+                "seed": seed,
             }
             if (after := stops_after(params)) > 1 and params.get("stop"):
                 # where in the text stop sequences count: the start of that token's text,
@@ -655,6 +655,7 @@ class CausalLMRunner(Runner):
                     context=prompt_context(self.tokenizer, ids),
                     tokens=tokens,
                     prefill=prefill,
+                    seed=params.get("seed") if kwargs.get("do_sample") else None,
                 )
             )
         return outputs
