@@ -54,6 +54,8 @@ TOKENIZER_FILES = (
     "dict.txt",
     "prophetnet.tokenizer",
 )
+SENTENCEPIECE_MODELS = ("*.model", "*.spm")  # (a `.model` may be tiktoken's instead)
+TIKTOKEN_LINE_MOST = 1024  # bytes: a tiktoken file's first line is a token and its rank
 # The tokenizers that read no file (bytes or characters are their tokens), as the
 # tokenizer's or the model's config names the class, or the model type that implies it.
 FILELESS_TOKENIZERS = {"ByT5Tokenizer", "CanineTokenizer", "PerceiverTokenizer"}
@@ -123,6 +125,11 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
                 "the model has no tokenizer files (tokenizer.json, a vocabulary or a "
                 "sentencepiece model): every text would read as unknown tokens"
             )
+        if task not in IMAGE_TASKS and (unread := sentencepiece_model_unread(model_dir)):
+            raise ValueError(
+                f"the model's tokenizer is the sentencepiece model {unread} (it has no "
+                "tokenizer.json), which takes sentencepiece to read: pip install sentencepiece"
+            )
         for name in EDITED_BY_HAND:  # a worker's load would fail on it naming no file
             if (model_dir / name).is_file():
                 read_json(model_dir / name)
@@ -166,6 +173,28 @@ def has_tokenizer(model_dir: Path) -> bool:
         or config.get("model_type") in FILELESS_MODEL_TYPES
         for config in configs
     )
+
+
+def sentencepiece_model_unread(model_dir: Path) -> str | None:
+    """The name of the sentencepiece model the folder's tokenizer is built from where
+    sentencepiece is not installed to read it (None: it has tokenizer.json, or no such
+    model, or sentencepiece is installed). transformers then tried the file as tiktoken's
+    and failed in a worker, advising to install tiktoken, which would not help."""
+    if (model_dir / TOKENIZER_JSON).is_file() or importlib.util.find_spec("sentencepiece"):
+        return None
+    for pattern in SENTENCEPIECE_MODELS:
+        for path in sorted(model_dir.glob(pattern)):
+            if not is_tiktoken(path):
+                return path.name
+    return None
+
+
+def is_tiktoken(path: Path) -> bool:
+    """Whether a tokenizer's `.model` file is tiktoken's (lines of a base64 token and its
+    rank, as Llama 3's tokenizer.model), not a sentencepiece model (a protobuf)."""
+    with path.open("rb") as file:
+        first = file.readline(TIKTOKEN_LINE_MOST).split()
+    return len(first) == 2 and first[1].isdigit()
 
 
 def json_file(path: Path) -> dict[str, Any]:
