@@ -1211,6 +1211,27 @@ def test_the_models_own_temperature_wins_over_the_pipelines(tiny_model, tmp_path
     assert got != static(runner, "the movie was", {**asked, "temperature": 0.7})
 
 
+def test_the_models_own_temperature_0_with_do_sample_is_greedy_on_both_paths(tiny_model, tmp_path):
+    """A generation config of do_sample true and temperature 0: `generate` refused it
+    (temperature must be positive), so the static path and the warm-up failed, while the
+    loop sampled at temperature 1. Temperature 0 is greedy, as a request's is."""
+    import json
+    import shutil
+
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    folder = shutil.copytree(tiny_model("text-generation"), tmp_path / "model")
+    config = json.loads((folder / "generation_config.json").read_text())
+    zero = {**config, "do_sample": True, "temperature": 0.0}
+    (folder / "generation_config.json").write_text(json.dumps(zero))
+    runner = CausalLMRunner(str(folder), "cpu", torch.float32)
+    asked = {"max_new_tokens": 12}
+    [(_, got, _)] = as_the_static_path(runner, asked, ["the movie was"])
+    assert got == static(runner, "the movie was", {**asked, "do_sample": False})
+
+
 def test_an_unseeded_sample_names_the_seed_that_repeats_it_as_tgi_does(runner):
     params = {"max_new_tokens": 12, "do_sample": True, "details": True}
     first = results(serve(runner, {0: [Batch(1, ("the movie was",), params)]}))[1].outputs[0]

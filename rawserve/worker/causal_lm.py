@@ -223,7 +223,12 @@ class CausalLMRunner(Runner):
         self.model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
         self.model.to(device).eval()
         super().__init__("text-generation", device, dtype_name(self.model), tokenizer)
-        configured = self.model.generation_config.to_diff_dict()
+        generation_config = self.model.generation_config
+        if generation_config.do_sample and generation_config.temperature == 0.0:
+            # greedy, as a request's temperature 0 is: `generate` refuses to sample at 0
+            # (and the continuous loop would have sampled at 1)
+            generation_config.do_sample, generation_config.temperature = False, None
+        configured = generation_config.to_diff_dict()
         config = self.model.config
         # the positions its config names (None: it names none, and a prompt is not
         # bounded here, but its new tokens are: UNKNOWN_POSITIONS_NEW_TOKENS)
