@@ -281,6 +281,28 @@ def test_a_folder_without_pytorch_weights_is_refused_before_any_worker_loads_it(
         plan_models([str(tmp_path / "model")])
 
 
+@pytest.mark.parametrize(
+    ("shards", "index"),
+    [
+        ("model-{}-of-00002.safetensors", "model.safetensors.index.json"),
+        ("pytorch_model-{}-of-00002.bin", "pytorch_model.bin.index.json"),
+    ],
+)
+def test_shards_without_their_index_are_refused_naming_the_index(tmp_path, shards, index):
+    """Shards copied without their index were refused as a model with no PyTorch weights,
+    TensorFlow's and Flax's not loaded, with the weights there in the folder."""
+    (tmp_path / "model").mkdir()
+    for name in ("config.json", "tokenizer.json", *map(shards.format, ("00001", "00002"))):
+        (tmp_path / "model" / name).write_text('{"architectures": ["BertModel"]}')
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models([str(tmp_path / "model")])
+    assert str(caught.value) == (
+        f"model {tmp_path / 'model'}: the model's weights are shards "
+        f"({shards.format('00001')}, ...) without {index}, which names the shard of each "
+        "tensor: copy it too, or download the model again"
+    )
+
+
 def text_model(folder: Path, architecture: str, files: dict[str, str]) -> Path:
     """A model folder of `architecture` whose tokenizer is `files` (name → text)."""
     folder.mkdir()

@@ -35,6 +35,11 @@ TORCH_WEIGHTS = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
+# sharded weights, each kind with the index transformers reads them by
+SHARD_INDEXES = {
+    "model-*-of-*.safetensors": "model.safetensors.index.json",
+    "pytorch_model-*-of-*.bin": "pytorch_model.bin.index.json",
+}
 SHIPPED_GRAPH = "onnx/model.onnx"  # a repo's own float32 export, which the ONNX engine serves
 SHIPPED_GRAPH_DATA = ("onnx/model.onnx_data", "onnx/model.onnx.data")  # its weights, kept apart
 WEIGHTS = (*TORCH_WEIGHTS, SHIPPED_GRAPH)
@@ -111,10 +116,7 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
         refuse_broken_links(model_dir)
         task = task or infer_task(model_dir)
         if not any((model_dir / name).is_file() for name in WEIGHTS):
-            raise ValueError(
-                "the model has no PyTorch weights (model.safetensors or pytorch_model.bin); "
-                "TensorFlow and Flax weights are not loaded"
-            )
+            raise ValueError(missing_weights(model_dir))
         if task in IMAGE_TASKS and importlib.util.find_spec("PIL") is None:
             raise ValueError(
                 f"{task} reads images with Pillow, which is not installed "
@@ -146,6 +148,21 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
     except (OSError, AttributeError, KeyError, TypeError) as exc:
         raise ValueError(f"the model's files are unreadable ({type(exc).__name__})") from None
     return FolderFacts(task, pooling, normalize)
+
+
+def missing_weights(model_dir: Path) -> str:
+    """Why a folder without weights to load is refused: shards without the index that
+    says which holds each tensor (copied without it), or no PyTorch weights at all."""
+    for shards, index in SHARD_INDEXES.items():
+        if first := next(iter(sorted(model_dir.glob(shards))), None):
+            return (
+                f"the model's weights are shards ({first.name}, ...) without {index}, which "
+                "names the shard of each tensor: copy it too, or download the model again"
+            )
+    return (
+        "the model has no PyTorch weights (model.safetensors or pytorch_model.bin); "
+        "TensorFlow and Flax weights are not loaded"
+    )
 
 
 def refuse_broken_links(model_dir: Path) -> None:
