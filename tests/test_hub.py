@@ -243,6 +243,17 @@ def test_safetensors_make_the_pickled_weights_unneeded():
     assert files_to_skip(["model.safetensors", "pytorch_model.bin"]) == NOT_NEEDED + PICKLED_WEIGHTS
     assert files_to_skip(["pytorch_model.bin"]) == NOT_NEEDED
     assert files_to_skip(None) == NOT_NEEDED
+    shards = ["model.safetensors.index.json", "model-00001-of-00002.safetensors"]
+    assert files_to_skip([*shards, "pytorch_model.bin"]) == NOT_NEEDED + PICKLED_WEIGHTS
+
+
+@pytest.mark.parametrize(
+    "other", ["adapter_model.safetensors", "2_Dense/model.safetensors", "model.fp16.safetensors"]
+)
+def test_a_safetensors_file_other_than_the_models_leaves_its_bin_to_download(other):
+    """Any .safetensors file in the repo skipped its pytorch_model.bin: a fine-tune that
+    also ships its adapter was downloaded without weights and refused as having none."""
+    assert files_to_skip([other, "pytorch_model.bin"]) == NOT_NEEDED
 
 
 # --- folders ---------------------------------------------------------------------------
