@@ -1211,10 +1211,21 @@ def test_the_models_own_temperature_wins_over_the_pipelines(tiny_model, tmp_path
     assert got != static(runner, "the movie was", {**asked, "temperature": 0.7})
 
 
-def test_the_models_own_temperature_0_with_do_sample_is_greedy_on_both_paths(tiny_model, tmp_path):
-    """A generation config of do_sample true and temperature 0: `generate` refused it
-    (temperature must be positive), so the static path and the warm-up failed, while the
-    loop sampled at temperature 1. Temperature 0 is greedy, as a request's is."""
+@pytest.mark.parametrize(
+    ("configured", "asked", "as_if"),
+    [
+        ({"do_sample": True}, {}, {"do_sample": False}),
+        ({}, {"do_sample": True, "seed": 3}, {"do_sample": True, "seed": 3, "temperature": 0.7}),
+    ],
+    ids=["the-models-do-sample", "a-request-samples"],
+)
+def test_the_models_own_temperature_0_is_greedy_on_both_paths(
+    tiny_model, tmp_path, configured, asked, as_if
+):
+    """A generation config's temperature 0 made `generate` refuse to sample (temperature
+    must be positive): with its do_sample true, or a request's, the static path and the
+    warm-up failed, while the loop sampled at temperature 1. Temperature 0 is greedy, as
+    a request's is; a request that samples draws at the pipeline's temperature."""
     import json
     import shutil
 
@@ -1224,12 +1235,12 @@ def test_the_models_own_temperature_0_with_do_sample_is_greedy_on_both_paths(tin
 
     folder = shutil.copytree(tiny_model("text-generation"), tmp_path / "model")
     config = json.loads((folder / "generation_config.json").read_text())
-    zero = {**config, "do_sample": True, "temperature": 0.0}
+    zero = {**config, **configured, "temperature": 0.0}
     (folder / "generation_config.json").write_text(json.dumps(zero))
     runner = CausalLMRunner(str(folder), "cpu", torch.float32)
-    asked = {"max_new_tokens": 12}
+    asked = {"max_new_tokens": 12, **asked}
     [(_, got, _)] = as_the_static_path(runner, asked, ["the movie was"])
-    assert got == static(runner, "the movie was", {**asked, "do_sample": False})
+    assert got == static(runner, "the movie was", {**asked, **as_if})
 
 
 def test_an_unseeded_sample_names_the_seed_that_repeats_it_as_tgi_does(runner):

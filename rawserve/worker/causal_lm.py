@@ -224,9 +224,10 @@ class CausalLMRunner(Runner):
         self.model.to(device).eval()
         super().__init__("text-generation", device, dtype_name(self.model), tokenizer)
         generation_config = self.model.generation_config
-        if generation_config.do_sample and generation_config.temperature == 0.0:
+        if generation_config.temperature == 0.0:
             # greedy, as a request's temperature 0 is: `generate` refuses to sample at 0
-            # (and the continuous loop would have sampled at 1)
+            # (and the continuous loop would have sampled at 1); a request that asks to
+            # sample draws at the pipeline's temperature
             generation_config.do_sample, generation_config.temperature = False, None
         configured = generation_config.to_diff_dict()
         config = self.model.config
