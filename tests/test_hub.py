@@ -320,6 +320,7 @@ def text_model(folder: Path, architecture: str, files: dict[str, str]) -> Path:
     (folder / "config.json").write_text(json.dumps({"architectures": [architecture]}))
     (folder / "model.safetensors").write_text("")
     for name, text in files.items():
+        (folder / name).parent.mkdir(exist_ok=True)
         (folder / name).write_text(text)
     return folder
 
@@ -363,6 +364,7 @@ def test_a_text_model_without_tokenizer_files_is_refused_before_any_worker_loads
         ({"source.spm": "", "vocab.json": "{}"}, "source.spm"),  # Marian's
         ({"tokenizer.model": "", "tokenizer.json": "{}"}, None),  # the fast tokenizer's
         ({"tokenizer.model": "IQ== 0\nIg== 1\n"}, None),  # tiktoken's (Llama 3's)
+        ({"checkpoints.model/notes.txt": "", "vocab.txt": ""}, None),  # a folder
     ],
 )
 def test_a_sentencepiece_tokenizer_without_sentencepiece_is_refused_before_any_worker_loads_it(

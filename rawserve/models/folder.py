@@ -201,7 +201,7 @@ def sentencepiece_model_unread(model_dir: Path) -> str | None:
         return None
     for pattern in SENTENCEPIECE_MODELS:
         for path in sorted(model_dir.glob(pattern)):
-            if not is_tiktoken(path):
+            if path.is_file() and not is_tiktoken(path):
                 return path.name
     return None
 
