@@ -421,11 +421,11 @@ async def stop_all(executors: Sequence[Executor]) -> None:
 
 
 def command() -> int:
-    """The `rawserve` command (the script pip writes calls this).
+    """The `rawserve` command (the script pip writes calls this, through rawserve.__main__).
 
     multiprocessing's spawn runs the program's `__main__` script again in each process it
     starts (as `__mp_main__`), unless that script is a package's `__main__` module, as with
-    `python -m rawserve`. The command's script imports this module: run again, it loaded the
+    `python -m rawserve`. The command's script imports rawserve: run again, it loaded the
     whole serving side (HTTP, routes, metrics) in every worker, ~1 s and ~28 MB each. Named
     as `python -m rawserve` is, the script is left alone in the processes it starts."""
     sys.modules["__main__"].__spec__ = importlib.util.find_spec("rawserve.__main__")

@@ -18,6 +18,8 @@ import socket
 import ssl
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -374,7 +376,6 @@ class StoppedWhileImporting:  # the orchestrator's SIGTERM as the server's modul
             os.kill(os.getpid(), signal.SIGTERM)
 
 sys.meta_path.insert(0, StoppedWhileImporting())
-runpy.run_module("rawserve", run_name="__main__", alter_sys=True)
 """
 
 
@@ -382,7 +383,24 @@ def test_sigterm_while_the_server_s_modules_are_imported_stops_the_start():
     """`python -m rawserve` as a container's PID 1: a SIGTERM in the half second its
     modules take to import was ignored, and the server went on to serve until the
     SIGKILL after it. It stops the start from the command's first line."""
-    done = run_python("-c", SIGTERM_WHILE_IMPORTING, *ECHO, "--port", "0")
+    script = (
+        SIGTERM_WHILE_IMPORTING
+        + 'runpy.run_module("rawserve", run_name="__main__", alter_sys=True)\n'
+    )
+    done = run_python("-c", script, *ECHO, "--port", "0")
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
+def test_sigterm_while_the_rawserve_command_s_modules_are_imported_stops_the_start():
+    """The `rawserve` command's script (pip's, for the entry point) imported rawserve.main
+    before any line of rawserve set SIGTERM: as a container's PID 1 the stop was lost
+    there as it was for `python -m rawserve`. It stops the start as that one does."""
+    project = tomllib.loads((Path(REPO_ROOT) / "pyproject.toml").read_text())["project"]
+    module, _, function = project["scripts"]["rawserve"].partition(":")
+    # what pip writes for the entry point
+    script = f"{SIGTERM_WHILE_IMPORTING}from {module} import {function}\nsys.exit({function}())\n"
+    done = run_python("-c", script, *ECHO, "--port", "0")
     assert done.returncode == 1, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
 

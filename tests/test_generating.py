@@ -1211,6 +1211,38 @@ def test_the_models_own_temperature_wins_over_the_pipelines(tiny_model, tmp_path
     assert got != static(runner, "the movie was", {**asked, "temperature": 0.7})
 
 
+@pytest.mark.parametrize(
+    ("configured", "asked", "as_if"),
+    [
+        ({"do_sample": True}, {}, {"do_sample": False}),
+        ({}, {"do_sample": True, "seed": 3}, {"do_sample": True, "seed": 3, "temperature": 0.7}),
+    ],
+    ids=["the-models-do-sample", "a-request-samples"],
+)
+def test_the_models_own_temperature_0_is_greedy_on_both_paths(
+    tiny_model, tmp_path, configured, asked, as_if
+):
+    """A generation config's temperature 0 made `generate` refuse to sample (temperature
+    must be positive): with its do_sample true, or a request's, the static path and the
+    warm-up failed, while the loop sampled at temperature 1. Temperature 0 is greedy, as
+    a request's is; a request that samples draws at the pipeline's temperature."""
+    import json
+    import shutil
+
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    folder = shutil.copytree(tiny_model("text-generation"), tmp_path / "model")
+    config = json.loads((folder / "generation_config.json").read_text())
+    zero = {**config, **configured, "temperature": 0.0}
+    (folder / "generation_config.json").write_text(json.dumps(zero))
+    runner = CausalLMRunner(str(folder), "cpu", torch.float32)
+    asked = {"max_new_tokens": 12, **asked}
+    [(_, got, _)] = as_the_static_path(runner, asked, ["the movie was"])
+    assert got == static(runner, "the movie was", {**asked, **as_if})
+
+
 def test_an_unseeded_sample_names_the_seed_that_repeats_it_as_tgi_does(runner):
     params = {"max_new_tokens": 12, "do_sample": True, "details": True}
     first = results(serve(runner, {0: [Batch(1, ("the movie was",), params)]}))[1].outputs[0]
@@ -1221,6 +1253,18 @@ def test_an_unseeded_sample_names_the_seed_that_repeats_it_as_tgi_does(runner):
     assert again == first
     greedy = results(serve(runner, {0: [Batch(1, ("the movie was",), GREEDY)]}))[1].outputs[0]
     assert greedy[0]["details"]["seed"] is None  # nothing drawn
+
+
+def test_a_greedy_answer_names_no_seed_though_one_was_sent_as_tgi_does(runner):
+    """TGI's details carry the seed a sample was drawn with, and null for a greedy answer
+    whatever seed was sent; the seed sent was echoed as if it had been used."""
+    seeded = {**GREEDY, "max_new_tokens": 4, "seed": 7}
+    looped = results(serve(runner, {0: [Batch(1, ("the movie was",), seeded)]}))[1].outputs[0]
+    [statically] = runner.run(["the movie was"], seeded)
+    assert looped[0]["details"]["seed"] is None
+    assert statically[0]["details"]["seed"] is None
+    sampled = {**seeded, "do_sample": True}
+    assert runner.run(["the movie was"], sampled)[0][0]["details"]["seed"] == 7
 
 
 def test_a_cancelled_batch_frees_its_row_at_the_next_step(runner):

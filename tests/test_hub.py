@@ -14,7 +14,9 @@ import socket
 import subprocess
 import sys
 import threading
+import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,10 @@ from rawserve.models.plan import plan_models
 from tests.hub_cache import HubRepo, write_hub_cache
 from tests.hub_server import FakeHub
 from tests.server import REPO_ROOT
+
+# a stand-in that importlib finds as sentencepiece, installed or not here
+SENTENCEPIECE_INSTALLED = types.ModuleType("sentencepiece")
+SENTENCEPIECE_INSTALLED.__spec__ = ModuleSpec("sentencepiece", None)
 
 RESOLVE = """
 import logging, sys
@@ -237,6 +243,17 @@ def test_safetensors_make_the_pickled_weights_unneeded():
     assert files_to_skip(["model.safetensors", "pytorch_model.bin"]) == NOT_NEEDED + PICKLED_WEIGHTS
     assert files_to_skip(["pytorch_model.bin"]) == NOT_NEEDED
     assert files_to_skip(None) == NOT_NEEDED
+    shards = ["model.safetensors.index.json", "model-00001-of-00002.safetensors"]
+    assert files_to_skip([*shards, "pytorch_model.bin"]) == NOT_NEEDED + PICKLED_WEIGHTS
+
+
+@pytest.mark.parametrize(
+    "other", ["adapter_model.safetensors", "2_Dense/model.safetensors", "model.fp16.safetensors"]
+)
+def test_a_safetensors_file_other_than_the_models_leaves_its_bin_to_download(other):
+    """Any .safetensors file in the repo skipped its pytorch_model.bin: a fine-tune that
+    also ships its adapter was downloaded without weights and refused as having none."""
+    assert files_to_skip([other, "pytorch_model.bin"]) == NOT_NEEDED
 
 
 # --- folders ---------------------------------------------------------------------------
@@ -276,6 +293,39 @@ def test_a_folder_without_pytorch_weights_is_refused_before_any_worker_loads_it(
 
 
 @pytest.mark.parametrize(
+    ("shards", "index"),
+    [
+        ("model-{}-of-00002.safetensors", "model.safetensors.index.json"),
+        ("pytorch_model-{}-of-00002.bin", "pytorch_model.bin.index.json"),
+    ],
+)
+def test_shards_without_their_index_are_refused_naming_the_index(tmp_path, shards, index):
+    """Shards copied without their index were refused as a model with no PyTorch weights,
+    TensorFlow's and Flax's not loaded, with the weights there in the folder."""
+    (tmp_path / "model").mkdir()
+    for name in ("config.json", "tokenizer.json", *map(shards.format, ("00001", "00002"))):
+        (tmp_path / "model" / name).write_text('{"architectures": ["BertModel"]}')
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models([str(tmp_path / "model")])
+    assert str(caught.value) == (
+        f"model {tmp_path / 'model'}: the model's weights are shards "
+        f"({shards.format('00001')}, ...) without {index}, which names the shard of each "
+        "tensor: copy it too, or download the model again"
+    )
+
+
+def text_model(folder: Path, architecture: str, files: dict[str, str]) -> Path:
+    """A model folder of `architecture` whose tokenizer is `files` (name → text)."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": [architecture]}))
+    (folder / "model.safetensors").write_text("")
+    for name, text in files.items():
+        (folder / name).parent.mkdir(exist_ok=True)
+        (folder / name).write_text(text)
+    return folder
+
+
+@pytest.mark.parametrize(
     ("files", "task", "refused"),
     [
         ({}, None, True),  # transformers would advise installing sentencepiece
@@ -290,14 +340,10 @@ def test_a_folder_without_pytorch_weights_is_refused_before_any_worker_loads_it(
     ],
 )
 def test_a_text_model_without_tokenizer_files_is_refused_before_any_worker_loads_it(
-    tmp_path, files, task, refused
+    tmp_path, monkeypatch, files, task, refused
 ):
-    folder = tmp_path / "gpt2-like"
-    folder.mkdir()
-    (folder / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
-    (folder / "model.safetensors").write_text("")
-    for name, text in files.items():
-        (folder / name).write_text(text)
+    monkeypatch.setitem(sys.modules, "sentencepiece", SENTENCEPIECE_INSTALLED)
+    folder = text_model(tmp_path / "gpt2-like", "GPT2LMHeadModel", files)
     spec = f"{folder}:{task}" if task else str(folder)
     if not refused:
         assert plan_models([spec])[0].facts.task == (task or "text-generation")
@@ -308,6 +354,38 @@ def test_a_text_model_without_tokenizer_files_is_refused_before_any_worker_loads
         f"model {spec}: the model has no tokenizer files (tokenizer.json, a vocabulary or a "
         "sentencepiece model): every text would read as unknown tokens"
     )
+
+
+@pytest.mark.parametrize(
+    ("files", "refused"),
+    [
+        ({"tokenizer.model": "\n\x05<unk>"}, "tokenizer.model"),  # a protobuf, not text
+        ({"spiece.model": ""}, "spiece.model"),
+        ({"source.spm": "", "vocab.json": "{}"}, "source.spm"),  # Marian's
+        ({"tokenizer.model": "", "tokenizer.json": "{}"}, None),  # the fast tokenizer's
+        ({"tokenizer.model": "IQ== 0\nIg== 1\n"}, None),  # tiktoken's (Llama 3's)
+        ({"checkpoints.model/notes.txt": "", "vocab.txt": ""}, None),  # a folder
+    ],
+)
+def test_a_sentencepiece_tokenizer_without_sentencepiece_is_refused_before_any_worker_loads_it(
+    tmp_path, monkeypatch, files, refused
+):
+    """A folder whose tokenizer is only a sentencepiece model, where sentencepiece is not
+    installed: transformers tried it as tiktoken's in each worker, and the server stopped
+    on its advice to install tiktoken, which would not have helped."""
+    folder = text_model(tmp_path / "llama-like", "LlamaForCausalLM", files)
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)  # not installed
+    if refused is None:
+        assert plan_models([str(folder)])[0].facts.task == "text-generation"
+        return
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models([str(folder)])
+    assert str(caught.value) == (
+        f"model {folder}: the model's tokenizer is the sentencepiece model {refused} (it has "
+        "no tokenizer.json), which takes sentencepiece to read: pip install sentencepiece"
+    )
+    monkeypatch.setitem(sys.modules, "sentencepiece", SENTENCEPIECE_INSTALLED)
+    assert plan_models([str(folder)])[0].facts.task == "text-generation"
 
 
 def test_an_image_model_without_pillow_names_the_extra_before_any_worker_loads_it(

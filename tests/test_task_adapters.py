@@ -1198,6 +1198,34 @@ def test_weights_that_do_not_match_the_config_are_one_line_that_says_so(tiny_mod
     )
 
 
+def test_bin_weights_pickling_an_object_are_one_line_that_says_what_to_serve(tiny_model, tmp_path):
+    """torch.load's weights_only refusal told the operator to re-run torch.load with
+    weights_only=False or to allowlist the class in Python, in ANSI bold, cut at 500
+    characters before it named the object."""
+    import argparse
+
+    import torch
+    from safetensors.torch import load_file
+
+    from rawserve.worker.loading import load_runner
+    from rawserve.worker.process import load_failed
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for path in Path(tiny_model("text-classification")).iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    weights = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save({**weights, "args": argparse.Namespace(lr=0.1)}, folder / "pytorch_model.bin")
+    with pytest.raises(Exception) as caught:
+        load_runner(worker_config(str(folder), engine=Engine.TORCH), "cpu")
+    assert load_failed(caught.value).message == (
+        "the model's .bin weights are pickled with argparse.Namespace, which torch.load "
+        "runs as code only when told to (weights_only=False): rawserve loads weights "
+        "alone; serve the model's safetensors, or convert its .bin to safetensors"
+    )
+
+
 def handler_runner(monkeypatch, tmp_path, source: str, factory: str = "make"):
     """A HandlerRunner of a module written now, `source` its code."""
     from rawserve.worker.handler import HandlerRunner

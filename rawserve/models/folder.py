@@ -35,6 +35,11 @@ TORCH_WEIGHTS = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
+# sharded weights, each kind with the index transformers reads them by
+SHARD_INDEXES = {
+    "model-*-of-*.safetensors": "model.safetensors.index.json",
+    "pytorch_model-*-of-*.bin": "pytorch_model.bin.index.json",
+}
 SHIPPED_GRAPH = "onnx/model.onnx"  # a repo's own float32 export, which the ONNX engine serves
 SHIPPED_GRAPH_DATA = ("onnx/model.onnx_data", "onnx/model.onnx.data")  # its weights, kept apart
 WEIGHTS = (*TORCH_WEIGHTS, SHIPPED_GRAPH)
@@ -54,6 +59,8 @@ TOKENIZER_FILES = (
     "dict.txt",
     "prophetnet.tokenizer",
 )
+SENTENCEPIECE_MODELS = ("*.model", "*.spm")  # (a `.model` may be tiktoken's instead)
+TIKTOKEN_LINE_MOST = 1024  # bytes: a tiktoken file's first line is a token and its rank
 # The tokenizers that read no file (bytes or characters are their tokens), as the
 # tokenizer's or the model's config names the class, or the model type that implies it.
 FILELESS_TOKENIZERS = {"ByT5Tokenizer", "CanineTokenizer", "PerceiverTokenizer"}
@@ -109,10 +116,7 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
         refuse_broken_links(model_dir)
         task = task or infer_task(model_dir)
         if not any((model_dir / name).is_file() for name in WEIGHTS):
-            raise ValueError(
-                "the model has no PyTorch weights (model.safetensors or pytorch_model.bin); "
-                "TensorFlow and Flax weights are not loaded"
-            )
+            raise ValueError(missing_weights(model_dir))
         if task in IMAGE_TASKS and importlib.util.find_spec("PIL") is None:
             raise ValueError(
                 f"{task} reads images with Pillow, which is not installed "
@@ -122,6 +126,11 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
             raise ValueError(
                 "the model has no tokenizer files (tokenizer.json, a vocabulary or a "
                 "sentencepiece model): every text would read as unknown tokens"
+            )
+        if task not in IMAGE_TASKS and (unread := sentencepiece_model_unread(model_dir)):
+            raise ValueError(
+                f"the model's tokenizer is the sentencepiece model {unread} (it has no "
+                "tokenizer.json), which takes sentencepiece to read: pip install sentencepiece"
             )
         for name in EDITED_BY_HAND:  # a worker's load would fail on it naming no file
             if (model_dir / name).is_file():
@@ -139,6 +148,21 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
     except (OSError, AttributeError, KeyError, TypeError) as exc:
         raise ValueError(f"the model's files are unreadable ({type(exc).__name__})") from None
     return FolderFacts(task, pooling, normalize)
+
+
+def missing_weights(model_dir: Path) -> str:
+    """Why a folder without weights to load is refused: shards without the index that
+    says which holds each tensor (copied without it), or no PyTorch weights at all."""
+    for shards, index in SHARD_INDEXES.items():
+        if first := next(iter(sorted(model_dir.glob(shards))), None):
+            return (
+                f"the model's weights are shards ({first.name}, ...) without {index}, which "
+                "names the shard of each tensor: copy it too, or download the model again"
+            )
+    return (
+        "the model has no PyTorch weights (model.safetensors or pytorch_model.bin); "
+        "TensorFlow and Flax weights are not loaded"
+    )
 
 
 def refuse_broken_links(model_dir: Path) -> None:
@@ -166,6 +190,28 @@ def has_tokenizer(model_dir: Path) -> bool:
         or config.get("model_type") in FILELESS_MODEL_TYPES
         for config in configs
     )
+
+
+def sentencepiece_model_unread(model_dir: Path) -> str | None:
+    """The name of the sentencepiece model the folder's tokenizer is built from where
+    sentencepiece is not installed to read it (None: it has tokenizer.json, or no such
+    model, or sentencepiece is installed). transformers then tried the file as tiktoken's
+    and failed in a worker, advising to install tiktoken, which would not help."""
+    if (model_dir / TOKENIZER_JSON).is_file() or importlib.util.find_spec("sentencepiece"):
+        return None
+    for pattern in SENTENCEPIECE_MODELS:
+        for path in sorted(model_dir.glob(pattern)):
+            if path.is_file() and not is_tiktoken(path):
+                return path.name
+    return None
+
+
+def is_tiktoken(path: Path) -> bool:
+    """Whether a tokenizer's `.model` file is tiktoken's (lines of a base64 token and its
+    rank, as Llama 3's tokenizer.model), not a sentencepiece model (a protobuf)."""
+    with path.open("rb") as file:
+        first = file.readline(TIKTOKEN_LINE_MOST).split()
+    return len(first) == 2 and first[1].isdigit()
 
 
 def json_file(path: Path) -> dict[str, Any]:

@@ -6,7 +6,7 @@ through `huggingface_hub.snapshot_download`, so everything it honours applies: t
 (`HF_HOME`, `HF_HUB_CACHE`), `HF_TOKEN` for private and gated repos, `HF_ENDPOINT` for a
 mirror, `HF_HUB_OFFLINE=1` to use the cache alone. Files the worker never reads (other
 frameworks' weights, exported ONNX/OpenVINO copies, and the pickled PyTorch weights when
-the repo also has safetensors) are not downloaded, but for a repo's own float32
+the model's weights are also safetensors) are not downloaded, but for a repo's own float32
 `onnx/model.onnx`, fetched apart (`fetch_shipped_graph`) once the model's task says the
 ONNX engine may serve it (never its quantized variants: they answer otherwise), the
 repo's only weights where it has no others (`only_shipped_graph`). Progress
@@ -68,6 +68,9 @@ NOT_NEEDED = [
     "coreml/*",
 ]
 PICKLED_WEIGHTS = ["*.bin", "*.pt", "*.pth"]  # skipped when the repo has safetensors
+# the model's safetensors, which transformers loads before its .bin (another safetensors
+# file, an adapter's or a module's, leaves the .bin the weights)
+SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 PROGRESS_SECONDS = 5.0  # a download logs a progress line this often
 # a commit as `git log --oneline` and the Hub's pages show it: its first hex digits
 SHORT_COMMIT = re.compile(r"[0-9a-f]{7,39}")
@@ -268,7 +271,7 @@ def repo_files(repo_id: str, revision: str | None) -> list[str] | None:
 def files_to_skip(files: Sequence[str] | None) -> list[str]:
     """The glob patterns of files not to download, given the repo's file names."""
     patterns = list(NOT_NEEDED)
-    if files is not None and any(name.endswith(".safetensors") for name in files):
+    if files is not None and any(name in SAFETENSORS_WEIGHTS for name in files):
         patterns += PICKLED_WEIGHTS
     return patterns
 

@@ -226,7 +226,13 @@ class CausalLMRunner(Runner):
         self.model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
         self.model.to(device).eval()
         super().__init__("text-generation", device, dtype_name(self.model), tokenizer)
-        configured = self.model.generation_config.to_diff_dict()
+        generation_config = self.model.generation_config
+        if generation_config.temperature == 0.0:
+            # greedy, as a request's temperature 0 is: `generate` refuses to sample at 0
+            # (and the continuous loop would have sampled at 1); a request that asks to
+            # sample draws at the pipeline's temperature
+            generation_config.do_sample, generation_config.temperature = False, None
+        configured = generation_config.to_diff_dict()
         config = self.model.config
         # the positions its config names (None: it names none, and a prompt is not
         # bounded here, but its new tokens are: UNKNOWN_POSITIONS_NEW_TOKENS)
@@ -600,7 +606,7 @@ class CausalLMRunner(Runner):
             context=prompt_context(self.tokenizer, generation.prompt_ids),
             tokens=tokens,
             prefill=generation.prefill,
-            seed=generation.seed,
+            seed=generation.seed if generation.do_sample else None,
             opened=self.opened(params, generation.prompt_ids),
         )
 
@@ -621,8 +627,8 @@ class CausalLMRunner(Runner):
     ) -> Any:
         """One item's output in the Inference API's shape (TGI's details when asked;
         `context`: the end of its prompt, which its text is decoded after; `seed`: the
-        one it sampled with, where not the one asked; `opened`: where a reasoning model's
-        thinking opens, `opened`'s)."""
+        one it sampled with, None for a greedy answer, as TGI answers whatever was sent;
+        `opened`: where a reasoning model's thinking opens, `opened`'s)."""
         # the whole decode, as the pipeline does (pieces hold back a cut character)
         text = generated_text(self.tokenizer, token_ids, context)
         if returns_full_text(params):
@@ -633,7 +639,7 @@ class CausalLMRunner(Runner):
                 "finish_reason": finish_reason,
                 "generated_tokens": len(token_ids),
                 "prompt_tokens": prompt_tokens,
-                "seed": params.get("seed") if seed is None else seed,
+                "seed": seed,
             }
             if opened is not None:
                 output["details"]["thinking"] = opened
@@ -718,6 +724,7 @@ class CausalLMRunner(Runner):
                     context=prompt_context(self.tokenizer, ids),
                     tokens=tokens,
                     prefill=prefill,
+                    seed=params.get("seed") if kwargs.get("do_sample") else None,
                     opened=self.opened(params, ids),
                 )
             )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -62,6 +63,10 @@ OOM_SCORE_ADJ_MAX = 1000
 OOM_SCORE_ADJ_FILE = "/proc/self/oom_score_adj"
 
 
+# torch.load's refusal (weights_only) of a .bin that pickles an object other than tensors
+PICKLED_OBJECT = re.compile(r"Weights only load failed\..*?Unsupported global: GLOBAL (\S+)", re.S)
+
+
 def load_failed(exc: Exception) -> WorkerLoadFailed:
     """A model load's failure in one line for the operator: the message's first paragraph
     (transformers' own errors nest whole tracebacks after it), or where a pipeline nests
@@ -73,6 +78,12 @@ def load_failed(exc: Exception) -> WorkerLoadFailed:
     line = f"{type(exc).__name__}: {paragraph}"
     if "See the original errors:" in text:  # "Could not load model ... with any of ..."
         line = text.splitlines()[-1]
+    if pickled := PICKLED_OBJECT.search(text):  # torch's advice is a programmer's
+        line = (
+            f"the model's .bin weights are pickled with {pickled[1]}, which torch.load "
+            "runs as code only when told to (weights_only=False): rawserve loads weights "
+            "alone; serve the model's safetensors, or convert its .bin to safetensors"
+        )
     if "ignore_mismatched_sizes" in line:
         line = (
             "the weights' shapes do not match config.json (a config edited, or weights of "
