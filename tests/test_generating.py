@@ -2132,23 +2132,65 @@ def test_a_long_prompt_in_chunks_keeps_echo_scores_min_tokens_and_stops(runner, 
     assert chunked[2].outputs[0][0]["details"]["prefill"][1]["logprob"] is not None
 
 
-def test_a_long_prompts_failing_chunk_fails_it_alone_and_frees_its_cache(runner, monkeypatch):
-    """The model failing on a chunk of a long prompt's prefill fails that request: the
-    rows running beside it answer as they would have, and nothing is left under way."""
-    from rawserve.worker import continuous
+def test_running_rows_decode_a_token_between_the_windows_of_a_prompts_scoring(runner, monkeypatch):
+    """A prompt scored for its echo (a pass over it, a window of positions at a time) no
+    longer holds the rows running for its whole length: a chunk's worth of windows a step
+    (a window more at most), each step's decoding pass after them; it joins once scored,
+    and lists what it lists at once."""
+    from rawserve.worker import causal_lm
+    from rawserve.worker.continuous import Generation
+
+    monkeypatch.setattr(causal_lm, "PROMPT_SCORES_AT_ONCE", 3 * runner.vocabulary)
+    batcher = chunked_batcher(runner, monkeypatch)
+    running = Generation("running", runner.tokenizer("the movie was")["input_ids"], 40)
+    batcher.add(running)
+    batcher.step()
+    before = len(running.tokens)
+    params = {**GREEDY, "decoder_input_details": True, "max_new_tokens": 3}
+    # (a prompt of its own: the runner keeps the scores of the prompt it scored last)
+    scored = runner.generation("scored", "scored a window a step: " + LONG_PROMPT, params)
+    ids = scored.prompt_ids
+    passes = passes_of(runner.model, monkeypatch)
+    batcher.add(scored)
+    steps: list[list[int]] = []
+    while not scored.tokens:
+        passes.clear()
+        batcher.step()
+        steps.append(passes[:-1])
+        assert passes[-1] == 1 and len(running.tokens) == before + len(steps)
+    assert all(sum(step) <= CHUNK + 3 for step in steps) and len(steps) > 6
+    assert sum(map(sum, steps)) == len(ids) - 1 + len(ids)  # scored once, then prefilled
+    assert scored.prefill == runner.prefill_tokens(ids, params)
+
+
+@pytest.mark.parametrize("failing_pass", ["chunk", "scoring window"])
+def test_a_long_prompts_failing_pass_fails_it_alone_and_frees_what_it_held(
+    runner, monkeypatch, failing_pass
+):
+    """The model failing on a chunk of a long prompt's prefill, or on a window of its
+    scoring for an echo, fails that request: the rows running beside it answer as they
+    would have, and nothing is left under way."""
+    from rawserve.worker import causal_lm, continuous
     from rawserve.worker.generating import GenerationLoop
 
-    monkeypatch.setattr(continuous, "PREFILL_CHUNK", CHUNK)
     params = {"max_new_tokens": 12, "do_sample": False}
-    running, joining = Batch(1, ("the movie was",), params), Batch(2, (LONG_PROMPT,), params)
+    asked, prompt = params, LONG_PROMPT
+    if failing_pass == "chunk":
+        monkeypatch.setattr(continuous, "PREFILL_CHUNK", CHUNK)
+    else:
+        monkeypatch.setattr(causal_lm, "PROMPT_SCORES_AT_ONCE", CHUNK * runner.vocabulary)
+        asked = {**params, "details": True, "decoder_input_details": True}
+        prompt = "a prompt whose scoring fails: " + LONG_PROMPT  # (one scored nowhere else)
+    running, joining = Batch(1, ("the movie was",), params), Batch(2, (prompt,), asked)
     sent: list[Any] = []
     loop = GenerationLoop(runner, sent.append, 8)
-    forward, chunks = runner.model.forward, []
+    forward, passes = runner.model.forward, []
 
+    @functools.wraps(forward)  # (its signature names the cache's keyword)
     def failing(*args: Any, **kwargs: Any) -> Any:
         if kwargs["input_ids"].shape[-1] == CHUNK:
-            chunks.append(CHUNK)
-            if len(chunks) == 2:
+            passes.append(CHUNK)
+            if len(passes) == 2:
                 raise RuntimeError("a kernel failed")
         return forward(*args, **kwargs)
 
@@ -2159,7 +2201,7 @@ def test_a_long_prompts_failing_chunk_fails_it_alone_and_frees_its_cache(runner,
     (failure,) = answered[2].outputs
     assert isinstance(failure, ItemFailure) and failure.kind is FailureKind.INTERNAL
     assert answered[1].outputs == (static(runner, "the movie was", params),)
-    assert len(chunks) == 2 and not loop.batcher.busy
+    assert len(passes) == 2 and not loop.batcher.busy
 
 
 def test_an_answer_with_no_memory_to_write_fails_alone_and_the_loop_goes_on(runner):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import inspect
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field
@@ -129,6 +129,9 @@ class Generation:
     top: list[tuple[int, float]] | None = None
     # the prompt's tokens with their log probabilities (TGI's details' `prefill`), if asked
     prefill: list[dict[str, Any]] | None = None
+    # what makes `prefill` while it waits, a few windows of its scoring pass a step (the
+    # rows decoding between), yielding each window's positions: it joins once done
+    scoring: Iterator[int] | None = None
     tokens: list[int] = field(default_factory=list)
     # the end of its text that a stop sequence ending in a later piece may begin in
     # (`stop_tail`): the whole text, copied at every token, would cost each step more as
@@ -268,10 +271,12 @@ class ContinuousBatcher:
         self.waiting = [g for g in self.waiting if not g.done]
         finished += self._leave()
         finished += self._drop_cancelled_chunked()
+        scored = self._score_windows()
         # fewer after running out of memory; a prompt prefilled in chunks has its rows
         chunked = len(self._chunked.generations) if self._chunked else 0
         free = max(0, self.max_rows - len(self.rows) - chunked)
-        joining = [g for g in self.waiting if g.compiling is None][:free]
+        ready = [g for g in self.waiting if g.compiling is None and g.scoring is None]
+        joining = ready[:free]
         if joining and (at_most := joining[0].joins_at_most):  # after a failed prefill
             joining = joining[:at_most]
             joining = joining[: min(g.joins_at_most or at_most for g in joining)]
@@ -283,8 +288,8 @@ class ContinuousBatcher:
             self._joining = []
         if self._chunked is not None:
             self._prefill_a_chunk(self._chunked)
-        elif not joining and self.waiting and not self.rows:  # only grammars compiling
-            compiling = [g.compiling.compiling for g in self.waiting]
+        elif not (joining or scored) and self.waiting and not self.rows:  # grammars compiling
+            compiling = [g.compiling.compiling for g in self.waiting if g.compiling]
             wait_for_futures(compiling, timeout=GRAMMAR_WAIT, return_when=FIRST_COMPLETED)
         finished += self._leave()  # a sequence may finish on its first token
         if self.rows:
@@ -335,6 +340,21 @@ class ContinuousBatcher:
             self.add(Generation(("record", len(prompts), index), prompt, RECORDING_TOKENS))
         while self.busy:
             self.step()
+
+    def _score_windows(self) -> bool:
+        """Windows of the waiting sequences' prompt scoring (`scoring`), first come first,
+        up to a chunk's positions (`prefill_chunk`); whether any ran. A sequence whose
+        scoring fails fails alone, as a joiner whose prefill fails."""
+        budget = self.prefill_chunk
+        for generation in self.waiting:
+            while generation.scoring is not None and not generation.done and budget > 0:
+                self._joining, self._prefilling = [generation], True
+                positions = next(generation.scoring, 0)
+                if not positions:  # done (copies of a prompt scored: at once)
+                    generation.scoring = None
+                budget -= positions
+                self._joining, self._prefilling = [], False
+        return budget < self.prefill_chunk
 
     def _drop_cancelled_chunked(self) -> list[Generation]:
         """The sequences of the prompt prefilled in chunks that were cancelled (their
@@ -399,6 +419,7 @@ class ContinuousBatcher:
         if not self._prefilling:
             return self.drop_running()
         joining, self._joining, self._prefilling = self._joining, [], False
+        self.waiting = [g for g in self.waiting if g not in joining]  # (one still scoring)
         if self._chunked is not None and self._chunked.generations is joining:
             self._chunked = None  # its chunk failed: its cache goes with it
         return joining
