@@ -2082,6 +2082,24 @@ def test_a_long_prompt_cancelled_mid_prefill_leaves_with_its_cache(runner, monke
     assert not batcher.busy
 
 
+def test_a_long_prompt_mid_prefill_when_a_step_fails_starts_again_and_answers(runner, monkeypatch):
+    """A decoding step that fails takes the rows it ran; a prompt prefilled in chunks
+    beside them was not among them: it waits and starts again, its cache gone."""
+    from rawserve.worker.continuous import Generation
+
+    long = runner.tokenizer(LONG_PROMPT)["input_ids"]
+    batcher = chunked_batcher(runner, monkeypatch)
+    running = Generation("running", runner.tokenizer("the movie was")["input_ids"], 5)
+    batcher.add(running)
+    batcher.add(Generation("long", long, 6, ignore_eos=True))
+    batcher.step()
+    assert batcher.drop_running() == [running]  # (as after a failed step)
+    assert [g.key for g in batcher.waiting] == ["long"]
+    alone = chunked_batcher(runner, monkeypatch)
+    alone.add(Generation("long", long, 6, ignore_eos=True))
+    assert run_out(batcher)["long"].tokens == run_out(alone)["long"].tokens
+
+
 def test_copies_of_a_long_prompt_share_its_chunks_and_answer_as_each_alone(runner, monkeypatch):
     """A request's `n` choices of a long prompt, the last a step later (while its chunks
     run): the prompt is prefilled once, and each copy samples what it samples alone."""
