@@ -10,6 +10,7 @@ skips to the next scripted look), and `Shutdown` once the script is spent.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Sequence
@@ -156,14 +157,19 @@ def test_each_item_answers_what_the_static_path_answers_it_alone(runner):
         )
 
 
-def test_a_model_whose_attention_slides_answers_as_the_static_path(tiny_model):
-    """Prompts longer than a Mistral's window of 4 tokens, joining as others decode past
-    it: the model's own cache keeps only a window's tokens, the loop's rows hold them all."""
+@pytest.fixture(scope="module")
+def sliding(tiny_model):
+    """A Mistral whose attention slides over a window of 4 tokens."""
     import torch
 
     from rawserve.worker.causal_lm import CausalLMRunner
 
-    sliding = CausalLMRunner(tiny_model("sliding-window"), "cpu", torch.float32)
+    return CausalLMRunner(tiny_model("sliding-window"), "cpu", torch.float32)
+
+
+def test_a_model_whose_attention_slides_answers_as_the_static_path(sliding):
+    """Prompts longer than a Mistral's window of 4 tokens, joining as others decode past
+    it: the model's own cache keeps only a window's tokens, the loop's rows hold them all."""
     asks = [30, 12, 25, 20, 8]
     batches = [
         Batch(i, (text,), {**GREEDY, "max_new_tokens": n})
@@ -2000,6 +2006,264 @@ def test_each_pass_of_a_join_answers_as_its_prompts_alone(runner, monkeypatch):
     together, passes = generated(prompts)
     assert passes == [(1, len(prompts[1])), (2, len(prompts[0]))]  # the long one alone
     assert together == [generated([ids])[0][0] for ids in prompts]
+
+
+LONG_PROMPT = "the movie was good and the film was great and i like it " * 4
+CHUNK = 7  # tokens a chunk: the long prompt's 50 or more take 8 or more
+
+
+def passes_of(model: Any, monkeypatch) -> list[int]:
+    """The tokens of each forward pass the model runs from now on (a row's each)."""
+    passes: list[int] = []
+    forward = model.forward
+
+    @functools.wraps(forward)  # (its signature names the cache's keyword)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        passes.append(kwargs["input_ids"].shape[-1])
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counted)
+    return passes
+
+
+def chunked_batcher(runner, monkeypatch, chunk: int = CHUNK) -> Any:
+    from rawserve.worker import continuous
+    from rawserve.worker.continuous import ContinuousBatcher
+
+    monkeypatch.setattr(continuous, "PREFILL_CHUNK", chunk)
+    return ContinuousBatcher(runner.model, runner.tokenizer, runner.max_positions, 8)
+
+
+def run_out(batcher) -> dict[Any, Any]:
+    finished = {}
+    while batcher.busy:
+        finished.update((g.key, g) for g in batcher.step())
+    return finished
+
+
+@pytest.mark.parametrize("model", ["runner", "llama", "sliding"])
+def test_a_long_prompt_prefilled_in_chunks_answers_as_prefilled_in_one_pass(
+    request, monkeypatch, model
+):
+    """A prompt longer than a chunk is prefilled a chunk a step in a cache of its own (the
+    rows decoding between its chunks) and joins them after its last: greedy and seeded
+    samples answer what one pass answers, on a GPT-2, a Llama and a Mistral whose window
+    (4 tokens) is shorter than a chunk."""
+    from rawserve.worker.continuous import Generation
+
+    model = request.getfixturevalue(model)
+    long = model.tokenizer(LONG_PROMPT)["input_ids"]
+    short = model.tokenizer("the movie was")["input_ids"]
+    assert len(long) > 6 * CHUNK
+
+    def answers(chunk: int) -> dict[Any, list[int]]:
+        batcher = chunked_batcher(model, monkeypatch, chunk)
+        batcher.add(Generation("running", short, 30, ignore_eos=True))
+        batcher.step()
+        batcher.add(Generation("greedy", long, 10, ignore_eos=True))
+        batcher.add(Generation("sampled", long[1:], 10, do_sample=True, seed=3, ignore_eos=True))
+        return {key: g.tokens for key, g in run_out(batcher).items()}
+
+    passes = passes_of(model.model, monkeypatch)
+    chunked = answers(CHUNK)
+    assert max(passes) == CHUNK  # in chunks
+    passes.clear()
+    assert chunked == answers(len(long))
+    assert max(passes) == len(long)  # in one pass
+
+
+def test_running_rows_decode_a_token_between_a_long_prompts_chunks(runner, monkeypatch):
+    """A long prompt's prefill no longer holds the rows running for its whole length: a
+    chunk a step, each step's decoding pass after it; its first token after the last."""
+    from rawserve.worker.continuous import Generation
+
+    batcher = chunked_batcher(runner, monkeypatch)
+    long = runner.tokenizer(LONG_PROMPT)["input_ids"][: 5 * CHUNK - 2]
+    running = Generation("running", runner.tokenizer("the movie was")["input_ids"], 40)
+    joining = Generation("joining", long, 5, ignore_eos=True)
+    batcher.add(running)
+    batcher.step()
+    before = len(running.tokens)
+    passes = passes_of(runner.model, monkeypatch)
+    batcher.add(joining)
+    steps = 0
+    while not joining.tokens:
+        batcher.step()
+        steps += 1
+        assert len(running.tokens) == before + steps  # a token every step, chunks between
+    assert steps == 5
+    assert passes == [CHUNK, 1] * 4 + [CHUNK - 2, 1]
+    assert not running.done and len(batcher.rows) == 2
+
+
+def test_a_prompt_no_longer_than_a_chunk_is_prefilled_in_one_pass(runner, monkeypatch):
+    from rawserve.worker.continuous import Generation
+
+    batcher = chunked_batcher(runner, monkeypatch)
+    passes = passes_of(runner.model, monkeypatch)
+    prompt = runner.tokenizer(LONG_PROMPT)["input_ids"][:CHUNK]
+    batcher.add(Generation("one pass", prompt, 3, ignore_eos=True))
+    batcher.step()
+    assert passes == [CHUNK, 1]
+
+
+def test_a_long_prompt_cancelled_mid_prefill_leaves_with_its_cache(runner, monkeypatch):
+    """A client gone (or its deadline passed) while its prompt is prefilled in chunks: it
+    leaves at the next step, its cache with it, and the rows run on."""
+    from rawserve.worker.continuous import Generation
+
+    batcher = chunked_batcher(runner, monkeypatch)
+    running = Generation("running", runner.tokenizer("the movie was")["input_ids"], 4)
+    batcher.add(running)
+    batcher.add(Generation("gone", runner.tokenizer(LONG_PROMPT)["input_ids"], 5))
+    batcher.step()
+    passes = passes_of(runner.model, monkeypatch)
+    batcher.cancel("gone")
+    [gone] = batcher.step()
+    assert (gone.key, gone.finish_reason, gone.tokens) == ("gone", "cancelled", [])
+    assert passes == [1]  # no chunk more
+    assert run_out(batcher) == {"running": running}
+    assert not batcher.busy
+
+
+def test_a_long_prompt_mid_prefill_when_a_step_fails_starts_again_and_answers(runner, monkeypatch):
+    """A decoding step that fails takes the rows it ran; a prompt prefilled in chunks
+    beside them was not among them: it waits and starts again, its cache gone."""
+    from rawserve.worker.continuous import Generation
+
+    long = runner.tokenizer(LONG_PROMPT)["input_ids"]
+    batcher = chunked_batcher(runner, monkeypatch)
+    running = Generation("running", runner.tokenizer("the movie was")["input_ids"], 5)
+    batcher.add(running)
+    batcher.add(Generation("long", long, 6, ignore_eos=True))
+    batcher.step()
+    assert batcher.drop_running() == [running]  # (as after a failed step)
+    assert [g.key for g in batcher.waiting] == ["long"]
+    alone = chunked_batcher(runner, monkeypatch)
+    alone.add(Generation("long", long, 6, ignore_eos=True))
+    assert run_out(batcher)["long"].tokens == run_out(alone)["long"].tokens
+
+
+def test_copies_of_a_long_prompt_share_its_chunks_and_answer_as_each_alone(runner, monkeypatch):
+    """A request's `n` choices of a long prompt, the last a step later (while its chunks
+    run): the prompt is prefilled once, and each copy samples what it samples alone."""
+    from rawserve.worker.continuous import Generation
+
+    long = runner.tokenizer(LONG_PROMPT)["input_ids"]
+
+    def copy(seed: int) -> Generation:
+        return Generation(seed, long, 8, do_sample=True, seed=seed, ignore_eos=True)
+
+    batcher = chunked_batcher(runner, monkeypatch)
+    passes = passes_of(runner.model, monkeypatch)
+    batcher.add(copy(1))
+    batcher.add(copy(2))
+    batcher.step()
+    batcher.add(copy(3))
+    together = {key: g.tokens for key, g in run_out(batcher).items()}
+    assert sum(n for n in passes if n > 1) == len(long)  # prefilled once
+    for seed in (1, 2, 3):
+        alone = chunked_batcher(runner, monkeypatch)
+        alone.add(copy(seed))
+        assert run_out(alone)[seed].tokens == together[seed]
+    assert len({tuple(tokens) for tokens in together.values()}) > 1
+
+
+def test_a_long_prompt_in_chunks_keeps_echo_scores_min_tokens_and_stops(runner, monkeypatch):
+    """What a request asks holds whether its prompt is prefilled in chunks or in one pass:
+    the prompt's scores (echo), min_new_tokens and stop sequences."""
+    from rawserve.worker import continuous
+
+    params = {
+        **GREEDY,
+        "decoder_input_details": True,
+        "min_new_tokens": 3,
+        "stop": ["film"],
+        "max_new_tokens": 12,
+    }
+    batches = [Batch(1, ("the movie was",), GREEDY), Batch(2, (LONG_PROMPT,), params)]
+    script = {0: batches[:1], 2: batches[1:]}
+    one_pass = results(serve(runner, script))
+    monkeypatch.setattr(continuous, "PREFILL_CHUNK", CHUNK)
+    passes = passes_of(runner.model, monkeypatch)
+    chunked = results(serve(runner, script))
+    assert max(passes) == CHUNK
+    for batch in batches:
+        got, expected = chunked[batch.batch_id].outputs, one_pass[batch.batch_id].outputs
+        assert without_logprobs(got) == without_logprobs(expected)
+    assert chunked[2].outputs[0][0]["details"]["prefill"][1]["logprob"] is not None
+
+
+def test_running_rows_decode_a_token_between_the_windows_of_a_prompts_scoring(runner, monkeypatch):
+    """A prompt scored for its echo (a pass over it, a window of positions at a time) no
+    longer holds the rows running for its whole length: a chunk's worth of windows a step
+    (a window more at most), each step's decoding pass after them; it joins once scored,
+    and lists what it lists at once."""
+    from rawserve.worker import causal_lm
+    from rawserve.worker.continuous import Generation
+
+    monkeypatch.setattr(causal_lm, "PROMPT_SCORES_AT_ONCE", 3 * runner.vocabulary)
+    batcher = chunked_batcher(runner, monkeypatch)
+    running = Generation("running", runner.tokenizer("the movie was")["input_ids"], 40)
+    batcher.add(running)
+    batcher.step()
+    before = len(running.tokens)
+    params = {**GREEDY, "decoder_input_details": True, "max_new_tokens": 3}
+    # (a prompt of its own: the runner keeps the scores of the prompt it scored last)
+    scored = runner.generation("scored", "scored a window a step: " + LONG_PROMPT, params)
+    ids = scored.prompt_ids
+    passes = passes_of(runner.model, monkeypatch)
+    batcher.add(scored)
+    steps: list[list[int]] = []
+    while not scored.tokens:
+        passes.clear()
+        batcher.step()
+        steps.append(passes[:-1])
+        assert passes[-1] == 1 and len(running.tokens) == before + len(steps)
+    assert all(sum(step) <= CHUNK + 3 for step in steps) and len(steps) > 6
+    assert sum(map(sum, steps)) == len(ids) - 1 + len(ids)  # scored once, then prefilled
+    assert scored.prefill == runner.prefill_tokens(ids, params)
+
+
+@pytest.mark.parametrize("failing_pass", ["chunk", "scoring window"])
+def test_a_long_prompts_failing_pass_fails_it_alone_and_frees_what_it_held(
+    runner, monkeypatch, failing_pass
+):
+    """The model failing on a chunk of a long prompt's prefill, or on a window of its
+    scoring for an echo, fails that request: the rows running beside it answer as they
+    would have, and nothing is left under way."""
+    from rawserve.worker import causal_lm, continuous
+    from rawserve.worker.generating import GenerationLoop
+
+    params = {"max_new_tokens": 12, "do_sample": False}
+    asked, prompt = params, LONG_PROMPT
+    if failing_pass == "chunk":
+        monkeypatch.setattr(continuous, "PREFILL_CHUNK", CHUNK)
+    else:
+        monkeypatch.setattr(causal_lm, "PROMPT_SCORES_AT_ONCE", CHUNK * runner.vocabulary)
+        asked = {**params, "details": True, "decoder_input_details": True}
+        prompt = "a prompt whose scoring fails: " + LONG_PROMPT  # (one scored nowhere else)
+    running, joining = Batch(1, ("the movie was",), params), Batch(2, (prompt,), asked)
+    sent: list[Any] = []
+    loop = GenerationLoop(runner, sent.append, 8)
+    forward, passes = runner.model.forward, []
+
+    @functools.wraps(forward)  # (its signature names the cache's keyword)
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        if kwargs["input_ids"].shape[-1] == CHUNK:
+            passes.append(CHUNK)
+            if len(passes) == 2:
+                raise RuntimeError("a kernel failed")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner.model, "forward", failing)
+    loop.run(Script({0: [running], 2: [joining]}))
+    monkeypatch.undo()
+    answered = results(sent)
+    (failure,) = answered[2].outputs
+    assert isinstance(failure, ItemFailure) and failure.kind is FailureKind.INTERNAL
+    assert answered[1].outputs == (static(runner, "the movie was", params),)
+    assert len(passes) == 2 and not loop.batcher.busy
 
 
 def test_an_answer_with_no_memory_to_write_fails_alone_and_the_loop_goes_on(runner):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import jinja2
@@ -105,6 +105,15 @@ SEVERAL_CALLS = " To call several, answer a list of them."
 NINE_CHARACTER_IDS = "alphanumeric strings with length 9"
 # Llama 3.1-3.3's templates refuse an answer of several tool calls, in these words
 ONE_CALL_AT_ONCE = "only supports single tool-calls at once"
+
+
+def run_out(steps: Generator[int, None, Any]) -> Any:
+    """What a generator that pauses between its steps returns, run through at once."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def nine_character_ids(message: dict[str, Any]) -> dict[str, Any]:
@@ -497,7 +506,7 @@ class CausalLMRunner(Runner):
 
         wants_logprobs = control.stream_id is not None or lists_tokens(params, control)
         asked = setting("max_new_tokens")  # 0: the prompt scored, nothing generated
-        return Generation(
+        generation = Generation(
             key,
             ids,
             max_new_tokens=PIPELINE_DEFAULTS["max_new_tokens"] if asked is None else asked,
@@ -517,16 +526,27 @@ class CausalLMRunner(Runner):
             compiling=self.grammars.pending(held) if (held := self.held_to(params, ids)) else None,
             logprobs=[] if wants_logprobs else None,
             top_n=int(params.get("top_n_tokens") or 0),
-            prefill=self.prefill_tokens(ids, params) if scores_prompt(params) else None,
         )
+        if scores_prompt(params):  # (nothing to generate: its answer is its prompt's scores)
+            if generation.max_new_tokens:
+                generation.scoring = self._listing_prefill(generation, params)
+            else:
+                generation.prefill = self.prefill_tokens(ids, params)
+        return generation
 
     def prefill_tokens(self, ids: list[int], params: dict[str, Any]) -> list[dict[str, Any]]:
         """The prompt's tokens as TGI's details list them under `prefill` (TGI's
         `decoder_input_details`): each one's text (what it adds to the prompt's text; a
         special token its own) and its log probability given the ones before it (none for
         the first); with `PROMPT_TOP_N`, the likeliest tokens at each position too."""
+        return run_out(self._prefill_in_windows(ids, params))
+
+    def _prefill_in_windows(
+        self, ids: list[int], params: dict[str, Any]
+    ) -> Generator[int, None, list[dict[str, Any]]]:
+        """`prefill_tokens`, pausing after each window of the scoring pass (its positions)."""
         top_n = int(params.get(PROMPT_TOP_N) or 0)
-        chosen, top = self._scores_of(ids, top_n)
+        chosen, top = yield from self._scores_of(ids, top_n)
         pieces = TextPieces(self.tokenizer)
         tokens = []
         so_far: list[int] = []  # (grown a token at a time: a slice each would be quadratic)
@@ -540,20 +560,26 @@ class CausalLMRunner(Runner):
             )
         return tokens
 
-    def _scores_of(self, ids: list[int], top_n: int) -> PromptScores:
+    def _listing_prefill(self, generation: Generation, params: dict[str, Any]) -> Iterator[int]:
+        """A sequence's `prefill` (`prefill_tokens`), made a few windows of the scoring pass
+        a step of the continuous loop: the rows running decode between them."""
+        generation.prefill = yield from self._prefill_in_windows(generation.prompt_ids, params)
+
+    def _scores_of(self, ids: list[int], top_n: int) -> Generator[int, None, PromptScores]:
         """The prompt's scores (`_score_prompt`), reused where the prompt scored last is
         this one: each of a request's `n` choices asks for them, one after another, and
         scoring it again would be a forward pass over the whole prompt per choice."""
         key = tuple(ids)
         if self._scored is not None and self._scored[:2] == (key, top_n):
             return self._scored[2]
-        scores = self._score_prompt(ids, top_n)
+        scores = yield from self._score_prompt(ids, top_n)
         self._scored = (key, top_n, scores)
         return scores
 
-    def _score_prompt(self, ids: list[int], top_n: int) -> PromptScores:
+    def _score_prompt(self, ids: list[int], top_n: int) -> Generator[int, None, PromptScores]:
         """From a forward pass over the prompt: each token's log probability given the
-        ones before it (from the second on), and the `top_n` likeliest tokens there.
+        ones before it (from the second on), and the `top_n` likeliest tokens there;
+        pausing after each window (yielding its positions).
 
         The pass runs a window of positions at a time over a growing KV cache: the scores
         of a whole prompt at once (positions × vocabulary) would cost more memory than the
@@ -561,20 +587,21 @@ class CausalLMRunner(Runner):
         for a long prompt."""
         chosen: list[float] = []
         top: list[list[tuple[int, float]]] = []
-        with torch.inference_mode():
-            tensor = torch.tensor([ids], device=self.device)
-            cache = None
-            keyword = cache_keyword(self.model)  # (a renamed keyword warns)
-            at_once = max(1, PROMPT_SCORES_AT_ONCE // self.vocabulary)
-            # the last token's scores say what would follow the prompt: not needed
-            for start in range(0, len(ids) - 1, at_once):
-                window = slice(start, min(start + at_once, len(ids) - 1))
+        tensor = torch.tensor([ids], device=self.device)
+        cache = None
+        keyword = cache_keyword(self.model)  # (a renamed keyword warns)
+        at_once = max(1, PROMPT_SCORES_AT_ONCE // self.vocabulary)
+        # the last token's scores say what would follow the prompt: not needed
+        for start in range(0, len(ids) - 1, at_once):
+            window = slice(start, min(start + at_once, len(ids) - 1))
+            with torch.inference_mode():
                 out = self.model(input_ids=tensor[:, window], use_cache=True, **{keyword: cache})
                 cache = cache_of(out)
                 logprobs = out.logits[0].float().log_softmax(-1)
                 following = tensor[0, window.start + 1 : window.stop + 1, None]
                 chosen += logprobs.gather(1, following)[:, 0].tolist()
                 top += likeliest(logprobs, top_n) or []
+            yield window.stop - window.start
         return chosen, top
 
     def token(
