@@ -272,8 +272,8 @@ OPTIONS = [
         "--thinking-in-content",
         bool,
         False,
-        "leave a reasoning model's thinking in its chat answers' content, tags and all, "
-        "rather than apart in reasoning_content",
+        "leave a reasoning model's thinking in its chat answers' content (and Responses' "
+        "output_text), tags and all, rather than apart in reasoning_content (a reasoning item)",
     ),
     Option(
         "--download-only",

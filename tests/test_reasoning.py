@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from rawserve.api.openai_answers import Answer
 from rawserve.api.openai_messages import messages
+from rawserve.api.openai_responses import ResponseAnswer, parse_response
 from rawserve.api.reasoning import REASONING, Thinking, split
 from rawserve.http.errors import BadRequest
 from rawserve.shared.messages import TokenChunk
@@ -228,29 +231,36 @@ def test_a_template_that_writes_the_closing_tag_makes_a_reasoning_model(tiny_mod
     assert "<think>\nLet me see.\n</think>\n\nHello!" in runner.chat_text(chat, None)
 
 
-def test_openais_client_reads_the_thinking_of_an_answer_and_of_its_stream():
-    """OpenAI's SDK keeps a field it does not type (`reasoning_content`) on the message and
-    on the delta, where reasoning clients read it: rawserve's answers, replayed to it."""
+def replayed(shape: Callable[[dict], Any]) -> Any:
+    """OpenAI's client, answered in the shape `shape` gives for each request's body: the
+    answer to TOKENS, whole or streamed as the body asks."""
     import httpx2
     from openai import OpenAI
 
-    answer = Answer(True, "m", thinking=OPENED_IN_ANSWER)
-
     def reply(request: httpx2.Request) -> httpx2.Response:
-        if json.loads(request.content).get("stream"):
+        body = json.loads(request.content)
+        answer = shape(body)
+        if body.get("stream"):
 
             async def read() -> list[bytes]:
-                return [e async for e in answer.events([Stream(TOKENS)], [], False)]  # type: ignore[list-item]
+                return [e async for e in answer.events([Stream(TOKENS)], [], False)]
 
-            body = b"".join(asyncio.run(read()))
-            return httpx2.Response(200, content=body, headers={"content-type": "text/event-stream"})
+            sent = b"".join(asyncio.run(read()))
+            return httpx2.Response(200, content=sent, headers={"content-type": "text/event-stream"})
         return httpx2.Response(200, json=answer.whole([Stream(TOKENS).output()], []))
 
-    client = OpenAI(
+    return OpenAI(
         base_url="http://replayed/v1",
         api_key="-",
         http_client=httpx2.Client(transport=httpx2.MockTransport(reply)),
     )
+
+
+def test_openais_client_reads_the_thinking_of_an_answer_and_of_its_stream():
+    """OpenAI's SDK keeps a field it does not type (`reasoning_content`) on the message and
+    on the delta, where reasoning clients read it: rawserve's answers, replayed to it."""
+    answer = Answer(True, "m", thinking=OPENED_IN_ANSWER)
+    client = replayed(lambda body: answer)
     said = [{"role": "user", "content": "hi"}]
     message = client.chat.completions.create(model="m", messages=said).choices[0].message
     assert (message.reasoning_content, message.content) == ("\nLet me", "Hello!")  # type: ignore[attr-defined]
@@ -552,3 +562,217 @@ def test_usage_counts_the_tokens_the_thinking_took(reasoner):
     assert "completion_tokens_details" not in usage([output("a")])
     response = ResponseAnswer("m", parse_response({"input": "hi"})[1]).whole(told[1:], [])
     assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": 5}
+
+
+def responded(answer: ResponseAnswer, stream: Stream) -> list[Any]:
+    """A streamed Response's events, as the SDK types them."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    async def read() -> list[bytes]:
+        return [e async for e in answer.events([stream], [], False)]  # type: ignore[list-item]
+
+    typed = TypeAdapter(ResponseStreamEvent)
+    return [typed.validate_json(e.split(b"data: ", 1)[1]) for e in asyncio.run(read())]
+
+
+def test_a_response_puts_the_thinking_in_a_reasoning_item_before_the_message():
+    _, settings = parse_response({"input": "hi"})
+    answer = ResponseAnswer("m", settings, thinking=OPENED_IN_PROMPT)
+    response = answer.whole([output("Let me see.\n</think>\n\nHello!")], [])
+    thought, message = response["output"]
+    assert thought["type"] == "reasoning" and thought["summary"] == []
+    assert thought["content"] == [{"type": "reasoning_text", "text": "Let me see.\n"}]
+    assert message["content"][0]["text"] == "Hello!" and response["status"] == "completed"
+    # thinking cut by max_output_tokens: the reasoning alone, the Response incomplete
+    cut = answer.whole([output("Let me", "length")], [])
+    [thought] = cut["output"]
+    assert thought["content"][0]["text"] == "Let me" and thought["status"] == "incomplete"
+    assert cut["status"] == "incomplete"
+    assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_a_response_of_a_model_that_does_not_reason_or_keeps_its_tags_is_as_before():
+    _, settings = parse_response({"input": "hi"})
+    text = "<think>a</think>b"
+    [message] = ResponseAnswer("m", settings).whole([output(text)], [])["output"]
+    assert message["type"] == "message" and message["content"][0]["text"] == text
+    events = responded(ResponseAnswer("m", settings), Stream(TOKENS))
+    assert [e.type for e in events][:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    said = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert said == "".join(TOKENS) and events[-1].response.output_text == said
+
+
+@pytest.mark.parametrize("opened", [None, OPENED_IN_ANSWER])  # (the worker's say, or none)
+def test_a_streamed_response_sends_a_reasoning_item_then_the_message_never_a_tag(opened):
+    _, settings = parse_response({"input": "hi", "stream": True})
+    answer = ResponseAnswer(
+        "m", settings, thinking=OPENED_IN_PROMPT if opened else OPENED_IN_ANSWER
+    )
+    events = responded(answer, Stream(TOKENS, opened=opened))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[2:5] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert [(e.item.type, e.output_index) for e in added] == [("reasoning", 0), ("message", 1)]
+    finished = [e for e in events if e.type == "response.output_item.done"]
+    assert [(e.item.type, e.output_index) for e in finished] == [("reasoning", 0), ("message", 1)]
+    # the thinking's item closes before the message's opens
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    items = [e.item for e in finished]
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (thought, text) == ("\nLet me", "Hello!")
+    for e in events:
+        if e.type.startswith("response.reasoning_text"):
+            assert e.output_index == 0 and e.item_id == items[0].id
+        if e.type.startswith("response.output_text"):
+            assert e.output_index == 1 and e.item_id == items[1].id
+    done = [e.text for e in events if e.type == "response.reasoning_text.done"]
+    assert done == ["\nLet me"]
+    last = events[-1]
+    assert last.type == "response.completed"
+    assert [item.type for item in last.response.output] == ["reasoning", "message"]
+    assert last.response.output_text == "Hello!"
+
+
+def test_a_streamed_response_cut_inside_its_thinking_is_a_reasoning_item_alone():
+    _, settings = parse_response({"input": "hi", "stream": True})
+    answer = ResponseAnswer("m", settings, thinking=OPENED_IN_ANSWER)
+    events = responded(answer, Stream(TOKENS[:5], "length"))
+    assert not any(e.type.startswith("response.output_text") for e in events)
+    last = events[-1]
+    assert last.type == "response.incomplete"
+    [item] = last.response.output
+    assert item.type == "reasoning" and item.content[0].text == "\nLet me</"  # (never closed)
+    [done] = [e.item for e in events if e.type == "response.output_item.done"]
+    assert done == item
+
+
+def test_a_reasoning_item_sent_back_as_input_goes_to_the_template_with_its_answer():
+    """As the SDK sends a Response's output back: its thinking is the next assistant
+    message's `reasoning_content` (what chat's reasoning models' templates read)."""
+    _, settings = parse_response({"input": "hi"})
+    answer = ResponseAnswer("m", settings, thinking=OPENED_IN_PROMPT)
+    first = answer.whole([output("Let me see.\n</think>\n\nHello!")], [])
+    given = [
+        {"role": "user", "content": "hi"},
+        *first["output"],
+        {"role": "user", "content": "and?"},
+    ]
+    generation, _ = parse_response({"input": given})
+    [chat] = generation.items
+    assert chat["messages"][1] == {
+        "role": "assistant",
+        "content": "Hello!",
+        "reasoning_content": "Let me see.\n",
+    }
+    # a summary alone is the thinking too; before a message not the assistant's, dropped
+    summary = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "hm"}]}
+    generation, _ = parse_response({"input": [summary, given[2], summary, given[0]]})
+    [chat] = generation.items
+    assert chat["messages"][0]["reasoning_content"] == "hm"
+    assert chat["messages"][1] == {"role": "user", "content": "hi"}
+    with pytest.raises(BadRequest):
+        parse_response({"input": [{"type": "reasoning", "content": "no parts"}, *given]})
+
+
+def test_openais_client_reads_a_responses_thinking_and_sends_it_back():
+    """The SDK's `responses.create`, whole and streamed, on rawserve's answers replayed to
+    it; its second turn sends the first one's output (a reasoning item among it) back."""
+
+    bodies: list[dict] = []
+
+    def answer(body: dict) -> ResponseAnswer:
+        bodies.append(body)
+        _, settings = parse_response(body)  # (refuses what the route refuses)
+        return ResponseAnswer("m", settings, thinking=OPENED_IN_ANSWER)
+
+    client = replayed(answer)
+    response = client.responses.create(model="m", input="hi")
+    thought, message = response.output
+    assert thought.type == "reasoning" and thought.content[0].text == "\nLet me"  # type: ignore[union-attr,index]
+    assert response.output_text == "Hello!"
+    with client.responses.stream(model="m", input="hi") as stream:
+        thinking = "".join(e.delta for e in stream if e.type == "response.reasoning_text.delta")
+        final = stream.get_final_response()
+    assert (thinking, final.output_text) == ("\nLet me", "Hello!")
+    said = [{"role": "user", "content": "hi"}, *response.output, {"role": "user", "content": "?"}]
+    again = client.responses.create(model="m", input=said)  # type: ignore[arg-type]
+    assert again.output_text == "Hello!"
+    [chat] = parse_response(bodies[-1])[0].items
+    assert chat["messages"][1]["reasoning_content"] == "\nLet me"
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["split", "kept"])
+async def test_the_responses_route_splits_the_thinking_but_where_the_operator_keeps_it(kept):
+    """`/v1/responses` splits where the worker says the thinking opens, and leaves every
+    answer whole under `--thinking-in-content`, as chat's route does."""
+    from dataclasses import replace
+
+    from rawserve.api.app import App
+    from rawserve.api.served import ServedModel, ServedModels
+    from rawserve.api.settings import AppSettings
+    from rawserve.http.exchange import HttpRequest
+    from rawserve.serving.service import ModelService
+    from tests.test_streaming import FakeScheduler, StreamingWorkers
+
+    workers = StreamingWorkers()
+    workers.loaded = replace(
+        StreamingWorkers.loaded, details={"chat_template": True, "thinking": OPENED_IN_PROMPT}
+    )
+    text = ["hm", "</th", "ink>", "Hello"]
+    counts = {"prompt_tokens": 3, "generated_tokens": 4}
+    output = {"generated_text": "".join(text), "details": {"finish_reason": "eos_token", **counts}}
+    models = ServedModels(
+        [ServedModel("m", ModelService(FakeScheduler(workers, text, output), workers))]
+    )
+    body = json.dumps({"input": "hi", "stream": True}).encode()
+    headers = [("content-type", "application/json")]
+    request = HttpRequest("POST", "/v1/responses", "", headers, body, "id")
+    response = await App(models, AppSettings(thinking_in_content=kept)).handle(request)
+    assert response is not None and response.stream is not None
+    sent = [json.loads(chunk.split(b"data: ", 1)[1]) async for chunk in response.stream]
+    items = [event["item"]["type"] for event in sent if event["type"].endswith("item.done")]
+    said = "".join(e["delta"] for e in sent if e["type"] == "response.output_text.delta")
+    thought = "".join(e["delta"] for e in sent if e["type"] == "response.reasoning_text.delta")
+    if kept:
+        assert (items, thought, said) == (["message"], "", "hm</think>Hello")
+    else:
+        assert (items, thought, said) == (["reasoning", "message"], "hm", "Hello")
+
+
+@pytest.mark.parametrize(
+    ("texts", "thought", "text"), [(TOKENS[:4], "\nLet", None), (TOKENS, "\nLet me", "Hello!")]
+)
+def test_a_response_stream_that_fails_keeps_the_thinking_and_text_it_sent(texts, thought, text):
+    from tests.test_api_shapes import TimedOutStream
+
+    _, settings = parse_response({"input": "hi", "stream": True})
+    answer = ResponseAnswer("m", settings, thinking=OPENED_IN_ANSWER)
+    events = responded(answer, TimedOutStream(texts))  # type: ignore[arg-type]
+    last = events[-1]
+    assert last.type == "response.failed"
+    item, *said = last.response.output
+    assert item.type == "reasoning" and item.content[0].text == thought
+    if text is None:  # cut inside the thinking: its item incomplete, no message
+        assert item.status == "incomplete" and not said
+    else:
+        [message] = said
+        assert item.status == "completed" and message.content[0].text == text
+        assert message.status == "incomplete"

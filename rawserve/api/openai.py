@@ -323,7 +323,12 @@ class OpenAIRoutes:
         """A Response: its input is a chat, answered in the Responses API's shape."""
         generation, settings = parse_response(document)
         check_chat_template(model)
-        shape = ResponseAnswer(model.name, settings)
+        # a reasoning model's thinking, a reasoning item (but where the operator keeps it
+        # in the answer's text)
+        thinking = None
+        if not self.context.settings.thinking_in_content:
+            thinking = answers_opening(model.thinking, generation.items)
+        shape = ResponseAnswer(model.name, settings, thinking=thinking)
         return await self.generate(request, model, generation, chat=True, shape=shape)
 
     async def complete(

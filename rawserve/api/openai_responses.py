@@ -8,7 +8,14 @@ Served: `input` (a text, or messages whose content is a text or text parts), `in
 `text.format` (chat's `response_format`). Nothing is stored (`store` is taken, as false);
 `metadata` and `user` are checked, then dropped. What needs stored responses or tools
 (`previous_response_id`, `conversation`, `background`, tools, input items that are not
-messages: images, files, function outputs) is refused with 400 naming its field. Server
+messages: images, files, function outputs) is refused with 400 naming its field.
+
+A reasoning model's thinking (`reasoning`) is a `reasoning` item before the message, its
+text as a `reasoning_text` part (as vLLM sends an open model's raw thinking; no summary),
+the message's text the answer alone; whole or streamed (`response.reasoning_text.delta`
+events, then the message's). Thinking never closed (`max_output_tokens` reached inside it)
+is a reasoning item alone. A `reasoning` item sent back among the input goes to the
+template as the next assistant message's `reasoning_content`, as chat's does. Server
 process; plain Python.
 """
 
@@ -16,7 +23,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -34,6 +41,7 @@ from rawserve.api.openai_generation import (
     refuse_unserved,
     unserved,
 )
+from rawserve.api.reasoning import CONTENT, REASONING, Thinking, split
 from rawserve.api.routing import DocContext, Schema
 from rawserve.api.streaming import TokenStream, merged
 from rawserve.http.encoding import dumps
@@ -49,6 +57,9 @@ PART_KEYS = {
 # (an earlier answer's `id`, `status` and `phase`, null or OpenAI's "commentary" or
 # "final_answer", come back with it and are dropped)
 MESSAGE_KEYS = {"type", "role", "content", "id", "status", "phase"}
+# an earlier answer's reasoning item, sent back as the SDK dumps it
+REASONING_ITEM_KEYS = {"type", "id", "summary", "content", "encrypted_content", "status"}
+THOUGHT_PARTS = ("reasoning_text", "summary_text")
 INPUT_HELP = (
     '"input" must be a text or a non-empty list of messages {"role", "content"}, each '
     'content a text or a list of {"type": "input_text", "text"} parts (this server serves '
@@ -64,7 +75,45 @@ def read_input(name: str, value: Any, context: DocContext | None) -> list[dict[s
         return [{"role": "user", "content": unicode_text(value, '"input"')}]
     if not isinstance(value, list) or not value:
         raise BadRequest(INPUT_HELP)
-    return [input_message(item) for item in value]
+    messages: list[dict[str, str]] = []
+    thought: str | None = None  # a reasoning item's text, for the assistant message after it
+    for item in value:
+        if isinstance(item, dict) and item.get("type") == "reasoning":
+            thought = reasoning_input(item)
+            continue
+        message = input_message(item)
+        if thought is not None and message["role"] == "assistant":
+            message["reasoning_content"] = thought
+        thought = None
+        messages.append(message)
+    if not messages:
+        raise BadRequest(INPUT_HELP)
+    return messages
+
+
+def reasoning_input(item: dict[str, Any]) -> str:
+    """An earlier answer's thinking, sent back as a `reasoning` item: its `reasoning_text`
+    parts, else its summary's texts."""
+    content = item.get("content") or []
+    summary = item.get("summary") or []
+    parts = content or summary
+    if (
+        not set(item) <= REASONING_ITEM_KEYS
+        or not isinstance(content, list)
+        or not isinstance(summary, list)
+        or not all(
+            isinstance(part, dict)
+            and part.get("type") in THOUGHT_PARTS
+            and isinstance(part.get("text"), str)
+            and set(part) == {"type", "text"}
+            for part in parts
+        )
+    ):
+        raise BadRequest(
+            'a "reasoning" input item must be {"type": "reasoning", "summary": [...], '
+            '"content": [{"type": "reasoning_text", "text"}]}, as an answer gave it'
+        )
+    return "".join(unicode_text(part["text"], '"input"') for part in parts)
 
 
 def input_message(item: Any) -> dict[str, str]:
@@ -225,16 +274,23 @@ def event(kind: str, number: int, **fields: Any) -> bytes:
 
 
 class ResponseAnswer:
-    """A Response: its ids, the settings it says back, and its message's text whole or as
-    events."""
+    """A Response: its ids, the settings it says back, and its items (a reasoning model's
+    thinking, then its message) whole or as events."""
 
     def __init__(
-        self, model: str, settings: dict[str, Any], clock: Callable[[], float] = time.time
+        self,
+        model: str,
+        settings: dict[str, Any],
+        clock: Callable[[], float] = time.time,
+        thinking: str | None = None,
     ):
         self.model = model
         self.settings = settings
+        # a reasoning model's answer: where its thinking opens (`reasoning`); None: all text
+        self.thinking = thinking
         self.id = "resp_" + uuid.uuid4().hex
         self.message_id = "msg_" + uuid.uuid4().hex
+        self.reasoning_id = "rs_" + uuid.uuid4().hex
         self.created_at = int(clock())
 
     def response(self, status: str, output: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
@@ -269,7 +325,27 @@ class ResponseAnswer:
             "content": [] if status == "in_progress" else [output_text(text)],
         }
 
-    def finished(self, output: dict[str, Any], text: str) -> dict[str, Any]:
+    def reasoning(self, text: str, status: str) -> dict[str, Any]:
+        return {
+            "id": self.reasoning_id,
+            "type": "reasoning",
+            "status": status,
+            "summary": [],
+            "content": [] if status == "in_progress" else [reasoning_text(text)],
+        }
+
+    def items(self, reasoning: str | None, text: str | None, status: str) -> list[dict[str, Any]]:
+        """The output: the thinking (done once the answer followed it), then the answer."""
+        items = []
+        if reasoning is not None:
+            items.append(self.reasoning(reasoning, "completed" if text is not None else status))
+        if text is not None:
+            items.append(self.message(text, status))
+        return items
+
+    def finished(
+        self, output: dict[str, Any], reasoning: str | None, text: str | None
+    ) -> dict[str, Any]:
         """The Response once `output` has finished: incomplete where its tokens ran out."""
         counted = usage([output])
         used = {
@@ -285,71 +361,177 @@ class ResponseAnswer:
             status, incomplete = "incomplete", {"reason": "max_output_tokens"}
         else:
             status, incomplete = "completed", None
-        message = self.message(text, status)
-        return self.response(status, [message], incomplete_details=incomplete, usage=used)
+        items = self.items(reasoning, text, status)
+        return self.response(status, items, incomplete_details=incomplete, usage=used)
 
     def whole(
         self, outputs: Sequence[dict[str, Any]], stops: Sequence[str], *_: Any
     ) -> dict[str, Any]:
         """The Response (`_`: chat's echoes and choice count; a Response has none and one)."""
         [output] = outputs
-        return self.finished(
-            output, cut_at_stop(output["generated_text"], stops, stops_from(output))
-        )
+        text = cut_at_stop(output["generated_text"], stops, stops_from(output))
+        reasoning: str | None = None
+        content: str | None = text
+        if self.thinking is not None:  # (it opens where the worker says, else as the model's)
+            opened = output["details"].get("thinking") or self.thinking
+            reasoning, content = split(text, opened)
+        return self.finished(output, reasoning, content)
 
     async def events(
         self, streams: Sequence[TokenStream], stops: Sequence[str], *_: Any
     ) -> AsyncGenerator[bytes, None]:
-        """OpenAI's events for a streamed Response: it opens, its message and text part
-        open, the text comes as deltas, each closes, and the Response ends completed,
-        incomplete, or failed (a deadline or error once the answer has begun)."""
-        number = iter(range(1 << 62))
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        """OpenAI's events for a streamed Response: it opens; a reasoning model's thinking
+        item and its reasoning text part open, the thinking comes as deltas, and each
+        closes; the message and its text part open, the text comes as deltas, each closes;
+        and the Response ends completed, incomplete, or failed (a deadline or error once
+        the answer has begun)."""
+        items = StreamedItems(self, iter(range(1 << 62)))
         try:
             opened = self.response("in_progress", [])
-            yield event("response.created", next(number), response=opened)
-            yield event("response.in_progress", next(number), response=opened)
-            item = self.message("", "in_progress")
-            yield event("response.output_item.added", next(number), output_index=0, item=item)
-            part = output_text("")
-            yield event("response.content_part.added", next(number), **where, part=part)
+            yield items.event("response.created", response=opened)
+            yield items.event("response.in_progress", response=opened)
+            thinking = None if self.thinking is None else Thinking(self.thinking)
+            if thinking is None:  # (a reasoning model's message opens after its thinking)
+                for sent in items.add([(CONTENT, "")]):
+                    yield sent
             choice = Streamed()
             async for _index, chunk in merged(streams):
-                if chunk is not None:
-                    sending = choice.add(chunk.token, stops, None)
-                    if sending is not None:
-                        yield self.delta(next(number), where, sending[0])
+                if chunk is None:
+                    continue
+                if thinking is not None and chunk.opened is not None:  # its first token
+                    thinking = Thinking(chunk.opened)
+                sending = choice.add(chunk.token, stops, None)
+                if sending is not None:
+                    for sent in items.add(pieces(thinking, sending[0])):
+                        yield sent
             try:
                 output = streams[0].output()
             except HTTPError as error:  # OpenAI's stream ends so when its answer fails
                 streams[0].ended_with(error)
                 failure = {"code": "server_error", "message": error.message}
                 # the text sent before the failure stays in it, as OpenAI's keeps it
-                said = [self.message(choice.sent, "incomplete")] if choice.sent else []
+                said = items.said("incomplete")
                 failed = self.response("failed", said, error=failure)
-                yield event("response.failed", next(number), response=failed)
+                yield items.event("response.failed", response=failed)
                 return
-            if (sending := choice.rest(output, stops)) is not None:
-                yield self.delta(next(number), where, sending[0])
-            answered = self.finished(output, choice.sent)
-            [message] = answered["output"]
-            [part] = message["content"]
-            text_done = {**where, "text": choice.sent, "logprobs": []}
-            yield event("response.output_text.done", next(number), **text_done)
-            yield event("response.content_part.done", next(number), **where, part=part)
-            yield event("response.output_item.done", next(number), output_index=0, item=message)
+            rest = choice.rest(output, stops)
+            ending = pieces(thinking, rest[0] if rest is not None else "")
+            if thinking is not None:
+                ending += thinking.end()
+                if not thinking.thought:  # all of it the answer (empty, perhaps)
+                    ending.append((CONTENT, ""))
+            for sent in items.add(ending):
+                yield sent
+            thought = items.reasoning if thinking is not None and thinking.thought else None
+            answered = self.finished(output, thought, items.text)
+            for sent in items.close(answered["output"]):
+                yield sent
             ended = "response." + answered["status"]  # completed or incomplete, as OpenAI's
-            yield event(ended, next(number), response=answered)
+            yield items.event(ended, response=answered)
         finally:
             for stream in streams:
                 stream.close()
 
-    def delta(self, number: int, where: dict[str, Any], text: str) -> bytes:
-        return event("response.output_text.delta", number, **where, delta=text, logprobs=[])
+
+def pieces(thinking: Thinking | None, text: str) -> list[tuple[str, str]]:
+    """An answer's next text as thinking and answer (all answer where none is split)."""
+    if thinking is None:
+        return [(CONTENT, text)] if text else []
+    return thinking.add(text)
+
+
+class StreamedItems:
+    """A streamed Response's output items as they open, grow and close: the thinking's
+    (`reasoning_text`), then the message's (`output_text`), each at its output index."""
+
+    def __init__(self, answer: ResponseAnswer, numbers: Iterator[int]) -> None:
+        self.answer = answer
+        self.numbers = numbers
+        self.open: str | None = None  # the kind of the item open now
+        self.kinds: list[str] = []  # of the items opened, in order
+        self.reasoning = ""
+        self.text: str | None = None  # the message's text, once it opened
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        return event(kind, next(self.numbers), **fields)
+
+    def where(self, kind: str) -> dict[str, Any]:
+        item = self.answer.reasoning_id if kind == REASONING else self.answer.message_id
+        return {"item_id": item, "output_index": self.kinds.index(kind), "content_index": 0}
+
+    def add(self, pieces: list[tuple[str, str]]) -> list[bytes]:
+        """The events that send `pieces`: an item opens as its first piece comes (the
+        thinking's closes as the answer's opens)."""
+        sent = []
+        for kind, piece in pieces:
+            if self.open != kind:
+                if self.open == REASONING:
+                    sent += self.close([self.answer.reasoning(self.reasoning, "completed")])
+                sent += self.start(kind)
+            if not piece:
+                continue
+            if kind == REASONING:
+                self.reasoning += piece
+                name = "response.reasoning_text.delta"
+                sent.append(self.event(name, **self.where(kind), delta=piece))
+            else:
+                self.text = (self.text or "") + piece
+                name = "response.output_text.delta"
+                sent.append(self.event(name, **self.where(kind), delta=piece, logprobs=[]))
+        return sent
+
+    def start(self, kind: str) -> list[bytes]:
+        self.open = kind
+        self.kinds.append(kind)
+        if kind == REASONING:
+            item, part = self.answer.reasoning("", "in_progress"), reasoning_text("")
+        else:
+            self.text = ""
+            item, part = self.answer.message("", "in_progress"), output_text("")
+        index = len(self.kinds) - 1
+        return [
+            self.event("response.output_item.added", output_index=index, item=item),
+            self.event("response.content_part.added", **self.where(kind), part=part),
+        ]
+
+    def close(self, items: list[dict[str, Any]]) -> list[bytes]:
+        """The events that close the item open now, as `items` (the output) ends it."""
+        if self.open is None:
+            return []
+        kind, self.open = self.open, None
+        [item] = [
+            one for one in items if one["type"] == ("reasoning" if kind == REASONING else "message")
+        ]
+        [part] = item["content"]
+        where = self.where(kind)
+        if kind == REASONING:
+            done = self.event("response.reasoning_text.done", **where, text=part["text"])
+        else:
+            done = self.event("response.output_text.done", **where, text=part["text"], logprobs=[])
+        index = where["output_index"]
+        return [
+            done,
+            self.event("response.content_part.done", **where, part=part),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
+
+    def said(self, status: str) -> list[dict[str, Any]]:
+        """The items sent before a failure, with what they held."""
+        said = []
+        if REASONING in self.kinds:
+            closed = self.open != REASONING
+            said.append(self.answer.reasoning(self.reasoning, "completed" if closed else status))
+        if self.text:
+            said.append(self.answer.message(self.text, status))
+        return said
 
 
 def output_text(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": []}
+
+
+def reasoning_text(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 USAGE: Schema = {
@@ -366,6 +548,18 @@ MESSAGE_ITEM: Schema = {
     "required": ["type", "role", "content"],
     "properties": {"type": {"const": "message"}, "role": {"const": "assistant"}},
 }
+REASONING_ITEM: Schema = {
+    "type": "object",
+    "description": "a reasoning model's thinking, before its message",
+    "required": ["type", "summary", "content"],
+    "properties": {
+        "type": {"const": "reasoning"},
+        "content": {
+            "type": "array",
+            "items": {"properties": {"type": {"const": "reasoning_text"}}},
+        },
+    },
+}
 RESPONSE_SCHEMA: Schema = {
     "type": "object",
     "required": ["id", "object", "created_at", "status", "model", "output"],
@@ -378,14 +572,17 @@ RESPONSE_SCHEMA: Schema = {
             "anyOf": [{"type": "null"}, {"properties": {"reason": {"const": "max_output_tokens"}}}]
         },
         "model": {"type": "string"},
-        "output": {"type": "array", "items": MESSAGE_ITEM},
+        "output": {"type": "array", "items": {"anyOf": [REASONING_ITEM, MESSAGE_ITEM]}},
         "usage": USAGE,
     },
 }
 EVENT_SCHEMA: Schema = {
     "type": "object",
     "description": "each as `event: <type>` and `data: <this>`: response.created, "
-    "response.in_progress, response.output_item.added, response.content_part.added, "
+    "response.in_progress, (a reasoning model's thinking: response.output_item.added, "
+    "response.content_part.added, response.reasoning_text.delta..., "
+    "response.reasoning_text.done, response.content_part.done, "
+    "response.output_item.done), response.output_item.added, response.content_part.added, "
     "response.output_text.delta..., response.output_text.done, response.content_part.done, "
     "response.output_item.done, then response.completed, response.incomplete or "
     "response.failed",
