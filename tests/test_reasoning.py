@@ -688,8 +688,9 @@ def test_a_reasoning_item_sent_back_as_input_goes_to_the_template_with_its_answe
     [chat] = generation.items
     assert chat["messages"][0]["reasoning_content"] == "hm"
     assert chat["messages"][1] == {"role": "user", "content": "hi"}
-    with pytest.raises(BadRequest):
-        parse_response({"input": [{"type": "reasoning", "content": "no parts"}, *given]})
+    for wrong in ("no parts", 0, [{"type": "output_text", "text": "x"}], [{"text": 1}]):
+        with pytest.raises(BadRequest, match="reasoning"):
+            parse_response({"input": [{"type": "reasoning", "content": wrong}, *given]})
 
 
 def test_openais_client_reads_a_responses_thinking_and_sends_it_back():

@@ -94,8 +94,8 @@ def read_input(name: str, value: Any, context: DocContext | None) -> list[dict[s
 def reasoning_input(item: dict[str, Any]) -> str:
     """An earlier answer's thinking, sent back as a `reasoning` item: its `reasoning_text`
     parts, else its summary's texts."""
-    content = item.get("content") or []
-    summary = item.get("summary") or []
+    content = [] if item.get("content") is None else item["content"]
+    summary = [] if item.get("summary") is None else item["summary"]
     parts = content or summary
     if (
         not set(item) <= REASONING_ITEM_KEYS
