@@ -75,6 +75,7 @@ from rawserve.http.errors import BadRequest, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.serving.face import EMBEDDING_ROUTE, ItemResult
 from rawserve.tasks.checks import BlankInput, not_blank
+from rawserve.tasks.text_generation import THINKING_IN_CONTENT
 
 EMBEDDING_TASK = "feature-extraction"
 EMBEDDING = Needs(frozenset({EMBEDDING_TASK}), "a feature-extraction model")
@@ -314,6 +315,8 @@ class OpenAIRoutes:
     async def chat(self, request: HttpRequest, model: ServedModel, document: Any) -> HttpResponse:
         loaded = model.serving.loaded
         generation = parse_chat(document, bool(loaded and loaded.details.get("chat_one_call")))
+        if self.context.settings.thinking_in_content:  # (an answer held from its first token)
+            generation.params[THINKING_IN_CONTENT] = True
         check_chat_template(model)
         return await self.generate(request, model, generation, chat=True)
 

@@ -31,6 +31,7 @@ from rawserve.tasks.text_generation import (
     PROMPT_TOP_N,
     REASONING_END,
     REASONING_START,
+    THINKING_IN_CONTENT,
     TOKEN_COUNTS_ONLY,
     returns_full_text,
 )
@@ -368,9 +369,12 @@ class CausalLMRunner(Runner):
 
     def held_to(self, params: dict[str, Any], ids: list[int]) -> dict[str, Any] | None:
         """The grammar a prompt's answer is held to (None: none): a reasoning model's chat
-        answer after its thinking (the grammar's "thinking": where it opens, if it may)."""
+        answer after its thinking (the grammar's "thinking": where it opens, if it may),
+        unless the thinking is kept in the content (`THINKING_IN_CONTENT`)."""
         grammar = params.get("grammar")
-        if not grammar or not params.get(CHAT_PARAM) or not self.reasons:
+        if not grammar or not params.get(CHAT_PARAM) or params.get(THINKING_IN_CONTENT):
+            return grammar
+        if not self.reasons:
             return grammar
         opened = self.opening(ids)
         return grammar if opened is None else {**grammar, "thinking": opened}
