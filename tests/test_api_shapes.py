@@ -1370,6 +1370,24 @@ def test_the_openai_routes_ask_the_worker_for_token_counts_only_without_logprobs
     assert params["details"] and params.get(TOKEN_COUNTS_ONLY, False) is not listed
 
 
+@pytest.mark.parametrize(
+    ("path", "document", "kept"),
+    [
+        ("/v1/chat/completions", {"messages": HI}, False),
+        ("/v1/responses", {"input": "hi"}, True),
+    ],
+)
+def test_a_response_s_format_holds_a_reasoning_model_from_its_first_token(path, document, kept):
+    """A Response's text keeps a reasoning model's thinking (chat's splits it off): let
+    it think first, a text.format's JSON came after "<think>...</think>" in output_text,
+    or never, where the thinking ran to max_output_tokens."""
+    from rawserve.tasks.text_generation import THINKING_IN_CONTENT
+
+    status, answer, [params] = generated(path, document, 8192)
+    assert status == 200, answer
+    assert params.get(THINKING_IN_CONTENT, False) is kept
+
+
 def test_min_tokens_past_the_positions_is_refused_naming_it():
     """No answer of the model can reach it: refused as `max_tokens` is, not left to end
     at the positions short of what it promised."""

@@ -325,6 +325,8 @@ class OpenAIRoutes:
     ) -> HttpResponse:
         """A Response: its input is a chat, answered in the Responses API's shape."""
         generation, settings = parse_response(document)
+        # its text keeps a reasoning model's thinking: a format holds it from its first token
+        generation.params[THINKING_IN_CONTENT] = True
         check_chat_template(model)
         shape = ResponseAnswer(model.name, settings)
         return await self.generate(request, model, generation, chat=True, shape=shape)
