@@ -412,7 +412,13 @@ def test_the_worker_says_per_prompt_whether_a_grammar_waits_for_the_thinking(rea
         assert grammar(R1_TEMPLATE, {CHAT_PARAM: True}) is None
         # the thinking kept in the content: held from the first token, as vLLM's without a
         # reasoning parser (after it, the call or JSON would follow a thinking left in front)
-        assert grammar(R1_TEMPLATE, {**held, THINKING_IN_CONTENT: True}) == held["grammar"]
+        kept = {**held, THINKING_IN_CONTENT: True}
+        assert grammar(R1_TEMPLATE, kept) == held["grammar"]
+        # ... and has no thinking to count (a Response's usage said all of it was thinking)
+        ids = reasoner.prompt_ids({"messages": chat}, {CHAT_PARAM: True})
+        assert reasoner.opened(held, ids) == OPENED_IN_PROMPT
+        assert reasoner.opened(kept, ids) is None
+        assert reasoner.opened({CHAT_PARAM: True, THINKING_IN_CONTENT: True}, ids) is not None
         assert grammar("{{ messages[0]['content'] }}", held) == held["grammar"]
     finally:
         reasoner.tokenizer.chat_template = None
