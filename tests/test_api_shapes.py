@@ -757,7 +757,7 @@ def embeddings_of(document, details, path="/v1/embeddings", tokenizer="{}"):
     model = Recording()
     workers = Loaded("feature-extraction", details, tokenizer)
     served = ServedModel("m", ModelService(model, workers), {})
-    app = App(ServedModels([served]), AppSettings())
+    app = App(ServedModels([served]), settings or AppSettings())
     body = json.dumps(document).encode()
     request = HttpRequest("POST", path, "", [("content-type", "application/json")], body, "test")
     return asyncio.run(app.handle(request)), model.sent
@@ -847,7 +847,7 @@ class Scoring(Idle):
 def reranked(path, document):
     details = {"id2label": {"0": "LABEL_0"}}
     served = ServedModel("m", ModelService(Scoring(), Loaded("text-classification", details, "{}")))
-    app = App(ServedModels([served]), AppSettings())
+    app = App(ServedModels([served]), settings or AppSettings())
     body = json.dumps(document).encode()
     request = HttpRequest("POST", path, "", [("content-type", "application/json")], body, "test")
     answer = asyncio.run(app.handle(request))
@@ -1214,14 +1214,14 @@ class Generating(Idle):
         return [ItemResult(output, 0.0, 1, 0.0) for _ in inputs]
 
 
-def generated(path, document, positions):
+def generated(path, document, positions, settings=None):
     """(status, body, the parameters the model was sent) of `document` posted to `path` of
     a text-generation model of `positions` positions (None: unknown, as a handler's)."""
     model = Generating()
     details = {"chat_template": True, "max_input_length": positions or 0}
     limits = ModelLimits(max_new_tokens=positions - 1 if positions else None)
     served = ServedModel("m", ModelService(model, Loaded("text-generation", details, None, limits)))
-    app = App(ServedModels([served]), AppSettings())
+    app = App(ServedModels([served]), settings or AppSettings())
     body = json.dumps(document).encode()
     request = HttpRequest("POST", path, "", [("content-type", "application/json")], body, "test")
     answer = asyncio.run(app.handle(request))
@@ -1368,6 +1368,26 @@ def test_the_openai_routes_ask_the_worker_for_token_counts_only_without_logprobs
     status, answer, [params] = generated(path, document, 8192)
     assert status == 200, answer
     assert params["details"] and params.get(TOKEN_COUNTS_ONLY, False) is not listed
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["split", "kept"])
+@pytest.mark.parametrize(
+    ("path", "document"),
+    [("/v1/chat/completions", {"messages": HI}), ("/v1/responses", {"input": "hi"})],
+)
+def test_a_format_holds_a_reasoning_model_from_its_first_token_only_where_kept(
+    path, document, kept
+):
+    """A reasoning model thinks before the JSON a format holds where its thinking is split
+    off (chat's `reasoning_content`, Responses' reasoning item); kept in the text
+    (`--thinking-in-content`), "<think>...</think>{...}" would be no JSON, so the answer is
+    held from its first token on both routes."""
+    from rawserve.tasks.text_generation import THINKING_IN_CONTENT
+
+    settings = AppSettings(thinking_in_content=kept)
+    status, answer, [params] = generated(path, document, 8192, settings)
+    assert status == 200, answer
+    assert params.get(THINKING_IN_CONTENT, False) is kept
 
 
 def test_min_tokens_past_the_positions_is_refused_naming_it():

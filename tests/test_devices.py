@@ -168,3 +168,36 @@ def test_a_parent_cgroup_s_lower_limit_holds(tmp_path, monkeypatch):
 def test_a_container_s_memory_limit_is_read(tmp_path, tree, limit):
     found = cgroups.memory_limit(tree(tmp_path))
     assert (found and found.value) == limit
+
+
+def _garble(root: Path, file: str, text: bytes) -> Path:
+    (root / file).write_bytes(text)
+    return root
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        lambda root: v2_tree(root, "200000 0"),  # a period of 0
+        lambda root: _garble(
+            v1_tree(root, "200000"), "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us", b"0"
+        ),
+    ],
+    ids=["v2-period-0", "v1-period-0"],
+)
+def test_a_garbled_cpu_limit_counts_the_affinity(tmp_path, monkeypatch, tree):
+    """A limit that cannot be a number of CPUs is none known: the server starts."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
+    found = core_count(tree(tmp_path))
+    assert (found.cores, found.source) == (64, AFFINITY)
+
+
+def test_a_mount_point_not_in_utf8_leaves_the_limits_read(tmp_path, monkeypatch):
+    """mountinfo lists every mount of the machine: one at a path in Latin-1 (a USB disk)
+    is no cgroup's, and the limits are read as without it."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
+    root = v2_tree(tmp_path, "200000 100000", str(2**30))
+    other = b"40 23 0:1 / /media/d\xe9p\xf4t rw - ext4 /dev/sdb1 rw\n"
+    _garble(root, "proc/self/mountinfo", V2_MOUNT.encode() + other)
+    assert core_count(root).cores == 2
+    assert cgroups.memory_limit(root) == cgroups.Limit(2**30, Path("/sys/fs/cgroup/memory.max"))

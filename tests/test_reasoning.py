@@ -18,7 +18,11 @@ from rawserve.api.openai_responses import ResponseAnswer, parse_response
 from rawserve.api.reasoning import REASONING, Thinking, split
 from rawserve.http.errors import BadRequest
 from rawserve.shared.messages import TokenChunk
-from rawserve.tasks.text_generation import OPENED_IN_ANSWER, OPENED_IN_PROMPT
+from rawserve.tasks.text_generation import (
+    OPENED_IN_ANSWER,
+    OPENED_IN_PROMPT,
+    THINKING_IN_CONTENT,
+)
 
 # As Qwen3's template, shortened: the model opens its thinking; an earlier answer's goes to
 # the template as `reasoning_content`, or is cut out of its content; `enable_thinking`
@@ -276,6 +280,8 @@ ASKED = {  # what a chat body asks beside its messages, and whether the answer i
     "free": ({}, True),
     "held": ({"response_format": {"type": "json_object"}}, True),  # held after the thinking
     "kept": ({}, False),  # --thinking-in-content
+    # kept: held from the first token (its thinking would stand before its JSON)
+    "kept-held": ({"response_format": {"type": "json_object"}}, False),
     # no generation prompt: the template did not open the thinking, the answer goes on
     "prefilled": ({"add_generation_prompt": False, "continue_final_message": True}, False),
 }
@@ -300,16 +306,24 @@ async def test_a_chat_stream_splits_the_thinking_its_worker_says_the_model_write
     workers.loaded = replace(StreamingWorkers.loaded, details=details)
     text = ["hm", "</th", "ink>", "Hello"]
     output = {"generated_text": "".join(text), "details": {"finish_reason": "eos_token"}}
-    models = ServedModels(
-        [ServedModel("m", ModelService(FakeScheduler(workers, text, output), workers))]
-    )
+    scheduler = FakeScheduler(workers, text, output)
+    asked: list[dict] = []
+    run = scheduler.run
+
+    async def heard(inputs, params, deadline, control):  # the parameters the worker gets
+        asked.append(params)
+        return await run(inputs, params, deadline, control)
+
+    scheduler.run = heard  # type: ignore[method-assign]
+    models = ServedModels([ServedModel("m", ModelService(scheduler, workers))])
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]
     fields, splits = ASKED[case]
     document = {"messages": chat, "stream": True, **fields}
     body = json.dumps(document).encode()
     headers = [("content-type", "application/json")]
     request = HttpRequest("POST", "/v1/chat/completions", "", headers, body, "id")
-    response = await App(models, AppSettings(thinking_in_content=case == "kept")).handle(request)
+    kept = case.startswith("kept")
+    response = await App(models, AppSettings(thinking_in_content=kept)).handle(request)
     assert response is not None and response.stream is not None
     sent = [chunk async for chunk in response.stream]
     chunks = [json.loads(chunk.removeprefix(b"data:")) for chunk in sent[:-1]]
@@ -317,6 +331,7 @@ async def test_a_chat_stream_splits_the_thinking_its_worker_says_the_model_write
     thought = "".join(delta.get(REASONING, "") for delta in deltas)
     said = "".join(delta.get("content") or "" for delta in deltas)
     assert (thought, said) == (("hm", "Hello") if splits else ("", "hm</think>Hello"))
+    assert [bool(params.get(THINKING_IN_CONTENT)) for params in asked] == [kept]
 
 
 def test_hugging_faces_client_reads_the_thinking_by_its_own_name():
@@ -405,6 +420,15 @@ def test_the_worker_says_per_prompt_whether_a_grammar_waits_for_the_thinking(rea
         assert "thinking" not in grammar(QWEN3_TEMPLATE, held, {"enable_thinking": False})
         assert grammar(R1_TEMPLATE, {**held, CHAT_PARAM: False}) == held["grammar"]
         assert grammar(R1_TEMPLATE, {CHAT_PARAM: True}) is None
+        # the thinking kept in the content: held from the first token, as vLLM's without a
+        # reasoning parser (after it, the call or JSON would follow a thinking left in front)
+        kept = {**held, THINKING_IN_CONTENT: True}
+        assert grammar(R1_TEMPLATE, kept) == held["grammar"]
+        # ... and has no thinking to count (a Response's usage said all of it was thinking)
+        ids = reasoner.prompt_ids({"messages": chat}, {CHAT_PARAM: True})
+        assert reasoner.opened(held, ids) == OPENED_IN_PROMPT
+        assert reasoner.opened(kept, ids) is None
+        assert reasoner.opened({CHAT_PARAM: True, THINKING_IN_CONTENT: True}, ids) is not None
         assert grammar("{{ messages[0]['content'] }}", held) == held["grammar"]
     finally:
         reasoner.tokenizer.chat_template = None

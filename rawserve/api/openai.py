@@ -75,6 +75,7 @@ from rawserve.http.errors import BadRequest, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.serving.face import EMBEDDING_ROUTE, ItemResult
 from rawserve.tasks.checks import BlankInput, not_blank
+from rawserve.tasks.text_generation import THINKING_IN_CONTENT
 
 EMBEDDING_TASK = "feature-extraction"
 EMBEDDING = Needs(frozenset({EMBEDDING_TASK}), "a feature-extraction model")
@@ -314,6 +315,8 @@ class OpenAIRoutes:
     async def chat(self, request: HttpRequest, model: ServedModel, document: Any) -> HttpResponse:
         loaded = model.serving.loaded
         generation = parse_chat(document, bool(loaded and loaded.details.get("chat_one_call")))
+        if self.context.settings.thinking_in_content:  # (an answer held from its first token)
+            generation.params[THINKING_IN_CONTENT] = True
         check_chat_template(model)
         return await self.generate(request, model, generation, chat=True)
 
@@ -324,9 +327,11 @@ class OpenAIRoutes:
         generation, settings = parse_response(document)
         check_chat_template(model)
         # a reasoning model's thinking, a reasoning item (but where the operator keeps it
-        # in the answer's text)
+        # in the answer's text: then a format holds the answer from its first token)
         thinking = None
-        if not self.context.settings.thinking_in_content:
+        if self.context.settings.thinking_in_content:
+            generation.params[THINKING_IN_CONTENT] = True
+        else:
             thinking = answers_opening(model.thinking, generation.items)
         shape = ResponseAnswer(model.name, settings, thinking=thinking)
         return await self.generate(request, model, generation, chat=True, shape=shape)

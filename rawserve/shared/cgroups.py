@@ -91,7 +91,7 @@ def _lowest(
         read = v2 if version == 2 else v1
         try:
             value = read(folder)
-        except ValueError:  # not a number where one belongs: no limit known
+        except (ValueError, ZeroDivisionError):  # not a number, or a period of 0: none known
             continue
         if value is not None and value > 0 and (lowest is None or value < lowest.value):
             lowest = Limit(value, Path("/") / (folder / _FILES[read]).relative_to(root))
@@ -155,8 +155,9 @@ def _mounts(root: Path) -> list[_Mount]:
 
 
 def _read(path: Path) -> str:
-    """A file's text, stripped; empty where it cannot be read."""
+    """A file's text, stripped; empty where it cannot be read. Bytes that are not UTF-8
+    (a mount point's name in mountinfo) are kept as a path's are (os.fsdecode)."""
     try:
-        return path.read_text().strip()
+        return path.read_text(errors="surrogateescape").strip()
     except OSError:
         return ""

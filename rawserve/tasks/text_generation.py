@@ -33,6 +33,11 @@ API_SAMPLING = "api_sampling"
 # asked: the details hold the counts and the finish reason, not each token (a list that
 # grows with the tokens asked, up to the model's positions, and that nothing would read).
 TOKEN_COUNTS_ONLY = "token_counts_only"
+# Set by the server's OpenAI chat route, never by a client, where the operator keeps a
+# reasoning model's thinking in the content (--thinking-in-content): an answer a grammar
+# holds (tools, response_format) is held from its first token, as vLLM's without a
+# reasoning parser, not after a thinking the route would leave in front of the call or JSON.
+THINKING_IN_CONTENT = "thinking_in_content"
 # Where a reasoning model's thinking ends in an answer. The chat templates of reasoning
 # models (Qwen3's, DeepSeek-R1's, QwQ's) keep only what follows it in earlier answers.
 REASONING_END = "</think>"

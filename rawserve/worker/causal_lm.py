@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
 
 import jinja2
@@ -31,6 +31,7 @@ from rawserve.tasks.text_generation import (
     PROMPT_TOP_N,
     REASONING_END,
     REASONING_START,
+    THINKING_IN_CONTENT,
     TOKEN_COUNTS_ONLY,
     returns_full_text,
 )
@@ -114,6 +115,13 @@ def run_out(steps: Generator[int, None, Any]) -> Any:
             next(steps)
         except StopIteration as done:
             return done.value
+
+
+def first_token_held(params: Mapping[str, Any]) -> bool:
+    """Whether a reasoning model's answer is held to a grammar from its first token: where
+    its thinking stays in the text (`THINKING_IN_CONTENT`), as vLLM's without a reasoning
+    parser, it does not think first."""
+    return bool(params.get("grammar") and params.get(THINKING_IN_CONTENT))
 
 
 def nine_character_ids(message: dict[str, Any]) -> dict[str, Any]:
@@ -341,8 +349,9 @@ class CausalLMRunner(Runner):
         """Where a reasoning model's chat answer to the prompt `ids` opens its thinking, told
         to the server with it (a template's settings, such as DeepSeek-V3.1's `thinking`,
         change it from the `thinking` detail): in the prompt, else in the answer (one the
-        prompt closed opens none); None for other answers."""
-        if not params.get(CHAT_PARAM) or not self.reasons:
+        prompt closed opens none); None for other answers, and for one a grammar holds from
+        its first token (`THINKING_IN_CONTENT`): it has no thinking to count or split."""
+        if not params.get(CHAT_PARAM) or not self.reasons or first_token_held(params):
             return None
         return OPENED_IN_PROMPT if self.opening(ids) == OPENED_IN_PROMPT else OPENED_IN_ANSWER
 
@@ -368,9 +377,12 @@ class CausalLMRunner(Runner):
 
     def held_to(self, params: dict[str, Any], ids: list[int]) -> dict[str, Any] | None:
         """The grammar a prompt's answer is held to (None: none): a reasoning model's chat
-        answer after its thinking (the grammar's "thinking": where it opens, if it may)."""
+        answer after its thinking (the grammar's "thinking": where it opens, if it may),
+        unless the thinking is kept in the content (`THINKING_IN_CONTENT`)."""
         grammar = params.get("grammar")
         if not grammar or not params.get(CHAT_PARAM) or not self.reasons:
+            return grammar
+        if first_token_held(params):  # (its thinking kept in the text: none comes first)
             return grammar
         opened = self.opening(ids)
         return grammar if opened is None else {**grammar, "thinking": opened}
