@@ -757,7 +757,7 @@ def embeddings_of(document, details, path="/v1/embeddings", tokenizer="{}"):
     model = Recording()
     workers = Loaded("feature-extraction", details, tokenizer)
     served = ServedModel("m", ModelService(model, workers), {})
-    app = App(ServedModels([served]), settings or AppSettings())
+    app = App(ServedModels([served]), AppSettings())
     body = json.dumps(document).encode()
     request = HttpRequest("POST", path, "", [("content-type", "application/json")], body, "test")
     return asyncio.run(app.handle(request)), model.sent
@@ -847,7 +847,7 @@ class Scoring(Idle):
 def reranked(path, document):
     details = {"id2label": {"0": "LABEL_0"}}
     served = ServedModel("m", ModelService(Scoring(), Loaded("text-classification", details, "{}")))
-    app = App(ServedModels([served]), settings or AppSettings())
+    app = App(ServedModels([served]), AppSettings())
     body = json.dumps(document).encode()
     request = HttpRequest("POST", path, "", [("content-type", "application/json")], body, "test")
     answer = asyncio.run(app.handle(request))
