@@ -27,9 +27,10 @@ from rawserve.api.openai_logprobs import (
     prompt_tokens,
 )
 from rawserve.api.openai_tools import StreamedWords, Tools
-from rawserve.api.reasoning import CONTENT, REASONING, Thinking, said, split
+from rawserve.api.reasoning import CONTENT, REASONING, Thinking, said, split_answer
 from rawserve.api.streaming import TokenStream, merged, sse
 from rawserve.http.errors import HTTPError, openai_error_document
+from rawserve.tasks.text_generation import stop_tail
 
 # finish reasons: the worker's (TGI's) → OpenAI's
 FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
@@ -196,7 +197,7 @@ class Answer:
         reasoning: str | None = None
         content: str | None = text
         if self.thinking is not None:
-            reasoning, content = split(text, (details or {}).get("thinking") or self.thinking)
+            reasoning, content = split_answer(text, details or {}, self.thinking)
         thought = said(REASONING, reasoning) if reasoning is not None else {}
         if self.tools is None or content is None:  # (thinking never closed: no call)
             return {"role": "assistant", **said(CONTENT, content), **thought}, reason
@@ -445,12 +446,9 @@ class Streamed:
             self.unsent.add(listed(token), self.length)
         self.held += token["text"]
         self.length += len(token["text"])
-        # a stop may begin in the last characters sent (one fewer than the longest stop):
-        # one that counted no more once stops counted from a later token on
-        keep = max(map(len, stops), default=1) - 1
-        self.recent = (
-            self.recent[len(self.recent) - keep :] if len(self.recent) > keep else self.recent
-        )
+        # a stop may begin in the last characters sent: one that counted no more once
+        # stops counted from a later token on
+        self.recent = stop_tail(self.recent, stops)
         start = self.sent_length - len(self.recent)
         ready, _ = releasable(self.recent + self.held, stops, self.stops_from - start)
         if start + len(ready) <= self.sent_length:

@@ -41,7 +41,7 @@ from rawserve.api.openai_generation import (
     refuse_unserved,
     unserved,
 )
-from rawserve.api.reasoning import CONTENT, REASONING, Thinking, split
+from rawserve.api.reasoning import CONTENT, REASONING, Thinking, split_answer
 from rawserve.api.routing import DocContext, Schema
 from rawserve.api.streaming import TokenStream, merged
 from rawserve.http.encoding import dumps
@@ -372,9 +372,8 @@ class ResponseAnswer:
         text = cut_at_stop(output["generated_text"], stops, stops_from(output))
         reasoning: str | None = None
         content: str | None = text
-        if self.thinking is not None:  # (it opens where the worker says, else as the model's)
-            opened = output["details"].get("thinking") or self.thinking
-            reasoning, content = split(text, opened)
+        if self.thinking is not None:
+            reasoning, content = split_answer(text, output["details"], self.thinking)
         return self.finished(output, reasoning, content)
 
     async def events(

@@ -20,7 +20,7 @@ Server process; plain Python.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rawserve.tasks.text_generation import (
@@ -123,6 +123,14 @@ def split(text: str, opened: str) -> tuple[str | None, str | None]:
     if not thinking.thought:
         return None, content
     return reasoning, content or None
+
+
+def split_answer(
+    text: str, details: Mapping[str, Any], thinking: str
+) -> tuple[str | None, str | None]:
+    """A whole answer's reasoning and content (`split`), its thinking opening where the
+    worker's `details` say for this answer, else where the model's (`thinking`) does."""
+    return split(text, details.get("thinking") or thinking)
 
 
 def _tag_start(text: str, tag: str) -> int:

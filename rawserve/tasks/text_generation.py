@@ -12,7 +12,7 @@ per new token, and so that it never shares a batch.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rawserve.shared.token_columns import listed, token_count
@@ -118,6 +118,13 @@ def stop_sequences(value: Any) -> list[str]:
             f"must be a list of at most {MAX_STOP_SEQUENCES} non-empty strings of 200 characters"
         )
     return value
+
+
+def stop_tail(text: str, stops: Sequence[str]) -> str:
+    """The end of `text` that a stop sequence ending in a later piece may begin in: one
+    character fewer than the longest stop ("" without stops)."""
+    keep = max(map(len, stops), default=1) - 1
+    return text[len(text) - keep :] if len(text) > keep else text
 
 
 GRAMMAR_SCHEMA = {

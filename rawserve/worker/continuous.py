@@ -40,6 +40,7 @@ import torch.nn.functional as F
 import transformers
 
 from rawserve.shared.messages import FailureKind
+from rawserve.tasks.text_generation import stop_tail
 from rawserve.worker.cuda_graphs import ROW_BUCKETS
 from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.grammars import constrain
@@ -748,13 +749,6 @@ def ends_a_stop(text: str, piece: str, stops: Sequence[str]) -> bool:
     """Whether a stop sequence ends in `piece`, the newest piece at the end of `text` (one
     that ended earlier was found then, or did not count yet)."""
     return bool(piece) and any(stop in text[-(len(piece) + len(stop) - 1) :] for stop in stops)
-
-
-def stop_tail(text: str, stops: Sequence[str]) -> str:
-    """The end of `text` that a stop sequence ending in a later piece may begin in: one
-    character fewer than the longest stop ("" without stops)."""
-    keep = max(map(len, stops), default=1) - 1
-    return text[len(text) - keep :] if len(text) > keep else text
 
 
 def end_ids(tokenizer: Any, model: Any) -> set[int]:

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import transformers
 
-from rawserve.worker.continuous import ends_a_stop, stop_tail
+from rawserve.tasks.text_generation import stop_tail
+from rawserve.worker.continuous import ends_a_stop
 from rawserve.worker.grammars import constrain
 from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE, NotNumbers
 from rawserve.worker.scores import ScoreAdjustments, likeliest, unusable
