@@ -1,15 +1,17 @@
 """One bounded pass over every GPU measurement, for a machine lent for minutes.
 
     python -m bench.gpu_round --out /tmp/gpu                 # the open targets, then the rest
-    python -m bench.gpu_round --out /tmp/gpu --stages others # the rest, a second command
+    python -m bench.gpu_round --out /tmp/gpu --stages lone profile --budget 150
+                                                             # what it skipped, a second command
     python -m bench.gpu_round --out /tmp/dry --dry-run       # every stage on the CPU, tiny
 
 A lent machine runs one command for at most 600 s: the default `--budget` (500 s) holds the
 stages that measure the issues' open targets, which run first, and whatever of the rest
-still fits; `--stages others` runs the rest in a second command. On the machine itself,
-`scripts/gpu_wheels.sh` prepares what it lacks (bench/RESULTS.md, "Measuring on a lent
-GPU"). `--dry-run` runs every stage's command, the same options at tiny sizes, on the
-CPU: a wrong option fails here, not on the GPU.
+still fits (on an H200 all but the last three); the stages it skipped run in a second
+command, at once, on the machine still warm (`--stages others` names them all). On the
+machine itself, `scripts/gpu_wheels.sh` prepares what it lacks (bench/RESULTS.md,
+"Measuring on a lent GPU"). `--dry-run` runs every stage's command, the same options at
+tiny sizes, on the CPU: a wrong option fails here, not on the GPU.
 
 Each stage is one of the benchmarks, run as a command of its own under a time limit
 (killed past it: what it printed so far is kept), its output in `OUT/<stage>.log` and its
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -67,6 +70,8 @@ from pathlib import Path
 from typing import Any
 
 TAIL_LINES = 20
+# a lent machine sends back files of 16 MiB at most: the archive stays well inside that
+PACKED_FILE_LIMIT = 4 * 1024 * 1024
 # one command on a lent GPU may run 600 s: the stages, and the wheels' install before them
 BUDGET = 500.0
 # a dry run's stages may take this many times their GPU limits: a CPU shared by its tools
@@ -100,34 +105,34 @@ def stages(out: Path, dry_run: bool = False) -> list[Stage]:
     encoder = sized("bert-base-classification", "classification")
     clients = ("--clients", sized("1,64,256", "1,4"), "--client-processes", sized("6", "1"))
     return [
-        stage("http", 40, (
+        stage("http", 30, (
             "bench.http_processes", "--processes", *sized(("8", "16"), ("1", "2")), "--loops",
             "uvloop", "--rounds", "1", "--duration", sized("3", "0.5"), "--clients",
             sized("256", "16"), "--client-processes", sized("6", "1")), targets=True),
-        stage("encoders", 170, (
+        stage("encoders", 140, (
             "bench.compare", "--device", device, "--quick", "--scenarios", encoder,
             "--text-sets", "short", "--servers", "rawserve-default,rawserve-threads2",
             *clients, "--json", str(out / "encoders.json")), targets=True),
-        stage("generation", 180, (
+        stage("generation", 100, (
             "bench.generation_serving", "--device", device, *model, "--rounds", "1",
             "--duration", sized("20", "2"), "--systems", "rawserve-continuous",
             "static-in-process", "--scenarios", "64 x 64", "mixed 256 x 8-256",
             "stream 1 x 64", "stream 16 x 64", "stream 64 x 64", "--json",
             str(out / "generation.json")), targets=True),
-        stage("generation-overload", 95, (
+        stage("generation-overload", 80, (
             "bench.generation_overload", "--device", device, *model, "--rounds", "1",
             "--duration", sized("8", "1")), targets=True),
-        stage("encoders-more", 120, (
+        stage("encoders-more", 160, (
             "bench.compare", "--device", device, "--quick", "--scenarios", encoder,
             "--text-sets", "short", "--servers", "rawserve-eager,rawserve-lists,seed-batching",
             *clients, "--json", str(out / "encoders-more.json"))),
-        stage("generation-eager", 90, (
+        stage("generation-eager", 70, (
             "bench.generation_serving", "--device", device, *model, "--rounds", "1",
             "--duration", sized("20", "2"), "--systems", "rawserve-eager", "--json",
             str(out / "generation-eager.json"))),
-        stage("decode", 60, (
+        stage("decode", 50, (
             "bench.generation", "--device", device, *model, "--rounds", "1")),
-        stage("graphs", 50, (
+        stage("graphs", 45, (
             "bench.cuda_graphs", "--device", sized("cuda:0", "cpu"), "--batches",
             *sized(("1", "16", "64", "256"), ("1", "4")), "--seconds", sized("0.5", "0.1"),
             "--rounds", sized("2", "1"))),
@@ -136,13 +141,13 @@ def stages(out: Path, dry_run: bool = False) -> list[Stage]:
             "--new-tokens", sized("32", "2"), *sized((), ("--choices", "default", "math")),
             # (a CPU without half-precision units takes a minute a half batch of BERT-base)
             "--dtype", sized("float16", "float32"))),
-        stage("lone", 40, (
+        stage("lone", 80, (
             "bench.lone_request", "--scenario", encoder, "--requests", sized("300", "5"),
             "--config=", "--config=--http-processes 1", "--out", str(out / "lone"))),
-        stage("profile", 40, (
+        stage("profile", 50, (
             "bench.profile", "--scenario", encoder, "--clients", sized("256", "4"),
             "--seconds", sized("6", "1"), "--rate", "200", "--out", str(out / "profile"))),
-        stage("overlap", 40, (
+        stage("overlap", 70, (
             "bench.overlap", "--prepare", "--device", device, "--batch", sized("256", "8"),
             *model, "--rounds", sized("2", "1"), "--seconds", sized("3", "0.5"))),
     ]  # fmt: skip
@@ -217,11 +222,24 @@ def run(chosen: Sequence[Stage], out: Path, budget: float) -> list[dict[str, Any
     return found
 
 
-def pack(out: Path, archive: Path) -> None:
-    """Every file of OUT in one archive (a machine may send back only a few files)."""
+def pack(out: Path, archive: Path, limit: int = PACKED_FILE_LIMIT) -> None:
+    """Every file of OUT in one archive (a machine may send back only a few files, of 16
+    MiB each at most): a file over `limit` bytes (a profile's raw stacks) is left out,
+    and named in the archive's `left-out.txt`."""
     archive.parent.mkdir(parents=True, exist_ok=True)
+    name = out.name or "round"
+    too_big = {
+        f"{name}/{path.relative_to(out)}": path.stat().st_size
+        for path in out.rglob("*")
+        if path.is_file() and path.stat().st_size > limit
+    }
     with tarfile.open(archive, "w:gz") as tar:
-        tar.add(out, arcname=out.name or "round")
+        tar.add(out, arcname=name, filter=lambda info: None if info.name in too_big else info)
+        if too_big:
+            said = "".join(f"{path}: {size} bytes\n" for path, size in sorted(too_big.items()))
+            info = tarfile.TarInfo(f"{name}/left-out.txt")
+            info.size = len(said.encode())
+            tar.addfile(info, io.BytesIO(said.encode()))
 
 
 def chosen_stages(names: Sequence[str], out: Path, dry_run: bool) -> list[Stage]:

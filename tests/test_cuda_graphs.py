@@ -249,3 +249,101 @@ def test_past_the_most_shapes_new_ones_run_as_they_are_and_the_log_says_so_once(
             torch.testing.assert_close(graphed(encoded), model(**encoded).logits)
     assert len(recorded) == 1 and recorded[0].replays == 1 + 2  # checked, then twice
     assert sum("shapes recorded" in r.message for r in caplog.records) == 1
+
+
+class Rerun:
+    """A stand-in for a graph recorded by `cuda_graphs.record`: replay runs the recorded
+    call again into the tensor the recording returned."""
+
+    def __init__(self, run, output):
+        self.run, self.output = run, output
+
+    def replay(self) -> None:
+        self.output.copy_(self.run())
+
+
+HOST_READS = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy")
+
+
+@pytest.fixture
+def recorded_as_a_gpu_records(monkeypatch):
+    """The CUDA part of a recording (`cuda_graphs.record`) as a GPU enforces it: the call
+    runs once while the stream records, and reading a tensor's values back to the host
+    meanwhile fails as CUDA fails it. Everything else (the runner, its model, the hooks on
+    it, transformers' own checks of whether a stream records) runs as it is."""
+    state = {"recording": False}
+
+    def refused_while_recording(read):
+        def checked(self, *args, **kwargs):
+            if state["recording"]:
+                raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+            return read(self, *args, **kwargs)
+
+        return checked
+
+    for name in HOST_READS:
+        monkeypatch.setattr(
+            torch.Tensor, name, refused_while_recording(getattr(torch.Tensor, name))
+        )
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["recording"])
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
+    graphs: list[Rerun] = []
+
+    def record(run, device, pool):
+        state["recording"] = True
+        try:
+            output = run()
+        finally:
+            state["recording"] = False
+        graphs.append(Rerun(run, output))
+        return graphs[-1], output
+
+    monkeypatch.setattr(cuda_graphs, "record", record)
+    return graphs
+
+
+@pytest.mark.parametrize("kind", ["text-classification", "feature-extraction"])
+def test_a_recording_reads_nothing_back_to_the_host(tiny_model, recorded_as_a_gpu_records, kind):
+    """The check for scores that are not numbers, a forward hook on the model, read them
+    while the pass was recorded: on the H200 every recording failed and the classifier
+    ran without graphs (5 ms a text where a replay takes 1). A recording now checks
+    nothing; each replay's scores are checked."""
+    from rawserve.worker.loading import load_runner
+
+    plain = load_runner(worker_config(tiny_model(kind), threads=1), "cpu")
+    graphed = load_runner(worker_config(tiny_model(kind), threads=1), "cpu")
+    assert graphed.use_cuda_graphs().startswith("on")
+    for texts in (TEXTS, TEXTS[:1], TEXTS[1:3]):
+        for one, two in zip(plain.run(texts, {}), graphed.run(texts, {}), strict=True):
+            if isinstance(one, dict):
+                assert (one["label"], one["score"]) == (two["label"], pytest.approx(two["score"]))
+            else:
+                np.testing.assert_allclose(two, one, rtol=1e-4, atol=1e-5)
+    assert recorded_as_a_gpu_records and not graphed.graphed.failed
+    assert len(graphed.graphed.graphs) == len(recorded_as_a_gpu_records)
+
+
+@pytest.mark.parametrize("kind", ["text-classification", "feature-extraction"])
+def test_scores_that_are_not_numbers_fail_their_input_alone_and_leave_the_graphs_on(
+    tiny_model, recorded_as_a_gpu_records, kind
+):
+    """An input whose scores overflow in the batch a shape is recorded on: its first
+    replay is NaN where the pass as it is was NaN too, which is faithful (NaN is no
+    number, but equal to itself here); the input fails alone, checked on the replay."""
+    from rawserve.shared.messages import FailureKind, ItemFailure
+    from rawserve.worker.batch_runs import run_bisecting
+    from rawserve.worker.loading import load_runner
+
+    runner = load_runner(worker_config(tiny_model(kind), threads=1), "cpu")
+    runner.use_cuda_graphs()
+    model = runner.pipe.model if kind == "text-classification" else runner.model
+    marker = runner.tokenizer("paris", add_special_tokens=False)["input_ids"][-1]
+
+    def overflow(_module, args, output):  # the input holding the marker's token overflows
+        return output.masked_fill((args[0] == marker).unsqueeze(-1), float("nan"))
+
+    model.get_input_embeddings().register_forward_hook(overflow)
+    good, bad = run_bisecting(runner, ["hello world", "paris"], {})
+    assert isinstance(bad, ItemFailure) and bad.kind == FailureKind.INTERNAL
+    assert "not numbers" in bad.message and not isinstance(good, ItemFailure)
+    assert recorded_as_a_gpu_records and not runner.graphed.failed

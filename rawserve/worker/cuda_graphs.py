@@ -16,8 +16,10 @@ Worker process only (imports torch).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +75,27 @@ def unpadded(output: torch.Tensor, rows: int, length: int, per_token: bool) -> t
     """The batch's part of a bucket's output (`per_token`: a vector per token, whose
     padded tokens are cut too)."""
     return output[:rows, :length] if per_token else output[:rows]
+
+
+_thread = threading.local()
+
+
+@contextlib.contextmanager
+def _recording() -> Iterator[None]:
+    _thread.recording = True
+    try:
+        yield
+    finally:
+        _thread.recording = False
+
+
+def recording() -> bool:
+    """True while this thread records a graph and checks its first replay. A check of the
+    model's output that reads it back to the host (a forward hook's) waits for the
+    caller's check of the replay's output: CUDA refuses such a read while it records
+    (the recording fails), and an output that is not numbers is the input's fault, not
+    the graph's."""
+    return getattr(_thread, "recording", False)
 
 
 @dataclass
@@ -139,8 +162,9 @@ class GraphedForward:
             for name in sorted(batch)
         }
         padded(batch, tensors)
-        graph, output = self._record(tensors)
-        self._check(graph, tensors, output, *batch["input_ids"].shape)
+        with _recording():
+            graph, output = self._record(tensors)
+            self._check(graph, tensors, output, *batch["input_ids"].shape)
         log.info("CUDA graphs: captured %d rows x %d tokens", *shape)
         return Captured(graph, tensors, output)
 
@@ -239,7 +263,9 @@ def check_close(replayed: torch.Tensor, expected: torch.Tensor, tolerance: float
     they differ by more than `tolerance` (relative and absolute)."""
     replayed, expected = replayed.float(), expected.float()
     difference = float((replayed - expected).abs().max()) if replayed.numel() else 0.0
-    if not torch.allclose(replayed, expected, rtol=tolerance, atol=tolerance):
+    # (NaN where the pass as it is gave NaN is faithful: the input overflowed, and the
+    # caller's check of the output fails it alone)
+    if not torch.allclose(replayed, expected, rtol=tolerance, atol=tolerance, equal_nan=True):
         raise ValueError(f"the replayed pass differs from the pass as it is by {difference}")
     return difference
 

@@ -18,7 +18,7 @@ import transformers
 
 from rawserve.shared.messages import NO_CONTROL, Control, FailureKind, ItemFailure, ModelLimits
 from rawserve.tasks import LOGITS_PARAM, split_outputs
-from rawserve.worker.cuda_graphs import GraphedForward
+from rawserve.worker.cuda_graphs import GraphedForward, recording
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import (
     Runner,
@@ -232,9 +232,10 @@ def refuse_broken_scores(
 ) -> None:
     """A forward hook that raises `NotNumbers` where the model's scores (an input's
     logits, or each token's) hold NaN or infinity at a real token. (Question answering's
-    start and end scores are checked by its own runner, `span_extraction`.)"""
+    start and end scores are checked by its own runner, `span_extraction`.) A pass
+    recorded into a CUDA graph is not read: its replays' scores are (`_forward_logits`)."""
     logits = output.get("logits") if isinstance(output, dict) else None  # a ModelOutput
-    if isinstance(logits, torch.Tensor):
+    if isinstance(logits, torch.Tensor) and not recording():
         refuse_not_numbers(logits, "scores", kwargs.get("attention_mask"))
 
 
