@@ -1,7 +1,7 @@
 """One bounded pass over every GPU measurement, for a machine lent for minutes.
 
     python -m bench.gpu_round --out /tmp/gpu                 # the open targets, then the rest
-    python -m bench.gpu_round --out /tmp/gpu --stages lone profile --budget 150
+    python -m bench.gpu_round --out /tmp/gpu --stages lone profile overlap --budget 200
                                                              # what it skipped, a second command
     python -m bench.gpu_round --out /tmp/dry --dry-run       # every stage on the CPU, tiny
 
