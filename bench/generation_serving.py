@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -349,17 +350,57 @@ async def serve_round(system: str, folder: Path, chosen: list[Scenario], log: Pa
                 completion_request(model, text, ask, scenario.stream)
                 for text, ask in zip(texts, scenario.asks, strict=True)
             ]
+            before = await asyncio.to_thread(generation_passes, process.port)
             found[scenario.name] = await closed_loop(
                 process.port, requests, scenario.asks, scenario.clients, args.duration
             )
             if "unanswered" in found[scenario.name]["statuses"]:
                 await settle(process.port, probe, args.duration)
+            after = await asyncio.to_thread(generation_passes, process.port)
+            found[scenario.name].update(pass_shares(before, after))
         return found
     except Exception as exc:  # noqa: BLE001 - the other systems still run
         print(f"{system} failed: {exc!r}\n{process.log_tail(30)}", file=sys.stderr, flush=True)
         return {}
     finally:
         process.stop()
+
+
+def generation_passes(port: int) -> Counter[str]:
+    """rawserve's generation pass counters from its /metrics, by kind (none elsewhere)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            text = answer.read().decode()
+    except (OSError, ValueError):
+        return Counter()
+    found: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in PASS_COUNTERS:
+                found[f"{PASS_COUNTERS[sample.name]} {sample.labels['kind']}"] += sample.value
+    return found
+
+
+PASS_COUNTERS = {
+    "rawserve_generation_passes_total": "passes",
+    "rawserve_generation_pass_tokens_total": "tokens",
+}
+
+
+def pass_shares(before: Counter[str], after: Counter[str]) -> dict[str, float]:
+    """What rawserve's loop ran over a scenario: prefills per decoding step (near 1: a
+    prefill beside nearly every step, on a GPU about a step's cost each) and the rows a
+    step ran. About: a worker counts its passes to the server once a second."""
+    ran = after - before
+    steps = ran["passes decode"]
+    if not steps:
+        return {}
+    return {
+        "prefills_per_step": round(ran["passes prefill"] / steps, 2),
+        "rows_per_step": round(ran["tokens decode"] / steps, 1),
+    }
 
 
 async def settle(port: int, probe: bytes, timeout: float) -> None:
@@ -430,7 +471,7 @@ def spread(values: list[float]) -> dict[str, float] | None:
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ("tokens_per_s", "completions_per_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms",
-            "client_cpu_share")  # fmt: skip
+            "client_cpu_share", "prefills_per_step", "rows_per_step")  # fmt: skip
     summary: dict[str, Any] = {
         key: spread([run[key] for run in runs if run.get(key) is not None]) for key in keys
     }
@@ -443,15 +484,16 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
-def median(summary: dict[str, Any], key: str) -> str:
-    found = summary[key]
-    return "-" if found is None else f"{found['median']:,.1f}"
+def median(summary: dict[str, Any], key: str, places: int = 1) -> str:
+    found = summary.get(key)
+    return "-" if found is None else f"{found['median']:,.{places}f}"
 
 
 def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     rows = ["| scenario | system | tokens/s median [range] | × in-process static | "
-            "completions/s | statuses | TTFT p50 ms | ITL p50 / p99 ms |",
-            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            "completions/s | statuses | TTFT p50 ms | ITL p50 / p99 ms | prefills / rows "
+            "a step |",
+            "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for scenario, by_system in results.items():
         unstreamed = results.get(scenario.removeprefix("stream "), {})  # the same load
         reference = unstreamed.get("static-in-process", {}).get("tokens_per_s")
@@ -465,7 +507,8 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
                 f"[{rate['min']:,.0f}–{rate['max']:,.0f}] | {ratio} | "
                 f"{median(summary, 'completions_per_s')} | {summary['statuses']} | "
                 f"{median(summary, 'ttft_p50_ms')} | "
-                f"{median(summary, 'itl_p50_ms')} / {median(summary, 'itl_p99_ms')} |"
+                f"{median(summary, 'itl_p50_ms')} / {median(summary, 'itl_p99_ms')} | "
+                f"{median(summary, 'prefills_per_step', 2)} / {median(summary, 'rows_per_step')} |"
             )
     return "\n".join(rows)
 

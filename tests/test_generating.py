@@ -26,6 +26,7 @@ from rawserve.shared.messages import (
     Cancel,
     Control,
     FailureKind,
+    GenerationPasses,
     ItemFailure,
     Shutdown,
     TokenChunk,
@@ -1683,12 +1684,13 @@ def test_no_more_sequences_run_at_once_than_the_loops_rows(runner):
     assert [22 in rows for rows in passes][:4] == [False, False, False, True]
 
 
-def test_passes_with_no_tokens_to_stream_say_progress_once_a_second(runner, monkeypatch):
-    """The server counts a worker hung when it hears nothing: with no stream to send to,
-    a pass says `Progress`, at most once every PROGRESS_EVERY seconds (a clock that each
-    forward pass moves by a quarter of one: every fourth pass)."""
-    from rawserve.shared.messages import PROGRESS_EVERY, Progress
+@pytest.fixture
+def quarter_seconds(runner, monkeypatch):
+    """A clock that each forward pass of the runner's model moves by a quarter of
+    PROGRESS_EVERY (and of PASSES_EVERY); `monkeypatch.undo()` stops it."""
+    from rawserve.shared.messages import PASSES_EVERY, PROGRESS_EVERY
 
+    assert PASSES_EVERY == PROGRESS_EVERY
     now = [0.0]
     forward = runner.model.forward
 
@@ -1697,10 +1699,41 @@ def test_passes_with_no_tokens_to_stream_say_progress_once_a_second(runner, monk
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(runner.model, "forward", a_quarter)
+    return lambda: now[0]
+
+
+def test_passes_with_no_tokens_to_stream_say_progress_once_a_second(
+    runner, monkeypatch, quarter_seconds
+):
+    """The server counts a worker hung when it hears nothing: with no stream to send to,
+    a pass says `Progress`, at most once every PROGRESS_EVERY seconds (every fourth pass)."""
+    from rawserve.shared.messages import Progress
+
     quiet = Batch(1, ("the movie was",), {"max_new_tokens": 12, "do_sample": False})
-    sent = serve(runner, {0: [quiet]}, clock=lambda: now[0])
+    sent = serve(runner, {0: [quiet]}, clock=quarter_seconds)
     monkeypatch.undo()
-    assert [type(m) for m in sent] == [Progress] * 3 + [BatchResult]
+    told = [type(m) for m in sent if not isinstance(m, GenerationPasses)]
+    assert told == [Progress] * 3 + [BatchResult]
+
+
+def test_the_passes_are_counted_to_the_server_once_a_second_and_whole_once_idle(
+    runner, monkeypatch, quarter_seconds
+):
+    """The server's metrics hear the loop's passes (`GenerationPasses`): at most once
+    every PASSES_EVERY seconds while it runs (every fourth pass), and what is left once
+    it falls idle; together, every pass."""
+    prompts = ("the movie was", "a long day at the")
+    batch = Batch(1, prompts, {"max_new_tokens": 10, "do_sample": False, "ignore_eos": True})
+    sent = serve(runner, {0: [batch]}, clock=quarter_seconds)
+    monkeypatch.undo()
+    counted = [m for m in sent if isinstance(m, GenerationPasses)]
+    prompt_tokens = sum(len(runner.tokenizer(p)["input_ids"]) for p in prompts)
+    # 10 new tokens each: the first from their prefill, nine decoding steps of two rows
+    assert sum(m.prefills for m in counted) == 1  # short prompts join in one pass
+    assert sum(m.prompt_tokens for m in counted) == prompt_tokens
+    assert (sum(m.steps for m in counted), sum(m.rows for m in counted)) == (9, 18)
+    # 10 passes, a quarter second each: after the 4th and the 8th, then the rest idle
+    assert [(m.prefills, m.steps) for m in counted] == [(1, 3), (0, 4), (0, 2)]
 
 
 def test_the_shared_cancelled_stream_integer_stops_that_stream_only(runner):

@@ -256,3 +256,30 @@ def test_request_series_stay_bounded_whatever_the_paths_and_methods():
         ): 50,
         ("rawserve_requests_total", (("method", "POST"), ("route", "/"), ("status", "200"))): 2,
     }
+
+
+def test_a_generation_workers_passes_are_counted_by_kind():
+    """A continuous generation worker's `GenerationPasses` reach the model's metrics: how
+    many prefills and decoding steps ran, and their tokens (a decoding step's tokens are
+    its rows: their ratio is the batch the loop runs)."""
+    from rawserve.serving.pool import WorkerPool
+    from rawserve.shared.messages import GenerationPasses, WorkerConfig
+
+    metrics = Metrics()
+    pool = WorkerPool(
+        WorkerConfig(model="unused", task="text-generation"),
+        ["cpu"],
+        metrics=metrics.for_model("gpt"),
+    )
+    [worker] = pool.workers
+    pool._on_message(worker, GenerationPasses(prefills=2, prompt_tokens=30, steps=9, rows=40))
+    pool._on_message(worker, GenerationPasses(steps=1, rows=5))
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(metrics.render()[0].decode())
+        for sample in family.samples
+    }
+    assert value(samples, "rawserve_generation_passes_total", model="gpt", kind="prefill") == 2
+    assert value(samples, "rawserve_generation_passes_total", model="gpt", kind="decode") == 10
+    assert value(samples, "rawserve_generation_pass_tokens_total", kind="prefill") == 30
+    assert value(samples, "rawserve_generation_pass_tokens_total", kind="decode") == 45

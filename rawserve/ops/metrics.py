@@ -88,6 +88,20 @@ class Metrics:
             ["model", "reason"],
             registry=r,
         )
+        self.generation_passes = Counter(
+            "rawserve_generation_passes",
+            "Forward passes of a continuous generation loop, by kind (prefill: joining "
+            "prompts, a long prompt's chunk, prompt scoring; decode: a step of every row)",
+            ["model", "kind"],
+            registry=r,
+        )
+        self.generation_pass_tokens = Counter(
+            "rawserve_generation_pass_tokens",
+            "Tokens those passes ran, by kind (prefill: prompt tokens read; decode: rows "
+            "stepped, a new token each): decode tokens per decode pass is the batch's rows",
+            ["model", "kind"],
+            registry=r,
+        )
         self._state = StateCollector()
         r.register(self._state)
         self.loop_lag = Histogram(
@@ -243,6 +257,8 @@ class ModelMetrics:
         self._batch_compute = metrics.batch_compute.labels(name)
         # every reason is exported, 0 until it happens
         self._dropped = {reason: metrics.dropped.labels(name, reason) for reason in DROP_REASONS}
+        self._passes = metrics.generation_passes
+        self._pass_tokens = metrics.generation_pass_tokens
 
     def observe_batch(self, size: int, compute_seconds: float) -> None:
         self._batch_size.observe(size)
@@ -251,6 +267,12 @@ class ModelMetrics:
     def drop(self, reason: str, count: int = 1) -> None:
         if count > 0:
             self._dropped[reason].inc(count)
+
+    def count_passes(self, prefills: int, prompt_tokens: int, steps: int, rows: int) -> None:
+        """A generation worker's passes (exported once a model generates continuously)."""
+        for kind, passes, tokens in (("prefill", prefills, prompt_tokens), ("decode", steps, rows)):
+            self._passes.labels(self.name, kind).inc(passes)
+            self._pass_tokens.labels(self.name, kind).inc(tokens)
 
 
 class QueueState(Protocol):

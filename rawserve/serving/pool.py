@@ -66,6 +66,7 @@ from rawserve.shared.messages import (
     BatchResult,
     Cancel,
     Control,
+    GenerationPasses,
     Progress,
     Shutdown,
     TokenChunk,
@@ -92,9 +93,12 @@ RUN_MEMORY = 0.8  # weight a worker's batch time average keeps of its past per b
 
 
 class DropCounter(Protocol):
-    """What the pool counts (rawserve.ops.metrics.Metrics): inputs refused as poison."""
+    """What the pool counts (rawserve.ops.metrics.ModelMetrics): inputs refused as poison,
+    and a generation worker's forward passes."""
 
     def drop(self, reason: str, count: int = 1) -> None: ...
+
+    def count_passes(self, prefills: int, prompt_tokens: int, steps: int, rows: int) -> None: ...
 
 
 class WorkerPool(PoolReports):
@@ -625,6 +629,12 @@ class WorkerPool(PoolReports):
         worker.heard_at = self.clock()
         if isinstance(message, Progress):
             return  # only a sign of life
+        if isinstance(message, GenerationPasses):
+            if self.metrics is not None:
+                self.metrics.count_passes(
+                    message.prefills, message.prompt_tokens, message.steps, message.rows
+                )
+            return
         if isinstance(message, TokenChunks):
             for chunk in message.chunks:
                 self._on_token(worker, chunk)

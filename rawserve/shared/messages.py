@@ -158,6 +158,23 @@ PROGRESS_EVERY = 1.0  # seconds between two `Progress` messages at most
 
 
 @dataclass(frozen=True)
+class GenerationPasses:
+    """A continuous generation worker's forward passes since it last sent these, for the
+    server's metrics: prefills (joiners' prompts, a long prompt's chunk, a window of
+    prompt scoring) and the prompt tokens they read, decoding steps and the rows they
+    ran (a new token each). Sent at most once every `PASSES_EVERY` seconds while it
+    runs, and once more when it falls idle."""
+
+    prefills: int = 0
+    prompt_tokens: int = 0
+    steps: int = 0
+    rows: int = 0
+
+
+PASSES_EVERY = 1.0  # seconds between two `GenerationPasses` messages at most
+
+
+@dataclass(frozen=True)
 class Cancel:
     """The server no longer wants a batch's answer (its client left, or its deadline
     passed). A continuous worker ends the batch's sequences at its next decoding step and

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from rawserve.shared.messages import FailureKind
+from rawserve.shared.messages import FailureKind, GenerationPasses
 from rawserve.tasks.text_generation import stop_tail
 from rawserve.worker.cuda_graphs import ROW_BUCKETS
 from rawserve.worker.decode_graphs import GraphedDecode
@@ -175,6 +175,24 @@ class ChunkedPrefill:
     done: int = 0  # its tokens prefilled so far
 
 
+@dataclass
+class Passes:
+    """What a batcher's forward passes ran (`GenerationPasses`, for the server's metrics)."""
+
+    prefills: int = 0
+    prompt_tokens: int = 0
+    steps: int = 0
+    rows: int = 0
+
+    def taken(self) -> GenerationPasses | None:
+        """The counts so far as a message, and zeroed; None where there are none."""
+        if not (self.prefills or self.steps):
+            return None
+        counted = GenerationPasses(self.prefills, self.prompt_tokens, self.steps, self.rows)
+        self.prefills = self.prompt_tokens = self.steps = self.rows = 0
+        return counted
+
+
 class ContinuousBatcher:
     """Runs any number of `Generation`s, at most `max_rows` at a time, a step at a time.
 
@@ -212,6 +230,7 @@ class ContinuousBatcher:
         self.eos_ids = end_ids(tokenizer, model)
         self.waiting: list[Generation] = []
         self.rows: list[Generation] = []
+        self.passes = Passes()
         self._joining: list[Generation] = []  # being prefilled: neither waiting nor a row
         self._prefilling = False  # the joiners' own forward pass runs: the rows untouched
         # the long prompt prefilled a chunk a step (PREFILL_CHUNK), if any
@@ -353,6 +372,9 @@ class ContinuousBatcher:
                 positions = next(generation.scoring, 0)
                 if not positions:  # done (copies of a prompt scored: at once)
                     generation.scoring = None
+                else:
+                    self.passes.prefills += 1
+                    self.passes.prompt_tokens += positions
                 budget -= positions
                 self._joining, self._prefilling = [], False
         return budget < self.prefill_chunk
@@ -401,6 +423,8 @@ class ContinuousBatcher:
             logits_to_keep=1,
         )
         chunked.done = stop
+        self.passes.prefills += 1
+        self.passes.prompt_tokens += stop - first
         self._joining, self._prefilling = [], False
         if stop < len(prompt):
             return
@@ -515,6 +539,8 @@ class ContinuousBatcher:
         graphed = self.prefill_graphs
         prefilled = graphed.prefill(ids, mask) if graphed else None
         keys, values, logits = prefilled or self._prefill(ids, mask)
+        self.passes.prefills += 1
+        self.passes.prompt_tokens += sum(len(prompt) for prompt in prompts)
         for prompt, scores in zip(prompts, logits, strict=True):
             self._keep_scores(prompt, scores)
         pad = (0, 0, width - longest, 0)
@@ -598,6 +624,8 @@ class ContinuousBatcher:
         if logits is None:
             logits = as_is()
         self._slots.close_column()
+        self.passes.steps += 1
+        self.passes.rows += len(self.rows)
         self._positions = self._positions + 1
         self._last = self._choose(logits, self.rows)
 

@@ -38,6 +38,7 @@ from typing import Any
 
 from rawserve.shared.memory import FreeMemoryReleaser
 from rawserve.shared.messages import (
+    PASSES_EVERY,
     PROGRESS_EVERY,
     Batch,
     BatchResult,
@@ -148,6 +149,7 @@ class GenerationLoop:
         )
         self.streamed: list[TokenChunk] = []  # this forward pass's tokens for their streams
         self.progress_at = 0.0  # when a pass's end was last sent (tokens, or `Progress`)
+        self.passes_at = 0.0  # when the passes were last counted to the server
         self.open: dict[int, OpenBatch] = {}  # by batch id
         self.cap = BatchCap(ROWS_RESTORE_AFTER)
         self.releaser = FreeMemoryReleaser()
@@ -156,6 +158,7 @@ class GenerationLoop:
 
     def run(self, feeder: Feeder) -> None:
         """Serve what `feeder` brings until `Shutdown` (or until the server is gone)."""
+        self.batcher.passes.taken()  # the warm-up's are no work of the server's
         while not self.server_gone:
             # running: take what came during the step; idle: wait for the server
             messages = feeder.drain() if self.batcher.busy else [feeder.next(), *feeder.drain()]
@@ -170,6 +173,7 @@ class GenerationLoop:
             if self.batcher.busy:
                 self._step()
             if not self.batcher.busy:
+                self._count_passes()  # idle: the counts are whole till work comes
                 self.releaser.after_batch()  # idle: the heap's free pages go back
 
     # --- messages in ------------------------------------------------------------------------
@@ -316,16 +320,26 @@ class GenerationLoop:
     def _send_streamed(self) -> None:
         """A forward pass is over: its streamed tokens go in one message, before the next
         pass starts (a joiner's first token does not wait for the decoding step); with
-        none, a `Progress` now and then says the worker is not hung."""
+        none, a `Progress` now and then says the worker is not hung; and now and then the
+        passes run so far, for the server's metrics."""
         now = self.clock()
         if self.streamed:
-            message: TokenChunks | Progress = TokenChunks(tuple(self.streamed))
-            self.streamed = []
+            self._tell(TokenChunks(tuple(self.streamed)))
+            self.streamed, self.progress_at = [], now
         elif now - self.progress_at >= PROGRESS_EVERY:
-            message = Progress()
-        else:
-            return
-        self.progress_at = now
+            self._tell(Progress())
+            self.progress_at = now
+        if now - self.passes_at >= PASSES_EVERY:
+            self._count_passes()
+
+    def _count_passes(self) -> None:
+        """The passes run since they were last counted, to the server (its metrics)."""
+        passes = self.batcher.passes.taken()
+        if passes is not None:
+            self.passes_at = self.clock()
+            self._tell(passes)
+
+    def _tell(self, message: Any) -> None:
         try:
             self.send(message)
         except (OSError, ValueError):  # the server is gone
