@@ -205,6 +205,33 @@ def test_fill_mask_lists_at_most_the_whole_vocabulary(runner):
     assert len({entry["token"] for entry in listed}) == vocabulary
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fill_mask_scores_a_half_precision_model_in_float32(tiny_model, dtype):
+    """As a GPU serves it: each score is the float32 softmax of the model's own logits,
+    not that softmax rounded to the model's precision (a few digits, which tie tokens
+    whose logits differ and list them in any order)."""
+    import torch
+
+    from rawserve.worker.loading import load_runner
+
+    serving = load_runner(worker_config(tiny_model("fill-mask"), dtype=dtype), "cpu")
+    text = "paris is the [MASK] of france"
+    [listed] = serving.run([text], {"top_k": 20})
+    encoded = serving.tokenizer(text, return_tensors="pt")
+    with torch.inference_mode():
+        logits = serving.pipe.model(**encoded).logits
+    assert logits.dtype == getattr(torch, dtype)
+    masked = encoded["input_ids"][0].tolist().index(serving.tokenizer.mask_token_id)
+    probabilities = logits[0, masked].float().softmax(-1)
+    scores = [entry["score"] for entry in listed]
+    expected = [float(probabilities[entry["token"]]) for entry in listed]
+    assert scores == pytest.approx(expected, rel=1e-6, abs=0)
+    assert scores == sorted(scores, reverse=True)
+    unlisted = probabilities.clone()
+    unlisted[[entry["token"] for entry in listed]] = -1.0
+    assert min(scores) >= float(unlisted.max())  # the likeliest, all of them
+
+
 def test_embedding_options(runner):
     plain = runner("feature-extraction")
     [tokens] = plain.run(["hello world"], {})
