@@ -484,6 +484,39 @@ class GivesUp:
         return self.asked > self.after
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"max_new_tokens": 4},
+        {"max_new_tokens": 4, "num_beams": 3},
+        {"max_new_tokens": 4, "do_sample": True},
+    ],
+)
+def test_a_seq2seq_input_whose_model_scores_are_not_numbers_fails_alone(runner, params):
+    """A model that overflows (float16, as a GPU serves it) on one input: greedy and beam
+    search took token 0 from its NaN scores and answered an empty text, and sampling
+    blamed a temperature never set (422); the input now fails alone, the model's fault."""
+    from rawserve.worker.batch_runs import run_bisecting
+    from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE
+
+    generating = runner("seq2seq", "text2text-generation")
+    poisoned = generating.tokenizer("paris", add_special_tokens=False)["input_ids"][0]
+
+    def overflow(_module, _args, kwargs, output):  # an input holding "paris" overflows
+        rows = (kwargs["input_ids"] == poisoned).any(-1)
+        output.last_hidden_state[rows] = float("nan")
+        return output
+
+    texts = ["the movie was good", "paris is a city"]
+    hook = generating.model.get_encoder().register_forward_hook(overflow, with_kwargs=True)
+    try:
+        good, failed = run_bisecting(generating, texts, params)
+    finally:
+        hook.remove()
+    assert failed == ItemFailure(FailureKind.INTERNAL, MODEL_SCORES_FAILED_MESSAGE)
+    assert isinstance(good, dict) and good["generated_text"]
+
+
 @pytest.mark.parametrize("beams", [1, 4])
 def test_a_seq2seq_batch_nobody_waits_for_stops_generating_at_its_next_token(runner, beams):
     """As a causal model's: `generate` ran a summary or translation to its length whatever
