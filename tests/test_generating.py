@@ -881,6 +881,40 @@ def test_a_row_whose_model_scores_are_not_numbers_fails_alone_on_the_static_path
         assert good == static(runner, "the movie was", params)
 
 
+@pytest.mark.parametrize("new_tokens", [0, 3])
+def test_a_prompt_whose_model_scores_are_not_numbers_fails_alone_on_both_paths(
+    runner, new_tokens, caplog
+):
+    """A model that overflows (float16 on a long input) at one of a prompt's positions,
+    its scores asked for (TGI's decoder_input_details, OpenAI's echo with logprobs): that
+    token's log probability was NaN, written as null, which reads as the first token's
+    "nothing before it"; the item now fails alone with a 500 saying why, logged as the
+    model's numbers (a warning), not as a bug's traceback."""
+    from rawserve.worker.batch_runs import run_bisecting
+    from rawserve.worker.causal_lm import PROMPT_SCORES_FAILED_MESSAGE
+
+    def overflow(_module, _inputs, output):  # a pass over a whole prompt: its 2nd position
+        if output.shape[1] > 1:
+            output = output.clone()
+            output[:, 1] = float("nan")
+        return output
+
+    scored = {**GREEDY, "max_new_tokens": new_tokens, "decoder_input_details": True}
+    failed = ItemFailure(FailureKind.INTERNAL, PROMPT_SCORES_FAILED_MESSAGE)
+    mate = Batch(2, ("paris is",), {**GREEDY, "max_new_tokens": 3})
+    hook = runner.model.get_output_embeddings().register_forward_hook(overflow)
+    try:
+        with caplog.at_level(logging.WARNING, "rawserve"):
+            answered = results(serve(runner, {0: [Batch(1, ("the movie was",), scored), mate]}))
+            assert run_bisecting(runner, ["the movie was"], scored) == [failed]
+    finally:
+        hook.remove()
+    assert answered[1].outputs == (failed,)
+    told = [r for r in caplog.records if PROMPT_SCORES_FAILED_MESSAGE in r.getMessage()]
+    assert len(told) == 2 and all(r.levelno == logging.WARNING and not r.exc_info for r in told)
+    assert answered[2].outputs == results(serve(runner, {0: [mate]}))[2].outputs
+
+
 def test_an_end_of_sequence_waits_for_min_new_tokens_or_never_ends_as_on_the_static_path(
     runner,
 ):

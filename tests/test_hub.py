@@ -292,6 +292,26 @@ def test_a_folder_without_pytorch_weights_is_refused_before_any_worker_loads_it(
         plan_models([str(tmp_path / "model")])
 
 
+def test_a_folder_of_an_onnx_graph_alone_is_refused_clearly_where_the_engine_cannot_serve_it(
+    tmp_path,
+):
+    """A folder copied from an ONNX-only repo, served in float16 (a GPU's default, or
+    --dtype) or with --engine torch: the plan passed it, and each worker failed loading
+    it with transformers' "no file named model.safetensors", naming no remedy. It is now
+    refused before any worker starts, saying why, as such a Hub repo is."""
+    folder = tmp_path / "model"
+    (folder / "onnx").mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", "onnx/model.onnx"):
+        (folder / name).write_text('{"architectures": ["BertModel"]}')
+    assert plan_models([str(folder)], onnx_graphs=True)[0].facts.task == "feature-extraction"
+    with pytest.raises(ModelNotFound) as refused:
+        plan_models([str(folder)], onnx_graphs=False)
+    assert str(refused.value).startswith(
+        f"model {folder}: the folder has no PyTorch weights, only its ONNX graph "
+        "(onnx/model.onnx), and ONNX Runtime serves it only on the CPU, in float32"
+    )
+
+
 @pytest.mark.parametrize(
     ("shards", "index"),
     [

@@ -205,6 +205,33 @@ def test_fill_mask_lists_at_most_the_whole_vocabulary(runner):
     assert len({entry["token"] for entry in listed}) == vocabulary
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fill_mask_scores_a_half_precision_model_in_float32(tiny_model, dtype):
+    """As a GPU serves it: each score is the float32 softmax of the model's own logits,
+    not that softmax rounded to the model's precision (a few digits, which tie tokens
+    whose logits differ and list them in any order)."""
+    import torch
+
+    from rawserve.worker.loading import load_runner
+
+    serving = load_runner(worker_config(tiny_model("fill-mask"), dtype=dtype), "cpu")
+    text = "paris is the [MASK] of france"
+    [listed] = serving.run([text], {"top_k": 20})
+    encoded = serving.tokenizer(text, return_tensors="pt")
+    with torch.inference_mode():
+        logits = serving.pipe.model(**encoded).logits
+    assert logits.dtype == getattr(torch, dtype)
+    masked = encoded["input_ids"][0].tolist().index(serving.tokenizer.mask_token_id)
+    probabilities = logits[0, masked].float().softmax(-1)
+    scores = [entry["score"] for entry in listed]
+    expected = [float(probabilities[entry["token"]]) for entry in listed]
+    assert scores == pytest.approx(expected, rel=1e-6, abs=0)
+    assert scores == sorted(scores, reverse=True)
+    unlisted = probabilities.clone()
+    unlisted[[entry["token"] for entry in listed]] = -1.0
+    assert min(scores) >= float(unlisted.max())  # the likeliest, all of them
+
+
 def test_embedding_options(runner):
     plain = runner("feature-extraction")
     [tokens] = plain.run(["hello world"], {})
@@ -455,6 +482,39 @@ class GivesUp:
     def __call__(self) -> bool:
         self.asked += 1
         return self.asked > self.after
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"max_new_tokens": 4},
+        {"max_new_tokens": 4, "num_beams": 3},
+        {"max_new_tokens": 4, "do_sample": True},
+    ],
+)
+def test_a_seq2seq_input_whose_model_scores_are_not_numbers_fails_alone(runner, params):
+    """A model that overflows (float16, as a GPU serves it) on one input: greedy and beam
+    search took token 0 from its NaN scores and answered an empty text, and sampling
+    blamed a temperature never set (422); the input now fails alone, the model's fault."""
+    from rawserve.worker.batch_runs import run_bisecting
+    from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE
+
+    generating = runner("seq2seq", "text2text-generation")
+    poisoned = generating.tokenizer("paris", add_special_tokens=False)["input_ids"][0]
+
+    def overflow(_module, _args, kwargs, output):  # an input holding "paris" overflows
+        rows = (kwargs["input_ids"] == poisoned).any(-1)
+        output.last_hidden_state[rows] = float("nan")
+        return output
+
+    texts = ["the movie was good", "paris is a city"]
+    hook = generating.model.get_encoder().register_forward_hook(overflow, with_kwargs=True)
+    try:
+        good, failed = run_bisecting(generating, texts, params)
+    finally:
+        hook.remove()
+    assert failed == ItemFailure(FailureKind.INTERNAL, MODEL_SCORES_FAILED_MESSAGE)
+    assert isinstance(good, dict) and good["generated_text"]
 
 
 @pytest.mark.parametrize("beams", [1, 4])

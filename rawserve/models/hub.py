@@ -190,9 +190,14 @@ def fetch_shipped_graph(resolved: ResolvedModel, only_weights: bool = False) -> 
 
 
 def only_shipped_graph(resolved: ResolvedModel) -> bool:
-    """Whether the repo's weights are its own ONNX graph alone, none that torch loads (an
-    ONNX-only repo, as transformers.js ones are); False where its files are not known."""
-    files = set(resolved.files or ())
+    """Whether the model's weights are its own ONNX graph alone, none that torch loads (an
+    ONNX-only repo, as transformers.js ones are, or a folder of one): the repo's files as
+    the Hub lists them, else those its folder holds."""
+    if resolved.files is None:
+        folder = resolved.folder
+        files = {name for name in (SHIPPED_GRAPH, *TORCH_WEIGHTS) if (folder / name).is_file()}
+    else:
+        files = set(resolved.files)
     return SHIPPED_GRAPH in files and not files.intersection(TORCH_WEIGHTS)
 
 

@@ -167,8 +167,9 @@ def _fetch_only_graph(
         return
     unfit = onnx_unfit(task) or (None if onnx_graphs else ONNX_ELSEWHERE)
     if unfit:
+        holder = "repo" if resolved.repo_id else "folder"
         raise ModelNotFound(
-            f"model {named}: the repo has no PyTorch weights, only its ONNX graph "
+            f"model {named}: the {holder} has no PyTorch weights, only its ONNX graph "
             f"({SHIPPED_GRAPH}), and {unfit}"
         )
     try:

@@ -46,8 +46,14 @@ from rawserve.worker.generate_hooks import (
     tgi_token,
 )
 from rawserve.worker.grammars import Grammars
-from rawserve.worker.runner import Runner, WrittenForClients, dtype_name
-from rawserve.worker.scores import MIN_TEMPERATURE, ScoreAdjustments, likeliest
+from rawserve.worker.runner import (
+    NOT_NUMBERS_WHY,
+    NotNumbers,
+    Runner,
+    WrittenForClients,
+    dtype_name,
+)
+from rawserve.worker.scores import MIN_TEMPERATURE, ScoreAdjustments, likeliest, unusable
 from rawserve.worker.text_pieces import (
     CONTEXT_TOKENS,
     TextPieces,
@@ -91,6 +97,13 @@ UNAPPLIED_SETTINGS: dict[str, Any] = {
 # A prompt's scores held at once when it is scored (positions × vocabulary; 64 MiB as
 # float32): a 50,257-token vocabulary scores 333 positions a pass, 128,256 scores 130.
 PROMPT_SCORES_AT_ONCE = 2**24
+# what a client is told when the model's scores at a prompt position are NaN or infinite
+# (an overflow, as float16 meets on long inputs): the prompt's tokens have no log
+# probabilities to list, and a null one would read as "none before it" (the first token's)
+PROMPT_SCORES_FAILED_MESSAGE = (
+    f"the model's scores for this input are not numbers {NOT_NUMBERS_WHY} at a token of "
+    "its prompt: the prompt's log probabilities cannot be listed"
+)
 # the end of a chat prompt read for where it leaves a reasoning model's thinking: a tag
 # and the white space after it, even spelled a character a token
 OPENING_TOKENS = 32
@@ -609,7 +622,10 @@ class CausalLMRunner(Runner):
             with torch.inference_mode():
                 out = self.model(input_ids=tensor[:, window], use_cache=True, **{keyword: cache})
                 cache = cache_of(out)
-                logprobs = out.logits[0].float().log_softmax(-1)
+                scores = out.logits[0].float()
+                if bool(unusable(scores).any()):  # a log probability of NaN is JSON's null
+                    raise NotNumbers(PROMPT_SCORES_FAILED_MESSAGE)
+                logprobs = scores.log_softmax(-1)
                 following = tensor[0, window.start + 1 : window.stop + 1, None]
                 chosen += logprobs.gather(1, following)[:, 0].tolist()
                 top += likeliest(logprobs, top_n) or []

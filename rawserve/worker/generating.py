@@ -56,7 +56,7 @@ from rawserve.worker.causal_lm import CausalLMRunner
 from rawserve.worker.continuous import ContinuousBatcher, Generation
 from rawserve.worker.feeder import Feeder
 from rawserve.worker.library_panics import panics_as_errors
-from rawserve.worker.runner import Runner
+from rawserve.worker.runner import NotNumbers, Runner
 
 log = logging.getLogger("rawserve.generation")
 
@@ -391,8 +391,11 @@ class GenerationLoop:
     ) -> None:
         if failure.kind is not FailureKind.INPUT and exc is not None:
             request = opened.batch.request_id(index)
-            log.error("generation failed (request %s)", request, exc_info=exc,
-                      extra={"request_id": request})  # fmt: skip
+            named = {"request_id": request}
+            if isinstance(exc, NotNumbers):  # the model's numbers, not a bug to trace
+                log.warning("generation failed (request %s): %s", request, exc, extra=named)
+            else:
+                log.error("generation failed (request %s)", request, exc_info=exc, extra=named)
         opened.outputs[index] = failure
         opened.generations.pop(index, None)
 

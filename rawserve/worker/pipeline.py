@@ -80,6 +80,8 @@ class PipelineRunner(Runner):
             )
         # every pipeline's scores pass here, however it called the model
         self.pipe.model.register_forward_hook(refuse_broken_scores, with_kwargs=True)
+        if task == "fill-mask":
+            self.pipe.postprocess = scored_in_float32(self.pipe.postprocess)
 
     @property
     def limits(self) -> ModelLimits:
@@ -237,6 +239,18 @@ def refuse_broken_scores(
     logits = output.get("logits") if isinstance(output, dict) else None  # a ModelOutput
     if isinstance(logits, torch.Tensor) and not recording():
         refuse_not_numbers(logits, "scores", kwargs.get("attention_mask"))
+
+
+def scored_in_float32(postprocess: Callable[..., Any]) -> Callable[..., Any]:
+    """fill-mask's postprocess on its logits in float32. The pipeline takes its softmax,
+    and ranks the tokens by it, in the model's precision, where every other task's scores
+    are computed in float32: in float16 or bfloat16 each score is rounded to 3 or 2
+    digits, and tokens whose logits differ share a score and are listed in any order."""
+
+    def in_float32(model_outputs: Any, **params: Any) -> Any:
+        return postprocess({**model_outputs, "logits": model_outputs["logits"].float()}, **params)
+
+    return in_float32
 
 
 def refuse_past(limit: int) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], None]:

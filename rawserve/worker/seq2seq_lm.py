@@ -33,7 +33,8 @@ import transformers
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits
 from rawserve.tasks import GENERATE_PARAMS
 from rawserve.tasks.seq2seq import OUTPUT_KEYS
-from rawserve.worker.runner import Runner, dtype_name
+from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE, NotNumbers, Runner, dtype_name
+from rawserve.worker.scores import unusable
 
 # transformers 4.57's Text2TextGenerationPipeline._default_generation_config
 PIPELINE_NUM_BEAMS = 4
@@ -60,11 +61,23 @@ class Abandoned(transformers.StoppingCriteria):
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
+def refuse_unusable_scores(_module: Any, _args: Any, output: Any) -> None:
+    """A forward hook: `NotNumbers` where a row's scores for its next token are NaN or
+    +inf, or none is finite (the model overflowed, as float16 does on some inputs), read
+    before `generate`'s processors touch them. Greedy and beam search took token 0 from
+    such a row and answered the text it made (an empty one, often), and sampling blamed a
+    temperature the client never set; the input fails alone instead, as the model's fault."""
+    logits = output.get("logits") if isinstance(output, dict) else None
+    if isinstance(logits, torch.Tensor) and bool(unusable(logits[:, -1].float()).any()):
+        raise NotNumbers(MODEL_SCORES_FAILED_MESSAGE)
+
+
 class Seq2SeqLMRunner(Runner):
     def __init__(self, model: str, task: str, device: str, torch_dtype: Any):
         tokenizer = transformers.AutoTokenizer.from_pretrained(model)
         self.model = transformers.AutoModelForSeq2SeqLM.from_pretrained(model, dtype=torch_dtype)
         self.model.to(device).eval()
+        self.model.register_forward_hook(refuse_unusable_scores)  # every decoding step's
         super().__init__(task, device, dtype_name(self.model), tokenizer)
         # (transformers 5's configs have the attribute only where the file names it)
         self.task_params: dict[str, Any] = (
