@@ -170,6 +170,30 @@ def test_the_warm_up_records_every_smaller_bucket_of_rows(tiny_model, recorded):
     assert warm_up(runner, 32) is not None
     rows = sorted(shape[0] for shape in runner.graphed.graphs)
     assert rows == [r for r in cuda_graphs.ROW_BUCKETS if r <= 32]  # one token bucket each
+    assert runner.cuda_graphs.startswith("on: ")  # what /info says
+
+
+def test_graphs_the_warm_up_failed_to_record_are_off_in_what_the_worker_says(
+    tiny_model, recorded_as_a_gpu_records
+):
+    """On the H200 every recording of the classifier failed (a hook read its scores back
+    to the host) and the classifier ran as it is, while /info said its graphs were on:
+    the log's warning was the only sign. What the worker says after its warm-up (its
+    `cuda_graphs`, which /info shows) now says they are off."""
+    from rawserve.worker.loading import load_runner
+    from rawserve.worker.warmup import warm_up
+
+    runner = load_runner(worker_config(tiny_model("text-classification"), threads=1), "cpu")
+    runner.cuda_graphs = runner.use_cuda_graphs()
+
+    def read_back(_module, _args, output) -> None:
+        assert bool(output.logits.isfinite().all())
+
+    runner.pipe.model.register_forward_hook(read_back)
+    assert warm_up(runner, 4) is not None
+    assert runner.graphed.failed and not recorded_as_a_gpu_records
+    said = "off: recording the forward pass failed at the warm-up (the log says why)"
+    assert runner.cuda_graphs.startswith(said)
 
 
 def test_graphs_are_on_unless_the_flag_or_its_variable_says_no(monkeypatch):

@@ -349,6 +349,39 @@ def test_a_generation_worker_records_its_graphs_at_the_warm_up(tiny_model, recor
     assert not recorded
 
 
+@pytest.mark.parametrize("reading", ["every pass", "prefills"])
+def test_graphs_the_warm_up_failed_to_record_are_off_in_what_the_worker_says(
+    tiny_model, recorded, reading
+):
+    """A recording that reads a tensor back to the host fails on a GPU, and its graphs are
+    off for good: the worker's `cuda_graphs` (which /info shows) says so after the
+    warm-up, instead of "on"."""
+    from rawserve.worker.causal_lm import CausalLMRunner
+    from rawserve.worker.generating import continuous_loop
+    from tests.tiny_models import worker_config
+
+    runner = CausalLMRunner(tiny_model("text-generation"), "cpu", torch.float32)
+    runner.cuda_graphs = runner.use_cuda_graphs()
+
+    def read_back(_module, args, _output) -> None:
+        if reading == "every pass" or args[0].shape[1] > 1:  # (a step's input: one token)
+            assert bool(args[0].ge(0).all())
+
+    runner.model.get_input_embeddings().register_forward_hook(read_back)
+    config = worker_config(runner.model.name_or_path, max_sequences=4, warmup_batch=1)
+    loop = continuous_loop(runner, config, lambda message: None, None)
+    assert loop is not None and loop.batcher.prefill_graphs.shelf.failed
+    why = "recording a prefill failed at the warm-up (the log says why)"
+    if reading == "every pass":
+        assert loop.batcher.decode_graphs.shelf.failed
+        why = why.replace("a prefill", "a decoding step and a prefill")
+        assert runner.cuda_graphs == f"off: {why}, so it runs as it is"
+    else:
+        assert not loop.batcher.decode_graphs.shelf.failed and recorded
+        assert runner.cuda_graphs.startswith("on: continuous batching's decoding steps")
+        assert runner.cuda_graphs.endswith(f"; but {why}, so that runs as it is")
+
+
 def test_a_failed_recording_at_the_warm_up_leaves_the_worker_starting(
     tiny_model, monkeypatch, caplog
 ):
