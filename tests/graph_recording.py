@@ -11,7 +11,8 @@ recording returned, as a graph writes them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,33 +50,47 @@ def copy_into(target: Any, source: Any) -> None:
                 value.copy_(getattr(source, name))
 
 
-def recorded_as_a_gpu_records(monkeypatch: Any) -> list[Rerun]:
-    """Recordings refuse host reads from here on (undone with `monkeypatch`); the graphs
-    recorded, in order."""
-    state = {"recording": False}
+class HostReads:
+    """Reads of a tensor's values back to the host (`HOST_READS`), which raise
+    `refusal` while `refusing()` (undone with `monkeypatch`): what a GPU refuses in a
+    recording, and what costs a round trip to it anywhere else; `count` counts them."""
 
-    def refused_while_recording(read: Callable[..., Any]) -> Callable[..., Any]:
-        def checked(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if state["recording"]:
-                raise RuntimeError(REFUSAL)
-            return read(self, *args, **kwargs)
+    def __init__(self, monkeypatch: Any, refusal: str = "a read back to the host, refused"):
+        self.refused = False
+        self.refusal = refusal
+        self.count = 0  # reads so far
+        for name in HOST_READS:
+            monkeypatch.setattr(torch.Tensor, name, self._checked(getattr(torch.Tensor, name)))
+
+    def _checked(self, read: Callable[..., Any]) -> Callable[..., Any]:
+        def checked(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if self.refused:
+                raise RuntimeError(self.refusal)
+            self.count += 1
+            return read(tensor, *args, **kwargs)
 
         return checked
 
-    for name in HOST_READS:
-        monkeypatch.setattr(
-            torch.Tensor, name, refused_while_recording(getattr(torch.Tensor, name))
-        )
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["recording"])
+    @contextlib.contextmanager
+    def refusing(self) -> Iterator[None]:
+        self.refused = True
+        try:
+            yield
+        finally:
+            self.refused = False
+
+
+def recorded_as_a_gpu_records(monkeypatch: Any) -> list[Rerun]:
+    """Recordings refuse host reads from here on (undone with `monkeypatch`); the graphs
+    recorded, in order."""
+    reads = HostReads(monkeypatch, REFUSAL)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: reads.refused)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
     graphs: list[Rerun] = []
 
     def record(run: Callable[[], Any], device: Any, pool: Any) -> tuple[Rerun, Any]:
-        state["recording"] = True
-        try:
+        with reads.refusing():
             output = run()
-        finally:
-            state["recording"] = False
         graphs.append(Rerun(run, output))
         return graphs[-1], output
 

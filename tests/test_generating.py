@@ -1049,14 +1049,19 @@ def test_sampling_draws_from_the_tokens_generate_draws_from(runner):
     ],
 )
 def test_sampling_keeps_the_tokens_transformers_warpers_keep(
-    temperature, top_k, top_p, min_p, typical_p
+    temperature, top_k, top_p, min_p, typical_p, monkeypatch
 ):
     """The loop's draw is `generate`'s: temperature, top-k, top-p, min-p, then typical
-    filtering, each as transformers' warper does it."""
+    filtering, each as transformers' warper does it; with nothing read back to the host
+    on the way (on a GPU, a round trip for each sampled row at every step: typical
+    filtering made one, and LangChain's TGI client asks for it unless told otherwise)."""
     import torch
     from transformers.generation import logits_process as warpers
 
     from rawserve.worker.scores import sampling_probabilities
+    from tests.graph_recording import HostReads
+
+    reads = HostReads(monkeypatch)
 
     generator = torch.Generator().manual_seed(0)
     settings = SimpleNamespace(
@@ -1075,7 +1080,8 @@ def test_sampling_keeps_the_tokens_transformers_warpers_keep(
             expected = logits
             for warper in chain:
                 expected = warper(None, expected)
-            got = sampling_probabilities(logits[0], replace_typical(settings, mass))
+            with reads.refusing():
+                got = sampling_probabilities(logits[0], replace_typical(settings, mass))
             assert torch.equal(got > 0, expected[0].softmax(-1) > 0), (spread, mass)
             torch.testing.assert_close(got, expected[0].softmax(-1))
 

@@ -157,7 +157,8 @@ def typical(logits: torch.Tensor, mass: float) -> torch.Tensor:
     entropy = -(logprobs * logprobs.exp()).nansum()
     distance, order = torch.sort((-logprobs - entropy).abs())
     cumulative = logits[order].softmax(-1).cumsum(-1)
-    last = min(int((cumulative < mass).sum()), len(order) - 1)
+    # (kept on the device: read back, it was a round trip to a GPU a row at every step)
+    last = (cumulative < mass).sum().clamp(max=len(order) - 1)
     drop = distance > distance[last]
     drop[0] = False
     return logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
