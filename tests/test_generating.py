@@ -518,6 +518,28 @@ def test_the_static_paths_watcher_keeps_no_more_of_a_rows_text_than_its_stops_ne
     assert "film was bad" not in repr(vars(watcher))
 
 
+def test_the_static_paths_step_reads_its_rows_log_probabilities_back_at_once(runner, monkeypatch):
+    """Each read of a tensor's values back to the host waits for the device (a round trip
+    on a GPU): the static path read each row's new token's log probability alone, as many
+    round trips at every step as the batch had rows. A step's reads no longer grow with
+    its rows."""
+    from tests.graph_recording import HostReads
+
+    reads = HostReads(monkeypatch)
+
+    def reads_of(rows: int, tokens: int) -> int:
+        before = reads.count
+        params = {**GREEDY, "max_new_tokens": tokens, "ignore_eos": True}
+        outputs = runner.run(["the movie was"] * rows, params)
+        assert all(out[0]["details"]["generated_tokens"] == tokens for out in outputs)
+        return reads.count - before
+
+    def reads_a_step(rows: int) -> float:
+        return (reads_of(rows, 8) - reads_of(rows, 4)) / 4
+
+    assert reads_a_step(4) == reads_a_step(1) > 0
+
+
 @pytest.mark.parametrize(
     ("text", "piece", "stops", "ends"),
     [
