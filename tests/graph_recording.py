@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rawserve.worker import cuda_graphs
 
@@ -75,9 +76,47 @@ class HostReads:
     def refusing(self) -> Iterator[None]:
         self.refused = True
         try:
-            yield
+            with WaitsRefused(self.refusal):
+                yield
         finally:
             self.refused = False
+
+
+class WaitsRefused(TorchDispatchMode):
+    """The operators that read a tensor's values back to the host inside torch (a scalar
+    for `bool` or `item`; the count of what a mask selects, which sizes the result),
+    refused: on a GPU each waits for the device, which a recording cannot."""
+
+    def __init__(self, refusal: str):
+        super().__init__()
+        self.refusal = refusal
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func.overloadpacket in SIZED_BY_VALUES or func in (aten.where.default,):
+            raise RuntimeError(f"{self.refusal} ({func})")
+        if func.overloadpacket in (aten.index, aten.index_put, aten.index_put_) and any(
+            isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+            for index in args[1]
+        ):
+            raise RuntimeError(f"{self.refusal} ({func} with a mask)")
+        if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+            raise RuntimeError(f"{self.refusal} ({func} without output_size)")
+        return func(*args, **kwargs)
+
+
+aten = torch.ops.aten
+# operators whose result is sized by values read back to the host (one-argument `where`
+# is `nonzero`; `_local_scalar_dense` is what `bool`, `item`, `int` and `float` call)
+SIZED_BY_VALUES = (
+    aten._local_scalar_dense,
+    aten.nonzero,
+    aten.argwhere,
+    aten.masked_select,
+    aten._unique2,
+    aten.unique_dim,
+    aten.unique_consecutive,
+)
 
 
 def recorded_as_a_gpu_records(monkeypatch: Any) -> list[Rerun]:

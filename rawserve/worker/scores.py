@@ -159,7 +159,7 @@ def typical(logits: torch.Tensor, mass: float) -> torch.Tensor:
     cumulative = logits[order].softmax(-1).cumsum(-1)
     # (kept on the device: read back, it was a round trip to a GPU a row at every step)
     last = (cumulative < mass).sum().clamp(max=len(order) - 1)
-    drop = distance > distance[last]
+    drop = distance > distance[last[None]]  # (a 0-d index would be read back too)
     drop[0] = False
     return logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
 
