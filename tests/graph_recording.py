@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rawserve.worker import cuda_graphs
 
-HOST_READS = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy")
+HOST_READS = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy", "cpu")
 REFUSAL = "CUDA error: operation not permitted when stream is capturing"
 
 
