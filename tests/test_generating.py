@@ -617,7 +617,9 @@ def test_repetition_penalty_and_return_full_text_as_the_static_path(runner):
 def test_a_penalized_rows_ids_are_not_made_anew_from_lists_at_each_step(runner, monkeypatch):
     """A row's repetition penalty reads its prompt's and new tokens' ids, its frequency
     penalty its new tokens': kept on the device and grown by a token a step, not made
-    into a tensor again from the whole lists at every step (a cost growing with them)."""
+    into a tensor again from the whole lists at every step (a cost growing with them).
+    Its logit bias is copied to the device once: copied at every step, each copy waited
+    for a GPU's queue, for every biased row."""
     import sys
 
     import torch
@@ -627,7 +629,7 @@ def test_a_penalized_rows_ids_are_not_made_anew_from_lists_at_each_step(runner, 
 
     batcher = ContinuousBatcher(runner.model, runner.tokenizer, POSITIONS)
     ids = runner.tokenizer("the movie was " * 10)["input_ids"]
-    penalties = ScoreAdjustments(frequency_penalty=0.5, presence_penalty=0.5)
+    penalties = ScoreAdjustments(((5, 2.0), (7, -1.0)), frequency_penalty=0.5, presence_penalty=0.5)
     generation = Generation(1, ids, 20, repetition_penalty=1.5, adjustments=penalties)
     batcher.add(generation)
     batcher.step()  # the prefill, and the first token
