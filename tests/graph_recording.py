@@ -135,3 +135,18 @@ def recorded_as_a_gpu_records(monkeypatch: Any) -> list[Rerun]:
 
     monkeypatch.setattr(cuda_graphs, "record", record)
     return graphs
+
+
+class CopiesFromHost(TorchDispatchMode):
+    """Counts the tensors made from host data (a list made into a tensor, or into an
+    index) while it is on: on a GPU each is a copy to the device, and torch waits for the
+    device's queue to drain at each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is aten.lift_fresh.default and args[0].dim() > 0:  # (a scalar is no copy)
+            self.count += 1
+        return func(*args, **(kwargs or {}))

@@ -649,6 +649,32 @@ def test_a_penalized_rows_ids_are_not_made_anew_from_lists_at_each_step(runner, 
     assert all(count <= 1 for count in converted), converted
 
 
+def test_a_row_held_to_min_new_tokens_copies_nothing_from_the_host_at_each_step(
+    runner, monkeypatch
+):
+    """Its end tokens (a chat model's end of turn beside the tokenizer's) were made into an
+    index from a list at every step of every row held back: on a GPU a copy to the device
+    each, which waits for its queue. They are on the device once."""
+    from rawserve.worker.continuous import ContinuousBatcher, Generation
+    from tests.graph_recording import CopiesFromHost
+
+    ends = [runner.tokenizer.eos_token_id, 7]  # (as a chat model names two)
+    monkeypatch.setattr(runner.model.generation_config, "eos_token_id", ends)
+    batcher = ContinuousBatcher(runner.model, runner.tokenizer, POSITIONS)
+    assert batcher.eos_ids == set(ends)
+    ids = runner.tokenizer("the movie was")["input_ids"]
+    rows = [Generation(key, ids, 12, min_new_tokens=12) for key in range(3)]
+    for generation in rows:
+        batcher.add(generation)
+    batcher.step()  # the prefill, and the first tokens
+    with CopiesFromHost() as copies:
+        while batcher.busy:
+            batcher.step()
+    assert [len(g.tokens) for g in rows] == [12] * 3
+    assert not any(token in batcher.eos_ids for g in rows for token in g.tokens)
+    assert copies.count == 0
+
+
 def test_openais_penalties_count_each_rows_new_tokens():
     import torch
 
