@@ -405,9 +405,10 @@ def test_a_failed_recording_at_the_warm_up_leaves_the_worker_starting(
 
 def test_every_setting_a_row_may_have_steps_from_graphs_as_it_does_without(tiny_model, recorded):
     """Greedy and sampled rows (seeded, copies of one prompt), log probabilities with the
-    likeliest tokens, penalties, a logit bias, min_new_tokens, stop sequences and a
-    grammar, rows joining and leaving: each recorded as a GPU records (nothing read back
-    to the host meanwhile), the tokens and log probabilities the loop makes without."""
+    likeliest tokens, penalties, a logit bias, min_new_tokens, stop sequences, a grammar,
+    a prompt prefilled in chunks and one whose scores are listed, rows joining and
+    leaving: each recorded as a GPU records (nothing read back to the host meanwhile),
+    the tokens and log probabilities the loop makes without."""
     from rawserve.worker.causal_lm import CausalLMRunner
     from rawserve.worker.scores import ScoreAdjustments
 
@@ -431,12 +432,19 @@ def test_every_setting_a_row_may_have_steps_from_graphs_as_it_does_without(tiny_
                 stop=["t t t"],
             ),
             Generation((key, 5), prompt, 6, grammar=runner.grammars.matcher(DIGITS)),
+            Generation((key, 6), encode("my day was good " * 8), 5),  # prefilled in chunks
+            scored(Generation((key, 7), encode("paris is"), 4)),  # its prompt's scores
         ]
+
+    def scored(generation: Generation) -> Generation:
+        generation.scoring = runner._listing_prefill(generation, {})
+        return generation
 
     def made(cuda_graphs: bool) -> dict:
         batcher = ContinuousBatcher(
-            runner.model, runner.tokenizer, runner.max_positions, 16, cuda_graphs=cuda_graphs
+            runner.model, runner.tokenizer, runner.max_positions, 24, cuda_graphs=cuda_graphs
         )
+        batcher.prefill_chunk = 16  # a chunk a step for a prompt longer than that
         done = {}
         for key in range(3):  # a round joins while the rows before it run
             for generation in generations(key):
@@ -448,13 +456,15 @@ def test_every_setting_a_row_may_have_steps_from_graphs_as_it_does_without(tiny_
         return done
 
     plain, graphed = made(False), made(True)
-    assert len(plain) == 18 and not any(g.failure for g in plain.values())
+    assert len(plain) == 24 and not any(g.failure for g in plain.values())
     for key, generation in plain.items():
         assert graphed[key].tokens == generation.tokens, key
         assert graphed[key].finish_reason == generation.finish_reason
+        assert graphed[key].prefill == generation.prefill
         if generation.logprobs is not None:
             assert graphed[key].logprobs == pytest.approx(generation.logprobs, abs=1e-4)
     assert {plain[(key, 4)].finish_reason for key in range(3)} == {"stop_sequence"}
+    assert len(plain[(0, 6)].prompt_ids) > 16 and len(plain[(0, 7)].prefill) == 2
     decode = runner.tokenizer.decode
     texts = [decode(plain[(k, 5)].tokens, skip_special_tokens=True) for k in range(3)]
     assert all(len(text) == 3 and text.isdigit() for text in texts)  # its grammar held
