@@ -6,7 +6,8 @@ padding of a batch into a bucket's tensors (the same outputs as the batch alone,
 real tiny model), the refill of those tensors on every replay (nothing of one batch
 leaks into the next), the way back to the plain forward pass, and the runners' answers
 through it. The recording itself is replaced by one that runs the forward pass at
-replay, on the same tensors, as a graph would."""
+replay, on the same tensors, as a graph would; and, where a test says so, by the CUDA
+part of it alone, refusing host reads as a GPU does (tests/graph_recording.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from rawserve.tasks import LOGITS_PARAM
 from rawserve.worker import cuda_graphs
 from rawserve.worker.cuda_graphs import GraphedForward, bucket, padded, unpadded
+from tests import graph_recording
 from tests.tiny_models import worker_config
 
 TEXTS = ["hello world", "the movie was good and long", "a", "my day " * 30]
@@ -168,6 +170,30 @@ def test_the_warm_up_records_every_smaller_bucket_of_rows(tiny_model, recorded):
     assert warm_up(runner, 32) is not None
     rows = sorted(shape[0] for shape in runner.graphed.graphs)
     assert rows == [r for r in cuda_graphs.ROW_BUCKETS if r <= 32]  # one token bucket each
+    assert runner.cuda_graphs.startswith("on: ")  # what /info says
+
+
+def test_graphs_the_warm_up_failed_to_record_are_off_in_what_the_worker_says(
+    tiny_model, recorded_as_a_gpu_records
+):
+    """On the H200 every recording of the classifier failed (a hook read its scores back
+    to the host) and the classifier ran as it is, while /info said its graphs were on:
+    the log's warning was the only sign. What the worker says after its warm-up (its
+    `cuda_graphs`, which /info shows) now says they are off."""
+    from rawserve.worker.loading import load_runner
+    from rawserve.worker.warmup import warm_up
+
+    runner = load_runner(worker_config(tiny_model("text-classification"), threads=1), "cpu")
+    runner.cuda_graphs = runner.use_cuda_graphs()
+
+    def read_back(_module, _args, output) -> None:
+        assert bool(output.logits.isfinite().all())
+
+    runner.pipe.model.register_forward_hook(read_back)
+    assert warm_up(runner, 4) is not None
+    assert runner.graphed.failed and not recorded_as_a_gpu_records
+    said = "off: recording the forward pass failed at the warm-up (the log says why)"
+    assert runner.cuda_graphs.startswith(said)
 
 
 def test_graphs_are_on_unless_the_flag_or_its_variable_says_no(monkeypatch):
@@ -251,55 +277,11 @@ def test_past_the_most_shapes_new_ones_run_as_they_are_and_the_log_says_so_once(
     assert sum("shapes recorded" in r.message for r in caplog.records) == 1
 
 
-class Rerun:
-    """A stand-in for a graph recorded by `cuda_graphs.record`: replay runs the recorded
-    call again into the tensor the recording returned."""
-
-    def __init__(self, run, output):
-        self.run, self.output = run, output
-
-    def replay(self) -> None:
-        self.output.copy_(self.run())
-
-
-HOST_READS = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy")
-
-
 @pytest.fixture
 def recorded_as_a_gpu_records(monkeypatch):
-    """The CUDA part of a recording (`cuda_graphs.record`) as a GPU enforces it: the call
-    runs once while the stream records, and reading a tensor's values back to the host
-    meanwhile fails as CUDA fails it. Everything else (the runner, its model, the hooks on
-    it, transformers' own checks of whether a stream records) runs as it is."""
-    state = {"recording": False}
-
-    def refused_while_recording(read):
-        def checked(self, *args, **kwargs):
-            if state["recording"]:
-                raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
-            return read(self, *args, **kwargs)
-
-        return checked
-
-    for name in HOST_READS:
-        monkeypatch.setattr(
-            torch.Tensor, name, refused_while_recording(getattr(torch.Tensor, name))
-        )
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["recording"])
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
-    graphs: list[Rerun] = []
-
-    def record(run, device, pool):
-        state["recording"] = True
-        try:
-            output = run()
-        finally:
-            state["recording"] = False
-        graphs.append(Rerun(run, output))
-        return graphs[-1], output
-
-    monkeypatch.setattr(cuda_graphs, "record", record)
-    return graphs
+    """The CUDA part of a recording as a GPU enforces it (tests/graph_recording.py): no
+    host reads while it records."""
+    return graph_recording.recorded_as_a_gpu_records(monkeypatch)
 
 
 @pytest.mark.parametrize("kind", ["text-classification", "feature-extraction"])

@@ -6,8 +6,10 @@ the step on fixed views (rows padded to a bucket, the cache's columns to a power
 the new column written where a tensor says, the window cut by the mask) gives the
 tokens the loop gives without it, through joins, leaves, a buffer that grows and one
 that compacts; the graphs go when the buffers are new; a failed recording or a replay
-that differs leaves the model stepping as it is. The recording is replaced by one that
-runs the fixed step at replay, on the same tensors, as a graph would."""
+that differs leaves the model stepping as it is. Only the CUDA part of the recording is
+replaced (tests/graph_recording.py): the step is recorded by its own code, refusing any
+read of a tensor's values back to the host meanwhile as CUDA refuses it, and a replay
+runs it again, on the same tensors, into the tensors the recording returned."""
 
 from __future__ import annotations
 
@@ -27,67 +29,42 @@ from rawserve.worker import decode_graphs, kv_slots, prefill_graphs  # noqa: E40
 from rawserve.worker.continuous import ContinuousBatcher, Generation  # noqa: E402
 from rawserve.worker.decode_graphs import GraphedDecode, column_bucket, row_bucket  # noqa: E402
 from rawserve.worker.prefill_graphs import GraphedPrefill  # noqa: E402
+from tests import graph_recording  # noqa: E402
 
 POSITIONS = 256
 
 
-class Replayed:
-    """A stand-in for a recorded graph: replay runs the fixed step on the same views, into
-    the tensor the graph would write."""
-
-    def __init__(self, graphed: GraphedDecode, slots, rows: int, columns: int):
-        self.shape = rows, columns
-        self.run = lambda: graphed.fixed_step(slots, rows, columns)
-        self.logits = self.run().clone()
-        self.replays = 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        self.logits.copy_(self.run())
-
-
-class ReplayedPrefill:
-    """The same for a prefill: replay runs it on the bucket's tensors, into the logits and
-    the layers' keys and values the graph would write."""
-
-    def __init__(self, graphed: GraphedPrefill, ids, mask):
-        self.shape = tuple(ids.shape)
-        self.run = lambda: graphed.fixed_prefill(ids, mask)
-        self.logits, self.layers = self.run()
-        self.replays = 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        logits, layers = self.run()
-        self.logits.copy_(logits)
-        for mine, new in zip(self.layers, layers, strict=True):
-            mine.keys.copy_(new.keys)
-            mine.values.copy_(new.values)
-
-
 @pytest.fixture
 def recorded(monkeypatch):
-    """The decoding steps' graphs recorded in the test (the prefills' are in
-    `recorded.prefills`)."""
+    """The decoding steps' graphs recorded in the test, each with its (rows, columns); the
+    prefills' in `recorded.prefills`, with their (rows, tokens). Each is recorded by the
+    graphed pass's own recording, as a GPU records (tests/graph_recording.py): a read of
+    a tensor's values back to the host while it records fails it."""
     graphs = Recorded()
+    graph_recording.recorded_as_a_gpu_records(monkeypatch)
+    record_step, record_prefill = GraphedDecode._record, GraphedPrefill._record
 
-    def record(self, slots, rows, columns):
-        graphs.append(Replayed(self, slots, rows, columns))
-        return graphs[-1], graphs[-1].logits
+    def step(self, slots, rows, columns):
+        graph, logits = record_step(self, slots, rows, columns)
+        graph.shape = rows, columns
+        graphs.append(graph)
+        return graph, logits
 
-    def record_prefill(self, ids, mask):
-        graphs.prefills.append(ReplayedPrefill(self, ids, mask))
-        return graphs.prefills[-1], (graphs.prefills[-1].logits, graphs.prefills[-1].layers)
+    def prefill(self, ids, mask):
+        graph, outputs = record_prefill(self, ids, mask)
+        graph.shape = tuple(ids.shape)
+        graphs.prefills.append(graph)
+        return graph, outputs
 
-    monkeypatch.setattr(GraphedDecode, "_record", record)
-    monkeypatch.setattr(GraphedPrefill, "_record", record_prefill)
+    monkeypatch.setattr(GraphedDecode, "_record", step)
+    monkeypatch.setattr(GraphedPrefill, "_record", prefill)
     return graphs
 
 
 class Recorded(list):
     def __init__(self):
         super().__init__()
-        self.prefills: list[ReplayedPrefill] = []
+        self.prefills: list[graph_recording.Rerun] = []
 
 
 class NoText:
@@ -209,8 +186,9 @@ def test_graphs_that_go_take_their_memory_pool_with_them(model, recorded):
     graphed = batcher.decode_graphs
     graphed.shelf.pool = "a pool's handle"
     batcher._slots.layout += 1  # as when the buffers are allocated anew
-    batcher.step()
-    assert graphed.shelf.pool is None and graphed.layout == batcher._slots.layout
+    batcher.step()  # its step recorded anew, into a pool of its own
+    assert graphed.shelf.pool not in (None, "a pool's handle")
+    assert graphed.layout == batcher._slots.layout and len(recorded) == 2
 
 
 def test_a_failed_recording_leaves_the_model_stepping_as_it_is(model, monkeypatch, caplog):
@@ -248,7 +226,7 @@ def test_a_padded_row_never_turns_nan_and_a_finished_rows_column_is_masked(model
     rounds = [[(3, 5), (40, 60), (7, 2)], [(5, 30)]]
     run(model, True, rounds)
     for graph in recorded:
-        assert torch.isfinite(graph.logits).all()
+        assert torch.isfinite(graph.output).all()
 
 
 def test_a_row_that_joins_the_slot_a_longer_row_left_never_reads_its_old_keys(model, recorded):
@@ -371,6 +349,39 @@ def test_a_generation_worker_records_its_graphs_at_the_warm_up(tiny_model, recor
     assert not recorded
 
 
+@pytest.mark.parametrize("reading", ["every pass", "prefills"])
+def test_graphs_the_warm_up_failed_to_record_are_off_in_what_the_worker_says(
+    tiny_model, recorded, reading
+):
+    """A recording that reads a tensor back to the host fails on a GPU, and its graphs are
+    off for good: the worker's `cuda_graphs` (which /info shows) says so after the
+    warm-up, instead of "on"."""
+    from rawserve.worker.causal_lm import CausalLMRunner
+    from rawserve.worker.generating import continuous_loop
+    from tests.tiny_models import worker_config
+
+    runner = CausalLMRunner(tiny_model("text-generation"), "cpu", torch.float32)
+    runner.cuda_graphs = runner.use_cuda_graphs()
+
+    def read_back(_module, args, _output) -> None:
+        if reading == "every pass" or args[0].shape[1] > 1:  # (a step's input: one token)
+            assert bool(args[0].ge(0).all())
+
+    runner.model.get_input_embeddings().register_forward_hook(read_back)
+    config = worker_config(runner.model.name_or_path, max_sequences=4, warmup_batch=1)
+    loop = continuous_loop(runner, config, lambda message: None, None)
+    assert loop is not None and loop.batcher.prefill_graphs.shelf.failed
+    why = "recording a prefill failed at the warm-up (the log says why)"
+    if reading == "every pass":
+        assert loop.batcher.decode_graphs.shelf.failed
+        why = why.replace("a prefill", "a decoding step and a prefill")
+        assert runner.cuda_graphs == f"off: {why}, so it runs as it is"
+    else:
+        assert not loop.batcher.decode_graphs.shelf.failed and recorded
+        assert runner.cuda_graphs.startswith("on: continuous batching's decoding steps")
+        assert runner.cuda_graphs.endswith(f"; but {why}, so that runs as it is")
+
+
 def test_a_failed_recording_at_the_warm_up_leaves_the_worker_starting(
     tiny_model, monkeypatch, caplog
 ):
@@ -390,3 +401,74 @@ def test_a_failed_recording_at_the_warm_up_leaves_the_worker_starting(
     loop = continuous_loop(runner, config, lambda message: None, None)
     assert loop is not None and not loop.batcher.busy and not loop.batcher.rows
     assert "recording at the warm-up failed" in caplog.text
+
+
+def test_every_setting_a_row_may_have_steps_from_graphs_as_it_does_without(tiny_model, recorded):
+    """Greedy and sampled rows (seeded, copies of one prompt), log probabilities with the
+    likeliest tokens, penalties, a logit bias, min_new_tokens, stop sequences, a grammar,
+    a prompt prefilled in chunks and one whose scores are listed, rows joining and
+    leaving: each recorded as a GPU records (nothing read back to the host meanwhile),
+    the tokens and log probabilities the loop makes without."""
+    from rawserve.worker.causal_lm import CausalLMRunner
+    from rawserve.worker.scores import ScoreAdjustments
+
+    runner = CausalLMRunner(tiny_model("text-generation"), "cpu", torch.float32)
+    encode = runner.tokenizer.encode
+    sampled = {"do_sample": True, "temperature": 0.8, "top_k": 40, "top_p": 0.9}
+
+    def generations(key: int) -> list[Generation]:
+        """The rows joining at round `key`, each with settings of its own."""
+        prompt = encode(["the movie was", "paris is", "a"][key % 3])
+        return [
+            Generation((key, 0), prompt, 8, logprobs=[], top_n=3),
+            Generation((key, 1), prompt, 8, seed=key, logprobs=[], **sampled),
+            Generation((key, 2), prompt, 8, seed=key + 7, min_p=0.01, typical_p=0.9, **sampled),
+            Generation((key, 3), encode("my day"), 9, repetition_penalty=1.3, min_new_tokens=4),
+            Generation(
+                (key, 4),
+                prompt,
+                7,
+                adjustments=ScoreAdjustments(((encode(" the")[0], 3.0),), 0.5, 0.2),
+                stop=["t t t"],
+            ),
+            Generation((key, 5), prompt, 6, grammar=runner.grammars.matcher(DIGITS)),
+            Generation((key, 6), encode("my day was good " * 8), 5),  # prefilled in chunks
+            scored(Generation((key, 7), encode("paris is"), 4)),  # its prompt's scores
+        ]
+
+    def scored(generation: Generation) -> Generation:
+        generation.scoring = runner._listing_prefill(generation, {})
+        return generation
+
+    def made(cuda_graphs: bool) -> dict:
+        batcher = ContinuousBatcher(
+            runner.model, runner.tokenizer, runner.max_positions, 24, cuda_graphs=cuda_graphs
+        )
+        batcher.prefill_chunk = 16  # a chunk a step for a prompt longer than that
+        done = {}
+        for key in range(3):  # a round joins while the rows before it run
+            for generation in generations(key):
+                batcher.add(generation)
+            for _ in range(3):
+                done.update((g.key, g) for g in batcher.step())
+        while batcher.busy:
+            done.update((g.key, g) for g in batcher.step())
+        return done
+
+    plain, graphed = made(False), made(True)
+    assert len(plain) == 24 and not any(g.failure for g in plain.values())
+    for key, generation in plain.items():
+        assert graphed[key].tokens == generation.tokens, key
+        assert graphed[key].finish_reason == generation.finish_reason
+        assert graphed[key].prefill == generation.prefill
+        if generation.logprobs is not None:
+            assert graphed[key].logprobs == pytest.approx(generation.logprobs, abs=1e-4)
+    assert {plain[(key, 4)].finish_reason for key in range(3)} == {"stop_sequence"}
+    assert len(plain[(0, 6)].prompt_ids) > 16 and len(plain[(0, 7)].prefill) == 2
+    decode = runner.tokenizer.decode
+    texts = [decode(plain[(k, 5)].tokens, skip_special_tokens=True) for k in range(3)]
+    assert all(len(text) == 3 and text.isdigit() for text in texts)  # its grammar held
+    assert sum(g.replays for g in recorded) > 10 and recorded.prefills
+
+
+DIGITS = {"type": "regex", "value": "[0-9]{3}"}

@@ -519,6 +519,28 @@ def test_the_static_paths_watcher_keeps_no_more_of_a_rows_text_than_its_stops_ne
     assert "film was bad" not in repr(vars(watcher))
 
 
+def test_the_static_paths_step_reads_its_rows_log_probabilities_back_at_once(runner, monkeypatch):
+    """Each read of a tensor's values back to the host waits for the device (a round trip
+    on a GPU): the static path read each row's new token's log probability alone, as many
+    round trips at every step as the batch had rows. A step's reads no longer grow with
+    its rows."""
+    from tests.graph_recording import HostReads
+
+    reads = HostReads(monkeypatch)
+
+    def reads_of(rows: int, tokens: int) -> int:
+        before = reads.count
+        params = {**GREEDY, "max_new_tokens": tokens, "ignore_eos": True}
+        outputs = runner.run(["the movie was"] * rows, params)
+        assert all(out[0]["details"]["generated_tokens"] == tokens for out in outputs)
+        return reads.count - before
+
+    def reads_a_step(rows: int) -> float:
+        return (reads_of(rows, 8) - reads_of(rows, 4)) / 4
+
+    assert reads_a_step(4) == reads_a_step(1) > 0
+
+
 @pytest.mark.parametrize(
     ("text", "piece", "stops", "ends"),
     [
@@ -596,7 +618,9 @@ def test_repetition_penalty_and_return_full_text_as_the_static_path(runner):
 def test_a_penalized_rows_ids_are_not_made_anew_from_lists_at_each_step(runner, monkeypatch):
     """A row's repetition penalty reads its prompt's and new tokens' ids, its frequency
     penalty its new tokens': kept on the device and grown by a token a step, not made
-    into a tensor again from the whole lists at every step (a cost growing with them)."""
+    into a tensor again from the whole lists at every step (a cost growing with them).
+    Its logit bias is copied to the device once: copied at every step, each copy waited
+    for a GPU's queue, for every biased row."""
     import sys
 
     import torch
@@ -606,7 +630,7 @@ def test_a_penalized_rows_ids_are_not_made_anew_from_lists_at_each_step(runner, 
 
     batcher = ContinuousBatcher(runner.model, runner.tokenizer, POSITIONS)
     ids = runner.tokenizer("the movie was " * 10)["input_ids"]
-    penalties = ScoreAdjustments(frequency_penalty=0.5, presence_penalty=0.5)
+    penalties = ScoreAdjustments(((5, 2.0), (7, -1.0)), frequency_penalty=0.5, presence_penalty=0.5)
     generation = Generation(1, ids, 20, repetition_penalty=1.5, adjustments=penalties)
     batcher.add(generation)
     batcher.step()  # the prefill, and the first token
@@ -624,6 +648,32 @@ def test_a_penalized_rows_ids_are_not_made_anew_from_lists_at_each_step(runner, 
         batcher.step()
     assert len(generation.tokens) == 20
     assert all(count <= 1 for count in converted), converted
+
+
+def test_a_row_held_to_min_new_tokens_copies_nothing_from_the_host_at_each_step(
+    runner, monkeypatch
+):
+    """Its end tokens (a chat model's end of turn beside the tokenizer's) were made into an
+    index from a list at every step of every row held back: on a GPU a copy to the device
+    each, which waits for its queue. They are on the device once."""
+    from rawserve.worker.continuous import ContinuousBatcher, Generation
+    from tests.graph_recording import CopiesFromHost
+
+    ends = [runner.tokenizer.eos_token_id, 7]  # (as a chat model names two)
+    monkeypatch.setattr(runner.model.generation_config, "eos_token_id", ends)
+    batcher = ContinuousBatcher(runner.model, runner.tokenizer, POSITIONS)
+    assert batcher.eos_ids == set(ends)
+    ids = runner.tokenizer("the movie was")["input_ids"]
+    rows = [Generation(key, ids, 12, min_new_tokens=12) for key in range(3)]
+    for generation in rows:
+        batcher.add(generation)
+    batcher.step()  # the prefill, and the first tokens
+    with CopiesFromHost() as copies:
+        while batcher.busy:
+            batcher.step()
+    assert [len(g.tokens) for g in rows] == [12] * 3
+    assert not any(token in batcher.eos_ids for g in rows for token in g.tokens)
+    assert copies.count == 0
 
 
 def test_openais_penalties_count_each_rows_new_tokens():
@@ -1084,14 +1134,19 @@ def test_sampling_draws_from_the_tokens_generate_draws_from(runner):
     ],
 )
 def test_sampling_keeps_the_tokens_transformers_warpers_keep(
-    temperature, top_k, top_p, min_p, typical_p
+    temperature, top_k, top_p, min_p, typical_p, monkeypatch
 ):
     """The loop's draw is `generate`'s: temperature, top-k, top-p, min-p, then typical
-    filtering, each as transformers' warper does it."""
+    filtering, each as transformers' warper does it; with nothing read back to the host
+    on the way (on a GPU, a round trip for each sampled row at every step: typical
+    filtering made one, and LangChain's TGI client asks for it unless told otherwise)."""
     import torch
     from transformers.generation import logits_process as warpers
 
     from rawserve.worker.scores import sampling_probabilities
+    from tests.graph_recording import HostReads
+
+    reads = HostReads(monkeypatch)
 
     generator = torch.Generator().manual_seed(0)
     settings = SimpleNamespace(
@@ -1110,7 +1165,8 @@ def test_sampling_keeps_the_tokens_transformers_warpers_keep(
             expected = logits
             for warper in chain:
                 expected = warper(None, expected)
-            got = sampling_probabilities(logits[0], replace_typical(settings, mass))
+            with reads.refusing():
+                got = sampling_probabilities(logits[0], replace_typical(settings, mass))
             assert torch.equal(got > 0, expected[0].softmax(-1) > 0), (spread, mass)
             torch.testing.assert_close(got, expected[0].softmax(-1))
 

@@ -244,6 +244,26 @@ def test_embedding_options(runner):
     np.testing.assert_allclose(short, mean[:8] / np.linalg.norm(mean[:8]), atol=1e-5)
 
 
+def test_token_vectors_are_read_back_from_the_device_at_once(runner, monkeypatch):
+    """Each text's token vectors (pooling none, TEI's /embed_all) were counted and copied
+    back to the host a text at a time: on a GPU two round trips a text. A batch's reads
+    no longer grow with its texts, and each text keeps its own tokens."""
+    from tests.graph_recording import HostReads
+
+    plain = runner("feature-extraction")
+    reads = HostReads(monkeypatch)
+    texts = ["hello world", "the movie was very good", "a", "paris"]
+    alone = [plain.run([text], {"pooling": "none", "normalize": True})[0] for text in texts]
+    before = reads.count
+    plain.run(texts[:1], {"pooling": "none", "normalize": True})
+    one = reads.count - before
+    together = plain.run(texts, {"pooling": "none", "normalize": True})
+    assert reads.count - before - one == one
+    for mine, expected in zip(together, alone, strict=True):
+        assert mine.shape == expected.shape
+        np.testing.assert_allclose(mine, expected, atol=1e-5)
+
+
 def test_embedding_truncation_keeps_the_side_asked_for(runner):
     plain = runner("feature-extraction")
     long_text = " ".join(["hello"] * 200 + ["world"] * 200)

@@ -228,6 +228,9 @@ class ContinuousBatcher:
         self.after_pass = after_pass
         self._cache_name = cache_keyword(model)
         self.eos_ids = end_ids(tokenizer, model)
+        # on the device once: a list made into an index at every step of every row held
+        # to min_new_tokens was a copy from the host, which waits for a GPU's queue
+        self._eos_index = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=self.device)
         self.waiting: list[Generation] = []
         self.rows: list[Generation] = []
         self.passes = Passes()
@@ -681,7 +684,7 @@ class ContinuousBatcher:
             # ends nothing, so there is no end to hold back, as `generate` has none)
             holds_end = generation.grammar is None and not generation.ignore_eos
             if holds_end and len(generation.tokens) < generation.min_new_tokens:
-                scores[index, sorted(self.eos_ids)] = float("-inf")
+                scores[index].index_fill_(0, self._eos_index, float("-inf"))
         held = [(i, g.grammar) for i, g in enumerate(rows) if g.grammar is not None and not g.done]
         for index, why in constrain(scores, held):
             rows[index].fail(why)

@@ -19,7 +19,7 @@ import bisect
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -256,6 +256,20 @@ class GraphShelf:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         return record(run, self.device, self.pool)
+
+
+def said_after_warm_up(said: str, shelves: Sequence[GraphShelf]) -> str:
+    """What a runner's graphs come to once the warm-up recorded them (`said`: what
+    turning them on said), for the log and `/info`: a recording that failed there turned
+    its graphs off for good (one that reads the scores back to the host, say), and a
+    worker that still said "on" would hide that it runs as it is."""
+    failed = [shelf.what for shelf in shelves if shelf.failed]
+    if not failed:
+        return said
+    why = f"recording {' and '.join(failed)} failed at the warm-up (the log says why)"
+    if len(failed) == len(shelves):
+        return f"off: {why}, so it runs as it is"
+    return f"{said}; but {why}, so that runs as it is"
 
 
 def check_close(replayed: torch.Tensor, expected: torch.Tensor, tolerance: float) -> float:

@@ -181,11 +181,13 @@ class EncoderRunner(Runner):
             if dimensions is not None:  # Matryoshka-style: keep the first dimensions
                 hidden = hidden[..., :dimensions]
             if pooling == "none":
-                vectors = [hidden[i, : int(mask[i].sum())] for i in range(len(inputs))]
                 if normalize:
-                    vectors = [torch.nn.functional.normalize(v, dim=-1) for v in vectors]
+                    hidden = torch.nn.functional.normalize(hidden, dim=-1)
+                # read back at once: a read a row was a round trip to a GPU a row, twice
+                lengths = mask.sum(1).tolist()
+                tokens = hidden.cpu().numpy()
                 # the pipeline's shape: [1, tokens, hidden] per input
-                return [v.unsqueeze(0).cpu().numpy() for v in vectors]
+                return [tokens[i : i + 1, :length] for i, length in enumerate(lengths)]
             pooled = pool(hidden, mask, pooling)
             if normalize:
                 pooled = torch.nn.functional.normalize(pooled, dim=-1)

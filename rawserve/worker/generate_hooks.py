@@ -146,6 +146,11 @@ class TokenWatcher(transformers.StoppingCriteria):
         logprobs = self.recorder.logprobs
         listed = self.on_token is not None or self.tokens is not None
         top = likeliest(logprobs, self.top_n) if listed and logprobs is not None else None
+        # each row's new token's, read back at once: a read a row was a round trip to
+        # the device a row at every step
+        chosen = None
+        if listed and logprobs is not None:
+            chosen = logprobs.gather(1, input_ids[:, -1:])[:, 0].tolist()
         for row, token_id in enumerate(new_tokens):
             if self.done[row]:
                 continue
@@ -162,7 +167,7 @@ class TokenWatcher(transformers.StoppingCriteria):
             ):
                 self.done[row], self.finish_reasons[row] = True, "stop_sequence"
             if listed:
-                logprob = float(logprobs[row, token_id]) if logprobs is not None else 0.0
+                logprob = chosen[row] if chosen is not None else 0.0
                 token = tgi_token(
                     self.tokenizer,
                     self.special_ids,

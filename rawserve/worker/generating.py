@@ -54,6 +54,7 @@ from rawserve.shared.messages import (
 from rawserve.worker.batch_runs import BatchCap, release_memory, sample_token_counts
 from rawserve.worker.causal_lm import CausalLMRunner
 from rawserve.worker.continuous import ContinuousBatcher, Generation
+from rawserve.worker.cuda_graphs import said_after_warm_up
 from rawserve.worker.feeder import Feeder
 from rawserve.worker.library_panics import panics_as_errors
 from rawserve.worker.runner import NotNumbers, Runner
@@ -101,6 +102,9 @@ def record_graphs(batcher: ContinuousBatcher, runner: CausalLMRunner) -> None:
         return
     log.info("CUDA graphs: %d recorded at the warm-up in %.1f s", recorded,
              time.monotonic() - started)  # fmt: skip
+    graphed = [batcher.decode_graphs, batcher.prefill_graphs]
+    shelves = [graphs.shelf for graphs in graphed if graphs is not None]
+    runner.cuda_graphs = said_after_warm_up(runner.cuda_graphs, shelves)
 
 
 @dataclass(eq=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -42,6 +42,11 @@ class ScoreAdjustments:
     logit_bias: tuple[tuple[int, float], ...] = ()
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # the bias's tokens and values on the scores' device, copied there at the first step:
+    # copied at every step, each copy waited for the device (a GPU's queue), a row at a time
+    biased: dict[Any, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @classmethod
     def asked(cls, params: Mapping[str, Any], vocabulary: int) -> ScoreAdjustments | None:
@@ -69,8 +74,15 @@ class ScoreAdjustments:
         """Rows of scores, in place, given the tokens each row generated so far (`made`: a
         row of ids each)."""
         if self.logit_bias:
-            tokens, biases = zip(*self.logit_bias, strict=True)
-            scores[:, list(tokens)] += torch.tensor(biases, device=scores.device)
+            key = scores.device, scores.dtype
+            if key not in self.biased:
+                tokens, biases = zip(*self.logit_bias, strict=True)
+                self.biased[key] = (
+                    torch.tensor(tokens, device=scores.device),
+                    torch.tensor(biases, dtype=scores.dtype, device=scores.device),
+                )
+            tokens_on, biases_on = self.biased[key]
+            scores.index_add_(1, tokens_on, biases_on.expand(len(scores), -1))
         if made.shape[1] == 0 or not self.penalizes:
             return
         counts = torch.zeros_like(scores).scatter_add_(
@@ -157,8 +169,9 @@ def typical(logits: torch.Tensor, mass: float) -> torch.Tensor:
     entropy = -(logprobs * logprobs.exp()).nansum()
     distance, order = torch.sort((-logprobs - entropy).abs())
     cumulative = logits[order].softmax(-1).cumsum(-1)
-    last = min(int((cumulative < mass).sum()), len(order) - 1)
-    drop = distance > distance[last]
+    # (kept on the device: read back, it was a round trip to a GPU a row at every step)
+    last = (cumulative < mass).sum().clamp(max=len(order) - 1)
+    drop = distance > distance[last[None]]  # (a 0-d index would be read back too)
     drop[0] = False
     return logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
 

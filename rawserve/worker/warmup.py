@@ -86,7 +86,10 @@ def warm_up(runner: Runner, size: int) -> float | None:
     seconds = time.perf_counter() - started
     log.info("warm-up: a batch of %d took %.2f s", size, seconds)
     if runner.graphed is not None:
+        from rawserve.worker.cuda_graphs import said_after_warm_up
+
         warm_graphs(runner, inputs, checked)
+        runner.cuda_graphs = said_after_warm_up(runner.cuda_graphs, [runner.graphed.shelf])
     return seconds
 
 
