@@ -1166,9 +1166,52 @@ def test_sampling_keeps_the_tokens_transformers_warpers_keep(
             for warper in chain:
                 expected = warper(None, expected)
             with reads.refusing():
-                got = sampling_probabilities(logits[0], replace_typical(settings, mass))
+                got = sampling_probabilities(logits, [replace_typical(settings, mass)])[0]
             assert torch.equal(got > 0, expected[0].softmax(-1) > 0), (spread, mass)
             torch.testing.assert_close(got, expected[0].softmax(-1))
+
+
+# one row's settings each: (temperature, top_k, top_p, min_p, typical_p)
+ROW_SETTINGS = [
+    (1.0, None, None, None, None),
+    (0.7, 50, 0.9, None, None),
+    (0.2, None, 0.5, 0.1, None),
+    (1.3, 5, None, None, 0.9),
+    (1e-9, 400, 0.999, 0.0, 1.0),
+]
+
+
+def test_rows_sampled_together_get_what_each_gets_alone_and_what_multinomial_draws(
+    monkeypatch,
+):
+    """The sampled rows of a step go through their settings and their draw together, with
+    nothing read back to the host (a row at a time, 7 to 44 operations a row, and
+    multinomial's own check read each row back): each row's probabilities and token are
+    the ones it gets alone, exactly, and its draw is torch.multinomial's with its seed,
+    as `generate` draws it."""
+    import torch
+
+    from rawserve.worker.scores import drawn, sampling_probabilities
+    from tests.graph_recording import HostReads
+
+    rows = [
+        SimpleNamespace(temperature=t, top_k=k, top_p=p, min_p=m, typical_p=y)
+        for t, k, p, m, y in ROW_SETTINGS
+    ]
+    logits = torch.randn(len(rows), 400, generator=torch.Generator().manual_seed(1)) * 3
+    logits[1, :7] = logits[1, 7]  # ties at the top-k and top-p cuts
+    alone = [sampling_probabilities(logits[i : i + 1], [row])[0] for i, row in enumerate(rows)]
+    reads = HostReads(monkeypatch)
+    for seed in range(5):
+        with reads.refusing():
+            together = sampling_probabilities(logits, rows)
+            generators = [torch.Generator().manual_seed(seed * 10 + i) for i in range(len(rows))]
+            tokens = drawn(together, generators)
+        for i in range(len(rows)):
+            assert torch.equal(together[i], alone[i])
+            by_multinomial = torch.Generator().manual_seed(seed * 10 + i)
+            assert int(tokens[i]) == int(torch.multinomial(alone[i], 1, generator=by_multinomial))
+    assert int((together[4] > 0).sum()) == 1  # (all but greedy at the least temperature)
 
 
 def test_min_p_keeps_a_token_exactly_min_p_times_as_likely_as_the_likeliest():
@@ -1179,7 +1222,7 @@ def test_min_p_keeps_a_token_exactly_min_p_times_as_likely_as_the_likeliest():
 
     settings = SimpleNamespace(temperature=1.0, top_k=None, top_p=None, min_p=1.0, typical_p=None)
     tied = torch.tensor([0.0, 0.0, float("-inf")])
-    assert sampling_probabilities(tied, settings).tolist() == [0.5, 0.5, 0.0]
+    assert sampling_probabilities(tied[None], [settings])[0].tolist() == [0.5, 0.5, 0.0]
 
 
 @pytest.mark.parametrize("top_p", [0.3, 0.5, 0.6, 0.9])
@@ -1194,9 +1237,9 @@ def test_top_p_cuts_where_transformers_warper_cuts_at_its_bound_and_among_ties(t
     settings = SimpleNamespace(temperature=1.0, top_k=None, top_p=top_p, min_p=None, typical_p=None)
     tied = torch.tensor([2.0, 1.0, 2.0, 0.0, 2.0, 1.0, 2.0, -1.0, 1.0])
     expected = TopPLogitsWarper(top_p)(None, tied[None].clone())[0].softmax(-1)
-    assert torch.equal(sampling_probabilities(tied, settings), expected)
+    assert torch.equal(sampling_probabilities(tied[None], [settings])[0], expected)
     # the likeliest token holds exactly half: at top_p 0.5 it is the only one kept
-    halves = sampling_probabilities(torch.tensor([0.25, 0.5, 0.25]).log(), settings)
+    halves = sampling_probabilities(torch.tensor([[0.25, 0.5, 0.25]]).log(), [settings])[0]
     assert halves[1] > 0 and int((halves > 0).sum()) == 1 + (top_p > 0.5) + (top_p > 0.75)
 
 
@@ -1207,7 +1250,7 @@ def test_typical_keeps_every_token_where_their_probability_never_reaches_the_mas
     from rawserve.worker.scores import typical
 
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
-    assert torch.equal(typical(logits, 1.5), logits)
+    assert torch.equal(typical(logits[None], torch.tensor([[1.5]]))[0], logits)
 
 
 def replace_typical(settings: SimpleNamespace, mass: float | None) -> SimpleNamespace:

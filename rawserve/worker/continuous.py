@@ -55,6 +55,7 @@ from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE, SAMPLING_FAILED_
 from rawserve.worker.scores import (
     ScoreAdjustments,
     TokenRun,
+    drawn,
     likeliest,
     penalize_repetition,
     sampling_probabilities,
@@ -691,24 +692,23 @@ class ContinuousBatcher:
         tokens = scores.argmax(dim=-1)
         sampled = [i for i, g in enumerate(rows) if g.do_sample and not g.done]
         if sampled:
-            probabilities = torch.stack(
-                [sampling_probabilities(scores[i], rows[i]) for i in sampled]
+            which = torch.tensor(sampled, device=scores.device)
+            probabilities = sampling_probabilities(
+                scores.index_select(0, which), [rows[i] for i in sampled]
             )
-            # a row whose settings leave nothing to draw from fails alone (multinomial would
-            # fail the step, and on a GPU the device with it); one look for every row
+            # a row whose settings leave nothing to draw from fails alone (its draw would
+            # be no token of its distribution); one look for every row
             drawable = probabilities.isfinite().all(-1) & (probabilities.sum(-1) > 0)
+            draws = drawn(probabilities, [rows[i].generator for i in sampled])
+            tokens.index_copy_(
+                0, which, torch.where(drawable, draws, tokens.index_select(0, which))
+            )
         for generation, fault in zip(rows, broken.tolist(), strict=True):
             if fault and not generation.done:
                 generation.fail(MODEL_SCORES_FAILED_MESSAGE, FailureKind.INTERNAL)
         if sampled:
-            usable = drawable.tolist()
-            for index, row, fine in zip(sampled, probabilities, usable, strict=True):
-                if rows[index].done:  # its model's scores were not numbers
-                    continue
-                if fine:
-                    generator = rows[index].generator
-                    tokens[index] = torch.multinomial(row, 1, generator=generator)[0]
-                else:
+            for index, fine in zip(sampled, drawable.tolist(), strict=True):
+                if not fine and not rows[index].done:  # (done: its scores were not numbers)
                     rows[index].fail(SAMPLING_FAILED_MESSAGE)
         chosen = tokens.tolist()
         logprobs: list[float] | None = None
