@@ -252,3 +252,29 @@ def test_info_names_each_gpu_worker_s_device_as_device_named_it(caplog):
         "cuda:0",  # auto, on the first GPU
     ]
     assert "model ready on cuda:1" in caplog.text
+
+
+def test_graphs_turned_off_on_a_gpu_are_said_to_be_off(tiny_model, monkeypatch, caplog):
+    """With --no-cuda-graphs (or RAWSERVE_NO_CUDA_GRAPHS left in a deployment) a GPU
+    worker said nothing of its graphs: /info's `cuda_graphs` was null, as on a CPU."""
+    import dataclasses
+
+    from rawserve.worker import loading
+    from tests.tiny_models import worker_config
+
+    monkeypatch.setattr(loading, "resolve_device", lambda device: device)  # a GPU, faked
+    monkeypatch.setattr(loading, "choose_attention_kernels", lambda device: "")
+    real_build = loading.build_runner
+
+    def build(config, task, device, network):
+        runner = real_build(config, task, "cpu", network)  # on the CPU: no GPU here
+        runner.device = device
+        return runner
+
+    monkeypatch.setattr(loading, "build_runner", build)
+    config = worker_config(tiny_model("text-classification"), engine=loading.Engine.TORCH)
+    off = dataclasses.replace(config, cuda_graphs=False, dtype="float32")
+    with caplog.at_level(logging.INFO, logger="rawserve.worker"):
+        runner = loading.load_runner(off, "cuda:0")
+    assert runner.cuda_graphs.startswith("off: --no-cuda-graphs") and runner.graphed is None
+    assert "CUDA graphs: off: --no-cuda-graphs" in caplog.text
