@@ -71,17 +71,21 @@ def test_each_worker_sees_only_its_gpu(device, inherited, plan):
         (["kfd"], True),  # ROCm
         (["nvidiactl", "nvidia-uvm", "nvidia-caps"], False),  # the driver, and no GPU given
         ([], False),
+        (["dxg", "wsl/libcuda.so"], True),  # WSL 2 with Windows' NVIDIA driver
+        (["dxg"], False),  # WSL 2 with another GPU: no CUDA
     ],
 )
 def test_a_gpu_is_shown_by_its_node_whichever_its_number(tmp_path, monkeypatch, nodes, shown):
-    """Only /dev/nvidia0 was read: a container given another GPU than the host's first
-    was planned as a CPU machine, a worker per core and the GPU unused."""
+    """Only /dev/nvidia0 was read: a container given another GPU than the host's first,
+    or WSL 2 with an NVIDIA GPU, was planned as a CPU machine, a worker per core and the
+    GPU unused."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    (tmp_path / "wsl").mkdir()
     for node in nodes:
         (tmp_path / node).touch()
-    assert gpu_present(tmp_path) is shown
+    assert gpu_present(tmp_path, tmp_path / "wsl") is shown
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")  # hidden from CUDA: no GPU
-    assert gpu_present(tmp_path) is False
+    assert gpu_present(tmp_path, tmp_path / "wsl") is False
 
 
 def test_two_gpu_workers_never_share_a_visible_device():
