@@ -1112,6 +1112,11 @@ def test_an_input_failing_outside_a_pipeline_does_not_load_the_pipelines(monkeyp
             None,
             "sees no CUDA GPU here: check the driver \\(this torch is built for CUDA 13.0\\)",
         ),
+        (  # a ROCm build: told to install a CUDA build, which it is in torch's eyes
+            "rocm 6.4",
+            None,
+            "sees no CUDA GPU here: check the driver \\(this torch is built for ROCm 6.4\\)",
+        ),
         (  # --device cuda:3 on a machine of one GPU
             "12.8",
             "3",
@@ -1135,7 +1140,9 @@ def test_a_gpu_torch_cannot_use_is_refused_in_words(monkeypatch, caplog, built_f
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.version, "cuda", built_for)
+    rocm = built_for and built_for.startswith("rocm ")
+    monkeypatch.setattr(torch.version, "cuda", None if rocm else built_for)
+    monkeypatch.setattr(torch.version, "hip", built_for.removeprefix("rocm ") if rocm else None)
     with pytest.raises(RuntimeError, match=f"{says}, or serve with --device cpu"):
         resolve_device("cuda:0")
     monkeypatch.setattr(runner, "gpu_present", lambda: False)

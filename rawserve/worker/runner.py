@@ -141,7 +141,9 @@ def resolve_device(device: str) -> str:
 
 def why_no_cuda(torch: Any) -> str:
     """Why torch sees no CUDA GPU, and what to check."""
-    if torch.version.cuda is None:
+    hip = getattr(torch.version, "hip", None)  # a ROCm build's GPUs are torch's cuda too
+    built = f"CUDA {torch.version.cuda}" if torch.version.cuda else hip and f"ROCm {hip}"
+    if not built:
         return "is a build without CUDA: install a CUDA build of torch"
     if visible := os.environ.get("CUDA_VISIBLE_DEVICES"):
         # `--device cuda:3` gives the worker GPU 3 alone: on a machine of one GPU it
@@ -152,8 +154,7 @@ def why_no_cuda(torch: Any) -> str:
         )
     # PyPI's build needs a driver of its CUDA version or later: an older one leaves torch
     # without the GPU (nvidia-smi names the newest CUDA the driver runs)
-    built = torch.version.cuda
-    return f"sees no CUDA GPU here: check the driver (this torch is built for CUDA {built})"
+    return f"sees no CUDA GPU here: check the driver (this torch is built for {built})"
 
 
 def resolve_dtype(dtype: str) -> Any:
