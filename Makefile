@@ -1,7 +1,8 @@
 # `make serve` and `make test` do all the set-up on a fresh clone: a virtual
-# environment in .venv with the pinned CPU build of torch (override TORCH_SPEC for
-# a CUDA build, e.g. `make serve TORCH_SPEC=torch==2.13.0 PIP_TORCH_ARGS=--index-url=...`,
-# after `make clean` where .venv exists: it is made once, and holds the CPU build).
+# environment in .venv with the pinned torch from pip's indexes (PyPI's Linux wheel is
+# the CUDA 13.0 build; PIP_TORCH_ARGS=--index-url=https://download.pytorch.org/whl/cpu
+# for the CPU build, .../whl/cu128 for another CUDA's, after `make clean` where .venv
+# exists: it is made once, and keeps the torch it holds).
 
 PYTHON ?= python3
 VENV ?= .venv

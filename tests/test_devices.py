@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 from rawserve.shared import cgroups
-from rawserve.shared.devices import AFFINITY, DevicePlan, core_count, isolate, parse_devices
+from rawserve.shared.devices import (
+    AFFINITY,
+    DevicePlan,
+    core_count,
+    gpu_present,
+    isolate,
+    parse_devices,
+)
 
 
 @pytest.mark.parametrize(
@@ -53,6 +60,32 @@ def test_a_gpu_outside_the_inherited_visible_list_is_refused():
 )
 def test_each_worker_sees_only_its_gpu(device, inherited, plan):
     assert isolate(device, inherited) == plan
+
+
+@pytest.mark.parametrize(
+    ("nodes", "shown"),
+    [
+        (["nvidia0", "nvidiactl", "nvidia-uvm"], True),
+        (["nvidia3", "nvidiactl", "nvidia-uvm"], True),  # a container given the host's GPU 3
+        (["nvidia12"], True),
+        (["kfd"], True),  # ROCm
+        (["nvidiactl", "nvidia-uvm", "nvidia-caps"], False),  # the driver, and no GPU given
+        ([], False),
+        (["dxg", "wsl/libcuda.so"], True),  # WSL 2 with Windows' NVIDIA driver
+        (["dxg"], False),  # WSL 2 with another GPU: no CUDA
+    ],
+)
+def test_a_gpu_is_shown_by_its_node_whichever_its_number(tmp_path, monkeypatch, nodes, shown):
+    """Only /dev/nvidia0 was read: a container given another GPU than the host's first,
+    or WSL 2 with an NVIDIA GPU, was planned as a CPU machine, a worker per core and the
+    GPU unused."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    (tmp_path / "wsl").mkdir()
+    for node in nodes:
+        (tmp_path / node).touch()
+    assert gpu_present(tmp_path, tmp_path / "wsl") is shown
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")  # hidden from CUDA: no GPU
+    assert gpu_present(tmp_path, tmp_path / "wsl") is False
 
 
 def test_two_gpu_workers_never_share_a_visible_device():

@@ -2481,13 +2481,17 @@ def test_a_model_whose_generation_config_asks_what_the_loop_does_not_apply_runs_
     runner, monkeypatch, setting, value
 ):
     """`generate` applies every setting of the model's generation config: such a model's
-    batches run through it, one call a batch, not through the loop."""
+    batches run through it, one call a batch, not through the loop, and not replayed
+    from the loop's CUDA graphs (the log and /info said they were on)."""
     from rawserve.worker.generating import continuous_loop
 
     config = WorkerConfig(model="m", task="text-generation")
     monkeypatch.setattr(runner.model.generation_config, setting, value)
+    monkeypatch.setattr(runner, "decode_graphs", False)
     assert runner.unapplied_settings == [f"{setting}={value!r}"]
     assert continuous_loop(runner, config, print, None) is None
+    said = f"off: the model's generation config sets {setting}={value!r}, so its batches"
+    assert runner.use_cuda_graphs().startswith(said) and not runner.decode_graphs
     neutral = {
         "no_repeat_ngram_size": 0,
         "num_beams": 1,
@@ -2497,6 +2501,7 @@ def test_a_model_whose_generation_config_asks_what_the_loop_does_not_apply_runs_
     monkeypatch.setattr(runner.model.generation_config, setting, neutral[setting])
     assert runner.unapplied_settings == []
     assert continuous_loop(runner, config, print, None) is not None
+    assert runner.use_cuda_graphs().startswith("on:")
 
 
 def test_a_server_that_is_gone_ends_the_loop(runner):

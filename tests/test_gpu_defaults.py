@@ -6,6 +6,7 @@ here: the CUDA probe is faked, and the choices are checked where they are made."
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -224,3 +225,56 @@ def test_a_gpu_machine_speaks_http_from_several_processes(gpu, monkeypatch):
     # half the cores at most, one at least
     assert [http_processes_default(True, cores) for cores in (2, 3, 8, 16, 64)] == [1, 1, 4, 8, 8]
     assert http_processes_default(False, 64) == 1
+
+
+def test_info_names_each_gpu_worker_s_device_as_device_named_it(caplog):
+    """A worker of `--device cuda:0,cuda:1` sees its GPU alone, as its cuda:0, and says so
+    when ready: /info, /metrics and the ready line gave both workers as cuda:0 (and a
+    series labelled cuda:1 while loading, cuda:0 after). `auto` is what its worker made of
+    it."""
+    from rawserve.api.operations import _worker_info
+    from rawserve.serving.pool import WorkerPool
+    from rawserve.serving.status import WorkerState
+    from rawserve.shared.messages import WorkerConfig, WorkerReady
+
+    named = ["cuda:0", "cuda:1", "auto"]
+    executor = WorkerPool(WorkerConfig(model="unused", task="text-classification"), named)
+    executor._pump = lambda: None  # type: ignore[method-assign] - nothing to dispatch here
+    caplog.set_level(logging.INFO, "rawserve")
+    for worker in executor.workers:
+        assert worker.status().device == worker.config.device  # loading: as named
+        worker.state = WorkerState.LOADING
+        ready = WorkerReady(1, "text-classification", "cuda:0", "float16", 1.0)
+        executor._on_message(worker, ready)  # what each isolated worker reports
+    assert [_worker_info(status)["device"] for status in executor.status()] == [
+        "cuda:0",
+        "cuda:1",
+        "cuda:0",  # auto, on the first GPU
+    ]
+    assert "model ready on cuda:1" in caplog.text
+
+
+def test_graphs_turned_off_on_a_gpu_are_said_to_be_off(tiny_model, monkeypatch, caplog):
+    """With --no-cuda-graphs (or RAWSERVE_NO_CUDA_GRAPHS left in a deployment) a GPU
+    worker said nothing of its graphs: /info's `cuda_graphs` was null, as on a CPU."""
+    import dataclasses
+
+    from rawserve.worker import loading
+    from tests.tiny_models import worker_config
+
+    monkeypatch.setattr(loading, "resolve_device", lambda device: device)  # a GPU, faked
+    monkeypatch.setattr(loading, "choose_attention_kernels", lambda device: "")
+    real_build = loading.build_runner
+
+    def build(config, task, device, network):
+        runner = real_build(config, task, "cpu", network)  # on the CPU: no GPU here
+        runner.device = device
+        return runner
+
+    monkeypatch.setattr(loading, "build_runner", build)
+    config = worker_config(tiny_model("text-classification"), engine=loading.Engine.TORCH)
+    off = dataclasses.replace(config, cuda_graphs=False, dtype="float32")
+    with caplog.at_level(logging.INFO, logger="rawserve.worker"):
+        runner = loading.load_runner(off, "cuda:0")
+    assert runner.cuda_graphs.startswith("off: --no-cuda-graphs") and runner.graphed is None
+    assert "CUDA graphs: off: --no-cuda-graphs" in caplog.text

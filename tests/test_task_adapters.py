@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import sys
 import tempfile
 import threading
@@ -1186,7 +1187,16 @@ def test_an_input_failing_outside_a_pipeline_does_not_load_the_pipelines(monkeyp
     ("built_for", "visible", "says"),
     [
         (None, None, "is a build without CUDA: install a CUDA build of torch"),
-        ("12.8", None, "sees no CUDA GPU here: check the driver"),
+        (
+            "13.0",
+            None,
+            "sees no CUDA GPU here: check the driver \\(this torch is built for CUDA 13.0\\)",
+        ),
+        (  # a ROCm build: told to install a CUDA build, which it is in torch's eyes
+            "rocm 6.4",
+            None,
+            "sees no CUDA GPU here: check the driver \\(this torch is built for ROCm 6.4\\)",
+        ),
         (  # --device cuda:3 on a machine of one GPU
             "12.8",
             "3",
@@ -1195,11 +1205,14 @@ def test_an_input_failing_outside_a_pipeline_does_not_load_the_pipelines(monkeyp
         ),
     ],
 )
-def test_a_gpu_torch_cannot_use_is_refused_in_words(monkeypatch, built_for, visible, says):
+def test_a_gpu_torch_cannot_use_is_refused_in_words(monkeypatch, caplog, built_for, visible, says):
     """`--device cuda` with a CPU build of torch failed late, on an AssertionError; a GPU
-    named that the machine does not have was blamed on the driver."""
+    named that the machine does not have was blamed on the driver. Without `--device` on
+    a machine that shows a GPU (`auto`), the worker went to the CPU without a word, under
+    a GPU's defaults: PyPI's CUDA build on an older driver is served so."""
     import torch
 
+    from rawserve.worker import runner
     from rawserve.worker.runner import resolve_device
 
     if visible is None:
@@ -1207,10 +1220,17 @@ def test_a_gpu_torch_cannot_use_is_refused_in_words(monkeypatch, built_for, visi
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.version, "cuda", built_for)
+    rocm = built_for and built_for.startswith("rocm ")
+    monkeypatch.setattr(torch.version, "cuda", None if rocm else built_for)
+    monkeypatch.setattr(torch.version, "hip", built_for.removeprefix("rocm ") if rocm else None)
     with pytest.raises(RuntimeError, match=f"{says}, or serve with --device cpu"):
         resolve_device("cuda:0")
+    monkeypatch.setattr(runner, "gpu_present", lambda: False)
     assert resolve_device("auto") == "cpu"
+    assert not caplog.records  # a machine without a GPU: the CPU is what auto means
+    monkeypatch.setattr(runner, "gpu_present", lambda: True)
+    assert resolve_device("auto") == "cpu"
+    assert re.search(f"the machine shows one, and torch .* {says}; serving on the CPU", caplog.text)
 
 
 def cut_short(folder: Path) -> None:

@@ -259,6 +259,15 @@ class WorkerHandle:
         return self.process.pid if self.process else None
 
     @property
+    def device(self) -> str:
+        """The device as --device named it, and, for `auto`, what its worker made of it.
+        Not what the worker reports otherwise: `cuda:1`'s worker sees that GPU alone, as
+        its cuda:0 (rawserve.shared.devices.isolate)."""
+        if self.ready and self.config.device == "auto":
+            return self.ready.device
+        return self.config.device
+
+    @property
     def label(self) -> str:
         """How log lines name it: its index, after its model's name when there are several."""
         return f"{self.config.name}/{self.index}" if self.config.name else str(self.index)
@@ -266,7 +275,7 @@ class WorkerHandle:
     def status(self) -> WorkerStatus:
         return WorkerStatus(
             index=self.index,
-            device=self.ready.device if self.ready else self.config.device,
+            device=self.device,
             dtype=self.ready.dtype if self.ready else self.config.dtype,
             state=self.state,
             pid=self.pid,

@@ -666,7 +666,7 @@ class WorkerPool(PoolReports):
             "worker %s: %s model ready on %s (engine %s) in %.1f s%s",
             worker.label,
             ready.task,
-            ready.device,
+            worker.device,
             ready.engine.value,
             ready.load_seconds + (warmed or 0.0),
             f" (warm-up {warmed:.2f} s)" if warmed is not None else "",

@@ -51,12 +51,17 @@ def core_count(cgroup_root: Path | None = None) -> CoreCount:
     return CoreCount(allowed, AFFINITY)
 
 
-def gpu_present() -> bool:
-    """Whether this machine shows a GPU torch could use (without importing torch)."""
+def gpu_present(dev: Path = Path("/dev"), wsl: Path = Path("/usr/lib/wsl/lib")) -> bool:
+    """Whether this machine shows a GPU torch could use (without importing torch): an
+    NVIDIA GPU's node, whichever its number (a container given the host's GPU 3 holds
+    /dev/nvidia3 alone, as Docker's `--gpus device=3` and Kubernetes give it), ROCm's,
+    or under WSL 2, whose GPUs have no such node, Windows' NVIDIA driver's CUDA."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return False
-    return Path("/dev/nvidia0").exists() or Path("/dev/kfd").exists()
+    if any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists():
+        return True
+    return (dev / "dxg").exists() and (wsl / "libcuda.so").exists()
 
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")

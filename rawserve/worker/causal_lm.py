@@ -296,6 +296,11 @@ class CausalLMRunner(Runner):
         ]
 
     def use_cuda_graphs(self) -> str:
+        if unapplied := self.unapplied_settings:  # (rawserve.worker.generating)
+            return (
+                f"off: the model's generation config sets {', '.join(unapplied)}, so its "
+                "batches run statically, through generate"
+            )
         if not GraphedDecode.supports(self.model):
             return (
                 "off: this model's attention takes no 4D mask, or slides a window (its "

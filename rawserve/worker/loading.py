@@ -36,6 +36,9 @@ from rawserve.worker.warmup import example_batch
 
 log = logging.getLogger("rawserve.worker")
 
+# what the log and /info's `cuda_graphs` say of a GPU worker's graphs turned off
+NO_GRAPHS = "off: --no-cuda-graphs (every forward pass runs as it is)"
+
 
 def choose_engine(
     requested: Engine, task: str, device: str, dtype: str, onnx_installed: bool
@@ -119,8 +122,8 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
     if runner.bfloat16_trial:
         log.info("bfloat16 trial: %s", runner.bfloat16_trial)
     runner.attention = attention
-    if config.cuda_graphs and runner.on_cuda:
-        runner.cuda_graphs = runner.use_cuda_graphs()
+    if runner.on_cuda:  # (a CPU's "" reads as none tried)
+        runner.cuda_graphs = runner.use_cuda_graphs() if config.cuda_graphs else NO_GRAPHS
         log.info("CUDA graphs: %s", runner.cuda_graphs)
     return runner
 

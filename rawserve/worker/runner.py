@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from rawserve.shared.devices import gpu_present
 from rawserve.shared.logs import first_line
 from rawserve.shared.messages import (
     NO_CONTROL,
@@ -115,21 +116,19 @@ def resolve_device(device: str) -> str:
     import torch
 
     if device == "auto":
-        return "cuda:0" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        if torch.version.cuda is None:
-            why = "is a build without CUDA: install a CUDA build of torch"
-        elif visible := os.environ.get("CUDA_VISIBLE_DEVICES"):
-            # `--device cuda:3` gives the worker GPU 3 alone: on a machine of one GPU it
-            # sees none, and the driver is not what to check
-            why = (
-                f"sees no CUDA GPU among CUDA_VISIBLE_DEVICES={visible}, the GPUs this "
-                "worker was given: check that they exist (nvidia-smi lists them)"
+        if torch.cuda.is_available():
+            return "cuda:0"
+        if gpu_present():  # planned as a GPU's (one worker, GPU batches): say why it is not
+            log.warning(
+                "no GPU for this worker: the machine shows one, and torch %s %s; serving "
+                "on the CPU (--device cpu to choose it)",
+                torch.__version__,
+                why_no_cuda(torch),
             )
-        else:
-            why = "sees no CUDA GPU here: check the driver"
+        return "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(
-            f"--device asks for a GPU, and torch {torch.__version__} {why}, "
+            f"--device asks for a GPU, and torch {torch.__version__} {why_no_cuda(torch)}, "
             "or serve with --device cpu"
         )
     if device == "mps" and not torch.backends.mps.is_available():
@@ -138,6 +137,24 @@ def resolve_device(device: str) -> str:
             "serve with --device cpu"
         )
     return device
+
+
+def why_no_cuda(torch: Any) -> str:
+    """Why torch sees no CUDA GPU, and what to check."""
+    hip = getattr(torch.version, "hip", None)  # a ROCm build's GPUs are torch's cuda too
+    built = f"CUDA {torch.version.cuda}" if torch.version.cuda else hip and f"ROCm {hip}"
+    if not built:
+        return "is a build without CUDA: install a CUDA build of torch"
+    if visible := os.environ.get("CUDA_VISIBLE_DEVICES"):
+        # `--device cuda:3` gives the worker GPU 3 alone: on a machine of one GPU it
+        # sees none, and the driver is not what to check
+        return (
+            f"sees no CUDA GPU among CUDA_VISIBLE_DEVICES={visible}, the GPUs this "
+            "worker was given: check that they exist (nvidia-smi lists them)"
+        )
+    # PyPI's build needs a driver of its CUDA version or later: an older one leaves torch
+    # without the GPU (nvidia-smi names the newest CUDA the driver runs)
+    return f"sees no CUDA GPU here: check the driver (this torch is built for {built})"
 
 
 def resolve_dtype(dtype: str) -> Any:
