@@ -882,6 +882,18 @@ def test_a_row_whose_sampling_has_nothing_to_draw_from_fails_alone(runner):
     ]
 
 
+def test_a_row_with_nothing_to_draw_from_fails_alone_where_every_row_samples(runner):
+    # (a step whose rows all sample draws every token, with no greedy choice beside it)
+    sampled = {**GREEDY, "do_sample": True, "seed": 5, "max_new_tokens": 6}
+    broken = {**sampled, "repetition_penalty": 1e-300}
+    mates = [Batch(1, ("the movie was", "paris is"), sampled)]
+    answered = results(serve(runner, {0: [*mates, Batch(2, ("the movie was",), broken)]}))
+    failed = answered[2].outputs[0]
+    assert failed.kind is FailureKind.INPUT and "sampling failed numerically" in failed.message
+    assert answered[1].outputs == results(serve(runner, {0: mates}))[1].outputs
+    assert all(len(output[0]["generated_text"]) for output in answered[1].outputs)
+
+
 @pytest.mark.parametrize("fault", [float("nan"), float("inf"), -float("inf")])
 def test_a_row_whose_model_scores_are_not_numbers_fails_alone_as_the_models_fault(runner, fault):
     """A model that overflows (float16 on a long input, a broken checkpoint) on one row:

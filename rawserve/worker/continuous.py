@@ -689,20 +689,28 @@ class ContinuousBatcher:
         held = [(i, g.grammar) for i, g in enumerate(rows) if g.grammar is not None and not g.done]
         for index, why in constrain(scores, held):
             rows[index].fail(why)
-        tokens = scores.argmax(dim=-1)
         sampled = [i for i, g in enumerate(rows) if g.do_sample and not g.done]
+        # every row drawn: its scores as they are, not a copy of them, and no greedy choice
+        # (each a pass over the vocabulary a row)
+        every = bool(sampled) and len(sampled) == len(rows)
+        if not every:
+            tokens = scores.argmax(dim=-1)
         if sampled:
             which = torch.tensor(sampled, device=scores.device)
             probabilities = sampling_probabilities(
-                scores.index_select(0, which), [rows[i] for i in sampled]
+                scores if every else scores.index_select(0, which), [rows[i] for i in sampled]
             )
             # a row whose settings leave nothing to draw from fails alone (its draw would
-            # be no token of its distribution); one look for every row
-            drawable = probabilities.isfinite().all(-1) & (probabilities.sum(-1) > 0)
+            # be no token of its distribution); one look for every row. A softmax's row is
+            # numbers summing to 1 exactly where its likeliest is above 0 (else NaN)
+            drawable = probabilities.amax(-1) > 0
             draws = drawn(probabilities, [rows[i].generator for i in sampled])
-            tokens.index_copy_(
-                0, which, torch.where(drawable, draws, tokens.index_select(0, which))
-            )
+            if every:  # (a row that cannot draw fails: its token is never taken)
+                tokens = draws
+            else:
+                tokens.index_copy_(
+                    0, which, torch.where(drawable, draws, tokens.index_select(0, which))
+                )
         for generation, fault in zip(rows, broken.tolist(), strict=True):
             if fault and not generation.done:
                 generation.fail(MODEL_SCORES_FAILED_MESSAGE, FailureKind.INTERNAL)

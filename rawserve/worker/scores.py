@@ -154,8 +154,9 @@ def sampling_probabilities(logits: torch.Tensor, rows: Sequence[Sampling]) -> to
     if any(top_ks):  # (of tied ones, every one as likely as the k-th stays, as there)
         kth = torch.topk(logits, max(top_ks)).values
         kth = kth.gather(1, column([max(k, 1) - 1 for k in top_ks]).long())
-        cut = (logits < kth) & column([bool(k) for k in top_ks]).bool()
-        logits = logits.masked_fill(cut, float("-inf"))
+        # (a row without top-k: no score is below -inf)
+        kth = kth.masked_fill(~column([bool(k) for k in top_ks]).bool(), float("-inf"))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     top_ps = [row.top_p if row.top_p is not None and row.top_p < 1.0 else None for row in rows]
     if any(p is not None for p in top_ps):
         # as transformers' TopPLogitsWarper (and vLLM) cut: the least likely tokens go while
@@ -170,7 +171,7 @@ def sampling_probabilities(logits: torch.Tensor, rows: Sequence[Sampling]) -> to
     min_ps = [row.min_p or 0.0 for row in rows]
     if any(min_ps):  # not a token less likely than min_p times the likeliest
         probabilities = logits.softmax(-1)
-        likeliest = probabilities.max(-1, keepdim=True).values
+        likeliest = probabilities.amax(-1, keepdim=True)
         logits = logits.masked_fill(probabilities < column(min_ps) * likeliest, float("-inf"))
     masses = [row.typical_p if row.typical_p is not None and row.typical_p < 1.0 else None
               for row in rows]  # fmt: skip
