@@ -694,6 +694,25 @@ def test_openais_penalties_count_each_rows_new_tokens():
         ScoreAdjustments.asked({"logit_bias": {6: 1.0}}, 6)
 
 
+@pytest.mark.parametrize(("frequency", "presence"), [(0.5, 1.0), (-1.5, 0.7), (2.0, -2.0)])
+def test_openais_penalties_change_only_the_generated_tokens_as_over_the_whole_vocabulary(
+    frequency, presence
+):
+    # (written only where a token was generated: the same numbers, to the bit, as the
+    # penalty taken off every score)
+    import torch
+
+    from rawserve.worker.scores import ScoreAdjustments
+
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(3, 500, generator=generator) * 4
+    made = torch.randint(0, 40, (3, 60), generator=generator)  # (many tokens repeated)
+    counts = torch.zeros_like(scores).scatter_add_(1, made, torch.ones(made.shape))
+    expected = scores - (counts * frequency + (counts > 0) * presence)
+    ScoreAdjustments((), frequency, presence).apply(scores, made)
+    assert torch.equal(scores, expected)
+
+
 def test_a_row_is_unusable_for_a_nan_a_positive_infinity_or_no_finite_score():
     import torch
 

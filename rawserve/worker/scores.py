@@ -85,10 +85,14 @@ class ScoreAdjustments:
             scores.index_add_(1, tokens_on, biases_on.expand(len(scores), -1))
         if made.shape[1] == 0 or not self.penalizes:
             return
-        counts = torch.zeros_like(scores).scatter_add_(
-            1, made, torch.ones(made.shape, dtype=scores.dtype, device=scores.device)
-        )
-        scores -= counts * self.frequency_penalty + (counts > 0) * self.presence_penalty
+        ones = torch.ones(made.shape, dtype=scores.dtype, device=scores.device)
+        # each generated token's count, where it was generated
+        counts = torch.zeros_like(scores).scatter_add_(1, made, ones).gather(1, made)
+        # only the generated tokens' scores change (taken off the whole vocabulary, a
+        # penalty cost a row five passes over it): each is written once for every time it
+        # was generated, each time the same
+        penalty = counts * self.frequency_penalty + (counts > 0) * self.presence_penalty
+        scores.scatter_(1, made, scores.gather(1, made) - penalty)
 
 
 def unusable(scores: torch.Tensor) -> torch.Tensor:
