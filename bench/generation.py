@@ -30,13 +30,19 @@ MIXED = (8, 256)
 POSITIONS = 512
 
 
-def build_model(layers: int, hidden: int, device: str = "cpu", dtype: str | None = None) -> Any:
+def build_model(
+    layers: int,
+    hidden: int,
+    device: str = "cpu",
+    dtype: str | None = None,
+    vocabulary: int = 8192,
+) -> Any:
     import torch
     import transformers
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        vocab_size=8192,
+        vocab_size=vocabulary,
         n_positions=POSITIONS,
         n_embd=hidden,
         n_layer=layers,

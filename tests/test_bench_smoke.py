@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from bench import gpu_round, load, refusal_cost, report, scheduler_cost, spread
+from bench import gpu_round, load, refusal_cost, report, sampling_cost, scheduler_cost, spread
 from bench.workloads import RAW_TEXT, BodyFormat, texts
 from tests.server import REPO_ROOT, RunningServer
 
@@ -253,6 +253,13 @@ def test_make_bench_quick_is_a_short_try_of_every_step():
     assert arguments("bench.compare") == ["--quick"]
     assert arguments("bench.http_processes") == ["--rounds", "1", "--duration", "2"]
     assert arguments("bench.generation_serving") == ["--rounds", "1", "--scenarios", "16 x 64"]
+
+
+def test_the_sampling_cost_benchmark_times_a_step_of_every_setting_with_every_row_running():
+    pytest.importorskip("torch")
+    figures = sampling_cost.measure(vocabulary=300, rows=3, steps=1, rounds=1)
+    assert list(figures) == list(sampling_cost.SETTINGS)
+    assert all(ms > 0 for ms in figures.values())
 
 
 def test_the_generation_benchmark_s_stand_in_tokenizer_serves_the_loop_s_text():
