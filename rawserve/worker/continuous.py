@@ -157,6 +157,18 @@ class Generation:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def takes_the_likeliest(self) -> bool:
+        """Whether its next token is the likeliest of the model's own scores: greedy, and
+        nothing (a penalty, a bias, an end held back, a grammar) changes them first."""
+        return not (
+            self.do_sample
+            or self.repetition_penalty not in (None, 1.0)
+            or self.adjustments is not None
+            or len(self.tokens) < self.min_new_tokens
+            or self.grammar is not None
+        )
+
     def fail(self, why: str, kind: FailureKind = FailureKind.INPUT) -> None:
         """End it alone: its own settings or grammar cannot go on, or the model's scores
         for it are not numbers (the rows beside it go on)."""
@@ -665,8 +677,13 @@ class ContinuousBatcher:
         # with the step's first look at the device (read here, the sampling work would be
         # queued only once the forward pass is done); till then its scores are zeros,
         # which rank and draw without failing the step.
-        broken = unusable(scores)
-        scores.masked_fill_(broken[:, None], 0.0)
+        plain = all(g.takes_the_likeliest for g in rows)
+        if plain:  # (one pass: the likeliest score tells a broken row, its place the token)
+            best, greedy = scores.max(dim=-1)
+            broken = ~best.isfinite()
+        else:
+            broken = unusable(scores)
+            scores.masked_fill_(broken[:, None], 0.0)
         for index, generation in enumerate(rows):
             if generation.done:
                 continue
@@ -694,7 +711,7 @@ class ContinuousBatcher:
         # (each a pass over the vocabulary a row)
         every = bool(sampled) and len(sampled) == len(rows)
         if not every:
-            tokens = scores.argmax(dim=-1)
+            tokens = greedy if plain else scores.argmax(dim=-1)
         if sampled:
             which = torch.tensor(sampled, device=scores.device)
             probabilities = sampling_probabilities(
