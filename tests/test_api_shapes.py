@@ -122,6 +122,23 @@ def test_a_long_streamed_choice_searches_only_the_end_of_its_text(monkeypatch):
     assert max(searched) == len(" word") + 1
 
 
+def test_a_streamed_choice_without_stop_sequences_sends_each_token_as_it_comes(monkeypatch):
+    """Without stop sequences nothing is held back: each token's text goes as it comes
+    (an empty one sends nothing), and no token's work searches the text for stops."""
+    from rawserve.api import openai_answers
+
+    def searched(*args: object) -> None:
+        raise AssertionError("a text searched for stop sequences where none were asked")
+
+    monkeypatch.setattr(openai_answers, "releasable", searched)
+    monkeypatch.setattr(openai_answers, "stop_tail", searched)
+    streamed = Streamed(stops_after=2)
+    texts = [" a", "", " b", "\n\n", " c"]
+    released = [streamed.add({"text": text, "special": False}, [], None) for text in texts]
+    assert [r[0] if r is not None else None for r in released] == [" a", None, " b", "\n\n", " c"]
+    assert streamed.sent == " a b\n\n c"
+
+
 def test_text_that_may_start_a_stop_sequence_waits():
     assert releasable("hello wor", ["world"]) == ("hello ", False)
     assert releasable("hello world!", ["world"]) == ("hello ", True)

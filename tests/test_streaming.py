@@ -442,3 +442,49 @@ async def _events_end_as_the_client_leaves():
     last.set()  # the events end...
     responding.cancel()  # ...as the client leaves
     await asyncio.wait({responding})
+
+
+async def test_a_stream_silent_after_its_first_events_is_kept_alive_too():
+    """The keep-alive timer runs on past the events that came: silence later in a
+    stream (a long tool call's grammar compiling) is met the same as before its first."""
+    resumed = asyncio.Event()
+
+    async def events():
+        yield b"data: 1\n\n"
+        yield b"data: 2\n\n"
+        await resumed.wait()
+        yield b"data: 3\n\n"
+
+    stream = kept_alive(events(), 0.01)
+    assert [await anext(stream), await anext(stream)] == [b"data: 1\n\n", b"data: 2\n\n"]
+    assert await anext(stream) == KEEP_ALIVE
+    assert await anext(stream) == KEEP_ALIVE
+    resumed.set()
+    assert [event async for event in stream if event != KEEP_ALIVE] == [b"data: 3\n\n"]
+
+
+async def test_keeping_a_stream_alive_sets_no_timer_per_event(monkeypatch):
+    """A stream's events come far more often than its keep-alive interval passes: one
+    timer for the whole stream, not one set and cancelled for each event (with a wait
+    on a set of futures, that cost a streamed token more than its JSON and its write)."""
+    loop = asyncio.get_running_loop()
+    timers = []
+
+    def counted(schedule):
+        def counting(*args, **kwargs):
+            timers.append(args)
+            return schedule(*args, **kwargs)
+
+        return counting
+
+    monkeypatch.setattr(loop, "call_at", counted(loop.call_at))
+    monkeypatch.setattr(loop, "call_later", counted(loop.call_later))
+
+    async def events():
+        for index in range(100):
+            await asyncio.sleep(0)  # each after a turn of the loop, as tokens come
+            yield b"data: %d\n\n" % index
+
+    sent = [event async for event in kept_alive(events(), 60)]
+    assert sent == [b"data: %d\n\n" % index for index in range(100)]
+    assert len(timers) == 1

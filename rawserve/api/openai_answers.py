@@ -446,6 +446,9 @@ class Streamed:
             self.unsent.add(listed(token), self.length)
         self.held += token["text"]
         self.length += len(token["text"])
+        if not stops:  # nothing to hold back: the text goes as it comes, unsearched
+            text, self.held = self.held, ""
+            return self._send(text)
         # a stop may begin in the last characters sent: one that counted no more once
         # stops counted from a later token on
         self.recent = stop_tail(self.recent, stops)
