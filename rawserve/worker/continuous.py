@@ -713,16 +713,17 @@ class ContinuousBatcher:
         if not every:
             tokens = greedy if plain else scores.argmax(dim=-1)
         if sampled:
-            which = torch.tensor(sampled, device=scores.device)
+            which = None if every else torch.tensor(sampled, device=scores.device)
             probabilities = sampling_probabilities(
-                scores if every else scores.index_select(0, which), [rows[i] for i in sampled]
+                scores if which is None else scores.index_select(0, which),
+                [rows[i] for i in sampled],
             )
             # a row whose settings leave nothing to draw from fails alone (its draw would
             # be no token of its distribution); one look for every row. A softmax's row is
             # numbers summing to 1 exactly where its likeliest is above 0 (else NaN)
             drawable = probabilities.amax(-1) > 0
             draws = drawn(probabilities, [rows[i].generator for i in sampled])
-            if every:  # (a row that cannot draw fails: its token is never taken)
+            if which is None:  # (a row that cannot draw fails: its token is never taken)
                 tokens = draws
             else:
                 tokens.index_copy_(
