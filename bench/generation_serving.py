@@ -380,12 +380,22 @@ def generation_passes(port: int) -> Counter[str]:
         for sample in family.samples:
             if sample.name in PASS_COUNTERS:
                 found[f"{PASS_COUNTERS[sample.name]} {sample.labels['kind']}"] += sample.value
+            elif sample.name.removesuffix("_bucket") in LATENCIES:
+                name = LATENCIES[sample.name.removesuffix("_bucket")]
+                found[f"{name} {sample.labels['le']}"] += sample.value
     return found
 
 
 PASS_COUNTERS = {
     "rawserve_generation_passes_total": "passes",
     "rawserve_generation_pass_tokens_total": "tokens",
+}
+# the loop's own latencies (the worker's times: before the sockets, the HTTP and serving
+# processes and the client), what the client's figures are compared with
+LATENCIES = {
+    "rawserve_generation_queue_seconds": "queue",
+    "rawserve_generation_time_to_first_token_seconds": "first token",
+    "rawserve_generation_inter_token_seconds": "between tokens",
 }
 
 
@@ -397,10 +407,39 @@ def pass_shares(before: Counter[str], after: Counter[str]) -> dict[str, float]:
     steps = ran["passes decode"]
     if not steps:
         return {}
-    return {
+    found = {
         "prefills_per_step": round(ran["passes prefill"] / steps, 2),
         "rows_per_step": round(ran["tokens decode"] / steps, 1),
     }
+    for key, latency, share in (
+        ("worker_queue_p50_ms", "queue", 0.5),
+        ("worker_ttft_p50_ms", "first token", 0.5),
+        ("worker_itl_p50_ms", "between tokens", 0.5),
+        ("worker_itl_p99_ms", "between tokens", 0.99),
+    ):
+        buckets = {name.split()[-1]: n for name, n in ran.items() if name.startswith(latency)}
+        seconds = bucket_quantile(buckets, share)
+        if seconds is not None:
+            found[key] = round(seconds * 1000, 2)
+    return found
+
+
+def bucket_quantile(cumulative: dict[str, float], share: float) -> float | None:
+    """The `share` quantile of a histogram's observations from its cumulative bucket
+    counts by upper bound (`le`), interpolated within its bucket as Prometheus's
+    histogram_quantile does (the highest finite bound where it falls beyond)."""
+    bounds = sorted((float(le), count) for le, count in cumulative.items())
+    if not bounds or not bounds[-1][1]:
+        return None
+    rank = share * bounds[-1][1]
+    below, lower = 0.0, 0.0
+    for bound, count in bounds:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-9)
+        below, lower = count, bound
+    return lower
 
 
 async def settle(port: int, probe: bytes, timeout: float) -> None:
@@ -471,7 +510,8 @@ def spread(values: list[float]) -> dict[str, float] | None:
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ("tokens_per_s", "completions_per_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms",
-            "client_cpu_share", "prefills_per_step", "rows_per_step")  # fmt: skip
+            "client_cpu_share", "prefills_per_step", "rows_per_step", "worker_queue_p50_ms",
+            "worker_ttft_p50_ms", "worker_itl_p50_ms", "worker_itl_p99_ms")  # fmt: skip
     summary: dict[str, Any] = {
         key: spread([run[key] for run in runs if run.get(key) is not None]) for key in keys
     }
@@ -492,8 +532,8 @@ def median(summary: dict[str, Any], key: str, places: int = 1) -> str:
 def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     rows = ["| scenario | system | tokens/s median [range] | × in-process static | "
             "completions/s | statuses | TTFT p50 ms | ITL p50 / p99 ms | prefills / rows "
-            "a step |",
-            "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            "a step | worker: queue / TTFT p50, ITL p50 / p99 ms |",
+            "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for scenario, by_system in results.items():
         unstreamed = results.get(scenario.removeprefix("stream "), {})  # the same load
         reference = unstreamed.get("static-in-process", {}).get("tokens_per_s")
@@ -508,7 +548,11 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
                 f"{median(summary, 'completions_per_s')} | {summary['statuses']} | "
                 f"{median(summary, 'ttft_p50_ms')} | "
                 f"{median(summary, 'itl_p50_ms')} / {median(summary, 'itl_p99_ms')} | "
-                f"{median(summary, 'prefills_per_step', 2)} / {median(summary, 'rows_per_step')} |"
+                f"{median(summary, 'prefills_per_step', 2)} / {median(summary, 'rows_per_step')} | "
+                f"{median(summary, 'worker_queue_p50_ms', 2)} / "
+                f"{median(summary, 'worker_ttft_p50_ms', 2)}, "
+                f"{median(summary, 'worker_itl_p50_ms', 2)} / "
+                f"{median(summary, 'worker_itl_p99_ms', 2)} |"
             )
     return "\n".join(rows)
 

@@ -107,7 +107,14 @@ class ReadyWorkers:
     def abandon(self, future, items=None) -> None:
         pass
 
-    def submit(self, inputs: Any, params: Any, control: Any = None, request_ids: Any = ()) -> Any:
+    def submit(
+        self,
+        inputs: Any,
+        params: Any,
+        control: Any = None,
+        request_ids: Any = (),
+        admitted: Any = (),
+    ) -> Any:
         raise AssertionError("a full queue submits nothing")
 
     def load_state(self) -> tuple[LoadState, float | None]:

@@ -62,6 +62,7 @@ class InstantWorkers:
         params: Mapping[str, Any],
         control: Control,
         request_ids: Sequence[str] = (),
+        admitted: Sequence[float] = (),
     ) -> asyncio.Future[BatchResult]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[BatchResult] = loop.create_future()

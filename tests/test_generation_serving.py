@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
@@ -93,3 +94,33 @@ def test_a_scenario_runs_against_the_real_server_and_counts_every_token(tmp_path
             found = asyncio.run(bench.closed_loop(rs.port, requests, asks, 2, 60.0))
             assert found["statuses"] == {"200": 4} and found["short_answers"] == 0
             assert (found["ttft_p50_ms"] is not None) == stream
+        # the worker's own latencies, on /metrics: every sequence's first token, each later
+        # token's gap (counted to the server once a second, and once the loop is idle)
+        expected = {"first token +Inf": 8, "queue +Inf": 8, "between tokens +Inf": 2 * 15}
+        wait_until(lambda: counted(bench.generation_passes(rs.port)) == expected)
+        passes = bench.generation_passes(rs.port)
+        assert bench.bucket_quantile(buckets(passes, "first token"), 0.5) > 0
+        assert 0 < bench.bucket_quantile(buckets(passes, "between tokens"), 0.99) < 10
+
+
+def counted(passes) -> dict[str, float]:
+    return {name: n for name, n in passes.items() if name.endswith("+Inf")}
+
+
+def buckets(passes, latency: str) -> dict[str, float]:
+    return {name.split()[-1]: n for name, n in passes.items() if name.startswith(latency)}
+
+
+def wait_until(check, timeout: float = 10.0) -> None:
+    until = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < until, "not within the time bound"
+        time.sleep(0.05)
+
+
+def test_a_quantile_is_read_from_cumulative_buckets_as_prometheus_reads_it():
+    cumulative = {"0.01": 2.0, "0.02": 6.0, "0.05": 8.0, "+Inf": 10.0}
+    assert bench.bucket_quantile(cumulative, 0.1) == pytest.approx(0.005)  # within (0, 0.01]
+    assert bench.bucket_quantile(cumulative, 0.5) == pytest.approx(0.0175)  # 3 of 4 in (0.01, 0.02]
+    assert bench.bucket_quantile(cumulative, 0.99) == 0.05  # beyond: the highest finite bound
+    assert bench.bucket_quantile({"0.01": 0.0, "+Inf": 0.0}, 0.5) is None

@@ -283,3 +283,54 @@ def test_a_generation_workers_passes_are_counted_by_kind():
     assert value(samples, "rawserve_generation_passes_total", model="gpt", kind="decode") == 10
     assert value(samples, "rawserve_generation_pass_tokens_total", kind="prefill") == 30
     assert value(samples, "rawserve_generation_pass_tokens_total", kind="decode") == 45
+
+
+def test_a_generation_workers_latencies_are_histograms_merged_across_processes():
+    """The loop's latencies come counted into buckets (`Counts`): each model's series adds
+    them up, rendered as Prometheus histograms, and summed with the other processes'."""
+    from rawserve.ops.metrics import merge_families, render_families
+    from rawserve.shared.messages import GenerationPasses
+    from rawserve.shared.tallies import INTER_TOKEN_BUCKETS, WAIT_BUCKETS, Counts
+
+    def counts(bounds, at: dict[int, int], total: float) -> Counts:
+        buckets = [0] * (len(bounds) + 1)
+        for index, count in at.items():
+            buckets[index] = count
+        return Counts(tuple(buckets), total)
+
+    metrics = Metrics()
+    gpt = metrics.for_model("gpt")
+    first = counts(WAIT_BUCKETS, {0: 3, 5: 1}, 0.02)  # 3 under 1 ms, 1 in (10, 15] ms
+    gpt.count_passes(GenerationPasses(steps=1, rows=4, first_token=first))
+    gpt.count_passes(
+        GenerationPasses(
+            steps=1,
+            rows=4,
+            first_token=counts(WAIT_BUCKETS, {len(WAIT_BUCKETS): 1}, 40.0),  # past 30 s
+            inter_token=counts(INTER_TOKEN_BUCKETS, {2: 8}, 0.012),
+        )
+    )
+    metrics.for_model("bert")  # a model that generates nothing has no series
+    other = Metrics()  # another process's, with nothing of the kind
+    rendered = render_families(merge_families([metrics.families(), other.families()]))
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(rendered.decode())
+        for sample in family.samples
+    }
+    ttft = "rawserve_generation_time_to_first_token_seconds"
+    assert value(samples, f"{ttft}_bucket", model="gpt", le="0.001") == 3
+    assert value(samples, f"{ttft}_bucket", model="gpt", le="0.01") == 3
+    assert value(samples, f"{ttft}_bucket", model="gpt", le="0.015") == 4
+    assert value(samples, f"{ttft}_bucket", model="gpt", le="30.0") == 4
+    assert value(samples, f"{ttft}_bucket", model="gpt", le="+Inf") == 5
+    assert value(samples, f"{ttft}_count", model="gpt") == 5
+    assert value(samples, f"{ttft}_sum", model="gpt") == pytest.approx(40.02)
+    between = "rawserve_generation_inter_token_seconds"
+    assert value(samples, f"{between}_bucket", model="gpt", le="0.001") == 0
+    assert value(samples, f"{between}_bucket", model="gpt", le="0.0015") == 8
+    assert value(samples, f"{between}_count", model="gpt") == 8
+    assert not [
+        key for key in samples if dict(key[1]).get("model") == "bert" and "generation" in key[0]
+    ]
+    assert not [key for key in samples if key[0].startswith("rawserve_generation_queue_seconds")]

@@ -923,6 +923,7 @@ class FakeBackend:
         self.workers = workers
         self.calls: list[tuple[list, dict, asyncio.Future]] = []
         self.request_ids: list[tuple[str, ...]] = []  # each call's
+        self.admitted: list[tuple[float, ...]] = []  # each call's admission times
         self.free_looks = 0
         self.back_at: float | None = None  # while no worker serves: when one should again
 
@@ -942,10 +943,11 @@ class FakeBackend:
         self.free_looks += idle > 0  # the scheduler looked at the queue with a worker free
         return idle
 
-    def submit(self, inputs, params, control=NO_CONTROL, request_ids=()):
+    def submit(self, inputs, params, control=NO_CONTROL, request_ids=(), admitted=()):
         future = asyncio.get_running_loop().create_future()
         self.calls.append((list(inputs), dict(params), future))
         self.request_ids.append(tuple(request_ids))
+        self.admitted.append(tuple(admitted))
         return future
 
     def serving_again_at(self) -> float | None:
@@ -1006,6 +1008,28 @@ async def test_each_item_of_a_batch_names_its_own_request_to_the_pool(driver):
     assert dict(zip(backend.calls[0][0], ids, strict=True)) == {"a": "r1", "b": "r1", "c": "r2"}
     backend.finish(0)
     await asyncio.gather(*runs)
+
+
+async def test_each_item_of_a_batch_carries_its_admission_time_to_the_pool(driver):
+    """A generation worker times a request's first token from its admission, so each
+    item's admission time (the scheduler's clock as it was queued) goes with its batch,
+    in the batch's order, the earlier one behind the busy worker with its own."""
+    scheduler, backend = driver
+    first = asyncio.create_task(scheduler.run(["a"], {}, scheduler.clock() + 5))
+    await until(lambda: len(backend.calls) == 1)
+    before = scheduler.clock()
+    queued = asyncio.create_task(scheduler.run(["b"], {}, scheduler.clock() + 5))
+    await asyncio.sleep(0.02)
+    later = asyncio.create_task(scheduler.run(["c"], {}, scheduler.clock() + 5))
+    await asyncio.sleep(0)
+    after = scheduler.clock()
+    backend.finish(0)
+    await until(lambda: len(backend.calls) == 2)
+    (admitted_a,), (admitted_b, admitted_c) = backend.admitted
+    assert admitted_a < before <= admitted_b < admitted_c <= after
+    assert admitted_c - admitted_b >= 0.02
+    backend.finish(1)
+    await asyncio.gather(first, queued, later)
 
 
 async def test_arrivals_in_one_loop_pass_are_looked_at_once_and_batched(driver):
@@ -1190,7 +1214,7 @@ async def test_a_cancelled_request_is_withdrawn(driver):
     assert len(backend.calls) == 1
 
 
-def refuse_every_batch(inputs, params, control, request_ids=()):
+def refuse_every_batch(inputs, params, control, request_ids=(), admitted=()):
     """A worker pool's `submit` that refuses every batch (no worker free)."""
     raise Refused.because(Reason.NO_WORKER, "no model worker is free")
 

@@ -20,12 +20,22 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 from collections.abc import Collection, Iterator, Sequence
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import generate_latest as render_collector
+from prometheus_client.utils import floatToGoString
+
+from rawserve.shared.messages import GenerationPasses
+from rawserve.shared.tallies import INTER_TOKEN_BUCKETS, WAIT_BUCKETS, Counts
 
 DROP_REASONS = ("rejected", "expired", "disconnected", "poison")
 OTHER_ROUTE = "other"  # the label of paths that are not routes (keeps cardinality bounded)
@@ -102,6 +112,8 @@ class Metrics:
             ["model", "kind"],
             registry=r,
         )
+        self.generation_latencies = TalliedHistograms(GENERATION_LATENCIES)
+        r.register(self.generation_latencies)
         self._state = StateCollector()
         r.register(self._state)
         self.loop_lag = Histogram(
@@ -259,6 +271,7 @@ class ModelMetrics:
         self._dropped = {reason: metrics.dropped.labels(name, reason) for reason in DROP_REASONS}
         self._passes = metrics.generation_passes
         self._pass_tokens = metrics.generation_pass_tokens
+        self._latencies = metrics.generation_latencies
 
     def observe_batch(self, size: int, compute_seconds: float) -> None:
         self._batch_size.observe(size)
@@ -268,11 +281,22 @@ class ModelMetrics:
         if count > 0:
             self._dropped[reason].inc(count)
 
-    def count_passes(self, prefills: int, prompt_tokens: int, steps: int, rows: int) -> None:
-        """A generation worker's passes (exported once a model generates continuously)."""
-        for kind, passes, tokens in (("prefill", prefills, prompt_tokens), ("decode", steps, rows)):
-            self._passes.labels(self.name, kind).inc(passes)
+    def count_passes(self, passes: GenerationPasses) -> None:
+        """A generation worker's passes and its sequences' latencies (exported once a
+        model generates continuously)."""
+        for kind, count, tokens in (
+            ("prefill", passes.prefills, passes.prompt_tokens),
+            ("decode", passes.steps, passes.rows),
+        ):
+            self._passes.labels(self.name, kind).inc(count)
             self._pass_tokens.labels(self.name, kind).inc(tokens)
+        for name, counts in (
+            (QUEUE_SECONDS, passes.queue),
+            (FIRST_TOKEN_SECONDS, passes.first_token),
+            (INTER_TOKEN_SECONDS, passes.inter_token),
+        ):
+            if counts is not None:
+                self._latencies.add(name, self.name, counts)
 
 
 class QueueState(Protocol):
@@ -319,6 +343,64 @@ class WorkerPool(Protocol):
     """What the metrics read of an executor at scrape time (rawserve.serving.pool.WorkerPool)."""
 
     def status(self) -> Sequence[WorkerView]: ...
+
+
+QUEUE_SECONDS = "rawserve_generation_queue_seconds"
+FIRST_TOKEN_SECONDS = "rawserve_generation_time_to_first_token_seconds"
+INTER_TOKEN_SECONDS = "rawserve_generation_inter_token_seconds"
+# a continuous generation worker's latencies, counted there (rawserve.worker.token_times):
+# name: (documentation, bucket bounds)
+GENERATION_LATENCIES = {
+    QUEUE_SECONDS: (
+        "From a generation's admission to the start of the loop step that prefilled it "
+        "(the queue, the pipe to the worker, the step under way, a wait for a free row)",
+        WAIT_BUCKETS,
+    ),
+    FIRST_TOKEN_SECONDS: (
+        "From a generation's admission to its first new token, made by the worker",
+        WAIT_BUCKETS,
+    ),
+    INTER_TOKEN_SECONDS: (
+        "Between two tokens of one generated sequence, made by the worker",
+        INTER_TOKEN_BUCKETS,
+    ),
+}
+
+
+class TalliedHistograms:
+    """Histograms whose observations come already counted into buckets (a worker's
+    `Counts`, rawserve.shared.tallies), labelled by model: each series is the sum of the
+    counts added to it, exported from the first (a histogram without a series is not)."""
+
+    def __init__(self, families: dict[str, tuple[str, tuple[float, ...]]]):
+        self.families = families
+        # (family, model): per-bucket counts (not cumulative) and the sum, so far
+        self._series: dict[tuple[str, str], tuple[list[int], list[float]]] = {}
+
+    def add(self, family: str, model: str, counts: Counts) -> None:
+        _, bounds = self.families[family]
+        if len(counts.buckets) != len(bounds) + 1:
+            raise ValueError(f"{family}: {len(counts.buckets)} buckets for {len(bounds)} bounds")
+        buckets, total = self._series.setdefault(
+            (family, model), ([0] * len(counts.buckets), [0.0])
+        )
+        for index, count in enumerate(counts.buckets):
+            buckets[index] += count
+        total[0] += counts.total
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked collector: its series are only known at collect time
+
+    def collect(self) -> Iterator[Metric]:
+        for name, (documentation, bounds) in self.families.items():
+            family = HistogramMetricFamily(name, documentation, labels=["model"])
+            edges = [floatToGoString(bound) for bound in (*bounds, float("inf"))]
+            for (series, model), (buckets, total) in self._series.items():
+                if series == name:
+                    cumulative = itertools.accumulate(buckets)
+                    family.add_metric([model], list(zip(edges, cumulative, strict=True)), total[0])
+            if family.samples:
+                yield family
 
 
 class StateCollector:

@@ -437,9 +437,10 @@ class PublishingBackend:
         params: Mapping[str, Any],
         control: Control,
         request_ids: Sequence[str] = (),
+        admitted: Sequence[float] = (),
     ) -> asyncio.Future[BatchResult]:
         self.published()
-        return self.backend.submit(inputs, params, control, request_ids)
+        return self.backend.submit(inputs, params, control, request_ids, admitted)
 
     def serving_again_at(self) -> float | None:
         return self.backend.serving_again_at()

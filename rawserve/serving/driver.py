@@ -83,8 +83,10 @@ class Backend(Protocol):
         params: Mapping[str, Any],
         control: Control,
         request_ids: Sequence[str] = (),
+        admitted: Sequence[float] = (),
     ) -> asyncio.Future[BatchResult]:
-        """Send a batch to a worker; `request_ids`: each input's request's, for its log."""
+        """Send a batch to a worker; `request_ids`: each input's request's, for its log;
+        `admitted`: when each input was admitted (the worker times from there)."""
         ...
 
     def serving_again_at(self) -> float | None:
@@ -438,7 +440,8 @@ class Scheduler:
         try:
             lead = batch[0]
             inputs, ids = [item.input for item in batch], [item.request_id for item in batch]
-            future = self.backend.submit(inputs, lead.params, lead.control, ids)
+            admitted = [item.arrived for item in batch]
+            future = self.backend.submit(inputs, lead.params, lead.control, ids, admitted)
         except Exception as exc:  # noqa: BLE001 - the batch fails, the loop goes on
             self.core.forget_batch(batch)
             log.error("the worker pool refused a batch of %d: %s", len(batch), exc)

@@ -46,6 +46,7 @@ class Job:
     places: tuple[int, ...] = ()
     gone: frozenset[int] = frozenset()  # the indices of its inputs nobody waits for
     request_ids: tuple[str, ...] = ()  # each input's request's, for the worker's log
+    admitted: tuple[float, ...] = ()  # when each input was admitted (time.monotonic)
     answered: bool = False
 
     def place(self, index: int) -> int:
@@ -98,6 +99,7 @@ class Job:
             assembly=self._assembly(),
             places=tuple(self.place(index) for index in indices),
             request_ids=tuple(self.request_ids[index] for index in indices if self.request_ids),
+            admitted=tuple(self.admitted[index] for index in indices if self.admitted),
         )
 
     def _assembly(self) -> Assembly:

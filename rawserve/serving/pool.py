@@ -98,7 +98,7 @@ class DropCounter(Protocol):
 
     def drop(self, reason: str, count: int = 1) -> None: ...
 
-    def count_passes(self, prefills: int, prompt_tokens: int, steps: int, rows: int) -> None: ...
+    def count_passes(self, passes: GenerationPasses) -> None: ...
 
 
 class WorkerPool(PoolReports):
@@ -217,6 +217,7 @@ class WorkerPool(PoolReports):
         params: Mapping[str, Any],
         control: Control = NO_CONTROL,
         request_ids: Sequence[str] = (),
+        admitted: Sequence[float] = (),
     ) -> asyncio.Future[BatchResult]:
         # the scheduler may send a second batch in the same breath as a lone item that
         # took every core: it runs on a free worker anyway (briefly one thread too many)
@@ -227,7 +228,13 @@ class WorkerPool(PoolReports):
         batch_id = next(self._batch_ids)
         refused = [self.supervisor.is_poison(value, params) for value in inputs]
         whole = Job(
-            tuple(inputs), params, control, future, batch_id, request_ids=tuple(request_ids)
+            tuple(inputs),
+            params,
+            control,
+            future,
+            batch_id,
+            request_ids=tuple(request_ids),
+            admitted=tuple(admitted),
         )
         if not any(refused):
             self._send(worker, whole)
@@ -380,7 +387,13 @@ class WorkerPool(PoolReports):
         try:
             threads = self._threads_for(worker, len(job.inputs))
             batch = Batch(
-                job.batch_id, job.inputs, dict(job.params), threads, job.control, job.request_ids
+                job.batch_id,
+                job.inputs,
+                dict(job.params),
+                threads,
+                job.control,
+                job.request_ids,
+                job.admitted,
             )
             assert worker.conn is not None, "spawned workers have a pipe"
             worker.conn.send(batch)
@@ -631,9 +644,7 @@ class WorkerPool(PoolReports):
             return  # only a sign of life
         if isinstance(message, GenerationPasses):
             if self.metrics is not None:
-                self.metrics.count_passes(
-                    message.prefills, message.prompt_tokens, message.steps, message.rows
-                )
+                self.metrics.count_passes(message)
             return
         if isinstance(message, TokenChunks):
             for chunk in message.chunks:

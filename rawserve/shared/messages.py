@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rawserve.shared.tallies import Counts
+
 
 class Engine(enum.Enum):
     """What runs an encoder's forward pass (`--engine`)."""
@@ -87,6 +89,9 @@ class Batch:
     # each input's request id (its response's X-Request-Id, as the access log names it),
     # for the worker's log lines about an item; () where the server gave none
     request_ids: tuple[str, ...] = ()
+    # when each input was admitted (time.monotonic, the same clock in every process):
+    # a generation worker times its first token from there; () where the server gave none
+    admitted: tuple[float, ...] = ()
 
     def request_id(self, index: int) -> str:
         """The request id of the input at `index`, for a log line ("-": none given)."""
@@ -162,13 +167,20 @@ class GenerationPasses:
     """A continuous generation worker's forward passes since it last sent these, for the
     server's metrics: prefills (joiners' prompts, a long prompt's chunk, a window of
     prompt scoring) and the prompt tokens they read, decoding steps and the rows they
-    ran (a new token each). Sent at most once every `PASSES_EVERY` seconds while it
-    runs, and once more when it falls idle."""
+    ran (a new token each), and its sequences' latencies (rawserve.worker.token_times).
+    Sent at most once every `PASSES_EVERY` seconds while it runs, and once more when it
+    falls idle."""
 
     prefills: int = 0
     prompt_tokens: int = 0
     steps: int = 0
     rows: int = 0
+    # and how long its sequences took (rawserve.shared.tallies: counts per bucket, None
+    # where nothing was timed): from admission to the start of the step that prefilled
+    # each, to each one's first token, and between two tokens of one sequence
+    queue: Counts | None = None
+    first_token: Counts | None = None
+    inter_token: Counts | None = None
 
 
 PASSES_EVERY = 1.0  # seconds between two `GenerationPasses` messages at most

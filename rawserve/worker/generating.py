@@ -58,6 +58,7 @@ from rawserve.worker.cuda_graphs import said_after_warm_up
 from rawserve.worker.feeder import Feeder
 from rawserve.worker.library_panics import panics_as_errors
 from rawserve.worker.runner import NotNumbers, Runner
+from rawserve.worker.token_times import TokenTimes
 
 log = logging.getLogger("rawserve.generation")
 
@@ -155,6 +156,7 @@ class GenerationLoop:
         self.progress_at = 0.0  # when a pass's end was last sent (tokens, or `Progress`)
         self.passes_at = 0.0  # when the passes were last counted to the server
         self.open: dict[int, OpenBatch] = {}  # by batch id
+        self.times = TokenTimes()  # the sequences' latencies, for the server's metrics
         self.cap = BatchCap(ROWS_RESTORE_AFTER)
         self.releaser = FreeMemoryReleaser()
         self.threads = threads  # intra-op threads now (a batch may ask for others)
@@ -198,6 +200,8 @@ class GenerationLoop:
                     )
                 if generation.max_new_tokens:
                     self.batcher.add(generation)
+                    admitted = batch.admitted[index] if index < len(batch.admitted) else None
+                    self.times.admitted(generation, admitted)
             except Exception as exc:  # noqa: BLE001 - every failure becomes data
                 self._fail(opened, index, self.runner.describe_failure(exc), exc)
                 continue
@@ -231,6 +235,7 @@ class GenerationLoop:
 
     def _step(self) -> None:
         self.batcher.max_rows = self.cap.limit or self.rows
+        self.times.step_begins()
         try:
             with panics_as_errors():
                 finished = self.batcher.step()
@@ -306,7 +311,9 @@ class GenerationLoop:
         return True
 
     def _on_token(self, generation: Generation, token_id: int, piece: str) -> None:
-        """A new token: streamed to its client, or kept for the details, if wanted."""
+        """A new token: timed, and streamed to its client or kept for the details, if
+        wanted."""
+        self.times.token(generation)
         if generation.logprobs is None:
             return
         batch_id, index = generation.key
@@ -326,6 +333,7 @@ class GenerationLoop:
         pass starts (a joiner's first token does not wait for the decoding step); with
         none, a `Progress` now and then says the worker is not hung; and now and then the
         passes run so far, for the server's metrics."""
+        self.times.pass_ends()
         now = self.clock()
         if self.streamed:
             self._tell(TokenChunks(tuple(self.streamed)))
@@ -341,7 +349,7 @@ class GenerationLoop:
         passes = self.batcher.passes.taken()
         if passes is not None:
             self.passes_at = self.clock()
-            self._tell(passes)
+            self._tell(self.times.taken(passes))
 
     def _tell(self, message: Any) -> None:
         try:
