@@ -300,14 +300,15 @@ def test_a_generation_workers_latencies_are_histograms_merged_across_processes()
 
     metrics = Metrics()
     gpt = metrics.for_model("gpt")
-    first = counts(WAIT_BUCKETS, {0: 3, 5: 1}, 0.02)  # 3 under 1 ms, 1 in (10, 15] ms
+    # 3 in the bucket up to 1 ms, 1 in the one up to 15 ms
+    first = counts(WAIT_BUCKETS, {WAIT_BUCKETS.index(0.001): 3, WAIT_BUCKETS.index(0.015): 1}, 0.02)
     gpt.count_passes(GenerationPasses(steps=1, rows=4, first_token=first))
     gpt.count_passes(
         GenerationPasses(
             steps=1,
             rows=4,
             first_token=counts(WAIT_BUCKETS, {len(WAIT_BUCKETS): 1}, 40.0),  # past 30 s
-            inter_token=counts(INTER_TOKEN_BUCKETS, {2: 8}, 0.012),
+            inter_token=counts(INTER_TOKEN_BUCKETS, {INTER_TOKEN_BUCKETS.index(0.0015): 8}, 0.012),
         )
     )
     metrics.for_model("bert")  # a model that generates nothing has no series

@@ -61,7 +61,7 @@ def test_the_queue_the_first_token_and_each_gap_are_timed_from_admission():
     times.step_begins()  # at 100
     make(times, clock, [a], at=100.004)  # a's prefill
     make(times, clock, [a], at=100.0058)  # a decoding step: a's second token
-    times.admitted(b, at=100.0055)
+    times.admitted(b, at=100.0056)
     clock.now = 100.007
     times.step_begins()
     make(times, clock, [b], at=100.0102)  # b's prefill: a waits through it
@@ -75,15 +75,15 @@ def test_the_queue_the_first_token_and_each_gap_are_timed_from_admission():
         edges = (*bounds, float("inf"))
         return [(edges[i], n) for i, n in enumerate(counts.buckets) if n]
 
-    assert counted.queue.total == pytest.approx(1.0 + 0.0015)
-    assert observed(counted.queue, WAIT_BUCKETS) == [(0.0025, 1), (1.0, 1)]
-    assert counted.first_token.total == pytest.approx(1.004 + 0.0047)
+    assert counted.queue.total == pytest.approx(1.0 + 0.0014)
+    assert observed(counted.queue, WAIT_BUCKETS) == [(0.0015, 1), (1.0, 1)]
+    assert counted.first_token.total == pytest.approx(1.004 + 0.0046)
     assert observed(counted.first_token, WAIT_BUCKETS) == [(0.005, 1), (2.5, 1)]
     assert counted.inter_token.total == pytest.approx(0.0018 + 0.0051 + 0.0007 + 2 * 0.0022)
     assert observed(counted.inter_token, INTER_TOKEN_BUCKETS) == [
-        (0.001, 1),
+        (0.00075, 1),
         (0.002, 1),
-        (0.003, 2),
+        (0.0025, 2),
         (0.0075, 1),
     ]
     assert times.taken(GenerationPasses()).inter_token is None  # zeroed once taken
