@@ -178,6 +178,9 @@ class Drops:
     def observe_batch(self, size: int, compute_seconds: float) -> None:
         pass
 
+    def observe_queue(self, waits) -> None:
+        pass
+
 
 async def test_a_refusal_from_the_head_is_counted_once_against_the_model_that_gives_it():
     embedder = served("embedder", "feature-extraction")

@@ -131,6 +131,10 @@ def test_metrics_count_requests_batches_and_every_kind_of_drop(server):
     assert 25 / 4 <= grew("rawserve_batch_size_count") <= 25
     assert grew("rawserve_batch_compute_seconds_count") == grew("rawserve_batch_size_count")
     assert grew("rawserve_batch_compute_seconds_sum") >= BUSY_SECONDS * 0.9
+    # each computed item's wait in the queue, once (the expired and the gone never left it)
+    assert grew("rawserve_queue_seconds_count") == 25
+    assert grew("rawserve_queue_seconds_bucket", le="+Inf") == 25
+    assert 0 <= grew("rawserve_queue_seconds_sum") < 25 * BUSY_SECONDS
     # state read at scrape time
     assert value(after, "rawserve_queue_depth") == 0
     assert value(after, "rawserve_queued_tokens") == 0

@@ -1257,6 +1257,9 @@ class Drops:
     def observe_batch(self, size: int, compute_seconds: float) -> None:
         pass
 
+    def observe_queue(self, waits) -> None:
+        pass
+
 
 async def test_runs_due_before_a_restart_is_over_are_answered_503_at_once_the_others_wait():
     """No worker serves and none should for 10 s: a run due earlier, sent or queued, is

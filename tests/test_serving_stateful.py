@@ -170,6 +170,9 @@ class Counts:
     def observe_batch(self, size: int, compute_seconds: float) -> None:
         assert size > 0
 
+    def observe_queue(self, waits) -> None:
+        assert waits and min(waits) >= 0
+
 
 @dataclass(eq=False)
 class Request:

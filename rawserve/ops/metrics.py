@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
+from bisect import bisect_left
 from collections.abc import Collection, Iterator, Sequence
 from typing import Protocol
 
@@ -112,8 +113,8 @@ class Metrics:
             ["model", "kind"],
             registry=r,
         )
-        self.generation_latencies = TalliedHistograms(GENERATION_LATENCIES)
-        r.register(self.generation_latencies)
+        self.latencies = TalliedHistograms(LATENCIES)
+        r.register(self.latencies)
         self._state = StateCollector()
         r.register(self._state)
         self.loop_lag = Histogram(
@@ -271,11 +272,15 @@ class ModelMetrics:
         self._dropped = {reason: metrics.dropped.labels(name, reason) for reason in DROP_REASONS}
         self._passes = metrics.generation_passes
         self._pass_tokens = metrics.generation_pass_tokens
-        self._latencies = metrics.generation_latencies
+        self._latencies = metrics.latencies
 
     def observe_batch(self, size: int, compute_seconds: float) -> None:
         self._batch_size.observe(size)
         self._batch_compute.observe(compute_seconds)
+
+    def observe_queue(self, waits: Sequence[float]) -> None:
+        """How long each item of a batch leaving for a worker waited in the queue."""
+        self._latencies.observe(SCHEDULER_QUEUE_SECONDS, self.name, waits)
 
     def drop(self, reason: str, count: int = 1) -> None:
         if count > 0:
@@ -345,12 +350,18 @@ class WorkerPool(Protocol):
     def status(self) -> Sequence[WorkerView]: ...
 
 
+SCHEDULER_QUEUE_SECONDS = "rawserve_queue_seconds"
 QUEUE_SECONDS = "rawserve_generation_queue_seconds"
 FIRST_TOKEN_SECONDS = "rawserve_generation_time_to_first_token_seconds"
 INTER_TOKEN_SECONDS = "rawserve_generation_inter_token_seconds"
-# a continuous generation worker's latencies, counted there (rawserve.worker.token_times):
-# name: (documentation, bucket bounds)
-GENERATION_LATENCIES = {
+# the scheduler's queue, and a continuous generation worker's latencies, counted there
+# (rawserve.worker.token_times): name: (documentation, bucket bounds)
+LATENCIES = {
+    SCHEDULER_QUEUE_SECONDS: (
+        "From an item's admission to its batch leaving for a worker (waiting for a free "
+        "worker, or for its batch to fill)",
+        WAIT_BUCKETS,
+    ),
     QUEUE_SECONDS: (
         "From a generation's admission to the start of the loop step that prefilled it "
         "(the queue, the pipe to the worker, the step under way, a wait for a free row)",
@@ -378,15 +389,28 @@ class TalliedHistograms:
         self._series: dict[tuple[str, str], tuple[list[int], list[float]]] = {}
 
     def add(self, family: str, model: str, counts: Counts) -> None:
-        _, bounds = self.families[family]
-        if len(counts.buckets) != len(bounds) + 1:
-            raise ValueError(f"{family}: {len(counts.buckets)} buckets for {len(bounds)} bounds")
-        buckets, total = self._series.setdefault(
-            (family, model), ([0] * len(counts.buckets), [0.0])
-        )
+        """Counts made elsewhere (a worker's), with this family's bounds."""
+        buckets, total = self._series_of(family, model)
+        if len(counts.buckets) != len(buckets):
+            raise ValueError(f"{family}: {len(counts.buckets)} buckets for {len(buckets)}")
         for index, count in enumerate(counts.buckets):
             buckets[index] += count
         total[0] += counts.total
+
+    def observe(self, family: str, model: str, values: Sequence[float]) -> None:
+        """Observations made here, counted at once."""
+        buckets, total = self._series_of(family, model)
+        bounds = self.families[family][1]
+        for value in values:
+            buckets[bisect_left(bounds, value)] += 1
+        total[0] += sum(values)
+
+    def _series_of(self, family: str, model: str) -> tuple[list[int], list[float]]:
+        series = self._series.get((family, model))
+        if series is None:
+            _, bounds = self.families[family]
+            series = self._series[family, model] = ([0] * (len(bounds) + 1), [0.0])
+        return series
 
     def describe(self) -> list[Metric]:
         return []  # unchecked collector: its series are only known at collect time

@@ -149,6 +149,8 @@ class SchedulerMetrics(Protocol):
 
     def observe_batch(self, size: int, compute_seconds: float) -> None: ...
 
+    def observe_queue(self, waits: Sequence[float]) -> None: ...
+
 
 class Scheduler:
     """Runs a `SchedulerCore` against a worker pool on the event loop.
@@ -448,6 +450,8 @@ class Scheduler:
             for item in batch:
                 _settle(item, exception=_as_refusal(exc))
             return
+        if self.metrics is not None:
+            self.metrics.observe_queue([now - at for at in admitted])
         self.in_flight += len(batch)
         self._sent[future] = batch
         for item in batch:
