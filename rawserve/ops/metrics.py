@@ -381,7 +381,7 @@ LATENCIES = {
 class TalliedHistograms:
     """Histograms whose observations come already counted into buckets (a worker's
     `Counts`, rawserve.shared.tallies), labelled by model: each series is the sum of the
-    counts added to it, exported from the first (a histogram without a series is not)."""
+    counts added to it, exported from the first."""
 
     def __init__(self, families: dict[str, tuple[str, tuple[float, ...]]]):
         self.families = families
@@ -423,8 +423,7 @@ class TalliedHistograms:
                 if series == name:
                     cumulative = itertools.accumulate(buckets)
                     family.add_metric([model], list(zip(edges, cumulative, strict=True)), total[0])
-            if family.samples:
-                yield family
+            yield family  # (with no series yet: its help and type, as prometheus_client's)
 
 
 class StateCollector:
