@@ -28,7 +28,7 @@ from rawserve.http_process.remote import Link, RemoteServing
 from rawserve.ops.metrics import Metrics, merge_families, render_families
 from rawserve.options import parse_config
 from rawserve.serving import fleet as fleet_module
-from rawserve.serving.bridge import Bridge, BridgedModel, Peer
+from rawserve.serving.bridge import FRONT_HEADROOM, Bridge, BridgedModel, Peer
 from rawserve.serving.face import (
     Control,
     ItemResult,
@@ -331,28 +331,54 @@ def test_a_full_queue_is_refused_from_the_board_without_a_message():
         board.remove()
 
 
-def test_a_restarts_wait_reaches_the_http_processes_through_the_board():
-    """While no worker serves, the serving process publishes how long its restart should
-    take where a full queue publishes its wait; an HTTP process's 503s then ask for that,
-    not the 5 s of a first load."""
+@pytest.fixture
+def published():
+    """A model's serving side as the bridge reads it (a full queue's Retry-After: 2 s),
+    the bridge publishing it on a board, and the model's face in an HTTP process
+    reading that board."""
     board = Board.create(1)
     try:
         serving = StatusOnly()
-        model = BridgedModel(serving, lambda: 1.0)  # type: ignore[arg-type]
+        model = BridgedModel(serving, lambda: 2.0)  # type: ignore[arg-type]
         bridge = Bridge([model], board, lambda: [], lambda families: [], serving_pid=1)
         link = Link(board, lambda: [], lambda grace: None, lambda: None)  # never connected
-        remote_serving = RemoteServing(link, 0, Dropped())
-        serving.ready, serving.back_in = False, 12.5  # restarting
-        bridge.publish()
-        assert remote_serving.back_in == 12.5
-        serving.back_in = None  # a first load: no estimate
-        bridge.publish()
-        assert remote_serving.back_in is None
-        serving.ready, serving.back_in = True, 3.0  # serving: a full queue's wait is its own
-        bridge.publish()
-        assert board.retry_after(0) is None
+        yield serving, bridge, RemoteServing(link, 0, Dropped())
     finally:
         board.remove()
+
+
+def test_a_restarts_wait_reaches_the_http_processes_through_the_board(published):
+    """While no worker serves, the serving process publishes how long its restart should
+    take where a full queue publishes its wait; an HTTP process's 503s then ask for that,
+    not the 5 s of a first load."""
+    serving, bridge, remote_serving = published
+    serving.ready, serving.back_in = False, 12.5  # restarting
+    bridge.publish()
+    assert remote_serving.back_in == 12.5
+    serving.back_in = None  # a first load: no estimate
+    bridge.publish()
+    assert remote_serving.back_in is None
+    serving.ready, serving.back_in = True, 3.0  # serving: a full queue's wait is its own
+    bridge.publish()
+    assert remote_serving.board.retry_after(0) is None
+
+
+def test_the_http_processes_refuse_once_the_queue_is_nearly_full(published):
+    """The board says full a little before the bound (FRONT_HEADROOM of it free): what
+    the HTTP processes sent while it still said there was room finds room, instead of a
+    refusal with a round trip through the busy serving process."""
+    serving, bridge, remote_serving = published
+    serving.headroom = FRONT_HEADROOM * 1.01
+    bridge.publish()
+    assert remote_serving.admission() is None
+    serving.headroom = FRONT_HEADROOM * 0.99  # not at the bound: refused here all the same
+    bridge.publish()
+    refusal = remote_serving.admission()
+    assert refusal is not None and refusal.reason is Reason.QUEUE_FULL
+    assert refusal.retry_after == 2.0
+    serving.headroom, serving.full = 0.0, True
+    bridge.publish()
+    assert remote_serving.admission() is not None
 
 
 def test_a_run_crosses_the_channel_and_a_cancel_follows_a_client_that_leaves():
@@ -449,6 +475,7 @@ class StatusOnly:
         self.loaded = None
         self.ready = True
         self.full = False
+        self.headroom = 1.0
         self.back_in: float | None = None
 
     def snapshot(self) -> ServingStatus:

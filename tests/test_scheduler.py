@@ -1010,6 +1010,26 @@ async def test_each_item_of_a_batch_names_its_own_request_to_the_pool(driver):
     await asyncio.gather(*runs)
 
 
+async def test_the_queues_headroom_is_the_share_of_its_bound_still_free(driver):
+    scheduler, backend = driver  # a queue of 8
+    assert scheduler.headroom == 1.0
+    busy = asyncio.create_task(scheduler.run(["busy"], {}, scheduler.clock() + 5))
+    await until(lambda: len(backend.calls) == 1)  # sent: out of the queue
+    assert scheduler.headroom == 1.0 and not scheduler.full
+    queued = [
+        asyncio.create_task(scheduler.run([f"q{i}"], {}, scheduler.clock() + 5)) for i in range(6)
+    ]
+    await until(lambda: scheduler.headroom == 2 / 8)
+    assert not scheduler.full
+    more = asyncio.create_task(scheduler.run(["q6", "q7"], {}, scheduler.clock() + 5))
+    await until(lambda: scheduler.full)
+    assert scheduler.headroom == 0.0
+    for call in range(3):  # the busy one, then the eight queued in batches of 4
+        await until(lambda sent=call: len(backend.calls) > sent)
+        backend.finish(call)
+    await asyncio.gather(busy, *queued, more)
+
+
 async def test_each_item_of_a_batch_carries_its_admission_time_to_the_pool(driver):
     """A generation worker times a request's first token from its admission, so each
     item's admission time (the scheduler's clock as it was queued) goes with its batch,

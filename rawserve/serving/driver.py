@@ -226,6 +226,11 @@ class Scheduler:
         return len(self.core) >= self.core.max_queue
 
     @property
+    def headroom(self) -> float:
+        """The share of the queue's bound still free (0.0: full)."""
+        return max(0, self.core.max_queue - len(self.core)) / max(1, self.core.max_queue)
+
+    @property
     def max_batch_size(self) -> int:
         """Items per model call (--max-batch-size)."""
         return self.core.max_batch_size

@@ -20,6 +20,9 @@ class Queue(Protocol):
     def full(self) -> bool: ...
 
     @property
+    def headroom(self) -> float: ...
+
+    @property
     def max_batch_size(self) -> int: ...
 
     def admission(self) -> Refusal | None: ...
@@ -103,6 +106,10 @@ class ModelService:
     @property
     def full(self) -> bool:
         return self.queue.full
+
+    @property
+    def headroom(self) -> float:
+        return self.queue.headroom
 
     @property
     def back_in(self) -> float | None:
