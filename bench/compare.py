@@ -162,6 +162,7 @@ BATCH_COUNTERS = (
     "rawserve_batch_size_count",
     "rawserve_batch_size_sum",
     "rawserve_batch_compute_seconds_sum",
+    "rawserve_queue_seconds_sum",
 )
 
 
@@ -178,13 +179,15 @@ def batch_counters(port: int) -> dict[str, float]:
 
 
 def batch_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """The mean batch of a point and its mean compute time: where a server's time goes."""
-    batches, items, seconds = (after[key] - before[key] for key in BATCH_COUNTERS)
+    """The mean batch of a point, its mean compute time and an item's mean wait in the
+    queue: where a server's time goes (the rest of a request's is the hops)."""
+    batches, items, seconds, waited = (after[key] - before[key] for key in BATCH_COUNTERS)
     if not batches:
         return {}
     return {
         "mean_batch": round(items / batches, 1),
         "mean_batch_ms": round(1e3 * seconds / batches, 2),
+        "mean_queue_ms": round(1e3 * waited / items, 2),
     }
 
 
@@ -231,7 +234,8 @@ async def measure_server(
                 f"  {server.name:14} {scenario.name:16} {text_set:6} {clients:3} clients: "
                 f"{summary['throughput']:7.1f}/s p50 {summary['p50_ms']} ms "
                 f"p99 {summary['p99_ms']} ms {summary['statuses']} "
-                f"batch {summary.get('mean_batch')} in {summary.get('mean_batch_ms')} ms; "
+                f"batch {summary.get('mean_batch')} in {summary.get('mean_batch_ms')} ms "
+                f"after {summary.get('mean_queue_ms')} ms queued; "
                 f"cores: server {summary.get('server_cpu_share')}, workers "
                 f"{summary.get('worker_cpu_share')}, client {summary.get('client_cpu_share')}, "
                 f"idle {summary['idle_cores']}"
