@@ -90,6 +90,11 @@ class Scenario:
     prompts: list[list[int]]  # token ids, one list per request
     asks: list[int]  # new tokens of each request
     stream: bool = False
+    # the clients' first requests spread over a lone request's time, not sent at once: the
+    # clients of the other scenarios, asking alike, start together and stay in step, so
+    # that their requests come in waves, each wave's first tokens queued behind the
+    # wave's own prefills; spread, they come one at a time, as independent users' do
+    spread: bool = False
 
 
 def scenarios(seed: int) -> list[Scenario]:
@@ -112,6 +117,9 @@ def scenarios(seed: int) -> list[Scenario]:
         if not stream:
             asks = [rng.randint(*MIXED_NEW_TOKENS) for _ in range(MIXED_REQUESTS)]
             found.append(Scenario("mixed 256 x 8-256", 64, prompts(MIXED_REQUESTS), asks))
+    count = 16 * REQUESTS_PER_CLIENT
+    asks = [FIXED_NEW_TOKENS] * count
+    found.append(Scenario("stream 16 x 64 spread", 16, prompts(count), asks, True, True))
     return found
 
 
@@ -227,9 +235,10 @@ async def exchange(
 
 
 async def closed_loop(port: int, requests: list[bytes], asks: list[int], clients: int,
-                      duration: float) -> dict[str, Any]:  # fmt: skip
+                      duration: float, spread: float = 0.0) -> dict[str, Any]:  # fmt: skip
     """`clients` connections taking the next request as soon as theirs is answered, until
-    every request is answered 200 (or refused otherwise) or `duration` seconds passed."""
+    every request is answered 200 (or refused otherwise) or `duration` seconds passed;
+    with `spread`, the clients' first requests evenly over that many seconds."""
     pending = list(zip(requests, asks, strict=True))[::-1]
     answers: list[tuple[Answer, int]] = []
     start = time.perf_counter()
@@ -237,9 +246,10 @@ async def closed_loop(port: int, requests: list[bytes], asks: list[int], clients
     stop_at = start + duration
     ended = start
 
-    async def client() -> None:
+    async def client(index: int) -> None:
         nonlocal ended
         connection: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        await asyncio.sleep(spread * index / clients)
         while pending and time.perf_counter() < stop_at:
             request, ask = pending.pop()
             while True:
@@ -265,7 +275,7 @@ async def closed_loop(port: int, requests: list[bytes], asks: list[int], clients
         if connection is not None:
             connection[1].close()
 
-    await asyncio.gather(*(client() for _ in range(clients)))
+    await asyncio.gather(*(client(index) for index in range(clients)))
     seconds = (ended if not pending and all(a.status for a, _ in answers) else stop_at) - start
     done = [(answer, ask) for answer, ask in answers if answer.status == 200]
     firsts = [answer.first for answer, _ in done if answer.first is not None]
@@ -350,9 +360,14 @@ async def serve_round(system: str, folder: Path, chosen: list[Scenario], log: Pa
                 completion_request(model, text, ask, scenario.stream)
                 for text, ask in zip(texts, scenario.asks, strict=True)
             ]
+            spread = 0.0
+            if scenario.spread:  # over a lone request's time, as this server answers it
+                started = time.perf_counter()
+                await closed_loop(process.port, requests[:1], scenario.asks[:1], 1, args.duration)
+                spread = time.perf_counter() - started
             before = await asyncio.to_thread(generation_passes, process.port)
             found[scenario.name] = await closed_loop(
-                process.port, requests, scenario.asks, scenario.clients, args.duration
+                process.port, requests, scenario.asks, scenario.clients, args.duration, spread
             )
             if "unanswered" in found[scenario.name]["statuses"]:
                 await settle(process.port, probe, args.duration)

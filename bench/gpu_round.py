@@ -117,7 +117,7 @@ def stages(out: Path, dry_run: bool = False) -> list[Stage]:
             "bench.generation_serving", "--device", device, *model, "--rounds", "1",
             "--duration", sized("20", "2"), "--systems", "rawserve-continuous",
             "static-in-process", "--scenarios", "64 x 64", "mixed 256 x 8-256",
-            "stream 1 x 64", "stream 16 x 64", "stream 64 x 64", "--json",
+            "stream 1 x 64", "stream 16 x 64", "stream 64 x 64", "stream 16 x 64 spread", "--json",
             str(out / "generation.json")), targets=True),
         stage("generation-overload", 80, (
             "bench.generation_overload", "--device", device, *model, "--rounds", "1",

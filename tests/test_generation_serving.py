@@ -94,9 +94,13 @@ def test_a_scenario_runs_against_the_real_server_and_counts_every_token(tmp_path
             found = asyncio.run(bench.closed_loop(rs.port, requests, asks, 2, 60.0))
             assert found["statuses"] == {"200": 4} and found["short_answers"] == 0
             assert (found["ttft_p50_ms"] is not None) == stream
+        # spread: the second of two clients sends its first request half the spread later
+        started = time.perf_counter()
+        found = asyncio.run(bench.closed_loop(rs.port, requests[:2], asks[:2], 2, 60.0, 0.4))
+        assert found["statuses"] == {"200": 2} and time.perf_counter() - started >= 0.2
         # the worker's own latencies, on /metrics: every sequence's first token, each later
         # token's gap (counted to the server once a second, and once the loop is idle)
-        expected = {"first token +Inf": 8, "queue +Inf": 8, "between tokens +Inf": 2 * 15}
+        expected = {"first token +Inf": 10, "queue +Inf": 10, "between tokens +Inf": 2 * 15 + 4 + 2}
         wait_until(lambda: counted(bench.generation_passes(rs.port)) == expected)
         passes = bench.generation_passes(rs.port)
         assert bench.bucket_quantile(buckets(passes, "first token"), 0.5) > 0
