@@ -432,11 +432,16 @@ def pass_shares(before: Counter[str], after: Counter[str]) -> dict[str, float]:
         ("worker_itl_p50_ms", "between tokens", 0.5),
         ("worker_itl_p99_ms", "between tokens", 0.99),
     ):
-        buckets = {name.split()[-1]: n for name, n in ran.items() if name.startswith(latency)}
-        seconds = bucket_quantile(buckets, share)
+        seconds = bucket_quantile(latency_buckets(ran, latency), share)
         if seconds is not None:
             found[key] = round(seconds * 1000, 2)
     return found
+
+
+def latency_buckets(counted: Counter[str], latency: str) -> dict[str, float]:
+    """One of `LATENCIES`' cumulative bucket counts, by upper bound, from
+    `generation_passes`' counts."""
+    return {name.split()[-1]: n for name, n in counted.items() if name.startswith(latency)}
 
 
 def bucket_quantile(cumulative: dict[str, float], share: float) -> float | None:

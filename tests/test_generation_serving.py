@@ -103,16 +103,13 @@ def test_a_scenario_runs_against_the_real_server_and_counts_every_token(tmp_path
         expected = {"first token +Inf": 10, "queue +Inf": 10, "between tokens +Inf": 2 * 15 + 4 + 2}
         wait_until(lambda: counted(bench.generation_passes(rs.port)) == expected)
         passes = bench.generation_passes(rs.port)
-        assert bench.bucket_quantile(buckets(passes, "first token"), 0.5) > 0
-        assert 0 < bench.bucket_quantile(buckets(passes, "between tokens"), 0.99) < 10
+        assert bench.bucket_quantile(bench.latency_buckets(passes, "first token"), 0.5) > 0
+        between = bench.latency_buckets(passes, "between tokens")
+        assert 0 < bench.bucket_quantile(between, 0.99) < 10
 
 
 def counted(passes) -> dict[str, float]:
     return {name: n for name, n in passes.items() if name.endswith("+Inf")}
-
-
-def buckets(passes, latency: str) -> dict[str, float]:
-    return {name.split()[-1]: n for name, n in passes.items() if name.startswith(latency)}
 
 
 def wait_until(check, timeout: float = 10.0) -> None:

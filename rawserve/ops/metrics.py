@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
-from bisect import bisect_left
 from collections.abc import Collection, Iterator, Sequence
 from typing import Protocol
 
@@ -36,7 +35,7 @@ from prometheus_client.exposition import generate_latest as render_collector
 from prometheus_client.utils import floatToGoString
 
 from rawserve.shared.messages import GenerationPasses
-from rawserve.shared.tallies import INTER_TOKEN_BUCKETS, WAIT_BUCKETS, Counts
+from rawserve.shared.tallies import INTER_TOKEN_BUCKETS, WAIT_BUCKETS, Counts, Tally
 
 DROP_REASONS = ("rejected", "expired", "disconnected", "poison")
 OTHER_ROUTE = "other"  # the label of paths that are not routes (keeps cardinality bounded)
@@ -399,11 +398,12 @@ class TalliedHistograms:
 
     def observe(self, family: str, model: str, values: Sequence[float]) -> None:
         """Observations made here, counted at once."""
-        buckets, total = self._series_of(family, model)
-        bounds = self.families[family][1]
+        tally = Tally(self.families[family][1])
         for value in values:
-            buckets[bisect_left(bounds, value)] += 1
-        total[0] += sum(values)
+            tally.observe(value)
+        counts = tally.taken()
+        if counts is not None:
+            self.add(family, model, counts)
 
     def _series_of(self, family: str, model: str) -> tuple[list[int], list[float]]:
         series = self._series.get((family, model))

@@ -341,7 +341,8 @@ class Bridge:
         self._publish_due = False
         for index, model in enumerate(self.models):
             serving = model.serving
-            full, ready = serving.full or serving.headroom < FRONT_HEADROOM, serving.ready
+            # (a queue at its bound has no headroom)
+            full, ready = serving.headroom < FRONT_HEADROOM, serving.ready
             # the wait a refusal asks for: a full queue's, or a restart's while none serves
             retry_after = model.retry_after() if full else None if ready else serving.back_in
             self.board.publish(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from rawserve.shared.messages import GenerationPasses
 from rawserve.shared.tallies import INTER_TOKEN_BUCKETS, WAIT_BUCKETS, Tally
@@ -88,12 +89,9 @@ class TokenTimes:
         for held in (self._admitted, self._first_at):
             for generation in [g for g in held if g.done]:
                 del held[generation]
-        return GenerationPasses(
-            passes.prefills,
-            passes.prompt_tokens,
-            passes.steps,
-            passes.rows,
-            self.queue.taken(),
-            self.first_token.taken(),
-            self.inter_token.taken(),
+        return replace(
+            passes,
+            queue=self.queue.taken(),
+            first_token=self.first_token.taken(),
+            inter_token=self.inter_token.taken(),
         )
