@@ -151,7 +151,12 @@ def plan_workers(
             handler = any(plan.handler for plan in plans)  # (served alone)
             overhead = layout.HANDLER_OVERHEAD if handler else layout.WORKER_OVERHEAD
             per_core = layout.cpu_layout(
-                cores, layout.ram_bytes(), size, models=len(plans), overhead=overhead
+                cores,
+                layout.ram_bytes(),
+                size,
+                models=len(plans),
+                overhead=overhead,
+                threads=model.threads or 1,
             )
             devices, reason, chosen = ("cpu",) * per_core.workers, per_core.reason, True
     threads = model.threads

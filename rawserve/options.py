@@ -124,8 +124,8 @@ OPTIONS = [
         "--threads",
         int,
         None,
-        "torch threads per worker, at most the cores (default: the busy CPU workers share "
-        "the cores)",
+        "torch threads per worker, at most the cores; without --device, one worker per that "
+        "many cores (default: the busy CPU workers share the cores)",
     ),
     Option(
         "--max-batch-size",

@@ -185,3 +185,22 @@ def test_a_served_worker_s_tokenizer_parallelism(monkeypatch, given):
     with RunningServer(["--handler", "tests.handlers:environment"]) as server:
         status, answer = server.post_json({"inputs": "TOKENIZERS_PARALLELISM"})
         assert (status, answer) == (200, given or "false")
+
+
+def test_threads_without_a_device_makes_fewer_workers_not_more_threads_than_cores(monkeypatch):
+    """`--threads 2` on 4 cores: two workers of two threads, not four of two (eight
+    threads on four cores stall each other: 0.1-0.25 of the throughput, measured), and the
+    log line says so."""
+    monkeypatch.delenv("RAWSERVE_DEVICE", raising=False)
+    monkeypatch.setattr("rawserve.ops.layout.gpu_present", lambda: False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(4)))
+    for threads, workers in (("1", 4), ("2", 2), ("3", 1), ("4", 1)):
+        plan = settled(["--handler", "tests.handlers:echo", "--threads", threads])
+        assert plan.devices == ("cpu",) * workers and plan.threads == int(threads)
+        assert not plan.share_cores and plan.chosen
+        assert f"{workers} worker(s) x {threads} thread" in plan.layout
+        assert len(plan.devices) * plan.threads <= 4
+    two = settled(["--handler", "tests.handlers:echo", "--threads", "2"])
+    assert "one per 2 cores (--threads 2)" in two.layout
+    assert cpu_layout(4, None, 0, threads=2).workers == 2
+    assert cpu_layout(8, 100 * GIB, 100 * 2**20, threads=3).workers == 2  # 8 // 3

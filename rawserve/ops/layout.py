@@ -47,22 +47,30 @@ def cpu_layout(
     model_bytes: int,
     models: int = 1,
     overhead: int = WORKER_OVERHEAD,
+    threads: int = 1,
 ) -> Layout:
     """One single-threaded worker per core for each of `models` models (`model_bytes` on
     disk together), as many per model as memory allows (at least one); `overhead`: each
-    worker's before its model (HANDLER_OVERHEAD for a handler's)."""
+    worker's before its model (HANDLER_OVERHEAD for a handler's). `threads` (--threads):
+    one worker per that many cores instead, so that the workers' threads never outnumber
+    the cores (two workers of two threads each on 2 cores ran generation at 0.1-0.25 of
+    one thread each: the teams stall on each other)."""
     cores = max(1, cores)
+    threads = max(1, min(threads, cores))
+    per_core = f"one per {threads} cores (--threads {threads})" if threads > 1 else "one per core"
+    slots = cores // threads
     per_worker = COPY_FACTOR * model_bytes + models * overhead
     if ram_bytes is None:
-        return Layout(cores, 1, f"one worker per core ({cores}); RAM unknown")
+        return Layout(slots, threads, f"{per_core}: {slots} worker(s); RAM unknown")
     fit = max(1, int(RAM_SHARE * ram_bytes // per_worker))
-    workers = min(cores, fit)
+    workers = min(slots, fit)
     reason = (
-        f"{workers} worker(s) x 1 thread on {cores} core(s): one per core, "
+        f"{workers} worker(s) x {threads} thread{'s' if threads > 1 else ''} on {cores} "
+        f"core(s): {per_core}, "
         f"bounded by memory ({fit} fit in {RAM_SHARE:.0%} of {ram_bytes / 2**30:.1f} GiB RAM "
         f"at {per_worker / 2**20:.0f} MiB each, the weights {model_bytes / 2**20:.0f} MiB on disk)"
     )
-    return Layout(workers, 1, reason)
+    return Layout(workers, threads, reason)
 
 
 def ram_bytes(meminfo: Path = Path("/proc/meminfo"), cgroup_root: Path | None = None) -> int | None:
