@@ -8,7 +8,10 @@ A random GPT-2 (2 layers, hidden 128 by default: the CPU's "small" model) with n
 sequence, so every request makes exactly the tokens it asked for. Scenarios: 1, 16 and 64
 requests of 64 new tokens at once, and 64 requests of 8-256 new tokens (seeded). Static
 batching runs each batch to its longest member; the loop lets each sequence leave when
-it is done. Reported per scenario: useful tokens/s (the tokens asked for), time to first
+it is done; 256 requests of 64 new tokens joining one a step (the next as soon as one
+leaves, as closed-loop clients' do in a server once their answers have spread out: most
+steps then also prefill a joiner; static: batches of 64) say what those joins cost.
+Reported per scenario: useful tokens/s (the tokens asked for), time to first
 token (p50) and inter-token latency (p50, p99) as a streaming client would see them. On a
 GPU the loop runs twice, its decoding steps as they are and replayed from CUDA graphs
 (`rawserve.worker.decode_graphs`; the graphs are recorded in the warm-up pass). The ways
@@ -28,6 +31,8 @@ from typing import Any
 FIXED_NEW_TOKENS = 64
 MIXED = (8, 256)
 POSITIONS = 512
+LOOP_ROWS = 64  # the loop's rows at most (a CPU worker's default)
+JOINING_REQUESTS = 256  # "joining one a step": four requests a row
 
 
 def build_model(
@@ -114,31 +119,63 @@ def loop(model: Any, cuda_graphs: bool = False) -> Any:
     from rawserve.worker.continuous import ContinuousBatcher
 
     model.generation_config.eos_token_id = None  # every request makes all its tokens
-    return ContinuousBatcher(model, NoTokenizer(), POSITIONS, 64, cuda_graphs=cuda_graphs)
+    return ContinuousBatcher(model, NoTokenizer(), POSITIONS, LOOP_ROWS, cuda_graphs=cuda_graphs)
 
 
 def continuous(
-    model: Any, batch: list[list[int]], asks: list[int], engine: Any = None
+    model: Any,
+    batch: list[list[int]],
+    asks: list[int],
+    engine: Any = None,
+    one_a_step: bool = False,
 ) -> dict[str, Any]:
-    """Every request added at once to the loop; each leaves when its tokens are made."""
+    """Every request added at once to the loop; each leaves when its tokens are made.
+    `one_a_step`: the requests join one a step while fewer than the loop's rows run, and
+    the next as soon as one leaves, as closed-loop clients' requests do in a server once
+    their answers have spread out: most steps then also prefill a joiner."""
     from rawserve.worker.continuous import Generation
 
     seen: dict[Any, list[float]] = {i: [] for i in range(len(batch))}
+    added: dict[Any, float] = {}
 
     def on_token(generation: Generation, token: int, piece: str) -> None:
         seen[generation.key].append(time.perf_counter())
 
     engine = engine or loop(model)
     engine.on_token = on_token
-    started = time.perf_counter()
-    for key, (prompt, ask) in enumerate(zip(batch, asks, strict=True)):
+    pending = list(enumerate(zip(batch, asks, strict=True)))[::-1]
+
+    def join() -> None:
+        key, (prompt, ask) = pending.pop()
+        added[key] = time.perf_counter()
         engine.add(Generation(key, prompt, ask))
-    while engine.busy:
+
+    engine.passes.taken()
+    started = time.perf_counter()
+    while pending and not one_a_step:
+        join()
+    while pending or engine.busy:
+        if pending and len(engine.rows) + len(engine.waiting) < engine.max_rows:
+            join()
         engine.step()
     total = time.perf_counter() - started
-    first = [times[0] - started for times in seen.values()]
+    passes = engine.passes.taken()
+    first = [times[0] - added[key] for key, times in seen.items()]
     gaps = [b - a for times in seen.values() for a, b in zip(times, times[1:], strict=False)]
-    return {"seconds": total, "useful": sum(asks), "first": first, "gaps": gaps}
+    found = {"seconds": total, "useful": sum(asks), "first": first, "gaps": gaps}
+    if passes is not None and passes.steps:
+        found["prefills_per_step"] = passes.prefills / passes.steps
+    return found
+
+
+def static_batches(model: Any, batch: list[list[int]], asks: list[int]) -> dict[str, Any]:
+    """Static batching of more requests than the loop's rows: `generate` on each batch of
+    LOOP_ROWS in turn."""
+    runs = [
+        static(model, batch[start : start + LOOP_ROWS], asks[start : start + LOOP_ROWS])
+        for start in range(0, len(batch), LOOP_ROWS)
+    ]
+    return {key: sum((run[key] for run in runs), start=type(runs[0][key])()) for key in runs[0]}
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -151,7 +188,14 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "ttft_p50_ms": round(1000 * statistics.median(firsts), 1),
         "itl_p50_ms": round(1000 * gaps[len(gaps) // 2], 2) if gaps else None,
         "itl_p99_ms": round(1000 * gaps[int(0.99 * (len(gaps) - 1))], 2) if gaps else None,
+        **joins(runs),
     }
+
+
+def joins(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """The loop's prefills per decoding step, median over the runs (the loop's ways only)."""
+    shares = [run["prefills_per_step"] for run in runs if "prefills_per_step" in run]
+    return {"prefills_per_step": round(statistics.median(shares), 2)} if shares else {}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -170,25 +214,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     on_cuda = args.device.startswith("cuda")
     model = build_model(args.layers, args.hidden, args.device, args.dtype or on_cuda and "float16")
     rng = random.Random(0)
-    scenarios: dict[str, tuple[list[list[int]], list[int]]] = {
-        f"{n} x {FIXED_NEW_TOKENS}": (prompts(n, rng), [FIXED_NEW_TOKENS] * n) for n in (1, 16, 64)
+    # name: prompts, new tokens, whether they join one a step (else all at once)
+    scenarios: dict[str, tuple[list[list[int]], list[int], bool]] = {
+        f"{n} x {FIXED_NEW_TOKENS}": (prompts(n, rng), [FIXED_NEW_TOKENS] * n, False)
+        for n in (1, 16, 64)
     }
-    scenarios["64 x 8-256"] = (prompts(64, rng), [rng.randint(*MIXED) for _ in range(64)])
+    scenarios["64 x 8-256"] = (prompts(64, rng), [rng.randint(*MIXED) for _ in range(64)], False)
+    joining = f"{JOINING_REQUESTS} x {FIXED_NEW_TOKENS} joining one a step"
+    scenarios[joining] = (
+        prompts(JOINING_REQUESTS, rng),
+        [FIXED_NEW_TOKENS] * JOINING_REQUESTS,
+        True,
+    )
     engines = {"continuous": loop(model)}
     if on_cuda:
         engines["graphs"] = loop(model, cuda_graphs=True)
-    ways: dict[str, Any] = {"static": lambda batch, asks: static(model, batch, asks)}
+    ways: dict[str, Any] = {"static": lambda batch, asks, _: static_batches(model, batch, asks)}
     for way, engine in engines.items():
-        ways[way] = lambda batch, asks, engine=engine: continuous(model, batch, asks, engine)
-    for batch, asks in scenarios.values():  # warm every way at every shape (graphs recorded)
+        ways[way] = lambda batch, asks, one_a_step, engine=engine: continuous(
+            model, batch, asks, engine, one_a_step
+        )
+    for scenario in scenarios.values():  # warm every way at every shape (graphs recorded)
         for run in ways.values():
-            run(batch, asks)
+            run(*scenario)
     results: dict[str, dict[str, Any]] = {}
-    for name, (batch, asks) in scenarios.items():
+    for name, scenario in scenarios.items():
         runs: dict[str, list[dict[str, Any]]] = {way: [] for way in ways}
         for _ in range(args.rounds):  # interleaved: the machine's speed drifts
             for way, run in ways.items():
-                runs[way].append(run(batch, asks))
+                runs[way].append(run(*scenario))
         results[name] = {way: summary(found) for way, found in runs.items()}
         static_rate = results[name]["static"]["tokens_per_s"]
         for way in engines:

@@ -130,7 +130,7 @@ def stages(out: Path, dry_run: bool = False) -> list[Stage]:
             "bench.generation_serving", "--device", device, *model, "--rounds", "1",
             "--duration", sized("20", "2"), "--systems", "rawserve-eager", "--json",
             str(out / "generation-eager.json"))),
-        stage("decode", 50, (
+        stage("decode", 60, (
             "bench.generation", "--device", device, *model, "--rounds", "1")),
         stage("graphs", 45, (
             "bench.cuda_graphs", "--device", sized("cuda:0", "cpu"), "--batches",

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import importlib
 import json
+import random
 import shlex
 import subprocess
 import tarfile
@@ -272,6 +273,26 @@ def test_the_generation_benchmark_s_stand_in_tokenizer_serves_the_loop_s_text():
     pieces = TextPieces(NoTokenizer())
     assert pieces.next_piece([5, 6], last=False) == ""
     assert pieces.next_piece([5, 6, 7], last=True) == ""
+
+
+def test_the_decoding_benchmark_s_requests_joining_one_a_step_each_have_a_prefill():
+    """The scenario that says what joins cost: one request joins a step (a prefill of its
+    own beside the step), where requests added at once share one prefill."""
+    pytest.importorskip("torch")
+    from bench import generation
+
+    model = generation.build_model(1, 16)
+    prompts = generation.prompts(6, random.Random(0))
+    engine = generation.loop(model)
+    joining = generation.continuous(model, prompts, [4] * 6, engine, one_a_step=True)
+    at_once = generation.continuous(model, prompts, [4] * 6, engine)
+    for run in (joining, at_once):
+        assert run["useful"] == 24 and len(run["first"]) == 6 and len(run["gaps"]) == 6 * 3
+    # a joiner's first token is its prefill's, the next three its step's and two more:
+    # six prefills over the last one's join (the sixth step) and its two steps after,
+    # against one prefill for three steps
+    assert joining["prefills_per_step"] == pytest.approx(6 / 8)
+    assert at_once["prefills_per_step"] == pytest.approx(1 / 3)
 
 
 @pytest.mark.parametrize("name", ["encode_outputs", "tokenize_cost", "model_memory"])
