@@ -223,25 +223,36 @@ async def test_a_loading_model_is_no_reason_to_read_a_body_another_must_refuse()
 
 
 @pytest.mark.parametrize(
-    ("state", "healthy", "message"),
+    ("state", "healthy", "message", "counted"),
     [
-        (LoadState.LOADING, True, "the model is loading"),
-        (LoadState.WARMING, True, "the model is warming up"),
-        (LoadState.RESTARTING, True, "the model worker is restarting"),
-        (LoadState.RESTARTING, False, "the model worker keeps dying; it cannot take requests"),
+        (LoadState.LOADING, True, "the model is loading", False),
+        (LoadState.WARMING, True, "the model is warming up", False),
+        (LoadState.RESTARTING, True, "the model worker is restarting", True),
+        (
+            LoadState.RESTARTING,
+            False,
+            "the model worker keeps dying; it cannot take requests",
+            True,
+        ),
     ],
 )
-def test_a_model_that_takes_no_work_says_why_as_ready_does(state, healthy, message):
+def test_a_model_that_takes_no_work_says_why_as_ready_does(state, healthy, message, counted):
     """A client refused while the model's worker restarts (or keeps dying) is told so,
-    not that the model is loading, as /ready and /health tell the operator."""
+    not that the model is loading, as /ready and /health tell the operator; and that
+    refusal of a model that served is shedding, counted as rejected as a full queue's
+    (a first load's is not: no balancer sends work to a replica not yet ready)."""
     model = served("model", "text-classification")
     workers = model.serving.workers
     workers.ready, workers.healthy = False, healthy
     workers.load_state = lambda: (state, None)  # type: ignore[method-assign]
+    drops = Drops()
+    model.serving.queue.metrics = drops
     app = App(ServedModels([model]))
-    with pytest.raises(ServiceUnavailable) as refused:
-        app.answer_now(request("POST", "/", b"hi"))
-    assert str(refused.value) == message
+    for _ in range(2):
+        with pytest.raises(ServiceUnavailable) as refused:
+            app.answer_now(request("POST", "/", b"hi"))
+        assert str(refused.value) == message
+    assert drops.reasons == (["rejected"] * 2 if counted else [])
     ready = json.loads(app.answer_now(request("GET", "/ready")).body)  # type: ignore[union-attr]
     assert ready["status"] == state.value
 

@@ -44,6 +44,7 @@ def started(request, tiny_model):
         {
             "rows_server": serving("--max-sequences", "8"),
             "one_row_server": serving("--max-sequences", "1"),
+            "small_queue_server": serving("--max-sequences", "1", "--max-queue", "2"),
             # its own: its test stops the worker
             "watched_server": serving("--batch-timeout", "0.5", "--max-sequences", "2"),
         },
@@ -54,6 +55,11 @@ def started(request, tiny_model):
 @pytest.fixture(scope="module")
 def servers(started):
     return {"rows": started("rows_server"), "one row": started("one_row_server")}
+
+
+@pytest.fixture(scope="module")
+def small_queue_server(started):
+    return started("small_queue_server")
 
 
 @pytest.fixture(scope="module")
@@ -285,3 +291,71 @@ def test_the_batch_timeout_kills_a_hung_worker_not_a_long_generation(watched_ser
     with start_stream(server, "the movie was", LONG) as sock:
         os.kill(pid, signal.SIGSTOP)  # hung: it finishes no pass any more
         server.wait_for_log(re.compile(rf"killing process {pid}"), timeout=30)
+
+
+def test_more_choices_than_the_queue_holds_are_413_not_a_503_to_retry(small_queue_server):
+    """A prompt with `n` 3 is three sequences, queued as three items: with `--max-queue 2`
+    it can never be admitted, streamed or not, on an idle server too."""
+    for stream in (False, True):
+        document = {"prompt": ["hello"], "n": 3, "max_tokens": 2, "stream": stream}
+        status, headers, body = small_queue_server.request(
+            "POST", "/v1/completions", json.dumps(document), {"Content-Type": "application/json"}
+        )
+        message = json.loads(body)["error"]["message"]
+        assert status == 413 and "retry-after" not in headers, (status, body)
+        assert "3 choices" in message and "--max-queue" in message, message
+    document = {"prompt": ["hello"], "n": 2, "max_tokens": 2}  # as many as it holds
+    status, _, body = small_queue_server.request(
+        "POST", "/v1/completions", json.dumps(document), {"Content-Type": "application/json"}
+    )
+    assert status == 200 and len(json.loads(body)["choices"]) == 2, body
+
+
+def test_a_streamed_choice_refused_at_admission_refuses_the_request_at_once(small_queue_server):
+    """One row, a queue of two: one stream runs, one waits in the queue; a stream of two
+    choices gets its first one queued and its second refused. It is answered 503 with
+    Retry-After at once, and its queued choice withdrawn, not once that choice has had
+    its first token (after both long streams had their row)."""
+    server = small_queue_server
+    running = start_stream(server, "the movie was", LONG)
+    waiting_body = streamed("a b c", LONG).encode()
+    waiting = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    try:
+        waiting.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(waiting_body)}\r\n\r\n".encode()
+            + waiting_body
+        )
+        wait_queued(server, 1)
+        document = {"prompt": "hello", "n": 2, "max_tokens": 3, "stream": True}
+        status, headers, body = server.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(document),
+            # a deadline the work ahead cannot miss, even on a slow machine: the queue's
+            # bound is what refuses it
+            {"Content-Type": "application/json", "X-Request-Timeout": "250"},
+            timeout=60,
+        )
+        assert status == 503 and "retry-after" in headers, (status, body)
+        assert "queue full" in json.loads(body)["error"]["message"], body
+        waiting.setblocking(False)
+        with pytest.raises(BlockingIOError):  # still queued: the first stream still runs
+            waiting.recv(1)
+        wait_queued(server, 1)  # the refused request's first choice withdrawn
+    finally:
+        running.close()
+        waiting.close()
+    wait_running(server, 0)
+    assert complete(server, "hello", 2)[0] == 200
+
+
+def wait_queued(server: RunningServer, count: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        _, _, body = server.request("GET", "/metrics")
+        depths = re.findall(rb"^rawserve_queue_depth\{[^}]*\} (\S+)$", body, re.MULTILINE)
+        if sum(float(depth) for depth in depths) == count:
+            return
+        assert time.monotonic() < deadline, f"never {count} items queued"
+        time.sleep(0.02)

@@ -363,6 +363,25 @@ def test_a_restarts_wait_reaches_the_http_processes_through_the_board(published)
     assert remote_serving.board.retry_after(0) is None
 
 
+def test_an_http_process_counts_its_refusals_while_the_model_restarts(published):
+    """A 503 while the worker restarts is shedding, counted as rejected where the HTTP
+    process answers it; one while the model first loads is not."""
+    from dataclasses import replace
+
+    from rawserve.api.gate import Gate
+    from rawserve.api.served import ServedModel
+
+    serving, bridge, remote_serving = published
+    model = ServedModel("m", remote_serving)
+    serving.ready = False
+    bridge.publish()
+    for state, counted in ((LoadState.LOADING, {}), (LoadState.RESTARTING, {"rejected": 1})):
+        remote_serving.link.statuses[0] = (replace(remote.NOT_LOADED, load_state=state), None)
+        with pytest.raises(ServiceUnavailable):
+            Gate().check(model)
+        assert remote_serving.metrics.counts == counted, state
+
+
 def test_the_http_processes_refuse_once_the_queue_is_nearly_full(published):
     """The board says full a little before the bound (FRONT_HEADROOM of it free): what
     the HTTP processes sent while it still said there was room finds room, instead of a

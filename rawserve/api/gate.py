@@ -26,8 +26,17 @@ class Gate:
         if self.draining:
             raise http_error(Refusal(Reason.SHUTTING_DOWN, "the server is shutting down"))
         if not model.serving.ready:
+            if down(model):  # an outage of a model that served: shedding, as a full queue's
+                model.serving.count_refusal()
             message = not_ready_message(model)
             raise http_error(Refusal(Reason.LOADING, message, loading_retry_after(model)))
+
+
+def down(model: ServedModel) -> bool:
+    """Whether `model`'s workers are down after serving (restarting, or dying again and
+    again), not loading or warming up for the first time."""
+    snapshot = model.serving.snapshot()
+    return not snapshot.healthy or snapshot.load_state is LoadState.RESTARTING
 
 
 def not_ready_message(model: ServedModel) -> str:

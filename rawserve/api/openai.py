@@ -69,7 +69,7 @@ from rawserve.api.reasoning import answers_opening
 from rawserve.api.routing import MODEL_ERRORS, DocContext, Handler, Needs, Operation, Route
 from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
-from rawserve.api.streaming import TokenStream, event_stream
+from rawserve.api.streaming import TokenStream, event_stream, start_choices
 from rawserve.api.tei_bodies import details
 from rawserve.http.errors import BadRequest, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
@@ -356,7 +356,8 @@ class OpenAIRoutes:
         check_max_tokens(generation, model.limits.max_new_tokens)
         loaded = model.serving.loaded
         check_token_ids(generation, loaded.details.get("vocabulary") if loaded else None)
-        check_choices(generation, self.context.settings.max_client_batch_size)
+        queue = model.facts.get("batching", {}).get("max_queue")
+        check_choices(generation, self.context.settings.max_client_batch_size, queue)
         scored = generation.params.get("max_new_tokens") == 0  # echo: nothing after the prompt
         await check_lengths(self.context.tokenizers, model, generation.items, chat, scored)
         largest = self.context.settings.max_answer_bytes
@@ -410,21 +411,13 @@ class OpenAIRoutes:
                 for params in choices
             ]
             # an error before the first token keeps its status (unless the keep-alive
-            # interval passes before it: then it is an error event); the other choices may wait
-            # for rows while the first one's tokens come, and are read from then on (held
-            # back, those tokens would pile up for nobody): their errors are error events,
-            # but a refusal at admission, known by the first token, refuses the request
-            # whole (503 with Retry-After), as it refuses one not streamed
+            # interval passes before it: then it is an error event), another choice's too (a
+            # refusal at admission: 503 with Retry-After, at once, as for one not streamed);
+            # the other choices may wait for rows while the first one's tokens come, and are
+            # read from then on (held back, those tokens would pile up for nobody): their
+            # later errors are error events
             keepalive = self.context.settings.stream_keepalive
-            try:
-                await streams[0].start(keepalive)
-                for stream in streams[1:]:
-                    if stream.run.done():
-                        stream.output()  # raises its error, with its status
-            except BaseException:
-                for stream in streams:
-                    stream.close()
-                raise
+            await start_choices(streams, keepalive)
             events = shape.events(
                 streams, generation.stop, generation.include_usage, len(choices), echo_texts
             )

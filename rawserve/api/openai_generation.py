@@ -212,14 +212,16 @@ def generation_params(
     return GenerationRequest([], params, stop, stream, include_usage, max_tokens_field, n=n)
 
 
-def check_choices(generation: GenerationRequest, most: int) -> None:
-    """413 for more choices (prompts × n) than one request may ask: each is a generation."""
+def check_choices(generation: GenerationRequest, most: int, queue: int | None = None) -> None:
+    """413 for more choices (prompts × n) than one request may ask: each is a generation,
+    queued as an item of its own, so more than the model's queue holds (`queue`) can never
+    be admitted either (a 503 would invite retries that all fail)."""
     choices = len(generation.items) * generation.n
+    why = f"{choices} choices in one request ({len(generation.items)} prompts, n {generation.n})"
     if choices > most:
-        raise PayloadTooLarge(
-            f"{choices} choices in one request ({len(generation.items)} prompts, n "
-            f"{generation.n}): at most {most} are allowed (--max-client-batch-size)"
-        )
+        raise PayloadTooLarge(f"{why}: at most {most} are allowed (--max-client-batch-size)")
+    if queue is not None and choices > queue:
+        raise PayloadTooLarge(f"{why}: this server queues at most {queue} (--max-queue)")
 
 
 def read_logit_bias(name: str, value: Any, context: DocContext | None) -> dict[int, float]:

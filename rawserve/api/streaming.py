@@ -164,6 +164,31 @@ class TokenStream:
             self.run.cancel()
 
 
+async def start_choices(streams: Sequence[TokenStream], patience: float | None) -> None:
+    """Wait for the first stream's first token (`TokenStream.start`), and raise at once the
+    error of any other that fails before it, with its status: a choice refused at
+    admission refuses the request whole (503 with Retry-After), as it refuses one not
+    streamed, and does not wait for the first choice's row meanwhile (a queue place held
+    for nobody). Every stream is closed where one raises."""
+    first = asyncio.ensure_future(streams[0].start(patience))
+    waiting: set[asyncio.Future[Any]] = {first, *(stream.run for stream in streams[1:])}
+    try:
+        while not first.done():
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for stream in streams[1:]:
+                if stream.run in done and not stream.run.cancelled() and stream.run.exception():
+                    stream.output()  # raises its error, with its status
+        first.result()
+        for stream in streams[1:]:
+            if stream.run.done():
+                stream.output()  # raises its error, with its status
+    except BaseException:
+        first.cancel()
+        for stream in streams:
+            stream.close()
+        raise
+
+
 async def merged(
     streams: Sequence[TokenStream],
 ) -> AsyncGenerator[tuple[int, TokenChunk | None], None]:

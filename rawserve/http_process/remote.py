@@ -240,6 +240,10 @@ class RemoteServing:
             self.metrics.drop("rejected")
         return Refusal(Reason.QUEUE_FULL, QUEUE_FULL_MESSAGE, self.board.retry_after(self.index))
 
+    def count_refusal(self) -> None:
+        if self.metrics is not None:
+            self.metrics.drop("rejected")
+
     @property
     def ready(self) -> bool:
         return self.board.flag(self.index, READY) and self.loaded is not None

@@ -93,8 +93,9 @@ class Metrics:
         )
         self.dropped = Counter(
             "rawserve_items_dropped",
-            "Items answered without a model call (rejected: queue full; expired: deadline "
-            "passed while queued; disconnected: the client left; poison: crashed a worker)",
+            "Items answered without a model call (rejected: queue full or workers down; "
+            "expired: deadline passed while queued; disconnected: the client left; poison: "
+            "crashed a worker)",
             ["model", "reason"],
             registry=r,
         )

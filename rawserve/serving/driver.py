@@ -242,6 +242,10 @@ class Scheduler:
             return None
         return self._refusal(QueueFull(self.core.retry_after(self.clock())), 1).refusal
 
+    def count_refusal(self) -> None:
+        """A request refused before admission while the workers are down (a restart)."""
+        self._count_dropped("rejected")
+
     async def run(
         self,
         inputs: Sequence[Any],

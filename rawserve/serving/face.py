@@ -100,6 +100,11 @@ class Serving(Protocol):
         there is room."""
         ...
 
+    def count_refusal(self) -> None:
+        """A request refused before admission while the model's workers are down (a
+        restart): counted as rejected, as the queue's own refusals are."""
+        ...
+
     @property
     def ready(self) -> bool:
         """A worker is loaded and warm (read on every request: kept cheap)."""

@@ -27,6 +27,8 @@ class Queue(Protocol):
 
     def admission(self) -> Refusal | None: ...
 
+    def count_refusal(self) -> None: ...
+
     async def run(
         self,
         inputs: Sequence[Any],
@@ -98,6 +100,9 @@ class ModelService:
 
     def admission(self) -> Refusal | None:
         return self.queue.admission()
+
+    def count_refusal(self) -> None:
+        self.queue.count_refusal()
 
     @property
     def ready(self) -> bool:
