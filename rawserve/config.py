@@ -129,6 +129,7 @@ class WorkerPlan:
     share_cores: bool  # no --threads: the busy CPU workers split the cores between them
     layout: str  # why these devices, for /info
     chosen: bool  # the default per-core layout chose them (the log says why at start)
+    crowded: str = ""  # --threads whose teams outnumber the cores: the warning to log
 
 
 def plan_workers(
@@ -160,9 +161,17 @@ def plan_workers(
             )
             devices, reason, chosen = ("cpu",) * per_core.workers, per_core.reason, True
     threads = model.threads
-    if threads is None:  # every model has a worker per device
-        cpu_devices = sum(device in ("cpu", "auto") for device in devices)
-        cpu_workers = max(1, cpu_devices * max(1, len(plans)))
-        threads = max(1, cores // cpu_workers)
+    # every model has a worker per device
+    cpu_workers = sum(device in ("cpu", "auto") for device in devices) * max(1, len(plans))
+    if threads is None:
+        threads = max(1, cores // max(1, cpu_workers))
     reason += layout.container_limits(found)
-    return WorkerPlan(devices, threads, model.threads is None, reason, chosen)
+    crowded = ""
+    if model.threads and model.threads > 1 and cpu_workers * threads > cores:
+        crowded = (
+            f"{cpu_workers} CPU worker(s) x {threads} threads (--threads) on {cores} core(s): "
+            "busy at once, their teams of threads stall each other (5-25 x slower, "
+            f"measured); give --threads {max(1, cores // cpu_workers)} or leave it out (the "
+            "busy workers then share the cores)"
+        )
+    return WorkerPlan(devices, threads, model.threads is None, reason, chosen, crowded)

@@ -259,6 +259,8 @@ async def serve(
     )
     if workers.chosen and not settle_layout:
         log.info("layout: %s", workers.layout)
+    if workers.crowded:
+        log.warning("layout: %s", workers.crowded)
     log.info("batch limits: %s", config.model.batch_limits)
 
     stop_trial = threading.Event()

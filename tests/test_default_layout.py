@@ -204,3 +204,34 @@ def test_threads_without_a_device_makes_fewer_workers_not_more_threads_than_core
     assert "one per 2 cores (--threads 2)" in two.layout
     assert cpu_layout(4, None, 0, threads=2).workers == 2
     assert cpu_layout(8, 100 * GIB, 100 * 2**20, threads=3).workers == 2  # 8 // 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "models", "workers", "crowded"),
+    [
+        (["--threads", "2"], 1, ("cpu",), False),
+        (["--threads", "2"], 2, ("cpu",), True),  # a worker of 2 for each: 4 threads
+        (["--threads", "1"], 2, ("cpu", "cpu"), False),  # single threads only take turns
+        (["--device", "cpu", "--threads", "2"], 1, ("cpu",), False),
+        (["--device", "cpu", "--threads", "2"], 2, ("cpu",), True),
+        (["--device", "cpu,cpu", "--threads", "2"], 1, ("cpu", "cpu"), True),
+        ([], 2, ("cpu", "cpu"), False),  # no --threads: the busy workers share the cores
+    ],
+)
+def test_threads_whose_teams_outnumber_the_cores_are_warned_of(
+    monkeypatch, argv, models, workers, crowded
+):
+    """Two models with `--threads 2` on 2 cores run a 2-thread worker each, and busy at
+    once they ran 5-25 x slower than without --threads: the start says so, and what to
+    give instead."""
+    monkeypatch.delenv("RAWSERVE_DEVICE", raising=False)
+    monkeypatch.setattr("rawserve.ops.layout.gpu_present", lambda: False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    config = parse_config(["--handler", "tests.handlers:echo", *argv])
+    plans = plan_models(config.models, task=config.task, handler=config.handler)
+    plan = plan_workers(config.model, plans * models)
+    assert plan.devices == workers
+    assert bool(plan.crowded) is crowded, plan.crowded
+    if crowded:
+        assert f"{len(workers) * models} CPU worker(s) x 2 threads" in plan.crowded
+        assert "give --threads 1" in plan.crowded

@@ -51,14 +51,18 @@ def cpu_layout(
 ) -> Layout:
     """One single-threaded worker per core for each of `models` models (`model_bytes` on
     disk together), as many per model as memory allows (at least one); `overhead`: each
-    worker's before its model (HANDLER_OVERHEAD for a handler's). `threads` (--threads):
-    one worker per that many cores instead, so that the workers' threads never outnumber
-    the cores (two workers of two threads each on 2 cores ran generation at 0.1-0.25 of
-    one thread each: the teams stall on each other)."""
+    worker's before its model (HANDLER_OVERHEAD for a handler's). `threads` (--threads)
+    above 1: one worker per that many cores for each model instead, so that the workers'
+    threads do not outnumber the cores (two workers of two threads each on 2 cores ran
+    generation at 0.1-0.25 of one thread each: teams of threads stall on each other; one
+    thread each, the workers only take turns)."""
     cores = max(1, cores)
     threads = max(1, min(threads, cores))
-    per_core = f"one per {threads} cores (--threads {threads})" if threads > 1 else "one per core"
-    slots = cores // threads
+    per_core = "one per core"
+    if threads > 1:
+        each = f", {models} models" if models > 1 else ""
+        per_core = f"one per {threads * models} cores (--threads {threads}{each})"
+    slots = max(1, cores // (threads * models)) if threads > 1 else cores
     per_worker = COPY_FACTOR * model_bytes + models * overhead
     if ram_bytes is None:
         return Layout(slots, threads, f"{per_core}: {slots} worker(s); RAM unknown")
