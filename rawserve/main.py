@@ -39,7 +39,7 @@ from rawserve.ops.loading import log_loading_progress
 from rawserve.ops.metrics import Metrics
 from rawserve.ops.open_files import open_standard_descriptors, raise_open_files_limit
 from rawserve.ops.stop_signals import stop_signals
-from rawserve.options import parse_config
+from rawserve.options import misspelled_variables, parse_config
 from rawserve.serving import CoreShare, ModelService, Scheduler, SchedulerCore
 from rawserve.serving import WorkerPool as Executor
 from rawserve.shared import log_writer
@@ -438,6 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     open_standard_descriptors()  # before anything opens a file that would take their place
     config = parse_config(argv)
     setup_logging(config.log_level, config.log_format, access_log=config.access_log)
+    for line in misspelled_variables(os.environ):
+        log.warning("%s", line)
     # Until serve() puts the server's own handlers in place, SIGTERM stops the start as
     # Ctrl-C does: as a container's PID 1 (no init) the kernel ignores a signal left at its
     # default action, so a stop during a model's download waited for the SIGKILL after it.

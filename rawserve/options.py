@@ -12,11 +12,12 @@ Server process; standard library and the checks of the values' own modules only.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import re
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -377,6 +378,25 @@ def build_parser() -> argparse.ArgumentParser:
         )
     parser.add_argument("--version", action="version", version=f"rawserve {__version__}")
     return parser
+
+
+def misspelled_variables(environ: Mapping[str, str]) -> list[str]:
+    """A line for each RAWSERVE_* variable that names no option but nearly names one
+    (RAWSERVE_MAX_QUEU): a mistyped flag is refused, a mistyped variable was silently
+    ignored, its setting looking applied. Others are left alone (a handler may read
+    variables of its own)."""
+    known = [option.env for option in OPTIONS]
+    lines = []
+    for name in sorted(environ):
+        if not name.startswith("RAWSERVE_") or name in known or name in OTHER_VARIABLES:
+            continue
+        if close := difflib.get_close_matches(name, known, n=1, cutoff=0.85):
+            lines.append(f"{name} is set but names no option (ignored): {close[0]}?")
+    return lines
+
+
+# variables of rawserve's own that are not options
+OTHER_VARIABLES = ("RAWSERVE_CACHE_DIR",)
 
 
 HANDLER_IGNORES: dict[str, Callable[[argparse.Namespace], bool]] = {

@@ -536,3 +536,24 @@ def test_a_closed_terminal_drains_the_server_unless_nohup_keeps_it_running():
         assert stop_signals() == (signal.SIGTERM, signal.SIGINT)
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+def test_a_variable_that_nearly_names_an_option_is_said_at_start():
+    """A mistyped flag is refused; a mistyped variable was ignored without a word, its
+    setting looking applied. Variables that name no option at all (a handler's own, the
+    cache folder's) are left alone."""
+    from rawserve.options import misspelled_variables
+
+    environ = {
+        "RAWSERVE_MAX_QUEU": "5",
+        "RAWSERVE_MAX_QUEUE": "6",
+        "RAWSERVE_TIMOUT": "3",
+        "RAWSERVE_CACHE_DIR": "/tmp/cache",
+        "RAWSERVE_MY_HANDLER_SETTING": "x",
+        "PATH": "/bin",
+    }
+    assert misspelled_variables(environ) == [
+        "RAWSERVE_MAX_QUEU is set but names no option (ignored): RAWSERVE_MAX_QUEUE?",
+        "RAWSERVE_TIMOUT is set but names no option (ignored): RAWSERVE_TIMEOUT?",
+    ]
+    assert misspelled_variables({"RAWSERVE_PORT": "8000"}) == []

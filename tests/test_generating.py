@@ -884,6 +884,27 @@ def test_a_compiled_grammar_whose_askers_left_is_not_held_as_under_way(runner):
     assert grammars.compiling == {} and len(grammars.compiled) == 1
 
 
+def test_a_tokenizer_a_grammar_cannot_read_is_said_in_words_a_client_can_use(caplog):
+    """A word-level tokenizer has no decoder that gives each token's bytes: the client is
+    told what a grammar needs, not the library's "can't determine decoder type: None"
+    (which the operator's log keeps)."""
+    import tokenizers
+    import transformers
+    from tokenizers import models, pre_tokenizers
+
+    from rawserve.worker.grammars import Grammars
+
+    backend = tokenizers.Tokenizer(models.WordLevel({"<pad>": 0, "a": 1}, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>")
+    grammars = Grammars(tokenizer, 2)
+    with pytest.raises(ValueError, match="tokenizer cannot follow a grammar") as refused:
+        grammars.matcher({"type": "regex", "value": "a"})
+    message = str(refused.value)
+    assert "byte-level BPE" in message and "decoder type" not in message
+    assert "cannot be read: " in caplog.text  # the library's reason, for the operator
+
+
 def test_a_row_whose_sampling_has_nothing_to_draw_from_fails_alone(runner):
     sampled = {**GREEDY, "do_sample": True, "seed": 5, "max_new_tokens": 6}
     # a penalty that divides the seen tokens' scores into infinities

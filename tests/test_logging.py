@@ -96,6 +96,25 @@ def test_library_warnings_and_transformers_lines_are_json_lines_too(json_lines):
     assert documents[1]["message"] == "a model note"
 
 
+def test_transformers_false_alarm_about_padding_is_left_out(json_lines):
+    """`generate` drops an attention mask of all ones, and the model then warned that
+    the ids "may be padded" at every generation worker's warm-up; its other lines stay."""
+    import transformers
+
+    from rawserve.worker.libraries import library_logs_through_ours
+
+    library_logs_through_ours()
+    library_logs_through_ours()  # (a handler's worker calls it again: one filter)
+    models = transformers.utils.logging.get_logger("transformers.modeling_utils")
+    models.warning(
+        "We strongly recommend passing in an `attention_mask` since your input_ids may be "
+        "padded. See https://huggingface.co/docs/transformers/troubleshooting"
+    )
+    models.warning("a weight was not initialized")
+    assert [d["message"] for d in json_lines()] == ["a weight was not initialized"]
+    assert len(logging.getLogger("transformers.modeling_utils").filters) == 1
+
+
 def test_a_handler_s_transformers_lines_are_json_lines_from_its_factory_on(
     json_lines, monkeypatch, tmp_path
 ):

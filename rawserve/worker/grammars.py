@@ -22,6 +22,7 @@ a row at a time. Worker process only.
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,6 +38,8 @@ from rawserve.tasks.text_generation import OPENED_IN_PROMPT, REASONING_END, REAS
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # (declared in its stubs only)
+
+log = logging.getLogger("rawserve.generation")
 
 COMPILED_KEPT = 64
 # llguidance's own bounds on a grammar's work, its errors without the parser's state (the
@@ -253,8 +256,15 @@ class Grammars:
                 self.tokenizer = llguidance.hf.from_tokenizer(
                     self.hf_tokenizer, n_vocab=self.vocabulary
                 )
-            except ValueError as exc:  # a slow tokenizer
-                raise ValueError(f"this model's tokenizer cannot follow a grammar: {exc}") from None
+            except ValueError as exc:  # a slow tokenizer, or a decoder it cannot read
+                # the library's own words name its internals ("can't determine decoder
+                # type: None"): the operator's log has them, the client what they mean
+                log.warning("grammars: the tokenizer cannot be read: %s", exc)
+                raise ValueError(
+                    "this model's tokenizer cannot follow a grammar: a grammar reads each "
+                    "token's bytes from a fast tokenizer's decoder (byte-level BPE, byte "
+                    "fallback), and this tokenizer's cannot be read"
+                ) from None
         return self.tokenizer
 
 

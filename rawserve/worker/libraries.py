@@ -23,6 +23,9 @@ def library_logs_through_ours() -> None:
 
         transformers.utils.logging.disable_default_handler()
         transformers.utils.logging.enable_propagation()
+        models = logging.getLogger("transformers.modeling_utils")
+        if not any(isinstance(f, NoPaddingFalseAlarm) for f in models.filters):
+            models.addFilter(NoPaddingFalseAlarm())
     # torch gives "torch" and its registered loggers a stderr handler of its own and stops
     # their records there (its ONNX exporter's "torchvision is not installed" warnings,
     # say); a file that TORCH_LOGS_OUT asked for keeps its handler
@@ -34,6 +37,16 @@ def library_logs_through_ours() -> None:
             logger.removeHandler(handler)
         if own:
             logger.propagate = True
+
+
+class NoPaddingFalseAlarm(logging.Filter):
+    """Leaves out transformers' warning that input ids "may be padded" with no attention
+    mask, which every generation model's worker logged at its warm-up: rawserve gives
+    every batch its mask, `generate` drops a mask of all ones, and the model then warns
+    as soon as a new token is the pad token's id (a random model's often)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "recommend passing in an `attention_mask`" not in record.getMessage()
 
 
 def tokenize_in_the_calling_thread(environ: MutableMapping[str, str]) -> None:
