@@ -11,6 +11,7 @@ process never imports torch; the worker processes do.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import gc
 import importlib.util
@@ -22,8 +23,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rawserve import __version__
 from rawserve.api.served import ServedModel
@@ -449,19 +451,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # before anything listens: a Hub model is downloaded (or found in the cache) once,
         # here, and the workers are given its folder
-        plans = plan_models(
-            config.models,
-            task=config.task,
-            revision=config.revision,
-            handler=config.handler,
-            chat_template=config.model.chat_template is not None,
-            engine=config.model.engine,
-            onnx_graphs=config.model.onnx_graphs,
-        )
+        with stopping_at_once():
+            plans = plan_models(
+                config.models,
+                task=config.task,
+                revision=config.revision,
+                handler=config.handler,
+                chat_template=config.model.chat_template is not None,
+                engine=config.model.engine,
+                onnx_graphs=config.model.onnx_graphs,
+            )
     except ModelNotFound as exc:
         log.error("%s", exc)
-        return 1
-    except KeyboardInterrupt:
         return 1
     workers = plan_workers(config.model, plans)
     if config.download_only:
@@ -488,6 +489,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         kill_leftover_children()
+
+
+@contextlib.contextmanager
+def stopping_at_once() -> Iterator[None]:
+    """SIGTERM and SIGINT exit at once (code 1), saying so, while the models are found:
+    huggingface_hub downloads on threads of its own, and an interrupt raised in this
+    thread waited for them to end the files under way (a model's weights: minutes, past a
+    container's grace), then exited without a word. Nothing else runs yet: no worker,
+    and a file left half-downloaded goes on from where it was at the next start."""
+
+    def stop(signum: int, frame: Any) -> None:
+        log.warning("%s received while the models were being found: stopped",
+                    signal.Signals(signum).name)  # fmt: skip
+        log_writer.wait_written(0.5)  # os._exit skips the exit hook that writes them
+        os._exit(1)
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def kill_leftover_children() -> None:

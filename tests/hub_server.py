@@ -18,7 +18,8 @@ the way the Hub answers it (read from huggingface_hub's own code, `hf_api.py`,
 `FakeHub(repos, revoked={token})` refuses that token on every request, as the Hub
 answers a revoked or mistyped token (401, no error code). `FakeHub(repos,
 cut_downloads=True)` is a network that drops mid-download: every "CDN"
-answer announces the whole file and closes the connection a third of the way into it.
+answer announces the whole file and closes the connection a third of the way into it;
+`trickle=0.1` a slow one: a KiB of each every tenth of a second.
 
 Every request is recorded (method, path, Authorization header) so tests can say what
 went over the wire, or that nothing did.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -54,9 +56,11 @@ class FakeHub:
         cut_downloads: bool = False,
         revoked: frozenset[str] = frozenset(),
         failing: int | None = None,
+        trickle: float = 0.0,
     ):
         self.repos = {repo.repo_id: repo for repo in repos}
         self.cut_downloads = cut_downloads
+        self.trickle = trickle  # seconds between a "CDN" answer's KiB: a slow network
         self.revoked = revoked  # tokens the Hub refuses on every request (401)
         self.failing = failing  # a status every request gets (the Hub down or overloaded)
         self.requests: list[Seen] = []
@@ -167,6 +171,12 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if hub.cut_downloads and self.path.startswith(CDN_PREFIX):
                 self.wfile.write(reply.body[: len(reply.body) // 3])
                 self.close_connection = True
+                return
+            if hub.trickle and self.path.startswith(CDN_PREFIX):
+                for start in range(0, len(reply.body), 1024):
+                    self.wfile.write(reply.body[start : start + 1024])
+                    self.wfile.flush()
+                    time.sleep(hub.trickle)
                 return
             self.wfile.write(reply.body)
 

@@ -12,15 +12,17 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.hub_cache import HubRepo, folder_files, write_hub_cache
-from tests.hub_server import FakeHub
+from tests.hub_server import CDN_PREFIX, FakeHub
 from tests.server import REPO_ROOT, RunningServer, running_together
 
 pytestmark = pytest.mark.slow
@@ -145,6 +147,33 @@ def test_download_only_fills_the_cache_and_exits(tmp_path, repo):
     snapshot = tmp_path / "hub" / "models--org--tiny-bge" / "snapshots" / repo.main
     assert (snapshot / "model.safetensors").is_file()
     assert "listening" not in result.stderr  # nothing was served
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_during_a_download_exits_at_once_saying_so(tmp_path, repo, stop):
+    """huggingface_hub downloads on threads of its own: the exit waited for the file under
+    way (a model's weights: minutes, past a container's grace), then said nothing."""
+    with FakeHub([repo], trickle=0.5) as hub:  # the weights (88 KiB) would take 44 s
+        env = hub_env(tmp_path, HF_ENDPOINT=hub.endpoint, PYTHONPATH=REPO_ROOT)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "rawserve", "--port", "0", "--model", REPO_ID],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not any(seen.path.startswith(CDN_PREFIX) for seen in hub.requests):
+                assert time.monotonic() < deadline, "the weights were never asked for"
+                time.sleep(0.05)
+            process.send_signal(stop)
+            _, stderr = process.communicate(timeout=30)
+        finally:
+            process.kill()
+    assert process.returncode == 1, stderr
+    assert f"{stop.name} received while the models were being found: stopped" in stderr
 
 
 def run_to_exit(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
