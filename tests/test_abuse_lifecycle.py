@@ -26,7 +26,9 @@ pytestmark = pytest.mark.slow
 FAULTY = "tests.handlers:faulty"
 SLEEPING = re.compile(r"faulty handler: sleeping")
 STARTED = re.compile(r"worker 0: started \(pid (\d+)")
-DIED_HOLDING = re.compile(r"worker 0: process \d+ exited with code -9 holding a batch of 1;")
+DIED_HOLDING = re.compile(
+    r"worker 0: process \d+ exited with code -9 holding a batch of 1 \(request \w+\);"
+)
 GRACE = 2.0  # seconds: the grace period of the server whose exit is timed
 EXIT_SLACK = 1.5  # seconds past the grace period the process may take to exit
 

@@ -10,6 +10,7 @@ import asyncio
 import errno
 import http.client
 import json
+import logging
 import os
 import queue
 import re
@@ -158,13 +159,23 @@ async def idle(executor: WorkerPool, timeout: float = 120) -> None:
 
 
 @pytest.mark.slow
-async def test_a_poison_item_fails_alone_and_is_refused_afterwards(faulty_executor):
+async def test_a_poison_item_fails_alone_and_is_refused_afterwards(faulty_executor, caplog):
     worker = faulty_executor.workers[0]
-    result = await asyncio.wait_for(faulty_executor.submit(["a", "crash me", "b"], {}), 120)
+    ids = ["req-a", "req-poison", "req-b"]
+    with caplog.at_level(logging.WARNING, logger="rawserve.executor"):
+        submitted = faulty_executor.submit(["a", "crash me", "b"], {}, request_ids=ids)
+        result = await asyncio.wait_for(submitted, 120)
     a, poison, b = result.outputs
     assert (a["input"], b["input"]) == ("a", "b")
     assert poison == CRASHED_ALONE
     assert worker.record.restarts == 3  # the batch, then the culprit alone, twice
+    # each line about the crashes names the requests it held: an operator finds the one
+    # whose input took the worker down by the id its client sent
+    crashes = [r for r in caplog.records if "crashed the worker" in r.getMessage()]
+    assert crashes and all("(request req-poison)" in r.getMessage() for r in crashes)
+    assert all(getattr(r, "request_id", None) == "req-poison" for r in crashes)
+    [first] = [r for r in caplog.records if "holding a batch of 3" in r.getMessage()]
+    assert "(request req-a, req-poison, req-b)" in first.getMessage()
     await idle(faulty_executor)
     result = await asyncio.wait_for(faulty_executor.submit(["crash me", "c"], {}), 30)
     refused, c = result.outputs

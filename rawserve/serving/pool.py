@@ -757,9 +757,10 @@ class WorkerPool(PoolReports):
             process.pid,
             process.exitcode,
             " while loading" if was_loading else "",
-            f" holding a batch of {len(job.inputs)}" if job else "",
+            f" holding a batch of {len(job.inputs)}{requests_named(job)}" if job else "",
             f" and one of {len(behind.inputs)} behind it" if behind else "",
             "not restarted" if gave_up else f"restarting in {decision.restart_in:.1f} s",
+            extra=request_named(job),
         )
         self._running_loop.call_later(decision.restart_in, self._respawn, worker)
         self._pump()  # another worker may be free for the retries
@@ -778,19 +779,23 @@ class WorkerPool(PoolReports):
             self._retry_alone(job)
         elif lost is LostBatch.RUN_AGAIN_ALONE:
             log.warning(
-                "worker %s: an input running alone crashed the worker; running it alone "
+                "worker %s: an input running alone crashed the worker%s; running it alone "
                 "once more (quarantined after %d such crashes)",
                 worker.label,
+                requests_named(job),
                 self.poison.strikes,
+                extra=request_named(job),
             )
             self._retries.append(replace(job, watchdog=None))
         else:
             log.error(
-                "worker %s: one input crashed the worker %d times on its own; it is refused "
-                "for the next %.0f s",
+                "worker %s: one input crashed the worker %d times on its own%s; it is "
+                "refused for the next %.0f s",
                 worker.label,
                 self.poison.strikes,
+                requests_named(job),
                 self.poison.seconds,
+                extra=request_named(job),
             )
             if self.metrics is not None:
                 self.metrics.drop("poison")
@@ -864,6 +869,25 @@ def exit_words(exitcode: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-exitcode}"
     return f"exited with code {exitcode}"
+
+
+NAMED_REQUESTS = 4  # request ids a line names at most
+
+
+def requests_named(job: Job | None) -> str:
+    """The requests of a batch a dead worker held, for its log line: an operator looks
+    for the request a client names (its X-Request-Id), and finds what its input did."""
+    ids = [request for request in dict.fromkeys(job.request_ids) if request] if job else []
+    if not ids:
+        return ""
+    more = f" and {len(ids) - NAMED_REQUESTS} more" if len(ids) > NAMED_REQUESTS else ""
+    return f" (request {', '.join(ids[:NAMED_REQUESTS])}{more})"
+
+
+def request_named(job: Job | None) -> dict[str, str] | None:
+    """A JSON line's `request_id` field, where the batch is one request's."""
+    ids = {request for request in job.request_ids if request} if job else set()
+    return {"request_id": ids.pop()} if len(ids) == 1 else None
 
 
 def not_run(job: Job) -> None:
