@@ -623,6 +623,18 @@ def test_a_failing_hub_serves_the_cache_and_says_so(tmp_path):
     assert "the Hub answered 503 for org/tiny: the cache decides" in result.stderr
 
 
+def test_a_token_the_hub_refuses_is_said_where_the_cache_serves(tmp_path):
+    """A revoked HF_TOKEN with the model cached: the start served the cache without a
+    word, and the token's fault showed only where a start found the cache empty."""
+    repo = make_repo()
+    with FakeHub([repo]) as hub:
+        folder = resolved(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint))
+    with FakeHub([repo], revoked=frozenset({"hf_revoked"})) as hub:
+        result = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint, HF_TOKEN="hf_revoked")
+    assert resolved(result) == folder
+    assert "the Hub refused org/tiny (401: a token it does not take, HF_TOKEN" in result.stderr
+
+
 @pytest.mark.parametrize("status", [500, 429])
 def test_a_failing_hub_with_nothing_cached_says_to_try_again_later(tmp_path, status):
     with FakeHub([make_repo()], failing=status) as hub:

@@ -418,6 +418,21 @@ def test_question_answering_a_stride_past_the_room_the_question_leaves_is_the_cl
     assert short["answer"] == "paris"
 
 
+@pytest.mark.parametrize("stride", [15, 16])
+def test_question_answering_a_stride_that_leaves_no_new_tokens_is_said_in_its_own_words(
+    runner, stride
+):
+    """A doc_stride just under max_seq_len, or equal to it (transformers counts its
+    special tokens its own way and refuses before rawserve's check of the room): the
+    client got transformers' words about a "tokenizer stride" it never sent."""
+    qa = runner("question-answering")
+    item = {"question": "who", "context": "john lives in paris"}
+    with pytest.raises(ValueError) as refused:
+        qa.run([item], {"max_seq_len": 16, "doc_stride": stride})
+    message = str(refused.value)
+    assert f"doc_stride {stride}" in message and "tokenizer stride" not in message, message
+
+
 def test_question_answering_runs_many_windows_in_bounded_passes(runner, monkeypatch):
     """A doc_stride just under max_seq_len makes a window every token or two: the
     windows go through the model a bounded number at a time, with the same answers."""

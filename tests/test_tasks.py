@@ -88,6 +88,17 @@ def test_zero_shot_candidate_labels_in_one_text_are_split_at_commas(given, label
         )
 
 
+@pytest.mark.parametrize("label", ["{}", "{0}"])
+def test_a_zero_shot_label_that_is_the_template_s_place_is_refused_in_our_words(label):
+    """The pipeline takes a template left unchanged once filled for one that takes no
+    label, and blamed the template: the label is refused, naming it."""
+    with pytest.raises(BadRequest, match="a label cannot be"):
+        parse_json_body(
+            "zero-shot-classification",
+            {"inputs": "hi", "parameters": {"candidate_labels": [label, "b"]}},
+        )
+
+
 def test_token_classification_ignores_no_label_when_asked_with_an_empty_list():
     parsed = parse_json_body(
         "token-classification", {"inputs": "hi", "parameters": {"ignore_labels": []}}

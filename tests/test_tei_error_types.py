@@ -53,6 +53,7 @@ async def answer(app: App, request: HttpRequest) -> tuple[int, dict[str, Any], d
         ("/embed_all", {"inputs": []}),
         ("/predict", {"inputs": []}),
         ("/rerank", {"query": "q", "texts": []}),
+        ("/similarity", {"inputs": {"source_sentence": "a", "sentences": []}}),
     ],
 )
 async def test_an_empty_list_of_inputs_is_400_empty(path, document):

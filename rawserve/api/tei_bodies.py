@@ -180,6 +180,8 @@ def read_similarity_inputs(
     if not isinstance(value, dict) or set(value) != {"source_sentence", "sentences"}:
         raise refusal
     source, sentences = value["source_sentence"], value["sentences"]
+    if isinstance(source, str) and sentences == []:  # TEI types an empty list apart
+        raise EmptyInput('"sentences" must not be an empty list')
     if not isinstance(source, str) or not isinstance(sentences, list) or not sentences:
         raise refusal
     if not all(isinstance(sentence, str) for sentence in sentences):

@@ -267,6 +267,13 @@ def repo_files(repo_id: str, revision: str | None) -> list[str] | None:
             status = exc.response.status_code if exc.response is not None else 0
             if later(status):
                 log.warning("the Hub answered %d for %s: the cache decides", status, repo_id)
+            elif status in (401, 403):  # a token revoked or mistyped: the cache hides it
+                log.warning(
+                    "the Hub refused %s (%d: a token it does not take, HF_TOKEN, or a repo "
+                    "not shared with it): the cache decides, and a start without it fails",
+                    repo_id,
+                    status,
+                )
     try:
         return [entry.path for entry in get_cached_repo_tree(repo_id, revision=revision)]
     except CachedRepoTreeNotFoundError:

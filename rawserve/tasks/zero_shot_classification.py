@@ -38,7 +38,12 @@ def candidate_labels(value: Any) -> list[str]:
     splits it (`"urgent, not urgent"` is two labels)."""
     if isinstance(value, str):
         value = [label.strip() for label in value.split(",") if label.strip()]
-    return LABELS(value)
+    labels = LABELS(value)
+    # the pipeline tells a template that takes no label by its text unchanged once filled:
+    # with the label "{}" it is, and transformers blamed the template
+    if placeholder := next((label for label in labels if label in ("{}", "{0}")), None):
+        raise ValueError(f"a label cannot be {placeholder!r}, the template's place for one")
+    return labels
 
 
 def label_score_pairs(output: Any) -> Any:

@@ -149,6 +149,12 @@ class SpanExtractionRunner(Runner):
                     f"the question leaves no room for the context in max_seq_len "
                     f"{options.max_seq_len} with doc_stride {options.doc_stride}"
                 ) from None
+            if "stride" in str(exc).lower():  # transformers' words name its tokenizer's
+                raise ValueError(
+                    f"doc_stride {options.doc_stride} leaves no new tokens in each window of "
+                    f"max_seq_len {options.max_seq_len} (less the special tokens): send a "
+                    "smaller doc_stride or a larger max_seq_len"
+                ) from None
             raise
 
     def refuse_stride(self, questions: list[str], options: SpanOptions) -> None:
