@@ -683,6 +683,19 @@ def test_metrics_of_several_processes_are_one_scrape():
     assert page.count("# TYPE rawserve_requests_total counter") == 1
 
 
+async def attached(bridge: Bridge, board: Board, metrics: list[Metrics]) -> list[Link]:
+    """An HTTP process's link for each of `metrics`, attached to `bridge` and listening."""
+    links = []
+    for index, counted in enumerate(metrics):
+        link = Link(board, counted.families, lambda grace: None, lambda: None)
+        ours, theirs = socket.socketpair()
+        await link.connect(theirs)
+        await bridge.attach(index, 10 + index, ours)
+        link.send(("listening", 10 + index))
+        links.append(link)
+    return links
+
+
 def test_a_scrape_keeps_the_counts_of_an_http_process_killed_or_silent(monkeypatch):
     """Counters summed over the HTTP processes never go down: one killed (its counts go
     on as it last gave them) or one that does not answer in time (stopped: its counts
@@ -694,16 +707,10 @@ def test_a_scrape_keeps_the_counts_of_an_http_process_killed_or_silent(monkeypat
         board = Board.create(0)
         bridge = Bridge([], board, lambda: [], merge_families, serving_pid=1)
         metrics = [Metrics(), Metrics(), Metrics()]
-        links = []
         for index, counted in enumerate(metrics):
             for _ in range(index + 1):
                 counted.observe_request("/", "POST", 200, 0.001)
-            link = Link(board, counted.families, lambda grace: None, lambda: None)
-            ours, theirs = socket.socketpair()
-            await link.connect(theirs)
-            await bridge.attach(index, 10 + index, ours)
-            link.send(("listening", 10 + index))
-            links.append(link)
+        links = await attached(bridge, board, metrics)
         metrics[2].loop_lag_last.set(9.0)
         while len(bridge.processes()) < 4:
             await asyncio.sleep(0.001)
@@ -737,14 +744,7 @@ def test_what_an_http_process_counted_since_the_last_scrape_outlives_it(monkeypa
         bridge = Bridge([], board, lambda: [], merge_families, serving_pid=1)
         bridge.start()
         metrics = [Metrics(), Metrics()]
-        links = []
-        for index, counted in enumerate(metrics):
-            link = Link(board, counted.families, lambda grace: None, lambda: None)
-            ours, theirs = socket.socketpair()
-            await link.connect(theirs)
-            await bridge.attach(index, 10 + index, ours)
-            link.send(("listening", 10 + index))
-            links.append(link)
+        links = await attached(bridge, board, metrics)
         while len(bridge.processes()) < 3:
             await asyncio.sleep(0.001)
         first = render_families(await links[0].scrape()).decode()
