@@ -115,6 +115,40 @@ def test_transformers_false_alarm_about_padding_is_left_out(json_lines):
     assert len(logging.getLogger("transformers.modeling_utils").filters) == 1
 
 
+def test_a_workers_prints_are_json_lines_too(json_lines):
+    """A handler's print() (and a library's writes to sys.stdout or sys.stderr) came out
+    as plain text between the JSON objects; now each line is an object of its own."""
+    from rawserve.shared.logs import LinesToLog
+
+    out = LinesToLog(logging.getLogger("stdout"), logging.INFO, io.StringIO())
+    err = LinesToLog(logging.getLogger("stderr"), logging.WARNING, io.StringIO())
+    print("one", file=out)
+    out.write("two\nthr")
+    out.write("ee\n\n")
+    print("a warning", file=err)
+    assert [(d["logger"], d["level"], d["message"]) for d in json_lines()] == [
+        ("stdout", "info", "one"),
+        ("stdout", "info", "two"),
+        ("stdout", "info", "three"),
+        ("stderr", "warning", "a warning"),
+    ]
+
+
+@pytest.mark.parametrize(("log_format", "swapped"), [("json", True), ("text", False)])
+def test_a_worker_s_standard_streams_log_their_lines_only_as_json(
+    restore_logging, monkeypatch, log_format, swapped
+):
+    from rawserve.shared.logs import LinesToLog, setup_worker_logging
+
+    monkeypatch.setattr(sys, "stdout", sys.stdout)  # (put back after)
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
+    stderr = sys.stderr
+    setup_worker_logging(0, {"RAWSERVE_LOG_FORMAT": log_format})
+    assert isinstance(sys.stdout, LinesToLog) is swapped
+    assert isinstance(sys.stderr, LinesToLog) is swapped
+    assert sys.stderr.fileno() == stderr.fileno()  # a C library's writes: the same fd
+
+
 def test_a_handler_s_transformers_lines_are_json_lines_from_its_factory_on(
     json_lines, monkeypatch, tmp_path
 ):

@@ -11,6 +11,7 @@ h11 or torch.
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import logging
 import os
@@ -207,6 +208,37 @@ def setup_worker_logging(label: str | int, environ: Mapping[str, str] | None = N
         text_format=f"%(asctime)s worker-{label} %(levelname)s %(message)s",
         fields={"worker": str(label)},
     )
+    if log_format == "json":  # a handler's print(), a library's writes: JSON lines too
+        sys.stdout = LinesToLog(logging.getLogger("stdout"), logging.INFO, sys.stdout)
+        sys.stderr = LinesToLog(logging.getLogger("stderr"), logging.WARNING, sys.stderr)
+
+
+class LinesToLog(io.TextIOBase):
+    """A text stream whose every line is a record of `logger`: with --log-format json, a
+    worker's `print()` (a handler's), and what libraries write to `sys.stdout` or
+    `sys.stderr`, came out as plain text between the JSON objects, which a log shipper
+    that reads JSON chokes on. What is written to the file descriptor itself (a C
+    library's) still goes to `stream` as it is."""
+
+    def __init__(self, logger: logging.Logger, level: int, stream: TextIO):
+        super().__init__()
+        self.logger = logger
+        self.level = level
+        self.stream = stream
+        self.pending = ""  # a line's start, until its end is written
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in lines:
+            if line.strip():
+                self.logger.log(self.level, "%s", line.rstrip())
+        return len(text)
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def writable(self) -> bool:
+        return True
 
 
 # --- lines written straight to the stream -------------------------------------------
