@@ -478,6 +478,29 @@ def test_seq2seq_batches_answer_what_single_calls_answer(runner):
     assert set(summarize.run(texts, params)[0]) == {"summary_text"}
 
 
+@pytest.mark.parametrize(
+    ("params", "says"),
+    [
+        ({"num_return_sequences": 3, "num_beams": 2}, "more answers than num_beams 2 keeps"),
+        ({"max_length": 1}, "max_length 1 holds only the decoder's start token"),
+    ],
+)
+def test_seq2seq_settings_generate_refuses_are_said_in_rawserves_words(runner, params, says):
+    """generate()'s own words named `decoder_input_ids` and its checks' internals."""
+    summarize = runner("seq2seq", "summarization")
+    with pytest.raises(ValueError, match=says):
+        summarize.run(["hello"], params)
+
+
+def test_a_seq2seq_temperature_of_zero_is_greedy(runner):
+    """As the causal LM's is (TGI's and OpenAI's reading); generate() refused it."""
+    summarize = runner("seq2seq", "summarization")
+    greedy = {"max_new_tokens": 5, "num_beams": 1}
+    text = ["the movie was good"]
+    zero = summarize.run(text, {**greedy, "do_sample": True, "temperature": 0.0})
+    assert zero == summarize.run(text, greedy)
+
+
 def test_seq2seq_prefixes_and_output_keys(runner, tiny_model):
     import torch
     import transformers

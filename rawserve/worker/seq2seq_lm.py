@@ -196,7 +196,7 @@ class Seq2SeqLMRunner(Runner):
         prefix, task_options = self.task_settings(params)
         caller = {name: params[name] for name in GENERATE_PARAMS if name in params}
         caller.update(params.get("generate_parameters", {}))
-        options = {**self.defaults, **task_options, **with_length(caller)}
+        options = settled({**self.defaults, **task_options, **with_length(caller)}, caller)
         self.check_length(caller)
         encoded = self.tokenizer(
             [prefix + text for text in inputs],
@@ -261,6 +261,27 @@ class Seq2SeqLMRunner(Runner):
         if self.input_limit is not None:
             return {"truncation": True, "max_length": self.input_limit}
         return {"truncation": False}
+
+
+def settled(options: dict[str, Any], caller: dict[str, Any]) -> dict[str, Any]:
+    """generate() options as the causal LM's are read: a temperature of 0 is greedy (as
+    TGI and OpenAI read it; generate() refused it); and ValueError, in words a client can
+    act on, for what generate() would refuse in its own (it named `decoder_input_ids`)."""
+    if options.get("temperature") == 0.0:
+        options = {name: value for name, value in options.items() if name != "temperature"}
+        options["do_sample"] = False
+    answers, beams = options.get("num_return_sequences") or 1, options.get("num_beams") or 1
+    if answers > beams and not options.get("do_sample"):
+        raise ValueError(
+            f"num_return_sequences {answers} asks for more answers than num_beams {beams} "
+            "keeps: ask for at most num_beams, or set do_sample to draw them"
+        )
+    if caller.get("max_length") == 1 and not caller.get("max_new_tokens"):
+        raise ValueError(
+            "max_length 1 holds only the decoder's start token, which it counts: ask for "
+            "2 or more, or give max_new_tokens"
+        )
+    return options
 
 
 def with_length(options: dict[str, Any]) -> dict[str, Any]:
