@@ -175,7 +175,12 @@ def static_batches(model: Any, batch: list[list[int]], asks: list[int]) -> dict[
         static(model, batch[start : start + LOOP_ROWS], asks[start : start + LOOP_ROWS])
         for start in range(0, len(batch), LOOP_ROWS)
     ]
-    return {key: sum((run[key] for run in runs), start=type(runs[0][key])()) for key in runs[0]}
+    return {
+        "seconds": sum(run["seconds"] for run in runs),
+        "useful": sum(run["useful"] for run in runs),
+        "first": [first for run in runs for first in run["first"]],
+        "gaps": [gap for run in runs for gap in run["gaps"]],
+    }
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:

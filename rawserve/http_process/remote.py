@@ -236,8 +236,7 @@ class RemoteServing:
     def admission(self) -> Refusal | None:
         if not self.board.flag(self.index, FULL):
             return None
-        if self.metrics is not None:
-            self.metrics.drop("rejected")
+        self.count_refusal()
         return Refusal(Reason.QUEUE_FULL, QUEUE_FULL_MESSAGE, self.board.retry_after(self.index))
 
     def count_refusal(self) -> None:

@@ -52,6 +52,7 @@ from rawserve.worker.runner import (
     Runner,
     WrittenForClients,
     dtype_name,
+    greedy_at_zero_temperature,
 )
 from rawserve.worker.scores import MIN_TEMPERATURE, ScoreAdjustments, likeliest, unusable
 from rawserve.worker.text_pieces import (
@@ -217,9 +218,7 @@ def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[st
         kwargs["min_new_tokens"] = 0  # (where it allows the end alone, nothing would be left)
     if asks_sampling(params):  # as TGI reads them (its client sends do_sample false beside)
         kwargs["do_sample"] = True
-    if kwargs.get("temperature") == 0.0:  # TGI and OpenAI read temperature 0 as greedy
-        kwargs.pop("temperature")
-        kwargs["do_sample"] = False
+    greedy_at_zero_temperature(kwargs)
     if not kwargs.get("do_sample") and "temperature" not in params:
         kwargs.pop("temperature", None)  # a default for sampling only (as the pipeline's)
     if kwargs.get("do_sample") and kwargs.get("temperature", 1.0) < MIN_TEMPERATURE:

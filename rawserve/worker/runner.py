@@ -194,6 +194,14 @@ def token_positions(config: Any) -> int | None:
     return int(positions)
 
 
+def greedy_at_zero_temperature(options: dict[str, Any]) -> None:
+    """generate() options made greedy where their temperature is 0, as TGI and OpenAI read
+    it (generate() refuses to sample at 0); in place."""
+    if options.get("temperature") == 0.0:
+        del options["temperature"]
+        options["do_sample"] = False
+
+
 def dtype_name(model: Any) -> str:
     return str(model.dtype).removeprefix("torch.")
 

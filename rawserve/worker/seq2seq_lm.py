@@ -33,7 +33,13 @@ import transformers
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits
 from rawserve.tasks import GENERATE_PARAMS
 from rawserve.tasks.seq2seq import OUTPUT_KEYS
-from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE, NotNumbers, Runner, dtype_name
+from rawserve.worker.runner import (
+    MODEL_SCORES_FAILED_MESSAGE,
+    NotNumbers,
+    Runner,
+    dtype_name,
+    greedy_at_zero_temperature,
+)
 from rawserve.worker.scores import unusable
 
 # transformers 4.57's Text2TextGenerationPipeline._default_generation_config
@@ -264,12 +270,10 @@ class Seq2SeqLMRunner(Runner):
 
 
 def settled(options: dict[str, Any], caller: dict[str, Any]) -> dict[str, Any]:
-    """generate() options as the causal LM's are read: a temperature of 0 is greedy (as
-    TGI and OpenAI read it; generate() refused it); and ValueError, in words a client can
+    """generate() options as the causal LM's are read (`options`, made for this call, are
+    changed in place): a temperature of 0 is greedy; and ValueError, in words a client can
     act on, for what generate() would refuse in its own (it named `decoder_input_ids`)."""
-    if options.get("temperature") == 0.0:
-        options = {name: value for name, value in options.items() if name != "temperature"}
-        options["do_sample"] = False
+    greedy_at_zero_temperature(options)
     answers, beams = options.get("num_return_sequences") or 1, options.get("num_beams") or 1
     if answers > beams and not options.get("do_sample"):
         raise ValueError(
