@@ -99,6 +99,9 @@ _REQUEST_READ = (h11.DONE, h11.MIGHT_SWITCH_PROTOCOL)
 _TOKEN_BYTES = frozenset(
     b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 )
+# Empty lines before a request line are skipped (RFC 9112 section 2.2: some clients send
+# a CRLF after a POST body); h11 refuses them.
+_EMPTY_LINE = b"\r\n"
 
 
 class Application(Protocol):
@@ -279,6 +282,9 @@ class HttpProtocol(asyncio.Protocol):
                 self._flow.pause_reading()
             return
         if self.phase is Phase.IDLE:
+            data = data.lstrip(_EMPTY_LINE)
+            if not data:
+                return  # only empty lines: still idle, its deadline running
             self._enter(Phase.HEAD)
             if data[0] not in _TOKEN_BYTES:
                 self._fail(refusals.not_plain_http())
@@ -338,7 +344,7 @@ class HttpProtocol(asyncio.Protocol):
             try:
                 event = self.conn.next_event()
             except h11.RemoteProtocolError as exc:
-                self._fail(refusals.protocol_error(exc))
+                self._fail(refusals.protocol_error(exc, in_body=self.phase is Phase.BODY))
                 return
             if event is h11.NEED_DATA:  # what was read ahead is parsed: read on
                 self.read_ahead = 0
@@ -654,7 +660,12 @@ class HttpProtocol(asyncio.Protocol):
         """After an answer written by hand: start h11 afresh with what it had read ahead
         (the request was read whole and the connection stays)."""
         self.cycle = None
-        unread, closed = self.conn.trailing_data
+        self._read_afresh(*self.conn.trailing_data)
+
+    def _read_afresh(self, unread: bytes, closed: bool) -> None:
+        """A new h11 fed what the last one read ahead, less the empty lines before the
+        next request line."""
+        unread = unread.lstrip(_EMPTY_LINE)
         self.conn = self._new_h11()
         if unread:
             self.conn.receive_data(unread)
@@ -670,7 +681,11 @@ class HttpProtocol(asyncio.Protocol):
             self._close_gracefully()
             return
         self.conn.start_next_cycle()
-        self._next_request(bool(self.conn.trailing_data[0]))
+        unread, closed = self.conn.trailing_data
+        if unread[:1] in (b"\r", b"\n"):  # h11 would refuse the empty line
+            self._read_afresh(unread, closed)
+            return
+        self._next_request(bool(unread))
 
     def _next_request(self, unread: bool) -> None:
         self._enter(Phase.HEAD if unread else Phase.IDLE)  # it may be (partly) here already

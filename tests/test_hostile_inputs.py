@@ -197,8 +197,12 @@ CASES = [
     Case("request line without a version", b"GET /\r\n\r\n", [400]),
     Case("request line with two spaces", b"GET  / HTTP/1.1\r\n" + HOST + b"\r\n", [400]),
     Case("space inside the target", b"GET /a b HTTP/1.1\r\n" + HOST + b"\r\n", [400]),
-    Case("blank lines only", b"\r\n\r\n", [400]),
-    Case("blank line before the request", b"\r\n" + get(), [400]),
+    # RFC 9112 section 2.2: empty lines before a request line are skipped
+    Case("blank lines only: idle close, no answer", b"\r\n\r\n", [], closes=False),
+    Case("blank line before the request", b"\r\n" + get(), [200], closes=False),
+    Case("bare LFs before the request", b"\n\n" + get(), [200], closes=False),
+    Case("target in authority form", b"GET a:80 HTTP/1.1\r\n" + HOST + b"\r\n", [400]),
+    Case("asterisk target on GET", b"GET * HTTP/1.1\r\n" + HOST + b"\r\n", [400]),
     Case(
         "SSH banner: h11 waits for a blank line, the head timer ends it",
         b"SSH-2.0-OpenSSH_9.6\r\n",

@@ -558,6 +558,60 @@ async def test_a_streamed_body_to_an_http_1_0_client_is_sent_as_is_and_the_close
     assert transport.finished
 
 
+# --- the request line: empty lines before it, the target's form --------------------
+
+
+async def test_empty_lines_before_a_request_line_are_skipped(server):
+    """RFC 9112 section 2.2: a server SHOULD skip them (old clients send a CRLF after a
+    POST body); h11 alone refuses them as a request with no request line."""
+    app, protocol, transport = server
+    first = b"POST /a HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi\r\n"
+    second = b"\r\n\nGET /b HTTP/1.1\r\nHost: a\r\n\r\n"
+    protocol.data_received(b"\r\n" + first + second)  # before the first, and after a body
+    await settle()
+    protocol.data_received(b"\r\n")  # alone, between requests
+    protocol.data_received(b"\n")
+    await settle()
+    third = b"GET /c HTTP/1.1\r\nHost: a\r\n\r\n"
+    protocol.data_received(third)
+    await settle()
+    responses = read_responses(transport.written, [first, second.lstrip(), third])
+    assert [response.status_code for response, _ in responses] == [200, 200, 200]
+    assert [request.path for request in app.seen] == ["/a", "/b", "/c"]
+    assert not transport.finished
+
+
+async def test_a_connection_sending_only_empty_lines_is_closed_at_its_keep_alive_deadline(timed):
+    app, protocol, transport, loop = timed
+    for _ in range(10):
+        loop.advance(0.6)
+        protocol.data_received(b"\r\n")  # an empty line does not restart the deadline
+    assert transport.closed and not transport.written and not app.seen
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "status"),
+    [
+        (b"GET", b"*", 400),  # the asterisk form is OPTIONS's
+        (b"POST", b"*", 400),
+        (b"GET", b"example.com:80", 400),  # the authority form is CONNECT's
+        (b"POST", b"localhost:8000", 400),
+        (b"GET", b"health", 400),  # no form at all
+        (b"GET", b"http://example.com/x", 200),  # the absolute form, as proxies send it
+        (b"GET", b"/x", 200),
+    ],
+)
+async def test_a_target_in_a_form_its_method_cannot_take_is_refused(server, method, target, status):
+    app, protocol, transport = server
+    request = method + b" " + target + b" HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n"
+    protocol.data_received(request)
+    await settle()
+    [(response, body)] = read_responses(transport.written, [request])
+    assert response.status_code == status
+    if status == 400:
+        assert "target" in json.loads(body)["error"] and not app.seen
+
+
 # --- keep-alive, HTTP/1.0, Connection: close, 100-continue ----------------------------
 
 
@@ -1334,6 +1388,30 @@ def test_the_chunk_meter_takes_a_body_of_exactly_the_limit_and_reads_across_spli
         meter = ChunkedMeter(limit=100)
         meter.feed(refused)
         assert meter.done and not meter.over
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"1;" + b"e" * 4000 + b"\r\nx\r\n0\r\n\r\n",  # a chunk extension
+        b"1\r\nx\r\n0\r\nTrailer: " + b"t" * 4000 + b"\r\n\r\n",  # a trailer field
+    ],
+    ids=["extension", "trailer"],
+)
+async def test_a_chunk_line_longer_than_h11_takes_is_413_as_the_body_it_is_part_of(body):
+    """Within the body's limit but past the longest unfinished line h11 holds (the head's
+    limit): the body's bytes, so 413, not a 431 that speaks of headers."""
+    settings = ProtocolSettings(max_body_bytes=1024 * 1024, max_head_bytes=1024)
+    protocol = HttpProtocol(EchoApp(), settings, loop=asyncio.get_running_loop())
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    head = b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+    protocol.data_received(head + body[:3000])  # the line arrives in parts, as over a socket
+    protocol.data_received(body[3000:])
+    await settle()
+    [(response, answer)] = read_responses(transport.written, [head])
+    assert response.status_code == 413
+    assert json.loads(answer)["error"] == "a chunk-size line or trailer field is too long"
 
 
 async def test_a_chunked_body_over_the_limit_on_the_wire_is_413(server):

@@ -29,6 +29,8 @@ SUPPORTED_VERSIONS = (b"1.0", b"1.1")
 # A Host value: uri-host [":" port] (RFC 3986): an IP literal in brackets, or a name of
 # unreserved characters, %-escapes and sub-delims (no space, "/", "@" or "?").
 _HOST = re.compile(r"(\[[-0-9A-Za-z._~!$&'()*+,;=:]+\]|[-0-9A-Za-z._~%!$&'()*+,;=]*)(:[0-9]*)?")
+# The absolute form of a target starts with a scheme (RFC 3986 section 3.1)
+_SCHEME = re.compile(rb"[A-Za-z][-A-Za-z0-9+.]*://")
 
 
 def check_head(
@@ -42,6 +44,8 @@ def check_head(
         return HeadersTooLarge("request headers too large")
     if event.method == b"CONNECT":
         return BadRequest("CONNECT is not supported")  # a 2xx would switch protocols
+    if not _is_served_target(event.method, event.target):
+        return BadRequest("the request target is not a path or an absolute URI")
     host = header(fields, b"host")  # h11 has refused a second one, and none on HTTP/1.1
     if host is not None and _HOST.fullmatch(host) is None:
         return BadRequest("the Host header is not a host name and port")  # RFC 9112 3.2
@@ -56,9 +60,20 @@ def check_head(
     return None
 
 
-def protocol_error(exc: h11.RemoteProtocolError) -> HTTPError:
-    """What h11 could not parse, as a typed error (details go to the debug log only)."""
+def _is_served_target(method: bytes, target: bytes) -> bool:
+    """A target in a form a server answers (RFC 9112 section 3.2): a path, an absolute
+    URI (what proxies send), or `*` for OPTIONS; the authority form is CONNECT's."""
+    if target.startswith(b"/") or _SCHEME.match(target):
+        return True
+    return target == b"*" and method == b"OPTIONS"
+
+
+def protocol_error(exc: h11.RemoteProtocolError, in_body: bool = False) -> HTTPError:
+    """What h11 could not parse, as a typed error (details go to the debug log only).
+    Past the head, what h11 finds too long is a chunk-size line or a trailer: the body's."""
     log.debug("malformed request: %s", exc)
+    if exc.error_status_hint == 431 and in_body:
+        return PayloadTooLarge("a chunk-size line or trailer field is too long")
     if exc.error_status_hint == 431:
         return HeadersTooLarge("request headers too large")
     return BadRequest("malformed HTTP request")
