@@ -1122,7 +1122,8 @@ def test_a_stream_held_to_tools_lists_its_tokens_where_log_probabilities_are_ask
     listed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
     whole = Answer(True, "m", logprobs=1, tools=tools).whole([EndedStream(tokens).output()], [])
     assert listed == [whole["choices"][0]["logprobs"]]
-    assert [entry["token"] for entry in listed[0]["content"]] == texts[:-1]
+    # the end of sequence too, as usage counts it, with the text it adds: none
+    assert [entry["token"] for entry in listed[0]["content"]] == [*texts[:-1], ""]
 
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])

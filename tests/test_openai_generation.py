@@ -1445,6 +1445,48 @@ def test_completion_logprobs_are_openais_lists_with_offsets_and_the_chosen_among
     assert [o for found in lists for o in found.text_offset] == listed.text_offset
 
 
+@pytest.mark.parametrize(
+    "forced",
+    [
+        {"ignore_eos": True},  # ends of sequence that do not end it: special tokens mid-answer
+        {"min_tokens": 2},  # two tokens of text, then the end of sequence
+    ],
+    ids=["special tokens mid-answer", "an end of sequence after text"],
+)
+def test_completion_logprobs_list_every_generated_token_as_usage_counts_them(
+    servers, reference, forced
+):
+    """A client slices the list by `completion_tokens` (and sums it for a score): a
+    special token is listed with the text it adds to the answer, none."""
+    plain = client(servers["plain"])
+    eos = str(reference.tokenizer(PLAIN_MODEL).eos_token_id)
+    asked = {"model": PLAIN_MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+    extra = {"logit_bias": {eos: 100}, **forced}
+    answer = plain.completions.create(**asked, logprobs=1, extra_body=extra)
+    [choice] = answer.choices
+    listed = choice.logprobs
+    assert len(listed.tokens) == len(listed.token_logprobs) == answer.usage.completion_tokens
+    assert "".join(listed.tokens) == choice.text and listed.tokens[-1] == ""
+    assert all(logprob <= 0 for logprob in listed.token_logprobs)
+    streamed = list(plain.completions.create(**asked, logprobs=1, stream=True, extra_body=extra))
+    lists = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [t for found in lists for t in found.tokens] == listed.tokens
+    assert [p for found in lists for p in found.token_logprobs] == pytest.approx(
+        listed.token_logprobs
+    )
+    chat_eos = str(reference.tokenizer(CHAT_MODEL).eos_token_id)
+    chat = client(servers["chat"]).chat.completions.create(
+        model=CHAT_MODEL,
+        messages=MESSAGES,
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        extra_body={**extra, "logit_bias": {chat_eos: 100}},
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and content[-1].bytes == []
+
+
 def test_completion_logprobs_end_where_a_stop_sequence_cuts_the_text(servers):
     plain = client(servers["plain"])
     free = plain.completions.create(model=PLAIN_MODEL, prompt=PROMPT, **SAMPLED)

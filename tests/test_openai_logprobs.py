@@ -22,12 +22,13 @@ def token(text: str, logprob: float, special: bool = False, top=None) -> dict:
     return found
 
 
-def test_an_answers_tokens_leave_out_special_ones_and_end_at_the_texts_cut():
+def test_an_answers_special_tokens_add_no_text_and_the_list_ends_at_the_texts_cut():
     details = {
         "tokens": [token(" the", -0.5), token("</s>", -0.1, special=True), token(" end", -1.0)],
         "top_tokens": [[], [], []],
     }
-    assert [t.text for t in answer_tokens(details, len(" the end"))] == [" the", " end"]
+    listed = answer_tokens(details, len(" the end"))
+    assert [(t.text, t.logprob) for t in listed] == [(" the", -0.5), ("", -0.1), (" end", -1.0)]
     # a stop sequence cut the text after " the": the tokens after it are not listed
     assert [t.text for t in answer_tokens(details, len(" the"))] == [" the"]
     # not cut: tokens that add no text are listed too, as usage counts them

@@ -106,11 +106,12 @@ class Unsent:
     def add(self, token: Listed, start: int) -> None:
         self.tokens.append((token, start))
 
-    def take(self, sent: int) -> tuple[list[Listed], int]:
+    def take(self, sent: int, every: bool = False) -> tuple[list[Listed], int]:
         """The tokens whose text starts within the first `sent` characters (now sent),
         and where the first of them starts; a token starting past them (past a stop
-        sequence's start, when the text ends there) stays."""
-        taken = [(token, start) for token, start in self.tokens if start < sent]
+        sequence's start, when the text ends there) stays. `every`: the whole text is
+        sent, and those that add nothing at its end go too."""
+        taken = [(token, start) for token, start in self.tokens if every or start < sent]
         self.tokens = self.tokens[len(taken) :]
         return [token for token, _ in taken], taken[0][1] if taken else 0
 
@@ -423,7 +424,9 @@ class Streamed:
         self.stops_after = stops_after  # the first token whose text a stop may end in
         self.tokens = 0  # how many have come, special ones too (the worker counts them)
         self.stops_from = 0  # where in the text stops count: the start of that token's
-        self.special: Mapping[str, Any] | None = None  # the newest token, if special
+        # the newest token, if special and listed: listed once the next comes (adding
+        # nothing) or the text ends (where it may add what byte tokens held back)
+        self.special: Mapping[str, Any] | None = None
 
     @property
     def sent(self) -> str:
@@ -439,6 +442,8 @@ class Streamed:
         self.tokens += 1
         if self.tokens <= self.stops_after:
             self.stops_from = self.length
+        if self.special is not None:
+            self.unsent.add(listed(adding(self.special, 0)), self.length)
         self.special = token if token["special"] and logprobs is not None else None
         if token["special"]:
             return None
@@ -465,22 +470,25 @@ class Streamed:
         """What a cut character held back, once the whole text is known (listed with
         the special token that ends the text where that token added it)."""
         text = output["generated_text"]
-        if self.special is not None and (ending := adding(self.special, len(text) - self.length)):
+        if self.special is not None:
+            ending = adding(self.special, len(text) - self.length)
             self.unsent.add(listed(ending), self.length)
+            self.special = None
         whole = cut_at_stop(text, stops, stops_from(output))
         if not whole.startswith(self.sent):
             return None
         self.held = ""
-        return self._send(whole[self.sent_length :])
+        return self._send(whole[self.sent_length :], ended=len(whole) == len(text))
 
-    def _send(self, text: str) -> Release | None:
+    def _send(self, text: str, ended: bool = False) -> Release | None:
         """`text`, what follows the text sent, sent now with its tokens and where the
-        first one starts (None: nothing to send)."""
-        if not text:
+        first one starts (None: nothing to send). `ended`: the whole text, not cut by a
+        stop, and with it every token still unsent (those adding nothing at its end)."""
+        if not text and not (ended and self.unsent.tokens):
             return None
         self.pieces.append(text)
         self.sent_length += len(text)
-        return (text, *self.unsent.take(self.sent_length))
+        return (text, *self.unsent.take(self.sent_length, every=ended))
 
 
 Release = tuple[str, list[Listed], int]  # a chunk's text, its tokens, the first's offset

@@ -11,13 +11,15 @@ one the whole character). OpenAI's two shapes of the same figures:
   (OpenAI: "up to logprobs + 1 elements").
 
 An echoed prompt's tokens (the details' `prefill`) come first, the first of them with no
-log probability (nothing comes before it). Special tokens (the end of the sequence, a
-prompt's start) are left out, as their text is left out of the answer's, but for a prompt
-sent as token ids: its client counts the ids it sent (an evaluation harness slices the
-list by them), for one a prompt spelled out (its text is in the echo), and for an end of
-sequence that adds text: a run of byte tokens right before it is held back until it
-comes, and its text (TGI's) is that text, then its own. Tokens past a stop sequence's
-start, whose text is cut, are left out too.
+log probability (nothing comes before it). Every generated token is listed, as usage
+counts them (a client slices the list by `completion_tokens`), a special one (an end of
+sequence, a `<s>` the model wrote) with the text it adds to the answer's: none, as the
+answer leaves its text out, but for an end of sequence after a run of byte tokens held
+back until it came (its text, TGI's, is that text, then its own). A prompt's special
+tokens are left out as its echo leaves them out (a prompt's start), but for a prompt sent
+as token ids (its client counts the ids it sent: an evaluation harness slices the list by
+them) and one a prompt spelled out (its text is in the echo). Tokens past a stop
+sequence's start, whose text is cut, are left out.
 Server process; plain Python.
 """
 
@@ -73,19 +75,17 @@ def answer_tokens(
         if cut and offset >= text_length:
             break
         if token.get("special"):
-            last = index == len(tokens) - 1
-            if not last or (token := adding(token, end - offset)) is None:
-                continue
+            token = adding(token, end - offset if index == len(tokens) - 1 else 0)
         kept.append(listed(token, tops[index]))
         offset += len(token["text"])
     return kept
 
 
-def adding(special: Mapping[str, Any], held: int) -> dict[str, Any] | None:
-    """A special token that ends an answer as the text it adds to it: the first `held`
-    characters of its text (what a run of byte tokens held back until it came; its own
-    text follows, which the answer leaves out); None where it adds nothing."""
-    return {**special, "text": special["text"][:held]} if held > 0 else None
+def adding(special: Mapping[str, Any], held: int) -> dict[str, Any]:
+    """A special token as the text it adds to the answer: nothing, but for one that ends
+    it, the first `held` characters of its text (what a run of byte tokens held back
+    until it came; its own text follows, which the answer leaves out)."""
+    return {**special, "text": special["text"][: max(held, 0)]}
 
 
 def prompt_tokens(details: dict[str, Any], special: bool = False, text: str = "") -> list[Listed]:
