@@ -480,6 +480,23 @@ def test_stop_sequences_end_a_row_as_the_static_path_ends_it(runner):
     assert without_logprobs(got) == without_logprobs(static(runner, "the movie was", params))
 
 
+def test_a_stop_sequence_inside_a_token_ends_the_text_with_it_as_tgis_does(runner):
+    """The token that completes a stop may run on past it (" film" for "fil"): the text,
+    and that token's, end with the stop (TGI's clients strip a stop from the end), on
+    both paths; the tokens' texts still add up to the text."""
+    (free,) = static(runner, "the movie was", {**GREEDY, "max_new_tokens": 30})
+    words = free["generated_text"].removeprefix("the movie was").split()
+    word = next(w for w in words[1:] if len(w) > 2)
+    stop = word[:2]
+    params = {**GREEDY, "max_new_tokens": 30, "stop": [stop], "details": True}
+    params["return_full_text"] = False
+    [(_, got, _)] = as_the_static_path(runner, params, ["the movie was"])
+    text = got[0]["generated_text"]
+    assert got[0]["details"]["finish_reason"] == "stop_sequence"
+    assert text.endswith(stop) and text.count(stop) == 1
+    assert "".join(token["text"] for token in got[0]["details"]["tokens"]) == text
+
+
 def test_a_running_sequence_keeps_no_more_of_its_text_than_its_stops_need(runner):
     """Its text is decoded whole at its end: a step copying the text so far for each row
     would cost each step more as the texts grow."""
@@ -542,22 +559,26 @@ def test_the_static_paths_step_reads_its_rows_log_probabilities_back_at_once(run
 
 
 @pytest.mark.parametrize(
-    ("text", "piece", "stops", "ends"),
+    ("text", "piece", "stops", "through"),
     [
-        ("so abc", "c", ["abc"], True),  # begun two pieces before, ended in this one
-        ("so abc", "bc", ["abc"], True),
-        ("abc", "abc", ["abc"], True),
-        ("so abcd", "d", ["abc"], False),  # ended in an earlier piece: found then
-        ("so ab", "b", ["abc"], False),
-        ("so abc", "", ["abc"], False),  # no text new (a cut character held back)
-        ("a b", "", ["a"], False),
-        ("x", "x", ["y", "x"], True),  # any of them
+        ("so abc", "c", ["abc"], 1),  # begun two pieces before, ended in this one
+        ("so abc", "bc", ["abc"], 2),
+        ("abc", "abc", ["abc"], 3),
+        ("so abcd", "d", ["abc"], 0),  # ended in an earlier piece: found then
+        ("so ab", "b", ["abc"], 0),
+        ("so abc", "", ["abc"], 0),  # no text new (a cut character held back)
+        ("a b", "", ["a"], 0),
+        ("x", "x", ["y", "x"], 1),  # any of them
+        (" film", " film", ["fil"], 4),  # the piece runs on past the stop: cut after it
+        ("a xyz", " xyz", ["z", "xy"], 3),  # the first to end, not the first listed
     ],
 )
-def test_a_stop_sequence_counts_in_the_piece_it_ends_in(text, piece, stops, ends):
-    from rawserve.worker.continuous import ends_a_stop
+def test_a_stop_sequence_counts_in_the_piece_it_ends_in_and_the_piece_ends_with_it(
+    text, piece, stops, through
+):
+    from rawserve.worker.continuous import stop_in_piece
 
-    assert ends_a_stop(text, piece, stops) is ends
+    assert stop_in_piece(text, piece, stops) == through
 
 
 def test_an_asked_min_new_tokens_holds_stop_sequences_back_on_both_paths(runner):
@@ -598,7 +619,9 @@ def test_min_new_tokens_ending_in_a_run_of_byte_tokens_counts_stops_where_a_stre
         [(_, got, _)] = as_the_static_path(llama, params, ["the movie"])
         output = got[0]
         tokens = output["details"]["tokens"]
-        assert [t["text"] for t in tokens] == ["a", "b", "", "", "", "", "😀c"]
+        # the stop's token ends the text with it ("c" after it is not the answer's)
+        assert [t["text"] for t in tokens] == ["a", "b", "", "", "", "", "😀"]
+        assert output["generated_text"] == "ab😀"
         assert output["details"]["stops_from"] == len("ab")
         streamed = Streamed(at_least)
         sent = [streamed.add(token, stop, None) for token in tokens]

@@ -127,6 +127,14 @@ def stop_tail(text: str, stops: Sequence[str]) -> str:
     return text[len(text) - keep :] if len(text) > keep else text
 
 
+def first_stop_end(text: str, stops: Sequence[str], past: int = 0) -> int | None:
+    """Where the first stop sequence to end past `past` in `text` ends (None: none does).
+    An answer a stop sequence ends runs to there, as TGI's ends with its stop: the rest
+    of the token that completed it is not the answer's."""
+    starts = ((stop, text.find(stop, max(0, past - len(stop) + 1))) for stop in stops)
+    return min((at + len(stop) for stop, at in starts if at >= 0), default=None)
+
+
 GRAMMAR_SCHEMA = {
     "type": "object",
     "description": "what may be generated: a JSON schema, or a regular expression (TGI's)",

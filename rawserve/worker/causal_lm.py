@@ -33,6 +33,7 @@ from rawserve.tasks.text_generation import (
     REASONING_START,
     THINKING_IN_CONTENT,
     TOKEN_COUNTS_ONLY,
+    first_stop_end,
     returns_full_text,
 )
 from rawserve.worker.continuous import Generation, cache_keyword, cache_of, end_ids
@@ -690,6 +691,14 @@ class CausalLMRunner(Runner):
         `opened`: where a reasoning model's thinking opens, `opened`'s)."""
         # the whole decode, as the pipeline does (pieces hold back a cut character)
         text = generated_text(self.tokenizer, token_ids, context)
+        begin = 0  # where in the text stop sequences count
+        if (after := stops_after(params)) > 1 and params.get("stop"):
+            # the start of that token's text, as the pieces made it (a character its
+            # token ends held back, as in a stream: its bytes before that token are no
+            # U+FFFDs)
+            begin = len(running_text(self.tokenizer, token_ids[: after - 1], context))
+        if finish_reason == "stop_sequence":  # the text ends with it, as its last piece
+            text = text[: first_stop_end(text, params["stop"], begin)]
         if returns_full_text(params):
             text = prompt + text
         output: dict[str, Any] = {"generated_text": text}
@@ -704,12 +713,8 @@ class CausalLMRunner(Runner):
                 output["details"]["thinking"] = opened
                 thought = self.thought_tokens(token_ids, context, opened)
                 output["details"]["reasoning_tokens"] = thought
-            if (after := stops_after(params)) > 1 and params.get("stop"):
-                # where in the text stop sequences count: the start of that token's text,
-                # as the pieces made it (a character its token ends held back, as in a
-                # stream: its bytes before that token are no U+FFFDs)
-                before = running_text(self.tokenizer, token_ids[: after - 1], context)
-                output["details"]["stops_from"] = len(before)
+            if begin:
+                output["details"]["stops_from"] = begin
             if tokens is not None:  # TGI's: the prompt's tokens only on request
                 # as columns: thousands of dicts would take the server's loop to unpickle
                 output["details"]["prefill"] = columns(prefill or [])

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import transformers
 
 from rawserve.shared.messages import FailureKind, GenerationPasses
-from rawserve.tasks.text_generation import stop_tail
+from rawserve.tasks.text_generation import first_stop_end, stop_tail
 from rawserve.worker.cuda_graphs import ROW_BUCKETS
 from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.grammars import constrain
@@ -775,10 +775,11 @@ class ContinuousBatcher:
                     generation.top = top[index][: generation.top_n]
             if ends:
                 generation.finish_reason = "eos_token"
-            elif len(generation.tokens) >= generation.stops_after and ends_a_stop(
-                text, piece, generation.stop
+            elif len(generation.tokens) >= generation.stops_after and (
+                through := stop_in_piece(text, piece, generation.stop)
             ):
                 generation.finish_reason = "stop_sequence"
+                piece = piece[:through]
             elif len(generation.tokens) >= generation.cap:
                 generation.finish_reason = "length"
             if self.on_token is not None:  # told once it is known whether the token ends it
@@ -802,10 +803,13 @@ def like_lengths(prompts: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
     return groups
 
 
-def ends_a_stop(text: str, piece: str, stops: Sequence[str]) -> bool:
-    """Whether a stop sequence ends in `piece`, the newest piece at the end of `text` (one
-    that ended earlier was found then, or did not count yet)."""
-    return bool(piece) and any(stop in text[-(len(piece) + len(stop) - 1) :] for stop in stops)
+def stop_in_piece(text: str, piece: str, stops: Sequence[str]) -> int:
+    """How much of `piece`, the newest piece at the end of `text`, runs through the first
+    stop sequence to end in it (0: none ends in it; one that ended earlier was found
+    then, or did not count yet)."""
+    starts = len(text) - len(piece)
+    end = first_stop_end(text, stops, past=starts)
+    return 0 if end is None else end - starts
 
 
 def end_ids(tokenizer: Any, model: Any) -> set[int]:

@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from rawserve.tasks.text_generation import stop_tail
-from rawserve.worker.continuous import ends_a_stop
+from rawserve.worker.continuous import stop_in_piece
 from rawserve.worker.grammars import constrain
 from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE, NotNumbers
 from rawserve.worker.scores import ScoreAdjustments, likeliest, unusable
@@ -162,10 +162,11 @@ class TokenWatcher(transformers.StoppingCriteria):
             self.tails[row] = stop_tail(text, self.stop)
             if ends:
                 self.done[row], self.finish_reasons[row] = True, "eos_token"
-            elif len(self.token_ids[row]) >= self.stops_after and ends_a_stop(
-                text, piece, self.stop
+            elif len(self.token_ids[row]) >= self.stops_after and (
+                through := stop_in_piece(text, piece, self.stop)
             ):
                 self.done[row], self.finish_reasons[row] = True, "stop_sequence"
+                piece = piece[:through]
             if listed:
                 logprob = chosen[row] if chosen is not None else 0.0
                 token = tgi_token(
