@@ -269,6 +269,28 @@ def test_health_turns_503_in_every_http_process_once_the_serving_process_stops_w
         board.remove()
 
 
+def test_ready_turns_503_stalled_soon_after_the_serving_process_stops_writing():
+    """Long before /health fails (10 s: a liveness probe restarts the server), /ready
+    says the serving process is not going on, so that a load balancer sends new work to
+    another replica; requests sent here are still taken, to wait for it."""
+    board = Board.create(1)
+    try:
+        link = Link(board, lambda: [], lambda grace: None, lambda: None)
+        link.statuses[0] = (remote.NOT_LOADED, SimpleNamespace())  # a worker has loaded
+        serving = RemoteServing(link, 0)
+        board.publish(0, ready=True, healthy=True, full=False, retry_after=None)
+        assert serving.snapshot().ready
+        stalled = time.monotonic() - remote.SERVING_STALLED_SECONDS - 0.1
+        board.publish(0, ready=True, healthy=True, full=False, retry_after=None, at=stalled)
+        snapshot = serving.snapshot()
+        assert not snapshot.ready and snapshot.load_state is LoadState.STALLED
+        assert snapshot.healthy and serving.ready
+        board.publish(0, ready=True, healthy=True, full=False, retry_after=None)  # back
+        assert serving.snapshot().ready
+    finally:
+        board.remove()
+
+
 # the serving process's side: the same state published again and again, for a while
 PUBLISHER = """
 import sys, time

@@ -134,14 +134,13 @@ class OperationsRoutes:
 
     def readiness(self, model: ServedModel) -> dict[str, Any]:
         """One model's state for /ready: ready, full, or why it is not loaded (how long)."""
-        serving = model.serving
-        if not serving.ready:
-            snapshot = serving.snapshot()
+        snapshot = model.serving.snapshot()
+        if not snapshot.ready:
             status: dict[str, Any] = {"status": snapshot.load_state.value}
             if snapshot.loading_seconds is not None:
                 status["elapsed_seconds"] = round(snapshot.loading_seconds, 1)
             return status
-        return {"status": "full" if serving.full else "ready"}
+        return {"status": "full" if snapshot.full else "ready"}
 
     def model_route(self, model: ServedModel) -> Callable[[HttpRequest], Awaitable[HttpResponse]]:
         """The handler of `GET /ready/<name>`: that model's readiness alone."""

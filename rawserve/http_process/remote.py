@@ -50,6 +50,9 @@ SCRAPE_SECONDS = 5.0  # how long /metrics waits for the serving process's merged
 # stopped or stuck, and `/health` answers 503 so that an orchestrator restarts the server
 # (its own passes take milliseconds; a liveness probe acts after several failures)
 SERVING_SILENT_SECONDS = 10.0
+# This long without a write, `/ready` is 503 ("stalled") so that a load balancer sends
+# new work elsewhere: what is sent here waits for the serving process to go on
+SERVING_STALLED_SECONDS = 2.0
 # the serving side's text for a full queue (rawserve.serving.driver), said here at once
 QUEUE_FULL_MESSAGE = "server busy: queue full"
 NOT_LOADED = ServingStatus(
@@ -264,18 +267,17 @@ class RemoteServing:
     def snapshot(self) -> ServingStatus:
         status = self.link.statuses.get(self.index)
         snapshot = status[0] if status else NOT_LOADED
+        silent = self.board.age(self.index)
+        stalled = self.ready and silent >= SERVING_STALLED_SECONDS
         return replace(
             snapshot,
-            ready=self.ready,
+            ready=self.ready and not stalled,
             full=self.full,
-            healthy=self.board.flag(self.index, HEALTHY) and self.serving_process_turns,
+            # one stopped or stuck writes nothing, and `/health` must say so, as it would
+            # if this process were that one
+            healthy=self.board.flag(self.index, HEALTHY) and silent < SERVING_SILENT_SECONDS,
+            load_state=LoadState.STALLED if stalled else snapshot.load_state,
         )
-
-    @property
-    def serving_process_turns(self) -> bool:
-        """Whether the serving process has published lately: one stopped or stuck writes
-        nothing, and `/health` must say so, as it would if this process were that one."""
-        return self.board.age(self.index) < SERVING_SILENT_SECONDS
 
     def open_stream(self, on_token: Callable[[TokenChunk], None]) -> int:
         stream = self.link.next_id()

@@ -74,7 +74,7 @@ class ServingStatus:
     healthy: bool  # False once every worker keeps dying
     full: bool  # the queue is at its bound
     max_batch_size: int  # items per model call (--max-batch-size)
-    load_state: LoadState  # while not ready: loading, warming, restarting or unhealthy
+    load_state: LoadState  # while not ready: loading, warming, restarting, unhealthy, stalled
     loading_seconds: float | None  # how long the longest load has run; None: none loading
     workers: tuple[WorkerStatus, ...]
 

@@ -27,12 +27,15 @@ class WorkerState(enum.Enum):
 
 
 class LoadState(enum.Enum):
-    """Why no worker is ready, for /ready's body."""
+    """Why a model takes no work now, for /ready's body."""
 
     LOADING = "loading"
     WARMING = "warming"  # loaded, warming up: ready in a moment
     RESTARTING = "restarting"
     UNHEALTHY = "unhealthy"  # every worker keeps dying (as /health says)
+    # the serving process has published nothing lately (stopped, stuck): an HTTP
+    # process's /ready says so, as a single process would not answer it
+    STALLED = "stalled"
 
 
 @dataclass(frozen=True)
