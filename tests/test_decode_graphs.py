@@ -431,7 +431,7 @@ def test_every_setting_a_row_may_have_steps_from_graphs_as_it_does_without(tiny_
                 adjustments=ScoreAdjustments(((encode(" the")[0], 3.0),), 0.5, 0.2),
                 stop=["t t t"],
             ),
-            Generation((key, 5), prompt, 6, grammar=runner.grammars.matcher(DIGITS)),
+            Generation((key, 5), prompt, 6, grammar=runner.grammars.pending(DIGITS).held()),
             Generation((key, 6), encode("my day was good " * 8), 5),  # prefilled in chunks
             scored(Generation((key, 7), encode("paris is"), 4)),  # its prompt's scores
         ]

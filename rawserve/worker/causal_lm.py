@@ -850,7 +850,7 @@ class CausalLMRunner(Runner):
             processors.append(Adjuster(adjustments, encoded["input_ids"].shape[1]))
         if params.get("grammar"):
             held = [self.held_to(params, row) or params["grammar"] for row in opening_ends]
-            matchers = [self.grammars.matcher(grammar) for grammar in held]  # (each row's own)
+            matchers = [self.grammars.pending(grammar).held() for grammar in held]  # each row's
             processors.append(GrammarFollower(matchers, watcher))
         if wants_logprobs:
             processors.append(recorder)

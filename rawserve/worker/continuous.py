@@ -119,7 +119,7 @@ class Generation:
     stops_after: int = 0
     ignore_eos: bool = False  # an end of sequence does not end it (it runs to its cap)
     adjustments: ScoreAdjustments | None = None  # OpenAI's logit bias and penalties
-    grammar: Any = None  # what it may generate: an llguidance matcher (rawserve.worker.grammars)
+    grammar: Any = None  # what it may generate: a `Held` grammar (rawserve.worker.grammars)
     # its grammar while it compiles (a `PendingMatcher`): it joins once the grammar is ready
     compiling: Any = None
     # the log-probability of each chosen token (after the penalties and biases, before
@@ -366,7 +366,7 @@ class ContinuousBatcher:
             if generation.compiling is None or not generation.compiling.ready:
                 continue
             try:
-                generation.grammar = generation.compiling.matcher()
+                generation.grammar = generation.compiling.held()
             except ValueError as exc:
                 generation.fail(str(exc))
             generation.compiling = None
@@ -706,6 +706,7 @@ class ContinuousBatcher:
         held = [(i, g.grammar) for i, g in enumerate(rows) if g.grammar is not None and not g.done]
         for index, why in constrain(scores, held):
             rows[index].fail(why)
+            rows[index].grammar.failed()
         sampled = [i for i, g in enumerate(rows) if g.do_sample and not g.done]
         # every row drawn: its scores as they are, not a copy of them, and no greedy choice
         # (each a pass over the vocabulary a row)

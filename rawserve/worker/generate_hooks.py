@@ -20,7 +20,7 @@ import transformers
 
 from rawserve.tasks.text_generation import stop_tail
 from rawserve.worker.continuous import stop_in_piece
-from rawserve.worker.grammars import constrain
+from rawserve.worker.grammars import Held, constrain
 from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE, NotNumbers
 from rawserve.worker.scores import ScoreAdjustments, likeliest, unusable
 from rawserve.worker.text_pieces import TextPieces, alternative_text
@@ -57,7 +57,7 @@ class GrammarFollower(transformers.LogitsProcessor):
     cannot go on fails the batch (ValueError), which is then run in halves down to its
     request, alone. (A finished row goes on with padding: its grammar is left be.)"""
 
-    def __init__(self, matchers: list[Any], watcher: TokenWatcher):
+    def __init__(self, matchers: list[Held], watcher: TokenWatcher):
         self.matchers = matchers
         self.watcher = watcher
         self.started = False
@@ -67,11 +67,13 @@ class GrammarFollower(transformers.LogitsProcessor):
         if self.started:  # (the first call follows the prompt: nothing generated yet)
             last = input_ids[:, -1].tolist()
             for index in running:
-                if not self.matchers[index].is_stopped():
+                if not self.matchers[index].matcher.is_stopped():
                     self.matchers[index].consume_token(last[index])
         self.started = True
         stuck = constrain(scores, [(index, self.matchers[index]) for index in running])
         if stuck:
+            for index, _ in stuck:
+                self.matchers[index].failed()
             raise ValueError(stuck[0][1])
         return scores
 

@@ -11,7 +11,11 @@ model's chat answer thinks first, free, and is held after its `</think>` (`think
 the grammar's "thinking", which the worker sets per prompt, says where the thinking opens).
 
 A grammar is compiled once per model (the latest `COMPILED_KEPT` kept) and each sequence
-gets a copy of its matcher. A new one compiles on a thread of its own (llguidance lets go
+gets a copy of its matcher, and the mask at its start, computed once when it compiled: a
+copy computes its own anew (44 ms on a CPU for a schema at llguidance's bound, which 32
+choices of one request paid inline, in the step every sequence waits for). A grammar
+that fails a sequence is dropped from those kept: its lexer, grown to llguidance's bound
+on the way, held about 100 MB. A new one compiles on a thread of its own (llguidance lets go
 of the GIL): a regular expression such as `a{1000000}` takes about a second to reach
 llguidance's bound, and the sequences already running go on meanwhile. A step's masks
 are computed together, unpacked from bits at once, and laid on each row in place: with a
@@ -23,10 +27,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import llguidance
 import llguidance.hf
@@ -41,7 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rawserve.generation")
 
-COMPILED_KEPT = 64
+COMPILED_KEPT = 16  # a grammar grown near llguidance's bounds can hold ~100 MB
 # llguidance's own bounds on a grammar's work, its errors without the parser's state (the
 # message goes to the client) and nothing printed: a fault is raised, not logged
 LIMITS = llguidance.LLParserLimits(verbose_errors=False)
@@ -50,7 +55,29 @@ JSON_LAYOUT: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
+    # held as anyOf, as xgrammar (vLLM's) holds it: pydantic writes oneOf for its
+    # discriminated unions, whose branches their discriminator keeps apart
+    "coerce_one_of": True,
 }
+# llguidance's words for faults a client meets, and what they mean to one (the library's
+# own go to the debug log)
+FAULT_WORDS = (
+    (re.compile(r"NoExtensionBias"), "the schema refers to itself with nothing else to generate"),
+    (
+        re.compile(r"Too many items \(limit"),
+        "a step of the grammar needs more work than allowed: no answer may complete it (an "
+        "object that must always hold another), or it matches text a byte at a time",
+    ),
+    (
+        re.compile(r"too many expressions constructed"),
+        "the grammar grew past the bound on its size (a pattern repeated a great many times)",
+    ),
+    (re.compile(r"Expected f64 for '([^']*)', got null"), r"'\1' is not a finite number"),
+    (
+        re.compile(r"Value is not JSON serializable: (\S+)"),
+        r"the schema holds a number past 64 bits: \1",
+    ),
+)
 
 
 # llguidance's fault for a "format" it does not know: lenient, it is a warning instead
@@ -177,6 +204,11 @@ def formats_as_annotations(grammar: Mapping[str, Any]) -> str | None:
     return text
 
 
+class Compiled(NamedTuple):
+    matcher: llguidance.LLMatcher  # at the grammar's start, never moved on
+    opening: bytes  # its mask there: what may come first
+
+
 class Grammars:
     """One model's grammars: a fresh matcher for each sequence that asks for one. Used
     from one thread (the worker's); only compiling runs on another."""
@@ -185,8 +217,8 @@ class Grammars:
         self.hf_tokenizer = tokenizer
         self.vocabulary = vocabulary  # the scores' width: the model's token count
         self.tokenizer: llguidance.LLTokenizer | None = None  # made at first use
-        self.compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
-        self.compiling: dict[str, Future[llguidance.LLMatcher]] = {}
+        self.compiled: OrderedDict[str, Compiled] = OrderedDict()
+        self.compiling: dict[str, Future[Compiled]] = {}
         self.thread: ThreadPoolExecutor | None = None  # made at first use
 
     def matcher(self, grammar: Mapping[str, Any]) -> llguidance.LLMatcher:
@@ -211,28 +243,37 @@ class Grammars:
                 compiling = self.compiling[key] = self.thread.submit(self._compile, grammar)
         return PendingMatcher(self, key, compiling)
 
-    def keep(self, key: str, compiling: Future[llguidance.LLMatcher]) -> llguidance.LLMatcher:
-        """A compiled grammar's matcher, kept for the next sequence that asks (ValueError
-        for one that cannot be used, then asked again afresh)."""
+    def keep(self, key: str, compiling: Future[Compiled]) -> Compiled:
+        """A compiled grammar, kept for the next sequence that asks (ValueError for one
+        that cannot be used, then asked again afresh)."""
         self.compiling.pop(key, None)
-        pristine = compiling.result()
-        self.compiled[key] = pristine
+        compiled = compiling.result()
+        self.compiled[key] = compiled
         self.compiled.move_to_end(key)
         while len(self.compiled) > COMPILED_KEPT:
             self.compiled.popitem(last=False)
-        return pristine
+        return compiled
 
-    def _compile(self, grammar: Mapping[str, Any]) -> llguidance.LLMatcher:
-        pristine = self._matcher(self._held(grammar_text(grammar), grammar))
+    def forget(self, key: str) -> None:
+        """Drop a compiled grammar: one that failed a sequence is compiled afresh if asked
+        again, rather than kept at the size its failure grew it to."""
+        self.compiled.pop(key, None)
+
+    def _compile(self, grammar: Mapping[str, Any]) -> Compiled:
+        try:
+            text = grammar_text(grammar)
+        except ValueError as exc:  # a schema it cannot read at all
+            raise ValueError(f"the grammar cannot be used: {in_words(str(exc))}") from None
+        pristine, opening = self._matcher(self._held(text, grammar))
         # a format it does not know, alone, is an annotation (else the first fault is told)
         annotated = None
         if grammar["type"] == "json" and pristine.is_error() and UNKNOWN_FORMAT in fault(pristine):
             annotated = formats_as_annotations(grammar)
         if annotated is not None:
-            pristine = self._matcher(self._held(annotated, grammar))
+            pristine, opening = self._matcher(self._held(annotated, grammar))
         if pristine.is_error():
             raise ValueError(f"the grammar cannot be used: {fault(pristine)}")
-        return pristine
+        return Compiled(pristine, opening)
 
     def _held(self, text: str, grammar: Mapping[str, Any]) -> str:
         """The grammar `text`, after the thinking where `grammar` says it may come first
@@ -245,10 +286,11 @@ class Grammars:
         special = {tag: ids[tag] for tag in tags if tokenizer.is_special_token(ids[tag])}
         return thinking_first(text, grammar["thinking"], special)
 
-    def _matcher(self, text: str) -> llguidance.LLMatcher:
+    def _matcher(self, text: str) -> tuple[llguidance.LLMatcher, bytes]:
+        """A matcher at the start of `text`, and its first mask (some faults show only
+        once one is asked)."""
         pristine = llguidance.LLMatcher(self._tokenizer(), text, log_level=0, limits=LIMITS)
-        pristine.compute_bitmask()  # (some faults show only once a first mask is asked)
-        return pristine
+        return pristine, pristine.compute_bitmask()
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
         if self.tokenizer is None:
@@ -271,7 +313,7 @@ class Grammars:
 class PendingMatcher:
     """A sequence's matcher while its grammar compiles."""
 
-    def __init__(self, grammars: Grammars, key: str, compiling: Future[llguidance.LLMatcher]):
+    def __init__(self, grammars: Grammars, key: str, compiling: Future[Compiled]):
         self.grammars = grammars
         self.key = key
         self.compiling = compiling
@@ -283,30 +325,81 @@ class PendingMatcher:
     def matcher(self) -> llguidance.LLMatcher:
         """The sequence's own matcher (waiting for its grammar if it is not ready); ValueError
         for a grammar that cannot be used."""
-        return self.grammars.keep(self.key, self.compiling).deep_copy()
+        return self.held().matcher
+
+    def held(self) -> Held:
+        """The sequence's own matcher and the grammar's first mask (as `matcher`)."""
+        compiled = self.grammars.keep(self.key, self.compiling)
+        return Held(compiled.matcher.deep_copy(), compiled.opening, self.forget)
+
+    def forget(self) -> None:
+        self.grammars.forget(self.key)
+
+
+class Held:
+    """A sequence's grammar: its own matcher, and the mask at the grammar's start while
+    no token has moved it on (shared by the grammar's sequences: computed once)."""
+
+    def __init__(
+        self,
+        matcher: llguidance.LLMatcher,
+        opening: bytes | None = None,
+        forget: Callable[[], None] | None = None,
+    ):
+        self.matcher = matcher
+        self.opening = opening
+        self._forget = forget
+
+    def consume_token(self, token: int) -> bool:
+        self.opening = None
+        return self.matcher.consume_token(token)
+
+    def failed(self) -> None:
+        """It cannot go on: its compiled grammar is not kept at what the failure grew."""
+        if self._forget is not None:
+            self._forget()
 
 
 def fault(matcher: llguidance.LLMatcher) -> str:
-    """A matcher's error, on one line (llguidance's message points at the fault in lines)."""
-    return " ".join(matcher.get_error().replace("<non-verbose/>", "").split())
+    """A matcher's error, on one line (llguidance's message points at the fault in lines),
+    in a client's words where it has them."""
+    return in_words(" ".join(matcher.get_error().replace("<non-verbose/>", "").split()))
 
 
-def constrain(
-    scores: torch.Tensor, rows: list[tuple[int, llguidance.LLMatcher]]
-) -> list[tuple[int, str]]:
+def in_words(message: str) -> str:
+    """llguidance's `message` as a client can act on it (`FAULT_WORDS`), or as it is."""
+    for pattern, words in FAULT_WORDS:
+        if (found := pattern.search(message)) is not None:
+            log.debug("grammar fault: %s", message)
+            return found.expand(words)
+    return message
+
+
+def constrain(scores: torch.Tensor, rows: list[tuple[int, Held]]) -> list[tuple[int, str]]:
     """Rows of scores, in place: -inf for every token a row's grammar does not allow next
-    (`rows`: each row's index in `scores` and its matcher), the masks computed together
-    on llguidance's threads. Returns the rows whose grammar cannot go on, each with why
-    (its matcher failed, past one of llguidance's limits say, or it allows no token of
-    this model's): their scores are left as they are, and the caller ends them."""
-    stuck = [(index, f"the grammar failed: {fault(m)}") for index, m in rows if m.is_error()]
-    rows = [(index, matcher) for index, matcher in rows if not matcher.is_error()]
+    (`rows`: each row's index in `scores` and its grammar), the masks computed together
+    on llguidance's threads (but a grammar's first, known). Returns the rows whose grammar
+    cannot go on, each with why (its matcher failed, past one of llguidance's limits say,
+    or it allows no token of this model's): their scores are left as they are, and the
+    caller ends them."""
+    stuck = [
+        (index, f"the grammar failed: {fault(held.matcher)}")
+        for index, held in rows
+        if held.matcher.is_error()
+    ]
+    rows = [(index, held) for index, held in rows if not held.matcher.is_error()]
     if not rows:
         return stuck
     width = scores.shape[-1]
     bitmask = llguidance.numpy.allocate_token_bitmask(len(rows), width)
-    targets = [(matcher, place) for place, (_, matcher) in enumerate(rows)]
-    llguidance.numpy.fill_next_token_bitmask_par(executor(), targets, bitmask)
+    targets = []
+    for place, (_, held) in enumerate(rows):
+        if held.opening is not None and len(held.opening) == bitmask[place].nbytes:
+            bitmask[place] = numpy.frombuffer(held.opening, dtype=bitmask.dtype)
+        else:
+            targets.append((held.matcher, place))
+    if targets:
+        llguidance.numpy.fill_next_token_bitmask_par(executor(), targets, bitmask)
     bits = numpy.unpackbits(bitmask.view(numpy.uint8), axis=1, bitorder="little")
     allowed = bits[:, :width].view(numpy.bool_)
     way_on = numpy.any(allowed, axis=1).tolist()  # (else nothing would be left)
