@@ -397,7 +397,8 @@ def board_path(http_pid: int) -> str:
 
 def test_the_serving_process_dying_stops_the_http_processes_with_a_clear_line(orphaned_server):
     """kill -9 of the serving process: the HTTP processes and the workers exit by
-    themselves, the port is free, and nothing is left in shared memory."""
+    themselves, the port is free, and nothing is left in shared memory; a request under
+    way is answered 503 (it had no answer, and its access line blamed its client: 499)."""
     server = orphaned_server
     try:
         pids = http_pids(server)
@@ -405,8 +406,17 @@ def test_the_serving_process_dying_stops_the_http_processes_with_a_clear_line(or
         workers = json.loads(body)["worker_pids"]
         board = board_path(pids[0])
         assert os.path.exists(board)
+        asked = json.dumps({"inputs": "orphaned", "parameters": {"sleep": 5.0}})
+        waiting = subprocess.Popen(
+            [*CURL_POST, asked, "-w", "%{http_code}", f"http://127.0.0.1:{server.port}/"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        CLIENTS.append(waiting)
+        server.wait_for_log(re.compile(re.escape("sleeping 5.0 s on ['orphaned']")), 30)
         server.process.kill()
         assert server.process.wait(10) != 0
+        assert waiting.communicate(timeout=10)[0] == "503"
         wait_until(lambda: all(gone(pid) for pid in pids), 30, "the HTTP processes exited")
         server.wait_for_log(re.compile("the serving process is gone; stopping"), 10)
         wait_until(lambda: all(gone(pid) for pid in workers), 30, "the workers exited")
@@ -434,6 +444,31 @@ def test_a_second_signal_exits_at_once_and_leaves_nothing_in_shared_memory(
         wait_until(lambda: all(gone(pid) for pid in pids), 10, "the HTTP processes exited")
         assert not os.path.exists(board)
         worker.wait(10)
+    finally:
+        server.stop()
+
+
+def test_streams_under_way_when_the_serving_process_dies_end_with_an_error_event(tiny_model):
+    """Its HTTP processes fail what is under way with a 503 and give the streams a turn
+    to say so: they were cut mid-chunk ("Response ended prematurely")."""
+    model = tiny_model("long-generation")  # 4,096 positions: a stream that runs on
+    server = RunningServer(["--model", model, *TWO]).start()
+    try:
+        asked = {"prompt": "hello", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        reading = subprocess.Popen(
+            ["curl", "-sN", "-H", "Content-Type: application/json", "-d", json.dumps(asked)]
+            + [f"http://127.0.0.1:{server.port}/v1/completions"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        CLIENTS.append(reading)
+        wait_until(lambda: metric(server, "rawserve_items_in_flight", 0) == 1, what="a stream")
+        server.process.kill()
+        events = reading.communicate(timeout=20)[0].split("\n\n")
+        assert reading.returncode == 0  # a whole chunked answer, not one cut short
+        assert events[-2:] == ["data: [DONE]", ""], events[-3:]
+        error = json.loads(events[-3].removeprefix("data:"))["error"]
+        assert error["message"] == "server shutting down" and error["code"] == "unavailable"
     finally:
         server.stop()
 

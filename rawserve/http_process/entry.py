@@ -163,6 +163,9 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
     if lost.is_set():
         log.error(SERVING_GONE, spec.index, os.getpid())
         link.board.remove_if_orphaned()  # its owner died without removing it (kill -9)
+        app.start_draining()  # (a request on a connection still open: 503, as at a stop)
+        # the requests under way are failed with a 503 (`Link.lost`): time to write it
+        await requests_answered(state, FINAL_WRITE_SECONDS)
         state.close_all()
         return 1
     app.start_draining()
