@@ -148,7 +148,7 @@ def queue_one(server: RunningServer, connection: Connection, name: str) -> None:
     """Send one item over `connection` (not waiting for its answer) and wait until it is
     queued behind the busy worker."""
     body = json.dumps({"inputs": name, "parameters": {"sleep": 0.4}})
-    connection.http.request("POST", "/", body=body, headers=JSON)
+    connection.http.request("POST", "/", body=body, headers={**JSON, "X-Request-Id": name})
     wait_until(lambda: metric(server, "rawserve_queue_depth") == 1, what="the item queued")
 
 
@@ -292,6 +292,9 @@ def test_an_http_process_that_dies_is_replaced_and_its_items_withdrawn(server):
     os.kill(victim, signal.SIGKILL)
     server.wait_for_log(re.compile(rf"HTTP process \d \(pid {victim}\) exited"), 30)
     wait_until(lambda: metric(server, "rawserve_queue_depth") == 0, what="the item withdrawn")
+    # the operator is told which requests went with it, as with a worker's death
+    withdrawn = re.compile(r"HTTP process \d is gone: 1 request\(s\) under way withdrawn")
+    server.wait_for_log(re.compile(withdrawn.pattern + r" \(request orphan\)$"), 10)
     wait_until(lambda: replaced(server, victim), what="a new HTTP process listed")
     assert connections[survivor].request("GET", "/health")[0] == 200
     worker.wait(30)

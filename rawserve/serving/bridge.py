@@ -45,7 +45,7 @@ from rawserve.serving.face import (
 from rawserve.serving.service import ModelService
 from rawserve.shared.board import Board
 from rawserve.shared.channel import Channel
-from rawserve.shared.logs import REQUEST_ID
+from rawserve.shared.logs import REQUEST_ID, requests_named
 from rawserve.shared.messages import BatchResult, ModelLimits
 
 log = logging.getLogger("rawserve")
@@ -90,6 +90,7 @@ class Peer:
     pid: int
     channel: Channel
     runs: dict[int, RunningRequest] = field(default_factory=dict)
+    request_ids: dict[int, str] = field(default_factory=dict)  # each run's, for the log
     streams: dict[int, tuple[ModelService, int]] = field(default_factory=dict)
     listening: asyncio.Event = field(default_factory=asyncio.Event)  # its socket is open
     silent_looks: int = 0  # the fleet's looks since it last said it is alive
@@ -160,6 +161,14 @@ class Bridge:
             running.cancel()
         if peer.runs:
             self.publish_soon()  # what they had queued has left the queue
+            withdrawn = [peer.request_ids.get(rid, "") for rid in peer.runs]
+            log.warning(
+                "HTTP process %d is gone: %d request(s) under way withdrawn%s",
+                peer.index,
+                len(peer.runs),
+                requests_named(withdrawn),
+            )
+        peer.request_ids.clear()
         for serving, stream in peer.streams.values():
             serving.close_stream(stream)
         peer.runs.clear()
@@ -215,6 +224,7 @@ class Bridge:
                 REQUEST_ID.reset(named)
             self.publish_soon()  # its items admitted (or refused)
         elif kind == "cancel":
+            peer.request_ids.pop(message[1], None)
             running = peer.runs.pop(message[1], None)
             if running is not None:
                 running.cancel()
@@ -271,12 +281,15 @@ class Bridge:
 
         def on_end(results: list[ItemResult] | None, error: BaseException | None) -> None:
             peer.runs.pop(rid, None)
+            peer.request_ids.pop(rid, None)
             self.publish_soon()  # what was still queued has left the queue
             self._answer(peer, rid, results, error)
 
+        peer.request_ids[rid] = REQUEST_ID.get()
         try:
             peer.runs[rid] = serving.begin(inputs, params, deadline, control, on_end)
         except Exception as exc:  # noqa: BLE001 - refused at admission, or a bug: answered
+            peer.request_ids.pop(rid, None)
             self._answer(peer, rid, None, exc)
 
     def _answer(

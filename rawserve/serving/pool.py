@@ -59,6 +59,7 @@ from rawserve.serving.supervision import (
     Supervisor,
 )
 from rawserve.shared.board import SharedMemoryError
+from rawserve.shared.logs import requests_named
 from rawserve.shared.messages import (
     NO_CONTROL,
     PROGRESS_EVERY,
@@ -757,7 +758,7 @@ class WorkerPool(PoolReports):
             process.pid,
             process.exitcode,
             " while loading" if was_loading else "",
-            f" holding a batch of {len(job.inputs)}{requests_named(job)}" if job else "",
+            f" holding a batch of {len(job.inputs)}{job_requests(job)}" if job else "",
             f" and one of {len(behind.inputs)} behind it" if behind else "",
             "not restarted" if gave_up else f"restarting in {decision.restart_in:.1f} s",
             extra=request_named(job),
@@ -782,7 +783,7 @@ class WorkerPool(PoolReports):
                 "worker %s: an input running alone crashed the worker%s; running it alone "
                 "once more (quarantined after %d such crashes)",
                 worker.label,
-                requests_named(job),
+                job_requests(job),
                 self.poison.strikes,
                 extra=request_named(job),
             )
@@ -793,7 +794,7 @@ class WorkerPool(PoolReports):
                 "refused for the next %.0f s",
                 worker.label,
                 self.poison.strikes,
-                requests_named(job),
+                job_requests(job),
                 self.poison.seconds,
                 extra=request_named(job),
             )
@@ -871,17 +872,10 @@ def exit_words(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
-NAMED_REQUESTS = 4  # request ids a line names at most
-
-
-def requests_named(job: Job | None) -> str:
-    """The requests of a batch a dead worker held, for its log line: an operator looks
-    for the request a client names (its X-Request-Id), and finds what its input did."""
-    ids = [request for request in dict.fromkeys(job.request_ids) if request] if job else []
-    if not ids:
-        return ""
-    more = f" and {len(ids) - NAMED_REQUESTS} more" if len(ids) > NAMED_REQUESTS else ""
-    return f" (request {', '.join(ids[:NAMED_REQUESTS])}{more})"
+def job_requests(job: Job | None) -> str:
+    """The requests of a batch a dead worker held, for its log line (and what their
+    inputs did)."""
+    return requests_named(job.request_ids) if job else ""
 
 
 def request_named(job: Job | None) -> dict[str, str] | None:

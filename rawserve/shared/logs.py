@@ -19,7 +19,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
 from typing import Any, TextIO
 
@@ -60,6 +60,19 @@ def escaped(char: str) -> str:
     if code <= 0xFF:
         return f"\\x{code:02x}"
     return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+NAMED_REQUESTS = 4  # request ids a line names at most
+
+
+def requests_named(request_ids: Iterable[str]) -> str:
+    """Requests a log line is about, as " (request a, b and 3 more)" ("" for none): an
+    operator looks for the request a client names (its X-Request-Id)."""
+    ids = [request for request in dict.fromkeys(request_ids) if request]
+    if not ids:
+        return ""
+    more = f" and {len(ids) - NAMED_REQUESTS} more" if len(ids) > NAMED_REQUESTS else ""
+    return f" (request {', '.join(ids[:NAMED_REQUESTS])}{more})"
 
 
 def json_line(document: Mapping[str, object]) -> str:
