@@ -180,6 +180,7 @@ def build_model(
         facts,
         aliases=plan.names[1:],
         longest_deadline=config.app.max_timeout,  # what a deadline's error says may be asked
+        count_stream_error=counts.stream_error,
     )
     return ModelParts(plan, executor, scheduler, service, served, facts)
 

@@ -200,6 +200,16 @@ def test_unknown_paths_share_one_route_label():
     assert routes == {"other", "/metrics"}
 
 
+def test_streams_that_end_with_an_error_event_are_counted_by_model_and_status():
+    metrics = Metrics()
+    counts = metrics.for_model("gen")
+    for status in (500, 504, 504):
+        counts.stream_error(status)
+    body = metrics.render()[0]
+    assert b'rawserve_stream_errors_total{model="gen",status="500"} 1.0' in body
+    assert b'rawserve_stream_errors_total{model="gen",status="504"} 2.0' in body
+
+
 def test_each_server_has_its_own_registry():
     first, second = Metrics(), Metrics()
     first.for_model("m").drop("expired", 3)

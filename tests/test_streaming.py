@@ -181,13 +181,17 @@ async def test_a_failure_after_the_first_token_is_an_error_event():
 
 
 async def test_a_stream_ending_with_an_error_event_says_so_in_a_line_naming_its_request(caplog):
-    """Its head went out as 200, which is what its access line and /metrics say; the
-    client's last event is the error. A warning names the request and the error, so an
-    operator finds streams that failed once begun (a deadline, a worker's failure)."""
+    """Its head went out as 200, which is what its access line and the request counts
+    say; the client's last event is the error. A warning names the request and the error,
+    and `rawserve_stream_errors_total` counts it, so an operator finds streams that
+    failed once begun (a deadline, a worker's failure)."""
     executor = FakeExecutor()
     failure = ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
+    counted: list[int] = []
     model = ServedModel(
-        "tiny-gpt", ModelService(FakeScheduler(executor, [" a"], failure), executor)
+        "tiny-gpt",
+        ModelService(FakeScheduler(executor, [" a"], failure), executor),
+        count_stream_error=counted.append,
     )
     with caplog.at_level("WARNING", logger="rawserve.streams"):
         response = await open_token_stream(model, "hello", {}, 1e9, request_id="stream-9")
@@ -198,6 +202,7 @@ async def test_a_stream_ending_with_an_error_event_says_so_in_a_line_naming_its_
         "request stream-9: its stream ended with an error event: 500 the model failed on this input"
     )
     assert getattr(record, "request_id", None) == "stream-9"
+    assert counted == [500]
 
 
 async def test_an_input_the_worker_refuses_after_the_first_token_is_typed_as_tgi_types_it():

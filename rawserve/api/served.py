@@ -8,7 +8,7 @@ first being the default for routes that name none.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
@@ -32,6 +32,9 @@ class ServedModel:
     facts: Mapping[str, Any] = field(default_factory=dict)  # its options, for /info
     aliases: tuple[str, ...] = ()  # other names it answers to (the Hub id beside an alias)
     longest_deadline: float | None = None  # seconds X-Request-Timeout may ask (--max-timeout)
+    # a token stream that ended with an error event, by its status (for /metrics: its
+    # head went out as 200, which the access line and the request counts say)
+    count_stream_error: Callable[[int], None] = lambda status: None
 
     @property
     def names(self) -> tuple[str, ...]:

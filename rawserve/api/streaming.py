@@ -84,6 +84,7 @@ class TokenStream:
     ):
         self.serving: Serving = model.serving
         self.request_id = request_id  # what its error event's log line names
+        self.count_error = model.count_stream_error
         self.echoed = prompt if returns_full_text(params) else ""  # what the answer starts with
         self.queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
         self.overflowed = False
@@ -152,6 +153,7 @@ class TokenStream:
             error.message,
             extra={"request_id": self.request_id},
         )
+        self.count_error(error.status)
         return error
 
     def close(self) -> None:

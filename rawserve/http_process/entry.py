@@ -123,13 +123,15 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
     link = Link(board, metrics.families, on_drain, lost.set)
     metrics.link = link
     link.facts = [dict(model.facts) for model in spec.models]  # the serving process updates them
+    counts = [metrics.for_model(model.name) for model in spec.models]
     served = [
         ServedModel(
             model.name,
-            RemoteServing(link, index, metrics.for_model(model.name)),
+            RemoteServing(link, index, counts[index]),
             link.facts[index],
             aliases=model.aliases,
             longest_deadline=config.app.max_timeout,
+            count_stream_error=counts[index].stream_error,
         )
         for index, model in enumerate(spec.models)
     ]

@@ -99,6 +99,13 @@ class Metrics:
             ["model", "reason"],
             registry=r,
         )
+        self.stream_errors = Counter(
+            "rawserve_stream_errors",
+            "Token streams that ended with an error event, by model and the error's status "
+            "(their head went out as 200: rawserve_requests_total counts them so)",
+            ["model", "status"],
+            registry=r,
+        )
         self.generation_passes = Counter(
             "rawserve_generation_passes",
             "Forward passes of a continuous generation loop, by kind (prefill: joining "
@@ -271,6 +278,7 @@ class ModelMetrics:
         # every reason is exported, 0 until it happens
         self._dropped = {reason: metrics.dropped.labels(name, reason) for reason in DROP_REASONS}
         self._passes = metrics.generation_passes
+        self._stream_errors = metrics.stream_errors
         self._pass_tokens = metrics.generation_pass_tokens
         self._latencies = metrics.latencies
 
@@ -285,6 +293,9 @@ class ModelMetrics:
     def drop(self, reason: str, count: int = 1) -> None:
         if count > 0:
             self._dropped[reason].inc(count)
+
+    def stream_error(self, status: int) -> None:
+        self._stream_errors.labels(self.name, str(status)).inc()
 
     def count_passes(self, passes: GenerationPasses) -> None:
         """A generation worker's passes and its sequences' latencies (exported once a
