@@ -1061,6 +1061,48 @@ def streamed_calls(chat, asked):
     return calls[0], chunks[-1].choices[0].finish_reason
 
 
+def test_stop_sequences_never_cut_a_call_or_json_held_by_a_grammar(more_servers):
+    """smolagents' ToolCallingAgent sends `stop` beside required calls: a stop in the
+    arguments ("paris" holds "ar") cut the call into words (finish "stop", no call);
+    the grammar says where a JSON answer ends."""
+    chat = client(more_servers["tools"])
+    for stream in (False, True):
+        asked = asking_tools(tools=[WEATHER], tool_choice="required", stop=['"', "ar", "om"])
+        if stream:
+            [call], reason = streamed_calls(chat, asked)
+        else:
+            [choice] = chat.chat.completions.create(**asked).choices
+            [call], reason = choice.message.tool_calls, choice.finish_reason
+        assert reason == "tool_calls" and json.loads(call.function.arguments)["city"] in (
+            "paris",
+            "rome",
+        )
+    person = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    formatted = chat.chat.completions.create(
+        **asking_tools(response_format=person, stop=["}", ","], max_tokens=200)
+    )
+    assert json.loads(formatted.choices[0].message.content).keys() == {"name", "age"}
+
+
+def test_a_call_cut_by_max_tokens_is_a_call_as_far_as_it_came(more_servers):
+    """As OpenAI's: the call, its arguments cut, finish "length"; the grammar's
+    {"name": ...} never reaches the content."""
+    chat = client(more_servers["tools"])
+    named = {"tools": [WEATHER], "tool_choice": named_choice("weather"), "temperature": 0}
+    whole = chat.chat.completions.create(**asking_tools(**named)).usage.completion_tokens
+    for cut in (4, whole - 3):  # before the call's name came whole; in its arguments
+        asked = asking_tools(**named, max_tokens=cut)
+        [choice] = chat.chat.completions.create(**asked).choices
+        assert choice.finish_reason == "length" and not choice.message.content
+        calls = choice.message.tool_calls or []
+        assert [call.function.name for call in calls] == ([] if cut == 4 else ["weather"])
+        if calls:
+            assert calls[0].function.arguments.startswith('{"city')
+    [streamed], reason = streamed_calls(chat, asked)
+    assert reason == "length" and streamed.function.name == "weather"
+    assert streamed.function.arguments == calls[0].function.arguments
+
+
 def test_a_streamed_tool_call_comes_whole_in_one_chunk(more_servers):
     chat = client(more_servers["tools"])
     asked = asking_tools(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
@@ -1139,8 +1181,10 @@ def test_auto_answers_in_words_or_with_a_call(more_servers):
         )
         [choice] = answer.choices
         if choice.message.tool_calls:
-            assert choice.finish_reason == "tool_calls" and choice.message.content is None
-            assert json.loads(choice.message.tool_calls[0].function.arguments)["city"]
+            assert choice.message.content is None
+            if choice.finish_reason != "length":  # (else a call cut, as far as it came)
+                assert choice.finish_reason == "tool_calls"
+                assert json.loads(choice.message.tool_calls[0].function.arguments)["city"]
         else:
             assert isinstance(choice.message.content, str)
             assert choice.finish_reason in ("stop", "length")

@@ -131,13 +131,36 @@ def test_an_answer_is_read_back_as_a_call_or_words():
         {"role": "assistant", "content": "it is sunny"},
         None,
     )
-    # cut by max_tokens: the words written; a call left as it came
+    # cut by max_tokens: the words written
     assert tools.message('{"content": "it is su') == (
         {"role": "assistant", "content": "it is su"},
         None,
     )
-    cut = '{"name": "weather", "argu'
-    assert tools.message(cut) == ({"role": "assistant", "content": cut}, None)
+
+
+def test_calls_cut_by_max_tokens_are_read_back_as_far_as_they_came():
+    """As OpenAI's: the whole calls, then the one cut, its arguments as far as they came,
+    and the finish reason left "length"; never the grammar's {"name", ...} as words."""
+    tools = Tools([WEATHER, TIME], "required", parallel=True)
+    message, reason = tools.message('{"name": "weather", "arguments": {"city": "ro')
+    assert reason is None and message["content"] is None
+    assert [call["function"] for call in message["tool_calls"]] == [
+        {"name": "weather", "arguments": '{"city": "ro'}
+    ]
+    listed = '[{"name": "time", "arguments": {}}, {"name": "weather", "arguments": {"ci'
+    message, reason = tools.message(listed)
+    assert reason is None
+    assert [call["function"] for call in message["tool_calls"]] == [
+        {"name": "time", "arguments": "{}"},
+        {"name": "weather", "arguments": '{"ci'},
+    ]
+    for before_a_name in ("{", '{"name"', '{"name": "weath', '{"name": "weather", "argu', "["):
+        assert tools.message(before_a_name) == ({"role": "assistant", "content": ""}, None)
+    named = Tools([WEATHER], "weather").message('{"name": "weather", "arguments": {')
+    assert named[0]["tool_calls"][0]["function"] == {"name": "weather", "arguments": "{"}
+    older = Tools([WEATHER], "auto", older=True).message('{"name": "weather", "arguments": ')
+    called = {"name": "weather", "arguments": ""}
+    assert older == ({"role": "assistant", "content": None, "function_call": called}, None)
 
 
 def test_a_list_of_calls_is_read_back_as_a_call_each():

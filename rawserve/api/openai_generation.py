@@ -409,13 +409,25 @@ def parse_chat(document: Any, one_call: bool = False) -> GenerationRequest:
                 '"continue_final_message" cannot go with tools: a call opens its answer'
             )
         tools = offer_tools(tools, tool_prompt, chat, params)
-    request = replace(request, items=[chat], params=params, tools=tools)
+    request = json_unstopped(replace(request, items=[chat], params=params, tools=tools))
     top = fields.value("top_logprobs")
     if fields.value("logprobs"):
         return with_logprobs(request, top or 0)
     if top is not None:
         raise BadRequest('"top_logprobs" needs "logprobs": true', param="top_logprobs")
     return request
+
+
+def json_unstopped(request: GenerationRequest) -> GenerationRequest:
+    """`request` without its stop sequences where its answer is held to JSON (a tool call,
+    a JSON response_format, guided_json): the grammar says where it ends, and a stop cut
+    it into JSON no client can read (smolagents sends `stop` beside required calls; a
+    call's arguments may hold the stop's text)."""
+    grammar = request.params.get("grammar")
+    if not request.stop or grammar is None or grammar["type"] != "json":
+        return request
+    params = {key: value for key, value in request.params.items() if key != "stop"}
+    return replace(request, params=params, stop=[])
 
 
 def requested_tools(fields: Fields, one_call: bool = False) -> Tools | None:
@@ -500,7 +512,7 @@ def with_logprobs(request: GenerationRequest, alternatives: int) -> GenerationRe
 def parse_completion(document: Any, context: DocContext) -> GenerationRequest:
     fields = COMPLETION.read(document)
     refuse_unserved(fields, COMPLETION_UNSERVED)
-    request = generation_params(fields, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+    request = json_unstopped(generation_params(fields, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS))
     prompts = fields.value("prompt", context)
     for prompt in prompts:  # as every route: blank text is well-formed, but nothing to go on
         if prompt == []:

@@ -24,6 +24,7 @@ one chunk.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -120,7 +121,8 @@ class Tools:
         """The assistant's message for what a held answer generated, and the finish
         reason a call gives (None for words, and for a call of the function the request
         named, which OpenAI and vLLM end with "stop"). Words cut by `max_tokens` are the
-        words written; a cut call is left as it came, in the message's content."""
+        words written; calls cut by it are the whole ones and the one it was cut in, its
+        arguments as far as they came, as OpenAI's (the finish reason stays "length")."""
         try:
             answer = json.loads(text, parse_float=WrittenNumber, parse_int=WrittenNumber)
             calls = answer if isinstance(answer, list) else [answer]
@@ -129,12 +131,17 @@ class Tools:
                 for call in calls
                 if isinstance(call, dict) and "name" in call
             ]
-        except (ValueError, RecursionError):  # cut short, or nested past the parser's limit
+        except RecursionError:  # nested past the parser's limit: as it came
+            return {"role": "assistant", "content": text}, None
+        except ValueError:  # cut short
+            cut = cut_calls(text)
+            if cut is not None:  # (None: words, not calls)
+                return self._called(cut), None
             if self.answer_format is not None:  # the format's JSON as far as it came
                 return {"role": "assistant", "content": text.removeprefix(FORMATTED_OPENING)}, None
             words = StreamedWords()
             words.add(text)
-            return {"role": "assistant", "content": words.sent or text}, None
+            return {"role": "assistant", "content": words.sent}, None
         if not calls or len(functions) < len(calls):
             content = answer.get("content") if isinstance(answer, dict) else None
             if content is not None and self.answer_format is not None:
@@ -142,16 +149,21 @@ class Tools:
                 content = text.strip().removeprefix(FORMATTED_OPENING).removesuffix("}")
             return {"role": "assistant", "content": text if content is None else content}, None
         named = self.choice not in ("auto", "required")  # a call forced: it ends as words do
+        if named:
+            return self._called(functions), None
+        return self._called(functions), "function_call" if self.older else "tool_calls"
+
+    def _called(self, functions: list[dict[str, str]]) -> dict[str, Any]:
+        """The message that calls `functions` (none: a call cut before its name came)."""
+        if not functions:
+            return {"role": "assistant", "content": ""}
         if self.older:
-            return {"role": "assistant", "content": None, "function_call": functions[0]}, (
-                None if named else "function_call"
-            )
+            return {"role": "assistant", "content": None, "function_call": functions[0]}
         tool_calls = [
             {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": function}
             for function in functions
         ]
-        message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
-        return message, None if named else "tool_calls"
+        return {"role": "assistant", "content": None, "tool_calls": tool_calls}
 
     def words(self) -> StreamedWords:
         """A reader of the words (or the format's JSON) of an answer that does not call."""
@@ -160,6 +172,32 @@ class Tools:
     def template_tools(self) -> list[dict[str, Any]]:
         """The tools as chat templates take them (OpenAI's shape)."""
         return [{"type": "function", "function": function} for function in self.functions]
+
+
+def cut_calls(text: str) -> list[dict[str, str]] | None:
+    """The calls of an answer cut short: each whole one, then the one it was cut in, with
+    its arguments as far as they came (none where its name did not come whole); None
+    where the answer is no call (words). Read in the grammar's layout (`", "`, `": "`)."""
+    body = text.strip()
+    listed = body.startswith("[")
+    rest = body[1:].lstrip() if listed else body
+    if not listed and not rest.startswith(CALL_OPENING):
+        # cut before its name: a call, or (`{"`) words, that said nothing yet
+        return [] if CALL_OPENING.startswith(rest) else None
+    decoder = json.JSONDecoder(parse_float=WrittenNumber, parse_int=WrittenNumber)
+    calls: list[dict[str, str]] = []
+    while rest.startswith(CALL_OPENING):
+        try:
+            call, end = decoder.raw_decode(rest)
+        except RecursionError:  # nested past the parser's limit, not cut: as it came
+            return None
+        except ValueError:  # the call it was cut in
+            if (cut := CUT_CALL.match(rest)) is not None:
+                calls.append({"name": json.loads(f'"{cut[1]}"'), "arguments": cut[2]})
+            break
+        calls.append({"name": call["name"], "arguments": as_written(call.get("arguments"))})
+        rest = rest[end:].lstrip().removeprefix(",").lstrip()
+    return calls
 
 
 def call_schema(function: dict[str, Any]) -> Schema:
@@ -309,6 +347,9 @@ def as_written(value: Any) -> str:
 # one held to a response_format begins without the quote
 WORDS_OPENING = '{"content": "'
 FORMATTED_OPENING = '{"content": '
+CALL_OPENING = '{"name": '
+# a call cut in its arguments: its name whole, its arguments as far as they came
+CUT_CALL = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments":\s?(.*)\Z', re.DOTALL)
 
 
 class StreamedWords:
