@@ -872,6 +872,7 @@ def test_a_grammar_that_fails_at_its_start_or_as_it_runs_fails_its_item_alone(ru
         ({"type": "integer", "minimum": 10**20}, "a number past 64 bits: 100000000000000000000"),
         ({"type": "number", "maximum": float("inf")}, "'maximum' is not a finite number"),
         ({"type": "number", "maximum": float("nan")}, "'maximum' is not a finite number"),
+        ({"not": {"type": "string"}}, 'keywords a grammar cannot hold: ["not"]'),
     ],
 )
 def test_a_schema_a_grammar_cannot_follow_is_said_in_words_a_client_can_use(runner, schema, said):
@@ -884,6 +885,19 @@ def test_a_schema_a_grammar_cannot_follow_is_said_in_words_a_client_can_use(runn
     assert message.startswith("the grammar cannot be used: ") and said in message
     for library_words in ("NoExtensionBias", "serializable", "f64"):
         assert library_words not in message
+
+
+def test_unique_items_is_an_annotation_as_pydantics_sets_write_it(runner):
+    """pydantic writes `uniqueItems` for a `set[str]` field: llguidance refused the schema
+    (422); a set takes a repeated item as one, so it is left be, as unknown formats are."""
+    from rawserve.worker.grammars import Grammars
+
+    tags = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
+    schema = {"type": "object", "properties": {"tags": tags}, "required": ["tags"]}
+    grammars = Grammars(runner.tokenizer, runner.grammars.vocabulary)
+    matcher = grammars.matcher({"type": "json", "value": schema})
+    written = runner.tokenizer.encode('{"tags": ["a", "a"]}', add_special_tokens=False)
+    assert matcher.validate_tokens(written) == len(written)
 
 
 def test_one_of_is_held_as_any_of_as_pydantics_discriminated_unions_need(runner):

@@ -64,6 +64,10 @@ JSON_LAYOUT: JsonCompileOptions = {
 FAULT_WORDS = (
     (re.compile(r"NoExtensionBias"), "the schema refers to itself with nothing else to generate"),
     (
+        re.compile(r"Unimplemented keys: (\[.*?\])"),
+        r"the schema uses keywords a grammar cannot hold: \1",
+    ),
+    (
         re.compile(r"Too many items \(limit"),
         "a step of the grammar needs more work than allowed: no answer may complete it (an "
         "object that must always hold another), or it matches text a byte at a time",
@@ -80,8 +84,12 @@ FAULT_WORDS = (
 )
 
 
-# llguidance's fault for a "format" it does not know: lenient, it is a warning instead
+# llguidance's faults for what a schema may say that a grammar leaves be: a "format" it
+# does not know (lenient, a warning instead), and `uniqueItems` (pydantic writes it for a
+# set, which takes a repeated item as one)
 UNKNOWN_FORMAT = "Unknown format"
+UNIQUE_ITEMS = 'Unimplemented keys: ["uniqueItems"]'
+ANNOTATIONS = (UNKNOWN_FORMAT, UNIQUE_ITEMS)
 # the keywords whose value is a schema, a list of schemas, or schemas by name
 SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "contains", "if", "then", "else")
 SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
@@ -190,16 +198,21 @@ def thinking_first(text: str, opened: str, tag_tokens: Mapping[str, int]) -> str
     return json.dumps({**top, "grammars": [thinking, {**answer, "name": "answer"}, *others]})
 
 
+def as_annotations(message: str) -> bool:
+    return any(annotation in message for annotation in ANNOTATIONS)
+
+
 def formats_as_annotations(grammar: Mapping[str, Any]) -> str | None:
     """llguidance's grammar for a JSON schema whose "format"s it does not know are taken as
     annotations, as JSON Schema takes them (pydantic writes "binary" for bytes, "password"
-    for SecretStr, "path" for Path...); the formats it knows are held to still. None where
-    the schema has other faults too (the first of them is the one to report)."""
+    for SecretStr, "path" for Path...), and so is `uniqueItems` (a set's); the formats it
+    knows are held to still. None where the schema has other faults too (the first of them
+    is the one to report)."""
     lenient: JsonCompileOptions = {**JSON_LAYOUT, "lenient": True}
     schema = closed_objects(grammar["value"])
     text = str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=lenient))
     failed, faults = llguidance.LLMatcher.validate_grammar_with_warnings(text, limits=LIMITS)
-    if failed or not all(UNKNOWN_FORMAT in warning for warning in faults):
+    if failed or not all(as_annotations(warning) for warning in faults):
         return None
     return text
 
@@ -267,7 +280,8 @@ class Grammars:
         pristine, opening = self._matcher(self._held(text, grammar))
         # a format it does not know, alone, is an annotation (else the first fault is told)
         annotated = None
-        if grammar["type"] == "json" and pristine.is_error() and UNKNOWN_FORMAT in fault(pristine):
+        fell = pristine.get_error() if pristine.is_error() else ""
+        if grammar["type"] == "json" and as_annotations(fell):
             annotated = formats_as_annotations(grammar)
         if annotated is not None:
             pristine, opening = self._matcher(self._held(annotated, grammar))
