@@ -1001,6 +1001,19 @@ def test_a_grammar_that_cannot_be_followed_is_422_naming_the_fault(servers, gram
         {"prompt": PROMPT, "response_format": schema}, "/v1/completions"
     )
     assert status == 422 and "Invalid type: nonsense" in body["error"]["message"], body
+    assert body["error"]["param"] == "response_format"  # the field that gave it
+    status, body = servers["plain"].post_json(
+        {"prompt": PROMPT, "guided_regex": "[0-9"}, "/v1/completions"
+    )
+    assert status == 422 and body["error"]["param"] == "guided_regex", body
+
+
+def test_a_tools_schema_a_grammar_cannot_follow_names_the_tools(more_servers):
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}
+    asked = {"model": TOOLS_MODEL, "messages": ASK, "tools": [broken], "tool_choice": "required"}
+    status, body = more_servers["tools"].post_json(asked, "/v1/chat/completions")
+    assert status == 422 and body["error"]["param"] == "tools", body
+    assert body["error"]["message"] == "the grammar cannot be used: Invalid type: wat"
 
 
 # --- tools ----------------------------------------------------------------------------------
@@ -1283,7 +1296,8 @@ def test_a_conversation_with_a_call_and_its_answer_goes_on(servers):
         ({"tools": [WEATHER, WEATHER]}, "two tools are named weather"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "a function's name"),
         ({"tools": [{"type": "retrieval"}]}, "each tool must be"),
-        ({"tools": [WEATHER], "tool_choice": "sometimes"}, '"tool_choice" must be'),
+        # (a text is a function's name, as TGI reads it)
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, '"tool_choice" names sometimes'),
         (
             {"functions": [WEATHER["function"]], "tools": [WEATHER]},
             '"tools" and "functions" cannot be given together',

@@ -18,6 +18,7 @@ from rawserve.api.openai_tools import (
     chat_tools,
     read_function_call,
     read_functions,
+    read_tool_choice,
     read_tools,
 )
 from rawserve.http.errors import BadRequest
@@ -106,6 +107,19 @@ def test_the_tools_a_body_offers_and_the_choice_among_them():
         chat_tools(None, "required")
     with pytest.raises(BadRequest, match="names time, which is not among the tools"):
         chat_tools([WEATHER], "time")
+
+
+def test_a_tool_choice_names_a_function_as_openai_or_tgi_writes_it():
+    """TGI reads any text but "none", "auto" and "required" as a function's name
+    (InferenceClient's `chat_completion(..., tool_choice="weather")`)."""
+    for written in ("weather", {"type": "function", "function": {"name": "weather"}}):
+        assert read_tool_choice("tool_choice", written, None) == "weather"
+    assert chat_tools([WEATHER], "weather") == Tools([WEATHER], "weather")
+    with pytest.raises(BadRequest, match='"tool_choice" names rain, which is not among'):
+        chat_tools([WEATHER], read_tool_choice("tool_choice", "rain", None))
+    for refused in ("", 3, {"type": "file_search"}):
+        with pytest.raises(BadRequest, match='"tool_choice" must be'):
+            read_tool_choice("tool_choice", refused, None)
 
 
 def test_the_older_functions_and_the_choice_among_them():

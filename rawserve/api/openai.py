@@ -75,7 +75,7 @@ from rawserve.http.errors import BadRequest, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.serving.face import EMBEDDING_ROUTE, ItemResult
 from rawserve.tasks.checks import BlankInput, not_blank
-from rawserve.tasks.text_generation import THINKING_IN_CONTENT
+from rawserve.tasks.text_generation import GRAMMAR_REFUSED, THINKING_IN_CONTENT
 
 EMBEDDING_TASK = "feature-extraction"
 EMBEDDING = Needs(frozenset({EMBEDDING_TASK}), "a feature-extraction model")
@@ -352,7 +352,23 @@ class OpenAIRoutes:
         shape: Answer | ResponseAnswer | None = None,
     ) -> HttpResponse:
         """Queue the prompts like any text-generation request; answer whole or streamed, in
-        `shape` (chat's or completions' where none is given)."""
+        `shape` (chat's or completions' where none is given). A grammar the worker cannot
+        use is the fault of the field that gave it (`param`: "tools", "response_format")."""
+        try:
+            return await self._generate(request, model, generation, chat, shape)
+        except UnprocessableInput as exc:
+            if exc.param is None and exc.message.startswith(GRAMMAR_REFUSED):
+                exc.param = generation.grammar_field
+            raise
+
+    async def _generate(
+        self,
+        request: HttpRequest,
+        model: ServedModel,
+        generation: GenerationRequest,
+        chat: bool,
+        shape: Answer | ResponseAnswer | None,
+    ) -> HttpResponse:
         check_max_tokens(generation, model.limits.max_new_tokens)
         loaded = model.serving.loaded
         check_token_ids(generation, loaded.details.get("vocabulary") if loaded else None)

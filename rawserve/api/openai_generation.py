@@ -116,6 +116,7 @@ class GenerationRequest:
     echo: bool = False  # completions: the prompt before its completion (and its tokens)
     n: int = 1  # choices per prompt
     tools: Tools | None = None  # chat: the functions its answer may call
+    grammar_field: str | None = None  # the field whose grammar holds the answer, if any
 
     def choice_params(self) -> list[dict[str, Any]]:
         """The worker's parameters for each of a prompt's `n` choices: the same, but for a
@@ -193,11 +194,12 @@ def generation_params(
     for name in ("frequency_penalty", "presence_penalty", "logit_bias"):
         if value := fields.value(name):  # 0 or {}: none (and the batch key as without)
             params[name] = value
-    grammars = [g for name in GRAMMAR_FIELDS if (g := fields.value(name)) is not None]
+    grammars = [(name, g) for name in GRAMMAR_FIELDS if (g := fields.value(name)) is not None]
     if len(grammars) > 1:
         raise BadRequest(f"one of {', '.join(GRAMMAR_FIELDS)} may hold an answer, not several")
+    grammar_field = None
     if grammars:
-        params["grammar"] = grammars[0]
+        grammar_field, params["grammar"] = grammars[0]
     seed = fields.value("seed")
     if seed is not None:
         params["seed"] = seed
@@ -209,7 +211,9 @@ def generation_params(
         raise BadRequest('"stream_options" goes with "stream": true', param="stream_options")
     include_usage = bool(fields.value("stream_options"))
     n = fields.value("n") or 1
-    return GenerationRequest([], params, stop, stream, include_usage, max_tokens_field, n=n)
+    return GenerationRequest(
+        [], params, stop, stream, include_usage, max_tokens_field, n=n, grammar_field=grammar_field
+    )
 
 
 def check_choices(generation: GenerationRequest, most: int, queue: int | None = None) -> None:
@@ -409,6 +413,8 @@ def parse_chat(document: Any, one_call: bool = False) -> GenerationRequest:
                 '"continue_final_message" cannot go with tools: a call opens its answer'
             )
         tools = offer_tools(tools, tool_prompt, chat, params)
+    if tools is not None and tools.held:  # (a response_format beside them is theirs)
+        request = replace(request, grammar_field="tools")
     request = json_unstopped(replace(request, items=[chat], params=params, tools=tools))
     top = fields.value("top_logprobs")
     if fields.value("logprobs"):

@@ -65,6 +65,7 @@ FUNCTIONS: Schema = {
 TOOL_CHOICE: Schema = {
     "anyOf": [
         {"enum": ["none", "auto", "required", None]},
+        {"type": "string", "minLength": 1, "description": "a function's name (TGI's)"},
         # (its "type" may be left out, as vLLM takes it)
         {**typed_function({"name": {"type": "string"}}), "required": ["function"]},
     ]
@@ -272,9 +273,11 @@ def read_functions(name: str, value: Any, context: DocContext | None) -> list[di
 
 
 def read_tool_choice(name: str, value: Any, context: DocContext | None) -> str:
-    """ "none", "auto", "required", or the name of the function the answer must call."""
-    if value in ("none", "auto", "required"):
-        return str(value)
+    """ "none", "auto", "required", or the name of the function the answer must call: as
+    OpenAI names it (`{"type": "function", "function": {"name"}}`), or by itself, as TGI
+    reads any other text (InferenceClient's `tool_choice="get_weather"`)."""
+    if isinstance(value, str) and value:
+        return value
     function = value.get("function") if isinstance(value, dict) else None
     # (a choice without "type" is a function's, as vLLM takes it; another type is none)
     if (

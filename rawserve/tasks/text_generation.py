@@ -127,6 +127,10 @@ def stop_tail(text: str, stops: Sequence[str]) -> str:
     return text[len(text) - keep :] if len(text) > keep else text
 
 
+# how the worker's refusal of a grammar begins: the API names the field that gave it
+GRAMMAR_REFUSED = "the grammar cannot be used: "
+
+
 def first_stop_end(text: str, stops: Sequence[str], past: int = 0) -> int | None:
     """Where the first stop sequence to end past `past` in `text` ends (None: none does).
     An answer a stop sequence ends runs to there, as TGI's ends with its stop: the rest

@@ -39,7 +39,12 @@ import llguidance.numpy
 import numpy
 import torch
 
-from rawserve.tasks.text_generation import OPENED_IN_PROMPT, REASONING_END, REASONING_START
+from rawserve.tasks.text_generation import (
+    GRAMMAR_REFUSED,
+    OPENED_IN_PROMPT,
+    REASONING_END,
+    REASONING_START,
+)
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # (declared in its stubs only)
@@ -276,7 +281,7 @@ class Grammars:
         try:
             text = grammar_text(grammar)
         except ValueError as exc:  # a schema it cannot read at all
-            raise ValueError(f"the grammar cannot be used: {in_words(str(exc))}") from None
+            raise ValueError(GRAMMAR_REFUSED + in_words(str(exc))) from None
         pristine, opening = self._matcher(self._held(text, grammar))
         # a format it does not know, alone, is an annotation (else the first fault is told)
         annotated = None
@@ -286,7 +291,7 @@ class Grammars:
         if annotated is not None:
             pristine, opening = self._matcher(self._held(annotated, grammar))
         if pristine.is_error():
-            raise ValueError(f"the grammar cannot be used: {fault(pristine)}")
+            raise ValueError(GRAMMAR_REFUSED + fault(pristine))
         return Compiled(pristine, opening)
 
     def _held(self, text: str, grammar: Mapping[str, Any]) -> str:
