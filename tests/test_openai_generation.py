@@ -723,6 +723,11 @@ def test_responses_takes_what_stores_and_tags_at_their_no_op_values(servers):
     }
     status, body = servers["chat"].post_json(document, "/v1/responses")
     assert status == 200 and body["store"] is False, body
+    assert body["tool_choice"] == "auto"  # as asked (OpenAI's default too)
+    status, body = servers["chat"].post_json(
+        {"input": "hi", "max_output_tokens": 2, "tool_choice": "none"}, "/v1/responses"
+    )
+    assert status == 200 and body["tool_choice"] == "none"
 
 
 def test_responses_by_a_models_path_and_on_models_it_cannot_chat_with(servers, more_servers):

@@ -264,6 +264,8 @@ def parse_response(document: Any) -> tuple[GenerationRequest, dict[str, Any]]:
     generation = replace(parse_chat(chat), max_tokens_field="max_output_tokens")
     settings = {name: fields.value(name) for name in SETTINGS}
     settings["text"] = {"format": (fields.get("text") or {}).get("format")}
+    # as asked (OpenAI's default "auto"): with no tools, either says the same
+    settings["tool_choice"] = fields.get("tool_choice") or "auto"
     return generation, settings
 
 
@@ -305,7 +307,7 @@ class ResponseAnswer:
             "model": self.model,
             "output": output,
             "parallel_tool_calls": True,
-            "tool_choice": "none",
+            "tool_choice": self.settings.get("tool_choice", "auto"),
             "tools": [],
             "store": False,
             "previous_response_id": None,
