@@ -481,9 +481,12 @@ def test_stop_sequences_end_a_row_as_the_static_path_ends_it(runner):
 
 
 def test_a_stop_sequence_inside_a_token_ends_the_text_with_it_as_tgis_does(runner):
-    """The token that completes a stop may run on past it (" film" for "fil"): the text,
-    and that token's, end with the stop (TGI's clients strip a stop from the end), on
-    both paths; the tokens' texts still add up to the text."""
+    """The token that completes a stop may run on past it (" film" for "fil"): the text
+    ends with the stop (TGI's clients strip a stop from the end), on both paths, and so
+    does that token's text in TGI's answer, so that the tokens add up to the text; the
+    worker's token keeps its whole text (OpenAI's log probabilities list the real one)."""
+    from rawserve.tasks.text_generation import tgi_output
+
     (free,) = static(runner, "the movie was", {**GREEDY, "max_new_tokens": 30})
     words = free["generated_text"].removeprefix("the movie was").split()
     word = next(w for w in words[1:] if len(w) > 2)
@@ -494,7 +497,11 @@ def test_a_stop_sequence_inside_a_token_ends_the_text_with_it_as_tgis_does(runne
     text = got[0]["generated_text"]
     assert got[0]["details"]["finish_reason"] == "stop_sequence"
     assert text.endswith(stop) and text.count(stop) == 1
-    assert "".join(token["text"] for token in got[0]["details"]["tokens"]) == text
+    tokens = got[0]["details"]["tokens"]
+    assert "".join(token["text"] for token in tokens).startswith(text)
+    tgi_tokens = tgi_output(got[0])["details"]["tokens"]
+    assert "".join(token["text"] for token in tgi_tokens) == text
+    assert [token["id"] for token in tgi_tokens] == [token["id"] for token in tokens]
 
 
 def test_a_running_sequence_keeps_no_more_of_its_text_than_its_stops_need(runner):
@@ -619,8 +626,9 @@ def test_min_new_tokens_ending_in_a_run_of_byte_tokens_counts_stops_where_a_stre
         [(_, got, _)] = as_the_static_path(llama, params, ["the movie"])
         output = got[0]
         tokens = output["details"]["tokens"]
-        # the stop's token ends the text with it ("c" after it is not the answer's)
-        assert [t["text"] for t in tokens] == ["a", "b", "", "", "", "", "😀"]
+        # the text ends with the stop ("c" after it is not the answer's); its token keeps
+        # its whole text (TGI's answer cuts it: `tgi_output`)
+        assert [t["text"] for t in tokens] == ["a", "b", "", "", "", "", "😀c"]
         assert output["generated_text"] == "ab😀"
         assert output["details"]["stops_from"] == len("ab")
         streamed = Streamed(at_least)

@@ -1550,6 +1550,19 @@ def test_completion_logprobs_list_every_generated_token_as_usage_counts_them(
     assert len(content) == chat.usage.completion_tokens and content[-1].bytes == []
 
 
+def test_a_stop_inside_a_token_lists_that_token_as_the_model_chose_it(servers):
+    """The token a stop sequence starts in is listed with its own text (the answer's
+    text stops before the stop), not one cut where the stop ends (TGI's answer's)."""
+    plain = client(servers["plain"])
+    asked = {"model": PLAIN_MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    free = plain.completions.create(**asked, logprobs=0).choices[0].logprobs.tokens
+    at, token = next((i, t) for i, t in enumerate(free) if i and len(t.strip()) > 2)
+    stop = token.strip()[:2]
+    cut = plain.completions.create(**asked, logprobs=0, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop" and stop not in cut.text
+    assert cut.logprobs.tokens[-1] in free[: at + 1]  # a token the model chose, whole
+
+
 def test_completion_logprobs_end_where_a_stop_sequence_cuts_the_text(servers):
     plain = client(servers["plain"])
     free = plain.completions.create(model=PLAIN_MODEL, prompt=PROMPT, **SAMPLED)

@@ -82,7 +82,26 @@ def tgi_output(output: Any, *, streamed: bool = False) -> Any:
         ]
     fields = TGI_STREAM_DETAILS if streamed else TGI_DETAILS
     kept = {name: listed(details[name]) for name in fields if name in details}
+    if kept.get("finish_reason") == "stop_sequence" and kept.get("tokens"):
+        kept["tokens"] = through_stop(kept["tokens"], output["generated_text"])
     return {**output, "details": kept}
+
+
+def through_stop(tokens: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """The tokens of an answer a stop sequence ended, as TGI lists them: the last one's
+    text up to where the answer's text ends, with the stop (TGI stops where the text ends
+    with it; here the token that completed it may run on past it), so that they add up
+    to the text. The worker's own token keeps its whole text (OpenAI's log probabilities
+    list the token the model chose)."""
+    last = next((i for i in reversed(range(len(tokens))) if not tokens[i]["special"]), None)
+    if last is None:
+        return tokens
+    before = "".join(token["text"] for token in tokens[:last] if not token["special"])
+    whole = tokens[last]["text"]
+    for keep in range(len(whole), -1, -1):  # (the whole of it, in all but a stop's token)
+        if text.endswith(before + whole[:keep]):
+            return [*tokens[:last], {**tokens[last], "text": whole[:keep]}, *tokens[last + 1 :]]
+    return tokens
 
 
 def listed_tokens(output: Any) -> int:

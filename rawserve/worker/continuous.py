@@ -776,11 +776,10 @@ class ContinuousBatcher:
                     generation.top = top[index][: generation.top_n]
             if ends:
                 generation.finish_reason = "eos_token"
-            elif len(generation.tokens) >= generation.stops_after and (
-                through := stop_in_piece(text, piece, generation.stop)
+            elif len(generation.tokens) >= generation.stops_after and stop_in_piece(
+                text, piece, generation.stop
             ):
                 generation.finish_reason = "stop_sequence"
-                piece = piece[:through]
             elif len(generation.tokens) >= generation.cap:
                 generation.finish_reason = "length"
             if self.on_token is not None:  # told once it is known whether the token ends it

@@ -164,11 +164,10 @@ class TokenWatcher(transformers.StoppingCriteria):
             self.tails[row] = stop_tail(text, self.stop)
             if ends:
                 self.done[row], self.finish_reasons[row] = True, "eos_token"
-            elif len(self.token_ids[row]) >= self.stops_after and (
-                through := stop_in_piece(text, piece, self.stop)
+            elif len(self.token_ids[row]) >= self.stops_after and stop_in_piece(
+                text, piece, self.stop
             ):
                 self.done[row], self.finish_reasons[row] = True, "stop_sequence"
-                piece = piece[:through]
             if listed:
                 logprob = chosen[row] if chosen is not None else 0.0
                 token = tgi_token(
