@@ -598,6 +598,11 @@ async def test_a_connection_sending_only_empty_lines_is_closed_at_its_keep_alive
         (b"POST", b"localhost:8000", 400),
         (b"GET", b"health", 400),  # no form at all
         (b"GET", b"http://example.com/x", 200),  # the absolute form, as proxies send it
+        (b"GET", b"http://example.com:8000?x=1", 200),
+        (b"GET", b"http:///x", 400),  # no host
+        (b"GET", b"http://x#/x", 400),  # a fragment
+        (b"GET", b"http://a@b@c/x", 400),  # not a host and port
+        (b"GET", b"http://[::1/x", 400),
         (b"GET", b"/x", 200),
     ],
 )

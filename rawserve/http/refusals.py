@@ -29,8 +29,9 @@ SUPPORTED_VERSIONS = (b"1.0", b"1.1")
 # A Host value: uri-host [":" port] (RFC 3986): an IP literal in brackets, or a name of
 # unreserved characters, %-escapes and sub-delims (no space, "/", "@" or "?").
 _HOST = re.compile(r"(\[[-0-9A-Za-z._~!$&'()*+,;=:]+\]|[-0-9A-Za-z._~%!$&'()*+,;=]*)(:[0-9]*)?")
-# The absolute form of a target starts with a scheme (RFC 3986 section 3.1)
-_SCHEME = re.compile(rb"[A-Za-z][-A-Za-z0-9+.]*://")
+# The absolute form of a target: a scheme (RFC 3986 section 3.1), an authority, and a path
+# or a query (no fragment: RFC 9112 section 3.2.2)
+_ABSOLUTE = re.compile(rb"[A-Za-z][-A-Za-z0-9+.]*://([^/?#]+)([/?][^#]*)?")
 
 
 def check_head(
@@ -63,8 +64,10 @@ def check_head(
 def _is_served_target(method: bytes, target: bytes) -> bool:
     """A target in a form a server answers (RFC 9112 section 3.2): a path, an absolute
     URI (what proxies send), or `*` for OPTIONS; the authority form is CONNECT's."""
-    if target.startswith(b"/") or _SCHEME.match(target):
+    if target.startswith(b"/"):
         return True
+    if (absolute := _ABSOLUTE.fullmatch(target)) is not None:  # its host as a Host's
+        return _HOST.fullmatch(absolute[1].decode("ascii", "replace")) is not None
     return target == b"*" and method == b"OPTIONS"
 
 
