@@ -395,6 +395,7 @@ def test_openai_sdk_shows_a_422s_message(openai_api):
     assert "a prompt is longer than the model's context length: it takes at most 255 tokens" in str(
         raised.value
     ), raised.value
+    assert raised.value.param == "prompt"  # the field at fault ("messages" on chat)
 
 
 def test_openai_sdk_shows_a_503s_message(openai_api):

@@ -1550,6 +1550,19 @@ def test_completion_logprobs_list_every_generated_token_as_usage_counts_them(
     assert len(content) == chat.usage.completion_tokens and content[-1].bytes == []
 
 
+def test_stream_events_are_written_as_openai_writes_them_and_tgis_as_tgi(servers):
+    """OpenAI's and vLLM's `data: {...}`: a parser written by hand looks for "data: "
+    (TGI writes `data:{...}`, and its clients read that)."""
+    document = {"prompt": PROMPT, "max_tokens": 3, "stream": True}
+    headers = {"Content-Type": "application/json"}
+    _, _, body = servers["plain"].request("POST", "/v1/completions", json.dumps(document), headers)
+    events = [event for event in body.decode().split("\n\n") if event]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: {") for e in events[:-1])
+    tgi = {"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}
+    _, _, body = servers["plain"].request("POST", "/generate_stream", json.dumps(tgi), headers)
+    assert all(event.startswith("data:{") for event in body.decode().split("\n\n") if event)
+
+
 def test_a_stop_inside_a_token_lists_that_token_as_the_model_chose_it(servers):
     """The token a stop sequence starts in is listed with its own text (the answer's
     text stops before the stop), not one cut where the stop ends (TGI's answer's)."""

@@ -353,12 +353,15 @@ class OpenAIRoutes:
     ) -> HttpResponse:
         """Queue the prompts like any text-generation request; answer whole or streamed, in
         `shape` (chat's or completions' where none is given). A grammar the worker cannot
-        use is the fault of the field that gave it (`param`: "tools", "response_format")."""
+        use is the fault of the field that gave it (`param`: "tools", "response_format"),
+        a prompt past the context length its prompt's ("messages", "prompt")."""
         try:
             return await self._generate(request, model, generation, chat, shape)
         except UnprocessableInput as exc:
             if exc.param is None and exc.message.startswith(GRAMMAR_REFUSED):
                 exc.param = generation.grammar_field
+            elif exc.param is None and CONTEXT_LENGTH in exc.message:
+                exc.param = "messages" if chat else "prompt"
             raise
 
     async def _generate(
@@ -471,6 +474,10 @@ class OpenAIRoutes:
             "created": self.created,
             "owned_by": "rawserve",
         }
+
+
+# what a refusal of a prompt past the positions says, the server's and the worker's
+CONTEXT_LENGTH = "longer than the model's context length"
 
 
 def check_chat_template(model: ServedModel) -> None:

@@ -28,7 +28,7 @@ from rawserve.api.openai_logprobs import (
 )
 from rawserve.api.openai_tools import StreamedWords, Tools
 from rawserve.api.reasoning import CONTENT, REASONING, Thinking, said, split_answer
-from rawserve.api.streaming import TokenStream, merged, sse
+from rawserve.api.streaming import TokenStream, merged, spaced_sse
 from rawserve.http.errors import HTTPError, openai_error_document
 from rawserve.tasks.text_generation import stop_tail
 
@@ -240,7 +240,7 @@ class Answer:
             delta = {**said(REASONING, thinking), **delta}
         chunk = self.chunk(index, None, tokens)
         chunk["choices"][0]["delta"] = delta
-        return sse(chunk), reason
+        return spaced_sse(chunk), reason
 
     def chunk(
         self,
@@ -339,10 +339,10 @@ class Answer:
                 for index in range(len(streams)):
                     first = self.chunk(index, "")
                     first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                    yield sse(first)
+                    yield spaced_sse(first)
             if echoed is not None:
                 for index, prompt in enumerate(echoed):
-                    yield sse(self.chunk(index, prompt))
+                    yield spaced_sse(self.chunk(index, prompt))
             outputs: list[dict[str, Any]] = [{} for _ in streams]  # by choice, as they end
             async for index, chunk in merged(streams):
                 choice = choices[index]
@@ -357,16 +357,16 @@ class Answer:
                         if words_as_they_come:
                             thought = thoughts[index] if thoughts is not None else None
                             for ready in self.held_words(index, piece, held[index], thought):
-                                yield sse(ready)
+                                yield spaced_sse(ready)
                         continue
                     if (sending := choice.add(chunk.token, stops, self.logprobs)) is not None:
                         for ready in self.sending(index, sending, thoughts):
-                            yield sse(ready)
+                            yield spaced_sse(ready)
                     continue
                 try:
                     output = streams[index].output()
                 except HTTPError as error:  # the error, then the end, as vLLM ends it
-                    yield sse(openai_error_document(streams[index].ended_with(error)))
+                    yield spaced_sse(openai_error_document(streams[index].ended_with(error)))
                     yield DONE
                     return
                 reason = finish_reason(output["details"])
@@ -383,12 +383,12 @@ class Answer:
                 else:
                     sending = choice.rest(output, stops)
                     for ready in self.sending(index, sending, thoughts, ended=True):
-                        yield sse(ready)
-                yield sse(self.chunk(index, None, finish=reason))
+                        yield spaced_sse(ready)
+                yield spaced_sse(self.chunk(index, None, finish=reason))
                 outputs[index] = output
             if include_usage:
                 every = usage(outputs, n)  # each prompt read once
-                yield sse({**self.head(True), "choices": [], "usage": every})
+                yield spaced_sse({**self.head(True), "choices": [], "usage": every})
             yield DONE
         finally:
             for stream in streams:

@@ -63,7 +63,14 @@ KEEP_ALIVE = b": keep-alive\n\n"
 
 
 def sse(document: Any) -> bytes:
+    """A TGI event, as TGI writes it (`data:{...}`)."""
     return b"data:" + dumps(document) + b"\n\n"
+
+
+def spaced_sse(document: Any) -> bytes:
+    """An OpenAI event, as OpenAI and vLLM write it (`data: {...}`): valid either way,
+    but parsers written by hand look for "data: "."""
+    return b"data: " + dumps(document) + b"\n\n"
 
 
 class TokenStream:
