@@ -807,6 +807,8 @@ def stop_in_piece(text: str, piece: str, stops: Sequence[str]) -> int:
     """How much of `piece`, the newest piece at the end of `text`, runs through the first
     stop sequence to end in it (0: none ends in it; one that ended earlier was found
     then, or did not count yet)."""
+    if not stops or not piece:  # (most rows, at every step: nothing to look for)
+        return 0
     starts = len(text) - len(piece)
     end = first_stop_end(text, stops, past=starts)
     return 0 if end is None else end - starts
