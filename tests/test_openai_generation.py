@@ -1319,6 +1319,7 @@ def test_tools_that_cannot_be_offered_are_400(servers, extra, message):
     document = {"messages": MESSAGES, "max_tokens": 5, **extra}
     status, body = servers["chat"].post_json(document, "/v1/chat/completions")
     assert status == 400 and message in body["error"]["message"], body
+    assert body["error"]["param"] in extra  # a field of the request: agents read it
 
 
 # --- several choices ----------------------------------------------------------------------

@@ -196,7 +196,10 @@ def generation_params(
             params[name] = value
     grammars = [(name, g) for name in GRAMMAR_FIELDS if (g := fields.value(name)) is not None]
     if len(grammars) > 1:
-        raise BadRequest(f"one of {', '.join(GRAMMAR_FIELDS)} may hold an answer, not several")
+        raise BadRequest(
+            f"one of {', '.join(GRAMMAR_FIELDS)} may hold an answer, not several",
+            param=grammars[1][0],
+        )
     grammar_field = None
     if grammars:
         grammar_field, params["grammar"] = grammars[0]
@@ -410,7 +413,8 @@ def parse_chat(document: Any, one_call: bool = False) -> GenerationRequest:
     if tools is not None:
         if opening.get("continue_final_message"):
             raise BadRequest(
-                '"continue_final_message" cannot go with tools: a call opens its answer'
+                '"continue_final_message" cannot go with tools: a call opens its answer',
+                param="continue_final_message",
             )
         tools = offer_tools(tools, tool_prompt, chat, params)
     if tools is not None and tools.held:  # (a response_format beside them is theirs)
@@ -444,7 +448,7 @@ def requested_tools(fields: Fields, one_call: bool = False) -> Tools | None:
     tools = chat_tools(fields.value("tools"), fields.value("tool_choice"), parallel)
     older = chat_tools(fields.value("functions"), fields.value("function_call"), older=True)
     if tools is not None and older is not None:
-        raise BadRequest('"tools" and "functions" cannot be given together')
+        raise BadRequest('"tools" and "functions" cannot be given together', param="functions")
     return tools or older
 
 
@@ -466,7 +470,8 @@ def offer_tools(
             if answer_format["type"] != "json":
                 raise BadRequest(
                     "a regular expression cannot hold an answer that may call tools (a JSON "
-                    "schema can)"
+                    "schema can)",
+                    param="tools",
                 )
             tools = replace(tools, answer_format=answer_format["value"])
         params["grammar"] = tools.grammar()

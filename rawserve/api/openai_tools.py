@@ -313,13 +313,18 @@ def chat_tools(
     choice_field, offered = ("function_call", "functions") if older else ("tool_choice", "tools")
     if not functions:
         if choice not in (None, "none", "auto"):
-            raise BadRequest(f'"{choice_field}" is {choice!r}, and the request offers no {offered}')
+            raise BadRequest(
+                f'"{choice_field}" is {choice!r}, and the request offers no {offered}',
+                param=choice_field,
+            )
         return None
     choice = choice or "auto"
     if choice not in ("auto", "required", "none") and choice not in (
         function["name"] for function in functions
     ):
-        raise BadRequest(f'"{choice_field}" names {choice}, which is not among the {offered}')
+        raise BadRequest(
+            f'"{choice_field}" names {choice}, which is not among the {offered}', param=choice_field
+        )
     # a function named is called once (OpenAI's "forced function": exactly one call)
     several = parallel and not older and choice in ("auto", "required")
     return Tools(functions, choice, parallel=several, older=older)
