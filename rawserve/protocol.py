@@ -155,6 +155,7 @@ class HttpProtocol(asyncio.Protocol):
         self.probe_only = False  # taken past the connection cap: one probe, then close
         self.seats = Seats()  # the seats it holds (none yet; one of the state's once taken)
         self.read_ahead = 0  # bytes received since h11 last needed data
+        self.last_request_id = "-"  # of the last answer logged (a write timeout names it)
         self.handling_events = False  # handle_events is running (guards re-entry)
         self.handshake: asyncio.Future[None] | None = None
         # what the client sent between the handshake's end and our seeing it end
@@ -183,11 +184,18 @@ class HttpProtocol(asyncio.Protocol):
 
     def _on_write_timeout(self) -> None:
         """The client has read nothing of its answer for `write_timeout` seconds: drop
-        what waits to be written (closing would wait for it) and the connection."""
+        what waits to be written (closing would wait for it) and the connection. The line
+        says how much of the answers was never sent (their access lines, written as
+        they were queued, give their whole size) and names the last one."""
+        unsent = self.transport.get_write_buffer_size() if self.transport is not None else 0
         log.info(
-            "closing a connection from %s: it read nothing for %.0f s (--write-timeout)",
+            "closing a connection from %s: it read nothing for %.0f s (--write-timeout); "
+            "%d bytes of its answers were not sent (the last: request %s)",
             _peer(self.transport),
             self.settings.write_timeout,
+            unsent,
+            self.last_request_id,
+            extra={"request_id": self.last_request_id},
         )
         self._enter(Phase.CLOSED)
         if self.transport is not None:
@@ -749,6 +757,7 @@ class HttpProtocol(asyncio.Protocol):
     # --- logging ----------------------------------------------------------------------
 
     def _log_access(self, cycle: Cycle, status: int, size: int) -> None:
+        self.last_request_id = cycle.request_id
         request = cycle.request
         seconds = time.perf_counter() - cycle.started
         method = request.method.decode("ascii", "replace") if request else "-"

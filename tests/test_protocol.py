@@ -1428,13 +1428,13 @@ async def test_a_chunked_body_over_the_limit_on_the_wire_is_413(server):
     assert not app.seen
 
 
-async def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout():
+async def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout(caplog):
     loop = FakeTimerLoop(asyncio.get_running_loop())
     settings = ProtocolSettings(write_timeout=3, keepalive_timeout=60)
     protocol = HttpProtocol(EchoApp(), settings, loop=loop)
     transport = FakeTransport()
     protocol.connection_made(transport)
-    protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+    protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\nX-Request-Id: big-1\r\n\r\n")
     await settle()
     protocol.pause_writing()  # its answer filled the buffers: the client reads nothing
     loop.advance(2.9)
@@ -1442,8 +1442,13 @@ async def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout():
     protocol.pause_writing()
     loop.advance(2.9)
     assert not transport.closed
-    loop.advance(0.2)
+    transport.buffered = 12345
+    with caplog.at_level("INFO", logger="rawserve.protocol"):
+        loop.advance(0.2)
     assert transport.aborted  # what waits to be written is dropped, not flushed forever
+    # its access line, written as it was queued, gave the whole size: this one says not
+    [line] = [r.getMessage() for r in caplog.records if "--write-timeout" in r.getMessage()]
+    assert line.endswith("12345 bytes of its answers were not sent (the last: request big-1)")
 
 
 @pytest.mark.parametrize("closed_by", ["keep-alive", "linger"])
