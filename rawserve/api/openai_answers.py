@@ -30,7 +30,7 @@ from rawserve.api.openai_tools import StreamedWords, Tools
 from rawserve.api.reasoning import CONTENT, REASONING, Thinking, said, split_answer
 from rawserve.api.streaming import TokenStream, merged, spaced_sse
 from rawserve.http.errors import HTTPError, openai_error_document
-from rawserve.tasks.text_generation import stop_tail
+from rawserve.tasks.text_generation import stop_start, stop_tail
 
 # finish reasons: the worker's (TGI's) → OpenAI's
 FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
@@ -43,14 +43,14 @@ DONE = b"data: [DONE]\n\n"
 def cut_at_stop(text: str, stops: Sequence[str], stops_from: int = 0) -> str:
     """`text` before the first stop sequence in it (all of it when there is none); one
     that ends at or before `stops_from` (in the text before `min_tokens`) does not count."""
-    found = [index for stop in stops if (index := _find(text, stop, stops_from)) >= 0]
+    found = [index for stop in stops if (index := stop_start(text, stop, stops_from)) >= 0]
     return text[: min(found)] if found else text
 
 
 def releasable(text: str, stops: Sequence[str], stops_from: int = 0) -> tuple[str, bool]:
     """How much of a streamed text may be sent now, and whether a stop sequence was
     reached: text that could be the start of a stop sequence waits for the next token."""
-    found = [index for stop in stops if (index := _find(text, stop, stops_from)) >= 0]
+    found = [index for stop in stops if (index := stop_start(text, stop, stops_from)) >= 0]
     if found:
         return text[: min(found)], True
     held = 0
@@ -60,11 +60,6 @@ def releasable(text: str, stops: Sequence[str], stops_from: int = 0) -> tuple[st
                 held = size
                 break
     return text[: len(text) - held], False
-
-
-def _find(text: str, stop: str, stops_from: int) -> int:
-    """Where `stop` first ends past `stops_from` in `text` starts (-1: nowhere)."""
-    return text.find(stop, max(0, stops_from - len(stop) + 1))
 
 
 def stops_from(output: Mapping[str, Any]) -> int:

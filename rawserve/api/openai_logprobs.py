@@ -13,10 +13,10 @@ one the whole character). OpenAI's two shapes of the same figures:
 An echoed prompt's tokens (the details' `prefill`) come first, the first of them with no
 log probability (nothing comes before it). Every generated token is listed, as usage
 counts them (a client slices the list by `completion_tokens`; but where a stop sequence
-cut the text, below), a special one (an end of
-sequence, a `<s>` the model wrote) with the text it adds to the answer's: none, as the
-answer leaves its text out, but for an end of sequence after a run of byte tokens held
-back until it came (its text, TGI's, is that text, then its own). A prompt's special
+cut the text, below), a special one (an end of sequence, a `<s>` the model wrote) with
+the text it adds to the answer's: none, as the answer leaves its text out, but for an
+end of sequence after a run of byte tokens held back until it came (its text, TGI's, is
+that text, then its own). A prompt's special
 tokens are left out as its echo leaves them out (a prompt's start), but for a prompt sent
 as token ids (its client counts the ids it sent: an evaluation harness slices the list by
 them) and one a prompt spelled out (its text is in the echo). Tokens past a stop

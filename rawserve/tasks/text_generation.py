@@ -150,11 +150,17 @@ def stop_tail(text: str, stops: Sequence[str]) -> str:
 GRAMMAR_REFUSED = "the grammar cannot be used: "
 
 
+def stop_start(text: str, stop: str, past: int = 0) -> int:
+    """Where `stop` first ends past `past` in `text` starts (-1: nowhere); one that ends
+    at or before `past` (in the text before `min_tokens`) does not count."""
+    return text.find(stop, max(0, past - len(stop) + 1))
+
+
 def first_stop_end(text: str, stops: Sequence[str], past: int = 0) -> int | None:
     """Where the first stop sequence to end past `past` in `text` ends (None: none does).
     An answer a stop sequence ends runs to there, as TGI's ends with its stop: the rest
     of the token that completed it is not the answer's."""
-    starts = ((stop, text.find(stop, max(0, past - len(stop) + 1))) for stop in stops)
+    starts = ((stop, stop_start(text, stop, past)) for stop in stops)
     return min((at + len(stop) for stop, at in starts if at >= 0), default=None)
 
 

@@ -283,10 +283,11 @@ class Grammars:
         except ValueError as exc:  # a schema it cannot read at all
             raise ValueError(GRAMMAR_REFUSED + in_words(str(exc))) from None
         pristine, opening = self._matcher(self._held(text, grammar))
-        # a format it does not know, alone, is an annotation (else the first fault is told)
+        # a format it does not know (or uniqueItems), alone, is an annotation (else the
+        # first fault is told)
         annotated = None
-        fell = pristine.get_error() if pristine.is_error() else ""
-        if grammar["type"] == "json" and as_annotations(fell):
+        error = pristine.get_error() if pristine.is_error() else ""
+        if grammar["type"] == "json" and as_annotations(error):
             annotated = formats_as_annotations(grammar)
         if annotated is not None:
             pristine, opening = self._matcher(self._held(annotated, grammar))
