@@ -270,6 +270,26 @@ def test_chat_template_kwargs_go_to_the_template_with_the_chat():
             parse_chat({"messages": hi, "chat_template_kwargs": wrong})
 
 
+def test_stop_sequences_end_an_answer_that_may_be_words_and_never_one_held_to_json():
+    """With tools and "auto" the answer may be words, held as `{"content": "..."}`: the
+    stops are kept as written inside a JSON string (ReAct agents send "Observation:"
+    beside their tools; they were dropped). A required call, or a JSON response_format's
+    answer, has none: the grammar says where it ends."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    stops = ["Observation:", 'a\n"b']
+    asked = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "stop": stops}
+    auto = parse_chat(asked)
+    assert auto.stop == auto.params["stop"] == ["Observation:", 'a\\n\\"b']
+    for held in (
+        {"tool_choice": "required"},
+        {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+        {"response_format": {"type": "json_object"}},
+    ):
+        request = parse_chat({**asked, **held})
+        assert request.stop == [] and "stop" not in request.params
+    assert parse_chat({**asked, "tool_choice": "none"}).stop == stops
+
+
 @pytest.mark.parametrize(("top_k", "asked"), [(5, 5), (0, 0), (-1, 0), (None, None)])
 def test_vllms_top_k_is_taken_on_both_routes(top_k, asked):
     """litellm forwards `top_k` on every OpenAI-compatible provider (`openai/`,
@@ -558,6 +578,22 @@ AGREEMENT = [
     ("CHAT", {"messages": HI, "tool_prompt": "use a tool"}, True),
     ("CHAT", {"messages": HI, "tool_prompt": 5}, False),
     ("CHAT", {"messages": HI, "stream": True, "stream_options": {"include_usage": "x"}}, False),
+    # OpenAI's include_obfuscation, off: no delta is padded (on is refused)
+    (
+        "CHAT",
+        {"messages": HI, "stream": True, "stream_options": {"include_obfuscation": False}},
+        True,
+    ),
+    (
+        "COMPLETION",
+        {"prompt": "a", "stream": True, "stream_options": {"include_obfuscation": None}},
+        True,
+    ),
+    (
+        "CHAT",
+        {"messages": HI, "stream": True, "stream_options": {"include_obfuscation": True}},
+        False,
+    ),
     ("CHAT", {"messages": [{"role": "robot", "content": "hi"}]}, False),
     # OpenAI's fields at their off or default values, and its bookkeeping, are taken
     (

@@ -1013,6 +1013,28 @@ def test_a_grammar_that_cannot_be_followed_is_422_naming_the_fault(servers, gram
     assert status == 422 and body["error"]["param"] == "guided_regex", body
 
 
+def test_a_grammar_that_fails_midway_names_the_field_that_gave_it(servers):
+    """A schema no answer can complete compiles, then fails at its first steps ("the
+    grammar failed: ..."): its 422, and a stream's error event, name the field too."""
+    import openai
+
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": endless}}
+    asked = {"prompt": PROMPT, "response_format": schema, "max_tokens": 50}
+    status, body = servers["plain"].post_json(asked, "/v1/completions")
+    assert status == 422 and body["error"]["message"].startswith("the grammar failed"), body
+    assert body["error"]["param"] == "response_format"
+    stream = client(servers["plain"]).completions.create(
+        model=PLAIN_MODEL,
+        **{k: v for k, v in asked.items() if k != "response_format"},
+        extra_body={"response_format": schema},
+        stream=True,
+    )
+    with pytest.raises(openai.APIError) as failed:
+        list(stream)
+    assert failed.value.body["param"] == "response_format", failed.value.body
+
+
 def test_a_tools_schema_a_grammar_cannot_follow_names_the_tools(more_servers):
     broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}
     asked = {"model": TOOLS_MODEL, "messages": ASK, "tools": [broken], "tool_choice": "required"}
@@ -1100,6 +1122,26 @@ def test_stop_sequences_never_cut_a_call_or_json_held_by_a_grammar(more_servers)
         **asking_tools(response_format=person, stop=["}", ","], max_tokens=200)
     )
     assert json.loads(formatted.choices[0].message.content).keys() == {"name", "age"}
+
+
+def test_stop_sequences_end_words_where_the_answer_may_call_tools(more_servers):
+    """With tools and "auto" (the default), an answer in words stops before a stop
+    sequence, whole and streamed, as a plain answer does: ReAct agents send
+    `stop: ["Observation:"]` beside their tools, and the stops were dropped."""
+    chat = client(more_servers["tools"])
+    asked = asking_tools(tools=[WEATHER])
+    for seed in range(11, 60):  # a seed whose answer is words
+        words = chat.chat.completions.create(**{**asked, "seed": seed}).choices[0].message
+        if words.content and len(words.content) > 8:
+            break
+    stop = words.content[4:7]
+    asked = {**asked, "seed": seed, "stop": [stop]}
+    [choice] = chat.chat.completions.create(**asked).choices
+    cut = words.content[: words.content.index(stop)]
+    assert (choice.message.content, choice.finish_reason) == (cut, "stop")
+    chunks = list(chat.chat.completions.create(**asked, stream=True))
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+    assert (streamed, chunks[-1].choices[0].finish_reason) == (cut, "stop")
 
 
 def test_a_call_cut_by_max_tokens_is_a_call_as_far_as_it_came(more_servers):

@@ -368,9 +368,18 @@ def read_repetition_penalty(name: str, value: Any, context: DocContext | None) -
 
 
 def read_stream_options(name: str, value: Any, context: DocContext | None) -> bool:
-    """Whether the stream ends with a usage chunk."""
-    if not isinstance(value, dict) or set(value) - {"include_usage"}:
-        raise BadRequest('"stream_options" must be {"include_usage": true or false}')
+    """Whether the stream ends with a usage chunk. OpenAI's `include_obfuscation` is taken
+    where it is false (or null): no delta is padded, as on the Responses route."""
+    if (
+        not isinstance(value, dict)
+        or set(value) - {"include_usage", "include_obfuscation"}
+        or value.get("include_obfuscation") not in (False, None)
+    ):
+        raise BadRequest(
+            '"stream_options" must be {"include_usage": true or false} (and '
+            '"include_obfuscation": false, if given: no delta is padded)',
+            param="stream_options",
+        )
     include_usage = value.get("include_usage")
     return False if include_usage is None else read_boolean("include_usage", include_usage, None)
 
@@ -429,15 +438,32 @@ def parse_chat(document: Any, one_call: bool = False) -> GenerationRequest:
 
 
 def json_unstopped(request: GenerationRequest) -> GenerationRequest:
-    """`request` without its stop sequences where its answer is held to JSON (a tool call,
-    a JSON response_format, guided_json): the grammar says where it ends, and a stop cut
-    it into JSON no client can read (smolagents sends `stop` beside required calls; a
-    call's arguments may hold the stop's text)."""
+    """`request` without its stop sequences where its answer is held to JSON (a required
+    call, a JSON response_format, guided_json): the grammar says where it ends, and a stop
+    cut it into JSON no client can read (smolagents sends `stop` beside required calls; a
+    call's arguments may hold the stop's text). Where the answer may be words (tools with
+    "auto": `{"content": "..."}`), the stops are kept, written as they appear in a JSON
+    string, so that they end the words as they end a plain answer (ReAct agents send
+    `stop: ["Observation:"]` beside their tools)."""
     grammar = request.params.get("grammar")
     if not request.stop or grammar is None or grammar["type"] != "json":
         return request
+    stop = [json_string_text(text) for text in request.stop] if may_be_words(request) else []
     params = {key: value for key, value in request.params.items() if key != "stop"}
-    return replace(request, params=params, stop=[])
+    if stop:
+        params["stop"] = stop
+    return replace(request, params=params, stop=stop)
+
+
+def may_be_words(request: GenerationRequest) -> bool:
+    """Whether a request held to JSON may answer in words (`{"content": "..."}`)."""
+    tools = request.tools
+    return tools is not None and tools.choice == "auto" and tools.answer_format is None
+
+
+def json_string_text(text: str) -> str:
+    """`text` as written inside a JSON string (a line break as `\\n`, a quote as `\\"`)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
 def requested_tools(fields: Fields, one_call: bool = False) -> Tools | None:
@@ -654,7 +680,10 @@ STOP: Schema = {
 }
 STREAM_OPTIONS: Schema = {
     "type": ["object", "null"],
-    "properties": {"include_usage": NULLABLE_BOOLEAN},
+    "properties": {
+        "include_usage": NULLABLE_BOOLEAN,
+        "include_obfuscation": {"enum": [False, None]},  # no delta is padded
+    },
     "additionalProperties": False,
     "description": 'only with "stream": true',
 }
