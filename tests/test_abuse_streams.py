@@ -11,13 +11,21 @@ from tests.test_streaming import FakeExecutor, FakeScheduler, open_stream
 TOKENS = 100_000  # far more than any bound on what a stream may hold unread
 
 
-async def test_a_stream_that_is_not_read_is_stopped_with_its_buffer_bounded():
+async def test_a_stream_that_is_not_read_is_stopped_with_its_buffer_bounded(caplog):
     executor = FakeExecutor()
     scheduler = FakeScheduler(executor, [" a"] * TOKENS, {"generated_text": "", "details": {}})
     response = await open_stream(scheduler, executor)
     # The client reads nothing while the worker keeps generating.
-    await asyncio.wait_for(scheduler.cancelled.wait(), 10)
-    assert executor.closed == [1]
-    events = [json.loads(chunk.removeprefix(b"data:")) async for chunk in response.stream]
+    with caplog.at_level("WARNING", logger="rawserve.api.streaming"):
+        await asyncio.wait_for(scheduler.cancelled.wait(), 10)
+        assert executor.closed == [1]
+        # told as it is stopped: a client that never reads again would leave no trace
+        assert told_unread(caplog) == 1
+        events = [json.loads(chunk.removeprefix(b"data:")) async for chunk in response.stream]
     assert len(events) < TOKENS / 10
     assert events[-1]["error_type"] == "unavailable"
+    assert told_unread(caplog) == 1  # the event its client read at last is not told twice
+
+
+def told_unread(caplog) -> int:
+    return sum("tokens unread" in record.getMessage() for record in caplog.records)

@@ -881,6 +881,11 @@ def test_a_grammar_that_fails_at_its_start_or_as_it_runs_fails_its_item_alone(ru
         ({"type": "number", "maximum": float("inf")}, "'maximum' is not a finite number"),
         ({"type": "number", "maximum": float("nan")}, "'maximum' is not a finite number"),
         ({"not": {"type": "string"}}, 'keywords a grammar cannot hold: ["not"]'),
+        # uniqueItems is an annotation: not named beside a keyword that is at fault
+        (
+            {"type": "array", "uniqueItems": True, "contains": {"const": 1}},
+            'keywords a grammar cannot hold: ["contains"]',
+        ),
     ],
 )
 def test_a_schema_a_grammar_cannot_follow_is_said_in_words_a_client_can_use(runner, schema, said):

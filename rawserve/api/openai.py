@@ -71,11 +71,11 @@ from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import TokenStream, event_stream, start_choices
 from rawserve.api.tei_bodies import details
-from rawserve.http.errors import BadRequest, UnprocessableInput
+from rawserve.http.errors import BadRequest, HTTPError, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.serving.face import EMBEDDING_ROUTE, ItemResult
 from rawserve.tasks.checks import BlankInput, not_blank
-from rawserve.tasks.text_generation import GRAMMAR_REFUSED, THINKING_IN_CONTENT
+from rawserve.tasks.text_generation import GRAMMAR_FAILED, GRAMMAR_REFUSED, THINKING_IN_CONTENT
 
 EMBEDDING_TASK = "feature-extraction"
 EMBEDDING = Needs(frozenset({EMBEDDING_TASK}), "a feature-extraction model")
@@ -187,6 +187,18 @@ def embedding_response(
         "model": model_id,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
+
+
+def name_field(error: HTTPError, generation: GenerationRequest, chat: bool) -> None:
+    """Name the request's field at fault as `error`'s `param`, where the worker could not:
+    a grammar refused or failed is the field's that gave it ("tools", "response_format"),
+    a prompt past the context length its prompt's ("messages", "prompt")."""
+    if error.status != 422 or error.param is not None:
+        return
+    if error.message.startswith((GRAMMAR_REFUSED, GRAMMAR_FAILED)):
+        error.param = generation.grammar_field
+    elif CONTEXT_LENGTH in error.message:
+        error.param = "messages" if chat else "prompt"
 
 
 class OpenAIRoutes:
@@ -358,10 +370,7 @@ class OpenAIRoutes:
         try:
             return await self._generate(request, model, generation, chat, shape)
         except UnprocessableInput as exc:
-            if exc.param is None and exc.message.startswith(GRAMMAR_REFUSED):
-                exc.param = generation.grammar_field
-            elif exc.param is None and CONTEXT_LENGTH in exc.message:
-                exc.param = "messages" if chat else "prompt"
+            name_field(exc, generation, chat)
             raise
 
     async def _generate(
@@ -424,8 +433,10 @@ class OpenAIRoutes:
             if generation.echo:
                 texts = await echoed_texts(self.context.tokenizers, model, prompts)
                 echo_texts = [text for text in texts for _ in choices]
+            # (an error event names the field at fault too: a grammar that fails midway)
+            naming = functools.partial(name_field, generation=generation, chat=chat)
             streams = [
-                TokenStream(model, prompt, params, deadline, request.request_id)
+                TokenStream(model, prompt, params, deadline, request.request_id, naming)
                 for prompt in prompts
                 for params in choices
             ]

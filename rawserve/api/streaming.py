@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any
 
 from rawserve.api.outcomes import unwrap
@@ -88,13 +88,16 @@ class TokenStream:
         params: Mapping[str, Any],
         deadline: float,
         request_id: str = "-",
+        explain: Callable[[HTTPError], None] | None = None,
     ):
         self.serving: Serving = model.serving
         self.request_id = request_id  # what its error event's log line names
+        self.explain = explain  # says more of an error event (the field at fault)
         self.count_error = model.count_stream_error
         self.echoed = prompt if returns_full_text(params) else ""  # what the answer starts with
         self.queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
         self.overflowed = False
+        self.told: HTTPError | None = None  # the error event logged and counted
         self.closed = False
         self.stream_id = self.serving.open_stream(self.on_token)
         running = model.run([prompt], params, deadline, Control(stream_id=self.stream_id))
@@ -117,6 +120,8 @@ class TokenStream:
         elif not self.overflowed:
             self.overflowed = True
             self.close()  # the end (None) is queued when the run is cancelled
+            # told now: a client that never reads again never gets the event
+            self.ended_with(OVERFLOW)
 
     async def start(self, patience: float | None = None) -> None:
         """Wait for the first token, `patience` seconds at most (None: as long as it
@@ -152,7 +157,11 @@ class TokenStream:
     def ended_with(self, error: HTTPError) -> HTTPError:
         """`error`, which the stream's client gets as its last event, logged with the
         request's id: its head went out as 200, which its access line and /metrics say,
-        so this line is where an operator finds how it ended."""
+        so this line is where an operator finds how it ended (once: an overflow is told
+        as it happens, the event sent when the client reads again)."""
+        if error is self.told:
+            return error
+        self.told = error
         log.warning(
             "request %s: its stream ended with an error event: %d %s",
             self.request_id,
@@ -161,6 +170,8 @@ class TokenStream:
             extra={"request_id": self.request_id},
         )
         self.count_error(error.status)
+        if self.explain is not None:
+            self.explain(error)
         return error
 
     def close(self) -> None:

@@ -146,8 +146,10 @@ def stop_tail(text: str, stops: Sequence[str]) -> str:
     return text[len(text) - keep :] if len(text) > keep else text
 
 
-# how the worker's refusal of a grammar begins: the API names the field that gave it
+# how the worker's refusal of a grammar, and a grammar's failure as it holds an answer,
+# begin: the API names the field that gave it
 GRAMMAR_REFUSED = "the grammar cannot be used: "
+GRAMMAR_FAILED = "the grammar failed: "
 
 
 def stop_start(text: str, stop: str, past: int = 0) -> int:

@@ -184,7 +184,8 @@ class TokenWatcher(transformers.StoppingCriteria):
                     self.on_token(row, token)
         if not all(self.done) and self.cancelled():
             log.info(
-                "generation stopped after %d tokens: the client left (or its deadline passed)",
+                "generation stopped after %d tokens: the client left or stopped reading, or "
+                "its deadline passed",
                 len(self.token_ids[0]),
             )
             self.done = [True] * len(self.done)

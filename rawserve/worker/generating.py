@@ -376,7 +376,8 @@ class GenerationLoop:
             return
         if generation.finish_reason == "cancelled":
             log.info(
-                "generation stopped after %d tokens: the client left (or its deadline passed)",
+                "generation stopped after %d tokens: the client left or stopped reading, or "
+                "its deadline passed",
                 len(generation.tokens),
             )
         self._output(opened, index, generation)

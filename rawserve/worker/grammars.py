@@ -40,6 +40,7 @@ import numpy
 import torch
 
 from rawserve.tasks.text_generation import (
+    GRAMMAR_FAILED,
     GRAMMAR_REFUSED,
     OPENED_IN_PROMPT,
     REASONING_END,
@@ -68,10 +69,7 @@ JSON_LAYOUT: JsonCompileOptions = {
 # own go to the debug log)
 FAULT_WORDS = (
     (re.compile(r"NoExtensionBias"), "the schema refers to itself with nothing else to generate"),
-    (
-        re.compile(r"Unimplemented keys: (\[.*?\])"),
-        r"the schema uses keywords a grammar cannot hold: \1",
-    ),
+    (re.compile(r"Unimplemented keys: (\[.*?\])"), lambda found: unheld_keywords(found[1])),
     (
         re.compile(r"Too many items \(limit"),
         "a step of the grammar needs more work than allowed: no answer may complete it (an "
@@ -391,8 +389,18 @@ def in_words(message: str) -> str:
     for pattern, words in FAULT_WORDS:
         if (found := pattern.search(message)) is not None:
             log.debug("grammar fault: %s", message)
-            return found.expand(words)
+            return found.expand(words) if isinstance(words, str) else words(found)
     return message
+
+
+def unheld_keywords(listed: str) -> str:
+    """llguidance's list of the keywords it does not implement, said without `uniqueItems`,
+    which is taken as an annotation: only the others are at fault."""
+    try:
+        keywords = [keyword for keyword in json.loads(listed) if keyword != "uniqueItems"]
+    except (ValueError, TypeError):  # not the JSON list it writes: as it came
+        return f"the schema uses keywords a grammar cannot hold: {listed}"
+    return f"the schema uses keywords a grammar cannot hold: {json.dumps(keywords)}"
 
 
 def constrain(scores: torch.Tensor, rows: list[tuple[int, Held]]) -> list[tuple[int, str]]:
@@ -403,7 +411,7 @@ def constrain(scores: torch.Tensor, rows: list[tuple[int, Held]]) -> list[tuple[
     or it allows no token of this model's): their scores are left as they are, and the
     caller ends them."""
     stuck = [
-        (index, f"the grammar failed: {fault(held.matcher)}")
+        (index, GRAMMAR_FAILED + fault(held.matcher))
         for index, held in rows
         if held.matcher.is_error()
     ]
