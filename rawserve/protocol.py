@@ -155,7 +155,10 @@ class HttpProtocol(asyncio.Protocol):
         self.probe_only = False  # taken past the connection cap: one probe, then close
         self.seats = Seats()  # the seats it holds (none yet; one of the state's once taken)
         self.read_ahead = 0  # bytes received since h11 last needed data
-        self.last_request_id = "-"  # of the last answer logged (a write timeout names it)
+        # the answer written last, and the bytes a write timeout left unsent: its line
+        # names that answer, and a stream cut there logs what it sent
+        self.last_request_id = "-"
+        self.unsent = 0
         self.handling_events = False  # handle_events is running (guards re-entry)
         self.handshake: asyncio.Future[None] | None = None
         # what the client sent between the handshake's end and our seeing it end
@@ -188,6 +191,7 @@ class HttpProtocol(asyncio.Protocol):
         says how much of the answers was never sent (their access lines, written as
         they were queued, give their whole size) and names the last one."""
         unsent = self.transport.get_write_buffer_size() if self.transport is not None else 0
+        self.unsent = unsent
         log.info(
             "closing a connection from %s: it read nothing for %.0f s (--write-timeout); "
             "%d bytes of its answers were not sent (the last: request %s)",
@@ -594,6 +598,7 @@ class HttpProtocol(asyncio.Protocol):
         try:
             head = self.conn.send(h11_head(response.status, fields))
             self._write(head)
+            self.last_request_id = cycle.request_id  # (its access line comes at its end)
             framed = body_framing(head or b"")
             if not cycle.is_head:
                 async for chunk in response.stream:
@@ -618,8 +623,8 @@ class HttpProtocol(asyncio.Protocol):
             return
         finally:
             # one line however it ended: a stream cut short (the client left, the write
-            # timeout) says what it sent, as nginx logs a response cut short
-            self._log_access(cycle, response.status, sent)
+            # timeout: less what it left unsent) says what it sent, as nginx logs it
+            self._log_access(cycle, response.status, max(0, sent - self.unsent))
             await _close_stream(response)  # stops the producer (e.g. generation) if we left
         self._finish_cycle(close)
 

@@ -1451,6 +1451,56 @@ async def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout(ca
     assert line.endswith("12345 bytes of its answers were not sent (the last: request big-1)")
 
 
+class EndlessStreamApp(FakeApp):
+    """Answers /stream with a 1,000-byte piece, then, once `more` is set, more of them for
+    as long as they are read; else JSON."""
+
+    def __init__(self):
+        super().__init__()
+        self.more = asyncio.Event()
+
+    async def handle(self, request):
+        if request.path != "/stream":
+            return HttpResponse(200, b"{}")
+
+        async def pieces():
+            yield b"x" * 1000
+            await self.more.wait()
+            while True:
+                yield b"x" * 1000
+
+        return HttpResponse(200, content_type="text/event-stream", stream=pieces())
+
+
+async def test_a_stream_cut_by_the_write_timeout_is_named_and_logs_what_it_sent(caplog):
+    """The write timeout's line named the answer logged last (the one before the stream,
+    delivered whole; or none), as a stream's access line comes at its end; that line
+    gave the bytes left unsent as sent."""
+    loop = FakeTimerLoop(asyncio.get_running_loop())
+    settings = ProtocolSettings(write_timeout=3, keepalive_timeout=60)
+    app = EndlessStreamApp()
+    protocol = HttpProtocol(app, settings, loop=loop)
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\nX-Request-Id: whole-1\r\n\r\n")
+    await settle()
+    protocol.data_received(b"GET /stream HTTP/1.1\r\nHost: a\r\nX-Request-Id: stream-2\r\n\r\n")
+    await settle()
+    protocol.pause_writing()  # its first piece filled the buffers: the next one waits
+    app.more.set()
+    await settle()
+    transport.buffered = 400
+    with caplog.at_level("INFO"):
+        loop.advance(3.1)
+        assert transport.aborted
+        protocol.connection_lost(None)  # (as the event loop's transport tells it)
+        await settle()
+    [cut] = [r.getMessage() for r in caplog.records if "--write-timeout" in r.getMessage()]
+    assert cut.endswith("400 bytes of its answers were not sent (the last: request stream-2)")
+    [access] = [r.getMessage() for r in caplog.records if '"GET /stream"' in r.getMessage()]
+    assert '"GET /stream" 200 1600 ' in access and access.endswith("stream-2")
+
+
 @pytest.mark.parametrize("closed_by", ["keep-alive", "linger"])
 async def test_a_connection_closed_with_some_of_its_answer_unread_is_cut_off_in_time(closed_by):
     """The transport closes once what waits in it is written; under the high-water mark
