@@ -2581,11 +2581,16 @@ def test_a_long_prompt_in_chunks_keeps_echo_scores_min_tokens_and_stops(runner, 
     assert chunked[2].outputs[0][0]["details"]["prefill"][1]["logprob"] is not None
 
 
-def test_running_rows_decode_a_token_between_the_windows_of_a_prompts_scoring(runner, monkeypatch):
+@pytest.mark.parametrize("new_tokens", [3, 0])
+def test_running_rows_decode_a_token_between_the_windows_of_a_prompts_scoring(
+    runner, monkeypatch, new_tokens
+):
     """A prompt scored for its echo (a pass over it, a window of positions at a time) no
     longer holds the rows running for its whole length: a chunk's worth of windows a step
     (a window more at most), each step's decoding pass after them; it joins once scored,
-    and lists what it lists at once."""
+    and lists what it lists at once. One only scored (max_new_tokens 0: loglikelihood)
+    ends once scored, with no row; it was scored whole as it came (a tester's 8 such
+    prompts of 4,000 tokens held streams for 1-2.7 s between two tokens)."""
     from rawserve.worker import causal_lm
     from rawserve.worker.continuous import Generation
 
@@ -2595,20 +2600,27 @@ def test_running_rows_decode_a_token_between_the_windows_of_a_prompts_scoring(ru
     batcher.add(running)
     batcher.step()
     before = len(running.tokens)
-    params = {**GREEDY, "decoder_input_details": True, "max_new_tokens": 3}
+    params = {**GREEDY, "decoder_input_details": True, "max_new_tokens": new_tokens}
     # (a prompt of its own: the runner keeps the scores of the prompt it scored last)
-    scored = runner.generation("scored", "scored a window a step: " + LONG_PROMPT, params)
+    prompt = ("scored a window a step: " if new_tokens else "only scored: ") + LONG_PROMPT
+    scored = runner.generation("scored", prompt, params)
+    assert scored.prefill is None  # nothing scored yet
     ids = scored.prompt_ids
     passes = passes_of(runner.model, monkeypatch)
     batcher.add(scored)
     steps: list[list[int]] = []
-    while not scored.tokens:
+    while not (scored.tokens or scored.done):
         passes.clear()
-        batcher.step()
+        finished = batcher.step()
         steps.append(passes[:-1])
         assert passes[-1] == 1 and len(running.tokens) == before + len(steps)
     assert all(sum(step) <= CHUNK + 3 for step in steps) and len(steps) > 6
-    assert sum(map(sum, steps)) == len(ids) - 1 + len(ids)  # scored once, then prefilled
+    if new_tokens:
+        assert sum(map(sum, steps)) == len(ids) - 1 + len(ids)  # scored once, then prefilled
+    else:
+        assert finished == [scored] and scored.finish_reason == "length" and not scored.tokens
+        assert sum(map(sum, steps)) == len(ids) - 1  # scored once, never prefilled
+        assert batcher.rows == [running]
     assert scored.prefill == runner.prefill_tokens(ids, params)
 
 

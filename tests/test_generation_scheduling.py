@@ -128,7 +128,12 @@ def test_a_prompt_of_all_the_positions_is_scored_on_both_paths(runner):
     full, over = [91] * POSITIONS, [91] * (POSITIONS + 1)
     (output,) = runner.run([full], params)
     assert len(output[0]["details"]["prefill"]) == POSITIONS
-    assert len(runner.generation("key", full, params).prefill) == POSITIONS
+    scored = runner.generation("key", full, params)  # scored in the loop, with no row
+    loop = batcher(runner)
+    loop.add(scored)
+    while loop.busy:
+        loop.step()
+    assert len(scored.prefill) == POSITIONS and scored.finish_reason == "length"
     with pytest.raises(ValueError, match=f"at most {POSITIONS} "):
         runner.run([over], params)
     with pytest.raises(ValueError, match=f"at most {POSITIONS} "):

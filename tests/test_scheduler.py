@@ -520,6 +520,21 @@ def test_a_generation_that_may_end_early_is_sent_though_its_max_tokens_would_not
     assert inputs(idle.next_batch(0.0)) == [text(6)]  # an idle worker: its chance
 
 
+def test_a_prompt_only_scored_on_a_continuous_worker_is_sent_while_rows_are_free():
+    """max_new_tokens 0 (echo scoring): its cost is all prompt tokens, which a continuous
+    worker's pace (seconds a decoded token, sequences sharing steps) predicts far past
+    what it takes; it waited beside an idle worker for its 504, and since none ran, none
+    ever taught the model otherwise. Sent while half the rows or more are free, as a
+    generation; on a batching worker it is judged by its predicted time, as before."""
+    scored = {"max_new_tokens": 0, "details": True}
+    rows = measured(SchedulerCore(max_batch_size=1, workers=4), seconds_per_token=0.01)
+    queue_items(rows, [text(1000)], deadline=8.0, params=scored)  # predicted 10 s
+    assert inputs(rows.next_batch(0.0)) == [text(1000)]
+    batching = measured(SchedulerCore(), seconds_per_token=0.01)
+    queue_items(batching, [text(1000)], deadline=8.0, params=scored)
+    assert batching.next_batch(0.0) is None
+
+
 def test_past_half_the_rows_a_generation_that_cannot_end_in_time_waits_unless_streamed():
     """Behind busy rows, a sequence's predicted time is the pace of the rows it would
     share: one that can no longer end by its deadline at it waits queued for its 504

@@ -538,6 +538,7 @@ class SchedulerCore:
     def _can_finish(self, item: WorkItem, now: float) -> bool:
         """Whether the item alone could be answered by its deadline. A stream is given
         its chance (it sends what it makes until its deadline), and so is a generation
+        (or a prompt only scored on a continuous worker's rows, `_scored_on_rows`)
         while half the workers' rows or more are free: it may end at its first new token
         (most answers end long before their max_tokens), and the measured seconds of a
         continuous worker's sequences are those of whole sequences sharing each step
@@ -552,7 +553,7 @@ class SchedulerCore:
         where it ran in 2.7 s)."""
         if not self.cost_model.trusted:  # one call says little
             return item.deadline > now
-        if item.new_tokens and (
+        if (item.new_tokens or self._scored_on_rows(item)) and (
             item.control != NO_CONTROL or len(self._in_flight) < self.workers / 2
         ):
             return item.deadline > now
@@ -560,6 +561,14 @@ class SchedulerCore:
             return item.deadline > now  # run it once; its time is then measured
         alone = self.cost_model.predict(item.cost) or 0.0
         return item.deadline > now + DEADLINE_MARGIN * alone
+
+    def _scored_on_rows(self, item: WorkItem) -> bool:
+        """Whether `item` is a prompt only scored (max_new_tokens 0: echo, loglikelihood)
+        on a continuous worker, where it is scored between the rows' steps: its cost is
+        all prompt tokens, timed at the rows' pace of whole sequences (seconds a decoded
+        token), so predicted far past what it takes (a tester's 4,000-token prompts, 0.2 s
+        alone, waited on an idle worker for their 504s, and none ran to say otherwise)."""
+        return self.max_size == 1 and item.params.get("max_new_tokens") == 0
 
     def _is_urgent(self, item: WorkItem, now: float) -> bool:
         alone = self.cost_model.predict(item.cost)

@@ -557,11 +557,8 @@ class CausalLMRunner(Runner):
             logprobs=[] if wants_logprobs else None,
             top_n=int(params.get("top_n_tokens") or 0),
         )
-        if scores_prompt(params):  # (nothing to generate: its answer is its prompt's scores)
-            if generation.max_new_tokens:
-                generation.scoring = self._listing_prefill(generation, params)
-            else:
-                generation.prefill = self.prefill_tokens(ids, params)
+        if scores_prompt(params):  # (max_new_tokens 0: its answer is its prompt's scores)
+            generation.scoring = self._listing_prefill(generation, params)
         return generation
 
     def prefill_tokens(self, ids: list[int], params: dict[str, Any]) -> list[dict[str, Any]]:

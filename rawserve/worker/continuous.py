@@ -272,8 +272,10 @@ class ContinuousBatcher:
         return bool(self.waiting or self.rows or self._chunked)
 
     def add(self, generation: Generation) -> None:
+        """Queue `generation` to join; one that generates nothing (max_new_tokens 0) is only
+        scored, and ends once its `scoring` has run (it may fill the positions)."""
         room = self.max_positions - len(generation.prompt_ids)
-        if room < 1 or not generation.prompt_ids:
+        if room < (1 if generation.max_new_tokens else 0) or not generation.prompt_ids:
             raise ValueError(
                 f"the prompt is {len(generation.prompt_ids)} tokens, which is longer than the "
                 f"model's context length: it takes at most {self.max_positions - 1} to leave "
@@ -308,6 +310,7 @@ class ContinuousBatcher:
         finished += self._leave()
         finished += self._drop_cancelled_chunked()
         scored = self._score_windows()
+        finished += self._scored_only()
         # fewer after running out of memory; a prompt prefilled in chunks has its rows
         chunked = len(self._chunked.generations) if self._chunked else 0
         free = max(0, self.max_rows - len(self.rows) - chunked)
@@ -394,6 +397,15 @@ class ContinuousBatcher:
                 budget -= positions
                 self._joining, self._prefilling = [], False
         return budget < self.prefill_chunk
+
+    def _scored_only(self) -> list[Generation]:
+        """The waiting sequences that only score their prompt (max_new_tokens 0) and are
+        done scoring: they end here, with no row."""
+        ended = [g for g in self.waiting if g.scoring is None and not g.max_new_tokens]
+        for generation in ended:
+            generation.finish_reason = generation.finish_reason or "length"
+        self.waiting = [g for g in self.waiting if g not in ended]
+        return ended
 
     def _drop_cancelled_chunked(self) -> list[Generation]:
         """The sequences of the prompt prefilled in chunks that were cancelled (their

@@ -202,13 +202,15 @@ class GenerationLoop:
                     self.batcher.add(generation)
                     admitted = batch.admitted[index] if index < len(batch.admitted) else None
                     self.times.admitted(generation, admitted)
+                elif generation.scoring is not None:  # scored a few windows a step
+                    self.batcher.add(generation)
             except Exception as exc:  # noqa: BLE001 - every failure becomes data
                 self._fail(opened, index, self.runner.describe_failure(exc), exc)
                 continue
             opened.generations[index] = generation
             if generation.logprobs is not None and batch.control.stream_id is None:
                 opened.tokens[index] = []  # details list the tokens
-            if not generation.max_new_tokens:  # the prompt scored: nothing to generate
+            if not (generation.max_new_tokens or generation.scoring):  # nothing to run
                 generation.finish_reason = "length"
                 self._output(opened, index, generation)
         self._answer_if_done(opened)
