@@ -208,6 +208,38 @@ def test_a_second_load_uses_the_cached_verdict(tiny_model, tmp_path, monkeypatch
     assert list((tmp_path / "onnx").glob("engine-trial-*.json"))
 
 
+def test_a_half_precision_checkpoint_served_by_onnx_runtime_says_float32(
+    tiny_model, tmp_path, monkeypatch
+):
+    """A checkpoint saved in float16 runs in it on torch and in float32 on ONNX Runtime:
+    where the trial picks ONNX Runtime, the reason says float32 (it said the
+    checkpoint's own float16 while float32 served)."""
+    pytest.importorskip("onnxruntime")
+    import shutil
+
+    import torch
+    import transformers
+
+    from rawserve.worker import loading
+    from tests.tiny_models import worker_config
+
+    folder = tmp_path / "half"
+    shutil.copytree(tiny_model("text-classification"), folder)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    model.to(torch.float16).save_pretrained(folder)
+    assert loading.saved_dtype(folder) == "float16"
+    monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    onnx_faster = {Engine.ONNX: 0.001, Engine.TORCH: 0.01}
+    monkeypatch.setattr(engine_trial, "timed", lambda candidates, *args: onnx_faster)
+    config = worker_config(str(folder), engine=Engine.AUTO, warmup_batch=4, threads=1)
+    runner = loading.load_runner(config, "cpu")
+    assert runner.engine is Engine.ONNX and runner.dtype == "float32"
+    assert runner.dtype_reason.startswith("float32: ONNX Runtime computes in it"), (
+        runner.dtype_reason
+    )
+    assert "float16" in runner.dtype_reason
+
+
 @pytest.mark.slow
 def test_the_server_shows_the_trial_in_its_log_and_info(tiny_model, tmp_path):
     pytest.importorskip("onnxruntime")

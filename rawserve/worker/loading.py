@@ -99,7 +99,8 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
         raise ValueError("no task: the server names the task of every model it serves")
     refuse_unloadable_files(Path(model))
     bf16 = device.startswith("cuda") and torch.cuda.is_bf16_supported()
-    dtype, dtype_reason = choose_dtype(config.dtype, device, saved_dtype(Path(model)), bf16)
+    saved = saved_dtype(Path(model))
+    dtype, dtype_reason = choose_dtype(config.dtype, device, saved, bf16)
     log.info("dtype: %s (%s)", dtype, dtype_reason)
     config = dataclasses.replace(config, dtype=dtype)
     engine, reason = choose_engine(
@@ -117,6 +118,10 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
     log.info("engine: %s (%s)", engine.value, reason)
     refuse_without_vocabulary(runner.tokenizer, Path(model))
     runner.engine, runner.engine_reason = engine, reason
+    if engine is Engine.ONNX and dtype == "auto" and saved not in (None, "float32"):
+        # (torch would have run the checkpoint's own half precision: not what is served)
+        dtype_reason = f"float32: ONNX Runtime computes in it (the checkpoint's own: {saved})"
+        log.info("dtype: %s", dtype_reason)
     runner.dtype_reason = dtype_reason
     runner.bfloat16_trial = bfloat16_trial(config, task, device, runner)
     if runner.bfloat16_trial:
