@@ -272,14 +272,14 @@ def test_chat_template_kwargs_go_to_the_template_with_the_chat():
 
 def test_stop_sequences_end_an_answer_that_may_be_words_and_never_one_held_to_json():
     """With tools and "auto" the answer may be words, held as `{"content": "..."}`: the
-    stops are kept as written inside a JSON string (ReAct agents send "Observation:"
-    beside their tools; they were dropped). A required call, or a JSON response_format's
-    answer, has none: the grammar says where it ends."""
+    stops are kept for them (ReAct agents send "Observation:" beside their tools; they
+    were dropped). A required call, or a JSON response_format's answer, has none: the
+    grammar says where it ends."""
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     stops = ["Observation:", 'a\n"b']
     asked = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "stop": stops}
-    auto = parse_chat(asked)
-    assert auto.stop == auto.params["stop"] == ["Observation:", 'a\\n\\"b']
+    auto = parse_chat(asked)  # (the worker has none: they cut the answer's words alone)
+    assert auto.stop == stops and "stop" not in auto.params
     for held in (
         {"tool_choice": "required"},
         {"tool_choice": {"type": "function", "function": {"name": "f"}}},
@@ -1107,6 +1107,54 @@ def test_a_stream_held_to_tools_sends_no_words_past_a_stop_sequence():
     chunks = [json.loads(event.removeprefix(b"data:")) for event in asyncio.run(read())[:-1]]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "hell"
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+CALLED = '{"name": "get_weather", "arguments": {"city": "paris"}}'
+STOPPED_WORDS = [
+    # stops in the JSON around the words, in a call, or across an escape ("\\n" + "ame"):
+    # none is in what the client reads, so none cuts it (they emptied the answer)
+    ('{"content": "hello world"}', [":", "{", "content", "on"], "hello world", "length"),
+    (CALLED, ["name", "get_weather", "}", "ar", ","], None, "tool_calls"),
+    ('{"content": "john or\\nameb"}', ["name", "nam"], "john or\nameb", "length"),
+    # a stop in the words ends them before it
+    ('{"content": "Thought: x Observation: y"}', ["Observation:"], "Thought: x ", "stop"),
+    ('{"content": "a \\"quoted\\" b"}', ['"q'], "a ", "stop"),
+]
+
+
+@pytest.mark.parametrize(("raw", "stops", "words", "reason"), STOPPED_WORDS)
+def test_stop_sequences_beside_tools_end_the_words_read_never_the_json(raw, stops, words, reason):
+    """An answer that tools held (`tool_choice` "auto") is JSON: its stop sequences end
+    the words the client reads, matched in them, whole and streamed; a call has none."""
+    tools = Tools([{"name": "get_weather"}], "auto")
+    details = {"finish_reason": "length", "generated_tokens": 9, "prompt_tokens": 1}
+    answer = Answer(True, "m", tools=tools).whole(
+        [{"generated_text": raw, "details": details}], stops
+    )
+    [choice] = answer["choices"]
+    assert (choice["message"]["content"], choice["finish_reason"]) == (words, reason)
+    if words is None:
+        assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {
+            "city": "paris"
+        }
+    pieces = [raw[i : i + 3] for i in range(0, len(raw), 3)]  # 3 characters a token
+
+    async def read() -> list[bytes]:
+        streamed = Answer(True, "m", tools=tools)
+        return [event async for event in streamed.events([LengthStream(pieces)], stops, False)]  # type: ignore[list-item]
+
+    chunks = [json.loads(event.removeprefix(b"data:")) for event in asyncio.run(read())[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content") or "" for d in deltas) == (words or "")
+    assert chunks[-1]["choices"][0]["finish_reason"] == reason
+
+
+class LengthStream(FinishedStream):
+    """A streamed generation that ended at its length: no stop sequence in the worker."""
+
+    def output(self):
+        details = {"finish_reason": "length", "generated_tokens": 9, "prompt_tokens": 1}
+        return {"generated_text": "".join(self.texts), "details": details}
 
 
 class EndedStream(TimedOutStream):

@@ -167,7 +167,7 @@ class Answer:
         the prompt each one follows)."""
         choices = []
         for index, output in enumerate(outputs):
-            text = cut_at_stop(output["generated_text"], stops, stops_from(output))
+            text = cut_at_stop(output["generated_text"], self.text_stops(stops), stops_from(output))
             tokens = answer_tokens(output["details"], len(text), len(output["generated_text"]))
             if echoed is not None:  # the stop sequences cut the completion, not the prompt
                 echo = echoed[index]
@@ -176,7 +176,7 @@ class Answer:
             choice: dict[str, Any] = {"index": index}
             reason = finish_reason(output["details"])
             if self.chat:
-                choice["message"], reason = self.message(text, reason, output["details"])
+                choice["message"], reason = self.message(text, reason, output["details"], stops)
             else:
                 choice["text"] = text
             choice["logprobs"] = self.listing(tokens)
@@ -184,12 +184,22 @@ class Answer:
             choices.append(choice)
         return {**self.head(False), "choices": choices, "usage": usage(outputs, n)}
 
+    def text_stops(self, stops: Sequence[str]) -> Sequence[str]:
+        """The stop sequences that cut the generated text: none where tools hold it (they
+        cut the words of an answer that does not call: `message`)."""
+        return () if self.tools is not None else stops
+
     def message(
-        self, text: str, reason: str, details: Mapping[str, Any] | None = None
+        self,
+        text: str,
+        reason: str,
+        details: Mapping[str, Any] | None = None,
+        stops: Sequence[str] = (),
     ) -> tuple[dict[str, Any], str]:
         """A chat answer's message and finish reason: a tool call, where tools hold it (read
         from the answer after a reasoning model's thinking, which opens where the worker's
-        `details` say, else where the model's do)."""
+        `details` say, else where the model's do); an answer in words that tools held
+        stops before the first of `stops` in its words ("stop"), never a call."""
         reasoning: str | None = None
         content: str | None = text
         if self.thinking is not None:
@@ -198,6 +208,11 @@ class Answer:
         if self.tools is None or content is None:  # (thinking never closed: no call)
             return {"role": "assistant", **said(CONTENT, content), **thought}, reason
         message, called = self.tools.message(content)
+        words = message.get("content")
+        if stops and words and called is None and self.tools.answer_format is None:
+            cut = cut_at_stop(words, stops)
+            if len(cut) < len(words):
+                message, reason = {**message, "content": cut}, "stop"
         return {**message, **thought}, called or reason
 
     def held_end(
@@ -213,9 +228,9 @@ class Answer:
         `sent` as they came (None: nothing left), with its `tokens` (listed where log
         probabilities are asked: a stream's output does not list them), its thinking past
         the `thought` sent, and its finish reason."""
-        text = cut_at_stop(output["generated_text"], stops, stops_from(output))
+        text = output["generated_text"]
         details = output["details"]
-        message, reason = self.message(text, finish_reason(details), details)
+        message, reason = self.message(text, finish_reason(details), details, stops)
         reasoning = message.get(REASONING) or ""
         thinking = reasoning[len(thought) :] if reasoning.startswith(thought) else ""
         calls = message.get("tool_calls")
@@ -286,11 +301,13 @@ class Answer:
         self,
         index: int,
         piece: str,
-        words: StreamedWords,
+        words: tuple[StreamedWords, WordsToStop],
         thought: ThoughtChoice | None,
     ) -> list[dict[str, Any]]:
         """The chunks that a piece of a streamed answer held to tools sends as it comes: a
-        reasoning model's thinking as reasoning, the words after it as content."""
+        reasoning model's thinking as reasoning, the words after it as content (`words`:
+        read from the JSON, then sent up to a stop sequence)."""
+        read, to_stop = words
         pieces = [(CONTENT, piece)] if thought is None else thought.thinking.add(piece)
         chunks = []
         for kind, text in pieces:
@@ -299,7 +316,7 @@ class Answer:
                 chunk["choices"][0]["delta"] = said(REASONING, text)
                 thought.thought += text
                 chunks.append(chunk)
-            elif said_words := words.add(text):
+            elif said_words := to_stop.add(read.add(text)):
                 chunks.append(self.chunk(index, said_words))
         return chunks
 
@@ -327,6 +344,7 @@ class Answer:
             # an answer held to tools: its words as they come (not with log probabilities,
             # which go whole at its end), a call at its end
             held = [self.tools.words() if self.tools else StreamedWords() for _ in streams]
+            stopping = [WordsToStop(stops) for _ in streams]  # (the words sent, to a stop)
             held_tokens: list[list[Listed]] = [[] for _ in streams]
             thoughts = [ThoughtChoice(self.thinking) for _ in streams] if self.thinking else None
             words_as_they_come = self.tools is not None and self.logprobs is None
@@ -345,13 +363,14 @@ class Answer:
                     if thoughts is not None and chunk.opened is not None:  # its first token
                         thoughts[index] = ThoughtChoice(chunk.opened)
                     if self.tools is not None:
-                        # its JSON as a plain answer's text: up to a stop sequence
-                        released = choice.add(chunk.token, stops, self.logprobs)
+                        # its JSON as it comes (a stop sequence ends its words alone)
+                        released = choice.add(chunk.token, (), self.logprobs)
                         piece = released[0] if released is not None else ""
                         held_tokens[index] += released[1] if released is not None else []
                         if words_as_they_come:
                             thought = thoughts[index] if thoughts is not None else None
-                            for ready in self.held_words(index, piece, held[index], thought):
+                            words = (held[index], stopping[index])
+                            for ready in self.held_words(index, piece, words, thought):
                                 yield spaced_sse(ready)
                         continue
                     if (sending := choice.add(chunk.token, stops, self.logprobs)) is not None:
@@ -366,9 +385,9 @@ class Answer:
                     return
                 reason = finish_reason(output["details"])
                 if self.tools is not None:
-                    if (rest := choice.rest(output, stops)) is not None:
+                    if (rest := choice.rest(output, ())) is not None:
                         held_tokens[index] += rest[1]
-                    sent = held[index].sent
+                    sent = stopping[index].sent
                     thought_sent = thoughts[index].thought if thoughts is not None else ""
                     last, reason = self.held_end(
                         index, output, stops, sent, held_tokens[index], thought_sent
@@ -388,6 +407,26 @@ class Answer:
         finally:
             for stream in streams:
                 stream.close()
+
+
+class WordsToStop:
+    """A streamed answer's words, sent up to the first stop sequence in them: words that
+    may begin one wait for the next piece; none goes out past one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = stops
+        self.waiting = ""
+        self.sent = ""
+        self.stopped = False
+
+    def add(self, words: str) -> str:
+        """What of the words so far may go out now ("" while they may begin a stop)."""
+        if self.stopped or not words:
+            return ""
+        ready, self.stopped = releasable(self.waiting + words, self.stops)
+        self.waiting = (self.waiting + words)[len(ready) :]
+        self.sent += ready
+        return ready
 
 
 class ThoughtChoice:

@@ -438,32 +438,24 @@ def parse_chat(document: Any, one_call: bool = False) -> GenerationRequest:
 
 
 def json_unstopped(request: GenerationRequest) -> GenerationRequest:
-    """`request` without its stop sequences where its answer is held to JSON (a required
-    call, a JSON response_format, guided_json): the grammar says where it ends, and a stop
-    cut it into JSON no client can read (smolagents sends `stop` beside required calls; a
-    call's arguments may hold the stop's text). Where the answer may be words (tools with
-    "auto": `{"content": "..."}`), the stops are kept, written as they appear in a JSON
-    string, so that they end the words as they end a plain answer (ReAct agents send
-    `stop: ["Observation:"]` beside their tools)."""
+    """`request` without stop sequences in the worker where its answer is held to JSON (a
+    tool call, a JSON response_format, guided_json): the grammar says where it ends, and a
+    stop cut it into JSON no client can read (smolagents sends `stop` beside required
+    calls; a call's arguments may hold the stop's text). Where the answer may be words
+    (tools with "auto": `{"content": "..."}`), the request keeps them for the answer's
+    words alone (`Answer.message`): ReAct agents send `stop: ["Observation:"]` beside
+    their tools. Matched in the JSON, they cut its opening, a tool's name or an escape."""
     grammar = request.params.get("grammar")
     if not request.stop or grammar is None or grammar["type"] != "json":
         return request
-    stop = [json_string_text(text) for text in request.stop] if may_be_words(request) else []
     params = {key: value for key, value in request.params.items() if key != "stop"}
-    if stop:
-        params["stop"] = stop
-    return replace(request, params=params, stop=stop)
+    return replace(request, params=params, stop=request.stop if may_be_words(request) else [])
 
 
 def may_be_words(request: GenerationRequest) -> bool:
     """Whether a request held to JSON may answer in words (`{"content": "..."}`)."""
     tools = request.tools
     return tools is not None and tools.choice == "auto" and tools.answer_format is None
-
-
-def json_string_text(text: str) -> str:
-    """`text` as written inside a JSON string (a line break as `\\n`, a quote as `\\"`)."""
-    return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
 def requested_tools(fields: Fields, one_call: bool = False) -> Tools | None:
