@@ -222,6 +222,26 @@ def test_outputs_stay_those_of_generate_when_the_cache_grows_and_compacts(runner
         assert generation.tokens == expected, text
 
 
+def test_a_cpu_workers_cache_goes_once_no_row_runs_and_comes_back_for_the_next(runner):
+    """On a CPU the batch's KV buffers, grown by a burst of long prompts, were kept for
+    good (a tester: the worker never went back below the burst's memory); they go once
+    the last row leaves, and the next sequence answers as it would alone."""
+    from rawserve.worker.continuous import Generation
+
+    engine = batcher(runner, max_rows=8)
+    for index in range(8):
+        engine.add(Generation(index, prompt_ids(runner, f"word {index} " * 50), 20))
+    engine.step()
+    rows, columns = engine._slots.capacity
+    assert rows == 8 and columns > 100  # grown by the burst
+    run_all(engine)
+    assert engine._slots.capacity == (0, 0) and not engine._slots.keys
+    later = Generation("later", prompt_ids(runner, "the movie was"), 30)
+    engine.add(later)
+    run_all(engine)
+    assert later.tokens == alone_greedy(runner, prompt_ids(runner, "the movie was"), 30)
+
+
 def test_a_short_request_joining_a_long_one_finishes_first(runner):
     from rawserve.worker.continuous import Generation
 

@@ -252,14 +252,16 @@ class ContinuousBatcher:
         # the long prompt prefilled a chunk a step (PREFILL_CHUNK), if any
         self.prefill_chunk = GPU_PREFILL_CHUNK if self.device.type == "cuda" else PREFILL_CHUNK
         self._chunked: ChunkedPrefill | None = None
-        self._slots = KvSlots(self.device, max_rows, max_positions)
+        graphs = cuda_graphs and GraphedDecode.supports(model)
+        # a CPU's buffers go while no row runs (nothing reads their addresses but graphs)
+        release = self.device.type == "cpu" and not graphs
+        self._slots = KvSlots(self.device, max_rows, max_positions, release_when_idle=release)
         self._positions = torch.zeros(0, dtype=torch.long, device=self.device)
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
         # the last prefilled prompts' scores for the token after them (FORKABLE_PROMPTS)
         self._prompt_scores: dict[tuple[int, ...], torch.Tensor] = {}
         # decoding steps and prefills replayed from CUDA graphs (rawserve.worker.decode_graphs,
         # prefill_graphs)
-        graphs = cuda_graphs and GraphedDecode.supports(model)
         self.decode_graphs = GraphedDecode(model, self._cache_name) if graphs else None
         self.prefill_graphs = (
             GraphedPrefill(model, self._cache_name, max_positions, self._prefill)

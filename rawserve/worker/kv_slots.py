@@ -60,8 +60,15 @@ class SlotLayer(DynamicLayer):
 class KvSlots:
     """The batch's keys and values, in buffers that grow rarely and are written in place."""
 
-    def __init__(self, device: torch.device, max_rows: int, max_length: int = 0):
+    def __init__(
+        self,
+        device: torch.device,
+        max_rows: int,
+        max_length: int = 0,
+        release_when_idle: bool = False,
+    ):
         self.device = device
+        self.release_when_idle = release_when_idle  # drop the buffers once no row runs
         self.max_rows = max_rows  # rows are never allocated past it
         self.max_length = max_length  # the longest sequence the model takes (0: unknown)
         # a GPU's free bytes (None on a CPU): there the first buffers are made roomy
@@ -162,6 +169,8 @@ class KvSlots:
         self.rows = count
         if not count:
             self.start = self.end = 0
+            if self.release_when_idle:  # its memory back while no row runs
+                self._release()
             return holes, movers
         used = self.mask.any(dim=0).nonzero()
         self.start += int(used[0]) if len(used) else self.end - self.start
@@ -183,6 +192,15 @@ class KvSlots:
         self._mask = torch.zeros((rows, length), dtype=torch.long, device=self.device)
         self._layers = [SlotLayer(self, i) for i in range(len(keys))]
         self.start = self.end = 0
+        self.layout += 1
+
+    def _release(self) -> None:
+        """Drop the buffers; the next join allocates them at its own size. For a CPU's,
+        which a burst of long prompts grew for good (a tester's tiny model kept 50 MB; a
+        0.5B model's 64 rows of 4,096 positions would keep gigabytes) and whose addresses
+        nothing reads; a GPU's stay, as the CUDA graphs read them."""
+        self.keys, self.values, self._layers = [], [], []
+        self._mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
         self.layout += 1
 
     def _roomy(self, keys: list[torch.Tensor], rows: int, length: int) -> tuple[int, int]:
