@@ -390,6 +390,20 @@ def test_a_long_prompt_is_scored_a_window_at_a_time_as_in_one_pass(runner, monke
         assert token["logprob"] <= token["top_tokens"][0]["logprob"] + 1e-5
 
 
+def test_a_small_vocabulary_scores_a_prompt_a_window_of_positions_at_a_time(runner, monkeypatch):
+    """The window is positions x vocabulary within PROMPT_SCORES_AT_ONCE, but at most
+    PROMPT_WINDOW positions: a vocabulary of 400 scored a 4,096-token prompt in one pass,
+    every running stream waiting for it at that step."""
+    from rawserve.worker import causal_lm
+
+    monkeypatch.setattr(causal_lm, "PROMPT_WINDOW", 4)
+    ids = runner.tokenizer("the movie was good and paris is a city of lights")["input_ids"]
+    windows = list(runner._score_prompt(ids, 0))
+    assert windows == [4] * ((len(ids) - 1) // 4) + (
+        [(len(ids) - 1) % 4] if (len(ids) - 1) % 4 else []
+    )
+
+
 def test_the_prompts_alternatives_are_listed_where_the_server_asks(runner):
     from rawserve.tasks.text_generation import PROMPT_TOP_N
 

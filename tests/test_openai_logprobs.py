@@ -128,6 +128,16 @@ def test_completions_list_offsets_from_where_the_chunk_starts_and_the_chosen_amo
     assert completion_logprobs(tokens, 0, 0)["top_logprobs"] is None
 
 
+def test_completion_alternatives_that_read_the_same_keep_the_likeliest_figure():
+    """Byte tokens all read "\ufffd": by text, the lower-ranked one's figure was kept, and
+    the chosen token's over a likelier alternative's, so lm-eval read a token that was not
+    the likeliest as greedy (the largest figure listed was the chosen one's)."""
+    chosen = listed(token("\ufffd", -5.65, top=[("\ufffd", -5.63), ("t", -5.72), ("\ufffd", -5.9)]))
+    [top] = completion_logprobs([chosen], 0, 3)["top_logprobs"]
+    assert top == {"\ufffd": -5.63, "t": -5.72}
+    assert max(top.values()) > chosen.logprob  # not the likeliest: not greedy
+
+
 def test_the_entries_an_answer_lists_count_the_prompts_tokens_and_alternatives():
     details = {"prefill": [token("<s>", None), token("hi", -1.5)], "tokens": [token("a", -0.5)]}
     outputs = [{"generated_text": "a", "details": details}, {"generated_text": ""}]

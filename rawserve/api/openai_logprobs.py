@@ -145,6 +145,18 @@ def chat_logprobs(tokens: Iterable[Listed]) -> dict[str, Any]:
     }
 
 
+def by_text(token: Listed) -> dict[str, float]:
+    """A token's alternatives and itself by text, as completions list them: tokens that
+    read the same (byte tokens all read "\ufffd") keep the likeliest's figure, so that the
+    largest is the likeliest token's (lm-eval's `is_greedy` reads it); the last one's, of
+    a lower rank, was kept, and the chosen token's over an alternative's."""
+    listed: dict[str, float] = {}
+    for text, logprob in [*token.top, (token.text, token.logprob)]:
+        if logprob is not None and (text not in listed or logprob > listed[text]):
+            listed[text] = logprob
+    return listed
+
+
 def completion_logprobs(tokens: Sequence[Listed], offset: int, alternatives: int) -> dict[str, Any]:
     """`offset`: where the first token's text starts in the completion's text."""
     offsets = []
@@ -153,10 +165,7 @@ def completion_logprobs(tokens: Sequence[Listed], offset: int, alternatives: int
         offset += len(token.text)
     top = None
     if alternatives:  # (none for the prompt's first token, which has no log probability)
-        top = [
-            None if token.logprob is None else {**dict(token.top), token.text: token.logprob}
-            for token in tokens
-        ]
+        top = [None if token.logprob is None else by_text(token) for token in tokens]
     return {
         "tokens": [token.text for token in tokens],
         "token_logprobs": [token.logprob for token in tokens],

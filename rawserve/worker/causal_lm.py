@@ -97,8 +97,12 @@ UNAPPLIED_SETTINGS: dict[str, Any] = {
     "stop_strings": None,
 }
 # A prompt's scores held at once when it is scored (positions × vocabulary; 64 MiB as
-# float32): a 50,257-token vocabulary scores 333 positions a pass, 128,256 scores 130.
+# float32): a 50,257-token vocabulary scores 333 positions a pass, 128,256 scores 130; a
+# small one (characters, bytes, amino acids) at most PROMPT_WINDOW positions, so that the
+# continuous loop's rows still decode between a chunk's worth of them (a vocabulary of
+# 400 scored 41,943 positions a pass: a whole prompt, every stream waiting for it).
 PROMPT_SCORES_AT_ONCE = 2**24
+PROMPT_WINDOW = 512
 # what a client is told when the model's scores at a prompt position are NaN or infinite
 # (an overflow, as float16 meets on long inputs): the prompt's tokens have no log
 # probabilities to list, and a null one would read as "none before it" (the first token's)
@@ -617,7 +621,7 @@ class CausalLMRunner(Runner):
         tensor = torch.tensor([ids], device=self.device)
         cache = None
         keyword = cache_keyword(self.model)  # (a renamed keyword warns)
-        at_once = max(1, PROMPT_SCORES_AT_ONCE // self.vocabulary)
+        at_once = max(1, min(PROMPT_WINDOW, PROMPT_SCORES_AT_ONCE // self.vocabulary))
         # the last token's scores say what would follow the prompt: not needed
         for start in range(0, len(ids) - 1, at_once):
             window = slice(start, min(start + at_once, len(ids) - 1))
