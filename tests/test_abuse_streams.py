@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 
+from rawserve.api.served import ServedModel
+from rawserve.api.streaming import StreamEnd, TokenStream
+from rawserve.serving.service import ModelService
 from tests.test_streaming import FakeExecutor, FakeScheduler, open_stream
 
 TOKENS = 100_000  # far more than any bound on what a stream may hold unread
@@ -29,3 +32,22 @@ async def test_a_stream_that_is_not_read_is_stopped_with_its_buffer_bounded(capl
 
 def told_unread(caplog) -> int:
     return sum("tokens unread" in record.getMessage() for record in caplog.records)
+
+
+async def test_choices_that_all_overflow_are_told_once_for_their_stream(caplog):
+    """A client that stops reading a stream of n choices overflows every one of them at
+    once: told as each overflowed, one stream made n error lines and n counts on
+    /metrics; its client sees one error event."""
+    executor = FakeExecutor()
+    scheduler = FakeScheduler(executor, [" a"] * TOKENS, {"generated_text": "", "details": {}})
+    counted: list[int] = []
+    service = ModelService(scheduler, executor)
+    model = ServedModel("tiny-gpt", service, count_stream_error=counted.append)
+    end = StreamEnd()
+    with caplog.at_level("WARNING", logger="rawserve.api.streaming"):
+        choices = [TokenStream(model, "hello", {}, 1e9, "r-1", end) for _ in range(4)]
+        while not all(choice.overflowed for choice in choices):
+            await asyncio.sleep(0.01)
+    assert told_unread(caplog) == 1 and counted == [503]
+    for choice in choices:
+        choice.close()

@@ -1157,6 +1157,35 @@ class LengthStream(FinishedStream):
         return {"generated_text": "".join(self.texts), "details": details}
 
 
+def test_log_probabilities_beside_tools_end_where_a_stop_cut_the_words():
+    """Words that tools held, cut by a stop sequence: their log probabilities end with
+    the token the stop begins in, as a plain answer's do (all 40 tokens were listed,
+    the stop's and those past it), whole and streamed."""
+    texts = ['{"content": "', "not ", "hate", " gre", "at form", " good", '"}', "</s>"]
+    tokens = [
+        {"id": place, "text": text, "logprob": -0.5, "special": text == "</s>"}
+        for place, text in enumerate(texts)
+    ]
+    for token in tokens:
+        token["top_tokens"] = [dict(token)]
+    tools = Tools([{"name": "f"}], "auto")
+    whole = Answer(True, "m", logprobs=1, tools=tools).whole(
+        [EndedStream(tokens).output()], ["great"]
+    )
+    [choice] = whole["choices"]
+    assert (choice["message"]["content"], choice["finish_reason"]) == ("not hate ", "stop")
+    listed = [entry["token"] for entry in choice["logprobs"]["content"]]
+    assert listed == ['{"content": "', "not ", "hate", " gre"]
+
+    async def read() -> list[bytes]:
+        answer = Answer(True, "m", logprobs=1, tools=tools)
+        return [event async for event in answer.events([StreamedOutput(tokens)], ["great"], False)]  # type: ignore[list-item]
+
+    chunks = [json.loads(event.removeprefix(b"data:")) for event in asyncio.run(read())[:-1]]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert streamed == [choice["logprobs"]]
+
+
 class EndedStream(TimedOutStream):
     """A streamed generation of a byte-fallback model that ended at its end of sequence
     right after a run of byte tokens: the run's text came with the end's token (TGI's)."""

@@ -69,7 +69,7 @@ from rawserve.api.reasoning import answers_opening
 from rawserve.api.routing import MODEL_ERRORS, DocContext, Handler, Needs, Operation, Route
 from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
-from rawserve.api.streaming import TokenStream, event_stream, start_choices
+from rawserve.api.streaming import StreamEnd, TokenStream, event_stream, start_choices
 from rawserve.api.tei_bodies import details
 from rawserve.http.errors import BadRequest, HTTPError, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
@@ -433,10 +433,10 @@ class OpenAIRoutes:
             if generation.echo:
                 texts = await echoed_texts(self.context.tokenizers, model, prompts)
                 echo_texts = [text for text in texts for _ in choices]
-            # (an error event names the field at fault too: a grammar that fails midway)
-            naming = functools.partial(name_field, generation=generation, chat=chat)
+            # told once for the stream, naming the field at fault (a grammar failed midway)
+            end = StreamEnd(functools.partial(name_field, generation=generation, chat=chat))
             streams = [
-                TokenStream(model, prompt, params, deadline, request.request_id, naming)
+                TokenStream(model, prompt, params, deadline, request.request_id, end)
                 for prompt in prompts
                 for params in choices
             ]

@@ -26,7 +26,7 @@ from rawserve.api.openai_logprobs import (
     listed,
     prompt_tokens,
 )
-from rawserve.api.openai_tools import StreamedWords, Tools
+from rawserve.api.openai_tools import WORDS_OPENING, StreamedWords, Tools, words_end
 from rawserve.api.reasoning import CONTENT, REASONING, Thinking, said, split_answer
 from rawserve.api.streaming import TokenStream, merged, spaced_sse
 from rawserve.http.errors import HTTPError, openai_error_document
@@ -177,12 +177,41 @@ class Answer:
             reason = finish_reason(output["details"])
             if self.chat:
                 choice["message"], reason = self.message(text, reason, output["details"], stops)
+                tokens = self.words_tokens(tokens, text, choice["message"], stops)
             else:
                 choice["text"] = text
             choice["logprobs"] = self.listing(tokens)
             choice["finish_reason"] = reason
             choices.append(choice)
         return {**self.head(False), "choices": choices, "usage": usage(outputs, n)}
+
+    def words_tokens(
+        self,
+        tokens: Sequence[Listed],
+        text: str,
+        message: Mapping[str, Any],
+        stops: Sequence[str],
+    ) -> list[Listed]:
+        """`tokens` (those of the generated `text`), up to where a stop sequence cut the
+        words of an answer that tools held (`message`'s content): those past it are not
+        the answer's, as a plain answer's are not."""
+        words = message.get("content")
+        if not stops or self.tools is None or not isinstance(words, str):
+            return list(tokens)
+        end = words_end(text, len(words))
+        if end is None:
+            return list(tokens)
+        rest = StreamedWords()  # the words past those said: cut where a stop begins them
+        rest.add(WORDS_OPENING + text[end:])
+        if not any(rest.sent.startswith(stop) for stop in stops):
+            return list(tokens)  # (not cut: every token is the answer's)
+        kept, offset = [], 0
+        for token in tokens:
+            if offset >= end:
+                break
+            kept.append(token)
+            offset += len(token.text)
+        return kept
 
     def text_stops(self, stops: Sequence[str]) -> Sequence[str]:
         """The stop sequences that cut the generated text: none where tools hold it (they
@@ -231,6 +260,7 @@ class Answer:
         text = output["generated_text"]
         details = output["details"]
         message, reason = self.message(text, finish_reason(details), details, stops)
+        tokens = self.words_tokens(tokens, text, message, stops)
         reasoning = message.get(REASONING) or ""
         thinking = reasoning[len(thought) :] if reasoning.startswith(thought) else ""
         calls = message.get("tool_calls")

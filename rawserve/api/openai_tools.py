@@ -401,6 +401,20 @@ class StreamedWords:
         return "".join(words)
 
 
+def words_end(raw: str, length: int) -> int | None:
+    """Where in `raw`, an answer held to tools (a reasoning model's thinking before it,
+    perhaps), the first `length` characters of its words end; None where it holds none."""
+    start = raw.find(WORDS_OPENING)
+    if start < 0:
+        return None
+    at = start + len(WORDS_OPENING)
+    for _ in range(length):
+        if at >= len(raw):
+            break
+        at += escape_length(raw, at) if raw[at] == "\\" else 1
+    return at
+
+
 def escape_length(raw: str, start: int) -> int:
     """The length of the JSON escape at `start`: `\\uXXXX` (twice for a surrogate pair), or a
     backslash and one character."""

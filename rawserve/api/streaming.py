@@ -73,6 +73,17 @@ def spaced_sse(document: Any) -> bytes:
     return b"data: " + dumps(document) + b"\n\n"
 
 
+class StreamEnd:
+    """How an HTTP stream ended, shared by its choices' TokenStreams: its error event is
+    logged and counted once for the stream (a client that stopped reading overflowed all
+    n of its choices at once: n lines, and n counts on /metrics), with `explain` saying
+    more of it (the field at fault)."""
+
+    def __init__(self, explain: Callable[[HTTPError], None] | None = None) -> None:
+        self.explain = explain
+        self.told = False
+
+
 class TokenStream:
     """A generation started for one prompt: its token chunks as they come (at most
     `STREAM_BUFFER_TOKENS` unread), then its result.
@@ -88,16 +99,16 @@ class TokenStream:
         params: Mapping[str, Any],
         deadline: float,
         request_id: str = "-",
-        explain: Callable[[HTTPError], None] | None = None,
+        end: StreamEnd | None = None,
     ):
         self.serving: Serving = model.serving
         self.request_id = request_id  # what its error event's log line names
-        self.explain = explain  # says more of an error event (the field at fault)
+        # how the HTTP stream ends, told once for all its choices (each one a TokenStream)
+        self.end = end or StreamEnd()
         self.count_error = model.count_stream_error
         self.echoed = prompt if returns_full_text(params) else ""  # what the answer starts with
         self.queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
         self.overflowed = False
-        self.told: HTTPError | None = None  # the error event logged and counted
         self.closed = False
         self.stream_id = self.serving.open_stream(self.on_token)
         running = model.run([prompt], params, deadline, Control(stream_id=self.stream_id))
@@ -157,11 +168,12 @@ class TokenStream:
     def ended_with(self, error: HTTPError) -> HTTPError:
         """`error`, which the stream's client gets as its last event, logged with the
         request's id: its head went out as 200, which its access line and /metrics say,
-        so this line is where an operator finds how it ended (once: an overflow is told
-        as it happens, the event sent when the client reads again)."""
-        if error is self.told:
+        so this line is where an operator finds how it ended (once for the HTTP stream: an
+        overflow is told as it happens, the event sent when the client reads again, and
+        the other choices' errors, which its client never sees, are not told)."""
+        if self.end.told:
             return error
-        self.told = error
+        self.end.told = True
         log.warning(
             "request %s: its stream ended with an error event: %d %s",
             self.request_id,
@@ -170,8 +182,8 @@ class TokenStream:
             extra={"request_id": self.request_id},
         )
         self.count_error(error.status)
-        if self.explain is not None:
-            self.explain(error)
+        if self.end.explain is not None:
+            self.end.explain(error)
         return error
 
     def close(self) -> None:
