@@ -1043,8 +1043,8 @@ def test_an_input_whose_model_output_is_not_numbers_fails_alone_as_the_models_fa
     assert failed == ItemFailure(
         FailureKind.INTERNAL,
         f"the model's {'vectors' if task == 'feature-extraction' else 'scores'} for this "
-        "input are not numbers (NaN or infinite: the model overflowed, as float16 may where "
-        "bfloat16 and float32 have the range (--dtype), or its weights are broken)",
+        "input are not numbers (NaN or infinite: the model overflowed (in float16, --dtype "
+        "bfloat16 or float32 has the range), or its weights are broken)",
     )
     [alone] = run_bisecting(serving, [GOOD[task]], dict(params), control=control)
     assert _rounded(good) == _rounded(alone)

@@ -48,8 +48,8 @@ SAMPLING_FAILED_MESSAGE = (
 # why a model's output is NaN or infinite: an overflow, as float16 meets on long inputs,
 # or a broken checkpoint (the model's fault, never the request's: a 500)
 NOT_NUMBERS_WHY = (
-    "(NaN or infinite: the model overflowed, as float16 may where bfloat16 and float32 have "
-    "the range (--dtype), or its weights are broken)"
+    "(NaN or infinite: the model overflowed (in float16, --dtype bfloat16 or float32 has the "
+    "range), or its weights are broken)"
 )
 # what a client is told when the model's own scores are NaN or infinite before any setting
 # of the request touched them: no token can be chosen from them, whatever the request asks
