@@ -2151,6 +2151,23 @@ def test_a_failing_step_fails_its_running_sequences_and_the_loop_goes_on(runner,
     assert loop.cap.limit is None
 
 
+def test_a_failing_step_leaves_no_times_of_its_sequences_behind(runner, monkeypatch):
+    """Their first token's time was kept, waiting for a second that never came, for the
+    worker's life (and each its whole sequence with it)."""
+    from rawserve.worker.generating import GenerationLoop
+
+    params = {"max_new_tokens": 10, "do_sample": False}
+    running = [Batch(1, ("the movie was",), params), Batch(2, ("a good film",), params)]
+    sent: list[Any] = []
+    loop = GenerationLoop(runner, sent.append, 8)
+    failing = FailingForward(runner.model.forward, RuntimeError("a kernel failed"), {2})
+    monkeypatch.setattr(runner.model, "forward", failing)  # the first step after the join
+    loop.run(Script({0: running}))
+    assert all(isinstance(o, ItemFailure) for r in results(sent).values() for o in r.outputs)
+    loop._count_passes()
+    assert not loop.times._admitted and not loop.times._first_at
+
+
 def test_a_failing_prefill_fails_the_sequences_joining_in_it(runner, monkeypatch):
     """They are neither waiting nor rows while it runs: they fail, not hang unanswered."""
     from rawserve.worker.generating import GenerationLoop

@@ -242,6 +242,30 @@ def test_a_cpu_workers_cache_goes_once_no_row_runs_and_comes_back_for_the_next(r
     assert later.tokens == alone_greedy(runner, prompt_ids(runner, "the movie was"), 30)
 
 
+def test_a_cpu_workers_cache_still_goes_when_idle_after_a_failed_step(runner, monkeypatch):
+    """A failed step (running out of memory, most often) rebuilt the buffers without
+    their release: kept at their high-water mark for the worker's life after it."""
+    from rawserve.worker.continuous import Generation
+
+    engine = batcher(runner, max_rows=8)
+    for index in range(4):
+        engine.add(Generation(index, prompt_ids(runner, f"word {index} " * 50), 20))
+    engine.step()
+    monkeypatch.setattr(runner.model, "forward", failing_forward)
+    with pytest.raises(RuntimeError):
+        engine.step()
+    monkeypatch.undo()
+    assert len(engine.drop_failed()) == 4
+    for index in range(4):
+        engine.add(Generation(f"after {index}", prompt_ids(runner, f"word {index} " * 50), 20))
+    run_all(engine)
+    assert engine._slots.capacity == (0, 0) and not engine._slots.keys
+
+
+def failing_forward(*args, **kwargs):
+    raise RuntimeError("a kernel failed")
+
+
 def test_a_short_request_joining_a_long_one_finishes_first(runner):
     from rawserve.worker.continuous import Generation
 

@@ -254,8 +254,8 @@ class ContinuousBatcher:
         self._chunked: ChunkedPrefill | None = None
         graphs = cuda_graphs and GraphedDecode.supports(model)
         # a CPU's buffers go while no row runs (nothing reads their addresses but graphs)
-        release = self.device.type == "cpu" and not graphs
-        self._slots = KvSlots(self.device, max_rows, max_positions, release_when_idle=release)
+        self._release_when_idle = self.device.type == "cpu" and not graphs
+        self._slots = self._new_slots()
         self._positions = torch.zeros(0, dtype=torch.long, device=self.device)
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
         # the last prefilled prompts' scores for the token after them (FORKABLE_PROMPTS)
@@ -494,6 +494,14 @@ class ContinuousBatcher:
                 generation.joins_at_most = at_most
         self.waiting = [*generations, *self.waiting]
 
+    def _new_slots(self) -> KvSlots:
+        return KvSlots(
+            self.device,
+            self.max_rows,
+            self.max_positions,
+            release_when_idle=self._release_when_idle,
+        )
+
     def drop_running(self) -> list[Generation]:
         """After a step raised: the sequences it was running (rows, and those joining),
         taken out of the batch with its cache; the waiting ones stay to run later."""
@@ -504,7 +512,7 @@ class ContinuousBatcher:
             self._chunked = None
         self.rows, self._joining, self._prefilling = [], [], False
         # its buffers go too: the step may have run out of memory
-        self._slots = KvSlots(self.device, self.max_rows, self.max_positions)
+        self._slots = self._new_slots()
         self._positions = torch.zeros(0, dtype=torch.long, device=self.device)
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
         self._prompt_scores = {}

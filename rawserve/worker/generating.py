@@ -308,6 +308,7 @@ class GenerationLoop:
         except Exception:  # noqa: BLE001 - it fails as it was going to
             return False
         opened.generations[index] = again
+        self.times.forget(generation, again)
         if index in opened.tokens:
             opened.tokens[index] = []
         return True
@@ -412,7 +413,9 @@ class GenerationLoop:
             else:
                 log.error("generation failed (request %s)", request, exc_info=exc, extra=named)
         opened.outputs[index] = failure
-        opened.generations.pop(index, None)
+        generation = opened.generations.pop(index, None)
+        if generation is not None:  # it never finishes: its times are forgotten
+            self.times.forget(generation)
 
     def _answer_if_done(self, opened: OpenBatch) -> None:
         if not opened.done:

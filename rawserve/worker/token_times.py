@@ -50,6 +50,14 @@ class TokenTimes:
         """`generation` was admitted `at` (None: not known; timed from now)."""
         self._admitted[generation] = self.clock() if at is None else at
 
+    def forget(self, generation: Generation, again: Generation | None = None) -> None:
+        """`generation` ended without finishing (failed), or was queued `again` from its
+        prompt: the new one keeps its admission, if it had not made its first token."""
+        admitted = self._admitted.pop(generation, None)
+        self._first_at.pop(generation, None)
+        if again is not None and admitted is not None:
+            self._admitted[again] = admitted
+
     def step_begins(self) -> None:
         self._step_began = self.clock()
 
