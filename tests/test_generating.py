@@ -2368,6 +2368,33 @@ def test_joiners_out_of_memory_join_again_fewer_and_the_running_rows_go_on(runne
     assert isinstance(failure, ItemFailure) and failure.kind is FailureKind.OUT_OF_MEMORY
 
 
+def test_a_lone_joiner_out_of_memory_beside_running_rows_waits_for_them(runner, monkeypatch):
+    """The memory was the running rows': the short prompt that joined them failed 500 at
+    once (a tester), where it fits once they have left."""
+    from rawserve.worker.generating import GenerationLoop
+
+    params = {"max_new_tokens": 10, "do_sample": False}
+    running = Batch(1, ("the movie was",), params)
+    joining = Batch(2, ("a good film",), params)
+    sent: list[Any] = []
+    loop = GenerationLoop(runner, sent.append, 8)
+    forward = runner.model.forward
+
+    def out_of_memory_beside_rows(*args, **kwargs):
+        import torch
+
+        if kwargs["input_ids"].shape[1] > 1 and loop.batcher.rows:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner.model, "forward", out_of_memory_beside_rows)
+    loop.run(Script({0: [running], 2: [joining]}))
+    monkeypatch.undo()
+    answered = results(sent)
+    assert answered[1].outputs == (static(runner, "the movie was", params),)
+    assert answered[2].outputs == (static(runner, "a good film", params),)
+
+
 def test_rows_lowered_below_those_running_let_none_join_until_they_leave(runner):
     """After running out of memory the rows running may outnumber the lowered cap: nobody
     joins meanwhile (a negative room once let all but the last few waiting in)."""

@@ -18,12 +18,13 @@ input that cannot run fails alone, at once, with the same message. A step that r
 fails the sequences it was running (the runner's `describe_failure`) and the loop goes
 on; after an out-of-memory error it runs half as many rows at once for a while. Where
 the joining sequences' own prefill raised, the running rows go on untouched; joiners
-that ran out of memory together wait and join again, fewer at a time, so that only one
-too large even alone fails; joiners whose prefill failed otherwise join again in halves,
-as the static path bisects a failing batch, down to the prompts that fail alone. Where a
-decoding step ran out, the sequences it was running start again from their prompts, as
-the static path splits a batch and retries its halves (not one that ran out of memory
-alone, nor a stream that has sent tokens: those fail).
+that ran out of memory, together or beside running rows, wait and join again, fewer at
+a time, so that only one too large even alone, with no row running, fails; joiners
+whose prefill failed otherwise join again in halves, as the static path bisects a
+failing batch, down to the prompts that fail alone. Where a decoding step ran out, the
+sequences it was running start again from their prompts, as the static path splits a
+batch and retries its halves (not one that ran out of memory alone, nor a stream that
+has sent tokens: those fail).
 
 Worker process only (it drives the model).
 """
@@ -275,9 +276,12 @@ class GenerationLoop:
                 sequences,
                 self.cap.limit,
             )
-            # joiners with no token yet, run out of memory together: they join again, fewer
-            # at a time, until one that does not fit even alone fails alone
-            if len(running) > 1 and not any(generation.tokens for generation in running):
+            # joiners with no token yet, run out of memory together or beside rows that
+            # hold memory: they join again, fewer at a time (the cap), until one that does
+            # not fit even alone, no row running, fails alone
+            beside_rows = prefill and bool(self.batcher.rows)
+            fewer = len(running) > 1 or beside_rows
+            if fewer and not any(generation.tokens for generation in running):
                 self.batcher.wait_again(running)
                 return
         retry = failure.kind is FailureKind.OUT_OF_MEMORY and len(running) > 1
