@@ -120,8 +120,8 @@ def test_a_job_learns_which_of_its_items_nobody_waits_for_and_so_do_its_parts(lo
     places in it); a part of the batch (a retry of one item after a crash, the items not
     refused as poison) reads them at its own inputs' places."""
     whole = job(loop, 1, items=4)
-    retry = whole.part([2])
-    rest = whole.part([1, 3])
+    retry = whole.part([2], 2)
+    rest = whole.part([1, 3], 3)
     assert retry.inputs == ("prompt 2",) and rest.inputs == ("prompt 1", "prompt 3")
     elsewhere = loop.create_future()
     assert not any(each.forget(elsewhere) for each in (whole, retry, rest))
@@ -151,5 +151,5 @@ async def test_a_batch_and_each_part_of_it_carry_their_inputs_request_ids():
     pool.submit(["a", "b"], {}, NO_CONTROL, ["r1", "r2"])
     whole = worker.job
     assert whole is not None and worker.conn.sent[0].request_ids == ("r1", "r2")
-    assert whole.part([1]).request_ids == ("r2",)
+    assert whole.part([1], 5).request_ids == ("r2",)
     assert Batch(1, ("a",)).request_id(0) == "-"  # none given

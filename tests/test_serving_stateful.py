@@ -139,6 +139,9 @@ class FakeConn:
 
     def send(self, message: Any) -> None:
         if isinstance(message, Batch):
+            # a worker told that nobody waits for a batch stops any batch of that id
+            assert message.batch_id not in self.cancelled, "a batch under a cancelled id"
+            assert all(b.batch_id != message.batch_id for b in self.batches), "an id sent twice"
             self.on_batch(message)
             self.batches.append(message)
         elif isinstance(message, Cancel):
@@ -589,6 +592,30 @@ def test_an_input_quarantined_as_the_restart_outlasts_its_deadline_gets_its_verd
     assert poison.outcome == mate.outcome == "results"
     assert poison.ends[0][1][0].output == CRASHED_ALONE
     assert mate.ends[0][1][0].output == ("out", "mate")
+
+
+def test_an_item_run_again_after_a_crash_is_not_stopped_as_its_batch_mate_ends(loaded):
+    """Each item of a lost batch runs again alone; they shared the batch's id, so the
+    cancel of the first (its deadline passed, or its client left) stopped the second as
+    the worker took it: a generation answered 200 with its first token (a tester)."""
+    serving = loaded(max_batch_size=4)
+    worker = serving.pool.workers[0]
+    serving.arrive(["busy"], {}, timeout=30.0)
+    first = serving.arrive(["a"], {}, timeout=3.0)
+    second = serving.arrive(["b"], {}, timeout=30.0)
+    serving.answer(*serving.answerable()[0])
+    serving.crash(worker)  # holding ("a", "b"): each runs again alone
+    serving.advance(0.6)
+    serving.load(worker)
+    serving.advance(2.5)  # the first's deadline passes as it runs: its worker is told
+    conn = serving.conns[worker.process.pid]
+    assert conn.cancelled == {conn.batches[0].batch_id}
+    serving.answer(worker, conn, conn.batches[0])
+    (retried,) = conn.batches[1:]  # the second, under an id of its own (asserted on send)
+    assert retried.inputs == ("b",)
+    serving.answer(worker, conn, retried)
+    assert first.outcome is Reason.DEADLINE_PASSED and second.outcome == "results"
+    serving.check()
 
 
 def test_a_worker_holding_two_batches_takes_the_second_at_once_until_one_is_timed(loaded):

@@ -87,14 +87,16 @@ class Job:
         self.abandoned = len(self.gone) == len(self.inputs)
         return self.abandoned
 
-    def part(self, indices: Sequence[int], poison_key: str | None = None) -> Job:
-        """A job of its inputs at `indices`: a part of the same scheduler's batch."""
+    def part(self, indices: Sequence[int], batch_id: int, poison_key: str | None = None) -> Job:
+        """A job of its inputs at `indices`: a part of the same scheduler's batch, sent
+        to a worker as batch `batch_id`, an id of its own (a worker told that nobody
+        waits for one part any more must not stop the next)."""
         return Job(
             tuple(self.inputs[index] for index in indices),
             self.params,
             self.control,
             self.future,
-            self.batch_id,
+            batch_id,
             poison_key,
             assembly=self._assembly(),
             places=tuple(self.place(index) for index in indices),

@@ -247,7 +247,8 @@ class WorkerPool(PoolReports):
             future.set_result(BatchResult(batch_id, (REFUSED_POISON,) * len(inputs), 0.0))
             return future
         whole.answer_unrun([i for i, bad in enumerate(refused) if bad], REFUSED_POISON)
-        self._send(worker, whole.part([i for i, bad in enumerate(refused) if not bad]))
+        unrefused = [i for i, bad in enumerate(refused) if not bad]
+        self._send(worker, whole.part(unrefused, next(self._batch_ids)))
         return future
 
     def open_stream(self, on_token: Callable[[TokenChunk], None]) -> int:
@@ -517,7 +518,8 @@ class WorkerPool(PoolReports):
             if index in job.gone:
                 job.answer_unrun([index], NOT_RUN)
             else:
-                self._retries.append(job.part([index], PoisonMemory.key(value, job.params)))
+                key = PoisonMemory.key(value, job.params)
+                self._retries.append(job.part([index], next(self._batch_ids), key))
 
     def _run_again_whole(self, job: Job) -> None:
         """A batch a dead worker held behind the one it ran never started: it runs again
@@ -526,7 +528,8 @@ class WorkerPool(PoolReports):
             not_run(job)
         elif job.gone:
             job.answer_unrun(sorted(job.gone), NOT_RUN)
-            self._retries.append(job.part([i for i in range(len(job.inputs)) if i not in job.gone]))
+            wanted = [i for i in range(len(job.inputs)) if i not in job.gone]
+            self._retries.append(job.part(wanted, next(self._batch_ids)))
         else:
             self._retries.append(replace(job, watchdog=None, waited=0.0))
 
