@@ -618,6 +618,32 @@ def test_an_item_run_again_after_a_crash_is_not_stopped_as_its_batch_mate_ends(l
     serving.check()
 
 
+def test_a_batch_run_again_after_a_crash_teaches_no_speed(loaded):
+    """Its time is the worker's restart as much as the model's: learned from the first
+    batch (nothing to compare it with), an 8 s restart was the model's speed, and short
+    deadlines waited for their 504s beside an idle worker (a tester)."""
+    serving = loaded(max_batch_size=4)
+    worker = serving.pool.workers[0]
+    first = serving.arrive(["a", "b"], {}, timeout=30.0)
+    serving.advance(0.01)
+    serving.crash(worker)
+    serving.advance(8.0)  # the restart and the model's load
+    serving.load(worker)
+    while serving.answerable():
+        serving.answer(*serving.answerable()[0])
+    assert first.outcome == "results"
+    assert serving.scheduler.core.cost_model.calls == 0
+    for index in range(3):  # the model's own speed, then
+        serving.arrive([f"c{index}"], {}, timeout=30.0)
+        serving.advance(0.01)
+        serving.answer(*serving.answerable()[0])
+    short = serving.arrive(["d"], {}, timeout=2.0)
+    assert serving.answerable()  # sent at once
+    serving.answer(*serving.answerable()[0])
+    assert short.outcome == "results"
+    serving.check()
+
+
 def test_a_worker_holding_two_batches_takes_the_second_at_once_until_one_is_timed(loaded):
     """Until a batch has been timed, a worker that holds two batches takes its second as
     the first starts: what is queued goes behind it then, not once the first is answered."""

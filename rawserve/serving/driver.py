@@ -493,8 +493,10 @@ class Scheduler:
         if not any(_waits(item) for item in batch):
             self.core.stopped_batch(batch, self.clock() - result.waited)  # nobody waited
             return
-        # its own run: the time it waited in the worker behind another batch left out
-        self.core.finish_batch(batch, self.clock() - result.waited)
+        if result.rerun:  # its time is a worker's restart as much as the model's
+            self.core.forget_batch(batch)
+        else:  # its own run: the time it waited in the worker behind another batch left out
+            self.core.finish_batch(batch, self.clock() - result.waited)
         if result.token_counts:
             self.core.calibrate(batch, result.token_counts)
         answers = [

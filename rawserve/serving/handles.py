@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
@@ -47,6 +47,7 @@ class Job:
     gone: frozenset[int] = frozenset()  # the indices of its inputs nobody waits for
     request_ids: tuple[str, ...] = ()  # each input's request's, for the worker's log
     admitted: tuple[float, ...] = ()  # when each input was admitted (time.monotonic)
+    rerun: bool = False  # it runs again after its worker died (`BatchResult.rerun`)
     answered: bool = False
 
     def place(self, index: int) -> int:
@@ -61,6 +62,8 @@ class Job:
         if self.answered:
             return
         self.answered = True
+        if result is not None and self.rerun:
+            result = replace(result, rerun=True)
         if self.assembly is None:
             settle(self.future, result=result, error=error)
         elif result is not None:
@@ -87,7 +90,14 @@ class Job:
         self.abandoned = len(self.gone) == len(self.inputs)
         return self.abandoned
 
-    def part(self, indices: Sequence[int], batch_id: int, poison_key: str | None = None) -> Job:
+    def part(
+        self,
+        indices: Sequence[int],
+        batch_id: int,
+        poison_key: str | None = None,
+        *,
+        rerun: bool = False,
+    ) -> Job:
         """A job of its inputs at `indices`: a part of the same scheduler's batch, sent
         to a worker as batch `batch_id`, an id of its own (a worker told that nobody
         waits for one part any more must not stop the next)."""
@@ -102,6 +112,7 @@ class Job:
             places=tuple(self.place(index) for index in indices),
             request_ids=tuple(self.request_ids[index] for index in indices if self.request_ids),
             admitted=tuple(self.admitted[index] for index in indices if self.admitted),
+            rerun=rerun,
         )
 
     def _assembly(self) -> Assembly:
@@ -126,15 +137,18 @@ class Assembly:
         self._outputs: list[Any] = [None] * size
         self._unfilled = set(range(size))
         self._seconds = 0.0
+        self._rerun = False
 
     def fill(self, places: Sequence[int], result: BatchResult) -> None:
         for place, output in zip(places, result.outputs, strict=True):
             self._outputs[place] = output
             self._unfilled.discard(place)
         self._seconds += result.compute_seconds
+        self._rerun |= result.rerun
         if not self._unfilled:
             outputs = tuple(self._outputs)
-            settle(self.target, result=BatchResult(self.batch_id, outputs, self._seconds))
+            answer = BatchResult(self.batch_id, outputs, self._seconds, rerun=self._rerun)
+            settle(self.target, result=answer)
 
     def fail(self, error: BaseException | None) -> None:
         settle(self.target, error=error)

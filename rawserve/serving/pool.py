@@ -519,7 +519,7 @@ class WorkerPool(PoolReports):
                 job.answer_unrun([index], NOT_RUN)
             else:
                 key = PoisonMemory.key(value, job.params)
-                self._retries.append(job.part([index], next(self._batch_ids), key))
+                self._retries.append(job.part([index], next(self._batch_ids), key, rerun=True))
 
     def _run_again_whole(self, job: Job) -> None:
         """A batch a dead worker held behind the one it ran never started: it runs again
@@ -529,9 +529,9 @@ class WorkerPool(PoolReports):
         elif job.gone:
             job.answer_unrun(sorted(job.gone), NOT_RUN)
             wanted = [i for i in range(len(job.inputs)) if i not in job.gone]
-            self._retries.append(job.part(wanted, next(self._batch_ids)))
+            self._retries.append(job.part(wanted, next(self._batch_ids), rerun=True))
         else:
-            self._retries.append(replace(job, watchdog=None, waited=0.0))
+            self._retries.append(replace(job, watchdog=None, waited=0.0, rerun=True))
 
     def _watch(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = self._running_loop.create_task(coroutine)

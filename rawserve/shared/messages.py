@@ -125,6 +125,9 @@ class BatchResult:
     waited: float = 0.0
     # seconds the worker's preparing thread took on it (tokenizing), apart from the model
     prepare_seconds: float = 0.0
+    # its inputs ran again after their worker died (set by the server's pool): its time,
+    # a restart's, says nothing of the model's speed
+    rerun: bool = False
 
 
 @dataclass(frozen=True)
