@@ -66,6 +66,15 @@ def inputs(batch) -> list:
     return [item.input for item in batch]
 
 
+def busy(core: SchedulerCore, now: float = 0.0) -> list:
+    """A model call running (a short input's, sent): an item held for its deadline then
+    waits behind it rather than runs on an idle worker (`_probe`)."""
+    queue_items(core, ["busy"], now=now, deadline=now + 100.0)
+    batch = core.next_batch(now)
+    assert batch is not None and inputs(batch) == ["busy"]
+    return batch
+
+
 # --- the core: pure decisions of `now` ----------------------------------------------
 
 
@@ -280,9 +289,28 @@ def test_an_item_that_cannot_finish_in_time_is_not_computed():
     core = SchedulerCore()
     doomed = queue_items(core, [text(200)], deadline=1.0)  # admitted: nothing measured yet
     measured(core, seconds_per_token=0.01)  # now we know: 200 tokens take 2 s
+    busy(core)
     assert core.next_batch(now=0.0) is None
     assert core.next_wakeup(now=0.0) == 1.0  # it stays until its deadline, then 504
     assert core.drop_expired(now=1.0) == doomed
+
+
+def test_with_no_call_running_and_none_that_can_finish_the_cheapest_runs_alone():
+    """Held, every item waited beside an idle worker for its 504, and the estimate that
+    held them was never measured again: one slow first call (3 s where the next took
+    10 ms) kept every request with a 1 s deadline queued for good (a tester)."""
+    core = measured(SchedulerCore(max_batch_size=4), seconds_per_token=0.01)
+    long, short, other = queue_items(core, [text(300), text(200), text(250)], deadline=1.0)
+    assert core.next_batch(now=0.0) == [short]  # predicted 2 s: it runs, and is timed
+    assert core.next_batch(now=0.0) is None  # one at a time, while it runs
+    core.finish_batch([short], now=0.01)  # 10 ms: the estimate was wrong
+    assert core.next_batch(now=0.01) is not None  # the others can finish now
+    waiting = SchedulerCore(max_batch_size=4, max_batch_delay=0.5)
+    measured(waiting, seconds_per_token=0.01)
+    queue_items(waiting, [text(300)], deadline=1.0)
+    viable = queue_items(waiting, [text(5)], deadline=5.0)
+    assert waiting.next_batch(now=0.0) is None  # one that can finish waits for its batch
+    assert waiting.next_batch(now=0.5) == viable  # and goes first
 
 
 def test_a_batch_leaves_out_the_members_it_would_make_late():
@@ -507,7 +535,8 @@ def test_a_generation_that_may_end_early_is_sent_though_its_max_tokens_would_not
     expires unsent); a generation whose max_new_tokens would not fit is sent all the
     same: it may end at its first new token, and most answers end long before their cap.
     Judged by its most it sat queued beside an idle worker until a 504."""
-    core = measured(SchedulerCore(), seconds_per_token=0.01)  # 1,000 tokens take 10 s
+    core = measured(SchedulerCore(workers=4), seconds_per_token=0.01)  # 1,000 tokens: 10 s
+    busy(core)
     (long_text,) = queue_items(core, [text(1000)], deadline=2.0)
     assert core.next_batch(0.0) is None
     (asked_much,) = queue_items(core, [text(5)], deadline=2.0, params={"max_new_tokens": 4000})
@@ -531,6 +560,7 @@ def test_a_prompt_only_scored_on_a_continuous_worker_is_sent_while_rows_are_free
     queue_items(rows, [text(1000)], deadline=8.0, params=scored)  # predicted 10 s
     assert inputs(rows.next_batch(0.0)) == [text(1000)]
     batching = measured(SchedulerCore(), seconds_per_token=0.01)
+    busy(batching)
     queue_items(batching, [text(1000)], deadline=8.0, params=scored)
     assert batching.next_batch(0.0) is None
 
@@ -563,6 +593,7 @@ def test_an_input_larger_than_any_call_measured_is_sent_once_and_measured():
     batch = core.next_batch(0.0)
     assert batch is not None and inputs(batch) == [text(10_000)]
     core.finish_batch(batch, 9.0)  # it took 9 s
+    busy(core, now=9.0)
     queue_items(core, [text(10_000)], now=9.0, deadline=14.0)
     assert core.next_batch(9.0) is None
 

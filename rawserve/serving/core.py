@@ -439,6 +439,9 @@ class SchedulerCore:
             batches.append(batch)
             if key in self._queues:
                 heapq.heappush(order, (self._queues[key][0].sort_key(), key))
+        if free_workers and not batches:
+            probe = self._probe(now)
+            batches += [probe] if probe is not None else []
         return Decision(expired, batches, self.next_wakeup(now, free_workers - len(batches)))
 
     def next_batch(self, now: float) -> list[WorkItem] | None:
@@ -449,13 +452,32 @@ class SchedulerCore:
         whose turn comes first, unless one is close to its deadline: the earliest such
         deadline leads. Expired items never go, nor (once the cost model is trusted)
         inputs that cannot be computed before their deadline even alone: they stay
-        queued until they expire. A generation goes while its deadline is ahead.
+        queued until they expire, unless no model call runs and none can (`_probe`).
+        A generation goes while its deadline is ahead.
         """
         for queue in sorted(self._queues.values(), key=lambda queue: queue[0].sort_key()):
             batch = self._batch_from(queue, now)
             if batch is not None:
                 return batch
-        return None
+        return self._probe(now)
+
+    def _probe(self, now: float) -> list[WorkItem] | None:
+        """With no model call running and nothing queued that the estimate lets finish
+        in time, the cheapest item still in time runs alone: held, every item would wait
+        beside idle workers for its 504, and the estimate that holds them would never be
+        measured again (one slow first call, 3 s where the next took 10 ms, kept every
+        request with a 1 s deadline queued for good). Its time corrects the estimate,
+        or confirms it at the cost of one item on a worker that had nothing to do."""
+        if self._in_flight or not self._queues:
+            return None
+        queued = [(item, queue) for queue in self._queues.values() for item in queue]
+        if any(self._can_finish(item, now) for item, _ in queued):
+            return None  # (they go when their batch's wait ends)
+        alive = [(item, queue) for item, queue in queued if item.deadline > now]
+        if not alive:
+            return None
+        item, queue = min(alive, key=lambda pair: (pair[0].cost, pair[0].sort_key()))
+        return self._send(queue, [item], 0, now)
 
     def _batch_from(self, queue: list[WorkItem], now: float) -> list[WorkItem] | None:
         """`next_batch` for one key's queue: its batch (marked in flight), or None to wait.
@@ -487,7 +509,13 @@ class SchedulerCore:
         waiting = now < self._wait_ends(minima)
         if waiting and not self._is_full(batch, len(viable), limits):
             return None
-        self._take(queue, batch, window_size)
+        return self._send(queue, batch, window_size, now)
+
+    def _send(
+        self, queue: list[WorkItem], batch: list[WorkItem], window: int, now: float
+    ) -> list[WorkItem]:
+        """`batch` out of its key's queue and in flight (`_take` has the `window`)."""
+        self._take(queue, batch, window)
         self._turn = max(self._turn, self._served_turn(batch, queue))
         cost = padded_cost(item.cost for item in batch)
         predicted = self.cost_model.predict(cost, len(batch)) or 0.0
