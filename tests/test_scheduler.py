@@ -434,13 +434,33 @@ def test_partners_of_a_like_length_do_not_put_later_arrivals_behind_the_turns_th
     lengths = [10] + [200] * 20 + [10] * 4 + [200] * 231  # 256 inputs, 5 short ones
     listed = queue_items(core, [text(n) for n in lengths])
     first = core.next_batch(now=0.0)
-    assert [item.turn for item in first] == [0, 21, 22, 23, 24]  # the short ones
+    assert [item.turn for item in first] == [1, 22, 23, 24, 25]  # the short ones
     (single,) = queue_items(core, [text(200)], now=0.1)
     sent = []  # the list's inputs sent before the single one's call
     while single not in (batch := core.next_batch(now=0.2)):
         sent += batch
     assert not sent  # not the 20 inputs of the turns skipped
-    assert batch[:2] == [listed[1], single]  # it shares the list's next turn
+    # the turn after the one being served (the list's first left behind): it shares it
+    assert batch[:3] == [listed[1], listed[2], single] and single.turn == listed[2].turn
+
+
+def test_an_input_unlike_the_rest_is_not_passed_by_the_inputs_arriving_after_it():
+    """Every arrival took the turn being served, which a batch that leaves an input
+    behind (unlike its partners in length) does not pass: the later arrivals shared its
+    turn and went first by their earlier deadlines, until it was urgent. A 3-word text
+    among 120-word ones with 0.2 s deadlines waited 9.3 s of its 10 (a tester)."""
+    core = measured(SchedulerCore(max_batch_size=4), 1e-4, fixed=0.01)
+    (short,) = queue_items(core, [text(5)], now=0.0, deadline=10.0)
+    now, sent_with = 0.0, None
+    for step in range(20):  # a long input arrives with each call, and one is served
+        queue_items(core, [text(150)] * 2, now=now, deadline=now + 0.2)
+        batch = core.next_batch(now)
+        if short in batch:
+            sent_with = step
+            break
+        core.finish_batch(batch, now + 0.02)
+        now += 0.02
+    assert sent_with is not None and sent_with <= 2
 
 
 def test_two_lists_take_turns():

@@ -241,8 +241,11 @@ class SchedulerCore:
             raise NeverAdmissible(len(items), self.max_queue)
         if self._size + len(items) > self.max_queue:
             raise QueueFull(self.retry_after(now))
+        # the turn after the one being served: an input a batch left behind (unlike its
+        # partners in length) keeps the turn it had, and later arrivals go after it, not
+        # before it by their earlier deadlines until it is urgent (9.3 s of a 10 s wait)
         for offset, item in enumerate(items):
-            item.turn = self._turn + offset
+            item.turn = self._turn + 1 + offset
         if now is not None and items and self._misses_deadline(items, now):
             if self._continuous(items) and now + self._own_seconds(items) > min(
                 item.deadline for item in items
