@@ -644,6 +644,33 @@ def test_a_batch_run_again_after_a_crash_teaches_no_speed(loaded):
     serving.check()
 
 
+def test_inputs_run_again_after_a_crash_wait_for_their_worker_while_the_other_serves(loaded):
+    """Run alone on the other worker, the input that crashed the first took it down too:
+    every worker restarting at once (a handler's poison input, two workers: 41 of 60
+    requests answered 503 for 11 s). They run on the worker that crashed, once it is
+    back; the other serves new requests meanwhile."""
+    serving = loaded(workers=2, max_batch_size=4)
+    serving.load(serving.pool.workers[1])
+    lost = serving.arrive(["x", "poison"], {}, timeout=30.0)
+    ((crashed, _, batch),) = serving.answerable()
+    assert batch.inputs == ("x", "poison")
+    (other,) = [w for w in serving.pool.workers if w is not crashed]
+    serving.crash(crashed)
+    fresh = serving.arrive(["fresh"], {}, timeout=30.0)
+    ((worker, conn, batch),) = serving.answerable()  # the other, with the new request only
+    assert worker is other and batch.inputs == ("fresh",)
+    serving.answer(worker, conn, batch)
+    assert fresh.outcome == "results"
+    serving.advance(0.6)
+    serving.load(crashed)
+    for expected in (("x",), ("poison",)):  # alone, one after the other, where it crashed
+        ((worker, conn, batch),) = serving.answerable()
+        assert worker is crashed and batch.inputs == expected
+        serving.answer(worker, conn, batch)
+    assert lost.outcome == "results"
+    serving.check()
+
+
 def test_a_worker_holding_two_batches_takes_the_second_at_once_until_one_is_timed(loaded):
     """Until a batch has been timed, a worker that holds two batches takes its second as
     the first starts: what is queued goes behind it then, not once the first is answered."""

@@ -213,7 +213,7 @@ async def test_a_retry_after_a_crash_is_dropped_once_nobody_waits_for_it():
     pool = WorkerPool(WorkerConfig(model="unused"), ["cpu"], loop=loop)
     left, waited, running = (loop.create_future() for _ in range(3))
     for batch_id, (value, future) in enumerate([("a", left), ("b", waited), ("c", running)]):
-        pool._retry_alone(Job((value,), {}, NO_CONTROL, future, batch_id))
+        pool._retry_alone(Job((value,), {}, NO_CONTROL, future, batch_id), home=0)
     worker = pool.workers[0]
     worker.job = pool._retries.pop()  # "c" runs again on the restarted worker
     pool.abandon(left)

@@ -48,6 +48,9 @@ class Job:
     request_ids: tuple[str, ...] = ()  # each input's request's, for the worker's log
     admitted: tuple[float, ...] = ()  # when each input was admitted (time.monotonic)
     rerun: bool = False  # it runs again after its worker died (`BatchResult.rerun`)
+    # the worker that died running it, where it runs again (None: on any): on another,
+    # an input that crashes a worker would take that one down as well
+    home: int | None = None
     answered: bool = False
 
     def place(self, index: int) -> int:

@@ -196,10 +196,17 @@ class WorkerPool(PoolReports):
 
     def idle_workers(self) -> int:
         """How many batches could be sent now (`WorkerHandle.room`): none while retries
-        after a crash wait for an idle worker (they go first)."""
-        if self._holding_cores() or self._retries:
+        any worker may run wait for an idle one (they go first), and none to a worker
+        whose own retries wait for it (those of its crash)."""
+        if self._holding_cores() or any(retry.home is None for retry in self._retries):
             return 0
-        return sum(w.room() for w in self.workers)
+        return sum(w.room() for w in self._unreserved())
+
+    def _unreserved(self) -> list[WorkerHandle]:
+        """The workers no retry waits for (after a crash, its inputs run again alone on
+        the worker that crashed, once it is back)."""
+        reserved = {retry.home for retry in self._retries}
+        return [w for w in self.workers if w.index not in reserved]
 
     def batch_cap(self) -> int | None:
         """The most items a `submit` should carry now (None: no limit of the workers'): one
@@ -222,8 +229,11 @@ class WorkerPool(PoolReports):
     ) -> asyncio.Future[BatchResult]:
         # the scheduler may send a second batch in the same breath as a lone item that
         # took every core: it runs on a free worker anyway (briefly one thread too many)
-        worker = self._next_idle(despite_hold=True) or max(self.workers, key=WorkerHandle.room)
-        if not worker.room() or self._retries:
+        free = self._unreserved()
+        if not free or any(retry.home is None for retry in self._retries):
+            raise Refused.because(Reason.NO_WORKER, "no model worker is free")
+        worker = self._next_idle(free, despite_hold=True) or max(free, key=WorkerHandle.room)
+        if not worker.room():
             raise Refused.because(Reason.NO_WORKER, "no model worker is free")
         future = self._running_loop.create_future()
         batch_id = next(self._batch_ids)
@@ -353,10 +363,12 @@ class WorkerPool(PoolReports):
         assert self._loop is not None, "start() first"
         return self._loop
 
-    def _next_idle(self, *, despite_hold: bool = False) -> WorkerHandle | None:
+    def _next_idle(
+        self, among: list[WorkerHandle], *, despite_hold: bool = False
+    ) -> WorkerHandle | None:
         if self._holding_cores() and not despite_hold:
             return None
-        return next((w for w in self.workers if w.state is WorkerState.IDLE and not w.gone), None)
+        return next((w for w in among if w.state is WorkerState.IDLE and not w.gone), None)
 
     def overlaps(self, ready: WorkerReady) -> bool:
         """Whether a worker that just loaded holds two batches. Yes on a GPU: it computes
@@ -444,8 +456,10 @@ class WorkerPool(PoolReports):
 
     def _pump(self) -> None:
         """Give free workers the retries first, then tell the scheduler who is free."""
-        while self._retries and (worker := self._next_idle()) is not None:
-            self._send(worker, self._retries.popleft())
+        while (found := self._next_retry()) is not None:
+            worker, retry = found
+            self._retries.remove(retry)
+            self._send(worker, retry)
         if self.idle_workers():
             self._notify_idle()
 
@@ -511,15 +525,31 @@ class WorkerPool(PoolReports):
                 job.answer(error=error)
         return job
 
-    def _retry_alone(self, job: Job) -> None:
-        """After a crash, run each item of the lost batch alone, ahead of the queue (those
-        nobody waits for any more are not run)."""
+    def _next_retry(self) -> tuple[WorkerHandle, Job] | None:
+        """An idle worker and the first retry it may run (its own, or anyone's)."""
+        if self._holding_cores():
+            return None
+        for worker in self.workers:
+            if worker.state is WorkerState.IDLE and not worker.gone:
+                mine = (retry for retry in self._retries if retry.home in (None, worker.index))
+                retry = next(mine, None)
+                if retry is not None:
+                    return worker, retry
+        return None
+
+    def _retry_alone(self, job: Job, home: int) -> None:
+        """After a crash, run each item of the lost batch alone, ahead of the queue, on the
+        worker that crashed once it is back (those nobody waits for any more are not
+        run): on another, the input that crashed it would take that one down too, and
+        every worker was restarting at once (a handler's poison input, two workers: 41
+        of 60 requests in the 11 s after it answered 503)."""
         for index, value in enumerate(job.inputs):
             if index in job.gone:
                 job.answer_unrun([index], NOT_RUN)
             else:
                 key = PoisonMemory.key(value, job.params)
-                self._retries.append(job.part([index], next(self._batch_ids), key, rerun=True))
+                retry = job.part([index], next(self._batch_ids), key, rerun=True)
+                self._retries.append(replace(retry, home=home))
 
     def _run_again_whole(self, job: Job) -> None:
         """A batch a dead worker held behind the one it ran never started: it runs again
@@ -767,7 +797,7 @@ class WorkerPool(PoolReports):
             extra=request_named(job),
         )
         self._running_loop.call_later(decision.restart_in, self._respawn, worker)
-        self._pump()  # another worker may be free for the retries
+        self._pump()  # another worker may be free for the batch that never started
         self._tell_down()
 
     def _carry_out(self, worker: WorkerHandle, job: Job, lost: LostBatch) -> None:
@@ -780,7 +810,7 @@ class WorkerPool(PoolReports):
             outputs = (CRASHED_MID_STREAM,) * len(job.inputs)
             job.answer(BatchResult(job.batch_id, outputs, 0.0))
         elif lost is LostBatch.RETRY_ALONE:
-            self._retry_alone(job)
+            self._retry_alone(job, worker.index)
         elif lost is LostBatch.RUN_AGAIN_ALONE:
             log.warning(
                 "worker %s: an input running alone crashed the worker%s; running it alone "
@@ -790,7 +820,7 @@ class WorkerPool(PoolReports):
                 self.poison.strikes,
                 extra=request_named(job),
             )
-            self._retries.append(replace(job, watchdog=None))
+            self._retries.append(replace(job, watchdog=None, home=worker.index))
         else:
             log.error(
                 "worker %s: one input crashed the worker %d times on its own%s; it is "
