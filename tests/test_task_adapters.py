@@ -1559,6 +1559,29 @@ def test_a_handler_that_consumes_its_list_still_has_its_failing_batch_split(monk
     assert answers[2] == ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
 
 
+def test_a_handler_that_changes_its_inputs_in_place_still_has_its_batch_split(
+    monkeypatch, tmp_path
+):
+    """The handler was given the request's own objects: one that popped a field of each
+    and then failed left the halves without it, and every input of the batch failed
+    with a KeyError (a tester), the one at fault 500 instead of its 422."""
+    from rawserve.worker.batch_runs import run_bisecting
+
+    source = (
+        "def make():\n"
+        "    def f(inputs, **params):\n"
+        "        texts = [value.pop('text') for value in inputs]\n"
+        "        if '' in texts: raise ValueError('empty text')\n"
+        "        return [t.upper() for t in texts]\n"
+        "    return f\n"
+    )
+    serving = handler_runner(monkeypatch, tmp_path, source)
+    inputs = [{"text": "hello"}, {"text": "world"}, {"text": ""}]
+    answers = run_bisecting(serving, inputs, {})
+    assert answers[:2] == ["HELLO", "WORLD"]
+    assert answers[2] == ItemFailure(FailureKind.INPUT, "empty text")
+
+
 def test_an_error_that_cannot_be_told_fails_its_input_not_the_worker(monkeypatch, tmp_path):
     """A handler's exception whose `__str__` raises escaped the bisection from its
     description (the worker died, and twice more on the input alone)."""

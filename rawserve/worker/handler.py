@@ -7,6 +7,7 @@ them set up as a model's worker sets them up.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import inspect
@@ -110,9 +111,11 @@ class HandlerRunner(Runner):
                 self.signature.bind(inputs, **params)
             except TypeError as exc:
                 raise ValueError(f"invalid parameters for the handler: {exc}") from None
-        # a copy: a handler may consume its list, which a failed batch is split from again
+        # a copy: a handler may consume its list, or change its inputs in place (a dict's
+        # pop, a list's sort), which a failed batch is split from again (its batch-mates
+        # failed with a KeyError, and the input at fault with them)
         with exits_as_errors():
-            answers = self.handler(list(inputs), **params)
+            answers = self.handler([own_copy(value) for value in inputs], **params)
         # one answer where a list of them was due: a dict or a text would be read as its
         # keys or characters, each the answer of an input
         if isinstance(answers, (Mapping, str, bytes)) or not isinstance(answers, Iterable):
@@ -120,6 +123,12 @@ class HandlerRunner(Runner):
                 f"the handler returned {type(answers).__name__}, not a list of one answer per input"
             )
         return list(answers)
+
+
+def own_copy(value: Any) -> Any:
+    """A request's input as the handler may change it: texts and numbers as they are (they
+    cannot be changed), JSON's lists and objects copied."""
+    return copy.deepcopy(value) if isinstance(value, (dict, list)) else value
 
 
 def handler_module(spec: str) -> ModuleType:
