@@ -99,3 +99,19 @@ def test_a_continuous_worker_keeps_its_even_share_and_never_holds_the_cores():
     only = executor(devices=("cpu",))
     only.workers[0].sequences = 8
     assert start(only, 0, size=1) == 4  # the only CPU worker: its share is every core
+
+
+def test_a_handlers_lone_item_never_holds_the_other_workers_back():
+    """Its time is its own code's, not torch's threads: a 2 s call kept the other worker
+    idle, and a request sent 50 ms after it waited 4 s (a tester)."""
+    core_share = CoreShare(4)
+    shared = WorkerPool(
+        WorkerConfig(model="", handler="shout"),
+        ["cpu", "cpu"],
+        share_cores=True,
+        core_share=core_share,
+    )
+    for worker in shared.workers:
+        worker.state = WorkerState.IDLE
+    assert start(shared, 0, size=1) == 2
+    assert shared.idle_workers() == 1

@@ -442,10 +442,12 @@ class WorkerPool(PoolReports):
         continuous worker keeps its even share: its one-item batches join a running batch,
         so holding every core would keep every new sequence out until all the running ones
         are done, and taking every core without holding them kept them while another
-        worker started (threads outnumbering the cores: first tokens 100 ms late)."""
+        worker started (threads outnumbering the cores: first tokens 100 ms late). Nor
+        does a handler's worker hold them: its own code, not torch's threads, makes its
+        time (a 2 s call kept the other worker idle, and the next request waited 4 s)."""
         if not self.share_cores or worker.config.device != "cpu":
             return None
-        if worker.sequences:
+        if worker.sequences or worker.config.handler:
             return self.core_share.even_share()
         threads, every_core = self.core_share.threads_for(worker, size)
         if every_core:
