@@ -1364,6 +1364,22 @@ def test_bin_weights_pickling_an_object_are_one_line_that_says_what_to_serve(tin
     )
 
 
+def test_a_handler_whose_import_fails_deep_down_is_told_where(monkeypatch, tmp_path):
+    """Its one line said "No module named 'helper_missing_dep'", with no file or line: the
+    import that failed was three modules down (a tester)."""
+    from rawserve.worker.process import load_failed
+
+    (tmp_path / "deep_pkg").mkdir()
+    (tmp_path / "deep_pkg" / "__init__.py").write_text("")
+    (tmp_path / "deep_pkg" / "inner.py").write_text("x = 1\nimport helper_missing_dep\n")
+    with pytest.raises(ModuleNotFoundError) as caught:
+        handler_runner(monkeypatch, tmp_path, "import deep_pkg.inner\ndef make(): pass\n")
+    inner = tmp_path / "deep_pkg" / "inner.py"
+    assert load_failed(caught.value).message == (
+        f"ModuleNotFoundError: No module named 'helper_missing_dep' ({inner}, line 2)"
+    )
+
+
 def handler_runner(monkeypatch, tmp_path, source: str, factory: str = "make"):
     """A HandlerRunner of a module written now, `source` its code."""
     from rawserve.worker.handler import HandlerRunner

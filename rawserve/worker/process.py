@@ -21,10 +21,13 @@ import logging
 import os
 import re
 import signal
+import sysconfig
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rawserve.shared.devices import isolate
@@ -89,7 +92,33 @@ def load_failed(exc: Exception) -> WorkerLoadFailed:
             "the weights' shapes do not match config.json (a config edited, or weights of "
             "another size): transformers' LOAD REPORT, logged before, lists each tensor"
         )
+    if (at := own_code_at(exc)) is not None and at not in line:
+        line = f"{line} ({at})"
     return WorkerLoadFailed(" ".join(line.split())[:500])
+
+
+def own_code_at(exc: BaseException) -> str | None:
+    """Where the failure was raised in code of the user's own (a handler's module and
+    what it imports; a model's remote code), not rawserve's, an installed library's or
+    Python's: `file, line N` of the innermost such frame, or None. A handler whose
+    import failed three modules down was told only "No module named ...", with no file."""
+    found = None
+    for frame, line in traceback.walk_tb(exc.__traceback__):
+        path = frame.f_code.co_filename
+        if not path.startswith("<") and not path.startswith(NOT_OWN_CODE):
+            found = f"{path}, line {line}"
+    return found
+
+
+# the folders of code that is not the user's own: rawserve's, the installed packages',
+# and Python's standard library
+NOT_OWN_CODE = tuple(
+    os.path.join(folder, "")  # (ending in a separator: a folder, not a name's start)
+    for folder in {
+        str(Path(__file__).resolve().parents[1]),
+        *(sysconfig.get_paths()[name] for name in ("stdlib", "platstdlib", "purelib", "platlib")),
+    }
+)
 
 
 def prefer_for_oom_kill(path: str = OOM_SCORE_ADJ_FILE) -> int | None:
