@@ -168,8 +168,13 @@ def test_calls_cut_by_max_tokens_are_read_back_as_far_as_they_came():
         {"name": "time", "arguments": "{}"},
         {"name": "weather", "arguments": '{"ci'},
     ]
-    for before_a_name in ("{", '{"name"', '{"name": "weath', '{"name": "weather", "argu', "["):
+    for before_a_name in ("{", '{"name"', '{"name": "weath', '{"name": "weather', "["):
         assert tools.message(before_a_name) == ({"role": "assistant", "content": ""}, None)
+    for named_whole in ('{"name": "weather"', '{"name": "weather", "argu'):  # (a tester)
+        message, reason = tools.message(named_whole)
+        assert [call["function"] for call in message["tool_calls"]] == [
+            {"name": "weather", "arguments": ""}
+        ]
     named = Tools([WEATHER], "weather").message('{"name": "weather", "arguments": {')
     assert named[0]["tool_calls"][0]["function"] == {"name": "weather", "arguments": "{"}
     older = Tools([WEATHER], "auto", older=True).message('{"name": "weather", "arguments": ')

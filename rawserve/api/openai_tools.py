@@ -193,12 +193,26 @@ def cut_calls(text: str) -> list[dict[str, str]] | None:
         except RecursionError:  # nested past the parser's limit, not cut: as it came
             return None
         except ValueError:  # the call it was cut in
-            if (cut := CUT_CALL.match(rest)) is not None:
-                calls.append({"name": json.loads(f'"{cut[1]}"'), "arguments": cut[2]})
+            if (cut := cut_call(rest)) is not None:
+                calls.append(cut)
             break
         calls.append({"name": call["name"], "arguments": as_written(call.get("arguments"))})
         rest = rest[end:].lstrip().removeprefix(",").lstrip()
     return calls
+
+
+def cut_call(text: str) -> dict[str, str] | None:
+    """The call `text` was cut in, its arguments as far as they came ("" before they
+    began); None where its name did not come whole."""
+    named = CUT_CALL.match(text)
+    if named is None:
+        return None
+    name, after = json.loads(f'"{named[1]}"'), named[2]
+    if (given := CUT_ARGUMENTS.match(after)) is not None:
+        return {"name": name, "arguments": given[1]}
+    if ARGUMENTS_KEY.startswith(after):  # cut in the key: its name is whole all the same
+        return {"name": name, "arguments": ""}
+    return None
 
 
 def call_schema(function: dict[str, Any]) -> Schema:
@@ -357,7 +371,9 @@ WORDS_OPENING = '{"content": "'
 FORMATTED_OPENING = '{"content": '
 CALL_OPENING = '{"name": '
 # a call cut in its arguments: its name whole, its arguments as far as they came
-CUT_CALL = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments":\s?(.*)\Z', re.DOTALL)
+CUT_CALL = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)"(.*)\Z', re.DOTALL)
+CUT_ARGUMENTS = re.compile(r', "arguments":\s?(.*)\Z', re.DOTALL)
+ARGUMENTS_KEY = ', "arguments": '
 
 
 class StreamedWords:
