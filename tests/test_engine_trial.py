@@ -175,6 +175,40 @@ def test_the_machine_fingerprint_names_the_cpu():
     assert set(facts) == {"cpu", "flags", "cores", "machine"} and facts["cores"]
 
 
+def test_one_process_at_a_time_looks_for_a_verdict_and_measures(tmp_path):
+    """The processes of one start (a layout trial's timers, workers loading together)
+    each measured amid the others' work and could disagree, the last written winning:
+    a log said ONNX Runtime, and the workers then read torch's verdict (a tester). Now
+    the second waits for the first, then reads its verdict; another key does not wait;
+    a cache that cannot be written holds nobody back."""
+    import threading
+
+    order: list[str] = []
+
+    def second(key: dict, cache=tmp_path) -> threading.Thread:
+        def look() -> None:
+            with engine_trial.one_trial_at_a_time(cache, key):
+                order.append(key["model"])
+
+        thread = threading.Thread(target=look)
+        thread.start()
+        thread.join(timeout=0.3)
+        return thread
+
+    with engine_trial.one_trial_at_a_time(tmp_path, {"model": "a"}):
+        waiting = second({"model": "a"})
+        assert waiting.is_alive()  # it waits for this one's verdict
+        assert not second({"model": "b"}).is_alive()  # another model's: no wait
+        order.append("first")
+    waiting.join(timeout=5)
+    assert order == ["b", "first", "a"]
+    unwritable = tmp_path / "a file" / "cache"  # (under a file: no folder can be made)
+    unwritable.parent.write_text("")
+    with engine_trial.one_trial_at_a_time(unwritable, {"model": "c"}):
+        assert not second({"model": "c"}, unwritable).is_alive()
+    assert order[-1] == "c"
+
+
 def test_a_second_load_uses_the_cached_verdict(tiny_model, tmp_path, monkeypatch, caplog):
     """In process: the first load measures both engines, the second (a later start's)
     loads only the winner the first one found, and says it came from an earlier start's

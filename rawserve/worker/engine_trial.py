@@ -16,6 +16,7 @@ clock and candidates are injected (tests fake both).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -25,7 +26,8 @@ import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -189,6 +191,25 @@ def fingerprints(folder: Path, suffixes: tuple[str, ...]) -> dict[str, str]:
 def _path(cache_dir: Path, prefix: str, key: Mapping[str, Any]) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_dir / f"{prefix}{digest}.json"
+
+
+@contextmanager
+def one_trial_at_a_time(cache_dir: Path, key: Mapping[str, Any]) -> Iterator[None]:
+    """Held while a process looks for the verdict under `key` and, finding none, runs the
+    trial: the processes of one start (a layout trial's timers, workers loading together)
+    each measured amid the others' work, and could disagree, the last one written winning
+    (a log said ONNX Runtime, then the workers read torch's verdict). Another process
+    waits for it, then reads the verdict kept. A cache that cannot be written: no wait."""
+    path = _path(cache_dir, CACHE_PREFIX, key).with_suffix(".lock")
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    except OSError:
+        yield
+        return
+    with open(path, "a") as handle:  # (closing it releases the lock)
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def positive(value: Any) -> float:

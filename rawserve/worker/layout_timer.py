@@ -10,6 +10,7 @@ target.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import statistics
@@ -41,7 +42,8 @@ def timer_main(config: WorkerConfig, size: int, start: Barrier, out: Connection)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     no_progress_bars()
-    setup_worker_logging("layout")
+    # each timer's lines its own: "worker-layout-0" (the process is rawserve-layout-0)
+    setup_worker_logging(multiprocessing.current_process().name.removeprefix("rawserve-"))
     # a model loaded a core, beside the server: when memory runs out, a timer killed
     # leaves the rule's layout (the trial cannot tell), the server killed ends the start
     prefer_for_oom_kill()

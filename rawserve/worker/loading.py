@@ -143,6 +143,14 @@ def measured_engine(config: WorkerConfig, task: str, device: str) -> tuple[Engin
     size = config.warmup_batch or engine_trial.TRIAL_BATCH
     cache_dir = engine_trial.default_cache_dir()
     key = trial_key(config, task, size)
+    with engine_trial.one_trial_at_a_time(cache_dir, key):
+        return engine_by_trial(config, task, device, size, cache_dir, key)
+
+
+def engine_by_trial(
+    config: WorkerConfig, task: str, device: str, size: int, cache_dir: Path, key: dict[str, Any]
+) -> tuple[Engine, str, Runner]:
+    """`measured_engine` where both engines may serve: the kept verdict, or a trial now."""
     trial = engine_trial.cached(cache_dir, key, config.start)
     if trial is not None and trial.winner is Engine.TORCH:
         return Engine.TORCH, trial.describe(), build_runner(config, task, device, None)
