@@ -896,3 +896,18 @@ def test_a_cached_file_whose_blob_is_gone_is_named_at_start(tmp_path, name):
         plan_models([str(link.parent)])
     assert f": {name} links to ../../blobs/" in str(caught.value)
     assert "which is missing: download the model again" in str(caught.value)
+
+
+def test_an_alias_that_hides_another_models_folder_name_is_said_at_start(caplog):
+    """`--model a=./cls --model cls=./emb`: requests by the first's folder name reach the
+    second model (its alias), and the start said nothing of it (a tester)."""
+    from rawserve.models.plan import ModelPlan, _unique_names
+
+    plans = [
+        ModelPlan(("a", "cls"), "/m/cls", "/m/cls"),
+        ModelPlan(("cls", "emb"), "/m/emb", "/m/emb"),
+    ]
+    with caplog.at_level("WARNING", logger="rawserve"):
+        kept = _unique_names(plans)
+    assert [plan.names for plan in kept] == [("a",), ("cls", "emb")]
+    assert "model a is not also named 'cls': that is another model's alias" in caplog.text

@@ -35,7 +35,7 @@ class RouteContext:
         """The model a body's "model" field selects, taking work now (503 while loading or
         draining) and fitting the route (404 saying what it needs)."""
         if name is not None and not isinstance(name, str):
-            raise BadRequest('"model" must be a string')
+            raise BadRequest('"model" must be a string', param="model")
         model = self.select(name, needs)
         self.take(model, needs)
         return model

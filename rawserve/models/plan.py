@@ -10,6 +10,7 @@ Server process; never imports torch or transformers.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,6 +35,8 @@ from rawserve.models.hub import (
 from rawserve.models.names import ModelNameError, ModelSpec, parse_model_spec
 from rawserve.shared.messages import Engine
 from rawserve.tasks import onnx_unfit
+
+log = logging.getLogger("rawserve")
 
 PACKAGED_REPO_ID = "sentence-transformers/all-MiniLM-L6-v2"  # what the packaged model is
 # why an ONNX-only repo is not served where the ONNX engine may not run
@@ -199,6 +202,13 @@ def _unique_names(plans: Sequence[ModelPlan]) -> list[ModelPlan]:
     for plan in plans:
         for name in plan.names[1:]:
             counts[name] = counts.get(name, 0) + 1
+            if name in own:  # its requests go to the model of that alias (a tester)
+                log.warning(
+                    "model %s is not also named %r: that is another model's alias, which "
+                    "requests by that name reach",
+                    plan.name,
+                    name,
+                )
     return [
         replace(
             plan,
