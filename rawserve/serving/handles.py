@@ -51,6 +51,9 @@ class Job:
     # the worker that died running it, where it runs again (None: on any): on another,
     # an input that crashes a worker would take that one down as well
     home: int | None = None
+    # a continuous worker's sequence run again beside the others it was lost with (its
+    # worker died once): a second such death runs each alone
+    together: bool = False
     answered: bool = False
 
     def place(self, index: int) -> int:
