@@ -698,6 +698,23 @@ def test_a_continuous_workers_lost_sequences_run_again_together_then_alone(loade
     serving.check()
 
 
+def test_an_input_that_crashed_its_worker_alone_runs_again_next(loaded):
+    """It went behind every other retry of the crash (the oldest request, the nearest
+    deadline: a tester's ran never again, 504), though it is the one to settle first."""
+    serving = loaded(max_batch_size=4)
+    worker = serving.pool.workers[0]
+    serving.arrive(["busy"], {}, timeout=30.0)
+    serving.arrive(["a", "b", "c"], {}, timeout=30.0)
+    serving.answer(*serving.answerable()[0])
+    serving.crash(worker)  # holding ("a", "b", "c"): each runs again alone
+    serving.advance(0.6)
+    serving.load(worker)
+    serving.crash(worker)  # with "a" alone
+    serving.advance(1.2)
+    serving.load(worker)
+    assert sent(serving)[-1] == ("a",)
+
+
 def test_a_worker_holding_two_batches_takes_the_second_at_once_until_one_is_timed(loaded):
     """Until a batch has been timed, a worker that holds two batches takes its second as
     the first starts: what is queued goes behind it then, not once the first is answered."""
