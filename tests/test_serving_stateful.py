@@ -671,6 +671,25 @@ def test_inputs_run_again_after_a_crash_wait_for_their_worker_while_the_other_se
     serving.check()
 
 
+def test_inputs_waiting_for_a_worker_that_fails_to_restart_run_on_another(loaded):
+    """They waited for it out to their deadlines (504 at 15 s), the other worker idle."""
+    serving = loaded(workers=2, max_batch_size=4)
+    serving.load(serving.pool.workers[1])
+    lost = serving.arrive(["x", "y"], {}, timeout=30.0)
+    ((crashed, _, _),) = serving.answerable()
+    (other,) = [w for w in serving.pool.workers if w is not crashed]
+    serving.crash(crashed)
+    serving.advance(0.6)  # restarting
+    assert crashed in serving.loading()
+    serving.crash(crashed)  # dies as it loads: a failed restart
+    for _ in range(2):
+        ((worker, conn, batch),) = serving.answerable()
+        assert worker is other and len(batch.inputs) == 1
+        serving.answer(worker, conn, batch)
+    assert lost.outcome == "results"
+    serving.check()
+
+
 def test_a_continuous_workers_lost_sequences_run_again_together_then_alone(loaded):
     """Run again each alone, one after another, they held the queue back for all of them
     together (15 sequences: 23 s with nothing new served, where side by side they took
@@ -696,23 +715,6 @@ def test_a_continuous_workers_lost_sequences_run_again_together_then_alone(loade
     serving.answer(worker, conn, batch)
     assert fresh.outcome == "results"
     serving.check()
-
-
-def test_an_input_that_crashed_its_worker_alone_runs_again_next(loaded):
-    """It went behind every other retry of the crash (the oldest request, the nearest
-    deadline: a tester's ran never again, 504), though it is the one to settle first."""
-    serving = loaded(max_batch_size=4)
-    worker = serving.pool.workers[0]
-    serving.arrive(["busy"], {}, timeout=30.0)
-    serving.arrive(["a", "b", "c"], {}, timeout=30.0)
-    serving.answer(*serving.answerable()[0])
-    serving.crash(worker)  # holding ("a", "b", "c"): each runs again alone
-    serving.advance(0.6)
-    serving.load(worker)
-    serving.crash(worker)  # with "a" alone
-    serving.advance(1.2)
-    serving.load(worker)
-    assert sent(serving)[-1] == ("a",)
 
 
 def test_a_worker_holding_two_batches_takes_the_second_at_once_until_one_is_timed(loaded):

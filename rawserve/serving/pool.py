@@ -198,14 +198,24 @@ class WorkerPool(PoolReports):
         """How many batches could be sent now (`WorkerHandle.room`): none while retries
         any worker may run wait for an idle one (they go first), and none to a worker
         whose own retries wait for it (those of its crash)."""
-        if self._holding_cores() or any(retry.home is None for retry in self._retries):
+        if self._holding_cores() or any(self._home(retry) is None for retry in self._retries):
             return 0
         return sum(w.room() for w in self._unreserved())
+
+    def _home(self, retry: Job) -> int | None:
+        """The worker a retry waits for: the one it was lost with, while that one's
+        restarts succeed; any (None) once one has failed, so that its retries do not wait
+        out their deadlines beside a worker that serves (a tester's: 504 at 15 s, while
+        the other worker answered in 0.3 s)."""
+        home = next((w for w in self.workers if w.index == retry.home), None)
+        if home is None or home.record.failed_restarts:
+            return None
+        return home.index
 
     def _unreserved(self) -> list[WorkerHandle]:
         """The workers no retry waits for (after a crash, its inputs run again alone on
         the worker that crashed, once it is back)."""
-        reserved = {retry.home for retry in self._retries}
+        reserved = {self._home(retry) for retry in self._retries}
         return [w for w in self.workers if w.index not in reserved]
 
     def batch_cap(self) -> int | None:
@@ -230,7 +240,7 @@ class WorkerPool(PoolReports):
         # the scheduler may send a second batch in the same breath as a lone item that
         # took every core: it runs on a free worker anyway (briefly one thread too many)
         free = self._unreserved()
-        if not free or any(retry.home is None for retry in self._retries):
+        if not free or any(self._home(retry) is None for retry in self._retries):
             raise Refused.because(Reason.NO_WORKER, "no model worker is free")
         worker = self._next_idle(free, despite_hold=True) or max(free, key=WorkerHandle.room)
         if not worker.room():
@@ -442,14 +452,18 @@ class WorkerPool(PoolReports):
         continuous worker keeps its even share: its one-item batches join a running batch,
         so holding every core would keep every new sequence out until all the running ones
         are done, and taking every core without holding them kept them while another
-        worker started (threads outnumbering the cores: first tokens 100 ms late). Nor
-        does a handler's worker hold them: its own code, not torch's threads, makes its
-        time (a 2 s call kept the other worker idle, and the next request waited 4 s)."""
+        worker started (threads outnumbering the cores: first tokens 100 ms late). A
+        handler's lone item gets every core's threads too (torch's, where the handler runs
+        torch: twice as fast on two cores) but holds no other worker back: its own code
+        may make its time (a 2 s call kept the other worker idle, and the next request
+        waited 4 s)."""
         if not self.share_cores or worker.config.device != "cpu":
             return None
-        if worker.sequences or worker.config.handler:
+        if worker.sequences:
             return self.core_share.even_share()
         threads, every_core = self.core_share.threads_for(worker, size)
+        if worker.config.handler:
+            return threads
         if every_core:
             self._all_cores = worker
         elif self._all_cores is worker:
@@ -535,7 +549,7 @@ class WorkerPool(PoolReports):
         for worker in self.workers:
             if worker.gone:
                 continue
-            mine = (retry for retry in self._retries if retry.home in (None, worker.index))
+            mine = (r for r in self._retries if self._home(r) in (None, worker.index))
             retry = next(mine, None)
             if retry is None:
                 continue
@@ -863,9 +877,7 @@ class WorkerPool(PoolReports):
                 self.poison.strikes,
                 extra=request_named(job),
             )
-            # the suspect runs next, not behind the other retries (its request is the
-            # oldest of them: its deadline the nearest)
-            self._retries.appendleft(replace(job, watchdog=None, home=worker.index))
+            self._retries.append(replace(job, watchdog=None, home=worker.index))
         else:
             log.error(
                 "worker %s: one input crashed the worker %d times on its own%s; it is "
