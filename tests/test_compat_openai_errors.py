@@ -82,7 +82,7 @@ async def test_v1_refusals_are_openais_error_object(
         ({"input": "a", "dimensions": 0}, "dimensions"),
         ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
         ({"input": 5}, "input"),
-        ({"input": "a", "model": 7}, None),  # (read before the body's fields)
+        ({"input": "a", "model": 7}, "model"),  # (read before the body's other fields)
         ({"input": "a", "extra": 1}, None),  # an unknown field: OpenAI names none either
     ],
     ids=repr,
