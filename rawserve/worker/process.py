@@ -102,22 +102,23 @@ def own_code_at(exc: BaseException) -> str | None:
     what it imports; a model's remote code), not rawserve's, an installed library's or
     Python's: `file, line N` of the innermost such frame, or None. A handler whose
     import failed three modules down was told only "No module named ...", with no file."""
-    found = None
+    found, called = None, False  # (only code rawserve called: not a program calling it)
     for frame, line in traceback.walk_tb(exc.__traceback__):
         path = frame.f_code.co_filename
-        if not path.startswith("<") and not path.startswith(NOT_OWN_CODE):
+        if path.startswith(RAWSERVE_CODE):
+            called = True
+        elif called and not path.startswith("<") and not path.startswith(NOT_OWN_CODE):
             found = f"{path}, line {line}"
     return found
 
 
-# the folders of code that is not the user's own: rawserve's, the installed packages',
-# and Python's standard library
+# (folders ending in a separator: a folder, not a name's start)
+RAWSERVE_CODE = os.path.join(str(Path(__file__).resolve().parents[1]), "")
+# the folders of code that is not the user's own besides rawserve's: the installed
+# packages' and Python's standard library
 NOT_OWN_CODE = tuple(
-    os.path.join(folder, "")  # (ending in a separator: a folder, not a name's start)
-    for folder in {
-        str(Path(__file__).resolve().parents[1]),
-        *(sysconfig.get_paths()[name] for name in ("stdlib", "platstdlib", "purelib", "platlib")),
-    }
+    os.path.join(sysconfig.get_paths()[name], "")
+    for name in ("stdlib", "platstdlib", "purelib", "platlib")
 )
 
 
