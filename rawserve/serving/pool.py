@@ -215,6 +215,8 @@ class WorkerPool(PoolReports):
     def _unreserved(self) -> list[WorkerHandle]:
         """The workers no retry waits for (after a crash, its inputs run again alone on
         the worker that crashed, once it is back)."""
+        if not self._retries:
+            return self.workers
         reserved = {self._home(retry) for retry in self._retries}
         return [w for w in self.workers if w.index not in reserved]
 
@@ -544,7 +546,7 @@ class WorkerPool(PoolReports):
     def _next_retry(self) -> tuple[WorkerHandle, Job] | None:
         """A worker and the first retry it may run now (its own, or anyone's): on an idle
         worker, or (run together) beside a continuous worker's other sequences."""
-        if self._holding_cores():
+        if not self._retries or self._holding_cores():  # (the common case: none, at once)
             return None
         for worker in self.workers:
             if worker.gone:
