@@ -198,7 +198,7 @@ class WorkerPool(PoolReports):
         """How many batches could be sent now (`WorkerHandle.room`): none while retries
         any worker may run wait for an idle one (they go first), and none to a worker
         whose own retries wait for it (those of its crash)."""
-        if self._holding_cores() or any(self._home(retry) is None for retry in self._retries):
+        if self._holding_cores() or self._retries_for_any():
             return 0
         return sum(w.room() for w in self._unreserved())
 
@@ -211,6 +211,10 @@ class WorkerPool(PoolReports):
         if home is None or home.record.failed_restarts:
             return None
         return home.index
+
+    def _retries_for_any(self) -> bool:
+        """Retries any worker may run wait (they go first, before the queue)."""
+        return any(self._home(retry) is None for retry in self._retries)
 
     def _unreserved(self) -> list[WorkerHandle]:
         """The workers no retry waits for (after a crash, its inputs run again alone on
@@ -242,7 +246,7 @@ class WorkerPool(PoolReports):
         # the scheduler may send a second batch in the same breath as a lone item that
         # took every core: it runs on a free worker anyway (briefly one thread too many)
         free = self._unreserved()
-        if not free or any(self._home(retry) is None for retry in self._retries):
+        if not free or self._retries_for_any():
             raise Refused.because(Reason.NO_WORKER, "no model worker is free")
         worker = self._next_idle(free, despite_hold=True) or max(free, key=WorkerHandle.room)
         if not worker.room():
@@ -802,11 +806,22 @@ class WorkerPool(PoolReports):
         sequences = worker.running.take_all()  # a continuous worker ran them all at once
         for lost in sequences:
             self._detach(lost)
-        if not self._run_together(worker, sequences):
-            for lost in sequences:
+        together = self._together(sequences)
+        for lost in sequences:
+            if lost in together:  # (a Job is equal to itself alone)
+                again = replace(lost, watchdog=None, rerun=True, home=worker.index, together=True)
+                self._retries.append(again)
+            else:
                 self._carry_out(
                     worker, lost, self.supervisor.lost(Held(lost.streamed, lost.poison_key))
                 )
+        if together:
+            log.warning(
+                "worker %s: its %d sequences run again side by side once it is back (alone, "
+                "should it die with them again)",
+                worker.label,
+                len(together),
+            )
         if behind is not None:  # it never started (see the module's docstring)
             self._run_again_whole(behind)
         cause = worker.load_failure or f"its worker process {exit_words(process.exitcode)}"
@@ -826,14 +841,16 @@ class WorkerPool(PoolReports):
         self._pump()  # another worker may be free for the batch that never started
         self._tell_down()
 
-    def _run_together(self, worker: WorkerHandle, held: list[Job]) -> bool:
-        """A continuous worker's sequences lost at its first death run again side by side
-        on it, once it is back (whether it runs new ones beside them too); those that
-        must not (streamed, nobody waits, retried already) are decided one by one as
-        before. Each alone, one after another, held the queue back for all of them
-        together (15 sequences: 23 s with nothing new served, on a machine where they
-        took 0.9 s side by side); a second death of the worker with them runs each alone,
-        so that a poison input is still named. False where not one runs again so."""
+    @staticmethod
+    def _together(held: list[Job]) -> list[Job]:
+        """The sequences a continuous worker lost at its first death with them that run
+        again side by side on it, once it is back (whether it runs new ones beside them
+        too); none where fewer than two may, and never those that must not (streamed,
+        nobody waits, retried already): the others are decided one by one. Each alone,
+        one after another, held the queue back for all of them together (15 sequences:
+        23 s with nothing new served, on a machine where they took 0.9 s side by side);
+        a second death of the worker with them runs each alone, so that a poison input is
+        still named."""
         again = [
             job
             for job in held
@@ -841,23 +858,7 @@ class WorkerPool(PoolReports):
             and job.poison_key is None
             and not job.together
         ]
-        if len(again) < 2:
-            return False
-        for job in held:
-            if any(job is other for other in again):
-                retry = replace(job, watchdog=None, rerun=True, home=worker.index, together=True)
-                self._retries.append(retry)
-            else:
-                self._carry_out(
-                    worker, job, self.supervisor.lost(Held(job.streamed, job.poison_key))
-                )
-        log.warning(
-            "worker %s: its %d sequences run again side by side once it is back (alone, "
-            "should it die with them again)",
-            worker.label,
-            len(again),
-        )
-        return True
+        return again if len(again) >= 2 else []
 
     def _carry_out(self, worker: WorkerHandle, job: Job, lost: LostBatch) -> None:
         """Do what supervision decided for the batch a dead worker held; nothing for one

@@ -207,9 +207,19 @@ def one_trial_at_a_time(cache_dir: Path, key: Mapping[str, Any]) -> Iterator[Non
     except OSError:
         yield
         return
-    with open(path, "a") as handle:  # (closing it releases the lock)
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with locked(path):
         yield
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Held by one process at a time: an exclusive lock on the file at `path`."""
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def positive(value: Any) -> float:

@@ -29,7 +29,6 @@ of the weights.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import glob
 import hashlib
 import importlib.metadata
@@ -310,7 +309,8 @@ def exported_graph(
         return graph
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        with _locked(cache_dir / f".{digest}.lock"):  # workers starting together export once
+        # workers starting together export once
+        with engine_trial.locked(cache_dir / f".{digest}.lock"):
             if graph.is_file() and _identity(graph) != damaged:
                 log.info("ONNX engine: the graph another worker exported meanwhile, %s", graph)
                 return graph
@@ -358,16 +358,6 @@ def _drop_replaced(cache_dir: Path, target: Path, source: dict[str, Any]) -> Non
         if same and key_file.parent != target:
             shutil.rmtree(key_file.parent, ignore_errors=True)
             log.info("ONNX engine: removed %s, this model's export from before", key_file.parent)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 class _Forward(torch.nn.Module):
