@@ -114,6 +114,7 @@ class ReadyWorkers:
         control: Any = None,
         request_ids: Any = (),
         admitted: Any = (),
+        on_part: Any = None,
     ) -> Any:
         raise AssertionError("a full queue submits nothing")
 

@@ -63,6 +63,7 @@ class InstantWorkers:
         control: Control,
         request_ids: Sequence[str] = (),
         admitted: Sequence[float] = (),
+        on_part: Any = None,
     ) -> asyncio.Future[BatchResult]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[BatchResult] = loop.create_future()

@@ -226,7 +226,7 @@ class OneWorker:
     def abandon(self, future, items=None) -> None:
         pass
 
-    def submit(self, inputs, params, control, request_ids=(), admitted=()):
+    def submit(self, inputs, params, control, request_ids=(), admitted=(), on_part=None):
         future = asyncio.get_running_loop().create_future()
         future.set_result(BatchResult(0, tuple(inputs), 0.01, waited=self.waited))
         return future

@@ -1009,7 +1009,7 @@ class FakeBackend:
         self.free_looks += idle > 0  # the scheduler looked at the queue with a worker free
         return idle
 
-    def submit(self, inputs, params, control=NO_CONTROL, request_ids=(), admitted=()):
+    def submit(self, inputs, params, control=NO_CONTROL, request_ids=(), admitted=(), on_part=None):
         future = asyncio.get_running_loop().create_future()
         self.calls.append((list(inputs), dict(params), future))
         self.request_ids.append(tuple(request_ids))
@@ -1300,7 +1300,7 @@ async def test_a_cancelled_request_is_withdrawn(driver):
     assert len(backend.calls) == 1
 
 
-def refuse_every_batch(inputs, params, control, request_ids=(), admitted=()):
+def refuse_every_batch(inputs, params, control, request_ids=(), admitted=(), on_part=None):
     """A worker pool's `submit` that refuses every batch (no worker free)."""
     raise Refused.because(Reason.NO_WORKER, "no model worker is free")
 

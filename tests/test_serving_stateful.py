@@ -570,7 +570,9 @@ def test_an_input_quarantined_as_the_restart_outlasts_its_deadline_gets_its_verd
     answered with that failure (500), not with the 503 "restarting" that the requests
     still waiting get as the worker dies with a restart that would outlast them (told in
     the same breath; once a client retried to get the 500). The innocent input of its
-    batch, answered alone meanwhile, gets its result."""
+    batch, run again alone meanwhile, is answered as that run ends: it waited for the
+    poison input's verdict, two restarts later (a tester's, with 4 s loads and 12 s
+    deadlines: every batch-mate answered 504)."""
     serving = loaded(max_batch_size=4)
     serving.pool.on_down = serving.scheduler.answer_unreachable  # as the server wires it
     worker = serving.pool.workers[0]
@@ -582,6 +584,8 @@ def test_an_input_quarantined_as_the_restart_outlasts_its_deadline_gets_its_verd
     serving.advance(0.5)
     serving.load(worker)
     serving.answer(*serving.answerable()[0])  # the mate
+    assert mate.outcome == "results" and poison.outcome is None
+    serving.check()
     serving.crash(worker)  # the poison alone, once
     serving.advance(0.5)
     serving.load(worker)

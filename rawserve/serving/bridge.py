@@ -42,6 +42,7 @@ from rawserve.serving.face import (
     WorkerReady,
     WorkerState,
 )
+from rawserve.serving.handles import PartAnswered
 from rawserve.serving.service import ModelService
 from rawserve.shared.board import Board
 from rawserve.shared.channel import Channel
@@ -473,9 +474,10 @@ class PublishingBackend:
         control: Control,
         request_ids: Sequence[str] = (),
         admitted: Sequence[float] = (),
+        on_part: PartAnswered | None = None,
     ) -> asyncio.Future[BatchResult]:
         self.published()
-        return self.backend.submit(inputs, params, control, request_ids, admitted)
+        return self.backend.submit(inputs, params, control, request_ids, admitted, on_part)
 
     def serving_again_at(self) -> float | None:
         return self.backend.serving_again_at()

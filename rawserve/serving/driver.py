@@ -27,6 +27,7 @@ from rawserve.serving.core import (
     SchedulerCore,
     WorkItem,
 )
+from rawserve.serving.handles import PartAnswered
 from rawserve.serving.refusals import (
     Reason,
     Refusal,
@@ -84,9 +85,11 @@ class Backend(Protocol):
         control: Control,
         request_ids: Sequence[str] = (),
         admitted: Sequence[float] = (),
+        on_part: PartAnswered | None = None,
     ) -> asyncio.Future[BatchResult]:
         """Send a batch to a worker; `request_ids`: each input's request's, for its log;
-        `admitted`: when each input was admitted (the worker times from there)."""
+        `admitted`: when each input was admitted (the worker times from there);
+        `on_part`: told of the items answered before the batch is (see `Assembly`)."""
         ...
 
     def serving_again_at(self) -> float | None:
@@ -452,7 +455,8 @@ class Scheduler:
             lead = batch[0]
             inputs, ids = [item.input for item in batch], [item.request_id for item in batch]
             admitted = [item.arrived for item in batch]
-            future = self.backend.submit(inputs, lead.params, lead.control, ids, admitted)
+            on_part = functools.partial(self._answer_part, batch, now)
+            future = self.backend.submit(inputs, lead.params, lead.control, ids, admitted, on_part)
         except Exception as exc:  # noqa: BLE001 - the batch fails, the loop goes on
             self.core.forget_batch(batch)
             log.error("the worker pool refused a batch of %d: %s", len(batch), exc)
@@ -490,13 +494,14 @@ class Scheduler:
         )
         if self.metrics is not None and computed:
             self.metrics.observe_batch(computed, result.compute_seconds)
-        if not any(_waits(item) for item in batch):
-            self.core.stopped_batch(batch, self.clock() - result.waited)  # nobody waited
-            return
         if result.rerun:  # its time is a worker's restart as much as the model's
             self.core.forget_batch(batch)
+        elif not any(_waits(item) for item in batch):
+            self.core.stopped_batch(batch, self.clock() - result.waited)  # nobody waited
         else:  # its own run: the time it waited in the worker behind another batch left out
             self.core.finish_batch(batch, self.clock() - result.waited)
+        if not any(_waits(item) for item in batch):
+            return
         if result.token_counts:
             self.core.calibrate(batch, result.token_counts)
         answers = [
@@ -504,6 +509,16 @@ class Scheduler:
             for item, output in zip(batch, result.outputs, strict=True)
         ]
         self._deliver(answers, 0)
+
+    def _answer_part(
+        self, batch: list[WorkItem], sent: float, places: Sequence[int], result: BatchResult
+    ) -> None:
+        """Items of a batch answered before the rest (run again alone after a crash, or
+        refused as poison): their requests need not wait for the others' verdict."""
+        for place, output in zip(places, result.outputs, strict=True):
+            item = batch[place]
+            wait = sent - item.arrived
+            _settle(item, result=ItemResult(output, wait, len(batch), result.compute_seconds))
 
     def _deliver(self, answers: list[tuple[WorkItem, ItemResult]], start: int) -> None:
         """Settle a slice of the answers now and the rest on the loop's next passes."""

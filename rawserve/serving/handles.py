@@ -4,7 +4,7 @@ through it (`Job`; a continuous worker's many at once: `RunningBatches`)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -14,6 +14,10 @@ from rawserve.serving.refusals import Reason, Refused
 from rawserve.serving.status import WorkerState, WorkerStatus
 from rawserve.serving.supervision import WorkerRecord
 from rawserve.shared.messages import BatchResult, Control, WorkerConfig, WorkerReady
+
+# Told of a part of a scheduler's batch answered before the rest: its places in the batch,
+# and their outputs (in that order) in the result.
+PartAnswered = Callable[[Sequence[int], BatchResult], None]
 
 
 class SharedInt(Protocol):
@@ -54,6 +58,8 @@ class Job:
     # a continuous worker's sequence run again beside the others it was lost with (its
     # worker died once): a second such death runs each alone
     together: bool = False
+    # told of each part answered before the whole batch is (`Assembly`)
+    on_part: PartAnswered | None = None
     answered: bool = False
 
     def place(self, index: int) -> int:
@@ -125,7 +131,8 @@ class Job:
         """The assembly of its batch's parts (made as the batch is first split: from then
         on its parts answer it, not this job)."""
         if self.assembly is None:
-            self.assembly = Assembly(self.future, self.batch_id, len(self.inputs))
+            size = len(self.inputs)
+            self.assembly = Assembly(self.future, self.batch_id, size, self.on_part)
             self.places = tuple(range(len(self.inputs)))
         return self.assembly
 
@@ -135,11 +142,21 @@ class Assembly:
     answered, and the batch is answered as its last place is filled, in the same call (a
     verdict given as a worker dies, a quarantine say, reaches the scheduler's batch before
     the scheduler is told that no worker serves and answers 503 every request still
-    waiting). The first error answers the batch."""
+    waiting). The first error answers the batch. `on_part` is told of each part filled
+    before the last: the requests of its items need not wait for the others' (an input
+    run again alone after a crash: its batch-mate that crashed the worker may take two
+    more restarts to be named)."""
 
-    def __init__(self, target: asyncio.Future[BatchResult], batch_id: int, size: int):
+    def __init__(
+        self,
+        target: asyncio.Future[BatchResult],
+        batch_id: int,
+        size: int,
+        on_part: PartAnswered | None = None,
+    ):
         self.target = target
         self.batch_id = batch_id
+        self.on_part = on_part
         self._outputs: list[Any] = [None] * size
         self._unfilled = set(range(size))
         self._seconds = 0.0
@@ -155,6 +172,8 @@ class Assembly:
             outputs = tuple(self._outputs)
             answer = BatchResult(self.batch_id, outputs, self._seconds, rerun=self._rerun)
             settle(self.target, result=answer)
+        elif self.on_part is not None and not self.target.done():
+            self.on_part(places, result)
 
     def fail(self, error: BaseException | None) -> None:
         settle(self.target, error=error)

@@ -40,7 +40,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
 from rawserve.serving.cores import CoreShare
-from rawserve.serving.handles import Job, WorkerHandle
+from rawserve.serving.handles import Job, PartAnswered, WorkerHandle
 from rawserve.serving.processes import join_or_kill, start_process
 from rawserve.serving.refusals import Reason, Refused, out_of_memory, shutting_down
 from rawserve.serving.reports import PoolReports
@@ -242,6 +242,7 @@ class WorkerPool(PoolReports):
         control: Control = NO_CONTROL,
         request_ids: Sequence[str] = (),
         admitted: Sequence[float] = (),
+        on_part: PartAnswered | None = None,
     ) -> asyncio.Future[BatchResult]:
         # the scheduler may send a second batch in the same breath as a lone item that
         # took every core: it runs on a free worker anyway (briefly one thread too many)
@@ -262,6 +263,7 @@ class WorkerPool(PoolReports):
             batch_id,
             request_ids=tuple(request_ids),
             admitted=tuple(admitted),
+            on_part=on_part,
         )
         if not any(refused):
             self._send(worker, whole)
