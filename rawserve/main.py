@@ -82,10 +82,10 @@ def model_facts(plan: ModelPlan, config: ServerConfig, workers: WorkerPlan) -> d
         {
             "devices": list(workers.devices),
             "layout": workers.layout,
-            "dtype": model.dtype,
+            "dtype": None if plan.handler else model.dtype,
             "requested_engine": model.engine.value,
             "threads_per_worker": workers.threads,
-            "warmup": model.warmup,
+            "warmup": model.warmup and not plan.handler,  # a handler is not warmed
             "batching": {
                 "max_batch_size": model.max_batch_size,
                 "max_batch_delay_ms": model.max_batch_delay_ms,

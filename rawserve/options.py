@@ -431,6 +431,8 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     try:
         engine = Engine(args.engine)
     except ValueError:
+        engine = Engine.HANDLER
+    if engine is Engine.HANDLER:  # (what a loaded handler's workers say, not an option)
         parser.error("--engine must be torch, onnx or auto")
     devices = None  # settled with the models (rawserve.config.plan_workers)
     if args.device:  # no --device (or RAWSERVE_DEVICE empty): the default layout

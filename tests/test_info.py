@@ -51,7 +51,9 @@ def test_info_tells_the_model_settings_versions_and_worker_pids(server):
     # no --device on a machine without a GPU: one single-threaded worker per core
     assert info["devices"] == ["cpu"] * len(info["workers"]) and info["threads_per_worker"] == 1
     assert "worker(s) x 1 thread" in info["layout"]
-    assert info["dtype"] == "auto"
+    # nor a precision or an engine of ours: they are its own code's (it said float32, torch
+    # and warm-up true, which a handler author read as what ran)
+    assert info["dtype"] is None and info["warmup"] is False and info["engine"] == "handler"
     assert info["ready"] is True
     assert info["batching"] == {
         "max_batch_size": 8,
@@ -64,7 +66,8 @@ def test_info_tells_the_model_settings_versions_and_worker_pids(server):
     }
     for worker in info["workers"]:
         assert worker["device"] == "cpu" and worker["state"] == "idle"
-        assert worker["restarts"] == 0 and worker["engine"] == "torch"
+        assert worker["restarts"] == 0 and worker["engine"] == "handler"
+        assert worker["dtype"] is None and worker["engine_reason"] == "the handler's own code"
         assert worker["max_sequences"] == 0  # a handler runs batches whole
     # the pids /info gives are the processes that compute (the echo handler tells its pid)
     status, answer = server.post_json({"inputs": "who computes this?"})

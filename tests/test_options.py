@@ -184,7 +184,14 @@ def test_a_flag_replaces_a_bad_variable(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "argv", [["--port", "abc"], ["--engine", "foo"], ["--device", "gpu"], ["--bogus"]]
+    "argv",
+    [
+        ["--port", "abc"],
+        ["--engine", "foo"],
+        ["--engine", "handler"],  # what a handler's workers say they run, not an option
+        ["--device", "gpu"],
+        ["--bogus"],
+    ],
 )
 def test_an_invalid_option_is_one_error_line(monkeypatch, capsys, argv):
     clear_environment(monkeypatch)

@@ -219,7 +219,7 @@ def _worker_info(worker: WorkerStatus) -> dict[str, Any]:
     return {
         "index": worker.index,
         "device": worker.device,
-        "dtype": worker.dtype,
+        "dtype": worker.dtype or None,  # (a handler's precision is its own)
         "dtype_reason": worker.dtype_reason,
         "bfloat16_trial": worker.bfloat16_trial,
         "attention": worker.attention,

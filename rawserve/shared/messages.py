@@ -21,6 +21,7 @@ class Engine(enum.Enum):
     TORCH = "torch"
     ONNX = "onnx"  # ONNX Runtime, on the CPU, for the encoder tasks (the `onnx` extra)
     AUTO = "auto"  # where both serve the task: the faster here, by a short trial at start
+    HANDLER = "handler"  # a `--handler`'s own code (what it runs, and in what precision)
 
 
 @dataclass(frozen=True)

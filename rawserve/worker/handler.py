@@ -21,7 +21,7 @@ from types import ModuleType
 from typing import Any
 
 from rawserve.shared.devices import gpu_present
-from rawserve.shared.messages import NO_CONTROL, Control, WorkerConfig
+from rawserve.shared.messages import NO_CONTROL, Control, Engine, WorkerConfig
 from rawserve.tasks import CUSTOM_TASK
 from rawserve.worker.libraries import library_logs_through_ours
 from rawserve.worker.runner import Runner, choose_attention_kernels, resolve_device
@@ -99,7 +99,10 @@ class HandlerRunner(Runner):
             factory = getattr(module, factory_name or "handler")
             self.handler = factory()
         self.signature = handler_signature(spec, self.handler)
-        super().__init__(CUSTOM_TASK, device)
+        # what it runs, and in what precision, is its own code's (/info says so)
+        super().__init__(CUSTOM_TASK, device, dtype="")
+        self.engine = Engine.HANDLER
+        self.engine_reason = self.dtype_reason = "the handler's own code"
 
     def run(
         self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
