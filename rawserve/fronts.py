@@ -122,7 +122,6 @@ class HttpProcesses:
         config: ServerConfig,
         models: Sequence[ServedParts],
         metrics: Metrics,
-        argv: Sequence[str],
     ) -> HttpProcesses | None:
         reserved = reserve_port(config.host, config.port)  # first: nothing to undo if taken
         port = reserved.port
@@ -149,7 +148,9 @@ class HttpProcesses:
                 ModelSpec(model.served.name, model.served.aliases, dict(model.facts))
                 for model in models
             )
-            return HttpProcessSpec(tuple(argv), index, port, board.path, described, config.loop)
+            return HttpProcessSpec.of(
+                config, index=index, port=port, board=board.path, models=described
+            )
 
         fleet = Fleet(config.http_processes, run_http_process, spec, bridge)
         bridge.start()

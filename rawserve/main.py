@@ -196,12 +196,10 @@ async def serve(
     config: ServerConfig,
     plans: Sequence[ModelPlan],
     workers: WorkerPlan,
-    argv: Sequence[str] = (),
     settle_layout: bool = False,
 ) -> int:
-    """Serve until a signal stops the server (`argv`: the command line, which the HTTP
-    processes of --http-processes N > 1 read again; `settle_layout`: the one model's
-    CPU layout is timed once the server listens, its workers started after)."""
+    """Serve until a signal stops the server (`settle_layout`: the one model's CPU layout
+    is timed once the server listens, its workers started after)."""
     loop = asyncio.get_running_loop()
     started = time.monotonic()
     metrics = Metrics()
@@ -230,7 +228,7 @@ async def serve(
     metrics.start(loop)
     try:
         front = await (
-            HttpProcesses.start(config, models, metrics, argv)
+            HttpProcesses.start(config, models, metrics)
             if config.http_processes > 1
             else OneProcess.start(config, models, metrics)
         )
@@ -484,8 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers = kept or workers
         settle_layout = kept is None
     try:
-        argv = list(sys.argv[1:] if argv is None else argv)
-        return loops.run(serve(config, plans, workers, argv, settle_layout), config.loop)
+        return loops.run(serve(config, plans, workers, settle_layout), config.loop)
     except KeyboardInterrupt:
         return 1
     finally:

@@ -203,8 +203,9 @@ OPTIONS = [
         "--max-connections",
         int,
         1000,
-        "open connections, all HTTP processes together; past it the one idle longest is "
-        "closed, or where none is idle the new one is answered 503 (0: no cap)",
+        "open connections, each HTTP process taking an equal share (the cap / N rounded "
+        "up); past its share the one idle longest (a second at least) is closed, or where "
+        "none is the new one is answered 503 (0: no cap)",
     ),
     Option(
         "--stream-keepalive",

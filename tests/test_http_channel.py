@@ -228,6 +228,32 @@ def test_the_boards_of_serving_processes_that_are_gone_are_removed(tmp_path):
         board.remove()
 
 
+def test_a_board_whose_owner_runs_in_another_pid_namespace_is_kept(monkeypatch):
+    """Two servers in containers sharing /dev/shm (`--ipc=host`) do not see each other's
+    pids: the second removed the first's board as an orphan, and each HTTP process the
+    first started after that stopped at once ("the serving process is gone"), forever (a
+    tester). The lock its owner holds says it is not."""
+    command = [sys.executable, "-c", OWNS_A_BOARD]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as owner:
+        try:
+            path = owner.stdout.readline().strip()
+            monkeypatch.setattr("rawserve.shared.board.is_running", lambda pid: False)
+            remove_orphans(os.path.dirname(path))
+            assert os.path.exists(path)
+        finally:
+            owner.kill()  # (killed outright: it removes nothing, and its lock goes with it)
+    remove_orphans(os.path.dirname(path))
+    assert not os.path.exists(path)
+
+
+OWNS_A_BOARD = """
+import sys, time
+from rawserve.shared.board import Board
+print(Board.create(1).path, flush=True)
+time.sleep(60)
+"""
+
+
 def test_a_board_is_removed_by_an_http_process_only_once_its_serving_process_is_gone(tmp_path):
     """An HTTP process that loses its channel removes the board only if the serving
     process that made it is gone (a zombie is): while it runs, removing it left every
@@ -820,7 +846,7 @@ def test_an_http_process_whose_board_is_gone_as_it_starts_stops_with_a_clear_lin
     """The serving process killed while a replacement HTTP process imports: the others
     remove the board (its owner is gone), and the replacement, opening it then, stops
     with the line they log, not a FileNotFoundError traceback."""
-    spec = HttpProcessSpec((), 1, 0, str(tmp_path / "board-gone"), (), "asyncio")
+    spec = HttpProcessSpec(parse_config([]), 1, 0, str(tmp_path / "board-gone"), ())
     ours, theirs = socket.socketpair()
     with caplog.at_level(logging.ERROR, logger="rawserve"):
         assert asyncio.run(serve_http(spec, theirs)) == 1
@@ -956,24 +982,41 @@ def listening_once(spec: tuple[float, float, float] | str, sock: socket.socket) 
     saying_alive(spec, sock)  # type: ignore[arg-type]
 
 
-async def test_a_replacement_that_exits_before_it_listens_is_logged_once(monkeypatch, caplog):
-    """Its exit is logged (and another started); a second line saying it "could not start
-    listening" told of a stuck process that was not."""
-    monkeypatch.setattr(fleet_module, "RESTART_PAUSE", 0.05)
+async def fleet_of_one_that_listens_once() -> tuple[Fleet, Board]:
+    """A fleet of one HTTP process whose replacements all exit before they listen."""
     board = Board.create(0)
     bridge = Bridge([], board, lambda: [], merge_families, os.getpid())
     specs = iter([(0.0, 0.05, 0.0)])
     fleet = Fleet(1, listening_once, lambda index: next(specs, "exit"), bridge)
     await fleet.start()
+    return fleet, board
+
+
+async def test_replacements_that_keep_exiting_before_they_listen_are_tried_ever_more_slowly(
+    monkeypatch, caplog
+):
+    """One whose start fails for good (a file it read gone) was started again every 1.75
+    s for the server's life (a tester); the pauses double, up to a bound. Each exit is
+    logged once: a second line saying it "could not start listening" told of a stuck
+    process that was not."""
+    monkeypatch.setattr(fleet_module, "RESTART_PAUSE", 0.05)
+    fleet, board = await fleet_of_one_that_listens_once()
     try:
         with caplog.at_level(logging.WARNING, "rawserve"):
             fleet.processes[0].kill()
-            until = time.monotonic() + 60
-            while not any("exited with code 1" in r.message for r in caplog.records):
-                assert time.monotonic() < until, "the replacement did not exit"
+            until = time.monotonic() + 90
+            while len(exits := [r.message for r in caplog.records if "exited" in r.message]) < 4:
+                assert time.monotonic() < until, exits
                 await asyncio.sleep(0.05)
-            await asyncio.sleep(0.2)  # (the start that waited for it ends meanwhile)
+        assert "its requests are withdrawn" in exits[0]  # it had listened: no pause
+        assert [line.rpartition("another")[2] for line in exits[1:4]] == [
+            " in 0.05 s",
+            " in 0.1 s",
+            " in 0.2 s",
+        ]
+        assert "before it listened (3 in a row)" in exits[3]
         assert not [r for r in caplog.records if "could not start listening" in r.message]
+        assert fleet_module.restart_pause(20, 0.0) == fleet_module.LONGEST_RESTART_PAUSE
     finally:
         await stop_fleet(fleet, board)
 

@@ -452,6 +452,29 @@ def test_a_second_signal_exits_at_once_and_leaves_nothing_in_shared_memory(
         server.stop()
 
 
+def test_http_processes_are_given_the_settings_and_never_read_the_files_again(tiny_model, tmp_path):
+    """Each HTTP process parsed the command line again: a `--chat-template <(...)` (a
+    descriptor only the serving process has) stopped the server at its start, and a
+    template removed after the start left each replacement of an HTTP process exiting at
+    once, for the server's life, one process short (a tester)."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<{{ m.content }}>{% endfor %}", "utf-8")
+    argv = ["--model", tiny_model("chat"), *TWO, "--chat-template", str(template)]
+    server = RunningServer(argv).start()
+    try:
+        template.unlink()
+        victim = http_pids(server)[0]
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: replaced(server, victim), what="a new HTTP process listed")
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        for connection in one_connection_each(server).values():
+            status, _, body = connection.request("POST", "/v1/chat/completions", chat)
+            assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2
+        assert not [line for line in server.read_log() if "before it listened" in line]
+    finally:
+        server.stop()
+
+
 def test_streams_under_way_when_the_serving_process_dies_end_with_an_error_event(tiny_model):
     """Its HTTP processes fail what is under way with a 503 and give the streams a turn
     to say so: they were cut mid-chunk ("Response ended prematurely")."""
@@ -466,9 +489,12 @@ def test_streams_under_way_when_the_serving_process_dies_end_with_an_error_event
             text=True,
         )
         CLIENTS.append(reading)
-        wait_until(lambda: metric(server, "rawserve_items_in_flight", 0) == 1, what="a stream")
+        first = reading.stdout.readline()  # the stream has begun (its head is sent)
+        assert first.startswith("data:"), first
         server.process.kill()
-        events = reading.communicate(timeout=20)[0].split("\n\n")
+        events = (first + reading.stdout.read()).split("\n\n")  # (until curl exits)
+        reading.wait(20)
+        reading.stdout.close()
         assert reading.returncode == 0  # a whole chunked answer, not one cut short
         assert events[-2:] == ["data: [DONE]", ""], events[-3:]
         error = json.loads(events[-3].removeprefix("data:"))["error"]

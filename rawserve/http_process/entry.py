@@ -1,6 +1,8 @@
 """An HTTP process's life (`--http-processes` N > 1): started by the serving process
 with the `spawn` method (a fresh interpreter that imports this module and calls
-`run_http_process`), it reads the same command line, listens on the server's port beside
+`run_http_process`), it is given the settings the serving process parsed (read again, the
+command line named files gone since, or readable only there: a `--chat-template
+<(...)`), listens on the server's port beside
 the other HTTP processes (SO_REUSEPORT: the kernel spreads connections between them),
 serves every route through the protocol and the API with each model's face a client of
 the serving process (rawserve.http_process.remote), tells the serving process that its
@@ -11,6 +13,7 @@ the serving process says drain, or at once (exit code 1) when the serving proces
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
@@ -22,14 +25,15 @@ from typing import Any
 
 from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
+from rawserve.config import ServerConfig
 from rawserve.http.errors import ServiceUnavailable
 from rawserve.http.limits import ServerState
+from rawserve.http.tls import server_context
 from rawserve.http_process.front import listen, requests_answered
 from rawserve.http_process.remote import Link, RemoteServing
 from rawserve.ops import loops
 from rawserve.ops.metrics import CONTENT_TYPE, Metrics, render_families
 from rawserve.ops.stop_signals import stop_signals
-from rawserve.options import parse_config
 from rawserve.protocol import HttpProtocol
 from rawserve.shared.board import Board
 from rawserve.shared.logs import setup_logging
@@ -57,12 +61,19 @@ class ModelSpec:
 class HttpProcessSpec:
     """What the serving process tells an HTTP process (plain data: it is pickled)."""
 
-    argv: tuple[str, ...]  # the server's command line, read again here
+    config: ServerConfig  # the serving process's, but for its TLS context (`tls_files`)
     index: int
     port: int  # the port the serving process reserved (its --port, or the one it got)
     board: str  # the path of the published queue state (rawserve.shared.board)
     models: tuple[ModelSpec, ...]
-    loop: str  # "uvloop" or "asyncio"
+    # --ssl-certfile and --ssl-keyfile, loaded here (a TLS context cannot be pickled)
+    tls_files: tuple[str, str | None] | None = None
+
+    @classmethod
+    def of(cls, config: ServerConfig, **fields: Any) -> HttpProcessSpec:
+        tls = config.tls
+        files = (tls.certfile, tls.keyfile) if tls else None
+        return cls(dataclasses.replace(config, tls=None), tls_files=files, **fields)
 
 
 class ProcessMetrics(Metrics):
@@ -97,13 +108,18 @@ def say_alive(send: Callable[[tuple[str]], None], every: float = ALIVE_SECONDS) 
 
 def run_http_process(spec: HttpProcessSpec, sock: socket.socket) -> None:
     """The entry function of an HTTP process (`sock`: its end of the channel)."""
-    config = parse_config(list(spec.argv))
+    config = spec.config
     setup_logging(config.log_level, config.log_format, access_log=config.access_log)
-    sys.exit(loops.run(serve_http(spec, sock), spec.loop))
+    sys.exit(loops.run(serve_http(spec, sock), config.loop))
 
 
 async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
-    config = parse_config(list(spec.argv))
+    config = spec.config
+    try:
+        tls = server_context(*spec.tls_files) if spec.tls_files else None
+    except ValueError as exc:  # (read at start: a file changed or removed since)
+        log.error("HTTP process %d: --ssl-certfile/--ssl-keyfile: %s", spec.index, exc)
+        return 2
     loop = asyncio.get_running_loop()
     drain = asyncio.Event()
     lost = asyncio.Event()
@@ -139,7 +155,7 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
     app.operations.processes = lambda: link.processes
     app.operations.refresh = link.refresh
     state = ServerState(metrics=metrics)
-    settings, tls = config.http, config.ssl_context
+    settings = config.http
     await link.connect(sock)
     server = await listen(
         config,

@@ -27,6 +27,10 @@ log = logging.getLogger("rawserve")
 
 START_SECONDS = 60.0  # how long a new HTTP process may take to listen
 RESTART_PAUSE = 1.0  # a process that died this soon after starting is restarted after a pause
+# Replacements that exit before they listen, one after another (a file they read gone, the
+# board removed), are tried again after pauses that double, up to this many seconds: not
+# a new interpreter every second and a half for the server's life
+LONGEST_RESTART_PAUSE = 30.0
 # Each HTTP process says "alive" every half second from its event loop
 # (rawserve.http_process.entry.say_alive). One not heard at more than SILENT_SECONDS /
 # WATCH_SECONDS looks in a row (the first may come just after it spoke: at that many
@@ -37,6 +41,14 @@ RESTART_PAUSE = 1.0  # a process that died this soon after starting is restarted
 # up does not make every HTTP process look silent at once.
 SILENT_SECONDS = 5.0
 WATCH_SECONDS = 0.5
+
+
+def restart_pause(failures: int, lived: float) -> float:
+    """Seconds before an HTTP process that exited is replaced: none for one that served a
+    while; `failures` exits before listening in a row: pauses that double."""
+    if failures:
+        return min(RESTART_PAUSE * 2 ** (failures - 1), LONGEST_RESTART_PAUSE)
+    return RESTART_PAUSE if lived < RESTART_PAUSE else 0.0
 
 
 class HttpProcessFailed(RuntimeError):
@@ -64,6 +76,7 @@ class Fleet:
         self.peers: dict[int, Peer] = {}  # each listening process's end of its channel
         self.stopping = False
         self._started: dict[int, float] = {}
+        self._failed_starts: dict[int, int] = {}  # exits before listening, in a row
         self._context = multiprocessing.get_context("spawn")
 
     async def start(self) -> None:
@@ -105,6 +118,7 @@ class Fleet:
             raise HttpProcessFailed(f"HTTP process {index} could not start listening", False)
         if self.processes.get(index) is process:  # (not one that exited at once)
             self.peers[index] = peer
+            self._failed_starts[index] = 0
 
     def _on_exit(self, index: int, process: BaseProcess, exited: asyncio.Future[None]) -> None:
         loop = asyncio.get_running_loop()
@@ -112,20 +126,26 @@ class Fleet:
         process.join()  # its sentinel is ready: it has exited
         if not exited.done():
             exited.set_result(None)
+        listened = index in self.peers and self.processes.get(index) is process
         if self.processes.get(index) is process:
             del self.processes[index]
             self.peers.pop(index, None)  # its replacement is watched once it listens
         if self.stopping:
             return
+        failures = 0 if listened else self._failed_starts.get(index, 0) + 1
+        self._failed_starts[index] = failures
+        lived = time.monotonic() - self._started.get(index, 0.0)
+        pause = restart_pause(failures, lived)
         log.warning(
-            "HTTP process %d (pid %s) exited with code %s: its requests are withdrawn; "
-            "starting another",
+            "HTTP process %d (pid %s) exited with code %s%s; starting another%s",
             index,
             process.pid,
             process.exitcode,
+            ": its requests are withdrawn"
+            if listened
+            else f" before it listened ({failures} in a row)",
+            f" in {pause:.2g} s" if pause else "",
         )
-        lived = time.monotonic() - self._started.get(index, 0.0)
-        pause = RESTART_PAUSE if lived < RESTART_PAUSE else 0.0
         loop.call_later(pause, lambda: loop.create_task(self._restart(index)))
 
     def _watch(self) -> None:

@@ -9,6 +9,10 @@ mostly the same values again); the HTTP processes read it on every request (a re
 at the queue bound is answered at once, with no round trip), and a record not written
 for seconds says the serving process is stopped or stuck.
 
+The serving process holds a lock on the file for its life: a board whose owner's pid is
+not running here is still its owner's while the lock is held (a server in another PID
+namespace sharing /dev/shm, a container's `--ipc=host`, has a pid this one cannot see).
+
 Each field is written whole, through a memoryview of doubles: one aligned 8-byte copy,
 atomic, so a reader sees the old value or the new. Not `struct.pack_into`: it zeroes
 the field before writing its bytes, and an HTTP process then read a "ready" written
@@ -17,6 +21,7 @@ again as 0 now and then (a request refused: "the model is loading").
 
 from __future__ import annotations
 
+import fcntl
 import math
 import mmap
 import os
@@ -54,15 +59,20 @@ class Board:
         size = FIELDS * FIELD_SIZE * max(1, models)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
+        self._owned: int | None = None  # the serving process's descriptor, locked
         try:
             if create:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (a new file: free)
                 allocate(fd, size)
             self._map = mmap.mmap(fd, size)
         except OSError:
+            os.close(fd)
             if create:
                 os.unlink(path)
             raise
-        finally:
+        if create:
+            self._owned = fd  # kept open: the lock lasts as long as this process
+        else:
             os.close(fd)
         self._fields = memoryview(self._map).cast("d")  # page-aligned: every field aligned
         if create:
@@ -128,7 +138,7 @@ class Board:
         a moment before it is gone); while that process runs, the file is its own, and
         the HTTP processes it starts still open it."""
         until = time.monotonic() + wait
-        while not orphaned(os.path.basename(self.path)):
+        while not orphaned(self.path):
             if time.monotonic() > until:
                 return
             time.sleep(0.02)
@@ -145,17 +155,38 @@ def allocate(fd: int, size: int) -> None:
         os.ftruncate(fd, size)
 
 
-def orphaned(name: str) -> bool:
-    """Whether `name` is a board whose serving process is gone (one of another user, or
-    a pid taken again since, is not)."""
+def orphaned(path: str) -> bool:
+    """Whether `path` is a board whose serving process is gone (one of another user, a
+    pid taken again since, or one holding its lock, in another PID namespace, is not)."""
+    name = os.path.basename(path)
     pid = name.removeprefix(PREFIX).partition("-")[0]
-    return name.startswith(PREFIX) and pid.isdigit() and not is_running(int(pid))
+    if not name.startswith(PREFIX) or not pid.isdigit() or is_running(int(pid)):
+        return False
+    return not locked(path)
+
+
+def locked(path: str) -> bool:
+    """Whether a process holds the board's lock (one that cannot be opened: another
+    user's, held as far as we know)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released as it closes
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def remove_orphans(folder: str) -> None:
     """Remove the boards in `folder` whose serving process is gone."""
     for name in os.listdir(folder):
-        if orphaned(name):
+        if orphaned(os.path.join(folder, name)):
             try:
                 os.unlink(os.path.join(folder, name))
             except OSError:
