@@ -25,8 +25,10 @@ FROM python:${PYTHON_VERSION}-slim
 # cpu, or a CUDA variant of the PyTorch wheel index (cu126, cu128, ...)
 ARG TORCH_VARIANT=cpu
 ARG TORCH_SPEC=torch==2.13.0
-# image: Pillow, for image-classification models
-ARG EXTRAS=image
+# The Makefile's extras less test and dev: onnx (ONNX Runtime, for --engine onnx and
+# auto's choice on a CPU); image (Pillow, for image-classification models, which the
+# Makefile gets through test)
+ARG EXTRAS=onnx,image
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -62,7 +64,9 @@ EXPOSE 8000
 # /health is liveness: 200 while the server can serve or recover (also while the model
 # loads); a first start may download the model before it listens, hence the long start.
 # It reads the port and TLS from the RAWSERVE_* variables (not the arguments after the
-# image's name): a TLS port closes plain HTTP at once, so over TLS it asks in TLS.
+# image's name): a TLS port closes plain HTTP at once, so over TLS it asks in TLS. It
+# ignores HTTP_PROXY and the like (set where the Hub is reached through a proxy): the
+# proxy cannot reach the container's own loopback, and the check failed through it.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
-    CMD ["/app/.venv/bin/python", "-c", "import os, ssl, urllib.request; tls = bool(os.environ.get('RAWSERVE_SSL_CERTFILE')); urllib.request.urlopen('%s://127.0.0.1:%s/health' % ('https' if tls else 'http', os.environ.get('RAWSERVE_PORT', '8000')), timeout=4, context=ssl._create_unverified_context() if tls else None)"]
+    CMD ["/app/.venv/bin/python", "-c", "import os, ssl, urllib.request as u; tls = bool(os.environ.get('RAWSERVE_SSL_CERTFILE')); u.build_opener(u.ProxyHandler({}), u.HTTPSHandler(context=ssl._create_unverified_context())).open('%s://127.0.0.1:%s/health' % ('https' if tls else 'http', os.environ.get('RAWSERVE_PORT', '8000')), timeout=4)"]
 ENTRYPOINT ["/app/.venv/bin/python", "-m", "rawserve"]

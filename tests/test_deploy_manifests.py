@@ -15,9 +15,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from rawserve.fronts import FINAL_WRITE_SECONDS
 from rawserve.ops.metrics import Metrics
 from rawserve.options import OPTIONS
 from rawserve.serving.core import SchedulerCore
+from rawserve.serving.pool import EXIT_TIMEOUT
 
 MANIFESTS = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 # the oldest release still common in managed clusters, and the newest the validator knows
@@ -84,8 +86,10 @@ def test_termination_grace_covers_the_pre_stop_pause_and_the_drain():
     command = container()["lifecycle"]["preStop"]["exec"]["command"]
     assert command[0] == "sleep"
     pause, grace = float(command[1]), float(env()["RAWSERVE_GRACE"])
-    # + a few seconds to close connections and up to 10 s for the worker to stop
-    assert pod["terminationGracePeriodSeconds"] >= pause + grace + 15
+    # After the grace period the last 503s are written while the workers stop (a busy
+    # one killed at once, an idle one given EXIT_TIMEOUT); then some room to spare.
+    stopping = max(FINAL_WRITE_SECONDS, EXIT_TIMEOUT)
+    assert pod["terminationGracePeriodSeconds"] >= pause + grace + stopping + 10
 
 
 def test_resources_are_requested_and_limited():

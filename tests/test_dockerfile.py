@@ -110,6 +110,21 @@ def test_a_dry_run_of_the_install_is_the_pinned_cpu_torch_then_rawserve(tmp_path
     )
 
 
+def image_extras() -> set[str]:
+    [install] = install_runs()
+    [extras] = [w.partition("=")[2] for w in shlex.split(install) if w.startswith("EXTRAS=")]
+    return set(extras.split(","))
+
+
+def test_the_image_has_the_extras_of_make_serve_but_test_and_dev():
+    """With `EXTRAS=image` alone the image had no ONNX Runtime: `--engine auto` served
+    torch always and `--engine onnx` exited 2, where `make serve` had both."""
+    served = set(makefile_default("EXTRAS").split(",")) - {"test", "dev"}
+    assert "onnx" in served
+    # image: Pillow, which the Makefile's install gets through the test extra
+    assert image_extras() == served | {"image"}
+
+
 def test_a_cuda_build_is_one_build_argument():
     assert build_args()["TORCH_VARIANT"] == "cpu"
     assert any("whl/${TORCH_VARIANT}" in c.value[0] for c in instructions("RUN"))
@@ -162,10 +177,12 @@ def test_the_model_cache_is_a_volume_owned_by_the_user():
 def test_the_trial_verdicts_and_onnx_exports_are_kept_in_the_volume():
     """A first start's trials and ONNX export (tens of seconds) are what a restart skips:
     kept in the container's home, a new container (an upgrade, a rescheduled pod) made
-    them all again at every start."""
+    them all again at every start. The image installs ONNX Runtime (the onnx extra), so
+    there are exports to keep."""
     [volume] = instructions("VOLUME")
     [cache] = volume.value
     assert environment()["RAWSERVE_CACHE_DIR"].startswith(cache + "/")
+    assert "onnx" in image_extras()
 
 
 def test_every_copied_file_exists_and_is_in_the_build_context():
@@ -191,6 +208,17 @@ def test_the_python_version_is_one_rawserve_supports():
     assert base.value[0] == "python:${PYTHON_VERSION}-slim"
 
 
+# Where the Hub is reached through a proxy, the container has these: the check went
+# through the proxy (here a port where nothing listens) and failed on a healthy server.
+# (NO_PROXY empty: one that named 127.0.0.1 here would hide it.)
+PROXIES = {
+    **dict.fromkeys(
+        ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy"), "http://127.0.0.1:9"
+    ),
+    **dict.fromkeys(("NO_PROXY", "no_proxy"), ""),
+}
+
+
 @pytest.mark.slow
 def test_the_health_check_passes_on_a_serving_server_and_fails_without_one():
     [check] = instructions("HEALTHCHECK")
@@ -200,8 +228,9 @@ def test_the_health_check_passes_on_a_serving_server_and_fails_without_one():
     assert words[0].endswith("/.venv/bin/python")
     words[0] = sys.executable  # the image's python is this environment's, here
     with RunningServer(["--handler", "tests.handlers:echo"]) as server:
-        env = {**os.environ, "RAWSERVE_PORT": str(server.port)}
-        assert subprocess.run(words, env=env, capture_output=True).returncode == 0
+        env = {**os.environ, **PROXIES, "RAWSERVE_PORT": str(server.port)}
+        checked = subprocess.run(words, env=env, capture_output=True, text=True)
+        assert checked.returncode == 0, checked.stderr
     env = {**os.environ, "RAWSERVE_PORT": str(server.port)}  # nothing listens there now
     assert subprocess.run(words, env=env, capture_output=True).returncode != 0
 
@@ -221,6 +250,6 @@ def test_the_health_check_asks_a_tls_server_in_tls(tmp_path):
     server = RunningServer(["--handler", "tests.handlers:echo"])
     server.env["RAWSERVE_SSL_CERTFILE"] = str(key_and_certificate)
     with server:
-        env = {**server.env, "RAWSERVE_PORT": str(server.port)}
+        env = {**server.env, **PROXIES, "RAWSERVE_PORT": str(server.port)}
         checked = subprocess.run(words, env=env, capture_output=True, text=True)
         assert checked.returncode == 0, checked.stderr

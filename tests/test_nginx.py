@@ -2,13 +2,15 @@
 
 Traffic is spread over both; a replica that is killed or drains is taken out without
 failing more client requests than were in flight; a 503 with Retry-After from an
-overloaded replica is retried on the other. nginx is the Debian package (`make test`
-installs it when it is missing and we are root); without it these tests are skipped.
+overloaded replica is retried on the other, and a brief overload of both takes neither
+out. nginx is the Debian package (`make test` installs it when it is missing and we are
+root); without it these tests are skipped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import re
@@ -272,6 +274,49 @@ def test_a_503_with_retry_after_from_an_overloaded_replica_is_retried_on_the_oth
         assert [done.result()[0] for done in occupying] == [200] * 3
     # nginx did send a request to the overloaded replica, which refused it: retried
     assert sample(busy, "rawserve_items_dropped_total", reason="rejected") >= 2
+
+
+def test_a_brief_overload_of_every_replica_takes_none_of_them_out(start_cluster):
+    """nginx counts a 503 it retries as a failed attempt: with `max_fails=1`, a retried
+    503 from each replica (a full queue, for a moment) took both out for `fail_timeout`,
+    and nginx answered its own 502, without Retry-After, even once both were idle again."""
+    cluster = start_cluster("--max-queue", "1")
+
+    def post_direct(replica: RunningServer, sleep: float) -> int:
+        body = json.dumps({"inputs": "direct", "parameters": {"sleep": sleep}})
+        return replica.request("POST", "/", body, {"Content-Type": "application/json"})[0]
+
+    with ThreadPoolExecutor(4) as pool:
+        occupying = []
+        for replica in cluster.replicas:  # each: one request computing, one queued (full)
+            occupying.append(pool.submit(post_direct, replica, 2.0))
+            wait_until(lambda r=replica: in_flight(r) == 1)
+            occupying.append(pool.submit(post_direct, replica, 0.0))
+            wait_until(lambda r=replica: ready_status(r) == "full")
+        # Each request is tried on both (nginx does not count the last try's 503 as a
+        # failure: it takes a second request to have one counted against each replica).
+        for _ in range(3):
+            status, headers = post_through(cluster)
+            assert status == 503 and float(headers["retry-after"]) >= 1  # rawserve's
+        assert [done.result() for done in occupying] == [200] * 4
+    for replica in cluster.replicas:  # each refused at least one of nginx's tries
+        assert sample(replica, "rawserve_items_dropped_total", reason="rejected") >= 1
+        wait_until(lambda r=replica: ready_status(r) == "ready")
+    # idle again: served at once, not `no live upstreams` until fail_timeout ends
+    answers = asyncio.run(load_through(cluster, 4, concurrency=1))
+    assert [a.status for a in answers] == [200] * 4
+
+
+def post_through(cluster: Cluster) -> tuple[int, dict[str, str]]:
+    connection = http.client.HTTPConnection("127.0.0.1", cluster.nginx.port, timeout=30)
+    try:
+        body = json.dumps({"inputs": "x"})
+        connection.request("POST", "/", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        response.read()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}
+    finally:
+        connection.close()
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 20) -> None:
