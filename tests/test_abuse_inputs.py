@@ -107,6 +107,31 @@ def test_a_long_word_is_answered_once_the_speed_is_measured(classifier):
     assert status == 200, answer
 
 
+def batches_run(server: RunningServer) -> float:
+    """How many batches the server's workers have run (the batch-size histogram's count)."""
+    _, _, body = server.request("GET", "/metrics")
+    counts = re.findall(r"^rawserve_batch_size_count\{[^}]*\} (\S+)$", body.decode(), re.M)
+    return sum(float(count) for count in counts)
+
+
+def test_texts_longer_than_a_classifier_reads_are_refused_before_they_are_queued(classifier):
+    """A task that never cuts its inputs refuses one longer than the model reads. The
+    worker found that out by tokenizing each text whole, again at each step of the
+    bisection: 32 texts of 32 KB cost it 3 to 4.6 s for their 422, and clients sending
+    them starved the others (a short request's median 12 s). Counted in the server a
+    piece at a time, they are refused before they reach a worker."""
+    assert classifier.post_json({"inputs": "warm"})[0] == 200  # (its positions known)
+    before = batches_run(classifier)
+    for inputs in (["word " * 6000] * 32, ["fine", "word " * 200], {"text": "word " * 200}):
+        status, answer = post(classifier, json.dumps({"inputs": inputs}).encode())
+        assert_clear_client_error(status, answer, 422)
+        assert answer["error"] == (
+            "the input is more than 128 tokens and this model reads at most 128"
+        )
+    assert batches_run(classifier) == before  # no worker saw them
+    assert classifier.post_json({"inputs": "word " * 100})[0] == 200  # within 128 tokens
+
+
 @pytest.mark.parametrize("model", ["classifier", "generator", "summarizer"])
 @pytest.mark.parametrize("blank", ["", " \n\t"], ids=["empty", "whitespace"])
 def test_blank_text_is_a_422_alone_in_a_list_and_raw(request, model, blank):

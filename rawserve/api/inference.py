@@ -26,7 +26,12 @@ from rawserve.api.bodies import (
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Field, flag
 from rawserve.api.outcomes import unwrap
-from rawserve.api.prompts import check_details_size, check_lengths
+from rawserve.api.prompts import (
+    UNCUT_TASKS,
+    check_details_size,
+    check_input_lengths,
+    check_lengths,
+)
 from rawserve.api.routing import MODEL_ERRORS, DocContext, Needs, Operation, Route, Schema
 from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
@@ -284,6 +289,8 @@ class InferenceRoutes:
             raise BadRequest(str(exc)) from None
         if task == "text-generation":
             await check_lengths(self.context.tokenizers, model, parsed.inputs, chat=False)
+        elif task in UNCUT_TASKS:
+            await check_input_lengths(self.context.tokenizers, model, parsed.inputs)
         deadline = self.context.deadline(request)
         if parsed.stream:
             keepalive = self.context.settings.stream_keepalive

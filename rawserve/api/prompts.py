@@ -1,5 +1,6 @@
-"""Generation prompts that cannot fit the model, refused (422) before they are queued; and
-prompts as an echo shows them.
+"""Generation prompts that cannot fit the model, refused (422) before they are queued; so
+are the inputs of the tasks that never cut them (`check_input_lengths`); and prompts as
+an echo shows them.
 
 A causal LM reads its prompt and then writes at least one token within its positions, so a
 prompt of as many tokens as it has positions cannot be answered at all (text generation
@@ -76,6 +77,42 @@ async def check_lengths(
         await by_length(texts, count_within, tokenizer, texts, bound, not chat)
     except TooManyTokens:
         raise too_long(most, scored) from None
+
+
+# The tasks whose pipelines never cut an input (token classification and zero-shot ones
+# do): one longer than the model reads is refused.
+UNCUT_TASKS = frozenset({"text-classification", "fill-mask"})
+# No tokenizer makes more than about this many tokens of a character (a byte-level BPE: one
+# per UTF-8 byte): a text this many times shorter than the positions surely fits, and is
+# left to the worker, whose tokenizer it costs next to nothing.
+TOKENS_PER_CHARACTER = 4
+
+
+async def check_input_lengths(
+    tokenizers: ServerTokenizers, model: ServedModel, inputs: Sequence[Any]
+) -> None:
+    """422 when an input of a task that never cuts them (`UNCUT_TASKS`) has more tokens
+    than the model reads. Left to the worker, a long text was tokenized whole before it
+    was refused, again at each step of the bisection that finds it in its batch, and
+    counted at the model's length in the queue: 32 texts of 32 KB took the worker 3 to
+    4.6 s for their 422, and clients sending them starved the others. Counted here a
+    piece at a time, never past the positions; a text (a pair's first) is counted alone,
+    so only one surely over is refused here."""
+    positions = model.positions
+    if positions < 1:
+        return
+    texts = [item.get("text") if isinstance(item, dict) else item for item in inputs]
+    longer = [text for text in texts if isinstance(text, str)]
+    longer = [text for text in longer if TOKENS_PER_CHARACTER * len(text) > positions]
+    tokenizer = await tokenizers.get(model) if longer else None
+    if tokenizer is None:
+        return
+    try:
+        await by_length(longer, count_within, tokenizer, longer, positions, True)
+    except TooManyTokens:
+        raise UnprocessableInput(
+            f"the input is more than {positions} tokens and this model reads at most {positions}"
+        ) from None
 
 
 # about the JSON one listed log probability takes in a completion's answer (`"text":
