@@ -7,7 +7,8 @@ import asyncio
 import json
 
 from rawserve.api.served import ServedModel
-from rawserve.api.streaming import StreamEnd, TokenStream
+from rawserve.api.streaming import STREAM_BUFFER_TOKENS, StreamEnd, TokenStream
+from rawserve.serving.face import ItemResult, TokenChunk
 from rawserve.serving.service import ModelService
 from tests.test_streaming import FakeExecutor, FakeScheduler, open_stream
 
@@ -32,6 +33,35 @@ async def test_a_stream_that_is_not_read_is_stopped_with_its_buffer_bounded(capl
 
 def told_unread(caplog) -> int:
     return sum("tokens unread" in record.getMessage() for record in caplog.records)
+
+
+class BurstScheduler(FakeScheduler):
+    """Hands the stream every token in one pass of the loop: the tokens an HTTP process
+    is given at once after it was stopped for a moment (its writer had no turn)."""
+
+    async def run(self, inputs, params, deadline, control):
+        listener = self.executor.listeners[control.stream_id]
+        await asyncio.sleep(0.05)  # the stream's head goes out first, with no token yet
+        for index, text in enumerate(self.texts):
+            token = {"id": index, "text": text, "logprob": -0.5, "special": False}
+            listener(TokenChunk(control.stream_id, 0, token))
+        return [ItemResult(self.output, 0.0, 1, 0.0)]
+
+
+async def test_a_burst_of_tokens_for_a_client_that_reads_is_not_an_overflow(caplog):
+    """Past the buffer, a stream is stopped only once its client has read nothing for a
+    while: after an HTTP process was stopped for 2 s, the tokens it had missed came in
+    one pass, and a client reading all along lost its stream "for leaving 1024 tokens
+    unread" (a tester)."""
+    burst = 3 * STREAM_BUFFER_TOKENS
+    executor = FakeExecutor()
+    output = {"generated_text": " a" * burst, "details": {"finish_reason": "length"}}
+    scheduler = BurstScheduler(executor, [" a"] * burst, output)
+    response = await open_stream(scheduler, executor)
+    with caplog.at_level("WARNING", logger="rawserve.api.streaming"):
+        events = [json.loads(chunk.removeprefix(b"data:")) async for chunk in response.stream]
+    assert not told_unread(caplog) and "error" not in events[-1]
+    assert len(events) == burst and events[-1]["generated_text"] == " a" * burst
 
 
 async def test_choices_that_all_overflow_are_told_once_for_their_stream(caplog):

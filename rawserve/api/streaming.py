@@ -14,8 +14,8 @@ the generation goes on after is sent at once, any other is held back until the n
 or the batch's result says whether it was the last. When the client leaves, the
 protocol closes the event iterator: the listener is removed, the queued item withdrawn,
 and the worker told to stop generating. A client that stays connected but does not read
-gets the same once `STREAM_BUFFER_TOKENS` tokens wait for it (then an error event), and
-the protocol's write timeout ends it.
+gets the same once `STREAM_BUFFER_TOKENS` tokens have waited for it `UNREAD_SECONDS` with
+none read (then an error event), and the protocol's write timeout ends it.
 
 A stream silent for `keepalive` seconds (queued behind others, a long prefill, a grammar
 compiling) is sent a comment, `: keep-alive` (SSE clients skip comments, as TGI's do):
@@ -50,10 +50,16 @@ log = logging.getLogger("rawserve.streams")
 
 # A stream's queue carries its TokenChunks, then None once its request has finished.
 Run = asyncio.Future[list[ItemResult]]
-# Tokens a stream holds for a client that does not read them; past it the generation is
-# stopped (a client that cannot keep up with the model would hold the worker, and the
-# tokens its memory, for nobody).
+# Tokens a stream holds for a client that does not read them: past it, with none read for
+# UNREAD_SECONDS, the generation is stopped (a client that cannot keep up with the model
+# would hold the worker, and the tokens its memory, for nobody). Not at once: tokens come
+# in bursts where this process paused (an HTTP process stopped for a moment is handed
+# those of the seconds it missed in one pass, before the stream's writer could run), and
+# a client reading all along lost its stream "for leaving tokens unread".
 STREAM_BUFFER_TOKENS = 1024
+UNREAD_SECONDS = 1.0
+# ... and whatever the reads, never more than this many wait (the memory they take)
+STREAM_HOLD_TOKENS = 4 * STREAM_BUFFER_TOKENS
 OVERFLOW = ServiceUnavailable(
     f"the stream was stopped: its client left {STREAM_BUFFER_TOKENS} tokens unread"
 )
@@ -108,6 +114,8 @@ class TokenStream:
         self.count_error = model.count_stream_error
         self.echoed = prompt if returns_full_text(params) else ""  # what the answer starts with
         self.queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
+        self.reads = 0  # the chunks its writer has taken
+        self.unread_check: asyncio.TimerHandle | None = None
         self.overflowed = False
         self.closed = False
         self.stream_id = self.serving.open_stream(self.on_token)
@@ -126,9 +134,24 @@ class TokenStream:
         self.queue.put_nowait(None)
 
     def on_token(self, chunk: TokenChunk) -> None:
-        if self.queue.qsize() < STREAM_BUFFER_TOKENS:
-            self.queue.put_nowait(chunk)
-        elif not self.overflowed:
+        if self.overflowed:
+            return
+        if self.queue.qsize() >= STREAM_HOLD_TOKENS:
+            self._overflow()
+            return
+        self.queue.put_nowait(chunk)
+        if self.queue.qsize() >= STREAM_BUFFER_TOKENS and self.unread_check is None:
+            loop = asyncio.get_running_loop()
+            self.unread_check = loop.call_later(UNREAD_SECONDS, self._check_unread, self.reads)
+
+    def _check_unread(self, reads: int) -> None:
+        """Stop the stream if its writer took nothing since `reads`, with the buffer full."""
+        self.unread_check = None
+        if self.reads == reads and self.queue.qsize() >= STREAM_BUFFER_TOKENS:
+            self._overflow()
+
+    def _overflow(self) -> None:
+        if not self.overflowed:
             self.overflowed = True
             self.close()  # the end (None) is queued when the run is cancelled
             # told now: a client that never reads again never gets the event
@@ -141,6 +164,7 @@ class TokenStream:
         the stream is sent, and an error before the first token is for `output()`."""
         try:
             self.first = await asyncio.wait_for(self.queue.get(), patience)
+            self.reads += 1
             self.started = True
             if self.first is None:
                 self.output()  # raises the request's error, with its status
@@ -153,10 +177,15 @@ class TokenStream:
     async def chunks(self) -> AsyncGenerator[TokenChunk, None]:
         """Every token chunk, the first included, until the request has finished (an
         error before the first token, for a stream not started, is for `output()`)."""
-        chunk = self.first if self.started else await self.queue.get()
+        chunk = self.first if self.started else await self.taken()
         while chunk is not None:
             yield chunk
-            chunk = await self.queue.get()
+            chunk = await self.taken()
+
+    async def taken(self) -> TokenChunk | None:
+        chunk = await self.queue.get()
+        self.reads += 1
+        return chunk
 
     def output(self) -> Any:
         """The finished request's output; HTTPError if it failed or its client fell behind."""
@@ -191,6 +220,8 @@ class TokenStream:
         if self.closed:
             return
         self.closed = True
+        if self.unread_check is not None:
+            self.unread_check.cancel()
         self.serving.close_stream(self.stream_id)
         if not self.run.done():
             self.run.cancel()
