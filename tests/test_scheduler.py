@@ -120,7 +120,8 @@ def test_the_delay_never_spends_a_deadline():
     queue_items(core, [text(10)], now=0.0, deadline=1.0)  # alone 0.1 s: waits half its time
     assert core.next_wakeup(now=0.0) == pytest.approx(0.5)
     assert core.next_batch(now=0.4) is None
-    assert len(core.next_batch(now=0.5)) == 1
+    assert len(batch := core.next_batch(now=0.5)) == 1
+    core.finish_batch(batch, now=0.6)
     queue_items(core, [text(45)], now=1.0, deadline=2.0)  # 0.45 s alone: no room for two
     assert len(core.next_batch(now=1.0)) == 1
 
@@ -257,6 +258,21 @@ def test_work_in_flight_counts_against_the_deadline():
     queue_items(core, ["x"], now=1.0, deadline=1.0 + ADMIT_MARGIN * 9.02)
 
 
+def test_a_batch_far_past_its_predicted_time_counts_as_long_again_against_deadlines():
+    """A worker stopped or stuck in one call (until --batch-timeout kills it, 2 minutes
+    by default) looked about to be free: every request was admitted, and waited its whole
+    deadline for a 504, while /ready said 200. A batch past its predicted time is
+    expected to take as long again as it has overrun."""
+    core = measured(SchedulerCore(max_batch_size=10), seconds_per_token=0.0001)
+    busy(core)  # predicted in about a millisecond
+    [early] = queue_items(core, ["x"], now=0.001, deadline=0.1)  # about as long: in time
+    core.remove(early)
+    with pytest.raises(DeadlineUnreachable) as refused:  # 10 s over: not within 3 s
+        queue_items(core, ["y"], now=10.0, deadline=13.0)
+    assert refused.value.retry_after >= 9.0
+    queue_items(core, ["z"], now=10.0, deadline=40.0)  # time enough: admitted
+
+
 def test_earliest_deadline_first_and_expiry():
     core = SchedulerCore(max_batch_size=1)
     late = queue_items(core, ["late"], deadline=10.0)
@@ -293,6 +309,18 @@ def test_an_item_that_cannot_finish_in_time_is_not_computed():
     assert core.next_batch(now=0.0) is None
     assert core.next_wakeup(now=0.0) == 1.0  # it stays until its deadline, then 504
     assert core.drop_expired(now=1.0) == doomed
+
+
+def test_an_item_predicted_to_end_within_the_margin_of_its_deadline_is_not_computed():
+    """A model call's time varies: an item predicted to end just before its deadline (0.9 s
+    of the 1 s it has) may as well end after it, its answer thrown away as its request
+    times out, the worker held from work that can end in time. It waits, as one that
+    cannot end in time does, unless its predicted time leaves DEADLINE_MARGIN to spare."""
+    for tokens, sent in [(90, False), (70, True)]:  # 0.9 s, 0.7 s: 1.125 s, 0.875 s with it
+        core = measured(SchedulerCore(), seconds_per_token=0.01)
+        busy(core)
+        queue_items(core, [text(tokens)], deadline=1.0)
+        assert (core.next_batch(now=0.0) is not None) == sent, tokens
 
 
 def test_with_no_call_running_and_none_that_can_finish_the_cheapest_runs_alone():
@@ -518,22 +546,6 @@ def test_a_one_item_worker_judges_a_list_by_rows_only_when_all_of_it_generates()
     assert len(core) == 4
 
 
-def test_batches_in_flight_are_not_summed_when_their_whole_time_leaves_room(monkeypatch):
-    """Admission is O(1) while the batches in flight, taken at their whole predicted
-    time shared out among the workers, leave the deadline room: what is left of each
-    (a continuous worker has hundreds in flight) is summed only when it does not."""
-    core = measured(SchedulerCore(max_batch_size=10, workers=2), seconds_per_token=0.01)
-    queue_items(core, [text(100)] * 10)
-    assert len(core.next_batch(now=0.0)) == 10  # 10 s predicted, 5 s on each of 2 workers
-    summed = []
-    sum_left = core._in_flight_seconds
-    monkeypatch.setattr(core, "_in_flight_seconds", lambda now: summed.append(now) or sum_left(now))
-    queue_items(core, ["x"], now=0.0, deadline=ADMIT_MARGIN * 5 + 0.5)
-    assert summed == []
-    queue_items(core, ["y"], now=1.0, deadline=1.0 + ADMIT_MARGIN * 4.5 + 0.5)  # 4.5 s left
-    assert summed == [1.0]
-
-
 def test_nothing_queued_ahead_is_no_reason_to_refuse():
     core = measured(SchedulerCore(), seconds_per_token=0.01)  # 200 tokens take 2 s
     queue_items(core, [text(200)], deadline=1.0)  # alone it cannot make it: let it try
@@ -601,6 +613,22 @@ def test_past_half_the_rows_a_generation_that_cannot_end_in_time_waits_unless_st
     assert inputs(core.next_batch(3.0)) == [text(7)]
     queue_items(core, [text(8)], now=3.0, deadline=30.0, params=long)
     assert inputs(core.next_batch(3.0)) == [text(8)]  # in time at that pace: it goes
+
+
+def test_a_generation_is_taken_whatever_its_time_while_half_the_rows_would_stay_free():
+    """Up to half the rows in use, its own predicted time is no reason to refuse a
+    sequence (it may end early, and the pace measured may be that of a busier past);
+    only past half is it judged by that time, and refused if it cannot end in time."""
+    core = measured(SchedulerCore(max_queue=100, max_batch_size=1, workers=8), 0.01)
+    queue_items(core, [text(5)] * 2, params={"max_new_tokens": 10})
+    while core.next_batch(now=0.0):
+        pass
+    queue_items(core, [text(5)], params={"max_new_tokens": 10})  # 2 running, 1 queued
+    long = {"max_new_tokens": 400}  # 4 s, with 1 s to go
+    queue_items(core, [text(5)], deadline=1.0, params=long)  # the fourth row of eight
+    assert len(core) == 2
+    with pytest.raises(OwnTimeUnreachable):  # the fifth
+        queue_items(core, [text(5)], deadline=1.0, params=long)
 
 
 def test_an_input_larger_than_any_call_measured_is_sent_once_and_measured():
