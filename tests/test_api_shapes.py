@@ -1405,6 +1405,19 @@ def test_where_the_positions_are_unknown_new_tokens_stop_at_4096(path, body, fie
     assert (status, sent) == (400 if field else 422, [])
 
 
+def test_a_completion_asking_no_max_tokens_gets_16_new_tokens_as_openais_does():
+    """OpenAI's documented default on /v1/completions, and the README's: without it an
+    answer runs to the model's own default (its generation config's, else 256 tokens),
+    far past what a client written for OpenAI's API expects. Chat has no such default:
+    there the model's holds."""
+    status, answer, sent = generated("/v1/completions", {"prompt": "hi"}, 8192)
+    assert status == 200, answer
+    assert [params["max_new_tokens"] for params in sent] == [16]
+    status, answer, sent = generated("/v1/chat/completions", {"messages": HI}, 8192)
+    assert status == 200, answer
+    assert [params.get("max_new_tokens") for params in sent] == [None]
+
+
 class Asked(Generating):
     """A model that keeps what it was asked: each chat and its parameters."""
 

@@ -53,6 +53,17 @@ def test_the_batch_cap_halves_on_out_of_memory_and_comes_back_gradually():
         assert cap.limit == expected
 
 
+def test_the_batch_cap_is_lifted_once_it_doubles_back_to_the_batch_that_ran_out():
+    """Doubled back to the size of the batch that ran out of memory, the cap is lifted
+    ("up to no cap"): kept at that size for another round of batches, it would split
+    batches larger than any that failed, for nothing."""
+    cap = BatchCap(restore_after=1)
+    cap.lower(8)
+    assert cap.limit == 4
+    cap.on_success()
+    assert cap.limit is None
+
+
 class OutOfMemoryAbove:
     """A runner that runs out of memory on batches larger than `limit`."""
 

@@ -494,6 +494,28 @@ def test_stop_sequences_end_a_row_as_the_static_path_ends_it(runner):
     assert without_logprobs(got) == without_logprobs(static(runner, "the movie was", params))
 
 
+def test_a_stop_sequence_spread_over_three_tokens_ends_a_row_on_both_paths(runner):
+    """A stop may begin at the end of one token's text, cover the next token's and end in a
+    third's: each row keeps only the end of its text a stop may begin in (`stop_tail`: one
+    character fewer than the longest stop), and were it a character shorter such a stop
+    would be missed on both paths, the answer running on past it to its max_new_tokens."""
+    free = {**GREEDY, "max_new_tokens": 30, "return_full_text": False}
+    [(_, got, _)] = as_the_static_path(runner, free, ["the movie was"])
+    pieces = [token["text"] for token in got[0]["details"]["tokens"]]
+    # the last character of one piece, the whole next one, the first of the third
+    spread = [
+        (at, pieces[at][-1] + pieces[at + 1] + pieces[at + 2][0])
+        for at in range(len(pieces) - 2)
+        if all(pieces[at : at + 3])
+    ]
+    at, stop = next((at, s) for at, s in spread if s not in "".join(pieces[: at + 2]))
+    params = {**free, "stop": [stop]}
+    [(_, got, expected)] = as_the_static_path(runner, params, ["the movie was"])
+    for output in (got, expected):  # the loop's, the static path's
+        assert output[0]["details"]["finish_reason"] == "stop_sequence", (stop, output)
+        assert output[0]["details"]["generated_tokens"] == at + 3
+
+
 def test_a_stop_sequence_inside_a_token_ends_the_text_with_it_as_tgis_does(runner):
     """The token that completes a stop may run on past it (" film" for "fil"): the text
     ends with the stop (TGI's clients strip a stop from the end), on both paths, and so
@@ -630,11 +652,12 @@ def test_min_new_tokens_ending_in_a_run_of_byte_tokens_counts_stops_where_a_stre
     """An emoji is four byte tokens on a Llama, its text coming whole with the token after
     them: where min_new_tokens ends inside that run, the text before its token is what
     the pieces made (the run held back, as a stream has it), not the run decoded into
-    U+FFFDs, so a stop in the emoji cuts the whole answer where it cuts the stream."""
+    U+FFFDs, so a stop in the emoji cuts the whole answer where it cuts the stream, and
+    one in the text before ("b") cuts neither."""
     from rawserve.api.openai_answers import Streamed, cut_at_stop, stops_from
 
     forced = {**GREEDY, "return_full_text": False, "grammar": {"type": "regex", "value": "ab😀cd"}}
-    stop = ["😀"]
+    stop = ["b", "😀"]
     for at_least in (4, 7):  # inside the run (tokens 3 to 6); the token its text comes with
         params = {**forced, "stop": stop, "min_new_tokens": at_least}
         [(_, got, _)] = as_the_static_path(llama, params, ["the movie"])

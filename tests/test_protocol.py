@@ -1315,6 +1315,14 @@ def test_a_header_number_is_digits_and_at_most_one_dot(value, seconds):
     assert request_timeout(request, default=30, longest=60) == seconds
 
 
+def test_a_request_timeout_past_max_timeout_is_cut_to_it():
+    """`--max-timeout` is the longest deadline a request may ask for (the README's
+    "capped at `--max-timeout`"): past it, a client could have its requests queued and
+    running for as long as it liked, the server's own bound on a request's time gone."""
+    request = HttpRequest("POST", "/", "", [("x-request-timeout", "1000")], b"", "id")
+    assert request_timeout(request, default=30, longest=300) == 300
+
+
 @pytest.mark.parametrize(
     "value",
     ["1_0", " 1", "1 ", "1e1", "inf", "nan", "+1", "-1", "1.2.3", "0x10", "", ".", "\u0661", "²"],

@@ -721,6 +721,44 @@ def test_a_continuous_workers_lost_sequences_run_again_together_then_alone(loade
     serving.check()
 
 
+def test_a_continuous_workers_streamed_sequence_is_not_run_again_beside_the_others(loaded):
+    """Of the sequences a worker dies with, a stream whose tokens reached its client fails
+    mid-stream (run again, its client would get its first tokens twice), even where the
+    others run again side by side."""
+    serving = loaded(kind="continuous", max_batch_size=1)
+    worker = serving.pool.workers[0]
+    streamed = serving.arrive(["s"], {"max_new_tokens": 8}, timeout=30.0, stream=True)
+    lost = [serving.arrive([name], {}, timeout=30.0) for name in ("a", "b")]
+    [batch] = [batch for _, _, batch in serving.answerable() if batch.control.stream_id]
+    serving.stream_a_token(worker, batch)
+    serving.crash(worker)
+    serving.advance(0.6)
+    serving.load(worker)
+    assert sorted(batch.inputs for _, _, batch in serving.answerable()) == [("a",), ("b",)]
+    assert streamed.outcome == "results"
+    assert streamed.ends[0][1][0].output == CRASHED_MID_STREAM
+    while serving.answerable():
+        serving.answer(*serving.answerable()[0])
+    assert [request.outcome for request in lost] == ["results"] * 2
+    serving.check()
+
+
+def test_a_lone_sequence_that_crashes_its_continuous_worker_is_named_at_the_third_death(loaded):
+    """Side by side with nobody, a lone lost sequence runs again alone from the first:
+    each death with it counts toward naming it as a poison input, at the third, as a
+    batching worker's lone input is (else a fourth death before it is named)."""
+    serving = loaded(kind="continuous", max_batch_size=1)
+    worker = serving.pool.workers[0]
+    lone = serving.arrive(["x"], {}, timeout=60.0)
+    for death in range(3):
+        assert [batch.inputs for _, _, batch in serving.answerable()] == [("x",)], death
+        serving.crash(worker)
+        serving.advance(10.0)  # past the restart's backoff
+        serving.load(worker)
+    assert lone.outcome == "results" and lone.ends[0][1][0].output == CRASHED_ALONE
+    serving.check()
+
+
 def test_a_worker_holding_two_batches_takes_the_second_at_once_until_one_is_timed(loaded):
     """Until a batch has been timed, a worker that holds two batches takes its second as
     the first starts: what is queued goes behind it then, not once the first is answered."""

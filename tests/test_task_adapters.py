@@ -1619,19 +1619,29 @@ def test_an_error_that_cannot_be_told_fails_its_input_not_the_worker(monkeypatch
     assert failed == ItemFailure(FailureKind.INTERNAL, "the model failed on this input")
 
 
-def test_an_input_a_handler_leaves_unanswered_fails_alone(monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    "answers",
+    [
+        "[x.upper() for x in inputs if x != 'odd']",  # none for it
+        "[y for x in inputs for y in ([x.upper(), 'EXTRA'] if x == 'odd' else [x.upper()])]",
+    ],
+    ids=["none", "two"],
+)
+def test_an_input_a_handler_answers_with_no_answer_or_two_fails_alone(
+    monkeypatch, tmp_path, answers
+):
     """A handler that skipped an input (one answer fewer) failed its whole batch: every
-    batch-mate got 500 "the model answered the wrong number of outputs"."""
+    batch-mate got 500 "the model answered the wrong number of outputs". One that answered
+    an input twice is as wrong: which answer is whose is not known (of six answers to five
+    inputs, the first five give each input after it its neighbour's), so the batch is
+    split until the input answered twice is alone."""
     from rawserve.worker.batch_runs import run_bisecting
 
-    source = (
-        "def make():\n"
-        "    return lambda inputs, **params: [x.upper() for x in inputs if x != 'skip']\n"
-    )
+    source = f"def make():\n    return lambda inputs, **params: {answers}\n"
     serving = handler_runner(monkeypatch, tmp_path, source)
-    answers = run_bisecting(serving, ["a", "b", "skip", "c", "d"], {})
-    assert answers[:2] == ["A", "B"] and answers[3:] == ["C", "D"]
-    assert answers[2] == ItemFailure(
+    answered = run_bisecting(serving, ["a", "b", "odd", "c", "d"], {})
+    assert answered[:2] == ["A", "B"] and answered[3:] == ["C", "D"]
+    assert answered[2] == ItemFailure(
         FailureKind.INTERNAL, "the model answered the wrong number of outputs"
     )
 
