@@ -238,6 +238,49 @@ def test_a_cache_folder_that_cannot_be_written_is_named_not_a_bare_os_error(
     assert "Traceback" not in caplog.text
 
 
+def graph_in_a_cache(tiny_model, onnx_cache, cache: Path) -> tuple[Path, Path, Path]:
+    """The tiny classifier's folder, its exported graph, and a copy of that graph's cache
+    entry in `cache` (the graph's path there)."""
+    from rawserve.worker import onnx_engine
+
+    folder = Path(tiny_model("text-classification"))
+    head = onnx_engine.HEADS["text-classification"]
+    good = onnx_engine.exported_graph(folder, head, onnx_cache)
+    shutil.copytree(good.parent, cache / good.parent.name)
+    return folder, good, cache / good.parent.name / onnx_engine.GRAPH_FILE
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [MemoryError(), ImportError("libonnxruntime.so: failed to map segment from shared object")],
+)
+def test_a_worker_out_of_memory_keeps_the_cached_graph(
+    tiny_model, onnx_cache, tmp_path, monkeypatch, failure
+):
+    """Memory the worker lacks (under a memory limit onnxruntime's library could not even
+    be mapped: an ImportError) is not a damaged graph: the good one was removed and
+    exported again, at every restart under memory pressure (a tester). The load fails,
+    saying it ran out of memory, and the graph stays."""
+    from rawserve.worker import onnx_engine
+    from rawserve.worker.process import load_failed
+
+    folder, good, kept = graph_in_a_cache(tiny_model, onnx_cache, tmp_path / "onnx")
+    cache = tmp_path / "onnx"
+
+    def out_of_memory(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(onnx_engine, "OnnxNetwork", out_of_memory)
+    monkeypatch.setattr(onnx_engine, "export", lambda *args: pytest.fail("exported again"))
+    with pytest.raises(type(failure)) as caught:
+        onnx_engine.load_network(str(folder), "text-classification", 1, cache)
+    assert kept.read_bytes() == good.read_bytes()
+    if isinstance(failure, MemoryError):  # it said "MemoryError:" and nothing more
+        assert load_failed(caught.value).message.startswith(
+            "MemoryError (the worker ran out of memory: a memory limit, or too little RAM)"
+        )
+
+
 def test_a_cached_graph_that_cannot_be_loaded_is_exported_again(
     tiny_model, onnx_cache, tmp_path, monkeypatch, caplog
 ):
@@ -246,12 +289,8 @@ def test_a_cached_graph_that_cannot_be_loaded_is_exported_again(
     every start with --engine onnx, and kept auto on torch for good."""
     from rawserve.worker import onnx_engine
 
-    folder = Path(tiny_model("text-classification"))
-    head = onnx_engine.HEADS["text-classification"]
-    good = onnx_engine.exported_graph(folder, head, onnx_cache)
+    folder, good, broken = graph_in_a_cache(tiny_model, onnx_cache, tmp_path / "onnx")
     cache = tmp_path / "onnx"
-    shutil.copytree(good.parent, cache / good.parent.name)
-    broken = cache / good.parent.name / onnx_engine.GRAPH_FILE
     broken.write_bytes(good.read_bytes()[:5000])
     exports = []
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -719,6 +720,19 @@ def test_a_continuous_workers_lost_sequences_run_again_together_then_alone(loade
     serving.answer(worker, conn, batch)
     assert fresh.outcome == "results"
     serving.check()
+
+
+def test_a_hung_continuous_worker_is_killed_with_one_line_for_all_its_sequences(loaded, caplog):
+    """Each sequence has a watchdog, and as the worker hangs all of them fire: the kill
+    was logged once a sequence, the same line over (a tester). Each sequence is answered."""
+    serving = loaded(kind="continuous", max_batch_size=1)
+    hung = [serving.arrive([name], {}, timeout=60.0) for name in ("a", "b", "c")]
+    assert len(serving.answerable()) == 3
+    with caplog.at_level(logging.ERROR, "rawserve"):
+        serving.advance(2 * BATCH_TIMEOUT)  # no decoding step ends
+    assert sum("ran over" in record.getMessage() for record in caplog.records) == 1
+    assert [request.outcome for request in hung] == ["results"] * 3
+    assert {request.ends[0][1][0].output for request in hung} == {TIMED_OUT}
 
 
 def test_a_continuous_workers_streamed_sequence_is_not_run_again_beside_the_others(loaded):

@@ -607,14 +607,16 @@ class WorkerPool(PoolReports):
                     quiet_until - self.clock(), self._on_batch_timeout, worker, job
                 )
                 return
-        log.error(
-            "worker %s: a batch of %d ran over %g s%s; killing process %s",
-            worker.label,
-            len(job.inputs),
-            self.batch_timeout,
-            " and no decoding step ended meanwhile" if worker.sequences else "",
-            worker.pid,
-        )
+        if worker.state is not WorkerState.DEAD:  # (said once: each of a continuous
+            # worker's sequences has a watchdog, and all of them fire as it hangs)
+            log.error(
+                "worker %s: a batch of %d ran over %g s%s; killing process %s",
+                worker.label,
+                len(job.inputs),
+                self.batch_timeout,
+                " and no decoding step ended meanwhile" if worker.sequences else "",
+                worker.pid,
+            )
         self._detach(worker.running.pop(job.batch_id) or self._take_job(worker))
         job.answer(BatchResult(job.batch_id, (TIMED_OUT,) * len(job.inputs), 0.0))
         worker.state = WorkerState.DEAD  # until the reader sees it exit and restarts it

@@ -215,6 +215,11 @@ def load_network(model: str, task: str, threads: int, cache_dir: Path | None = N
     graph = exported_graph(folder, head, cache_dir)
     try:
         return OnnxNetwork(graph, config, head, threads, cores)
+    except (MemoryError, ImportError):
+        # the process's memory, not the graph (onnxruntime's library that could not be
+        # mapped is an ImportError): a good graph was removed and exported again, at every
+        # restart under memory pressure
+        raise
     except Exception as exc:  # noqa: BLE001 - onnxruntime's errors derive from Exception only
         # A graph cut short (a crash before its data reached the disk, a full disk, a hand
         # edit) would fail every start: it is made again.

@@ -78,7 +78,9 @@ def load_failed(exc: Exception) -> WorkerLoadFailed:
     log.debug("could not load the model", exc_info=True)
     text = str(exc).strip()
     paragraph = text.split("\n\n")[0]
-    line = f"{type(exc).__name__}: {paragraph}"
+    line = f"{type(exc).__name__}: {paragraph}" if paragraph else type(exc).__name__
+    if isinstance(exc, MemoryError):
+        line = f"{line} (the worker ran out of memory: a memory limit, or too little RAM)"
     if "See the original errors:" in text:  # "Could not load model ... with any of ..."
         line = text.splitlines()[-1]
     if pickled := PICKLED_OBJECT.search(text):  # torch's advice is a programmer's
