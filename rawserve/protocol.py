@@ -776,8 +776,12 @@ class HttpProtocol(asyncio.Protocol):
 
 
 async def _close_stream(response: HttpResponse) -> None:
-    if response.stream is not None:
-        await response.stream.aclose()
+    try:
+        if response.stream is not None:
+            await response.stream.aclose()
+    finally:
+        if response.on_stream_close is not None:
+            response.on_stream_close()
 
 
 def _peer(transport: Transport | None) -> str:

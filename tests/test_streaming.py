@@ -80,6 +80,19 @@ async def collect(response):
     return [json.loads(chunk.removeprefix(b"data:")) async for chunk in response.stream]
 
 
+async def test_a_stream_closed_before_it_is_sent_stops_its_generation():
+    """The client left between the answer's making and its sending: the protocol closes
+    the events unsent, and an async generator closed before its first step runs none of
+    its code, so the generation went on for nobody (until it filled its buffer)."""
+    from rawserve.protocol import _close_stream
+
+    executor = FakeExecutor()
+    scheduler = FakeScheduler(executor, [" a"] * 100_000, {"generated_text": ""})
+    response = await open_stream(scheduler, executor)
+    await _close_stream(response)  # as the protocol does, for a client gone
+    assert executor.closed == [1]
+
+
 async def test_one_event_per_token_and_the_last_carries_the_text():
     executor = FakeExecutor()
     output = {"generated_text": " a b", "details": {"finish_reason": "length"}}

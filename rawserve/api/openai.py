@@ -451,7 +451,7 @@ class OpenAIRoutes:
             events = shape.events(
                 streams, generation.stop, generation.include_usage, len(choices), echo_texts
             )
-            return event_stream(events, keepalive)
+            return event_stream(events, keepalive, streams)
         results = await run_choices(model, generation.items, choices, deadline)
         # the worker answers the pipeline's [{"generated_text", "details"}] per prompt
         outputs = [unwrap(result)[0] for result in results]

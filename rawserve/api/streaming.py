@@ -296,10 +296,19 @@ async def open_token_stream(
         raise UnprocessableInput("decoder_input_details is not supported when streaming tokens")
     stream = TokenStream(model, prompt, params, deadline, request_id)
     await stream.start(keepalive)
-    return event_stream(_events(stream), keepalive)
+    return event_stream(_events(stream), keepalive, [stream])
 
 
-def event_stream(events: AsyncGenerator[bytes, None], keepalive: float | None) -> HttpResponse:
+def event_stream(
+    events: AsyncGenerator[bytes, None], keepalive: float | None, streams: Sequence[TokenStream]
+) -> HttpResponse:
+    """The response of `events`; as it is closed, however it ended, `streams` are closed
+    (their generations stopped: events never begun would not close them)."""
+
+    def close() -> None:
+        for stream in streams:
+            stream.close()
+
     return HttpResponse(
         200,
         # X-Accel-Buffering: nginx passes each event on as it comes, even where its
@@ -307,6 +316,7 @@ def event_stream(events: AsyncGenerator[bytes, None], keepalive: float | None) -
         headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")],
         content_type="text/event-stream",
         stream=events if keepalive is None else kept_alive(events, keepalive),
+        on_stream_close=close,
     )
 
 

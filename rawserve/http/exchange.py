@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 
@@ -32,3 +32,7 @@ class HttpResponse:
     # A body produced piece by piece (sent chunked); `body` is ignored when set. The
     # protocol closes it (`aclose`) when the client leaves, which stops the producer.
     stream: AsyncGenerator[bytes, None] | None = None
+    # Called once the stream is closed, however it ended: an async generator closed before
+    # its first step runs none of its code (a `finally` in it never runs), as where the
+    # client left between the answer's making and its sending.
+    on_stream_close: Callable[[], None] | None = None
