@@ -112,18 +112,20 @@ def test_the_messages_of_one_event_loop_pass_go_in_one_write():
     ]
 
 
-def test_a_pass_with_no_memory_to_pickle_goes_message_by_message_and_the_channel_goes_on(
-    monkeypatch, caplog
+@pytest.mark.parametrize("failure", [MemoryError, pickle.PicklingError])
+def test_a_pass_that_cannot_be_pickled_goes_message_by_message_and_the_channel_goes_on(
+    monkeypatch, caplog, failure
 ):
     """Out of memory pickling a pass's messages together (many large answers at once) once
     left them in the outbox, where no later `send` scheduled a write again: every answer
     after it waited for its deadline, for good. Each now goes alone; one too large even
-    alone is dropped (its run ends at its deadline), and the channel goes on."""
+    alone is dropped (its run ends at its deadline), and the channel goes on. So does a
+    message that cannot be pickled: it took the others of its pass with it."""
     dumps = pickle.dumps
 
     def short_of_memory(messages, *args, **kwargs):
         if len(messages) > 1 or messages == [("item", "huge")]:
-            raise MemoryError
+            raise failure
         return dumps(messages, *args, **kwargs)
 
     async def until(received: list[list], count: int) -> None:

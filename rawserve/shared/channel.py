@@ -80,15 +80,22 @@ class Channel(asyncio.Protocol):
         outbox, self._outbox = self._outbox, []
         try:
             self._write(outbox)
-        except MemoryError:
-            # The pass's messages together do not fit: each goes alone, and one that does
-            # not fit even alone is dropped (its run ends at its deadline), not the channel
-            # (left in the outbox, they were never written, nor anything sent after them).
+        except Exception:  # noqa: BLE001 - out of memory, or one message that cannot be pickled
+            # The pass's messages together cannot be written: each goes alone, and one that
+            # fails even alone is dropped (its run ends at its deadline), not the channel,
+            # nor the others of its pass (left in the outbox, they were never written, nor
+            # anything sent after them).
             for message in outbox:
                 try:
                     self._write([message])
                 except MemoryError:
                     log.error("out of memory: a message to the other process is dropped")
+                except Exception as exc:  # noqa: BLE001 - pickle raises many kinds
+                    log.error(
+                        "a message to the other process is dropped: it cannot be pickled (%s: %s)",
+                        type(exc).__name__,
+                        exc,
+                    )
 
     def _write(self, messages: list[Any]) -> None:
         assert self.transport is not None
