@@ -20,6 +20,7 @@ from tests.server import RunningServer, module_server, started_as_used
 
 pytestmark = pytest.mark.slow
 
+JSON = {"Content-Type": "application/json"}
 SURROGATE_BODY = b'{"inputs": "a\\ud800b"}'  # a lone surrogate, as JSON escapes allow
 
 
@@ -128,6 +129,13 @@ def test_texts_longer_than_a_classifier_reads_are_refused_before_they_are_queued
         assert answer["error"] == (
             "the input is more than 128 tokens and this model reads at most 128"
         )
+    # TEI's /predict too, where `truncate` is false (its default), in its words
+    body = json.dumps({"inputs": "word " * 200})
+    status, _, answer = classifier.request("POST", "/predict", body, JSON)
+    assert status == 422 and json.loads(answer)["error"] == (
+        "the input is more than 128 tokens and the model takes at most 128: send truncate: "
+        "true to cut it"
+    )
     assert batches_run(classifier) == before  # no worker saw them
     assert classifier.post_json({"inputs": "word " * 100})[0] == 200  # within 128 tokens
 

@@ -89,7 +89,10 @@ TOKENS_PER_CHARACTER = 4
 
 
 async def check_input_lengths(
-    tokenizers: ServerTokenizers, model: ServedModel, inputs: Sequence[Any]
+    tokenizers: ServerTokenizers,
+    model: ServedModel,
+    inputs: Sequence[Any],
+    says: str = "this model reads at most {limit}",
 ) -> None:
     """422 when an input of a task that never cuts them (`UNCUT_TASKS`) has more tokens
     than the model reads. Left to the worker, a long text was tokenized whole before it
@@ -97,7 +100,8 @@ async def check_input_lengths(
     counted at the model's length in the queue: 32 texts of 32 KB took the worker 3 to
     4.6 s for their 422, and clients sending them starved the others. Counted here a
     piece at a time, never past the positions; a text (a pair's first) is counted alone,
-    so only one surely over is refused here."""
+    so only one surely over is refused here; token ids are the worker's. The refusal
+    ends as the worker's would on that route (`says`)."""
     positions = model.positions
     if positions < 1:
         return
@@ -110,9 +114,8 @@ async def check_input_lengths(
     try:
         await by_length(longer, count_within, tokenizer, longer, positions, True)
     except TooManyTokens:
-        raise UnprocessableInput(
-            f"the input is more than {positions} tokens and this model reads at most {positions}"
-        ) from None
+        limit = says.format(limit=positions)
+        raise UnprocessableInput(f"the input is more than {positions} tokens and {limit}") from None
 
 
 # about the JSON one listed log probability takes in a completion's answer (`"text":

@@ -34,6 +34,7 @@ from rawserve.api.bodies import answer, built_answer, json_response, read_json, 
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Fields
 from rawserve.api.outcomes import unwrap
+from rawserve.api.prompts import check_input_lengths
 from rawserve.api.routing import (
     MODEL_ERRORS,
     DocContext,
@@ -149,6 +150,7 @@ class TeiRoutes:
         fields = EMBED.read(read_json(request))
         model = self.context.model_for(fields.get("model"), EMBEDDING)
         inputs = await self.inputs(fields, model)
+        await self.refuse_too_long(model, inputs, fields)
         params: dict[str, Any] = {
             "normalize": fields.value("normalize"),
             **truncation(fields),
@@ -164,6 +166,7 @@ class TeiRoutes:
         fields = EMBED_ALL.read(read_json(request))
         model = self.context.model_for(fields.get("model"), EMBEDDING)
         inputs = await self.inputs(fields, model)
+        await self.refuse_too_long(model, inputs, fields)
         params = {"pooling": "none", "normalize": False, **truncation(fields)}
         await self.check_embed_all_size(model, inputs)
         results = await model.run(inputs, params, self.context.deadline(request))
@@ -196,6 +199,16 @@ class TeiRoutes:
             else:
                 counts += await asyncio.to_thread(tokenizer.count, texts, limit)
         check_answer_size(sum(counts) * dimensions, largest)
+
+    async def refuse_too_long(
+        self, model: ServedModel, inputs: Sequence[Any], fields: Fields
+    ) -> None:
+        """422 before the work for a text longer than the model takes, unless `truncate`
+        (`check_input_lengths`: the worker tokenized it whole first, and again as its
+        batch was split to find it)."""
+        if not fields.value("truncate"):
+            says = "the model takes at most {limit}: send truncate: true to cut it"
+            await check_input_lengths(self.context.tokenizers, model, inputs, says)
 
     async def similarity(self, request: HttpRequest) -> HttpResponse:
         """Each sentence's cosine similarity to the source sentence."""
@@ -246,6 +259,7 @@ class TeiRoutes:
         fields = PREDICT.read(read_json(request))
         model = self.context.model_for(fields.get("model"), CLASSIFIER)
         items, is_batch = fields.value("inputs", self.within(model))
+        await self.refuse_too_long(model, items, fields)
         raw_scores = fields.value("raw_scores")
         params = {LOGITS_PARAM: True, **truncation(fields)}
         results = await model.run(items, params, self.context.deadline(request))
@@ -316,6 +330,7 @@ class TeiRoutes:
         texts, name = named_texts
         for text in texts:
             checked_text(text, name)
+        await self.refuse_too_long(model, [query, *texts], fields)
         pairs = [{"text": query, "text_pair": text} for text in texts]
         params = {LOGITS_PARAM: True, **truncation(fields)}
         results = await model.run(pairs, params, self.context.deadline(request))
