@@ -258,21 +258,6 @@ def test_work_in_flight_counts_against_the_deadline():
     queue_items(core, ["x"], now=1.0, deadline=1.0 + ADMIT_MARGIN * 9.02)
 
 
-def test_a_batch_far_past_its_predicted_time_counts_as_long_again_against_deadlines():
-    """A worker stopped or stuck in one call (until --batch-timeout kills it, 2 minutes
-    by default) looked about to be free: every request was admitted, and waited its whole
-    deadline for a 504, while /ready said 200. A batch past its predicted time is
-    expected to take as long again as it has overrun."""
-    core = measured(SchedulerCore(max_batch_size=10), seconds_per_token=0.0001)
-    busy(core)  # predicted in about a millisecond
-    [early] = queue_items(core, ["x"], now=0.001, deadline=0.1)  # about as long: in time
-    core.remove(early)
-    with pytest.raises(DeadlineUnreachable) as refused:  # 10 s over: not within 3 s
-        queue_items(core, ["y"], now=10.0, deadline=13.0)
-    assert refused.value.retry_after >= 9.0
-    queue_items(core, ["z"], now=10.0, deadline=40.0)  # time enough: admitted
-
-
 def test_earliest_deadline_first_and_expiry():
     core = SchedulerCore(max_batch_size=1)
     late = queue_items(core, ["late"], deadline=10.0)
@@ -544,6 +529,22 @@ def test_a_one_item_worker_judges_a_list_by_rows_only_when_all_of_it_generates()
         admit({})
     admit({"max_new_tokens": 1})  # four of eight rows in use: taken
     assert len(core) == 4
+
+
+def test_batches_in_flight_are_not_summed_when_their_whole_time_leaves_room(monkeypatch):
+    """Admission is O(1) while the batches in flight, taken at their whole predicted
+    time shared out among the workers, leave the deadline room: what is left of each
+    (a continuous worker has hundreds in flight) is summed only when it does not."""
+    core = measured(SchedulerCore(max_batch_size=10, workers=2), seconds_per_token=0.01)
+    queue_items(core, [text(100)] * 10)
+    assert len(core.next_batch(now=0.0)) == 10  # 10 s predicted, 5 s on each of 2 workers
+    summed = []
+    sum_left = core._in_flight_seconds
+    monkeypatch.setattr(core, "_in_flight_seconds", lambda now: summed.append(now) or sum_left(now))
+    queue_items(core, ["x"], now=0.0, deadline=ADMIT_MARGIN * 5 + 0.5)
+    assert summed == []
+    queue_items(core, ["y"], now=1.0, deadline=1.0 + ADMIT_MARGIN * 4.5 + 0.5)  # 4.5 s left
+    assert summed == [1.0]
 
 
 def test_nothing_queued_ahead_is_no_reason_to_refuse():

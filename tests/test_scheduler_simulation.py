@@ -138,6 +138,8 @@ class Simulation:
             assert keys == sorted(keys) and all(item.queued for item in queue)
         assert len(self.core) == sum(len(queue) for queue in queues.values())
         assert self.core.queued_tokens() == sum(i.cost for q in queues.values() for i in q)
+        flights = self.core._in_flight.values()
+        assert self.core._in_flight_predicted == pytest.approx(sum(f.predicted for f in flights))
 
     def check_batch(self, batch: list[WorkItem]) -> None:
         assert 1 <= len(batch) <= self.core.max_batch_size

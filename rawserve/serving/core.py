@@ -148,16 +148,6 @@ def decoding(params: Mapping[str, Any], new_tokens: int = 0, beams: int = 1) -> 
     return int(most), rows
 
 
-def _left(flight: InFlight, now: float) -> float:
-    """A batch in flight's expected seconds to go: what is left of its predicted time;
-    none for one a little past it (a call's variance), and for one run past
-    OUTLIER_FACTOR times it (stuck, or a freak), as long again as it has run."""
-    ran = now - flight.sent
-    if ran > OUTLIER_FACTOR * flight.predicted:
-        return ran
-    return max(0.0, flight.predicted - ran)
-
-
 @dataclass
 class SchedulerCore:
     """The queue and the batching rules; no I/O, no clock of its own."""
@@ -176,6 +166,7 @@ class SchedulerCore:
     _queued_cost: int = 0  # the queued items' costs, summed as they come and go
     _seq: itertools.count = field(default_factory=itertools.count)
     _in_flight: dict[int, InFlight] = field(default_factory=dict)
+    _in_flight_predicted: float = 0.0  # their predicted seconds, summed as they come and go
     items_per_second: float | None = None  # measured service rate (for reports)
     tokens_per_estimate: float = 1.0  # real tokens per estimated token, learned from workers
     max_input_tokens: int | None = None  # the model reads no more (it truncates): cost cap
@@ -297,6 +288,12 @@ class SchedulerCore:
             self._size + len(own), self._queued_cost + sum(own), max_size, workers
         )
         assert everything is not None  # measured, as trusted
+        # the batches in flight take at most their whole predicted time: when even that
+        # leaves room, what is left of it need not be summed (a continuous worker has
+        # hundreds of one-item batches in flight)
+        most = self._in_flight_predicted / max(workers, 1)
+        if now + ADMIT_MARGIN * (most + everything) <= deadline:
+            return False
         in_flight = self._in_flight_seconds(now)
         if now + ADMIT_MARGIN * (in_flight + everything) <= deadline:
             return False
@@ -367,12 +364,7 @@ class SchedulerCore:
                     yield queued
 
     def _in_flight_seconds(self, now: float) -> float:
-        """The seconds the batches in flight should still take, shared by the workers: what
-        is left of each one's predicted time, or, for one far past it, as long again as it
-        has run (`_left`). (Taken as about to end, a worker stopped or stuck in one call
-        for minutes, until --batch-timeout, looked free: every request was admitted, to
-        wait its whole deadline for a 504, while /ready said 200; a tester.)"""
-        left = sum(_left(flight, now) for flight in self._in_flight.values())
+        left = sum(max(0.0, b.sent + b.predicted - now) for b in self._in_flight.values())
         return left / max(self.workers, 1)
 
     def retry_after(self, now: float | None = None) -> float:
@@ -532,6 +524,7 @@ class SchedulerCore:
         predicted = self.cost_model.predict(cost, len(batch)) or 0.0
         tokens = sum(item.cost for item in batch)
         self._in_flight[batch[0].seq] = InFlight(now, len(batch), cost, tokens, predicted)
+        self._in_flight_predicted += predicted
         return batch
 
     @staticmethod
@@ -680,4 +673,9 @@ class SchedulerCore:
         self._pop_in_flight(batch)
 
     def _pop_in_flight(self, batch: Sequence[WorkItem]) -> InFlight | None:
-        return self._in_flight.pop(batch[0].seq, None)
+        flight = self._in_flight.pop(batch[0].seq, None)
+        if flight is not None:
+            # (back to exactly zero when none is left: the sum's rounding never builds up)
+            left = self._in_flight_predicted - flight.predicted
+            self._in_flight_predicted = max(0.0, left) if self._in_flight else 0.0
+        return flight
