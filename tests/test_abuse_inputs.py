@@ -123,14 +123,15 @@ def test_texts_longer_than_a_classifier_reads_are_refused_before_they_are_queued
     piece at a time, they are refused before they reach a worker."""
     assert classifier.post_json({"inputs": "warm"})[0] == 200  # (its positions known)
     before = batches_run(classifier)
-    for inputs in (["word " * 6000] * 32, ["fine", "word " * 200], {"text": "word " * 200}):
+    long_pair = {"text": "x", "text_pair": "word " * 6000}  # its second text as long
+    for inputs in (["word " * 6000] * 32, ["fine", "word " * 200], [long_pair] * 32):
         status, answer = post(classifier, json.dumps({"inputs": inputs}).encode())
         assert_clear_client_error(status, answer, 422)
         assert answer["error"] == (
             "the input is more than 128 tokens and this model reads at most 128"
         )
     # TEI's /predict too, where `truncate` is false (its default), in its words
-    body = json.dumps({"inputs": "word " * 200})
+    body = json.dumps({"inputs": [["x", "word " * 200]]})
     status, _, answer = classifier.request("POST", "/predict", body, JSON)
     assert status == 422 and json.loads(answer)["error"] == (
         "the input is more than 128 tokens and the model takes at most 128: send truncate: "

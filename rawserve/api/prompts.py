@@ -99,15 +99,14 @@ async def check_input_lengths(
     was refused, again at each step of the bisection that finds it in its batch, and
     counted at the model's length in the queue: 32 texts of 32 KB took the worker 3 to
     4.6 s for their 422, and clients sending them starved the others. Counted here a
-    piece at a time, never past the positions; a text (a pair's first) is counted alone,
-    so only one surely over is refused here; token ids are the worker's. The refusal
-    ends as the worker's would on that route (`says`)."""
+    piece at a time, never past the positions; each text of a pair is counted alone, so
+    only one surely over is refused here; token ids are the worker's. The refusal ends as
+    the worker's would on that route (`says`)."""
     positions = model.positions
     if positions < 1:
         return
-    texts = [item.get("text") if isinstance(item, dict) else item for item in inputs]
-    longer = [text for text in texts if isinstance(text, str)]
-    longer = [text for text in longer if TOKENS_PER_CHARACTER * len(text) > positions]
+    texts = [text for item in inputs for text in texts_of(item)]
+    longer = [text for text in texts if TOKENS_PER_CHARACTER * len(text) > positions]
     tokenizer = await tokenizers.get(model) if longer else None
     if tokenizer is None:
         return
@@ -116,6 +115,17 @@ async def check_input_lengths(
     except TooManyTokens:
         limit = says.format(limit=positions)
         raise UnprocessableInput(f"the input is more than {positions} tokens and {limit}") from None
+
+
+def texts_of(item: Any) -> list[str]:
+    """The texts of an input: itself, or a pair's two (`{"text", "text_pair"}`, or a list)."""
+    if isinstance(item, str):
+        return [item]
+    if isinstance(item, dict):
+        return [text for key in ("text", "text_pair") if isinstance(text := item.get(key), str)]
+    if isinstance(item, (list, tuple)):
+        return [text for text in item if isinstance(text, str)]
+    return []
 
 
 # about the JSON one listed log probability takes in a completion's answer (`"text":
