@@ -32,7 +32,7 @@ async def test_a_stream_that_is_not_read_is_stopped_with_its_buffer_bounded(capl
 
 
 def told_unread(caplog) -> int:
-    return sum("tokens unread" in record.getMessage() for record in caplog.records)
+    return sum("more unread" in record.getMessage() for record in caplog.records)
 
 
 class BurstScheduler(FakeScheduler):

@@ -61,7 +61,7 @@ UNREAD_SECONDS = 1.0
 # ... and whatever the reads, never more than this many wait (the memory they take)
 STREAM_HOLD_TOKENS = 4 * STREAM_BUFFER_TOKENS
 OVERFLOW = ServiceUnavailable(
-    f"the stream was stopped: its client left {STREAM_BUFFER_TOKENS} tokens unread"
+    f"the stream was stopped: its client left {STREAM_BUFFER_TOKENS} tokens or more unread"
 )
 
 # What a stream silent for its keep-alive interval is sent: an SSE comment

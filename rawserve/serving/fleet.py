@@ -77,6 +77,7 @@ class Fleet:
         self.stopping = False
         self._started: dict[int, float] = {}
         self._failed_starts: dict[int, int] = {}  # exits before listening, in a row
+        self._listened: set[BaseProcess] = set()  # those that listened, until they exit
         self._context = multiprocessing.get_context("spawn")
 
     async def start(self) -> None:
@@ -118,6 +119,7 @@ class Fleet:
             raise HttpProcessFailed(f"HTTP process {index} could not start listening", False)
         if self.processes.get(index) is process:  # (not one that exited at once)
             self.peers[index] = peer
+            self._listened.add(process)
             self._failed_starts[index] = 0
 
     def _on_exit(self, index: int, process: BaseProcess, exited: asyncio.Future[None]) -> None:
@@ -126,7 +128,8 @@ class Fleet:
         process.join()  # its sentinel is ready: it has exited
         if not exited.done():
             exited.set_result(None)
-        listened = index in self.peers and self.processes.get(index) is process
+        listened = process in self._listened  # (one killed as silent, too)
+        self._listened.discard(process)
         if self.processes.get(index) is process:
             del self.processes[index]
             self.peers.pop(index, None)  # its replacement is watched once it listens

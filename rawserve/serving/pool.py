@@ -607,14 +607,22 @@ class WorkerPool(PoolReports):
                     quiet_until - self.clock(), self._on_batch_timeout, worker, job
                 )
                 return
-        if worker.state is not WorkerState.DEAD:  # (said once: each of a continuous
-            # worker's sequences has a watchdog, and all of them fire as it hangs)
+        if worker.state is not WorkerState.DEAD and worker.sequences:  # (said once: each
+            # of its sequences has a watchdog, and all of them fire as it hangs)
             log.error(
-                "worker %s: a batch of %d ran over %g s%s; killing process %s",
+                "worker %s: no decoding step ended for %g s, with %d sequence(s) running; "
+                "killing process %s",
+                worker.label,
+                self.batch_timeout,
+                worker.running.rows,
+                worker.pid,
+            )
+        elif worker.state is not WorkerState.DEAD:
+            log.error(
+                "worker %s: a batch of %d ran over %g s; killing process %s",
                 worker.label,
                 len(job.inputs),
                 self.batch_timeout,
-                " and no decoding step ended meanwhile" if worker.sequences else "",
                 worker.pid,
             )
         self._detach(worker.running.pop(job.batch_id) or self._take_job(worker))
