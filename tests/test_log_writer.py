@@ -44,6 +44,37 @@ def test_writes_return_while_the_reader_is_away_and_arrive_in_order():
     writer.close()
 
 
+class FlushedPieces(io.StringIO):
+    """A stream that keeps what each flush sent (one write(2) to a pipe each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pieces: list[str] = []
+        self._since = 0
+
+    def flush(self) -> None:
+        self.pieces.append(self.getvalue()[self._since :])
+        self._since = len(self.getvalue())
+
+
+def test_a_backlog_goes_out_in_whole_lines_a_pipe_takes_in_one_piece():
+    """The server's processes share stderr: written whole, a backlog was cut where the
+    pipe was full, and another process's line landed inside one of its lines (a JSON log
+    with spliced lines, with --http-processes 2 and a log shipper reading slowly)."""
+    stream = FlushedPieces()
+    writer = BackgroundWriter(stream)  # (no descriptor: the thread writes everything)
+    lines = [f'{{"line": {number}, "text": "{"é" * (number % 50)}"}}\n' for number in range(2000)]
+    lines.append("x" * (2 * select.PIPE_BUF) + "\n")  # longer than a pipe takes whole
+    for line in lines:
+        writer.write(line)
+    assert writer.wait_written(5)
+    writer.close()
+    assert "".join(stream.pieces) == "".join(lines)
+    assert all(piece.endswith("\n") for piece in stream.pieces)
+    longer = [p for p in stream.pieces if len(p.encode()) > select.PIPE_BUF]
+    assert longer == [lines[-1]]  # alone
+
+
 def test_lines_past_the_buffer_are_dropped_and_counted_once_the_reader_is_back(caplog):
     stream = StalledStream()
     writer = BackgroundWriter(stream, limit=100)

@@ -8,8 +8,11 @@ the drain a SIGTERM asks for. Here a line is written in place only while stderr 
 it at once (poll says so: the usual case, which costs no thread hand-off); otherwise it
 goes to a buffer that a thread of its own writes out, in order, as the reader takes it.
 While nothing reads, the buffer holds up to `limit` characters; lines past it are dropped
-and counted, and a warning says how many once the reader is back. Never imports h11 or
-torch.
+and counted, and a warning says how many once the reader is back. Every write is whole
+lines of at most PIPE_BUF bytes (a longer line alone), which a pipe takes in one piece:
+the server's other processes (HTTP processes, workers) write the same stderr, and a
+longer write, cut where the pipe was full, had their lines land inside one of its lines.
+Never imports h11 or torch.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import select
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import TextIO
 
 BUFFER_LIMIT = 8 * 2**20  # characters held while nothing reads (about 50,000 access lines)
@@ -104,8 +108,9 @@ class BackgroundWriter:
                 dropped, self._dropped = self._dropped, 0
             if text:
                 try:
-                    self.stream.write(text)
-                    self.stream.flush()
+                    for piece in whole_pieces(text):
+                        self.stream.write(piece)
+                        self.stream.flush()
                 except Exception:  # noqa: BLE001 - a closed or broken stderr: lines lost
                     pass
             if not self._closing:
@@ -120,6 +125,22 @@ class BackgroundWriter:
                     self._idle.set()
                     if self._closing:
                         return
+
+
+def whole_pieces(text: str, most: int = select.PIPE_BUF) -> Iterator[str]:
+    """`text` as pieces of whole lines of at most `most` bytes each in UTF-8 (a longer
+    line alone)."""
+    piece: list[str] = []
+    size = 0
+    for line in text.splitlines(keepends=True):
+        length = len(line.encode("utf-8", "replace"))
+        if piece and size + length > most:
+            yield "".join(piece)
+            piece, size = [], 0
+        piece.append(line)
+        size += length
+    if piece:
+        yield "".join(piece)
 
 
 def ready_poll(stream: TextIO) -> select.poll | None:
