@@ -62,7 +62,9 @@ class Board:
         self._owned: int | None = None  # the serving process's descriptor, locked
         try:
             if create:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (a new file: free)
+                # a new file: free, but for another server's look at it (`locked`), which
+                # holds it a moment
+                fcntl.flock(fd, fcntl.LOCK_EX)
                 allocate(fd, size)
             self._map = mmap.mmap(fd, size)
         except OSError:
