@@ -424,11 +424,13 @@ def test_text_times_match_the_standard_formatter_across_seconds():
 TEXT_ACCESS = re.compile(r'^\S+ "(?P<method>\S+) (?P<target>[^"]*)" (?P<status>\d+) \d+ \S+ \S+$')
 
 
-def access_lines(level: str, log_format: str, *requests: tuple[str, str, str]) -> list[str]:
+def access_lines(
+    level: str, log_format: str, *requests: tuple[str, str, str], status: int = 404
+) -> list[str]:
     stream = io.StringIO()
     setup_logging(level, log_format, stream=stream, text_format="%(message)s")
     for method, target, request_id in requests:
-        log_access("10.0.0.1:5000", method, target, 404, 15, 0.0002, request_id)
+        log_access("10.0.0.1:5000", method, target, status, 15, 0.0002, request_id)
     return stream.getvalue().splitlines()
 
 
@@ -475,10 +477,20 @@ def test_the_target_of_a_head_refused_as_too_large_is_cut_in_its_access_line(
 
 @pytest.mark.parametrize("path", ["/health", "/ready", "/ready/some-model", "/health?x=1"])
 def test_probes_are_logged_at_debug_only(restore_logging, path):
-    assert access_lines("info", "text", ("GET", path, "id"), ("POST", path, "id")) == [
-        f'10.0.0.1:5000 "POST {path}" 404 15 0.2ms id'  # not a probe: a POST
-    ]
-    assert len(access_lines("debug", "text", ("GET", path, "id"), ("HEAD", path, "id"))) == 2
+    for status in (200, 503):  # up, down
+        lines = access_lines(
+            "info", "text", ("GET", path, "id"), ("POST", path, "id"), status=status
+        )
+        assert lines == [f'10.0.0.1:5000 "POST {path}" {status} 15 0.2ms id']  # a POST
+        both = access_lines(
+            "debug", "text", ("GET", path, "id"), ("HEAD", path, "id"), status=status
+        )
+        assert len(both) == 2
+    # anything else a probe path answers is no probe's answer: keys tried there (401) and
+    # names not served (404) went unseen at the default level
+    for status in (401, 404):
+        [line] = access_lines("info", "text", ("GET", path, "id"), status=status)
+        assert line == f'10.0.0.1:5000 "GET {path}" {status} 15 0.2ms id'
 
 
 def test_an_access_record_is_the_one_logging_makes_with_its_own_time(restore_logging):

@@ -14,8 +14,8 @@ import pytest
 
 from rawserve.api.bodies import MAX_JSON_DEPTH, read_json, request_timeout
 from rawserve.http.auth import require_bearer
-from rawserve.http.chunked import ChunkedMeter
-from rawserve.http.content_coding import decoded
+from rawserve.http.chunked import CHUNKS_AS_SENT, MIN_CHUNK_BYTES, ChunkedMeter
+from rawserve.http.content_coding import codings, decoded
 from rawserve.http.cors import EXPOSED_HEADERS, CorsPolicy
 from rawserve.http.cycle import head_size
 from rawserve.http.errors import (
@@ -26,6 +26,7 @@ from rawserve.http.errors import (
     PayloadTooLarge,
     ServiceUnavailable,
     Unauthorized,
+    UnsupportedMediaType,
 )
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.http.flow_control import FlowControl
@@ -220,6 +221,14 @@ async def test_a_compressed_body_is_read_as_its_plain_bytes(server, fields, body
     await settle()
     [(response, answer)] = read_responses(transport.written, [request])
     assert response.status_code == 200 and json.loads(answer)["body"] == "hello world"
+
+
+def test_a_body_of_more_than_two_codings_one_over_another_is_refused():
+    """Each layer is a pass of Python over up to the whole limit: 2,900 gzip layers in a
+    15 KB head held the event loop for 4.5 s (a tester)."""
+    assert codings("gzip, gzip") == ["gzip", "gzip"]
+    with pytest.raises(UnsupportedMediaType, match="3 content codings"):
+        codings("gzip, deflate, gzip")
 
 
 def test_a_gzip_body_of_many_tiny_members_is_refused():
@@ -1369,33 +1378,49 @@ async def test_a_pipelining_client_gets_no_more_read_ahead_per_answer(server):
     assert buffered <= READ_AHEAD_LIMIT + len(request) * 100
 
 
-def test_the_chunk_meter_counts_announced_sizes_extensions_and_trailers():
-    meter = ChunkedMeter(limit=100)
-    meter.feed(b"5;name=value\r\nhello\r\n0\r\nTrailer: x\r\n\r\nGET / HTTP/1.1")
-    assert meter.done and meter.counted == 5 + len(";name=value") + len("Trailer: x\r\n")
-    byte_by_byte = ChunkedMeter(limit=100)
-    for byte in b"5;name=value\r\nhello\r\n0\r\nTrailer: x\r\n\r\n":
+def test_the_chunk_meter_counts_every_byte_sent_and_tiny_chunks_at_a_minimum():
+    body = b"5;name=value\r\nhello\r\n0\r\nTrailer: x\r\n\r\n"
+    meter = ChunkedMeter(limit=1000)
+    meter.feed(body + b"GET / HTTP/1.1")  # (what follows the body is not counted)
+    assert meter.done and meter.counted == len(body)
+    byte_by_byte = ChunkedMeter(limit=1000)
+    for byte in body:
         byte_by_byte.feed(bytes([byte]))
     assert byte_by_byte.done and byte_by_byte.counted == meter.counted
-    announced = ChunkedMeter(limit=100)
-    announced.feed(b"65\r\n")  # 101 bytes announced: over before any of them arrives
+    big = ChunkedMeter(limit=1000)
+    big.feed(b"12c\r\n" + b"x" * 300 + b"\r\n")  # over the minimum: its bytes as sent
+    assert big.counted == len(b"12c\r\n") + 300 + 2
+    announced = ChunkedMeter(limit=1000)
+    announced.feed(b"3e9\r\n")  # 1,001 bytes announced: over before any of them arrives
     assert announced.over
-    endless = ChunkedMeter(limit=100)
-    endless.feed(b"1;" + b"e" * 200)  # an extension that never ends
+    endless = ChunkedMeter(limit=1000)
+    endless.feed(b"1;" + b"e" * 2000)  # an extension that never ends
     assert endless.over
 
 
+def test_a_body_of_tiny_chunks_is_over_the_limit_long_before_its_bytes_are():
+    """A chunk costs the event loop a pass of h11 whatever its size: a million 1-byte
+    chunks (counted as their 1 MB of data) held the loop, and every other client of the
+    process, for 4.7 s (a tester)."""
+    meter = ChunkedMeter(limit=2**20)
+    chunks = 0
+    while not meter.over:
+        meter.feed(b"1\r\nX\r\n")
+        chunks += 1
+    assert chunks == CHUNKS_AS_SENT + (2**20 - 6 * CHUNKS_AS_SENT) // MIN_CHUNK_BYTES + 1
+
+
 def test_the_chunk_meter_takes_a_body_of_exactly_the_limit_and_reads_across_splits():
-    exact = ChunkedMeter(limit=5)
-    exact.feed(b"5\r\nhello\r\n0\r\n\r\n")
+    exact = ChunkedMeter(limit=len(b"12c\r\n") + 302 + len(b"0\r\n\r\n"))
+    exact.feed(b"12c\r\n" + b"x" * 300 + b"\r\n0\r\n\r\n")
     assert exact.done and not exact.over
-    split = ChunkedMeter(limit=100)  # a chunk's data split between two reads
+    split = ChunkedMeter(limit=1000)  # a chunk's data split between two reads
     split.feed(b"5\r\nhel")
-    split.feed(b"lo\r\n1;" + b"e" * 200)
+    split.feed(b"lo\r\n1;" + b"e" * 2000)
     assert split.over
     # h11 takes chunk sizes of up to 20 digits: leading zeros do not stop the count
-    padded = ChunkedMeter(limit=100)
-    padded.feed(b"0" * 19 + b"1;" + b"e" * 60 + b"\r\nx\r\n1;" + b"e" * 60 + b"\r\n")
+    padded = ChunkedMeter(limit=1000)
+    padded.feed(b"0" * 19 + b"1;" + b"e" * 600 + b"\r\nx\r\n1;" + b"e" * 600 + b"\r\n")
     assert padded.over
     for refused in (b"0" * 20 + b"1\r\n", b"x\r\n"):  # h11 refuses the body: 400, not 413
         meter = ChunkedMeter(limit=100)

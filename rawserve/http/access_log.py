@@ -56,6 +56,9 @@ def retry_count(value: str | None) -> int:
     return int(value) if value.isascii() and value.isdigit() else 0  # ("²" is a digit)
 
 
+PROBE_ANSWERS = frozenset({200, 503})  # a probe's up and down
+
+
 def is_probe(method: str, path: str) -> bool:
     return method in ("GET", "HEAD") and (path in PROBE_PATHS or path.startswith(_PROBE_PREFIX))
 
@@ -73,7 +76,10 @@ def log_access(
     """Log one response (`peer`: the client's address, or a function that says it, called
     only when the line is written: nothing is formatted for a log that is off; `retry`:
     the client's retry it answers, a JSON key only)."""
-    level = logging.DEBUG if is_probe(method, target.partition("?")[0]) else logging.INFO
+    # a probe's answers (up, down) at DEBUG; anything else a probe path answers, as a 401 to
+    # someone trying keys there or a 404, at INFO: an operator sees those
+    probe = is_probe(method, target.partition("?")[0]) and status in PROBE_ANSWERS
+    level = logging.DEBUG if probe else logging.INFO
     if not access_log.isEnabledFor(level):
         return
     if callable(peer):
