@@ -58,7 +58,13 @@ from rawserve.http.cycle import (
     is_probe,
     keeps_alive,
 )
-from rawserve.http.errors import HTTPError, InternalError, as_http_error, error_response
+from rawserve.http.errors import (
+    ErrorRenderer,
+    HTTPError,
+    InternalError,
+    as_http_error,
+    error_response,
+)
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.http.flow_control import FlowControl, Transport
 from rawserve.http.handshake import begun_now
@@ -122,6 +128,11 @@ class Application(Protocol):
         """The response if it needs no waiting (a probe, a refusal), else None. Asked as
         soon as the request's head is read: its body is not there yet (and, if answered
         here, never kept). May raise HTTPError."""
+        ...
+
+    def error_renderer(self, request: HttpRequest) -> ErrorRenderer | None:
+        """How a request's errors are shaped where its route speaks a dialect of its own
+        (OpenAI's object on /v1/...), else None: rawserve's shape."""
         ...
 
     async def handle(self, request: HttpRequest) -> HttpResponse:
@@ -401,7 +412,7 @@ class HttpProtocol(asyncio.Protocol):
             if cycle.early is None and (coding := header_list(fields, b"content-encoding")):
                 cycle.codings = codings(coding)  # refused from the head if none it reads
         except Exception as exc:  # noqa: BLE001 - error_response logs what is unexpected
-            cycle.early = error_response(exc, cycle.request_id)
+            cycle.early = self._error(cycle, exc)
         # with no body to come, nothing waits for a 100: the request is answered whole
         waits = self.conn.they_are_waiting_for_100_continue and has_content(fields)
         if cycle.early is not None and waits:
@@ -453,7 +464,7 @@ class HttpProtocol(asyncio.Protocol):
                 limit = self.settings.max_body_bytes
                 request.body = decoded(request.body, cycle.codings, limit)
             except HTTPError as exc:
-                self._send(cycle, error_response(exc))
+                self._send(cycle, self._error(cycle, exc))
                 return
         cycle.task = self.loop.create_task(self._respond(cycle, request))
 
@@ -483,7 +494,18 @@ class HttpProtocol(asyncio.Protocol):
             return
         if cycle is None:  # no request head was parsed (a head timeout, garbage)
             cycle = self.cycle = Cycle(None, new_request_id())
-        self._send(cycle, error_response(error), close=True)
+        self._send(cycle, self._error(cycle, error), close=True)
+
+    def _error(self, cycle: Cycle, exc: BaseException) -> HttpResponse:
+        """The protocol's own error answer to `cycle`, in the shape of the route its head
+        names where that route speaks a dialect of its own (OpenAI's object on /v1/...:
+        a body over the limit, a coding not read, refused before any route ran, came in
+        rawserve's shape there, which those clients do not read); else rawserve's."""
+        head = cycle.head
+        if head is None and cycle.request is not None:  # refused from its head
+            head = head_request(cycle.request, list(cycle.request.headers), cycle.request_id)
+        render = self.app.error_renderer(head) if head is not None else None
+        return (render or error_response)(exc, cycle.request_id)
 
     def _refuse(self) -> None:
         """Past the connection cap and the probes' reserve: 503 before reading anything

@@ -23,6 +23,9 @@ class FakeApp:
     def answer_now(self, request: Any) -> Any:
         return None
 
+    def error_renderer(self, request: Any) -> Any:
+        return None  # rawserve's shape
+
 
 class FakeTransport:
     """The transport calls the protocol makes, recorded. Deliberately no `asyncio.Transport`

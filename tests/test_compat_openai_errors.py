@@ -7,6 +7,7 @@ messages against the real server is in tests/test_compat_clients.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -27,8 +28,13 @@ from rawserve.http.errors import (
     openai_error_response,
 )
 from rawserve.http.exchange import HttpRequest, HttpResponse
+from rawserve.http.limits import ProtocolSettings
+from rawserve.protocol import HttpProtocol
 from rawserve.serving.face import Reason, Refusal
+from tests.fake_transport import FakeTransport, read_responses
 from tests.test_model_selection import KEY, ReadyWorkers, served
+
+KEY_FIELD = b"".join(f"{name}: {value}\r\n".encode() for name, value in KEY)
 
 
 def app(**settings: Any) -> App:
@@ -108,6 +114,36 @@ def test_v1_refusals_from_the_head_are_openais_error_object_too():
     assert answer is not None and dict(answer.headers)["Retry-After"]
     with pytest.raises(Unauthorized):  # other routes: raised for the protocol to render
         server.answer_now(request("POST", "/", {"inputs": "a"}, headers=[]))
+
+
+@pytest.mark.parametrize(
+    ("fields", "body", "status"),
+    [
+        (b"Content-Length: 2000000\r\n", b"", 413),  # over --max-body-bytes, from the head
+        (b"Content-Encoding: br\r\nContent-Length: 2\r\n", b"{}", 415),  # a coding not read
+    ],
+    ids=["body over the limit", "coding not read"],
+)
+async def test_the_protocols_own_refusals_on_v1_are_openais_error_object(fields, body, status):
+    """Refused before any route ran, they came in rawserve's shape on /v1/ too, which the
+    openai SDK does not read as an error object (a security reviewer's finding); POST /
+    keeps rawserve's."""
+    loop = asyncio.get_running_loop()
+    for path, shape in ((b"/v1/embeddings", "openai"), (b"/", "rawserve")):
+        protocol = HttpProtocol(app(), ProtocolSettings(max_body_bytes=2**20), loop=loop)
+        transport = FakeTransport()
+        protocol.connection_made(transport)  # type: ignore[arg-type]
+        head = b"POST " + path + b" HTTP/1.1\r\nHost: a\r\n" + KEY_FIELD + fields + b"\r\n"
+        protocol.data_received(head + body)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        [(response, answer)] = read_responses(transport.written, [head + body])
+        assert response.status_code == status
+        document = json.loads(answer)
+        if shape == "openai":
+            assert set(document["error"]) == {"message", "type", "param", "code"}
+        else:
+            assert set(document) == {"error", "error_type"}
 
 
 async def test_other_routes_keep_rawserves_shape():

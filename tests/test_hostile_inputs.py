@@ -276,6 +276,22 @@ async def test_hostile_input_gets_its_exact_outcome(case: Case):
             assert "Traceback" not in document["error"] and "h11" not in document["error"]
 
 
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (post(CHUNKED + b"Content-Length: 5\r\n", b"0\r\n\r\n"), "conflicting Content-Length"),
+        (b"POST / HTTP/1.0\r\n" + CHUNKED + b"\r\n0\r\n\r\n", "on HTTP/1.0"),
+    ],
+    ids=["two framings", "chunked on HTTP/1.0"],
+)
+async def test_a_refused_framing_says_which_it_is(data, says):
+    """Chunked on HTTP/1.0 was refused as "conflicting Content-Length and
+    Transfer-Encoding", with no Content-Length sent (a tester)."""
+    outcome = await exchange([data])
+    [(response, body)] = outcome.responses
+    assert response.status_code == 400 and says in json.loads(body)["error"]
+
+
 # Long inputs are covered whole above and split at random points by the property test.
 SHORT_CASES = [c for c in CASES if c.data and len(c.data) <= 300]
 

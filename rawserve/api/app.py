@@ -36,6 +36,7 @@ from rawserve.api.tgi import TgiRoutes
 from rawserve.http.auth import require_bearer
 from rawserve.http.cors import CorsPolicy
 from rawserve.http.errors import (
+    ErrorRenderer,
     MethodNotAllowed,
     NotFound,
     error_response,
@@ -45,7 +46,6 @@ from rawserve.http.errors import (
 )
 from rawserve.http.exchange import HttpRequest, HttpResponse
 
-ErrorRenderer = Callable[[BaseException, str], HttpResponse]  # the error, the request id
 # the paths that end in a model's name: a route for each name, and 404 for a name not served
 MODEL_PREFIXES = (MODELS_PREFIX, READY_PREFIX, OPENAI_MODEL_PREFIX)
 # the asterisk form's target: `OPTIONS *` asks about the server as a whole (RFC 9110

@@ -11,6 +11,7 @@ traceback, a path or a repr of internals (those go to the log).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from rawserve.http.encoding import dumps
 from rawserve.http.exchange import HttpRequest, HttpResponse
@@ -174,6 +175,10 @@ class GatewayTimeout(HTTPError):
 
     def __init__(self, message: str):
         super().__init__(message, headers=[("X-Should-Retry", "false")])
+
+
+# How an error becomes a response, in one dialect's shape: the error, the request id
+ErrorRenderer = Callable[[BaseException, str], HttpResponse]
 
 
 def error_response(exc: BaseException, request_id: str | None = None) -> HttpResponse:

@@ -52,9 +52,11 @@ def check_head(
         return BadRequest("the Host header is not a host name and port")  # RFC 9112 3.2
     length = header(fields, b"content-length")
     chunked = header(fields, b"transfer-encoding") is not None
-    if chunked and (length is not None or event.http_version == b"1.0"):
-        # Two framings (or chunked on HTTP/1.0) is how requests get smuggled.
+    # Two framings (or chunked on HTTP/1.0) is how requests get smuggled.
+    if chunked and length is not None:
         return BadRequest("conflicting Content-Length and Transfer-Encoding")
+    if chunked and event.http_version == b"1.0":
+        return BadRequest("Transfer-Encoding on HTTP/1.0, which has no chunked bodies")
     # h11 has checked the length is digits only (at most 20) and the same in every copy.
     if length is not None and int(length) > max_body_bytes:
         return body_too_large(max_body_bytes)
