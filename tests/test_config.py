@@ -258,10 +258,11 @@ def test_a_model_s_workers_and_its_info_are_built_from_the_typed_configuration()
         "--device cpu",
         2,
     )
-    assert facts["requested_engine"] == "auto" and facts["warmup"] is True
+    assert facts["requested_engine"] == "auto" and facts["warmup"] is False  # not warmed
     assert facts["task"] is None  # a handler says nothing of itself before it loads
     folder = ModelPlan(("emb",), "/m", "/m", facts=FolderFacts("feature-extraction"))
-    assert model_facts(folder, config, workers)["task"] == "feature-extraction"
+    folder_facts = model_facts(folder, config, workers)
+    assert folder_facts["task"] == "feature-extraction" and folder_facts["warmup"] is True
     assert facts["batching"] == {
         "max_batch_size": 8,
         "max_batch_delay_ms": 0.0,
