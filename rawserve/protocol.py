@@ -130,9 +130,10 @@ class Application(Protocol):
         here, never kept). May raise HTTPError."""
         ...
 
-    def error_renderer(self, request: HttpRequest) -> ErrorRenderer | None:
-        """How a request's errors are shaped where its route speaks a dialect of its own
-        (OpenAI's object on /v1/...), else None: rawserve's shape."""
+    def refusal_renderer(self, request: HttpRequest) -> ErrorRenderer | None:
+        """How the protocol's own refusals of a request (its framing, size, coding) are
+        shaped where its route's clients read only a shape of their own (OpenAI's object
+        on /v1/...), else None: rawserve's shape."""
         ...
 
     async def handle(self, request: HttpRequest) -> HttpResponse:
@@ -428,12 +429,15 @@ class HttpProtocol(asyncio.Protocol):
             )
 
     def _measure_chunks(self, data: bytes) -> bool:
-        """Count a chunked body's bytes as sent (announced sizes, extensions, trailers);
-        False once over the body limit (answered 413)."""
+        """Count a chunked body's bytes as sent (announced sizes, extensions, trailers,
+        tiny chunks at a minimum each); False once over the body limit (answered 413)."""
         chunks = self.cycle.chunks if self.cycle is not None else None
         if chunks is None or chunks.done:
             return True
         chunks.feed(data)
+        if chunks.too_many_chunks:
+            self._fail(refusals.too_many_chunks(self.settings.max_body_bytes, chunks.chunks))
+            return False
         if chunks.over:
             self._fail(refusals.body_too_large(self.settings.max_body_bytes))
             return False
@@ -497,14 +501,14 @@ class HttpProtocol(asyncio.Protocol):
         self._send(cycle, self._error(cycle, error), close=True)
 
     def _error(self, cycle: Cycle, exc: BaseException) -> HttpResponse:
-        """The protocol's own error answer to `cycle`, in the shape of the route its head
-        names where that route speaks a dialect of its own (OpenAI's object on /v1/...:
-        a body over the limit, a coding not read, refused before any route ran, came in
-        rawserve's shape there, which those clients do not read); else rawserve's."""
+        """The protocol's own error answer to `cycle`, in OpenAI's shape on its routes (a
+        body over the limit, a coding not read, refused before any route ran, came in
+        rawserve's shape there, which those clients do not read); else rawserve's (TGI's
+        and TEI's types are their inputs' validation: a 400 for a framing became a 422)."""
         head = cycle.head
         if head is None and cycle.request is not None:  # refused from its head
             head = head_request(cycle.request, list(cycle.request.headers), cycle.request_id)
-        render = self.app.error_renderer(head) if head is not None else None
+        render = self.app.refusal_renderer(head) if head is not None else None
         return (render or error_response)(exc, cycle.request_id)
 
     def _refuse(self) -> None:

@@ -23,7 +23,7 @@ class FakeApp:
     def answer_now(self, request: Any) -> Any:
         return None
 
-    def error_renderer(self, request: Any) -> Any:
+    def refusal_renderer(self, request: Any) -> Any:
         return None  # rawserve's shape
 
 

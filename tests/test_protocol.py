@@ -13,6 +13,7 @@ import h11
 import pytest
 
 from rawserve.api.bodies import MAX_JSON_DEPTH, read_json, request_timeout
+from rawserve.http import refusals
 from rawserve.http.auth import require_bearer
 from rawserve.http.chunked import CHUNKS_AS_SENT, MIN_CHUNK_BYTES, ChunkedMeter
 from rawserve.http.content_coding import codings, decoded
@@ -1401,13 +1402,19 @@ def test_the_chunk_meter_counts_every_byte_sent_and_tiny_chunks_at_a_minimum():
 def test_a_body_of_tiny_chunks_is_over_the_limit_long_before_its_bytes_are():
     """A chunk costs the event loop a pass of h11 whatever its size: a million 1-byte
     chunks (counted as their 1 MB of data) held the loop, and every other client of the
-    process, for 4.7 s (a tester)."""
+    process, for 4.7 s (a tester). Refused, it is told why: by its chunks, not its bytes."""
     meter = ChunkedMeter(limit=2**20)
     chunks = 0
     while not meter.over:
         meter.feed(b"1\r\nX\r\n")
         chunks += 1
     assert chunks == CHUNKS_AS_SENT + (2**20 - 6 * CHUNKS_AS_SENT) // MIN_CHUNK_BYTES + 1
+    assert meter.too_many_chunks and meter.sent == 6 * chunks
+    message = str(refusals.too_many_chunks(2**20, meter.chunks))
+    assert f"too many small chunks ({chunks})" in message and "larger chunks" in message
+    fat = ChunkedMeter(limit=1000)
+    fat.feed(b"3e9\r\n")  # over by its bytes
+    assert fat.over and not fat.too_many_chunks
 
 
 def test_the_chunk_meter_takes_a_body_of_exactly_the_limit_and_reads_across_splits():

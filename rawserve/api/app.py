@@ -154,6 +154,13 @@ class App:
             return tei_error_response
         return error_response if self.cors is not None else None
 
+    def refusal_renderer(self, request: HttpRequest) -> ErrorRenderer | None:
+        """How the protocol's own refusals (framing, size, coding) are shaped: OpenAI's
+        object on its routes, whose clients read no other; rawserve's shape elsewhere
+        (TGI's and TEI's types are for their inputs' validation: TGI's would make a
+        refused framing's 400 a 422)."""
+        return openai_error_response if speaks_openai(request.path) else None
+
     def speaks_tgi(self, request: HttpRequest) -> bool:
         """TGI's routes, and `POST /` (or `/models/<name>`) on a text-generation model:
         TGI's client and InferenceClient post there and type errors by TGI's rules."""

@@ -13,6 +13,7 @@ import re
 
 import h11
 
+from rawserve.http.chunked import CHUNKS_AS_SENT, MIN_CHUNK_BYTES
 from rawserve.http.cycle import head_size, header
 from rawserve.http.errors import (
     BadRequest,
@@ -86,6 +87,15 @@ def protocol_error(exc: h11.RemoteProtocolError, in_body: bool = False) -> HTTPE
 
 def body_too_large(max_body_bytes: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"the body is over the limit of {max_body_bytes} bytes")
+
+
+def too_many_chunks(max_body_bytes: int, chunks: int) -> PayloadTooLarge:
+    """A chunked body over the limit by its count of tiny chunks, not its bytes."""
+    return PayloadTooLarge(
+        f"the body came in too many small chunks ({chunks}): past the first "
+        f"{CHUNKS_AS_SENT}, each counts as at least {MIN_CHUNK_BYTES} bytes toward the "
+        f"limit of {max_body_bytes} bytes; send it in larger chunks, or with a Content-Length"
+    )
 
 
 def not_plain_http() -> BadRequest:
