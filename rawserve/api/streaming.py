@@ -163,8 +163,7 @@ class TokenStream:
         the worker) is raised with its status. Past `patience` it returns without it:
         the stream is sent, and an error before the first token is for `output()`."""
         try:
-            self.first = await asyncio.wait_for(self.queue.get(), patience)
-            self.reads += 1
+            self.first = await asyncio.wait_for(self.taken(), patience)
             self.started = True
             if self.first is None:
                 self.output()  # raises the request's error, with its status
@@ -183,6 +182,7 @@ class TokenStream:
             chunk = await self.taken()
 
     async def taken(self) -> TokenChunk | None:
+        """The next chunk its writer takes (counted: a writer that takes none is stuck)."""
         chunk = await self.queue.get()
         self.reads += 1
         return chunk

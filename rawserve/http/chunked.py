@@ -37,12 +37,17 @@ class _State(enum.Enum):
 class ChunkedMeter:
     def __init__(self, limit: int):
         self.limit = limit
-        self.counted = 0  # bytes sent or announced so far (tiny chunks: MIN_CHUNK_BYTES)
-        self.sent = 0  # the same, every chunk as sent
+        self.sent = 0  # bytes sent or announced so far
+        self.surcharge = 0  # what tiny chunks count above their bytes (to MIN_CHUNK_BYTES)
         self.chunks = 0
         self._state = _State.SIZE_LINE
         self._line = bytearray()
         self._skip = 0  # data and CRLF bytes left in the current chunk
+
+    @property
+    def counted(self) -> int:
+        """What counts toward the limit so far: the bytes, tiny chunks at the minimum."""
+        return self.sent + self.surcharge
 
     @property
     def over(self) -> bool:
@@ -81,7 +86,6 @@ class ChunkedMeter:
 
     def _on_line(self, line: bytes) -> None:
         if self._state is _State.TRAILERS:
-            self.counted += len(line)
             self.sent += len(line)
             if line.strip() == b"":
                 self._state = _State.DONE
@@ -94,13 +98,13 @@ class ChunkedMeter:
             return
         size = int(line[:digits], 16)
         if size == 0:
-            self.counted += len(line)
             self.sent += len(line)
             self._state = _State.TRAILERS
         else:
             self.chunks += 1
             sent = len(line) + size + 2
             self.sent += sent
-            self.counted += sent if self.chunks <= CHUNKS_AS_SENT else max(sent, MIN_CHUNK_BYTES)
+            if self.chunks > CHUNKS_AS_SENT:
+                self.surcharge += max(0, MIN_CHUNK_BYTES - sent)
             self._state = _State.DATA
             self._skip = size + 2  # the data, then its CRLF

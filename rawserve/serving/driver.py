@@ -494,18 +494,19 @@ class Scheduler:
         )
         if self.metrics is not None and computed:
             self.metrics.observe_batch(computed, result.compute_seconds)
+        waited = any(_waits(item) for item in batch)
         if result.rerun:  # its time is a worker's restart as much as the model's
             self.core.forget_batch(batch)
-        elif not any(_waits(item) for item in batch):
+        elif not waited:
             self.core.stopped_batch(batch, self.clock() - result.waited)  # nobody waited
         else:  # its own run: the time it waited in the worker behind another batch left out
             self.core.finish_batch(batch, self.clock() - result.waited)
-        if not any(_waits(item) for item in batch):
+        if not waited:
             return
         if result.token_counts:
             self.core.calibrate(batch, result.token_counts)
         answers = [
-            (item, ItemResult(output, sent - item.arrived, len(batch), result.compute_seconds))
+            (item, _item_result(item, output, sent, batch, result))
             for item, output in zip(batch, result.outputs, strict=True)
         ]
         self._deliver(answers, 0)
@@ -517,8 +518,7 @@ class Scheduler:
         refused as poison): their requests need not wait for the others' verdict."""
         for place, output in zip(places, result.outputs, strict=True):
             item = batch[place]
-            wait = sent - item.arrived
-            _settle(item, result=ItemResult(output, wait, len(batch), result.compute_seconds))
+            _settle(item, result=_item_result(item, output, sent, batch, result))
 
     def _deliver(self, answers: list[tuple[WorkItem, ItemResult]], start: int) -> None:
         """Settle a slice of the answers now and the rest on the loop's next passes."""
@@ -527,6 +527,13 @@ class Scheduler:
             _settle(item, result=result)
         if end < len(answers):
             self._running_loop.call_soon(self._deliver, answers, end)
+
+
+def _item_result(
+    item: WorkItem, output: Any, sent: float, batch: Sequence[WorkItem], result: BatchResult
+) -> ItemResult:
+    """An item's answer: its output, how long it queued before its batch was `sent`."""
+    return ItemResult(output, sent - item.arrived, len(batch), result.compute_seconds)
 
 
 def _as_refusal(error: BaseException | None) -> Refused:

@@ -133,7 +133,7 @@ class Job:
         if self.assembly is None:
             size = len(self.inputs)
             self.assembly = Assembly(self.future, self.batch_id, size, self.on_part)
-            self.places = tuple(range(len(self.inputs)))
+            self.places = tuple(range(size))
         return self.assembly
 
 

@@ -607,24 +607,15 @@ class WorkerPool(PoolReports):
                     quiet_until - self.clock(), self._on_batch_timeout, worker, job
                 )
                 return
-        if worker.state is not WorkerState.DEAD and worker.sequences:  # (said once: each
-            # of its sequences has a watchdog, and all of them fire as it hangs)
-            log.error(
-                "worker %s: no decoding step ended for %g s, with %d sequence(s) running; "
-                "killing process %s",
-                worker.label,
-                self.batch_timeout,
-                worker.running.rows,
-                worker.pid,
-            )
-        elif worker.state is not WorkerState.DEAD:
-            log.error(
-                "worker %s: a batch of %d ran over %g s; killing process %s",
-                worker.label,
-                len(job.inputs),
-                self.batch_timeout,
-                worker.pid,
-            )
+        # said once: each of a continuous worker's sequences has a watchdog, and all of
+        # them fire as it hangs
+        if worker.state is not WorkerState.DEAD:
+            if worker.sequences:
+                hung = f"no decoding step ended for {self.batch_timeout:g} s, with "
+                hung += f"{worker.running.rows} sequence(s) running"
+            else:
+                hung = f"a batch of {len(job.inputs)} ran over {self.batch_timeout:g} s"
+            log.error("worker %s: %s; killing process %s", worker.label, hung, worker.pid)
         self._detach(worker.running.pop(job.batch_id) or self._take_job(worker))
         job.answer(BatchResult(job.batch_id, (TIMED_OUT,) * len(job.inputs), 0.0))
         worker.state = WorkerState.DEAD  # until the reader sees it exit and restarts it
