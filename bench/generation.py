@@ -14,8 +14,13 @@ steps then also prefill a joiner; static: batches of 64) say what those joins co
 Reported per scenario: useful tokens/s (the tokens asked for), time to first
 token (p50) and inter-token latency (p50, p99) as a streaming client would see them. On a
 GPU the loop runs twice, its decoding steps as they are and replayed from CUDA graphs
-(`rawserve.worker.decode_graphs`; the graphs are recorded in the warm-up pass). The ways
-are interleaved round by round (the machine is shared), medians and ranges kept.
+(`rawserve.worker.decode_graphs`; the graphs are recorded in the warm-up pass). In the
+joining scenario each loop also runs with joiners waiting up to `--join-wait-steps` steps
+for company (`gathered`: one prefill for several, rawserve's `--join-wait-steps`).
+`--pass-floor-ms` adds that many milliseconds of idle wait to every forward pass, as a
+GPU's pass costs about the same whatever its rows: on a CPU, what gathering joins would
+win there. The ways are interleaved round by round (the machine is shared), medians and
+ranges kept.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ MIXED = (8, 256)
 POSITIONS = 512
 LOOP_ROWS = 64  # the loop's rows at most (a CPU worker's default)
 JOINING_REQUESTS = 256  # "joining one a step": four requests a row
+JOIN_WAIT_STEPS = 4  # the gathered ways' (`--join-wait-steps`)
 
 
 def build_model(
@@ -113,13 +119,30 @@ def static(model: Any, batch: list[list[int]], asks: list[int]) -> dict[str, Any
     return {"seconds": total, "useful": sum(asks), "first": first, "gaps": gaps}
 
 
-def loop(model: Any, cuda_graphs: bool = False) -> Any:
+def loop(model: Any, cuda_graphs: bool = False, join_wait_steps: int = 0) -> Any:
     """The iteration-level loop, kept from run to run as a server keeps it (its cache's
     buffers, its graphs)."""
     from rawserve.worker.continuous import ContinuousBatcher
 
     model.generation_config.eos_token_id = None  # every request makes all its tokens
-    return ContinuousBatcher(model, NoTokenizer(), POSITIONS, LOOP_ROWS, cuda_graphs=cuda_graphs)
+    return ContinuousBatcher(
+        model,
+        NoTokenizer(),
+        POSITIONS,
+        LOOP_ROWS,
+        cuda_graphs=cuda_graphs,
+        join_wait_steps=join_wait_steps,
+    )
+
+
+def floor_every_pass(model: Any, seconds: float) -> None:
+    """Every forward pass of `model` waits `seconds` first, the core idle: a pass whose
+    cost hardly grows with its rows, as on a GPU."""
+
+    def wait(module: Any, args: Any) -> None:
+        time.sleep(seconds)
+
+    model.register_forward_pre_hook(wait)
 
 
 def continuous(
@@ -211,6 +234,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as is)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", help="float32 or float16 (default: float16 on cuda)")
+    parser.add_argument(
+        "--join-wait-steps",
+        type=int,
+        default=JOIN_WAIT_STEPS,
+        help="the gathered ways' steps a joiner may wait (0: no gathered ways)",
+    )
+    parser.add_argument(
+        "--pass-floor-ms",
+        type=float,
+        default=0.0,
+        help="idle milliseconds added to every forward pass (a GPU-like flat pass cost)",
+    )
     args = parser.parse_args(argv)
     import torch
 
@@ -218,6 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     on_cuda = args.device.startswith("cuda")
     model = build_model(args.layers, args.hidden, args.device, args.dtype or on_cuda and "float16")
+    if args.pass_floor_ms:
+        floor_every_pass(model, args.pass_floor_ms / 1000)
     rng = random.Random(0)
     # name: prompts, new tokens, whether they join one a step (else all at once)
     scenarios: dict[str, tuple[list[list[int]], list[int], bool]] = {
@@ -234,23 +271,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     engines = {"continuous": loop(model)}
     if on_cuda:
         engines["graphs"] = loop(model, cuda_graphs=True)
+    if args.join_wait_steps:  # where joiners come one a step (they make no odds elsewhere)
+        for way in list(engines):
+            gathered = loop(model, way == "graphs", args.join_wait_steps)
+            engines[f"{way}, gathered"] = gathered
     ways: dict[str, Any] = {"static": lambda batch, asks, _: static_batches(model, batch, asks)}
     for way, engine in engines.items():
         ways[way] = lambda batch, asks, one_a_step, engine=engine: continuous(
             model, batch, asks, engine, one_a_step
         )
+
+    def ways_of(scenario: tuple[list[list[int]], list[int], bool]) -> dict[str, Any]:
+        one_a_step = scenario[2]
+        return {way: run for way, run in ways.items() if one_a_step or "gathered" not in way}
+
     for scenario in scenarios.values():  # warm every way at every shape (graphs recorded)
-        for run in ways.values():
+        for run in ways_of(scenario).values():
             run(*scenario)
     results: dict[str, dict[str, Any]] = {}
     for name, scenario in scenarios.items():
-        runs: dict[str, list[dict[str, Any]]] = {way: [] for way in ways}
+        chosen = ways_of(scenario)
+        runs: dict[str, list[dict[str, Any]]] = {way: [] for way in chosen}
         for _ in range(args.rounds):  # interleaved: the machine's speed drifts
-            for way, run in ways.items():
+            for way, run in chosen.items():
                 runs[way].append(run(*scenario))
         results[name] = {way: summary(found) for way, found in runs.items()}
         static_rate = results[name]["static"]["tokens_per_s"]
-        for way in engines:
+        for way in runs.keys() - {"static"}:
             ratio = results[name][way]["tokens_per_s"] / static_rate
             results[name][f"ratio_{way}"] = round(ratio, 2)
         print(name, json.dumps(results[name]), flush=True)

@@ -7,6 +7,8 @@ against in-process static batching of the same prompts (and, where it is install
     python -m bench.generation_serving --device cuda --layers 12 --hidden 768
     python -m bench.generation_serving --transformers-python /tmp/tserve/bin/python
                                          # transformers serve from another environment
+    python -m bench.generation_serving --layers 1 --hidden 32 --pass-floor-ms 1.5
+                                         # a GPU's flat pass cost, emulated on a CPU
 
 The model: a random GPT-2 (2 layers, hidden 128 by default), saved to a temporary folder
 with a word-level tokenizer built here ("w2" ... "w8191", one token a word, nothing from the
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shlex
 import statistics
@@ -70,15 +73,18 @@ START_TIMEOUT = 300.0
 SYSTEMS = (
     "rawserve-continuous",
     "rawserve-eager",
+    "rawserve-gathered",
     "rawserve-static",
     "static-in-process",
     "transformers-serve",
 )
 # rawserve's systems: its generation mode and options (eager: on a GPU, the decoding steps
-# run as they are, not replayed from CUDA graphs)
+# run as they are, not replayed from CUDA graphs; gathered: joiners wait up to 4 steps for
+# company, one prefill for several)
 RAWSERVE_MODES = {
     "rawserve-continuous": ("continuous", []),
     "rawserve-eager": ("continuous", ["--no-cuda-graphs"]),
+    "rawserve-gathered": ("continuous", ["--join-wait-steps", "4"]),
     "rawserve-static": ("static", []),
 }
 
@@ -323,7 +329,7 @@ def server(system: str, folder: Path, log: Path, args: argparse.Namespace) -> se
         command = [args.transformers_python, "-m", "transformers.cli.transformers", "serve",
                    "--continuous-batching", "--host", "127.0.0.1", "--device", args.device,
                    "--dtype", args.dtype, str(folder)]  # fmt: skip
-        return servers.ServerProcess(system, command, servers.base_env(), log)
+        return floored(servers.ServerProcess(system, command, servers.base_env(), log), args)
     mode, extra = RAWSERVE_MODES[system]
     # on a CPU rawserve's own layout (a worker per core), as a user starts it: `--device
     # cpu` would make it one worker of every core (slower here, bench/RESULTS.md)
@@ -331,7 +337,17 @@ def server(system: str, folder: Path, log: Path, args: argparse.Namespace) -> se
     options = ["--task", "text-generation", "--generation", mode, *device, *extra,
                "--dtype", args.dtype, "--no-access-log",
                *shlex.split(args.rawserve_args)]  # fmt: skip
-    return servers.rawserve(str(folder), log, options, name=system)
+    return floored(servers.rawserve(str(folder), log, options, name=system), args)
+
+
+def floored(process: servers.ServerProcess, args: argparse.Namespace) -> servers.ServerProcess:
+    """With `--pass-floor-ms`, the server's processes wait that long before every forward
+    pass of the model (bench/emulated_gpu: a GPU's flat pass cost, on a CPU)."""
+    if args.pass_floor_ms:
+        emulation = str(servers.REPO_ROOT / "bench" / "emulated_gpu")
+        path = os.pathsep.join([emulation, process.env["PYTHONPATH"]])
+        process.env.update(PYTHONPATH=path, RAWSERVE_BENCH_PASS_FLOOR_MS=str(args.pass_floor_ms))
+    return process
 
 
 async def serve_round(system: str, folder: Path, chosen: list[Scenario], log: Path,
@@ -588,6 +604,8 @@ async def run(args: argparse.Namespace, systems: list[str]) -> dict[str, Any]:
             else None
         )
         if reference is not None:  # warm it once, as the servers are warmed
+            if args.pass_floor_ms:
+                generation.floor_every_pass(reference, args.pass_floor_ms / 1000)
             generation.static(reference, [chosen[0].prompts[0]], [8])
         for round_ in range(1, args.rounds + 1):
             shift = (round_ - 1) % len(systems)  # each round starts with the next system
@@ -623,13 +641,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="prompts and mixed lengths")
     parser.add_argument("--scenarios", nargs="+", help='e.g. "16 x 64" "mixed 256 x 8-256"')
     parser.add_argument(
-        "--systems", nargs="+", choices=SYSTEMS, help="default: all (rawserve-eager on a GPU only)"
+        "--systems",
+        nargs="+",
+        choices=SYSTEMS,
+        help="default: all but rawserve-gathered (rawserve-eager on a GPU only)",
     )
     parser.add_argument(
         "--transformers-python",
         default=sys.executable,
         help="the Python that runs transformers-serve: it needs transformers' serving extra "
         "and accelerate (the bench extra installs them; default: this one)",
+    )
+    parser.add_argument(
+        "--pass-floor-ms",
+        type=float,
+        default=0.0,
+        help="idle milliseconds before every forward pass, in the servers and in-process "
+        "(a GPU's flat pass cost, emulated on a CPU: bench/emulated_gpu)",
     )
     parser.add_argument("--json", type=Path, help="also write the summaries here")
     args = parser.parse_args(argv)
@@ -638,7 +666,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown := set(args.scenarios or ()) - set(known):
         parser.error(f"unknown scenarios {sorted(unknown)}: choose from {known}")
     on_cpu = args.device == "cpu"  # where rawserve-eager is rawserve-continuous
-    systems = list(args.systems or [s for s in SYSTEMS if not (on_cpu and s == "rawserve-eager")])
+    left_out = {"rawserve-gathered", *(["rawserve-eager"] if on_cpu else [])}
+    systems = list(args.systems or [s for s in SYSTEMS if s not in left_out])
     if "transformers-serve" in systems:
         missing = transformers_serve_missing(args.transformers_python)
         if missing:

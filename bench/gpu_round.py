@@ -39,8 +39,12 @@ The rest (`--stages others`):
 - `encoders-more`: the same with CUDA graphs off (`rawserve-eager`), lists of 32 texts and
   the seed's server
 - `generation-eager`: served generation with CUDA graphs off, every scenario
+- `generation-gathered`: served generation with joiners waiting up to 4 steps for
+  company (`--join-wait-steps 4`), against `generation`'s figures: prefills a step, tokens/s,
+  the first token
 - `decode`: generation in-process: static `generate`, the continuous loop, and the loop
-  replayed from CUDA graphs (`bench.generation`)
+  replayed from CUDA graphs (`bench.generation`; where requests join one a step, each loop
+  with joiners gathered too)
 - `graphs`: the worker's runner with CUDA graphs and without, in-process
   (`bench.cuda_graphs`)
 - `attention`: attention kernels on new shapes (`bench.attention_shapes`)
@@ -130,6 +134,11 @@ def stages(out: Path, dry_run: bool = False) -> list[Stage]:
             "bench.generation_serving", "--device", device, *model, "--rounds", "1",
             "--duration", sized("20", "2"), "--systems", "rawserve-eager", "--json",
             str(out / "generation-eager.json"))),
+        stage("generation-gathered", 50, (
+            "bench.generation_serving", "--device", device, *model, "--rounds", "1",
+            "--duration", sized("20", "2"), "--systems", "rawserve-gathered", "--scenarios",
+            "64 x 64", "stream 16 x 64", "stream 16 x 64 spread", "stream 64 x 64", "--json",
+            str(out / "generation-gathered.json"))),
         stage("decode", 60, (
             "bench.generation", "--device", device, *model, "--rounds", "1")),
         stage("graphs", 45, (

@@ -74,6 +74,9 @@ class ModelConfig:
     max_queue: int
     batch_timeout: float  # seconds a batch may run before its worker is restarted
     batch_limits: str = "as given"  # which batch limits are the device's defaults, and why
+    # continuous: decoding steps a sequence that comes while rows run may wait for others
+    # to join with it (0: it joins at the next step; rawserve.worker.continuous)
+    join_wait_steps: int = 0
 
     @property
     def onnx_graphs(self) -> bool:

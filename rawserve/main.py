@@ -76,7 +76,8 @@ def model_facts(plan: ModelPlan, config: ServerConfig, workers: WorkerPlan) -> d
         # the task its folder says, which its workers serve: known before one loads
         "task": plan.facts.task if plan.facts is not None else None,
     }
-    if plan.facts is not None and plan.facts.task == "feature-extraction":
+    task = plan.facts.task if plan.facts is not None else None
+    if plan.facts is not None and task == "feature-extraction":
         facts.update(pooling=plan.facts.pooling, normalize=plan.facts.normalize)
     facts.update(
         {
@@ -96,6 +97,10 @@ def model_facts(plan: ModelPlan, config: ServerConfig, workers: WorkerPlan) -> d
             },
         }
     )
+    if task == "text-generation" and model.generation == "continuous":
+        facts["generation"] = {"mode": "continuous", "join_wait_steps": model.join_wait_steps}
+    elif task == "text-generation":
+        facts["generation"] = {"mode": model.generation}
     return facts
 
 
@@ -120,6 +125,7 @@ def worker_config(
         chat_template=model.chat_template,
         generation=model.generation,
         max_sequences=model.max_sequences,
+        join_wait_steps=model.join_wait_steps,
         start=START_ID,
     )
 

@@ -182,6 +182,15 @@ OPTIONS = [
         "on a CPU)",
     ),
     Option(
+        "--join-wait-steps",
+        int,
+        0,
+        "continuous generation: decoding steps a request that comes while others run may "
+        "wait for more to join it in one prefill (as TGI's --max-waiting-tokens): fewer "
+        "passes where a prefill costs what a step does (a GPU), a later first token "
+        "(default: 0, each joins at the next step)",
+    ),
+    Option(
         "--max-queue",
         int,
         None,
@@ -489,6 +498,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             batching=Batching(args.batching),
             generation=args.generation,
             max_sequences=args.max_sequences,
+            join_wait_steps=args.join_wait_steps,
             max_queue=args.max_queue,
             batch_timeout=args.batch_timeout,
         ),
@@ -571,6 +581,8 @@ def check_values(
         parser.error("--stream-keepalive must not be negative (0: no keep-alive comments)")
     if args.generation not in ("continuous", "static"):
         parser.error("--generation must be continuous or static")
+    if args.join_wait_steps < 0:
+        parser.error("--join-wait-steps must not be negative (0: none wait)")
     for name in ("max_sequences", "threads", "max_batch_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")

@@ -12,8 +12,10 @@ import json
 import random
 import shlex
 import subprocess
+import sys
 import tarfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -305,3 +307,31 @@ def test_a_benchmark_without_options_says_what_it_measures_on_help(name, capsys)
     assert exited.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage:") and module.__doc__.split("\n")[0] in out
+
+
+@pytest.mark.parametrize(("floor_ms", "hooks"), [("2", "1"), ("", "0")])
+def test_the_emulated_gpu_floors_every_gpt2_a_process_builds_only_when_asked(floor_ms, hooks):
+    """bench/emulated_gpu's sitecustomize, first on PYTHONPATH, hooks each GPT-2 model a
+    process builds (a server's spawned workers run it too), and nothing without its
+    variable."""
+    build = (
+        "import time, torch, transformers\n"
+        "config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16,"
+        " bos_token_id=1, eos_token_id=1)\n"
+        "model = transformers.GPT2LMHeadModel(config)\n"
+        "started = time.perf_counter(); model(torch.tensor([[1, 2]]))\n"
+        "print(len(model._forward_pre_hooks), time.perf_counter() - started)\n"
+    )
+    env = {
+        "PYTHONPATH": str(Path(REPO_ROOT) / "bench" / "emulated_gpu"),
+        "RAWSERVE_BENCH_PASS_FLOOR_MS": floor_ms,
+        "PATH": "/usr/bin:/bin",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", build], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    count, seconds = done.stdout.split()
+    assert count == hooks
+    if floor_ms:
+        assert float(seconds) >= 0.002  # the pass waited its floor

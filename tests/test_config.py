@@ -190,6 +190,7 @@ def test_tls_files_are_loaded_into_a_context_at_parse_time(tmp_path):
         (["--threads", "99999"], {}, "--threads must be from 1 to "),  # the worker crashed
         (["--max-batch-tokens", "0"], {}, "--max-batch-tokens must be positive"),
         (["--max-sequences", "0"], {}, "--max-sequences must be positive"),
+        (["--join-wait-steps", "-1"], {}, "--join-wait-steps must not be negative"),
         # a request asking for 20 s would have been given 10, one asking none 30
         (["--max-timeout", "10"], {}, "--max-timeout (10 s) must not be below --timeout (30 s"),
         ([], {"RAWSERVE_TIMEOUT": "60", "RAWSERVE_MAX_TIMEOUT": "45"}, "(45 s) must not be below"),

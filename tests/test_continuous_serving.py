@@ -45,6 +45,7 @@ def started(request, tiny_model):
             "rows_server": serving("--max-sequences", "8"),
             "one_row_server": serving("--max-sequences", "1"),
             "small_queue_server": serving("--max-sequences", "1", "--max-queue", "2"),
+            "gathering_server": serving("--max-sequences", "16", "--join-wait-steps", "3"),
             # its own: its test stops the worker
             "watched_server": serving("--batch-timeout", "0.5", "--max-sequences", "2"),
         },
@@ -119,6 +120,29 @@ def test_sequences_side_by_side_answer_as_they_do_alone(servers):
         assert choice["finish_reason"] == expected["choices"][0]["finish_reason"]
         if choice["finish_reason"] == "length":
             assert answer["usage"]["completion_tokens"] == tokens
+
+
+def test_joiners_that_wait_for_company_answer_as_they_do_alone(started):
+    """With --join-wait-steps, a request that comes while 8 streams run waits a few steps
+    for others to join with it; its answer is what it is alone (served with no row
+    running), and /info says how long a joiner may wait."""
+    server = started("gathering_server")
+    status, _, body = server.request("GET", "/info")
+    generation = json.loads(body)["generation"]
+    assert status == 200 and generation == {"mode": "continuous", "join_wait_steps": 3}
+    alone = [complete(server, prompt, tokens) for prompt, tokens in ASKS]
+    streams = [start_stream(server, f"stream {index}", LONG) for index in range(8)]
+    try:
+        beside = [complete(server, prompt, tokens) for prompt, tokens in ASKS]
+        with ThreadPoolExecutor(len(ASKS)) as pool:
+            together = list(pool.map(lambda ask: complete(server, *ask), ASKS))
+    finally:
+        for sock in streams:
+            sock.close()
+    for answers in (beside, together):
+        for (status, answer), (_, expected) in zip(answers, alone, strict=True):
+            assert status == 200, answer
+            assert answer["choices"][0]["text"] == expected["choices"][0]["text"]
 
 
 # prompts of multi-byte characters (the byte-level tokenizer splits them across tokens)

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FLAGS = {option.flag for option in OPTIONS} | {"--help", "--version"}
 # the flags the docs quote of other commands: docker, pip, mypy, vLLM, transformers,
-# curl, bench.chaos, bench.gpu_round
+# curl, bench.chaos, bench.gpu_round, TGI
 OTHER_COMMANDS_FLAGS = {
     "--budget",
     "--build-arg",
@@ -42,6 +42,7 @@ OTHER_COMMANDS_FLAGS = {
     "--enable-error-code",
     "--gpus",
     "--index-url",
+    "--max-waiting-tokens",
     "--minutes",
     "--python-version",
     "--read-only",

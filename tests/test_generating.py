@@ -1591,6 +1591,16 @@ def test_the_models_own_typical_p_and_min_p_are_applied_by_the_loop_as_generate_
     assert got != static(runner, "the movie was", asked)
 
 
+def test_the_loop_is_given_the_steps_a_joiner_may_wait_for_company(runner):
+    from rawserve.worker.generating import continuous_loop
+
+    config = WorkerConfig("m", "text-generation", join_wait_steps=3)
+    loop = continuous_loop(runner, config, print, None)
+    assert loop is not None and loop.batcher.join_wait_steps == 3
+    plain = continuous_loop(runner, WorkerConfig("m", "text-generation"), print, None)
+    assert plain is not None and plain.batcher.join_wait_steps == 0
+
+
 def test_the_models_own_temperature_wins_over_the_pipelines(tiny_model, tmp_path):
     import json
     import shutil

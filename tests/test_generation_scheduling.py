@@ -283,6 +283,79 @@ def test_a_short_request_joining_a_long_one_finishes_first(runner):
     assert not long.done and len(long.tokens) < 150
 
 
+def running_rows(runner, engine, count):
+    """`count` long sequences joined and running (a step taken)."""
+    from rawserve.worker.continuous import Generation
+
+    for index in range(count):
+        ids = prompt_ids(runner, f"word {index}")
+        engine.add(Generation(f"row {index}", ids, 150, ignore_eos=True))
+    engine.step()
+    assert len(engine.rows) == count
+
+
+def test_with_join_wait_steps_a_lone_joiner_waits_for_company_and_they_join_in_one_prefill(
+    runner,
+):
+    """Beside running rows a joiner waits up to `join_wait_steps` steps, so that the
+    joiners who come meanwhile share its prefill (one pass, not one each); their tokens
+    are what they would be alone."""
+    from rawserve.worker.continuous import Generation
+
+    engine = batcher(runner)
+    engine.join_wait_steps = 3
+    running_rows(runner, engine, 16)  # two joiners are fewer than a quarter of them
+    first = Generation("first", prompt_ids(runner, "the movie was"), 6)
+    second = Generation("second", prompt_ids(runner, "a good film"), 6)
+    engine.passes.taken()
+    engine.add(first)
+    engine.step()
+    engine.add(second)  # a step later
+    for _ in range(2):
+        engine.step()
+    assert engine.waiting == [first, second] and (first.waited_steps, second.waited_steps) == (3, 2)
+    engine.step()  # the first has waited its three steps: both join
+    assert first in engine.rows and second in engine.rows and not engine.waiting
+    passes = engine.passes.taken()
+    assert passes is not None and (passes.prefills, passes.steps) == (1, 4)
+    while not (first.done and second.done):
+        engine.step()
+    for generation, text in ((first, "the movie was"), (second, "a good film")):
+        assert generation.tokens == alone_greedy(runner, prompt_ids(runner, text), 6)
+
+
+def test_without_join_wait_steps_each_joiner_joins_at_the_next_step(runner):
+    from rawserve.worker.continuous import Generation
+
+    engine = batcher(runner)
+    running_rows(runner, engine, 8)
+    first = Generation("first", prompt_ids(runner, "the movie was"), 6)
+    engine.add(first)
+    engine.step()
+    assert first in engine.rows and first.waited_steps == 0
+
+
+@pytest.mark.parametrize(
+    ("rows", "joiners"),
+    [(0, 1), (4, 1), (8, 2)],  # idle; a quarter of the rows or more (a wave)
+)
+def test_a_joiner_with_no_row_running_or_in_a_wave_never_waits(runner, rows, joiners):
+    from rawserve.worker.continuous import Generation
+
+    engine = batcher(runner)
+    engine.join_wait_steps = 4
+    if rows:
+        running_rows(runner, engine, rows)
+    joining = [
+        Generation(f"joiner {index}", prompt_ids(runner, f"a film {index}"), 6)
+        for index in range(joiners)
+    ]
+    for generation in joining:
+        engine.add(generation)
+    engine.step()
+    assert all(generation in engine.rows for generation in joining)
+
+
 def test_a_cancelled_sequence_frees_its_row_at_the_next_step(runner):
     from rawserve.worker.continuous import Generation
 

@@ -48,6 +48,8 @@ class WorkerConfig:
     # batch between decoding steps) or "static" (one `generate` call per batch)
     generation: str = "continuous"
     max_sequences: int | None = None  # continuous: sequences at once (None: by device)
+    # continuous: steps a sequence that comes while rows run may wait for company to join
+    join_wait_steps: int = 0
     # tokenize each batch on a thread of its own as it arrives, apart from the model's
     # (rawserve.worker.feeder). None: on a GPU, whose worker is sent its next batch while
     # one runs; a CPU worker gets one batch at a time, and a second thread only adds a hop

@@ -90,6 +90,14 @@ PREFILL_SMALL = 4096
 # and SGLang budget a step by default.
 PREFILL_CHUNK = 512
 GPU_PREFILL_CHUNK = 2048
+# Sequences that come while rows run may wait a few decoding steps for others to join with
+# them (`join_wait_steps`, 0: none wait). Where a prefill costs about what a step costs
+# whatever its rows (a GPU, its passes replayed from CUDA graphs), closed-loop clients whose
+# answers have spread out join about one a step, each with a prefill of its own: every step
+# then costs two passes. Joining k at a time costs one prefill every k steps, for up to k
+# steps more before their first tokens (TGI's `--max-waiting-tokens`). Joiners at least this
+# share of the running rows (a wave of requests) join at once.
+JOIN_AT_ONCE_SHARE = 0.25
 
 
 # prompts with the keys and values of their prefill (per layer `[1, heads, tokens, dim]`)
@@ -146,6 +154,7 @@ class Generation:
     # the most sequences it may be prefilled with (0: any): lowered each time a prefill
     # it joined in failed, so that a prompt the model fails on ends up failing alone
     joins_at_most: int = 0
+    waited_steps: int = 0  # decoding steps it waited for company (`join_wait_steps`)
     generator: torch.Generator | None = None
     pieces: TextPieces | None = None
     # its ids on the device, for its repetition penalty (prompt and new tokens) and its
@@ -231,12 +240,14 @@ class ContinuousBatcher:
         on_token: Callable[[Generation, int, str], None] | None = None,
         after_pass: Callable[[], None] | None = None,
         cuda_graphs: bool = False,
+        join_wait_steps: int = 0,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_positions = max_positions
         self.max_rows = max_rows
+        self.join_wait_steps = join_wait_steps  # (JOIN_AT_ONCE_SHARE)
         self.on_token = on_token
         self.after_pass = after_pass
         self._cache_name = cache_keyword(model)
@@ -321,6 +332,10 @@ class ContinuousBatcher:
         if joining and (at_most := joining[0].joins_at_most):  # after a failed prefill
             joining = joining[:at_most]
             joining = joining[: min(g.joins_at_most or at_most for g in joining)]
+        if self._waits_for_company(joining):
+            for generation in joining:
+                generation.waited_steps += 1
+            joining = []
         joining = self._set_long_ones_aside(joining)
         if joining:
             self._joining = joining
@@ -337,6 +352,15 @@ class ContinuousBatcher:
             self._decode()
             finished += self._leave()
         return finished
+
+    def _waits_for_company(self, joining: list[Generation]) -> bool:
+        """Whether `joining` waits this step for others to join with it
+        (`join_wait_steps`): only beside running rows, and never a wave or a retry."""
+        if not (joining and self.join_wait_steps and self.rows):
+            return False
+        if len(joining) >= JOIN_AT_ONCE_SHARE * len(self.rows) or joining[0].joins_at_most:
+            return False
+        return max(generation.waited_steps for generation in joining) < self.join_wait_steps
 
     def record_graphs(self, prompt: list[int]) -> int:
         """Where steps are replayed from CUDA graphs: run a few tokens of `prompt` at

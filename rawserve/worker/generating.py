@@ -84,7 +84,9 @@ def continuous_loop(
         )
         return None
     rows = config.max_sequences or (ROWS_ON_CUDA if runner.on_cuda else ROWS_ON_CPU)
-    loop = GenerationLoop(runner, send, rows, cancelled_stream, config.threads)
+    loop = GenerationLoop(
+        runner, send, rows, cancelled_stream, config.threads, config.join_wait_steps
+    )
     if config.warmup_batch and runner.decode_graphs:
         record_graphs(loop.batcher, runner)
     return loop
@@ -137,6 +139,7 @@ class GenerationLoop:
         rows: int,
         cancelled_stream: Any = None,
         threads: int | None = None,
+        join_wait_steps: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.runner = runner
@@ -152,6 +155,7 @@ class GenerationLoop:
             self._on_token,
             self._send_streamed,
             cuda_graphs=runner.decode_graphs,
+            join_wait_steps=join_wait_steps,
         )
         self.streamed: list[TokenChunk] = []  # this forward pass's tokens for their streams
         self.progress_at = 0.0  # when a pass's end was last sent (tokens, or `Progress`)
