@@ -1,14 +1,15 @@
 """One bounded pass over every GPU measurement, for a machine lent for minutes.
 
     python -m bench.gpu_round --out /tmp/gpu                 # the open targets, then the rest
-    python -m bench.gpu_round --out /tmp/gpu --stages lone profile overlap --budget 200
-                                                             # what it skipped, a second command
+    python -m bench.gpu_round --out /tmp/gpu2 --stages generation-gathered lone encoders-more \
+        --budget 300                                         # what it skipped, a second command
     python -m bench.gpu_round --out /tmp/dry --dry-run       # every stage on the CPU, tiny
 
 A lent machine runs one command for at most 600 s: the default `--budget` (500 s) holds the
 stages that measure the issues' open targets, which run first, and whatever of the rest
-still fits (on an H200 all but the last three); the stages it skipped run in a second
-command, at once, on the machine still warm (`--stages others` names them all). On the
+still fits (on an H200, by the last round's times, `graphs` and `decode`); the stages it
+skipped run in a second command, at once, on the machine still warm, as far as the
+session's device time goes (`--stages others` names them all). On the
 machine itself, `scripts/gpu_wheels.sh` prepares what it lacks (bench/RESULTS.md,
 "Measuring on a lent GPU"). `--dry-run` runs every stage's command, the same options at
 tiny sizes, on the CPU: a wrong option fails here, not on the GPU.
@@ -34,22 +35,22 @@ The open targets (`--stages targets`), in the order they run:
 - `generation-overload`: the same model at 3x its capacity, 5 s deadlines: goodput,
   503s and 504s (`bench.generation_overload`)
 
-The rest (`--stages others`):
+The rest (`--stages others`), the most telling first:
 
-- `encoders-more`: the same with CUDA graphs off (`rawserve-eager`), lists of 32 texts and
-  the seed's server
-- `generation-eager`: served generation with CUDA graphs off, every scenario
-- `generation-gathered`: served generation with joiners waiting up to 4 steps for
-  company (`--join-wait-steps 4`), against `generation`'s figures: prefills a step, tokens/s,
-  the first token
+- `graphs`: the worker's runner with CUDA graphs and without, in-process
+  (`bench.cuda_graphs`)
 - `decode`: generation in-process: static `generate`, the continuous loop, and the loop
   replayed from CUDA graphs (`bench.generation`; where requests join one a step, each loop
   with joiners gathered too)
-- `graphs`: the worker's runner with CUDA graphs and without, in-process
-  (`bench.cuda_graphs`)
-- `attention`: attention kernels on new shapes (`bench.attention_shapes`)
+- `generation-gathered`: served generation with joiners waiting up to 4 steps for
+  company (`--join-wait-steps 4`), against `generation`'s figures: prefills a step, tokens/s,
+  the first token
 - `lone`: where a lone request's time goes, with the default HTTP processes and with one
   (`bench.lone_request`)
+- `encoders-more`: `encoders`' classifier with CUDA graphs off (`rawserve-eager`), lists
+  of 32 texts and the seed's server
+- `generation-eager`: served generation with CUDA graphs off, every scenario
+- `attention`: attention kernels on new shapes (`bench.attention_shapes`)
 - `profile`: a sampling profile of the server at 256 clients (`bench.profile`, needs
   py-spy)
 - `overlap`: the preparing thread on and off, in-process (`bench.overlap --prepare`)
@@ -126,6 +127,20 @@ def stages(out: Path, dry_run: bool = False) -> list[Stage]:
         stage("generation-overload", 80, (
             "bench.generation_overload", "--device", device, *model, "--rounds", "1",
             "--duration", sized("8", "1")), targets=True),
+        stage("graphs", 45, (
+            "bench.cuda_graphs", "--device", sized("cuda:0", "cpu"), "--batches",
+            *sized(("1", "16", "64", "256"), ("1", "4")), "--seconds", sized("0.5", "0.1"),
+            "--rounds", sized("2", "1"))),
+        stage("decode", 60, (
+            "bench.generation", "--device", device, *model, "--rounds", "1")),
+        stage("generation-gathered", 50, (
+            "bench.generation_serving", "--device", device, *model, "--rounds", "1",
+            "--duration", sized("20", "2"), "--systems", "rawserve-gathered", "--scenarios",
+            "64 x 64", "stream 16 x 64", "stream 16 x 64 spread", "stream 64 x 64", "--json",
+            str(out / "generation-gathered.json"))),
+        stage("lone", 80, (
+            "bench.lone_request", "--scenario", encoder, "--requests", sized("300", "5"),
+            "--config=", "--config=--http-processes 1", "--out", str(out / "lone"))),
         stage("encoders-more", 160, (
             "bench.compare", "--device", device, "--quick", "--scenarios", encoder,
             "--text-sets", "short", "--servers", "rawserve-eager,rawserve-lists,seed-batching",
@@ -134,25 +149,11 @@ def stages(out: Path, dry_run: bool = False) -> list[Stage]:
             "bench.generation_serving", "--device", device, *model, "--rounds", "1",
             "--duration", sized("20", "2"), "--systems", "rawserve-eager", "--json",
             str(out / "generation-eager.json"))),
-        stage("generation-gathered", 50, (
-            "bench.generation_serving", "--device", device, *model, "--rounds", "1",
-            "--duration", sized("20", "2"), "--systems", "rawserve-gathered", "--scenarios",
-            "64 x 64", "stream 16 x 64", "stream 16 x 64 spread", "stream 64 x 64", "--json",
-            str(out / "generation-gathered.json"))),
-        stage("decode", 60, (
-            "bench.generation", "--device", device, *model, "--rounds", "1")),
-        stage("graphs", 45, (
-            "bench.cuda_graphs", "--device", sized("cuda:0", "cpu"), "--batches",
-            *sized(("1", "16", "64", "256"), ("1", "4")), "--seconds", sized("0.5", "0.1"),
-            "--rounds", sized("2", "1"))),
         stage("attention", 60, (
             "bench.attention_shapes", "--device", device, "--batches", sized("30", "2"),
             "--new-tokens", sized("32", "2"), *sized((), ("--choices", "default", "math")),
             # (a CPU without half-precision units takes a minute a half batch of BERT-base)
             "--dtype", sized("float16", "float32"))),
-        stage("lone", 80, (
-            "bench.lone_request", "--scenario", encoder, "--requests", sized("300", "5"),
-            "--config=", "--config=--http-processes 1", "--out", str(out / "lone"))),
         stage("profile", 50, (
             "bench.profile", "--scenario", encoder, "--clients", sized("256", "4"),
             "--seconds", sized("6", "1"), "--rate", "200", "--out", str(out / "profile"))),
