@@ -97,10 +97,11 @@ def model_facts(plan: ModelPlan, config: ServerConfig, workers: WorkerPlan) -> d
             },
         }
     )
-    if task == "text-generation" and model.generation == "continuous":
-        facts["generation"] = {"mode": "continuous", "join_wait_steps": model.join_wait_steps}
-    elif task == "text-generation":
-        facts["generation"] = {"mode": model.generation}
+    if task == "text-generation":  # as asked: a worker may still batch statically (its log)
+        facts["generation"] = {
+            "requested_mode": model.generation,
+            "join_wait_steps": model.join_wait_steps,
+        }
     return facts
 
 

@@ -129,7 +129,7 @@ def test_joiners_that_wait_for_company_answer_as_they_do_alone(started):
     server = started("gathering_server")
     status, _, body = server.request("GET", "/info")
     generation = json.loads(body)["generation"]
-    assert status == 200 and generation == {"mode": "continuous", "join_wait_steps": 3}
+    assert status == 200 and generation == {"requested_mode": "continuous", "join_wait_steps": 3}
     alone = [complete(server, prompt, tokens) for prompt, tokens in ASKS]
     streams = [start_stream(server, f"stream {index}", LONG) for index in range(8)]
     try:
