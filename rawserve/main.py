@@ -98,10 +98,10 @@ def model_facts(plan: ModelPlan, config: ServerConfig, workers: WorkerPlan) -> d
         }
     )
     if task == "text-generation":  # as asked: a worker may still batch statically (its log)
-        facts["generation"] = {
-            "requested_mode": model.generation,
-            "join_wait_steps": model.join_wait_steps,
-        }
+        generation: dict[str, object] = {"requested_mode": model.generation}
+        if model.generation == "continuous":  # (a static batch has no steps to wait)
+            generation["join_wait_steps"] = model.join_wait_steps
+        facts["generation"] = generation
     return facts
 
 

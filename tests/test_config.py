@@ -272,6 +272,23 @@ def test_a_model_s_workers_and_its_info_are_built_from_the_typed_configuration()
         "max_queue": 256,
         "timeout_seconds": 12.0,
     }
+    assert "generation" not in facts and "generation" not in folder_facts  # not generating
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        ([], {"requested_mode": "continuous", "join_wait_steps": 0}),
+        (["--join-wait-steps", "3"], {"requested_mode": "continuous", "join_wait_steps": 3}),
+        # a static batch has no steps to wait: nothing said of them
+        (["--join-wait-steps", "3", "--generation", "static"], {"requested_mode": "static"}),
+    ],
+)
+def test_info_says_how_a_generation_model_is_asked_to_batch(argv, said):
+    config = parse_config(["--device", "cpu", *argv])
+    plan = ModelPlan(("lm",), "/m", "/m", facts=FolderFacts("text-generation"))
+    workers = plan_workers(config.model, [plan], cores=2)
+    assert model_facts(plan, config, workers)["generation"] == said
 
 
 @pytest.mark.parametrize("http_processes", ["1", "2"])

@@ -356,6 +356,37 @@ def test_a_joiner_with_no_row_running_or_in_a_wave_never_waits(runner, rows, joi
     assert all(generation in engine.rows for generation in joining)
 
 
+def test_joiners_with_no_prefill_to_share_a_retry_and_a_backlog_never_wait(runner):
+    """A copy of a running row's prompt (its keys and values are copied, no pass), a prompt
+    prefilled in chunks (a pass of its own), a sequence put back after a failed prefill (it
+    has waited), and joiners beyond the free rows (a row left empty would only idle) join
+    at the next step."""
+    from rawserve.worker.continuous import Generation
+
+    engine = batcher(runner, max_rows=21)
+    engine.join_wait_steps = 4
+    running_rows(runner, engine, 16)
+    [kept, *_] = engine._prompt_scores  # a running row's prompt whose scores are kept
+    held = Generation("held", list(kept), 4)
+    engine.prefill_chunk = 8  # a prompt past it is prefilled in chunks
+    long = Generation("long", prompt_ids(runner, "word " * 12), 4)
+    retried = Generation("retried", prompt_ids(runner, "the movie was"), 4)
+    for generation in (held, long):
+        engine.add(generation)
+    engine.step()
+    assert held in engine.rows and engine._chunked is not None and not engine.waiting
+    engine.add(retried)
+    engine.waiting.remove(retried)
+    engine.wait_again([retried])  # as after running out of memory
+    engine.step()
+    assert retried in engine.rows
+    backlog = [Generation(f"b{i}", prompt_ids(runner, f"a film {i}"), 4) for i in range(3)]
+    for generation in backlog:  # three for two free rows (18 run, one prefills in chunks)
+        engine.add(generation)
+    engine.step()
+    assert sum(generation in engine.rows for generation in backlog) == 2
+
+
 def test_a_cancelled_sequence_frees_its_row_at_the_next_step(runner):
     from rawserve.worker.continuous import Generation
 

@@ -375,7 +375,8 @@ LATENCIES = {
     ),
     QUEUE_SECONDS: (
         "From a generation's admission to the start of the loop step that prefilled it "
-        "(the queue, the pipe to the worker, the step under way, a wait for a free row)",
+        "(the queue, the pipe to the worker, the step under way, a wait for a free row, "
+        "and for company with --join-wait-steps)",
         WAIT_BUCKETS,
     ),
     FIRST_TOKEN_SECONDS: (

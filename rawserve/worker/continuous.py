@@ -96,7 +96,9 @@ GPU_PREFILL_CHUNK = 2048
 # answers have spread out join about one a step, each with a prefill of its own: every step
 # then costs two passes. Joining k at a time costs one prefill every k steps, for up to k
 # steps more before their first tokens (TGI's `--max-waiting-tokens`). Joiners at least this
-# share of the running rows (a wave of requests) join at once.
+# share of the running rows (a wave of requests) join at once, as do those with no pass to
+# share (a prompt a running row holds, one prefilled in chunks) and any while more wait than
+# there are free rows (a row left empty for company would only idle).
 JOIN_AT_ONCE_SHARE = 0.25
 
 
@@ -332,10 +334,8 @@ class ContinuousBatcher:
         if joining and (at_most := joining[0].joins_at_most):  # after a failed prefill
             joining = joining[:at_most]
             joining = joining[: min(g.joins_at_most or at_most for g in joining)]
-        if self._waits_for_company(joining):
-            for generation in joining:
-                generation.waited_steps += 1
-            joining = []
+        if len(ready) <= free:  # (a backlog joins at once)
+            joining = self._joining_now(joining)
         joining = self._set_long_ones_aside(joining)
         if joining:
             self._joining = joining
@@ -353,14 +353,26 @@ class ContinuousBatcher:
             finished += self._leave()
         return finished
 
-    def _waits_for_company(self, joining: list[Generation]) -> bool:
-        """Whether `joining` waits this step for others to join with it
-        (`join_wait_steps`): only beside running rows, and never a wave or a retry."""
+    def _joining_now(self, joining: list[Generation]) -> list[Generation]:
+        """Those of `joining` that join this step: the others, beside running rows, wait
+        a step for company (`join_wait_steps`, JOIN_AT_ONCE_SHARE), unless they are a
+        wave, or one of them has waited its steps."""
         if not (joining and self.join_wait_steps and self.rows):
-            return False
-        if len(joining) >= JOIN_AT_ONCE_SHARE * len(self.rows) or joining[0].joins_at_most:
-            return False
-        return max(generation.waited_steps for generation in joining) < self.join_wait_steps
+            return joining
+        sharing = [generation for generation in joining if self._prefilled_with_others(generation)]
+        if not sharing or len(sharing) >= JOIN_AT_ONCE_SHARE * len(self.rows):
+            return joining
+        if max(generation.waited_steps for generation in sharing) >= self.join_wait_steps:
+            return joining
+        for generation in sharing:
+            generation.waited_steps += 1
+        return [generation for generation in joining if generation not in sharing]
+
+    def _prefilled_with_others(self, generation: Generation) -> bool:
+        """Whether its prompt would be prefilled in a pass others may share: not one a
+        running row holds (its keys and values are copied), nor one prefilled in chunks."""
+        prompt = tuple(generation.prompt_ids)
+        return len(prompt) <= self.prefill_chunk and self._holder(prompt) is None
 
     def record_graphs(self, prompt: list[int]) -> int:
         """Where steps are replayed from CUDA graphs: run a few tokens of `prompt` at
@@ -512,9 +524,11 @@ class ContinuousBatcher:
     def wait_again(self, generations: list[Generation], at_most: int = 0) -> None:
         """Sequences with no token yet (joiners whose prefill failed) back at the head of
         the queue: they join later, exactly as if they had come then; `at_most` of them
-        prefilled together (0: as many as there is room for)."""
-        if at_most:
-            for generation in generations:
+        prefilled together (0: as many as there is room for). They have waited: none waits
+        again for company."""
+        for generation in generations:
+            generation.waited_steps = self.join_wait_steps
+            if at_most:
                 generation.joins_at_most = at_most
         self.waiting = [*generations, *self.waiting]
 

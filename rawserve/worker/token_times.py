@@ -3,7 +3,8 @@
 Three latencies a user of a generation server watches (vLLM and TGI export the same):
 - the queue: from a request's admission to the start of the loop step that prefilled it
   (the scheduler's queue, the pipe to the worker, the step under way, a wait for a free
-  row or for its grammar; a long prompt's, to its last chunk's step);
+  row, for its grammar or, with `--join-wait-steps`, for company; a long prompt's, to its
+  last chunk's step);
 - the first token: from its admission to its first new token;
 - between tokens: each gap between two tokens of one sequence.
 
