@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rawserve.api.outcomes import http_error, unwrap
 from rawserve.api.served import ServedModel
-from rawserve.http.errors import GatewayTimeout, error_response
+from rawserve.http.errors import GatewayTimeout, error_response, tgi_error_response
 from rawserve.serving.face import FailureKind, ItemFailure, ItemResult, Reason, Refusal, Refused
 
 
@@ -89,3 +91,36 @@ def test_an_item_failure_is_the_clients_422_or_the_models_500():
     assert status_of(FailureKind.INTERNAL) == 500
     assert status_of(FailureKind.OUT_OF_MEMORY) == 500
     assert unwrap(ItemResult({"label": "x"}, 0.0, 1, 0.0)) == {"label": "x"}
+
+
+def test_a_refusal_for_the_deadline_tells_sdks_not_to_retry_and_a_full_queue_does_not():
+    """The deadline spans a client's retries, as a 504's does: the openai SDKs waited the
+    Retry-After of a request that could not meet its 2 s deadline (11 s) and answered
+    it at 11.3 s (a tester). A full queue's 503 is retried as before."""
+    unreachable = http_error(Refusal(Reason.DEADLINE_UNREACHABLE, "the work ahead", 5.0))
+    full = http_error(Refusal(Reason.QUEUE_FULL, "server busy: queue full", 5.0))
+    assert ("X-Should-Retry", "false") in error_response(unreachable).headers
+    assert "Retry-After-Ms" in dict(error_response(unreachable).headers)  # told all the same
+    assert not any(name == "X-Should-Retry" for name, _ in error_response(full).headers)
+
+
+@pytest.mark.parametrize(
+    ("reason", "error_type"),
+    [
+        (Reason.QUEUE_FULL, "overloaded"),
+        (Reason.DEADLINE_UNREACHABLE, "overloaded"),
+        (Reason.LOADING, "unavailable"),  # the server's state, not its load
+    ],
+)
+def test_tgi_routes_type_a_busy_503_as_tgis_clients_read_an_overload(reason, error_type):
+    """InferenceClient raised UnknownError("server busy: queue full") for a full queue on
+    POST / and /generate: it raises OverloadedError for TGI's type "overloaded"."""
+    from huggingface_hub.errors import OverloadedError
+    from huggingface_hub.inference._common import _parse_text_generation_error
+
+    answer = tgi_error_response(http_error(Refusal(reason, "server busy", 1.0)))
+    document = json.loads(answer.body)
+    assert answer.status == 503 and document["error_type"] == error_type
+    assert "Retry-After" in dict(answer.headers)
+    raised = _parse_text_generation_error(document["error"], document["error_type"])
+    assert isinstance(raised, OverloadedError) == (error_type == "overloaded")

@@ -148,17 +148,27 @@ class ServiceUnavailable(HTTPError):
     error_type = "unavailable"
 
     def __init__(
-        self, message: str, *, retry_after: float = 1.0, in_ms: bool = False, busy: bool = False
+        self,
+        message: str,
+        *,
+        retry_after: float = 1.0,
+        in_ms: bool = False,
+        busy: bool = False,
+        within_deadline: bool = True,
     ):
         """`in_ms`: say the wait in milliseconds too (`Retry-After-Ms`, which the openai
         SDKs read before `Retry-After`), where a spread wait must not be rounded back
         to the same second for every client; `busy`: refused for the load (a full queue),
-        not for the server's state (loading, restarting, stopping)."""
+        not for the server's state (loading, restarting, stopping); not `within_deadline`:
+        the wait outlasts the request's deadline, which spans a client's retries (as a
+        504's does): the SDKs are told not to retry on their own (`X-Should-Retry`)."""
         millis = round(retry_after * 1000)
         seconds = max(1, round(millis / 1000))
         headers = [("Retry-After", str(seconds))]
         if in_ms:
             headers.append(("Retry-After-Ms", str(millis)))
+        if not within_deadline:
+            headers.append(("X-Should-Retry", "false"))
         super().__init__(message, headers=headers)
         self.retry_after = seconds
         self.busy = busy
@@ -224,14 +234,25 @@ def tgi_error_response(exc: BaseException, request_id: str | None = None) -> Htt
     return HttpResponse(error.status, dumps(error_document(error)), list(error.headers))
 
 
+class Overloaded(HTTPError):
+    """TGI's type for a full queue, which its client and InferenceClient raise as
+    `OverloadedError` (TGI answers it 429; rawserve keeps its 503 and Retry-After)."""
+
+    status = 503
+    error_type = "overloaded"
+
+
 def tgi_error(error: HTTPError) -> HTTPError:
     """The error as TGI types it: TGI refuses whatever its validation finds wrong with 422
-    "validation", so rawserve's 400 and 422 become that. A request that cannot be read
-    keeps its 400 (TGI's JSON reader answers so); the rest keep theirs (TGI has no
-    equivalent of rawserve's 503 with Retry-After, 504 or 413)."""
+    "validation", so rawserve's 400 and 422 become that, and a busy queue's 503 is
+    "overloaded". A request that cannot be read keeps its 400 (TGI's JSON reader answers
+    so); the rest keep theirs (TGI has no equivalent of rawserve's 504 or 413, nor of its
+    503 for a model loading)."""
     client_error = isinstance(error, (BadRequest, UnprocessableInput))
     if client_error and not isinstance(error, MalformedRequest):
         return ValidationFailed(error.message, headers=error.headers)
+    if isinstance(error, ServiceUnavailable) and error.busy:
+        return Overloaded(error.message, headers=error.headers)
     return error
 
 
