@@ -351,16 +351,13 @@ class SchedulerCore:
         their average pace."""
         if needed <= 0:
             return 0.0
-        flights = list(self._in_flight.values())
-        # a row sent before anything was measured was predicted nothing: predicted now
-        times = [f.predicted or self.cost_model.predict(f.cost) or 0.0 for f in flights]
-        ends = [flight.sent + time for flight, time in zip(flights, times, strict=True)]
+        ends = (flight.sent + flight.predicted for flight in self._in_flight.values())
         running = len(self._in_flight)
         if needed <= running:  # a full queue's refusals ask this: few rows sort none
             soonest = heapq.nsmallest(needed, ends) if needed <= 8 else sorted(ends)
             return max(0.0, soonest[needed - 1] - now)
         last = max(0.0, max(ends, default=now) - now)
-        pace = sum(times) / max(running, 1)
+        pace = self._in_flight_predicted / max(running, 1)
         return last + (needed - running) * pace / max(self.workers, 1)
 
     def _queued_ahead(self, items: Sequence[WorkItem]) -> Iterator[WorkItem]:
