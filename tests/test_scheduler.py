@@ -195,26 +195,6 @@ def test_retry_after_counts_what_is_left_of_the_batches_in_flight():
     assert core.retry_after() == pytest.approx(queued)  # no clock: the queue alone
 
 
-def test_retry_after_on_rows_waits_for_rows_to_free_at_each_sequences_own_time():
-    """A continuous worker's queue drains as its rows free. Measured only on its warm-up's
-    few tokens, the queue's drain took no call to cost more than those: a backlog of
-    4,000-token generations behind two full rows was told 1-2 s where a row freed in ~6
-    (a tester's openai SDK calls ran out of retries first). Each running sequence's own
-    prediction (its tokens at the measured time a token) says when it frees its row."""
-    core = SchedulerCore(max_queue=4, max_batch_size=1, workers=2)
-    core.cost_model.observe(8, 0.008)  # the warm-up: 1 ms a token
-    long = {"max_new_tokens": 4000}
-    queue_items(core, [text(5)] * 2, params=long)
-    assert len(core.next_batch(now=0.0)) == 1 and len(core.next_batch(now=0.0)) == 1
-    queue_items(core, [text(5)] * 4, params=long)  # full: four wait for the two rows
-    running = 4000 * 0.001  # each row frees after its own 4,000 tokens, about 4 s
-    # two free at ~4 s, the next two a row's time later, shared by the two rows
-    assert core.retry_after(now=1.0) == pytest.approx(running - 1.0 + 2 * running / 2, rel=0.01)
-    with pytest.raises(QueueFull) as refused:
-        queue_items(core, [text(5)], now=1.0, params=long)
-    assert refused.value.retry_after > 5.0
-
-
 def test_everything_is_admitted_before_the_speed_is_measured():
     core = SchedulerCore(max_queue=100)
     queue_items(core, [text(200)] * 50, deadline=30.0)

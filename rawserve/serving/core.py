@@ -333,32 +333,26 @@ class SchedulerCore:
             return False  # light load: it starts now, and may end early
         if not running and not self._size:
             return False  # nothing ahead, no row shared: its own time is no reason
-        free = max(self.workers - running, 0)
+        free = self.workers - running
         deadline = min(item.deadline for item in items)
         own = self._own_seconds(items)
+        # when each running row frees, soonest first; then rows free at their average pace
+        frees = sorted(max(0.0, f.sent + f.predicted - now) for f in self._in_flight.values())
+        pace = sum(f.predicted for f in self._in_flight.values()) / max(len(frees), 1)
 
         def wait(queued_ahead: int) -> float:
-            return self._rows_freed_after(queued_ahead + len(items) - free, now)
+            needed = queued_ahead + len(items) - max(free, 0)  # rows that must free first
+            if needed <= 0:
+                return 0.0
+            if needed <= len(frees):
+                return frees[needed - 1]
+            later = needed - len(frees)
+            return (frees[-1] if frees else 0.0) + later * pace / max(self.workers, 1)
 
         if now + ADMIT_MARGIN * wait(self._size) + own <= deadline:
             return False
         ahead = sum(1 for _ in self._queued_ahead(items))
         return now + ADMIT_MARGIN * wait(ahead) + own > deadline
-
-    def _rows_freed_after(self, needed: int, now: float) -> float:
-        """Seconds until `needed` rows (a worker's item at a time, a continuous worker's
-        sequences) have freed: the running ones as predicted, soonest first, then rows at
-        their average pace."""
-        if needed <= 0:
-            return 0.0
-        ends = (flight.sent + flight.predicted for flight in self._in_flight.values())
-        running = len(self._in_flight)
-        if needed <= running:  # a full queue's refusals ask this: few rows sort none
-            soonest = heapq.nsmallest(needed, ends) if needed <= 8 else sorted(ends)
-            return max(0.0, soonest[needed - 1] - now)
-        last = max(0.0, max(ends, default=now) - now)
-        pace = self._in_flight_predicted / max(running, 1)
-        return last + (needed - running) * pace / max(self.workers, 1)
 
     def _queued_ahead(self, items: Sequence[WorkItem]) -> Iterator[WorkItem]:
         """The queued items that go before `items`: an earlier or equal turn and deadline."""
@@ -374,16 +368,7 @@ class SchedulerCore:
         return left / max(self.workers, 1)
 
     def retry_after(self, now: float | None = None) -> float:
-        """Seconds until the current queue has likely drained, at the measured speed. On
-        rows (one item a worker at a time; a continuous worker's sequences, hundreds in
-        flight), until as many rows have freed as items are queued, each running one as
-        predicted: a long generation's own prediction (its tokens at the measured time a
-        token), where the queue's drain takes no call to cost more than the largest
-        measured (told 1-2 s before a backlog of 4,000-token answers that freed a row in
-        6, an SDK's retries ran out first)."""
-        if self.max_size == 1 and now is not None and self.cost_model.measured:
-            free = max(self.workers - len(self._in_flight), 0)
-            return max(1.0, self._rows_freed_after(self._size - free, now))
+        """Seconds until the current queue has likely drained, at the measured speed."""
         # O(1): a full queue refuses every request with this, under overload
         drain = self.cost_model.drain_seconds_of(
             self._size, self._queued_cost, self.max_size, self.workers
