@@ -93,17 +93,6 @@ def test_an_item_failure_is_the_clients_422_or_the_models_500():
     assert unwrap(ItemResult({"label": "x"}, 0.0, 1, 0.0)) == {"label": "x"}
 
 
-def test_a_refusal_for_the_deadline_tells_sdks_not_to_retry_and_a_full_queue_does_not():
-    """The deadline spans a client's retries, as a 504's does: the openai SDKs waited the
-    Retry-After of a request that could not meet its 2 s deadline (11 s) and answered
-    it at 11.3 s (a tester). A full queue's 503 is retried as before."""
-    unreachable = http_error(Refusal(Reason.DEADLINE_UNREACHABLE, "the work ahead", 5.0))
-    full = http_error(Refusal(Reason.QUEUE_FULL, "server busy: queue full", 5.0))
-    assert ("X-Should-Retry", "false") in error_response(unreachable).headers
-    assert "Retry-After-Ms" in dict(error_response(unreachable).headers)  # told all the same
-    assert not any(name == "X-Should-Retry" for name, _ in error_response(full).headers)
-
-
 @pytest.mark.parametrize(
     ("reason", "error_type"),
     [

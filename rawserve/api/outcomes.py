@@ -47,16 +47,9 @@ def http_error(refusal: Refusal, longest_deadline: float | None = None) -> HTTPE
     retry_after = refusal.retry_after if refusal.retry_after is not None else DEFAULT_RETRY_AFTER
     if reason in BUSY:
         message = refusal.message
-        within_deadline = reason is not Reason.DEADLINE_UNREACHABLE  # (its wait outlasts it)
-        if not within_deadline:
+        if reason is Reason.DEADLINE_UNREACHABLE:
             message = f"{message}; {longer}"
-        return ServiceUnavailable(
-            message,
-            retry_after=spread(retry_after),
-            in_ms=True,
-            busy=True,
-            within_deadline=within_deadline,
-        )
+        return ServiceUnavailable(message, retry_after=spread(retry_after), in_ms=True, busy=True)
     return ServiceUnavailable(refusal.message, retry_after=retry_after)
 
 

@@ -148,27 +148,17 @@ class ServiceUnavailable(HTTPError):
     error_type = "unavailable"
 
     def __init__(
-        self,
-        message: str,
-        *,
-        retry_after: float = 1.0,
-        in_ms: bool = False,
-        busy: bool = False,
-        within_deadline: bool = True,
+        self, message: str, *, retry_after: float = 1.0, in_ms: bool = False, busy: bool = False
     ):
         """`in_ms`: say the wait in milliseconds too (`Retry-After-Ms`, which the openai
         SDKs read before `Retry-After`), where a spread wait must not be rounded back
         to the same second for every client; `busy`: refused for the load (a full queue),
-        not for the server's state (loading, restarting, stopping); not `within_deadline`:
-        the wait outlasts the request's deadline, which spans a client's retries (as a
-        504's does): the SDKs are told not to retry on their own (`X-Should-Retry`)."""
+        not for the server's state (loading, restarting, stopping)."""
         millis = round(retry_after * 1000)
         seconds = max(1, round(millis / 1000))
         headers = [("Retry-After", str(seconds))]
         if in_ms:
             headers.append(("Retry-After-Ms", str(millis)))
-        if not within_deadline:
-            headers.append(("X-Should-Retry", "false"))
         super().__init__(message, headers=headers)
         self.retry_after = seconds
         self.busy = busy
