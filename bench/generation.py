@@ -273,8 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         engines["graphs"] = loop(model, cuda_graphs=True)
     if args.join_wait_steps:  # where joiners come one a step (they make no odds elsewhere)
         for way in list(engines):
-            gathered = loop(model, way == "graphs", args.join_wait_steps)
-            engines[f"{way}, gathered"] = gathered
+            engines[f"{way}, gathered"] = loop(model, way == "graphs", args.join_wait_steps)
     ways: dict[str, Any] = {"static": lambda batch, asks, _: static_batches(model, batch, asks)}
     for way, engine in engines.items():
         ways[way] = lambda batch, asks, one_a_step, engine=engine: continuous(

@@ -66,6 +66,8 @@ def model_facts(plan: ModelPlan, config: ServerConfig, workers: WorkerPlan) -> d
     """What /info reports of one served model: how it was named, what its folder says,
     and the options it is served with."""
     model = config.model
+    # the task its folder says, which its workers serve: known before one loads
+    task = plan.facts.task if plan.facts is not None else None
     facts: dict[str, object] = {
         "name": plan.name,
         "names": list(plan.names),
@@ -73,10 +75,8 @@ def model_facts(plan: ModelPlan, config: ServerConfig, workers: WorkerPlan) -> d
         "revision": plan.commit,
         "handler": plan.handler,
         "requested_task": plan.requested_task,
-        # the task its folder says, which its workers serve: known before one loads
-        "task": plan.facts.task if plan.facts is not None else None,
+        "task": task,
     }
-    task = plan.facts.task if plan.facts is not None else None
     if plan.facts is not None and task == "feature-extraction":
         facts.update(pooling=plan.facts.pooling, normalize=plan.facts.normalize)
     facts.update(
