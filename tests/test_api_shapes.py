@@ -367,7 +367,10 @@ class Idle:
     full = False
     max_batch_size = 32
 
-    def admission(self):
+    def refuses(self, deadline=None):
+        return False
+
+    def admission(self, deadline=None):
         return None
 
     async def run(self, inputs, params, deadline, control=None):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -164,6 +165,42 @@ async def test_routes_whose_body_names_the_model_are_refused_from_the_head_when_
     alone = App(ServedModels([served("embedder", "feature-extraction")]))
     unfit = refusal(alone, request("POST", "/predict", b'{"inputs": "hi"}'))
     assert unfit.status == 404 and b"'embedder' serves feature-extraction" in unfit.body
+
+
+def busy_rows(model: ServedModel, rows: int = 8) -> None:
+    """The model's continuous worker with every row running a 128-token answer sent
+    now: ~4.3 s each, at the measured ~0.03 s a token."""
+    core = model.serving.queue.core
+    core.max_batch_size, core.workers, core.default_new_tokens = 1, rows, 16
+    for cost, seconds in [(12 + 8, 0.7), (12 + 128, 4.3)] * 3:
+        core.cost_model.observe(cost, seconds, cost, 1)
+    now = time.monotonic()
+    for _ in range(rows):
+        core.admit([core.new_item("prompt", {"max_new_tokens": 128}, now + 30, now)], now)
+        assert core.next_batch(now) is not None
+
+
+async def test_a_generation_whose_row_would_free_past_its_deadline_is_refused_from_the_head():
+    """Behind rows that free in ~4.3 s, a request due in 2 s is refused 503 from its
+    head, whatever its body would ask (it is never read), in its route's dialect, with a
+    Retry-After, counted once; one due in 30 s is read and judged whole."""
+    chat = served("chat", "text-generation", max_queue=64)
+    busy_rows(chat)
+    drops = Drops()
+    chat.serving.queue.metrics = drops
+    app = App(ServedModels([chat]))
+    soon = [("x-request-timeout", "2")]
+    refused = refusal(app, request("POST", "/v1/chat/completions", b"", soon))
+    assert refused.status == 503 and int(dict(refused.headers)["Retry-After"]) >= 1
+    message = json.loads(refused.body)["error"]["message"]
+    assert "would outlast the request's deadline" in message
+    assert drops.reasons == ["rejected"]
+    assert tei_refusal(app, request("POST", "/generate", b"", soon))[:2] == (503, "overloaded")
+    assert refusal(app, request("POST", "/", b"", soon)).status == 503
+    later = [("x-request-timeout", "30")]
+    for path in ("/v1/chat/completions", "/v1/completions", "/generate", "/"):
+        assert app.answer_now(request("POST", path, b"", later)) is None
+    assert drops.reasons == ["rejected"] * 3
 
 
 class Drops:

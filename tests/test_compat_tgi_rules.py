@@ -170,7 +170,10 @@ class GeneratingQueue:
         self.max_batch_size = 8
         self.params: list[Mapping[str, Any]] = []
 
-    def admission(self) -> Refusal | None:
+    def refuses(self, deadline: float | None = None) -> bool:
+        return False
+
+    def admission(self, deadline: float | None = None) -> Refusal | None:
         return None
 
     async def run(

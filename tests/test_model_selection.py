@@ -37,7 +37,10 @@ class AnsweringQueue:
         self.max_batch_size = 8
         self.calls: list[list[Any]] = []
 
-    def admission(self) -> Refusal | None:
+    def refuses(self, deadline: float | None = None) -> bool:
+        return self.full
+
+    def admission(self, deadline: float | None = None) -> Refusal | None:
         return Refusal(Reason.QUEUE_FULL, "the queue is full", 1.0) if self.full else None
 
     async def run(

@@ -731,6 +731,135 @@ def test_an_idle_continuous_worker_takes_a_generation_whatever_its_predicted_tim
     assert len(core) == prompts
 
 
+def rows_of(rows: int) -> SchedulerCore:
+    """A continuous worker's rows whose speed is measured: ~0.03 s a token, 0.1 s fixed
+    (a 128-token answer after a 12-token prompt: 4.3 s)."""
+    core = SchedulerCore(max_queue=512, max_batch_size=1, workers=rows, default_new_tokens=16)
+    for cost, seconds in [(12 + 8, 0.7), (12 + 128, 4.3)] * 3:
+        core.cost_model.observe(cost, seconds, cost, 1)
+    return core
+
+
+def run_sequences(core: SchedulerCore, count: int, at: float, new_tokens: int = 128) -> None:
+    for _ in range(count):
+        queue_items(
+            core, [text(12)], now=at, deadline=at + 30.0, params={"max_new_tokens": new_tokens}
+        )
+        assert core.next_batch(now=at) is not None
+
+
+def test_behind_full_rows_a_generation_is_refused_from_its_deadline_alone():
+    """Behind 128 rows that free at 4.3 s, any sequence due before 1 + 1.25 x 3.3 s is
+    refused at t = 1 for the wait for its row, whatever it asks: that is known from the
+    request's head (its deadline), before its body is read, templated and tokenized
+    (under overload most requests are refused, and that work took a third of the
+    server's time from the rows). Admission refuses it too, asked for one token; the
+    head check passes what only the request's own time would refuse."""
+    core = rows_of(128)
+    run_sequences(core, 128, at=0.0)
+    assert core.refuses_any_sequence(deadline=5.0, now=1.0)
+    with pytest.raises(DeadlineUnreachable):
+        queue_items(core, [text(12)], now=1.0, deadline=5.0, params={"max_new_tokens": 1})
+    # due at 5.2 s it passes the head; read whole, its own 0.49 s counts: due at 5.7 s
+    assert not core.refuses_any_sequence(deadline=5.2, now=1.0)
+    with pytest.raises(DeadlineUnreachable):
+        queue_items(core, [text(12)], now=1.0, deadline=5.2, params={"max_new_tokens": 1})
+    queue_items(core, [text(12)], now=1.0, deadline=5.7, params={"max_new_tokens": 1})
+
+
+def test_the_head_check_counts_ahead_only_the_queued_sequences_that_go_first():
+    """Four rows freeing at 4.3, 5.3, 6.3 and 7.3 s, and two sequences queued due at
+    6.6 s: a request due at 7 s waits for the third row to free (refused at t = 3,
+    1.25 x 3.3 s away); one due at 6.5 s goes before the two by its deadline, and its
+    row frees at 4.3 s (taken)."""
+    core = rows_of(4)
+    for at in range(4):
+        run_sequences(core, 1, at=float(at))
+    queue_items(core, [text(12)], now=3.0, deadline=6.6, params={"max_new_tokens": 8})
+    queue_items(core, [text(12)], now=3.0, deadline=6.6, params={"max_new_tokens": 8})
+    assert core.refuses_any_sequence(deadline=7.0, now=3.0)
+    assert not core.refuses_any_sequence(deadline=6.5, now=3.0)
+
+
+@pytest.mark.parametrize("rows", [8, 128])
+def test_a_continuous_worker_under_light_load_or_idle_is_never_refused_from_the_head(rows):
+    """Nothing running or queued, the rows at most half in use with the new sequence (it
+    may end early), or a row free: the head check refuses no deadline, however near
+    (a sequence's own time is read from its body); nor before
+    the speed is trusted; nor for a model that makes no new tokens (an encoder one
+    input a call), nor on a batching worker (their refusals need the request's own
+    cost, read from its body)."""
+    core = rows_of(rows)
+    assert not core.refuses_any_sequence(deadline=0.001, now=0.0)
+    run_sequences(core, rows // 2 - 1, at=0.0)
+    assert not core.refuses_any_sequence(deadline=0.001, now=0.0)
+    run_sequences(core, 1, at=0.0)  # past half, a row free: no wait (its own time is read)
+    assert not core.refuses_any_sequence(deadline=0.001, now=0.0)
+    run_sequences(core, rows - rows // 2, at=0.0)  # every row busy
+    assert core.refuses_any_sequence(deadline=0.001, now=0.0)
+    untrusted = SchedulerCore(max_batch_size=1, workers=rows, default_new_tokens=16)
+    run_sequences(untrusted, rows, at=0.0)
+    assert not untrusted.refuses_any_sequence(deadline=0.001, now=0.0)
+    encoder = rows_of(rows)  # one input a call (--max-batch-size 1), no new tokens
+    encoder.default_new_tokens = 0
+    run_sequences(encoder, rows, at=0.0)
+    assert not encoder.refuses_any_sequence(deadline=0.001, now=0.0)
+    batching = measured(SchedulerCore(max_batch_size=8, default_new_tokens=16), 0.01)
+    busy(batching)
+    queue_items(batching, [text(100)] * 8)
+    assert not batching.refuses_any_sequence(deadline=0.001, now=0.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.integers(1, 8),
+    sent=st.lists(
+        st.tuples(st.floats(0.0, 5.0), st.integers(1, 400), st.none() | st.floats(0.0, 3.0)),
+        max_size=24,
+    ),
+    queued=st.lists(st.tuples(st.floats(0.5, 30.0), st.integers(1, 100)), max_size=24),
+    now=st.floats(0.0, 6.0),
+    deadline=st.floats(0.01, 30.0),
+    asks=st.integers(1, 100),
+)
+def test_what_the_head_check_refuses_admission_refuses(rows, sent, queued, now, deadline, asks):
+    """For any rows, sequences sent at any times (some of them back since), queued ones
+    with any deadlines and turns, and a new sequence of any length: when the head check
+    refuses a deadline, admitting a sequence due then raises DeadlineUnreachable (a
+    refusal is no different for being told before the body). The in-flight ends stay
+    sorted as sequences come and go, and the in-flight time left read from them is the
+    sum of each one's."""
+    core = rows_of(rows)
+    back = []
+    for at, new_tokens, after in sorted(sent, key=lambda one: one[0]):
+        queue_items(
+            core, [text(8)], now=at, deadline=at + 100.0, params={"max_new_tokens": new_tokens}
+        )
+        batch = core.next_batch(at)
+        if batch is not None and after is not None:
+            back.append((at + after, batch))
+    for at, batch in back:
+        core.finish_batch(batch, at)
+    for due, new_tokens in queued:
+        core._turn += 1  # (as if served meanwhile: the queued turns differ)
+        try:
+            queue_items(
+                core, [text(8)], now=now, deadline=now + due, params={"max_new_tokens": new_tokens}
+            )
+        except QueueFull:
+            pass
+    ends = sorted(f.sent + f.predicted for f in core._in_flight.values())
+    assert core._in_flight_ends == ends
+    assert core._in_flight_seconds(now) == pytest.approx(
+        sum(max(0.0, end - now) for end in ends) / rows, abs=1e-9
+    )
+    if core.refuses_any_sequence(now + deadline, now):
+        with pytest.raises(DeadlineUnreachable):
+            queue_items(
+                core, [text(8)], now=now, deadline=now + deadline, params={"max_new_tokens": asks}
+            )
+
+
 def test_a_sequence_stopped_past_its_predicted_time_teaches_the_least_it_takes():
     """A sequence dropped at its deadline after running longer than predicted: that time
     is learned (else only the sequences that ended in time, the fast ones, taught the

@@ -245,11 +245,11 @@ class App:
         if request.method != "POST" and (model := self.ready_paths.get(request.path)):
             return self.operations.ready_now(model)
         if request.path == "/" and request.method == "POST":
-            self.inference.refuse_now()
+            self.inference.refuse_now(request)
         elif request.method == "POST" and (model := self.model_paths.get(request.path)):
-            self.inference.refuse_now(model)
+            self.inference.refuse_now(request, model)
         elif request.method == "POST" and (needs := self.named_model_paths.get(request.path)):
-            self.inference.refuse_now_if_none_can(needs)
+            self.inference.refuse_now_if_none_can(request, needs)
         return None
 
     async def server_options(self, request: HttpRequest) -> HttpResponse:

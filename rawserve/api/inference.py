@@ -231,15 +231,16 @@ class InferenceRoutes:
             ]
         return routes
 
-    def refuse_now(self, model: ServedModel | None = None) -> None:
+    def refuse_now(self, request: HttpRequest, model: ServedModel | None = None) -> None:
         """Raise the 503 that `POST /` (or the model's own path) gets now without reading
-        its body (draining, loading, the queue full), so a refusal under overload is
-        answered in the pass that read it."""
+        its body (draining, loading, the queue full, a generation's row out of reach by
+        the request's deadline), so a refusal under overload is answered in the pass that
+        read it."""
         model = model or self.context.models.default
         self.context.gate.check(model)
-        model.refuse_if_full()
+        model.refuse_if_busy(self.context.deadline(request))
 
-    def refuse_now_if_none_can(self, needs: Needs) -> None:
+    def refuse_now_if_none_can(self, request: HttpRequest, needs: Needs) -> None:
         """For a route whose body names the model (OpenAI, TEI): raise the 503 of the
         first model that fits the route when none of them can take work now, or the 404
         when none fits it at all, without reading the body. A body naming another model
@@ -250,9 +251,10 @@ class InferenceRoutes:
         if not fitting:  # every body gets the route's 404 (what each serves): from the head
             self.context.model_for(None, needs)  # (raises it)
             return
-        if any(gate.open_for(model) and not model.serving.full for model in fitting):
+        deadline = self.context.deadline(request)
+        if any(gate.open_for(model) and not model.serving.refuses(deadline) for model in fitting):
             return  # one of them can: the request is read and routed as usual
-        self.refuse_now(fitting[0])
+        self.refuse_now(request, fitting[0])
 
     async def infer(self, request: HttpRequest) -> HttpResponse:
         return await self.infer_with(self.context.models.default, request)

@@ -79,9 +79,10 @@ class ServedModel:
         except Refused as refused:
             raise http_error(refused.refusal, self.longest_deadline) from None
 
-    def refuse_if_full(self) -> None:
-        """Raise the 503 a request would get now because the queue is full."""
-        refusal = self.serving.admission()
+    def refuse_if_busy(self, deadline: float) -> None:
+        """Raise the 503 any request due at `deadline` would get now, whatever its body:
+        the queue full, or the wait for a generation's row past the deadline."""
+        refusal = self.serving.admission(deadline)
         if refusal is not None:
             raise http_error(refusal)
 

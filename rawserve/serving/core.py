@@ -20,6 +20,7 @@ import asyncio
 import bisect
 import heapq
 import itertools
+import math
 import operator
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -167,6 +168,10 @@ class SchedulerCore:
     _seq: itertools.count = field(default_factory=itertools.count)
     _in_flight: dict[int, InFlight] = field(default_factory=dict)
     _in_flight_predicted: float = 0.0  # their predicted seconds, summed as they come and go
+    # when each is predicted back (sent + predicted), kept sorted: a continuous worker has
+    # a batch in flight per row, and admission reads when the next rows free at every
+    # request (sorted afresh each time, 128 rows took a tenth of an overloaded server)
+    _in_flight_ends: list[float] = field(default_factory=list)
     items_per_second: float | None = None  # measured service rate (for reports)
     tokens_per_estimate: float = 1.0  # real tokens per estimated token, learned from workers
     max_input_tokens: int | None = None  # the model reads no more (it truncates): cost cap
@@ -328,31 +333,57 @@ class SchedulerCore:
         sharing the steps, one that could not end in time is refused too: more rows would
         go no faster (on a CPU, slower), and its retry may find the worker less busy.
         (Taken, on a loaded 2-core machine most held a row to their 504.)"""
-        running = len(self._in_flight)
-        if running + self._size + len(items) <= self.workers / 2:
-            return False  # light load: it starts now, and may end early
-        if not running and not self._size:
-            return False  # nothing ahead, no row shared: its own time is no reason
-        free = self.workers - running
         deadline = min(item.deadline for item in items)
         own = self._own_seconds(items)
-        # when each running row frees, soonest first; then rows free at their average pace
-        frees = sorted(max(0.0, f.sent + f.predicted - now) for f in self._in_flight.values())
-        pace = sum(f.predicted for f in self._in_flight.values()) / max(len(frees), 1)
-
-        def wait(queued_ahead: int) -> float:
-            needed = queued_ahead + len(items) - max(free, 0)  # rows that must free first
-            if needed <= 0:
-                return 0.0
-            if needed <= len(frees):
-                return frees[needed - 1]
-            later = needed - len(frees)
-            return (frees[-1] if frees else 0.0) + later * pace / max(self.workers, 1)
-
-        if now + ADMIT_MARGIN * wait(self._size) + own <= deadline:
+        wait = self._row_wait(self._size, len(items), now)
+        if wait is None or now + ADMIT_MARGIN * wait + own <= deadline:
             return False
         ahead = sum(1 for _ in self._queued_ahead(items))
-        return now + ADMIT_MARGIN * wait(ahead) + own > deadline
+        wait = self._row_wait(ahead, len(items), now)
+        return wait is not None and now + ADMIT_MARGIN * wait + own > deadline
+
+    def _row_wait(self, queued_ahead: int, rows: int, now: float) -> float | None:
+        """Seconds until `rows` rows of a continuous worker are free for sequences with
+        `queued_ahead` sequences queued before them, the running ones freeing theirs as
+        predicted, then rows freeing at their average pace; None where no wait is a
+        reason to refuse them (`_waits_too_long_for_a_row`)."""
+        running = len(self._in_flight)
+        if running + self._size + rows <= self.workers / 2:
+            return None  # light load: they start now, and may end early
+        if not running and not self._size:
+            return None  # nothing ahead, no row shared: their own time is no reason
+        needed = queued_ahead + rows - max(self.workers - running, 0)  # rows to free first
+        if needed <= 0:
+            return 0.0
+        ends = self._in_flight_ends
+        if needed <= len(ends):
+            return max(0.0, ends[needed - 1] - now)
+        pace = self._in_flight_predicted / max(running, 1)
+        later = needed - len(ends)
+        return (max(0.0, ends[-1] - now) if ends else 0.0) + later * pace / max(self.workers, 1)
+
+    def refuses_any_sequence(self, deadline: float, now: float) -> bool:
+        """Whether a sequence due at `deadline` (sent to a continuous worker's rows)
+        would be refused now for the wait for its row alone, whatever it asks: what a
+        request's head is checked for before its body is read. Its own time counts as
+        nothing and only the queued sequences that go before any new one count ahead
+        (their turn at most the next one, their deadline no later), so a request refused
+        here would be refused as `_waits_too_long_for_a_row` reads it whole: under
+        overload most requests are, and reading, templating and tokenizing each first
+        took a third of the server's time from the rows. Only for a model that generates
+        (its requests make new tokens by default; one asking none, a prompt only scored,
+        is refused with them, as busy); never on a batching worker."""
+        if self.max_size != 1 or not self.default_new_tokens or not self.cost_model.trusted:
+            return False
+        turn = self._turn + 1
+        ahead = sum(
+            1
+            for queue in self._queues.values()
+            for queued in queue
+            if queued.turn <= turn and queued.deadline <= deadline
+        )
+        wait = self._row_wait(ahead, 1, now)
+        return wait is not None and now + ADMIT_MARGIN * wait > deadline
 
     def _queued_ahead(self, items: Sequence[WorkItem]) -> Iterator[WorkItem]:
         """The queued items that go before `items`: an earlier or equal turn and deadline."""
@@ -364,8 +395,10 @@ class SchedulerCore:
                     yield queued
 
     def _in_flight_seconds(self, now: float) -> float:
-        left = sum(max(0.0, b.sent + b.predicted - now) for b in self._in_flight.values())
-        return left / max(self.workers, 1)
+        ends = self._in_flight_ends
+        first = bisect.bisect_right(ends, now)  # the ones not due yet
+        left = math.fsum(ends[first:]) - now * (len(ends) - first)
+        return max(0.0, left) / max(self.workers, 1)
 
     def retry_after(self, now: float | None = None) -> float:
         """Seconds until the current queue has likely drained, at the measured speed."""
@@ -525,6 +558,7 @@ class SchedulerCore:
         tokens = sum(item.cost for item in batch)
         self._in_flight[batch[0].seq] = InFlight(now, len(batch), cost, tokens, predicted)
         self._in_flight_predicted += predicted
+        bisect.insort(self._in_flight_ends, now + predicted)
         return batch
 
     @staticmethod
@@ -675,6 +709,8 @@ class SchedulerCore:
     def _pop_in_flight(self, batch: Sequence[WorkItem]) -> InFlight | None:
         flight = self._in_flight.pop(batch[0].seq, None)
         if flight is not None:
+            ends = self._in_flight_ends
+            del ends[bisect.bisect_left(ends, flight.sent + flight.predicted)]
             # (back to exactly zero when none is left: the sum's rounding never builds up)
             left = self._in_flight_predicted - flight.predicted
             self._in_flight_predicted = max(0.0, left) if self._in_flight else 0.0

@@ -238,12 +238,25 @@ class Scheduler:
         """Items per model call (--max-batch-size)."""
         return self.core.max_batch_size
 
-    def admission(self) -> Refusal | None:
-        """The refusal any request would get now because the queue is full (counted as
-        rejected); None while there is room."""
-        if not self.full:
+    def refuses(self, deadline: float | None = None) -> bool:
+        """Whether any request would be refused now: the queue full, or (given the
+        request's deadline) a generation's wait for a row past it, whatever it asks
+        (`SchedulerCore.refuses_any_sequence`)."""
+        return self.full or (
+            deadline is not None and self.core.refuses_any_sequence(deadline, self.clock())
+        )
+
+    def admission(self, deadline: float | None = None) -> Refusal | None:
+        """The refusal any request would get now (`refuses`; counted as rejected), with
+        its Retry-After; None while it may be taken."""
+        now = self.clock()
+        if self.full:
+            refused: QueueFull = QueueFull(self.core.retry_after(now))
+        elif deadline is not None and self.core.refuses_any_sequence(deadline, now):
+            refused = DeadlineUnreachable(self.core.retry_after(now))
+        else:
             return None
-        return self._refusal(QueueFull(self.core.retry_after(self.clock())), 1).refusal
+        return self._refusal(refused, 1).refusal
 
     def count_refusal(self) -> None:
         """A request refused before admission while the workers are down (a restart)."""

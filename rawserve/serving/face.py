@@ -95,9 +95,16 @@ class Serving(Protocol):
         (from `open_stream`; one input) its tokens go to that stream as they come."""
         ...
 
-    def admission(self) -> Refusal | None:
-        """The refusal any request would get now because the queue is full; None while
-        there is room."""
+    def refuses(self, deadline: float | None = None) -> bool:
+        """Whether any request would be refused now, whatever its body: the queue full,
+        or (given the request's deadline, a `time.monotonic()` time) the wait for a
+        generation's row past it. Read before a request's body, so that a refusal under
+        overload costs no reading, parsing or tokenizing."""
+        ...
+
+    def admission(self, deadline: float | None = None) -> Refusal | None:
+        """The refusal any request would get now (`refuses`), counted as rejected; None
+        while it may be taken."""
         ...
 
     def count_refusal(self) -> None:

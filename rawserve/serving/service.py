@@ -25,7 +25,9 @@ class Queue(Protocol):
     @property
     def max_batch_size(self) -> int: ...
 
-    def admission(self) -> Refusal | None: ...
+    def refuses(self, deadline: float | None = None) -> bool: ...
+
+    def admission(self, deadline: float | None = None) -> Refusal | None: ...
 
     def count_refusal(self) -> None: ...
 
@@ -98,8 +100,11 @@ class ModelService:
         `Scheduler.begin`): how the serving process carries the HTTP processes' requests."""
         return self.queue.begin(inputs, params, deadline, control, on_end)
 
-    def admission(self) -> Refusal | None:
-        return self.queue.admission()
+    def refuses(self, deadline: float | None = None) -> bool:
+        return self.queue.refuses(deadline)
+
+    def admission(self, deadline: float | None = None) -> Refusal | None:
+        return self.queue.admission(deadline)
 
     def count_refusal(self) -> None:
         self.queue.count_refusal()
