@@ -740,12 +740,16 @@ def rows_of(rows: int) -> SchedulerCore:
     return core
 
 
-def run_sequences(core: SchedulerCore, count: int, at: float, new_tokens: int = 128) -> None:
+def run_sequences(core: SchedulerCore, count: int, at: float, new_tokens: int = 128) -> list:
+    """`count` sequences sent to rows at `at`; their one-item batches."""
+    batches = []
     for _ in range(count):
         queue_items(
             core, [text(12)], now=at, deadline=at + 30.0, params={"max_new_tokens": new_tokens}
         )
-        assert core.next_batch(now=at) is not None
+        batches.append(core.next_batch(now=at))
+        assert batches[-1] is not None
+    return batches
 
 
 def test_behind_full_rows_a_generation_is_refused_from_its_deadline_alone():
@@ -760,25 +764,40 @@ def test_behind_full_rows_a_generation_is_refused_from_its_deadline_alone():
     assert core.refuses_any_sequence(deadline=5.0, now=1.0)
     with pytest.raises(DeadlineUnreachable):
         queue_items(core, [text(12)], now=1.0, deadline=5.0, params={"max_new_tokens": 1})
-    # due at 5.2 s it passes the head; read whole, its own 0.49 s counts: due at 5.7 s
+    # due at 5.2 s it passes the head; read whole, its own 0.49 s (x 1.25) counts
     assert not core.refuses_any_sequence(deadline=5.2, now=1.0)
     with pytest.raises(DeadlineUnreachable):
         queue_items(core, [text(12)], now=1.0, deadline=5.2, params={"max_new_tokens": 1})
-    queue_items(core, [text(12)], now=1.0, deadline=5.7, params={"max_new_tokens": 1})
+    queue_items(core, [text(12)], now=1.0, deadline=5.8, params={"max_new_tokens": 1})
 
 
 def test_the_head_check_counts_ahead_only_the_queued_sequences_that_go_first():
     """Four rows freeing at 4.3, 5.3, 6.3 and 7.3 s, and two sequences queued due at
-    6.6 s: a request due at 7 s waits for the third row to free (refused at t = 3,
-    1.25 x 3.3 s away); one due at 6.5 s goes before the two by its deadline, and its
+    6.8 s: a request due at 7 s waits for the third row to free (refused at t = 3,
+    1.25 x 3.3 s away); one due at 6.7 s goes before the two by its deadline, and its
     row frees at 4.3 s (taken)."""
     core = rows_of(4)
     for at in range(4):
         run_sequences(core, 1, at=float(at))
-    queue_items(core, [text(12)], now=3.0, deadline=6.6, params={"max_new_tokens": 8})
-    queue_items(core, [text(12)], now=3.0, deadline=6.6, params={"max_new_tokens": 8})
+    queue_items(core, [text(12)], now=3.0, deadline=6.8, params={"max_new_tokens": 8})
+    queue_items(core, [text(12)], now=3.0, deadline=6.8, params={"max_new_tokens": 8})
     assert core.refuses_any_sequence(deadline=7.0, now=3.0)
-    assert not core.refuses_any_sequence(deadline=6.5, now=3.0)
+    assert not core.refuses_any_sequence(deadline=6.7, now=3.0)
+
+
+def test_a_sequence_is_admitted_only_if_it_would_be_sent_when_its_row_frees():
+    """Admission judges a sequence's own time as the send does (x DEADLINE_MARGIN): a
+    128-token answer (4.3 s) due at 8.8 s, whose row frees at 4.3 s, would be held there
+    (4.3 + 1.25 x 4.3 s is past 8.8) and answered 504 at its deadline after waiting all
+    of it (of a 3 x overload with 1 s deadlines, a fifth of the admitted ended so); it is
+    refused at once. One due at 10 s is taken, and sent when its row frees."""
+    core = rows_of(4)
+    first, *_ = [batch for at in range(4) for batch in run_sequences(core, 1, at=float(at))]
+    with pytest.raises(DeadlineUnreachable):
+        queue_items(core, [text(12)], now=4.0, deadline=8.8, params={"max_new_tokens": 128})
+    queue_items(core, [text(12)], now=4.0, deadline=10.0, params={"max_new_tokens": 128})
+    core.finish_batch(first, 4.3)
+    assert inputs(core.next_batch(now=4.3)) == [text(12)]
 
 
 @pytest.mark.parametrize("rows", [8, 128])

@@ -332,9 +332,12 @@ class SchedulerCore:
         that of a busier past); beyond, where that time is the pace of the sequences
         sharing the steps, one that could not end in time is refused too: more rows would
         go no faster (on a CPU, slower), and its retry may find the worker less busy.
-        (Taken, on a loaded 2-core machine most held a row to their 504.)"""
+        (Taken, on a loaded 2-core machine most held a row to their 504.) Its own time
+        counts with the margin the send gives it (`_can_finish`): admitted by its time
+        alone, one whose row freed as predicted could no longer be sent, and waited
+        queued for its 504."""
         deadline = min(item.deadline for item in items)
-        own = self._own_seconds(items)
+        own = DEADLINE_MARGIN * self._own_seconds(items)  # as it is judged when sent
         wait = self._row_wait(self._size, len(items), now)
         if wait is None or now + ADMIT_MARGIN * wait + own <= deadline:
             return False
