@@ -785,6 +785,26 @@ def test_the_head_check_counts_ahead_only_the_queued_sequences_that_go_first():
     assert not core.refuses_any_sequence(deadline=6.7, now=3.0)
 
 
+def test_behind_a_deep_queue_of_one_timeout_a_refusal_walks_none_of_it(monkeypatch):
+    """Under steady overload with one timeout every queued sequence goes before a new one
+    (an earlier turn and deadline): known from the queue's bounds, a refusal walks none
+    of the queue, here thousands deep (at thousands of refusals a second, a walk each
+    would take the server's time); admissions in time never walked it either. (The head
+    check shares the code: `_too_late_for_rows`.)"""
+    core = rows_of(128)
+    core.max_queue = 6000
+    run_sequences(core, 128, at=0.0)
+
+    def walked(*_):
+        raise AssertionError("the queue was walked")
+
+    monkeypatch.setattr(core, "_queued_ahead", walked)
+    with pytest.raises(DeadlineUnreachable):
+        while True:
+            queue_items(core, [text(12)], deadline=200.0, params={"max_new_tokens": 8})
+    assert len(core) > 4000
+
+
 def test_a_sequence_is_admitted_only_if_it_would_be_sent_when_its_row_frees():
     """Admission judges a sequence's own time as the send does (x DEADLINE_MARGIN): a
     128-token answer (4.3 s) due at 8.8 s, whose row frees at 4.3 s, would be held there

@@ -52,6 +52,7 @@ CALIBRATION_SMOOTHING = 0.3  # weight of the newest token count in the estimate'
 BY_DEADLINE = operator.attrgetter("deadline")
 CANDIDATE_WINDOW = 64  # items of a key's queue a batch is chosen from, at the least
 OUTLIER_FACTOR = 4.0  # a measured batch counts as at most this many times its prediction
+NO_BOUNDS = (-1, -math.inf)  # the bounds of an empty queue's turns and deadlines
 
 
 @dataclass(eq=False)
@@ -165,6 +166,8 @@ class SchedulerCore:
     _minima: dict[str, QueueMinima[WorkItem]] = field(default_factory=dict)  # per key
     _size: int = 0
     _queued_cost: int = 0  # the queued items' costs, summed as they come and go
+    # at least the latest turn and deadline queued (exact since the queue was last empty)
+    _queued_bounds: tuple[int, float] = NO_BOUNDS
     _seq: itertools.count = field(default_factory=itertools.count)
     _in_flight: dict[int, InFlight] = field(default_factory=dict)
     _in_flight_predicted: float = 0.0  # their predicted seconds, summed as they come and go
@@ -271,6 +274,10 @@ class SchedulerCore:
             self._minima[item.key].add(item)
             self._queued_cost += item.cost
         self._size += len(items)
+        self._queued_bounds = (
+            max(self._queued_bounds[0], max(item.turn for item in items)),
+            max(self._queued_bounds[1], max(item.deadline for item in items)),
+        )
 
     def _misses_deadline(self, items: Sequence[WorkItem], now: float) -> bool:
         """Whether the work ahead of `items` (queued items with an earlier or equal turn and
@@ -306,7 +313,8 @@ class SchedulerCore:
         assert alone is not None  # measured, as `everything` was
         if now + ADMIT_MARGIN * alone > deadline:  # as with nothing ahead: not its cause
             return False
-        ahead = [i.cost for i in self._queued_ahead(items)]
+        last_turn, latest = max(i.turn for i in items), max(i.deadline for i in items)
+        ahead = [i.cost for i in self._queued_ahead(last_turn, latest)]
         with_ahead = self.cost_model.drain_seconds(ahead + own, max_size, workers)
         assert with_ahead is not None  # measured, as `everything` was
         return now + ADMIT_MARGIN * (in_flight + with_ahead) > deadline
@@ -336,14 +344,42 @@ class SchedulerCore:
         counts with the margin the send gives it (`_can_finish`): admitted by its time
         alone, one whose row freed as predicted could no longer be sent, and waited
         queued for its 504."""
-        deadline = min(item.deadline for item in items)
         own = DEADLINE_MARGIN * self._own_seconds(items)  # as it is judged when sent
-        wait = self._row_wait(self._size, len(items), now)
-        if wait is None or now + ADMIT_MARGIN * wait + own <= deadline:
+        turn, latest = max(item.turn for item in items), max(item.deadline for item in items)
+        deadline = min(item.deadline for item in items)
+        return self._too_late_for_rows(len(items), own, deadline, turn, latest, now)
+
+    def _too_late_for_rows(
+        self, rows: int, own: float, deadline: float, turn: int, latest: float, now: float
+    ) -> bool:
+        """Whether sequences needing `rows` rows and `own` seconds on them, due at
+        `deadline`, whose last turn is `turn` and latest deadline `latest`, would end
+        after it behind the queued sequences that go before them (with ADMIT_MARGIN on
+        the wait for the rows). The wait grows with the sequences ahead: behind the whole
+        queue they may still make it (most admissions end there, in O(1)); else the
+        fewest ahead that would make them miss it is found by bisection, and the queue
+        is counted only until that many (a deep queue is not walked at each refusal),
+        unless every queued one goes before them (under steady overload with one
+        timeout, the common case: known in O(1))."""
+
+        def misses(ahead: int) -> bool:
+            wait = self._row_wait(ahead, rows, now)
+            return wait is not None and now + ADMIT_MARGIN * wait + own > deadline
+
+        if not misses(self._size):
             return False
-        ahead = sum(1 for _ in self._queued_ahead(items))
-        wait = self._row_wait(ahead, len(items), now)
-        return wait is not None and now + ADMIT_MARGIN * wait + own > deadline
+        last_turn, latest_deadline = self._queued_bounds
+        if last_turn <= turn and latest_deadline <= latest:  # every queued one goes first
+            return True
+        fewest, most = 0, self._size  # misses(most); the wait only grows with those ahead
+        while fewest < most:
+            middle = (fewest + most) // 2
+            if misses(middle):
+                most = middle
+            else:
+                fewest = middle + 1
+        ahead = itertools.islice(self._queued_ahead(turn, latest), fewest)
+        return sum(1 for _ in ahead) >= fewest
 
     def _row_wait(self, queued_ahead: int, rows: int, now: float) -> float | None:
         """Seconds until `rows` rows of a continuous worker are free for sequences with
@@ -378,20 +414,11 @@ class SchedulerCore:
         is refused with them, as busy); never on a batching worker."""
         if self.max_size != 1 or not self.default_new_tokens or not self.cost_model.trusted:
             return False
-        turn = self._turn + 1
-        ahead = sum(
-            1
-            for queue in self._queues.values()
-            for queued in queue
-            if queued.turn <= turn and queued.deadline <= deadline
-        )
-        wait = self._row_wait(ahead, 1, now)
-        return wait is not None and now + ADMIT_MARGIN * wait > deadline
+        return self._too_late_for_rows(1, 0.0, deadline, self._turn + 1, deadline, now)
 
-    def _queued_ahead(self, items: Sequence[WorkItem]) -> Iterator[WorkItem]:
-        """The queued items that go before `items`: an earlier or equal turn and deadline."""
-        last_turn = max(item.turn for item in items)
-        latest = max(item.deadline for item in items)
+    def _queued_ahead(self, last_turn: int, latest: float) -> Iterator[WorkItem]:
+        """The queued items that go before items whose last turn is `last_turn` and latest
+        deadline `latest`: an earlier or equal turn and deadline."""
         for queue in self._queues.values():
             for queued in queue:
                 if queued.turn <= last_turn and queued.deadline <= latest:
@@ -446,6 +473,8 @@ class SchedulerCore:
         """The books after `count` items costing `cost` in all left `key`'s `queue`."""
         self._size -= count
         self._queued_cost -= cost
+        if not self._size:
+            self._queued_bounds = NO_BOUNDS
         if queue:
             self._minima[key].after_removal(queue)
         else:
