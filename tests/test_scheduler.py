@@ -785,6 +785,27 @@ def test_the_head_check_counts_ahead_only_the_queued_sequences_that_go_first():
     assert not core.refuses_any_sequence(deadline=6.7, now=3.0)
 
 
+def test_a_sequence_taken_by_a_free_row_counts_its_own_time_as_its_send_will():
+    """Five of eight rows running, a 128-token answer (4.3 s) due in 5 s: a stream is
+    sent whenever its deadline is ahead, so it is taken and sent; any other is sent only
+    if it can end by its deadline with the margin (half the rows or more run), so it is
+    refused at once, for its own length (it was taken and then held for its 504). With
+    three running it may go before the rest and be sent while they are few: taken."""
+    core = rows_of(8)
+    run_sequences(core, 5, at=0.0)
+    asks = {"max_new_tokens": 128}
+    stream = core.new_item(text(12), asks, 5.0, 0.0, Control(stream_id=1))
+    core.admit([stream], 0.0)
+    assert core.next_batch(0.0) == [stream]
+    with pytest.raises(OwnTimeUnreachable):
+        queue_items(core, [text(12)], deadline=5.0, params=asks)
+    few = rows_of(8)
+    run_sequences(few, 3, at=0.0)
+    queue_items(few, [text(12)], deadline=30.0, params=asks)  # queued in the same pass
+    (taken,) = queue_items(few, [text(12)], deadline=5.0, params=asks)
+    assert [taken] in few.decide(0.0, free_workers=5).batches
+
+
 def test_behind_a_deep_queue_of_one_timeout_a_refusal_walks_none_of_it(monkeypatch):
     """Under steady overload with one timeout every queued sequence goes before a new one
     (an earlier turn and deadline): known from the queue's bounds, a refusal walks none
@@ -856,7 +877,10 @@ def test_a_continuous_worker_under_light_load_or_idle_is_never_refused_from_the_
         st.tuples(st.floats(0.0, 5.0), st.integers(1, 400), st.none() | st.floats(0.0, 3.0)),
         max_size=24,
     ),
-    queued=st.lists(st.tuples(st.floats(0.5, 30.0), st.integers(1, 100)), max_size=24),
+    queued=st.lists(
+        st.tuples(st.floats(0.5, 30.0), st.integers(1, 100), st.integers(1, 6), st.booleans()),
+        max_size=24,
+    ),
     now=st.floats(0.0, 6.0),
     deadline=st.floats(0.01, 30.0),
     asks=st.integers(1, 100),
@@ -879,11 +903,15 @@ def test_what_the_head_check_refuses_admission_refuses(rows, sent, queued, now, 
             back.append((at + after, batch))
     for at, batch in back:
         core.finish_batch(batch, at)
-    for due, new_tokens in queued:
-        core._turn += 1  # (as if served meanwhile: the queued turns differ)
+    for due, new_tokens, count, served in queued:
+        core._turn += served  # (as if served meanwhile: the queued turns differ)
         try:
             queue_items(
-                core, [text(8)], now=now, deadline=now + due, params={"max_new_tokens": new_tokens}
+                core,
+                [text(8)] * count,
+                now=now,
+                deadline=now + due,
+                params={"max_new_tokens": new_tokens},
             )
         except QueueFull:
             pass

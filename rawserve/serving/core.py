@@ -255,8 +255,10 @@ class SchedulerCore:
         for offset, item in enumerate(items):
             item.turn = self._turn + 1 + offset
         if now is not None and items and self._misses_deadline(items, now):
-            if self._continuous(items) and now + self._own_seconds(items) > min(
-                item.deadline for item in items
+            deadline = min(item.deadline for item in items)
+            if (
+                self._continuous(items)
+                and now + self._own_margin(items, 0.0) * self._own_seconds(items) > deadline
             ):
                 raise OwnTimeUnreachable(self.retry_after(now))
             raise DeadlineUnreachable(self.retry_after(now))
@@ -341,21 +343,44 @@ class SchedulerCore:
         sharing the steps, one that could not end in time is refused too: more rows would
         go no faster (on a CPU, slower), and its retry may find the worker less busy.
         (Taken, on a loaded 2-core machine most held a row to their 504.) Its own time
-        counts with the margin the send gives it (`_can_finish`): admitted by its time
-        alone, one whose row freed as predicted could no longer be sent, and waited
-        queued for its 504."""
-        own = DEADLINE_MARGIN * self._own_seconds(items)  # as it is judged when sent
+        counts as its send will judge it (`_own_margin`)."""
+        own = self._own_seconds(items)
         turn, latest = max(item.turn for item in items), max(item.deadline for item in items)
         deadline = min(item.deadline for item in items)
-        return self._too_late_for_rows(len(items), own, deadline, turn, latest, now)
+        own_now, own_waiting = (self._own_margin(items, wait) * own for wait in (0.0, 1.0))
+        return self._too_late_for_rows(
+            len(items), own_now, own_waiting, deadline, turn, latest, now
+        )
+
+    def _own_margin(self, items: Sequence[WorkItem], wait: float) -> float:
+        """The margin on `items`' own time when they are sent after `wait` seconds: what
+        `_can_finish` gives a generation behind half the rows or more, which it will be
+        behind where it waits for a row or half of them run now (admitted by its time
+        alone, one whose row freed as predicted could no longer be sent, and waited
+        queued for its 504); none for a stream (sent while its deadline is ahead) or one
+        a free row takes now beside fewer (it may go first: sent while they are few)."""
+        if any(item.control != NO_CONTROL for item in items):
+            return 1.0
+        if wait > 0 or len(self._in_flight) >= self.workers / 2:
+            return DEADLINE_MARGIN
+        return 1.0
 
     def _too_late_for_rows(
-        self, rows: int, own: float, deadline: float, turn: int, latest: float, now: float
+        self,
+        rows: int,
+        own_now: float,
+        own_waiting: float,
+        deadline: float,
+        turn: int,
+        latest: float,
+        now: float,
     ) -> bool:
-        """Whether sequences needing `rows` rows and `own` seconds on them, due at
+        """Whether sequences needing `rows` rows and their own seconds on them (as judged
+        sent at once, `own_now`, or after a wait for the rows, `own_waiting`), due at
         `deadline`, whose last turn is `turn` and latest deadline `latest`, would end
         after it behind the queued sequences that go before them (with ADMIT_MARGIN on
-        the wait for the rows). The wait grows with the sequences ahead: behind the whole
+        the wait for the rows). The wait grows with the sequences ahead, and so does the
+        miss (`own_waiting` is at least `own_now`): behind the whole
         queue they may still make it (most admissions end there, in O(1)); else the
         fewest ahead that would make them miss it is found by bisection, and the queue
         is counted only until that many (a deep queue is not walked at each refusal),
@@ -364,7 +389,10 @@ class SchedulerCore:
 
         def misses(ahead: int) -> bool:
             wait = self._row_wait(ahead, rows, now)
-            return wait is not None and now + ADMIT_MARGIN * wait + own > deadline
+            if wait is None:
+                return False
+            own = own_waiting if wait > 0 else own_now
+            return now + ADMIT_MARGIN * wait + own > deadline
 
         if not misses(self._size):
             return False
@@ -414,7 +442,7 @@ class SchedulerCore:
         is refused with them, as busy); never on a batching worker."""
         if self.max_size != 1 or not self.default_new_tokens or not self.cost_model.trusted:
             return False
-        return self._too_late_for_rows(1, 0.0, deadline, self._turn + 1, deadline, now)
+        return self._too_late_for_rows(1, 0.0, 0.0, deadline, self._turn + 1, deadline, now)
 
     def _queued_ahead(self, last_turn: int, latest: float) -> Iterator[WorkItem]:
         """The queued items that go before items whose last turn is `last_turn` and latest
