@@ -344,10 +344,13 @@ class SchedulerCore:
         go no faster (on a CPU, slower), and its retry may find the worker less busy.
         (Taken, on a loaded 2-core machine most held a row to their 504.) Its own time
         counts as its send will judge it (`_own_margin`)."""
+        if not self._rows_busy(len(items)):
+            return False
         own = self._own_seconds(items)
         turn, latest = max(item.turn for item in items), max(item.deadline for item in items)
         deadline = min(item.deadline for item in items)
-        own_now, own_waiting = (self._own_margin(items, wait) * own for wait in (0.0, 1.0))
+        own_now = self._own_margin(items, 0.0) * own
+        own_waiting = self._own_margin(items, 1.0) * own
         return self._too_late_for_rows(
             len(items), own_now, own_waiting, deadline, turn, latest, now
         )
@@ -379,18 +382,16 @@ class SchedulerCore:
         sent at once, `own_now`, or after a wait for the rows, `own_waiting`), due at
         `deadline`, whose last turn is `turn` and latest deadline `latest`, would end
         after it behind the queued sequences that go before them (with ADMIT_MARGIN on
-        the wait for the rows). The wait grows with the sequences ahead, and so does the
-        miss (`own_waiting` is at least `own_now`): behind the whole
-        queue they may still make it (most admissions end there, in O(1)); else the
-        fewest ahead that would make them miss it is found by bisection, and the queue
-        is counted only until that many (a deep queue is not walked at each refusal),
-        unless every queued one goes before them (under steady overload with one
-        timeout, the common case: known in O(1))."""
+        the wait for the rows), the rows busy (`_rows_busy`). The wait grows with the
+        sequences ahead, and so does the miss (`own_waiting` is at least `own_now`):
+        behind the whole queue they may still make it (most admissions end there, in
+        O(1)); else the fewest ahead that would make them miss it is found by bisection,
+        and the queue is counted only until that many (a deep queue is not walked at
+        each refusal), unless every queued one goes before them (under steady overload
+        with one timeout, the common case: known in O(1))."""
 
         def misses(ahead: int) -> bool:
             wait = self._row_wait(ahead, rows, now)
-            if wait is None:
-                return False
             own = own_waiting if wait > 0 else own_now
             return now + ADMIT_MARGIN * wait + own > deadline
 
@@ -409,16 +410,19 @@ class SchedulerCore:
         ahead = itertools.islice(self._queued_ahead(turn, latest), fewest)
         return sum(1 for _ in ahead) >= fewest
 
-    def _row_wait(self, queued_ahead: int, rows: int, now: float) -> float | None:
+    def _rows_busy(self, rows: int) -> bool:
+        """Whether sequences needing `rows` of a continuous worker's rows may be refused
+        for the wait for them or their own time: not under light load (half the rows or
+        more would stay free: they start now, and may end early), nor with nothing
+        running or queued (no row shared: their own time is no reason)."""
+        running = len(self._in_flight)
+        return running + self._size + rows > self.workers / 2 and bool(running or self._size)
+
+    def _row_wait(self, queued_ahead: int, rows: int, now: float) -> float:
         """Seconds until `rows` rows of a continuous worker are free for sequences with
         `queued_ahead` sequences queued before them, the running ones freeing theirs as
-        predicted, then rows freeing at their average pace; None where no wait is a
-        reason to refuse them (`_waits_too_long_for_a_row`)."""
+        predicted, then rows freeing at their average pace."""
         running = len(self._in_flight)
-        if running + self._size + rows <= self.workers / 2:
-            return None  # light load: they start now, and may end early
-        if not running and not self._size:
-            return None  # nothing ahead, no row shared: their own time is no reason
         needed = queued_ahead + rows - max(self.workers - running, 0)  # rows to free first
         if needed <= 0:
             return 0.0
@@ -441,6 +445,8 @@ class SchedulerCore:
         (its requests make new tokens by default; one asking none, a prompt only scored,
         is refused with them, as busy); never on a batching worker."""
         if self.max_size != 1 or not self.default_new_tokens or not self.cost_model.trusted:
+            return False
+        if not self._rows_busy(1):
             return False
         return self._too_late_for_rows(1, 0.0, 0.0, deadline, self._turn + 1, deadline, now)
 
