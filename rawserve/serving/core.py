@@ -79,6 +79,11 @@ class WorkItem:
         return (self.turn, self.deadline, self.seq)
 
 
+def _bounds(items: Sequence[WorkItem]) -> tuple[int, float]:
+    """The last turn and the latest deadline of `items`."""
+    return max(item.turn for item in items), max(item.deadline for item in items)
+
+
 class QueueFull(Exception):
     """Refused at admission: the queue bound is hit. Retry in `retry_after` seconds."""
 
@@ -258,7 +263,8 @@ class SchedulerCore:
             deadline = min(item.deadline for item in items)
             if (
                 self._continuous(items)
-                and now + self._own_margin(items, 0.0) * self._own_seconds(items) > deadline
+                and now + self._own_margin(items, waiting=False) * self._own_seconds(items)
+                > deadline
             ):
                 raise OwnTimeUnreachable(self.retry_after(now))
             raise DeadlineUnreachable(self.retry_after(now))
@@ -276,9 +282,10 @@ class SchedulerCore:
             self._minima[item.key].add(item)
             self._queued_cost += item.cost
         self._size += len(items)
+        last_turn, latest = _bounds(items)
         self._queued_bounds = (
-            max(self._queued_bounds[0], max(item.turn for item in items)),
-            max(self._queued_bounds[1], max(item.deadline for item in items)),
+            max(self._queued_bounds[0], last_turn),
+            max(self._queued_bounds[1], latest),
         )
 
     def _misses_deadline(self, items: Sequence[WorkItem], now: float) -> bool:
@@ -315,8 +322,7 @@ class SchedulerCore:
         assert alone is not None  # measured, as `everything` was
         if now + ADMIT_MARGIN * alone > deadline:  # as with nothing ahead: not its cause
             return False
-        last_turn, latest = max(i.turn for i in items), max(i.deadline for i in items)
-        ahead = [i.cost for i in self._queued_ahead(last_turn, latest)]
+        ahead = [i.cost for i in self._queued_ahead(*_bounds(items))]
         with_ahead = self.cost_model.drain_seconds(ahead + own, max_size, workers)
         assert with_ahead is not None  # measured, as `everything` was
         return now + ADMIT_MARGIN * (in_flight + with_ahead) > deadline
@@ -347,16 +353,17 @@ class SchedulerCore:
         if not self._rows_busy(len(items)):
             return False
         own = self._own_seconds(items)
-        turn, latest = max(item.turn for item in items), max(item.deadline for item in items)
+        turn, latest = _bounds(items)
         deadline = min(item.deadline for item in items)
-        own_now = self._own_margin(items, 0.0) * own
-        own_waiting = self._own_margin(items, 1.0) * own
+        own_now = self._own_margin(items, waiting=False) * own
+        own_waiting = self._own_margin(items, waiting=True) * own
         return self._too_late_for_rows(
             len(items), own_now, own_waiting, deadline, turn, latest, now
         )
 
-    def _own_margin(self, items: Sequence[WorkItem], wait: float) -> float:
-        """The margin on `items`' own time when they are sent after `wait` seconds: what
+    def _own_margin(self, items: Sequence[WorkItem], waiting: bool) -> float:
+        """The margin on `items`' own time when they are sent at once or after `waiting`
+        for rows: what
         `_can_finish` gives a generation behind half the rows or more, which it will be
         behind where it waits for a row or half of them run now (admitted by its time
         alone, one whose row freed as predicted could no longer be sent, and waited
@@ -364,7 +371,7 @@ class SchedulerCore:
         a free row takes now beside fewer (it may go first: sent while they are few)."""
         if any(item.control != NO_CONTROL for item in items):
             return 1.0
-        if wait > 0 or len(self._in_flight) >= self.workers / 2:
+        if waiting or len(self._in_flight) >= self.workers / 2:
             return DEADLINE_MARGIN
         return 1.0
 
@@ -385,10 +392,9 @@ class SchedulerCore:
         the wait for the rows), the rows busy (`_rows_busy`). The wait grows with the
         sequences ahead, and so does the miss (`own_waiting` is at least `own_now`):
         behind the whole queue they may still make it (most admissions end there, in
-        O(1)); else the fewest ahead that would make them miss it is found by bisection,
-        and the queue is counted only until that many (a deep queue is not walked at
-        each refusal), unless every queued one goes before them (under steady overload
-        with one timeout, the common case: known in O(1))."""
+        O(1)); else, where every queued one goes before them (under steady overload
+        with one timeout, the common case), they miss it, known in O(1) too (a deep
+        queue is not walked at each refusal); else those ahead are counted."""
 
         def misses(ahead: int) -> bool:
             wait = self._row_wait(ahead, rows, now)
@@ -400,15 +406,7 @@ class SchedulerCore:
         last_turn, latest_deadline = self._queued_bounds
         if last_turn <= turn and latest_deadline <= latest:  # every queued one goes first
             return True
-        fewest, most = 0, self._size  # misses(most); the wait only grows with those ahead
-        while fewest < most:
-            middle = (fewest + most) // 2
-            if misses(middle):
-                most = middle
-            else:
-                fewest = middle + 1
-        ahead = itertools.islice(self._queued_ahead(turn, latest), fewest)
-        return sum(1 for _ in ahead) >= fewest
+        return misses(sum(1 for _ in self._queued_ahead(turn, latest)))
 
     def _rows_busy(self, rows: int) -> bool:
         """Whether sequences needing `rows` of a continuous worker's rows may be refused

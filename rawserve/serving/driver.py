@@ -242,21 +242,24 @@ class Scheduler:
         """Whether any request would be refused now: the queue full, or (given the
         request's deadline) a generation's wait for a row past it, whatever it asks
         (`SchedulerCore.refuses_any_sequence`)."""
-        return self.full or (
-            deadline is not None and self.core.refuses_any_sequence(deadline, self.clock())
-        )
+        return self._busy(deadline, self.clock()) is not None
 
     def admission(self, deadline: float | None = None) -> Refusal | None:
         """The refusal any request would get now (`refuses`; counted as rejected), with
         its Retry-After; None while it may be taken."""
         now = self.clock()
-        if self.full:
-            refused: QueueFull = QueueFull(self.core.retry_after(now))
-        elif deadline is not None and self.core.refuses_any_sequence(deadline, now):
-            refused = DeadlineUnreachable(self.core.retry_after(now))
-        else:
+        busy = self._busy(deadline, now)
+        if busy is None:
             return None
-        return self._refusal(refused, 1).refusal
+        return self._refusal(busy(self.core.retry_after(now)), 1).refusal
+
+    def _busy(self, deadline: float | None, now: float) -> type[QueueFull] | None:
+        """Why any request due at `deadline` would be refused now (`refuses`), if so."""
+        if self.full:
+            return QueueFull
+        if deadline is not None and self.core.refuses_any_sequence(deadline, now):
+            return DeadlineUnreachable
+        return None
 
     def count_refusal(self) -> None:
         """A request refused before admission while the workers are down (a restart)."""
