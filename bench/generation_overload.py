@@ -13,6 +13,9 @@ at `--factor` times that rate (or at `--rate`, the same for servers compared) fo
 the answers. With `--default-length N` the requests are chat completions naming no
 `max_tokens`: each makes the N new tokens the model's generation config says (what a
 chat client that sets no length gets), so the server must count them by the model's.
+With `--stop WORD` each request names that stop sequence: its answer ends where the model
+writes it, for many before their cap (as a chat model's answers end at its end of
+sequence), so the server must not judge a full answer by the short ones.
 
 Reported per round: the capacity; the goodput (answers 200 within their deadline, per
 second) and its ratio to the capacity; answers by status (a 504 is a request admitted and
@@ -50,10 +53,15 @@ CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor
 
 
 def requests(
-    folder: Path, seed: int, deadline: float | None, default_length: int | None = None
+    folder: Path,
+    seed: int,
+    deadline: float | None,
+    default_length: int | None = None,
+    stop: str | None = None,
 ) -> tuple[list[bytes], list[int]]:
     """Seeded prompts and asks, as completions requests (with a deadline, when given), or
-    as chat completions naming no length (`default_length`: what the model makes then)."""
+    as chat completions naming no length (`default_length`: what the model makes then);
+    each naming `stop` as its stop sequence, when given."""
     rng = random.Random(seed)
     headers = [] if deadline is None else [("X-Request-Timeout", f"{deadline:g}")]
     built, asks = [], []
@@ -63,6 +71,8 @@ def requests(
         prompt = " ".join(f"w{rng.randrange(2, vocabulary)}" for _ in range(words))
         ask = rng.randint(*NEW_TOKENS)
         body: dict[str, Any] = {"model": str(folder), "temperature": 0}
+        if stop:
+            body["stop"] = [stop]
         if default_length:
             ask, path = default_length, "/v1/chat/completions"
             body["messages"] = [{"role": "user", "content": prompt}]
@@ -108,7 +118,7 @@ async def one_round(folder: Path, log: Path, args: argparse.Namespace) -> dict[s
         await load.wait_until_serving(
             process.port, probe, generation_serving.START_TIMEOUT, process.alive
         )
-        plain, asks = requests(folder, args.seed, None, args.default_length)
+        plain, asks = requests(folder, args.seed, None, args.default_length, args.stop)
         await generation_serving.closed_loop(  # warm: every row, both ends of the asks
             process.port, plain[:CAPACITY_CLIENTS], asks[:CAPACITY_CLIENTS], CAPACITY_CLIENTS, 120.0
         )
@@ -121,7 +131,7 @@ async def one_round(folder: Path, log: Path, args: argparse.Namespace) -> dict[s
         )
         rate = capacity["completions_per_s"]
         arrivals = args.rate or args.factor * rate
-        timed, _ = requests(folder, args.seed + 1, args.deadline, args.default_length)
+        timed, _ = requests(folder, args.seed + 1, args.deadline, args.default_length, args.stop)
         run = await load.open_loop(
             process.port, timed, arrivals, args.duration, deadline=args.deadline
         )
@@ -179,6 +189,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--default-length",
         type=int,
         help="chat requests naming no max_tokens; the model's generation config makes this many",
+    )
+    parser.add_argument(
+        "--stop",
+        help="a stop sequence each request names (e.g. w81): answers end where the model "
+        "writes it, many early, some at their cap, as a chat model's at its end of sequence",
     )
     args = parser.parse_args(argv)
     found = asyncio.run(run(args))

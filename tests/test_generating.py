@@ -1688,6 +1688,23 @@ def test_a_cancelled_batch_frees_its_row_at_the_next_step(runner):
     assert answered[2].outputs[0][0]["details"]["generated_tokens"] == 5
 
 
+def test_an_answer_says_the_new_tokens_each_of_its_sequences_made(runner):
+    """Stopped, ended at its cap or at a stop sequence, each sequence's new tokens are
+    told with its batch's answer: the server times a token from them, not from the most
+    a sequence asked for (which made answers that end early look short)."""
+    (free,) = static(runner, "the movie was", {**GREEDY, "max_new_tokens": 30})
+    stop = free["generated_text"].removeprefix("the movie was").split()[3]
+    stopped = Batch(1, ("the movie was",), {**GREEDY, "max_new_tokens": 200})
+    capped = Batch(2, ("a good film", "the movie was"), {**GREEDY, "max_new_tokens": 5})
+    ended = Batch(3, ("the movie was",), {**GREEDY, "max_new_tokens": 30, "stop": [stop]})
+    answered = results(serve(runner, {0: [stopped, capped, ended], 4: [Cancel(1)]}))
+    for answer in answered.values():
+        told = [output[0]["details"]["generated_tokens"] for output in answer.outputs]
+        assert answer.made == tuple(told)
+    assert answered[2].made == (5, 5)
+    assert 0 < answered[3].made[0] < 30 and 0 < answered[1].made[0] < 200
+
+
 def test_a_sequence_cancelled_while_it_waits_never_runs(runner, monkeypatch):
     running = Batch(1, ("the movie was",), {**GREEDY, "max_new_tokens": 6})
     waiting = Batch(2, ("word " * 20,), GREEDY)  # its prefill: wider than any other pass

@@ -240,9 +240,9 @@ async def test_the_scheduler_times_a_batch_without_its_wait_behind_another():
     observed: list[float] = []
     real_finish = core.finish_batch
 
-    def finish(batch, when):
+    def finish(batch, when, made=None):
         observed.append(when)
-        return real_finish(batch, when)
+        return real_finish(batch, when, made)
 
     core.finish_batch = finish  # type: ignore[method-assign]
     results = await asyncio.wait_for(scheduler.run(["x"], {}, deadline=200.0), 5)

@@ -43,6 +43,10 @@ from rawserve.shared.messages import (
 from rawserve.tasks import estimate_tokens, model_tokens
 from rawserve.tasks.question_answering import window_tokens
 
+# seconds a token of a continuous worker's sequence in these tests: 140 tokens (a 12-token
+# prompt, 128 new ones) take 4.3 s
+PACE = 4.3 / 140
+
 
 def queue_items(core: SchedulerCore, values, now=0.0, deadline=30.0, params=None):
     items = [core.new_item(v, params or {}, deadline, now) for v in values]
@@ -60,6 +64,17 @@ def measured(core: SchedulerCore, seconds_per_token: float, fixed: float = 0.0) 
     for cost in (100, 1000):
         core.cost_model.observe(cost, fixed + seconds_per_token * cost)
     return core
+
+
+def paced(core: SchedulerCore, seconds_per_token: float, per_row: float = 0.0) -> SchedulerCore:
+    """Teach the core's sequence pace a speed of a token, `per_row` more for each row
+    beside it (as if sequences of two lengths, beside one row and beside ten, had run),
+    and the cost model the speed alone (the scored prompts' and the drain's)."""
+    for tokens in (20, 140):
+        for rows in (1, 10):
+            seconds = tokens * (seconds_per_token + per_row * (rows - 1))
+            core.pace.observe(tokens, rows, seconds)
+    return measured(core, seconds_per_token)
 
 
 def inputs(batch) -> list:
@@ -598,38 +613,49 @@ def test_a_prompt_only_scored_on_a_continuous_worker_is_sent_while_rows_are_free
     assert batching.next_batch(0.0) is None
 
 
-def test_past_half_the_rows_a_generation_that_cannot_end_in_time_waits_unless_streamed():
-    """Behind busy rows, a sequence's predicted time is the pace of the rows it would
+def test_beside_running_rows_a_generation_that_cannot_end_in_time_waits_unless_streamed():
+    """Beside running rows, a sequence's predicted time is the pace of the rows it would
     share: one that can no longer end by its deadline at it waits queued for its 504
     instead of holding a row to it (on a CPU such sequences held rows to their 504s,
     leaving none for those that could end). A stream is still sent: it gets what is
     made in time."""
-    core = measured(SchedulerCore(max_batch_size=1, workers=4), seconds_per_token=0.01)
+    core = paced(SchedulerCore(max_batch_size=1, workers=4), seconds_per_token=0.01)
     queue_items(core, [text(5), text(5)], params={"max_new_tokens": 10})
     assert [inputs(core.next_batch(0.0)) for _ in range(2)] == [[text(5)], [text(5)]]
     long = {"max_new_tokens": 400}  # 4 s alone
     queue_items(core, [text(6)], deadline=6.0, params=long)  # it would end in time now
-    assert core.next_batch(3.0) is None  # two rows of four busy: no longer
+    assert core.next_batch(3.0) is None  # two rows running: no longer
     core.admit([core.new_item(text(7), long, 6.0, 0.0, Control(stream_id=1))], 0.0)
     assert inputs(core.next_batch(3.0)) == [text(7)]
     queue_items(core, [text(8)], now=3.0, deadline=30.0, params=long)
     assert inputs(core.next_batch(3.0)) == [text(8)]  # in time at that pace: it goes
 
 
-def test_a_generation_is_taken_whatever_its_time_while_half_the_rows_would_stay_free():
-    """Up to half the rows in use, its own predicted time is no reason to refuse a
-    sequence (it may end early, and the pace measured may be that of a busier past);
-    only past half is it judged by that time, and refused if it cannot end in time."""
-    core = measured(SchedulerCore(max_queue=100, max_batch_size=1, workers=8), 0.01)
-    queue_items(core, [text(5)] * 2, params={"max_new_tokens": 10})
-    while core.next_batch(now=0.0):
-        pass
-    queue_items(core, [text(5)], params={"max_new_tokens": 10})  # 2 running, 1 queued
-    long = {"max_new_tokens": 400}  # 4 s, with 1 s to go
-    queue_items(core, [text(5)], deadline=1.0, params=long)  # the fourth row of eight
-    assert len(core) == 2
-    with pytest.raises(OwnTimeUnreachable):  # the fifth
-        queue_items(core, [text(5)], deadline=1.0, params=long)
+def test_a_generation_is_judged_at_the_pace_beside_the_rows_that_will_run_with_it():
+    """A token takes 10 ms beside one row and 1 ms more for each row beside it (a CPU's
+    rows share its cores): 100 new tokens take 1 s alone, 1.1 s beside another row and
+    1.5 s beside five more. Due in 1.5 s, such a sequence is taken beside one running
+    row (1.1 s x 1.25); once five are running it is refused for its own length. (Taken
+    whatever its time while half the rows were free, on a 2-core CPU sequences beside 64
+    rows took ~1 s for 150 tokens, and most of a flood of 1 s chats held rows to their
+    504s.) With no row running it is taken whatever its time: it may end early."""
+    asks = {"max_new_tokens": 100}
+    core = paced(SchedulerCore(max_batch_size=1, workers=8), 0.01, per_row=0.001)
+    assert core.pace.predict(100, 1) == pytest.approx(1.0)
+    assert core.pace.predict(100, 6) == pytest.approx(1.5)
+    run_sequences(core, 1, at=0.0, new_tokens=100)
+    queue_items(core, [text(1)], deadline=1.5, params=asks)
+    assert core.next_batch(0.0) is not None
+    late = core.new_item(text(1), asks, 1.4, 0.0)  # beside three rows, 1.2 s x 1.25
+    core.admit([late])  # (not judged: given no time)
+    assert core.next_batch(0.0) is None  # two rows of eight running: it waits all the same
+    core.remove(late)
+    run_sequences(core, 3, at=0.0, new_tokens=1)
+    with pytest.raises(OwnTimeUnreachable):
+        queue_items(core, [text(1)], deadline=1.5, params=asks)
+    idle = paced(SchedulerCore(max_batch_size=1, workers=8), 0.01, per_row=0.001)
+    queue_items(idle, [text(1)], deadline=0.5, params=asks)  # 1 s alone: taken all the same
+    assert idle.next_batch(0.0) is not None
 
 
 def test_an_input_larger_than_any_call_measured_is_sent_once_and_measured():
@@ -675,10 +701,10 @@ def test_a_generation_waits_for_a_row_then_takes_its_whole_time():
     asks = {"max_new_tokens": 128}
     core = SchedulerCore(max_queue=512, max_batch_size=1, workers=128)
     idle = SchedulerCore(max_queue=512, max_batch_size=1, workers=128)
-    for cost, seconds in [(12 + 8, 0.7), (12 + 128, 4.3)] * 3:  # ~0.03 s a token
-        core.cost_model.observe(cost, seconds, cost, 1)
-        idle.cost_model.observe(cost, seconds, cost, 1)
-    own = core.cost_model.predict(12 + 128)
+    for cost, seconds in [(12 + 8, 20 * PACE), (12 + 128, 140 * PACE)] * 3:  # ~0.03 s a token
+        core.pace.observe(cost, 1, seconds)
+        idle.pace.observe(cost, 1, seconds)
+    own = core.pace.predict(12 + 128, 128)
     assert own == pytest.approx(4.3, abs=0.05)
     queue_items(idle, [text(12)], deadline=own + 0.2, params=asks)  # idle: admitted
 
@@ -694,13 +720,13 @@ def test_a_generation_waits_for_a_row_then_takes_its_whole_time():
 
 
 def test_a_sequence_refused_for_its_own_length_is_told_so_not_blamed_on_work_ahead():
-    """Past half the rows, a sequence whose own new tokens cannot end by its deadline at
-    the rows' pace is refused, with a row free and nothing queued: its 503 said 'the
+    """Beside running rows, a sequence whose own new tokens cannot end by its deadline
+    at the rows' pace is refused, with a row free and nothing queued: its 503 said 'the
     work queued ahead would outlast the request's deadline', and a client that retried
     as told met the same while the load lasted. It now says its own tokens are the
     cause, and that fewer, or more time, would do; behind full rows the work ahead is
     still named."""
-    core = measured(SchedulerCore(max_batch_size=1, workers=4), seconds_per_token=0.01)
+    core = paced(SchedulerCore(max_batch_size=1, workers=4), seconds_per_token=0.01)
     queue_items(core, [text(5)] * 3, params={"max_new_tokens": 100})
     while core.next_batch(now=0.0):
         pass
@@ -724,9 +750,9 @@ def test_an_idle_continuous_worker_takes_a_generation_whatever_its_predicted_tim
     ahead would outlast the request's deadline'."""
     asks = {"max_new_tokens": 128}
     core = SchedulerCore(max_queue=16, max_batch_size=1, workers=rows)
-    for cost, seconds in [(12 + 8, 0.7), (12 + 128, 4.3)] * 3:  # ~0.03 s a token
-        core.cost_model.observe(cost, seconds, cost, 1)
-    own = core.cost_model.predict(12 + 128)
+    for cost, seconds in [(12 + 8, 20 * PACE), (12 + 128, 140 * PACE)] * 3:  # ~0.03 s a token
+        core.pace.observe(cost, 1, seconds)
+    own = core.pace.predict(12 + 128, rows)
     queue_items(core, [text(12)] * prompts, deadline=own / 2, params=asks)
     assert len(core) == prompts
 
@@ -735,8 +761,8 @@ def rows_of(rows: int) -> SchedulerCore:
     """A continuous worker's rows whose speed is measured: ~0.03 s a token, 0.1 s fixed
     (a 128-token answer after a 12-token prompt: 4.3 s)."""
     core = SchedulerCore(max_queue=512, max_batch_size=1, workers=rows, default_new_tokens=16)
-    for cost, seconds in [(12 + 8, 0.7), (12 + 128, 4.3)] * 3:
-        core.cost_model.observe(cost, seconds, cost, 1)
+    for cost, seconds in [(12 + 8, 20 * PACE), (12 + 128, 140 * PACE)] * 3:
+        core.pace.observe(cost, 1, seconds)
     return core
 
 
@@ -788,9 +814,9 @@ def test_the_head_check_counts_ahead_only_the_queued_sequences_that_go_first():
 def test_a_sequence_taken_by_a_free_row_counts_its_own_time_as_its_send_will():
     """Five of eight rows running, a 128-token answer (4.3 s) due in 5 s: a stream is
     sent whenever its deadline is ahead, so it is taken and sent; any other is sent only
-    if it can end by its deadline with the margin (half the rows or more run), so it is
-    refused at once, for its own length (it was taken and then held for its 504). With
-    three running it may go before the rest and be sent while they are few: taken."""
+    if it can end by its deadline with the margin, so it is refused at once, for its own
+    length (it was taken and then held for its 504). With no row running, it is sent
+    whatever its time: taken."""
     core = rows_of(8)
     run_sequences(core, 5, at=0.0)
     asks = {"max_new_tokens": 128}
@@ -799,11 +825,9 @@ def test_a_sequence_taken_by_a_free_row_counts_its_own_time_as_its_send_will():
     assert core.next_batch(0.0) == [stream]
     with pytest.raises(OwnTimeUnreachable):
         queue_items(core, [text(12)], deadline=5.0, params=asks)
-    few = rows_of(8)
-    run_sequences(few, 3, at=0.0)
-    queue_items(few, [text(12)], deadline=30.0, params=asks)  # queued in the same pass
-    (taken,) = queue_items(few, [text(12)], deadline=5.0, params=asks)
-    assert [taken] in few.decide(0.0, free_workers=5).batches
+    idle = rows_of(8)
+    (taken,) = queue_items(idle, [text(12)], deadline=5.0, params=asks)
+    assert idle.decide(0.0, free_workers=8).batches == [[taken]]
 
 
 def test_behind_a_deep_queue_of_one_timeout_a_refusal_walks_none_of_it(monkeypatch):
@@ -943,6 +967,53 @@ def test_a_sequence_stopped_past_its_predicted_time_teaches_the_least_it_takes()
     core.stopped_batch(core.next_batch(now=1.0), now=1.0 + 3 * before)
     assert core.cost_model.predict(140) > before
     assert not core._in_flight
+
+
+def test_a_stopped_sequence_teaches_the_pace_of_the_tokens_it_made():
+    """Told what a stopped sequence made (the worker says), its pace is learned from
+    those tokens, however it ended: 64 of 128 tokens in 1.28 s is 20 ms a token where
+    10 ms was measured (learned as 128 tokens, it made the pace look faster, the more
+    so the more sequences stopped)."""
+    core = paced(SchedulerCore(max_batch_size=1, workers=8), 0.01)
+    before = core.pace.predict(12 + 128, 1)
+    for at in range(20):
+        queue_items(core, [text(12)], now=at, deadline=at + 30.0, params={"max_new_tokens": 128})
+        core.stopped_batch(core.next_batch(now=at), now=at + 0.02 * (12 + 64), made=[64])
+    assert core.pace.predict(12 + 128, 1) > 1.8 * before
+    assert not core._in_flight
+
+
+def test_answers_that_end_early_do_not_make_a_full_one_look_short():
+    """Chats asking 200 tokens, four in five ending at 20 (their end of sequence) and
+    one at 200, at 10 ms a token: told what each made, the pace is that of a token,
+    and a full answer is likely (one in five ran to its cap), so a 200-token ask due in
+    2 s beside a running row is refused for its own length; a 20-token one is taken.
+    (Timed as whole sequences of 200, a full answer looked ~0.6 s, and in a flood of
+    such chats most admitted ran to their 504s.)"""
+    core = SchedulerCore(max_batch_size=1, workers=8)
+    asks = {"max_new_tokens": 200}
+    for turn in range(30):
+        made = 200 if turn % 5 == 0 else 20
+        (batch,) = run_sequences(core, 1, at=10.0 * turn, new_tokens=200)
+        core.finish_batch(batch, 10.0 * turn + 0.01 * (12 + made), made=[made])
+    assert core.pace.predict(12 + 200, 1) == pytest.approx(2.12)
+    run_sequences(core, 1, at=300.0, new_tokens=200)
+    with pytest.raises(OwnTimeUnreachable):
+        queue_items(core, [text(12)], now=300.0, deadline=302.0, params=asks)
+    queue_items(core, [text(12)], now=300.0, deadline=302.0, params={"max_new_tokens": 20})
+
+
+def test_a_sequences_pace_is_learned_beside_the_rows_that_ran_with_it_on_average(monkeypatch):
+    """A sequence that ran 4 s, alone for 1 s, beside a second for 2 s, then alone again
+    ran beside 1.5 rows on average (itself among them): its pace is learned so."""
+    core = SchedulerCore(max_batch_size=1, workers=8)
+    learned = []
+    monkeypatch.setattr(core.pace, "observe", lambda *seen: learned.append(seen))
+    (first,) = run_sequences(core, 1, at=0.0, new_tokens=100)
+    (second,) = run_sequences(core, 1, at=1.0, new_tokens=100)
+    core.finish_batch(second, 3.0, made=[50])
+    core.finish_batch(first, 4.0, made=[100])
+    assert learned == [(12 + 50, 2.0, 2.0), (12 + 100, 1.5, 4.0)]
 
 
 def test_the_cost_of_a_long_input_is_what_the_model_reads_of_it():
@@ -1802,6 +1873,31 @@ async def test_the_driver_learns_from_token_counts_in_a_result(driver):
     future.set_result(BatchResult(0, ("out",), 0.01, token_counts=(25,)))
     await task
     assert scheduler.core.tokens_per_estimate < 1.0
+
+
+async def test_the_driver_passes_on_the_tokens_each_sequence_made(monkeypatch):
+    """What each sequence made (a continuous worker says) reaches the core, whether the
+    request still waited (`finish_batch`) or not (`stopped_batch`)."""
+    core = SchedulerCore(max_batch_size=1, max_queue=8)
+    told = []
+    monkeypatch.setattr(core, "finish_batch", lambda b, now, made=None: told.append(made))
+    monkeypatch.setattr(core, "stopped_batch", lambda b, now, made=None: told.append(made))
+    backend = FakeBackend()
+    scheduler = Scheduler(core, backend)
+    scheduler.start()
+    asks = {"max_new_tokens": 100}
+    task = asyncio.create_task(scheduler.run(["a"], asks, scheduler.clock() + 5))
+    await until(lambda: len(backend.calls) == 1)
+    backend.calls[0][2].set_result(BatchResult(0, ("out",), 0.01, made=(7,)))
+    await task
+    gone = asyncio.create_task(scheduler.run(["b"], asks, scheduler.clock() + 5))
+    await until(lambda: len(backend.calls) == 2)
+    gone.cancel()
+    await until(gone.done)
+    backend.calls[1][2].set_result(BatchResult(1, ("out",), 0.01, made=(3,)))
+    await until(lambda: len(told) == 2)
+    await scheduler.stop()
+    assert told == [(7,), (3,)]
 
 
 def test_one_call_size_measured_often_still_bounds_a_batch_by_its_deadline():

@@ -215,7 +215,9 @@ class CostModel:
         one point."""
         return self._fitted
 
-    def observe(self, cost: int, seconds: float, tokens: int | None = None, items: int = 1) -> None:
+    def observe(
+        self, cost: int, seconds: float, tokens: int | None = None, items: float = 1
+    ) -> None:
         """One model call: its padded cost, its seconds, its unpadded tokens and items."""
         m = self.memory
         if tokens:
@@ -285,7 +287,7 @@ class CostModel:
         else:
             self.fixed, self.per_item, self.per_token = 0.0, 0.0, mean_y / mean_p
 
-    def predict(self, cost: int, items: int = 1) -> float | None:
+    def predict(self, cost: int, items: float = 1) -> float | None:
         """Seconds of one model call of `items` items and this padded cost, or None
         before any measurement."""
         if not self.measured:

@@ -35,6 +35,7 @@ from rawserve.serving.batching import (
 )
 from rawserve.serving.face import ItemResult
 from rawserve.serving.minima import QueueMinima
+from rawserve.serving.sequences import AnswerLengths, SequencePace
 from rawserve.shared.messages import NO_CONTROL, Control
 from rawserve.tasks import batch_key, estimate_tokens, model_tokens
 
@@ -68,6 +69,7 @@ class WorkItem:
     cost: int  # estimated tokens
     seq: int
     new_tokens: int = 0  # the most a generation may add (its `cost` counts them); else 0
+    rows: int = 1  # the rows a generation decodes at each step (its beams, its sequences)
     future: asyncio.Future[ItemResult] | None = None
     queued: bool = False
     turn: int = 0  # its place in the fair-share order, set when it is admitted
@@ -82,6 +84,27 @@ class WorkItem:
 def _bounds(items: Sequence[WorkItem]) -> tuple[int, float]:
     """The last turn and the latest deadline of `items`."""
     return max(item.turn for item in items), max(item.deadline for item in items)
+
+
+def _made_cost(item: WorkItem, made: int) -> int:
+    """The cost of what `item` ran, having made `made` new tokens: its prompt and those.
+    A sequence that ended early (its end of sequence, a stop) is timed for the tokens it
+    made, not the most it asked: timed for those, the short answers of a chat model made
+    a full one look short, and sequences admitted to run past their deadline filled the
+    rows (of a flood of 1 s chats, 600 of 763 sent ran to their 504)."""
+    unmade = max(item.new_tokens - made, 0) * item.rows
+    return max(item.cost - unmade, 1)
+
+
+def _ran(
+    batch: Sequence[WorkItem], flight: InFlight, made: Sequence[int] | None
+) -> tuple[int, int]:
+    """The padded and unpadded cost of what `batch` (sent as `flight`) ran: with the
+    new tokens its generations `made`, where the worker says, else all they asked."""
+    if made is None or len(made) != len(batch):
+        return flight.cost, flight.tokens
+    costs = [_made_cost(item, count) for item, count in zip(batch, made, strict=True)]
+    return padded_cost(costs), sum(costs)
 
 
 class QueueFull(Exception):
@@ -101,9 +124,9 @@ class DeadlineUnreachable(QueueFull):
 
 
 class OwnTimeUnreachable(DeadlineUnreachable):
-    """Refused at admission by a continuous worker past half its rows: the sequence's own
-    new tokens, at the pace of the rows it would share, would not end by its deadline,
-    with no work ahead of it to blame (a row may be free for it now)."""
+    """Refused at admission by a busy continuous worker: the sequence's own new tokens
+    (those it will likely make), at the pace beside the rows it would share, would not
+    end by its deadline, with no work ahead of it to blame (a row may be free for it)."""
 
     reason = (
         "at the pace of the sequences running now, the new tokens it asks for would not all "
@@ -127,6 +150,7 @@ class InFlight:
     cost: int  # padded cost
     tokens: int  # unpadded
     predicted: float  # seconds, 0 before any measurement
+    row_seconds: float = 0.0  # the core's `_row_seconds` when it was sent
 
 
 @dataclass
@@ -166,6 +190,9 @@ class SchedulerCore:
     group_lengths: bool = True  # cost-aware batching: similar lengths share a batch
     workers: int = 1
     cost_model: CostModel = field(default_factory=CostModel)
+    # a continuous worker's sequences: the tokens they likely make, their seconds a token
+    answer_lengths: AnswerLengths = field(default_factory=AnswerLengths)
+    pace: SequencePace = field(default_factory=SequencePace)
     batch_cap: int | None = None  # the workers' own, lower after out-of-memory errors
     _queues: dict[str, list[WorkItem]] = field(default_factory=dict)
     _minima: dict[str, QueueMinima[WorkItem]] = field(default_factory=dict)  # per key
@@ -180,6 +207,10 @@ class SchedulerCore:
     # a batch in flight per row, and admission reads when the next rows free at every
     # request (sorted afresh each time, 128 rows took a tenth of an overloaded server)
     _in_flight_ends: list[float] = field(default_factory=list)
+    # the batches in flight counted over time (their number times the seconds), to when:
+    # a sequence's rows beside it on average are the growth of this over its time
+    _row_seconds: float = 0.0
+    _rows_counted_to: float | None = None
     items_per_second: float | None = None  # measured service rate (for reports)
     tokens_per_estimate: float = 1.0  # real tokens per estimated token, learned from workers
     max_input_tokens: int | None = None  # the model reads no more (it truncates): cost cap
@@ -234,6 +265,7 @@ class SchedulerCore:
             cost=cost,
             seq=next(self._seq),
             new_tokens=new_tokens,
+            rows=rows,
             request_id=request_id,
         )
 
@@ -263,8 +295,7 @@ class SchedulerCore:
             deadline = min(item.deadline for item in items)
             if (
                 self._continuous(items)
-                and now + self._own_margin(items, waiting=False) * self._own_seconds(items)
-                > deadline
+                and now + self._own_margin(items) * self._own_seconds(items) > deadline
             ):
                 raise OwnTimeUnreachable(self.retry_after(now))
             raise DeadlineUnreachable(self.retry_after(now))
@@ -295,10 +326,10 @@ class SchedulerCore:
         cannot make it even alone are let through: the estimate is no proof, and no retry
         would help them (one that cannot go in time waits, and expires unsent). Nor is
         anything refused before the speed is trusted (`CostModel.trusted`)."""
+        if self._continuous(items):
+            return self.pace.trusted and self._waits_too_long_for_a_row(items, now)
         if not self.cost_model.trusted:
             return False
-        if self._continuous(items):
-            return self._waits_too_long_for_a_row(items, now)
         deadline = min(item.deadline for item in items)
         own = [item.cost for item in items]
         max_size, workers = self.max_size, self.workers
@@ -332,8 +363,15 @@ class SchedulerCore:
         return self.max_size == 1 and all(item.new_tokens for item in items)
 
     def _own_seconds(self, items: Sequence[WorkItem]) -> float:
-        """The longest predicted time of `items`' sequences, each on a row of its own."""
-        return max(self.cost_model.predict(item.cost) or 0.0 for item in items)
+        """The longest predicted time of `items`' sequences, each on a row of its own,
+        beside the rows that will likely run then: those running, the queued ones and
+        theirs, as many as there are rows."""
+        rows = min(len(self._in_flight) + self._size + len(items), self.workers)
+        return self._sequence_seconds(items, rows)
+
+    def _sequence_seconds(self, items: Sequence[WorkItem], rows: float) -> float:
+        """The longest predicted time of `items`' sequences beside `rows` rows."""
+        return max(self.pace.predict(self._likely_cost(item), rows) or 0.0 for item in items)
 
     def _waits_too_long_for_a_row(self, items: Sequence[WorkItem], now: float) -> bool:
         """`_misses_deadline` for sequences on a continuous worker's rows. A sequence runs
@@ -343,63 +381,49 @@ class SchedulerCore:
         it, the running ones freeing theirs as predicted. (Counted as the queue's work
         shared out among the rows, a 128-token answer looked as if it took a 128th of its
         time: admitted behind full rows, it waited for one, and ended in 504 after holding
-        it for seconds.) While half the rows or more would stay free, a generation is taken
-        whatever its predicted time (it may end early, and the pace measured then may be
-        that of a busier past); beyond, where that time is the pace of the sequences
-        sharing the steps, one that could not end in time is refused too: more rows would
-        go no faster (on a CPU, slower), and its retry may find the worker less busy.
-        (Taken, on a loaded 2-core machine most held a row to their 504.) Its own time
-        counts as its send will judge it (`_own_margin`)."""
-        if not self._rows_busy(len(items)):
+        it for seconds.) One that could not end in time at the pace beside the rows that
+        will run with it is refused too (`_own_seconds`): more rows would go no faster (on
+        a CPU, slower), and its retry may find the worker less busy. (Taken while half
+        the rows were free, on a loaded 2-core machine most held a row to their 504.) Its
+        own time counts as its send will judge it (`_own_margin`); with nothing running
+        or queued, it is taken whatever its time (`_rows_busy`)."""
+        if not self._rows_busy():
             return False
-        own = self._own_seconds(items)
+        own = self._own_margin(items) * self._own_seconds(items)
         turn, latest = _bounds(items)
         deadline = min(item.deadline for item in items)
-        own_now = self._own_margin(items, waiting=False) * own
-        own_waiting = self._own_margin(items, waiting=True) * own
-        return self._too_late_for_rows(
-            len(items), own_now, own_waiting, deadline, turn, latest, now
-        )
+        return self._too_late_for_rows(len(items), own, deadline, turn, latest, now)
 
-    def _own_margin(self, items: Sequence[WorkItem], waiting: bool) -> float:
-        """The margin on `items`' own time when they are sent at once or after `waiting`
-        for rows: what
-        `_can_finish` gives a generation behind half the rows or more, which it will be
-        behind where it waits for a row or half of them run now (admitted by its time
+    def _own_margin(self, items: Sequence[WorkItem]) -> float:
+        """The margin on `items`' own time, as `_can_finish` gives it when they are sent:
+        none for a stream (sent while its deadline is ahead). (Admitted by its time
         alone, one whose row freed as predicted could no longer be sent, and waited
-        queued for its 504); none for a stream (sent while its deadline is ahead) or one
-        a free row takes now beside fewer (it may go first: sent while they are few)."""
+        queued for its 504.)"""
         if any(item.control != NO_CONTROL for item in items):
             return 1.0
-        if waiting or len(self._in_flight) >= self.workers / 2:
-            return DEADLINE_MARGIN
-        return 1.0
+        return DEADLINE_MARGIN
 
     def _too_late_for_rows(
         self,
         rows: int,
-        own_now: float,
-        own_waiting: float,
+        own: float,
         deadline: float,
         turn: int,
         latest: float,
         now: float,
     ) -> bool:
-        """Whether sequences needing `rows` rows and their own seconds on them (as judged
-        sent at once, `own_now`, or after a wait for the rows, `own_waiting`), due at
+        """Whether sequences needing `rows` rows and `own` seconds on them, due at
         `deadline`, whose last turn is `turn` and latest deadline `latest`, would end
         after it behind the queued sequences that go before them (with ADMIT_MARGIN on
         the wait for the rows), the rows busy (`_rows_busy`). The wait grows with the
-        sequences ahead, and so does the miss (`own_waiting` is at least `own_now`):
-        behind the whole queue they may still make it (most admissions end there, in
-        O(1)); else, where every queued one goes before them (under steady overload
-        with one timeout, the common case), they miss it, known in O(1) too (a deep
-        queue is not walked at each refusal); else those ahead are counted."""
+        sequences ahead, and so does the miss: behind the whole queue they may still
+        make it (most admissions end there, in O(1)); else, where every queued one goes
+        before them (under steady overload with one timeout, the common case), they miss
+        it, known in O(1) too (a deep queue is not walked at each refusal); else those
+        ahead are counted."""
 
         def misses(ahead: int) -> bool:
-            wait = self._row_wait(ahead, rows, now)
-            own = own_waiting if wait > 0 else own_now
-            return now + ADMIT_MARGIN * wait + own > deadline
+            return now + ADMIT_MARGIN * self._row_wait(ahead, rows, now) + own > deadline
 
         if not misses(self._size):
             return False
@@ -408,13 +432,11 @@ class SchedulerCore:
             return True
         return misses(sum(1 for _ in self._queued_ahead(turn, latest)))
 
-    def _rows_busy(self, rows: int) -> bool:
-        """Whether sequences needing `rows` of a continuous worker's rows may be refused
-        for the wait for them or their own time: not under light load (half the rows or
-        more would stay free: they start now, and may end early), nor with nothing
-        running or queued (no row shared: their own time is no reason)."""
-        running = len(self._in_flight)
-        return running + self._size + rows > self.workers / 2 and bool(running or self._size)
+    def _rows_busy(self) -> bool:
+        """Whether sequences on a continuous worker's rows may be refused for the wait for
+        a row or their own time: not with nothing running or queued (no row shared: their
+        own time is no reason; they may end early)."""
+        return bool(self._in_flight or self._size)
 
     def _row_wait(self, queued_ahead: int, rows: int, now: float) -> float:
         """Seconds until `rows` rows of a continuous worker are free for sequences with
@@ -442,11 +464,11 @@ class SchedulerCore:
         took a third of the server's time from the rows. Only for a model that generates
         (its requests make new tokens by default; one asking none, a prompt only scored,
         is refused with them, as busy); never on a batching worker."""
-        if self.max_size != 1 or not self.default_new_tokens or not self.cost_model.trusted:
+        if self.max_size != 1 or not self.default_new_tokens or not self.pace.trusted:
             return False
-        if not self._rows_busy(1):
+        if not self._rows_busy():
             return False
-        return self._too_late_for_rows(1, 0.0, 0.0, deadline, self._turn + 1, deadline, now)
+        return self._too_late_for_rows(1, 0.0, deadline, self._turn + 1, deadline, now)
 
     def _queued_ahead(self, last_turn: int, latest: float) -> Iterator[WorkItem]:
         """The queued items that go before items whose last turn is `last_turn` and latest
@@ -618,9 +640,14 @@ class SchedulerCore:
         self._take(queue, batch, window)
         self._turn = max(self._turn, self._served_turn(batch, queue))
         cost = padded_cost(item.cost for item in batch)
-        predicted = self.cost_model.predict(cost, len(batch)) or 0.0
+        if self._continuous(batch):
+            predicted = self._sequence_seconds(batch, len(self._in_flight) + 1)
+        else:
+            predicted = self.cost_model.predict(cost, len(batch)) or 0.0
         tokens = sum(item.cost for item in batch)
-        self._in_flight[batch[0].seq] = InFlight(now, len(batch), cost, tokens, predicted)
+        self._count_rows(now)
+        flight = InFlight(now, len(batch), cost, tokens, predicted, self._row_seconds)
+        self._in_flight[batch[0].seq] = flight
         self._in_flight_predicted += predicted
         bisect.insort(self._in_flight_ends, now + predicted)
         return batch
@@ -666,30 +693,51 @@ class SchedulerCore:
 
     def _can_finish(self, item: WorkItem, now: float) -> bool:
         """Whether the item alone could be answered by its deadline. A stream is given
-        its chance (it sends what it makes until its deadline), and so is a generation
-        (or a prompt only scored on a continuous worker's rows, `_scored_on_rows`)
-        while half the workers' rows or more are free: it may end at its first new token
-        (most answers end long before their max_tokens), and the measured seconds of a
-        continuous worker's sequences are those of whole sequences sharing each step
-        with every row beside them, which tell how busy the worker was, not how soon a
-        first token comes (taken as its cost, a short chat with a 3 s deadline sat queued
-        beside a free row until a 504). Past that, its predicted time is the pace of the
-        rows it would share: one that cannot end by its deadline at that pace waits
-        queued for its 504 rather than holding a row to it. Nor is an item
-        larger than any call measured: its time is an extrapolation from smaller calls,
-        whose fixed costs it counts as if per token (a question-answering context of 440
-        windows, predicted past its 30 s deadline from short questions, waited for its 504
-        where it ran in 2.7 s)."""
+        its chance (it sends what it makes until its deadline).
+
+        A sequence on a continuous worker's rows is judged by the tokens it will likely
+        make at the pace of a token beside the rows running with it (`_sequence_seconds`):
+        one that cannot end by its deadline waits queued for its 504 rather than hold a
+        row to it, slowing the rows beside it. With no row running it is sent whatever
+        its time: alone, it is no reason to keep an idle worker idle (it may end early).
+        (Sent whatever its time while half the rows were free, on a 2-core CPU sequences
+        beside 64 rows took ~1 s for 150 tokens, and most of a flood of 1 s chats held
+        rows to their 504s.)
+
+        On a batching worker, a generation (or a prompt only scored on a continuous
+        worker's rows, `_scored_on_rows`) is given its chance while half the workers are
+        free: it may end at its first new token. Past that, an item that cannot end by
+        its deadline at the measured speed waits for its 504. Nor is an item larger than
+        any call measured: its time is an extrapolation from smaller calls, whose fixed
+        costs it counts as if per token (a question-answering context of 440 windows,
+        predicted past its 30 s deadline from short questions, waited for its 504 where
+        it ran in 2.7 s)."""
+        if item.deadline <= now:
+            return False
+        if item.control != NO_CONTROL and (item.new_tokens or self._scored_on_rows(item)):
+            return True
+        if self._continuous([item]):
+            if not self.pace.trusted or not self._in_flight:
+                return True
+            alone = self._sequence_seconds([item], len(self._in_flight) + 1)
+            return item.deadline > now + DEADLINE_MARGIN * alone
         if not self.cost_model.trusted:  # one call says little
-            return item.deadline > now
+            return True
         if (item.new_tokens or self._scored_on_rows(item)) and (
-            item.control != NO_CONTROL or len(self._in_flight) < self.workers / 2
+            len(self._in_flight) < self.workers / 2
         ):
-            return item.deadline > now
+            return True
         if item.cost > self.cost_model.largest:  # past every call measured: a guess
-            return item.deadline > now  # run it once; its time is then measured
+            return True  # run it once; its time is then measured
         alone = self.cost_model.predict(item.cost) or 0.0
         return item.deadline > now + DEADLINE_MARGIN * alone
+
+    def _likely_cost(self, item: WorkItem) -> int:
+        """`item`'s cost as it will likely run: a generation's prompt and the new tokens
+        it will likely make (`AnswerLengths`), not all it may make."""
+        if not item.new_tokens:
+            return item.cost
+        return _made_cost(item, self.answer_lengths.likely(item.new_tokens))
 
     def _scored_on_rows(self, item: WorkItem) -> bool:
         """Whether `item` is a prompt only scored (max_new_tokens 0: echo, loglikelihood)
@@ -700,7 +748,10 @@ class SchedulerCore:
         return self.max_size == 1 and item.params.get("max_new_tokens") == 0
 
     def _is_urgent(self, item: WorkItem, now: float) -> bool:
-        alone = self.cost_model.predict(item.cost)
+        if self._continuous([item]):
+            alone = self.pace.predict(self._likely_cost(item), len(self._in_flight) + 1)
+        else:
+            alone = self.cost_model.predict(item.cost)
         return alone is not None and item.deadline - now <= URGENT_BATCHES * alone
 
     def _wait_ends(self, minima: QueueMinima[WorkItem]) -> float:
@@ -727,15 +778,25 @@ class SchedulerCore:
             times.append(minima.earliest_deadline().deadline)
         return min((t for t in times if t > now), default=None)
 
-    def finish_batch(self, batch: Sequence[WorkItem], now: float) -> float:
-        """A batch came back: learn its speed; returns the seconds it took."""
+    def finish_batch(
+        self, batch: Sequence[WorkItem], now: float, made: Sequence[int] | None = None
+    ) -> float:
+        """A batch came back: learn its speed; returns the seconds it took. `made`: the
+        new tokens each of its generations made, where the worker says (see `_made_cost`)."""
+        self._count_rows(now)
         flight = self._pop_in_flight(batch)
         if flight is None:
             return 0.0
         seconds = max(now - flight.sent, 1e-6)
         if flight.predicted:  # a freak batch (a worker restart, retries) must not skew it
             seconds = min(seconds, OUTLIER_FACTOR * flight.predicted)
-        self.cost_model.observe(flight.cost, seconds, flight.tokens, flight.items)
+        if made is not None and len(made) == len(batch):
+            for item, count in zip(batch, made, strict=True):
+                self.answer_lengths.ended(item.new_tokens, count)
+        cost, tokens = _ran(batch, flight, made)
+        self.cost_model.observe(cost, seconds, tokens, flight.items)
+        if self._continuous(batch):
+            self.pace.observe(cost, self._rows_beside(flight, now), seconds)
         rate = len(batch) / seconds
         if self.items_per_second is None:
             self.items_per_second = rate
@@ -752,23 +813,54 @@ class SchedulerCore:
         ratio = sum(token_counts) / estimated
         self.tokens_per_estimate += CALIBRATION_SMOOTHING * (ratio - self.tokens_per_estimate)
 
-    def stopped_batch(self, batch: Sequence[WorkItem], now: float) -> None:
+    def stopped_batch(
+        self, batch: Sequence[WorkItem], now: float, made: Sequence[int] | None = None
+    ) -> None:
         """A batch stopped before its end, nobody waiting for it any more (a continuous
-        worker's sequence past its deadline). What it ran says little, unless it ran past
-        its predicted time: that time is then the least it takes, and is learned as such.
-        (Forgotten, only the sequences that ended in time taught the model, the fast ones;
-        under overload its pace looked the better the more sequences missed, and it
-        admitted the more that would.)"""
+        worker's sequence past its deadline, or its client gone). What it ran says
+        little to the cost model, unless it ran past its predicted time: that time is
+        then the least it takes, and is learned as such. (Forgotten, only the sequences
+        that ended in time taught the model, the fast ones; under overload its pace
+        looked the better the more sequences missed, and it admitted the more that
+        would.) `made`, as `finish_batch`'s: the cost is then that of the tokens made,
+        and a sequence's pace is learned from them whatever its end (the stopped ones are
+        the slow ones), as the answers' likely length learns of the ones that ran long."""
+        if made is not None and len(made) == len(batch):
+            for item, count in zip(batch, made, strict=True):
+                self.answer_lengths.stopped(item.new_tokens, count)
+        self._count_rows(now)
         flight = self._pop_in_flight(batch)
-        if flight is None or not flight.predicted:
+        if flight is None:
             return
-        seconds = min(now - flight.sent, OUTLIER_FACTOR * flight.predicted)
-        if seconds > flight.predicted:
-            self.cost_model.observe(flight.cost, seconds, flight.tokens, flight.items)
+        cost, tokens = _ran(batch, flight, made)
+        ran = max(now - flight.sent, 1e-6)
+        if self._continuous(batch) and made is not None and any(made):
+            rows = self._rows_beside(flight, now)
+            paced = self.pace.predict(cost, rows)
+            self.pace.observe(cost, rows, min(ran, OUTLIER_FACTOR * paced) if paced else ran)
+        least = self.cost_model.predict(cost, flight.items)
+        if least and ran > least:
+            self.cost_model.observe(cost, min(ran, OUTLIER_FACTOR * least), tokens, flight.items)
 
     def forget_batch(self, batch: Sequence[WorkItem]) -> None:
         """A batch failed in the worker pool: it is no longer in flight, and says nothing."""
         self._pop_in_flight(batch)
+
+    def _count_rows(self, now: float) -> None:
+        """Count the batches in flight up to `now`, before their number changes."""
+        counted_to = self._rows_counted_to
+        if counted_to is not None and now > counted_to:
+            self._row_seconds += len(self._in_flight) * (now - counted_to)
+        if counted_to is None or now > counted_to:
+            self._rows_counted_to = now
+
+    def _rows_beside(self, flight: InFlight, now: float) -> float:
+        """The batches in flight, on average, while `flight` ran (itself among them)."""
+        most = max(self.workers, len(self._in_flight) + 1)
+        seconds = now - flight.sent
+        if seconds < 1e-6:  # (or a clock that went back): the rows now
+            return float(min(len(self._in_flight) + 1, most))
+        return min(max(1.0, (self._row_seconds - flight.row_seconds) / seconds), most)
 
     def _pop_in_flight(self, batch: Sequence[WorkItem]) -> InFlight | None:
         flight = self._in_flight.pop(batch[0].seq, None)

@@ -514,9 +514,9 @@ class Scheduler:
         if result.rerun:  # its time is a worker's restart as much as the model's
             self.core.forget_batch(batch)
         elif not waited:
-            self.core.stopped_batch(batch, self.clock() - result.waited)  # nobody waited
+            self.core.stopped_batch(batch, self.clock() - result.waited, result.made)
         else:  # its own run: the time it waited in the worker behind another batch left out
-            self.core.finish_batch(batch, self.clock() - result.waited)
+            self.core.finish_batch(batch, self.clock() - result.waited, result.made)
         if not waited:
             return
         if result.token_counts:

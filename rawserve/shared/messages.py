@@ -123,6 +123,9 @@ class BatchResult:
     effective_batch_cap: int | None = None  # lowered after out-of-memory errors; None: no cap
     # real tokens per input, measured now and then: the server's length estimate learns
     token_counts: tuple[int, ...] | None = None
+    # the new tokens each input's sequence made (a continuous worker's; 0 for one failed):
+    # the server learns the seconds a token made, not those of a sequence that ended early
+    made: tuple[int, ...] | None = None
     # seconds it waited in the worker behind the batch before it (set by the server's
     # pool, two batches in flight): the scheduler times the batch's own run without it
     waited: float = 0.0
