@@ -22,7 +22,7 @@ from rawserve.serving.driver import Scheduler
 from rawserve.serving.service import ModelService
 from rawserve.serving.status import LoadState
 from rawserve.shared.messages import WorkerReady
-from tests.test_scheduler import PACE, FakeBackend
+from tests.test_scheduler import FakeBackend, taught
 
 
 def loaded(task: str) -> WorkerReady:
@@ -172,8 +172,7 @@ def busy_rows(model: ServedModel, rows: int = 8) -> None:
     now: ~4.3 s each, at the measured ~0.03 s a token."""
     core = model.serving.queue.core
     core.max_batch_size, core.workers, core.default_new_tokens = 1, rows, 16
-    for cost, seconds in [(12 + 8, 20 * PACE), (12 + 128, 140 * PACE)] * 3:
-        core.pace.observe(cost, 1, seconds)
+    taught(core)
     now = time.monotonic()
     for _ in range(rows):
         core.admit([core.new_item("prompt", {"max_new_tokens": 128}, now + 30, now)], now)

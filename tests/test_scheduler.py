@@ -31,6 +31,7 @@ from rawserve.serving.core import (
 from rawserve.serving.driver import DELIVERY_SLICE, Scheduler
 from rawserve.serving.minima import REBUILD_SLACK, QueueMinima
 from rawserve.serving.refusals import Reason, Refusal, Refused, shutting_down
+from rawserve.serving.sequences import STEPS_BESIDE
 from rawserve.shared.logs import REQUEST_ID
 from rawserve.shared.messages import (
     NO_CONTROL,
@@ -43,9 +44,16 @@ from rawserve.shared.messages import (
 from rawserve.tasks import estimate_tokens, model_tokens
 from rawserve.tasks.question_answering import window_tokens
 
-# seconds a token of a continuous worker's sequence in these tests: 140 tokens (a 12-token
-# prompt, 128 new ones) take 4.3 s
-PACE = 4.3 / 140
+# seconds a step of a continuous worker's sequence in these tests: 128 new tokens take 4.3 s
+PACE = 4.3 / (128 + STEPS_BESIDE)
+
+
+def taught(core: SchedulerCore, rows: float = 1) -> SchedulerCore:
+    """Teach the core's sequence pace PACE a step, whatever the rows, as if sequences of
+    8 and 128 new tokens had run."""
+    for made in (8, 128) * 3:
+        core.pace.observe(made, rows, (made + STEPS_BESIDE) * PACE)
+    return core
 
 
 def queue_items(core: SchedulerCore, values, now=0.0, deadline=30.0, params=None):
@@ -67,13 +75,13 @@ def measured(core: SchedulerCore, seconds_per_token: float, fixed: float = 0.0) 
 
 
 def paced(core: SchedulerCore, seconds_per_token: float, per_row: float = 0.0) -> SchedulerCore:
-    """Teach the core's sequence pace a speed of a token, `per_row` more for each row
+    """Teach the core's sequence pace a speed of a step, `per_row` more for each row
     beside it (as if sequences of two lengths, beside one row and beside ten, had run),
     and the cost model the speed alone (the scored prompts' and the drain's)."""
-    for tokens in (20, 140):
+    for made in (8, 128):
         for rows in (1, 10):
-            seconds = tokens * (seconds_per_token + per_row * (rows - 1))
-            core.pace.observe(tokens, rows, seconds)
+            seconds = (made + STEPS_BESIDE) * (seconds_per_token + per_row * (rows - 1))
+            core.pace.observe(made, rows, seconds)
     return measured(core, seconds_per_token)
 
 
@@ -632,21 +640,22 @@ def test_beside_running_rows_a_generation_that_cannot_end_in_time_waits_unless_s
 
 
 def test_a_generation_is_judged_at_the_pace_beside_the_rows_that_will_run_with_it():
-    """A token takes 10 ms beside one row and 1 ms more for each row beside it (a CPU's
-    rows share its cores): 100 new tokens take 1 s alone, 1.1 s beside another row and
-    1.5 s beside five more. Due in 1.5 s, such a sequence is taken beside one running
-    row (1.1 s x 1.25); once five are running it is refused for its own length. (Taken
+    """A step takes 10 ms beside one row and 1 ms more for each row beside it (a CPU's
+    rows share its cores): 100 new tokens (104 steps) take 1.04 s alone, 1.14 s beside
+    another row and 1.56 s beside five more. Due in 1.5 s, such a sequence is taken
+    beside one running row (1.14 s x 1.25); once five are running it is refused for its
+    own length. (Taken
     whatever its time while half the rows were free, on a 2-core CPU sequences beside 64
     rows took ~1 s for 150 tokens, and most of a flood of 1 s chats held rows to their
     504s.) With no row running it is taken whatever its time: it may end early."""
     asks = {"max_new_tokens": 100}
     core = paced(SchedulerCore(max_batch_size=1, workers=8), 0.01, per_row=0.001)
-    assert core.pace.predict(100, 1) == pytest.approx(1.0)
-    assert core.pace.predict(100, 6) == pytest.approx(1.5)
+    assert core.pace.predict(100, 1) == pytest.approx(1.04)
+    assert core.pace.predict(100, 6) == pytest.approx(1.56)
     run_sequences(core, 1, at=0.0, new_tokens=100)
     queue_items(core, [text(1)], deadline=1.5, params=asks)
     assert core.next_batch(0.0) is not None
-    late = core.new_item(text(1), asks, 1.4, 0.0)  # beside three rows, 1.2 s x 1.25
+    late = core.new_item(text(1), asks, 1.4, 0.0)  # beside three rows, 1.25 s x 1.25
     core.admit([late])  # (not judged: given no time)
     assert core.next_batch(0.0) is None  # two rows of eight running: it waits all the same
     core.remove(late)
@@ -701,10 +710,9 @@ def test_a_generation_waits_for_a_row_then_takes_its_whole_time():
     asks = {"max_new_tokens": 128}
     core = SchedulerCore(max_queue=512, max_batch_size=1, workers=128)
     idle = SchedulerCore(max_queue=512, max_batch_size=1, workers=128)
-    for cost, seconds in [(12 + 8, 20 * PACE), (12 + 128, 140 * PACE)] * 3:  # ~0.03 s a token
-        core.pace.observe(cost, 1, seconds)
-        idle.pace.observe(cost, 1, seconds)
-    own = core.pace.predict(12 + 128, 128)
+    taught(core)
+    taught(idle)
+    own = core.pace.predict(128, 128)
     assert own == pytest.approx(4.3, abs=0.05)
     queue_items(idle, [text(12)], deadline=own + 0.2, params=asks)  # idle: admitted
 
@@ -750,9 +758,8 @@ def test_an_idle_continuous_worker_takes_a_generation_whatever_its_predicted_tim
     ahead would outlast the request's deadline'."""
     asks = {"max_new_tokens": 128}
     core = SchedulerCore(max_queue=16, max_batch_size=1, workers=rows)
-    for cost, seconds in [(12 + 8, 20 * PACE), (12 + 128, 140 * PACE)] * 3:  # ~0.03 s a token
-        core.pace.observe(cost, 1, seconds)
-    own = core.pace.predict(12 + 128, rows)
+    taught(core)
+    own = core.pace.predict(128, rows)
     queue_items(core, [text(12)] * prompts, deadline=own / 2, params=asks)
     assert len(core) == prompts
 
@@ -761,9 +768,7 @@ def rows_of(rows: int) -> SchedulerCore:
     """A continuous worker's rows whose speed is measured: ~0.03 s a token, 0.1 s fixed
     (a 128-token answer after a 12-token prompt: 4.3 s)."""
     core = SchedulerCore(max_queue=512, max_batch_size=1, workers=rows, default_new_tokens=16)
-    for cost, seconds in [(12 + 8, 20 * PACE), (12 + 128, 140 * PACE)] * 3:
-        core.pace.observe(cost, 1, seconds)
-    return core
+    return taught(core)
 
 
 def run_sequences(core: SchedulerCore, count: int, at: float, new_tokens: int = 128) -> list:
@@ -975,19 +980,19 @@ def test_a_stopped_sequence_teaches_the_pace_of_the_tokens_it_made():
     10 ms was measured (learned as 128 tokens, it made the pace look faster, the more
     so the more sequences stopped)."""
     core = paced(SchedulerCore(max_batch_size=1, workers=8), 0.01)
-    before = core.pace.predict(12 + 128, 1)
+    before = core.pace.predict(128, 1)
     for at in range(20):
         queue_items(core, [text(12)], now=at, deadline=at + 30.0, params={"max_new_tokens": 128})
         core.stopped_batch(core.next_batch(now=at), now=at + 0.02 * (12 + 64), made=[64])
-    assert core.pace.predict(12 + 128, 1) > 1.8 * before
+    assert core.pace.predict(128, 1) > 1.8 * before
     assert not core._in_flight
 
 
 def test_answers_that_end_early_do_not_make_a_full_one_look_short():
     """Chats asking 200 tokens, four in five ending at 20 (their end of sequence) and
-    one at 200, at 10 ms a token: told what each made, the pace is that of a token,
-    and a full answer is likely (one in five ran to its cap), so a 200-token ask due in
-    2 s beside a running row is refused for its own length; a 20-token one is taken.
+    one at 200, at 10 ms a step: told what each made, the pace is that of a step, and a
+    full answer is likely (one in five ran to its cap), so a 200-token ask due in 2 s
+    beside a running row is refused for its own length; a 20-token one is taken.
     (Timed as whole sequences of 200, a full answer looked ~0.6 s, and in a flood of
     such chats most admitted ran to their 504s.)"""
     core = SchedulerCore(max_batch_size=1, workers=8)
@@ -995,8 +1000,8 @@ def test_answers_that_end_early_do_not_make_a_full_one_look_short():
     for turn in range(30):
         made = 200 if turn % 5 == 0 else 20
         (batch,) = run_sequences(core, 1, at=10.0 * turn, new_tokens=200)
-        core.finish_batch(batch, 10.0 * turn + 0.01 * (12 + made), made=[made])
-    assert core.pace.predict(12 + 200, 1) == pytest.approx(2.12)
+        core.finish_batch(batch, 10.0 * turn + 0.01 * (made + STEPS_BESIDE), made=[made])
+    assert core.pace.predict(200, 1) == pytest.approx(2.04)
     run_sequences(core, 1, at=300.0, new_tokens=200)
     with pytest.raises(OwnTimeUnreachable):
         queue_items(core, [text(12)], now=300.0, deadline=302.0, params=asks)
@@ -1013,7 +1018,7 @@ def test_a_sequences_pace_is_learned_beside_the_rows_that_ran_with_it_on_average
     (second,) = run_sequences(core, 1, at=1.0, new_tokens=100)
     core.finish_batch(second, 3.0, made=[50])
     core.finish_batch(first, 4.0, made=[100])
-    assert learned == [(12 + 50, 2.0, 2.0), (12 + 100, 1.5, 4.0)]
+    assert learned == [(50, 2.0, 2.0), (100, 1.5, 4.0)]
 
 
 def test_the_cost_of_a_long_input_is_what_the_model_reads_of_it():

@@ -107,6 +107,14 @@ def _ran(
     return padded_cost(costs), sum(costs)
 
 
+def _most_made(batch: Sequence[WorkItem], made: Sequence[int] | None) -> int:
+    """The most new tokens a sequence of `batch` made, where the worker says (`made`),
+    else the most one asked for."""
+    if made is not None and len(made) == len(batch):
+        return max(made)
+    return max(item.new_tokens for item in batch)
+
+
 class QueueFull(Exception):
     """Refused at admission: the queue bound is hit. Retry in `retry_after` seconds."""
 
@@ -371,7 +379,7 @@ class SchedulerCore:
 
     def _sequence_seconds(self, items: Sequence[WorkItem], rows: float) -> float:
         """The longest predicted time of `items`' sequences beside `rows` rows."""
-        return max(self.pace.predict(self._likely_cost(item), rows) or 0.0 for item in items)
+        return max(self.pace.predict(self._likely_made(item), rows) or 0.0 for item in items)
 
     def _waits_too_long_for_a_row(self, items: Sequence[WorkItem], now: float) -> bool:
         """`_misses_deadline` for sequences on a continuous worker's rows. A sequence runs
@@ -732,12 +740,9 @@ class SchedulerCore:
         alone = self.cost_model.predict(item.cost) or 0.0
         return item.deadline > now + DEADLINE_MARGIN * alone
 
-    def _likely_cost(self, item: WorkItem) -> int:
-        """`item`'s cost as it will likely run: a generation's prompt and the new tokens
-        it will likely make (`AnswerLengths`), not all it may make."""
-        if not item.new_tokens:
-            return item.cost
-        return _made_cost(item, self.answer_lengths.likely(item.new_tokens))
+    def _likely_made(self, item: WorkItem) -> int:
+        """The new tokens a generation will likely make (`AnswerLengths`), not all it may."""
+        return self.answer_lengths.likely(item.new_tokens)
 
     def _scored_on_rows(self, item: WorkItem) -> bool:
         """Whether `item` is a prompt only scored (max_new_tokens 0: echo, loglikelihood)
@@ -749,7 +754,7 @@ class SchedulerCore:
 
     def _is_urgent(self, item: WorkItem, now: float) -> bool:
         if self._continuous([item]):
-            alone = self.pace.predict(self._likely_cost(item), len(self._in_flight) + 1)
+            alone = self.pace.predict(self._likely_made(item), len(self._in_flight) + 1)
         else:
             alone = self.cost_model.predict(item.cost)
         return alone is not None and item.deadline - now <= URGENT_BATCHES * alone
@@ -787,16 +792,19 @@ class SchedulerCore:
         flight = self._pop_in_flight(batch)
         if flight is None:
             return 0.0
-        seconds = max(now - flight.sent, 1e-6)
-        if flight.predicted:  # a freak batch (a worker restart, retries) must not skew it
-            seconds = min(seconds, OUTLIER_FACTOR * flight.predicted)
+        ran = max(now - flight.sent, 1e-6)
         if made is not None and len(made) == len(batch):
             for item, count in zip(batch, made, strict=True):
                 self.answer_lengths.ended(item.new_tokens, count)
         cost, tokens = _ran(batch, flight, made)
+        # a freak batch (a worker restart, retries) must not skew the speeds: it counts as
+        # at most OUTLIER_FACTOR times the time predicted of what it ran (of the tokens a
+        # generation made: a full answer taken to be short is no freak)
+        expected = flight.predicted if cost == flight.cost else self.cost_model.predict(cost)
+        seconds = min(ran, OUTLIER_FACTOR * expected) if expected else ran
         self.cost_model.observe(cost, seconds, tokens, flight.items)
         if self._continuous(batch):
-            self.pace.observe(cost, self._rows_beside(flight, now), seconds)
+            self._observe_pace(batch, flight, made, now)
         rate = len(batch) / seconds
         if self.items_per_second is None:
             self.items_per_second = rate
@@ -835,9 +843,7 @@ class SchedulerCore:
         cost, tokens = _ran(batch, flight, made)
         ran = max(now - flight.sent, 1e-6)
         if self._continuous(batch) and made is not None and any(made):
-            rows = self._rows_beside(flight, now)
-            paced = self.pace.predict(cost, rows)
-            self.pace.observe(cost, rows, min(ran, OUTLIER_FACTOR * paced) if paced else ran)
+            self._observe_pace(batch, flight, made, now)
         least = self.cost_model.predict(cost, flight.items)
         if least and ran > least:
             self.cost_model.observe(cost, min(ran, OUTLIER_FACTOR * least), tokens, flight.items)
@@ -845,6 +851,16 @@ class SchedulerCore:
     def forget_batch(self, batch: Sequence[WorkItem]) -> None:
         """A batch failed in the worker pool: it is no longer in flight, and says nothing."""
         self._pop_in_flight(batch)
+
+    def _observe_pace(
+        self, batch: Sequence[WorkItem], flight: InFlight, made: Sequence[int] | None, now: float
+    ) -> None:
+        """Teach the sequences' pace the time of `batch`'s sequence, sent as `flight`,
+        back `now` having made `made` (at most OUTLIER_FACTOR times its predicted time)."""
+        rows, most = self._rows_beside(flight, now), _most_made(batch, made)
+        ran = max(now - flight.sent, 1e-6)
+        paced = self.pace.predict(most, rows)
+        self.pace.observe(most, rows, min(ran, OUTLIER_FACTOR * paced) if paced else ran)
 
     def _count_rows(self, now: float) -> None:
         """Count the batches in flight up to `now`, before their number changes."""
