@@ -31,7 +31,7 @@ from rawserve.serving.core import (
 from rawserve.serving.driver import DELIVERY_SLICE, Scheduler
 from rawserve.serving.minima import REBUILD_SLACK, QueueMinima
 from rawserve.serving.refusals import Reason, Refusal, Refused, shutting_down
-from rawserve.serving.sequences import STEPS_BESIDE
+from rawserve.serving.sequences import SEEN_ENOUGH, STEPS_BESIDE
 from rawserve.shared.logs import REQUEST_ID
 from rawserve.shared.messages import (
     NO_CONTROL,
@@ -50,9 +50,16 @@ PACE = 4.3 / (128 + STEPS_BESIDE)
 
 def taught(core: SchedulerCore, rows: float = 1) -> SchedulerCore:
     """Teach the core's sequence pace PACE a step, whatever the rows, as if sequences of
-    8 and 128 new tokens had run."""
+    8 and 128 new tokens had run, and that answers run to their cap."""
     for made in (8, 128) * 3:
         core.pace.observe(made, rows, (made + STEPS_BESIDE) * PACE)
+    return full_answers(core)
+
+
+def full_answers(core: SchedulerCore) -> SchedulerCore:
+    """Teach the core that answers run to their cap, however long (as if enough had)."""
+    for _ in range(SEEN_ENOUGH):
+        core.answer_lengths.ended(1_000_000, 1_000_000)
     return core
 
 
@@ -82,7 +89,7 @@ def paced(core: SchedulerCore, seconds_per_token: float, per_row: float = 0.0) -
         for rows in (1, 10):
             seconds = (made + STEPS_BESIDE) * (seconds_per_token + per_row * (rows - 1))
             core.pace.observe(made, rows, seconds)
-    return measured(core, seconds_per_token)
+    return measured(full_answers(core), seconds_per_token)
 
 
 def inputs(batch) -> list:
@@ -1019,6 +1026,64 @@ def test_a_sequences_pace_is_learned_beside_the_rows_that_ran_with_it_on_average
     core.finish_batch(second, 3.0, made=[50])
     core.finish_batch(first, 4.0, made=[100])
     assert learned == [(50, 2.0, 2.0), (100, 1.5, 4.0)]
+
+
+def test_an_idle_worker_sends_every_sequence_of_a_list_it_took_whatever_their_time():
+    """An idle worker takes a request whatever its time (its sequences may end early);
+    a list of three chats, each predicted past its deadline, had its first sent and its
+    third waiting beside free rows for the request's 504. All three are sent."""
+    core = paced(SchedulerCore(max_batch_size=1, workers=8), 0.01)
+    asks = {"max_new_tokens": 4000}  # 40 s predicted, 30 s given
+    queue_items(core, [text(5)] * 3, deadline=30.0, params=asks)
+    assert len(core.decide(0.0, free_workers=8).batches) == 3
+
+
+def test_a_sequences_own_length_is_no_reason_to_refuse_it_until_answers_are_seen():
+    """Before enough answers are seen, a chat asking 4,096 tokens (answers of a few
+    hundred) is not judged by 4,096: it was refused beside a few running rows."""
+    core = SchedulerCore(max_batch_size=1, workers=256)
+    for made in (8, 128) * 3:
+        core.pace.observe(made, 1, (made + STEPS_BESIDE) * 0.02)
+    run_sequences(core, 4, at=0.0, new_tokens=4096)
+    queue_items(core, [text(12)], deadline=30.0, params={"max_new_tokens": 4096})
+    assert core.next_batch(0.0) is not None
+
+
+def test_a_stream_is_not_refused_for_its_own_length():
+    """A stream is sent what is made in time: beside running rows, its own length is no
+    reason to refuse it (its send never held it for that either)."""
+    core = paced(SchedulerCore(max_batch_size=1, workers=8), 0.01)
+    run_sequences(core, 2, at=0.0, new_tokens=10)
+    asks = {"max_new_tokens": 4000}
+    stream = core.new_item(text(5), asks, 5.0, 0.0, Control(stream_id=1))
+    core.admit([stream], 0.0)
+    assert core.next_batch(0.0) == [stream]
+    with pytest.raises(OwnTimeUnreachable):  # not streamed: refused
+        queue_items(core, [text(5)], deadline=5.0, params=asks)
+
+
+def test_a_sequence_that_made_nothing_teaches_no_pace():
+    """A sequence that failed at once (its template, its grammar) comes back in a few
+    milliseconds having made nothing: taken as a pace, forty such made a 200-token
+    answer look a tenth as long."""
+    core = paced(SchedulerCore(max_batch_size=1, workers=8), 0.01)
+    before = core.pace.predict(200, 1)
+    for at in range(40):
+        (batch,) = run_sequences(core, 1, at=float(at), new_tokens=200)
+        core.finish_batch(batch, at + 0.002, made=[0])
+    assert core.pace.predict(200, 1) == pytest.approx(before)
+
+
+def test_a_batch_forgotten_stops_counting_among_the_rows_then(monkeypatch):
+    """Two sequences sent at 0, one forgotten at 10 (its worker died), the other back at
+    20: it ran beside 1.5 rows on average."""
+    core = SchedulerCore(max_batch_size=1, workers=8)
+    learned = []
+    monkeypatch.setattr(core.pace, "observe", lambda *seen: learned.append(seen))
+    first, second = run_sequences(core, 2, at=0.0, new_tokens=100)
+    core.forget_batch(second, 10.0)
+    core.finish_batch(first, 20.0, made=[100])
+    assert learned == [(100, 1.5, 20.0)]
 
 
 def test_the_cost_of_a_long_input_is_what_the_model_reads_of_it():

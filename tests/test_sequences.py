@@ -6,21 +6,29 @@ import pytest
 
 from rawserve.serving.sequences import (
     KEPT,
-    LIKELY_QUANTILE,
+    SEEN_ENOUGH,
     STEPS_BESIDE,
     AnswerLengths,
     SequencePace,
 )
 
 
-def test_an_answer_is_taken_to_run_to_its_cap_until_answers_are_seen_to_end_early():
+def test_a_length_is_not_known_until_enough_answers_say_something_of_it():
     lengths = AnswerLengths()
-    assert lengths.likely(200) == 200  # nothing seen: nothing is assumed to end early
+    assert lengths.likely(200) is None  # nothing seen: nothing is assumed
+    for made in range(10, 10 + SEEN_ENOUGH - 1):
+        lengths.ended(200, made)
+    assert lengths.likely(200) is None
+    lengths.ended(200, 100)
+    assert lengths.likely(200) is not None
+
+
+def test_nine_in_ten_answers_stay_within_the_likely_length_and_never_more_than_asked():
+    lengths = AnswerLengths()
     for made in range(10, 110):  # a hundred answers that ended early, 10-109 tokens
         lengths.ended(200, made)
-    assert lengths.capped_share < 0.01
-    assert lengths.likely(200) == 99  # nine in ten stayed within 99 tokens
-    assert lengths.likely(50) == 50  # never more than asked
+    assert lengths.likely(200) == 99
+    assert lengths.likely(50) == 50
 
 
 def test_a_tenth_of_answers_running_to_their_cap_makes_a_full_one_likely():
@@ -31,45 +39,42 @@ def test_a_tenth_of_answers_running_to_their_cap_makes_a_full_one_likely():
     for _ in range(20):
         for made in (20, 22, 18, 25, 21, 200):
             lengths.ended(200, made)
-    assert lengths.capped_share >= 1 - LIKELY_QUANTILE
     assert lengths.likely(200) == 200
 
 
-def test_answers_running_to_their_cap_raise_the_quantile_read_from_the_early_ends():
-    """One in twenty ran to its cap: nine in ten of all answers stayed within the
-    tokens that 0.9 / 0.95 of the early ends stayed within, not 0.9 of them."""
+def test_answers_that_ran_to_a_shorter_cap_say_nothing_of_a_longer_ask():
+    """Prompts asking 5 tokens always reach them: that says nothing of how long a chat
+    asking 4,096 runs (taken as one share of full answers for every ask, chats asking
+    4,096 for answers of 100-500 tokens were refused whenever anything ran). A chat
+    asking 5, or 400, is full by them where the chats ran past it."""
     lengths = AnswerLengths()
-    for _ in range(10):
-        for made in [*range(1, 20), 200]:  # 19 early ends of 1-19 tokens, one full
-            lengths.ended(200, made)
-    assert 0.05 < lengths.capped_share < 1 - LIKELY_QUANTILE  # (just after a full one)
-    early = sorted([*range(1, 20)] * 10)
-    assert early[int(LIKELY_QUANTILE * (len(early) - 1))] == 18  # the early ends' own
-    assert lengths.likely(200) == 19
+    for made in range(100, 500, 4):  # a hundred chats asking 4,096, ending at 100-496
+        lengths.ended(4096, made)
+        lengths.ended(5, 5)
+    assert lengths.likely(4096) == 456
+    assert lengths.likely(5) == 5
+    assert lengths.likely(400) == 400  # more than a tenth of the chats ran past 400
 
 
-def test_a_sequence_stopped_past_its_likely_length_counts_as_long_and_one_stopped_sooner_not():
-    """Stopped at its deadline past the tokens it was taken to make, a sequence ran long
-    (left out, the answers that ended were only the short ones); stopped before (its
-    client left at once), it says nothing. A sequence that made nothing (it failed)
-    says nothing either."""
+def test_a_stopped_sequence_was_at_least_as_long_as_what_it_made():
+    """Stopped at its deadline (or its client gone) after 60 tokens, a sequence ran at
+    least that long: for an ask of 60 or fewer it counts as full, for a longer one it
+    says nothing (left out, under overload the answers that ended were the short ones);
+    one that made nothing says nothing either."""
     lengths = AnswerLengths()
     for _ in range(100):
         lengths.ended(200, 20)
+    assert lengths.likely(200) == 20 and lengths.likely(60) == 20
+    lengths.stopped(0)
+    for _ in range(20):
+        lengths.stopped(60)
+    assert lengths.likely(60) == 60  # a sixth of what says something of it ran past 60
     assert lengths.likely(200) == 20
-    share = lengths.capped_share
-    lengths.stopped(200, 5)
-    lengths.ended(200, 0)
-    assert lengths.capped_share == share and lengths.likely(200) == 20
-    for _ in range(5):
-        lengths.stopped(200, 60)
-    assert lengths.capped_share >= 1 - LIKELY_QUANTILE
-    assert lengths.likely(200) == 200
 
 
 def test_the_likely_length_follows_the_latest_answers():
-    """The quantile is read from the latest early ends only: answers that grew short
-    are soon taken to be short."""
+    """A length is read from the latest answers only: answers that grew short are soon
+    taken to be short."""
     lengths = AnswerLengths()
     for made in [100] * KEPT + [10] * KEPT:
         lengths.ended(200, made)
@@ -92,8 +97,20 @@ def test_a_step_takes_the_same_time_beside_any_rows_until_the_rows_vary():
     assert pace.predict(100, 100) == pytest.approx(steps(100) * 0.01)
     for rows, seconds_a_step in [(1, 0.01), (11, 0.02), (21, 0.03)] * 3:
         pace.observe(200, rows, steps(200) * seconds_a_step)
-    assert pace.predict(100, 41) == pytest.approx(steps(100) * 0.05)
+    assert pace.predict(100, 16) == pytest.approx(steps(100) * 0.025)
     assert pace.predict(100, 1) == pytest.approx(steps(100) * 0.01)
+
+
+def test_the_pace_is_read_no_further_than_the_most_rows_measured():
+    """Two sequences beside one row and two, 10 % apart (noise): the line through them,
+    read at a GPU's 256 rows, predicted 27 times the time a step takes there, and a
+    burst on an idle GPU was refused. Beside more rows than measured, a step takes what
+    it took beside the most."""
+    pace = SequencePace()
+    pace.observe(100, 1, steps(100) * 0.020)
+    pace.observe(100, 2, steps(100) * 0.022)
+    assert pace.predict(100, 256) == pytest.approx(pace.predict(100, 2))
+    assert pace.predict(100, 256) < steps(100) * 0.025
 
 
 def test_a_short_answer_and_a_long_one_take_the_same_time_a_step():

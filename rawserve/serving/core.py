@@ -70,6 +70,8 @@ class WorkItem:
     seq: int
     new_tokens: int = 0  # the most a generation may add (its `cost` counts them); else 0
     rows: int = 1  # the rows a generation decodes at each step (its beams, its sequences)
+    # admitted by an idle continuous worker: sent whatever its time, as it was admitted
+    taken_whatever_its_time: bool = False
     future: asyncio.Future[ItemResult] | None = None
     queued: bool = False
     turn: int = 0  # its place in the fair-share order, set when it is admitted
@@ -301,12 +303,15 @@ class SchedulerCore:
             item.turn = self._turn + 1 + offset
         if now is not None and items and self._misses_deadline(items, now):
             deadline = min(item.deadline for item in items)
-            if (
-                self._continuous(items)
-                and now + self._own_margin(items) * self._own_seconds(items) > deadline
-            ):
+            if self._continuous(items) and now + self._own_seconds(items) > deadline:
                 raise OwnTimeUnreachable(self.retry_after(now))
             raise DeadlineUnreachable(self.retry_after(now))
+        # an idle continuous worker takes a request whatever its sequences' time (they may
+        # end early), and sends every one of them so (a list of three was taken, and its
+        # third waited beside free rows for the request's 504)
+        idle = self._continuous(items) and not self._rows_busy()
+        for item in items:
+            item.taken_whatever_its_time = idle
         for item in items:
             queue = self._queues.get(item.key)
             if queue is None:
@@ -371,15 +376,36 @@ class SchedulerCore:
         return self.max_size == 1 and all(item.new_tokens for item in items)
 
     def _own_seconds(self, items: Sequence[WorkItem]) -> float:
-        """The longest predicted time of `items`' sequences, each on a row of its own,
-        beside the rows that will likely run then: those running, the queued ones and
-        theirs, as many as there are rows."""
+        """The seconds `items`' sequences, each on a row of its own, are judged to need
+        at admission (`_own_time`), beside the rows that will likely run then: those
+        running, the queued ones and theirs, as many as there are rows."""
         rows = min(len(self._in_flight) + self._size + len(items), self.workers)
-        return self._sequence_seconds(items, rows)
+        return self._own_time(items, rows)
 
-    def _sequence_seconds(self, items: Sequence[WorkItem], rows: float) -> float:
-        """The longest predicted time of `items`' sequences beside `rows` rows."""
-        return max(self.pace.predict(self._likely_made(item), rows) or 0.0 for item in items)
+    def _own_time(self, items: Sequence[WorkItem], rows: float) -> float:
+        """The seconds `items`' sequences are judged to need beside `rows` rows: the
+        longest predicted time of the tokens they will likely make, with DEADLINE_MARGIN
+        (as admission and the send both judge it: admitted by its time alone, one whose
+        row freed as predicted could no longer be sent, and waited queued for its 504).
+        None for a stream (it is sent what is made in time), for one taken whatever its
+        time, or for one whose likely length is not known yet."""
+        if any(item.control != NO_CONTROL or item.taken_whatever_its_time for item in items):
+            return 0.0
+        seconds = 0.0
+        for item in items:
+            made = self.answer_lengths.likely(item.new_tokens)
+            if made is not None:
+                seconds = max(seconds, self.pace.predict(made, rows) or 0.0)
+        return DEADLINE_MARGIN * seconds
+
+    def _flight_seconds(self, batch: Sequence[WorkItem], rows: float) -> float:
+        """The predicted time of `batch`'s sequences, sent beside `rows` rows: of the
+        tokens they will likely make, else (not known yet) of all they ask."""
+        return max(
+            self.pace.predict(self.answer_lengths.likely(item.new_tokens) or item.new_tokens, rows)
+            or 0.0
+            for item in batch
+        )
 
     def _waits_too_long_for_a_row(self, items: Sequence[WorkItem], now: float) -> bool:
         """`_misses_deadline` for sequences on a continuous worker's rows. A sequence runs
@@ -392,24 +418,14 @@ class SchedulerCore:
         it for seconds.) One that could not end in time at the pace beside the rows that
         will run with it is refused too (`_own_seconds`): more rows would go no faster (on
         a CPU, slower), and its retry may find the worker less busy. (Taken while half
-        the rows were free, on a loaded 2-core machine most held a row to their 504.) Its
-        own time counts as its send will judge it (`_own_margin`); with nothing running
-        or queued, it is taken whatever its time (`_rows_busy`)."""
+        the rows were free, on a loaded 2-core machine most held a row to their 504.) With
+        nothing running or queued, it is taken whatever its time (`_rows_busy`)."""
         if not self._rows_busy():
             return False
-        own = self._own_margin(items) * self._own_seconds(items)
+        own = self._own_seconds(items)
         turn, latest = _bounds(items)
         deadline = min(item.deadline for item in items)
         return self._too_late_for_rows(len(items), own, deadline, turn, latest, now)
-
-    def _own_margin(self, items: Sequence[WorkItem]) -> float:
-        """The margin on `items`' own time, as `_can_finish` gives it when they are sent:
-        none for a stream (sent while its deadline is ahead). (Admitted by its time
-        alone, one whose row freed as predicted could no longer be sent, and waited
-        queued for its 504.)"""
-        if any(item.control != NO_CONTROL for item in items):
-            return 1.0
-        return DEADLINE_MARGIN
 
     def _too_late_for_rows(
         self,
@@ -649,7 +665,7 @@ class SchedulerCore:
         self._turn = max(self._turn, self._served_turn(batch, queue))
         cost = padded_cost(item.cost for item in batch)
         if self._continuous(batch):
-            predicted = self._sequence_seconds(batch, len(self._in_flight) + 1)
+            predicted = self._flight_seconds(batch, len(self._in_flight) + 1)
         else:
             predicted = self.cost_model.predict(cost, len(batch)) or 0.0
         tokens = sum(item.cost for item in batch)
@@ -704,10 +720,11 @@ class SchedulerCore:
         its chance (it sends what it makes until its deadline).
 
         A sequence on a continuous worker's rows is judged by the tokens it will likely
-        make at the pace of a token beside the rows running with it (`_sequence_seconds`):
-        one that cannot end by its deadline waits queued for its 504 rather than hold a
-        row to it, slowing the rows beside it. With no row running it is sent whatever
-        its time: alone, it is no reason to keep an idle worker idle (it may end early).
+        make at the pace of a step beside the rows running with it (`_own_time`): one
+        that cannot end by its deadline waits queued for its 504 rather than hold a row
+        to it, slowing the rows beside it. With no row running, or admitted by an idle
+        worker, it is sent whatever its time: alone, it is no reason to keep an idle
+        worker idle (it may end early).
         (Sent whatever its time while half the rows were free, on a 2-core CPU sequences
         beside 64 rows took ~1 s for 150 tokens, and most of a flood of 1 s chats held
         rows to their 504s.)
@@ -727,8 +744,7 @@ class SchedulerCore:
         if self._continuous([item]):
             if not self.pace.trusted or not self._in_flight:
                 return True
-            alone = self._sequence_seconds([item], len(self._in_flight) + 1)
-            return item.deadline > now + DEADLINE_MARGIN * alone
+            return item.deadline > now + self._own_time([item], len(self._in_flight) + 1)
         if not self.cost_model.trusted:  # one call says little
             return True
         if (item.new_tokens or self._scored_on_rows(item)) and (
@@ -740,10 +756,6 @@ class SchedulerCore:
         alone = self.cost_model.predict(item.cost) or 0.0
         return item.deadline > now + DEADLINE_MARGIN * alone
 
-    def _likely_made(self, item: WorkItem) -> int:
-        """The new tokens a generation will likely make (`AnswerLengths`), not all it may."""
-        return self.answer_lengths.likely(item.new_tokens)
-
     def _scored_on_rows(self, item: WorkItem) -> bool:
         """Whether `item` is a prompt only scored (max_new_tokens 0: echo, loglikelihood)
         on a continuous worker, where it is scored between the rows' steps: its cost is
@@ -754,10 +766,10 @@ class SchedulerCore:
 
     def _is_urgent(self, item: WorkItem, now: float) -> bool:
         if self._continuous([item]):
-            alone = self.pace.predict(self._likely_made(item), len(self._in_flight) + 1)
+            alone = self._own_time([item], len(self._in_flight) + 1) / DEADLINE_MARGIN
         else:
-            alone = self.cost_model.predict(item.cost)
-        return alone is not None and item.deadline - now <= URGENT_BATCHES * alone
+            alone = self.cost_model.predict(item.cost) or 0.0
+        return alone > 0 and item.deadline - now <= URGENT_BATCHES * alone
 
     def _wait_ends(self, minima: QueueMinima[WorkItem]) -> float:
         """When a free worker stops waiting for a key's batch to fill: `max_batch_delay`
@@ -803,7 +815,7 @@ class SchedulerCore:
         expected = flight.predicted if cost == flight.cost else self.cost_model.predict(cost)
         seconds = min(ran, OUTLIER_FACTOR * expected) if expected else ran
         self.cost_model.observe(cost, seconds, tokens, flight.items)
-        if self._continuous(batch):
+        if self._continuous(batch) and (made is None or any(made)):  # (none: it failed)
             self._observe_pace(batch, flight, made, now)
         rate = len(batch) / seconds
         if self.items_per_second is None:
@@ -834,8 +846,8 @@ class SchedulerCore:
         and a sequence's pace is learned from them whatever its end (the stopped ones are
         the slow ones), as the answers' likely length learns of the ones that ran long."""
         if made is not None and len(made) == len(batch):
-            for item, count in zip(batch, made, strict=True):
-                self.answer_lengths.stopped(item.new_tokens, count)
+            for count in made:
+                self.answer_lengths.stopped(count)
         self._count_rows(now)
         flight = self._pop_in_flight(batch)
         if flight is None:
@@ -848,8 +860,11 @@ class SchedulerCore:
         if least and ran > least:
             self.cost_model.observe(cost, min(ran, OUTLIER_FACTOR * least), tokens, flight.items)
 
-    def forget_batch(self, batch: Sequence[WorkItem]) -> None:
-        """A batch failed in the worker pool: it is no longer in flight, and says nothing."""
+    def forget_batch(self, batch: Sequence[WorkItem], now: float | None = None) -> None:
+        """A batch failed in the worker pool: it is no longer in flight (from `now`, when
+        known, for the rows counted over time), and says nothing."""
+        if now is not None:
+            self._count_rows(now)
         self._pop_in_flight(batch)
 
     def _observe_pace(

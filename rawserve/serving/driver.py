@@ -474,7 +474,7 @@ class Scheduler:
             on_part = functools.partial(self._answer_part, batch, now)
             future = self.backend.submit(inputs, lead.params, lead.control, ids, admitted, on_part)
         except Exception as exc:  # noqa: BLE001 - the batch fails, the loop goes on
-            self.core.forget_batch(batch)
+            self.core.forget_batch(batch, self.clock())
             log.error("the worker pool refused a batch of %d: %s", len(batch), exc)
             for item in batch:
                 _settle(item, exception=_as_refusal(exc))
@@ -492,7 +492,7 @@ class Scheduler:
         self._sent.pop(done, None)
         self.wake()
         if done.cancelled() or done.exception() is not None:
-            self.core.forget_batch(batch)
+            self.core.forget_batch(batch, self.clock())
             error = done.exception() if not done.cancelled() else None
             stopped = isinstance(error, Refused) and error.refusal.reason is Reason.SHUTTING_DOWN
             # (the end of the grace is logged once, not once a batch; a batch nobody waits
@@ -512,7 +512,7 @@ class Scheduler:
             self.metrics.observe_batch(computed, result.compute_seconds)
         waited = any(_waits(item) for item in batch)
         if result.rerun:  # its time is a worker's restart as much as the model's
-            self.core.forget_batch(batch)
+            self.core.forget_batch(batch, self.clock())
         elif not waited:
             self.core.stopped_batch(batch, self.clock() - result.waited, result.made)
         else:  # its own run: the time it waited in the worker behind another batch left out
