@@ -57,19 +57,23 @@ def test_answers_that_ran_to_a_shorter_cap_say_nothing_of_a_longer_ask():
 
 
 def test_a_stopped_sequence_was_at_least_as_long_as_what_it_made():
-    """Stopped at its deadline (or its client gone) after 60 tokens, a sequence ran at
-    least that long: for an ask of 60 or fewer it counts as full, for a longer one it
-    says nothing (left out, under overload the answers that ended were the short ones);
-    one that made nothing says nothing either."""
+    """A hundred answers ended at 20 tokens; twenty more were stopped at their deadline
+    after 60: they ran at least that long, a sixth of all, so nine in ten answers are
+    no longer known to stay within any length seen, and a sequence is taken to make
+    all it asks. (Left out, under overload the answers that ended were the short ones.)
+    Stopped after 10, before any answer ended, they say nothing of the lengths past
+    that; one that made nothing says nothing at all."""
     lengths = AnswerLengths()
     for _ in range(100):
         lengths.ended(200, 20)
-    assert lengths.likely(200) == 20 and lengths.likely(60) == 20
+    assert lengths.likely(200) == 20
     lengths.stopped(0)
     for _ in range(20):
-        lengths.stopped(60)
-    assert lengths.likely(60) == 60  # a sixth of what says something of it ran past 60
+        lengths.stopped(10)
     assert lengths.likely(200) == 20
+    for _ in range(20):
+        lengths.stopped(60)
+    assert lengths.likely(200) == 200 and lengths.likely(60) == 60
 
 
 def test_the_likely_length_follows_the_latest_answers():

@@ -34,42 +34,45 @@ class AnswerLengths:
 
     Each answer is kept as what it asked and what it made. One that ended early (its end
     of sequence, a stop) had its natural length; one that ran to its cap, or was stopped
-    (its deadline, its client gone), was at least as long as what it made. For a new
-    sequence asking for `asked`, the answers that ended early count their length, those
-    that ran to a cap at least as long count as full, and those that ran to a shorter cap
-    say nothing of it: a prompt asking 5 tokens, always reaching them, made chats asking
-    4,096 look full (counted as one share of capped answers for every ask, 2,351 of 2,487
-    chats were refused in a simulated mix). Stopped ones count so too: left out, under
-    overload the answers that ended were the short ones, and the likely length looked the
-    shorter the more sequences ran to their 504."""
+    (its deadline, its client gone), was at least as long as it made. The share of
+    answers longer than each length is read from both, as survival is from cases followed
+    for different times (Kaplan and Meier's estimate): a prompt asking 5 tokens, always
+    reaching them, says nothing of how long a chat asking 4,096 runs (counted as a full
+    answer for every ask, chats asking 4,096 for answers of a few hundred were refused
+    whenever anything ran), and a sequence stopped at its deadline after 100 tokens ran
+    at least that long (left out, under overload the answers that ended were the short
+    ones, and the likely length looked the shorter the more sequences ran to their 504)."""
 
     def __init__(self) -> None:
         self._answers: collections.deque[tuple[int, int]] = collections.deque(maxlen=KEPT)
-        self._read: dict[int, int | None] = {}  # per ask: its likely length, as last read
+        self._quantile: int | None = None  # as last read; None: past every answer seen
         self._unread = 0  # answers since
 
     def likely(self, asked: int) -> int | None:
         """The new tokens a sequence asking for `asked` likely makes: as many as
-        LIKELY_QUANTILE of the answers that say something of it stayed within. None while
-        fewer than SEEN_ENOUGH say something (nothing is assumed before it is seen)."""
-        # read again every REREAD answers, or at each while few are kept (cheaply)
-        if self._unread >= REREAD or (self._unread and len(self._answers) < 2 * SEEN_ENOUGH):
-            self._read.clear()
-            self._unread = 0
-        if asked not in self._read:
-            self._read[asked] = self._read_likely(asked)
-        return self._read[asked]
-
-    def _read_likely(self, asked: int) -> int | None:
-        lengths = [
-            min(made, asked)
-            for cap, made in self._answers
-            if made < cap or cap >= asked  # ended early, or ran to a cap as long
-        ]
-        if len(lengths) < SEEN_ENOUGH:
+        LIKELY_QUANTILE of answers stay within, or all it asks where more run longer.
+        None while fewer than SEEN_ENOUGH answers are seen (nothing is assumed)."""
+        if len(self._answers) < SEEN_ENOUGH:
             return None
-        lengths.sort()
-        return lengths[int(LIKELY_QUANTILE * (len(lengths) - 1))]
+        # read again every REREAD answers, or at each while few are kept
+        if self._unread >= REREAD or (self._unread and len(self._answers) < 2 * SEEN_ENOUGH):
+            self._quantile = self._read_quantile()
+            self._unread = 0
+        return asked if self._quantile is None else min(asked, self._quantile)
+
+    def _read_quantile(self) -> int | None:
+        """The shortest length LIKELY_QUANTILE of answers stay within, None where more
+        than the rest ran past every length an answer ended at."""
+        # by length; at one length the answers that ended there first
+        kept = sorted((made, made >= cap) for cap, made in self._answers)
+        at_risk, longer = len(kept), 1.0
+        for made, at_least in kept:
+            if not at_least:
+                longer *= 1 - 1 / at_risk
+                if longer <= 1 - LIKELY_QUANTILE:
+                    return made
+            at_risk -= 1
+        return None
 
     def ended(self, asked: int, made: int) -> None:
         """A sequence asking for `asked` ended having made `made` (none: it failed, or
