@@ -387,7 +387,7 @@ class SchedulerCore:
         longest predicted time of the tokens they will likely make, with DEADLINE_MARGIN
         (as admission and the send both judge it: admitted by its time alone, one whose
         row freed as predicted could no longer be sent, and waited queued for its 504).
-        None for a stream (it is sent what is made in time), for one taken whatever its
+        Nothing for a stream (it is sent what is made in time), for one taken whatever its
         time, or for one whose likely length is not known yet."""
         if any(item.control != NO_CONTROL or item.taken_whatever_its_time for item in items):
             return 0.0
