@@ -98,21 +98,27 @@ def _made_cost(item: WorkItem, made: int) -> int:
     return max(item.cost - unmade, 1)
 
 
+def _told(batch: Sequence[WorkItem], made: Sequence[int] | None) -> Sequence[int] | None:
+    """`made`, where the worker told it of every item of `batch`; else None."""
+    return made if made is not None and len(made) == len(batch) else None
+
+
 def _ran(
     batch: Sequence[WorkItem], flight: InFlight, made: Sequence[int] | None
 ) -> tuple[int, int]:
     """The padded and unpadded cost of what `batch` (sent as `flight`) ran: with the
-    new tokens its generations `made`, where the worker says, else all they asked."""
-    if made is None or len(made) != len(batch):
+    new tokens its generations `made` (`_told`), where the worker says, else all they
+    asked."""
+    if made is None:
         return flight.cost, flight.tokens
     costs = [_made_cost(item, count) for item, count in zip(batch, made, strict=True)]
     return padded_cost(costs), sum(costs)
 
 
 def _most_made(batch: Sequence[WorkItem], made: Sequence[int] | None) -> int:
-    """The most new tokens a sequence of `batch` made, where the worker says (`made`),
-    else the most one asked for."""
-    if made is not None and len(made) == len(batch):
+    """The most new tokens a sequence of `batch` made, where the worker says (`made`,
+    `_told`), else the most one asked for."""
+    if made is not None:
         return max(made)
     return max(item.new_tokens for item in batch)
 
@@ -800,12 +806,13 @@ class SchedulerCore:
     ) -> float:
         """A batch came back: learn its speed; returns the seconds it took. `made`: the
         new tokens each of its generations made, where the worker says (see `_made_cost`)."""
+        made = _told(batch, made)
         self._count_rows(now)
         flight = self._pop_in_flight(batch)
         if flight is None:
             return 0.0
         ran = max(now - flight.sent, 1e-6)
-        if made is not None and len(made) == len(batch):
+        if made is not None:
             for item, count in zip(batch, made, strict=True):
                 self.answer_lengths.ended(item.new_tokens, count)
         cost, tokens = _ran(batch, flight, made)
@@ -845,7 +852,8 @@ class SchedulerCore:
         would.) `made`, as `finish_batch`'s: the cost is then that of the tokens made,
         and a sequence's pace is learned from them whatever its end (the stopped ones are
         the slow ones), as the answers' likely length learns of the ones that ran long."""
-        if made is not None and len(made) == len(batch):
+        made = _told(batch, made)
+        if made is not None:
             for count in made:
                 self.answer_lengths.stopped(count)
         self._count_rows(now)

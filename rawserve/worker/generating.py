@@ -121,7 +121,6 @@ class OpenBatch:
     outputs: list[Any]  # one per item; None while the item runs
     generations: dict[int, Generation] = field(default_factory=dict)  # item index: its own
     tokens: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # details' tokens
-    made: dict[int, int] = field(default_factory=dict)  # item index: the new tokens it made
 
     @property
     def done(self) -> bool:
@@ -392,7 +391,6 @@ class GenerationLoop:
                 "its deadline passed",
                 len(generation.tokens),
             )
-        opened.made[index] = len(generation.tokens)
         self._output(opened, index, generation)
         self._answer_if_done(opened)
 
@@ -437,7 +435,10 @@ class GenerationLoop:
             tuple(opened.outputs),
             self.clock() - opened.arrived,
             token_counts=sample_token_counts(self.runner, batch),
-            made=tuple(opened.made.get(index, 0) for index in range(len(opened.outputs))),
+            made=tuple(
+                len(ran.tokens) if (ran := opened.generations.get(i)) is not None else 0
+                for i in range(len(opened.outputs))
+            ),
         )
         if not self._answer(result):  # it fails alone, where the worker would die of it
             why = "the model's answer to this input cannot be sent (out of memory)"
