@@ -22,7 +22,9 @@ second) and its ratio to the capacity; answers by status (a 504 is a request adm
 then dropped at its deadline: the rows it held were spent for nothing, unless it expired
 queued, `expired_queued`); the 503s' latency
 (a refusal should be at once) and the 200s'. A server that admits only what it can answer
-in time keeps the goodput near the capacity with few 504s.
+in time keeps the goodput near the capacity with few 504s. Then what the scheduler learned
+(its /metrics): a decoding step's seconds beside one row and beside the most rows
+measured, those rows, and the new tokens nine in ten answers stayed within.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import shlex
 import statistics
@@ -39,6 +42,9 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from bench import generation_serving, load, servers
 
@@ -91,17 +97,45 @@ def requests(
     return built, asks
 
 
-def queued_expired(port: int) -> int:
-    """Items whose deadline passed while they were queued (the server's /metrics)."""
+def scrape(port: int) -> list[Sample]:
+    """The samples of the server's /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
         text = answer.read().decode()
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def queued_expired(samples: list[Sample]) -> int:
+    """Items whose deadline passed while they were queued."""
     return round(
         sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("rawserve_items_dropped_total") and 'reason="expired"' in line
+            sample.value
+            for sample in samples
+            if sample.name == "rawserve_items_dropped_total"
+            and sample.labels.get("reason") == "expired"
         )
     )
+
+
+# the scheduler's learned sequences, as /metrics names them: (series, rows label) -> key
+LEARNED = {
+    ("rawserve_generation_step_seconds", "one"): "step_s_one_row",
+    ("rawserve_generation_step_seconds", "most"): "step_s_most_rows",
+    ("rawserve_generation_rows_measured", None): "rows_measured",
+    ("rawserve_generation_likely_new_tokens", None): "likely_new_tokens",
+}
+
+
+def learned(samples: list[Sample]) -> dict[str, float | str]:
+    """What the scheduler learned of the sequences: a step's seconds beside one row and
+    beside the most rows measured, those rows, and the new tokens nine in ten answers
+    stayed within (how a step grows with its rows is the figure to read on a GPU)."""
+    return {
+        LEARNED[sample.name, sample.labels.get("rows")]: (
+            round(sample.value, 5) if math.isfinite(sample.value) else "all they ask"
+        )
+        for sample in samples
+        if (sample.name, sample.labels.get("rows")) in LEARNED
+    }
 
 
 async def one_round(folder: Path, log: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -136,7 +170,7 @@ async def one_round(folder: Path, log: Path, args: argparse.Namespace) -> dict[s
             process.port, timed, arrivals, args.duration, deadline=args.deadline
         )
         summary = run.summary()
-        expired = queued_expired(process.port)
+        metrics = scrape(process.port)
         return {
             "capacity_per_s": rate,
             "capacity_tokens_per_s": capacity["tokens_per_s"],
@@ -148,7 +182,8 @@ async def one_round(folder: Path, log: Path, args: argparse.Namespace) -> dict[s
             "ok_p50_ms": summary["p50_ms"],
             "ok_p99_ms": summary["p99_ms"],
             "refused_p99_ms": summary.get("503", {}).get("p99_ms"),
-            "expired_queued": expired,  # of the 504s: never reached a row
+            "expired_queued": queued_expired(metrics),  # of the 504s: never reached a row
+            **learned(metrics),
         }
     finally:
         process.stop()

@@ -349,3 +349,50 @@ def test_a_generation_workers_latencies_are_histograms_merged_across_processes()
         key for key in samples if dict(key[1]).get("model") == "bert" and "generation" in key[0]
     ]
     assert not [key for key in samples if key[0].startswith("rawserve_generation_queue_seconds")]
+
+
+def test_a_continuous_workers_learned_step_and_answer_length_are_gauges():
+    """What the scheduler has learned of a continuous worker's sequences is exported once
+    it is a reason to refuse: the step's seconds beside one row and beside the most rows
+    measured, those rows, and the tokens nine in ten answers stay within (+Inf while more
+    than a tenth run to their cap). Before that, none of them is."""
+    from types import SimpleNamespace
+
+    from rawserve.serving.core import SchedulerCore
+    from rawserve.serving.pool import WorkerPool
+    from rawserve.serving.sequences import SEEN_ENOUGH
+    from rawserve.shared.messages import WorkerConfig
+
+    metrics = Metrics()
+    pool = WorkerPool(WorkerConfig(model="unused", task="text-generation"), ["cpu"])
+    core = SchedulerCore(max_batch_size=1)
+    metrics.watch("gpt", SimpleNamespace(core=core, in_flight=0), pool)
+
+    def samples():
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(metrics.render()[0].decode())
+            for sample in family.samples
+        }
+
+    learned = ("step_seconds", "rows_measured", "likely_new_tokens")
+    assert not [
+        name for name, _ in samples() if name.removeprefix("rawserve_generation_") in learned
+    ]
+
+    for made in (8, 128):  # a step of 2 ms beside one row, 1 ms more a row beside it
+        for rows in (1, 11):
+            core.pace.observe(made, rows, (made + 4) * (0.002 + 0.001 * (rows - 1)))
+    for _ in range(SEEN_ENOUGH):  # capped answers: each is as long as it asks
+        core.answer_lengths.ended(100, 100)
+    found = samples()
+    assert value(found, "rawserve_generation_step_seconds", model="gpt", rows="one") == (
+        pytest.approx(0.002)
+    )
+    assert value(found, "rawserve_generation_step_seconds", rows="most") == pytest.approx(0.012)
+    assert value(found, "rawserve_generation_rows_measured", model="gpt") == 11
+    assert value(found, "rawserve_generation_likely_new_tokens", model="gpt") == float("inf")
+
+    for _ in range(10 * SEEN_ENOUGH):  # now more than nine in ten end at 30 of their 100
+        core.answer_lengths.ended(100, 30)
+    assert value(samples(), "rawserve_generation_likely_new_tokens") == 30

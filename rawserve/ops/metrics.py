@@ -325,9 +325,33 @@ class QueueState(Protocol):
     def in_flight(self) -> int: ...
 
 
+class SequencePaceState(Protocol):
+    """A continuous worker's learned decoding step (rawserve.serving.sequences.SequencePace)."""
+
+    @property
+    def most_rows(self) -> float: ...
+
+    @property
+    def trusted(self) -> bool: ...
+
+    def step_seconds(self, rows: float) -> float | None: ...
+
+
+class AnswerLengthsState(Protocol):
+    """The likely length of answers (rawserve.serving.sequences.AnswerLengths)."""
+
+    def within(self) -> float | None: ...
+
+
 class SchedulerCoreState(Protocol):
     max_queue: int
     items_per_second: float | None
+
+    @property
+    def pace(self) -> SequencePaceState: ...
+
+    @property
+    def answer_lengths(self) -> AnswerLengthsState: ...
 
     def __len__(self) -> int: ...
 
@@ -479,6 +503,24 @@ class StateCollector:
             "1 for the state each worker is in",
             labels=["model", "worker", "state"],
         )
+        step = GaugeMetricFamily(
+            "rawserve_generation_step_seconds",
+            "A decoding step's seconds as the scheduler has learned them, beside one row and "
+            "beside the most rows measured (once trusted)",
+            labels=["model", "rows"],
+        )
+        rows = GaugeMetricFamily(
+            "rawserve_generation_rows_measured",
+            "The most rows a sequence has run beside on average (the step's line is read no "
+            "further)",
+            labels=["model"],
+        )
+        likely = GaugeMetricFamily(
+            "rawserve_generation_likely_new_tokens",
+            "New tokens nine in ten answers stay within (+Inf: more than a tenth run to "
+            "their cap), once 20 answers are seen",
+            labels=["model"],
+        )
         restarts = CounterMetricFamily(
             "rawserve_worker_restarts",
             "Times a worker process died and was restarted",
@@ -492,10 +534,30 @@ class StateCollector:
             in_flight.add_metric([name], scheduler.in_flight)
             if core.items_per_second is not None:
                 rate.add_metric([name], core.items_per_second)
+            if core.pace.trusted:
+                pace = core.pace
+                for label, beside in (("one", 1.0), ("most", pace.most_rows)):
+                    step.add_metric([name, label], pace.step_seconds(beside) or 0.0)
+                rows.add_metric([name], pace.most_rows)
+            within = core.answer_lengths.within()
+            if within is not None:
+                likely.add_metric([name], within)
             for worker in executor.status():
                 index = str(worker.index)
                 ready.add_metric([name, index, worker.device], float(worker.serving))
                 for value in type(worker.state):
                     state.add_metric([name, index, value.value], float(value is worker.state))
                 restarts.add_metric([name, index], worker.restarts)
-        yield from (depth, limit, tokens, in_flight, rate, ready, state, restarts)
+        yield from (
+            depth,
+            limit,
+            tokens,
+            in_flight,
+            rate,
+            step,
+            rows,
+            likely,
+            ready,
+            state,
+            restarts,
+        )

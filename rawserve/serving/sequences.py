@@ -17,6 +17,7 @@ refused on a busy GPU for a time it never takes.
 from __future__ import annotations
 
 import collections
+import math
 
 from rawserve.serving.batching import CostModel
 
@@ -52,13 +53,21 @@ class AnswerLengths:
         """The new tokens a sequence asking for `asked` likely makes: as many as
         LIKELY_QUANTILE of answers stay within, or all it asks where more run longer.
         None while fewer than SEEN_ENOUGH answers are seen (nothing is assumed)."""
+        within = self.within()
+        if within is None:
+            return None
+        return asked if within == math.inf else min(asked, int(within))
+
+    def within(self) -> float | None:
+        """The new tokens LIKELY_QUANTILE of answers stay within: infinite where more run
+        to their caps than the rest end, None while fewer than SEEN_ENOUGH are seen."""
         if len(self._answers) < SEEN_ENOUGH:
             return None
         # read again every REREAD answers, or at each while few are kept
         if self._unread >= REREAD or (self._unread and len(self._answers) < 2 * SEEN_ENOUGH):
             self._quantile = self._read_quantile()
             self._unread = 0
-        return asked if self._quantile is None else min(asked, self._quantile)
+        return math.inf if self._quantile is None else float(self._quantile)
 
     def _read_quantile(self) -> int | None:
         """The shortest length LIKELY_QUANTILE of answers stay within, None where more
@@ -136,8 +145,13 @@ class SequencePace:
     def predict(self, made: int, rows: float) -> float | None:
         """The seconds of a sequence making `made` new tokens beside `rows` rows, or None
         before any sequence is measured."""
-        per_step = self._per_step.predict(1, items=min(max(rows, 1.0), self.most_rows))
+        per_step = self.step_seconds(rows)
         return None if per_step is None else _steps(made) * per_step
+
+    def step_seconds(self, rows: float) -> float | None:
+        """The seconds a decoding step takes beside `rows` rows (as far as the most
+        measured), or None before any sequence is measured."""
+        return self._per_step.predict(1, items=min(max(rows, 1.0), self.most_rows))
 
 
 def _steps(made: int) -> int:
