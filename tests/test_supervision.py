@@ -129,6 +129,29 @@ def test_the_process_is_unhealthy_only_when_every_worker_keeps_dying():
     assert sup.healthy
 
 
+def test_deaths_with_nothing_to_do_never_make_the_process_unhealthy():
+    """An operator's kill or the OOM killer, on an idle worker, says nothing of the device
+    or the inputs: any number of them leaves /health 200 (ten on an idle server turned
+    it 503 while the worker was back and serving). Its restarts still back off, as
+    any restart loop's, until it has been ready STABLE_SECONDS before it died."""
+    sup, clock = supervisor()
+    first = supervision.RESTART_BACKOFF_FIRST
+    waits = []
+    for _ in range(3 * supervision.MAX_CRASHES):
+        sup.loaded(0, 4.0)
+        clock.now += 5.0
+        waits.append(sup.exited(0, while_loading=False, held=None).restart_in)
+    assert sup.healthy
+    assert waits[:3] == [first, 2 * first, 4 * first]
+    sup.loaded(0, 4.0)
+    clock.now += supervision.STABLE_SECONDS
+    assert sup.exited(0, while_loading=False, held=None).restart_in == first
+    for _ in range(supervision.MAX_CRASHES):  # at work, each time: a broken device
+        sup.loaded(0, 4.0)
+        sup.exited(0, while_loading=False, held=None, running=2)
+    assert not sup.healthy
+
+
 def test_a_model_with_no_worker_serving_is_expected_back_after_a_backoff_and_a_start():
     """A worker is expected to start as fast as its fastest restart so far; before one
     is timed, in a share of its first start (which pays what a restart may not)."""
@@ -150,9 +173,9 @@ def test_a_model_with_no_worker_serving_is_expected_back_after_a_backoff_and_a_s
     # worker 0 restarted at 100.2; worker 1 is stopped (shutting down)
     assert sup.serving_again_at([(loading, 100.2), (WorkerState.STOPPED, 0.0)]) == 105.2
     assert sup.serving_again_at([(WorkerState.STOPPED, 0.0)] * 2) is None  # none on its way
-    for _ in range(supervision.MAX_CRASHES):  # both keep dying: none is expected
-        sup.exited(0, while_loading=False, held=None)
-        sup.exited(1, while_loading=False, held=None)
+    for _ in range(supervision.MAX_CRASHES):  # both keep dying at work: none is expected
+        sup.exited(0, while_loading=False, held=Held())
+        sup.exited(1, while_loading=False, held=None, running=3)
     assert sup.serving_again_at([(dead, 0.0), (dead, 0.0)]) == math.inf
 
 

@@ -803,10 +803,12 @@ class WorkerPool(PoolReports):
         job = self._take_job(worker)
         behind = self._take_queued(worker)
         held = None if job is None else Held(job.streamed, job.poison_key)
-        decision = self.supervisor.exited(worker.index, while_loading=was_loading, held=held)
+        sequences = worker.running.take_all()  # a continuous worker ran them all at once
+        decision = self.supervisor.exited(
+            worker.index, while_loading=was_loading, held=held, running=len(sequences)
+        )
         if job is not None and decision.lost is not None:
             self._carry_out(worker, job, decision.lost)
-        sequences = worker.running.take_all()  # a continuous worker ran them all at once
         for lost in sequences:
             self._detach(lost)
         together = self._together(sequences)

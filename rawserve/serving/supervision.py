@@ -31,7 +31,11 @@ from rawserve.shared.messages import FailureKind, ItemFailure
 RESTART_BACKOFF_FIRST = 0.5  # seconds before the first restart of a dead worker
 RESTART_BACKOFF_MAX = 30.0
 MAX_FAILED_RESTARTS = 5  # restarts in a row that die while loading: the process is unhealthy
-MAX_CRASHES = 10  # deaths in a row without one answered batch (poison alone is rarely so many)
+# deaths in a row at work, without one answered batch (poison alone is rarely so many)
+MAX_CRASHES = 10
+# a worker ready this long before it died had worked: its restart backs off afresh (as a
+# service manager forgets a unit's failures once it has run a while)
+STABLE_SECONDS = 60.0
 POISON_MEMORY = 4096  # content hashes of inputs that crashed a worker, least recent dropped
 QUARANTINE_STRIKES = 2  # crashes while running alone before an input is refused
 QUARANTINE_SECONDS = 3600.0  # how long a crash is remembered (and a quarantine lasts)
@@ -121,10 +125,11 @@ class WorkerRecord:
 
     restarts: int = 0
     failed_restarts: int = 0  # in a row, died before it was ready
-    crashes: int = 0  # in a row, died after it was ready without answering a batch
+    crashes: int = 0  # in a row, died at work after it was ready, without answering a batch
     # the wait before its next restart (read when made: tests shorten it)
     backoff: float = field(default_factory=lambda: RESTART_BACKOFF_FIRST)
     restart_at: float = 0.0  # when its next process is spawned, once it died
+    ready_at: float | None = None  # when its process was last ready
     # how long its processes took from their start to ready: its first, its fastest restart
     first_start: float | None = None
     fastest_restart: float | None = None
@@ -182,6 +187,7 @@ class Supervisor:
         started: its failed loads are forgiven."""
         record = self.records[index]
         record.failed_restarts = 0
+        record.ready_at = self.clock()
         if not record.restarts:
             record.first_start = start_seconds
         elif record.fastest_restart is None or start_seconds < record.fastest_restart:
@@ -193,15 +199,27 @@ class Supervisor:
         record.backoff = RESTART_BACKOFF_FIRST
         record.crashes = 0
 
-    def exited(self, index: int, *, while_loading: bool, held: Held | None) -> ExitDecision:
-        """A worker's process died: count it, say when to restart it and what becomes
-        of the batch it held."""
+    def exited(
+        self, index: int, *, while_loading: bool, held: Held | None, running: int = 0
+    ) -> ExitDecision:
+        """A worker's process died holding `held` (its batch) and `running` sequences
+        (a continuous worker's): count it, say when to restart it and what becomes of
+        the batch. A death at work counts toward `healthy`; one with nothing to do says
+        nothing of the device or the inputs (an operator's kill, the OOM killer: ten of
+        them on an idle server turned /health 503 while the worker was back and
+        serving). One after the worker had been ready STABLE_SECONDS restarts it at
+        the first backoff."""
         record = self.records[index]
         lost = None if held is None else self.lost(held)
         if while_loading:
             record.failed_restarts += 1
         else:
-            record.crashes += 1
+            if held is not None or running:
+                record.crashes += 1
+            ready_at = record.ready_at
+            if ready_at is not None and self.clock() - ready_at >= STABLE_SECONDS:
+                record.backoff = RESTART_BACKOFF_FIRST
+        record.ready_at = None
         record.restarts += 1
         record.restart_at = self.clock() + record.backoff
         decision = ExitDecision(record.backoff, lost)
@@ -227,7 +245,8 @@ class Supervisor:
     @property
     def healthy(self) -> bool:
         """False once every worker keeps dying: it failed to load too many times in a row,
-        or died too many times in a row without answering a batch (a broken device)."""
+        or died at work too many times in a row without answering a batch (a broken
+        device)."""
         return any(
             r.failed_restarts < self.max_failed_restarts and r.crashes < self.max_crashes
             for r in self.records
