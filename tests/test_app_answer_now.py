@@ -293,10 +293,11 @@ def test_a_model_that_takes_no_work_says_why_as_ready_does(state, healthy, messa
     assert ready["status"] == state.value
 
 
-@pytest.mark.parametrize(("restart_in", "wait"), [(None, "5"), (12.4, "12"), (0.2, "1")])
+@pytest.mark.parametrize(("restart_in", "wait"), [(None, "5"), (12.4, "13"), (0.2, "1")])
 def test_a_restarting_model_asks_for_the_wait_its_restart_should_take(restart_in, wait):
     """A model whose workers restart asks clients to come back when it should serve
-    again (a large model's restart takes far longer than 5 s), never under a second; a
+    again (a large model's restart takes far longer than 5 s), in whole seconds rounded up
+    (never sooner than it should), never under a second; a
     first load, with nothing to go by, asks for 5 s."""
     model = served("restarting", "feature-extraction")
     model.serving.workers.ready = False

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from rawserve.api.outcomes import http_error, unwrap
 from rawserve.api.served import ServedModel
-from rawserve.http.errors import GatewayTimeout, error_response, tgi_error_response
+from rawserve.http.errors import (
+    GatewayTimeout,
+    ServiceUnavailable,
+    error_response,
+    tgi_error_response,
+)
 from rawserve.serving.face import FailureKind, ItemFailure, ItemResult, Reason, Refusal, Refused
 
 
@@ -47,12 +53,17 @@ async def test_a_served_models_deadline_error_says_the_most_a_request_may_ask():
         async def run(self, inputs, params, deadline, control):
             raise Refused.because(Reason.DEADLINE_PASSED, "the request's deadline passed")
 
+        def admission(self, deadline):  # the wait for a row outlasts its deadline
+            return Refusal(Reason.DEADLINE_UNREACHABLE, "no row would free in time", 2.0)
+
     served = ServedModel("m", Late(), longest_deadline=300.0)  # type: ignore[arg-type]
     with pytest.raises(GatewayTimeout) as late:
         await served.run(["hello"], {}, deadline=0.0)
-    assert late.value.message.endswith(
-        "X-Request-Timeout asks for a longer deadline, in seconds, up to 300"
-    )
+    longer = "X-Request-Timeout asks for a longer deadline, in seconds, up to 300"
+    assert late.value.message.endswith(longer)
+    with pytest.raises(ServiceUnavailable) as refused:  # from the head, its body unread
+        served.refuse_if_busy(deadline=0.0)
+    assert refused.value.message.endswith(longer)
 
 
 @pytest.mark.parametrize("reason", [r for r in Reason if "DEADLINE" not in r.name])
@@ -77,7 +88,8 @@ def test_the_refusals_of_a_busy_burst_ask_for_waits_spread_over_one_more_drain(r
     for _ in range(20):
         headers = dict(error_response(http_error(Refusal(reason, "server busy", 1.5))).headers)
         waits.append(int(headers["Retry-After-Ms"]))
-        assert round(waits[-1] / 1000) == int(headers["Retry-After"])
+        # in seconds rounded up: a client reading only those comes back no sooner
+        assert math.ceil(waits[-1] / 1000) == int(headers["Retry-After"])
     assert all(1500 <= wait <= 3000 for wait in waits) and len(set(waits)) > 10
 
 

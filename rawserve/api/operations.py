@@ -7,6 +7,7 @@ answer them in the event-loop pass that read them (`App.answer_now`).
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
@@ -123,7 +124,7 @@ class OperationsRoutes:
         )
         for served, status in zip(models, statuses.values(), strict=True):
             if status["status"] not in ("ready", "full"):  # says more than a full one
-                wait = round(loading_retry_after(served))  # (a second at least)
+                wait = math.ceil(loading_retry_after(served))  # (a second at least)
                 return json_response(503, {**status, **several}, [("Retry-After", str(wait))])
         if any(status["status"] == "full" for status in statuses.values()):
             headers = [("Retry-After", str(FULL_RETRY_AFTER))]

@@ -84,7 +84,7 @@ class ServedModel:
         the queue full, or the wait for a generation's row past the deadline."""
         refusal = self.serving.admission(deadline)
         if refusal is not None:
-            raise http_error(refusal)
+            raise http_error(refusal, self.longest_deadline)
 
 
 class ServedModels:

@@ -11,6 +11,7 @@ traceback, a path or a repr of internals (those go to the log).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 from rawserve.http.encoding import dumps
@@ -155,7 +156,9 @@ class ServiceUnavailable(HTTPError):
         to the same second for every client; `busy`: refused for the load (a full queue),
         not for the server's state (loading, restarting, stopping)."""
         millis = round(retry_after * 1000)
-        seconds = max(1, round(millis / 1000))
+        # rounded up: a client that reads only `Retry-After` (curl, urllib3, the Hub's
+        # client) comes back no sooner than told in milliseconds (1,256 ms was "1")
+        seconds = max(1, math.ceil(millis / 1000))
         headers = [("Retry-After", str(seconds))]
         if in_ms:
             headers.append(("Retry-After-Ms", str(millis)))
