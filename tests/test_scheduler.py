@@ -31,7 +31,7 @@ from rawserve.serving.core import (
 from rawserve.serving.driver import DELIVERY_SLICE, Scheduler
 from rawserve.serving.minima import REBUILD_SLACK, QueueMinima
 from rawserve.serving.refusals import Reason, Refusal, Refused, shutting_down
-from rawserve.serving.sequences import SEEN_ENOUGH, STEPS_BESIDE
+from rawserve.serving.sequences import KEPT, SEEN_ENOUGH, STEPS_BESIDE
 from rawserve.shared.logs import REQUEST_ID
 from rawserve.shared.messages import (
     NO_CONTROL,
@@ -206,6 +206,28 @@ def test_queue_bound_refuses_a_whole_list():
     assert len(core) == 3  # nothing of the refused list was queued
     queue_items(core, ["d"])
     assert len(core) == 4
+
+
+def test_a_burst_is_bounded_beyond_what_free_rows_take_at_the_next_look():
+    """A continuous worker's free rows take queued sequences at the next look: a burst
+    read in one pass of the event loop, before that look, waits for none of them. The
+    queue bound counts only the rest (a queue of 8 beside 8 free rows took 9 of a burst
+    of 20, "queue full"); a batching worker's bound is the queue's alone."""
+    asks = {"max_new_tokens": 8}
+    rows = SchedulerCore(max_queue=8, max_batch_size=1, workers=8)
+    for _ in range(16):
+        queue_items(rows, [text(1)], params=asks)
+    with pytest.raises(QueueFull):
+        queue_items(rows, [text(1)], params=asks)
+    for _ in range(3):
+        assert rows.next_batch(0.0) is not None  # 3 rows run, 5 free
+    assert len(rows) == 13 == rows.bound
+    with pytest.raises(QueueFull):
+        queue_items(rows, [text(1)], params=asks)
+    batching = SchedulerCore(max_queue=8, max_batch_size=4, workers=2)
+    queue_items(batching, ["x"] * 8)
+    with pytest.raises(QueueFull):
+        queue_items(batching, ["x"])
 
 
 def test_retry_after_follows_the_queue_and_the_measured_speed():
@@ -674,6 +696,76 @@ def test_a_generation_is_judged_at_the_pace_beside_the_rows_that_will_run_with_i
     assert idle.next_batch(0.0) is not None
 
 
+def test_a_sequence_that_must_make_its_tokens_is_timed_by_them_not_by_others_answers():
+    """Others' answers end at 22 tokens, so a chat asking 4,000 likely makes 22. One asking
+    them with `ignore_eos` (as benchmark clients send) makes all 4,000, and one with
+    `min_tokens` 3,000 at least those, whatever the model writes: beside a busy row each
+    is refused at once for its own time (taken for 22, they held a row to their 504s),
+    unless a stop sequence may end it sooner."""
+    core = paced(SchedulerCore(max_batch_size=1, workers=8), 0.001)
+    for _ in range(10 * SEEN_ENOUGH):  # past nine in ten of the answers kept
+        core.answer_lengths.ended(4000, 22)
+    run_sequences(core, 1, at=0.0)
+    asks = {"max_new_tokens": 4000}
+    queue_items(core, [text(1)], deadline=1.5, params=asks)  # 22 tokens: 0.03 s
+    for must in ({"ignore_eos": True}, {"min_new_tokens": 3000}):
+        with pytest.raises(OwnTimeUnreachable):
+            queue_items(core, [text(1)], deadline=1.5, params={**asks, **must})
+        queue_items(core, [text(1)], deadline=1.5, params={**asks, **must, "stop": ["."]})
+    queue_items(core, [text(1)], deadline=10.0, params={**asks, "ignore_eos": True})  # 4 s
+
+
+def test_where_answers_ran_past_every_length_one_sequence_at_a_time_learns_their_length():
+    """A job's answers run to their caps on one busy row: every sequence is then timed by
+    all it asks, and a chat asking 2,000 tokens in 1.5 s is refused for its own time,
+    however early it would end. Refused, it would never say so (44 of 44 such chats were
+    refused while the job ran, and went at once when it stopped): one at a time is taken
+    whatever its time while more than half the rows are free, until the answers say
+    how long they run."""
+    core = paced(SchedulerCore(max_batch_size=1, workers=8), 0.001)  # answers ran long
+    run_sequences(core, 1, at=0.0)  # the job's row
+    chat = {"max_new_tokens": 2000}  # 2.5 s at 1 ms a step, with the margin
+    queue_items(core, [text(1)], deadline=1.5, params=chat)
+    with pytest.raises(OwnTimeUnreachable):  # one at a time
+        queue_items(core, [text(1)], deadline=1.5, params=chat)
+    with pytest.raises(OwnTimeUnreachable):  # it makes them all: nothing to learn
+        queue_items(core, [text(1)], deadline=1.5, params={**chat, "ignore_eos": True})
+    now, learned = 0.0, 0
+    while core.answer_lengths.likely(2000) == 2000 and learned < KEPT:
+        probe = core.next_batch(now)
+        assert probe is not None and probe[0].taken_whatever_its_time
+        core.finish_batch(probe, now + 0.01, [5])  # it ended early
+        now, learned = now + 0.01, learned + 1
+        queue_items(core, [text(1)], now=now, deadline=now + 1.5, params=chat)
+    assert core.answer_lengths.likely(2000) == 5  # nine in ten end by then
+    core.next_batch(now)
+    [timed] = queue_items(core, [text(1)], now=now, deadline=now + 1.5, params=chat)
+    assert not timed.taken_whatever_its_time  # admitted for its likely 5 tokens
+
+    busy = paced(SchedulerCore(max_batch_size=1, workers=8), 0.001)
+    run_sequences(busy, 4, at=0.0)  # half the rows: no row to spare for learning
+    with pytest.raises(OwnTimeUnreachable):
+        queue_items(busy, [text(1)], deadline=1.5, params=chat)
+
+
+def test_answers_held_from_their_end_say_nothing_of_how_long_answers_run():
+    """A batch job's answers with `ignore_eos` run to their caps because they were asked
+    to: counted as answers that ran long, a tenth of them among the kept made every
+    chat's likely length all it asks (a 1.5 s chat asking 2,000 tokens and ending at 5
+    was refused while the job ran a single row, and never ran to say otherwise)."""
+    core = paced(SchedulerCore(max_batch_size=1, workers=8), 0.001)
+    for _ in range(10 * SEEN_ENOUGH):
+        core.answer_lengths.ended(2000, 5)
+    for forced in ({"ignore_eos": True}, {"min_new_tokens": 900}):
+        for at in range(SEEN_ENOUGH):
+            queue_items(
+                core, [text(1)], now=at, deadline=1e6, params={"max_new_tokens": 1000, **forced}
+            )
+            batch = core.next_batch(float(at))
+            core.finish_batch(batch, at + 0.5, [1000])
+    assert core.answer_lengths.likely(2000) == 5
+
+
 def test_an_input_larger_than_any_call_measured_is_sent_once_and_measured():
     """Its time is an extrapolation from smaller calls (here 1 s for 1,000 tokens predicts
     10 s for 10,000, past its 5 s deadline): it is sent while it has time, not kept
@@ -1001,8 +1093,9 @@ def test_answers_that_end_early_do_not_make_a_full_one_look_short():
     full answer is likely (one in five ran to its cap), so a 200-token ask due in 2 s
     beside a running row is refused for its own length; a 20-token one is taken.
     (Timed as whole sequences of 200, a full answer looked ~0.6 s, and in a flood of
-    such chats most admitted ran to their 504s.)"""
-    core = SchedulerCore(max_batch_size=1, workers=8)
+    such chats most admitted ran to their 504s.) Two rows: none to spare for learning
+    the answers' length (`_probes_length`)."""
+    core = SchedulerCore(max_batch_size=1, workers=2)
     asks = {"max_new_tokens": 200}
     for turn in range(30):
         made = 200 if turn % 5 == 0 else 20
@@ -1732,7 +1825,8 @@ async def test_runs_due_before_a_restart_is_over_are_answered_503_at_once_the_ot
             await task
         assert refused.value.refusal.reason is Reason.LOADING  # 503, Retry-After
         assert 9 < (refused.value.refusal.retry_after or 0) <= 10
-    assert drops.dropped == {"rejected": 2} and len(scheduler.core) == 1
+    # each answered 503, the one its dead worker held as the queued ones
+    assert drops.dropped == {"rejected": 3} and len(scheduler.core) == 1
     assert not patient.done()
     backend.finish(0)  # the restarted worker is free: the run that waited goes
     await until(lambda: len(backend.calls) == 2)

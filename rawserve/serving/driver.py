@@ -226,12 +226,12 @@ class Scheduler:
     @property
     def full(self) -> bool:
         """The queue is at its bound: any new item would be refused."""
-        return len(self.core) >= self.core.max_queue
+        return len(self.core) >= self.core.bound
 
     @property
     def headroom(self) -> float:
         """The share of the queue's bound still free (0.0: full)."""
-        return max(0, self.core.max_queue - len(self.core)) / max(1, self.core.max_queue)
+        return max(0, self.core.bound - len(self.core)) / max(1, self.core.bound)
 
     @property
     def max_batch_size(self) -> int:
@@ -350,7 +350,8 @@ class Scheduler:
         self._late.forget(run_id)
         if run_id in self._not_back_in_time:  # refused (503), not expired
             self._not_back_in_time.discard(run_id)
-            self._count_dropped("rejected", sum(item.queued for item in items))
+            # queued, or sent to a worker that died with them: neither was answered
+            self._count_dropped("rejected", sum(not _answered(future) for future in futures))
         else:
             self._count_withdrawn(items, deadline, expired)
         for item, future in zip(items, futures, strict=True):
@@ -575,6 +576,10 @@ def _waiting_for_a_worker(items: Sequence[WorkItem]) -> asyncio.Future[ItemResul
 
 def _batch_answered(item: WorkItem) -> bool:
     return item.batch is not None and item.batch.done()
+
+
+def _answered(future: asyncio.Future[ItemResult]) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
 
 
 def _waits(item: WorkItem) -> bool:

@@ -155,4 +155,5 @@ class SequencePace:
 
 
 def _steps(made: int) -> int:
+    """The decoding steps of a sequence making `made` new tokens, with those beside them."""
     return max(made, 0) + STEPS_BESIDE
