@@ -1806,6 +1806,35 @@ class Drops:
         pass
 
 
+async def test_a_scheduling_pass_that_raises_answers_the_queued_at_once_and_goes_on(caplog):
+    """A defect in a scheduling pass would raise again at every look, and every queued
+    request would wait for its 504 (a tester's half-edited tree: five chats waited 30 s):
+    the queued requests are answered 500 at once, the log says why, and the next request
+    is served as before."""
+    backend = FakeBackend()
+    scheduler = Scheduler(SchedulerCore(max_queue=8), backend)
+    scheduler.start()
+    await asyncio.sleep(0)  # (its first look, at an empty queue)
+    now = scheduler.clock()
+    decide = scheduler.core.decide
+
+    def broken(*args):
+        scheduler.core.decide = decide  # once
+        raise ZeroDivisionError("a defect")
+
+    scheduler.core.decide = broken
+    with pytest.raises(Refused) as failed:
+        await asyncio.wait_for(scheduler.run(["a"], {}, now + 30), timeout=5)
+    assert failed.value.refusal.reason is Reason.MODEL_FAILED  # 500, nothing internal said
+    assert "ZeroDivisionError" not in failed.value.refusal.message
+    assert "a scheduling pass failed" in caplog.text and "ZeroDivisionError" in caplog.text
+    served = asyncio.create_task(scheduler.run(["b"], {}, now + 30))
+    await until(lambda: len(backend.calls) == 1)
+    backend.finish(0)
+    assert [r.output for r in await served] == ["out:b"]
+    await scheduler.stop()
+
+
 async def test_runs_due_before_a_restart_is_over_are_answered_503_at_once_the_others_wait():
     """No worker serves and none should for 10 s: a run due earlier, sent or queued, is
     answered now (503 with that wait: retrying then, or elsewhere, can succeed), not left

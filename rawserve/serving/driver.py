@@ -421,7 +421,11 @@ class Scheduler:
         self.core.max_input_tokens = limits.longest_input
         self.core.default_new_tokens = limits.default_new_tokens
         self.core.default_beams = limits.default_beams
-        decision = self.core.decide(now, self.backend.idle_workers())
+        try:
+            decision = self.core.decide(now, self.backend.idle_workers())
+        except Exception:  # a defect: it would raise again at every look
+            self._fail_queued()
+            return
         for item in decision.expired:
             _settle(
                 item,
@@ -431,6 +435,16 @@ class Scheduler:
         for batch in decision.batches:
             self._dispatch(batch, now)
         self._sleep_until(decision.wake_at)
+
+    def _fail_queued(self) -> None:
+        """A scheduling pass raised: every queued request is answered now (500), not
+        left to wait for its 504 while each look raises again, and the queue starts
+        afresh (what runs goes on)."""
+        queued = self.core.drop_expired(math.inf)  # every queued item
+        log.exception("a scheduling pass failed; its %d queued items are answered 500", len(queued))
+        failed = Refused.because(Reason.MODEL_FAILED, "the server failed to schedule this input")
+        for item in queued:
+            _settle(item, exception=failed)
 
     @property
     def _running_loop(self) -> asyncio.AbstractEventLoop:
