@@ -33,7 +33,8 @@ The open targets (`--stages targets`), in the order they run:
   (`bench.generation_serving`): 64 clients and mixed lengths against static batching,
   the first token at 16 streams against a lone one's, inter-token p99 at 64 streams
 - `generation-overload`: the same model at 3x its capacity, 5 s deadlines: goodput,
-  503s and 504s (`bench.generation_overload`)
+  503s and 504s (`bench.generation_overload`), and the pace the scheduler learned there
+  (a step's seconds beside one row and beside the most rows measured)
 
 The rest (`--stages others`), the most telling first:
 
