@@ -212,22 +212,41 @@ def test_a_burst_is_bounded_beyond_what_free_rows_take_at_the_next_look():
     """A continuous worker's free rows take queued sequences at the next look: a burst
     read in one pass of the event loop, before that look, waits for none of them. The
     queue bound counts only the rest (a queue of 8 beside 8 free rows took 9 of a burst
-    of 20, "queue full"); a batching worker's bound is the queue's alone."""
+    of 20, "queue full"); rows that are not free (a dead worker's) count for nothing,
+    and a batching worker's bound is the queue's alone."""
     asks = {"max_new_tokens": 8}
     rows = SchedulerCore(max_queue=8, max_batch_size=1, workers=8)
+    rows.free_rows = 8  # as the driver's look saw them
     for _ in range(16):
         queue_items(rows, [text(1)], params=asks)
     with pytest.raises(QueueFull):
         queue_items(rows, [text(1)], params=asks)
-    for _ in range(3):
-        assert rows.next_batch(0.0) is not None  # 3 rows run, 5 free
-    assert len(rows) == 13 == rows.bound
+    rows.free_rows = 0  # its worker died: the queue waits for it
+    assert len(rows) == 16 > rows.bound == 8
     with pytest.raises(QueueFull):
         queue_items(rows, [text(1)], params=asks)
     batching = SchedulerCore(max_queue=8, max_batch_size=4, workers=2)
+    batching.free_rows = 2
     queue_items(batching, ["x"] * 8)
     with pytest.raises(QueueFull):
         queue_items(batching, ["x"])
+
+
+async def test_the_driver_tells_the_core_the_rows_free_after_each_look():
+    """The free rows that extend the queue bound are those the worker pool has left
+    after the driver's look sent what it sends (none of a worker that is down)."""
+    backend = FakeBackend(workers=3)
+    scheduler = Scheduler(SchedulerCore(max_queue=4, max_batch_size=1), backend)
+    scheduler.start()
+    await asyncio.sleep(0)
+    assert scheduler.core.free_rows == 3
+    running = asyncio.create_task(scheduler.run(["a"], {}, scheduler.clock() + 30))
+    await until(lambda: len(backend.calls) == 1)
+    assert scheduler.core.free_rows == 2 and scheduler.core.bound == 6
+    backend.finish(0)
+    await running
+    await until(lambda: scheduler.core.free_rows == 3)
+    await scheduler.stop()
 
 
 def test_retry_after_follows_the_queue_and_the_measured_speed():

@@ -465,7 +465,9 @@ class Serving:
     def check_books(self) -> None:
         scheduler, core = self.scheduler, self.scheduler.core
         queued = [item for queue in core._queues.values() for item in queue]
-        assert len(core) == len(queued) <= core.max_queue
+        # (and as many more as one-item workers' free rows took at once: a batch each)
+        rows = core.workers if core.max_batch_size == 1 else 0
+        assert len(core) == len(queued) <= core.max_queue + rows
         assert core.queued_tokens() == sum(item.cost for item in queued)
         for item in queued:
             assert item.queued and self.owner[item.input].live, "a withdrawn item left queued"

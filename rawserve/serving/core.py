@@ -221,6 +221,9 @@ class SchedulerCore:
     max_batch_tokens: int | None = None
     group_lengths: bool = True  # cost-aware batching: similar lengths share a batch
     workers: int = 1
+    # the rows (batches of one) the workers could still take after the driver's last
+    # look had sent what it sends: none of a dead or restarting worker
+    free_rows: int = 0
     cost_model: CostModel = field(default_factory=CostModel)
     # a continuous worker's sequences: the tokens they likely make, their seconds a token
     answer_lengths: AnswerLengths = field(default_factory=AnswerLengths)
@@ -268,14 +271,14 @@ class SchedulerCore:
 
     @property
     def bound(self) -> int:
-        """The most items queued at once: `max_queue`, and as many more as a one-item
-        worker's free rows take at the next look (a continuous worker's; they wait for
-        nobody). Counted against the bound, a burst read in one pass of the event loop
-        was refused "queue full" beside free rows (a queue of 8 and 8 free rows took 9
-        of a burst of 20)."""
+        """The most items queued at once: `max_queue`, and as many more as one-item
+        workers' free rows take at the next look (`free_rows`, a continuous worker's;
+        they wait for nobody). Counted against the bound, a burst read in one pass of
+        the event loop was refused "queue full" beside free rows (a queue of 8 and 8
+        free rows took 9 of a burst of 20)."""
         if self.max_size != 1:
             return self.max_queue
-        return self.max_queue + max(0, self.workers - len(self._in_flight))
+        return self.max_queue + self.free_rows
 
     @property
     def limits(self) -> BatchLimits:

@@ -434,6 +434,7 @@ class Scheduler:
         self._count_dropped("expired", len(decision.expired))
         for batch in decision.batches:
             self._dispatch(batch, now)
+        self.core.free_rows = self.backend.idle_workers()
         self._sleep_until(decision.wake_at)
 
     def _fail_queued(self) -> None:
