@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -308,3 +309,22 @@ def test_a_restarting_model_asks_for_the_wait_its_restart_should_take(restart_in
     ready = app.answer_now(request("GET", "/ready"))
     assert ready is not None and ready.status == 503
     assert dict(ready.headers)["Retry-After"] == wait
+
+
+def test_each_models_entry_in_info_gives_its_input_limits():
+    """Of several models, /info's top gives the default model's limits (TEI's, TGI's):
+    each model's entry gives its own, the most tokens it reads of an input, or for a
+    model that generates, of a prompt and of a prompt with its answer (a tester found no
+    way to learn a second model's)."""
+    from rawserve.api.operations import input_limits
+
+    encoder, generator = served("emb", "feature-extraction"), served("gen", "text-generation")
+    for model, positions in ((encoder, 512), (generator, 256)):
+        workers = model.serving.workers
+        workers.loaded = replace(workers.loaded, details={"max_input_length": positions})
+    assert input_limits(encoder) == {"max_input_length": 512}
+    assert input_limits(generator) == {
+        "max_input_tokens": 255,
+        "max_input_length": 255,
+        "max_total_tokens": 256,
+    }

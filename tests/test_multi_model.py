@@ -138,6 +138,9 @@ def test_ready_info_and_metrics_describe_every_model(pair):
     assert described["cls"]["task"] == "text-classification"
     assert described["cls"]["requested_task"] == "text-classification"
     assert described["emb"]["worker_pids"] != described["cls"]["worker_pids"]
+    # each with the most tokens it reads of an input, not the default model's alone
+    assert described["emb"]["max_input_length"] == info["max_input_length"] > 0
+    assert described["cls"]["max_input_length"] > 0
     pair.post_json({"inputs": "x"}, path="/models/cls")
     metrics = pair.request("GET", "/metrics")[2].decode()
     for model in ("emb", "cls"):

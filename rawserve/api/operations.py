@@ -163,7 +163,10 @@ class OperationsRoutes:
         await self.refresh()
         model = self.models.default
         document = self.info_document(model)
-        document["models"] = [self.info_document(model, server=False) for model in self.models.all]
+        document["models"] = [
+            {**self.info_document(served, server=False), **input_limits(served)}
+            for served in self.models.all
+        ]
         document.update(tei_info(model, self.max_client_batch_size), **tgi_info(model))
         return json_response(200, document)
 
@@ -204,6 +207,20 @@ class OperationsRoutes:
                 versions=versions(),
             )
         return document
+
+
+def input_limits(model: ServedModel) -> dict[str, int]:
+    """The most tokens the model reads of an input (TEI's `max_input_length`), or for a
+    model that generates, TGI's limits of a prompt and of a prompt and its answer: what
+    `/info` says of the default model at its top, in each model's entry (of several
+    models, only the first's limits were to be found)."""
+    limits = tgi_info(model)
+    if limits:
+        return {name: limits[name] for name in GENERATION_LIMITS}
+    return {"max_input_length": model.positions}
+
+
+GENERATION_LIMITS = ("max_input_tokens", "max_input_length", "max_total_tokens")
 
 
 def _event_loop() -> str:
