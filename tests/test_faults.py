@@ -213,8 +213,12 @@ async def test_a_hung_batch_is_answered_and_its_worker_restarted(faulty_executor
     assert result.outputs == (TIMED_OUT, TIMED_OUT)
     await idle(faulty_executor)
     assert worker.pid != first_pid and worker.record.restarts == 1
+    # a death at work: ten in a row, a hung device, turn /health 503 (killed with its
+    # batch detached, it was counted as one with nothing to do)
+    assert worker.record.crashes == 1
     result = await asyncio.wait_for(faulty_executor.submit(["after"], {}), 30)
     assert result.outputs[0]["input"] == "after"
+    assert worker.record.crashes == 0  # it answered: it works
 
 
 @pytest.mark.slow

@@ -571,6 +571,14 @@ def test_a_list_longer_than_the_queue_can_never_be_admitted():
     queue_items(core, list("abcd"))  # the bound itself fits
     with pytest.raises(QueueFull):
         queue_items(core, ["e"])
+    # a continuous worker's rows may take as many more: only past them is it never
+    rows = SchedulerCore(max_queue=2, max_batch_size=1, workers=8)
+    with pytest.raises(NeverAdmissible):
+        queue_items(rows, [text(1)] * 11, params={"max_new_tokens": 4})
+    with pytest.raises(QueueFull):  # (no row free now: a retry may find them)
+        queue_items(rows, [text(1)] * 3, params={"max_new_tokens": 4})
+    rows.free_rows = 8
+    queue_items(rows, [text(1)] * 10, params={"max_new_tokens": 4})
 
 
 def test_a_list_is_refused_by_its_earliest_deadline():
@@ -719,19 +727,28 @@ def test_a_sequence_that_must_make_its_tokens_is_timed_by_them_not_by_others_ans
     """Others' answers end at 22 tokens, so a chat asking 4,000 likely makes 22. One asking
     them with `ignore_eos` (as benchmark clients send) makes all 4,000, and one with
     `min_tokens` 3,000 at least those, whatever the model writes: beside a busy row each
-    is refused at once for its own time (taken for 22, they held a row to their 504s),
-    unless a stop sequence may end it sooner."""
+    is refused at once for its own time (taken for 22, they held a row to their 504s).
+    A stop sequence may end one with `ignore_eos` sooner, not one before its
+    `min_tokens` (held back till then, as vLLM reads it), nor may a handler's
+    parameters of any type fail its request."""
     core = paced(SchedulerCore(max_batch_size=1, workers=8), 0.001)
     for _ in range(10 * SEEN_ENOUGH):  # past nine in ten of the answers kept
         core.answer_lengths.ended(4000, 22)
     run_sequences(core, 1, at=0.0)
     asks = {"max_new_tokens": 4000}
     queue_items(core, [text(1)], deadline=1.5, params=asks)  # 22 tokens: 0.03 s
-    for must in ({"ignore_eos": True}, {"min_new_tokens": 3000}):
+    for must in (
+        {"ignore_eos": True},
+        {"min_new_tokens": 3000},
+        {"min_new_tokens": 3000, "stop": ["."]},
+    ):
         with pytest.raises(OwnTimeUnreachable):
             queue_items(core, [text(1)], deadline=1.5, params={**asks, **must})
-        queue_items(core, [text(1)], deadline=1.5, params={**asks, **must, "stop": ["."]})
+    queue_items(core, [text(1)], deadline=1.5, params={**asks, "ignore_eos": True, "stop": ["."]})
     queue_items(core, [text(1)], deadline=10.0, params={**asks, "ignore_eos": True})  # 4 s
+    for odd in ("abc", [1], 2.5, None, True):  # a handler's own: the model's default
+        item = core.new_item(text(1), {"min_new_tokens": odd, "max_new_tokens": odd}, 9.0, 0.0)
+        assert (item.new_tokens, item.fewest_new_tokens) == (0, 0)
 
 
 def test_where_answers_ran_past_every_length_one_sequence_at_a_time_learns_their_length():
@@ -747,8 +764,9 @@ def test_where_answers_ran_past_every_length_one_sequence_at_a_time_learns_their
     queue_items(core, [text(1)], deadline=1.5, params=chat)
     with pytest.raises(OwnTimeUnreachable):  # one at a time
         queue_items(core, [text(1)], deadline=1.5, params=chat)
-    with pytest.raises(OwnTimeUnreachable):  # it makes them all: nothing to learn
-        queue_items(core, [text(1)], deadline=1.5, params={**chat, "ignore_eos": True})
+    for must in ({"ignore_eos": True}, {"min_new_tokens": 1999}):  # nothing to learn
+        with pytest.raises(OwnTimeUnreachable):
+            queue_items(core, [text(1)], deadline=1.5, params={**chat, **must})
     now, learned = 0.0, 0
     while core.answer_lengths.likely(2000) == 2000 and learned < KEPT:
         probe = core.next_batch(now)
@@ -1834,6 +1852,18 @@ async def test_a_scheduling_pass_that_raises_answers_the_queued_at_once_and_goes
     await until(lambda: len(backend.calls) == 1)
     backend.finish(0)
     assert [r.output for r in await served] == ["out:b"]
+    send = scheduler.core._send
+
+    def sent_then_broken(*args):  # a pass that took a batch, then raised
+        send(*args)
+        scheduler.core._send = send
+        raise ZeroDivisionError("a defect")
+
+    scheduler.core._send = sent_then_broken
+    with pytest.raises(Refused) as failed:
+        await asyncio.wait_for(scheduler.run(["c"], {}, now + 30), timeout=5)
+    assert failed.value.refusal.reason is Reason.MODEL_FAILED
+    assert not scheduler.core._in_flight  # taken, never sent: not counted in flight
     await scheduler.stop()
 
 

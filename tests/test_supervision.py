@@ -148,7 +148,7 @@ def test_deaths_with_nothing_to_do_never_make_the_process_unhealthy():
     assert sup.exited(0, while_loading=False, held=None).restart_in == first
     for _ in range(supervision.MAX_CRASHES):  # at work, each time: a broken device
         sup.loaded(0, 4.0)
-        sup.exited(0, while_loading=False, held=None, running=2)
+        sup.exited(0, while_loading=False, held=None, at_work=True)
     assert not sup.healthy
 
 
@@ -175,7 +175,7 @@ def test_a_model_with_no_worker_serving_is_expected_back_after_a_backoff_and_a_s
     assert sup.serving_again_at([(WorkerState.STOPPED, 0.0)] * 2) is None  # none on its way
     for _ in range(supervision.MAX_CRASHES):  # both keep dying at work: none is expected
         sup.exited(0, while_loading=False, held=Held())
-        sup.exited(1, while_loading=False, held=None, running=3)
+        sup.exited(1, while_loading=False, held=None, at_work=True)
     assert sup.serving_again_at([(dead, 0.0), (dead, 0.0)]) == math.inf
 
 

@@ -189,26 +189,37 @@ def decoding(params: Mapping[str, Any], new_tokens: int = 0, beams: int = 1) -> 
     default length: counted as no new tokens, it looked like a short encoder call."""
     nested = params.get("generate_parameters")
     asked = {**nested, **params} if isinstance(nested, Mapping) else params
-    most = asked.get("max_new_tokens")
-    if most is None:  # transformers 4's total length, else the model's default
-        most = asked.get("max_length") or new_tokens
-    rows = max(int(asked.get("num_beams") or beams), int(asked.get("num_return_sequences") or 1))
-    return int(most), rows
+    most = _count(asked.get("max_new_tokens"), -1)
+    if most < 0:  # transformers 4's total length, else the model's default
+        most = _count(asked.get("max_length"), 0) or new_tokens
+    rows = max(
+        _count(asked.get("num_beams"), 0) or beams, _count(asked.get("num_return_sequences"), 1)
+    )
+    return most, rows
 
 
 def fewest_new_tokens(params: Mapping[str, Any], most: int) -> int:
     """The new tokens a generation asking for at most `most` makes whatever the model
-    writes: all of them with `ignore_eos`, its `min_new_tokens` (its end of sequence held
-    back till then), where no stop sequence or grammar may end it sooner. (Timed by the
-    likely length of others' answers, 4,000 tokens asked with `ignore_eos`, as benchmark
-    clients send them, were taken for 22 and held a row to their 504.)"""
+    writes: its `min_new_tokens` (its end of sequence and its stop sequences held back
+    till then), all of them with `ignore_eos` where no stop sequence may end it sooner;
+    none with a grammar (which says itself when the end may come). (Timed by the likely
+    length of others' answers, 4,000 tokens asked with `ignore_eos`, as benchmark clients
+    send them, were taken for 22 and held a row to their 504.)"""
     nested = params.get("generate_parameters")
     asked = {**nested, **params} if isinstance(nested, Mapping) else params
-    if asked.get("stop") or asked.get("grammar") is not None:
+    if asked.get("grammar") is not None:
         return 0
-    if asked.get("ignore_eos"):
+    if asked.get("ignore_eos") is True and not asked.get("stop"):
         return most
-    return min(int(asked.get("min_new_tokens") or 0), most)
+    return min(_count(asked.get("min_new_tokens"), 0), most)
+
+
+def _count(value: Any, default: int) -> int:
+    """A count a request names, or `default` where it names none (or none a generation
+    would take: a handler's parameters are its own, checked by no route)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return default
+    return int(value) if math.isfinite(value) and value == int(value) else default
 
 
 @dataclass
@@ -332,8 +343,10 @@ class SchedulerCore:
         OwnTimeUnreachable where a continuous worker's pace refuses sequences for their
         own length, not for the work ahead.
         """
-        if len(items) > self.max_queue:
-            raise NeverAdmissible(len(items), self.max_queue)
+        # (a request no bound could take: one-item workers' rows are all it may add)
+        most = self.max_queue + (self.workers if self.max_size == 1 else 0)
+        if len(items) > most:
+            raise NeverAdmissible(len(items), most)
         if self._size + len(items) > self.bound:
             raise QueueFull(self.retry_after(now))
         # the turn after the one being served: an input a batch left behind (unlike its
@@ -430,7 +443,8 @@ class SchedulerCore:
         if len(items) != 1 or self.answer_lengths.within() != math.inf:
             return False
         rows_taken = len(self._in_flight) + self._size + 1
-        return items[0].fewest_new_tokens < items[0].new_tokens and 2 * rows_taken < self.workers
+        # (one that must make tokens whatever it writes says nothing of how long answers run)
+        return not items[0].fewest_new_tokens and 2 * rows_taken < self.workers
 
     def _continuous(self, items: Sequence[WorkItem]) -> bool:
         """Whether `items` are sequences on a continuous worker's rows."""

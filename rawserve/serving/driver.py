@@ -440,11 +440,23 @@ class Scheduler:
     def _fail_queued(self) -> None:
         """A scheduling pass raised: every queued request is answered now (500), not
         left to wait for its 504 while each look raises again, and the queue starts
-        afresh (what runs goes on)."""
+        afresh (what runs goes on). So are the items the pass took for a batch it never
+        sent, no longer counted in flight."""
         queued = self.core.drop_expired(math.inf)  # every queued item
-        log.exception("a scheduling pass failed; its %d queued items are answered 500", len(queued))
+        unsent = [
+            item
+            for items in self._runs.values()
+            for item in items
+            if not item.queued and item.batch is None and _waits(item)
+        ]
+        for item in unsent:
+            self.core.forget_batch([item], self.clock())  # (its batch's first item: its own)
+        log.exception(
+            "a scheduling pass failed; its %d queued items are answered 500",
+            len(queued) + len(unsent),
+        )
         failed = Refused.because(Reason.MODEL_FAILED, "the server failed to schedule this input")
-        for item in queued:
+        for item in [*queued, *unsent]:
             _settle(item, exception=failed)
 
     @property

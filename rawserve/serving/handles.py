@@ -252,6 +252,8 @@ class WorkerHandle:
         # its pipe has closed: it will answer nothing more, and takes no batch while its
         # exit is awaited (a process may take a while to let go of its memory)
         self.gone = False
+        # killed as hung at its work (`--batch-timeout`): its death is one at work
+        self.hung = False
         # the batch sent behind it, waiting in the worker (two in flight: `overlap`)
         self.queued: Job | None = None
         self.queued_at = 0.0  # when `queued` was sent

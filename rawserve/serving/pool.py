@@ -619,6 +619,7 @@ class WorkerPool(PoolReports):
         self._detach(worker.running.pop(job.batch_id) or self._take_job(worker))
         job.answer(BatchResult(job.batch_id, (TIMED_OUT,) * len(job.inputs), 0.0))
         worker.state = WorkerState.DEAD  # until the reader sees it exit and restarts it
+        worker.hung = True  # (its work is detached already: its death is one at work)
         if worker.process is not None:
             worker.process.kill()
 
@@ -628,6 +629,7 @@ class WorkerPool(PoolReports):
         process, replies_in = start_process(self._context, worker)
         worker.state = WorkerState.LOADING
         worker.queued, worker.overlap, worker.sequences = None, False, 0
+        worker.hung = False
         worker.gone = False
         worker.second_open, worker.run_seconds, worker.prepare_seconds = True, 0.0, 0.0
         worker.ready = worker.load_failure = None
@@ -804,8 +806,9 @@ class WorkerPool(PoolReports):
         behind = self._take_queued(worker)
         held = None if job is None else Held(job.streamed, job.poison_key)
         sequences = worker.running.take_all()  # a continuous worker ran them all at once
+        at_work = held is not None or bool(sequences) or worker.hung
         decision = self.supervisor.exited(
-            worker.index, while_loading=was_loading, held=held, running=len(sequences)
+            worker.index, while_loading=was_loading, held=held, at_work=at_work
         )
         if job is not None and decision.lost is not None:
             self._carry_out(worker, job, decision.lost)

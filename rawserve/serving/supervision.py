@@ -200,11 +200,12 @@ class Supervisor:
         record.crashes = 0
 
     def exited(
-        self, index: int, *, while_loading: bool, held: Held | None, running: int = 0
+        self, index: int, *, while_loading: bool, held: Held | None, at_work: bool = False
     ) -> ExitDecision:
-        """A worker's process died holding `held` (its batch) and `running` sequences
-        (a continuous worker's): count it, say when to restart it and what becomes of
-        the batch. A death at work counts toward `healthy`; one with nothing to do says
+        """A worker's process died holding `held` (its batch), or otherwise `at_work`
+        (a continuous worker's running sequences; killed as hung at a batch): count it,
+        say when to restart it and what becomes of the batch. A death at work (holding a
+        batch or `at_work`) counts toward `healthy`; one with nothing to do says
         nothing of the device or the inputs (an operator's kill, the OOM killer: ten of
         them on an idle server turned /health 503 while the worker was back and
         serving). One after the worker had been ready STABLE_SECONDS restarts it at
@@ -214,7 +215,7 @@ class Supervisor:
         if while_loading:
             record.failed_restarts += 1
         else:
-            if held is not None or running:
+            if held is not None or at_work:
                 record.crashes += 1
             ready_at = record.ready_at
             if ready_at is not None and self.clock() - ready_at >= STABLE_SECONDS:
