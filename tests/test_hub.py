@@ -376,6 +376,18 @@ def test_a_text_model_without_tokenizer_files_is_refused_before_any_worker_loads
     )
 
 
+@pytest.mark.parametrize("task", [None, "text-generation"])
+def test_a_model_without_config_json_is_refused_for_that_whatever_names_its_task(tmp_path, task):
+    """Named with its task, a folder without config.json was refused with transformers'
+    "should have a `model_type` key in its config.json" (a file that is not there)."""
+    folder = text_model(tmp_path / "gpt2-like", "GPT2LMHeadModel", {"tokenizer.json": "{}"})
+    (folder / "config.json").unlink()
+    spec = f"{folder}:{task}" if task else str(folder)
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models([spec])
+    assert "no config.json" in str(caught.value) and "model_type" not in str(caught.value)
+
+
 @pytest.mark.parametrize(
     ("files", "refused"),
     [

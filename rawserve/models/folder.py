@@ -115,6 +115,11 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
     try:
         refuse_broken_links(model_dir)
         task = task or infer_task(model_dir)
+        if not (model_dir / "config.json").is_file():  # (its task named: nothing read it)
+            raise ValueError(
+                "the model has no config.json, which says its architecture: copy it too, "
+                "or download the model again"
+            )
         if not any((model_dir / name).is_file() for name in WEIGHTS):
             raise ValueError(missing_weights(model_dir))
         if task in IMAGE_TASKS and importlib.util.find_spec("PIL") is None:
