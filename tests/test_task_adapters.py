@@ -457,6 +457,25 @@ def test_question_answering_runs_many_windows_in_bounded_passes(runner, monkeypa
     np.testing.assert_allclose([a["score"] for a in answer], [a["score"] for a in whole])
 
 
+def test_question_answering_runs_no_more_windows_once_nobody_waits(runner):
+    """Once nobody waits for the batch (its clients gone, its deadlines passed), the
+    windows left are not run: a 34 KB context went on for 4 s past its 504, the next
+    request waiting behind it. The batch still ends with answers, which nobody reads."""
+    qa = runner("question-answering")
+    item = {"question": "where", "context": CONTEXT * 18}
+    passes: list[int] = []
+    hook = qa.model.register_forward_hook(
+        lambda _, args, kwargs, out: passes.append(len(kwargs["input_ids"])), with_kwargs=True
+    )
+    qa.bind_cancel(lambda: bool(passes))  # gone once the first pass ran
+    try:
+        [answer] = qa.run([item], {"max_seq_len": 16, "doc_stride": 10})
+    finally:
+        hook.remove()
+        qa.bind_cancel(lambda: False)
+    assert len(passes) == 1 and answer["answer"] == ""  # nor read out of the windows
+
+
 def test_question_answering_batches_answer_what_single_calls_answer(runner):
     qa = runner("question-answering")
     items = [

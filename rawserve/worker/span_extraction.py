@@ -21,6 +21,8 @@ zero-score spans fill a short list, so they are kept as they were.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,8 @@ from rawserve.tasks.question_answering import DOC_STRIDE, MAX_SEQ_LEN
 from rawserve.worker.library_panics import LibraryPanic, panics_as_errors
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name, refuse_not_numbers, token_positions
+
+log = logging.getLogger("rawserve.worker")
 
 DEFAULT_MAX_ANSWER_LEN = 15
 WINDOWS_PER_PASS = 64  # windows in one forward pass: a bound on its memory
@@ -56,6 +60,7 @@ class SpanExtractionRunner(Runner):
     """question-answering on an `AutoModelForQuestionAnswering` (start/end logits)."""
 
     def __init__(self, model: str, device: str, torch_dtype: Any, onnx: OnnxNetwork | None = None):
+        self.batch_cancelled: Callable[[], bool] = lambda: False  # nobody waits for it
         tokenizer = transformers.AutoTokenizer.from_pretrained(model)
         if onnx is None:
             self.model: Any = transformers.AutoModelForQuestionAnswering.from_pretrained(
@@ -106,6 +111,8 @@ class SpanExtractionRunner(Runner):
         contexts = [item["context"] for item in inputs]
         encoded = self.windows(inputs, options)
         starts, ends = self.logits(encoded)
+        if self.batch_cancelled():  # nobody reads the answers: none is read from the windows
+            return [{"score": 0.0, "start": 0, "end": 0, "answer": ""} for _ in inputs]
         answers: list[list[dict[str, Any]]] = [[] for _ in inputs]
         null_scores = [NO_NULL_SCORE] * len(inputs)
         for window, item in enumerate(encoded["overflow_to_sample_mapping"]):
@@ -173,16 +180,29 @@ class SpanExtractionRunner(Runner):
                 f"must be less than that: send a smaller doc_stride or a larger max_seq_len"
             ) from None
 
+    def bind_cancel(self, cancelled: Callable[[], bool]) -> None:
+        self.batch_cancelled = cancelled
+
     def logits(self, encoded: Any) -> tuple[np.ndarray, np.ndarray]:
         """Start and end logits of every window, padded to the longest, in passes of at
         most WINDOWS_PER_PASS windows (a few kilobytes of context with a `doc_stride` just
         under `max_seq_len` make thousands: in one pass, a base-sized model's attention
-        over them needs gigabytes)."""
+        over them needs gigabytes). Once nobody waits for the batch (its clients gone,
+        its deadlines passed), the windows left are not run: their logits are zeros,
+        and the answers nobody reads (a 34 KB context went on for 4 s past its 504,
+        the next request waiting behind it)."""
         names = self.tokenizer.model_input_names
         features = {name: encoded[name] for name in names if name in encoded}
+        windows = len(encoded["input_ids"])
         longest = max(len(ids) for ids in encoded["input_ids"])
         starts, ends = [], []
-        for first in range(0, len(encoded["input_ids"]), WINDOWS_PER_PASS):
+        for first in range(0, windows, WINDOWS_PER_PASS):
+            if first and self.batch_cancelled():
+                log.info("question answering stopped: nobody waits for it")
+                skipped = np.zeros((windows - first, longest), dtype=np.float32)
+                starts.append(skipped)
+                ends.append(skipped)
+                break
             batch = self.tokenizer.pad(
                 {
                     name: values[first : first + WINDOWS_PER_PASS]
