@@ -125,3 +125,24 @@ def test_tgi_routes_type_a_busy_503_as_tgis_clients_read_an_overload(reason, err
     assert "Retry-After" in dict(answer.headers)
     raised = _parse_text_generation_error(document["error"], document["error_type"])
     assert isinstance(raised, OverloadedError) == (error_type == "overloaded")
+
+
+def test_a_list_that_failed_says_which_input_failed():
+    """Of a list of 32 texts, one without a mask failed the request 422 with the
+    model's words alone, and its client could not tell which: the message says the
+    index. A single input's message is the model's own."""
+    from rawserve.api.outcomes import unwrap_all
+    from rawserve.http.errors import UnprocessableInput
+
+    fine = ItemResult([{"token_str": "a"}], 0.0, 1, 0.0)
+    no_mask = ItemFailure(FailureKind.INPUT, "No mask_token ([MASK]) found on the input")
+    bad = ItemResult(no_mask, 0.0, 1, 0.0)
+    assert unwrap_all([fine, fine]) == [fine.output, fine.output]
+    with pytest.raises(UnprocessableInput) as failed:
+        unwrap_all([fine, fine, bad])
+    assert failed.value.message == (
+        "the input at index 2: No mask_token ([MASK]) found on the input"
+    )
+    with pytest.raises(UnprocessableInput) as alone:
+        unwrap_all([bad])
+    assert alone.value.message == "No mask_token ([MASK]) found on the input"

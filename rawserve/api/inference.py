@@ -25,7 +25,7 @@ from rawserve.api.bodies import (
 )
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Field, flag
-from rawserve.api.outcomes import unwrap
+from rawserve.api.outcomes import unwrap_all
 from rawserve.api.prompts import (
     UNCUT_TASKS,
     check_details_size,
@@ -304,7 +304,7 @@ class InferenceRoutes:
             tokenizers = self.context.tokenizers
             await check_details_size(tokenizers, model, parsed.inputs, parsed.params, largest)
         results = await model.run(parsed.inputs, parsed.params, deadline)
-        outputs = [unwrap(result) for result in results]
+        outputs = unwrap_all(results)
         # feature-extraction's token vectors make answers of tens of megabytes, and so do
         # text-generation's details listing a long prompt's tokens
         if task == "text-generation":  # the pipeline's [{"generated_text", "details"}]

@@ -56,7 +56,7 @@ from rawserve.api.openai_responses import (
     ResponseAnswer,
     parse_response,
 )
-from rawserve.api.outcomes import unwrap
+from rawserve.api.outcomes import unwrap, unwrap_all
 from rawserve.api.prompts import (
     CHAT_LISTED_BYTES,
     LISTED_BYTES,
@@ -294,7 +294,7 @@ class OpenAIRoutes:
             inputs = [*prompted(model, texts, None)]  # the model's default prompt, if any
         # the worker answers {"embedding": float32 vector, "tokens": n} on this route
         results = await model.run(inputs, params, self.context.deadline(request), EMBEDDING_ROUTE)
-        outputs = [unwrap(result) for result in results]
+        outputs = unwrap_all(results)
         return answer(embedding_response(outputs, encoding_format, model.name), results)
 
     async def chat_completions(self, request: HttpRequest) -> HttpResponse:

@@ -8,7 +8,8 @@ Retry-After. Every route gets its statuses from here.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from rawserve.http.errors import (
@@ -77,3 +78,17 @@ def unwrap(result: ItemResult) -> Any:
     if isinstance(output, ItemFailure):
         raise failure_error(output)
     return output
+
+
+def unwrap_all(results: Sequence[ItemResult]) -> list[Any]:
+    """Every item's output, or the HTTP error of the first that failed; of several, its
+    message says which input it was (of a list of texts, one without a mask failed the
+    request 422 "No mask_token ([MASK]) found on the input", and its client could not
+    tell which)."""
+    for index, result in enumerate(results):
+        failure = result.output
+        if isinstance(failure, ItemFailure):
+            if len(results) > 1:
+                failure = replace(failure, message=f"the input at index {index}: {failure.message}")
+            raise failure_error(failure)
+    return [result.output for result in results]

@@ -33,7 +33,7 @@ from rawserve.api import schemas
 from rawserve.api.bodies import answer, built_answer, json_response, read_json, vector_entries
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Fields
-from rawserve.api.outcomes import unwrap
+from rawserve.api.outcomes import unwrap_all
 from rawserve.api.prompts import check_input_lengths
 from rawserve.api.routing import (
     MODEL_ERRORS,
@@ -159,7 +159,7 @@ class TeiRoutes:
         if dimensions is not None:
             params["dimensions"] = dimensions
         results = await model.run(inputs, params, self.context.deadline(request), EMBEDDING_ROUTE)
-        return answer([unwrap(result)["embedding"] for result in results], results)
+        return answer([output["embedding"] for output in unwrap_all(results)], results)
 
     async def embed_all(self, request: HttpRequest) -> HttpResponse:
         """Every token's vector, unpooled, per input."""
@@ -171,7 +171,7 @@ class TeiRoutes:
         await self.check_embed_all_size(model, inputs)
         results = await model.run(inputs, params, self.context.deadline(request))
         # the worker answers the pipeline's [1, tokens, hidden] per input
-        vectors = [unwrap(result)[0] for result in results]
+        vectors = [output[0] for output in unwrap_all(results)]
         # the exact count, for a model whose sizes were not known before the work
         check_answer_size(sum(int(np.size(v)) for v in vectors), self.settings.max_answer_bytes)
         return await built_answer(lambda: vectors, results, vector_entries(vectors))
@@ -265,7 +265,7 @@ class TeiRoutes:
         results = await model.run(items, params, self.context.deadline(request))
         labels = labels_of(model)
         predictions = [
-            predictions_from(scores(unwrap(result), raw_scores), labels) for result in results
+            predictions_from(scores(output, raw_scores), labels) for output in unwrap_all(results)
         ]
         return answer(predictions if is_batch else predictions[0], results)
 
@@ -334,7 +334,7 @@ class TeiRoutes:
         pairs = [{"text": query, "text_pair": text} for text in texts]
         params = {LOGITS_PARAM: True, **truncation(fields)}
         results = await model.run(pairs, params, self.context.deadline(request))
-        return [float(scores(unwrap(result), raw_scores)[0]) for result in results], results
+        return [float(scores(output, raw_scores)[0]) for output in unwrap_all(results)], results
 
     # --- the tokenizer ----------------------------------------------------------------
 
@@ -392,7 +392,7 @@ async def sentence_similarity(
     texts = prompted(model, [source, *sentences], options.value("prompt_name"))
     params = {"normalize": True, **truncation(options)}
     results = await model.run(texts, params, context.deadline(request), EMBEDDING_ROUTE)
-    vectors = np.array([unwrap(result)["embedding"] for result in results], dtype=np.float64)
+    vectors = np.array([output["embedding"] for output in unwrap_all(results)], dtype=np.float64)
     return answer([float(score) for score in vectors[1:] @ vectors[0]], results)
 
 
