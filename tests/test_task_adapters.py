@@ -476,6 +476,15 @@ def test_question_answering_runs_no_more_windows_once_nobody_waits(runner):
     assert len(passes) == 1 and answer["answer"] == ""  # nor read out of the windows
 
 
+@pytest.mark.parametrize("context", ["\u200b", "\x00\x01", "\ufeff\ufeff"])
+def test_a_context_that_reads_as_no_tokens_is_refused_as_a_blank_one(runner, context):
+    """Zero-width spaces or control characters only: the tokenizer reads no token, and
+    the only answer was the empty span at [CLS], 200 with score 0 (made up)."""
+    qa = runner("question-answering")
+    with pytest.raises(ValueError, match="the context reads as no tokens"):
+        qa.run([{"question": "who", "context": context}], {})
+
+
 def test_question_answering_batches_answer_what_single_calls_answer(runner):
     qa = runner("question-answering")
     items = [

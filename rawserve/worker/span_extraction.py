@@ -110,6 +110,7 @@ class SpanExtractionRunner(Runner):
         options = self.options(params)
         contexts = [item["context"] for item in inputs]
         encoded = self.windows(inputs, options)
+        self.refuse_unread_contexts(encoded, len(inputs))
         starts, ends = self.logits(encoded)
         if self.batch_cancelled():  # nobody reads the answers: none is read from the windows
             return [{"score": 0.0, "start": 0, "end": 0, "answer": ""} for _ in inputs]
@@ -182,6 +183,17 @@ class SpanExtractionRunner(Runner):
 
     def bind_cancel(self, cancelled: Callable[[], bool]) -> None:
         self.batch_cancelled = cancelled
+
+    def refuse_unread_contexts(self, encoded: Any, inputs: int) -> None:
+        """A context the tokenizer reads as no token at all (zero-width spaces, control
+        characters, a lone combining mark) is refused, as a blank one is: its only
+        answer would be the empty span at [CLS], made up (200 with score 0)."""
+        context = 1 if self.question_first else 0
+        read = [False] * inputs
+        for window, item in enumerate(encoded["overflow_to_sample_mapping"]):
+            read[item] = read[item] or context in encoded.encodings[window].sequence_ids
+        if not all(read):
+            raise ValueError("the context reads as no tokens (only characters the model skips)")
 
     def logits(self, encoded: Any) -> tuple[np.ndarray, np.ndarray]:
         """Start and end logits of every window, padded to the longest, in passes of at
