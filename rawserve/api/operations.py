@@ -31,6 +31,8 @@ TAG = "Operations"
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 READY_PREFIX = "/ready/"  # GET /ready/<name>: that model's readiness alone
 FULL_RETRY_AFTER = 1  # seconds a load balancer should wait before retrying a full server
+# what /info says of a model that generates in its entry (TGI's names)
+GENERATION_LIMITS = ("max_input_tokens", "max_input_length", "max_total_tokens")
 
 
 class MetricsPage(Protocol):
@@ -218,9 +220,6 @@ def input_limits(model: ServedModel) -> dict[str, int]:
     if limits:
         return {name: limits[name] for name in GENERATION_LIMITS}
     return {"max_input_length": model.positions}
-
-
-GENERATION_LIMITS = ("max_input_tokens", "max_input_length", "max_total_tokens")
 
 
 def _event_loop() -> str:

@@ -187,8 +187,7 @@ def decoding(params: Mapping[str, Any], new_tokens: int = 0, beams: int = 1) -> 
     counted as one row, a summary of 8 beams took one turn and one item's share of the
     deadline for 8 times the decoding. A chat naming no `max_tokens` runs to the model's
     default length: counted as no new tokens, it looked like a short encoder call."""
-    nested = params.get("generate_parameters")
-    asked = {**nested, **params} if isinstance(nested, Mapping) else params
+    asked = _asked(params)
     most = _count(asked.get("max_new_tokens"), -1)
     if most < 0:  # transformers 4's total length, else the model's default
         most = _count(asked.get("max_length"), 0) or new_tokens
@@ -205,13 +204,18 @@ def fewest_new_tokens(params: Mapping[str, Any], most: int) -> int:
     none with a grammar (which says itself when the end may come). (Timed by the likely
     length of others' answers, 4,000 tokens asked with `ignore_eos`, as benchmark clients
     send them, were taken for 22 and held a row to their 504.)"""
-    nested = params.get("generate_parameters")
-    asked = {**nested, **params} if isinstance(nested, Mapping) else params
+    asked = _asked(params)
     if asked.get("grammar") is not None:
         return 0
     if asked.get("ignore_eos") is True and not asked.get("stop"):
         return most
     return min(_count(asked.get("min_new_tokens"), 0), most)
+
+
+def _asked(params: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A request's parameters, with those in the Inference API's `generate_parameters`."""
+    nested = params.get("generate_parameters")
+    return {**nested, **params} if isinstance(nested, Mapping) else params
 
 
 def _count(value: Any, default: int) -> int:

@@ -806,9 +806,11 @@ class WorkerPool(PoolReports):
         behind = self._take_queued(worker)
         held = None if job is None else Held(job.streamed, job.poison_key)
         sequences = worker.running.take_all()  # a continuous worker ran them all at once
-        at_work = held is not None or bool(sequences) or worker.hung
         decision = self.supervisor.exited(
-            worker.index, while_loading=was_loading, held=held, at_work=at_work
+            worker.index,
+            while_loading=was_loading,
+            held=held,
+            at_work=bool(sequences) or worker.hung,
         )
         if job is not None and decision.lost is not None:
             self._carry_out(worker, job, decision.lost)
