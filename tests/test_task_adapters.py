@@ -529,6 +529,22 @@ def test_a_seq2seq_temperature_of_zero_is_greedy(runner):
     assert zero == summarize.run(text, greedy)
 
 
+def test_a_tiny_seq2seq_temperature_draws_at_the_least_one_not_an_empty_answer(runner):
+    """Below it the scores overflowed and every draw was the end: 200 with ""."""
+    import torch
+
+    from rawserve.worker.scores import MIN_TEMPERATURE
+
+    summarize = runner("seq2seq", "summarization")
+    text, drawn = ["the movie was good"], {"do_sample": True, "num_beams": 2}
+    answers = []
+    for temperature in (1e-12, MIN_TEMPERATURE):
+        torch.manual_seed(0)
+        answers.append(summarize.run(text, {**drawn, "temperature": temperature}))
+    assert answers[0] == answers[1]
+    assert answers[0][0]["summary_text"]
+
+
 def test_seq2seq_prefixes_and_output_keys(runner, tiny_model):
     import torch
     import transformers

@@ -40,7 +40,7 @@ from rawserve.worker.runner import (
     dtype_name,
     greedy_at_zero_temperature,
 )
-from rawserve.worker.scores import unusable
+from rawserve.worker.scores import MIN_TEMPERATURE, unusable
 
 # transformers 4.57's Text2TextGenerationPipeline._default_generation_config
 PIPELINE_NUM_BEAMS = 4
@@ -271,9 +271,13 @@ class Seq2SeqLMRunner(Runner):
 
 def settled(options: dict[str, Any], caller: dict[str, Any]) -> dict[str, Any]:
     """generate() options as the causal LM's are read (`options`, made for this call, are
-    changed in place): a temperature of 0 is greedy; and ValueError, in words a client can
-    act on, for what generate() would refuse in its own (it named `decoder_input_ids`)."""
+    changed in place): a temperature of 0 is greedy, a tiny one no less than the causal
+    LM's least; and ValueError, in words a client can act on, for what generate() would
+    refuse in its own (it named `decoder_input_ids`)."""
     greedy_at_zero_temperature(options)
+    if options.get("do_sample") and options.get("temperature", 1.0) < MIN_TEMPERATURE:
+        # below it the scores overflow and every draw is the end: an empty answer
+        options["temperature"] = MIN_TEMPERATURE
     answers, beams = options.get("num_return_sequences") or 1, options.get("num_beams") or 1
     if answers > beams and not options.get("do_sample"):
         raise ValueError(
