@@ -206,16 +206,30 @@ async def test_out_of_memory_splits_the_batch_and_lowers_the_cap(faulty_executor
 
 
 @pytest.mark.slow
-async def test_a_hung_batch_is_answered_and_its_worker_restarted(faulty_executor):
+async def test_a_hung_batch_runs_again_alone_and_an_input_hung_alone_twice_is_refused(
+    faulty_executor,
+):
+    """One input that hangs failed its batch-mates (each answered 500), and the same input
+    sent again held its worker for --batch-timeout each time: ten in a row made /health
+    503. Its batch-mates now run again alone; an input hung alone twice is refused."""
     worker = faulty_executor.workers[0]
     first_pid = worker.pid
     result = await asyncio.wait_for(faulty_executor.submit(["hang", "fine"], {}), 60)
-    assert result.outputs == (TIMED_OUT, TIMED_OUT)
+    assert result.outputs[0] is TIMED_OUT  # it hung again alone: answered, not run again
+    assert result.outputs[1]["input"] == "fine"
+    assert worker.record.restarts == 2
     await idle(faulty_executor)
-    assert worker.pid != first_pid and worker.record.restarts == 1
+    assert worker.pid != first_pid
+
+    result = await asyncio.wait_for(faulty_executor.submit(["hang"], {}), 60)
+    assert result.outputs == (TIMED_OUT,)  # its second hang alone
+    await idle(faulty_executor)
     # a death at work: ten in a row, a hung device, turn /health 503 (killed with its
     # batch detached, it was counted as one with nothing to do)
-    assert worker.record.crashes == 1
+    assert worker.record.crashes == 1 and worker.record.restarts == 3
+    pid = worker.pid
+    result = await asyncio.wait_for(faulty_executor.submit(["hang"], {}), 5)
+    assert result.outputs == (REFUSED_POISON,) and worker.pid == pid  # not run
     result = await asyncio.wait_for(faulty_executor.submit(["after"], {}), 30)
     assert result.outputs[0]["input"] == "after"
     assert worker.record.crashes == 0  # it answered: it works
@@ -494,7 +508,7 @@ def test_a_poison_item_among_concurrent_requests_fails_alone(faulty_server):
     skip_logged(faulty_server)  # the restart after the crash takes at least its backoff
     wait_for_next_log(faulty_server, r"worker 0: .* ready")
     status, refused = faulty_server.post_json({"inputs": "please crash now"})
-    assert status == 422 and "crashed the model worker" in refused["error"]
+    assert status == 422 and "crashed or hung the model worker" in refused["error"]
     status, answer = faulty_server.post_json({"inputs": ["fine", "please crash now"]})
     assert status == 422  # a list answers its first failure; the item alone was refused
 

@@ -9,10 +9,12 @@ hands it: `submit(inputs, params)` returns an asyncio future of the batch's
 
 What to do when a worker dies (restart when, retry which items, quarantine what) is
 decided by the pure supervision core (`rawserve.serving.supervision`); this module only
-carries it out. A batch running longer than `batch_timeout` gets its worker killed and
-its items answered with a failure; on a continuous generation worker, whose sequences run
-as long as their deadlines allow, only once the worker has also gone `batch_timeout`
-without ending a forward pass (hung, not busy with a long generation). The worker's
+carries it out. A batch running longer than `batch_timeout` gets its worker killed (on
+a continuous generation worker, whose sequences run as long as their deadlines allow,
+only once the worker has also gone `batch_timeout` without ending a forward pass: hung,
+not busy with a long generation); a static batch's items then run again alone (one
+alone is answered with a failure, and counted against its input as a crash alone is).
+The worker's
 effective batch cap (lowered after out-of-memory errors) is learned from its results and
 offered to the scheduler through `batch_cap()`.
 
@@ -617,11 +619,35 @@ class WorkerPool(PoolReports):
                 hung = f"a batch of {len(job.inputs)} ran over {self.batch_timeout:g} s"
             log.error("worker %s: %s; killing process %s", worker.label, hung, worker.pid)
         self._detach(worker.running.pop(job.batch_id) or self._take_job(worker))
-        job.answer(BatchResult(job.batch_id, (TIMED_OUT,) * len(job.inputs), 0.0))
+        if worker.sequences:
+            job.answer(BatchResult(job.batch_id, (TIMED_OUT,) * len(job.inputs), 0.0))
+        else:
+            self._after_hang(worker, job)
         worker.state = WorkerState.DEAD  # until the reader sees it exit and restarts it
         worker.hung = True  # (its work is detached already: its death is one at work)
         if worker.process is not None:
             worker.process.kill()
+
+    def _after_hang(self, worker: WorkerHandle, job: Job) -> None:
+        """A batch its worker is killed for (`--batch-timeout`): several items run again
+        alone, as after a crash, so that one input that hangs fails none beside it. One
+        alone is answered, not run again (that would hold its worker as long again), and
+        counted as a crash alone is: the same input hung twice is refused (it held its
+        worker each time, and ten in a row made /health 503)."""
+        if len(job.inputs) > 1 and not job.streamed:
+            log.warning(
+                "worker %s: its %d items run again alone once it is back (one that "
+                "hangs alone is refused after %d such hangs)",
+                worker.label,
+                len(job.inputs),
+                self.poison.strikes,
+            )
+            self._retry_alone(job, worker.index)
+            return
+        key = job.poison_key or PoisonMemory.key(job.inputs[0], job.params)
+        if len(job.inputs) == 1 and self.poison.crashed(key):
+            self._say_quarantined(worker, job, "hung")
+        job.answer(BatchResult(job.batch_id, (TIMED_OUT,) * len(job.inputs), 0.0))
 
     # --- process lifecycle ------------------------------------------------------------
 
@@ -892,18 +918,22 @@ class WorkerPool(PoolReports):
             )
             self._retries.append(replace(job, watchdog=None, home=worker.index))
         else:
-            log.error(
-                "worker %s: one input crashed the worker %d times on its own%s; it is "
-                "refused for the next %.0f s",
-                worker.label,
-                self.poison.strikes,
-                job_requests(job),
-                self.poison.seconds,
-                extra=request_named(job),
-            )
+            self._say_quarantined(worker, job, "crashed")
             if self.metrics is not None:
                 self.metrics.drop("poison")
             job.answer(BatchResult(job.batch_id, (CRASHED_ALONE,), 0.0))
+
+    def _say_quarantined(self, worker: WorkerHandle, job: Job, how: str) -> None:
+        log.error(
+            "worker %s: one input %s the worker %d times on its own%s; it is refused for "
+            "the next %.0f s",
+            worker.label,
+            how,
+            self.poison.strikes,
+            job_requests(job),
+            self.poison.seconds,
+            extra=request_named(job),
+        )
 
     def _respawn(self, worker: WorkerHandle) -> None:
         if self._closing or worker.state is not WorkerState.DEAD:
