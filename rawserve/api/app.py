@@ -11,8 +11,7 @@ never imports h11 or torch.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from typing import Protocol
 
 from rawserve.api import schemas, tgi
@@ -67,10 +66,9 @@ class App:
         *,
         metrics: RouteMetrics | None = None,
         facts: dict[str, object] | None = None,  # the server's options, for /info
-        clock: Callable[[], float] = time.monotonic,
     ):
         settings = settings or AppSettings()
-        context = RouteContext(models, settings, Gate(), clock)
+        context = RouteContext(models, settings, Gate())
         self.models = models
         self.settings = settings
         self.gate = context.gate

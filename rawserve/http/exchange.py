@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
@@ -15,6 +16,9 @@ class HttpRequest:
     body: bytes
     request_id: str
     http_version: str = "1.1"
+    # when its head was read (time.monotonic, as the scheduler's deadlines): its deadline
+    # counts from it
+    received_at: float = field(default_factory=time.monotonic)
 
     def header(self, name: str) -> str | None:
         for key, value in self.headers:

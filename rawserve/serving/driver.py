@@ -325,8 +325,7 @@ class Scheduler:
             futures.append(future)
         try:
             self.core.admit(items, now)
-        except NeverAdmissible as never:
-            self._count_dropped("rejected", len(items))
+        except NeverAdmissible as never:  # a 413, the client's to fix: no load was shed
             raise Refused.because(Reason.NEVER_ADMISSIBLE, str(never)) from None
         except QueueFull as refused:
             raise self._refusal(refused, len(items)) from None
