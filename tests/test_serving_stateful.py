@@ -189,6 +189,7 @@ class Request:
     stream_id: int | None = None
     running: Any = None
     admitted: bool = False
+    too_long: bool = False  # refused 413: more items than could ever be queued
     cancelled: bool = False
     ends: list[tuple[float, list | None, BaseException | None]] = field(default_factory=list)
     unsent_at_end: int = 0  # its inputs never sent to a worker when it ended or was withdrawn
@@ -294,7 +295,7 @@ class Serving:
                 )
             except Refused as refused:
                 assert refused.refusal.reason in ADMISSION_REASONS
-                self.end_stream(request)
+                self.refused(request, refused)
                 return
             request.admitted = True
 
@@ -314,10 +315,14 @@ class Serving:
             return
         error = task.exception()
         if isinstance(error, Refused) and error.refusal.reason in ADMISSION_REASONS:
-            request.admitted = False
-            self.end_stream(request)
+            self.refused(request, error)
             return
         self.on_end(request, None if error else task.result(), error)
+
+    def refused(self, request: Request, refused: Refused) -> None:
+        request.admitted = False
+        request.too_long = refused.refusal.reason is Reason.NEVER_ADMISSIBLE
+        self.end_stream(request)
 
     def on_end(self, request: Request, results, error) -> None:
         assert not request.cancelled, "heard after its client left"
@@ -478,7 +483,8 @@ class Serving:
             ready = [item for item in queued if core._can_finish(item, self.loop.now)]
             assert ready == [], "queued beside a free worker"
         # every item answered without a model call is counted once, by why
-        refused = [r for r in self.requests if not r.admitted]
+        # (a 413 is the client's to fix: no load was shed)
+        refused = [r for r in self.requests if not r.admitted and not r.too_long]
         assert self.counts.dropped["rejected"] == sum(len(r.inputs) for r in refused)
         left = [r for r in self.requests if r.cancelled]
         assert self.counts.dropped["disconnected"] == sum(r.unsent_at_end for r in left)
