@@ -1168,6 +1168,32 @@ def test_an_idle_worker_sends_every_sequence_of_a_list_it_took_whatever_their_ti
     assert len(core.decide(0.0, free_workers=8).batches) == 3
 
 
+def test_a_requests_choices_admitted_one_by_one_are_taken_as_its_list_would_be():
+    """`n` choices come one admission each (their parameters differ): the first made the
+    rows busy for the others, and on an idle server n=2 was refused 503 "busy" where
+    n=1, or the same prompts as a list, were taken. Another request's sequences still
+    make the rows busy: for it, and for the first request's choices after it."""
+    core = paced(SchedulerCore(max_batch_size=1, workers=8), 0.01)
+    asks = {"max_new_tokens": 4000}  # 40 s predicted, 30 s given
+
+    def choice(request_id: str, seed: int, params=asks) -> WorkItem:
+        return core.new_item(text(5), {**params, "seed": seed}, 30.0, 0.0, request_id=request_id)
+
+    for seed in range(3):
+        core.admit([choice("req-1", seed)], 0.0)
+    assert len(core.decide(0.0, free_workers=8).batches) == 3
+    with pytest.raises(OwnTimeUnreachable):
+        core.admit([choice("req-2", 0)], 0.0)
+    core.admit([choice("req-3", 0, {"max_new_tokens": 10})], 0.0)
+    with pytest.raises(OwnTimeUnreachable):
+        core.admit([choice("req-1", 3)], 0.0)
+    unnamed = paced(SchedulerCore(max_batch_size=1, workers=8), 0.01)
+    for seed in range(2):  # (the second taken to learn how long answers run)
+        unnamed.admit([unnamed.new_item(text(5), {**asks, "seed": seed}, 30.0, 0.0)], 0.0)
+    with pytest.raises(OwnTimeUnreachable):  # requests named by nobody are not one
+        unnamed.admit([unnamed.new_item(text(5), {**asks, "seed": 2}, 30.0, 0.0)], 0.0)
+
+
 def test_a_sequences_own_length_is_no_reason_to_refuse_it_until_answers_are_seen():
     """Before enough answers are seen, a chat asking 4,096 tokens (answers of a few
     hundred) is not judged by 4,096: it was refused beside a few running rows."""

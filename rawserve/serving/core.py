@@ -271,6 +271,10 @@ class SchedulerCore:
     # the sequence taken to learn how long answers run, where they ran past every length
     # (`_probes_length`), while it is queued or running
     _length_probe: WorkItem | None = None
+    # the request whose items alone are queued or running, if any ("": none, or several):
+    # its `n` choices come one admission each, and the first must not make the rows busy
+    # for the others
+    _sole_request: str = ""
 
     def __len__(self) -> int:
         return self._size
@@ -358,6 +362,8 @@ class SchedulerCore:
         # before it by their earlier deadlines until it is urgent (9.3 s of a 10 s wait)
         for offset, item in enumerate(items):
             item.turn = self._turn + 1 + offset
+        request = items[0].request_id if items else ""
+        alone = not (self._in_flight or self._size)
         probe = False
         if now is not None and items and self._misses_deadline(items, now):
             deadline = min(item.deadline for item in items)
@@ -370,9 +376,10 @@ class SchedulerCore:
         # an idle continuous worker takes a request whatever its sequences' time (they may
         # end early), and sends every one of them so (a list of three was taken, and its
         # third waited beside free rows for the request's 504)
-        idle = probe or (self._continuous(items) and not self._rows_busy())
+        idle = probe or (self._continuous(items) and not self._rows_busy(items))
         for item in items:
             item.taken_whatever_its_time = idle
+        self._sole_request = request if alone or request == self._sole_request else ""
         for item in items:
             queue = self._queues.get(item.key)
             if queue is None:
@@ -506,7 +513,7 @@ class SchedulerCore:
         a CPU, slower), and its retry may find the worker less busy. (Taken while half
         the rows were free, on a loaded 2-core machine most held a row to their 504.) With
         nothing running or queued, it is taken whatever its time (`_rows_busy`)."""
-        if not self._rows_busy():
+        if not self._rows_busy(items):
             return False
         own = self._own_seconds(items)
         turn, latest = _bounds(items)
@@ -542,11 +549,16 @@ class SchedulerCore:
             return True
         return misses(sum(1 for _ in self._queued_ahead(turn, latest)))
 
-    def _rows_busy(self) -> bool:
+    def _rows_busy(self, items: Sequence[WorkItem] = ()) -> bool:
         """Whether sequences on a continuous worker's rows may be refused for the wait for
         a row or their own time: not with nothing running or queued (no row shared: their
-        own time is no reason; they may end early)."""
-        return bool(self._in_flight or self._size)
+        own time is no reason; they may end early), nor (`items`, being admitted) with only
+        their own request's other sequences (its `n` choices, each admitted on its own:
+        on an idle server the second was refused 503, busy, where n=1 was taken)."""
+        if not (self._in_flight or self._size):
+            return False
+        request = items[0].request_id if items else ""
+        return not request or request != self._sole_request
 
     def _row_wait(self, queued_ahead: int, rows: int, now: float) -> float:
         """Seconds until `rows` rows of a continuous worker are free for sequences with
