@@ -11,6 +11,9 @@ process each with one thread, run the warm-up batch together for a second or two
 (rawserve.worker.layout_timer), then one process with every core runs it alone. More
 items a second wins, one worker only by a clear margin (SWITCH_MARGIN); a tie goes to
 one a core, where a lone request still gets every core (the executor's core sharing).
+A trial during which a timer had less than FULL_SHARE of its cores (its CPU time over
+its wall time and threads) ran beside other work: it keeps no verdict, and the rule
+serves until a later start measures again.
 The server already listens meanwhile (`/health` answers, `/ready` says loading): the
 trial runs in a thread of the serving process, and a stop ends it. Each timer loads the
 model as a worker does, with the engine trial's verdict for its threads, which the
@@ -43,7 +46,7 @@ from rawserve.shared.devices import core_count
 from rawserve.shared.messages import WorkerConfig, WorkerLoadFailed
 from rawserve.tasks import ENCODER_TASKS
 from rawserve.worker import engine_trial
-from rawserve.worker.layout_timer import START_TIMEOUT, timer_main
+from rawserve.worker.layout_timer import START_TIMEOUT, Timing, timer_main
 
 log = logging.getLogger("rawserve")
 
@@ -54,6 +57,11 @@ MEASURED_TASKS = ENCODER_TASKS  # a batch is one forward pass: a second or two t
 # was measured the faster under load (bench/RESULTS.md), and a trial run while other work
 # shares the machine has seen swings of 1.3-2x either way
 SWITCH_MARGIN = 1.1
+# the least share of its cores each timer must have had for the verdict to be kept: below
+# it other work ran beside the trial (on a shared 2-core machine the per-core figure swung
+# from 2,944 to 20,962 items/s and the worse verdict was kept; timers had 99 % of their
+# cores on the machine alone, 50 % beside a test run)
+FULL_SHARE = 0.9
 STOP_POLL = 0.25  # seconds between looks at the stop while timers run
 FIELDS = ("cores", "workers", "batch", "per_core", "one_worker")
 
@@ -85,7 +93,7 @@ class LayoutTrial:
             chosen = f"1 worker x {self.cores} threads"
         else:
             chosen = f"{self.workers} worker(s) x 1 thread"
-        source = "measured at an earlier start (cached)" if self.cached else "measured now"
+        source = engine_trial.verdict_source(self.cached, this_start=False)
         return (
             f"{chosen} on {self.cores} core(s), the faster here, {source}: batches of "
             f"{self.batch}, {self.workers} worker(s) x 1 thread {self.per_core:.1f} items/s "
@@ -179,7 +187,17 @@ def measured(
     if per_core is None or one_worker is None:
         log.warning("the layout trial could not time the model: one worker a core")
         return None
-    trial = LayoutTrial(cores, workers, size, per_core, one_worker)
+    trial = LayoutTrial(cores, workers, size, per_core[0], one_worker[0])
+    share = min(per_core[1], one_worker[1])
+    if share < FULL_SHARE:  # timed amid other work: the verdict says little
+        log.warning(
+            "the layout trial ran while other work shared the machine (a timer had %.0f%% "
+            "of the cores it ran on): one worker a core, and no verdict kept, so that a "
+            "later start measures again (%s)",
+            100 * share,
+            trial.describe(),
+        )
+        return None
     found = {name: getattr(trial, name) for name in FIELDS}
     key = trial_key(config, cores, workers, size)
     engine_trial.remember(engine_trial.default_cache_dir(), CACHE_PREFIX, key, found)
@@ -212,12 +230,12 @@ VERSIONED = ("torch", "transformers", "onnxruntime")
 
 def items_per_second(
     config: WorkerConfig, processes: int, size: int, stop: threading.Event
-) -> float | None:
+) -> tuple[float, float] | None:
     """`processes` timers of `config`, timed together once all are loaded: the items a
-    second of all of them (None: a timer had no batch to time, or failed, or could not
-    start, or `stop` was set). Raises ModelLoadFailed when a timer could not load the
-    model: its workers, which load it the same way, would fail alike, after the trial and
-    each in turn."""
+    second of all of them, and the least share of its cores a timer had (None: a timer
+    had no batch to time, or failed, or could not start, or `stop` was set). Raises
+    ModelLoadFailed when a timer could not load the model: its workers, which load it the
+    same way, would fail alike, after the trial and each in turn."""
     context = multiprocessing.get_context("spawn")
     try:
         start = context.Barrier(processes)
@@ -262,10 +280,11 @@ def items_per_second(
     for median in medians:
         if isinstance(median, WorkerLoadFailed):  # the workers would fail alike
             raise ModelLoadFailed(median.message)
-    seconds = [median for median in medians if isinstance(median, float) and median > 0]
-    if len(seconds) < processes:
+    timings = [m for m in medians if isinstance(m, Timing) and m.seconds > 0]
+    if len(timings) < processes:
         return None
-    return sum(size / median for median in seconds)
+    items = sum(size / timing.seconds for timing in timings)
+    return items, min(timing.cpu_share for timing in timings)
 
 
 def gathered(readers: list[Connection], start: Barrier, stop: threading.Event) -> list[Any]:
@@ -286,7 +305,7 @@ def gathered(readers: list[Connection], start: Barrier, stop: threading.Event) -
                 figures[reader] = reader.recv()
             except EOFError:
                 figures[reader] = None
-            if not isinstance(figures[reader], float):
+            if not isinstance(figures[reader], Timing):
                 start.abort()
             if isinstance(figures[reader], WorkerLoadFailed):
                 return [figures.get(each) for each in readers]

@@ -1,6 +1,7 @@
 """One timer of the CPU layout trial (rawserve.ops.layout_trial): a process that loads
 the model as a worker does, runs the warm-up batch once, waits until every timer of its
-candidate is ready, then runs the batch for a fixed stretch and reports its median time.
+candidate is ready, then runs the batch for a fixed stretch and reports its median time
+and the share of its cores it had meanwhile (other work on the machine takes from it).
 
 Runs only in the timer's process (started with `spawn`): torch is imported inside
 `timer_main`, never at module level, because the server imports this module to name the
@@ -18,6 +19,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Barrier
+from typing import NamedTuple
 
 from rawserve.shared.logs import setup_worker_logging
 from rawserve.shared.messages import WorkerConfig, WorkerLoadFailed
@@ -30,12 +32,21 @@ MIN_ROUNDS = 2  # timed batches, however slow
 START_TIMEOUT = 600.0  # seconds for every timer of a candidate to load its model
 
 
+class Timing(NamedTuple):
+    """What a timer measured: its batch's median seconds, and the share of the cores it
+    asked for (its threads) that it had while timed: its CPU time over the stretch's
+    wall time and its threads."""
+
+    seconds: float
+    cpu_share: float
+
+
 class LoadFailed(Exception):
     """The timer could not load the model; its one line is the argument."""
 
 
 def timer_main(config: WorkerConfig, size: int, start: Barrier, out: Connection) -> None:
-    """The median seconds of a batch of `size` example inputs, on `out` (None: there is
+    """The Timing of a batch of `size` example inputs, on `out` (None: there is
     no batch to time, or this timer failed: then the others stop waiting for it; a
     WorkerLoadFailed: the model cannot be loaded, as a worker would report it)."""
     # the server stops its timers itself
@@ -47,7 +58,7 @@ def timer_main(config: WorkerConfig, size: int, start: Barrier, out: Connection)
     # a model loaded a core, beside the server: when memory runs out, a timer killed
     # leaves the rule's layout (the trial cannot tell), the server killed ends the start
     prefer_for_oom_kill()
-    median: float | WorkerLoadFailed | None
+    median: Timing | WorkerLoadFailed | None
     try:
         median = timed_batch(config, size, start)
     except LoadFailed as failed:  # the workers would fail alike: the server stops on it
@@ -61,7 +72,7 @@ def timer_main(config: WorkerConfig, size: int, start: Barrier, out: Connection)
     out.close()
 
 
-def timed_batch(config: WorkerConfig, size: int, start: Barrier) -> float | None:
+def timed_batch(config: WorkerConfig, size: int, start: Barrier) -> Timing | None:
     # torch and transformers load here, in the timer's process only
     from rawserve.worker.libraries import library_logs_through_ours, tokenize_in_the_calling_thread
     from rawserve.worker.loading import load_runner
@@ -81,9 +92,11 @@ def timed_batch(config: WorkerConfig, size: int, start: Barrier) -> float | None
     runner.run(inputs, params)  # first calls set things up
     start.wait(timeout=START_TIMEOUT)
     laps: list[float] = []
-    ends = time.perf_counter() + TIMED_SECONDS
+    cpu_began, wall_began = time.process_time(), time.perf_counter()
+    ends = wall_began + TIMED_SECONDS
     while len(laps) < MIN_ROUNDS or time.perf_counter() < ends:
         began = time.perf_counter()
         runner.run(inputs, params)
         laps.append(time.perf_counter() - began)
-    return statistics.median(laps)
+    wall = (time.perf_counter() - wall_began) * max(config.threads or 1, 1)
+    return Timing(statistics.median(laps), (time.process_time() - cpu_began) / wall)
