@@ -982,6 +982,10 @@ def test_a_text_body_not_in_its_charset_is_415(content_type, body):
         ([("content-type", "Application/JSON; charset=utf-8")], b'"a"', None),
         ([], b'["a"]', ['["a"]']),  # untyped, and not an object: text
         ([], b"a {", ["a {"]),
+        # curl -d types every body so: a JSON object had its own text scored, answered 200
+        ([("content-type", "application/x-www-form-urlencoded")], b'{"inputs": "a"}', ["a"]),
+        ([("content-type", "application/x-www-form-urlencoded")], b"a [MASK]", ["a [MASK]"]),
+        ([("content-type", "text/plain")], b'{"inputs": "a"}', ['{"inputs": "a"}']),
     ],
 )
 def test_a_body_is_read_as_json_when_so_typed_or_untyped_and_an_object(headers, body, inputs):

@@ -87,12 +87,17 @@ def _check_document(document: Any) -> None:
                 stack.append((child, depth + 1))
 
 
+# what `curl -d` types any body it sends: a JSON object so sent had its own text scored,
+# or generated from with its parameters unread, answered 200 (a form is key=value pairs)
+CURL_FORM = "application/x-www-form-urlencoded"
+
+
 def is_json(request: HttpRequest) -> bool:
-    """The body is JSON: so typed, or untyped and starting like an object (InferenceClient
-    posts JSON without a Content-Type)."""
+    """The body is JSON: so typed, or untyped (InferenceClient posts JSON without a
+    Content-Type) or typed as curl -d types everything, and starting like an object."""
     content_type = (request.header("content-type") or "").split(";")[0].strip().lower()
     return content_type == "application/json" or (
-        not content_type and request.body.lstrip()[:1] == b"{"
+        content_type in ("", CURL_FORM) and request.body.lstrip()[:1] == b"{"
     )
 
 
