@@ -49,7 +49,7 @@ RUN apt-get update \
 
 WORKDIR /app
 # The dependencies first (torch is the big layer): a change to the code alone reuses it.
-COPY Makefile pyproject.toml README.md ./
+COPY Makefile pyproject.toml README.md constraints.txt ./
 COPY rawserve/__init__.py rawserve/__init__.py
 RUN make .venv/.installed \
         TORCH_SPEC="${TORCH_SPEC}" \

@@ -8,18 +8,20 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PIP_TORCH_ARGS ?=
+# the versions the test suite runs on (CONSTRAINTS=/dev/null: the newest pyproject allows)
+CONSTRAINTS ?= constraints.txt
 # the extras installed with rawserve (the Dockerfile installs only "image")
 EXTRAS ?= test,dev,onnx
 ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-deps lint bench bench-http bench-generation bench-generation-overload bench-gpu reference-answers clean
+.PHONY: help serve test test-deps lint bench bench-http bench-generation bench-generation-overload bench-gpu reference-answers clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(PIP_TORCH_ARGS) "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" --constraint $(CONSTRAINTS)
 	touch $(STAMP)
 
 serve: $(STAMP)
@@ -94,3 +96,16 @@ reference-answers: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .venv-transformers4
+
+help:
+	@echo "make                  create .venv: rawserve, torch ($(TORCH_SPEC)), the versions of $(CONSTRAINTS)"
+	@echo "make serve ARGS=...   serve (no ARGS: the packaged all-MiniLM-L6-v2 on 127.0.0.1:8000)"
+	@echo "make test ARGS=...    run the test suite (ARGS: pytest's, e.g. tests/test_tei.py)"
+	@echo "make lint             ruff and mypy"
+	@echo "make bench            rawserve against the model's ceiling and other servers (~30 min)"
+	@echo "make bench-http       the server's own ceiling across HTTP processes"
+	@echo "make bench-generation served generation against static batching"
+	@echo "make bench-generation-overload   generation past its capacity"
+	@echo "make bench-gpu        every GPU measurement in one pass (on a GPU machine)"
+	@echo "make reference-answers   transformers 4's answers for tests/test_fidelity.py"
+	@echo "make clean            remove .venv (then PIP_TORCH_ARGS=... picks another torch)"
