@@ -135,8 +135,13 @@ def test_health_ready_and_unknown_routes(fill_mask_server):
     assert fill_mask_server.request("GET", "/health")[0] == 200
     assert fill_mask_server.request("GET", "/ready")[0] == 200
     assert fill_mask_server.request("GET", "/nope")[0] == 404
-    status, headers, _ = fill_mask_server.request("GET", "/")
+    status, headers, body = fill_mask_server.request("GET", "/")
     assert status == 405 and headers["allow"] == "POST"
+    # (what a browser sends: the Allow header alone said what to do)
+    assert "takes POST (GET /info says what is served)" in json.loads(body)["error"]
+    big = b"x" * (1024 * 1024 + 1)  # over --max-body-bytes: the message names it
+    status, _, body = fill_mask_server.request("POST", "/", big)
+    assert status == 413 and "--max-body-bytes" in json.loads(body)["error"], body
 
 
 def test_load_64_concurrent_all_200_and_equal_to_the_unbatched_answer(

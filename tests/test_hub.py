@@ -386,6 +386,20 @@ def test_a_model_without_config_json_is_refused_for_that_whatever_names_its_task
     with pytest.raises(ModelNotFound) as caught:
         plan_models([spec])
     assert "no config.json" in str(caught.value) and "model_type" not in str(caught.value)
+    assert "name the task" not in str(caught.value)  # named, it was refused for the same
+
+
+def test_a_hub_caches_model_folder_is_refused_saying_which_folder_to_serve(tmp_path):
+    """A cache's models--org--name folder holds the files under snapshots/<commit>/: it
+    was refused as a folder with no config.json, "name the task", which did not help."""
+    cache = tmp_path / "models--org--tiny"
+    (cache / "snapshots").mkdir(parents=True)
+    snapshot = text_model(cache / "snapshots" / "abc123", "BertForMaskedLM", {})
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models([str(cache)])
+    message = str(caught.value)
+    assert f"--model {snapshot}" in message and "--model org/tiny" in message, message
+    assert "name the task" not in message
 
 
 @pytest.mark.parametrize(

@@ -393,7 +393,8 @@ async def sentence_similarity(
     params = {"normalize": True, **truncation(options)}
     results = await model.run(texts, params, context.deadline(request), EMBEDDING_ROUTE)
     vectors = np.array([output["embedding"] for output in unwrap_all(results)], dtype=np.float64)
-    return answer([float(score) for score in vectors[1:] @ vectors[0]], results)
+    # (unit vectors in float32: a cosine of 1.00000006 failed a client's math.acos)
+    return answer([float(score) for score in np.clip(vectors[1:] @ vectors[0], -1, 1)], results)
 
 
 def input_limit(model: ServedModel) -> int:

@@ -103,7 +103,10 @@ class MethodNotAllowed(HTTPError):
     error_type = "method_not_allowed"
 
     def __init__(self, allowed: list[str]):
-        super().__init__("method not allowed", headers=[("Allow", ", ".join(allowed))])
+        # (a browser's GET / had no word on what to do but the Allow header)
+        methods = ", ".join(allowed)
+        message = f"method not allowed: this path takes {methods} (GET /info says what is served)"
+        super().__init__(message, headers=[("Allow", methods)])
 
 
 class RequestTimeout(HTTPError):

@@ -86,7 +86,9 @@ def protocol_error(exc: h11.RemoteProtocolError, in_body: bool = False) -> HTTPE
 
 
 def body_too_large(max_body_bytes: int) -> PayloadTooLarge:
-    return PayloadTooLarge(f"the body is over the limit of {max_body_bytes} bytes")
+    return PayloadTooLarge(
+        f"the body is over the limit of {max_body_bytes} bytes (the server's --max-body-bytes)"
+    )
 
 
 def too_many_chunks(max_body_bytes: int, chunks: int) -> PayloadTooLarge:

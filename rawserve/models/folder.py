@@ -116,10 +116,7 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
         refuse_broken_links(model_dir)
         task = task or infer_task(model_dir)
         if not (model_dir / "config.json").is_file():  # (its task named: nothing read it)
-            raise ValueError(
-                "the model has no config.json, which says its architecture: copy it too, "
-                "or download the model again"
-            )
+            raise ValueError(no_config(model_dir))
         if not any((model_dir / name).is_file() for name in WEIGHTS):
             raise ValueError(missing_weights(model_dir))
         if task in IMAGE_TASKS and importlib.util.find_spec("PIL") is None:
@@ -147,12 +144,31 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
         pooling, normalize = sentence_transformers_pooling(model_dir)
     except FileNotFoundError as exc:
         missing = Path(str(exc.filename)).name
+        if missing == "config.json":  # naming the task would not help: it is read too
+            raise ValueError(no_config(model_dir)) from None
         raise ValueError(
             f"the model has no {missing} to read its task from: {NAME_THE_TASK}"
         ) from None
     except (OSError, AttributeError, KeyError, TypeError) as exc:
         raise ValueError(f"the model's files are unreadable ({type(exc).__name__})") from None
     return FolderFacts(task, pooling, normalize)
+
+
+def no_config(model_dir: Path) -> str:
+    """Why a folder without config.json is refused, and where the model may be instead: a
+    Hub cache's `models--org--name` folder holds its files under snapshots/<commit>/."""
+    if model_dir.name.startswith("models--"):
+        repo = model_dir.name.removeprefix("models--").replace("--", "/")
+        found = sorted((model_dir / "snapshots").glob("*/config.json"))
+        where = f"--model {found[0].parent}, or " if found else ""
+        return (
+            f"{model_dir} is a Hugging Face cache's folder of {repo}, not the model's own: "
+            f"serve {where}--model {repo} with HF_HUB_CACHE set to the folder above it"
+        )
+    return (
+        "the model has no config.json, which says its architecture: copy it too, or "
+        "download the model again"
+    )
 
 
 def missing_weights(model_dir: Path) -> str:
