@@ -126,6 +126,30 @@ def test_a_verdict_with_damaged_figures_is_measured_again(tmp_path, seconds):
     assert cached(tmp_path, key) is None
 
 
+def with_raw(document: dict, field: str, text: str) -> str:
+    """`document` as JSON with `field`'s value written as `text`, which JSON reads back
+    as no Python value could be written (1e999: infinity; 400 digits)."""
+    return json.dumps({**document, field: "RAW"}).replace('"RAW"', text)
+
+
+@pytest.mark.parametrize(
+    ("field", "text"),
+    [
+        ("batch", "1e999"),  # infinity: int() raised OverflowError, and the start failed
+        ("batch", "-1e999"),
+        ("batch", "8.5"),
+        ("batch", "0"),
+        ("seconds", '{"torch": 1' + "0" * 400 + "}"),  # too large for a float
+    ],
+)
+def test_a_verdict_with_a_number_past_any_range_is_measured_again(tmp_path, field, text):
+    key = {"files": {"config.json": "ab"}}
+    store(tmp_path, key, Trial({Engine.TORCH: 0.004, Engine.ONNX: 0.003}, 8))
+    (file,) = tmp_path.glob("engine-trial-*.json")
+    file.write_text(with_raw(json.loads(file.read_text()), field, text))
+    assert cached(tmp_path, key) is None
+
+
 def test_a_cache_file_nested_past_the_parser_s_depth_is_measured_again(tmp_path):
     key = {"batch": 8}
     store(tmp_path, key, Trial({Engine.TORCH: 0.004}, 8))

@@ -168,6 +168,7 @@ def test_real_timers_measure_both_candidates_once(tiny_model, tmp_path, monkeypa
         {"per_core": 150.0, "one_worker": "fast"},
         {"per_core": 0, "one_worker": 150.0},
         {"per_core": 150.0},
+        {"per_core": 10**400, "one_worker": 150.0},  # too large for a float: OverflowError
     ],
 )
 def test_a_kept_verdict_with_damaged_figures_is_measured_again(

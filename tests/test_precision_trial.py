@@ -14,7 +14,7 @@ import pytest
 from rawserve.shared.messages import Engine
 from rawserve.worker import engine_trial, precision_trial
 from rawserve.worker.precision_trial import Drift, Offer, bf16_units, compare, measure
-from tests.test_engine_trial import FakeClock
+from tests.test_engine_trial import FakeClock, with_raw
 
 AMX_FLAGS = "fpu sse2 avx2 avx512f amx_bf16 amx_tile amx_int8"
 
@@ -118,6 +118,24 @@ def test_a_kept_finding_with_damaged_figures_is_measured_again(tmp_path, damaged
     precision_trial.remember(tmp_path, key, offer)
     (file,) = tmp_path.glob("bfloat16-trial-*.json")
     file.write_text(json.dumps({**json.loads(file.read_text()), **damaged}))
+    assert precision_trial.recalled(tmp_path, key) is None
+
+
+@pytest.mark.parametrize(
+    ("field", "text"),
+    [
+        ("batch", "1e999"),  # infinity: int() raised OverflowError, and the start failed
+        ("batch", "8.5"),
+        ("float32_seconds", "1" + "0" * 400),  # too large for a float
+        ("drift", '{"largest": 1' + "0" * 400 + ', "cosine": 0.9, "same_labels": true}'),
+    ],
+)
+def test_a_kept_finding_with_a_number_past_any_range_is_measured_again(tmp_path, field, text):
+    offer = Offer("amx_bf16", 8, 0.04, 0.01, Drift(0.002, 0.99994, same_labels=True))
+    key = {"model": "m"}
+    precision_trial.remember(tmp_path, key, offer)
+    (file,) = tmp_path.glob("bfloat16-trial-*.json")
+    file.write_text(with_raw(json.loads(file.read_text()), field, text))
     assert precision_trial.recalled(tmp_path, key) is None
 
 

@@ -225,11 +225,25 @@ def locked(path: Path) -> Iterator[None]:
 def positive(value: Any) -> float:
     """A kept figure (seconds, items a second) as a number a verdict can use: finite and
     above zero. ValueError for anything else (a file edited or damaged: a null, a string,
-    NaN), so the trial runs again instead of a start failing on it."""
-    number = float(value)
+    NaN, an integer too large for a float), so the trial runs again instead of a start
+    failing on it."""
+    try:
+        number = float(value)
+    except OverflowError:  # 1 followed by 400 digits
+        raise ValueError(f"not a positive figure: {value!r}") from None
     if not math.isfinite(number) or number <= 0:
         raise ValueError(f"not a positive figure: {value!r}")
     return number
+
+
+def count(value: Any) -> int:
+    """A kept count (a batch's items) as a whole number above zero. ValueError for
+    anything else (1e999 reads back as infinity, which int() refuses with an
+    OverflowError: that stopped the server's start)."""
+    number = positive(value)
+    if number != int(number):
+        raise ValueError(f"not a count: {value!r}")
+    return int(number)
 
 
 def cached(cache_dir: Path, key: Mapping[str, Any], start: str = "") -> Trial | None:
@@ -242,8 +256,8 @@ def cached(cache_dir: Path, key: Mapping[str, Any], start: str = "") -> Trial | 
         if not seconds or Engine.AUTO in seconds:
             return None
         this_start = bool(start) and stored.get("start") == start
-        return Trial(seconds, int(stored["batch"]), cached=True, this_start=this_start)
-    except (ValueError, KeyError, TypeError, AttributeError):
+        return Trial(seconds, count(stored["batch"]), cached=True, this_start=this_start)
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
         return None
 
 

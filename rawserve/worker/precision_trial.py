@@ -161,14 +161,14 @@ def recalled(cache_dir: Path, key: Mapping[str, Any], start: str = "") -> Offer 
     try:
         return Offer(
             units=str(stored["units"]),
-            batch=int(stored["batch"]),
+            batch=engine_trial.count(stored["batch"]),
             float32_seconds=engine_trial.positive(stored["float32_seconds"]),
             bfloat16_seconds=engine_trial.positive(stored["bfloat16_seconds"]),
             drift=kept_drift(stored["drift"]),
             cached=True,
             this_start=bool(start) and stored.get("start") == start,
         )
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):
         return None
 
 
