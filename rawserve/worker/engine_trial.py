@@ -194,13 +194,16 @@ def _path(cache_dir: Path, prefix: str, key: Mapping[str, Any]) -> Path:
 
 
 @contextmanager
-def one_trial_at_a_time(cache_dir: Path, key: Mapping[str, Any]) -> Iterator[None]:
-    """Held while a process looks for the verdict under `key` and, finding none, runs the
-    trial: the processes of one start (a layout trial's timers, workers loading together)
-    each measured amid the others' work, and could disagree, the last one written winning
-    (a log said ONNX Runtime, then the workers read torch's verdict). Another process
-    waits for it, then reads the verdict kept. A cache that cannot be written: no wait."""
-    path = _path(cache_dir, CACHE_PREFIX, key).with_suffix(".lock")
+def one_trial_at_a_time(
+    cache_dir: Path, key: Mapping[str, Any], prefix: str = CACHE_PREFIX
+) -> Iterator[None]:
+    """Held while a process looks for the verdict under `key` (of the trial whose files
+    are named `prefix`) and, finding none, runs the trial: the processes of one start (a
+    layout trial's timers, workers loading together) each measured amid the others' work,
+    and could disagree, the last one written winning (a log said ONNX Runtime, then the
+    workers read torch's verdict). Another process waits for it, then reads the verdict
+    kept. A cache that cannot be written: no wait."""
+    path = _path(cache_dir, prefix, key).with_suffix(".lock")
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         path.touch()

@@ -28,6 +28,10 @@ from rawserve.worker import engine_trial
 # /proc/cpuinfo's names for bfloat16 computed in hardware, the matrix units first
 BF16_UNITS = ("amx_bf16", "avx512_bf16")
 CACHE_PREFIX = "bfloat16-trial-"
+# bfloat16 is advised only where it is at least this much faster: it changes answers,
+# and two timings on one machine have differed by more than a tie (1.07x and 0.89x in one
+# start), as the layout trial's have (its SWITCH_MARGIN)
+ADVICE_MARGIN = 1.1
 
 
 def bf16_units(flags: str) -> str | None:
@@ -65,6 +69,11 @@ class Offer:
     def speedup(self) -> float:
         return self.float32_seconds / self.bfloat16_seconds
 
+    @property
+    def advised(self) -> bool:
+        """Whether bfloat16 is the clear gain that is worth its changed answers."""
+        return self.speedup >= ADVICE_MARGIN
+
     def describe(self) -> str:
         """One line for the log and /info's bfloat16_trial."""
         source = engine_trial.verdict_source(self.cached, self.this_start)
@@ -82,12 +91,17 @@ class Offer:
                 f"its answers' numbers differ from float32's by at most {drift.largest:.2g}"
                 f" (lowest cosine {drift.cosine:.6f}), labels, words and spans {labels}"
             )
-        verdict = (
-            "faster: --dtype bfloat16 serves it"
-            if self.speedup > 1
-            else "not faster: float32 serves"
-        )
-        return f"{timing}; {answers}; {verdict}"
+        return f"{timing}; {answers}; {self.verdict()}"
+
+    def verdict(self) -> str:
+        if self.advised:
+            return "faster: --dtype bfloat16 serves it"
+        if self.speedup > 1:
+            return (
+                f"not clearly faster (under the {ADVICE_MARGIN:g}x that advises it: two "
+                "timings on one machine differ by as much): float32 serves"
+            )
+        return "not faster: float32 serves"
 
 
 def measure(
