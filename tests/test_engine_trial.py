@@ -266,6 +266,61 @@ def test_a_second_load_uses_the_cached_verdict(tiny_model, tmp_path, monkeypatch
     assert list((tmp_path / "onnx").glob("engine-trial-*.json"))
 
 
+def test_a_model_s_trial_files_name_it_and_deleting_them_measures_again(
+    tiny_model, tmp_path, monkeypatch
+):
+    """Each trial file was named by a hash and its key lists file hashes: nothing told
+    which model a file was of, nor how to have one measured again. Each names the model
+    (as the command line named it, and its folder) outside its key, so a model moved
+    keeps its verdicts, and the files a grep for it finds, deleted, are measured again."""
+    pytest.importorskip("onnxruntime")
+    from rawserve.worker import loading
+    from tests.tiny_models import worker_config
+
+    monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(engine_trial, "cpu_facts", lambda: {"flags": "avx2 amx_bf16"})
+    measured: list[str] = []
+    real_trial, real_measure = engine_trial.run_trial, precision_trial.measure
+
+    def trial(*args, **kwargs):
+        measured.append("engine")
+        return real_trial(*args, **kwargs)
+
+    def measure(*args, **kwargs):
+        measured.append("bfloat16")
+        return real_measure(*args, **kwargs)
+
+    monkeypatch.setattr(engine_trial, "run_trial", trial)
+    monkeypatch.setattr(precision_trial, "measure", measure)
+
+    def load(folder: Path, source: str) -> None:
+        config = worker_config(
+            str(folder), engine=Engine.AUTO, warmup_batch=4, threads=1, source=source
+        )
+        loading.load_runner(config, "cpu")
+
+    folder = tmp_path / "models" / "mini"
+    shutil.copytree(tiny_model("text-classification"), folder)
+    load(folder, "models/mini")
+    assert measured == ["engine", "bfloat16"]
+    cache = tmp_path / "cache" / "onnx"
+    files = sorted(cache.glob("*-trial-*.json"))
+    assert [file.name.split("-trial-")[0] for file in files] == ["bfloat16", "engine"]
+    for file in files:
+        document = json.loads(file.read_text())
+        assert (document["model"], document["folder"]) == ("models/mini", str(folder))
+        assert str(tmp_path) not in json.dumps(document["key"])  # moved, the same key
+    moved = tmp_path / "elsewhere" / "mini"
+    shutil.move(folder, moved)
+    load(moved, str(moved))
+    assert measured == ["engine", "bfloat16"]  # moved, it keeps its verdicts
+    for file in cache.glob("*-trial-*.json"):  # grep -l models/mini | xargs rm
+        if "models/mini" in file.read_text():
+            file.unlink()
+    load(moved, str(moved))
+    assert measured == ["engine", "bfloat16"] * 2
+
+
 def test_a_half_precision_checkpoint_served_by_onnx_runtime_says_float32(
     tiny_model, tmp_path, monkeypatch
 ):

@@ -6,7 +6,9 @@ on an Intel Xeon with AVX-512 and AMX: bench/RESULTS.md), so no rule about CPUs 
 The verdict is kept in a small JSON file in the cache folder of the ONNX exports, keyed
 by what it depends on: the model's files (by content, so another revision is another
 key), the task, the batch, the threads, the engines' versions and the CPU. A second
-start with the same key loads only the winner and says it used the cache.
+start with the same key loads only the winner and says it found it in the cache. Each
+file also names the model (`named`), outside its key: a person finds a model's files by
+its name, and a model moved keeps its verdicts.
 
 The timing, the cache folder and what identifies a machine are shared with the bfloat16
 trial (rawserve.worker.precision_trial) and the server's layout trial
@@ -34,7 +36,7 @@ from typing import Any, TypeVar
 
 from rawserve.shared import installed
 from rawserve.shared.devices import cpu_cores
-from rawserve.shared.messages import Engine
+from rawserve.shared.messages import Engine, WorkerConfig
 
 log = logging.getLogger("rawserve.worker")
 
@@ -264,15 +266,29 @@ def cached(cache_dir: Path, key: Mapping[str, Any], start: str = "") -> Trial | 
         return None
 
 
-def store(cache_dir: Path, key: Mapping[str, Any], trial: Trial, start: str = "") -> None:
-    """Keep the verdict for the next start (`start`: this server start's id)."""
+def store(
+    cache_dir: Path,
+    key: Mapping[str, Any],
+    trial: Trial,
+    start: str = "",
+    model: Mapping[str, str] | None = None,
+) -> None:
+    """Keep the verdict for the next start (`start`: this server start's id; `model`:
+    what names the model, `named`)."""
     document = {
         "start": start,
         "batch": trial.batch,
         "seconds": {engine.value: seconds for engine, seconds in trial.seconds.items()},
         "winner": trial.winner.value,
     }
-    remember(cache_dir, CACHE_PREFIX, key, document)
+    remember(cache_dir, CACHE_PREFIX, key, document, model)
+
+
+def named(config: WorkerConfig) -> dict[str, str]:
+    """What names the model in its trial files, for a person to find them by (`grep -l`):
+    as the command line named it, and the folder that resolved to. Never in a key: a
+    model moved, or named otherwise, keeps its verdicts."""
+    return {"model": config.source or config.model, "folder": config.model}
 
 
 def recalled(cache_dir: Path, prefix: str, key: Mapping[str, Any]) -> dict[str, Any]:
@@ -286,16 +302,23 @@ def recalled(cache_dir: Path, prefix: str, key: Mapping[str, Any]) -> dict[str, 
         return {}
 
 
-def remember(cache_dir: Path, prefix: str, key: Mapping[str, Any], found: dict[str, Any]) -> None:
+def remember(
+    cache_dir: Path,
+    prefix: str,
+    key: Mapping[str, Any],
+    found: dict[str, Any],
+    model: Mapping[str, str] | None = None,
+) -> None:
     """Keep a measurement for the next start (written whole, then renamed: workers
-    starting together each write a complete file). A cache that cannot be written is only
-    logged."""
+    starting together each write a complete file), beside what names the model (`model`:
+    `named`'s fields, outside the key). A cache that cannot be written is only logged."""
     scratch = None
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         fd, scratch = tempfile.mkstemp(prefix=".trial-", dir=cache_dir)
         with os.fdopen(fd, "w") as handle:
-            json.dump({"key": key, **found}, handle, indent=1, sort_keys=True)
+            document = {"key": key, **(model or {}), **found}
+            json.dump(document, handle, indent=1, sort_keys=True)
         os.replace(scratch, _path(cache_dir, prefix, key))
     except OSError as exc:  # one line: the folder and why (a traceback says no more)
         log.warning("could not keep the trial in %s (%s)", cache_dir, exc.strerror or exc)

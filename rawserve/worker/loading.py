@@ -178,7 +178,7 @@ def engine_by_trial(
     except Exception:  # noqa: BLE001 - a failed trial is logged; ONNX Runtime serves
         log.warning("the engine trial failed", exc_info=True)
         return Engine.ONNX, "auto: the engine trial failed", onnx_runner
-    engine_trial.store(cache_dir, key, trial, config.start)
+    engine_trial.store(cache_dir, key, trial, config.start, engine_trial.named(config))
     winner = runners.pop(trial.winner)
     runners.clear()
     del torch_runner, onnx_runner
@@ -211,7 +211,8 @@ def bfloat16_trial(config: WorkerConfig, task: str, device: str, runner: Runner)
             offer = measured_bfloat16(config, task, device, runner, size, units)
             gc.collect()  # the bfloat16 copy's weights go now
             if offer is not None:
-                precision_trial.remember(cache_dir, key, offer, config.start)
+                model = engine_trial.named(config)
+                precision_trial.remember(cache_dir, key, offer, config.start, model)
     return offer.describe() if offer is not None else ""
 
 

@@ -195,9 +195,16 @@ def kept_drift(stored: Mapping[str, Any]) -> Drift:
     return Drift(float(largest), float(cosine), bool(stored["same_labels"]))
 
 
-def remember(cache_dir: Path, key: Mapping[str, Any], offer: Offer, start: str = "") -> None:
-    """Keep a measurement for the next start (`start`: this server start's id)."""
+def remember(
+    cache_dir: Path,
+    key: Mapping[str, Any],
+    offer: Offer,
+    start: str = "",
+    model: Mapping[str, str] | None = None,
+) -> None:
+    """Keep a measurement for the next start (`start`: this server start's id; `model`:
+    what names the model, engine_trial.named)."""
     found = asdict(offer)
     found.pop("cached")
     found.pop("this_start")
-    engine_trial.remember(cache_dir, CACHE_PREFIX, key, {**found, "start": start})
+    engine_trial.remember(cache_dir, CACHE_PREFIX, key, {**found, "start": start}, model)
