@@ -75,12 +75,14 @@ class Trial:
 def verdict_source(cached: bool, this_start: bool) -> str:
     """How a trial's verdict was had, for its line: measured by this worker now, kept by
     this very start (its layout trial's timers load the model first and keep what they
-    measure; a worker restarted finds its sibling's), or kept by an earlier start."""
+    measure; a worker restarted finds its sibling's), or found in the cache: kept by an
+    earlier start, or by another server sharing the folder (seconds before, it may be:
+    "an earlier start" was not true of it)."""
     if not cached:
         return "measured now"
     if this_start:
         return "measured at this start (cached)"
-    return "measured at an earlier start (cached)"
+    return "found in the cache"
 
 
 def run_trial(
@@ -292,7 +294,7 @@ def named(config: WorkerConfig) -> dict[str, str]:
 
 
 def recalled(cache_dir: Path, prefix: str, key: Mapping[str, Any]) -> dict[str, Any]:
-    """What an earlier start measured under this key ({}: nothing, or nothing readable)."""
+    """What was measured before under this key ({}: nothing, or nothing readable)."""
     try:
         stored = json.loads(_path(cache_dir, prefix, key).read_text())
         if stored["key"] != json.loads(json.dumps(key, sort_keys=True)):

@@ -156,6 +156,13 @@ def engine_by_trial(
         return Engine.TORCH, trial.describe(), build_runner(config, task, device, None)
     try:
         network = onnx_engine.load_network(config.model, task, config.threads or 1)
+    except onnx_engine.CacheNotWritable as exc:  # ONNX Runtime never ran: nothing to load
+        log.warning("the ONNX export could not be written, torch runs the model: %s", exc)
+        reason = (
+            f"auto: the ONNX export could not be written to {exc.folder} ({exc.why}), so "
+            "ONNX Runtime never ran: RAWSERVE_CACHE_DIR names a folder that can be written"
+        )
+        return Engine.TORCH, reason, build_runner(config, task, device, None)
     except Exception as exc:  # noqa: BLE001 - logged; torch serves the model
         log.debug("the ONNX engine's failure", exc_info=True)
         log.warning("the ONNX engine could not load this model, torch runs it: %s", exc)
