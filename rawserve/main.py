@@ -114,6 +114,7 @@ def worker_config(
     return WorkerConfig(
         name=name,
         model=plan.folder or "",
+        source=plan.source,
         task=facts.task if facts else None,
         handler=plan.handler,
         dtype=model.dtype,

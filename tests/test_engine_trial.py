@@ -87,7 +87,7 @@ def test_the_verdict_is_kept_per_key(tmp_path):
     store(tmp_path, key, Trial({Engine.TORCH: 0.004, Engine.ONNX: 0.003}, 8))
     again = cached(tmp_path, key)
     assert again == Trial({Engine.TORCH: 0.004, Engine.ONNX: 0.003}, 8, cached=True)
-    assert again.winner is Engine.ONNX and "cached" in again.describe()
+    assert again.winner is Engine.ONNX and "found in the cache" in again.describe()
     assert cached(tmp_path, {**key, "machine": {"cpu": "Y", "cores": 2}}) is None
     (file,) = tmp_path.glob("engine-trial-*.json")
     assert json.loads(file.read_text())["winner"] == "onnx"  # readable by a person
@@ -97,14 +97,17 @@ def test_the_verdict_is_kept_per_key(tmp_path):
 
 def test_a_verdict_kept_by_this_very_start_says_so_not_an_earlier_one(tmp_path):
     """A first start's layout trial loads the model in its timers, which measure the
-    engines and keep the verdict: its workers then said "measured at an earlier start"."""
+    engines and keep the verdict: its workers then said "measured at an earlier start".
+    Another start's verdict is found in the cache: "an earlier start" was not true of one
+    that another server sharing the folder kept seconds before."""
     key = {"files": {"config.json": "ab"}, "batch": 8}
     store(tmp_path, key, Trial({Engine.TORCH: 0.004, Engine.ONNX: 0.003}, 8), start="s1")
     kept = cached(tmp_path, key, start="s1")
     assert kept is not None and "measured at this start (cached)" in kept.describe()
-    for later in ("s2", ""):  # another start, or none named
-        kept = cached(tmp_path, key, start=later)
-        assert kept is not None and "measured at an earlier start (cached)" in kept.describe()
+    for other in ("s2", ""):  # another start (an earlier one, or another server's), or none
+        kept = cached(tmp_path, key, start=other)
+        assert kept is not None and ", found in the cache: " in kept.describe()
+        assert "earlier" not in kept.describe()
 
 
 @pytest.mark.parametrize(
@@ -123,6 +126,30 @@ def test_a_verdict_with_damaged_figures_is_measured_again(tmp_path, seconds):
     engine_trial.remember(
         tmp_path, engine_trial.CACHE_PREFIX, key, {"batch": 8, "seconds": seconds}
     )
+    assert cached(tmp_path, key) is None
+
+
+def with_raw(document: dict, field: str, text: str) -> str:
+    """`document` as JSON with `field`'s value written as `text`, which JSON reads back
+    as no Python value could be written (1e999: infinity; 400 digits)."""
+    return json.dumps({**document, field: "RAW"}).replace('"RAW"', text)
+
+
+@pytest.mark.parametrize(
+    ("field", "text"),
+    [
+        ("batch", "1e999"),  # infinity: int() raised OverflowError, and the start failed
+        ("batch", "-1e999"),
+        ("batch", "8.5"),
+        ("batch", "0"),
+        ("seconds", '{"torch": 1' + "0" * 400 + "}"),  # too large for a float
+    ],
+)
+def test_a_verdict_with_a_number_past_any_range_is_measured_again(tmp_path, field, text):
+    key = {"files": {"config.json": "ab"}}
+    store(tmp_path, key, Trial({Engine.TORCH: 0.004, Engine.ONNX: 0.003}, 8))
+    (file,) = tmp_path.glob("engine-trial-*.json")
+    file.write_text(with_raw(json.loads(file.read_text()), field, text))
     assert cached(tmp_path, key) is None
 
 
@@ -211,8 +238,8 @@ def test_one_process_at_a_time_looks_for_a_verdict_and_measures(tmp_path):
 
 def test_a_second_load_uses_the_cached_verdict(tiny_model, tmp_path, monkeypatch, caplog):
     """In process: the first load measures both engines, the second (a later start's)
-    loads only the winner the first one found, and says it came from an earlier start's
-    cache; one of the same start (a worker after its layout trial's timer) says so."""
+    loads only the winner the first one found, and says it found it in the cache; one of
+    the same start (a worker after its layout trial's timer) says so."""
     pytest.importorskip("onnxruntime")
     from rawserve.worker import loading
     from tests.tiny_models import worker_config
@@ -236,10 +263,65 @@ def test_a_second_load_uses_the_cached_verdict(tiny_model, tmp_path, monkeypatch
     assert len(trials) == 1  # the second start measured nothing
     assert first.engine is second.engine is again.engine is trials[0].winner
     assert "measured now" in first.engine_reason and " ms" in first.engine_reason
-    assert "measured at an earlier start (cached)" in second.engine_reason
+    assert "found in the cache" in second.engine_reason
     assert "measured at this start (cached)" in again.engine_reason
     assert any("measured now" in record.getMessage() for record in caplog.records)
     assert list((tmp_path / "onnx").glob("engine-trial-*.json"))
+
+
+def test_a_model_s_trial_files_name_it_and_deleting_them_measures_again(
+    tiny_model, tmp_path, monkeypatch
+):
+    """Each trial file was named by a hash and its key lists file hashes: nothing told
+    which model a file was of, nor how to have one measured again. Each names the model
+    (as the command line named it, and its folder) outside its key, so a model moved
+    keeps its verdicts, and the files a grep for it finds, deleted, are measured again."""
+    pytest.importorskip("onnxruntime")
+    from rawserve.worker import loading
+    from tests.tiny_models import worker_config
+
+    monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(engine_trial, "cpu_facts", lambda: {"flags": "avx2 amx_bf16"})
+    measured: list[str] = []
+    real_trial, real_measure = engine_trial.run_trial, precision_trial.measure
+
+    def trial(*args, **kwargs):
+        measured.append("engine")
+        return real_trial(*args, **kwargs)
+
+    def measure(*args, **kwargs):
+        measured.append("bfloat16")
+        return real_measure(*args, **kwargs)
+
+    monkeypatch.setattr(engine_trial, "run_trial", trial)
+    monkeypatch.setattr(precision_trial, "measure", measure)
+
+    def load(folder: Path, source: str) -> None:
+        config = worker_config(
+            str(folder), engine=Engine.AUTO, warmup_batch=4, threads=1, source=source
+        )
+        loading.load_runner(config, "cpu")
+
+    folder = tmp_path / "models" / "mini"
+    shutil.copytree(tiny_model("text-classification"), folder)
+    load(folder, "models/mini")
+    assert measured == ["engine", "bfloat16"]
+    cache = tmp_path / "cache" / "onnx"
+    files = sorted(cache.glob("*-trial-*.json"))
+    assert [file.name.split("-trial-")[0] for file in files] == ["bfloat16", "engine"]
+    for file in files:
+        document = json.loads(file.read_text())
+        assert (document["model"], document["folder"]) == ("models/mini", str(folder))
+        assert str(tmp_path) not in json.dumps(document["key"])  # moved, the same key
+    moved = tmp_path / "elsewhere" / "mini"
+    shutil.move(folder, moved)
+    load(moved, str(moved))
+    assert measured == ["engine", "bfloat16"]  # moved, it keeps its verdicts
+    for file in cache.glob("*-trial-*.json"):  # grep -l models/mini | xargs rm
+        if "models/mini" in file.read_text():
+            file.unlink()
+    load(moved, str(moved))
+    assert measured == ["engine", "bfloat16"] * 2
 
 
 def test_a_half_precision_checkpoint_served_by_onnx_runtime_says_float32(
@@ -298,7 +380,7 @@ def test_the_server_shows_the_trial_in_its_log_and_info(tiny_model, tmp_path):
         assert info["engine"] == reason.split("took ")[1].split(" ")[0]  # the fastest first
         assert info["requested_engine"] == "auto"
     with RunningServer(args, env=env).start() as server:
-        assert any("an earlier start (cached)" in line for line in server.read_log())
+        assert any("the faster here, found in the cache" in line for line in server.read_log())
 
 
 def test_a_verdict_is_kept_apart_for_the_folder_s_own_graph(tiny_model, tmp_path):

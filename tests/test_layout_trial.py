@@ -202,6 +202,7 @@ def test_a_verdict_timed_amid_other_work_is_not_kept(
         {"per_core": 150.0, "one_worker": "fast"},
         {"per_core": 0, "one_worker": 150.0},
         {"per_core": 150.0},
+        {"per_core": 10**400, "one_worker": 150.0},  # too large for a float: OverflowError
     ],
 )
 def test_a_kept_verdict_with_damaged_figures_is_measured_again(

@@ -227,7 +227,11 @@ def test_a_cache_folder_that_cannot_be_written_is_named_not_a_bare_os_error(
     with caplog.at_level(logging.WARNING):
         runner = load_runner(config, "cpu")
     assert runner.engine is Engine.TORCH
-    assert runner.engine_reason == "auto: ONNX Runtime could not load the model (OSError)"
+    # ONNX Runtime never ran: it said "ONNX Runtime could not load the model (OSError)"
+    assert runner.engine_reason == (
+        f"auto: the ONNX export could not be written to {cache / 'onnx'} (Not a directory), "
+        "so ONNX Runtime never ran: RAWSERVE_CACHE_DIR names a folder that can be written"
+    )
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     [warning] = [w for w in warnings if "ONNX" in w]
     assert warning.endswith(

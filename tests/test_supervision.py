@@ -10,11 +10,14 @@ import json
 import math
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from rawserve.api.app import App
+from rawserve.api.gate import LOADING_RETRY_AFTER
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.http.exchange import HttpRequest
+from rawserve.ops.metrics import Metrics
 from rawserve.serving import pool as pool_module
 from rawserve.serving import supervision
 from rawserve.serving.core import SchedulerCore
@@ -208,6 +211,39 @@ def test_a_first_load_counts_from_when_the_model_was_first_worked_on():
     assert pool.load_state() == (LoadState.LOADING, 45.0)  # one load, trial included
     pool.last_ready = object()  # type: ignore[assignment] - loaded once: a later load alone
     assert pool.load_state() == (LoadState.LOADING, 5.0)
+
+
+async def test_workers_not_started_yet_are_waiting_not_dead():
+    """A first start's layout trial runs before the workers start (20-65 s): /info said
+    each worker "dead" with no pid and /metrics `rawserve_worker_state{state="dead"} 1`,
+    which an alert on dead workers took for a crash at every such start. They wait;
+    /health, /ready and its Retry-After read as for a first load."""
+    clock = Clock()
+    pool = WorkerPool(WorkerConfig(model="unused"), ["cpu", "cpu"], clock=clock)
+    scheduler = Scheduler(SchedulerCore(), pool)
+    metrics = Metrics()
+    metrics.watch("m", scheduler, pool)
+    app = App(ServedModels([ServedModel("m", ModelService(scheduler, pool))]), metrics=metrics)
+    pool.preparing()  # at 0: the layout trial begins
+    clock.now = 30.0
+
+    info = json.loads((await app.handle(HttpRequest("GET", "/info", "", [], b"", "t"))).body)
+    assert [(w["state"], w["pid"]) for w in info["workers"]] == [("waiting", None)] * 2
+    states = {
+        (sample.labels["worker"], sample.labels["state"]): sample.value
+        for family in text_string_to_metric_families(metrics.render()[0].decode())
+        if family.name == "rawserve_worker_state"
+        for sample in family.samples
+    }
+    assert {key for key, value in states.items() if value} == {("0", "waiting"), ("1", "waiting")}
+    assert states[("0", "dead")] == 0
+    health = app.answer_now(HttpRequest("GET", "/health", "", [], b"", request_id="t"))
+    assert health is not None and health.status == 200
+    ready = app.answer_now(HttpRequest("GET", "/ready", "", [], b"", request_id="t"))
+    assert ready is not None and ready.status == 503
+    assert json.loads(ready.body) == {"status": "loading", "elapsed_seconds": 30.0}
+    # a first load: nothing to go by
+    assert dict(ready.headers)["Retry-After"] == str(math.ceil(LOADING_RETRY_AFTER))
 
 
 def test_health_turns_503_once_every_worker_of_a_model_keeps_failing_to_load():

@@ -243,7 +243,7 @@ class WorkerHandle:
     def __init__(self, index: int, config: WorkerConfig, record: WorkerRecord):
         self.index = index
         self.config = config
-        self.state = WorkerState.DEAD
+        self.state = WorkerState.WAITING  # until the pool starts its process
         self.process: BaseProcess | None = None
         self.conn: Connection | None = None  # batches go out on it
         # the id of a stream whose client left, shared with the process: it stops generating

@@ -945,7 +945,8 @@ class WorkerPool(PoolReports):
 
     def _spawn_failed(self, worker: WorkerHandle, exc: OSError) -> None:
         """The system refused the worker a process: a failed start, tried again after
-        its backoff."""
+        its backoff (`_respawn` starts a dead worker only)."""
+        worker.state = WorkerState.DEAD
         decision = self.supervisor.exited(worker.index, while_loading=True, held=None)
         cause = f"could not start its worker process ({exc})"
         gave_up = self._start_failed(worker, cause)

@@ -8,6 +8,10 @@ from dataclasses import dataclass
 
 
 class WorkerState(enum.Enum):
+    # its process not started yet: a first start times the CPU layout before its workers
+    # start (it said "dead" meanwhile, and an alert on dead workers fired at every such
+    # start)
+    WAITING = "waiting"
     LOADING = "loading"
     WARMING = "warming"  # loaded, running its warm-up batch
     IDLE = "idle"

@@ -273,7 +273,7 @@ class Supervisor:
             if state is WorkerState.STOPPED:
                 continue
             expected = record.expected_start
-            if expected is None:
+            if expected is None or state is WorkerState.WAITING:
                 return None
             began = record.restart_at if state is WorkerState.DEAD else started_at
             soonest = min(soonest, began + expected)

@@ -60,6 +60,9 @@ class WorkerConfig:
     # this server start's id: a trial verdict kept under it was measured at this very
     # start (by its layout trial's timers, which load the model first), not an earlier one
     start: str = ""
+    # the model as the command line named it (a folder or a Hub id; `model` is the folder
+    # it resolved to): the trial files name it, for a person looking for a model's files
+    source: str = ""
 
 
 @dataclass(frozen=True)

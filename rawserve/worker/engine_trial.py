@@ -6,7 +6,9 @@ on an Intel Xeon with AVX-512 and AMX: bench/RESULTS.md), so no rule about CPUs 
 The verdict is kept in a small JSON file in the cache folder of the ONNX exports, keyed
 by what it depends on: the model's files (by content, so another revision is another
 key), the task, the batch, the threads, the engines' versions and the CPU. A second
-start with the same key loads only the winner and says it used the cache.
+start with the same key loads only the winner and says it found it in the cache. Each
+file also names the model (`named`), outside its key: a person finds a model's files by
+its name, and a model moved keeps its verdicts.
 
 The timing, the cache folder and what identifies a machine are shared with the bfloat16
 trial (rawserve.worker.precision_trial) and the server's layout trial
@@ -34,7 +36,7 @@ from typing import Any, TypeVar
 
 from rawserve.shared import installed
 from rawserve.shared.devices import cpu_cores
-from rawserve.shared.messages import Engine
+from rawserve.shared.messages import Engine, WorkerConfig
 
 log = logging.getLogger("rawserve.worker")
 
@@ -73,12 +75,14 @@ class Trial:
 def verdict_source(cached: bool, this_start: bool) -> str:
     """How a trial's verdict was had, for its line: measured by this worker now, kept by
     this very start (its layout trial's timers load the model first and keep what they
-    measure; a worker restarted finds its sibling's), or kept by an earlier start."""
+    measure; a worker restarted finds its sibling's), or found in the cache: kept by an
+    earlier start, or by another server sharing the folder (seconds before, it may be:
+    "an earlier start" was not true of it)."""
     if not cached:
         return "measured now"
     if this_start:
         return "measured at this start (cached)"
-    return "measured at an earlier start (cached)"
+    return "found in the cache"
 
 
 def run_trial(
@@ -194,13 +198,16 @@ def _path(cache_dir: Path, prefix: str, key: Mapping[str, Any]) -> Path:
 
 
 @contextmanager
-def one_trial_at_a_time(cache_dir: Path, key: Mapping[str, Any]) -> Iterator[None]:
-    """Held while a process looks for the verdict under `key` and, finding none, runs the
-    trial: the processes of one start (a layout trial's timers, workers loading together)
-    each measured amid the others' work, and could disagree, the last one written winning
-    (a log said ONNX Runtime, then the workers read torch's verdict). Another process
-    waits for it, then reads the verdict kept. A cache that cannot be written: no wait."""
-    path = _path(cache_dir, CACHE_PREFIX, key).with_suffix(".lock")
+def one_trial_at_a_time(
+    cache_dir: Path, key: Mapping[str, Any], prefix: str = CACHE_PREFIX
+) -> Iterator[None]:
+    """Held while a process looks for the verdict under `key` (of the trial whose files
+    are named `prefix`) and, finding none, runs the trial: the processes of one start (a
+    layout trial's timers, workers loading together) each measured amid the others' work,
+    and could disagree, the last one written winning (a log said ONNX Runtime, then the
+    workers read torch's verdict). Another process waits for it, then reads the verdict
+    kept. A cache that cannot be written: no wait."""
+    path = _path(cache_dir, prefix, key).with_suffix(".lock")
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         path.touch()
@@ -225,11 +232,25 @@ def locked(path: Path) -> Iterator[None]:
 def positive(value: Any) -> float:
     """A kept figure (seconds, items a second) as a number a verdict can use: finite and
     above zero. ValueError for anything else (a file edited or damaged: a null, a string,
-    NaN), so the trial runs again instead of a start failing on it."""
-    number = float(value)
+    NaN, an integer too large for a float), so the trial runs again instead of a start
+    failing on it."""
+    try:
+        number = float(value)
+    except OverflowError:  # 1 followed by 400 digits
+        raise ValueError(f"not a positive figure: {value!r}") from None
     if not math.isfinite(number) or number <= 0:
         raise ValueError(f"not a positive figure: {value!r}")
     return number
+
+
+def count(value: Any) -> int:
+    """A kept count (a batch's items) as a whole number above zero. ValueError for
+    anything else (1e999 reads back as infinity, which int() refuses with an
+    OverflowError: that stopped the server's start)."""
+    number = positive(value)
+    if number != int(number):
+        raise ValueError(f"not a count: {value!r}")
+    return int(number)
 
 
 def cached(cache_dir: Path, key: Mapping[str, Any], start: str = "") -> Trial | None:
@@ -242,24 +263,38 @@ def cached(cache_dir: Path, key: Mapping[str, Any], start: str = "") -> Trial | 
         if not seconds or Engine.AUTO in seconds:
             return None
         this_start = bool(start) and stored.get("start") == start
-        return Trial(seconds, int(stored["batch"]), cached=True, this_start=this_start)
-    except (ValueError, KeyError, TypeError, AttributeError):
+        return Trial(seconds, count(stored["batch"]), cached=True, this_start=this_start)
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
         return None
 
 
-def store(cache_dir: Path, key: Mapping[str, Any], trial: Trial, start: str = "") -> None:
-    """Keep the verdict for the next start (`start`: this server start's id)."""
+def store(
+    cache_dir: Path,
+    key: Mapping[str, Any],
+    trial: Trial,
+    start: str = "",
+    model: Mapping[str, str] | None = None,
+) -> None:
+    """Keep the verdict for the next start (`start`: this server start's id; `model`:
+    what names the model, `named`)."""
     document = {
         "start": start,
         "batch": trial.batch,
         "seconds": {engine.value: seconds for engine, seconds in trial.seconds.items()},
         "winner": trial.winner.value,
     }
-    remember(cache_dir, CACHE_PREFIX, key, document)
+    remember(cache_dir, CACHE_PREFIX, key, document, model)
+
+
+def named(config: WorkerConfig) -> dict[str, str]:
+    """What names the model in its trial files, for a person to find them by (`grep -l`):
+    as the command line named it, and the folder that resolved to. Never in a key: a
+    model moved, or named otherwise, keeps its verdicts."""
+    return {"model": config.source or config.model, "folder": config.model}
 
 
 def recalled(cache_dir: Path, prefix: str, key: Mapping[str, Any]) -> dict[str, Any]:
-    """What an earlier start measured under this key ({}: nothing, or nothing readable)."""
+    """What was measured before under this key ({}: nothing, or nothing readable)."""
     try:
         stored = json.loads(_path(cache_dir, prefix, key).read_text())
         if stored["key"] != json.loads(json.dumps(key, sort_keys=True)):
@@ -269,16 +304,23 @@ def recalled(cache_dir: Path, prefix: str, key: Mapping[str, Any]) -> dict[str, 
         return {}
 
 
-def remember(cache_dir: Path, prefix: str, key: Mapping[str, Any], found: dict[str, Any]) -> None:
+def remember(
+    cache_dir: Path,
+    prefix: str,
+    key: Mapping[str, Any],
+    found: dict[str, Any],
+    model: Mapping[str, str] | None = None,
+) -> None:
     """Keep a measurement for the next start (written whole, then renamed: workers
-    starting together each write a complete file). A cache that cannot be written is only
-    logged."""
+    starting together each write a complete file), beside what names the model (`model`:
+    `named`'s fields, outside the key). A cache that cannot be written is only logged."""
     scratch = None
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         fd, scratch = tempfile.mkstemp(prefix=".trial-", dir=cache_dir)
         with os.fdopen(fd, "w") as handle:
-            json.dump({"key": key, **found}, handle, indent=1, sort_keys=True)
+            document = {"key": key, **(model or {}), **found}
+            json.dump(document, handle, indent=1, sort_keys=True)
         os.replace(scratch, _path(cache_dir, prefix, key))
     except OSError as exc:  # one line: the folder and why (a traceback says no more)
         log.warning("could not keep the trial in %s (%s)", cache_dir, exc.strerror or exc)

@@ -107,6 +107,20 @@ HEADS: dict[str, Head] = {
 ONNX_TASKS = frozenset(HEADS)
 
 
+class CacheNotWritable(OSError):
+    """The export could not be written: its cache `folder` is not writable, not a folder,
+    or full (`why`). ONNX Runtime never ran; the message names the folder and the
+    variable that moves it."""
+
+    def __init__(self, folder: Path, why: str):
+        super().__init__(
+            f"the ONNX export's cache folder {folder} cannot be written ({why}): "
+            "set RAWSERVE_CACHE_DIR to one that can"
+        )
+        self.folder = folder
+        self.why = why
+
+
 def onnxruntime_installed() -> bool:
     """Whether `onnxruntime` can be imported: from the `onnx` extra's onnxruntime, or from
     onnxruntime-gpu, -openvino and the others that provide the same module."""
@@ -333,10 +347,7 @@ def exported_graph(
                 shutil.rmtree(scratch, ignore_errors=True)
             _drop_replaced(cache_dir, target, source)
     except OSError as exc:  # unwritable, not a folder, or full
-        raise OSError(
-            f"the ONNX export's cache folder {cache_dir} cannot be written "
-            f"({exc.strerror or exc}): set RAWSERVE_CACHE_DIR to one that can"
-        ) from exc
+        raise CacheNotWritable(cache_dir, exc.strerror or str(exc)) from exc
     log.info(
         "ONNX engine: exported %s (%s) in %.1f s into %s",
         folder.name,

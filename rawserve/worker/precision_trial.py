@@ -28,6 +28,10 @@ from rawserve.worker import engine_trial
 # /proc/cpuinfo's names for bfloat16 computed in hardware, the matrix units first
 BF16_UNITS = ("amx_bf16", "avx512_bf16")
 CACHE_PREFIX = "bfloat16-trial-"
+# bfloat16 is advised only where it is at least this much faster: it changes answers,
+# and two timings on one machine have differed by more than a tie (1.07x and 0.89x in one
+# start), as the layout trial's have (its SWITCH_MARGIN)
+ADVICE_MARGIN = 1.1
 
 
 def bf16_units(flags: str) -> str | None:
@@ -65,6 +69,11 @@ class Offer:
     def speedup(self) -> float:
         return self.float32_seconds / self.bfloat16_seconds
 
+    @property
+    def advised(self) -> bool:
+        """Whether bfloat16 is the clear gain that is worth its changed answers."""
+        return self.speedup >= ADVICE_MARGIN
+
     def describe(self) -> str:
         """One line for the log and /info's bfloat16_trial."""
         source = engine_trial.verdict_source(self.cached, self.this_start)
@@ -82,12 +91,17 @@ class Offer:
                 f"its answers' numbers differ from float32's by at most {drift.largest:.2g}"
                 f" (lowest cosine {drift.cosine:.6f}), labels, words and spans {labels}"
             )
-        verdict = (
-            "faster: --dtype bfloat16 serves it"
-            if self.speedup > 1
-            else "not faster: float32 serves"
-        )
-        return f"{timing}; {answers}; {verdict}"
+        return f"{timing}; {answers}; {self.verdict()}"
+
+    def verdict(self) -> str:
+        if self.advised:
+            return "faster: --dtype bfloat16 serves it"
+        if self.speedup > 1:
+            return (
+                f"not clearly faster (under the {ADVICE_MARGIN:g}x that advises it: two "
+                "timings on one machine differ by as much): float32 serves"
+            )
+        return "not faster: float32 serves"
 
 
 def measure(
@@ -161,14 +175,14 @@ def recalled(cache_dir: Path, key: Mapping[str, Any], start: str = "") -> Offer 
     try:
         return Offer(
             units=str(stored["units"]),
-            batch=int(stored["batch"]),
+            batch=engine_trial.count(stored["batch"]),
             float32_seconds=engine_trial.positive(stored["float32_seconds"]),
             bfloat16_seconds=engine_trial.positive(stored["bfloat16_seconds"]),
             drift=kept_drift(stored["drift"]),
             cached=True,
             this_start=bool(start) and stored.get("start") == start,
         )
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):
         return None
 
 
@@ -181,9 +195,16 @@ def kept_drift(stored: Mapping[str, Any]) -> Drift:
     return Drift(float(largest), float(cosine), bool(stored["same_labels"]))
 
 
-def remember(cache_dir: Path, key: Mapping[str, Any], offer: Offer, start: str = "") -> None:
-    """Keep a measurement for the next start (`start`: this server start's id)."""
+def remember(
+    cache_dir: Path,
+    key: Mapping[str, Any],
+    offer: Offer,
+    start: str = "",
+    model: Mapping[str, str] | None = None,
+) -> None:
+    """Keep a measurement for the next start (`start`: this server start's id; `model`:
+    what names the model, engine_trial.named)."""
     found = asdict(offer)
     found.pop("cached")
     found.pop("this_start")
-    engine_trial.remember(cache_dir, CACHE_PREFIX, key, {**found, "start": start})
+    engine_trial.remember(cache_dir, CACHE_PREFIX, key, {**found, "start": start}, model)
