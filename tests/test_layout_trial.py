@@ -170,7 +170,10 @@ def test_real_timers_measure_both_candidates_once(tiny_model, tmp_path, monkeypa
     again = LayoutTrial(**{**trial.__dict__, "cached": True})
     assert kept(PER_CORE_2, config, cores=2) == layout_trial.planned(PER_CORE_2, again)
     assert settle(PER_CORE_2, config, cores=2).layout == again.describe()
-    assert list(tmp_path.rglob("layout-trial-*.json"))
+    [kept_file] = tmp_path.rglob("layout-trial-*.json")
+    # it names its model, outside its key, for a person to find it by (grep -l)
+    stored = json.loads(kept_file.read_text())
+    assert stored["folder"] == config.model and "folder" not in stored["key"]
 
 
 @pytest.mark.parametrize(("one_worker_share", "kept_one"), [(0.99, True), (0.5, False)])

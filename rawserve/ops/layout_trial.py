@@ -200,7 +200,8 @@ def measured(
         return None
     found = {name: getattr(trial, name) for name in FIELDS}
     key = trial_key(config, cores, workers, size)
-    engine_trial.remember(engine_trial.default_cache_dir(), CACHE_PREFIX, key, found)
+    cache_dir, named = engine_trial.default_cache_dir(), engine_trial.named(config)
+    engine_trial.remember(cache_dir, CACHE_PREFIX, key, found, named)
     log.info("layout trial took %.1f s", time.monotonic() - started)
     return trial
 
