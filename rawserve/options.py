@@ -110,7 +110,8 @@ OPTIONS = [
         None,
         "cpu, cuda, cuda:N, mps, auto (a GPU where torch sees one), or a comma list: one worker "
         "per entry (default: one worker, on the first GPU; on a CPU machine one "
-        "single-threaded worker per core it may run on, as memory allows)",
+        "single-threaded worker per core it may run on, as memory allows, or for an "
+        "encoder model one worker with every core where a first start measures it faster)",
     ),
     Option(
         "--engine",

@@ -1424,6 +1424,20 @@ def test_a_handler_whose_import_fails_deep_down_is_told_where(monkeypatch, tmp_p
     )
 
 
+def test_a_handler_module_not_found_says_where_it_was_looked_for(monkeypatch, tmp_path):
+    """Its line said only "No module named 'nosuchmod'", once a worker and once more for
+    the server: a new user could not tell that the server's folder was the one looked in."""
+    from rawserve.worker.handler import HandlerRunner
+    from rawserve.worker.process import load_failed
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModuleNotFoundError) as caught:
+        HandlerRunner("nosuchmod_of_this_test:handler", "cpu")
+    message = load_failed(caught.value).message
+    assert f"no module named 'nosuchmod_of_this_test' in {tmp_path}" in message, message
+    assert "PYTHONPATH" in message
+
+
 def handler_runner(monkeypatch, tmp_path, source: str, factory: str = "make"):
     """A HandlerRunner of a module written now, `source` its code."""
     from rawserve.worker.handler import HandlerRunner

@@ -140,8 +140,19 @@ def handler_module(spec: str) -> ModuleType:
     starts at its script's folder."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    with exits_as_errors():  # a module that parses sys.argv as it is imported, say
-        return importlib.import_module(spec.partition(":")[0])
+    name = spec.partition(":")[0]
+    try:
+        with exits_as_errors():  # a module that parses sys.argv as it is imported, say
+            return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (name == exc.name or name.startswith(f"{exc.name}.")):
+            raise  # a module the handler imports is missing: its own line says which
+        raise ModuleNotFoundError(  # said of the handler itself: where it was looked for
+            f"no module named {exc.name!r} in {os.getcwd()} (the folder the server was "
+            "started in) or on PYTHONPATH: start the server in the handler's folder, or "
+            "add that folder to PYTHONPATH",
+            name=exc.name,
+        ) from None
 
 
 def load_handler(config: WorkerConfig, device: str) -> HandlerRunner:
