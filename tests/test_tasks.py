@@ -68,6 +68,18 @@ def test_required_parameters():
     assert parsed.params == {"candidate_labels": ["a", "b"]}
 
 
+def test_another_tasks_parameters_say_which_task_takes_them():
+    """An NLI model served as text-classification (its task read from its architecture)
+    was sent zero-shot's candidate_labels: "unknown parameter(s)", with no word of the
+    task that takes them."""
+    document = {"inputs": "hi", "parameters": {"candidate_labels": ["a", "b"]}}
+    with pytest.raises(BadRequest, match="zero-shot-classification takes them"):
+        parse_json_body("text-classification", document)
+    with pytest.raises(BadRequest) as refused:  # no task's: no word of one
+        parse_json_body("text-classification", {"inputs": "hi", "parameters": {"tpo_k": 1}})
+    assert "takes them" not in str(refused.value) and "take them" not in str(refused.value)
+
+
 @pytest.mark.parametrize(
     ("given", "labels"),
     [

@@ -132,6 +132,7 @@ def check_params(task: Task, params: Mapping[str, Any]) -> dict[str, Any]:
         allowed = ", ".join(sorted(task.params)) or "none"
         raise InvalidRequest(
             f"unknown parameter(s) for {task.name}: {', '.join(unknown)} (allowed: {allowed})"
+            + tasks_taking(unknown)
         )
     given = {name for name, value in params.items() if value is not None}
     missing = sorted(task.required_params - given)
@@ -150,6 +151,19 @@ def check_params(task: Task, params: Mapping[str, Any]) -> dict[str, Any]:
         if value is not IGNORED:
             checked[name] = value
     return checked
+
+
+def tasks_taking(names: Sequence[str]) -> str:
+    """Where parameters unknown to a model's task are another task's, which (a model
+    that can do both is served for one: an NLI model as text-classification was sent
+    zero-shot's candidate_labels)."""
+    others = sorted(
+        {other.name for other in TASKS.values() for name in names if name in other.params}
+    )
+    if not others:
+        return ""
+    takes = "takes" if len(others) == 1 else "take"
+    return f"; {' or '.join(others)} {takes} them: a model is served for one task (MODEL:TASK)"
 
 
 def batch_key(params: Mapping[str, Any]) -> str:
