@@ -394,7 +394,10 @@ def test_a_hub_caches_model_folder_is_refused_saying_which_folder_to_serve(tmp_p
     was refused as a folder with no config.json, "name the task", which did not help."""
     cache = tmp_path / "models--org--tiny"
     (cache / "snapshots").mkdir(parents=True)
-    snapshot = text_model(cache / "snapshots" / "abc123", "BertForMaskedLM", {})
+    text_model(cache / "snapshots" / "aaa111", "BertForMaskedLM", {})  # an older one
+    snapshot = text_model(cache / "snapshots" / "fff999", "BertForMaskedLM", {})
+    (cache / "refs").mkdir()
+    (cache / "refs" / "main").write_text("fff999")  # main's, not the first by name
     with pytest.raises(ModelNotFound) as caught:
         plan_models([str(cache)])
     message = str(caught.value)

@@ -23,6 +23,7 @@ from rawserve.models.plan import plan_models
 from rawserve.ops import layout_trial
 from rawserve.ops.layout_trial import LayoutTrial, applies, kept, measured, settle
 from rawserve.options import parse_config
+from rawserve.shared import cgroups
 from rawserve.shared.devices import cpu_cores
 from rawserve.shared.messages import Engine
 from rawserve.worker import engine_trial
@@ -176,9 +177,17 @@ def test_real_timers_measure_both_candidates_once(tiny_model, tmp_path, monkeypa
     assert stored["folder"] == config.model and "folder" not in stored["key"]
 
 
-@pytest.mark.parametrize(("one_worker_share", "kept_one"), [(0.99, True), (0.5, False)])
+@pytest.mark.parametrize(
+    ("one_worker_share", "quota", "kept_one"),
+    [
+        (0.99, None, True),
+        (0.5, None, False),
+        (0.82, 1.67, True),  # 1.67 CPUs count as 2 cores: 0.83 of them at most
+        (0.5, 1.67, False),
+    ],
+)
 def test_a_verdict_timed_amid_other_work_is_not_kept(
-    tiny_model, tmp_path, monkeypatch, caplog, one_worker_share, kept_one
+    tiny_model, tmp_path, monkeypatch, caplog, one_worker_share, quota, kept_one
 ):
     """On a shared machine the per-core figure swung from 2,944 to 20,962 items/s, and the
     verdict of the worse moment was kept for every later start. A timer that had less than
@@ -192,6 +201,8 @@ def test_a_verdict_timed_amid_other_work_is_not_kept(
         return figures[config.threads]
 
     monkeypatch.setattr(layout_trial, "items_per_second", timed)
+    limit = None if quota is None else cgroups.Limit(quota, Path("cpu.max"))
+    monkeypatch.setattr(layout_trial.cgroups, "cpu_limit", lambda root=None: limit)
     trial = measured(config, cores=2, workers=2, stop=threading.Event())
     assert (trial is not None) is kept_one
     assert (kept(PER_CORE_2, config, cores=2) is not None) is kept_one

@@ -1192,6 +1192,12 @@ def test_a_requests_choices_admitted_one_by_one_are_taken_as_its_list_would_be()
         unnamed.admit([unnamed.new_item(text(5), {**asks, "seed": seed}, 30.0, 0.0)], 0.0)
     with pytest.raises(OwnTimeUnreachable):  # requests named by nobody are not one
         unnamed.admit([unnamed.new_item(text(5), {**asks, "seed": 2}, 30.0, 0.0)], 0.0)
+    # nor are requests sharing a client's X-Request-Id: their deadlines differ
+    same_id = paced(SchedulerCore(max_batch_size=1, workers=8), 0.01)
+    for deadline in (30.0, 30.5):
+        same_id.admit([same_id.new_item(text(5), asks, deadline, 0.0, request_id="fixed")], 0.0)
+    with pytest.raises(OwnTimeUnreachable):
+        same_id.admit([same_id.new_item(text(5), asks, 31.0, 0.0, request_id="fixed")], 0.0)
 
 
 def test_a_sequences_own_length_is_no_reason_to_refuse_it_until_answers_are_seen():
@@ -1748,6 +1754,22 @@ async def test_a_passed_deadline_is_refused_and_the_item_never_computed(driver):
     await busy
     await until(lambda: backend.free_looks > looks)  # it looked again with the worker free
     assert [call[0] for call in backend.calls] == [["a"]]
+
+
+async def test_a_deadline_spent_before_the_run_is_a_504_not_a_queue_expiry():
+    """A deadline counts from the request's head, and a slow upload can spend it before
+    the run is queued: it was admitted, expired at the next look, answered "deadline
+    passed while queued" and counted as expired, which an operator reads as a queue too
+    slow for the load."""
+    backend, drops = FakeBackend(), Drops()
+    scheduler = Scheduler(SchedulerCore(max_queue=8), backend, metrics=drops)
+    scheduler.start()
+    with pytest.raises(Refused) as refused:
+        await scheduler.run(["slow upload"], {}, scheduler.clock() - 0.5)
+    assert refused.value.refusal.reason is Reason.DEADLINE_PASSED  # 504
+    assert "before it was queued" in refused.value.refusal.message
+    assert drops.dropped == {} and len(scheduler.core) == 0 and not backend.calls
+    await scheduler.stop()
 
 
 async def test_runs_in_flight_end_at_their_own_deadlines_one_timer_for_all(driver):

@@ -159,8 +159,11 @@ def no_config(model_dir: Path) -> str:
     Hub cache's `models--org--name` folder holds its files under snapshots/<commit>/."""
     if model_dir.name.startswith("models--"):
         repo = model_dir.name.removeprefix("models--").replace("--", "/")
+        main = model_dir / "refs" / "main"  # the commit main named when it was downloaded
+        commit = main.read_text().strip() if main.is_file() else None
         found = sorted((model_dir / "snapshots").glob("*/config.json"))
-        where = f"--model {found[0].parent}, or " if found else ""
+        current = [path for path in found if path.parent.name == commit] or found
+        where = f"--model {current[0].parent}, or " if current else ""
         return (
             f"{model_dir} is a Hugging Face cache's folder of {repo}, not the model's own: "
             f"serve {where}--model {repo} with HF_HUB_CACHE set to the folder above it"

@@ -41,6 +41,7 @@ from typing import Any
 from rawserve.config import ModelConfig, WorkerPlan
 from rawserve.models.plan import ModelPlan
 from rawserve.ops.layout import container_limits
+from rawserve.shared import cgroups
 from rawserve.shared.board import SharedMemoryError
 from rawserve.shared.devices import core_count
 from rawserve.shared.messages import WorkerConfig, WorkerLoadFailed
@@ -189,7 +190,7 @@ def measured(
         return None
     trial = LayoutTrial(cores, workers, size, per_core[0], one_worker[0])
     share = min(per_core[1], one_worker[1])
-    if share < FULL_SHARE:  # timed amid other work: the verdict says little
+    if share < FULL_SHARE * attainable_share(cores):  # timed amid other work: it says little
         log.warning(
             "the layout trial ran while other work shared the machine (a timer had %.0f%% "
             "of the cores it ran on): one worker a core, and no verdict kept, so that a "
@@ -204,6 +205,14 @@ def measured(
     engine_trial.remember(cache_dir, CACHE_PREFIX, key, found, named)
     log.info("layout trial took %.1f s", time.monotonic() - started)
     return trial
+
+
+def attainable_share(cores: int) -> float:
+    """The share of `cores` a timer can have on a quiet machine: all of them, but under a
+    cgroup CPU quota below them (2.5 CPUs count as 3 cores, of which a timer has at
+    most 2.5 / 3, and a trial would never keep its verdict)."""
+    limit = cgroups.cpu_limit()
+    return 1.0 if limit is None else min(1.0, limit.value / cores)
 
 
 def trial_key(config: WorkerConfig, cores: int, workers: int, size: int) -> dict[str, Any]:

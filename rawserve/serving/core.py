@@ -84,6 +84,13 @@ class WorkItem:
         return (self.turn, self.deadline, self.seq)
 
 
+def _request_of(items: Sequence[WorkItem]) -> tuple[str, float] | None:
+    """The request `items` are of, as `_sole_request` tells it; None where it has no id."""
+    if not items or not items[0].request_id:
+        return None
+    return items[0].request_id, items[0].deadline
+
+
 def _bounds(items: Sequence[WorkItem]) -> tuple[int, float]:
     """The last turn and the latest deadline of `items`."""
     return max(item.turn for item in items), max(item.deadline for item in items)
@@ -271,10 +278,11 @@ class SchedulerCore:
     # the sequence taken to learn how long answers run, where they ran past every length
     # (`_probes_length`), while it is queued or running
     _length_probe: WorkItem | None = None
-    # the request whose items alone are queued or running, if any ("": none, or several):
-    # its `n` choices come one admission each, and the first must not make the rows busy
-    # for the others
-    _sole_request: str = ""
+    # the request whose items alone are queued or running, if any (None: none, or
+    # several): its `n` choices come one admission each, and the first must not make the
+    # rows busy for the others. Told by its id and its deadline: a client's X-Request-Id
+    # may name many requests, but not with one deadline to the nanosecond
+    _sole_request: tuple[str, float] | None = None
 
     def __len__(self) -> int:
         return self._size
@@ -362,7 +370,7 @@ class SchedulerCore:
         # before it by their earlier deadlines until it is urgent (9.3 s of a 10 s wait)
         for offset, item in enumerate(items):
             item.turn = self._turn + 1 + offset
-        request = items[0].request_id if items else ""
+        request = _request_of(items)
         alone = not (self._in_flight or self._size)
         probe = False
         if now is not None and items and self._misses_deadline(items, now):
@@ -379,7 +387,7 @@ class SchedulerCore:
         idle = probe or (self._continuous(items) and not self._rows_busy(items))
         for item in items:
             item.taken_whatever_its_time = idle
-        self._sole_request = request if alone or request == self._sole_request else ""
+        self._sole_request = request if alone or request == self._sole_request else None
         for item in items:
             queue = self._queues.get(item.key)
             if queue is None:
@@ -557,8 +565,8 @@ class SchedulerCore:
         on an idle server the second was refused 503, busy, where n=1 was taken)."""
         if not (self._in_flight or self._size):
             return False
-        request = items[0].request_id if items else ""
-        return not request or request != self._sole_request
+        request = _request_of(items)
+        return request is None or request != self._sole_request
 
     def _row_wait(self, queued_ahead: int, rows: int, now: float) -> float:
         """Seconds until `rows` rows of a continuous worker are free for sequences with

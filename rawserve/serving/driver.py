@@ -44,6 +44,9 @@ from rawserve.shared.messages import NO_CONTROL, BatchResult, Control, ModelLimi
 
 log = logging.getLogger("rawserve.scheduler")
 
+# a deadline counts from the request's head: reading and checking its body may spend it
+PASSED_BEFORE_QUEUED = "the request's deadline passed before it was queued, as its body was read"
+
 # Results handed to their requests per pass of the event loop where each one turns into a
 # response (encoding, socket writes): a batch of 32 at once would hold the loop for
 # milliseconds while probes, new requests and the other workers' results wait. (Behind
@@ -312,6 +315,8 @@ class Scheduler:
         under a new run id whose deadline is watched."""
         loop = self._loop or asyncio.get_running_loop()
         now = self.clock()
+        if deadline <= now:  # spent on its body (a slow upload), never queued: no load shed
+            raise Refused.because(Reason.DEADLINE_PASSED, PASSED_BEFORE_QUEUED)
         if self._down:
             self._refuse_unreachable(deadline, len(inputs), now)
         request_id = REQUEST_ID.get()  # the request this task answers (set by the protocol)

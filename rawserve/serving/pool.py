@@ -270,7 +270,7 @@ class WorkerPool(PoolReports):
         if not any(refused):
             self._send(worker, whole)
             return future
-        log.warning("refused %d input(s) that crashed a worker before", sum(refused))
+        log.warning("refused %d input(s) that crashed or hung a worker before", sum(refused))
         if self.metrics is not None:
             self.metrics.drop("poison", sum(refused))
         if all(refused):
@@ -568,12 +568,13 @@ class WorkerPool(PoolReports):
                 return worker, retry
         return None
 
-    def _retry_alone(self, job: Job, home: int) -> None:
+    def _retry_alone(self, job: Job, home: int | None) -> None:
         """After a crash, run each item of the lost batch alone, ahead of the queue, on the
-        worker that crashed once it is back (those nobody waits for any more are not
-        run): on another, the input that crashed it would take that one down too, and
-        every worker was restarting at once (a handler's poison input, two workers: 41
-        of 60 requests in the 11 s after it answered 503)."""
+        worker that crashed once it is back (`home`; those nobody waits for any more are
+        not run): on another, the input that crashed it would take that one down too,
+        and every worker was restarting at once (a handler's poison input, two workers:
+        41 of 60 requests in the 11 s after it answered 503). After a hang, on any
+        (`home` None)."""
         for index, value in enumerate(job.inputs):
             if index in job.gone:
                 job.answer_unrun([index], NOT_RUN)
@@ -630,19 +631,22 @@ class WorkerPool(PoolReports):
 
     def _after_hang(self, worker: WorkerHandle, job: Job) -> None:
         """A batch its worker is killed for (`--batch-timeout`): several items run again
-        alone, as after a crash, so that one input that hangs fails none beside it. One
-        alone is answered, not run again (that would hold its worker as long again), and
-        counted as a crash alone is: the same input hung twice is refused (it held its
-        worker each time, and ten in a row made /health 503)."""
+        alone, as after a crash, so that one input that hangs fails none beside it; on
+        any worker, not only this one once it is back (a hang takes no worker down with
+        it: behind the one that hangs again, on its worker alone, the others waited out a
+        second batch timeout and a restart for their 504s, another worker idle). One alone
+        is answered, not run again (that would hold a worker as long again), and counted
+        as a crash alone is: the same input hung twice is refused (it held its worker
+        each time, and ten in a row made /health 503)."""
         if len(job.inputs) > 1 and not job.streamed:
             log.warning(
-                "worker %s: its %d items run again alone once it is back (one that "
-                "hangs alone is refused after %d such hangs)",
+                "worker %s: its %d items run again alone (one that hangs alone is refused "
+                "after %d such hangs)",
                 worker.label,
                 len(job.inputs),
                 self.poison.strikes,
             )
-            self._retry_alone(job, worker.index)
+            self._retry_alone(job, None)
             return
         key = job.poison_key or PoisonMemory.key(job.inputs[0], job.params)
         if len(job.inputs) == 1 and self.poison.crashed(key):

@@ -46,7 +46,8 @@ FIRST_START_SHARE = 0.5
 
 CRASHED_ALONE = ItemFailure(FailureKind.INTERNAL, "this input crashed the model worker")
 REFUSED_POISON = ItemFailure(
-    FailureKind.INPUT, "this input crashed or hung the model worker before and is refused"
+    FailureKind.INPUT,
+    "this input crashed the model worker before, or ran past its --batch-timeout, and is refused",
 )
 CRASHED_MID_STREAM = ItemFailure(
     FailureKind.INTERNAL, "the model worker crashed while streaming this answer"
