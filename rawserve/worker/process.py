@@ -240,6 +240,7 @@ def worker_main(
             bfloat16_trial=runner.bfloat16_trial,
             attention=runner.attention,
             cuda_graphs=runner.cuda_graphs,
+            generation=runner.generation_mode,
             tokenizer=runner.tokenizer_json(),
             sequences=generating.rows if generating is not None else 0,
         )

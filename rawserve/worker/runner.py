@@ -228,6 +228,7 @@ class Runner:
         self.onnx: OnnxNetwork | None = None  # the forward pass, when ONNX Runtime runs it
         self._ahead_tokenizer: Any = None  # the preparing thread's own (see `prepare`)
         self.cuda_graphs = ""  # what became of CUDA graphs (a GPU), for the log and /info
+        self.generation_mode = ""  # a generation model's: continuous or static, and why
         self.graphed: GraphedForward | None = None  # the forward pass, replayed (a GPU)
 
     @property
