@@ -1362,6 +1362,41 @@ def test_a_model_transformers_would_fail_to_load_is_refused_naming_the_file(
     assert "[y/N]" not in capfd.readouterr().out
 
 
+@pytest.mark.parametrize(
+    ("kind", "task", "says"),
+    [
+        (
+            "sentence-embedding",
+            "summarization",
+            "summarization needs an encoder-decoder model (such as BART or T5); this model is "
+            "a bert: serve it with another --task (feature-extraction, text-classification, ",
+        ),
+        (
+            "text-generation",
+            "fill-mask",
+            "fill-mask needs a masked language model (such as BERT or RoBERTa); this model is "
+            "a gpt2: serve it with another --task (feature-extraction, text-classification, ",
+        ),
+    ],
+)
+def test_a_task_the_models_architecture_cannot_run_is_one_line_saying_why(
+    tiny_model, kind, task, says
+):
+    """transformers' own refusal was ~600 characters listing every config class its Auto
+    class knows (AutoModelForSeq2SeqLM for a BERT), or for a pipeline's task, a model
+    loaded by its architecture that then failed on something else (a GPT-2's tokenizer
+    has no mask token)."""
+    from rawserve.worker.loading import load_runner
+    from rawserve.worker.process import load_failed
+
+    config = worker_config(tiny_model(kind), task=task, engine=Engine.TORCH)
+    with pytest.raises(ValueError) as caught:
+        load_runner(config, "cpu")
+    line = load_failed(caught.value).message
+    assert line.startswith(f"ValueError: {says}") and line.endswith("), or another model")
+    assert "Config" not in line
+
+
 def test_weights_that_do_not_match_the_config_are_one_line_that_says_so(tiny_model, tmp_path):
     """The pipeline nests each class's traceback after 'Could not load model ... with
     any of the following classes: (...)', which was all the line said."""
