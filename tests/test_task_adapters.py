@@ -1397,6 +1397,50 @@ def test_a_task_the_models_architecture_cannot_run_is_one_line_saying_why(
     assert "Config" not in line
 
 
+@pytest.mark.parametrize(
+    ("kind", "task", "model_class", "layers"),
+    [
+        ("text-classification", "fill-mask", "BertForMaskedLM", "cls.predictions"),
+        ("seq2seq", "text-generation", "BartForCausalLM", "lm_head"),
+    ],
+)
+def test_a_task_head_the_checkpoint_has_no_weights_for_is_served_and_said_random(
+    tiny_model, kind, task, model_class, layers
+):
+    """A classifier served as fill-mask, BART as a causal LM ("hellohellohello"): the
+    head transformers made at random was said only in its LOAD REPORT table, squeezed
+    into one escaped log line. Served all the same (a base model may be wanted so), with
+    one plain line the worker logs."""
+    from rawserve.worker.loading import load_runner
+
+    runner = load_runner(worker_config(tiny_model(kind), task=task, engine=Engine.TORCH), "cpu")
+    assert runner.untrained is not None
+    said = runner.untrained.warning(task)
+    assert said.startswith(f"{len(runner.untrained.tensors)} weight tensors of {model_class} (")
+    assert f"numbers, in {layers}" in said and "\n" not in said
+    assert said.endswith(
+        f"are not in the checkpoint, so they are random: its {task} answers will mean "
+        f"nothing until a model trained for {task} is served"
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "task"),
+    [
+        ("text-classification", "text-classification"),
+        ("fill-mask", "fill-mask"),
+        ("sentence-embedding", "feature-extraction"),
+        ("text-generation", "text-generation"),
+        ("seq2seq", "summarization"),
+    ],
+)
+def test_a_model_trained_for_its_task_is_not_said_untrained(tiny_model, kind, task):
+    from rawserve.worker.loading import load_runner
+
+    runner = load_runner(worker_config(tiny_model(kind), task=task, engine=Engine.TORCH), "cpu")
+    assert runner.untrained is None
+
+
 def test_weights_that_do_not_match_the_config_are_one_line_that_says_so(tiny_model, tmp_path):
     """The pipeline nests each class's traceback after 'Could not load model ... with
     any of the following classes: (...)', which was all the line said."""

@@ -47,6 +47,7 @@ from rawserve.worker.generate_hooks import (
     tgi_token,
 )
 from rawserve.worker.grammars import Grammars
+from rawserve.worker.model_classes import load_model
 from rawserve.worker.runner import (
     NOT_NUMBERS_WHY,
     NotNumbers,
@@ -257,9 +258,10 @@ class CausalLMRunner(Runner):
         if chat_template is not None:
             tokenizer.chat_template = chat_template
             check_template(tokenizer)
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+        self.model, untrained = load_model("AutoModelForCausalLM", model, dtype=torch_dtype)
         self.model.to(device).eval()
         super().__init__("text-generation", device, dtype_name(self.model), tokenizer)
+        self.untrained = untrained
         generation_config = self.model.generation_config
         if generation_config.temperature == 0.0:
             # greedy, as a request's temperature 0 is: `generate` refuses to sample at 0

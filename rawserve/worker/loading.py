@@ -119,6 +119,8 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
         reason = f"{reason}; graph: {runner.onnx.source}"
     log.info("engine: %s (%s)", engine.value, reason)
     refuse_without_vocabulary(runner.tokenizer, Path(model))
+    if runner.onnx is not None:  # what the model the graph was exported from had random
+        runner.untrained = runner.onnx.untrained
     runner.engine, runner.engine_reason = engine, reason
     if engine is Engine.ONNX and dtype == "auto" and saved not in (None, "float32"):
         # (torch would have run the checkpoint's own half precision: not what is served)

@@ -1,8 +1,13 @@
-"""The transformers class each task's model is loaded as.
+"""The transformers class each task's model is loaded as, and what loading it left
+untrained.
 
 A model type that a task's class cannot load is refused before transformers fails on it
 with a ~600-character error listing every config class it knows; the refusal says what
-the task needs, what the model is, and which tasks it can serve.
+the task needs, what the model is, and which tasks it can serve. A model that loads, but
+whose checkpoint has no tensors for some of its weights (a checkpoint served with a task
+head it was never trained with: a classifier as fill-mask, BART as a causal LM), has
+those weights made at random by transformers, and says so only in its LOAD REPORT table:
+`Untrained` says it in one line, which the worker logs (rawserve.worker.loading).
 
 Worker process only (imports transformers' Auto classes).
 """
@@ -10,7 +15,9 @@ Worker process only (imports transformers' Auto classes).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -40,6 +47,10 @@ KINDS: dict[str, str] = {
     "AutoModelForQuestionAnswering": "a text encoder (such as BERT or RoBERTa)",
     "AutoModelForImageClassification": "an image model (such as ViT or ConvNeXt)",
 }
+# Weights that rawserve never reads, so that their being random changes no answer: the
+# pooler of an AutoModel (feature-extraction pools the last hidden states itself)
+UNREAD_WEIGHTS: dict[str, tuple[str, ...]] = {"AutoModel": ("pooler.",)}
+LAYERS_NAMED = 4  # in the warning: the first few layers, then how many more
 
 
 def loads_as(model_type: str, class_name: str) -> bool:
@@ -76,3 +87,56 @@ def model_type_of(folder: Path) -> str | None:
         return None
     named = config.get("model_type") if isinstance(config, dict) else None
     return named if isinstance(named, str) else None
+
+
+@dataclass(frozen=True)
+class Untrained:
+    """The weights of a loaded model that its checkpoint had no tensors for: transformers
+    made them at random, and every answer that passes through them means nothing."""
+
+    model_class: str  # what the model was loaded as
+    tensors: tuple[str, ...]  # the weights' names, sorted
+    numbers: int  # how many numbers they hold
+
+    def warning(self, task: str) -> str:
+        """The one line a worker logs (in plain words: transformers' own report is a table)."""
+        layers = sorted({name.rpartition(".")[0] or name for name in self.tensors})
+        named = ", ".join(layers[:LAYERS_NAMED])
+        if len(layers) > LAYERS_NAMED:
+            named += f" and {len(layers) - LAYERS_NAMED} more"
+        count = f"{len(self.tensors)} weight tensor{'s' if len(self.tensors) != 1 else ''}"
+        return (
+            f"{count} of {self.model_class} ({self.numbers:,} numbers, in {named}) are not in "
+            f"the checkpoint, so they are random: its {task} answers will mean nothing until "
+            f"a model trained for {task} is served"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model_class": self.model_class, "tensors": self.tensors, "numbers": self.numbers}
+
+    @classmethod
+    def from_dict(cls, kept: Any) -> Untrained | None:
+        """What `as_dict` kept (None: nothing, or not a record of this shape)."""
+        try:
+            return cls(str(kept["model_class"]), tuple(kept["tensors"]), int(kept["numbers"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def load_model(class_name: str, folder: str, **kwargs: Any) -> tuple[Any, Untrained | None]:
+    """transformers' `class_name`.from_pretrained, and what the checkpoint left untrained
+    of the model it made (None: nothing)."""
+    loader = getattr(transformers, class_name)
+    model, info = loader.from_pretrained(folder, output_loading_info=True, **kwargs)
+    return model, untrained(model, info.get("missing_keys", ()), UNREAD_WEIGHTS.get(class_name, ()))
+
+
+def untrained(model: Any, missing: Any, unread: tuple[str, ...] = ()) -> Untrained | None:
+    """What of `model` the checkpoint had no tensors for (`missing`: transformers' names
+    of them), less the weights whose names start with one of `unread`; None: nothing."""
+    names = sorted(name for name in missing if not name.startswith(unread))
+    if not names:
+        return None
+    weights = model.state_dict()
+    numbers = sum(weights[name].numel() for name in names if name in weights)
+    return Untrained(type(model).__name__, tuple(names), numbers)

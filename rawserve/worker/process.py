@@ -197,6 +197,8 @@ def worker_main(
             imported = time.monotonic()
             library_logs_through_ours()
             runner = load_runner(config, plan.torch_device)
+            if runner.untrained is not None:  # served all the same: a base model may be wanted
+                log.warning("untrained weights: %s", runner.untrained.warning(runner.task))
         log.info(
             "imports took %.2f s, the model load %.2f s",
             imported - started,
