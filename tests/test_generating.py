@@ -2804,9 +2804,35 @@ def test_a_causal_lm_batches_continuously_unless_static_is_asked(runner):
     assert loop is not None and loop.rows == ROWS_ON_CPU
     sized = continuous_loop(runner, WorkerConfig("m", "text-generation", max_sequences=5), print, 0)
     assert sized is not None and sized.rows == 5
+    assert runner.generation_mode == "continuous: up to 5 sequences at once"  # for /info
     static_config = WorkerConfig("m", "text-generation", generation="static")
     assert continuous_loop(runner, static_config, print, None) is None
+    assert runner.generation_mode == "static: --generation static"
     assert continuous_loop(SimpleNamespace(), config, print, None) is None
+
+
+def test_a_model_whose_forward_pass_returns_no_kv_cache_generates_statically(tiny_model, caplog):
+    """A BERT served as text-generation (BertLMHeadModel without `is_decoder`) returns
+    no KV cache: the warm-up (the static path) passed, then every request the continuous
+    loop ran failed on it. Seen at load, from one token's forward pass: it is served
+    statically, and the log and /info say why."""
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+    from rawserve.worker.generating import continuous_loop
+
+    bert = CausalLMRunner(tiny_model("sentence-embedding"), "cpu", torch.float32)
+    config = WorkerConfig(model="m", task="text-generation")
+    with caplog.at_level(logging.WARNING, logger="rawserve.generation"):
+        assert continuous_loop(bert, config, print, None) is None
+    why = "the model's forward pass (BertLMHeadModel) returns no KV cache"
+    assert bert.generation_mode.startswith("static (one generate call per batch): " + why)
+    [said] = [r.getMessage() for r in caplog.records if r.name == "rawserve.generation"]
+    assert said.startswith("generation: static (one generate call per batch), not continuous")
+    assert why in said
+    assert bert.use_cuda_graphs().startswith(f"off: {why}")
+    [answer] = static(bert, "the movie", {"max_new_tokens": 3, "do_sample": False})
+    assert isinstance(answer["generated_text"], str)
 
 
 @pytest.mark.parametrize(

@@ -204,6 +204,29 @@ def test_the_export_is_made_once_and_reused(tiny_model, onnx_cache, caplog, monk
     assert onnx_engine.cache_key(folder, other) != onnx_engine.cache_key(folder, head)
 
 
+def test_a_graph_exported_from_untrained_weights_says_so_when_loaded_from_the_cache(
+    tiny_model, tmp_path, monkeypatch
+):
+    """A classifier's checkpoint exported as fill-mask has a random masked-LM head: the
+    torch load said so, and a start from the cached graph, which loads no weights, said
+    nothing; the export keeps what it found beside the graph."""
+    from rawserve.worker import onnx_engine
+
+    folder = tiny_model("text-classification")
+    exported = onnx_engine.load_network(folder, "fill-mask", 1, tmp_path)
+    assert exported.untrained is not None and exported.untrained.model_class == "BertForMaskedLM"
+    assert any(name.startswith("cls.predictions.") for name in exported.untrained.tensors)
+    trained = onnx_engine.load_network(folder, "text-classification", 1, tmp_path)
+    assert trained.untrained is None
+
+    def no_export(*args):
+        raise AssertionError("exported again")
+
+    monkeypatch.setattr(onnx_engine, "export", no_export)
+    cached = onnx_engine.load_network(folder, "fill-mask", 1, tmp_path)
+    assert cached.untrained == exported.untrained
+
+
 def test_a_cache_folder_that_cannot_be_written_is_named_not_a_bare_os_error(
     tiny_model, tmp_path, monkeypatch, caplog
 ):
@@ -340,7 +363,11 @@ def test_a_cached_graph_removed_while_it_was_loaded_is_exported_again(
         return network_class(graph, *args)
 
     monkeypatch.setattr(onnx_engine, "OnnxNetwork", network)
-    monkeypatch.setattr(onnx_engine, "export", lambda source, h, path: shutil.copy(good, path))
+
+    def export(source, export_head, path):  # (nothing untrained)
+        shutil.copy(good, path)
+
+    monkeypatch.setattr(onnx_engine, "export", export)
     loaded = onnx_engine.load_network(str(folder), "text-classification", 1, cache)
     assert loaded.graph == opened[0] and loaded.graph.read_bytes() == good.read_bytes()
 

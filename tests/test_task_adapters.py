@@ -1362,6 +1362,85 @@ def test_a_model_transformers_would_fail_to_load_is_refused_naming_the_file(
     assert "[y/N]" not in capfd.readouterr().out
 
 
+@pytest.mark.parametrize(
+    ("kind", "task", "says"),
+    [
+        (
+            "sentence-embedding",
+            "summarization",
+            "summarization needs an encoder-decoder model (such as BART or T5); this model is "
+            "a bert: serve it with another --task (feature-extraction, text-classification, ",
+        ),
+        (
+            "text-generation",
+            "fill-mask",
+            "fill-mask needs a masked language model (such as BERT or RoBERTa); this model is "
+            "a gpt2: serve it with another --task (feature-extraction, text-classification, ",
+        ),
+    ],
+)
+def test_a_task_the_models_architecture_cannot_run_is_one_line_saying_why(
+    tiny_model, kind, task, says
+):
+    """transformers' own refusal was ~600 characters listing every config class its Auto
+    class knows (AutoModelForSeq2SeqLM for a BERT), or for a pipeline's task, a model
+    loaded by its architecture that then failed on something else (a GPT-2's tokenizer
+    has no mask token)."""
+    from rawserve.worker.loading import load_runner
+    from rawserve.worker.process import load_failed
+
+    config = worker_config(tiny_model(kind), task=task, engine=Engine.TORCH)
+    with pytest.raises(ValueError) as caught:
+        load_runner(config, "cpu")
+    line = load_failed(caught.value).message
+    assert line.startswith(f"ValueError: {says}") and line.endswith("), or another model")
+    assert "Config" not in line
+
+
+@pytest.mark.parametrize(
+    ("kind", "task", "model_class", "layers"),
+    [
+        ("text-classification", "fill-mask", "BertForMaskedLM", "cls.predictions"),
+        ("seq2seq", "text-generation", "BartForCausalLM", "lm_head"),
+    ],
+)
+def test_a_task_head_the_checkpoint_has_no_weights_for_is_served_and_said_random(
+    tiny_model, kind, task, model_class, layers
+):
+    """A classifier served as fill-mask, BART as a causal LM ("hellohellohello"): the
+    head transformers made at random was said only in its LOAD REPORT table, squeezed
+    into one escaped log line. Served all the same (a base model may be wanted so), with
+    one plain line the worker logs."""
+    from rawserve.worker.loading import load_runner
+
+    runner = load_runner(worker_config(tiny_model(kind), task=task, engine=Engine.TORCH), "cpu")
+    assert runner.untrained is not None
+    said = runner.untrained.warning(task)
+    assert said.startswith(f"{len(runner.untrained.tensors)} weight tensors of {model_class} (")
+    assert f"numbers, in {layers}" in said and "\n" not in said
+    assert said.endswith(
+        f"are not in the checkpoint, so they are random: its {task} answers will mean "
+        f"nothing until a model trained for {task} is served"
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "task"),
+    [
+        ("text-classification", "text-classification"),
+        ("fill-mask", "fill-mask"),
+        ("sentence-embedding", "feature-extraction"),
+        ("text-generation", "text-generation"),
+        ("seq2seq", "summarization"),
+    ],
+)
+def test_a_model_trained_for_its_task_is_not_said_untrained(tiny_model, kind, task):
+    from rawserve.worker.loading import load_runner
+
+    runner = load_runner(worker_config(tiny_model(kind), task=task, engine=Engine.TORCH), "cpu")
+    assert runner.untrained is None
+
+
 def test_weights_that_do_not_match_the_config_are_one_line_that_says_so(tiny_model, tmp_path):
     """The pipeline nests each class's traceback after 'Could not load model ... with
     any of the following classes: (...)', which was all the line said."""

@@ -241,6 +241,7 @@ def _worker_info(worker: WorkerStatus) -> dict[str, Any]:
         "bfloat16_trial": worker.bfloat16_trial,
         "attention": worker.attention,
         "cuda_graphs": worker.cuda_graphs,
+        "generation": worker.generation,
         "engine": worker.engine,
         "engine_reason": worker.engine_reason,
         "state": worker.state.value,

@@ -333,6 +333,7 @@ class WorkerHandle:
             bfloat16_trial=(self.ready.bfloat16_trial or None) if self.ready else None,
             attention=(self.ready.attention or None) if self.ready else None,
             cuda_graphs=(self.ready.cuda_graphs or None) if self.ready else None,
+            generation=(self.ready.generation or None) if self.ready else None,
             sequences=self.sequences,
             running=self.running.rows,
         )

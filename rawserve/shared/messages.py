@@ -251,6 +251,8 @@ class WorkerReady:
     bfloat16_trial: str = ""  # what --dtype bfloat16 would give on this CPU ("": not tried)
     attention: str = ""  # the attention kernels chosen on a GPU, for /info ("": torch's)
     cuda_graphs: str = ""  # what became of CUDA graphs on a GPU, for /info ("": none tried)
+    # a causal LM's batching, continuous or static, and why, for /info ("": no such model)
+    generation: str = ""
     # the model's tokenizer in the `tokenizers` library's JSON form (None: it has none):
     # the server tokenizes and decodes with it for /tokenize and /decode
     tokenizer: str | None = None

@@ -47,6 +47,7 @@ from rawserve.worker.generate_hooks import (
     tgi_token,
 )
 from rawserve.worker.grammars import Grammars
+from rawserve.worker.model_classes import load_model
 from rawserve.worker.runner import (
     NOT_NUMBERS_WHY,
     NotNumbers,
@@ -257,9 +258,10 @@ class CausalLMRunner(Runner):
         if chat_template is not None:
             tokenizer.chat_template = chat_template
             check_template(tokenizer)
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+        self.model, untrained = load_model("AutoModelForCausalLM", model, dtype=torch_dtype)
         self.model.to(device).eval()
         super().__init__("text-generation", device, dtype_name(self.model), tokenizer)
+        self.untrained = untrained
         generation_config = self.model.generation_config
         if generation_config.temperature == 0.0:
             # greedy, as a request's temperature 0 is: `generate` refuses to sample at 0
@@ -284,9 +286,33 @@ class CausalLMRunner(Runner):
         self.cancelled_stream: Any = None  # a shared integer: the stream id to stop
         self.batch_cancelled: Callable[[], bool] = lambda: False  # nobody waits for it
         self.decode_graphs = False  # the continuous batch's steps replayed (a GPU)
+        # why the continuous loop cannot run this model ("": it can), decided at load
+        self.uncached = self._without_kv_cache()
         # the latest prompt scored (its ids and `top_n`) and its scores: a request's `n`
         # choices come as n sequences of one prompt, each asking for its scores
         self._scored: tuple[tuple[int, ...], int, PromptScores] | None = None
+
+    def _without_kv_cache(self) -> str:
+        """Why the model's forward pass gives the continuous loop no KV cache to keep for
+        its rows ("": it gives one), from one token's pass: a model that is no decoder
+        (a BERT loaded as BertLMHeadModel without `is_decoder`) returns none, and
+        `generate` then reads the whole sequence at every step, which the static path
+        runs as it is."""
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                **{cache_keyword(self.model): transformers.DynamicCache()},
+                use_cache=True,
+            )
+        layers = getattr(cache_of(out), "layers", None)
+        if layers and all(getattr(layer, "keys", None) is not None for layer in layers):
+            return ""
+        return (
+            f"the model's forward pass ({type(self.model).__name__}) returns no KV cache, which "
+            "continuous batching keeps for every sequence"
+        )
 
     @property
     def unapplied_settings(self) -> list[str]:
@@ -305,6 +331,8 @@ class CausalLMRunner(Runner):
                 f"off: the model's generation config sets {', '.join(unapplied)}, so its "
                 "batches run statically, through generate"
             )
+        if self.uncached:
+            return f"off: {self.uncached}, so its batches run statically, through generate"
         if not GraphedDecode.supports(self.model):
             return (
                 "off: this model's attention takes no 4D mask, or slides a window (its "

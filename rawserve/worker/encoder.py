@@ -18,6 +18,7 @@ from rawserve.models.folder import (
 )
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits
 from rawserve.worker.cuda_graphs import GraphedForward
+from rawserve.worker.model_classes import load_model
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name, refuse_not_numbers, resolve_dtype
 
@@ -45,14 +46,15 @@ class EncoderRunner(Runner):
         if tokenizer.pad_token is None:  # a GPT-2's: a batch still needs one to pad with
             # (its pads are masked out, so any token does: each input answers as alone)
             tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+        untrained = None
         if onnx is None:
-            self.model: Any = transformers.AutoModel.from_pretrained(
-                model, dtype=resolve_dtype(dtype)
-            )
+            self.model: Any
+            self.model, untrained = load_model("AutoModel", model, dtype=resolve_dtype(dtype))
             self.model.to(device).eval()
         else:
             self.model = onnx
         super().__init__("feature-extraction", device, dtype_name(self.model), tokenizer)
+        self.untrained = untrained
         self.onnx = onnx
         self.default_pooling, self.default_normalize = pooling, normalize
         self.prompts = sentence_transformers_prompts(Path(model))

@@ -72,18 +72,26 @@ def continuous_loop(
     runner: Runner, config: WorkerConfig, send: Callable[[Any], None], cancelled_stream: Any
 ) -> GenerationLoop | None:
     """The loop this worker serves with, if it batches continuously (a causal LM, not
-    `--generation static`, whose generation config asks for nothing the loop does not
-    apply); None when it runs one batch after another."""
-    if not isinstance(runner, CausalLMRunner) or config.generation != "continuous":
+    `--generation static`, whose forward pass returns a KV cache and whose generation
+    config asks for nothing the loop does not apply); None when it runs one batch after
+    another. What was chosen, and why, is the runner's `generation_mode` (/info)."""
+    if not isinstance(runner, CausalLMRunner):
         return None
-    if unapplied := runner.unapplied_settings:
-        log.warning(
-            "generation: static (one generate call per batch), not continuous: the model's "
-            "generation config sets %s, which continuous batching does not apply",
-            ", ".join(unapplied),
+    if config.generation != "continuous":
+        runner.generation_mode = "static: --generation static"
+        return None
+    why = runner.uncached
+    if not why and (unapplied := runner.unapplied_settings):
+        why = (
+            f"the model's generation config sets {', '.join(unapplied)}, which continuous "
+            "batching does not apply"
         )
+    if why:
+        log.warning("generation: static (one generate call per batch), not continuous: %s", why)
+        runner.generation_mode = f"static (one generate call per batch): {why}"
         return None
     rows = config.max_sequences or (ROWS_ON_CUDA if runner.on_cuda else ROWS_ON_CPU)
+    runner.generation_mode = f"continuous: up to {rows} sequences at once"
     loop = GenerationLoop(
         runner, send, rows, cancelled_stream, config.threads, config.join_wait_steps
     )

@@ -28,6 +28,7 @@ from rawserve.worker import engine_trial, onnx_engine, precision_trial
 from rawserve.worker.causal_lm import CausalLMRunner
 from rawserve.worker.encoder import EncoderRunner
 from rawserve.worker.handler import load_handler
+from rawserve.worker.model_classes import refuse_unfit_model_type
 from rawserve.worker.pipeline import PipelineRunner
 from rawserve.worker.runner import Runner, choose_attention_kernels, resolve_device, resolve_dtype
 from rawserve.worker.seq2seq_lm import Seq2SeqLMRunner
@@ -98,6 +99,7 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
     if task is None:
         raise ValueError("no task: the server names the task of every model it serves")
     refuse_unloadable_files(Path(model))
+    refuse_unfit_model_type(Path(model), task)
     bf16 = device.startswith("cuda") and torch.cuda.is_bf16_supported()
     saved = saved_dtype(Path(model))
     dtype, dtype_reason = choose_dtype(config.dtype, device, saved, bf16)
@@ -117,6 +119,8 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
         reason = f"{reason}; graph: {runner.onnx.source}"
     log.info("engine: %s (%s)", engine.value, reason)
     refuse_without_vocabulary(runner.tokenizer, Path(model))
+    if runner.onnx is not None:  # what the model the graph was exported from had random
+        runner.untrained = runner.onnx.untrained
     runner.engine, runner.engine_reason = engine, reason
     if engine is Engine.ONNX and dtype == "auto" and saved not in (None, "float32"):
         # (torch would have run the checkpoint's own half precision: not what is served)

@@ -54,6 +54,7 @@ from rawserve.models.folder import SHIPPED_GRAPH
 from rawserve.shared.devices import cpu_cores
 from rawserve.shared.logs import first_line
 from rawserve.worker import engine_trial
+from rawserve.worker.model_classes import Untrained, load_model
 
 log = logging.getLogger("rawserve.onnx")
 
@@ -64,6 +65,7 @@ EXPORTED = "exported"
 FED_INPUTS = frozenset({"input_ids", "attention_mask", "token_type_ids"})
 GRAPH_FILE = "model.onnx"
 EXPORT_BATCH = 2  # the example batch traced at export (its sizes are made dynamic)
+UNTRAINED = "untrained"  # key.json's record of the weights the export's model had at random
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,9 @@ class OnnxNetwork(torch.nn.Module):
         self.ort = onnxruntime
         self.graph = graph
         self.source = source  # SHIPPED or EXPORTED, for the log and /info
+        # what the export's model had no trained weights for, kept beside the graph
+        # (None: nothing, or a shipped graph, whose weights are the repo's)
+        self.untrained = Untrained.from_dict(kept_untrained(graph)) if source == EXPORTED else None
         self.config = config
         # transformers' pipelines name the model by it in their errors (fill-mask's "no
         # mask token"): without it the client's error would become an AttributeError.
@@ -339,8 +344,13 @@ def exported_graph(
             started = time.monotonic()
             scratch = Path(tempfile.mkdtemp(prefix=f".export-{digest}-", dir=cache_dir))
             try:
-                export(folder, head, scratch / GRAPH_FILE)
-                source = {**key, "folder": str(folder.resolve())}
+                untrained = export(folder, head, scratch / GRAPH_FILE)
+                source = {
+                    **key,
+                    "folder": str(folder.resolve()),
+                    # so that a start from the cache warns as the export's did
+                    UNTRAINED: untrained.as_dict() if untrained is not None else None,
+                }
                 (scratch / "key.json").write_text(json.dumps(source, indent=1))
                 os.replace(scratch, target)
             finally:
@@ -390,10 +400,11 @@ class _Forward(torch.nn.Module):
         return tuple(result[name] for name in self.outputs)
 
 
-def export(folder: Path, head: Head, path: Path) -> None:
-    """torch.onnx's dynamo exporter, dynamic batch and sequence, then the ORT fusions."""
-    auto_class = getattr(transformers, head.auto_class)
-    model = auto_class.from_pretrained(str(folder), dtype=torch.float32).eval()
+def export(folder: Path, head: Head, path: Path) -> Untrained | None:
+    """torch.onnx's dynamo exporter, dynamic batch and sequence, then the ORT fusions;
+    what the model's checkpoint left untrained, which the graph keeps random."""
+    model, untrained = load_model(head.auto_class, str(folder), dtype=torch.float32)
+    model.eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
     example = tokenizer(
         ["an example input", "a longer example input for the export"][:EXPORT_BATCH],
@@ -431,6 +442,16 @@ def export(folder: Path, head: Head, path: Path) -> None:
     program.save(str(path))
     del program, model, wrapper
     _fuse(path)
+    return untrained
+
+
+def kept_untrained(graph: Path) -> Any:
+    """What the export of `graph` recorded of its model's untrained weights (None: none,
+    or a graph exported before this was recorded)."""
+    try:
+        return json.loads((graph.parent / "key.json").read_text()).get(UNTRAINED)
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 class _AtDebug(logging.Handler):

@@ -19,6 +19,7 @@ import transformers
 from rawserve.shared.messages import NO_CONTROL, Control, FailureKind, ItemFailure, ModelLimits
 from rawserve.tasks import LOGITS_PARAM, split_outputs
 from rawserve.worker.cuda_graphs import GraphedForward, recording
+from rawserve.worker.model_classes import TASK_CLASSES, load_model
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import (
     Runner,
@@ -37,13 +38,29 @@ ZERO_SHOT_PAIRS_PER_PASS = 64
 IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "TIFF", "WEBP")
 
 
+def preprocessing(task: str, model: str) -> dict[str, Any]:
+    """What the pipeline of `task` reads its inputs with, loaded from the model's folder
+    as the pipeline would load it when given the folder rather than the model."""
+    if task == "image-classification":
+        return {"image_processor": transformers.AutoImageProcessor.from_pretrained(model)}
+    return {"tokenizer": transformers.AutoTokenizer.from_pretrained(model)}
+
+
 class PipelineRunner(Runner):
     """Any task through `transformers.pipeline`."""
 
     def __init__(
         self, model: str, task: str, device: str, dtype: str, onnx: OnnxNetwork | None = None
     ):
-        if onnx is None:
+        untrained = None
+        if onnx is None and task in TASK_CLASSES:
+            # the model loaded here, not by the pipeline: so as to learn what its
+            # checkpoint left untrained (the class is the pipeline's own for the task)
+            loaded, untrained = load_model(TASK_CLASSES[task], model, dtype=resolve_dtype(dtype))
+            self.pipe = transformers.pipeline(
+                task, model=loaded, device=device, **preprocessing(task, model)
+            )
+        elif onnx is None:
             self.pipe = transformers.pipeline(
                 task, model=model, device=device, dtype=resolve_dtype(dtype)
             )
@@ -60,6 +77,7 @@ class PipelineRunner(Runner):
                 check.setLevel(level)
         super().__init__(task, device, dtype_name(self.pipe.model), self.pipe.tokenizer)
         self.onnx = onnx
+        self.untrained = untrained
         # A tokenizer without a pad token cannot pad inputs into one batch (nor may a
         # decoder's classifier without one read a batch): the pipeline answers such a
         # model an input at a time, and so does `run`. The pad token it is given here is

@@ -197,6 +197,8 @@ def worker_main(
             imported = time.monotonic()
             library_logs_through_ours()
             runner = load_runner(config, plan.torch_device)
+            if runner.untrained is not None:  # served all the same: a base model may be wanted
+                log.warning("untrained weights: %s", runner.untrained.warning(runner.task))
         log.info(
             "imports took %.2f s, the model load %.2f s",
             imported - started,
@@ -240,6 +242,7 @@ def worker_main(
             bfloat16_trial=runner.bfloat16_trial,
             attention=runner.attention,
             cuda_graphs=runner.cuda_graphs,
+            generation=runner.generation_mode,
             tokenizer=runner.tokenizer_json(),
             sequences=generating.rows if generating is not None else 0,
         )

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from rawserve.worker.cuda_graphs import GraphedForward
+    from rawserve.worker.model_classes import Untrained
     from rawserve.worker.onnx_engine import OnnxNetwork
 
 log = logging.getLogger("rawserve.runner")
@@ -228,6 +229,10 @@ class Runner:
         self.onnx: OnnxNetwork | None = None  # the forward pass, when ONNX Runtime runs it
         self._ahead_tokenizer: Any = None  # the preparing thread's own (see `prepare`)
         self.cuda_graphs = ""  # what became of CUDA graphs (a GPU), for the log and /info
+        self.generation_mode = ""  # a generation model's: continuous or static, and why
+        # the weights its checkpoint had no tensors for, made at random (None: none, or
+        # not known: a handler's model, a graph the folder ships)
+        self.untrained: Untrained | None = None
         self.graphed: GraphedForward | None = None  # the forward pass, replayed (a GPU)
 
     @property

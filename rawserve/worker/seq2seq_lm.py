@@ -33,6 +33,7 @@ import transformers
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits
 from rawserve.tasks import GENERATE_PARAMS
 from rawserve.tasks.seq2seq import OUTPUT_KEYS
+from rawserve.worker.model_classes import load_model
 from rawserve.worker.runner import (
     MODEL_SCORES_FAILED_MESSAGE,
     NotNumbers,
@@ -81,10 +82,11 @@ def refuse_unusable_scores(_module: Any, _args: Any, output: Any) -> None:
 class Seq2SeqLMRunner(Runner):
     def __init__(self, model: str, task: str, device: str, torch_dtype: Any):
         tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-        self.model = transformers.AutoModelForSeq2SeqLM.from_pretrained(model, dtype=torch_dtype)
+        self.model, untrained = load_model("AutoModelForSeq2SeqLM", model, dtype=torch_dtype)
         self.model.to(device).eval()
         self.model.register_forward_hook(refuse_unusable_scores)  # every decoding step's
         super().__init__(task, device, dtype_name(self.model), tokenizer)
+        self.untrained = untrained
         # (transformers 5's configs have the attribute only where the file names it)
         self.task_params: dict[str, Any] = (
             getattr(self.model.config, "task_specific_params", None) or {}

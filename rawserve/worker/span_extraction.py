@@ -33,6 +33,7 @@ import transformers
 from rawserve.shared.messages import NO_CONTROL, Control
 from rawserve.tasks.question_answering import DOC_STRIDE, MAX_SEQ_LEN
 from rawserve.worker.library_panics import LibraryPanic, panics_as_errors
+from rawserve.worker.model_classes import load_model
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name, refuse_not_numbers, token_positions
 
@@ -62,14 +63,17 @@ class SpanExtractionRunner(Runner):
     def __init__(self, model: str, device: str, torch_dtype: Any, onnx: OnnxNetwork | None = None):
         self.batch_cancelled: Callable[[], bool] = lambda: False  # nobody waits for it
         tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+        untrained = None
         if onnx is None:
-            self.model: Any = transformers.AutoModelForQuestionAnswering.from_pretrained(
-                model, dtype=torch_dtype
+            self.model: Any
+            self.model, untrained = load_model(
+                "AutoModelForQuestionAnswering", model, dtype=torch_dtype
             )
             self.model.to(device).eval()
         else:
             self.model = onnx
         super().__init__("question-answering", device, dtype_name(self.model), tokenizer)
+        self.untrained = untrained
         self.onnx = onnx
         # the longest window the model can read (absolute position embeddings), if it says
         self.position_limit = token_positions(self.model.config)

@@ -1,0 +1,142 @@
+"""The transformers class each task's model is loaded as, and what loading it left
+untrained.
+
+A model type that a task's class cannot load is refused before transformers fails on it
+with a ~600-character error listing every config class it knows; the refusal says what
+the task needs, what the model is, and which tasks it can serve. A model that loads, but
+whose checkpoint has no tensors for some of its weights (a checkpoint served with a task
+head it was never trained with: a classifier as fill-mask, BART as a causal LM), has
+those weights made at random by transformers, and says so only in its LOAD REPORT table:
+`Untrained` says it in one line, which the worker logs (rawserve.worker.loading).
+
+Worker process only (imports transformers' Auto classes).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import transformers
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+# The class each of rawserve's tasks loads its model as (the pipelines' own first class
+# for the tasks served through a pipeline).
+TASK_CLASSES: dict[str, str] = {
+    "feature-extraction": "AutoModel",
+    "text-classification": "AutoModelForSequenceClassification",
+    "zero-shot-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "fill-mask": "AutoModelForMaskedLM",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "text-generation": "AutoModelForCausalLM",
+    "summarization": "AutoModelForSeq2SeqLM",
+    "translation": "AutoModelForSeq2SeqLM",
+    "text2text-generation": "AutoModelForSeq2SeqLM",
+    "image-classification": "AutoModelForImageClassification",
+}
+# What a user knows a class's models as (others: "a model transformers loads as <class>")
+KINDS: dict[str, str] = {
+    "AutoModelForSeq2SeqLM": "an encoder-decoder model (such as BART or T5)",
+    "AutoModelForCausalLM": "a decoder model (such as GPT-2, Llama or Qwen)",
+    "AutoModelForMaskedLM": "a masked language model (such as BERT or RoBERTa)",
+    "AutoModelForSequenceClassification": "a text encoder (such as BERT or DeBERTa)",
+    "AutoModelForTokenClassification": "a text encoder (such as BERT or RoBERTa)",
+    "AutoModelForQuestionAnswering": "a text encoder (such as BERT or RoBERTa)",
+    "AutoModelForImageClassification": "an image model (such as ViT or ConvNeXt)",
+}
+# Weights that rawserve never reads, so that their being random changes no answer: the
+# pooler of an AutoModel (feature-extraction pools the last hidden states itself)
+UNREAD_WEIGHTS: dict[str, tuple[str, ...]] = {"AutoModel": ("pooler.",)}
+LAYERS_NAMED = 4  # in the warning: the first few layers, then how many more
+
+
+def loads_as(model_type: str, class_name: str) -> bool:
+    """Whether transformers' `class_name` has a model for `model_type` (True where this
+    transformers does not say: its own error then stands)."""
+    mapping = getattr(getattr(transformers, class_name, None), "_model_mapping", None)
+    if mapping is None or model_type not in CONFIG_MAPPING:
+        return True
+    return CONFIG_MAPPING[model_type] in mapping
+
+
+def refuse_unfit_model_type(folder: Path, task: str) -> None:
+    """Raise ValueError, in one line, when `task`'s class cannot load the folder's model
+    type: what the task needs, what the model is, and what it can serve instead."""
+    needed = TASK_CLASSES.get(task)
+    model_type = model_type_of(folder)
+    if needed is None or model_type is None or loads_as(model_type, needed):
+        return
+    kind = KINDS.get(needed, f"a model transformers loads as {needed}")
+    served = [other for other, name in TASK_CLASSES.items() if loads_as(model_type, name)]
+    instead = (
+        f"serve it with another --task ({', '.join(served)}), or another model"
+        if served
+        else f"serve a model made for {task}"
+    )
+    raise ValueError(f"{task} needs {kind}; this model is a {model_type}: {instead}")
+
+
+def model_type_of(folder: Path) -> str | None:
+    """The model type config.json names (None: it names none, or there is no such file)."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    named = config.get("model_type") if isinstance(config, dict) else None
+    return named if isinstance(named, str) else None
+
+
+@dataclass(frozen=True)
+class Untrained:
+    """The weights of a loaded model that its checkpoint had no tensors for: transformers
+    made them at random, and every answer that passes through them means nothing."""
+
+    model_class: str  # what the model was loaded as
+    tensors: tuple[str, ...]  # the weights' names, sorted
+    numbers: int  # how many numbers they hold
+
+    def warning(self, task: str) -> str:
+        """The one line a worker logs (in plain words: transformers' own report is a table)."""
+        layers = sorted({name.rpartition(".")[0] or name for name in self.tensors})
+        named = ", ".join(layers[:LAYERS_NAMED])
+        if len(layers) > LAYERS_NAMED:
+            named += f" and {len(layers) - LAYERS_NAMED} more"
+        count = f"{len(self.tensors)} weight tensor{'s' if len(self.tensors) != 1 else ''}"
+        return (
+            f"{count} of {self.model_class} ({self.numbers:,} numbers, in {named}) are not in "
+            f"the checkpoint, so they are random: its {task} answers will mean nothing until "
+            f"a model trained for {task} is served"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model_class": self.model_class, "tensors": self.tensors, "numbers": self.numbers}
+
+    @classmethod
+    def from_dict(cls, kept: Any) -> Untrained | None:
+        """What `as_dict` kept (None: nothing, or not a record of this shape)."""
+        try:
+            return cls(str(kept["model_class"]), tuple(kept["tensors"]), int(kept["numbers"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def load_model(class_name: str, folder: str, **kwargs: Any) -> tuple[Any, Untrained | None]:
+    """transformers' `class_name`.from_pretrained, and what the checkpoint left untrained
+    of the model it made (None: nothing)."""
+    loader = getattr(transformers, class_name)
+    model, info = loader.from_pretrained(folder, output_loading_info=True, **kwargs)
+    return model, untrained(model, info.get("missing_keys", ()), UNREAD_WEIGHTS.get(class_name, ()))
+
+
+def untrained(model: Any, missing: Any, unread: tuple[str, ...] = ()) -> Untrained | None:
+    """What of `model` the checkpoint had no tensors for (`missing`: transformers' names
+    of them), less the weights whose names start with one of `unread`; None: nothing."""
+    names = sorted(name for name in missing if not name.startswith(unread))
+    if not names:
+        return None
+    weights = model.state_dict()
+    numbers = sum(weights[name].numel() for name in names if name in weights)
+    return Untrained(type(model).__name__, tuple(names), numbers)
