@@ -299,13 +299,16 @@ class CausalLMRunner(Runner):
         `generate` then reads the whole sequence at every step, which the static path
         runs as it is."""
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                **{cache_keyword(self.model): transformers.DynamicCache()},
-                use_cache=True,
-            )
+        try:
+            with torch.inference_mode():
+                out = self.model(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    **{cache_keyword(self.model): transformers.DynamicCache()},
+                    use_cache=True,
+                )
+        except Exception as exc:  # noqa: BLE001 - generate's own path may still serve it
+            return f"one token's pass with a KV cache failed ({type(exc).__name__}: {exc})"[:300]
         layers = getattr(cache_of(out), "layers", None)
         if layers and all(getattr(layer, "keys", None) is not None for layer in layers):
             return ""
