@@ -2835,6 +2835,23 @@ def test_a_model_whose_forward_pass_returns_no_kv_cache_generates_statically(tin
     assert isinstance(answer["generated_text"], str)
 
 
+def test_a_load_time_cache_check_that_raises_leaves_the_model_to_generate(tiny_model):
+    """The check is one token's pass with a cache: a model it cannot run so (one wanting
+    inputs the check does not give) is served by generate's own path, not failed."""
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    runner = CausalLMRunner(tiny_model("text-generation"), "cpu", torch.float32)
+    assert runner.uncached == ""  # a GPT-2 keeps a cache
+
+    def refuses(*args, **kwargs):
+        raise TypeError("forward() missing 1 required positional argument: 'pixel_values'")
+
+    runner.model.forward = refuses
+    assert runner._without_kv_cache().startswith("one token's pass with a KV cache failed")
+
+
 @pytest.mark.parametrize(
     ("setting", "value"),
     [
