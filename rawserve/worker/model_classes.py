@@ -59,7 +59,9 @@ def loads_as(model_type: str, class_name: str) -> bool:
     mapping = getattr(getattr(transformers, class_name, None), "_model_mapping", None)
     if mapping is None or model_type not in CONFIG_MAPPING:
         return True
-    return CONFIG_MAPPING[model_type] in mapping
+    # keys(), as from_pretrained looks it up: the mapping's own `in` goes through its
+    # reverse name map, wrong for a model type whose config class is shared (evolla)
+    return CONFIG_MAPPING[model_type] in mapping.keys()  # noqa: SIM118
 
 
 def refuse_unfit_model_type(folder: Path, task: str) -> None:
@@ -70,10 +72,12 @@ def refuse_unfit_model_type(folder: Path, task: str) -> None:
     if needed is None or model_type is None or loads_as(model_type, needed):
         return
     kind = KINDS.get(needed, f"a model transformers loads as {needed}")
-    served = [other for other, name in TASK_CLASSES.items() if loads_as(model_type, name)]
+    # (not every task whose class loads it: most would serve a head its checkpoint lacks)
+    trained = architecture_of(folder)
     instead = (
-        f"serve it with another --task ({', '.join(served)}), or another model"
-        if served
+        f"serve it without --task, for what it was trained as ({trained}: rawserve reads "
+        f"the task from it), or serve a model made for {task}"
+        if trained
         else f"serve a model made for {task}"
     )
     raise ValueError(f"{task} needs {kind}; this model is a {model_type}: {instead}")
@@ -81,12 +85,22 @@ def refuse_unfit_model_type(folder: Path, task: str) -> None:
 
 def model_type_of(folder: Path) -> str | None:
     """The model type config.json names (None: it names none, or there is no such file)."""
+    named = _config(folder).get("model_type")
+    return named if isinstance(named, str) else None
+
+
+def architecture_of(folder: Path) -> str | None:
+    """The class the checkpoint was saved as, which config.json names (None: none)."""
+    named = _config(folder).get("architectures")
+    return named[0] if isinstance(named, list) and named and isinstance(named[0], str) else None
+
+
+def _config(folder: Path) -> dict[str, Any]:
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
-    named = config.get("model_type") if isinstance(config, dict) else None
-    return named if isinstance(named, str) else None
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 @dataclass(frozen=True)
@@ -138,5 +152,7 @@ def untrained(model: Any, missing: Any, unread: tuple[str, ...] = ()) -> Untrain
     if not names:
         return None
     weights = model.state_dict()
-    numbers = sum(weights[name].numel() for name in names if name in weights)
+    # (tied weights are one tensor under two names: counted once)
+    distinct = {weights[name].data_ptr(): weights[name] for name in names if name in weights}
+    numbers = sum(tensor.numel() for tensor in distinct.values())
     return Untrained(type(model).__name__, tuple(names), numbers)

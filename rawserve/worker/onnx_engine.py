@@ -58,7 +58,9 @@ from rawserve.worker.model_classes import Untrained, load_model
 
 log = logging.getLogger("rawserve.onnx")
 
-RECIPE = 1  # bump when the export recipe changes: cached graphs are made again
+# bump when the export recipe changes: cached graphs are made again (2: the export keeps
+# what its model had random, which a graph of recipe 1 never said)
+RECIPE = 2
 SHIPPED = f"the model's own {SHIPPED_GRAPH}"  # where the served graph came from, for /info
 EXPORTED = "exported"
 # What the runners feed a network: the tokenizer's tensors, (batch, sequence) of int64

@@ -87,6 +87,8 @@ class Seq2SeqLMRunner(Runner):
         self.model.register_forward_hook(refuse_unusable_scores)  # every decoding step's
         super().__init__(task, device, dtype_name(self.model), tokenizer)
         self.untrained = untrained
+        # (continuous batching keeps a decoder's rows; an encoder-decoder's run whole)
+        self.generation_mode = "static (one generate call per batch): an encoder-decoder model"
         # (transformers 5's configs have the attribute only where the file names it)
         self.task_params: dict[str, Any] = (
             getattr(self.model.config, "task_specific_params", None) or {}
