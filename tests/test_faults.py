@@ -238,8 +238,8 @@ async def test_a_hung_batch_runs_again_alone_and_an_input_hung_alone_twice_is_re
 @pytest.mark.slow
 async def test_a_hung_batchs_items_run_again_on_any_worker(fast_restarts):
     """They ran again on the hung worker alone, once it was back: behind the one that
-    hangs again, the others waited out a second batch timeout and a restart (504s in a
-    review's run) while the other worker was idle. Now the other worker takes the first
+    hangs again, the others waited out a second batch timeout and a restart (504s at
+    4 s) while the other worker was idle. Now the other worker takes the first
     of them: the one that hangs takes it down, the other runs on the restarted one."""
     pool = WorkerPool(
         WorkerConfig(model="", handler=FAULTY, threads=1), ["cpu", "cpu"], batch_timeout=3.0
