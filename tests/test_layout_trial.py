@@ -195,7 +195,10 @@ def test_a_verdict_timed_amid_other_work_is_not_kept(
     layout serves."""
     monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path))
     config = worker_config(tiny_model("text-classification"), engine=Engine.TORCH, warmup_batch=4)
-    figures = {1: (100.0, 0.99), 2: (150.0, one_worker_share)}  # by threads
+    figures = {  # by threads
+        1: layout_trial.Candidate(100.0, 0.99),
+        2: layout_trial.Candidate(150.0, one_worker_share),
+    }
 
     def timed(config, processes, size, stop):
         return figures[config.threads]

@@ -36,7 +36,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rawserve.config import ModelConfig, WorkerPlan
 from rawserve.models.plan import ModelPlan
@@ -188,8 +188,8 @@ def measured(
     if per_core is None or one_worker is None:
         log.warning("the layout trial could not time the model: one worker a core")
         return None
-    trial = LayoutTrial(cores, workers, size, per_core[0], one_worker[0])
-    share = min(per_core[1], one_worker[1])
+    trial = LayoutTrial(cores, workers, size, per_core.items, one_worker.items)
+    share = min(per_core.cpu_share, one_worker.cpu_share)
     if share < FULL_SHARE * attainable_share(cores):  # timed amid other work: it says little
         log.warning(
             "the layout trial ran while other work shared the machine (a timer had %.0f%% "
@@ -238,9 +238,16 @@ def trial_key(config: WorkerConfig, cores: int, workers: int, size: int) -> dict
 VERSIONED = ("torch", "transformers", "onnxruntime")
 
 
+class Candidate(NamedTuple):
+    """What a candidate's timers measured together."""
+
+    items: float  # a second, all of them
+    cpu_share: float  # the least share of its cores a timer had
+
+
 def items_per_second(
     config: WorkerConfig, processes: int, size: int, stop: threading.Event
-) -> tuple[float, float] | None:
+) -> Candidate | None:
     """`processes` timers of `config`, timed together once all are loaded: the items a
     second of all of them, and the least share of its cores a timer had (None: a timer
     had no batch to time, or failed, or could not start, or `stop` was set). Raises
@@ -294,7 +301,7 @@ def items_per_second(
     if len(timings) < processes:
         return None
     items = sum(size / timing.seconds for timing in timings)
-    return items, min(timing.cpu_share for timing in timings)
+    return Candidate(items, min(timing.cpu_share for timing in timings))
 
 
 def gathered(readers: list[Connection], start: Barrier, stop: threading.Event) -> list[Any]:

@@ -630,15 +630,15 @@ class WorkerPool(PoolReports):
             worker.process.kill()
 
     def _after_hang(self, worker: WorkerHandle, job: Job) -> None:
-        """A batch its worker is killed for (`--batch-timeout`): several items run again
-        alone, as after a crash, so that one input that hangs fails none beside it; on
-        any worker, not only this one once it is back (a hang takes no worker down with
-        it: behind the one that hangs again, on its worker alone, the others waited out a
-        second batch timeout and a restart for their 504s, another worker idle). One alone
-        is answered, not run again (that would hold a worker as long again), and counted
-        as a crash alone is: the same input hung twice is refused (it held its worker
-        each time, and ten in a row made /health 503)."""
-        if len(job.inputs) > 1 and not job.streamed:
+        """Carry out what supervision decides (`Supervisor.hung`) for a batch its worker is
+        killed for: its items run again alone on any worker, not only this one once it is
+        back (a hang takes no worker down with it: behind the one that hangs again, on its
+        worker alone, the others waited out a second batch timeout and a restart for their
+        504s, another worker idle); or it fails, its input quarantined at its last hang."""
+        alone = len(job.inputs) == 1
+        key = (job.poison_key or PoisonMemory.key(job.inputs[0], job.params)) if alone else None
+        decision = self.supervisor.hung(Held(job.streamed, key), len(job.inputs))
+        if decision is LostBatch.RETRY_ALONE:
             log.warning(
                 "worker %s: its %d items run again alone (one that hangs alone is refused "
                 "after %d such hangs)",
@@ -648,8 +648,7 @@ class WorkerPool(PoolReports):
             )
             self._retry_alone(job, None)
             return
-        key = job.poison_key or PoisonMemory.key(job.inputs[0], job.params)
-        if len(job.inputs) == 1 and self.poison.crashed(key):
+        if decision is LostBatch.QUARANTINED:
             self._say_quarantined(worker, job, "hung")
         job.answer(BatchResult(job.batch_id, (TIMED_OUT,) * len(job.inputs), 0.0))
 

@@ -150,6 +150,7 @@ class LostBatch(enum.Enum):
     RETRY_ALONE = "retry_alone"  # run each of its items alone, ahead of the queue
     RUN_AGAIN_ALONE = "run_again_alone"  # a lone item crashed it: one more strike, once more
     QUARANTINED = "quarantined"  # a lone item crashed it its last time: refuse it
+    FAIL = "fail"  # a lone item hung it: answered as failed, not run again
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,8 @@ class Held:
     """The batch a worker held when it died, as supervision needs to know it."""
 
     streamed: bool = False  # tokens of it reached a client
-    lone_key: str | None = None  # its poison key when it was an item retried alone
+    # its poison key when it was an item run alone (retried so; or, hung, any lone item)
+    lone_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -238,6 +240,19 @@ class Supervisor:
         if self.poison.crashed(held.lone_key):
             return LostBatch.QUARANTINED
         return LostBatch.RUN_AGAIN_ALONE
+
+    def hung(self, held: Held, items: int) -> LostBatch:
+        """What becomes of a batch of `items` its worker was killed for as hung
+        (`--batch-timeout`): several run again alone, as after a crash, so that one input
+        that hangs fails none beside it. One alone (`held.lone_key`: its key, whether or
+        not it was retried) fails, not run again: that would hold a worker as long again.
+        It counts as a crash alone does: the same input hung twice is quarantined (it held
+        its worker each time, and ten in a row made /health 503)."""
+        if items > 1 and not held.streamed:
+            return LostBatch.RETRY_ALONE
+        if items == 1 and held.lone_key is not None and self.poison.crashed(held.lone_key):
+            return LostBatch.QUARANTINED
+        return LostBatch.FAIL
 
     def is_poison(self, value: Any, params: Mapping[str, Any]) -> bool:
         """Whether an input is quarantined. Hashing every input costs more than the rest

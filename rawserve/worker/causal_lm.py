@@ -56,7 +56,12 @@ from rawserve.worker.runner import (
     dtype_name,
     greedy_at_zero_temperature,
 )
-from rawserve.worker.scores import MIN_TEMPERATURE, ScoreAdjustments, likeliest, unusable
+from rawserve.worker.scores import (
+    ScoreAdjustments,
+    at_least_the_least_temperature,
+    likeliest,
+    unusable,
+)
 from rawserve.worker.text_pieces import (
     CONTEXT_TOKENS,
     TextPieces,
@@ -227,8 +232,7 @@ def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[st
     greedy_at_zero_temperature(kwargs)
     if not kwargs.get("do_sample") and "temperature" not in params:
         kwargs.pop("temperature", None)  # a default for sampling only (as the pipeline's)
-    if kwargs.get("do_sample") and kwargs.get("temperature", 1.0) < MIN_TEMPERATURE:
-        kwargs["temperature"] = MIN_TEMPERATURE  # as the continuous loop divides by no less
+    at_least_the_least_temperature(kwargs)
     return kwargs
 
 

@@ -21,6 +21,13 @@ import torch
 MIN_TEMPERATURE = 1e-5
 
 
+def at_least_the_least_temperature(options: dict[str, Any]) -> None:
+    """generate() options that sample drawing at no less than MIN_TEMPERATURE, as the
+    continuous loop draws (below it every draw was the end: an empty answer); in place."""
+    if options.get("do_sample") and options.get("temperature", 1.0) < MIN_TEMPERATURE:
+        options["temperature"] = MIN_TEMPERATURE
+
+
 class Sampling(Protocol):
     """A sampled row's settings (a `continuous.Generation`)."""
 

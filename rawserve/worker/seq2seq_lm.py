@@ -41,7 +41,7 @@ from rawserve.worker.runner import (
     dtype_name,
     greedy_at_zero_temperature,
 )
-from rawserve.worker.scores import MIN_TEMPERATURE, unusable
+from rawserve.worker.scores import at_least_the_least_temperature, unusable
 
 # transformers 4.57's Text2TextGenerationPipeline._default_generation_config
 PIPELINE_NUM_BEAMS = 4
@@ -279,9 +279,7 @@ def settled(options: dict[str, Any], caller: dict[str, Any]) -> dict[str, Any]:
     LM's least; and ValueError, in words a client can act on, for what generate() would
     refuse in its own (it named `decoder_input_ids`)."""
     greedy_at_zero_temperature(options)
-    if options.get("do_sample") and options.get("temperature", 1.0) < MIN_TEMPERATURE:
-        # below it the scores overflow and every draw is the end: an empty answer
-        options["temperature"] = MIN_TEMPERATURE
+    at_least_the_least_temperature(options)
     answers, beams = options.get("num_return_sequences") or 1, options.get("num_beams") or 1
     if answers > beams and not options.get("do_sample"):
         raise ValueError(
