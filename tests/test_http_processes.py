@@ -466,10 +466,11 @@ def test_http_processes_are_given_the_settings_and_never_read_the_files_again(ti
         victim = http_pids(server)[0]
         os.kill(victim, signal.SIGKILL)
         wait_until(lambda: replaced(server, victim), what="a new HTTP process listed")
-        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        # greedy: sampled at the default temperature, a random model may end at once
+        hi = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
         for connection in one_connection_each(server).values():
-            status, _, body = connection.request("POST", "/v1/chat/completions", chat)
-            assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2
+            status, _, body = connection.request("POST", "/v1/chat/completions", hi)
+            assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2, body
         assert not [line for line in server.read_log() if "before it listened" in line]
     finally:
         server.stop()
