@@ -16,8 +16,14 @@ os.environ.setdefault("RAWSERVE_DEVICE", "auto")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 from tests import tiny_models  # noqa: E402
+
+# No example has a time limit: a busy 2-core machine can pause the process for longer
+# than hypothesis' 200 ms, which it reports as a failure of the property.
+settings.register_profile("rawserve", deadline=None)
+settings.load_profile("rawserve")
 
 # the folder of the session's tiny models, passed on to the pytest runs a test starts
 # (tests/test_http_processes.py), which then build none of the kinds built here

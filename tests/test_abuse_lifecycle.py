@@ -30,7 +30,7 @@ DIED_HOLDING = re.compile(
     r"worker 0: process \d+ exited with code -9 holding a batch of 1 \(request \w+\);"
 )
 GRACE = 2.0  # seconds: the grace period of the server whose exit is timed
-EXIT_SLACK = 1.5  # seconds past the grace period the process may take to exit
+EXIT_SLACK = 3.0  # seconds past the grace period the process may take to exit
 
 
 def post_in_background(server: RunningServer, document: dict) -> tuple[threading.Thread, list]:

@@ -47,7 +47,7 @@ def started(request, tiny_model):
             "small_queue_server": serving("--max-sequences", "1", "--max-queue", "2"),
             "gathering_server": serving("--max-sequences", "16", "--join-wait-steps", "3"),
             # its own: its test stops the worker
-            "watched_server": serving("--batch-timeout", "0.5", "--max-sequences", "2"),
+            "watched_server": serving("--batch-timeout", "1", "--max-sequences", "2"),
         },
     ) as get:
         yield get
@@ -294,7 +294,7 @@ def test_a_worker_killed_with_sequences_running_answers_every_one(servers):
 
 def test_the_batch_timeout_kills_a_hung_worker_not_a_long_generation(watched_server):
     """A continuous worker's sequences run as long as their deadlines allow: the batch
-    timeout (0.5 s) tells a worker that stopped finishing passes from one that runs a long
+    timeout (1 s) tells a worker that stopped finishing passes from one that runs a long
     generation, streamed or not, and kills only the first."""
     server = watched_server
 

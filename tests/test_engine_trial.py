@@ -212,18 +212,18 @@ def test_one_process_at_a_time_looks_for_a_verdict_and_measures(tmp_path):
 
     order: list[str] = []
 
-    def second(key: dict, cache=tmp_path) -> threading.Thread:
+    def second(key: dict, cache=tmp_path, waits: bool = False) -> threading.Thread:
         def look() -> None:
             with engine_trial.one_trial_at_a_time(cache, key):
                 order.append(key["model"])
 
         thread = threading.Thread(target=look)
         thread.start()
-        thread.join(timeout=0.3)
+        thread.join(timeout=0.3 if waits else 10)  # (on a busy machine: ample time)
         return thread
 
     with engine_trial.one_trial_at_a_time(tmp_path, {"model": "a"}):
-        waiting = second({"model": "a"})
+        waiting = second({"model": "a"}, waits=True)
         assert waiting.is_alive()  # it waits for this one's verdict
         assert not second({"model": "b"}).is_alive()  # another model's: no wait
         order.append("first")

