@@ -38,6 +38,9 @@ def main(embedder_url: str, classifier_url: str, reranker_url: str) -> None:
         "embed": lambda: embedder.embed(TEXT),
         "embed_all": lambda: embedder.embed_all(TEXT),
         "tokenize": lambda: embedder.tokenize("hello world"),
+        # past the model's 128 positions: counted whole, as TEI's /tokenize does
+        "tokenize_long": lambda: len(embedder.tokenize("hello " * 300)[0].get_ids()),
+        "prompt_names": lambda: embedder.prompt_names(),
         "decode": lambda: embedder.decode(tokens),
         "classify": lambda: classifier.classify(TEXT),
         "classify_pair": lambda: classifier.classify(("the movie was good", "i like it")),

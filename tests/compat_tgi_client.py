@@ -38,6 +38,7 @@ def main(base_url: str) -> None:
         "chat": lambda: client.chat(messages=messages, max_tokens=3, temperature=0),
         "watermark": lambda: client.generate(PROMPT, max_new_tokens=5, watermark=True),
         "too_long": lambda: client.generate(PROMPT, max_new_tokens=100_000),
+        "chat_too_long": lambda: client.chat(messages=messages, max_tokens=100_000),
     }
     print(json.dumps({name: outcome(call) for name, call in calls.items()}))
 

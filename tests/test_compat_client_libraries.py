@@ -23,6 +23,7 @@ import pytest
 
 from tests.compat_venvs import INSTALL_SECONDS, client_env, installing
 from tests.server import RunningServer, running_together
+from tests.tiny_models import SENTENCE_PROMPTS
 
 # the first test to run makes the clients' environment (about 2 minutes on 2 cores) before
 # the servers start; every subprocess has a timeout of its own
@@ -145,6 +146,12 @@ def test_tei_client_tokenizes_and_decodes(servers, tei):
     assert tei["tokenize"] == [{"tokens": expected[0]}]
     assert [token["text"] for token in expected[0]] == ["[CLS]", "hello", "world", "[SEP]"]
     assert tei["decode"] == ["hello world"]
+    assert tei["tokenize_long"] == 302  # [CLS], 300 words, [SEP]: the model takes 128
+
+
+def test_tei_client_reads_the_models_prompt_names(tei):
+    # (it asks for a prompt no model has and reads the list out of the error message)
+    assert sorted(tei["prompt_names"]) == sorted(SENTENCE_PROMPTS)
 
 
 def test_tei_client_classifies_a_text_and_a_pair(servers, tei):

@@ -338,6 +338,10 @@ def test_tgi_client_shows_rawserves_refusals(tgi_client_answers):
     assert refused["raised"] == "ValidationError"
     too_long = tgi_client_answers["too_long"]
     assert too_long["raised"] == "ValidationError" and "max_new_tokens" in too_long["message"]
+    # its chat reads TGI's type beside OpenAI's error object (its message: that object)
+    chat_too_long = tgi_client_answers["chat_too_long"]
+    assert chat_too_long["raised"] == "ValidationError", chat_too_long
+    assert "max_tokens" in chat_too_long["message"]
 
 
 # --- the openai SDK shows rawserve's messages ------------------------------------------

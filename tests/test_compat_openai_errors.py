@@ -52,7 +52,7 @@ def request(method: str, path: str, document: Any = None, headers=KEY) -> HttpRe
 def openai_error(response: HttpResponse | None, status: int) -> dict[str, Any]:
     assert response is not None and response.status == status
     document = json.loads(response.body)
-    assert set(document) == {"error"}
+    assert set(document) == {"error", "error_type"}  # (TGI's type, for TGI's clients)
     assert set(document["error"]) == {"message", "type", "param", "code"}
     return document["error"]
 
@@ -176,6 +176,24 @@ async def test_an_unexpected_failure_on_v1_is_a_bare_500_in_openais_shape(caplog
     # the traceback's line names the request, as the access line and the client do
     [record] = caplog.records
     assert record.getMessage().endswith("request t") and record.exc_info is not None
+
+
+@pytest.mark.parametrize(
+    ("error", "tgi_type"),
+    [
+        (http_error(Refusal(Reason.INPUT_REJECTED, "a prompt too long")), "validation"),
+        (http_error(Refusal(Reason.QUEUE_FULL, "server busy: queue full", 1.0)), "overloaded"),
+        (Unauthorized("no key"), "unauthorized"),
+        (InternalError("boom"), "internal_error"),
+    ],
+)
+def test_openais_error_object_carries_tgis_type_beside_it(error, tgi_type):
+    """TGI's client and InferenceClient post to /v1/chat/completions too, and tell errors
+    apart by the `error_type` beside `error` alone: without it, TGI's client raised
+    `UnknownError` where its `generate` raised `ValidationError` for the same prompt."""
+    document = openai_error_document(error)
+    assert document["error_type"] == tgi_type
+    assert document["error"]["message"] == error.message
 
 
 def test_openai_error_document_keeps_messages_short_and_statuses_typed():

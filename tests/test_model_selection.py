@@ -316,7 +316,8 @@ async def test_an_unknown_model_is_openais_model_not_found_listing_the_served(ap
             "type": "not_found_error",
             "param": "model",
             "code": "model_not_found",
-        }
+        },
+        "error_type": "not_found",
     }
 
 

@@ -25,6 +25,7 @@ from rawserve.api.app import App
 from rawserve.api.prompts import LISTED_BYTES, check_echo_size
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
+from rawserve.api.tei import MAX_LISTED_TOKENS
 from rawserve.api.tokens import (
     AnswerTooLarge,
     ServerTokenizer,
@@ -166,10 +167,14 @@ def post(app, path, document):
     return answer.status, json.loads(answer.body)
 
 
-def test_tokenize_refuses_an_input_past_the_models_length_and_cuts_when_asked(tokenizer_json):
+def test_tokenize_lists_a_text_past_the_models_length_and_cuts_it_when_asked(tokenizer_json):
+    """As TEI's /tokenize: a client counts a document's tokens to know where to cut it
+    (tei-client's `tokenize` failed on the 422 it got); a bound holds all the same."""
     app = app_for("feature-extraction", tokenizer_json, {})
+    status, body = post(app, "/tokenize", {"inputs": "a " * 300, "add_special_tokens": False})
+    assert status == 200 and len(body[0]) == 300 > LIMIT
     status, body = post(app, "/tokenize", {"inputs": LONG})
-    assert status == 422 and f"more than {LIMIT} tokens" in body["error"]
+    assert status == 422 and f"more than {MAX_LISTED_TOKENS} tokens" in body["error"]
     assert "truncate" in body["error"]
     status, body = post(app, "/tokenize", {"inputs": LONG, "truncate": True})
     assert status == 200 and len(body[0]) == LIMIT

@@ -29,10 +29,15 @@ def prompted(model: ServedModel, texts: Sequence[str], prompt_name: str | None) 
         prompt_name = loaded.details.get("default_prompt_name") if loaded else None
         if prompt_name is None:
             return list(texts)
-    prompt = prompts_of(model).get(prompt_name)
+    prompts = prompts_of(model)
+    prompt = prompts.get(prompt_name)
     if prompt is None:
-        known = ", ".join(sorted(prompts_of(model))) or "it names none"
+        if not prompts:
+            raise BadRequest(f"prompt_name {prompt_name[:100]!r}: this model names no prompts")
+        # in TEI's words: tei-client's `prompt_names()` reads the list out of this message
+        listed = ", ".join(f'"{name}"' for name in sorted(prompts))
         raise BadRequest(
-            f"prompt_name {prompt_name[:100]!r} is not a prompt of this model ({known})"
+            f"prompt_name {prompt_name[:100]!r} is not a prompt of this model. "
+            f"Available prompts: [{listed}]"
         )
     return [prompt + text for text in texts]

@@ -43,7 +43,7 @@ COUNT_MARGIN = 8
 # objects, hundreds of bytes each, never pile up for a whole answer.
 TOKEN_SLICE = 4096
 # After an answer of more tokens than this, the heap's free pages go back to the system.
-TRIM_AFTER_TOKENS = 65536
+TRIM_AFTER_TOKENS = 16384
 
 
 class UnknownTokenId(ValueError):

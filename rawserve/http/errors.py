@@ -1,6 +1,7 @@
 """Errors that carry their HTTP status, and the one place that renders any error: in
 rawserve's shape (`error_response`, every route but OpenAI's) or OpenAI's
-(`openai_error_response`, the `/v1/` routes, whose clients read only that shape), and
+(`openai_error_response`, the `/v1/` routes, whose clients read only that shape, with
+TGI's type beside it for TGI's clients), and
 with TGI's or TEI's types in rawserve's shape (`tgi_error_response`, `tei_error_response`:
 the routes those servers' clients use).
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from typing import Any
 
 from rawserve.http.encoding import dumps
 from rawserve.http.exchange import HttpRequest, HttpResponse
@@ -284,9 +286,12 @@ def openai_error_response(exc: BaseException, request_id: str | None = None) -> 
     return HttpResponse(error.status, dumps(openai_error_document(error)), list(error.headers))
 
 
-def openai_error_document(error: HTTPError) -> dict[str, dict[str, str | None]]:
+def openai_error_document(error: HTTPError) -> dict[str, Any]:
     """OpenAI's error object: `{"error": {"message", "type", "param", "code"}}`, the same
-    status codes; `type` is one of OpenAI's documented kinds, `code` says more."""
+    status codes; `type` is one of OpenAI's documented kinds, `code` says more. Beside it,
+    TGI's `error_type` (`tgi_error`): TGI's client and InferenceClient call these routes
+    too and tell their errors apart by it alone (`ValidationError`, `OverloadedError`),
+    where OpenAI's clients read only `error`."""
     if error.status >= 500:
         kind = "server_error"
     else:
@@ -297,7 +302,8 @@ def openai_error_document(error: HTTPError) -> dict[str, dict[str, str | None]]:
             "type": kind,
             "param": error.param,
             "code": error.code or error.error_type,
-        }
+        },
+        "error_type": tgi_error(error).error_type,
     }
 
 
