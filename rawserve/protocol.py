@@ -177,6 +177,7 @@ class HttpProtocol(asyncio.Protocol):
         self.handshake_data: list[bytes] = []
         # per request
         self.cycle: Cycle | None = None
+        self.head_started = 0.0  # when the head now being read began to come
 
     def _new_h11(self) -> h11.Connection:
         return h11.Connection(h11.SERVER, max_incomplete_event_size=self.settings.max_head_bytes)
@@ -310,6 +311,7 @@ class HttpProtocol(asyncio.Protocol):
             if not data:
                 return  # only empty lines: still idle, its deadline running
             self._enter(Phase.HEAD)
+            self.head_started = time.perf_counter()
             if data[0] not in _TOKEN_BYTES:
                 self._fail(refusals.not_plain_http())
                 return
@@ -498,6 +500,8 @@ class HttpProtocol(asyncio.Protocol):
             return
         if cycle is None:  # no request head was parsed (a head timeout, garbage)
             cycle = self.cycle = Cycle(None, new_request_id())
+            if self.phase is Phase.HEAD:  # its time counts from the head's first bytes
+                cycle.started = self.head_started
         self._send(cycle, self._error(cycle, error), close=True)
 
     def _error(self, cycle: Cycle, exc: BaseException) -> HttpResponse:

@@ -161,6 +161,20 @@ async def faulty_executor(fast_restarts, monkeypatch):
     await executor.shutdown(wait=False)
 
 
+class DropCount:
+    """The pool's drop counter (rawserve.ops.metrics.ModelMetrics'), counting poison."""
+
+    def __init__(self) -> None:
+        self.poison = 0
+
+    def drop(self, reason: str, count: int = 1) -> None:
+        assert reason == "poison"
+        self.poison += count
+
+    def count_passes(self, passes: object) -> None:
+        pass
+
+
 async def idle(executor: WorkerPool, timeout: float = 120) -> None:
     """Wait until a worker is free (after a restart)."""
     became_idle = asyncio.Event()
@@ -207,22 +221,36 @@ async def test_out_of_memory_splits_the_batch_and_lowers_the_cap(faulty_executor
 
 @pytest.mark.slow
 async def test_a_hung_batch_runs_again_alone_and_an_input_hung_alone_twice_is_refused(
-    faulty_executor,
+    faulty_executor, caplog
 ):
     """One input that hangs failed its batch-mates (each answered 500), and the same input
     sent again held its worker for --batch-timeout each time: ten in a row made /health
-    503. Its batch-mates now run again alone; an input hung alone twice is refused."""
+    503. Its batch-mates now run again alone; an input hung alone twice is refused, and
+    counted as poison as one that crashes its worker is. The lines about the hangs name
+    the requests (an operator looked up a hang's 500 by its id and found no line)."""
     worker = faulty_executor.workers[0]
+    faulty_executor.metrics = dropped = DropCount()
     first_pid = worker.pid
-    result = await asyncio.wait_for(faulty_executor.submit(["hang", "fine"], {}), 60)
+    with caplog.at_level(logging.WARNING, logger="rawserve.executor"):
+        submitted = faulty_executor.submit(["hang", "fine"], {}, request_ids=["r-hang", "r-ok"])
+        result = await asyncio.wait_for(submitted, 60)
     assert result.outputs[0] is TIMED_OUT  # it hung again alone: answered, not run again
     assert result.outputs[1]["input"] == "fine"
     assert worker.record.restarts == 2
+    kills = [r.getMessage() for r in caplog.records if "killing process" in r.getMessage()]
+    assert len(kills) == 2 and "(request r-hang, r-ok)" in kills[0], kills
+    assert "(request r-hang)" in kills[1]
+    assert any(
+        "(request r-hang, r-ok)" in r.getMessage()
+        for r in caplog.records
+        if "run again alone" in r.getMessage()
+    )
     await idle(faulty_executor)
-    assert worker.pid != first_pid
+    assert worker.pid != first_pid and dropped.poison == 0
 
     result = await asyncio.wait_for(faulty_executor.submit(["hang"], {}), 60)
     assert result.outputs == (TIMED_OUT,)  # its second hang alone
+    assert dropped.poison == 1  # its 500, as a crash quarantined (and each refusal after)
     await idle(faulty_executor)
     # a death at work: ten in a row, a hung device, turn /health 503 (killed with its
     # batch detached, it was counted as one with nothing to do)
@@ -230,6 +258,7 @@ async def test_a_hung_batch_runs_again_alone_and_an_input_hung_alone_twice_is_re
     pid = worker.pid
     result = await asyncio.wait_for(faulty_executor.submit(["hang"], {}), 5)
     assert result.outputs == (REFUSED_POISON,) and worker.pid == pid  # not run
+    assert dropped.poison == 2
     result = await asyncio.wait_for(faulty_executor.submit(["after"], {}), 30)
     assert result.outputs[0]["input"] == "after"
     assert worker.record.crashes == 0  # it answered: it works
@@ -548,7 +577,7 @@ def test_a_hung_request_gets_500_and_the_queue_moves_on(faulty_server):
     (status, error), waiting = asyncio.run(asyncio.wait_for(scenario(), 150))
     assert status == 500 and "batch timeout" in error["error"]
     assert [status for status, _ in waiting] == [200] * 3
-    faulty_server.wait_for_log(re.compile(r"ran over 3 s; killing process"), 10)
+    faulty_server.wait_for_log(re.compile(r"ran over 3 s \(request \w+\); killing process"), 10)
 
 
 @pytest.mark.slow

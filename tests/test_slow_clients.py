@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import resource
 import socket
 import time
@@ -182,6 +183,14 @@ def test_slow_clients_get_408_at_the_read_timeout_then_a_close(strict_server):
         assert status == 408 and headers[b"connection"] == b"close"
         assert json.loads(body)["error_type"] == "request_timeout"
         assert 0.9 <= seconds < 15
+    # each access line's duration is the time the connection was held: a head that never
+    # finished was logged as 0.2 ms, as if its time began at its 408
+    durations = [
+        float(found.group(1))
+        for line in strict_server.read_log()
+        if (found := re.search(r'" 408 \d+ ([\d.]+)ms', line))
+    ]
+    assert len(durations) == 40 and min(durations) >= 900, durations
     # an idle connection that never sent a byte is not a slow request: no 408 for it
     assert strict_server.request("GET", "/health")[0] == 200
 

@@ -95,7 +95,7 @@ class Metrics:
             "rawserve_items_dropped",
             "Items answered without a model call (rejected: queue full or workers down; "
             "expired: deadline passed while queued; disconnected: the client left; poison: "
-            "crashed a worker)",
+            "crashed or hung a worker)",
             ["model", "reason"],
             registry=r,
         )

@@ -37,7 +37,7 @@ from rawserve.serving.refusals import (
     not_back_in_time,
     shutting_down,
 )
-from rawserve.serving.supervision import NOT_RUN, REFUSED_POISON
+from rawserve.serving.supervision import NOT_COMPUTED
 from rawserve.shared.late_watch import LateWatch
 from rawserve.shared.logs import REQUEST_ID
 from rawserve.shared.messages import NO_CONTROL, BatchResult, Control, ModelLimits
@@ -536,9 +536,10 @@ class Scheduler:
             return
         result: BatchResult = done.result()
         # a model call, whether or not anyone still waits for it; inputs refused as
-        # poison (counted as dropped) or not run again for nobody were never computed
+        # poison (counted as dropped), not run again for nobody, or lost with a worker
+        # that crashed or hung were never computed (a lost batch's time is 0)
         computed = sum(
-            output is not REFUSED_POISON and output is not NOT_RUN for output in result.outputs
+            not any(output is lost for lost in NOT_COMPUTED) for output in result.outputs
         )
         if self.metrics is not None and computed:
             self.metrics.observe_batch(computed, result.compute_seconds)

@@ -270,7 +270,11 @@ class WorkerPool(PoolReports):
         if not any(refused):
             self._send(worker, whole)
             return future
-        log.warning("refused %d input(s) that crashed or hung a worker before", sum(refused))
+        log.warning(
+            "refused %d input(s) that crashed or hung a worker before%s",
+            sum(refused),
+            requests_named(rid for rid, bad in zip(request_ids, refused, strict=False) if bad),
+        )
         if self.metrics is not None:
             self.metrics.drop("poison", sum(refused))
         if all(refused):
@@ -613,12 +617,17 @@ class WorkerPool(PoolReports):
         # said once: each of a continuous worker's sequences has a watchdog, and all of
         # them fire as it hangs
         if worker.state is not WorkerState.DEAD:
-            if worker.sequences:
+            if worker.sequences:  # (one line for them all: it names no one sequence)
                 hung = f"no decoding step ended for {self.batch_timeout:g} s, with "
                 hung += f"{worker.running.rows} sequence(s) running"
+                named = None
             else:
                 hung = f"a batch of {len(job.inputs)} ran over {self.batch_timeout:g} s"
-            log.error("worker %s: %s; killing process %s", worker.label, hung, worker.pid)
+                hung += job_requests(job)
+                named = request_named(job)
+            log.error(
+                "worker %s: %s; killing process %s", worker.label, hung, worker.pid, extra=named
+            )
         self._detach(worker.running.pop(job.batch_id) or self._take_job(worker))
         if worker.sequences:
             job.answer(BatchResult(job.batch_id, (TIMED_OUT,) * len(job.inputs), 0.0))
@@ -640,16 +649,19 @@ class WorkerPool(PoolReports):
         decision = self.supervisor.hung(Held(job.streamed, key), len(job.inputs))
         if decision is LostBatch.RETRY_ALONE:
             log.warning(
-                "worker %s: its %d items run again alone (one that hangs alone is refused "
+                "worker %s: its %d items run again alone%s (one that hangs alone is refused "
                 "after %d such hangs)",
                 worker.label,
                 len(job.inputs),
+                job_requests(job),
                 self.poison.strikes,
             )
             self._retry_alone(job, None)
             return
-        if decision is LostBatch.QUARANTINED:
+        if decision is LostBatch.QUARANTINED:  # counted as a crash's is
             self._say_quarantined(worker, job, "hung")
+            if self.metrics is not None:
+                self.metrics.drop("poison")
         job.answer(BatchResult(job.batch_id, (TIMED_OUT,) * len(job.inputs), 0.0))
 
     # --- process lifecycle ------------------------------------------------------------

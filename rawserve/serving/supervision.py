@@ -58,6 +58,9 @@ NOT_RUN = ItemFailure(  # nobody waits for it any more: not run again after a cr
 TIMED_OUT = ItemFailure(
     FailureKind.INTERNAL, "the model did not finish this batch within the batch timeout"
 )
+# What items no finished model call answered (lost with their worker, or never run):
+# a batch of only these is no batch the model ran, for its size and time histograms
+NOT_COMPUTED = (REFUSED_POISON, NOT_RUN, CRASHED_ALONE, CRASHED_MID_STREAM, TIMED_OUT)
 
 
 @dataclass
