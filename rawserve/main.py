@@ -41,7 +41,7 @@ from rawserve.ops.loading import log_loading_progress
 from rawserve.ops.metrics import Metrics
 from rawserve.ops.open_files import open_standard_descriptors, raise_open_files_limit
 from rawserve.ops.stop_signals import stop_signals
-from rawserve.options import misspelled_variables, parse_config
+from rawserve.options import ignored_by_the_handler, misspelled_variables, parse_config
 from rawserve.serving import CoreShare, ModelService, Scheduler, SchedulerCore
 from rawserve.serving import WorkerPool as Executor
 from rawserve.shared import log_writer
@@ -449,6 +449,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(config.log_level, config.log_format, access_log=config.access_log)
     for line in misspelled_variables(os.environ):
         log.warning("%s", line)
+    if ignored := ignored_by_the_handler(config):
+        log.warning("--handler serves its own callable: %s do not apply", ", ".join(ignored))
     # Until serve() puts the server's own handlers in place, SIGTERM stops the start as
     # Ctrl-C does: as a container's PID 1 (no init) the kernel ignores a signal left at its
     # default action, so a stop during a model's download waited for the SIGKILL after it.

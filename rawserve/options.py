@@ -17,6 +17,7 @@ import math
 import os
 import re
 import socket
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -24,6 +25,7 @@ from typing import Any, NoReturn
 from rawserve import __version__
 from rawserve.api.settings import AppSettings
 from rawserve.config import Batching, ModelConfig, ServerConfig, Tls, onnx_unfit_here
+from rawserve.http.cors import ANY_ORIGIN
 from rawserve.http.limits import ProtocolSettings
 from rawserve.http.tls import server_context
 from rawserve.ops import layout
@@ -55,6 +57,10 @@ GPU_HTTP_PROCESSES = 8
 DEFAULT_MAX_TIMEOUT = 300.0
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# the largest whole number an option takes: JSON readers keep whole numbers exact to it
+MAX_WHOLE_NUMBER = 2**53
+# the schemes a browser origin may have, and the port each leaves out of it
+DEFAULT_PORTS = {"http": 80, "https": 443}
 # --handler: a module the worker imports, and the factory in it (`handler` if not named)
 HANDLER_SPEC = re.compile(r"[^\W\d]\w*(\.[^\W\d]\w*)*(:([^\W\d]\w*)?)?")
 ENV_TRUE = ("1", "true", "yes", "on")
@@ -252,8 +258,8 @@ OPTIONS = [
         "--cors-allow-origin",
         str,
         None,
-        "a browser origin that may call the API (repeatable; * for any): answers preflight "
-        "OPTIONS and adds the CORS headers",
+        "a browser origin that may call the API, as https://app.example (repeatable; * for "
+        "any): answers preflight OPTIONS and adds the CORS headers",
         repeatable=True,
     ),
     Option(
@@ -417,6 +423,22 @@ HANDLER_IGNORES: dict[str, Callable[[argparse.Namespace], bool]] = {
 }
 
 
+def ignored_by_the_handler(config: ServerConfig) -> list[str]:
+    """The model options set (here or in the environment) that a handler's workers do not
+    read, for a warning: refused, a deployment's RAWSERVE_* defaults would stop it."""
+    if not config.handler:
+        return []
+    model = config.model
+    set_here = {
+        "--engine": model.engine is not Engine.AUTO,
+        "--dtype": model.dtype != "auto",
+        "--generation": model.generation != "continuous",
+        "--max-sequences": model.max_sequences is not None,
+        "--join-wait-steps": model.join_wait_steps != 0,
+    }
+    return [flag for flag, given in set_here.items() if given]
+
+
 def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     """The checked configuration of `argv` (sys.argv when None) and the RAWSERVE_*
     variables; on an invalid value, the error line and exit code 2 (SystemExit)."""
@@ -424,8 +446,10 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     args = parser.parse_args(argv)
     # One fixed order of checks: a command line with several mistakes is told the first.
     for variable in HUB_SECONDS_VARIABLES:
-        if (text := os.environ.get(variable)) is not None and not whole_number(text):
-            parser.error(f"{variable}={text!r}: not a whole number of seconds")
+        if (text := os.environ.get(variable)) is not None and not (
+            whole_number(text) and int(text) >= 0
+        ):
+            parser.error(f"{variable}={text!r}: not a whole number of seconds, 0 or more")
     models = flags_or_variable(args.model, "RAWSERVE_MODEL")
     origins = flags_or_variable(args.cors_allow_origin, "RAWSERVE_CORS_ALLOW_ORIGIN")
     if args.handler and models:
@@ -476,8 +500,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     )
     chat_template = read_chat_template(args.chat_template, parser)
     tls = load_tls(args.ssl_certfile, args.ssl_keyfile, parser)
-    if any(not origin or origin.endswith("/") for origin in origins):
-        parser.error("--cors-allow-origin takes an origin such as https://app.example or *")
+    origins = [checked_origin(origin, parser) for origin in origins]
     return ServerConfig(
         models=tuple(models),
         revision=args.revision,
@@ -587,6 +610,10 @@ def check_values(
     for name in ("max_sequences", "threads", "max_batch_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    for option in OPTIONS:  # (larger: /info's JSON and the batch code could not hold it)
+        value = getattr(args, option.flag.removeprefix("--").replace("-", "_"))
+        if option.type is int and value is not None and value > MAX_WHOLE_NUMBER:
+            parser.error(f"{option.flag} must be at most {MAX_WHOLE_NUMBER}")
     if args.threads is not None and args.threads > cores.cores:
         # more only contend for the cores; torch's thread pool crashed the worker with
         # tens of thousands, and the restarted one failed on memory
@@ -633,6 +660,38 @@ def flags_or_variable(given: list[str] | None, env: str) -> list[str]:
     return [value.strip() for value in os.environ.get(env, "").split(",") if value.strip()]
 
 
+def checked_origin(origin: str, parser: argparse.ArgumentParser) -> str:
+    """A --cors-allow-origin value as browsers send an Origin (compared as it is): a
+    scheme and a host, in lower case, with a port only where it is not the scheme's own.
+    Anything else would never match, every browser call refused without a word why."""
+    if origin == ANY_ORIGIN:
+        return origin
+    try:
+        parts = urllib.parse.urlsplit(origin)
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if (
+        parts is None
+        or parts.scheme.lower() not in DEFAULT_PORTS
+        or not parts.hostname
+        or parts.username is not None
+        or parts.path
+        or parts.query
+        or parts.fragment
+        or origin != origin.strip()
+    ):
+        parser.error(
+            f"--cors-allow-origin {origin[:100]!r} is not an origin: a scheme and a host, "
+            "such as https://app.example or http://localhost:3000 (no path, one origin a "
+            "flag), or *"
+        )
+    scheme = parts.scheme.lower()
+    shown_port = "" if port is None or port == DEFAULT_PORTS[scheme] else f":{port}"
+    host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
+    return f"{scheme}://{host}{shown_port}"
+
+
 def batch_defaults(size: int | None, tokens: int | None, gpu: bool) -> tuple[int, int | None, str]:
     """--max-batch-size and --max-batch-tokens as given, the device's defaults where not
     (tokens bound a batch by default only on a GPU), and a line saying which and why."""
@@ -662,9 +721,12 @@ def read_chat_template(path: str | None, parser: argparse.ArgumentParser) -> str
         return None
     try:
         with open(path, encoding="utf-8") as template:
-            return template.read()
+            text = template.read()
     except (OSError, UnicodeDecodeError) as exc:
         parser.error(f"--chat-template: cannot read {path}: {exc}")
+    if not text.strip():  # it would take the model's own template's place: no chat at all
+        parser.error(f"--chat-template: {path} is empty")
+    return text
 
 
 def load_tls(

@@ -178,7 +178,7 @@ def test_tls_files_are_loaded_into_a_context_at_parse_time(tmp_path):
         (["--chat-template", "/nonexistent.jinja"], {}, "--chat-template: cannot read"),
         (["--ssl-keyfile", "/nonexistent/key.pem"], {}, "--ssl-keyfile needs --ssl-certfile"),
         (["--ssl-certfile", "/nonexistent/c.pem"], {}, "keyfile: no such file: /nonexistent/c.pem"),
-        (["--cors-allow-origin", "https://a.example/"], {}, "--cors-allow-origin takes an"),
+        (["--cors-allow-origin", "https://a.example/"], {}, "is not an origin"),
         ([], {"RAWSERVE_PORT": "eighty"}, "RAWSERVE_PORT='eighty': not a whole number"),
         ([], {"RAWSERVE_NO_WARMUP": "maybe"}, "RAWSERVE_NO_WARMUP must be one of"),
         # each failed in every worker after the server listened, or was silently misread
@@ -432,7 +432,7 @@ def test_a_hub_variable_huggingface_hub_cannot_read_is_one_line_not_its_tracebac
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr == (
-        "rawserve: error: HF_HUB_ETAG_TIMEOUT='abc': not a whole number of seconds\n"
+        "rawserve: error: HF_HUB_ETAG_TIMEOUT='abc': not a whole number of seconds, 0 or more\n"
     )
 
 

@@ -1744,6 +1744,15 @@ def test_a_prompt_that_cannot_fit_fails_alone_at_once_as_the_static_path_fails(r
     assert results(sent)[2].outputs[0].kind is FailureKind.INPUT
 
 
+def test_a_prompt_of_no_tokens_is_not_called_too_long(runner):
+    """(A chat template that renders no text.) It was "the prompt is 0 tokens, which is
+    longer than the model's context length", which litellm reads as a context overflow."""
+    sent = serve(runner, {0: [Batch(3, ("",), {"max_new_tokens": 4, "do_sample": False})]})
+    [failed] = results(sent)[3].outputs
+    assert failed.kind is FailureKind.INPUT and "reads as no tokens" in failed.message
+    assert "context length" not in failed.message
+
+
 def test_prompts_only_scored_take_no_row_even_one_filling_the_positions(runner, monkeypatch):
     """max_new_tokens 0: nothing to generate, so no forward pass, and a prompt as long as
     the positions is scored as on the static path (no new token needs room after it)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from rawserve.config import ServerConfig
-from rawserve.options import OPTIONS, Option, parse_config
+from rawserve.options import OPTIONS, Option, ignored_by_the_handler, parse_config
 
 # A valid value per option whose type alone does not give one (validated strings).
 SAMPLES = {
@@ -275,3 +275,93 @@ def test_an_address_or_a_name_of_this_machine_is_taken(monkeypatch, host):
     config = parse_config(["--handler", "tests.handlers:echo", "--host", host])
     assert config.host == host
     assert parse_config(["--handler", "tests.handlers:echo", "--http-processes", "8"])
+
+
+@pytest.mark.parametrize(
+    "origin",
+    [
+        "app.example",  # no scheme
+        "https://app.example/ui",  # a path
+        "https://app.example/",
+        "https://a.example,https://app.example",  # two in one flag
+        "ftp://app.example",
+        "https://user@app.example",
+        "https://",
+        "https://app.example:99999",
+        "",
+    ],
+)
+def test_a_cors_origin_no_browser_could_send_is_refused_at_start(monkeypatch, capsys, origin):
+    """Each was taken, then matched no browser's Origin: every call from the page refused
+    403, with nothing to say why."""
+    clear_environment(monkeypatch)
+    with pytest.raises(SystemExit) as exit:
+        parse_config(["--handler", "tests.handlers:echo", "--cors-allow-origin", origin])
+    assert exit.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("rawserve: error: --cors-allow-origin") and "not an origin" in line
+
+
+@pytest.mark.parametrize(
+    ("given", "as_browsers_send_it"),
+    [
+        ("https://App.Example", "https://app.example"),
+        ("https://app.example:443", "https://app.example"),
+        ("http://localhost:80", "http://localhost"),
+        ("http://localhost:3000", "http://localhost:3000"),
+        ("HTTP://[::1]:8080", "http://[::1]:8080"),
+        ("*", "*"),
+    ],
+)
+def test_a_cors_origin_is_kept_as_browsers_send_it(monkeypatch, given, as_browsers_send_it):
+    clear_environment(monkeypatch)
+    config = parse_config(["--handler", "tests.handlers:echo", "--cors-allow-origin", given])
+    assert config.app.cors_allow_origins == (as_browsers_send_it,)
+
+
+def test_an_empty_chat_template_file_is_refused(monkeypatch, capsys, tmp_path):
+    """It replaced the model's own template, and every chat was then told to start the
+    server with --chat-template, which it had been."""
+    clear_environment(monkeypatch)
+    empty = tmp_path / "chat.jinja"
+    empty.write_text("\n", "utf-8")
+    with pytest.raises(SystemExit) as exit:
+        parse_config(["--chat-template", str(empty)])
+    assert exit.value.code == 2
+    assert f"--chat-template: {empty} is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--max-queue", "--max-client-batch-size", "--max-batch-size"])
+def test_a_whole_number_too_large_to_hold_is_refused(monkeypatch, capsys, option):
+    """10**20 was taken, then /info answered 500 (JSON holds no such number), or the first
+    batch failed in an overflow."""
+    clear_environment(monkeypatch)
+    with pytest.raises(SystemExit) as exit:
+        parse_config(["--handler", "tests.handlers:echo", option, str(10**20)])
+    assert exit.value.code == 2
+    assert f"{option} must be at most {2**53}" in capsys.readouterr().err
+    assert parse_config(["--handler", "tests.handlers:echo", option, str(2**53)])
+
+
+@pytest.mark.parametrize("variable", ["HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"])
+def test_a_negative_hub_timeout_is_refused_naming_its_variable(monkeypatch, capsys, variable):
+    """-5 stopped a start the cache could serve, with only "ValueError" to say why."""
+    clear_environment(monkeypatch)
+    monkeypatch.setenv(variable, "-5")
+    with pytest.raises(SystemExit) as exit:
+        parse_config([])
+    assert exit.value.code == 2
+    assert f"{variable}='-5': not a whole number of seconds, 0 or more" in capsys.readouterr().err
+
+
+def test_model_options_set_beside_a_handler_are_named_as_not_applying(monkeypatch):
+    """Left to a warning, not refused: deployments set RAWSERVE_ENGINE for every server."""
+    clear_environment(monkeypatch)
+    handler = ["--handler", "tests.handlers:echo"]
+    assert ignored_by_the_handler(parse_config(handler)) == []
+    given = [*handler, "--engine", "onnx", "--generation", "static", "--max-sequences", "3"]
+    assert ignored_by_the_handler(parse_config(given)) == [
+        "--engine",
+        "--generation",
+        "--max-sequences",
+    ]

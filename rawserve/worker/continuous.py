@@ -290,7 +290,9 @@ class ContinuousBatcher:
         """Queue `generation` to join; one that generates nothing (max_new_tokens 0) is only
         scored, and ends once its `scoring` has run (it may fill the positions)."""
         room = self.max_positions - len(generation.prompt_ids)
-        if room < (1 if generation.max_new_tokens else 0) or not generation.prompt_ids:
+        if not generation.prompt_ids:  # (a chat template that renders no text)
+            raise ValueError("the prompt reads as no tokens: there is nothing to continue")
+        if room < (1 if generation.max_new_tokens else 0):
             raise ValueError(
                 f"the prompt is {len(generation.prompt_ids)} tokens, which is longer than the "
                 f"model's context length: it takes at most {self.max_positions - 1} to leave "
