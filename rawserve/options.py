@@ -17,6 +17,7 @@ import math
 import os
 import re
 import socket
+import sys
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -349,14 +350,35 @@ def naming_the_variable(
 
 class OneLineParser(argparse.ArgumentParser):
     """An invalid option is one line, `rawserve: error: ...`, and exit code 2: argparse's
-    usage before it runs to twenty lines that bury the line that matters (--help has it)."""
+    usage before it runs to twenty lines that bury the line that matters (--help has it).
+    A line about an option its variable set says so (`given`: the command line)."""
+
+    given: Sequence[str] = ()
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message}{self._set_by(message)}\n")
+
+    def _set_by(self, message: str) -> str:
+        """The words " (set by RAWSERVE_X=...)" for the first option the message names
+        that was not on the command line and whose variable is set: a user who typed no
+        --model was told to give no --model with --handler (a deployment's RAWSERVE_MODEL)."""
+        by_flag = {option.flag: option for option in OPTIONS}
+        for named in re.findall(r"--[a-z][a-z-]*", message):
+            option = by_flag.get(named)
+            if option is None or message.startswith(option.env):
+                continue
+            flag = option.flag
+            typed = any(arg == flag or arg.startswith(flag + "=") for arg in self.given)
+            value = variable_value(option.env)  # (empty: read as unset)
+            if not typed and value is not None:
+                shown = "..." if option.env == KEY_VARIABLE else repr(value[:100])
+                return f" (set by {option.env}={shown})"
+        return ""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> OneLineParser:
     parser = OneLineParser(
+        allow_abbrev=False,  # `--max-queu 5` set --max-queue; a misspelled variable is warned of
         prog="rawserve",
         description="Serve a Hugging Face transformers pipeline over HTTP/1.1. "
         "Every option can also be set as RAWSERVE_<OPTION>, e.g. RAWSERVE_PORT=8000.",
@@ -443,6 +465,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     """The checked configuration of `argv` (sys.argv when None) and the RAWSERVE_*
     variables; on an invalid value, the error line and exit code 2 (SystemExit)."""
     parser = build_parser()
+    parser.given = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     # One fixed order of checks: a command line with several mistakes is told the first.
     for variable in HUB_SECONDS_VARIABLES:

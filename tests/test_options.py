@@ -365,3 +365,37 @@ def test_model_options_set_beside_a_handler_are_named_as_not_applying(monkeypatc
         "--generation",
         "--max-sequences",
     ]
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "argv", "says"),
+    [
+        ("RAWSERVE_MODEL", "/models/x", ["--handler", "tests.handlers:echo"], "give no --model"),
+        ("RAWSERVE_MAX_BATCH_SIZE", "0", [], "--max-batch-size must be positive"),
+        ("RAWSERVE_ENGINE", "Torch", [], "--engine must be torch, onnx or auto"),
+    ],
+)
+def test_a_refusal_of_a_value_its_variable_set_names_the_variable(
+    monkeypatch, capsys, env, value, argv, says
+):
+    """A user who typed no --model was told to give no --model (a deployment's
+    RAWSERVE_MODEL); the same value typed as the flag is told as before."""
+    clear_environment(monkeypatch)
+    monkeypatch.setenv(env, value)
+    with pytest.raises(SystemExit):
+        parse_config(argv)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert says in line and line.endswith(f" (set by {env}={value!r})"), line
+    flag = "--" + env.removeprefix("RAWSERVE_").lower().replace("_", "-")
+    with pytest.raises(SystemExit):
+        parse_config([*argv, flag, value])
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert says in line and "set by" not in line, line
+
+
+def test_a_shortened_flag_is_refused_not_read_as_the_option_it_starts(monkeypatch, capsys):
+    clear_environment(monkeypatch)
+    with pytest.raises(SystemExit) as exit:
+        parse_config(["--handler", "tests.handlers:echo", "--max-queu", "5"])
+    assert exit.value.code == 2
+    assert "unrecognized arguments: --max-queu" in capsys.readouterr().err
