@@ -58,6 +58,8 @@ GPU_HTTP_PROCESSES = 8
 DEFAULT_MAX_TIMEOUT = 300.0
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# the options that take one of a few words
+CHOICES = ("engine", "dtype", "batching", "generation", "loop", "log_format")
 # the largest whole number an option takes: JSON readers keep whole numbers exact to it
 MAX_WHOLE_NUMBER = 2**53
 # the schemes a browser origin may have, and the port each leaves out of it
@@ -467,6 +469,8 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     parser = build_parser()
     parser.given = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    for name in CHOICES:  # a word's case is no mistake (--device and --log-level took any)
+        setattr(args, name, getattr(args, name).strip().lower())
     # One fixed order of checks: a command line with several mistakes is told the first.
     for variable in HUB_SECONDS_VARIABLES:
         if (text := os.environ.get(variable)) is not None and not (

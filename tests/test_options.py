@@ -11,6 +11,7 @@ import pytest
 
 from rawserve.config import ServerConfig
 from rawserve.options import OPTIONS, Option, ignored_by_the_handler, parse_config
+from rawserve.shared.messages import Engine
 
 # A valid value per option whose type alone does not give one (validated strings).
 SAMPLES = {
@@ -372,7 +373,7 @@ def test_model_options_set_beside_a_handler_are_named_as_not_applying(monkeypatc
     [
         ("RAWSERVE_MODEL", "/models/x", ["--handler", "tests.handlers:echo"], "give no --model"),
         ("RAWSERVE_MAX_BATCH_SIZE", "0", [], "--max-batch-size must be positive"),
-        ("RAWSERVE_ENGINE", "Torch", [], "--engine must be torch, onnx or auto"),
+        ("RAWSERVE_ENGINE", "Torhc", [], "--engine must be torch, onnx or auto"),
     ],
 )
 def test_a_refusal_of_a_value_its_variable_set_names_the_variable(
@@ -399,3 +400,12 @@ def test_a_shortened_flag_is_refused_not_read_as_the_option_it_starts(monkeypatc
         parse_config(["--handler", "tests.handlers:echo", "--max-queu", "5"])
     assert exit.value.code == 2
     assert "unrecognized arguments: --max-queu" in capsys.readouterr().err
+
+
+def test_a_choice_is_read_whatever_its_case(monkeypatch):
+    clear_environment(monkeypatch)
+    monkeypatch.setenv("RAWSERVE_LOG_FORMAT", "JSON")
+    argv = ["--engine", "Torch", "--dtype", "FLOAT32", "--generation", "Static"]
+    config = parse_config(argv)
+    assert (config.model.engine, config.model.dtype) == (Engine.TORCH, "float32")
+    assert (config.model.generation, config.log_format) == ("static", "json")
