@@ -125,6 +125,15 @@ def test_batch_is_bounded_by_max_batch_size():
     assert sizes == [4, 4, 2]
 
 
+def test_the_batch_size_told_is_no_more_than_the_queue_holds():
+    """/info's effective_max_batch_size said 32 beside --max-queue 5."""
+    told = Scheduler(SchedulerCore(max_batch_size=32, max_queue=5), FakeBackend())
+    assert told.max_batch_size == 5
+    assert (
+        Scheduler(SchedulerCore(max_batch_size=4, max_queue=8), FakeBackend()).max_batch_size == 4
+    )
+
+
 def test_delay_is_one_deadline_from_the_oldest_item():
     core = SchedulerCore(max_batch_size=8, max_batch_delay=0.200)
     queue_items(core, ["first"], now=0.0)

@@ -238,8 +238,9 @@ class Scheduler:
 
     @property
     def max_batch_size(self) -> int:
-        """Items per model call (--max-batch-size)."""
-        return self.core.max_batch_size
+        """Items per model call (--max-batch-size): no more than the queue holds (/info
+        said 32 beside --max-queue 5)."""
+        return min(self.core.max_batch_size, self.core.bound)
 
     def refuses(self, deadline: float | None = None) -> bool:
         """Whether any request would be refused now: the queue full, or (given the
