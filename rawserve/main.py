@@ -122,7 +122,8 @@ def worker_config(
         engine=model.engine,
         pooling=facts.pooling if facts else "none",
         normalize=facts.normalize if facts else False,
-        warmup_batch=model.max_batch_size if model.warmup else 0,
+        # no batch holds more than the queue does: a larger warm-up would only cost
+        warmup_batch=min(model.max_batch_size, model.max_queue) if model.warmup else 0,
         cuda_graphs=model.cuda_graphs,
         chat_template=model.chat_template,
         generation=model.generation,
@@ -450,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in misspelled_variables(os.environ):
         log.warning("%s", line)
     if ignored := ignored_by_the_handler(config):
-        log.warning("--handler serves its own callable: %s do not apply", ", ".join(ignored))
+        log.warning("--handler serves its own callable: %s not applied", ", ".join(ignored))
     # Until serve() puts the server's own handlers in place, SIGTERM stops the start as
     # Ctrl-C does: as a container's PID 1 (no init) the kernel ignores a signal left at its
     # default action, so a stop during a model's download waited for the SIGKILL after it.

@@ -18,7 +18,6 @@ import os
 import re
 import socket
 import sys
-import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -26,7 +25,7 @@ from typing import Any, NoReturn
 from rawserve import __version__
 from rawserve.api.settings import AppSettings
 from rawserve.config import Batching, ModelConfig, ServerConfig, Tls, onnx_unfit_here
-from rawserve.http.cors import ANY_ORIGIN
+from rawserve.http.cors import browser_origin
 from rawserve.http.limits import ProtocolSettings
 from rawserve.http.tls import server_context
 from rawserve.ops import layout
@@ -60,10 +59,8 @@ DEFAULT_MAX_TIMEOUT = 300.0
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # the options that take one of a few words
 CHOICES = ("engine", "dtype", "batching", "generation", "loop", "log_format")
-# the largest whole number an option takes: JSON readers keep whole numbers exact to it
+# the largest whole number an option takes: /info's JSON readers keep it exact
 MAX_WHOLE_NUMBER = 2**53
-# the schemes a browser origin may have, and the port each leaves out of it
-DEFAULT_PORTS = {"http": 80, "https": 443}
 # --handler: a module the worker imports, and the factory in it (`handler` if not named)
 HANDLER_SPEC = re.compile(r"[^\W\d]\w*(\.[^\W\d]\w*)*(:([^\W\d]\w*)?)?")
 ENV_TRUE = ("1", "true", "yes", "on")
@@ -71,6 +68,8 @@ ENV_FALSE = ("", "0", "false", "no", "off")
 # huggingface_hub reads these with int() as it is imported: another value (even an empty
 # one) ended the server's start in its traceback, before anything was checked
 HUB_SECONDS_VARIABLES = ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
+# the longest of those waits the HTTP client can hold (past about 9e9 s it overflows)
+MAX_HUB_SECONDS = 2**31 - 1
 KEY_VARIABLE = "RAWSERVE_API_KEY"  # empty, still a value: see `variable_value`
 
 
@@ -449,7 +448,7 @@ HANDLER_IGNORES: dict[str, Callable[[argparse.Namespace], bool]] = {
 
 def ignored_by_the_handler(config: ServerConfig) -> list[str]:
     """The model options set (here or in the environment) that a handler's workers do not
-    read, for a warning: refused, a deployment's RAWSERVE_* defaults would stop it."""
+    read, for a warning (not refused: a deployment sets RAWSERVE_ENGINE for every server)."""
     if not config.handler:
         return []
     model = config.model
@@ -474,9 +473,11 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     # One fixed order of checks: a command line with several mistakes is told the first.
     for variable in HUB_SECONDS_VARIABLES:
         if (text := os.environ.get(variable)) is not None and not (
-            whole_number(text) and int(text) >= 0
+            whole_number(text) and 0 <= int(text) <= MAX_HUB_SECONDS
         ):
-            parser.error(f"{variable}={text!r}: not a whole number of seconds, 0 or more")
+            parser.error(
+                f"{variable}={text!r}: not a whole number of seconds from 0 to {MAX_HUB_SECONDS}"
+            )
     models = flags_or_variable(args.model, "RAWSERVE_MODEL")
     origins = flags_or_variable(args.cors_allow_origin, "RAWSERVE_CORS_ALLOW_ORIGIN")
     if args.handler and models:
@@ -688,35 +689,11 @@ def flags_or_variable(given: list[str] | None, env: str) -> list[str]:
 
 
 def checked_origin(origin: str, parser: argparse.ArgumentParser) -> str:
-    """A --cors-allow-origin value as browsers send an Origin (compared as it is): a
-    scheme and a host, in lower case, with a port only where it is not the scheme's own.
-    Anything else would never match, every browser call refused without a word why."""
-    if origin == ANY_ORIGIN:
-        return origin
+    """A --cors-allow-origin value as browsers send it (`cors.browser_origin`)."""
     try:
-        parts = urllib.parse.urlsplit(origin)
-        port = parts.port
-    except ValueError:
-        parts, port = None, None
-    if (
-        parts is None
-        or parts.scheme.lower() not in DEFAULT_PORTS
-        or not parts.hostname
-        or parts.username is not None
-        or parts.path
-        or parts.query
-        or parts.fragment
-        or origin != origin.strip()
-    ):
-        parser.error(
-            f"--cors-allow-origin {origin[:100]!r} is not an origin: a scheme and a host, "
-            "such as https://app.example or http://localhost:3000 (no path, one origin a "
-            "flag), or *"
-        )
-    scheme = parts.scheme.lower()
-    shown_port = "" if port is None or port == DEFAULT_PORTS[scheme] else f":{port}"
-    host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
-    return f"{scheme}://{host}{shown_port}"
+        return browser_origin(origin)
+    except ValueError as exc:
+        parser.error(f"--cors-allow-origin {origin[:100]!r} is not an origin: {exc} (one a flag)")
 
 
 def batch_defaults(size: int | None, tokens: int | None, gpu: bool) -> tuple[int, int | None, str]:

@@ -187,6 +187,8 @@ class HttpProtocol(asyncio.Protocol):
     def _enter(self, phase: Phase) -> None:
         """Move to `phase` and arm its deadline (the one place that does both)."""
         self.phase = phase
+        if phase is Phase.HEAD:  # (a pipelined head too: its reading starts now)
+            self.head_started = time.perf_counter()
         # an idle one gives way past the cap, as one silent in its TLS handshake does
         waiting = phase in (Phase.IDLE, Phase.HANDSHAKE)
         self.seats.mark(self, self.loop.time() if waiting else None)
@@ -311,7 +313,6 @@ class HttpProtocol(asyncio.Protocol):
             if not data:
                 return  # only empty lines: still idle, its deadline running
             self._enter(Phase.HEAD)
-            self.head_started = time.perf_counter()
             if data[0] not in _TOKEN_BYTES:
                 self._fail(refusals.not_plain_http())
                 return

@@ -285,7 +285,9 @@ def test_an_address_or_a_name_of_this_machine_is_taken(monkeypatch, host):
         "https://app.example/ui",  # a path
         "https://app.example/",
         "https://a.example,https://app.example",  # two in one flag
-        "ftp://app.example",
+        "https://*.example.com",  # no wildcards
+        "http://a b",
+        "http://[fe80::1%25eth0]",
         "https://user@app.example",
         "https://",
         "https://app.example:99999",
@@ -311,6 +313,14 @@ def test_a_cors_origin_no_browser_could_send_is_refused_at_start(monkeypatch, ca
         ("http://localhost:80", "http://localhost"),
         ("http://localhost:3000", "http://localhost:3000"),
         ("HTTP://[::1]:8080", "http://[::1]:8080"),
+        ("http://[0:0:0:0:0:0:0:1]:3000", "http://[::1]:3000"),
+        ("http://127.1:3000", "http://127.0.0.1:3000"),
+        ("https://bücher.example", "https://xn--bcher-kva.example"),
+        # what file:// pages, extensions and app frameworks send: taken as they are
+        ("null", "null"),
+        ("chrome-extension://abcdefgh", "chrome-extension://abcdefgh"),
+        ("capacitor://localhost", "capacitor://localhost"),
+        ("app://.", "app://."),
         ("*", "*"),
     ],
 )
@@ -345,14 +355,19 @@ def test_a_whole_number_too_large_to_hold_is_refused(monkeypatch, capsys, option
 
 
 @pytest.mark.parametrize("variable", ["HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"])
-def test_a_negative_hub_timeout_is_refused_naming_its_variable(monkeypatch, capsys, variable):
-    """-5 stopped a start the cache could serve, with only "ValueError" to say why."""
+@pytest.mark.parametrize("value", ["-5", "9999999999"])
+def test_a_hub_timeout_the_client_cannot_hold_is_refused_naming_its_variable(
+    monkeypatch, capsys, variable, value
+):
+    """-5 stopped a start the cache could serve, with only "ValueError" to say why; 1e10
+    with "OverflowError"."""
     clear_environment(monkeypatch)
-    monkeypatch.setenv(variable, "-5")
+    monkeypatch.setenv(variable, value)
     with pytest.raises(SystemExit) as exit:
         parse_config([])
     assert exit.value.code == 2
-    assert f"{variable}='-5': not a whole number of seconds, 0 or more" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert f"{variable}={value!r}: not a whole number of seconds from 0 to 2147483647" in said
 
 
 def test_model_options_set_beside_a_handler_are_named_as_not_applying(monkeypatch):

@@ -7,6 +7,7 @@ import gzip
 import json
 import re
 import socket
+import time
 import zlib
 
 import h11
@@ -770,6 +771,25 @@ async def test_a_slowloris_dribbling_its_head_gets_408_at_the_head_deadline(time
     [(response, body)] = read_responses(transport.written)
     assert response.status_code == 408 and json.loads(body)["error_type"] == "request_timeout"
     assert transport.finished
+
+
+async def test_a_head_that_never_finishes_is_timed_from_its_own_first_bytes(timed, caplog):
+    """Its access line and Server-Timing said 0.2 ms (its time began at its 408), then,
+    for a head that came behind another request, that request's whole time too."""
+    app, protocol, transport, loop = timed
+    with caplog.at_level("INFO", logger="rawserve.access"):
+        protocol.data_received(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\nab")
+        time.sleep(0.3)  # the first request's time, not the second's
+        protocol.data_received(b"c" + b"GET /next HTTP/1.1\r\nHos")
+        await settle()
+        started = time.perf_counter()
+        time.sleep(0.2)  # the unfinished head's own time
+        loop.advance(10.5)  # past the head deadline
+        held = time.perf_counter() - started
+    first, refused = [record.getMessage() for record in caplog.records]
+    assert '"POST /" 200' in first and '"- -" 408' in refused, (first, refused)
+    logged = float(re.search(r" 408 \d+ ([\d.]+)ms", refused).group(1)) / 1000
+    assert 0.2 <= logged <= held + 0.05, (logged, held)
 
 
 async def test_a_body_that_stops_arriving_gets_408(timed):

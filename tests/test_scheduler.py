@@ -32,6 +32,7 @@ from rawserve.serving.driver import DELIVERY_SLICE, Scheduler
 from rawserve.serving.minima import REBUILD_SLACK, QueueMinima
 from rawserve.serving.refusals import Reason, Refusal, Refused, shutting_down
 from rawserve.serving.sequences import KEPT, SEEN_ENOUGH, STEPS_BESIDE
+from rawserve.serving.supervision import CRASHED_ALONE, TIMED_OUT
 from rawserve.shared.logs import REQUEST_ID
 from rawserve.shared.messages import (
     NO_CONTROL,
@@ -2295,3 +2296,36 @@ def test_a_pass_over_a_deep_queue_does_not_scan_it():
     assert decision.batches == [] and decision.expired == []
     assert decision.wake_at == 100.0  # the earliest deadline
     assert visited < 100 * 20  # a scan would read 8,000 a pass
+
+
+class Batches(Drops):
+    """The scheduler's metrics, as far as the batch histograms go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[tuple[int, float]] = []
+
+    def observe_batch(self, size: int, compute_seconds: float) -> None:
+        self.batches.append((size, compute_seconds))
+
+
+async def test_only_batches_run_to_their_end_as_sent_are_observed():
+    """The batch histograms (S(b), which --max-batch-size is sized from) held batches lost
+    with their worker, as model calls of 0 s, and the parts of one run again alone after,
+    as one call of their batch's size with their times summed."""
+    backend, batches = FakeBackend(), Batches()
+    scheduler = Scheduler(SchedulerCore(max_queue=8), backend, metrics=batches)
+    scheduler.start()
+    now = scheduler.clock()
+    for outputs, rerun in [
+        (("ok", "ok"), False),  # observed
+        ((TIMED_OUT, TIMED_OUT), False),  # lost with a worker that hung
+        (("ok", CRASHED_ALONE), True),  # one ran again alone, one crashed it alone
+        (("ok", "ok"), True),  # both ran again alone
+    ]:
+        task = asyncio.create_task(scheduler.run(["a", "b"], {}, now + 30))
+        await until(lambda: backend.calls and not backend.calls[-1][2].done())
+        _, _, future = backend.calls[-1]
+        future.set_result(BatchResult(len(backend.calls), outputs, 0.5, rerun=rerun))
+        await asyncio.gather(task, return_exceptions=True)
+    assert batches.batches == [(2, 0.5)]

@@ -111,9 +111,13 @@ class ServerTokenizer:
         over the bound, AnswerTooLarge for an answer over `max_answer_bytes`."""
         if sum(len(text) for text in texts) <= INLINE_LIMIT:
             return self._tokenize(texts, add_special_tokens, bound, max_answer_bytes)
-        body, tokens = await asyncio.to_thread(
-            self._tokenize_counted, texts, add_special_tokens, bound, max_answer_bytes
-        )
+        try:
+            body, tokens = await asyncio.to_thread(
+                self._tokenize_counted, texts, add_special_tokens, bound, max_answer_bytes
+            )
+        except (TooManyTokens, AnswerTooLarge):  # refused, maybe after much was made
+            await asyncio.to_thread(give_back_free_memory)
+            raise
         if tokens > TRIM_AFTER_TOKENS:  # their objects are gone now: give the pages back
             await asyncio.to_thread(give_back_free_memory)
         return body

@@ -9,13 +9,23 @@ Server process; plain functions of requests and responses, no I/O.
 
 from __future__ import annotations
 
+import ipaddress
 import re
+import socket
+import urllib.parse
 from collections.abc import Collection, Sequence
 
 from rawserve.http.errors import Forbidden, MethodNotAllowed
 from rawserve.http.exchange import HttpRequest, HttpResponse
 
 ANY_ORIGIN = "*"
+OPAQUE_ORIGIN = "null"  # what a file:// page or a sandboxed frame sends
+# where a browser leaves the port out of an Origin: the scheme's own
+DEFAULT_PORTS = {"http": 80, "https": 443}
+# an origin as allowed: a scheme (an extension's or an app's too), "://", and a host with
+# its port, nothing after
+_ORIGIN = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/?#@%\s]+")
+_HOST_NAME = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*\.?")
 PREFLIGHT_MAX_AGE = 600  # seconds a browser may cache a preflight's answer
 # response headers a page's script may read besides the CORS-safelisted ones: the request's id
 # and timing, when to come back or not (503, 429, 504), what a 401 asks for, what a 405 allows
@@ -29,6 +39,53 @@ VARY_ORIGIN = ("Vary", "Origin")
 # What a browser asks for in Access-Control-Request-Headers: header names, comma-separated
 _NAME = r"[-!#$%&'*+.^_`|~0-9a-zA-Z]+"  # RFC 9110's token
 _HEADER_NAMES = re.compile(rf"{_NAME}(?:[ \t]*,[ \t]*{_NAME})*")
+
+
+def browser_origin(text: str) -> str:
+    """An allowed origin (--cors-allow-origin) as a browser sends it in `Origin`, which is
+    compared as it is: for http and https in lower case, the host in ASCII (IDNA) and an
+    address in its usual form, with no port where it is the scheme's own; another
+    scheme's (an extension's, an app's: `chrome-extension://ID`, `capacitor://localhost`)
+    and `null` as given. ValueError for what no browser sends: it would match nothing,
+    every call from the page refused without a word why."""
+    if text in (ANY_ORIGIN, OPAQUE_ORIGIN):
+        return text
+    if not _ORIGIN.fullmatch(text):
+        raise ValueError("a scheme and a host, such as https://app.example (no path)")
+    scheme, _, authority = text.partition("://")
+    scheme = scheme.lower()
+    if scheme not in DEFAULT_PORTS:
+        return f"{scheme}://{authority}"
+    if "*" in authority:
+        raise ValueError("no wildcards: list each origin, or allow any with *")
+    try:
+        parts = urllib.parse.urlsplit(f"{scheme}://{authority}")
+        port, host = parts.port, parts.hostname or ""
+        host = _canonical_host(host)
+    except (ValueError, UnicodeError):
+        raise ValueError("a scheme and a host, such as https://app.example (no path)") from None
+    shown_port = "" if port is None or port == DEFAULT_PORTS[scheme] else f":{port}"
+    return f"{scheme}://{host}{shown_port}"
+
+
+def _canonical_host(host: str) -> str:
+    """`host` as a browser writes it: an IPv6 address compressed in brackets, an IPv4 one
+    in four decimal parts (`127.1` is 127.0.0.1), a name in lower-case ASCII."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:
+        return f"[{address.compressed}]" if address.version == 6 else str(address)
+    if re.fullmatch(r"[0-9a-fA-FxX.]+", host):
+        try:  # the shorthand forms an address may take (`127.1`, `0x7f.1`)
+            return socket.inet_ntoa(socket.inet_aton(host))
+        except OSError:
+            pass
+    name = host.encode("idna").decode("ascii").lower()
+    if not _HOST_NAME.fullmatch(name):
+        raise ValueError(f"{host!r} is not a host name")
+    return name
 
 
 class CorsPolicy:

@@ -289,9 +289,9 @@ def openai_error_response(exc: BaseException, request_id: str | None = None) -> 
 def openai_error_document(error: HTTPError) -> dict[str, Any]:
     """OpenAI's error object: `{"error": {"message", "type", "param", "code"}}`, the same
     status codes; `type` is one of OpenAI's documented kinds, `code` says more. Beside it,
-    TGI's `error_type` (`tgi_error`): TGI's client and InferenceClient call these routes
-    too and tell their errors apart by it alone (`ValidationError`, `OverloadedError`),
-    where OpenAI's clients read only `error`."""
+    TGI's `error_type` (`tgi_error`): TGI's client calls these routes too and tells its
+    errors apart by it alone (`ValidationError`, `OverloadedError`), as InferenceClient
+    does a stream's error event, where OpenAI's clients read only `error`."""
     if error.status >= 500:
         kind = "server_error"
     else:

@@ -538,11 +538,12 @@ class Scheduler:
         result: BatchResult = done.result()
         # a model call, whether or not anyone still waits for it; inputs refused as
         # poison (counted as dropped), not run again for nobody, or lost with a worker
-        # that crashed or hung were never computed (a lost batch's time is 0)
+        # that crashed or hung were never computed (a lost batch's time is 0); items run
+        # again alone after their batch was lost are no one call of their batch's size
         computed = sum(
             not any(output is lost for lost in NOT_COMPUTED) for output in result.outputs
         )
-        if self.metrics is not None and computed:
+        if self.metrics is not None and computed and not result.rerun:
             self.metrics.observe_batch(computed, result.compute_seconds)
         waited = any(_waits(item) for item in batch)
         if result.rerun:  # its time is a worker's restart as much as the model's

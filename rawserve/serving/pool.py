@@ -270,10 +270,13 @@ class WorkerPool(PoolReports):
         if not any(refused):
             self._send(worker, whole)
             return future
+        named = zip(request_ids, refused, strict=False)  # (a batch may name no requests)
+        refused_ids = list(dict.fromkeys(rid for rid, bad in named if bad and rid))
         log.warning(
             "refused %d input(s) that crashed or hung a worker before%s",
             sum(refused),
-            requests_named(rid for rid, bad in zip(request_ids, refused, strict=False) if bad),
+            requests_named(refused_ids),
+            extra={"request_id": refused_ids[0]} if len(refused_ids) == 1 else None,
         )
         if self.metrics is not None:
             self.metrics.drop("poison", sum(refused))
@@ -649,12 +652,13 @@ class WorkerPool(PoolReports):
         decision = self.supervisor.hung(Held(job.streamed, key), len(job.inputs))
         if decision is LostBatch.RETRY_ALONE:
             log.warning(
-                "worker %s: its %d items run again alone%s (one that hangs alone is refused "
-                "after %d such hangs)",
+                "worker %s: its %d items run again alone%s; one that hangs alone is refused "
+                "after %d such hangs",
                 worker.label,
                 len(job.inputs),
                 job_requests(job),
                 self.poison.strikes,
+                extra=request_named(job),
             )
             self._retry_alone(job, None)
             return
