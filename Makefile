@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 PIP_TORCH_ARGS ?=
 # the versions the test suite runs on (CONSTRAINTS=/dev/null: the newest pyproject allows)
 CONSTRAINTS ?= constraints.txt
-# the extras installed with rawserve (the Dockerfile installs only "image")
+# the extras installed with rawserve (the Dockerfile installs "onnx,image")
 EXTRAS ?= test,dev,onnx
 ARGS ?=
 PY := $(VENV)/bin/python

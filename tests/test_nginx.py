@@ -249,6 +249,35 @@ def test_traffic_is_spread_over_both_replicas(start_cluster):
     assert min(per_replica) >= 10, per_replica
 
 
+def post_raw(cluster: Cluster, body: bytes) -> tuple[int, dict[str, str], dict]:
+    """One POST of `body` through nginx: its status, headers and JSON document."""
+    connection = http.client.HTTPConnection("127.0.0.1", cluster.nginx.port, timeout=30)
+    try:
+        connection.request("POST", "/", body, {"Content-Type": "text/plain"})
+        response = connection.getresponse()
+        return response.status, dict(response.getheaders()), json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def test_nginxs_own_errors_are_json_and_rawserves_413_reaches_the_client(start_cluster):
+    """Through this file, a body just past rawserve's --max-body-bytes got nginx's HTML
+    413 (rawserve's JSON one, naming the option, never reached a client), and no replica
+    reachable was nginx's HTML 502: clients that read JSON (openai, TEI's, TGI's) failed
+    on the page."""
+    cluster = start_cluster()
+    status, _, body = post_raw(cluster, b"x" * (1536 * 1024))  # past 1 MiB: rawserve's
+    assert status == 413 and "--max-body-bytes" in body["error"], body
+    status, headers, body = post_raw(cluster, b"x" * (3 * 1024 * 1024))  # nginx's
+    assert status == 413 and body["error_type"] == "payload_too_large", body
+    assert headers["X-Request-Id"]
+    for replica in cluster.replicas:
+        replica.stop()
+    status, headers, body = post_raw(cluster, b"hello")
+    assert status == 503 and body["error_type"] == "unavailable", body
+    assert headers["Retry-After"] == "1" and headers["X-Request-Id"]
+
+
 def test_a_503_with_retry_after_from_an_overloaded_replica_is_retried_on_the_other(
     start_cluster,
 ):
