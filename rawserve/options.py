@@ -238,7 +238,8 @@ OPTIONS = [
         "--write-timeout",
         float,
         30.0,
-        "seconds a client may go without reading its answer before it is cut off",
+        "seconds an answer may wait for room to be written (its client reads slower than "
+        "it comes, or not at all) before the connection is cut",
     ),
     Option(
         "--api-key",

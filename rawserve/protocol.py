@@ -201,14 +201,16 @@ class HttpProtocol(asyncio.Protocol):
             self.timer.set(delay)
 
     def _on_write_timeout(self) -> None:
-        """The client has read nothing of its answer for `write_timeout` seconds: drop
-        what waits to be written (closing would wait for it) and the connection. The line
-        says how much of the answers was never sent (their access lines, written as
-        they were queued, give their whole size) and names the last one."""
+        """The answers found no room to be written for `write_timeout` seconds (the client
+        reads slower than they come, or not at all): drop what waits to be written
+        (closing would wait for it) and the connection. The line says how much of the
+        answers was never sent (their access lines, written as they were queued, give
+        their whole size) and names the last one."""
         unsent = self.transport.get_write_buffer_size() if self.transport is not None else 0
         self.unsent = unsent
         log.info(
-            "closing a connection from %s: it read nothing for %.0f s (--write-timeout); "
+            "closing a connection from %s: its answers waited %.0f s for room to be written "
+            "(--write-timeout: it reads slower than they come, or not at all); "
             "%d bytes of its answers were not sent (the last: request %s)",
             _peer(self.transport),
             self.settings.write_timeout,

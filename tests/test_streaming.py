@@ -21,6 +21,7 @@ from rawserve.api.streaming import (
 )
 from rawserve.http.errors import ServiceUnavailable
 from rawserve.http.exchange import HttpRequest
+from rawserve.protocol import _close_stream
 from rawserve.serving.face import ItemResult, Reason, Refused
 from rawserve.serving.service import ModelService
 from rawserve.serving.status import LoadState
@@ -386,6 +387,20 @@ async def test_a_stream_waiting_for_its_first_token_is_sent_keep_alive_comments(
     assert events[-1]["generated_text"] == " a b"
 
 
+async def test_a_stream_that_waited_one_interval_goes_out_with_its_first_comment():
+    """Its head went out alone after one interval and the first comment after a second
+    one: a proxy's read timeout of 1.5 intervals cut it."""
+    executor = FakeExecutor()
+    scheduler = Gated(executor, [" a"], {"generated_text": " a", "details": {}})
+    model = ServedModel("tiny-gpt", ModelService(scheduler, executor))
+    loop = asyncio.get_running_loop()
+    response = await open_token_stream(model, "hello", {}, deadline=1e9, keepalive=2.0)
+    headed = loop.time()  # (its head goes as the response is returned)
+    assert await anext(response.stream) == KEEP_ALIVE
+    assert loop.time() - headed < 1.0  # with the head, not another interval later
+    await response.stream.aclose()
+
+
 async def test_an_error_after_keep_alive_comments_is_an_error_event():
     executor = FakeExecutor()
     full = Refused.because(Reason.QUEUE_FULL, "server busy: queue full", 3.0)
@@ -405,7 +420,7 @@ async def test_a_client_leaving_during_keep_alive_comments_withdraws_its_request
     scheduler = Gated(executor, [" a"], {"generated_text": " a", "details": {}})
     response = await open_waiting_stream(scheduler, executor)
     assert await anext(response.stream) == KEEP_ALIVE
-    await response.stream.aclose()  # what the protocol does when the client leaves
+    await _close_stream(response)  # what the protocol does when the client leaves
     assert executor.closed == [1]
     await asyncio.wait_for(scheduler.cancelled.wait(), 5)
 

@@ -309,26 +309,32 @@ def event_stream(
         for stream in streams:
             stream.close()
 
+    # a first token that did not come within the interval: the head goes with a comment
+    # (else the first came only after a second interval of silence)
+    waited = bool(streams) and not streams[0].started
     return HttpResponse(
         200,
         # X-Accel-Buffering: nginx passes each event on as it comes, even where its
         # configuration buffers proxied answers (its default)
         headers=[("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")],
         content_type="text/event-stream",
-        stream=events if keepalive is None else kept_alive(events, keepalive),
+        stream=events if keepalive is None else kept_alive(events, keepalive, waited),
         on_stream_close=close,
     )
 
 
 async def kept_alive(
-    events: AsyncGenerator[bytes, None], interval: float
+    events: AsyncGenerator[bytes, None], interval: float, waited: bool = False
 ) -> AsyncGenerator[bytes, None]:
-    """`events`, with `KEEP_ALIVE` after every `interval` seconds none came."""
+    """`events`, with `KEEP_ALIVE` after every `interval` seconds none came, and first
+    where the stream `waited` one interval already."""
     silence = Silence(interval)
     following: asyncio.Future[bytes] | None = None
     try:
+        following = asyncio.ensure_future(events.__anext__())
+        if waited:
+            yield KEEP_ALIVE
         while True:
-            following = asyncio.ensure_future(events.__anext__())
             while not await silence.outwait(following):
                 yield KEEP_ALIVE
             try:
@@ -336,6 +342,7 @@ async def kept_alive(
             except StopAsyncIteration:
                 return
             yield event
+            following = asyncio.ensure_future(events.__anext__())
     finally:  # the client left (or the events failed): the events are closed too
         silence.end()
         if following is not None:
