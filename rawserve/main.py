@@ -502,11 +502,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def stopping_at_once() -> Iterator[None]:
-    """SIGTERM and SIGINT exit at once (code 1), saying so, while the models are found:
-    huggingface_hub downloads on threads of its own, and an interrupt raised in this
-    thread waited for them to end the files under way (a model's weights: minutes, past a
-    container's grace), then exited without a word. Nothing else runs yet: no worker,
-    and a file left half-downloaded goes on from where it was at the next start."""
+    """SIGTERM, SIGINT and SIGHUP exit at once (code 1), saying so, while the models are
+    found: huggingface_hub downloads on threads of its own, and an interrupt raised in
+    this thread waited for them to end the files under way (a model's weights: minutes,
+    past a container's grace), then exited without a word (SIGHUP killed it silently).
+    Nothing else runs yet: no worker. A file left half-downloaded stays in the cache's
+    `blobs/` as `*.incomplete` (huggingface_hub names each try apart): the next start
+    downloads it whole."""
 
     def stop(signum: int, frame: Any) -> None:
         log.warning("%s received while the models were being found: stopped",
@@ -514,7 +516,8 @@ def stopping_at_once() -> Iterator[None]:
         log_writer.wait_written(0.5)  # os._exit skips the exit hook that writes them
         os._exit(1)
 
-    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
+    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, stop) for signum in stops}
     try:
         yield
     finally:

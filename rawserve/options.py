@@ -474,10 +474,10 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     # One fixed order of checks: a command line with several mistakes is told the first.
     for variable in HUB_SECONDS_VARIABLES:
         if (text := os.environ.get(variable)) is not None and not (
-            whole_number(text) and 0 <= int(text) <= MAX_HUB_SECONDS
+            whole_number(text) and 1 <= int(text) <= MAX_HUB_SECONDS
         ):
             parser.error(
-                f"{variable}={text!r}: not a whole number of seconds from 0 to {MAX_HUB_SECONDS}"
+                f"{variable}={text!r}: not a whole number of seconds from 1 to {MAX_HUB_SECONDS}"
             )
     models = flags_or_variable(args.model, "RAWSERVE_MODEL")
     origins = flags_or_variable(args.cors_allow_origin, "RAWSERVE_CORS_ALLOW_ORIGIN")

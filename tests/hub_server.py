@@ -57,12 +57,16 @@ class FakeHub:
         revoked: frozenset[str] = frozenset(),
         failing: int | None = None,
         trickle: float = 0.0,
+        changed: int = 0,
+        missing: frozenset[str] = frozenset(),
     ):
         self.repos = {repo.repo_id: repo for repo in repos}
         self.cut_downloads = cut_downloads
         self.trickle = trickle  # seconds between a "CDN" answer's KiB: a slow network
         self.revoked = revoked  # tokens the Hub refuses on every request (401)
         self.failing = failing  # a status every request gets (the Hub down or overloaded)
+        self.changed = changed  # "CDN" answers sent with their last byte changed (a proxy's)
+        self.missing = missing  # files the repo lists whose download is 404
         self.requests: list[Seen] = []
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
@@ -172,6 +176,11 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(reply.body[: len(reply.body) // 3])
                 self.close_connection = True
                 return
+            if hub.changed and self.path.startswith(CDN_PREFIX) and reply.body:
+                with hub._lock:
+                    hub.changed -= 1
+                self.wfile.write(reply.body[:-1] + bytes([reply.body[-1] ^ 1]))
+                return
             if hub.trickle and self.path.startswith(CDN_PREFIX):
                 for start in range(0, len(reply.body), 1024):
                     self.wfile.write(reply.body[start : start + 1024])
@@ -236,7 +245,7 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if commit is None:
                 return hub_error(404, "RevisionNotFound", "Invalid rev id: " + revision)
             content = repo.commits[commit].get(name)
-            if content is None:
+            if content is None or name in hub.missing:
                 return hub_error(404, "EntryNotFound", "Entry not found", commit)
             tag = etag(name, content)
             if is_lfs(name):  # weights: a redirect to the "CDN", another origin

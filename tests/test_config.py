@@ -432,7 +432,7 @@ def test_a_hub_variable_huggingface_hub_cannot_read_is_one_line_not_its_tracebac
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr == (
-        "rawserve: error: HF_HUB_ETAG_TIMEOUT='abc': not a whole number of seconds from 0 "
+        "rawserve: error: HF_HUB_ETAG_TIMEOUT='abc': not a whole number of seconds from 1 "
         "to 2147483647\n"
     )
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from rawserve.models.hub import NOT_NEEDED, PICKLED_WEIGHTS, ModelNotFound, files_to_skip
+from rawserve.models.hub_integrity import hashes_to_its_name
 from rawserve.models.names import ModelNameError, ModelSpec, default_names, parse_model_spec
 from rawserve.models.plan import plan_models
 from tests.hub_cache import HubRepo, write_hub_cache
@@ -774,6 +775,31 @@ def test_a_network_that_drops_mid_download_is_one_line_and_each_retry_one_log_li
     # written a second time bare (which would break --log-format json)
     retries = [text for text in result.stderr.splitlines() if "Error while downloading" in text]
     assert retries and all(text.startswith("huggingface_hub.") for text in retries)
+
+
+@pytest.mark.parametrize(("changed", "served"), [(1, True), (2, False)])
+def test_a_download_whose_bytes_differ_from_its_hash_is_never_served(tmp_path, changed, served):
+    """huggingface_hub checks sizes only: weights with one byte changed on the way were
+    kept in the cache and served, answering wrong at every start after. Downloaded
+    again once; changed twice, the start stops and the cache keeps no such blob."""
+    with FakeHub([make_repo()], changed=changed) as hub:
+        result = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint)
+    assert "model.safetensors did not match the hash the Hub named" in result.stderr
+    if served:
+        folder = resolved(result)
+        assert (folder / "model.safetensors").read_bytes() == FILES["model.safetensors"]
+    else:
+        line = one_error_line(result)
+        assert "downloaded twice" in line and "HF_ENDPOINT" in line
+        blobs = list((tmp_path / "hub").rglob("blobs/*"))
+        assert blobs and all(hashes_to_its_name(blob) for blob in blobs)
+
+
+def test_a_listed_file_the_hub_does_not_serve_is_named(tmp_path):
+    """Its 404 read "the Hub answered 404 for org/tiny", as though the repo were missing."""
+    with FakeHub([make_repo()], missing=frozenset({"tokenizer.json"})) as hub:
+        line = one_error_line(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint))
+    assert "the Hub has no tokenizer.json in org/tiny" in line, line
 
 
 def test_a_partly_downloaded_snapshot_is_named_as_such(tmp_path):

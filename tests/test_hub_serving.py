@@ -149,7 +149,7 @@ def test_download_only_fills_the_cache_and_exits(tmp_path, repo):
     assert "listening" not in result.stderr  # nothing was served
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_stop_during_a_download_exits_at_once_saying_so(tmp_path, repo, stop):
     """huggingface_hub downloads on threads of its own: the exit waited for the file under
     way (a model's weights: minutes, past a container's grace), then said nothing."""

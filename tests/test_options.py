@@ -355,7 +355,7 @@ def test_a_whole_number_too_large_to_hold_is_refused(monkeypatch, capsys, option
 
 
 @pytest.mark.parametrize("variable", ["HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"])
-@pytest.mark.parametrize("value", ["-5", "9999999999"])
+@pytest.mark.parametrize("value", ["-5", "0", "9999999999"])
 def test_a_hub_timeout_the_client_cannot_hold_is_refused_naming_its_variable(
     monkeypatch, capsys, variable, value
 ):
@@ -367,7 +367,7 @@ def test_a_hub_timeout_the_client_cannot_hold_is_refused_naming_its_variable(
         parse_config([])
     assert exit.value.code == 2
     said = capsys.readouterr().err
-    assert f"{variable}={value!r}: not a whole number of seconds from 0 to 2147483647" in said
+    assert f"{variable}={value!r}: not a whole number of seconds from 1 to 2147483647" in said
 
 
 def test_model_options_set_beside_a_handler_are_named_as_not_applying(monkeypatch):

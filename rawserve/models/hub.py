@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import httpx2
 from huggingface_hub.errors import (
@@ -41,6 +42,7 @@ from huggingface_hub.errors import (
     IncompleteSnapshotError,
     LocalEntryNotFoundError,
     OfflineModeIsEnabled,
+    RemoteEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
@@ -48,6 +50,7 @@ from huggingface_hub.utils import validate_repo_id
 from tqdm.std import tqdm
 
 from rawserve.models.folder import SHIPPED_GRAPH, SHIPPED_GRAPH_DATA, TORCH_WEIGHTS
+from rawserve.models.hub_integrity import changed_downloads
 from rawserve.models.names import ModelSpec, default_names
 from rawserve.shared.logs import first_line
 
@@ -129,17 +132,38 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
     hub_logs_through_ours()
     hub_requests_time_out()
     started = time.monotonic()
+    since = time.time() - 1.0  # blobs written from here on are this start's downloads
     try:
         asked = cached_commit(repo_id, revision)  # the user's words stay in the messages
         files = repo_files(repo_id, asked)
-        folder = snapshot_download(
-            repo_id,
-            revision=asked,
-            ignore_patterns=files_to_skip(files),
-            tqdm_class=LoggedProgress,
-        )
+
+        def download() -> str:
+            return snapshot_download(
+                repo_id,
+                revision=asked,
+                ignore_patterns=files_to_skip(files),
+                tqdm_class=LoggedProgress,
+            )
+
+        folder = download()
+        changed = changed_downloads(Path(folder), since)
+        if changed:  # deleted: downloaded again, once
+            log.warning(
+                "model %s: %s did not match the hash the Hub named (changed on the way): "
+                "downloading again",
+                at,
+                ", ".join(changed),
+            )
+            folder = download()
+            changed = changed_downloads(Path(folder), since)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one line (below)
         raise ModelNotFound(explain(exc, repo_id, revision)) from exc
+    if changed:
+        raise ModelNotFound(
+            f"{at}: {', '.join(changed)} did not match the hash the Hub named, downloaded "
+            "twice (a proxy or the network on the way changes it): deleted from the cache; "
+            "check the way to HF_ENDPOINT"
+        )
     commit = Path(folder).name
     log.info(
         "model %s: commit %s in %s (%.1f s)",
@@ -305,6 +329,11 @@ def explain(exc: BaseException, repo_id: str, revision: str | None) -> str:
         )
     if isinstance(exc, RevisionNotFoundError):
         return f"the Hub repo {repo_id} has no revision {revision!r} (a branch, tag or commit)"
+    if isinstance(exc, RemoteEntryNotFoundError) and exc.response is not None:
+        # (it read as though the repo were missing, naming no file)
+        _, resolved, rest = str(exc.response.url.path).partition("/resolve/")
+        name = unquote(rest.split("/", 1)[-1]) if resolved else "a file"
+        return f"the Hub has no {name} in {at}, which lists it: try again, or pin a commit"
     if isinstance(exc, DisabledRepoError):
         return f"the Hub repo {repo_id} is disabled"
     if isinstance(exc, RepositoryNotFoundError):

@@ -1,0 +1,58 @@
+"""Whether the files a start downloaded from the Hub are the bytes the Hub named.
+
+huggingface_hub checks a download's size, not its bytes: a proxy, a disk or a network
+that changed one byte of a weights file made a model that loaded and answered wrong, and
+the cache kept it for every later start. The Hub names each file's blob by a hash of it
+(an LFS file's sha256, another file's git blob id), so a blob written by this start is
+hashed against its own name. Blobs named otherwise (a mirror's other ETags) have nothing
+to be checked against and pass.
+
+Server process, before any worker starts; standard library only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+CHUNK = 1 << 20  # bytes hashed at a time
+
+
+def changed_downloads(snapshot: Path, since: float) -> list[str]:
+    """The files of `snapshot` whose blob was written at `since` (a `time.time()`) or
+    later and does not hash to its name, each deleted with its link, so that the next
+    download writes it again (huggingface_hub takes a blob that is there as done)."""
+    changed = []
+    for link in sorted(snapshot.rglob("*")):
+        if not link.is_symlink():
+            continue
+        blob = link.resolve()
+        try:
+            written = blob.stat().st_mtime
+        except OSError:
+            continue
+        if written >= since and not hashes_to_its_name(blob):
+            changed.append(link.relative_to(snapshot).as_posix())
+            blob.unlink(missing_ok=True)
+            link.unlink(missing_ok=True)
+    return changed
+
+
+def hashes_to_its_name(blob: Path) -> bool:
+    """Whether the blob's bytes hash to its file name: a sha256 (64 hex digits), or a git
+    blob id or a plain sha1 (40: a mirror may name files by the latter); True for a name
+    of another form."""
+    name = blob.name.lower()
+    if len(name) not in (40, 64) or any(c not in "0123456789abcdef" for c in name):
+        return True
+    if len(name) == 64:
+        return _digest(blob, hashlib.sha256()) == name
+    git = hashlib.sha1(b"blob %d\0" % blob.stat().st_size, usedforsecurity=False)
+    return name in (_digest(blob, git), _digest(blob, hashlib.sha1(usedforsecurity=False)))
+
+
+def _digest(blob: Path, digest: hashlib._Hash) -> str:
+    with open(blob, "rb") as bytes_in:
+        while chunk := bytes_in.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
