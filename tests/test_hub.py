@@ -802,6 +802,30 @@ def test_a_listed_file_the_hub_does_not_serve_is_named(tmp_path):
     assert "the Hub has no tokenizer.json in org/tiny" in line, line
 
 
+def test_a_branch_whose_new_commit_is_partly_cached_serves_its_whole_earlier_snapshot(
+    tmp_path,
+):
+    """huggingface_hub moves the ref before it downloads: main moved on, its new commit's
+    download stopped, left every later start the Hub could not serve failing ("only
+    partly in the Hub cache"), the earlier snapshot whole beside it."""
+    with FakeHub([make_repo()]) as hub:
+        earlier = resolved(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint))
+    storage = tmp_path / "hub" / "models--org--tiny"
+    moved_on = "f" * 40
+    (storage / "refs" / "main").write_text(moved_on)
+    (storage / "snapshots" / moved_on).mkdir()
+    (storage / "snapshots" / moved_on / "config.json").symlink_to(earlier / "config.json")
+    # (its listing is written before its files, as the first look at the new commit did)
+    listing = (storage / "trees" / f"{earlier.name}.json").read_text()
+    (storage / "trees" / f"{moved_on}.json").write_text(listing)
+    result = run_resolve("org/tiny", tmp_path, HF_HUB_OFFLINE="1")
+    assert resolved(result) == earlier
+    assert f"serving the whole earlier snapshot {earlier.name}" in result.stderr
+    # a commit asked for by its id: nothing else stands in for it
+    line = one_error_line(run_resolve(f"org/tiny@{moved_on}", tmp_path, HF_HUB_OFFLINE="1"))
+    assert f"org/tiny@{moved_on} is not in the Hub cache" in line
+
+
 def test_a_partly_downloaded_snapshot_is_named_as_such(tmp_path):
     with FakeHub([make_repo()]) as hub:
         folder = resolved(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint))

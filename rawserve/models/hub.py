@@ -77,6 +77,7 @@ SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 PROGRESS_SECONDS = 5.0  # a download logs a progress line this often
 # a commit as `git log --oneline` and the Hub's pages show it: its first hex digits
 SHORT_COMMIT = re.compile(r"[0-9a-f]{7,39}")
+COMMIT = re.compile(r"[0-9a-f]{7,40}")  # a commit's id, whole or short
 
 
 class ModelNotFound(Exception):
@@ -133,6 +134,8 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
     hub_requests_time_out()
     started = time.monotonic()
     since = time.time() - 1.0  # blobs written from here on are this start's downloads
+    changed: list[str] = []
+    files: list[str] | None = None
     try:
         asked = cached_commit(repo_id, revision)  # the user's words stay in the messages
         files = repo_files(repo_id, asked)
@@ -157,7 +160,18 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
             folder = download()
             changed = changed_downloads(Path(folder), since)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one line (below)
-        raise ModelNotFound(explain(exc, repo_id, revision)) from exc
+        earlier = None
+        if isinstance(exc, LocalEntryNotFoundError) and not pinned(revision):
+            earlier = earlier_whole_snapshot(repo_id, revision)
+        if earlier is None:
+            raise ModelNotFound(explain(exc, repo_id, revision)) from exc
+        log.warning(
+            "model %s: %s; serving the whole earlier snapshot %s, found in the cache",
+            at,
+            explain(exc, repo_id, revision),
+            earlier.name,
+        )
+        folder, files = str(earlier), cached_files(repo_id, earlier.name)
     if changed:
         raise ModelNotFound(
             f"{at}: {', '.join(changed)} did not match the hash the Hub named, downloaded "
@@ -223,6 +237,48 @@ def only_shipped_graph(resolved: ResolvedModel) -> bool:
     else:
         files = set(resolved.files)
     return SHIPPED_GRAPH in files and not files.intersection(TORCH_WEIGHTS)
+
+
+def pinned(revision: str | None) -> bool:
+    """Whether `revision` names a commit (which nothing else may stand in for)."""
+    return revision is not None and bool(COMMIT.fullmatch(revision))
+
+
+def earlier_whole_snapshot(repo_id: str, revision: str | None) -> Path | None:
+    """The newest snapshot of `repo_id` in the cache, other than the one `revision` (a
+    branch or tag; None: main) names now, that holds every file a download of it fetches.
+    huggingface_hub moves the ref before it downloads the files: a branch that moved on,
+    its new commit's download stopped or failed, left every later start that the Hub
+    could not serve failing, its earlier snapshot whole in the cache."""
+    from huggingface_hub import constants  # (here: see the module's docstring)
+    from huggingface_hub.file_download import repo_folder_name
+
+    storage = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
+    ref = storage / "refs" / (revision or "main")
+    now = ref.read_text().strip() if ref.is_file() else None
+    snapshots = [s for s in (storage / "snapshots").glob("*") if s.is_dir() and s.name != now]
+    for snapshot in sorted(snapshots, key=lambda s: s.stat().st_mtime, reverse=True):
+        files = cached_files(repo_id, snapshot.name)
+        if files is not None and all((snapshot / name).exists() for name in fetched(files)):
+            return snapshot
+    return None
+
+
+def cached_files(repo_id: str, commit: str) -> list[str] | None:
+    """The file names of `commit` as its download listed them in the cache; None unknown."""
+    from huggingface_hub import get_cached_repo_tree  # (here: see the module's docstring)
+
+    try:
+        return [entry.path for entry in get_cached_repo_tree(repo_id, revision=commit)]
+    except CachedRepoTreeNotFoundError:
+        return None
+
+
+def fetched(files: Sequence[str]) -> list[str]:
+    """Those of the repo's `files` that a download fetches (`files_to_skip`)."""
+    from huggingface_hub.utils import filter_repo_objects  # (see the module's docstring)
+
+    return list(filter_repo_objects(files, ignore_patterns=files_to_skip(files)))
 
 
 def cached_commit(repo_id: str, revision: str | None) -> str | None:
