@@ -82,8 +82,13 @@ class Option:
     repeatable: bool = False  # given several times; its variable is a comma-separated list
 
     @property
+    def dest(self) -> str:
+        """Its name on argparse's namespace."""
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    @property
     def env(self) -> str:
-        return "RAWSERVE_" + self.flag.removeprefix("--").replace("-", "_").upper()
+        return "RAWSERVE_" + self.dest.upper()
 
 
 MODEL_HELP = (
@@ -640,7 +645,7 @@ def check_values(
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     for option in OPTIONS:  # (larger: /info's JSON and the batch code could not hold it)
-        value = getattr(args, option.flag.removeprefix("--").replace("-", "_"))
+        value = getattr(args, option.dest)
         if option.type is int and value is not None and value > MAX_WHOLE_NUMBER:
             parser.error(f"{option.flag} must be at most {MAX_WHOLE_NUMBER}")
     if args.threads is not None and args.threads > cores.cores:

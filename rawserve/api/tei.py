@@ -363,7 +363,11 @@ class TeiRoutes:
                 texts, add_special_tokens, bound, self.settings.max_answer_bytes
             )
         except TooManyTokens:
-            of_one = "" if len(texts) == 1 else " of a list (one text alone: up to 32,768)"
+            of_one = (
+                ""
+                if len(texts) == 1
+                else f" of a list (one text alone: up to {MAX_LISTED_TOKENS:,})"
+            )
             raise UnprocessableInput(
                 f"an input has more than {bound.max_tokens} tokens, the most /tokenize lists"
                 f'{of_one}: send shorter text, or "truncate": true to cut it to what the model '

@@ -264,12 +264,13 @@ def earlier_whole_snapshot(repo_id: str, revision: str | None) -> Path | None:
     return None
 
 
-def cached_files(repo_id: str, commit: str) -> list[str] | None:
-    """The file names of `commit` as its download listed them in the cache; None unknown."""
+def cached_files(repo_id: str, revision: str | None) -> list[str] | None:
+    """The file names at `revision` as its download listed them in the cache; None
+    unknown."""
     from huggingface_hub import get_cached_repo_tree  # (here: see the module's docstring)
 
     try:
-        return [entry.path for entry in get_cached_repo_tree(repo_id, revision=commit)]
+        return [entry.path for entry in get_cached_repo_tree(repo_id, revision=revision)]
     except CachedRepoTreeNotFoundError:
         return None
 
@@ -333,7 +334,7 @@ def bounded_waits(request: httpx2.Request) -> None:
 def repo_files(repo_id: str, revision: str | None) -> list[str] | None:
     """The repo's file names at `revision`: from the Hub, else from the listing cached
     by an earlier download (offline), else None (unknown: nothing is skipped by name)."""
-    from huggingface_hub import HfApi, constants, get_cached_repo_tree  # (see the docstring)
+    from huggingface_hub import HfApi, constants  # (here: see the module's docstring)
 
     if not constants.is_offline_mode():
         try:
@@ -354,10 +355,7 @@ def repo_files(repo_id: str, revision: str | None) -> list[str] | None:
                     repo_id,
                     status,
                 )
-    try:
-        return [entry.path for entry in get_cached_repo_tree(repo_id, revision=revision)]
-    except CachedRepoTreeNotFoundError:
-        return None
+    return cached_files(repo_id, revision)
 
 
 def files_to_skip(files: Sequence[str] | None) -> list[str]:

@@ -46,13 +46,15 @@ def hashes_to_its_name(blob: Path) -> bool:
     if len(name) not in (40, 64) or any(c not in "0123456789abcdef" for c in name):
         return True
     if len(name) == 64:
-        return _digest(blob, hashlib.sha256()) == name
+        return name in _digests(blob, hashlib.sha256())
     git = hashlib.sha1(b"blob %d\0" % blob.stat().st_size, usedforsecurity=False)
-    return name in (_digest(blob, git), _digest(blob, hashlib.sha1(usedforsecurity=False)))
+    return name in _digests(blob, git, hashlib.sha1(usedforsecurity=False))
 
 
-def _digest(blob: Path, digest: hashlib._Hash) -> str:
+def _digests(blob: Path, *digests: hashlib._Hash) -> list[str]:
+    """The blob's hex digests, read once."""
     with open(blob, "rb") as bytes_in:
         while chunk := bytes_in.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+            for digest in digests:
+                digest.update(chunk)
+    return [digest.hexdigest() for digest in digests]

@@ -35,7 +35,7 @@ import multiprocessing
 import signal
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -271,12 +271,12 @@ class WorkerPool(PoolReports):
             self._send(worker, whole)
             return future
         named = zip(request_ids, refused, strict=False)  # (a batch may name no requests)
-        refused_ids = list(dict.fromkeys(rid for rid, bad in named if bad and rid))
+        refused_ids = [request for request, bad in named if bad]
         log.warning(
             "refused %d input(s) that crashed or hung a worker before%s",
             sum(refused),
             requests_named(refused_ids),
-            extra={"request_id": refused_ids[0]} if len(refused_ids) == 1 else None,
+            extra=request_field(refused_ids),
         )
         if self.metrics is not None:
             self.metrics.drop("poison", sum(refused))
@@ -1033,7 +1033,12 @@ def job_requests(job: Job | None) -> str:
 
 def request_named(job: Job | None) -> dict[str, str] | None:
     """A JSON line's `request_id` field, where the batch is one request's."""
-    ids = {request for request in job.request_ids if request} if job else set()
+    return request_field(job.request_ids if job else ())
+
+
+def request_field(request_ids: Iterable[str]) -> dict[str, str] | None:
+    """A JSON line's `request_id` field, where `request_ids` name one request."""
+    ids = {request for request in request_ids if request}
     return {"request_id": ids.pop()} if len(ids) == 1 else None
 
 
