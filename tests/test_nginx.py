@@ -44,6 +44,7 @@ NGINX = find_nginx()
 DEPLOYED_CONFIG = Path(REPO_ROOT) / "deploy" / "nginx.conf"
 UPSTREAM_SERVER = re.compile(r"^(\s*)server 10\.0\.0\.\d+:8000( [^;]*)?;\n", re.MULTILINE)
 LISTEN = re.compile(r"^(\s*)listen 8080;", re.MULTILINE)
+ACCESS_LOG = re.compile(r"(access_log )/var/log/nginx/\S+")
 START_TIMEOUT = 15.0
 LOAD_TIME_LIMIT = 60.0
 
@@ -62,7 +63,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def site_config(replica_ports: list[int], listen_port: int) -> str:
+def site_config(replica_ports: list[int], listen_port: int, access_log: Path) -> str:
     """deploy/nginx.conf with its example addresses replaced by loopback ones."""
     text = DEPLOYED_CONFIG.read_text()
     servers = UPSTREAM_SERVER.findall(text)
@@ -73,6 +74,8 @@ def site_config(replica_ports: list[int], listen_port: int) -> str:
     text = UPSTREAM_SERVER.sub(lambda _: replicas, text, count=1)
     text, listens = LISTEN.subn(rf"\1listen 127.0.0.1:{listen_port};", text)
     assert listens == 1
+    text, logs = ACCESS_LOG.subn(lambda m: f"{m[1]}{access_log}", text)
+    assert logs == 1
     return text
 
 
@@ -105,7 +108,8 @@ class Nginx:
         self.root = root
         self.port = free_port()
         site = root / "rawserve.conf"
-        site.write_text(site_config(replica_ports, self.port))
+        self.access_log = root / "access.log"
+        site.write_text(site_config(replica_ports, self.port, self.access_log))
         self.config = root / "nginx.conf"
         self.config.write_text(main_config(root, site))
         self.command = [NGINX, "-p", str(root), "-c", str(self.config), "-e", str(root / "err")]
@@ -276,6 +280,35 @@ def test_nginxs_own_errors_are_json_and_rawserves_413_reaches_the_client(start_c
     status, headers, body = post_raw(cluster, b"hello")
     assert status == 503 and body["error_type"] == "unavailable", body
     assert headers["Retry-After"] == "1" and headers["X-Request-Id"]
+
+
+def test_nginx_and_rawserve_log_one_id_for_each_request(start_cluster):
+    """This file passed a client's X-Request-Id on as sent; rawserve refuses one with a
+    space or past 128 characters and logs an id of its own, so nginx's log and
+    rawserve's named the request differently."""
+    cluster = start_cluster()
+    given_ids = ["client-id-1", "a b", "x" * 129, "x" * 128]
+    echoed = []
+    for given in given_ids:
+        connection = http.client.HTTPConnection("127.0.0.1", cluster.nginx.port, timeout=30)
+        try:
+            connection.request("POST", "/", b"hi", {"X-Request-Id": given})
+            response = connection.getresponse()
+            response.read()
+            assert response.status == 200
+            echoed.append(response.getheader("X-Request-Id"))
+        finally:
+            connection.close()
+    assert echoed[0] == "client-id-1" and echoed[3] == "x" * 128
+    assert all(re.fullmatch(r"[0-9a-f]{32}", id_) for id_ in echoed[1:3]), echoed
+    logged_by_nginx = re.findall(r" id=(\S+) ", cluster.nginx.access_log.read_text())
+    assert logged_by_nginx == echoed
+
+    def logged_by_rawserve(id_: str) -> bool:  # a line is logged just after its answer
+        return any(id_ in line for r in cluster.replicas for line in r.read_log())
+
+    for id_ in echoed:
+        wait_until(lambda id_=id_: logged_by_rawserve(id_), timeout=10)
 
 
 def test_a_503_with_retry_after_from_an_overloaded_replica_is_retried_on_the_other(
