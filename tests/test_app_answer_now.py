@@ -52,7 +52,8 @@ class Workers(FakeBackend):
 
 
 def request(method: str, path: str, body: bytes = b"", headers=()) -> HttpRequest:
-    return HttpRequest(method, path, "", list(headers), body, request_id="test")
+    path, _, query = path.partition("?")
+    return HttpRequest(method, path, query, list(headers), body, request_id="test")
 
 
 @pytest.fixture
@@ -69,6 +70,40 @@ def test_probes_are_answered_at_once(app):
     assert ready.status == 200 and json.loads(ready.body)["task"] == "text-classification"
     app.start_draining()
     assert app.answer_now(request("HEAD", "/ready")).status == 503
+
+
+def test_ready_with_full_ok_counts_a_full_queue_as_ready():
+    """Kubernetes takes a pod whose readiness fails out of its Service: under an overload
+    of every replica, /ready's "full" took them all out, and clients' connections were
+    refused where each replica would have answered a fast 503 with Retry-After."""
+    model, other = served("model", "text-classification"), served("other", "fill-mask")
+    app = App(ServedModels([model, other]))
+    fill(model)
+
+    def ready(path: str) -> tuple[int, dict]:
+        answer = app.answer_now(request("GET", path))
+        assert answer is not None
+        return answer.status, json.loads(answer.body)
+
+    assert ready("/ready") == (
+        503,
+        {"status": "full", "models": {"model": "full", "other": "ready"}},
+    )
+    assert ready("/ready?full=ok") == (
+        200,
+        {"status": "full", "models": {"model": "full", "other": "ready"}},
+    )
+    assert ready("/ready/model?full=ok") == (200, {"status": "full", "task": "text-classification"})
+    assert ready("/ready/other?x=1&full=ok") == (200, {"status": "ready", "task": "fill-mask"})
+    assert ready("/ready/model")[0] == 503
+    for wrong in ("full=yes", "full=", "full=ok&full=ok", "full"):
+        with pytest.raises(HTTPError) as refused:
+            app.answer_now(request("GET", f"/ready?{wrong}"))
+        assert refused.value.status == 400 and "full=ok" in str(refused.value)
+    other.serving.workers.ready = False  # loading, or draining: never ready
+    assert ready("/ready?full=ok")[0] == 503
+    app.start_draining()
+    assert ready("/ready/model?full=ok") == (503, {"status": "draining"})
 
 
 async def test_inference_goes_the_long_way_until_the_queue_is_full(app):

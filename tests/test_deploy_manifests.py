@@ -72,7 +72,8 @@ def test_probes_point_at_health_and_ready_on_the_served_port():
     rawserve = container()
     assert rawserve["livenessProbe"]["httpGet"]["path"] == "/health"
     assert rawserve["startupProbe"]["httpGet"]["path"] == "/health"
-    assert rawserve["readinessProbe"]["httpGet"]["path"] == "/ready"
+    # a full queue keeps the pod in its Service: a full /ready took every pod out at once
+    assert rawserve["readinessProbe"]["httpGet"]["path"] == "/ready?full=ok"
     [port] = rawserve["ports"]
     assert str(port["containerPort"]) == env()["RAWSERVE_PORT"]
     assert env()["RAWSERVE_HOST"] == "0.0.0.0"  # reachable from outside the pod

@@ -252,6 +252,8 @@ def test_the_queue_bound_is_refused_by_every_http_process_without_asking(server)
             assert connection.request("GET", "/health")[0] == 200
             status, _, body = connection.request("GET", "/ready")
             assert status == 503 and json.loads(body)["status"] == "full"
+            status, _, body = connection.request("GET", "/ready?full=ok")
+            assert status == 200 and json.loads(body)["status"] == "full"
     finally:
         os.kill(server.process.pid, signal.SIGCONT)
     for client in [worker, *queued]:

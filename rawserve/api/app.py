@@ -239,9 +239,9 @@ class App:
         if request.path == "/health" and request.method != "POST":
             return self.operations.health_now()
         if request.path == "/ready" and request.method != "POST":
-            return self.operations.ready_now()
+            return self.operations.ready_now(request)
         if request.method != "POST" and (model := self.ready_paths.get(request.path)):
-            return self.operations.ready_now(model)
+            return self.operations.ready_now(request, model)
         if request.path == "/" and request.method == "POST":
             self.inference.refuse_now(request)
         elif request.method == "POST" and (model := self.model_paths.get(request.path)):

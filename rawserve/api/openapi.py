@@ -76,6 +76,8 @@ def describe(route: Route, context: DocContext, api_key: bool) -> dict[str, Any]
         "operationId": operation_id(route),
         "responses": responses,
     }
+    if operation.parameters:
+        described["parameters"] = list(operation.parameters)
     if operation.request is not None:
         body = {"application/json": {"schema": operation.request(context)}}
         if operation.text_body:  # `curl -d`: the whole body is one input

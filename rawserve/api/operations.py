@@ -12,6 +12,7 @@ import os
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any, Protocol
+from urllib.parse import parse_qs
 
 from rawserve.api import schemas
 from rawserve.api.bodies import json_response
@@ -21,7 +22,7 @@ from rawserve.api.routing import Handler, Operation, Route
 from rawserve.api.served import ServedModel
 from rawserve.api.tei import tei_info
 from rawserve.api.tgi import tgi_info
-from rawserve.http.errors import NotFound
+from rawserve.http.errors import BadRequest, NotFound
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.ops.info import versions
 from rawserve.serving.face import WorkerStatus
@@ -31,6 +32,18 @@ TAG = "Operations"
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 READY_PREFIX = "/ready/"  # GET /ready/<name>: that model's readiness alone
 FULL_RETRY_AFTER = 1  # seconds a load balancer should wait before retrying a full server
+# `GET /ready?full=ok`: a full queue counts as ready, for an orchestrator that takes a
+# replica out of its Service while readiness fails (Kubernetes). Under an overload of
+# every replica, a readiness that said "full" took them all out, and clients' connections
+# were refused where each replica would have answered a fast 503 with Retry-After.
+FULL_IS_READY = "ok"
+FULL_PARAMETER = {
+    "name": "full",
+    "in": "query",
+    "required": False,
+    "description": "`ok`: a full queue counts as ready (200, status `full`)",
+    "schema": {"type": "string", "enum": [FULL_IS_READY]},
+}
 # what /info says of a model that generates in its entry (TGI's names)
 GENERATION_LIMITS = ("max_input_tokens", "max_input_length", "max_total_tokens")
 
@@ -74,6 +87,7 @@ class OperationsRoutes:
             TAG,
             response=lambda _: schemas.STATUS,
             answers=status,
+            parameters=(FULL_PARAMETER,),
         )
         # each model's own readiness, by each of its names
         named = [
@@ -111,9 +125,10 @@ class OperationsRoutes:
             document["models"] = {name: "ok" if ok else "unhealthy" for name, ok in healthy.items()}
         return json_response(200 if status == "ok" else 503, document)
 
-    def ready_now(self, model: ServedModel | None = None) -> HttpResponse:
+    def ready_now(self, request: HttpRequest, model: ServedModel | None = None) -> HttpResponse:
         """200 when every served model (or `model` alone) takes work now: loaded, warm and
-        with room in its queue; 503 otherwise, saying why."""
+        with room in its queue (or full, with `?full=ok`); 503 otherwise, saying why."""
+        full_is_ready = full_counts_as_ready(request.query)
         if self.gate.draining:
             return json_response(503, {"status": "draining"})
         models = [model] if model is not None else self.models.all
@@ -128,12 +143,14 @@ class OperationsRoutes:
             if status["status"] not in ("ready", "full"):  # says more than a full one
                 wait = math.ceil(loading_retry_after(served))  # (a second at least)
                 return json_response(503, {**status, **several}, [("Retry-After", str(wait))])
-        if any(status["status"] == "full" for status in statuses.values()):
+        full = any(status["status"] == "full" for status in statuses.values())
+        if full and not full_is_ready:
             headers = [("Retry-After", str(FULL_RETRY_AFTER))]
             return json_response(503, {"status": "full", **several}, headers)
+        answer = "full" if full else "ready"
         if several:
-            return json_response(200, {"status": "ready", **several})
-        return json_response(200, {"status": "ready", "task": models[0].task})
+            return json_response(200, {"status": answer, **several})
+        return json_response(200, {"status": answer, "task": models[0].task})
 
     def readiness(self, model: ServedModel) -> dict[str, Any]:
         """One model's state for /ready: ready, full, or why it is not loaded (how long)."""
@@ -149,7 +166,7 @@ class OperationsRoutes:
         """The handler of `GET /ready/<name>`: that model's readiness alone."""
 
         async def ready_named(request: HttpRequest) -> HttpResponse:
-            return self.ready_now(model)
+            return self.ready_now(request, model)
 
         return ready_named
 
@@ -157,7 +174,7 @@ class OperationsRoutes:
         return self.health_now()
 
     async def ready(self, request: HttpRequest) -> HttpResponse:
-        return self.ready_now()
+        return self.ready_now(request)
 
     async def info(self, request: HttpRequest) -> HttpResponse:
         """The default model's document (as with one model), every model's in "models",
@@ -253,3 +270,15 @@ def _worker_info(worker: WorkerStatus) -> dict[str, Any]:
         "max_sequences": worker.sequences,
         "running_sequences": worker.running,
     }
+
+
+def full_counts_as_ready(query: str) -> bool:
+    """Whether a readiness query (`full=ok`) counts a full queue as ready."""
+    values = parse_qs(query, keep_blank_values=True).get("full")
+    if values is None:
+        return False
+    if values != [FULL_IS_READY]:
+        raise BadRequest(
+            f'"full" takes only "{FULL_IS_READY}": /ready?full=ok counts a full queue as ready'
+        )
+    return True

@@ -98,6 +98,7 @@ class Operation:
     events: Callable[[DocContext], Schema | None] | None = None
     text_body: bool = False  # also takes a raw text body (POST /, as `curl -d` sends)
     answers: Mapping[int, Schema] = field(default_factory=dict)  # other statuses, not errors
+    parameters: tuple[Schema, ...] = ()  # its query parameters, as OpenAPI's objects
 
 
 # what a route that queues model work may answer besides 200 (401 is added with --api-key)
