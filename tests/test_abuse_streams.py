@@ -81,3 +81,30 @@ async def test_choices_that_all_overflow_are_told_once_for_their_stream(caplog):
     assert told_unread(caplog) == 1 and counted == [503]
     for choice in choices:
         choice.close()
+
+
+class OneFastChoice(FakeScheduler):
+    """The first choice's tokens come every loop turn, the others' once a second."""
+
+    async def run(self, inputs, params, deadline, control):
+        if control.stream_id != 1:
+            await asyncio.sleep(1.0)  # cancelled where the fast one overflows
+        return await super().run(inputs, params, deadline, control)
+
+
+async def test_one_choice_that_overflows_stops_every_choice_of_its_stream(caplog):
+    """The client reads all n choices from one connection: one that overflowed left the
+    others generating, unread, until each overflowed in turn (0.4-0.5 s more)."""
+    executor = FakeExecutor()
+    scheduler = OneFastChoice(executor, [" a"] * TOKENS, {"generated_text": "", "details": {}})
+    model = ServedModel("tiny-gpt", ModelService(scheduler, executor))
+    end = StreamEnd()
+    with caplog.at_level("WARNING", logger="rawserve.api.streaming"):
+        choices = [TokenStream(model, "hello", {}, 1e9, "r-1", end) for _ in range(3)]
+        while not choices[0].overflowed:
+            await asyncio.sleep(0.01)
+    assert all(choice.overflowed and choice.closed for choice in choices)
+    assert sorted(executor.closed) == [1, 2, 3]  # each generation told to stop
+    await asyncio.sleep(0)
+    assert all(choice.run.cancelled() for choice in choices)
+    assert told_unread(caplog) == 1

@@ -83,11 +83,13 @@ class StreamEnd:
     """How an HTTP stream ended, shared by its choices' TokenStreams: its error event is
     logged and counted once for the stream (a client that stopped reading overflowed all
     n of its choices at once: n lines, and n counts on /metrics), with `explain` saying
-    more of it (the field at fault)."""
+    more of it (the field at fault). One choice that overflows stops them all: the
+    client reads them from one connection."""
 
     def __init__(self, explain: Callable[[HTTPError], None] | None = None) -> None:
         self.explain = explain
         self.told = False
+        self.streams: list[TokenStream] = []  # its choices
 
 
 class TokenStream:
@@ -111,6 +113,7 @@ class TokenStream:
         self.request_id = request_id  # what its error event's log line names
         # how the HTTP stream ends, told once for all its choices (each one a TokenStream)
         self.end = end or StreamEnd()
+        self.end.streams.append(self)
         self.count_error = model.count_stream_error
         self.echoed = prompt if returns_full_text(params) else ""  # what the answer starts with
         self.queue: asyncio.Queue[TokenChunk | None] = asyncio.Queue()
@@ -151,11 +154,14 @@ class TokenStream:
             self._overflow()
 
     def _overflow(self) -> None:
-        if not self.overflowed:
-            self.overflowed = True
-            self.close()  # the end (None) is queued when the run is cancelled
-            # told now: a client that never reads again never gets the event
-            self.ended_with(OVERFLOW)
+        """Stop this stream's choices: its client left one's tokens unread, so it reads
+        none of them (its other choices ran on, unread, until each overflowed too)."""
+        for stream in self.end.streams:
+            if not stream.overflowed:
+                stream.overflowed = True
+                stream.close()  # the end (None) is queued when the run is cancelled
+        # told now: a client that never reads again never gets the event
+        self.ended_with(OVERFLOW)
 
     async def start(self, patience: float | None = None) -> None:
         """Wait for the first token, `patience` seconds at most (None: as long as it
