@@ -766,6 +766,43 @@ def test_an_endpoint_that_is_not_the_hub_is_named(tmp_path):
     )
 
 
+class RedirectLoop(BaseHTTPRequestHandler):
+    """An endpoint (a misconfigured proxy) that sends every request back to itself."""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self.send_response(302)
+        self.send_header("Location", self.path)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_HEAD = do_GET
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+
+@pytest.mark.parametrize("endpoint_class", [WebPage, RedirectLoop], ids=["web-page", "loop"])
+def test_an_endpoint_that_does_not_answer_as_the_hub_leaves_the_cache_served(
+    tmp_path, endpoint_class
+):
+    """With the model cached, such an endpoint stopped the start: huggingface_hub serves
+    the cache where the Hub cannot be reached or answers an error, but not where its API
+    answers a page or redirects without end."""
+    repo = make_repo()
+    with FakeHub([repo]) as hub:
+        folder = resolved(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint))
+    with ThreadingHTTPServer(("127.0.0.1", 0), endpoint_class) as other:
+        threading.Thread(target=other.serve_forever, daemon=True).start()
+        endpoint = f"http://127.0.0.1:{other.server_address[1]}"
+        result = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=endpoint)
+        other.shutdown()
+    assert resolved(result) == folder, result.stderr
+    assert "Traceback" not in result.stderr
+    [line] = [line for line in result.stderr.splitlines() if "found in the cache" in line]
+    assert f"serving its snapshot {repo.main}, found in the cache" in line
+    assert ("not JSON" if endpoint_class is WebPage else "redirects") in line
+
+
 def test_a_network_that_drops_mid_download_is_one_line_and_each_retry_one_log_line(tmp_path):
     with FakeHub([make_repo()], cut_downloads=True) as hub:
         result = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint)

@@ -160,18 +160,18 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
             folder = download()
             changed = changed_downloads(Path(folder), since)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one line (below)
-        earlier = None
-        if isinstance(exc, LocalEntryNotFoundError) and not pinned(revision):
-            earlier = earlier_whole_snapshot(repo_id, revision)
-        if earlier is None:
+        standing_in = cache_in_place_of_the_hub(exc, repo_id, revision, asked)
+        if standing_in is None:
             raise ModelNotFound(explain(exc, repo_id, revision)) from exc
+        snapshot, which = standing_in
         log.warning(
-            "model %s: %s; serving the whole earlier snapshot %s, found in the cache",
+            "model %s: %s; serving %s snapshot %s, found in the cache",
             at,
             explain(exc, repo_id, revision),
-            earlier.name,
+            which,
+            snapshot.name,
         )
-        folder, files = str(earlier), cached_files(repo_id, earlier.name)
+        folder, files = str(snapshot), cached_files(repo_id, snapshot.name)
     if changed:
         raise ModelNotFound(
             f"{at}: {', '.join(changed)} did not match the hash the Hub named, downloaded "
@@ -242,6 +242,34 @@ def only_shipped_graph(resolved: ResolvedModel) -> bool:
 def pinned(revision: str | None) -> bool:
     """Whether `revision` names a commit (which nothing else may stand in for)."""
     return revision is not None and bool(COMMIT.fullmatch(revision))
+
+
+def cache_in_place_of_the_hub(
+    exc: BaseException, repo_id: str, revision: str | None, asked: str | None
+) -> tuple[Path, str] | None:
+    """A whole snapshot in the cache to serve where a download failed without the Hub
+    saying no (no such repo, revision or access), and which one it is; None: none.
+    huggingface_hub serves the cache itself where the Hub cannot be reached or answers an
+    error, but not where its API answers something that is not the Hub's (a web page, a
+    proxy's login form: not JSON) or never answers (a redirect loop), nor where a proxy
+    fails: those stopped a start that the cache could serve."""
+    if isinstance(exc, LocalEntryNotFoundError):
+        earlier = None if pinned(revision) else earlier_whole_snapshot(repo_id, revision)
+        return None if earlier is None else (earlier, "the whole earlier")
+    if not isinstance(exc, (json.JSONDecodeError, httpx2.HTTPError)):
+        return None
+    from huggingface_hub import snapshot_download  # (here: see the module's docstring)
+
+    try:
+        folder = snapshot_download(
+            repo_id,
+            revision=asked,
+            local_files_only=True,
+            ignore_patterns=files_to_skip(cached_files(repo_id, asked)),
+        )
+    except Exception:  # noqa: BLE001 - not whole in the cache: the Hub's failure is told
+        return None
+    return Path(folder), "its"
 
 
 def earlier_whole_snapshot(repo_id: str, revision: str | None) -> Path | None:
