@@ -19,7 +19,9 @@ the way the Hub answers it (read from huggingface_hub's own code, `hf_api.py`,
 answers a revoked or mistyped token (401, no error code). `FakeHub(repos,
 cut_downloads=True)` is a network that drops mid-download: every "CDN"
 answer announces the whole file and closes the connection a third of the way into it;
-`trickle=0.1` a slow one: a KiB of each every tenth of a second.
+`trickle=0.1` a slow one: a KiB of each every tenth of a second. `failing=429` answers
+every request 429 (`retry_after`: with that `Retry-After`; `failing_files`: files'
+requests alone, the API answering).
 
 Every request is recorded (method, path, Authorization header) so tests can say what
 went over the wire, or that nothing did.
@@ -59,6 +61,8 @@ class FakeHub:
         trickle: float = 0.0,
         changed: int = 0,
         missing: frozenset[str] = frozenset(),
+        retry_after: str | None = None,
+        failing_files: bool = False,
     ):
         self.repos = {repo.repo_id: repo for repo in repos}
         self.cut_downloads = cut_downloads
@@ -67,6 +71,8 @@ class FakeHub:
         self.failing = failing  # a status every request gets (the Hub down or overloaded)
         self.changed = changed  # "CDN" answers sent with their last byte changed (a proxy's)
         self.missing = missing  # files the repo lists whose download is 404
+        self.retry_after = retry_after  # the Retry-After of `failing` answers
+        self.failing_files = failing_files  # `failing` only files' requests, not the API's
         self.requests: list[Seen] = []
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
@@ -191,8 +197,12 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
 
         def _answer(self) -> Reply:
             path = urlsplit(self.path).path
-            if hub.failing is not None:
-                return hub_error(hub.failing, "", "Internal Error")
+            api = path.startswith("/api/")
+            if hub.failing is not None and not (hub.failing_files and api):
+                failed = hub_error(hub.failing, "", "Internal Error")
+                if hub.retry_after is not None:
+                    failed.headers["Retry-After"] = hub.retry_after
+                return failed
             token = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
             if token in hub.revoked:  # the Hub's answer to a token it does not know
                 return hub_error(401, "", "Invalid credentials in Authorization header")

@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 
+import httpx2
 import pytest
 
 from rawserve.models.hub import NOT_NEEDED, PICKLED_WEIGHTS, ModelNotFound, files_to_skip
@@ -665,12 +666,18 @@ def test_a_token_the_hub_refuses_is_said_where_the_cache_serves(tmp_path):
     assert "the Hub refused org/tiny (401: a token it does not take, HF_TOKEN" in result.stderr
 
 
-@pytest.mark.parametrize("status", [500, 429])
-def test_a_failing_hub_with_nothing_cached_says_to_try_again_later(tmp_path, status):
-    with FakeHub([make_repo()], failing=status) as hub:
-        line = one_error_line(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint))
+@pytest.mark.parametrize(("status", "retry_after"), [(500, None), (429, "3600")])
+def test_a_failing_hub_with_nothing_cached_says_to_try_again_later(tmp_path, status, retry_after):
+    """A 429 on the files that asks for an hour is not waited: huggingface_hub waited an
+    hour a retry (its API's 429 is not retried)."""
+    failing = {"failing": status, "retry_after": retry_after, "failing_files": bool(retry_after)}
+    with FakeHub([make_repo()], **failing) as hub:
+        result = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint)
+    line = one_error_line(result)
     assert "org/tiny is not in the Hub cache" in line
     assert f"answered {status}: the Hub is failing or busy; try again later" in line
+    if retry_after is not None:
+        assert f"the Hub answered 429 and asks to wait {retry_after} s" in result.stderr
 
 
 def test_a_pinned_revision_downloads_that_commit(tmp_path):
@@ -1027,3 +1034,50 @@ def test_an_alias_that_hides_another_models_folder_name_is_said_at_start(caplog)
         kept = _unique_names(plans)
     assert [plan.names for plan in kept] == [("a",), ("cls", "emb")]
     assert "model a is not also named 'cls': that is another model's alias" in caplog.text
+
+
+def test_a_files_head_waits_the_etag_timeout_whatever_it_was_given(monkeypatch):
+    """huggingface_hub asks a file's HEAD again with 60 s of its own: a Hub whose HEADs
+    never answered held a start 6.5 minutes with HF_HUB_ETAG_TIMEOUT at 10."""
+    from huggingface_hub import constants
+
+    from rawserve.models.hub import bounded_waits
+
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 10)
+    given = {"connect": 60.0, "read": 60.0, "write": 5.0, "pool": None}
+    for method, expected in (
+        ("HEAD", {"connect": 10.0, "read": 10.0, "write": 5.0, "pool": 10.0}),
+        ("GET", {"connect": 60.0, "read": 60.0, "write": 5.0, "pool": 10.0}),  # a download
+    ):
+        request = httpx2.Request(method, "http://hub/org/tiny/resolve/main/config.json")
+        request.extensions["timeout"] = dict(given)
+        bounded_waits(request)
+        assert request.extensions["timeout"] == expected
+
+
+@pytest.mark.parametrize(
+    ("headers", "kept"),
+    [
+        ({"Retry-After": "3600"}, False),
+        ({"RateLimit": '"api";r=0;t=3600'}, False),
+        ({"Retry-After": "5"}, True),  # waited, as asked
+        ({"RateLimit": '"api";r=3;t=3600'}, True),  # requests left: no wait asked for
+        ({"Retry-After": "Wed, 21 Oct 2026 07:28:00 GMT"}, True),  # a date: not read by it
+    ],
+)
+def test_a_wait_the_hub_asks_for_past_the_bound_is_not_taken(headers, kept, caplog):
+    from huggingface_hub.utils import parse_ratelimit_headers
+
+    from rawserve.models.hub import bounded_retry_after
+
+    response = httpx2.Response(429, headers=headers)
+    with caplog.at_level("WARNING", logger="rawserve.models"):
+        bounded_retry_after(response)
+    assert (dict(response.headers) == {k.lower(): v for k, v in headers.items()}) is kept
+    assert bool(caplog.records) is not kept
+    if not kept:
+        assert parse_ratelimit_headers(response.headers) is None
+        assert "asks to wait 3600 s before trying again: not waited" in caplog.text
+    answered = httpx2.Response(200, headers=headers)  # a success is never tried again
+    bounded_retry_after(answered)
+    assert dict(answered.headers) == {k.lower(): v for k, v in headers.items()}

@@ -56,6 +56,10 @@ from rawserve.shared.logs import first_line
 
 log = logging.getLogger("rawserve.models")
 
+# The longest wait for the Hub to be asked again that a start takes where the Hub says
+# so (a 429's `Retry-After`): huggingface_hub took any, an hour a retry where it said 3600
+MAX_HUB_WAIT_SECONDS = 30
+
 # Files a transformers worker never reads: other frameworks' weights and exported copies.
 NOT_NEEDED = [
     "*.h5",
@@ -337,26 +341,72 @@ def hub_logs_through_ours() -> None:
 
 def hub_requests_time_out() -> None:
     """Every request to the Hub gives up after HF_HUB_ETAG_TIMEOUT seconds (10 unless set)
-    without a byte: huggingface_hub sets that limit on file requests, but none on the
-    repo's info (model_info, and snapshot_download's own call), so a Hub or a proxy that
-    took the connection and never answered held the server's start forever. A download
-    that goes on, however slowly, is not cut: the limit is on each wait for bytes."""
-    from huggingface_hub import get_session  # (here: see the module's docstring)
+    without a byte, and waits MAX_HUB_WAIT_SECONDS at most where the Hub asks it to
+    (`bounded_client`). In a client factory: huggingface_hub makes a new client after a
+    refused connection, and hooks on the old one were lost with it."""
+    from huggingface_hub import set_client_factory  # (here: see the module's docstring)
 
-    hooks = get_session().event_hooks["request"]
-    if bounded_waits not in hooks:
-        hooks.append(bounded_waits)
+    set_client_factory(bounded_client)
+
+
+def bounded_client() -> httpx2.Client:
+    """huggingface_hub's client, with bounded waits: it sets a limit on file requests,
+    but none on the repo's info (model_info, and snapshot_download's own call), so a Hub
+    or a proxy that took the connection and never answered held the server's start
+    forever; and it waits as long as a 429 or 503 says (an hour a retry where the Hub
+    said 3600). A download that goes on, however slowly, is not cut: the limit is on
+    each wait for bytes."""
+    # no public way to add hooks to its own client: its factory builds it
+    from huggingface_hub.utils._http import default_client_factory
+
+    client = default_client_factory()
+    client.event_hooks["request"].append(bounded_waits)
+    client.event_hooks["response"].append(bounded_retry_after)
+    return client
 
 
 def bounded_waits(request: httpx2.Request) -> None:
-    """A request's waits (connect, read, write, pool) that have no limit get the Hub's."""
+    """A request's waits (connect, read, write, pool) that have no limit get the Hub's; a
+    file's HEAD (its ETag) gets it whatever it was given: huggingface_hub asks again
+    with 60 s of its own, and a Hub whose HEADs never answered held a start 6.5 minutes
+    with HF_HUB_ETAG_TIMEOUT at 10."""
     from huggingface_hub import constants  # (here: see the module's docstring)
 
     limit = float(constants.HF_HUB_ETAG_TIMEOUT)
+    head = request.method == "HEAD"
     waits = request.extensions.get("timeout") or dict.fromkeys(("connect", "read", "write", "pool"))
     request.extensions["timeout"] = {
-        name: limit if seconds is None else seconds for name, seconds in waits.items()
+        name: limit if seconds is None or (head and seconds > limit) else seconds
+        for name, seconds in waits.items()
     }
+
+
+def bounded_retry_after(response: httpx2.Response) -> None:
+    """A wait the Hub asks for (`Retry-After`, or its rate limit's reset) past
+    MAX_HUB_WAIT_SECONDS is not taken: its headers are dropped, and huggingface_hub's
+    own backoff (1 to 8 s) retries; after its last try the cache serves, or the start
+    says to try again later."""
+    from huggingface_hub.utils import parse_ratelimit_headers
+
+    if response.status_code < 400:  # only failures are tried again
+        return
+    retry_after = response.headers.get("retry-after", "")
+    limits = parse_ratelimit_headers(response.headers)
+    asked = max(
+        int(retry_after) if retry_after.isdigit() else 0,
+        limits.reset_in_seconds if limits is not None and limits.remaining == 0 else 0,
+    )
+    if asked <= MAX_HUB_WAIT_SECONDS:
+        return
+    for name in ("retry-after", "ratelimit", "ratelimit-policy"):
+        response.headers.pop(name, None)
+    log.warning(
+        "the Hub answered %d and asks to wait %d s before trying again: not waited (over "
+        "%d s); tried again sooner, then the cache decides",
+        response.status_code,
+        asked,
+        MAX_HUB_WAIT_SECONDS,
+    )
 
 
 def repo_files(repo_id: str, revision: str | None) -> list[str] | None:
