@@ -536,6 +536,33 @@ def test_a_run_the_serving_process_leaves_unanswered_is_refused_once_late(monkey
     assert sorted(message[1] for message in seen if message[0] == "cancel") == sorted(runs)
 
 
+def test_a_run_asked_for_after_the_serving_process_is_gone_is_refused_at_once():
+    """`lost` refused the runs pending then; one asked for after it was sent nowhere and
+    waited past its deadline, while the HTTP process exited and closed its connection
+    unanswered."""
+
+    async def scenario() -> tuple[Refused, float, int]:
+        board = Board.create(1)
+        ours, theirs = socket.socketpair()
+        told: list[str] = []
+        link = Link(board, lambda: [], lambda grace: None, lambda: told.append("lost"))
+        await link.connect(ours)
+        theirs.close()  # the serving process died
+        while not told:
+            await asyncio.sleep(0.001)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(Refused) as refused:
+            await asyncio.wait_for(
+                RemoteServing(link, 0).run(["late"], {}, started + 5, Control()), 2
+            )
+        board.remove()
+        return refused.value, loop.time() - started, len(link.pending)
+
+    refused, took, pending = asyncio.run(scenario())
+    assert refused.refusal.reason is Reason.SHUTTING_DOWN and took < 1 and pending == 0
+
+
 class StatusOnly:
     """A model's serving side as the bridge's status pass reads it."""
 

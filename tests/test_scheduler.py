@@ -259,6 +259,20 @@ async def test_the_driver_tells_the_core_the_rows_free_after_each_look():
     await scheduler.stop()
 
 
+async def test_a_request_asked_for_after_the_scheduler_stopped_is_refused_at_once():
+    """A request past the gate before a drain, its prompt tokenized after the scheduler
+    stopped, was queued where nothing would look again: never answered, its connection
+    closed when the server exited."""
+    backend = FakeBackend()
+    scheduler = Scheduler(SchedulerCore(max_queue=4), backend)
+    scheduler.start()
+    await scheduler.stop()
+    with pytest.raises(Refused) as refused:
+        await asyncio.wait_for(scheduler.run(["late"], {}, scheduler.clock() + 30), 1)
+    assert refused.value.refusal.reason is Reason.SHUTTING_DOWN
+    assert not backend.calls and len(scheduler.core) == 0
+
+
 def test_retry_after_follows_the_queue_and_the_measured_speed():
     core = SchedulerCore(max_queue=100, max_batch_size=10)
     assert core.retry_after(now=0.0) == 1.0  # nothing measured yet: a short guess

@@ -108,8 +108,14 @@ class Link:
         return next(self._ids)
 
     def ask(self, message: tuple[Any, ...]) -> asyncio.Future[Any]:
-        """Send `message` (its second field: a new id) and a future of its answer."""
+        """Send `message` (its second field: a new id) and a future of its answer: a
+        refusal where the serving process is gone (`lost` failed those pending then; one
+        asked after it was sent nowhere, and its client's connection closed unanswered
+        as this process exited)."""
         future = asyncio.get_running_loop().create_future()
+        if self.channel is not None and self.channel.closed:
+            future.set_exception(shutting_down())
+            return future
         self.pending[message[1]] = future
         self.send(message)
         return future

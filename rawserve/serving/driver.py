@@ -189,6 +189,7 @@ class Scheduler:
         self._timer: asyncio.TimerHandle | None = None
         self._look_due = False  # a look is scheduled for the end of this pass
         self._running = False  # between start() and stop()
+        self._stopped = False  # stop() was called: nothing more is admitted
         self.in_flight = 0  # items inside model calls
         # each run's items, until it ends or its deadline passes (one timer for them all)
         self._runs: dict[int, list[WorkItem]] = {}
@@ -213,8 +214,10 @@ class Scheduler:
             self._running_loop.call_soon(self._look)
 
     async def stop(self) -> None:
-        """Stop dispatching, and refuse every item still queued (shutting down)."""
+        """Stop dispatching, and refuse every item still queued (shutting down), and any
+        asked for from now on."""
         self._running = False
+        self._stopped = True
         if self._timer is not None:
             self._timer.cancel()
         self._late.close()
@@ -315,6 +318,8 @@ class Scheduler:
         """Queue the items (or raise `Refused`), each with the future it is settled by,
         under a new run id whose deadline is watched."""
         loop = self._loop or asyncio.get_running_loop()
+        if self._stopped:  # a request that passed the gate before the drain, its prompt
+            raise shutting_down()  # tokenized after the scheduler stopped: never answered
         now = self.clock()
         if deadline <= now:  # spent on its body (a slow upload), never queued: no load shed
             raise Refused.because(Reason.DEADLINE_PASSED, PASSED_BEFORE_QUEUED)
