@@ -330,7 +330,11 @@ def test_a_model_that_takes_no_work_says_why_as_ready_does(state, healthy, messa
     assert ready["status"] == state.value
 
 
-@pytest.mark.parametrize(("restart_in", "wait"), [(None, "5"), (12.4, "13"), (0.2, "1")])
+# 0.0: a restart overdue (its expected time passed): "Retry-After: 0" had balancers
+# retry at once
+@pytest.mark.parametrize(
+    ("restart_in", "wait"), [(None, "5"), (12.4, "13"), (0.2, "1"), (0.0, "1")]
+)
 def test_a_restarting_model_asks_for_the_wait_its_restart_should_take(restart_in, wait):
     """A model whose workers restart asks clients to come back when it should serve
     again (a large model's restart takes far longer than 5 s), in whole seconds rounded up

@@ -424,3 +424,38 @@ def test_a_choice_is_read_whatever_its_case(monkeypatch):
     config = parse_config(argv)
     assert (config.model.engine, config.model.dtype) == (Engine.TORCH, "float32")
     assert (config.model.generation, config.log_format) == ("static", "json")
+
+
+@pytest.mark.parametrize(
+    ("flag", "taken", "refused", "says"),
+    [
+        ("--max-batch-size", "1", "0", "--max-batch-size must be positive"),
+        ("--max-queue", "1", "0", "--max-queue must be positive"),
+        ("--max-client-batch-size", "1", "0", "--max-client-batch-size must be positive"),
+        ("--max-body-bytes", "1", "0", "--max-body-bytes must be positive"),
+        ("--port", "65535", "65536", "--port must be from 0 (any free port) to 65535"),
+        ("--keepalive-timeout", "0.001", "0", "--keepalive-timeout, --head-timeout, "),
+        ("--head-timeout", "0.001", "0", "--keepalive-timeout, --head-timeout, "),
+        ("--body-timeout", "0.001", "-1", "--keepalive-timeout, --head-timeout, "),
+        ("--write-timeout", "0.001", "0", "--keepalive-timeout, --head-timeout, "),
+        ("--stream-keepalive", "0", "-0.5", "--stream-keepalive must not be negative"),
+        ("--threads", "8", "9", "--threads must be from 1 to 8"),
+        ("--http-processes", "1", "0", "--http-processes must be from 1 to 8"),
+        ("--grace", "0", "-1", "--grace must not be negative"),
+        ("--max-connections", "0", "-1", "--max-connections must not be negative"),
+    ],
+)
+def test_each_bound_takes_its_last_value_and_refuses_the_next(
+    monkeypatch, capsys, flag, taken, refused, says
+):
+    """Each option's range, at its edge: a bound that slipped by one (a port that wraps
+    to any free one, a timeout of 0 that times every connection out at once) passed
+    the tests that tried values far outside it alone."""
+    clear_environment(monkeypatch)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    parse_config(["--handler", "tests.handlers:echo", flag, taken])
+    with pytest.raises(SystemExit) as exit:
+        parse_config(["--handler", "tests.handlers:echo", flag, refused])
+    assert exit.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"rawserve: error: {says}")

@@ -1,5 +1,5 @@
 """tests/README.md maps every module of rawserve/ to its tests: a module missing from the
-map, or a test file the map names that does not exist, fails here."""
+map, a test file it does not name, or one it names that does not exist, fails here."""
 
 from __future__ import annotations
 
@@ -46,3 +46,11 @@ def test_every_test_file_the_map_names_exists():
     names = set(re.findall(r"\btest_\w+", MAP)) - {"test_"}
     absent = sorted(name for name in names if not (TESTS / f"{name}.py").is_file())
     assert not absent, f"tests/README.md names test files that do not exist: {absent}"
+
+
+def test_every_test_file_is_on_the_map():
+    """A file the map does not name is not run by whoever changes the module it tests
+    and runs the files the map gives for it."""
+    names = set(re.findall(r"\btest_\w+", MAP))
+    unnamed = sorted(path.stem for path in TESTS.glob("test_*.py") if path.stem not in names)
+    assert not unnamed, f"test files tests/README.md does not name: {unnamed}"
