@@ -7,7 +7,7 @@ import asyncio
 import json
 
 from rawserve.api.served import ServedModel
-from rawserve.api.streaming import STREAM_BUFFER_TOKENS, StreamEnd, TokenStream
+from rawserve.api.streaming import STREAM_BUFFER_TOKENS, UNREAD_SECONDS, StreamEnd, TokenStream
 from rawserve.serving.face import ItemResult, TokenChunk
 from rawserve.serving.service import ModelService
 from tests.test_streaming import FakeExecutor, FakeScheduler, open_stream
@@ -108,3 +108,19 @@ async def test_one_choice_that_overflows_stops_every_choice_of_its_stream(caplog
     await asyncio.sleep(0)
     assert all(choice.run.cancelled() for choice in choices)
     assert told_unread(caplog) == 1
+
+
+async def test_a_finished_generation_waits_for_a_client_that_pauses_past_the_buffer(caplog):
+    """Its tokens all came while the client paused, past the buffer: once the generation
+    had finished (no worker held, its tokens bounded), the pause still ended the stream
+    with an error event in place of its text."""
+    executor = FakeExecutor()
+    tokens = STREAM_BUFFER_TOKENS + 100
+    output = {"generated_text": " a" * tokens, "details": {"finish_reason": "length"}}
+    scheduler = FakeScheduler(executor, [" a"] * tokens, output)
+    response = await open_stream(scheduler, executor)
+    with caplog.at_level("WARNING", logger="rawserve.api.streaming"):
+        await asyncio.sleep(UNREAD_SECONDS + 0.5)  # the client pauses, reading nothing
+        events = [json.loads(chunk.removeprefix(b"data:")) async for chunk in response.stream]
+    assert not told_unread(caplog) and "error" not in events[-1]
+    assert events[-1]["generated_text"] == " a" * tokens

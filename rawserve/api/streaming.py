@@ -148,8 +148,12 @@ class TokenStream:
             self.unread_check = loop.call_later(UNREAD_SECONDS, self._check_unread, self.reads)
 
     def _check_unread(self, reads: int) -> None:
-        """Stop the stream if its writer took nothing since `reads`, with the buffer full."""
+        """Stop the stream if its writer took nothing since `reads`, with the buffer full
+        and its generation still running (one that has finished holds no worker, and its
+        tokens are bounded: its client, back from a pause, reads them whole)."""
         self.unread_check = None
+        if self.run.done():
+            return
         if self.reads == reads and self.queue.qsize() >= STREAM_BUFFER_TOKENS:
             self._overflow()
 
