@@ -56,8 +56,8 @@ from rawserve.shared.logs import first_line
 
 log = logging.getLogger("rawserve.models")
 
-# The longest wait for the Hub to be asked again that a start takes where the Hub says
-# so (a 429's `Retry-After`): huggingface_hub took any, an hour a retry where it said 3600
+# The longest wait a start takes before asking the Hub again where the Hub asks for one
+# (a 429's `Retry-After`): huggingface_hub waited whatever it said, an hour a retry at 3600
 MAX_HUB_WAIT_SECONDS = 30
 
 # Files a transformers worker never reads: other frameworks' weights and exported copies.
@@ -135,7 +135,7 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
     from huggingface_hub import snapshot_download  # (here: see the module's docstring)
 
     hub_logs_through_ours()
-    hub_requests_time_out()
+    hub_requests_bounded()
     started = time.monotonic()
     since = time.time() - 1.0  # blobs written from here on are this start's downloads
     changed: list[str] = []
@@ -339,7 +339,7 @@ def hub_logs_through_ours() -> None:
     logging.getLogger("huggingface_hub").handlers.clear()
 
 
-def hub_requests_time_out() -> None:
+def hub_requests_bounded() -> None:
     """Every request to the Hub gives up after HF_HUB_ETAG_TIMEOUT seconds (10 unless set)
     without a byte, and waits MAX_HUB_WAIT_SECONDS at most where the Hub asks it to
     (`bounded_client`). In a client factory: huggingface_hub makes a new client after a
