@@ -521,3 +521,25 @@ async def test_keeping_a_stream_alive_sets_no_timer_per_event(monkeypatch):
     sent = [event async for event in kept_alive(events(), 60)]
     assert sent == [b"data: %d\n\n" % index for index in range(100)]
     assert len(timers) == 1
+
+
+class FailsMidway(FakeScheduler):
+    """Sends its tokens, then fails as a bug in the server would (not an HTTP error)."""
+
+    async def run(self, inputs, params, deadline, control):
+        await super().run(inputs, params, deadline, control)
+        raise RuntimeError("the serving process failed it")
+
+
+async def test_a_server_failure_mid_stream_ends_it_with_an_error_event(caplog):
+    """A failure that was no HTTP error (an HTTP process told that the serving process
+    failed a request) cut the stream off without its last chunk: the client saw a
+    broken transfer, not an error."""
+    executor = FakeExecutor()
+    scheduler = FailsMidway(executor, [" a", " b"], {"generated_text": "", "details": {}})
+    response = await open_stream(scheduler, executor)
+    with caplog.at_level("ERROR", logger="rawserve.errors"):
+        events = await collect(response)
+    assert [event["token"]["text"] for event in events[:-1]] == [" a"]  # " b" held back
+    assert events[-1] == {"error": "internal server error", "error_type": "internal_error"}
+    assert "unexpected error while handling request" in caplog.text  # its traceback, logged

@@ -39,6 +39,7 @@ from rawserve.http.errors import (
     HTTPError,
     ServiceUnavailable,
     UnprocessableInput,
+    as_http_error,
     error_document,
     tgi_error,
 )
@@ -198,10 +199,17 @@ class TokenStream:
         return chunk
 
     def output(self) -> Any:
-        """The finished request's output; HTTPError if it failed or its client fell behind."""
+        """The finished request's output; HTTPError if it failed or its client fell behind
+        (a failure of the server's own, a bug, as a 500 whose traceback is logged: the
+        stream ends with its error event, where it was cut off without one)."""
         if self.overflowed:
             raise OVERFLOW
-        [result] = self.run.result()
+        try:
+            [result] = self.run.result()
+        except HTTPError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - as_http_error logs what is unexpected
+            raise as_http_error(exc, self.request_id) from None
         return unwrap(result)
 
     def ended_with(self, error: HTTPError) -> HTTPError:
