@@ -330,13 +330,14 @@ class Stop:
         self.executors = executors
         self.front: Front | None = None  # once started: its HTTP processes die too
         self.asked = asyncio.Event()
-        self.first: float | None = None  # when the first signal came
+        self.first: tuple[int, float] | None = None  # the first signal, and when it came
 
     def on_signal(self, signum: int) -> None:
         now = time.monotonic()
         if self.first is not None:
-            if now - self.first < SIGNAL_REPEAT_SECONDS:
-                return  # the same stop, delivered twice
+            first, at = self.first
+            if signum == first and now - at < SIGNAL_REPEAT_SECONDS:
+                return  # the same stop, delivered twice (another signal is a second one)
             log.warning("second signal: exiting now")
             for executor in self.executors:
                 executor.kill()
@@ -345,7 +346,7 @@ class Stop:
             kill_leftover_children()  # any started meanwhile (HTTP processes, timers)
             log_writer.wait_written(0.5)  # os._exit skips the exit hook that writes them
             os._exit(1)
-        self.first = now
+        self.first = (signum, now)
         name = signal.Signals(signum).name
         log.info("%s received: draining for up to %.0f s", name, self.grace)
         self.asked.set()
@@ -516,8 +517,9 @@ def stopping_at_once() -> Iterator[None]:
         log_writer.wait_written(0.5)  # os._exit skips the exit hook that writes them
         os._exit(1)
 
-    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    previous = {signum: signal.signal(signum, stop) for signum in stops}
+    # (under nohup, SIGHUP stays ignored: a terminal closed during a Hub download
+    # stopped the start it was to outlive)
+    previous = {signum: signal.signal(signum, stop) for signum in stop_signals()}
     try:
         yield
     finally:

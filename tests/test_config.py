@@ -386,6 +386,53 @@ def test_sigterm_while_the_model_is_found_stops_the_start():
     assert "Traceback" not in done.stderr
 
 
+SIGHUP_UNDER_NOHUP_WHILE_FINDING_THE_MODEL = """
+import os, signal, sys, time
+import rawserve.main
+
+def downloading(*args, **kwargs):  # a Hub download, the terminal closed meanwhile
+    os.kill(os.getpid(), signal.SIGHUP)
+    time.sleep(0.5)
+    raise SystemExit(7)  # the start went on: it outlived its terminal
+
+signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup leaves it
+rawserve.main.plan_models = downloading
+raise SystemExit(rawserve.main.main(sys.argv[1:]))
+"""
+
+
+def test_sighup_under_nohup_while_the_model_is_found_leaves_the_start_going():
+    """Under nohup, a terminal closed during a Hub download stopped the start ("SIGHUP
+    received while the models were being found"), where it was to outlive it."""
+    done = run_python("-c", SIGHUP_UNDER_NOHUP_WHILE_FINDING_THE_MODEL, *ECHO, "--port", "0")
+    assert done.returncode == 7, done.stderr[-2000:]
+    assert "SIGHUP" not in done.stderr
+
+
+def test_another_signal_soon_after_the_first_exits_at_once(monkeypatch):
+    """A second signal exits at once, but for the first delivered again within a second
+    (`make` forwards the SIGTERM its process group got): a Ctrl-C soon after a SIGTERM
+    was taken for that repeat and ignored, without a word."""
+    import rawserve.main as server_main
+
+    exits: list[int] = []
+    killed: list[str] = []
+    monkeypatch.setattr(server_main.os, "_exit", exits.append)
+    monkeypatch.setattr(server_main, "kill_leftover_children", lambda: None)
+
+    class Executor:
+        def kill(self) -> None:
+            killed.append("worker")
+
+    stop = server_main.Stop(30.0, [Executor()])  # type: ignore[list-item]
+    stop.on_signal(signal.SIGTERM)
+    assert stop.asked.is_set() and not exits
+    stop.on_signal(signal.SIGTERM)  # the same one, delivered twice
+    assert not exits and not killed
+    stop.on_signal(signal.SIGINT)
+    assert exits == [1] and killed == ["worker"]
+
+
 SIGTERM_WHILE_IMPORTING = """
 import os, runpy, signal, sys
 

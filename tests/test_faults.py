@@ -660,6 +660,21 @@ def gone(pid: int, timeout: float = 10) -> bool:
 
 
 @pytest.mark.slow
+def test_a_worker_whose_server_is_killed_exits_on_its_own():
+    """SIGKILL of the server (an OOM kill) left its worker, loading a model, running as an
+    orphan until its load ended (36 s of a 40 s load), its memory held while a supervisor
+    restarted the server beside it."""
+    server = RunningServer(
+        ["--handler", "tests.handlers:slow_loading"], env={"RAWSERVE_TEST_LOAD_SECONDS": "60"}
+    )
+    with server.start(wait_ready=False):
+        worker = int(server.wait_for_log(re.compile(r"worker 0: started \(pid (\d+)"), 30)[1])
+        server.process.kill()
+        server.process.wait(10)
+        assert gone(worker, timeout=10)
+
+
+@pytest.mark.slow
 def test_sigterm_while_the_model_loads_exits_0_without_waiting_for_the_load():
     server = RunningServer(
         ["--handler", "tests.handlers:slow_loading"], env={"RAWSERVE_TEST_LOAD_SECONDS": "60"}

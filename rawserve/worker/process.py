@@ -48,6 +48,7 @@ from rawserve.shared.pipes import MessageWriter
 from rawserve.worker.batch_runs import BatchCap, run_batch, sample_token_counts
 from rawserve.worker.feeder import Feeder
 from rawserve.worker.libraries import library_logs_through_ours, tokenize_in_the_calling_thread
+from rawserve.worker.parent_watch import exit_with_parent
 
 if TYPE_CHECKING:
     from rawserve.worker.generating import GenerationLoop
@@ -166,6 +167,21 @@ def worker_main(
     server has several): reads `batches`, writes its messages to `replies` (the write end
     of a one-way pipe). `cancelled_stream` is a shared integer: the id of a stream whose
     client has gone."""
+    exit_with_parent()
+    try:
+        serve(batches, replies, config, label, cancelled_stream)
+    except BrokenPipeError:  # the server is gone: nobody to tell (a traceback said it)
+        return
+
+
+def serve(
+    batches: Connection,
+    replies: Connection,
+    config: WorkerConfig,
+    label: str | int,
+    cancelled_stream: Any,
+) -> None:
+    """`worker_main`'s work: load the model, then answer batches until told to stop."""
     out = MessageWriter(replies.fileno())
     # A stop sent to the whole process group (Ctrl-C in a terminal, systemd's default
     # stop of a service, `kill -- -PGID`) reaches the workers too: the server drains and
