@@ -5,11 +5,15 @@ SIGTERM stops the start as Ctrl-C does from this first line on: as a container's
 action, and one sent while the server's modules are still being imported (a pod deleted
 as it starts) was lost, the server then serving until the SIGKILL after it. The script
 pip writes for the `rawserve` command imports `command` from here for the same reason.
+SIGHUP too, unless ignored (`nohup`): it ended the process by its default action, without
+a word.
 """
 
 import signal
 
 signal.signal(signal.SIGTERM, signal.default_int_handler)
+if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # (under nohup it stays ignored)
+    signal.signal(signal.SIGHUP, signal.default_int_handler)  # a terminal closed: the same
 
 try:
     from rawserve.main import command, main

@@ -445,12 +445,14 @@ sys.meta_path.insert(0, StoppedWhileImporting())
 """
 
 
-def test_sigterm_while_the_server_s_modules_are_imported_stops_the_start():
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_while_the_server_s_modules_are_imported_stops_the_start(signum):
     """`python -m rawserve` as a container's PID 1: a SIGTERM in the half second its
     modules take to import was ignored, and the server went on to serve until the
-    SIGKILL after it. It stops the start from the command's first line."""
+    SIGKILL after it; a SIGHUP then (a terminal closed) killed it without a word. Each
+    stops the start from the command's first line, as Ctrl-C does."""
     script = (
-        SIGTERM_WHILE_IMPORTING
+        SIGTERM_WHILE_IMPORTING.replace("signal.SIGTERM", f"signal.{signum.name}")
         + 'runpy.run_module("rawserve", run_name="__main__", alter_sys=True)\n'
     )
     done = run_python("-c", script, *ECHO, "--port", "0")
