@@ -330,14 +330,17 @@ class Stop:
         self.executors = executors
         self.front: Front | None = None  # once started: its HTTP processes die too
         self.asked = asyncio.Event()
-        self.first: tuple[int, float] | None = None  # the first signal, and when it came
+        self.first: float | None = None  # when the first signal came
 
     def on_signal(self, signum: int) -> None:
         now = time.monotonic()
         if self.first is not None:
-            first, at = self.first
-            if signum == first and now - at < SIGNAL_REPEAT_SECONDS:
-                return  # the same stop, delivered twice (another signal is a second one)
+            # within a second, any signal is the same stop delivered twice: `make`
+            # forwards its group's SIGTERM, a wrapper turns a terminal's Ctrl-C into a
+            # SIGTERM to its child (a first version that counted only the same signal
+            # exited at once there, its answers lost)
+            if now - self.first < SIGNAL_REPEAT_SECONDS:
+                return
             log.warning("second signal: exiting now")
             for executor in self.executors:
                 executor.kill()
@@ -346,7 +349,7 @@ class Stop:
             kill_leftover_children()  # any started meanwhile (HTTP processes, timers)
             log_writer.wait_written(0.5)  # os._exit skips the exit hook that writes them
             os._exit(1)
-        self.first = (signum, now)
+        self.first = now
         name = signal.Signals(signum).name
         log.info("%s received: draining for up to %.0f s", name, self.grace)
         self.asked.set()

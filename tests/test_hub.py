@@ -865,6 +865,16 @@ def test_a_branch_whose_new_commit_is_partly_cached_serves_its_whole_earlier_sna
     result = run_resolve("org/tiny", tmp_path, HF_HUB_OFFLINE="1")
     assert resolved(result) == earlier
     assert f"serving the whole earlier snapshot {earlier.name}" in result.stderr
+    # an endpoint answering in the Hub's place too (a first version tried the new
+    # commit's snapshot alone there, and stopped the start)
+    for endpoint_class in (WebPage, RedirectLoop):
+        with ThreadingHTTPServer(("127.0.0.1", 0), endpoint_class) as other:
+            threading.Thread(target=other.serve_forever, daemon=True).start()
+            endpoint = f"http://127.0.0.1:{other.server_address[1]}"
+            result = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=endpoint)
+            other.shutdown()
+        assert resolved(result) == earlier, result.stderr
+        assert f"serving the whole earlier snapshot {earlier.name}" in result.stderr
     # a commit asked for by its id: nothing else stands in for it
     line = one_error_line(run_resolve(f"org/tiny@{moved_on}", tmp_path, HF_HUB_OFFLINE="1"))
     assert f"org/tiny@{moved_on} is not in the Hub cache" in line

@@ -388,6 +388,33 @@ def test_a_stop_during_the_first_starts_trial_ends_it_and_the_server_at_once(tin
         time.sleep(0.1)
 
 
+@pytest.mark.skipif(cpu_cores() < 2, reason="one core: no layout to choose")
+def test_the_trials_timers_exit_with_a_server_that_is_killed(tiny_model, tmp_path):
+    """SIGKILL of the server while its timers load the model: they went on loading,
+    exporting and timing it (14 s of a tiny model's first start, a large one's whole
+    load with its memory), then died of a broken pipe, its traceback in the log."""
+    env = {"RAWSERVE_DEVICE": "", "RAWSERVE_CACHE_DIR": str(tmp_path)}
+    server = RunningServer(["--model", tiny_model("text-classification")], env=env)
+    server.start(wait_ready=False)
+    try:
+        server.wait_for_log(re.compile(r"layout trial \(first start only\)"))
+        assert server.process is not None
+        children: list[int] = []
+        deadline = time.monotonic() + 30
+        while len(children) < 2:  # the timers (and the resource tracker), once started
+            assert time.monotonic() < deadline, "no timer started"
+            time.sleep(0.05)
+            children = child_pids(server.process.pid)
+        server.process.kill()
+        server.process.wait(10)
+        deadline = time.monotonic() + 4
+        while left := [pid for pid in children if os.path.exists(f"/proc/{pid}")]:
+            assert time.monotonic() < deadline, left
+            time.sleep(0.1)
+    finally:
+        server.stop()
+
+
 def child_pids(pid: int) -> list[int]:
     tasks = Path(f"/proc/{pid}/task")
     listed = (task / "children" for task in tasks.iterdir())

@@ -86,6 +86,7 @@ class OperationsRoutes:
             "Readiness: a model loaded and room in the queue",
             TAG,
             response=lambda _: schemas.STATUS,
+            errors=(400,),  # `full` with another value than "ok"
             answers=status,
             parameters=(FULL_PARAMETER,),
         )

@@ -256,24 +256,25 @@ def cache_in_place_of_the_hub(
     huggingface_hub serves the cache itself where the Hub cannot be reached or answers an
     error, but not where its API answers something that is not the Hub's (a web page, a
     proxy's login form: not JSON) or never answers (a redirect loop), nor where a proxy
-    fails: those stopped a start that the cache could serve."""
-    if isinstance(exc, LocalEntryNotFoundError):
-        earlier = None if pinned(revision) else earlier_whole_snapshot(repo_id, revision)
-        return None if earlier is None else (earlier, "the whole earlier")
-    if not isinstance(exc, (json.JSONDecodeError, httpx2.HTTPError)):
-        return None
-    from huggingface_hub import snapshot_download  # (here: see the module's docstring)
+    fails: those stopped a start that the cache could serve. Where the revision's own
+    snapshot is not whole, a branch's whole earlier one serves (`earlier_whole_snapshot`)."""
+    if isinstance(exc, (json.JSONDecodeError, httpx2.HTTPError)):
+        from huggingface_hub import snapshot_download  # (here: see the module's docstring)
 
-    try:
-        folder = snapshot_download(
-            repo_id,
-            revision=asked,
-            local_files_only=True,
-            ignore_patterns=files_to_skip(cached_files(repo_id, asked)),
-        )
-    except Exception:  # noqa: BLE001 - not whole in the cache: the Hub's failure is told
+        try:
+            folder = snapshot_download(
+                repo_id,
+                revision=asked,
+                local_files_only=True,
+                ignore_patterns=files_to_skip(cached_files(repo_id, asked)),
+            )
+            return Path(folder), "its"
+        except Exception:  # noqa: BLE001 - not whole in the cache: an earlier one, if any
+            pass
+    elif not isinstance(exc, LocalEntryNotFoundError):
         return None
-    return Path(folder), "its"
+    earlier = None if pinned(revision) else earlier_whole_snapshot(repo_id, revision)
+    return None if earlier is None else (earlier, "the whole earlier")
 
 
 def earlier_whole_snapshot(repo_id: str, revision: str | None) -> Path | None:

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 from rawserve.shared.logs import setup_worker_logging
 from rawserve.shared.messages import WorkerConfig, WorkerLoadFailed
+from rawserve.worker.parent_watch import exit_with_parent
 from rawserve.worker.process import load_failed, no_progress_bars, prefer_for_oom_kill
 
 log = logging.getLogger("rawserve.worker")
@@ -49,6 +50,7 @@ def timer_main(config: WorkerConfig, size: int, start: Barrier, out: Connection)
     """The Timing of a batch of `size` example inputs, on `out` (None: there is
     no batch to time, or this timer failed: then the others stop waiting for it; a
     WorkerLoadFailed: the model cannot be loaded, as a worker would report it)."""
+    exit_with_parent()  # a model loaded as a worker loads it: freed with the server
     # the server stops its timers itself
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
@@ -68,7 +70,10 @@ def timer_main(config: WorkerConfig, size: int, start: Barrier, out: Connection)
         log.warning("a layout timer failed", exc_info=True)
         start.abort()  # the others stop waiting for this one
         median = None
-    out.send(median)
+    try:
+        out.send(median)
+    except BrokenPipeError:  # the server is gone: nobody to tell
+        return
     out.close()
 
 
