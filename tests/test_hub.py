@@ -788,6 +788,19 @@ class RedirectLoop(BaseHTTPRequestHandler):
         pass
 
 
+def resolve_behind(
+    endpoint_class: type[BaseHTTPRequestHandler], spec: str, home: Path
+) -> subprocess.CompletedProcess[str]:
+    """`run_resolve` of `spec` with HF_ENDPOINT at a server answering as `endpoint_class`."""
+    with ThreadingHTTPServer(("127.0.0.1", 0), endpoint_class) as other:
+        threading.Thread(target=other.serve_forever, daemon=True).start()
+        endpoint = f"http://127.0.0.1:{other.server_address[1]}"
+        try:
+            return run_resolve(spec, home, HF_ENDPOINT=endpoint)
+        finally:
+            other.shutdown()
+
+
 @pytest.mark.parametrize("endpoint_class", [WebPage, RedirectLoop], ids=["web-page", "loop"])
 def test_an_endpoint_that_does_not_answer_as_the_hub_leaves_the_cache_served(
     tmp_path, endpoint_class
@@ -798,11 +811,7 @@ def test_an_endpoint_that_does_not_answer_as_the_hub_leaves_the_cache_served(
     repo = make_repo()
     with FakeHub([repo]) as hub:
         folder = resolved(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint))
-    with ThreadingHTTPServer(("127.0.0.1", 0), endpoint_class) as other:
-        threading.Thread(target=other.serve_forever, daemon=True).start()
-        endpoint = f"http://127.0.0.1:{other.server_address[1]}"
-        result = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=endpoint)
-        other.shutdown()
+    result = resolve_behind(endpoint_class, "org/tiny", tmp_path)
     assert resolved(result) == folder, result.stderr
     assert "Traceback" not in result.stderr
     [line] = [line for line in result.stderr.splitlines() if "found in the cache" in line]
@@ -868,11 +877,7 @@ def test_a_branch_whose_new_commit_is_partly_cached_serves_its_whole_earlier_sna
     # an endpoint answering in the Hub's place too (a first version tried the new
     # commit's snapshot alone there, and stopped the start)
     for endpoint_class in (WebPage, RedirectLoop):
-        with ThreadingHTTPServer(("127.0.0.1", 0), endpoint_class) as other:
-            threading.Thread(target=other.serve_forever, daemon=True).start()
-            endpoint = f"http://127.0.0.1:{other.server_address[1]}"
-            result = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=endpoint)
-            other.shutdown()
+        result = resolve_behind(endpoint_class, "org/tiny", tmp_path)
         assert resolved(result) == earlier, result.stderr
         assert f"serving the whole earlier snapshot {earlier.name}" in result.stderr
     # a commit asked for by its id: nothing else stands in for it
