@@ -21,7 +21,7 @@ cut_downloads=True)` is a network that drops mid-download: every "CDN"
 answer announces the whole file and closes the connection a third of the way into it;
 `trickle=0.1` a slow one: a KiB of each every tenth of a second. `failing=429` answers
 every request 429 (`retry_after`: with that `Retry-After`; `failing_files`: files'
-requests alone, the API answering).
+requests alone, the API answering; `failing_times`: that many requests of each path, then none).
 
 Every request is recorded (method, path, Authorization header) so tests can say what
 went over the wire, or that nothing did.
@@ -63,6 +63,7 @@ class FakeHub:
         missing: frozenset[str] = frozenset(),
         retry_after: str | None = None,
         failing_files: bool = False,
+        failing_times: int | None = None,
     ):
         self.repos = {repo.repo_id: repo for repo in repos}
         self.cut_downloads = cut_downloads
@@ -73,6 +74,9 @@ class FakeHub:
         self.missing = missing  # files the repo lists whose download is 404
         self.retry_after = retry_after  # the Retry-After of `failing` answers
         self.failing_files = failing_files  # `failing` only files' requests, not the API's
+        # how many requests of each path `failing` answers (None: all)
+        self.failing_times = failing_times
+        self._failed: dict[str, int] = {}
         self.requests: list[Seen] = []
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
@@ -94,6 +98,14 @@ class FakeHub:
                 for r in self.requests
                 if (method is None or r.method == method) and r.path.startswith(prefix)
             ]
+
+    def fails_once_more(self, path: str) -> bool:
+        """Whether `failing` answers this request to `path` (`failing_times` each)."""
+        if self.failing_times is None:
+            return True
+        with self._lock:
+            self._failed[path] = failed = self._failed.get(path, 0) + 1
+            return failed <= self.failing_times
 
     def record(self, seen: Seen) -> None:
         with self._lock:
@@ -198,7 +210,11 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
         def _answer(self) -> Reply:
             path = urlsplit(self.path).path
             api = path.startswith("/api/")
-            if hub.failing is not None and not (hub.failing_files and api):
+            if (
+                hub.failing is not None
+                and not (hub.failing_files and api)
+                and hub.fails_once_more(path)
+            ):
                 failed = hub_error(hub.failing, "", "Internal Error")
                 if hub.retry_after is not None:
                     failed.headers["Retry-After"] = hub.retry_after
