@@ -9,11 +9,14 @@ import re
 import socket
 import time
 import zlib
+from typing import Any
 
 import h11
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from rawserve.api.bodies import MAX_JSON_DEPTH, read_json, request_timeout
+from rawserve.api.bodies import MAX_JSON_DEPTH, nested_deeper_than, read_json, request_timeout
 from rawserve.http import refusals
 from rawserve.http.auth import require_bearer
 from rawserve.http.chunked import CHUNKS_AS_SENT, MIN_CHUNK_BYTES, ChunkedMeter
@@ -135,8 +138,8 @@ async def test_the_task_answering_a_request_knows_its_request_id():
     app = IdApp()
     protocol = HttpProtocol(app, ProtocolSettings(), loop=asyncio.get_running_loop())
     protocol.connection_made(FakeTransport())
-    for given in (b"abc-1", b"abc-2"):
-        protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\nX-Request-Id: %s\r\n\r\n" % given)
+    for sent_id in (b"abc-1", b"abc-2"):
+        protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\nX-Request-Id: %s\r\n\r\n" % sent_id)
         await settle()
     assert app.ids == ["abc-1", "abc-2"] and REQUEST_ID.get() == ""
 
@@ -1326,6 +1329,24 @@ def test_a_json_body_nested_past_the_limit_or_with_a_lone_surrogate_is_refused()
             read_json(json_request(escape))
     assert read_json(json_request(b'"\\ud83d\\ude00"')) == "\U0001f600"  # a pair: one character
 
+    # brackets in strings (escaped quotes too) are no nesting, in keys neither
+    text = b'"[[[[\\"' + b"{" * (2 * depth) + b'"'
+    inner = b"[" * (depth - 1) + b"]" * (depth - 1)  # in the object: at the limit
+    taken = b'{"a": ' + text + b", " + text + b': [[], {}], "b": ' + inner + b"}"
+    assert read_json(json_request(taken))["a"] == '[[[["' + "{" * (2 * depth)
+    with pytest.raises(MalformedRequest, match="lone surrogate"):
+        read_json(json_request(b'{"\\ud800": 1}'))  # in a key
+    # JSON in UTF-16 (json.loads reads it): checked as the text it reads as
+    for wide in ("utf-16", "utf-32-le"):
+        with pytest.raises(MalformedRequest, match="nested more than"):
+            read_json(json_request(("[" * (depth + 1) + "]" * (depth + 1)).encode(wide)))
+        with pytest.raises(MalformedRequest, match="lone surrogate"):
+            read_json(json_request('["\\ud800"]'.encode(wide)))
+        assert read_json(json_request(deepest.decode().encode(wide))) is not None
+    # 340,000 empty lists (1 MB, a kilobyte gzipped): checked without a walk in Python
+    flood = b'{"x": [' + b",".join([b"[]"] * 340_000) + b"]}"
+    assert len(read_json(json_request(flood))["x"]) == 340_000
+
 
 @pytest.mark.parametrize("order", [("k3y", "wrong"), ("wrong", "k3y"), ("k3y", "k3y")])
 def test_two_authorization_headers_are_a_bad_request_whatever_their_order(order):
@@ -1726,3 +1747,29 @@ def test_a_head_written_by_hand_is_the_bytes_h11_writes(status, content_type, he
 )
 def test_a_head_h11_would_write_its_own_way_is_left_to_h11(status, headers):
     assert render_kept(status, "application/json", headers, 3) is None
+
+
+def json_depth(value: Any) -> int:
+    """Levels of nested arrays and objects, counted on the parsed document."""
+    children = value.values() if isinstance(value, dict) else value
+    if isinstance(value, (list, dict)):
+        return 1 + max((json_depth(child) for child in children), default=0)
+    return 0
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet='[]{}"\\ab:,'),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(st.text(alphabet='[]{}"\\a', max_size=4), children, max_size=4)
+    ),
+    max_leaves=30,
+)
+
+
+@given(JSON_VALUES, st.integers(min_value=0, max_value=8), st.booleans())
+def test_the_depth_read_from_the_bytes_is_the_documents(value, limit, ascii_only):
+    """The depth check reads the body's brackets outside strings (in C), where it walked
+    the parsed document in Python: the two agree, whatever the strings hold."""
+    body = json.dumps(value, ensure_ascii=ascii_only).encode()
+    assert nested_deeper_than(body, limit) == (json_depth(value) > limit)

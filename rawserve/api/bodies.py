@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
+import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -57,34 +58,49 @@ def read_json(request: HttpRequest) -> Any:
         raise MalformedRequest("the body is not valid JSON") from None
     except ValueError:  # a number of more digits than Python converts (4,300)
         raise MalformedRequest("the body holds a number too long to read") from None
-    # Both checks walk the document, so they run only when the bytes allow a problem:
-    # fewer brackets than the limit cannot nest past it, and a surrogate is written as
-    # an escape (UTF-8 cannot carry one).
-    deep = body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH
-    escaped = b"\\ud" in body or b"\\uD" in body
-    if deep or escaped:
-        _check_document(document)
+    # Each check runs only where the bytes allow its problem: fewer brackets than the
+    # limit cannot nest past it, and a surrogate is written as an escape (UTF-8 cannot
+    # carry one). Neither walks the document in Python: a walk of 340,000 empty lists
+    # (1 MB, 1 KB gzipped) held the event loop 0.3 s.
+    encoding = json.detect_encoding(body)  # json.loads reads UTF-16 and UTF-32 too
+    utf8 = encoding.startswith("utf-8")
+    if not utf8:  # scanned as the UTF-8 it reads as (a raw surrogate too: always checked)
+        body = body.decode(encoding, "surrogatepass").encode("utf-8", "surrogatepass")
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and nested_deeper_than(
+        body, MAX_JSON_DEPTH
+    ):
+        raise MalformedRequest(TOO_DEEP)
+    if (not utf8 or b"\\ud" in body or b"\\uD" in body) and holds_lone_surrogate(document):
+        raise MalformedRequest("the JSON body holds a lone surrogate (\\ud800-\\udfff)")
     return document
 
 
-def _check_document(document: Any) -> None:
-    stack = [(document, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                lone = "the JSON body holds a lone surrogate (\\ud800-\\udfff)"
-                raise MalformedRequest(lone) from None
-        elif isinstance(value, (list, dict)):
-            if depth > MAX_JSON_DEPTH:
-                raise MalformedRequest(TOO_DEEP)
-            children = value.items() if isinstance(value, dict) else enumerate(value)
-            for key, child in children:
-                if isinstance(key, str):
-                    stack.append((key, depth))
-                stack.append((child, depth + 1))
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(range(256)).translate(None, b"[]{}")
+
+
+def nested_deeper_than(body: bytes, limit: int) -> bool:
+    """Whether the valid JSON `body` nests arrays and objects more than `limit` levels
+    deep: its brackets outside strings, the innermost pairs taken away `limit` times,
+    one level a time (each in C: a regular expression's pass over 340,000 pairs took
+    40 ms, `bytes.replace` 2)."""
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    for _ in range(limit):
+        if not brackets:
+            return False
+        # each pair marked first, so that one pass takes one level: "{[]}" keeps "{}"
+        brackets = brackets.replace(b"[]", b"0").replace(b"{}", b"0").replace(b"0", b"")
+    return bool(brackets)
+
+
+def holds_lone_surrogate(document: Any) -> bool:
+    """Whether a string of `document` (a key too) holds a lone UTF-16 surrogate: its JSON
+    text, written by the C encoder, cannot be UTF-8."""
+    try:
+        json.dumps(document, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 # what `curl -d` types any body it sends: a JSON object so sent had its own text scored,
