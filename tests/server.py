@@ -73,7 +73,7 @@ class RunningServer:
 
     def _prepare_child(self) -> None:
         if self.own_group:  # as a terminal's session starts it, even where the tests run
-            signal.signal(signal.SIGHUP, signal.SIG_DFL)  # under nohup (SIGHUP ignored)
+            sighup_at_default()
         for fd in self.closed:
             os.close(fd)
 
@@ -176,6 +176,12 @@ class RunningServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def sighup_at_default() -> None:
+    """SIGHUP at its default action, as a terminal starts a command: where the tests run
+    under nohup (SIGHUP ignored), a child would inherit it ignored (a `preexec_fn`)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def ipv6_loopback() -> bool:

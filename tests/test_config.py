@@ -457,6 +457,8 @@ def test_a_stop_while_the_server_s_modules_are_imported_stops_the_start(signum):
     stops the start from the command's first line, as Ctrl-C does."""
     script = (
         SIGTERM_WHILE_IMPORTING.replace("signal.SIGTERM", f"signal.{signum.name}")
+        # a terminal's SIGHUP: where the tests run under nohup, it would stay ignored
+        + "signal.signal(signal.SIGHUP, signal.SIG_DFL)\n"
         + 'runpy.run_module("rawserve", run_name="__main__", alter_sys=True)\n'
     )
     done = run_python("-c", script, *ECHO, "--port", "0")

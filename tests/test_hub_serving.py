@@ -23,7 +23,7 @@ import pytest
 
 from tests.hub_cache import HubRepo, folder_files, write_hub_cache
 from tests.hub_server import CDN_PREFIX, FakeHub
-from tests.server import REPO_ROOT, RunningServer, running_together
+from tests.server import REPO_ROOT, RunningServer, running_together, sighup_at_default
 
 pytestmark = pytest.mark.slow
 
@@ -162,6 +162,7 @@ def test_a_stop_during_a_download_exits_at_once_saying_so(tmp_path, repo, stop):
             stderr=subprocess.PIPE,
             text=True,
             stdin=subprocess.DEVNULL,
+            preexec_fn=sighup_at_default,  # a terminal's SIGHUP: under nohup it stays ignored
         )
         try:
             deadline = time.monotonic() + 60
