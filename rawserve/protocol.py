@@ -377,8 +377,8 @@ class HttpProtocol(asyncio.Protocol):
                 # pipelined requests answered at once (404s, 401s, probes): the other
                 # connections' turn, then on. In one pass, 10,000 of them (260 KB) held
                 # the event loop a second for every other client.
-                self._flow.pause_reading()  # resumed once what was read is parsed
-                self.loop.call_soon(self.handle_events)
+                self._flow.pause_reading()
+                self.loop.call_soon(self._read_on)
                 return
             try:
                 event = self.conn.next_event()
@@ -402,6 +402,18 @@ class HttpProtocol(asyncio.Protocol):
             elif isinstance(event, h11.ConnectionClosed):
                 self.close()
                 return
+
+    def _read_on(self) -> None:
+        """Go on with the pipelined requests after the other connections' turn, reading
+        again unless READ_AHEAD_LIMIT bytes wait: a request among them that runs the
+        model must see its client leave (with reading paused until all that was read had
+        been parsed, one after 32 answered at once ran its whole generation for a client
+        that had gone), and a backlog must not grow while it is worked through."""
+        if self.phase is Phase.CLOSED:
+            return
+        if self.read_ahead <= READ_AHEAD_LIMIT:
+            self._flow.resume_reading()
+        self.handle_events()
 
     def _on_request(self, event: h11.Request) -> None:
         fields = list(event.headers)  # h11's Headers iterate slowly: one pass, kept

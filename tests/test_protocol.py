@@ -340,6 +340,23 @@ async def test_requests_answered_at_once_keep_pipelined_order_without_a_task():
     assert not transport.finished  # a 503 keeps the connection
 
 
+async def test_a_request_after_a_pass_of_quick_answers_still_sees_its_client_leave():
+    """Past the requests one pass reads, reading paused until all that was read had been
+    parsed: a generation after 32 pipelined 404s ran whole for a client that had gone
+    (its FIN never read). A small backlog reads on; a large one waits, as while
+    answering (`test_a_large_pipelined_backlog_pauses_reading_until_answered`)."""
+    app = App()
+    protocol, transport = connected_to(app)
+    quick = [b"GET /now%d HTTP/1.1\r\nHost: a\r\n\r\n" % i for i in range(40)]
+    protocol.data_received(b"".join([*quick, b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n"]))
+    assert not transport.reading  # 32 answered: the others' turn
+    await settle()
+    assert [r.path for r in app.seen] == ["/slow"] and transport.reading
+    protocol.connection_lost(None)  # the client leaves: seen, its work withdrawn
+    await settle()
+    assert app.cancelled == 1
+
+
 async def test_no_second_request_is_read_while_one_is_pending(server):
     app, protocol, transport = server
     slow = b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n"
@@ -1342,6 +1359,10 @@ def test_a_json_body_nested_past_the_limit_or_with_a_lone_surrogate_is_refused()
     assert read_json(json_request(taken))["a"] == '[[[["' + "{" * (2 * depth)
     with pytest.raises(MalformedRequest, match="lone surrogate"):
         read_json(json_request(b'{"\\ud800": 1}'))  # in a key
+    # its own bytes, which no UTF-8 holds, but json.loads reads: a 500 in the tokenizer
+    for raw in (b'{"inputs": "ab\xed\xa0\x80cd"}', b'["\xed\xbf\xbf"]'):
+        with pytest.raises(MalformedRequest, match="lone surrogate"):
+            read_json(json_request(raw))
     # JSON in UTF-16 (json.loads reads it): checked as the text it reads as
     for wide in ("utf-16", "utf-32-le"):
         with pytest.raises(MalformedRequest, match="nested more than"):
