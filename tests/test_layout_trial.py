@@ -362,18 +362,9 @@ def test_a_first_start_with_no_device_times_the_layout_then_keeps_it(tiny_model,
 def test_a_stop_during_the_first_starts_trial_ends_it_and_the_server_at_once(tiny_model, tmp_path):
     """SIGTERM while the timers load: the trial stops (nothing kept), no worker starts,
     and the server exits 0 with none of its processes left running."""
-    env = {"RAWSERVE_DEVICE": "", "RAWSERVE_CACHE_DIR": str(tmp_path)}
-    server = RunningServer(["--model", tiny_model("text-classification")], env=env)
-    server.start(wait_ready=False)
+    server = first_start(tiny_model, tmp_path)
     try:
-        server.wait_for_log(re.compile(r"layout trial \(first start only\)"))
-        assert server.process is not None
-        children: list[int] = []
-        deadline = time.monotonic() + 30
-        while not children:  # the timers (and the resource tracker), once started
-            assert time.monotonic() < deadline, "no timer started"
-            time.sleep(0.05)
-            children = child_pids(server.process.pid)
+        children = trial_children(server, at_least=1)
         server.signal(signal.SIGTERM)
         assert server.process.wait(timeout=30) == 0
     finally:
@@ -393,18 +384,10 @@ def test_the_trials_timers_exit_with_a_server_that_is_killed(tiny_model, tmp_pat
     """SIGKILL of the server while its timers load the model: they went on loading,
     exporting and timing it (14 s of a tiny model's first start, a large one's whole
     load with its memory), then died of a broken pipe, its traceback in the log."""
-    env = {"RAWSERVE_DEVICE": "", "RAWSERVE_CACHE_DIR": str(tmp_path)}
-    server = RunningServer(["--model", tiny_model("text-classification")], env=env)
-    server.start(wait_ready=False)
+    server = first_start(tiny_model, tmp_path)
     try:
-        server.wait_for_log(re.compile(r"layout trial \(first start only\)"))
+        children = trial_children(server, at_least=2)
         assert server.process is not None
-        children: list[int] = []
-        deadline = time.monotonic() + 30
-        while len(children) < 2:  # the timers (and the resource tracker), once started
-            assert time.monotonic() < deadline, "no timer started"
-            time.sleep(0.05)
-            children = child_pids(server.process.pid)
         server.process.kill()
         server.process.wait(10)
         deadline = time.monotonic() + 4
@@ -413,6 +396,28 @@ def test_the_trials_timers_exit_with_a_server_that_is_killed(tiny_model, tmp_pat
             time.sleep(0.1)
     finally:
         server.stop()
+
+
+def first_start(tiny_model, tmp_path: Path) -> RunningServer:
+    """A server started on a classifier with no device and an empty cache: it runs the
+    layout trial (not waited for)."""
+    env = {"RAWSERVE_DEVICE": "", "RAWSERVE_CACHE_DIR": str(tmp_path)}
+    server = RunningServer(["--model", tiny_model("text-classification")], env=env)
+    return server.start(wait_ready=False)
+
+
+def trial_children(server: RunningServer, at_least: int) -> list[int]:
+    """The server's child processes once its trial began and `at_least` of them run: the
+    timers (and the resource tracker)."""
+    server.wait_for_log(re.compile(r"layout trial \(first start only\)"))
+    assert server.process is not None
+    children: list[int] = []
+    deadline = time.monotonic() + 30
+    while len(children) < at_least:
+        assert time.monotonic() < deadline, "no timer started"
+        time.sleep(0.05)
+        children = child_pids(server.process.pid)
+    return children
 
 
 def child_pids(pid: int) -> list[int]:
