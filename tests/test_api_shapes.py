@@ -50,6 +50,7 @@ from rawserve.http.errors import (
     PayloadTooLarge,
     UnprocessableInput,
     UnsupportedMediaType,
+    as_http_error,
 )
 from rawserve.http.exchange import HttpRequest
 from rawserve.serving.face import ItemResult
@@ -1047,6 +1048,9 @@ class TimedOutStream:
         self.ended.append(error)
         return error
 
+    def failed(self, exc: Exception) -> HTTPError:
+        return self.ended_with(as_http_error(exc))
+
     def close(self) -> None:
         self.closed = True
 
@@ -1100,6 +1104,61 @@ class FinishedStream(TimedOutStream):
     def output(self):
         details = {"finish_reason": "stop_sequence", "generated_tokens": 4, "prompt_tokens": 1}
         return {"generated_text": "".join(self.texts), "details": details}
+
+
+def formatting_fails(monkeypatch, module, name):
+    """Make `module.name` fail as a bug of the server's would, past the stream's head."""
+
+    def failing(*args, **kwargs):
+        raise KeyError("finish_reason")
+
+    monkeypatch.setattr(module, name, failing)
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_an_openai_stream_whose_last_chunk_fails_to_form_ends_with_an_error_then_done(
+    chat, monkeypatch, caplog
+):
+    """A bug in forming the last chunk (its generation done) cut the transfer off: the
+    client saw a broken connection, not the error and `data: [DONE]`."""
+    from rawserve.api import openai_answers
+
+    formatting_fails(monkeypatch, openai_answers, "finish_reason")
+    stream = FinishedStream(["he", "llo"])
+
+    async def read() -> list[bytes]:
+        events = Answer(chat, "m").events([stream], [], True)  # type: ignore[list-item]
+        return [event async for event in events]
+
+    with caplog.at_level("ERROR", logger="rawserve.errors"):
+        raw = asyncio.run(read())
+    assert raw[-1] == b"data: [DONE]\n\n"
+    error = json.loads(raw[-2].removeprefix(b"data:"))["error"]
+    assert error["message"] == "internal server error" and error["type"] == "server_error"
+    assert [error.status for error in stream.ended] == [500]
+    assert "unexpected error while handling request" in caplog.text  # its traceback, logged
+    assert stream.closed
+
+
+def test_a_response_stream_whose_end_fails_to_form_ends_with_response_failed(monkeypatch):
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    formatting_fails(monkeypatch, ResponseAnswer, "finished")
+    _, settings = parse_response({"input": "hi", "stream": True})
+    stream = FinishedStream(["he", "llo"])
+
+    async def read() -> list[bytes]:
+        events = ResponseAnswer("m", settings).events([stream], [], False)  # type: ignore[list-item]
+        return [event async for event in events]
+
+    raw = asyncio.run(read())
+    last = TypeAdapter(ResponseStreamEvent).validate_json(raw[-1].split(b"data: ", 1)[1])
+    assert last.type == "response.failed"
+    assert last.response.error.message == "internal server error"
+    [message] = last.response.output  # what was said stays in it
+    assert message.content[0].text == "hello"
+    assert [error.status for error in stream.ended] == [500]
 
 
 def test_a_stream_held_to_tools_sends_no_words_past_a_stop_sequence():

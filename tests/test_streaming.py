@@ -543,3 +543,23 @@ async def test_a_server_failure_mid_stream_ends_it_with_an_error_event(caplog):
     assert [event["token"]["text"] for event in events[:-1]] == [" a"]  # " b" held back
     assert events[-1] == {"error": "internal server error", "error_type": "internal_error"}
     assert "unexpected error while handling request" in caplog.text  # its traceback, logged
+
+
+async def test_a_tgi_stream_whose_last_event_fails_to_form_ends_with_an_error_event(
+    monkeypatch, caplog
+):
+    """A bug in forming the last event (its generation done) cut the transfer off."""
+    from rawserve.api import streaming
+
+    def failing(*args, **kwargs):
+        raise KeyError("details")
+
+    monkeypatch.setattr(streaming, "tgi_output", failing)
+    executor = FakeExecutor()
+    scheduler = FakeScheduler(executor, [" a", " b"], {"generated_text": " a b", "details": {}})
+    response = await open_stream(scheduler, executor)
+    with caplog.at_level("ERROR", logger="rawserve.errors"):
+        events = await collect(response)
+    assert [event["token"]["text"] for event in events[:-1]] == [" a"]  # " b" held back
+    assert events[-1] == {"error": "internal server error", "error_type": "internal_error"}
+    assert "unexpected error while handling request" in caplog.text

@@ -29,7 +29,7 @@ from rawserve.api.openai_logprobs import (
 from rawserve.api.openai_tools import WORDS_OPENING, StreamedWords, Tools, words_end
 from rawserve.api.reasoning import CONTENT, REASONING, Thinking, said, split_answer
 from rawserve.api.streaming import TokenStream, merged, spaced_sse
-from rawserve.http.errors import HTTPError, openai_error_document
+from rawserve.http.errors import openai_error_document
 from rawserve.tasks.text_generation import stop_start, stop_tail
 
 # finish reasons: the worker's (TGI's) → OpenAI's
@@ -407,12 +407,7 @@ class Answer:
                         for ready in self.sending(index, sending, thoughts):
                             yield spaced_sse(ready)
                     continue
-                try:
-                    output = streams[index].output()
-                except HTTPError as error:  # the error, then the end, as vLLM ends it
-                    yield spaced_sse(openai_error_document(streams[index].ended_with(error)))
-                    yield DONE
-                    return
+                output = streams[index].output()
                 reason = finish_reason(output["details"])
                 if self.tools is not None:
                     if (rest := choice.rest(output, ())) is not None:
@@ -433,6 +428,10 @@ class Answer:
             if include_usage:
                 every = usage(outputs, n)  # each prompt read once
                 yield spaced_sse({**self.head(True), "choices": [], "usage": every})
+            yield DONE
+        except Exception as exc:  # noqa: BLE001 - a choice's error or a bug: the error, then
+            # the end, as vLLM ends it
+            yield spaced_sse(openai_error_document(streams[0].failed(exc)))
             yield DONE
         finally:
             for stream in streams:

@@ -45,7 +45,7 @@ from rawserve.api.reasoning import CONTENT, REASONING, Thinking, split_answer
 from rawserve.api.routing import DocContext, Schema
 from rawserve.api.streaming import TokenStream, merged
 from rawserve.http.encoding import dumps
-from rawserve.http.errors import BadRequest, HTTPError
+from rawserve.http.errors import BadRequest
 
 ROLES = ("user", "assistant", "system", "developer")
 # the text parts a message's content may hold: the client's, and an earlier answer's
@@ -405,16 +405,7 @@ class ResponseAnswer:
                 if sending is not None:
                     for sent in items.add(pieces(thinking, sending[0])):
                         yield sent
-            try:
-                output = streams[0].output()
-            except HTTPError as error:  # OpenAI's stream ends so when its answer fails
-                streams[0].ended_with(error)
-                failure = {"code": "server_error", "message": error.message}
-                # the text sent before the failure stays in it, as OpenAI's keeps it
-                said = items.said("incomplete")
-                failed = self.response("failed", said, error=failure)
-                yield items.event("response.failed", response=failed)
-                return
+            output = streams[0].output()
             rest = choice.rest(output, stops)
             ending = pieces(thinking, rest[0] if rest is not None else "")
             if thinking is not None:
@@ -429,6 +420,14 @@ class ResponseAnswer:
                 yield sent
             ended = "response." + answered["status"]  # completed or incomplete, as OpenAI's
             yield items.event(ended, response=answered)
+        except Exception as exc:  # noqa: BLE001 - OpenAI's stream ends so when its answer
+            # fails (or a bug of the server's fails it)
+            error = streams[0].failed(exc)
+            failure = {"code": "server_error", "message": error.message}
+            # the text sent before the failure stays in it, as OpenAI's keeps it
+            said = items.said("incomplete")
+            failed = self.response("failed", said, error=failure)
+            yield items.event("response.failed", response=failed)
         finally:
             for stream in streams:
                 stream.close()

@@ -212,6 +212,12 @@ class TokenStream:
             raise as_http_error(exc, self.request_id) from None
         return unwrap(result)
 
+    def failed(self, exc: Exception) -> HTTPError:
+        """`ended_with` the error of whatever ended the stream's events once its head was
+        out: the request's own HTTP error, or a bug of the server's as a 500 whose
+        traceback is logged (its client gets an error event, not a transfer cut off)."""
+        return self.ended_with(as_http_error(exc, self.request_id))
+
     def ended_with(self, error: HTTPError) -> HTTPError:
         """`error`, which the stream's client gets as its last event, logged with the
         request's id: its head went out as 200, which its access line and /metrics say,
@@ -436,11 +442,7 @@ async def _events(stream: TokenStream) -> AsyncGenerator[bytes, None]:
                 yield sse(_event(index, sent.token))
                 emitted += "" if sent.token["special"] else sent.token["text"]
                 index += 1
-        try:
-            output = stream.output()
-        except HTTPError as error:  # TGI's events: TGI's types
-            yield sse(error_document(tgi_error(stream.ended_with(error))))
-            return
+        output = stream.output()
         last_token = dict(held.token) if held is not None else None
         text = output["generated_text"]
         generated = text.removeprefix(stream.echoed)  # the tokens' part of the text
@@ -449,6 +451,8 @@ async def _events(stream: TokenStream) -> AsyncGenerator[bytes, None]:
             last_token["text"] = generated[len(emitted) :]
         details = tgi_output(output, streamed=True).get("details")
         yield sse(_event(index, last_token, text, details))
+    except Exception as exc:  # noqa: BLE001 - the request's error or a bug: TGI's event
+        yield sse(error_document(tgi_error(stream.failed(exc))))
     finally:
         stream.close()
 
