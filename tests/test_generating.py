@@ -625,8 +625,9 @@ def test_a_stop_sequence_counts_in_the_piece_it_ends_in_and_the_piece_ends_with_
 
 
 def test_an_asked_min_new_tokens_holds_stop_sequences_back_on_both_paths(runner):
-    """OpenAI's min_tokens as vLLM reads it: no stop sequence ends a row before it, as
-    no end of sequence does; the output says where in its text stops start to count."""
+    """OpenAI's min_tokens as vLLM reads it: no stop sequence ends in its tokens' text,
+    as no end of sequence is among them; the output says where in its text stops start
+    to count. (A stop was let end in the last of them: min_tokens 1 held none back.)"""
     free = {**GREEDY, "max_new_tokens": 12}
     [(_, got, _)] = as_the_static_path(runner, free, ["the movie was"])
     ids = [t["id"] for t in got[0]["details"]["tokens"]]
@@ -636,10 +637,10 @@ def test_an_asked_min_new_tokens_holds_stop_sequences_back_on_both_paths(runner)
     [(_, got, _)] = as_the_static_path(runner, held, ["the movie was"])
     details = got[0]["details"]
     made = details["generated_tokens"]
-    assert made >= 6, got  # without min_new_tokens the first token ends it
-    assert details["stops_from"] == len(texts[5])  # the text before the sixth token
-    # it ends at the first stop that ends in the sixth token's text or a later one's
-    ends = [n for n in range(6, len(ids) + 1) if stop in texts[n][len(texts[n - 1]) :]]
+    assert made >= 7, got  # without min_new_tokens the first token ends it
+    assert details["stops_from"] == len(texts[6])  # the text before the seventh token
+    # it ends at the first stop that ends in the seventh token's text or a later one's
+    ends = [n for n in range(7, len(ids) + 1) if stop in texts[n][len(texts[n - 1]) :]]
     if ends:
         assert details["finish_reason"] == "stop_sequence" and made == ends[0], (ends, got)
     else:
@@ -658,8 +659,9 @@ def test_min_new_tokens_ending_in_a_run_of_byte_tokens_counts_stops_where_a_stre
 
     forced = {**GREEDY, "return_full_text": False, "grammar": {"type": "regex", "value": "ab😀cd"}}
     stop = ["b", "😀"]
-    for at_least in (4, 7):  # inside the run (tokens 3 to 6); the token its text comes with
-        params = {**forced, "stop": stop, "min_new_tokens": at_least}
+    # stops counted from inside the run (tokens 3 to 6), and from the token its text comes with
+    for at_least in (4, 7):
+        params = {**forced, "stop": stop, "min_new_tokens": at_least - 1}
         [(_, got, _)] = as_the_static_path(llama, params, ["the movie"])
         output = got[0]
         tokens = output["details"]["tokens"]

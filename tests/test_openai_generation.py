@@ -943,6 +943,12 @@ def test_vllms_min_tokens_holds_stop_sequences_back_streamed_or_not(servers):
     chunks = list(plain.completions.create(**held, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == text
     assert chunks[-1].choices[0].finish_reason == finish
+    # min_tokens 1: no stop ends in the first token's text (one ending there cut it to "")
+    one = {**asked, "stop": [stop], "extra_body": {"min_tokens": 1}}
+    first = plain.completions.create(**one).choices[0].text
+    assert first.startswith(stop), first
+    chunks = list(plain.completions.create(**one, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == first
 
 
 def test_vllms_guided_fields_hold_the_answer_as_response_format_does(servers):

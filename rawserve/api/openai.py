@@ -75,7 +75,12 @@ from rawserve.http.errors import BadRequest, HTTPError, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.serving.face import EMBEDDING_ROUTE, ItemResult
 from rawserve.tasks.checks import BlankInput, not_blank
-from rawserve.tasks.text_generation import GRAMMAR_FAILED, GRAMMAR_REFUSED, THINKING_IN_CONTENT
+from rawserve.tasks.text_generation import (
+    GRAMMAR_FAILED,
+    GRAMMAR_REFUSED,
+    THINKING_IN_CONTENT,
+    stops_after,
+)
 
 EMBEDDING_TASK = "feature-extraction"
 EMBEDDING = Needs(frozenset({EMBEDDING_TASK}), "a feature-extraction model")
@@ -410,14 +415,13 @@ class OpenAIRoutes:
                 largest,
                 generated,
             )
-        stops_after = int(generation.params.get("min_new_tokens", 0))
         if shape is None:
             shape = Answer(
                 chat,
                 model.name,
                 generation.logprobs,
                 tools=generation.tools,
-                stops_after=stops_after,
+                stops_after=stops_after(generation.params),
                 # a reasoning model's thinking, apart (before an answer a grammar holds
                 # too: the worker holds it after the thinking), but where the operator
                 # keeps it in the content

@@ -152,6 +152,14 @@ GRAMMAR_REFUSED = "the grammar cannot be used: "
 GRAMMAR_FAILED = "the grammar failed: "
 
 
+def stops_after(params: Mapping[str, Any]) -> int:
+    """The first new token whose text a stop sequence may end in: the one after an asked
+    `min_new_tokens` (OpenAI's min_tokens), which holds stop sequences back as it holds
+    the end of sequence, as vLLM reads it (no stop ending in its tokens' text); the
+    model's own generation config does not (`generate` applies it to the end alone)."""
+    return int(params.get("min_new_tokens") or 0) + 1
+
+
 def stop_start(text: str, stop: str, past: int = 0) -> int:
     """Where `stop` first ends past `past` in `text` starts (-1: nowhere); one that ends
     at or before `past` (in the text before `min_tokens`) does not count."""

@@ -35,6 +35,7 @@ from rawserve.tasks.text_generation import (
     TOKEN_COUNTS_ONLY,
     first_stop_end,
     returns_full_text,
+    stops_after,
 )
 from rawserve.worker.continuous import Generation, cache_keyword, cache_of, end_ids
 from rawserve.worker.decode_graphs import GraphedDecode
@@ -167,14 +168,6 @@ def nine_characters(call_id: str) -> str:
     if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
         return call_id
     return hashlib.sha256(call_id.encode()).hexdigest()[:9]
-
-
-def stops_after(params: dict[str, Any]) -> int:
-    """The first new token whose text a stop sequence may end in: an asked
-    `min_new_tokens` (OpenAI's min_tokens) holds stop sequences back as it holds the end
-    of sequence, as vLLM does; the model's own generation config does not (`generate`
-    applies it to the end of sequence alone)."""
-    return int(params.get("min_new_tokens") or 0)
 
 
 def lists_tokens(params: dict[str, Any], control: Control) -> bool:
