@@ -824,6 +824,19 @@ def test_an_endpoint_that_does_not_answer_as_the_hub_leaves_the_cache_served(
     assert ("not JSON" if endpoint_class is WebPage else "redirects") in line
 
 
+def test_a_branch_deleted_on_the_hub_stops_the_start_though_it_is_cached(tmp_path):
+    """The Hub's 404 for a revision is its error and httpx's too: a first version of the
+    cache standing in for the Hub took it for a failed download and served the deleted
+    branch's snapshot from the cache."""
+    repo = make_repo()
+    repo.add_commit(FILES, refs=("dev",))
+    with FakeHub([repo]) as hub:
+        resolved(run_resolve("org/tiny@dev", tmp_path, HF_ENDPOINT=hub.endpoint))
+        del repo.refs["dev"]
+        line = one_error_line(run_resolve("org/tiny@dev", tmp_path, HF_ENDPOINT=hub.endpoint))
+    assert "has no revision 'dev'" in line, line
+
+
 def test_a_network_that_drops_mid_download_is_one_line_and_each_retry_one_log_line(tmp_path):
     with FakeHub([make_repo()], cut_downloads=True) as hub:
         result = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint)

@@ -248,6 +248,10 @@ def pinned(revision: str | None) -> bool:
     return revision is not None and bool(COMMIT.fullmatch(revision))
 
 
+# the Hub's answers that no such repo, revision or access is there
+HUB_SAYS_NO = (RepositoryNotFoundError, RevisionNotFoundError, DisabledRepoError)
+
+
 def cache_in_place_of_the_hub(
     exc: BaseException, repo_id: str, revision: str | None, asked: str | None
 ) -> tuple[Path, str] | None:
@@ -257,7 +261,11 @@ def cache_in_place_of_the_hub(
     error, but not where its API answers something that is not the Hub's (a web page, a
     proxy's login form: not JSON) or never answers (a redirect loop), nor where a proxy
     fails: those stopped a start that the cache could serve. Where the revision's own
-    snapshot is not whole, a branch's whole earlier one serves (`earlier_whole_snapshot`)."""
+    snapshot is not whole, a branch's whole earlier one serves (`earlier_whole_snapshot`).
+    The Hub's own no (its errors are httpx's too) stops the start, as huggingface_hub
+    has it: a branch deleted on the Hub is not served from the cache."""
+    if isinstance(exc, HUB_SAYS_NO):
+        return None
     if isinstance(exc, (json.JSONDecodeError, httpx2.HTTPError)):
         from huggingface_hub import snapshot_download  # (here: see the module's docstring)
 
