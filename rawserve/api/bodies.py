@@ -78,7 +78,6 @@ def read_json(request: HttpRequest) -> Any:
     return document
 
 
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(range(256)).translate(None, b"[]{}")
 _AS_SQUARE = bytes.maketrans(b"{}", b"[]")  # valid JSON nests them properly: one kind will do
 _AS_STEPS = bytes.maketrans(b"[]", b"\x01\xff")  # +1 and -1, as signed bytes
@@ -93,7 +92,7 @@ def nested_deeper_than(body: bytes, limit: int) -> bool:
     each take the innermost level away (pairs one makes are not matched in it), which
     ends a flood of shallow lists at once; what is left is measured in one pass, each
     bracket a step up or down (63 passes over 7,900 lists 63 deep took 130 ms)."""
-    brackets = _JSON_STRING.sub(b"", body).translate(_AS_SQUARE, _NOT_BRACKETS)
+    brackets = outside_strings(body).translate(_AS_SQUARE, _NOT_BRACKETS)
     quick = min(limit, QUICK_PASSES)
     for _ in range(quick):
         if not brackets:
@@ -102,6 +101,15 @@ def nested_deeper_than(body: bytes, limit: int) -> bool:
     if not brackets or quick == limit:
         return bool(brackets)
     return max(accumulate(array("b", brackets.translate(_AS_STEPS)))) > limit - quick
+
+
+def outside_strings(body: bytes) -> bytes:
+    """The valid JSON `body` less its strings, in C: escaped backslashes and quotes go
+    (backslashes pair from the left, as JSON reads them), and every other part between
+    the quotes left is a string. A regular expression matching the strings held the
+    loop 0.2-0.3 s on a 1 KB gzipped body of escapes or of empty strings."""
+    unescaped = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    return b"".join(unescaped.split(b'"')[::2])
 
 
 def holds_lone_surrogate(document: Any) -> bool:
