@@ -182,11 +182,12 @@ async def test_routes_whose_body_names_the_model_are_refused_from_the_head_when_
     embeddings = request("POST", "/v1/embeddings", b'{"input": "hi", "model": "embedder"}')
     predict = request("POST", "/predict", b'{"inputs": "hi"}')
     fill(embedder)
-    # another embedding model can still take work: the body is read to see which is named
-    assert app.answer_now(embeddings) is None
     fill(other_embedder)
-    refused = app.answer_now(embeddings)  # an OpenAI route: rendered in OpenAI's shape
-    assert refused is not None and refused.status == 503
+    # two embedding models fit: the body is read to see which is named, and refused then
+    # (before its texts are tokenized), in the route's dialect: OpenAI's shape
+    assert app.answer_now(embeddings) is None
+    refused = await app.handle(embeddings)
+    assert refused.status == 503
     assert "queue full" in json.loads(refused.body)["error"]["message"]
     assert dict(refused.headers)["Retry-After"]
     assert app.answer_now(predict) is None  # the classifier's queue has room
@@ -255,18 +256,30 @@ class Drops:
         pass
 
 
-async def test_a_refusal_from_the_head_is_counted_once_against_the_model_that_gives_it():
+async def test_a_refusal_is_counted_once_against_the_model_the_request_is_for():
+    """Of several models a route fits, all of them full, the refusal was given from the
+    head in the first one's name and counted against it, whichever the body named."""
     embedder = served("embedder", "feature-extraction")
     spare = served("spare", "feature-extraction", max_queue=4)
     app = App(ServedModels([embedder, spare]))
-    drops = Drops()
-    embedder.serving.queue.metrics = spare.serving.queue.metrics = drops
+    drops = {model.name: Drops() for model in (embedder, spare)}
+    for model in (embedder, spare):
+        model.serving.queue.metrics = drops[model.name]
+    for_spare = request("POST", "/embed", b'{"inputs": "hi", "model": "spare"}')
     fill(embedder)
-    assert app.answer_now(request("POST", "/embed", b'{"inputs": "hi"}')) is None
-    assert drops.reasons == []  # looking at a full queue is not refusing anyone
     fill(spare)
-    status, _, _ = tei_refusal(app, request("POST", "/embed", b'{"inputs": "hi"}'))
-    assert status == 503 and drops.reasons == ["rejected"]
+    assert app.answer_now(for_spare) is None  # the body says which
+    refused = await app.handle(for_spare)
+    assert refused.status == 503 and json.loads(refused.body)["error_type"] == "Overloaded"
+    assert (drops["embedder"].reasons, drops["spare"].reasons) == ([], ["rejected"])
+    # where one model fits the route, from the head, counted once against it
+    alone = served("alone", "feature-extraction")
+    alone.serving.queue.metrics = counted = Drops()
+    single = App(ServedModels([alone]))
+    assert app.answer_now(request("POST", "/embed", b"")) is None  # (several fit here)
+    fill(alone)
+    status, _, _ = tei_refusal(single, request("POST", "/embed", b'{"inputs": "hi"}'))
+    assert status == 503 and counted.reasons == ["rejected"]
 
 
 async def test_options_star_asks_about_the_server_as_a_whole(app):
@@ -282,17 +295,17 @@ async def test_options_star_asks_about_the_server_as_a_whole(app):
     assert refused.value.status == 405
 
 
-async def test_a_loading_model_is_no_reason_to_read_a_body_another_must_refuse():
+async def test_of_several_models_one_loading_the_body_names_which_refuses():
     loading = served("loading", "feature-extraction")
     loading.serving.workers.ready = False
     full = served("full", "feature-extraction")
     app = App(ServedModels([loading, full]))
-    embed = request("POST", "/embed", b'{"inputs": "hi"}')
-    assert app.answer_now(embed) is None  # "full" has room: the body is read
     fill(full)
-    answer = app.answer_now(embed)  # neither can take it: the first one's 503, from the head
-    assert answer is not None and answer.status == 503
-    assert json.loads(answer.body) == {"error": "the model is loading", "error_type": "Unhealthy"}
+    for named, error in (("loading", "the model is loading"), ("full", "queue full")):
+        embed = request("POST", "/embed", b'{"inputs": "hi", "model": "%s"}' % named.encode())
+        assert app.answer_now(embed) is None  # the body is read
+        answer = await app.handle(embed)
+        assert answer.status == 503 and error in json.loads(answer.body)["error"], answer.body
 
 
 @pytest.mark.parametrize(

@@ -30,13 +30,20 @@ class RouteContext:
         seconds = request_timeout(request, self.settings.timeout, self.settings.max_timeout)
         return request.received_at + seconds
 
-    def model_for(self, name: Any, needs: Needs = ANY_MODEL) -> ServedModel:
+    def model_for(
+        self, name: Any, needs: Needs = ANY_MODEL, queued_for: HttpRequest | None = None
+    ) -> ServedModel:
         """The model a body's "model" field selects, taking work now (503 while loading or
-        draining) and fitting the route (404 saying what it needs)."""
+        draining) and fitting the route (404 saying what it needs). `queued_for`: the
+        request, on a route that queues work for the model: its 503 where it could not be
+        admitted now (the queue full, a generation's row out of reach by its deadline),
+        before the body is checked or tokenized, and counted for the model it names."""
         if name is not None and not isinstance(name, str):
             raise BadRequest('"model" must be a string', param="model")
         model = self.select(name, needs)
         self.take(model, needs)
+        if queued_for is not None:
+            model.refuse_if_busy(self.deadline(queued_for))
         return model
 
     def take(self, model: ServedModel, needs: Needs) -> None:

@@ -241,20 +241,18 @@ class InferenceRoutes:
         model.refuse_if_busy(self.context.deadline(request))
 
     def refuse_now_if_none_can(self, request: HttpRequest, needs: Needs) -> None:
-        """For a route whose body names the model (OpenAI, TEI): raise the 503 of the
-        first model that fits the route when none of them can take work now, or the 404
-        when none fits it at all, without reading the body. A body naming another model
-        would have had its own answer (a 404, a 400); under overload a quick 503 matters
-        more than that precision."""
-        gate, models = self.context.gate, self.context.models.all
+        """For a route whose body names the model (OpenAI, TEI, TGI): raise the 503 of
+        the one model that fits the route when it cannot take work now, or the 404 when
+        none fits it at all, without reading the body. Where several fit, the body says
+        which: its refusal (`model_for`) comes before it is checked or tokenized, and is
+        counted for that model (one from the head was counted for the first of them)."""
+        models = self.context.models.all
         fitting = [model for model in models if needs.missing(model) is None]
         if not fitting:  # every body gets the route's 404 (what each serves): from the head
             self.context.model_for(None, needs)  # (raises it)
             return
-        deadline = self.context.deadline(request)
-        if any(gate.open_for(model) and not model.serving.refuses(deadline) for model in fitting):
-            return  # one of them can: the request is read and routed as usual
-        self.refuse_now(request, fitting[0])
+        if len(fitting) == 1:
+            self.refuse_now(request, fitting[0])
 
     async def infer(self, request: HttpRequest) -> HttpResponse:
         return await self.infer_with(self.context.models.default, request)

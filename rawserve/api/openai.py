@@ -290,7 +290,7 @@ class OpenAIRoutes:
 
     async def embeddings(self, request: HttpRequest) -> HttpResponse:
         document = read_json(request)
-        model = self.context.model_for(named(document), EMBEDDING)
+        model = self.context.model_for(named(document), EMBEDDING, queued_for=request)
         fields = EMBEDDINGS.read(document)
         context = DocContext(model, self.context.settings.max_client_batch_size)
         inputs, params, encoding_format = parse_embeddings_request(fields, context)
@@ -304,17 +304,17 @@ class OpenAIRoutes:
 
     async def chat_completions(self, request: HttpRequest) -> HttpResponse:
         document = read_json(request)
-        model = self.context.model_for(named(document), GENERATION)
+        model = self.context.model_for(named(document), GENERATION, queued_for=request)
         return await self.chat(request, model, document)
 
     async def completions(self, request: HttpRequest) -> HttpResponse:
         document = read_json(request)
-        model = self.context.model_for(named(document), GENERATION)
+        model = self.context.model_for(named(document), GENERATION, queued_for=request)
         return await self.complete(request, model, document)
 
     async def responses(self, request: HttpRequest) -> HttpResponse:
         document = read_json(request)
-        model = self.context.model_for(named(document), GENERATION)
+        model = self.context.model_for(named(document), GENERATION, queued_for=request)
         return await self.respond(request, model, document)
 
     def model_generation(self, model: ServedModel, answer: Answering) -> Handler:

@@ -152,7 +152,7 @@ class TeiRoutes:
     async def embed(self, request: HttpRequest) -> HttpResponse:
         """A pooled sentence vector per input (normalized unless `normalize: false`)."""
         fields = EMBED.read(read_json(request))
-        model = self.context.model_for(fields.get("model"), EMBEDDING)
+        model = self.context.model_for(fields.get("model"), EMBEDDING, queued_for=request)
         inputs = await self.inputs(fields, model)
         await self.refuse_too_long(model, inputs, fields)
         params: dict[str, Any] = {
@@ -168,7 +168,7 @@ class TeiRoutes:
     async def embed_all(self, request: HttpRequest) -> HttpResponse:
         """Every token's vector, unpooled, per input."""
         fields = EMBED_ALL.read(read_json(request))
-        model = self.context.model_for(fields.get("model"), EMBEDDING)
+        model = self.context.model_for(fields.get("model"), EMBEDDING, queued_for=request)
         inputs = await self.inputs(fields, model)
         await self.refuse_too_long(model, inputs, fields)
         params = {"pooling": "none", "normalize": False, **truncation(fields)}
@@ -217,7 +217,7 @@ class TeiRoutes:
     async def similarity(self, request: HttpRequest) -> HttpResponse:
         """Each sentence's cosine similarity to the source sentence."""
         fields = SIMILARITY.read(read_json(request))
-        model = self.context.model_for(fields.get("model"), EMBEDDING)
+        model = self.context.model_for(fields.get("model"), EMBEDDING, queued_for=request)
         return await sentence_similarity(self.context, model, fields, request)
 
     async def inputs(self, fields: Fields, model: ServedModel) -> list[str | list[int]]:
@@ -261,7 +261,7 @@ class TeiRoutes:
     async def predict(self, request: HttpRequest) -> HttpResponse:
         """Every label's score per input (a text or a pair), best first."""
         fields = PREDICT.read(read_json(request))
-        model = self.context.model_for(fields.get("model"), CLASSIFIER)
+        model = self.context.model_for(fields.get("model"), CLASSIFIER, queued_for=request)
         items, is_batch = fields.value("inputs", self.within(model))
         await self.refuse_too_long(model, items, fields)
         raw_scores = fields.value("raw_scores")
@@ -281,7 +281,7 @@ class TeiRoutes:
         if isinstance(document, dict) and "documents" in document and "texts" not in document:
             return await self.documents_ranked(request, document)
         fields = RERANK.read(document)
-        model = self.context.model_for(fields.get("model"), CROSS_ENCODER)
+        model = self.context.model_for(fields.get("model"), CROSS_ENCODER, queued_for=request)
         texts = fields.value("texts", self.within(model))
         raw_scores = fields.value("raw_scores")
         return_text = fields.value("return_text")
@@ -307,7 +307,7 @@ class TeiRoutes:
         as vLLM and Jina answer (`results`, each its `index`, `relevance_score` and
         `document`), which litellm's and Cohere's clients read too."""
         fields = RERANK_DOCUMENTS.read(document)
-        model = self.context.model_for(fields.get("model"), CROSS_ENCODER)
+        model = self.context.model_for(fields.get("model"), CROSS_ENCODER, queued_for=request)
         texts = fields.value("documents", self.within(model))
         relevance, results = await self.relevance(request, model, fields, (texts, '"documents"'))
         order = sorted(range(len(texts)), key=lambda index: relevance[index], reverse=True)

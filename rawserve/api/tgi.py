@@ -168,7 +168,7 @@ class TgiRoutes:
             name = document.get("model")
             # the route says whether it streams ("stream" is for TGI's POST /)
             document = {k: v for k, v in document.items() if k not in ("stream", "model")}
-        model = self.context.model_for(name, GENERATION)
+        model = self.context.model_for(name, GENERATION, queued_for=request)
         parsed = parse_json_body(TASK, document, 1)
         # TGI's defaults: the continuation alone, and greedy (a temperature, top_k or top_p
         # asks for sampling in the worker, as TGI reads them)
