@@ -1106,6 +1106,24 @@ class FinishedStream(TimedOutStream):
         return {"generated_text": "".join(self.texts), "details": details}
 
 
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_a_stream_a_stop_cut_at_once_lists_no_tokens_as_its_whole_answer_does(chat):
+    """Its whole answer lists `[]`; every chunk of its stream said null, so a client that
+    adds the chunks up had no listing at all."""
+    stream = FinishedStream(["\n", "a"])
+
+    async def read() -> list[bytes]:
+        events = Answer(chat, "m", logprobs=0).events([stream], ["\n"], False)  # type: ignore[list-item]
+        return [event async for event in events]
+
+    from rawserve.api.openai_logprobs import chat_logprobs, completion_logprobs
+
+    chunks = [json.loads(event.removeprefix(b"data:")) for event in asyncio.run(read())[:-1]]
+    [last] = [chunk["choices"][0] for chunk in chunks if chunk["choices"][0]["finish_reason"]]
+    assert last["logprobs"] == (chat_logprobs([]) if chat else completion_logprobs([], 0, 0))
+    assert all(chunk["choices"][0]["logprobs"] is None for chunk in chunks[:-1])
+
+
 def formatting_fails(monkeypatch, module, name):
     """Make `module.name` fail as a bug of the server's would, past the stream's head."""
 

@@ -56,6 +56,9 @@ class FakeScheduler:
         )
         self.cancelled = asyncio.Event()
 
+    def admission(self, deadline=None):
+        return None  # room, at a glance: its refusals come from `run`
+
     async def run(self, inputs, params, deadline, control):
         if self.fail_first is not None:
             raise self.fail_first

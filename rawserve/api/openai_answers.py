@@ -145,6 +145,7 @@ class Answer:
         self.thinking = thinking if chat else None
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(clock())
+        self.listed: set[int] = set()  # the streamed choices that listed a token
 
     def head(self, chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -297,7 +298,14 @@ class Answer:
             choice["delta"] = {} if text is None else {"content": text}
         else:
             choice["text"] = text or ""
-        choice["logprobs"] = self.listing(tokens, offset) if tokens else None
+        choice["logprobs"] = None
+        if tokens:
+            choice["logprobs"] = self.listing(tokens, offset)
+            self.listed.add(index)
+        elif finish is not None and index not in self.listed:
+            # a choice that ends having listed none (a stop cut it at once) says so, as its
+            # whole answer lists none: a client adding up the chunks found null
+            choice["logprobs"] = self.listing((), offset)
         choice["finish_reason"] = finish
         return {**self.head(True), "choices": [choice]}
 
