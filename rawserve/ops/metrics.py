@@ -517,8 +517,9 @@ class StateCollector:
         )
         likely = GaugeMetricFamily(
             "rawserve_generation_likely_new_tokens",
-            "New tokens nine in ten answers stay within (+Inf: more than a tenth run to "
-            "their cap), once 20 answers are seen",
+            "New tokens nine in ten answers stay within, those run to their cap or stopped "
+            "counted as at least that long (+Inf: more than a tenth may run past every "
+            "answer that ended on its own), once 20 answers are seen",
             labels=["model"],
         )
         restarts = CounterMetricFamily(
