@@ -56,6 +56,23 @@ def test_answers_that_ran_to_a_shorter_cap_say_nothing_of_a_longer_ask():
     assert lengths.likely(400) == 400  # more than a tenth of the chats ran past 400
 
 
+def test_a_length_that_rests_on_one_or_two_answers_is_not_known():
+    """Answers cut at a cap of 2 tokens say nothing past it: one that ended at 3 made 3
+    tokens the likely length of a chat asking 255 (timed as 3 tokens, admitted ahead of
+    its deadline's reach). Where three or more ran as far as the length read, it holds."""
+    lengths = AnswerLengths()
+    for _ in range(24):
+        lengths.ended(2, 2)
+    lengths.ended(255, 3)
+    assert lengths.likely(255) == 255
+    for made in range(4, 6):  # the length read (5) rests on the last of three
+        lengths.ended(255, made)
+    assert lengths.likely(255) == 255
+    for made in range(10, 29):  # nine in ten of 22 end by 26, where three ran
+        lengths.ended(255, made)
+    assert lengths.likely(255) == 26
+
+
 def test_a_stopped_sequence_was_at_least_as_long_as_what_it_made():
     """A hundred answers ended at 20 tokens; twenty more were stopped at their deadline
     after 60: they ran at least that long, a sixth of all, so nine in ten answers are

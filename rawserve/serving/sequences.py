@@ -28,6 +28,9 @@ KEPT = 256  # the answers a length is read from, the latest
 # sequence's own length is no reason to refuse or hold it (it is not known)
 SEEN_ENOUGH = 20
 REREAD = 16  # answers between two readings of a length (a reading walks the answers kept)
+# the answers a length must rest on: past the point where fewer ran (the others cut at
+# their caps before it), one or two that ended there say nothing of the rest
+AT_RISK_AT_LEAST = 3
 
 
 class AnswerLengths:
@@ -71,7 +74,9 @@ class AnswerLengths:
 
     def _read_quantile(self) -> int | None:
         """The shortest length LIKELY_QUANTILE of answers stay within, None where more
-        than the rest ran past every length an answer ended at."""
+        than the rest ran past every length an answer ended at, or where that length
+        rests on fewer than AT_RISK_AT_LEAST answers (24 cut at a cap of 2 tokens and one
+        that ended at 3 made 3 tokens the likely length of an answer asking 255)."""
         # by length; at one length the answers that ended there first
         kept = sorted((made, made >= cap) for cap, made in self._answers)
         at_risk, longer = len(kept), 1.0
@@ -79,7 +84,7 @@ class AnswerLengths:
             if not at_least:
                 longer *= 1 - 1 / at_risk
                 if longer <= 1 - LIKELY_QUANTILE:
-                    return made
+                    return made if at_risk >= AT_RISK_AT_LEAST else None
             at_risk -= 1
         return None
 
