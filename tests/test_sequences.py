@@ -73,6 +73,22 @@ def test_a_length_that_rests_on_one_or_two_answers_is_not_known():
     assert lengths.likely(255) == 26
 
 
+@pytest.mark.parametrize(
+    ("cut", "ended", "likely"),
+    [(24, [3] * 3, 3), (30, [10] * 5, 10), (0, [7] * SEEN_ENOUGH, 7), (0, [7] * 21, 7)],
+)
+def test_answers_that_end_at_one_length_all_ran_as_far(cut, ended, likely):
+    """Answers of one length were counted as though each ran past the one before it: three
+    that ended at 3 behind 24 cut at 2 rested on one, and 20 that all ended at 7 on two,
+    so no length was read."""
+    lengths = AnswerLengths()
+    for _ in range(cut):
+        lengths.ended(2, 2)
+    for made in ended:
+        lengths.ended(255, made)
+    assert lengths.likely(255) == likely
+
+
 def test_a_stopped_sequence_was_at_least_as_long_as_what_it_made():
     """A hundred answers ended at 20 tokens; twenty more were stopped at their deadline
     after 60: they ran at least that long, a sixth of all, so nine in ten answers are

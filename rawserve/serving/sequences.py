@@ -77,15 +77,18 @@ class AnswerLengths:
         than the rest ran past every length an answer ended at, or where that length
         rests on fewer than AT_RISK_AT_LEAST answers (24 cut at a cap of 2 tokens and one
         that ended at 3 made 3 tokens the likely length of an answer asking 255)."""
-        # by length; at one length the answers that ended there first
-        kept = sorted((made, made >= cap) for cap, made in self._answers)
-        at_risk, longer = len(kept), 1.0
-        for made, at_least in kept:
-            if not at_least:
-                longer *= 1 - 1 / at_risk
-                if longer <= 1 - LIKELY_QUANTILE:
+        # by length: at each, the answers that ran as far (at risk), of which some ended
+        # there and the others were cut there (they ran at least as far)
+        kept = collections.Counter((made, made >= cap) for cap, made in self._answers)
+        at_risk, longer = len(self._answers), 1.0
+        for made in sorted({made for made, _ in kept}):
+            ended, cut = kept[made, False], kept[made, True]
+            if ended:
+                longer *= 1 - ended / at_risk
+                # (a hair over: 1 - 0.9 is 0.09999999999999998)
+                if longer <= 1 - LIKELY_QUANTILE + 1e-9:
                     return made if at_risk >= AT_RISK_AT_LEAST else None
-            at_risk -= 1
+            at_risk -= ended + cut
         return None
 
     def ended(self, asked: int, made: int) -> None:
