@@ -39,12 +39,15 @@ class BurstScheduler(FakeScheduler):
     """Hands the stream every token in one pass of the loop: the tokens an HTTP process
     is given at once after it was stopped for a moment (its writer had no turn)."""
 
+    goes_on = 0.0  # seconds the generation runs on after the burst (its worker busy)
+
     async def run(self, inputs, params, deadline, control):
         listener = self.executor.listeners[control.stream_id]
         await asyncio.sleep(0.05)  # the stream's head goes out first, with no token yet
         for index, text in enumerate(self.texts):
             token = {"id": index, "text": text, "logprob": -0.5, "special": False}
             listener(TokenChunk(control.stream_id, 0, token))
+        await asyncio.sleep(self.goes_on)
         return [ItemResult(self.output, 0.0, 1, 0.0)]
 
 
@@ -62,6 +65,24 @@ async def test_a_burst_of_tokens_for_a_client_that_reads_is_not_an_overflow(capl
         events = [json.loads(chunk.removeprefix(b"data:")) async for chunk in response.stream]
     assert not told_unread(caplog) and "error" not in events[-1]
     assert len(events) == burst and events[-1]["generated_text"] == " a" * burst
+
+
+async def test_a_client_reading_slower_than_a_burst_came_keeps_its_stream(caplog):
+    """The same burst, its generation still running while the client reads it, a token
+    a millisecond: above the buffer for 2 s, but read all along, so never "unread"."""
+    burst = 3 * STREAM_BUFFER_TOKENS
+    executor = FakeExecutor()
+    output = {"generated_text": " a" * burst, "details": {"finish_reason": "length"}}
+    scheduler = BurstScheduler(executor, [" a"] * burst, output)
+    scheduler.goes_on = 2 * UNREAD_SECONDS + 0.5
+    response = await open_stream(scheduler, executor)
+    events = []
+    with caplog.at_level("WARNING", logger="rawserve.api.streaming"):
+        async for chunk in response.stream:
+            events.append(json.loads(chunk.removeprefix(b"data:")))
+            await asyncio.sleep(0.001)
+    assert not told_unread(caplog) and "error" not in events[-1]
+    assert len(events) == burst
 
 
 async def test_choices_that_all_overflow_are_told_once_for_their_stream(caplog):

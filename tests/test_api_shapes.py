@@ -1628,3 +1628,107 @@ def test_min_tokens_past_the_positions_is_refused_naming_it():
     assert answer["error"]["message"] == (
         '"min_tokens" is 9000, and this model generates at most 8191 tokens'
     )
+
+
+# --- what only the slow end-to-end tests caught (a mutation run found each untested fast) -
+
+
+def test_a_whole_text_is_cut_at_the_first_of_several_stops_in_it_whichever_is_listed_first():
+    assert cut_at_stop("xx a yy b zz", ["b", "a"]) == "xx "
+
+
+def test_one_last_character_that_may_begin_a_stop_is_held_back():
+    assert releasable("ab\n", ["\n\n"]) == ("ab", False)
+    streamed = Streamed()
+    texts = ["ab", "\n", "\nx"]
+    sent = [streamed.add({"text": text, "special": False}, ["\n\n"], None) for text in texts]
+    assert "".join(release[0] for release in sent if release) == "ab"
+
+
+def test_min_tokens_may_equal_max_tokens_for_an_answer_of_a_set_length():
+    """vLLM takes it, and benchmarks ask it; one more than max_tokens is 400."""
+    asked = parse_chat({"messages": HI, "max_tokens": 5, "min_tokens": 5})
+    assert asked.params["min_new_tokens"] == 5
+    with pytest.raises(BadRequest):
+        parse_chat({"messages": HI, "max_tokens": 4, "min_tokens": 5})
+
+
+def test_each_seeded_choice_takes_the_next_seed_wrapping_at_32_bits():
+    asked = parse_chat({"messages": HI, "n": 3, "seed": 2**32 - 1})
+    assert [params["seed"] for params in asked.choice_params()] == [2**32 - 1, 0, 1]
+
+
+def test_temperature_zero_is_greedy_and_any_other_samples():
+    assert parse_chat({"messages": HI, "temperature": 0}).params["do_sample"] is False
+    assert parse_chat({"messages": HI, "temperature": 0.5}).params["do_sample"] is True
+
+
+def test_choices_are_refused_past_each_cap_and_taken_at_it():
+    from rawserve.api.openai_generation import check_choices
+
+    eight = GenerationRequest(items=[{}, {}], params={}, n=4)  # two prompts, four choices each
+    check_choices(eight, 8, 8)
+    with pytest.raises(PayloadTooLarge, match="max-client-batch-size"):
+        check_choices(eight, 7)
+    with pytest.raises(PayloadTooLarge, match="max-queue"):  # 413, not a 503 retried in vain
+        check_choices(eight, 100, 7)
+
+
+def test_fields_that_go_only_together_are_refused_apart():
+    with pytest.raises(BadRequest, match="stream_options"):
+        parse_chat({"messages": HI, "stream_options": {"include_usage": True}})
+    model = ServedModel("m", ModelService(Idle(), Loaded("text-generation", {}, "{}")))
+    streamed_echo = {"prompt": "a", "echo": True, "logprobs": 1, "stream": True}
+    with pytest.raises(BadRequest, match="echo"):
+        parse_completion(streamed_echo, DocContext(model, 32))
+
+
+def test_guided_choice_holds_its_texts_as_written_not_as_patterns():
+    from rawserve.api.openai_generation import read_guided_choice
+
+    assert read_guided_choice("c", ["1+1", "a.b"], None)["value"] == r"(1\+1|a\.b)"
+
+
+def test_structured_outputs_takes_its_other_kinds_given_as_false():
+    """vLLM's clients send `{"json": schema, "json_object": false}`."""
+    from rawserve.api.openai_generation import read_structured_outputs
+
+    held = read_structured_outputs("s", {"json": {"type": "object"}, "json_object": False}, None)
+    assert held["type"] == "json"
+
+
+def test_metadata_takes_keys_and_values_at_openais_bounds():
+    parse_chat({"messages": HI, "metadata": {"k" * 64: "v" * 512}})
+    with pytest.raises(BadRequest):
+        parse_chat({"messages": HI, "metadata": {"k" * 65: "v"}})
+
+
+def test_usage_counts_each_prompt_once_whatever_its_choices():
+    details = {"prompt_tokens": 7, "generated_tokens": 2, "finish_reason": "length", "tokens": []}
+    outputs = [{"generated_text": text, "details": details} for text in ("a", "b")]
+    whole = Answer(True, "m").whole(outputs, [], n=2)
+    assert whole["usage"] == {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}
+
+
+def test_streamed_chunks_are_named_as_openais():
+    assert Answer(False, "m").chunk(0, "x")["object"] == "text_completion"
+    assert Answer(True, "m").chunk(0, "x")["object"] == "chat.completion.chunk"
+
+
+def test_a_stream_a_stop_cuts_lists_no_token_past_the_stop():
+    streamed = Streamed()
+    listed = []
+    for text in ["ab", "X", "cd"]:
+        token = {"id": 1, "text": text, "logprob": -1.0, "special": False}
+        if (release := streamed.add(token, ["X"], 0)) is not None:
+            listed += release[1]
+    if (release := streamed.rest({"generated_text": "abXcd", "details": {}}, ["X"])) is not None:
+        listed += release[1]
+    assert [token.text for token in listed] == ["ab"]
+
+
+def test_tei_predictions_are_best_first_whatever_the_labels_order():
+    from rawserve.api.tei import predictions_from
+
+    ranked = predictions_from(np.array([0.1, 0.7, 0.2]), {"0": "a", "1": "b", "2": "c"})
+    assert [prediction["label"] for prediction in ranked] == ["b", "c", "a"]

@@ -1027,6 +1027,35 @@ async def test_a_peer_that_does_not_read_its_answers_is_not_read_from(server):
     assert [r.path for r in app.seen] == ["/a", "/b"] and transport.reading
 
 
+async def test_a_connection_closing_with_a_few_bytes_unsent_is_cut_off_at_the_write_timeout():
+    """Writing never paused (what waits is under the transport's high mark): a peer that
+    reads none of it still holds its socket no longer than the write timeout."""
+    stalled = asyncio.Event()
+    flow = FlowControl(FakeTransport(), asyncio.get_running_loop(), 0.05, stalled.set)
+    flow.closing()
+    await asyncio.wait_for(stalled.wait(), timeout=5.0)
+
+
+def test_closing_every_connection_closes_those_taken_for_a_probe_past_the_cap_too():
+    from rawserve.http.limits import ServerState
+
+    closed = []
+
+    class Connection:
+        cycle = None
+        sending = False
+
+        def close(self) -> None:
+            closed.append(self)
+
+    state = ServerState()
+    seated, probe = Connection(), Connection()
+    state.connections.take(seated, 1, 0.0)
+    state.probe_connections.take(probe, 32, 0.0)
+    state.close_all()
+    assert closed == [seated, probe]
+
+
 async def test_a_released_flow_lets_writers_on_and_can_pause_again():
     """Once the connection is gone, nothing waits to write; the flow is as if writing
     had never paused, so a later pause (of a new transport's buffer) holds writers."""
@@ -1315,6 +1344,7 @@ async def test_cors_headers_are_added_once_and_never_to_a_preflight_answer():
         ("Bearer", False),
         ("Bearer ", False),
         ("Basic k3y", False),
+        ("Token k3y", False),  # the key under another scheme
         ("Bearer k3", False),
         ("Bearer k3yy", False),
         ("Bearer K3Y", False),  # the token is not

@@ -566,3 +566,12 @@ async def test_a_tgi_stream_whose_last_event_fails_to_form_ends_with_an_error_ev
     assert [event["token"]["text"] for event in events[:-1]] == [" a"]  # " b" held back
     assert events[-1] == {"error": "internal server error", "error_type": "internal_error"}
     assert "unexpected error while handling request" in caplog.text
+
+
+async def test_tgis_last_event_keeps_the_text_of_a_special_last_token():
+    """An end of sequence that ends the stream comes with its own text, as TGI's does."""
+    executor = FakeExecutor()
+    output = {"generated_text": " a b", "details": {"finish_reason": "eos_token"}}
+    scheduler = FakeScheduler(executor, [" a", " b", ("</s>", True)], output)
+    events = await collect(await open_stream(scheduler, executor))
+    assert events[-1]["token"]["text"] == "</s>" and events[-1]["token"]["special"]
