@@ -44,6 +44,7 @@ from rawserve.shared.board import FULL, HEALTHY, READY, Board, SharedMemoryError
 from rawserve.shared.channel import Channel
 from rawserve.shared.late_watch import LateWatch
 from rawserve.shared.logs import REQUEST_ID
+from rawserve.shared.messages import WorkerReady
 from tests.server import REPO_ROOT
 
 
@@ -411,6 +412,11 @@ def test_a_restarts_wait_reaches_the_http_processes_through_the_board(published)
     serving.ready, serving.back_in = True, 3.0  # serving: a full queue's wait is its own
     bridge.publish()
     assert remote_serving.board.retry_after(0) is None
+    # restarting with its queue full of what waits for it: the restart's wait, not the
+    # queue's (its HTTP processes asked for 1 s for all of a 40 s restart)
+    serving.ready, serving.back_in, serving.headroom = False, 30.0, 0.0
+    bridge.publish()
+    assert remote_serving.back_in == 30.0
 
 
 def test_an_http_process_counts_its_refusals_while_the_model_restarts(published):
@@ -430,6 +436,29 @@ def test_an_http_process_counts_its_refusals_while_the_model_restarts(published)
         with pytest.raises(ServiceUnavailable):
             Gate().check(model)
         assert remote_serving.metrics.counts == counted, state
+
+
+def test_a_model_that_served_is_restarting_as_soon_as_the_board_says_it_is_not_ready(
+    published,
+):
+    """The board tells of a worker's death before the model's next status: the refusals in
+    between said "the model is loading", with a first load's wait, and were not counted."""
+    from dataclasses import replace
+
+    from rawserve.api.gate import Gate
+    from rawserve.api.served import ServedModel
+
+    serving, bridge, remote_serving = published
+    model = ServedModel("m", remote_serving)
+    worker_ready = WorkerReady(7, "text-classification", "cpu", "float32", 1.0)
+    serving_status = replace(remote.NOT_LOADED, ready=True)
+    remote_serving.link.statuses[0] = (serving_status, worker_ready)  # it served
+    serving.ready = False
+    bridge.publish()
+    with pytest.raises(ServiceUnavailable) as refused:
+        Gate().check(model)
+    assert refused.value.message == "the model worker is restarting"
+    assert remote_serving.metrics.counts == {"rejected": 1}
 
 
 def test_the_http_processes_refuse_once_the_queue_is_nearly_full(published):

@@ -279,15 +279,21 @@ class RemoteServing:
         status = self.link.statuses.get(self.index)
         snapshot = status[0] if status else NOT_LOADED
         silent = self.board.age(self.index)
-        stalled = self.ready and silent >= SERVING_STALLED_SECONDS
+        ready = self.ready
+        stalled = ready and silent >= SERVING_STALLED_SECONDS
+        load_state = LoadState.STALLED if stalled else snapshot.load_state
+        if not ready and snapshot.ready:
+            # the board tells of a worker's death before the status that says so: a model
+            # that served is restarting, not loading, to the clients it refuses meanwhile
+            load_state = LoadState.RESTARTING
         return replace(
             snapshot,
-            ready=self.ready and not stalled,
+            ready=ready and not stalled,
             full=self.full,
             # one stopped or stuck writes nothing, and `/health` must say so, as it would
             # if this process were that one
             healthy=self.board.flag(self.index, HEALTHY) and silent < SERVING_SILENT_SECONDS,
-            load_state=LoadState.STALLED if stalled else snapshot.load_state,
+            load_state=load_state,
         )
 
     def open_stream(self, on_token: Callable[[TokenChunk], None]) -> int:

@@ -371,8 +371,9 @@ class Bridge:
             serving = model.serving
             # (a queue at its bound has no headroom)
             full, ready = serving.headroom < FRONT_HEADROOM, serving.ready
-            # the wait a refusal asks for: a full queue's, or a restart's while none serves
-            retry_after = model.retry_after() if full else None if ready else serving.back_in
+            # the wait a refusal asks for: a restart's while none serves (its queue, full
+            # of what waits for it, would ask its drain's second), else a full queue's
+            retry_after = serving.back_in if not ready else model.retry_after() if full else None
             self.board.publish(
                 index,
                 ready=ready,
