@@ -301,8 +301,12 @@ def test_nginx_and_rawserve_log_one_id_for_each_request(start_cluster):
             connection.close()
     assert echoed[0] == "client-id-1" and echoed[3] == "x" * 128
     assert all(re.fullmatch(r"[0-9a-f]{32}", id_) for id_ in echoed[1:3]), echoed
-    logged_by_nginx = re.findall(r" id=(\S+) ", cluster.nginx.access_log.read_text())
-    assert logged_by_nginx == echoed
+
+    def logged_by_nginx() -> list[str]:  # its line too comes once the answer has gone
+        return re.findall(r" id=(\S+) ", cluster.nginx.access_log.read_text())
+
+    wait_until(lambda: len(logged_by_nginx()) == len(echoed), timeout=10)
+    assert logged_by_nginx() == echoed
 
     def logged_by_rawserve(id_: str) -> bool:  # a line is logged just after its answer
         return any(id_ in line for r in cluster.replicas for line in r.read_log())
