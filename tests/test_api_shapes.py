@@ -1056,18 +1056,11 @@ class TimedOutStream:
 
 
 def test_a_response_stream_that_fails_once_begun_ends_with_response_failed():
-    from openai.types.responses import ResponseStreamEvent
-    from pydantic import TypeAdapter
+    from tests.test_reasoning import responded
 
     _, settings = parse_response({"input": "hi", "stream": True})
     stream = TimedOutStream(["he", "llo"])
-
-    async def read() -> list[bytes]:
-        events = ResponseAnswer("m", settings).events([stream], [], False)  # type: ignore[list-item]
-        return [event async for event in events]
-
-    raw = asyncio.run(read())
-    events = [TypeAdapter(ResponseStreamEvent).validate_json(e.split(b"data: ", 1)[1]) for e in raw]
+    events = responded(ResponseAnswer("m", settings), stream)  # type: ignore[arg-type]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "hello"
     last = events[-1]
@@ -1159,19 +1152,12 @@ def test_an_openai_stream_whose_last_chunk_fails_to_form_ends_with_an_error_then
 
 
 def test_a_response_stream_whose_end_fails_to_form_ends_with_response_failed(monkeypatch):
-    from openai.types.responses import ResponseStreamEvent
-    from pydantic import TypeAdapter
+    from tests.test_reasoning import responded
 
     formatting_fails(monkeypatch, ResponseAnswer, "finished")
     _, settings = parse_response({"input": "hi", "stream": True})
     stream = FinishedStream(["he", "llo"])
-
-    async def read() -> list[bytes]:
-        events = ResponseAnswer("m", settings).events([stream], [], False)  # type: ignore[list-item]
-        return [event async for event in events]
-
-    raw = asyncio.run(read())
-    last = TypeAdapter(ResponseStreamEvent).validate_json(raw[-1].split(b"data: ", 1)[1])
+    last = responded(ResponseAnswer("m", settings), stream)[-1]  # type: ignore[arg-type]
     assert last.type == "response.failed"
     assert last.response.error.message == "internal server error"
     [message] = last.response.output  # what was said stays in it

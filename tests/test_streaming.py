@@ -534,38 +534,31 @@ class FailsMidway(FakeScheduler):
         raise RuntimeError("the serving process failed it")
 
 
-async def test_a_server_failure_mid_stream_ends_it_with_an_error_event(caplog):
-    """A failure that was no HTTP error (an HTTP process told that the serving process
-    failed a request) cut the stream off without its last chunk: the client saw a
-    broken transfer, not an error."""
+def failing(*args, **kwargs):
+    raise KeyError("details")
+
+
+@pytest.mark.parametrize("where", ["serving", "last event"])
+async def test_a_failure_mid_stream_ends_it_with_an_error_event(where, monkeypatch, caplog):
+    """A failure that was no HTTP error cut the stream off without its last chunk: the
+    client saw a broken transfer, not an error. In the serving (an HTTP process told that
+    the serving process failed a request), or a bug in forming the last event (its
+    generation done)."""
+    from rawserve.api import streaming
+
     executor = FakeExecutor()
-    scheduler = FailsMidway(executor, [" a", " b"], {"generated_text": "", "details": {}})
+    if where == "serving":
+        scheduler = FailsMidway(executor, [" a", " b"], {"generated_text": "", "details": {}})
+    else:
+        monkeypatch.setattr(streaming, "tgi_output", failing)
+        output = {"generated_text": " a b", "details": {}}
+        scheduler = FakeScheduler(executor, [" a", " b"], output)
     response = await open_stream(scheduler, executor)
     with caplog.at_level("ERROR", logger="rawserve.errors"):
         events = await collect(response)
     assert [event["token"]["text"] for event in events[:-1]] == [" a"]  # " b" held back
     assert events[-1] == {"error": "internal server error", "error_type": "internal_error"}
     assert "unexpected error while handling request" in caplog.text  # its traceback, logged
-
-
-async def test_a_tgi_stream_whose_last_event_fails_to_form_ends_with_an_error_event(
-    monkeypatch, caplog
-):
-    """A bug in forming the last event (its generation done) cut the transfer off."""
-    from rawserve.api import streaming
-
-    def failing(*args, **kwargs):
-        raise KeyError("details")
-
-    monkeypatch.setattr(streaming, "tgi_output", failing)
-    executor = FakeExecutor()
-    scheduler = FakeScheduler(executor, [" a", " b"], {"generated_text": " a b", "details": {}})
-    response = await open_stream(scheduler, executor)
-    with caplog.at_level("ERROR", logger="rawserve.errors"):
-        events = await collect(response)
-    assert [event["token"]["text"] for event in events[:-1]] == [" a"]  # " b" held back
-    assert events[-1] == {"error": "internal server error", "error_type": "internal_error"}
-    assert "unexpected error while handling request" in caplog.text
 
 
 async def test_tgis_last_event_keeps_the_text_of_a_special_last_token():
