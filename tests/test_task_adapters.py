@@ -716,11 +716,13 @@ def test_a_generation_models_default_length_and_beams_are_told_to_the_server(
 
 
 @pytest.mark.parametrize("declared", [16, None])
-def test_a_t5_reads_what_its_tokenizer_declares_or_else_all(tmp_path, declared):
+def test_a_t5_reads_what_its_tokenizer_declares_or_else_512(tmp_path, declared):
     """T5 has relative positions, no bound of its own: an input is cut at the length its
     tokenizer declares (t5-*'s 512), and refused past it when cutting is refused; a
-    tokenizer that declares none leaves inputs whole, as transformers 4 did."""
+    tokenizer that declares none is read as T5's own 512 (whole, a 36 KB body's 30,000
+    tokens took the worker's attention 18 GB)."""
     from rawserve.worker.loading import load_runner
+    from rawserve.worker.seq2seq_lm import UNDECLARED_INPUT_TOKENS
     from tests import fidelity_models
 
     folder = fidelity_models.build("t5", tmp_path / "t5")
@@ -729,18 +731,17 @@ def test_a_t5_reads_what_its_tokenizer_declares_or_else_all(tmp_path, declared):
         config["model_max_length"] = declared
         (folder / "tokenizer_config.json").write_text(json.dumps(config))
     serving = load_runner(worker_config(str(folder), "text2text-generation"), "cpu")
-    assert serving.limits.max_input_tokens == declared
-    long_text = "the movie was good " * 10  # 40 words: past 16 tokens
+    limit = UNDECLARED_INPUT_TOKENS if declared is None else declared
+    assert serving.limits.max_input_tokens == limit
+    long_text = "the movie was good " * (limit // 3)  # 4/3 of the limit's words: past it
+    assert len(serving.tokenizer(long_text)["input_ids"]) > limit
     options = {"max_new_tokens": 3}
-    if declared is None:
-        serving.run([long_text], {**options, "truncation": False})  # read whole
-        return
     cut = serving.tokenizer.decode(
-        serving.tokenizer(long_text, truncation=True, max_length=declared)["input_ids"],
+        serving.tokenizer(long_text, truncation=True, max_length=limit)["input_ids"],
         skip_special_tokens=True,
     )
     assert serving.run([long_text], options) == serving.run([cut], options)
-    with pytest.raises(ValueError, match=f"reads at most {declared}"):
+    with pytest.raises(ValueError, match=f"reads at most {limit}"):
         serving.run([long_text], {**options, "truncation": False})
 
 

@@ -48,6 +48,9 @@ PIPELINE_NUM_BEAMS = 4
 PIPELINE_MAX_NEW_TOKENS = 256
 # a tokenizer saved without a length declares transformers' VERY_LARGE_INTEGER (~1e30)
 UNDECLARED_LENGTH = 10**9
+# the input limit of a model without positions whose tokenizer declares none: T5's own
+# length (t5-*'s tokenizers declare it); a tokenizer_config.json's model_max_length sets more
+UNDECLARED_INPUT_TOKENS = 512
 UNSET_MAX_LENGTH = (None, 20)  # 20 is generate()'s own default: the model named no length
 
 log = logging.getLogger("rawserve.generation")
@@ -102,11 +105,12 @@ class Seq2SeqLMRunner(Runner):
         )
         # What an input is cut to by default, and refused past when cutting is refused:
         # the positions, or for a model without them (T5's relative positions) the limit
-        # its tokenizer declares (512 for t5-*): an input bounded only by the body size
-        # would take the encoder's attention gigabytes (16,000 tokens: 12 GB on a tiny T5).
+        # its tokenizer declares (512 for t5-*), else T5's 512: an input bounded only by
+        # the body size takes the encoder's attention gigabytes (16,000 tokens: 12 GB on a
+        # tiny T5, which a 36 KB body asks for)
         declared = tokenizer.model_max_length
-        self.input_limit: int | None = self.position_limit or (
-            declared if declared < UNDECLARED_LENGTH else None
+        self.input_limit: int = self.position_limit or (
+            declared if declared < UNDECLARED_LENGTH else UNDECLARED_INPUT_TOKENS
         )
         self.defaults = self.pipeline_defaults()
         self.batch_cancelled: Callable[[], bool] = lambda: False  # nobody waits for it
@@ -216,7 +220,7 @@ class Seq2SeqLMRunner(Runner):
         )
         encoded.pop("token_type_ids", None)  # tokenizers that make them; generate() refuses them
         length = encoded["input_ids"].shape[1]
-        if self.input_limit is not None and length > self.input_limit:
+        if length > self.input_limit:
             raise ValueError(  # the encoder would fail on it: say so (truncation was refused)
                 f"the input is {length} tokens and this model reads at most "
                 f"{self.input_limit}: leave out truncation, or set it to true, "
@@ -265,12 +269,8 @@ class Seq2SeqLMRunner(Runner):
             return {"truncation": False}
         if truncation is not None:
             declared = self.tokenizer.model_max_length
-            if self.input_limit is None:
-                return {"truncation": truncation}
             return {"truncation": truncation, "max_length": min(declared, self.input_limit)}
-        if self.input_limit is not None:
-            return {"truncation": True, "max_length": self.input_limit}
-        return {"truncation": False}
+        return {"truncation": True, "max_length": self.input_limit}
 
 
 def settled(options: dict[str, Any], caller: dict[str, Any]) -> dict[str, Any]:
