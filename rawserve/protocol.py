@@ -66,7 +66,7 @@ from rawserve.http.errors import (
     error_response,
 )
 from rawserve.http.exchange import HttpRequest, HttpResponse
-from rawserve.http.flow_control import FlowControl, Transport
+from rawserve.http.flow_control import FlowControl, Transport, bound_unsent
 from rawserve.http.handshake import begun_now
 from rawserve.http.limits import (
     PROBE_RESERVE,
@@ -651,6 +651,7 @@ class HttpProtocol(asyncio.Protocol):
         fields = fixed_fields(response.content_type, headers, None, close)
         fields += request_fields(response, cycle.request_id, cycle.started)
         sent = 0
+        bound_unsent(self.transport)  # what the client leaves unread waits where it counts
         try:
             head = self.conn.send(h11_head(response.status, fields))
             self._write(head)
@@ -682,6 +683,8 @@ class HttpProtocol(asyncio.Protocol):
             # timeout: less what it left unsent) says what it sent, as nginx logs it
             self._log_access(cycle, response.status, max(0, sent - self.unsent))
             await _close_stream(response)  # stops the producer (e.g. generation) if we left
+            if self.phase is Phase.RESPONDING:  # the connection goes on to other answers
+                bound_unsent(self.transport, None)
         self._finish_cycle(close)
 
     def _start_response(self, cycle: Cycle) -> bool:

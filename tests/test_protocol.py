@@ -548,6 +548,48 @@ async def test_a_stream_the_client_leaves_midway_has_its_access_line(caplog):
     assert '"GET /s" 200 9 ' in line and line.endswith("left-1")
 
 
+async def test_a_stream_its_client_does_not_read_waits_in_the_server_not_the_kernel():
+    """A stream's bytes the kernel holds unsent are bounded (TCP_NOTSENT_LOWAT): the rest
+    waits in the transport, writing pauses, and the stream stops taking tokens, which is
+    what its bound on unread tokens counts. The kernel's send buffer took 2.8 MB here
+    (~30,000 tokens), the generation ran on to its length for a client reading none."""
+    loop = asyncio.get_running_loop()
+    produced = 0
+    token = b"data: " + b"x" * 130 + b"\n\n"  # about one token's event
+
+    async def tokens():
+        nonlocal produced
+        while True:
+            produced += len(token)
+            yield token
+
+    class StreamApp(FakeApp):
+        async def handle(self, request):
+            return HttpResponse(200, content_type="text/event-stream", stream=tokens())
+
+    server = await loop.create_server(lambda: HttpProtocol(StreamApp(), loop=loop), "127.0.0.1")
+    client = socket.socket()
+    try:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader of none
+        client.setblocking(False)
+        await loop.sock_connect(client, server.sockets[0].getsockname())
+        await loop.sock_sendall(client, b"GET /s HTTP/1.1\r\nHost: a\r\n\r\n")
+        before = -1
+        for _ in range(50):  # until the stream stops taking tokens (at once, without)
+            await asyncio.sleep(0.05)
+            if produced == before:
+                break
+            before = produced
+        assert produced == before, "the stream kept taking tokens nobody read"
+        # the transport's high-water mark, the bound unsent, and what the client's window
+        # took: well under the megabytes the kernel took unbounded
+        assert produced < 512 * 1024
+    finally:
+        client.close()
+        server.close()
+        await server.wait_closed()
+
+
 class PiecesApp(FakeApp):
     """Streams three pieces of different sizes (one of them empty), or answers JSON."""
 

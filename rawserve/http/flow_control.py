@@ -14,8 +14,16 @@ be an `asyncio.Transport` (uvloop's are not).
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
+from contextlib import suppress
 from typing import Any, Protocol
+
+# What the kernel may hold of a stream's bytes unsent (TCP_NOTSENT_LOWAT): past it, a
+# write waits in the transport, where `pause_writing` sees it. Without it the kernel's send
+# buffer (grown up to tcp_wmem's 4 MiB) took ~30,000 tokens for a client that read none,
+# and the stream's bound on unread tokens never tripped: the worker ran on for nobody.
+STREAM_UNSENT_BYTES = 16 * 1024
 
 
 class ReadingSwitch(Protocol):
@@ -33,6 +41,19 @@ class Transport(ReadingSwitch, Protocol):
     def abort(self) -> None: ...
     def get_extra_info(self, name: str, default: Any = None, /) -> Any: ...
     def get_write_buffer_size(self) -> int: ...
+
+
+def bound_unsent(transport: Transport | None, most: int | None = STREAM_UNSENT_BYTES) -> None:
+    """Let the kernel hold at most `most` unsent bytes of this connection's (None: as many
+    as its own setting allows, for the answers after a stream). Where the option is
+    missing (not TCP, not Linux or macOS), the kernel's buffer bounds them alone."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+    if sock is None or option is None:
+        return
+    # (a Unix socket has no TCP options; a closed one, no descriptor: uvloop's ValueError)
+    with suppress(OSError, ValueError):
+        sock.setsockopt(socket.IPPROTO_TCP, option, most or 0)  # 0: the system's own
 
 
 class FlowControl:
