@@ -162,6 +162,8 @@ class HttpProtocol(asyncio.Protocol):
         # per connection
         self.conn = self._new_h11()
         self.transport: Transport | None = None
+        # the client's address, read as it connects: once it is gone, none is to be read
+        self.peername: object = None
         self.flow: FlowControl | None = None
         self.phase = Phase.IDLE
         self.timer = ConnectionTimer(self.loop, self._on_deadline)
@@ -214,7 +216,7 @@ class HttpProtocol(asyncio.Protocol):
             "closing a connection from %s: its answers waited %.0f s for room to be written "
             "(--write-timeout: it reads slower than they come, or not at all); "
             "%d bytes of its answers were not sent (the last: request %s)",
-            _peer(self.transport),
+            _peer(self.peername),
             self.settings.write_timeout,
             unsent,
             self.last_request_id,
@@ -245,6 +247,7 @@ class HttpProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # Any transport with the methods `Transport` names (uvloop's are no asyncio.Transport).
         self.transport = cast(Transport, transport)
+        self.peername = transport.get_extra_info("peername")
         self.flow = FlowControl(
             self.transport, self.loop, self.settings.write_timeout, self._on_write_timeout
         )
@@ -279,7 +282,7 @@ class HttpProtocol(asyncio.Protocol):
                 ssl_handshake_timeout=self.settings.head_timeout,
             )
         except OSError as exc:  # timed out, reset, not TLS: the client's doing, as a bad head
-            log.debug("TLS handshake with %s failed: %r", _peer(transport), exc)
+            log.debug("TLS handshake with %s failed: %r", _peer(self.peername), exc)
             secure = None
         if secure is None or self.phase is not Phase.HANDSHAKE:  # failed, or closed meanwhile
             if secure is not None:
@@ -830,7 +833,7 @@ class HttpProtocol(asyncio.Protocol):
             # by the path the routes see (an absolute-form or %-encoded target as routed)
             path = cycle.head.path if cycle.head is not None else target.partition("?")[0]
             self.state.metrics.observe_request(path, method, status, seconds)
-        peer = functools.partial(_peer, self.transport)
+        peer = functools.partial(_peer, self.peername)
         log_access(peer, method, target, status, size, seconds, cycle.request_id, cycle.retry)
 
 
@@ -843,6 +846,5 @@ async def _close_stream(response: HttpResponse) -> None:
             response.on_stream_close()
 
 
-def _peer(transport: Transport | None) -> str:
-    peer = transport.get_extra_info("peername") if transport else None
+def _peer(peer: object) -> str:
     return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "-"

@@ -78,7 +78,8 @@ class FakeTransport:
         self.reading = True
 
     def get_extra_info(self, name, default=None):
-        return ("127.0.0.1", 50000) if name == "peername" else default
+        # as the loop's: a closed transport's socket has no peer left to name
+        return ("127.0.0.1", 50000) if name == "peername" and not self.closed else default
 
 
 class FakeTimer:

@@ -459,16 +459,19 @@ async def test_the_server_out_of_memory_answers_503_not_a_reset_nor_a_traceback(
 
 
 async def test_a_client_that_leaves_cancels_its_request(server, caplog):
-    """Its work is withdrawn, and the access log says so (nginx's 499): a client that
-    half-closes after its request, or gives up, is visible to the operator."""
+    """Its work is withdrawn, and the access log says so (nginx's 499) with its address,
+    though its socket, closed, names none: a client that half-closes after its request,
+    or gives up, is visible to the operator."""
     app, protocol, transport = server
     with caplog.at_level("INFO", logger="rawserve.access"):
         protocol.data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\nX-Request-Id: gone-1\r\n\r\n")
         await settle()
+        transport.closed = True  # reset by the client: the loop closes it, then says so
         protocol.connection_lost(None)
         await settle()
     assert app.cancelled == 1 and not transport.written
     [line] = [record.getMessage() for record in caplog.records]
+    assert line.startswith("127.0.0.1:50000 ")
     assert '"GET /slow" 499 0 ' in line and line.endswith("gone-1")
 
 
