@@ -340,6 +340,7 @@ class HttpProtocol(asyncio.Protocol):
         return None  # the transport closes once what we wrote is flushed
 
     def connection_lost(self, exc: Exception | None) -> None:
+        reading = self.phase in (Phase.HEAD, Phase.BODY)
         self._enter(Phase.CLOSED)
         self.seats.leave(self)
         if self.flow is not None:
@@ -349,6 +350,13 @@ class HttpProtocol(asyncio.Protocol):
             cycle.task.cancel()  # the client is gone: withdraw its work
             if not cycle.response_started:  # an access line says so (nginx's 499)
                 self._log_access(cycle, CLIENT_CLOSED, 0)
+        elif reading:
+            # reset amid its request: the line its FIN would have had (the 400 of a cut
+            # head or body, as nginx logs either), not none
+            if cycle is None:
+                cycle = Cycle(None, new_request_id())
+                cycle.started = self.head_started
+            self._log_access(cycle, 400, 0)
 
     def pause_writing(self) -> None:
         self._flow.pause_writing()  # and cut off a peer that stays stalled

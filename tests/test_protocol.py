@@ -475,6 +475,35 @@ async def test_a_client_that_leaves_cancels_its_request(server, caplog):
     assert '"GET /slow" 499 0 ' in line and line.endswith("gone-1")
 
 
+@pytest.mark.parametrize(
+    "sent",
+    [
+        b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nhalf!",
+        b"POST /echo HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhalf!\r\n",
+        b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Le",
+    ],
+    ids=["content-length", "chunked", "head"],
+)
+@pytest.mark.parametrize("leaving", ["fin", "reset"])
+async def test_a_client_that_leaves_amid_its_request_is_one_400_line_however_it_closes(
+    server, caplog, sent, leaving
+):
+    """A request cut off (its head or body) is the 400 nginx logs for either close: a
+    reset left no line and no count where a FIN had its 400."""
+    app, protocol, transport = server
+    with caplog.at_level("INFO", logger="rawserve.access"):
+        protocol.data_received(sent)
+        await settle()
+        if leaving == "fin":
+            protocol.eof_received()
+        transport.closed = True
+        protocol.connection_lost(None)
+        await settle()
+    [line] = [record.getMessage() for record in caplog.records]
+    assert line.startswith("127.0.0.1:50000 ") and '" 400 ' in line
+    assert not app.seen
+
+
 async def test_head_answers_headers_only(server):
     app, protocol, transport = server
     head = b"HEAD /x HTTP/1.1\r\nHost: a\r\n\r\n"
