@@ -1459,6 +1459,24 @@ def test_a_model_type_whose_config_class_is_shared_is_not_refused():
     assert not loads_as("bert", "AutoModelForSeq2SeqLM")
 
 
+def test_whether_a_class_loads_a_model_type_is_what_from_pretrained_finds():
+    """Read by names, without importing every config's module (1.3-2.5 s of each
+    worker's start): for every model type and every task's class, the answer of the
+    mapping's keys(), which from_pretrained looks in."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from rawserve.worker.model_classes import TASK_CLASSES, loads_as
+
+    differ = []
+    for class_name in sorted(set(TASK_CLASSES.values())):
+        config_classes = set(getattr(transformers, class_name)._model_mapping.keys())
+        for model_type in CONFIG_MAPPING:
+            if loads_as(model_type, class_name) != (CONFIG_MAPPING[model_type] in config_classes):
+                differ.append((class_name, model_type))
+    assert not differ
+
+
 @pytest.mark.parametrize(
     ("kind", "task"),
     [
