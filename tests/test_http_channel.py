@@ -637,6 +637,100 @@ def test_an_http_processs_run_queues_its_items_under_its_request_id():
     assert asyncio.run(scenario()) == ["r-7"]
 
 
+class Withdrawable:
+    """A run under way, as the serving side hands it back: it hears its cancel."""
+
+    cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Runs(StatusOnly):
+    """A model's serving side that queues runs (ending each when the test says), or
+    refuses them all as `refusing` says; it hears which streams are closed."""
+
+    def __init__(self, refusing: Refused | None = None) -> None:
+        super().__init__()
+        self.refusing = refusing
+        self.ends: list = []
+        self.closed_streams: list[int] = []
+
+    def begin(self, inputs, params, deadline, control, on_end) -> Withdrawable:
+        if self.refusing is not None:
+            raise self.refusing
+        self.ends.append(on_end)
+        return Withdrawable()
+
+    def close_stream(self, stream: int) -> None:
+        self.closed_streams.append(stream)
+
+
+def bridged(serving: StatusOnly, scenario) -> object:
+    """`scenario(bridge, peer, sent)` run with `serving` bridged to one HTTP process (the
+    messages sent to it in `sent`), in an event loop."""
+
+    async def run() -> object:
+        board = Board.create(1)
+        try:
+            model = BridgedModel(serving, lambda: 1.0)  # type: ignore[arg-type]
+            bridge = Bridge([model], board, lambda: [], lambda families: [], serving_pid=1)
+            sent: list = []
+            peer = Peer(0, 2, SimpleNamespace(send=sent.append))  # type: ignore[arg-type]
+            return scenario(bridge, peer, sent)
+        finally:
+            board.remove()
+
+    return asyncio.run(run())
+
+
+def run_message(rid: int, text: str) -> tuple:
+    return ("run", rid, 0, [text], {}, 5.0, Control(), f"r-{rid}")
+
+
+def test_a_run_refused_at_admission_is_answered_at_once_with_its_refusal():
+    """Queue full behind an HTTP process: its client gets the 503 now, with the refusal's
+    Retry-After, not a wait to its deadline."""
+    refusing = Refused.because(Reason.QUEUE_FULL, "server busy: queue full", 2.0)
+
+    def scenario(bridge, peer, sent):
+        bridge._receive(peer, run_message(1, "a"))
+        return sent
+
+    [(kind, rid, refusal)] = bridged(Runs(refusing), scenario)
+    assert (kind, rid, refusal) == ("refused", 1, refusing.refusal)
+
+
+def test_a_cancel_withdraws_its_run_and_an_answered_run_is_forgotten():
+    """A client that left has its items leave the queue; an answered run is not kept (one
+    a request, for the HTTP process's life, and counted as withdrawn were it to die)."""
+    serving = Runs()
+
+    def scenario(bridge, peer, sent):
+        bridge._receive(peer, run_message(1, "a"))
+        left = peer.runs[1]
+        bridge._receive(peer, ("cancel", 1))
+        bridge._receive(peer, run_message(2, "b"))
+        serving.ends[1]([], None)
+        return left.cancelled, dict(peer.runs)
+
+    cancelled, runs = bridged(serving, scenario)
+    assert cancelled and 2 not in runs
+
+
+def test_an_http_process_gone_has_its_runs_withdrawn_and_its_streams_closed():
+    serving = Runs()
+
+    def scenario(bridge, peer, sent):
+        bridge._receive(peer, run_message(1, "a"))
+        run = peer.runs[1]
+        peer.streams[7] = (serving, 3)
+        bridge.detach(peer)
+        return run.cancelled, serving.closed_streams, peer.runs
+
+    assert bridged(serving, scenario) == (True, [3], {})
+
+
 def test_the_late_watch_calls_each_run_late_once_at_its_time_on_one_timer():
     """Runs watched out of order are called late in order, a forgotten one never; a timer
     that fires before the clock reads the time (uvloop's may) finds nothing late and

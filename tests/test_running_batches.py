@@ -153,3 +153,35 @@ async def test_a_batch_and_each_part_of_it_carry_their_inputs_request_ids():
     assert whole is not None and worker.conn.sent[0].request_ids == ("r1", "r2")
     assert whole.part([1], 5).request_ids == ("r2",)
     assert Batch(1, ("a",)).request_id(0) == "-"  # none given
+
+
+def test_no_worker_is_offered_while_a_retry_any_worker_may_run_waits(loop):
+    """A crashed worker's retries, once its restarts fail, go to any worker, first: the
+    scheduler is offered none meanwhile (its batch would be refused 503, "no model worker
+    is free", with two workers idle)."""
+    pool = WorkerPool(WorkerConfig(model="unused"), ["cpu", "cpu"], loop=loop)
+    for worker in pool.workers:
+        worker.state = WorkerState.IDLE
+    assert pool.idle_workers() == 2
+    pool.workers[0].record.failed_restarts = 1
+    pool._retries.append(Job(("a",), {}, NO_CONTROL, loop.create_future(), 1, home=0, rerun=True))
+    assert pool.idle_workers() == 0
+
+
+@pytest.mark.parametrize("silent_for", [1.0, 100.0])
+def test_a_continuous_worker_is_killed_at_the_batch_timeout_only_once_silent(loop, silent_for):
+    """A worker running sequences hangs only when no decoding step has ended for the
+    batch timeout: one that ended a step a second ago runs a long generation."""
+    now = 100.0
+    pool = WorkerPool(
+        WorkerConfig(model="unused"), ["cpu"], loop=loop, batch_timeout=5.0, clock=lambda: now
+    )
+    worker = pool.workers[0]
+    worker.state, worker.sequences = WorkerState.BUSY, 4
+    running = job(loop, 1, stream_id=1)
+    worker.running.add(running)
+    worker.heard_at = now - silent_for
+    pool._on_batch_timeout(worker, running)
+    if running.watchdog is not None:
+        running.watchdog.cancel()
+    assert (worker.state is WorkerState.DEAD) == (silent_for > 5.0)

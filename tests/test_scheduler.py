@@ -27,6 +27,7 @@ from rawserve.serving.core import (
     QueueFull,
     SchedulerCore,
     WorkItem,
+    fewest_new_tokens,
 )
 from rawserve.serving.driver import DELIVERY_SLICE, Scheduler
 from rawserve.serving.minima import REBUILD_SLACK, QueueMinima
@@ -124,6 +125,38 @@ def test_batch_is_bounded_by_max_batch_size():
     while batch := core.next_batch(now=0.0):
         sizes.append(len(batch))
     assert sizes == [4, 4, 2]
+
+
+def test_a_batch_is_no_larger_than_the_workers_lowered_cap():
+    """After an out-of-memory error the workers take fewer at once: batches follow."""
+    core = SchedulerCore(max_batch_size=32)
+    core.batch_cap = 4
+    queue_items(core, [text(10)] * 10)
+    assert [len(batch) for batch in core.decide(0.0, 1).batches] == [4]
+
+
+def test_a_stream_never_shares_a_batch_with_a_plain_request():
+    """Equal parameters, but a batch runs under one control: the stream would get no
+    tokens, or the plain request be run as a stream."""
+    core = SchedulerCore(max_batch_size=8)
+    core.admit([core.new_item("hello", {}, 30.0, 0.0)], 0.0)
+    core.admit([core.new_item("hello", {}, 30.0, 0.0, Control(stream_id=1))], 0.0)
+    assert sorted(len(batch) for batch in core.decide(0.0, 2).batches) == [1, 1]
+
+
+def test_a_beam_search_that_ended_early_is_timed_for_the_tokens_its_beams_made():
+    """Its cost counted every beam's 100 tokens; 10 made, the 90 unmade of each of its
+    4 rows come off what the cost model learns."""
+    core = SchedulerCore(max_batch_size=8)
+    item = core.new_item(text(10), {"max_new_tokens": 100, "num_beams": 4}, 30.0, 0.0)
+    core.admit([item], 0.0)
+    [batch] = core.decide(0.0, 1).batches
+    core.finish_batch(batch, 1.0, made=[10])
+    assert core.cost_model.largest == item.cost - 90 * 4
+
+
+def test_min_new_tokens_past_the_cap_counts_as_the_cap():
+    assert fewest_new_tokens({"min_new_tokens": 500}, 10) == 10
 
 
 def test_the_batch_size_told_is_no_more_than_the_queue_holds():
@@ -1028,6 +1061,24 @@ def test_a_sequence_is_admitted_only_if_it_would_be_sent_when_its_row_frees():
     queue_items(core, [text(12)], now=4.0, deadline=10.0, params={"max_new_tokens": 128})
     core.finish_batch(first, 4.3)
     assert inputs(core.next_batch(now=4.3)) == [text(12)]
+
+
+def test_the_head_check_refuses_nothing_on_one_sequence_measured():
+    """One sequence is no pace to refuse by (admission, reading the body, would take it)."""
+    core = SchedulerCore(max_batch_size=1, workers=1, default_new_tokens=128)
+    core.pace.observe(128, 1, 10.0)
+    core.admit([core.new_item("p", {"max_new_tokens": 128}, 100.0, 0.0)], 0.0)
+    core.decide(0.0, 1)  # the only row, busy for ~10 s
+    assert not core.pace.trusted
+    assert not core.refuses_any_sequence(deadline=1.0, now=0.0)
+
+
+def test_a_refusal_before_the_body_says_when_the_queue_drains():
+    """Retry-After of a refusal from the head: the measured drain, not a second."""
+    core = measured(SchedulerCore(max_queue=2), 0.05)
+    queue_items(core, [text(1000)] * 2, deadline=1e9)
+    refusal = Scheduler(core, FakeBackend(), clock=lambda: 0.0).admission()
+    assert refusal is not None and refusal.retry_after == core.retry_after(0.0) > 1.0
 
 
 @pytest.mark.parametrize("rows", [8, 128])

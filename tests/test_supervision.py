@@ -86,6 +86,18 @@ def test_a_crash_while_alone_runs_it_alone_again_then_quarantines_it():
     assert not sup.is_poison("crash me", {"top_k": 2})  # other parameters: another input
 
 
+def test_a_hung_batch_runs_its_items_again_alone_and_a_lone_input_hung_twice_is_quarantined():
+    """Killed at --batch-timeout: the innocent partner of an input that hangs is not
+    failed with it; one hanging alone fails, and the same one hung again is quarantined
+    (each time it held its worker for the whole timeout)."""
+    sup, _ = supervisor()
+    assert sup.hung(Held(), 2) is LostBatch.RETRY_ALONE
+    key = PoisonMemory.key("hang me", {})
+    assert sup.hung(Held(lone_key=key), 1) is LostBatch.FAIL
+    assert sup.hung(Held(lone_key=key), 1) is LostBatch.QUARANTINED
+    assert sup.is_poison("hang me", {})
+
+
 def test_a_quarantine_expires_with_the_memory_of_the_last_crash():
     sup, clock = supervisor()
     key = PoisonMemory.key("crash me", {})
