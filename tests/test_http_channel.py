@@ -731,6 +731,18 @@ def test_an_http_process_gone_has_its_runs_withdrawn_and_its_streams_closed():
     assert bridged(serving, scenario) == (True, [3], {})
 
 
+def test_an_http_process_attached_while_the_status_holds_is_told_it():
+    """A replacement HTTP process, attached while nothing changes, would answer
+    "loading" 503s until the status next changed: it is told at once."""
+
+    def scenario(bridge, peer, sent):
+        bridge._send_statuses()  # the publishing pass: the status as it stays
+        bridge._send_statuses(peer)  # the new process
+        return [message[:2] for message in sent]
+
+    assert bridged(StatusOnly(), scenario) == [("status", 0)]
+
+
 def test_the_late_watch_calls_each_run_late_once_at_its_time_on_one_timer():
     """Runs watched out of order are called late in order, a forgotten one never; a timer
     that fires before the clock reads the time (uvloop's may) finds nothing late and
