@@ -745,6 +745,30 @@ def test_a_t5_reads_what_its_tokenizer_declares_or_else_512(tmp_path, declared):
         serving.run([long_text], {**options, "truncation": False})
 
 
+def test_a_longt5_whose_tokenizer_declares_no_length_reads_what_it_was_trained_for(tmp_path):
+    """LongT5's attention is local, its cost linear in the input: not cut at T5's 512."""
+    import transformers
+
+    from rawserve.worker.loading import load_runner
+    from tests import fidelity_models
+
+    tokenizer = fidelity_models._tokenizer()
+    config = transformers.LongT5Config(
+        vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=2,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    folder = tmp_path / "longt5"
+    transformers.LongT5ForConditionalGeneration(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    saved = json.loads((folder / "tokenizer_config.json").read_text())
+    saved.pop("model_max_length", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(saved))
+    serving = load_runner(worker_config(str(folder), "text2text-generation"), "cpu")
+    assert serving.limits.max_input_tokens == 16384
+    long_text = "the movie was good " * 200  # past T5's 512, read whole
+    assert serving.run([long_text], {"max_new_tokens": 2, "truncation": False})
+
+
 def test_a_request_s_source_language_is_its_own(runner, monkeypatch):
     """NLLB's, mBART's and M2M100's tokenizers keep src_lang as their state: a request
     that names none reads its text in the model's own source language, whatever the

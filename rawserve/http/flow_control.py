@@ -24,6 +24,9 @@ from typing import Any, Protocol
 # buffer (grown up to tcp_wmem's 4 MiB) took ~30,000 tokens for a client that read none,
 # and the stream's bound on unread tokens never tripped: the worker ran on for nobody.
 STREAM_UNSENT_BYTES = 16 * 1024
+# ... and what a TLS transport holds before writing pauses (its own mark: 512 KB, and as
+# much again in the socket's transport below it): a plain transport's 64 KB
+STREAM_TLS_BUFFER_BYTES = 64 * 1024
 
 
 class ReadingSwitch(Protocol):
@@ -44,10 +47,16 @@ class Transport(ReadingSwitch, Protocol):
 
 
 def bound_unsent(transport: Transport | None, most: int | None = STREAM_UNSENT_BYTES) -> None:
-    """Let the kernel hold at most `most` unsent bytes of this connection's (None: as many
-    as its own setting allows, for the answers after a stream). Where the option is
-    missing (not TCP, not Linux or macOS), the kernel's buffer bounds them alone."""
-    sock = transport.get_extra_info("socket") if transport is not None else None
+    """Let the kernel hold at most `most` unsent bytes of this connection's, and a TLS
+    transport a plain one's 64 KB (None: as many as their own settings allow, for the
+    answers after a stream). Where the option is missing (not TCP, not Linux or macOS),
+    the kernel's buffer bounds them alone."""
+    if transport is None:
+        return
+    limits = getattr(transport, "set_write_buffer_limits", None)
+    if limits is not None and transport.get_extra_info("ssl_object") is not None:
+        limits(high=STREAM_TLS_BUFFER_BYTES) if most else limits()  # (): its own again
+    sock = transport.get_extra_info("socket")
     option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
     if sock is None or option is None:
         return

@@ -49,8 +49,10 @@ PIPELINE_MAX_NEW_TOKENS = 256
 # a tokenizer saved without a length declares transformers' VERY_LARGE_INTEGER (~1e30)
 UNDECLARED_LENGTH = 10**9
 # the input limit of a model without positions whose tokenizer declares none: T5's own
-# length (t5-*'s tokenizers declare it); a tokenizer_config.json's model_max_length sets more
+# length (t5-*'s tokenizers declare it); a tokenizer_config.json's model_max_length sets
+# more. LongT5's attention is local, its cost linear: the 16,384 it was trained for.
 UNDECLARED_INPUT_TOKENS = 512
+UNDECLARED_INPUT_TOKENS_BY_TYPE = {"longt5": 16384}
 UNSET_MAX_LENGTH = (None, 20)  # 20 is generate()'s own default: the model named no length
 
 log = logging.getLogger("rawserve.generation")
@@ -109,9 +111,10 @@ class Seq2SeqLMRunner(Runner):
         # the body size takes the encoder's attention gigabytes (16,000 tokens: 12 GB on a
         # tiny T5, which a 36 KB body asks for)
         declared = tokenizer.model_max_length
-        self.input_limit: int = self.position_limit or (
-            declared if declared < UNDECLARED_LENGTH else UNDECLARED_INPUT_TOKENS
-        )
+        if declared >= UNDECLARED_LENGTH:
+            model_type = self.model.config.model_type
+            declared = UNDECLARED_INPUT_TOKENS_BY_TYPE.get(model_type, UNDECLARED_INPUT_TOKENS)
+        self.input_limit: int = self.position_limit or declared
         self.defaults = self.pipeline_defaults()
         self.batch_cancelled: Callable[[], bool] = lambda: False  # nobody waits for it
 
