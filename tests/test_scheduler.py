@@ -32,7 +32,7 @@ from rawserve.serving.core import (
 from rawserve.serving.driver import DELIVERY_SLICE, Scheduler
 from rawserve.serving.minima import REBUILD_SLACK, QueueMinima
 from rawserve.serving.refusals import Reason, Refusal, Refused, shutting_down
-from rawserve.serving.sequences import KEPT, SEEN_ENOUGH, STEPS_BESIDE
+from rawserve.serving.sequences import KEPT, SEEN_ENOUGH, STEPS_BESIDE, AnswerLengths
 from rawserve.serving.supervision import CRASHED_ALONE, TIMED_OUT
 from rawserve.shared.logs import REQUEST_ID
 from rawserve.shared.messages import (
@@ -2394,3 +2394,308 @@ async def test_only_batches_run_to_their_end_as_sent_are_observed():
         future.set_result(BatchResult(len(backend.calls), outputs, 0.5, rerun=rerun))
         await asyncio.gather(task, return_exceptions=True)
     assert batches.batches == [(2, 0.5)]
+
+
+# --- decisions a mutation run of the core and the driver found untested ----------------
+
+
+def test_the_core_reads_generate_parameters_as_the_worker_does():
+    """The seq2seq worker runs what `generate_parameters` asks over the same option at the
+    top: the core costs and times that (5 at the top, 500 inside: 500 were made, 5 timed)."""
+    core = SchedulerCore()
+    asks = {"max_new_tokens": 5, "generate_parameters": {"max_new_tokens": 500}}
+    item = core.new_item(text(10), asks, 30.0, 0.0)
+    assert item.new_tokens == 500
+
+
+def test_an_urgent_item_beyond_the_candidate_window_leads_the_next_batch():
+    """A list's second item, behind 64 single requests of a later turn, is past the
+    window a batch is chosen from; near its deadline it must still lead (the minima's
+    earliest deadline), not wait for its 504 behind requests with a minute to spare."""
+    core = measured(SchedulerCore(max_batch_size=1, max_queue=1000), seconds_per_token=0.01)
+    listed = queue_items(core, [text(10)] * 100, deadline=20.0)
+    for _ in range(64):
+        queue_items(core, [text(11)], deadline=60.0)
+    assert core.next_batch(0.0) == [listed[0]]
+    # 0.15 s from its deadline, 0.1 s predicted alone: urgent, and still in time
+    assert core.next_batch(19.85) == [listed[1]]
+
+
+def test_in_count_mode_a_batch_stopped_by_the_token_budget_goes_without_the_delay():
+    """Count mode keeps queue order: the head's batch stopped at the next item (it would
+    pass --max-batch-tokens), so it can grow no more, and a free worker must not wait
+    --max-batch-delay for it."""
+    core = SchedulerCore(
+        max_batch_size=8, max_batch_tokens=35, group_lengths=False, max_batch_delay=0.5
+    )
+    queue_items(core, [text(10), text(20), text(5)])
+    assert inputs(core.next_batch(0.0)) == [text(10)]
+
+
+def test_with_half_the_workers_busy_a_generation_is_judged_by_its_time():
+    """A generation is given its chance whatever its predicted time only while more than
+    half the workers are free: with 1 of 2 busy, one that cannot end by its deadline
+    waits (and expires) rather than hold the last free worker."""
+    core = measured(SchedulerCore(workers=2), seconds_per_token=0.01)
+    busy(core)
+    queue_items(core, [text(5)], deadline=2.0, params={"max_new_tokens": 500})  # 5 s
+    assert core.next_batch(0.0) is None
+
+
+def test_the_service_rate_reported_is_an_average_not_the_last_batch():
+    """rawserve_service_rate_items_per_second: one batch of one item in 1 s, then one in
+    0.5 s, is ~1.2 items a second (the newest weighs 0.2), not the last batch's 2."""
+    core = SchedulerCore(max_batch_size=8)
+    for sent, back in ((0.0, 1.0), (1.0, 1.5)):
+        queue_items(core, [text(10)], now=sent)
+        core.finish_batch(core.next_batch(sent), back)
+    assert abs(core.items_per_second - 1.2) < 1e-9
+
+
+def test_after_the_heaps_are_rebuilt_the_earliest_deadline_is_still_the_earliest():
+    """A deep queue in turn order whose deadlines fall along it (a list, then later
+    arrivals with shorter timeouts): once stale entries pile up the heaps are rebuilt from
+    the queue, and must be heaps again, or the earliest deadline (what leads an urgent
+    batch, what the driver wakes for, what expires) is whatever stood first in the queue."""
+    count = 2 * (REBUILD_SLACK + 100)
+    queue = [Waiting(deadline=1000.0 - i, arrived=float(i), seq=i) for i in range(count)]
+    minima = QueueMinima()
+    for item in queue:
+        minima.add(item)
+    for item in queue[: count - 60]:  # sent: stale entries, then a rebuild
+        item.queued = False
+    minima.after_removal(queue[count - 60 :])
+    left = queue[count - 60 :]
+    assert minima.earliest_deadline() is min(left, key=lambda item: item.deadline)
+    assert sorted(i.seq for i in minima.expired(1000.0 - count + 10)) == [
+        i.seq for i in left if i.deadline <= 1000.0 - count + 10
+    ]
+
+
+def test_while_few_answers_are_kept_the_likely_length_is_read_again_at_each():
+    """20 answers ended at 10 tokens, then 5 ran to their cap of 100: a fifth now run
+    long, so a sequence asking 100 likely makes all 100, at once (re-read every 16
+    answers only, it was still taken for 10 for up to 15 more answers)."""
+    lengths = AnswerLengths()
+    for _ in range(SEEN_ENOUGH):
+        lengths.ended(100, 10)
+    assert lengths.likely(100) == 10
+    for _ in range(5):
+        lengths.ended(100, 100)
+    assert lengths.likely(100) == 100
+
+
+def test_a_trusted_speed_never_raises_the_configured_max_batch_tokens():
+    """--max-batch-tokens 40: four inputs of 10 tokens a call, however far the deadline
+    (the deadline's budget only ever lowers it; raised to it, a batch of 8 x 10 tokens
+    went past what the operator set to keep the device's memory)."""
+    core = measured(SchedulerCore(max_batch_size=32, max_batch_tokens=40), 0.001)
+    queue_items(core, [text(10)] * 8, deadline=30.0)
+    assert len(core.next_batch(0.0)) == 4
+
+
+def test_sequences_stopped_at_their_deadline_teach_how_long_answers_run():
+    """Sequences stopped having made 50 tokens (their deadline, their client gone) ran
+    at least that long: 20 of them say answers run long, as `stopped_batch` promises.
+    Forgotten, under overload only the short answers that ended taught the length."""
+    core = SchedulerCore(max_batch_size=1, workers=64)
+    for _ in range(20):
+        queue_items(core, [text(5)], params={"max_new_tokens": 100})
+        core.stopped_batch(core.next_batch(0.0), 1.0, made=[50])
+    assert core.answer_lengths.likely(100) == 100
+
+
+def test_a_sequence_refused_for_its_own_time_is_no_probe_where_answers_lengths_are_known():
+    """Answers are known to run ~3,000 tokens: a chat asking 4,000 in 30 s at 0.01 s a
+    step cannot end, and beside another request's row it is refused (503, its own
+    time). Only where answers ran past every length is one taken to learn it."""
+    core = SchedulerCore(max_batch_size=1, workers=8)
+    for made in (8, 128):
+        for rows in (1, 10):
+            core.pace.observe(made, rows, (made + 4) * 0.01)
+    measured(core, 0.01)
+    for _ in range(20):
+        core.answer_lengths.ended(4000, 3000)
+    assert core.answer_lengths.likely(4000) == 3000
+    queue_items(core, [text(5)], params={"max_new_tokens": 10}, deadline=30.0)  # another's
+    with pytest.raises(OwnTimeUnreachable):
+        queue_items(core, [text(5)], params={"max_new_tokens": 4000}, deadline=30.0)
+
+
+def test_all_n_choices_of_one_request_are_taken_on_an_idle_server():
+    """Five choices of one request (n=5), each admitted on its own, on an idle worker of
+    8 rows, asking more than their deadline allows: taken as the list would be. (The
+    request had to stay the sole one past the second choice; the length probe hid the
+    third's refusal.)"""
+    core = paced(SchedulerCore(max_batch_size=1, workers=8), 0.01)
+    for seed in range(5):
+        core.admit(
+            [
+                core.new_item(
+                    text(5), {"max_new_tokens": 4000, "seed": seed}, 30.0, 0.0, request_id="req-1"
+                )
+            ],
+            0.0,
+        )
+    assert len(core) == 5
+
+
+def test_a_grammar_says_itself_when_the_end_comes():
+    grammar = {"type": "json", "value": {}}
+    assert fewest_new_tokens({"grammar": grammar, "ignore_eos": True}, 500) == 0
+    assert fewest_new_tokens({"grammar": grammar, "min_new_tokens": 100}, 500) == 0
+
+
+def test_an_input_longer_than_any_call_measured_gets_its_chance():
+    """Predicted past its deadline only by extrapolation (1,500 tokens, every call
+    measured at most 1,000): it runs once beside a busy worker's call, not waits for its
+    504 (the 440-window question-answering context that ran in 2.7 s)."""
+    core = measured(SchedulerCore(workers=2), seconds_per_token=0.01)
+    busy(core)
+    queue_items(core, [text(1500)], deadline=10.0)  # 15 s by the line
+    assert inputs(core.next_batch(0.0)) == [text(1500)]
+
+
+def test_a_streamed_generation_gets_its_chance_beside_busy_workers():
+    """A stream gets what is made in time: beside busy batching workers it is sent though
+    all it asks would not fit (a plain generation then waits)."""
+    core = measured(SchedulerCore(workers=2), seconds_per_token=0.01)
+    busy(core)
+    asks = {"max_new_tokens": 500}  # 5 s predicted, 2 s given
+    core.admit([core.new_item(text(5), asks, 2.0, 0.0, Control(stream_id=1))], 0.0)
+    assert inputs(core.next_batch(0.0)) == [text(5)]
+
+
+def test_a_prompt_only_scored_on_rows_is_sent_beside_a_busy_row():
+    """max_new_tokens 0 on a continuous worker with 1 of 4 rows busy: sent (its time at
+    the rows' pace is no guide); the idle-worker case alone hid the rule (the probe)."""
+    rows = measured(SchedulerCore(max_batch_size=1, workers=4), seconds_per_token=0.01)
+    busy(rows)
+    queue_items(rows, [text(1000)], deadline=8.0, params={"max_new_tokens": 0, "details": True})
+    assert inputs(rows.next_batch(0.0)) == [text(1000)]
+
+
+def test_a_freak_sequence_moves_the_pace_only_so_far():
+    """A sequence back 1,000 s after a predicted 0.14 s (a worker restart) counts as at
+    most 4 times its prediction: the step's time stays under 0.04 s, not ~70 s (which
+    would refuse every sequence after it)."""
+    core = paced(SchedulerCore(max_batch_size=1, workers=4), 0.01)
+    queue_items(core, [text(5)], deadline=1e6, params={"max_new_tokens": 10})
+    core.finish_batch(core.next_batch(0.0), 1000.0, made=[10])
+    assert core.pace.step_seconds(1) < 0.05
+
+
+def test_a_batch_from_an_earlier_turn_never_moves_the_served_turn_back():
+    """A list of 5 served to turn 4, then another key's single input of turn 1: a new
+    arrival's turn is after the list's remaining one (5), not 2, ahead of it."""
+    core = SchedulerCore(max_batch_size=4)
+    queue_items(core, [text(10)] * 5)
+    queue_items(core, [text(10)], params={"top_k": 3})
+    assert len(core.next_batch(0.0)) == 4
+    assert len(core.next_batch(0.0)) == 1
+    (late,) = queue_items(core, [text(10)])
+    assert late.turn == 5
+
+
+def test_a_sequence_that_made_nothing_says_nothing_of_how_long_answers_run():
+    """Failed sequences (made 0) are no answers: after 20 of them nothing is known, the
+    likely length is not 0 (which would time every chat as 4 steps and admit it)."""
+    lengths = AnswerLengths()
+    for _ in range(20):
+        lengths.ended(100, 0)
+    assert lengths.likely(100) is None
+
+
+def test_exactly_nine_in_ten_within_a_length_make_it_the_likely_one():
+    """18 of 20 answers ended at 10 tokens, 2 at 100: 10 is the length nine in ten stay
+    within (1 - 0.9 is 0.09999999999999998 in floats)."""
+    lengths = AnswerLengths()
+    for made in [10] * 18 + [100] * 2:
+        lengths.ended(1000, made)
+    assert lengths.likely(1000) == 10
+
+
+def test_a_pressing_generation_with_no_time_left_for_a_token_goes_alone():
+    """The deadline's token budget is at least the head's own cost: with half a token's
+    time left past a call's fixed 50 ms it is that, and the pressing generation goes
+    alone; taken as 0 (falsy: no budget at all) it went with every partner, a batch
+    that comes back later still."""
+    core = measured(SchedulerCore(max_batch_size=8), seconds_per_token=0.01, fixed=0.05)
+    asks = {"max_new_tokens": 50}
+    queue_items(core, [text(5)], deadline=1.25 * (0.05 + 0.005), params=asks)
+    queue_items(core, [text(5)] * 4, deadline=30.0, params=asks)
+    assert len(core.next_batch(0.0)) == 1
+
+
+def test_a_slow_generation_that_ended_early_is_clamped_to_the_time_of_what_it_made():
+    """Asked 1,000 tokens (10 s predicted), made 10 (0.2 s of work) and back after 9 s (a
+    freak: a restart, a retry): it counts as at most 4 x 0.2 s, not 4 x 10 s; else a
+    100-token call is predicted at ~5.6 s instead of ~1.3 s and short requests are refused."""
+    core = measured(SchedulerCore(max_batch_size=8), 0.01)
+    queue_items(core, [text(10)], params={"max_new_tokens": 1000})
+    core.finish_batch(core.next_batch(0.0), 9.0, made=[10])
+    assert core.cost_model.predict(100) < 2.0
+
+
+def _drive(backend, body, max_batch_size=4):
+    """Run `body(scheduler, backend)` on a started Scheduler over `backend`."""
+
+    async def go():
+        scheduler = Scheduler(SchedulerCore(max_batch_size=max_batch_size, max_queue=8), backend)
+        scheduler.start()
+        try:
+            return await body(scheduler, backend)
+        finally:
+            await scheduler.stop()
+
+    return asyncio.run(go())
+
+
+def test_each_answer_tells_the_size_of_the_batch_it_ran_in():
+    """Server-Timing's batch;desc is the largest batch_size of a request's results: a list
+    of 3 run in one call says 3, not 1."""
+
+    async def body(scheduler, backend):
+        task = asyncio.create_task(scheduler.run(["a", "b", "c"], {}, scheduler.clock() + 5))
+        await until(lambda: len(backend.calls) == 1)
+        backend.finish(0)
+        return [result.batch_size for result in await task]
+
+    assert _drive(FakeBackend(), body) == [3, 3, 3]
+
+
+def test_the_driver_holds_batches_to_the_workers_lowered_cap():
+    """After an out-of-memory error the workers take 2 at once: the driver tells the core,
+    and a list of 4 goes as two calls of 2 (not one of 4, past the cap)."""
+
+    class Capped(FakeBackend):
+        def batch_cap(self):
+            return 2
+
+    async def body(scheduler, backend):
+        task = asyncio.create_task(scheduler.run(list("abcd"), {}, scheduler.clock() + 5))
+        await until(lambda: len(backend.calls) == 1)
+        backend.finish(0)
+        await until(lambda: len(backend.calls) == 2)
+        backend.finish(1)
+        await task
+        return [len(call[0]) for call in backend.calls]
+
+    assert _drive(Capped(), body) == [2, 2]
+
+
+def test_a_batch_nobody_waits_for_any_more_is_learned_as_stopped_not_finished():
+    """Its client gone while it ran: its time says only how long it ran at least, and a
+    model never measured learns nothing from it (`stopped_batch`); taken as finished, a
+    cut batch taught the speed (and, on rows, the answers' length) as if it had ended."""
+
+    async def body(scheduler, backend):
+        task = asyncio.create_task(scheduler.run(["a"], {}, scheduler.clock() + 5))
+        await until(lambda: len(backend.calls) == 1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        backend.finish(0)
+        await until(lambda: not scheduler.core._in_flight)
+        return scheduler.core.cost_model.calls
+
+    assert _drive(FakeBackend(), body) == 0

@@ -220,9 +220,10 @@ def fewest_new_tokens(params: Mapping[str, Any], most: int) -> int:
 
 
 def _asked(params: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A request's parameters, with those in the Inference API's `generate_parameters`."""
+    """A request's parameters, with those in the Inference API's `generate_parameters`,
+    which win, as the worker reads them (it runs what they ask)."""
     nested = params.get("generate_parameters")
-    return {**nested, **params} if isinstance(nested, Mapping) else params
+    return {**params, **nested} if isinstance(nested, Mapping) else params
 
 
 def _count(value: Any, default: int) -> int:
