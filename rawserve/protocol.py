@@ -340,7 +340,7 @@ class HttpProtocol(asyncio.Protocol):
         return None  # the transport closes once what we wrote is flushed
 
     def connection_lost(self, exc: Exception | None) -> None:
-        reading = self.phase in (Phase.HEAD, Phase.BODY)
+        phase = self.phase
         self._enter(Phase.CLOSED)
         self.seats.leave(self)
         if self.flow is not None:
@@ -350,13 +350,10 @@ class HttpProtocol(asyncio.Protocol):
             cycle.task.cancel()  # the client is gone: withdraw its work
             if not cycle.response_started:  # an access line says so (nginx's 499)
                 self._log_access(cycle, CLIENT_CLOSED, 0)
-        elif reading:
+        elif phase in (Phase.HEAD, Phase.BODY):
             # reset amid its request: the line its FIN would have had (the 400 of a cut
             # head or body, as nginx logs either), not none
-            if cycle is None:
-                cycle = Cycle(None, new_request_id())
-                cycle.started = self.head_started
-            self._log_access(cycle, 400, 0)
+            self._log_access(self._cycle_read(phase), 400, 0)
 
     def pause_writing(self) -> None:
         self._flow.pause_writing()  # and cut off a peer that stays stalled
@@ -535,11 +532,17 @@ class HttpProtocol(asyncio.Protocol):
         if cycle is not None and cycle.response_started:
             self.close()  # a response has started: all we can do is close
             return
-        if cycle is None:  # no request head was parsed (a head timeout, garbage)
-            cycle = self.cycle = Cycle(None, new_request_id())
-            if self.phase is Phase.HEAD:  # its time counts from the head's first bytes
-                cycle.started = self.head_started
+        cycle = self._cycle_read(self.phase)
         self._send(cycle, self._error(cycle, error), close=True)
+
+    def _cycle_read(self, phase: Phase) -> Cycle:
+        """The request being read, or where no head was parsed (a head timeout, garbage, a
+        head cut off) a cycle of its own, timed from the head's first bytes in `phase` HEAD."""
+        if self.cycle is None:
+            self.cycle = Cycle(None, new_request_id())
+            if phase is Phase.HEAD:
+                self.cycle.started = self.head_started
+        return self.cycle
 
     def _error(self, cycle: Cycle, exc: BaseException) -> HttpResponse:
         """The protocol's own error answer to `cycle`, in OpenAI's shape on its routes (a

@@ -608,35 +608,6 @@ class StatusOnly:
         return ServingStatus(True, True, False, 8, LoadState.LOADING, None, (worker,))
 
 
-class Begins(StatusOnly):
-    """A model's serving side that hears which request it queues items for."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.request_ids: list[str] = []
-
-    def begin(self, inputs, params, deadline, control, on_end) -> object:
-        self.request_ids.append(REQUEST_ID.get())
-        return object()
-
-
-def test_an_http_processs_run_queues_its_items_under_its_request_id():
-    async def scenario() -> list[str]:
-        board = Board.create(1)
-        try:
-            serving = Begins()
-            model = BridgedModel(serving, lambda: 1.0)  # type: ignore[arg-type]
-            bridge = Bridge([model], board, lambda: [], lambda families: [], serving_pid=1)
-            peer = Peer(0, 2, SimpleNamespace())  # type: ignore[arg-type]
-            bridge._receive(peer, ("run", 1, 0, ["a"], {}, 5.0, Control(), "r-7"))
-            assert REQUEST_ID.get() == ""  # set for that run only
-            return serving.request_ids
-        finally:
-            board.remove()
-
-    assert asyncio.run(scenario()) == ["r-7"]
-
-
 class Withdrawable:
     """A run under way, as the serving side hands it back: it hears its cancel."""
 
@@ -648,15 +619,18 @@ class Withdrawable:
 
 class Runs(StatusOnly):
     """A model's serving side that queues runs (ending each when the test says), or
-    refuses them all as `refusing` says; it hears which streams are closed."""
+    refuses them all as `refusing` says; it hears which request it queues items for, and
+    which streams are closed."""
 
     def __init__(self, refusing: Refused | None = None) -> None:
         super().__init__()
         self.refusing = refusing
         self.ends: list = []
+        self.request_ids: list[str] = []
         self.closed_streams: list[int] = []
 
     def begin(self, inputs, params, deadline, control, on_end) -> Withdrawable:
+        self.request_ids.append(REQUEST_ID.get())
         if self.refusing is not None:
             raise self.refusing
         self.ends.append(on_end)
@@ -686,6 +660,17 @@ def bridged(serving: StatusOnly, scenario) -> object:
 
 def run_message(rid: int, text: str) -> tuple:
     return ("run", rid, 0, [text], {}, 5.0, Control(), f"r-{rid}")
+
+
+def test_an_http_processs_run_queues_its_items_under_its_request_id():
+    serving = Runs()
+
+    def scenario(bridge, peer, sent):
+        bridge._receive(peer, run_message(7, "a"))
+        assert REQUEST_ID.get() == ""  # set for that run only
+        return serving.request_ids
+
+    assert bridged(serving, scenario) == ["r-7"]
 
 
 def test_a_run_refused_at_admission_is_answered_at_once_with_its_refusal():

@@ -55,7 +55,10 @@ def bound_unsent(transport: Transport | None, most: int | None = STREAM_UNSENT_B
         return
     limits = getattr(transport, "set_write_buffer_limits", None)
     if limits is not None and transport.get_extra_info("ssl_object") is not None:
-        limits(high=STREAM_TLS_BUFFER_BYTES) if most else limits()  # (): its own again
+        if most:
+            limits(high=STREAM_TLS_BUFFER_BYTES)
+        else:
+            limits()  # its own marks again
     sock = transport.get_extra_info("socket")
     option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
     if sock is None or option is None:

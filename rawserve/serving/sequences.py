@@ -79,16 +79,16 @@ class AnswerLengths:
         that ended at 3 made 3 tokens the likely length of an answer asking 255)."""
         # by length: at each, the answers that ran as far (at risk), of which some ended
         # there and the others were cut there (they ran at least as far)
-        kept = collections.Counter((made, made >= cap) for cap, made in self._answers)
+        reached = collections.Counter(made for _, made in self._answers)
+        ended = collections.Counter(made for cap, made in self._answers if made < cap)
         at_risk, longer = len(self._answers), 1.0
-        for made in sorted({made for made, _ in kept}):
-            ended, cut = kept[made, False], kept[made, True]
-            if ended:
-                longer *= 1 - ended / at_risk
+        for made in sorted(reached):
+            if ended[made]:
+                longer *= 1 - ended[made] / at_risk
                 # (a hair over: 1 - 0.9 is 0.09999999999999998)
                 if longer <= 1 - LIKELY_QUANTILE + 1e-9:
                     return made if at_risk >= AT_RISK_AT_LEAST else None
-            at_risk -= ended + cut
+            at_risk -= reached[made]
         return None
 
     def ended(self, asked: int, made: int) -> None:
