@@ -140,6 +140,28 @@ def test_token_classification(servers, local):
     ]
 
 
+def test_token_classification_of_a_whole_long_text_with_a_stride(servers, local):
+    """InferenceClient's `stride`: the whole text read in windows, as the pipeline does;
+    without an aggregation to merge the windows' overlaps, a 422 that says so."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    text = " ".join(["john lives in paris and mary lives in london"] * 40)
+    ner = client(servers["ner"])
+    got = ner.token_classification(text, aggregation_strategy="first", stride=32)
+    pipe = local("token-classification")
+    # the tiny tokenizer declares no length: windows of the model's positions, as served
+    pipe.tokenizer.model_max_length = pipe.model.config.max_position_embeddings
+    expected = pipe(text, aggregation_strategy="first", stride=32)
+    assert [(g.entity_group, g.start, g.end) for g in got] == [
+        (e["entity_group"], e["start"], e["end"]) for e in expected
+    ]
+    assert max(g.end for g in got) > 1000  # past the model's 128 positions
+    with pytest.raises(HfHubHTTPError) as refused:
+        ner.token_classification(text, stride=32)
+    assert refused.value.response.status_code == 422
+    assert "stride needs an aggregation_strategy" in refused.value.response.text
+
+
 def test_question_answering(servers, tiny_model):
     question, context = "who lives in paris", "john lives in paris and mary lives in london"
     got = client(servers["qa"]).question_answering(question=question, context=context)

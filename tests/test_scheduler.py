@@ -45,6 +45,7 @@ from rawserve.shared.messages import (
 )
 from rawserve.tasks import estimate_tokens, model_tokens
 from rawserve.tasks.question_answering import window_tokens
+from rawserve.tasks.token_classification import window_tokens as token_window_tokens
 
 # seconds a step of a continuous worker's sequence in these tests: 128 new tokens take 4.3 s
 PACE = 4.3 / (128 + STEPS_BESIDE)
@@ -1419,16 +1420,44 @@ def test_a_question_answering_input_costs_the_windows_its_stride_makes():
 def test_a_question_answering_pair_reads_as_many_windows_as_the_pipeline_cuts(params, tokens, read):
     item = {"question": "q" * 40, "context": "..."}
     assert window_tokens(item, params, tokens) == read
-    assert model_tokens(item, params, tokens) == read
+    assert model_tokens(item, params, tokens, None) == read
 
 
-def test_only_a_list_of_labels_or_a_question_with_a_context_is_read_more_than_once():
-    assert model_tokens("a text", {"candidate_labels": ["a", "b", "c"]}, 7) == 21
-    assert model_tokens("a text", {"candidate_labels": []}, 7) == 7
+def test_only_labels_a_question_with_a_context_or_a_stride_is_read_more_than_once():
+    assert model_tokens("a text", {"candidate_labels": ["a", "b", "c"]}, 7, None) == 21
+    assert model_tokens("a text", {"candidate_labels": []}, 7, None) == 7
     dense = {"max_seq_len": 128, "doc_stride": 114}
-    assert model_tokens({"question": "who?", "context": "x"}, dense, 1000) > 1000
-    assert model_tokens({"question": "who?"}, dense, 1000) == 1000
-    assert model_tokens({"question": 3, "context": "x"}, dense, 1000) == 1000
+    assert model_tokens({"question": "who?", "context": "x"}, dense, 1000, None) > 1000
+    assert model_tokens({"question": "who?"}, dense, 1000, None) == 1000
+    assert model_tokens({"question": 3, "context": "x"}, dense, 1000, None) == 1000
+    assert model_tokens("a text", {}, 1000, 128) == 128  # cut where the model stops reading
+    assert model_tokens("a text", {"stride": 16}, 1000, 128) == 9 * 128  # read whole
+    assert model_tokens("a text", {"stride": 16}, 1000, None) == 1000  # no limit: one read
+
+
+@pytest.mark.parametrize(
+    ("tokens", "stride", "read"),
+    [
+        # as the tiny BERT's tokenizer cuts texts of 92, 128, 137 and 362 tokens into
+        # windows of 128 (126 of them the text's) overlapping by `stride`
+        (92, 16, 92),  # shorter than a window: its own length
+        (128, 125, 128),
+        (137, 0, 2 * 128),
+        (137, 125, 10 * 128),
+        (362, 0, 3 * 128),
+        (362, 16, 4 * 128),
+        (362, 100, 10 * 128),
+        (362, 125, 235 * 128),  # a window a token
+        (362, 126, 128),  # no window moves (the worker refuses it): what one reads
+    ],
+)
+def test_a_token_classification_text_with_a_stride_reads_as_many_windows_as_the_pipeline_cuts(
+    tokens, stride, read
+):
+    assert token_window_tokens(tokens, 128, stride) == read
+    core = SchedulerCore(max_input_tokens=128)
+    assert core.new_item(text(tokens), {"stride": stride}, 30.0, 0.0).cost == read
+    assert core.new_item(text(tokens), {}, 30.0, 0.0).cost == min(tokens, 128)
 
 
 async def test_a_request_that_can_never_be_admitted_is_refused_for_good(driver):

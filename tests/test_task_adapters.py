@@ -155,21 +155,21 @@ def test_token_vectors_of_a_model_whose_tokenizer_has_no_pad_token(tiny_model, t
 def test_a_zero_shot_requests_labels_are_scored_together_not_one_pass_each(runner):
     """The pipeline scores each (text, label) pair; a request's pairs go through the
     model in passes of many, up to a bound, not one forward pass a label."""
-    from rawserve.worker.pipeline import ZERO_SHOT_PAIRS_PER_PASS
+    from rawserve.worker.pipeline import PIECES_PER_PASS
 
     serving = runner("zero-shot-classification", "zero-shot-classification")
     passes: list[int] = []
     hook = serving.pipe.model.register_forward_hook(
         lambda _, args, kwargs, out: passes.append(len(kwargs["input_ids"])), with_kwargs=True
     )
-    labels = [f"label {i}" for i in range(ZERO_SHOT_PAIRS_PER_PASS + 6)]
+    labels = [f"label {i}" for i in range(PIECES_PER_PASS + 6)]
     try:
         answered = serving.run(["i like this film", "paris"], {"candidate_labels": labels})
     finally:
         hook.remove()
     pairs = 2 * len(labels)
-    assert sum(passes) == pairs and max(passes) == ZERO_SHOT_PAIRS_PER_PASS
-    assert len(passes) == -(-pairs // ZERO_SHOT_PAIRS_PER_PASS)
+    assert sum(passes) == pairs and max(passes) == PIECES_PER_PASS
+    assert len(passes) == -(-pairs // PIECES_PER_PASS)
     one_pass_each = [
         split_outputs(
             "zero-shot-classification",
@@ -179,6 +179,58 @@ def test_a_zero_shot_requests_labels_are_scored_together_not_one_pass_each(runne
         for text in ("i like this film", "paris")
     ]
     assert _rounded(answered) == _rounded(one_pass_each)
+
+
+# a text of 362 tokens to the tiny BERT, whose windows are 128 tokens (126 of the text's)
+LONG_NAMES = " ".join(["john lives in paris and mary lives in london"] * 40)
+
+
+def test_token_classification_with_a_stride_reads_the_whole_text_in_windows(runner):
+    """Without `stride` the pipeline cuts a text at the model's positions; with it, the
+    whole text is read in overlapping windows (several a forward pass) and the entities
+    are the pipeline's own, far past the first window."""
+    serving = runner("token-classification", "token-classification")
+    params = {"aggregation_strategy": "simple", "stride": 16}
+    passes: list[int] = []
+    hook = serving.pipe.model.register_forward_hook(
+        lambda _, args, kwargs, out: passes.append(len(kwargs["input_ids"])), with_kwargs=True
+    )
+    try:
+        [strided] = serving.run([LONG_NAMES], params)
+    finally:
+        hook.remove()
+    assert passes == [4]  # 1 + ceil((362 - 128) / (126 - 16)) windows, in one pass
+    [cut] = serving.run([LONG_NAMES], {"aggregation_strategy": "simple"})
+    assert max(e["end"] for e in strided) > len(LONG_NAMES) - 10 > max(e["end"] for e in cut)
+    assert _rounded(strided) == _rounded(serving.pipe(LONG_NAMES, **params))
+    # and beside a short text, each answered as alone
+    both = serving.run(["mary lives in paris", LONG_NAMES], params)
+    assert _rounded(both) == _rounded([serving.run(["mary lives in paris"], params)[0], strided])
+
+
+@pytest.mark.parametrize(
+    ("params", "says"),
+    [
+        ({"stride": 16}, "stride needs an aggregation_strategy"),
+        ({"stride": 16, "aggregation_strategy": "none"}, "stride needs an aggregation_strategy"),
+        # no window would move: the tokenizers library panics on it
+        ({"stride": 126, "aggregation_strategy": "first"}, "stride 126 leaves no new tokens"),
+        ({"stride": 4000, "aggregation_strategy": "max"}, "stride 4000 leaves no new tokens"),
+    ],
+)
+def test_a_stride_the_pipeline_cannot_honour_is_the_clients_error(runner, params, says):
+    serving = runner("token-classification", "token-classification")
+    with pytest.raises(ValueError, match=says) as refused:
+        serving.run([LONG_NAMES], params)
+    assert serving.describe_failure(refused.value).kind == FailureKind.INPUT
+    assert serving.run([LONG_NAMES], {**params, "stride": 125, "aggregation_strategy": "simple"})
+
+
+def test_a_stride_without_a_fast_tokenizer_is_the_clients_error(runner, monkeypatch):
+    serving = runner("token-classification", "token-classification")
+    monkeypatch.setattr(serving, "tokenizer", SimpleNamespace(is_fast=False))
+    with pytest.raises(ValueError, match="stride needs a fast tokenizer"):
+        serving.refuse_stride({"stride": 16, "aggregation_strategy": "simple"})
 
 
 def _rounded(value):

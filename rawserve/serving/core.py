@@ -322,9 +322,8 @@ class SchedulerCore:
         request_id: str = "",
     ) -> WorkItem:
         cost = max(1, round(estimate_tokens(value) * self.tokens_per_estimate))
-        if self.max_input_tokens is not None:  # a long text costs what the model reads of it
-            cost = min(cost, self.max_input_tokens)
-        cost = model_tokens(value, params, cost)  # read once per label, per window
+        # what the model reads of it: cut at its limit, read once per label, per window
+        cost = model_tokens(value, params, cost, self.max_input_tokens)
         # a generation also costs a decoding step per new token it asks for: the measured
         # seconds per token then admit, refuse and size by the work asked, not by the prompt
         new_tokens, rows = decoding(params, self.default_new_tokens, self.default_beams)

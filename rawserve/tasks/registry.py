@@ -186,13 +186,20 @@ def estimate_tokens(item: Any) -> int:
     return 1
 
 
-def model_tokens(item: Any, params: Mapping[str, Any], tokens: int) -> int:
-    """The tokens the model reads for one input of `tokens` tokens, where its task reads
-    it more than once: a zero-shot text once per candidate label (a (text, hypothesis)
-    pair each), a question-answering context once per window. Counted as the input's
-    own tokens, a request with 100 labels or a `doc_stride` just under `max_seq_len`
-    took one turn and one item's share of the deadline for a hundred or a thousand
-    times the work, and held the worker long past its 504."""
+def model_tokens(item: Any, params: Mapping[str, Any], tokens: int, limit: int | None) -> int:
+    """The tokens the model reads for one input of `tokens` tokens (estimated), of which
+    it reads at most `limit` at once (None: no limit known): what it cuts of a longer one,
+    and again where its task reads it more than once: a zero-shot text once per candidate
+    label (a (text, hypothesis) pair each), a question-answering context once per window,
+    a token-classification text with a `stride` once per window of the whole text.
+    Counted as the input's own tokens, a request with 100 labels or a stride just under
+    the window took one turn and one item's share of the deadline for a hundred or a
+    thousand times the work, and held the worker long past its 504."""
+    stride = params.get("stride")
+    if isinstance(stride, int) and limit is not None:
+        return token_classification.window_tokens(tokens, limit, stride)
+    if limit is not None:  # the rest truncate
+        tokens = min(tokens, limit)
     labels = params.get("candidate_labels")
     if isinstance(labels, list):
         return tokens * max(len(labels), 1)

@@ -29,9 +29,11 @@ from rawserve.worker.runner import (
     resolve_dtype,
 )
 
-# (text, label) pairs in one forward pass of a zero-shot classifier: a bound on the padded
-# batch's memory (a request may bring 32 texts and 100 labels)
-ZERO_SHOT_PAIRS_PER_PASS = 64
+# the pieces one forward pass of a pipeline that cuts its inputs in pieces reads at most:
+# a zero-shot classifier's (text, label) pairs, token classification's windows of a text
+# (`stride`). A bound on the padded batch's memory (a request may bring 32 texts and 100
+# labels, or a text of thousands of windows).
+PIECES_PER_PASS = 64
 # The formats an image input is read in: the raster ones clients send. Pillow opens
 # forty-odd by default, EPS among them, which it renders by running Ghostscript on the
 # client's PostScript wherever Ghostscript is installed.
@@ -149,12 +151,36 @@ class PipelineRunner(Runner):
             # the pipeline scores each (text, label) pair, `batch_size` pairs a forward pass:
             # a request's pairs together, not one pass a label (ten times slower)
             pairs = len(inputs) * len(params.get("candidate_labels", ()))
-            batch_size = max(batch_size, min(pairs, ZERO_SHOT_PAIRS_PER_PASS))
+            batch_size = max(batch_size, min(pairs, PIECES_PER_PASS))
+        if "stride" in params:  # windows of long texts together, not one pass a window
+            self.refuse_stride(params)
+            batch_size = max(batch_size, PIECES_PER_PASS)
         with torch.inference_mode():
             raw = self.pipe(model_inputs, batch_size=batch_size, **params)
             if isinstance(raw, Iterator):  # a generator's answers: computed as they are read
                 raw = list(raw)
         return split_outputs(self.task, inputs, raw)
+
+    def refuse_stride(self, params: dict[str, Any]) -> None:
+        """token-classification's `stride`, refused (ValueError, a 422) where the pipeline
+        would answer entities twice (no aggregation merges the overlaps: it does not
+        refuse that unless "none" is named), would fail in words of its own, or would
+        leave the tokenizers library to panic (a window with no new tokens)."""
+        if params.get("aggregation_strategy", "none") == "none":
+            raise ValueError(
+                "stride needs an aggregation_strategy (simple, first, average or max), "
+                "which merges the entities of the windows' overlaps"
+            )
+        tokenizer = self.tokenizer
+        if tokenizer is None or not tokenizer.is_fast:
+            raise ValueError("stride needs a fast tokenizer (tokenizer.json); this model has none")
+        window = tokenizer.model_max_length
+        room = window - tokenizer.num_special_tokens_to_add()
+        if params["stride"] >= room:
+            raise ValueError(
+                f"stride {params['stride']} leaves no new tokens in each window of {window} "
+                f"tokens ({room} of them the text's): send a smaller stride"
+            )
 
     def describe_failure(self, exc: BaseException) -> ItemFailure:
         # The pipeline's refusal of an input is the client's to fix. Asked here, not of
