@@ -1027,6 +1027,36 @@ def test_an_image_input_never_reaches_ghostscript(monkeypatch):
     assert pipeline.decode_image(base64.b64encode(png((9, 9, 9))).decode()).size == (40, 30)
 
 
+@pytest.mark.parametrize(
+    ("size", "fmt", "kept"),
+    [
+        ((4100, 4100), "JPEG", (2050, 2050)),  # libjpeg decodes it at half its size
+        ((9000, 4500), "JPEG", (4500, 2250)),
+        ((4200, 4300), "PNG", (2100, 2150)),  # decoded whole, then shrunk
+        ((8000, 4095), "JPEG", (8000, 4095)),  # a side under twice the kept one: as it is
+        ((3000, 4000), "PNG", (3000, 4000)),
+    ],
+)
+def test_a_huge_image_is_shrunk_to_several_times_any_models_input_before_it_is_processed(
+    size, fmt, kept
+):
+    """A 9000x9000 JPEG took the image processor 5 s and 2 GB; shrunk by a whole factor
+    (to no less than 2048 pixels a side) before it, 0.75 s. Images under 4096 pixels on
+    either side, phone photos among them, are decoded as they are."""
+    import io
+
+    from PIL import Image
+
+    from rawserve.worker import pipeline
+
+    image = Image.new("RGB", size, (200, 40, 40))
+    written = io.BytesIO()
+    image.save(written, fmt)
+    decoded = pipeline.decode_image(base64.b64encode(written.getvalue()).decode())
+    assert (decoded.size, decoded.mode) == (kept, "RGB")
+    assert decoded.getpixel((0, 0)) == pytest.approx((200, 40, 40), abs=3)
+
+
 def png_head(width: int, height: int) -> str:
     """A PNG's signature and header alone, base64-encoded: the size of a decompression bomb
     (a few hundred kilobytes of zeros decode to gigabytes) without its data."""
