@@ -990,8 +990,8 @@ def test_a_batch_of_images_holds_one_decoded_image_at_a_time(runner, monkeypatch
 
     decode, alive, counts = pipeline.decode_image, [0], []
 
-    def counted(encoded):
-        image = decode(encoded)
+    def counted(encoded, squashed):
+        image = decode(encoded, squashed)
         alive[0] += 1
         weakref.finalize(image, lambda: alive.__setitem__(0, alive[0] - 1))
         counts.append(alive[0])
@@ -1010,7 +1010,7 @@ def test_an_image_input_never_reaches_ghostscript(monkeypatch):
     it is installed: a client's program run on the server. Only raster formats are read."""
     from PIL import EpsImagePlugin
 
-    from rawserve.worker import pipeline
+    from rawserve.worker import images
 
     ran = []
 
@@ -1022,39 +1022,102 @@ def test_an_image_input_never_reaches_ghostscript(monkeypatch):
     monkeypatch.setattr(EpsImagePlugin, "Ghostscript", ghostscript)
     eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\nshowpage\n%%EOF\n"
     with pytest.raises(ValueError, match="not an image Pillow can read .PNG, JPEG"):
-        pipeline.decode_image(base64.b64encode(eps).decode())
+        images.decode_image(base64.b64encode(eps).decode())
     assert not ran
-    assert pipeline.decode_image(base64.b64encode(png((9, 9, 9))).decode()).size == (40, 30)
+    assert images.decode_image(base64.b64encode(png((9, 9, 9))).decode()).size == (40, 30)
 
 
-@pytest.mark.parametrize(
-    ("size", "fmt", "kept"),
-    [
-        ((4100, 4100), "JPEG", (2050, 2050)),  # libjpeg decodes it at half its size
-        ((9000, 4500), "JPEG", (4500, 2250)),
-        ((4200, 4300), "PNG", (2100, 2150)),  # decoded whole, then shrunk
-        ((8000, 4095), "JPEG", (8000, 4095)),  # a side under twice the kept one: as it is
-        ((3000, 4000), "PNG", (3000, 4000)),
-    ],
-)
-def test_a_huge_image_is_shrunk_to_several_times_any_models_input_before_it_is_processed(
-    size, fmt, kept
-):
-    """A 9000x9000 JPEG took the image processor 5 s and 2 GB; shrunk by a whole factor
-    (to no less than 2048 pixels a side) before it, 0.75 s. Images under 4096 pixels on
-    either side, phone photos among them, are decoded as they are."""
+def encoded_image(size: tuple[int, int], fmt: str = "PNG", mode: str = "RGB") -> str:
+    """A plain image of `size` in `fmt` and `mode`, base64-encoded."""
     import io
 
     from PIL import Image
 
-    from rawserve.worker import pipeline
-
-    image = Image.new("RGB", size, (200, 40, 40))
     written = io.BytesIO()
-    image.save(written, fmt)
-    decoded = pipeline.decode_image(base64.b64encode(written.getvalue()).decode())
+    color = (200, 40, 40, 255)[: len(mode)] if mode in ("RGB", "RGBA") else 1
+    Image.new(mode, size, color).save(written, fmt)
+    return base64.b64encode(written.getvalue()).decode()
+
+
+@pytest.mark.parametrize(
+    ("size", "fmt", "squashed", "kept"),
+    [
+        ((4100, 4100), "JPEG", True, (2050, 2050)),  # libjpeg decodes it at half its size
+        ((9000, 4500), "JPEG", False, (4500, 2250)),
+        ((4200, 4300), "PNG", False, (2100, 2150)),  # decoded whole, then shrunk
+        ((8000, 4095), "JPEG", False, (8000, 4095)),  # a side under twice the kept one
+        ((8000, 4095), "JPEG", True, (2667, 4095)),  # each side on its own: the processor
+        ((4095, 21850), "PNG", True, (4095, 2185)),  # squashes it to its shape anyway
+        ((3000, 4000), "PNG", True, (3000, 4000)),  # a phone's photo: as it is
+    ],
+)
+def test_a_huge_image_is_shrunk_to_several_times_any_models_input_before_it_is_processed(
+    size, fmt, squashed, kept
+):
+    """A 9000x9000 JPEG took the image processor 5 s and 2 GB, an 11 KB PNG of 4095x21850
+    pixels 6 s and 1.5 GB; shrunk by whole factors (to no less than 2048 pixels a side)
+    before it, under a second. Images under 4096 pixels a side are decoded as they are."""
+    from rawserve.worker.images import decode_image
+
+    decoded = decode_image(encoded_image(size, fmt), squashed)
     assert (decoded.size, decoded.mode) == (kept, "RGB")
     assert decoded.getpixel((0, 0)) == pytest.approx((200, 40, 40), abs=3)
+
+
+@pytest.mark.parametrize("mode", ["1", "P", "I;16", "L", "RGBA"])
+def test_a_huge_image_in_any_mode_is_shrunk(mode):
+    """Pillow shrinks no palette, one-bit or 16-bit image ("image has wrong mode", which
+    read as "not an image"): each is made RGB first."""
+    from rawserve.worker.images import decode_image
+
+    decoded = decode_image(encoded_image((4096, 8192), "PNG", mode), squashed=False)
+    assert (decoded.size, decoded.mode) == ((2048, 4096), "RGB")
+
+
+def test_an_image_far_longer_than_wide_is_refused_where_the_processor_keeps_its_shape():
+    """A processor that scales the shorter side to its 224 pixels (ConvNeXt's, ResNet's)
+    builds an image as many times longer: 1x100000 pixels took a worker down. One that
+    resizes to a fixed shape reads it at no cost."""
+    from rawserve.worker.images import MAX_ASPECT, ImageRefused, decode_image
+
+    assert decode_image(encoded_image((3, 3 * MAX_ASPECT)), squashed=False).size == (3, 300)
+    with pytest.raises(ImageRefused, match=r"3x301 pixels; this model reads an image at most"):
+        decode_image(encoded_image((3, 3 * MAX_ASPECT + 1)), squashed=False)
+    assert decode_image(encoded_image((1, 100_000)), squashed=True).size == (1, 2084)
+
+
+def test_a_model_whose_processor_keeps_the_shape_refuses_a_stretched_image(runner, monkeypatch):
+    classify = runner("image-classification")
+    assert classify.run([encoded_image((1, 1000))], {})  # its processor squashes
+    processor = classify.pipe.image_processor
+    monkeypatch.setattr(processor, "size", {"shortest_edge": 32})  # as ConvNeXt's
+    with pytest.raises(ValueError, match="1x1000 pixels") as refused:
+        classify.run([encoded_image((1, 1000))], {})
+    assert classify.describe_failure(refused.value).kind == FailureKind.INPUT
+
+
+def test_the_images_of_a_batch_nobody_waits_for_are_not_decoded(runner, monkeypatch):
+    """Once nobody waits for a batch, its images left are read as a blank pixel each
+    (31 images of seconds each held a worker until the batch timeout killed it)."""
+    from rawserve.worker import pipeline
+
+    decoded: list[str] = []
+    decode = pipeline.decode_image
+
+    def counted(encoded, squashed):
+        decoded.append(encoded)
+        return decode(encoded, squashed)
+
+    monkeypatch.setattr(pipeline, "decode_image", counted)
+    classify = runner("image-classification")
+    images = [encoded_image((40 + i, 30)) for i in range(5)]
+    classify.bind_cancel(lambda: len(decoded) >= 2)
+    try:
+        answers = classify.run(images, {})
+    finally:
+        classify.bind_cancel(lambda: False)
+    assert len(answers) == 5 and decoded == images[:2]
+    assert len(classify.run(images, {})) == 5 and decoded[2:] == images
 
 
 def png_head(width: int, height: int) -> str:

@@ -5,10 +5,7 @@ Worker process only (imports torch and transformers).
 
 from __future__ import annotations
 
-import base64
-import io
 import logging
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,6 +16,7 @@ import transformers
 from rawserve.shared.messages import NO_CONTROL, Control, FailureKind, ItemFailure, ModelLimits
 from rawserve.tasks import LOGITS_PARAM, split_outputs
 from rawserve.worker.cuda_graphs import GraphedForward, recording
+from rawserve.worker.images import decode_image
 from rawserve.worker.model_classes import TASK_CLASSES, load_model
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import (
@@ -34,15 +32,6 @@ from rawserve.worker.runner import (
 # (`stride`). A bound on the padded batch's memory (a request may bring 32 texts and 100
 # labels, or a text of thousands of windows).
 PIECES_PER_PASS = 64
-# The formats an image input is read in: the raster ones clients send. Pillow opens
-# forty-odd by default, EPS among them, which it renders by running Ghostscript on the
-# client's PostScript wherever Ghostscript is installed.
-IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "TIFF", "WEBP")
-# An image is shrunk by a whole factor, before the model's image processor resizes it, to
-# no less than this many pixels on its shorter side: several times any classifier's input
-# (224 to 1024), so only images of 4096 pixels and more on both sides change. The
-# processor's resize of a full 9000x9000 image took 5 s and 2 GB.
-KEPT_SIDE = 2048
 
 
 def preprocessing(task: str, model: str) -> dict[str, Any]:
@@ -60,6 +49,7 @@ class PipelineRunner(Runner):
         self, model: str, task: str, device: str, dtype: str, onnx: OnnxNetwork | None = None
     ):
         untrained = None
+        self.batch_cancelled: Callable[[], bool] = lambda: False  # nobody waits for it
         if onnx is None and task in TASK_CLASSES:
             # the model loaded here, not by the pipeline: so as to learn what its
             # checkpoint left untrained (the class is the pipeline's own for the task)
@@ -145,9 +135,7 @@ class PipelineRunner(Runner):
             return self._classify(inputs)
         model_inputs: Any = inputs
         if self.task == "image-classification":  # queued as base64 text
-            # decoded as the pipeline preprocesses each (it streams a generator): a batch
-            # holds one full-size image at a time, not all of them at once
-            model_inputs = (decode_image(item) for item in inputs)
+            model_inputs = self.images(inputs)
         if self.task == "fill-mask" and "top_k" in params:  # all of a small vocabulary, at most
             vocabulary = self.pipe.model.config.vocab_size
             params = {**params, "top_k": min(params["top_k"], vocabulary)}
@@ -165,6 +153,23 @@ class PipelineRunner(Runner):
             if isinstance(raw, Iterator):  # a generator's answers: computed as they are read
                 raw = list(raw)
         return split_outputs(self.task, inputs, raw)
+
+    def images(self, inputs: list[str]) -> Iterator[Any]:
+        """The images of a batch, decoded as the pipeline preprocesses each (it reads a
+        generator): a batch holds one full-size image at a time, not all of them at once.
+        Once nobody waits for the batch (its clients gone, its deadlines passed), the rest
+        are not decoded: a blank pixel each, whose answers nobody reads (31 images of
+        several seconds each held a worker until `--batch-timeout` killed it)."""
+        size = getattr(getattr(self.pipe, "image_processor", None), "size", None) or {}
+        squashed = "height" in size and "width" in size  # resized to one shape, as ViT's
+        for item in inputs:
+            if self.batch_cancelled():
+                yield blank_image()
+            else:
+                yield decode_image(item, squashed)
+
+    def bind_cancel(self, cancelled: Callable[[], bool]) -> None:
+        self.batch_cancelled = cancelled
 
     def refuse_stride(self, params: dict[str, Any]) -> None:
         """token-classification's `stride`, refused (ValueError, a 422) where the pipeline
@@ -317,28 +322,8 @@ def refuse_past(limit: int) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], 
     return check
 
 
-def decode_image(encoded: str) -> Any:
-    """base64 text → an RGB PIL image, shrunk to `KEPT_SIDE` (a JPEG decoded at 1/2, 1/4 or
-    1/8 of its size by libjpeg, which is faster still); anything that is not an image in
-    `IMAGE_FORMATS` is the client's error, and so is an image of more pixels than Pillow's
-    limit against decompression bombs (a few hundred kilobytes of PNG can declare
-    gigabytes of pixels: the header says so before anything is decoded)."""
-    from PIL import Image, UnidentifiedImageError  # the optional `image` extra
+def blank_image() -> Any:
+    """One black pixel: what a batch nobody waits for reads in place of its next image."""
+    from PIL import Image  # the optional `image` extra
 
-    try:
-        with warnings.catch_warnings():
-            # Pillow only warns past its limit (and refuses past twice that): refuse both
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(base64.b64decode(encoded)), formats=IMAGE_FORMATS)
-        if image.format == "JPEG":
-            image.draft("RGB", (KEPT_SIDE, KEPT_SIDE))
-        factor = min(image.size) // KEPT_SIDE
-        kept = image.reduce(factor) if factor > 1 else image
-        return kept.convert("RGB")
-    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
-        raise ValueError(
-            f"the image has more than {Image.MAX_IMAGE_PIXELS:,} pixels, the most read"
-        ) from exc
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        formats = ", ".join(IMAGE_FORMATS)
-        raise ValueError(f"the input is not an image Pillow can read ({formats})") from exc
+    return Image.new("RGB", (1, 1))

@@ -1,0 +1,83 @@
+"""An image input, from the base64 text it is queued as to the RGB PIL image the model's
+image processor reads: refused where it is not an image, is a decompression bomb, or
+would cost the processor far more than its bytes say; shrunk, where it is much larger
+than any model reads, before the processor's own resize of it.
+
+What an image costs the processor is its pixels, not its bytes: an 11 KB PNG can
+declare 4095x21850 one-bit pixels (6 s and 1.5 GB in a ViT's processor, at full size),
+and a one-pixel-wide one of 100,000 pixels made a processor that keeps the aspect ratio
+(ConvNeXt's, ResNet's: the shorter side scaled to 224) build an image of billions.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import warnings
+from typing import Any
+
+# The formats an image input is read in: the raster ones clients send. Pillow opens
+# forty-odd by default, EPS among them, which it renders by running Ghostscript on the
+# client's PostScript wherever Ghostscript is installed.
+IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "TIFF", "WEBP")
+# An image is shrunk by a whole factor to no less than this many pixels a side: several
+# times any classifier's input (224 to 1024). A processor that resizes to a fixed height
+# and width drops the aspect ratio, so each side is shrunk on its own; one that keeps it
+# (scaling the shorter side) gets the image shrunk alike on both.
+KEPT_SIDE = 2048
+# The longest side, in shorter sides, of an image given to a processor that keeps the
+# aspect ratio: scaled to its 224 or so pixels on the shorter side, the image it builds
+# is this many times as long (a 1x1000 image took 3 s; 1x100000 took the worker down).
+MAX_ASPECT = 100
+
+
+class ImageRefused(ValueError):
+    """An image the server will not read, for a reason its message gives the client."""
+
+
+def decode_image(encoded: str, squashed: bool = True) -> Any:
+    """base64 text → an RGB PIL image, shrunk to `KEPT_SIDE` (a JPEG decoded at 1/2, 1/4 or
+    1/8 of its size by libjpeg, which is faster still). `squashed`: the model's processor
+    resizes to a fixed height and width (otherwise it keeps the aspect ratio, and an
+    image longer than `MAX_ASPECT` times its width is refused). Anything that is not an
+    image in `IMAGE_FORMATS` is the client's error (ValueError), and so is an image of
+    more pixels than Pillow's limit against decompression bombs (a few hundred kilobytes
+    of PNG can declare gigabytes of pixels: the header says so before anything is
+    decoded)."""
+    from PIL import Image, UnidentifiedImageError  # the optional `image` extra
+
+    try:
+        with warnings.catch_warnings():
+            # Pillow only warns past its limit (and refuses past twice that): refuse both
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(base64.b64decode(encoded)), formats=IMAGE_FORMATS)
+        width, height = image.size
+        if not squashed and max(width, height) > MAX_ASPECT * min(width, height):
+            raise ImageRefused(
+                f"the image is {width}x{height} pixels; this model reads an image at most "
+                f"{MAX_ASPECT} times as long as it is wide"
+            )
+        if image.format == "JPEG":
+            image.draft("RGB", (KEPT_SIDE, KEPT_SIDE))
+        # (Pillow shrinks no palette, one-bit or 16-bit image)
+        return shrunk(image if image.mode == "RGB" else image.convert("RGB"), squashed)
+    except ImageRefused:
+        raise
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
+        raise ImageRefused(
+            f"the image has more than {Image.MAX_IMAGE_PIXELS:,} pixels, the most read"
+        ) from exc
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        formats = ", ".join(IMAGE_FORMATS)
+        raise ImageRefused(f"the input is not an image Pillow can read ({formats})") from exc
+
+
+def shrunk(image: Any, squashed: bool) -> Any:
+    """`image` shrunk by whole factors to no less than `KEPT_SIDE` a side: each side on its
+    own where the processor drops the aspect ratio (`squashed`), both alike otherwise."""
+    width, height = image.size
+    if squashed:
+        factors = (max(1, width // KEPT_SIDE), max(1, height // KEPT_SIDE))
+    else:
+        factors = (max(1, min(width, height) // KEPT_SIDE),) * 2
+    return image if factors == (1, 1) else image.reduce(factors)
