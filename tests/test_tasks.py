@@ -347,6 +347,7 @@ def test_an_image_body_is_one_base64_input():
         "data:image/png;base64,iVBORw==",  # a data URL, as browsers and OpenAI's clients send
         "iVBO\nRw==\n",  # base64 wrapped in lines, as `base64` and base64.encodebytes write it
         "data:image/png;base64,iVBO\r\nRw==",
+        "DATA:Image/PNG;Base64,iVBORw==",  # RFC 2397's scheme and type, in any case
     ],
 )
 def test_an_image_in_json_is_read_as_transformers_load_image_reads_it(sent):
@@ -359,6 +360,11 @@ def test_an_image_in_json_is_read_as_transformers_load_image_reads_it(sent):
 def test_an_image_is_never_fetched_or_read_from_a_path(sent):
     with pytest.raises(BadRequest, match="base64"):
         parse_json_body("image-classification", {"inputs": sent})
+
+
+def test_an_image_url_is_refused_saying_it_is_never_fetched():
+    with pytest.raises(BadRequest, match="an image URL is never fetched"):
+        parse_json_body("image-classification", {"inputs": "HTTPS://example.com/cat.png"})
 
 
 @pytest.mark.parametrize("sent", ["data:image/png;base64,", " \n"])

@@ -22,11 +22,15 @@ DATA_URL_START = "data:image/"
 @checker({"type": "string", "minLength": 1, "contentEncoding": "base64"})
 def image_base64(value: Any) -> str:
     """The image's base64, as transformers' `load_image` reads a string that is neither a
-    URL nor a path: a data URL's payload, lines joined. A URL is never fetched."""
+    URL nor a path: a data URL's payload (its scheme and type read in any case, as RFC
+    2397 has them), lines joined. A URL is never fetched."""
     if isinstance(value, str):
         head, comma, payload = value.partition(",")
+        head = head.lower()
         if comma and head.startswith(DATA_URL_START) and head.endswith(";base64"):
             value = payload
+        elif value.lower().startswith(("http://", "https://")):
+            raise ValueError("an image URL is never fetched: send the image, base64-encoded")
         encoded = "".join(value.split())  # lines of 76, as MIME (and `base64`) wraps them
         if not encoded:
             raise BlankInput("the image is empty")
