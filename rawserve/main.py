@@ -449,6 +449,18 @@ def command() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Serve until stopped: the exit code. A stop signal (SIGTERM, SIGHUP and Ctrl-C raise
+    KeyboardInterrupt until the server's own handlers take them) between any two steps of
+    the start ends it with code 1 and a line saying so: one between them (the options read,
+    the workers planned) ended it with Python's traceback and the exit status of SIGINT."""
+    try:
+        return start(argv)
+    except KeyboardInterrupt:
+        log.warning("stopped while starting")
+        return 1
+
+
+def start(argv: Sequence[str] | None) -> int:
     open_standard_descriptors()  # before anything opens a file that would take their place
     config = parse_config(argv)
     setup_logging(config.log_level, config.log_format, access_log=config.access_log)

@@ -437,6 +437,36 @@ def test_any_signal_within_a_second_of_the_first_is_the_same_stop(monkeypatch):
     assert exits == [1] and killed == ["worker"]
 
 
+SIGNAL_AT_A_STEP = """
+import os, signal, sys
+import rawserve.__main__  # its signal handlers, as `python -m rawserve` starts
+import rawserve.main
+
+step = getattr(rawserve.main, sys.argv[1])
+
+def signalled(*args, **kwargs):  # the signal arrives just after the step
+    done = step(*args, **kwargs)
+    os.kill(os.getpid(), getattr(signal, sys.argv[2]))
+    return done
+
+setattr(rawserve.main, sys.argv[1], signalled)
+raise SystemExit(rawserve.main.main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("step", "stop"),
+    [("parse_config", "SIGTERM"), ("setup_logging", "SIGHUP"), ("plan_workers", "SIGINT")],
+)
+def test_a_stop_between_the_steps_of_the_start_ends_it_with_code_1(step, stop):
+    """Between the steps of the start, outside the model's finding and the serving, a
+    stop ended the process with a traceback and SIGINT's exit status (130), not 1."""
+    done = run_python("-c", SIGNAL_AT_A_STEP, step, stop, *ECHO, "--port", "0")
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert "stopped while starting" in done.stderr
+
+
 SIGTERM_WHILE_IMPORTING = """
 import os, runpy, signal, sys
 
