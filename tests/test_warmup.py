@@ -7,8 +7,11 @@ ready (/ready says "warming" meanwhile), the batch is counted in no metric, and
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -207,3 +210,85 @@ def test_no_warmup_reports_ready_without_it(unwarmed_server):
         assert document["workers"][0]["warmup_seconds"] is None
         assert not any(WARMED.search(line) or "warming up" in line for line in server.lines)
         assert server.post_json({"inputs": "i like it"})[0] == 200
+
+
+def failing(error: Exception, alone_too: bool = True):
+    """A runner's `run` that raises `error` on a batch (and on one input, `alone_too`)."""
+
+    def run(inputs, params, control=None):
+        if len(inputs) > 1 or alone_too:
+            raise error
+        return [{"label": "POSITIVE", "score": 1.0}]
+
+    return run
+
+
+def test_a_model_that_fails_its_tasks_example_stops_the_start(runner, monkeypatch):  # noqa: F811
+    """A model whose forward cannot take the task's input (a wav2vec2 named for text)
+    answered every request 500 behind a /ready of 200: it stops the start, saying why."""
+    from rawserve.worker.warmup import ModelFails, warm_up
+
+    serving = runner("text-classification")
+    error = TypeError("Wav2Vec2Model.forward() missing 1 required positional argument")
+    monkeypatch.setattr(serving, "run", failing(error))
+    with pytest.raises(ModelFails, match=r"fails on its task's example input \(TypeError: Wav2"):
+        warm_up(serving, size=4)
+
+
+@pytest.mark.parametrize(
+    ("error", "alone_too"),
+    [
+        (RuntimeError("a batch of the maximum size failed"), False),  # one input runs
+        (ValueError("the example is not this model's input"), True),  # the input's fault
+        (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),  # memory's
+    ],
+)
+def test_a_warm_up_that_fails_otherwise_is_logged_and_the_model_serves(
+    runner,  # noqa: F811
+    monkeypatch,
+    caplog,
+    error,
+    alone_too,
+):
+    from rawserve.worker.warmup import warm_up
+
+    serving = runner("text-classification")
+    monkeypatch.setattr(serving, "run", failing(error, alone_too))
+    assert warm_up(serving, size=4) is None
+    assert "the warm-up batch failed; serving without it" in caplog.text
+
+
+def test_a_server_whose_model_fails_every_input_exits_with_one_line(tiny_model, tmp_path):
+    """A wav2vec2's config beside a BERT's weights and tokenizer, served for embeddings:
+    it loads (its weights random) and its forward takes no text."""
+    from tests.server import REPO_ROOT
+
+    folder = tmp_path / "audio-as-text"
+    shutil.copytree(tiny_model("feature-extraction"), folder)
+    config = {
+        "model_type": "wav2vec2",
+        "architectures": ["Wav2Vec2Model"],
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 37,
+        "conv_dim": [8],
+        "conv_kernel": [4],
+        "conv_stride": [2],
+        "num_conv_pos_embeddings": 4,
+        "num_conv_pos_embedding_groups": 2,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    done = subprocess.run(
+        [sys.executable, "-m", "rawserve", "--model", f"{folder}:feature-extraction"]
+        + ["--port", "0", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": REPO_ROOT},
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    [said] = [line for line in done.stderr.splitlines() if "rawserve ERROR" in line]
+    assert "could not be loaded: the model fails on its task's example input (TypeError" in said
+    assert said.endswith("is it a feature-extraction model?")

@@ -221,7 +221,7 @@ def serve(
             time.monotonic() - imported,
         )
         runner.bind_stream(out.send, cancelled_stream)  # token streaming, if it streams
-        from rawserve.worker.warmup import example, warm_up
+        from rawserve.worker.warmup import ModelFails, example, warm_up
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which logs it
         out.send(load_failed(exc))
         return
@@ -231,7 +231,11 @@ def serve(
     # input, a handler's, is not warmed: nor said to be)
     if config.warmup_batch and example(runner) is not None:
         out.send(WorkerWarming(load_seconds))
-        warmup_seconds = warm_up(runner, config.warmup_batch)
+        try:
+            warmup_seconds = warm_up(runner, config.warmup_batch)
+        except ModelFails as exc:
+            out.send(WorkerLoadFailed(str(exc)))
+            return
     generating = generation_loop(runner, config, out.send, cancelled_stream)
     prepares = config.prepare_ahead
     if prepares is None:

@@ -5,7 +5,9 @@ call sets up lazily (kernels chosen, memory pools grown, caches filled).
 The batch is made of a task's example input, checked by the same rules as a client's
 (rawserve.tasks); a text-generation or text-to-text model generates a few tokens. A task
 with no example (a custom handler: its inputs are its own) is not warmed. A warm-up that
-fails is logged and the worker serves anyway: it is a courtesy, not a test.
+fails is logged and the worker serves anyway (it is a courtesy, not a test), except where
+the model itself fails on its task's example (a wav2vec2 served for text: its forward
+takes no text): then every request would be a 500, and the start stops saying why.
 
 Worker process only (it runs the loaded model).
 """
@@ -18,8 +20,9 @@ import logging
 import time
 from typing import Any
 
+from rawserve.shared.messages import FailureKind
 from rawserve.tasks import InvalidRequest, check_input, check_params, task_rules
-from rawserve.worker.runner import Runner
+from rawserve.worker.runner import NotNumbers, Runner
 
 log = logging.getLogger("rawserve.worker")
 
@@ -71,6 +74,10 @@ def example_batch(runner: Runner, size: int) -> tuple[list[Any], dict[str, Any]]
         return None
 
 
+class ModelFails(RuntimeError):
+    """The model failed on its task's example input: the start stops with this line."""
+
+
 def warm_up(runner: Runner, size: int) -> float | None:
     """Run one batch of `size` example inputs; its seconds, or None when nothing ran."""
     batch = example_batch(runner, size)
@@ -80,7 +87,13 @@ def warm_up(runner: Runner, size: int) -> float | None:
     started = time.perf_counter()
     try:
         runner.run(inputs, checked)
-    except Exception:  # noqa: BLE001 - a failed warm-up is logged; the model still serves
+    except Exception as exc:  # noqa: BLE001 - a failed warm-up is logged; the model still serves
+        if fails_alone(runner, inputs[0], checked, exc):
+            said = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
+            raise ModelFails(
+                f"the model fails on its task's example input ({type(exc).__name__}: {said}),"
+                f" as it would on every request: is it a {runner.task} model?"
+            ) from exc
         log.warning("the warm-up batch failed; serving without it", exc_info=True)
         return None
     seconds = time.perf_counter() - started
@@ -91,6 +104,19 @@ def warm_up(runner: Runner, size: int) -> float | None:
         warm_graphs(runner, inputs, checked)
         runner.cuda_graphs = said_after_warm_up(runner.cuda_graphs, [runner.graphed.shelf])
     return seconds
+
+
+def fails_alone(runner: Runner, item: Any, checked: dict[str, Any], exc: Exception) -> bool:
+    """Whether the model failed the warm-up batch (`exc`) as it fails any input: not the
+    input's fault, nor memory's, nor its scores' (a precision's), and again on one input
+    alone (a batch of the maximum size may fail where smaller ones run)."""
+    if runner.describe_failure(exc).kind != FailureKind.INTERNAL or isinstance(exc, NotNumbers):
+        return False
+    try:
+        runner.run([item], checked)
+    except Exception as alone:  # noqa: BLE001 - what it says is the question
+        return runner.describe_failure(alone).kind == FailureKind.INTERNAL
+    return False
 
 
 def warm_graphs(runner: Runner, inputs: list[Any], checked: dict[str, Any]) -> None:
