@@ -9,6 +9,7 @@ import logging
 import os
 import pickle
 import re
+import shutil
 import sys
 import tempfile
 import threading
@@ -1612,6 +1613,26 @@ def test_a_task_head_the_checkpoint_has_no_weights_for_is_served_and_said_random
     weights = model.state_dict()
     distinct = {weights[name].data_ptr(): weights[name] for name in runner.untrained.tensors}
     assert runner.untrained.numbers == sum(tensor.numel() for tensor in distinct.values())
+
+
+def test_a_checkpoint_that_is_another_models_weights_is_refused_not_served_random(
+    tiny_model, tmp_path
+):
+    """A GPT-2's weights in a BERT classifier's folder left every tensor random: it was
+    served, with a warning, answering noise. Refused in one line."""
+    from rawserve.worker.loading import load_runner
+    from rawserve.worker.process import load_failed
+
+    folder = tmp_path / "classifier"
+    shutil.copytree(tiny_model("text-classification"), folder)
+    weights = Path(tiny_model("text-generation")) / "model.safetensors"
+    shutil.copy(weights, folder / "model.safetensors")
+    with pytest.raises(ValueError) as caught:
+        load_runner(worker_config(str(folder), engine=Engine.TORCH), "cpu")
+    assert load_failed(caught.value).message == (
+        "ValueError: none of the checkpoint's weights are BertForSequenceClassification's: "
+        "they are another model's, or named otherwise, and every answer would be noise"
+    )
 
 
 def test_a_model_type_whose_config_class_is_shared_is_not_refused():

@@ -259,26 +259,26 @@ def test_a_warm_up_that_fails_otherwise_is_logged_and_the_model_serves(
 
 
 def test_a_server_whose_model_fails_every_input_exits_with_one_line(tiny_model, tmp_path):
-    """A wav2vec2's config beside a BERT's weights and tokenizer, served for embeddings:
-    it loads (its weights random) and its forward takes no text."""
+    """A wav2vec2 (its own weights, a BERT's tokenizer beside them) served for embeddings:
+    it loads, and its forward takes no text."""
+    import transformers
+
     from tests.server import REPO_ROOT
 
     folder = tmp_path / "audio-as-text"
     shutil.copytree(tiny_model("feature-extraction"), folder)
-    config = {
-        "model_type": "wav2vec2",
-        "architectures": ["Wav2Vec2Model"],
-        "hidden_size": 32,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "intermediate_size": 37,
-        "conv_dim": [8],
-        "conv_kernel": [4],
-        "conv_stride": [2],
-        "num_conv_pos_embeddings": 4,
-        "num_conv_pos_embedding_groups": 2,
-    }
-    (folder / "config.json").write_text(json.dumps(config))
+    config = transformers.Wav2Vec2Config(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=37,
+        conv_dim=[8],
+        conv_kernel=[4],
+        conv_stride=[2],
+        num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2,
+    )
+    transformers.Wav2Vec2Model(config).save_pretrained(folder)
     done = subprocess.run(
         [sys.executable, "-m", "rawserve", "--model", f"{folder}:feature-extraction"]
         + ["--port", "0", "--device", "cpu"],

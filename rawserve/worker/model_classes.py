@@ -149,7 +149,14 @@ def load_model(class_name: str, folder: str, **kwargs: Any) -> tuple[Any, Untrai
     of the model it made (None: nothing)."""
     loader = getattr(transformers, class_name)
     model, info = loader.from_pretrained(folder, output_loading_info=True, **kwargs)
-    return model, untrained(model, info.get("missing_keys", ()), UNREAD_WEIGHTS.get(class_name, ()))
+    missing = set(info.get("missing_keys", ()))
+    if missing and all(name in missing for name, _ in model.named_parameters()):
+        # (a few missing are a head left to train, served with a warning; all are noise)
+        raise ValueError(
+            f"none of the checkpoint's weights are {type(model).__name__}'s: they are "
+            "another model's, or named otherwise, and every answer would be noise"
+        )
+    return model, untrained(model, missing, UNREAD_WEIGHTS.get(class_name, ()))
 
 
 def untrained(model: Any, missing: Any, unread: tuple[str, ...] = ()) -> Untrained | None:
