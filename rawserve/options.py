@@ -484,8 +484,11 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             parser.error(
                 f"{variable}={text!r}: not a whole number of seconds from 1 to {MAX_HUB_SECONDS}"
             )
-    models = flags_or_variable(args.model, "RAWSERVE_MODEL")
-    origins = flags_or_variable(args.cors_allow_origin, "RAWSERVE_CORS_ALLOW_ORIGIN")
+    try:
+        models = flags_or_variable(args.model, "RAWSERVE_MODEL")
+        origins = flags_or_variable(args.cors_allow_origin, "RAWSERVE_CORS_ALLOW_ORIGIN")
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.handler and models:
         parser.error("--handler serves its own callable: give no --model with it")
     # what a handler does not read: silently ignored, it would look honoured
@@ -688,10 +691,18 @@ def variable_value(env: str) -> str | None:
 
 
 def flags_or_variable(given: list[str] | None, env: str) -> list[str]:
-    """A repeatable option's values: the flags given, else its variable's comma list."""
+    """A repeatable option's values: the flags given, else its variable's comma list (a
+    blank variable is none; an empty entry in it is refused, as an empty flag is: `","`
+    served the default model without a word)."""
     if given is not None:
         return given
-    return [value.strip() for value in os.environ.get(env, "").split(",") if value.strip()]
+    text = os.environ.get(env, "")
+    if not text.strip():
+        return []
+    values = [value.strip() for value in text.split(",")]
+    if not all(values):
+        raise ValueError(f"{env}={text[:200]!r}: an entry of the comma list is empty")
+    return values
 
 
 def checked_origin(origin: str, parser: argparse.ArgumentParser) -> str:

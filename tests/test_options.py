@@ -88,6 +88,23 @@ def test_the_model_list_is_comma_separated_and_given_flags_replace_it(monkeypatc
     assert parse_config(["--revision", "abc123"]).revision == "abc123"
 
 
+@pytest.mark.parametrize("listed", [",", "org/a,,org/b", "org/a, "])
+def test_an_empty_entry_in_the_model_list_is_refused_as_an_empty_flag_is(
+    monkeypatch, capsys, listed
+):
+    """RAWSERVE_MODEL="," served the packaged default model without a word."""
+    clear_environment(monkeypatch)
+    monkeypatch.setenv("RAWSERVE_MODEL", listed)
+    with pytest.raises(SystemExit) as stopped:
+        parse_config([])
+    assert stopped.value.code == 2
+    assert (
+        f"RAWSERVE_MODEL={listed!r}: an entry of the comma list is empty" in capsys.readouterr().err
+    )
+    monkeypatch.setenv("RAWSERVE_MODEL", "  ")  # blank: none given
+    assert parse_config([]).models == defaults(monkeypatch).models
+
+
 def test_given_origins_replace_the_variables_list_as_given_models_do(monkeypatch):
     clear_environment(monkeypatch)
     monkeypatch.setenv("RAWSERVE_CORS_ALLOW_ORIGIN", "https://a.example, https://b.example")
