@@ -620,6 +620,12 @@ def check_values(
             f"--max-timeout ({args.max_timeout:g} s) must not be below --timeout "
             f"({args.timeout:g} s, the deadline of a request that asks for none)"
         )
+    if args.max_batch_delay_ms > args.max_timeout * 1000:
+        # (1e308 was taken: a lone request then waited for half of its deadline)
+        parser.error(
+            f"--max-batch-delay-ms ({args.max_batch_delay_ms:g}) must not be above "
+            f"--max-timeout ({args.max_timeout:g} s, the longest deadline)"
+        )
     if args.api_key is not None and not (
         args.api_key.isprintable() and args.api_key.strip() == args.api_key
     ):

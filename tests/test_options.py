@@ -105,6 +105,16 @@ def test_an_empty_entry_in_the_model_list_is_refused_as_an_empty_flag_is(
     assert parse_config([]).models == defaults(monkeypatch).models
 
 
+def test_a_batch_delay_longer_than_any_deadline_is_refused(monkeypatch, capsys):
+    clear_environment(monkeypatch)
+    assert parse_config(["--max-batch-delay-ms", "60000", "--timeout", "60"])
+    with pytest.raises(SystemExit):
+        parse_config(["--max-batch-delay-ms", "1e308"])
+    assert (
+        "--max-batch-delay-ms (1e+308) must not be above --max-timeout" in capsys.readouterr().err
+    )
+
+
 def test_given_origins_replace_the_variables_list_as_given_models_do(monkeypatch):
     clear_environment(monkeypatch)
     monkeypatch.setenv("RAWSERVE_CORS_ALLOW_ORIGIN", "https://a.example, https://b.example")
