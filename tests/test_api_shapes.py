@@ -968,6 +968,9 @@ def test_a_text_body_is_read_in_the_charset_its_type_names(content_type, body, t
         ("text/plain; charset=unicode_escape", b"\\u00e9"),
         # a form upload (curl -F): its parts' framing is no text to run the model on
         ("multipart/form-data; boundary=x", b"--x\r\nContent-Disposition: form-data"),
+        # a short WAV or an image whose bytes happen to be valid UTF-8: no text
+        ("audio/wav", b"RIFF$\x00\x00\x00WAVEfmt \x10\x00\x00\x00\x01\x00\x01\x00"),
+        ("Image/PNG", b"not really a png"),
     ],
 )
 def test_a_text_body_not_in_its_charset_is_415(content_type, body):

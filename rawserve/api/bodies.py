@@ -136,6 +136,10 @@ def is_json(request: HttpRequest) -> bool:
     )
 
 
+# the media types that are never text, whatever their bytes decode as
+MEDIA_NOT_TEXT = ("image/", "audio/", "video/")
+
+
 def read_text(request: HttpRequest) -> str:
     """The request's body as text, in the charset its Content-Type names (UTF-8 where it
     names none); 415 for a charset this server cannot read, bytes that are not in it, or
@@ -143,6 +147,9 @@ def read_text(request: HttpRequest) -> str:
     read UTF-16 as UTF-8 with a NUL after each letter."""
     refuse_form_upload(request, "the text itself, or JSON")
     content_type = request.header("content-type") or ""
+    media_type = content_type.split(";")[0].strip().lower()
+    if media_type.startswith(MEDIA_NOT_TEXT):  # (a short WAV can be valid UTF-8)
+        raise UnsupportedMediaType(f"the body is {media_type}: this model reads text")
     charset = media_type_parameter(content_type, "charset") or "UTF-8"
     try:
         if codecs.lookup(charset).name in PYTHON_ENCODINGS:
