@@ -5,9 +5,9 @@ them, metrics merged across processes, and the options that choose them."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import errno
 import importlib.util
+import itertools
 import logging
 import os
 import pickle
