@@ -378,6 +378,20 @@ def test_a_text_model_without_tokenizer_files_is_refused_before_any_worker_loads
     )
 
 
+def test_an_audio_model_is_refused_as_one_not_for_its_missing_tokenizer(tmp_path):
+    """A wav2vec2 classifier's task reads as text-classification (ForSequenceClassification),
+    and it was refused for tokenizer files it never had."""
+    processor = {"feature_extractor_type": "Wav2Vec2FeatureExtractor", "sampling_rate": 16000}
+    files = {"preprocessor_config.json": json.dumps(processor)}
+    folder = text_model(tmp_path / "wav2vec2", "Wav2Vec2ForSequenceClassification", files)
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models([str(folder)])
+    assert str(caught.value) == (
+        f"model {folder}: the model reads sound (its preprocessor_config.json names "
+        "Wav2Vec2FeatureExtractor), and rawserve serves no audio task"
+    )
+
+
 @pytest.mark.parametrize("task", [None, "text-generation"])
 def test_a_model_without_config_json_is_refused_for_that_whatever_names_its_task(tmp_path, task):
     """Named with its task, a folder without config.json was refused with transformers'

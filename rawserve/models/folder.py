@@ -125,10 +125,7 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
                 "(pip install 'rawserve[image]')"
             )
         if task not in IMAGE_TASKS and not has_tokenizer(model_dir):
-            raise ValueError(
-                "the model has no tokenizer files (tokenizer.json, a vocabulary or a "
-                "sentencepiece model): every text would read as unknown tokens"
-            )
+            raise ValueError(no_tokenizer(model_dir))
         if task not in IMAGE_TASKS and (unread := sentencepiece_model_unread(model_dir)):
             raise ValueError(
                 f"the model's tokenizer is the sentencepiece model {unread} (it has no "
@@ -200,6 +197,23 @@ def refuse_broken_links(model_dir: Path) -> None:
                 f"{name} links to {os.readlink(path)}, which is missing: download the "
                 "model again (without HF_HUB_OFFLINE=1), or restore the file"
             )
+
+
+def no_tokenizer(model_dir: Path) -> str:
+    """Why a text task cannot be served from a folder without tokenizer files: said as an
+    audio model where its processor reads sound (a wav2vec2 classifier's task was read as
+    text-classification, and its refusal spoke of unknown tokens)."""
+    processor = json_file(model_dir / "preprocessor_config.json")
+    extractor = processor.get("feature_extractor_type")
+    if isinstance(extractor, str) and not processor.get("image_processor_type"):
+        return (
+            f"the model reads sound (its preprocessor_config.json names {extractor[:100]}), "
+            "and rawserve serves no audio task"
+        )
+    return (
+        "the model has no tokenizer files (tokenizer.json, a vocabulary or a "
+        "sentencepiece model): every text would read as unknown tokens"
+    )
 
 
 def has_tokenizer(model_dir: Path) -> bool:
