@@ -528,6 +528,20 @@ def test_a_run_crosses_the_channel_and_a_cancel_follows_a_client_that_leaves():
     assert ("cancel", left) in seen
 
 
+def test_a_stream_closed_is_told_to_the_serving_process_once():
+    """Its close went out only for a stream already forgotten: the serving side never
+    stopped a stream whose client left, and kept generating for no one."""
+    link = Link(SimpleNamespace(), lambda: [], lambda grace: None, lambda: None)
+    sent: list[tuple] = []
+    link.send = sent.append  # type: ignore[method-assign]
+    remote_serving = RemoteServing(link, 0)
+    stream = remote_serving.open_stream(lambda chunk: None)
+    remote_serving.close_stream(stream)
+    assert sent == [("close_stream", stream)] and not link.streams
+    remote_serving.close_stream(stream)  # closed again (the client left, then the end)
+    assert sent == [("close_stream", stream)]
+
+
 def test_a_run_the_serving_process_leaves_unanswered_is_refused_once_late(monkeypatch):
     monkeypatch.setattr(remote, "LATE_SECONDS", 0.05)
 

@@ -493,6 +493,20 @@ def test_probes_are_logged_at_debug_only(restore_logging, path):
         assert line == f'10.0.0.1:5000 "GET {path}" {status} 15 0.2ms id'
 
 
+def test_a_head_probe_is_logged_at_debug_only_as_a_get_probe_is(restore_logging):
+    """A load balancer probing with HEAD wrote a line at the default level every few
+    seconds, the lines GET's probes were kept out of."""
+    for path in ("/health", "/ready/some-model"):
+        assert access_lines("info", "text", ("HEAD", path, "id"), status=200) == []
+
+
+def test_a_json_access_records_duration_is_in_milliseconds(restore_logging):
+    """`duration_ms` said seconds (0.0 for a 0.2 ms answer): a dashboard read every
+    request as instant, where the text line said 0.2ms."""
+    [line] = access_lines("info", "json", ("GET", "/a", "id"))
+    assert json.loads(line)["duration_ms"] == 0.2
+
+
 def test_an_access_record_is_the_one_logging_makes_with_its_own_time(restore_logging):
     """Where a handler of its own takes the line, it gets a record with every field a
     record made by `Logger.log` has (so any handler's format works: a file name, a line,

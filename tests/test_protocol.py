@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import gzip
 import json
 import re
@@ -45,6 +46,7 @@ from rawserve.http.response_head import (
     render_kept,
     render_request_fields,
 )
+from rawserve.http.tls import server_context, validity_warning
 from rawserve.protocol import (
     PROBE_RESERVE,
     READ_AHEAD_LIMIT,
@@ -217,8 +219,18 @@ class RequestsSeen:
             "Content-Encoding: gzip\r\nContent-Encoding: gzip",
             gzip.compress(gzip.compress(b"hello world")),
         ),
+        # listed in the order applied: undone last first
+        ("Content-Encoding: deflate, gzip", gzip.compress(zlib.compress(b"hello world"))),
     ],
-    ids=["gzip", "deflate", "list", "gzip members", "two fields", "gzip in two fields"],
+    ids=[
+        "gzip",
+        "deflate",
+        "list",
+        "gzip members",
+        "two fields",
+        "gzip in two fields",
+        "deflate then gzip",
+    ],
 )
 async def test_a_compressed_body_is_read_as_its_plain_bytes(server, fields, body):
     app, protocol, transport = server
@@ -391,6 +403,22 @@ def test_a_head_or_an_announced_body_of_exactly_the_limit_is_taken():
     assert check_head(event, fields, max_head_bytes=size, max_body_bytes=100) is None
     assert isinstance(check_head(event, fields, size - 1, 100), HeadersTooLarge)
     assert isinstance(check_head(event, fields, size, 99), PayloadTooLarge)
+
+
+async def test_a_body_of_exactly_the_limit_is_taken_and_one_byte_more_is_413(server):
+    """The limit is inclusive, as the head's check and the chunk meter have it: a body of
+    exactly --max-body-bytes must reach the app, not be refused by an off-by-one."""
+    app, protocol, transport = server  # max_body_bytes=100
+    exact = b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\n" + b"x" * 100
+    protocol.data_received(exact)
+    await settle()
+    [(response, body)] = read_responses(transport.written, [exact])
+    assert response.status_code == 200 and json.loads(body)["body"] == "x" * 100
+    over = b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 101\r\n\r\n" + b"x" * 101
+    protocol.data_received(over)
+    await settle()
+    statuses = [r.status_code for r, _ in read_responses(transport.written, [exact, over])]
+    assert statuses == [200, 413] and len(app.seen) == 1
 
 
 async def test_chunked_body_over_the_limit_is_413(server):
@@ -758,6 +786,18 @@ async def test_a_target_in_a_form_its_method_cannot_take_is_refused(server, meth
         assert "target" in json.loads(body)["error"] and not app.seen
 
 
+async def test_connect_in_any_target_form_is_400_and_never_reaches_the_app(server):
+    """`CONNECT / HTTP/1.1` has a target a GET could take: it still asks to tunnel, which
+    a 2xx would grant, so it is refused by its method, whatever its target."""
+    app, protocol, transport = server
+    request = b"CONNECT / HTTP/1.1\r\nHost: a\r\n\r\n"
+    protocol.data_received(request)
+    await settle()
+    [(response, body)] = read_responses(transport.written, [request])
+    assert response.status_code == 400
+    assert json.loads(body)["error"] == "CONNECT is not supported" and not app.seen
+
+
 # --- keep-alive, HTTP/1.0, Connection: close, 100-continue ----------------------------
 
 
@@ -796,6 +836,25 @@ async def test_connection_close_is_honoured_and_later_bytes_are_ignored(server):
     [(response, _)] = read_responses(transport.written, [first])
     assert dict(response.headers)[b"connection"] == b"close"
     assert [r.path for r in app.seen] == ["/a"] and transport.finished
+
+
+async def test_a_crlf_after_a_body_is_skipped_when_the_answer_went_through_h11():
+    """RFC 9112 section 2.2: a CRLF a client sends after a POST body is skipped. Skipped
+    behind an answer written by hand, it was a malformed next request behind a 204."""
+
+    class NoContentApp(FakeApp):
+        async def handle(self, request):
+            if request.method == "POST":  # no body: its head is h11's
+                return HttpResponse(204, b"", content_type="")
+            return HttpResponse(200, b"{}")
+
+    protocol, transport = connected_to(NoContentApp())
+    post = b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}"
+    get = b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"
+    protocol.data_received(post + b"\r\n" + get)
+    await settle()
+    statuses = [r.status_code for r, _ in read_responses(transport.written, [post, get])]
+    assert statuses == [204, 200] and not transport.finished
 
 
 async def test_expect_100_continue_gets_100_then_the_answer(server):
@@ -963,6 +1022,21 @@ async def test_the_peer_closing_ends_the_linger_at_once(timed):
     assert not protocol.eof_received()  # falsy: the transport closes itself
 
 
+async def test_lingering_after_the_last_answer_reads_even_where_reading_was_paused(server):
+    """Reading paused for a pipelined backlog behind a slow answer that then closes the
+    connection: lingering must read (and drop) the peer's bytes, else they turn the close
+    into a reset that can destroy the answer, and the peer's FIN is never seen."""
+    app, protocol, transport = server
+    protocol.data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+    await settle()
+    protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n" * (READ_AHEAD_LIMIT // 20))
+    assert not transport.reading  # the backlog paused reading
+    app.release.set()
+    await settle()
+    assert count_responses(transport.written) == 1
+    assert transport.eof_written and transport.reading and not transport.closed
+
+
 # --- connection cap -------------------------------------------------------------------
 
 
@@ -1093,6 +1167,49 @@ async def test_a_probe_past_the_cap_is_answered_in_any_form_the_routes_take(targ
     assert response.status_code == 200 and transport.finished
 
 
+async def test_a_tls_connection_past_the_cap_is_closed_without_a_plain_text_503():
+    """A 503 written in plain text on a TLS port reaches no client (its TLS layer reads
+    it as garbage): the connection is closed with nothing written."""
+    state = ServerState()
+    connect = connector(EchoApp(), ProtocolSettings(max_connections=1), state)
+    for protocol, _ in [connect() for _ in range(1 + PROBE_RESERVE)]:
+        protocol.data_received(b"GET /hea")  # each mid-head: none gives way
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    protocol = HttpProtocol(
+        EchoApp(),
+        ProtocolSettings(max_connections=1),
+        state,
+        loop=asyncio.get_running_loop(),
+        tls=tls,
+    )
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    assert transport.closed and not transport.written and state.refused == 1
+
+
+async def test_a_drain_waits_only_for_requests_still_being_answered():
+    """A request answered leaves its task done on its connection until the next one:
+    counted as busy, it held a draining HTTP process for its whole grace."""
+
+    class Connection:
+        sending = False
+
+        def __init__(self, task: asyncio.Task[None]) -> None:
+            self.cycle = type("Cycle", (), {"task": task})()
+
+        def close(self) -> None:
+            pass
+
+    answered = asyncio.ensure_future(asyncio.sleep(0))
+    await answered
+    working = asyncio.ensure_future(asyncio.Event().wait())
+    state = ServerState()
+    for task in (answered, working):
+        state.connections.take(Connection(task), 10, 0.0)
+    assert state.busy_tasks() == {working}
+    working.cancel()
+
+
 # --- flow control ---------------------------------------------------------------------
 
 
@@ -1111,6 +1228,29 @@ async def test_a_large_pipelined_backlog_pauses_reading_until_answered(server):
         await asyncio.sleep(0)
     # reading resumed only once every buffered request was answered, not at the first
     assert transport.reading and len(app.seen) == 71
+
+
+async def test_a_few_pipelined_bytes_after_many_earlier_requests_do_not_pause_reading():
+    """READ_AHEAD_LIMIT bounds the bytes read and not yet parsed, not all a connection
+    ever sent: after 100 KB of earlier requests, 16 bytes pipelined behind a slow answer
+    paused reading, and a paused connection does not see its client leave."""
+    app = EchoApp()
+    settings = ProtocolSettings(max_body_bytes=1 << 20)
+    protocol = HttpProtocol(app, settings, loop=asyncio.get_running_loop())
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    for _ in range(2):
+        protocol.data_received(
+            b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 50000\r\n\r\n" + b"x" * 50_000
+        )
+        await settle()
+    protocol.data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    protocol.data_received(b"GET / HTTP/1.1\r\n")
+    assert transport.reading
+    protocol.connection_lost(None)  # so the client leaving is seen: its work withdrawn
+    await settle()
+    assert app.cancelled == 1
 
 
 async def test_a_peer_that_does_not_read_its_answers_is_not_read_from(server):
@@ -1205,6 +1345,30 @@ async def test_a_stream_waits_while_writing_is_paused():
     assert produced == [0, 1, 2] and body == b"xxx"
 
 
+async def test_a_stream_answered_after_its_connection_closed_is_still_closed():
+    """The drain's last step closes every connection; a streamed answer made after it
+    was never written, and never closed: the serving side kept generating for no one."""
+    closed: list[int] = []
+    release = asyncio.Event()
+
+    class LateStreamApp(FakeApp):
+        async def handle(self, request):
+            await release.wait()
+
+            async def tokens():
+                yield b"data: 1\n\n"
+
+            return HttpResponse(200, stream=tokens(), on_stream_close=lambda: closed.append(1))
+
+    protocol, transport = connected_to(LateStreamApp())
+    protocol.data_received(b"GET /stream HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    protocol.close()  # as ServerState.close_all() at the end of a drain
+    release.set()
+    await settle()
+    assert closed == [1] and not transport.written
+
+
 # --- at most one response per request -------------------------------------------------
 
 
@@ -1283,6 +1447,31 @@ async def test_every_response_has_a_request_id_server_timing_and_an_access_line(
     assert len(lines) == 2
     assert '"GET /ok" 200' in lines[0] and lines[0].endswith("mine-1")
     assert '"GET /bad" 400' in lines[1]
+
+
+async def test_a_streamed_answer_whose_app_timed_it_has_one_server_timing_field():
+    """A stream's head goes through h11: the app's Server-Timing and the protocol's own
+    were both written, two fields a client reads as one list with two totals."""
+
+    class TimedStreamApp(FakeApp):
+        async def handle(self, request):
+            async def tokens():
+                yield b"data: 1\n\n"
+
+            return HttpResponse(
+                200,
+                headers=[("Server-Timing", "queue;dur=1.0")],
+                stream=tokens(),
+                content_type="text/event-stream",
+            )
+
+    protocol, transport = connected_to(TimedStreamApp())
+    request = b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"
+    protocol.data_received(request)
+    await settle()
+    [(response, body)] = read_responses(transport.written, [request])
+    timings = [value for name, value in response.headers if name == b"server-timing"]
+    assert timings == [b"queue;dur=1.0"] and body == b"data: 1\n\n"
 
 
 async def test_a_clients_retry_is_marked_in_its_access_record(server, caplog):
@@ -1434,6 +1623,58 @@ async def test_cors_headers_are_added_once_and_never_to_a_preflight_answer():
     assert names.count(b"access-control-expose-headers") == 1
 
 
+class PreflightApp(CorsApp):
+    """Answers preflights as the routes do: a route that serves POST alone."""
+
+    def answer_now(self, request: HttpRequest) -> HttpResponse | None:
+        if CorsPolicy.is_preflight(request):
+            return self.cors.preflight(request, {"POST"})
+        return None
+
+
+async def preflight(origin: str, method: str, asked_headers: bytes | None = None):
+    protocol, transport = connected_to(PreflightApp())
+    request = with_origin(
+        b"OPTIONS /generate HTTP/1.1\r\nHost: a\r\nAccess-Control-Request-Method: "
+        + method.encode()
+        + b"\r\n"
+        + (b"Access-Control-Request-Headers: " + asked_headers + b"\r\n" if asked_headers else b"")
+        + b"\r\n",
+        origin,
+    )
+    protocol.data_received(request)
+    await settle()
+    [(response, body)] = read_responses(transport.written, [request])
+    return response, json.loads(body) if body else None
+
+
+async def test_a_preflight_from_an_origin_not_allowed_is_403_and_allows_nothing():
+    """A 204 would let the page of any origin send its real request (with the key its
+    user's browser holds, for a server that trusts the browser's origin)."""
+    response, body = await preflight("https://evil.example", "POST", b"content-type")
+    assert response.status_code == 403 and body["error_type"] == "forbidden"
+    assert "the origin https://evil.example may not call this server" in body["error"]
+    assert b"access-control-allow-origin" not in cors_of(response)
+    allowed, _ = await preflight(ORIGIN, "POST", b"content-type")
+    assert allowed.status_code == 204
+    assert cors_of(allowed)[b"access-control-allow-origin"] == ORIGIN.encode()
+    assert cors_of(allowed)[b"access-control-allow-headers"] == b"content-type"
+
+
+async def test_a_preflight_for_a_method_the_route_does_not_serve_is_405_with_allow():
+    response, body = await preflight(ORIGIN, "DELETE")
+    assert response.status_code == 405 and dict(response.headers)[b"allow"] == b"POST"
+    assert body["error_type"] == "method_not_allowed"
+
+
+async def test_a_preflight_asking_for_headers_that_are_no_names_is_allowed_without_them():
+    """Only a list of header names is echoed: a non-ASCII value cannot be written in a
+    head (h11 refused it: the preflight became a 500 and a logged traceback)."""
+    response, _ = await preflight(ORIGIN, "POST", b"x-caf\xe9")
+    assert response.status_code == 204
+    assert b"access-control-allow-headers" not in cors_of(response)
+
+
 # --- the bearer check the app applies under --api-key ---------------------------------
 
 
@@ -1464,6 +1705,17 @@ def test_require_bearer(authorization, accepted):
     with pytest.raises(Unauthorized) as caught:
         require_bearer(request, "k3y")
     assert dict(caught.value.headers)["WWW-Authenticate"].startswith("Bearer")
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer", "Bearer ", "Bearer    "])
+def test_no_token_gets_the_bare_challenge_not_an_invalid_tokens(authorization):
+    """RFC 6750 section 3.1: a request with no token gets the challenge without an error
+    code; `invalid_token` is for a token sent and refused."""
+    headers = [] if authorization is None else [("authorization", authorization)]
+    request = HttpRequest("POST", "/", "", headers, b"", "id")
+    with pytest.raises(Unauthorized, match="needs an Authorization: Bearer") as caught:
+        require_bearer(request, "k3y")
+    assert dict(caught.value.headers)["WWW-Authenticate"] == 'Bearer realm="rawserve"'
 
 
 def json_request(body: bytes) -> HttpRequest:
@@ -1670,6 +1922,36 @@ async def test_a_chunked_body_over_the_limit_on_the_wire_is_413(server):
     assert not app.seen
 
 
+async def test_a_chunked_body_whose_framing_comes_in_reads_after_its_head_is_counted(server):
+    """Only the bytes that came with the head were counted: a head alone, then tiny chunks
+    with long extensions one read each, reached the app far past --max-body-bytes."""
+    app, protocol, transport = server  # max_body_bytes=100
+    head = b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+    protocol.data_received(head)  # the head alone, as a socket read often brings it
+    for _ in range(50):  # 50 chunks of 1 byte, each in ~70 bytes of framing
+        protocol.data_received(b"1;" + b"e" * 60 + b"\r\nx\r\n")
+    protocol.data_received(b"0\r\n\r\n")
+    await settle()
+    assert [r.status_code for r, _ in read_responses(transport.written, [head])] == [413]
+    assert not app.seen
+
+
+async def test_a_body_of_too_many_tiny_chunks_is_told_to_send_larger_chunks():
+    """A 413 by its count of chunks says so: the client is told how to send the body
+    (larger chunks, or a Content-Length), not that its few bytes are too many."""
+    settings = ProtocolSettings(max_body_bytes=2**20)
+    protocol = HttpProtocol(EchoApp(), settings, loop=asyncio.get_running_loop())
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    head = b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+    protocol.data_received(head + b"1\r\nX\r\n" * 10_000)  # 10 KB of data, 10,000 chunks
+    await settle()
+    [(response, body)] = read_responses(transport.written, [head])
+    error = json.loads(body)["error"]
+    assert response.status_code == 413 and "too many small chunks" in error
+    assert "send it in larger chunks" in error
+
+
 async def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout(caplog):
     loop = FakeTimerLoop(asyncio.get_running_loop())
     settings = ProtocolSettings(write_timeout=3, keepalive_timeout=60)
@@ -1691,6 +1973,23 @@ async def test_a_client_that_reads_nothing_is_cut_off_after_the_write_timeout(ca
     # its access line, written as it was queued, gave the whole size: this one says not
     [line] = [r.getMessage() for r in caplog.records if "--write-timeout" in r.getMessage()]
     assert line.endswith("12345 bytes of its answers were not sent (the last: request big-1)")
+
+
+async def test_a_connection_gone_while_writing_waited_has_no_write_timeout_line(caplog):
+    """The write timeout's timer outlived the connection: a client that reset while its
+    answer waited got a "waited 3 s for room" line, and an abort, 3 s after it had gone."""
+    loop = FakeTimerLoop(asyncio.get_running_loop())
+    protocol = HttpProtocol(EchoApp(), ProtocolSettings(write_timeout=3), loop=loop)
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+    await settle()
+    transport.buffered = 1000
+    protocol.pause_writing()  # the client reads nothing
+    protocol.connection_lost(ConnectionResetError())  # ... then resets
+    with caplog.at_level("INFO", logger="rawserve.protocol"):
+        loop.advance(10)
+    assert "--write-timeout" not in caplog.text and not transport.aborted
 
 
 class EndlessStreamApp(FakeApp):
@@ -1934,3 +2233,86 @@ def test_the_depth_read_from_the_bytes_is_the_documents(value, limit, ascii_only
     the parsed document in Python: the two agree, whatever the strings hold."""
     body = json.dumps(value, ensure_ascii=ascii_only).encode()
     assert nested_deeper_than(body, limit) == (json_depth(value) > limit)
+
+
+# --- the TLS files and context (`--ssl-certfile`, `--ssl-keyfile`) ---------------------
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    """A certificate and its key, another's key, the key encrypted, and an expired
+    certificate, from a throwaway CA."""
+    import trustme
+    from cryptography.hazmat.primitives import serialization
+
+    folder = tmp_path_factory.mktemp("tls-files")
+    ca = trustme.CA()
+    issued, other = ca.issue_cert("127.0.0.1"), ca.issue_cert("127.0.0.1")
+    files = {name: folder / f"{name}.pem" for name in ("cert", "key", "other", "encrypted")}
+    issued.cert_chain_pems[0].write_to_path(str(files["cert"]))
+    issued.private_key_pem.write_to_path(str(files["key"]))
+    other.private_key_pem.write_to_path(str(files["other"]))
+    key = serialization.load_pem_private_key(issued.private_key_pem.bytes(), None)
+    files["encrypted"].write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"secret"),
+        )
+    )
+    now = datetime.datetime.now(datetime.UTC)
+    expired = ca.issue_cert(
+        "127.0.0.1",
+        not_before=now - datetime.timedelta(days=10),
+        not_after=now - datetime.timedelta(days=1),
+    )
+    files["expired"] = folder / "expired.pem"
+    expired.cert_chain_pems[0].write_to_path(str(files["expired"]))
+    return {name: str(path) for name, path in files.items()}
+
+
+def test_the_tls_context_offers_http_1_1_by_alpn(tls_files):
+    """A client offering h2 and http/1.1 (curl, browsers) must be told http/1.1: with no
+    ALPN answer some clients assume nothing, and h2 clients fail to negotiate."""
+    context = server_context(tls_files["cert"], tls_files["key"])
+    client = ssl.create_default_context()
+    client.check_hostname, client.verify_mode = False, ssl.CERT_NONE
+    client.set_alpn_protocols(["h2", "http/1.1"])
+    server_in, server_out, client_in, client_out = (ssl.MemoryBIO() for _ in range(4))
+    server = context.wrap_bio(server_in, server_out, server_side=True)
+    peer = client.wrap_bio(client_in, client_out, server_hostname="localhost")
+    for _ in range(10):  # the handshake, bytes passed by hand
+        for side in (peer, server):
+            try:
+                side.do_handshake()
+            except ssl.SSLWantReadError:
+                pass
+        server_in.write(client_out.read())
+        client_in.write(server_out.read())
+    assert server.selected_alpn_protocol() == "http/1.1"
+    assert peer.selected_alpn_protocol() == "http/1.1"
+
+
+@pytest.mark.parametrize(
+    ("key", "says"),
+    [
+        ("other", "does not match the certificate in"),
+        ("encrypted", "is encrypted: give it without a passphrase"),
+    ],
+    ids=["key-of-another", "encrypted-key"],
+)
+def test_a_key_that_cannot_serve_the_certificate_is_named_with_what_is_wrong(tls_files, key, says):
+    """Not OpenSSL's "[SSL] PEM lib", nor its prompt for a passphrase on the terminal of a
+    server started unattended."""
+    with pytest.raises(ValueError) as caught:
+        server_context(tls_files["cert"], tls_files[key])
+    message = str(caught.value)
+    assert says in message and tls_files[key] in message
+
+
+def test_an_expired_certificate_is_warned_of_with_its_date(tls_files):
+    now = datetime.datetime.now(datetime.UTC)
+    said = validity_warning(tls_files["expired"], now)
+    expired_on = (now - datetime.timedelta(days=1)).strftime("%Y-%m-%d")
+    assert said is not None and f"expired on {expired_on}" in said
+    assert validity_warning(tls_files["cert"], now) is None
