@@ -1721,3 +1721,388 @@ def test_tei_predictions_are_best_first_whatever_the_labels_order():
 
     ranked = predictions_from(np.array([0.1, 0.7, 0.2]), {"0": "a", "1": "b", "2": "c"})
     assert [prediction["label"] for prediction in ranked] == ["b", "c", "a"]
+
+
+# --- what a mutation run over rawserve/api/ found the fast tests let through ------------
+
+
+def test_teis_rerank_answers_its_texts_best_first_and_top_n_the_best_n():
+    """TEI's own body (`texts`): ranks sorted worst first, or `top_n` (`top_k`) ignored,
+    answered 200 all the same."""
+    document = {"query": "q", "texts": ["ab", "abcd", "abc"], "return_text": True}
+    status, ranks = reranked("/rerank", document)
+    assert status == 200, ranks
+    assert [(rank["index"], rank["text"]) for rank in ranks] == [(1, "abcd"), (2, "abc"), (0, "ab")]
+    assert ranks[0]["score"] == pytest.approx(1 / (1 + np.exp(-4.0)))
+    for count in ("top_n", "top_k"):
+        status, ranks = reranked("/rerank", {**document, count: 1})
+        assert (status, [rank["index"] for rank in ranks]) == (200, [1])
+    status, ranks = reranked("/rerank", {**document, "top_n": 9})  # more than there are: all
+    assert [rank["index"] for rank in ranks] == [1, 2, 0]
+
+
+class Embedding(Recording):
+    """A sentence-embedding model that keeps the parameters it was sent."""
+
+    def __init__(self):
+        super().__init__()
+        self.params: list[dict] = []
+
+    async def run(self, inputs, params, deadline, control=None):
+        self.params.append(dict(params))
+        return await super().run(inputs, params, deadline, control)
+
+
+@pytest.mark.parametrize(("asked", "normalize"), [({}, True), ({"normalize": False}, False)])
+def test_teis_embed_normalizes_unless_asked_not_to(asked, normalize):
+    """TEI's `normalize` is true unless the body says false: its default, or the body's
+    false, was lost on the way to the model."""
+    model = Embedding()
+    served = ServedModel("m", ModelService(model, Loaded("feature-extraction", {}, "{}")), {})
+    app = App(ServedModels([served]), AppSettings())
+    body = json.dumps({"inputs": "a", **asked}).encode()
+    request = HttpRequest("POST", "/embed", "", [("content-type", "application/json")], body, "t")
+    assert asyncio.run(app.handle(request)).status == 200
+    assert [params["normalize"] for params in model.params] == [normalize]
+
+
+def tokenizer_app(tiny_model):
+    """An app whose model's tokenizer (the tiny BERT's, 128 positions) is in the server,
+    and that tokenizer."""
+    tokenizer = (Path(tiny_model("sentence-embedding")) / "tokenizer.json").read_text()
+    workers = Loaded("feature-extraction", {"max_input_length": 128}, tokenizer)
+    served = ServedModel("m", ModelService(Idle(), workers), {"batching": {}})
+    return App(ServedModels([served]), AppSettings()), tokenizers.Tokenizer.from_str(tokenizer)
+
+
+def posted(app, path, document):
+    """(status, the body as JSON) of `document` posted to `path` of `app`."""
+    body = json.dumps(document).encode()
+    request = HttpRequest("POST", path, "", [("content-type", "application/json")], body, "t")
+    try:
+        answer = asyncio.run(app.handle(request))
+    except HTTPError as error:  # the protocol renders it; here, as it would
+        from rawserve.http.errors import error_response
+
+        answer = error_response(error)
+    return answer.status, json.loads(answer.body)
+
+
+def test_teis_decode_skips_special_tokens_unless_asked_to_keep_them(tiny_model):
+    """TEI's `skip_special_tokens` defaults to true: "[CLS] hello world [SEP]" came back."""
+    app, library = tokenizer_app(tiny_model)
+    ids = library.encode("hello world").ids  # [CLS] ... [SEP]
+    assert posted(app, "/decode", {"ids": ids}) == (200, ["hello world"])
+    kept = posted(app, "/decode", {"ids": ids, "skip_special_tokens": False})
+    assert kept == (200, [library.decode(ids, skip_special_tokens=False)])
+    assert kept[1][0].startswith("[CLS]")
+
+
+def test_teis_decode_refuses_the_id_one_past_the_vocabulary(tiny_model):
+    """The vocabulary's size is no id of it (ids run from 0 to size - 1): it was decoded,
+    a 200, where the other unknown ids are 422."""
+    app, library = tokenizer_app(tiny_model)
+    size = library.get_vocab_size(with_added_tokens=True)
+    assert posted(app, "/decode", {"ids": [size - 1]})[0] == 200
+    status, body = posted(app, "/decode", {"ids": [size]})
+    assert status == 422
+    assert body["error"] == f"the id {size} is not in the vocabulary (ids run from 0 to {size - 1})"
+
+
+def test_teis_tokenize_gives_special_tokens_no_offsets(tiny_model):
+    """As TEI's SimpleToken: a special token has its text, and null `start` and `stop` (it
+    covers no byte of the input); 0 and 0 pointed at the text's first byte."""
+    app, library = tokenizer_app(tiny_model)
+    status, [tokens] = posted(app, "/tokenize", {"inputs": "hello world"})
+    assert status == 200
+    first, *words, last = tokens
+    assert first == {
+        "id": library.token_to_id("[CLS]"),
+        "text": "[CLS]",
+        "special": True,
+        "start": None,
+        "stop": None,
+    }
+    assert (last["text"], last["start"], last["stop"]) == ("[SEP]", None, None)
+    assert [(t["text"], t["start"], t["stop"]) for t in words] == [
+        ("hello", 0, 5),
+        ("world", 6, 11),
+    ]
+
+
+def test_an_input_one_token_past_the_models_length_is_refused_or_cut_to_it(tiny_model):
+    """128 positions: 126 words and the two special tokens fit; 127 words are 422 (they
+    were taken, one token past what the model takes) unless `truncate`, which keeps 128."""
+    app, _ = tokenizer_app(tiny_model)
+    status, [tokens, _] = posted(app, "/tokenize", {"inputs": ["a " * 126, "b"]})
+    assert (status, len(tokens)) == (200, 128)
+    status, body = posted(app, "/tokenize", {"inputs": ["a " * 127, "b"]})
+    assert status == 422 and "more than 128 tokens" in body["error"]
+    status, [tokens, _] = posted(app, "/tokenize", {"inputs": ["a " * 127, "b"], "truncate": True})
+    assert (status, len(tokens)) == (200, 128)
+    assert tokens[-1]["text"] == "[SEP]"
+
+
+@pytest.mark.parametrize(
+    ("labels", "kind"),
+    [({"0": "LABEL_0"}, "reranker"), ({"0": "neg", "1": "pos"}, "classifier")],
+)
+def test_teis_info_calls_a_one_label_classifier_a_reranker(labels, kind):
+    """TEI's /info `model_type`: a cross-encoder (one label) is a reranker, which is how a
+    client tells it from a classifier; it was called a classifier."""
+    answer = asyncio.run(app_for("text-classification", {"id2label": labels}).handle(get("/info")))
+    label2id = {label: int(index) for index, label in labels.items()}
+    assert json.loads(answer.body)["model_type"] == {
+        kind: {"id2label": labels, "label2id": label2id}
+    }
+
+
+def test_a_label_the_config_does_not_name_is_called_label_and_its_index():
+    """transformers' default name for it, `LABEL_{i}`, as TEI's /predict answers it."""
+    from rawserve.api.tei import predictions_from
+
+    ranked = predictions_from(np.array([0.1, 0.7]), {"0": "neg"})
+    assert [prediction["label"] for prediction in ranked] == ["LABEL_1", "neg"]
+
+
+def test_completions_echo_with_logprobs_asks_the_prompts_tokens_scored_too():
+    """`echo` with `logprobs` lists the prompt's tokens before the completion's, each with
+    as many alternatives: the worker was not asked for the prompt's scores."""
+    from rawserve.tasks.text_generation import PROMPT_TOP_N
+
+    served = ServedModel("m", ModelService(Idle(), Loaded("text-generation", {}, "{}")))
+    context = DocContext(served, 32)
+    asked = parse_completion({"prompt": "hi", "echo": True, "logprobs": 2}, context)
+    assert asked.echo and asked.logprobs == 2
+    assert asked.params["decoder_input_details"] is True
+    assert (asked.params["top_n_tokens"], asked.params[PROMPT_TOP_N]) == (2, 2)
+    plain = parse_completion({"prompt": "hi", "logprobs": 2}, context)
+    assert "decoder_input_details" not in plain.params and PROMPT_TOP_N not in plain.params
+
+
+@pytest.mark.parametrize(("top", "listed"), [(None, None), (0, None), (1, 1), (5, 5)])
+def test_chat_top_logprobs_asks_the_worker_for_that_many_alternatives(top, listed):
+    """`top_logprobs` n lists n alternatives per token: the worker was asked one more."""
+    document = {"messages": HI, "logprobs": True}
+    if top is not None:
+        document["top_logprobs"] = top
+    asked = parse_chat(document)
+    assert asked.params.get("top_n_tokens") == listed
+    assert asked.logprobs == (top or 0)
+
+
+@pytest.mark.parametrize(
+    ("options", "included"),
+    [
+        (None, False),
+        ({}, False),
+        ({"include_obfuscation": False}, False),
+        ({"include_usage": None}, False),
+        ({"include_usage": False}, False),
+        ({"include_usage": True}, True),
+    ],
+)
+def test_a_stream_ends_with_usage_only_where_include_usage_is_true(options, included):
+    """OpenAI's usage chunk comes only when asked: a client that reads every chunk's
+    `choices[0]` failed on the usage chunk it did not ask for."""
+    document = {"messages": HI, "stream": True}
+    if options is not None:
+        document["stream_options"] = options
+    assert parse_chat(document).include_usage is included
+
+
+def streamed_chat(stream, include_usage=True):
+    """The chunks of a streamed chat answer of `stream`, parsed, and the last event."""
+
+    async def read() -> list[bytes]:
+        return [event async for event in Answer(True, "m").events([stream], [], include_usage)]
+
+    raw = asyncio.run(read())
+    return [json.loads(event.removeprefix(b"data:")) for event in raw[:-1]], raw[-1]
+
+
+def test_a_streamed_chat_opens_with_the_assistants_role_and_ends_with_usage_then_done():
+    """As OpenAI's stream: the first delta says who speaks (`role`: "assistant"), the
+    usage chunk has an empty list of choices (the SDK types it a list: null broke code
+    that loops over it), and every chunk names the server's configuration (TGI's client
+    types `system_fingerprint` a string)."""
+    chunks, last = streamed_chat(FinishedStream(["he", "llo"]))
+    assert last == b"data: [DONE]\n\n"
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("role" not in chunk["choices"][0]["delta"] for chunk in chunks[1:-1])
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5}
+    fingerprints = {chunk["system_fingerprint"] for chunk in chunks}
+    assert len(fingerprints) == 1 and fingerprints.pop().startswith("rawserve-")
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_a_whole_answer_names_the_servers_configuration(chat):
+    """TGI's client reads `system_fingerprint` as a string: null failed its parse."""
+    details = {"finish_reason": "length", "generated_tokens": 1, "prompt_tokens": 1}
+    whole = Answer(chat, "m").whole([{"generated_text": "a", "details": details}], [])
+    assert isinstance(whole["system_fingerprint"], str)
+    assert whole["system_fingerprint"].startswith("rawserve-")
+
+
+class Choosing(Generating):
+    """A model whose answer names its prompt and seed, and counts the prompt's characters
+    as its tokens."""
+
+    async def run(self, inputs, params, deadline, control=None):
+        self.sent.append(dict(params))
+        results = []
+        for prompt in inputs:
+            details = {"finish_reason": "length", "generated_tokens": 1}
+            details["prompt_tokens"] = len(prompt)
+            output = [{"generated_text": f"{prompt}{params['seed']}", "details": details}]
+            results.append(ItemResult(output, 0.0, 1, 0.0))
+        return results
+
+
+def test_several_prompts_with_several_choices_answer_each_prompts_choices_together():
+    """OpenAI's order: a prompt's `n` choices one after another, then the next prompt's
+    (the index of a choice is prompt * n + j); usage counts each prompt once. The
+    choices came choice-major, [a0, b0, a1, b1], and usage counted prompt a twice."""
+    model = Choosing()
+    workers = Loaded("text-generation", {"max_input_length": 64}, None, ModelLimits(63))
+    app = App(ServedModels([ServedModel("m", ModelService(model, workers))]), AppSettings())
+    document = {"prompt": ["a", "bbb"], "n": 2, "seed": 5, "max_tokens": 1}
+    body = json.dumps(document).encode()
+    headers = [("content-type", "application/json")]
+    answer = asyncio.run(app.handle(HttpRequest("POST", "/v1/completions", "", headers, body, "t")))
+    assert answer.status == 200, answer.body
+    whole = json.loads(answer.body)
+    choices = [(choice["index"], choice["text"]) for choice in whole["choices"]]
+    assert choices == [(0, "a5"), (1, "a6"), (2, "bbb5"), (3, "bbb6")]
+    assert whole["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+
+
+class PastTheContext(Idle):
+    """A text-generation model whose worker refuses every prompt as too long."""
+
+    async def run(self, inputs, params, deadline, control=None):
+        from rawserve.api.openai import CONTEXT_LENGTH
+
+        raise UnprocessableInput(f"the prompt (900 tokens) is {CONTEXT_LENGTH} (512)")
+
+
+@pytest.mark.parametrize(
+    ("path", "document", "param"),
+    [
+        ("/v1/chat/completions", {"messages": HI}, "messages"),
+        ("/v1/completions", {"prompt": "hi"}, "prompt"),
+    ],
+)
+def test_a_prompt_past_the_context_length_is_422_naming_its_field(path, document, param):
+    """The error's `param` names the field at fault: the chat's "messages", the
+    completion's "prompt" (they were swapped)."""
+    details = {"chat_template": True}
+    served = ServedModel(
+        "m", ModelService(PastTheContext(), Loaded("text-generation", details, None))
+    )
+    app = App(ServedModels([served]), AppSettings())
+    body = json.dumps(document).encode()
+    request = HttpRequest("POST", path, "", [("content-type", "application/json")], body, "t")
+    answer = asyncio.run(app.handle(request))
+    error = json.loads(answer.body)["error"]
+    assert (answer.status, error["param"]) == (422, param), error
+
+
+def test_openai_embeddings_usage_counts_every_inputs_tokens_in_its_total():
+    from rawserve.api.openai import embedding_response
+
+    outputs = [{"embedding": [1.0, 0.0], "tokens": 3}, {"embedding": [0.0, 1.0], "tokens": 4}]
+    answer = embedding_response(outputs, "float", "m")
+    assert answer["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
+    assert [item["index"] for item in answer["data"]] == [0, 1]
+
+
+def test_a_tools_answer_goes_to_the_template_with_the_call_it_answers():
+    """A tool's message keeps its `tool_call_id` (templates match it to the call), and
+    OpenAI's older `function` role is a tool's: both were lost, the template then
+    refused or misread the turn."""
+    answered = {"role": "tool", "tool_call_id": "call_1", "content": "22 C"}
+    assert messages([answered]) == [{"role": "tool", "content": "22 C", "tool_call_id": "call_1"}]
+    older = {"role": "function", "name": "get_weather", "content": "22 C"}
+    assert messages([older]) == [{"role": "tool", "content": "22 C", "name": "get_weather"}]
+
+
+def test_a_response_s_instructions_come_first_as_the_system_s_and_top_p_as_top_p():
+    """OpenAI's Responses: `instructions` is the system message before the input (it
+    went last, or as a "developer" message, a role many chat templates do not take);
+    `top_p` was sent as `top_k`."""
+    asked, settings = parse_response({"input": "hi", "instructions": "be brief", "top_p": 0.5})
+    [chat] = asked.items
+    assert chat["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+    ]
+    assert asked.params["top_p"] == 0.5 and "top_k" not in asked.params
+    assert (settings["instructions"], settings["top_p"]) == ("be brief", 0.5)
+
+
+def test_a_response_s_usage_counts_its_input_and_output_tokens_apart():
+    _, settings = parse_response({"input": "hi"})
+    details = {"finish_reason": "eos_token", "generated_tokens": 2, "prompt_tokens": 7}
+    answer = ResponseAnswer("m", settings).whole([{"generated_text": "yo", "details": details}], [])
+    used = answer["usage"]
+    assert (used["input_tokens"], used["output_tokens"], used["total_tokens"]) == (7, 2, 9)
+
+
+@pytest.mark.parametrize(
+    ("task", "path"),
+    [("text-generation", "/generate"), ("text-generation", "/"), ("feature-extraction", "/embed")],
+)
+def test_a_body_that_is_no_json_is_400_and_no_validation_error(task, path):
+    """A body that could not be read at all had nothing in it checked: TGI's JSON reader
+    answers it 400 (TGI's `validation` is a 422, for a body read), and on TEI's routes it
+    is no `Validation` error either. It was typed as a field's refusal."""
+    headers = [("content-type", "application/json")]
+    request = HttpRequest("POST", path, "", headers, b"{not json", "t")
+    answer = asyncio.run(app_for(task).handle(request))
+    assert (answer.status, json.loads(answer.body)) == (
+        400,
+        {"error": "the body is not valid JSON", "error_type": "bad_request"},
+    )
+
+
+def test_v1_models_lists_each_model_as_openais_list_does():
+    """The openai SDK's `models.list()` pages an `object: "list"`; each model is owned."""
+    answer = asyncio.run(app_for("text-generation").handle(get("/v1/models")))
+    listed = json.loads(answer.body)
+    assert (answer.status, listed["object"]) == (200, "list")
+    [model] = listed["data"]
+    assert {key: model[key] for key in ("id", "object", "owned_by")} == {
+        "id": "m",
+        "object": "model",
+        "owned_by": "rawserve",
+    }
+    assert isinstance(model["created"], int)
+
+
+def test_two_tools_of_one_name_are_refused():
+    """Which of the two a call of that name meant would be a guess; one was dropped."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(BadRequest, match="two tools are named f"):
+        parse_chat({"messages": HI, "tools": [tool, tool]})
+
+
+def test_an_answer_whose_worker_named_no_finish_reason_stopped():
+    """OpenAI's `finish_reason` is "length" only where the tokens ran out: an output that
+    names no reason (a handler's) or one OpenAI has no name for ended of itself."""
+    from rawserve.api.openai_answers import finish_reason
+
+    assert [finish_reason({}), finish_reason({"finish_reason": "other"})] == ["stop", "stop"]
+    assert finish_reason({"finish_reason": "length"}) == "length"
+
+
+def test_openai_embeddings_dimensions_past_the_models_are_422_naming_the_field():
+    """Well-formed, but more than this model's vectors hold: 422 (as an id past its
+    vocabulary), with `param` "dimensions"."""
+    answer, sent = embeddings_of({"input": "a", "dimensions": 33}, {"dimensions": 32})
+    error = json.loads(answer.body)["error"]
+    assert (answer.status, error["param"], sent) == (422, "dimensions", [])
+    assert error["message"] == '"dimensions" must be at most 32 for this model'
+    answer, sent = embeddings_of({"input": "a", "dimensions": 32}, {"dimensions": 32})
+    assert answer.status == 200, answer.body

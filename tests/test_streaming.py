@@ -120,6 +120,16 @@ async def test_a_stream_asks_proxies_not_to_buffer_it():
     assert ("X-Accel-Buffering", "no") in response.headers
 
 
+async def test_a_stream_tells_caches_to_keep_none_of_it():
+    """`Cache-Control: no-cache`, as TGI's streams (axum's Sse) say it: a proxy or a
+    browser's cache is not to keep a stream of tokens, nor answer it again."""
+    executor = FakeExecutor()
+    scheduler = FakeScheduler(executor, [" a"], {"generated_text": " a", "details": {}})
+    response = await open_stream(scheduler, executor)
+    await collect(response)
+    assert ("Cache-Control", "no-cache") in response.headers
+
+
 class OneThenTheRest(FakeScheduler):
     """Sends a first token the worker says more follow, and the rest once told to."""
 
@@ -568,3 +578,30 @@ async def test_tgis_last_event_keeps_the_text_of_a_special_last_token():
     scheduler = FakeScheduler(executor, [" a", " b", ("</s>", True)], output)
     events = await collect(await open_stream(scheduler, executor))
     assert events[-1]["token"]["text"] == "</s>" and events[-1]["token"]["special"]
+
+
+class ListingScheduler(FakeScheduler):
+    """Sends each token with its likeliest alternatives, as `top_n_tokens` asks them."""
+
+    async def run(self, inputs, params, deadline, control):
+        listener = self.executor.listeners[control.stream_id]
+        for index, text in enumerate(self.texts):
+            top = [{"id": index, "text": text, "logprob": -0.5, "special": False}]
+            token = {**top[0], "top_tokens": top}
+            listener(TokenChunk(control.stream_id, 0, token))
+            await asyncio.sleep(0)
+        return [ItemResult(self.output, 0.0, 1, 0.0)]
+
+
+async def test_tgis_events_list_the_alternatives_beside_the_token_not_inside_it():
+    """TGI's StreamResponse: `top_tokens` beside `token`, whose own fields are id, text,
+    logprob and special (TGI's client parses `token` as its Token: a list in it was
+    sent twice)."""
+    executor = FakeExecutor()
+    output = {"generated_text": " a b", "details": {"finish_reason": "length"}}
+    scheduler = ListingScheduler(executor, [" a", " b"], output)
+    events = await collect(await open_stream(scheduler, executor))
+    assert [sorted(event["token"]) for event in events] == [
+        ["id", "logprob", "special", "text"]
+    ] * 2
+    assert [[top["text"] for top in event["top_tokens"]] for event in events] == [[" a"], [" b"]]

@@ -17,10 +17,6 @@ class Gate:
     def start_draining(self) -> None:
         self.draining = True
 
-    def open_for(self, model: ServedModel) -> bool:
-        """Whether `model` takes work now: `check` would not raise."""
-        return not self.draining and model.serving.ready
-
     def check(self, model: ServedModel) -> None:
         """Raise 503 unless `model` takes work now (not draining, a worker ready)."""
         if self.draining:
