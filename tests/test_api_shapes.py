@@ -51,6 +51,7 @@ from rawserve.http.errors import (
     UnprocessableInput,
     UnsupportedMediaType,
     as_http_error,
+    error_response,
 )
 from rawserve.http.exchange import HttpRequest
 from rawserve.serving.face import ItemResult
@@ -1775,15 +1776,14 @@ def tokenizer_app(tiny_model):
     return App(ServedModels([served]), AppSettings()), tokenizers.Tokenizer.from_str(tokenizer)
 
 
-def posted(app, path, document):
+def post(app, path, document):
     """(status, the body as JSON) of `document` posted to `path` of `app`."""
     body = json.dumps(document).encode()
-    request = HttpRequest("POST", path, "", [("content-type", "application/json")], body, "t")
+    headers = [("content-type", "application/json")]
+    request = HttpRequest("POST", path, "", headers, body, request_id="test")
     try:
         answer = asyncio.run(app.handle(request))
     except HTTPError as error:  # the protocol renders it; here, as it would
-        from rawserve.http.errors import error_response
-
         answer = error_response(error)
     return answer.status, json.loads(answer.body)
 
@@ -1792,8 +1792,8 @@ def test_teis_decode_skips_special_tokens_unless_asked_to_keep_them(tiny_model):
     """TEI's `skip_special_tokens` defaults to true: "[CLS] hello world [SEP]" came back."""
     app, library = tokenizer_app(tiny_model)
     ids = library.encode("hello world").ids  # [CLS] ... [SEP]
-    assert posted(app, "/decode", {"ids": ids}) == (200, ["hello world"])
-    kept = posted(app, "/decode", {"ids": ids, "skip_special_tokens": False})
+    assert post(app, "/decode", {"ids": ids}) == (200, ["hello world"])
+    kept = post(app, "/decode", {"ids": ids, "skip_special_tokens": False})
     assert kept == (200, [library.decode(ids, skip_special_tokens=False)])
     assert kept[1][0].startswith("[CLS]")
 
@@ -1803,8 +1803,8 @@ def test_teis_decode_refuses_the_id_one_past_the_vocabulary(tiny_model):
     a 200, where the other unknown ids are 422."""
     app, library = tokenizer_app(tiny_model)
     size = library.get_vocab_size(with_added_tokens=True)
-    assert posted(app, "/decode", {"ids": [size - 1]})[0] == 200
-    status, body = posted(app, "/decode", {"ids": [size]})
+    assert post(app, "/decode", {"ids": [size - 1]})[0] == 200
+    status, body = post(app, "/decode", {"ids": [size]})
     assert status == 422
     assert body["error"] == f"the id {size} is not in the vocabulary (ids run from 0 to {size - 1})"
 
@@ -1813,7 +1813,7 @@ def test_teis_tokenize_gives_special_tokens_no_offsets(tiny_model):
     """As TEI's SimpleToken: a special token has its text, and null `start` and `stop` (it
     covers no byte of the input); 0 and 0 pointed at the text's first byte."""
     app, library = tokenizer_app(tiny_model)
-    status, [tokens] = posted(app, "/tokenize", {"inputs": "hello world"})
+    status, [tokens] = post(app, "/tokenize", {"inputs": "hello world"})
     assert status == 200
     first, *words, last = tokens
     assert first == {
@@ -1834,11 +1834,11 @@ def test_an_input_one_token_past_the_models_length_is_refused_or_cut_to_it(tiny_
     """128 positions: 126 words and the two special tokens fit; 127 words are 422 (they
     were taken, one token past what the model takes) unless `truncate`, which keeps 128."""
     app, _ = tokenizer_app(tiny_model)
-    status, [tokens, _] = posted(app, "/tokenize", {"inputs": ["a " * 126, "b"]})
+    status, [tokens, _] = post(app, "/tokenize", {"inputs": ["a " * 126, "b"]})
     assert (status, len(tokens)) == (200, 128)
-    status, body = posted(app, "/tokenize", {"inputs": ["a " * 127, "b"]})
+    status, body = post(app, "/tokenize", {"inputs": ["a " * 127, "b"]})
     assert status == 422 and "more than 128 tokens" in body["error"]
-    status, [tokens, _] = posted(app, "/tokenize", {"inputs": ["a " * 127, "b"], "truncate": True})
+    status, [tokens, _] = post(app, "/tokenize", {"inputs": ["a " * 127, "b"], "truncate": True})
     assert (status, len(tokens)) == (200, 128)
     assert tokens[-1]["text"] == "[SEP]"
 

@@ -33,12 +33,11 @@ from rawserve.api.tokens import (
     TooManyTokens,
     pieces,
 )
-from rawserve.http.errors import HTTPError, PayloadTooLarge, error_response
-from rawserve.http.exchange import HttpRequest
+from rawserve.http.errors import PayloadTooLarge
 from rawserve.serving.service import ModelService
 from rawserve.shared.memory import give_back_free_memory
 from tests.server import RunningServer
-from tests.test_api_shapes import Idle, Loaded
+from tests.test_api_shapes import Idle, Loaded, post
 
 LIMIT = 128  # the tiny models' positions
 LONG = "a " * 450_000  # the 900 KB body of the report: 450,000 tokens
@@ -154,17 +153,6 @@ def app_for(task, tokenizer_json, details, **settings):
     workers = Loaded(task, {"max_input_length": LIMIT, **details}, tokenizer_json)
     model = ServedModel("m", ModelService(Idle(), workers), {"batching": {}})
     return App(ServedModels([model]), AppSettings(**settings))
-
-
-def post(app, path, document):
-    body = json.dumps(document).encode()
-    headers = [("content-type", "application/json")]
-    request = HttpRequest("POST", path, "", headers, body, request_id="test")
-    try:
-        answer = asyncio.run(app.handle(request))
-    except HTTPError as error:  # the protocol renders it; here, as it would
-        answer = error_response(error)
-    return answer.status, json.loads(answer.body)
 
 
 def test_tokenize_lists_a_text_past_the_models_length_and_cuts_it_when_asked(tokenizer_json):
