@@ -707,7 +707,8 @@ def flags_or_variable(given: list[str] | None, env: str) -> list[str]:
         return []
     values = [value.strip() for value in text.split(",")]
     if not all(values):
-        raise ValueError(f"{env}={text[:200]!r}: an entry of the comma list is empty")
+        place = values.index("") + 1
+        raise ValueError(f"{env}: entry {place} of its comma list (of {len(values)}) is empty")
     return values
 
 

@@ -439,6 +439,10 @@ def test_any_signal_within_a_second_of_the_first_is_the_same_stop(monkeypatch):
 
 SIGNAL_AT_A_STEP = """
 import os, signal, sys
+# as a terminal leaves them: a shell's background job (the tests run as one) ignores
+# SIGINT, and nohup SIGHUP, which the server then leaves ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 import rawserve.__main__  # its signal handlers, as `python -m rawserve` starts
 import rawserve.main
 

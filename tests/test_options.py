@@ -88,9 +88,16 @@ def test_the_model_list_is_comma_separated_and_given_flags_replace_it(monkeypatc
     assert parse_config(["--revision", "abc123"]).revision == "abc123"
 
 
-@pytest.mark.parametrize("listed", [",", "org/a,,org/b", "org/a, "])
+@pytest.mark.parametrize(
+    ("listed", "says"),
+    [
+        (",", "entry 1 of its comma list (of 2) is empty"),
+        ("org/a,,org/b", "entry 2 of its comma list (of 3) is empty"),
+        ("org/a, ", "entry 2 of its comma list (of 2) is empty"),
+    ],
+)
 def test_an_empty_entry_in_the_model_list_is_refused_as_an_empty_flag_is(
-    monkeypatch, capsys, listed
+    monkeypatch, capsys, listed, says
 ):
     """RAWSERVE_MODEL="," served the packaged default model without a word."""
     clear_environment(monkeypatch)
@@ -98,9 +105,7 @@ def test_an_empty_entry_in_the_model_list_is_refused_as_an_empty_flag_is(
     with pytest.raises(SystemExit) as stopped:
         parse_config([])
     assert stopped.value.code == 2
-    assert (
-        f"RAWSERVE_MODEL={listed!r}: an entry of the comma list is empty" in capsys.readouterr().err
-    )
+    assert f"RAWSERVE_MODEL: {says}" in capsys.readouterr().err
     monkeypatch.setenv("RAWSERVE_MODEL", "  ")  # blank: none given
     assert parse_config([]).models == defaults(monkeypatch).models
 

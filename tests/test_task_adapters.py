@@ -981,6 +981,23 @@ def test_image_classification_decodes_base64_images_in_the_worker(runner, tiny_m
         classify.run([base64.b64encode(b"not an image").decode()], {})
 
 
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "BMP"])
+def test_an_image_cut_short_is_the_clients_error(runner, fmt):
+    """Half of an ordinary image (an upload cut short): opened lazily, its pixels were
+    first read inside the pipeline, and the OSError there was a 500."""
+    import io
+
+    from PIL import Image
+
+    written = io.BytesIO()
+    Image.effect_noise((400, 300), 60).convert("RGB").save(written, fmt)
+    half = written.getvalue()[: len(written.getvalue()) // 2]
+    classify = runner("image-classification")
+    with pytest.raises(ValueError, match="not an image Pillow can read") as refused:
+        classify.run([base64.b64encode(half).decode()], {})
+    assert classify.describe_failure(refused.value).kind == FailureKind.INPUT
+
+
 def test_a_batch_of_images_holds_one_decoded_image_at_a_time(runner, monkeypatch):
     """A decoded image may take hundreds of megabytes (up to Pillow's 89 million pixels):
     each is decoded as the pipeline preprocesses it, never a whole batch of them at once

@@ -241,6 +241,10 @@ def test_a_model_that_fails_its_tasks_example_stops_the_start(runner, monkeypatc
         (RuntimeError("a batch of the maximum size failed"), False),  # one input runs
         (ValueError("the example is not this model's input"), True),  # the input's fault
         (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),  # memory's
+        # a device's or a precision's failure: no sign that every request fails
+        (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"), True),
+        (RuntimeError("\"addmm_impl_cpu_\" not implemented for 'Half'"), True),
+        (TypeError("a batch of the maximum size failed"), False),  # one input runs
     ],
 )
 def test_a_warm_up_that_fails_otherwise_is_logged_and_the_model_serves(

@@ -59,6 +59,7 @@ def decode_image(encoded: str, squashed: bool = True) -> Any:
             )
         if image.format == "JPEG":
             image.draft("RGB", (KEPT_SIDE, KEPT_SIDE))
+        image.load()  # here, not lazily in the pipeline: a file cut short is the client's
         # (Pillow shrinks no palette, one-bit or 16-bit image)
         return shrunk(image if image.mode == "RGB" else image.convert("RGB"), squashed)
     except ImageRefused:

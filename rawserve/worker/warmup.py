@@ -22,7 +22,7 @@ from typing import Any
 
 from rawserve.shared.messages import FailureKind
 from rawserve.tasks import InvalidRequest, check_input, check_params, task_rules
-from rawserve.worker.runner import NotNumbers, Runner
+from rawserve.worker.runner import Runner
 
 log = logging.getLogger("rawserve.worker")
 
@@ -106,16 +106,25 @@ def warm_up(runner: Runner, size: int) -> float | None:
     return seconds
 
 
+# What a model raises where its forward cannot take its task's input at all (a wav2vec2's
+# forward has no input_ids). Not RuntimeError: a device's, a kernel's or a precision's
+# failure (cuBLAS out of workspace, no kernel for this GPU, half precision on a CPU) is
+# no sign that every request fails.
+UNFIT_MODEL_ERRORS = (TypeError, AttributeError, KeyError)
+
+
 def fails_alone(runner: Runner, item: Any, checked: dict[str, Any], exc: Exception) -> bool:
-    """Whether the model failed the warm-up batch (`exc`) as it fails any input: not the
-    input's fault, nor memory's, nor its scores' (a precision's), and again on one input
-    alone (a batch of the maximum size may fail where smaller ones run)."""
-    if runner.describe_failure(exc).kind != FailureKind.INTERNAL or isinstance(exc, NotNumbers):
+    """Whether the model failed the warm-up batch (`exc`) as it fails any input: unfit
+    for the task's input (`UNFIT_MODEL_ERRORS`), not for the input's fault, and again on
+    one input alone (a batch of the maximum size may fail where smaller ones run)."""
+    if not isinstance(exc, UNFIT_MODEL_ERRORS) or runner.describe_failure(exc).kind != (
+        FailureKind.INTERNAL
+    ):
         return False
     try:
         runner.run([item], checked)
     except Exception as alone:  # noqa: BLE001 - what it says is the question
-        return runner.describe_failure(alone).kind == FailureKind.INTERNAL
+        return isinstance(alone, UNFIT_MODEL_ERRORS)
     return False
 
 
