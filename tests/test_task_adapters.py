@@ -210,6 +210,37 @@ def test_token_classification_with_a_stride_reads_the_whole_text_in_windows(runn
 
 
 @pytest.mark.parametrize(
+    ("kind", "texts", "params"),
+    [
+        ("token-classification", [LONG_NAMES], {"aggregation_strategy": "simple", "stride": 125}),
+        (
+            "zero-shot-classification",
+            ["i like this film"],
+            {"candidate_labels": [f"label {i}" for i in range(200)]},
+        ),
+    ],
+)
+def test_the_passes_of_a_batch_nobody_waits_for_are_skipped(runner, kind, texts, params):
+    """A strided text of 235 windows (4 passes) or a text with 200 labels: once nobody
+    waits for the batch, the passes left are not run (each ran on past the 504, and a
+    dense stride held the worker until the batch timeout killed it)."""
+    serving = runner(kind, kind)
+    passes: list[int] = []
+    hook = serving.pipe.model.register_forward_hook(
+        lambda _, args, kwargs, out: passes.append(float(out["logits"].abs().sum()) > 0),
+        with_kwargs=True,
+    )
+    serving.bind_cancel(lambda: len(passes) >= 1)
+    try:
+        answered = serving.run(texts, params)
+    finally:
+        serving.bind_cancel(lambda: False)
+        hook.remove()
+    assert len(answered) == 1 and passes[0] and not any(passes[1:]) and len(passes) >= 3
+    assert serving.run(texts, params) == serving.run(texts, params)  # and runs whole again
+
+
+@pytest.mark.parametrize(
     ("params", "says"),
     [
         ({"stride": 16}, "stride needs an aggregation_strategy"),

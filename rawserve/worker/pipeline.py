@@ -32,6 +32,9 @@ from rawserve.worker.runner import (
 # (`stride`). A bound on the padded batch's memory (a request may bring 32 texts and 100
 # labels, or a text of thousands of windows).
 PIECES_PER_PASS = 64
+# the tasks whose pipelines run a request in many forward passes (a zero-shot text once per
+# label, a strided text once per window): skipped once nobody waits for the batch
+PIECED_TASKS = ("token-classification", "zero-shot-classification")
 
 
 def preprocessing(task: str, model: str) -> dict[str, Any]:
@@ -95,6 +98,8 @@ class PipelineRunner(Runner):
             )
         # every pipeline's scores pass here, however it called the model
         self.pipe.model.register_forward_hook(refuse_broken_scores, with_kwargs=True)
+        if task in PIECED_TASKS:
+            self.pipe.model.forward = self.unless_abandoned(self.pipe.model.forward)
         if task == "fill-mask":
             self.pipe.postprocess = scored_in_float32(self.pipe.postprocess)
 
@@ -170,6 +175,27 @@ class PipelineRunner(Runner):
 
     def bind_cancel(self, cancelled: Callable[[], bool]) -> None:
         self.batch_cancelled = cancelled
+
+    def unless_abandoned(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """The model's forward pass, skipped once nobody waits for the batch (its clients
+        gone, its deadlines passed): zero scores, whose answers nobody reads. A text of
+        hundreds of windows (a dense `stride`) or a hundred labels ran on past its 504
+        until `--batch-timeout` killed the worker."""
+        labels = self.pipe.model.config.num_labels
+        output = transformers.modeling_outputs.TokenClassifierOutput
+
+        def forward_unless_abandoned(*args: Any, **kwargs: Any) -> Any:
+            if not self.batch_cancelled():
+                return forward(*args, **kwargs)
+            ids = kwargs["input_ids"]
+            shape = (
+                (*ids.shape, labels)
+                if self.task == "token-classification"
+                else (ids.shape[0], labels)
+            )
+            return output(logits=torch.zeros(shape, device=ids.device))
+
+        return forward_unless_abandoned
 
     def refuse_stride(self, params: dict[str, Any]) -> None:
         """token-classification's `stride`, refused (ValueError, a 422) where the pipeline
