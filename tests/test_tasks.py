@@ -364,7 +364,7 @@ def test_an_image_is_never_fetched_or_read_from_a_path(sent):
 
 def test_an_image_url_is_refused_saying_it_is_never_fetched():
     with pytest.raises(BadRequest, match="an image URL is never fetched"):
-        parse_json_body("image-classification", {"inputs": "HTTPS://example.com/cat.png"})
+        parse_json_body("image-classification", {"inputs": " HTTPS://example.com/cat.png"})
 
 
 @pytest.mark.parametrize("sent", ["data:image/png;base64,", " \n"])

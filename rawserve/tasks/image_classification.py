@@ -29,7 +29,7 @@ def image_base64(value: Any) -> str:
         head = head.lower()
         if comma and head.startswith(DATA_URL_START) and head.endswith(";base64"):
             value = payload
-        elif value.lower().startswith(("http://", "https://")):
+        elif value.strip().lower().startswith(("http://", "https://")):
             raise ValueError("an image URL is never fetched: send the image, base64-encoded")
         encoded = "".join(value.split())  # lines of 76, as MIME (and `base64`) wraps them
         if not encoded:
