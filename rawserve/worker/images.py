@@ -82,3 +82,10 @@ def shrunk(image: Any, squashed: bool) -> Any:
     else:
         factors = (max(1, min(width, height) // KEPT_SIDE),) * 2
     return image if factors == (1, 1) else image.reduce(factors)
+
+
+def blank_image() -> Any:
+    """One black pixel: what a batch nobody waits for reads in place of its next image."""
+    from PIL import Image  # the optional `image` extra
+
+    return Image.new("RGB", (1, 1))

@@ -16,7 +16,7 @@ import transformers
 from rawserve.shared.messages import NO_CONTROL, Control, FailureKind, ItemFailure, ModelLimits
 from rawserve.tasks import LOGITS_PARAM, split_outputs
 from rawserve.worker.cuda_graphs import GraphedForward, recording
-from rawserve.worker.images import decode_image
+from rawserve.worker.images import blank_image, decode_image
 from rawserve.worker.model_classes import TASK_CLASSES, load_model
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import (
@@ -182,17 +182,15 @@ class PipelineRunner(Runner):
         hundreds of windows (a dense `stride`) or a hundred labels ran on past its 504
         until `--batch-timeout` killed the worker."""
         labels = self.pipe.model.config.num_labels
-        output = transformers.modeling_outputs.TokenClassifierOutput
+        per_token = self.task == "token-classification"  # else a score per (text, label)
+        outputs = transformers.modeling_outputs
+        output = outputs.TokenClassifierOutput if per_token else outputs.SequenceClassifierOutput
 
         def forward_unless_abandoned(*args: Any, **kwargs: Any) -> Any:
             if not self.batch_cancelled():
                 return forward(*args, **kwargs)
             ids = kwargs["input_ids"]
-            shape = (
-                (*ids.shape, labels)
-                if self.task == "token-classification"
-                else (ids.shape[0], labels)
-            )
+            shape = (*ids.shape, labels) if per_token else (ids.shape[0], labels)
             return output(logits=torch.zeros(shape, device=ids.device))
 
         return forward_unless_abandoned
@@ -346,10 +344,3 @@ def refuse_past(limit: int) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], 
             )
 
     return check
-
-
-def blank_image() -> Any:
-    """One black pixel: what a batch nobody waits for reads in place of its next image."""
-    from PIL import Image  # the optional `image` extra
-
-    return Image.new("RGB", (1, 1))

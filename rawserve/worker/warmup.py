@@ -20,6 +20,7 @@ import logging
 import time
 from typing import Any
 
+from rawserve.shared.logs import first_line
 from rawserve.shared.messages import FailureKind
 from rawserve.tasks import InvalidRequest, check_input, check_params, task_rules
 from rawserve.worker.runner import Runner
@@ -89,7 +90,7 @@ def warm_up(runner: Runner, size: int) -> float | None:
         runner.run(inputs, checked)
     except Exception as exc:  # noqa: BLE001 - a failed warm-up is logged; the model still serves
         if fails_alone(runner, inputs[0], checked, exc):
-            said = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
+            said = first_line(exc) if str(exc).strip() else "no message"
             raise ModelFails(
                 f"the model fails on its task's example input ({type(exc).__name__}: {said}),"
                 f" as it would on every request: is it a {runner.task} model?"
