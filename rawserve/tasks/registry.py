@@ -173,19 +173,6 @@ def batch_key(params: Mapping[str, Any]) -> str:
     return json.dumps(params, sort_keys=True, separators=(",", ":"))
 
 
-def estimate_tokens(item: Any) -> int:
-    """A cheap token-count estimate without a tokenizer (about 4 characters a token)."""
-    if isinstance(item, str):
-        return 2 + len(item) // 4
-    if isinstance(item, list):  # a prompt of token ids (OpenAI's completions)
-        return len(item)
-    if isinstance(item, dict) and isinstance(item.get("messages"), list):  # a chat
-        return 2 + sum(estimate_tokens(m.get("content", "")) for m in item["messages"])
-    if isinstance(item, dict):
-        return 2 + sum(len(v) // 4 for v in item.values() if isinstance(v, str))
-    return 1
-
-
 def model_tokens(item: Any, params: Mapping[str, Any], tokens: int, limit: int | None) -> int:
     """The tokens the model reads for one input of `tokens` tokens (estimated), of which
     it reads at most `limit` at once (None: no limit known): what it cuts of a longer one,
