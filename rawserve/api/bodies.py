@@ -36,6 +36,7 @@ PYTHON_ENCODINGS = frozenset(
     {"idna", "palmos", "punycode", "raw-unicode-escape", "undefined", "unicode-escape"}
 )
 BYTE_ORDER_MARK = "\ufeff"
+UTF8_BYTE_ORDER_MARK = BYTE_ORDER_MARK.encode("utf-8")
 # Entries (tokens, and their alternatives) an answer lists past which it is built and
 # encoded on a thread: shaping a few megabytes of log probabilities takes the event loop
 # a few hundred milliseconds, during which no other client of this process is heard.
@@ -56,7 +57,9 @@ def read_json(request: HttpRequest) -> Any:
         document = json.loads(body)
     except RecursionError:  # the parser's own limit, well past ours
         raise MalformedRequest(TOO_DEEP) from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except UnicodeDecodeError:  # (the JSON of a charset=latin-1 or gbk body, say)
+        raise MalformedRequest("the body is not valid JSON: JSON is read as UTF-8") from None
+    except json.JSONDecodeError:
         raise MalformedRequest("the body is not valid JSON") from None
     except ValueError:  # a number of more digits than Python converts (4,300)
         raise MalformedRequest("the body holds a number too long to read") from None
@@ -129,11 +132,11 @@ CURL_FORM = "application/x-www-form-urlencoded"
 
 def is_json(request: HttpRequest) -> bool:
     """The body is JSON: so typed, or untyped (InferenceClient posts JSON without a
-    Content-Type) or typed as curl -d types everything, and starting like an object."""
+    Content-Type) or typed as curl -d types everything, and starting like an object
+    (after a byte order mark: `curl -d @body.json` of a file Notepad saved)."""
     content_type = (request.header("content-type") or "").split(";")[0].strip().lower()
-    return content_type == "application/json" or (
-        content_type in ("", CURL_FORM) and request.body.lstrip()[:1] == b"{"
-    )
+    start = request.body.removeprefix(UTF8_BYTE_ORDER_MARK).lstrip()[:1]
+    return content_type == "application/json" or (content_type in ("", CURL_FORM) and start == b"{")
 
 
 # the media types that are never text, whatever their bytes decode as
@@ -152,11 +155,19 @@ def read_text(request: HttpRequest) -> str:
         raise UnsupportedMediaType(f"the body is {media_type}: this model reads text")
     charset = media_type_parameter(content_type, "charset") or "UTF-8"
     try:
-        if codecs.lookup(charset).name in PYTHON_ENCODINGS:
+        codec = codecs.lookup(charset).name
+        if codec in PYTHON_ENCODINGS:
             raise LookupError(charset)
         # a byte order mark is no text (a file saved by Notepad starts with one); the
         # WHATWG decoders drop it, as Python's "utf-16" does but not its "utf-8"
-        return request.body.decode(charset).removeprefix(BYTE_ORDER_MARK)
+        text = request.body.decode(charset).removeprefix(BYTE_ORDER_MARK)
+        if codec != "utf-8":  # UTF-7's "+2AA-" reads as a lone surrogate, no character
+            text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        raise MalformedRequest(
+            f"the {charset} text holds a lone surrogate (\\ud800-\\udfff)"
+        ) from None
     except LookupError:  # not a codec, or one that is not a text encoding (base64)
         raise UnsupportedMediaType(
             f"the charset {charset!r} is not one this server reads"
