@@ -98,7 +98,11 @@ class ServerTokenizer:
         self.finisher = tokenizers.Tokenizer(tokenizers.models.BPE())
         self.finisher.post_processor = self.tokenizer.post_processor
         self.tokenizer.post_processor = None
-        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        # the ids' range: a vocabulary may skip ids (a token listed twice), and then its
+        # size is less than the largest id + 1, which /tokenize may answer
+        self.vocab_size = (
+            max(self.tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        )
 
     async def tokenize(
         self,
