@@ -1353,6 +1353,19 @@ def test_a_zero_shot_input_costs_a_pair_per_candidate_label():
     assert long.cost == 2 * 512  # each pair is cut where the model stops reading
 
 
+def test_a_zero_shot_input_costs_its_labels_and_template_too():
+    """20 labels of 60 Chinese characters to the text "hello" were counted as 20 times
+    "hello" (60 tokens): the model reads about 1,460."""
+    core = SchedulerCore(max_input_tokens=512)
+    labels = [f"{i:02d}" + "天气" * 29 for i in range(20)]  # 60 characters, 176 bytes each
+    item = core.new_item("hello", {"candidate_labels": labels}, 30, 0)
+    assert item.cost == 20 * (3 + 1 + (176 + len("This example is .")) // 4)
+    own = {"candidate_labels": labels, "hypothesis_template": "{}"}
+    assert core.new_item("hello", own, 30, 0).cost == 20 * (3 + 1 + 176 // 4)
+    tight = SchedulerCore(max_input_tokens=16)  # each pair cut where the model stops
+    assert tight.new_item("hello", {"candidate_labels": labels}, 30, 0).cost == 20 * 16
+
+
 def test_a_beam_search_costs_its_beams_for_each_new_token():
     core = SchedulerCore()
     greedy, beams, sampled = (
@@ -1468,7 +1481,8 @@ def test_a_question_answering_pair_reads_as_many_windows_as_the_pipeline_cuts(pa
 
 
 def test_only_labels_a_question_with_a_context_or_a_stride_is_read_more_than_once():
-    assert model_tokens("a text", {"candidate_labels": ["a", "b", "c"]}, 7, None) == 21
+    # a pair per label: the text's 7 tokens, a separator, "This example is a." (18 bytes)
+    assert model_tokens("a text", {"candidate_labels": ["a", "b", "c"]}, 7, None) == 3 * 12
     assert model_tokens("a text", {"candidate_labels": []}, 7, None) == 7
     dense = {"max_seq_len": 128, "doc_stride": 114}
     assert model_tokens({"question": "who?", "context": "x"}, dense, 1000, None) > 1000

@@ -189,7 +189,7 @@ def model_tokens(item: Any, params: Mapping[str, Any], tokens: int, limit: int |
         tokens = min(tokens, limit)
     labels = params.get("candidate_labels")
     if isinstance(labels, list):
-        return tokens * max(len(labels), 1)
+        return zero_shot_classification.pairs_tokens(labels, params, tokens, limit)
     if isinstance(item, dict) and isinstance(item.get("question"), str) and "context" in item:
         return question_answering.window_tokens(item, params, tokens)
     return tokens
