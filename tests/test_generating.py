@@ -1974,6 +1974,21 @@ def test_tools_go_to_the_template_or_else_to_the_last_message(tiny_model):
     assert told == "tools: get_time\nwhat time is it\n\nuse a tool\n"
 
 
+def test_tools_described_in_the_last_message_keep_their_own_script(tiny_model):
+    """As transformers' `tojson` writes them: "查询城市天气" reached the model as
+    "\\u67e5\\u8be2...", which it cannot read, in three times the tokens."""
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32)
+    described = {**TOOL["function"], "description": "查询城市天气 ☀️"}
+    told = chat_runner.chat_text(
+        [{"role": "user", "content": "天气"}], [{**TOOL, "function": described}]
+    )
+    assert '"description": "查询城市天气 ☀️"' in told and "\\u" not in told
+
+
 def test_a_tool_prompt_comes_before_the_tools_described_and_only_with_them(tiny_model):
     import torch
 

@@ -505,7 +505,9 @@ class CausalLMRunner(Runner):
             messages = [*messages[:-1], last]
         text = self._render(messages, tools, variables)
         if tools and text == self._render(messages, None, variables):
-            described = TOOLS_DESCRIBED.format(json.dumps([tool["function"] for tool in tools]))
+            described = TOOLS_DESCRIBED.format(
+                json.dumps([tool["function"] for tool in tools], ensure_ascii=False)
+            )
             described += SEVERAL_CALLS if several else ""
             last = {**messages[-1], "content": messages[-1]["content"] + described}
             text = self._render([*messages[:-1], last], None, variables)
