@@ -980,6 +980,25 @@ def test_a_text_body_not_in_its_charset_is_415(content_type, body):
         parse_body("text-classification", request, 32)
 
 
+@pytest.mark.parametrize("charset", ["utf-7", "UTF7"])
+def test_a_text_body_that_decodes_to_a_lone_surrogate_is_400(charset):
+    """UTF-7's "+2AA-" is U+D800 alone, which no tokenizer takes: every task answered 500
+    (a generation's with a traceback in the log), where JSON's "\\ud800" is a 400."""
+    headers = [("content-type", f"text/plain; charset={charset}")]
+    request = HttpRequest("POST", "/", "", headers, b"john +2AA- paris", "test")
+    with pytest.raises(BadRequest, match="lone surrogate"):
+        parse_body("text-classification", request, 32)
+    fine = HttpRequest("POST", "/", "", headers, b"caf+AOk-", "test")  # é, as UTF-7 writes it
+    assert parse_body("text-classification", fine, 32).inputs == ["café"]
+
+
+def test_a_json_body_not_in_utf8_says_json_is_read_as_utf8():
+    headers = [("content-type", "application/json; charset=latin-1")]
+    request = HttpRequest("POST", "/", "", headers, '{"inputs": "héllo"}'.encode("latin-1"), "t")
+    with pytest.raises(BadRequest, match="JSON is read as UTF-8"):
+        parse_body("text-classification", request, 32)
+
+
 @pytest.mark.parametrize(
     ("headers", "body", "inputs"),
     [
@@ -991,6 +1010,14 @@ def test_a_text_body_not_in_its_charset_is_415(content_type, body):
         ([("content-type", "application/x-www-form-urlencoded")], b'{"inputs": "a"}', ["a"]),
         ([("content-type", "application/x-www-form-urlencoded")], b"a [MASK]", ["a [MASK]"]),
         ([("content-type", "text/plain")], b'{"inputs": "a"}', ['{"inputs": "a"}']),
+        # `curl -d @body.json` of a file Notepad saved: a byte order mark before the object
+        # (the JSON's own text was scored)
+        (
+            [("content-type", "application/x-www-form-urlencoded")],
+            b'\xef\xbb\xbf{"inputs": "a"}',
+            ["a"],
+        ),
+        ([], b'\xef\xbb\xbf {"inputs": "a"}', ["a"]),
     ],
 )
 def test_a_body_is_read_as_json_when_so_typed_or_untyped_and_an_object(headers, body, inputs):
@@ -1802,11 +1829,21 @@ def test_teis_decode_refuses_the_id_one_past_the_vocabulary(tiny_model):
     """The vocabulary's size is no id of it (ids run from 0 to size - 1): it was decoded,
     a 200, where the other unknown ids are 422."""
     app, library = tokenizer_app(tiny_model)
-    size = library.get_vocab_size(with_added_tokens=True)
+    size = max(library.get_vocab(with_added_tokens=True).values()) + 1
     assert post(app, "/decode", {"ids": [size - 1]})[0] == 200
     status, body = post(app, "/decode", {"ids": [size]})
     assert status == 422
     assert body["error"] == f"the id {size} is not in the vocabulary (ids run from 0 to {size - 1})"
+
+
+def test_teis_decode_takes_every_id_tokenize_answers_where_the_vocabulary_skips_ids(tiny_model):
+    """The tiny vocabulary lists two tokens twice: its size (80) is less than its largest
+    id + 1 (82), and "paris!"'s ids, which /tokenize answered, were refused 422."""
+    app, library = tokenizer_app(tiny_model)
+    assert library.get_vocab_size(with_added_tokens=True) < max(library.get_vocab().values()) + 1
+    ids = library.encode("paris!").ids
+    assert max(ids) >= library.get_vocab_size(with_added_tokens=True)
+    assert post(app, "/decode", {"ids": ids}) == (200, [library.decode(ids)])
 
 
 def test_teis_tokenize_gives_special_tokens_no_offsets(tiny_model):
