@@ -112,6 +112,19 @@ class RunningServer:
             f"no log line matched {pattern.pattern!r}:\n" + "\n".join(self.lines[-30:])
         )
 
+    def wait_for_lines(
+        self, pattern: re.Pattern[str], count: int, timeout: float = 30
+    ) -> list[re.Match[str]]:
+        """The matches of the log's lines, once `count` lines match or `timeout` has
+        passed (an access line is written a moment after its answer is sent: read at
+        once, a busy machine's log held 30 of 40)."""
+        end = time.monotonic() + timeout
+        while True:
+            found = [match for line in self.read_log() if (match := pattern.search(line))]
+            if len(found) >= count or time.monotonic() > end:
+                return found
+            time.sleep(0.05)
+
     def read_log(self) -> list[str]:
         """Every log line so far (those not yet matched by `wait_for_log` too)."""
         while True:
