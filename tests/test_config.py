@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import http.client
+import importlib.util
 import os
 import signal
 import socket
@@ -86,6 +87,63 @@ def test_the_defaults_are_the_option_table_s(monkeypatch):
     assert config.http.max_body_bytes == 1024 * 1024 and config.http.max_connections == 1000
     assert (config.app.timeout, config.app.max_timeout, config.app.api_key) == (30.0, 300.0, None)
     assert (config.log_format, config.access_log, config.download_only) == ("text", True, False)
+    # every other setting too, so that none changes unseen (the loop: uvloop where installed)
+    settings = dataclasses.asdict(config)
+    assert settings.pop("loop") == ("uvloop" if importlib.util.find_spec("uvloop") else "asyncio")
+    assert settings == {
+        "host": "127.0.0.1",
+        "port": 8000,
+        "tls": None,
+        "models": (),
+        "handler": None,
+        "task": None,
+        "revision": None,
+        "model": {
+            "device": None,
+            "devices": None,
+            "threads": None,
+            "engine": Engine.AUTO,
+            "dtype": "auto",
+            "batching": Batching.COST,
+            "batch_limits": "on the CPU: up to 32 items, no token budget",
+            "max_batch_size": 32,
+            "max_batch_tokens": None,
+            "max_batch_delay_ms": 0.0,
+            "max_queue": 256,
+            "batch_timeout": 120.0,
+            "generation": "continuous",
+            "max_sequences": None,
+            "join_wait_steps": 0,
+            "chat_template": None,
+            "cuda_graphs": True,
+            "warmup": True,
+        },
+        "http": {
+            "max_body_bytes": 1024 * 1024,
+            "max_head_bytes": 16 * 1024,
+            "max_connections": 1000,
+            "keepalive_timeout": 5.0,
+            "head_timeout": 10.0,
+            "body_timeout": 30.0,
+            "write_timeout": 30.0,
+        },
+        "app": {
+            "timeout": 30.0,
+            "max_timeout": 300.0,
+            "api_key": None,
+            "max_client_batch_size": 32,
+            "cors_allow_origins": (),
+            "stream_keepalive": 15.0,
+            "max_answer_bytes": 32 * 1024 * 1024,
+            "thinking_in_content": False,
+        },
+        "grace": 30.0,
+        "http_processes": 1,
+        "log_level": "info",
+        "log_format": "text",
+        "access_log": True,
+        "download_only": False,
+    }
 
 
 @pytest.mark.parametrize(
@@ -666,3 +724,8 @@ def test_a_variable_that_nearly_names_an_option_is_said_at_start():
         "RAWSERVE_TIMOUT is set but names no option (ignored): RAWSERVE_TIMEOUT?",
     ]
     assert misspelled_variables({"RAWSERVE_PORT": "8000"}) == []
+    # two letters swapped, a name cut short: typos as likely as a letter left out
+    assert misspelled_variables({"RAWSERVE_API_KYE": "k", "RAWSERVE_MAX_BATCH": "8"}) == [
+        "RAWSERVE_API_KYE is set but names no option (ignored): RAWSERVE_API_KEY?",
+        "RAWSERVE_MAX_BATCH is set but names no option (ignored): RAWSERVE_MAX_BATCH_SIZE?",
+    ]

@@ -8,6 +8,7 @@ would set, exactly as the server does it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -22,6 +23,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
+from rawserve.models.folder import sentence_transformers_default_prompt
 from rawserve.models.hub import NOT_NEEDED, PICKLED_WEIGHTS, ModelNotFound, files_to_skip
 from rawserve.models.hub_integrity import hashes_to_its_name
 from rawserve.models.names import ModelNameError, ModelSpec, default_names, parse_model_spec
@@ -155,6 +157,15 @@ def test_an_existing_folder_is_taken_as_it_is(tmp_path):
     assert parse_model_spec(f"x={folder}") == ModelSpec(str(folder), alias="x")
 
 
+def test_a_folder_with_a_colon_in_its_name_takes_a_task_after_it(tmp_path):
+    """A checkpoint folder such as `run:v2` with `:TASK` after it: the task is what
+    follows the last colon."""
+    folder = tmp_path / "run:v2"
+    folder.mkdir()
+    spelt = parse_model_spec(f"cls={folder}:text-classification")
+    assert spelt == ModelSpec(str(folder), alias="cls", task="text-classification")
+
+
 @pytest.mark.parametrize(
     "text",
     ["", "   ", "emb=", "my model=org/name", "org/name@", "org/name:Not A Task", "=org/name", ":x"],
@@ -239,6 +250,31 @@ def test_a_task_no_model_takes_is_refused_not_ignored(tmp_path):
         "--task 'text-classification' applies to the models named without :TASK, "
         "and no --model is one"
     )
+
+
+def test_a_task_applies_to_the_models_named_without_one(tmp_path):
+    """`--task` beside a model that names its own applies to the others, not refused."""
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        (tmp_path / name).write_text('{"architectures": ["BertModel"]}')
+    named = [f"a={tmp_path}:fill-mask", f"b={tmp_path}"]
+    plans = plan_models(named, task="text-classification")
+    assert [plan.facts.task for plan in plans] == ["fill-mask", "text-classification"]
+
+
+def test_a_folder_name_two_models_share_calls_neither(tmp_path):
+    """Two folders of one name, each given an alias: a request by that name could mean
+    either, so each answers to its alias alone (the one name it keeps)."""
+    folders = [tmp_path / "a" / "model", tmp_path / "b" / "model", tmp_path / "c" / "other"]
+    for folder in folders:
+        folder.mkdir(parents=True)
+        for name in ("config.json", "tokenizer.json", "model.safetensors"):
+            (folder / name).write_text('{"architectures": ["BertModel"]}')
+    named = [f"first={folders[0]}", f"second={folders[1]}", f"third={folders[2]}"]
+    assert [plan.names for plan in plan_models(named)] == [
+        ("first",),
+        ("second",),
+        ("third", "other"),  # a name of its own: kept
+    ]
 
 
 def test_safetensors_make_the_pickled_weights_unneeded():
@@ -497,6 +533,29 @@ def test_a_task_not_served_is_refused_before_any_worker_starts(tmp_path, task, s
             plan_models(models, task=given)
         assert str(caught.value).startswith(f"model {named}: {task!r} is not a task served")
         assert "feature-extraction, fill-mask, text-classification" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "task"),
+    [
+        ("BertForMaskedLM", "fill-mask"),
+        ("DistilBertForSequenceClassification", "text-classification"),
+        ("BertForTokenClassification", "token-classification"),
+        ("BertForQuestionAnswering", "question-answering"),
+        ("T5ForConditionalGeneration", "text2text-generation"),
+        ("MarianMTModel", "translation"),  # its ending before the bare Model's
+        ("ViTForImageClassification", "image-classification"),
+        ("LlamaForCausalLM", "text-generation"),
+        ("GPT2LMHeadModel", "text-generation"),  # as above
+        ("BertModel", "feature-extraction"),
+    ],
+)
+def test_a_folder_without_a_task_is_served_for_its_architecture_s(tmp_path, architecture, task):
+    """What a model is served for when no task is named: read from its config's
+    architecture, each family's ending as transformers' pipelines read it."""
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        (tmp_path / name).write_text(json.dumps({"architectures": [architecture]}))
+    assert plan_models([str(tmp_path)])[0].facts.task == task
 
 
 # --- a Hub cache, offline --------------------------------------------------------------
@@ -880,6 +939,26 @@ def test_a_download_whose_bytes_differ_from_its_hash_is_never_served(tmp_path, c
         assert blobs and all(hashes_to_its_name(blob) for blob in blobs)
 
 
+@pytest.mark.parametrize(
+    ("named_by", "kept"),
+    [
+        (lambda data: hashlib.sha256(data).hexdigest(), True),  # the Hub's for LFS files
+        (lambda data: hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(), True),  # git's
+        (lambda data: hashlib.sha1(data).hexdigest(), True),  # a mirror's plain sha1
+        (lambda data: hashlib.sha256(data + b"!").hexdigest(), False),
+        (lambda data: hashlib.sha1(data + b"!").hexdigest(), False),
+        (lambda data: "model-weights", True),  # a name of no hash's form: nothing to check
+    ],
+)
+def test_a_cached_blob_is_kept_where_its_bytes_hash_to_its_name(tmp_path, named_by, kept):
+    """A blob whose bytes differ from its name's hash (cut short, corrupted) is never
+    served; one named by any hash the Hub or a mirror uses is."""
+    data = b"weights" * 1000
+    blob = tmp_path / named_by(data)
+    blob.write_bytes(data)
+    assert hashes_to_its_name(blob) is kept
+
+
 def test_a_listed_file_the_hub_does_not_serve_is_named(tmp_path):
     """Its 404 read "the Hub answered 404 for org/tiny", as though the repo were missing."""
     with FakeHub([make_repo()], missing=frozenset({"tokenizer.json"})) as hub:
@@ -1004,6 +1083,24 @@ def test_a_sentence_transformers_folder_rawserve_would_answer_otherwise_is_refus
     with pytest.raises(ModelNotFound) as caught:
         plan_models([str(folder)])
     assert str(caught.value).startswith(f"model {folder}: {reason}")
+
+
+@pytest.mark.parametrize(
+    ("config", "default"),
+    [
+        ({"prompts": {"query": "query: "}, "default_prompt_name": "query"}, "query"),
+        ({"prompts": {"query": "query: "}, "default_prompt_name": "passage"}, None),
+        ({"prompts": {}, "default_prompt_name": "query"}, None),
+        ({"default_prompt_name": "query"}, None),
+        ({"prompts": {"query": "query: "}, "default_prompt_name": None}, None),
+    ],
+)
+def test_a_default_prompt_is_one_the_folder_names(tmp_path, config, default):
+    """The prompt put before every text sent without a prompt_name: a default naming no
+    prompt of the folder's puts none (read as a name, every such request was refused
+    as asking for a prompt the model does not have)."""
+    (tmp_path / "config_sentence_transformers.json").write_text(json.dumps(config))
+    assert sentence_transformers_default_prompt(tmp_path) == default
 
 
 @pytest.mark.parametrize(

@@ -216,6 +216,19 @@ def test_a_flag_replaces_a_bad_variable(monkeypatch):
     assert parse_config(["--port", "9001"]).port == 9001
 
 
+@pytest.mark.parametrize("variable", ["8001", "abc"])
+def test_a_bad_flag_beside_its_variable_is_named_as_the_flag(monkeypatch, capsys, variable):
+    """The flag's value is the one refused, whatever the variable holds: blaming the
+    variable would send the operator to fix what the flag replaces anyway."""
+    clear_environment(monkeypatch)
+    monkeypatch.setenv("RAWSERVE_PORT", variable)
+    with pytest.raises(SystemExit) as exit:
+        parse_config(["--port", "x1"])
+    assert exit.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "--port" in line and "'x1'" in line and "RAWSERVE_PORT" not in line, line
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -413,6 +426,8 @@ def test_model_options_set_beside_a_handler_are_named_as_not_applying(monkeypatc
         "--generation",
         "--max-sequences",
     ]
+    given = [*handler, "--dtype", "float16", "--join-wait-steps", "2"]
+    assert ignored_by_the_handler(parse_config(given)) == ["--dtype", "--join-wait-steps"]
 
 
 @pytest.mark.parametrize(
@@ -458,6 +473,15 @@ def test_a_choice_is_read_whatever_its_case(monkeypatch):
     assert (config.model.generation, config.log_format) == ("static", "json")
 
 
+def test_a_stream_keepalive_of_0_sends_no_keep_alive_comment(monkeypatch):
+    """0 is "never", as --help says: a stream waiting 0 seconds between comments would
+    be sent one at every turn of the event loop."""
+    clear_environment(monkeypatch)
+    assert parse_config(["--stream-keepalive", "0"]).app.stream_keepalive is None
+    assert parse_config(["--stream-keepalive", "2.5"]).app.stream_keepalive == 2.5
+    assert defaults(monkeypatch).app.stream_keepalive == 15.0
+
+
 @pytest.mark.parametrize(
     ("flag", "taken", "refused", "says"),
     [
@@ -475,6 +499,8 @@ def test_a_choice_is_read_whatever_its_case(monkeypatch):
         ("--http-processes", "1", "0", "--http-processes must be from 1 to 8"),
         ("--grace", "0", "-1", "--grace must not be negative"),
         ("--max-connections", "0", "-1", "--max-connections must not be negative"),
+        # no longer than the longest deadline a request may ask for (300 s by default)
+        ("--max-batch-delay-ms", "300000", "300001", "--max-batch-delay-ms (300001) must not"),
     ],
 )
 def test_each_bound_takes_its_last_value_and_refuses_the_next(

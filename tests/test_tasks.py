@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from rawserve.api.inference import (
@@ -16,6 +18,8 @@ from rawserve.tasks import (
     InvalidRequest,
     batch_key,
     check_generation_length,
+    check_params,
+    onnx_unfit,
     shape_answer,
     split_outputs,
 )
@@ -124,6 +128,21 @@ def test_pairs_and_question_answering_inputs():
     ).inputs == [{"text": "a", "text_pair": "b"}]
     with pytest.raises(BadRequest):
         parse_json_body("question-answering", {"inputs": {"question": "q"}})
+
+
+@pytest.mark.parametrize(
+    ("task", "item"),
+    [
+        ("question-answering", {"question": "q", "context": "c", "answer": "a"}),
+        ("text-classification", {"text": "a", "text_pair": "b", "label": "x"}),
+        ("text-classification", {"text": "a", "pair": "b"}),  # a misspelt text_pair
+    ],
+)
+def test_an_input_object_with_a_field_the_task_does_not_read_is_400(task, item):
+    """A field the task does not read (a misspelt text_pair) would be silently left
+    out, and the model answer another question than the one asked."""
+    with pytest.raises(BadRequest, match="each input must be"):
+        parse_json_body(task, {"inputs": item})
 
 
 def test_batch_key_ignores_parameter_order():
@@ -282,6 +301,12 @@ def test_seq2seq_parameters_as_the_inference_api_names_them():
         ({"max_new_tokens": 4097}, None, False),
         ({"generate_parameters": {"max_length": 4098}}, None, False),
         ({"min_new_tokens": 4097}, None, False),
+        # max_length and min_length count the decoder's start token: one more
+        ({"max_length": 16_384}, 16_384, True),
+        ({"max_length": 16_385}, 16_384, False),
+        ({"generate_parameters": {"max_length": 4097}}, None, True),
+        ({"min_length": 4097}, None, True),
+        ({"min_length": 4098}, None, False),
     ],
 )
 def test_seq2seq_lengths_reach_the_decoder_s_positions(params, positions, taken):
@@ -362,6 +387,14 @@ def test_an_image_is_never_fetched_or_read_from_a_path(sent):
         parse_json_body("image-classification", {"inputs": sent})
 
 
+@pytest.mark.parametrize("sent", ["data:image/png,AAAA", "data:image/png;utf8,AAAA"])
+def test_a_data_url_not_in_base64_is_refused(sent):
+    """Its payload is the image's bytes as they are (percent-encoded), not base64: read
+    as base64, another image (or none) would be classified."""
+    with pytest.raises(BadRequest, match="base64"):
+        parse_json_body("image-classification", {"inputs": sent})
+
+
 def test_an_image_url_is_refused_saying_it_is_never_fetched():
     with pytest.raises(BadRequest, match="an image URL is never fetched"):
         parse_json_body("image-classification", {"inputs": " HTTPS://example.com/cat.png"})
@@ -410,3 +443,184 @@ def test_blank_input_is_422_on_every_task(task, blank, in_list):
     if isinstance(blank, str) and not TASKS[task].binary_input and not in_list:
         with pytest.raises(UnprocessableInput, match="empty"):
             parse_text_body(task, blank)
+
+
+# --- each parameter's bounds: what /openapi.json says is what is checked -----------------
+
+REQUIRED_PARAMS = {"zero-shot-classification": {"candidate_labels": ["a"]}}
+TEXT_SEEDS = {"hypothesis_template": "{}"}  # (a template must hold its label's place)
+
+
+def _past(value, kind, direction):
+    return value + direction if kind == "integer" else math.nextafter(value, direction * math.inf)
+
+
+def bound_cases(schema, name):
+    """(value, taken) at each bound a parameter's schema states, and just past it."""
+    cases = []
+    for branch in (*schema.get("oneOf", ()), *schema.get("anyOf", ())):
+        cases += bound_cases(branch, name)
+    kind = schema.get("type")
+    if kind in ("integer", "number"):
+        if "minimum" in schema:
+            low = schema["minimum"]
+            cases += [(low, True), (_past(low, kind, -1), False)]
+        if "exclusiveMinimum" in schema:
+            low = schema["exclusiveMinimum"]
+            cases += [(low, False), (_past(low, kind, +1), True)]
+        if "maximum" in schema:
+            high = schema["maximum"]
+            cases += [(high, True), (_past(high, kind, +1), False)]
+    elif kind == "string":
+        seed = TEXT_SEEDS.get(name, "a")
+        for size, taken in (
+            (schema.get("maxLength"), True),
+            ((schema["maxLength"] + 1) if "maxLength" in schema else None, False),
+            (schema.get("minLength") or None, True),
+            ((schema["minLength"] - 1) if schema.get("minLength") else None, False),
+        ):
+            if size is not None and (size >= len(seed) or not taken):
+                cases.append(((seed + "a" * size)[:size], taken))
+    elif kind == "array":
+        most, least = schema.get("maxItems"), schema.get("minItems", 0)
+        if most is not None:
+            cases += [(["a"] * most, True), (["a"] * (most + 1), False)]
+        if least:
+            cases += [(["a"] * least, True), (["a"] * (least - 1), False)]
+        cases += [([value], taken) for value, taken in bound_cases(schema.get("items", {}), name)]
+    elif kind == "object":  # generate_parameters: each option's own bounds, nested
+        for option, option_schema in schema.get("properties", {}).items():
+            cases += [({option: v}, taken) for v, taken in bound_cases(option_schema, option)]
+    return cases
+
+
+BOUNDED_PARAMS = [
+    (task.name, name)
+    for task in TASKS.values()
+    for name, checker in task.params.items()
+    if bound_cases(checker.schema, name)
+]
+
+
+@pytest.mark.parametrize(("task", "name"), BOUNDED_PARAMS)
+def test_each_parameter_takes_the_bounds_its_schema_states_and_refuses_past_them(task, name):
+    """/openapi.json is where a client reads what a parameter may be: a value at the
+    bound it states is taken, one past it is 400 (an integer one further, a number the
+    next float), and an exclusive minimum is not taken."""
+    rules = TASKS[task]
+    wrong = []
+    for value, taken in bound_cases(rules.params[name].schema, name):
+        try:
+            check_params(rules, {**REQUIRED_PARAMS.get(task, {}), name: value})
+        except InvalidRequest as exc:
+            if taken or name not in str(exc):
+                wrong.append(f"{str(value)[:40]}: {exc}")
+        else:
+            if not taken:
+                wrong.append(f"{str(value)[:40]}: taken")
+    assert not wrong
+
+
+@pytest.mark.parametrize(
+    ("task", "name", "taken", "refused"),
+    [
+        ("text-generation", "temperature", 0, -0.5),  # 0: greedy, as the README says
+        ("summarization", "temperature", 0.0, -0.5),
+        ("text-generation", "seed", 2**32 - 1, 2**32),  # a 32-bit seed
+        ("summarization", "num_return_sequences", 8, 9),
+        ("summarization", "min_new_tokens", 0, -1),  # 0: no minimum, generate()'s default
+        ("question-answering", "max_seq_len", 16, 15),
+        ("fill-mask", "top_k", 100, 101),
+        ("text-classification", "top_k", 1, 0),
+        ("image-classification", "top_k", 1000, 1001),
+    ],
+)
+def test_the_bounds_clients_are_told_hold(task, name, taken, refused):
+    """The bounds themselves, as /openapi.json tells clients (the test above holds the
+    checks to whatever it says)."""
+    rules = TASKS[task]
+    assert check_params(rules, {name: taken}) == {name: taken}
+    with pytest.raises(InvalidRequest, match=name):
+        check_params(rules, {name: refused})
+
+
+def mistyped_values(schema):
+    """JSON's true where a number is asked, and 1 or 0 where a boolean is: Python reads
+    each as the other, so only a check of the type itself refuses them."""
+    kinds = {schema.get("type")}
+    kinds |= {branch.get("type") for branch in schema.get("anyOf", ())}
+    if kinds & {"integer", "number"} and "boolean" not in kinds:
+        return [True, False]
+    if "boolean" in kinds and not kinds & {"integer", "number"}:
+        return [1, 0]
+    return []
+
+
+TYPED_PARAMS = [
+    (task.name, name, value)
+    for task in TASKS.values()
+    for name, checker in task.params.items()
+    for value in mistyped_values(checker.schema)
+] + [
+    (task.name, "generate_parameters", {name: value})
+    for task in TASKS.values()
+    if "generate_parameters" in task.params
+    for name, option in task.params["generate_parameters"].schema["properties"].items()
+    for value in mistyped_values(option)
+]
+
+
+@pytest.mark.parametrize(("task", "name", "value"), TYPED_PARAMS)
+def test_a_boolean_is_no_number_and_a_number_no_boolean(task, name, value):
+    """`"temperature": true` or `"do_sample": 1` is a client's mistake: 400, never read
+    as 1.0 or as true."""
+    with pytest.raises(InvalidRequest, match=name):
+        check_params(TASKS[task], {**REQUIRED_PARAMS.get(task, {}), name: value})
+
+
+@pytest.mark.parametrize(
+    ("given", "read"), [("paris", ["paris"]), (["paris", "london"], ["paris", "london"])]
+)
+def test_fill_mask_targets_are_a_word_or_a_list_of_words(given, read):
+    parsed = parse_json_body("fill-mask", {"inputs": "x [MASK]", "parameters": {"targets": given}})
+    assert parsed.params == {"targets": read}
+    for empty in ("", [""], ["paris", ""], []):
+        with pytest.raises(BadRequest, match="targets"):
+            parse_json_body("fill-mask", {"inputs": "x [MASK]", "parameters": {"targets": empty}})
+
+
+@pytest.mark.parametrize(
+    ("grammar", "read"),
+    [
+        ({"type": "json_object", "value": {"type": "object"}}, {"type": "object"}),  # TGI's
+        ({"type": "json_object", "value": '{"type": "object"}'}, {"type": "object"}),
+        ({"type": "json", "value": {"type": "string"}}, {"type": "string"}),
+    ],
+)
+def test_a_json_grammar_is_taken_by_either_of_tgis_names(grammar, read):
+    """InferenceClient sends TGI's "json_object"; the worker is given one kind, "json"."""
+    parsed = parse_json_body("text-generation", {"inputs": "x", "parameters": {"grammar": grammar}})
+    assert parsed.params == {"grammar": {"type": "json", "value": read}}
+
+
+@pytest.mark.parametrize(
+    ("task", "device", "dtype", "installed", "reason"),
+    [
+        ("feature-extraction", "cpu", "auto", True, None),
+        ("fill-mask", "cpu", "float32", True, None),
+        (None, "cpu", "auto", True, None),  # the task not known yet: nothing against it
+        ("text-generation", "cpu", "auto", True, "serves the encoder tasks, not text-generation"),
+        ("feature-extraction", "cuda:0", "auto", True, "on the CPU only, not on cuda:0"),
+        ("feature-extraction", "cpu", "float16", True, "runs float32 here, not float16"),
+        ("feature-extraction", "cpu", "bfloat16", True, "runs float32 here, not bfloat16"),
+        ("feature-extraction", "cpu", "auto", False, "(pip install 'rawserve[onnx]')"),
+    ],
+)
+def test_why_onnx_runtime_cannot_serve_is_said(task, device, dtype, installed, reason):
+    """Said by the server before any worker starts (--engine onnx) and by a worker
+    choosing its engine (auto): what the operator would change."""
+    said = onnx_unfit(task, device, dtype, installed)
+    if reason is None:
+        assert said is None
+    else:
+        assert reason in said
