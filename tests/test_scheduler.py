@@ -1345,7 +1345,7 @@ def test_a_generation_costs_its_prompt_and_the_new_tokens_it_asks_for():
 def test_a_zero_shot_input_costs_a_pair_per_candidate_label():
     core = SchedulerCore(max_input_tokens=512)
     one, hundred = (
-        core.new_item(text(100), {"candidate_labels": [f"label {i}" for i in range(n)]}, 30, 0)
+        core.new_item(text(100), {"candidate_labels": [f"label {i:02d}" for i in range(n)]}, 30, 0)
         for n in (1, 100)
     )
     assert hundred.cost == 100 * one.cost
@@ -1364,6 +1364,21 @@ def test_a_zero_shot_input_costs_its_labels_and_template_too():
     assert core.new_item("hello", own, 30, 0).cost == 20 * (3 + 1 + 176 // 4)
     tight = SchedulerCore(max_input_tokens=16)  # each pair cut where the model stops
     assert tight.new_item("hello", {"candidate_labels": labels}, 30, 0).cost == 20 * 16
+
+
+@pytest.mark.parametrize("template", ["{1}", "{x}", 5, None, "{:100000000}"])
+def test_a_handlers_own_labels_and_template_are_measured_never_formatted(template):
+    """A handler's parameters are its own, unchecked: a template formatted to cost it
+    answered 500 ("{1}", 5) or built 100 million characters a label on the event loop."""
+    core = SchedulerCore()
+    params = {"candidate_labels": ["a", 7, None], "hypothesis_template": template}
+    assert 3 <= core.new_item("hello", params, 30, 0).cost < 100
+
+
+@pytest.mark.parametrize("params", [{"max_seq_len": "x"}, {"doc_stride": "x"}, {"max_seq_len": 0}])
+def test_a_handlers_own_question_answering_parameters_are_costed_not_a_500(params):
+    item = {"question": "who?", "context": "word " * 800}
+    assert SchedulerCore().new_item(item, params, 30, 0).cost >= 1000
 
 
 def test_a_beam_search_costs_its_beams_for_each_new_token():

@@ -27,9 +27,11 @@ def window_tokens(item: Mapping[str, str], params: Mapping[str, Any], tokens: in
     its context cut into windows of `max_seq_len` tokens, each after the question, that
     overlap by `doc_stride`. A stride close to the window's room starts a window every
     token or two, so a few kilobytes of context become thousands of windows."""
-    size = params.get("max_seq_len") or MAX_SEQ_LEN
+    size = params.get("max_seq_len")
+    if not isinstance(size, int) or size < 1:  # (unset; or a handler's own, unchecked)
+        size = MAX_SEQ_LEN
     stride = params.get("doc_stride")
-    if stride is None:
+    if not isinstance(stride, int):
         stride = min(size // 2, DOC_STRIDE)
     question = SPECIAL_TOKENS + text_tokens(item["question"])
     room = size - question  # of the context, in each window
