@@ -1844,6 +1844,12 @@ def test_teis_decode_takes_every_id_tokenize_answers_where_the_vocabulary_skips_
     ids = library.encode("paris!").ids
     assert max(ids) >= library.get_vocab_size(with_added_tokens=True)
     assert post(app, "/decode", {"ids": ids}) == (200, [library.decode(ids)])
+    skipped = min(set(range(max(library.get_vocab().values()))) - set(library.get_vocab().values()))
+    status, body = post(app, "/decode", {"ids": [skipped]})  # decoded as "", a 200
+    assert (status, body["error"]) == (
+        422,
+        f"the id {skipped} is not in the vocabulary (no token has it)",
+    )
 
 
 def test_teis_tokenize_gives_special_tokens_no_offsets(tiny_model):

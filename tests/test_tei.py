@@ -567,7 +567,7 @@ def test_rerank_more_texts_than_the_cap_is_413(servers):
         ("embedding", "/embed_all", {"inputs": "hello", "normalize": True}),
         ("embedding", "/embed", {"inputs": "hello", "pooling": "cls", "user": "x"}),
         ("embedding", "/tokenize", {"inputs": "hello", "return_offsets": True}),
-        ("embedding", "/decode", {"ids": [5, 6], "clean_up": None}),
+        ("embedding", "/decode", {"ids": [5, 7], "clean_up": None}),
         ("classifier", "/predict", {"inputs": "hello", "top_k": 1, "function_to_apply": "x"}),
         ("reranker", "/rerank", {"query": QUERY, "texts": TEXTS, "return_documents": True}),
     ],

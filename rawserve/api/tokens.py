@@ -98,11 +98,10 @@ class ServerTokenizer:
         self.finisher = tokenizers.Tokenizer(tokenizers.models.BPE())
         self.finisher.post_processor = self.tokenizer.post_processor
         self.tokenizer.post_processor = None
-        # the ids' range: a vocabulary may skip ids (a token listed twice), and then its
-        # size is less than the largest id + 1, which /tokenize may answer
-        self.vocab_size = (
-            max(self.tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
-        )
+        # a vocabulary may skip ids (a token listed twice): its size is then less than its
+        # largest id + 1, which /tokenize may answer, and an id it skips is no token
+        self.token_ids = frozenset(self.tokenizer.get_vocab(with_added_tokens=True).values())
+        self.vocab_size = max(self.token_ids, default=-1) + 1
 
     async def tokenize(
         self,
@@ -191,10 +190,15 @@ class ServerTokenizer:
         """Each list of ids as text; UnknownTokenId for an id outside the vocabulary."""
         for ids in id_lists:
             for token_id in ids:
-                if token_id >= self.vocab_size:
+                if token_id not in self.token_ids:
+                    within = token_id < self.vocab_size  # (one the vocabulary skips)
                     raise UnknownTokenId(
                         f"the id {token_id} is not in the vocabulary "
-                        f"(ids run from 0 to {self.vocab_size - 1})"
+                        + (
+                            "(no token has it)"
+                            if within
+                            else f"(ids run from 0 to {self.vocab_size - 1})"
+                        )
                     )
         lists = [list(ids) for ids in id_lists]
         if sum(len(ids) for ids in lists) <= INLINE_LIMIT:
