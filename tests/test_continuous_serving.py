@@ -17,6 +17,7 @@ import signal
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 
 import pytest
 
@@ -347,10 +348,13 @@ def test_a_streamed_choice_refused_at_admission_refuses_the_request_at_once(smal
     try:
         waiting.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            # a deadline its wait cannot miss, even on a busy machine (the default 30 s
+            # may be less than the two long streams' steps at a slow pace: a 503 at once)
+            + b"X-Request-Timeout: 250\r\n"
             + f"Content-Length: {len(waiting_body)}\r\n\r\n".encode()
             + waiting_body
         )
-        wait_queued(server, 1)
+        wait_queued(server, 1, waiting)
         document = {"prompt": "hello", "n": 2, "max_tokens": 3, "stream": True}
         status, headers, body = server.request(
             "POST",
@@ -374,12 +378,22 @@ def test_a_streamed_choice_refused_at_admission_refuses_the_request_at_once(smal
     assert complete(server, "hello", 2)[0] == 200
 
 
-def wait_queued(server: RunningServer, count: int, timeout: float = 30) -> None:
+def wait_queued(
+    server: RunningServer, count: int, client: socket.socket | None = None, timeout: float = 30
+) -> None:
+    """Until `count` items are queued; `client`, a request's socket, is read when they
+    never are, to say what it was answered."""
     deadline = time.monotonic() + timeout
     while True:
         _, _, body = server.request("GET", "/metrics")
         depths = re.findall(rb"^rawserve_queue_depth\{[^}]*\} (\S+)$", body, re.MULTILINE)
         if sum(float(depth) for depth in depths) == count:
             return
-        assert time.monotonic() < deadline, f"never {count} items queued"
+        if time.monotonic() > deadline:
+            answered = b""
+            if client is not None:
+                client.setblocking(False)
+                with suppress(BlockingIOError):
+                    answered = client.recv(2000)
+            raise AssertionError(f"never {count} items queued ({depths}); answered {answered!r}")
         time.sleep(0.02)
