@@ -191,15 +191,12 @@ class ServerTokenizer:
         for ids in id_lists:
             for token_id in ids:
                 if token_id not in self.token_ids:
-                    within = token_id < self.vocab_size  # (one the vocabulary skips)
-                    raise UnknownTokenId(
-                        f"the id {token_id} is not in the vocabulary "
-                        + (
-                            "(no token has it)"
-                            if within
-                            else f"(ids run from 0 to {self.vocab_size - 1})"
-                        )
+                    why = (
+                        "no token has it"  # (an id the vocabulary skips)
+                        if token_id < self.vocab_size
+                        else f"ids run from 0 to {self.vocab_size - 1}"
                     )
+                    raise UnknownTokenId(f"the id {token_id} is not in the vocabulary ({why})")
         lists = [list(ids) for ids in id_lists]
         if sum(len(ids) for ids in lists) <= INLINE_LIMIT:
             return list(self.tokenizer.decode_batch(lists, skip_special_tokens=skip_special))
