@@ -166,7 +166,8 @@ def test_on_a_gpu_the_first_buffers_hold_every_row_and_the_columns_memory_allows
     assert first_buffers(16 * 300, 1024) == (16, 256)  # columns doubled while they fit
     assert first_buffers(16 * 128, 1024) == (16, 128)  # doubled to exactly what fits
     assert first_buffers(16 * 10_000, 256) == (16, 512)  # exactly twice the model's length
-    assert first_buffers(16 * 10_000, 300) == (16, 1024)  # twice the model's length
+    assert first_buffers(16 * 10_000, 300) == (16, 512)  # past the model's length, under twice
+    assert first_buffers(16 * 10_000, 1025) == (16, 2048)  # (the doubling went to 4,096)
     assert first_buffers(16 * 63, 1024) == (1, 64)  # not even that: as on a CPU
     slots = KvSlots(torch.device("cpu"), 16, 1024)
     slots.join(one, one, mask)

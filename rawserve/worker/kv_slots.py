@@ -216,7 +216,7 @@ class KvSlots:
         if self.max_rows * length > tokens:
             return rows, length
         columns = length
-        while self.max_rows * columns * 2 <= tokens and columns < 2 * self.max_length:
+        while self.max_rows * columns * 2 <= tokens and columns <= self.max_length:
             columns *= 2
         return self.max_rows, columns
 
