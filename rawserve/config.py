@@ -61,7 +61,7 @@ class ModelConfig:
     devices: tuple[str, ...] | None  # --device parsed, one worker per entry
     engine: Engine
     dtype: str
-    threads: int | None  # torch threads per worker; None: the busy CPU workers share the cores
+    threads: int | None  # torch threads per worker; None: the CPU workers split the cores
     warmup: bool  # run a batch of max_batch_size examples before reporting ready
     cuda_graphs: bool  # on a GPU: forward passes and decoding steps replayed (default)
     chat_template: str | None  # the text of --chat-template's file
@@ -129,7 +129,7 @@ class WorkerPlan:
 
     devices: tuple[str, ...]
     threads: int  # torch threads per worker
-    share_cores: bool  # no --threads: the busy CPU workers split the cores between them
+    share_cores: bool  # no --threads: the CPU workers split the cores (a lone item takes all)
     layout: str  # why these devices, for /info
     chosen: bool  # the default per-core layout chose them (the log says why at start)
     crowded: str = ""  # --threads whose teams outnumber the cores: the warning to log

@@ -140,7 +140,7 @@ OPTIONS = [
         int,
         None,
         "torch threads per worker, at most the cores; without --device, one worker per that "
-        "many cores (default: the busy CPU workers share the cores)",
+        "many cores (default: the CPU workers split the cores evenly)",
     ),
     Option(
         "--max-batch-size",

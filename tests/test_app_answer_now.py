@@ -24,7 +24,7 @@ from rawserve.serving.driver import Scheduler
 from rawserve.serving.service import ModelService
 from rawserve.serving.status import LoadState
 from rawserve.shared.messages import WorkerReady
-from tests.test_scheduler import FakeBackend, taught
+from tests.test_scheduler import FakeBackend, next_batch, taught
 
 
 def loaded(task: str) -> WorkerReady:
@@ -214,7 +214,7 @@ def busy_rows(model: ServedModel, rows: int = 8) -> None:
     now = time.monotonic()
     for _ in range(rows):
         core.admit([core.new_item("prompt", {"max_new_tokens": 128}, now + 30, now)], now)
-        assert core.next_batch(now) is not None
+        assert next_batch(core, now) is not None
 
 
 async def test_a_generation_whose_row_would_free_past_its_deadline_is_refused_from_the_head():

@@ -35,6 +35,7 @@ from rawserve.shared.messages import FailureKind, ItemFailure, WorkerConfig
 from rawserve.worker.batch_runs import BatchCap, run_batch
 from tests.load import Client
 from tests.server import RunningServer, module_server, started_as_used
+from tests.test_scheduler import next_batch
 
 FAULTY = "tests.handlers:faulty"
 
@@ -103,9 +104,9 @@ def test_the_scheduler_respects_the_batch_cap():
     items = [core.new_item(f"x{i}", {}, deadline=100.0, now=0.0) for i in range(8)]
     core.admit(items)
     core.batch_cap = 3
-    assert len(core.next_batch(0.0)) == 3
+    assert len(next_batch(core, 0.0)) == 3
     core.batch_cap = None
-    assert len(core.next_batch(0.0)) == 5
+    assert len(next_batch(core, 0.0)) == 5
 
 
 def test_poison_memory_is_bounded_and_keyed_by_input_and_parameters():

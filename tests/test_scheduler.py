@@ -100,11 +100,18 @@ def inputs(batch) -> list:
     return [item.input for item in batch]
 
 
+def next_batch(core: SchedulerCore, now: float) -> list | None:
+    """The batch a free worker is sent now, as the driver asks for it (`decide` with one
+    worker free; the expired items it drops with it), or None to wait."""
+    batches = core.decide(now, 1).batches
+    return batches[0] if batches else None
+
+
 def busy(core: SchedulerCore, now: float = 0.0) -> list:
     """A model call running (a short input's, sent): an item held for its deadline then
     waits behind it rather than runs on an idle worker (`_probe`)."""
     queue_items(core, ["busy"], now=now, deadline=now + 100.0)
-    batch = core.next_batch(now)
+    batch = next_batch(core, now)
     assert batch is not None and inputs(batch) == ["busy"]
     return batch
 
@@ -115,7 +122,7 @@ def busy(core: SchedulerCore, now: float = 0.0) -> list:
 def test_greedy_when_idle_with_zero_delay():
     core = SchedulerCore(max_batch_delay=0.0)
     queue_items(core, ["a"])
-    batch = core.next_batch(now=0.0)
+    batch = next_batch(core, now=0.0)
     assert inputs(batch) == ["a"]
     assert len(core) == 0
 
@@ -124,7 +131,7 @@ def test_batch_is_bounded_by_max_batch_size():
     core = SchedulerCore(max_batch_size=4)
     queue_items(core, list("abcdefghij"))
     sizes = []
-    while batch := core.next_batch(now=0.0):
+    while batch := next_batch(core, now=0.0):
         sizes.append(len(batch))
     assert sizes == [4, 4, 2]
 
@@ -173,11 +180,11 @@ def test_the_batch_size_told_is_no_more_than_the_queue_holds():
 def test_delay_is_one_deadline_from_the_oldest_item():
     core = SchedulerCore(max_batch_size=8, max_batch_delay=0.200)
     queue_items(core, ["first"], now=0.0)
-    assert core.next_batch(now=0.05) is None
+    assert next_batch(core, now=0.05) is None
     queue_items(core, ["second"], now=0.05)  # a later arrival does not reset the wait
     assert core.next_wakeup(now=0.05) == pytest.approx(0.200)
-    assert core.next_batch(now=0.199) is None
-    batch = core.next_batch(now=0.200)
+    assert next_batch(core, now=0.199) is None
+    batch = next_batch(core, now=0.200)
     assert inputs(batch) == ["first", "second"]
 
 
@@ -188,17 +195,17 @@ def test_the_delay_never_spends_a_deadline():
     core = SchedulerCore(max_batch_size=8, max_batch_delay=2.0)
     queue_items(core, ["lone"], now=0.0, deadline=1.0)
     assert core.next_wakeup(now=0.0) == pytest.approx(0.5)
-    assert core.next_batch(now=0.49) is None
-    assert inputs(core.next_batch(now=0.5)) == ["lone"]
+    assert next_batch(core, now=0.49) is None
+    assert inputs(next_batch(core, now=0.5)) == ["lone"]
 
     core = measured(SchedulerCore(max_batch_size=8, max_batch_delay=5.0), seconds_per_token=0.01)
     queue_items(core, [text(10)], now=0.0, deadline=1.0)  # alone 0.1 s: waits half its time
     assert core.next_wakeup(now=0.0) == pytest.approx(0.5)
-    assert core.next_batch(now=0.4) is None
-    assert len(batch := core.next_batch(now=0.5)) == 1
+    assert next_batch(core, now=0.4) is None
+    assert len(batch := next_batch(core, now=0.5)) == 1
     core.finish_batch(batch, now=0.6)
     queue_items(core, [text(45)], now=1.0, deadline=2.0)  # 0.45 s alone: no room for two
-    assert len(core.next_batch(now=1.0)) == 1
+    assert len(next_batch(core, now=1.0)) == 1
 
 
 def test_the_wait_is_shortened_from_the_arrival_whatever_the_delay():
@@ -207,8 +214,8 @@ def test_the_wait_is_shortened_from_the_arrival_whatever_the_delay():
     core = SchedulerCore(max_batch_size=8, max_batch_delay=0.8)
     queue_items(core, ["lone"], now=100.0, deadline=101.0)
     assert core.next_wakeup(now=100.0) == pytest.approx(100.5)
-    assert core.next_batch(now=100.49) is None
-    assert inputs(core.next_batch(now=100.5)) == ["lone"]
+    assert next_batch(core, now=100.49) is None
+    assert inputs(next_batch(core, now=100.5)) == ["lone"]
 
 
 def test_a_deadline_far_off_keeps_the_whole_delay():
@@ -220,8 +227,8 @@ def test_a_deadline_far_off_keeps_the_whole_delay():
 def test_full_batch_goes_at_once_despite_the_delay():
     core = SchedulerCore(max_batch_size=3, max_batch_delay=10.0)
     queue_items(core, ["a", "b", "c", "d"])
-    assert len(core.next_batch(now=0.0)) == 3
-    assert core.next_batch(now=0.0) is None  # "d" waits for its delay
+    assert len(next_batch(core, now=0.0)) == 3
+    assert next_batch(core, now=0.0) is None  # "d" waits for its delay
 
 
 def test_a_busy_worker_is_waited_for_not_polled():
@@ -319,7 +326,7 @@ def test_retry_after_follows_the_queue_and_the_measured_speed():
 def test_retry_after_counts_what_is_left_of_the_batches_in_flight():
     core = measured(SchedulerCore(max_queue=100, max_batch_size=10), 0.001, fixed=0.05)
     queue_items(core, [text(100)] * 30)
-    assert len(core.next_batch(now=0.0)) == 10  # one call in flight: 0.05 + 1 s
+    assert len(next_batch(core, now=0.0)) == 10  # one call in flight: 0.05 + 1 s
     queued = 2 * (0.05 + 1.0)
     assert core.retry_after(now=0.25) == pytest.approx(queued + 1.05 - 0.25)
     assert core.retry_after() == pytest.approx(queued)  # no clock: the queue alone
@@ -380,7 +387,7 @@ def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once():
 def test_work_in_flight_counts_against_the_deadline():
     core = measured(SchedulerCore(max_batch_size=10), seconds_per_token=0.01)
     queue_items(core, [text(100)] * 10)
-    assert len(core.next_batch(now=0.0)) == 10  # predicted 10 s of compute
+    assert len(next_batch(core, now=0.0)) == 10  # predicted 10 s of compute
     with pytest.raises(DeadlineUnreachable):
         queue_items(core, ["x"], now=1.0, deadline=5.0)
     with pytest.raises(DeadlineUnreachable):  # in time, but with no slack for a batch
@@ -392,9 +399,9 @@ def test_earliest_deadline_first_and_expiry():
     core = SchedulerCore(max_batch_size=1)
     late = queue_items(core, ["late"], deadline=10.0)
     soon = queue_items(core, ["soon"], deadline=5.0)
-    assert core.next_batch(now=0.0) == soon
+    assert next_batch(core, now=0.0) == soon
     assert core.drop_expired(now=10.0) == late
-    assert len(core) == 0 and core.next_batch(now=10.0) is None
+    assert len(core) == 0 and next_batch(core, now=10.0) is None
 
 
 def test_a_batch_from_beyond_the_candidate_window_leaves_the_queue_in_order(monkeypatch):
@@ -403,9 +410,9 @@ def test_a_batch_from_beyond_the_candidate_window_leaves_the_queue_in_order(monk
     monkeypatch.setattr("rawserve.serving.core.PLAN_WINDOW", 1)
     core = measured(SchedulerCore(max_batch_size=2), seconds_per_token=0.01)
     items = queue_items(core, [text(200)] * 6 + [text(4)] * 2, deadline=1.0)
-    assert core.next_batch(now=0.0) == items[6:]  # 2 s each for the long ones: doomed
+    assert next_batch(core, now=0.0) == items[6:]  # 2 s each for the long ones: doomed
     assert len(core) == 6 and core.queued_tokens() == sum(item.cost for item in items[:6])
-    assert core.next_batch(now=0.0) is None
+    assert next_batch(core, now=0.0) is None
     assert core.drop_expired(now=1.0) == items[:6] and len(core) == 0
 
 
@@ -413,7 +420,7 @@ def test_an_expired_item_is_never_sent_even_before_it_is_dropped():
     core = SchedulerCore()
     queue_items(core, ["gone"], deadline=1.0)
     fresh = queue_items(core, ["fresh"], deadline=5.0)
-    assert core.next_batch(now=1.0) == fresh
+    assert next_batch(core, now=1.0) == fresh
 
 
 def test_an_item_that_cannot_finish_in_time_is_not_computed():
@@ -421,7 +428,7 @@ def test_an_item_that_cannot_finish_in_time_is_not_computed():
     doomed = queue_items(core, [text(200)], deadline=1.0)  # admitted: nothing measured yet
     measured(core, seconds_per_token=0.01)  # now we know: 200 tokens take 2 s
     busy(core)
-    assert core.next_batch(now=0.0) is None
+    assert next_batch(core, now=0.0) is None
     assert core.next_wakeup(now=0.0) == 1.0  # it stays until its deadline, then 504
     assert core.drop_expired(now=1.0) == doomed
 
@@ -435,7 +442,7 @@ def test_an_item_predicted_to_end_within_the_margin_of_its_deadline_is_not_compu
         core = measured(SchedulerCore(), seconds_per_token=0.01)
         busy(core)
         queue_items(core, [text(tokens)], deadline=1.0)
-        assert (core.next_batch(now=0.0) is not None) == sent, tokens
+        assert (next_batch(core, now=0.0) is not None) == sent, tokens
 
 
 def test_with_no_call_running_and_none_that_can_finish_the_cheapest_runs_alone():
@@ -444,16 +451,16 @@ def test_with_no_call_running_and_none_that_can_finish_the_cheapest_runs_alone()
     10 ms) kept every request with a 1 s deadline queued for good (a tester)."""
     core = measured(SchedulerCore(max_batch_size=4), seconds_per_token=0.01)
     long, short, other = queue_items(core, [text(300), text(200), text(250)], deadline=1.0)
-    assert core.next_batch(now=0.0) == [short]  # predicted 2 s: it runs, and is timed
-    assert core.next_batch(now=0.0) is None  # one at a time, while it runs
+    assert next_batch(core, now=0.0) == [short]  # predicted 2 s: it runs, and is timed
+    assert next_batch(core, now=0.0) is None  # one at a time, while it runs
     core.finish_batch([short], now=0.01)  # 10 ms: the estimate was wrong
-    assert core.next_batch(now=0.01) is not None  # the others can finish now
+    assert next_batch(core, now=0.01) is not None  # the others can finish now
     waiting = SchedulerCore(max_batch_size=4, max_batch_delay=0.5)
     measured(waiting, seconds_per_token=0.01)
     queue_items(waiting, [text(300)], deadline=1.0)
     viable = queue_items(waiting, [text(5)], deadline=5.0)
-    assert waiting.next_batch(now=0.0) is None  # one that can finish waits for its batch
-    assert waiting.next_batch(now=0.5) == viable  # and goes first
+    assert next_batch(waiting, now=0.0) is None  # one that can finish waits for its batch
+    assert next_batch(waiting, now=0.5) == viable  # and goes first
 
 
 def test_a_batch_leaves_out_the_members_it_would_make_late():
@@ -461,47 +468,47 @@ def test_a_batch_leaves_out_the_members_it_would_make_late():
     head = queue_items(core, [text(100)], deadline=0.15)
     member = queue_items(core, [text(100)], deadline=0.18)
     measured(core, seconds_per_token=0.001)  # alone 0.1 s each, as a pair 0.2 s
-    assert core.next_batch(now=0.0) == head
-    assert core.next_batch(now=0.0) == member
+    assert next_batch(core, now=0.0) == head
+    assert next_batch(core, now=0.0) == member
 
 
 def test_different_parameters_never_share_a_batch():
     core = SchedulerCore(max_batch_size=8)
     queue_items(core, ["a", "b"], params={"top_k": 1})
     queue_items(core, ["c"], params={"top_k": 2})
-    batches = [core.next_batch(now=0.0), core.next_batch(now=0.0)]
+    batches = [next_batch(core, now=0.0), next_batch(core, now=0.0)]
     assert sorted(sorted(inputs(b)) for b in batches) == [["a", "b"], ["c"]]
 
 
 def test_token_budget_bounds_the_padded_cost():
     core = SchedulerCore(max_batch_size=32, max_batch_tokens=100)
     queue_items(core, [text(40)] * 5)  # 40 tokens each: 2 fit in 100
-    assert len(core.next_batch(now=0.0)) == 2
+    assert len(next_batch(core, now=0.0)) == 2
 
 
 def test_an_item_over_the_budget_alone_still_goes_alone():
     core = SchedulerCore(max_batch_tokens=100)
     big = queue_items(core, [text(500)])
     queue_items(core, [text(10)])
-    assert core.next_batch(now=0.0) == big
+    assert next_batch(core, now=0.0) == big
 
 
 def test_before_the_cost_model_is_fitted_what_waits_goes_together():
     core = SchedulerCore(max_batch_size=8)
     lengths = [10, 200, 12, 190, 9, 11, 180, 10]
     items = queue_items(core, [text(n) for n in lengths])
-    assert core.next_batch(now=0.0)[0] is items[0]  # nothing measured: one call for all
+    assert next_batch(core, now=0.0)[0] is items[0]  # nothing measured: one call for all
     assert len(core) == 0
     core.cost_model.observe(1000, 2.0)  # one slow call says nothing of splitting
     items = queue_items(core, [text(n) for n in lengths])
-    assert sorted(map(id, core.next_batch(now=0.0))) == sorted(map(id, items))
+    assert sorted(map(id, next_batch(core, now=0.0))) == sorted(map(id, items))
 
 
 def test_once_fitted_a_plan_that_groups_lengths_is_measurably_cheaper():
     core = measured(SchedulerCore(max_batch_size=8), seconds_per_token=1e-3, fixed=0.05)
     lengths = [10, 200, 12, 190, 9, 11, 180, 10]
     items = queue_items(core, [text(n) for n in lengths])
-    first, second = core.next_batch(now=0.0), core.next_batch(now=0.0)
+    first, second = next_batch(core, now=0.0), next_batch(core, now=0.0)
     assert sorted(item.cost for item in first) == [9, 10, 10, 11, 12]
     assert sorted(item.cost for item in second) == [180, 190, 200]
     assert first[0] is items[0]  # the first turn leads
@@ -510,7 +517,7 @@ def test_once_fitted_a_plan_that_groups_lengths_is_measurably_cheaper():
 def test_count_mode_takes_deadline_order_whatever_the_lengths():
     core = SchedulerCore(max_batch_size=3, group_lengths=False)
     queue_items(core, [text(n) for n in (10, 200, 12, 11)])
-    assert [item.cost for item in core.next_batch(now=0.0)] == [10, 200, 12]
+    assert [item.cost for item in next_batch(core, now=0.0)] == [10, 200, 12]
 
 
 def test_a_long_item_is_not_starved_by_a_stream_of_short_ones():
@@ -518,7 +525,7 @@ def test_a_long_item_is_not_starved_by_a_stream_of_short_ones():
     (long_item,) = queue_items(core, [text(200)], now=0.0, deadline=10.0)
     for step in range(1, 100):  # short items keep coming, with later deadlines
         queue_items(core, [text(10)] * 4, now=step, deadline=step + 10.0)
-        batch = core.next_batch(now=step)
+        batch = next_batch(core, now=step)
         if long_item in batch:
             break
     assert step == 1  # it leads the first batch after it became the earliest deadline
@@ -531,14 +538,14 @@ def test_an_urgent_item_joins_a_batch_whatever_its_length(start):
     queue_items(core, [text(10)] * 2, now=start, deadline=start + 1.0)
     # alone 0.012 s: no time to wait
     urgent = queue_items(core, [text(200)], now=start, deadline=start + 0.02)
-    assert core.next_batch(now=start) == head + urgent
+    assert next_batch(core, now=start) == head + urgent
 
 
 def test_a_long_item_that_can_wait_does_not_pad_a_batch_of_short_ones():
     core = measured(SchedulerCore(max_batch_size=8), seconds_per_token=1e-5, fixed=0.01)
     shorts = queue_items(core, [text(10)] * 3, deadline=0.019)
     queue_items(core, [text(200)], deadline=1.0)
-    assert core.next_batch(now=0.0) == shorts
+    assert next_batch(core, now=0.0) == shorts
 
 
 def test_withdrawn_items_leave_the_queue():
@@ -546,13 +553,13 @@ def test_withdrawn_items_leave_the_queue():
     first, second = queue_items(core, ["a", "b"])
     core.remove(first)
     core.remove(first)  # twice is harmless
-    assert core.next_batch(now=0.0) == [second]
+    assert next_batch(core, now=0.0) == [second]
 
 
 def test_a_measured_batch_teaches_the_cost_model():
     core = SchedulerCore(max_batch_size=4)
     queue_items(core, [text(100)] * 4)
-    batch = core.next_batch(now=0.0)
+    batch = next_batch(core, now=0.0)
     assert core.finish_batch(batch, now=0.4) == pytest.approx(0.4)
     assert core.cost_model.predict(400) == pytest.approx(0.4)
     assert core.items_per_second == pytest.approx(10.0)
@@ -564,9 +571,9 @@ def test_a_measured_batch_teaches_the_cost_model():
 def test_a_single_input_is_not_queued_behind_a_whole_list():
     core = SchedulerCore(max_batch_size=32, max_queue=1024)
     queue_items(core, [f"list {i}" for i in range(256)])
-    first = core.next_batch(now=0.0)  # the list's first turns go out
+    first = next_batch(core, now=0.0)  # the list's first turns go out
     (single,) = queue_items(core, ["single"], now=0.1)
-    assert single in core.next_batch(now=0.2)  # the next call, not after 224 more
+    assert single in next_batch(core, now=0.2)  # the next call, not after 224 more
     assert len(first) == 32
 
 
@@ -576,11 +583,11 @@ def test_partners_of_a_like_length_do_not_put_later_arrivals_behind_the_turns_th
     core = measured(SchedulerCore(max_batch_size=8, max_queue=1024), 1e-3, fixed=0.05)
     lengths = [10] + [200] * 20 + [10] * 4 + [200] * 231  # 256 inputs, 5 short ones
     listed = queue_items(core, [text(n) for n in lengths])
-    first = core.next_batch(now=0.0)
+    first = next_batch(core, now=0.0)
     assert [item.turn for item in first] == [1, 22, 23, 24, 25]  # the short ones
     (single,) = queue_items(core, [text(200)], now=0.1)
     sent = []  # the list's inputs sent before the single one's call
-    while single not in (batch := core.next_batch(now=0.2)):
+    while single not in (batch := next_batch(core, now=0.2)):
         sent += batch
     assert not sent  # not the 20 inputs of the turns skipped
     # the turn after the one being served (the list's first left behind): it shares it
@@ -597,7 +604,7 @@ def test_an_input_unlike_the_rest_is_not_passed_by_the_inputs_arriving_after_it(
     now, sent_with = 0.0, None
     for step in range(20):  # a long input arrives with each call, and one is served
         queue_items(core, [text(150)] * 2, now=now, deadline=now + 0.2)
-        batch = core.next_batch(now)
+        batch = next_batch(core, now)
         if short in batch:
             sent_with = step
             break
@@ -610,7 +617,7 @@ def test_two_lists_take_turns():
     core = SchedulerCore(max_batch_size=4, max_queue=64)
     a = queue_items(core, [f"a{i}" for i in range(8)])
     b = queue_items(core, [f"b{i}" for i in range(8)])
-    batch = core.next_batch(now=0.0)
+    batch = next_batch(core, now=0.0)
     assert batch == [a[0], b[0], a[1], b[1]]
 
 
@@ -618,9 +625,9 @@ def test_an_item_near_its_deadline_leads_whatever_its_turn():
     core = measured(SchedulerCore(max_batch_size=1), seconds_per_token=1e-3, fixed=0.01)
     (single,) = queue_items(core, [text(10)], deadline=30.0)
     first, second = queue_items(core, [text(10)] * 2, deadline=0.035)  # 0.02 s a call
-    assert core.next_batch(now=0.0) == [first]  # turn 0: the earlier deadline
-    assert core.next_batch(now=0.0) == [second]  # turn 1, but too close to wait for turn 0
-    assert core.next_batch(now=0.0) == [single]
+    assert next_batch(core, now=0.0) == [first]  # turn 0: the earlier deadline
+    assert next_batch(core, now=0.0) == [second]  # turn 1, but too close to wait for turn 0
+    assert next_batch(core, now=0.0) == [single]
 
 
 def test_a_list_longer_than_the_queue_can_never_be_admitted():
@@ -675,7 +682,7 @@ def test_batches_in_flight_are_not_summed_when_their_whole_time_leaves_room(monk
     (a continuous worker has hundreds in flight) is summed only when it does not."""
     core = measured(SchedulerCore(max_batch_size=10, workers=2), seconds_per_token=0.01)
     queue_items(core, [text(100)] * 10)
-    assert len(core.next_batch(now=0.0)) == 10  # 10 s predicted, 5 s on each of 2 workers
+    assert len(next_batch(core, now=0.0)) == 10  # 10 s predicted, 5 s on each of 2 workers
     summed = []
     sum_left = core._in_flight_seconds
     monkeypatch.setattr(core, "_in_flight_seconds", lambda now: summed.append(now) or sum_left(now))
@@ -709,15 +716,15 @@ def test_a_generation_that_may_end_early_is_sent_though_its_max_tokens_would_not
     core = measured(SchedulerCore(workers=4), seconds_per_token=0.01)  # 1,000 tokens: 10 s
     busy(core)
     (long_text,) = queue_items(core, [text(1000)], deadline=2.0)
-    assert core.next_batch(0.0) is None
+    assert next_batch(core, 0.0) is None
     (asked_much,) = queue_items(core, [text(5)], deadline=2.0, params={"max_new_tokens": 4000})
     assert asked_much.cost > long_text.cost and asked_much.new_tokens == 4000
-    assert inputs(core.next_batch(0.0)) == [text(5)]
+    assert inputs(next_batch(core, 0.0)) == [text(5)]
     assert long_text.new_tokens == 0
     idle = measured(SchedulerCore(), seconds_per_token=0.01)
     at_least = {"max_new_tokens": 400, "min_new_tokens": 300}  # no end before 300 tokens
     queue_items(idle, [text(6)], deadline=2.0, params=at_least)
-    assert inputs(idle.next_batch(0.0)) == [text(6)]  # an idle worker: its chance
+    assert inputs(next_batch(idle, 0.0)) == [text(6)]  # an idle worker: its chance
 
 
 def test_a_prompt_only_scored_on_a_continuous_worker_is_sent_while_rows_are_free():
@@ -729,11 +736,11 @@ def test_a_prompt_only_scored_on_a_continuous_worker_is_sent_while_rows_are_free
     scored = {"max_new_tokens": 0, "details": True}
     rows = measured(SchedulerCore(max_batch_size=1, workers=4), seconds_per_token=0.01)
     queue_items(rows, [text(1000)], deadline=8.0, params=scored)  # predicted 10 s
-    assert inputs(rows.next_batch(0.0)) == [text(1000)]
+    assert inputs(next_batch(rows, 0.0)) == [text(1000)]
     batching = measured(SchedulerCore(), seconds_per_token=0.01)
     busy(batching)
     queue_items(batching, [text(1000)], deadline=8.0, params=scored)
-    assert batching.next_batch(0.0) is None
+    assert next_batch(batching, 0.0) is None
 
 
 def test_beside_running_rows_a_generation_that_cannot_end_in_time_waits_unless_streamed():
@@ -744,14 +751,14 @@ def test_beside_running_rows_a_generation_that_cannot_end_in_time_waits_unless_s
     made in time."""
     core = paced(SchedulerCore(max_batch_size=1, workers=4), seconds_per_token=0.01)
     queue_items(core, [text(5), text(5)], params={"max_new_tokens": 10})
-    assert [inputs(core.next_batch(0.0)) for _ in range(2)] == [[text(5)], [text(5)]]
+    assert [inputs(next_batch(core, 0.0)) for _ in range(2)] == [[text(5)], [text(5)]]
     long = {"max_new_tokens": 400}  # 4 s alone
     queue_items(core, [text(6)], deadline=6.0, params=long)  # it would end in time now
-    assert core.next_batch(3.0) is None  # two rows running: no longer
+    assert next_batch(core, 3.0) is None  # two rows running: no longer
     core.admit([core.new_item(text(7), long, 6.0, 0.0, Control(stream_id=1))], 0.0)
-    assert inputs(core.next_batch(3.0)) == [text(7)]
+    assert inputs(next_batch(core, 3.0)) == [text(7)]
     queue_items(core, [text(8)], now=3.0, deadline=30.0, params=long)
-    assert inputs(core.next_batch(3.0)) == [text(8)]  # in time at that pace: it goes
+    assert inputs(next_batch(core, 3.0)) == [text(8)]  # in time at that pace: it goes
 
 
 def test_a_generation_is_judged_at_the_pace_beside_the_rows_that_will_run_with_it():
@@ -769,17 +776,17 @@ def test_a_generation_is_judged_at_the_pace_beside_the_rows_that_will_run_with_i
     assert core.pace.predict(100, 6) == pytest.approx(1.56)
     run_sequences(core, 1, at=0.0, new_tokens=100)
     queue_items(core, [text(1)], deadline=1.5, params=asks)
-    assert core.next_batch(0.0) is not None
+    assert next_batch(core, 0.0) is not None
     late = core.new_item(text(1), asks, 1.4, 0.0)  # beside three rows, 1.25 s x 1.25
     core.admit([late])  # (not judged: given no time)
-    assert core.next_batch(0.0) is None  # two rows of eight running: it waits all the same
+    assert next_batch(core, 0.0) is None  # two rows of eight running: it waits all the same
     core.remove(late)
     run_sequences(core, 3, at=0.0, new_tokens=1)
     with pytest.raises(OwnTimeUnreachable):
         queue_items(core, [text(1)], deadline=1.5, params=asks)
     idle = paced(SchedulerCore(max_batch_size=1, workers=8), 0.01, per_row=0.001)
     queue_items(idle, [text(1)], deadline=0.5, params=asks)  # 1 s alone: taken all the same
-    assert idle.next_batch(0.0) is not None
+    assert next_batch(idle, 0.0) is not None
 
 
 def test_a_sequence_that_must_make_its_tokens_is_timed_by_them_not_by_others_answers():
@@ -828,13 +835,13 @@ def test_where_answers_ran_past_every_length_one_sequence_at_a_time_learns_their
             queue_items(core, [text(1)], deadline=1.5, params={**chat, **must})
     now, learned = 0.0, 0
     while core.answer_lengths.likely(2000) == 2000 and learned < KEPT:
-        probe = core.next_batch(now)
+        probe = next_batch(core, now)
         assert probe is not None and probe[0].taken_whatever_its_time
         core.finish_batch(probe, now + 0.01, [5])  # it ended early
         now, learned = now + 0.01, learned + 1
         queue_items(core, [text(1)], now=now, deadline=now + 1.5, params=chat)
     assert core.answer_lengths.likely(2000) == 5  # nine in ten end by then
-    core.next_batch(now)
+    next_batch(core, now)
     [timed] = queue_items(core, [text(1)], now=now, deadline=now + 1.5, params=chat)
     assert not timed.taken_whatever_its_time  # admitted for its likely 5 tokens
 
@@ -857,7 +864,7 @@ def test_answers_held_from_their_end_say_nothing_of_how_long_answers_run():
             queue_items(
                 core, [text(1)], now=at, deadline=1e6, params={"max_new_tokens": 1000, **forced}
             )
-            batch = core.next_batch(float(at))
+            batch = next_batch(core, float(at))
             core.finish_batch(batch, at + 0.5, [1000])
     assert core.answer_lengths.likely(2000) == 5
 
@@ -869,12 +876,12 @@ def test_an_input_larger_than_any_call_measured_is_sent_once_and_measured():
     next one that cannot make its deadline waits, as any measured size does."""
     core = measured(SchedulerCore(), seconds_per_token=0.001)
     queue_items(core, [text(10_000)], deadline=5.0)
-    batch = core.next_batch(0.0)
+    batch = next_batch(core, 0.0)
     assert batch is not None and inputs(batch) == [text(10_000)]
     core.finish_batch(batch, 9.0)  # it took 9 s
     busy(core, now=9.0)
     queue_items(core, [text(10_000)], now=9.0, deadline=14.0)
-    assert core.next_batch(9.0) is None
+    assert next_batch(core, 9.0) is None
 
 
 def test_a_short_generation_is_sent_after_long_ones_ran_side_by_side():
@@ -891,7 +898,7 @@ def test_a_short_generation_is_sent_after_long_ones_ran_side_by_side():
             core.cost_model.observe(66, seconds)
     assert core.cost_model.predict(4 + 1) > 2.0  # its prompt and a first token, taken so
     queue_items(core, [text(4)], deadline=2.0, params={"max_new_tokens": 2})
-    assert inputs(core.next_batch(0.0)) == [text(4)]
+    assert inputs(next_batch(core, 0.0)) == [text(4)]
 
 
 def test_a_generation_waits_for_a_row_then_takes_its_whole_time():
@@ -912,7 +919,7 @@ def test_a_generation_waits_for_a_row_then_takes_its_whole_time():
     queue_items(idle, [text(12)], deadline=own + 0.2, params=asks)  # idle: admitted
 
     queue_items(core, [text(12)] * 128, deadline=30.0, params=asks)
-    while core.next_batch(now=0.0):
+    while next_batch(core, now=0.0):
         pass
     assert len(core) == 0  # every row running, about 3 s left of each at t = 1
     with pytest.raises(DeadlineUnreachable):
@@ -931,14 +938,14 @@ def test_a_sequence_refused_for_its_own_length_is_told_so_not_blamed_on_work_ahe
     still named."""
     core = paced(SchedulerCore(max_batch_size=1, workers=4), seconds_per_token=0.01)
     queue_items(core, [text(5)] * 3, params={"max_new_tokens": 100})
-    while core.next_batch(now=0.0):
+    while next_batch(core, now=0.0):
         pass
     assert len(core) == 0  # three of four rows busy, one free
     with pytest.raises(OwnTimeUnreachable) as refused:
         queue_items(core, [text(5)], deadline=2.0, params={"max_new_tokens": 400})  # 4 s
     assert "the new tokens it asks for" in refused.value.reason
     queue_items(core, [text(5)], deadline=2.0, params={"max_new_tokens": 100})  # 1 s
-    assert inputs(core.next_batch(now=0.0)) == [text(5)]  # every row busy now, for 1 s
+    assert inputs(next_batch(core, now=0.0)) == [text(5)]  # every row busy now, for 1 s
     with pytest.raises(DeadlineUnreachable) as refused:  # in time alone, not behind them
         queue_items(core, [text(5)], deadline=1.0, params={"max_new_tokens": 10})
     assert not isinstance(refused.value, OwnTimeUnreachable)
@@ -973,7 +980,7 @@ def run_sequences(core: SchedulerCore, count: int, at: float, new_tokens: int = 
         queue_items(
             core, [text(12)], now=at, deadline=at + 30.0, params={"max_new_tokens": new_tokens}
         )
-        batches.append(core.next_batch(now=at))
+        batches.append(next_batch(core, now=at))
         assert batches[-1] is not None
     return batches
 
@@ -1022,7 +1029,7 @@ def test_a_sequence_taken_by_a_free_row_counts_its_own_time_as_its_send_will():
     asks = {"max_new_tokens": 128}
     stream = core.new_item(text(12), asks, 5.0, 0.0, Control(stream_id=1))
     core.admit([stream], 0.0)
-    assert core.next_batch(0.0) == [stream]
+    assert next_batch(core, 0.0) == [stream]
     with pytest.raises(OwnTimeUnreachable):
         queue_items(core, [text(12)], deadline=5.0, params=asks)
     idle = rows_of(8)
@@ -1062,7 +1069,7 @@ def test_a_sequence_is_admitted_only_if_it_would_be_sent_when_its_row_frees():
         queue_items(core, [text(12)], now=4.0, deadline=8.8, params={"max_new_tokens": 128})
     queue_items(core, [text(12)], now=4.0, deadline=10.0, params={"max_new_tokens": 128})
     core.finish_batch(first, 4.3)
-    assert inputs(core.next_batch(now=4.3)) == [text(12)]
+    assert inputs(next_batch(core, now=4.3)) == [text(12)]
 
 
 def test_the_head_check_refuses_nothing_on_one_sequence_measured():
@@ -1140,7 +1147,7 @@ def test_what_the_head_check_refuses_admission_refuses(rows, sent, queued, now, 
         queue_items(
             core, [text(8)], now=at, deadline=at + 100.0, params={"max_new_tokens": new_tokens}
         )
-        batch = core.next_batch(at)
+        batch = next_batch(core, at)
         if batch is not None and after is not None:
             back.append((at + after, batch))
     for at, batch in back:
@@ -1178,11 +1185,11 @@ def test_a_sequence_stopped_past_its_predicted_time_teaches_the_least_it_takes()
         core.cost_model.observe(cost, seconds, cost, 1)
     before = core.cost_model.predict(140)
     (left,) = queue_items(core, [text(12)], params={"max_new_tokens": 128})
-    core.stopped_batch(core.next_batch(now=0.0), now=0.5)
+    core.stopped_batch(next_batch(core, now=0.0), now=0.5)
     assert core.cost_model.predict(140) == pytest.approx(before)
     assert left.cost == 140
     queue_items(core, [text(12)], params={"max_new_tokens": 128})
-    core.stopped_batch(core.next_batch(now=1.0), now=1.0 + 3 * before)
+    core.stopped_batch(next_batch(core, now=1.0), now=1.0 + 3 * before)
     assert core.cost_model.predict(140) > before
     assert not core._in_flight
 
@@ -1196,7 +1203,7 @@ def test_a_stopped_sequence_teaches_the_pace_of_the_tokens_it_made():
     before = core.pace.predict(128, 1)
     for at in range(20):
         queue_items(core, [text(12)], now=at, deadline=at + 30.0, params={"max_new_tokens": 128})
-        core.stopped_batch(core.next_batch(now=at), now=at + 0.02 * (12 + 64), made=[64])
+        core.stopped_batch(next_batch(core, now=at), now=at + 0.02 * (12 + 64), made=[64])
     assert core.pace.predict(128, 1) > 1.8 * before
     assert not core._in_flight
 
@@ -1285,7 +1292,7 @@ def test_a_sequences_own_length_is_no_reason_to_refuse_it_until_answers_are_seen
         core.pace.observe(made, 1, (made + STEPS_BESIDE) * 0.02)
     run_sequences(core, 4, at=0.0, new_tokens=4096)
     queue_items(core, [text(12)], deadline=30.0, params={"max_new_tokens": 4096})
-    assert core.next_batch(0.0) is not None
+    assert next_batch(core, 0.0) is not None
 
 
 def test_a_stream_is_not_refused_for_its_own_length():
@@ -1296,7 +1303,7 @@ def test_a_stream_is_not_refused_for_its_own_length():
     asks = {"max_new_tokens": 4000}
     stream = core.new_item(text(5), asks, 5.0, 0.0, Control(stream_id=1))
     core.admit([stream], 0.0)
-    assert core.next_batch(0.0) == [stream]
+    assert next_batch(core, 0.0) == [stream]
     with pytest.raises(OwnTimeUnreachable):  # not streamed: refused
         queue_items(core, [text(5)], deadline=5.0, params=asks)
 
@@ -2259,7 +2266,7 @@ async def test_the_driver_refuses_a_request_that_cannot_meet_its_deadline(driver
 def test_a_freak_batch_moves_the_cost_model_only_so_far():
     core = measured(SchedulerCore(max_batch_size=4), seconds_per_token=0.001)
     queue_items(core, [text(100)] * 4)
-    batch = core.next_batch(now=0.0)  # predicted 0.4 s
+    batch = next_batch(core, now=0.0)  # predicted 0.4 s
     core.finish_batch(batch, now=60.0)  # a worker restart held it for a minute
     assert core.cost_model.predict(400) < 4 * 0.4
 
@@ -2281,14 +2288,14 @@ async def test_a_batch_the_executor_refuses_fails_its_items_and_the_loop_goes_on
 def test_when_calls_cost_mostly_their_fixed_part_lengths_mix_in_one_batch():
     core = measured(SchedulerCore(max_batch_size=8), seconds_per_token=1e-6, fixed=0.5)
     queue_items(core, [text(n) for n in (10, 200, 12, 190, 9, 11, 180, 10)])
-    assert len(core.next_batch(now=0.0)) == 8  # two calls would cost 0.5 s more
+    assert len(next_batch(core, now=0.0)) == 8  # two calls would cost 0.5 s more
 
 
 def test_when_padding_dominates_the_plan_groups_lengths():
     core = measured(SchedulerCore(max_batch_size=8), seconds_per_token=1e-3, fixed=0.05)
     items = queue_items(core, [text(n) for n in (10, 200, 12, 190, 9, 11, 180, 10)])
-    assert sorted(item.cost for item in core.next_batch(now=0.0)) == [9, 10, 10, 11, 12]
-    assert core.next_batch(now=0.0) == [items[1], items[3], items[6]]
+    assert sorted(item.cost for item in next_batch(core, now=0.0)) == [9, 10, 10, 11, 12]
+    assert next_batch(core, now=0.0) == [items[1], items[3], items[6]]
 
 
 def test_the_drain_estimate_pads_as_recent_batches_did():
@@ -2358,15 +2365,15 @@ def test_one_call_size_measured_often_still_bounds_a_batch_by_its_deadline():
         core.cost_model.observe(320, 0.32)  # full batches: 1 ms a token
     assert core.cost_model.trusted and not core.cost_model.fitted
     queue_items(core, [text(10)] * 32, deadline=0.1)  # a full batch would take 0.32 s
-    batch = core.next_batch(now=0.0)
+    batch = next_batch(core, now=0.0)
     assert batch is not None and len(batch) <= 8  # 0.1 s / 1.25 margin = 80 tokens
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_a_pass_sends_what_one_batch_at_a_time_would(seed):
     """`decide` keeps the keys in a heap for the pass and looks at a window of each
-    queue: it must send the very batches, in the same order, that asking for one batch
-    at a time sends."""
+    queue: it must send the very batches, in the same order, that passes for one free
+    worker at a time send (each orders the keys afresh)."""
     import random
 
     def filled() -> SchedulerCore:
@@ -2383,7 +2390,7 @@ def test_a_pass_sends_what_one_batch_at_a_time_would(seed):
     one_pass, one_at_a_time = filled(), filled()
     sent = one_pass.decide(now=0.0, free_workers=200).batches
     expected = []
-    while len(expected) < 200 and (batch := one_at_a_time.next_batch(now=0.0)):
+    while len(expected) < 200 and (batch := next_batch(one_at_a_time, now=0.0)):
         expected.append(batch)
     assert [[i.seq for i in b] for b in sent] == [[i.seq for i in b] for b in expected]
     assert len(sent) > 50
@@ -2518,9 +2525,9 @@ def test_an_urgent_item_beyond_the_candidate_window_leads_the_next_batch():
     listed = queue_items(core, [text(10)] * 100, deadline=20.0)
     for _ in range(64):
         queue_items(core, [text(11)], deadline=60.0)
-    assert core.next_batch(0.0) == [listed[0]]
+    assert next_batch(core, 0.0) == [listed[0]]
     # 0.15 s from its deadline, 0.1 s predicted alone: urgent, and still in time
-    assert core.next_batch(19.85) == [listed[1]]
+    assert next_batch(core, 19.85) == [listed[1]]
 
 
 def test_in_count_mode_a_batch_stopped_by_the_token_budget_goes_without_the_delay():
@@ -2531,7 +2538,7 @@ def test_in_count_mode_a_batch_stopped_by_the_token_budget_goes_without_the_dela
         max_batch_size=8, max_batch_tokens=35, group_lengths=False, max_batch_delay=0.5
     )
     queue_items(core, [text(10), text(20), text(5)])
-    assert inputs(core.next_batch(0.0)) == [text(10)]
+    assert inputs(next_batch(core, 0.0)) == [text(10)]
 
 
 def test_with_half_the_workers_busy_a_generation_is_judged_by_its_time():
@@ -2541,7 +2548,7 @@ def test_with_half_the_workers_busy_a_generation_is_judged_by_its_time():
     core = measured(SchedulerCore(workers=2), seconds_per_token=0.01)
     busy(core)
     queue_items(core, [text(5)], deadline=2.0, params={"max_new_tokens": 500})  # 5 s
-    assert core.next_batch(0.0) is None
+    assert next_batch(core, 0.0) is None
 
 
 def test_the_service_rate_reported_is_an_average_not_the_last_batch():
@@ -2550,7 +2557,7 @@ def test_the_service_rate_reported_is_an_average_not_the_last_batch():
     core = SchedulerCore(max_batch_size=8)
     for sent, back in ((0.0, 1.0), (1.0, 1.5)):
         queue_items(core, [text(10)], now=sent)
-        core.finish_batch(core.next_batch(sent), back)
+        core.finish_batch(next_batch(core, sent), back)
     assert abs(core.items_per_second - 1.2) < 1e-9
 
 
@@ -2593,7 +2600,7 @@ def test_a_trusted_speed_never_raises_the_configured_max_batch_tokens():
     went past what the operator set to keep the device's memory)."""
     core = measured(SchedulerCore(max_batch_size=32, max_batch_tokens=40), 0.001)
     queue_items(core, [text(10)] * 8, deadline=30.0)
-    assert len(core.next_batch(0.0)) == 4
+    assert len(next_batch(core, 0.0)) == 4
 
 
 def test_sequences_stopped_at_their_deadline_teach_how_long_answers_run():
@@ -2603,7 +2610,7 @@ def test_sequences_stopped_at_their_deadline_teach_how_long_answers_run():
     core = SchedulerCore(max_batch_size=1, workers=64)
     for _ in range(20):
         queue_items(core, [text(5)], params={"max_new_tokens": 100})
-        core.stopped_batch(core.next_batch(0.0), 1.0, made=[50])
+        core.stopped_batch(next_batch(core, 0.0), 1.0, made=[50])
     assert core.answer_lengths.likely(100) == 100
 
 
@@ -2655,7 +2662,7 @@ def test_an_input_longer_than_any_call_measured_gets_its_chance():
     core = measured(SchedulerCore(workers=2), seconds_per_token=0.01)
     busy(core)
     queue_items(core, [text(1500)], deadline=10.0)  # 15 s by the line
-    assert inputs(core.next_batch(0.0)) == [text(1500)]
+    assert inputs(next_batch(core, 0.0)) == [text(1500)]
 
 
 def test_a_streamed_generation_gets_its_chance_beside_busy_workers():
@@ -2665,7 +2672,7 @@ def test_a_streamed_generation_gets_its_chance_beside_busy_workers():
     busy(core)
     asks = {"max_new_tokens": 500}  # 5 s predicted, 2 s given
     core.admit([core.new_item(text(5), asks, 2.0, 0.0, Control(stream_id=1))], 0.0)
-    assert inputs(core.next_batch(0.0)) == [text(5)]
+    assert inputs(next_batch(core, 0.0)) == [text(5)]
 
 
 def test_a_prompt_only_scored_on_rows_is_sent_beside_a_busy_row():
@@ -2674,7 +2681,7 @@ def test_a_prompt_only_scored_on_rows_is_sent_beside_a_busy_row():
     rows = measured(SchedulerCore(max_batch_size=1, workers=4), seconds_per_token=0.01)
     busy(rows)
     queue_items(rows, [text(1000)], deadline=8.0, params={"max_new_tokens": 0, "details": True})
-    assert inputs(rows.next_batch(0.0)) == [text(1000)]
+    assert inputs(next_batch(rows, 0.0)) == [text(1000)]
 
 
 def test_a_freak_sequence_moves_the_pace_only_so_far():
@@ -2683,7 +2690,7 @@ def test_a_freak_sequence_moves_the_pace_only_so_far():
     would refuse every sequence after it)."""
     core = paced(SchedulerCore(max_batch_size=1, workers=4), 0.01)
     queue_items(core, [text(5)], deadline=1e6, params={"max_new_tokens": 10})
-    core.finish_batch(core.next_batch(0.0), 1000.0, made=[10])
+    core.finish_batch(next_batch(core, 0.0), 1000.0, made=[10])
     assert core.pace.step_seconds(1) < 0.05
 
 
@@ -2693,8 +2700,8 @@ def test_a_batch_from_an_earlier_turn_never_moves_the_served_turn_back():
     core = SchedulerCore(max_batch_size=4)
     queue_items(core, [text(10)] * 5)
     queue_items(core, [text(10)], params={"top_k": 3})
-    assert len(core.next_batch(0.0)) == 4
-    assert len(core.next_batch(0.0)) == 1
+    assert len(next_batch(core, 0.0)) == 4
+    assert len(next_batch(core, 0.0)) == 1
     (late,) = queue_items(core, [text(10)])
     assert late.turn == 5
 
@@ -2726,7 +2733,7 @@ def test_a_pressing_generation_with_no_time_left_for_a_token_goes_alone():
     asks = {"max_new_tokens": 50}
     queue_items(core, [text(5)], deadline=1.25 * (0.05 + 0.005), params=asks)
     queue_items(core, [text(5)] * 4, deadline=30.0, params=asks)
-    assert len(core.next_batch(0.0)) == 1
+    assert len(next_batch(core, 0.0)) == 1
 
 
 def test_a_slow_generation_that_ended_early_is_clamped_to_the_time_of_what_it_made():
@@ -2735,7 +2742,7 @@ def test_a_slow_generation_that_ended_early_is_clamped_to_the_time_of_what_it_ma
     100-token call is predicted at ~5.6 s instead of ~1.3 s and short requests are refused."""
     core = measured(SchedulerCore(max_batch_size=8), 0.01)
     queue_items(core, [text(10)], params={"max_new_tokens": 1000})
-    core.finish_batch(core.next_batch(0.0), 9.0, made=[10])
+    core.finish_batch(next_batch(core, 0.0), 9.0, made=[10])
     assert core.cost_model.predict(100) < 2.0
 
 

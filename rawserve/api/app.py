@@ -65,7 +65,6 @@ class App:
         settings: AppSettings | None = None,
         *,
         metrics: RouteMetrics | None = None,
-        facts: dict[str, object] | None = None,  # the server's options, for /info
     ):
         settings = settings or AppSettings()
         context = RouteContext(models, settings, Gate())
@@ -78,7 +77,7 @@ class App:
         self.tgi = TgiRoutes(context)
         tei_routes = self.tei.routes()
         self.tei_paths = frozenset(route.path for route in tei_routes)
-        self.operations = OperationsRoutes(context, metrics, facts)
+        self.operations = OperationsRoutes(context, metrics)
         openapi = Operation(
             "This document: the routes this server serves",
             "Operations",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any, Protocol
 from urllib.parse import parse_qs
@@ -61,13 +61,11 @@ class OperationsRoutes:
         self,
         context: RouteContext,
         metrics: MetricsPage | None = None,
-        facts: Mapping[str, Any] | None = None,
     ):
         self.models = context.models
         self.gate = context.gate
         self.max_client_batch_size = context.settings.max_client_batch_size
         self.metrics = metrics
-        self.facts = dict(facts or {})  # the server's options, for /info
         # the server's processes, for /info: this one alone, unless --http-processes
         # puts the HTTP side in processes of its own (rawserve.http_process)
         self.processes: Callable[[], list[dict[str, Any]]] = lambda: [
@@ -197,11 +195,11 @@ class OperationsRoutes:
         return HttpResponse(200, body, [], content_type)
 
     def info_document(self, model: ServedModel, server: bool = True) -> dict[str, Any]:
-        """The model's facts and what its workers are doing now; with `server`, the
-        server's own (options, pid, versions) too."""
+        """The model's facts (its options among them) and what its workers are doing
+        now; with `server`, the server's own (its processes, event loop, versions) too."""
         snapshot = model.serving.snapshot()
         workers = snapshot.workers
-        document = {**self.facts, **model.facts} if server else dict(model.facts)
+        document = dict(model.facts)
         batching = dict(document.get("batching", {}))
         # the size in use: the option, or lower where a worker ran out of memory
         caps = [worker.batch_cap for worker in workers if worker.batch_cap]

@@ -11,7 +11,6 @@ from __future__ import annotations
 from rawserve.api.routing import DocContext, Schema
 from rawserve.tasks import SingleAnswer, task_rules
 
-NULLABLE_BOOLEAN = {"type": ["boolean", "null"]}
 NULLABLE_STRING = {"type": ["string", "null"]}
 NUMBER = {"type": "number"}
 ERROR: Schema = {

@@ -49,7 +49,6 @@ LOOP_LAG_INTERVAL = 0.5  # seconds between two event-loop lag probes
 # samples), a sample being (name, labels, value).
 Sample = tuple[str, dict[str, str], float]
 Family = tuple[str, str, str, str, list[Sample]]
-SeriesKey = tuple[str, tuple[tuple[str, str], ...]]  # a sample's name and sorted labels
 
 REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

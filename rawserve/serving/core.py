@@ -674,7 +674,17 @@ class SchedulerCore:
     # --- batching -----------------------------------------------------------------------
 
     def decide(self, now: float, free_workers: int) -> Decision:
-        """One look at the queue: what expired, what to send now, when to look again."""
+        """One look at the queue: what expired, what to send now to the `free_workers`
+        (each batch marked in flight), when to look again.
+
+        Keys are tried in fair-share order of their heads; a key's batch goes when it is
+        full or when its oldest item has waited `max_batch_delay`. Its head is the item
+        whose turn comes first, unless one is close to its deadline: the earliest such
+        deadline leads. Expired items never go, nor (once the cost model is trusted)
+        inputs that cannot be computed before their deadline even alone: they stay
+        queued until they expire, unless no model call runs and none can (`_probe`).
+        A generation goes while its deadline is ahead.
+        """
         expired = self.drop_expired(now)
         batches: list[list[WorkItem]] = []
         # The keys in fair-share order of their heads, in a heap for the whole pass: a
@@ -696,23 +706,6 @@ class SchedulerCore:
             batches += [probe] if probe is not None else []
         return Decision(expired, batches, self.next_wakeup(now, free_workers - len(batches)))
 
-    def next_batch(self, now: float) -> list[WorkItem] | None:
-        """The batch to send to a free worker now (marked in flight), or None to wait.
-
-        Keys are tried in fair-share order of their heads; a key's batch goes when it is
-        full or when its oldest item has waited `max_batch_delay`. Its head is the item
-        whose turn comes first, unless one is close to its deadline: the earliest such
-        deadline leads. Expired items never go, nor (once the cost model is trusted)
-        inputs that cannot be computed before their deadline even alone: they stay
-        queued until they expire, unless no model call runs and none can (`_probe`).
-        A generation goes while its deadline is ahead.
-        """
-        for queue in sorted(self._queues.values(), key=lambda queue: queue[0].sort_key()):
-            batch = self._batch_from(queue, now)
-            if batch is not None:
-                return batch
-        return self._probe(now)
-
     def _probe(self, now: float) -> list[WorkItem] | None:
         """With no model call running and nothing queued that the estimate lets finish
         in time, the cheapest item still in time runs alone: held, every item would wait
@@ -732,7 +725,7 @@ class SchedulerCore:
         return self._send(queue, [item], 0, now)
 
     def _batch_from(self, queue: list[WorkItem], now: float) -> list[WorkItem] | None:
-        """`next_batch` for one key's queue: its batch (marked in flight), or None to wait.
+        """One key's batch (marked in flight), or None to wait: `decide`'s rules for `queue`.
 
         The batch is chosen among the first items in turn order (a window a few batches
         long) and the item with the earliest deadline wherever it waits: a pass over a

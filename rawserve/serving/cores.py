@@ -1,4 +1,4 @@
-"""How CPU workers split the cores this process may run on (`--share-cores`).
+"""How CPU workers split the cores this process may run on (without `--threads`).
 
 The CPU workers of every served model split the cores evenly, except that a batch of one
 item with no other CPU worker busy gets every core (low-load latency); a continuous

@@ -149,7 +149,7 @@ class RunningRequest:
 
 
 class SchedulerMetrics(Protocol):
-    """What the scheduler counts (rawserve.ops.metrics.Metrics)."""
+    """What the scheduler counts (rawserve.ops.metrics.ModelMetrics: a model's own)."""
 
     def drop(self, reason: str, count: int = 1) -> None: ...
 

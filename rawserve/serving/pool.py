@@ -131,7 +131,9 @@ class WorkerPool(PoolReports):
         self.overlap = overlap
         self.clock = clock
         self.batch_timeout = batch_timeout
-        self.share_cores = share_cores  # CPU workers split the cores by how many are busy
+        self.share_cores = (
+            share_cores  # CPU workers split the cores evenly (rawserve.serving.cores)
+        )
         self.core_share = core_share or CoreShare()
         self._all_cores: WorkerHandle | None = None  # running a lone item on every core
         self._context = multiprocessing.get_context("spawn")
@@ -503,10 +505,9 @@ class WorkerPool(PoolReports):
         else:
             worker.job = job
             self._hold_second(worker, job)
-        if self.batch_timeout:
-            job.watchdog = self._running_loop.call_later(
-                self.batch_timeout, self._on_batch_timeout, worker, job
-            )
+        job.watchdog = self._running_loop.call_later(
+            self.batch_timeout, self._on_batch_timeout, worker, job
+        )
 
     def _hold_second(self, worker: WorkerHandle, job: Job) -> None:
         """A worker that holds two batches takes its second once the running one is near

@@ -96,7 +96,7 @@ class Unserved(ValueError):
 IGNORED = None
 
 
-def ignored(*off: Any, schema: Schema | None = None) -> Checker:
+def ignored(*off: Any) -> Checker:
     """A parameter accepted only at its "off" values, and then left out: clients such as
     TGI's send every parameter they know, null or false when unset. Any other value is
     `Unserved`, never silently ignored."""
@@ -107,7 +107,7 @@ def ignored(*off: Any, schema: Schema | None = None) -> Checker:
             raise Unserved(f"is not supported by this server: it takes only {shown}")
         return IGNORED
 
-    return Checker(schema or {"enum": [None, *off]}, check)
+    return Checker({"enum": [None, *off]}, check)
 
 
 def one_of(*choices: str) -> Checker:
