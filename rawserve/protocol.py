@@ -10,7 +10,9 @@ response has started, an error can only close the connection.
 Beside it, by job: the request cycle (`rawserve.http.cycle`), the refusals it makes on
 its own (`rawserve.http.refusals`), and the head of every answer
 (`rawserve.http.response_head`). One writer (`_send`) writes every whole answer, however
-it is framed, and `_finish_cycle` alone keeps the connection or closes it.
+it is framed, and `_finish_cycle` keeps the connection or closes it once an answer is
+written (a connection also closes where an answer cannot be finished or a deadline
+passes between requests).
 
 What one connection may cost is bounded whatever its client does (the limits, and the
 phases with their deadlines: `rawserve.http.limits`).
@@ -760,8 +762,8 @@ class HttpProtocol(asyncio.Protocol):
         self._next_request(bool(unread))
 
     def _finish_cycle(self, close: bool) -> None:
-        """Keep the connection for the next request, or close it (the one place that
-        decides, with what h11 says: an HTTP/1.0 client, a body left unread)."""
+        """Keep the connection for the next request, or close it, once an answer is
+        written (with what h11 says: an HTTP/1.0 client, a body left unread)."""
         self.cycle = None
         if close or self.conn.our_state is h11.MUST_CLOSE or self.conn.their_state is not h11.DONE:
             self._close_gracefully()

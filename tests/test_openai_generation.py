@@ -708,6 +708,13 @@ def test_what_responses_does_not_serve_is_400_naming_its_field(servers, extra, p
     assert body["error"]["param"] == param and body["error"]["type"] == "invalid_request_error"
 
 
+def test_a_verbosity_other_than_the_default_is_400_saying_which_are_taken(servers):
+    document = {"input": "hi", "max_output_tokens": 2, "text": {"verbosity": "low"}}
+    status, body = servers["chat"].post_json(document, "/v1/responses")
+    assert status == 400, body
+    assert body["error"]["message"].endswith('it takes only null or "medium"')
+
+
 def test_responses_takes_what_stores_and_tags_at_their_no_op_values(servers):
     document = {
         "input": "hi",
@@ -720,6 +727,7 @@ def test_responses_takes_what_stores_and_tags_at_their_no_op_values(servers):
         "top_logprobs": 0,
         "max_tool_calls": None,
         "stream_options": {"include_obfuscation": False},
+        "text": {"verbosity": "medium"},  # OpenAI's default
     }
     status, body = servers["chat"].post_json(document, "/v1/responses")
     assert status == 200 and body["store"] is False, body

@@ -32,7 +32,13 @@ from rawserve.serving.core import (
 )
 from rawserve.serving.driver import DELIVERY_SLICE, Scheduler
 from rawserve.serving.minima import REBUILD_SLACK, QueueMinima
-from rawserve.serving.refusals import Reason, Refusal, Refused, shutting_down
+from rawserve.serving.refusals import (
+    LOADING_RETRY_AFTER,
+    Reason,
+    Refusal,
+    Refused,
+    shutting_down,
+)
 from rawserve.serving.sequences import KEPT, SEEN_ENOUGH, STEPS_BESIDE, AnswerLengths
 from rawserve.serving.supervision import CRASHED_ALONE, TIMED_OUT
 from rawserve.shared.logs import REQUEST_ID
@@ -2131,7 +2137,7 @@ async def test_runs_due_before_a_restart_is_over_are_answered_503_at_once_the_ot
     with pytest.raises(Refused) as refused:
         await longest
     assert refused.value.refusal.reason is Reason.LOADING
-    assert refused.value.refusal.retry_after is None
+    assert refused.value.refusal.retry_after == LOADING_RETRY_AFTER  # what the gate says
     await scheduler.stop()
 
 
@@ -2159,7 +2165,7 @@ async def test_a_run_admitted_once_no_worker_serves_is_answered_as_the_waiting_o
     scheduler.answer_unreachable(math.inf)  # every worker keeps dying: none waits for it
     with pytest.raises(Refused) as refused:
         await scheduler.run(["x"], {}, now + 300)
-    assert refused.value.refusal.retry_after is None
+    assert refused.value.refusal.retry_after == LOADING_RETRY_AFTER
     backend.back_at = None  # a worker serves again
     quick = asyncio.create_task(scheduler.run(["quick"], {}, now + 5))
     await until(lambda: len(backend.calls) == 2)

@@ -13,7 +13,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rawserve.api.app import App
-from rawserve.api.gate import LOADING_RETRY_AFTER
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.http.exchange import HttpRequest
@@ -22,6 +21,7 @@ from rawserve.serving import pool as pool_module
 from rawserve.serving import supervision
 from rawserve.serving.core import SchedulerCore
 from rawserve.serving.driver import Scheduler
+from rawserve.serving.face import LOADING_RETRY_AFTER
 from rawserve.serving.handles import Job
 from rawserve.serving.pool import WorkerPool
 from rawserve.serving.service import ModelService

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from rawserve.api.outcomes import http_error
 from rawserve.api.served import ServedModel
-from rawserve.serving.face import LoadState, Reason, Refusal
-
-LOADING_RETRY_AFTER = 5.0  # seconds a client should wait while a model loads (no estimate)
+from rawserve.serving.face import LOADING_RETRY_AFTER, LoadState, Reason, Refusal
 
 
 class Gate:

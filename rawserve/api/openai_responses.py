@@ -145,7 +145,9 @@ def read_text(name: str, value: Any, context: DocContext | None) -> dict[str, An
     if not isinstance(value, dict) or not set(value) <= {"format", "verbosity"}:
         raise BadRequest(f'"{name}" must be {{"format": {{"type": ...}}}}')
     if value.get("verbosity") not in (None, "medium"):
-        raise BadRequest(f'"{name}.verbosity" is not supported by this server: it takes only null')
+        raise BadRequest(
+            f'"{name}.verbosity" is not supported by this server: it takes only null or "medium"'
+        )
     form = value.get("format")
     if form is None:
         return None

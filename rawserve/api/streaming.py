@@ -95,7 +95,8 @@ class StreamEnd:
 
 class TokenStream:
     """A generation started for one prompt: its token chunks as they come (at most
-    `STREAM_BUFFER_TOKENS` unread), then its result.
+    `STREAM_HOLD_TOKENS` unread, and `STREAM_BUFFER_TOKENS` for no more than a second
+    without a read while it runs), then its result.
 
     `close()` (idempotent) removes the listener and withdraws the request: the worker is
     told to stop generating if it still is.

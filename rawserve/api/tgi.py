@@ -8,8 +8,9 @@ rawserve cannot honour are taken only unset, else 422 naming them), and the gene
 goes the way of `POST /` (the scheduler, the worker's `causal_lm`, `streaming` for the
 events). The answers are TGI's: `{"generated_text", "details"}` with `details` when asked
 (`finish_reason`, `generated_tokens`, `seed`, `prefill`, `tokens`), and the stream's
-`{"index", "token", "generated_text", "details"}` events, the text on the last. Like
-TGI, the routes serve the one generation model: the first served one that generates.
+`{"index", "token", "generated_text", "details"}` events, the text on the last. Where
+several models are served, the body's `"model"` picks one (TGI serves one); without it, the
+first served one that generates.
 Errors keep rawserve's `{"error", "error_type"}`, which is TGI's own shape, with TGI's
 types (`rawserve.http.errors.tgi_error`: what TGI's validation refuses is 422
 "validation"), as on `POST /` for this task, where TGI's clients post too.

@@ -5,7 +5,8 @@ sends plain-data messages; the bridge carries each out on the real serving side 
 sends back the answer:
 
     ("run", rid, model, inputs, params, deadline, control, request_id)
-                                  → ("done", rid, results) or ("refused", rid, refusal)
+                                  → ("done", rid, results), ("refused", rid, refusal), or
+                                    ("failed", rid) (an error of the serving side: a 500)
     ("cancel", rid)               the client left: its items are withdrawn
     ("close_stream", stream)      a token stream is over (its tokens: ("token", stream, chunk))
     ("statuses", rid)             /info: every model's status now → ("statuses", rid, list)
@@ -13,12 +14,14 @@ sends back the answer:
                                   → ("scraped", rid, families)
     ("samples", token, families)  an HTTP process's own metrics, asked for by ("collect", token)
     ("alive",)                    its event loop turns (every half second: `Peer.silent_looks`)
+    ("listening", pid)            it has bound its sockets and takes connections
+    ("pong", token)               it read every message sent before ("ping", token)
 
 It publishes each model's queue state on the `Board` (read by the HTTP processes on
 every request, without a message) and sends ("status", model, snapshot, loaded),
 ("processes", list) and ("facts", model, facts: what /info says of it) when they
-change. An HTTP process that is gone has its requests cancelled (their items withdrawn)
-and its streams closed. Deadlines are the
+change, and ("drain", grace) when the server stops. An HTTP process that is gone has
+its requests cancelled (their items withdrawn) and its streams closed. Deadlines are the
 `time.monotonic()` clock's, which every process on the machine shares.
 """
 

@@ -897,8 +897,9 @@ class SchedulerCore:
     def finish_batch(
         self, batch: Sequence[WorkItem], now: float, made: Sequence[int] | None = None
     ) -> float:
-        """A batch came back: learn its speed; returns the seconds it took. `made`: the
-        new tokens each of its generations made, where the worker says (see `_made_cost`)."""
+        """A batch came back: learn its speed; returns the seconds it took as learned
+        (an outlier capped; 0 for a batch not in flight). `made`: the new tokens each of
+        its generations made, where the worker says (see `_made_cost`)."""
         made = _told(batch, made)
         self._count_rows(now)
         flight = self._pop_in_flight(batch)

@@ -19,7 +19,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rawserve.serving.refusals import Reason, Refusal, Refused, deadline_passed, shutting_down
+from rawserve.serving.refusals import (
+    LOADING_RETRY_AFTER,
+    Reason,
+    Refusal,
+    Refused,
+    deadline_passed,
+    shutting_down,
+)
 from rawserve.serving.status import LoadState, WorkerState, WorkerStatus
 from rawserve.shared.messages import (
     EMBEDDING_ROUTE,
@@ -34,6 +41,7 @@ from rawserve.shared.messages import (
 
 __all__ = [
     "EMBEDDING_ROUTE",
+    "LOADING_RETRY_AFTER",
     "NO_CONTROL",
     "Control",
     "FailureKind",

@@ -13,6 +13,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+# seconds a client should wait while no worker serves and nothing says when one will (a
+# first load, every worker dying): what a new request and a waiting one are both told
+LOADING_RETRY_AFTER = 5.0
+
 
 class Reason(enum.Enum):
     QUEUE_FULL = "queue_full"  # the queue bound is hit: retry later
@@ -58,9 +62,11 @@ def shutting_down() -> Refused:
 
 def not_back_in_time(retry_after: float | None) -> Refused:
     """No worker of the model serves, and none would before the request's deadline: a
-    restart to wait for (`retry_after`: until it should be over), or none in sight."""
+    restart to wait for (`retry_after`: until it should be over), or none in sight (then
+    the wait a new request is told: it was the 1 s default where the gate said 5)."""
     if retry_after is None:
         message = "the model worker keeps dying; it cannot answer this request"
+        retry_after = LOADING_RETRY_AFTER
     else:
         message = (
             "the model worker is restarting; it would not be back before this request's deadline"

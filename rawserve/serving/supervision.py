@@ -71,9 +71,9 @@ class _Crashes:
 
 class PoisonMemory:
     """Inputs (with their parameters, by content hash) that crashed a worker while
-    running alone: one crash is remembered, `strikes` of them within `seconds` put the
-    input in quarantine until the memory of its last crash expires. Bounded: past `size`
-    entries the least recently seen is dropped."""
+    running alone: one crash is remembered, `strikes` of them, each within `seconds` of
+    the one before, put the input in quarantine until the memory of its last crash
+    expires. Bounded: past `size` entries the least recently seen is dropped."""
 
     def __init__(
         self,
