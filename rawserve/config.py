@@ -62,7 +62,7 @@ class ModelConfig:
     engine: Engine
     dtype: str
     threads: int | None  # torch threads per worker; None: the CPU workers split the cores
-    warmup: bool  # run a batch of max_batch_size examples before reporting ready
+    warmup: bool  # run a batch of max_batch_size examples (at most max_queue) before ready
     cuda_graphs: bool  # on a GPU: forward passes and decoding steps replayed (default)
     chat_template: str | None  # the text of --chat-template's file
     max_batch_size: int
@@ -175,6 +175,6 @@ def plan_workers(
             f"{cpu_workers} CPU worker(s) x {threads} threads (--threads) on {cores} core(s): "
             "busy at once, their teams of threads stall each other (5-25 x slower, "
             f"measured); give --threads {max(1, cores // cpu_workers)} or leave it out (the "
-            "busy workers then share the cores)"
+            "workers then split the cores evenly)"
         )
     return WorkerPlan(devices, threads, model.threads is None, reason, chosen, crowded)

@@ -153,7 +153,8 @@ OPTIONS = [
         "--no-warmup",
         bool,
         False,
-        "report ready without first running a batch of --max-batch-size examples",
+        "report ready without first running a batch of --max-batch-size examples (at most "
+        "--max-queue)",
     ),
     Option(
         "--no-cuda-graphs",
@@ -275,7 +276,7 @@ OPTIONS = [
         float,
         30.0,
         "seconds to drain on SIGTERM/SIGINT/SIGHUP; then what is left gets 503, busy workers are "
-        "killed, and the server exits within a second",
+        "killed, and the server exits within 2 s",
     ),
     Option(
         "--batch-timeout", float, 120.0, "seconds a batch may run before its worker is restarted"

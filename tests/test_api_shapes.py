@@ -9,6 +9,7 @@ import json
 import threading
 from pathlib import Path
 
+import jsonschema
 import numpy as np
 import orjson
 import pytest
@@ -33,7 +34,7 @@ from rawserve.api.openai_generation import (
     parse_chat,
     parse_completion,
 )
-from rawserve.api.openai_messages import messages
+from rawserve.api.openai_messages import MESSAGE, MESSAGE_KEYS, messages
 from rawserve.api.openai_responses import ResponseAnswer, parse_response
 from rawserve.api.openai_tools import Tools
 from rawserve.api.routing import DocContext
@@ -256,6 +257,10 @@ def test_an_answer_of_the_sdks_parse_sent_back_is_its_text_and_calls():
     ]
     with pytest.raises(BadRequest, match="a message cannot have 'weight'"):
         messages([{"role": "user", "content": "hi", "weight": 1}])
+    # and the schema /openapi.json shows takes them too (it refused `parsed`)
+    for message in (parsed, called):
+        jsonschema.validate(message, MESSAGE)
+    assert set(MESSAGE["properties"]) == MESSAGE_KEYS  # every key read, and no other
 
 
 def test_chat_template_kwargs_go_to_the_template_with_the_chat():

@@ -206,6 +206,7 @@ MESSAGE: Schema = {
         "refusal": {"type": ["string", "null"]},
         "annotations": {"type": ["array", "null"]},
         "audio": {"type": "null"},
+        "parsed": {},  # the SDK's `parse()` result: any JSON
         # a reasoning model's answer's thinking, sent back with it
         "reasoning_content": {"type": ["string", "null"]},
         "reasoning": {"type": ["string", "null"]},

@@ -161,7 +161,7 @@ class EncoderRunner(Runner):
         if prepared is None:
             return self.run(inputs, params, control)
         # The embedding routes always want a sentence vector, normalized unless the
-        # model says otherwise, and the real token count of each input.
+        # request asks not to (TEI's `normalize`), and the real token count of each input.
         embedding_route = control.embedding_route
         default_pooling = self.default_pooling
         if embedding_route and default_pooling == "none":

@@ -21,9 +21,9 @@ but needs the head count per architecture and is deprecated; optimum-onnx pins
 transformers 4.
 
 ONNX Runtime sets its intra-op threads per session, not per call: a session is made at
-load for each thread count the core sharing may ask for (busy workers one core each, a
-lone item every core), so no request waits for one to be made; each holds its own copy
-of the weights.
+load for each thread count the core sharing may ask for (a worker's even share of the
+cores, and every core for a lone item), so no request waits for one to be made; each
+holds its own copy of the weights.
 """
 
 from __future__ import annotations
