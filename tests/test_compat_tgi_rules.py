@@ -133,6 +133,12 @@ def test_a_grammar_of_no_form_tgi_has_is_refused(given):
         check_params(TASK, {"grammar": given})
 
 
+def test_a_grammar_of_an_unknown_type_is_told_every_type_taken():
+    assert TASK is not None
+    with pytest.raises(InvalidRequest, match='"json", "json_object", "json_schema" or "regex"'):
+        check_params(TASK, {"grammar": {"type": "xml", "value": "a"}})
+
+
 def test_the_likeliest_tokens_are_served_up_to_twenty():
     assert TASK is not None
     assert check_params(TASK, {"top_n_tokens": 3}) == {"top_n_tokens": 3}

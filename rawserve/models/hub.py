@@ -281,13 +281,14 @@ def cache_in_place_of_the_hub(
             pass
     elif not isinstance(exc, LocalEntryNotFoundError):
         return None
-    earlier = None if pinned(revision) else earlier_whole_snapshot(repo_id, revision)
+    earlier = None if pinned(revision) else earlier_whole_snapshot(repo_id)
     return None if earlier is None else (earlier, "the whole earlier")
 
 
-def earlier_whole_snapshot(repo_id: str, revision: str | None) -> Path | None:
-    """The newest snapshot of `repo_id` in the cache, other than the one `revision` (a
-    branch or tag; None: main) names now, that holds every file a download of it fetches.
+def earlier_whole_snapshot(repo_id: str) -> Path | None:
+    """The newest snapshot of `repo_id` in the cache that no branch or tag names now (the
+    one asked for names the one not whole; another's is its own model: a start asking
+    for main served dev's) and that holds every file a download of it fetches.
     huggingface_hub moves the ref before it downloads the files: a branch that moved on,
     its new commit's download stopped or failed, left every later start that the Hub
     could not serve failing, its earlier snapshot whole in the cache."""
@@ -295,9 +296,8 @@ def earlier_whole_snapshot(repo_id: str, revision: str | None) -> Path | None:
     from huggingface_hub.file_download import repo_folder_name
 
     storage = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
-    ref = storage / "refs" / (revision or "main")
-    now = ref.read_text().strip() if ref.is_file() else None
-    snapshots = [s for s in (storage / "snapshots").glob("*") if s.is_dir() and s.name != now]
+    named = {path.read_text().strip() for path in (storage / "refs").rglob("*") if path.is_file()}
+    snapshots = [s for s in (storage / "snapshots").glob("*") if s.is_dir() and s.name not in named]
     for snapshot in sorted(snapshots, key=lambda s: s.stat().st_mtime, reverse=True):
         files = cached_files(repo_id, snapshot.name)
         if files is not None and all((snapshot / name).exists() for name in fetched(files)):

@@ -308,7 +308,7 @@ def gathered(readers: list[Connection], start: Barrier, stop: threading.Event) -
     """Each timer's figure as it comes; a timer that fails or dies (EOF: killed, out of
     memory) breaks the others' wait at once, and so do `stop` and a stretch past
     START_TIMEOUT. A timer that could not load the model ends the wait at once (the
-    others' figures None): the trial cannot go on."""
+    figures not in yet None): the trial cannot go on."""
     figures: dict[Connection, Any] = {}
     deadline = time.monotonic() + START_TIMEOUT + 60  # the loads, then the timed stretch
     while len(figures) < len(readers):

@@ -3,7 +3,8 @@ its parameters, key a batch, estimate an input's tokens, split a model call's an
 one output per input, and shape the JSON answer.
 
 `TASKS` gathers the per-task modules. A failed check raises `InvalidRequest` (the api
-answers it 400), or `BlankInput` for text with nothing in it (422). Plain Python: both
+answers it 400; its `UnservedParameter`, a parameter taken only unset, 422), or
+`BlankInput` for text with nothing in it (422). Plain Python: both
 processes import it.
 """
 

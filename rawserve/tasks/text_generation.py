@@ -233,7 +233,7 @@ def grammar(value: Any) -> dict[str, Any]:
         if not isinstance(given, dict):
             raise ValueError("of type json takes a JSON schema: an object, or a text of one")
         return {"type": "json", "value": given}
-    raise ValueError('type must be "json", "json_schema" or "regex"')
+    raise ValueError('type must be "json", "json_object", "json_schema" or "regex"')
 
 
 TASK = Task(

@@ -7,7 +7,7 @@ the task needs, what the model is, and which tasks it can serve. A model that lo
 whose checkpoint has no tensors for some of its weights (a checkpoint served with a task
 head it was never trained with: a classifier as fill-mask, BART as a causal LM), has
 those weights made at random by transformers, and says so only in its LOAD REPORT table:
-`Untrained` says it in one line, which the worker logs (rawserve.worker.loading).
+`Untrained` says it in one line, which the worker logs (rawserve.worker.process).
 
 Worker process only (imports transformers' Auto classes).
 """
