@@ -1259,12 +1259,16 @@ async def test_an_http_process_stuck_before_it_listens_is_killed_and_tried_again
     board = Board.create(0)
     bridge = Bridge([], board, lambda: [], merge_families, os.getpid())
     fleet = Fleet(1, saying_alive, lambda index: next(specs), bridge)
+    began = time.monotonic()
     await fleet.start()
-    monkeypatch.setattr(fleet_module, "START_SECONDS", 2.0)  # for the replacements
+    # for the replacements: a few times what the first start took (on a machine loaded
+    # past 2 s a start, every replacement was killed, ever more slowly, for 60 s)
+    start_seconds = max(2.0, 4 * (time.monotonic() - began))
+    monkeypatch.setattr(fleet_module, "START_SECONDS", start_seconds)
     try:
         first = fleet.processes[0]
         first.kill()
-        until = time.monotonic() + 60
+        until = time.monotonic() + 60 + 2 * start_seconds
         stuck = None
         while (peer := fleet.peers.get(0)) is None or peer.pid == first.pid:
             stuck = stuck or (fleet.processes[0] if fleet.processes.get(0) is not first else None)
