@@ -494,6 +494,37 @@ def test_stop_sequences_end_a_row_as_the_static_path_ends_it(runner):
     assert without_logprobs(got) == without_logprobs(static(runner, "the movie was", params))
 
 
+def stopping_the_first(runner, texts: list[str]) -> dict[str, Any]:
+    """GREEDY with a stop sequence that ends the first text's answer after a few tokens
+    and never the second's."""
+    first, other = (static(runner, text, GREEDY)[0]["details"]["tokens"] for text in texts)
+    said = "".join(token["text"] for token in other)
+    stop = next(t["text"] for t in first[3:] if t["text"].strip() and t["text"] not in said)
+    return {**GREEDY, "stop": [stop]}
+
+
+def test_a_row_its_stop_ends_is_done_while_its_batch_mate_runs_on_the_static_path(runner):
+    """One `generate` call runs on for its longest row: a row its stop sequence ended
+    keeps its answer, and its stream says nothing more, however long the other runs."""
+    texts = ["a good film", "the movie was"]
+    params = stopping_the_first(runner, texts)
+    (alone,) = static(runner, texts[0], params)
+    assert alone["details"]["finish_reason"] == "stop_sequence"
+    assert alone["details"]["generated_tokens"] < GREEDY["max_new_tokens"]
+    chunks: list[TokenChunk] = []
+    runner.bind_stream(chunks.append, None)
+    try:
+        together = runner.run(texts, dict(params), Control(stream_id=9))
+    finally:
+        runner.bind_stream(None, None)
+    assert together[1]["details"]["generated_tokens"] == GREEDY["max_new_tokens"]  # ran on
+    assert together[0]["generated_text"] == alone["generated_text"]
+    assert together[0]["details"]["finish_reason"] == "stop_sequence"
+    assert together[0]["details"]["generated_tokens"] == alone["details"]["generated_tokens"]
+    streamed = [c.token["text"] for c in chunks if c.index == 0]
+    assert streamed == [token["text"] for token in alone["details"]["tokens"]]
+
+
 def test_a_stop_sequence_spread_over_three_tokens_ends_a_row_on_both_paths(runner):
     """A stop may begin at the end of one token's text, cover the next token's and end in a
     third's: each row keeps only the end of its text a stop may begin in (`stop_tail`: one
@@ -764,6 +795,19 @@ def test_openais_penalties_count_each_rows_new_tokens():
         ScoreAdjustments.asked({"logit_bias": {6: 1.0}}, 6)
 
 
+def test_openais_penalties_weigh_on_the_next_token_from_the_first_one_made():
+    """The second token is the first a penalty can steer: one token made already counts."""
+    import torch
+
+    from rawserve.worker.scores import ScoreAdjustments
+
+    scores = torch.zeros(1, 4)
+    ScoreAdjustments((), frequency_penalty=0.5, presence_penalty=1.0).apply(
+        scores, torch.tensor([[2]])
+    )
+    assert scores.tolist() == [[0.0, 0.0, -1.5, 0.0]]
+
+
 @pytest.mark.parametrize(("frequency", "presence"), [(0.5, 1.0), (-1.5, 0.7), (2.0, -2.0)])
 def test_openais_penalties_change_only_the_generated_tokens_as_over_the_whole_vocabulary(
     frequency, presence
@@ -1005,6 +1049,27 @@ def test_a_grammars_first_mask_is_computed_once_for_all_its_sequences(runner, mo
     assert grammars.compiled == {}  # compiled afresh if asked again
 
 
+def test_a_grammar_that_allows_no_token_next_is_stuck_not_left_with_no_score(runner):
+    """Masked, such a row would have every score -inf: nothing to choose from, and greedy
+    takes token 0. It is said to be stuck (its item fails) and its scores are left be,
+    while a row beside it is masked. (Its mask is written here: llguidance's own have a
+    token each, where this model's tokens spell every byte.)"""
+    import torch
+
+    from rawserve.worker.grammars import Grammars, Held, constrain
+
+    grammars = Grammars(runner.tokenizer, runner.grammars.vocabulary)
+    going = grammars.pending({"type": "json", "value": {"type": "object"}}).held()
+    nothing = Held(going.matcher.deep_copy(), bytes(len(going.opening)))
+    scores = torch.zeros(2, runner.grammars.vocabulary)
+    stuck = constrain(scores, [(0, going), (1, nothing)])
+    assert stuck == [(1, "the grammar allows no token this model can write next")]
+    assert torch.isfinite(scores[0]).nonzero().flatten().tolist() == (
+        runner.tokenizer.convert_tokens_to_ids(["{"])
+    )
+    assert torch.equal(scores[1], torch.zeros(runner.grammars.vocabulary))
+
+
 def test_a_grammar_compiles_while_the_rows_already_there_go_on(runner, monkeypatch):
     import threading
 
@@ -1189,6 +1254,35 @@ def test_a_row_whose_model_scores_are_not_numbers_fails_alone_on_the_static_path
             hook.remove()
         assert failed == ItemFailure(FailureKind.INTERNAL, MODEL_SCORES_FAILED_MESSAGE)
         assert good == static(runner, "the movie was", params)
+
+
+def test_a_finished_rows_padding_scores_never_fail_its_batch_on_the_static_path(runner):
+    """A row its stop sequence ended goes on in `generate` with padding, whose scores no
+    one reads: were they NaN (a model that overflows on the pad token), the batch-mate
+    still running answers, and so does the finished row."""
+    texts = ["a good film", "the movie was"]
+    params = stopping_the_first(runner, texts)
+    alone = [static(runner, text, params) for text in texts]
+    pad = runner.tokenizer.pad_token_id
+    fed: list[Any] = []
+
+    def read(_module, args, kwargs):
+        fed.append(kwargs.get("input_ids", args[0] if args else None)[:, -1])
+
+    def overflow(_module, _inputs, output):  # a row fed the padding, after it ended
+        return output.masked_fill((fed[-1] == pad)[:, None, None], float("nan"))
+
+    hooks = [
+        runner.model.register_forward_pre_hook(read, with_kwargs=True),
+        runner.model.get_output_embeddings().register_forward_hook(overflow),
+    ]
+    try:
+        together = runner.run(texts, dict(params))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert any(bool((ids == pad).any()) for ids in fed)  # the finished row was padded
+    assert without_logprobs(together) == without_logprobs(alone)
 
 
 @pytest.mark.parametrize("new_tokens", [0, 3])
@@ -1503,6 +1597,19 @@ def test_top_p_cuts_where_transformers_warper_cuts_at_its_bound_and_among_ties(t
     assert halves[1] > 0 and int((halves > 0).sum()) == 1 + (top_p > 0.5) + (top_p > 0.75)
 
 
+def test_a_top_p_too_small_to_keep_any_mass_keeps_the_likeliest_token():
+    """1 - top_p rounds to 1 in float32 for a top_p near 0: every token's mass is within
+    it, and the likeliest still stays (the draw is greedy, not from nothing)."""
+    import torch
+
+    from rawserve.worker.scores import sampling_probabilities
+
+    logits = torch.randn(1, 400, generator=torch.Generator().manual_seed(3))
+    row = SimpleNamespace(temperature=1.0, top_k=None, top_p=1e-9, min_p=None, typical_p=None)
+    got = sampling_probabilities(logits, [row])[0]
+    assert got.tolist() == torch.nn.functional.one_hot(logits[0].argmax(), 400).float().tolist()
+
+
 def test_typical_keeps_every_token_where_their_probability_never_reaches_the_mass():
     # (the summed probabilities of float32 scores may end just under a mass near 1)
     import torch
@@ -1744,6 +1851,21 @@ def test_a_prompt_that_cannot_fit_fails_alone_at_once_as_the_static_path_fails(r
     # a batch with nothing to run is answered without a step
     sent = serve(runner, {0: [Batch(2, (too_long,), params)]})
     assert results(sent)[2].outputs[0].kind is FailureKind.INPUT
+
+
+def test_a_prompt_one_position_short_of_the_models_answers_one_token_on_both_paths(runner):
+    """The last position is the new token's: a prompt of all the positions but one has
+    room for it, one filling them all has none (unless it is only scored)."""
+    params = {**GREEDY, "max_new_tokens": 1, "return_full_text": False}
+    fits, full = [7] * (POSITIONS - 1), [7] * POSITIONS
+    expected = static(runner, fits, params)
+    assert expected[0]["details"]["generated_tokens"] == 1
+    answered = results(serve(runner, {0: [Batch(1, (fits, full), params)]}))
+    ok, failed = answered[1].outputs
+    assert without_logprobs(ok) == without_logprobs(expected)
+    assert failed.kind is FailureKind.INPUT and "leave room for one new token" in failed.message
+    with pytest.raises(ValueError, match="leave room for one new token"):
+        runner.run([full], dict(params))
 
 
 def test_a_prompt_of_no_tokens_is_not_called_too_long(runner):

@@ -384,3 +384,8 @@ def test_objects_are_closed_where_their_schema_leaves_additional_properties_out(
     ):
         assert closed_objects(composed) == composed
         jsonschema.validate({"a": 1, "b": 2, "kind": 3}, composed)
+    # an allOf of one schema composes nothing: pydantic wraps a described reference in one
+    described = {"allOf": [{"$ref": "#/$defs/Item"}], "description": "the item"}
+    wrapped = closed_objects({"properties": {"item": described}, "$defs": {"Item": item}})
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"item": {"a": 1, "x": 2}}, wrapped)

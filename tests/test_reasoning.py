@@ -550,6 +550,37 @@ def test_the_worker_tells_where_each_answers_thinking_opens_on_every_path(reason
     assert [chunk.opened for chunk in chunks] == [OPENED_IN_PROMPT, None] * 2  # the first's
 
 
+def test_a_plain_completion_of_a_reasoning_model_carries_no_thinking(reasoner):
+    """A prompt is not a chat: its answer is the model's text as written, even after a
+    `<think>` of the prompt's own, with no thinking to split out or count (the
+    completions route and TGI's give it whole)."""
+    from rawserve.shared.messages import Batch, Control, TokenChunks
+    from tests.test_generating import GREEDY, results, serve
+
+    params = {**GREEDY, "return_full_text": False, "max_new_tokens": 2}
+    prompt = "hi <think>"
+    looped = [
+        Batch(1, (prompt,), params),
+        Batch(2, (prompt,), params, control=Control(stream_id=7)),
+    ]
+    static: list = []
+    reasoner.tokenizer.chat_template = R1_TEMPLATE
+    reasoner.bind_stream(static.append, None)
+    try:
+        assert reasoner.reasons
+        [[whole]] = reasoner.run([prompt], params)
+        reasoner.run([prompt], params, Control(stream_id=8))
+        sent = serve(reasoner, {0: looped})
+    finally:
+        reasoner.tokenizer.chat_template = None
+        reasoner.bind_stream(None, None)  # type: ignore[arg-type]
+    [[looped_whole]], [looped_stream] = (results(sent)[key].outputs for key in (1, 2))
+    for details in (whole["details"], looped_whole["details"], looped_stream["details"]):
+        assert "thinking" not in details and "reasoning_tokens" not in details
+    chunks = [chunk for m in sent if isinstance(m, TokenChunks) for chunk in m.chunks] + static
+    assert len(chunks) == 4 and all(chunk.opened is None for chunk in chunks)
+
+
 def test_the_chat_route_splits_each_answer_where_its_worker_says_the_thinking_opens():
     answer = Answer(True, "m", thinking=OPENED_IN_ANSWER)  # (the model's default)
     told = output("hm</think>Hi")

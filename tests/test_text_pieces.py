@@ -164,6 +164,38 @@ def test_the_first_word_after_a_prompt_keeps_its_space_where_a_run_of_bytes_ends
     assert prompt_context(tokenizer, tokenizer.convert_tokens_to_ids(["<0xE2>"])) == []
 
 
+def test_the_first_word_keeps_its_space_after_a_one_word_prompt_or_one_a_special_ends():
+    # the prompt's last word is found however short the prompt, and a special token
+    # (an end of turn a template closes with) is passed over: its text is left out of
+    # the decoding, which would strip the first new word's space after it
+    tokenizer = byte_fallback_tokenizer()
+    good = tokenizer.convert_tokens_to_ids(["▁goo"])
+    word = tokenizer.encode("movie", add_special_tokens=False)
+    assert len(word) == 1
+    movie = tokenizer.encode("the movie", add_special_tokens=False)
+    for prompt, context in [(word, word), (movie + [tokenizer.eos_token_id], movie[-1:])]:
+        assert prompt_context(tokenizer, prompt) == context
+        assert TextPieces(tokenizer, context).next_piece(good) == " goo"
+        assert generated_text(tokenizer, good, context) == " goo"
+
+
+@pytest.mark.parametrize("build", [bpe_tokenizer, byte_fallback_tokenizer])
+def test_a_steps_decoding_reads_a_few_tokens_however_long_the_text_has_grown(build):
+    # the window slides on with each piece: decoding the whole text at every token costs
+    # a long answer's steps more and more (quadratic over the answer)
+    tokenizer = _tokenizers(build)
+    prompt = tokenizer.encode("the movie", add_special_tokens=False)
+    ids = tokenizer.encode(" was good and the film was great" * 20, add_special_tokens=False)
+    assert len(ids) > 100
+    read: list[int] = []
+    pieces = TextPieces(tokenizer, prompt_context(tokenizer, prompt))
+    decode = pieces.decode
+    pieces.decode = lambda window: read.append(len(window)) or decode(window)
+    made = "".join(pieces.next_piece(ids[: n + 1], n == len(ids) - 1) for n in range(len(ids)))
+    assert made == generated_text(tokenizer, ids, prompt_context(tokenizer, prompt))
+    assert max(read) <= 8, read
+
+
 def test_an_alternative_reads_as_it_would_where_chosen():
     # after a word: a Llama's "▁goo" keeps its space; a byte token, a special token and
     # a byte-level BPE's tokens read as they do alone

@@ -106,6 +106,30 @@ def test_ended_sequences_are_forgotten_and_one_not_admitted_here_is_not_timed():
     assert not times._admitted and list(times._first_at) == [again]
 
 
+def test_a_sequence_started_again_after_running_out_of_memory_keeps_its_admission():
+    """Its first token is timed from when the server admitted it, not from its second
+    start; one that had made its first token already is not timed again."""
+    from rawserve.shared.messages import GenerationPasses
+    from rawserve.worker.token_times import TokenTimes
+
+    clock = Clock()
+    times = TokenTimes(clock)
+    waited, started, again, also_again = sequence(), sequence(), sequence(), sequence()
+    times.admitted(waited, at=99.0)
+    times.admitted(started, at=99.0)
+    times.step_begins()
+    make(times, clock, [started], at=100.01)
+    times.forget(waited, again=again)  # out of memory before its first token
+    times.forget(started, again=also_again)  # and after it
+    clock.now = 101.0
+    times.step_begins()
+    make(times, clock, [again, also_again], at=101.02)
+    counted = times.taken(GenerationPasses())
+    assert counted.first_token.count == 2  # `started`'s, and `again`'s
+    assert counted.first_token.total == pytest.approx(1.01 + 2.02)
+    assert counted.queue.total == pytest.approx(1.0 + 2.0)
+
+
 def test_the_loop_sends_its_sequences_latencies_with_its_passes(tiny_model):
     """Served by the real loop: each sequence's first token timed from the admission
     its batch carries, and every later token's gap (10 tokens each: 9 gaps)."""
