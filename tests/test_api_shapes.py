@@ -179,12 +179,18 @@ def test_text_inputs_refused(value):
 
 
 @pytest.mark.parametrize(
-    "value", [[], [[]], [-1], [1.5], [True], [[1], 2], [2**32], "5", [[1]] * 33]
+    ("value", "status"),
+    [
+        *[(value, 400) for value in ([], [[]], [-1], [1.5], [True], [[1], 2], [2**32], "5")],
+        ([[1]] * 33, 413),  # more lists than one request may carry: it never fits
+    ],
 )
-def test_token_ids_refused(value):
-    with pytest.raises(Exception) as raised:
+def test_token_ids_refused(value, status):
+    """Ids that are no token ids are a 400; more lists than a request may carry, a 413."""
+    with pytest.raises(HTTPError) as raised:
         id_inputs(value, 32)
-    assert raised.value.status in (400, 413)
+    assert raised.value.status == status
+    assert isinstance(raised.value, PayloadTooLarge if status == 413 else BadRequest)
 
 
 def test_scores_are_a_softmax_a_sigmoid_or_raw_and_never_nan():

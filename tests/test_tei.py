@@ -14,8 +14,6 @@ import json
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from tests.server import RunningServer, running_together
 from tests.tiny_models import SENTENCE_PROMPTS
@@ -270,30 +268,28 @@ DIMENSIONS = [
 ]  # fmt: skip
 
 
-@settings(max_examples=30, deadline=None, derandomize=True)
-@given(
-    route=st.sampled_from(["/embed", "/v1/embeddings", "/"]),
-    dimensions=st.sampled_from(DIMENSIONS),
-)
-def test_any_dimensions_value_keeps_that_many_or_is_refused_naming_it(servers, route, dimensions):
+@pytest.mark.parametrize("route", ["/embed", "/v1/embeddings", "/"])
+def test_any_dimensions_value_keeps_that_many_or_is_refused_naming_it(servers, route):
     """Every embedding route keeps the first `dimensions` of the vector, or refuses the value
-    with a 4xx that names the field (OpenAI's `param` too), wherever it is checked."""
+    with a 4xx that names the field (OpenAI's `param` too), wherever it is checked: each
+    value on each route, the vector's own size and one past it among them."""
     text = {"input": "hello"} if route.startswith("/v1/") else {"inputs": "hello"}
-    status, _, raw = servers["embedding"].request(
-        "POST", route, json.dumps({**text, "dimensions": dimensions}).encode(),
-        {"Content-Type": "application/json"},
-    )  # fmt: skip
-    body = json.loads(raw)
-    if status == 200:
-        vector = body["data"][0]["embedding"] if route.startswith("/v1/") else body
-        vector = vector[0] if route == "/embed" else vector
-        assert len(vector) == dimensions, body
-        return
-    assert status in (400, 422), body
-    if route.startswith("/v1/"):
-        assert body["error"]["param"] == "dimensions", body
-    else:
-        assert "dimensions" in body["error"], body
+    for dimensions in DIMENSIONS:
+        status, _, raw = servers["embedding"].request(
+            "POST", route, json.dumps({**text, "dimensions": dimensions}).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        body = json.loads(raw)
+        if status == 200:
+            vector = body["data"][0]["embedding"] if route.startswith("/v1/") else body
+            vector = vector[0] if route == "/embed" else vector
+            assert len(vector) == dimensions, (dimensions, body)
+            continue
+        assert status in (400, 422), (dimensions, body)
+        if route.startswith("/v1/"):
+            assert body["error"]["param"] == "dimensions", (dimensions, body)
+        else:
+            assert "dimensions" in body["error"], (dimensions, body)
 
 
 # --- /similarity, and sentence-similarity on POST / ---------------------------------------
@@ -495,10 +491,15 @@ def test_rerank_scores_each_query_text_pair_and_sorts_by_score(servers, referenc
 
 
 def test_rerank_raw_scores_and_return_text(servers, reference):
+    """raw_scores answers every text, once each and best first, with its logit unsquashed;
+    return_text adds the text."""
     status, body = servers["reranker"].post_json(
         {"query": QUERY, "texts": TEXTS, "raw_scores": True, "return_text": True}, "/rerank"
     )
     assert status == 200
+    assert sorted(rank["index"] for rank in body) == list(range(len(TEXTS)))
+    scores = [rank["score"] for rank in body]
+    assert scores == sorted(scores, reverse=True)
     raw = logits(reference, "reranker", [(QUERY, text) for text in TEXTS])[:, 0]
     for rank in body:
         assert set(rank) == {"index", "score", "text"}
