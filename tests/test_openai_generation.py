@@ -69,8 +69,9 @@ def every_server(request, tiny_model, template_file):
             "plain": ["--model", tiny_model("text-generation")],
         },
         "more_servers": {  # those that a few tests ask for
-            # 4,096 positions: room for the tools' schemas in the prompt
-            "tools": ["--model", tiny_model("long-generation"), *tools_chat],
+            # 4,096 positions: room for the tools' schemas in the prompt; its answers of
+            # up to 120 grammar-held tokens took past the 30 s default on a loaded machine
+            "tools": ["--model", tiny_model("long-generation"), *tools_chat, "--timeout", "120"],
             "template-file": ["--model", tiny_model("text-generation"), *file_chat],
             "handler": ["--handler", "tests.handlers:echo"],
         },

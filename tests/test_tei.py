@@ -514,9 +514,19 @@ def test_rerank_top_n_answers_only_the_best_n(servers, field):
     status, every = server.post_json({"query": QUERY, "texts": TEXTS}, "/rerank")
     assert status == 200
     status, best = server.post_json({"query": QUERY, "texts": TEXTS, field: 2}, "/rerank")
-    assert status == 200 and best == every[:2]
+    assert status == 200 and same_ranking(best, every[:2])
     status, body = server.post_json({"query": QUERY, "texts": TEXTS, field: 10}, "/rerank")
-    assert status == 200 and body == every  # more than there are: all of them
+    assert status == 200 and same_ranking(body, every)  # more than there are: all of them
+
+
+def same_ranking(ranks: list[dict], expected: list[dict]) -> bool:
+    """The same texts in the same order, with the same scores but for rounding: a batch
+    run on another worker's number of threads sums in another order (one float32 unit
+    apart was seen)."""
+    if [r["index"] for r in ranks] != [r["index"] for r in expected]:
+        return False
+    scores = [r["score"] for r in ranks]
+    return scores == pytest.approx([r["score"] for r in expected], rel=1e-5)
 
 
 def test_rerank_truncate_cuts_a_pair_that_is_too_long(servers):
