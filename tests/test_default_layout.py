@@ -47,6 +47,15 @@ def test_model_size_is_one_copy_of_the_weights(tmp_path):
     assert model_bytes(tmp_path / "missing") == 0
 
 
+def test_a_sharded_model_s_size_is_all_its_shards(tmp_path):
+    """A large checkpoint comes in shards: one copy is their sum (its largest shard alone
+    would make a model of three shards a third of its size to the memory bound)."""
+    for shard, size in ((1, 5000), (2, 5000), (3, 4000)):
+        (tmp_path / f"model-0000{shard}-of-00003.safetensors").write_bytes(b"x" * size)
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    assert model_bytes(tmp_path) == 14000
+
+
 def test_an_onnx_only_folder_s_size_is_its_graph_and_the_graph_s_weights(tmp_path):
     """Its weights are under onnx/ alone: counted as none, the memory bound let a CPU
     machine start a worker per core whatever the model's size."""
@@ -204,6 +213,14 @@ def test_threads_without_a_device_makes_fewer_workers_not_more_threads_than_core
     assert "one per 2 cores (--threads 2)" in two.layout
     assert cpu_layout(4, None, 0, threads=2).workers == 2
     assert cpu_layout(8, 100 * GIB, 100 * 2**20, threads=3).workers == 2  # 8 // 3
+
+
+def test_threads_for_several_models_keep_all_their_threads_within_the_cores():
+    """`--threads 2` for two models on 8 cores: two workers of two threads for each model
+    (8 threads in all), not four each (16 threads on 8 cores: the stalls above)."""
+    layout = cpu_layout(8, 100 * GIB, 2 * 100 * 2**20, models=2, threads=2)
+    assert (layout.workers, layout.threads) == (2, 2)
+    assert "one per 4 cores (--threads 2, 2 models)" in layout.reason
 
 
 @pytest.mark.parametrize(

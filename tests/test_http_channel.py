@@ -24,7 +24,13 @@ import pytest
 
 from rawserve.http.errors import ServiceUnavailable
 from rawserve.http_process import remote
-from rawserve.http_process.entry import HttpProcessSpec, ProcessMetrics, say_alive, serve_http
+from rawserve.http_process.entry import (
+    HttpProcessSpec,
+    ModelSpec,
+    ProcessMetrics,
+    say_alive,
+    serve_http,
+)
 from rawserve.http_process.remote import Link, RemoteServing
 from rawserve.ops.metrics import Metrics, merge_families, render_families
 from rawserve.options import parse_config
@@ -46,6 +52,7 @@ from rawserve.shared.channel import Channel
 from rawserve.shared.late_watch import LateWatch
 from rawserve.shared.logs import REQUEST_ID
 from rawserve.shared.messages import WorkerReady
+from tests.load import Client
 from tests.server import REPO_ROOT
 
 
@@ -528,6 +535,37 @@ def test_a_run_crosses_the_channel_and_a_cancel_follows_a_client_that_leaves():
     assert ("cancel", left) in seen
 
 
+def test_a_run_the_serving_process_failed_fails_at_once():
+    """An error of the serving side ("failed": a 500) ends the run when it comes, not at
+    its deadline with a 504 that blames the client's time."""
+
+    async def scenario() -> float:
+        board = Board.create(1)
+        ours, theirs = socket.socketpair()
+        link = Link(board, lambda: [], lambda grace: None, lambda: None)
+        await link.connect(ours)
+        serving_side: Channel | None = None
+
+        def fail(messages: list) -> None:
+            for message in messages:
+                if message[0] == "run":
+                    assert serving_side is not None
+                    serving_side.send(("failed", message[1]))
+
+        serving_side = await Channel.over(theirs, fail, lambda: None)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        # (an error, not a refusal: the API answers it 500)
+        with pytest.raises(RuntimeError):
+            await asyncio.wait_for(RemoteServing(link, 0).run(["a"], {}, started + 5, Control()), 2)
+        link.channel.close()  # type: ignore[union-attr]
+        serving_side.close()
+        board.remove()
+        return loop.time() - started
+
+    assert asyncio.run(scenario()) < 1
+
+
 def test_a_stream_closed_is_told_to_the_serving_process_once():
     """Its close went out only for a stream already forgotten: the serving side never
     stopped a stream whose client left, and kept generating for no one."""
@@ -1006,6 +1044,30 @@ def test_a_scrape_the_serving_process_does_not_answer_fails_rather_than_counting
     asyncio.run(asyncio.wait_for(scenario(), 10))
 
 
+def test_a_scrape_after_the_serving_process_is_gone_fails_rather_than_counting_less():
+    """Its channel closed: /metrics is a 503 as when it does not answer, not an error of
+    the route (a 500 with a traceback logged on every scrape while the process exits)."""
+
+    async def scenario() -> None:
+        board = Board.create(0)
+        metrics = ProcessMetrics()
+        told: list[str] = []
+        metrics.link = Link(board, metrics.families, lambda grace: None, lambda: told.append("x"))
+        ours, theirs = socket.socketpair()
+        await metrics.link.connect(theirs)
+        ours.close()  # the serving process died
+        while not told:
+            await asyncio.sleep(0.001)
+        try:
+            assert await metrics.link.scrape() is None
+            with pytest.raises(ServiceUnavailable):
+                await metrics.scrape()
+        finally:
+            board.remove()
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
 def test_an_http_process_whose_board_is_gone_as_it_starts_stops_with_a_clear_line(tmp_path, caplog):
     """The serving process killed while a replacement HTTP process imports: the others
     remove the board (its owner is gone), and the replacement, opening it then, stops
@@ -1017,6 +1079,90 @@ def test_an_http_process_whose_board_is_gone_as_it_starts_stops_with_a_clear_lin
     ours.close()
     theirs.close()
     assert "the serving process is gone; stopping" in caplog.text
+
+
+class HttpProcess:
+    """`serve_http` run in this event loop with one model, the test the serving process
+    at the other end of its channel (what it was sent in `heard`), and its port."""
+
+    def __init__(self, monkeypatch) -> None:
+        from rawserve.http_process import entry
+
+        monkeypatch.setattr(entry.gc, "freeze", lambda: None)  # (the test process's heap)
+        monkeypatch.setattr(entry, "fix_mmap_threshold", lambda: None)
+        # the board's owner is this process, alive: no second's wait for it to be gone
+        remove_if_orphaned = Board.remove_if_orphaned
+        monkeypatch.setattr(
+            Board, "remove_if_orphaned", lambda board, wait=1.0: remove_if_orphaned(board, 0)
+        )
+        self.servers: list[asyncio.Server] = []
+
+        async def listening(*args, **kwargs) -> asyncio.Server:
+            server = await listen(*args, **kwargs)
+            self.servers.append(server)
+            return server
+
+        listen = entry.listen
+        monkeypatch.setattr(entry, "listen", listening)
+        self.heard: list = []
+
+    async def start(self) -> None:
+        self.board = Board.create(1)
+        model = ModelSpec("m", (), {"task": "text-classification"})
+        spec = HttpProcessSpec(parse_config([]), 0, 0, self.board.path, (model,))
+        ours, theirs = socket.socketpair()
+        self.serving_side = await Channel.over(ours, self.heard.extend, lambda: None)
+        self.process = asyncio.create_task(serve_http(spec, theirs))
+        await self.told("listening")
+        self.port = self.servers[0].sockets[0].getsockname()[1]
+
+    async def told(self, kind: str) -> tuple:
+        while not any(message[0] == kind for message in self.heard):
+            await asyncio.sleep(0.001)
+        return next(message for message in self.heard if message[0] == kind)
+
+
+def test_an_http_process_whose_serving_process_is_gone_exits_1(monkeypatch):
+    """The serving process killed (kill -9): its HTTP processes stop at once with a
+    failure's exit code, which the server's own exit and a supervisor's logs go by."""
+
+    async def scenario() -> int:
+        process = HttpProcess(monkeypatch)
+        await process.start()
+        process.serving_side.close()
+        try:
+            return await asyncio.wait_for(process.process, 5)
+        finally:
+            process.board.remove()
+
+    assert asyncio.run(scenario()) == 1
+
+
+def test_a_full_queue_refused_by_an_http_process_is_counted_in_the_scrape(monkeypatch):
+    """A 503 an HTTP process answers from the board (queue full) is load shed: counted as
+    rejected in the metrics it gives the serving process to merge, as the serving
+    process counts those it refuses itself."""
+
+    async def scenario() -> tuple[int, list]:
+        process = HttpProcess(monkeypatch)
+        await process.start()
+        try:
+            loaded = WorkerReady(7, "text-classification", "cpu", "float32", 1.0)
+            process.serving_side.send(("status", 0, remote.NOT_LOADED, loaded))
+            process.board.publish(0, ready=True, healthy=True, full=True, retry_after=2.0)
+            status, _ = await Client(process.port).post_json({"inputs": "a"})
+            process.serving_side.send(("collect", 7))
+            _, _, families = await process.told("samples")
+            process.serving_side.close()
+            await asyncio.wait_for(process.process, 5)
+            return status, families
+        finally:
+            process.board.remove()
+
+    status, families = asyncio.run(scenario())
+    assert status == 503
+    page = render_families(families).decode()
+    assert 'rawserve_items_dropped_total{model="m",reason="rejected"} 1.0' in page
 
 
 def test_http_processes_and_the_loop_are_options_and_variables(monkeypatch):

@@ -184,6 +184,7 @@ def test_real_timers_measure_both_candidates_once(tiny_model, tmp_path, monkeypa
         (0.5, None, False),
         (0.82, 1.67, True),  # 1.67 CPUs count as 2 cores: 0.83 of them at most
         (0.5, 1.67, False),
+        (0.99, 3.0, True),  # a quota above the cores timed on: all of them, no more
     ],
 )
 def test_a_verdict_timed_amid_other_work_is_not_kept(
@@ -238,6 +239,23 @@ def test_a_kept_verdict_with_damaged_figures_is_measured_again(
     assert kept(PER_CORE_2, config, cores=2) == layout_trial.planned(
         PER_CORE_2, LayoutTrial(2, 2, 4, 150.0, 120.0, cached=True)
     )
+
+
+def test_a_verdict_is_read_only_for_the_per_core_workers_it_timed(tmp_path, monkeypatch):
+    """Memory held 2 workers on 4 cores when it was timed: a later start with the memory
+    for 4 times its own per-core candidate, not 2 workers' figures."""
+    monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    config = worker_config_stub().__class__(
+        model=str(tmp_path / "model"), task="text-classification", warmup_batch=4
+    )
+    key = layout_trial.trial_key(config, cores=4, workers=2, size=4)
+    figures = {"per_core": 150.0, "one_worker": 120.0}
+    engine_trial.remember(engine_trial.default_cache_dir(), layout_trial.CACHE_PREFIX, key, figures)
+    two, four = (WorkerPlan(("cpu",) * n, 1, True, "one per core", True) for n in (2, 4))
+    assert kept(two, config, cores=4) is not None
+    assert kept(four, config, cores=4) is None
 
 
 def test_weights_the_server_cannot_read_are_reported_by_the_trial_not_a_traceback(
@@ -437,6 +455,32 @@ def test_a_timer_that_dies_breaks_the_others_wait_at_once():
     gathered = layout_trial.gathered([timed[0], died[0]], start, threading.Event())
     assert gathered == [Timing(0.25, 1.0), None]
     assert start.broken
+
+
+def test_a_candidate_whose_timer_failed_has_no_figure(monkeypatch):
+    """One of two per-core timers died after the other had timed its batch: the items a
+    second of one worker are not the candidate's (one a core would be judged at half its
+    figure, and that verdict kept); the trial cannot tell."""
+
+    class Unstarted:
+        """A timer process, never started (what it sent is `gathered`'s below)."""
+
+        exitcode = 0
+
+        def __init__(self, **kwargs: object) -> None:
+            pass
+
+        def start(self) -> None:
+            pass
+
+        def join(self, timeout: float | None = None) -> None:
+            pass
+
+    monkeypatch.setattr(multiprocessing.get_context("spawn"), "Process", Unstarted)
+    monkeypatch.setattr(
+        layout_trial, "gathered", lambda readers, start, stop: [Timing(0.25, 1.0), None]
+    )
+    assert layout_trial.items_per_second(worker_config_stub(), 2, 8, threading.Event()) is None
 
 
 def test_timers_that_never_answer_are_given_up(monkeypatch):

@@ -1,4 +1,6 @@
-"""GET /metrics: real traffic against the real server, parsed with prometheus_client's parser."""
+"""GET /metrics: real traffic against the real server (slow), and the registry's series,
+their merge across processes and their rendering in-process (fast), parsed with
+prometheus_client's parser."""
 
 from __future__ import annotations
 
@@ -13,8 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from rawserve.ops.metrics import Metrics
 from tests.load import Client, exchange, run_load
 from tests.server import RunningServer, module_server, started_as_used
-
-pytestmark = pytest.mark.slow
 
 MAX_QUEUE = 3
 BUSY_SECONDS = 1.5  # how long one request keeps the only worker busy
@@ -82,6 +82,7 @@ async def leave_while(server: RunningServer, body: bytes, gauge: str) -> None:
     await asyncio.to_thread(wait_until, lambda: value(scrape(server), gauge) == 0)
 
 
+@pytest.mark.slow
 def test_metrics_count_requests_batches_and_every_kind_of_drop(server):
     before = scrape(server)
     bodies = [json.dumps({"inputs": f"item {i}"}).encode() for i in range(24)]
@@ -146,6 +147,7 @@ def test_metrics_count_requests_batches_and_every_kind_of_drop(server):
     assert value(after, "rawserve_event_loop_lag_seconds_count") >= 1
 
 
+@pytest.mark.slow
 def test_queue_depth_and_queued_tokens_while_items_wait(server):
     async def scenario() -> None:
         client = Client(server.port)
@@ -166,6 +168,7 @@ def test_queue_depth_and_queued_tokens_while_items_wait(server):
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_a_batch_computed_for_a_client_that_left_is_still_counted(server):
     """The worker spent that time on it: a model call, in `batch_size` and
     `batch_compute_seconds` (not a drop: it was not answered without a model call)."""
@@ -201,6 +204,21 @@ def test_unknown_paths_share_one_route_label():
     assert routes == {"other", "/metrics"}
 
 
+def test_one_route_answered_with_two_statuses_counts_each_status_apart():
+    """An alert on the share of 5xx answers reads the `status` label: a route's 503s are
+    their own series, never added to its 200s."""
+    metrics = Metrics(routes=["/"])
+    for status in (200, 503, 200):
+        metrics.observe_request("/", "POST", status, 0.001)
+    samples = {
+        sample.labels["status"]: sample.value
+        for family in text_string_to_metric_families(metrics.render()[0].decode())
+        for sample in family.samples
+        if sample.name == "rawserve_requests_total"
+    }
+    assert samples == {"200": 2, "503": 1}
+
+
 def test_streams_that_end_with_an_error_event_are_counted_by_model_and_status():
     metrics = Metrics()
     counts = metrics.for_model("gen")
@@ -230,6 +248,7 @@ async def test_the_loop_lag_probe_sees_a_blocked_loop():
     assert metrics.registry.get_sample_value("rawserve_event_loop_lag_last_seconds") >= 0.05
 
 
+@pytest.mark.slow
 def test_poison_inputs_and_worker_restarts_are_counted(faulty_server):
     with faulty_server as faulty:
         # it crashes its worker, then twice more alone (an input is quarantined only
@@ -399,3 +418,27 @@ def test_a_continuous_workers_learned_step_and_answer_length_are_gauges():
     for _ in range(10 * SEEN_ENOUGH):  # now more than nine in ten end at 30 of their 100
         core.answer_lengths.ended(100, 30)
     assert value(samples(), "rawserve_generation_likely_new_tokens") == 30
+
+
+def test_a_merged_counter_was_created_when_its_earliest_process_created_it():
+    """Several processes' counters merged are one series: summed, and created when the
+    first of them was (`_created` tells Prometheus when the count started from 0; a later
+    process's time would date the whole sum from when that process started)."""
+    from rawserve.ops.metrics import merge_families, render_families
+
+    def process(created: float, dropped: float):
+        labels = {"model": "m", "reason": "expired"}
+        samples = [
+            ("rawserve_items_dropped_total", labels, dropped),
+            ("rawserve_items_dropped_created", labels, created),
+        ]
+        return [("rawserve_items_dropped", "counter", "Items dropped", "", samples)]
+
+    merged = merge_families([process(2000.0, 1), process(1000.0, 2), process(1500.0, 4)])
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(render_families(merged).decode())
+        for sample in family.samples
+    }
+    assert value(samples, "rawserve_items_dropped_total", reason="expired") == 7
+    assert value(samples, "rawserve_items_dropped_created", reason="expired") == 1000.0

@@ -627,6 +627,42 @@ def test_a_shipped_graph_that_cannot_serve_is_said_and_the_model_exported(
     assert reason in warning and warning.endswith("; exported instead")
 
 
+def test_a_shipped_graph_s_segment_ids_the_tokenizer_does_not_make_are_the_first_segment(
+    tiny_model, onnx_cache, tmp_path
+):
+    """A repo whose graph takes token_type_ids while its tokenizer makes none (its
+    `model_input_names` leave them out): fed as torch's model takes them left out, all
+    the first segment, so both engines give the same vectors."""
+    from rawserve.worker import onnx_engine
+    from rawserve.worker.loading import load_runner
+
+    source = Path(tiny_model("feature-extraction"))
+    folder = tmp_path / "no-segments"
+    shutil.copytree(source, folder)
+    graph = onnx_engine.exported_graph(source, onnx_engine.HEADS["feature-extraction"], onnx_cache)
+    (folder / "onnx").mkdir()
+    shutil.copy(graph, folder / "onnx" / "model.onnx")
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings["model_input_names"] = ["input_ids", "attention_mask"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    answers = {}
+    for engine in (Engine.TORCH, Engine.ONNX):
+        config = WorkerConfig(
+            model=str(folder), task="feature-extraction", dtype="float32", engine=engine
+        )
+        runner = load_runner(config, "cpu")
+        assert runner.engine is engine
+        answers[engine] = runner.run(["hello world", "the movie was good"], {}, NO_CONTROL)
+    assert "token_type_ids" in graph_inputs(folder / "onnx" / "model.onnx")
+    assert_close(answers[Engine.ONNX], answers[Engine.TORCH])
+
+
+def graph_inputs(graph: Path) -> list[str]:
+    import onnxruntime
+
+    return [node.name for node in onnxruntime.InferenceSession(str(graph)).get_inputs()]
+
+
 def test_the_engine_reason_names_the_graph_served(tiny_model, onnx_cache, tmp_path):
     """/info's engine_reason and the ready line say whether the repo's own graph runs."""
     from rawserve.worker import onnx_engine

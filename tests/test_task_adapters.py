@@ -335,6 +335,18 @@ def test_embedding_options(runner):
     np.testing.assert_allclose(short, mean[:8] / np.linalg.norm(mean[:8]), atol=1e-5)
 
 
+def test_the_embedding_routes_give_unit_vectors_of_a_model_without_a_normalize_module(runner):
+    """OpenAI's and TEI's embeddings are unit length (clients compare them by their dot
+    product): a plain encoder's files name no Normalize module, so its mean vector is
+    normalized on those routes, unless the request says not to (TEI's `normalize`)."""
+    plain = runner("feature-extraction")
+    [mean] = plain.run(["hello world"], {"pooling": "mean"})
+    [api] = plain.run(["hello world"], {}, EMBEDDING_ROUTE)
+    np.testing.assert_allclose(api["embedding"], mean / np.linalg.norm(mean), atol=1e-5)
+    [kept] = plain.run(["hello world"], {"normalize": False}, EMBEDDING_ROUTE)
+    np.testing.assert_allclose(kept["embedding"], mean, atol=1e-5)
+
+
 def test_token_vectors_are_read_back_from_the_device_at_once(runner, monkeypatch):
     """Each text's token vectors (pooling none, TEI's /embed_all) were counted and copied
     back to the host a text at a time: on a GPU two round trips a text. A batch's reads
@@ -485,6 +497,49 @@ def test_question_answering_options(runner):
     ]
 
 
+def test_question_answering_takes_the_old_name_topk(runner):
+    """transformers 4's pipeline took `topk` for `top_k`, and clients written for it
+    send it (the README lists it)."""
+    qa = runner("question-answering")
+    item = {"question": "who lives in paris", "context": CONTEXT}
+    [old] = qa.run([item], {"topk": 3})
+    assert len(old) == 3 and _rounded(old) == _rounded(qa.run([item], {"top_k": 3})[0])
+
+
+def test_question_answering_adds_up_answers_that_differ_only_in_case(runner):
+    """ "Paris" and "paris" are one answer, their scores added, as the pipeline gave them:
+    never the same answer twice in a client's top_k."""
+    qa = runner("question-answering")
+    [answers] = qa.run(
+        [{"question": "where", "context": "Paris is big and paris is old"}], {"top_k": 50}
+    )
+    texts = [answer["answer"].lower() for answer in answers]
+    assert "paris" in texts and len(texts) == len(set(texts))
+
+
+def test_question_answering_s_no_answer_score_is_its_lowest_window_s(runner):
+    """With handle_impossible_answer, "no answer" is offered at the lowest score any
+    window gives it (the pipeline's), a probability as every score is: each window's is
+    what that window's text gives alone."""
+    qa = runner("question-answering")
+    question, context = "where", " ".join(["the city of paris is in france"] * 4)
+    options = {"max_seq_len": 16, "handle_impossible_answer": True, "top_k": 100}
+
+    def no_answer(context: str) -> float:
+        [answers] = qa.run([{"question": question, "context": context}], options)
+        return max(answer["score"] for answer in answers if answer["answer"] == "")
+
+    encoded = qa.windows([{"question": question, "context": context}], qa.options(options))
+    windows = []
+    for encoding in encoded.encodings:
+        own = [i for i, sequence in enumerate(encoding.sequence_ids) if sequence == 1]
+        windows.append(context[encoding.offsets[own[0]][0] : encoding.offsets[own[-1]][1]])
+    assert len(windows) > 1
+    each = [no_answer(window) for window in windows]
+    assert 0 < min(each) < max(each) <= 1  # a probability, as every answer's score
+    assert no_answer(context) == pytest.approx(min(each))
+
+
 def test_question_answering_long_contexts_are_read_in_windows(runner):
     qa = runner("question-answering")
     context = " ".join(["the city of paris is in france"] * 30)
@@ -585,6 +640,31 @@ def test_question_answering_batches_answer_what_single_calls_answer(runner):
     assert _rounded(qa.run(items, {"top_k": 2})) == _rounded(alone)
 
 
+def test_question_answering_with_a_tokenizer_that_pads_on_the_left(tiny_model, tmp_path):
+    """A tokenizer that pads on the left (XLNet's) reads the context first, and a batch's
+    shorter windows are padded before their tokens: each is read from its own tokens,
+    answering what it answers alone. (The tiny BERT's positions are zeroed, as relative
+    ones would be: padding before a window then moves none of its tokens.)"""
+    import torch
+
+    from rawserve.worker.loading import load_runner
+
+    folder = tmp_path / "left"
+    shutil.copytree(tiny_model("question-answering"), folder)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "padding_side": "left"}))
+    qa = load_runner(worker_config(str(folder), "question-answering", dtype="float32"), "cpu")
+    assert qa.tokenizer.padding_side == "left"
+    with torch.no_grad():
+        qa.model.bert.embeddings.position_embeddings.weight.zero_()
+    items = [
+        {"question": "who lives in paris", "context": CONTEXT},
+        {"question": "where", "context": "mary works in berlin"},
+    ]
+    alone = [qa.run([item], {"top_k": 2})[0] for item in items]
+    assert _rounded(qa.run(items, {"top_k": 2})) == _rounded(alone)
+
+
 # --- summarization, translation, text2text-generation -----------------------------------
 
 
@@ -608,6 +688,16 @@ def test_seq2seq_settings_generate_refuses_are_said_in_rawserves_words(runner, p
     summarize = runner("seq2seq", "summarization")
     with pytest.raises(ValueError, match=says):
         summarize.run(["hello"], params)
+
+
+def test_a_seq2seq_max_new_tokens_beside_a_max_length_is_the_length(runner):
+    """generate() runs to max_new_tokens when both are given; the max_length alone is the
+    length wanted (a default max_new_tokens does not override it)."""
+    summarize = runner("seq2seq", "summarization")
+    text = ["the movie was very good and i like it"]
+    both = summarize.run(text, {"max_length": 3, "max_new_tokens": 8})
+    assert both == summarize.run(text, {"max_new_tokens": 8})
+    assert both != summarize.run(text, {"max_length": 3})
 
 
 def test_a_seq2seq_temperature_of_zero_is_greedy(runner):
