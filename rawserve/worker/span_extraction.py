@@ -123,8 +123,8 @@ class SpanExtractionRunner(Runner):
         for window, item in enumerate(encoded["overflow_to_sample_mapping"]):
             encoding = encoded.encodings[window]
             length = len(encoding.ids)
-            # the window's own tokens, as if it had been run alone (no padding)
-            real = slice(0, length) if self.question_first else slice(-length, None)
+            # the window's own tokens, as if it had been run alone (padding after them)
+            real = slice(0, length)
             null_scores[item] = self.read_window(
                 encoding,
                 starts[window : window + 1, real],
@@ -226,6 +226,11 @@ class SpanExtractionRunner(Runner):
                 },
                 padding="max_length",
                 max_length=longest,
+                # after each window, whichever side the tokenizer pads: a window padded
+                # before its tokens is read at other positions than alone by a model of
+                # absolute positions (a BERT whose tokenizer pads on the left answered
+                # otherwise in a batch)
+                padding_side="right",
                 return_tensors="pt",
             )
             with torch.inference_mode():
