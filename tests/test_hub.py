@@ -994,7 +994,13 @@ def test_a_branch_whose_new_commit_is_partly_cached_serves_its_whole_earlier_sna
     # a commit asked for by its id: nothing else stands in for it
     line = one_error_line(run_resolve(f"org/tiny@{moved_on}", tmp_path, HF_HUB_OFFLINE="1"))
     assert f"org/tiny@{moved_on} is not in the Hub cache" in line
-    # nor does what another branch names now: that is its model, not main's earlier one
+    # a stray file among the refs, and a pin a start by a short commit left, are no
+    # branches: the earlier snapshot serves beside them
+    (storage / "refs" / ".DS_Store").write_bytes(b"\x00\x05\x16\x07\xff\xfe")
+    (storage / "refs" / earlier.name[:7]).write_text(earlier.name)
+    result = run_resolve("org/tiny", tmp_path, HF_HUB_OFFLINE="1")
+    assert resolved(result) == earlier, result.stderr
+    # what another branch names now is that branch's model, not main's earlier one
     (storage / "refs" / "dev").write_text(earlier.name)
     line = one_error_line(run_resolve("org/tiny", tmp_path, HF_HUB_OFFLINE="1"))
     assert "serving" not in line and earlier.name not in line, line

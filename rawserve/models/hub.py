@@ -288,21 +288,38 @@ def cache_in_place_of_the_hub(
 def earlier_whole_snapshot(repo_id: str) -> Path | None:
     """The newest snapshot of `repo_id` in the cache that no branch or tag names now (the
     one asked for names the one not whole; another's is its own model: a start asking
-    for main served dev's) and that holds every file a download of it fetches.
-    huggingface_hub moves the ref before it downloads the files: a branch that moved on,
-    its new commit's download stopped or failed, left every later start that the Hub
-    could not serve failing, its earlier snapshot whole in the cache."""
+    for main served dev's) and that holds every file a download of it fetches. The cache
+    keeps no history of which branch a commit was: one no ref names any more may have
+    been another branch's. huggingface_hub moves the ref before it downloads the files: a
+    branch that moved on, its new commit's download stopped or failed, left every later
+    start that the Hub could not serve failing, its earlier snapshot whole in the cache."""
     from huggingface_hub import constants  # (here: see the module's docstring)
     from huggingface_hub.file_download import repo_folder_name
 
     storage = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
-    named = {path.read_text().strip() for path in (storage / "refs").rglob("*") if path.is_file()}
+    named = named_now(storage / "refs")
     snapshots = [s for s in (storage / "snapshots").glob("*") if s.is_dir() and s.name not in named]
     for snapshot in sorted(snapshots, key=lambda s: s.stat().st_mtime, reverse=True):
         files = cached_files(repo_id, snapshot.name)
         if files is not None and all((snapshot / name).exists() for name in fetched(files)):
             return snapshot
     return None
+
+
+def named_now(refs: Path) -> set[str]:
+    """The commits a cache's branches and tags name now (its `refs` folder): not those of
+    refs named by a commit (a start that asked for a short commit wrote one: a pin, no
+    branch), nor files that cannot be read (a stray `.DS_Store` stopped the start with a
+    traceback)."""
+    named = set()
+    for path in refs.rglob("*"):
+        if not path.is_file() or COMMIT.fullmatch(path.name):
+            continue
+        try:
+            named.add(path.read_text().strip())
+        except (OSError, UnicodeDecodeError):
+            continue
+    return named
 
 
 def cached_files(repo_id: str, revision: str | None) -> list[str] | None:
