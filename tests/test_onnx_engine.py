@@ -482,15 +482,23 @@ def test_the_exporter_s_own_log_lines_go_to_the_debug_log(
     assert exporter.handlers == [] and exporter.propagate  # as it was, after the export
 
 
-def test_a_model_s_own_onnx_file_is_used_as_shipped(tiny_model, onnx_cache, tmp_path, caplog):
+def shipping_its_graph(tiny_model, onnx_cache, folder: Path, ignore=None) -> Path:
+    """`folder`: the tiny feature-extraction model (less what `ignore` leaves out) with an
+    ONNX graph of its own at onnx/model.onnx, as a repo on the Hub ships one."""
     from rawserve.worker import onnx_engine
 
     source = Path(tiny_model("feature-extraction"))
-    folder = tmp_path / "with-onnx"
-    shutil.copytree(source, folder)
+    shutil.copytree(source, folder, ignore=ignore)
     graph = onnx_engine.exported_graph(source, onnx_engine.HEADS["feature-extraction"], onnx_cache)
     (folder / "onnx").mkdir()
     shutil.copy(graph, folder / "onnx" / "model.onnx")
+    return folder
+
+
+def test_a_model_s_own_onnx_file_is_used_as_shipped(tiny_model, onnx_cache, tmp_path, caplog):
+    from rawserve.worker import onnx_engine
+
+    folder = shipping_its_graph(tiny_model, onnx_cache, tmp_path / "with-onnx")
     with caplog.at_level(logging.INFO, logger="rawserve.onnx"):
         network = onnx_engine.load_network(str(folder), "feature-extraction", 1, tmp_path / "x")
     assert network.graph == folder / "onnx" / "model.onnx"
@@ -633,15 +641,9 @@ def test_a_shipped_graph_s_segment_ids_the_tokenizer_does_not_make_are_the_first
     """A repo whose graph takes token_type_ids while its tokenizer makes none (its
     `model_input_names` leave them out): fed as torch's model takes them left out, all
     the first segment, so both engines give the same vectors."""
-    from rawserve.worker import onnx_engine
     from rawserve.worker.loading import load_runner
 
-    source = Path(tiny_model("feature-extraction"))
-    folder = tmp_path / "no-segments"
-    shutil.copytree(source, folder)
-    graph = onnx_engine.exported_graph(source, onnx_engine.HEADS["feature-extraction"], onnx_cache)
-    (folder / "onnx").mkdir()
-    shutil.copy(graph, folder / "onnx" / "model.onnx")
+    folder = shipping_its_graph(tiny_model, onnx_cache, tmp_path / "no-segments")
     settings = json.loads((folder / "tokenizer_config.json").read_text())
     settings["model_input_names"] = ["input_ids", "attention_mask"]
     (folder / "tokenizer_config.json").write_text(json.dumps(settings))
@@ -694,15 +696,11 @@ def test_a_folder_with_only_its_onnx_graph_is_served_by_the_default_engine(
     """A folder of an ONNX-only repo (transformers.js' kind: onnx/model.onnx, no torch
     weights) was served with --engine onnx, but the default, auto, stopped the start on
     transformers' OSError as it built a torch runner to time against ONNX Runtime."""
-    from rawserve.worker import onnx_engine
     from rawserve.worker.loading import load_runner
 
-    source = Path(tiny_model("feature-extraction"))
-    graph = onnx_engine.exported_graph(source, onnx_engine.HEADS["feature-extraction"], onnx_cache)
-    folder = tmp_path / "onnx-only"
-    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.safetensors"))
-    (folder / "onnx").mkdir()
-    shutil.copy(graph, folder / "onnx" / "model.onnx")
+    folder = shipping_its_graph(
+        tiny_model, onnx_cache, tmp_path / "onnx-only", shutil.ignore_patterns("*.safetensors")
+    )
     config = WorkerConfig(
         model=str(folder), task="feature-extraction", dtype="auto", engine=Engine.AUTO
     )

@@ -131,9 +131,8 @@ class WorkerPool(PoolReports):
         self.overlap = overlap
         self.clock = clock
         self.batch_timeout = batch_timeout
-        self.share_cores = (
-            share_cores  # CPU workers split the cores evenly (rawserve.serving.cores)
-        )
+        # CPU workers split the cores evenly (rawserve.serving.cores)
+        self.share_cores = share_cores
         self.core_share = core_share or CoreShare()
         self._all_cores: WorkerHandle | None = None  # running a lone item on every core
         self._context = multiprocessing.get_context("spawn")
