@@ -335,3 +335,51 @@ def test_the_emulated_gpu_floors_every_gpt2_a_process_builds_only_when_asked(flo
     assert count == hooks
     if floor_ms:
         assert float(seconds) >= 0.002  # the pass waited its floor
+
+
+def test_the_benchmarks_wait_for_every_worker_not_only_the_first_answer():
+    """A server answers once its first worker is ready while the others still load on
+    the same cores: `wait_until_serving` waits until /info says every worker serves (of
+    every model), and does not wait on a server without rawserve's /info."""
+    import http.server
+    import threading
+
+    states = iter(["loading", "loading", "warming", "idle"])
+    seen: list[str] = []
+
+    class Stand_in(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_GET(self):
+            if self.server.server_port == plain.server_port:
+                self.send_error(404)
+                return
+            seen.append(next(states, "busy"))
+            workers = [{"state": "idle"}]
+            body = json.dumps({"workers": workers, "models": [{"workers": [{"state": seen[-1]}]}]})
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args):
+            pass
+
+    rawserve_like = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stand_in)
+    plain = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stand_in)
+    for server in (rawserve_like, plain):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        request = load.build_request(b"x")
+        asyncio.run(load.wait_until_serving(rawserve_like.server_port, request, 30))
+        assert seen == ["loading", "loading", "warming", "idle"]
+        asyncio.run(load.wait_until_serving(plain.server_port, request, 30))
+        assert load.workers_starting(plain.server_port) == 0
+    finally:
+        for server in (rawserve_like, plain):
+            server.shutdown()
+            server.server_close()
