@@ -18,6 +18,11 @@ from rawserve.worker import engine_trial, precision_trial
 from rawserve.worker.engine_trial import Trial, cached, run_trial, store
 from tests.server import RunningServer
 
+# a verdict as a trial keeps it: a batch's figures and one item's
+KEPT = Trial(
+    {Engine.TORCH: 0.004, Engine.ONNX: 0.003}, 8, lone={Engine.TORCH: 0.002, Engine.ONNX: 0.001}
+)
+
 
 class FakeClock:
     """perf_counter's stand-in: each candidate moves it by its own fixed cost."""
@@ -56,6 +61,57 @@ def test_the_trial_picks_the_faster_of_two_fake_timed_candidates(torch_ms, onnx_
     assert clock.calls.count("torch") == clock.calls.count("onnx")
 
 
+@pytest.mark.parametrize(
+    ("batch_ms", "lone_ms", "winner"),
+    [
+        # tied at the batch (one Xeon's 104.3 and 104.5 ms): one item alone decides
+        ({"torch": 104.3, "onnx": 104.5}, {"torch": 14.7, "onnx": 5.5}, "onnx"),
+        # a little slower at the batch, far faster alone: 0.95 x 2.5
+        ({"torch": 100, "onnx": 105}, {"torch": 10, "onnx": 4}, "onnx"),
+        # far faster at the batch outweighs a little slower alone
+        ({"torch": 60, "onnx": 100}, {"torch": 5.5, "onnx": 5}, "torch"),
+    ],
+)
+def test_the_trial_weighs_one_item_alone_as_much_as_the_batch(batch_ms, lone_ms, winner):
+    """A server spends its quiet hours on lone requests: where the engines tie at the
+    warm-up batch, the batch's figure alone was a toss (torch won one on a Xeon where
+    ONNX Runtime then served a lone client in half the time)."""
+    clock = FakeClock()
+
+    def candidates(figures: dict[str, float], label: str):
+        return {
+            Engine(name): clock.candidate(f"{name} {label}", ms / 1000)
+            for name, ms in figures.items()
+        }
+
+    trial = run_trial(
+        candidates(batch_ms, "batch"), 32, 0.01, clock, lone=candidates(lone_ms, "alone")
+    )
+    assert trial.winner is Engine(winner)
+    assert trial.lone == {Engine(name): pytest.approx(ms / 1000) for name, ms in lone_ms.items()}
+    # the batches first, then one item each, in turn as well
+    firsts = [call.split()[1] for call in clock.calls]
+    assert firsts == sorted(firsts, key=["batch", "alone"].index) and "alone" in firsts
+    line = trial.describe()
+    loser = next(engine for engine in ("torch", "onnx") if engine != winner)
+    assert "over a batch and one item" in line and "a batch of 32 took" in line
+    alone = line.split("one item alone ")[1]
+    assert alone.index(f"{winner} {lone_ms[winner]:.1f} ms") < alone.index(f"{loser} ")
+
+
+def test_a_trial_of_one_item_times_it_once():
+    """A warm-up batch of one item is the lone item: timed once, its figures both."""
+    clock = FakeClock()
+    batch = {
+        Engine.TORCH: clock.candidate("torch", 0.002),
+        Engine.ONNX: clock.candidate("onnx", 0.001),
+    }
+    again = {Engine.TORCH: clock.candidate("again", 0.002)}
+    trial = run_trial(batch, 1, 0.01, clock, lone=again)
+    assert "again" not in clock.calls and trial.lone == trial.seconds
+    assert trial.winner is Engine.ONNX
+
+
 def test_the_trial_runs_at_least_a_few_rounds_and_stops_within_bounds():
     slow = FakeClock()
     run_trial({Engine.TORCH: slow.candidate("torch", 5.0)}, batch=1, budget=1.0, clock=slow)
@@ -84,9 +140,9 @@ def test_the_median_ignores_one_stall():
 def test_the_verdict_is_kept_per_key(tmp_path):
     key = {"files": {"config.json": "ab"}, "machine": {"cpu": "X", "cores": 2}, "batch": 8}
     assert cached(tmp_path, key) is None
-    store(tmp_path, key, Trial({Engine.TORCH: 0.004, Engine.ONNX: 0.003}, 8))
+    store(tmp_path, key, KEPT)
     again = cached(tmp_path, key)
-    assert again == Trial({Engine.TORCH: 0.004, Engine.ONNX: 0.003}, 8, cached=True)
+    assert again == Trial(KEPT.seconds, 8, cached=True, lone=KEPT.lone)
     assert again.winner is Engine.ONNX and "found in the cache" in again.describe()
     assert cached(tmp_path, {**key, "machine": {"cpu": "Y", "cores": 2}}) is None
     (file,) = tmp_path.glob("engine-trial-*.json")
@@ -101,7 +157,7 @@ def test_a_verdict_kept_by_this_very_start_says_so_not_an_earlier_one(tmp_path):
     Another start's verdict is found in the cache: "an earlier start" was not true of one
     that another server sharing the folder kept seconds before."""
     key = {"files": {"config.json": "ab"}, "batch": 8}
-    store(tmp_path, key, Trial({Engine.TORCH: 0.004, Engine.ONNX: 0.003}, 8), start="s1")
+    store(tmp_path, key, KEPT, start="s1")
     kept = cached(tmp_path, key, start="s1")
     assert kept is not None and "measured at this start (cached)" in kept.describe()
     for other in ("s2", ""):  # another start (an earlier one, or another server's), or none
@@ -123,10 +179,30 @@ def test_a_verdict_kept_by_this_very_start_says_so_not_an_earlier_one(tmp_path):
 )
 def test_a_verdict_with_damaged_figures_is_measured_again(tmp_path, seconds):
     key = {"files": {"config.json": "ab"}, "batch": 8}
+    sound = {"onnx": 0.001, "torch": 0.002}
+    for damaged in ({"seconds": seconds, "lone": sound}, {"seconds": sound, "lone": seconds}):
+        engine_trial.remember(tmp_path, engine_trial.CACHE_PREFIX, key, {"batch": 8, **damaged})
+        assert cached(tmp_path, key) is None
     engine_trial.remember(
-        tmp_path, engine_trial.CACHE_PREFIX, key, {"batch": 8, "seconds": seconds}
+        tmp_path, engine_trial.CACHE_PREFIX, key, {"batch": 8, "seconds": sound, "lone": sound}
     )
-    assert cached(tmp_path, key) is None
+    assert cached(tmp_path, key) is not None  # (what made the others fail: their damage)
+
+
+def test_a_verdict_timed_at_the_batch_alone_is_measured_again(tmp_path):
+    """A verdict kept before one item was timed beside the batch (no `lone` figures, or
+    not for every engine) was a toss where the engines tied at the batch: measured
+    again, and the new verdict kept in its place."""
+    key = {"files": {"config.json": "ab"}, "batch": 8}
+    seconds = {"onnx": 0.0031, "torch": 0.003}
+    for lone in ({}, {"onnx": 0.001}, None):
+        document = {"batch": 8, "seconds": seconds, "winner": "torch"}
+        if lone is not None:
+            document["lone"] = lone
+        engine_trial.remember(tmp_path, engine_trial.CACHE_PREFIX, key, document)
+        assert cached(tmp_path, key) is None
+    store(tmp_path, key, KEPT)
+    assert cached(tmp_path, key) == Trial(KEPT.seconds, 8, cached=True, lone=KEPT.lone)
 
 
 def with_raw(document: dict, field: str, text: str) -> str:
@@ -143,11 +219,12 @@ def with_raw(document: dict, field: str, text: str) -> str:
         ("batch", "8.5"),
         ("batch", "0"),
         ("seconds", '{"torch": 1' + "0" * 400 + "}"),  # too large for a float
+        ("lone", '{"torch": 1' + "0" * 400 + "}"),
     ],
 )
 def test_a_verdict_with_a_number_past_any_range_is_measured_again(tmp_path, field, text):
     key = {"files": {"config.json": "ab"}}
-    store(tmp_path, key, Trial({Engine.TORCH: 0.004, Engine.ONNX: 0.003}, 8))
+    store(tmp_path, key, KEPT)
     (file,) = tmp_path.glob("engine-trial-*.json")
     file.write_text(with_raw(json.loads(file.read_text()), field, text))
     assert cached(tmp_path, key) is None
@@ -362,7 +439,8 @@ def test_the_server_shows_the_trial_in_its_log_and_info(tiny_model, tmp_path):
     env = {"RAWSERVE_CACHE_DIR": str(tmp_path), "RAWSERVE_ENGINE": "auto"}
     args = ["--model", tiny_model("text-classification"), "--device", "cpu"]
     with RunningServer(args, env=env).start() as server:
-        assert any("(auto: the faster here, measured now" in line for line in server.read_log())
+        measured = "(auto: the faster here over a batch and one item, measured now: a batch of"
+        assert any(measured in line for line in server.read_log())
         status, _, body = server.request("GET", "/info")
         assert status == 200
         info = json.loads(body)
@@ -377,10 +455,13 @@ def test_the_server_shows_the_trial_in_its_log_and_info(tiny_model, tmp_path):
             assert tried.startswith("bfloat16 on this CPU's") and " ms against float32's " in tried
         reason = info["workers"][0]["engine_reason"]
         assert "torch" in reason and "onnx" in reason and " ms" in reason
-        assert info["engine"] == reason.split("took ")[1].split(" ")[0]  # the fastest first
+        # the winner first, in both lists
+        assert info["engine"] == reason.split("took ")[1].split(" ")[0]
+        assert info["engine"] == reason.split("one item alone ")[1].split(" ")[0]
         assert info["requested_engine"] == "auto"
     with RunningServer(args, env=env).start() as server:
-        assert any("the faster here, found in the cache" in line for line in server.read_log())
+        found = "the faster here over a batch and one item, found in the cache"
+        assert any(found in line for line in server.read_log())
 
 
 def test_a_verdict_is_kept_apart_for_the_folder_s_own_graph(tiny_model, tmp_path):

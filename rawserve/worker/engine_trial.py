@@ -1,7 +1,11 @@
 """`--engine auto` settled by measurement: each candidate engine runs the warm-up batch on
-this machine, alternately, for a second or so, and the faster one serves. Which engine
-is faster depends on the CPU (ONNX Runtime was 1.18x torch on an AMD EPYC, 0.96-1.03x
-on an Intel Xeon with AVX-512 and AMX: bench/RESULTS.md), so no rule about CPUs can say.
+this machine, alternately, for a second or so, then one item of it alone, and the faster
+over both serves. Which engine is faster depends on the CPU (ONNX Runtime was 1.18x
+torch on an AMD EPYC, 0.96-1.03x on an Intel Xeon with AVX-512 and AMX: bench/RESULTS.md),
+so no rule about CPUs can say; and it depends on the batch: on one Xeon the two tied at
+a batch of 32 while ONNX Runtime ran one item 2.5x as fast, and served it answered a
+lone client in half the time and 1.3-1.5x the requests at 4 and 16 clients, the same at
+64. Timed at the warm-up batch alone, the tie was a coin's toss, which torch won.
 
 The verdict is kept in a small JSON file in the cache folder of the ONNX exports, keyed
 by what it depends on: the model's files (by content, so another revision is another
@@ -30,7 +34,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -51,25 +55,44 @@ K = TypeVar("K")  # what names a timed candidate
 
 @dataclass(frozen=True)
 class Trial:
-    """The trial's verdict: the median seconds of a batch per engine, and the winner."""
+    """The trial's verdict: the median seconds of a batch and of one item alone per
+    engine, and the winner."""
 
     seconds: Mapping[Engine, float]
     batch: int
     cached: bool = False
     this_start: bool = False  # cached by this very start (its layout trial's timers)
+    lone: Mapping[Engine, float] = field(default_factory=dict)  # one item alone
 
     @property
     def winner(self) -> Engine:
-        return min(self.seconds, key=lambda engine: self.seconds[engine])
+        return min(self.seconds, key=self.score)
+
+    def score(self, engine: Engine) -> float:
+        """Lower is faster: the product of the engine's times at the batch and alone (their
+        geometric mean's square), so that a lone client's time weighs as much as a full
+        batch's throughput; the batch's time alone where one item was not timed."""
+        if set(self.lone) != set(self.seconds):
+            return self.seconds[engine]
+        return self.seconds[engine] * self.lone[engine]
 
     def describe(self) -> str:
         """One line for the log and /info's engine_reason."""
-        figures = ", ".join(
-            f"{engine.value} {seconds * 1000:.1f} ms"
-            for engine, seconds in sorted(self.seconds.items(), key=lambda pair: pair[1])
-        )
+        engines = sorted(self.seconds, key=self.score)
         source = verdict_source(self.cached, self.this_start)
-        return f"auto: the faster here, {source}: a batch of {self.batch} took {figures}"
+        if set(self.lone) != set(self.seconds):
+            return f"auto: the faster here, {source}: a batch of {self.batch} took " + _ms(
+                self.seconds, engines
+            )
+        return (
+            f"auto: the faster here over a batch and one item, {source}: a batch of "
+            f"{self.batch} took {_ms(self.seconds, engines)}; one item alone "
+            f"{_ms(self.lone, engines)}"
+        )
+
+
+def _ms(seconds: Mapping[Engine, float], engines: list[Engine]) -> str:
+    return ", ".join(f"{engine.value} {seconds[engine] * 1000:.1f} ms" for engine in engines)
 
 
 def verdict_source(cached: bool, this_start: bool) -> str:
@@ -90,9 +113,14 @@ def run_trial(
     batch: int,
     budget: float = TRIAL_SECONDS,
     clock: Callable[[], float] = time.perf_counter,
+    lone: Mapping[Engine, Callable[[], object]] | None = None,
 ) -> Trial:
-    """Time each engine's batch (`timed`); the faster wins."""
-    return Trial(timed(candidates, budget, clock), batch)
+    """Time each engine's batch (`timed`), then each one's `lone` item, in half the time
+    (a batch of one: its batch's figures); the faster over both wins (`Trial.score`)."""
+    seconds = timed(candidates, budget, clock)
+    if batch == 1:
+        return Trial(seconds, batch, lone=seconds)
+    return Trial(seconds, batch, lone=timed(lone, budget / 2, clock) if lone else {})
 
 
 def timed(
@@ -262,8 +290,14 @@ def cached(cache_dir: Path, key: Mapping[str, Any], start: str = "") -> Trial | 
         seconds = {Engine(name): positive(value) for name, value in stored["seconds"].items()}
         if not seconds or Engine.AUTO in seconds:
             return None
+        # a verdict without one item's figures was had by the warm-up batch alone (an
+        # earlier version): measured again
+        lone = {Engine(name): positive(value) for name, value in stored["lone"].items()}
+        if set(lone) != set(seconds):
+            return None
         this_start = bool(start) and stored.get("start") == start
-        return Trial(seconds, count(stored["batch"]), cached=True, this_start=this_start)
+        batch = count(stored["batch"])
+        return Trial(seconds, batch, cached=True, this_start=this_start, lone=lone)
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
         return None
 
@@ -281,6 +315,7 @@ def store(
         "start": start,
         "batch": trial.batch,
         "seconds": {engine.value: seconds for engine, seconds in trial.seconds.items()},
+        "lone": {engine.value: seconds for engine, seconds in trial.lone.items()},
         "winner": trial.winner.value,
     }
     remember(cache_dir, CACHE_PREFIX, key, document, model)

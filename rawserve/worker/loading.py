@@ -185,6 +185,10 @@ def engine_by_trial(
         trial = engine_trial.run_trial(
             {engine: partial(runner.run, inputs, params) for engine, runner in runners.items()},
             size,
+            lone={
+                engine: partial(runner.run, inputs[:1], params)
+                for engine, runner in runners.items()
+            },
         )
     except Exception:  # noqa: BLE001 - a failed trial is logged; ONNX Runtime serves
         log.warning("the engine trial failed", exc_info=True)
