@@ -97,6 +97,9 @@ def test_the_trial_weighs_one_item_alone_as_much_as_the_batch(batch_ms, lone_ms,
     assert "over a batch and one item" in line and "a batch of 32 took" in line
     alone = line.split("one item alone ")[1]
     assert alone.index(f"{winner} {lone_ms[winner]:.1f} ms") < alone.index(f"{loser} ")
+    # what decided, where the winner was the slower at the batch
+    share = (batch_ms[winner] * lone_ms[winner]) / (batch_ms[loser] * lone_ms[loser])
+    assert line.endswith(f"; both times multiplied, {winner} {share:.2f} of {loser}'s")
 
 
 def test_a_trial_of_one_item_times_it_once():
@@ -110,6 +113,18 @@ def test_a_trial_of_one_item_times_it_once():
     trial = run_trial(batch, 1, 0.01, clock, lone=again)
     assert "again" not in clock.calls and trial.lone == trial.seconds
     assert trial.winner is Engine.ONNX
+    assert "one item alone" not in trial.describe()  # (the same figures twice)
+
+
+def test_a_verdict_of_a_batch_of_one_kept_without_its_lone_figures_is_used(tmp_path):
+    """Its batch was the one item: an earlier version's verdict stands."""
+    key = {"files": {"config.json": "ab"}, "batch": 1}
+    seconds = {"onnx": 0.001, "torch": 0.002}
+    engine_trial.remember(
+        tmp_path, engine_trial.CACHE_PREFIX, key, {"batch": 1, "seconds": seconds}
+    )
+    kept = cached(tmp_path, key)
+    assert kept is not None and kept.winner is Engine.ONNX and kept.lone == kept.seconds
 
 
 def test_the_trial_runs_at_least_a_few_rounds_and_stops_within_bounds():

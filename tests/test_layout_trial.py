@@ -258,6 +258,30 @@ def test_a_verdict_is_read_only_for_the_per_core_workers_it_timed(tmp_path, monk
     assert kept(four, config, cores=4) is None
 
 
+def test_a_verdict_timed_with_the_engine_an_earlier_rule_chose_is_measured_again(
+    tmp_path, monkeypatch
+):
+    """`--engine auto` once picked by the warm-up batch alone; the verdicts it kept are
+    measured again, and may now serve the other engine: a layout timed with the engine
+    the old rule served (its threads scale otherwise) is measured again too."""
+    monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    config = worker_config_stub().__class__(
+        model=str(tmp_path / "model"), task="text-classification", warmup_batch=4
+    )
+    key = layout_trial.trial_key(config, cores=2, workers=2, size=4)
+    assert key["engine_rule"] == engine_trial.RULE
+    figures = {"per_core": 150.0, "one_worker": 120.0}
+    earlier = {name: value for name, value in key.items() if name != "engine_rule"}
+    engine_trial.remember(
+        engine_trial.default_cache_dir(), layout_trial.CACHE_PREFIX, earlier, figures
+    )
+    assert kept(PER_CORE_2, config, cores=2) is None
+    engine_trial.remember(engine_trial.default_cache_dir(), layout_trial.CACHE_PREFIX, key, figures)
+    assert kept(PER_CORE_2, config, cores=2) is not None
+
+
 def test_weights_the_server_cannot_read_are_reported_by_the_trial_not_a_traceback(
     tiny_model, tmp_path, monkeypatch
 ):

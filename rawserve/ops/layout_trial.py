@@ -216,8 +216,8 @@ def attainable_share(cores: int) -> float:
 
 
 def trial_key(config: WorkerConfig, cores: int, workers: int, size: int) -> dict[str, Any]:
-    """What the verdict depends on: the model's files, its task, engine and precision,
-    the batch, the candidates, the versions and the CPU."""
+    """What the verdict depends on: the model's files, its task, engine (and how `auto`
+    picks one) and precision, the batch, the candidates, the versions and the CPU."""
     files = engine_trial.fingerprints(
         Path(config.model), (".json", ".safetensors", ".bin", ".onnx")
     )
@@ -226,6 +226,7 @@ def trial_key(config: WorkerConfig, cores: int, workers: int, size: int) -> dict
         "files": files,
         "task": config.task,
         "engine": config.engine.value,
+        "engine_rule": engine_trial.RULE,
         "dtype": config.dtype,
         "batch": size,
         "cores": cores,
