@@ -241,15 +241,22 @@ def test_a_kept_verdict_with_damaged_figures_is_measured_again(
     )
 
 
-def test_a_verdict_is_read_only_for_the_per_core_workers_it_timed(tmp_path, monkeypatch):
-    """Memory held 2 workers on 4 cores when it was timed: a later start with the memory
-    for 4 times its own per-core candidate, not 2 workers' figures."""
+def bare_model(tmp_path: Path, monkeypatch):
+    """A worker config of a model folder holding only its config (a key needs no more),
+    and a cache of the test's own."""
     monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     config = worker_config_stub().__class__(
         model=str(tmp_path / "model"), task="text-classification", warmup_batch=4
     )
+    return config
+
+
+def test_a_verdict_is_read_only_for_the_per_core_workers_it_timed(tmp_path, monkeypatch):
+    """Memory held 2 workers on 4 cores when it was timed: a later start with the memory
+    for 4 times its own per-core candidate, not 2 workers' figures."""
+    config = bare_model(tmp_path, monkeypatch)
     key = layout_trial.trial_key(config, cores=4, workers=2, size=4)
     figures = {"per_core": 150.0, "one_worker": 120.0}
     engine_trial.remember(engine_trial.default_cache_dir(), layout_trial.CACHE_PREFIX, key, figures)
@@ -264,12 +271,7 @@ def test_a_verdict_timed_with_the_engine_an_earlier_rule_chose_is_measured_again
     """`--engine auto` once picked by the warm-up batch alone; the verdicts it kept are
     measured again, and may now serve the other engine: a layout timed with the engine
     the old rule served (its threads scale otherwise) is measured again too."""
-    monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
-    config = worker_config_stub().__class__(
-        model=str(tmp_path / "model"), task="text-classification", warmup_batch=4
-    )
+    config = bare_model(tmp_path, monkeypatch)
     key = layout_trial.trial_key(config, cores=2, workers=2, size=4)
     assert key["engine_rule"] == engine_trial.RULE
     figures = {"per_core": 150.0, "one_worker": 120.0}
