@@ -71,11 +71,16 @@ class Trial:
     def winner(self) -> Engine:
         return min(self.seconds, key=self.score)
 
+    @property
+    def timed_alone(self) -> bool:
+        """Whether every engine's one item alone was timed (not by an earlier version)."""
+        return set(self.lone) == set(self.seconds)
+
     def score(self, engine: Engine) -> float:
         """Lower is faster: the product of the engine's times at the batch and alone (their
         geometric mean's square), so that a lone client's time weighs as much as a full
         batch's throughput; the batch's time alone where one item was not timed."""
-        if set(self.lone) != set(self.seconds):
+        if not self.timed_alone:
             return self.seconds[engine]
         return self.seconds[engine] * self.lone[engine]
 
@@ -86,7 +91,7 @@ class Trial:
         engines = sorted(self.seconds, key=self.score)
         source = verdict_source(self.cached, self.this_start)
         batch = f"a batch of {self.batch} took {_ms(self.seconds, engines)}"
-        if self.batch == 1 or set(self.lone) != set(self.seconds):
+        if self.batch == 1 or not self.timed_alone:
             return f"auto: the faster here, {source}: {batch}"
         line = f"auto: the faster here over a batch and one item, {source}: {batch}; "
         line += f"one item alone {_ms(self.lone, engines)}"
