@@ -2,7 +2,7 @@
 # What a lent GPU machine lacks for `python -m bench.gpu_round`, gathered here into one
 # folder that git ignores and that travels with the working tree (carry it: 64 MiB in all).
 # That machine has Python 3.12, torch, transformers 5.17 and huggingface_hub 1.x, and no
-# network (bench/RESULTS.md, "Measuring on a lent GPU"): rawserve needs transformers 5.18+
+# network (bench/RESULTS.md, "Measuring on a lent GPU"): rawserve needs transformers 5.20+
 # with huggingface_hub 2, orjson and llguidance; the seed's server starlette and uvicorn;
 # bench.profile py-spy; the BERT-base-sized scenario MiniLM's tokenizer files (the packaged
 # model's 88 MB stay here).

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
 
@@ -75,6 +76,9 @@ from rawserve.worker.text_pieces import (
 PIPELINE_DEFAULTS: dict[str, Any] = {"max_new_tokens": 256, "do_sample": True, "temperature": 0.7}
 # the positions of a model whose config names none (a recurrent one reads any length)
 UNDECLARED_POSITIONS = 1_000_000
+# transformers' words for a control token in a message that its tokenizer also makes
+# from plain text (so it cannot be kept as text)
+UNSANITIZABLE = re.compile(r"Can't sanitize (.+): the tokenizer produces it from plain text")
 # What `generate` samples with where neither the request nor the model's generation config
 # says (transformers' global defaults that change a draw; the others are neutral): the
 # continuous loop draws as `generate` would.
@@ -452,15 +456,14 @@ class CausalLMRunner(Runner):
         rendered with the chat template, or ids as they came (OpenAI's completions take
         them; ValueError for one the model has no embedding for)."""
         if params.get(CHAT_PARAM):
-            text = self.chat_text(
+            parts = self._chat_parts(
                 item["messages"],
                 item.get("tools"),
                 item.get("parallel_tool_calls", False),
                 item.get("tool_prompt", ""),
                 {**item.get("template_kwargs", {}), **item.get("opening", {})},
             )
-            # the template writes the special tokens it wants (a BOS) itself
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return self._render_ids(*parts)
         if isinstance(item, list):
             unknown = [token_id for token_id in item if not 0 <= token_id < self.vocabulary]
             if unknown:
@@ -479,7 +482,18 @@ class CausalLMRunner(Runner):
         tool_prompt: str = "",
         variables: dict[str, Any] | None = None,
     ) -> str:
-        """A chat rendered with the model's template, with the tools it may call: where
+        """A chat rendered with the model's template (`_chat_parts` says what goes in)."""
+        return self._render(*self._chat_parts(messages, tools, several, tool_prompt, variables))
+
+    def _chat_parts(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None,
+        several: bool,
+        tool_prompt: str,
+        variables: dict[str, Any] | None,
+    ) -> tuple[list[dict[str, Any]], list[Any] | None, dict[str, Any]]:
+        """What a chat is rendered from: its messages, with the tools it may call: where
         the template leaves tools out, they are described at the end of the last message
         (and, where `several`, how to call several at once). A `tool_prompt` (TGI's) goes
         at the end of the last message, before that description, as TGI puts it there.
@@ -503,31 +517,57 @@ class CausalLMRunner(Runner):
         if tools and tool_prompt:
             last = {**messages[-1], "content": messages[-1]["content"] + "\n\n" + tool_prompt}
             messages = [*messages[:-1], last]
-        text = self._render(messages, tools, variables)
-        if tools and text == self._render(messages, None, variables):
+        if tools and self._render(messages, tools, variables) == self._render(
+            messages, None, variables
+        ):
             described = TOOLS_DESCRIBED.format(
                 json.dumps([tool["function"] for tool in tools], ensure_ascii=False)
             )
             described += SEVERAL_CALLS if several else ""
             last = {**messages[-1], "content": messages[-1]["content"] + described}
-            text = self._render([*messages[:-1], last], None, variables)
-        return text
+            return [*messages[:-1], last], None, variables
+        return messages, tools, variables
 
     def _render(
         self, messages: list[dict[str, Any]], tools: list[Any] | None, variables: dict[str, Any]
     ) -> str:
+        return str(self._apply_template(messages, tools, variables, tokenize=False))
+
+    def _render_ids(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None, variables: dict[str, Any]
+    ) -> list[int]:
+        """A chat's token ids. The template writes the special tokens it wants (a BOS)
+        itself, and its control tokens (`<|im_start|>`, `</s>`) are tokens only where it
+        writes them: the same words inside a message, a tool or a template setting are
+        text, so a client's message that spells out `<|im_end|><|im_start|>system` stays in
+        its own turn instead of opening a system one (transformers'
+        `sanitize_control_tokens`)."""
+        return list(self._apply_template(messages, tools, variables, tokenize=True))
+
+    def _apply_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None,
+        variables: dict[str, Any],
+        tokenize: bool,
+    ) -> Any:
+        tokenized = {"sanitize_control_tokens": True, "return_dict": False} if tokenize else {}
         try:
-            return str(
-                self.tokenizer.apply_chat_template(
-                    messages,
-                    tools=tools,
-                    tokenize=False,
-                    **{"add_generation_prompt": True, **variables},
-                )
+            return self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                tokenize=tokenize,
+                **tokenized,
+                **{"add_generation_prompt": True, **variables},
             )
         except jinja2.TemplateError as exc:  # the template refuses these messages
             raise WrittenForClients(f"the chat template refused the messages: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - it breaks on these messages: theirs to change
+            if unsanitizable := UNSANITIZABLE.match(str(exc)):  # (a token may hold a "/")
+                raise WrittenForClients(
+                    f"a message holds {unsanitizable[1]}, a control token of the chat "
+                    "template that this model's tokenizer cannot read as text"
+                ) from None
             reason = f"{type(exc).__name__}: {exc}"
             raise ValueError(f"the chat template failed on these messages ({reason})") from None
 
