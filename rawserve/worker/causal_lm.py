@@ -38,6 +38,13 @@ from rawserve.tasks.text_generation import (
     returns_full_text,
     stops_after,
 )
+from rawserve.worker.chat_controls import (
+    can_sanitize,
+    check_names,
+    declare,
+    thinking_apart,
+    unmarked,
+)
 from rawserve.worker.continuous import Generation, cache_keyword, cache_of, end_ids
 from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.generate_hooks import (
@@ -259,6 +266,11 @@ class CausalLMRunner(Runner):
         if chat_template is not None:
             tokenizer.chat_template = chat_template
             check_template(tokenizer)
+        authored = getattr(tokenizer, "chat_control_tokens", None)
+        # the control tokens the model lists itself, if any (rawserve.worker.chat_controls)
+        self.authored_controls = None if authored is None else tuple(authored)
+        if tokenizer.chat_template:
+            can_sanitize(tokenizer)
         self.model, untrained = load_model("AutoModelForCausalLM", model, dtype=torch_dtype)
         self.model.to(device).eval()
         super().__init__("text-generation", device, dtype_name(self.model), tokenizer)
@@ -507,6 +519,7 @@ class CausalLMRunner(Runner):
         as 9 of its own, a call's and its answer's the same, as vLLM shortens them for
         Mistral: OpenAI's ids (rawserve's own answers' too) are longer."""
         variables = variables or {}
+        messages = thinking_apart(messages, str(self.tokenizer.chat_template))
         if "developer" not in str(self.tokenizer.chat_template):
             messages = [
                 {**message, "role": "system"} if message["role"] == "developer" else message
@@ -541,7 +554,11 @@ class CausalLMRunner(Runner):
         writes them: the same words inside a message, a tool or a template setting are
         text, so a client's message that spells out `<|im_end|><|im_start|>system` stays in
         its own turn instead of opening a system one (transformers'
-        `sanitize_control_tokens`)."""
+        `sanitize_control_tokens`, with the control tokens and the names that
+        rawserve.worker.chat_controls adds)."""
+        controls = declare(self.tokenizer, self.authored_controls)
+        check_names(messages, controls)
+        check_names(tools, controls)
         return list(self._apply_template(messages, tools, variables, tokenize=True))
 
     def _apply_template(
@@ -561,14 +578,16 @@ class CausalLMRunner(Runner):
                 **{"add_generation_prompt": True, **variables},
             )
         except jinja2.TemplateError as exc:  # the template refuses these messages
-            raise WrittenForClients(f"the chat template refused the messages: {exc}") from None
+            raise WrittenForClients(
+                f"the chat template refused the messages: {unmarked(str(exc))}"
+            ) from None
         except Exception as exc:  # noqa: BLE001 - it breaks on these messages: theirs to change
             if unsanitizable := UNSANITIZABLE.match(str(exc)):  # (a token may hold a "/")
                 raise WrittenForClients(
-                    f"a message holds {unsanitizable[1]}, a control token of the chat "
+                    f"the chat holds {unsanitizable[1]}, a control token of the chat "
                     "template that this model's tokenizer cannot read as text"
                 ) from None
-            reason = f"{type(exc).__name__}: {exc}"
+            reason = f"{type(exc).__name__}: {unmarked(str(exc))}"
             raise ValueError(f"the chat template failed on these messages ({reason})") from None
 
     def _check_lengths(self, params: dict[str, Any], longest_prompt: int) -> None:

@@ -1,0 +1,133 @@
+"""A chat's control tokens, kept the template's own: what a client writes in a chat is
+read as text, never as a token that ends a turn or opens another.
+
+transformers' `apply_chat_template(..., sanitize_control_tokens=True)` encodes the control
+tokens in the messages, tools and template settings as plain text, and the template's own
+as tokens. It leaves three gaps this module closes:
+
+- Which tokens are control tokens: the tokenizer's special tokens and, unless the model
+  lists its own (`chat_control_tokens`), the added tokens its template's text holds. A
+  template that builds a role's token from pieces (Phi-4-mini's `'<|' + role + '|>'`)
+  never holds `<|system|>` whole, so added tokens of that shape count as well.
+- Dict keys are not marked: a tool's parameter names and the argument names of a tool
+  call sent back would still reach the model as tokens. Such a chat is refused.
+- A reasoning template that splits an earlier answer at `</think>` and strips the
+  newlines around it (Qwen3's) stops at the marks around the tag, and renders the
+  answer with newlines the model never wrote. Such an answer's thinking is split off
+  first, as the template would, into the `reasoning_content` it reads.
+
+Worker process only (reads a transformers tokenizer).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+from functools import lru_cache
+from typing import Any
+
+from rawserve.tasks.text_generation import REASONING_END, REASONING_START
+from rawserve.worker.runner import WrittenForClients
+
+log = logging.getLogger("rawserve.worker")
+
+# an added token shaped as the ChatML family shapes a role's (`<|user|>`, `<|end|>`)
+ROLE_SHAPED = re.compile(r"<\|[^\s|<>]+\|>")
+# the marks transformers puts around a control token a client wrote (private-use
+# characters): they may appear in its error messages, never in answers
+MARKS = dict.fromkeys(map(ord, "\U000f0000\U000f0001"))
+
+
+def can_sanitize(tokenizer: Any) -> bool:
+    """Whether the tokenizer's transformers keeps a message's control tokens as text
+    (5.20 and later; rawserve's floor). An older one, installed past pip's check, takes
+    the setting for a template variable and says nothing: a line says it here."""
+    named = inspect.signature(tokenizer.apply_chat_template).parameters
+    if "sanitize_control_tokens" in named:
+        return True
+    log.warning(
+        "this transformers keeps no chat's control tokens apart from its messages' text "
+        "(transformers 5.20 or later does): a message that spells one out reads as the "
+        "token, as it would in most servers"
+    )
+    return False
+
+
+def declare(tokenizer: Any, authored: tuple[str, ...] | None) -> re.Pattern[str]:
+    """Set `tokenizer.chat_control_tokens` for its current template (the model's own
+    list, `authored`, where it has one), and a pattern that finds any control token."""
+    template = str(tokenizer.chat_template)
+    added = tuple(
+        (token.content, bool(token.special)) for token in tokenizer.added_tokens_decoder.values()
+    )
+    listed, pattern = _controls(template, added, authored)
+    tokenizer.chat_control_tokens = listed
+    return pattern
+
+
+@lru_cache(maxsize=8)
+def _controls(
+    template: str, added: tuple[tuple[str, bool], ...], authored: tuple[str, ...] | None
+) -> tuple[list[str], re.Pattern[str]]:
+    if authored is not None:
+        listed = list(authored)
+    else:
+        listed = [
+            content
+            for content, special in added
+            if not special
+            and not content.isspace()  # (Gemma's "\n" is text in every template)
+            and (content in template or ROLE_SHAPED.fullmatch(content))
+        ]
+    every = {content for content, special in added if special} | set(listed)
+    longest_first = sorted(every, key=len, reverse=True)
+    return listed, re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
+
+
+def check_names(parts: Any, controls: re.Pattern[str]) -> None:
+    """Refuse a chat whose tools or tool calls name something with a control token (a
+    parameter's or an argument's name): transformers reads dict keys as the template
+    writes them, never as text."""
+    if isinstance(parts, dict):
+        for key, value in parts.items():
+            if isinstance(key, str) and (found := controls.search(key)):
+                raise WrittenForClients(
+                    f"the name {key!r} in the chat holds {found[0]!r}, a control token of "
+                    "the chat template"
+                )
+            check_names(value, controls)
+    elif isinstance(parts, (list, tuple)):
+        for value in parts:
+            check_names(value, controls)
+
+
+def thinking_apart(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
+    """Each earlier answer whose content holds its thinking (`<think>...</think>answer`,
+    as a client without a reasoning parser sends it back) with the thinking split off
+    into `reasoning_content`, where the template reads that and splits at `</think>`
+    itself: the same split it makes (Qwen3's), which the marks around a client's tag
+    would otherwise keep from stripping the newlines beside it."""
+    if "reasoning_content" not in template or REASONING_END not in template:
+        return messages
+    return [_apart(message) for message in messages]
+
+
+def _apart(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if (
+        message.get("role") != "assistant"
+        or not isinstance(content, str)
+        or REASONING_END not in content
+        or message.get("reasoning_content") is not None
+    ):
+        return message
+    before, _, _ = content.partition(REASONING_END)
+    thinking = before.rstrip("\n").split(REASONING_START)[-1].lstrip("\n")
+    answer = content.split(REASONING_END)[-1].lstrip("\n")
+    return {**message, "reasoning_content": thinking, "content": answer}
+
+
+def unmarked(text: str) -> str:
+    """`text` without transformers' marks (an error message that quotes the chat)."""
+    return text.translate(MARKS)
