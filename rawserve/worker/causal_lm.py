@@ -39,9 +39,9 @@ from rawserve.tasks.text_generation import (
     stops_after,
 )
 from rawserve.worker.chat_controls import (
+    ChatControls,
     can_sanitize,
     check_names,
-    declare,
     thinking_apart,
     unmarked,
 )
@@ -266,9 +266,7 @@ class CausalLMRunner(Runner):
         if chat_template is not None:
             tokenizer.chat_template = chat_template
             check_template(tokenizer)
-        authored = getattr(tokenizer, "chat_control_tokens", None)
-        # the control tokens the model lists itself, if any (rawserve.worker.chat_controls)
-        self.authored_controls = None if authored is None else tuple(authored)
+        self.chat_controls = ChatControls(tokenizer)
         if tokenizer.chat_template:
             can_sanitize(tokenizer)
         self.model, untrained = load_model("AutoModelForCausalLM", model, dtype=torch_dtype)
@@ -556,9 +554,9 @@ class CausalLMRunner(Runner):
         its own turn instead of opening a system one (transformers'
         `sanitize_control_tokens`, with the control tokens and the names that
         rawserve.worker.chat_controls adds)."""
-        controls = declare(self.tokenizer, self.authored_controls)
-        check_names(messages, controls)
-        check_names(tools, controls)
+        controls = self.chat_controls.declare()
+        for names in (messages, tools, variables):
+            check_names(names, controls)
         return list(self._apply_template(messages, tools, variables, tokenize=True))
 
     def _apply_template(

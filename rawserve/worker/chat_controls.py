@@ -8,9 +8,10 @@ as tokens. It leaves three gaps this module closes:
 - Which tokens are control tokens: the tokenizer's special tokens and, unless the model
   lists its own (`chat_control_tokens`), the added tokens its template's text holds. A
   template that builds a role's token from pieces (Phi-4-mini's `'<|' + role + '|>'`)
-  never holds `<|system|>` whole, so added tokens of that shape count as well.
-- Dict keys are not marked: a tool's parameter names and the argument names of a tool
-  call sent back would still reach the model as tokens. Such a chat is refused.
+  never holds `<|system|>` whole, so there added tokens of that shape count as well.
+- Dict keys are not marked: a tool's parameter names, the argument names of a tool call
+  sent back, and the keys in a template setting's value would still reach the model as
+  tokens. Such a chat is refused.
 - A reasoning template that splits an earlier answer at `</think>` and strips the
   newlines around it (Qwen3's) stops at the marks around the tag, and renders the
   answer with newlines the model never wrote. Such an answer's thinking is split off
@@ -24,7 +25,6 @@ from __future__ import annotations
 import inspect
 import logging
 import re
-from functools import lru_cache
 from typing import Any
 
 from rawserve.tasks.text_generation import REASONING_END, REASONING_START
@@ -34,9 +34,14 @@ log = logging.getLogger("rawserve.worker")
 
 # an added token shaped as the ChatML family shapes a role's (`<|user|>`, `<|end|>`)
 ROLE_SHAPED = re.compile(r"<\|[^\s|<>]+\|>")
+# a template that builds such a token from pieces: `'<|'` as a string of its own
+BUILDS_FROM_PIECES = re.compile(r"""(['"])<\|\1""")
+# a template that splits an answer at </think> itself (Qwen3's `content.split('</think>')`)
+SPLITS_THINKING = re.compile(r"""split\(\s*(['"])</think>\1\s*\)""")
 # the marks transformers puts around a control token a client wrote (private-use
 # characters): they may appear in its error messages, never in answers
 MARKS = dict.fromkeys(map(ord, "\U000f0000\U000f0001"))
+QUOTED_NAME = 80  # characters of a refused name quoted in its refusal
 
 
 def can_sanitize(tokenizer: Any) -> bool:
@@ -54,52 +59,72 @@ def can_sanitize(tokenizer: Any) -> bool:
     return False
 
 
-def declare(tokenizer: Any, authored: tuple[str, ...] | None) -> re.Pattern[str]:
-    """Set `tokenizer.chat_control_tokens` for its current template (the model's own
-    list, `authored`, where it has one), and a pattern that finds any control token."""
-    template = str(tokenizer.chat_template)
-    added = tuple(
-        (token.content, bool(token.special)) for token in tokenizer.added_tokens_decoder.values()
-    )
-    listed, pattern = _controls(template, added, authored)
-    tokenizer.chat_control_tokens = listed
-    return pattern
+class ChatControls:
+    """A runner's chat control tokens: worked out once for its template and vocabulary
+    (again when either changes), and set as the tokenizer's `chat_control_tokens`."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        authored = getattr(tokenizer, "chat_control_tokens", None)
+        # the control tokens the model lists itself: taken at its word
+        self.authored = None if authored is None else tuple(authored)
+        self._seen: tuple[str, int] | None = None
+        self._listed: list[str] = []
+        self._pattern = re.compile("(?!)")  # never matches
+
+    def declare(self) -> re.Pattern[str]:
+        """Set the tokenizer's `chat_control_tokens`; a pattern that finds any control
+        token (a tokenizer's thousands of added tokens are walked once, not per chat)."""
+        seen = (str(self.tokenizer.chat_template), len(self.tokenizer))
+        if seen != self._seen:
+            added = tuple(
+                (token.content, bool(token.special))
+                for token in self.tokenizer.added_tokens_decoder.values()
+            )
+            self._listed, self._pattern = controls(seen[0], added, self.authored)
+            self._seen = seen
+        self.tokenizer.chat_control_tokens = self._listed
+        return self._pattern
 
 
-@lru_cache(maxsize=8)
-def _controls(
+def controls(
     template: str, added: tuple[tuple[str, bool], ...], authored: tuple[str, ...] | None
 ) -> tuple[list[str], re.Pattern[str]]:
+    """The control tokens to list beside the special ones (`added`: each added token's
+    text and whether it is special), and a pattern that finds any of them."""
     if authored is not None:
         listed = list(authored)
     else:
+        pieces = BUILDS_FROM_PIECES.search(template) is not None
         listed = [
             content
             for content, special in added
             if not special
             and not content.isspace()  # (Gemma's "\n" is text in every template)
-            and (content in template or ROLE_SHAPED.fullmatch(content))
+            and (content in template or (pieces and ROLE_SHAPED.fullmatch(content)))
         ]
     every = {content for content, special in added if special} | set(listed)
     longest_first = sorted(every, key=len, reverse=True)
     return listed, re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
 
 
-def check_names(parts: Any, controls: re.Pattern[str]) -> None:
-    """Refuse a chat whose tools or tool calls name something with a control token (a
-    parameter's or an argument's name): transformers reads dict keys as the template
-    writes them, never as text."""
+def check_names(parts: Any, pattern: re.Pattern[str]) -> None:
+    """Refuse a chat whose tools, tool calls or template settings name something with a
+    control token (a parameter's or an argument's name, a key in a setting's value, as
+    Llama 3.1's `custom_tools`): transformers reads dict keys as the template writes
+    them, never as text."""
     if isinstance(parts, dict):
         for key, value in parts.items():
-            if isinstance(key, str) and (found := controls.search(key)):
+            if isinstance(key, str) and (found := pattern.search(key)):
+                name = key if len(key) <= QUOTED_NAME else key[:QUOTED_NAME] + "..."
                 raise WrittenForClients(
-                    f"the name {key!r} in the chat holds {found[0]!r}, a control token of "
-                    "the chat template"
+                    f"the chat holds {found[0]!r}, a control token of the chat template, "
+                    f"in the name {name!r}"
                 )
-            check_names(value, controls)
+            check_names(value, pattern)
     elif isinstance(parts, (list, tuple)):
         for value in parts:
-            check_names(value, controls)
+            check_names(value, pattern)
 
 
 def thinking_apart(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
@@ -108,7 +133,7 @@ def thinking_apart(messages: list[dict[str, Any]], template: str) -> list[dict[s
     into `reasoning_content`, where the template reads that and splits at `</think>`
     itself: the same split it makes (Qwen3's), which the marks around a client's tag
     would otherwise keep from stripping the newlines beside it."""
-    if "reasoning_content" not in template or REASONING_END not in template:
+    if "reasoning_content" not in template or not SPLITS_THINKING.search(template):
         return messages
     return [_apart(message) for message in messages]
 
