@@ -2063,6 +2063,61 @@ def test_a_prompt_past_the_context_length_is_422_naming_its_field(path, document
     assert (answer.status, error["param"]) == (422, param), error
 
 
+class RefusingTheChat(Idle):
+    """A text-generation model whose worker refuses every input in `words`."""
+
+    def __init__(self, words: str):
+        super().__init__()
+        self.words = words
+
+    async def run(self, inputs, params, deadline, control=None):
+        raise UnprocessableInput(self.words)
+
+
+TOOLS_NAME = "the chat's tools hold '</s>', a control token of the chat template, in the name 'a'"
+UNREADABLE = "the chat holds '</s>', a control token of the chat template that this model's"
+
+
+REFUSED = "the chat template refused the messages: roles must alternate"
+PAST = "the prompt is longer than the model's context length"
+CHAT_PATH = "/v1/chat/completions"
+
+
+@pytest.mark.parametrize(
+    ("path", "document", "words", "param"),
+    [
+        (CHAT_PATH, {"messages": HI}, REFUSED, "messages"),
+        (CHAT_PATH, {"messages": HI}, TOOLS_NAME, "tools"),
+        (CHAT_PATH, {"messages": HI}, TOOLS_NAME.replace("tools", "messages"), "messages"),
+        (
+            CHAT_PATH,
+            {"messages": HI},
+            TOOLS_NAME.replace("tools", "template settings"),
+            "chat_template_kwargs",
+        ),
+        (CHAT_PATH, {"messages": HI}, UNREADABLE, "messages"),
+        ("/v1/responses", {"input": "hi"}, REFUSED, "input"),
+        ("/v1/responses", {"input": "hi"}, PAST, "input"),
+        ("/v1/completions", {"prompt": "hi"}, UNREADABLE, None),  # not a chat's
+    ],
+)
+def test_a_chat_the_worker_refuses_for_its_template_is_422_naming_its_field(
+    path, document, words, param
+):
+    """The worker's refusal of a chat (its template's, a control token in a name or one its
+    tokenizer cannot read as text) names the field that holds it, as OpenAI's errors do;
+    a chat's messages are the Responses API's input."""
+    details = {"chat_template": True}
+    model = RefusingTheChat(words)
+    served = ServedModel("m", ModelService(model, Loaded("text-generation", details, None)))
+    app = App(ServedModels([served]), AppSettings())
+    body = json.dumps(document).encode()
+    request = HttpRequest("POST", path, "", [("content-type", "application/json")], body, "t")
+    answer = asyncio.run(app.handle(request))
+    error = json.loads(answer.body)["error"]
+    assert (answer.status, error["param"]) == (422, param), error
+
+
 def test_openai_embeddings_usage_counts_every_inputs_tokens_in_its_total():
     from rawserve.api.openai import embedding_response
 

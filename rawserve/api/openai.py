@@ -76,6 +76,7 @@ from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.serving.face import EMBEDDING_ROUTE, ItemResult
 from rawserve.tasks.checks import BlankInput, not_blank
 from rawserve.tasks.text_generation import (
+    CHAT_REFUSALS,
     GRAMMAR_FAILED,
     GRAMMAR_REFUSED,
     THINKING_IN_CONTENT,
@@ -194,16 +195,28 @@ def embedding_response(
     }
 
 
-def name_field(error: HTTPError, generation: GenerationRequest, chat: bool) -> None:
+def name_field(
+    error: HTTPError, generation: GenerationRequest, chat: bool, responses: bool = False
+) -> None:
     """Name the request's field at fault as `error`'s `param`, where the worker could not:
     a grammar refused or failed is the field's that gave it ("tools", "response_format"),
-    a prompt past the context length its prompt's ("messages", "prompt")."""
+    a prompt past the context length its prompt's ("messages", "prompt"), a chat its
+    template refused, or whose names hold a control token, the field that holds it
+    (CHAT_REFUSALS). A chat's messages are the Responses API's (`responses`) "input"."""
     if error.status != 422 or error.param is not None:
         return
+    messages = "input" if responses else "messages"
     if error.message.startswith((GRAMMAR_REFUSED, GRAMMAR_FAILED)):
         error.param = generation.grammar_field
     elif CONTEXT_LENGTH in error.message:
-        error.param = "messages" if chat else "prompt"
+        error.param = messages if chat else "prompt"
+    elif chat and (field := chat_field(error.message)) is not None:
+        error.param = messages if field == "messages" else field
+
+
+def chat_field(message: str) -> str | None:
+    """The chat's field a worker's refusal of it names by its opening words."""
+    return next((f for opening, f in CHAT_REFUSALS.items() if message.startswith(opening)), None)
 
 
 class OpenAIRoutes:
@@ -375,7 +388,7 @@ class OpenAIRoutes:
         try:
             return await self._generate(request, model, generation, chat, shape)
         except UnprocessableInput as exc:
-            name_field(exc, generation, chat)
+            name_field(exc, generation, chat, responses=isinstance(shape, ResponseAnswer))
             raise
 
     async def _generate(

@@ -150,6 +150,16 @@ def stop_tail(text: str, stops: Sequence[str]) -> str:
 # begin: the API names the field that gave it
 GRAMMAR_REFUSED = "the grammar cannot be used: "
 GRAMMAR_FAILED = "the grammar failed: "
+# how the worker's refusal of a chat for its template begins, and the request's field
+# the API names for it (a chat's messages are the Responses API's "input")
+CHAT_TEMPLATE_REFUSED = "the chat template refused the messages: "
+CHAT_REFUSALS = {
+    CHAT_TEMPLATE_REFUSED: "messages",
+    "the chat's messages hold ": "messages",  # a control token in a name
+    "the chat's tools hold ": "tools",
+    "the chat's template settings hold ": "chat_template_kwargs",
+    "the chat holds ": "messages",  # a control token its tokenizer cannot read as text
+}
 
 
 def stops_after(params: Mapping[str, Any]) -> int:

@@ -27,6 +27,7 @@ from rawserve.shared.token_columns import columns, token_lists
 from rawserve.tasks import CHAT_PARAM, check_new_tokens
 from rawserve.tasks.text_generation import (
     API_SAMPLING,
+    CHAT_TEMPLATE_REFUSED,
     OPENED_IN_ANSWER,
     OPENED_IN_PROMPT,
     PROMPT_TOP_N,
@@ -555,8 +556,9 @@ class CausalLMRunner(Runner):
         `sanitize_control_tokens`, with the control tokens and the names that
         rawserve.worker.chat_controls adds)."""
         controls = self.chat_controls.declare()
-        for names in (messages, tools, variables):
-            check_names(names, controls)
+        check_names(messages, controls, "messages")
+        check_names(tools, controls, "tools")
+        check_names(variables, controls, "template settings")
         return list(self._apply_template(messages, tools, variables, tokenize=True))
 
     def _apply_template(
@@ -576,9 +578,7 @@ class CausalLMRunner(Runner):
                 **{"add_generation_prompt": True, **variables},
             )
         except jinja2.TemplateError as exc:  # the template refuses these messages
-            raise WrittenForClients(
-                f"the chat template refused the messages: {unmarked(str(exc))}"
-            ) from None
+            raise WrittenForClients(f"{CHAT_TEMPLATE_REFUSED}{unmarked(str(exc))}") from None
         except Exception as exc:  # noqa: BLE001 - it breaks on these messages: theirs to change
             if unsanitizable := UNSANITIZABLE.match(str(exc)):  # (a token may hold a "/")
                 raise WrittenForClients(

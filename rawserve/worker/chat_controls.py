@@ -108,23 +108,24 @@ def controls(
     return listed, re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
 
 
-def check_names(parts: Any, pattern: re.Pattern[str]) -> None:
+def check_names(parts: Any, pattern: re.Pattern[str], part: str) -> None:
     """Refuse a chat whose tools, tool calls or template settings name something with a
     control token (a parameter's or an argument's name, a key in a setting's value, as
     Llama 3.1's `custom_tools`): transformers reads dict keys as the template writes
-    them, never as text."""
+    them, never as text. `part`: what the chat calls `parts` ("messages", "tools",
+    "template settings"), the start of the refusal (CHAT_REFUSALS)."""
     if isinstance(parts, dict):
         for key, value in parts.items():
             if isinstance(key, str) and (found := pattern.search(key)):
                 name = key if len(key) <= QUOTED_NAME else key[:QUOTED_NAME] + "..."
                 raise WrittenForClients(
-                    f"the chat holds {found[0]!r}, a control token of the chat template, "
-                    f"in the name {name!r}"
+                    f"the chat's {part} hold {found[0]!r}, a control token of the chat "
+                    f"template, in the name {name!r}"
                 )
-            check_names(value, pattern)
+            check_names(value, pattern, part)
     elif isinstance(parts, (list, tuple)):
         for value in parts:
-            check_names(value, pattern)
+            check_names(value, pattern, part)
 
 
 def thinking_apart(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
