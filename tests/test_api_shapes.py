@@ -2075,7 +2075,8 @@ class RefusingTheChat(Idle):
 
 
 TOOLS_NAME = "the chat's tools hold '</s>', a control token of the chat template, in the name 'a'"
-UNREADABLE = "the chat holds '</s>', a control token of the chat template that this model's"
+UNREADABLE = "the chat's messages hold '</s>', a control token of the chat template that this"
+UNPLACED = "the chat holds '</s>', a control token of the chat template that this model's"
 
 
 REFUSED = "the chat template refused the messages: roles must alternate"
@@ -2096,6 +2097,8 @@ CHAT_PATH = "/v1/chat/completions"
             "chat_template_kwargs",
         ),
         (CHAT_PATH, {"messages": HI}, UNREADABLE, "messages"),
+        (CHAT_PATH, {"messages": HI}, UNPLACED, None),  # (none of its texts held it)
+        (CHAT_PATH, {"messages": HI, "functions": [{"name": "f"}]}, TOOLS_NAME, "functions"),
         ("/v1/responses", {"input": "hi"}, REFUSED, "input"),
         ("/v1/responses", {"input": "hi"}, PAST, "input"),
         ("/v1/completions", {"prompt": "hi"}, UNREADABLE, None),  # not a chat's

@@ -248,3 +248,30 @@ def test_an_answers_thinking_is_left_whole_for_a_template_that_does_not_split_it
     ]
     text = runner.tokenizer.decode(ids_of(runner, messages))
     assert "<think></think><think>\nhmm\n</think>\n\nhi!" in text
+
+
+@pytest.mark.parametrize(
+    ("where", "part"), [("a tool", "tools"), ("a setting", "template settings")]
+)
+def test_a_control_token_its_tokenizer_makes_from_text_is_said_where_it_is(tiny_model, where, part):
+    """The refusal of a control token the tokenizer also makes from plain text names the
+    part of the chat that holds it (its opening names the field to the client)."""
+    runner = chat_runner(tiny_model, WRITES_TOOLS + "{{ greeting }}")
+    runner.tokenizer.add_tokens(["movie"], special_tokens=True)  # text makes it too
+    messages = [{"role": "user", "content": "weather?"}]
+    described = {"type": "object", "properties": {"city": {"description": "a good movie"}}}
+    tool = {**TOOL, "function": {**TOOL["function"], "parameters": described}}
+    chat = {"messages": messages, "tools": [tool] if where == "a tool" else [TOOL]}
+    if where == "a setting":
+        chat["template_kwargs"] = {"greeting": "a good movie"}
+    with pytest.raises(WrittenForClients, match=f"^the chat's {part} hold 'movie', a control"):
+        runner.prompt_ids(chat, {CHAT_PARAM: True})
+
+
+def test_where_a_chat_holds_a_token_is_found_in_its_texts():
+    from rawserve.worker.chat_controls import holding, unquoted
+
+    parts = {"messages": [{"content": "hi"}], "tools": [{"d": ["a <x> b"]}], "settings": {}}
+    assert holding("<x>", parts) == "tools"
+    assert holding("<y>", parts) == "chat"
+    assert unquoted("'<|im_end|>'") == "<|im_end|>" and unquoted("not quoted") == "not quoted"

@@ -1982,8 +1982,8 @@ def test_a_control_token_the_tokenizer_makes_from_text_refuses_its_chat(tiny_mod
     assert not isinstance(answered, ItemFailure)
     assert failed.kind is FailureKind.INPUT
     assert failed.message == (
-        "the chat holds 'movie', a control token of the chat template that this model's "
-        "tokenizer cannot read as text"
+        "the chat's messages hold 'movie', a control token of the chat template that this "
+        "model's tokenizer cannot read as text"
     )
 
 

@@ -202,7 +202,8 @@ def name_field(
     a grammar refused or failed is the field's that gave it ("tools", "response_format"),
     a prompt past the context length its prompt's ("messages", "prompt"), a chat its
     template refused, or whose names hold a control token, the field that holds it
-    (CHAT_REFUSALS). A chat's messages are the Responses API's (`responses`) "input"."""
+    (CHAT_REFUSALS; OpenAI's older `functions` where the request sent those). A chat's
+    messages are the Responses API's (`responses`) "input"."""
     if error.status != 422 or error.param is not None:
         return
     messages = "input" if responses else "messages"
@@ -211,7 +212,10 @@ def name_field(
     elif CONTEXT_LENGTH in error.message:
         error.param = messages if chat else "prompt"
     elif chat and (field := chat_field(error.message)) is not None:
-        error.param = messages if field == "messages" else field
+        older = generation.tools is not None and generation.tools.older
+        error.param = {"messages": messages, "tools": "functions" if older else "tools"}.get(
+            field, field
+        )
 
 
 def chat_field(message: str) -> str | None:

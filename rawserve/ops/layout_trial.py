@@ -190,7 +190,7 @@ def measured(
         # slowed the per-core stretch (a kept verdict of 542.6 against 426.9 items/s
         # where fourteen later trials found one worker at 0.51-1.06 of one a core's
         # items, bench/RESULTS.md) must not decide it alone
-        log.info("layout trial: 1 worker x %d threads was the faster; timed again", cores)
+        log.info("layout trial: one worker was the faster, timed again (%s)", trial.describe())
         again = timed(config, cores, workers, size, stop)
         trial = None if again is None else agreed(trial, again)
     if trial is None:

@@ -155,10 +155,10 @@ GRAMMAR_FAILED = "the grammar failed: "
 CHAT_TEMPLATE_REFUSED = "the chat template refused the messages: "
 CHAT_REFUSALS = {
     CHAT_TEMPLATE_REFUSED: "messages",
-    "the chat's messages hold ": "messages",  # a control token in a name
+    # a control token in a name, or one the tokenizer cannot read as text
+    "the chat's messages hold ": "messages",
     "the chat's tools hold ": "tools",
     "the chat's template settings hold ": "chat_template_kwargs",
-    "the chat holds ": "messages",  # a control token its tokenizer cannot read as text
 }
 
 

@@ -43,8 +43,10 @@ from rawserve.worker.chat_controls import (
     ChatControls,
     can_sanitize,
     check_names,
+    holding,
     thinking_apart,
     unmarked,
+    unquoted,
 )
 from rawserve.worker.continuous import Generation, cache_keyword, cache_of, end_ids
 from rawserve.worker.decode_graphs import GraphedDecode
@@ -581,9 +583,14 @@ class CausalLMRunner(Runner):
             raise WrittenForClients(f"{CHAT_TEMPLATE_REFUSED}{unmarked(str(exc))}") from None
         except Exception as exc:  # noqa: BLE001 - it breaks on these messages: theirs to change
             if unsanitizable := UNSANITIZABLE.match(str(exc)):  # (a token may hold a "/")
+                part = holding(
+                    unquoted(unsanitizable[1]),
+                    {"messages": messages, "tools": tools, "template settings": variables},
+                )
+                held = "the chat holds" if part == "chat" else f"the chat's {part} hold"
                 raise WrittenForClients(
-                    f"the chat holds {unsanitizable[1]}, a control token of the chat "
-                    "template that this model's tokenizer cannot read as text"
+                    f"{held} {unsanitizable[1]}, a control token of the chat template that "
+                    "this model's tokenizer cannot read as text"
                 ) from None
             reason = f"{type(exc).__name__}: {unmarked(str(exc))}"
             raise ValueError(f"the chat template failed on these messages ({reason})") from None

@@ -22,6 +22,7 @@ Worker process only (reads a transformers tokenizer).
 
 from __future__ import annotations
 
+import ast
 import inspect
 import logging
 import re
@@ -126,6 +127,34 @@ def check_names(parts: Any, pattern: re.Pattern[str], part: str) -> None:
     elif isinstance(parts, (list, tuple)):
         for value in parts:
             check_names(value, pattern, part)
+
+
+def holding(token: str, parts: dict[str, Any]) -> str:
+    """Which of the chat's `parts` (by name) holds `token` in a text, as transformers
+    marks them; "chat" where none is found."""
+    for part, value in parts.items():
+        if _holds(value, token):
+            return part
+    return "chat"
+
+
+def unquoted(quoted: str) -> str:
+    """A token as transformers quotes it in its words (its repr), unquoted."""
+    try:
+        token = ast.literal_eval(quoted)
+    except (ValueError, SyntaxError):
+        return quoted
+    return token if isinstance(token, str) else quoted
+
+
+def _holds(value: Any, token: str) -> bool:
+    if isinstance(value, str):
+        return token in value
+    if isinstance(value, dict):
+        return any(_holds(each, token) for each in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds(each, token) for each in value)
+    return False
 
 
 def thinking_apart(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
