@@ -44,6 +44,7 @@ from rawserve.worker.chat_controls import (
     can_sanitize,
     check_names,
     holding,
+    named_parts,
     thinking_apart,
     unmarked,
     unquoted,
@@ -557,10 +558,7 @@ class CausalLMRunner(Runner):
         its own turn instead of opening a system one (transformers'
         `sanitize_control_tokens`, with the control tokens and the names that
         rawserve.worker.chat_controls adds)."""
-        controls = self.chat_controls.declare()
-        check_names(messages, controls, "messages")
-        check_names(tools, controls, "tools")
-        check_names(variables, controls, "template settings")
+        check_names(named_parts(messages, tools, variables), self.chat_controls.declare())
         return list(self._apply_template(messages, tools, variables, tokenize=True))
 
     def _apply_template(
@@ -583,10 +581,7 @@ class CausalLMRunner(Runner):
             raise WrittenForClients(f"{CHAT_TEMPLATE_REFUSED}{unmarked(str(exc))}") from None
         except Exception as exc:  # noqa: BLE001 - it breaks on these messages: theirs to change
             if unsanitizable := UNSANITIZABLE.match(str(exc)):  # (a token may hold a "/")
-                part = holding(
-                    unquoted(unsanitizable[1]),
-                    {"messages": messages, "tools": tools, "template settings": variables},
-                )
+                part = holding(unquoted(unsanitizable[1]), named_parts(messages, tools, variables))
                 held = "the chat holds" if part == "chat" else f"the chat's {part} hold"
                 raise WrittenForClients(
                     f"{held} {unsanitizable[1]}, a control token of the chat template that "

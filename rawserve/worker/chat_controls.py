@@ -26,6 +26,7 @@ import ast
 import inspect
 import logging
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from rawserve.tasks.text_generation import REASONING_END, REASONING_START
@@ -109,33 +110,49 @@ def controls(
     return listed, re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
 
 
-def check_names(parts: Any, pattern: re.Pattern[str], part: str) -> None:
-    """Refuse a chat whose tools, tool calls or template settings name something with a
-    control token (a parameter's or an argument's name, a key in a setting's value, as
-    Llama 3.1's `custom_tools`): transformers reads dict keys as the template writes
-    them, never as text. `part`: what the chat calls `parts` ("messages", "tools",
-    "template settings"), the start of the refusal (CHAT_REFUSALS)."""
-    if isinstance(parts, dict):
-        for key, value in parts.items():
-            if isinstance(key, str) and (found := pattern.search(key)):
-                name = key if len(key) <= QUOTED_NAME else key[:QUOTED_NAME] + "..."
+def named_parts(
+    messages: list[dict[str, Any]], tools: list[Any] | None, variables: dict[str, Any]
+) -> dict[str, Any]:
+    """A chat's parts by the names its refusals open with (CHAT_REFUSALS)."""
+    return {"messages": messages, "tools": tools, "template settings": variables}
+
+
+def check_names(parts: dict[str, Any], pattern: re.Pattern[str]) -> None:
+    """Refuse a chat (`named_parts`) whose tools, tool calls or template settings name
+    something with a control token (a parameter's or an argument's name, a key in a
+    setting's value, as Llama 3.1's `custom_tools`): transformers reads dict keys as the
+    template writes them, never as text."""
+    for part, value in parts.items():
+        for text, is_key in _texts(value):
+            if is_key and (found := pattern.search(text)):
+                name = text if len(text) <= QUOTED_NAME else text[:QUOTED_NAME] + "..."
                 raise WrittenForClients(
                     f"the chat's {part} hold {found[0]!r}, a control token of the chat "
                     f"template, in the name {name!r}"
                 )
-            check_names(value, pattern, part)
-    elif isinstance(parts, (list, tuple)):
-        for value in parts:
-            check_names(value, pattern, part)
 
 
 def holding(token: str, parts: dict[str, Any]) -> str:
     """Which of the chat's `parts` (by name) holds `token` in a text, as transformers
     marks them; "chat" where none is found."""
     for part, value in parts.items():
-        if _holds(value, token):
+        if any(token in text for text, is_key in _texts(value) if not is_key):
             return part
     return "chat"
+
+
+def _texts(value: Any) -> Iterator[tuple[str, bool]]:
+    """Every text in a part of a chat, in its dicts and lists, and whether it is a key."""
+    if isinstance(value, str):
+        yield value, False
+    elif isinstance(value, dict):
+        for key, each in value.items():
+            if isinstance(key, str):
+                yield key, True
+            yield from _texts(each)
+    elif isinstance(value, (list, tuple)):
+        for each in value:
+            yield from _texts(each)
 
 
 def unquoted(quoted: str) -> str:
@@ -145,16 +162,6 @@ def unquoted(quoted: str) -> str:
     except (ValueError, SyntaxError):
         return quoted
     return token if isinstance(token, str) else quoted
-
-
-def _holds(value: Any, token: str) -> bool:
-    if isinstance(value, str):
-        return token in value
-    if isinstance(value, dict):
-        return any(_holds(each, token) for each in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds(each, token) for each in value)
-    return False
 
 
 def thinking_apart(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
