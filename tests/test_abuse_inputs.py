@@ -130,8 +130,8 @@ def test_texts_longer_than_a_classifier_reads_are_refused_before_they_are_queued
         assert answer["error"] == (
             "the input is more than 128 tokens and this model reads at most 128"
         )
-    # TEI's /predict too, where `truncate` is false (its default), in its words
-    body = json.dumps({"inputs": [["x", "word " * 200]]})
+    # TEI's /predict too, where `truncate: false` asks for it, in its words
+    body = json.dumps({"inputs": [["x", "word " * 200]], "truncate": False})
     status, _, answer = classifier.request("POST", "/predict", body, JSON)
     assert status == 422 and json.loads(answer)["error"] == (
         "the input is more than 128 tokens and the model takes at most 128: send truncate: "

@@ -193,15 +193,20 @@ def test_post_root_takes_prompt_name_as_inference_client_sends_it(servers):
     assert_error(status, body, 400, "nope", "query", "passage")
 
 
-def test_embed_too_long_is_422_unless_truncated(servers, reference):
+def test_embed_too_long_is_cut_unless_truncate_is_false(servers, reference):
+    """As TEI 1.9's (its auto-truncate on by default): cut where the request does not
+    say `truncate: false`."""
     server = servers["embedding"]
     long_text = " ".join(["hello"] * 400)  # the tiny model takes 128 positions
     status, body = server.post_json({"inputs": long_text, "truncate": False}, "/embed")
     assert_error(status, body, 422, "128")
-    status, body = server.post_json({"inputs": long_text}, "/embed")  # truncate defaults false
-    assert status == 422
     status, right = server.post_json({"inputs": long_text, "truncate": True}, "/embed")
     assert status == 200 and len(right[0]) == 32
+    for unsaid in ({"inputs": long_text}, {"inputs": long_text, "truncate": None}):
+        status, cut = server.post_json(unsaid, "/embed")
+        assert status == 200 and cut == right
+    status, tokens = server.post_json({"inputs": long_text}, "/embed_all")
+    assert status == 200 and len(tokens[0]) == 128
 
 
 def test_embed_truncation_direction_chooses_which_end_is_kept(servers):
@@ -353,7 +358,9 @@ def test_sentence_similarity_on_the_inference_api_refuses_what_it_does_not_read(
 def test_similarity_parameters_are_tei_s(servers, reference):
     server = servers["embedding"]
     long = {"inputs": {"source_sentence": "hello " * 200, "sentences": ["paris"]}}
-    assert_error(*server.post_json(long, "/similarity"), 422, "truncate")
+    refused = {**long, "parameters": {"truncate": False}}
+    assert_error(*server.post_json(refused, "/similarity"), 422, "truncate")
+    assert server.post_json(long, "/similarity")[0] == 200  # cut, as TEI 1.9 cuts
     cut = {**long, "parameters": {"truncate": True, "truncation_direction": "left"}}
     assert server.post_json(cut, "/similarity")[0] == 200
     document = {"inputs": {"source_sentence": "hello", "sentences": ["paris"]}}
@@ -532,12 +539,16 @@ def same_ranking(ranks: list[dict], expected: list[dict]) -> bool:
 def test_rerank_truncate_cuts_a_pair_that_is_too_long(servers):
     server = servers["reranker"]
     long_text = " ".join(["paris"] * 300)
-    status, body = server.post_json({"query": QUERY, "texts": [long_text]}, "/rerank")
+    status, body = server.post_json(
+        {"query": QUERY, "texts": [long_text], "truncate": False}, "/rerank"
+    )
     assert_error(status, body, 422)
     status, body = server.post_json(
         {"query": QUERY, "texts": [long_text], "truncate": True}, "/rerank"
     )
     assert status == 200 and len(body) == 1
+    status, unsaid = server.post_json({"query": QUERY, "texts": [long_text]}, "/rerank")
+    assert status == 200 and unsaid == body
 
 
 @pytest.mark.parametrize(
@@ -768,7 +779,7 @@ def test_info_carries_teis_fields_beside_rawserves(servers, tiny_model):
         assert info["max_input_length"] == 128  # the tiny models' positions
         assert isinstance(info["max_concurrent_requests"], int)
         assert isinstance(info["max_batch_tokens"], int) and info["max_batch_tokens"] > 0
-        assert isinstance(info["auto_truncate"], bool)
+        assert info["auto_truncate"] is True  # TEI 1.9's default: `truncate` unsaid cuts
         assert isinstance(info["tokenization_workers"], int)
         assert isinstance(info["version"], str)
         # rawserve's own fields stay

@@ -478,7 +478,7 @@ def tei_info(model: ServedModel, max_client_batch_size: int) -> dict[str, Any]:
         "max_batch_tokens": batching.get("max_batch_tokens") or max_batch_size * max_input_length,
         "max_batch_requests": max_batch_size,
         "max_client_batch_size": max_client_batch_size,
-        "auto_truncate": False,
+        "auto_truncate": True,  # `truncate` is true unless a request says false
         "tokenization_workers": len(model.serving.snapshot().workers),
         "version": __version__,
         "sha": None,

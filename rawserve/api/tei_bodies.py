@@ -275,8 +275,10 @@ PROMPT_NAME = Field(
     description="A prompt of the model's sentence-transformers configuration, put before "
     "each input.",
 )
+# As TEI's (its auto-truncate, on by default since TEI 1.9): an input longer than the model takes
+# is cut unless `truncate: false` asks for the 422
 TRUNCATION = {
-    "truncate": flag(False, "Cut inputs longer than the model takes (else: 422)."),
+    "truncate": flag(True, "Cut inputs longer than the model takes (false: 422)."),
     "truncation_direction": one_of(DIRECTIONS, "right"),
 }
 EMBED = Body(
@@ -364,7 +366,15 @@ def similarity_body(ignore_unknown: bool) -> Body:
 SIMILARITY = similarity_body(ignore_unknown=True)
 INFERENCE_SIMILARITY = similarity_body(ignore_unknown=False)
 TOKENIZE = Body(
-    {"inputs": INPUTS, "add_special_tokens": flag(True), "prompt_name": PROMPT_NAME, **TRUNCATION},
+    {
+        "inputs": INPUTS,
+        "add_special_tokens": flag(True),
+        "prompt_name": PROMPT_NAME,
+        # (TEI's lists a text whole: a client counts a document's tokens to know where to
+        # cut it; `truncate: true` cuts it as the model would)
+        "truncate": flag(False, "Cut inputs longer than the model takes."),
+        "truncation_direction": TRUNCATION["truncation_direction"],
+    },
     ignore_unknown=True,
 )
 DECODE = Body(
@@ -377,8 +387,8 @@ DECODE = Body(
 
 
 def truncation(fields: Fields) -> dict[str, Any]:
-    """The worker parameters of TEI's `truncate` (default false: too long is 422) and
-    `truncation_direction`."""
+    """The worker parameters of TEI's `truncate` (default true, but on `/tokenize`;
+    false: too long is 422) and `truncation_direction`."""
     return {
         "truncate": fields.value("truncate"),
         "truncation_direction": fields.value("truncation_direction").lower(),
