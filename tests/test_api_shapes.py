@@ -626,8 +626,38 @@ AGREEMENT = [
             "user": "u",
             "safety_identifier": "s",
             "prompt_cache_key": "k",
+            "prompt_cache_retention": "24h",
+            "prompt_cache_options": {"mode": "implicit", "ttl": "30m"},
+            "moderation": None,
         },
         True,
+    ),
+    # a text part that marks where a cacheable prefix ends (the openai SDK's)
+    (
+        "CHAT",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "hi", "prompt_cache_breakpoint": {}}],
+                }
+            ]
+        },
+        True,
+    ),
+    ("CHAT", {"messages": HI, "prompt_cache_retention": "forever"}, False),
+    ("CHAT", {"messages": HI, "prompt_cache_options": {"mode": "explicit", "size": 4}}, False),
+    ("CHAT", {"messages": HI, "moderation": {"model": "omni-moderation-latest"}}, False),
+    # vLLM's continuous_usage_stats, off: usage in the last chunk only (on is refused)
+    (
+        "CHAT",
+        {"messages": HI, "stream": True, "stream_options": {"continuous_usage_stats": False}},
+        True,
+    ),
+    (
+        "CHAT",
+        {"messages": HI, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+        False,
     ),
     ("CHAT", {"messages": HI, "service_tier": "default", "metadata": {}}, True),
     ("CHAT", {"messages": HI, "store": True}, False),

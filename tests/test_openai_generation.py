@@ -229,6 +229,23 @@ def test_chat_streamed_matches_the_answer_and_ends_with_done(servers):
     assert usage_chunk.choices == []
     assert usage_chunk.usage.prompt_tokens == whole.usage.prompt_tokens
     assert usage_chunk.usage.completion_tokens == whole.usage.completion_tokens
+    # the chunks before it say "usage": null, as OpenAI's spec has them (none where no
+    # usage chunk was asked for)
+    asked = {"messages": MESSAGES, "max_tokens": 3, "stream": True}
+    for options, usages in (({"include_usage": True}, True), (None, False)):
+        document = {**asked, "stream_options": options}
+        _, _, body = servers["chat"].request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(document),
+            {"Content-Type": "application/json"},
+        )
+        events = [json.loads(line[6:]) for line in body.splitlines() if line.startswith(b"data: {")]
+        if usages:
+            *before, last = events
+            assert all(event["usage"] is None for event in before) and last["usage"]
+        else:
+            assert not any("usage" in event for event in events)
 
 
 def test_chat_logprobs_list_each_tokens_text_and_its_likeliest_alternatives(servers):
@@ -688,6 +705,11 @@ def test_a_response_held_to_a_json_schema_is_json_it_describes(servers):
         ({"background": True}, "background"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"effort": "none", "summary": "auto"}}, "reasoning"),
+        ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
+        ({"context_management": [{"type": "compaction"}]}, "context_management"),
+        ({"prompt_cache_retention": "forever"}, "prompt_cache_retention"),
+        ({"prompt_cache_options": {"mode": "always"}}, "prompt_cache_options"),
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "4"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
         ({"input": [{"role": "tool", "content": "4"}]}, "input"),
@@ -727,10 +749,33 @@ def test_responses_takes_what_stores_and_tags_at_their_no_op_values(servers):
         "max_tool_calls": None,
         "stream_options": {"include_obfuscation": False},
         "text": {"verbosity": "medium"},  # OpenAI's default
+        # the openai SDK's fields, at their off values or as hints to a prompt cache
+        "reasoning": {"effort": "none"},
+        "moderation": None,
+        "context_management": None,
+        "image": None,
+        "access_programs": None,
+        "background_options": None,
+        "prompt_cache_key": "k",
+        "prompt_cache_retention": "24h",
+        "prompt_cache_options": {"mode": "explicit", "ttl": "30m"},
+        "parallel_tool_calls": False,
     }
     status, body = servers["chat"].post_json(document, "/v1/responses")
     assert status == 200 and body["store"] is False, body
     assert body["tool_choice"] == "auto"  # as asked (OpenAI's default too)
+    # the settings a Response says back are those asked
+    assert body["metadata"] == {"team": "a"} and body["parallel_tool_calls"] is False
+    for reasoning in (None, {}, {"effort": None, "summary": None}):
+        status, body = servers["chat"].post_json(
+            {"input": "hi", "max_output_tokens": 2, "reasoning": reasoning}, "/v1/responses"
+        )
+        assert status == 200, (reasoning, body)
+    parts = [{"type": "input_text", "text": "hi", "prompt_cache_breakpoint": {}}]
+    status, body = servers["chat"].post_json(
+        {"input": [{"role": "user", "content": parts}], "max_output_tokens": 2}, "/v1/responses"
+    )
+    assert status == 200, body
     status, body = servers["chat"].post_json(
         {"input": "hi", "max_output_tokens": 2, "tool_choice": "none"}, "/v1/responses"
     )

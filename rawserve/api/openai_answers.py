@@ -146,16 +146,22 @@ class Answer:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(clock())
         self.listed: set[int] = set()  # the streamed choices that listed a token
+        # a stream that ends with a usage chunk: the chunks before it say "usage": null,
+        # as OpenAI's spec has them (a client reading chunk["usage"] finds the key)
+        self.usage_in_chunks = False
 
     def head(self, chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
-        return {
+        head: dict[str, Any] = {
             "id": self.id,
             "object": f"{kind}.chunk" if chunk and self.chat else kind,
             "created": self.created,
             "model": self.model,
             "system_fingerprint": SYSTEM_FINGERPRINT,
         }
+        if chunk and self.usage_in_chunks:
+            head["usage"] = None
+        return head
 
     def whole(
         self,
@@ -377,6 +383,7 @@ class Answer:
         """OpenAI's chunks for a streamed generation (a stream a choice, each prompt's `n`
         one after another, their chunks as they come), then `data: [DONE]`. `echoed`:
         each choice's prompt, its first chunk."""
+        self.usage_in_chunks = include_usage
         try:
             choices = [Streamed(self.stops_after) for _ in streams]
             # an answer held to tools: its words as they come (not with log probabilities,

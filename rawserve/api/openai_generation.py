@@ -34,6 +34,7 @@ from rawserve.api.fields import (
     Field,
     Fields,
     flag,
+    one_of,
     read_boolean,
     read_number,
     text,
@@ -369,19 +370,37 @@ def read_repetition_penalty(name: str, value: Any, context: DocContext | None) -
 
 def read_stream_options(name: str, value: Any, context: DocContext | None) -> bool:
     """Whether the stream ends with a usage chunk. OpenAI's `include_obfuscation` is taken
-    where it is false (or null): no delta is padded, as on the Responses route."""
+    where it is false (or null): no delta is padded, as on the Responses route; so is
+    vLLM's `continuous_usage_stats`: usage only in the last chunk."""
     if (
         not isinstance(value, dict)
-        or set(value) - {"include_usage", "include_obfuscation"}
+        or set(value) - {"include_usage", "include_obfuscation", "continuous_usage_stats"}
         or value.get("include_obfuscation") not in (False, None)
+        or value.get("continuous_usage_stats") not in (False, None)
     ):
         raise BadRequest(
             '"stream_options" must be {"include_usage": true or false} (and '
-            '"include_obfuscation": false, if given: no delta is padded)',
+            '"include_obfuscation": false, if given: no delta is padded; '
+            '"continuous_usage_stats": false, if given: usage comes in the last chunk only)',
             param="stream_options",
         )
     include_usage = value.get("include_usage")
     return False if include_usage is None else read_boolean("include_usage", include_usage, None)
+
+
+def read_prompt_cache_options(name: str, value: Any, context: DocContext | None) -> Any:
+    """OpenAI's prompt caching settings (`mode`, `ttl`): checked, then dropped (no prompt
+    is cached here, and caching changes no answer)."""
+    if (
+        not isinstance(value, dict)
+        or set(value) - {"mode", "ttl"}
+        or value.get("mode") not in ("implicit", "explicit", None)
+        or not isinstance(value.get("ttl", ""), (str, type(None)))
+    ):
+        raise BadRequest(
+            f'"{name}" must be {{"mode": "implicit" or "explicit", "ttl": "30m"}}', param=name
+        )
+    return value
 
 
 def read_stop(name: str, value: Any, context: DocContext | None) -> list[str]:
@@ -675,6 +694,7 @@ STREAM_OPTIONS: Schema = {
     "properties": {
         "include_usage": NULLABLE_BOOLEAN,
         "include_obfuscation": {"enum": [False, None]},  # no delta is padded
+        "continuous_usage_stats": {"enum": [False, None]},  # usage in the last chunk only
     },
     "additionalProperties": False,
     "description": 'only with "stream": true',
@@ -747,6 +767,18 @@ LOGIT_BIAS: Schema = {
     "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
     "maxProperties": MAX_LOGIT_BIAS,
 }
+PROMPT_CACHE_OPTIONS: Schema = {
+    "type": ["object", "null"],
+    "properties": {"mode": {"enum": ["implicit", "explicit"]}, "ttl": {"type": "string"}},
+    "additionalProperties": False,
+}
+# OpenAI's prompt caching: what to keep for the next request, which changes no answer
+# (no prompt is cached here): checked, then dropped
+PROMPT_CACHE: dict[str, Field] = {
+    "prompt_cache_key": text(),
+    "prompt_cache_retention": one_of(("in_memory", "24h"), "in_memory"),
+    "prompt_cache_options": Field(PROMPT_CACHE_OPTIONS, read_prompt_cache_options),
+}
 COMMON: dict[str, Field] = {
     "max_tokens": MAX_TOKENS,
     "temperature": Field(
@@ -817,7 +849,7 @@ CHAT = Body(
         # OpenAI's bookkeeping (its dashboard, caches and abuse checks; "user" is one too)
         "metadata": Field(METADATA, read_metadata),
         "safety_identifier": text(),
-        "prompt_cache_key": text(),
+        **PROMPT_CACHE,
         # what OpenAI's models do and rawserve's do not (stored answers, service tiers, audio,
         # predicted outputs, reasoning, web search): taken at their off or default values
         "store": unserved({"enum": [False, None]}, False),
@@ -828,9 +860,10 @@ CHAT = Body(
         "reasoning_effort": unserved({"enum": ["none", None]}, "none"),
         "verbosity": unserved({"enum": ["medium", None]}, "medium"),
         "web_search_options": unserved({"type": "null"}),
+        "moderation": unserved({"type": "null"}),
     }
 )
-CHAT_BOOKKEEPING = ("metadata", "safety_identifier", "prompt_cache_key")
+CHAT_BOOKKEEPING = ("metadata", "safety_identifier", *PROMPT_CACHE)
 CHAT_UNSERVED = (
     "store",
     "service_tier",
@@ -840,6 +873,7 @@ CHAT_UNSERVED = (
     "reasoning_effort",
     "verbosity",
     "web_search_options",
+    "moderation",
 )
 COMPLETION_UNSERVED = ("suffix", "best_of")
 COMPLETION = Body(

@@ -28,6 +28,10 @@ MESSAGE_KEYS |= ANSWER_KEYS
 REASONING_KEYS = ("reasoning_content", "reasoning")
 MESSAGE_KEYS |= set(REASONING_KEYS)
 
+# OpenAI's mark of where a cacheable prompt prefix ends (on any text part): a hint to
+# its prompt cache, which changes no answer; taken and dropped
+CACHE_BREAKPOINT = "prompt_cache_breakpoint"
+
 
 def read_messages(name: str, value: Any, context: DocContext | None) -> list[dict[str, str]]:
     if value is None:
@@ -151,7 +155,7 @@ def message_text(content: Any) -> str:
             if (
                 kind not in ("text", "refusal")
                 or not isinstance(part.get(key), str)
-                or set(part) != {"type", key}
+                or set(part) - {CACHE_BREAKPOINT} != {"type", key}
             ):
                 raise BadRequest('content parts must be {"type": "text", "text": ...}: text only')
             texts.append(unicode_text(part[key], "a message's content"))
@@ -164,7 +168,11 @@ def message_text(content: Any) -> str:
 TEXT_PART: Schema = {
     "type": "object",
     "required": ["type", "text"],
-    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "properties": {
+        "type": {"const": "text"},
+        "text": {"type": "string"},
+        CACHE_BREAKPOINT: {"type": ["object", "null"]},
+    },
     "additionalProperties": False,
 }
 REFUSAL_PART: Schema = {  # an assistant's, sent back as OpenAI's answer had it

@@ -34,6 +34,7 @@ from rawserve.api.openai_generation import (
     MAX_NEW_TOKENS,
     METADATA,
     OPENAI_RESPONSE_FORMAT,
+    PROMPT_CACHE,
     GenerationRequest,
     parse_chat,
     read_metadata,
@@ -41,6 +42,7 @@ from rawserve.api.openai_generation import (
     refuse_unserved,
     unserved,
 )
+from rawserve.api.openai_messages import CACHE_BREAKPOINT
 from rawserve.api.reasoning import CONTENT, REASONING, Thinking, split_answer
 from rawserve.api.routing import DocContext, Schema
 from rawserve.api.streaming import TokenStream, merged
@@ -51,8 +53,8 @@ ROLES = ("user", "assistant", "system", "developer")
 # the text parts a message's content may hold: the client's, and an earlier answer's
 # (sent back as the SDK dumps an output item)
 PART_KEYS = {
-    "input_text": {"type", "text"},
-    "output_text": {"type", "text", "annotations", "logprobs"},
+    "input_text": {"type", "text", CACHE_BREAKPOINT},
+    "output_text": {"type", "text", "annotations", "logprobs", CACHE_BREAKPOINT},
 }
 # (an earlier answer's `id`, `status` and `phase`, null or OpenAI's "commentary" or
 # "final_answer", come back with it and are dropped)
@@ -65,6 +67,25 @@ INPUT_HELP = (
     'content a text or a list of {"type": "input_text", "text"} parts (this server serves '
     "text messages only: no images, files or function call outputs)"
 )
+
+
+def read_reasoning(name: str, value: Any, context: DocContext | None) -> Any:
+    """OpenAI's reasoning settings, at their off values only (no effort, no summary), as
+    chat's `reasoning_effort` takes "none": what a model thinks is its own template's
+    doing here."""
+    off = (None, "none")
+    if not isinstance(value, dict) or not (
+        set(value) <= {"effort", "summary", "generate_summary"}
+        and value.get("effort") in off
+        and value.get("summary") is None
+        and value.get("generate_summary") is None
+    ):
+        raise BadRequest(
+            f'"{name}" is not supported by this server: it takes only null, or '
+            '{"effort": "none"} with no summary',
+            param=name,
+        )
+    return value
 
 
 def read_input(name: str, value: Any, context: DocContext | None) -> list[dict[str, str]]:
@@ -192,7 +213,7 @@ RESPONSES = Body(
         "metadata": Field(METADATA, read_metadata),
         "user": text(),
         "safety_identifier": text(),
-        "prompt_cache_key": text(),
+        **PROMPT_CACHE,
         "parallel_tool_calls": flag(True),
         # what needs stored responses, tools or OpenAI's models: their off values only
         "previous_response_id": unserved({"type": "null"}),
@@ -201,12 +222,17 @@ RESPONSES = Body(
         "tools": unserved({"enum": [[], None]}, []),
         "tool_choice": unserved({"enum": ["none", "auto", None]}, "none", "auto"),
         "include": unserved({"enum": [[], None]}, []),
-        "reasoning": unserved({"type": "null"}),
+        "reasoning": Field({"type": ["object", "null"]}, read_reasoning),
         "prompt": unserved({"type": "null"}),
         "truncation": unserved({"enum": ["disabled", None]}, "disabled"),
         "service_tier": unserved({"enum": ["auto", "default", None]}, "auto", "default"),
         "top_logprobs": unserved({"enum": [0, None]}, 0),
         "max_tool_calls": unserved({"type": "null"}),
+        "moderation": unserved({"type": "null"}),
+        "context_management": unserved({"enum": [[], None]}, []),
+        "image": unserved({"type": "null"}),
+        "access_programs": unserved({"type": "null"}),
+        "background_options": unserved({"type": "null"}),
         # (no delta is padded: obfuscation taken off only)
         "stream_options": unserved(
             {"type": ["object", "null"]}, {}, {"include_obfuscation": False}
@@ -226,6 +252,11 @@ UNSERVED = (
     "service_tier",
     "top_logprobs",
     "max_tool_calls",
+    "moderation",
+    "context_management",
+    "image",
+    "access_programs",
+    "background_options",
     "stream_options",
 )
 BOOKKEEPING = (
@@ -233,11 +264,11 @@ BOOKKEEPING = (
     "metadata",
     "user",
     "safety_identifier",
-    "prompt_cache_key",
+    *PROMPT_CACHE,
     "parallel_tool_calls",
 )
 # a Response's settings, said back as it was asked (OpenAI's answer repeats them)
-SETTINGS = ("instructions", "max_output_tokens", "temperature", "top_p")
+SETTINGS = ("instructions", "max_output_tokens", "temperature", "top_p", "parallel_tool_calls")
 
 
 def parse_response(document: Any) -> tuple[GenerationRequest, dict[str, Any]]:
@@ -265,6 +296,7 @@ def parse_response(document: Any) -> tuple[GenerationRequest, dict[str, Any]]:
         chat["response_format"] = form  # (the grammar, in the form chat takes too)
     generation = replace(parse_chat(chat), max_tokens_field="max_output_tokens")
     settings = {name: fields.value(name) for name in SETTINGS}
+    settings["metadata"] = fields.value("metadata") or {}
     settings["text"] = {"format": (fields.get("text") or {}).get("format")}
     # as asked (OpenAI's default "auto"): with no tools, either says the same
     settings["tool_choice"] = fields.get("tool_choice") or "auto"
@@ -308,13 +340,12 @@ class ResponseAnswer:
             "incomplete_details": None,
             "model": self.model,
             "output": output,
-            "parallel_tool_calls": True,
             "tool_choice": self.settings.get("tool_choice", "auto"),
             "tools": [],
             "store": False,
             "previous_response_id": None,
-            "metadata": {},
             **{name: self.settings[name] for name in SETTINGS},
+            "metadata": self.settings["metadata"],
             "text": {"format": form},
             "usage": None,
             **fields,
