@@ -184,7 +184,7 @@ async def test_an_unexpected_failure_on_v1_is_a_bare_500_in_openais_shape(caplog
         (http_error(Refusal(Reason.INPUT_REJECTED, "a prompt too long")), "validation"),
         (http_error(Refusal(Reason.QUEUE_FULL, "server busy: queue full", 1.0)), "overloaded"),
         (Unauthorized("no key"), "unauthorized"),
-        (InternalError("boom"), "internal_error"),
+        (InternalError("boom"), "generation"),  # TGI's clients raise GenerationError
     ],
 )
 def test_openais_error_object_carries_tgis_type_beside_it(error, tgi_type):

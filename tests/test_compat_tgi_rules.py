@@ -19,6 +19,7 @@ from rawserve.http.errors import BadRequest
 from rawserve.http.exchange import HttpRequest
 from rawserve.serving.face import NO_CONTROL, Control, ItemResult, Refusal
 from rawserve.serving.service import ModelService
+from rawserve.shared.messages import FailureKind, ItemFailure
 from rawserve.tasks import InvalidRequest, UnservedParameter, check_params, task_rules
 from rawserve.tasks.text_generation import API_SAMPLING, MAX_STOP_SEQUENCES
 from tests.test_model_selection import ReadyWorkers, served
@@ -243,6 +244,33 @@ async def test_details_hold_tgis_fields_only(path):
         {"id": 2, "text": "ce", "logprob": -1.5},
     ]
     assert details["tokens"] == WORKER_DETAILS["tokens"]
+
+
+async def test_decoder_input_details_alone_turns_details_on_as_tgis_does():
+    app = App(ServedModels([generation_model()]))
+    document = {"inputs": "once", "parameters": {"decoder_input_details": True}}
+    response = await app.handle(post("/generate", document))
+    assert response.status == 200, response.body
+    assert json.loads(response.body)["details"]["prefill"][0] == {
+        "id": 1,
+        "text": "on",
+        "logprob": None,
+    }
+
+
+async def test_a_failure_of_the_model_is_tgis_generation_error():
+    """TGI's clients raise `GenerationError` for the type "generation" (a worker lost
+    mid-stream among them); "internal_error" was their `UnknownError`."""
+
+    class FailingQueue(GeneratingQueue):
+        async def run(self, inputs, params, deadline, control=NO_CONTROL):
+            failed = ItemFailure(FailureKind.INTERNAL, "the model failed")
+            return [ItemResult(failed, 0.0, 1, 0.001) for _ in inputs]
+
+    gen = ServedModel("gen", ModelService(FailingQueue(), ReadyWorkers("text-generation")))
+    response = await App(ServedModels([gen])).handle(post("/generate", {"inputs": "once"}))
+    assert response.status == 500
+    assert json.loads(response.body)["error_type"] == "generation"
 
 
 async def test_info_holds_what_tgis_info_requires_for_a_model_that_generates():

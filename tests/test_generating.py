@@ -3155,7 +3155,7 @@ def a_mix():
             "params": st.fixed_dictionaries(
                 {
                     "max_new_tokens": st.sampled_from([0, 1, 3, 12, POSITIONS - 1]),
-                    "seed": st.integers(0, 2**32 - 1),  # (what samples, repeats)
+                    "seed": st.integers(0, 2**64 - 1),  # (what samples, repeats)
                 },
                 optional={
                     "do_sample": st.just(True),

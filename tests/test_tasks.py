@@ -526,7 +526,7 @@ def test_each_parameter_takes_the_bounds_its_schema_states_and_refuses_past_them
     [
         ("text-generation", "temperature", 0, -0.5),  # 0: greedy, as the README says
         ("summarization", "temperature", 0.0, -0.5),
-        ("text-generation", "seed", 2**32 - 1, 2**32),  # a 32-bit seed
+        ("text-generation", "seed", 2**64 - 1, 2**64),  # TGI's seed: a u64
         ("summarization", "num_return_sequences", 8, 9),
         ("summarization", "min_new_tokens", 0, -1),  # 0: no minimum, generate()'s default
         ("question-answering", "max_seq_len", 16, 15),

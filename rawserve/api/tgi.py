@@ -179,6 +179,8 @@ class TgiRoutes:
             **parsed.params,
             API_SAMPLING: True,
         }
+        if params.get("decoder_input_details"):  # as TGI's: the prompt's tokens are details
+            params["details"] = True
         try:
             check_generation_length(params, model.limits.max_new_tokens)
         except InvalidRequest as exc:

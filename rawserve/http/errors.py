@@ -232,6 +232,15 @@ def tgi_error_response(exc: BaseException, request_id: str | None = None) -> Htt
     return HttpResponse(error.status, dumps(error_document(error)), list(error.headers))
 
 
+class GenerationFailed(HTTPError):
+    """TGI's type for a model that failed while it answered (a worker lost mid-stream, an
+    error in the model), which TGI's client and InferenceClient raise as
+    `GenerationError`; the status stays rawserve's 500 (TGI answers 424)."""
+
+    status = 500
+    error_type = "generation"
+
+
 class Overloaded(HTTPError):
     """TGI's type for a full queue, which its client and InferenceClient raise as
     `OverloadedError` (TGI answers it 429; rawserve keeps its 503 and Retry-After)."""
@@ -244,13 +253,15 @@ def tgi_error(error: HTTPError) -> HTTPError:
     """The error as TGI types it: TGI refuses whatever its validation finds wrong with 422
     "validation", so rawserve's 400 and 422 become that, and a busy queue's 503 is
     "overloaded". A request that cannot be read keeps its 400 (TGI's JSON reader answers
-    so); the rest keep theirs (TGI has no equivalent of rawserve's 504 or 413, nor of its
-    503 for a model loading)."""
+    so), a failure of the model or the server's own is "generation"; the rest keep theirs
+    (TGI has no equivalent of rawserve's 504 or 413, nor of its 503 for a model loading)."""
     client_error = isinstance(error, (BadRequest, UnprocessableInput))
     if client_error and not isinstance(error, MalformedRequest):
         return ValidationFailed(error.message, headers=error.headers)
     if isinstance(error, ServiceUnavailable) and error.busy:
         return Overloaded(error.message, headers=error.headers)
+    if isinstance(error, InternalError):
+        return GenerationFailed(error.message, headers=error.headers)
     return error
 
 

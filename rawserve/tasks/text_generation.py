@@ -256,7 +256,7 @@ TASK = Task(
         "top_p": float_range(0.0, 1.0),
         "top_k": int_range(1, 1000),
         "return_full_text": boolean,
-        "seed": int_range(0, 2**32 - 1),
+        "seed": int_range(0, 2**64 - 1),  # TGI's (a u64); torch's generators take it
         "stop": stop_sequences,
         "repetition_penalty": float_range(0.0, 100.0, above_low=True),
         # typical decoding (TGI's; 1: off): it samples, as a top_p below 1 does
