@@ -2064,3 +2064,34 @@ def test_any_value_of_a_field_is_answered_well_or_refused_naming_that_field(
             continue
         assert status in (400, 422), (document, body)
         assert body["error"]["param"] == name, (document, body)
+
+
+def test_invocations_reads_tgis_three_bodies_as_tgis_sagemaker_route_does(servers):
+    """SageMaker posts every request to /invocations: TGI answers a body with `inputs` as
+    /generate (streamed where it says so), one with `messages` as a chat completion and
+    one with `prompt` as a completion, each in its own shape."""
+    server = servers["chat"]
+    greedy = {"max_new_tokens": 4, "do_sample": False}
+    generate = {"inputs": "hello", "parameters": greedy}
+    status, body = server.post_json(generate, "/invocations")
+    assert status == 200 and body == server.post_json(generate, "/generate")[1]
+    status, headers, streamed = server.request(
+        "POST",
+        "/invocations",
+        json.dumps({**generate, "stream": True}),
+        {"Content-Type": "application/json"},
+    )
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert b'"generated_text"' in streamed
+    chat = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    status, body = server.post_json(chat, "/invocations")
+    assert status == 200 and body["object"] == "chat.completion"
+    expected = server.post_json(chat, "/v1/chat/completions")[1]
+    assert body["choices"][0]["message"] == expected["choices"][0]["message"]
+    status, body = server.post_json({"prompt": "hello", "max_tokens": 4}, "/invocations")
+    assert status == 200 and body["object"] == "text_completion"
+    # each refused in its own route's shape: TGI's, OpenAI's
+    status, body = server.post_json({"inputs": "hello", "parameters": {"top_k": 0}}, "/invocations")
+    assert status == 422 and body["error_type"] == "validation"
+    status, body = server.post_json({"messages": []}, "/invocations")
+    assert status == 400 and body["error"]["param"] == "messages"

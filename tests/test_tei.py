@@ -810,3 +810,38 @@ def test_info_names_the_pooling_as_tei_does(pooling, tei_pooling):
 
     details = {"pooling": pooling}
     assert tei_model_type("feature-extraction", details) == {"embedding": {"pooling": tei_pooling}}
+
+
+# --- SageMaker's routes, as TEI's container serves them -----------------------------------
+
+
+def test_invocations_is_the_model_s_own_route_and_ping_its_health(servers):
+    """SageMaker posts to /invocations and probes /ping: TEI answers them as /embed,
+    /predict or /rerank, by what the model is, and /health."""
+    embedding, classifier, reranker = (servers[k] for k in ("embedding", "classifier", "reranker"))
+    asked = {"inputs": ["hello world", "paris"]}
+    assert embedding.post_json(asked, "/invocations") == embedding.post_json(asked, "/embed")
+    pair = {"inputs": [["i love", "this movie"]]}
+    assert classifier.post_json(pair, "/invocations") == classifier.post_json(pair, "/predict")
+    ranked = {"query": QUERY, "texts": ["paris is a city", "bananas"]}
+    status, body = reranker.post_json(ranked, "/invocations")
+    assert status == 200 and same_ranking(body, reranker.post_json(ranked, "/rerank")[1])
+    # refused in the shape of the route it stands for (TEI's)
+    blank = {"inputs": ""}
+    status, body = embedding.post_json(blank, "/invocations")
+    assert status == 422 and body["error_type"] == "Validation"
+    assert (status, body) == embedding.post_json(blank, "/embed")
+    status, _, answer = embedding.request("GET", "/ping")
+    assert status == 200 and json.loads(answer)["status"] == "ok"
+    status, headers, _ = embedding.request("GET", "/invocations")
+    assert status == 405 and headers["allow"] == "POST"
+
+
+def test_embeddings_is_openai_s_embeddings_as_on_tei(servers):
+    server = servers["embedding"]
+    asked = {"input": ["hello world"], "model": "m"}
+    status, body = server.post_json(asked, "/embeddings")
+    assert status == 200 and body["object"] == "list"
+    assert body["data"] == server.post_json(asked, "/v1/embeddings")[1]["data"]
+    status, body = server.post_json({"input": []}, "/embeddings")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"  # OpenAI's

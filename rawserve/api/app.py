@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Protocol
 
-from rawserve.api import schemas, tgi
+from rawserve.api import sagemaker, schemas, tgi
 from rawserve.api.bodies import json_response
 from rawserve.api.context import RouteContext
 from rawserve.api.gate import Gate
@@ -128,6 +128,7 @@ class App:
         self.gate.start_draining()
 
     async def handle(self, request: HttpRequest) -> HttpResponse:
+        request = sagemaker.target(request, self.models)  # (/invocations: the route it is)
         try:
             response = await self.route(request)
         except Exception as exc:
@@ -213,6 +214,7 @@ class App:
         costs no task, and a refused body is never asked for. Raises HTTPError as
         `handle` does.
         """
+        request = sagemaker.target(request, self.models)
         try:
             response = self.answer_now_plain(request)
         except Exception as exc:

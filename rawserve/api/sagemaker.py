@@ -1,0 +1,88 @@
+"""The routes SageMaker calls, as TEI's and TGI's containers serve them: `GET /ping` (its
+health check: `/health`) and `POST /invocations` (the model's own route); and TEI's
+`POST /embeddings` (OpenAI's embeddings, `/v1/embeddings`).
+
+Each is another name for a route rawserve serves: the app reads a request to one of them
+as a request to the route it stands for (`target`), which then checks, answers and
+refuses it in its own shapes. `/invocations` stands for the route of the model the body
+names (else the default model's), as TEI and TGI pick it:
+- a text-generation model: OpenAI's chat completions for a body with `messages`, its
+  completions for one with `prompt`, else TGI's `/generate` (`/generate_stream` where
+  the body says `"stream": true`), as TGI's SageMaker route reads its three bodies;
+- a feature-extraction model: TEI's `/embed`; a text classifier: TEI's `/rerank` where it
+  has one label (a cross-encoder) or, before it has loaded, where the body has a
+  `query`, else `/predict`;
+- any other task: the Inference API's `POST /`.
+Never imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from rawserve.api.bodies import read_json
+from rawserve.api.served import ServedModel, ServedModels
+from rawserve.http.errors import HTTPError
+from rawserve.http.exchange import HttpRequest
+
+PING = "/ping"
+INVOCATIONS = "/invocations"
+EMBEDDINGS = "/embeddings"
+ALIASES = {PING: "/health", EMBEDDINGS: "/v1/embeddings"}
+
+
+def target(request: HttpRequest, models: ServedModels) -> HttpRequest:
+    """`request` as a request to the route its path stands for (itself where it stands
+    for none)."""
+    path = ALIASES.get(request.path)
+    if path is None and request.path == INVOCATIONS:
+        path = invocation_path(body_document(request), models)
+    return request if path is None else replace(request, path=path)
+
+
+def invocation_path(document: Any, models: ServedModels) -> str:
+    """The route `/invocations` stands for, given its body (None where it cannot be read
+    as a JSON object: the route the model alone says, which refuses it)."""
+    body = document if isinstance(document, dict) else {}
+    model = chosen_model(body.get("model"), models)
+    task = model.task if model is not None else None
+    if task == "text-generation":  # (TGI tries its bodies in this order)
+        if "inputs" not in body and "messages" in body:
+            return "/v1/chat/completions"
+        if "inputs" not in body and "prompt" in body:
+            return "/v1/completions"
+        return "/generate_stream" if body.get("stream") is True else "/generate"
+    if task == "feature-extraction":
+        return "/embed"
+    if task == "text-classification":
+        return "/rerank" if is_reranker(model, body) else "/predict"
+    return "/"
+
+
+def chosen_model(name: Any, models: ServedModels) -> ServedModel | None:
+    """The model a body names, else the default (the route it goes to answers a name
+    that is not served with its 404)."""
+    try:
+        return models.get(name if isinstance(name, str) else None)
+    except HTTPError:
+        return models.default
+
+
+def is_reranker(model: ServedModel | None, body: dict[str, Any]) -> bool:
+    """A cross-encoder (a classifier of one label, as TEI tells a reranker), or, before
+    its labels are known, a body that asks to rank."""
+    loaded = model.serving.loaded if model is not None else None
+    labels = loaded.details.get("id2label") if loaded is not None else None
+    if labels:
+        return len(labels) == 1
+    return "query" in body
+
+
+def body_document(request: HttpRequest) -> Any:
+    """The body as the routes read JSON, or None where it is none (the head alone is being
+    looked at) or cannot be read (the route refuses it in its own words)."""
+    try:
+        return read_json(request) if request.body else None
+    except HTTPError:
+        return None
