@@ -153,6 +153,35 @@ def test_token_vectors_of_a_model_whose_tokenizer_has_no_pad_token(tiny_model, t
         np.testing.assert_allclose(vectors, serving.run([text], {})[0], atol=1e-5)
 
 
+@pytest.mark.parametrize("engine", [Engine.TORCH, Engine.ONNX])
+def test_a_t5_encoder_alone_serves_sentence_vectors_as_sentence_transformers_computes_them(
+    tiny_model, engine, tmp_path, monkeypatch
+):
+    """A sentence-transformers folder of `T5EncoderModel` (sentence-t5, GTR) is its encoder
+    alone: AutoModel made the whole T5, whose forward asks for decoder inputs, and every
+    request failed (on ONNX Runtime, its export failed)."""
+    import torch
+    import transformers
+
+    from rawserve.worker.loading import load_runner
+
+    if engine is Engine.ONNX and not onnxruntime_installed():
+        pytest.skip("the onnx extra is not installed")
+    monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path))  # exported here, not found kept
+    folder = tiny_model("t5-sentence-embedding")
+    serving = load_runner(worker_config(folder, dtype="float32", engine=engine), "cpu")
+    texts = ["i like it", "the movie was very bad and i hate it"]
+    served = serving.run(texts, {})
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    encoder = transformers.T5EncoderModel.from_pretrained(folder).eval()
+    encoded = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        states = encoder(**encoded).last_hidden_state
+    mask = encoded["attention_mask"].unsqueeze(-1).float()
+    expected = torch.nn.functional.normalize((states * mask).sum(1) / mask.sum(1), dim=-1)
+    np.testing.assert_allclose(np.array(served), expected.numpy(), atol=1e-5)
+
+
 def test_a_zero_shot_requests_labels_are_scored_together_not_one_pass_each(runner):
     """The pipeline scores each (text, label) pair; a request's pairs go through the
     model in passes of many, up to a bound, not one forward pass a label."""

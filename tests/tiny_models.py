@@ -53,6 +53,7 @@ KINDS = (
     "token-classification",
     "feature-extraction",
     "sentence-embedding",
+    "t5-sentence-embedding",  # a T5 encoder alone, as sentence-t5 and GTR ship
     "question-answering",
     "zero-shot-classification",
     "reranker",
@@ -88,6 +89,8 @@ def build(kind: str, folder: Path) -> Path:
         return _build_m2m100(folder)
     if kind == "image-classification":
         return _build_vit(folder)
+    if kind == "t5-sentence-embedding":
+        return _build_t5_encoder(folder)
     return _build_bert(kind, folder)
 
 
@@ -131,31 +134,59 @@ def _build_bert(kind: str, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    if kind == "sentence-embedding":  # the files sentence-transformers writes
-        modules = [
-            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {
-                "idx": 1,
-                "name": "1",
-                "path": "1_Pooling",
-                "type": "sentence_transformers.models.Pooling",
-            },
-            {
-                "idx": 2,
-                "name": "2",
-                "path": "2_Normalize",
-                "type": "sentence_transformers.models.Normalize",
-            },
-        ]
-        (folder / "modules.json").write_text(json.dumps(modules))
-        (folder / "1_Pooling").mkdir(exist_ok=True)
-        (folder / "1_Pooling" / "config.json").write_text(
-            json.dumps({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True})
-        )
-        (folder / "config_sentence_transformers.json").write_text(
-            json.dumps({"prompts": SENTENCE_PROMPTS, "default_prompt_name": None})
-        )
+    if kind == "sentence-embedding":
+        _sentence_transformers_files(folder)
     return folder
+
+
+def _build_t5_encoder(folder: Path) -> Path:
+    """A T5 encoder alone (`T5EncoderModel`) in a sentence-transformers folder."""
+    import transformers
+
+    tokenizer = transformers.BertTokenizer(vocab={word: i for i, word in enumerate(VOCAB)})
+    config = transformers.T5Config(
+        vocab_size=len(VOCAB),
+        d_model=32,
+        d_kv=16,
+        d_ff=37,
+        num_layers=2,
+        num_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.sep_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    transformers.T5EncoderModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    _sentence_transformers_files(folder)
+    return folder
+
+
+def _sentence_transformers_files(folder: Path) -> None:
+    """The files sentence-transformers writes beside the model: mean pooling, normalized."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+        {
+            "idx": 2,
+            "name": "2",
+            "path": "2_Normalize",
+            "type": "sentence_transformers.models.Normalize",
+        },
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True})
+    )
+    (folder / "config_sentence_transformers.json").write_text(
+        json.dumps({"prompts": SENTENCE_PROMPTS, "default_prompt_name": None})
+    )
 
 
 def bpe_tokenizer():

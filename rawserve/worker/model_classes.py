@@ -47,6 +47,14 @@ KINDS: dict[str, str] = {
     "AutoModelForQuestionAnswering": "a text encoder (such as BERT or RoBERTa)",
     "AutoModelForImageClassification": "an image model (such as ViT or ConvNeXt)",
 }
+# Encoder-decoder models whose embeddings come from their encoder alone, as
+# sentence-transformers loads them (sentence-t5, GTR): AutoModel makes the whole model,
+# whose forward asks for decoder inputs (every request to such a folder failed)
+ENCODER_ALONE: dict[str, str] = {
+    "t5": "T5EncoderModel",
+    "mt5": "MT5EncoderModel",
+    "umt5": "UMT5EncoderModel",
+}
 # Weights that rawserve never reads, so that their being random changes no answer: the
 # pooler of an AutoModel (feature-extraction pools the last hidden states itself)
 UNREAD_WEIGHTS: dict[str, tuple[str, ...]] = {"AutoModel": ("pooler.",)}
@@ -146,7 +154,10 @@ class Untrained:
 
 def load_model(class_name: str, folder: str, **kwargs: Any) -> tuple[Any, Untrained | None]:
     """transformers' `class_name`.from_pretrained, and what the checkpoint left untrained
-    of the model it made (None: nothing)."""
+    of the model it made (None: nothing). AutoModel loads an encoder-decoder's encoder
+    alone (`ENCODER_ALONE`)."""
+    if class_name == "AutoModel":
+        class_name = ENCODER_ALONE.get(model_type_of(Path(folder)) or "", class_name)
     loader = getattr(transformers, class_name)
     model, info = loader.from_pretrained(folder, output_loading_info=True, **kwargs)
     missing = set(info.get("missing_keys", ()))
