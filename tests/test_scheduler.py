@@ -2379,13 +2379,12 @@ def test_one_call_size_measured_often_still_bounds_a_batch_by_its_deadline():
 def test_a_pass_sends_what_one_batch_at_a_time_would(seed):
     """`decide` keeps the keys in a heap for the pass and looks at a window of each
     queue: it must send the very batches, in the same order, that passes for one free
-    worker at a time send (each orders the keys afresh). (Batches of at most two: a
-    pass for many free workers shares a key's queue among them, never below two.)"""
+    worker at a time send (each orders the keys afresh)."""
     import random
 
     def filled() -> SchedulerCore:
         rng = random.Random(seed)
-        core = measured(SchedulerCore(max_batch_size=2, max_queue=4096), 0.0001)
+        core = measured(SchedulerCore(max_batch_size=4, max_queue=4096), 0.0001)
         for _request in range(120):
             size = rng.choice([1, 1, 1, 3, 20])
             params = {"max_new_tokens": rng.choice([8, 16, 64])}
@@ -2401,48 +2400,6 @@ def test_a_pass_sends_what_one_batch_at_a_time_would(seed):
         expected.append(batch)
     assert [[i.seq for i in b] for b in sent] == [[i.seq for i in b] for b in expected]
     assert len(sent) > 50
-
-
-# --- several workers free: the queue shared among them ---------------------------------
-
-
-@pytest.mark.parametrize(
-    ("queued", "free", "sizes"),
-    [
-        (20, 2, [10, 10]),  # side by side, not one batch of 20 and the other idle
-        (9, 2, [5, 4]),
-        (40, 2, [20, 20]),
-        (100, 2, [32, 32]),  # the batch cap still holds
-        (12, 4, [3, 3, 3, 3]),
-        (3, 2, [2, 1]),
-        (2, 2, [2]),  # never a lone item beside another batch: it would take every core
-        (1, 2, [1]),
-        (20, 1, [20]),  # one worker free: the whole queue, as before
-    ],
-)
-def test_workers_free_together_share_the_queue(queued, free, sizes):
-    core = SchedulerCore(max_batch_size=32)
-    queue_items(core, [text(10)] * queued)
-    batches = core.decide(0.0, free).batches
-    assert [len(batch) for batch in batches] == sizes
-
-
-def test_a_share_never_cuts_a_batch_that_waits_to_fill():
-    """With `max_batch_delay`, a batch goes when full or when its wait ends: the share
-    does not make a partial batch look full before then."""
-    core = SchedulerCore(max_batch_size=32, max_batch_delay=0.005)
-    queue_items(core, [text(10)] * 20)
-    assert core.decide(0.001, 2).batches == []
-    assert [len(b) for b in core.decide(0.006, 2).batches] == [10, 10]
-
-
-def test_the_share_takes_partners_of_a_like_length():
-    """Cut to a share, a batch still groups like lengths (cost-aware batching)."""
-    core = measured(SchedulerCore(max_batch_size=32), 0.0001, fixed=0.001)
-    queue_items(core, [text(5), text(200), text(5), text(200), text(5), text(200)])
-    batches = core.decide(0.0, 2).batches
-    lengths = [sorted(len(item.input) for item in batch) for batch in batches]
-    assert sorted(lengths) == [[12, 12, 12], [792, 792, 792]]
 
 
 # --- a queue's earliest deadline and arrival, kept without a scan ---------------------

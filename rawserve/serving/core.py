@@ -695,7 +695,7 @@ class SchedulerCore:
         heapq.heapify(order)
         while order and len(batches) < free_workers:
             _, key = heapq.heappop(order)
-            batch = self._batch_from(self._queues[key], now, free_workers - len(batches))
+            batch = self._batch_from(self._queues[key], now)
             if batch is None:
                 continue
             batches.append(batch)
@@ -724,17 +724,13 @@ class SchedulerCore:
         item, queue = min(alive, key=lambda pair: (pair[0].cost, pair[0].sort_key()))
         return self._send(queue, [item], 0, now)
 
-    def _batch_from(
-        self, queue: list[WorkItem], now: float, free_workers: int = 1
-    ) -> list[WorkItem] | None:
+    def _batch_from(self, queue: list[WorkItem], now: float) -> list[WorkItem] | None:
         """One key's batch (marked in flight), or None to wait: `decide`'s rules for `queue`.
 
         The batch is chosen among the first items in turn order (a window a few batches
         long) and the item with the earliest deadline wherever it waits: a pass over a
         deep queue costs the same as over a short one (a queue of 256 for 256 one-item
-        batches took 112 ms a pass when every batch looked at every item).
-
-        With several workers free, what waits is shared among them (`_share`)."""
+        batches took 112 ms a pass when every batch looked at every item)."""
         window_size = max(CANDIDATE_WINDOW, PLAN_WINDOW * self.max_size)
         window = queue[:window_size]
         viable = [item for item in window if self._can_finish(item, now)]
@@ -752,27 +748,13 @@ class SchedulerCore:
             viable.remove(pressing)
             viable.insert(0, pressing)
         limits = self._limits_for(pressing.deadline, viable[0].cost, now)
-        waiting = now < self._wait_ends(minima)
-        if free_workers > 1 and not waiting:
-            share = self._share(len(queue), free_workers)
-            limits = replace(limits, max_size=min(limits.max_size, share))
         batch = choose_batch(
             viable, limits, lambda item: self._is_urgent(item, now), self.cost_model
         )
+        waiting = now < self._wait_ends(minima)
         if waiting and not self._is_full(batch, len(viable), limits):
             return None
         return self._send(queue, batch, window_size, now)
-
-    @staticmethod
-    def _share(queued: int, free_workers: int) -> int:
-        """The most items one batch takes of `queued` when `free_workers` could each run
-        one: an even share, so that the workers run side by side rather than one taking
-        the whole queue while the others get what trickles in after it. (On the 2-core
-        CPU at 64 clients, one worker took a batch of 20-32 while the other was sent
-        batches of 1-4 as requests came back: 9.4 items a batch.) Not below two items:
-        a lone item sent while the other workers are idle takes every core, and a second
-        batch beside it would put more threads than cores."""
-        return max(2, -(-queued // free_workers))
 
     def _send(
         self, queue: list[WorkItem], batch: list[WorkItem], window: int, now: float
