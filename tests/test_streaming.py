@@ -204,7 +204,8 @@ async def test_a_failure_after_the_first_token_is_an_error_event():
     scheduler = FakeScheduler(executor, [" a", " b"], failure)
     events = await collect(await open_stream(scheduler, executor))
     assert events[0]["token"]["text"] == " a"
-    assert events[-1] == {"error": "the model failed on this input", "error_type": "internal_error"}
+    # TGI's type for a model's failure: its clients raise it as GenerationError
+    assert events[-1] == {"error": "the model failed on this input", "error_type": "generation"}
 
 
 async def test_a_stream_ending_with_an_error_event_says_so_in_a_line_naming_its_request(caplog):
@@ -223,7 +224,7 @@ async def test_a_stream_ending_with_an_error_event_says_so_in_a_line_naming_its_
     with caplog.at_level("WARNING", logger="rawserve.streams"):
         response = await open_token_stream(model, "hello", {}, 1e9, request_id="stream-9")
         events = await collect(response)
-    assert response.status == 200 and events[-1]["error_type"] == "internal_error"
+    assert response.status == 200 and events[-1]["error_type"] == "generation"
     [record] = caplog.records
     assert record.getMessage() == (
         "request stream-9: its stream ended with an error event: 500 the model failed on this input"
@@ -567,7 +568,7 @@ async def test_a_failure_mid_stream_ends_it_with_an_error_event(where, monkeypat
     with caplog.at_level("ERROR", logger="rawserve.errors"):
         events = await collect(response)
     assert [event["token"]["text"] for event in events[:-1]] == [" a"]  # " b" held back
-    assert events[-1] == {"error": "internal server error", "error_type": "internal_error"}
+    assert events[-1] == {"error": "internal server error", "error_type": "generation"}
     assert "unexpected error while handling request" in caplog.text  # its traceback, logged
 
 
