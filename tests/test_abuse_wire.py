@@ -204,7 +204,7 @@ def test_probes_are_answered_when_the_connection_cap_is_reached(echo_server):
             assert [status for status, _ in read_answers(sock, limit=5)] == [200]
             idle.append(sock)
         statuses = {}
-        for path in ("/health", "/ready"):
+        for path in ("/health", "/ready", "/ping"):  # (/ping: SageMaker's readiness)
             with connect(echo_server.port) as sock:
                 sock.sendall(b"GET %s HTTP/1.1\r\nHost: a\r\n\r\n" % path.encode())
                 statuses[path] = [status for status, _ in read_answers(sock, limit=5)]
@@ -214,7 +214,7 @@ def test_probes_are_answered_when_the_connection_cap_is_reached(echo_server):
     finally:
         for sock in idle:
             sock.close()
-    assert statuses == {"/health": [200], "/ready": [200], "/": [503]}
+    assert statuses == {"/health": [200], "/ready": [200], "/ping": [200], "/": [503]}
 
 
 # --- 10. a client that never reads its answer is closed after --write-timeout --------

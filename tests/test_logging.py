@@ -475,7 +475,7 @@ def test_the_target_of_a_head_refused_as_too_large_is_cut_in_its_access_line(
     assert target.endswith("a...") and len(target) < 17_000
 
 
-@pytest.mark.parametrize("path", ["/health", "/ready", "/ready/some-model", "/health?x=1"])
+@pytest.mark.parametrize("path", ["/health", "/ready", "/ready/some-model", "/health?x=1", "/ping"])
 def test_probes_are_logged_at_debug_only(restore_logging, path):
     for status in (200, 503):  # up, down
         lines = access_lines(

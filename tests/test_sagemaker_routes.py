@@ -62,7 +62,7 @@ def test_an_encoder_s_invocations_are_tei_s_route_for_it():
     assert invocation_path({"query": "q", "texts": ["a"]}, unloaded) == "/rerank"
     assert invocation_path({"inputs": "hi"}, unloaded) == "/predict"
     other = ServedModels([served("qa", "question-answering")])
-    assert invocation_path({"inputs": {"question": "q", "context": "c"}}, other) == "/"
+    assert invocation_path({"inputs": {"question": "q", "context": "c"}}, other) == "/models/qa"
 
 
 def test_invocations_goes_to_the_route_of_the_model_its_body_names():
@@ -75,11 +75,56 @@ def test_invocations_goes_to_the_route_of_the_model_its_body_names():
 
 def test_the_other_names_stand_for_their_routes_and_the_rest_for_themselves():
     models = ServedModels([served("emb", "feature-extraction")])
-    assert target(request("/ping", method="GET"), models).path == "/health"
+    ping = target(request("/ping", method="GET"), models)
+    assert (ping.path, ping.query) == ("/ready", "full=ok")  # SageMaker's: ready for work
     assert target(request("/embeddings", b"{}"), models).path == "/v1/embeddings"
     body = json.dumps({"inputs": "hi"}).encode()
     moved = target(request("/invocations", body), models)
     assert (moved.path, moved.body, moved.request_id) == ("/embed", body, "t")
-    # the head alone (the body not read yet): the route the model says
-    assert target(request("/invocations"), models).path == "/embed"
+    # the head alone: not yet the route of a model (the body names it)
+    head = request("/invocations")
+    assert target(head, models, body_read=False) is head
     assert target(request("/v1/embeddings", b"{}"), models).path == "/v1/embeddings"
+
+
+def test_another_task_s_invocations_go_to_its_model_s_own_path_without_the_name():
+    """POST /models/<name> takes no "model" field: it is left out of the body."""
+    models = ServedModels([served("emb", "feature-extraction"), served("s2s", "summarization")])
+    body = json.dumps({"inputs": "a long text", "model": "s2s"}).encode()
+    moved = target(request("/invocations", body), models)
+    assert moved.path == "/models/s2s" and json.loads(moved.body) == {"inputs": "a long text"}
+
+
+def test_before_a_worker_loads_invocations_go_by_the_task_it_was_started_with():
+    model = served("emb", "feature-extraction")
+    model.serving.workers.loaded = None
+    starting = ServedModels([replace(model, facts={"task": "feature-extraction"})])
+    assert invocation_path({"inputs": "hi"}, starting) == "/embed"
+
+
+async def test_from_the_head_only_the_method_and_the_key_are_checked():
+    """Which model an /invocations asks for is in its body: a busy default model must not
+    refuse a request for another (a tester's: 20 of 20 were 503 while the other was idle)."""
+    from rawserve.api.app import App
+    from rawserve.api.settings import AppSettings
+    from rawserve.http.errors import MethodNotAllowed, Unauthorized
+
+    app = App(ServedModels([served("emb", "feature-extraction")]), AppSettings(api_key="k"))
+    keyed = [("authorization", "Bearer k")]
+    head = HttpRequest("POST", "/invocations", "", keyed, b"", "t")
+    assert app.answer_now(head) is None  # nothing refused before the body
+    with pytest.raises(Unauthorized):
+        app.answer_now(HttpRequest("POST", "/invocations", "", [], b"", "t"))
+    with pytest.raises(MethodNotAllowed):
+        app.answer_now(HttpRequest("GET", "/invocations", "", keyed, b"", "t"))
+
+
+async def test_ping_is_503_while_the_model_cannot_take_work():
+    from rawserve.api.app import App
+
+    model = served("emb", "feature-extraction")
+    app = App(ServedModels([model]))
+    ping = HttpRequest("GET", "/ping", "", [], b"", "t")
+    assert app.answer_now(ping).status == 200
+    model.serving.workers.ready = False
+    assert app.answer_now(ping).status == 503

@@ -831,10 +831,13 @@ def test_invocations_is_the_model_s_own_route_and_ping_its_health(servers):
     status, body = embedding.post_json(blank, "/invocations")
     assert status == 422 and body["error_type"] == "Validation"
     assert (status, body) == embedding.post_json(blank, "/embed")
-    status, _, answer = embedding.request("GET", "/ping")
-    assert status == 200 and json.loads(answer)["status"] == "ok"
+    status, _, answer = embedding.request("GET", "/ping")  # SageMaker's readiness
+    assert status == 200 and answer == embedding.request("GET", "/ready?full=ok")[2]
     status, headers, _ = embedding.request("GET", "/invocations")
     assert status == 405 and headers["allow"] == "POST"
+    # counted by the path the client asked for, not as "other"
+    _, _, metrics = embedding.request("GET", "/metrics")
+    assert b'route="/invocations"' in metrics and b'route="/ping"' in metrics
 
 
 def test_embeddings_is_openai_s_embeddings_as_on_tei(servers):

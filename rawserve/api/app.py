@@ -115,7 +115,7 @@ class App:
             route.path: route.needs for route in self.table if route.queued
         }
         if metrics is not None:  # requests to other paths are counted as "other"
-            metrics.name_routes(self.routes)
+            metrics.name_routes([*self.routes, *sagemaker.PATHS])
         origins = settings.cors_allow_origins
         self.cors = CorsPolicy(origins) if origins else None
 
@@ -214,7 +214,7 @@ class App:
         costs no task, and a refused body is never asked for. Raises HTTPError as
         `handle` does.
         """
-        request = sagemaker.target(request, self.models)
+        request = sagemaker.target(request, self.models, body_read=False)
         try:
             response = self.answer_now_plain(request)
         except Exception as exc:
@@ -229,6 +229,11 @@ class App:
     def answer_now_plain(self, request: HttpRequest) -> HttpResponse | None:
         """`answer_now` without the CORS headers."""
         if self.cors is not None and self.cors.is_preflight(request):
+            return None
+        if request.path == sagemaker.INVOCATIONS:  # its route is known from its body
+            self.authorize(request)
+            if request.method != "POST":
+                raise MethodNotAllowed(["POST"])
             return None
         # What the head alone refuses (404, 401, 405) is refused before the body is read:
         # a client that sent `Expect: 100-continue` is then never asked for it.

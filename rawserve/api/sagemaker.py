@@ -1,27 +1,32 @@
 """The routes SageMaker calls, as TEI's and TGI's containers serve them: `GET /ping` (its
-health check: `/health`) and `POST /invocations` (the model's own route); and TEI's
-`POST /embeddings` (OpenAI's embeddings, `/v1/embeddings`).
+health check, which a 200 says the container takes inference requests: `/ready`, a full
+queue counted as ready, as `?full=ok` asks) and `POST /invocations` (the model's own
+route); and TEI's `POST /embeddings` (OpenAI's embeddings, `/v1/embeddings`).
 
 Each is another name for a route rawserve serves: the app reads a request to one of them
 as a request to the route it stands for (`target`), which then checks, answers and
 refuses it in its own shapes. `/invocations` stands for the route of the model the body
-names (else the default model's), as TEI and TGI pick it:
+names (else the default model's), as TEI and TGI pick it, so it is known only once the
+body is read (from the head alone, only its method and API key are checked):
 - a text-generation model: OpenAI's chat completions for a body with `messages`, its
   completions for one with `prompt`, else TGI's `/generate` (`/generate_stream` where
   the body says `"stream": true`), as TGI's SageMaker route reads its three bodies;
 - a feature-extraction model: TEI's `/embed`; a text classifier: TEI's `/rerank` where it
   has one label (a cross-encoder) or, before it has loaded, where the body has a
   `query`, else `/predict`;
-- any other task: the Inference API's `POST /`.
+- any other task: the Inference API's `POST /models/<name>` (the body's `"model"`, which
+  that route does not take, left out).
 Never imports torch.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any
 
 from rawserve.api.bodies import read_json
+from rawserve.api.inference import MODELS_PREFIX
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.http.errors import HTTPError
 from rawserve.http.exchange import HttpRequest
@@ -29,16 +34,24 @@ from rawserve.http.exchange import HttpRequest
 PING = "/ping"
 INVOCATIONS = "/invocations"
 EMBEDDINGS = "/embeddings"
-ALIASES = {PING: "/health", EMBEDDINGS: "/v1/embeddings"}
+PATHS = (PING, INVOCATIONS, EMBEDDINGS)
 
 
-def target(request: HttpRequest, models: ServedModels) -> HttpRequest:
+def target(request: HttpRequest, models: ServedModels, body_read: bool = True) -> HttpRequest:
     """`request` as a request to the route its path stands for (itself where it stands
-    for none)."""
-    path = ALIASES.get(request.path)
-    if path is None and request.path == INVOCATIONS:
-        path = invocation_path(body_document(request), models)
-    return request if path is None else replace(request, path=path)
+    for none, or for `/invocations` before its body is read)."""
+    if request.path == PING:
+        return replace(request, path="/ready", query="full=ok")
+    if request.path == EMBEDDINGS:
+        return replace(request, path="/v1/embeddings")
+    if request.path != INVOCATIONS or not body_read:
+        return request
+    document = body_document(request)
+    path = invocation_path(document, models)
+    if path.startswith(MODELS_PREFIX) and isinstance(document, dict) and "model" in document:
+        unnamed = {key: value for key, value in document.items() if key != "model"}
+        return replace(request, path=path, body=json.dumps(unnamed).encode())
+    return replace(request, path=path)
 
 
 def invocation_path(document: Any, models: ServedModels) -> str:
@@ -46,7 +59,8 @@ def invocation_path(document: Any, models: ServedModels) -> str:
     as a JSON object: the route the model alone says, which refuses it)."""
     body = document if isinstance(document, dict) else {}
     model = chosen_model(body.get("model"), models)
-    task = model.task if model is not None else None
+    # (before a worker has loaded it, the task the server was started with)
+    task = model.task or model.facts.get("task")
     if task == "text-generation":  # (TGI tries its bodies in this order)
         if "inputs" not in body and "messages" in body:
             return "/v1/chat/completions"
@@ -57,10 +71,10 @@ def invocation_path(document: Any, models: ServedModels) -> str:
         return "/embed"
     if task == "text-classification":
         return "/rerank" if is_reranker(model, body) else "/predict"
-    return "/"
+    return MODELS_PREFIX + model.name
 
 
-def chosen_model(name: Any, models: ServedModels) -> ServedModel | None:
+def chosen_model(name: Any, models: ServedModels) -> ServedModel:
     """The model a body names, else the default (the route it goes to answers a name
     that is not served with its 404)."""
     try:
@@ -69,10 +83,10 @@ def chosen_model(name: Any, models: ServedModels) -> ServedModel | None:
         return models.default
 
 
-def is_reranker(model: ServedModel | None, body: dict[str, Any]) -> bool:
+def is_reranker(model: ServedModel, body: dict[str, Any]) -> bool:
     """A cross-encoder (a classifier of one label, as TEI tells a reranker), or, before
     its labels are known, a body that asks to rank."""
-    loaded = model.serving.loaded if model is not None else None
+    loaded = model.serving.loaded
     labels = loaded.details.get("id2label") if loaded is not None else None
     if labels:
         return len(labels) == 1

@@ -29,7 +29,7 @@ from rawserve.shared.logs import direct_lines, escaped
 access_log = logging.getLogger("rawserve.access")
 
 LINE = '%s "%s %s" %d %d %.1fms %s'  # peer "method target" status bytes duration request id
-PROBE_PATHS = ("/health", "/ready")
+PROBE_PATHS = ("/health", "/ready", "/ping")  # (/ping: SageMaker's readiness)
 _PROBE_PREFIX = "/ready/"
 _FIELD_ENDS = ('"', "\\")  # a quote ends a quoted field; a backslash escapes
 # A target is cut past this many characters: a head within its 16 KiB has a shorter one,

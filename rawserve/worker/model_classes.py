@@ -54,6 +54,7 @@ ENCODER_ALONE: dict[str, str] = {
     "t5": "T5EncoderModel",
     "mt5": "MT5EncoderModel",
     "umt5": "UMT5EncoderModel",
+    "longt5": "LongT5EncoderModel",
 }
 # Weights that rawserve never reads, so that their being random changes no answer: the
 # pooler of an AutoModel (feature-extraction pools the last hidden states itself)
