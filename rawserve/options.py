@@ -384,6 +384,20 @@ class OneLineParser(argparse.ArgumentParser):
         return ""
 
 
+SAGEMAKER_COMMAND = "serve"
+SAGEMAKER_PORT = 8080
+
+
+def sagemaker_port(parser: OneLineParser) -> int:
+    """The port SageMaker calls a container on: SAGEMAKER_BIND_TO_PORT, else 8080."""
+    named = os.environ.get("SAGEMAKER_BIND_TO_PORT", "").strip()
+    if not named:
+        return SAGEMAKER_PORT
+    if not whole_number(named):
+        parser.error(f"SAGEMAKER_BIND_TO_PORT={named!r}: not a port number")
+    return int(named)
+
+
 def build_parser() -> OneLineParser:
     parser = OneLineParser(
         allow_abbrev=False,  # `--max-queu 5` set --max-queue; a misspelled variable is warned of
@@ -473,8 +487,18 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     """The checked configuration of `argv` (sys.argv when None) and the RAWSERVE_*
     variables; on an invalid value, the error line and exit code 2 (SystemExit)."""
     parser = build_parser()
-    parser.given = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    # SageMaker starts a container as `docker run IMAGE serve` and calls it on port 8080
+    # (or the one SAGEMAKER_BIND_TO_PORT names): the image's entrypoint takes the word
+    sagemaker = given[:1] == [SAGEMAKER_COMMAND]
+    parser.given = given = given[1:] if sagemaker else given
+    args = parser.parse_args(given)
+    if (
+        sagemaker
+        and variable_value("RAWSERVE_PORT") is None
+        and not any(word == "--port" or word.startswith("--port=") for word in given)
+    ):
+        args.port = sagemaker_port(parser)
     for name in CHOICES:  # a word's case is no mistake (--device and --log-level took any)
         setattr(args, name, getattr(args, name).strip().lower())
     # One fixed order of checks: a command line with several mistakes is told the first.

@@ -729,3 +729,25 @@ def test_a_variable_that_nearly_names_an_option_is_said_at_start():
         "RAWSERVE_API_KYE is set but names no option (ignored): RAWSERVE_API_KEY?",
         "RAWSERVE_MAX_BATCH is set but names no option (ignored): RAWSERVE_MAX_BATCH_SIZE?",
     ]
+
+
+def test_sagemaker_s_serve_command_serves_on_its_port(monkeypatch):
+    """SageMaker starts a container as `docker run IMAGE serve` and calls it on 8080 (or the
+    port SAGEMAKER_BIND_TO_PORT names); a port given otherwise still wins."""
+    monkeypatch.delenv("RAWSERVE_PORT", raising=False)
+    monkeypatch.delenv("SAGEMAKER_BIND_TO_PORT", raising=False)
+    assert parse_config(["serve"]).port == 8080
+    assert parse_config(["serve", "--max-batch-size", "8"]).model.max_batch_size == 8
+    assert parse_config(["serve", "--port", "9000"]).port == 9000
+    assert parse_config(["serve", "--port=9001"]).port == 9001
+    monkeypatch.setenv("SAGEMAKER_BIND_TO_PORT", "8081")
+    assert parse_config(["serve"]).port == 8081
+    monkeypatch.setenv("RAWSERVE_PORT", "7000")
+    assert parse_config(["serve"]).port == 7000
+    assert parse_config([]).port == 7000  # (no `serve`: as ever)
+    monkeypatch.delenv("RAWSERVE_PORT")
+    monkeypatch.setenv("SAGEMAKER_BIND_TO_PORT", "eighty")
+    with pytest.raises(SystemExit):
+        parse_config(["serve"])
+    with pytest.raises(SystemExit):  # the word only leads: elsewhere it is no option
+        parse_config(["--max-batch-size", "8", "serve"])
