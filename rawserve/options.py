@@ -366,6 +366,10 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}{self._set_by(message)}\n")
 
+    def typed(self, flag: str) -> bool:
+        """Whether `flag` is on the command line (`--flag VALUE` or `--flag=VALUE`)."""
+        return any(arg == flag or arg.startswith(flag + "=") for arg in self.given)
+
     def _set_by(self, message: str) -> str:
         """The words " (set by RAWSERVE_X=...)" for the first option the message names
         that was not on the command line and whose variable is set: a user who typed no
@@ -375,10 +379,8 @@ class OneLineParser(argparse.ArgumentParser):
             option = by_flag.get(named)
             if option is None or message.startswith(option.env):
                 continue
-            flag = option.flag
-            typed = any(arg == flag or arg.startswith(flag + "=") for arg in self.given)
             value = variable_value(option.env)  # (empty: read as unset)
-            if not typed and value is not None:
+            if not self.typed(option.flag) and value is not None:
                 shown = "..." if option.env == KEY_VARIABLE else repr(value[:100])
                 return f" (set by {option.env}={shown})"
         return ""
@@ -493,11 +495,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     sagemaker = given[:1] == [SAGEMAKER_COMMAND]
     parser.given = given = given[1:] if sagemaker else given
     args = parser.parse_args(given)
-    if (
-        sagemaker
-        and variable_value("RAWSERVE_PORT") is None
-        and not any(word == "--port" or word.startswith("--port=") for word in given)
-    ):
+    if sagemaker and not parser.typed("--port") and variable_value("RAWSERVE_PORT") is None:
         args.port = sagemaker_port(parser)
     for name in CHOICES:  # a word's case is no mistake (--device and --log-level took any)
         setattr(args, name, getattr(args, name).strip().lower())

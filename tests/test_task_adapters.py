@@ -34,6 +34,10 @@ from rawserve.tasks.seq2seq import OUTPUT_KEYS
 from rawserve.worker.onnx_engine import ONNX_TASKS, onnxruntime_installed
 from tests.tiny_models import worker_config
 
+NEEDS_ONNX = pytest.mark.skipif(
+    not onnxruntime_installed(), reason="the onnx extra is not installed"
+)
+
 
 @pytest.fixture(scope="module")
 def runner(tiny_model):
@@ -153,7 +157,7 @@ def test_token_vectors_of_a_model_whose_tokenizer_has_no_pad_token(tiny_model, t
         np.testing.assert_allclose(vectors, serving.run([text], {})[0], atol=1e-5)
 
 
-@pytest.mark.parametrize("engine", [Engine.TORCH, Engine.ONNX])
+@pytest.mark.parametrize("engine", [Engine.TORCH, pytest.param(Engine.ONNX, marks=NEEDS_ONNX)])
 def test_a_t5_encoder_alone_serves_sentence_vectors_as_sentence_transformers_computes_them(
     tiny_model, engine, tmp_path, monkeypatch
 ):
@@ -165,8 +169,6 @@ def test_a_t5_encoder_alone_serves_sentence_vectors_as_sentence_transformers_com
 
     from rawserve.worker.loading import load_runner
 
-    if engine is Engine.ONNX and not onnxruntime_installed():
-        pytest.skip("the onnx extra is not installed")
     monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path))  # exported here, not found kept
     folder = tiny_model("t5-sentence-embedding")
     serving = load_runner(worker_config(folder, dtype="float32", engine=engine), "cpu")
@@ -1363,10 +1365,6 @@ INPUT_ERRORS = [
     ("image-classification", "image-classification", png_head(30000, 30000), {}, "pixels"),
     ("image-classification", "image-classification", png_head(10000, 10000), {}, "pixels"),
 ]
-
-NEEDS_ONNX = pytest.mark.skipif(
-    not onnxruntime_installed(), reason="the onnx extra is not installed"
-)
 
 
 def engines(cases: list[tuple]) -> list:
