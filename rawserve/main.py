@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from rawserve import __version__
@@ -78,7 +78,11 @@ def model_facts(plan: ModelPlan, config: ServerConfig, workers: WorkerPlan) -> d
         "task": task,
     }
     if plan.facts is not None and task == "feature-extraction":
-        facts.update(pooling=plan.facts.pooling, normalize=plan.facts.normalize)
+        facts.update(
+            pooling=plan.facts.pooling,
+            dense=[asdict(layer) for layer in plan.facts.dense],
+            normalize=plan.facts.normalize,
+        )
     facts.update(
         {
             "devices": list(workers.devices),

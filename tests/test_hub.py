@@ -23,11 +23,11 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from rawserve.models.folder import sentence_transformers_default_prompt
-from rawserve.models.hub import NOT_NEEDED, PICKLED_WEIGHTS, ModelNotFound, files_to_skip
+from rawserve.models.hub import NOT_NEEDED, PICKLED_WEIGHTS, ModelNotFound, fetched, files_to_skip
 from rawserve.models.hub_integrity import hashes_to_its_name
 from rawserve.models.names import ModelNameError, ModelSpec, default_names, parse_model_spec
 from rawserve.models.plan import plan_models
+from rawserve.models.sentence_folder import sentence_transformers_default_prompt
 from tests.hub_cache import HubRepo, write_hub_cache
 from tests.hub_server import FakeHub
 from tests.server import REPO_ROOT
@@ -283,6 +283,34 @@ def test_safetensors_make_the_pickled_weights_unneeded():
     assert files_to_skip(None) == NOT_NEEDED
     shards = ["model.safetensors.index.json", "model-00001-of-00002.safetensors"]
     assert files_to_skip([*shards, "pytorch_model.bin"]) == NOT_NEEDED + PICKLED_WEIGHTS
+
+
+def test_a_dense_module_s_only_weights_are_fetched_beside_the_model_s_safetensors():
+    """LaBSE's repo: the model's weights in both forms, its Dense module's in
+    pytorch_model.bin alone; that .bin is needed, the others are not."""
+    files = [
+        "config.json",
+        "model.safetensors",
+        "pytorch_model.bin",
+        "training_args.bin",
+        "modules.json",
+        "1_Pooling/config.json",
+        "2_Dense/config.json",
+        "2_Dense/pytorch_model.bin",
+        "3_Dense/config.json",
+        "3_Dense/model.safetensors",
+        "3_Dense/pytorch_model.bin",
+        "checkpoint-5/pytorch_model.bin",
+        "step[5]/pytorch_model.bin",  # (a name that is a glob pattern, taken as a name)
+        "[weird]_Dense/pytorch_model.bin",
+    ]
+    assert set(files) - set(fetched(files)) == {
+        "pytorch_model.bin",
+        "training_args.bin",
+        "3_Dense/pytorch_model.bin",
+        "checkpoint-5/pytorch_model.bin",
+        "step[5]/pytorch_model.bin",
+    }
 
 
 @pytest.mark.parametrize(
@@ -1014,8 +1042,9 @@ def test_a_partly_downloaded_snapshot_is_named_as_such(tmp_path):
     assert "only partly in the Hub cache" in line
 
 
-def sentence_folder(tmp_path, modules, pooling, prompts=None):
-    """A sentence-transformers folder's files: `modules` as (type's last name, path)."""
+def sentence_folder(tmp_path, modules, pooling, prompts=None, dense=None):
+    """A sentence-transformers folder's files: `modules` as (type's last name, path), each
+    Dense module's config `dense` (or a 32 → 16 tanh), with a weights file."""
     folder = tmp_path / "sentence"
     folder.mkdir()
     for name in ("config.json", "tokenizer.json", "model.safetensors"):
@@ -1029,10 +1058,21 @@ def sentence_folder(tmp_path, modules, pooling, prompts=None):
     (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
     if prompts is not None:
         (folder / "config_sentence_transformers.json").write_text(json.dumps({"prompts": prompts}))
+    for kind, path in modules:
+        if kind == "Dense":
+            (folder / path).mkdir()
+            (folder / path / "config.json").write_text(json.dumps(dense or DENSE))
+            (folder / path / "model.safetensors").write_bytes(b"")
     return folder
 
 
 ST_MODULES = [("Transformer", ""), ("Pooling", "1_Pooling"), ("Normalize", "2_Normalize")]
+DENSE = {
+    "in_features": 32,
+    "out_features": 16,
+    "activation_function": "torch.nn.modules.activation.Tanh",
+}
+WITH_DENSE = [*ST_MODULES[:2], ("Dense", "2_Dense"), ("Normalize", "3_Normalize")]
 
 
 @pytest.mark.parametrize(
@@ -1058,10 +1098,22 @@ def test_a_sentence_transformers_folder_s_pooling_is_read_in_either_form(tmp_pat
     ("modules", "pooling", "prompts", "reason"),
     [
         (
-            [*ST_MODULES[:2], ("Dense", "2_Dense"), ("Normalize", "3_Normalize")],
+            [*ST_MODULES[:2], ("LayerNorm", "2_LayerNorm"), ("Normalize", "3_Normalize")],
             {"pooling_mode": "mean"},
             None,
-            "its sentence-transformers module Dense (2_Dense) is not served",
+            "its sentence-transformers module LayerNorm (2_LayerNorm) is not served",
+        ),
+        (
+            [*ST_MODULES, ("Dense", "3_Dense")],
+            {"pooling_mode": "mean"},
+            None,
+            "its sentence-transformers module Dense (3_Dense) comes after Normalize",
+        ),
+        (
+            [("Transformer", ""), ("Dense", "1_Dense")],
+            {"pooling_mode": "mean"},
+            None,
+            "its Dense module has no Pooling before it",
         ),
         (
             [("Transformer", "0_Transformer"), ("Pooling", "1_Pooling")],
@@ -1093,6 +1145,51 @@ def test_a_sentence_transformers_folder_rawserve_would_answer_otherwise_is_refus
     with pytest.raises(ModelNotFound) as caught:
         plan_models([str(folder)])
     assert str(caught.value).startswith(f"model {folder}: {reason}")
+
+
+def test_a_sentence_transformers_folder_s_dense_layers_are_read_in_order(tmp_path):
+    """LaBSE's and distiluse's modules: a Dense layer on the pooled vector, which may
+    change its size; /info lists them (and a chain of two must fit together)."""
+    modules = [*WITH_DENSE[:3], ("Dense", "3_Dense"), ("Normalize", "4_Normalize")]
+    config = {"in_features": 16, "out_features": 16, "bias": False}  # tanh: the default
+    folder = sentence_folder(tmp_path, modules, {"pooling_mode": "cls"}, dense=DENSE)
+    (folder / "3_Dense" / "config.json").write_text(json.dumps(config))
+    facts = plan_models([str(folder)])[0].facts
+    assert (facts.pooling, facts.normalize) == ("cls", True)
+    assert [(d.path, d.in_features, d.out_features, d.bias, d.activation) for d in facts.dense] == [
+        ("2_Dense", 32, 16, True, "Tanh"),
+        ("3_Dense", 16, 16, False, "Tanh"),
+    ]
+    (folder / "3_Dense" / "config.json").write_text(json.dumps({**config, "in_features": 32}))
+    with pytest.raises(ModelNotFound, match="takes 32 numbers where the one before it gives 16"):
+        plan_models([str(folder)])
+
+
+@pytest.mark.parametrize(
+    ("dense", "reason"),
+    [
+        ({**DENSE, "activation_function": "my_module.Swish"}, "has the activation my_module.Swish"),
+        ({**DENSE, "activation_function": "torch.nn.modules.activation.Softmax"}, "Softmax"),
+        ({**DENSE, "module_input_name": "token_embeddings"}, "reads or writes token_embeddings"),
+        ({"out_features": 16}, "names no in_features and out_features"),
+        ({**DENSE, "in_features": "32"}, "names no in_features and out_features"),
+    ],
+)
+def test_a_dense_module_rawserve_would_compute_otherwise_is_refused(tmp_path, dense, reason):
+    folder = sentence_folder(tmp_path, WITH_DENSE, {"pooling_mode": "cls"}, dense=dense)
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models([str(folder)])
+    assert str(caught.value).startswith(f"model {folder}: its Dense module (2_Dense) ")
+    assert reason in str(caught.value)
+
+
+def test_a_dense_module_without_its_weights_is_refused_at_start(tmp_path):
+    folder = sentence_folder(tmp_path, WITH_DENSE, {"pooling_mode": "cls"})
+    (folder / "2_Dense" / "model.safetensors").unlink()
+    with pytest.raises(ModelNotFound, match=r"\(2_Dense\) holds no weights"):
+        plan_models([str(folder)])
+    (folder / "2_Dense" / "pytorch_model.bin").write_bytes(b"")  # an older save's: served
+    assert plan_models([str(folder)])[0].facts.dense[0].path == "2_Dense"
 
 
 @pytest.mark.parametrize(

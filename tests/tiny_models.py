@@ -54,6 +54,7 @@ KINDS = (
     "feature-extraction",
     "sentence-embedding",
     "t5-sentence-embedding",  # a T5 encoder alone, as sentence-t5 and GTR ship
+    "dense-sentence-embedding",  # CLS pooling, a Dense layer to 16 numbers: LaBSE's modules
     "question-answering",
     "zero-shot-classification",
     "reranker",
@@ -127,7 +128,7 @@ def _build_bert(kind: str, folder: Path) -> Path:
         model = transformers.BertForSequenceClassification(config)
     elif kind == "question-answering":
         model = transformers.BertForQuestionAnswering(config)
-    elif kind in ("feature-extraction", "sentence-embedding"):
+    elif kind in ("feature-extraction", "sentence-embedding", "dense-sentence-embedding"):
         model = transformers.BertModel(config)
     else:
         raise ValueError(kind)
@@ -136,6 +137,8 @@ def _build_bert(kind: str, folder: Path) -> Path:
     tokenizer.save_pretrained(folder)
     if kind == "sentence-embedding":
         _sentence_transformers_files(folder)
+    if kind == "dense-sentence-embedding":
+        _sentence_transformers_files(folder, {"pooling_mode": "cls"}, dense_to=16)
     return folder
 
 
@@ -162,30 +165,50 @@ def _build_t5_encoder(folder: Path) -> Path:
     return folder
 
 
-def _sentence_transformers_files(folder: Path) -> None:
-    """The files sentence-transformers writes beside the model: mean pooling, normalized."""
+def _sentence_transformers_files(
+    folder: Path, pooling: dict[str, object] | None = None, dense_to: int = 0
+) -> None:
+    """The files sentence-transformers writes beside the model: mean pooling (or
+    `pooling`), with `dense_to` a Dense layer (tanh) to that many numbers, normalized."""
+    kinds = ["Transformer", "Pooling", *(["Dense"] * bool(dense_to)), "Normalize"]
+    paths = ["", *(f"{i}_{kind}" for i, kind in enumerate(kinds) if i)]
     modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-        {
-            "idx": 2,
-            "name": "2",
-            "path": "2_Normalize",
-            "type": "sentence_transformers.models.Normalize",
-        },
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+        for i, (kind, path) in enumerate(zip(kinds, paths, strict=True))
     ]
     (folder / "modules.json").write_text(json.dumps(modules))
     (folder / "1_Pooling").mkdir(exist_ok=True)
     (folder / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True})
+        json.dumps(
+            {"word_embedding_dimension": 32, **(pooling or {"pooling_mode_mean_tokens": True})}
+        )
     )
+    if dense_to:
+        _dense_module(folder / "2_Dense", 32, dense_to)
     (folder / "config_sentence_transformers.json").write_text(
         json.dumps({"prompts": SENTENCE_PROMPTS, "default_prompt_name": None})
+    )
+
+
+def _dense_module(folder: Path, in_features: int, out_features: int) -> None:
+    """A Dense module's folder as sentence-transformers saves it: its config, and its
+    weights under its own names (linear.weight, linear.bias) in model.safetensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(exist_ok=True)
+    config = {
+        "in_features": in_features,
+        "out_features": out_features,
+        "bias": True,
+        "activation_function": "torch.nn.modules.activation.Tanh",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    linear = torch.nn.Linear(in_features, out_features)
+    weights = {"linear.weight": linear.weight.data, "linear.bias": linear.bias.data}
+    save_file(
+        {name: tensor.contiguous() for name, tensor in weights.items()},
+        folder / "model.safetensors",
     )
 
 

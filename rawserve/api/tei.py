@@ -187,7 +187,7 @@ class TeiRoutes:
         the bound: texts counted with the server's tokenizer when the worst case is over it,
         token ids as they are."""
         loaded = model.serving.loaded
-        dimensions = int(loaded.details.get("dimensions") or 0) if loaded else 0
+        dimensions = int(loaded.details.get("token_dimensions") or 0) if loaded else 0
         limit = input_limit(model)
         largest = self.settings.max_answer_bytes
         if loaded is None or loaded.tokenizer is None or not dimensions:

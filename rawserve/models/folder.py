@@ -4,12 +4,12 @@ the name clients call it by."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path, PurePath
-from typing import Any
 
+from rawserve.models.json_files import json_file, json_object, read_json
+from rawserve.models.sentence_folder import DenseModule, sentence_modules
 from rawserve.tasks.registry import TASKS
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"  # what clients see without --model
@@ -95,13 +95,15 @@ def served_name(model: str | None, handler: str | None = None) -> str:
 class FolderFacts:
     """What the server reads from a model's folder and hands its workers, so they never
     derive it themselves: the task, and for feature-extraction the sentence-transformers
-    pooling and normalization (what /info shows, and what the answers use by default)."""
+    pooling, Dense layers and normalization (what /info shows, and what the answers use
+    by default)."""
 
     task: str
     # sentence-transformers' mode (cls, mean, max, lasttoken, weightedmean,
     # mean_sqrt_len_tokens), or none (token vectors)
     pooling: str = "none"
     normalize: bool = False
+    dense: tuple[DenseModule, ...] = ()  # the layers after the pooling, in order
 
 
 def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
@@ -138,7 +140,7 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
             read_json(model_dir / TOKENIZER_JSON)  # (as above: a download cut short, say)
         if task != "feature-extraction":
             return FolderFacts(task)
-        pooling, normalize = sentence_transformers_pooling(model_dir)
+        modules = sentence_modules(model_dir)
     except FileNotFoundError as exc:
         missing = Path(str(exc.filename)).name
         if missing == "config.json":  # naming the task would not help: it is read too
@@ -148,7 +150,7 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
         ) from None
     except (OSError, AttributeError, KeyError, TypeError) as exc:
         raise ValueError(f"the model's files are unreadable ({type(exc).__name__})") from None
-    return FolderFacts(task, pooling, normalize)
+    return FolderFacts(task, modules.pooling, modules.normalize, modules.dense)
 
 
 def no_config(model_dir: Path) -> str:
@@ -252,29 +254,6 @@ def is_tiktoken(path: Path) -> bool:
     return len(first) == 2 and first[1].isdigit()
 
 
-def json_file(path: Path) -> dict[str, Any]:
-    """A JSON object file's contents; {} when there is no such file."""
-    return json_object(path) if path.is_file() else {}
-
-
-def json_object(path: Path) -> dict[str, Any]:
-    """A JSON object file's contents; ValueError naming the file where it holds another."""
-    document = read_json(path)
-    if not isinstance(document, dict):
-        raise ValueError(f"{path} is not a JSON object")
-    return document
-
-
-def read_json(path: Path) -> Any:
-    """A JSON file's contents, read as UTF-8 (JSON's encoding, whatever the locale);
-    ValueError naming the file and the fault where it is not JSON (a config edited by
-    hand), which json's own error does not name."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:  # not JSON, or not UTF-8
-        raise ValueError(f"{path} is not valid JSON ({exc})") from None
-
-
 def infer_task(model_dir: Path) -> str:
     """The task of a local model folder, from sentence-transformers files or config.json."""
     if (model_dir / "modules.json").is_file():
@@ -285,87 +264,3 @@ def infer_task(model_dir: Path) -> str:
             if architecture.endswith(ending):
                 return task
     raise ValueError(f"no task is known for the model's architecture: {NAME_THE_TASK}")
-
-
-def sentence_transformers_prompts(model_dir: Path) -> dict[str, str]:
-    """The prompts a sentence-transformers folder names (TEI's `prompt_name`): name → text."""
-    prompts = sentence_transformers_config(model_dir).get("prompts") or {}
-    return {str(name): str(text) for name, text in prompts.items()}
-
-
-def sentence_transformers_default_prompt(model_dir: Path) -> str | None:
-    """The prompt sentence-transformers puts before every text not given another: the
-    name `default_prompt_name` says, where it is one of the folder's prompts."""
-    name = sentence_transformers_config(model_dir).get("default_prompt_name")
-    return name if name in sentence_transformers_prompts(model_dir) else None
-
-
-def sentence_transformers_config(model_dir: Path) -> dict[str, Any]:
-    return json_file(model_dir / "config_sentence_transformers.json")
-
-
-def sentence_transformers_reading(model_dir: Path) -> tuple[int | None, bool]:
-    """(max_seq_length, do_lower_case) as sentence_bert_config.json says: the tokens a text
-    is cut at (None: the tokenizer's and the model's limit) and whether it is lowercased."""
-    config = json_file(model_dir / "sentence_bert_config.json")
-    return config.get("max_seq_length"), bool(config.get("do_lower_case"))
-
-
-# sentence-transformers' pooling modes, by the switch an older Pooling config sets for
-# each (a current one names them in `pooling_mode`)
-POOLING_SWITCHES = {
-    "pooling_mode_cls_token": "cls",
-    "pooling_mode_mean_tokens": "mean",
-    "pooling_mode_max_tokens": "max",
-    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
-    "pooling_mode_weightedmean_tokens": "weightedmean",
-    "pooling_mode_lasttoken": "lasttoken",
-}
-POOLING_MODES = set(POOLING_SWITCHES.values())
-# The modules an embedding folder may chain: the model at the folder's root, one Pooling,
-# Normalize. Another (Dense, LayerNorm, ...) changes the vectors in a way rawserve does
-# not compute, so such a folder is refused rather than answered with other vectors.
-SERVED_MODULES = ("Transformer", "Pooling", "Normalize")
-
-
-def sentence_transformers_pooling(model_dir: Path) -> tuple[str, bool]:
-    """(pooling, normalize) as a sentence-transformers folder says; ("none", False) otherwise.
-    Raises ValueError for a folder whose vectors rawserve would not compute as it does."""
-    modules_file = model_dir / "modules.json"
-    if not modules_file.is_file():
-        return "none", False
-    pooling, normalize = "mean", False
-    for module in read_json(modules_file):
-        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
-        path = module.get("path", "")
-        if kind not in SERVED_MODULES:
-            raise ValueError(
-                f"its sentence-transformers module {kind or '?'} ({path}) is not served: "
-                f"rawserve computes {', '.join(SERVED_MODULES)} only"
-            )
-        if kind == "Transformer" and path:
-            raise ValueError(
-                f"its transformer is in {path}/, not the folder's root: it is not served"
-            )
-        if kind == "Pooling":
-            pooling = pooling_mode(model_dir, json_file(model_dir / path / "config.json"))
-        normalize = normalize or kind == "Normalize"
-    return pooling, normalize
-
-
-def pooling_mode(model_dir: Path, config: dict[str, Any]) -> str:
-    """The one mode a Pooling config names; ValueError for what rawserve does not pool."""
-    modes = config.get("pooling_mode")
-    if modes is None:
-        modes = [mode for switch, mode in POOLING_SWITCHES.items() if config.get(switch)]
-    modes = [modes] if isinstance(modes, str) else list(modes)
-    if len(modes) != 1 or modes[0] not in POOLING_MODES:
-        raise ValueError(
-            f"its pooling {'+'.join(map(str, modes)) or 'names no mode'} is not served: "
-            f"one of {', '.join(sorted(POOLING_MODES))}"
-        )
-    if config.get("include_prompt") is False and any(
-        sentence_transformers_prompts(model_dir).values()
-    ):
-        raise ValueError("its pooling leaves its prompts out (include_prompt false): not served")
-    return modes[0]

@@ -22,12 +22,14 @@ one line (rawserve.options), has been read.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -465,9 +467,28 @@ def repo_files(repo_id: str, revision: str | None) -> list[str] | None:
 def files_to_skip(files: Sequence[str] | None) -> list[str]:
     """The glob patterns of files not to download, given the repo's file names."""
     patterns = list(NOT_NEEDED)
-    if files is not None and any(name in SAFETENSORS_WEIGHTS for name in files):
-        patterns += PICKLED_WEIGHTS
-    return patterns
+    if files is None or not any(name in SAFETENSORS_WEIGHTS for name in files):
+        return patterns
+    needed = dense_pickled_weights(files)
+    if not needed:
+        return patterns + PICKLED_WEIGHTS
+    pickled = [name for name in files if any(fnmatchcase(name, p) for p in PICKLED_WEIGHTS)]
+    return patterns + [glob.escape(name) for name in pickled if name not in needed]
+
+
+def dense_pickled_weights(files: Sequence[str]) -> set[str]:
+    """The pytorch_model.bin of each sentence-transformers Dense module (a folder it names
+    N_Dense) without safetensors beside it: that module's only weights (LaBSE's, say),
+    needed though the model's own are safetensors."""
+    with_safetensors = {name.rpartition("/")[0] for name in files if name.endswith(".safetensors")}
+    return {
+        name
+        for name in files
+        if (folder := name.rpartition("/")[0]).endswith("_Dense")
+        and "/" not in folder
+        and name.endswith("/pytorch_model.bin")
+        and folder not in with_safetensors
+    }
 
 
 def explain(exc: BaseException, repo_id: str, revision: str | None) -> str:

@@ -11,13 +11,15 @@ from typing import Any
 import torch
 import transformers
 
-from rawserve.models.folder import (
+from rawserve.models.sentence_folder import (
+    sentence_modules,
     sentence_transformers_default_prompt,
     sentence_transformers_prompts,
     sentence_transformers_reading,
 )
 from rawserve.shared.messages import NO_CONTROL, Control, ModelLimits
 from rawserve.worker.cuda_graphs import GraphedForward
+from rawserve.worker.dense_layers import load_dense_layers
 from rawserve.worker.model_classes import load_model
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name, refuse_not_numbers, resolve_dtype
@@ -26,8 +28,9 @@ from rawserve.worker.runner import Runner, dtype_name, refuse_not_numbers, resol
 class EncoderRunner(Runner):
     """feature-extraction: pooled sentence embeddings or token-level vectors.
 
-    A sentence-transformers model is pooled (and normalized) as its files say; other
-    models answer token vectors, as the feature-extraction pipeline does.
+    A sentence-transformers model is pooled, run through its Dense layers and normalized
+    as its files say; other models answer token vectors, as the feature-extraction
+    pipeline does.
     """
 
     def __init__(
@@ -65,6 +68,11 @@ class EncoderRunner(Runner):
         self.vocabulary = int(self.model.config.vocab_size)  # the token ids an input may name
         if max_seq_length:
             self.max_length = min(self.max_length, max_seq_length)
+        # a token vector's size, and a sentence vector's (a Dense layer may change it)
+        self.width = int(self.model.config.hidden_size)
+        dense = sentence_modules(Path(model)).dense
+        self.dense = load_dense_layers(Path(model), dense, self.width, device)
+        self.dimensions = dense[-1].out_features if dense else self.width
 
     @property
     def limits(self) -> ModelLimits:
@@ -75,7 +83,8 @@ class EncoderRunner(Runner):
         return {
             "pooling": self.default_pooling,
             "normalize": self.default_normalize,
-            "dimensions": self.model.config.hidden_size,
+            "dimensions": self.dimensions,  # of a sentence vector
+            "token_dimensions": self.width,
             "max_input_length": self.max_length,
             "vocabulary": self.vocabulary,
             "prompts": self.prompts,
@@ -169,10 +178,9 @@ class EncoderRunner(Runner):
         pooling = params.get("pooling", default_pooling)
         normalize = params.get("normalize", self.default_normalize or embedding_route)
         dimensions = params.get("dimensions")
-        if dimensions is not None and dimensions > self.model.config.hidden_size:
-            raise ValueError(
-                f"dimensions must be at most {self.model.config.hidden_size} for this model"
-            )
+        most = self.width if pooling == "none" else self.dimensions
+        if dimensions is not None and dimensions > most:
+            raise ValueError(f"dimensions must be at most {most} for this model")
         encoded = self.on_device(prepared)
         with torch.inference_mode():
             graphed = self.graphed
@@ -180,9 +188,8 @@ class EncoderRunner(Runner):
             hidden = hidden.float()
             mask = encoded["attention_mask"]
             refuse_not_numbers(hidden, "vectors", mask)
-            if dimensions is not None:  # Matryoshka-style: keep the first dimensions
-                hidden = hidden[..., :dimensions]
             if pooling == "none":
+                hidden = hidden[..., :dimensions]  # (None: all)
                 if normalize:
                     hidden = torch.nn.functional.normalize(hidden, dim=-1)
                 # read back at once: a read a row was a round trip to a GPU a row, twice
@@ -191,6 +198,10 @@ class EncoderRunner(Runner):
                 # the pipeline's shape: [1, tokens, hidden] per input
                 return [tokens[i : i + 1, :length] for i, length in enumerate(lengths)]
             pooled = pool(hidden, mask, pooling)
+            for layer in self.dense:
+                pooled = layer(pooled)
+            # Matryoshka-style: keep the first dimensions of the final vector
+            pooled = pooled[..., :dimensions]
             if normalize:
                 pooled = torch.nn.functional.normalize(pooled, dim=-1)
             vectors = list(pooled.cpu().numpy())

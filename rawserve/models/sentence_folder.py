@@ -1,0 +1,176 @@
+"""What a sentence-transformers folder says of its vectors: its prompts, how it reads a
+text, and the modules after its transformer (pooling, Dense layers, normalization)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeGuard
+
+from rawserve.models.json_files import json_file, json_object, read_json
+
+
+def sentence_transformers_prompts(model_dir: Path) -> dict[str, str]:
+    """The prompts a sentence-transformers folder names (TEI's `prompt_name`): name → text."""
+    prompts = sentence_transformers_config(model_dir).get("prompts") or {}
+    return {str(name): str(text) for name, text in prompts.items()}
+
+
+def sentence_transformers_default_prompt(model_dir: Path) -> str | None:
+    """The prompt sentence-transformers puts before every text not given another: the
+    name `default_prompt_name` says, where it is one of the folder's prompts."""
+    name = sentence_transformers_config(model_dir).get("default_prompt_name")
+    return name if name in sentence_transformers_prompts(model_dir) else None
+
+
+def sentence_transformers_config(model_dir: Path) -> dict[str, Any]:
+    return json_file(model_dir / "config_sentence_transformers.json")
+
+
+def sentence_transformers_reading(model_dir: Path) -> tuple[int | None, bool]:
+    """(max_seq_length, do_lower_case) as sentence_bert_config.json says: the tokens a text
+    is cut at (None: the tokenizer's and the model's limit) and whether it is lowercased."""
+    config = json_file(model_dir / "sentence_bert_config.json")
+    return config.get("max_seq_length"), bool(config.get("do_lower_case"))
+
+
+# sentence-transformers' pooling modes, by the switch an older Pooling config sets for
+# each (a current one names them in `pooling_mode`)
+POOLING_SWITCHES = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+POOLING_MODES = set(POOLING_SWITCHES.values())
+# The modules an embedding folder may chain, in this order: the model at the folder's root,
+# one Pooling, Dense layers on the pooled vector, Normalize. Another (LayerNorm, a Router,
+# ...) changes the vectors in a way rawserve does not compute, so such a folder is refused
+# rather than answered with other vectors.
+SERVED_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+# the activations a Dense module may name (sentence-transformers saves the torch.nn
+# class's full name; one without arguments to build is all it may be)
+DENSE_ACTIVATIONS = frozenset(
+    "Identity Tanh ReLU GELU Sigmoid SiLU LeakyReLU ELU Softplus Mish Hardtanh Softsign".split()
+)
+DENSE_ACTIVATION = "torch.nn.modules.activation.Tanh"  # sentence-transformers' default
+DENSE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # as it looks for them, in order
+SENTENCE_VECTOR = "sentence_embedding"  # the one feature a Dense module may read and write
+
+
+@dataclass(frozen=True)
+class DenseModule:
+    """A sentence-transformers Dense module: activation(W x + b) of the pooled vector x,
+    plus x (through a projection where the sizes differ) when `residual`."""
+
+    path: str  # its folder, in the model's: config.json and its weights
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str  # a torch.nn class's name (DENSE_ACTIVATIONS)
+    residual: bool = False
+
+
+@dataclass(frozen=True)
+class SentenceModules:
+    """What a sentence-transformers folder does after its transformer: the pooling mode
+    ("none" without one: token vectors), the Dense layers after it, and normalization."""
+
+    pooling: str = "none"
+    dense: tuple[DenseModule, ...] = ()
+    normalize: bool = False
+
+
+def sentence_modules(model_dir: Path) -> SentenceModules:
+    """The modules a sentence-transformers folder chains; SentenceModules() for another.
+    Raises ValueError for a folder whose vectors rawserve would not compute as it does."""
+    modules_file = model_dir / "modules.json"
+    if not modules_file.is_file():
+        return SentenceModules()
+    pooling, normalize = "mean", False
+    dense: list[DenseModule] = []
+    order: list[str] = []  # the kinds seen, to refuse a chain out of the order computed
+    for module in read_json(modules_file):
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        path = str(module.get("path", ""))
+        if kind not in SERVED_MODULES:
+            raise ValueError(
+                f"its sentence-transformers module {kind or '?'} ({path}) is not served: "
+                f"rawserve computes {', '.join(SERVED_MODULES)} only"
+            )
+        if order and SERVED_MODULES.index(kind) < SERVED_MODULES.index(order[-1]):
+            raise ValueError(
+                f"its sentence-transformers module {kind} ({path}) comes after {order[-1]}: "
+                f"rawserve computes them in the order {', '.join(SERVED_MODULES)}"
+            )
+        if kind == "Transformer" and path:
+            raise ValueError(
+                f"its transformer is in {path}/, not the folder's root: it is not served"
+            )
+        if kind == "Pooling":
+            pooling = pooling_mode(model_dir, json_file(model_dir / path / "config.json"))
+        if kind == "Dense":
+            dense.append(dense_module(model_dir, path, dense[-1] if dense else None))
+        normalize = normalize or kind == "Normalize"
+        order.append(kind)
+    if dense and "Pooling" not in order:
+        raise ValueError("its Dense module has no Pooling before it: it is not served")
+    return SentenceModules(pooling, tuple(dense), normalize)
+
+
+def dense_module(model_dir: Path, path: str, before: DenseModule | None) -> DenseModule:
+    """The Dense module in `path` as its config.json says (`before`: the one it follows);
+    ValueError for one rawserve does not compute, or whose weights are not there."""
+    config = json_object(model_dir / path / "config.json")
+    in_features, out_features = config.get("in_features"), config.get("out_features")
+    if not (is_size(in_features) and is_size(out_features)):
+        raise ValueError(f"its Dense module ({path}) names no in_features and out_features")
+    activation = str(config.get("activation_function") or DENSE_ACTIVATION)
+    name = activation.rsplit(".", 1)[-1]
+    if not activation.startswith("torch.nn.") or name not in DENSE_ACTIVATIONS:
+        raise ValueError(
+            f"its Dense module ({path}) has the activation {activation}, which is not served: "
+            f"one of torch.nn's {', '.join(sorted(DENSE_ACTIVATIONS))}"
+        )
+    for key in ("module_input_name", "module_output_name"):
+        if config.get(key) not in (None, SENTENCE_VECTOR):
+            raise ValueError(
+                f"its Dense module ({path}) reads or writes {config[key]}, not the sentence "
+                "vector: it is not served"
+            )
+    if not any((model_dir / path / name).is_file() for name in DENSE_WEIGHTS):
+        raise ValueError(
+            f"its Dense module ({path}) holds no weights ({' or '.join(DENSE_WEIGHTS)})"
+        )
+    if before is not None and before.out_features != in_features:
+        raise ValueError(
+            f"its Dense module ({path}) takes {in_features} numbers where the one before it "
+            f"gives {before.out_features}"
+        )
+    bias, residual = config.get("bias", True), config.get("use_residual", False)
+    return DenseModule(path, in_features, out_features, bool(bias), name, bool(residual))
+
+
+def is_size(value: object) -> TypeGuard[int]:
+    """A positive whole number, as JSON writes one (not `true`, which Python counts as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def pooling_mode(model_dir: Path, config: dict[str, Any]) -> str:
+    """The one mode a Pooling config names; ValueError for what rawserve does not pool."""
+    modes = config.get("pooling_mode")
+    if modes is None:
+        modes = [mode for switch, mode in POOLING_SWITCHES.items() if config.get(switch)]
+    modes = [modes] if isinstance(modes, str) else list(modes)
+    if len(modes) != 1 or modes[0] not in POOLING_MODES:
+        raise ValueError(
+            f"its pooling {'+'.join(map(str, modes)) or 'names no mode'} is not served: "
+            f"one of {', '.join(sorted(POOLING_MODES))}"
+        )
+    if config.get("include_prompt") is False and any(
+        sentence_transformers_prompts(model_dir).values()
+    ):
+        raise ValueError("its pooling leaves its prompts out (include_prompt false): not served")
+    return modes[0]
