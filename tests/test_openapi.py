@@ -23,7 +23,14 @@ KINDS = {
     "embedding": (
         ["--max-client-batch-size", "4"],
         {"/", "/embed", "/embed_all", "/similarity", "/tokenize", "/decode", "/v1/embeddings"},
-        {"/predict", "/rerank", "/v1/rerank", "/v1/chat/completions", "/v1/completions"},
+        {
+            "/predict",
+            "/rerank",
+            "/v1/rerank",
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/embed_sparse",  # (a SPLADE model's)
+        },
     ),
     "classifier": (
         [],

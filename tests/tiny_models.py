@@ -55,6 +55,7 @@ KINDS = (
     "sentence-embedding",
     "t5-sentence-embedding",  # a T5 encoder alone, as sentence-t5 and GTR ship
     "dense-sentence-embedding",  # CLS pooling, a Dense layer to 16 numbers: LaBSE's modules
+    "splade",  # a sparse encoder: a BERT's masked LM and SpladePooling, as naver's SPLADE
     "question-answering",
     "zero-shot-classification",
     "reranker",
@@ -107,7 +108,7 @@ def _build_bert(kind: str, folder: Path) -> Path:
         intermediate_size=37,
         max_position_embeddings=128,
     )
-    if kind == "fill-mask":
+    if kind in ("fill-mask", "splade"):
         model = transformers.BertForMaskedLM(config)
     elif kind == "text-classification":
         config.id2label = {0: "NEGATIVE", 1: "POSITIVE"}
@@ -139,6 +140,8 @@ def _build_bert(kind: str, folder: Path) -> Path:
         _sentence_transformers_files(folder)
     if kind == "dense-sentence-embedding":
         _sentence_transformers_files(folder, {"pooling_mode": "cls"}, dense_to=16)
+    if kind == "splade":
+        _sparse_encoder_files(folder)
     return folder
 
 
@@ -187,6 +190,35 @@ def _sentence_transformers_files(
         _dense_module(folder / "2_Dense", 32, dense_to)
     (folder / "config_sentence_transformers.json").write_text(
         json.dumps({"prompts": SENTENCE_PROMPTS, "default_prompt_name": None})
+    )
+
+
+def _sparse_encoder_files(folder: Path) -> None:
+    """The files sentence-transformers writes beside a SparseEncoder's masked LM."""
+    modules = [
+        {
+            "idx": 0,
+            "name": "0",
+            "path": "",
+            "type": "sentence_transformers.sparse_encoder.models.MLMTransformer",
+        },
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_SpladePooling",
+            "type": "sentence_transformers.sparse_encoder.models.SpladePooling",
+        },
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_SpladePooling").mkdir(exist_ok=True)
+    pooling = {
+        "pooling_strategy": "max",
+        "activation_function": "relu",
+        "embedding_dimension": None,
+    }
+    (folder / "1_SpladePooling" / "config.json").write_text(json.dumps(pooling))
+    (folder / "config_sentence_transformers.json").write_text(
+        json.dumps({"model_type": "SparseEncoder", "prompts": {"query": "", "document": ""}})
     )
 
 

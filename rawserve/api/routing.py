@@ -28,6 +28,7 @@ class Needs:
     what: str = ""  # how a refusal names what is needed, e.g. "a feature-extraction model"
     tokenizer: bool = False  # a tokenizer the server can use (its JSON form)
     labels: int | None = None  # exactly this many labels (a cross-encoder has one)
+    pooling: str = ""  # a feature-extraction model pooled so ("splade": a sparse encoder)
 
     def missing(self, model: ServedModel) -> str | None:
         """Why `model` cannot serve the route (a 404's message), or None when it can or
@@ -54,6 +55,9 @@ class Needs:
         serves = f"{model.name!r} serves {task}"
         if self.tasks and isinstance(task, str) and task not in self.tasks:
             return serves
+        pooling = model.facts.get("pooling")  # its folder's: known before it loads
+        if self.pooling and pooling != self.pooling:
+            return f"{serves} with {pooling} pooling"
         if loaded is None:
             return None
         if self.tokenizer and loaded.tokenizer is None:

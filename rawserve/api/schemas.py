@@ -41,6 +41,16 @@ OPENAI_ERROR: Schema = {
 VECTOR = {"type": "array", "items": NUMBER}
 TEI_EMBED_RESPONSE: Schema = {"type": "array", "items": VECTOR}
 TEI_EMBED_ALL_RESPONSE: Schema = {"type": "array", "items": {"type": "array", "items": VECTOR}}
+SPARSE_VALUE = {
+    "type": "object",
+    "required": ["index", "value"],
+    "properties": {"index": {"type": "integer", "minimum": 0}, "value": NUMBER},
+}
+# per input, its vocabulary's words of nonzero weight, by id (TEI's EmbedSparseResponse)
+TEI_EMBED_SPARSE_RESPONSE: Schema = {
+    "type": "array",
+    "items": {"type": "array", "items": SPARSE_VALUE},
+}
 
 
 PREDICTION = {

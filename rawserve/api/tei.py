@@ -51,6 +51,7 @@ from rawserve.api.tei_bodies import (
     DECODE,
     EMBED,
     EMBED_ALL,
+    EMBED_SPARSE,
     PREDICT,
     RERANK,
     RERANK_DOCUMENTS,
@@ -69,10 +70,15 @@ from rawserve.api.tokens import (
 )
 from rawserve.http.errors import BadRequest, InternalError, PayloadTooLarge, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
-from rawserve.serving.face import EMBEDDING_ROUTE, ItemResult
+from rawserve.serving.face import EMBEDDING_ROUTE, SPARSE_ROUTE, ItemResult
 from rawserve.tasks import LOGITS_PARAM
 
 EMBEDDING = Needs(frozenset({"feature-extraction"}), "a feature-extraction model")
+SPARSE_EMBEDDING = Needs(
+    frozenset({"feature-extraction"}),
+    "a feature-extraction model with SPLADE pooling",
+    pooling="splade",
+)
 CLASSIFIER = Needs(frozenset({"text-classification"}), "a text-classification model")
 CROSS_ENCODER = Needs(
     frozenset({"text-classification"}),
@@ -119,6 +125,9 @@ class TeiRoutes:
                 "Sentence embeddings", EMBED, schemas.TEI_EMBED_RESPONSE)),
             post("/embed_all", self.embed_all, EMBEDDING, described(
                 "Token embeddings, unpooled", EMBED_ALL, schemas.TEI_EMBED_ALL_RESPONSE)),
+            post("/embed_sparse", self.embed_sparse, SPARSE_EMBEDDING, described(
+                "Sparse embeddings: each word's weight, where not zero (SPLADE)", EMBED_SPARSE,
+                schemas.TEI_EMBED_SPARSE_RESPONSE)),
             post("/similarity", self.similarity, EMBEDDING, described(
                 "Sentence similarity", SIMILARITY, schemas.TEI_SIMILARITY_RESPONSE)),
             post("/predict", self.predict, CLASSIFIER, described(
@@ -179,6 +188,20 @@ class TeiRoutes:
         # the exact count, for a model whose sizes were not known before the work
         check_answer_size(sum(int(np.size(v)) for v in vectors), self.settings.max_answer_bytes)
         return await built_answer(lambda: vectors, results, vector_entries(vectors))
+
+    async def embed_sparse(self, request: HttpRequest) -> HttpResponse:
+        """A SPLADE model's vector per input, as its words of nonzero weight."""
+        fields = EMBED_SPARSE.read(read_json(request))
+        model = self.context.model_for(fields.get("model"), SPARSE_EMBEDDING, queued_for=request)
+        inputs = await self.inputs(fields, model)
+        await self.refuse_too_long(model, inputs, fields)
+        params = {"normalize": False, **truncation(fields)}
+        results = await model.run(inputs, params, self.context.deadline(request), SPARSE_ROUTE)
+        sparse = [
+            [{"index": i, "value": v} for i, v in zip(out["indices"], out["values"], strict=True)]
+            for out in unwrap_all(results)
+        ]
+        return answer(sparse, results)
 
     async def check_embed_all_size(
         self, model: ServedModel, inputs: Sequence[str | list[int]]

@@ -294,6 +294,7 @@ EMBED = Body(
 EMBED_ALL = Body(
     {"inputs": EMBED_INPUTS, "prompt_name": PROMPT_NAME, **TRUNCATION}, ignore_unknown=True
 )
+EMBED_SPARSE = EMBED_ALL  # (the same fields: TEI's EmbedSparseRequest)
 PREDICT = Body(
     {
         "inputs": Field(predict_schema, read_predict_inputs, reads_null=True, required=True),

@@ -81,7 +81,12 @@ def plan_models(
     may serve an encoder task here (a Hub repo's own onnx/model.onnx is then fetched)."""
     plans = _plans(models, task, revision, handler, onnx_graphs)
     for plan in plans:
-        unfit = onnx_unfit(plan.facts.task) if plan.facts and engine is Engine.ONNX else None
+        facts = plan.facts
+        unfit = (
+            onnx_unfit(facts.task, pooling=facts.pooling)
+            if facts and engine is Engine.ONNX
+            else None
+        )
         if unfit:  # said before any worker starts, not by each worker as it loads
             raise ModelNotFound(f"model {plan.name}: --engine onnx: {unfit}")
     generates = any(plan.facts and plan.facts.task == "text-generation" for plan in plans)
@@ -146,7 +151,7 @@ def _plan(spec: ModelSpec, named: str, onnx_graphs: bool = False) -> ModelPlan:
     if only_shipped_graph(resolved):  # its graph is the model, or nothing is
         _fetch_only_graph(resolved, spec.task, named, onnx_graphs)
     facts = _facts(resolved.folder, spec.task, named)
-    if onnx_graphs and onnx_unfit(facts.task) is None:  # only where the engine may read it
+    if onnx_graphs and onnx_unfit(facts.task, pooling=facts.pooling) is None:  # where read
         fetch_shipped_graph(resolved)
     return ModelPlan(
         names=resolved.names,

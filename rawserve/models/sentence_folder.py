@@ -46,10 +46,15 @@ POOLING_SWITCHES = {
 }
 POOLING_MODES = set(POOLING_SWITCHES.values())
 # The modules an embedding folder may chain, in this order: the model at the folder's root,
-# one Pooling, Dense layers on the pooled vector, Normalize. Another (LayerNorm, a Router,
-# ...) changes the vectors in a way rawserve does not compute, so such a folder is refused
-# rather than answered with other vectors.
+# one Pooling, Dense layers on the pooled vector, Normalize; or a sparse encoder's masked
+# language model and its SpladePooling. Another (LayerNorm, a Router, ...) changes the
+# vectors in a way rawserve does not compute, so such a folder is refused rather than
+# answered with other vectors.
 SERVED_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+SPARSE_MODULES = {"MLMTransformer": "Transformer", "SpladePooling": "Pooling"}  # (their ranks)
+MASKED_LM_TASK = "fill-mask"  # a Transformer module's transformer_task for a SPLADE model's
+SPLADE_STRATEGIES = ("max", "sum")  # how SpladePooling gathers a text's tokens
+SPLADE_ACTIVATIONS = ("relu", "log1p_relu")  # log(1 + relu(logit)), or log1p of that again
 # the activations a Dense module may name (sentence-transformers saves the torch.nn
 # class's full name; one without arguments to build is all it may be)
 DENSE_ACTIVATIONS = frozenset(
@@ -74,13 +79,25 @@ class DenseModule:
 
 
 @dataclass(frozen=True)
+class SpladePooling:
+    """A sparse encoder's pooling of its masked language model's logits: a vocabulary-wide
+    vector, each word's weight the `strategy` (max or sum) over the text's tokens of
+    log(1 + relu(logit)) (`activation` log1p_relu: log1p of that again)."""
+
+    strategy: str = "max"
+    activation: str = "relu"
+
+
+@dataclass(frozen=True)
 class SentenceModules:
     """What a sentence-transformers folder does after its transformer: the pooling mode
-    ("none" without one: token vectors), the Dense layers after it, and normalization."""
+    ("none" without one: token vectors; "splade": a sparse encoder's, as `splade` says),
+    the Dense layers after it, and normalization."""
 
     pooling: str = "none"
     dense: tuple[DenseModule, ...] = ()
     normalize: bool = False
+    splade: SpladePooling | None = None
 
 
 def sentence_modules(model_dir: Path) -> SentenceModules:
@@ -91,10 +108,12 @@ def sentence_modules(model_dir: Path) -> SentenceModules:
         return SentenceModules()
     pooling, normalize = "mean", False
     dense: list[DenseModule] = []
+    splade, masked_lm = None, False
     order: list[str] = []  # the kinds seen, to refuse a chain out of the order computed
     for module in read_json(modules_file):
-        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        named = str(module.get("type", "")).rsplit(".", 1)[-1]
         path = str(module.get("path", ""))
+        kind = SPARSE_MODULES.get(named, named)
         if kind not in SERVED_MODULES:
             raise ValueError(
                 f"its sentence-transformers module {kind or '?'} ({path}) is not served: "
@@ -102,22 +121,53 @@ def sentence_modules(model_dir: Path) -> SentenceModules:
             )
         if order and SERVED_MODULES.index(kind) < SERVED_MODULES.index(order[-1]):
             raise ValueError(
-                f"its sentence-transformers module {kind} ({path}) comes after {order[-1]}: "
+                f"its sentence-transformers module {named} ({path}) comes after {order[-1]}: "
                 f"rawserve computes them in the order {', '.join(SERVED_MODULES)}"
             )
         if kind == "Transformer" and path:
             raise ValueError(
                 f"its transformer is in {path}/, not the folder's root: it is not served"
             )
-        if kind == "Pooling":
+        if kind == "Transformer":
+            masked_lm = named == "MLMTransformer" or transformer_task(model_dir) == MASKED_LM_TASK
+        if named == "Pooling":
             pooling = pooling_mode(model_dir, json_file(model_dir / path / "config.json"))
+        if named == "SpladePooling":
+            pooling, splade = "splade", splade_pooling(json_file(model_dir / path / "config.json"))
+        if kind == "Dense" and splade is not None:
+            raise ValueError(f"its Dense module ({path}) after SpladePooling is not served")
         if kind == "Dense":
             dense.append(dense_module(model_dir, path, dense[-1] if dense else None))
         normalize = normalize or kind == "Normalize"
         order.append(kind)
     if dense and "Pooling" not in order:
         raise ValueError("its Dense module has no Pooling before it: it is not served")
-    return SentenceModules(pooling, tuple(dense), normalize)
+    if masked_lm != (splade is not None):
+        raise ValueError(
+            "its masked language model has no SpladePooling after it: it is not served"
+            if masked_lm
+            else "its SpladePooling has no masked language model (MLMTransformer) before it"
+        )
+    return SentenceModules(pooling, tuple(dense), normalize, splade)
+
+
+def transformer_task(model_dir: Path) -> str:
+    """What a Transformer module runs the model as (sentence_bert_config.json's
+    transformer_task; a SPLADE model's is fill-mask); feature-extraction unless it says."""
+    config = json_file(model_dir / "sentence_bert_config.json")
+    return str(config.get("transformer_task") or "feature-extraction")
+
+
+def splade_pooling(config: dict[str, Any]) -> SpladePooling:
+    """A SpladePooling module's config read; ValueError for one rawserve does not compute."""
+    strategy = config.get("pooling_strategy") or "max"
+    activation = config.get("activation_function") or "relu"
+    if strategy not in SPLADE_STRATEGIES or activation not in SPLADE_ACTIVATIONS:
+        raise ValueError(
+            f"its SpladePooling ({strategy}, {activation}) is not served: its strategy one of "
+            f"{', '.join(SPLADE_STRATEGIES)}, its activation one of {', '.join(SPLADE_ACTIVATIONS)}"
+        )
+    return SpladePooling(strategy, activation)
 
 
 def dense_module(model_dir: Path, path: str, before: DenseModule | None) -> DenseModule:

@@ -31,6 +31,7 @@ from rawserve.serving.status import LoadState, WorkerState, WorkerStatus
 from rawserve.shared.messages import (
     EMBEDDING_ROUTE,
     NO_CONTROL,
+    SPARSE_ROUTE,
     Control,
     FailureKind,
     ItemFailure,
@@ -43,6 +44,7 @@ __all__ = [
     "EMBEDDING_ROUTE",
     "LOADING_RETRY_AFTER",
     "NO_CONTROL",
+    "SPARSE_ROUTE",
     "Control",
     "FailureKind",
     "ItemFailure",

@@ -75,10 +75,13 @@ class Control:
     # the embedding routes (OpenAI's, TEI's): a pooled vector (mean pooling where the model
     # has none), normalized unless asked not to, with the input's real token count
     embedding_route: bool = False
+    # TEI's /embed_sparse: a SPLADE model's vector as its words of nonzero weight
+    sparse: bool = False
 
 
 NO_CONTROL = Control()
 EMBEDDING_ROUTE = Control(embedding_route=True)
+SPARSE_ROUTE = Control(embedding_route=True, sparse=True)
 
 
 @dataclass(frozen=True)

@@ -67,13 +67,20 @@ ENCODER_TASKS = frozenset(
 
 
 def onnx_unfit(
-    task: str | None, device: str = "cpu", dtype: str = "auto", installed: bool = True
+    task: str | None,
+    device: str = "cpu",
+    dtype: str = "auto",
+    installed: bool = True,
+    pooling: str = "none",
 ) -> str | None:
     """Why ONNX Runtime cannot serve `task` (None: not known yet) on `device` in `dtype`
-    (`installed`: whether onnxruntime is); None where it can. Said alike by the server
-    before any worker starts, of what it knows then, and by a worker choosing its engine."""
+    (`installed`: whether onnxruntime is; `pooling`: a feature-extraction model's); None
+    where it can. Said alike by the server before any worker starts, of what it knows
+    then, and by a worker choosing its engine."""
     if task is not None and task not in ENCODER_TASKS:
         return f"ONNX Runtime serves the encoder tasks, not {task}"
+    if pooling == "splade":  # its graph would answer every token's logits, 30,000 a token
+        return "a SPLADE model's pooling runs on torch only"
     if device != "cpu":
         return f"ONNX Runtime runs here on the CPU only, not on {device}"
     if dtype not in ("auto", "float32"):

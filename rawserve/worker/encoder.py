@@ -23,6 +23,7 @@ from rawserve.worker.dense_layers import load_dense_layers
 from rawserve.worker.model_classes import load_model
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import Runner, dtype_name, refuse_not_numbers, resolve_dtype
+from rawserve.worker.splade import sparse_rows, splade_vectors
 
 
 class EncoderRunner(Runner):
@@ -50,10 +51,15 @@ class EncoderRunner(Runner):
             # (its pads are masked out, so any token does: each input answers as alone)
             tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
         untrained = None
+        modules = sentence_modules(Path(model))
+        self.splade = modules.splade  # a sparse encoder's: its masked LM's logits pooled
         if onnx is None:
             self.model: Any
-            self.model, untrained = load_model("AutoModel", model, dtype=resolve_dtype(dtype))
+            kind = "AutoModelForMaskedLM" if self.splade else "AutoModel"
+            self.model, untrained = load_model(kind, model, dtype=resolve_dtype(dtype))
             self.model.to(device).eval()
+        elif self.splade:
+            raise ValueError("a SPLADE model's pooling runs on torch, not ONNX Runtime")
         else:
             self.model = onnx
         super().__init__("feature-extraction", device, dtype_name(self.model), tokenizer)
@@ -68,11 +74,12 @@ class EncoderRunner(Runner):
         self.vocabulary = int(self.model.config.vocab_size)  # the token ids an input may name
         if max_seq_length:
             self.max_length = min(self.max_length, max_seq_length)
-        # a token vector's size, and a sentence vector's (a Dense layer may change it)
-        self.width = int(self.model.config.hidden_size)
-        dense = sentence_modules(Path(model)).dense
+        # a token vector's size, and a sentence vector's (a Dense layer may change it; a
+        # SPLADE model's weighs each word of its vocabulary, and has no token vectors)
+        self.width = 0 if self.splade else int(self.model.config.hidden_size)
+        dense = modules.dense
         self.dense = load_dense_layers(Path(model), dense, self.width, device)
-        self.dimensions = dense[-1].out_features if dense else self.width
+        self.dimensions = dense[-1].out_features if dense else self.width or self.vocabulary
 
     @property
     def limits(self) -> ModelLimits:
@@ -94,6 +101,8 @@ class EncoderRunner(Runner):
     def use_cuda_graphs(self) -> str:
         if self.onnx is not None:
             return "off: ONNX Runtime runs the forward pass"
+        if self.splade:
+            return "off: a SPLADE model's logits are pooled a group of rows at a time"
         model = self.model
         self.graphed = GraphedForward(
             lambda inputs: model(**inputs).last_hidden_state, self.device, True, self.max_length
@@ -176,12 +185,17 @@ class EncoderRunner(Runner):
         if embedding_route and default_pooling == "none":
             default_pooling = "mean"
         pooling = params.get("pooling", default_pooling)
-        normalize = params.get("normalize", self.default_normalize or embedding_route)
+        sentence_route = embedding_route and not control.sparse  # (sparse: weights as they are)
+        normalize = params.get("normalize", self.default_normalize or sentence_route)
         dimensions = params.get("dimensions")
         most = self.width if pooling == "none" else self.dimensions
         if dimensions is not None and dimensions > most:
             raise ValueError(f"dimensions must be at most {most} for this model")
         encoded = self.on_device(prepared)
+        if self.splade is not None:
+            return self.run_splade(encoded, params, control, pooling, normalize)
+        if control.sparse:
+            raise ValueError("sparse vectors come from a model with SPLADE pooling only")
         with torch.inference_mode():
             graphed = self.graphed
             hidden = graphed(encoded) if graphed else self.model(**encoded).last_hidden_state
@@ -212,6 +226,52 @@ class EncoderRunner(Runner):
                 for vector, count in zip(vectors, counts, strict=True)
             ]
         return vectors
+
+    def run_splade(
+        self,
+        encoded: Any,
+        params: dict[str, Any],
+        control: Control,
+        pooling: str,
+        normalize: bool,
+    ) -> list[Any]:
+        """A SPLADE model's vectors, one weight a word of its vocabulary: as lists of the
+        words of nonzero weight for /embed_sparse, else whole. What has no meaning for
+        such a vector (token vectors, another pooling, `dimensions`) is refused, as TEI
+        does, and `normalize`, unless the folder normalizes."""
+        if pooling != "splade":
+            raise ValueError(
+                f"a SPLADE model pools its words' weights, not {pooling}"
+                + (" token vectors: embed_all is not served for it" if pooling == "none" else "")
+            )
+        if normalize and not self.default_normalize:
+            raise ValueError(
+                "normalize is not available for a SPLADE model: send normalize: false, or "
+                "ask /embed_sparse for its words' weights"
+            )
+        if params.get("dimensions") is not None:
+            raise ValueError("dimensions is not available for a SPLADE model")
+        assert self.splade is not None
+        with torch.inference_mode():
+            vectors = splade_vectors(self.model, encoded, self.splade)
+            mask = encoded["attention_mask"]
+            refuse_not_numbers(vectors, "vectors")
+            if normalize:
+                vectors = torch.nn.functional.normalize(vectors, dim=-1)
+            vectors = vectors.cpu()
+        counts = mask.sum(1).tolist()
+        if control.sparse:
+            return [
+                {"indices": indices, "values": values, "tokens": count}
+                for (indices, values), count in zip(sparse_rows(vectors), counts, strict=True)
+            ]
+        dense = list(vectors.numpy())
+        if control.embedding_route:
+            return [
+                {"embedding": vector, "tokens": count}
+                for vector, count in zip(dense, counts, strict=True)
+            ]
+        return dense
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:

@@ -42,10 +42,15 @@ NO_GRAPHS = "off: --no-cuda-graphs (every forward pass runs as it is)"
 
 
 def choose_engine(
-    requested: Engine, task: str, device: str, dtype: str, onnx_installed: bool
+    requested: Engine,
+    task: str,
+    device: str,
+    dtype: str,
+    onnx_installed: bool,
+    pooling: str = "none",
 ) -> tuple[Engine, str]:
     """The engine that runs `task` here, and why; ValueError when `onnx` cannot."""
-    unfit = onnx_unfit(task, device, dtype, onnx_installed)
+    unfit = onnx_unfit(task, device, dtype, onnx_installed, pooling)
     if requested is Engine.TORCH:
         return Engine.TORCH, "--engine torch"
     if requested is Engine.ONNX:
@@ -106,7 +111,12 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
     log.info("dtype: %s (%s)", dtype, dtype_reason)
     config = dataclasses.replace(config, dtype=dtype)
     engine, reason = choose_engine(
-        config.engine, task, device, config.dtype, onnx_engine.onnxruntime_installed()
+        config.engine,
+        task,
+        device,
+        config.dtype,
+        onnx_engine.onnxruntime_installed(),
+        config.pooling,
     )
     runner: Runner | None = None
     if engine is Engine.ONNX and config.engine is Engine.AUTO:

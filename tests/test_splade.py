@@ -1,0 +1,197 @@
+"""SPLADE sparse encoders (naver's SPLADE, sentence-transformers' SparseEncoder folders):
+a vocabulary-wide vector of each word's weight, as sentence-transformers computes it, in a
+worker and through TEI's `/embed_sparse`; what has no meaning for such a vector refused."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rawserve.models.hub import ModelNotFound
+from rawserve.models.plan import plan_models
+from rawserve.models.sentence_folder import SpladePooling, sentence_modules
+from rawserve.shared.messages import EMBEDDING_ROUTE, SPARSE_ROUTE, Engine
+from tests.server import RunningServer, running_together
+from tests.tiny_models import worker_config
+
+TEXTS = ["i like it", "the movie was very bad and i hate it"]
+
+
+@pytest.fixture(scope="module")
+def splade_model(tiny_model):
+    return tiny_model("splade")
+
+
+def encoded(folder: str, texts: list[str]) -> np.ndarray:
+    """sentence-transformers' own vectors for `texts`, whole (its are sparse tensors)."""
+    from sentence_transformers import SparseEncoder
+
+    model = SparseEncoder(folder, device="cpu")
+    return model.encode(texts, convert_to_tensor=True).to_dense().numpy()
+
+
+def with_pooling(splade_model: str, tmp_path: Path, **config: str) -> str:
+    """The tiny SPLADE model, its SpladePooling configured as `config` says."""
+    folder = tmp_path / "splade"
+    shutil.copytree(splade_model, folder)
+    (folder / "1_SpladePooling" / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "pooling",
+    [
+        {},  # max, relu: sentence-transformers' defaults
+        {"pooling_strategy": "sum"},
+        {"pooling_strategy": "max", "activation_function": "log1p_relu"},
+    ],
+)
+def test_a_splade_model_s_vectors_are_sentence_transformers_own(splade_model, tmp_path, pooling):
+    from rawserve.worker.loading import load_runner
+
+    folder = with_pooling(splade_model, tmp_path, **pooling)
+    serving = load_runner(worker_config(folder, dtype="float32"), "cpu")
+    expected = encoded(folder, TEXTS)
+    whole = serving.run(TEXTS, {"normalize": False})
+    np.testing.assert_allclose(np.array(whole), expected, atol=1e-5)
+    # /embed_sparse's form: the words of nonzero weight, by id, and each input's tokens
+    for answer, vector in zip(serving.run(TEXTS, {}, SPARSE_ROUTE), expected, strict=True):
+        assert answer["indices"] == np.flatnonzero(vector).tolist()
+        np.testing.assert_allclose(answer["values"], vector[vector != 0], atol=1e-5)
+    assert [a["tokens"] for a in serving.run(TEXTS, {}, SPARSE_ROUTE)] == [5, 11]
+    assert serving.details["dimensions"] == 82 and serving.details["token_dimensions"] == 0
+
+
+def test_a_splade_model_s_logits_are_pooled_a_group_of_rows_at_a_time(splade_model, monkeypatch):
+    """A batch's logits are (rows, tokens, vocabulary): 500 MB for 32 texts of 128 tokens
+    of BERT's vocabulary. Run in groups, the batch answers what it answers whole."""
+    from rawserve.worker import splade
+    from rawserve.worker.loading import load_runner
+
+    serving = load_runner(worker_config(splade_model, dtype="float32"), "cpu")
+    texts = [*TEXTS, "paris is the capital of france", "hello"]
+    whole = serving.run(texts, {"normalize": False})
+    calls: list[int] = []
+    hook = serving.model.register_forward_hook(
+        lambda _, args, kwargs, out: calls.append(len(kwargs["input_ids"])), with_kwargs=True
+    )
+    monkeypatch.setattr(splade, "LOGITS_AT_ONCE", 82 * 11 * 3)  # three rows of 11 tokens
+    try:
+        grouped = serving.run(texts, {"normalize": False})
+    finally:
+        hook.remove()
+    assert calls == [3, 1]
+    np.testing.assert_allclose(np.array(grouped), np.array(whole), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("params", "control", "says"),
+    [
+        ({}, EMBEDDING_ROUTE, "normalize is not available for a SPLADE model"),
+        ({"pooling": "none", "normalize": False}, None, "embed_all is not served for it"),
+        ({"pooling": "mean", "normalize": False}, None, "not mean"),
+        ({"normalize": False, "dimensions": 8}, None, "dimensions is not available"),
+    ],
+)
+def test_what_has_no_meaning_for_a_splade_vector_is_refused(splade_model, params, control, says):
+    """As TEI refuses them: its /embed normalizes unless told not to, and a SPLADE
+    vector's weights are not meant to be; it has no token vectors, and no Matryoshka."""
+    from rawserve.worker.loading import load_runner
+
+    serving = load_runner(worker_config(splade_model, dtype="float32"), "cpu")
+    with pytest.raises(ValueError, match=says):
+        serving.run(TEXTS, params, *([control] if control else []))
+
+
+def test_a_splade_model_runs_on_torch_under_engine_auto_and_onnx_is_refused(splade_model):
+    from rawserve.worker.loading import load_runner
+
+    serving = load_runner(worker_config(splade_model, engine=Engine.AUTO), "cpu")
+    assert serving.engine is Engine.TORCH
+    assert "SPLADE model's pooling runs on torch only" in serving.engine_reason
+    with pytest.raises(
+        ModelNotFound, match="--engine onnx: a SPLADE model's pooling runs on torch"
+    ):
+        plan_models([splade_model], engine=Engine.ONNX)
+
+
+def test_a_sparse_encoder_folder_is_read_in_either_form(splade_model, tmp_path):
+    """sentence-transformers' MLMTransformer, or its Transformer running fill-mask (what
+    its later releases save); the pooling as configured."""
+    assert sentence_modules(Path(splade_model)).splade == SpladePooling("max", "relu")
+    folder = Path(with_pooling(splade_model, tmp_path, pooling_strategy="sum"))
+    modules = json.loads((folder / "modules.json").read_text())
+    modules[0]["type"] = "sentence_transformers.base.modules.transformer.Transformer"
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"transformer_task": "fill-mask"}))
+    read = sentence_modules(folder)
+    assert (read.pooling, read.splade) == ("splade", SpladePooling("sum", "relu"))
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"pooling_strategy": "mean"}, "its SpladePooling (mean, relu) is not served"),
+        ({"activation_function": "gelu"}, "its SpladePooling (max, gelu) is not served"),
+        ("no transformer task", "its SpladePooling has no masked language model"),
+        ("plain pooling", "its masked language model has no SpladePooling after it"),
+        ("dense after", "its Dense module (2_Dense) after SpladePooling is not served"),
+    ],
+)
+def test_a_sparse_encoder_rawserve_would_compute_otherwise_is_refused(
+    splade_model, tmp_path, change, says
+):
+    folder = Path(with_pooling(splade_model, tmp_path))
+    modules = json.loads((folder / "modules.json").read_text())
+    if isinstance(change, dict):
+        (folder / "1_SpladePooling" / "config.json").write_text(json.dumps(change))
+    elif change == "no transformer task":
+        modules[0]["type"] = "sentence_transformers.models.Transformer"
+    elif change == "plain pooling":
+        modules[1] = {"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}
+        (folder / "1_Pooling").mkdir()
+        (folder / "1_Pooling" / "config.json").write_text('{"pooling_mode": "cls"}')
+    else:
+        modules.append({"idx": 2, "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match=re.escape(says)):
+        sentence_modules(folder)
+
+
+@pytest.mark.slow
+def test_a_splade_model_is_served_on_tei_s_embed_sparse(splade_model, tiny_model):
+    """As TEI serves one: /embed_sparse the words of nonzero weight; /embed the whole
+    vector with normalize: false, else 422; /embed_all 422; /embed_sparse of another
+    model 404."""
+    expected = encoded(splade_model, TEXTS)
+    started = {
+        kind: RunningServer(["--model", tiny_model(kind), "--threads", "1"])
+        for kind in ("splade", "sentence-embedding")
+    }
+    with running_together(started):
+        server = started["splade"]
+        status, sparse = server.post_json({"inputs": TEXTS}, "/embed_sparse")
+        assert status == 200
+        for answer, vector in zip(sparse, expected, strict=True):
+            assert [entry["index"] for entry in answer] == np.flatnonzero(vector).tolist()
+            np.testing.assert_allclose([e["value"] for e in answer], vector[vector != 0], atol=1e-5)
+        status, one = server.post_json({"inputs": TEXTS[0]}, "/embed_sparse")
+        assert status == 200 and one == sparse[:1]
+        status, whole = server.post_json({"inputs": TEXTS, "normalize": False}, "/embed")
+        assert status == 200
+        np.testing.assert_allclose(whole, expected, atol=1e-5)
+        for path, body in [("/embed", {}), ("/embed_all", {}), ("/v1/embeddings", {})]:
+            key = "input" if path.startswith("/v1") else "inputs"
+            status, refused = server.post_json({key: TEXTS[0], **body}, path)
+            assert status == 422, (path, refused)
+        status, _, info = server.request("GET", "/info")
+        document = json.loads(info)
+        assert document["pooling"] == "splade"
+        assert document["model_type"] == {"embedding": {"pooling": "splade"}}
+        status, refused = started["sentence-embedding"].post_json({"inputs": "hi"}, "/embed_sparse")
+        assert status == 404 and "SPLADE pooling" in refused["error"]
