@@ -52,6 +52,8 @@ def test_a_generation_model_s_invocations_are_tgis_three_bodies(body, path):
 def test_an_encoder_s_invocations_are_tei_s_route_for_it():
     embedder = ServedModels([served("emb", "feature-extraction")])
     assert invocation_path({"inputs": "hi"}, embedder) == "/embed"
+    splade = replace(served("splade", "feature-extraction"), facts={"pooling": "splade"})
+    assert invocation_path({"inputs": "hi"}, ServedModels([splade])) == "/embed_sparse"
     classifier = ServedModels([with_labels(served("cls", "text-classification"), {0: "a", 1: "b"})])
     assert invocation_path({"inputs": "hi"}, classifier) == "/predict"
     assert invocation_path({"query": "q", "texts": ["a"]}, classifier) == "/predict"

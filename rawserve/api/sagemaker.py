@@ -11,9 +11,9 @@ body is read (from the head alone, only its method and API key are checked):
 - a text-generation model: OpenAI's chat completions for a body with `messages`, its
   completions for one with `prompt`, else TGI's `/generate` (`/generate_stream` where
   the body says `"stream": true`), as TGI's SageMaker route reads its three bodies;
-- a feature-extraction model: TEI's `/embed`; a text classifier: TEI's `/rerank` where it
-  has one label (a cross-encoder) or, before it has loaded, where the body has a
-  `query`, else `/predict`;
+- a feature-extraction model: TEI's `/embed` (a SPLADE model: `/embed_sparse`); a text
+  classifier: TEI's `/rerank` where it has one label (a cross-encoder) or, before it has
+  loaded, where the body has a `query`, else `/predict`;
 - any other task: the Inference API's `POST /models/<name>` (the body's `"model"`, which
   that route does not take, left out).
 Never imports torch.
@@ -67,8 +67,8 @@ def invocation_path(document: Any, models: ServedModels) -> str:
         if "inputs" not in body and "prompt" in body:
             return "/v1/completions"
         return "/generate_stream" if body.get("stream") is True else "/generate"
-    if task == "feature-extraction":
-        return "/embed"
+    if task == "feature-extraction":  # (a SPLADE model's: its sparse vectors, as TEI's)
+        return "/embed_sparse" if model.facts.get("pooling") == "splade" else "/embed"
     if task == "text-classification":
         return "/rerank" if is_reranker(model, body) else "/predict"
     return MODELS_PREFIX + model.name
