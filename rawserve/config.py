@@ -103,6 +103,7 @@ class ServerConfig:
     models: tuple[str, ...]  # [ALIAS=]MODEL[@REVISION][:TASK]; none: the packaged model
     revision: str | None
     task: str | None
+    pooling: str | None  # --pooling: the feature-extraction models' mode, over their files'
     handler: str | None  # MODULE:FACTORY instead of models
     model: ModelConfig
     host: str

@@ -485,6 +485,7 @@ def start(argv: Sequence[str] | None) -> int:
             plans = plan_models(
                 config.models,
                 task=config.task,
+                pooling=config.pooling,
                 revision=config.revision,
                 handler=config.handler,
                 chat_template=config.model.chat_template is not None,

@@ -28,6 +28,7 @@ from rawserve.config import Batching, ModelConfig, ServerConfig, Tls, onnx_unfit
 from rawserve.http.cors import browser_origin
 from rawserve.http.limits import ProtocolSettings
 from rawserve.http.tls import server_context
+from rawserve.models.sentence_folder import POOLING_MODES
 from rawserve.ops import layout
 from rawserve.ops.loops import LOOPS, chosen_loop
 from rawserve.shared.devices import CoreCount, core_count, parse_devices
@@ -58,6 +59,9 @@ DEFAULT_MAX_TIMEOUT = 300.0
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # the options that take one of a few words
+# --pooling's modes: sentence-transformers' own, and SPLADE's; TEI's names of them too
+POOLING_CHOICES = (*sorted(POOLING_MODES), "splade")
+POOLING_NAMES = {"last-token": "lasttoken", "last_token": "lasttoken"}
 CHOICES = ("engine", "dtype", "batching", "generation", "loop", "log_format")
 # the largest whole number an option takes: /info's JSON readers keep it exact
 MAX_WHOLE_NUMBER = 2**53
@@ -107,6 +111,15 @@ OPTIONS = [
         str,
         None,
         "pipeline task of the models named without :TASK (default: inferred from the files)",
+    ),
+    Option(
+        "--pooling",
+        str,
+        None,
+        "how the feature-extraction models pool their token vectors, in place of what their "
+        "files say (TEI's --pooling): cls, mean, max, lasttoken, weightedmean, "
+        "mean_sqrt_len_tokens, or splade (a masked language model served as a sparse "
+        "encoder: /embed_sparse)",
     ),
     Option(
         "--handler",
@@ -464,6 +477,7 @@ OTHER_VARIABLES = ("RAWSERVE_CACHE_DIR",)
 
 HANDLER_IGNORES: dict[str, Callable[[argparse.Namespace], bool]] = {
     "--task": lambda args: bool(args.task),
+    "--pooling": lambda args: bool(args.pooling),
     "--revision": lambda args: bool(args.revision),
     "--chat-template": lambda args: bool(args.chat_template),
 }
@@ -565,6 +579,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         models=tuple(models),
         revision=args.revision,
         task=args.task,
+        pooling=pooling_named(args.pooling, parser),
         handler=args.handler,
         model=ModelConfig(
             device=args.device or None,
@@ -764,6 +779,16 @@ def batch_defaults(size: int | None, tokens: int | None, gpu: bool) -> tuple[int
 def http_processes_default(gpu: bool, cores: int) -> int:
     """One on a CPU machine; on a GPU machine several, leaving most cores to the rest."""
     return max(1, min(GPU_HTTP_PROCESSES, cores // 2)) if gpu else 1
+
+
+def pooling_named(named: str | None, parser: argparse.ArgumentParser) -> str | None:
+    """--pooling's mode in sentence-transformers' words (TEI's last-token: lasttoken)."""
+    if not named:
+        return None
+    mode = POOLING_NAMES.get(named.strip().lower(), named.strip().lower())
+    if mode not in POOLING_CHOICES:
+        parser.error(f"--pooling must be one of {', '.join(sorted(POOLING_CHOICES))}")
+    return mode
 
 
 def read_chat_template(path: str | None, parser: argparse.ArgumentParser) -> str | None:

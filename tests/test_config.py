@@ -97,6 +97,7 @@ def test_the_defaults_are_the_option_table_s(monkeypatch):
         "models": (),
         "handler": None,
         "task": None,
+        "pooling": None,
         "revision": None,
         "model": {
             "device": None,
@@ -206,6 +207,16 @@ def test_tls_files_are_loaded_into_a_context_at_parse_time(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("given", "mode"),
+    [(None, None), ("CLS", "cls"), ("last-token", "lasttoken"), ("splade", "splade")],
+)
+def test_pooling_is_read_in_sentence_transformers_words_and_tei_s(monkeypatch, given, mode):
+    if given is not None:
+        monkeypatch.setenv("RAWSERVE_POOLING", given)
+    assert parse_config([]).pooling == mode
+
+
+@pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
         ([*ECHO, "--model", "org/name"], {}, "--handler serves its own callable"),
@@ -258,6 +269,8 @@ def test_tls_files_are_loaded_into_a_context_at_parse_time(tmp_path):
         # each refused by every worker once it had imported torch, after the server listened
         (["--engine", "onnx", "--device", "cpu,cuda:1"], {}, "CPU only, not on cuda:1"),
         (["--engine", "onnx", "--device", "cpu", "--dtype", "bfloat16"], {}, "float32 here, not"),
+        (["--pooling", "first"], {}, "--pooling must be one of cls, lasttoken, max, mean"),
+        (["--pooling", "splade", *ECHO], {}, "--handler serves its own callable: --pooling"),
     ],
 )
 def test_an_invalid_command_line_is_refused_with_a_clear_line(

@@ -25,6 +25,7 @@ SAMPLES = {
     "--handler": "tests.handlers:echo",
     "--revision": "v1.0",
     "--task": "text-classification",
+    "--pooling": "cls",
     "--api-key": "secret",
     "--cors-allow-origin": "https://app.example",
     "--chat-template": __file__,  # a file that exists: its text is read at parse time

@@ -163,6 +163,67 @@ def test_a_sparse_encoder_rawserve_would_compute_otherwise_is_refused(
         sentence_modules(folder)
 
 
+def test_pooling_splade_makes_a_masked_language_model_a_sparse_encoder(tiny_model):
+    """TEI's --pooling splade on a masked LM without sentence-transformers' files (naver's
+    older SPLADE repos): the vectors of that LM with SpladePooling after it."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sparse_encoder.models import MLMTransformer
+    from sentence_transformers.sparse_encoder.models import SpladePooling as Pooling
+
+    from rawserve.worker.loading import load_runner
+
+    folder = tiny_model("fill-mask")
+    [plan] = plan_models([folder], pooling="splade")
+    assert plan.facts is not None
+    assert (plan.facts.task, plan.facts.pooling) == ("feature-extraction", "splade")
+    serving = load_runner(worker_config(folder, pooling="splade", dtype="float32"), "cpu")
+    reference = SparseEncoder(modules=[MLMTransformer(folder), Pooling("max")], device="cpu")
+    expected = reference.encode(TEXTS, convert_to_tensor=True).to_dense().numpy()
+    np.testing.assert_allclose(
+        np.array(serving.run(TEXTS, {"normalize": False})), expected, atol=1e-5
+    )
+    # named as fill-mask, it stays one
+    with pytest.raises(ModelNotFound, match="applies to a masked language model named without"):
+        plan_models([f"{folder}:fill-mask"], pooling="splade")
+
+
+def test_pooling_replaces_a_feature_extraction_model_s_own(tiny_model):
+    """A model without sentence-transformers' files answered token vectors on POST / and
+    was mean-pooled on /embed; --pooling cls pools it as TEI's --pooling cls does."""
+    import torch
+    import transformers
+
+    from rawserve.worker.loading import load_runner
+
+    folder = tiny_model("feature-extraction")
+    serving = load_runner(worker_config(folder, pooling="cls", dtype="float32"), "cpu")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModel.from_pretrained(folder).eval()
+    with torch.no_grad():
+        states = model(**tokenizer(TEXTS, padding=True, return_tensors="pt")).last_hidden_state
+    np.testing.assert_allclose(np.array(serving.run(TEXTS, {})), states[:, 0].numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kind", "pooling", "says"),
+    [
+        ("text-classification", "splade", "--pooling splade applies to a masked language model"),
+        ("text-classification", "cls", "--pooling cls applies to feature-extraction models"),
+        ("splade", "cls", "--pooling cls: it is a sparse encoder, pooled by SPLADE"),
+        ("sentence-embedding", "splade", "--pooling splade: it is not a masked language model"),
+        ("dense-sentence-embedding", "mean", None),  # (its Dense layer after mean pooling)
+    ],
+)
+def test_a_pooling_a_model_cannot_take_stops_the_start_saying_why(tiny_model, kind, pooling, says):
+    folder = tiny_model(kind)
+    if says is None:
+        [plan] = plan_models([folder], pooling=pooling)
+        assert plan.facts is not None and plan.facts.pooling == pooling
+        return
+    with pytest.raises(ModelNotFound, match=re.escape(says)):
+        plan_models([folder], pooling=pooling)
+
+
 @pytest.mark.slow
 def test_a_splade_model_is_served_on_tei_s_embed_sparse(splade_model, tiny_model):
     """As TEI serves one: /embed_sparse the words of nonzero weight; /embed the whole
@@ -173,6 +234,10 @@ def test_a_splade_model_is_served_on_tei_s_embed_sparse(splade_model, tiny_model
         kind: RunningServer(["--model", tiny_model(kind), "--threads", "1"])
         for kind in ("splade", "sentence-embedding")
     }
+    # a masked LM with TEI's --pooling splade
+    started["masked"] = RunningServer(
+        ["--model", tiny_model("fill-mask"), "--pooling", "splade", "--threads", "1"]
+    )
     with running_together(started):
         server = started["splade"]
         status, sparse = server.post_json({"inputs": TEXTS}, "/embed_sparse")
@@ -195,3 +260,8 @@ def test_a_splade_model_is_served_on_tei_s_embed_sparse(splade_model, tiny_model
         assert document["model_type"] == {"embedding": {"pooling": "splade"}}
         status, refused = started["sentence-embedding"].post_json({"inputs": "hi"}, "/embed_sparse")
         assert status == 404 and "SPLADE pooling" in refused["error"]
+        status, masked = started["masked"].post_json({"inputs": TEXTS}, "/embed_sparse")
+        assert status == 200
+        for answer, vector in zip(masked, encoded(tiny_model("splade"), TEXTS), strict=True):
+            # (the same weights: the tiny SPLADE model is the tiny masked LM, seeded alike)
+            np.testing.assert_allclose([e["value"] for e in answer], vector[vector != 0], atol=1e-5)

@@ -433,13 +433,16 @@ def _build_vit(folder: Path) -> Path:
     return folder
 
 
-def worker_config(folder: str, task: str | None = None, **options: object):
+def worker_config(
+    folder: str, task: str | None = None, pooling: str | None = None, **options: object
+):
     """The WorkerConfig the server would send for `folder`: the task and pooling read from
-    the folder's files, as rawserve.models does before any worker starts."""
+    the folder's files (`pooling`: --pooling's), as rawserve.models does before any worker
+    starts."""
     from rawserve.models.folder import read_facts
     from rawserve.shared.messages import WorkerConfig
 
-    facts = read_facts(Path(folder), task)
+    facts = read_facts(Path(folder), task, pooling)
     return WorkerConfig(
         model=folder,
         task=facts.task,

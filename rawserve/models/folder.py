@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 
 from rawserve.models.json_files import json_file, json_object, read_json
-from rawserve.models.sentence_folder import DenseModule, sentence_modules
+from rawserve.models.sentence_folder import DenseModule, pooled_as, sentence_modules
 from rawserve.tasks.registry import TASKS
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"  # what clients see without --model
@@ -106,16 +106,20 @@ class FolderFacts:
     dense: tuple[DenseModule, ...] = ()  # the layers after the pooling, in order
 
 
-def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
-    """The facts of a model folder; `task` (from --task or MODEL:TASK) overrides inference.
-    Raises ValueError with a one-line reason when the task is not one served, or the
-    folder does not say its task or holds no weights or tokenizer to load, or an image
-    task's Pillow is not installed."""
+def read_facts(model_dir: Path, task: str | None = None, pooling: str | None = None) -> FolderFacts:
+    """The facts of a model folder; `task` (from --task or MODEL:TASK) overrides inference,
+    `pooling` (--pooling) a feature-extraction model's pooling (splade: a masked language
+    model's, whose task it makes feature-extraction unless one is named). Raises
+    ValueError with a one-line reason when the task is not one served, or the folder does
+    not say its task or holds no weights or tokenizer to load, or an image task's Pillow
+    is not installed, or it cannot be pooled as `pooling` says."""
     task = TASK_ALIASES.get(task, task) if task else None
     if task is not None and task not in TASKS:
         raise ValueError(f"{task!r} is not a task served (the tasks: {', '.join(TASKS)})")
     try:
         refuse_broken_links(model_dir)
+        if pooling == "splade" and task is None and is_masked_lm(model_dir):
+            task = "feature-extraction"  # a sparse encoder, as TEI's --pooling splade makes it
         task = task or infer_task(model_dir)
         if not (model_dir / "config.json").is_file():  # (its task named: nothing read it)
             raise ValueError(no_config(model_dir))
@@ -141,6 +145,8 @@ def read_facts(model_dir: Path, task: str | None = None) -> FolderFacts:
         if task != "feature-extraction":
             return FolderFacts(task)
         modules = sentence_modules(model_dir)
+        if pooling is not None:
+            modules = pooled_as(modules, pooling, is_masked_lm(model_dir))
     except FileNotFoundError as exc:
         missing = Path(str(exc.filename)).name
         if missing == "config.json":  # naming the task would not help: it is read too
@@ -252,6 +258,12 @@ def is_tiktoken(path: Path) -> bool:
     with path.open("rb") as file:
         first = file.readline(TIKTOKEN_LINE_MOST).split()
     return len(first) == 2 and first[1].isdigit()
+
+
+def is_masked_lm(model_dir: Path) -> bool:
+    """Whether config.json names a masked language model (a `...ForMaskedLM`)."""
+    config = json_file(model_dir / "config.json")
+    return any(str(name).endswith("MaskedLM") for name in config.get("architectures") or [])
 
 
 def infer_task(model_dir: Path) -> str:

@@ -67,6 +67,7 @@ def plan_models(
     models: Sequence[str],
     *,
     task: str | None = None,
+    pooling: str | None = None,
     revision: str | None = None,
     handler: str | None = None,
     chat_template: bool = False,
@@ -76,10 +77,11 @@ def plan_models(
     """The plans of the models named on the command line (the packaged model when none
     is), in order: the first is the default. Raises ModelNotFound (one line) on a name
     that cannot be read, a model that cannot be had, one whose task is unknown, one
-    whose task `engine` does not serve, or a `task`, `revision` or `chat_template`
-    (--chat-template given) that no model takes. `onnx_graphs`: whether the ONNX engine
-    may serve an encoder task here (a Hub repo's own onnx/model.onnx is then fetched)."""
-    plans = _plans(models, task, revision, handler, onnx_graphs)
+    whose task `engine` does not serve, or a `task`, `pooling` (--pooling), `revision` or
+    `chat_template` (--chat-template given) that no model takes. `onnx_graphs`: whether
+    the ONNX engine may serve an encoder task here (a Hub repo's own onnx/model.onnx is
+    then fetched)."""
+    plans = _plans(models, task, revision, handler, onnx_graphs, pooling)
     for plan in plans:
         facts = plan.facts
         unfit = (
@@ -92,6 +94,13 @@ def plan_models(
     generates = any(plan.facts and plan.facts.task == "text-generation" for plan in plans)
     if chat_template and not generates:  # only a text-generation model's chat reads it
         raise ModelNotFound("--chat-template applies to text-generation models, and none is served")
+    if pooling and not any(plan.facts and plan.facts.pooling == pooling for plan in plans):
+        served = (
+            "a masked language model named without another task"
+            if pooling == "splade"
+            else "feature-extraction models"
+        )
+        raise ModelNotFound(f"--pooling {pooling} applies to {served}, and none is served")
     return plans
 
 
@@ -101,6 +110,7 @@ def _plans(
     revision: str | None,
     handler: str | None,
     onnx_graphs: bool = False,
+    pooling: str | None = None,
 ) -> list[ModelPlan]:
     if handler:
         if models:
@@ -124,13 +134,16 @@ def _plans(
         )
     if not specs:
         folder = Path(default_model())
-        facts = _facts(folder, task, DEFAULT_MODEL_NAME)
+        facts = _facts(folder, task, DEFAULT_MODEL_NAME, pooling)
         names = (DEFAULT_MODEL_NAME, PACKAGED_REPO_ID)
         plans = [ModelPlan(names, PACKAGED_REPO_ID, str(folder), None, facts, None, task)]
     else:
         plans = [
             _plan(
-                spec.with_defaults(task=task, revision=revision), as_named(spec, task), onnx_graphs
+                spec.with_defaults(task=task, revision=revision),
+                as_named(spec, task),
+                onnx_graphs,
+                pooling,
             )
             for spec in specs
         ]
@@ -144,13 +157,16 @@ def as_named(spec: ModelSpec, task: str | None) -> str:
     return f"{spec} (--task {task})" if task and not spec.task else str(spec)
 
 
-def _plan(spec: ModelSpec, named: str, onnx_graphs: bool = False) -> ModelPlan:
+def _plan(
+    spec: ModelSpec, named: str, onnx_graphs: bool = False, pooling: str | None = None
+) -> ModelPlan:
     """`spec` with --task and --revision applied (`named`: as the command line named it;
-    `onnx_graphs`: fetch the repo's own ONNX graph where the engine may read it)."""
+    `onnx_graphs`: fetch the repo's own ONNX graph where the engine may read it;
+    `pooling`: --pooling's mode)."""
     resolved = resolve_model(spec)
     if only_shipped_graph(resolved):  # its graph is the model, or nothing is
         _fetch_only_graph(resolved, spec.task, named, onnx_graphs)
-    facts = _facts(resolved.folder, spec.task, named)
+    facts = _facts(resolved.folder, spec.task, named, pooling)
     if onnx_graphs and onnx_unfit(facts.task, pooling=facts.pooling) is None:  # where read
         fetch_shipped_graph(resolved)
     return ModelPlan(
@@ -186,9 +202,9 @@ def _fetch_only_graph(
         raise ModelNotFound(f"model {named}: {exc}") from None
 
 
-def _facts(folder: Path, task: str | None, named: str) -> FolderFacts:
+def _facts(folder: Path, task: str | None, named: str, pooling: str | None) -> FolderFacts:
     try:
-        return read_facts(folder, task)
+        return read_facts(folder, task, pooling)
     except ValueError as exc:
         raise ModelNotFound(f"model {named}: {exc}") from None
 

@@ -3,7 +3,7 @@ text, and the modules after its transformer (pooling, Dense layers, normalizatio
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -149,6 +149,23 @@ def sentence_modules(model_dir: Path) -> SentenceModules:
             else "its SpladePooling has no masked language model (MLMTransformer) before it"
         )
     return SentenceModules(pooling, tuple(dense), normalize, splade)
+
+
+def pooled_as(modules: SentenceModules, pooling: str, masked_lm: bool) -> SentenceModules:
+    """A folder's modules with --pooling's mode in place of its own pooling (`masked_lm`:
+    whether the model is a masked language model, which splade pools); ValueError where
+    the model cannot be pooled so."""
+    if pooling == "splade" and not masked_lm:
+        raise ValueError(
+            "--pooling splade: it is not a masked language model (a ...ForMaskedLM), whose "
+            "logits SPLADE pools"
+        )
+    if pooling == "splade" and modules.dense:
+        raise ValueError("--pooling splade: its Dense module would follow SpladePooling")
+    if modules.splade is not None and pooling != "splade":
+        raise ValueError(f"--pooling {pooling}: it is a sparse encoder, pooled by SPLADE")
+    splade = (modules.splade or SpladePooling()) if pooling == "splade" else None
+    return replace(modules, pooling=pooling, splade=splade)
 
 
 def transformer_task(model_dir: Path) -> str:

@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from rawserve.models.sentence_folder import (
+    SpladePooling,
     sentence_modules,
     sentence_transformers_default_prompt,
     sentence_transformers_prompts,
@@ -52,7 +53,8 @@ class EncoderRunner(Runner):
             tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
         untrained = None
         modules = sentence_modules(Path(model))
-        self.splade = modules.splade  # a sparse encoder's: its masked LM's logits pooled
+        # a sparse encoder's (or a masked LM's --pooling splade): its logits pooled
+        self.splade = modules.splade or (SpladePooling() if pooling == "splade" else None)
         if onnx is None:
             self.model: Any
             kind = "AutoModelForMaskedLM" if self.splade else "AutoModel"
