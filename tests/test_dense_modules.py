@@ -82,7 +82,7 @@ def test_a_dense_layer_of_each_form_computes_as_sentence_transformers_own(
     tmp_path, options, safe_serialization
 ):
     import torch
-    from sentence_transformers.models import Dense
+    from sentence_transformers.base.modules import Dense
 
     from rawserve.worker.dense_layers import load_dense_layers
 
@@ -113,6 +113,20 @@ def test_dense_weights_that_do_not_fit_their_config_stop_the_start_saying_which(
         load_dense_layers(tmp_path, (module,), 32, "cpu")
     with pytest.raises(ValueError, match="takes 32 numbers where the model's vectors have 64"):
         load_dense_layers(tmp_path, (module,), 64, "cpu")
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "pytorch_model.bin"])
+def test_a_dense_weights_file_cut_short_is_named(tmp_path, name):
+    """A cut model.safetensors was a deserializing error naming no file; a corrupt .bin,
+    torch's advice to load it with weights_only=False."""
+    from rawserve.models.sentence_folder import DenseModule
+    from rawserve.worker.dense_layers import load_dense_layers
+
+    (tmp_path / "2_Dense").mkdir()
+    (tmp_path / "2_Dense" / name).write_bytes(b"\x80\x04 not whole")
+    module = DenseModule("2_Dense", 32, 16, bias=True, activation="Tanh")
+    with pytest.raises(ValueError, match=f"^2_Dense/{name} is not a whole weights file .*download"):
+        load_dense_layers(tmp_path, (module,), 32, "cpu")
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -287,7 +288,8 @@ def test_safetensors_make_the_pickled_weights_unneeded():
 
 def test_a_dense_module_s_only_weights_are_fetched_beside_the_model_s_safetensors():
     """LaBSE's repo: the model's weights in both forms, its Dense module's in
-    pytorch_model.bin alone; that .bin is needed, the others are not."""
+    pytorch_model.bin alone; that .bin is needed, the others are not. The Dense folders
+    are those modules.json names (stella's 2_Dense_1024, say), whatever their names."""
     files = [
         "config.json",
         "model.safetensors",
@@ -300,17 +302,23 @@ def test_a_dense_module_s_only_weights_are_fetched_beside_the_model_s_safetensor
         "3_Dense/config.json",
         "3_Dense/model.safetensors",
         "3_Dense/pytorch_model.bin",
+        "2_Dense_1024/pytorch_model.bin",
+        "2_Dense_1024/adapter.safetensors",  # (not its weights: the .bin is)
+        "2_Dense_256/pytorch_model.bin",  # a size modules.json does not name
         "checkpoint-5/pytorch_model.bin",
         "step[5]/pytorch_model.bin",  # (a name that is a glob pattern, taken as a name)
         "[weird]_Dense/pytorch_model.bin",
     ]
-    assert set(files) - set(fetched(files)) == {
+    dense = ("2_Dense", "3_Dense", "2_Dense_1024", "[weird]_Dense")
+    assert set(files) - set(fetched(files, dense)) == {
         "pytorch_model.bin",
         "training_args.bin",
         "3_Dense/pytorch_model.bin",
+        "2_Dense_256/pytorch_model.bin",
         "checkpoint-5/pytorch_model.bin",
         "step[5]/pytorch_model.bin",
     }
+    assert files_to_skip(files) == NOT_NEEDED + PICKLED_WEIGHTS  # no Dense module: as before
 
 
 @pytest.mark.parametrize(
@@ -1173,6 +1181,9 @@ def test_a_sentence_transformers_folder_s_dense_layers_are_read_in_order(tmp_pat
         ({**DENSE, "module_input_name": "token_embeddings"}, "reads or writes token_embeddings"),
         ({"out_features": 16}, "names no in_features and out_features"),
         ({**DENSE, "in_features": "32"}, "names no in_features and out_features"),
+        # sentence-transformers fails on both: not Tanh, its default
+        ({**DENSE, "activation_function": None}, "has the activation None"),
+        ({**DENSE, "activation_function": "torch.nn.nonexistent.Tanh"}, "torch.nn.nonexistent"),
     ],
 )
 def test_a_dense_module_rawserve_would_compute_otherwise_is_refused(tmp_path, dense, reason):
@@ -1181,6 +1192,41 @@ def test_a_dense_module_rawserve_would_compute_otherwise_is_refused(tmp_path, de
         plan_models([str(folder)])
     assert str(caught.value).startswith(f"model {folder}: its Dense module (2_Dense) ")
     assert reason in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("path", "reason"),
+    [
+        ("/etc/rawserve_dense", "its sentence-transformers module's path /etc/rawserve_dense is"),
+        ("../../outside", "its sentence-transformers module's path ../../outside is outside"),
+        ("2_Dense/../../x", "is outside its folder"),
+    ],
+)
+def test_a_module_outside_the_model_s_folder_is_refused(tmp_path, path, reason):
+    """A repo's modules.json made the server read files anywhere on the machine."""
+    folder = sentence_folder(tmp_path, WITH_DENSE, {"pooling_mode": "cls"})
+    modules = json.loads((folder / "modules.json").read_text())
+    modules[2]["path"] = path
+    (folder / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ModelNotFound, match=re.escape(reason)):
+        plan_models([str(folder)])
+
+
+def test_another_package_s_module_of_a_served_name_is_refused(tmp_path):
+    folder = sentence_folder(tmp_path, WITH_DENSE, {"pooling_mode": "cls"})
+    modules = json.loads((folder / "modules.json").read_text())
+    modules[2]["type"] = "mypackage.Dense"
+    (folder / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ModelNotFound, match=re.escape("module mypackage.Dense (2_Dense) is not")):
+        plan_models([str(folder)])
+
+
+def test_a_dense_module_without_its_config_is_refused_naming_it(tmp_path):
+    """It was said to be the model's own config.json that was missing."""
+    folder = sentence_folder(tmp_path, WITH_DENSE, {"pooling_mode": "cls"})
+    (folder / "2_Dense" / "config.json").unlink()
+    with pytest.raises(ModelNotFound, match=re.escape("its Dense module (2_Dense) has no config")):
+        plan_models([str(folder)])
 
 
 def test_a_dense_module_without_its_weights_is_refused_at_start(tmp_path):

@@ -61,7 +61,8 @@ def test_a_splade_model_s_vectors_are_sentence_transformers_own(splade_model, tm
     np.testing.assert_allclose(np.array(whole), expected, atol=1e-5)
     # /embed_sparse's form: the words of nonzero weight, by id, and each input's tokens
     for answer, vector in zip(serving.run(TEXTS, {}, SPARSE_ROUTE), expected, strict=True):
-        assert answer["indices"] == np.flatnonzero(vector).tolist()
+        assert answer["indices"].tolist() == np.flatnonzero(vector).tolist()
+        assert answer["values"].dtype == np.float32  # (answered as float32 prints it)
         np.testing.assert_allclose(answer["values"], vector[vector != 0], atol=1e-5)
     assert [a["tokens"] for a in serving.run(TEXTS, {}, SPARSE_ROUTE)] == [5, 11]
     assert serving.details["dimensions"] == 82 and serving.details["token_dimensions"] == 0
@@ -93,8 +94,8 @@ def test_a_splade_model_s_logits_are_pooled_a_group_of_rows_at_a_time(splade_mod
     ("params", "control", "says"),
     [
         ({}, EMBEDDING_ROUTE, "normalize is not available for a SPLADE model"),
-        ({"pooling": "none", "normalize": False}, None, "embed_all is not served for it"),
-        ({"pooling": "mean", "normalize": False}, None, "not mean"),
+        ({"pooling": "none", "normalize": False}, None, "has no token vectors to answer"),
+        ({"pooling": "mean", "normalize": False}, None, "not by mean pooling"),
         ({"normalize": False, "dimensions": 8}, None, "dimensions is not available"),
     ],
 )
@@ -141,6 +142,7 @@ def test_a_sparse_encoder_folder_is_read_in_either_form(splade_model, tmp_path):
         ("no transformer task", "its SpladePooling has no masked language model"),
         ("plain pooling", "its masked language model has no SpladePooling after it"),
         ("dense after", "its Dense module (2_Dense) after SpladePooling is not served"),
+        ({"pooling_strategy": None}, "its SpladePooling (None, relu) is not served"),
     ],
 )
 def test_a_sparse_encoder_rawserve_would_compute_otherwise_is_refused(
@@ -167,8 +169,8 @@ def test_pooling_splade_makes_a_masked_language_model_a_sparse_encoder(tiny_mode
     """TEI's --pooling splade on a masked LM without sentence-transformers' files (naver's
     older SPLADE repos): the vectors of that LM with SpladePooling after it."""
     from sentence_transformers import SparseEncoder
-    from sentence_transformers.sparse_encoder.models import MLMTransformer
-    from sentence_transformers.sparse_encoder.models import SpladePooling as Pooling
+    from sentence_transformers.sparse_encoder.modules import MLMTransformer
+    from sentence_transformers.sparse_encoder.modules import SpladePooling as Pooling
 
     from rawserve.worker.loading import load_runner
 
@@ -224,6 +226,27 @@ def test_a_pooling_a_model_cannot_take_stops_the_start_saying_why(tiny_model, ki
         plan_models([folder], pooling=pooling)
 
 
+def test_a_normalize_module_after_splade_pooling_normalizes_every_route(splade_model, tmp_path):
+    """/embed_sparse answered such a folder's weights unnormalized, where encode() gives
+    vectors of length 1."""
+    from rawserve.worker.loading import load_runner
+
+    folder = Path(with_pooling(splade_model, tmp_path))
+    modules = json.loads((folder / "modules.json").read_text())
+    normalize = {
+        "idx": 2,
+        "name": "2",
+        "path": "2_Normalize",
+        "type": "sentence_transformers.models.Normalize",
+    }
+    (folder / "modules.json").write_text(json.dumps([*modules, normalize]))
+    serving = load_runner(worker_config(str(folder), dtype="float32"), "cpu")
+    expected = encoded(str(folder), TEXTS)
+    np.testing.assert_allclose(np.linalg.norm(expected, axis=1), 1, atol=1e-6)
+    for answer, vector in zip(serving.run(TEXTS, {}, SPARSE_ROUTE), expected, strict=True):
+        np.testing.assert_allclose(answer["values"], vector[vector != 0], atol=1e-6)
+
+
 @pytest.mark.slow
 def test_a_splade_model_is_served_on_tei_s_embed_sparse(splade_model, tiny_model):
     """As TEI serves one: /embed_sparse the words of nonzero weight; /embed the whole
@@ -250,10 +273,16 @@ def test_a_splade_model_is_served_on_tei_s_embed_sparse(splade_model, tiny_model
         status, whole = server.post_json({"inputs": TEXTS, "normalize": False}, "/embed")
         assert status == 200
         np.testing.assert_allclose(whole, expected, atol=1e-5)
-        for path, body in [("/embed", {}), ("/embed_all", {}), ("/v1/embeddings", {})]:
-            key = "input" if path.startswith("/v1") else "inputs"
-            status, refused = server.post_json({key: TEXTS[0], **body}, path)
-            assert status == 422, (path, refused)
+        status, refused = server.post_json({"inputs": TEXTS[0]}, "/embed")  # normalize: true
+        assert status == 422 and "send normalize: false" in refused["error"]
+        # routes of dense vectors: not this model's (a body naming no model picks another)
+        for path, body in [
+            ("/embed_all", {"inputs": "hi"}),
+            ("/v1/embeddings", {"input": "hi"}),
+            ("/similarity", {"inputs": {"source_sentence": "hi", "sentences": ["a"]}}),
+        ]:
+            status, refused = server.post_json(body, path)
+            assert status == 404, (path, refused)
         status, _, info = server.request("GET", "/info")
         document = json.loads(info)
         assert document["pooling"] == "splade"
@@ -265,3 +294,45 @@ def test_a_splade_model_is_served_on_tei_s_embed_sparse(splade_model, tiny_model
         for answer, vector in zip(masked, encoded(tiny_model("splade"), TEXTS), strict=True):
             # (the same weights: the tiny SPLADE model is the tiny masked LM, seeded alike)
             np.testing.assert_allclose([e["value"] for e in answer], vector[vector != 0], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "model"),
+    [
+        ("/v1/embeddings", {"input": "hi"}, "emb"),
+        ("/embed_all", {"inputs": "hi"}, "emb"),
+        ("/similarity", {"inputs": {"source_sentence": "hi", "sentences": ["a"]}}, "emb"),
+        ("/embed_sparse", {"inputs": "hi"}, "sp"),
+    ],
+)
+async def test_a_body_naming_no_model_goes_to_the_model_its_route_has_meaning_for(
+    path, body, model
+):
+    """Served first, a SPLADE model took every embedding route's requests that named no
+    model, and answered 422 where the second model serves them."""
+    from dataclasses import replace
+
+    from rawserve.api.app import App
+    from rawserve.api.served import ServedModels
+    from rawserve.api.settings import AppSettings
+    from tests.test_model_selection import computed_by, post, served
+
+    sparse = replace(served("sp", "feature-extraction"), facts={"pooling": "splade"})
+    app = App(ServedModels([sparse, served("emb", "feature-extraction")]), AppSettings())
+    await app.handle(post(path, body, headers=[]))
+    assert computed_by(app, model) == 1
+
+
+async def test_openapi_documents_a_splade_model_s_routes_and_not_dense_ones():
+    from dataclasses import replace
+
+    from rawserve.api.app import App
+    from rawserve.api.served import ServedModels
+    from rawserve.api.settings import AppSettings
+    from tests.test_model_selection import get, served
+
+    sparse = replace(served("sp", "feature-extraction"), facts={"pooling": "splade"})
+    app = App(ServedModels([sparse]), AppSettings())
+    paths = json.loads((await app.handle(get("/openapi.json", headers=[]))).body)["paths"]
+    assert {"/embed_sparse", "/embed", "/"} <= set(paths)
+    assert {"/embed_all", "/similarity", "/v1/embeddings"}.isdisjoint(paths)

@@ -84,7 +84,10 @@ from rawserve.tasks.text_generation import (
 )
 
 EMBEDDING_TASK = "feature-extraction"
-EMBEDDING = Needs(frozenset({EMBEDDING_TASK}), "a feature-extraction model")
+# (a SPLADE model's vectors are TEI's /embed_sparse's: not OpenAI's)
+EMBEDDING = Needs(
+    frozenset({EMBEDDING_TASK}), "a feature-extraction model of dense vectors", sparse=False
+)
 GENERATION = Needs(frozenset({"text-generation"}), "a text-generation model")
 TAG = "OpenAI"
 OPENAI_PREFIX = "/v1/"  # the OpenAI routes: their errors are OpenAI's error object

@@ -28,7 +28,8 @@ class Needs:
     what: str = ""  # how a refusal names what is needed, e.g. "a feature-extraction model"
     tokenizer: bool = False  # a tokenizer the server can use (its JSON form)
     labels: int | None = None  # exactly this many labels (a cross-encoder has one)
-    pooling: str = ""  # a feature-extraction model pooled so ("splade": a sparse encoder)
+    # a SPLADE model (True: its sparse vectors), or any other (False: dense vectors)
+    sparse: bool | None = None
 
     def missing(self, model: ServedModel) -> str | None:
         """Why `model` cannot serve the route (a 404's message), or None when it can or
@@ -56,7 +57,7 @@ class Needs:
         if self.tasks and isinstance(task, str) and task not in self.tasks:
             return serves
         pooling = model.facts.get("pooling")  # its folder's: known before it loads
-        if self.pooling and pooling != self.pooling:
+        if self.sparse is not None and self.sparse != (pooling == "splade"):
             return f"{serves} with {pooling} pooling"
         if loaded is None:
             return None

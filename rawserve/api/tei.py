@@ -74,10 +74,12 @@ from rawserve.serving.face import EMBEDDING_ROUTE, SPARSE_ROUTE, ItemResult
 from rawserve.tasks import LOGITS_PARAM
 
 EMBEDDING = Needs(frozenset({"feature-extraction"}), "a feature-extraction model")
+# a SPLADE model's sparse vectors; and the routes such vectors have no meaning on
 SPARSE_EMBEDDING = Needs(
-    frozenset({"feature-extraction"}),
-    "a feature-extraction model with SPLADE pooling",
-    pooling="splade",
+    EMBEDDING.tasks, "a feature-extraction model with SPLADE pooling", sparse=True
+)
+DENSE_EMBEDDING = Needs(
+    EMBEDDING.tasks, "a feature-extraction model of dense vectors", sparse=False
 )
 CLASSIFIER = Needs(frozenset({"text-classification"}), "a text-classification model")
 CROSS_ENCODER = Needs(
@@ -123,12 +125,12 @@ class TeiRoutes:
         return [
             post("/embed", self.embed, EMBEDDING, described(
                 "Sentence embeddings", EMBED, schemas.TEI_EMBED_RESPONSE)),
-            post("/embed_all", self.embed_all, EMBEDDING, described(
+            post("/embed_all", self.embed_all, DENSE_EMBEDDING, described(
                 "Token embeddings, unpooled", EMBED_ALL, schemas.TEI_EMBED_ALL_RESPONSE)),
             post("/embed_sparse", self.embed_sparse, SPARSE_EMBEDDING, described(
                 "Sparse embeddings: each word's weight, where not zero (SPLADE)", EMBED_SPARSE,
                 schemas.TEI_EMBED_SPARSE_RESPONSE)),
-            post("/similarity", self.similarity, EMBEDDING, described(
+            post("/similarity", self.similarity, DENSE_EMBEDDING, described(
                 "Sentence similarity", SIMILARITY, schemas.TEI_SIMILARITY_RESPONSE)),
             post("/predict", self.predict, CLASSIFIER, described(
                 "Every label's score", PREDICT, schemas.TEI_PREDICT_RESPONSE)),
@@ -177,7 +179,7 @@ class TeiRoutes:
     async def embed_all(self, request: HttpRequest) -> HttpResponse:
         """Every token's vector, unpooled, per input."""
         fields = EMBED_ALL.read(read_json(request))
-        model = self.context.model_for(fields.get("model"), EMBEDDING, queued_for=request)
+        model = self.context.model_for(fields.get("model"), DENSE_EMBEDDING, queued_for=request)
         inputs = await self.inputs(fields, model)
         await self.refuse_too_long(model, inputs, fields)
         params = {"pooling": "none", "normalize": False, **truncation(fields)}
@@ -195,13 +197,24 @@ class TeiRoutes:
         model = self.context.model_for(fields.get("model"), SPARSE_EMBEDDING, queued_for=request)
         inputs = await self.inputs(fields, model)
         await self.refuse_too_long(model, inputs, fields)
-        params = {"normalize": False, **truncation(fields)}
+        # (normalized only where the folder normalizes: the worker's default here)
+        params = truncation(fields)
         results = await model.run(inputs, params, self.context.deadline(request), SPARSE_ROUTE)
-        sparse = [
-            [{"index": i, "value": v} for i, v in zip(out["indices"], out["values"], strict=True)]
-            for out in unwrap_all(results)
-        ]
-        return answer(sparse, results)
+        outputs = unwrap_all(results)
+        weights = [output["values"] for output in outputs]
+        # an index and a weight a word: counted as two numbers
+        check_answer_size(2 * sum(len(w) for w in weights), self.settings.max_answer_bytes)
+
+        def listed() -> list[list[dict[str, Any]]]:
+            return [
+                [
+                    {"index": index, "value": weight}
+                    for index, weight in zip(out["indices"].tolist(), out["values"], strict=True)
+                ]
+                for out in outputs
+            ]
+
+        return await built_answer(listed, results, 2 * vector_entries(weights))
 
     async def check_embed_all_size(
         self, model: ServedModel, inputs: Sequence[str | list[int]]
@@ -240,7 +253,7 @@ class TeiRoutes:
     async def similarity(self, request: HttpRequest) -> HttpResponse:
         """Each sentence's cosine similarity to the source sentence."""
         fields = SIMILARITY.read(read_json(request))
-        model = self.context.model_for(fields.get("model"), EMBEDDING, queued_for=request)
+        model = self.context.model_for(fields.get("model"), DENSE_EMBEDDING, queued_for=request)
         return await sentence_similarity(self.context, model, fields, request)
 
     async def inputs(self, fields: Fields, model: ServedModel) -> list[str | list[int]]:

@@ -54,6 +54,7 @@ from tqdm.std import tqdm
 from rawserve.models.folder import SHIPPED_GRAPH, SHIPPED_GRAPH_DATA, TORCH_WEIGHTS
 from rawserve.models.hub_integrity import changed_downloads
 from rawserve.models.names import ModelSpec, default_names
+from rawserve.models.sentence_folder import dense_paths
 from rawserve.shared.logs import first_line
 
 log = logging.getLogger("rawserve.models")
@@ -145,12 +146,13 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
     try:
         asked = cached_commit(repo_id, revision)  # the user's words stay in the messages
         files = repo_files(repo_id, asked)
+        dense = dense_modules(repo_id, asked, files)
 
         def download() -> str:
             return snapshot_download(
                 repo_id,
                 revision=asked,
-                ignore_patterns=files_to_skip(files),
+                ignore_patterns=files_to_skip(files, dense),
                 tqdm_class=LoggedProgress,
             )
 
@@ -272,11 +274,13 @@ def cache_in_place_of_the_hub(
         from huggingface_hub import snapshot_download  # (here: see the module's docstring)
 
         try:
+            files = cached_files(repo_id, asked)
+            dense = dense_modules(repo_id, asked, files, cached=True)
             folder = snapshot_download(
                 repo_id,
                 revision=asked,
                 local_files_only=True,
-                ignore_patterns=files_to_skip(cached_files(repo_id, asked)),
+                ignore_patterns=files_to_skip(files, dense),
             )
             return Path(folder), "its"
         except Exception:  # noqa: BLE001 - not whole in the cache: an earlier one, if any
@@ -303,7 +307,8 @@ def earlier_whole_snapshot(repo_id: str) -> Path | None:
     snapshots = [s for s in (storage / "snapshots").glob("*") if s.is_dir() and s.name not in named]
     for snapshot in sorted(snapshots, key=lambda s: s.stat().st_mtime, reverse=True):
         files = cached_files(repo_id, snapshot.name)
-        if files is not None and all((snapshot / name).exists() for name in fetched(files)):
+        dense = dense_paths(snapshot / "modules.json")
+        if files is not None and all((snapshot / n).exists() for n in fetched(files, dense)):
             return snapshot
     return None
 
@@ -335,11 +340,11 @@ def cached_files(repo_id: str, revision: str | None) -> list[str] | None:
         return None
 
 
-def fetched(files: Sequence[str]) -> list[str]:
+def fetched(files: Sequence[str], dense: Sequence[str] = ()) -> list[str]:
     """Those of the repo's `files` that a download fetches (`files_to_skip`)."""
     from huggingface_hub.utils import filter_repo_objects  # (see the module's docstring)
 
-    return list(filter_repo_objects(files, ignore_patterns=files_to_skip(files)))
+    return list(filter_repo_objects(files, ignore_patterns=files_to_skip(files, dense)))
 
 
 def cached_commit(repo_id: str, revision: str | None) -> str | None:
@@ -464,31 +469,39 @@ def repo_files(repo_id: str, revision: str | None) -> list[str] | None:
     return cached_files(repo_id, revision)
 
 
-def files_to_skip(files: Sequence[str] | None) -> list[str]:
-    """The glob patterns of files not to download, given the repo's file names."""
+def files_to_skip(files: Sequence[str] | None, dense: Sequence[str] = ()) -> list[str]:
+    """The glob patterns of files not to download, given the repo's file names and the
+    folders of its sentence-transformers Dense modules (`dense_modules`)."""
     patterns = list(NOT_NEEDED)
     if files is None or not any(name in SAFETENSORS_WEIGHTS for name in files):
         return patterns
-    needed = dense_pickled_weights(files)
+    # a Dense module's pytorch_model.bin where it has no model.safetensors: its only
+    # weights (LaBSE's), needed though the model's own are safetensors
+    needed = {
+        f"{folder}/pytorch_model.bin"
+        for folder in dense
+        if f"{folder}/model.safetensors" not in files
+    }.intersection(files)
     if not needed:
         return patterns + PICKLED_WEIGHTS
     pickled = [name for name in files if any(fnmatchcase(name, p) for p in PICKLED_WEIGHTS)]
     return patterns + [glob.escape(name) for name in pickled if name not in needed]
 
 
-def dense_pickled_weights(files: Sequence[str]) -> set[str]:
-    """The pytorch_model.bin of each sentence-transformers Dense module (a folder it names
-    N_Dense) without safetensors beside it: that module's only weights (LaBSE's, say),
-    needed though the model's own are safetensors."""
-    with_safetensors = {name.rpartition("/")[0] for name in files if name.endswith(".safetensors")}
-    return {
-        name
-        for name in files
-        if (folder := name.rpartition("/")[0]).endswith("_Dense")
-        and "/" not in folder
-        and name.endswith("/pytorch_model.bin")
-        and folder not in with_safetensors
-    }
+def dense_modules(
+    repo_id: str, revision: str | None, files: Sequence[str] | None, cached: bool = False
+) -> tuple[str, ...]:
+    """The folders the repo's modules.json names for its Dense modules (fetched, or from
+    the cache where `cached`); () for a repo without one, or where it cannot be had."""
+    from huggingface_hub import hf_hub_download  # (here: see the module's docstring)
+
+    if files is None or "modules.json" not in files:
+        return ()
+    try:
+        path = hf_hub_download(repo_id, "modules.json", revision=revision, local_files_only=cached)
+    except Exception:  # noqa: BLE001 - the download proper says what is wrong, if anything
+        return ()
+    return dense_paths(Path(path))
 
 
 def explain(exc: BaseException, repo_id: str, revision: str | None) -> str:

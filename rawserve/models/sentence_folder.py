@@ -4,7 +4,7 @@ text, and the modules after its transformer (pooling, Dense layers, normalizatio
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, TypeGuard
 
 from rawserve.models.json_files import json_file, json_object, read_json
@@ -51,6 +51,7 @@ POOLING_MODES = set(POOLING_SWITCHES.values())
 # vectors in a way rawserve does not compute, so such a folder is refused rather than
 # answered with other vectors.
 SERVED_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+OWN_MODULES = "sentence_transformers."  # the package whose modules these are
 SPARSE_MODULES = {"MLMTransformer": "Transformer", "SpladePooling": "Pooling"}  # (their ranks)
 MASKED_LM_TASK = "fill-mask"  # a Transformer module's transformer_task for a SPLADE model's
 SPLADE_STRATEGIES = ("max", "sum")  # how SpladePooling gathers a text's tokens
@@ -63,6 +64,15 @@ DENSE_ACTIVATIONS = frozenset(
 DENSE_ACTIVATION = "torch.nn.modules.activation.Tanh"  # sentence-transformers' default
 DENSE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # as it looks for them, in order
 SENTENCE_VECTOR = "sentence_embedding"  # the one feature a Dense module may read and write
+
+
+def dense_activation_names(name: str) -> tuple[str, ...]:
+    """The names sentence-transformers may save of torch.nn's activation `name`: its
+    module's (torch.nn.modules.activation.Tanh, .linear.Identity) or torch.nn's own."""
+    if name not in DENSE_ACTIVATIONS:
+        return ()
+    module = "linear" if name == "Identity" else "activation"
+    return (f"torch.nn.modules.{module}.{name}", f"torch.nn.{name}")
 
 
 @dataclass(frozen=True)
@@ -111,13 +121,15 @@ def sentence_modules(model_dir: Path) -> SentenceModules:
     splade, masked_lm = None, False
     order: list[str] = []  # the kinds seen, to refuse a chain out of the order computed
     for module in read_json(modules_file):
-        named = str(module.get("type", "")).rsplit(".", 1)[-1]
-        path = str(module.get("path", ""))
+        module_type = str(module.get("type", ""))
+        # (another package's class of the same name computes what it likes)
+        named = module_type.rsplit(".", 1)[-1] if module_type.startswith(OWN_MODULES) else ""
+        path = module_path(module)
         kind = SPARSE_MODULES.get(named, named)
         if kind not in SERVED_MODULES:
             raise ValueError(
-                f"its sentence-transformers module {kind or '?'} ({path}) is not served: "
-                f"rawserve computes {', '.join(SERVED_MODULES)} only"
+                f"its sentence-transformers module {named or module_type or '?'} ({path}) "
+                f"is not served: rawserve computes {', '.join(SERVED_MODULES)} only"
             )
         if order and SERVED_MODULES.index(kind) < SERVED_MODULES.index(order[-1]):
             raise ValueError(
@@ -151,6 +163,34 @@ def sentence_modules(model_dir: Path) -> SentenceModules:
     return SentenceModules(pooling, tuple(dense), normalize, splade)
 
 
+def module_path(module: dict[str, Any]) -> str:
+    """A module's folder in the model's, as modules.json names it; ValueError for one
+    outside it (an absolute path, or one through ..), as sentence-transformers refuses."""
+    given = str(module.get("path") or "")
+    path = PurePosixPath(given)
+    if path.is_absolute() or ".." in path.parts:
+        raise ValueError(
+            f"its sentence-transformers module's path {given} is outside its folder: "
+            "it is not served"
+        )
+    return given.strip("/")
+
+
+def dense_paths(modules_file: Path) -> tuple[str, ...]:
+    """The folders modules.json names for its Dense modules (a Hub download keeps their
+    weights: LaBSE's are a pytorch_model.bin alone); () where it cannot be read."""
+    try:
+        modules = read_json(modules_file)
+        return tuple(
+            module_path(module)
+            for module in modules
+            if str(module.get("type", "")).startswith(OWN_MODULES)
+            and str(module.get("type", "")).endswith(".Dense")
+        )
+    except (OSError, ValueError, AttributeError, TypeError):
+        return ()
+
+
 def pooled_as(modules: SentenceModules, pooling: str, masked_lm: bool) -> SentenceModules:
     """A folder's modules with --pooling's mode in place of its own pooling (`masked_lm`:
     whether the model is a masked language model, which splade pools); ValueError where
@@ -177,8 +217,8 @@ def transformer_task(model_dir: Path) -> str:
 
 def splade_pooling(config: dict[str, Any]) -> SpladePooling:
     """A SpladePooling module's config read; ValueError for one rawserve does not compute."""
-    strategy = config.get("pooling_strategy") or "max"
-    activation = config.get("activation_function") or "relu"
+    strategy = config.get("pooling_strategy", "max")  # (null: refused, as it refuses it)
+    activation = config.get("activation_function", "relu")
     if strategy not in SPLADE_STRATEGIES or activation not in SPLADE_ACTIVATIONS:
         raise ValueError(
             f"its SpladePooling ({strategy}, {activation}) is not served: its strategy one of "
@@ -190,13 +230,16 @@ def splade_pooling(config: dict[str, Any]) -> SpladePooling:
 def dense_module(model_dir: Path, path: str, before: DenseModule | None) -> DenseModule:
     """The Dense module in `path` as its config.json says (`before`: the one it follows);
     ValueError for one rawserve does not compute, or whose weights are not there."""
-    config = json_object(model_dir / path / "config.json")
+    config_file = model_dir / path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"its Dense module ({path}) has no config.json")
+    config = json_object(config_file)
     in_features, out_features = config.get("in_features"), config.get("out_features")
     if not (is_size(in_features) and is_size(out_features)):
         raise ValueError(f"its Dense module ({path}) names no in_features and out_features")
-    activation = str(config.get("activation_function") or DENSE_ACTIVATION)
-    name = activation.rsplit(".", 1)[-1]
-    if not activation.startswith("torch.nn.") or name not in DENSE_ACTIVATIONS:
+    activation = config.get("activation_function", DENSE_ACTIVATION)
+    name = str(activation).rsplit(".", 1)[-1]
+    if activation not in dense_activation_names(name):
         raise ValueError(
             f"its Dense module ({path}) has the activation {activation}, which is not served: "
             f"one of torch.nn's {', '.join(sorted(DENSE_ACTIVATIONS))}"

@@ -39,8 +39,8 @@ def load_dense_layers(
     model_dir: Path, modules: tuple[DenseModule, ...], width: int, device: str
 ) -> list[DenseLayer]:
     """The folder's Dense layers in float32 on `device`, in order (`width`: the size of
-    the model's vectors, which the first takes). ValueError, naming the module, for
-    weights that do not fit its config."""
+    the model's vectors, which the first takes). ValueError, naming the module or its
+    file, for weights that cannot be read or do not fit its config."""
     layers = []
     for module in modules:
         if module.in_features != width:
@@ -48,15 +48,13 @@ def load_dense_layers(
                 f"the Dense module {module.path} takes {module.in_features} numbers where "
                 f"the model's vectors have {width}"
             )
-        layer = DenseLayer(module)
-        folder = model_dir / module.path
-        safetensors = folder / "model.safetensors"
-        if safetensors.is_file():
-            weights = load_file(safetensors)
-        else:
-            weights = torch.load(folder / "pytorch_model.bin", "cpu", weights_only=True)
+        weights = read_weights(model_dir / module.path)
+        with torch.device("meta"):  # sized by its config: nothing made before it fits
+            layer = DenseLayer(module)
         try:
-            layer.load_state_dict({key: value.float() for key, value in weights.items()})
+            layer.load_state_dict(
+                {key: value.float() for key, value in weights.items()}, assign=True
+            )
         except RuntimeError as exc:  # missing, unexpected or misshapen weights
             first = str(exc).splitlines()[1:2] or [str(exc)]
             raise ValueError(
@@ -66,3 +64,19 @@ def load_dense_layers(
         layers.append(layer.to(device).eval())
         width = module.out_features
     return layers
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """A Dense module's tensors: its model.safetensors, else its pytorch_model.bin (as
+    sentence-transformers looks for them); ValueError naming a file that is not whole."""
+    safetensors = folder / "model.safetensors"
+    path = safetensors if safetensors.is_file() else folder / "pytorch_model.bin"
+    try:
+        if path is safetensors:
+            return load_file(path)
+        return dict(torch.load(path, "cpu", weights_only=True))
+    except Exception as exc:  # noqa: BLE001 - cut short, corrupt, or not tensors alone
+        raise ValueError(
+            f"{folder.name}/{path.name} is not a whole weights file "
+            f"({type(exc).__name__}): download it again"
+        ) from None

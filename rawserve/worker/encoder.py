@@ -241,11 +241,10 @@ class EncoderRunner(Runner):
         words of nonzero weight for /embed_sparse, else whole. What has no meaning for
         such a vector (token vectors, another pooling, `dimensions`) is refused, as TEI
         does, and `normalize`, unless the folder normalizes."""
+        if pooling == "none":
+            raise ValueError("a SPLADE model has no token vectors to answer (TEI's embed_all)")
         if pooling != "splade":
-            raise ValueError(
-                f"a SPLADE model pools its words' weights, not {pooling}"
-                + (" token vectors: embed_all is not served for it" if pooling == "none" else "")
-            )
+            raise ValueError(f"a SPLADE model pools its words' weights, not by {pooling} pooling")
         if normalize and not self.default_normalize:
             raise ValueError(
                 "normalize is not available for a SPLADE model: send normalize: false, or "
@@ -253,6 +252,7 @@ class EncoderRunner(Runner):
             )
         if params.get("dimensions") is not None:
             raise ValueError("dimensions is not available for a SPLADE model")
+        # (normalize: only where its folder does, then on every route: sparse ones too)
         assert self.splade is not None
         with torch.inference_mode():
             vectors = splade_vectors(self.model, encoded, self.splade)
