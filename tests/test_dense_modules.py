@@ -165,6 +165,11 @@ def test_a_dense_model_is_served_on_every_embedding_route(dense_model, reference
         np.testing.assert_allclose(vector, expected[0], atol=1e-5)
         status, tokens = server.post_json({"inputs": TEXTS[0]}, "/embed_all")
         assert status == 200 and {len(vector) for vector in tokens[0]} == {32}
+        # documented as the routes take it: up to the Dense layer's 16 numbers
+        paths = json.loads(server.request("GET", "/openapi.json")[2])["paths"]
+        for path in ("/v1/embeddings", "/embed"):
+            body = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+            assert body["properties"]["dimensions"]["maximum"] == 16, path
 
 
 @pytest.mark.slow

@@ -239,7 +239,8 @@ async def test_a_restarting_model_keeps_its_task_and_never_takes_another_models_
     named = await app.handle(post("/v1/embeddings", {"input": "hi", "model": "cls"}))
     assert named.status == 404
     assert json.loads(named.body)["error"]["message"] == (
-        "this route needs a feature-extraction model; 'cls' serves text-classification"
+        "this route needs a feature-extraction model of dense vectors; 'cls' serves "
+        "text-classification"
     )
     with pytest.raises(ServiceUnavailable):  # its own requests wait for it
         await app.handle(post("/models/cls", {"inputs": "x"}))

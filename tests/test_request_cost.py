@@ -183,7 +183,7 @@ def test_tokenize_refuses_an_answer_over_the_bound(tokenizer_json):
 def test_embed_all_over_the_bound_is_refused_before_the_work(tokenizer_json):
     """The idle queue fails any call: a 413 here was decided before the model ran."""
     app = app_for(
-        "feature-extraction", tokenizer_json, {"dimensions": 32}, max_answer_bytes=100_000
+        "feature-extraction", tokenizer_json, {"token_dimensions": 32}, max_answer_bytes=100_000
     )
     status, body = post(app, "/embed_all", {"inputs": ["hello world " * 60] * 4})
     assert status == 413 and "100,000 bytes" in body["error"]

@@ -66,7 +66,7 @@ from rawserve.api.prompts import (
     echoed_texts,
 )
 from rawserve.api.reasoning import answers_opening
-from rawserve.api.routing import MODEL_ERRORS, DocContext, Handler, Needs, Operation, Route
+from rawserve.api.routing import MODEL_ERRORS, DocContext, Handler, Needs, Operation, Route, Schema
 from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import StreamEnd, TokenStream, event_stream, start_choices
@@ -134,13 +134,19 @@ def read_dimensions(name: str, value: Any, context: DocContext | None) -> int:
     return value
 
 
+def dimensions_schema(context: DocContext) -> Schema:
+    """`dimensions` as documented: up to the size of the model's vectors, once known."""
+    most = details(context).get("dimensions")
+    return {"type": ["integer", "null"], "minimum": 1, **({"maximum": most} if most else {})}
+
+
 EMBEDDINGS = Body(
     {
         "input": Field(prompt_schema, read_input, reads_null=True, required=True),
         "encoding_format": Field(
             {"enum": [*ENCODING_FORMATS, None]}, read_encoding_format, default="float"
         ),
-        "dimensions": Field({"type": ["integer", "null"], "minimum": 1}, read_dimensions),
+        "dimensions": Field(dimensions_schema, read_dimensions),
         "user": text(),
     }
 )
