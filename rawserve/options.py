@@ -20,6 +20,7 @@ import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
 from rawserve import __version__
@@ -403,6 +404,41 @@ SAGEMAKER_COMMAND = "serve"
 SAGEMAKER_PORT = 8080
 
 
+# Where SageMaker unpacks a model's files (its ModelDataUrl), and the variables Hugging
+# Face's SageMaker images (TGI's, TEI's, the inference toolkit's) read the model from
+SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
+SAGEMAKER_MODEL_VARIABLES = {
+    "model": "HF_MODEL_ID",
+    "revision": "HF_MODEL_REVISION",
+    "task": "HF_TASK",
+}
+
+
+def sagemaker_model(args: argparse.Namespace, model_dir: Path = SAGEMAKER_MODEL_DIR) -> None:
+    """The model `serve` serves where neither --model nor RAWSERVE_MODEL names one, as
+    Hugging Face's SageMaker images find it: HF_MODEL_ID (with HF_MODEL_REVISION and
+    HF_TASK, where --revision and --task are not given), else the files SageMaker
+    unpacked into /opt/ml/model; else the default model, as ever."""
+    if args.model is not None or variable_value("RAWSERVE_MODEL") is not None:
+        return
+    named = {
+        key: os.environ.get(name, "").strip() for key, name in SAGEMAKER_MODEL_VARIABLES.items()
+    }
+    if named["model"]:
+        args.model = [named["model"]]
+    elif (model_dir / "config.json").is_file():
+        args.model = [str(model_dir)]
+    else:
+        return
+    for key in ("revision", "task"):
+        if (
+            named[key]
+            and not getattr(args, key)
+            and variable_value(f"RAWSERVE_{key.upper()}") is None
+        ):
+            setattr(args, key, named[key])
+
+
 def sagemaker_port(parser: OneLineParser) -> int:
     """The port SageMaker calls a container on: SAGEMAKER_BIND_TO_PORT, else 8080."""
     named = os.environ.get("SAGEMAKER_BIND_TO_PORT", "").strip()
@@ -511,6 +547,8 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     args = parser.parse_args(given)
     if sagemaker and not parser.typed("--port") and variable_value("RAWSERVE_PORT") is None:
         args.port = sagemaker_port(parser)
+    if sagemaker:
+        sagemaker_model(args)
     for name in CHOICES:  # a word's case is no mistake (--device and --log-level took any)
         setattr(args, name, getattr(args, name).strip().lower())
     # One fixed order of checks: a command line with several mistakes is told the first.

@@ -9,6 +9,7 @@ code 2 as argparse's own errors.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import errno
 import http.client
@@ -742,6 +743,39 @@ def test_a_variable_that_nearly_names_an_option_is_said_at_start():
         "RAWSERVE_API_KYE is set but names no option (ignored): RAWSERVE_API_KEY?",
         "RAWSERVE_MAX_BATCH is set but names no option (ignored): RAWSERVE_MAX_BATCH_SIZE?",
     ]
+
+
+def test_sagemaker_s_serve_finds_the_model_as_hugging_face_s_images_do(monkeypatch, tmp_path):
+    """A SageMaker endpoint made for TGI's or TEI's image names its model in HF_MODEL_ID
+    (HF_MODEL_REVISION, HF_TASK), or ships its files to /opt/ml/model: `serve` served the
+    packaged default model instead."""
+    from rawserve.options import sagemaker_model
+
+    for name in ("RAWSERVE_MODEL", "RAWSERVE_REVISION", "RAWSERVE_TASK", "HF_MODEL_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_MODEL_ID", "BAAI/bge-small-en-v1.5")
+    monkeypatch.setenv("HF_MODEL_REVISION", "v1")
+    monkeypatch.setenv("HF_TASK", "feature-extraction")
+    config = parse_config(["serve"])
+    assert (config.models, config.revision, config.task) == (
+        ("BAAI/bge-small-en-v1.5",),
+        "v1",
+        "feature-extraction",
+    )
+    assert parse_config([]).models == ()  # (only `serve` reads SageMaker's variables)
+    given = parse_config(["serve", "--model", "org/mine", "--revision", "v2"])
+    assert (given.models, given.revision) == (("org/mine",), "v2")
+    monkeypatch.setenv("RAWSERVE_MODEL", "org/theirs")
+    assert parse_config(["serve"]).models == ("org/theirs",)
+    # no name: the files SageMaker unpacked, where there are some
+    for name in ("RAWSERVE_MODEL", "HF_MODEL_ID", "HF_MODEL_REVISION", "HF_TASK"):
+        monkeypatch.delenv(name)
+    args = argparse.Namespace(model=None, revision=None, task=None)
+    sagemaker_model(args, tmp_path)
+    assert args.model is None  # an empty /opt/ml/model: the default model, as ever
+    (tmp_path / "config.json").write_text("{}")
+    sagemaker_model(args, tmp_path)
+    assert args.model == [str(tmp_path)]
 
 
 def test_sagemaker_s_serve_command_serves_on_its_port(monkeypatch):

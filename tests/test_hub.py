@@ -547,6 +547,7 @@ def test_an_image_model_without_pillow_names_the_extra_before_any_worker_loads_i
         ("text-classification", "text-classification"),
         ("sentiment-analysis", "text-classification"),  # transformers' other names
         ("ner", "token-classification"),
+        ("sentence-similarity", "feature-extraction"),  # the Hub's tag, SageMaker's HF_TASK
         ("bogus-task", None),  # transformers' KeyError listed its own tasks, in a worker
         ("image-segmentation", None),  # a pipeline of transformers, not served here
     ],

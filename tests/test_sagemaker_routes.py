@@ -54,6 +54,8 @@ def test_an_encoder_s_invocations_are_tei_s_route_for_it():
     assert invocation_path({"inputs": "hi"}, embedder) == "/embed"
     splade = replace(served("splade", "feature-extraction"), facts={"pooling": "splade"})
     assert invocation_path({"inputs": "hi"}, ServedModels([splade])) == "/embed_sparse"
+    similarity = {"inputs": {"source_sentence": "a", "sentences": ["b"]}}  # (HF_TASK's)
+    assert invocation_path(similarity, embedder) == "/similarity"
     classifier = ServedModels([with_labels(served("cls", "text-classification"), {0: "a", 1: "b"})])
     assert invocation_path({"inputs": "hi"}, classifier) == "/predict"
     assert invocation_path({"query": "q", "texts": ["a"]}, classifier) == "/predict"

@@ -11,9 +11,10 @@ body is read (from the head alone, only its method and API key are checked):
 - a text-generation model: OpenAI's chat completions for a body with `messages`, its
   completions for one with `prompt`, else TGI's `/generate` (`/generate_stream` where
   the body says `"stream": true`), as TGI's SageMaker route reads its three bodies;
-- a feature-extraction model: TEI's `/embed` (a SPLADE model: `/embed_sparse`); a text
-  classifier: TEI's `/rerank` where it has one label (a cross-encoder) or, before it has
-  loaded, where the body has a `query`, else `/predict`;
+- a feature-extraction model: TEI's `/embed` (a SPLADE model: `/embed_sparse`; a body
+  whose `inputs` has a `source_sentence`: `/similarity`); a text classifier: TEI's
+  `/rerank` where it has one label (a cross-encoder) or, before it has loaded, where the
+  body has a `query`, else `/predict`;
 - any other task: the Inference API's `POST /models/<name>` (the body's `"model"`, which
   that route does not take, left out).
 Never imports torch.
@@ -68,6 +69,8 @@ def invocation_path(document: Any, models: ServedModels) -> str:
             return "/v1/completions"
         return "/generate_stream" if body.get("stream") is True else "/generate"
     if task == "feature-extraction":  # (a SPLADE model's: its sparse vectors, as TEI's)
+        if isinstance(body.get("inputs"), dict) and "source_sentence" in body["inputs"]:
+            return "/similarity"  # (TEI's container serves it so where TASK says it)
         return "/embed_sparse" if model.facts.get("pooling") == "splade" else "/embed"
     if task == "text-classification":
         return "/rerank" if is_reranker(model, body) else "/predict"
