@@ -29,12 +29,14 @@ from rawserve.config import Batching, ModelConfig, ServerConfig, Tls, onnx_unfit
 from rawserve.http.cors import browser_origin
 from rawserve.http.limits import ProtocolSettings
 from rawserve.http.tls import server_context
+from rawserve.models.folder import TASK_ALIASES
 from rawserve.models.sentence_folder import POOLING_MODES
 from rawserve.ops import layout
 from rawserve.ops.loops import LOOPS, chosen_loop
 from rawserve.shared.devices import CoreCount, core_count, parse_devices
 from rawserve.shared.logs import LOG_FORMATS, LOG_LEVELS
 from rawserve.shared.messages import Engine
+from rawserve.tasks.registry import TASKS
 
 # Batch limits by device. A CPU's cost grows with the items, and 32 keeps a batch's time
 # short; a GPU's throughput doubles from 64 to 256 items (an H100, BERT-base: the issue's
@@ -414,12 +416,17 @@ SAGEMAKER_MODEL_VARIABLES = {
 }
 
 
-def sagemaker_model(args: argparse.Namespace, model_dir: Path = SAGEMAKER_MODEL_DIR) -> None:
-    """The model `serve` serves where neither --model nor RAWSERVE_MODEL names one, as
-    Hugging Face's SageMaker images find it: HF_MODEL_ID (with HF_MODEL_REVISION and
-    HF_TASK, where --revision and --task are not given), else the files SageMaker
+def sagemaker_model(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    model_dir: Path = SAGEMAKER_MODEL_DIR,
+) -> None:
+    """The model `serve` serves where neither --model nor RAWSERVE_MODEL names one (nor
+    --handler serves its own code, which may read /opt/ml/model itself), as Hugging
+    Face's SageMaker images find it: HF_MODEL_ID (with HF_MODEL_REVISION for a Hub id,
+    and HF_TASK, where --revision and --task are not given), else the files SageMaker
     unpacked into /opt/ml/model; else the default model, as ever."""
-    if args.model is not None or variable_value("RAWSERVE_MODEL") is not None:
+    if args.handler or args.model is not None or variable_value("RAWSERVE_MODEL") is not None:
         return
     named = {
         key: os.environ.get(name, "").strip() for key, name in SAGEMAKER_MODEL_VARIABLES.items()
@@ -428,15 +435,28 @@ def sagemaker_model(args: argparse.Namespace, model_dir: Path = SAGEMAKER_MODEL_
         args.model = [named["model"]]
     elif (model_dir / "config.json").is_file():
         args.model = [str(model_dir)]
+    elif model_dir.is_dir() and any(model_dir.iterdir()):
+        parser.error(
+            f"{model_dir} holds files but no model at its top (its config.json): name the "
+            "model's folder in HF_MODEL_ID or RAWSERVE_MODEL"
+        )
     else:
         return
-    for key in ("revision", "task"):
-        if (
-            named[key]
-            and not getattr(args, key)
-            and variable_value(f"RAWSERVE_{key.upper()}") is None
-        ):
-            setattr(args, key, named[key])
+    task = TASK_ALIASES.get(named["task"], named["task"])
+    if task and task not in TASKS:
+        parser.error(
+            f"HF_TASK={named['task']!r} is not a task served (the tasks: {', '.join(TASKS)})"
+        )
+    if task and not args.task and variable_value("RAWSERVE_TASK") is None:
+        args.task = task
+    hub_id = not Path(args.model[0]).is_dir()  # (a folder has no revisions)
+    if (
+        named["revision"]
+        and hub_id
+        and not args.revision
+        and variable_value("RAWSERVE_REVISION") is None
+    ):
+        args.revision = named["revision"]
 
 
 def sagemaker_port(parser: OneLineParser) -> int:
@@ -548,7 +568,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     if sagemaker and not parser.typed("--port") and variable_value("RAWSERVE_PORT") is None:
         args.port = sagemaker_port(parser)
     if sagemaker:
-        sagemaker_model(args)
+        sagemaker_model(args, parser)
     for name in CHOICES:  # a word's case is no mistake (--device and --log-level took any)
         setattr(args, name, getattr(args, name).strip().lower())
     # One fixed order of checks: a command line with several mistakes is told the first.

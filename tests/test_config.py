@@ -751,11 +751,11 @@ def test_sagemaker_s_serve_finds_the_model_as_hugging_face_s_images_do(monkeypat
     packaged default model instead."""
     from rawserve.options import sagemaker_model
 
-    for name in ("RAWSERVE_MODEL", "RAWSERVE_REVISION", "RAWSERVE_TASK", "HF_MODEL_ID"):
+    for name in ("RAWSERVE_MODEL", "RAWSERVE_REVISION", "RAWSERVE_TASK", "RAWSERVE_HANDLER"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_MODEL_ID", "BAAI/bge-small-en-v1.5")
     monkeypatch.setenv("HF_MODEL_REVISION", "v1")
-    monkeypatch.setenv("HF_TASK", "feature-extraction")
+    monkeypatch.setenv("HF_TASK", "sentence-embeddings")  # (the inference toolkit's name)
     config = parse_config(["serve"])
     assert (config.models, config.revision, config.task) == (
         ("BAAI/bge-small-en-v1.5",),
@@ -765,17 +765,49 @@ def test_sagemaker_s_serve_finds_the_model_as_hugging_face_s_images_do(monkeypat
     assert parse_config([]).models == ()  # (only `serve` reads SageMaker's variables)
     given = parse_config(["serve", "--model", "org/mine", "--revision", "v2"])
     assert (given.models, given.revision) == (("org/mine",), "v2")
+    # a handler's code is the model (it may read /opt/ml/model itself): a start that
+    # failed as though --model had been given beside it
+    handled = parse_config(["serve", *ECHO])
+    assert (handled.models, handled.handler, handled.task) == ((), "tests.handlers:echo", None)
+    monkeypatch.setenv("HF_MODEL_ID", str(tmp_path))  # a folder: no revision for it
+    assert parse_config(["serve"]).revision is None
     monkeypatch.setenv("RAWSERVE_MODEL", "org/theirs")
     assert parse_config(["serve"]).models == ("org/theirs",)
     # no name: the files SageMaker unpacked, where there are some
     for name in ("RAWSERVE_MODEL", "HF_MODEL_ID", "HF_MODEL_REVISION", "HF_TASK"):
         monkeypatch.delenv(name)
-    args = argparse.Namespace(model=None, revision=None, task=None)
-    sagemaker_model(args, tmp_path)
+    parser = argparse.ArgumentParser()
+    args = argparse.Namespace(model=None, revision=None, task=None, handler=None)
+    sagemaker_model(args, parser, tmp_path)
     assert args.model is None  # an empty /opt/ml/model: the default model, as ever
     (tmp_path / "config.json").write_text("{}")
-    sagemaker_model(args, tmp_path)
+    sagemaker_model(args, parser, tmp_path)
     assert args.model == [str(tmp_path)]
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"HF_MODEL_ID": "org/name", "HF_TASK": "bogus"}, "HF_TASK='bogus' is not a task served"),
+        # a tarball whose model is a folder inside: the default model answered for it
+        ({}, "holds files but no model at its top (its config.json)"),
+    ],
+)
+def test_sagemaker_s_model_that_cannot_be_served_stops_serve_saying_why(
+    monkeypatch, capsys, tmp_path, env, message
+):
+    from rawserve.options import sagemaker_model
+
+    for name in ("RAWSERVE_MODEL", "HF_MODEL_ID", "HF_TASK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    (tmp_path / "inner").mkdir()
+    (tmp_path / "inner" / "config.json").write_text("{}")
+    args = argparse.Namespace(model=None, revision=None, task=None, handler=None)
+    with pytest.raises(SystemExit):
+        sagemaker_model(args, argparse.ArgumentParser(prog="rawserve"), tmp_path)
+    assert message in capsys.readouterr().err
 
 
 def test_sagemaker_s_serve_command_serves_on_its_port(monkeypatch):

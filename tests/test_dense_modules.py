@@ -129,6 +129,31 @@ def test_a_dense_weights_file_cut_short_is_named(tmp_path, name):
         load_dense_layers(tmp_path, (module,), 32, "cpu")
 
 
+async def test_dimensions_are_documented_up_to_the_model_s_size_where_it_alone_serves():
+    """With several embedding models, the first's size is no bound of the route's: a
+    request naming another may ask more (a client checking the schema refused it)."""
+    from dataclasses import replace
+
+    from rawserve.api.app import App
+    from rawserve.api.served import ServedModels
+    from rawserve.api.settings import AppSettings
+    from tests.test_model_selection import get, served
+
+    def sized(name: str, dimensions: int):
+        model = served(name, "feature-extraction")
+        loaded = model.serving.workers.loaded
+        model.serving.workers.loaded = replace(loaded, details={"dimensions": dimensions})
+        return model
+
+    for models, bound in [((sized("dn", 16),), 16), ((sized("dn", 16), sized("se", 32)), None)]:
+        app = App(ServedModels(list(models)), AppSettings())
+        paths = json.loads((await app.handle(get("/openapi.json", headers=[]))).body)["paths"]
+        for path in ("/v1/embeddings", "/embed"):
+            body = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+            most = body["properties"]["dimensions"].get("maximum")
+            assert most == bound or (bound is None and most in (None, 65536)), (path, most)
+
+
 @pytest.mark.slow
 def test_a_dense_model_is_served_on_every_embedding_route(dense_model, reference):
     """/info lists the layer; TEI's /embed, OpenAI's embeddings (with `dimensions`) and the

@@ -303,6 +303,8 @@ def test_a_splade_model_is_served_on_tei_s_embed_sparse(splade_model, tiny_model
         ("/embed_all", {"inputs": "hi"}, "emb"),
         ("/similarity", {"inputs": {"source_sentence": "hi", "sentences": ["a"]}}, "emb"),
         ("/embed_sparse", {"inputs": "hi"}, "sp"),
+        ("/embed", {"inputs": "hi"}, "emb"),  # normalized: TEI's default
+        ("/embed", {"inputs": "hi", "normalize": False}, "sp"),  # (the first that serves it)
     ],
 )
 async def test_a_body_naming_no_model_goes_to_the_model_its_route_has_meaning_for(

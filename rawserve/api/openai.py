@@ -135,8 +135,9 @@ def read_dimensions(name: str, value: Any, context: DocContext | None) -> int:
 
 
 def dimensions_schema(context: DocContext) -> Schema:
-    """`dimensions` as documented: up to the size of the model's vectors, once known."""
-    most = details(context).get("dimensions")
+    """`dimensions` as documented: up to the size of the model's vectors, once known,
+    where it alone serves the route."""
+    most = None if context.shared else details(context).get("dimensions")
     return {"type": ["integer", "null"], "minimum": 1, **({"maximum": most} if most else {})}
 
 

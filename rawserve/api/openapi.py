@@ -36,10 +36,11 @@ def openapi_document(
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
         candidates = models if route.serves is None else [route.serves]
-        model = next((m for m in candidates if route.needs.missing(m) is None), None)
-        if model is None:
+        fitting = [m for m in candidates if route.needs.missing(m) is None]
+        if not fitting:
             continue  # answered 404: not part of this server's API
-        operation = describe(route, DocContext(model, max_inputs), api_key)
+        context = DocContext(fitting[0], max_inputs, shared=len(fitting) > 1)
+        operation = describe(route, context, api_key)
         paths.setdefault(route.path, {})[route.method.lower()] = operation
     document: dict[str, Any] = {
         "openapi": OPENAPI_VERSION,

@@ -79,6 +79,9 @@ class DocContext:
 
     model: ServedModel
     max_inputs: int
+    # other models serve the route too (a body naming one): a bound of this one's alone
+    # is not the route's (say, `dimensions`' largest)
+    shared: bool = False
 
 
 SchemaOf = Callable[[DocContext], Schema]

@@ -163,7 +163,11 @@ class TeiRoutes:
     async def embed(self, request: HttpRequest) -> HttpResponse:
         """A pooled sentence vector per input (normalized unless `normalize: false`)."""
         fields = EMBED.read(read_json(request))
-        model = self.context.model_for(fields.get("model"), EMBEDDING, queued_for=request)
+        # a body naming no model, asking normalized vectors, among several models: one of
+        # dense vectors (a SPLADE model's are refused normalized; alone, it says so)
+        several = len(self.context.models.all) > 1 and fields.get("model") is None
+        needs = DENSE_EMBEDDING if several and fields.value("normalize") else EMBEDDING
+        model = self.context.model_for(fields.get("model"), needs, queued_for=request)
         inputs = await self.inputs(fields, model)
         await self.refuse_too_long(model, inputs, fields)
         params: dict[str, Any] = {

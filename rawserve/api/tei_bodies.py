@@ -262,7 +262,8 @@ def prompt_name_schema(context: DocContext) -> Schema:
 
 
 def documented_dimensions(context: DocContext) -> int:
-    return int(details(context).get("dimensions") or MAX_DIMENSIONS)
+    """The model's vector size, where it alone serves the route."""
+    return int((not context.shared and details(context).get("dimensions")) or MAX_DIMENSIONS)
 
 
 # --- the bodies ------------------------------------------------------------------------

@@ -70,12 +70,15 @@ IMAGE_TASKS = {"image-classification"}  # their inputs are images: no tokenizer
 # template added to tokenizer_config.json, sampling defaults in generation_config.json).
 EDITED_BY_HAND = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 # transformers' other names for tasks served (`pipeline("sentiment-analysis")`)
-# Other names of a task served: transformers' pipelines', and the Hub's sentence-similarity
-# (a sentence-transformers model's tag, HF_TASK's on SageMaker), whose body POST / takes
+# Other names of a task served: transformers' pipelines', the Hub's sentence-similarity
+# (a sentence-transformers model's tag, whose body POST / takes), and Hugging Face's
+# inference toolkit's (HF_TASK on SageMaker) for embeddings and a cross-encoder's ranking
 TASK_ALIASES = {
     "sentiment-analysis": "text-classification",
     "ner": "token-classification",
     "sentence-similarity": "feature-extraction",
+    "sentence-embeddings": "feature-extraction",
+    "sentence-ranking": "text-classification",
 }
 
 
