@@ -361,6 +361,35 @@ def test_a_second_load_uses_the_cached_verdict(tiny_model, tmp_path, monkeypatch
     assert list((tmp_path / "onnx").glob("engine-trial-*.json"))
 
 
+@pytest.mark.parametrize(("failure", "kept"), [(RuntimeError, True), (MemoryError, False)])
+def test_a_model_onnx_runtime_cannot_load_is_not_exported_again_at_each_start(
+    tiny_model, tmp_path, monkeypatch, failure, kept
+):
+    """GPT-2's export fails to load ([ShapeInferenceError] at a Gemm): each start exported
+    the model again to fail again (5-16 s on a tiny one). A failure of the machine's
+    (memory, the disk) may not recur: that one is tried again."""
+    from rawserve.worker import loading, onnx_engine
+    from tests.tiny_models import worker_config
+
+    monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(tmp_path))
+    config = worker_config(
+        tiny_model("text-classification"), engine=Engine.AUTO, warmup_batch=4, threads=1
+    )
+    tried: list[str] = []
+
+    def unloadable(model: str, *args):
+        tried.append(model)
+        raise failure("[ONNXRuntimeError] : 1 : FAIL : Node (node_Gemm_295)")
+
+    monkeypatch.setattr(onnx_engine, "load_network", unloadable)
+    first = loading.load_runner(dataclasses.replace(config, start="first"), "cpu")
+    second = loading.load_runner(dataclasses.replace(config, start="second"), "cpu")
+    assert first.engine is second.engine is Engine.TORCH
+    assert f"could not load the model ({failure.__name__})" in first.engine_reason
+    assert len(tried) == (1 if kept else 2)
+    assert ("at an earlier start" in second.engine_reason) is kept
+
+
 def test_a_model_s_trial_files_name_it_and_deleting_them_measures_again(
     tiny_model, tmp_path, monkeypatch
 ):

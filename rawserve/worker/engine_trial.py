@@ -52,6 +52,9 @@ TRIAL_BATCH = 8  # items of the trial batch when the server runs no warm-up
 # an earlier rule chose (the batch alone) is measured again with the one this rule serves
 RULE = "a batch and one item"
 CACHE_PREFIX = "engine-trial-"
+# ONNX Runtime's failure to load a model's export, kept under the trial's key: a later
+# start (the same files, versions and machine) runs torch at once, not the export again
+UNLOADABLE_PREFIX = "onnx-unloadable-"
 
 K = TypeVar("K")  # what names a timed candidate
 

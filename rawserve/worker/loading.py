@@ -168,6 +168,13 @@ def engine_by_trial(
     trial = engine_trial.cached(cache_dir, key, config.start)
     if trial is not None and trial.winner is Engine.TORCH:
         return Engine.TORCH, trial.describe(), build_runner(config, task, device, None)
+    failed = engine_trial.recalled(cache_dir, engine_trial.UNLOADABLE_PREFIX, key).get("error")
+    if failed:
+        reason = (
+            f"auto: ONNX Runtime could not load the model ({failed}) at an earlier start "
+            "of these files and versions (in the cache)"
+        )
+        return Engine.TORCH, reason, build_runner(config, task, device, None)
     try:
         network = onnx_engine.load_network(config.model, task, config.threads or 1)
     except onnx_engine.CacheNotWritable as exc:  # ONNX Runtime never ran: nothing to load
@@ -180,6 +187,11 @@ def engine_by_trial(
     except Exception as exc:  # noqa: BLE001 - logged; torch serves the model
         log.debug("the ONNX engine's failure", exc_info=True)
         log.warning("the ONNX engine could not load this model, torch runs it: %s", exc)
+        if not isinstance(exc, (OSError, MemoryError)):  # (the machine's: may not recur)
+            # each start exported the model again to fail again (GPT-2's graph: 5-16 s)
+            found = {"error": type(exc).__name__, "start": config.start}
+            unloadable = engine_trial.UNLOADABLE_PREFIX
+            engine_trial.remember(cache_dir, unloadable, key, found, engine_trial.named(config))
         reason = f"auto: ONNX Runtime could not load the model ({type(exc).__name__})"
         return Engine.TORCH, reason, build_runner(config, task, device, None)
     onnx_runner = build_runner(config, task, device, network)
