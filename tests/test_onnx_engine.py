@@ -166,6 +166,26 @@ def test_a_batch_too_large_for_the_cpu_s_memory_is_out_of_memory(runners, engine
     assert runner.describe_failure(raised).kind is FailureKind.OUT_OF_MEMORY
 
 
+def test_a_gpt2_served_for_embeddings_runs_on_onnx_runtime(tiny_model, onnx_cache, caplog):
+    """onnxscript's fusions made GPT-2's graph one ONNX Runtime refuses to load (a Gemm
+    fused over 3-D inputs): it was served by torch only, exported again at each start.
+    A fused graph that does not load is now dropped for the graph as exported."""
+    from rawserve.worker.loading import load_runner
+    from tests.tiny_models import worker_config
+
+    folder = tiny_model("text-generation")
+    texts = ["i like it", "the movie was very bad and i hate it"]
+    answers = {}
+    with caplog.at_level(logging.WARNING, logger="rawserve.onnx"):
+        for engine in (Engine.TORCH, Engine.ONNX):
+            config = worker_config(folder, "feature-extraction", engine=engine, threads=1)
+            runner = load_runner(config, "cpu")
+            assert runner.engine is engine
+            answers[engine] = runner.run(texts, {})
+    for onnx, torch_answer in zip(answers[Engine.ONNX], answers[Engine.TORCH], strict=True):
+        np.testing.assert_allclose(onnx, torch_answer, atol=TOLERANCE)
+
+
 def test_the_packaged_minilm_answers_what_torch_answers(runners):
     from rawserve.models.folder import default_model
 

@@ -188,7 +188,7 @@ def engine_by_trial(
         log.debug("the ONNX engine's failure", exc_info=True)
         log.warning("the ONNX engine could not load this model, torch runs it: %s", exc)
         if not isinstance(exc, (OSError, MemoryError)):  # (the machine's: may not recur)
-            # each start exported the model again to fail again (GPT-2's graph: 5-16 s)
+            # each start exported the model again to fail again (5-16 s on a tiny GPT-2)
             found = {"error": type(exc).__name__, "start": config.start}
             unloadable = engine_trial.UNLOADABLE_PREFIX
             engine_trial.remember(cache_dir, unloadable, key, found, engine_trial.named(config))

@@ -501,6 +501,24 @@ def _fuse(path: Path) -> None:
         return
     fused_path = path.with_name("fused-" + path.name)
     onnx_ir.save(graph, fused_path)
+    if (refused := unloadable(fused_path)) is not None:
+        # GPT-2's: a Gemm fused over 3-D inputs, which ONNX Runtime's shape checks refuse
+        log.warning(
+            "ONNX engine: the fused graph does not load (%s); it stays as exported", refused
+        )
+        fused_path.unlink()
+        return
     os.replace(fused_path, path)
     fused = {name: count for name, count in counts.items() if count}
     log.info("ONNX engine: fused %s", fused or "nothing")
+
+
+def unloadable(graph: Path) -> str | None:
+    """Why ONNX Runtime refuses to load `graph` (its first line), or None where it loads."""
+    import onnxruntime
+
+    try:
+        onnxruntime.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    except Exception as exc:  # noqa: BLE001 - any refusal: the graph is not served
+        return first_line(exc)
+    return None
