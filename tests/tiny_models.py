@@ -174,12 +174,7 @@ def _sentence_transformers_files(
     """The files sentence-transformers writes beside the model: mean pooling (or
     `pooling`), with `dense_to` a Dense layer (tanh) to that many numbers, normalized."""
     kinds = ["Transformer", "Pooling", *(["Dense"] * bool(dense_to)), "Normalize"]
-    paths = ["", *(f"{i}_{kind}" for i, kind in enumerate(kinds) if i)]
-    modules = [
-        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
-        for i, (kind, path) in enumerate(zip(kinds, paths, strict=True))
-    ]
-    (folder / "modules.json").write_text(json.dumps(modules))
+    _modules_json(folder, [f"sentence_transformers.models.{kind}" for kind in kinds])
     (folder / "1_Pooling").mkdir(exist_ok=True)
     (folder / "1_Pooling" / "config.json").write_text(
         json.dumps(
@@ -193,23 +188,25 @@ def _sentence_transformers_files(
     )
 
 
-def _sparse_encoder_files(folder: Path) -> None:
-    """The files sentence-transformers writes beside a SparseEncoder's masked LM."""
+def _modules_json(folder: Path, types: list[str]) -> None:
+    """modules.json as sentence-transformers writes it: the model at the folder's root,
+    each module after it in a folder `N_Class`."""
     modules = [
         {
-            "idx": 0,
-            "name": "0",
-            "path": "",
-            "type": "sentence_transformers.sparse_encoder.models.MLMTransformer",
-        },
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_SpladePooling",
-            "type": "sentence_transformers.sparse_encoder.models.SpladePooling",
-        },
+            "idx": i,
+            "name": str(i),
+            "path": f"{i}_{kind.rsplit('.', 1)[-1]}" if i else "",
+            "type": kind,
+        }
+        for i, kind in enumerate(types)
     ]
     (folder / "modules.json").write_text(json.dumps(modules))
+
+
+def _sparse_encoder_files(folder: Path) -> None:
+    """The files sentence-transformers writes beside a SparseEncoder's masked LM."""
+    kinds = ["MLMTransformer", "SpladePooling"]
+    _modules_json(folder, [f"sentence_transformers.sparse_encoder.models.{k}" for k in kinds])
     (folder / "1_SpladePooling").mkdir(exist_ok=True)
     pooling = {
         "pooling_strategy": "max",

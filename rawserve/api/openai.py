@@ -66,7 +66,16 @@ from rawserve.api.prompts import (
     echoed_texts,
 )
 from rawserve.api.reasoning import answers_opening
-from rawserve.api.routing import MODEL_ERRORS, DocContext, Handler, Needs, Operation, Route, Schema
+from rawserve.api.routing import (
+    DENSE_EMBEDDING,
+    MODEL_ERRORS,
+    DocContext,
+    Handler,
+    Needs,
+    Operation,
+    Route,
+    Schema,
+)
 from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import StreamEnd, TokenStream, event_stream, start_choices
@@ -83,11 +92,6 @@ from rawserve.tasks.text_generation import (
     stops_after,
 )
 
-EMBEDDING_TASK = "feature-extraction"
-# (a SPLADE model's vectors are TEI's /embed_sparse's: not OpenAI's)
-EMBEDDING = Needs(
-    frozenset({EMBEDDING_TASK}), "a feature-extraction model of dense vectors", sparse=False
-)
 GENERATION = Needs(frozenset({"text-generation"}), "a text-generation model")
 TAG = "OpenAI"
 OPENAI_PREFIX = "/v1/"  # the OpenAI routes: their errors are OpenAI's error object
@@ -285,7 +289,7 @@ class OpenAIRoutes:
             events=lambda _: EVENT_SCHEMA,
         )
         return [
-            queued("/v1/embeddings", self.embeddings, embeddings, EMBEDDING),
+            queued("/v1/embeddings", self.embeddings, embeddings, DENSE_EMBEDDING),
             queued("/v1/chat/completions", self.chat_completions, chat, GENERATION),
             queued("/v1/completions", self.completions, completions, GENERATION),
             queued("/v1/responses", self.responses, responses, GENERATION),
@@ -317,7 +321,7 @@ class OpenAIRoutes:
 
     async def embeddings(self, request: HttpRequest) -> HttpResponse:
         document = read_json(request)
-        model = self.context.model_for(named(document), EMBEDDING, queued_for=request)
+        model = self.context.model_for(named(document), DENSE_EMBEDDING, queued_for=request)
         fields = EMBEDDINGS.read(document)
         context = DocContext(model, self.context.settings.max_client_batch_size)
         inputs, params, encoding_format = parse_embeddings_request(fields, context)

@@ -71,6 +71,11 @@ class Needs:
 
 
 ANY_MODEL = Needs()
+# the routes of dense sentence vectors (OpenAI's embeddings, TEI's /embed_all and
+# /similarity): a SPLADE model's vectors are TEI's /embed_sparse's
+DENSE_EMBEDDING = Needs(
+    frozenset({"feature-extraction"}), "a feature-extraction model of dense vectors", sparse=False
+)
 
 
 @dataclass(frozen=True)

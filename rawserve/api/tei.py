@@ -37,6 +37,7 @@ from rawserve.api.fields import Body, Fields
 from rawserve.api.outcomes import unwrap_all
 from rawserve.api.prompts import check_input_lengths
 from rawserve.api.routing import (
+    DENSE_EMBEDDING,
     MODEL_ERRORS,
     DocContext,
     Handler,
@@ -74,12 +75,9 @@ from rawserve.serving.face import EMBEDDING_ROUTE, SPARSE_ROUTE, ItemResult
 from rawserve.tasks import LOGITS_PARAM
 
 EMBEDDING = Needs(frozenset({"feature-extraction"}), "a feature-extraction model")
-# a SPLADE model's sparse vectors; and the routes such vectors have no meaning on
+# a SPLADE model's sparse vectors (and DENSE_EMBEDDING: the routes they have no meaning on)
 SPARSE_EMBEDDING = Needs(
     EMBEDDING.tasks, "a feature-extraction model with SPLADE pooling", sparse=True
-)
-DENSE_EMBEDDING = Needs(
-    EMBEDDING.tasks, "a feature-extraction model of dense vectors", sparse=False
 )
 CLASSIFIER = Needs(frozenset({"text-classification"}), "a text-classification model")
 CROSS_ENCODER = Needs(

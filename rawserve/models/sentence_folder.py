@@ -121,9 +121,7 @@ def sentence_modules(model_dir: Path) -> SentenceModules:
     splade, masked_lm = None, False
     order: list[str] = []  # the kinds seen, to refuse a chain out of the order computed
     for module in read_json(modules_file):
-        module_type = str(module.get("type", ""))
-        # (another package's class of the same name computes what it likes)
-        named = module_type.rsplit(".", 1)[-1] if module_type.startswith(OWN_MODULES) else ""
+        module_type, named = str(module.get("type", "")), own_name(module)
         path = module_path(module)
         kind = SPARSE_MODULES.get(named, named)
         if kind not in SERVED_MODULES:
@@ -163,6 +161,13 @@ def sentence_modules(model_dir: Path) -> SentenceModules:
     return SentenceModules(pooling, tuple(dense), normalize, splade)
 
 
+def own_name(module: dict[str, Any]) -> str:
+    """A module's class name where it is sentence-transformers' own ("" for another
+    package's class, whose name says nothing of what it computes)."""
+    module_type = str(module.get("type", ""))
+    return module_type.rsplit(".", 1)[-1] if module_type.startswith(OWN_MODULES) else ""
+
+
 def module_path(module: dict[str, Any]) -> str:
     """A module's folder in the model's, as modules.json names it; ValueError for one
     outside it (an absolute path, or one through ..), as sentence-transformers refuses."""
@@ -181,12 +186,7 @@ def dense_paths(modules_file: Path) -> tuple[str, ...]:
     weights: LaBSE's are a pytorch_model.bin alone); () where it cannot be read."""
     try:
         modules = read_json(modules_file)
-        return tuple(
-            module_path(module)
-            for module in modules
-            if str(module.get("type", "")).startswith(OWN_MODULES)
-            and str(module.get("type", "")).endswith(".Dense")
-        )
+        return tuple(module_path(module) for module in modules if own_name(module) == "Dense")
     except (OSError, ValueError, AttributeError, TypeError):
         return ()
 

@@ -221,13 +221,7 @@ class EncoderRunner(Runner):
             if normalize:
                 pooled = torch.nn.functional.normalize(pooled, dim=-1)
             vectors = list(pooled.cpu().numpy())
-        if embedding_route:
-            counts = mask.sum(1).tolist()
-            return [
-                {"embedding": vector, "tokens": count}
-                for vector, count in zip(vectors, counts, strict=True)
-            ]
-        return vectors
+        return sentence_answers(vectors, mask, embedding_route)
 
     def run_splade(
         self,
@@ -255,25 +249,28 @@ class EncoderRunner(Runner):
         # (normalize: only where its folder does, then on every route: sparse ones too)
         assert self.splade is not None
         with torch.inference_mode():
-            vectors = splade_vectors(self.model, encoded, self.splade)
-            mask = encoded["attention_mask"]
-            refuse_not_numbers(vectors, "vectors")
+            weights = splade_vectors(self.model, encoded, self.splade)
+            refuse_not_numbers(weights, "vectors")
             if normalize:
-                vectors = torch.nn.functional.normalize(vectors, dim=-1)
-            vectors = vectors.cpu()
-        counts = mask.sum(1).tolist()
+                weights = torch.nn.functional.normalize(weights, dim=-1)
+            vectors = weights.cpu().numpy()
+        mask = encoded["attention_mask"]
         if control.sparse:
+            counts = mask.sum(1).tolist()
             return [
                 {"indices": indices, "values": values, "tokens": count}
                 for (indices, values), count in zip(sparse_rows(vectors), counts, strict=True)
             ]
-        dense = list(vectors.numpy())
-        if control.embedding_route:
-            return [
-                {"embedding": vector, "tokens": count}
-                for vector, count in zip(dense, counts, strict=True)
-            ]
-        return dense
+        return sentence_answers(list(vectors), mask, control.embedding_route)
+
+
+def sentence_answers(vectors: list[Any], mask: torch.Tensor, embedding_route: bool) -> list[Any]:
+    """One answer per input: its vector, or on the embedding routes the vector and the
+    input's real token count (`mask`: 1 at each)."""
+    if not embedding_route:
+        return vectors
+    counts = mask.sum(1).tolist()
+    return [{"embedding": v, "tokens": count} for v, count in zip(vectors, counts, strict=True)]
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:

@@ -40,11 +40,11 @@ def splade_vectors(model: Any, encoded: Any, pooling: SpladePooling) -> torch.Te
     return torch.cat(pooled)
 
 
-def sparse_rows(vectors: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
+def sparse_rows(vectors: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
     """Each row's words of nonzero weight, in the order of their ids, and their weights
     (float32, as a vector's numbers are answered)."""
     rows = []
-    for row in vectors.cpu().numpy():
+    for row in vectors:
         indices = np.flatnonzero(row)
         rows.append((indices, row[indices]))
     return rows
