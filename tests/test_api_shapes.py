@@ -332,8 +332,9 @@ def test_a_prefill_is_asked_as_vllm_asks_it():
     assert parse_chat({"messages": said, "add_generation_prompt": True}).items == [
         {"messages": said}
     ]
-    with pytest.raises(BadRequest, match='needs "add_generation_prompt": false'):
+    with pytest.raises(BadRequest, match='needs "add_generation_prompt": false') as refused:
         parse_chat({"messages": said, "continue_final_message": True})
+    assert refused.value.param == "continue_final_message"
     tools = [{"type": "function", "function": {"name": "f"}}]
     with pytest.raises(BadRequest, match="cannot go with tools"):
         parse_chat({"messages": said, **prefill, "tools": tools})

@@ -317,6 +317,7 @@ REFUSED_BY_VALIDATION = [
     pytest.param({"max_new_tokens": "many"}, id="max_new_tokens not a number"),
     pytest.param({"temperature": -1}, id="temperature below 0"),
     pytest.param({"top_p": 1.5}, id="top_p above 1"),
+    pytest.param({"top_p": 0}, id="top_p 0"),
     pytest.param({"typical_p": 0}, id="typical_p 0"),
     pytest.param({"typical_p": 1.5}, id="typical_p above 1"),
     pytest.param({"stop": [""]}, id="blank stop"),

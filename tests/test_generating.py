@@ -1366,6 +1366,25 @@ def test_a_seed_gives_the_same_sample_whatever_runs_beside_it(runner):
     assert other_seed.outputs != alone
 
 
+def test_seeds_past_32_bits_sample_apart_on_both_paths(runner):
+    """A CPU generator reads a seed's low 32 bits: 7 + 2**32 must not sample as 7 does."""
+    from rawserve.worker.continuous import generator_seed
+
+    assert [generator_seed(seed) for seed in (0, 7, 2**32 - 1)] == [0, 7, 2**32 - 1]
+    past = [7 + 2**32, 7 + 5 * 2**40, 2**64 - 1]
+    assert all(0 <= generator_seed(seed) < 2**32 for seed in past)
+    assert len({7, *(generator_seed(seed) for seed in past)}) == 4
+    samples = []
+    for seed in (7, 7 + 2**32):
+        params = {"max_new_tokens": 20, "do_sample": True, "seed": seed, "details": True}
+        looped = results(serve(runner, {0: [Batch(1, ("the movie was",), params)]}))[1]
+        samples.append((looped.outputs, static(runner, "the movie was", params)))
+    (looped_7, static_7), (looped_past, static_past) = samples
+    assert looped_7 != looped_past and static_7 != static_past
+    # the answer names the seed as sent, which repeats it
+    assert static_past[0]["details"]["seed"] == 7 + 2**32
+
+
 def test_a_seed_gives_the_same_sample_whatever_runs_beside_it_on_the_static_path(runner):
     # requests with equal parameters share a batch; `generate` draws a batch's rows from
     # one generator, so a seeded row must not share its draws with a batch-mate

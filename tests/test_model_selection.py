@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -265,6 +266,28 @@ async def test_a_model_still_loading_never_takes_the_route_of_one_that_is_ready(
     )
     generated = await app.handle(post("/generate", {"inputs": "hi"}, headers=[]))
     assert generated.status == 503  # its own requests wait for it
+
+
+async def test_a_chat_that_names_no_model_goes_to_one_with_a_chat_template():
+    """A base model listed first has no chat template: a chat or a Response naming no
+    model is the chat model's; the base model takes what names it, and completions."""
+    base, chat = served("base", "text-generation"), served("chat", "text-generation")
+    workers = chat.serving.workers
+    assert isinstance(workers, ReadyWorkers)
+    workers.loaded = replace(workers.loaded, details={"chat_template": True})
+    app = App(ServedModels([base, chat]))
+    messages = {"messages": [{"role": "user", "content": "hi"}]}
+    for path, document in [("/v1/chat/completions", messages), ("/v1/responses", {"input": "hi"})]:
+        answer = await app.handle(post(path, document, headers=[]))
+        assert answer.status == 200, answer.body
+        assert computed_by(app, "chat") == 1 and computed_by(app, "base") == 0
+        app.models.get("chat").serving.queue.calls.clear()  # type: ignore[attr-defined]
+    named = await app.handle(
+        post("/v1/chat/completions", {**messages, "model": "base"}, headers=[])
+    )
+    assert named.status == 400 and "no chat template" in named.body.decode()
+    completed = await app.handle(post("/v1/completions", {"prompt": "hi"}, headers=[]))
+    assert completed.status == 200 and computed_by(app, "base") == 1
 
 
 async def test_a_route_that_no_model_fits_is_404_naming_what_it_needs_and_what_each_serves(app):

@@ -1070,6 +1070,11 @@ def test_a_grammar_that_cannot_be_followed_is_422_naming_the_fault(servers, gram
         {"prompt": PROMPT, "guided_regex": "[0-9"}, "/v1/completions"
     )
     assert status == 422 and body["error"]["param"] == "guided_regex", body
+    # a Responses body's grammar is its "text" (the format it names)
+    text = {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}
+    document = {"input": "hi", "max_output_tokens": 4, "text": text}
+    status, body = servers["chat"].post_json(document, "/v1/responses")
+    assert status == 422 and body["error"]["param"] == "text", body
 
 
 def test_a_grammar_that_fails_midway_names_the_field_that_gave_it(servers):
@@ -1490,9 +1495,11 @@ def test_more_choices_than_a_request_may_carry_is_413(servers):
     document = {"messages": MESSAGES, "n": 5}  # this server takes 4 inputs a request
     status, body = servers["chat"].post_json(document, "/v1/chat/completions")
     assert status == 413 and "5 choices" in body["error"]["message"], body
+    assert body["error"]["param"] == "n"
     document = {"prompt": [PROMPT, PROMPT], "n": 3}
     status, body = servers["chat"].post_json(document, "/v1/completions")
     assert status == 413 and "6 choices" in body["error"]["message"], body
+    assert body["error"]["param"] == "n"
 
 
 # --- completions ----------------------------------------------------------------------
@@ -1776,6 +1783,7 @@ def test_a_streamed_echo_sends_the_prompt_first_then_the_completion_as_unstreame
         {"prompt": PROMPT, "echo": True, "logprobs": 0, "stream": True}, "/v1/completions"
     )
     assert status == 400 and '"echo" with "logprobs"' in body["error"]["message"], body
+    assert body["error"]["param"] == "echo"
 
 
 def test_completion_of_several_prompts_answers_a_choice_each_in_order(servers):

@@ -57,12 +57,14 @@ class RouteContext:
     def select(self, name: str | None, needs: Needs) -> ServedModel:
         """The model a body names. One served model answers to any name, as TEI and TGI
         do (their clients send a placeholder: TGI's sends "tgi"); a body that names none
-        gets the first model that fits the route (when none does, 404 saying what each
-        serves); of several, a name not served is 404 listing the served ones."""
+        gets the first model that fits the route, one it prefers first (chat: a model with a
+        chat template; when none fits, 404 saying what each serves); of several, a name not
+        served is 404 listing the served ones."""
         if len(self.models.all) == 1:
             return self.models.default
         if name is None:
             if (none_fits := needs.none_fits(self.models.all)) is not None:
                 raise NotFound(none_fits)
-            return next(model for model in self.models.all if needs.missing(model) is None)
+            fitting = [model for model in self.models.all if needs.missing(model) is None]
+            return next((model for model in fitting if needs.preferred(model)), fitting[0])
         return self.models.get(name)

@@ -20,6 +20,7 @@ import base64
 import functools
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -93,6 +94,8 @@ from rawserve.tasks.text_generation import (
 )
 
 GENERATION = Needs(frozenset({"text-generation"}), "a text-generation model")
+# chat's and the Responses API's: a model with a chat template first
+CHAT_GENERATION = replace(GENERATION, chat=True)
 TAG = "OpenAI"
 OPENAI_PREFIX = "/v1/"  # the OpenAI routes: their errors are OpenAI's error object
 # GET /v1/models/<name>: one of the served models, by any name (a Hub id holds a "/")
@@ -290,9 +293,9 @@ class OpenAIRoutes:
         )
         return [
             queued("/v1/embeddings", self.embeddings, embeddings, DENSE_EMBEDDING),
-            queued("/v1/chat/completions", self.chat_completions, chat, GENERATION),
+            queued("/v1/chat/completions", self.chat_completions, chat, CHAT_GENERATION),
             queued("/v1/completions", self.completions, completions, GENERATION),
-            queued("/v1/responses", self.responses, responses, GENERATION),
+            queued("/v1/responses", self.responses, responses, CHAT_GENERATION),
             *(
                 Route(
                     "POST",
@@ -335,7 +338,7 @@ class OpenAIRoutes:
 
     async def chat_completions(self, request: HttpRequest) -> HttpResponse:
         document = read_json(request)
-        model = self.context.model_for(named(document), GENERATION, queued_for=request)
+        model = self.context.model_for(named(document), CHAT_GENERATION, queued_for=request)
         return await self.chat(request, model, document)
 
     async def completions(self, request: HttpRequest) -> HttpResponse:
@@ -345,7 +348,7 @@ class OpenAIRoutes:
 
     async def responses(self, request: HttpRequest) -> HttpResponse:
         document = read_json(request)
-        model = self.context.model_for(named(document), GENERATION, queued_for=request)
+        model = self.context.model_for(named(document), CHAT_GENERATION, queued_for=request)
         return await self.respond(request, model, document)
 
     def model_generation(self, model: ServedModel, answer: Answering) -> Handler:

@@ -226,10 +226,16 @@ def check_choices(generation: GenerationRequest, most: int, queue: int | None = 
     be admitted either (a 503 would invite retries that all fail)."""
     choices = len(generation.items) * generation.n
     why = f"{choices} choices in one request ({len(generation.items)} prompts, n {generation.n})"
+    # the field at fault: n where it multiplies the prompts past the cap, else theirs
+    field = "n" if generation.n > 1 else None
     if choices > most:
-        raise PayloadTooLarge(f"{why}: at most {most} are allowed (--max-client-batch-size)")
+        raise PayloadTooLarge(
+            f"{why}: at most {most} are allowed (--max-client-batch-size)", param=field
+        )
     if queue is not None and choices > queue:
-        raise PayloadTooLarge(f"{why}: this server queues at most {queue} (--max-queue)")
+        raise PayloadTooLarge(
+            f"{why}: this server queues at most {queue} (--max-queue)", param=field
+        )
 
 
 def read_logit_bias(name: str, value: Any, context: DocContext | None) -> dict[int, float]:
@@ -525,7 +531,8 @@ def answer_opening(fields: Fields) -> dict[str, bool]:
         if "add_generation_prompt" not in opening:
             raise BadRequest(
                 '"continue_final_message" goes on with the last message: it needs '
-                '"add_generation_prompt": false'
+                '"add_generation_prompt": false',
+                param="continue_final_message",
             )
         opening["continue_final_message"] = True
     return opening
@@ -579,7 +586,9 @@ def parse_completion(document: Any, context: DocContext) -> GenerationRequest:
         )
     if echo and request.stream and fields.value("logprobs") is not None:
         # (the prompt's scores come with the answer's end, after its tokens)
-        raise BadRequest('"echo" with "logprobs" is not supported with "stream": true')
+        raise BadRequest(
+            '"echo" with "logprobs" is not supported with "stream": true', param="echo"
+        )
     alternatives = fields.value("logprobs")
     if alternatives is not None:
         request = with_logprobs(request, alternatives)

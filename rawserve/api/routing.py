@@ -30,6 +30,10 @@ class Needs:
     labels: int | None = None  # exactly this many labels (a cross-encoder has one)
     # a SPLADE model (True: its sparse vectors), or any other (False: dense vectors)
     sparse: bool | None = None
+    # a chat template (the tokenizer's or --chat-template): a body that names no model is
+    # given one with a template over one without (named, one without is told how to give
+    # it one: rawserve.api.openai.check_chat_template)
+    chat: bool = False
 
     def missing(self, model: ServedModel) -> str | None:
         """Why `model` cannot serve the route (a 404's message), or None when it can or
@@ -68,6 +72,14 @@ class Needs:
             if labels != self.labels:
                 return f"{serves} with {labels} labels"
         return None
+
+    def preferred(self, model: ServedModel) -> bool:
+        """Whether `model`, fitting the route, is one a body naming no model is given
+        first: with `chat`, one known to have a chat template."""
+        if not self.chat:
+            return True
+        loaded = model.serving.loaded
+        return loaded is not None and bool(loaded.details.get("chat_template"))
 
 
 ANY_MODEL = Needs()

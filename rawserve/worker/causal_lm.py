@@ -49,7 +49,13 @@ from rawserve.worker.chat_controls import (
     unmarked,
     unquoted,
 )
-from rawserve.worker.continuous import Generation, cache_keyword, cache_of, end_ids
+from rawserve.worker.continuous import (
+    Generation,
+    cache_keyword,
+    cache_of,
+    end_ids,
+    generator_seed,
+)
 from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.generate_hooks import (
     Adjuster,
@@ -853,7 +859,7 @@ class CausalLMRunner(Runner):
         ]
         for cap, rows in calls:
             if seeded:
-                torch.manual_seed(params["seed"])
+                torch.manual_seed(generator_seed(params["seed"]))
             width = max(lengths[row] for row in rows)  # the group's own left padding
             group = {name: value[rows, -width:] for name, value in encoded.items()}
             watcher = self._generate(

@@ -66,7 +66,8 @@ from rawserve.worker.text_pieces import TextPieces, prompt_context
 # how long a step with nothing to run but grammars compiling waits for one, before the
 # loop looks at its messages again (a new request, a client gone)
 GRAMMAR_WAIT = 0.02
-SEEDS = 2**32  # a request's seed is below it (a drawn one too: a client may send it back)
+MASK_64 = 2**64 - 1
+SEEDS = 2**32  # a drawn seed is below it (so that an OpenAI client may send it back)
 RECORDING_TOKENS = 3  # a prefill and two steps at each bucket of rows, to record them
 # the latest prompts prefilled whose last scores are kept, so that a copy of one that joins
 # later (a request's `n` choices reach the loop a step apart) takes its keys and values
@@ -305,7 +306,7 @@ class ContinuousBatcher:
             if generation.seed is None:  # drawn, so that its details name what repeats it
                 generation.seed = secrets.randbelow(SEEDS)
             generation.generator = torch.Generator(device=self.device)
-            generation.generator.manual_seed(generation.seed)
+            generation.generator.manual_seed(generator_seed(generation.seed))
         self.waiting.append(generation)
 
     def cancel(self, key: Any) -> None:
@@ -846,6 +847,19 @@ class ContinuousBatcher:
                 generation.finish_reason = "length"
             if self.on_token is not None:  # told once it is known whether the token ends it
                 self.on_token(generation, token, piece)
+
+
+def generator_seed(seed: int) -> int:
+    """The seed to give torch's generator for a request's `seed` (TGI's take 0 to 2**64 - 1).
+    A CPU generator reads only a seed's low 32 bits, so that 7 and 7 + 2**32 would sample
+    alike: a larger seed is mixed down (splitmix64's finaliser) to 32 bits that all of its
+    own bits decide; a seed below 2**32 is taken as it is."""
+    if seed < SEEDS:
+        return seed
+    mixed = seed & MASK_64
+    mixed = ((mixed ^ (mixed >> 30)) * 0xBF58476D1CE4E5B9) & MASK_64
+    mixed = ((mixed ^ (mixed >> 27)) * 0x94D049BB133111EB) & MASK_64
+    return (mixed ^ (mixed >> 31)) % SEEDS
 
 
 def like_lengths(prompts: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
