@@ -976,8 +976,15 @@ def test_the_rerank_of_cohere_jina_and_vllm_is_answered_in_their_shape(path):
     [({"query": "q", "documents": []}, 400), ({"query": "q", "documents": ["a", " "]}, 422)],
 )
 def test_the_rerank_of_cohere_jina_and_vllm_refuses_what_teis_refuses(document, status):
-    assert reranked("/v1/rerank", document)[0] == status
+    refused, body = reranked("/v1/rerank", document)
+    assert refused == status and body["error"]["param"] == "documents", body
     assert reranked("/rerank", document)[0] == status
+
+
+def test_documents_of_another_kind_are_refused_saying_the_kinds_taken():
+    status, body = reranked("/v1/rerank", {"query": "q", "documents": [1, 2]})
+    assert status == 400 and body["error"]["param"] == "documents"
+    assert 'a non-empty list of strings or {"text": string} objects' in body["error"]["message"]
 
 
 @pytest.mark.parametrize(
@@ -1052,6 +1059,10 @@ def test_a_json_body_not_in_utf8_says_json_is_read_as_utf8():
         ([("content-type", "application/x-www-form-urlencoded")], b'{"inputs": "a"}', ["a"]),
         ([("content-type", "application/x-www-form-urlencoded")], b"a [MASK]", ["a [MASK]"]),
         ([("content-type", "text/plain")], b'{"inputs": "a"}', ['{"inputs": "a"}']),
+        # JSON's other types: its text had been filled in, scored or embedded
+        ([("content-type", "text/json")], b'{"inputs": "a"}', ["a"]),
+        ([("content-type", "application/vnd.api+json")], b'{"inputs": "a"}', ["a"]),
+        ([("content-type", "Application/Merge-Patch+JSON; x=1")], b'{"inputs": "a"}', ["a"]),
         # `curl -d @body.json` of a file Notepad saved: a byte order mark before the object
         # (the JSON's own text was scored)
         (

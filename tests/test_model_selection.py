@@ -268,6 +268,16 @@ async def test_a_model_still_loading_never_takes_the_route_of_one_that_is_ready(
     assert generated.status == 503  # its own requests wait for it
 
 
+async def test_a_named_model_that_does_not_fit_the_route_is_404_naming_the_model_field(app):
+    answer = await app.handle(post("/v1/embeddings", {"model": "cls", "input": "hi"}))
+    error = json.loads(answer.body)["error"]
+    assert answer.status == 404 and error["param"] == "model", error
+    assert error["message"] == (
+        "this route needs a feature-extraction model of dense vectors; 'cls' serves "
+        "text-classification"
+    )
+
+
 async def test_a_chat_that_names_no_model_goes_to_one_with_a_chat_template():
     """A base model listed first has no chat template: a chat or a Response naming no
     model is the chat model's; the base model takes what names it, and completions."""

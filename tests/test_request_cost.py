@@ -25,7 +25,7 @@ from rawserve.api.app import App
 from rawserve.api.prompts import LISTED_BYTES, check_echo_size
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
-from rawserve.api.tei import MAX_LISTED_TOKENS
+from rawserve.api.tei import MAX_LISTED_TOKENS, MAX_TOKENIZE_TOKENS
 from rawserve.api.tokens import (
     AnswerTooLarge,
     ServerTokenizer,
@@ -165,13 +165,22 @@ def test_tokenize_lists_a_text_past_the_models_length_and_cuts_it_when_asked(tok
     # and 250 MB of the server's memory
     status, body = post(app, "/tokenize", {"inputs": ["a " * 300, "b"]})
     assert status == 422 and f"more than {LIMIT} tokens" in body["error"]
-    assert "of a list" in body["error"]
+    assert f"of a list (one text alone: up to {MAX_LISTED_TOKENS:,})" in body["error"]
     status, body = post(app, "/tokenize", {"inputs": LONG})
     assert status == 422 and f"more than {MAX_LISTED_TOKENS} tokens" in body["error"]
     assert "truncate" in body["error"]
     status, body = post(app, "/tokenize", {"inputs": LONG, "truncate": True})
     assert status == 200 and len(body[0]) == LIMIT
     assert body[0][0]["special"] and body[0][-1]["special"]  # [CLS] ... [SEP]
+
+
+def test_tokenize_of_a_model_of_unknown_length_bounds_a_list_as_one_text(tokenizer_json):
+    """A model that names no length (a question-answering model strides over a context):
+    a list's texts are bounded as one text is, and the refusal says no other bound."""
+    app = app_for("question-answering", tokenizer_json, {"max_input_length": 0})
+    status, body = post(app, "/tokenize", {"inputs": ["a " * (MAX_TOKENIZE_TOKENS + 1), "b"]})
+    assert status == 422 and f"more than {MAX_TOKENIZE_TOKENS} tokens" in body["error"]
+    assert "one text alone" not in body["error"], body
 
 
 def test_tokenize_refuses_an_answer_over_the_bound(tokenizer_json):

@@ -761,6 +761,13 @@ def test_a_seq2seq_model_says_how_it_generates(runner, task):
     assert generation == "static (one generate call per batch): an encoder-decoder model"
 
 
+def test_a_seq2seq_model_says_what_it_cuts_an_input_to(runner):
+    """/info's max_input_length was 0 (unknown) for an encoder-decoder, and /tokenize's
+    "truncate" cut nothing."""
+    summarize = runner("seq2seq", "summarization")
+    assert summarize.details["max_input_length"] == summarize.input_limit > 0
+
+
 def test_seq2seq_prefixes_and_output_keys(runner, tiny_model):
     import torch
     import transformers

@@ -168,6 +168,15 @@ def test_feature_extraction_parameters_may_sit_at_the_top_level():
     assert parsed.params == {"normalize": True}
     with pytest.raises(BadRequest):
         parse_json_body("fill-mask", {"inputs": "hi", "top_k": 2})
+    # in both places: the same value (or a null beside it) is taken, two values refused
+    # (the top level's was taken, unsaid)
+    both = {"inputs": "hi", "truncate": True, "parameters": {"truncate": True}}
+    assert parse_json_body("feature-extraction", both).params == {"truncate": True}
+    unset = {"inputs": "hi", "dimensions": None, "parameters": {"dimensions": 8}}
+    assert parse_json_body("feature-extraction", unset).params == {"dimensions": 8}
+    differing = {"inputs": "hi", "dimensions": 4, "parameters": {"dimensions": 8}}
+    with pytest.raises(BadRequest, match='"dimensions" is given beside "inputs" and in'):
+        parse_json_body("feature-extraction", differing)
 
 
 def test_explicit_nulls_are_dropped():

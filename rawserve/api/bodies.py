@@ -128,15 +128,19 @@ def holds_lone_surrogate(document: Any) -> bool:
 # what `curl -d` types any body it sends: a JSON object so sent had its own text scored,
 # or generated from with its parameters unread, answered 200 (a form is key=value pairs)
 CURL_FORM = "application/x-www-form-urlencoded"
+JSON_MEDIA_TYPES = ("application/json", "text/json")
 
 
 def is_json(request: HttpRequest) -> bool:
-    """The body is JSON: so typed, or untyped (InferenceClient posts JSON without a
-    Content-Type) or typed as curl -d types everything, and starting like an object
-    (after a byte order mark: `curl -d @body.json` of a file Notepad saved)."""
+    """The body is JSON: so typed (application/json, the older text/json, or a type of
+    JSON's suffix, application/vnd.api+json), or untyped (InferenceClient posts JSON
+    without a Content-Type) or typed as curl -d types everything, and starting like an
+    object (after a byte order mark: `curl -d @body.json` of a file Notepad saved)."""
     content_type = (request.header("content-type") or "").split(";")[0].strip().lower()
+    if content_type in JSON_MEDIA_TYPES or content_type.endswith("+json"):
+        return True
     start = request.body.removeprefix(UTF8_BYTE_ORDER_MARK).lstrip()[:1]
-    return content_type == "application/json" or (content_type in ("", CURL_FORM) and start == b"{")
+    return content_type in ("", CURL_FORM) and start == b"{"
 
 
 # the media types that are never text, whatever their bytes decode as

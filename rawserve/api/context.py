@@ -41,6 +41,8 @@ class RouteContext:
         if name is not None and not isinstance(name, str):
             raise BadRequest('"model" must be a string', param="model")
         model = self.select(name, needs)
+        if name is not None and (missing := needs.missing(model)) is not None:
+            raise NotFound(missing, param="model")  # (OpenAI's error names the field)
         self.take(model, needs)
         if queued_for is not None:
             model.refuse_if_busy(self.deadline(queued_for))

@@ -147,7 +147,13 @@ def parse_json_body(task_name: str, document: Any, max_items: int = 32) -> Parse
     if task is None:  # custom handler: it validates what it is given
         return ParsedRequest(list(items), dict(params), is_list)
     if task.params_at_root:
-        params = {**params, **{k: v for k, v in document.items() if k in task.params}}
+        at_root = {k: v for k, v in document.items() if k in task.params and v is not None}
+        if differing := sorted(k for k, v in at_root.items() if params.get(k, v) != v):
+            raise BadRequest(
+                f'"{differing[0]}" is given beside "inputs" and in "parameters" with different'
+                " values: send one"
+            )
+        params = {**params, **at_root}
     stream = fields.value("stream") if "stream" in body.fields else False
     if stream and is_list:
         raise BadRequest("a streamed answer takes one input, not a list")

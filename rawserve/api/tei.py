@@ -390,9 +390,10 @@ class TeiRoutes:
         # document's tokens to know where to cut it), unless asked to cut it as the model
         # would; of a list, each at most the model's length (16 texts of 30,000 tokens took
         # 6 s and 250 MB of the server's memory)
-        limit = input_limit(model)
+        limit = of_a_list = input_limit(model)
+        alone = max(limit, MAX_LISTED_TOKENS)  # one text not cut
         if not cut["truncate"] and len(texts) == 1:
-            limit = max(limit, MAX_LISTED_TOKENS)
+            limit = alone
         bound = TokenBound(limit, cut["truncate"], cut["truncation_direction"])
         tokenizer = await self.tokenizer(model)
         add_special_tokens = fields.value("add_special_tokens")
@@ -402,9 +403,9 @@ class TeiRoutes:
             )
         except TooManyTokens:
             of_one = (
-                ""
-                if len(texts) == 1
-                else f" of a list (one text alone: up to {MAX_LISTED_TOKENS:,})"
+                f" of a list (one text alone: up to {alone:,})"
+                if len(texts) > 1 and not cut["truncate"] and alone > of_a_list
+                else ""
             )
             raise UnprocessableInput(
                 f"an input has more than {bound.max_tokens} tokens, the most /tokenize lists"

@@ -148,7 +148,7 @@ def checked_text(value: str, name: str) -> str:
     try:
         return not_blank(value, f"a text of {name}")
     except BlankInput as exc:
-        raise UnprocessableInput(str(exc)) from None
+        raise UnprocessableInput(str(exc), param=name.strip('"')) from None
 
 
 def read_predict_inputs(
@@ -223,13 +223,15 @@ def read_query(name: str, value: Any, context: DocContext | None) -> str:
     return value
 
 
-def read_rerank_texts(name: str, value: Any, context: DocContext | None) -> list[str]:
+def read_rerank_texts(
+    name: str, value: Any, context: DocContext | None, items: str = "strings"
+) -> list[str]:
     if value is None:
         raise BadRequest(f'"{name}" is required')
     if value == []:
-        raise EmptyInput(f'"{name}" must be a non-empty list of strings')
+        raise EmptyInput(f'"{name}" must be a non-empty list of {items}')
     if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
-        raise BadRequest(f'"{name}" must be a non-empty list of strings')
+        raise BadRequest(f'"{name}" must be a non-empty list of {items}')
     check_client_batch(len(value), max_inputs(context))
     return value
 
@@ -244,7 +246,7 @@ def read_documents(name: str, value: Any, context: DocContext | None) -> list[st
     one as `text` (Cohere's first API took both)."""
     if isinstance(value, list):
         value = [item.get("text") if isinstance(item, dict) else item for item in value]
-    return read_rerank_texts(name, value, context)
+    return read_rerank_texts(name, value, context, 'strings or {"text": string} objects')
 
 
 def documents_schema(context: DocContext) -> Schema:

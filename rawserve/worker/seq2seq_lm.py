@@ -139,7 +139,8 @@ class Seq2SeqLMRunner(Runner):
 
     @property
     def details(self) -> dict[str, Any]:
-        return {"translations": sorted(self.directions)}
+        # what an input is cut to by default (/info's, and /tokenize's "truncate")
+        return {"translations": sorted(self.directions), "max_input_length": self.input_limit}
 
     def bind_cancel(self, cancelled: Callable[[], bool]) -> None:
         self.batch_cancelled = cancelled
