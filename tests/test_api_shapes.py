@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -1740,8 +1741,14 @@ def test_choices_are_refused_past_each_cap_and_taken_at_it():
     check_choices(eight, 8, 8)
     with pytest.raises(PayloadTooLarge, match="max-client-batch-size"):
         check_choices(eight, 7)
-    with pytest.raises(PayloadTooLarge, match="max-queue"):  # 413, not a 503 retried in vain
+    with pytest.raises(PayloadTooLarge, match="max-queue") as refused:  # not a 503 retried
         check_choices(eight, 100, 7)
+    assert refused.value.param == "n"  # the prompts alone fit
+    three = GenerationRequest(items=[{}, {}, {}], params={}, n=2)
+    for n in (1, 2):  # the prompts alone are too many, whatever n
+        with pytest.raises(PayloadTooLarge, match="max-queue") as refused:
+            check_choices(replace(three, n=n), 8, 2)
+        assert refused.value.param == "prompt"
 
 
 def test_fields_that_go_only_together_are_refused_apart():

@@ -300,6 +300,21 @@ async def test_a_chat_that_names_no_model_goes_to_one_with_a_chat_template():
     assert completed.status == 200 and computed_by(app, "base") == 1
 
 
+async def test_a_chat_that_names_no_model_waits_for_a_model_that_may_have_a_template():
+    """While the second model loads, whether it has a chat template is not known: a chat
+    naming no model waits for it (503), not a 400 from the ready one that has none."""
+    base = served("base", "text-generation")
+    workers = ReadyWorkers("text-generation")
+    workers.ready, workers.loaded = False, None  # type: ignore[assignment]
+    loading = ServedModel("chat", ModelService(AnsweringQueue("chat", "text-generation"), workers))
+    app = App(ServedModels([base, loading]))
+    messages = {"messages": [{"role": "user", "content": "hi"}]}
+    answer = await app.handle(post("/v1/chat/completions", messages, headers=[]))
+    assert answer.status == 503, answer.body
+    completed = await app.handle(post("/v1/completions", {"prompt": "hi"}, headers=[]))
+    assert completed.status == 200 and computed_by(app, "base") == 1
+
+
 async def test_a_route_that_no_model_fits_is_404_naming_what_it_needs_and_what_each_serves(app):
     answer = await app.handle(post("/v1/chat/completions", {"messages": []}))
     assert answer.status == 404

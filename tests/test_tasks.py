@@ -174,9 +174,14 @@ def test_feature_extraction_parameters_may_sit_at_the_top_level():
     assert parse_json_body("feature-extraction", both).params == {"truncate": True}
     unset = {"inputs": "hi", "dimensions": None, "parameters": {"dimensions": 8}}
     assert parse_json_body("feature-extraction", unset).params == {"dimensions": 8}
-    differing = {"inputs": "hi", "dimensions": 4, "parameters": {"dimensions": 8}}
-    with pytest.raises(BadRequest, match='"dimensions" is given beside "inputs" and in'):
-        parse_json_body("feature-extraction", differing)
+    null_within = {"inputs": "hi", "dimensions": 8, "parameters": {"dimensions": None}}
+    assert parse_json_body("feature-extraction", null_within).params == {"dimensions": 8}
+    for differing in (
+        {"inputs": "hi", "dimensions": 4, "parameters": {"dimensions": 8}},
+        {"inputs": "hi", "normalize": True, "parameters": {"normalize": 1}},  # 1 is no flag
+    ):
+        with pytest.raises(BadRequest, match='is given beside "inputs" and in'):
+            parse_json_body("feature-extraction", differing)
 
 
 def test_explicit_nulls_are_dropped():

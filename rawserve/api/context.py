@@ -68,5 +68,5 @@ class RouteContext:
             if (none_fits := needs.none_fits(self.models.all)) is not None:
                 raise NotFound(none_fits)
             fitting = [model for model in self.models.all if needs.missing(model) is None]
-            return next((model for model in fitting if needs.preferred(model)), fitting[0])
+            return min(fitting, key=needs.rank)  # (of equals, the first listed)
         return self.models.get(name)

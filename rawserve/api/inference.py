@@ -148,7 +148,13 @@ def parse_json_body(task_name: str, document: Any, max_items: int = 32) -> Parse
         return ParsedRequest(list(items), dict(params), is_list)
     if task.params_at_root:
         at_root = {k: v for k, v in document.items() if k in task.params and v is not None}
-        if differing := sorted(k for k, v in at_root.items() if params.get(k, v) != v):
+        # (a null is no value; true and 1 are two values, one of them refused)
+        differing = sorted(
+            k
+            for k, v in at_root.items()
+            if params.get(k) is not None and (type(params[k]), params[k]) != (type(v), v)
+        )
+        if differing:
             raise BadRequest(
                 f'"{differing[0]}" is given beside "inputs" and in "parameters" with different'
                 " values: send one"

@@ -226,16 +226,15 @@ def check_choices(generation: GenerationRequest, most: int, queue: int | None = 
     be admitted either (a 503 would invite retries that all fail)."""
     choices = len(generation.items) * generation.n
     why = f"{choices} choices in one request ({len(generation.items)} prompts, n {generation.n})"
-    # the field at fault: n where it multiplies the prompts past the cap, else theirs
-    field = "n" if generation.n > 1 else None
-    if choices > most:
-        raise PayloadTooLarge(
-            f"{why}: at most {most} are allowed (--max-client-batch-size)", param=field
-        )
-    if queue is not None and choices > queue:
-        raise PayloadTooLarge(
-            f"{why}: this server queues at most {queue} (--max-queue)", param=field
-        )
+    caps = (
+        (most, f"at most {most} are allowed (--max-client-batch-size)"),
+        (queue, f"this server queues at most {queue} (--max-queue)"),
+    )
+    for cap, says in caps:
+        if cap is not None and choices > cap:
+            # the field at fault: the prompts where they alone are too many, else n
+            field = "prompt" if len(generation.items) > cap else "n"
+            raise PayloadTooLarge(f"{why}: {says}", param=field)
 
 
 def read_logit_bias(name: str, value: Any, context: DocContext | None) -> dict[int, float]:

@@ -73,13 +73,17 @@ class Needs:
                 return f"{serves} with {labels} labels"
         return None
 
-    def preferred(self, model: ServedModel) -> bool:
-        """Whether `model`, fitting the route, is one a body naming no model is given
-        first: with `chat`, one known to have a chat template."""
+    def rank(self, model: ServedModel) -> int:
+        """Where `model`, fitting the route, stands for a body naming no model (the lowest
+        first): with `chat`, one known to have a chat template, then one still loading
+        (it may have one: its requests wait for it, 503, rather than going to a model
+        that surely has none), then one without."""
         if not self.chat:
-            return True
+            return 0
         loaded = model.serving.loaded
-        return loaded is not None and bool(loaded.details.get("chat_template"))
+        if loaded is None:
+            return 1
+        return 0 if loaded.details.get("chat_template") else 2
 
 
 ANY_MODEL = Needs()
