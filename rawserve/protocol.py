@@ -263,6 +263,7 @@ class HttpProtocol(asyncio.Protocol):
         elif self.state.probe_connections.take(self, PROBE_RESERVE, now):
             self.probe_only = True
             self.seats = self.state.probe_connections
+            self._warn_at_cap("taking new connections for one probe each; anything else: 503")
         else:
             self._refuse()
             return
@@ -473,6 +474,9 @@ class HttpProtocol(asyncio.Protocol):
         if chunks is None or chunks.done:
             return True
         chunks.feed(data)
+        if chunks.malformed:
+            self._fail(refusals.bare_line_feed())
+            return False
         if chunks.too_many_chunks:
             self._fail(refusals.too_many_chunks(self.settings.max_body_bytes, chunks.chunks))
             return False

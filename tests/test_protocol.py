@@ -1141,7 +1141,7 @@ async def test_past_the_cap_an_idle_connection_still_sending_its_answer_keeps_it
     assert not protocol.probe_only and slow_reader.closed
 
 
-async def test_past_the_cap_idle_probe_connections_give_way_to_a_probe():
+async def test_past_the_cap_idle_probe_connections_give_way_to_a_probe(caplog):
     loop = FakeTimerLoop(asyncio.get_running_loop())
     state = ServerState()
     app = EchoApp()
@@ -1150,6 +1150,8 @@ async def test_past_the_cap_idle_probe_connections_give_way_to_a_probe():
     busy.data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")
     await settle()
     reserve = [connect() for _ in range(PROBE_RESERVE)]  # idle, each holding a probe seat
+    # the operator is told (the connections refused a full answer said nothing)
+    assert "(--max-connections): taking new connections for one probe each" in caplog.text
     loop.advance(GIVE_WAY_AFTER)
     probe, transport = connect()
     assert probe.probe_only and state.refused == 0
@@ -1917,6 +1919,26 @@ async def test_a_chunk_line_longer_than_h11_takes_is_413_as_the_body_it_is_part_
     [(response, answer)] = read_responses(transport.written, [head])
     assert response.status_code == 413
     assert json.loads(answer)["error"] == "a chunk-size line or trailer field is too long"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'12\n{"inputs":"hello"}\n0\n\n', b"1\r\nx\r\n0\n\n"],
+    ids=["every line", "the last chunk"],
+)
+async def test_a_chunk_size_line_ended_by_a_bare_line_feed_is_400_at_once(server, body):
+    """h11 waits for the CRLF of a chunk-size line: the body sat until --body-timeout
+    (30 s), then 408. A trailer line's bare line feed h11 takes, and so does the meter."""
+    app, protocol, transport = server
+    head = b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+    protocol.data_received(head + body)
+    await settle()
+    [(response, answer)] = read_responses(transport.written, [head])
+    assert response.status_code == 400 and not app.seen
+    assert "chunk-size line must end in CRLF" in json.loads(answer)["error"]
+    taken = ChunkedMeter(limit=100)
+    taken.feed(b"1\r\nx\r\n0\r\nA: b\n\n")
+    assert taken.done and not taken.malformed
 
 
 async def test_a_chunked_body_over_the_limit_on_the_wire_is_413(server):

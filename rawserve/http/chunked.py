@@ -43,6 +43,10 @@ class ChunkedMeter:
         self._state = _State.SIZE_LINE
         self._line = bytearray()
         self._skip = 0  # data and CRLF bytes left in the current chunk
+        # a chunk-size line ended by a bare LF: h11 waits for a CRLF that may never come
+        # (the body then sat until --body-timeout's 408); refused at once instead (h11
+        # takes a bare LF in the trailers)
+        self.malformed = False
 
     @property
     def counted(self) -> int:
@@ -89,6 +93,10 @@ class ChunkedMeter:
             self.sent += len(line)
             if line.strip() == b"":
                 self._state = _State.DONE
+            return
+        if not line.endswith(b"\r\n"):
+            self.malformed = True
+            self._state = _State.DONE
             return
         digits = 0
         while digits < len(line) and line[digits] in _HEX_DIGITS:

@@ -85,6 +85,10 @@ def protocol_error(exc: h11.RemoteProtocolError, in_body: bool = False) -> HTTPE
     return BadRequest("malformed HTTP request")
 
 
+def bare_line_feed() -> BadRequest:
+    return BadRequest("malformed HTTP request: a chunk-size line must end in CRLF")
+
+
 def body_too_large(max_body_bytes: int) -> PayloadTooLarge:
     return PayloadTooLarge(
         f"the body is over the limit of {max_body_bytes} bytes (the server's --max-body-bytes)"
