@@ -70,6 +70,11 @@ def test_probes_are_answered_at_once(app):
     assert ready.status == 200 and json.loads(ready.body)["task"] == "text-classification"
     app.start_draining()
     assert app.answer_now(request("HEAD", "/ready")).status == 503
+    # new work is refused in the words, and with the wait, of the work the queue held
+    with pytest.raises(ServiceUnavailable) as refused:
+        app.answer_now(request("POST", "/", b"hello", [("authorization", "Bearer secret")]))
+    assert str(refused.value) == "server shutting down"
+    assert ("Retry-After", "1") in refused.value.headers
 
 
 def test_ready_with_full_ok_counts_a_full_queue_as_ready():

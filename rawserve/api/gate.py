@@ -17,8 +17,8 @@ class Gate:
 
     def check(self, model: ServedModel) -> None:
         """Raise 503 unless `model` takes work now (not draining, a worker ready)."""
-        if self.draining:
-            raise http_error(Refusal(Reason.SHUTTING_DOWN, "the server is shutting down"))
+        if self.draining:  # (in the words of the queue's refusal of what it still holds)
+            raise http_error(Refusal(Reason.SHUTTING_DOWN, "server shutting down"))
         if not model.serving.ready:
             if down(model):  # an outage of a model that served: shedding, as a full queue's
                 model.serving.count_refusal()
