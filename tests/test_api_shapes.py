@@ -432,6 +432,27 @@ def test_preflight_and_answers_for_an_allowed_origin():
     assert ("Access-Control-Allow-Origin", "https://a.example") in missing.headers
 
 
+@pytest.mark.parametrize(
+    ("path", "method"),
+    [("/models/nope", "POST"), ("/v1/models/nope", "GET"), ("/ready/nope", "GET")],
+)
+def test_a_preflight_to_a_model_not_served_is_answered_without_the_key(path, method):
+    """A browser's preflight carries no API key: it got 401, which the browser reports as
+    a CORS failure; it is answered with the methods of the path's kind, naming no model,
+    and the request itself, with its key, gets the 404 naming the served ones."""
+    app = app_for("text-classification", api_key="k", cors_allow_origins=("https://a.example",))
+    origin = [("origin", "https://a.example")]
+    preflight = HttpRequest(
+        "OPTIONS", path, "", [*origin, ("access-control-request-method", method)], b"", "t"
+    )
+    answer = asyncio.run(app.handle(preflight))
+    assert answer.status == 204 and b"m" not in answer.body
+    keyed = HttpRequest(method, path, "", [*origin, ("authorization", "Bearer k")], b"x", "t")
+    assert asyncio.run(app.handle(keyed)).status == 404
+    unkeyed = HttpRequest(method, path, "", origin, b"x", "t")
+    assert asyncio.run(app.handle(unkeyed)).status == 401  # the names stay behind the key
+
+
 # --- each body declared once: its checks and its schema agree ---------------------------
 
 HI = [{"role": "user", "content": "hi"}]

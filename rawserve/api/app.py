@@ -185,13 +185,23 @@ class App:
         if not prefix:
             raise NotFound(f"no route for {request.path}")
         # a model not served: 404 naming the served ones (after the API key: they are not
-        # for everyone's eyes); the protocol has decoded %-escapes (org%2Fname)
-        self.authorize(request)
+        # for everyone's eyes); the protocol has decoded %-escapes (org%2Fname). A CORS
+        # preflight carries no key: it is answered with the methods of the path's kind,
+        # naming nothing, and the request that follows gets the 404 (a browser reported a
+        # 401 to its preflight as a CORS failure)
+        preflight = self.cors is not None and self.cors.is_preflight(request)
+        if not preflight:
+            self.authorize(request)
         name = request.path.removeprefix(prefix)
         route = ""  # the path after the name: /models/<name>/v1/chat/completions
         if prefix == MODELS_PREFIX:
             route = next((path for path in MODEL_GENERATION_PATHS if name.endswith(path)), "")
-        model = self.models.get(name.removesuffix(route))
+        try:
+            model = self.models.get(name.removesuffix(route))
+        except NotFound:
+            if not preflight:
+                raise
+            model = self.models.default
         return self.routes[prefix + model.name + route]
 
     def handler(self, request: HttpRequest, methods: dict[str, Handler]) -> Handler:
