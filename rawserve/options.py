@@ -78,6 +78,15 @@ HUB_SECONDS_VARIABLES = ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
 # the longest of those waits the HTTP client can hold (past about 9e9 s it overflows)
 MAX_HUB_SECONDS = 2**31 - 1
 KEY_VARIABLE = "RAWSERVE_API_KEY"  # empty, still a value: see `variable_value`
+# Options of one value whose second reads as a second device or key (they ran on one GPU,
+# refused the first key, without a word): what to do instead
+READ_AS_SEVERAL = {
+    "--device": "several devices are one comma list (--device cuda:0,cuda:1)",
+    "--api-key": "the server takes one key",
+}
+# The largest --max-batch-size: a start warms up on one batch of it (a million items of a
+# tiny model was never ready; 50,000 took 7 s); a GPU's batches are hundreds of items
+MAX_BATCH_SIZE = 65536
 
 
 @dataclass(frozen=True)
@@ -384,7 +393,10 @@ class OneLineParser(argparse.ArgumentParser):
 
     def typed(self, flag: str) -> bool:
         """Whether `flag` is on the command line (`--flag VALUE` or `--flag=VALUE`)."""
-        return any(arg == flag or arg.startswith(flag + "=") for arg in self.given)
+        return self.times_typed(flag) > 0
+
+    def times_typed(self, flag: str) -> int:
+        return sum(arg == flag or arg.startswith(flag + "=") for arg in self.given)
 
     def _set_by(self, message: str) -> str:
         """The words " (set by RAWSERVE_X=...)" for the first option the message names
@@ -440,6 +452,11 @@ def sagemaker_model(
             f"{model_dir} holds files but no model at its top (its config.json): name the "
             "model's folder in HF_MODEL_ID or RAWSERVE_MODEL"
         )
+    elif named["task"]:  # the default model would be served, the task unsaid
+        parser.error(
+            f"HF_TASK={named['task']!r} names a task but no model: set HF_MODEL_ID, or put "
+            f"the model's files in {model_dir}"
+        )
     else:
         return
     task = TASK_ALIASES.get(named["task"], named["task"])
@@ -464,8 +481,8 @@ def sagemaker_port(parser: OneLineParser) -> int:
     named = os.environ.get("SAGEMAKER_BIND_TO_PORT", "").strip()
     if not named:
         return SAGEMAKER_PORT
-    if not whole_number(named):
-        parser.error(f"SAGEMAKER_BIND_TO_PORT={named!r}: not a port number")
+    if not whole_number(named) or not 1 <= int(named) <= 65535:
+        parser.error(f"SAGEMAKER_BIND_TO_PORT={named!r}: not a port number (1 to 65535)")
     return int(named)
 
 
@@ -565,6 +582,11 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     sagemaker = given[:1] == [SAGEMAKER_COMMAND]
     parser.given = given = given[1:] if sagemaker else given
     args = parser.parse_args(given)
+    # argparse keeps the last of an option's values, as a wrapper's defaults overridden by
+    # its user's want; where a second reads as "and this one too", it is refused
+    for flag, instead in READ_AS_SEVERAL.items():
+        if (times := parser.times_typed(flag)) > 1:
+            parser.error(f"{flag} is given {times} times: {instead}")
     if sagemaker and not parser.typed("--port") and variable_value("RAWSERVE_PORT") is None:
         args.port = sagemaker_port(parser)
     if sagemaker:
@@ -692,6 +714,8 @@ def check_values(
     for name in ("max_batch_size", "max_queue", "max_client_batch_size", "max_body_bytes"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.max_batch_size > MAX_BATCH_SIZE:  # the warm-up runs one such batch before ready
+        parser.error(f"--max-batch-size must be at most {MAX_BATCH_SIZE:,}")
     if not 0 <= args.port <= 65535:  # the socket would take it modulo 65536
         parser.error("--port must be from 0 (any free port) to 65535")
     # each message names the option at fault alone: one naming two sent a user with an

@@ -810,7 +810,24 @@ def test_sagemaker_s_model_that_cannot_be_served_stops_serve_saying_why(
     assert message in capsys.readouterr().err
 
 
-def test_sagemaker_s_serve_command_serves_on_its_port(monkeypatch):
+def test_sagemaker_s_task_without_a_model_stops_serve_not_serving_the_default(
+    monkeypatch, capsys, tmp_path
+):
+    from rawserve.options import sagemaker_model
+
+    for name in ("RAWSERVE_MODEL", "HF_MODEL_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_TASK", "frob")
+    args = argparse.Namespace(model=None, revision=None, task=None, handler=None)
+    with pytest.raises(SystemExit):
+        sagemaker_model(args, argparse.ArgumentParser(prog="rawserve"), tmp_path / "none")
+    assert "HF_TASK='frob' names a task but no model: set HF_MODEL_ID" in capsys.readouterr().err
+    monkeypatch.delenv("HF_TASK")
+    sagemaker_model(args, argparse.ArgumentParser(prog="rawserve"), tmp_path / "none")
+    assert args.model is None  # nothing named: the default model, as ever
+
+
+def test_sagemaker_s_serve_command_serves_on_its_port(monkeypatch, capsys):
     """SageMaker starts a container as `docker run IMAGE serve` and calls it on 8080 (or the
     port SAGEMAKER_BIND_TO_PORT names); a port given otherwise still wins."""
     monkeypatch.delenv("RAWSERVE_PORT", raising=False)
@@ -825,8 +842,11 @@ def test_sagemaker_s_serve_command_serves_on_its_port(monkeypatch):
     assert parse_config(["serve"]).port == 7000
     assert parse_config([]).port == 7000  # (no `serve`: as ever)
     monkeypatch.delenv("RAWSERVE_PORT")
-    monkeypatch.setenv("SAGEMAKER_BIND_TO_PORT", "eighty")
-    with pytest.raises(SystemExit):
-        parse_config(["serve"])
+    for wrong in ("eighty", "70000", "0"):  # 70000 was blamed on a --port nobody typed
+        monkeypatch.setenv("SAGEMAKER_BIND_TO_PORT", wrong)
+        with pytest.raises(SystemExit):
+            parse_config(["serve"])
+        said = capsys.readouterr().err
+        assert f"SAGEMAKER_BIND_TO_PORT={wrong!r}: not a port number" in said, said
     with pytest.raises(SystemExit):  # the word only leads: elsewhere it is no option
         parse_config(["--max-batch-size", "8", "serve"])

@@ -1156,6 +1156,39 @@ def test_a_sentence_transformers_folder_rawserve_would_answer_otherwise_is_refus
     assert str(caught.value).startswith(f"model {folder}: {reason}")
 
 
+@pytest.mark.parametrize(
+    ("name", "field"),
+    [
+        ("tokenizer_config.json", "model_max_length"),
+        ("sentence_bert_config.json", "max_seq_length"),
+    ],
+)
+@pytest.mark.parametrize("value", [-1, 0, True, "long", 2.5])
+def test_a_token_count_that_is_no_count_is_refused_at_start_naming_its_file(
+    tmp_path, name, field, value
+):
+    """-1 was taken as the length (every request a 500), 0 refused every input, true was
+    said to clients as the model's length."""
+    folder = sentence_folder(tmp_path, ST_MODULES, {"pooling_mode": "mean"})
+    path = folder / name
+    document = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps({**document, field: value}))
+    with pytest.raises(ModelNotFound, match=f"its {name} sets {field} to .*not a positive whole"):
+        plan_models([str(folder)])
+    for taken in (128, 1e30, None):  # (1e30: transformers' own "no limit")
+        path.write_text(json.dumps({**document, field: taken}))
+        assert plan_models([str(folder)])[0].facts.task == "feature-extraction"
+
+
+@pytest.mark.parametrize("listed", [{"0": "Transformer"}, [1, 2], "modules"])
+def test_a_modules_json_that_lists_no_modules_is_refused_saying_so(tmp_path, listed):
+    """It was "the model's files are unreadable (AttributeError)"."""
+    folder = sentence_folder(tmp_path, ST_MODULES, {"pooling_mode": "mean"})
+    (folder / "modules.json").write_text(json.dumps(listed))
+    with pytest.raises(ModelNotFound, match="its modules.json is not a list of modules"):
+        plan_models([str(folder)])
+
+
 def test_a_sentence_transformers_folder_s_dense_layers_are_read_in_order(tmp_path):
     """LaBSE's and distiluse's modules: a Dense layer on the pooled vector, which may
     change its size; /info lists them (and a chain of two must fit together)."""
@@ -1317,6 +1350,25 @@ def test_a_cached_file_whose_blob_is_gone_is_named_at_start(tmp_path, name):
         plan_models([str(link.parent)])
     assert f": {name} links to ../../blobs/" in str(caught.value)
     assert "which is missing: download the model again" in str(caught.value)
+
+
+def test_only_the_files_a_model_reads_are_looked_at_for_links_to_nothing(tmp_path):
+    """A folder's tree was walked whole: `--model /usr` took 6 s to be refused over a
+    JDK's link, and a link to nothing in a folder never read refused the model."""
+    from tests.tiny_models import build
+
+    model = build("text-classification", tmp_path / "cls")
+    (model / "unread").mkdir()
+    (model / "unread" / "gone").symlink_to(tmp_path / "nowhere")
+    (model / "tf_model.h5").symlink_to(tmp_path / "nowhere")  # at the top: looked at
+    with pytest.raises(ModelNotFound, match="tf_model.h5 links to"):
+        plan_models([str(model)])
+    (model / "tf_model.h5").unlink()
+    assert plan_models([str(model)])[0].facts.task == "text-classification"
+    (model / "onnx").mkdir()
+    (model / "onnx" / "model.onnx").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ModelNotFound, match="onnx/model.onnx links to"):
+        plan_models([str(model)])
 
 
 def test_an_alias_that_hides_another_models_folder_name_is_said_at_start(caplog):

@@ -252,6 +252,28 @@ def test_an_invalid_option_is_one_error_line(monkeypatch, capsys, argv):
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
+        (["--device", "cpu", "--device", "cpu"], "one comma list"),  # one worker, two meant
+        (["--api-key", "a", "--api-key=b"], "the server takes one key"),  # a refused, unsaid
+    ],
+)
+def test_a_device_or_a_key_given_twice_is_refused_not_its_last_kept(
+    monkeypatch, capsys, argv, says
+):
+    clear_environment(monkeypatch)
+    with pytest.raises(SystemExit) as exit:
+        parse_config(argv)
+    assert exit.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"rawserve: error: {argv[0]} is given 2 times: ") and says in line
+    # another option's last value wins, as a wrapper's defaults overridden by its user's;
+    # what is given several times by design stays so
+    config = parse_config(["--port", "5", "--model", "a=x", "--model", "b=y", "--port", "9"])
+    assert config.port == 9 and len(config.models) == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
         # asyncio would read "" as every interface: a variable left empty must not do that
         (["--host", ""], "--host must be an address or a host name"),
         (["--host", " "], "--host must be an address or a host name"),
@@ -259,6 +281,8 @@ def test_an_invalid_option_is_one_error_line(monkeypatch, capsys, argv):
         # 1000 Python processes on 8 cores: only contention, and minutes to start
         (["--http-processes", "1000"], "--http-processes must be from 1 to 8"),
         (["--http-processes", "9"], "--http-processes must be from 1 to 8"),
+        # the warm-up runs one batch of it: a million items of a tiny model never got ready
+        (["--max-batch-size", "1000000"], "--max-batch-size must be at most 65,536"),
         # a client can send none of these: every request would be 401 "not valid"
         (["--api-key", "secret\n"], "--api-key holds a control character or ends in"),
         (["--api-key", " secret"], "--api-key holds a control character or ends in"),
@@ -396,8 +420,9 @@ def test_a_whole_number_too_large_to_hold_is_refused(monkeypatch, capsys, option
     with pytest.raises(SystemExit) as exit:
         parse_config(["--handler", "tests.handlers:echo", option, str(10**20)])
     assert exit.value.code == 2
-    assert f"{option} must be at most {2**53}" in capsys.readouterr().err
-    assert parse_config(["--handler", "tests.handlers:echo", option, str(2**53)])
+    most = 65536 if option == "--max-batch-size" else 2**53  # (a warm-up batch of it runs)
+    assert f"{option} must be at most {most}" in capsys.readouterr().err.replace(",", "")
+    assert parse_config(["--handler", "tests.handlers:echo", option, str(most)])
 
 
 @pytest.mark.parametrize("variable", ["HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"])

@@ -4,12 +4,19 @@ the name clients call it by."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 
 from rawserve.models.json_files import json_file, json_object, read_json
-from rawserve.models.sentence_folder import DenseModule, pooled_as, sentence_modules
+from rawserve.models.sentence_folder import (
+    DenseModule,
+    module_folders,
+    pooled_as,
+    sentence_modules,
+)
 from rawserve.tasks.registry import TASKS
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"  # what clients see without --model
@@ -149,6 +156,8 @@ def read_facts(model_dir: Path, task: str | None = None, pooling: str | None = N
         for name in EDITED_BY_HAND:  # a worker's load would fail on it naming no file
             if (model_dir / name).is_file():
                 read_json(model_dir / name)
+        for name, field in TOKEN_COUNTS:  # -1 read as a length failed every request
+            check_token_count(model_dir / name, field)
         if task not in IMAGE_TASKS and (model_dir / TOKENIZER_JSON).is_file():
             read_json(model_dir / TOKENIZER_JSON)  # (as above: a download cut short, say)
         if task != "feature-extraction":
@@ -166,6 +175,31 @@ def read_facts(model_dir: Path, task: str | None = None, pooling: str | None = N
     except (OSError, AttributeError, KeyError, TypeError) as exc:
         raise ValueError(f"the model's files are unreadable ({type(exc).__name__})") from None
     return FolderFacts(task, modules.pooling, modules.normalize, modules.dense)
+
+
+# The token counts a model's files may set, which every input is cut at or refused past
+TOKEN_COUNTS = (
+    ("tokenizer_config.json", "model_max_length"),
+    ("sentence_bert_config.json", "max_seq_length"),
+)
+
+
+def check_token_count(path: Path, field: str) -> None:
+    """ValueError where `path` sets `field` to other than a positive whole number (or
+    null): -1 was taken as the length, every request then failing (500), 0 refused them
+    all, and true was said to clients as the model's length."""
+    if not path.is_file():
+        return
+    document = json_file(path)
+    value = document.get(field) if isinstance(document, dict) else None
+    if value is None:
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and value == int(value) and value >= 1):
+        raise ValueError(
+            f"its {path.name} sets {field} to {json.dumps(value)[:40]}, not a positive "
+            "whole number of tokens: correct it, or remove it"
+        )
 
 
 def no_config(model_dir: Path) -> str:
@@ -206,8 +240,12 @@ def missing_weights(model_dir: Path) -> str:
 def refuse_broken_links(model_dir: Path) -> None:
     """Raise ValueError naming a file of the folder that links to nothing: in the Hub
     cache, a snapshot's file whose blob is gone (a download cut short, a cache pruned by
-    hand). Read as absent, it was refused as a model without weights or a config."""
-    for path in sorted(model_dir.rglob("*")):
+    hand). Read as absent, it was refused as a model without weights or a config. Only
+    where a model's files are read: its top, its modules' folders and its ONNX graphs (a
+    whole tree was walked: `--model /usr` took 6 s to be refused over a JDK's link)."""
+    folders = [model_dir, model_dir / "onnx", *(model_dir / p for p in module_folders(model_dir))]
+    files = [path for folder in folders if folder.is_dir() for path in folder.iterdir()]
+    for path in sorted(set(files)):
         if path.is_symlink() and not path.exists():
             name = path.relative_to(model_dir).as_posix()
             raise ValueError(

@@ -120,7 +120,10 @@ def sentence_modules(model_dir: Path) -> SentenceModules:
     dense: list[DenseModule] = []
     splade, masked_lm = None, False
     order: list[str] = []  # the kinds seen, to refuse a chain out of the order computed
-    for module in read_json(modules_file):
+    listed = read_json(modules_file)
+    if not isinstance(listed, list) or not all(isinstance(m, dict) for m in listed):
+        raise ValueError("its modules.json is not a list of modules (objects with a type)")
+    for module in listed:
         module_type, named = str(module.get("type", "")), own_name(module)
         path = module_path(module)
         kind = SPARSE_MODULES.get(named, named)
@@ -179,6 +182,18 @@ def module_path(module: dict[str, Any]) -> str:
             "it is not served"
         )
     return given.strip("/")
+
+
+def module_folders(model_dir: Path) -> tuple[str, ...]:
+    """The folders below the model's that its modules.json names (a Pooling's config, a
+    Dense layer's weights); () where there are none or it cannot be read (read again
+    later, it is refused then, saying why)."""
+    try:
+        modules = read_json(model_dir / "modules.json")
+        paths = (module_path(module) for module in modules)
+        return tuple(path for path in paths if path)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return ()
 
 
 def dense_paths(modules_file: Path) -> tuple[str, ...]:
