@@ -18,6 +18,7 @@ import os
 import re
 import socket
 import sys
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -476,6 +477,20 @@ def sagemaker_model(
         args.revision = named["revision"]
 
 
+def endpoint_fault(endpoint: str) -> str | None:
+    """What is wrong with HF_ENDPOINT as an address of a Hub or mirror, or None: read as
+    huggingface_hub is imported, a port out of range ended the start in its traceback,
+    even with the model cached."""
+    try:
+        parts = urllib.parse.urlsplit(endpoint.strip())
+        parts.port  # noqa: B018 - raises ValueError for a port that is none
+    except ValueError as exc:
+        return f"not an address ({exc})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "not an http:// or https:// address of a Hub or mirror (unset it for the Hub)"
+    return None
+
+
 def sagemaker_port(parser: OneLineParser) -> int:
     """The port SageMaker calls a container on: SAGEMAKER_BIND_TO_PORT, else 8080."""
     named = os.environ.get("SAGEMAKER_BIND_TO_PORT", "").strip()
@@ -601,6 +616,13 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             parser.error(
                 f"{variable}={text!r}: not a whole number of seconds from 1 to {MAX_HUB_SECONDS}"
             )
+    if (endpoint := os.environ.get("HF_ENDPOINT")) is not None and (
+        fault := endpoint_fault(endpoint)
+    ):
+        parser.error(f"HF_ENDPOINT={endpoint[:100]!r}: {fault}")
+    token = os.environ.get("HF_TOKEN", "")
+    if not (token.isascii() and token.isprintable()):  # an HTTP header's: no request went
+        parser.error("HF_TOKEN holds a character no token has (beyond printable ASCII)")
     try:
         models = flags_or_variable(args.model, "RAWSERVE_MODEL")
         origins = flags_or_variable(args.cors_allow_origin, "RAWSERVE_CORS_ALLOW_ORIGIN")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import socket
@@ -284,6 +285,43 @@ def test_safetensors_make_the_pickled_weights_unneeded():
     assert files_to_skip(None) == NOT_NEEDED
     shards = ["model.safetensors.index.json", "model-00001-of-00002.safetensors"]
     assert files_to_skip([*shards, "pytorch_model.bin"]) == NOT_NEEDED + PICKLED_WEIGHTS
+
+
+def test_a_download_of_many_files_logs_a_line_every_few_seconds_and_one_at_its_end(caplog):
+    """huggingface_hub grows the files bar's total and refreshes it after each file, past
+    tqdm's own interval: 3,000 small files made 3,011 lines."""
+    from rawserve.models.hub import LoggedProgress
+
+    caplog.set_level(logging.INFO, logger="rawserve")
+    bar = LoggedProgress(total=1, desc="Fetching 1 files")
+    for _ in range(3000):
+        bar.total += 1
+        bar.update(1)
+        bar.refresh()
+    bar.close()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("downloading")]
+    assert 1 <= len(lines) <= 3, lines
+    assert lines[-1] == "downloading: 3000 of 3001 files"
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin"])
+def test_what_a_training_run_leaves_beside_the_model_is_not_fetched(weights):
+    """A checkpoint's weights and optimizer state (twice the model), the run's logs and
+    settings were downloaded with the model."""
+    leftovers = [
+        "checkpoint-500/model.safetensors",
+        "checkpoint-500/pytorch_model.bin",
+        "checkpoint-500/optimizer.pt",
+        "checkpoint-500/rng_state.pth",
+        "global_step500/mp_rank_00_model_states.pt",
+        "runs/Jan01_00-00-00/events.out.tfevents.1.host",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng_state_0.pth",
+        "training_args.bin",
+    ]
+    model = ["config.json", "tokenizer.json", weights, "1_Pooling/config.json"]
+    assert fetched([*model, *leftovers]) == model
 
 
 def test_a_dense_module_s_only_weights_are_fetched_beside_the_model_s_safetensors():
@@ -1031,6 +1069,9 @@ def test_a_branch_whose_new_commit_is_partly_cached_serves_its_whole_earlier_sna
     # a commit asked for by its id: nothing else stands in for it
     line = one_error_line(run_resolve(f"org/tiny@{moved_on}", tmp_path, HF_HUB_OFFLINE="1"))
     assert f"org/tiny@{moved_on} is not in the Hub cache" in line
+    # nor for a branch or tag the cache never held (`@mian` was served main's earlier)
+    line = one_error_line(run_resolve("org/tiny@mian", tmp_path, HF_HUB_OFFLINE="1"))
+    assert "org/tiny@mian is not in the Hub cache" in line and "serving" not in line, line
     # a stray file among the refs, and a pin a start by a short commit left, are no
     # branches: the earlier snapshot serves beside them
     (storage / "refs" / ".DS_Store").write_bytes(b"\x00\x05\x16\x07\xff\xfe")

@@ -441,6 +441,41 @@ def test_a_hub_timeout_the_client_cannot_hold_is_refused_naming_its_variable(
     assert f"{variable}={value!r}: not a whole number of seconds from 1 to 2147483647" in said
 
 
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("http://127.0.0.1:99999", "not an address (Port out of range"),
+        ("http://[::1", "not an address ("),
+        ("", "not an http:// or https:// address"),
+        ("hub.example", "not an http:// or https:// address"),
+    ],
+)
+def test_a_hub_endpoint_that_is_no_address_is_refused_at_start(monkeypatch, capsys, value, says):
+    """Read as huggingface_hub is imported: a port out of range ended the start in its
+    traceback, though the model was cached."""
+    clear_environment(monkeypatch)
+    monkeypatch.setenv("HF_ENDPOINT", value)
+    with pytest.raises(SystemExit) as exit:
+        parse_config([])
+    assert exit.value.code == 2
+    assert f"HF_ENDPOINT={value!r}: {says}" in capsys.readouterr().err
+    monkeypatch.setenv("HF_ENDPOINT", "https://hf-mirror.example:8443/")
+    assert parse_config([])
+
+
+@pytest.mark.parametrize("token", ["hf_bad\u200b", "hf_göod", "hf_a\nb"])
+def test_a_hub_token_of_characters_no_token_has_is_refused_at_start(monkeypatch, capsys, token):
+    """It said "could not resolve org/tiny: UnicodeEncodeError", even with the model
+    cached (a refused token serves the cache)."""
+    clear_environment(monkeypatch)
+    monkeypatch.setenv("HF_TOKEN", token)
+    with pytest.raises(SystemExit):
+        parse_config([])
+    assert "HF_TOKEN holds a character no token has" in capsys.readouterr().err
+    monkeypatch.setenv("HF_TOKEN", "hf_AbC123")
+    assert parse_config([])
+
+
 def test_model_options_set_beside_a_handler_are_named_as_not_applying(monkeypatch):
     """Left to a warning, not refused: deployments set RAWSERVE_ENGINE for every server."""
     clear_environment(monkeypatch)

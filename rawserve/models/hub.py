@@ -76,6 +76,16 @@ NOT_NEEDED = [
     "onnx/*",
     "openvino/*",
     "coreml/*",
+    # what a training run leaves beside a model: its checkpoints (an optimizer's state is
+    # twice the model), logs and settings, which no worker reads
+    "checkpoint-*/*",
+    "global_step*/*",
+    "runs/*",
+    "*.tfevents.*",
+    "optimizer.pt",
+    "scheduler.pt",
+    "rng_state*.pth",
+    "training_args.bin",
 ]
 PICKLED_WEIGHTS = ["*.bin", "*.pt", "*.pth"]  # skipped when the repo has safetensors
 # the model's safetensors, which transformers loads before its .bin (another safetensors
@@ -287,22 +297,26 @@ def cache_in_place_of_the_hub(
             pass
     elif not isinstance(exc, LocalEntryNotFoundError):
         return None
-    earlier = None if pinned(revision) else earlier_whole_snapshot(repo_id)
+    earlier = None if pinned(revision) else earlier_whole_snapshot(repo_id, revision or "main")
     return None if earlier is None else (earlier, "the whole earlier")
 
 
-def earlier_whole_snapshot(repo_id: str) -> Path | None:
+def earlier_whole_snapshot(repo_id: str, branch: str) -> Path | None:
     """The newest snapshot of `repo_id` in the cache that no branch or tag names now (the
     one asked for names the one not whole; another's is its own model: a start asking
-    for main served dev's) and that holds every file a download of it fetches. The cache
-    keeps no history of which branch a commit was: one no ref names any more may have
-    been another branch's. huggingface_hub moves the ref before it downloads the files: a
-    branch that moved on, its new commit's download stopped or failed, left every later
-    start that the Hub could not serve failing, its earlier snapshot whole in the cache."""
+    for main served dev's) and that holds every file a download of it fetches, where the
+    cache has `branch` at all (a branch or tag it never held, `@mian`, was served from a
+    snapshot of another). The cache keeps no history of which branch a commit was: one no
+    ref names any more may have been another branch's. huggingface_hub moves the ref
+    before it downloads the files: a branch that moved on, its new commit's download
+    stopped or failed, left every later start that the Hub could not serve failing, its
+    earlier snapshot whole in the cache."""
     from huggingface_hub import constants  # (here: see the module's docstring)
     from huggingface_hub.file_download import repo_folder_name
 
     storage = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
+    if not (storage / "refs" / branch).is_file():
+        return None
     named = named_now(storage / "refs")
     snapshots = [s for s in (storage / "snapshots").glob("*") if s.is_dir() and s.name not in named]
     for snapshot in sorted(snapshots, key=lambda s: s.stat().st_mtime, reverse=True):
@@ -579,21 +593,31 @@ class LoggedProgress(tqdm):
         kwargs["file"] = _Discard()
         self._bytes = kwargs.get("unit") == "B"
         self._quiet = str(kwargs.get("desc") or "").startswith("Downloading bytes")
+        self._logged_at: float | None = None
         super().__init__(*args, **kwargs)
 
     def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+        """A line, at most one every PROGRESS_SECONDS: huggingface_hub's refresh() after
+        each file passes tqdm's own interval (3,000 small files made 3,011 lines)."""
         if self._quiet or self.disable:
             return True
+        now = time.monotonic()
+        if self._logged_at is not None and now - self._logged_at < PROGRESS_SECONDS:
+            return True
+        self._logged_at = now
+        self._line()
+        return True
+
+    def _line(self) -> None:
         done, total = self.n, self.total
         if self._bytes and done:
             log.info("downloading: %s of %s", _size(done), _size(total or done))
         elif not self._bytes:
             log.info("downloading: %d of %s files", done, total if total else "?")
-        return True
 
     def close(self) -> None:
-        if not self._bytes and not self.disable:
-            self.display()
+        if not self._bytes and not self.disable and not self._quiet:
+            self._line()  # (whenever the last was)
         self._quiet = True  # tqdm's close draws once more
         super().close()
 
