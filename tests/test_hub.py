@@ -1084,6 +1084,23 @@ def test_a_branch_whose_new_commit_is_partly_cached_serves_its_whole_earlier_sna
     assert "serving" not in line and earlier.name not in line, line
 
 
+def test_a_cached_file_cut_short_is_downloaded_again_and_named_offline(tmp_path):
+    """A blob cut short in the cache (a disk filled) was taken by every later download as
+    done: each start refused the model, and --download-only said all was well."""
+    with FakeHub([make_repo()]) as hub:
+        folder = resolved(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint))
+        weights = folder / "model.safetensors"
+        whole = weights.read_bytes()
+        os.truncate(weights.resolve(), 10)
+        result = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint)
+        assert resolved(result) == folder and weights.read_bytes() == whole
+        assert "model.safetensors in the Hub cache is not the size the Hub lists" in result.stderr
+    os.truncate(weights.resolve(), 10)  # offline: named, and the start stops
+    result = run_resolve("org/tiny", tmp_path, HF_HUB_OFFLINE="1")
+    assert "only partly in the Hub cache" in one_error_line(result)
+    assert "model.safetensors in the Hub cache is not the size the Hub lists" in result.stderr
+
+
 def test_a_partly_downloaded_snapshot_is_named_as_such(tmp_path):
     with FakeHub([make_repo()]) as hub:
         folder = resolved(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint))

@@ -52,7 +52,7 @@ from huggingface_hub.utils import validate_repo_id
 from tqdm.std import tqdm
 
 from rawserve.models.folder import SHIPPED_GRAPH, SHIPPED_GRAPH_DATA, TORCH_WEIGHTS
-from rawserve.models.hub_integrity import changed_downloads
+from rawserve.models.hub_integrity import changed_downloads, cut_short
 from rawserve.models.names import ModelSpec, default_names
 from rawserve.models.sentence_folder import dense_paths
 from rawserve.shared.logs import first_line
@@ -167,6 +167,15 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
             )
 
         folder = download()
+        if cut := cut_short(Path(folder), listed_sizes(repo_id, Path(folder).name)):
+            log.warning(
+                "model %s: %s in the Hub cache %s not the size the Hub lists (cut short): "
+                "downloading again",
+                at,
+                ", ".join(cut),
+                "is" if len(cut) == 1 else "are",
+            )
+            folder = download()
         changed = changed_downloads(Path(folder), since)
         if changed:  # deleted: downloaded again, once
             log.warning(
@@ -352,6 +361,18 @@ def cached_files(repo_id: str, revision: str | None) -> list[str] | None:
         return [entry.path for entry in get_cached_repo_tree(repo_id, revision=revision)]
     except CachedRepoTreeNotFoundError:
         return None
+
+
+def listed_sizes(repo_id: str, commit: str) -> dict[str, int]:
+    """Each file's size as the download's listing of `commit` in the cache gives it; {}
+    where there is none."""
+    from huggingface_hub import get_cached_repo_tree  # (here: see the module's docstring)
+
+    try:
+        entries = get_cached_repo_tree(repo_id, revision=commit)
+    except CachedRepoTreeNotFoundError:
+        return {}
+    return {e.path: e.size for e in entries if isinstance(getattr(e, "size", None), int)}
 
 
 def fetched(files: Sequence[str], dense: Sequence[str] = ()) -> list[str]:

@@ -38,6 +38,26 @@ def changed_downloads(snapshot: Path, since: float) -> list[str]:
     return changed
 
 
+def cut_short(snapshot: Path, sizes: dict[str, int]) -> list[str]:
+    """The files of `snapshot` whose size is not the one the repo's listing gives
+    (`sizes`: path to bytes), each deleted with its blob: a blob cut short in the cache (a
+    disk filled, a copy stopped) was taken by every later download as done, and every
+    start refused it. Sizes only: cheap enough for every start."""
+    cut = []
+    for name, size in sorted(sizes.items()):
+        link = snapshot / name
+        try:
+            found = link.stat().st_size
+        except OSError:  # not downloaded (skipped), or its blob gone: said elsewhere
+            continue
+        if found != size:
+            cut.append(name)
+            if link.is_symlink():
+                link.resolve().unlink(missing_ok=True)
+            link.unlink(missing_ok=True)
+    return cut
+
+
 def hashes_to_its_name(blob: Path) -> bool:
     """Whether the blob's bytes hash to its file name: a sha256 (64 hex digits), or a git
     blob id or a plain sha1 (40: a mirror may name files by the latter); True for a name
