@@ -259,11 +259,13 @@ class HttpProtocol(asyncio.Protocol):
         if connections.take(self, cap, now):
             self.seats = connections
             if full:
-                self._warn_at_cap("closing the connection idle longest for each new one")
+                self._warn_at_cap("idle", "closing the connection idle longest for each new one")
         elif self.state.probe_connections.take(self, PROBE_RESERVE, now):
             self.probe_only = True
             self.seats = self.state.probe_connections
-            self._warn_at_cap("taking new connections for one probe each; anything else: 503")
+            self._warn_at_cap(
+                "probe", "taking new connections for one probe each; anything else: 503"
+            )
         else:
             self._refuse()
             return
@@ -565,18 +567,20 @@ class HttpProtocol(asyncio.Protocol):
         """Past the connection cap and the probes' reserve: 503 before reading anything
         (over TLS, closed before any handshake work: no answer can reach it without)."""
         self.state.refused += 1
-        self._warn_at_cap(f"refusing connections, every one busy; {self.state.refused} so far")
+        refused = self.state.refused
+        self._warn_at_cap("refused", f"refusing connections, every one busy; {refused} so far")
         if self.tls is not None:
             self.close()
             return
         self.cycle = Cycle(None, new_request_id())
         self._send(self.cycle, error_response(refusals.too_many_connections()), close=True)
 
-    def _warn_at_cap(self, what: str) -> None:
-        """Tell the operator the cap is reached (once per CAP_LOG_INTERVAL)."""
+    def _warn_at_cap(self, kind: str, what: str) -> None:
+        """Tell the operator the cap is reached (each `kind` of line once per
+        CAP_LOG_INTERVAL)."""
         now = time.monotonic()
-        if now - self.state.last_cap_log >= CAP_LOG_INTERVAL:
-            self.state.last_cap_log = now
+        if now - self.state.last_cap_log.get(kind, float("-inf")) >= CAP_LOG_INTERVAL:
+            self.state.last_cap_log[kind] = now
             log.warning(
                 "%d connections open (--max-connections): %s", len(self.state.connections), what
             )

@@ -1162,6 +1162,20 @@ async def test_past_the_cap_idle_probe_connections_give_way_to_a_probe(caplog):
     assert response.status_code == 200 and not busy.transport.closed
 
 
+async def test_refusals_past_the_probe_seats_are_logged_after_the_probe_seats_line(caplog):
+    """Every kind of line about the cap shared one 10 s limit: the probe seats' line, logged
+    just before the first refusal, silenced the refusals of any burst under 10 s."""
+    state = ServerState()
+    connect = connector(EchoApp(), ProtocolSettings(max_connections=1), state)
+    connect()[0].data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")  # busy
+    for _ in range(PROBE_RESERVE):  # fresh, each holding a probe seat
+        connect()
+    assert "taking new connections for one probe each" in caplog.text
+    connect()
+    assert state.refused == 1
+    assert "refusing connections, every one busy; 1 so far" in caplog.text
+
+
 @pytest.mark.parametrize(
     "target", [b"/health", b"/ready?x=1", b"/ready/cls", b"http://a/health", b"/%68ealth"]
 )

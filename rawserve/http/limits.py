@@ -148,7 +148,9 @@ class ServerState:
     connections: Seats = field(default_factory=Seats)
     probe_connections: Seats = field(default_factory=Seats)  # past the cap
     refused: int = 0  # connections refused past `max_connections`
-    last_cap_log: float = float("-inf")
+    # when each kind of line about the cap was last logged (each its own interval: a
+    # milder one must not silence the refusals that follow it)
+    last_cap_log: dict[str, float] = field(default_factory=dict)
 
     def busy_tasks(self) -> set[asyncio.Task[None]]:
         """The tasks of requests the app is still working on, on every connection."""
