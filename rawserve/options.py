@@ -736,6 +736,8 @@ def check_values(
     for name in ("max_batch_size", "max_queue", "max_client_batch_size", "max_body_bytes"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.revision is not None and not args.revision.strip():  # as `org/name@` is
+        parser.error("--revision is empty: name a branch, tag or commit, or leave it out")
     if args.max_batch_size > MAX_BATCH_SIZE:  # the warm-up runs one such batch before ready
         parser.error(f"--max-batch-size must be at most {MAX_BATCH_SIZE:,}")
     if not 0 <= args.port <= 65535:  # the socket would take it modulo 65536

@@ -515,6 +515,38 @@ def test_a_model_without_config_json_is_refused_for_that_whatever_names_its_task
     assert "name the task" not in str(caught.value)  # named, it was refused for the same
 
 
+@pytest.mark.parametrize(
+    ("files", "says"),
+    [
+        ({"model-q4_k_m.gguf": "GGUF"}, "the model is GGUF weights (model-q4_k_m.gguf"),
+        (
+            {"adapter_config.json": '{"base_model_name_or_path": "org/base"}'},
+            "the folder is a PEFT adapter, not a model: serve its base model (org/base)",
+        ),
+        (
+            {
+                "modules.json": json.dumps(
+                    [{"path": "0_Transformer", "type": "sentence_transformers.models.Transformer"}]
+                )
+            },
+            "its transformer is in 0_Transformer/, not the folder's root",
+        ),
+        ({}, "the model has no config.json at its top, which says its architecture"),
+    ],
+)
+def test_a_hub_repo_without_config_json_is_refused_saying_what_it_is(tmp_path, files, says):
+    """Each was told "copy it too, or download the model again", which cannot help a
+    Hub download (a GGUF repo, an adapter, a transformer in a subfolder)."""
+    snapshot = tmp_path / "models--org--x" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").write_bytes(b"")
+    for name, text in files.items():
+        (snapshot / name).write_text(text)
+    with pytest.raises(ModelNotFound) as caught:
+        plan_models([str(snapshot)])
+    assert says in str(caught.value) and "copy it too" not in str(caught.value)
+
+
 def test_a_hub_caches_model_folder_is_refused_saying_which_folder_to_serve(tmp_path):
     """A cache's models--org--name folder holds the files under snapshots/<commit>/: it
     was refused as a folder with no config.json, "name the task", which did not help."""
@@ -812,6 +844,15 @@ def test_a_token_the_hub_refuses_is_said_where_the_cache_serves(tmp_path):
         result = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint, HF_TOKEN="hf_revoked")
     assert resolved(result) == folder
     assert "the Hub refused org/tiny (401: a token it does not take, HF_TOKEN" in result.stderr
+
+
+def test_a_repo_the_hub_does_not_have_blames_no_token(tmp_path):
+    """The Hub answers 401 for a repo it does not have (or will not show without a
+    token): a start with no token was warned of "a token it does not take" first."""
+    with FakeHub([make_repo()]) as hub:
+        result = run_resolve("org/absent", tmp_path, HF_ENDPOINT=hub.endpoint)
+    assert "org/absent" in one_error_line(result)
+    assert "a token it does not take" not in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("status", [500, 429])
@@ -1196,6 +1237,7 @@ def test_a_sentence_transformers_folder_s_pooling_is_read_in_either_form(tmp_pat
             "its pooling cls+max is not served",
         ),
         (ST_MODULES, {"pooling_mode": "splade"}, None, "its pooling splade is not served"),
+        (ST_MODULES, {}, None, "its pooling names no mode: one of cls, "),
         (
             ST_MODULES,
             {"pooling_mode": "mean", "include_prompt": False},
@@ -1236,6 +1278,13 @@ def test_a_token_count_that_is_no_count_is_refused_at_start_naming_its_file(
     for taken in (128, 1e30, None):  # (1e30: transformers' own "no limit")
         path.write_text(json.dumps({**document, field: taken}))
         assert plan_models([str(folder)])[0].facts.task == "feature-extraction"
+
+
+def test_a_pooling_module_without_its_config_is_refused_saying_so(tmp_path):
+    folder = sentence_folder(tmp_path, ST_MODULES, {"pooling_mode": "mean"})
+    (folder / "1_Pooling" / "config.json").unlink()
+    with pytest.raises(ModelNotFound, match="its Pooling module has no 1_Pooling/config.json"):
+        plan_models([str(folder)])
 
 
 @pytest.mark.parametrize("listed", [{"0": "Transformer"}, [1, 2], "modules"])

@@ -283,6 +283,8 @@ def test_a_device_or_a_key_given_twice_is_refused_not_its_last_kept(
         (["--http-processes", "9"], "--http-processes must be from 1 to 8"),
         # the warm-up runs one batch of it: a million items of a tiny model never got ready
         (["--max-batch-size", "1000000"], "--max-batch-size must be at most 65,536"),
+        # it was "answered 404", or "[Errno 21] Is a directory" once the repo was cached
+        (["--revision", ""], "--revision is empty: name a branch, tag or commit"),
         # a client can send none of these: every request would be 401 "not valid"
         (["--api-key", "secret\n"], "--api-key holds a control character or ends in"),
         (["--api-key", " secret"], "--api-key holds a control character or ends in"),

@@ -216,6 +216,23 @@ def no_config(model_dir: Path) -> str:
             f"{model_dir} is a Hugging Face cache's folder of {repo}, not the model's own: "
             f"serve {where}--model {repo} with HF_HUB_CACHE set to the folder above it"
         )
+    if first := next(iter(sorted(model_dir.glob("*.gguf"))), None):
+        return (
+            f"the model is GGUF weights ({first.name}: llama.cpp's form), which transformers "
+            "does not serve: serve the model it was made from"
+        )
+    adapter = json_file(model_dir / "adapter_config.json")
+    if adapter:
+        base = adapter.get("base_model_name_or_path")
+        named = f" ({str(base)[:200]})" if base else ""
+        return f"the folder is a PEFT adapter, not a model: serve its base model{named}"
+    if (model_dir / "modules.json").is_file():
+        try:  # a sentence-transformers folder whose transformer is in a subfolder
+            sentence_modules(model_dir)
+        except ValueError as exc:
+            return str(exc)
+    if model_dir.parent.name == "snapshots":  # a Hub download: nothing to copy
+        return "the model has no config.json at its top, which says its architecture"
     return (
         "the model has no config.json, which says its architecture: copy it too, or "
         "download the model again"

@@ -494,7 +494,9 @@ def repo_files(repo_id: str, revision: str | None) -> list[str] | None:
             status = exc.response.status_code if exc.response is not None else 0
             if later(status):
                 log.warning("the Hub answered %d for %s: the cache decides", status, repo_id)
-            elif status in (401, 403):  # a token revoked or mistyped: the cache hides it
+            elif status in (401, 403) and not isinstance(exc, HUB_SAYS_NO):
+                # a token revoked or mistyped: the cache hides it (the Hub's 401 for a
+                # repo that is not there, or not shown without a token, is said below)
                 log.warning(
                     "the Hub refused %s (%d: a token it does not take, HF_TOKEN, or a repo "
                     "not shared with it): the cache decides, and a start without it fails",

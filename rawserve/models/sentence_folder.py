@@ -144,6 +144,11 @@ def sentence_modules(model_dir: Path) -> SentenceModules:
         if kind == "Transformer":
             masked_lm = named == "MLMTransformer" or transformer_task(model_dir) == MASKED_LM_TASK
         if named == "Pooling":
+            if not (model_dir / path / "config.json").is_file():
+                raise ValueError(
+                    f"its Pooling module has no {path + '/' if path else ''}config.json to "
+                    "say how it pools: copy it too, or download the model again"
+                )
             pooling = pooling_mode(model_dir, json_file(model_dir / path / "config.json"))
         if named == "SpladePooling":
             pooling, splade = "splade", splade_pooling(json_file(model_dir / path / "config.json"))
@@ -289,9 +294,13 @@ def pooling_mode(model_dir: Path, config: dict[str, Any]) -> str:
     if modes is None:
         modes = [mode for switch, mode in POOLING_SWITCHES.items() if config.get(switch)]
     modes = [modes] if isinstance(modes, str) else list(modes)
+    if not modes:
+        raise ValueError(
+            f"its pooling names no mode: one of {', '.join(sorted(POOLING_MODES))} is served"
+        )
     if len(modes) != 1 or modes[0] not in POOLING_MODES:
         raise ValueError(
-            f"its pooling {'+'.join(map(str, modes)) or 'names no mode'} is not served: "
+            f"its pooling {'+'.join(map(str, modes))} is not served: "
             f"one of {', '.join(sorted(POOLING_MODES))}"
         )
     if config.get("include_prompt") is False and any(
