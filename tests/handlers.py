@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import tempfile
 import time
 
 
@@ -90,15 +91,31 @@ def failing_on_marker():
     return handle
 
 
+def orphans_file(server_pid: int) -> str:
+    """Where the `faulty` handler's workers of the server `server_pid` list the children
+    they leave behind (a test kills them)."""
+    return os.path.join(tempfile.gettempdir(), f"rawserve-test-orphans-{server_pid}")
+
+
 def faulty():
-    """Echoes, and fails on purpose: an input containing "crash" kills the worker process,
-    one containing "hang" never finishes, a batch larger than RAWSERVE_TEST_OOM_ABOVE items
+    """Echoes, and fails on purpose: an input containing "crash" kills the worker process
+    ("orphan": after forking a child that holds its pipes for two minutes, its pid
+    appended to the file `orphans_file(the server's pid)` names), one containing "hang"
+    never finishes, a batch larger than RAWSERVE_TEST_OOM_ABOVE items
     (when set) raises MemoryError, and the parameter `sleep` sleeps that long per batch
     (with `until`, a file's path: only until that file exists)."""
     inner = echo()
     oom_above = int(os.environ.get("RAWSERVE_TEST_OOM_ABOVE", "0"))
 
     def handle(inputs, sleep=0.0, until=None, **params):
+        if any("orphan" in str(item) for item in inputs):
+            child = os.fork()
+            if child == 0:
+                time.sleep(120)
+                os._exit(0)
+            with open(orphans_file(os.getppid()), "a") as orphans:
+                orphans.write(f"{child}\n")
+            os._exit(3)
         if any("crash" in str(item) for item in inputs):
             os._exit(3)
         if any("hang" in str(item) for item in inputs):

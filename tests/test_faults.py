@@ -16,6 +16,7 @@ import queue
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +34,7 @@ from rawserve.serving.supervision import (
 )
 from rawserve.shared.messages import FailureKind, ItemFailure, WorkerConfig
 from rawserve.worker.batch_runs import BatchCap, run_batch
+from tests.handlers import orphans_file
 from tests.load import Client
 from tests.server import RunningServer, module_server, started_as_used
 from tests.test_scheduler import next_batch
@@ -207,6 +209,30 @@ async def test_a_poison_item_fails_alone_and_is_refused_afterwards(faulty_execut
     refused, c = result.outputs
     assert refused == REFUSED_POISON and refused.kind is FailureKind.INPUT
     assert c["input"] == "c" and worker.record.restarts == 3  # refused without being run
+
+
+@pytest.mark.slow
+async def test_a_worker_that_dies_is_seen_dead_though_a_child_of_its_holds_its_pipe(
+    faulty_executor,
+):
+    """A handler's fork (or `os.system`) holds the worker's pipe after the worker dies: no
+    end of file came, every request waited for its deadline, and the dead worker stayed
+    "loading" until the child ended (two minutes here)."""
+    orphans = Path(orphans_file(os.getpid()))
+    orphans.unlink(missing_ok=True)
+    try:
+        result = await asyncio.wait_for(faulty_executor.submit(["orphan", "fine"], {}), 60)
+        assert result.outputs[0] == CRASHED_ALONE and result.outputs[1]["input"] == "fine"
+        await idle(faulty_executor, timeout=60)
+        children = [int(pid) for pid in orphans.read_text().split()]
+        assert children and all(os.path.exists(f"/proc/{pid}") for pid in children)
+    finally:
+        for pid in orphans.read_text().split() if orphans.exists() else ():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        orphans.unlink(missing_ok=True)
 
 
 @pytest.mark.slow

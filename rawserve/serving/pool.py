@@ -32,6 +32,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
 import signal
 import time
 from collections import deque
@@ -43,7 +44,7 @@ from typing import Any, Protocol
 
 from rawserve.serving.cores import CoreShare
 from rawserve.serving.handles import Job, PartAnswered, WorkerHandle
-from rawserve.serving.processes import join_or_kill, start_process
+from rawserve.serving.processes import exit_watch, join_or_kill, start_process
 from rawserve.serving.refusals import Reason, Refused, out_of_memory, shutting_down
 from rawserve.serving.reports import PoolReports
 from rawserve.serving.status import WorkerState
@@ -687,9 +688,14 @@ class WorkerPool(PoolReports):
             worker.config.device,
         )
         reader = MessageReader()
-        self._running_loop.add_reader(
-            replies_in.fileno(), self._on_readable, worker, replies_in, reader, process
-        )
+        watched = (worker, replies_in, reader, process)
+        self._running_loop.add_reader(replies_in.fileno(), self._on_readable, *watched)
+        # Its exit, too: a process it started (a handler's fork, `os.system`) holds the
+        # pipe's write end after it dies, and no end of file came: every request waited
+        # for its deadline, then the dead worker stayed "loading" until that child ended.
+        # (By a pidfd: the process's sentinel is a pipe such a child holds as well.)
+        if (exit_fd := exit_watch(process)) is not None:
+            self._running_loop.add_reader(exit_fd, self._on_exited, *watched, exit_fd)
 
     def _on_readable(
         self,
@@ -707,10 +713,35 @@ class WorkerPool(PoolReports):
             self._unreadable(worker, reader)
             process.kill()
         if reader.closed:  # end of file: the worker has exited (or is about to)
-            worker.gone = worker.gone or process is worker.process
-            self._running_loop.remove_reader(fd)
-            replies.close()
-            self._watch(self._reap(worker, process))
+            self._gone(worker, replies, process)
+
+    def _on_exited(
+        self,
+        worker: WorkerHandle,
+        replies: Connection,
+        reader: MessageReader,
+        process: BaseProcess,
+        exit_fd: int,
+    ) -> None:
+        """The worker's process has exited: what it sent before is read, then it is gone
+        as at the pipe's end of file (which a child of its may hold back)."""
+        self._running_loop.remove_reader(exit_fd)
+        os.close(exit_fd)
+        # its exit code taken now (waitpid): a join waits on the process's sentinel, a
+        # pipe that such a child holds as well
+        process.exitcode  # noqa: B018 - polled for its side effect
+        if replies.closed:  # its end of file came first
+            return
+        self._on_readable(worker, replies, reader, process)
+        if not replies.closed:
+            self._gone(worker, replies, process)
+
+    def _gone(self, worker: WorkerHandle, replies: Connection, process: BaseProcess) -> None:
+        """The worker's pipe is done with: stop reading it, and reap the process."""
+        worker.gone = worker.gone or process is worker.process
+        self._running_loop.remove_reader(replies.fileno())
+        replies.close()
+        self._watch(self._reap(worker, process))
 
     def _unreadable(self, worker: WorkerHandle, reader: MessageReader) -> None:
         """Say in one line why the worker's next message could not be read: the server

@@ -51,6 +51,19 @@ def start_process(context: SpawnContext, worker: WorkerHandle) -> tuple[BaseProc
     return process, replies_in
 
 
+def exit_watch(process: BaseProcess) -> int | None:
+    """A file descriptor that turns readable once `process` has exited (a pidfd: Linux 5.3
+    and later), for the caller to close; None where there is none (the pipe's end of file
+    is then all that says so)."""
+    pidfd_open = getattr(os, "pidfd_open", None)
+    if pidfd_open is None or process.pid is None:
+        return None
+    try:
+        return int(pidfd_open(process.pid))
+    except OSError:  # no such call in this kernel, or no descriptor left
+        return None
+
+
 _reaping: weakref.WeakKeyDictionary[BaseProcess, threading.Lock] = weakref.WeakKeyDictionary()
 _reaping_lock = threading.Lock()
 
