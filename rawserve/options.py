@@ -85,6 +85,8 @@ READ_AS_SEVERAL = {
     "--device": "several devices are one comma list (--device cuda:0,cuda:1)",
     "--api-key": "the server takes one key",
 }
+# huggingface_hub's token variables, the first set taken
+HUB_TOKEN_VARIABLES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 # The largest --max-batch-size: a start warms up on one batch of it (a million items of a
 # tiny model was never ready; 50,000 took 7 s); a GPU's batches are hundreds of items
 MAX_BATCH_SIZE = 65536
@@ -480,9 +482,11 @@ def sagemaker_model(
 def endpoint_fault(endpoint: str) -> str | None:
     """What is wrong with HF_ENDPOINT as an address of a Hub or mirror, or None: read as
     huggingface_hub is imported, a port out of range ended the start in its traceback,
-    even with the model cached."""
+    even with the model cached (and it takes blanks around it as part of it)."""
+    if endpoint != endpoint.strip():
+        return "blanks around the address (a newline from a file, say): remove them"
     try:
-        parts = urllib.parse.urlsplit(endpoint.strip())
+        parts = urllib.parse.urlsplit(endpoint)
         parts.port  # noqa: B018 - raises ValueError for a port that is none
     except ValueError as exc:
         return f"not an address ({exc})"
@@ -616,13 +620,17 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             parser.error(
                 f"{variable}={text!r}: not a whole number of seconds from 1 to {MAX_HUB_SECONDS}"
             )
-    if (endpoint := os.environ.get("HF_ENDPOINT")) is not None and (
-        fault := endpoint_fault(endpoint)
-    ):
-        parser.error(f"HF_ENDPOINT={endpoint[:100]!r}: {fault}")
-    token = os.environ.get("HF_TOKEN", "")
-    if not (token.isascii() and token.isprintable()):  # an HTTP header's: no request went
-        parser.error("HF_TOKEN holds a character no token has (beyond printable ASCII)")
+    if (endpoint := os.environ.get("HF_ENDPOINT")) is not None:
+        # huggingface_hub reads it as it is imported, blanks included: set empty (as
+        # compose files leave a variable) it is unset here, as RAWSERVE_* variables are
+        if not endpoint.strip():
+            del os.environ["HF_ENDPOINT"]
+        elif fault := endpoint_fault(endpoint):
+            parser.error(f"HF_ENDPOINT={endpoint[:100]!r}: {fault}")
+    for variable in HUB_TOKEN_VARIABLES:  # an HTTP header's: no request went out
+        token = os.environ.get(variable, "").replace("\r", "").replace("\n", "").strip()
+        if not (token.isascii() and token.isprintable()):  # (as huggingface_hub cleans it)
+            parser.error(f"{variable} holds a character no token has (beyond printable ASCII)")
     try:
         models = flags_or_variable(args.model, "RAWSERVE_MODEL")
         origins = flags_or_variable(args.cors_allow_origin, "RAWSERVE_CORS_ALLOW_ORIGIN")

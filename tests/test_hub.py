@@ -313,6 +313,9 @@ def test_what_a_training_run_leaves_beside_the_model_is_not_fetched(weights):
         "checkpoint-500/pytorch_model.bin",
         "checkpoint-500/optimizer.pt",
         "checkpoint-500/rng_state.pth",
+        "checkpoints/checkpoint-500/model.safetensors",
+        "last.ckpt",
+        "epoch=2-step=300.ckpt",
         "global_step500/mp_rank_00_model_states.pt",
         "runs/Jan01_00-00-00/events.out.tfevents.1.host",
         "optimizer.pt",
@@ -1135,11 +1138,21 @@ def test_a_cached_file_cut_short_is_downloaded_again_and_named_offline(tmp_path)
         os.truncate(weights.resolve(), 10)
         result = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint)
         assert resolved(result) == folder and weights.read_bytes() == whole
-        assert "model.safetensors in the Hub cache is not the size the Hub lists" in result.stderr
-    os.truncate(weights.resolve(), 10)  # offline: named, and the start stops
-    result = run_resolve("org/tiny", tmp_path, HF_HUB_OFFLINE="1")
-    assert "only partly in the Hub cache" in one_error_line(result)
-    assert "model.safetensors in the Hub cache is not the size the Hub lists" in result.stderr
+        assert "model.safetensors in the Hub cache is shorter than the Hub lists" in result.stderr
+    os.truncate(weights.resolve(), 10)  # offline: named, nothing deleted, and it stops
+    line = one_error_line(run_resolve("org/tiny", tmp_path, HF_HUB_OFFLINE="1"))
+    assert "model.safetensors in the Hub cache is shorter than the Hub lists" in line, line
+    assert weights.stat().st_size == 10
+    # a file longer than listed is one edited by hand, or a link to one's own copy: kept
+    own = tmp_path / "my_tokenizer.json"
+    own.write_text('{"edited": "by hand, longer than the listing"}')
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer.json").symlink_to(own)
+    os.truncate(weights.resolve(), 0)
+    with FakeHub([make_repo()]) as hub:
+        assert resolved(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint)) == folder
+    assert own.is_file() and (folder / "tokenizer.json").resolve() == own
+    assert weights.read_bytes() == whole
 
 
 def test_a_partly_downloaded_snapshot_is_named_as_such(tmp_path):
@@ -1263,7 +1276,7 @@ def test_a_sentence_transformers_folder_rawserve_would_answer_otherwise_is_refus
         ("sentence_bert_config.json", "max_seq_length"),
     ],
 )
-@pytest.mark.parametrize("value", [-1, 0, True, "long", 2.5])
+@pytest.mark.parametrize("value", [-1, 0, True, "long", 2.5, 64.0])
 def test_a_token_count_that_is_no_count_is_refused_at_start_naming_its_file(
     tmp_path, name, field, value
 ):
@@ -1275,7 +1288,7 @@ def test_a_token_count_that_is_no_count_is_refused_at_start_naming_its_file(
     path.write_text(json.dumps({**document, field: value}))
     with pytest.raises(ModelNotFound, match=f"its {name} sets {field} to .*not a positive whole"):
         plan_models([str(folder)])
-    for taken in (128, 1e30, None):  # (1e30: transformers' own "no limit")
+    for taken in (128, 1e30, int(1e30), 10**400, None):  # (1e30: transformers' "no limit")
         path.write_text(json.dumps({**document, field: taken}))
         assert plan_models([str(folder)])[0].facts.task == "feature-extraction"
 
@@ -1472,10 +1485,12 @@ def test_only_the_files_a_model_reads_are_looked_at_for_links_to_nothing(tmp_pat
         plan_models([str(model)])
     (model / "tf_model.h5").unlink()
     assert plan_models([str(model)])[0].facts.task == "text-classification"
-    (model / "onnx").mkdir()
-    (model / "onnx" / "model.onnx").symlink_to(tmp_path / "nowhere")
-    with pytest.raises(ModelNotFound, match="onnx/model.onnx links to"):
-        plan_models([str(model)])
+    for name in ("onnx/model.onnx", "additional_chat_templates/tool_use.jinja"):
+        (model / name).parent.mkdir()
+        (model / name).symlink_to(tmp_path / "nowhere")
+        with pytest.raises(ModelNotFound, match=f"{name} links to"):
+            plan_models([str(model)])
+        (model / name).unlink()
 
 
 def test_an_alias_that_hides_another_models_folder_name_is_said_at_start(caplog):

@@ -7,6 +7,8 @@ is repeatable, takes its variable comma-separated.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from rawserve.config import ServerConfig
@@ -448,7 +450,7 @@ def test_a_hub_timeout_the_client_cannot_hold_is_refused_naming_its_variable(
     [
         ("http://127.0.0.1:99999", "not an address (Port out of range"),
         ("http://[::1", "not an address ("),
-        ("", "not an http:// or https:// address"),
+        ("http://127.0.0.1:8080\n", "blanks around the address"),
         ("hub.example", "not an http:// or https:// address"),
     ],
 )
@@ -465,16 +467,28 @@ def test_a_hub_endpoint_that_is_no_address_is_refused_at_start(monkeypatch, caps
     assert parse_config([])
 
 
-@pytest.mark.parametrize("token", ["hf_bad\u200b", "hf_göod", "hf_a\nb"])
-def test_a_hub_token_of_characters_no_token_has_is_refused_at_start(monkeypatch, capsys, token):
+def test_a_hub_endpoint_set_empty_is_read_as_unset(monkeypatch):
+    """As compose files leave a variable: huggingface_hub took "" as the address."""
+    clear_environment(monkeypatch)
+    monkeypatch.setenv("HF_ENDPOINT", " ")
+    assert parse_config([])
+    assert "HF_ENDPOINT" not in os.environ
+
+
+@pytest.mark.parametrize("variable", ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"])
+@pytest.mark.parametrize("token", ["hf_bad\u200b", "hf_göod", "hf_a\tb"])
+def test_a_hub_token_of_characters_no_token_has_is_refused_at_start(
+    monkeypatch, capsys, variable, token
+):
     """It said "could not resolve org/tiny: UnicodeEncodeError", even with the model
     cached (a refused token serves the cache)."""
     clear_environment(monkeypatch)
-    monkeypatch.setenv("HF_TOKEN", token)
+    monkeypatch.setenv(variable, token)
     with pytest.raises(SystemExit):
         parse_config([])
-    assert "HF_TOKEN holds a character no token has" in capsys.readouterr().err
-    monkeypatch.setenv("HF_TOKEN", "hf_AbC123")
+    assert f"{variable} holds a character no token has" in capsys.readouterr().err
+    # huggingface_hub's own cleaning: a newline from a secret's file, blanks around it
+    monkeypatch.setenv(variable, " hf_AbC123\r\n")
     assert parse_config([])
 
 

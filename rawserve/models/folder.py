@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path, PurePath
@@ -177,6 +176,11 @@ def read_facts(model_dir: Path, task: str | None = None, pooling: str | None = N
     return FolderFacts(task, modules.pooling, modules.normalize, modules.dense)
 
 
+# the folders below a model's top whose files a worker reads: its ONNX graphs, and the
+# chat templates beside its default one (a tool-use template's file gone: tools were
+# rendered by the default template)
+READ_FOLDERS = ("onnx", "additional_chat_templates")
+NO_LIMIT = 1e18  # a count at least this large is a tokenizer's "no limit" (transformers: 1e30)
 # The token counts a model's files may set, which every input is cut at or refused past
 TOKEN_COUNTS = (
     ("tokenizer_config.json", "model_max_length"),
@@ -194,11 +198,14 @@ def check_token_count(path: Path, field: str) -> None:
     value = document.get(field) if isinstance(document, dict) else None
     if value is None:
         return
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not (number and math.isfinite(value) and value == int(value) and value >= 1):
+    whole = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    # a float only as transformers' own "no limit", 1e30 (64.0 failed every request)
+    unbounded = isinstance(value, float) and value >= NO_LIMIT
+    if not (whole or unbounded):
         raise ValueError(
             f"its {path.name} sets {field} to {json.dumps(value)[:40]}, not a positive "
-            "whole number of tokens: correct it, or remove it"
+            "whole number of tokens (written without a decimal point): correct it, or "
+            "remove it"
         )
 
 
@@ -258,9 +265,10 @@ def refuse_broken_links(model_dir: Path) -> None:
     """Raise ValueError naming a file of the folder that links to nothing: in the Hub
     cache, a snapshot's file whose blob is gone (a download cut short, a cache pruned by
     hand). Read as absent, it was refused as a model without weights or a config. Only
-    where a model's files are read: its top, its modules' folders and its ONNX graphs (a
+    where a model's files are read: its top, READ_FOLDERS and its modules' folders (a
     whole tree was walked: `--model /usr` took 6 s to be refused over a JDK's link)."""
-    folders = [model_dir, model_dir / "onnx", *(model_dir / p for p in module_folders(model_dir))]
+    read = [model_dir, *(model_dir / name for name in READ_FOLDERS)]
+    folders = [*read, *(model_dir / path for path in module_folders(model_dir))]
     files = [path for folder in folders if folder.is_dir() for path in folder.iterdir()]
     for path in sorted(set(files)):
         if path.is_symlink() and not path.exists():

@@ -52,7 +52,7 @@ from huggingface_hub.utils import validate_repo_id
 from tqdm.std import tqdm
 
 from rawserve.models.folder import SHIPPED_GRAPH, SHIPPED_GRAPH_DATA, TORCH_WEIGHTS
-from rawserve.models.hub_integrity import changed_downloads, cut_short
+from rawserve.models.hub_integrity import changed_downloads, cut_short, forget
 from rawserve.models.names import ModelSpec, default_names
 from rawserve.models.sentence_folder import dense_paths
 from rawserve.shared.logs import first_line
@@ -78,10 +78,11 @@ NOT_NEEDED = [
     "coreml/*",
     # what a training run leaves beside a model: its checkpoints (an optimizer's state is
     # twice the model), logs and settings, which no worker reads
-    "checkpoint-*/*",
-    "global_step*/*",
+    "*checkpoint-*/*",
+    "*global_step*/*",
     "runs/*",
     "*.tfevents.*",
+    "*.ckpt",
     "optimizer.pt",
     "scheduler.pt",
     "rng_state*.pth",
@@ -145,7 +146,7 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
             f"{repo_id!r} is neither an existing folder nor a Hub repo id (org/name)"
         ) from None
     at = f"{repo_id}@{revision}" if revision else repo_id
-    from huggingface_hub import snapshot_download  # (here: see the module's docstring)
+    from huggingface_hub import constants, snapshot_download  # (see the module's docstring)
 
     hub_logs_through_ours()
     hub_requests_bounded()
@@ -168,13 +169,14 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
 
         folder = download()
         if cut := cut_short(Path(folder), listed_sizes(repo_id, Path(folder).name)):
-            log.warning(
-                "model %s: %s in the Hub cache %s not the size the Hub lists (cut short): "
-                "downloading again",
-                at,
-                ", ".join(cut),
-                "is" if len(cut) == 1 else "are",
-            )
+            said = f"{', '.join(cut)} in the Hub cache {'is' if len(cut) == 1 else 'are'}"
+            if constants.is_offline_mode():  # nothing deleted that cannot come again
+                raise ModelNotFound(
+                    f"{at}: {said} shorter than the Hub lists (cut short): download the "
+                    "model again (without HF_HUB_OFFLINE=1)"
+                )
+            log.warning("model %s: %s shorter than the Hub lists: downloading again", at, said)
+            forget(Path(folder), cut)
             folder = download()
         changed = changed_downloads(Path(folder), since)
         if changed:  # deleted: downloaded again, once
@@ -186,6 +188,8 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
             )
             folder = download()
             changed = changed_downloads(Path(folder), since)
+    except ModelNotFound:  # said already
+        raise
     except Exception as exc:  # noqa: BLE001 - every failure becomes one line (below)
         standing_in = cache_in_place_of_the_hub(exc, repo_id, revision, asked)
         if standing_in is None:

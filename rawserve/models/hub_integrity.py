@@ -39,23 +39,33 @@ def changed_downloads(snapshot: Path, since: float) -> list[str]:
 
 
 def cut_short(snapshot: Path, sizes: dict[str, int]) -> list[str]:
-    """The files of `snapshot` whose size is not the one the repo's listing gives
-    (`sizes`: path to bytes), each deleted with its blob: a blob cut short in the cache (a
-    disk filled, a copy stopped) was taken by every later download as done, and every
-    start refused it. Sizes only: cheap enough for every start."""
+    """The files of `snapshot` shorter than the repo's listing gives them (`sizes`: path to
+    bytes): a blob cut short in the cache (a disk filled, a copy stopped) was taken by
+    every later download as done, and every start refused it. A longer one is no cut (a
+    file edited by hand, a link to one's own copy). Sizes only: cheap enough for every
+    start."""
     cut = []
     for name, size in sorted(sizes.items()):
-        link = snapshot / name
         try:
-            found = link.stat().st_size
+            found = (snapshot / name).stat().st_size
         except OSError:  # not downloaded (skipped), or its blob gone: said elsewhere
             continue
-        if found != size:
+        if found < size:
             cut.append(name)
-            if link.is_symlink():
-                link.resolve().unlink(missing_ok=True)
-            link.unlink(missing_ok=True)
     return cut
+
+
+def forget(snapshot: Path, names: list[str]) -> None:
+    """Delete the files `names` of `snapshot` from the Hub cache, so that a download
+    writes them again: each link, and its blob where that is the cache's own (in the
+    repo's blobs/ folder; a link to a file elsewhere leaves the file)."""
+    blobs = (snapshot.parent.parent / "blobs").resolve()
+    for name in names:
+        link = snapshot / name
+        target = link.resolve()
+        if link.is_symlink() and target.parent == blobs:
+            target.unlink(missing_ok=True)
+        link.unlink(missing_ok=True)
 
 
 def hashes_to_its_name(blob: Path) -> bool:
