@@ -331,3 +331,27 @@ def test_help_shows_the_defaults(help_lines, flag, default):
     text = " ".join(line.strip() for line in lines[start:end])
     # "(default: 256)", or "(default: 256; 4096 on a GPU)" where a GPU has its own
     assert re.search(rf"\(default: {re.escape(default)}(\.0)?[);]", text), text
+
+
+def test_a_worker_outlives_stop_signals_and_what_it_starts_does_not():
+    """The workers ignored SIGINT, SIGTERM and SIGHUP by SIG_IGN, which a process a handler
+    starts inherits: it ignored every SIGTERM and outlived the server. A handler that
+    does nothing is reset by exec."""
+    code = (
+        "import os, signal, subprocess\n"
+        "from rawserve.worker.process import outlive_stop_signals\n"
+        "outlive_stop_signals()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)  # outlived\n"
+        "child = subprocess.Popen(['sleep', '30'])\n"
+        "status = open(f'/proc/{child.pid}/status').read()\n"
+        "ignored = int(status.split('SigIgn:')[1].split()[0], 16)\n"
+        "child.terminate()\n"
+        "print(ignored, child.wait(10))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    ignored, child_exit = map(int, done.stdout.split())
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        assert not ignored & (1 << (signum - 1)), (signum, hex(ignored))
+    assert child_exit == -signal.SIGTERM  # it stopped when told

@@ -247,6 +247,20 @@ def test_a_graph_exported_from_untrained_weights_says_so_when_loaded_from_the_ca
     assert cached.untrained == exported.untrained
 
 
+def test_a_model_whose_files_cannot_be_exported_is_said_so_not_the_cache(tmp_path, tiny_model):
+    """Its weights missing, the export's OSError was said as "the ONNX export's cache folder
+    ... cannot be written", though the cache could be."""
+    from rawserve.worker import onnx_engine
+
+    folder = tmp_path / "no-weights"
+    shutil.copytree(tiny_model("text-classification"), folder)
+    (folder / "model.safetensors").unlink()
+    head = onnx_engine.HEADS["text-classification"]
+    with pytest.raises(onnx_engine.NotExportable, match="cannot be exported to ONNX: ") as caught:
+        onnx_engine.exported_graph(folder, head, tmp_path / "onnx")
+    assert "cannot be written" not in str(caught.value)
+
+
 def test_a_cache_folder_that_cannot_be_written_is_named_not_a_bare_os_error(
     tiny_model, tmp_path, monkeypatch, caplog
 ):

@@ -2299,3 +2299,26 @@ def test_a_handler_module_in_the_current_directory_is_found_by_the_rawserve_comm
         assert HandlerRunner("doubling_handler:make", "cpu").run([1, 2], {}) == [2, 4]
     finally:
         sys.modules.pop("doubling_handler", None)
+
+
+@pytest.mark.parametrize(
+    ("said", "told"),
+    [
+        (
+            "No connection adapters were found for 'svc:Sup3rS3cret@10.1.2.3/v1/score'",
+            "No connection adapters were found for '<credentials>@10.1.2.3<path>'",
+        ),
+        (
+            "cannot reach https://user:pass@host.example/x",
+            "cannot reach <credentials>@host.example/x",
+        ),
+        ("at 10:30 the queue @ noon", "at 10:30 the queue @ noon"),  # no address: as said
+        ("write to user@example.com", "write to user@example.com"),
+    ],
+)
+def test_an_address_s_credentials_in_a_failure_are_never_told_to_clients(said, told):
+    """A handler's library error (a ValueError, told as the client's 422) showed the
+    password of the address it could not use."""
+    from rawserve.worker.runner import client_message
+
+    assert client_message(ValueError(said)) == told

@@ -111,6 +111,15 @@ HEADS: dict[str, Head] = {
 ONNX_TASKS = frozenset(HEADS)
 
 
+class NotExportable(RuntimeError):
+    """The model could not be read for its export (transformers' "no file named ..."):
+    said as the model's fault, not as the cache's (it was "the cache folder cannot be
+    written")."""
+
+    def __init__(self, why: str):
+        super().__init__(f"the model cannot be exported to ONNX: {why}")
+
+
 class CacheNotWritable(OSError):
     """The export could not be written: its cache `folder` is not writable, not a folder,
     or full (`why`). ONNX Runtime never ran; the message names the folder and the
@@ -405,9 +414,12 @@ class _Forward(torch.nn.Module):
 def export(folder: Path, head: Head, path: Path) -> Untrained | None:
     """torch.onnx's dynamo exporter, dynamic batch and sequence, then the ORT fusions;
     what the model's checkpoint left untrained, which the graph keeps random."""
-    model, untrained = load_model(head.auto_class, str(folder), dtype=torch.float32)
+    try:
+        model, untrained = load_model(head.auto_class, str(folder), dtype=torch.float32)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    except OSError as exc:  # the model's files (no weights), not the cache's
+        raise NotExportable(first_line(exc)) from exc
     model.eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
     example = tokenizer(
         ["an example input", "a longer example input for the export"][:EXPORT_BATCH],
         padding=True,

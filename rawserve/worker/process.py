@@ -183,12 +183,7 @@ def serve(
 ) -> None:
     """`worker_main`'s work: load the model, then answer batches until told to stop."""
     out = MessageWriter(replies.fileno())
-    # A stop sent to the whole process group (Ctrl-C in a terminal, systemd's default
-    # stop of a service, `kill -- -PGID`) reaches the workers too: the server drains and
-    # then stops its workers itself (or kills them), so a worker must not die of it
-    # mid-batch (it was restarted, its batch retried as if its input had crashed it).
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (SIGHUP: a closed terminal)
-        signal.signal(signum, signal.SIG_IGN)
+    outlive_stop_signals()
     no_progress_bars()
     setup_worker_logging(label)  # the server's --log-level and --log-format, from the env
     try:
@@ -378,3 +373,18 @@ def prepare_batch(runner: Runner) -> Callable[[Batch], Ahead] | None:
         return Ahead(tensors, sample_token_counts(runner, batch, tokenizer))
 
     return prepare
+
+
+def outlive_stop_signals() -> None:
+    """A stop sent to the whole process group (Ctrl-C in a terminal, systemd's default
+    stop of a service, `kill -- -PGID`) reaches the workers too: the server drains and
+    then stops its workers itself (or kills them), so a worker must not die of it
+    mid-batch (it was restarted, its batch retried as if its input had crashed it). A
+    handler that does nothing, not SIG_IGN: a process a handler starts inherits SIG_IGN,
+    and ignored every SIGTERM, outliving the server (exec resets a handler)."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (SIGHUP: a closed terminal)
+        signal.signal(signum, _outlived)
+
+
+def _outlived(signum: int, frame: Any) -> None:
+    """The worker's answer to a stop signal: none (see `outlive_stop_signals`)."""

@@ -86,6 +86,9 @@ PADDING_OFFSET_MODEL_TYPES = frozenset(
     }
 )
 _PATHLIKE = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][\w.\-]+){2,}")
+# The credentials of an address in a message (`https://user:pass@host`, a library's
+# words on a URL it could not use: `svc:Sup3rS3cret@10.1.2.3`): left out for clients
+_CREDENTIALS = re.compile(r"(?:[A-Za-z][\w+.\-]*://)?[^\s/@:'\"]+:[^\s/@'\"]*@")
 MAX_CLIENT_MESSAGE = 300  # characters of a failure's first line that a client is told
 
 
@@ -361,5 +364,7 @@ class Runner:
 
 
 def client_message(exc: BaseException) -> str:
-    """An input's failure in words for its client: its first line, paths left out."""
-    return _PATHLIKE.sub("<path>", first_line(exc))[:MAX_CLIENT_MESSAGE]
+    """An input's failure in words for its client: its first line, paths and an
+    address's credentials left out."""
+    said = _CREDENTIALS.sub("<credentials>@", first_line(exc))
+    return _PATHLIKE.sub("<path>", said)[:MAX_CLIENT_MESSAGE]
