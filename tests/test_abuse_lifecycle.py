@@ -346,12 +346,19 @@ def test_a_worker_outlives_stop_signals_and_what_it_starts_does_not():
         "status = open(f'/proc/{child.pid}/status').read()\n"
         "ignored = int(status.split('SigIgn:')[1].split()[0], 16)\n"
         "child.terminate()\n"
-        "print(ignored, child.wait(10))\n"
+        "ready, told = os.pipe()\n"
+        "forked = os.fork()\n"  # a fork keeps a handler: reset in the child
+        "if forked == 0:\n"
+        "    import time; os.write(told, b'.'); time.sleep(30); os._exit(0)\n"
+        "os.read(ready, 1)\n"  # (its handlers are reset before its first line)
+        "os.kill(forked, signal.SIGTERM)\n"
+        "print(ignored, child.wait(10), os.waitpid(forked, 0)[1])\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
-    ignored, child_exit = map(int, done.stdout.split())
+    ignored, child_exit, forked_status = map(int, done.stdout.split())
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         assert not ignored & (1 << (signum - 1)), (signum, hex(ignored))
     assert child_exit == -signal.SIGTERM  # it stopped when told
+    assert os.WIFSIGNALED(forked_status) and os.WTERMSIG(forked_status) == signal.SIGTERM

@@ -2310,10 +2310,19 @@ def test_a_handler_module_in_the_current_directory_is_found_by_the_rawserve_comm
         ),
         (
             "cannot reach https://user:pass@host.example/x",
-            "cannot reach <credentials>@host.example/x",
+            "cannot reach https://<credentials>@host.example/x",
         ),
-        ("at 10:30 the queue @ noon", "at 10:30 the queue @ noon"),  # no address: as said
+        ("redis://:s3cret@cache:6379/0", "redis://<credentials>@cache:6379/0"),  # no user
+        ("https://ghp_abcd1234@github.com", "https://<credentials>@github.com"),
+        ("https://user:pa/ss@host/x", "https://<credentials>@host/x"),  # a / in it
+        ("postgres://user:p@ss@db", "postgres://<credentials>@db"),  # an @ in it
+        # no address: as said
+        ("at 10:30 the queue @ noon", "at 10:30 the queue @ noon"),
         ("write to user@example.com", "write to user@example.com"),
+        ("mailto:bob@example.com", "mailto:bob@example.com"),
+        ("expected 12:00:01@UTC", "expected 12:00:01@UTC"),
+        ("key a:b@c", "key a:b@c"),
+        ('{"a": "b@c", "ip": "[::1]:8080"}', '{"a": "b@c", "ip": "[::1]:8080"}'),
     ],
 )
 def test_an_address_s_credentials_in_a_failure_are_never_told_to_clients(said, told):

@@ -44,7 +44,12 @@ from typing import Any, Protocol
 
 from rawserve.serving.cores import CoreShare
 from rawserve.serving.handles import Job, PartAnswered, WorkerHandle
-from rawserve.serving.processes import exit_watch, join_or_kill, start_process
+from rawserve.serving.processes import (
+    exit_watch,
+    join_or_kill,
+    start_process,
+    take_exit_code,
+)
 from rawserve.serving.refusals import Reason, Refused, out_of_memory, shutting_down
 from rawserve.serving.reports import PoolReports
 from rawserve.serving.status import WorkerState
@@ -727,9 +732,7 @@ class WorkerPool(PoolReports):
         as at the pipe's end of file (which a child of its may hold back)."""
         self._running_loop.remove_reader(exit_fd)
         os.close(exit_fd)
-        # its exit code taken now (waitpid): a join waits on the process's sentinel, a
-        # pipe that such a child holds as well
-        process.exitcode  # noqa: B018 - polled for its side effect
+        take_exit_code(process)  # (a join would wait on a pipe such a child holds)
         if replies.closed:  # its end of file came first
             return
         self._on_readable(worker, replies, reader, process)

@@ -68,6 +68,19 @@ _reaping: weakref.WeakKeyDictionary[BaseProcess, threading.Lock] = weakref.WeakK
 _reaping_lock = threading.Lock()
 
 
+def take_exit_code(process: BaseProcess) -> None:
+    """Reap `process`, which has exited (its pidfd said so), now: a join waits on its
+    sentinel, a pipe that a child of its may hold. In turn with `join_or_kill` (a thread
+    already in it is reaping it: left to it)."""
+    with _reaping_lock:
+        lock = _reaping.setdefault(process, threading.Lock())
+    if lock.acquire(blocking=False):
+        try:
+            process.exitcode  # noqa: B018 - polled (waitpid) for its side effect
+        finally:
+            lock.release()
+
+
 def join_or_kill(process: BaseProcess, timeout: float) -> bool:
     """Wait up to `timeout` for `process` to exit, then kill it; whether it was killed.
 

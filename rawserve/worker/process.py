@@ -380,11 +380,22 @@ def outlive_stop_signals() -> None:
     stop of a service, `kill -- -PGID`) reaches the workers too: the server drains and
     then stops its workers itself (or kills them), so a worker must not die of it
     mid-batch (it was restarted, its batch retried as if its input had crashed it). A
-    handler that does nothing, not SIG_IGN: a process a handler starts inherits SIG_IGN,
-    and ignored every SIGTERM, outliving the server (exec resets a handler)."""
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (SIGHUP: a closed terminal)
+    handler that does nothing, not SIG_IGN: a process a handler starts inherited SIG_IGN,
+    ignored every SIGTERM and outlived the server. What the worker starts takes the
+    signals as any process does (exec resets a handler; a fork is reset here), so it
+    stops with its process group, a handler's batch running it then failing."""
+    for signum in STOP_SIGNALS:
         signal.signal(signum, _outlived)
+    os.register_at_fork(after_in_child=_stop_signals_as_default)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # (SIGHUP: a closed terminal)
 
 
 def _outlived(signum: int, frame: Any) -> None:
     """The worker's answer to a stop signal: none (see `outlive_stop_signals`)."""
+
+
+def _stop_signals_as_default() -> None:
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)

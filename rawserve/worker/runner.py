@@ -86,9 +86,15 @@ PADDING_OFFSET_MODEL_TYPES = frozenset(
     }
 )
 _PATHLIKE = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][\w.\-]+){2,}")
-# The credentials of an address in a message (`https://user:pass@host`, a library's
-# words on a URL it could not use: `svc:Sup3rS3cret@10.1.2.3`): left out for clients
-_CREDENTIALS = re.compile(r"(?:[A-Za-z][\w+.\-]*://)?[^\s/@:'\"]+:[^\s/@'\"]*@")
+# The credentials of an address in a message, left out for clients: a URL's userinfo, up
+# to its last @ (`https://user:pa/ss@host`, `redis://:secret@cache`, a token as the user),
+# and a user:password@host without a scheme (a library's words on a URL it could not use:
+# `svc:Sup3rS3cret@10.1.2.3`), its user no number (`12:00:01@UTC`) nor `mailto`, its host
+# one with a dot or a port
+_URL_CREDENTIALS = re.compile(r"([A-Za-z][\w+.\-]*://)[^\s'\"]*@")
+_BARE_CREDENTIALS = re.compile(
+    r"(?<![\w.\-])(?!mailto:)[A-Za-z][\w.\-]*:[^\s/@'\"]+@(?=[\w\-]+(?:\.[\w\-]+)+|[\w\-]+:\d)"
+)
 MAX_CLIENT_MESSAGE = 300  # characters of a failure's first line that a client is told
 
 
@@ -366,5 +372,6 @@ class Runner:
 def client_message(exc: BaseException) -> str:
     """An input's failure in words for its client: its first line, paths and an
     address's credentials left out."""
-    said = _CREDENTIALS.sub("<credentials>@", first_line(exc))
+    said = _URL_CREDENTIALS.sub(r"\1<credentials>@", first_line(exc))
+    said = _BARE_CREDENTIALS.sub("<credentials>@", said)
     return _PATHLIKE.sub("<path>", said)[:MAX_CLIENT_MESSAGE]
