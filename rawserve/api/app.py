@@ -174,6 +174,10 @@ class App:
             return self.cors.preflight(request, allowed_methods(methods))
         return await self.handler(request, methods)(request)
 
+    def is_preflight(self, request: HttpRequest) -> bool:
+        """A browser's CORS preflight, where the server allows an origin at all."""
+        return self.cors is not None and self.cors.is_preflight(request)
+
     def methods(self, request: HttpRequest) -> dict[str, Handler]:
         """The handlers of the request's path by method; 404 for a path not served."""
         if request.path == SERVER_WIDE:
@@ -189,7 +193,7 @@ class App:
         # preflight carries no key: it is answered with the methods of the path's kind,
         # naming nothing, and the request that follows gets the 404 (a browser reported a
         # 401 to its preflight as a CORS failure)
-        preflight = self.cors is not None and self.cors.is_preflight(request)
+        preflight = self.is_preflight(request)
         if not preflight:
             self.authorize(request)
         name = request.path.removeprefix(prefix)
@@ -238,7 +242,7 @@ class App:
 
     def answer_now_plain(self, request: HttpRequest) -> HttpResponse | None:
         """`answer_now` without the CORS headers."""
-        if self.cors is not None and self.cors.is_preflight(request):
+        if self.is_preflight(request):
             return None
         if request.path == sagemaker.INVOCATIONS:  # its route is known from its body
             self.authorize(request)

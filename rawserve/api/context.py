@@ -41,19 +41,17 @@ class RouteContext:
         if name is not None and not isinstance(name, str):
             raise BadRequest('"model" must be a string', param="model")
         model = self.select(name, needs)
-        if name is not None and (missing := needs.missing(model)) is not None:
-            raise NotFound(missing, param="model")  # (OpenAI's error names the field)
-        self.take(model, needs)
+        self.take(model, needs, named=name is not None)
         if queued_for is not None:
             model.refuse_if_busy(self.deadline(queued_for))
         return model
 
-    def take(self, model: ServedModel, needs: Needs) -> None:
+    def take(self, model: ServedModel, needs: Needs, named: bool = False) -> None:
         """Raise unless `model` fits the route (404 saying what it needs: what a model
         serves is known while it restarts, and a retry would not change it) and takes
         work now (503 while loading or draining)."""
-        if (missing := needs.missing(model)) is not None:
-            raise NotFound(missing)
+        if (missing := needs.missing(model)) is not None:  # (`named`: by the body's field)
+            raise NotFound(missing, param="model" if named else None)
         self.gate.check(model)
 
     def select(self, name: str | None, needs: Needs) -> ServedModel:

@@ -390,10 +390,9 @@ class TeiRoutes:
         # document's tokens to know where to cut it), unless asked to cut it as the model
         # would; of a list, each at most the model's length (16 texts of 30,000 tokens took
         # 6 s and 250 MB of the server's memory)
-        limit = of_a_list = input_limit(model)
-        alone = max(limit, MAX_LISTED_TOKENS)  # one text not cut
-        if not cut["truncate"] and len(texts) == 1:
-            limit = alone
+        of_a_list = input_limit(model)
+        alone = max(of_a_list, MAX_LISTED_TOKENS)  # one text not cut
+        limit = alone if not cut["truncate"] and len(texts) == 1 else of_a_list
         bound = TokenBound(limit, cut["truncate"], cut["truncation_direction"])
         tokenizer = await self.tokenizer(model)
         add_special_tokens = fields.value("add_special_tokens")

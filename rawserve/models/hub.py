@@ -359,24 +359,26 @@ def named_now(refs: Path) -> set[str]:
 def cached_files(repo_id: str, revision: str | None) -> list[str] | None:
     """The file names at `revision` as its download listed them in the cache; None
     unknown."""
-    from huggingface_hub import get_cached_repo_tree  # (here: see the module's docstring)
-
-    try:
-        return [entry.path for entry in get_cached_repo_tree(repo_id, revision=revision)]
-    except CachedRepoTreeNotFoundError:
-        return None
+    entries = cached_listing(repo_id, revision)
+    return None if entries is None else [entry.path for entry in entries]
 
 
 def listed_sizes(repo_id: str, commit: str) -> dict[str, int]:
     """Each file's size as the download's listing of `commit` in the cache gives it; {}
     where there is none."""
+    entries = cached_listing(repo_id, commit) or []
+    return {e.path: e.size for e in entries if isinstance(getattr(e, "size", None), int)}
+
+
+def cached_listing(repo_id: str, revision: str | None) -> list[Any] | None:
+    """The repo's files at `revision` as its download listed them in the cache (with
+    their sizes); None where there is no such listing."""
     from huggingface_hub import get_cached_repo_tree  # (here: see the module's docstring)
 
     try:
-        entries = get_cached_repo_tree(repo_id, revision=commit)
+        return list(get_cached_repo_tree(repo_id, revision=revision))
     except CachedRepoTreeNotFoundError:
-        return {}
-    return {e.path: e.size for e in entries if isinstance(getattr(e, "size", None), int)}
+        return None
 
 
 def fetched(files: Sequence[str], dense: Sequence[str] = ()) -> list[str]:

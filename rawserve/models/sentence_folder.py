@@ -193,20 +193,21 @@ def module_folders(model_dir: Path) -> tuple[str, ...]:
     """The folders below the model's that its modules.json names (a Pooling's config, a
     Dense layer's weights); () where there are none or it cannot be read (read again
     later, it is refused then, saying why)."""
-    try:
-        modules = read_json(model_dir / "modules.json")
-        paths = (module_path(module) for module in modules)
-        return tuple(path for path in paths if path)
-    except (OSError, ValueError, AttributeError, TypeError):
-        return ()
+    return tuple(path for path in _module_paths(model_dir / "modules.json") if path)
 
 
 def dense_paths(modules_file: Path) -> tuple[str, ...]:
     """The folders modules.json names for its Dense modules (a Hub download keeps their
     weights: LaBSE's are a pytorch_model.bin alone); () where it cannot be read."""
+    return _module_paths(modules_file, "Dense")
+
+
+def _module_paths(modules_file: Path, kind: str | None = None) -> tuple[str, ...]:
+    """The folders of the modules `modules_file` lists (of the `kind` named, if one);
+    () where it cannot be read."""
     try:
         modules = read_json(modules_file)
-        return tuple(module_path(module) for module in modules if own_name(module) == "Dense")
+        return tuple(module_path(m) for m in modules if kind in (None, own_name(m)))
     except (OSError, ValueError, AttributeError, TypeError):
         return ()
 

@@ -68,12 +68,17 @@ _reaping: weakref.WeakKeyDictionary[BaseProcess, threading.Lock] = weakref.WeakK
 _reaping_lock = threading.Lock()
 
 
+def _reap_lock(process: BaseProcess) -> threading.Lock:
+    """The lock its reapers take turns by (`join_or_kill`, `take_exit_code`)."""
+    with _reaping_lock:
+        return _reaping.setdefault(process, threading.Lock())
+
+
 def take_exit_code(process: BaseProcess) -> None:
     """Reap `process`, which has exited (its pidfd said so), now: a join waits on its
     sentinel, a pipe that a child of its may hold. In turn with `join_or_kill` (a thread
     already in it is reaping it: left to it)."""
-    with _reaping_lock:
-        lock = _reaping.setdefault(process, threading.Lock())
+    lock = _reap_lock(process)
     if lock.acquire(blocking=False):
         try:
             process.exitcode  # noqa: B018 - polled (waitpid) for its side effect
@@ -90,9 +95,7 @@ def join_or_kill(process: BaseProcess, timeout: float) -> bool:
     which multiprocessing reads as "still running": that caller then said the worker
     "did not exit" and sent SIGKILL to its pid, which the system may have given to
     another process by then. Taking turns, the second finds the exit code."""
-    with _reaping_lock:
-        lock = _reaping.setdefault(process, threading.Lock())
-    with lock:
+    with _reap_lock(process):
         process.join(timeout=timeout)
         if process.exitcode is not None:
             return False
