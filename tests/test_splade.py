@@ -250,8 +250,8 @@ def test_a_normalize_module_after_splade_pooling_normalizes_every_route(splade_m
 @pytest.mark.slow
 def test_a_splade_model_is_served_on_tei_s_embed_sparse(splade_model, tiny_model):
     """As TEI serves one: /embed_sparse the words of nonzero weight; /embed the whole
-    vector with normalize: false, else 422; /embed_all 422; /embed_sparse of another
-    model 404."""
+    vector with normalize: false, else 422; the routes of dense vectors (/embed_all,
+    /v1/embeddings, /similarity) 404, as is /embed_sparse of another model."""
     expected = encoded(splade_model, TEXTS)
     started = {
         kind: RunningServer(["--model", tiny_model(kind), "--threads", "1"])

@@ -501,6 +501,56 @@ def test_sentence_models_cut_and_lowercase_texts_as_sentence_bert_config_says(ti
     np.testing.assert_allclose(upper, lower, atol=1e-6)
 
 
+def left_padded(tiny_model, tmp_path, kind="text-generation"):
+    """A tiny model, its tokenizer saved to pad on the left (as many decoders' are)."""
+    folder = tmp_path / "left-padded"
+    shutil.copytree(tiny_model(kind), folder)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "padding_side": "left"}))
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    ("task", "params"),
+    [("feature-extraction", {"pooling": "lasttoken"}), ("text-classification", {})],
+)
+def test_a_left_padding_decoder_answers_each_input_as_alone(tiny_model, tmp_path, task, params):
+    """A decoder's positions count from its first token: padded on its tokenizer's left,
+    a short input beside a long one would be read at shifted positions (its vector 0.25
+    cosine from its own alone). Encoders and classifiers pad on the right, pads unseen."""
+    from rawserve.worker.loading import load_runner
+
+    config = worker_config(left_padded(tiny_model, tmp_path), task, dtype="float32")
+    serving = load_runner(config, "cpu")
+    texts = ["good movie", "the city of paris " * 10]
+    together = serving.run(texts, params)
+    for text, got in zip(texts, together, strict=True):
+        [alone] = serving.run([text], params)
+        if task == "text-classification":
+            assert got["label"] == alone["label"]
+            got, alone = got["score"], alone["score"]
+        np.testing.assert_allclose(got, alone, atol=1e-5)
+
+
+def test_a_left_padding_seq2seq_encoder_reads_each_input_as_alone(tiny_model, tmp_path):
+    """BART's positions are absolute too: what its encoder makes of a text beside a longer
+    one is what it makes of it alone (the tiny model's answers are one text for every
+    input, so its encoder's states are compared)."""
+    from rawserve.worker.loading import load_runner
+
+    folder = left_padded(tiny_model, tmp_path, "seq2seq")
+    serving = load_runner(worker_config(folder, "summarization", dtype="float32"), "cpu")
+    read = []
+    serving.model.get_encoder().register_forward_hook(
+        lambda module, args, kwargs, out: read.append((kwargs["attention_mask"], out[0])),
+        with_kwargs=True,
+    )
+    serving.run(["good movie", "the city of paris " * 10], {"max_new_tokens": 2})
+    serving.run(["good movie"], {"max_new_tokens": 2})
+    (mask, together), (_, alone) = read
+    np.testing.assert_allclose(together[0][mask[0].bool()], alone[0], atol=1e-5)
+
+
 # --- question-answering -------------------------------------------------------------------
 
 CONTEXT = "john lives in paris and mary lives in london"

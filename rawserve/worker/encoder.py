@@ -23,7 +23,13 @@ from rawserve.worker.cuda_graphs import GraphedForward
 from rawserve.worker.dense_layers import load_dense_layers
 from rawserve.worker.model_classes import load_model
 from rawserve.worker.onnx_engine import OnnxNetwork
-from rawserve.worker.runner import Runner, dtype_name, refuse_not_numbers, resolve_dtype
+from rawserve.worker.runner import (
+    PAD_SIDE,
+    Runner,
+    dtype_name,
+    refuse_not_numbers,
+    resolve_dtype,
+)
 from rawserve.worker.splade import sparse_rows, splade_vectors
 
 
@@ -47,7 +53,7 @@ class EncoderRunner(Runner):
         """`pooling` and `normalize` are the defaults the server read from the folder's
         sentence-transformers files (rawserve.models.folder); `onnx`, when given, runs the
         forward pass instead of torch."""
-        tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model, padding_side=PAD_SIDE)
         if tokenizer.pad_token is None:  # a GPT-2's: a batch still needs one to pad with
             # (its pads are masked out, so any token does: each input answers as alone)
             tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token

@@ -20,6 +20,7 @@ from rawserve.worker.images import blank_image, decode_image
 from rawserve.worker.model_classes import TASK_CLASSES, load_model
 from rawserve.worker.onnx_engine import OnnxNetwork
 from rawserve.worker.runner import (
+    PAD_SIDE,
     Runner,
     client_message,
     dtype_name,
@@ -83,6 +84,8 @@ class PipelineRunner(Runner):
         # model an input at a time, and so does `run`. The pad token it is given here is
         # never placed (one input needs none); it lets the pipeline's steps run as they are.
         self.batches = self.tokenizer is None or self.tokenizer.pad_token is not None
+        if self.tokenizer is not None:
+            self.tokenizer.padding_side = PAD_SIDE
         if not self.batches:
             self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
         config = self.pipe.model.config

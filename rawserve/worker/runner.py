@@ -66,6 +66,12 @@ OUT_OF_MEMORY_MESSAGES = (
     "Failed to allocate memory",  # ONNX Runtime's arena, its own exception class
 )
 
+# The side the runners that read whole inputs (encoders, classifiers, seq2seq's encoder)
+# pad a batch on, whatever the tokenizer was saved with: a decoder counts its positions
+# from the first token, so a left-padded input beside a longer one would be read at
+# shifted positions and answer other than alone (a GPT-2's vector 0.25 cosine from its
+# own). On the right, the pads come after every token and the attention mask hides them.
+PAD_SIDE = "right"
 MAX_INPUT_LENGTH_UNKNOWN = 1_000_000  # a config that names no limit
 # Models whose position ids count on from the padding id (RoBERTa's scheme: the first token
 # sits at position pad_token_id + 1), so the first pad_token_id + 1 positions hold no token

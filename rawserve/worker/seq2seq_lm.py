@@ -36,6 +36,7 @@ from rawserve.tasks.seq2seq import OUTPUT_KEYS
 from rawserve.worker.model_classes import load_model
 from rawserve.worker.runner import (
     MODEL_SCORES_FAILED_MESSAGE,
+    PAD_SIDE,
     NotNumbers,
     Runner,
     dtype_name,
@@ -86,7 +87,7 @@ def refuse_unusable_scores(_module: Any, _args: Any, output: Any) -> None:
 
 class Seq2SeqLMRunner(Runner):
     def __init__(self, model: str, task: str, device: str, torch_dtype: Any):
-        tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model, padding_side=PAD_SIDE)
         self.model, untrained = load_model("AutoModelForSeq2SeqLM", model, dtype=torch_dtype)
         self.model.to(device).eval()
         self.model.register_forward_hook(refuse_unusable_scores)  # every decoding step's
