@@ -124,11 +124,17 @@ def test_texts_longer_than_a_classifier_reads_are_refused_before_they_are_queued
     assert classifier.post_json({"inputs": "warm"})[0] == 200  # (its positions known)
     before = batches_run(classifier)
     long_pair = {"text": "x", "text_pair": "word " * 6000}  # its second text as long
-    for inputs in (["word " * 6000] * 32, ["fine", "word " * 200], [long_pair] * 32):
+    cases = [
+        ("word " * 6000, ""),
+        (["word " * 6000] * 32, "the input at index 0: "),
+        (["fine", "word " * 200], "the input at index 1: "),  # (which, as the worker says)
+        ([long_pair] * 32, "the input at index 0: "),
+    ]
+    for inputs, which in cases:
         status, answer = post(classifier, json.dumps({"inputs": inputs}).encode())
         assert_clear_client_error(status, answer, 422)
         assert answer["error"] == (
-            "the input is more than 128 tokens and this model reads at most 128"
+            f"{which}the input is more than 128 tokens and this model reads at most 128"
         )
     # TEI's /predict too, where `truncate: false` asks for it, in its words
     body = json.dumps({"inputs": [["x", "word " * 200]], "truncate": False})
@@ -145,9 +151,10 @@ def test_texts_longer_than_a_classifier_reads_are_refused_before_they_are_queued
 @pytest.mark.parametrize("blank", ["", " \n\t"], ids=["empty", "whitespace"])
 def test_blank_text_is_a_422_alone_in_a_list_and_raw(request, model, blank):
     server = request.getfixturevalue(model)
-    for inputs in (blank, ["fine", blank]):
+    for inputs, which in [(blank, ""), (["fine", blank], "the input at index 1: ")]:
         status, answer = post(server, json.dumps({"inputs": inputs}).encode())
         assert_clear_client_error(status, answer, 422)
+        assert answer["error"].startswith(f"{which}invalid input for ")  # (which: of a list)
         assert "empty" in answer["error"]
     status, _, body = server.request("POST", "/", blank.encode(), {"Content-Type": "text/plain"})
     assert status == 422, body

@@ -44,6 +44,7 @@ from rawserve.tasks import (
     CUSTOM_TASK,
     BlankInput,
     InvalidRequest,
+    Task,
     UnservedParameter,
     check_generation_length,
     check_input,
@@ -164,13 +165,28 @@ def parse_json_body(task_name: str, document: Any, max_items: int = 32) -> Parse
     if stream and is_list:
         raise BadRequest("a streamed answer takes one input, not a list")
     try:
-        inputs = [check_input(task, item) for item in items]
+        inputs = checked_inputs(task, items)
         checked = check_params(task, params)
     except (BlankInput, UnservedParameter) as exc:
         raise UnprocessableInput(str(exc)) from None
     except InvalidRequest as exc:
         raise BadRequest(str(exc)) from None
     return ParsedRequest(inputs, checked, is_list, stream=stream)
+
+
+def checked_inputs(task: Task, items: list[Any]) -> list[Any]:
+    """Each input as the task's rules take it; of several, a refusal says which input it
+    was, as the worker's refusals do (of a list with one blank text, its client could not
+    tell which)."""
+    checked = []
+    for index, item in enumerate(items):
+        try:
+            checked.append(check_input(task, item))
+        except (BlankInput, InvalidRequest) as exc:
+            if len(items) == 1:
+                raise
+            raise type(exc)(f"the input at index {index}: {exc}") from None
+    return checked
 
 
 def parse_text_body(task_name: str, text: str) -> ParsedRequest:

@@ -105,16 +105,25 @@ async def check_input_lengths(
     positions = model.positions
     if positions < 1:
         return
-    texts = [text for item in inputs for text in texts_of(item)]
-    longer = [text for text in texts if TOKENS_PER_CHARACTER * len(text) > positions]
+    longer = [
+        (index, text)
+        for index, item in enumerate(inputs)
+        for text in texts_of(item)
+        if TOKENS_PER_CHARACTER * len(text) > positions
+    ]
     tokenizer = await tokenizers.get(model) if longer else None
     if tokenizer is None:
         return
-    try:
-        await by_length(longer, count_within, tokenizer, longer, positions, True)
-    except TooManyTokens:
-        limit = says.format(limit=positions)
-        raise UnprocessableInput(f"the input is more than {positions} tokens and {limit}") from None
+    for index, text in longer:
+        try:
+            await by_length([text], count_within, tokenizer, [text], positions, True)
+        except TooManyTokens:
+            # of a list, which input it was, in the words of the worker's own refusals
+            which = f"the input at index {index}: " if len(inputs) > 1 else ""
+            limit = says.format(limit=positions)
+            raise UnprocessableInput(
+                f"{which}the input is more than {positions} tokens and {limit}"
+            ) from None
 
 
 def texts_of(item: Any) -> list[str]:
