@@ -350,7 +350,10 @@ def test_a_client_that_leaves_stops_the_generation(servers):
     assert len(events) >= 2
     import re
 
-    server.wait_for_log(re.compile(r"generation stopped after \d+ tokens: the client left"))
+    # named by its request's id, as its access line is
+    server.wait_for_log(
+        re.compile(r"generation stopped after \d+ tokens \(request [0-9a-f]{32}\): the client left")
+    )
     status, answer = server.post_json(
         {"inputs": "hello", "parameters": {"max_new_tokens": 2, "do_sample": False}}
     )

@@ -275,6 +275,8 @@ def gzipped(data: bytes) -> bytes:
         ("gzip", gzipped(b"hello") + b"junk", 400, "the body is not valid gzip data"),
         ("deflate", zlib.compress(b"hello") + b"junk", 400, "data after the deflate stream"),
         ("identity\r\nContent-Encoding: br", b"hello", 415, "content coding 'br'"),
+        # bytes past ASCII escaped once, as sent (read as Latin-1 and repr'd, they were mojibake)
+        ("\u2028abc", b"hello", 415, "content coding '\\xe2\\x80\\xa8abc' is not one"),
     ],
 )
 async def test_a_body_in_a_coding_it_cannot_read_is_refused_not_read_as_text(

@@ -39,8 +39,10 @@ def codings(field: str | None) -> list[str]:
         )
     for name in listed:
         if name not in WINDOW_BITS:
+            # the header's bytes (read as Latin-1) shown as sent, those past ASCII escaped
+            shown = name.encode("latin-1", "replace").decode("ascii", "backslashreplace")
             raise UnsupportedMediaType(
-                f"the body's content coding {name!r} is not one this server reads "
+                f"the body's content coding '{shown}' is not one this server reads "
                 f"(it reads {ACCEPTED})",
                 headers=[("Accept-Encoding", ACCEPTED)],
             )

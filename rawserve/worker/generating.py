@@ -394,10 +394,13 @@ class GenerationLoop:
             self._answer_if_done(opened)
             return
         if generation.finish_reason == "cancelled":
+            request = opened.batch.request_id(index)  # (to be found beside its access line)
             log.info(
-                "generation stopped after %d tokens: the client left or stopped reading, or "
-                "its deadline passed",
+                "generation stopped after %d tokens (request %s): the client left or "
+                "stopped reading, or its deadline passed",
                 len(generation.tokens),
+                request,
+                extra={"request_id": request},
             )
         self._output(opened, index, generation)
         self._answer_if_done(opened)
