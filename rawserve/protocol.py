@@ -386,12 +386,12 @@ class HttpProtocol(asyncio.Protocol):
             if self.cycle is None and self._flow.write_paused:
                 self._flow.pause_reading()  # the peer is not reading its answers: wait
                 return
-            if self.cycle is None and requests >= REQUESTS_PER_PASS:
+            if self.cycle is None and requests and self._pass_done(requests):
                 # pipelined requests answered at once (404s, 401s, probes): the other
                 # connections' turn, then on. In one pass, 10,000 of them (260 KB) held
                 # the event loop a second for every other client.
                 self._flow.pause_reading()
-                self.loop.call_soon(self._read_on)
+                self.state.read_turns.wait(self.loop, self._read_on)
                 return
             try:
                 event = self.conn.next_event()
@@ -407,6 +407,7 @@ class HttpProtocol(asyncio.Protocol):
                 return
             if isinstance(event, h11.Request):
                 requests += 1
+                self.state.read_turns.count(self.loop)
                 self._on_request(event)
             elif isinstance(event, h11.Data):
                 self._on_body(event.data)
@@ -415,6 +416,11 @@ class HttpProtocol(asyncio.Protocol):
             elif isinstance(event, h11.ConnectionClosed):
                 self.close()
                 return
+
+    def _pass_done(self, requests: int) -> bool:
+        """Whether this connection has read its share of this pass of the event loop:
+        its own cap, or the budget of them all."""
+        return requests >= REQUESTS_PER_PASS or self.state.read_turns.spent
 
     def _read_on(self) -> None:
         """Go on with the pipelined requests after the other connections' turn, reading

@@ -106,6 +106,9 @@ class FakeTimerLoop:
     def create_task(self, coro, **kwargs) -> asyncio.Task:
         return self._loop.create_task(coro, **kwargs)
 
+    def call_soon(self, callback: Callable[..., Any], *args: Any) -> asyncio.Handle:
+        return self._loop.call_soon(callback, *args)  # the next pass: no timer
+
     def time(self) -> float:
         return self.now
 

@@ -37,7 +37,11 @@ from rawserve.http.errors import (
 )
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.http.flow_control import FlowControl
-from rawserve.http.limits import GIVE_WAY_AFTER, LINGER_SECONDS
+from rawserve.http.limits import (
+    GIVE_WAY_AFTER,
+    LINGER_SECONDS,
+    REQUESTS_PER_LOOP_PASS,
+)
 from rawserve.http.refusals import check_head
 from rawserve.http.request_ids import request_id
 from rawserve.http.response_head import (
@@ -359,6 +363,49 @@ async def test_requests_answered_at_once_keep_pipelined_order_without_a_task():
     assert refused.status_code == 503 and (b"retry-after", b"2") in refused.headers
     assert json.loads(body)["error_type"] == "unavailable"
     assert not transport.finished  # a 503 keeps the connection
+
+
+async def test_pipelining_connections_take_turns_within_one_budget_a_pass():
+    """20 connections each pipeline 200 requests answered at once. Each reading its own
+    32 a pass made passes of 640 answers (300 such connections: 9,600, and a new client
+    waited seconds to be read); now all of them together read REQUESTS_PER_LOOP_PASS a
+    pass, round and round so that none starves, and a new client is answered at once."""
+    state, app, loop = ServerState(), App(), asyncio.get_running_loop()
+    floods = []
+    for _ in range(20):
+        protocol = HttpProtocol(app, ProtocolSettings(), state, loop=loop)
+        transport = FakeTransport()
+        protocol.connection_made(transport)
+        floods.append((protocol, transport))
+    request = b"GET /now HTTP/1.1\r\nHost: a\r\n\r\n"
+    for protocol, _ in floods:
+        protocol.data_received(request * 200)
+
+    def answered() -> list[int]:
+        return [transport.written.count(b"HTTP/1.1 200") for _, transport in floods]
+
+    # bytes just arrived: each connection reads one at least, the first ones their cap
+    assert answered() == [REQUESTS_PER_PASS] * 2 + [1] * 18
+    turns_between = []  # passes each connection waited between two of its turns
+    last_turn = [0] * 20
+    for pass_number in range(1, 200):
+        before = answered()
+        await asyncio.sleep(0)
+        after = answered()
+        if sum(after) == 20 * 200:
+            break
+        assert sum(after) - sum(before) <= REQUESTS_PER_LOOP_PASS
+        for index, (old, new) in enumerate(zip(before, after, strict=True)):
+            if new > old:
+                turns_between.append(pass_number - last_turn[index])
+                last_turn[index] = pass_number
+        fresh, transport = HttpProtocol(app, ProtocolSettings(), state, loop=loop), FakeTransport()
+        fresh.connection_made(transport)
+        fresh.data_received(request)  # in the middle of it all
+        assert transport.written.count(b"HTTP/1.1 200") == 1
+    assert answered() == [200] * 20
+    # a round of 20 turns of 32 takes 10 passes of 64
+    assert max(turns_between) <= 20 * REQUESTS_PER_PASS // REQUESTS_PER_LOOP_PASS + 1
 
 
 async def test_a_request_after_a_pass_of_quick_answers_still_sees_its_client_leave():
