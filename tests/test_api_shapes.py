@@ -903,7 +903,13 @@ def test_openai_embeddings_take_token_arrays_as_the_models_input():
     ("ids", "message"),
     [
         ([[2, 30]], "the token id 30 is not in the model's vocabulary (ids run from 0 to 29)"),
-        ([[2, 9], []], 'a token array of "input" has no ids'),
+        ([[2, 9], []], 'a token array of "input" at index 1 has no ids'),
+        (
+            [[2, 9], [2, 30]],
+            'the token id 30 of "input" at index 1 is not in the model\'s vocabulary (ids run '
+            "from 0 to 29)",
+        ),
+        (["a", " "], 'a text of "input" at index 1 is empty or only whitespace'),
     ],
 )
 def test_openai_embeddings_refuse_a_token_array_the_model_cannot_read(ids, message):
@@ -929,9 +935,10 @@ def test_teis_embed_routes_take_token_ids_as_the_models_input(path):
     ("document", "status", "message"),
     [
         ({"inputs": [[2, 30]]}, 422, "the token id 30 is not in the model's vocabulary"),
-        ({"inputs": [[2, 9], []]}, 422, 'a token array of "inputs" has no ids'),
+        ({"inputs": [[2, 9], []]}, 422, 'a token array of "inputs" at index 1 has no ids'),
         ({"inputs": [[2, 9], 3]}, 400, "a non-empty list of texts and lists of token ids"),
-        ({"inputs": [[2, 9], " "]}, 422, 'a text of "inputs"'),
+        ({"inputs": [[2, 9], " "]}, 422, 'a text of "inputs" at index 1 is empty'),
+        ({"inputs": "  "}, 422, 'a text of "inputs" is empty'),
         ({"inputs": [2, 9], "prompt_name": "doc"}, 400, "'doc' is not a prompt of this model"),
     ],
 )
@@ -1500,7 +1507,8 @@ def test_a_token_id_is_checked_against_the_vocabulary_up_to_its_last_id():
     check_token_ids(GenerationRequest([[10]], {}), None)  # not known yet: the worker checks
     for items, bias, param in (([[3], [5, 10]], {}, "prompt"), ([[3]], {10: 1.0}, "logit_bias")):
         with pytest.raises(
-            UnprocessableInput, match=r"id 10 is not .* \(ids run from 0 to 9\)"
+            UnprocessableInput,
+            match=r"id 10 (of \"prompt\" at index 1 )?is not .* \(ids run from 0 to 9\)",
         ) as refused:
             check_token_ids(GenerationRequest(items, {"logit_bias": bias}), 10)
         assert refused.value.param == param

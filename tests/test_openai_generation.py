@@ -1861,7 +1861,9 @@ def test_completion_scores_token_ids_as_an_evaluation_harness_reads_them(servers
     ("document", "message"),
     [
         ({"prompt": [[]]}, "has none"),
-        ({"prompt": [[5], []]}, "has none"),
+        ({"prompt": [[5], []]}, 'token ids in "prompt" at index 1 has none'),
+        ({"prompt": ["a", " "]}, 'a text of "prompt" at index 1 is empty'),
+        ({"prompt": [[5], [6, 10**9]]}, 'id 1000000000 of "prompt" at index 1 is not in'),
         ({"prompt": [5, 10**9]}, "token id 1000000000 is not in the model's vocabulary"),
         ({"prompt": [5, 10**9], "echo": True, "max_tokens": 0}, "1000000000 is not in the"),
         ({"prompt": [5] * 300}, "leave room for one new token"),
@@ -1873,7 +1875,8 @@ def test_completion_scores_token_ids_as_an_evaluation_harness_reads_them(servers
         ),
     ],
     ids=[
-        *("empty", "one-empty", "unknown-id", "unknown-id-echoed", "too-long"),
+        *("empty", "one-empty", "one-blank", "unknown-id-of-two", "unknown-id"),
+        *("unknown-id-echoed", "too-long"),
         *("unknown-id-streamed", "unusable-grammar-streamed"),
     ],
 )
@@ -1900,7 +1903,10 @@ def test_a_token_id_the_model_has_not_is_422_naming_its_field(servers, route, do
     chat = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in route else {}
     status, body = servers["chat"].post_json({**chat, **document, "max_tokens": 2}, route)
     assert status == 422 and body["error"]["param"] == param, body
-    assert "1000000000 is not in the model's vocabulary" in body["error"]["message"], body
+    assert re.search(
+        r"1000000000 (of \S+ at index \d )?is not in the model's vocabulary",
+        body["error"]["message"],
+    ), body
 
 
 def test_completion_with_more_prompts_than_the_client_cap_is_413(servers):

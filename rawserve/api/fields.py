@@ -190,6 +190,12 @@ def texts_schema(context: DocContext) -> Schema:
     return {"oneOf": [{"type": "string"}, {**many, "maxItems": context.max_inputs}]}
 
 
+def item_name(name: str, index: int, count: int) -> str:
+    """`name`, and which of `count` items it is where there are several: of a list of 32
+    with one blank text, a refusal naming only its field left its client to guess."""
+    return name if count == 1 else f"{name} at index {index}"
+
+
 def unicode_text(value: str, name: str = "the text") -> str:
     """`value`, refused when it cannot be UTF-8 (a lone surrogate from a JSON escape)."""
     try:

@@ -33,7 +33,7 @@ from rawserve.api.bodies import (
     read_json,
 )
 from rawserve.api.context import RouteContext
-from rawserve.api.fields import Body, Field, Fields, text
+from rawserve.api.fields import Body, Field, Fields, item_name, text
 from rawserve.api.inference import MODELS_PREFIX
 from rawserve.api.openai_answers import Answer, Echo
 from rawserve.api.openai_generation import (
@@ -174,12 +174,13 @@ def parse_embeddings_request(
         params["dimensions"] = dimensions
     fields.value("model")
     fields.value("user")
-    for one in texts:  # as every route: blank text is well-formed, but nothing to embed
+    for index, one in enumerate(texts):  # as every route: blank text is well-formed, but
+        where = item_name('"input"', index, len(texts))  # nothing to embed
         if one == []:
-            raise UnprocessableInput('a token array of "input" has no ids', param="input")
+            raise UnprocessableInput(f"a token array of {where} has no ids", param="input")
         try:
             if isinstance(one, str):
-                not_blank(one, 'a text of "input"')
+                not_blank(one, f"a text of {where}")
         except BlankInput as exc:
             raise UnprocessableInput(str(exc), param="input") from None
     refuse_unknown_ids(texts, details(context).get("vocabulary"), "input")

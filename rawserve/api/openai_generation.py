@@ -25,7 +25,6 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from itertools import chain
 from typing import Any
 
 from rawserve.api.bodies import check_client_batch
@@ -34,6 +33,7 @@ from rawserve.api.fields import (
     Field,
     Fields,
     flag,
+    item_name,
     one_of,
     read_boolean,
     read_number,
@@ -568,12 +568,13 @@ def parse_completion(document: Any, context: DocContext) -> GenerationRequest:
     refuse_unserved(fields, COMPLETION_UNSERVED)
     request = json_unstopped(generation_params(fields, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS))
     prompts = fields.value("prompt", context)
-    for prompt in prompts:  # as every route: blank text is well-formed, but nothing to go on
+    for index, prompt in enumerate(prompts):  # as every route: blank text is well-formed,
+        where = item_name('"prompt"', index, len(prompts))  # but nothing to go on
         if prompt == []:
-            raise UnprocessableInput('a prompt of token ids in "prompt" has none', param="prompt")
+            raise UnprocessableInput(f"a prompt of token ids in {where} has none", param="prompt")
         try:
             if isinstance(prompt, str):
-                not_blank(prompt, 'a text of "prompt"')
+                not_blank(prompt, f"a text of {where}")
         except BlankInput as exc:
             raise UnprocessableInput(str(exc), param="prompt") from None
     items = [unicode_text(p, '"prompt"') if isinstance(p, str) else p for p in prompts]
@@ -633,14 +634,17 @@ def refuse_unknown_ids(items: Sequence[Any], vocabulary: int | None, param: str)
     worker refuses such an id)."""
     if not vocabulary:
         return
-    ids = chain.from_iterable(item for item in items if isinstance(item, list))
-    unknown = next((token_id for token_id in ids if token_id >= vocabulary), None)
-    if unknown is not None:
-        raise UnprocessableInput(
-            f"the token id {unknown} is not in the model's vocabulary (ids run from 0 "
-            f"to {vocabulary - 1})",
-            param=param,
-        )
+    for index, item in enumerate(items):
+        if not isinstance(item, list):
+            continue
+        unknown = next((token_id for token_id in item if token_id >= vocabulary), None)
+        if unknown is not None:
+            where = "" if len(items) == 1 else f' of "{param}" at index {index}'
+            raise UnprocessableInput(
+                f"the token id {unknown}{where} is not in the model's vocabulary (ids run "
+                f"from 0 to {vocabulary - 1})",
+                param=param,
+            )
 
 
 def read_prompts(name: str, value: Any, context: DocContext | None) -> list[str | list[int]]:

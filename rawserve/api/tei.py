@@ -59,6 +59,7 @@ from rawserve.api.tei_bodies import (
     SIMILARITY,
     TOKENIZE,
     checked_text,
+    checked_texts,
     rank_count,
     truncation,
 )
@@ -370,8 +371,7 @@ class TeiRoutes:
         results they came from (`named_texts`: the texts, and their field's name)."""
         query = checked_text(fields.value("query"), '"query"')
         texts, name = named_texts
-        for text in texts:
-            checked_text(text, name)
+        checked_texts(texts, name)
         await self.refuse_too_long(model, [query, *texts], fields)
         pairs = [{"text": query, "text_pair": text} for text in texts]
         params = {LOGITS_PARAM: True, **truncation(fields)}

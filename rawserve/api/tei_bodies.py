@@ -17,6 +17,7 @@ from rawserve.api.fields import (
     Field,
     Fields,
     flag,
+    item_name,
     one_of,
     read_string,
     texts_schema,
@@ -62,7 +63,7 @@ def text_inputs(value: Any, max_inputs: int) -> list[str]:
             raise BadRequest('"inputs" as token ids is not supported: send the text')
         raise BadRequest('"inputs" must be a text or a non-empty list of texts')
     check_client_batch(len(texts), max_inputs)
-    return [checked_text(text, '"inputs"') for text in texts]
+    return checked_texts(texts, '"inputs"')
 
 
 def read_embed_inputs(name: str, value: Any, context: DocContext | None) -> list[str | list[int]]:
@@ -79,10 +80,16 @@ def read_embed_inputs(name: str, value: Any, context: DocContext | None) -> list
         )
     check_client_batch(len(inputs), max_inputs(context))
     if [] in inputs:
-        raise UnprocessableInput(f'a token array of "{name}" has no ids')
+        where = item_name(f'"{name}"', inputs.index([]), len(inputs))
+        raise UnprocessableInput(f"a token array of {where} has no ids", param=name)
     assert context is not None
     refuse_unknown_ids(inputs, details(context).get("vocabulary"), name)
-    return [checked_text(item, f'"{name}"') if isinstance(item, str) else item for item in inputs]
+    return [
+        checked_text(item, item_name(f'"{name}"', index, len(inputs)), name)
+        if isinstance(item, str)
+        else item
+        for index, item in enumerate(inputs)
+    ]
 
 
 def embed_inputs_schema(context: DocContext) -> Schema:
@@ -113,13 +120,15 @@ def predict_inputs(value: Any) -> tuple[list[Any], bool]:
         raise refusal
     if not all(isinstance(text, str) for item in value for text in item):
         raise refusal
-    return [sequence(item) for item in value], True
+    return [
+        sequence(item, item_name('"inputs"', index, len(value))) for index, item in enumerate(value)
+    ], True
 
 
-def sequence(texts: list[str]) -> str | dict[str, str]:
+def sequence(texts: list[str], name: str = '"inputs"') -> str | dict[str, str]:
     """One text, or a pair as the classifier takes it."""
     for text in texts:
-        checked_text(text, '"inputs"')
+        checked_text(text, name, "inputs")
     if len(texts) == 1:
         return texts[0]
     return {"text": texts[0], "text_pair": texts[1]}
@@ -142,13 +151,23 @@ def id_inputs(value: Any, max_lists: int) -> list[list[int]]:
     return lists
 
 
-def checked_text(value: str, name: str) -> str:
-    """A text as a model may take it: valid Unicode (else 400), not blank (else 422)."""
+def checked_text(value: str, name: str, param: str | None = None) -> str:
+    """A text as a model may take it: valid Unicode (else 400), not blank (else 422);
+    `name` says where it is in the body, `param` its field (`name` unquoted if None)."""
     unicode_text(value, name)
     try:
         return not_blank(value, f"a text of {name}")
     except BlankInput as exc:
-        raise UnprocessableInput(str(exc), param=name.strip('"')) from None
+        raise UnprocessableInput(str(exc), param=param or name.strip('"')) from None
+
+
+def checked_texts(texts: list[str], name: str) -> list[str]:
+    """Each of the texts of field `name` checked, a refusal saying which it was."""
+    param = name.strip('"')
+    return [
+        checked_text(text, item_name(name, index, len(texts)), param)
+        for index, text in enumerate(texts)
+    ]
 
 
 def read_predict_inputs(
@@ -187,7 +206,7 @@ def read_similarity_inputs(
     if not all(isinstance(sentence, str) for sentence in sentences):
         raise refusal
     check_client_batch(len(sentences) + 1, max_inputs(context))
-    checked = [checked_text(sentence, '"sentences"') for sentence in sentences]
+    checked = checked_texts(sentences, '"sentences"')
     return checked_text(source, '"source_sentence"'), checked
 
 
