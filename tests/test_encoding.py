@@ -79,6 +79,28 @@ def test_plain_documents_match_the_standard_library():
     assert encoding.dumps({1: "a"}) == b'{"1":"a"}'  # as json.dumps writes int keys
 
 
+@given(
+    st.recursive(
+        st.integers() | st.booleans() | st.none() | st.text(max_size=3),
+        lambda inner: (
+            st.lists(inner, max_size=3)
+            | st.dictionaries(st.integers(), inner, max_size=3)
+            | st.dictionaries(st.text(max_size=3), inner, max_size=3)
+        ),
+        max_leaves=8,
+    )
+)
+def test_integers_of_any_size_are_written_as_the_standard_library_writes_them(document):
+    """orjson writes integers of 64 bits: a handler's 2**70 was a 500."""
+    assert json.loads(encoding.dumps(document)) == json.loads(json.dumps(document))
+
+
+def test_a_big_integer_beside_arrays_keeps_the_arrays_encoding():
+    document = {"n": -(2**80), "v": np.array([0.1, 2], np.float32), 2**70: [2**64]}
+    expected = b'{"n":-1208925819614629174706176,"v":[0.1,2.0],"1180591620717411303424":'
+    assert encoding.dumps(document) == expected + b"[18446744073709551616]}"
+
+
 def test_what_json_cannot_hold_is_refused():
     with pytest.raises(TypeError):
         encoding.dumps(object())

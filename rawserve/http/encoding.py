@@ -34,7 +34,35 @@ def _default(value: Any) -> Any:
 
 def dumps(value: Any) -> bytes:
     """Compact JSON of `value` as UTF-8 bytes."""
-    return orjson.dumps(value, default=_default, option=OPTIONS)
+    try:
+        return orjson.dumps(value, default=_default, option=OPTIONS)
+    except TypeError as exc:  # (orjson.JSONEncodeError is one)
+        if "64-bit range" not in str(exc):
+            raise
+    return orjson.dumps(_big_integers_written(value), default=_default, option=OPTIONS)
+
+
+# orjson refuses an integer past 64 bits ("... 64-bit range"), as a value or a key, which
+# JSON and Python's json write: a handler's 2**70 was a 500
+_SMALLEST, _LARGEST = -(2**63), 2**64 - 1  # what orjson writes itself
+
+
+def _too_big(value: Any) -> bool:
+    return isinstance(value, int) and not _SMALLEST <= value <= _LARGEST
+
+
+def _big_integers_written(value: Any) -> Any:
+    """`value` with each integer orjson cannot write as the JSON number it is."""
+    if _too_big(value):
+        return orjson.Fragment(str(int(value)).encode())
+    if isinstance(value, dict):
+        return {
+            str(int(key)) if _too_big(key) else key: _big_integers_written(item)
+            for key, item in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [_big_integers_written(item) for item in value]
+    return value
 
 
 def dumps_in_pieces(value: Any) -> bytes:
