@@ -1754,9 +1754,26 @@ def test_min_tokens_may_equal_max_tokens_for_an_answer_of_a_set_length():
         parse_chat({"messages": HI, "max_tokens": 4, "min_tokens": 5})
 
 
-def test_each_seeded_choice_takes_the_next_seed_wrapping_at_32_bits():
+def test_each_seeded_choice_takes_the_next_seed_wrapping_at_64_bits():
     asked = parse_chat({"messages": HI, "n": 3, "seed": 2**32 - 1})
-    assert [params["seed"] for params in asked.choice_params()] == [2**32 - 1, 0, 1]
+    assert [params["seed"] for params in asked.choice_params()] == [2**32 - 1, 2**32, 2**32 + 1]
+    asked = parse_chat({"messages": HI, "n": 3, "seed": -2})
+    assert [params["seed"] for params in asked.choice_params()] == [2**64 - 2, 2**64 - 1, 0]
+
+
+@pytest.mark.parametrize("seed", [-(2**63), -1, 2**40, 2**63 - 1])
+def test_any_seed_openai_takes_is_taken(seed):
+    """OpenAI's and vLLM's seed is a signed 64-bit integer: a negative one or one past 32
+    bits (what a client's random seed may be) was 400. Each is one of the worker's
+    unsigned seeds, a different one for each."""
+    asked = parse_chat({"messages": HI, "seed": seed})
+    assert asked.params["seed"] == seed % 2**64
+
+
+@pytest.mark.parametrize("seed", [-(2**63) - 1, 2**63, 1.5, "7", True])
+def test_a_seed_openai_would_refuse_is_400(seed):
+    with pytest.raises(BadRequest, match='"seed"'):
+        parse_chat({"messages": HI, "seed": seed})
 
 
 def test_temperature_zero_is_greedy_and_any_other_samples():

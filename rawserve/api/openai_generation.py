@@ -104,6 +104,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/comple
 # OpenAI's bounds on "metadata": pairs, and the characters of a key and of a value
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
+SEEDS = 2**64  # the seeds the worker takes: 0 to 2**64 - 1, as TGI's
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -126,7 +128,7 @@ class GenerationRequest:
         if "seed" not in self.params:
             return [self.params] * self.n
         seed = self.params["seed"]
-        return [{**self.params, "seed": (seed + j) % 2**32} for j in range(self.n)]
+        return [{**self.params, "seed": (seed + j) % SEEDS} for j in range(self.n)]
 
 
 def unserved(schema: Schema, *allowed: Any) -> Field:
@@ -205,8 +207,8 @@ def generation_params(
     if grammars:
         grammar_field, params["grammar"] = grammars[0]
     seed = fields.value("seed")
-    if seed is not None:
-        params["seed"] = seed
+    if seed is not None:  # OpenAI's signed 64 bits, as the worker's unsigned ones
+        params["seed"] = seed % SEEDS
     stop = fields.value("stop") or []
     if stop:
         params["stop"] = stop
@@ -804,7 +806,7 @@ COMMON: dict[str, Field] = {
         read_repetition_penalty,
     ),
     "stop": Field(STOP, read_stop),
-    "seed": whole(0, 2**32 - 1),
+    "seed": whole(-(2**63), 2**63 - 1),  # OpenAI's (and vLLM's) range: a signed 64 bits
     "stream": flag(False),
     "stream_options": Field(STREAM_OPTIONS, read_stream_options),
     "n": whole(1, MAX_CHOICES),  # choices per prompt (each a generation of its own)
