@@ -19,6 +19,7 @@ from rawserve.worker.cuda_graphs import GraphedForward, recording
 from rawserve.worker.images import blank_image, decode_image
 from rawserve.worker.model_classes import TASK_CLASSES, load_model
 from rawserve.worker.onnx_engine import OnnxNetwork
+from rawserve.worker.pairs import cut_pair
 from rawserve.worker.runner import (
     PAD_SIDE,
     Runner,
@@ -283,6 +284,12 @@ class PipelineRunner(Runner):
             options = {}
         firsts = [item if isinstance(item, str) else item["text"] for item in inputs]
         seconds = [None if isinstance(item, str) else item.get("text_pair") for item in inputs]
+        if truncate and self.max_length is not None:  # (without, a long pair is refused)
+            for index, (first, second) in enumerate(zip(firsts, seconds, strict=True)):
+                if second is not None:
+                    firsts[index], seconds[index] = cut_pair(
+                        tokenizer, first, second, self.max_length
+                    )
         if all(second is None for second in seconds):
             encoded = tokenizer(firsts, padding=True, return_tensors="pt", **options)
         elif all(second is not None for second in seconds):

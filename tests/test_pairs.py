@@ -1,0 +1,96 @@
+"""Text pairs cut before the tokenizer truncates them (`rawserve.worker.pairs`): the same
+tokens as the whole texts truncated, at a bounded cost however long the texts."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rawserve.worker.pairs import SLACK, cut_pair
+
+transformers = pytest.importorskip("transformers")
+
+WORDS = ["hello", "world", "the", "movie", "unbelievable", "naïve", ",", ".", "😀", "é", "x"]
+texts = st.lists(st.sampled_from(WORDS), max_size=300).map(" ".join)
+
+
+@pytest.fixture(scope="module", params=["text-classification", "text-generation"])
+def tokenizer(request, tiny_model):
+    """A WordPiece tokenizer (BERT's) and a byte-level BPE one (GPT-2's)."""
+    loaded = transformers.AutoTokenizer.from_pretrained(tiny_model(request.param))
+    if loaded.pad_token is None:
+        loaded.pad_token = loaded.eos_token
+    return loaded
+
+
+@settings(deadline=None, max_examples=400)
+@given(first=texts, second=texts, limit=st.sampled_from([8, 17, 64]))
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_cut_pair_truncates_to_the_same_tokens_as_the_whole_texts(
+    tokenizer, side, first, second, limit
+):
+    tokenizer.truncation_side = side
+    whole = tokenizer(first, second, truncation=True, max_length=limit)["input_ids"]
+    cut = tokenizer(*cut_pair(tokenizer, first, second, limit), truncation=True, max_length=limit)
+    assert cut["input_ids"] == whole
+
+
+def test_each_text_of_a_long_pair_is_cut_to_a_few_times_the_limit(tokenizer):
+    """Two texts of 8,000 tokens cut to 128: the tokenizer made 16,509 encodings (every
+    window of one with every window of the other), 1.8 GB, for one pair."""
+    tokenizer.truncation_side = "right"
+    long = "hello world the movie " * 2000
+    first, second = cut_pair(tokenizer, long, long + " x", 128)
+    counts = [
+        len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in (first, second)
+    ]
+    assert counts == [SLACK * 128, SLACK * 128 + 1]  # the longer stays the longer
+    assert long.startswith(first) and second.startswith(first)
+    assert cut_pair(tokenizer, "a short one", "and another", 128) == ("a short one", "and another")
+
+
+@pytest.fixture(scope="module")
+def classifier(tiny_model):
+    from rawserve.shared.messages import Engine
+    from rawserve.worker.loading import load_runner
+    from tests.tiny_models import worker_config
+
+    config = worker_config(
+        tiny_model("text-classification"), None, dtype="float32", engine=Engine.TORCH
+    )
+    return load_runner(config, "cpu")
+
+
+def test_a_long_pair_is_scored_as_the_whole_texts_truncated(classifier):
+    """/rerank and /predict's pairs, truncated (their default): the scores of two long
+    texts are those of the whole pair truncated by the tokenizer, which is handed no
+    text of more than a few times the model's limit."""
+    import numpy as np
+    import torch
+
+    from rawserve.tasks import LOGITS_PARAM
+
+    serving = classifier
+    tokenizer, limit = serving.pipe.tokenizer, serving.max_length
+    query, document = "who is there " * 150, "hello world the movie " * 300
+    tokenizer.truncation_side = "right"
+    whole = tokenizer(query, document, truncation=True, max_length=limit, return_tensors="pt")
+    with torch.inference_mode():
+        expected = serving.pipe.model(**whole).logits[0].float().numpy()
+    handed: list[int] = []
+    called = type(tokenizer).__call__
+
+    def watched(self, text, pair=None, **kwargs):
+        if pair is not None:
+            texts = pair if isinstance(pair, list) else [pair]
+            handed.extend(len(self(t, add_special_tokens=False)["input_ids"]) for t in texts)
+        return called(self, text, pair, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(tokenizer), "__call__", watched)
+        [found] = serving.run(
+            [{"text": query, "text_pair": document}], {LOGITS_PARAM: True, "truncate": True}
+        )
+    np.testing.assert_allclose(found, expected, atol=1e-5)
+    assert handed and max(handed) <= SLACK * limit + 1
