@@ -647,6 +647,55 @@ def test_blank_text_is_422_on_every_route_naming_which_it_was(
     assert ("at index" in message) == ("at index" in where), message
 
 
+LONG_TEXT = "hello " * 300  # 302 tokens: the tiny models read 128
+
+
+@pytest.mark.parametrize(
+    ("server", "path", "document", "where"),
+    [
+        ("reranker", "/rerank", {"query": "q", "texts": ["a", LONG_TEXT]}, '"texts" at index 1:'),
+        ("reranker", "/rerank", {"query": "q", "texts": [LONG_TEXT]}, '"texts":'),
+        ("reranker", "/rerank", {"query": LONG_TEXT, "texts": ["a", "b"]}, '"query":'),
+        (
+            "reranker",
+            "/v1/rerank",
+            {"query": "q", "documents": ["a", LONG_TEXT]},
+            '"documents" at index 1:',
+        ),
+        (
+            "embedding",
+            "/similarity",
+            {"inputs": {"source_sentence": "a", "sentences": ["b", LONG_TEXT]}},
+            '"sentences" at index 1:',
+        ),
+        (
+            "embedding",
+            "/similarity",
+            {"inputs": {"source_sentence": LONG_TEXT, "sentences": ["b", "c"]}},
+            '"source_sentence":',
+        ),
+        (
+            "embedding",
+            "/",
+            {"inputs": {"source_sentence": "a", "sentences": ["b", LONG_TEXT]}},
+            '"sentences" at index 1:',
+        ),
+        ("embedding", "/embed", {"inputs": ["a", LONG_TEXT]}, "the input at index 1:"),
+    ],
+    ids=repr,
+)
+def test_a_text_too_long_is_named_as_the_body_has_it(servers, server, path, document, where):
+    """/rerank's query and texts, and /similarity's source and sentences, run as one list:
+    a refusal counted in it (texts[1] was "index 2", the query "index 0")."""
+    document = {**document, "truncate": False}
+    if "inputs" in document and isinstance(document["inputs"], dict):
+        document = {"inputs": document["inputs"], "parameters": {"truncate": False}}
+    status, body = servers[server].post_json(document, path)
+    assert status == 422, body
+    message = body["error"]["message"] if isinstance(body["error"], dict) else body["error"]
+    assert message.startswith(where) and "128" in message, message
+
+
 # --- routes that do not fit the model -------------------------------------------------
 
 

@@ -196,6 +196,13 @@ def item_name(name: str, index: int, count: int) -> str:
     return name if count == 1 else f"{name} at index {index}"
 
 
+def names_after(first: str, name: str, count: int) -> list[str]:
+    """What to call a field `first` and the `count` items of field `name` after it, where
+    a route runs them as one list (/rerank's query and texts): index 0 is `name`'s own
+    first, not the `first` field."""
+    return [first, *(item_name(name, index, count) for index in range(count))]
+
+
 def unicode_text(value: str, name: str = "the text") -> str:
     """`value`, refused when it cannot be UTF-8 (a lone surrogate from a JSON escape)."""
     try:

@@ -80,15 +80,17 @@ def unwrap(result: ItemResult) -> Any:
     return output
 
 
-def unwrap_all(results: Sequence[ItemResult]) -> list[Any]:
+def unwrap_all(results: Sequence[ItemResult], names: Sequence[str] | None = None) -> list[Any]:
     """Every item's output, or the HTTP error of the first that failed; of several, its
     message says which input it was (of a list of texts, one without a mask failed the
     request 422 "No mask_token ([MASK]) found on the input", and its client could not
-    tell which)."""
+    tell which): as `names` calls each, where the inputs are not the body's one list."""
     for index, result in enumerate(results):
         failure = result.output
         if isinstance(failure, ItemFailure):
-            if len(results) > 1:
+            if names is not None:
+                failure = replace(failure, message=f"{names[index]}: {failure.message}")
+            elif len(results) > 1:
                 failure = replace(failure, message=f"the input at index {index}: {failure.message}")
             raise failure_error(failure)
     return [result.output for result in results]

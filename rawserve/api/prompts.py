@@ -93,6 +93,7 @@ async def check_input_lengths(
     model: ServedModel,
     inputs: Sequence[Any],
     says: str = "this model reads at most {limit}",
+    names: Sequence[str] | None = None,
 ) -> None:
     """422 when an input of a task that never cuts them (`UNCUT_TASKS`) has more tokens
     than the model reads. Left to the worker, a long text was tokenized whole before it
@@ -101,7 +102,8 @@ async def check_input_lengths(
     4.6 s for their 422, and clients sending them starved the others. Counted here a
     piece at a time, never past the positions; each text of a pair is counted alone, so
     only one surely over is refused here; token ids are the worker's. The refusal ends as
-    the worker's would on that route (`says`)."""
+    the worker's would on that route (`says`); `names` calls each input, where they are
+    not the body's one list."""
     positions = model.positions
     if positions < 1:
         return
@@ -120,6 +122,8 @@ async def check_input_lengths(
         except TooManyTokens:
             # of a list, which input it was, in the words of the worker's own refusals
             which = f"the input at index {index}: " if len(inputs) > 1 else ""
+            if names is not None:
+                which = f"{names[index]}: "
             limit = says.format(limit=positions)
             raise UnprocessableInput(
                 f"{which}the input is more than {positions} tokens and {limit}"

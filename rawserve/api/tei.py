@@ -33,7 +33,7 @@ from rawserve import __version__
 from rawserve.api import schemas
 from rawserve.api.bodies import answer, built_answer, json_response, read_json, vector_entries
 from rawserve.api.context import RouteContext
-from rawserve.api.fields import Body, Fields
+from rawserve.api.fields import Body, Fields, names_after
 from rawserve.api.outcomes import unwrap_all
 from rawserve.api.prompts import check_input_lengths
 from rawserve.api.routing import (
@@ -244,14 +244,18 @@ class TeiRoutes:
         check_answer_size(sum(counts) * dimensions, largest)
 
     async def refuse_too_long(
-        self, model: ServedModel, inputs: Sequence[Any], fields: Fields
+        self,
+        model: ServedModel,
+        inputs: Sequence[Any],
+        fields: Fields,
+        names: Sequence[str] | None = None,
     ) -> None:
         """422 before the work for a text longer than the model takes, unless `truncate`
         (`check_input_lengths`: the worker tokenized it whole first, and again as its
         batch was split to find it)."""
         if not fields.value("truncate"):
             says = "the model takes at most {limit}: send truncate: true to cut it"
-            await check_input_lengths(self.context.tokenizers, model, inputs, says)
+            await check_input_lengths(self.context.tokenizers, model, inputs, says, names)
 
     async def similarity(self, request: HttpRequest) -> HttpResponse:
         """Each sentence's cosine similarity to the source sentence."""
@@ -372,7 +376,8 @@ class TeiRoutes:
         query = checked_text(fields.value("query"), '"query"')
         texts, name = named_texts
         checked_texts(texts, name)
-        await self.refuse_too_long(model, [query, *texts], fields)
+        names = names_after('"query"', name, len(texts))
+        await self.refuse_too_long(model, [query, *texts], fields, names)
         pairs = [{"text": query, "text_pair": text} for text in texts]
         params = {LOGITS_PARAM: True, **truncation(fields)}
         results = await model.run(pairs, params, self.context.deadline(request))
@@ -450,7 +455,9 @@ async def sentence_similarity(
     texts = prompted(model, [source, *sentences], options.value("prompt_name"))
     params = {"normalize": True, **truncation(options)}
     results = await model.run(texts, params, context.deadline(request), EMBEDDING_ROUTE)
-    vectors = np.array([output["embedding"] for output in unwrap_all(results)], dtype=np.float64)
+    names = names_after('"source_sentence"', '"sentences"', len(sentences))
+    outputs = unwrap_all(results, names)
+    vectors = np.array([output["embedding"] for output in outputs], dtype=np.float64)
     # (unit vectors in float32: a cosine of 1.00000006 failed a client's math.acos)
     return answer([float(score) for score in np.clip(vectors[1:] @ vectors[0], -1, 1)], results)
 
