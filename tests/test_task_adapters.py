@@ -980,13 +980,43 @@ def test_a_generation_models_default_length_and_beams_are_told_to_the_server(
 
 
 @pytest.mark.parametrize("declared", [16, None])
+def test_a_t5_encoder_reads_what_its_tokenizer_declares_or_else_512(tiny_model, tmp_path, declared):
+    """A T5 sentence encoder (sentence-t5, GTR) as T5 itself: it read up to a million
+    tokens where its tokenizer declared none (6,000 words: 2 GB; 400,000: out of memory,
+    a 500), and was never cut, nor refused with truncate false."""
+    import shutil
+
+    from rawserve.worker.loading import load_runner
+    from rawserve.worker.runner import UNDECLARED_INPUT_TOKENS
+
+    folder = Path(shutil.copytree(tiny_model("t5-sentence-embedding"), tmp_path / "t5"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("model_max_length", None)
+    if declared is not None:
+        config["model_max_length"] = declared
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    serving = load_runner(worker_config(str(folder), "feature-extraction"), "cpu")
+    limit = UNDECLARED_INPUT_TOKENS if declared is None else declared
+    assert serving.limits.max_input_tokens == limit
+    long_text = "the movie was good " * limit
+    alone = serving.run([long_text], {})
+    cut = serving.tokenizer.decode(
+        serving.tokenizer(long_text, truncation=True, max_length=limit)["input_ids"],
+        skip_special_tokens=True,
+    )
+    np.testing.assert_allclose(alone[0], serving.run([cut], {})[0], atol=1e-5)
+    with pytest.raises(ValueError, match=f"at most {limit}"):
+        serving.run([long_text], {"truncate": False})
+
+
+@pytest.mark.parametrize("declared", [16, None])
 def test_a_t5_reads_what_its_tokenizer_declares_or_else_512(tmp_path, declared):
     """T5 has relative positions, no bound of its own: an input is cut at the length its
     tokenizer declares (t5-*'s 512), and refused past it when cutting is refused; a
     tokenizer that declares none is read as T5's own 512 (whole, a 36 KB body's 30,000
     tokens took the worker's attention 18 GB)."""
     from rawserve.worker.loading import load_runner
-    from rawserve.worker.seq2seq_lm import UNDECLARED_INPUT_TOKENS
+    from rawserve.worker.runner import UNDECLARED_INPUT_TOKENS
     from tests import fidelity_models
 
     folder = fidelity_models.build("t5", tmp_path / "t5")

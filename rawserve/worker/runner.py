@@ -72,7 +72,13 @@ OUT_OF_MEMORY_MESSAGES = (
 # shifted positions and answer other than alone (a GPT-2's vector 0.25 cosine from its
 # own). On the right, the pads come after every token and the attention mask hides them.
 PAD_SIDE = "right"
-MAX_INPUT_LENGTH_UNKNOWN = 1_000_000  # a config that names no limit
+# a tokenizer saved without a length declares transformers' VERY_LARGE_INTEGER (~1e30)
+UNDECLARED_LENGTH = 10**9
+# the input limit of a model without positions whose tokenizer declares none: T5's own
+# length (t5-*'s tokenizers declare it); a tokenizer_config.json's model_max_length sets
+# more. LongT5's attention is local, its cost linear: the 16,384 it was trained for.
+UNDECLARED_INPUT_TOKENS = 512
+UNDECLARED_INPUT_TOKENS_BY_TYPE = {"longt5": 16384}
 # Models whose position ids count on from the padding id (RoBERTa's scheme: the first token
 # sits at position pad_token_id + 1), so the first pad_token_id + 1 positions hold no token
 PADDING_OFFSET_MODEL_TYPES = frozenset(
@@ -199,6 +205,12 @@ def choose_attention_kernels(device: str) -> str | None:
     return "flash or memory-efficient kernels, not cuDNN's (which plan anew for every shape)"
 
 
+def undeclared_input_tokens(config: Any) -> int:
+    """The input limit of a model without positions whose tokenizer declares none."""
+    model_type = getattr(config, "model_type", "")
+    return UNDECLARED_INPUT_TOKENS_BY_TYPE.get(model_type, UNDECLARED_INPUT_TOKENS)
+
+
 def token_positions(config: Any) -> int | None:
     """The tokens a model's position embeddings can place, where its config names them:
     `max_position_embeddings` (or `n_positions`), less the positions a RoBERTa-like model
@@ -278,10 +290,15 @@ class Runner:
         return None
 
     def max_input_length(self, config: Any) -> int:
-        """The most tokens an input may have: the tokenizer's limit or the model's positions."""
-        positions = token_positions(config) or MAX_INPUT_LENGTH_UNKNOWN
-        limit = self.tokenizer.model_max_length if self.tokenizer is not None else positions
-        return int(min(limit, positions))
+        """The most tokens an input may have: the tokenizer's limit or the model's
+        positions; for a model without positions (T5's are relative) whose tokenizer
+        declares none, `undeclared_input_tokens` (it was a million: a T5 encoder took a
+        6,000-word text whole, 2 GB, and 400,000 words ran out of memory, a 500)."""
+        positions = token_positions(config)
+        declared = self.tokenizer.model_max_length if self.tokenizer is not None else None
+        if declared is None or declared >= UNDECLARED_LENGTH:
+            declared = positions or undeclared_input_tokens(config)
+        return int(min(declared, positions or declared))
 
     def run(
         self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL

@@ -37,23 +37,18 @@ from rawserve.worker.model_classes import load_model
 from rawserve.worker.runner import (
     MODEL_SCORES_FAILED_MESSAGE,
     PAD_SIDE,
+    UNDECLARED_LENGTH,
     NotNumbers,
     Runner,
     dtype_name,
     greedy_at_zero_temperature,
+    undeclared_input_tokens,
 )
 from rawserve.worker.scores import at_least_the_least_temperature, unusable
 
 # transformers 4.57's Text2TextGenerationPipeline._default_generation_config
 PIPELINE_NUM_BEAMS = 4
 PIPELINE_MAX_NEW_TOKENS = 256
-# a tokenizer saved without a length declares transformers' VERY_LARGE_INTEGER (~1e30)
-UNDECLARED_LENGTH = 10**9
-# the input limit of a model without positions whose tokenizer declares none: T5's own
-# length (t5-*'s tokenizers declare it); a tokenizer_config.json's model_max_length sets
-# more. LongT5's attention is local, its cost linear: the 16,384 it was trained for.
-UNDECLARED_INPUT_TOKENS = 512
-UNDECLARED_INPUT_TOKENS_BY_TYPE = {"longt5": 16384}
 UNSET_MAX_LENGTH = (None, 20)  # 20 is generate()'s own default: the model named no length
 
 log = logging.getLogger("rawserve.generation")
@@ -113,8 +108,7 @@ class Seq2SeqLMRunner(Runner):
         # tiny T5, which a 36 KB body asks for)
         declared = tokenizer.model_max_length
         if declared >= UNDECLARED_LENGTH:
-            model_type = self.model.config.model_type
-            declared = UNDECLARED_INPUT_TOKENS_BY_TYPE.get(model_type, UNDECLARED_INPUT_TOKENS)
+            declared = undeclared_input_tokens(self.model.config)
         self.input_limit: int = self.position_limit or declared
         self.defaults = self.pipeline_defaults()
         self.batch_cancelled: Callable[[], bool] = lambda: False  # nobody waits for it
