@@ -280,9 +280,13 @@ def test_a_splade_model_is_served_on_tei_s_embed_sparse(splade_model, tiny_model
             ("/embed_all", {"inputs": "hi"}),
             ("/v1/embeddings", {"input": "hi"}),
             ("/similarity", {"inputs": {"source_sentence": "hi", "sentences": ["a"]}}),
+            # InferenceClient's sentence_similarity: it was a 422 about a normalize the
+            # client never sent, which sent as told was a 400
+            ("/", {"inputs": {"source_sentence": "hi", "sentences": ["a"]}}),
         ]:
             status, refused = server.post_json(body, path)
             assert status == 404, (path, refused)
+            assert "dense vectors" in json.dumps(refused), (path, refused)
         status, _, info = server.request("GET", "/info")
         document = json.loads(info)
         assert document["pooling"] == "splade"

@@ -32,7 +32,15 @@ from rawserve.api.prompts import (
     check_input_lengths,
     check_lengths,
 )
-from rawserve.api.routing import MODEL_ERRORS, DocContext, Needs, Operation, Route, Schema
+from rawserve.api.routing import (
+    DENSE_EMBEDDING,
+    MODEL_ERRORS,
+    DocContext,
+    Needs,
+    Operation,
+    Route,
+    Schema,
+)
 from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import open_token_stream
@@ -302,7 +310,8 @@ class InferenceRoutes:
         else:
             document = read_json(request)
             if task == "feature-extraction" and is_sentence_pairs(document):
-                # InferenceClient's sentence_similarity
+                # InferenceClient's sentence_similarity: of dense vectors, as /similarity
+                self.context.take(model, DENSE_EMBEDDING)
                 fields = INFERENCE_SIMILARITY.read(document)
                 return await sentence_similarity(self.context, model, fields, request)
             parsed = parse_json_body(task or "", document, max_items)
