@@ -189,6 +189,16 @@ def test_tokenize_refuses_an_answer_over_the_bound(tokenizer_json):
     assert status == 413 and "10,000 bytes" in body["error"]
 
 
+def test_decode_refuses_an_answer_over_the_bound_as_tokenize_does(tokenizer_json):
+    """A larger --max-body-bytes let 32 lists of 250,000 ids make a 48 MB answer."""
+    app = app_for("feature-extraction", tokenizer_json, {}, max_answer_bytes=10_000)
+    ids = tokenizers.Tokenizer.from_str(tokenizer_json).encode("hello world the movie").ids
+    status, texts = post(app, "/decode", {"ids": [ids * 20] * 2})
+    assert status == 200 and len(texts) == 2, texts
+    status, body = post(app, "/decode", {"ids": [ids * 300] * 8})
+    assert status == 413 and "10,000 bytes" in body["error"], body
+
+
 def test_embed_all_over_the_bound_is_refused_before_the_work(tokenizer_json):
     """The idle queue fails any call: a 413 here was decided before the model ran."""
     app = app_for(

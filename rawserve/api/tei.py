@@ -430,7 +430,11 @@ class TeiRoutes:
             texts = await tokenizer.decode(id_lists, fields.value("skip_special_tokens"))
         except UnknownTokenId as exc:
             raise UnprocessableInput(str(exc)) from None
-        return json_response(200, texts)
+        response = json_response(200, texts)
+        if len(response.body) > self.settings.max_answer_bytes:  # as /tokenize's (a larger
+            # --max-body-bytes let 32 lists of 250,000 ids make a 48 MB answer)
+            raise PayloadTooLarge(str(AnswerTooLarge(self.settings.max_answer_bytes)))
+        return response
 
     async def tokenizer(self, model: ServedModel) -> ServerTokenizer:
         """The model's tokenizer in this process (the route's TOKENIZER need checked it has one)."""
