@@ -24,6 +24,7 @@ from rawserve.api.bodies import (
     NUMBERS_PER_ENTRY,
     built_answer,
     media_type_parameter,
+    read_json,
     server_timing,
     vector_entries,
 )
@@ -1141,6 +1142,22 @@ def test_an_image_sent_as_a_form_upload_is_415_saying_what_to_send():
     request = HttpRequest("POST", "/", "", headers, body, "test")
     with pytest.raises(UnsupportedMediaType, match="the image's bytes"):
         parse_body("image-classification", request, 32)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'--x\r\nContent-Disposition: form-data; name="inputs"\r\n\r\nhi\r\n--x--',
+        b'{"inputs": "hi"}',
+    ],
+)
+def test_a_form_upload_to_a_json_route_is_415_saying_what_to_send(body):
+    """curl -F to /embed, /rerank, /v1/embeddings... was a 400 "not valid JSON" (and JSON
+    typed as a form was read): the README's 415 for a form upload, as on POST /."""
+    headers = [("content-type", "multipart/form-data; boundary=x")]
+    request = HttpRequest("POST", "/embed", "", headers, body, "test")
+    with pytest.raises(UnsupportedMediaType, match="a form upload is not read: send the JSON"):
+        read_json(request)
 
 
 class TimedOutStream:

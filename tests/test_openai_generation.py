@@ -1933,7 +1933,7 @@ def test_completion_with_more_prompts_than_the_client_cap_is_413(servers):
         {"prompt": PROMPT, "logprobs": 21},
         {"prompt": PROMPT, "suffix": "end"},
         {"prompt": PROMPT, "stream": "yes"},
-        {"prompt": PROMPT, "seed": -1},
+        {"prompt": PROMPT, "seed": 2**63},  # past OpenAI's signed 64 bits
         {"prompt": PROMPT, "unknown": 1},
     ],
     ids=repr,

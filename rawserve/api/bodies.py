@@ -51,7 +51,9 @@ TOO_DEEP = f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep"
 def read_json(request: HttpRequest) -> Any:
     """The request's body as JSON; 400 when it is not valid JSON, is nested more than
     `MAX_JSON_DEPTH` levels, or holds a lone UTF-16 surrogate (`"\\ud800"`: valid JSON,
-    but no text a tokenizer can take)."""
+    but no text a tokenizer can take); 415 for a form upload (curl -F), whose parts'
+    framing is no JSON."""
+    refuse_form_upload(request, "the JSON body (curl -d or --json)")
     body = request.body
     try:
         document = json.loads(body)
