@@ -132,3 +132,27 @@ async def test_ping_is_503_while_the_model_cannot_take_work():
     assert app.answer_now(ping).status == 200
     model.serving.workers.ready = False
     assert app.answer_now(ping).status == 503
+
+
+@pytest.mark.parametrize(
+    ("task", "invoked"),
+    [("feature-extraction", "/embed"), ("text-generation", "/generate"), ("fill-mask", "/")],
+)
+async def test_openapi_documents_the_names_sagemaker_calls_as_the_routes_they_stand_for(
+    task, invoked
+):
+    """/ping, /invocations and /embeddings answer, and /openapi.json (which says it lists
+    the routes the server serves) left them out."""
+    from rawserve.api.app import App
+
+    app = App(ServedModels([served("m", task)]))
+    openapi = await app.handle(HttpRequest("GET", "/openapi.json", "", [], b"", "t"))
+    paths = json.loads(openapi.body)["paths"]
+    assert paths["/ping"]["get"]["responses"] == paths["/ready"]["get"]["responses"]
+    invocations = paths["/invocations"]["post"]
+    stands_for = paths[invoked if invoked != "/" else "/models/m"]["post"]
+    assert invocations["requestBody"] == stands_for["requestBody"]
+    assert invoked in invocations["summary"] or "/models/m" in invocations["summary"]
+    assert ("/embeddings" in paths) == (task == "feature-extraction")
+    ids = [op["operationId"] for methods in paths.values() for op in methods.values()]
+    assert len(ids) == len(set(ids))  # OpenAPI's rule: each its own

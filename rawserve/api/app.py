@@ -285,6 +285,7 @@ class App:
             self.settings.max_client_batch_size,
             api_key=self.settings.api_key is not None,
         )
+        sagemaker.document_aliases(document["paths"], self.models)
         return json_response(200, document)
 
     def authorize(self, request: HttpRequest) -> None:

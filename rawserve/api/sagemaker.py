@@ -55,6 +55,24 @@ def target(request: HttpRequest, models: ServedModels, body_read: bool = True) -
     return replace(request, path=path)
 
 
+def document_aliases(paths: dict[str, dict[str, Any]], models: ServedModels) -> None:
+    """SageMaker's names in an OpenAPI document's `paths`, each described as the route it
+    stands for where that one is served (`/invocations` as the default model's route for
+    a body that names no other; /openapi.json left them out, though they answer)."""
+    stands_for = {
+        PING: ("/ready", "get"),
+        EMBEDDINGS: ("/v1/embeddings", "post"),
+        INVOCATIONS: (invocation_path(None, models), "post"),
+    }
+    for alias, (path, method) in stands_for.items():
+        operation = paths.get(path, {}).get(method)
+        if operation is not None:
+            summary = f"SageMaker's name for {method.upper()} {path}: {operation['summary']}"
+            paths[alias] = {
+                method: {**operation, "summary": summary, "operationId": f"{method}_{alias[1:]}"}
+            }
+
+
 def invocation_path(document: Any, models: ServedModels) -> str:
     """The route `/invocations` stands for, given its body (None where it cannot be read
     as a JSON object: the route the model alone says, which refuses it)."""
