@@ -27,7 +27,8 @@ FAULTY = "tests.handlers:faulty"
 SLEEPING = re.compile(r"faulty handler: sleeping")
 STARTED = re.compile(r"worker 0: started \(pid (\d+)")
 DIED_HOLDING = re.compile(
-    r"worker 0: process \d+ exited with code -9 holding a batch of 1 \(request \w+\);"
+    r"worker 0: process \d+ was killed by SIGKILL \(out of memory, or a kill -9\) holding a "
+    r"batch of 1 \(request \w+\);"
 )
 GRACE = 2.0  # seconds: the grace period of the server whose exit is timed
 EXIT_SLACK = 3.0  # seconds past the grace period the process may take to exit

@@ -108,7 +108,10 @@ async def test_a_dead_worker_no_thread_can_wait_for_is_restarted_all_the_same(mo
     monkeypatch.setattr(pool, "_respawn", lambda worker: None)  # no process: its timer only
     await pool._reap(worker, worker.process)
     assert worker.state is WorkerState.DEAD
-    assert "process 4321 exited with code -9" in caplog.text and "restarting in" in caplog.text
+    assert (
+        "process 4321 was killed by SIGKILL (out of memory" in caplog.text
+        and "restarting in" in caplog.text
+    )
     await pool.shutdown()  # the stop waits for its workers the same way
     assert worker.state is WorkerState.STOPPED
 

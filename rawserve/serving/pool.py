@@ -915,11 +915,11 @@ class WorkerPool(PoolReports):
             self._run_again_whole(behind)
         cause = worker.load_failure or f"its worker process {exit_words(process.exitcode)}"
         gave_up = was_loading and self._start_failed(worker, cause)
-        log.error(
-            "worker %s: process %d exited with code %s%s%s%s; %s",
+        log.error(  # (SIGKILL's hint: a worker the kernel's OOM killer took was not said)
+            "worker %s: process %d %s%s%s%s; %s",
             worker.label,
             process.pid,
-            process.exitcode,
+            exit_words(process.exitcode),
             " while loading" if was_loading else "",
             f" holding a batch of {len(job.inputs)}{job_requests(job)}" if job else "",
             f" and one of {len(behind.inputs)} behind it" if behind else "",
