@@ -94,3 +94,41 @@ def test_a_long_pair_is_scored_as_the_whole_texts_truncated(classifier):
         )
     np.testing.assert_allclose(found, expected, atol=1e-5)
     assert handed and max(handed) <= SLACK * limit + 1
+
+
+def test_a_long_text_is_classified_zero_shot_as_the_whole_text_cut(tiny_model):
+    """The pipeline pairs the text with each label and cuts only the text: each pair made
+    every window of it (880 KB and 32 labels: 22 s). Cut once first, the scores are the
+    whole text's."""
+    from rawserve.shared.messages import Engine
+    from rawserve.worker.loading import load_runner
+    from tests.tiny_models import worker_config
+
+    config = worker_config(
+        tiny_model("zero-shot-classification"),
+        "zero-shot-classification",
+        dtype="float32",
+        engine=Engine.TORCH,
+    )
+    serving = load_runner(config, "cpu")
+    tokenizer, limit = serving.pipe.tokenizer, serving.max_length
+    text, labels = "hello world the movie " * 300, ["city", "film", "food"]
+    expected = serving.pipe(text, candidate_labels=labels)
+    longest = []
+    called = type(tokenizer).__call__
+
+    def watched(self, text, *args, **kwargs):
+        pairs = [
+            t for t in (text if isinstance(text, list) else [text]) if isinstance(t, tuple | list)
+        ]
+        if pairs:  # the pipeline's (text, hypothesis) pairs
+            firsts = [called(self, first, add_special_tokens=False) for first, _ in pairs]
+            longest.append(max(len(first["input_ids"]) for first in firsts))
+        return called(self, text, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(tokenizer), "__call__", watched)
+        [found] = serving.run([text], {"candidate_labels": labels})
+    assert [entry["label"] for entry in found] == expected["labels"]
+    assert [entry["score"] for entry in found] == pytest.approx(expected["scores"], abs=1e-6)
+    assert longest and max(longest) <= SLACK * limit

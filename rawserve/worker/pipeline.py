@@ -19,7 +19,7 @@ from rawserve.worker.cuda_graphs import GraphedForward, recording
 from rawserve.worker.images import blank_image, decode_image
 from rawserve.worker.model_classes import TASK_CLASSES, load_model
 from rawserve.worker.onnx_engine import OnnxNetwork
-from rawserve.worker.pairs import cut_pair
+from rawserve.worker.pairs import cut_pair, cut_text
 from rawserve.worker.runner import (
     PAD_SIDE,
     Runner,
@@ -154,6 +154,13 @@ class PipelineRunner(Runner):
             # a request's pairs together, not one pass a label (ten times slower)
             pairs = len(inputs) * len(params.get("candidate_labels", ()))
             batch_size = max(batch_size, min(pairs, PIECES_PER_PASS))
+            if self.max_length is not None:  # (cut with each label: `pairs`)
+                model_inputs = [
+                    cut_text(self.tokenizer, text, self.max_length)
+                    if isinstance(text, str)
+                    else text
+                    for text in inputs
+                ]
         if "stride" in params:  # windows of long texts together, not one pass a window
             self.refuse_stride(params)
             batch_size = max(batch_size, PIECES_PER_PASS)
