@@ -68,7 +68,7 @@ from rawserve.http.errors import (
     error_response,
 )
 from rawserve.http.exchange import HttpRequest, HttpResponse
-from rawserve.http.flow_control import FlowControl, Transport, bound_unsent
+from rawserve.http.flow_control import FlowControl, Transport, bound_unsent, unsent_in_kernel
 from rawserve.http.handshake import begun_now
 from rawserve.http.limits import (
     PROBE_RESERVE,
@@ -100,6 +100,9 @@ CAP_LOG_INTERVAL = 10.0  # seconds between two warnings that the connection cap 
 CLIENT_CLOSED = 499
 # pipelined requests one connection has read in a pass of the event loop, at most
 REQUESTS_PER_PASS = 32
+# seconds between looks at an answer still being written once the idle or head deadline
+# has come (`HttpProtocol._restart_deadline`): that time starts within this of its end
+ANSWER_GOING_CHECK = 0.5
 # Their states once a request was read whole (an Upgrade we decline by answering ends
 # in MIGHT_SWITCH_PROTOCOL, then DONE).
 _REQUEST_READ = (h11.DONE, h11.MIGHT_SWITCH_PROTOCOL)
@@ -168,6 +171,8 @@ class HttpProtocol(asyncio.Protocol):
         self.peername: object = None
         self.flow: FlowControl | None = None
         self.phase = Phase.IDLE
+        # since when a deadline has found an answer still being written (None: it has not)
+        self.answer_going: float | None = None
         self.timer = ConnectionTimer(self.loop, self._on_deadline)
         self.eof_seen = False  # the peer has half-closed
         self.probe_only = False  # taken past the connection cap: one probe, then close
@@ -193,6 +198,7 @@ class HttpProtocol(asyncio.Protocol):
     def _enter(self, phase: Phase) -> None:
         """Move to `phase` and arm its deadline (the one place that does both)."""
         self.phase = phase
+        self.answer_going = None
         if phase is Phase.HEAD:  # (a pipelined head too: its reading starts now)
             self.head_started = time.perf_counter()
         # an idle one gives way past the cap, as one silent in its TLS handshake does
@@ -230,7 +236,19 @@ class HttpProtocol(asyncio.Protocol):
 
     def _on_deadline(self) -> None:
         """The current phase's deadline passed."""
-        if self.phase is Phase.IDLE:
+        now = self.loop.time()
+        first_look = now if self.answer_going is None else self.answer_going
+        going = self.phase in (Phase.IDLE, Phase.HEAD) and (
+            self.sending or unsent_in_kernel(self.transport)
+        )
+        if going and now - first_look < self.settings.write_timeout:
+            # not the client's time yet (`_restart_deadline`): looked at again soon, for
+            # at most --write-timeout (a client that reads none of it is not waited for)
+            self.answer_going = first_look
+            self.timer.set(ANSWER_GOING_CHECK)
+        elif not going and self.answer_going is not None:
+            self._restart_deadline()  # gone since the last look: its time starts now
+        elif self.phase is Phase.IDLE:
             self.close()  # an idle keep-alive connection: close quietly
         elif self.phase is Phase.HEAD:
             self._fail(refusals.too_slow("head"))
@@ -238,6 +256,17 @@ class HttpProtocol(asyncio.Protocol):
             self._fail(refusals.too_slow("body"))
         elif self.phase is Phase.LINGER:
             self._close_transport()
+
+    def _restart_deadline(self) -> None:
+        """Count the idle or head deadline anew: the last answer is still being written
+        to a client that reads it slowly (--write-timeout bounds that). Counted from the
+        answer's queueing, a 1.8 MB answer read in 11 s left the connection closed under
+        the client's next request, and pipelined heads the server held unread while it
+        could not write were refused 408 "not received in time". The idle time starts
+        once the answer has gone, as nginx's keepalive_timeout does."""
+        self.answer_going = None
+        if self.phase in (Phase.IDLE, Phase.HEAD):
+            self.timer.set(self.settings.deadlines[self.phase])
 
     @property
     def _reading(self) -> bool:
@@ -365,6 +394,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._flow.resume_writing()
+        self._restart_deadline()  # (the answer's last bytes are on their way)
         if self.cycle is None and self._reading:
             self.handle_events()  # reading resumes once h11 needs data
 

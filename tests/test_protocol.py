@@ -52,6 +52,7 @@ from rawserve.http.response_head import (
 )
 from rawserve.http.tls import server_context, validity_warning
 from rawserve.protocol import (
+    ANSWER_GOING_CHECK,
     PROBE_RESERVE,
     READ_AHEAD_LIMIT,
     REQUESTS_PER_PASS,
@@ -1000,6 +1001,47 @@ async def test_the_idle_deadline_counts_from_the_last_answer(timed):
     assert not transport.finished
     loop.advance(0.2)
     assert transport.closed and len(read_responses(transport.written)) == 3
+
+
+async def test_the_idle_deadline_counts_from_when_the_answer_has_gone(timed):
+    """A large answer read slowly (within --write-timeout): counted from its queueing, the
+    keep-alive time ran out while the client still read it, and the connection was closed
+    under its next request."""
+    app, protocol, transport, loop = timed
+    protocol.data_received(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+    await settle()
+    transport.buffered = 500_000  # the client reads it slowly
+    loop.advance(12)  # past the 5 s keep-alive, still reading
+    assert not transport.finished
+    transport.buffered = 0  # all of it taken
+    loop.advance(ANSWER_GOING_CHECK)  # seen gone: the keep-alive time starts
+    loop.advance(4.9)
+    assert not transport.finished
+    protocol.data_received(b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n")
+    await settle()
+    assert len(read_responses(transport.written)) == 2 and not transport.finished
+    loop.advance(5.1)  # idle after that one: closed
+    assert transport.closed
+
+
+async def test_heads_held_unread_while_answers_cannot_be_written_are_not_late(timed):
+    """Pipelined heads the server holds unparsed while the client reads its answers
+    slowly: their head deadline was the client's, and they were refused 408 "the request
+    head was not received in time" with the rest of the pipeline lost."""
+    app, protocol, transport, loop = timed
+    protocol.data_received(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+    await settle()
+    transport.buffered = 500_000
+    protocol.pause_writing()  # the transport's buffer is past its mark
+    protocol.data_received(b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n" * 3)
+    await settle()
+    loop.advance(12)  # past the 10 s head deadline, still unable to write
+    assert b" 408 " not in transport.written and not transport.finished
+    transport.buffered = 0
+    protocol.resume_writing()
+    await settle()
+    answers = read_responses(transport.written)
+    assert [response.status_code for response, _ in answers] == [200] * 4
 
 
 async def test_a_slowloris_dribbling_its_head_gets_408_at_the_head_deadline(timed):
@@ -2147,7 +2189,9 @@ async def test_a_connection_closed_with_some_of_its_answer_unread_is_cut_off_in_
     protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\n" + closing + b"\r\n")
     await settle()
     transport.buffered = 1000  # of its answer, never taken by its client
-    loop.advance(LINGER_SECONDS if closing else 5)  # the linger's end, or the keep-alive's
+    # the linger's end, or the keep-alive's (counted once the answer has gone, waited for
+    # --write-timeout at most)
+    loop.advance(LINGER_SECONDS if closing else 5 + settings.write_timeout)
     assert transport.closed and not transport.aborted
     protocol.pause_writing()  # (a pause and a resume, then, give the rest a fresh timeout)
     loop.advance(2)

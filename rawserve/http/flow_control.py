@@ -14,7 +14,10 @@ be an `asyncio.Transport` (uvloop's are not).
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import socket
+import sys
+import termios
 from collections.abc import Callable
 from contextlib import suppress
 from typing import Any, Protocol
@@ -27,6 +30,20 @@ STREAM_UNSENT_BYTES = 16 * 1024
 # ... and what a TLS transport holds before writing pauses (its own mark: 512 KB, and as
 # much again in the socket's transport below it): a plain transport's 64 KB
 STREAM_TLS_BUFFER_BYTES = 64 * 1024
+
+
+def unsent_in_kernel(transport: Transport | None) -> int:
+    """Bytes written to the socket that its peer has not yet taken (Linux's SIOCOUTQ:
+    unsent and unacknowledged); 0 where that cannot be asked. An answer the kernel's send
+    buffer holds whole is no longer the transport's."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or not hasattr(termios, "TIOCOUTQ"):
+        return 0
+    try:
+        queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except (OSError, ValueError):
+        return 0
+    return int.from_bytes(queued, sys.byteorder, signed=True)
 
 
 class ReadingSwitch(Protocol):
