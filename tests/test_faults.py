@@ -605,6 +605,8 @@ def test_a_hung_request_gets_500_and_the_queue_moves_on(faulty_server):
     assert status == 500 and "batch timeout" in error["error"]
     assert [status for status, _ in waiting] == [200] * 3
     faulty_server.wait_for_log(re.compile(r"ran over 3 s \(request \w+\); killing process"), 10)
+    # its death is said as the server's own kill, not as the OOM killer's hint
+    faulty_server.wait_for_log(re.compile(r"process \d+ was killed for hanging"), 10)
 
 
 @pytest.mark.slow

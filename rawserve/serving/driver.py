@@ -45,7 +45,10 @@ from rawserve.shared.messages import NO_CONTROL, BatchResult, Control, ModelLimi
 log = logging.getLogger("rawserve.scheduler")
 
 # a deadline counts from the request's head: reading and checking its body may spend it
-PASSED_BEFORE_QUEUED = "the request's deadline passed before it was queued, as its body was read"
+PASSED_BEFORE_QUEUED = (
+    "the request's deadline passed before it was queued: as its body was read, or while "
+    "the server was too busy to take it"
+)
 
 # Results handed to their requests per pass of the event loop where each one turns into a
 # response (encoding, socket writes): a batch of 32 at once would hold the loop for

@@ -919,7 +919,9 @@ class WorkerPool(PoolReports):
             "worker %s: process %d %s%s%s%s; %s",
             worker.label,
             process.pid,
-            exit_words(process.exitcode),
+            "was killed for hanging"  # (by the server itself: no OOM hint)
+            if worker.hung and process.exitcode == -signal.SIGKILL
+            else exit_words(process.exitcode),
             " while loading" if was_loading else "",
             f" holding a batch of {len(job.inputs)}{job_requests(job)}" if job else "",
             f" and one of {len(behind.inputs)} behind it" if behind else "",
