@@ -547,6 +547,9 @@ def test_each_parameter_takes_the_bounds_its_schema_states_and_refuses_past_them
         ("fill-mask", "top_k", 100, 101),
         ("text-classification", "top_k", 1, 0),
         ("image-classification", "top_k", 1000, 1001),
+        # generate()'s "never" too: it was 400 "must be true or false"
+        ("summarization", "early_stopping", "never", "always"),
+        ("translation", "early_stopping", False, 1),
     ],
 )
 def test_the_bounds_clients_are_told_hold(task, name, taken, refused):

@@ -157,6 +157,13 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
     state = ServerState(metrics=metrics)
     settings = config.http
     await link.connect(sock)
+    if lost.is_set():
+        log.error(SERVING_GONE, spec.index, os.getpid())
+        return 1
+    if drain.is_set():  # a replacement started as the server stopped: listened to now,
+        # the port would take connections only to reset them as the drain closes it
+        log.debug("HTTP process %d: the server is stopping; not listening", spec.index)
+        return 0
     server = await listen(
         config,
         lambda: HttpProtocol(app, settings, state, loop=loop, tls=tls),

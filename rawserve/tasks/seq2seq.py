@@ -16,6 +16,16 @@ from typing import Any
 from rawserve.tasks.checks import Checker, boolean, checker, float_range, int_range, one_of, text
 from rawserve.tasks.rules import MAX_NEW_TOKENS, SingleAnswer, Task
 
+
+@checker({"anyOf": [{"type": "boolean"}, {"const": "never"}]})
+def early_stopping(value: Any) -> bool | str:
+    """generate()'s `early_stopping`: true, false, or "never" (beam search runs until no
+    better candidate can come)."""
+    if not isinstance(value, bool) and value != "never":
+        raise ValueError('must be true, false or "never"')
+    return value
+
+
 # generate() options these tasks take, by name: inside the Inference API's
 # `generate_parameters`, or directly among the parameters.
 GENERATE_PARAMS: dict[str, Checker] = {
@@ -34,7 +44,7 @@ GENERATE_PARAMS: dict[str, Checker] = {
     "num_beams": int_range(1, 8),
     "repetition_penalty": float_range(0.0, 100.0, above_low=True),  # (it divides the scores)
     "no_repeat_ngram_size": int_range(0, 100),
-    "early_stopping": boolean,
+    "early_stopping": early_stopping,
 }
 
 
