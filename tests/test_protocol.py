@@ -1393,6 +1393,23 @@ async def test_a_connection_closing_with_a_few_bytes_unsent_is_cut_off_at_the_wr
     await asyncio.wait_for(stalled.wait(), timeout=5.0)
 
 
+async def test_a_client_reading_slowly_is_not_cut_off_while_it_takes_some_of_its_answer():
+    """The write timeout was timed from its arming alone: a client reading a 31 MB answer
+    steadily at 0.7 MB/s was cut off at 21 MB. One that takes some of what waits within
+    each timeout reads on; one that takes nothing for a whole timeout is cut off."""
+    stalled = asyncio.Event()
+    transport = FakeTransport()
+    transport.buffered = 1_000_000
+    flow = FlowControl(transport, asyncio.get_running_loop(), 0.2, stalled.set)
+    flow.pause_writing()
+    for _ in range(4):  # 0.4 s, two timeouts: some taken in each
+        await asyncio.sleep(0.1)
+        transport.buffered -= 100_000
+    assert not stalled.is_set()
+    await asyncio.wait_for(stalled.wait(), timeout=5.0)  # then nothing taken: cut off
+    assert transport.buffered == 600_000
+
+
 def test_closing_every_connection_closes_those_taken_for_a_probe_past_the_cap_too():
     from rawserve.http.limits import ServerState
 
