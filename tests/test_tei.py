@@ -599,7 +599,23 @@ def test_tei_routes_ignore_fields_they_do_not_use(servers, server, path, documen
     status, body = servers[server].post_json(document, path)
     assert status == 200, body
     plain = {k: v for k, v in document.items() if k in ("inputs", "ids", "query", "texts")}
-    assert servers[server].post_json(plain, path) == (200, body)
+    status, unadorned = servers[server].post_json(plain, path)
+    # the same answer; its floats as a batch's of other shapes may differ in the last bits
+    # (1e-9 apart, where an earlier request was batched beside it)
+    assert status == 200 and same_numbers(unadorned, body), (unadorned, body)
+
+
+def same_numbers(found, expected, tolerance=1e-6) -> bool:
+    """JSON values equal but for floats within `tolerance` of each other."""
+    if isinstance(found, float) or isinstance(expected, float):
+        return found == pytest.approx(expected, abs=tolerance)
+    if isinstance(found, list) and isinstance(expected, list):
+        return len(found) == len(expected) and all(map(same_numbers, found, expected))
+    if isinstance(found, dict) and isinstance(expected, dict):
+        return found.keys() == expected.keys() and all(
+            same_numbers(found[key], expected[key]) for key in found
+        )
+    return found == expected
 
 
 @pytest.mark.parametrize("blank", ["", "   ", "\n\t"])
