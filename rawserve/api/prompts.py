@@ -121,9 +121,10 @@ async def check_input_lengths(
             await by_length([text], count_within, tokenizer, [text], positions, True)
         except TooManyTokens:
             # of a list, which input it was, in the words of the worker's own refusals
-            which = f"the input at index {index}: " if len(inputs) > 1 else ""
             if names is not None:
                 which = f"{names[index]}: "
+            else:
+                which = f"the input at index {index}: " if len(inputs) > 1 else ""
             limit = says.format(limit=positions)
             raise UnprocessableInput(
                 f"{which}the input is more than {positions} tokens and {limit}"

@@ -27,15 +27,10 @@ def cut_pair(tokenizer: Any, first: str, second: str, limit: int) -> tuple[str, 
     them to `limit` tokens keeps the same tokens as of the whole texts, from the end
     its `truncation_side` says."""
     keep = SLACK * limit
-    if max(len(first.encode()), len(second.encode())) < keep - 1:  # (a token takes a
-        return first, second  # byte at least, but a word's start marker, which may be one)
-    try:
-        offsets = [_offsets(tokenizer, text) for text in (first, second)]
-    except NotImplementedError:  # a slow tokenizer: no offsets, and no such overflow
+    offsets = _offsets_past(tokenizer, [first, second], keep)
+    if offsets is None:
         return first, second
     counts = [len(each) for each in offsets]
-    if max(counts) <= keep:
-        return first, second
     left = tokenizer.truncation_side == "left"
     # the longer keeps one more: which is longer is all that longest_first reads
     caps = [keep + (counts[0] > counts[1]), keep + (counts[1] > counts[0])]
@@ -57,13 +52,10 @@ def cut_text(tokenizer: Any, text: str, limit: int) -> str:
     tokenizer's `truncation_side` says: truncated to `limit` or fewer, it keeps the same
     tokens as the whole text would."""
     keep = SLACK * limit
-    if len(text.encode()) < keep - 1:
+    offsets = _offsets_past(tokenizer, [text], keep)
+    if offsets is None:
         return text
-    try:
-        offsets = _offsets(tokenizer, text)
-    except NotImplementedError:
-        return text
-    return _cut(text, offsets, keep, tokenizer.truncation_side == "left")
+    return _cut(text, offsets[0], keep, tokenizer.truncation_side == "left")
 
 
 def _lengthen(counts: list[int], cut_counts: list[int]) -> tuple[int, int] | None:
@@ -75,6 +67,21 @@ def _lengthen(counts: list[int], cut_counts: list[int]) -> tuple[int, int] | Non
     if whole > 0 or (whole == 0 and cut < 0):
         return 0, cut_counts[1] - cut_counts[0] + (whole > 0)
     return 1, cut_counts[0] - cut_counts[1] + (whole < 0)
+
+
+def _offsets_past(
+    tokenizer: Any, texts: list[str], keep: int
+) -> list[list[tuple[int, int]]] | None:
+    """Each text's token offsets, where one of them has more than `keep` tokens (None:
+    none has, or a slow tokenizer, which gives no offsets and makes no such overflow)."""
+    # (a token takes a byte at least, but a word's start marker, which may be one)
+    if max(len(text.encode()) for text in texts) < keep - 1:
+        return None
+    try:
+        offsets = [_offsets(tokenizer, text) for text in texts]
+    except NotImplementedError:
+        return None
+    return offsets if max(map(len, offsets)) > keep else None
 
 
 def _offsets(tokenizer: Any, text: str) -> list[tuple[int, int]]:
