@@ -426,7 +426,9 @@ class HttpProtocol(asyncio.Protocol):
             try:
                 event = self.conn.next_event()
             except h11.RemoteProtocolError as exc:
-                self._fail(refusals.protocol_error(exc, in_body=self.phase is Phase.BODY))
+                in_body = self.phase is Phase.BODY
+                unparsed = self.conn.trailing_data[0]
+                self._fail(refusals.protocol_error(exc, in_body, unparsed))
                 return
             if event is h11.NEED_DATA:  # what was read ahead is parsed: read on
                 self.read_ahead = 0

@@ -238,8 +238,10 @@ CASES = [
     Case("one huge header, whole", get(b"X: " + b"a" * 2000 + b"\r\n"), [431]),
     Case("one huge header, unfinished", b"GET / HTTP/1.1\r\nX: " + b"a" * 2000, [431]),
     Case("many small headers", get(b"".join(b"X-%d: 1\r\n" % i for i in range(200))), [431]),
-    Case("huge target", b"GET /" + b"a" * 2000 + b" HTTP/1.1\r\n" + HOST + b"\r\n", [431]),
-    Case("huge method", b"A" * 2000 + b" / HTTP/1.1\r\n" + HOST + b"\r\n", [431]),
+    Case("huge target", b"GET /" + b"a" * 2000 + b" HTTP/1.1\r\n" + HOST + b"\r\n", [414]),
+    Case("huge target, unfinished", b"GET /" + b"a" * 2000, [414]),
+    Case("huge target after a blank line", b"\r\nGET /" + b"a" * 2000, [414]),
+    Case("huge method", b"A" * 2000 + b" / HTTP/1.1\r\n" + HOST + b"\r\n", [414]),
     # --- slow or vanishing clients (timers run out; EOF is a half-close) ---
     Case("nothing sent: idle close, no answer", b"", []),
     Case("half a request line, then silence", b"GET / HT", [408]),

@@ -33,7 +33,7 @@ PROBE_PATHS = ("/health", "/ready", "/ping")  # (/ping: SageMaker's readiness)
 _PROBE_PREFIX = "/ready/"
 _FIELD_ENDS = ('"', "\\")  # a quote ends a quoted field; a backslash escapes
 # A target is cut past this many characters: a head within its 16 KiB has a shorter one,
-# but a larger head that came in one read is parsed before its 431
+# but a larger head that came in one read is parsed before its 414
 MAX_TARGET_CHARS = 16 * 1024
 RETRY_HEADER = b"x-stainless-retry-count"
 MAX_RETRY_DIGITS = 3  # a retry count is small: a longer value is not one

@@ -2,7 +2,7 @@
 any), the answer to a browser's preflight `OPTIONS`, and the headers that let a page read
 an answer (errors included). The app adds those headers to what it answers; the
 protocol's one writer adds them to every other answer to a parsed head (its own 413,
-431, 408 and 503 refusals), never twice.
+414, 431, 408 and 503 refusals), never twice.
 
 Server process; plain functions of requests and responses, no I/O.
 """

@@ -144,6 +144,13 @@ class HeadersTooLarge(HTTPError):
     error_type = "headers_too_large"
 
 
+class URITooLong(HTTPError):
+    """A request line past the head's limit: 414, as nginx answers it (RFC 9110 15.5.15)."""
+
+    status = 414
+    error_type = "uri_too_long"
+
+
 class InternalError(HTTPError):
     status = 500
     error_type = "internal_error"

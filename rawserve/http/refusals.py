@@ -22,6 +22,7 @@ from rawserve.http.errors import (
     PayloadTooLarge,
     RequestTimeout,
     ServiceUnavailable,
+    URITooLong,
 )
 
 log = logging.getLogger("rawserve.protocol")
@@ -41,6 +42,8 @@ def check_head(
     """Refuse what h11 lets through but a hardened origin server must not."""
     if event.http_version not in SUPPORTED_VERSIONS:
         return BadRequest("only HTTP/1.0 and HTTP/1.1 are supported")
+    if len(event.method) + len(event.target) + len(b"  HTTP/1.1\r\n") > max_head_bytes:
+        return request_line_too_long()
     if head_size(event, fields) > max_head_bytes:
         # h11 bounds only a head still incomplete; one that came whole is checked here.
         return HeadersTooLarge("request headers too large")
@@ -74,15 +77,24 @@ def _is_served_target(method: bytes, target: bytes) -> bool:
     return target == b"*" and method == b"OPTIONS"
 
 
-def protocol_error(exc: h11.RemoteProtocolError, in_body: bool = False) -> HTTPError:
+def protocol_error(
+    exc: h11.RemoteProtocolError, in_body: bool = False, unparsed: bytes = b""
+) -> HTTPError:
     """What h11 could not parse, as a typed error (details go to the debug log only).
-    Past the head, what h11 finds too long is a chunk-size line or a trailer: the body's."""
+    Past the head, what h11 finds too long is a chunk-size line or a trailer: the body's;
+    before it, the request line when `unparsed` (what h11 holds) has not ended one yet."""
     log.debug("malformed request: %s", exc)
     if exc.error_status_hint == 431 and in_body:
         return PayloadTooLarge("a chunk-size line or trailer field is too long")
+    if exc.error_status_hint == 431 and b"\n" not in unparsed.lstrip(b"\r\n"):
+        return request_line_too_long()
     if exc.error_status_hint == 431:
         return HeadersTooLarge("request headers too large")
     return BadRequest("malformed HTTP request")
+
+
+def request_line_too_long() -> URITooLong:
+    return URITooLong("the request line is too long")
 
 
 def bare_line_feed() -> BadRequest:
