@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import email.utils
 import gzip
 import json
 import re
@@ -19,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rawserve.api.bodies import MAX_JSON_DEPTH, nested_deeper_than, read_json, request_timeout
-from rawserve.http import refusals
+from rawserve.http import refusals, response_head
 from rawserve.http.auth import require_bearer
 from rawserve.http.chunked import CHUNKS_AS_SENT, MIN_CHUNK_BYTES, ChunkedMeter
 from rawserve.http.content_coding import codings, decoded
@@ -1560,7 +1561,9 @@ async def test_an_unexpected_errors_traceback_names_the_request_its_500_answers(
     assert getattr(record, "request_id", None) == "failing-7"
 
 
-async def test_every_response_has_a_request_id_server_timing_and_an_access_line(server, caplog):
+async def test_every_response_has_a_date_request_id_server_timing_and_an_access_line(
+    server, caplog
+):
     app, protocol, transport = server
     requests = [
         b"GET /ok HTTP/1.1\r\nHost: a\r\nX-Request-Id: mine-1\r\n\r\n",
@@ -1573,6 +1576,11 @@ async def test_every_response_has_a_request_id_server_timing_and_an_access_line(
     ids = [dict(r.headers)[b"x-request-id"] for r, _ in responses]
     assert ids[0] == b"mine-1" and len(ids[1]) == 32
     assert all(b"total;dur=" in dict(r.headers)[b"server-timing"] for r, _ in responses)
+    dates = [
+        email.utils.parsedate_to_datetime(dict(r.headers)[b"date"].decode()) for r, _ in responses
+    ]
+    now = datetime.datetime.now(datetime.UTC)
+    assert all(abs((now - date).total_seconds()) < 5 for date in dates)  # RFC 9110 6.6.1
     lines = [record.getMessage() for record in caplog.records]
     assert len(lines) == 2
     assert '"GET /ok" 200' in lines[0] and lines[0].endswith("mine-1")
@@ -1602,6 +1610,7 @@ async def test_a_streamed_answer_whose_app_timed_it_has_one_server_timing_field(
     [(response, body)] = read_responses(transport.written, [request])
     timings = [value for name, value in response.headers if name == b"server-timing"]
     assert timings == [b"queue;dur=1.0"] and body == b"data: 1\n\n"
+    assert email.utils.parsedate_to_datetime(dict(response.headers)[b"date"].decode())
 
 
 async def test_a_clients_retry_is_marked_in_its_access_record(server, caplog):
@@ -2327,13 +2336,17 @@ def h11_written(status: int, fields: list[tuple[str, str]], body: bytes) -> byte
         (200, "application/json", (("X-Tab", "a\tb"), ("X-Empty", ""), ("x~!#$%&'*+.^_`|", "~"))),
     ],
 )
-def test_a_head_written_by_hand_is_the_bytes_h11_writes(status, content_type, headers):
+def test_a_head_written_by_hand_is_the_bytes_h11_writes(status, content_type, headers, monkeypatch):
+    monkeypatch.setattr(response_head, "http_date", lambda: "Thu, 03 Dec 2026 09:00:00 GMT")
     body = b'{"x": 1}'
     if all(name != "Server-Timing" for name, _ in headers):
         headers += (("Server-Timing", "app;dur=1"),)  # timed by the app: no clock in the bytes
     head = render_kept(status, content_type, headers, len(body))
     own = render_request_fields(HttpResponse(status, headers=list(headers)), "r-1", 0.0)
-    fields = fixed_fields(content_type, headers, len(body), False) + (("X-Request-Id", "r-1"),)
+    fields = fixed_fields(content_type, headers, len(body), False) + (
+        ("Date", "Thu, 03 Dec 2026 09:00:00 GMT"),
+        ("X-Request-Id", "r-1"),
+    )
     assert head is not None and head + own + body == h11_written(status, list(fields), body)
 
 

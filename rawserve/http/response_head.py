@@ -7,7 +7,7 @@ Both take their fields from here, so an answer carries the same headers however 
 framed:
 
     Server, Content-Type, the response's own headers (CORS included), Content-Length,
-    Connection: close, then X-Request-Id and Server-Timing (the per-request part).
+    Connection: close, then Date, X-Request-Id and Server-Timing (the per-request part).
 
 The first part depends only on the server's own values, so by hand its bytes are made
 once per distinct answer (`render_fixed`). On a connection that stays open, an answer to
@@ -22,6 +22,7 @@ Knows h11's response event; no I/O.
 
 from __future__ import annotations
 
+import email.utils
 import functools
 import re
 import time
@@ -66,11 +67,24 @@ def fixed_fields(content_type: str, headers: Fields, length: int | None, close: 
 
 
 def request_fields(response: HttpResponse, request_id: str, started: float) -> Fields:
-    """The request's id, and its time in the server (unless the app timed it itself)."""
+    """The date, the request's id, and its time in the server (unless the app timed it
+    itself)."""
+    fields = (("Date", http_date()), ("X-Request-Id", request_id))
     if _timed(response):
-        return (("X-Request-Id", request_id),)
+        return fields
     elapsed_ms = 1000 * (time.perf_counter() - started)
-    return (("X-Request-Id", request_id), ("Server-Timing", f"total;dur={elapsed_ms:.2f}"))
+    return (*fields, ("Server-Timing", f"total;dur={elapsed_ms:.2f}"))
+
+
+def http_date() -> str:
+    """Now, as a Date field has it (RFC 9110 6.6.1: an origin server with a clock sends
+    one), made once a second: formatting it costs more than the rest of a head."""
+    return _date_of_second(int(time.time()))
+
+
+@functools.lru_cache(maxsize=1)
+def _date_of_second(second: int) -> str:
+    return email.utils.formatdate(second, usegmt=True)
 
 
 def h11_head(status: int, fields: Fields) -> h11.Response:
@@ -150,10 +164,12 @@ def plain_field(name: str, value: str) -> bytes | None:
 
 def render_request_fields(response: HttpResponse, request_id: str, started: float) -> bytes:
     """`request_fields` and the head's blank line, as bytes (the id is visible ASCII)."""
+    date = http_date().encode("ascii")
     if _timed(response):
-        return b"X-Request-Id: %s\r\n\r\n" % request_id.encode()
+        return b"Date: %s\r\nX-Request-Id: %s\r\n\r\n" % (date, request_id.encode())
     elapsed_ms = 1000 * (time.perf_counter() - started)
-    return b"X-Request-Id: %s\r\nServer-Timing: total;dur=%.2f\r\n\r\n" % (
+    return b"Date: %s\r\nX-Request-Id: %s\r\nServer-Timing: total;dur=%.2f\r\n\r\n" % (
+        date,
         request_id.encode(),
         elapsed_ms,
     )
