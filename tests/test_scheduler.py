@@ -1078,6 +1078,74 @@ def test_a_sequence_is_admitted_only_if_it_would_be_sent_when_its_row_frees():
     assert inputs(next_batch(core, now=4.3)) == [text(12)]
 
 
+def rows_growing_slower(rows: int) -> SchedulerCore:
+    """A continuous worker's rows whose step takes 0.01 s alone and 0.01 s more for each
+    row beside it (as on a CPU), that generates 16 tokens by default."""
+    core = SchedulerCore(max_queue=64, max_batch_size=1, workers=rows, default_new_tokens=16)
+    return paced(core, seconds_per_token=0.01, per_row=0.01)
+
+
+def test_running_sequences_ends_are_judged_again_as_rows_join():
+    """Ten sequences of 100 tokens join ten rows one at a time: each runs beside all ten,
+    a step of 0.1 s, and none ends before 10.4 s. Each end was judged once, at its send,
+    beside the rows then (the first alone: 1.04 s), so at t = 1 a row looked free at
+    once: a request due at 6 s was admitted, and waited for its 504. It is refused now,
+    told to come back when the first row is likely free, not in a second."""
+    core = rows_growing_slower(10)
+    run_sequences(core, 10, at=0.0, new_tokens=100)
+    steps = 100 + STEPS_BESIDE
+    with pytest.raises(DeadlineUnreachable) as refused:
+        queue_items(core, [text(12)], now=1.0, deadline=6.0, params={"max_new_tokens": 8})
+    assert refused.value.retry_after == pytest.approx(steps * 0.1 - 1.0, rel=0.01)
+    assert core.refuses_any_sequence(deadline=6.0, now=1.0)
+
+
+def test_running_sequences_end_sooner_once_rows_leave():
+    """Two rows, a step of 0.02 s beside both: a sequence of 100 tokens beside another
+    has 79 of its 104 steps left at t = 0.5, when the other is stopped; it runs alone,
+    then a third joins it. What is left of it takes 1.58 s at 0.02 s a step (its end
+    judged afresh at each change, not 3.16 s: its time beside two rows, doubled)."""
+    core = rows_growing_slower(2)
+    first, second = run_sequences(core, 2, at=0.0, new_tokens=100)
+    core.stopped_batch(second, 0.5)
+    run_sequences(core, 1, at=0.5, new_tokens=100)
+    assert core.retry_after(0.5) == pytest.approx(1.58, rel=0.01)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["send", "finish", "stop", "forget"]), st.integers(0, 50)),
+        max_size=60,
+    )
+)
+def test_the_ends_judged_again_stay_the_books_of_the_sequences_running(events):
+    """Whatever joins and leaves the rows, in whatever order, the sorted ends admission
+    reads are the running sequences' own, their predicted seconds summed; each leaves
+    by its own end (one found by another's would leave a stale end behind)."""
+    core = rows_growing_slower(8)
+    running, now = [], 0.0
+    for kind, pick in events:
+        now += 0.05
+        if kind == "send":
+            queue_items(core, [text(8)], now=now, deadline=now + 1e6, params={"max_new_tokens": 64})
+            batch = next_batch(core, now)
+            if batch is not None:
+                running.append(batch)
+        elif running:
+            batch = running.pop(pick % len(running))
+            if kind == "finish":
+                core.finish_batch(batch, now, [64])
+            elif kind == "stop":
+                core.stopped_batch(batch, now, [pick])
+            else:
+                core.forget_batch(batch, now)
+        flights = core._in_flight.values()
+        assert core._in_flight_ends == sorted(flight.end for flight in flights)
+        assert core._in_flight_predicted == pytest.approx(sum(f.predicted for f in flights))
+        assert len(flights) == len(running)
+
+
 def test_the_head_check_refuses_nothing_on_one_sequence_measured():
     """One sequence is no pace to refuse by (admission, reading the body, would take it)."""
     core = SchedulerCore(max_batch_size=1, workers=1, default_new_tokens=128)
@@ -1170,7 +1238,7 @@ def test_what_the_head_check_refuses_admission_refuses(rows, sent, queued, now, 
             )
         except QueueFull:
             pass
-    ends = sorted(f.sent + f.predicted for f in core._in_flight.values())
+    ends = sorted(f.end for f in core._in_flight.values())
     assert core._in_flight_ends == ends
     assert core._in_flight_seconds(now) == pytest.approx(
         sum(max(0.0, end - now) for end in ends) / rows, abs=1e-9

@@ -48,6 +48,9 @@ DEADLINE_MARGIN = 1.25
 # with no time left, and the batch that could still save it is a small one (less done per
 # second, more left to expire: under overload the queue spiralled into batches of one).
 ADMIT_MARGIN = DEADLINE_MARGIN
+# A continuous worker's running sequences' ends are judged again when a step's time
+# beside the rows running has changed by more than this fraction since they last were.
+REPACE_CHANGE = 0.05
 RATE_SMOOTHING = 0.2  # weight of the newest batch in the service-rate average
 CALIBRATION_SMOOTHING = 0.3  # weight of the newest token count in the estimate's scale
 BY_DEADLINE = operator.attrgetter("deadline")
@@ -173,8 +176,15 @@ class InFlight:
     items: int
     cost: int  # padded cost
     tokens: int  # unpadded
-    predicted: float  # seconds, 0 before any measurement
+    predicted: float  # seconds, 0 before any measurement (re-judged: `_repace`)
     row_seconds: float = 0.0  # the core's `_row_seconds` when it was sent
+    # a continuous worker's sequence: the rows its end was last judged beside (None:
+    # a batch, or a prompt only scored, whose time does not follow the rows)
+    paced_rows: int | None = None
+
+    @property
+    def end(self) -> float:
+        return self.sent + self.predicted
 
 
 @dataclass
@@ -265,6 +275,7 @@ class SchedulerCore:
     # a batch in flight per row, and admission reads when the next rows free at every
     # request (sorted afresh each time, 128 rows took a tenth of an overloaded server)
     _in_flight_ends: list[float] = field(default_factory=list)
+    _paced_rows: int = 1  # the rows the running sequences' ends were last judged beside
     # the batches in flight counted over time (their number times the seconds), to when:
     # a sequence's rows beside it on average are the growth of this over its time
     _row_seconds: float = 0.0
@@ -594,11 +605,13 @@ class SchedulerCore:
         took a third of the server's time from the rows. Only for a model that generates
         (its requests make new tokens by default; one asking none, a prompt only scored,
         is refused with them, as busy); never on a batching worker."""
-        if self.max_size != 1 or not self.default_new_tokens or not self.pace.trusted:
-            return False
-        if not self._rows_busy():
+        if not self._generates_on_rows() or not self._rows_busy():
             return False
         return self._too_late_for_rows(1, 0.0, deadline, self._turn + 1, deadline, now)
+
+    def _generates_on_rows(self) -> bool:
+        """A continuous worker's rows for a model that generates, their pace measured."""
+        return self.max_size == 1 and bool(self.default_new_tokens) and self.pace.trusted
 
     def _queued_ahead(self, last_turn: int, latest: float) -> Iterator[WorkItem]:
         """The queued items that go before items whose last turn is `last_turn` and latest
@@ -615,7 +628,12 @@ class SchedulerCore:
         return max(0.0, left) / max(self.workers, 1)
 
     def retry_after(self, now: float | None = None) -> float:
-        """Seconds until the current queue has likely drained, at the measured speed."""
+        """Seconds until the current queue has likely drained, at the measured speed; on
+        a continuous worker's rows, until a row is likely free for a sequence queued
+        behind them all (the queue's work shared out among the rows told a client to
+        come back in 2 s where the rows were busy for 30)."""
+        if now is not None and self._generates_on_rows():
+            return max(1.0, self._row_wait(self._size, 1, now))
         # O(1): a full queue refuses every request with this, under overload
         drain = self.cost_model.drain_seconds_of(
             self._size, self._queued_cost, self.max_size, self.workers
@@ -763,17 +781,45 @@ class SchedulerCore:
         self._take(queue, batch, window)
         self._turn = max(self._turn, self._served_turn(batch, queue))
         cost = padded_cost(item.cost for item in batch)
+        rows = None
         if self._continuous(batch):
-            predicted = self._flight_seconds(batch, len(self._in_flight) + 1)
+            rows = len(self._in_flight) + 1
+            predicted = self._flight_seconds(batch, rows)
         else:
             predicted = self.cost_model.predict(cost, len(batch)) or 0.0
         tokens = sum(item.cost for item in batch)
         self._count_rows(now)
-        flight = InFlight(now, len(batch), cost, tokens, predicted, self._row_seconds)
+        flight = InFlight(now, len(batch), cost, tokens, predicted, self._row_seconds, rows)
         self._in_flight[batch[0].seq] = flight
         self._in_flight_predicted += predicted
-        bisect.insort(self._in_flight_ends, now + predicted)
+        bisect.insort(self._in_flight_ends, flight.end)
+        if rows is not None:
+            self._repace(now)
         return batch
+
+    def _repace(self, now: float) -> None:
+        """Judge the running sequences' ends again at the pace of a step beside the rows
+        running now, where it has changed by more than REPACE_CHANGE since they were last
+        judged: what is left of each takes as many steps as judged, each as long as a
+        step beside the rows now. (Each end was judged once, at its send: on a CPU, where
+        a step's time grows with the rows, a wave of 128 sequences joining one at a time
+        was predicted to end 15 times too soon, and a request admitted behind rows that
+        could not free in time waited for its 504. Where rows leave, the rest end sooner.)"""
+        rows = len(self._in_flight)
+        step = self.pace.step_seconds(rows)
+        judged = self.pace.step_seconds(self._paced_rows)
+        if not rows or step is None or not judged or abs(step - judged) <= REPACE_CHANGE * judged:
+            return
+        self._paced_rows = rows
+        for flight in self._in_flight.values():
+            if flight.paced_rows is None or flight.paced_rows == rows:
+                continue
+            then = self.pace.step_seconds(flight.paced_rows)
+            if then and flight.end > now:  # (one overdue is due now: its steps are unknown)
+                flight.predicted = now + (flight.end - now) * step / then - flight.sent
+            flight.paced_rows = rows
+        self._in_flight_ends = sorted(flight.end for flight in self._in_flight.values())
+        self._in_flight_predicted = math.fsum(f.predicted for f in self._in_flight.values())
 
     @staticmethod
     def _served_turn(batch: list[WorkItem], queue: list[WorkItem]) -> int:
@@ -902,7 +948,7 @@ class SchedulerCore:
         its generations made, where the worker says (see `_made_cost`)."""
         made = _told(batch, made)
         self._count_rows(now)
-        flight = self._pop_in_flight(batch)
+        flight = self._pop_in_flight(batch, now)
         if flight is None:
             return 0.0
         ran = max(now - flight.sent, 1e-6)
@@ -953,7 +999,7 @@ class SchedulerCore:
                 if not item.fewest_new_tokens:
                     self.answer_lengths.stopped(count)
         self._count_rows(now)
-        flight = self._pop_in_flight(batch)
+        flight = self._pop_in_flight(batch, now)
         if flight is None:
             return
         cost, tokens = _ran(batch, flight, made)
@@ -969,7 +1015,7 @@ class SchedulerCore:
         known, for the rows counted over time), and says nothing."""
         if now is not None:
             self._count_rows(now)
-        self._pop_in_flight(batch)
+        self._pop_in_flight(batch, now)
 
     def _observe_pace(
         self, batch: Sequence[WorkItem], flight: InFlight, made: Sequence[int] | None, now: float
@@ -997,12 +1043,16 @@ class SchedulerCore:
             return float(min(len(self._in_flight) + 1, most))
         return min(max(1.0, (self._row_seconds - flight.row_seconds) / seconds), most)
 
-    def _pop_in_flight(self, batch: Sequence[WorkItem]) -> InFlight | None:
+    def _pop_in_flight(self, batch: Sequence[WorkItem], now: float | None) -> InFlight | None:
+        """`batch`'s flight, no longer in flight (from `now`, when known: the rest's ends
+        are judged again then)."""
         flight = self._in_flight.pop(batch[0].seq, None)
         if flight is not None:
             ends = self._in_flight_ends
-            del ends[bisect.bisect_left(ends, flight.sent + flight.predicted)]
+            del ends[bisect.bisect_left(ends, flight.end)]
             # (back to exactly zero when none is left: the sum's rounding never builds up)
             left = self._in_flight_predicted - flight.predicted
             self._in_flight_predicted = max(0.0, left) if self._in_flight else 0.0
+            if flight.paced_rows is not None and now is not None:
+                self._repace(now)
         return flight
