@@ -697,7 +697,8 @@ class HttpProtocol(asyncio.Protocol):
         self, cycle: Cycle, response: HttpResponse, pieces: list[bytes | None]
     ) -> None:
         self._write_all(pieces)  # one send for the whole answer
-        self._log_access(cycle, response.status, len(response.body))
+        # the body's bytes sent, as nginx logs them: none to a HEAD request
+        self._log_access(cycle, response.status, 0 if cycle.is_head else len(response.body))
 
     async def _send_stream(self, cycle: Cycle, response: HttpResponse) -> None:
         """Send a body produced piece by piece (chunked), waiting while the peer is slow.

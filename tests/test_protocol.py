@@ -590,12 +590,16 @@ async def test_a_client_that_leaves_amid_its_request_is_one_400_line_however_it_
     assert not app.seen
 
 
-async def test_head_answers_headers_only(server):
+async def test_head_answers_headers_only(server, caplog):
+    """...and its access line counts no body bytes sent, as nginx's does."""
     app, protocol, transport = server
     head = b"HEAD /x HTTP/1.1\r\nHost: a\r\n\r\n"
     get = b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n"
-    protocol.data_received(head + get)
-    await settle()
+    with caplog.at_level("INFO", logger="rawserve.access"):
+        protocol.data_received(head + get)
+        await settle()
+    head_line, get_line = [record.getMessage() for record in caplog.records]
+    assert '"HEAD /x" 200 0 ' in head_line and '"GET /x" 200 26 ' in get_line
     (head_response, head_body), (get_response, get_body) = read_responses(
         transport.written, [head, get]
     )
