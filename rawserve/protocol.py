@@ -889,12 +889,13 @@ class HttpProtocol(asyncio.Protocol):
         seconds = time.perf_counter() - cycle.started
         method = request.method.decode("ascii", "replace") if request else "-"
         target = request.target.decode("ascii", "replace") if request else "-"
+        # by the path the routes see (an absolute-form or %-encoded target as routed)
+        path = cycle.head.path if cycle.head is not None else target.partition("?")[0]
         if self.state.metrics is not None:
-            # by the path the routes see (an absolute-form or %-encoded target as routed)
-            path = cycle.head.path if cycle.head is not None else target.partition("?")[0]
             self.state.metrics.observe_request(path, method, status, seconds)
         peer = functools.partial(_peer, self.peername)
-        log_access(peer, method, target, status, size, seconds, cycle.request_id, cycle.retry)
+        request_id, retry = cycle.request_id, cycle.retry
+        log_access(peer, method, target, status, size, seconds, request_id, retry, path)
 
 
 async def _close_stream(response: HttpResponse) -> None:

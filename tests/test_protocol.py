@@ -590,6 +590,19 @@ async def test_a_client_that_leaves_amid_its_request_is_one_400_line_however_it_
     assert not app.seen
 
 
+async def test_a_probe_in_any_form_the_routes_take_is_logged_at_debug_only(server, caplog):
+    """`GET http://a/health` (the absolute form proxies send) and `/he%61lth` are the
+    routes' /health: their 200s were logged at INFO, every few seconds of a probe."""
+    app, protocol, transport = server
+    probes = [b"GET http://a/health HTTP/1.1\r\nHost: a\r\n\r\n"]
+    probes.append(b"GET /he%61lth HTTP/1.1\r\nHost: a\r\n\r\n")
+    with caplog.at_level("DEBUG", logger="rawserve.access"):
+        protocol.data_received(b"".join(probes))
+        await settle()
+    levels = [record.levelname for record in caplog.records]
+    assert levels == ["DEBUG", "DEBUG"] and [r.path for r in app.seen] == ["/health"] * 2
+
+
 async def test_head_answers_headers_only(server, caplog):
     """...and its access line counts no body bytes sent, as nginx's does."""
     app, protocol, transport = server

@@ -72,13 +72,16 @@ def log_access(
     seconds: float,
     request_id: str,
     retry: int = 0,
+    path: str | None = None,
 ) -> None:
     """Log one response (`peer`: the client's address, or a function that says it, called
     only when the line is written: nothing is formatted for a log that is off; `retry`:
-    the client's retry it answers, a JSON key only)."""
+    the client's retry it answers, a JSON key only; `path`: the target's path as the
+    routes saw it, where it differs: an absolute form's, a %-encoded one's)."""
     # a probe's answers (up, down) at DEBUG; anything else a probe path answers, as a 401 to
     # someone trying keys there or a 404, at INFO: an operator sees those
-    probe = is_probe(method, target.partition("?")[0]) and status in PROBE_ANSWERS
+    path = target.partition("?")[0] if path is None else path
+    probe = is_probe(method, path) and status in PROBE_ANSWERS
     level = logging.DEBUG if probe else logging.INFO
     if not access_log.isEnabledFor(level):
         return
