@@ -163,6 +163,7 @@ def servers(request):
             "draining_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "10"]),
             "orphaned_server": lambda: RunningServer([*SLEEPY, *TWO]),
             "signalled_twice_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "30"]),
+            "stalled_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "2"]),
         },
     ) as get:
         yield get
@@ -172,6 +173,7 @@ server = module_server("server")
 draining_server = module_server("draining_server")
 orphaned_server = module_server("orphaned_server")
 signalled_twice_server = module_server("signalled_twice_server")
+stalled_server = module_server("stalled_server")
 
 
 def test_both_http_processes_answer_and_info_lists_every_process(server):
@@ -431,6 +433,33 @@ def test_the_serving_process_dying_stops_the_http_processes_with_a_clear_line(or
         for pid in [*pids, *workers]:
             if not gone(pid):
                 os.kill(pid, signal.SIGKILL)
+        server.stop()
+
+
+def test_a_stop_sent_to_the_group_answers_503_where_the_serving_process_is_stalled(
+    stalled_server,
+):
+    """SIGTERM to every process (a closed terminal's) with the serving process stopped:
+    the HTTP processes drain, and what the serving process does not answer by the end of
+    the grace period they answer 503 themselves (it was closed unanswered, logged 499)."""
+    server = stalled_server  # --grace 2
+    pids = http_pids(server)
+    try:
+        asked = json.dumps({"inputs": "stalled", "parameters": {"sleep": 20.0}})
+        waiting = subprocess.Popen(
+            [*CURL_POST, asked, "-w", "%{http_code}", f"http://127.0.0.1:{server.port}/"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        CLIENTS.append(waiting)
+        server.wait_for_log(re.compile(re.escape("sleeping 20.0 s on ['stalled']")), 30)
+        os.kill(server.process.pid, signal.SIGSTOP)
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        assert waiting.communicate(timeout=15)[0] == "503"
+        wait_until(lambda: all(gone(pid) for pid in pids), 10, "the HTTP processes exited")
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
         server.stop()
 
 

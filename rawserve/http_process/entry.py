@@ -194,8 +194,17 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
         state.close_all()
         return 1
     app.start_draining()
-    # the serving process answers what is left with 503 once the grace period is over
-    await requests_answered(state, grace + FINAL_WRITE_SECONDS)
+    # the serving process answers what is left with 503 once the grace period is over;
+    # one that has not by then (stopped, stuck) cannot: they are answered 503 here (they
+    # were closed unanswered, logged as their clients' leaving, 499)
+    if not await requests_answered(state, grace + FINAL_WRITE_SECONDS):
+        log.warning(
+            "HTTP process %d: the serving process did not answer within the grace period; "
+            "answering what is left 503",
+            spec.index,
+        )
+        link.refuse_pending()
+        await requests_answered(state, FINAL_WRITE_SECONDS)
     state.close_all()
     await metrics.stop()
     if link.channel is not None:

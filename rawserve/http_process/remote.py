@@ -190,12 +190,17 @@ class Link:
 
     def lost(self) -> None:
         """The serving process is gone: nothing pending will be answered."""
+        self.refuse_pending()
+        self.on_lost()
+
+    def refuse_pending(self) -> None:
+        """Answer what is pending as a server stopping does (503), the serving process
+        gone, or silent past a drain's end."""
         gone = shutting_down()
         for future in self.pending.values():
             if not future.done():
                 future.set_exception(gone)
         self.pending.clear()
-        self.on_lost()
 
 
 class RemoteServing:
