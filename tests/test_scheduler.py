@@ -1100,6 +1100,22 @@ def test_running_sequences_ends_are_judged_again_as_rows_join():
     assert core.refuses_any_sequence(deadline=6.0, now=1.0)
 
 
+def test_a_running_sequences_row_frees_by_its_deadline_whatever_it_asks():
+    """128 rows of streams asking 4,000 tokens (133 s at the pace) due at 3 s: each frees
+    its row at its deadline's step. At t = 1 a request of 20 tokens due at 11 s fits
+    beside them; it was refused, told to come back in 130 s. One due at 4 s does not (it
+    would wait 2 s for a row): refused, told to come back when they free."""
+    core = rows_of(128)
+    for stream in range(128):
+        control = Control(stream_id=stream + 1)
+        core.admit([core.new_item(text(12), {"max_new_tokens": 4000}, 3.0, 0.0, control)], 0.0)
+        assert next_batch(core, now=0.0) is not None
+    queue_items(core, [text(12)], now=1.0, deadline=11.0, params={"max_new_tokens": 20})
+    with pytest.raises(DeadlineUnreachable) as refused:
+        queue_items(core, [text(12)], now=1.0, deadline=4.0, params={"max_new_tokens": 20})
+    assert refused.value.retry_after == pytest.approx(2.0 + PACE, rel=0.01)
+
+
 def test_running_sequences_end_sooner_once_rows_leave():
     """Two rows, a step of 0.02 s beside both: a sequence of 100 tokens beside another
     has 79 of its 104 steps left at t = 0.5, when the other is stopped; it runs alone,

@@ -179,8 +179,10 @@ class InFlight:
     predicted: float  # seconds, 0 before any measurement (re-judged: `_repace`)
     row_seconds: float = 0.0  # the core's `_row_seconds` when it was sent
     # a continuous worker's sequence: the rows its end was last judged beside (None:
-    # a batch, or a prompt only scored, whose time does not follow the rows)
+    # a batch, or a prompt only scored, whose time does not follow the rows), and when
+    # its row frees at the latest (its deadline ends it at the next step)
     paced_rows: int | None = None
+    freed_by: float = math.inf
 
     @property
     def end(self) -> float:
@@ -781,15 +783,22 @@ class SchedulerCore:
         self._take(queue, batch, window)
         self._turn = max(self._turn, self._served_turn(batch, queue))
         cost = padded_cost(item.cost for item in batch)
-        rows = None
+        rows, freed_by = None, math.inf
         if self._continuous(batch):
             rows = len(self._in_flight) + 1
-            predicted = self._flight_seconds(batch, rows)
+            # (a sequence asking 4,000 tokens with 3 s left frees its row in 3 s: judged
+            # by its tokens, 128 such rows answered a request fitting beside them 503,
+            # told to come back in 250 s)
+            step = self.pace.step_seconds(rows) or 0.0
+            freed_by = max(item.deadline for item in batch) + step
+            predicted = min(self._flight_seconds(batch, rows), max(0.0, freed_by - now))
         else:
             predicted = self.cost_model.predict(cost, len(batch)) or 0.0
         tokens = sum(item.cost for item in batch)
         self._count_rows(now)
-        flight = InFlight(now, len(batch), cost, tokens, predicted, self._row_seconds, rows)
+        flight = InFlight(
+            now, len(batch), cost, tokens, predicted, self._row_seconds, rows, freed_by
+        )
         self._in_flight[batch[0].seq] = flight
         self._in_flight_predicted += predicted
         bisect.insort(self._in_flight_ends, flight.end)
@@ -816,7 +825,8 @@ class SchedulerCore:
                 continue
             then = self.pace.step_seconds(flight.paced_rows)
             if then and flight.end > now:  # (one overdue is due now: its steps are unknown)
-                flight.predicted = now + (flight.end - now) * step / then - flight.sent
+                end = min(now + (flight.end - now) * step / then, flight.freed_by)
+                flight.predicted = end - flight.sent
             flight.paced_rows = rows
         self._in_flight_ends = sorted(flight.end for flight in self._in_flight.values())
         self._in_flight_predicted = math.fsum(f.predicted for f in self._in_flight.values())
