@@ -360,6 +360,19 @@ def whole_number(text: str) -> bool:
     return True
 
 
+# text options whose empty value is refused in words of their own (parse_config)
+SAY_EMPTY_THEMSELVES = frozenset({"--host", "--revision", "--api-key"})
+
+
+def given_text(value: str) -> str:
+    """A text option's value; an empty one is refused, not read as the option left out:
+    `--ssl-certfile "$CERT"` with CERT unset served plain HTTP without a word, and
+    `--handler ''` the default model."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("empty (leave the option out for its default)")
+    return value
+
+
 def naming_the_variable(
     convert: Callable[[str], Any], env: str, text: str | None
 ) -> Callable[[str], Any]:
@@ -530,6 +543,8 @@ def build_parser() -> OneLineParser:
         variable = variable_value(option.env)
         default = option.default if variable is None else variable
         base: Callable[[str], Any] = finite_number if option.type is float else option.type
+        if option.type is str and option.flag not in SAY_EMPTY_THEMSELVES:
+            base = given_text
         convert = naming_the_variable(base, option.env, variable)
         # the key is a secret: --help output is pasted into tickets and CI logs
         secret = option.env == KEY_VARIABLE

@@ -272,6 +272,14 @@ def test_pooling_is_read_in_sentence_transformers_words_and_tei_s(monkeypatch, g
         (["--engine", "onnx", "--device", "cpu", "--dtype", "bfloat16"], {}, "float32 here, not"),
         (["--pooling", "first"], {}, "--pooling must be one of cls, lasttoken, max, mean"),
         (["--pooling", "splade", *ECHO], {}, "--handler serves its own callable: --pooling"),
+        # an empty value (a variable that expanded to nothing) read as the option left out:
+        # plain HTTP where TLS was meant, the default model where a handler was
+        *[
+            ([flag, value], {}, f"argument {flag}: empty (leave the option out")
+            for flag in ("--ssl-certfile", "--handler", "--task", "--device", "--pooling")
+            for value in ("", " ")
+        ],
+        (["--chat-template", ""], {}, "argument --chat-template: empty"),
     ],
 )
 def test_an_invalid_command_line_is_refused_with_a_clear_line(
