@@ -186,7 +186,9 @@ class HttpProcesses:
         self.bridge.drain(grace)
 
     async def requests_answered(self, timeout: float) -> bool:
-        return await self.fleet.wait_exited(timeout)
+        """Every HTTP process's requests answered (each keeps its idle connections open
+        until `close`, as one process does)."""
+        return await self.bridge.requests_answered(timeout)
 
     def close(self) -> None:
         self.fleet.stopping = True

@@ -164,6 +164,7 @@ def servers(request):
             "orphaned_server": lambda: RunningServer([*SLEEPY, *TWO]),
             "signalled_twice_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "30"]),
             "stalled_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "2"]),
+            "idle_draining_server": lambda: RunningServer([*SLEEPY, *TWO, "--grace", "10"]),
         },
     ) as get:
         yield get
@@ -174,6 +175,7 @@ draining_server = module_server("draining_server")
 orphaned_server = module_server("orphaned_server")
 signalled_twice_server = module_server("signalled_twice_server")
 stalled_server = module_server("stalled_server")
+idle_draining_server = module_server("idle_draining_server")
 
 
 def test_both_http_processes_answer_and_info_lists_every_process(server):
@@ -347,6 +349,30 @@ def test_sigterm_drains_every_process_within_the_grace_period(draining_server):
         assert worker.wait(10) == 0
         assert computed(server, "drain-busy")
         wait_until(lambda: all(gone(pid) for pid in pids), 10, "the HTTP processes exited")
+    finally:
+        server.stop()
+
+
+def test_a_drain_answers_a_request_on_an_idle_connection_to_any_http_process(
+    idle_draining_server,
+):
+    """A connection left idle stays open through the drain, whichever HTTP process holds
+    it, and its next request is answered 503 with `Connection: close`, as with one
+    process: a process with no request of its own under way closed its connections at
+    once, and a pooled client's next request there got no answer at all."""
+    server = idle_draining_server  # --grace 10
+    try:
+        idle = one_connection_each(server)
+        assert len(idle) == 2
+        worker = busy(server, "drain-held", 2.0)  # the drain lasts while it runs
+        server.signal(signal.SIGTERM)
+        server.wait_for_log(re.compile("SIGTERM received"), 10)
+        time.sleep(0.3)
+        for connection in idle.values():
+            status, headers, _ = connection.request("GET", "/ready")
+            assert status == 503 and headers.get("Connection") == "close"
+        assert worker.wait(10) == 0
+        assert server.process.wait(15) == 0
     finally:
         server.stop()
 

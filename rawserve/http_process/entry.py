@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import math
 import os
 import socket
 import sys
@@ -113,6 +114,14 @@ def run_http_process(spec: HttpProcessSpec, sock: socket.socket) -> None:
     sys.exit(loops.run(serve_http(spec, sock), config.loop))
 
 
+async def first_of(events: list[asyncio.Event], timeout: float) -> None:
+    """Wait until one of `events` is set, or `timeout` passes."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    for wait in waits:
+        wait.cancel()
+
+
 async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
     config = spec.config
     try:
@@ -123,12 +132,15 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
     loop = asyncio.get_running_loop()
     drain = asyncio.Event()
     lost = asyncio.Event()
+    closing = asyncio.Event()  # the serving process's drain is over: close what is open
     grace = config.grace
 
     def on_drain(seconds: float) -> None:
         nonlocal grace
         grace = seconds
         drain.set()
+        if seconds <= 0:  # (what `HttpProcesses.close` sends)
+            closing.set()
 
     try:
         board = Board(spec.board, len(spec.models))
@@ -180,10 +192,7 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
     gc.freeze()
     log.debug("HTTP process %d (pid %d) listening", spec.index, os.getpid())
 
-    stopped = [loop.create_task(drain.wait()), loop.create_task(lost.wait())]
-    await asyncio.wait(stopped, return_when=asyncio.FIRST_COMPLETED)
-    for task in stopped:
-        task.cancel()
+    await first_of([drain, lost], math.inf)
     server.close()
     if lost.is_set():
         log.error(SERVING_GONE, spec.index, os.getpid())
@@ -204,6 +213,13 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
             spec.index,
         )
         link.refuse_pending()
+        await requests_answered(state, FINAL_WRITE_SECONDS)
+    else:
+        # its own answered, the other processes' may not be: its idle connections stay
+        # open (a request there is answered 503, as with one process) until the serving
+        # process says the server's drain is over (they were closed at once, and a
+        # pooled client's next request on one got no answer at all)
+        await first_of([closing, lost], grace + FINAL_WRITE_SECONDS)
         await requests_answered(state, FINAL_WRITE_SECONDS)
     state.close_all()
     await metrics.stop()

@@ -65,6 +65,7 @@ PUBLISH_SECONDS = 0.005
 # that fits, to the bound itself.
 FRONT_HEADROOM = 1 / 16
 STATUS_EVERY = 1  # board passes between two status checks
+DRAIN_LOOK_SECONDS = 0.05  # how often a drain looks whether every request is answered
 COLLECT_SECONDS = 1.0  # how long a scrape waits for the HTTP processes' metrics
 # An HTTP process that dies leaves its counters as it last gave them: asked this often
 # besides the scrapes, what it counted after is lost for a second at most, not since the
@@ -207,6 +208,17 @@ class Bridge:
             peer.channel.send(("ping", token))
         if waits:
             await asyncio.wait(waits, timeout=COLLECT_SECONDS)
+
+    async def requests_answered(self, timeout: float) -> bool:
+        """Wait until no HTTP process has a request under way here (or `timeout` passes):
+        the server's drain is done when every process's is."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout
+        while any(peer.runs or peer.streams for peer in self.peers.values()):
+            if loop.time() >= until:
+                return False
+            await asyncio.sleep(DRAIN_LOOK_SECONDS)
+        return True
 
     def drain(self, grace: float) -> None:
         """Tell every HTTP process to stop accepting and finish what it has."""
