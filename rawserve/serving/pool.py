@@ -217,8 +217,8 @@ class WorkerPool(PoolReports):
         out their deadlines beside a worker that serves (a tester's: 504 at 15 s, while
         the other worker answered in 0.3 s)."""
         home = next((w for w in self.workers if w.index == retry.home), None)
-        if home is None or home.record.failed_restarts:
-            return None
+        if home is None or home.record.failed_restarts or home.load_failure:
+            return None  # (a failed load: from its word, not the exit seconds later)
         return home.index
 
     def _retries_for_any(self) -> bool:
@@ -837,6 +837,8 @@ class WorkerPool(PoolReports):
         if self._first_load and not self._first_load.done():
             self._first_load.set_exception(RuntimeError(failed.message))
             self._closing = True  # a model that never loaded will not load on retry
+            return
+        self._pump()  # what its crash left waiting for it goes to any worker now
 
     def _on_token(self, worker: WorkerHandle, chunk: TokenChunk) -> None:
         job = worker.running.streaming(chunk.stream_id) or worker.job
@@ -915,14 +917,17 @@ class WorkerPool(PoolReports):
             self._run_again_whole(behind)
         cause = worker.load_failure or f"its worker process {exit_words(process.exitcode)}"
         gave_up = was_loading and self._start_failed(worker, cause)
+        if worker.hung and process.exitcode == -signal.SIGKILL:
+            how = "was killed for hanging"  # (by the server itself: no OOM hint)
+        elif worker.load_failure and process.exitcode == 0:  # ("code 0" read as success)
+            how = "stopped, as its load failed"
+        else:
+            how = exit_words(process.exitcode) + (" while loading" if was_loading else "")
         log.error(  # (SIGKILL's hint: a worker the kernel's OOM killer took was not said)
-            "worker %s: process %d %s%s%s%s; %s",
+            "worker %s: process %d %s%s%s; %s",
             worker.label,
             process.pid,
-            "was killed for hanging"  # (by the server itself: no OOM hint)
-            if worker.hung and process.exitcode == -signal.SIGKILL
-            else exit_words(process.exitcode),
-            " while loading" if was_loading else "",
+            how,
             f" holding a batch of {len(job.inputs)}{job_requests(job)}" if job else "",
             f" and one of {len(behind.inputs)} behind it" if behind else "",
             "not restarted" if gave_up else f"restarting in {decision.restart_in:.1f} s",

@@ -103,6 +103,11 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
     model, task = config.model, config.task
     if task is None:
         raise ValueError("no task: the server names the task of every model it serves")
+    if not Path(model).is_dir():  # (transformers would take it for a Hub repo id)
+        raise FileNotFoundError(
+            f"the model folder {model} is not there any more (moved or removed since the "
+            "server started)"
+        )
     refuse_unloadable_files(Path(model))
     refuse_unfit_model_type(Path(model), task)
     bf16 = device.startswith("cuda") and torch.cuda.is_bf16_supported()
