@@ -702,6 +702,26 @@ def test_question_answering_runs_no_more_windows_once_nobody_waits(runner):
     assert len(passes) == 1 and answer["answer"] == ""  # nor read out of the windows
 
 
+def test_question_answering_reads_no_more_windows_once_nobody_waits(runner, monkeypatch):
+    """Nor are the windows read for their answers once nobody waits: reading them was
+    most of a long context's time (900 KB: 70 s, past its 504 and a worker's kill for
+    hanging), after every pass had run. Their answers add up by text as before."""
+    from rawserve.worker import span_extraction
+
+    monkeypatch.setattr(span_extraction, "WINDOWS_PER_PASS", 10_000)  # one pass
+    qa = runner("question-answering")
+    item = {"question": "where", "context": CONTEXT * 18}
+    options = {"max_seq_len": 16, "doc_stride": 10, "top_k": 3}
+    [whole] = qa.run([item], options)
+    assert len({a["answer"].lower() for a in whole}) == 3  # one answer a text, in any case
+    qa.bind_cancel(cancelled := GivesUp(after=1))  # waited for through the pass alone
+    try:
+        [answer] = qa.run([item], options)
+    finally:
+        qa.bind_cancel(lambda: False)
+    assert cancelled.asked == 2 and answer == {"score": 0.0, "start": 0, "end": 0, "answer": ""}
+
+
 @pytest.mark.parametrize("context", ["\u200b", "\x00\x01", "\ufeff\ufeff"])
 def test_a_context_that_reads_as_no_tokens_is_refused_as_a_blank_one(runner, context):
     """Zero-width spaces or control characters only: the tokenizer reads no token, and
