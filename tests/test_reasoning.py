@@ -19,6 +19,7 @@ from rawserve.api.reasoning import REASONING, Thinking, split
 from rawserve.http.errors import BadRequest
 from rawserve.shared.messages import TokenChunk
 from rawserve.tasks.text_generation import (
+    CLOSED_IN_PROMPT,
     OPENED_IN_ANSWER,
     OPENED_IN_PROMPT,
     THINKING_IN_CONTENT,
@@ -73,6 +74,10 @@ ANSWERS = [  # (how the thinking opens, the text generated, its reasoning and co
     (OPENED_IN_PROMPT, "</think>Hello!", "", "Hello!"),
     (OPENED_IN_PROMPT, "\n\n", "\n\n", None),  # cut inside the open thinking
     (OPENED_IN_PROMPT, " <th", " <th", None),
+    (OPENED_IN_PROMPT, "", "", None),  # an empty answer: its thinking, empty
+    # the prompt closed the thinking (Qwen3's enable_thinking false): a <think> is text
+    (CLOSED_IN_PROMPT, "<think>hm</think>Hello", None, "<think>hm</think>Hello"),
+    (CLOSED_IN_PROMPT, "", None, ""),
 ]
 
 
@@ -539,7 +544,7 @@ def test_the_worker_tells_where_each_answers_thinking_opens_on_every_path(reason
         reasoner.tokenizer.chat_template = None
         reasoner.bind_stream(None, None)  # type: ignore[arg-type]
     assert whole["details"]["thinking"] == OPENED_IN_PROMPT
-    assert closed["details"]["thinking"] == OPENED_IN_ANSWER
+    assert closed["details"]["thinking"] == CLOSED_IN_PROMPT  # (all content)
     # (its two tokens in thinking never closed; none where the prompt closed it)
     assert (whole["details"]["reasoning_tokens"], closed["details"]["reasoning_tokens"]) == (2, 0)
     answered = results(sent)
@@ -548,6 +553,45 @@ def test_the_worker_tells_where_each_answers_thinking_opens_on_every_path(reason
     assert looped_stream["details"]["thinking"] == OPENED_IN_PROMPT
     chunks = [chunk for m in sent if isinstance(m, TokenChunks) for chunk in m.chunks] + static
     assert [chunk.opened for chunk in chunks] == [OPENED_IN_PROMPT, None] * 2  # the first's
+
+
+def test_a_chat_that_goes_on_from_its_last_message_opens_no_thinking_there(reasoner):
+    """A chat asking for no generation prompt (`continue_final_message`) whose last
+    message ends with the text `<think>`: its answer goes on from that text, split only
+    where the model opens a thinking of its own, on every path. The prompt's last
+    characters were read as the template's opening: the model's `</think>` was dropped
+    from the text the client continues, and counted as reasoning."""
+    from rawserve.shared.messages import Batch, Control, TokenChunks
+    from rawserve.tasks import CHAT_PARAM
+    from tests.test_generating import GREEDY, results, serve
+
+    params = {**GREEDY, CHAT_PARAM: True, "return_full_text": False, "max_new_tokens": 2}
+    chat = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "<think>"},
+        ],
+        "opening": {"add_generation_prompt": False, "continue_final_message": True},
+    }
+    looped = [
+        Batch(1, (chat,), params),
+        Batch(2, (chat,), params, control=Control(stream_id=7)),
+    ]
+    static: list = []
+    reasoner.tokenizer.chat_template = R1_TEMPLATE
+    reasoner.bind_stream(static.append, None)
+    try:
+        [[whole]] = reasoner.run([chat], params)
+        reasoner.run([chat], params, Control(stream_id=8))
+        sent = serve(reasoner, {0: looped})
+    finally:
+        reasoner.tokenizer.chat_template = None
+        reasoner.bind_stream(None, None)  # type: ignore[arg-type]
+    [[looped_whole]], [looped_stream] = (results(sent)[key].outputs for key in (1, 2))
+    for details in (whole["details"], looped_whole["details"], looped_stream["details"]):
+        assert details["thinking"] == OPENED_IN_ANSWER
+    chunks = [chunk for m in sent if isinstance(m, TokenChunks) for chunk in m.chunks] + static
+    assert [chunk.opened for chunk in chunks] == [OPENED_IN_ANSWER, None] * 2
 
 
 def test_a_plain_completion_of_a_reasoning_model_carries_no_thinking(reasoner):

@@ -24,10 +24,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rawserve.tasks.text_generation import (
+    CLOSED_IN_PROMPT,
     OPENED_IN_ANSWER,
     OPENED_IN_PROMPT,
     REASONING_END,
     REASONING_START,
+    continues_message,
 )
 
 # the delta's (and the message's) key a piece of text goes under (its thinking, under each
@@ -46,7 +48,9 @@ class Thinking:
     def __init__(self, opened: str) -> None:
         # before a first `<think>`, what the text is if it does not open with one
         self.unopened = REASONING if opened == OPENED_IN_PROMPT else CONTENT
-        self.state = "opening"  # then REASONING, "closed" (white space dropped), CONTENT
+        # then REASONING, "closed" (white space dropped), CONTENT; an answer whose prompt
+        # closed the thinking is all content, a `<think>` it writes too
+        self.state = CONTENT if opened == CLOSED_IN_PROMPT else "opening"
         self.held = ""
         self.thought = False  # whether the answer opened with thinking
 
@@ -84,11 +88,11 @@ class Thinking:
         never closed, else content (the start of a tag that did not come; white space
         alone, or such a start, is what the answer is before a tag: the thinking where the
         prompt opened it)."""
-        if not self.held or self.state == "closed":
-            return []
-        if self.state == "opening":
+        if self.state == "opening":  # (an empty answer too: thinking opened, and empty)
             self.state = self.unopened
             self.thought = self.state == REASONING
+        if not self.held or self.state == "closed":
+            return []
         return self._take(REASONING if self.state == REASONING else CONTENT, len(self.held))
 
     def _take(self, kind: str, size: int) -> list[Piece]:
@@ -107,10 +111,7 @@ def answers_opening(thinking: str | None, chats: Sequence[Any]) -> str | None:
     its last message's text) was given no `<think>` by the template."""
     if thinking != OPENED_IN_PROMPT:
         return thinking
-    unprompted = any(
-        chat.get("opening", {}).get("add_generation_prompt") is False for chat in chats
-    )
-    return OPENED_IN_ANSWER if unprompted else thinking
+    return OPENED_IN_ANSWER if any(continues_message(chat) for chat in chats) else thinking
 
 
 def split(text: str, opened: str) -> tuple[str | None, str | None]:

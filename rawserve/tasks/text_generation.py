@@ -46,6 +46,18 @@ REASONING_START = "<think>"
 # where its chat template ends it with `<think>`, or in the answer, by the model.
 OPENED_IN_PROMPT = "prompt"
 OPENED_IN_ANSWER = "answer"
+# ...or closed in the prompt (Qwen3's with `enable_thinking` false writes an empty
+# thinking there): the answer has none, and is all content, as a grammar holds it
+CLOSED_IN_PROMPT = "closed"
+
+
+def continues_message(chat: Any) -> bool:
+    """Whether a chat asks for no generation prompt: its answer goes on from its last
+    message's text (`continue_final_message`), whatever that text ends with."""
+    opening = chat.get("opening", {}) if isinstance(chat, dict) else {}
+    return opening.get("add_generation_prompt") is False
+
+
 MAX_STOP_SEQUENCES = 16
 # the likeliest tokens a new token's details or stream event may list beside it (OpenAI's
 # top_logprobs goes to 20; TGI's own server defaults to 5)

@@ -28,6 +28,7 @@ from rawserve.tasks import CHAT_PARAM, check_new_tokens
 from rawserve.tasks.text_generation import (
     API_SAMPLING,
     CHAT_TEMPLATE_REFUSED,
+    CLOSED_IN_PROMPT,
     OPENED_IN_ANSWER,
     OPENED_IN_PROMPT,
     PROMPT_TOP_N,
@@ -35,6 +36,7 @@ from rawserve.tasks.text_generation import (
     REASONING_START,
     THINKING_IN_CONTENT,
     TOKEN_COUNTS_ONLY,
+    continues_message,
     first_stop_end,
     returns_full_text,
     stops_after,
@@ -409,25 +411,29 @@ class CausalLMRunner(Runner):
             return OPENED_IN_ANSWER
         return OPENED_IN_PROMPT if prompt.rstrip().endswith(REASONING_START) else OPENED_IN_ANSWER
 
-    def opening(self, ids: list[int]) -> str | None:
+    def opening(self, ids: list[int], chat: Any = None) -> str:
         """Where a chat prompt leaves a reasoning model's thinking (its ids: the end will
         do), as its template rendered it for this request: opened (`OPENED_IN_PROMPT`:
-        the prompt ends with `<think>`), closed already (None: ends with `</think>`, as
-        Qwen3's with `enable_thinking` false), else for the model to open, or not."""
+        the prompt ends with `<think>`), closed already (`CLOSED_IN_PROMPT`: ends with
+        `</think>`, as Qwen3's with `enable_thinking` false), else for the model to open,
+        or not; for the model, too, where the `chat` asks for no generation prompt (its
+        answer goes on from its last message, a `<think>` there its characters)."""
+        if continues_message(chat):
+            return OPENED_IN_ANSWER
         end = self.tokenizer.decode(ids[-OPENING_TOKENS:]).rstrip()
         if end.endswith(REASONING_END):
-            return None
+            return CLOSED_IN_PROMPT
         return OPENED_IN_PROMPT if end.endswith(REASONING_START) else OPENED_IN_ANSWER
 
-    def opened(self, params: dict[str, Any], ids: list[int]) -> str | None:
-        """Where a reasoning model's chat answer to the prompt `ids` opens its thinking, told
-        to the server with it (a template's settings, such as DeepSeek-V3.1's `thinking`,
-        change it from the `thinking` detail): in the prompt, else in the answer (one the
-        prompt closed opens none); None for other answers, and for one a grammar holds from
-        its first token (`THINKING_IN_CONTENT`): it has no thinking to count or split."""
+    def opened(self, params: dict[str, Any], ids: list[int], chat: Any = None) -> str | None:
+        """Where a reasoning model's chat answer to the prompt `ids` (of `chat`) opens its
+        thinking (`opening`), told to the server with it (a template's settings, such as
+        DeepSeek-V3.1's `thinking`, change it from the `thinking` detail); None for other
+        answers, and for one a grammar holds from its first token (`THINKING_IN_CONTENT`):
+        it has no thinking to count or split."""
         if not params.get(CHAT_PARAM) or not self.reasons or first_token_held(params):
             return None
-        return OPENED_IN_PROMPT if self.opening(ids) == OPENED_IN_PROMPT else OPENED_IN_ANSWER
+        return self.opening(ids, chat)
 
     def thought_tokens(self, token_ids: list[int], context: list[int], opened: str) -> int:
         """How many of a reasoning model's answer's tokens its thinking took, up to the one
@@ -439,6 +445,8 @@ class CausalLMRunner(Runner):
             return generated_text(self.tokenizer, token_ids[:count], context)
 
         whole = text(len(token_ids))
+        if opened == CLOSED_IN_PROMPT:
+            return 0
         if opened != OPENED_IN_PROMPT and not whole.lstrip().startswith(REASONING_START):
             return 0
         if REASONING_END not in whole:
@@ -449,7 +457,9 @@ class CausalLMRunner(Runner):
             low, high = (low, middle) if REASONING_END in text(middle) else (middle + 1, high)
         return low
 
-    def held_to(self, params: dict[str, Any], ids: list[int]) -> dict[str, Any] | None:
+    def held_to(
+        self, params: dict[str, Any], ids: list[int], chat: Any = None
+    ) -> dict[str, Any] | None:
         """The grammar a prompt's answer is held to (None: none): a reasoning model's chat
         answer after its thinking (the grammar's "thinking": where it opens, if it may),
         unless the thinking is kept in the content (`THINKING_IN_CONTENT`)."""
@@ -458,8 +468,8 @@ class CausalLMRunner(Runner):
             return grammar
         if first_token_held(params):  # (its thinking kept in the text: none comes first)
             return grammar
-        opened = self.opening(ids)
-        return grammar if opened is None else {**grammar, "thinking": opened}
+        opened = self.opening(ids, chat)
+        return grammar if opened == CLOSED_IN_PROMPT else {**grammar, "thinking": opened}
 
     @property
     def reasons(self) -> bool:
@@ -652,7 +662,9 @@ class CausalLMRunner(Runner):
             stops_after=stops_after(params),
             ignore_eos=bool(params.get("ignore_eos")),
             adjustments=ScoreAdjustments.asked(params, self.vocabulary),
-            compiling=self.grammars.pending(held) if (held := self.held_to(params, ids)) else None,
+            compiling=self.grammars.pending(held)
+            if (held := self.held_to(params, ids, item))
+            else None,
             logprobs=[] if wants_logprobs else None,
             top_n=int(params.get("top_n_tokens") or 0),
         )
@@ -763,7 +775,7 @@ class CausalLMRunner(Runner):
             tokens=tokens,
             prefill=generation.prefill,
             seed=generation.seed if generation.do_sample else None,
-            opened=self.opened(params, generation.prompt_ids),
+            opened=self.opened(params, generation.prompt_ids, item),
         )
 
     def _output(
@@ -863,7 +875,12 @@ class CausalLMRunner(Runner):
             width = max(lengths[row] for row in rows)  # the group's own left padding
             group = {name: value[rows, -width:] for name, value in encoded.items()}
             watcher = self._generate(
-                group, rows, {**kwargs, "max_new_tokens": cap}, params, control
+                group,
+                rows,
+                [inputs[row] for row in rows],
+                {**kwargs, "max_new_tokens": cap},
+                params,
+                control,
             )
             for index, row in enumerate(rows):
                 tokens = None if watcher.tokens is None else watcher.tokens[index]
@@ -885,7 +902,7 @@ class CausalLMRunner(Runner):
                     tokens=tokens,
                     prefill=prefill,
                     seed=params.get("seed") if kwargs.get("do_sample") else None,
-                    opened=self.opened(params, ids),
+                    opened=self.opened(params, ids, prompt),
                 )
             )
         return outputs
@@ -894,6 +911,7 @@ class CausalLMRunner(Runner):
         self,
         encoded: dict[str, Any],
         rows: list[int],
+        chats: list[Any],
         kwargs: dict[str, Any],
         params: dict[str, Any],
         control: Control,
@@ -912,7 +930,10 @@ class CausalLMRunner(Runner):
         on_token = None
         if stream_id is not None and self.send is not None:
             send = self.send
-            unheard = {index: self.opened(params, row) for index, row in enumerate(opening_ends)}
+            unheard = {
+                index: self.opened(params, row, chats[index])
+                for index, row in enumerate(opening_ends)
+            }
 
             def on_token(index: int, token: dict[str, Any]) -> None:
                 opened = unheard.pop(index, None)  # (with a row's first token)
@@ -945,7 +966,10 @@ class CausalLMRunner(Runner):
         if adjustments is not None:  # before the recorder: the log probabilities follow them
             processors.append(Adjuster(adjustments, encoded["input_ids"].shape[1]))
         if params.get("grammar"):
-            held = [self.held_to(params, row) or params["grammar"] for row in opening_ends]
+            held = [
+                self.held_to(params, row, chat) or params["grammar"]
+                for row, chat in zip(opening_ends, chats, strict=True)
+            ]
             matchers = [self.grammars.pending(grammar).held() for grammar in held]  # each row's
             processors.append(GrammarFollower(matchers, watcher))
         if wants_logprobs:

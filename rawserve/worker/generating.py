@@ -344,7 +344,8 @@ class GenerationLoop:
             return
         more = generation.finish_reason is None  # decided before the token is heard
         first = len(generation.tokens) == 1
-        thinking = self.runner.opened(opened.params, generation.prompt_ids) if first else None
+        chat = opened.batch.inputs[index]
+        thinking = self.runner.opened(opened.params, generation.prompt_ids, chat) if first else None
         self.streamed.append(TokenChunk(stream_id, index, token, more, thinking))
 
     def _send_streamed(self) -> None:
