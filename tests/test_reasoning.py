@@ -555,15 +555,40 @@ def test_the_worker_tells_where_each_answers_thinking_opens_on_every_path(reason
     assert [chunk.opened for chunk in chunks] == [OPENED_IN_PROMPT, None] * 2  # the first's
 
 
+def on_every_path(reasoner, item, params: dict) -> tuple[list[dict], list]:
+    """`item`'s answer's details on the four paths of an R1-templated model (static and
+    looped, whole and streamed), and the token chunks its streams sent."""
+    from rawserve.shared.messages import Batch, Control, TokenChunks
+    from tests.test_generating import results, serve
+
+    looped = [
+        Batch(1, (item,), params),
+        Batch(2, (item,), params, control=Control(stream_id=7)),
+    ]
+    static: list = []
+    reasoner.tokenizer.chat_template = R1_TEMPLATE
+    reasoner.bind_stream(static.append, None)
+    try:
+        assert reasoner.reasons
+        [[whole]] = reasoner.run([item], params)
+        reasoner.run([item], params, Control(stream_id=8))
+        sent = serve(reasoner, {0: looped})
+    finally:
+        reasoner.tokenizer.chat_template = None
+        reasoner.bind_stream(None, None)  # type: ignore[arg-type]
+    [[looped_whole]], [looped_stream] = (results(sent)[key].outputs for key in (1, 2))
+    chunks = [chunk for m in sent if isinstance(m, TokenChunks) for chunk in m.chunks] + static
+    return [whole["details"], looped_whole["details"], looped_stream["details"]], chunks
+
+
 def test_a_chat_that_goes_on_from_its_last_message_opens_no_thinking_there(reasoner):
     """A chat asking for no generation prompt (`continue_final_message`) whose last
     message ends with the text `<think>`: its answer goes on from that text, split only
     where the model opens a thinking of its own, on every path. The prompt's last
     characters were read as the template's opening: the model's `</think>` was dropped
     from the text the client continues, and counted as reasoning."""
-    from rawserve.shared.messages import Batch, Control, TokenChunks
     from rawserve.tasks import CHAT_PARAM
-    from tests.test_generating import GREEDY, results, serve
+    from tests.test_generating import GREEDY
 
     params = {**GREEDY, CHAT_PARAM: True, "return_full_text": False, "max_new_tokens": 2}
     chat = {
@@ -573,24 +598,8 @@ def test_a_chat_that_goes_on_from_its_last_message_opens_no_thinking_there(reaso
         ],
         "opening": {"add_generation_prompt": False, "continue_final_message": True},
     }
-    looped = [
-        Batch(1, (chat,), params),
-        Batch(2, (chat,), params, control=Control(stream_id=7)),
-    ]
-    static: list = []
-    reasoner.tokenizer.chat_template = R1_TEMPLATE
-    reasoner.bind_stream(static.append, None)
-    try:
-        [[whole]] = reasoner.run([chat], params)
-        reasoner.run([chat], params, Control(stream_id=8))
-        sent = serve(reasoner, {0: looped})
-    finally:
-        reasoner.tokenizer.chat_template = None
-        reasoner.bind_stream(None, None)  # type: ignore[arg-type]
-    [[looped_whole]], [looped_stream] = (results(sent)[key].outputs for key in (1, 2))
-    for details in (whole["details"], looped_whole["details"], looped_stream["details"]):
-        assert details["thinking"] == OPENED_IN_ANSWER
-    chunks = [chunk for m in sent if isinstance(m, TokenChunks) for chunk in m.chunks] + static
+    details, chunks = on_every_path(reasoner, chat, params)
+    assert all(each["thinking"] == OPENED_IN_ANSWER for each in details)
     assert [chunk.opened for chunk in chunks] == [OPENED_IN_ANSWER, None] * 2
 
 
@@ -598,30 +607,12 @@ def test_a_plain_completion_of_a_reasoning_model_carries_no_thinking(reasoner):
     """A prompt is not a chat: its answer is the model's text as written, even after a
     `<think>` of the prompt's own, with no thinking to split out or count (the
     completions route and TGI's give it whole)."""
-    from rawserve.shared.messages import Batch, Control, TokenChunks
-    from tests.test_generating import GREEDY, results, serve
+    from tests.test_generating import GREEDY
 
     params = {**GREEDY, "return_full_text": False, "max_new_tokens": 2}
-    prompt = "hi <think>"
-    looped = [
-        Batch(1, (prompt,), params),
-        Batch(2, (prompt,), params, control=Control(stream_id=7)),
-    ]
-    static: list = []
-    reasoner.tokenizer.chat_template = R1_TEMPLATE
-    reasoner.bind_stream(static.append, None)
-    try:
-        assert reasoner.reasons
-        [[whole]] = reasoner.run([prompt], params)
-        reasoner.run([prompt], params, Control(stream_id=8))
-        sent = serve(reasoner, {0: looped})
-    finally:
-        reasoner.tokenizer.chat_template = None
-        reasoner.bind_stream(None, None)  # type: ignore[arg-type]
-    [[looped_whole]], [looped_stream] = (results(sent)[key].outputs for key in (1, 2))
-    for details in (whole["details"], looped_whole["details"], looped_stream["details"]):
-        assert "thinking" not in details and "reasoning_tokens" not in details
-    chunks = [chunk for m in sent if isinstance(m, TokenChunks) for chunk in m.chunks] + static
+    details, chunks = on_every_path(reasoner, "hi <think>", params)
+    for each in details:
+        assert "thinking" not in each and "reasoning_tokens" not in each
     assert len(chunks) == 4 and all(chunk.opened is None for chunk in chunks)
 
 
