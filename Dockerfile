@@ -68,5 +68,5 @@ EXPOSE 8000
 # ignores HTTP_PROXY and the like (set where the Hub is reached through a proxy): the
 # proxy cannot reach the container's own loopback, and the check failed through it.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
-    CMD ["/app/.venv/bin/python", "-c", "import os, ssl, urllib.request as u; tls = bool(os.environ.get('RAWSERVE_SSL_CERTFILE')); u.build_opener(u.ProxyHandler({}), u.HTTPSHandler(context=ssl._create_unverified_context())).open('%s://127.0.0.1:%s/health' % ('https' if tls else 'http', os.environ.get('RAWSERVE_PORT', '8000')), timeout=4)"]
+    CMD ["/app/.venv/bin/python", "-m", "rawserve.ops.health_probe"]
 ENTRYPOINT ["/app/.venv/bin/python", "-m", "rawserve"]

@@ -279,7 +279,7 @@ OPTIONS = [
         "--api-key",
         str,
         None,
-        "every route but /health, /ready, /ready/<model> and /metrics needs "
+        "every route but /health, /ready, /ready/<model>, /ping and /metrics needs "
         "Authorization: Bearer KEY (else 401)",
     ),
     Option(

@@ -224,7 +224,7 @@ def test_the_health_check_passes_on_a_serving_server_and_fails_without_one():
     [check] = instructions("HEALTHCHECK")
     assert check.json and check.value[0] == "CMD"
     words = list(check.value[1:])
-    assert "/health" in words[-1]
+    assert words[1:] == ["-m", "rawserve.ops.health_probe"]
     assert words[0].endswith("/.venv/bin/python")
     words[0] = sys.executable  # the image's python is this environment's, here
     with RunningServer(["--handler", "tests.handlers:echo"]) as server:
@@ -253,3 +253,45 @@ def test_the_health_check_asks_a_tls_server_in_tls(tmp_path):
         env = {**server.env, **PROXIES, "RAWSERVE_PORT": str(server.port)}
         checked = subprocess.run(words, env=env, capture_output=True, text=True)
         assert checked.returncode == 0, checked.stderr
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "arguments"),
+    [
+        (b"/app/.venv/bin/python\0-m\0rawserve\0serve\0", ["serve"]),
+        (b"/app/.venv/bin/rawserve\0--port\0009000\0", ["--port", "9000"]),
+        (b"python3\0-c\0pass\0", []),  # not the server: nothing read
+    ],
+)
+def test_the_health_check_reads_the_servers_command_line(tmp_path, cmdline, arguments):
+    from rawserve.ops.health_probe import server_arguments
+
+    (tmp_path / "cmdline").write_bytes(cmdline)
+    assert server_arguments(str(tmp_path / "cmdline")) == arguments
+    assert server_arguments(str(tmp_path / "none")) == []
+
+
+@pytest.mark.parametrize(
+    ("arguments", "env", "url"),
+    [
+        ([], {}, "http://127.0.0.1:8000/health"),
+        ([], {"RAWSERVE_PORT": ""}, "http://127.0.0.1:8000/health"),  # (it asked port 80)
+        ([], {"RAWSERVE_PORT": "9100"}, "http://127.0.0.1:9100/health"),
+        (["--port", "9200"], {"RAWSERVE_PORT": "9100"}, "http://127.0.0.1:9200/health"),
+        (["--port=9300", "--port", "9301"], {}, "http://127.0.0.1:9301/health"),
+        (["serve"], {}, "http://127.0.0.1:8080/health"),  # SageMaker's (8000 was asked)
+        (["serve"], {"SAGEMAKER_BIND_TO_PORT": "7000"}, "http://127.0.0.1:7000/health"),
+        (["--ssl-certfile", "/c.pem"], {}, "https://127.0.0.1:8000/health"),
+        ([], {"RAWSERVE_SSL_CERTFILE": "/c.pem"}, "https://127.0.0.1:8000/health"),
+    ],
+)
+def test_the_health_check_asks_the_port_and_scheme_the_server_was_started_with(
+    monkeypatch, arguments, env, url
+):
+    from rawserve.ops.health_probe import health_url
+
+    for name in ("RAWSERVE_PORT", "RAWSERVE_SSL_CERTFILE", "SAGEMAKER_BIND_TO_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert health_url(arguments) == url
