@@ -599,6 +599,9 @@ AGREEMENT = [
     ("CHAT", {"messages": HI, "response_format": {"type": "text"}}, True),
     ("CHAT", {"messages": HI, "response_format": {"type": "yaml"}}, False),
     ("CHAT", {"messages": HI, "response_format": {"type": "json_schema"}}, False),
+    # a field its type has not (a misspelt "json_schema" was dropped without a word)
+    ("CHAT", {"messages": HI, "response_format": {"type": "text", "extra": 1}}, False),
+    ("CHAT", {"messages": HI, "response_format": {"type": "json_object", "jsonschema": {}}}, False),
     # TGI's grammars, as its chat takes them
     ("CHAT", {"messages": HI, "response_format": {"type": "json", "value": {}}}, True),
     (

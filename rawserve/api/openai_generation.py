@@ -271,6 +271,15 @@ def read_metadata(name: str, value: Any, context: DocContext | None) -> dict[str
     return value
 
 
+# the fields of each of response_format's types (json_object's "schema": Together's and
+# Fireworks' form)
+RESPONSE_FORMAT_KEYS = {
+    "text": {"type"},
+    "json_object": {"type", "schema"},
+    "json_schema": {"type", "json_schema"},
+}
+
+
 def read_response_format(
     name: str, value: Any, context: DocContext | None
 ) -> dict[str, Any] | None:
@@ -283,6 +292,11 @@ def read_response_format(
         except ValueError as exc:
             raise BadRequest(f'"{name}" {exc}') from None
     kind = value.get("type") if isinstance(value, dict) else None
+    if isinstance(value, dict) and kind in RESPONSE_FORMAT_KEYS:
+        # (as OpenAI refuses one: a misspelt "json_schema" was dropped without a word)
+        unknown = sorted(set(value) - RESPONSE_FORMAT_KEYS[kind], key=str)
+        if unknown:
+            raise BadRequest(f'"{name}" of type "{kind}" has an unknown field: "{unknown[0]}"')
     if kind == "text":
         return None
     if kind == "json_object":
@@ -761,8 +775,22 @@ OPENAI_RESPONSE_FORMAT: Schema = {
             },
         },
     },
-    "if": {"properties": {"type": {"const": "json_schema"}}},
-    "then": {"required": ["json_schema"]},
+    "additionalProperties": False,
+    # each type's own fields alone (RESPONSE_FORMAT_KEYS)
+    "allOf": [
+        {
+            "if": {"properties": {"type": {"const": "json_schema"}}},
+            "then": {"required": ["json_schema"], "properties": {"schema": False}},
+        },
+        {
+            "if": {"properties": {"type": {"const": "json_object"}}},
+            "then": {"properties": {"json_schema": False}},
+        },
+        {
+            "if": {"properties": {"type": {"const": "text"}}},
+            "then": {"properties": {"schema": False, "json_schema": False}},
+        },
+    ],
 }
 # OpenAI's forms, or TGI's grammar (`{"type", "value"}`), which TGI's chat takes here
 RESPONSE_FORMAT: Schema = {
