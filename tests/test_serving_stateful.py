@@ -703,6 +703,29 @@ def test_inputs_waiting_for_a_worker_that_fails_to_restart_run_on_another(loaded
     serving.check()
 
 
+def test_inputs_waiting_for_a_worker_run_on_another_once_its_restart_says_its_load_failed(
+    loaded,
+):
+    """From its word, not its exit: the process that said so exited seconds later, and
+    an input due before then waited out its deadline (504) beside the idle worker."""
+    serving = loaded(workers=2, max_batch_size=4)
+    serving.load(serving.pool.workers[1])
+    lost = serving.arrive(["x", "y"], {}, timeout=30.0)
+    ((crashed, _, _),) = serving.answerable()
+    (other,) = [w for w in serving.pool.workers if w is not crashed]
+    serving.crash(crashed)
+    serving.advance(0.6)  # restarting
+    assert crashed in serving.loading()
+    serving.act(serving.pool._on_message, crashed, WorkerLoadFailed("the folder is gone"))
+    for _ in range(2):  # (its process has not exited yet)
+        ((worker, conn, batch),) = serving.answerable()
+        assert worker is other and len(batch.inputs) == 1
+        serving.answer(worker, conn, batch)
+    assert lost.outcome == "results"
+    serving.crash(crashed)
+    serving.check()
+
+
 def test_a_continuous_workers_lost_sequences_run_again_together_then_alone(loaded):
     """Run again each alone, one after another, they held the queue back for all of them
     together (15 sequences: 23 s with nothing new served, where side by side they took
