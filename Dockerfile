@@ -63,8 +63,9 @@ VOLUME ["/cache"]
 EXPOSE 8000
 # /health is liveness: 200 while the server can serve or recover (also while the model
 # loads); a first start may download the model before it listens, hence the long start.
-# It reads the port and TLS from the RAWSERVE_* variables (not the arguments after the
-# image's name): a TLS port closes plain HTTP at once, so over TLS it asks in TLS. It
+# It reads the port and TLS as the server did (rawserve.ops.health_probe: the arguments
+# after the image's name, then the RAWSERVE_* variables): a TLS port closes plain HTTP at
+# once, so over TLS it asks in TLS. It
 # ignores HTTP_PROXY and the like (set where the Hub is reached through a proxy): the
 # proxy cannot reach the container's own loopback, and the check failed through it.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
