@@ -283,6 +283,10 @@ def test_the_health_check_reads_the_servers_command_line(tmp_path, cmdline, argu
         (["serve"], {"SAGEMAKER_BIND_TO_PORT": "7000"}, "http://127.0.0.1:7000/health"),
         (["--ssl-certfile", "/c.pem"], {}, "https://127.0.0.1:8000/health"),
         ([], {"RAWSERVE_SSL_CERTFILE": "/c.pem"}, "https://127.0.0.1:8000/health"),
+        # one address bound: that one (127.0.0.1 was refused there)
+        (["--host", "127.0.0.2"], {}, "http://127.0.0.2:8000/health"),
+        (["--host", "::1"], {}, "http://[::1]:8000/health"),
+        ([], {"RAWSERVE_HOST": "0.0.0.0"}, "http://127.0.0.1:8000/health"),
     ],
 )
 def test_the_health_check_asks_the_port_and_scheme_the_server_was_started_with(
@@ -290,7 +294,12 @@ def test_the_health_check_asks_the_port_and_scheme_the_server_was_started_with(
 ):
     from rawserve.ops.health_probe import health_url
 
-    for name in ("RAWSERVE_PORT", "RAWSERVE_SSL_CERTFILE", "SAGEMAKER_BIND_TO_PORT"):
+    for name in (
+        "RAWSERVE_PORT",
+        "RAWSERVE_SSL_CERTFILE",
+        "SAGEMAKER_BIND_TO_PORT",
+        "RAWSERVE_HOST",
+    ):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

@@ -1,8 +1,9 @@
 """The container image's health check: `python -m rawserve.ops.health_probe` asks the
 server in the container for /health, on the port and scheme it was started with.
 
-It reads them as the server did: its command line (PID 1's, the image's entry point), then
-RAWSERVE_PORT and RAWSERVE_SSL_CERTFILE (set empty: unset), then the defaults: 8000, or
+It reads them (and the address, where one is bound) as the server did: its command
+line (PID 1's, the image's entry point), then RAWSERVE_PORT, RAWSERVE_SSL_CERTFILE and
+RAWSERVE_HOST (set empty: unset), then the defaults: 8000, or
 for SageMaker's `serve` SAGEMAKER_BIND_TO_PORT, else 8080. (Read from the variables alone,
 a server started with `--port` or as `serve` was reported unhealthy while it served, and
 `RAWSERVE_PORT=` asked port 80.) Exit code 0: healthy. Standard library only: it runs
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 DEFAULT_PORT = 8000  # rawserve.options: --port's default
 SAGEMAKER_COMMAND, SAGEMAKER_PORT = "serve", 8080  # rawserve.options: SageMaker's
 TIMEOUT_SECONDS = 4
+EVERY_INTERFACE = ("", "0.0.0.0", "::")
 
 
 def server_arguments(cmdline_path: str = "/proc/1/cmdline") -> list[str]:
@@ -60,7 +62,13 @@ def health_url(arguments: Sequence[str]) -> str:
     fallback = (variable("SAGEMAKER_BIND_TO_PORT") or SAGEMAKER_PORT) if serve else DEFAULT_PORT
     port = flag_value(arguments, "--port") or variable("RAWSERVE_PORT") or fallback
     tls = flag_value(arguments, "--ssl-certfile") or variable("RAWSERVE_SSL_CERTFILE")
-    return f"{'https' if tls else 'http'}://127.0.0.1:{port}/health"
+    host = flag_value(arguments, "--host") or variable("RAWSERVE_HOST") or ""
+    # every interface: its loopback answers; one address: that one (IPv6 in brackets)
+    if host in EVERY_INTERFACE:
+        host = "127.0.0.1"
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"{'https' if tls else 'http'}://{host}:{port}/health"
 
 
 def main() -> int:
