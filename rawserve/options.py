@@ -33,6 +33,7 @@ from rawserve.http.tls import server_context
 from rawserve.models.folder import TASK_ALIASES
 from rawserve.models.sentence_folder import POOLING_MODES
 from rawserve.ops import layout
+from rawserve.ops.health_probe import DEFAULT_PORT, SAGEMAKER_COMMAND, SAGEMAKER_PORT
 from rawserve.ops.loops import LOOPS, chosen_loop
 from rawserve.shared.devices import CoreCount, core_count, parse_devices
 from rawserve.shared.logs import LOG_FORMATS, LOG_LEVELS
@@ -144,7 +145,7 @@ OPTIONS = [
         "f(inputs: list, **params) -> list",
     ),
     Option("--host", str, "127.0.0.1", "bind address"),
-    Option("--port", int, 8000, "bind port"),
+    Option("--port", int, DEFAULT_PORT, "bind port"),
     Option(
         "--device",
         str,
@@ -428,10 +429,6 @@ class OneLineParser(argparse.ArgumentParser):
                 shown = "..." if option.env == KEY_VARIABLE else repr(value[:100])
                 return f" (set by {option.env}={shown})"
         return ""
-
-
-SAGEMAKER_COMMAND = "serve"
-SAGEMAKER_PORT = 8080
 
 
 # Where SageMaker unpacks a model's files (its ModelDataUrl), and the variables Hugging

@@ -131,10 +131,18 @@ def gone(pid: int) -> bool:
         return True
 
 
-def busy(server: RunningServer, name: str, seconds: float) -> subprocess.Popen:
-    """Keep the only worker busy for `seconds` with input `name` (from another client)."""
+def busy(
+    server: RunningServer, name: str, seconds: float, status: bool = False
+) -> subprocess.Popen:
+    """Keep the only worker busy for `seconds` with input `name` (from another client);
+    `status`: the client writes the answer's status code on its stdout."""
     body = json.dumps({"inputs": name, "parameters": {"sleep": seconds}})
-    client = subprocess.Popen([*CURL_POST, body, f"http://127.0.0.1:{server.port}/"])
+    written = ["-w", "%{http_code}"] if status else []
+    client = subprocess.Popen(
+        [*CURL_POST, body, *written, f"http://127.0.0.1:{server.port}/"],
+        stdout=subprocess.PIPE if status else None,
+        text=True,
+    )
     CLIENTS.append(client)
     server.wait_for_log(re.compile(re.escape(f"sleeping {seconds} s on ['{name}']")), 30)
     return client
@@ -440,14 +448,7 @@ def test_the_serving_process_dying_stops_the_http_processes_with_a_clear_line(or
         workers = json.loads(body)["worker_pids"]
         board = board_path(pids[0])
         assert os.path.exists(board)
-        asked = json.dumps({"inputs": "orphaned", "parameters": {"sleep": 5.0}})
-        waiting = subprocess.Popen(
-            [*CURL_POST, asked, "-w", "%{http_code}", f"http://127.0.0.1:{server.port}/"],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        CLIENTS.append(waiting)
-        server.wait_for_log(re.compile(re.escape("sleeping 5.0 s on ['orphaned']")), 30)
+        waiting = busy(server, "orphaned", 5.0, status=True)
         server.process.kill()
         assert server.process.wait(10) != 0
         assert waiting.communicate(timeout=10)[0] == "503"
@@ -471,14 +472,7 @@ def test_a_stop_sent_to_the_group_answers_503_where_the_serving_process_is_stall
     server = stalled_server  # --grace 2
     pids = http_pids(server)
     try:
-        asked = json.dumps({"inputs": "stalled", "parameters": {"sleep": 20.0}})
-        waiting = subprocess.Popen(
-            [*CURL_POST, asked, "-w", "%{http_code}", f"http://127.0.0.1:{server.port}/"],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        CLIENTS.append(waiting)
-        server.wait_for_log(re.compile(re.escape("sleeping 20.0 s on ['stalled']")), 30)
+        waiting = busy(server, "stalled", 20.0, status=True)
         os.kill(server.process.pid, signal.SIGSTOP)
         for pid in pids:
             os.kill(pid, signal.SIGTERM)

@@ -684,8 +684,11 @@ def test_inputs_run_again_after_a_crash_wait_for_their_worker_while_the_other_se
     serving.check()
 
 
-def test_inputs_waiting_for_a_worker_that_fails_to_restart_run_on_another(loaded):
-    """They waited for it out to their deadlines (504 at 15 s), the other worker idle."""
+@pytest.mark.parametrize("said", [False, True])
+def test_inputs_waiting_for_a_worker_that_fails_to_restart_run_on_another(loaded, said):
+    """They waited for it out to their deadlines (504 at 15 s), the other worker idle.
+    From its word (`said`), not only its exit: the process that said so exited seconds
+    later, and an input due before then waited out its deadline beside the idle worker."""
     serving = loaded(workers=2, max_batch_size=4)
     serving.load(serving.pool.workers[1])
     lost = serving.arrive(["x", "y"], {}, timeout=30.0)
@@ -694,35 +697,17 @@ def test_inputs_waiting_for_a_worker_that_fails_to_restart_run_on_another(loaded
     serving.crash(crashed)
     serving.advance(0.6)  # restarting
     assert crashed in serving.loading()
-    serving.crash(crashed)  # dies as it loads: a failed restart
+    if said:  # (its process has not exited yet)
+        serving.act(serving.pool._on_message, crashed, WorkerLoadFailed("the folder is gone"))
+    else:
+        serving.crash(crashed)  # dies as it loads: a failed restart
     for _ in range(2):
         ((worker, conn, batch),) = serving.answerable()
         assert worker is other and len(batch.inputs) == 1
         serving.answer(worker, conn, batch)
     assert lost.outcome == "results"
-    serving.check()
-
-
-def test_inputs_waiting_for_a_worker_run_on_another_once_its_restart_says_its_load_failed(
-    loaded,
-):
-    """From its word, not its exit: the process that said so exited seconds later, and
-    an input due before then waited out its deadline (504) beside the idle worker."""
-    serving = loaded(workers=2, max_batch_size=4)
-    serving.load(serving.pool.workers[1])
-    lost = serving.arrive(["x", "y"], {}, timeout=30.0)
-    ((crashed, _, _),) = serving.answerable()
-    (other,) = [w for w in serving.pool.workers if w is not crashed]
-    serving.crash(crashed)
-    serving.advance(0.6)  # restarting
-    assert crashed in serving.loading()
-    serving.act(serving.pool._on_message, crashed, WorkerLoadFailed("the folder is gone"))
-    for _ in range(2):  # (its process has not exited yet)
-        ((worker, conn, batch),) = serving.answerable()
-        assert worker is other and len(batch.inputs) == 1
-        serving.answer(worker, conn, batch)
-    assert lost.outcome == "results"
-    serving.crash(crashed)
+    if said:
+        serving.crash(crashed)
     serving.check()
 
 

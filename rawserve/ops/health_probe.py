@@ -18,8 +18,10 @@ import sys
 import urllib.request
 from collections.abc import Sequence
 
-DEFAULT_PORT = 8000  # rawserve.options: --port's default
-SAGEMAKER_COMMAND, SAGEMAKER_PORT = "serve", 8080  # rawserve.options: SageMaker's
+# --port's default, and SageMaker's command and port (rawserve.options reads them here:
+# one place for the server's choice and the probe's)
+DEFAULT_PORT = 8000
+SAGEMAKER_COMMAND, SAGEMAKER_PORT = "serve", 8080
 TIMEOUT_SECONDS = 4
 EVERY_INTERFACE = ("", "0.0.0.0", "::")
 

@@ -119,7 +119,7 @@ class SpanExtractionRunner(Runner):
         self.refuse_unread_contexts(encoded, len(inputs))
         starts, ends = self.logits(encoded)
         if self.batch_cancelled():  # nobody reads the answers: none is read from the windows
-            return [{"score": 0.0, "start": 0, "end": 0, "answer": ""} for _ in inputs]
+            return _unread(inputs)
         # each item's answers by their text in lower case (the same answer in any case
         # adds up): looked for in a list, 900 KB of context took 70 s, most of it here
         answers: list[dict[str, dict[str, Any]]] = [{} for _ in inputs]
@@ -127,7 +127,7 @@ class SpanExtractionRunner(Runner):
         for window, item in enumerate(encoded["overflow_to_sample_mapping"]):
             if window and not window % WINDOWS_READ_BETWEEN_LOOKS and self.batch_cancelled():
                 log.info("question answering stopped: nobody waits for it")
-                return [{"score": 0.0, "start": 0, "end": 0, "answer": ""} for _ in inputs]
+                return _unread(inputs)
             encoding = encoded.encodings[window]
             length = len(encoding.ids)
             # the window's own tokens, as if it had been run alone (padding after them)
@@ -308,6 +308,11 @@ class SpanExtractionRunner(Runner):
             except TypeError:  # a special token (CLS) belongs to no word: keep its offsets
                 pass
         return encoding.offsets[first][0], encoding.offsets[last][1]
+
+
+def _unread(inputs: list[Any]) -> list[Any]:
+    """The answers of a batch nobody waits for any more (nobody reads them)."""
+    return [{"score": 0.0, "start": 0, "end": 0, "answer": ""} for _ in inputs]
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
