@@ -68,9 +68,16 @@ from rawserve.http.errors import (
     error_response,
 )
 from rawserve.http.exchange import HttpRequest, HttpResponse
-from rawserve.http.flow_control import FlowControl, Transport, bound_unsent, unsent_in_kernel
+from rawserve.http.flow_control import (
+    FlowControl,
+    Transport,
+    bound_unsent,
+    tls_write_buffer,
+    unsent_in_kernel,
+)
 from rawserve.http.handshake import begun_now
 from rawserve.http.limits import (
+    LINGER_SECONDS,
     PROBE_RESERVE,
     READ_AHEAD_LIMIT,
     Phase,
@@ -103,6 +110,10 @@ REQUESTS_PER_PASS = 32
 # seconds between looks at an answer still being written once the idle or head deadline
 # has come (`HttpProtocol._restart_deadline`): that time starts within this of its end
 ANSWER_GOING_CHECK = 0.5
+# TLS: the most of an answer written to the transport at once (`_write_all`), and how
+# often a closing connection looks whether its answers are written (`_close_once_written`)
+TLS_WRITE_SLICE = 64 * 1024
+WRITTEN_CHECK = 0.05
 # Their states once a request was read whole (an Upgrade we decline by answering ends
 # in MIGHT_SWITCH_PROTOCOL, then DONE).
 _REQUEST_READ = (h11.DONE, h11.MIGHT_SWITCH_PROTOCOL)
@@ -184,6 +195,9 @@ class HttpProtocol(asyncio.Protocol):
         self.unsent = 0
         self.handling_events = False  # handle_events is running (guards re-entry)
         self.handshake: asyncio.Future[None] | None = None
+        # under a TLS connection's transport, once upgraded: the socket's, which holds
+        # what TLS has encrypted and the socket has not yet taken
+        self.socket_transport: Transport | None = None
         # what the client sent between the handshake's end and our seeing it end
         self.handshake_data: list[bytes] = []
         # per request
@@ -218,7 +232,7 @@ class HttpProtocol(asyncio.Protocol):
         (closing would wait for it) and the connection. The line says how much of the
         answers was never sent (their access lines, written as they were queued, give
         their whole size) and names the last one."""
-        unsent = self.transport.get_write_buffer_size() if self.transport is not None else 0
+        unsent = self._unsent()
         self.unsent = unsent
         log.info(
             "closing a connection from %s: its answers waited %.0f s for room to be written "
@@ -279,9 +293,7 @@ class HttpProtocol(asyncio.Protocol):
         # Any transport with the methods `Transport` names (uvloop's are no asyncio.Transport).
         self.transport = cast(Transport, transport)
         self.peername = transport.get_extra_info("peername")
-        self.flow = FlowControl(
-            self.transport, self.loop, self.settings.write_timeout, self._on_write_timeout
-        )
+        self.flow = self._flow_control()
         connections, cap = self.state.connections, self.settings.max_connections
         full = bool(cap) and len(connections) >= cap  # a seat only in place of an idle one
         now = self.loop.time()
@@ -314,6 +326,10 @@ class HttpProtocol(asyncio.Protocol):
                 context,
                 server_side=True,
                 ssl_handshake_timeout=self.settings.head_timeout,
+                # how long a close waits for the client's close_notify, once our answers
+                # are written (`_close_once_written`): a pooled client sends none until
+                # it next reads, and the transport's own 30 s held the seat meanwhile
+                ssl_shutdown_timeout=LINGER_SECONDS,
             )
         except OSError as exc:  # timed out, reset, not TLS: the client's doing, as a bad head
             log.debug("TLS handshake with %s failed: %r", _peer(self.peername), exc)
@@ -323,10 +339,9 @@ class HttpProtocol(asyncio.Protocol):
                 secure.close()
             self.connection_lost(None)  # the loop says so of some failed handshakes, not all
             return
-        self.transport = cast(Transport, secure)
-        self.flow = FlowControl(
-            self.transport, self.loop, self.settings.write_timeout, self._on_write_timeout
-        )
+        self.transport, self.socket_transport = cast(Transport, secure), transport
+        tls_write_buffer(secure)
+        self.flow = self._flow_control()
         self._enter(Phase.IDLE)
         # bytes the client sent right after its hello, passed on before this task ran
         early, self.handshake_data = self.handshake_data, []
@@ -334,6 +349,15 @@ class HttpProtocol(asyncio.Protocol):
             self.data_received(data)
         if self.eof_seen and self._reading:
             self.eof_received()
+
+    def _flow_control(self) -> FlowControl:
+        return FlowControl(
+            cast(Transport, self.transport),
+            self.loop,
+            self.settings.write_timeout,
+            self._on_write_timeout,
+            self._unsent,
+        )
 
     def data_received(self, data: bytes) -> None:
         if self.phase is Phase.HANDSHAKE:
@@ -840,13 +864,27 @@ class HttpProtocol(asyncio.Protocol):
         if transport is None or self.phase in (Phase.LINGER, Phase.CLOSED):
             return
         data = b"".join(piece for piece in pieces if piece)
-        if data:
-            transport.write(data)
+        if self.socket_transport is None or len(data) <= TLS_WRITE_SLICE:
+            if data:
+                transport.write(data)
+            return
+        # TLS passes each write on to the socket's transport whole, where writing does
+        # not pause for it: in slices, the rest waits above, where it does
+        for start in range(0, len(data), TLS_WRITE_SLICE):
+            transport.write(data[start : start + TLS_WRITE_SLICE])
+
+    def _unsent(self) -> int:
+        """Bytes of our answers not yet taken by the socket (for TLS, in either transport)."""
+        return sum(
+            transport.get_write_buffer_size()
+            for transport in (self.transport, self.socket_transport)
+            if transport is not None
+        )
 
     @property
     def sending(self) -> bool:
         """Some of an answer still waits in the transport (past the cap, it keeps its seat)."""
-        return self.transport is not None and self.transport.get_write_buffer_size() > 0
+        return self._unsent() > 0
 
     def close(self) -> None:
         """Close at once (the peer left, went idle, an answer broke off, or shutdown)."""
@@ -860,7 +898,21 @@ class HttpProtocol(asyncio.Protocol):
             return
         if self.sending:
             self._flow.closing()
-        self.transport.close()
+        if self.socket_transport is not None:
+            self._close_once_written()
+        else:
+            self.transport.close()
+
+    def _close_once_written(self) -> None:
+        """Close a TLS connection once its answers are written (its close then waits
+        LINGER_SECONDS at most for the client's close_notify, which would cut them short)."""
+        transport = cast(Transport, self.transport)
+        if transport.is_closing():
+            return  # cut off meanwhile (--write-timeout)
+        if self.sending:
+            self.loop.call_later(WRITTEN_CHECK, self._close_once_written)
+        else:
+            transport.close()
 
     def _close_gracefully(self) -> None:
         """After our last response: FIN, then drain the peer's bytes until its FIN or

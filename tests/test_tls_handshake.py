@@ -1,6 +1,8 @@
-"""TLS handshakes on a real loopback socket, in-process, on both event loops: each
+"""TLS connections on a real loopback socket, in-process, on both event loops: each
 connection takes its seat under the connection cap at its TCP accept and then upgrades
-itself (`rawserve.http.handshake`); a handshake that fails or times out frees its seat.
+itself (`rawserve.http.handshake`); a handshake that fails or times out frees its seat,
+and so does a connection the server closes, without waiting for the client's own
+close_notify; a client that reads none of a large answer is cut at --write-timeout.
 Certificates come from `trustme`; the server is `rawserve.http_process.front.listen`
 with the protocol the fronts build."""
 
@@ -9,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import ssl
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -19,7 +23,7 @@ import pytest
 
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.http.handshake import begun_now
-from rawserve.http.limits import GIVE_WAY_AFTER, PROBE_RESERVE
+from rawserve.http.limits import GIVE_WAY_AFTER, LINGER_SECONDS, PROBE_RESERVE
 from rawserve.http_process.front import listen
 from rawserve.ops import loops
 from rawserve.options import parse_config
@@ -28,6 +32,7 @@ from tests.fake_transport import FakeApp, read_responses
 
 LOOPS = ["asyncio", "uvloop"]
 HEAD_TIMEOUT = 60.0  # also the handshake's: none times out unless a test says so
+BIG_ANSWER = 4 * 1024 * 1024  # more than every buffer between the server and its client
 REQUESTS = (
     b"GET /1 HTTP/1.1\r\nHost: a\r\n\r\n",
     b"GET /2 HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
@@ -37,6 +42,13 @@ REQUESTS = (
 class PathApp(FakeApp):
     async def handle(self, request: HttpRequest) -> HttpResponse:
         return HttpResponse(200, json.dumps({"path": request.path}).encode())
+
+
+class LargeApp(FakeApp):
+    """Answers every request with BIG_ANSWER bytes, in one body."""
+
+    async def handle(self, request: HttpRequest) -> HttpResponse:
+        return HttpResponse(200, b"x" * BIG_ANSWER)
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +87,14 @@ class SteppedClock:
 
 @contextlib.asynccontextmanager
 async def serving_tls(
-    tls_files, state: ServerState, *flags: str, loop: Any = None
+    tls_files, state: ServerState, *flags: str, loop: Any = None, app: Any = None
 ) -> AsyncIterator[int]:
     """A server on a free loopback port (yielded), its connections closed on the way out."""
     certfile, keyfile, _ = tls_files
     argv = ["--ssl-certfile", str(certfile), "--ssl-keyfile", str(keyfile)]
     config = parse_config([*argv, "--head-timeout", str(HEAD_TIMEOUT), *flags])
     loop = loop or asyncio.get_running_loop()
-    app, settings, tls = PathApp(), config.http, config.ssl_context
+    app, settings, tls = app or PathApp(), config.http, config.ssl_context
 
     def factory() -> HttpProtocol:
         return HttpProtocol(app, settings, state, loop=loop, tls=tls)
@@ -238,6 +250,107 @@ def test_closing_every_connection_ends_those_in_their_handshake(tls_files, loop_
                 assert await loop.run_in_executor(None, sock.recv, 10) == b""
 
     loops.run(scenario(), loop_name)
+
+
+# --- closing --------------------------------------------------------------------------
+
+
+def tls_socket(port: int, client: ssl.SSLContext) -> ssl.SSLSocket:
+    raw = socket.create_connection(("127.0.0.1", port), timeout=30)
+    return client.wrap_socket(raw, server_hostname="localhost")
+
+
+def read_answer(sock: ssl.SSLSocket, pause: float = 0.0) -> bytes:
+    """One answer's head and body, read as they come (`pause` seconds between reads)."""
+    received = b""
+    while b"\r\n\r\n" not in received or len(received.partition(b"\r\n\r\n")[2]) < size(received):
+        chunk = sock.recv(16384)
+        if not chunk:
+            break
+        received += chunk
+        time.sleep(pause)
+    return received
+
+
+def size(received: bytes) -> int:
+    head = received.partition(b"\r\n\r\n")[0].lower()
+    return int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+
+
+@pytest.mark.parametrize("loop_name", LOOPS)
+def test_a_connection_the_server_closes_frees_its_seat_without_the_clients_close_notify(
+    tls_files, loop_name
+):
+    """An idle connection closed at --keepalive-timeout whose client reads no more (a
+    pooled client's, its close_notify never sent back) waited 30 s for it (the SSL
+    transport's own shutdown timeout), holding its seat: 52 such clients locked every
+    new one out for ~24 s. Now the wait is LINGER_SECONDS, a plain connection's."""
+    client = tls_files[2]
+
+    async def scenario() -> None:
+        state = ServerState()
+        async with serving_tls(tls_files, state, "--keepalive-timeout", "0.3") as port:
+            loop = asyncio.get_running_loop()
+            sock = await loop.run_in_executor(None, tls_socket, port, client)
+            with sock:
+                sock.sendall(REQUESTS[0])
+                answer = await loop.run_in_executor(None, read_answer, sock)
+                assert answer.endswith(b'{"path":"/1"}') or b'"/1"' in answer
+                began = time.monotonic()
+                await until(lambda: len(state.connections) == 0)
+                assert time.monotonic() - began < 0.3 + LINGER_SECONDS + 3
+
+    loops.run(scenario(), loop_name)
+
+
+@pytest.mark.parametrize("loop_name", LOOPS)
+def test_a_client_that_reads_none_of_a_large_answer_is_cut_at_the_write_timeout(
+    tls_files, loop_name, caplog
+):
+    """The SSL transport passed a whole answer on to the socket's transport below it at
+    once, where its size was not counted: writing never paused, so --write-timeout never
+    came and the connection sat until its keep-alive deadline and 30 s more."""
+    client = tls_files[2]
+
+    async def scenario() -> None:
+        state = ServerState()
+        flags = ("--write-timeout", "0.5", "--keepalive-timeout", "60")
+        async with serving_tls(tls_files, state, *flags, app=LargeApp()) as port:
+            loop = asyncio.get_running_loop()
+            sock = await loop.run_in_executor(None, tls_socket, port, client)
+            with sock:
+                sock.sendall(REQUESTS[0])  # and reads nothing
+                await until(lambda: len(state.connections) == 1)
+                await until(lambda: len(state.connections) == 0)
+
+    with caplog.at_level(logging.INFO, logger="rawserve.protocol"):
+        loops.run(scenario(), loop_name)
+    [line] = [r.getMessage() for r in caplog.records if "--write-timeout" in r.getMessage()]
+    unsent = int(line.split("; ")[-1].split(" bytes")[0])
+    assert 0 < unsent < BIG_ANSWER, line
+
+
+@pytest.mark.parametrize("loop_name", LOOPS)
+def test_a_slow_reader_of_a_large_answer_before_the_close_gets_all_of_it(tls_files, loop_name):
+    """The close waits for the answer to be written (within --write-timeout of no
+    progress) before it waits LINGER_SECONDS for the client's close_notify: a client
+    reading slowly for longer than that is not cut short."""
+    client = tls_files[2]
+    closing = b"GET /big HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
+
+    async def scenario() -> bytes:
+        state = ServerState()
+        async with serving_tls(tls_files, state, "--write-timeout", "2", app=LargeApp()) as port:
+            loop = asyncio.get_running_loop()
+            sock = await loop.run_in_executor(None, tls_socket, port, client)
+            with sock:
+                sock.sendall(closing)
+                # 256 reads of 16 KB, 20 ms apart: about 5 s
+                return await loop.run_in_executor(None, read_answer, sock, 0.02)
+
+    answer = loops.run(scenario(), loop_name)
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"x" * 1000)
+    assert len(answer.partition(b"\r\n\r\n")[2]) == BIG_ANSWER
 
 
 # --- begun_now ------------------------------------------------------------------------

@@ -27,9 +27,10 @@ from typing import Any, Protocol
 # buffer (grown up to tcp_wmem's 4 MiB) took ~30,000 tokens for a client that read none,
 # and the stream's bound on unread tokens never tripped: the worker ran on for nobody.
 STREAM_UNSENT_BYTES = 16 * 1024
-# ... and what a TLS transport holds before writing pauses (its own mark: 512 KB, and as
-# much again in the socket's transport below it): a plain transport's 64 KB
-STREAM_TLS_BUFFER_BYTES = 64 * 1024
+# What a TLS transport holds before writing pauses, as a plain one does (its own mark is
+# 512 KB): above it, a client that reads none of an answer stalled no write, and was not
+# cut at --write-timeout (`tls_write_buffer`)
+TLS_WRITE_BUFFER_BYTES = 64 * 1024
 
 
 def unsent_in_kernel(transport: Transport | None) -> int:
@@ -61,21 +62,22 @@ class Transport(ReadingSwitch, Protocol):
     def abort(self) -> None: ...
     def get_extra_info(self, name: str, default: Any = None, /) -> Any: ...
     def get_write_buffer_size(self) -> int: ...
+    def is_closing(self) -> bool: ...
+
+
+def tls_write_buffer(transport: Any) -> None:
+    """A TLS transport's writing pauses where a plain one's does."""
+    limits = getattr(transport, "set_write_buffer_limits", None)
+    if limits is not None:
+        limits(high=TLS_WRITE_BUFFER_BYTES)
 
 
 def bound_unsent(transport: Transport | None, most: int | None = STREAM_UNSENT_BYTES) -> None:
-    """Let the kernel hold at most `most` unsent bytes of this connection's, and a TLS
-    transport a plain one's 64 KB (None: as many as their own settings allow, for the
-    answers after a stream). Where the option is missing (not TCP, not Linux or macOS),
-    the kernel's buffer bounds them alone."""
+    """Let the kernel hold at most `most` unsent bytes of this connection's (None: as
+    many as its own settings allow, for the answers after a stream). Where the option is
+    missing (not TCP, not Linux or macOS), the kernel's buffer bounds them alone."""
     if transport is None:
         return
-    limits = getattr(transport, "set_write_buffer_limits", None)
-    if limits is not None and transport.get_extra_info("ssl_object") is not None:
-        if most:
-            limits(high=STREAM_TLS_BUFFER_BYTES)
-        else:
-            limits()  # its own marks again
     sock = transport.get_extra_info("socket")
     option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
     if sock is None or option is None:
@@ -92,8 +94,12 @@ class FlowControl:
         loop: asyncio.AbstractEventLoop,
         write_timeout: float,
         on_stalled: Callable[[], None],
+        unsent: Callable[[], int] | None = None,
     ):
+        """`unsent` says how many bytes still wait to be written (by default, what the
+        transport's write buffer holds)."""
         self._transport = transport
+        self._unsent_bytes = unsent
         self._loop = loop
         self._write_timeout = write_timeout
         self._on_stalled = on_stalled
@@ -165,6 +171,8 @@ class FlowControl:
         self._on_stalled()
 
     def _unsent(self) -> int:
+        if self._unsent_bytes is not None:
+            return self._unsent_bytes()
         sizer = getattr(self._transport, "get_write_buffer_size", None)
         return sizer() if sizer is not None else 0
 
