@@ -20,6 +20,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -91,6 +92,7 @@ def test_the_defaults_are_the_option_table_s(monkeypatch):
     # every other setting too, so that none changes unseen (the loop: uvloop where installed)
     settings = dataclasses.asdict(config)
     assert settings.pop("loop") == ("uvloop" if importlib.util.find_spec("uvloop") else "asyncio")
+    assert abs(settings["app"].pop("started") - time.time()) < 60  # when it was read
     assert settings == {
         "host": "127.0.0.1",
         "port": 8000,

@@ -119,6 +119,14 @@ def replaced(server: RunningServer, victim: int) -> bool:
         return False
 
 
+def created(connection: Connection) -> int:
+    """The `created` /v1/models gives the served model, through this connection."""
+    status, _, body = connection.request("GET", "/v1/models")
+    assert status == 200
+    [model] = json.loads(body)["data"]
+    return model["created"]
+
+
 def gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -316,6 +324,11 @@ def test_an_http_process_that_dies_is_replaced_and_its_items_withdrawn(server):
     assert server.post_json({"inputs": "orphan-after"})[0] == 200
     assert not computed(server, "orphan")
     for connection in connections.values():
+        connection.close()
+    # the new process names the models' `created` as the others do (it made its own)
+    now = one_connection_each(server)
+    assert len({created(connection) for connection in now.values()}) == 1
+    for connection in now.values():
         connection.close()
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -244,9 +243,8 @@ def chat_field(message: str) -> str | None:
 class OpenAIRoutes:
     """Handlers for the /v1 routes; the served model's scheduler and workers do the work."""
 
-    def __init__(self, context: RouteContext, wall_clock: Callable[[], float] = time.time):
+    def __init__(self, context: RouteContext):
         self.context = context
-        self.created = int(wall_clock())  # when the models were first served, for /v1/models
 
     def routes(self) -> list[Route]:
         def queued(path: str, handler: Handler, operation: Operation, needs: Needs) -> Route:
@@ -521,7 +519,7 @@ class OpenAIRoutes:
         return {
             "id": model.name,
             "object": "model",
-            "created": self.created,
+            "created": self.context.settings.started,
             "owned_by": "rawserve",
         }
 

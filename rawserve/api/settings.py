@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 
@@ -15,3 +16,7 @@ class AppSettings:
     max_answer_bytes: int = 32 * 2**20  # the most one answer may hold (about); more: 413
     stream_keepalive: float | None = 15.0  # a silent stream's comment interval; None: none
     thinking_in_content: bool = False  # a reasoning model's thinking not apart (`reasoning`)
+    # when the server started (Unix time): /v1/models' `created`, made once where the
+    # options are read, so every HTTP process (a restarted one too) says the same; not a
+    # setting: configs read apart are still equal
+    started: int = field(default_factory=lambda: int(time.time()), compare=False)
