@@ -18,6 +18,7 @@ from rawserve.api.streaming import (
     TokenStream,
     kept_alive,
     open_token_stream,
+    start_choices,
 )
 from rawserve.http.errors import ServiceUnavailable
 from rawserve.http.exchange import HttpRequest
@@ -268,6 +269,42 @@ async def test_a_stream_closed_unread_after_its_request_failed_leaves_no_error_t
     for stream in streams:
         stream.close()
     del streams, stream
+    gc.collect()
+    loop.set_exception_handler(None)
+    assert unretrieved == []
+
+
+class RefusedApart(FakeScheduler):
+    """Refuses every generation, the second `turns` loop turns after the first."""
+
+    def __init__(self, executor, refusal, turns):
+        super().__init__(executor, [], None, fail_first=refusal)
+        self.turns, self.calls = turns, 0
+
+    async def run(self, inputs, params, deadline, control):
+        self.calls += 1
+        for _ in range(self.turns if self.calls > 1 else 0):
+            await asyncio.sleep(0)
+        return await super().run(inputs, params, deadline, control)
+
+
+async def test_choices_refused_as_the_first_one_starts_leave_no_error_to_log():
+    """OpenAI's `n` streamed, each choice refused (the queue full): another choice's
+    refusal was raised and the first choice's start cancelled just as its wait for a token
+    ended (asyncio.wait_for, on 3.11, then drops the cancellation), so it ended with its own
+    refusal, unread, logged by asyncio as an error with its traceback."""
+    unretrieved = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: unretrieved.append(context["message"]))
+    busy = Refused.because(Reason.QUEUE_FULL, "server busy")
+    for turns in range(4):  # (which turn the first's start ends in is the loop's doing)
+        executor = FakeExecutor()
+        model = ServedModel("tiny-gpt", ModelService(RefusedApart(executor, busy, turns), executor))
+        streams = [TokenStream(model, "hello", {"max_new_tokens": 3}, deadline=1e9) for _ in "ab"]
+        with pytest.raises(ServiceUnavailable):
+            await start_choices(streams, 15.0)  # the keep-alive interval: a timed wait
+        del streams
+    await asyncio.sleep(0)
     gc.collect()
     loop.set_exception_handler(None)
     assert unretrieved == []

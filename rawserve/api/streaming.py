@@ -272,9 +272,18 @@ async def start_choices(streams: Sequence[TokenStream], patience: float | None) 
                 stream.output()  # raises its error, with its status
     except BaseException:
         first.cancel()
+        # its outcome read whenever it ends: a cancellation that comes as its wait for the
+        # first token ends is lost (asyncio.wait_for before 3.12), and it ends with the
+        # request's refusal, logged as an error nobody retrieved
+        first.add_done_callback(_read_outcome)
         for stream in streams:
             stream.close()
         raise
+
+
+def _read_outcome(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def merged(
