@@ -1100,7 +1100,8 @@ def test_a_grammar_that_fails_midway_names_the_field_that_gave_it(servers):
 
 
 def test_a_tools_schema_a_grammar_cannot_follow_names_the_tools(more_servers):
-    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}
+    parameters = {"type": "object", "properties": {"a": {"type": "wat"}}}
+    broken = {"type": "function", "function": {"name": "f", "parameters": parameters}}
     asked = {"model": TOOLS_MODEL, "messages": ASK, "tools": [broken], "tool_choice": "required"}
     status, body = more_servers["tools"].post_json(asked, "/v1/chat/completions")
     assert status == 422 and body["error"]["param"] == "tools", body
@@ -1417,10 +1418,21 @@ def test_a_conversation_with_a_call_and_its_answer_goes_on(servers):
         ),
         ({"functions": [WEATHER["function"]], "function_call": {"name": "x"}}, "names x"),
         ({"functions": [WEATHER]}, 'each function must be {"name", "description", "parameters"}'),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "g", "parameters": {"type": "string"}},
+                    }
+                ]
+            },
+            'the parameters of g must be a schema of an object ("type": "object"), not "string"',
+        ),
     ],
     ids=[
         *("no-tools", "unknown", "with-regex", "twice", "name", "kind", "choice"),
-        *("functions-and-tools", "function-unknown", "function-as-tool"),
+        *("functions-and-tools", "function-unknown", "function-as-tool", "not-an-object"),
     ],
 )
 def test_tools_that_cannot_be_offered_are_400(servers, extra, message):

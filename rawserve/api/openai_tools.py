@@ -273,6 +273,13 @@ def read_functions(name: str, value: Any, context: DocContext | None) -> list[di
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise BadRequest(f"the parameters of {named} must be a JSON schema (an object)")
+        # a call's arguments are an object (OpenAI's rule, and what agents parse them as):
+        # a schema of another type made `"arguments": "\"abc\""`
+        if parameters and parameters.get("type", "object") != "object":
+            raise BadRequest(
+                f'the parameters of {named} must be a schema of an object ("type": "object"),'
+                f" not {json.dumps(parameters['type'])}"
+            )
         description = function.get("description")
         if description is not None and not isinstance(description, str):
             raise BadRequest(f"the description of {named} must be a text")
