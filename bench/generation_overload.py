@@ -16,6 +16,9 @@ chat client that sets no length gets), so the server must count them by the mode
 With `--stop w5,w7` each request names those stop sequences: its answer ends where the
 model writes one, for many before their cap (as a chat model's answers end at its end of
 sequence), so the server must not judge a full answer by the short ones.
+With `--contend N`, N processes spin on the CPU while the arrivals come (not while the
+capacity is measured): the rows run slower than the server measured them, as on a
+machine shared with other work, and the server must not count them free on time.
 
 Reported per round: the capacity; the goodput (answers 200 within their deadline, per
 second) and its ratio to the capacity; answers by status (a 504 is a request admitted and
@@ -31,15 +34,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -166,9 +171,10 @@ async def one_round(folder: Path, log: Path, args: argparse.Namespace) -> dict[s
         rate = capacity["completions_per_s"]
         arrivals = args.rate or args.factor * rate
         timed, _ = requests(folder, args.seed + 1, args.deadline, args.default_length, args.stop)
-        run = await load.open_loop(
-            process.port, timed, arrivals, args.duration, deadline=args.deadline
-        )
+        with contending(args.contend):
+            run = await load.open_loop(
+                process.port, timed, arrivals, args.duration, deadline=args.deadline
+            )
         summary = run.summary()
         metrics = scrape(process.port)
         return {
@@ -187,6 +193,20 @@ async def one_round(folder: Path, log: Path, args: argparse.Namespace) -> dict[s
         }
     finally:
         process.stop()
+
+
+@contextlib.contextmanager
+def contending(processes: int) -> Iterator[None]:
+    """`processes` busy loops on the CPU for the block's length."""
+    spinning = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)
+    ]
+    try:
+        yield
+    finally:
+        for process in spinning:
+            process.kill()
+            process.wait()
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -220,6 +240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--rawserve-args", default="", help="more options for rawserve")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--contend", type=int, default=0, help="processes spinning on the CPU during arrivals"
+    )
     parser.add_argument(
         "--default-length",
         type=int,
