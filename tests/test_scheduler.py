@@ -1078,6 +1078,29 @@ def test_a_sequence_is_admitted_only_if_it_would_be_sent_when_its_row_frees():
     assert inputs(next_batch(core, now=4.3)) == [text(12)]
 
 
+def test_rows_running_past_their_predicted_end_are_taken_to_run_late_again():
+    """Four rows of 128-token answers predicted to end at 4.3 s, still running at 8 s
+    (slower than measured: a CPU shared with other work). Taken to be free at once, they
+    admitted a request due at 10 s, which waited for a row to its 504; each is now taken
+    to run as late again as it has (to 11.7 s), so that one is refused, told to come
+    back then, and one due at 20 s is taken. Just past their end, they are taken to
+    free within a step or so, as before."""
+    core = rows_of(4)
+    run_sequences(core, 4, at=0.0)
+    predicted = core.pace.predict(128, 4)
+    assert predicted == pytest.approx(4.3, rel=0.05)
+    with pytest.raises(DeadlineUnreachable) as refused:
+        queue_items(core, [text(12)], now=8.0, deadline=10.0, params={"max_new_tokens": 8})
+    assert refused.value.retry_after == pytest.approx(8.0 - predicted, rel=0.01)
+    assert core.refuses_any_sequence(deadline=10.0, now=8.0)
+    queue_items(core, [text(12)], now=8.0, deadline=20.0, params={"max_new_tokens": 8})
+    just_late = rows_of(4)
+    run_sequences(just_late, 4, at=0.0)
+    queue_items(
+        just_late, [text(12)], now=predicted + 0.01, deadline=predicted + 2.0, params={}
+    )
+
+
 def rows_growing_slower(rows: int) -> SchedulerCore:
     """A continuous worker's rows whose step takes 0.01 s alone and 0.01 s more for each
     row beside it (as on a CPU), that generates 16 tokens by default."""

@@ -589,12 +589,31 @@ class SchedulerCore:
         needed = queued_ahead + rows - max(self.workers - running, 0)  # rows to free first
         if needed <= 0:
             return 0.0
-        ends = self._in_flight_ends
+        ends = self._expected_ends(now)
         if needed <= len(ends):
             return max(0.0, ends[needed - 1] - now)
         pace = self._in_flight_predicted / max(running, 1)
         later = needed - len(ends)
         return (max(0.0, ends[-1] - now) if ends else 0.0) + later * pace / max(self.workers, 1)
+
+    def _expected_ends(self, now: float) -> list[float]:
+        """When the running sequences likely end, in order: as predicted, but for those
+        past their predicted end (their rows slower than measured, a CPU shared with
+        other work), each taken to run late again by as long as it has so far (a step at
+        least), and no later than its row frees by its deadline. (Taken to be free at
+        once, rows that ran on for seconds admitted requests that waited for them to
+        their 504.)"""
+        ends = self._in_flight_ends
+        overdue = bisect.bisect_right(ends, now)
+        if not overdue:
+            return ends
+        step = self.pace.step_seconds(len(self._in_flight)) or 0.0
+        late = [
+            min(now + max(now - flight.end, step), flight.freed_by)
+            for flight in self._in_flight.values()
+            if flight.end <= now
+        ]
+        return sorted(late + ends[overdue:])
 
     def refuses_any_sequence(self, deadline: float, now: float) -> bool:
         """Whether a sequence due at `deadline` (sent to a continuous worker's rows)
