@@ -332,6 +332,32 @@ def test_an_http_process_that_dies_is_replaced_and_its_items_withdrawn(server):
         connection.close()
 
 
+def test_an_http_process_sent_sigterm_alone_answers_its_request_exits_and_is_replaced(server):
+    """A stop sent to one HTTP process: it answers what it holds and exits within a
+    second or so of that (it held its connections the whole grace period, 30 s, waiting
+    for a drain of the server's that never came), and is replaced, its exit said to be a
+    signal's (it was logged as a death whose requests were withdrawn)."""
+    worker = busy(server, "alone-busy", 1.0)
+    connections = one_connection_each(server)
+    victim, survivor = list(connections)
+    connections[victim].http.request(
+        "POST", "/", body=json.dumps({"inputs": "alone"}), headers=JSON
+    )
+    os.kill(victim, signal.SIGTERM)
+    began = time.monotonic()
+    answer = connections[victim].http.getresponse()
+    assert answer.status == 200 and json.loads(answer.read())["input"] == "alone"
+    wait_until(lambda: gone(victim), 10, "the HTTP process exited")
+    assert time.monotonic() - began < 10  # not the grace period
+    server.wait_for_log(re.compile(rf"HTTP process \d \(pid {victim}\) stopped on a signal"), 10)
+    assert not [line for line in server.read_log() if f"(pid {victim}) exited" in line]
+    wait_until(lambda: replaced(server, victim), what="a new HTTP process listed")
+    assert connections[survivor].request("GET", "/health")[0] == 200
+    worker.wait(30)
+    for connection in connections.values():
+        connection.close()
+
+
 def test_an_http_process_that_hangs_is_killed_and_replaced_and_its_items_withdrawn(server):
     """A stopped HTTP process is handed about half the new connections, which would hang
     forever: silent past the bound, it is killed and replaced like one that died."""
@@ -487,13 +513,16 @@ def test_a_stop_sent_to_the_group_answers_503_where_the_serving_process_is_stall
     try:
         waiting = busy(server, "stalled", 20.0, status=True)
         os.kill(server.process.pid, signal.SIGSTOP)
-        for pid in pids:
+        for pid in [server.process.pid, *pids]:  # (the serving process's waits)
             os.kill(pid, signal.SIGTERM)
         assert waiting.communicate(timeout=15)[0] == "503"
         wait_until(lambda: all(gone(pid) for pid in pids), 10, "the HTTP processes exited")
     finally:
         os.kill(server.process.pid, signal.SIGCONT)
-        server.stop()
+    # resumed, it sees its HTTP processes' exits before its own signal: none is replaced
+    assert server.process.wait(15) == 0
+    assert not [line for line in server.read_log() if "starting another" in line]
+    server.stop()
 
 
 def test_a_second_signal_exits_at_once_and_leaves_nothing_in_shared_memory(

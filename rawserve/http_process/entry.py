@@ -43,6 +43,9 @@ from rawserve.shared.memory import fix_mmap_threshold
 log = logging.getLogger("rawserve")
 
 FINAL_WRITE_SECONDS = 1.0  # after the grace period: time to write the last answers
+# how long an HTTP process stopped by a signal waits for the serving process to say drain
+# too (a stop sent to the group) before it takes the signal for its own alone
+ALONE_SECONDS = 1.0
 # how often this process says it is alive; the serving process kills one silent for
 # seconds (rawserve.serving.fleet.SILENT_SECONDS), so this is a small part of that
 ALIVE_SECONDS = 0.5
@@ -133,14 +136,19 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
     drain = asyncio.Event()
     lost = asyncio.Event()
     closing = asyncio.Event()  # the serving process's drain is over: close what is open
+    told = asyncio.Event()  # the serving process said drain (not only a signal of ours)
     grace = config.grace
 
-    def on_drain(seconds: float) -> None:
+    def stop(seconds: float) -> None:
         nonlocal grace
         grace = seconds
         drain.set()
         if seconds <= 0:  # (what `HttpProcesses.close` sends)
             closing.set()
+
+    def on_drain(seconds: float) -> None:
+        told.set()
+        stop(seconds)
 
     try:
         board = Board(spec.board, len(spec.models))
@@ -184,7 +192,7 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
     )
     metrics.start(loop)
     for signum in stop_signals():  # a stop sent to the whole group (a closed terminal's)
-        loop.add_signal_handler(signum, on_drain, config.grace)
+        loop.add_signal_handler(signum, stop, config.grace)
     say_alive(link.send)
     link.send(("listening", os.getpid()))
     fix_mmap_threshold()
@@ -218,8 +226,13 @@ async def serve_http(spec: HttpProcessSpec, sock: socket.socket) -> int:
         # its own answered, the other processes' may not be: its idle connections stay
         # open (a request there is answered 503, as with one process) until the serving
         # process says the server's drain is over (they were closed at once, and a
-        # pooled client's next request on one got no answer at all)
-        await first_of([closing, lost], grace + FINAL_WRITE_SECONDS)
+        # pooled client's next request on one got no answer at all). A stop sent to this
+        # process alone (no drain said within ALONE_SECONDS) ends here: the server goes
+        # on, and its clients' new connections reach the other processes (it held them
+        # the whole grace period, and was taken for a process that died)
+        await first_of([told, lost], ALONE_SECONDS)
+        if told.is_set():
+            await first_of([closing, lost], grace + FINAL_WRITE_SECONDS)
         await requests_answered(state, FINAL_WRITE_SECONDS)
     state.close_all()
     await metrics.stop()

@@ -135,6 +135,13 @@ class Fleet:
             self.peers.pop(index, None)  # its replacement is watched once it listens
         if self.stopping:
             return
+        if listened and process.exitcode == 0:
+            # it stopped on a signal, its requests answered: one sent to it alone, or to
+            # the group, whose signal to us may come later (a serving process stopped,
+            # then resumed, sees its children's exits first): replaced after a pause, by
+            # which that signal has stopped the server
+            loop.call_later(RESTART_PAUSE, self._replace_stopped, index, process.pid)
+            return
         failures = 0 if listened else self._failed_starts.get(index, 0) + 1
         self._failed_starts[index] = failures
         lived = time.monotonic() - self._started.get(index, 0.0)
@@ -170,6 +177,12 @@ class Fleet:
                 del self.peers[index]
                 process.kill()
         asyncio.get_running_loop().call_later(WATCH_SECONDS, self._watch)
+
+    def _replace_stopped(self, index: int, pid: int | None) -> None:
+        if self.stopping:
+            return
+        log.warning("HTTP process %d (pid %s) stopped on a signal; starting another", index, pid)
+        asyncio.get_running_loop().create_task(self._restart(index))
 
     async def _restart(self, index: int) -> None:
         if self.stopping:
