@@ -1096,9 +1096,7 @@ def test_rows_running_past_their_predicted_end_are_taken_to_run_late_again():
     queue_items(core, [text(12)], now=8.0, deadline=20.0, params={"max_new_tokens": 8})
     just_late = rows_of(4)
     run_sequences(just_late, 4, at=0.0)
-    queue_items(
-        just_late, [text(12)], now=predicted + 0.01, deadline=predicted + 2.0, params={}
-    )
+    queue_items(just_late, [text(12)], now=predicted + 0.01, deadline=predicted + 2.0, params={})
 
 
 def rows_growing_slower(rows: int) -> SchedulerCore:
