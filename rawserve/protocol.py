@@ -72,6 +72,7 @@ from rawserve.http.flow_control import (
     FlowControl,
     Transport,
     bound_unsent,
+    reset_on_close,
     tls_write_buffer,
     unsent_in_kernel,
 )
@@ -246,6 +247,7 @@ class HttpProtocol(asyncio.Protocol):
         )
         self._enter(Phase.CLOSED)
         if self.transport is not None:
+            reset_on_close(self.transport)
             self.transport.abort()
 
     def _on_deadline(self) -> None:

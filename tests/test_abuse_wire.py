@@ -7,6 +7,7 @@ a client that never reads its answer. Each scenario is bounded in time and count
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import statistics
@@ -280,12 +281,21 @@ def test_probes_are_answered_when_the_connection_cap_is_reached(echo_server):
 
 
 def test_a_client_that_never_reads_is_closed_after_the_write_timeout(big_answer_server):
+    """Cut off, and reset: closed normally with megabytes of its answer unsent in the
+    kernel, the socket stayed there with them (an orphan probing a closed window, for
+    minutes) for a client that reads nothing."""
     with big_answer_server as server:
         with connect(server.port, rcvbuf=4096) as sock:
             sock.sendall(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\n\r\nx")
             # the client reads nothing until the server says it cut it off (a fixed sleep
             # was too short where a busy machine took seconds to write the answer at all)
             server.wait_for_log(WRITE_TIMED_OUT, timeout=60)
+            if os.path.exists("/proc/net/tcp"):  # (Linux's socket table)
+                client_port = sock.getsockname()[1]
+                end = time.monotonic() + 5
+                while (left := kernel_unsent(server.port, client_port)) is not None:
+                    assert time.monotonic() < end, f"{left} bytes still held by the kernel"
+                    time.sleep(0.05)
             sock.settimeout(10)
             received = 0
             try:
@@ -294,3 +304,17 @@ def test_a_client_that_never_reads_is_closed_after_the_write_timeout(big_answer_
             except (ConnectionResetError, TimeoutError):
                 pass
         assert received < BIG_ANSWER, "the server held the answer for a client not reading"
+
+
+def kernel_unsent(local_port: int, remote_port: int) -> int | None:
+    """The bytes the kernel holds unsent on the loopback connection from `local_port` to
+    `remote_port` (None: it has no such socket)."""
+    with open("/proc/net/tcp") as table:
+        for line in table.readlines()[1:]:
+            fields = line.split()
+            local, remote, queues = fields[1], fields[2], fields[4]
+            if int(local.split(":")[1], 16) == local_port and (
+                int(remote.split(":")[1], 16) == remote_port
+            ):
+                return int(queues.split(":")[0], 16)
+    return None

@@ -340,7 +340,9 @@ def test_a_slow_reader_of_a_large_answer_before_the_close_gets_all_of_it(tls_fil
 
     async def scenario() -> bytes:
         state = ServerState()
-        async with serving_tls(tls_files, state, "--write-timeout", "2", app=LargeApp()) as port:
+        # (a write timeout past the reading's time: the kernel's buffers take megabytes,
+        # and free room for more only once half of them is read, seconds at this pace)
+        async with serving_tls(tls_files, state, "--write-timeout", "20", app=LargeApp()) as port:
             loop = asyncio.get_running_loop()
             sock = await loop.run_in_executor(None, tls_socket, port, client)
             with sock:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import socket
+import struct
 import sys
 import termios
 from collections.abc import Callable
@@ -70,6 +71,17 @@ def tls_write_buffer(transport: Any) -> None:
     limits = getattr(transport, "set_write_buffer_limits", None)
     if limits is not None:
         limits(high=TLS_WRITE_BUFFER_BYTES)
+
+
+def reset_on_close(transport: Transport | None) -> None:
+    """Make this connection's close a reset (SO_LINGER 0): what the kernel holds unsent
+    goes with it. (Closed normally with megabytes unsent for a client that reads none,
+    the socket stayed in the kernel with them, probing a closed window for minutes.)"""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return
+    with suppress(OSError):  # (closed meanwhile, or not a socket that lingers)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
 def bound_unsent(transport: Transport | None, most: int | None = STREAM_UNSENT_BYTES) -> None:
