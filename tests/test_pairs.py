@@ -50,6 +50,17 @@ def test_each_text_of_a_long_pair_is_cut_to_a_few_times_the_limit(tokenizer):
     assert cut_pair(tokenizer, "a short one", "and another", 128) == ("a short one", "and another")
 
 
+def test_cutting_a_text_past_the_models_length_warns_of_no_indexing_errors(tiny_model):
+    """Tokenized whole to find where to cut it, a long text made transformers warn that
+    running it "will result in indexing errors" (once a tokenizer): it is never run."""
+    folder = tiny_model("text-classification")
+    fresh = transformers.AutoTokenizer.from_pretrained(folder, model_max_length=512)
+    long = "hello world the movie " * 2000
+    first, _ = cut_pair(fresh, long, "a question", 128)
+    assert len(first) < len(long)
+    assert "sequence-length-is-longer-than-the-specified-maximum" not in fresh.deprecation_warnings
+
+
 @pytest.fixture(scope="module")
 def classifier(tiny_model):
     from rawserve.shared.messages import Engine

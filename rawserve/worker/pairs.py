@@ -85,7 +85,9 @@ def _offsets_past(
 
 
 def _offsets(tokenizer: Any, text: str) -> list[tuple[int, int]]:
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    # (verbose off: a text past the model's length warned of "indexing errors" once,
+    # though it is counted here to be cut, never run whole)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     return list(encoded["offset_mapping"])
 
 
