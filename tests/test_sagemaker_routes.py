@@ -6,12 +6,14 @@ test_openai_generation.py."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
 
 from rawserve.api.sagemaker import invocation_path, target
 from rawserve.api.served import ServedModels
+from rawserve.http.errors import BadRequest, ModelNotFound
 from rawserve.http.exchange import HttpRequest
 from tests.test_model_selection import served
 
@@ -97,6 +99,28 @@ def test_another_task_s_invocations_go_to_its_model_s_own_path_without_the_name(
     body = json.dumps({"inputs": "a long text", "model": "s2s"}).encode()
     moved = target(request("/invocations", body), models)
     assert moved.path == "/models/s2s" and json.loads(moved.body) == {"inputs": "a long text"}
+
+
+@pytest.mark.parametrize(
+    ("name", "error", "says"),
+    [
+        ("nope", ModelNotFound, "no model named 'nope' is served (served: s2s, emb)"),
+        (5, BadRequest, '"model" must be a string'),
+    ],
+)
+def test_invocations_naming_no_served_model_is_refused_where_its_route_reads_no_name(
+    name, error, says
+):
+    """The first model a summarizer (its route, /models/<name>, reads no "model"): a body
+    naming a model not served, or a number, was served by it, 200. One served model
+    answers to any name, as on every route."""
+    models = ServedModels([served("s2s", "summarization"), served("emb", "feature-extraction")])
+    body = json.dumps({"inputs": "a long text", "model": name}).encode()
+    with pytest.raises(error, match=re.escape(says)):
+        target(request("/invocations", body), models)
+    alone = ServedModels([served("s2s", "summarization")])
+    if isinstance(name, str):
+        assert target(request("/invocations", body), alone).path == "/models/s2s"
 
 
 def test_before_a_worker_loads_invocations_go_by_the_task_it_was_started_with():

@@ -128,8 +128,8 @@ class App:
         self.gate.start_draining()
 
     async def handle(self, request: HttpRequest) -> HttpResponse:
-        request = sagemaker.target(request, self.models)  # (/invocations: the route it is)
         try:
+            request = sagemaker.target(request, self.models)  # (/invocations: its route)
             response = await self.route(request)
         except Exception as exc:
             render = self.error_renderer(request)
