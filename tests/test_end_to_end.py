@@ -98,6 +98,20 @@ def test_json_list_is_answered_in_order_as_the_pipeline_would(fill_mask_server, 
         assert [g["score"] for g in got] == pytest.approx([e["score"] for e in expected], abs=1e-5)
 
 
+def test_fillings_that_would_make_an_answer_past_its_limit_are_413_before_the_model_runs(
+    fill_mask_server,
+):
+    """Each mask's candidates repeat the whole text: 32 texts of 126 masks with top_k 100
+    (28 KB sent) would answer about 390 MB (16 such texts made 159 MB, answered 200)."""
+    texts = [" ".join(["[MASK]"] * 126)] * 32
+    status, answer = fill_mask_server.post_json({"inputs": texts, "parameters": {"top_k": 100}})
+    assert status == 413, answer
+    assert "the answer would be larger than 32 MiB" in answer["error"]
+    assert "fewer masks, texts or candidates" in answer["error"]
+    status, answer = fill_mask_server.post_json({"inputs": texts[:1], "parameters": {"top_k": 2}})
+    assert status == 200 and [len(each) for each in answer[0]] == [2] * 126
+
+
 def test_input_the_pipeline_rejects_is_422(fill_mask_server):
     status, answer = fill_mask_server.post_json({"inputs": "no mask token here"})
     assert status == 422 and answer["error_type"] == "unprocessable_input"

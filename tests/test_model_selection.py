@@ -18,7 +18,13 @@ import pytest
 from rawserve.api.app import App
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
-from rawserve.http.errors import HTTPError, NotFound, ServiceUnavailable, Unauthorized
+from rawserve.http.errors import (
+    HTTPError,
+    NotFound,
+    PayloadTooLarge,
+    ServiceUnavailable,
+    Unauthorized,
+)
 from rawserve.http.exchange import HttpRequest
 from rawserve.serving.face import NO_CONTROL, Control, ItemResult, Reason, Refusal
 from rawserve.serving.service import ModelService
@@ -115,6 +121,25 @@ def computed_by(app: App, name: str) -> int:
     queue = app.models.get(name).serving.queue
     assert isinstance(queue, AnsweringQueue)
     return len(queue.calls)
+
+
+async def test_fillings_past_the_answer_limit_are_413_and_never_computed():
+    """A fill-mask answer's size is known from the request: each mask's candidates (top_k,
+    or the targets) repeat the whole text. Past the limit, 413 before the model runs."""
+    model = served("fm", "fill-mask")
+    model.serving.loaded.details["mask_token"] = "<mask>"
+    app = App(ServedModels([model]), AppSettings(max_answer_bytes=1_000_000))
+    text = " ".join(["<mask>"] * 10)  # 69 bytes: 10 x 100 x (69 + 80) bytes at top_k 100
+    too_many = {"inputs": [text] * 7, "parameters": {"top_k": 100}}
+    with pytest.raises(PayloadTooLarge, match="larger than 1,000,000 bytes"):
+        await app.handle(post("/", too_many))
+    targets = {"inputs": [text] * 7, "parameters": {"targets": ["a"] * 100}}
+    with pytest.raises(PayloadTooLarge):
+        await app.handle(post("/", targets))
+    assert computed_by(app, "fm") == 0
+    for fits in ({"inputs": [text] * 6, "parameters": {"top_k": 100}}, {"inputs": [text] * 7}):
+        assert (await app.handle(post("/", fits))).status == 200
+    assert computed_by(app, "fm") == 2
 
 
 def test_a_model_answers_to_its_name_and_its_aliases():

@@ -122,6 +122,8 @@ class PipelineRunner(Runner):
         if self.task == "text-classification":
             labels = self.pipe.model.config.id2label
             found["id2label"] = {str(i): labels[i] for i in sorted(labels)}
+        if self.task == "fill-mask":  # (the server counts the masks an answer fills)
+            found["mask_token"] = getattr(self.tokenizer, "mask_token", None)
         return found
 
     def use_cuda_graphs(self) -> str:
