@@ -70,6 +70,10 @@ POOLING_NAMES = {"last-token": "lasttoken", "last_token": "lasttoken"}
 CHOICES = ("engine", "dtype", "batching", "generation", "loop", "log_format")
 # the largest whole number an option takes: /info's JSON readers keep it exact
 MAX_WHOLE_NUMBER = 2**53
+# the largest a time option takes (seconds, or --max-batch-delay-ms' milliseconds): about
+# 116 days (--timeout 1e308 was taken, and the scheduler's budget of tokens for a deadline
+# came to infinity: every request after the first two 500)
+MAX_TIME = 10**7
 # --handler: a module the worker imports, and the factory in it (`handler` if not named)
 HANDLER_SPEC = re.compile(r"[^\W\d]\w*(\.[^\W\d]\w*)*(:([^\W\d]\w*)?)?")
 ENV_TRUE = ("1", "true", "yes", "on")
@@ -821,6 +825,8 @@ def check_values(
         value = getattr(args, option.dest)
         if option.type is int and value is not None and value > MAX_WHOLE_NUMBER:
             parser.error(f"{option.flag} must be at most {MAX_WHOLE_NUMBER}")
+        if option.type is float and value is not None and value > MAX_TIME:
+            parser.error(f"{option.flag} must be at most {MAX_TIME:,}")
     if args.threads is not None and args.threads > cores.cores:
         # more only contend for the cores; torch's thread pool crashed the worker with
         # tens of thousands, and the restarted one failed on memory

@@ -233,6 +233,10 @@ def test_pooling_is_read_in_sentence_transformers_words_and_tei_s(monkeypatch, g
         (["--keepalive-timeout", "nan"], {}, "argument --keepalive-timeout: must be a finite"),
         ([], {"RAWSERVE_TIMEOUT": "inf"}, "RAWSERVE_TIMEOUT='inf': must be a finite number"),
         (["--grace", "ten"], {}, "argument --grace: not a number: 'ten'"),
+        # taken, then every request after the first two was 500 (an overflow scheduling it)
+        (["--timeout", "1e308"], {}, "--timeout must be at most 10,000,000"),
+        (["--grace", "1e308"], {}, "--grace must be at most 10,000,000"),
+        ([], {"RAWSERVE_KEEPALIVE_TIMEOUT": "1e20"}, "--keepalive-timeout must be at most"),
         (["--log-level", "verbose"], {}, "--log-level must be one of debug, info, warning"),
         # each line names the option at fault alone: an empty RAWSERVE_API_KEY was told
         # "--max-connections must not be negative and --api-key not empty"
