@@ -15,6 +15,7 @@ import os
 import queue
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -565,6 +566,34 @@ def test_kill_9_under_load_every_request_is_answered_once(faulty_server):
     assert [answer["input"] for _, answer in answers] == texts  # each its own answer, once
     assert {answer["pid"] for _, answer in answers} - {killed}  # served again after the kill
     assert faulty_server.request("GET", "/ready")[0] == 200
+
+
+def post_into(server: RunningServer, document: dict, answers: queue.Queue) -> None:
+    answers.put(server.post_json(document))
+
+
+@pytest.mark.slow
+def test_an_answer_sent_while_the_server_was_stopped_past_the_batch_timeout_is_taken(
+    faulty_server,
+):
+    """The server stopped (SIGSTOP) past --batch-timeout (3 s) while its worker answered
+    in 0.5 s: resumed, its loop ran the batch's timer before reading the worker's pipe,
+    took the batch for hung, dropped its answer as stale, killed the worker (500), and
+    the second time refused the input as poison (422 for an hour)."""
+    for attempt in range(2):
+        name = f"stalled-{attempt}"
+        answers: queue.Queue = queue.Queue()
+        body = {"inputs": name, "parameters": {"sleep": 0.5}}
+        client = threading.Thread(target=post_into, args=(faulty_server, body, answers))
+        client.start()
+        faulty_server.wait_for_log(re.compile(re.escape(f"sleeping 0.5 s on ['{name}']")), 30)
+        faulty_server.signal(signal.SIGSTOP)
+        time.sleep(4)
+        faulty_server.signal(signal.SIGCONT)
+        client.join(30)
+        status, answer = answers.get(timeout=1)
+        assert status == 200 and answer["input"] == name, answer
+    assert not [line for line in faulty_server.read_log() if "stale" in line or "ran over" in line]
 
 
 @pytest.mark.slow

@@ -267,6 +267,8 @@ class WorkerHandle:
         self.load_failure: str | None = None  # why its process could not load, as it said
         self.started_at = 0.0
         self.heard_at = 0.0  # when its last message came (a continuous worker's sign of life)
+        # reads what its process has sent and the loop has not yet seen (set as it starts)
+        self.read_sent: Callable[[], None] | None = None
         self.record = record  # its restarts and crashes, counted by the supervisor
         self.batch_cap: int | None = None  # lowered by the worker after out-of-memory errors
         # a continuous worker: the sequences it runs at once (0: one batch at a time) and

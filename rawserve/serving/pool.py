@@ -614,6 +614,12 @@ class WorkerPool(PoolReports):
         task.add_done_callback(self._tasks.discard)
 
     def _on_batch_timeout(self, worker: WorkerHandle, job: Job) -> None:
+        # A loop that stalled past the timeout (the serving process stopped, or starved
+        # of the CPU) runs its timers before it reads its pipes: what the worker sent
+        # meanwhile, its answer perhaps, is read first (it was dropped as stale, its
+        # healthy worker killed for a hang, and its input refused as a poison one)
+        if worker.holds(job) and worker.read_sent is not None:
+            worker.read_sent()
         if not worker.holds(job):
             return
         if worker.sequences:  # it hangs only if it has ended no pass for as long
@@ -695,6 +701,12 @@ class WorkerPool(PoolReports):
         reader = MessageReader()
         watched = (worker, replies_in, reader, process)
         self._running_loop.add_reader(replies_in.fileno(), self._on_readable, *watched)
+
+        def read_sent() -> None:  # (ahead of the loop's turn for its pipe)
+            if not replies_in.closed:
+                self._on_readable(*watched)
+
+        worker.read_sent = read_sent
         # Its exit, too: a process it started (a handler's fork, `os.system`) holds the
         # pipe's write end after it dies, and no end of file came: every request waited
         # for its deadline, then the dead worker stayed "loading" until that child ended.
