@@ -373,6 +373,17 @@ async def test_two_models_of_one_task_that_a_route_does_not_fit_are_both_named(
     assert "'emb' serves feature-extraction, 'emb2' serves feature-extraction" in message
 
 
+async def test_a_route_no_model_fits_names_every_served_model_however_many():
+    """Eight models' list was cut at 300 characters, in a model's name (the cut kept
+    for messages that may quote a client's input): it is the server's own words."""
+    names = [f"classifier-{n}" for n in range(8)]
+    app = App(ServedModels([served(name, "text-classification") for name in names]))
+    answer = await app.handle(post("/v1/chat/completions", {"messages": []}, headers=[]))
+    message = json.loads(answer.body)["error"]["message"]
+    assert answer.status == 404 and len(message) > 300, message
+    assert message.endswith("'classifier-7' serves text-classification)"), message
+
+
 @pytest.mark.parametrize(("model", "status"), [("nope", 404), (7, 400), (["emb"], 400)])
 async def test_a_bad_openai_model_field_is_refused(app, model, status):
     answer = await app.handle(post("/v1/embeddings", {"input": "hi", "model": model}))

@@ -12,7 +12,7 @@ from rawserve.api.routing import ANY_MODEL, Needs
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.api.tokens import ServerTokenizers
-from rawserve.http.errors import BadRequest, NotFound
+from rawserve.http.errors import BadRequest, NoModelFits, NotFound
 from rawserve.http.exchange import HttpRequest
 
 
@@ -64,7 +64,7 @@ class RouteContext:
             return self.models.default
         if name is None:
             if (none_fits := needs.none_fits(self.models.all)) is not None:
-                raise NotFound(none_fits)
+                raise NoModelFits(none_fits)
             fitting = [model for model in self.models.all if needs.missing(model) is None]
             return min(fitting, key=needs.rank)  # (of equals, the first listed)
         return self.models.get(name)

@@ -40,6 +40,9 @@ class HTTPError(Exception):
     # `error_type` unless a subclass says better)
     param: str | None = None
     code: str | None = None
+    # its message is answered whole: the served models it lists are the server's words
+    # (another's is cut to MAX_MESSAGE_CHARS, as it may quote the client's input)
+    whole = False
 
     def __init__(
         self,
@@ -94,10 +97,17 @@ class NotFound(HTTPError):
 
 
 class ModelNotFound(NotFound):
-    """A request names a model that is not served."""
+    """A request names a model that is not served (its name cut to 100 characters)."""
 
     param = "model"
     code = "model_not_found"  # OpenAI's code for it
+    whole = True
+
+
+class NoModelFits(NotFound):
+    """None of the served models serves the route: each named with what it serves."""
+
+    whole = True
 
 
 class MethodNotAllowed(HTTPError):
@@ -230,7 +240,7 @@ def as_http_error(exc: BaseException, request_id: str | None = None) -> HTTPErro
 
 def error_document(error: HTTPError) -> dict[str, str]:
     """The JSON body of an error: `{"error": message, "error_type": kind}`."""
-    return {"error": _short(error.message), "error_type": error.error_type}
+    return {"error": _short(error), "error_type": error.error_type}
 
 
 def tgi_error_response(exc: BaseException, request_id: str | None = None) -> HttpResponse:
@@ -275,7 +285,7 @@ def tgi_error(error: HTTPError) -> HTTPError:
 def tei_error_response(exc: BaseException, request_id: str | None = None) -> HttpResponse:
     """`error_response` with TEI's types (`tei_error_type`), for TEI's routes."""
     error = as_http_error(exc, request_id)
-    document = {"error": _short(error.message), "error_type": tei_error_type(error)}
+    document = {"error": _short(error), "error_type": tei_error_type(error)}
     return HttpResponse(error.status, dumps(document), list(error.headers))
 
 
@@ -316,7 +326,7 @@ def openai_error_document(error: HTTPError) -> dict[str, Any]:
         kind = OPENAI_ERROR_TYPES.get(error.status, "invalid_request_error")
     return {
         "error": {
-            "message": _short(error.message),
+            "message": _short(error),
             "type": kind,
             "param": error.param,
             "code": error.code or error.error_type,
@@ -325,7 +335,8 @@ def openai_error_document(error: HTTPError) -> dict[str, Any]:
     }
 
 
-def _short(message: str) -> str:
-    if len(message) > MAX_MESSAGE_CHARS:
+def _short(error: HTTPError) -> str:
+    message = error.message
+    if len(message) > MAX_MESSAGE_CHARS and not error.whole:
         return message[: MAX_MESSAGE_CHARS - 3] + "..."
     return message
