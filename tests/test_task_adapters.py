@@ -319,6 +319,19 @@ def _rounded(value):
 # --- feature-extraction -------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("kind", "key", "value"),
+    [
+        # a context of any length is read in windows of at most its 128 positions (/info
+        # said 0, where every other text model said its length)
+        ("question-answering", "max_input_length", 128),
+        ("fill-mask", "mask_token", "[MASK]"),  # the server counts an answer's masks by it
+    ],
+)
+def test_a_models_details_say_what_the_server_reads_of_it(runner, kind, key, value):
+    assert runner(kind).details[key] == value
+
+
 def test_fill_mask_lists_at_most_the_whole_vocabulary(runner):
     serving = runner("fill-mask")
     vocabulary = serving.pipe.model.config.vocab_size

@@ -88,6 +88,12 @@ class SpanExtractionRunner(Runner):
         )
         self.question_first = self.tokenizer.padding_side == "right"
 
+    @property
+    def details(self) -> dict[str, Any]:
+        # the longest window it reads (a context of any length is read in windows): the
+        # most `max_seq_len` may ask (/info said 0)
+        return {"max_input_length": self.position_limit or self.default_max_seq_len}
+
     def options(self, params: dict[str, Any]) -> SpanOptions:
         max_seq_len = params.get("max_seq_len") or self.default_max_seq_len
         if self.position_limit is not None and max_seq_len > self.position_limit:
