@@ -155,6 +155,10 @@ class FakeConn:
 
 
 class NoReplies:
+    """A reply pipe with never anything to read (the replies are handed to the pool)."""
+
+    closed = True
+
     def fileno(self) -> int:
         return -1
 
