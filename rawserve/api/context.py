@@ -12,7 +12,7 @@ from rawserve.api.routing import ANY_MODEL, Needs
 from rawserve.api.served import ServedModel, ServedModels
 from rawserve.api.settings import AppSettings
 from rawserve.api.tokens import ServerTokenizers
-from rawserve.http.errors import BadRequest, NoModelFits, NotFound
+from rawserve.http.errors import NoModelFits, NotFound
 from rawserve.http.exchange import HttpRequest
 
 
@@ -38,8 +38,6 @@ class RouteContext:
         request, on a route that queues work for the model: its 503 where it could not be
         admitted now (the queue full, a generation's row out of reach by its deadline),
         before the body is checked or tokenized, and counted for the model it names."""
-        if name is not None and not isinstance(name, str):
-            raise BadRequest('"model" must be a string', param="model")
         model = self.select(name, needs)
         self.take(model, needs, named=name is not None)
         if queued_for is not None:
@@ -54,17 +52,15 @@ class RouteContext:
             raise NotFound(missing, param="model" if named else None)
         self.gate.check(model)
 
-    def select(self, name: str | None, needs: Needs) -> ServedModel:
-        """The model a body names. One served model answers to any name, as TEI and TGI
-        do (their clients send a placeholder: TGI's sends "tgi"); a body that names none
-        gets the first model that fits the route, one it prefers first (chat: a model with a
-        chat template; when none fits, 404 saying what each serves); of several, a name not
-        served is 404 listing the served ones."""
+    def select(self, name: Any, needs: Needs) -> ServedModel:
+        """The model a body names (`ServedModels.named`); a body that names none gets the
+        first model that fits the route, one it prefers first (chat: a model with a chat
+        template; when none fits, 404 saying what each serves)."""
+        if (named := self.models.named(name)) is not None:
+            return named
         if len(self.models.all) == 1:
             return self.models.default
-        if name is None:
-            if (none_fits := needs.none_fits(self.models.all)) is not None:
-                raise NoModelFits(none_fits)
-            fitting = [model for model in self.models.all if needs.missing(model) is None]
-            return min(fitting, key=needs.rank)  # (of equals, the first listed)
-        return self.models.get(name)
+        if (none_fits := needs.none_fits(self.models.all)) is not None:
+            raise NoModelFits(none_fits)
+        fitting = [model for model in self.models.all if needs.missing(model) is None]
+        return min(fitting, key=needs.rank)  # (of equals, the first listed)

@@ -29,7 +29,7 @@ from typing import Any
 from rawserve.api.bodies import read_json
 from rawserve.api.inference import MODELS_PREFIX
 from rawserve.api.served import ServedModel, ServedModels
-from rawserve.http.errors import BadRequest, HTTPError
+from rawserve.http.errors import HTTPError
 from rawserve.http.exchange import HttpRequest
 
 PING = "/ping"
@@ -52,7 +52,7 @@ def target(request: HttpRequest, models: ServedModels, body_read: bool = True) -
     if path.startswith(MODELS_PREFIX) and isinstance(document, dict) and "model" in document:
         # checked here, as the other routes check it: the route it goes to reads no name
         # (a name not served, or not a text, was served by the first model, 200)
-        check_name(document["model"], models)
+        models.named(document["model"])
         unnamed = {key: value for key, value in document.items() if key != "model"}
         return replace(request, path=path, body=json.dumps(unnamed).encode())
     return replace(request, path=path)
@@ -96,17 +96,6 @@ def invocation_path(document: Any, models: ServedModels) -> str:
     if task == "text-classification":
         return "/rerank" if is_reranker(model, body) else "/predict"
     return MODELS_PREFIX + model.name
-
-
-def check_name(name: Any, models: ServedModels) -> None:
-    """A body's "model" as the routes take it: a text (else 400), and of several models,
-    one served (else 404 listing them); one served model answers to any name."""
-    if name is None:
-        return
-    if not isinstance(name, str):
-        raise BadRequest('"model" must be a string', param="model")
-    if len(models.all) > 1:
-        models.get(name)
 
 
 def chosen_model(name: Any, models: ServedModels) -> ServedModel:

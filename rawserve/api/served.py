@@ -14,7 +14,7 @@ from pathlib import PurePath
 from typing import Any
 
 from rawserve.api.outcomes import http_error
-from rawserve.http.errors import ModelNotFound
+from rawserve.http.errors import BadRequest, ModelNotFound
 from rawserve.serving.face import (
     NO_CONTROL,
     Control,
@@ -109,6 +109,17 @@ class ServedModels:
     def names(self) -> list[str]:
         """Every name a request may use, each model's own name first."""
         return list(self._by_name)
+
+    def named(self, name: Any) -> ServedModel | None:
+        """The model a body's "model" field names (None: it names none): 400 where it is
+        no text. One served model answers to any name, as TEI and TGI do (their clients
+        send a placeholder: TGI's sends "tgi"); of several, a name not served is 404
+        listing the served ones."""
+        if name is None:
+            return None
+        if not isinstance(name, str):
+            raise BadRequest('"model" must be a string', param="model")
+        return self.default if len(self.all) == 1 else self.get(name)
 
     def get(self, name: str | None) -> ServedModel:
         """The model a request names (the default when it names none); 404 otherwise."""
