@@ -81,6 +81,9 @@ class WorkItem:
     turn: int = 0  # its place in the fair-share order, set when it is admitted
     batch: asyncio.Future[Any] | None = None  # the model call it is part of, once sent
     request_id: str = ""  # its request's, for the worker's log lines ("": none)
+    # why its run ended while a worker held it ("expired", "disconnected"): counted under
+    # that as dropped if the pool then never runs it (a retry after a crash left waiting)
+    left: str = ""
 
     def sort_key(self) -> tuple[int, float, int]:
         """Fair-share turn first; within a turn, earliest deadline first."""

@@ -37,7 +37,7 @@ from rawserve.serving.refusals import (
     not_back_in_time,
     shutting_down,
 )
-from rawserve.serving.supervision import NOT_COMPUTED
+from rawserve.serving.supervision import NOT_COMPUTED, NOT_RUN
 from rawserve.shared.late_watch import LateWatch
 from rawserve.shared.logs import REQUEST_ID
 from rawserve.shared.messages import NO_CONTROL, BatchResult, Control, ModelLimits
@@ -366,7 +366,7 @@ class Scheduler:
             # queued, or sent to a worker that died with them: neither was answered
             self._count_dropped("rejected", sum(not _answered(future) for future in futures))
         else:
-            self._count_withdrawn(items, deadline, expired)
+            self._count_withdrawn(items, futures, deadline, expired)
         for item, future in zip(items, futures, strict=True):
             self.core.remove(item)
             if not future.done():
@@ -491,13 +491,33 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.drop(reason, count)
 
-    def _count_withdrawn(self, items: list[WorkItem], deadline: float, expired: bool) -> None:
+    def _count_withdrawn(
+        self,
+        items: list[WorkItem],
+        futures: list[asyncio.Future[ItemResult]],
+        deadline: float,
+        expired: bool,
+    ) -> None:
         """Count items leaving the queue uncomputed: at their deadline (`expired`: the
-        run's deadline was found passed), or their client left."""
+        run's deadline was found passed), or their client left. Those a worker holds
+        unanswered are told why, to be counted so if the pool never runs them
+        (`_count_not_run`)."""
+        reason = "expired" if expired or self.clock() >= deadline else "disconnected"
         withdrawn = sum(item.queued for item in items)
         if withdrawn:
-            reason = "expired" if expired or self.clock() >= deadline else "disconnected"
             self._count_dropped(reason, withdrawn)
+        for item, future in zip(items, futures, strict=True):
+            if item.batch is not None and not _answered(future):
+                item.left = reason
+
+    def _count_not_run(self, items: Sequence[WorkItem], outputs: Sequence[Any]) -> None:
+        """Count the items of a batch lost in a crash that the pool did not run again, their
+        runs having ended (queued for a retry, they were dropped as surely as from the
+        queue: 504s at their deadline counted as none)."""
+        for item, output in zip(items, outputs, strict=True):
+            if output is NOT_RUN and item.left:
+                self._count_dropped(item.left)
+                item.left = ""  # (a part told of first is in the whole batch's answer too)
 
     def _sleep_until(self, when: float | None) -> None:
         if self._timer is not None:
@@ -544,6 +564,7 @@ class Scheduler:
                 _settle(item, exception=_as_refusal(error))
             return
         result: BatchResult = done.result()
+        self._count_not_run(batch, result.outputs)
         # a model call, whether or not anyone still waits for it; inputs refused as
         # poison (counted as dropped), not run again for nobody, or lost with a worker
         # that crashed or hung were never computed (a lost batch's time is 0); items run
@@ -575,6 +596,7 @@ class Scheduler:
     ) -> None:
         """Items of a batch answered before the rest (run again alone after a crash, or
         refused as poison): their requests need not wait for the others' verdict."""
+        self._count_not_run([batch[place] for place in places], result.outputs)
         for place, output in zip(places, result.outputs, strict=True):
             item = batch[place]
             _settle(item, result=_item_result(item, output, sent, batch, result))
