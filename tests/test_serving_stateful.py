@@ -397,7 +397,8 @@ class Serving:
             for value in batch.inputs
         )
         conn.answered.add(batch.batch_id)
-        self.computed.update(batch.inputs)
+        if conn.process.exitcode is None:  # (a killed worker's answer is not read)
+            self.computed.update(batch.inputs)
         self.act(self.pool._on_message, worker, BatchResult(batch.batch_id, outputs, 2 * TICK))
 
     def stream_a_token(self, worker: WorkerHandle, batch: Batch) -> None:
@@ -562,6 +563,11 @@ def test_an_input_whose_request_ended_is_not_run_again_after_a_crash(serving, en
     assert sent(serving)[2:] == [("long",)]  # only the input someone waits for
     serving.answer(*serving.answerable()[0])
     assert long.outcome == "results" and long.ends[0][1][0].output == ("out", "long")
+    # timed by its own call, alone, not by the batch of two lost with the worker
+    timed = long.ends[0][1][0]
+    assert (timed.batch_size, timed.compute_seconds) == (1, 2 * TICK)
+    arrived = long.deadline - 8.0
+    assert timed.queue_seconds == pytest.approx(serving.loop.now - 2 * TICK - arrived)
     # dropped as its deadline passed, though a worker had held it (it counted as none)
     assert serving.counts.dropped == {"expired": 1}
     serving.check()
@@ -764,6 +770,18 @@ def test_a_hung_continuous_worker_is_killed_with_one_line_for_all_its_sequences(
     assert "no decoding step ended for 4 s, with 3 sequence(s) running" in line
     assert [request.outcome for request in hung] == ["results"] * 3
     assert {request.ends[0][1][0].output for request in hung} == {TIMED_OUT}
+
+
+def test_a_continuous_worker_that_died_frees_no_rows_for_a_burst(loaded):
+    """The queue's bound counts a continuous worker's free rows (they take as many at the
+    next look): those it had when it died counted until the next look, and a burst
+    filled the queue past --max-queue (12 of 9; the model-based test's)."""
+    serving = loaded(kind="continuous", max_batch_size=2, max_queue=9)
+    serving.crash(serving.pool.workers[0])
+    burst = serving.arrive([f"a{k}" for k in range(12)], {}, timeout=8.0)
+    assert not burst.admitted and not burst.too_long  # 503: the queue is full, for now
+    assert len(serving.scheduler.core) == 0
+    serving.check()
 
 
 def test_a_continuous_workers_streamed_sequence_is_not_run_again_beside_the_others(loaded):

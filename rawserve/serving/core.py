@@ -84,6 +84,9 @@ class WorkItem:
     # why its run ended while a worker held it ("expired", "disconnected"): counted under
     # that as dropped if the pool then never runs it (a retry after a crash left waiting)
     left: str = ""
+    # its own model call's start, size and seconds, where its part of a batch ran apart
+    # (run again after a crash): its timing, rather than the batch's first call's
+    call: tuple[float, int, float] | None = None
 
     def sort_key(self) -> tuple[int, float, int]:
         """Fair-share turn first; within a turn, earliest deadline first."""

@@ -337,6 +337,11 @@ class Scheduler:
         for item in items:
             item.future = future = loop.create_future()
             futures.append(future)
+        if self.core.max_size == 1 and self.core.free_rows:
+            # (the free rows its bound counts are the workers' now: a continuous worker
+            # that died since the last look has none, where a burst filled the queue
+            # past --max-queue)
+            self.core.free_rows = self.backend.idle_workers()
         try:
             self.core.admit(items, now)
         except NeverAdmissible as never:  # a 413, the client's to fix: no load was shed
@@ -501,11 +506,15 @@ class Scheduler:
         """Count items leaving the queue uncomputed: at their deadline (`expired`: the
         run's deadline was found passed), or their client left. Those a worker holds
         unanswered are told why, to be counted so if the pool never runs them
-        (`_count_not_run`)."""
-        reason = "expired" if expired or self.clock() >= deadline else "disconnected"
+        (`_count_not_run`), unless the run was answered with an error (the server
+        shutting down, say): then nobody left."""
+        late = expired or self.clock() >= deadline
+        reason = "expired" if late else "disconnected"
         withdrawn = sum(item.queued for item in items)
         if withdrawn:
             self._count_dropped(reason, withdrawn)
+        if not late and any(_failed(future) for future in futures):
+            return
         for item, future in zip(items, futures, strict=True):
             if item.batch is not None and not _answered(future):
                 item.left = reason
@@ -594,11 +603,18 @@ class Scheduler:
     def _answer_part(
         self, batch: list[WorkItem], sent: float, places: Sequence[int], result: BatchResult
     ) -> None:
-        """Items of a batch answered before the rest (run again alone after a crash, or
-        refused as poison): their requests need not wait for the others' verdict."""
-        self._count_not_run([batch[place] for place in places], result.outputs)
-        for place, output in zip(places, result.outputs, strict=True):
-            item = batch[place]
+        """Items of a batch answered apart (run again alone after a crash, or refused as
+        poison): their requests need not wait for the others' verdict, and are timed by
+        their own call (its start, size and seconds). The last part is told of after
+        its batch is answered, whose answer delivers them so timed."""
+        items = [batch[place] for place in places]
+        self._count_not_run(items, result.outputs)
+        started = self.clock() - result.compute_seconds if result.rerun else sent
+        for item in items:
+            item.call = (started, len(items), result.compute_seconds)
+        if items[0].batch is not None and items[0].batch.done():
+            return
+        for item, output in zip(items, result.outputs, strict=True):
             _settle(item, result=_item_result(item, output, sent, batch, result))
 
     def _deliver(self, answers: list[tuple[WorkItem, ItemResult]], start: int) -> None:
@@ -613,7 +629,11 @@ class Scheduler:
 def _item_result(
     item: WorkItem, output: Any, sent: float, batch: Sequence[WorkItem], result: BatchResult
 ) -> ItemResult:
-    """An item's answer: its output, how long it queued before its batch was `sent`."""
+    """An item's answer: its output, how long it queued before its batch was `sent` (or
+    its own call began, where its part ran apart)."""
+    if item.call is not None:
+        started, size, seconds = item.call
+        return ItemResult(output, started - item.arrived, size, seconds)
     return ItemResult(output, sent - item.arrived, len(batch), result.compute_seconds)
 
 
@@ -644,6 +664,10 @@ def _batch_answered(item: WorkItem) -> bool:
 
 def _answered(future: asyncio.Future[ItemResult]) -> bool:
     return future.done() and not future.cancelled() and future.exception() is None
+
+
+def _failed(future: asyncio.Future[ItemResult]) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is not None
 
 
 def _waits(item: WorkItem) -> bool:

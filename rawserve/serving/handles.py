@@ -143,9 +143,9 @@ class Assembly:
     verdict given as a worker dies, a quarantine say, reaches the scheduler's batch before
     the scheduler is told that no worker serves and answers 503 every request still
     waiting). The first error answers the batch. `on_part` is told of each part filled
-    before the last: the requests of its items need not wait for the others' (an input
-    run again alone after a crash: its batch-mate that crashed the worker may take two
-    more restarts to be named)."""
+    (the last one after the batch is answered): the requests of its items need not wait
+    for the others' (an input run again alone after a crash: its batch-mate that crashed
+    the worker may take two more restarts to be named), and are timed by their own call."""
 
     def __init__(
         self,
@@ -172,7 +172,7 @@ class Assembly:
             outputs = tuple(self._outputs)
             answer = BatchResult(self.batch_id, outputs, self._seconds, rerun=self._rerun)
             settle(self.target, result=answer)
-        elif self.on_part is not None and not self.target.done():
+        if self.on_part is not None:  # (the last part too: its own call's size and time)
             self.on_part(places, result)
 
     def fail(self, error: BaseException | None) -> None:
