@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -322,8 +323,16 @@ def test_ready_turns_503_stalled_soon_after_the_serving_process_stops_writing():
         snapshot = serving.snapshot()
         assert not snapshot.ready and snapshot.load_state is LoadState.STALLED
         assert snapshot.healthy and serving.ready
+        # its elapsed_seconds: how long it has said nothing, not the last word's repeated
+        assert snapshot.loading_seconds == pytest.approx(remote.SERVING_STALLED_SECONDS, abs=1)
         board.publish(0, ready=True, healthy=True, full=False, retry_after=None)  # back
         assert serving.snapshot().ready
+        # stalled while its model loads: so said, not "loading" 3 s for ever
+        loading = replace(remote.NOT_LOADED, loading_seconds=3.0)
+        link.statuses[0] = (loading, SimpleNamespace())
+        board.publish(0, ready=False, healthy=True, full=False, retry_after=1.0, at=stalled)
+        snapshot = serving.snapshot()
+        assert snapshot.load_state is LoadState.STALLED and snapshot.loading_seconds > 2
     finally:
         board.remove()
 
@@ -430,7 +439,6 @@ def test_a_restarts_wait_reaches_the_http_processes_through_the_board(published)
 def test_an_http_process_counts_its_refusals_while_the_model_restarts(published):
     """A 503 while the worker restarts is shedding, counted as rejected where the HTTP
     process answers it; one while the model first loads is not."""
-    from dataclasses import replace
 
     from rawserve.api.gate import Gate
     from rawserve.api.served import ServedModel
@@ -451,7 +459,6 @@ def test_a_model_that_served_is_restarting_as_soon_as_the_board_says_it_is_not_r
 ):
     """The board tells of a worker's death before the model's next status: the refusals in
     between said "the model is loading", with a first load's wait, and were not counted."""
-    from dataclasses import replace
 
     from rawserve.api.gate import Gate
     from rawserve.api.served import ServedModel

@@ -285,12 +285,14 @@ class RemoteServing:
         snapshot = status[0] if status else NOT_LOADED
         silent = self.board.age(self.index)
         ready = self.ready
-        stalled = ready and silent >= SERVING_STALLED_SECONDS
-        load_state = LoadState.STALLED if stalled else snapshot.load_state
+        load_state, loading_seconds = snapshot.load_state, snapshot.loading_seconds
         if not ready and snapshot.ready:
             # the board tells of a worker's death before the status that says so: a model
             # that served is restarting, not loading, to the clients it refuses meanwhile
             load_state = LoadState.RESTARTING
+        stalled = silent >= SERVING_STALLED_SECONDS
+        if stalled:  # (loading or not: its last word's elapsed time would stand still)
+            load_state, loading_seconds = LoadState.STALLED, silent
         return replace(
             snapshot,
             ready=ready and not stalled,
@@ -299,6 +301,7 @@ class RemoteServing:
             # if this process were that one
             healthy=self.board.flag(self.index, HEALTHY) and silent < SERVING_SILENT_SECONDS,
             load_state=load_state,
+            loading_seconds=loading_seconds,
         )
 
     def open_stream(self, on_token: Callable[[TokenChunk], None]) -> int:
