@@ -791,6 +791,9 @@ def test_seq2seq_batches_answer_what_single_calls_answer(runner):
     [
         ({"num_return_sequences": 3, "num_beams": 2}, "more answers than num_beams 2 keeps"),
         ({"max_length": 1}, "max_length 1 holds only the decoder's start token"),
+        # generate() ignored the least, and a 200 answered what was not asked for
+        ({"min_new_tokens": 50, "max_new_tokens": 3}, "min_new_tokens 50 is more than"),
+        ({"generate_parameters": {"min_length": 5, "max_length": 3}}, "min_length 5 is more"),
     ],
 )
 def test_seq2seq_settings_generate_refuses_are_said_in_rawserves_words(runner, params, says):

@@ -285,6 +285,11 @@ def settled(options: dict[str, Any], caller: dict[str, Any]) -> dict[str, Any]:
             f"num_return_sequences {answers} asks for more answers than num_beams {beams} "
             "keeps: ask for at most num_beams, or set do_sample to draw them"
         )
+    for least, most in (("min_new_tokens", "max_new_tokens"), ("min_length", "max_length")):
+        fewest, most_asked = caller.get(least), caller.get(most)
+        if fewest is not None and most_asked is not None and fewest > most_asked:
+            # (generate() would ignore the least)
+            raise ValueError(f"{least} {fewest} is more than {most} {most_asked}")
     if caller.get("max_length") == 1 and not caller.get("max_new_tokens"):
         raise ValueError(
             "max_length 1 holds only the decoder's start token, which it counts: ask for "
