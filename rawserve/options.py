@@ -663,6 +663,8 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             f"--handler {args.handler!r} is not MODULE or MODULE:FACTORY "
             "(a dotted module name, and a name in it)"
         )
+    if args.handler:  # "shout:" is "shout" (served as "shout:", its route was /models/shout:)
+        args.handler = args.handler.removesuffix(":")
     try:
         engine = Engine(args.engine)
     except ValueError:

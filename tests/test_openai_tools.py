@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -169,7 +170,10 @@ def test_calls_cut_by_max_tokens_are_read_back_as_far_as_they_came():
         {"name": "weather", "arguments": '{"ci'},
     ]
     for before_a_name in ("{", '{"name"', '{"name": "weath', '{"name": "weather', "["):
-        assert tools.message(before_a_name) == ({"role": "assistant", "content": ""}, None)
+        # a call required: no words (content null, as a call's message), not empty ones
+        assert tools.message(before_a_name) == ({"role": "assistant", "content": None}, None)
+        either = replace(tools, choice="auto")  # (words that said nothing yet, or a call)
+        assert either.message(before_a_name) == ({"role": "assistant", "content": ""}, None)
     for named_whole in ('{"name": "weather"', '{"name": "weather", "argu'):  # (a tester)
         message, reason = tools.message(named_whole)
         assert [call["function"] for call in message["tool_calls"]] == [

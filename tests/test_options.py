@@ -339,8 +339,9 @@ def test_a_handler_that_names_no_module_and_factory_is_refused_before_loading(
     assert line == f"rawserve: error: --handler {spec!r} is not MODULE or MODULE:FACTORY " + (
         "(a dotted module name, and a name in it)"
     )
-    for good in ("shout", "shout:", "my_pkg.handlers:make", "tests.handlers:echo"):
+    for good in ("shout", "my_pkg.handlers:make", "tests.handlers:echo"):
         assert parse_config(["--handler", good]).handler == good
+    assert parse_config(["--handler", "shout:"]).handler == "shout"  # its default factory
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "0.0.0.0", "localhost"])

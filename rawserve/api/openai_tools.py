@@ -155,9 +155,10 @@ class Tools:
         return self._called(functions), "function_call" if self.older else "tool_calls"
 
     def _called(self, functions: list[dict[str, str]]) -> dict[str, Any]:
-        """The message that calls `functions` (none: a call cut before its name came)."""
+        """The message that calls `functions` (none: a call cut before its name came:
+        where a call is forced, no words either, as every other call's message says)."""
         if not functions:
-            return {"role": "assistant", "content": ""}
+            return {"role": "assistant", "content": "" if self.choice == "auto" else None}
         if self.older:
             return {"role": "assistant", "content": None, "function_call": functions[0]}
         tool_calls = [
