@@ -1813,6 +1813,7 @@ class FakeBackend:
         self.calls: list[tuple[list, dict, asyncio.Future]] = []
         self.request_ids: list[tuple[str, ...]] = []  # each call's
         self.admitted: list[tuple[float, ...]] = []  # each call's admission times
+        self.on_parts: list = []  # each call's teller of parts answered apart
         self.free_looks = 0
         self.back_at: float | None = None  # while no worker serves: when one should again
 
@@ -1837,6 +1838,7 @@ class FakeBackend:
         self.calls.append((list(inputs), dict(params), future))
         self.request_ids.append(tuple(request_ids))
         self.admitted.append(tuple(admitted))
+        self.on_parts.append(on_part)
         return future
 
     def serving_again_at(self) -> float | None:
@@ -2594,26 +2596,35 @@ class Batches(Drops):
         self.batches.append((size, compute_seconds))
 
 
-async def test_only_batches_run_to_their_end_as_sent_are_observed():
+async def test_only_model_calls_run_to_their_end_are_observed():
     """The batch histograms (S(b), which --max-batch-size is sized from) held batches lost
     with their worker, as model calls of 0 s, and the parts of one run again alone after,
-    as one call of their batch's size with their times summed."""
+    as one call of their batch's size with their times summed: each part is a call of its
+    own (they were left out, and a crash's runs alone went unseen)."""
     backend, batches = FakeBackend(), Batches()
     scheduler = Scheduler(SchedulerCore(max_queue=8), backend, metrics=batches)
     scheduler.start()
     now = scheduler.clock()
-    for outputs, rerun in [
-        (("ok", "ok"), False),  # observed
-        ((TIMED_OUT, TIMED_OUT), False),  # lost with a worker that hung
-        (("ok", CRASHED_ALONE), True),  # one ran again alone, one crashed it alone
-        (("ok", "ok"), True),  # both ran again alone
+    for parts in [
+        [(("ok", "ok"), False)],  # observed
+        [((TIMED_OUT, TIMED_OUT), False)],  # lost with a worker that hung
+        [(("ok",), True), ((CRASHED_ALONE,), True)],  # one ran again alone, one crashed it
+        [(("ok",), True), (("ok",), True)],  # both ran again alone
     ]:
         task = asyncio.create_task(scheduler.run(["a", "b"], {}, now + 30))
         await until(lambda: backend.calls and not backend.calls[-1][2].done())
         _, _, future = backend.calls[-1]
-        future.set_result(BatchResult(len(backend.calls), outputs, 0.5, rerun=rerun))
+        if len(parts) == 1:
+            [(outputs, rerun)] = parts
+            future.set_result(BatchResult(len(backend.calls), outputs, 0.5, rerun=rerun))
+        else:  # as the pool's assembly answers: the batch whole, told of each part
+            on_part = backend.on_parts[-1]
+            whole = tuple(output for outputs, _ in parts for output in outputs)
+            on_part([0], BatchResult(0, parts[0][0], 0.5, rerun=True))
+            future.set_result(BatchResult(len(backend.calls), whole, 1.0, rerun=True))
+            on_part([1], BatchResult(0, parts[1][0], 0.5, rerun=True))
         await asyncio.gather(task, return_exceptions=True)
-    assert batches.batches == [(2, 0.5)]
+    assert batches.batches == [(2, 0.5), (1, 0.5), (1, 0.5), (1, 0.5)]
 
 
 # --- decisions a mutation run of the core and the driver found untested ----------------

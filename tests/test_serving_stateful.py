@@ -171,12 +171,14 @@ class Counts:
 
     def __init__(self) -> None:
         self.dropped: Counter[str] = Counter()
+        self.calls: list[int] = []  # the sizes of the model calls observed
 
     def drop(self, reason: str, count: int = 1) -> None:
         self.dropped[reason] += count
 
     def observe_batch(self, size: int, compute_seconds: float) -> None:
         assert size > 0
+        self.calls.append(size)
 
     def observe_queue(self, waits) -> None:
         assert waits and min(waits) >= 0
@@ -232,6 +234,7 @@ class Serving:
         self.owner: dict[str, Request] = {}
         self.sent: set[str] = set()  # inputs sent to a worker, once or more
         self.computed: set[str] = set()  # inputs a worker answered
+        self.calls: list[int] = []  # the sizes of the batches a worker answered
         self.sent_after_end: list[str] = []
         self.conns: dict[int, FakeConn] = {}  # by pid
         self.sequences = 3 if kind == "continuous" else 0
@@ -399,6 +402,7 @@ class Serving:
         conn.answered.add(batch.batch_id)
         if conn.process.exitcode is None:  # (a killed worker's answer is not read)
             self.computed.update(batch.inputs)
+            self.calls.append(len(batch.inputs))
         self.act(self.pool._on_message, worker, BatchResult(batch.batch_id, outputs, 2 * TICK))
 
     def stream_a_token(self, worker: WorkerHandle, batch: Batch) -> None:
@@ -493,6 +497,8 @@ class Serving:
         # (a 413 is the client's to fix: no load was shed)
         refused = [r for r in self.requests if not r.admitted and not r.too_long]
         assert self.counts.dropped["rejected"] == sum(len(r.inputs) for r in refused)
+        # every model call in the batch metrics, once, a run again alone after a crash too
+        assert sorted(self.counts.calls) == sorted(self.calls)
         # (and those a worker lost, if the pool does not run them again: as many as were
         # sent and never computed, at most)
         for reason, ended in (
@@ -570,6 +576,9 @@ def test_an_input_whose_request_ended_is_not_run_again_after_a_crash(serving, en
     assert timed.queue_seconds == pytest.approx(serving.loop.now - 2 * TICK - arrived)
     # dropped as its deadline passed, though a worker had held it (it counted as none)
     assert serving.counts.dropped == {"expired": 1}
+    # the model calls: "busy", then "long" alone (the lost one is none; its run alone was
+    # left out of the batch metrics)
+    assert serving.counts.calls == [1, 1]
     serving.check()
 
 

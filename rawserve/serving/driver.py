@@ -574,15 +574,10 @@ class Scheduler:
             return
         result: BatchResult = done.result()
         self._count_not_run(batch, result.outputs)
-        # a model call, whether or not anyone still waits for it; inputs refused as
-        # poison (counted as dropped), not run again for nobody, or lost with a worker
-        # that crashed or hung were never computed (a lost batch's time is 0); items run
-        # again alone after their batch was lost are no one call of their batch's size
-        computed = sum(
-            not any(output is lost for lost in NOT_COMPUTED) for output in result.outputs
-        )
-        if self.metrics is not None and computed and not result.rerun:
-            self.metrics.observe_batch(computed, result.compute_seconds)
+        # a model call, whether or not anyone still waits for it (one answered in parts
+        # was observed a part, a call, at a time: `_answer_part`)
+        if all(item.call is None for item in batch):
+            self._observe_call(result)
         waited = any(_waits(item) for item in batch)
         if result.rerun:  # its time is a worker's restart as much as the model's
             self.core.forget_batch(batch, self.clock())
@@ -600,6 +595,16 @@ class Scheduler:
         ]
         self._deliver(answers, 0)
 
+    def _observe_call(self, result: BatchResult) -> None:
+        """Observe a model call's size and time: inputs refused as poison (counted as
+        dropped), not run again for nobody, or lost with a worker that crashed or hung
+        were never computed (a lost call's time is 0)."""
+        computed = sum(
+            not any(output is lost for lost in NOT_COMPUTED) for output in result.outputs
+        )
+        if self.metrics is not None and computed:
+            self.metrics.observe_batch(computed, result.compute_seconds)
+
     def _answer_part(
         self, batch: list[WorkItem], sent: float, places: Sequence[int], result: BatchResult
     ) -> None:
@@ -609,6 +614,7 @@ class Scheduler:
         its batch is answered, whose answer delivers them so timed."""
         items = [batch[place] for place in places]
         self._count_not_run(items, result.outputs)
+        self._observe_call(result)
         started = self.clock() - result.compute_seconds if result.rerun else sent
         for item in items:
             item.call = (started, len(items), result.compute_seconds)
