@@ -1508,6 +1508,23 @@ def test_an_alias_that_hides_another_models_folder_name_is_said_at_start(caplog)
     assert "model a is not also named 'cls': that is another model's alias" in caplog.text
 
 
+def test_an_alias_that_is_another_models_folder_name_is_refused_in_words_that_fit():
+    """`--model text-classification=./emb --model ./text-classification`: the advice was to
+    give each an alias, though one had it (a tester)."""
+    from rawserve.models.plan import ModelPlan, _unique_names
+
+    plans = [
+        ModelPlan(("text-classification", "emb"), "/m/emb", "/m/emb"),
+        ModelPlan(("text-classification",), "/m/tc", "/m/tc"),
+    ]
+    with pytest.raises(ModelNotFound) as refused:
+        _unique_names(plans)
+    assert str(refused.value) == (
+        "two models are named 'text-classification' (an alias, or a folder's or Hub id's "
+        "name): give each a name of its own (ALIAS=MODEL)"
+    )
+
+
 def test_a_files_head_waits_the_etag_timeout_whatever_it_was_given(monkeypatch):
     """huggingface_hub asks a file's HEAD again with 60 s of its own: a Hub whose HEADs
     never answered held a start 6.5 minutes with HF_HUB_ETAG_TIMEOUT at 10."""

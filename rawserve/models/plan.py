@@ -215,8 +215,9 @@ def _unique_names(plans: Sequence[ModelPlan]) -> list[ModelPlan]:
     own: set[str] = set()
     for plan in plans:
         if plan.name in own:
-            raise ModelNotFound(
-                f"two models are named {plan.name!r}: give each an alias (ALIAS=MODEL)"
+            raise ModelNotFound(  # (an alias may be one of the two: it needs another)
+                f"two models are named {plan.name!r} (an alias, or a folder's or Hub id's "
+                "name): give each a name of its own (ALIAS=MODEL)"
             )
         own.add(plan.name)
     counts: dict[str, int] = {}
