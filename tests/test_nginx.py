@@ -253,11 +253,11 @@ def test_traffic_is_spread_over_both_replicas(start_cluster):
     assert min(per_replica) >= 10, per_replica
 
 
-def post_raw(cluster: Cluster, body: bytes) -> tuple[int, dict[str, str], dict]:
+def post_raw(cluster: Cluster, body: bytes, path: str = "/") -> tuple[int, dict[str, str], dict]:
     """One POST of `body` through nginx: its status, headers and JSON document."""
     connection = http.client.HTTPConnection("127.0.0.1", cluster.nginx.port, timeout=30)
     try:
-        connection.request("POST", "/", body, {"Content-Type": "text/plain"})
+        connection.request("POST", path, body, {"Content-Type": "text/plain"})
         response = connection.getresponse()
         return response.status, dict(response.getheaders()), json.loads(response.read())
     finally:
@@ -280,6 +280,11 @@ def test_nginxs_own_errors_are_json_and_rawserves_413_reaches_the_client(start_c
     status, headers, body = post_raw(cluster, b"hello")
     assert status == 503 and body["error_type"] == "unavailable", body
     assert headers["Retry-After"] == "1" and headers["X-Request-Id"]
+    # OpenAI's routes in OpenAI's shape: its SDK read no message from the bare string
+    status, _, body = post_raw(cluster, b"hello", "/v1/completions")
+    assert status == 503 and body["error"]["message"].startswith("no replica could take")
+    status, _, body = post_raw(cluster, b"x" * (3 * 1024 * 1024), "/v1/embeddings")
+    assert status == 413 and body["error"]["code"] == "payload_too_large", body
 
 
 def test_nginx_and_rawserve_log_one_id_for_each_request(start_cluster):
