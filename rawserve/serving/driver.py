@@ -526,7 +526,6 @@ class Scheduler:
         for item, output in zip(items, outputs, strict=True):
             if output is NOT_RUN and item.left:
                 self._count_dropped(item.left)
-                item.left = ""  # (a part told of first is in the whole batch's answer too)
 
     def _sleep_until(self, when: float | None) -> None:
         if self._timer is not None:
@@ -573,10 +572,10 @@ class Scheduler:
                 _settle(item, exception=_as_refusal(error))
             return
         result: BatchResult = done.result()
-        self._count_not_run(batch, result.outputs)
         # a model call, whether or not anyone still waits for it (one answered in parts
-        # was observed a part, a call, at a time: `_answer_part`)
+        # was counted and observed a part, a call, at a time: `_answer_part`)
         if all(item.call is None for item in batch):
+            self._count_not_run(batch, result.outputs)
             self._observe_call(result)
         waited = any(_waits(item) for item in batch)
         if result.rerun:  # its time is a worker's restart as much as the model's
