@@ -3038,13 +3038,23 @@ def test_a_model_whose_forward_pass_returns_no_kv_cache_generates_statically(tin
     """A BERT served as text-generation (BertLMHeadModel without `is_decoder`) returns
     no KV cache: the warm-up (the static path) passed, then every request the continuous
     loop ran failed on it. Seen at load, from one token's forward pass: it is served
-    statically, and the log and /info say why."""
+    statically, and the log and /info say why. Looking for the cache asked the output
+    for `past_key_values` by name, which this transformers warns deprecated."""
     import torch
+    import transformers.utils.logging
 
     from rawserve.worker.causal_lm import CausalLMRunner
     from rawserve.worker.generating import continuous_loop
 
-    bert = CausalLMRunner(tiny_model("sentence-embedding"), "cpu", torch.float32)
+    transformers.utils.logging.warning_once.cache_clear()  # (said once per process)
+    generic = logging.getLogger("transformers.utils.generic")  # (it does not propagate)
+    generic.addHandler(caplog.handler)
+    try:
+        bert = CausalLMRunner(tiny_model("sentence-embedding"), "cpu", torch.float32)
+    finally:
+        generic.removeHandler(caplog.handler)
+    assert not [r for r in caplog.records if "deprecated" in r.getMessage()]
+    caplog.clear()
     config = WorkerConfig(model="m", task="text-generation")
     with caplog.at_level(logging.WARNING, logger="rawserve.generation"):
         assert continuous_loop(bert, config, print, None) is None

@@ -1905,6 +1905,27 @@ def test_a_task_head_the_checkpoint_has_no_weights_for_is_served_and_said_random
     assert runner.untrained.numbers == sum(tensor.numel() for tensor in distinct.values())
 
 
+def test_a_head_left_random_is_said_in_rawserves_one_line_not_transformers_table(
+    tiny_model, caplog
+):
+    """transformers logs its LOAD REPORT table at every load (three times at a first
+    start's engine trial), in terminal escape codes, where the README promises one
+    warning: a load that succeeds holds it back."""
+    from rawserve.worker.loading import load_runner
+    from rawserve.worker.model_classes import LOAD_REPORT, LOADING_LOGGER
+
+    caplog.set_level(logging.WARNING)
+    config = worker_config(tiny_model("text-classification"), task="fill-mask", engine=Engine.TORCH)
+    runner = load_runner(config, "cpu")
+    assert runner.untrained is not None
+    assert [r.name for r in caplog.records if LOAD_REPORT in r.getMessage()] == []
+    assert not [r for r in caplog.records if "seem corrupted" in r.getMessage()]
+    # held back only while loading
+    assert not any(
+        type(f).__name__ == "_HeldReports" for f in logging.getLogger(LOADING_LOGGER).filters
+    )
+
+
 def test_a_checkpoint_that_is_another_models_weights_is_refused_not_served_random(
     tiny_model, tmp_path
 ):
@@ -1974,10 +1995,13 @@ def test_a_model_trained_for_its_task_is_not_said_untrained(tiny_model, kind, ta
     assert runner.untrained is None
 
 
-def test_weights_that_do_not_match_the_config_are_one_line_that_says_so(tiny_model, tmp_path):
+def test_weights_that_do_not_match_the_config_are_one_line_that_says_so(
+    tiny_model, tmp_path, caplog
+):
     """The pipeline nests each class's traceback after 'Could not load model ... with
     any of the following classes: (...)', which was all the line said."""
     from rawserve.worker.loading import load_runner
+    from rawserve.worker.model_classes import LOAD_REPORT
     from rawserve.worker.process import load_failed
 
     folder = tmp_path / "model"
@@ -1985,11 +2009,15 @@ def test_weights_that_do_not_match_the_config_are_one_line_that_says_so(tiny_mod
     for path in Path(tiny_model("text-classification")).iterdir():
         (folder / path.name).write_bytes(path.read_bytes())
     with_config(intermediate_size=74)(folder)  # the weights' layers are 37 wide
+    caplog.set_level(logging.WARNING)
     with pytest.raises(Exception) as caught:
         load_runner(worker_config(str(folder), engine=Engine.TORCH), "cpu")
     assert load_failed(caught.value).message.startswith(
         "the weights' shapes do not match config.json ("
     )
+    # the line points to the table, which a failed load does log
+    (report,) = [r.getMessage() for r in caplog.records if LOAD_REPORT in r.getMessage()]
+    assert "MISMATCH" in report
 
 
 def test_bin_weights_pickling_an_object_are_one_line_that_says_what_to_serve(tiny_model, tmp_path):

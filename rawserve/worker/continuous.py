@@ -908,6 +908,8 @@ def cache_keyword(model: Any) -> str:
 
 def cache_of(out: Any) -> Any:
     """A forward pass's KV cache, under its name in this transformers (`cache`, or the
-    older `past_key_values`)."""
-    cache = out.get("cache")
-    return cache if cache is not None else out.get("past_key_values")
+    older `past_key_values`; asking for that name where `cache` is the field warns it
+    deprecated, as it did at the load of every model that returns no cache)."""
+    if "cache" in getattr(out, "__dataclass_fields__", ()):
+        return out.get("cache")
+    return out.get("past_key_values")

@@ -15,6 +15,9 @@ Worker process only (imports transformers' Auto classes).
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,7 +163,8 @@ def load_model(class_name: str, folder: str, **kwargs: Any) -> tuple[Any, Untrai
     if class_name == "AutoModel":
         class_name = ENCODER_ALONE.get(model_type_of(Path(folder)) or "", class_name)
     loader = getattr(transformers, class_name)
-    model, info = loader.from_pretrained(folder, output_loading_info=True, **kwargs)
+    with load_report_held_back():
+        model, info = loader.from_pretrained(folder, output_loading_info=True, **kwargs)
     missing = set(info.get("missing_keys", ()))
     if missing and all(name in missing for name, _ in model.named_parameters()):
         # (a few missing are a head left to train, served with a warning; all are noise)
@@ -169,6 +173,50 @@ def load_model(class_name: str, folder: str, **kwargs: Any) -> tuple[Any, Untrai
             "another model's, or named otherwise, and every answer would be noise"
         )
     return model, untrained(model, missing, UNREAD_WEIGHTS.get(class_name, ()))
+
+
+# the logger of transformers' LOAD REPORT table, the words that title it, and those of
+# its warning that tied weights both missing mean "this checkpoint seem corrupted" (a
+# head the checkpoint never had: the same weights the table lists)
+LOADING_LOGGER = "transformers.modeling_utils"
+LOAD_REPORT = "LOAD REPORT"
+HELD_BACK = (LOAD_REPORT, "This checkpoint seem corrupted")
+
+
+class _HeldReports(logging.Filter):
+    """Keeps the records of `HELD_BACK` it is given, and lets the others through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not any(words in message for words in HELD_BACK):
+            return True
+        self.records.append(record)
+        return False
+
+
+@contextmanager
+def load_report_held_back() -> Iterator[None]:
+    """transformers' LOAD REPORT table, held back while a model loads and logged only if
+    the load fails (it then lists the tensors whose shapes do not match). A load that
+    succeeds is said in rawserve's own line (`Untrained`, where weights are random): the
+    table, in terminal escape codes, came at every load, three times at a first start's
+    engine trial, where the README promises one warning."""
+    logger = logging.getLogger(LOADING_LOGGER)
+    held = _HeldReports()
+    logger.addFilter(held)
+    try:
+        yield
+    except BaseException:
+        logger.removeFilter(held)
+        for record in held.records:
+            logger.handle(record)
+        raise
+    finally:
+        logger.removeFilter(held)
 
 
 def untrained(model: Any, missing: Any, unread: tuple[str, ...] = ()) -> Untrained | None:
