@@ -196,6 +196,16 @@ def test_clients_call_a_model_by_its_alias_then_its_repo_id_or_folder_name(text,
     assert default_names(parse_model_spec(text)) == names
 
 
+@pytest.mark.parametrize(("given", "folder"), [(".", "model"), ("./", "model"), ("..", "models")])
+def test_a_folder_given_as_dots_is_called_by_the_folder_it_is(given, folder, tmp_path, monkeypatch):
+    """`--model .` in the model's folder was served as ".": `/models/.` is no path a
+    client keeps (they drop dot segments), and answers said `"model": "."`."""
+    (tmp_path / "models" / "model").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "models" / "model")
+    assert default_names(parse_model_spec(given)) == (folder,)
+    assert default_names(parse_model_spec(f"alias={given}")) == ("alias", folder)
+
+
 def test_defaults_fill_only_what_a_name_leaves_open():
     given = parse_model_spec("org/name@v2:fill-mask").with_defaults(task="x", revision="v1")
     assert (given.revision, given.task) == ("v2", "fill-mask")

@@ -112,11 +112,20 @@ def default_names(spec: ModelSpec) -> tuple[str, ...]:
     if spec.alias:
         names.append(spec.alias)
     if spec.is_folder:
-        folder = PurePath(spec.source.rstrip("/") or spec.source)
-        names.append(as_text(folder.name or spec.source))
+        names.append(folder_name(spec.source))
     else:
         names.append(spec.source)
     return tuple(dict.fromkeys(names))
+
+
+def folder_name(source: str) -> str:
+    """A folder's last component; `.` or `..` (`--model .` in the model's folder) name
+    the folder they are: served as ".", the model was out of reach of `/models/<name>`
+    (clients drop a path's dot segments) and answered `"model": "."`."""
+    name = PurePath(source).name
+    if name in ("", ".", ".."):
+        name = Path(source).resolve().name
+    return as_text(name or source)
 
 
 def as_text(path: str) -> str:
