@@ -50,6 +50,9 @@ def main(embedder_url: str, classifier_url: str, reranker_url: str) -> None:
             return_text=True,
         ),
         "blank": lambda: embedder.embed(""),  # the client hands back what the server said
+        # these read the body as their answer, refusal or not (as against TEI)
+        "blank_classify": lambda: classifier.classify(" "),
+        "blank_rerank": lambda: reranker.rerank(query=" ", texts=["a"]),
     }
     print(json.dumps({name: outcome(call) for name, call in calls.items()}))
 

@@ -173,6 +173,10 @@ def test_tei_client_reranks_returning_the_texts(servers, tei):
 def test_tei_client_hands_its_user_rawserves_refusal(tei):
     # the client returns what the server answered, without looking at the status
     assert BLANK in tei["blank"]["error"] and tei["blank"]["error_type"], tei["blank"]
+    # where it reads the body as an answer, its own parsing fails on the refusal, as the
+    # README says (TEI's refusal is the same object)
+    for name in ("blank_classify", "blank_rerank"):
+        assert tei[name]["raised"] == "ValidationError", tei[name]
 
 
 # --- litellm ---------------------------------------------------------------------------
