@@ -39,6 +39,8 @@ def main(base_url: str) -> None:
         "watermark": lambda: client.generate(PROMPT, max_new_tokens=5, watermark=True),
         "too_long": lambda: client.generate(PROMPT, max_new_tokens=100_000),
         "chat_too_long": lambda: client.chat(messages=messages, max_tokens=100_000),
+        # (its stream's types do not read OpenAI's chunks: the README says so)
+        "chat_stream": lambda: list(client.chat(messages=messages, max_tokens=3, stream=True)),
     }
     print(json.dumps({name: outcome(call) for name, call in calls.items()}))
 

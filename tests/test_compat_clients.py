@@ -332,6 +332,16 @@ def test_tgi_client_chats_naming_its_model_tgi(servers, tgi_client_answers):
     assert answer["choices"][0]["message"]["role"] == "assistant"
 
 
+def test_tgi_client_fails_to_stream_a_chat_as_the_readme_says(tgi_client_answers):
+    """Its chunk type requires `tool_calls` in every delta, and its report of that reads
+    a `status` the response has not (TGI's own answers fail it the same way)."""
+    failed = tgi_client_answers["chat_stream"]
+    assert failed == {
+        "raised": "AttributeError",
+        "message": "'Response' object has no attribute 'status'",
+    }
+
+
 def test_tgi_client_shows_rawserves_refusals(tgi_client_answers):
     refused = tgi_client_answers["watermark"]
     assert "watermark" in refused["message"] and "not supported" in refused["message"], refused
