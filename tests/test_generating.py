@@ -892,6 +892,38 @@ def test_a_grammar_holds_what_is_generated_on_both_paths(runner, sampled):
     assert got[0]["details"]["finish_reason"] == "eos_token"
 
 
+@pytest.mark.parametrize(
+    ("grammar", "text"),
+    [
+        ({"type": "regex", "value": "a</s>b"}, "a</s>b"),
+        ({"type": "regex", "value": "<pad>"}, "<pad>"),
+        ({"type": "json", "value": {"const": "<s>"}}, '"<s>"'),
+        (
+            {
+                "type": "json",
+                "value": {
+                    "type": "object",
+                    "properties": {"x": {"const": "</s>"}},
+                    "required": ["x"],
+                },
+            },
+            '{"x": "</s>"}',
+        ),
+    ],
+)
+@pytest.mark.parametrize("model", ["runner", "llama"])
+def test_a_grammar_spelling_a_special_token_writes_its_characters(request, model, grammar, text):
+    """The text a grammar forces was tokenized reading `</s>` as the end token: the
+    answer ended there, `{"x": "` with finish_reason stop (eos_token), and `<s>` or
+    `<pad>` failed in the parser's words ("forced bytes: got '<'"). (A Llama's text is
+    tokenized without the space its tokenizer puts first.)"""
+    params = {**GREEDY, "max_new_tokens": 30, "return_full_text": False, "grammar": grammar}
+    for _, got, _ in as_the_static_path(request.getfixturevalue(model), params, ["the movie"]):
+        assert not isinstance(got, ItemFailure), got
+        assert got[0]["generated_text"].replace(" ", "") == text.replace(" ", "")
+        assert got[0]["details"]["finish_reason"] == "eos_token"
+
+
 def test_a_token_a_grammar_rules_out_is_not_listed_among_the_likeliest(runner):
     # a choice of two letters, then the end: of the five likeliest asked, at most two
     # can be chosen at the first step; the others' log probability is -inf (which JSON

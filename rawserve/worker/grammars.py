@@ -220,6 +220,47 @@ def formats_as_annotations(grammar: Mapping[str, Any]) -> str | None:
     return text
 
 
+class TextAsText:
+    """A tokenizer for llguidance that reads a grammar's text as text: the tokens as
+    llguidance read them from the model's tokenizer (their bytes, which are special), and
+    text tokenized as it tokenizes it, but for the spellings of special tokens, which are
+    the characters they are (in tokens of the vocabulary, longest first).
+
+    llguidance tokenizes the text a grammar forces next with the model's tokenizer, which
+    reads `</s>` in it as the end-of-sequence token: a schema's `"const": "</s>"` (a
+    regex, a choice, a tool's parameter named so) let the model end its answer there,
+    `{"x": "` with finish_reason "stop", and `<s>` failed in the parser's own words. The
+    control tokens a chat template writes are kept from a message's text the same way
+    (`rawserve.worker.chat_controls`)."""
+
+    def __init__(self, hf_tokenizer: Any, read: llguidance.LLTokenizer):
+        self.read = read
+        self.eos_token_id = read.eos_token
+        self.bos_token_id = hf_tokenizer.bos_token_id
+        self.tokens = [read.decode_bytes([i]) for i in range(read.vocab_size)]
+        self.special_token_ids = [i for i in range(read.vocab_size) if read.is_special_token(i)]
+        special = set(self.special_token_ids)
+        spellings = sorted(
+            {str(added) for i, added in hf_tokenizer.added_tokens_decoder.items() if i in special},
+            key=len,
+            reverse=True,
+        )
+        self.specials = re.compile("(" + "|".join(map(re.escape, spellings)) + ")")
+        self.any_special = bool(spellings)
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):  # (so llguidance hands over text, never cut bytes)
+            raise TypeError("text only")
+        if not self.any_special:
+            return self.read.tokenize_str(text)
+        ids: list[int] = []
+        for index, piece in enumerate(self.specials.split(text)):
+            if piece:  # (the spellings are the odd pieces)
+                spelt = index % 2
+                ids += self.read.greedy_tokenize(piece) if spelt else self.read.tokenize_str(piece)
+        return ids
+
+
 class Compiled(NamedTuple):
     matcher: llguidance.LLMatcher  # at the grammar's start, never moved on
     opening: bytes  # its mask there: what may come first
@@ -313,9 +354,9 @@ class Grammars:
     def _tokenizer(self) -> llguidance.LLTokenizer:
         if self.tokenizer is None:
             try:
-                self.tokenizer = llguidance.hf.from_tokenizer(
-                    self.hf_tokenizer, n_vocab=self.vocabulary
-                )
+                read = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocabulary)
+                wrapper = llguidance.TokenizerWrapper(TextAsText(self.hf_tokenizer, read))
+                self.tokenizer = llguidance.LLTokenizer(wrapper, n_vocab=self.vocabulary)
             except ValueError as exc:  # a slow tokenizer, or a decoder it cannot read
                 # the library's own words name its internals ("can't determine decoder
                 # type: None"): the operator's log has them, the client what they mean
