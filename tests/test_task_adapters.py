@@ -905,6 +905,13 @@ def test_seq2seq_prefixes_and_output_keys(runner, tiny_model):
     assert french == [{"translation_text": generate("translate English to French: " + text)}]
     with pytest.raises(ValueError, match="does not translate"):
         translate.run([text], {"src_lang": "en", "tgt_lang": "de"})
+    # one language named: the one direction that has it (its error named None for the other)
+    for one in ({"tgt_lang": "fr"}, {"src_lang": "en"}):
+        asked = {**one, "generate_parameters": {"max_new_tokens": 5}}
+        assert translate.run([text], asked) == french
+    with pytest.raises(ValueError, match=r"does not translate to 'de' \(it names") as refused:
+        translate.run([text], {"tgt_lang": "de"})
+    assert "None" not in str(refused.value)
     generated = runner("seq2seq", "text2text-generation").run([text], {"max_new_tokens": 5})
     assert generated == [{"generated_text": generate(text)}]
 

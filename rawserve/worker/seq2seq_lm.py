@@ -197,9 +197,22 @@ class Seq2SeqLMRunner(Runner):
             self.tokenizer.src_lang = source
             return None, {"forced_bos_token_id": target_id}
         if self.directions:
+            # one language named: the one direction that has it, where there is one
+            named = [
+                direction
+                for direction in self.directions
+                if (source is None or direction.startswith(f"translation_{source}_to_"))
+                and (target is None or direction.endswith(f"_to_{target}"))
+            ]
+            if len(named) == 1 and (source is None or target is None):
+                return named[0], {}
+            asked = " ".join(
+                f"{word} {language!r}"
+                for word, language in (("from", source), ("to", target))
+                if language is not None
+            )
             raise ValueError(
-                f"this model does not translate from {source!r} to {target!r} "
-                f"(it names {', '.join(self.directions)})"
+                f"this model does not translate {asked} (it names {', '.join(self.directions)})"
             )
         return None, {}  # a one-direction model: the languages change nothing, as in transformers 4
 
