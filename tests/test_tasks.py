@@ -72,6 +72,22 @@ def test_required_parameters():
     assert parsed.params == {"candidate_labels": ["a", "b"]}
 
 
+@pytest.mark.parametrize(
+    ("task", "parameters"),
+    [
+        ("zero-shot-classification", {"candidate_labels": ["a", "  "]}),
+        ("zero-shot-classification", {"candidate_labels": "\t"}),
+        ("fill-mask", {"targets": [" "]}),
+        ("token-classification", {"ignore_labels": ["O", " "]}),
+    ],
+)
+def test_a_label_or_target_of_spaces_is_refused_as_an_empty_one_is(task, parameters):
+    """A zero-shot label of spaces was scored as a label, where "" was refused."""
+    text = "hi [MASK]" if task == "fill-mask" else "hi"
+    with pytest.raises(BadRequest, match="none blank"):
+        parse_json_body(task, {"inputs": text, "parameters": parameters})
+
+
 def test_another_tasks_parameters_say_which_task_takes_them():
     """An NLI model served as text-classification (its task read from its architecture)
     was sent zero-shot's candidate_labels: "unknown parameter(s)", with no word of the

@@ -127,20 +127,23 @@ def short_text(value: Any) -> str:
 
 
 def text_list(max_items: int, min_items: int = 1) -> Checker:
+    """A text or a list of texts, none blank (a zero-shot label of spaces was scored as
+    one, where an empty one was refused)."""
+
     def check(value: Any) -> list[str]:
         if isinstance(value, str):
             value = [value]
         if (
             not isinstance(value, list)
             or not min_items <= len(value) <= max_items
-            or not all(isinstance(v, str) and v for v in value)
+            or not all(isinstance(v, str) and v.strip() for v in value)
         ):
             raise ValueError(
-                f"must be a string or a list of {min_items} to {max_items} non-empty strings"
+                f"must be a string or a list of {min_items} to {max_items} strings, none blank"
             )
         return value
 
-    nonempty = {"type": "string", "minLength": 1}
+    nonempty = {"type": "string", "minLength": 1, "pattern": r"\S"}
     items = {"type": "array", "items": nonempty, "minItems": min_items, "maxItems": max_items}
     return Checker({"oneOf": [nonempty, items]}, check)
 
