@@ -991,7 +991,7 @@ def test_a_grammar_that_fails_at_its_start_or_as_it_runs_fails_its_item_alone(ru
 @pytest.mark.parametrize(
     ("schema", "said"),
     [
-        ({"$ref": "#"}, "the schema refers to itself with nothing else to generate"),
+        ({"$ref": "#"}, "a schema that refers to itself with nothing else to generate"),
         ({"type": "integer", "minimum": 10**20}, "a number past 64 bits: 100000000000000000000"),
         ({"type": "number", "maximum": float("inf")}, "'maximum' is not a finite number"),
         ({"type": "number", "maximum": float("nan")}, "'maximum' is not a finite number"),
@@ -1013,6 +1013,30 @@ def test_a_schema_a_grammar_cannot_follow_is_said_in_words_a_client_can_use(runn
     assert message.startswith("the grammar cannot be used: ") and said in message
     for library_words in ("NoExtensionBias", "serializable", "f64"):
         assert library_words not in message
+
+
+@pytest.mark.parametrize(
+    ("pattern", "said"),
+    [
+        ("(ab", "regex parse error: (ab ^ error: unclosed group"),
+        ("a{5,3}", "error: invalid repetition count range"),
+        ("[^\\x00-\\x{10FFFF}]", "a pattern that matches nothing"),
+    ],
+)
+def test_a_regex_a_grammar_cannot_follow_is_said_without_the_librarys_grammar(
+    runner, pattern, said
+):
+    """A TGI or vLLM regex it cannot read named the library's own grammar and place ("at
+    1(8): invalid regex ... 1 | start: /(ab/"); one matching nothing was said to be a
+    schema that refers to itself."""
+    from rawserve.worker.grammars import Grammars
+
+    grammars = Grammars(runner.tokenizer, runner.grammars.vocabulary)
+    with pytest.raises(ValueError) as refused:
+        grammars.matcher({"type": "regex", "value": pattern})
+    message = str(refused.value)
+    assert message.startswith("the grammar cannot be used: ") and said in message
+    assert "start:" not in message and "at 1(" not in message
 
 
 def test_unique_items_is_an_annotation_as_pydantics_sets_write_it(runner):

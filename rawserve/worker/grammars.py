@@ -68,7 +68,14 @@ JSON_LAYOUT: JsonCompileOptions = {
 # llguidance's words for faults a client meets, and what they mean to one (the library's
 # own go to the debug log)
 FAULT_WORDS = (
-    (re.compile(r"NoExtensionBias"), "the schema refers to itself with nothing else to generate"),
+    (
+        re.compile(r"NoExtensionBias"),
+        "the grammar allows no text: a schema that refers to itself with nothing else to "
+        "generate, or a pattern that matches nothing",
+    ),
+    # a TGI or vLLM regex the library cannot read: its reason, not its own grammar's text
+    # and place ("at 1(8): invalid regex ... 1 | start: /(ab/ ^")
+    (re.compile(r"invalid regex .* \(in regex\): (regex parse error: .*?) \d+ \| start: "), r"\1"),
     (re.compile(r"Unimplemented keys: (\[.*?\])"), lambda found: unheld_keywords(found[1])),
     (
         re.compile(r"Too many items \(limit"),
