@@ -307,29 +307,6 @@ async def test_the_driver_tells_the_core_the_rows_free_after_each_look():
     await scheduler.stop()
 
 
-async def test_the_driver_tells_the_core_a_decoders_positions_and_no_others():
-    """The positions a decoder's prompt shares with its new tokens reach the core (which
-    times a prompt near them by the room it leaves), an encoder-decoder's do not."""
-    backend = FakeBackend()
-    scheduler = Scheduler(SchedulerCore(max_queue=4), backend)
-    scheduler.start()
-    await asyncio.sleep(0)
-    assert scheduler.core.positions is None  # nothing said yet
-    backend.limits = ModelLimits(max_new_tokens=127, shares_positions=True)
-    running = asyncio.create_task(scheduler.run(["a"], {}, scheduler.clock() + 30))
-    await until(lambda: len(backend.calls) == 1)
-    assert scheduler.core.positions == 128
-    backend.limits = ModelLimits(max_input_tokens=512, max_new_tokens=127)
-    backend.finish(0)
-    await running
-    second = asyncio.create_task(scheduler.run(["b"], {}, scheduler.clock() + 30))
-    await until(lambda: len(backend.calls) == 2)
-    assert scheduler.core.positions is None
-    backend.finish(1)
-    await second
-    await scheduler.stop()
-
-
 async def test_a_request_asked_for_after_the_scheduler_stopped_is_refused_at_once():
     """A request past the gate before a drain, its prompt tokenized after the scheduler
     stopped, was queued where nothing would look again: never answered, its connection
@@ -1064,26 +1041,6 @@ def test_a_sequence_taken_by_a_free_row_counts_its_own_time_as_its_send_will():
     idle = rows_of(8)
     (taken,) = queue_items(idle, [text(12)], deadline=5.0, params=asks)
     assert idle.decide(0.0, free_workers=8).batches == [[taken]]
-
-
-def test_a_prompt_near_a_decoders_positions_is_timed_by_the_tokens_it_has_room_for():
-    """A decoder's prompt shares its positions with the new tokens: one that leaves room
-    for 2 ends there whatever it asks. Timed by the 128 asked, it was refused 503 'ask
-    for fewer' beside busy rows, where asking fewer changed nothing it got; with
-    `ignore_eos` it was held to make all 128."""
-    core = rows_of(8)
-    run_sequences(core, 5, at=0.0)
-    asks = {"max_new_tokens": 128}
-    with pytest.raises(OwnTimeUnreachable):  # 128 tokens: 4.3 s
-        queue_items(core, [text(12)], deadline=5.0, params=asks)
-    core.positions = 14  # (an encoder-decoder's are its decoder's alone: None)
-    (near,) = queue_items(core, [text(12)], deadline=5.0, params=asks)
-    assert near.new_tokens == 2 and near.cost == 14
-    (held,) = queue_items(core, [text(12)], deadline=5.0, params={**asks, "ignore_eos": True})
-    assert held.fewest_new_tokens == 2
-    (past,) = queue_items(core, [text(20)], deadline=5.0, params=asks)
-    assert past.new_tokens == 1  # (an estimate past them: the worker says; one at least)
-    assert next_batch(core, 0.0) == [near]
 
 
 def test_behind_a_deep_queue_of_one_timeout_a_refusal_walks_none_of_it(monkeypatch):

@@ -1033,8 +1033,7 @@ def test_a_generation_models_default_length_and_beams_are_told_to_the_server(
     tiny_model, tmp_path, kind, task, configured, new_tokens, beams
 ):
     """A request naming no length or beams gets the model's generation config's (else the
-    pipeline's): the server counts its cost by them (rawserve.serving.core.decoding). A
-    decoder's prompt shares its positions with them, an encoder-decoder's does not."""
+    pipeline's): the server counts its cost by them (rawserve.serving.core.decoding)."""
     import shutil
 
     from rawserve.worker.loading import load_runner
@@ -1046,9 +1045,6 @@ def test_a_generation_models_default_length_and_beams_are_told_to_the_server(
     path.write_text(json.dumps({**settings, **configured}))
     limits = load_runner(worker_config(str(folder), task), "cpu").limits
     assert (limits.default_new_tokens, limits.default_beams) == (new_tokens, beams)
-    assert limits.shares_positions is (kind == "text-generation")
-    if limits.shares_positions:
-        assert limits.longest_input == 256
 
 
 @pytest.mark.parametrize("declared", [16, None])

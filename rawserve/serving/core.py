@@ -291,8 +291,6 @@ class SchedulerCore:
     items_per_second: float | None = None  # measured service rate (for reports)
     tokens_per_estimate: float = 1.0  # real tokens per estimated token, learned from workers
     max_input_tokens: int | None = None  # the model reads no more (it truncates): cost cap
-    # a decoder's positions, which a prompt shares with its new tokens (None: not so)
-    positions: int | None = None
     # what a generation naming no length or beams makes (the model's defaults, ModelLimits)
     default_new_tokens: int = 0
     default_beams: int = 1
@@ -348,10 +346,6 @@ class SchedulerCore:
         # a generation also costs a decoding step per new token it asks for: the measured
         # seconds per token then admit, refuse and size by the work asked, not by the prompt
         new_tokens, rows = decoding(params, self.default_new_tokens, self.default_beams)
-        if new_tokens and self.positions is not None:
-            # it ends at the positions whatever it asked: timed by what it asked, a prompt
-            # near them that could make one token was refused 503 as too slow to make 255
-            new_tokens = min(new_tokens, max(1, self.positions - cost))
         cost += new_tokens * rows
         key = batch_key(params)
         if control != NO_CONTROL:  # a stream never shares a batch; nor do two routes

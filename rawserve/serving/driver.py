@@ -437,7 +437,6 @@ class Scheduler:
         self.core.workers = self.backend.concurrency()
         limits = self.backend.limits
         self.core.max_input_tokens = limits.longest_input
-        self.core.positions = limits.longest_input if limits.shares_positions else None
         self.core.default_new_tokens = limits.default_new_tokens
         self.core.default_beams = limits.default_beams
         try:

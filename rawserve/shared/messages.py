@@ -228,9 +228,6 @@ class ModelLimits:
     # else the pipeline's defaults): its cost in the server; 0 new tokens: it generates none
     default_new_tokens: int = 0
     default_beams: int = 1
-    # a decoder's prompt and new tokens share its positions: a prompt leaves only the rest
-    # of them (`longest_input` less its tokens) to make, whatever a request asks
-    shares_positions: bool = False
 
     @property
     def longest_input(self) -> int | None:

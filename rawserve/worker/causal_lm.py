@@ -383,7 +383,6 @@ class CausalLMRunner(Runner):
             max_new_tokens=most,
             default_new_tokens=default if most is None else min(default, most),
             default_beams=config.num_beams or 1,
-            shares_positions=True,
         )
 
     @property
