@@ -992,6 +992,9 @@ def test_a_grammar_that_fails_at_its_start_or_as_it_runs_fails_its_item_alone(ru
     ("schema", "said"),
     [
         ({"$ref": "#"}, "a schema that refers to itself with nothing else to generate"),
+        # never fetched, and said so in words of the schema's
+        ({"$ref": "http://127.0.0.1:1/x.json"}, "refers to 'http://127.0.0.1:1/x.json', outside"),
+        ({"$ref": "file:///etc/passwd"}, "a $ref is followed only within the schema"),
         ({"type": "integer", "minimum": 10**20}, "a number past 64 bits: 100000000000000000000"),
         ({"type": "number", "maximum": float("inf")}, "'maximum' is not a finite number"),
         ({"type": "number", "maximum": float("nan")}, "'maximum' is not a finite number"),
@@ -1011,7 +1014,7 @@ def test_a_schema_a_grammar_cannot_follow_is_said_in_words_a_client_can_use(runn
         grammars.matcher({"type": "json", "value": schema})
     message = str(refused.value)
     assert message.startswith("the grammar cannot be used: ") and said in message
-    for library_words in ("NoExtensionBias", "serializable", "f64"):
+    for library_words in ("NoExtensionBias", "serializable", "f64", "retriever"):
         assert library_words not in message
 
 
@@ -1021,6 +1024,8 @@ def test_a_schema_a_grammar_cannot_follow_is_said_in_words_a_client_can_use(runn
         ("(ab", "regex parse error: (ab ^ error: unclosed group"),
         ("a{5,3}", "error: invalid repetition count range"),
         ("[^\\x00-\\x{10FFFF}]", "a pattern that matches nothing"),
+        ("\\bfoo", "lookarounds not supported yet"),
+        ("a\\", "the pattern ends in a lone backslash"),  # (the library read it as "a")
     ],
 )
 def test_a_regex_a_grammar_cannot_follow_is_said_without_the_librarys_grammar(

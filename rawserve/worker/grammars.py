@@ -75,7 +75,12 @@ FAULT_WORDS = (
     ),
     # a TGI or vLLM regex the library cannot read: its reason, not its own grammar's text
     # and place ("at 1(8): invalid regex ... 1 | start: /(ab/ ^")
-    (re.compile(r"invalid regex .* \(in regex\): (regex parse error: .*?) \d+ \| start: "), r"\1"),
+    (re.compile(r"invalid regex .*? \(in regex\): (.*) \d+ \| start: "), r"\1"),
+    # a $ref (or $schema) naming a document elsewhere: never fetched, in the library's words
+    (
+        re.compile(r"Resource '(.*)' is not present in a registry and retrieving it failed"),
+        r"the schema refers to '\1', outside it: a $ref is followed only within the schema",
+    ),
     (re.compile(r"Unimplemented keys: (\[.*?\])"), lambda found: unheld_keywords(found[1])),
     (
         re.compile(r"Too many items \(limit"),
@@ -171,7 +176,10 @@ def closed(schema: Any) -> Any:
 def grammar_text(grammar: Mapping[str, Any]) -> str:
     """llguidance's grammar for TGI's `{"type": "json" | "regex", "value": ...}`."""
     if grammar["type"] == "regex":
-        return str(llguidance.LLMatcher.grammar_from_regex(grammar["value"]))
+        pattern = grammar["value"]
+        if (len(pattern) - len(pattern.rstrip("\\"))) % 2:  # (llguidance drops it)
+            raise ValueError("regex parse error: the pattern ends in a lone backslash")
+        return str(llguidance.LLMatcher.grammar_from_regex(pattern))
     schema = closed_objects(grammar["value"])
     return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT))
 
