@@ -912,6 +912,15 @@ def test_seq2seq_prefixes_and_output_keys(runner, tiny_model):
     with pytest.raises(ValueError, match=r"does not translate to 'de' \(it names") as refused:
         translate.run([text], {"tgt_lang": "de"})
     assert "None" not in str(refused.value)
+    # a language two directions name: the other one is asked for
+    translate.directions.append("translation_en_to_de")
+    try:
+        with pytest.raises(
+            ValueError, match="translation_en_to_fr, translation_en_to_de: name tgt_lang too"
+        ):
+            translate.run([text], {"src_lang": "en"})
+    finally:
+        translate.directions.remove("translation_en_to_de")
     generated = runner("seq2seq", "text2text-generation").run([text], {"max_new_tokens": 5})
     assert generated == [{"generated_text": generate(text)}]
 

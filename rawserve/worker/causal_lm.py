@@ -603,7 +603,8 @@ class CausalLMRunner(Runner):
                     f"{held} {unsanitizable[1]}, a control token of the chat template that "
                     "this model's tokenizer cannot read as text"
                 ) from None
-            reason = f"{type(exc).__name__}: {unmarked(str(exc))}"
+            # its words, not Python's class of them (a client's message names no internals)
+            reason = unmarked(str(exc)) or "it raised an error"
             raise ValueError(f"the chat template failed on these messages ({reason})") from None
 
     def _check_lengths(self, params: dict[str, Any], longest_prompt: int) -> None:

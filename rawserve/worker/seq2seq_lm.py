@@ -206,6 +206,9 @@ class Seq2SeqLMRunner(Runner):
             ]
             if len(named) == 1 and (source is None or target is None):
                 return named[0], {}
+            if len(named) > 1:  # (only one language named: the other decides)
+                other = "tgt_lang" if target is None else "src_lang"
+                raise ValueError(f"this model translates as {', '.join(named)}: name {other} too")
             asked = " ".join(
                 f"{word} {language!r}"
                 for word, language in (("from", source), ("to", target))
