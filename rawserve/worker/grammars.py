@@ -260,13 +260,13 @@ class TextAsText:
             key=len,
             reverse=True,
         )
-        self.specials = re.compile("(" + "|".join(map(re.escape, spellings)) + ")")
-        self.any_special = bool(spellings)
+        pattern = "(" + "|".join(map(re.escape, spellings)) + ")"
+        self.specials = re.compile(pattern) if spellings else None
 
     def __call__(self, text: str) -> list[int]:
         if not isinstance(text, str):  # (so llguidance hands over text, never cut bytes)
             raise TypeError("text only")
-        if not self.any_special:
+        if self.specials is None:
             return self.read.tokenize_str(text)
         ids: list[int] = []
         for index, piece in enumerate(self.specials.split(text)):

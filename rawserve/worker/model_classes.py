@@ -215,8 +215,7 @@ def load_report_held_back() -> Iterator[None]:
         for record in held.records:
             logger.handle(record)
         raise
-    finally:
-        logger.removeFilter(held)
+    logger.removeFilter(held)
 
 
 def untrained(model: Any, missing: Any, unread: tuple[str, ...] = ()) -> Untrained | None:

@@ -204,7 +204,7 @@ class Seq2SeqLMRunner(Runner):
                 if (source is None or direction.startswith(f"translation_{source}_to_"))
                 and (target is None or direction.endswith(f"_to_{target}"))
             ]
-            if len(named) == 1 and (source is None or target is None):
+            if len(named) == 1:  # (both named: the exact entry, taken above, or none)
                 return named[0], {}
             if len(named) > 1:  # (only one language named: the other decides)
                 other = "tgt_lang" if target is None else "src_lang"
