@@ -528,6 +528,21 @@ async def test_a_models_own_openai_route_refuses_in_openais_shape(path, message)
     assert json.loads(answer.body)["error"]["message"].startswith(message)
 
 
+async def test_a_models_own_openai_route_is_refused_from_the_head_when_it_cannot_generate():
+    """/models/emb/v1/chat/completions is 404 before its body is asked for (an `Expect:
+    100-continue` gets no 100), and whatever the body, as /v1/chat/completions is where no
+    model generates: a body that is not JSON was a 400 of the path's, not the route's 404."""
+    models = ServedModels([served("gen", "text-generation"), served("emb", "feature-extraction")])
+    app = App(models)
+    refused = app.answer_now(post("/models/emb/v1/chat/completions", headers=[]))
+    assert refused is not None and refused.status == 404
+    message = json.loads(refused.body)["error"]["message"]
+    assert message.startswith("this route needs a text-generation model"), message
+    assert app.answer_now(post("/models/gen/v1/chat/completions", headers=[])) is None
+    answer = await app.handle(post("/models/emb/v1/completions", body=b"hi", headers=[]))
+    assert answer.status == 404, answer.body
+
+
 async def test_health_of_several_models_says_which_one_keeps_failing(app):
     """/health turns 503 for the whole process when one model's restarts keep failing
     (an orchestrator replaces it); the body names the model, as /ready's does."""

@@ -97,12 +97,13 @@ class App:
             self.routes.setdefault(route.path, {})[route.method] = route.handler
         # the models by their own paths (POST /models/<name>, GET /ready/<name>), for what
         # is answered at once; the paths that need no API key (probes, metrics)
-        self.model_paths: dict[str, ServedModel] = {}
+        self.model_paths: dict[str, Route] = {}
         self.ready_paths: dict[str, ServedModel] = {}
         for route in self.table:
-            if route.serves is not None:
-                paths = self.model_paths if route.method == "POST" else self.ready_paths
-                paths[route.path] = route.serves
+            if route.serves is not None and route.method == "POST":
+                self.model_paths[route.path] = route
+            elif route.serves is not None:
+                self.ready_paths[route.path] = route.serves
         self.open_paths = frozenset(
             [SERVER_WIDE, *(route.path for route in self.table if not route.secured)]
         )
@@ -164,8 +165,10 @@ class App:
         TGI's client and InferenceClient post there and type errors by TGI's rules."""
         if request.path in tgi.PATHS:
             return True
-        model = self.models.default if request.path == "/" else self.model_paths.get(request.path)
-        return model is not None and model.task == tgi.TASK
+        if request.path == "/":
+            return self.models.default.task == tgi.TASK
+        route = self.model_paths.get(request.path)
+        return route is not None and route.serves is not None and route.serves.task == tgi.TASK
 
     async def route(self, request: HttpRequest) -> HttpResponse:
         methods = self.methods(request)
@@ -264,8 +267,10 @@ class App:
             return self.operations.ready_now(request, model)
         if request.path == "/" and request.method == "POST":
             self.inference.refuse_now(request)
-        elif request.method == "POST" and (model := self.model_paths.get(request.path)):
-            self.inference.refuse_now(request, model)
+        elif request.method == "POST" and (route := self.model_paths.get(request.path)):
+            # (a model's OpenAI path, /models/emb/v1/chat/completions, is 404 for a model
+            # that does not generate before its body is asked for, as /v1's paths are)
+            self.inference.refuse_now(request, route.serves, route.needs)
         elif request.method == "POST" and (needs := self.named_model_paths.get(request.path)):
             self.inference.refuse_now_if_none_can(request, needs)
         return None

@@ -33,6 +33,7 @@ from rawserve.api.prompts import (
     check_lengths,
 )
 from rawserve.api.routing import (
+    ANY_MODEL,
     DENSE_EMBEDDING,
     MODEL_ERRORS,
     DocContext,
@@ -296,13 +297,15 @@ class InferenceRoutes:
             ]
         return routes
 
-    def refuse_now(self, request: HttpRequest, model: ServedModel | None = None) -> None:
-        """Raise the 503 that `POST /` (or the model's own path) gets now without reading
-        its body (draining, loading, the queue full, a generation's row out of reach by
-        the request's deadline), so a refusal under overload is answered in the pass that
-        read it."""
+    def refuse_now(
+        self, request: HttpRequest, model: ServedModel | None = None, needs: Needs = ANY_MODEL
+    ) -> None:
+        """Raise what `POST /` (or a path of the model's own) gets now without reading its
+        body: the 404 of a model that does not fit the path, the 503 of one that cannot take
+        work (draining, loading, the queue full, a generation's row out of reach by the
+        request's deadline), so a refusal under overload is answered in the pass that read it."""
         model = model or self.context.models.default
-        self.context.gate.check(model)
+        self.context.take(model, needs)
         model.refuse_if_busy(self.context.deadline(request))
 
     def refuse_now_if_none_can(self, request: HttpRequest, needs: Needs) -> None:

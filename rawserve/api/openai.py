@@ -356,9 +356,8 @@ class OpenAIRoutes:
         (InferenceClient sends the URL there)."""
 
         async def handler(request: HttpRequest) -> HttpResponse:
-            document = read_json(request)
-            self.context.take(model, GENERATION)
-            return await answer(request, model, document)
+            self.context.take(model, GENERATION)  # (a bad body to a model that cannot: 404)
+            return await answer(request, model, read_json(request))
 
         return handler
 
