@@ -203,6 +203,7 @@ CASES = [
     Case("bare LFs before the request", b"\n\n" + get(), [200], closes=False),
     Case("target in authority form", b"GET a:80 HTTP/1.1\r\n" + HOST + b"\r\n", [400]),
     Case("asterisk target on GET", b"GET * HTTP/1.1\r\n" + HOST + b"\r\n", [400]),
+    Case("fragment in the target", b"GET /health#x HTTP/1.1\r\n" + HOST + b"\r\n", [400]),
     Case(
         "SSH banner: h11 waits for a blank line, the head timer ends it",
         b"SSH-2.0-OpenSSH_9.6\r\n",

@@ -69,9 +69,11 @@ def check_head(
 
 def _is_served_target(method: bytes, target: bytes) -> bool:
     """A target in a form a server answers (RFC 9112 section 3.2): a path, an absolute
-    URI (what proxies send), or `*` for OPTIONS; the authority form is CONNECT's."""
+    URI (what proxies send), or `*` for OPTIONS; the authority form is CONNECT's. A
+    fragment (`#...`) is the client's alone: in a path it was routed as the path's
+    (`/health#x`: 404 "no route")."""
     if target.startswith(b"/"):
-        return True
+        return b"#" not in target
     if (absolute := _ABSOLUTE.fullmatch(target)) is not None:  # its host as a Host's
         return _HOST.fullmatch(absolute[1].decode("ascii", "replace")) is not None
     return target == b"*" and method == b"OPTIONS"
