@@ -769,6 +769,14 @@ def test_a_context_that_reads_as_no_tokens_is_refused_as_a_blank_one(runner, con
         qa.run([{"question": "who", "context": context}], {})
 
 
+@pytest.mark.parametrize("question", ["\u200b", "\x00", "\ufeff"])
+def test_a_question_that_reads_as_no_tokens_is_refused(runner, question):
+    """The same of the question: a span was picked (200 "lives in paris") for no question."""
+    qa = runner("question-answering")
+    with pytest.raises(ValueError, match="the question reads as no tokens"):
+        qa.run([{"question": question, "context": CONTEXT}], {})
+
+
 def test_question_answering_batches_answer_what_single_calls_answer(runner):
     qa = runner("question-answering")
     items = [

@@ -122,7 +122,7 @@ class SpanExtractionRunner(Runner):
         options = self.options(params)
         contexts = [item["context"] for item in inputs]
         encoded = self.windows(inputs, options)
-        self.refuse_unread_contexts(encoded, len(inputs))
+        self.refuse_unread_parts(encoded, len(inputs))
         starts, ends = self.logits(encoded)
         if self.batch_cancelled():  # nobody reads the answers: none is read from the windows
             return _unread(inputs)
@@ -204,16 +204,18 @@ class SpanExtractionRunner(Runner):
     def bind_cancel(self, cancelled: Callable[[], bool]) -> None:
         self.batch_cancelled = cancelled
 
-    def refuse_unread_contexts(self, encoded: Any, inputs: int) -> None:
-        """A context the tokenizer reads as no token at all (zero-width spaces, control
-        characters, a lone combining mark) is refused, as a blank one is: its only
-        answer would be the empty span at [CLS], made up (200 with score 0)."""
-        context = 1 if self.question_first else 0
-        read = [False] * inputs
-        for window, item in enumerate(encoded["overflow_to_sample_mapping"]):
-            read[item] = read[item] or context in encoded.encodings[window].sequence_ids
-        if not all(read):
-            raise ValueError("the context reads as no tokens (only characters the model skips)")
+    def refuse_unread_parts(self, encoded: Any, inputs: int) -> None:
+        """A question or context the tokenizer reads as no token at all (zero-width
+        spaces, control characters, a lone combining mark) is refused, as a blank one is:
+        without a context the only answer is the empty span at [CLS] (200 with score 0),
+        without a question a span the model picks for no question asked."""
+        for part, sequence in (("question", 0), ("context", 1)):
+            sequence = sequence if self.question_first else 1 - sequence
+            read = [False] * inputs
+            for window, item in enumerate(encoded["overflow_to_sample_mapping"]):
+                read[item] = read[item] or sequence in encoded.encodings[window].sequence_ids
+            if not all(read):
+                raise ValueError(f"the {part} reads as no tokens (only characters the model skips)")
 
     def logits(self, encoded: Any) -> tuple[np.ndarray, np.ndarray]:
         """Start and end logits of every window, padded to the longest, in passes of at
