@@ -1082,6 +1082,19 @@ def test_a_json_body_not_in_utf8_says_json_is_read_as_utf8():
         parse_body("text-classification", request, 32)
 
 
+@pytest.mark.parametrize("media_type", ["image/png", "audio/wav"])
+def test_media_sent_to_a_route_that_reads_json_is_415(media_type):
+    """TGI's /generate said "not valid JSON: JSON is read as UTF-8" to a PNG, where POST /
+    says 415; JSON typed as an image is still read (a mistyped client keeps working)."""
+    headers = [("content-type", media_type)]
+    png = HttpRequest("POST", "/generate", "", headers, b"\x89PNG\r\n\x1a\n\xff", "t")
+    with pytest.raises(
+        UnsupportedMediaType, match=f"the body is {media_type}: this route reads JSON"
+    ):
+        read_json(png)
+    assert read_json(HttpRequest("POST", "/generate", "", headers, b'{"inputs": "a"}', "t"))
+
+
 @pytest.mark.parametrize(
     ("headers", "body", "inputs"),
     [

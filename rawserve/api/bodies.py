@@ -60,8 +60,10 @@ def read_json(request: HttpRequest) -> Any:
     except RecursionError:  # the parser's own limit, well past ours
         raise MalformedRequest(TOO_DEEP) from None
     except UnicodeDecodeError:  # (the JSON of a charset=latin-1 or gbk body, say)
+        refuse_media_not_json(request)
         raise MalformedRequest("the body is not valid JSON: JSON is read as UTF-8") from None
     except json.JSONDecodeError:
+        refuse_media_not_json(request)
         raise MalformedRequest("the body is not valid JSON") from None
     except ValueError:  # a number of more digits than Python converts (4,300)
         raise MalformedRequest("the body holds a number too long to read") from None
@@ -180,6 +182,14 @@ def read_text(request: HttpRequest) -> str:
         ) from None
     except UnicodeDecodeError:
         raise UnsupportedMediaType(f"the body is not {charset} text") from None
+
+
+def refuse_media_not_json(request: HttpRequest) -> None:
+    """415 for a body that is not JSON and is typed as media no JSON is (an image sent to
+    TGI's /generate was "not valid JSON: JSON is read as UTF-8", where `POST /` says 415)."""
+    media_type = (request.header("content-type") or "").split(";")[0].strip().lower()
+    if media_type.startswith(MEDIA_NOT_TEXT):
+        raise UnsupportedMediaType(f"the body is {media_type}: this route reads JSON")
 
 
 def refuse_form_upload(request: HttpRequest, send: str) -> None:
