@@ -22,6 +22,7 @@ from rawserve.serving.batching import (
 )
 from rawserve.serving.core import (
     ADMIT_MARGIN,
+    MOST_COUNTED,
     DeadlineUnreachable,
     NeverAdmissible,
     OwnTimeUnreachable,
@@ -304,6 +305,50 @@ async def test_the_driver_tells_the_core_the_rows_free_after_each_look():
     backend.finish(0)
     await running
     await until(lambda: scheduler.core.free_rows == 3)
+    await scheduler.stop()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"max_new_tokens": 1e300},
+        {"max_new_tokens": 10**165},
+        {"max_length": 1e200},
+        {"generate_parameters": {"max_new_tokens": 1e300}},
+        {"max_new_tokens": 10**80, "num_beams": 10**80},
+    ],
+)
+async def test_a_huge_count_among_a_handlers_parameters_leaves_the_scheduler_serving(params):
+    """A handler's parameters are its own: {"max_new_tokens": 1e300} was counted as that
+    many decoding steps, overflowed the cost model's fit when its batch ended (the answer
+    lost: a 504), and every later batch's too, while /ready said ready."""
+    backend = FakeBackend()
+    scheduler = Scheduler(SchedulerCore(max_queue=8), backend)
+    scheduler.start()
+    for sent, round_params in enumerate((params, {}, params, {})):
+        running = asyncio.create_task(scheduler.run(["x"], round_params, scheduler.clock() + 30))
+        await until(lambda: len(backend.calls) > sent)  # noqa: B023 (awaited here)
+        backend.finish(sent)
+        assert len(await asyncio.wait_for(running, 5)) == 1
+    assert scheduler.core.new_item("x", params, 30, 0).cost <= 2 + MOST_COUNTED**2
+    await scheduler.stop()
+
+
+async def test_an_accounting_failure_still_answers_the_batch(monkeypatch, caplog):
+    """A defect in what a batch's end teaches the scheduler must not lose its answers."""
+    backend = FakeBackend()
+    scheduler = Scheduler(SchedulerCore(max_queue=8), backend)
+
+    def broken(*args, **kwargs):
+        raise OverflowError("(34, 'Numerical result out of range')")
+
+    monkeypatch.setattr(scheduler.core, "finish_batch", broken)
+    scheduler.start()
+    running = asyncio.create_task(scheduler.run(["x"], {}, scheduler.clock() + 30))
+    await until(lambda: backend.calls)
+    backend.finish(0)
+    assert len(await asyncio.wait_for(running, 5)) == 1
+    assert "the accounting of a batch of 1 failed" in caplog.text
     await scheduler.stop()
 
 

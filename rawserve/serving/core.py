@@ -204,6 +204,12 @@ class Decision:
     wake_at: float | None
 
 
+# The most new tokens (or rows) a count is taken for: more than any model's positions,
+# and few enough that their squares stay far from a float's range in the cost model
+# (a max_new_tokens of 1e300 overflowed its fit and left every later request a 504).
+MOST_COUNTED = 1 << 20
+
+
 def decoding(params: Mapping[str, Any], new_tokens: int = 0, beams: int = 1) -> tuple[int, int]:
     """The new tokens a generation may add and the rows it decodes at each step: what it
     asked (among its parameters or in the Inference API's `generate_parameters`), else the
@@ -246,10 +252,13 @@ def _asked(params: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def _count(value: Any, default: int) -> int:
     """A count a request names, or `default` where it names none (or none a generation
-    would take: a handler's parameters are its own, checked by no route)."""
+    would take: a handler's parameters are its own, checked by no route), at most
+    MOST_COUNTED."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return default
-    return int(value) if math.isfinite(value) and value == int(value) else default
+    if not math.isfinite(value) or value != int(value):
+        return default
+    return min(int(value), MOST_COUNTED)
 
 
 @dataclass

@@ -572,27 +572,34 @@ class Scheduler:
                 _settle(item, exception=_as_refusal(error))
             return
         result: BatchResult = done.result()
+        waited = any(_waits(item) for item in batch)
+        try:
+            self._account(batch, result, waited)
+        except Exception:  # (a defect in the accounting must not lose the answers)
+            log.exception("the accounting of a batch of %d failed; it is answered", len(batch))
+        if not waited:
+            return
+        answers = [
+            (item, _item_result(item, output, sent, batch, result))
+            for item, output in zip(batch, result.outputs, strict=True)
+        ]
+        self._deliver(answers, 0)
+
+    def _account(self, batch: list[WorkItem], result: BatchResult, waited: bool) -> None:
+        """What a batch's end teaches the scheduler: its time, its tokens, its items."""
         # a model call, whether or not anyone still waits for it (one answered in parts
         # was counted and observed a part, a call, at a time: `_answer_part`)
         if all(item.call is None for item in batch):
             self._count_not_run(batch, result.outputs)
             self._observe_call(result)
-        waited = any(_waits(item) for item in batch)
         if result.rerun:  # its time is a worker's restart as much as the model's
             self.core.forget_batch(batch, self.clock())
         elif not waited:
             self.core.stopped_batch(batch, self.clock() - result.waited, result.made)
         else:  # its own run: the time it waited in the worker behind another batch left out
             self.core.finish_batch(batch, self.clock() - result.waited, result.made)
-        if not waited:
-            return
-        if result.token_counts:
+        if waited and result.token_counts:
             self.core.calibrate(batch, result.token_counts)
-        answers = [
-            (item, _item_result(item, output, sent, batch, result))
-            for item, output in zip(batch, result.outputs, strict=True)
-        ]
-        self._deliver(answers, 0)
 
     def _observe_call(self, result: BatchResult) -> None:
         """Observe a model call's size and time: inputs refused as poison (counted as
