@@ -1389,7 +1389,9 @@ def encoded_image(size: tuple[int, int], fmt: str = "PNG", mode: str = "RGB") ->
         ((4100, 4100), "JPEG", True, (2050, 2050)),  # libjpeg decodes it at half its size
         ((9000, 4500), "JPEG", False, (4500, 2250)),
         ((4200, 4300), "PNG", False, (2100, 2150)),  # decoded whole, then shrunk
-        ((8000, 4095), "JPEG", False, (8000, 4095)),  # a side under twice the kept one
+        ((8000, 4095), "JPEG", False, (4000, 2048)),  # to 4096x4096's pixels, or fewer
+        ((4095, 21850), "PNG", False, (1365, 7284)),  # (an 11 KB one-bit PNG: 3.8 s, 2 GB)
+        ((2047, 21850), "PNG", False, (2047, 21850)),  # its shorter side already small
         ((8000, 4095), "JPEG", True, (2667, 4095)),  # each side on its own: the processor
         ((4095, 21850), "PNG", True, (4095, 2185)),  # squashes it to its shape anyway
         ((3000, 4000), "PNG", True, (3000, 4000)),  # a phone's photo: as it is
@@ -1399,13 +1401,91 @@ def test_a_huge_image_is_shrunk_to_several_times_any_models_input_before_it_is_p
     size, fmt, squashed, kept
 ):
     """A 9000x9000 JPEG took the image processor 5 s and 2 GB, an 11 KB PNG of 4095x21850
-    pixels 6 s and 1.5 GB; shrunk by whole factors (to no less than 2048 pixels a side)
-    before it, under a second. Images under 4096 pixels a side are decoded as they are."""
+    pixels 6 s and 1.5 GB; shrunk by whole factors (to no less than 2048 pixels a side,
+    or where the processor keeps the aspect ratio, to no more pixels than 4096x4096 while
+    the shorter side stays 1024 or more) before it, under a second. Images under 4096
+    pixels a side are decoded as they are."""
     from rawserve.worker.images import decode_image
 
     decoded = decode_image(encoded_image(size, fmt), squashed)
     assert (decoded.size, decoded.mode) == (kept, "RGB")
     assert decoded.getpixel((0, 0)) == pytest.approx((200, 40, 40), abs=3)
+
+
+def test_a_long_image_is_read_the_same_shrunk_where_the_processor_keeps_its_shape(
+    runner, tiny_model, tmp_path
+):
+    """A processor that keeps the aspect ratio (ConvNeXt's) scales the shorter side to its
+    few hundred pixels and the long side with it: an image shrunk alike on both sides, its
+    shorter side still 1024 or more, reads the same as at full size, at a fraction of the
+    pixels (its shorter side alone, under 4096, left 4095x21850 whole: 3.8 s and 2 GB)."""
+    import io
+
+    from PIL import Image
+
+    from rawserve.worker.images import decode_image
+    from rawserve.worker.loading import load_runner
+
+    folder = shutil.copytree(tiny_model("image-classification"), tmp_path / "convnext")
+    (folder / "preprocessor_config.json").write_text(json.dumps(CONVNEXT_PROCESSOR))
+    classify = load_runner(worker_config(str(folder), dtype="float32"), "cpu")
+    size = (2100, 9000)
+    bands = [Image.linear_gradient("L"), Image.linear_gradient("L").rotate(90)]
+    image = Image.merge("RGB", [*bands, Image.radial_gradient("L")]).resize(size)
+    written = io.BytesIO()
+    image.save(written, "PNG", compress_level=1)
+    encoded = base64.b64encode(written.getvalue()).decode()
+    assert decode_image(encoded, squashed=False).size == (1050, 4500)
+    answers = classify.run([encoded], {"top_k": 3})[0]
+    whole = classify.pipe(image, top_k=3)
+    assert [a["label"] for a in answers] == [w["label"] for w in whole]
+    assert [a["score"] for a in answers] == pytest.approx([w["score"] for w in whole], abs=1e-3)
+
+
+# ConvNeXt's image processor, its shorter side scaled to 32 pixels (the tiny model's)
+CONVNEXT_PROCESSOR = {
+    "image_processor_type": "ConvNextImageProcessor",
+    "crop_pct": 0.875,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "resample": 3,
+    "rescale_factor": 1 / 255,
+    "size": {"shortest_edge": 32},
+}
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "MPO"])
+def test_a_huge_jpeg_is_decoded_by_libjpeg_at_a_fraction_of_its_size(fmt, monkeypatch):
+    """A JPEG of several pictures, as phones and cameras write them, opens as "MPO": it
+    was decoded at full size, then shrunk (9000x9000: 243 MB and 0.5 s, not 0.07 s)."""
+    import io
+
+    from PIL import Image, JpegImagePlugin
+
+    from rawserve.worker.images import decode_image
+
+    drafted = []
+    draft = JpegImagePlugin.JpegImageFile.draft
+
+    def recorded(image, mode, size):
+        drafted.append(draft(image, mode, size))
+        return drafted[-1]
+
+    monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", recorded)
+    written = io.BytesIO()
+    pictures = {"save_all": True, "append_images": [Image.new("RGB", (10, 10))]}
+    Image.new("RGB", (4100, 4100), (200, 40, 40)).save(
+        written, fmt, **(pictures if fmt == "MPO" else {})
+    )
+    assert Image.open(written).format == fmt
+    decoded = decode_image(base64.b64encode(written.getvalue()).decode())
+    assert decoded.size == (2050, 2050) and decoded.getpixel((0, 0)) == pytest.approx(
+        (200, 40, 40), abs=3
+    )
+    assert drafted and drafted[0][1] == (0, 0, 2050, 2050)  # libjpeg decoded it at 1/2
 
 
 @pytest.mark.parametrize("mode", ["1", "P", "I;16", "L", "RGBA"])
