@@ -2579,8 +2579,18 @@ def test_a_handler_module_in_the_current_directory_is_found_by_the_rawserve_comm
     [
         (
             "No connection adapters were found for 'svc:Sup3rS3cret@10.1.2.3/v1/score'",
-            "No connection adapters were found for '<credentials>@10.1.2.3<path>'",
+            "No connection adapters were found for '<credentials>@<path>'",
         ),
+        # an address's query may hold a key; its path is no file's
+        (
+            "url https://api.example.com/v1/x?api_key=SECRET123&x=1 refused",
+            "url https://api.example.com/v1/x?<query> refused",
+        ),
+        ("s3://bucket/a/key not found", "s3://bucket/a/key not found"),
+        ("cannot open /home/me/.cache/w.bin", "cannot open <path>"),
+        ("cannot open models/me/w.bin", "cannot open <path>"),
+        ("C:\\Users\\me\\w.bin is missing", "<path> is missing"),
+        ("date 2024/01/02 is past", "date 2024/01/02 is past"),
         (
             "cannot reach https://user:pass@host.example/x",
             "cannot reach https://<credentials>@host.example/x",
@@ -2604,3 +2614,13 @@ def test_an_address_s_credentials_in_a_failure_are_never_told_to_clients(said, t
     from rawserve.worker.runner import client_message
 
     assert client_message(ValueError(said)) == told
+
+
+def test_a_failure_of_no_words_is_told_without_its_class_name():
+    """`raise MyError()` (a ValueError) told the client the server's class name."""
+    from rawserve.worker.runner import client_message
+
+    class MyRefusal(ValueError):
+        pass
+
+    assert client_message(MyRefusal()) == "the input was refused (no reason given)"

@@ -97,7 +97,13 @@ PADDING_OFFSET_MODEL_TYPES = frozenset(
         "xmod",
     }
 )
-_PATHLIKE = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][\w.\-]+){2,}")
+# A file's path in a message (two segments or more, from a drive letter, a slash or a
+# name), left out for clients; one of digits alone is a date or a version (2024/01/02)
+_PATHLIKE = re.compile(r"(?<![\w.\-])(?:[A-Za-z]:)?[\w.\-]*(?:[/\\][\w.\-]+){2,}")
+_NOT_A_PATH = re.compile(r"[\d/\\.\-]+")
+# An address in a message (scheme://...): its path is the address's, not a file's, and
+# its query may carry a key (`?api_key=...`)
+_URL = re.compile(r"([A-Za-z][\w+.\-]*://[^\s'\"<>]+)")
 # The credentials of an address in a message, left out for clients: a URL's userinfo, up
 # to its last @ (`https://user:pa/ss@host`, `redis://:secret@cache`, a token as the user),
 # and a user:password@host without a scheme (a library's words on a URL it could not use:
@@ -393,8 +399,22 @@ class Runner:
 
 
 def client_message(exc: BaseException) -> str:
-    """An input's failure in words for its client: its first line, paths and an
-    address's credentials left out."""
-    said = _URL_CREDENTIALS.sub(r"\1<credentials>@", first_line(exc))
-    said = _BARE_CREDENTIALS.sub("<credentials>@", said)
-    return _PATHLIKE.sub("<path>", said)[:MAX_CLIENT_MESSAGE]
+    """An input's failure in words for its client: its first line, paths, an address's
+    credentials and query left out (an error of no words: "refused", not its class's
+    name, which is the server's code)."""
+    if not str(exc).strip():
+        return "the input was refused (no reason given)"
+    parts = _URL.split(first_line(exc))  # text, an address, text, ...
+    for at, part in enumerate(parts):
+        if at % 2:
+            part = _URL_CREDENTIALS.sub(r"\1<credentials>@", part)
+            address, query, _ = part.partition("?")
+            parts[at] = address + "?<query>" if query else address
+        else:
+            part = _BARE_CREDENTIALS.sub("<credentials>@", part)
+            parts[at] = _PATHLIKE.sub(_path_left_out, part)
+    return "".join(parts)[:MAX_CLIENT_MESSAGE]
+
+
+def _path_left_out(found: re.Match[str]) -> str:
+    return found[0] if _NOT_A_PATH.fullmatch(found[0]) else "<path>"
