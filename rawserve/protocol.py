@@ -109,7 +109,8 @@ CLIENT_CLOSED = 499
 # pipelined requests one connection has read in a pass of the event loop, at most
 REQUESTS_PER_PASS = 32
 # seconds between looks at an answer still being written once the idle or head deadline
-# has come (`HttpProtocol._restart_deadline`): that time starts within this of its end
+# has come (`HttpProtocol._restart_deadline`): that time starts within this of its end,
+# and a client that takes none of it between looks is timed by --write-timeout
 ANSWER_GOING_CHECK = 0.5
 # TLS: the most of an answer written to the transport at once (`_write_all`), and how
 # often a closing connection looks whether its answers are written (`_close_once_written`)
@@ -183,8 +184,10 @@ class HttpProtocol(asyncio.Protocol):
         self.peername: object = None
         self.flow: FlowControl | None = None
         self.phase = Phase.IDLE
-        # since when a deadline has found an answer still being written (None: it has not)
+        # since when a deadline's looks have found an answer still being written and
+        # none of it taken (None: none found), and how much of it waited at the last look
         self.answer_going: float | None = None
+        self.unsent_at_look = 0
         self.timer = ConnectionTimer(self.loop, self._on_deadline)
         self.eof_seen = False  # the peer has half-closed
         self.probe_only = False  # taken past the connection cap: one probe, then close
@@ -230,9 +233,10 @@ class HttpProtocol(asyncio.Protocol):
     def _on_write_timeout(self) -> None:
         """The answers found no room to be written for `write_timeout` seconds (the client
         reads slower than they come, or not at all): drop what waits to be written
-        (closing would wait for it) and the connection. The line says how much of the
-        answers was never sent (their access lines, written as they were queued, give
-        their whole size) and names the last one."""
+        (closing would wait for it, or leave the kernel holding it) and the connection.
+        The line says how much of the answers was never sent, the kernel's part too
+        (their access lines, written as they were queued, give their whole size) and
+        names the last one."""
         unsent = self._unsent()
         self.unsent = unsent
         log.info(
@@ -246,23 +250,17 @@ class HttpProtocol(asyncio.Protocol):
             extra={"request_id": self.last_request_id},
         )
         self._enter(Phase.CLOSED)
+        self._flow.release()  # its own timer too: one cut, one line, whichever saw it first
         if self.transport is not None:
             reset_on_close(self.transport)
             self.transport.abort()
 
     def _on_deadline(self) -> None:
         """The current phase's deadline passed."""
-        now = self.loop.time()
-        first_look = now if self.answer_going is None else self.answer_going
-        going = self.phase in (Phase.IDLE, Phase.HEAD) and (
-            self.sending or unsent_in_kernel(self.transport)
-        )
-        if going and now - first_look < self.settings.write_timeout:
-            # not the client's time yet (`_restart_deadline`): looked at again soon, for
-            # at most --write-timeout (a client that reads none of it is not waited for)
-            self.answer_going = first_look
-            self.timer.set(ANSWER_GOING_CHECK)
-        elif not going and self.answer_going is not None:
+        unsent = self._unsent() if self.phase in (Phase.IDLE, Phase.HEAD) else 0
+        if unsent:
+            self._watch_answer_going(unsent)  # not the client's time yet
+        elif self.answer_going is not None:
             self._restart_deadline()  # gone since the last look: its time starts now
         elif self.phase is Phase.IDLE:
             self.close()  # an idle keep-alive connection: close quietly
@@ -272,6 +270,22 @@ class HttpProtocol(asyncio.Protocol):
             self._fail(refusals.too_slow("body"))
         elif self.phase is Phase.LINGER:
             self._close_transport()
+
+    def _watch_answer_going(self, unsent: int) -> None:
+        """The idle or head deadline found the last answer still being written
+        (`_restart_deadline`): look again soon, for as long as its client takes some of
+        it between looks; one that takes none for --write-timeout is cut off, as a
+        stalled write is. Timed from the first look alone, a client reading a 1.4 MB
+        answer steadily was closed under its next request; and one the kernel's send
+        buffer took whole was closed normally, the socket kept with it for minutes."""
+        now = self.loop.time()
+        if self.answer_going is None or unsent < self.unsent_at_look:
+            self.answer_going = now  # some taken since the last look: timed anew
+        self.unsent_at_look = unsent
+        if now - self.answer_going >= self.settings.write_timeout:
+            self._on_write_timeout()
+        else:
+            self.timer.set(ANSWER_GOING_CHECK)
 
     def _restart_deadline(self) -> None:
         """Count the idle or head deadline anew: the last answer is still being written
@@ -876,16 +890,20 @@ class HttpProtocol(asyncio.Protocol):
             transport.write(data[start : start + TLS_WRITE_SLICE])
 
     def _unsent(self) -> int:
-        """Bytes of our answers not yet taken by the socket (for TLS, in either transport)."""
-        return sum(
+        """Bytes of our answers their client has not yet taken: in the transport (for TLS,
+        in either) and in the kernel, whose send buffer can hold a whole answer."""
+        waiting = sum(
             transport.get_write_buffer_size()
             for transport in (self.transport, self.socket_transport)
             if transport is not None
         )
+        return waiting + unsent_in_kernel(self.socket_transport or self.transport)
 
     @property
     def sending(self) -> bool:
-        """Some of an answer still waits in the transport (past the cap, it keeps its seat)."""
+        """Some of an answer is not yet taken by its client, in the transport or in the
+        kernel (past the cap, it keeps its seat: closed, the kernel would keep its socket
+        for as long as the client does not read)."""
         return self._unsent() > 0
 
     def close(self) -> None:
@@ -906,8 +924,9 @@ class HttpProtocol(asyncio.Protocol):
             self.transport.close()
 
     def _close_once_written(self) -> None:
-        """Close a TLS connection once its answers are written (its close then waits
-        LINGER_SECONDS at most for the client's close_notify, which would cut them short)."""
+        """Close a TLS connection once its client has taken its answers (its close then
+        waits LINGER_SECONDS at most for the client's close_notify, which would cut them
+        short)."""
         transport = cast(Transport, self.transport)
         if transport.is_closing():
             return  # cut off meanwhile (--write-timeout)

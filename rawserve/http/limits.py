@@ -89,7 +89,8 @@ class OpenConnection(Protocol):
 
     @property
     def sending(self) -> bool:
-        """Some of its last answer still waits to be sent (a close would wait for it)."""
+        """Some of its last answer is not yet taken by its client, in the transport (a
+        close would wait for it) or in the kernel (which would keep the socket for it)."""
         ...
 
     def close(self) -> None: ...
@@ -119,10 +120,10 @@ class Seats:
     def take(self, connection: OpenConnection, limit: int, now: float) -> bool:
         """Seat `connection` if fewer than `limit` are open (0: no limit), else in place of
         the one idle longest, closed quietly (nginx's reusable connections), if it has
-        been idle `GIVE_WAY_AFTER` and has sent all of its last answer; False where not:
-        one mid-request, answering or closing is never closed for this. (Closed with an
-        answer still to send, it would hold its socket, no longer counted, for as long as
-        its client does not read.)"""
+        been idle `GIVE_WAY_AFTER` and its client has taken all of its last answer; False
+        where not: one mid-request, answering or closing is never closed for this.
+        (Closed with an answer still to send, even one the kernel holds whole, it would
+        hold its socket, no longer counted, for as long as its client does not read.)"""
         if limit and len(self.open) >= limit:
             longest = next(iter(self.idle), None)
             if longest is None or self.idle[longest] > now - GIVE_WAY_AFTER or longest.sending:
