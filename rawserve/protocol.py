@@ -257,10 +257,11 @@ class HttpProtocol(asyncio.Protocol):
 
     def _on_deadline(self) -> None:
         """The current phase's deadline passed."""
-        unsent = self._unsent() if self.phase in (Phase.IDLE, Phase.HEAD) else 0
-        if unsent:
+        watched = self.phase in (Phase.IDLE, Phase.HEAD, Phase.LINGER)
+        unsent = self._unsent() if watched else 0
+        if unsent:  # (a last answer too: closed, the kernel would keep it for minutes)
             self._watch_answer_going(unsent)  # not the client's time yet
-        elif self.answer_going is not None:
+        elif self.answer_going is not None and self.phase is not Phase.LINGER:
             self._restart_deadline()  # gone since the last look: its time starts now
         elif self.phase is Phase.IDLE:
             self.close()  # an idle keep-alive connection: close quietly

@@ -2219,10 +2219,13 @@ async def test_a_stream_cut_by_the_write_timeout_is_named_and_logs_what_it_sent(
     assert '"GET /stream" 200 1600 ' in access and access.endswith("stream-2")
 
 
-async def test_a_connection_closed_with_some_of_its_answer_unread_is_cut_off_in_time():
+@pytest.mark.parametrize("taken", [False, True], ids=["unread", "read-at-last"])
+async def test_a_connection_closed_with_some_of_its_answer_unread_is_cut_off_in_time(taken):
     """The transport closes once what waits in it is written; under the high-water mark
     writing never paused, so nothing cut off a client that read none of it: its socket
-    stayed open (and counted by the connection cap) for as long as it did not read."""
+    stayed open (and counted by the connection cap) for as long as it did not read. At
+    the linger's end an answer still going is watched as an idle connection's is: cut
+    once its client has taken none of it for --write-timeout, closed once it has gone."""
     loop = FakeTimerLoop(asyncio.get_running_loop())
     settings = ProtocolSettings(write_timeout=3, keepalive_timeout=5)
     protocol = HttpProtocol(EchoApp(), settings, loop=loop)
@@ -2232,14 +2235,16 @@ async def test_a_connection_closed_with_some_of_its_answer_unread_is_cut_off_in_
     await settle()
     transport.buffered = 1000  # of its answer, never taken by its client
     loop.advance(LINGER_SECONDS)
-    assert transport.closed and not transport.aborted
-    protocol.pause_writing()  # (a pause and a resume, then, give the rest a fresh timeout)
-    loop.advance(2)
-    protocol.resume_writing()
-    loop.advance(2.9)
-    assert not transport.aborted
-    loop.advance(0.2)
-    assert transport.aborted  # dropped: the socket closes
+    assert not transport.closed  # still going: not closed under it
+    loop.advance(settings.write_timeout - ANSWER_GOING_CHECK)
+    assert not transport.closed
+    if taken:
+        transport.buffered = 0
+        loop.advance(ANSWER_GOING_CHECK)
+        assert transport.closed and not transport.aborted
+    else:
+        loop.advance(2 * ANSWER_GOING_CHECK)
+        assert transport.aborted  # dropped: the socket closes
 
 
 async def test_an_answer_still_unread_at_the_idle_deadline_is_cut_at_the_write_timeout(caplog):
@@ -2346,7 +2351,7 @@ class KernelSizedAnswerApp(FakeApp):
 
 
 async def served_to_a_small_window(
-    settings: ProtocolSettings, state: ServerState | None = None
+    settings: ProtocolSettings, state: ServerState | None = None, last: bool = False
 ) -> tuple[asyncio.Server, HttpProtocol, socket.socket]:
     """A real loopback connection whose client's window is 4 KB, its request sent."""
     loop = asyncio.get_running_loop()
@@ -2361,7 +2366,8 @@ async def served_to_a_small_window(
     client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     client.setblocking(False)
     await loop.sock_connect(client, server.sockets[0].getsockname())
-    await loop.sock_sendall(client, b"GET /a HTTP/1.1\r\nHost: a\r\n\r\n")
+    closing = b"Connection: close\r\n" if last else b""  # (`last`: its last request)
+    await loop.sock_sendall(client, b"GET /a HTTP/1.1\r\nHost: a\r\n" + closing + b"\r\n")
     async with asyncio.timeout(10):
         while not connections or connections[0].last_request_id == "-":  # until answered
             await asyncio.sleep(0.01)
@@ -2374,14 +2380,16 @@ async def closed_down(server: asyncio.Server, client: socket.socket) -> None:
     await server.wait_closed()
 
 
-async def test_an_answer_the_kernel_holds_whole_is_reset_at_the_write_timeout(caplog):
+@pytest.mark.parametrize("last", [False, True], ids=["kept-alive", "connection-close"])
+async def test_an_answer_the_kernel_holds_whole_is_reset_at_the_write_timeout(caplog, last):
     """A client that reads none of an answer the kernel's send buffer took whole (the
     transport's empty: writing never paused) was closed normally at keep-alive plus
-    write timeout, without a line, and its socket stayed in FIN-WAIT-1 with the answer
-    for minutes. It is reset, and the line counts what the kernel held."""
+    write timeout (or, its last answer, at the linger's end), without a line, and its
+    socket stayed in FIN-WAIT-1 with the answer for minutes. It is reset, and the line
+    counts what the kernel held."""
     settings = ProtocolSettings(keepalive_timeout=0.2, write_timeout=0.5)
     with caplog.at_level("INFO", logger="rawserve.protocol"):
-        server, protocol, client = await served_to_a_small_window(settings)
+        server, protocol, client = await served_to_a_small_window(settings, last=last)
         try:
             transport = cast(asyncio.Transport, protocol.transport)
             async with asyncio.timeout(10):
