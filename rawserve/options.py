@@ -36,7 +36,7 @@ from rawserve.ops import layout
 from rawserve.ops.health_probe import DEFAULT_PORT, SAGEMAKER_COMMAND, SAGEMAKER_PORT
 from rawserve.ops.loops import LOOPS, chosen_loop
 from rawserve.shared.devices import CoreCount, core_count, parse_devices
-from rawserve.shared.logs import LOG_FORMATS, LOG_LEVELS
+from rawserve.shared.logs import LOG_FORMATS, LOG_LEVELS, without_credentials
 from rawserve.shared.messages import Engine
 from rawserve.tasks.registry import TASKS
 
@@ -642,7 +642,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         if not endpoint.strip():
             del os.environ["HF_ENDPOINT"]
         elif fault := endpoint_fault(endpoint):
-            parser.error(f"HF_ENDPOINT={endpoint[:100]!r}: {fault}")
+            parser.error(f"HF_ENDPOINT={without_credentials(endpoint)[:100]!r}: {fault}")
     for variable in HUB_TOKEN_VARIABLES:  # an HTTP header's: no request went out
         token = os.environ.get(variable, "").replace("\r", "").replace("\n", "").strip()
         if not (token.isascii() and token.isprintable()):  # (as huggingface_hub cleans it)

@@ -60,6 +60,18 @@ def test_json_lines_carry_time_level_logger_message_and_extra_fields():
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", document["time"])
 
 
+@pytest.mark.parametrize("formatter", [TextFormatter(), JsonFormatter()], ids=["text", "json"])
+def test_an_addresss_credentials_are_left_out_of_every_line(formatter):
+    """A mirror's HF_ENDPOINT of https://user:password@host was written in clear in
+    huggingface_hub's retry lines and in rawserve's own."""
+    said = "HTTP Error 503 thrown while requesting HEAD %s/org/emb/resolve/main/config.json"
+    line = formatter.format(record(said % "http://user:SECRETpw@127.0.0.1:19690"))
+    assert "SECRETpw" not in line and "user" not in line
+    assert "http://<credentials>@127.0.0.1:19690/org/emb/resolve/main/config.json" in line
+    mail = formatter.format(record("write to bob@example.com"))  # no address: as said
+    assert "bob@example.com" in mail
+
+
 @pytest.fixture
 def json_lines(restore_logging):
     """The worker's log set up as --log-format json: the lines written, read as objects;

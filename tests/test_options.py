@@ -468,6 +468,16 @@ def test_a_hub_endpoint_that_is_no_address_is_refused_at_start(monkeypatch, caps
     assert parse_config([])
 
 
+def test_a_hub_endpoint_refused_at_start_is_quoted_without_its_password(monkeypatch, capsys):
+    clear_environment(monkeypatch)
+    monkeypatch.setenv("HF_ENDPOINT", "https://user:SECRETpw@mirror.example:99999")
+    with pytest.raises(SystemExit):
+        parse_config([])
+    said = capsys.readouterr().err
+    assert "HF_ENDPOINT='https://<credentials>@mirror.example:99999'" in said
+    assert "SECRETpw" not in said
+
+
 def test_a_hub_endpoint_set_empty_is_read_as_unset(monkeypatch):
     """As compose files leave a variable: huggingface_hub took "" as the address."""
     clear_environment(monkeypatch)

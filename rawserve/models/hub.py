@@ -55,7 +55,7 @@ from rawserve.models.folder import SHIPPED_GRAPH, SHIPPED_GRAPH_DATA, TORCH_WEIG
 from rawserve.models.hub_integrity import changed_downloads, cut_short, forget
 from rawserve.models.names import ModelSpec, default_names
 from rawserve.models.sentence_folder import dense_paths
-from rawserve.shared.logs import first_line
+from rawserve.shared.logs import first_line, without_credentials
 
 log = logging.getLogger("rawserve.models")
 
@@ -579,17 +579,18 @@ def explain(exc: BaseException, repo_id: str, revision: str | None) -> str:
     if isinstance(exc, LocalEntryNotFoundError):
         cached = "only partly" if isinstance(exc, IncompleteSnapshotError) else "not"
         where = f"{at} is {cached} in the Hub cache ({constants.HF_HUB_CACHE})"
+        hub = without_credentials(constants.ENDPOINT)  # (a mirror's user and password)
         if constants.is_offline_mode():
             return f"{where} and HF_HUB_OFFLINE=1 forbids downloading it"
         failed = exc.__cause__
         if isinstance(failed, HfHubHTTPError) and failed.response is not None:
             status = failed.response.status_code
-            return f"{where} and the Hub ({constants.ENDPOINT}) answered {status}{later(status)}"
-        return f"{where} and the Hub ({constants.ENDPOINT}) cannot be reached"
+            return f"{where} and the Hub ({hub}) answered {status}{later(status)}"
+        return f"{where} and the Hub ({hub}) cannot be reached"
     if isinstance(exc, json.JSONDecodeError):  # a web page, a proxy's login form
         return (
-            f"{constants.ENDPOINT} answered for {at} with something other than the Hub's "
-            "API (not JSON): check HF_ENDPOINT, or a proxy in the way"
+            f"{without_credentials(constants.ENDPOINT)} answered for {at} with something other "
+            "than the Hub's API (not JSON): check HF_ENDPOINT, or a proxy in the way"
         )
     if isinstance(exc, HfHubHTTPError) and exc.response is not None:
         if exc.response.status_code == 401 and get_token():  # a token the Hub does not know

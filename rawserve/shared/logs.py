@@ -42,6 +42,20 @@ REQUEST_ID: ContextVar[str] = ContextVar("rawserve_request_id", default="")
 _STANDARD_ATTRIBUTES = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 
 
+# An address's credentials: its userinfo, up to its last @ (`https://user:pa/ss@host`,
+# `redis://:secret@cache`, a token as the user). Left out of every line (a mirror's
+# HF_ENDPOINT of https://user:password@host was written in huggingface_hub's retry lines
+# and rawserve's own) and of what clients are told of a failure.
+URL_CREDENTIALS = re.compile(r"([A-Za-z][\w+.\-]*://)[^\s'\"]*@")
+
+
+def without_credentials(text: str) -> str:
+    """`text` with each address's credentials written `<credentials>`."""
+    if "@" not in text:
+        return text  # nearly every line: no search
+    return URL_CREDENTIALS.sub(r"\1<credentials>@", text)
+
+
 def printable(line: str) -> str:
     """`line` as one line a terminal shows as it is: a newline as `\\n`, every other
     character that is not printable (a carriage return, the ESC of a terminal's escape,
@@ -97,7 +111,7 @@ class TextFormatter(logging.Formatter):
         self._stamp = (-1, "")  # (second, its date and time): one strftime a second
 
     def format(self, record: logging.LogRecord) -> str:
-        return printable(super().format(record))
+        return printable(without_credentials(super().format(record)))
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
         if datefmt is not None:
@@ -133,7 +147,7 @@ class JsonFormatter(logging.Formatter):
             document["exception"] = self.formatException(record.exc_info)
         if record.stack_info:
             document["stack"] = self.formatStack(record.stack_info)
-        return json_line(document)
+        return without_credentials(json_line(document))
 
 
 def first_line(exc: BaseException) -> str:

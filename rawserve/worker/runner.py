@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rawserve.shared.devices import gpu_present
-from rawserve.shared.logs import first_line
+from rawserve.shared.logs import first_line, without_credentials
 from rawserve.shared.messages import (
     NO_CONTROL,
     Control,
@@ -104,12 +104,10 @@ _NOT_A_PATH = re.compile(r"[\d/\\.\-]+")
 # An address in a message (scheme://...): its path is the address's, not a file's, and
 # its query may carry a key (`?api_key=...`)
 _URL = re.compile(r"([A-Za-z][\w+.\-]*://[^\s'\"<>]+)")
-# The credentials of an address in a message, left out for clients: a URL's userinfo, up
-# to its last @ (`https://user:pa/ss@host`, `redis://:secret@cache`, a token as the user),
-# and a user:password@host without a scheme (a library's words on a URL it could not use:
-# `svc:Sup3rS3cret@10.1.2.3`), its user no number (`12:00:01@UTC`) nor `mailto`, its host
-# one with a dot or a port
-_URL_CREDENTIALS = re.compile(r"([A-Za-z][\w+.\-]*://)[^\s'\"]*@")
+# The credentials of an address without a scheme, left out for clients as a URL's are
+# (`without_credentials`): a user:password@host (a library's words on a URL it could not
+# use: `svc:Sup3rS3cret@10.1.2.3`), its user no number (`12:00:01@UTC`) nor `mailto`, its
+# host one with a dot or a port
 _BARE_CREDENTIALS = re.compile(
     r"(?<![\w.\-])(?!mailto:)[A-Za-z][\w.\-]*:[^\s/@'\"]+@(?=[\w\-]+(?:\.[\w\-]+)+|[\w\-]+:\d)"
 )
@@ -407,7 +405,7 @@ def client_message(exc: BaseException) -> str:
     parts = _URL.split(first_line(exc))  # text, an address, text, ...
     for at, part in enumerate(parts):
         if at % 2:
-            part = _URL_CREDENTIALS.sub(r"\1<credentials>@", part)
+            part = without_credentials(part)
             address, query, _ = part.partition("?")
             parts[at] = address + "?<query>" if query else address
         else:
