@@ -349,10 +349,11 @@ def test_an_http_process_sent_sigterm_alone_answers_its_request_exits_and_is_rep
     assert answer.status == 200 and json.loads(answer.read())["input"] == "alone"
     wait_until(lambda: gone(victim), 10, "the HTTP process exited")
     assert time.monotonic() - began < 10  # not the grace period
+    # (asked now: idle past the keep-alive timeout, 5 s, its connection would be closed)
+    assert connections[survivor].request("GET", "/health")[0] == 200
     server.wait_for_log(re.compile(rf"HTTP process \d \(pid {victim}\) stopped on a signal"), 10)
     assert not [line for line in server.read_log() if f"(pid {victim}) exited" in line]
     wait_until(lambda: replaced(server, victim), what="a new HTTP process listed")
-    assert connections[survivor].request("GET", "/health")[0] == 200
     worker.wait(30)
     for connection in connections.values():
         connection.close()
