@@ -177,6 +177,22 @@ def test_a_folder_served_under_two_aliases_is_named_by_its_alias_and_its_404_say
     assert "'cls' names several served models (a, b)" in message and "alias" in message
 
 
+def test_a_hub_id_served_under_two_aliases_is_shared_by_its_id_not_its_last_part():
+    """A Hub id's last component names no model (org/tinycls answers to org/tinycls):
+    a request naming `tinycls` was told it named the models sharing the id."""
+    hub = {"model": "org/tinycls", "revision": "0" * 40}
+    models = ServedModels(
+        [
+            ServedModel("x", served("x", "x").serving, hub),
+            ServedModel("y", served("y", "y").serving, hub),
+        ]
+    )
+    with pytest.raises(NotFound, match="'org/tinycls' names several served models"):
+        models.get("org/tinycls")
+    with pytest.raises(NotFound, match="no model named 'tinycls' is served"):
+        models.get("tinycls")
+
+
 def test_two_models_may_not_share_a_name():
     with pytest.raises(ValueError, match="both named 'emb'"):
         ServedModels([served("emb", "x"), served("cls", "y", ("emb",))])

@@ -128,7 +128,7 @@ class ServedModels:
         model = self._by_name.get(name)
         if model is None:
             served = ", ".join(self._by_name)
-            sharing = [m.name for m in self.all if name in source_names(m.facts.get("model"))]
+            sharing = [m.name for m in self.all if name in source_names(m.facts)]
             if len(sharing) > 1:  # the same folder or Hub id served twice: neither answers to it
                 raise ModelNotFound(
                     f"{name[:100]!r} names several served models ({', '.join(sharing)}): "
@@ -138,9 +138,13 @@ class ServedModels:
         return model
 
 
-def source_names(source: object) -> tuple[str, ...]:
+def source_names(facts: Mapping[str, object]) -> tuple[str, ...]:
     """The names a model's source (its facts' `model`: a folder or a Hub id, as given)
-    would give it without an alias: the source itself, and its last component."""
+    would give it without an alias: the source itself, and a folder's last component (a
+    Hub id's, `tinycls` of org/tinycls, names no model: a 404 said it named several)."""
+    source = facts.get("model")
     if not isinstance(source, str):
         return ()
+    if facts.get("revision") is not None:  # a Hub commit: the source is a Hub id
+        return (source,)
     return (source, PurePath(source.rstrip("/") or source).name)
