@@ -64,6 +64,20 @@ except ModelNotFound as exc:
     sys.exit(1)
 """
 
+PLAN_ALL = """
+import logging, sys
+from rawserve.models.hub import ModelNotFound
+from rawserve.models.plan import plan_models
+logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+logging.getLogger("httpx2").setLevel(logging.WARNING)
+try:
+    for plan in plan_models(sys.argv[1:]):
+        print(plan.folder)
+except ModelNotFound as exc:
+    print(f"error: {exc}", file=sys.stderr)
+    sys.exit(1)
+"""
+
 FILES = {
     "config.json": b'{"architectures": ["BertModel"], "hidden_size": 32}',
     "modules.json": b'[{"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"}]',
@@ -88,6 +102,19 @@ def run_resolve(
     spec: str, home: Path, timeout: float = 120, script: str = RESOLVE, engine: str = "", **env: str
 ) -> subprocess.CompletedProcess[str]:
     """`script` (RESOLVE, or PLAN with `engine`) run on `spec` as the server would."""
+    return run_script([script, spec, engine], home, timeout, **env)
+
+
+def run_plan(
+    models: list[str], home: Path, timeout: float = 120, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """The plans of `models`, in one start as the server makes them (PLAN_ALL)."""
+    return run_script([PLAN_ALL, *models], home, timeout, **env)
+
+
+def run_script(
+    args: list[str], home: Path, timeout: float, **env: str
+) -> subprocess.CompletedProcess[str]:
     environ = {
         k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING", "TRANSFORMERS"))
     }
@@ -99,7 +126,7 @@ def run_resolve(
         **env,
     )
     return subprocess.run(
-        [sys.executable, "-c", script, spec, engine],
+        [sys.executable, "-c", *args],
         env=environ,
         capture_output=True,
         text=True,
@@ -950,6 +977,121 @@ def test_a_hub_that_never_answers_is_given_up_then_the_cache_serves(tmp_path):
         write_hub_cache(tmp_path / "hub", repo)
         folder = resolved(run_resolve("org/tiny", tmp_path, timeout=60, **env))
     assert folder.name == repo.main
+
+
+class SilentHub:
+    """A Hub (or a proxy) that takes every connection and never answers, on `endpoint`;
+    `taken`: how many connections it has taken (each request of huggingface_hub's,
+    its connection dropped when it gave up)."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._held: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._take, daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+
+    @property
+    def taken(self) -> int:
+        return len(self._held)
+
+    def _take(self) -> None:
+        while True:
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:  # the listener shut
+                return
+            self._held.append(connection)
+
+    def __enter__(self) -> SilentHub:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._listener.shutdown(socket.SHUT_RDWR)  # (wakes the accept)
+        self._listener.close()
+        self._thread.join(timeout=10)
+        for connection in self._held:
+            connection.close()
+
+
+def download_with_fake_hub(models: list[str], repos: list[HubRepo], home: Path) -> list[Path]:
+    """`models` downloaded from the stand-in Hub serving `repos`: into the cache as a
+    start leaves them (the listing of each commit beside its files)."""
+    with FakeHub(repos) as hub:
+        result = run_plan(models, home, HF_ENDPOINT=hub.endpoint)
+    assert result.returncode == 0, result.stderr
+    return [Path(line) for line in result.stdout.split()]
+
+
+def test_a_hub_that_never_answers_is_asked_once_in_a_start_and_said_to(tmp_path):
+    """A silent Hub was asked again by each step of each model's resolution, the
+    timeout waited each time in silence (33 s a model with the default 10 s, one line at
+    the end). Once it has not answered, the start asks it nothing more and says so."""
+    repos = [make_repo("org/emb"), make_repo("org/cls")]
+    folders = download_with_fake_hub(["org/emb", "org/cls"], repos, tmp_path)
+    with SilentHub() as silent:
+        endpoint = silent.endpoint
+        env = {"HF_ENDPOINT": endpoint, "HF_HUB_ETAG_TIMEOUT": "1"}
+        result = run_plan(["org/emb", "org/cls"], tmp_path, timeout=60, **env)
+        taken = silent.taken
+    assert [Path(line) for line in result.stdout.split()] == folders, result.stderr
+    assert taken == 1, result.stderr  # org/emb's file list, given up after 1 s
+    assert (
+        f"the Hub ({endpoint}) did not answer for org/emb within 1 s "
+        "(HF_HUB_ETAG_TIMEOUT): the cache decides, and the Hub is not asked again"
+    ) in result.stderr
+    assert "the Hub is not asked for org/cls (it failed for org/emb" in result.stderr
+
+
+def test_a_cached_whole_commit_needs_nothing_of_the_hub(tmp_path):
+    """A commit cannot change: with its files and listing cached, a start that pinned it
+    still asked a silent Hub for the file list, and waited its timeout."""
+    repo = make_repo("org/emb")
+    pinned = f"org/emb@{repo.main}"
+    [folder] = download_with_fake_hub([pinned], [repo], tmp_path)
+    with SilentHub() as silent:
+        env = {"HF_ENDPOINT": silent.endpoint, "HF_HUB_ETAG_TIMEOUT": "1"}
+        result = run_plan([pinned], tmp_path, timeout=60, **env)
+        taken = silent.taken
+    assert Path(result.stdout.strip()) == folder, result.stderr
+    assert taken == 0, result.stderr
+
+
+def test_a_hub_failing_files_alone_is_retried_once_with_nothing_cached(tmp_path):
+    """A Hub whose API answers and whose files fail (503): huggingface_hub's retries ran
+    twice, for modules.json and again for the snapshot (47 s, ~90 lines), before the
+    line that says to try again later. One retry cycle now, then that line."""
+    with FakeHub([make_repo()], failing=503, failing_files=True) as hub:
+        result = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint)
+    line = one_error_line(result)
+    assert "org/tiny is not in the Hub cache" in line
+    assert "answered 503: the Hub is failing or busy; try again later" in line
+    cycles = [text for text in result.stderr.splitlines() if "[Retry 1/" in text]
+    assert len(cycles) == 1, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("models", "name"),
+    [
+        (["org/cls", "org/cls:feature-extraction"], "org/cls"),
+        (["org/emb", "org/emb@feature/x"], "org/emb"),
+    ],
+)
+def test_a_name_clash_the_command_line_shows_is_refused_before_any_download(tmp_path, models, name):
+    """It was refused only once every model was downloaded and resolved."""
+    emb = make_repo("org/emb")
+    emb.refs["feature/x"] = emb.main
+    with FakeHub([make_repo("org/cls"), emb]) as hub:
+        result = run_plan(models, tmp_path, HF_ENDPOINT=hub.endpoint)
+        asked = hub.seen()
+    assert one_error_line(result) == (
+        f"error: two models are named {name!r} (an alias, or a folder's or Hub id's name): "
+        "give each a name of its own (ALIAS=MODEL)"
+    )
+    assert asked == []
 
 
 class WebPage(BaseHTTPRequestHandler):

@@ -11,7 +11,8 @@ the model's weights are also safetensors) are not downloaded, but for a repo's o
 ONNX engine may serve it (never its quantized variants: they answer otherwise), the
 repo's only weights where it has no others (`only_shipped_graph`). Progress
 goes to the log, a line every few seconds; every way resolution can fail becomes one
-`ModelNotFound` whose message says what to do, never a traceback.
+`ModelNotFound` whose message says what to do, never a traceback. Once the Hub has not
+answered in a start (`HubContact`), that start's look-ups are made in the cache alone.
 
 Never imports torch or transformers (huggingface_hub does not either). huggingface_hub
 reads its HF_* variables as its modules load (`huggingface_hub.constants`), and a value
@@ -52,6 +53,7 @@ from huggingface_hub.utils import validate_repo_id
 from tqdm.std import tqdm
 
 from rawserve.models.folder import SHIPPED_GRAPH, SHIPPED_GRAPH_DATA, TORCH_WEIGHTS
+from rawserve.models.hub_contact import HubContact
 from rawserve.models.hub_integrity import changed_downloads, cut_short, forget
 from rawserve.models.names import ModelSpec, default_names
 from rawserve.models.sentence_folder import dense_paths
@@ -96,6 +98,7 @@ PROGRESS_SECONDS = 5.0  # a download logs a progress line this often
 # a commit as `git log --oneline` and the Hub's pages show it: its first hex digits
 SHORT_COMMIT = re.compile(r"[0-9a-f]{7,39}")
 COMMIT = re.compile(r"[0-9a-f]{7,40}")  # a commit's id, whole or short
+WHOLE_COMMIT = re.compile(r"[0-9a-f]{40}")  # a commit's whole id: what it holds never changes
 
 
 class ModelNotFound(Exception):
@@ -121,11 +124,12 @@ class ResolvedModel:
         return None if self.spec.is_folder else self.spec.source
 
 
-def resolve_model(spec: ModelSpec) -> ResolvedModel:
-    """The local folder of `spec`, downloading a Hub repo into the cache if need be."""
+def resolve_model(spec: ModelSpec, hub: HubContact | None = None) -> ResolvedModel:
+    """The local folder of `spec`, downloading a Hub repo into the cache if need be
+    (`hub`: what this start has found of the Hub so far; a new start's where None)."""
     if spec.is_folder:
         return resolve_folder(spec)
-    return resolve_hub(spec)
+    return resolve_hub(spec, HubContact() if hub is None else hub)
 
 
 def resolve_folder(spec: ModelSpec) -> ResolvedModel:
@@ -137,7 +141,9 @@ def resolve_folder(spec: ModelSpec) -> ResolvedModel:
     return ResolvedModel(spec, folder.resolve())
 
 
-def resolve_hub(spec: ModelSpec) -> ResolvedModel:
+def resolve_hub(spec: ModelSpec, hub: HubContact) -> ResolvedModel:
+    """`spec`'s snapshot in the cache, downloaded where need be; once `hub` has not
+    answered (in this start), the cache's alone."""
     repo_id, revision = spec.source, spec.revision
     try:
         validate_repo_id(repo_id)
@@ -154,18 +160,26 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
     since = time.time() - 1.0  # blobs written from here on are this start's downloads
     changed: list[str] = []
     files: list[str] | None = None
+    if hub.lost:
+        hub.passes_over(repo_id)
     try:
         asked = cached_commit(repo_id, revision)  # the user's words stay in the messages
-        files = repo_files(repo_id, asked)
-        dense = dense_modules(repo_id, asked, files)
+        files = repo_files(repo_id, asked, hub)
+        dense = dense_modules(repo_id, asked, files, cached=hub.lost, hub=hub)
 
         def download() -> str:
-            return snapshot_download(
-                repo_id,
-                revision=asked,
-                ignore_patterns=files_to_skip(files, dense),
-                tqdm_class=LoggedProgress,
-            )
+            try:
+                return snapshot_download(
+                    repo_id,
+                    revision=asked,
+                    ignore_patterns=files_to_skip(files, dense),
+                    tqdm_class=LoggedProgress,
+                    local_files_only=hub.lost,
+                )
+            except LocalEntryNotFoundError as exc:
+                if hub.lost and exc.__cause__ is None:  # the Hub's failure is the why
+                    raise exc from hub.silence
+                raise
 
         folder = download()
         if cut := cut_short(Path(folder), listed_sizes(repo_id, Path(folder).name)):
@@ -191,6 +205,7 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
     except ModelNotFound:  # said already
         raise
     except Exception as exc:  # noqa: BLE001 - every failure becomes one line (below)
+        hub.notes(exc, repo_id, say=False)  # (said below) the next models are not asked
         standing_in = cache_in_place_of_the_hub(exc, repo_id, revision, asked)
         if standing_in is None:
             raise ModelNotFound(explain(exc, repo_id, revision)) from exc
@@ -220,11 +235,14 @@ def resolve_hub(spec: ModelSpec) -> ResolvedModel:
     return ResolvedModel(spec, Path(folder), commit, None if files is None else tuple(files))
 
 
-def fetch_shipped_graph(resolved: ResolvedModel, only_weights: bool = False) -> None:
+def fetch_shipped_graph(
+    resolved: ResolvedModel, only_weights: bool = False, hub: HubContact | None = None
+) -> None:
     """The repo's own `onnx/model.onnx` (and its weights file, if kept apart) into the
     model's folder, for the ONNX engine: loaded in a second where an export takes tens.
     Nothing where the repo has none; a failure is a log line, and the engine exports,
-    but ModelNotFound where the graph is the repo's `only_weights`."""
+    but ModelNotFound where the graph is the repo's `only_weights`. From the cache alone
+    where `hub` has not answered in this start."""
     files = resolved.files or ()
     if resolved.repo_id is None or SHIPPED_GRAPH not in files:
         return
@@ -236,9 +254,15 @@ def fetch_shipped_graph(resolved: ResolvedModel, only_weights: bool = False) -> 
     try:
         for name in (SHIPPED_GRAPH, *(name for name in SHIPPED_GRAPH_DATA if name in files)):
             hf_hub_download(
-                resolved.repo_id, name, revision=resolved.commit, tqdm_class=LoggedProgress
+                resolved.repo_id,
+                name,
+                revision=resolved.commit,
+                tqdm_class=LoggedProgress,
+                local_files_only=hub is not None and hub.lost,
             )
     except Exception as exc:  # noqa: BLE001 - the engine exports the model instead
+        if hub is not None and hub.lost and exc.__cause__ is None:
+            exc.__cause__ = hub.silence  # the why of "not in the Hub cache"
         reason = explain(exc, resolved.repo_id, resolved.commit)
         if only_weights:
             raise ModelNotFound(
@@ -483,33 +507,45 @@ def bounded_retry_after(response: httpx2.Response) -> None:
     )
 
 
-def repo_files(repo_id: str, revision: str | None) -> list[str] | None:
+def repo_files(repo_id: str, revision: str | None, hub: HubContact) -> list[str] | None:
     """The repo's file names at `revision`: from the Hub, else from the listing cached
-    by an earlier download (offline), else None (unknown: nothing is skipped by name)."""
+    by an earlier download (offline, the Hub not answering, or a whole commit's, which
+    cannot change: the Hub is not asked for it), else None (unknown: nothing is skipped
+    by name)."""
     from huggingface_hub import HfApi, constants  # (here: see the module's docstring)
 
-    if not constants.is_offline_mode():
-        try:
-            info = HfApi().model_info(repo_id, revision=revision)
-            return [sibling.rfilename for sibling in info.siblings or []]
-        except (httpx2.ConnectError, httpx2.TimeoutException, OfflineModeIsEnabled):
-            pass  # no network: the cache decides (snapshot_download reports what is missing)
-        except HfHubHTTPError as exc:
-            # the Hub failing (5xx, 429) must not stop a start the cache can serve:
-            # snapshot_download asks again, then serves the cache or says what is wrong
-            status = exc.response.status_code if exc.response is not None else 0
-            if later(status):
-                log.warning("the Hub answered %d for %s: the cache decides", status, repo_id)
-            elif status in (401, 403) and not isinstance(exc, HUB_SAYS_NO):
-                # a token revoked or mistyped: the cache hides it (the Hub's 401 for a
-                # repo that is not there, or not shown without a token, is said below)
-                log.warning(
-                    "the Hub refused %s (%d: a token it does not take, HF_TOKEN, or a repo "
-                    "not shared with it): the cache decides, and a start without it fails",
-                    repo_id,
-                    status,
-                )
-    return cached_files(repo_id, revision)
+    listed = cached_files(repo_id, revision)
+    pinned_and_listed = listed is not None and WHOLE_COMMIT.fullmatch(revision or "")
+    if constants.is_offline_mode() or hub.lost or pinned_and_listed:
+        return listed
+    try:
+        info = HfApi().model_info(repo_id, revision=revision)
+        return [sibling.rfilename for sibling in info.siblings or []]
+    except OfflineModeIsEnabled:
+        pass
+    except (httpx2.ConnectError, httpx2.TimeoutException, HfHubHTTPError) as exc:
+        # no network, or the Hub failing (5xx), must not stop a start the cache can
+        # serve: the start asks it nothing more (`hub`), and the cache decides
+        if not hub.notes(exc, repo_id) and isinstance(exc, HfHubHTTPError):
+            hub_refused(exc, repo_id)
+    return listed
+
+
+def hub_refused(exc: HfHubHTTPError, repo_id: str) -> None:
+    """Says a 429 or a token's refusal where the cache may hide it (the Hub is asked
+    again by snapshot_download, which serves the cache or says what is wrong)."""
+    status = exc.response.status_code if exc.response is not None else 0
+    if later(status):
+        log.warning("the Hub answered %d for %s: the cache decides", status, repo_id)
+    elif status in (401, 403) and not isinstance(exc, HUB_SAYS_NO):
+        # a token revoked or mistyped: the cache hides it (the Hub's 401 for a
+        # repo that is not there, or not shown without a token, is said below)
+        log.warning(
+            "the Hub refused %s (%d: a token it does not take, HF_TOKEN, or a repo "
+            "not shared with it): the cache decides, and a start without it fails",
+            repo_id,
+            status,
+        )
 
 
 def files_to_skip(files: Sequence[str] | None, dense: Sequence[str] = ()) -> list[str]:
@@ -532,17 +568,25 @@ def files_to_skip(files: Sequence[str] | None, dense: Sequence[str] = ()) -> lis
 
 
 def dense_modules(
-    repo_id: str, revision: str | None, files: Sequence[str] | None, cached: bool = False
+    repo_id: str,
+    revision: str | None,
+    files: Sequence[str] | None,
+    cached: bool = False,
+    hub: HubContact | None = None,
 ) -> tuple[str, ...]:
     """The folders the repo's modules.json names for its Dense modules (fetched, or from
-    the cache where `cached`); () for a repo without one, or where it cannot be had."""
+    the cache where `cached`); () for a repo without one, or where it cannot be had. A
+    fetch the Hub did not answer (its retries run) is noted in `hub`: the snapshot
+    after it is not asked of the Hub again, retried as long."""
     from huggingface_hub import hf_hub_download  # (here: see the module's docstring)
 
     if files is None or "modules.json" not in files:
         return ()
     try:
         path = hf_hub_download(repo_id, "modules.json", revision=revision, local_files_only=cached)
-    except Exception:  # noqa: BLE001 - the download proper says what is wrong, if anything
+    except Exception as exc:  # noqa: BLE001 - the download proper says what is wrong, if anything
+        if hub is not None:
+            hub.notes(exc, repo_id)
         return ()
     return dense_paths(Path(path))
 

@@ -32,7 +32,8 @@ from rawserve.models.hub import (
     only_shipped_graph,
     resolve_model,
 )
-from rawserve.models.names import ModelNameError, ModelSpec, parse_model_spec
+from rawserve.models.hub_contact import HubContact
+from rawserve.models.names import ModelNameError, ModelSpec, default_names, parse_model_spec
 from rawserve.shared.messages import Engine
 from rawserve.tasks import onnx_unfit
 
@@ -138,12 +139,16 @@ def _plans(
         names = (DEFAULT_MODEL_NAME, PACKAGED_REPO_ID)
         plans = [ModelPlan(names, PACKAGED_REPO_ID, str(folder), None, facts, None, task)]
     else:
+        # a clash the command line shows is refused before anything is downloaded
+        _refuse_shared_own_names([default_names(spec)[0] for spec in specs])
+        hub = HubContact()  # one for the start: a Hub that did not answer is not asked again
         plans = [
             _plan(
                 spec.with_defaults(task=task, revision=revision),
                 as_named(spec, task),
                 onnx_graphs,
                 pooling,
+                hub,
             )
             for spec in specs
         ]
@@ -158,17 +163,21 @@ def as_named(spec: ModelSpec, task: str | None) -> str:
 
 
 def _plan(
-    spec: ModelSpec, named: str, onnx_graphs: bool = False, pooling: str | None = None
+    spec: ModelSpec,
+    named: str,
+    onnx_graphs: bool = False,
+    pooling: str | None = None,
+    hub: HubContact | None = None,
 ) -> ModelPlan:
     """`spec` with --task and --revision applied (`named`: as the command line named it;
     `onnx_graphs`: fetch the repo's own ONNX graph where the engine may read it;
-    `pooling`: --pooling's mode)."""
-    resolved = resolve_model(spec)
+    `pooling`: --pooling's mode; `hub`: what the start has found of the Hub so far)."""
+    resolved = resolve_model(spec, hub)
     if only_shipped_graph(resolved):  # its graph is the model, or nothing is
-        _fetch_only_graph(resolved, spec.task, named, onnx_graphs)
+        _fetch_only_graph(resolved, spec.task, named, onnx_graphs, hub)
     facts = _facts(resolved.folder, spec.task, named, pooling)
     if onnx_graphs and onnx_unfit(facts.task, pooling=facts.pooling) is None:  # where read
-        fetch_shipped_graph(resolved)
+        fetch_shipped_graph(resolved, hub=hub)
     return ModelPlan(
         names=resolved.names,
         source=spec.source,
@@ -180,7 +189,11 @@ def _plan(
 
 
 def _fetch_only_graph(
-    resolved: ResolvedModel, task: str | None, named: str, onnx_graphs: bool
+    resolved: ResolvedModel,
+    task: str | None,
+    named: str,
+    onnx_graphs: bool,
+    hub: HubContact | None = None,
 ) -> None:
     """An ONNX-only repo's graph, where the ONNX engine may serve the model here; else
     ModelNotFound saying why it cannot be served (nothing is downloaded for it). A task
@@ -197,7 +210,7 @@ def _fetch_only_graph(
             f"({SHIPPED_GRAPH}), and {unfit}"
         )
     try:
-        fetch_shipped_graph(resolved, only_weights=True)
+        fetch_shipped_graph(resolved, only_weights=True, hub=hub)
     except ModelNotFound as exc:
         raise ModelNotFound(f"model {named}: {exc}") from None
 
@@ -209,17 +222,25 @@ def _facts(folder: Path, task: str | None, named: str, pooling: str | None) -> F
         raise ModelNotFound(f"model {named}: {exc}") from None
 
 
+def _refuse_shared_own_names(names: Sequence[str]) -> None:
+    """Each model's own name (its first) must be unique: ModelNotFound where two share one.
+    Checked on the command line's names before any download (`--model org/emb --model
+    org/emb@v2` was refused only once both were downloaded), and on the plans after."""
+    own: set[str] = set()
+    for name in names:
+        if name in own:
+            raise ModelNotFound(  # (an alias may be one of the two: it needs another)
+                f"two models are named {name!r} (an alias, or a folder's or Hub id's "
+                "name): give each a name of its own (ALIAS=MODEL)"
+            )
+        own.add(name)
+
+
 def _unique_names(plans: Sequence[ModelPlan]) -> list[ModelPlan]:
     """Each model keeps its own name, which must be unique; a second name (the Hub id or
     folder name beside an alias) that two models share is ambiguous and neither keeps it."""
-    own: set[str] = set()
-    for plan in plans:
-        if plan.name in own:
-            raise ModelNotFound(  # (an alias may be one of the two: it needs another)
-                f"two models are named {plan.name!r} (an alias, or a folder's or Hub id's "
-                "name): give each a name of its own (ALIAS=MODEL)"
-            )
-        own.add(plan.name)
+    _refuse_shared_own_names([plan.name for plan in plans])
+    own = {plan.name for plan in plans}
     counts: dict[str, int] = {}
     for plan in plans:
         for name in plan.names[1:]:
