@@ -25,6 +25,7 @@ from rawserve.shared.logs import (
     TextFormatter,
     setup_logging,
     setup_worker_logging,
+    without_credentials,
 )
 from tests.server import RunningServer, module_server, started_as_used
 
@@ -452,6 +453,35 @@ FORGED = [
     ("GET", '/x\r\n10.0.0.9:1 "GET /admin" 200', "id-3"),
     ('GE"T', "/\x1b[31mred\x00", "id\\4"),
 ]
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_a_targets_credentials_are_left_out_of_its_access_line(restore_logging, log_format):
+    """An absolute-form target's user:password was written in clear by the access line,
+    which does not go through the formatters."""
+    target = "http://bob:hunter2@127.0.0.1/health?u=http://carol:s3cret@x.example/"
+    [line] = access_lines("info", log_format, ("GET", target, "id-1"), status=400)
+    assert "hunter2" not in line and "s3cret" not in line
+    assert "http://<credentials>@127.0.0.1/health" in line
+
+
+@pytest.mark.parametrize(
+    ("said", "written"),
+    [
+        ("http://user:pw@host/p?email=a@b.c", "http://<credentials>@host/p?email=a@b.c"),
+        ("postgres://user:p@ss@db", "postgres://<credentials>@db"),
+        ("https://user:pa/ss@host/x", "https://<credentials>@host/x"),
+        ("redis://:s3cret@cache:6379/0", "redis://<credentials>@cache:6379/0"),
+        # an @ past the host is no userinfo: as said
+        ("https://hub.example/api/models?author=me@x.org", None),
+        ("https://github.com/a/b/blob/main/x@2x.png", None),
+        ("http://localhost:8080/a@b", None),
+    ],
+)
+def test_only_an_addresss_userinfo_is_written_credentials(said, written):
+    """The pattern reached the last @ anywhere in an address, its path and query too:
+    an author=me@x.org query lost its host and path, in every line."""
+    assert without_credentials(said) == (written or said)
 
 
 def test_a_client_cannot_forge_text_access_log_fields(restore_logging):

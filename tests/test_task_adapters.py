@@ -2587,6 +2587,10 @@ def test_a_handler_module_in_the_current_directory_is_found_by_the_rawserve_comm
             "url https://api.example.com/v1/x?<query> refused",
         ),
         ("s3://bucket/a/key not found", "s3://bucket/a/key not found"),
+        (  # an @ in the query is no userinfo: the query goes whole
+            "failed: https://api.example/v1/users?email=bob@corp.example&api_key=SECRET1 403",
+            "failed: https://api.example/v1/users?<query> 403",
+        ),
         ("cannot open /home/me/.cache/w.bin", "cannot open <path>"),
         ("cannot open models/me/w.bin", "cannot open <path>"),
         ("C:\\Users\\me\\w.bin is missing", "<path> is missing"),

@@ -49,6 +49,8 @@ def check_head(
         return HeadersTooLarge("request headers too large")
     if event.method == b"CONNECT":
         return BadRequest("CONNECT is not supported")  # a 2xx would switch protocols
+    if b"#" in event.target:  # (in a path it was routed as the path's: `/health#x`, 404)
+        return BadRequest("the request target has a fragment (#...), which is the client's own")
     if not _is_served_target(event.method, event.target):
         return BadRequest("the request target is not a path or an absolute URI")
     host = header(fields, b"host")  # h11 has refused a second one, and none on HTTP/1.1
@@ -69,11 +71,9 @@ def check_head(
 
 def _is_served_target(method: bytes, target: bytes) -> bool:
     """A target in a form a server answers (RFC 9112 section 3.2): a path, an absolute
-    URI (what proxies send), or `*` for OPTIONS; the authority form is CONNECT's. A
-    fragment (`#...`) is the client's alone: in a path it was routed as the path's
-    (`/health#x`: 404 "no route")."""
+    URI (what proxies send), or `*` for OPTIONS; the authority form is CONNECT's."""
     if target.startswith(b"/"):
-        return b"#" not in target
+        return True
     if (absolute := _ABSOLUTE.fullmatch(target)) is not None:  # its host as a Host's
         return _HOST.fullmatch(absolute[1].decode("ascii", "replace")) is not None
     return target == b"*" and method == b"OPTIONS"

@@ -42,11 +42,17 @@ REQUEST_ID: ContextVar[str] = ContextVar("rawserve_request_id", default="")
 _STANDARD_ATTRIBUTES = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 
 
-# An address's credentials: its userinfo, up to its last @ (`https://user:pa/ss@host`,
-# `redis://:secret@cache`, a token as the user). Left out of every line (a mirror's
+# An address's credentials: its userinfo, before its host (`https://token@host`,
+# `redis://:secret@cache`), or a user:password up to the last @ before the address's
+# query, written unescaped (`https://user:pa/ss@host`, `postgres://user:p@ss@db`), but
+# not a host's port (`http://host:8080/a@b`) nor an @ in a path or a query
+# (`https://host/x@2x.png`, `?email=a@b.c`). Left out of every line (a mirror's
 # HF_ENDPOINT of https://user:password@host was written in huggingface_hub's retry lines
-# and rawserve's own) and of what clients are told of a failure.
-URL_CREDENTIALS = re.compile(r"([A-Za-z][\w+.\-]*://)[^\s'\"]*@")
+# and rawserve's own, a client's absolute-form target in its access line) and of what
+# clients are told of a failure.
+URL_CREDENTIALS = re.compile(
+    r"([A-Za-z][\w+.\-]*://)(?:[^\s'\"/?#@]*:(?!\d*[/?#\s'\"]|\d*$)[^\s'\"?#]*|[^\s'\"/?#]*)@"
+)
 
 
 def without_credentials(text: str) -> str:
@@ -313,14 +319,14 @@ class DirectLines:
             document = json_document(now, level_name, logger, message)
             document.update(self.fields)
             document.update((k, v) for k, v in fields.items() if k not in document)
-            return json_line(document)
+            return without_credentials(json_line(document))
         values = {
             "asctime": self.text.stamp(now),
             "name": logger,
             "levelname": level_name,
             "message": message,
         }
-        return printable(self.text.fmt % values)
+        return printable(without_credentials(self.text.fmt % values))
 
     def write(self, line: str) -> bool:
         """Write one line as `StreamHandler.emit` does; False where that failed (the
