@@ -246,12 +246,16 @@ async def test_details_hold_tgis_fields_only(path):
     assert details["tokens"] == WORKER_DETAILS["tokens"]
 
 
-async def test_decoder_input_details_alone_turns_details_on_as_tgis_does():
+@pytest.mark.parametrize("path", ["/generate", "/"])
+async def test_decoder_input_details_alone_turns_details_on_as_tgis_does(path):
+    """On every route TGI's parameters apply to: `POST /` ignored it without `details`."""
     app = App(ServedModels([generation_model()]))
     document = {"inputs": "once", "parameters": {"decoder_input_details": True}}
-    response = await app.handle(post("/generate", document))
+    response = await app.handle(post(path, document))
     assert response.status == 200, response.body
-    assert json.loads(response.body)["details"]["prefill"][0] == {
+    answer = json.loads(response.body)
+    [details] = [each["details"] for each in (answer if path == "/" else [answer])]
+    assert details["prefill"][0] == {
         "id": 1,
         "text": "on",
         "logprob": None,

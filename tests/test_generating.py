@@ -3183,6 +3183,136 @@ def test_a_model_whose_generation_config_asks_what_the_loop_does_not_apply_runs_
     assert runner.use_cuda_graphs().startswith("on:")
 
 
+def configured_runner(tiny_model, folder, **settings):
+    """A tiny GPT-2 whose generation_config.json sets `settings` too."""
+    import json
+    import shutil
+
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    shutil.copytree(tiny_model("text-generation"), folder)
+    path = folder / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **settings}))
+    return CausalLMRunner(str(folder), "cpu", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def beams(tiny_model, tmp_path_factory):
+    """A model whose generation config asks for beam search: it generates statically."""
+    return configured_runner(tiny_model, tmp_path_factory.mktemp("beams") / "m", num_beams=2)
+
+
+# What a client may ask of a static generation: each ran its own part of the path
+STATIC_ASKS = [
+    {"max_new_tokens": 6},
+    {**GREEDY, "max_new_tokens": 6, "top_n_tokens": 2, "decoder_input_details": True},
+    {"max_new_tokens": 6, "stop": ["e", "a"], "details": True},
+    {"max_new_tokens": 6, "logit_bias": {5: 2.0}, "frequency_penalty": 0.5, "seed": 1},
+]
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("num_beams", 2),
+        ("no_repeat_ngram_size", 2),
+        ("min_length", 8),
+        ("suppress_tokens", [5]),
+        ("bad_words_ids", [[5]]),
+        ("sequence_bias", [[[5], 1.0]]),
+        ("epsilon_cutoff", 0.1),
+        ("forced_eos_token_id", 2),
+    ],
+)
+def test_a_static_generation_runs_whatever_the_models_generation_config_asks(
+    tiny_model, tmp_path, setting, value
+):
+    """The settings that send a model's batches through `generate` are the ones the
+    loop's tests never run: each, with each part of what a request may ask (listed
+    tokens, stop sequences, penalties, a stream), answers. Beam search failed every
+    request (the watcher read its candidates as the batch's rows): a 500, and the
+    warm-up, which only warns where a batch fails, let the model serve so."""
+    runner = configured_runner(tiny_model, tmp_path / "m", **{setting: value})
+    assert runner.unapplied_settings  # (so it is batched statically)
+    sent: list[Any] = []
+    runner.bind_stream(sent.append, None)
+    for asked in STATIC_ASKS:
+        [answer] = runner.run(["the movie was", "hello world is"], dict(asked))[0]
+        assert isinstance(answer["generated_text"], str)
+    streamed = runner.run(["the movie was"], {"max_new_tokens": 4}, Control(stream_id=1))
+    assert [chunk.index for chunk in sent] == [0] * streamed[0]["details"]["generated_tokens"]
+
+
+def test_a_beam_search_answers_what_generate_makes(beams):
+    """Each prompt's answer is `generate`'s, with its tokens listed (each one's log
+    probability the model's, after the tokens before it), and streamed once it is done."""
+    import torch
+
+    texts = ["Once upon a time", "the movie was good and"]
+    asked = {**GREEDY, "max_new_tokens": 8, "top_n_tokens": 2, "return_full_text": False}
+    answers = beams.run(texts, dict(asked))
+    encoded = beams.tokenizer(texts, return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        made = beams.model.generate(
+            **encoded, max_new_tokens=8, do_sample=False, pad_token_id=beams.tokenizer.pad_token_id
+        )
+    for [answer], row in zip(answers, made[:, encoded["input_ids"].shape[1] :], strict=True):
+        expected = row.tolist()
+        assert answer["generated_text"] == beams.tokenizer.decode(expected)
+        details = answer["details"]
+        assert [token["id"] for token in details["tokens"]] == expected
+        assert all(-30 < token["logprob"] <= 0 for token in details["tokens"])
+        assert [len(top) for top in details["top_tokens"]] == [2] * len(expected)
+    sent: list[Any] = []
+    beams.bind_stream(sent.append, None)
+    beams.run(texts[:1], {**asked, "details": False}, Control(stream_id=7))
+    streamed = [chunk.token for chunk in sent if chunk.stream_id == 7]
+    first = answers[0][0]["details"]["tokens"]
+    assert [token["id"] for token in streamed] == [token["id"] for token in first]
+    assert [token["logprob"] for token in streamed] == pytest.approx(
+        [token["logprob"] for token in first]
+    )
+
+
+def test_a_beam_search_ends_no_answer_past_a_stop_sequence(beams):
+    """A candidate whose text holds a stop sequence is finished there (the best of the
+    finished ones wins, as with its end token): no answer runs on past one."""
+    asked = {**GREEDY, "max_new_tokens": 12, "return_full_text": False}
+    plain = beams.run(["hello world is"], dict(asked))[0][0]
+    stops = sorted({token["text"] for token in plain["details"]["tokens"] if token["text"]})
+    reasons = set()
+    for stop in stops[:3]:
+        [answer] = beams.run(["hello world is"], {**asked, "stop": [stop]})[0]
+        text, reason = answer["generated_text"], answer["details"]["finish_reason"]
+        if reason == "stop_sequence":
+            assert text.endswith(stop) and text.index(stop) == len(text) - len(stop)
+        else:
+            assert stop not in text
+        reasons.add(reason)
+    assert "stop_sequence" in reasons  # (the tiny model's " is" ends its first token)
+
+
+def test_a_grammar_under_beam_search_is_refused_in_words(beams):
+    from rawserve.tasks.text_generation import GRAMMAR_REFUSED
+
+    asked = {"max_new_tokens": 4, "grammar": {"type": "regex", "value": "[a-z]+"}}
+    with pytest.raises(ValueError, match="num_beams=2") as refused:
+        beams.run(["the movie was"], asked)
+    failure = beams.describe_failure(refused.value)
+    assert failure.kind is FailureKind.INPUT and failure.message.startswith(GRAMMAR_REFUSED)
+
+
+def test_a_static_generation_runs_to_the_length_its_generation_config_sets(tiny_model, tmp_path):
+    """A request naming no length gets its generation config's max_new_tokens: the static
+    path (`--generation static`, or a setting the loop does not apply) read only the
+    pipeline's default, absent where the config names one (a KeyError: a 500)."""
+    runner = configured_runner(tiny_model, tmp_path / "m", max_new_tokens=10)
+    [answer] = runner.run(["Once upon a time"], {"ignore_eos": True, "details": True})[0]
+    assert answer["details"]["generated_tokens"] == 10 == runner.limits.default_new_tokens
+
+
 def test_a_server_that_is_gone_ends_the_loop(runner):
     from rawserve.worker.generating import GenerationLoop
 

@@ -63,7 +63,7 @@ from rawserve.tasks import (
     task_rules,
 )
 from rawserve.tasks.image_classification import image_from_body
-from rawserve.tasks.text_generation import listed_tokens, tgi_output
+from rawserve.tasks.text_generation import listed_tokens, prompt_details_on, tgi_output
 
 MODELS_PREFIX = "/models/"  # POST /models/<name>: one of the served models, by any name
 # a fill-mask candidate's bytes beside its `sequence` (its score, token and token_str,
@@ -347,6 +347,8 @@ class InferenceRoutes:
                 fields = INFERENCE_SIMILARITY.read(document)
                 return await sentence_similarity(self.context, model, fields, request)
             parsed = parse_json_body(task or "", document, max_items)
+        if task == "text-generation":  # TGI's parameters, as /generate reads them
+            parsed = replace(parsed, params=prompt_details_on(parsed.params))
         if task == "feature-extraction":  # the model's own prompt before each text
             params = dict(parsed.params)
             inputs = prompted(model, parsed.inputs, params.pop("prompt_name", None))

@@ -39,6 +39,7 @@ from rawserve.tasks.text_generation import (
     API_SAMPLING,
     MAX_STOP_SEQUENCES,
     listed_tokens,
+    prompt_details_on,
     tgi_output,
 )
 
@@ -179,8 +180,7 @@ class TgiRoutes:
             **parsed.params,
             API_SAMPLING: True,
         }
-        if params.get("decoder_input_details"):  # as TGI's: the prompt's tokens are details
-            params["details"] = True
+        params = prompt_details_on(params)
         try:
             check_generation_length(params, model.limits.max_new_tokens)
         except InvalidRequest as exc:

@@ -116,6 +116,15 @@ def through_stop(tokens: list[dict[str, Any]], text: str) -> list[dict[str, Any]
     return tokens
 
 
+def prompt_details_on(params: Mapping[str, Any]) -> dict[str, Any]:
+    """`params` with `details` on where `decoder_input_details` asks for the prompt's
+    tokens, as TGI's does: they are listed in the details, on `/generate` and `POST /`
+    alike (`POST /` ignored it without `details`)."""
+    if params.get("decoder_input_details"):
+        return {**params, "details": True}
+    return dict(params)
+
+
 def listed_tokens(output: Any) -> int:
     """How many tokens (alternatives included) a worker's output lists in its details;
     counted without making them, so the answer's size is known before it is built."""

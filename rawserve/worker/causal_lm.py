@@ -5,7 +5,8 @@ Worker process only (imports torch and transformers). One `TokenWatcher` (with t
 other hooks a `generate` call is given, in generate_hooks) runs after every decoding
 step: it turns each row's new token into text, ends rows that produced a stop sequence,
 hands tokens to a streamed request's sink, and stops everything when the server says
-the stream's client has gone (a shared integer, checked once a step). This module holds
+the stream's client has gone (a shared integer, checked once a step); under a model's beam
+search it follows `generate`'s answers once it is done (beam_search). This module holds
 the runner: prompts and chats, the settings of each request, the answer's shape, and
 the items it hands the continuous loop.
 """
@@ -41,6 +42,7 @@ from rawserve.tasks.text_generation import (
     returns_full_text,
     stops_after,
 )
+from rawserve.worker.beam_search import BEAMS_REFUSE_GRAMMARS, BeamStops, beam_count, replay
 from rawserve.worker.chat_controls import (
     ChatControls,
     can_sanitize,
@@ -66,6 +68,7 @@ from rawserve.worker.generate_hooks import (
     TokenWatcher,
     refuse_broken_scores,
     tgi_token,
+    top_tokens,
 )
 from rawserve.worker.grammars import Grammars
 from rawserve.worker.model_classes import load_model
@@ -848,6 +851,8 @@ class CausalLMRunner(Runner):
     ) -> list[Any]:
         encoded = self.prompts(inputs, params)
         kwargs = generate_kwargs(params, self.defaults)
+        # unasked, the length its generation config sets (`self.defaults` leaves it out)
+        kwargs.setdefault("max_new_tokens", self.limits.default_new_tokens)
         lengths = [int(n) for n in encoded["attention_mask"].sum(-1).tolist()]
         self._check_lengths(params, max(lengths))
         # Each row's own cap: a prompt and its new tokens past the positions stop there
@@ -946,21 +951,28 @@ class CausalLMRunner(Runner):
             flag = self.cancelled_stream
             return stream_id is not None and flag is not None and flag.value == stream_id
 
-        watcher = TokenWatcher(
-            self.tokenizer,
-            end_ids(self.tokenizer, self.model),
-            prompt_length=encoded["input_ids"].shape[1],
-            batch_size=len(rows),
-            stop=params.get("stop", ()),
+        if (beams := beam_count(self.model)) > 1:
+            if params.get("grammar"):
+                raise ValueError(BEAMS_REFUSE_GRAMMARS.format(beams))
+            return self._search_beams(
+                encoded,
+                kwargs,
+                params,
+                contexts=contexts,
+                keep_tokens=keep_tokens,
+                on_token=on_token,
+                cancelled=cancelled,
+            )
+        watcher = self._watcher(
+            encoded,
+            kwargs,
+            params,
+            contexts,
             recorder=recorder,
             on_token=on_token,
             cancelled=cancelled,
             keep_tokens=keep_tokens,
             top_n=int(params.get("top_n_tokens") or 0),
-            ignore_eos=bool(params.get("ignore_eos")),
-            stops_after=stops_after(params),
-            max_new_tokens=kwargs["max_new_tokens"],
-            contexts=contexts,
         )
         processors: list[Any] = []
         adjustments = ScoreAdjustments.asked(params, self.vocabulary)
@@ -975,17 +987,132 @@ class CausalLMRunner(Runner):
             processors.append(GrammarFollower(matchers, watcher))
         if wants_logprobs:
             processors.append(recorder)
+        self._call_generate(encoded, kwargs, watcher, processors, watcher)
+        return watcher
+
+    def _watcher(
+        self,
+        encoded: dict[str, Any],
+        kwargs: dict[str, Any],
+        params: dict[str, Any],
+        contexts: list[list[int]],
+        **options: Any,
+    ) -> TokenWatcher:
+        """The `TokenWatcher` of one `generate` call's rows (`options`: where its tokens
+        go, and what of them it lists)."""
+        return TokenWatcher(
+            self.tokenizer,
+            end_ids(self.tokenizer, self.model),
+            prompt_length=encoded["input_ids"].shape[1],
+            batch_size=len(contexts),
+            stop=params.get("stop", ()),
+            ignore_eos=bool(params.get("ignore_eos")),
+            stops_after=stops_after(params),
+            max_new_tokens=kwargs["max_new_tokens"],
+            contexts=contexts,
+            **options,
+        )
+
+    def _call_generate(
+        self,
+        encoded: dict[str, Any],
+        kwargs: dict[str, Any],
+        watcher: TokenWatcher,
+        processors: list[Any],
+        stopping: transformers.StoppingCriteria,
+        **options: Any,
+    ) -> Any:
+        """`generate` over `encoded`'s rows, with rawserve's hooks, its scores refused
+        where they are not numbers (`refuse_broken_scores`)."""
         head = self.model.get_output_embeddings()
         hook = head.register_forward_hook(refuse_broken_scores(watcher))
         try:
             with torch.inference_mode():
-                self.model.generate(
+                return self.model.generate(
                     **encoded,
                     **kwargs,
+                    **options,
                     pad_token_id=self.tokenizer.pad_token_id,
                     logits_processor=transformers.LogitsProcessorList(processors),
-                    stopping_criteria=transformers.StoppingCriteriaList([watcher]),
+                    stopping_criteria=transformers.StoppingCriteriaList([stopping]),
                 )
         finally:
             hook.remove()
+
+    def _search_beams(
+        self,
+        encoded: dict[str, Any],
+        kwargs: dict[str, Any],
+        params: dict[str, Any],
+        *,
+        contexts: list[list[int]],
+        keep_tokens: bool,
+        on_token: Callable[[int, dict[str, Any]], None] | None,
+        cancelled: Callable[[], bool],
+    ) -> TokenWatcher:
+        """One `generate` call of beam search (rawserve.worker.beam_search): its answers
+        walked through a watcher once it is done, each token's log probability the
+        model's own after the tokens before it (one pass over the prompt and its answer,
+        where tokens are listed or streamed), and a stream's tokens sent then: which beam
+        wins is not known before the end."""
+        width = encoded["input_ids"].shape[1]
+        listed = keep_tokens or on_token is not None
+        watcher = self._watcher(
+            encoded,
+            kwargs,
+            params,
+            contexts,
+            recorder=ScoreRecorder(),  # (none recorded: the answers are scored after)
+            cancelled=cancelled,
+            keep_tokens=listed,
+        )
+        adjustments = ScoreAdjustments.asked(params, self.vocabulary)
+        processors = [] if adjustments is None else [Adjuster(adjustments, width)]
+        stops = BeamStops(
+            self.tokenizer,
+            prompt_width=width,
+            contexts=contexts,
+            stop=params.get("stop", ()),
+            stops_after=stops_after(params),
+            cancelled=cancelled,
+        )
+        # one answer a prompt (its config may ask for more, which the rows could not hold)
+        out = self._call_generate(
+            encoded,
+            kwargs,
+            watcher,
+            processors,
+            stops,
+            num_return_sequences=1,
+            return_dict_in_generate=True,
+        )
+        lengths = (out.beam_indices >= 0).sum(-1).tolist()  # (padding follows)
+        replay(watcher, out.sequences[:, width:], lengths)
+        if listed and watcher.tokens is not None:
+            top_n = int(params.get("top_n_tokens") or 0)
+            prompts = [
+                ids[mask.bool()].tolist()
+                for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"], strict=True)
+            ]
+            for row, tokens in enumerate(watcher.tokens):
+                self._score_answer(prompts[row], watcher.token_ids[row], tokens, top_n)
+                if on_token is not None:
+                    for token in tokens:
+                        on_token(row, token)
+        if not keep_tokens:
+            watcher.tokens = None
         return watcher
+
+    def _score_answer(
+        self, prompt: list[int], answer: list[int], tokens: list[dict[str, Any]], top_n: int
+    ) -> None:
+        """An answer's `tokens` given each one's log probability (and the `top_n` likeliest
+        tokens at its step) after the prompt and the tokens before it."""
+        if not answer:
+            return
+        chosen, top = run_out(self._score_prompt(prompt + answer, top_n))
+        start = len(prompt) - 1  # (the prompt's own tokens' scores come first)
+        for at, token in enumerate(tokens):
+            token["logprob"] = chosen[start + at]
+            if top_n:
+                token["top_tokens"] = top_tokens(self.tokenizer, self.special_ids, top[start + at])

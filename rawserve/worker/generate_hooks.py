@@ -218,13 +218,21 @@ def tgi_token(
         "special": special,
     }
     if top is not None:
-        token["top_tokens"] = [
-            {
-                "id": i,
-                "text": alternative_text(tokenizer, i),
-                "logprob": p,
-                "special": i in special_ids,
-            }
-            for i, p in top
-        ]
+        token["top_tokens"] = top_tokens(tokenizer, special_ids, top)
     return token
+
+
+def top_tokens(
+    tokenizer: Any, special_ids: set[int], top: list[tuple[int, float]]
+) -> list[dict[str, Any]]:
+    """The likeliest tokens at a step, (id, log probability), as TGI's `top_tokens` list
+    them."""
+    return [
+        {
+            "id": i,
+            "text": alternative_text(tokenizer, i),
+            "logprob": p,
+            "special": i in special_ids,
+        }
+        for i, p in top
+    ]
