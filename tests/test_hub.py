@@ -1046,6 +1046,28 @@ def test_a_hub_that_never_answers_is_asked_once_in_a_start_and_said_to(tmp_path)
     assert "the Hub is not asked for org/cls (it failed for org/emb" in result.stderr
 
 
+def test_a_hub_that_failed_once_is_still_asked_for_a_model_the_cache_does_not_hold(tmp_path):
+    """One 503 for a cached model's file list made the next model, not cached, fail
+    ("answered 503: try again later") without the Hub ever being asked for it."""
+
+    class FailingOnce(FakeHub):  # the first request the Hub is sent, and no other
+        failed = False
+
+        def fails_once_more(self, path: str) -> bool:
+            first, self.failed = not self.failed, True
+            return first
+
+    emb, cls = make_repo("org/emb"), make_repo("org/cls")
+    [emb_folder] = download_with_fake_hub(["org/emb"], [emb, cls], tmp_path)
+    with FailingOnce([emb, cls], failing=503) as hub:
+        result = run_plan(["org/emb", "org/cls"], tmp_path, HF_ENDPOINT=hub.endpoint)
+        asked_for_cls = hub.seen(prefix="/api/models/org/cls")
+    folders = [Path(line) for line in result.stdout.split()]
+    assert result.returncode == 0 and folders[0] == emb_folder, result.stderr
+    assert (folders[1] / "config.json").is_file() and asked_for_cls, result.stderr
+    assert "the Hub is not asked for org/cls" not in result.stderr
+
+
 def test_a_cached_whole_commit_needs_nothing_of_the_hub(tmp_path):
     """A commit cannot change: with its files and listing cached, a start that pinned it
     still asked a silent Hub for the file list, and waited its timeout."""

@@ -160,12 +160,13 @@ def resolve_hub(spec: ModelSpec, hub: HubContact) -> ResolvedModel:
     since = time.time() - 1.0  # blobs written from here on are this start's downloads
     changed: list[str] = []
     files: list[str] | None = None
-    if hub.lost:
-        hub.passes_over(repo_id)
     try:
         asked = cached_commit(repo_id, revision)  # the user's words stay in the messages
+        if cache_alone(hub, repo_id, asked):
+            hub.passes_over(repo_id)
         files = repo_files(repo_id, asked, hub)
-        dense = dense_modules(repo_id, asked, files, cached=hub.lost, hub=hub)
+        cached = cache_alone(hub, repo_id, asked)  # (its own file list may have failed)
+        dense = dense_modules(repo_id, asked, files, cached=cached, hub=hub)
 
         def download() -> str:
             try:
@@ -174,7 +175,7 @@ def resolve_hub(spec: ModelSpec, hub: HubContact) -> ResolvedModel:
                     revision=asked,
                     ignore_patterns=files_to_skip(files, dense),
                     tqdm_class=LoggedProgress,
-                    local_files_only=hub.lost,
+                    local_files_only=cache_alone(hub, repo_id, asked),
                 )
             except LocalEntryNotFoundError as exc:
                 if hub.lost and exc.__cause__ is None:  # the Hub's failure is the why
@@ -516,7 +517,7 @@ def repo_files(repo_id: str, revision: str | None, hub: HubContact) -> list[str]
 
     listed = cached_files(repo_id, revision)
     pinned_and_listed = listed is not None and WHOLE_COMMIT.fullmatch(revision or "")
-    if constants.is_offline_mode() or hub.lost or pinned_and_listed:
+    if constants.is_offline_mode() or pinned_and_listed or cache_alone(hub, repo_id, revision):
         return listed
     try:
         info = HfApi().model_info(repo_id, revision=revision)
@@ -529,6 +530,16 @@ def repo_files(repo_id: str, revision: str | None, hub: HubContact) -> list[str]
         if not hub.notes(exc, repo_id) and isinstance(exc, HfHubHTTPError):
             hub_refused(exc, repo_id)
     return listed
+
+
+def cache_alone(hub: HubContact, repo_id: str, revision: str | None) -> bool:
+    """Whether `repo_id` is looked up in the cache alone: the Hub has not answered in this
+    start, for this model (its retries have run), or for an earlier one where the cache
+    lists this one's files. A model the cache does not hold is asked of the Hub all the
+    same: one 503 for another model's file list failed it, never asked."""
+    if not hub.lost:
+        return False
+    return hub.lost_for == repo_id or cached_files(repo_id, revision) is not None
 
 
 def hub_refused(exc: HfHubHTTPError, repo_id: str) -> None:

@@ -46,7 +46,8 @@ class HubContact:
             self.silence, self.lost_for = failure, repo_id
             if say:
                 log.warning(
-                    "%s: the cache decides, and the Hub is not asked again in this start",
+                    "%s: the cache decides, and the Hub is not asked again in this start for a "
+                    "model the cache holds",
                     failed(failure, repo_id),
                 )
         return True
