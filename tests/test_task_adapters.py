@@ -2579,8 +2579,18 @@ def test_a_handler_module_in_the_current_directory_is_found_by_the_rawserve_comm
     [
         (
             "No connection adapters were found for 'svc:Sup3rS3cret@10.1.2.3/v1/score'",
-            "No connection adapters were found for '<credentials>@<path>'",
+            "No connection adapters were found for '<credentials>@10.1.2.3/v1/score'",
         ),
+        # a file:// address's path is a file's; a fragment may hold a token
+        ("file://localhost/etc/shadow is missing", "file://<path> is missing"),
+        ("https://h/p#access_token=SECRET ok", "https://h/p?<query> ok"),
+        (
+            "url https://h/a?x=1, then (https://h/b?k=S)",
+            "url https://h/a?<query>, then (https://h/b?<query>)",
+        ),
+        # words and numbers between slashes are no file's path
+        ("label POSITIVE/NEGATIVE/NEUTRAL expected", "label POSITIVE/NEGATIVE/NEUTRAL expected"),
+        ("in km/h and m/s/s", "in km/h and m/s/s"),
         # an address's query may hold a key; its path is no file's
         (
             "url https://api.example.com/v1/x?api_key=SECRET123&x=1 refused",
@@ -2593,6 +2603,7 @@ def test_a_handler_module_in_the_current_directory_is_found_by_the_rawserve_comm
         ),
         ("cannot open /home/me/.cache/w.bin", "cannot open <path>"),
         ("cannot open models/me/w.bin", "cannot open <path>"),
+        ("cannot open ./models/me", "cannot open <path>"),
         ("C:\\Users\\me\\w.bin is missing", "<path> is missing"),
         ("date 2024/01/02 is past", "date 2024/01/02 is past"),
         (

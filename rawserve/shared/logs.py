@@ -43,15 +43,17 @@ _STANDARD_ATTRIBUTES = set(vars(logging.makeLogRecord({}))) | {"message", "ascti
 
 
 # An address's credentials: its userinfo, before its host (`https://token@host`,
-# `redis://:secret@cache`), or a user:password up to the last @ before the address's
-# query, written unescaped (`https://user:pa/ss@host`, `postgres://user:p@ss@db`), but
-# not a host's port (`http://host:8080/a@b`) nor an @ in a path or a query
-# (`https://host/x@2x.png`, `?email=a@b.c`). Left out of every line (a mirror's
+# `redis://:secret@cache`), a user:password to the first @ after which a host follows
+# (`https://user:pa/ss@host`, `postgres://user:p@ss@db`, written unescaped), not a host's
+# port (`http://host:8080/a@b`), an IPv6 host's colons, nor an @ in a path or a query
+# (`https://user:pw@host/x@2x.png`, `?email=a@b.c`). Left out of every line (a mirror's
 # HF_ENDPOINT of https://user:password@host was written in huggingface_hub's retry lines
 # and rawserve's own, a client's absolute-form target in its access line) and of what
 # clients are told of a failure.
 URL_CREDENTIALS = re.compile(
-    r"([A-Za-z][\w+.\-]*://)(?:[^\s'\"/?#@]*:(?!\d*[/?#\s'\"]|\d*$)[^\s'\"?#]*|[^\s'\"/?#]*)@"
+    r"([A-Za-z][\w+.\-]*://)"
+    r"(?:[^\s'\"/?#@\[\]]*:(?!\d*(?:[/?#\s'\"]|$))[^\s'\"?#]*?|[^\s'\"/?#@\[\]]*)"
+    r"@(?=[^\s'\"/?#@]*(?:[/?#\s'\"]|$))"
 )
 
 

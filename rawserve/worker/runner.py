@@ -98,12 +98,16 @@ PADDING_OFFSET_MODEL_TYPES = frozenset(
     }
 )
 # A file's path in a message (two segments or more, from a drive letter, a slash or a
-# name), left out for clients; one of digits alone is a date or a version (2024/01/02)
-_PATHLIKE = re.compile(r"(?<![\w.\-])(?:[A-Za-z]:)?[\w.\-]*(?:[/\\][\w.\-]+){2,}")
-_NOT_A_PATH = re.compile(r"[\d/\\.\-]+")
-# An address in a message (scheme://...): its path is the address's, not a file's, and
-# its query may carry a key (`?api_key=...`)
-_URL = re.compile(r"([A-Za-z][\w+.\-]*://[^\s'\"<>]+)")
+# name), left out for clients unless it reads as words or numbers: one that starts at a
+# name (not at /, a drive, . or ~) is a path only where a segment has a file's extension
+# (models/me/w.bin), not `POSITIVE/NEGATIVE/NEUTRAL`, `2024/01/02` or `1.2/3.4`
+_PATHLIKE = re.compile(r"(?<![\w.\-])(?:[A-Za-z]:)?[\w.\-~]*(?:[/\\][\w.\-]+){2,}")
+_ROOTED = re.compile(r"[A-Za-z]:|[/\\.~]")
+_EXTENSION = re.compile(r"\.[A-Za-z]\w*(?:[/\\]|$)")
+# An address in a message (scheme://...), ending before the punctuation after it: its
+# path is the address's, not a file's (a file:// one's is a file's), and its query and
+# fragment may carry a key (`?api_key=...`, `#access_token=...`)
+_URL = re.compile(r"([A-Za-z][\w+.\-]*://[^\s'\"<>]*[^\s'\"<>.,;:!?)\]}])")
 # The credentials of an address without a scheme, left out for clients as a URL's are
 # (`without_credentials`): a user:password@host (a library's words on a URL it could not
 # use: `svc:Sup3rS3cret@10.1.2.3`), its user no number (`12:00:01@UTC`) nor `mailto`, its
@@ -407,7 +411,10 @@ def client_message(exc: BaseException) -> str:
         if at % 2:
             part = without_credentials(part)
             address, query, _ = part.partition("?")
-            parts[at] = address + "?<query>" if query else address
+            address, fragment, _ = address.partition("#")
+            if address.lower().startswith("file:"):
+                address = "file://<path>"
+            parts[at] = address + ("?<query>" if query or fragment else "")
         else:
             part = _BARE_CREDENTIALS.sub("<credentials>@", part)
             parts[at] = _PATHLIKE.sub(_path_left_out, part)
@@ -415,4 +422,5 @@ def client_message(exc: BaseException) -> str:
 
 
 def _path_left_out(found: re.Match[str]) -> str:
-    return found[0] if _NOT_A_PATH.fullmatch(found[0]) else "<path>"
+    path = found[0]
+    return "<path>" if _ROOTED.match(path) or _EXTENSION.search(path) else path
