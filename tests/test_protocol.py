@@ -2219,6 +2219,19 @@ async def test_a_stream_cut_by_the_write_timeout_is_named_and_logs_what_it_sent(
     assert '"GET /stream" 200 1600 ' in access and access.endswith("stream-2")
 
 
+def answered_once(
+    settings: ProtocolSettings, request: bytes = b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n"
+) -> tuple[HttpProtocol, FakeTransport, FakeTimerLoop]:
+    """A connection on a hand-driven clock whose first answer, to `request`, was just
+    written."""
+    loop = FakeTimerLoop(asyncio.get_running_loop())
+    protocol = HttpProtocol(EchoApp(), settings, loop=loop)
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    protocol.data_received(request)
+    return protocol, transport, loop
+
+
 @pytest.mark.parametrize("taken", [False, True], ids=["unread", "read-at-last"])
 async def test_a_connection_closed_with_some_of_its_answer_unread_is_cut_off_in_time(taken):
     """The transport closes once what waits in it is written; under the high-water mark
@@ -2226,12 +2239,9 @@ async def test_a_connection_closed_with_some_of_its_answer_unread_is_cut_off_in_
     stayed open (and counted by the connection cap) for as long as it did not read. At
     the linger's end an answer still going is watched as an idle connection's is: cut
     once its client has taken none of it for --write-timeout, closed once it has gone."""
-    loop = FakeTimerLoop(asyncio.get_running_loop())
     settings = ProtocolSettings(write_timeout=3, keepalive_timeout=5)
-    protocol = HttpProtocol(EchoApp(), settings, loop=loop)
-    transport = FakeTransport()
-    protocol.connection_made(transport)
-    protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+    request = b"GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
+    _, transport, loop = answered_once(settings, request)
     await settle()
     transport.buffered = 1000  # of its answer, never taken by its client
     loop.advance(LINGER_SECONDS)
@@ -2251,12 +2261,9 @@ async def test_an_answer_still_unread_at_the_idle_deadline_is_cut_at_the_write_t
     """At keep-alive plus write timeout, an answer its client had taken none of was closed
     normally, without a line: where the kernel held it whole, the socket stayed there
     with it for minutes. It is cut as a stalled write is, and its line says so."""
-    loop = FakeTimerLoop(asyncio.get_running_loop())
     settings = ProtocolSettings(write_timeout=3, keepalive_timeout=5)
-    protocol = HttpProtocol(EchoApp(), settings, loop=loop)
-    transport = FakeTransport()
-    protocol.connection_made(transport)
-    protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\nX-Request-Id: unread-1\r\n\r\n")
+    request = b"GET / HTTP/1.1\r\nHost: a\r\nX-Request-Id: unread-1\r\n\r\n"
+    _, transport, loop = answered_once(settings, request)
     await settle()
     transport.buffered = 1000  # of its answer, never taken by its client
     with caplog.at_level("INFO", logger="rawserve.protocol"):
@@ -2266,16 +2273,6 @@ async def test_an_answer_still_unread_at_the_idle_deadline_is_cut_at_the_write_t
     assert transport.aborted  # a reset: what the kernel holds unsent goes too
     [line] = [r.getMessage() for r in caplog.records if "--write-timeout" in r.getMessage()]
     assert line.endswith("1000 bytes of its answers were not sent (the last: request unread-1)")
-
-
-def answered_once(settings: ProtocolSettings) -> tuple[HttpProtocol, FakeTransport, FakeTimerLoop]:
-    """A connection on a hand-driven clock whose first answer was just written."""
-    loop = FakeTimerLoop(asyncio.get_running_loop())
-    protocol = HttpProtocol(EchoApp(), settings, loop=loop)
-    transport = FakeTransport()
-    protocol.connection_made(transport)
-    protocol.data_received(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
-    return protocol, transport, loop
 
 
 async def test_a_client_reading_its_answer_slowly_after_the_idle_deadline_is_not_cut():
