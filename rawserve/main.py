@@ -50,7 +50,7 @@ from rawserve.shared.devices import cpu_cores
 from rawserve.shared.logs import setup_logging
 from rawserve.shared.memory import fix_mmap_threshold
 from rawserve.shared.messages import WorkerConfig
-from rawserve.tasks import CUSTOM_TASK
+from rawserve.tasks import CUSTOM_TASK, input_estimate
 
 log = logging.getLogger("rawserve")
 
@@ -177,6 +177,7 @@ def build_model(
         max_batch_tokens=model.max_batch_tokens,
         group_lengths=model.batching is Batching.COST,
         workers=len(workers.devices),
+        estimate=input_estimate(plan.facts.task if plan.facts is not None else None),
     )
     # behind HTTP processes an answer settled here is a message, not a response to write:
     # a batch's answers go in one pass, one frame to each HTTP process (bench/RESULTS.md)

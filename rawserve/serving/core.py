@@ -22,7 +22,7 @@ import heapq
 import itertools
 import math
 import operator
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -299,6 +299,8 @@ class SchedulerCore:
     _rows_counted_to: float | None = None
     items_per_second: float | None = None  # measured service rate (for reports)
     tokens_per_estimate: float = 1.0  # real tokens per estimated token, learned from workers
+    # an input's estimated tokens, as its task weighs it (an image: by its pixels)
+    estimate: Callable[[Any], int] = estimate_tokens
     max_input_tokens: int | None = None  # the model reads no more (it truncates): cost cap
     # what a generation naming no length or beams makes (the model's defaults, ModelLimits)
     default_new_tokens: int = 0
@@ -349,7 +351,7 @@ class SchedulerCore:
         control: Control = NO_CONTROL,
         request_id: str = "",
     ) -> WorkItem:
-        cost = max(1, round(estimate_tokens(value) * self.tokens_per_estimate))
+        cost = max(1, round(self.estimate(value) * self.tokens_per_estimate))
         # what the model reads of it: cut at its limit, read once per label, per window
         cost = model_tokens(value, params, cost, self.max_input_tokens)
         # a generation also costs a decoding step per new token it asks for: the measured
@@ -1019,7 +1021,7 @@ class SchedulerCore:
     def calibrate(self, batch: Sequence[WorkItem], token_counts: Sequence[int]) -> None:
         """Real token counts of a batch's inputs (sampled by the worker) teach the
         estimate its scale, so that costs and `--max-batch-tokens` mean model tokens."""
-        estimated = sum(estimate_tokens(item.input) for item in batch)
+        estimated = sum(self.estimate(item.input) for item in batch)
         if len(token_counts) != len(batch) or not estimated or not sum(token_counts):
             return
         ratio = sum(token_counts) / estimated

@@ -14,6 +14,7 @@ import binascii
 from typing import Any
 
 from rawserve.tasks.checks import LABEL_SCORES, BlankInput, checker, int_range, lower_one_of
+from rawserve.tasks.image_sizes import image_tokens
 from rawserve.tasks.rules import Task
 
 DATA_URL_START = "data:image/"
@@ -56,4 +57,5 @@ TASK = Task(
     },
     binary_input=True,
     output_schema=LABEL_SCORES,
+    estimate=image_tokens,
 )

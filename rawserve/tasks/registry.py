@@ -11,7 +11,7 @@ processes import it.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rawserve.tasks import (
@@ -26,6 +26,7 @@ from rawserve.tasks import (
     zero_shot_classification,
 )
 from rawserve.tasks.checks import IGNORED, BlankInput, Unserved
+from rawserve.tasks.estimate import estimate_tokens
 from rawserve.tasks.rules import (
     UNKNOWN_POSITIONS_NEW_TOKENS,
     InvalidRequest,
@@ -92,6 +93,13 @@ def onnx_unfit(
 
 def task_rules(name: str) -> Task | None:
     return TASKS.get(name)
+
+
+def input_estimate(task_name: str | None) -> Callable[[Any], int]:
+    """How the scheduler weighs an input of `task_name` before a worker reads it (a
+    handler's, or a task not known: as text)."""
+    rules = TASKS.get(task_name) if task_name else None
+    return rules.estimate if rules is not None else estimate_tokens
 
 
 def check_input(task: Task, item: Any) -> Any:

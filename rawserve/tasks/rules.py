@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rawserve.tasks.checks import Checker, Schema
+from rawserve.tasks.estimate import estimate_tokens
 
 # The new tokens a generation may ask: what its model's positions hold after a one-token
 # prompt; where they are unknown (a handler, a causal LM whose config names none, T5's
@@ -56,3 +57,6 @@ class Task:
     binary_input: bool = False
     # One item's output in the Inference API's shape, as JSON Schema (for /openapi.json).
     output_schema: Schema = field(default_factory=dict)
+    # An input's cost in tokens before a worker reads it: a text's from its length (the
+    # default), an image's from the pixels its header declares.
+    estimate: Callable[[Any], int] = estimate_tokens

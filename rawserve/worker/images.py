@@ -13,29 +13,11 @@ from __future__ import annotations
 
 import base64
 import io
-import math
 import warnings
 from typing import Any
 
-# The formats an image input is read in: the raster ones clients send. Pillow opens
-# forty-odd by default, EPS among them, which it renders by running Ghostscript on the
-# client's PostScript wherever Ghostscript is installed.
-IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "TIFF", "WEBP")
-# The formats libjpeg can decode at 1/2, 1/4 or 1/8 of their size: a JPEG, and the JPEG
-# of several pictures that phones and cameras write, which Pillow opens as "MPO".
-DRAFTED_FORMATS = ("JPEG", "MPO")
-# An image is shrunk by a whole factor to no less than this many pixels a side: several
-# times any classifier's input (224 to 1024). A processor that resizes to a fixed height
-# and width drops the aspect ratio, so each side is shrunk on its own; one that keeps it
-# (scaling the shorter side) gets the image shrunk alike on both.
-KEPT_SIDE = 2048
-# The most pixels an image keeps where the processor keeps the aspect ratio: as many as one
-# it squashes keeps at most (each side under twice `KEPT_SIDE`). Its shorter side alone
-# left a long one whole: 4095x21850 pixels, 3.8 s and 2 GB in a ConvNeXt's processor.
-KEPT_PIXELS = (2 * KEPT_SIDE) ** 2
-# The shorter side an image is never shrunk below to reach `KEPT_PIXELS`: as large as any
-# classifier's input, and so several times what such a processor scales it to (224 to 448).
-MIN_KEPT_SIDE = KEPT_SIDE // 2
+from rawserve.tasks.image_sizes import DRAFTED_FORMATS, IMAGE_FORMATS, shrink_factors
+
 # The longest side, in shorter sides, of an image given to a processor that keeps the
 # aspect ratio: scaled to its 224 or so pixels on the shorter side, the image it builds
 # is this many times as long (a 1x1000 image took 3 s; 1x100000 took the worker down).
@@ -89,21 +71,6 @@ def shrunk(image: Any, squashed: bool) -> Any:
     """`image` shrunk by its `shrink_factors`."""
     factors = shrink_factors(image.size, squashed)
     return image if factors == (1, 1) else image.reduce(factors)
-
-
-def shrink_factors(size: tuple[int, int], squashed: bool) -> tuple[int, int]:
-    """The whole factors an image of `size` is shrunk by, across and down: to no less than
-    `KEPT_SIDE` a side, each side on its own where the processor drops the aspect ratio
-    (`squashed`). Where it keeps it, both alike, and further to `KEPT_PIXELS` while the
-    shorter side stays `MIN_KEPT_SIDE` or more: the processor scales that side to its own
-    few hundred pixels, and the long side with it, so it reads the image the same."""
-    width, height = size
-    if squashed:
-        return (max(1, width // KEPT_SIDE), max(1, height // KEPT_SIDE))
-    shorter = min(width, height)
-    to_pixels = math.ceil(math.sqrt(width * height / KEPT_PIXELS))
-    factor = max(1, shorter // KEPT_SIDE, min(to_pixels, shorter // MIN_KEPT_SIDE))
-    return (factor, factor)
 
 
 def blank_image() -> Any:
