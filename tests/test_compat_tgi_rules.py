@@ -320,6 +320,7 @@ REFUSED_BY_VALIDATION = [
     pytest.param({"max_new_tokens": 0}, id="max_new_tokens 0"),
     pytest.param({"max_new_tokens": "many"}, id="max_new_tokens not a number"),
     pytest.param({"temperature": -1}, id="temperature below 0"),
+    pytest.param({"temperature": 0}, id="temperature 0"),  # OpenAI's greedy; TGI refuses it
     pytest.param({"top_p": 1.5}, id="top_p above 1"),
     pytest.param({"top_p": 0}, id="top_p 0"),
     pytest.param({"typical_p": 0}, id="typical_p 0"),

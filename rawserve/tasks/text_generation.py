@@ -273,7 +273,7 @@ TASK = Task(
     {
         "max_new_tokens": int_range(1, MAX_NEW_TOKENS),  # the positions bound it further
         "do_sample": boolean,
-        "temperature": float_range(0.0, 100.0),
+        "temperature": float_range(0.0, 100.0, above_low=True),  # 0: TGI refuses it (422)
         "top_p": float_range(0.0, 1.0, above_low=True),  # 0 keeps no token: TGI refuses it
         "top_k": int_range(1, 1000),
         "return_full_text": boolean,
