@@ -769,7 +769,7 @@ def test_a_continuous_workers_lost_sequences_run_again_together_then_alone(loade
 def test_a_hung_continuous_worker_is_killed_with_one_line_for_all_its_sequences(loaded, caplog):
     """Each sequence has a watchdog, and as the worker hangs all of them fire: the kill
     was logged once a sequence, the same line over, each saying "a batch of 1" (testers).
-    One line says how many were running; each sequence is answered."""
+    One line says how many were running."""
     serving = loaded(kind="continuous", max_batch_size=1)
     hung = [serving.arrive([name], {}, timeout=60.0) for name in ("a", "b", "c")]
     assert len(serving.answerable()) == 3
@@ -777,8 +777,43 @@ def test_a_hung_continuous_worker_is_killed_with_one_line_for_all_its_sequences(
         serving.advance(2 * BATCH_TIMEOUT)  # no decoding step ends
     [line] = [r.getMessage() for r in caplog.records if "killing process" in r.getMessage()]
     assert "no decoding step ended for 4 s, with 3 sequence(s) running" in line
+    assert all(request.outcome is None for request in hung)  # decided once it has exited
+
+
+def test_a_hung_continuous_workers_sequences_run_again_as_a_crashed_ones_do(loaded):
+    """Killed as hung (SIGSTOP, or a decoding step that never ends), a continuous worker
+    failed each of its sequences 500 with most of their deadlines left (a tester: 6 of
+    6), where killed by a signal it ran them again. Now as after a crash: side by side
+    once it is back, then, hung with them again, each alone; one that hangs alone fails
+    (500, the batch timeout's), and a stream that sent tokens fails mid-stream."""
+    serving = loaded(kind="continuous", max_batch_size=1)
+    worker = serving.pool.workers[0]
+    hung = [serving.arrive([name], {}, timeout=600.0) for name in ("a", "b", "c")]
+    assert len(serving.answerable()) == 3
+    serving.advance(2 * BATCH_TIMEOUT)  # no decoding step ends: killed
+    serving.reap(worker)
+    serving.advance(0.6)
+    serving.load(worker)
+    assert sorted(batch.inputs for _, _, batch in serving.answerable()) == [("a",), ("b",), ("c",)]
+    serving.advance(2 * BATCH_TIMEOUT)  # hung with them again: now each alone
+    serving.reap(worker)
+    serving.advance(1.2)
+    serving.load(worker)
+    ((_, conn, batch),) = serving.answerable()  # one at a time
+    assert batch.inputs == ("a",)
+    serving.answer(worker, conn, batch)
+    ((_, conn, batch),) = serving.answerable()
+    serving.advance(2 * BATCH_TIMEOUT)  # "b" hangs alone: it fails, not run again
+    serving.reap(worker)
+    serving.advance(2.4)
+    serving.load(worker)
+    ((_, conn, batch),) = serving.answerable()
+    serving.answer(worker, conn, batch)
     assert [request.outcome for request in hung] == ["results"] * 3
-    assert {request.ends[0][1][0].output for request in hung} == {TIMED_OUT}
+    outputs = {request.inputs[0]: request.ends[0][1][0].output for request in hung}
+    assert outputs["b"] == TIMED_OUT
+    assert outputs["a"] != TIMED_OUT and outputs["c"] != TIMED_OUT
+    serving.check()
 
 
 def test_a_continuous_worker_that_died_frees_no_rows_for_a_burst(loaded):
@@ -793,22 +828,28 @@ def test_a_continuous_worker_that_died_frees_no_rows_for_a_burst(loaded):
     serving.check()
 
 
-def test_a_continuous_workers_streamed_sequence_is_not_run_again_beside_the_others(loaded):
+@pytest.mark.parametrize("death", ["crashed", "hung"])
+def test_a_continuous_workers_streamed_sequence_is_not_run_again_beside_the_others(loaded, death):
     """Of the sequences a worker dies with, a stream whose tokens reached its client fails
     mid-stream (run again, its client would get its first tokens twice), even where the
-    others run again side by side."""
+    others run again side by side; killed as hung, with the batch timeout's error."""
     serving = loaded(kind="continuous", max_batch_size=1)
     worker = serving.pool.workers[0]
-    streamed = serving.arrive(["s"], {"max_new_tokens": 8}, timeout=30.0, stream=True)
-    lost = [serving.arrive([name], {}, timeout=30.0) for name in ("a", "b")]
+    streamed = serving.arrive(["s"], {"max_new_tokens": 8}, timeout=300.0, stream=True)
+    lost = [serving.arrive([name], {}, timeout=300.0) for name in ("a", "b")]
     [batch] = [batch for _, _, batch in serving.answerable() if batch.control.stream_id]
     serving.stream_a_token(worker, batch)
-    serving.crash(worker)
+    if death == "crashed":
+        serving.crash(worker)
+    else:
+        serving.advance(2 * BATCH_TIMEOUT)  # no decoding step ends: killed
+        serving.reap(worker)
     serving.advance(0.6)
     serving.load(worker)
     assert sorted(batch.inputs for _, _, batch in serving.answerable()) == [("a",), ("b",)]
     assert streamed.outcome == "results"
-    assert streamed.ends[0][1][0].output == CRASHED_MID_STREAM
+    failure = CRASHED_MID_STREAM if death == "crashed" else TIMED_OUT
+    assert streamed.ends[0][1][0].output == failure
     while serving.answerable():
         serving.answer(*serving.answerable()[0])
     assert [request.outcome for request in lost] == ["results"] * 2

@@ -643,25 +643,31 @@ class WorkerPool(PoolReports):
             log.error(
                 "worker %s: %s; killing process %s", worker.label, hung, worker.pid, extra=named
             )
-        self._detach(worker.running.pop(job.batch_id) or self._take_job(worker))
-        if worker.sequences:
-            job.answer(BatchResult(job.batch_id, (TIMED_OUT,) * len(job.inputs), 0.0))
-        else:
+        if not worker.sequences:
+            self._detach(worker.running.pop(job.batch_id) or self._take_job(worker))
             self._after_hang(worker, job)
+        # A continuous worker's sequences stay held: its exit decides them as a crash's
+        # (`_on_exit`), side by side again, then alone. Each answered 500 here, 6 whole
+        # answers with 114 s of their deadlines left failed where a kill -9 ran them again.
+        if worker.sequences and worker.state is WorkerState.DEAD:
+            return  # (killed at its first sequence's watchdog)
         worker.state = WorkerState.DEAD  # until the reader sees it exit and restarts it
-        worker.hung = True  # (its work is detached already: its death is one at work)
+        worker.hung = True  # (a batch's work is detached already: a death at work)
         if worker.process is not None:
             worker.process.kill()
 
-    def _after_hang(self, worker: WorkerHandle, job: Job) -> None:
+    def _after_hang(self, worker: WorkerHandle, job: Job, items: int = 0) -> None:
         """Carry out what supervision decides (`Supervisor.hung`) for a batch its worker is
         killed for: its items run again alone on any worker, not only this one once it is
         back (a hang takes no worker down with it: behind the one that hangs again, on its
         worker alone, the others waited out a second batch timeout and a restart for their
-        504s, another worker idle); or it fails, its input quarantined at its last hang."""
-        alone = len(job.inputs) == 1
+        504s, another worker idle); or it fails, its input quarantined at its last hang.
+        `items`: the items the worker ran with it (a continuous worker's sequences; 0: the
+        batch's own)."""
+        items = items or len(job.inputs)
+        alone = items == 1
         key = (job.poison_key or PoisonMemory.key(job.inputs[0], job.params)) if alone else None
-        decision = self.supervisor.hung(Held(job.streamed, key), len(job.inputs))
+        decision = self.supervisor.hung(Held(job.streamed, key), items)
         if decision is LostBatch.RETRY_ALONE:
             log.warning(
                 "worker %s: its %d items run again alone%s; one that hangs alone is refused "
@@ -860,7 +866,9 @@ class WorkerPool(PoolReports):
 
     def _on_result(self, worker: WorkerHandle, result: BatchResult) -> None:
         job = worker.job
-        if worker.sequences:  # a continuous worker answers its batches in any order
+        if worker.sequences and worker.hung:  # its sequences are decided at its exit
+            job = None
+        elif worker.sequences:  # a continuous worker answers its batches in any order
             job = self._detach(worker.running.pop(result.batch_id))
         elif job is not None and result.batch_id == job.batch_id:
             worker.run_seconds = remembered(worker.run_seconds, result.compute_seconds)
@@ -914,6 +922,8 @@ class WorkerPool(PoolReports):
             if lost in together:  # (a Job is equal to itself alone)
                 again = replace(lost, watchdog=None, rerun=True, home=worker.index, together=True)
                 self._retries.append(again)
+            elif worker.hung and not (lost.abandoned or lost.cancelled):
+                self._after_hang(worker, lost, len(sequences))
             else:
                 self._carry_out(
                     worker, lost, self.supervisor.lost(Held(lost.streamed, lost.poison_key))
