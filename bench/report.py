@@ -2,19 +2,32 @@
 
 The table compares, in the same run, each server at 64 clients with the model's own
 offline throughput (the plain tokenizer + forward-pass ceiling; for mixed lengths the
-length-sorted one), and checks rawserve against the targets of the performance issue.
+length-sorted one), and checks rawserve against the targets of the performance issues: on
+the CPU the 2-core rows; on a GPU (`--device cuda`) the GPU rows of the "feed the GPU" and
+"schedule for the GPU" issues, for every scenario and rawserve server the run measured, a
+target whose figure is missing named with why it is not measured.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
+from rawserve.options import GPU_MAX_BATCH_SIZE
+
+# a row of the targets table: the target, what was measured, met (None: not judged)
+Check = Callable[[str, str, bool | None], None]
 SERVER_LABELS = {
     "rawserve": "rawserve (torch)",
     "rawserve-onnx": "rawserve (ONNX Runtime)",
     "rawserve-default": "rawserve, no options",
     "rawserve-lists": "rawserve, lists of 32 texts",
+    "rawserve-threads2": "rawserve, 2 torch threads",
+    "rawserve-eager": "rawserve, no CUDA graphs",
+    "rawserve-http4": "rawserve, 4 HTTP processes",
+    "rawserve-count": "rawserve, queue-order batching",
     "seed-batching": "seed, 1 ms batching",
     "seed-per-item": "seed, per item",
     "infinity-torch": "Infinity (torch)",
@@ -43,9 +56,11 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 def ratio_table(results: dict) -> str:
     """Markdown: throughput at 64 clients, as a ratio to the ceiling, per server."""
-    names = [n for n in SERVER_LABELS if any(n in s["servers"] for s in results["scenarios"])]
+    ran = [name for scenario in results["scenarios"] for name in scenario["servers"]]
+    # the known servers in their usual order, then any other that ran: each has a column
+    names = list(dict.fromkeys([n for n in SERVER_LABELS if n in ran] + ran))
     header = ["workload (64 clients)", "ceiling: forward / pipeline / ONNX (items/s)"]
-    header += [SERVER_LABELS[n] for n in names]
+    header += [SERVER_LABELS.get(n, n) for n in names]
     rows = [header, ["---"] * len(header)]
     for scenario in results["scenarios"]:
         for text_set in scenario["ceiling"]:
@@ -81,6 +96,34 @@ def targets_table(results: dict) -> str:
             measured = f"{ratio:.2f} ({point['throughput']:.0f} of {ceiling:.0f} items/s)"
             check(target, measured, ratio >= floor)
 
+    if ran_on_gpu(results):
+        gpu_targets(results, check)
+    else:
+        cpu_targets(results, check, against_ceiling)
+    soak = results.get("soak")
+    if soak:
+        growth = soak["rss_after"] - soak["rss_before"]
+        check(
+            f"server RSS flat across {soak['requests']:,} requests (echo handler)",
+            f"{soak['rss_before'] / 2**20:.1f} → {soak['rss_after'] / 2**20:.1f} MiB "
+            f"({growth / 2**20:+.1f} MiB)",
+            growth <= soak.get("tolerance_bytes", 4 * 2**20),
+        )
+    for run in results.get("soak_model", []):
+        first, last = run["rss"][0], run["rss"][-1]
+        growth = max((last[part] - first[part]) / first[part] for part in ("server", "workers"))
+        check(
+            f"{sum(run['statuses'].values()):,} MiniLM requests ({run['engine']}): "
+            "server and worker RSS flat (±5 %), first vs last tenth",
+            f"server {first['server'] / 2**20:.0f} → {last['server'] / 2**20:.0f} MiB, "
+            f"workers {first['workers'] / 2**20:.0f} → {last['workers'] / 2**20:.0f} MiB",
+            growth <= 0.05,
+        )
+    return _markdown(rows)
+
+
+def cpu_targets(results: dict, check: Check, against_ceiling: Callable[..., None]) -> None:
+    """The 2-core CPU's targets: the classification and embedding scenarios' rows."""
     by_name = {s["model"]: s for s in results["scenarios"]}
     classification = by_name.get("classification")
     embeddings = by_name.get("token-embeddings")
@@ -136,26 +179,6 @@ def targets_table(results: dict) -> str:
                 ratio >= 3.0,
             )
     engine_targets(results, check, against_ceiling)
-    soak = results.get("soak")
-    if soak:
-        growth = soak["rss_after"] - soak["rss_before"]
-        check(
-            f"server RSS flat across {soak['requests']:,} requests (echo handler)",
-            f"{soak['rss_before'] / 2**20:.1f} → {soak['rss_after'] / 2**20:.1f} MiB "
-            f"({growth / 2**20:+.1f} MiB)",
-            growth <= soak.get("tolerance_bytes", 4 * 2**20),
-        )
-    for run in results.get("soak_model", []):
-        first, last = run["rss"][0], run["rss"][-1]
-        growth = max((last[part] - first[part]) / first[part] for part in ("server", "workers"))
-        check(
-            f"{sum(run['statuses'].values()):,} MiniLM requests ({run['engine']}): "
-            "server and worker RSS flat (±5 %), first vs last tenth",
-            f"server {first['server'] / 2**20:.0f} → {last['server'] / 2**20:.0f} MiB, "
-            f"workers {first['workers'] / 2**20:.0f} → {last['workers'] / 2**20:.0f} MiB",
-            growth <= 0.05,
-        )
-    return _markdown(rows)
 
 
 def overload_targets(overload: dict, engine: str, check) -> None:
@@ -236,6 +259,214 @@ def engine_targets(results: dict, check, against_ceiling) -> None:
                     f"{ratio:.2f}× ({best['throughput']:.0f} vs {other['throughput']:.0f}/s)",
                     ratio >= floor,
                 )
+
+
+# --- the GPU's targets (issues 25 and 26: a BERT-base-sized classifier, short texts) ---
+
+GPU_TEXT_SET = "short"
+SINGLE_TEXTS_FLOOR = 0.7  # × the ceiling at the server's batch cap, at 256 clients
+LISTS_FLOOR = 0.9  # lists of 32 texts, × the same ceiling
+SINGLE_TEXTS_CLIENTS = 256
+SEED_FACTOR = 3.0  # × the seed's batching server, at 64 and at 256 clients
+SEED_CLIENTS = (64, 256)
+SPREAD_CLIENTS = 64
+SPREAD_FACTOR = 3.0  # p99 ≤ this × p50 at 64 clients
+SLOWEST_MS = 1000.0  # no answer slower at 64 clients
+LONE_MARGIN_MS = 1.0  # 1 client: p50 ≤ the ceiling's batch-1 time + this
+GPU_GOODPUT_FLOOR = 0.9  # overload at 3× capacity, × capacity
+GPU_REFUSAL_P99_MS = 10.0
+
+
+class NotMeasured(Exception):
+    """A target's figure is missing from the results; its message says why."""
+
+
+def ran_on_gpu(results: dict) -> bool:
+    return results.get("settings", {}).get("device", "cpu") != "cpu"
+
+
+def judged(check: Check, target: str, verdict: Callable[[], tuple[str, bool]]) -> None:
+    """One row: what `verdict` measured and whether it met `target`, or why not measured."""
+    try:
+        measured, met = verdict()
+    except NotMeasured as missing:
+        check(target, f"not measured: {missing}", None)
+    else:
+        check(target, measured, met)
+
+
+def batch_cap(results: dict) -> int:
+    """rawserve's item cap a batch in the run: `--max-batch-size` where given, else a GPU's."""
+    args = list(results.get("settings", {}).get("rawserve_args", ()))
+    for at, arg in enumerate(args):
+        if arg == "--max-batch-size" and at + 1 < len(args):
+            return int(args[at + 1])
+        if arg.startswith("--max-batch-size="):
+            return int(arg.split("=", 1)[1])
+    return GPU_MAX_BATCH_SIZE
+
+
+def ceiling_at(scenario: dict, batch: int) -> float:
+    """The in-process forward ceiling at batches of `batch` items (short texts, arrival)."""
+    curve = scenario["ceiling"].get(GPU_TEXT_SET, {}).get("forward/arrival", {}).get("curve", {})
+    if not curve.get(str(batch)):
+        measured = ", ".join(curve) or "none"
+        raise NotMeasured(f"the ceiling has no batch of {batch} (batches: {measured})")
+    return curve[str(batch)]
+
+
+def points_of(server: dict | None, name: str) -> list[dict]:
+    """The closed-loop points of `name` on short texts; why there are none, if so."""
+    if server is None:
+        raise NotMeasured(f"{name} did not run")
+    if "error" in server:
+        raise NotMeasured(f"{name} failed: {server['error']}")
+    points = server.get("text_sets", {}).get(GPU_TEXT_SET, {}).get("points", [])
+    if not points:
+        raise NotMeasured(f"{name} ran no {GPU_TEXT_SET} texts")
+    return points
+
+
+def point_at(server: dict | None, name: str, clients: int) -> dict:
+    points = points_of(server, name)
+    point = next((p for p in points if p["clients"] == clients), None)
+    if point is None:
+        ran = ", ".join(str(p["clients"]) for p in points)
+        raise NotMeasured(f"{name} ran no {clients}-client point (clients: {ran})")
+    if not point["throughput"]:
+        raise NotMeasured(f"{name} answered nothing with 200 at {clients} clients")
+    return point
+
+
+def gpu_targets(results: dict, check: Check) -> None:
+    """The GPU rows, for each scenario and each rawserve server the run measured."""
+    cap = batch_cap(results)
+    overload_skipped = results.get("settings", {}).get("overload_duration") == 0
+    for scenario in results["scenarios"]:
+        servers = scenario["servers"]
+        singles = [n for n in servers if n.startswith("rawserve") and n != "rawserve-lists"]
+        for name in singles:
+            single_text_targets(scenario, name, cap, check)
+            gpu_overload_targets(scenario, name, overload_skipped, check)
+        if not singles:
+            check(
+                f"{scenario['model']}: single-text targets",
+                "not measured: no rawserve server of single texts ran",
+                None,
+            )
+        judged(
+            check,
+            f"{scenario['model']}, {SERVER_LABELS['rawserve-lists']}: best point "
+            f"≥ {LISTS_FLOOR:g} × the ceiling at batch {cap}",
+            partial(lists_verdict, scenario, cap),
+        )
+
+
+def lists_verdict(scenario: dict, cap: int) -> tuple[str, bool]:
+    points = points_of(scenario["servers"].get("rawserve-lists"), "rawserve-lists")
+    best = max(points, key=lambda point: point["throughput"])
+    if not best["throughput"]:
+        raise NotMeasured("rawserve-lists answered nothing with 200")
+    ceiling = ceiling_at(scenario, cap)
+    ratio = best["throughput"] / ceiling
+    measured = (
+        f"{ratio:.2f} ({best['throughput']:.0f} of {ceiling:.0f} items/s, "
+        f"{best['clients']} clients)"
+    )
+    return measured, ratio >= LISTS_FLOOR
+
+
+def single_text_targets(scenario: dict, name: str, cap: int, check: Check) -> None:
+    """The "feed the GPU" issue's rows for one rawserve server of single texts."""
+    server = scenario["servers"][name]
+    where = f"{scenario['model']}, {SERVER_LABELS.get(name, name)}"
+
+    def against_ceiling() -> tuple[str, bool]:
+        point = point_at(server, name, SINGLE_TEXTS_CLIENTS)
+        ceiling = ceiling_at(scenario, cap)
+        ratio = point["throughput"] / ceiling
+        measured = f"{ratio:.2f} ({point['throughput']:.0f} of {ceiling:.0f} items/s)"
+        return measured, ratio >= SINGLE_TEXTS_FLOOR
+
+    def against_seed(clients: int) -> Callable[[], tuple[str, bool]]:
+        def verdict() -> tuple[str, bool]:
+            point = point_at(server, name, clients)
+            seed = point_at(scenario["servers"].get("seed-batching"), "seed-batching", clients)
+            ratio = point["throughput"] / seed["throughput"]
+            measured = f"{ratio:.2f}× ({point['throughput']:.0f} vs {seed['throughput']:.0f}/s)"
+            return measured, ratio >= SEED_FACTOR
+
+        return verdict
+
+    def spread() -> tuple[str, bool]:
+        point = point_at(server, name, SPREAD_CLIENTS)
+        p50, p99 = point["p50_ms"], point["p99_ms"]
+        measured = f"{p99 / p50:.1f}× ({p50:.1f} / {p99:.1f} ms)"
+        return measured, p99 <= SPREAD_FACTOR * p50
+
+    def slowest() -> tuple[str, bool]:
+        point = point_at(server, name, SPREAD_CLIENTS)
+        if point.get("max_ms") is None:
+            raise NotMeasured("the slowest answer was not recorded (max_ms)")
+        return f"slowest {point['max_ms']:.1f} ms", point["max_ms"] <= SLOWEST_MS
+
+    def lone() -> tuple[str, bool]:
+        point = point_at(server, name, 1)
+        single = scenario["ceiling"].get(GPU_TEXT_SET, {}).get("single_item_ms", {}).get("p50")
+        if not single:
+            raise NotMeasured("the ceiling's batch-1 time was not recorded (single_item_ms)")
+        measured = f"{point['p50_ms']:.2f} ms vs {single:.2f} + {LONE_MARGIN_MS:g} ms"
+        return measured, point["p50_ms"] <= single + LONE_MARGIN_MS
+
+    judged(
+        check,
+        f"{where}, {SINGLE_TEXTS_CLIENTS} clients ≥ {SINGLE_TEXTS_FLOOR:g} × the ceiling at "
+        f"batch {cap}",
+        against_ceiling,
+    )
+    for clients in SEED_CLIENTS:
+        judged(
+            check,
+            f"{where}, {clients} clients ≥ {SEED_FACTOR:g} × the seed's batching server",
+            against_seed(clients),
+        )
+    judged(check, f"{where}, {SPREAD_CLIENTS} clients: p99 ≤ {SPREAD_FACTOR:g} × p50", spread)
+    judged(check, f"{where}, {SPREAD_CLIENTS} clients: no answer over {SLOWEST_MS:.0f} ms", slowest)
+    judged(check, f"{where}, 1 client: p50 ≤ the ceiling's batch-1 time + 1 ms", lone)
+
+
+def gpu_overload_targets(scenario: dict, name: str, skipped: bool, check: Check) -> None:
+    """The scheduling issue's encoder rows: goodput and the refusals' p99 at 3× capacity."""
+    server = scenario["servers"][name]
+    where = f"{scenario['model']}, {SERVER_LABELS.get(name, name)}"
+
+    def overload() -> dict:
+        points_of(server, name)  # why there is no overload where the server did not run
+        found = server["text_sets"][GPU_TEXT_SET].get("overload")
+        if not found:
+            why = "the run was --no-overload" if skipped else f"bench.compare overloads no {name}"
+            raise NotMeasured(why)
+        return found
+
+    def goodput() -> tuple[str, bool]:
+        run = overload()
+        share = run["goodput"] / run["capacity"]
+        measured = f"{share:.2f} ({run['goodput']:.0f} of {run['capacity']:.0f}/s)"
+        return measured, share >= GPU_GOODPUT_FLOOR
+
+    def refusals() -> tuple[str, bool]:
+        run = overload()
+        p99 = run.get("503", {}).get("p99_ms")
+        if p99 is None:
+            raise NotMeasured(f"no 503 answered (statuses {run['statuses']})")
+        return f"{p99:.1f} ms ({run['statuses'].get('503', 0)} answers)", p99 <= GPU_REFUSAL_P99_MS
+
+    judged(
+        check,
+        f"{where}, overload at 3× capacity: goodput ≥ {GPU_GOODPUT_FLOOR:g} × capacity",
+        goodput,
+    )
+    judged(check, f"{where}, overload: 503 answered with p99 ≤ {GPU_REFUSAL_P99_MS:g} ms", refusals)
 
 
 def _markdown(rows: list[list[str]]) -> str:
