@@ -672,6 +672,25 @@ def test_two_lists_take_turns():
     assert batch == [a[0], b[0], a[1], b[1]]
 
 
+def test_an_input_that_costs_batches_takes_a_turn_per_batch():
+    """A question-answering context of hundreds of windows is one item; at one turn each,
+    a short request that came after three of them waited for all three (a tester: 9-17 s
+    behind contexts of 2.3-3.7 s each). It takes a turn per full batch of the model's
+    longest inputs it costs, so the short one goes next; inputs within the model's
+    length keep a turn each."""
+    core = SchedulerCore(max_batch_size=1, max_input_tokens=128)
+    longs = [core.new_item(text(20), {}, 30.0, 0.0) for _ in range(3)]
+    for item in longs:
+        item.cost = 128 * 40  # forty batches of the longest inputs
+        core.admit([item], now=0.0)
+    assert next_batch(core, now=0.0) == [longs[0]]
+    (short,) = queue_items(core, [text(10)])
+    assert next_batch(core, now=0.0) == [short]
+    assert [item.turn for item in longs] == [40, 40, 40]
+    lists = SchedulerCore(max_batch_size=2, max_input_tokens=128)
+    assert [item.turn for item in queue_items(lists, [text(128)] * 3)] == [1, 2, 3]
+
+
 def test_an_item_near_its_deadline_leads_whatever_its_turn():
     core = measured(SchedulerCore(max_batch_size=1), seconds_per_token=1e-3, fixed=0.01)
     (single,) = queue_items(core, [text(10)], deadline=30.0)
