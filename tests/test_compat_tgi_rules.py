@@ -356,6 +356,19 @@ async def test_an_input_tgi_cannot_take_is_422_validation(path, document):
     assert json.loads(response.body)["error_type"] == "validation"
 
 
+@pytest.mark.parametrize("values", [["0"], ["2", "3"]], ids=["zero", "two headers"])
+@pytest.mark.parametrize("path", ["/generate", "/generate_stream", "/"])
+async def test_a_bad_request_timeout_is_422_validation_however_it_is_bad(path, values):
+    """Two X-Request-Timeout headers were 400 `bad_request` where one bad value is 422
+    `validation`: TGI's client raised another error for them (a tester)."""
+    app = App(ServedModels([generation_model()]))
+    request = post(path, {"inputs": "once"})
+    request.headers.extend(("x-request-timeout", value) for value in values)
+    response = await app.handle(request)
+    assert response.status == 422, response.body
+    assert json.loads(response.body)["error_type"] == "validation"
+
+
 @pytest.mark.parametrize("path", ["/generate", "/generate_stream", "/"])
 async def test_a_body_that_is_not_json_stays_400_as_tgis_json_reader_answers(path):
     app = App(ServedModels([generation_model()]))

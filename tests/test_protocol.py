@@ -1965,7 +1965,7 @@ def test_a_deadline_of_no_time_is_400(value):
 def test_two_request_timeout_headers_are_a_bad_request_whatever_their_order(values):
     headers = [("x-request-timeout", value) for value in values]
     request = HttpRequest("POST", "/", "", headers, b"", "id")
-    with pytest.raises(MalformedRequest, match="one X-Request-Timeout header"):
+    with pytest.raises(BadRequest, match="one X-Request-Timeout header"):
         request_timeout(request, default=30, longest=60)
 
 

@@ -222,7 +222,10 @@ def request_timeout(request: HttpRequest, default: float, longest: float) -> flo
     """Seconds the request may take: its X-Request-Timeout (at most `longest`) or `default`.
     Two such headers are 400 (`single_header`), as they are when a proxy joins them into
     one list, which is no number."""
-    header = single_header(request, "x-request-timeout")
+    try:
+        header = single_header(request, "x-request-timeout")
+    except MalformedRequest as exc:  # typed as a bad value is (TGI's 422 "validation")
+        raise BadRequest(str(exc)) from None
     if header is None:
         return default
     seconds = header_decimal(header)
