@@ -220,8 +220,8 @@ def check_client_batch(count: int, limit: int) -> None:
 
 def request_timeout(request: HttpRequest, default: float, longest: float) -> float:
     """Seconds the request may take: its X-Request-Timeout (at most `longest`) or `default`.
-    Two such headers are 400 (`single_header`), as they are when a proxy joins them into
-    one list, which is no number."""
+    Two such headers are refused as a bad value is (`single_header`), as they are when a
+    proxy joins them into one list, which is no number."""
     try:
         header = single_header(request, "x-request-timeout")
     except MalformedRequest as exc:  # typed as a bad value is (TGI's 422 "validation")

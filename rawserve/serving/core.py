@@ -6,8 +6,9 @@ clock and simulated at random (tests/test_scheduler_simulation.py).
 
 The queue is served in fair-share order, not first come first served: each request's
 items get consecutive turns from the current one (start-time fair queueing, one turn per
-item, more for an item that costs several batches), so a request of 256 inputs interleaves with the single inputs that arrive after
-it instead of going wholly before them. Deadlines still rule where they bind: an item
+item, more for an item that costs several batches), so a request of 256 inputs
+interleaves with the single inputs that arrive after it instead of going wholly before
+them. Deadlines still rule where they bind: an item
 close to its deadline leads the next batch or joins it, an expired one is dropped, and
 no batch is made that would come back after a member's deadline. The async driver that
 runs it against the worker pool is `rawserve.serving.driver.Scheduler`. Never imports
