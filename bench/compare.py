@@ -12,8 +12,11 @@ For each model (a 2-label classifier and token-level embeddings, both all-MiniLM
 2. each server in turn, started fresh, warmed up, then closed-loop runs at 1, 4, 16 and 64
    clients on each text set, with a GET /health prober alongside the 64-client run;
 3. for rawserve, an open-loop run at 3x the capacity it just showed.
-Then a table of ratios to the ceiling and to the seed's server, a picture of throughput
-against p99 latency (bench/throughput_vs_p99.png), and the raw figures as JSON.
+Then a table of ratios to the ceiling and to the seed's server, the raw figures as JSON
+(`--json`), and a picture of throughput against p99 latency beside it, named after it
+(`encoders.png` beside `encoders.json`; for the tracked figures and with `--record`,
+bench/throughput_vs_p99.png, the one RESULTS.md shows). It exits 1 when a server it was
+asked for measured nothing (that server's last log lines are in its own output).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from bench.models import Scenario, scenarios
 from bench.workloads import RAW_TEXT, BodyFormat, texts
 
 BENCH_DIR = Path(__file__).resolve().parent
+DEFAULT_JSON = BENCH_DIR / "results.json"  # tracked, as the picture RESULTS.md shows
 CLIENT_COUNTS = (1, 4, 16, 64)
 SATURATION_CLIENTS = 64
 OVERLOAD_FACTOR = 3.0
@@ -470,15 +474,33 @@ def run_scenario(scenario: Scenario, settings: Settings, work: Path) -> dict[str
         if scenario.servers is not None and name not in scenario.servers:
             continue
         log(f"{name}: {scenario.name}")
-        server = start_server(name, scenario, settings, work)
-        try:
-            result["servers"][name] = asyncio.run(measure_server(server, scenario, settings))
-        except Exception as exc:  # noqa: BLE001 - one server failing must not stop the rest
-            log(f"  {name} failed: {exc!r}\n{server.log_tail()}")
-            result["servers"][name] = {"error": repr(exc)}
-        finally:
-            server.stop()
+        result["servers"][name] = measured_or_error(name, scenario, settings, work)
     return result
+
+
+def measured_or_error(name: str, scenario: Scenario, settings: Settings, work: Path) -> dict:
+    """One server's figures, or {"error": ...} with its log's last lines in ours: one
+    server failing, to start or under load, must not stop the rest."""
+    server = None
+    try:
+        server = start_server(name, scenario, settings, work)
+        return asyncio.run(measure_server(server, scenario, settings))
+    except Exception as exc:  # noqa: BLE001
+        log(f"  {name} failed: {exc!r}\n{server.log_tail() if server else ''}")
+        return {"error": repr(exc)}
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def failed_servers(results: dict) -> list[str]:
+    """The servers asked for that measured nothing, as `name (model)`."""
+    return [
+        f"{name} ({scenario['model']})"
+        for scenario in results["scenarios"]
+        for name, figures in scenario["servers"].items()
+        if "error" in figures
+    ]
 
 
 def machine(device: str = "cpu") -> dict[str, Any]:
@@ -558,7 +580,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="requests per engine of --soak-model",
     )
     parser.add_argument("--text-sets", help="only these text sets (e.g. short), when given")
-    parser.add_argument("--json", type=Path, default=BENCH_DIR / "results.json")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--from-json", type=Path, help="only redo the table and picture")
     return parser.parse_args(argv)
 
@@ -614,10 +636,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"done in {results['seconds']:.0f} s; figures in {args.json}")
     table = report.ratio_table(results)
     print(table)
-    picture = report.plot(results, BENCH_DIR / "throughput_vs_p99.png")
+    picture = report.plot(results, picture_path(args))
     if args.record:
         report.record(results, table, picture, BENCH_DIR / "RESULTS.md")
+    failed = failed_servers(results)
+    if failed:  # the figures are written, but a run that lost a server did not succeed
+        log(f"measured nothing: {', '.join(failed)}")
+        return 1
     return 0
+
+
+def picture_path(args: argparse.Namespace) -> Path:
+    """Beside the JSON, named after it; the tracked picture RESULTS.md shows only for the
+    tracked figures or --record (a run elsewhere, a GPU's, must not overwrite it)."""
+    if args.record or args.json == DEFAULT_JSON:
+        return BENCH_DIR / "throughput_vs_p99.png"
+    return args.json.with_suffix(".png")
 
 
 if __name__ == "__main__":

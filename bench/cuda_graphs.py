@@ -51,16 +51,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=0.5, help="per batch size, round, side")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
-        "--work", type=Path, default=Path(tempfile.gettempdir()) / "rawserve-bench-graphs"
+        "--work",
+        type=Path,
+        help="a folder to build the model in, kept (default: a temporary one, removed at the end)",
     )
     args = parser.parse_args(argv)
+    if args.work is not None:
+        return compare(args, args.work)
+    # the model weighs 419 MB: a folder left in /tmp outlives the run on a lent machine
+    with tempfile.TemporaryDirectory(prefix="rawserve-bench-graphs-") as work:
+        return compare(args, Path(work))
 
+
+def compare(args: argparse.Namespace, work: Path) -> int:
     from bench.models import build_bert_base_classifier
     from bench.workloads import texts
     from rawserve.shared.messages import WorkerConfig
     from rawserve.worker.loading import load_runner
 
-    folder = str(build_bert_base_classifier(args.work / "bert-base-classifier"))
+    folder = str(build_bert_base_classifier(work / "bert-base-classifier"))
     runners = {
         graphs: load_runner(
             WorkerConfig(model=folder, task="text-classification", cuda_graphs=graphs),

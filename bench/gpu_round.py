@@ -1,7 +1,7 @@
 """One bounded pass over every GPU measurement, for a machine lent for minutes.
 
     python -m bench.gpu_round --out /tmp/gpu                 # the open targets, then the rest
-    python -m bench.gpu_round --out /tmp/gpu2 --stages generation-gathered lone encoders-more \
+    python -m bench.gpu_round --out /tmp/gpu --skipped-from /tmp/gpu/summary.json \
         --budget 300                                         # what it skipped, a second command
     python -m bench.gpu_round --out /tmp/dry --dry-run       # every stage on the CPU, tiny
 
@@ -9,18 +9,22 @@ A lent machine runs one command for at most 600 s: the default `--budget` (500 s
 stages that measure the issues' open targets, which run first, and whatever of the rest
 still fits (on an H200, by the last round's times, `graphs` and `decode`); the stages it
 skipped run in a second command, at once, on the machine still warm, as far as the
-session's device time goes (`--stages others` names them all). On the
-machine itself, `scripts/gpu_wheels.sh` prepares what it lacks (bench/RESULTS.md,
-"Measuring on a lent GPU"). `--dry-run` runs every stage's command, the same options at
-tiny sizes, on the CPU: a wrong option fails here, not on the GPU.
+session's device time goes (`--skipped-from` reads them from the first's summary;
+`--stages others` names them all). `--limit` cuts the budget to what the command itself
+may still run. On the machine itself, `scripts/gpu_wheels.sh` prepares what it lacks
+(bench/RESULTS.md, "Measuring on a lent GPU"). `--dry-run` runs every stage's command, the
+same options at tiny sizes, on the CPU: a wrong option fails here, not on the GPU.
 
 Each stage is one of the benchmarks, run as a command of its own under a time limit
 (killed past it: what it printed so far is kept), its output in `OUT/<stage>.log` and its
 last lines on the screen as it ends. A stage that would not fit in what is left of
-`--budget` is skipped, and says so. Where `nvidia-smi` is installed, `OUT/dmon.log`
+the budget is skipped, and says so. Where `nvidia-smi` is installed, `OUT/dmon.log`
 records the GPU's use each second meanwhile. `OUT/summary.json` lists every stage: its
-command, exit status, seconds, and whether it ran out of time. `--pack FILE` packs OUT
-into one archive at the end (a lent machine sends back only a few files).
+command, exit status, seconds, and whether it ran out of time, was skipped or stopped;
+it is rewritten as each stage ends, and with `--back DIR` so are `DIR/summary.json` and
+`DIR/round.tar.gz` (all of OUT: a lent machine sends back only a few files, and only
+those already in its $OUT when a command is killed). The round exits 1 when a stage
+failed, ran out of time or was stopped; a stage skipped for want of budget is no failure.
 
 The open targets (`--stages targets`), in the order they run:
 
@@ -83,6 +87,9 @@ BUDGET = 500.0
 # a dry run's stages may take this many times their GPU limits: a CPU shared by its tools
 # builds and loads the models, and runs what the GPU skips (ONNX Runtime's ceiling)
 DRY_RUN_SLOWER = 4
+# what `--limit` keeps back: a stage's servers stopped, the summary and archive written
+LIMIT_MARGIN = 30.0
+ARCHIVE = "round.tar.gz"  # in `--back`
 
 
 @dataclass(frozen=True)
@@ -198,7 +205,12 @@ def tail(path: Path, lines: int = TAIL_LINES) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def run(chosen: Sequence[Stage], out: Path, budget: float) -> list[dict[str, Any]]:
+def run(
+    chosen: Sequence[Stage], out: Path, budget: float, back: Path | None = None
+) -> list[dict[str, Any]]:
+    """Each stage in turn while the budget holds it; OUT/summary.json (and, with `back`,
+    the folder a lent machine sends back) rewritten as each ends, so that a command
+    killed from outside still returns every stage ended before."""
     out.mkdir(parents=True, exist_ok=True)
     monitor = None
     if shutil.which("nvidia-smi"):
@@ -213,6 +225,7 @@ def run(chosen: Sequence[Stage], out: Path, budget: float) -> list[dict[str, Any
             if stage.seconds > left:
                 found.append({"stage": stage.name, "skipped": f"{left:.0f} s left"})
                 print(f"== {stage.name}: skipped, {left:.0f} s left of the budget", flush=True)
+                keep(found, out, back, packed=False)
                 continue
             print(f"== {stage.name} (at most {stage.seconds} s)", flush=True)
             try:
@@ -225,12 +238,52 @@ def run(chosen: Sequence[Stage], out: Path, budget: float) -> list[dict[str, Any
             print(tail(Path(result["log"])), flush=True)
             ended = "ran out of time" if result["timed_out"] else f"exit {result['exit']}"
             print(f"== {stage.name}: {ended} after {result['seconds']} s", flush=True)
+            keep(found, out, back)
     finally:
         if monitor is not None:
             monitor.terminate()
             monitor.wait()
-        (out / "summary.json").write_text(json.dumps(found, indent=1))
+        reached = {f["stage"] for f in found}
+        # named, so that `--skipped-from` runs them next
+        found += [
+            {"stage": stage.name, "skipped": "the round was stopped"}
+            for stage in chosen
+            if stage.name not in reached
+        ]
+        keep(found, out, back)
     return found
+
+
+def keep(found: list[dict[str, Any]], out: Path, back: Path | None, packed: bool = True) -> None:
+    """The summary so far into OUT and, with `back`, beside OUT's archive there."""
+    summary = json.dumps(found, indent=1)
+    replace_file(out / "summary.json", summary.encode())
+    if back is not None:
+        back.mkdir(parents=True, exist_ok=True)
+        replace_file(back / "summary.json", summary.encode())
+        if packed or not (back / ARCHIVE).exists():
+            pack(out, back / ARCHIVE)
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Written whole or not at all: a command killed meanwhile leaves the last version."""
+    partial = path.with_name(f"{path.name}.partial")
+    partial.write_bytes(data)
+    partial.replace(path)
+
+
+def succeeded(found: Sequence[dict[str, Any]]) -> bool:
+    """Every stage that ran ended well and none was stopped: a stage skipped for want of
+    budget is no failure (`--skipped-from` runs it in the next command)."""
+    return all(
+        not f.get("interrupted") and not f.get("timed_out") and f.get("exit", 0) == 0 for f in found
+    )
+
+
+def skipped_stages(summary: Path) -> list[str]:
+    """The stages an earlier round's summary names skipped or interrupted."""
+    found = json.loads(summary.read_text())
+    return [f["stage"] for f in found if "skipped" in f or f.get("interrupted")]
 
 
 def pack(out: Path, archive: Path, limit: int = PACKED_FILE_LIMIT) -> None:
@@ -238,19 +291,21 @@ def pack(out: Path, archive: Path, limit: int = PACKED_FILE_LIMIT) -> None:
     MiB each at most): a file over `limit` bytes (a profile's raw stacks) is left out,
     and named in the archive's `left-out.txt`."""
     archive.parent.mkdir(parents=True, exist_ok=True)
+    partial = archive.with_name(f"{archive.name}.partial")  # the last whole one stays meanwhile
     name = out.name or "round"
     too_big = {
         f"{name}/{path.relative_to(out)}": path.stat().st_size
         for path in out.rglob("*")
         if path.is_file() and path.stat().st_size > limit
     }
-    with tarfile.open(archive, "w:gz") as tar:
+    with tarfile.open(partial, "w:gz") as tar:
         tar.add(out, arcname=name, filter=lambda info: None if info.name in too_big else info)
         if too_big:
             said = "".join(f"{path}: {size} bytes\n" for path, size in sorted(too_big.items()))
             info = tarfile.TarInfo(f"{name}/left-out.txt")
             info.size = len(said.encode())
             tar.addfile(info, io.BytesIO(said.encode()))
+    partial.replace(archive)
 
 
 def chosen_stages(names: Sequence[str], out: Path, dry_run: bool) -> list[Stage]:
@@ -275,23 +330,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help=f"seconds for all stages (default: {BUDGET:.0f}; none in a dry run)",
     )
+    parser.add_argument(
+        "--limit",
+        type=float,
+        help="seconds this command may still run (a lent machine's): the budget is cut to "
+        f"end {LIMIT_MARGIN:.0f} s short of it",
+    )
     names = [stage.name for stage in stages(Path())]
     parser.add_argument(
-        "--stages", nargs="+", choices=[*names, "targets", "others"], default=["targets", "others"]
+        "--stages",
+        nargs="+",
+        choices=[*names, "targets", "others"],
+        help="default: targets and others (none with --skipped-from)",
+    )
+    parser.add_argument(
+        "--skipped-from",
+        type=Path,
+        metavar="SUMMARY",
+        help="also the stages an earlier round's summary.json names skipped or interrupted",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="every stage on the CPU at tiny sizes"
     )
-    parser.add_argument("--pack", type=Path, help="also pack OUT into this .tar.gz at the end")
+    parser.add_argument(
+        "--back",
+        type=Path,
+        metavar="DIR",
+        help=f"after every stage, OUT packed into DIR/{ARCHIVE} and the summary copied "
+        "there (a lent machine's $OUT: what a command killed from outside still returns)",
+    )
     args = parser.parse_args(argv)
+    wanted = args.stages or ([] if args.skipped_from else ["targets", "others"])
+    if args.skipped_from:
+        if not args.skipped_from.is_file():
+            parser.error(f"no summary at {args.skipped_from}: name the stages (--stages)")
+        wanted = [*wanted, *skipped_stages(args.skipped_from)]
     budget = args.budget or (float("inf") if args.dry_run else BUDGET)
-    chosen = chosen_stages(args.stages, args.out, args.dry_run)
-    try:
-        found = run(chosen, args.out, budget)
-    finally:
-        if args.pack:
-            pack(args.out, args.pack)
-    return 0 if all(f.get("exit") == 0 for f in found) else 1
+    if args.limit is not None:
+        budget = min(budget, args.limit - LIMIT_MARGIN)
+    found = run(chosen_stages(wanted, args.out, args.dry_run), args.out, budget, args.back)
+    return 0 if succeeded(found) else 1
 
 
 if __name__ == "__main__":

@@ -65,26 +65,24 @@ async def closed_loop(
     return done / (time.perf_counter() - start)
 
 
-def small_encoder(layers: int, hidden: int) -> str:
-    """A random BERT encoder of that size with MiniLM's tokenizer, saved once."""
+def small_encoder(layers: int, hidden: int, folder: Path) -> str:
+    """A random BERT encoder of that size with MiniLM's tokenizer, saved into `folder`."""
+    import torch
+    import transformers
+
     from bench.models import tokenizer_path
 
-    folder = Path(tempfile.gettempdir()) / f"rawserve-bench-encoder-{layers}x{hidden}"
-    if not (folder / "config.json").is_file():
-        import torch
-        import transformers
-
-        torch.manual_seed(0)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_path())
-        config = transformers.BertConfig(
-            vocab_size=tokenizer.vocab_size,
-            hidden_size=hidden,
-            num_hidden_layers=layers,
-            num_attention_heads=max(1, hidden // 64),
-            intermediate_size=4 * hidden,
-        )
-        transformers.BertModel(config).save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_path())
+    config = transformers.BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        intermediate_size=4 * hidden,
+    )
+    transformers.BertModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return str(folder)
 
 
@@ -101,13 +99,13 @@ async def ready_pool(config, devices: list[str], overlap: bool | None = None):
     return pool, wake
 
 
-async def main_async(args: argparse.Namespace) -> dict:
+async def main_async(args: argparse.Namespace, work: Path) -> dict:
     from bench.models import minilm_path
     from bench.workloads import texts
     from rawserve.shared.messages import WorkerConfig
 
     devices = args.device.split(",") if args.device else ["cpu"] * (os.cpu_count() or 1)
-    model = small_encoder(args.layers, args.hidden) if args.layers else minilm_path()
+    model = small_encoder(args.layers, args.hidden, work) if args.layers else minilm_path()
     config = WorkerConfig(
         model=model, task="feature-extraction", pooling="mean", threads=args.threads
     )
@@ -166,7 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--layers", type=int, default=0, help="a random encoder of this depth")
     parser.add_argument("--hidden", type=int, default=128, help="its width (with --layers)")
-    result = asyncio.run(main_async(parser.parse_args(argv)))
+    args = parser.parse_args(argv)
+    # the random encoder's folder goes with the run (on a lent machine nothing else removes it)
+    with tempfile.TemporaryDirectory(prefix="rawserve-bench-encoder-") as work:
+        result = asyncio.run(main_async(args, Path(work)))
     json.dump(result, sys.stdout, indent=1)
     print()
     return 0

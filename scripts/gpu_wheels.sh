@@ -12,6 +12,9 @@
 # Then, on the machine, from the repository's root (DIR carried):
 #
 #     DIR/round.sh                     # the wheels installed, then the round; see round.sh
+#     ROUND_LIMIT=360 DIR/round.sh --skipped-from DIR/summary.json
+#                                      # a second command: what the first skipped (its
+#                                      # summary.json, sent back, copied into DIR)
 set -euo pipefail
 
 dir=${1:-gpu-wheels}
@@ -45,22 +48,28 @@ cat >"$dir/round.sh" <<'EOF'
 #!/usr/bin/env bash
 # On the GPU machine, from the repository's root: install the carried wheels for this
 # session, then the GPU round (its arguments: bench.gpu_round's, default the open targets
-# and as much of the rest as the 500 s budget holds); everything it wrote comes back
-# packed in $OUT/round.tar.gz, with its summary beside it.
+# and as much of the rest as the budget holds). ROUND_LIMIT: the timeout_s the command
+# runs under (default 600; the tool lowers it to the device time left). The round's
+# budget ends 30 s short of it (at most 500 s), and the round is stopped (SIGINT) 15 s
+# short of it whatever happens. As each stage ends, $OUT/round.tar.gz (every log and
+# JSON) and $OUT/summary.json are rewritten: a command killed still returns the stages
+# ended before it.
 set -uo pipefail
+limit=${ROUND_LIMIT:-600}
 here=$(cd "$(dirname "$0")" && pwd)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$here"/wheels/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export RAWSERVE_BENCH_TOKENIZER=$here/tokenizer
 out=${OUT:-/tmp/out}
+left=$((limit - SECONDS)) # the install took SECONDS of it
+if ((left < 60)); then
+    echo "ROUND_LIMIT=$limit leaves $left s after the install: no stage fits" >&2
+    exit 1
+fi
 mkdir -p "$out"
-# stopped (SIGINT) short of the command's 600 s whatever happens: the round then ends its
-# stage, writes its summary and packs what it has
-timeout -s INT 570 python3 -m bench.gpu_round --out /tmp/round --pack "$out/round.tar.gz" "$@"
-code=$?
-cp /tmp/round/summary.json "$out/" 2>/dev/null
-exit $code
+timeout -s INT -k 10 $((left - 15)) \
+    python3 -m bench.gpu_round --out /tmp/round --back "$out" --limit "$left" "$@"
 EOF
 chmod +x "$dir/round.sh"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import importlib.util
 import json
 import random
 import shlex
@@ -227,6 +228,190 @@ def test_the_gpu_round_packs_what_it_wrote_into_one_archive(tmp_path):
     with tarfile.open(tmp_path / "back" / "round.tar.gz") as tar:
         names = set(tar.getnames())
     assert {"round/summary.json", "round/quick.log"} <= names and found[0]["exit"] == 0
+
+
+def fake_round(monkeypatch, *found: gpu_round.Stage) -> None:
+    """`python -m bench.gpu_round` with these stages in place of the benchmarks."""
+    monkeypatch.setattr(gpu_round, "stages", lambda out, dry_run=False: list(found))
+
+
+def test_a_gpu_round_that_skips_what_its_budget_cannot_hold_succeeds_and_names_it(
+    tmp_path, monkeypatch
+):
+    """A first command on a lent GPU skips what its budget cannot hold, as planned: it
+    exited 1 all the same, as if a stage had failed."""
+    quick = gpu_round.Stage("quick", 30, ("json.tool", "--help"))
+    large = gpu_round.Stage("large", 10_000, ("json.tool", "--help"))
+    fake_round(monkeypatch, quick, large)
+
+    code = gpu_round.main(["--out", str(tmp_path), "--budget", "60"])
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert code == 0
+    assert [f["stage"] for f in summary] == ["quick", "large"] and "skipped" in summary[1]
+
+
+def test_a_gpu_round_s_second_command_runs_what_the_first_skipped(tmp_path, monkeypatch):
+    """Which stages a first command skips depends on the time each took: the second reads
+    them from the first's summary rather than from a list written beforehand."""
+    every = [
+        gpu_round.Stage(name, seconds, ("json.tool", "--help"))
+        for name, seconds in [("first", 30), ("large", 10_000), ("small", 30), ("other", 9_000)]
+    ]
+    fake_round(monkeypatch, *every)
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert gpu_round.main(["--out", str(first), "--budget", "100"]) == 0
+
+    code = gpu_round.main(
+        ["--out", str(second), "--budget", "20000", "--skipped-from", str(first / "summary.json")]
+    )
+
+    ran = json.loads((second / "summary.json").read_text())
+    assert code == 0 and [(f["stage"], f["exit"]) for f in ran] == [("large", 0), ("other", 0)]
+    with pytest.raises(SystemExit):  # no summary there: said, not an empty round
+        gpu_round.main(["--out", str(second), "--skipped-from", str(tmp_path / "none.json")])
+
+
+def test_a_gpu_round_with_a_stage_that_failed_or_ran_out_of_time_fails(tmp_path, monkeypatch):
+    failing = gpu_round.Stage("failing", 30, ("json.tool", str(tmp_path / "absent.json")))
+    fake_round(monkeypatch, failing)
+    assert gpu_round.main(["--out", str(tmp_path / "failed")]) == 1
+    stuck = gpu_round.Stage("stuck", 1, ("http.server", "0", "--bind", "127.0.0.1"))
+    fake_round(monkeypatch, stuck)
+    assert gpu_round.main(["--out", str(tmp_path / "stuck")]) == 1
+
+
+def test_a_gpu_round_s_limit_cuts_its_budget(tmp_path, monkeypatch):
+    """A command run under a smaller limit than 600 s (a second one, or the device time
+    left) starts no stage that would outlast it."""
+    fake_round(monkeypatch, gpu_round.Stage("quick", 30, ("json.tool", "--help")))
+
+    code = gpu_round.main(["--out", str(tmp_path), "--limit", str(gpu_round.LIMIT_MARGIN + 20)])
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert code == 0 and summary == [{"stage": "quick", "skipped": "20 s left"}]
+
+
+def test_a_gpu_round_sends_back_every_stage_as_it_ends(tmp_path, monkeypatch):
+    """A command killed at the tool's limit returns only what is already in its $OUT: the
+    summary and the archive there are rewritten as each stage ends, not at the round's."""
+    back = tmp_path / "back"
+    (tmp_path / "peek.py").write_text(
+        "import json, sys, tarfile\n"
+        f"back = {str(back)!r}\n"
+        "with tarfile.open(back + '/round.tar.gz') as tar:\n"
+        "    names = tar.getnames()\n"
+        "summary = json.load(open(back + '/summary.json'))\n"
+        f"peeked = open({str(tmp_path / 'peeked.json')!r}, 'w')\n"
+        "json.dump({'names': names, 'summary': summary}, peeked)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    quick = gpu_round.Stage("quick", 30, ("json.tool", "--help"))
+    fake_round(monkeypatch, quick, gpu_round.Stage("peek", 30, ("peek",)))
+
+    code = gpu_round.main(["--out", str(tmp_path / "round"), "--back", str(back)])
+
+    peeked = json.loads((tmp_path / "peeked.json").read_text())
+    assert code == 0, (tmp_path / "round" / "peek.log").read_text()
+    assert [(f["stage"], f["exit"]) for f in peeked["summary"]] == [("quick", 0)]
+    assert {"round/quick.log", "round/summary.json"} <= set(peeked["names"])
+    assert [f["stage"] for f in json.loads((back / "summary.json").read_text())] == [
+        "quick",
+        "peek",
+    ]
+    assert sorted(path.name for path in back.iterdir()) == ["round.tar.gz", "summary.json"]
+
+
+def test_a_gpu_round_stopped_from_outside_names_what_it_did_not_reach(tmp_path, monkeypatch):
+    """Stopped (SIGINT, as round.sh's timeout stops it): the stage running is marked
+    interrupted, the round fails, and the stages it never reached are named, for
+    `--skipped-from`."""
+    (tmp_path / "stops_the_round.py").write_text(
+        "import os, signal, time\nos.kill(os.getppid(), signal.SIGINT)\ntime.sleep(30)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    quick = gpu_round.Stage("quick", 30, ("json.tool", "--help"))
+    stopper = gpu_round.Stage("stopper", 30, ("stops_the_round",))
+    after = gpu_round.Stage("after", 30, ("json.tool", "--help"))
+
+    found = gpu_round.run([quick, stopper, after], tmp_path, budget=100)
+
+    assert found[1:] == [
+        {"stage": "stopper", "interrupted": True},
+        {"stage": "after", "skipped": "the round was stopped"},
+    ]
+    assert not gpu_round.succeeded(found)
+    assert gpu_round.skipped_stages(tmp_path / "summary.json") == ["stopper", "after"]
+
+
+def test_bench_compare_keeps_a_failed_server_s_last_words_and_exits_1(
+    tmp_path, monkeypatch, capsys
+):
+    """A server that measured nothing (the seed's, timed out on the GPU) left its stage
+    at exit 0: the round called it a success."""
+    from bench import compare
+
+    stopped = []
+
+    class DeafServer:
+        def log_tail(self) -> str:
+            return "the server's own last words"
+
+        def stop(self) -> None:
+            stopped.append(True)
+
+    async def times_out(*args):
+        raise TimeoutError("no answer in 180 s")
+
+    monkeypatch.setattr(compare, "start_server", lambda *args: DeafServer())
+    monkeypatch.setattr(compare, "measure_server", times_out)
+    figures = compare.measured_or_error("seed-batching", None, None, tmp_path)
+    assert figures == {"error": "TimeoutError('no answer in 180 s')"} and stopped
+    assert "the server's own last words" in capsys.readouterr().err
+
+    results = json.loads((Path(REPO_ROOT) / "bench" / "results.json").read_text())
+    results["scenarios"][0]["servers"]["seed-batching"] = figures
+    (tmp_path / "figures.json").write_text(json.dumps(results))
+    tracked_picture = (Path(REPO_ROOT) / "bench" / "throughput_vs_p99.png").read_bytes()
+
+    code = compare.main(
+        ["--from-json", str(tmp_path / "figures.json"), "--json", str(tmp_path / "encoders.json")]
+    )
+
+    assert code == 1 and "measured nothing: seed-batching" in capsys.readouterr().err
+    # the picture goes beside the figures: the tracked one stays as it was
+    assert (Path(REPO_ROOT) / "bench" / "throughput_vs_p99.png").read_bytes() == tracked_picture
+    assert (tmp_path / "encoders.png").exists() or importlib.util.find_spec("matplotlib") is None
+
+
+def test_the_gpu_round_s_in_process_benchmarks_leave_no_model_in_tmp(tmp_path, monkeypatch):
+    """bench.cuda_graphs left 419 MB of BERT-base in /tmp, bench.overlap its random
+    encoders: on a lent machine nothing removes them."""
+    import tempfile
+
+    from bench import cuda_graphs, models, overlap
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def build_then_fail(folder: Path) -> Path:
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"weights")
+        raise RuntimeError("built")
+
+    async def no_pool(*args, **kwargs):
+        raise RuntimeError("built")
+
+    monkeypatch.setattr(models, "build_bert_base_classifier", build_then_fail)
+    monkeypatch.setattr(overlap, "ready_pool", no_pool)
+    for module, argv in [
+        (cuda_graphs, ["--device", "cpu"]),
+        (overlap, ["--prepare", "--device", "cpu", "--layers", "1", "--hidden", "32"]),
+    ]:
+        with pytest.raises(RuntimeError, match="built"):
+            module.main(argv)
+        # (torch may keep a compile cache there: not the benchmark's)
+        left = [path.name for path in tmp_path.iterdir() if path.name.startswith("rawserve")]
+        assert left == [], module.__name__
 
 
 def test_the_machine_s_idle_time_is_read_from_proc_stat():
