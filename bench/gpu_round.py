@@ -360,6 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "there (a lent machine's $OUT: what a command killed from outside still returns)",
     )
     args = parser.parse_args(argv)
+    # a command started in the background (a shell's `&`, a runner's) inherits SIGINT
+    # ignored, and Python then raises no KeyboardInterrupt: round.sh's stop went unheard
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     wanted = args.stages or ([] if args.skipped_from else ["targets", "others"])
     if args.skipped_from:
         if not args.skipped_from.is_file():
