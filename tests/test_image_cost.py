@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import struct
+import zlib
 
 import pytest
 
@@ -84,6 +86,23 @@ def test_a_header_past_what_is_read_leaves_the_bytes_to_weigh_it():
     deep = commented(4)
     assert len(deep) > HEADER_CHARS
     assert image_tokens(deep) == estimate_tokens(deep) > HEADER_CHARS // 4
+
+
+def test_a_png_is_weighed_by_its_ihdr_whatever_text_chunks_follow():
+    """Opened by Pillow, a PNG's compressed text chunks were inflated before its size was
+    known: 60 of 1 KB inflating to 1 MB each held the serving process's event loop a
+    quarter of a second an image (a tester); past Pillow's 64 MB of text it was then
+    weighed by its bytes."""
+    png = base64.b64decode(encoded(Image.new("RGB", (640, 480)), "PNG"))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    text = zlib.compress(b"a" * (1 << 20), 9)
+    texts = b"".join(chunk(b"zTXt", b"k%d\0\0" % i + text) for i in range(70))
+    crafted = base64.b64encode(png[:33] + texts + png[33:]).decode()
+    assert image_tokens(crafted) == 640 * 480 // PIXELS_PER_TOKEN
 
 
 def test_an_image_over_pillows_limit_is_weighed_by_its_bytes_as_the_worker_refuses_it():

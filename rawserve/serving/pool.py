@@ -643,13 +643,13 @@ class WorkerPool(PoolReports):
             log.error(
                 "worker %s: %s; killing process %s", worker.label, hung, worker.pid, extra=named
             )
-        if not worker.sequences:
-            self._detach(worker.running.pop(job.batch_id) or self._take_job(worker))
-            self._after_hang(worker, job)
         # A continuous worker's sequences stay held: its exit decides them as a crash's
         # (`_on_exit`), side by side again, then alone. Each answered 500 here, 6 whole
         # answers with 114 s of their deadlines left failed where a kill -9 ran them again.
-        if worker.sequences and worker.state is WorkerState.DEAD:
+        if not worker.sequences:
+            self._detach(worker.running.pop(job.batch_id) or self._take_job(worker))
+            self._after_hang(worker, job)
+        elif worker.state is WorkerState.DEAD:
             return  # (killed at its first sequence's watchdog)
         worker.state = WorkerState.DEAD  # until the reader sees it exit and restarts it
         worker.hung = True  # (a batch's work is detached already: a death at work)
