@@ -3,21 +3,18 @@ it, and the sizes the worker shrinks an image to, which that cost follows.
 
 An image costs the worker its pixels, not its bytes: an 11 KB PNG can declare 4095x21850
 one-bit pixels, and 32 PNGs of 14 KB declaring 9400x9400 each went as one batch, costed
-as 32 thumbnails, and held a CPU worker 19 s. Pillow opens a file lazily, reading only
-its header (a PNG's is read here: Pillow inflates its text chunks first), so the server
-can weigh an image by what it will decode.
+as 32 thumbnails, and held a CPU worker 19 s. Its header says how many
+(`image_headers`), so the server can weigh an image by what the worker will decode.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import io
 import math
-import struct
-import warnings
 
 from rawserve.tasks.estimate import BYTES_PER_TOKEN
+from rawserve.tasks.image_headers import image_size
 
 # The formats an image input is read in: the raster ones clients send. Pillow opens
 # forty-odd by default, EPS among them, which it renders by running Ghostscript on the
@@ -49,7 +46,6 @@ PIXELS_PER_TOKEN = 64 * 64
 # bytes, a JPEG's after its metadata (EXIF's 64 KB at most a segment). A header beyond it
 # (TIFF may put it last) leaves the image costed by its bytes, which are then as many.
 HEADER_CHARS = 4 * 64 * 1024
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def shrink_factors(size: tuple[int, int], squashed: bool) -> tuple[int, int]:
@@ -93,28 +89,11 @@ def image_tokens(encoded: str) -> int:
         head = base64.b64decode(encoded[:HEADER_CHARS])
     except (ImportError, binascii.Error, ValueError):
         return by_bytes
-    image_format: str | None = "PNG"
-    size = png_size(head)
-    if size is None:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # a decompression bomb's: the worker's
-                with Image.open(io.BytesIO(head), formats=IMAGE_FORMATS) as image:
-                    size, image_format = image.size, image.format
-        except Exception:  # noqa: BLE001 - no header in what was read: weighed by its bytes
-            return by_bytes
+    declared = image_size(head)
+    if declared is None:  # no header in what was read: weighed by its bytes
+        return by_bytes
+    size, image_format = declared
     pixels = size[0] * size[1]
     if Image.MAX_IMAGE_PIXELS is not None and pixels > Image.MAX_IMAGE_PIXELS:
         return by_bytes
     return max(1, decoded_pixels(size, image_format) // PIXELS_PER_TOKEN)
-
-
-def png_size(head: bytes) -> tuple[int, int] | None:
-    """A PNG's width and height from its IHDR, the chunk its format puts first; None if
-    `head` is no PNG. Read here, not by Pillow, which inflates every compressed text
-    chunk before the image data on opening it: 11 PNGs of 87 KB, each of 60 such chunks
-    of 1 KB that inflate to 1 MB, held the serving process's event loop 3 s."""
-    if not head.startswith(PNG_SIGNATURE) or head[12:16] != b"IHDR" or len(head) < 24:
-        return None
-    width, height = struct.unpack(">II", head[16:24])
-    return (width, height) if width and height else None
