@@ -31,6 +31,7 @@ from rawserve.http.cors import browser_origin
 from rawserve.http.limits import ProtocolSettings
 from rawserve.http.tls import server_context
 from rawserve.models.folder import TASK_ALIASES
+from rawserve.models.names import ModelNameError, parse_model_spec
 from rawserve.models.sentence_folder import POOLING_MODES
 from rawserve.ops import layout
 from rawserve.ops.health_probe import DEFAULT_PORT, SAGEMAKER_COMMAND, SAGEMAKER_PORT
@@ -652,6 +653,11 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
         origins = flags_or_variable(args.cors_allow_origin, "RAWSERVE_CORS_ALLOW_ORIGIN")
     except ValueError as exc:
         parser.error(str(exc))
+    for text in models:  # a name that cannot be read is a usage error, before any look-up
+        try:
+            parse_model_spec(text)
+        except ModelNameError as exc:
+            parser.error(f"--model {text!r}: {exc}")
     if args.handler and models:
         parser.error("--handler serves its own callable: give no --model with it")
     # what a handler does not read: silently ignored, it would look honoured

@@ -113,6 +113,26 @@ def test_an_empty_entry_in_the_model_list_is_refused_as_an_empty_flag_is(
     assert parse_config([]).models == defaults(monkeypatch).models
 
 
+@pytest.mark.parametrize(
+    ("named", "says"),
+    [
+        ("bad alias=some/model", "'bad alias' is not a model alias"),
+        ("shout=", "the model alias 'shout' names no folder or Hub id"),
+        (":fill-mask", "a model name has an alias or a task but no folder or Hub id"),
+        ("some/model@", "ends with '@' but names no revision"),
+    ],
+)
+def test_a_model_name_that_cannot_be_read_is_a_usage_error(monkeypatch, capsys, named, says):
+    """Exit 2 with the usage line, as any flag's bad value, before any model is looked
+    for: it was exit 1 after the model look-up (and the imports it needs)."""
+    clear_environment(monkeypatch)
+    with pytest.raises(SystemExit) as stopped:
+        parse_config(["--model", named])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"rawserve: error: --model {named!r}: ") and says in error
+
+
 def test_a_batch_delay_longer_than_any_deadline_is_refused(monkeypatch, capsys):
     clear_environment(monkeypatch)
     assert parse_config(["--max-batch-delay-ms", "60000", "--timeout", "60"])
