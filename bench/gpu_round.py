@@ -363,12 +363,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # a command started in the background (a shell's `&`, a runner's) inherits SIGINT
     # ignored, and Python then raises no KeyboardInterrupt: round.sh's stop went unheard
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    for flag, seconds in (("--budget", args.budget), ("--limit", args.limit)):
+        if seconds is not None and not (0 < seconds < float("inf")):  # 0 read as "default"
+            parser.error(f"{flag} must be a positive number of seconds, not {seconds:g}")
     wanted = args.stages or ([] if args.skipped_from else ["targets", "others"])
     if args.skipped_from:
         if not args.skipped_from.is_file():
             parser.error(f"no summary at {args.skipped_from}: name the stages (--stages)")
         wanted = [*wanted, *skipped_stages(args.skipped_from)]
-    budget = args.budget or (float("inf") if args.dry_run else BUDGET)
+    budget = args.budget if args.budget is not None else (float("inf") if args.dry_run else BUDGET)
     if args.limit is not None:
         budget = min(budget, args.limit - LIMIT_MARGIN)
     found = run(chosen_stages(wanted, args.out, args.dry_run), args.out, budget, args.back)

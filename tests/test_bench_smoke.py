@@ -142,6 +142,16 @@ def test_a_gpu_round_stage_past_its_limit_takes_its_servers_with_it(tmp_path, mo
     assert not running(server)
 
 
+@pytest.mark.parametrize("given", [["--budget", "0"], ["--budget", "-5"], ["--limit", "nan"]])
+def test_a_gpu_round_budget_that_is_no_time_is_refused(tmp_path, capsys, given):
+    """`--budget 0` ran the default 500 s, as though no budget had been named."""
+    with pytest.raises(SystemExit) as stopped:
+        gpu_round.main(["--out", str(tmp_path), "--dry-run", *given])
+    assert stopped.value.code == 2
+    assert f"{given[0]} must be a positive number of seconds" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # no stage ran
+
+
 def test_the_gpu_rounds_archive_leaves_out_what_a_lent_machine_cannot_send_back(tmp_path):
     """A lent machine sends back files of 16 MiB at most: a profile's raw stacks made the
     whole archive too large, and every log of its round was lost with them."""
