@@ -369,6 +369,29 @@ def test_a_restarting_model_asks_for_the_wait_its_restart_should_take(restart_in
     assert dict(ready.headers)["Retry-After"] == wait
 
 
+def test_ready_of_several_restarting_models_asks_for_the_wait_of_the_last_back():
+    """/ready is 200 again only when every model is back: it asked for the first
+    restarting model's wait (13 s), and a balancer polled again 3 s before the other
+    (16 s) was back."""
+    first, last, loaded_one = (
+        served("embedder", "feature-extraction"),
+        served("generator", "text-generation"),
+        served("classifier", "text-classification"),
+    )
+    for model, restart_in in ((first, 12.4), (last, 15.2)):
+        model.serving.workers.ready = False
+        model.serving.workers.restart_in = restart_in
+    app = App(ServedModels([loaded_one, first, last]))
+    ready = app.answer_now(request("GET", "/ready"))
+    assert ready is not None and ready.status == 503
+    assert dict(ready.headers)["Retry-After"] == "16"
+    body = json.loads(ready.body)
+    assert body["status"] == "loading"
+    assert body["models"] == {"classifier": "ready", "embedder": "loading", "generator": "loading"}
+    one = app.answer_now(request("GET", "/ready/embedder"))
+    assert one is not None and dict(one.headers)["Retry-After"] == "13"
+
+
 def test_each_models_entry_in_info_gives_its_input_limits():
     """Of several models, /info's top gives the default model's limits (TEI's, TGI's):
     each model's entry gives its own, the most tokens it reads of an input, or for a

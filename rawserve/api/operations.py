@@ -138,10 +138,16 @@ class OperationsRoutes:
             if len(models) > 1
             else {}
         )
-        for served, status in zip(models, statuses.values(), strict=True):
-            if status["status"] not in ("ready", "full"):  # says more than a full one
-                wait = math.ceil(loading_retry_after(served))  # (a second at least)
-                return json_response(503, {**status, **several}, [("Retry-After", str(wait))])
+        waiting = [
+            (served, status)
+            for served, status in zip(models, statuses.values(), strict=True)
+            if status["status"] not in ("ready", "full")  # says more than a full one
+        ]
+        if waiting:
+            # ready when the last of them is back: a probe that came back with the first
+            # found the others still loading
+            wait = max(math.ceil(loading_retry_after(served)) for served, _ in waiting)
+            return json_response(503, {**waiting[0][1], **several}, [("Retry-After", str(wait))])
         full = any(status["status"] == "full" for status in statuses.values())
         if full and not full_is_ready:
             headers = [("Retry-After", str(FULL_RETRY_AFTER))]
