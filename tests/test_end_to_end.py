@@ -35,6 +35,10 @@ def servers(request, tiny_model):
             "echo_server": lambda: RunningServer(
                 ["--handler", "tests.handlers:sleepy", "--max-batch-size", "8"]
             ),
+            # a Bloom: its config names no positions
+            "alibi_server": lambda: RunningServer(
+                ["--model", tiny_model("alibi-generation"), "--no-warmup"]
+            ),
             # no arguments: its model and body limit come from the environment
             "env_server": lambda: RunningServer(
                 [],
@@ -50,6 +54,7 @@ fill_mask_server = module_server("fill_mask_server")
 classifier_server = module_server("classifier_server")
 echo_server = module_server("echo_server")
 env_server = module_server("env_server")
+alibi_server = module_server("alibi_server")
 
 
 def curl(*args: str) -> str:
@@ -115,6 +120,26 @@ def test_fillings_that_would_make_an_answer_past_its_limit_are_413_before_the_mo
 def test_input_the_pipeline_rejects_is_422(fill_mask_server):
     status, answer = fill_mask_server.post_json({"inputs": "no mask token here"})
     assert status == 422 and answer["error_type"] == "unprocessable_input"
+
+
+def test_a_model_naming_no_positions_refuses_a_prompt_past_2048_tokens_in_words(alibi_server):
+    """Its positions were taken as a million: /info said so, and a 300 KB prompt was
+    queued and run, holding the worker until its deadline while other clients waited."""
+    from rawserve.worker.runner import UNDECLARED_POSITIONS
+
+    most = UNDECLARED_POSITIONS - 1  # a prompt's tokens, leaving room for one new token
+    info = json.loads(alibi_server.request("GET", "/info")[2])
+    assert (info["max_input_tokens"], info["max_total_tokens"]) == (most, UNDECLARED_POSITIONS)
+    status, answer = alibi_server.post_json(
+        {"prompt": "word " * UNDECLARED_POSITIONS, "max_tokens": 2}, "/v1/completions"
+    )
+    assert status == 422, answer
+    said = f"longer than the model's context length: it takes at most {most} tokens"
+    assert said in answer["error"]["message"]
+    status, answer = alibi_server.post_json(
+        {"prompt": "word " * 10, "max_tokens": 2}, "/v1/completions"
+    )
+    assert status == 200, answer
 
 
 @pytest.mark.parametrize(

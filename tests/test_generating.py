@@ -3476,18 +3476,74 @@ def test_formats_a_grammar_does_not_know_are_annotations_those_it_knows_are_held
         grammars.matcher({"type": "json", "value": beside})
 
 
-def test_a_model_whose_config_names_no_positions_takes_at_most_the_unknown_ceiling(
-    runner, monkeypatch
+@pytest.mark.parametrize("declared", [64, None])
+def test_a_model_whose_config_names_no_positions_reads_its_tokenizer_s_length_or_2048(
+    tiny_model, tmp_path, declared
 ):
-    """Its positions were taken as a million: 999,999 new tokens were its limit, which the
-    server then allowed. Unknown, they are the server's ceiling to bound, and the worker
-    refuses past it too."""
-    from rawserve.tasks.rules import UNKNOWN_POSITIONS_NEW_TOKENS
+    """A Bloom (ALiBi: its config names no positions) was taken as reading a million
+    tokens: a 300 KB prompt ran, holding a worker until its deadline, and /info said
+    1,000,000. It reads the length its tokenizer declares, else `UNDECLARED_POSITIONS`,
+    on both paths, and its new tokens stop there too."""
+    import json
+    import shutil
 
-    monkeypatch.setattr(runner, "declared_positions", None)
-    assert runner.limits.max_new_tokens is None
-    with pytest.raises(ValueError, match=f"generates at most {UNKNOWN_POSITIONS_NEW_TOKENS}"):
-        runner.run(["hi"], {"max_new_tokens": UNKNOWN_POSITIONS_NEW_TOKENS + 1})
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+    from rawserve.worker.runner import UNDECLARED_POSITIONS
+
+    folder = shutil.copytree(tiny_model("alibi-generation"), tmp_path / "bloom")
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    assert settings.get("model_max_length", 10**30) >= 10**6  # saved without a length
+    if declared is not None:
+        settings["model_max_length"] = declared
+        (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    bloom = CausalLMRunner(str(folder), "cpu", torch.float32)
+    limit = UNDECLARED_POSITIONS if declared is None else declared
+    assert bloom.details["max_input_length"] == limit
+    assert bloom.limits.max_new_tokens == limit - 1
+    params = {**GREEDY, "max_new_tokens": 1, "return_full_text": False}
+    fits, full = [7] * (limit - 1), [7] * limit
+    expected = static(bloom, fits, params)
+    assert expected[0]["details"]["generated_tokens"] == 1
+    ok, failed = results(serve(bloom, {0: [Batch(1, (fits, full), params)]}))[1].outputs
+    assert without_logprobs(ok) == without_logprobs(expected)
+    assert failed.kind is FailureKind.INPUT and f"at most {limit - 1} to" in failed.message
+    with pytest.raises(ValueError, match=f"at most {limit - 1} to leave room for one new"):
+        bloom.run([full], dict(params))
+    with pytest.raises(ValueError, match=f"generates at most {limit - 1} tokens"):
+        bloom.run(["hi"], {"max_new_tokens": limit})
+
+
+@pytest.mark.parametrize(
+    ("tokenizer_length", "config", "positions"),
+    [
+        (4096, {"model_type": "bloom"}, 4096),  # the tokenizer's, where it is a real one
+        (10**30, {"model_type": "bloom"}, 2048),  # transformers' "none declared"
+        (10**6, {"model_type": "mamba"}, 2048),  # a million: as good as none
+        (10**30, {"model_type": "chatglm", "seq_length": 8192}, 8192),
+        (10**30, {"model_type": "mpt", "max_seq_len": 4096}, 4096),
+        (10**30, {"model_type": "recurrent_gemma"}, 8192),  # trained at 8,192
+    ],
+)
+def test_the_positions_of_a_model_that_names_none_are_bounded(tokenizer_length, config, positions):
+    from rawserve.worker.runner import undeclared_positions
+
+    tokenizer = SimpleNamespace(model_max_length=tokenizer_length)
+    assert undeclared_positions(SimpleNamespace(**config), tokenizer) == positions
+
+
+def test_a_model_of_images_and_text_reads_its_text_config_s_positions():
+    """Gemma 3's config names its positions in its text config: read at the top, they
+    were a million (and would be 2,048 as a model that names none)."""
+    import transformers
+
+    from rawserve.worker.runner import generation_positions
+
+    tokenizer = SimpleNamespace(model_max_length=10**30)
+    config = transformers.Gemma3Config()
+    assert generation_positions(config, tokenizer) == config.text_config.max_position_embeddings
+    assert generation_positions(transformers.MptConfig(max_seq_len=1024), tokenizer) == 1024
 
 
 def test_details_of_counts_only_list_no_tokens_on_either_path(runner):

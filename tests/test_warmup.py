@@ -75,6 +75,40 @@ def test_every_runner_runs_its_warm_up_batch(runner, task):  # noqa: F811
     assert seconds is not None and seconds > 0
 
 
+def test_a_model_of_32_positions_is_warmed_with_the_example_cut_to_what_it_reads(
+    runner,  # noqa: F811
+):
+    """The example text is 48 tokens of the tiny GPT-2's tokenizer: its 422 made the
+    warm-up fail, and the model served without it."""
+    from rawserve.worker.warmup import EXAMPLE_TEXT, GENERATED_TOKENS, example_batch, warm_up
+
+    short = runner("short-generation")
+    assert short.max_positions == 32
+    assert len(short.tokenizer(EXAMPLE_TEXT)["input_ids"]) > 32
+    batch = example_batch(short, 2)
+    assert batch is not None
+    [text, _], _ = batch
+    assert EXAMPLE_TEXT.startswith(text)
+    assert len(short.tokenizer(text)["input_ids"]) <= 32 - GENERATED_TOKENS  # the answer's room
+    assert warm_up(short, size=2) is not None
+
+
+def test_fill_mask_s_example_cut_short_keeps_a_mask(tiny_model):
+    import transformers
+
+    from rawserve.shared.messages import ModelLimits
+    from rawserve.worker.warmup import example_batch
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model("fill-mask"))
+    fake = SimpleNamespace(
+        task="fill-mask", tokenizer=tokenizer, limits=ModelLimits(max_input_tokens=6)
+    )
+    batch = example_batch(fake, 1)  # type: ignore[arg-type]
+    assert batch is not None
+    [text], _ = batch
+    assert tokenizer.mask_token in text and len(tokenizer(text)["input_ids"]) <= 6
+
+
 @pytest.mark.parametrize("kind", ["text-classification", "feature-extraction"])
 def test_a_model_without_its_tokenizer_files_is_refused_not_served_unknown_tokens(
     tiny_model, tmp_path, kind

@@ -61,6 +61,8 @@ KINDS = (
     "reranker",
     "text-generation",
     "long-generation",  # the same with 4,096 positions: a generation that runs for seconds
+    "short-generation",  # the same with 32 positions: fewer than the warm-up's example takes
+    "alibi-generation",  # a Bloom: ALiBi, its config names no positions, its tokenizer no length
     "chat",
     "byte-fallback-generation",  # a Llama with its tokenizer: bytes as <0xNN> tokens
     "sliding-window",  # a Mistral whose attention slides over 4 tokens, shorter than prompts
@@ -79,6 +81,10 @@ def build(kind: str, folder: Path) -> Path:
         return _build_gpt2(folder)
     if kind == "long-generation":
         return _build_gpt2(folder, positions=4096)
+    if kind == "short-generation":
+        return _build_gpt2(folder, positions=32)
+    if kind == "alibi-generation":
+        return _build_bloom(folder)
     if kind == "chat":
         return _build_gpt2(folder, chat_template=CHAT_TEMPLATE)
     if kind == "byte-fallback-generation":
@@ -323,6 +329,22 @@ def _build_gpt2(folder: Path, chat_template: str | None = None, positions: int =
     )
     model = transformers.GPT2LMHeadModel(config)
     return _saved(model, tokenizer, folder)
+
+
+def _build_bloom(folder: Path) -> Path:
+    import transformers
+
+    tokenizer = bpe_tokenizer()
+    config = transformers.BloomConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return _saved(transformers.BloomForCausalLM(config), tokenizer, folder)
 
 
 def _saved(model, tokenizer, folder: Path) -> Path:

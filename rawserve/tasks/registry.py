@@ -135,7 +135,7 @@ def check_new_tokens(name: str, asked: int, most: int | None) -> None:
     """The one rule of every generation route: asking for more new tokens than the
     model's positions allow is refused (400), never cut to fit. `name` is the field
     the client sent (`max_new_tokens`, OpenAI's `max_tokens`...); `most` None: the
-    model's positions are unknown (a handler; a model whose config names none), and
+    model's positions are unknown (a handler; T5's relative positions), and
     `UNKNOWN_POSITIONS_NEW_TOKENS` bounds it."""
     most = UNKNOWN_POSITIONS_NEW_TOKENS if most is None else most
     if asked > most:

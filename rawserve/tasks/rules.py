@@ -11,9 +11,9 @@ from rawserve.tasks.checks import Checker, Schema
 from rawserve.tasks.estimate import estimate_tokens
 
 # The new tokens a generation may ask: what its model's positions hold after a one-token
-# prompt; where they are unknown (a handler, a causal LM whose config names none, T5's
-# relative positions) at most UNKNOWN_POSITIONS_NEW_TOKENS; and whatever the model, never
-# more than MAX_NEW_TOKENS (about the longest contexts served), the bound a body is read to.
+# prompt; where they are unknown (a handler, T5's relative positions) at most
+# UNKNOWN_POSITIONS_NEW_TOKENS; and whatever the model, never more than MAX_NEW_TOKENS
+# (about the longest contexts served), the bound a body is read to.
 MAX_NEW_TOKENS = 2**20
 UNKNOWN_POSITIONS_NEW_TOKENS = 4096
 

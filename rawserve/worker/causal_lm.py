@@ -78,6 +78,7 @@ from rawserve.worker.runner import (
     Runner,
     WrittenForClients,
     dtype_name,
+    generation_positions,
     greedy_at_zero_temperature,
 )
 from rawserve.worker.scores import (
@@ -96,8 +97,6 @@ from rawserve.worker.text_pieces import (
 
 # The text-generation pipeline's defaults, for what the model's generation config leaves unset.
 PIPELINE_DEFAULTS: dict[str, Any] = {"max_new_tokens": 256, "do_sample": True, "temperature": 0.7}
-# the positions of a model whose config names none (a recurrent one reads any length)
-UNDECLARED_POSITIONS = 1_000_000
 # transformers' words for a control token in a message that its tokenizer also makes
 # from plain text (so it cannot be kept as text)
 UNSANITIZABLE = re.compile(r"Can't sanitize (.+): the tokenizer produces it from plain text")
@@ -295,13 +294,8 @@ class CausalLMRunner(Runner):
             # sample draws at the pipeline's temperature
             generation_config.do_sample, generation_config.temperature = False, None
         configured = generation_config.to_diff_dict()
-        config = self.model.config
-        # the positions its config names (None: it names none, and a prompt is not
-        # bounded here, but its new tokens are: UNKNOWN_POSITIONS_NEW_TOKENS)
-        self.declared_positions: int | None = getattr(
-            config, "max_position_embeddings", None
-        ) or getattr(config, "n_positions", None)
-        self.max_positions = self.declared_positions or UNDECLARED_POSITIONS
+        # a prompt and its new tokens at most (bounded where the config names no positions)
+        self.max_positions = generation_positions(self.model.config, tokenizer)
         self.defaults = {k: v for k, v in PIPELINE_DEFAULTS.items() if k not in configured}
         # whether it samples, said outright: the pipeline's temperature is for sampling only
         self.defaults["do_sample"] = bool({**PIPELINE_DEFAULTS, **configured}["do_sample"])
@@ -376,15 +370,14 @@ class CausalLMRunner(Runner):
 
     @property
     def limits(self) -> ModelLimits:
-        # after a one-token prompt (None: unknown, and the server's ceiling bounds it)
-        most = self.declared_positions - 1 if self.declared_positions else None
+        most = self.max_positions - 1  # after a one-token prompt
         config = self.model.generation_config
         # what `generate` runs to where a request names no length (the pipeline's default
         # unless the model's generation config sets one)
         default = self.defaults.get("max_new_tokens", config.max_new_tokens) or 0
         return ModelLimits(
             max_new_tokens=most,
-            default_new_tokens=default if most is None else min(default, most),
+            default_new_tokens=min(default, most),
             default_beams=config.num_beams or 1,
         )
 

@@ -79,6 +79,21 @@ UNDECLARED_LENGTH = 10**9
 # more. LongT5's attention is local, its cost linear: the 16,384 it was trained for.
 UNDECLARED_INPUT_TOKENS = 512
 UNDECLARED_INPUT_TOKENS_BY_TYPE = {"longt5": 16384}
+# The tokens a generation model reads, prompt and new tokens together, where its config
+# names no positions (Bloom's and MPT's ALiBi, a recurrent model's state: any length), nor
+# a length it was trained at (`TRAINED_LENGTH_FIELDS`), and its tokenizer declares none.
+# It was a million: a 300 KB prompt (~100,000 tokens) ran, its attention growing with the
+# square of its length, and held a worker until its deadline while other clients waited.
+# 2,048: what Bloom and Mamba were trained at (the models that name none); a longer prompt
+# costs Bloom's attention quadratically more and gives either nothing it learned to read.
+UNDECLARED_POSITIONS = 2048
+UNDECLARED_POSITIONS_BY_TYPE = {"recurrent_gemma": 8192, "xlstm": 8192}  # trained at 8,192
+# where a config names its training length instead of positions: ChatGLM's and Qwen's
+# `seq_length`, MPT's `max_seq_len`
+TRAINED_LENGTH_FIELDS = ("seq_length", "max_seq_len")
+# A tokenizer's length of a million or more is no length a model was trained at: a
+# placeholder (transformers' ~1e30 for one saved without a length; 1e6 as some write it)
+TRAINED_LENGTH_BELOW = 10**6
 # Models whose position ids count on from the padding id (RoBERTa's scheme: the first token
 # sits at position pad_token_id + 1), so the first pad_token_id + 1 positions hold no token
 PADDING_OFFSET_MODEL_TYPES = frozenset(
@@ -217,6 +232,30 @@ def undeclared_input_tokens(config: Any) -> int:
     """The input limit of a model without positions whose tokenizer declares none."""
     model_type = getattr(config, "model_type", "")
     return UNDECLARED_INPUT_TOKENS_BY_TYPE.get(model_type, UNDECLARED_INPUT_TOKENS)
+
+
+def generation_positions(config: Any, tokenizer: Any) -> int:
+    """The tokens a generation model reads, its prompt and new tokens together: the
+    positions its config names (a model of images and text: its text config's), else
+    `undeclared_positions`."""
+    text = config.get_text_config(decoder=True)
+    positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    return int(positions) if positions else undeclared_positions(text, tokenizer)
+
+
+def undeclared_positions(config: Any, tokenizer: Any) -> int:
+    """The tokens a generation model whose config names no positions reads: the length
+    its tokenizer declares where it is a real one, else the length its config says it was
+    trained at, else its type's (`UNDECLARED_POSITIONS`)."""
+    declared = getattr(tokenizer, "model_max_length", None)
+    if isinstance(declared, int) and 0 < declared < TRAINED_LENGTH_BELOW:
+        return declared
+    for name in TRAINED_LENGTH_FIELDS:
+        trained = getattr(config, name, None)
+        if isinstance(trained, int) and trained > 0:
+            return trained
+    model_type = getattr(config, "model_type", "")
+    return UNDECLARED_POSITIONS_BY_TYPE.get(model_type, UNDECLARED_POSITIONS)
 
 
 def token_positions(config: Any) -> int | None:

@@ -3,11 +3,12 @@ it is ready, so that the first client's request does not pay for what a model's 
 call sets up lazily (kernels chosen, memory pools grown, caches filled).
 
 The batch is made of a task's example input, checked by the same rules as a client's
-(rawserve.tasks); a text-generation or text-to-text model generates a few tokens. A task
-with no example (a custom handler: its inputs are its own) is not warmed. A warm-up that
-fails is logged and the worker serves anyway (it is a courtesy, not a test), except where
-the model itself fails on its task's example (a wav2vec2 served for text: its forward
-takes no text): then every request would be a 500, and the start stops saying why.
+(rawserve.tasks), its text cut to what the model reads; a text-generation or text-to-text
+model generates a few tokens. A task with no example (a custom handler: its inputs are its
+own) is not warmed. A warm-up that fails is logged and the worker serves anyway (it is a
+courtesy, not a test), except where the model itself fails on its task's example (a
+wav2vec2 served for text: its forward takes no text): then every request would be a 500,
+and the start stops saying why.
 
 Worker process only (it runs the loaded model).
 """
@@ -28,27 +29,50 @@ from rawserve.worker.runner import Runner
 log = logging.getLogger("rawserve.worker")
 
 EXAMPLE_TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
+MASKED_WORD = "lazy"  # the word fill-mask's example masks
 GENERATED_TOKENS = 4  # a short generation: enough to run the decoding loop
 
 
-def example(runner: Runner) -> tuple[Any, dict[str, Any]] | None:
-    """A typical input of the runner's task, with the parameters it needs; None if the
-    task has no example."""
+def example(runner: Runner, text: str = EXAMPLE_TEXT) -> tuple[Any, dict[str, Any]] | None:
+    """A typical input of the runner's task, made of `text`, with the parameters it
+    needs; None if the task has no example."""
     task = runner.task
     if task in ("feature-extraction", "text-classification", "token-classification"):
-        return EXAMPLE_TEXT, {}
+        return text, {}
     if task == "fill-mask":
         mask = getattr(runner.tokenizer, "mask_token", None) or "[MASK]"
-        return EXAMPLE_TEXT.replace("lazy", mask), {}
+        return masked(text, mask), {}
     if task == "zero-shot-classification":
-        return EXAMPLE_TEXT, {"candidate_labels": ["animals", "weather"]}
+        return text, {"candidate_labels": ["animals", "weather"]}
     if task == "question-answering":
-        return {"question": "Who jumps?", "context": EXAMPLE_TEXT}, {}
+        return {"question": "Who jumps?", "context": text}, {}
     if task in ("text-generation", "summarization", "translation", "text2text-generation"):
-        return EXAMPLE_TEXT, {"max_new_tokens": GENERATED_TOKENS}
+        return text, {"max_new_tokens": GENERATED_TOKENS}
     if task == "image-classification":
         return example_image(), {}
     return None
+
+
+def masked(text: str, mask: str) -> str:
+    """`text` with `MASKED_WORD` masked, or its last word where it was cut before that."""
+    if MASKED_WORD in text.split(" "):
+        return text.replace(MASKED_WORD, mask)
+    return " ".join([*text.split(" ")[:-1], mask])
+
+
+def example_text(runner: Runner) -> str:
+    """`EXAMPLE_TEXT`, cut a word at a time to what the model reads (a generation's prompt
+    leaves room for its new tokens). Whole, it is 48 tokens of a byte-level BPE: a model
+    of 32 positions refused it, and served without its warm-up."""
+    limit = runner.limits.longest_input
+    if limit is None or runner.tokenizer is None:
+        return EXAMPLE_TEXT
+    room = GENERATED_TOKENS if runner.task == "text-generation" else 0
+    most = max(limit - room, 1)
+    words = EXAMPLE_TEXT.split(" ")
+    while len(words) > 1 and len(runner.tokenizer(" ".join(words))["input_ids"]) > most:
+        words.pop()
+    return " ".join(words)
 
 
 def example_image() -> str:
@@ -63,9 +87,11 @@ def example_image() -> str:
 def example_batch(runner: Runner, size: int) -> tuple[list[Any], dict[str, Any]] | None:
     """`size` checked example inputs of the runner's task and their checked parameters
     (the warm-up's batch, and the engine trial's); None when the task has none."""
-    found = example(runner)
     rules = task_rules(runner.task)
-    if found is None or rules is None or size < 1:
+    if rules is None or size < 1:
+        return None
+    found = example(runner, example_text(runner))
+    if found is None:
         return None
     value, params = found
     try:
