@@ -251,12 +251,18 @@ def test_a_byte_fallback_models_tokens_add_up_to_its_text_on_both_paths(llama):
     assert any(first <= o["details"]["tokens"][-1]["id"] <= last for o in outputs)
 
 
-def test_a_run_of_byte_tokens_that_the_end_of_sequence_ends_is_in_that_tokens_text(llama):
-    """A run of byte tokens right before the end of sequence is held back until it comes:
-    the end's text is what the run adds, then its own ("\ufffd</s>", as TGI's), streamed
-    or not, on both paths, so the tokens hold all the text does."""
+def test_a_run_of_byte_tokens_that_the_end_of_sequence_ends_lists_its_text_on_its_own_tokens(
+    llama,
+):
+    """A run of byte tokens right before the end of sequence waits for it: each byte
+    token then lists its own part of the run's text (a U+FFFD a byte where the run is not
+    UTF-8, as a random model draws them) and the end its own name, streamed or not, on
+    both paths, so the tokens hold all the text does."""
+    from rawserve.worker.text_pieces import run_texts
+
     tokenizer = llama.tokenizer
     eos = tokenizer.eos_token_id
+    values = {tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>"): b for b in range(256)}
     params = {"max_new_tokens": 12, "do_sample": True, "temperature": 1.5, "details": True}
     params |= {"return_full_text": False, "logit_bias": {str(eos): 6.0}}  # ends early
     batches = [Batch(seed, ("the movie",), {**params, "seed": seed}) for seed in range(2, 7)]
@@ -278,11 +284,57 @@ def test_a_run_of_byte_tokens_that_the_end_of_sequence_ends_is_in_that_tokens_te
         assert all(text.endswith(name) for text, name in zip(texts, own, strict=True))
         made = "".join(text.removesuffix(name) for text, name in zip(texts, own, strict=True))
         assert made == output["generated_text"]
-        if ids[-1] == eos and texts[-1] != own[-1]:
+        run = len(ids) - 1
+        while run and ids[run - 1] in values:
+            run -= 1
+        if ids[-1] == eos and run < len(ids) - 1:
             ended_on_a_run += 1
+            assert texts[-1] == own[-1]
+            assert texts[run:-1] == run_texts(bytes(values[i] for i in ids[run:-1]))
             expected = static(llama, "the movie", batch.params)
             assert without_logprobs(expected) == [without_logprobs(output)]
     assert ended_on_a_run  # (as a random model draws them)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_byte_token_that_is_a_whole_character_lists_it_on_both_paths(llama, streamed):
+    """<0x21> is "!" alone: each one lists "!" (not "", with the next token's text
+    starting "!"), listed in the details or streamed, by the loop and the static path
+    alike; a character of three bytes lists "" twice, then itself, at its last byte."""
+    from rawserve.api.openai_answers import Answer
+
+    tokenizer = llama.tokenizer
+    control = Control(stream_id=5) if streamed else Control()
+    for names, texts in [("<0x21>", ["!"] * 3), ("<0xE2> <0x82> <0xAC>", ["", "", "€"])]:
+        ids = tokenizer.convert_tokens_to_ids(names.split())
+        bias = {str(i): 100.0 + len(ids) - n for n, i in enumerate(ids)}  # in turn, greedy
+        params = {**GREEDY, "max_new_tokens": 3, "details": True, "logit_bias": bias}
+        params |= {"return_full_text": False}
+        if len(ids) > 1:  # each chosen once: the one chosen before may not come again
+            params["frequency_penalty"] = 50.0
+        batch = Batch(1, ("the movie",), params, control=control)
+        sent = serve(llama, {0: [batch]})
+        listed = [c.token for m in sent if isinstance(m, TokenChunks) for c in m.chunks]
+        answer = results(sent)[1].outputs[0]
+        output = answer if streamed else answer[0]  # (a stream's: one output, not a list)
+        if not streamed:
+            listed = output["details"]["tokens"]
+        assert [token["text"] for token in listed] == texts
+        assert (
+            "".join(texts)
+            == output["generated_text"]
+            == after_the_prompt(tokenizer, "the movie", [token["id"] for token in listed])
+        )
+        if not streamed:
+            [expected] = static(llama, "the movie", params)
+            assert [token["text"] for token in expected["details"]["tokens"]] == texts
+            # as OpenAI's answers list them: completions' tokens, chat's tokens and bytes
+            [choice] = Answer(False, "m", logprobs=0).whole([output], [])["choices"]
+            assert choice["logprobs"]["tokens"] == texts
+            [choice] = Answer(True, "m", logprobs=0).whole([output], [])["choices"]
+            content = choice["logprobs"]["content"]
+            assert [t["token"] for t in content] == texts
+            assert [b for t in content for b in t["bytes"]] == list("".join(texts).encode())
 
 
 def as_the_static_path(runner, params: dict[str, Any], texts: list[str]) -> list[tuple]:
@@ -681,31 +733,31 @@ def test_an_asked_min_new_tokens_holds_stop_sequences_back_on_both_paths(runner)
 
 
 def test_min_new_tokens_ending_in_a_run_of_byte_tokens_counts_stops_where_a_stream_does(llama):
-    """An emoji is four byte tokens on a Llama, its text coming whole with the token after
-    them: where min_new_tokens ends inside that run, the text before its token is what
-    the pieces made (the run held back, as a stream has it), not the run decoded into
-    U+FFFDs, so a stop in the emoji cuts the whole answer where it cuts the stream, and
-    one in the text before ("b") cuts neither."""
+    """An emoji is four byte tokens on a Llama, its text listed with the last of them:
+    where min_new_tokens ends inside that run, the text before its token is what the
+    tokens before it list (no U+FFFDs), so a stop in the emoji cuts the whole answer
+    where it cuts the stream, and one in the text before ("b") cuts neither; counted
+    from the token after the emoji, the emoji's stop is before it and cuts neither."""
     from rawserve.api.openai_answers import Streamed, cut_at_stop, stops_from
 
     forced = {**GREEDY, "return_full_text": False, "grammar": {"type": "regex", "value": "ab😀cd"}}
     stop = ["b", "😀"]
-    # stops counted from inside the run (tokens 3 to 6), and from the token its text comes with
-    for at_least in (4, 7):
+    # stops counted from inside the run (tokens 3 to 6), and from the token after it
+    for at_least, answer in [(4, "ab"), (7, "ab😀cd")]:
         params = {**forced, "stop": stop, "min_new_tokens": at_least - 1}
         [(_, got, _)] = as_the_static_path(llama, params, ["the movie"])
         output = got[0]
         tokens = output["details"]["tokens"]
-        # the text ends with the stop ("c" after it is not the answer's); its token keeps
-        # its whole text (TGI's answer cuts it: `tgi_output`)
-        assert [t["text"] for t in tokens] == ["a", "b", "", "", "", "", "😀c"]
-        assert output["generated_text"] == "ab😀"
-        assert output["details"]["stops_from"] == len("ab")
+        texts = [t["text"] for t in tokens if not t["special"]]
+        assert texts[:7] == ["a", "b", "", "", "", "😀", "c"]
+        # the text ends with the stop ("c" after it is not the answer's)
+        assert output["generated_text"] == ("ab😀" if answer == "ab" else "ab😀cd")
+        assert output["details"]["stops_from"] == len("ab" if at_least == 4 else "ab😀")
         streamed = Streamed(at_least)
         sent = [streamed.add(token, stop, None) for token in tokens]
         sent.append(streamed.rest(output, stop))
-        assert "".join(release[0] for release in sent if release) == "ab"
-        assert cut_at_stop(output["generated_text"], stop, stops_from(output)) == "ab"
+        assert "".join(release[0] for release in sent if release) == answer
+        assert cut_at_stop(output["generated_text"], stop, stops_from(output)) == answer
 
 
 def test_repetition_penalty_and_return_full_text_as_the_static_path(runner):

@@ -97,6 +97,51 @@ def test_a_run_of_byte_tokens_that_a_special_token_follows_adds_its_text_with_th
     assert made == ["", "", "]R"]
 
 
+@pytest.mark.parametrize(
+    "names, texts",
+    [
+        (["<0x21>"], ["!"]),  # a whole character alone: its own, not the next word's
+        (["<0x21>", "<0x3F>"], ["!", "?"]),
+        (["<0xE2>", "<0x82>", "<0xAC>"], ["", "", "€"]),  # at its last byte, as OpenAI's
+        (["<0x21>", "</s>", "<0x3F>"], ["!", "", "?"]),  # the decoding skips the special
+        (["<0x21>", "<0xE2>"], ["\ufffd", "\ufffd"]),  # not UTF-8: a U+FFFD a byte
+    ],
+)
+def test_each_byte_token_lists_the_text_it_adds_once_its_run_is_over(names, texts):
+    tokenizer = byte_fallback_tokenizer()
+    good = tokenizer.convert_tokens_to_ids(["▁goo"])
+    ids = good + tokenizer.convert_tokens_to_ids(names) + good
+    pieces = TextPieces(tokenizer)
+    made = [pieces.next_pieces(ids[: n + 1]) for n in range(len(ids))]
+    assert made == [["goo"]] + [[]] * len(names) + [[*texts, " goo"]]
+    # the run ends the sequence: the last token lets it out
+    pieces = TextPieces(tokenizer)
+    ids = ids[:-1]
+    made = [pieces.next_pieces(ids[: n + 1], n == len(ids) - 1) for n in range(len(ids))]
+    assert made == [["goo"]] + [[]] * (len(names) - 1) + [texts]
+
+
+@pytest.mark.parametrize("build", [bpe_tokenizer, byte_fallback_tokenizer])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(picks=st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=10))
+def test_each_token_gets_a_text_and_the_texts_add_up_to_the_pieces_whatever_the_tokens(
+    build, picks
+):
+    tokenizer = _tokenizers(build)
+    ids = [pick % 3 if pick % 4 == 0 else 3 + pick % (len(tokenizer) - 3) for pick in picks]
+    pieces, texts = TextPieces(tokenizer), []
+    for n in range(len(ids)):
+        texts += pieces.next_pieces(ids[: n + 1], n == len(ids) - 1)
+        assert len(texts) <= n + 1
+    assert len(texts) == len(ids)
+    assert "".join(texts) == tokenizer.decode(ids, skip_special_tokens=True)
+    # cut short (a beam's end, a cancel): the rest let out as though the last were so
+    pieces, texts = TextPieces(tokenizer), []
+    for n in range(len(ids)):
+        texts += pieces.next_pieces(ids[: n + 1])
+    assert len(texts + pieces.rest(ids)) == len(ids)
+
+
 @pytest.mark.parametrize("build", [bpe_tokenizer, byte_fallback_tokenizer])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(picks=st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=10))

@@ -64,6 +64,7 @@ from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.generate_hooks import (
     Adjuster,
     GrammarFollower,
+    HeldTokens,
     ScoreRecorder,
     TokenWatcher,
     refuse_broken_scores,
@@ -92,7 +93,7 @@ from rawserve.worker.text_pieces import (
     TextPieces,
     generated_text,
     prompt_context,
-    running_text,
+    text_before,
 )
 
 # The text-generation pipeline's defaults, for what the model's generation config leaves unset.
@@ -683,16 +684,15 @@ class CausalLMRunner(Runner):
         top_n = int(params.get(PROMPT_TOP_N) or 0)
         chosen, top = yield from self._scores_of(ids, top_n)
         pieces = TextPieces(self.tokenizer)
+        held = HeldTokens()
         tokens = []
         so_far: list[int] = []  # (grown a token at a time: a slice each would be quadratic)
         for index, token_id in enumerate(ids):
             so_far.append(token_id)
-            piece = pieces.next_piece(so_far, last=index == len(ids) - 1)
             logprob = chosen[index - 1] if index else None  # nothing before the first
             alternatives = (top[index - 1] if index else []) if top_n else None
-            tokens.append(
-                tgi_token(self.tokenizer, self.special_ids, token_id, piece, logprob, alternatives)
-            )
+            token = tgi_token(self.tokenizer, self.special_ids, token_id, "", logprob, alternatives)
+            tokens += held.add(token, pieces.next_pieces(so_far, last=index == len(ids) - 1))
         return tokens
 
     def _listing_prefill(self, generation: Generation, params: dict[str, Any]) -> Iterator[int]:
@@ -798,10 +798,9 @@ class CausalLMRunner(Runner):
         text = generated_text(self.tokenizer, token_ids, context)
         begin = 0  # where in the text stop sequences count
         if (after := stops_after(params)) > 1 and params.get("stop"):
-            # the start of that token's text, as the pieces made it (a character its
-            # token ends held back, as in a stream: its bytes before that token are no
-            # U+FFFDs)
-            begin = len(running_text(self.tokenizer, token_ids[: after - 1], context))
+            # the start of that token's text, as the tokens list their texts (a character
+            # at the token its last byte is, as in a stream: bytes before it no U+FFFDs)
+            begin = len(text_before(self.tokenizer, token_ids, after - 1, context))
         if finish_reason == "stop_sequence":  # the text ends with it, as its last piece
             text = text[: first_stop_end(text, params["stop"], begin)]
         if returns_full_text(params):
@@ -981,6 +980,7 @@ class CausalLMRunner(Runner):
         if wants_logprobs:
             processors.append(recorder)
         self._call_generate(encoded, kwargs, watcher, processors, watcher)
+        watcher.let_out_the_rest()
         return watcher
 
     def _watcher(
@@ -1081,6 +1081,7 @@ class CausalLMRunner(Runner):
         )
         lengths = (out.beam_indices >= 0).sum(-1).tolist()  # (padding follows)
         replay(watcher, out.sequences[:, width:], lengths)
+        watcher.let_out_the_rest()
         if listed and watcher.tokens is not None:
             top_n = int(params.get("top_n_tokens") or 0)
             prompts = [

@@ -61,7 +61,7 @@ from rawserve.worker.scores import (
     sampling_probabilities,
     unusable,
 )
-from rawserve.worker.text_pieces import TextPieces, prompt_context
+from rawserve.worker.text_pieces import TextPieces, counted_text, prompt_context
 
 # how long a step with nothing to run but grammars compiling waits for one, before the
 # loop looks at its messages again (a new request, a client gone)
@@ -224,14 +224,15 @@ class ContinuousBatcher:
     `add` queues a sequence, `cancel` ends one (it leaves at the next step), `step` lets waiting
     sequences join (prefill; a long prompt a chunk a step), runs one decoding step for every
     running row, and returns the sequences that finished in it. `on_token(generation, token,
-    piece)` hears every new token with the text it adds (the generation's `finish_reason`
-    already set where the token ends it), and `after_pass()` is called once a forward pass's
-    tokens are all heard (the joiners' prefill, a decoding step), so a listener can send
-    them together before the next pass. When a step raises (the model failed, or ran out of
-    memory), `drop_failed` takes the sequences it failed out of the batch: only the joining
-    ones where their own prefill raised (the rows run on), else every one it ran;
-    `wait_again` puts sequences that have no token yet back in the queue (fewer of them
-    prefilled at once, if asked).
+    pieces)` hears every new token with the texts of the tokens it lets out
+    (`TextPieces.next_pieces`: none while a run of byte tokens goes on; the generation's
+    `finish_reason` already set where the token ends it), and `after_pass()` is called
+    once a forward pass's tokens are all heard (the joiners' prefill, a decoding step), so
+    a listener can send them together before the next pass. When a step raises (the model
+    failed, or ran out of memory), `drop_failed` takes the sequences it failed out of the
+    batch: only the joining ones where their own prefill raised (the rows run on), else
+    every one it ran; `wait_again` puts sequences that have no token yet back in the queue
+    (fewer of them prefilled at once, if asked).
     """
 
     def __init__(
@@ -240,7 +241,7 @@ class ContinuousBatcher:
         tokenizer: Any,
         max_positions: int,
         max_rows: int = 64,
-        on_token: Callable[[Generation, int, str], None] | None = None,
+        on_token: Callable[[Generation, int, list[str]], None] | None = None,
         after_pass: Callable[[], None] | None = None,
         cuda_graphs: bool = False,
         join_wait_steps: int = 0,
@@ -830,7 +831,8 @@ class ContinuousBatcher:
             assert generation.pieces is not None  # set by add()
             ends = token in self.eos_ids and not generation.ignore_eos
             last = ends or len(generation.tokens) >= generation.cap
-            piece = generation.pieces.next_piece(generation.tokens, last)
+            pieces = generation.pieces.next_pieces(generation.tokens, last)
+            piece = "".join(pieces)
             text = generation.tail + piece
             generation.tail = stop_tail(text, generation.stop)
             if generation.logprobs is not None and logprobs is not None:
@@ -839,14 +841,16 @@ class ContinuousBatcher:
                     generation.top = top[index][: generation.top_n]
             if ends:
                 generation.finish_reason = "eos_token"
-            elif len(generation.tokens) >= generation.stops_after and stop_in_piece(
-                text, piece, generation.stop
+            elif stop_in_piece(
+                text,
+                counted_text(pieces, len(generation.tokens), generation.stops_after),
+                generation.stop,
             ):
                 generation.finish_reason = "stop_sequence"
             elif len(generation.tokens) >= generation.cap:
                 generation.finish_reason = "length"
             if self.on_token is not None:  # told once it is known whether the token ends it
-                self.on_token(generation, token, piece)
+                self.on_token(generation, token, pieces)
 
 
 def generator_seed(seed: int) -> int:

@@ -23,7 +23,7 @@ from rawserve.worker.continuous import stop_in_piece
 from rawserve.worker.grammars import Held, constrain
 from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE, NotNumbers
 from rawserve.worker.scores import ScoreAdjustments, likeliest, unusable
-from rawserve.worker.text_pieces import TextPieces, alternative_text
+from rawserve.worker.text_pieces import TextPieces, alternative_text, counted_text
 
 log = logging.getLogger("rawserve.generation")
 
@@ -135,6 +135,8 @@ class TokenWatcher(transformers.StoppingCriteria):
         self.pieces = [
             TextPieces(tokenizer, contexts[row] if contexts else ()) for row in range(batch_size)
         ]
+        # each row's tokens waiting for their texts (a run of byte tokens' end)
+        self.held = [HeldTokens() for _ in range(batch_size)]
         self.stops_after = stops_after  # the first new token a stop sequence may end in
         self.done = [False] * batch_size
         self.finish_reasons = ["length"] * batch_size
@@ -159,13 +161,14 @@ class TokenWatcher(transformers.StoppingCriteria):
             self.token_ids[row].append(token_id)
             ends = token_id in self.eos_ids
             last = ends or len(self.token_ids[row]) >= self.max_new_tokens
-            piece = self.pieces[row].next_piece(self.token_ids[row], last)
+            pieces = self.pieces[row].next_pieces(self.token_ids[row], last)
+            piece = "".join(pieces)
             text = self.tails[row] + piece
             self.tails[row] = stop_tail(text, self.stop)
             if ends:
                 self.done[row], self.finish_reasons[row] = True, "eos_token"
-            elif len(self.token_ids[row]) >= self.stops_after and stop_in_piece(
-                text, piece, self.stop
+            elif stop_in_piece(
+                text, counted_text(pieces, len(self.token_ids[row]), self.stops_after), self.stop
             ):
                 self.done[row], self.finish_reasons[row] = True, "stop_sequence"
             if listed:
@@ -174,14 +177,11 @@ class TokenWatcher(transformers.StoppingCriteria):
                     self.tokenizer,
                     self.special_ids,
                     token_id,
-                    piece,
+                    "",  # (its text once it is known: `HeldTokens`)
                     logprob,
                     top[row] if top is not None else None,
                 )
-                if self.tokens is not None:
-                    self.tokens[row].append(token)
-                if self.on_token is not None:
-                    self.on_token(row, token)
+                self._list(row, self.held[row].add(token, pieces))
         if not all(self.done) and self.cancelled():
             log.info(
                 "generation stopped after %d tokens: the client left or stopped reading, or "
@@ -191,6 +191,44 @@ class TokenWatcher(transformers.StoppingCriteria):
             self.done = [True] * len(self.done)
             self.finish_reasons = ["cancelled"] * len(self.done)
         return torch.tensor(self.done, dtype=torch.bool, device=input_ids.device)
+
+    def let_out_the_rest(self) -> None:
+        """After the `generate` call: the tokens that still wait for their texts (a row
+        whose answer a beam's end or a cancel cut inside a run of byte tokens) listed,
+        their texts as the row's text ends there."""
+        for row, ids in enumerate(self.token_ids):
+            self._list(row, self.held[row].let_out(self.pieces[row].rest(ids)))
+
+    def _list(self, row: int, tokens: list[dict[str, Any]]) -> None:
+        for token in tokens:
+            if self.tokens is not None:
+                self.tokens[row].append(token)
+            if self.on_token is not None:
+                self.on_token(row, token)
+
+
+class HeldTokens:
+    """One sequence's new tokens in TGI's shape, each held until its text is known
+    (`TextPieces.next_pieces`): a byte token's waits for the end of its run, which turns
+    into U+FFFDs if it is not UTF-8 as a whole, so that each token lists what it adds
+    ("!" for <0x21>), streamed or not, and not the token after the run."""
+
+    def __init__(self) -> None:
+        self.held: list[dict[str, Any]] = []
+
+    def add(self, token: dict[str, Any], pieces: Sequence[str]) -> list[dict[str, Any]]:
+        """`token`, made with no piece of text ("", or a special token's own), held
+        after those before it; `pieces`: the texts `next_pieces` let out with it."""
+        self.held.append(token)
+        return self.let_out(pieces)
+
+    def let_out(self, pieces: Sequence[str]) -> list[dict[str, Any]]:
+        """The oldest held tokens, as many as `pieces`, each with its text before its own
+        (a special token's)."""
+        out, self.held = self.held[: len(pieces)], self.held[len(pieces) :]
+        for token, piece in zip(out, pieces, strict=True):
+            token["text"] = piece + token["text"]
+        return out
 
 
 def tgi_token(
@@ -207,9 +245,9 @@ def tgi_token(
     (each token's own text as it reads after a word, `alternative_text`: an alternative
     has no place in the running text).
 
-    A special token's text starts with its `piece` where it has one: what a run of byte
-    tokens held back until it came (an end of sequence right after them), as TGI's text
-    for it is ("\ufffd</s>"); else the tokens' texts would lose what the text keeps."""
+    A special token's text starts with its `piece` where it has one (what the text held
+    back until it came, where `TextPieces.next_pieces` cannot share it out among the
+    tokens before it); else the tokens' texts would lose what the text keeps."""
     special = token_id in special_ids
     token: dict[str, Any] = {
         "id": token_id,

@@ -57,6 +57,7 @@ from rawserve.worker.causal_lm import CausalLMRunner
 from rawserve.worker.continuous import ContinuousBatcher, Generation
 from rawserve.worker.cuda_graphs import said_after_warm_up
 from rawserve.worker.feeder import Feeder
+from rawserve.worker.generate_hooks import HeldTokens
 from rawserve.worker.library_panics import panics_as_errors
 from rawserve.worker.runner import NotNumbers, Runner
 from rawserve.worker.token_times import TokenTimes
@@ -129,6 +130,8 @@ class OpenBatch:
     outputs: list[Any]  # one per item; None while the item runs
     generations: dict[int, Generation] = field(default_factory=dict)  # item index: its own
     tokens: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # details' tokens
+    # item index: its tokens waiting for their texts (a run of byte tokens' end)
+    held: dict[int, HeldTokens] = field(default_factory=dict)
 
     @property
     def done(self) -> bool:
@@ -221,6 +224,7 @@ class GenerationLoop:
                 self._fail(opened, index, self.runner.describe_failure(exc), exc)
                 continue
             opened.generations[index] = generation
+            opened.held[index] = HeldTokens()
             if generation.logprobs is not None and batch.control.stream_id is None:
                 opened.tokens[index] = []  # details list the tokens
             if not (generation.max_new_tokens or generation.scoring):  # nothing to run
@@ -327,26 +331,33 @@ class GenerationLoop:
         self.times.forget(generation, again)
         if index in opened.tokens:
             opened.tokens[index] = []
+        opened.held[index] = HeldTokens()
         return True
 
-    def _on_token(self, generation: Generation, token_id: int, piece: str) -> None:
+    def _on_token(self, generation: Generation, token_id: int, pieces: list[str]) -> None:
         """A new token: timed, and streamed to its client or kept for the details, if
-        wanted."""
+        wanted, with those before it that waited for their texts (`HeldTokens`)."""
         self.times.token(generation)
         if generation.logprobs is None:
             return
         batch_id, index = generation.key
         opened = self.open[batch_id]
-        token = self.runner.token(token_id, piece, generation.logprobs[-1], generation.top)
+        token = self.runner.token(token_id, "", generation.logprobs[-1], generation.top)
+        let_out = opened.held[index].add(token, pieces)
         stream_id = opened.batch.control.stream_id
         if stream_id is None:
-            opened.tokens[index].append(token)
+            opened.tokens[index] += let_out
             return
-        more = generation.finish_reason is None  # decided before the token is heard
-        first = len(generation.tokens) == 1
+        ends = generation.finish_reason is not None  # decided before the token is heard
+        first = len(let_out) == len(generation.tokens)  # (none was sent before them)
         chat = opened.batch.inputs[index]
-        thinking = self.runner.opened(opened.params, generation.prompt_ids, chat) if first else None
-        self.streamed.append(TokenChunk(stream_id, index, token, more, thinking))
+        for at, token in enumerate(let_out):
+            more = not (ends and at == len(let_out) - 1)
+            opening = first and at == 0
+            thinking = (
+                self.runner.opened(opened.params, generation.prompt_ids, chat) if opening else None
+            )
+            self.streamed.append(TokenChunk(stream_id, index, token, more, thinking))
 
     def _send_streamed(self) -> None:
         """A forward pass is over: its streamed tokens go in one message, before the next
@@ -410,6 +421,8 @@ class GenerationLoop:
         """A finished sequence's output, in its place in its batch's answer."""
         batch = opened.batch
         tokens = opened.tokens.get(index)
+        if tokens is not None and generation.pieces is not None:  # a cancel cut a run short
+            tokens += opened.held[index].let_out(generation.pieces.rest(generation.tokens))
         try:
             with panics_as_errors():
                 output = self.runner.finished(

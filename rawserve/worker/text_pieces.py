@@ -6,6 +6,7 @@ Worker process only (imports transformers).
 
 from __future__ import annotations
 
+import codecs
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,14 +38,19 @@ class TextPieces:
     `context`, from `prompt_context`), as TGI's are and as the pipeline's text reads: a
     SentencePiece decoder (Llama's, Mistral's) strips the space that starts a text, so
     the first word decoded alone would lose the space that parts it from the prompt
-    ("the movie" then "▁good" is " good"). The pieces then add up to `generated_text`."""
+    ("the movie" then "▁good" is " good"). The pieces then add up to `generated_text`.
+
+    Token by token (`next_pieces`), a run of byte tokens' text is shared out among them
+    once the run is over, each its own part: what a token lists is what it adds."""
 
     def __init__(self, tokenizer: Any, context: Sequence[int] = ()):
         self.decode = text_decoder(tokenizer)
         self.held_ids = held_ids(tokenizer)
+        self.byte_values = byte_values(tokenizer)
         self.context = list(context)  # decoded before the window while it starts at 0
         self.prefix_offset = 0
         self.read_offset = 0
+        self.let_out = 0  # how many tokens `next_pieces` has given texts to
 
     def next_piece(self, ids: Sequence[int], last: bool = False) -> str:
         """The text that the newest of `ids` (the sequence's tokens so far) adds; `last`:
@@ -64,13 +70,72 @@ class TextPieces:
         self.prefix_offset, self.read_offset = read, len(ids)
         return after[len(before) :]
 
+    def next_pieces(self, ids: Sequence[int], last: bool = False) -> list[str]:
+        """The texts that the tokens the newest of `ids` lets out add, oldest first (they
+        add up to its `next_piece`): none while a run of byte tokens goes on, whose text
+        its end decides, else each token since those let out last. A byte token adds its
+        own part of its run's text: the character its byte ends ("!" for <0x21>, "" for
+        a character's first bytes) where the run is UTF-8, else a U+FFFD, as the decoder
+        reads the run; a special token in the run adds ""."""
+        waiting = ids[self.let_out :]
+        piece = self.next_piece(ids, last)
+        if self.read_offset < len(ids) and any(i in self.byte_values for i in waiting):
+            return []  # the run goes on: its bytes may yet turn into U+FFFDs
+        self.let_out = len(ids)
+        if self.read_offset < len(ids):  # nothing released: the newest alone adds ""
+            return [""] * len(waiting)
+        return self._shared_out(waiting, piece)
 
-def running_text(tokenizer: Any, ids: Sequence[int], context: Sequence[int] = ()) -> str:
-    """A sequence's text after `ids` while more tokens follow: their pieces, what they
-    hold back (a cut character, a run of byte tokens) left out, as it was when the token
-    after them came."""
-    pieces = TextPieces(tokenizer, context)
-    return "".join(pieces.next_piece(ids[: n + 1]) for n in range(len(ids)))
+    def rest(self, ids: Sequence[int]) -> list[str]:
+        """The texts of the tokens `next_pieces` has not let out yet, as though the newest
+        of `ids` were the last (a sequence that a beam's end or a cancel cut short)."""
+        return self.next_pieces(ids, last=True) if self.let_out < len(ids) else []
+
+    def _shared_out(self, tokens: Sequence[int], piece: str) -> list[str]:
+        """`piece`, which `tokens` add together, as each one's own part: a run of byte
+        tokens' text among them byte by byte, what follows the run the newest's. Where the
+        tokens are not a run (a word that added nothing inside it, a stripped space at the
+        text's start), the newest adds it all, as `next_piece` has it."""
+        run = [self.byte_values[i] for i in tokens if i in self.byte_values]
+        shares = run_texts(bytes(run))
+        others = [i for i in tokens[:-1] if i not in self.byte_values]
+        if not run or not piece.startswith("".join(shares)) or not self.held_ids >= set(others):
+            return [""] * (len(tokens) - 1) + [piece]
+        parts = iter(shares)
+        texts = [next(parts) if i in self.byte_values else "" for i in tokens]
+        texts[-1] += piece[len("".join(shares)) :]
+        return texts
+
+
+def run_texts(run: bytes) -> list[str]:
+    """The text each byte of a run of byte tokens adds, as a byte-fallback decoder reads
+    the run: the run as UTF-8, each character at its last byte, where the whole run is
+    UTF-8; else a U+FFFD a byte."""
+    try:
+        run.decode("utf-8")
+    except UnicodeDecodeError:
+        return ["\ufffd"] * len(run)
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    return [decoder.decode(bytes([byte])) for byte in run]
+
+
+def text_before(tokenizer: Any, ids: Sequence[int], count: int, context: Sequence[int] = ()) -> str:
+    """The text that the first `count` of a sequence's tokens `ids` add, each its own
+    part as `next_pieces` lets them out (a run of byte tokens shared out once it is
+    over, as the whole sequence has it): where a stop sequence may start to count."""
+    pieces, texts = TextPieces(tokenizer, context), []
+    for n in range(len(ids)):
+        texts += pieces.next_pieces(ids[: n + 1], n == len(ids) - 1)
+        if len(texts) >= count:
+            break
+    return "".join(texts[:count])
+
+
+def counted_text(pieces: Sequence[str], made: int, stops_after: int) -> str:
+    """The part of `pieces` (the texts of the last of `made` tokens) that a stop sequence
+    may end in: the texts of the `stops_after`th token and later (OpenAI's min_tokens)."""
+    first = made - len(pieces)  # the first piece's token's index
+    return "".join(pieces[max(0, stops_after - 1 - first) :])
 
 
 def generated_text(tokenizer: Any, ids: Sequence[int], context: Sequence[int] = ()) -> str:
@@ -128,21 +193,21 @@ def plain_word(tokenizer: Any) -> int | None:
 def held_ids(tokenizer: Any) -> frozenset[int]:
     """The ids of the tokens that add "" unless they are the last: byte tokens and special
     tokens."""
-    return byte_fallback_ids(tokenizer) | frozenset(tokenizer.all_special_ids)
+    return frozenset(byte_values(tokenizer)) | frozenset(tokenizer.all_special_ids)
 
 
 @functools.lru_cache(maxsize=8)
-def byte_fallback_ids(tokenizer: Any) -> frozenset[int]:
-    """The ids of a byte-fallback tokenizer's byte tokens, <0x00> to <0xFF> (none for
-    another tokenizer: a token so named there decodes to its name)."""
+def byte_values(tokenizer: Any) -> dict[int, int]:
+    """A byte-fallback tokenizer's byte tokens, <0x00> to <0xFF>, by id: the byte each
+    stands for (none for another tokenizer: a token so named there decodes to its name)."""
     names = [f"<0x{byte:02X}>" for byte in range(256)]
     ids = tokenizer.convert_tokens_to_ids(names)
     unknown = tokenizer.unk_token_id
-    return frozenset(
-        i
-        for name, i in zip(names, ids, strict=True)
+    return {
+        i: byte
+        for byte, (name, i) in enumerate(zip(names, ids, strict=True))
         if i is not None and i != unknown and tokenizer.decode([i]) != name
-    )
+    }
 
 
 def text_decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
