@@ -35,7 +35,7 @@ from rawserve.shared.messages import (
 )
 from rawserve.tasks.text_generation import API_SAMPLING
 from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE
-from tests.tiny_models import PERSON
+from tests.tiny_models import PERSON, UNREADABLE_TOKEN, with_tokens_added
 
 POSITIONS = 256  # the tiny GPT-2's (tests/tiny_models.py)
 GREEDY = {"max_new_tokens": 20, "do_sample": False, "details": True}
@@ -2047,6 +2047,44 @@ def test_a_token_id_outside_the_vocabulary_fails_its_item_alone(runner):
     assert f"token id {vocabulary} is not in the model's vocabulary" in failed.message
     with pytest.raises(ValueError, match="not in the model's vocabulary"):
         runner.run([[vocabulary + 5]], dict(params))
+
+
+@pytest.fixture(scope="module")
+def unresized(tiny_model, tmp_path_factory):
+    """The tiny chat GPT-2 whose tokenizer holds a token its embedding table has no row
+    for (added to the tokenizer without resizing the model)."""
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    folder = tmp_path_factory.mktemp("unresized") / "chat"
+    with_tokens_added(tiny_model("chat"), folder)
+    return CausalLMRunner(str(folder), "cpu", torch.float32)
+
+
+def chat_of(text: str) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": text}]}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_prompt_holding_a_token_the_model_cannot_read_fails_its_item_alone(unresized, chat):
+    """The prompt is refused before it is prefilled, naming the token (it failed the
+    prefill, 500; on a GPU, a device-side assert), and its batch-mate is answered."""
+    from rawserve.tasks import CHAT_PARAM
+
+    good, bad = "the movie was", f"the {UNREADABLE_TOKEN}"
+    params = {**GREEDY, "max_new_tokens": 4}
+    if chat:  # (a chat answers its new text alone)
+        params.update({CHAT_PARAM: True, "return_full_text": False})
+        good, bad = chat_of(good), chat_of(bad)
+    rows = unresized.model.get_input_embeddings().num_embeddings
+    sent = serve(unresized, {0: [Batch(1, (good, bad), params)]})
+    (answer,) = [m for m in sent if isinstance(m, BatchResult)]
+    ok, failed = answer.outputs
+    assert ok == static(unresized, good, params)
+    assert failed.kind is FailureKind.INPUT, failed
+    assert f"the token '{UNREADABLE_TOKEN}'" in failed.message, failed.message
+    assert f"embedding table has {rows} rows" in failed.message
 
 
 def test_chat_inputs_render_with_the_template_as_the_static_path(tiny_model):

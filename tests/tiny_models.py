@@ -41,6 +41,9 @@ WEATHER = {
         },
     },
 }
+# the word a tokenizer is given as a token of its own without the model's embeddings
+# growing (`with_tokens_added`)
+UNREADABLE_TOKEN = "newword"
 # a ChatML-like template, as instruction-tuned models ship them
 CHAT_TEMPLATE = (
     "{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}</s>\n"
@@ -450,6 +453,28 @@ def _build_vit(folder: Path) -> Path:
     )
     processor.save_pretrained(folder)
     return folder
+
+
+def with_tokens_added(source: str | Path, folder: Path, pad: bool = False) -> str:
+    """A copy of the model in `source`, saved in `folder`, whose tokenizer was given tokens
+    without `model.resize_token_embeddings` (a common mistake of fine-tuned checkpoints):
+    its tokenizer makes ids past the model's embedding table. `pad`: its pad token is one
+    of them (`add_special_tokens({"pad_token": ...})`, as GPT-2's fine-tunes add one).
+    Returns the token added last, which no embedding reads."""
+    import shutil
+
+    import transformers
+
+    shutil.copytree(source, folder)
+    rows = json.loads((folder / "config.json").read_text())["vocab_size"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    while len(tokenizer) < rows:  # (a vocabulary may leave rows unused)
+        tokenizer.add_tokens([f"filler{len(tokenizer)}"])
+    if pad:
+        tokenizer.add_special_tokens({"pad_token": "<added-pad>"})
+    tokenizer.add_tokens([UNREADABLE_TOKEN])
+    tokenizer.save_pretrained(folder)
+    return UNREADABLE_TOKEN
 
 
 def worker_config(

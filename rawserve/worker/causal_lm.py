@@ -79,6 +79,7 @@ from rawserve.worker.runner import (
     Runner,
     WrittenForClients,
     dtype_name,
+    embedding_rows,
     generation_positions,
     greedy_at_zero_temperature,
 )
@@ -286,7 +287,8 @@ class CausalLMRunner(Runner):
             can_sanitize(tokenizer)
         self.model, untrained = load_model("AutoModelForCausalLM", model, dtype=torch_dtype)
         self.model.to(device).eval()
-        super().__init__("text-generation", device, dtype_name(self.model), tokenizer)
+        rows = embedding_rows(self.model)
+        super().__init__("text-generation", device, dtype_name(self.model), tokenizer, rows)
         self.untrained = untrained
         generation_config = self.model.generation_config
         if generation_config.temperature == 0.0:
@@ -490,7 +492,9 @@ class CausalLMRunner(Runner):
                 item.get("tool_prompt", ""),
                 {**item.get("template_kwargs", {}), **item.get("opening", {})},
             )
-            return self._render_ids(*parts)
+            ids = self._render_ids(*parts)
+            self.refuse_unreadable([ids])
+            return ids
         if isinstance(item, list):
             unknown = [token_id for token_id in item if not 0 <= token_id < self.vocabulary]
             if unknown:
@@ -499,7 +503,9 @@ class CausalLMRunner(Runner):
                     f"from 0 to {self.vocabulary - 1})"
                 )
             return item
-        return list(self.tokenizer(item)["input_ids"])
+        ids = list(self.tokenizer(item)["input_ids"])
+        self.refuse_unreadable([ids])
+        return ids
 
     def chat_text(
         self,

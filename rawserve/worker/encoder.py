@@ -27,6 +27,7 @@ from rawserve.worker.runner import (
     PAD_SIDE,
     Runner,
     dtype_name,
+    embedding_rows,
     refuse_not_numbers,
     resolve_dtype,
 )
@@ -70,7 +71,8 @@ class EncoderRunner(Runner):
             raise ValueError("a SPLADE model's pooling runs on torch, not ONNX Runtime")
         else:
             self.model = onnx
-        super().__init__("feature-extraction", device, dtype_name(self.model), tokenizer)
+        rows = embedding_rows(self.model)
+        super().__init__("feature-extraction", device, dtype_name(self.model), tokenizer, rows)
         self.untrained = untrained
         self.onnx = onnx
         self.default_pooling, self.default_normalize = pooling, normalize
@@ -152,6 +154,7 @@ class EncoderRunner(Runner):
                 return_tensors="pt",
                 **reading,
             )
+        self.refuse_unreadable(encoded["input_ids"], tokenizer)
         length = encoded["input_ids"].shape[1]
         if length > self.max_length:
             raise ValueError(

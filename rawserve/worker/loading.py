@@ -39,6 +39,7 @@ log = logging.getLogger("rawserve.worker")
 
 # what the log and /info's `cuda_graphs` say of a GPU worker's graphs turned off
 NO_GRAPHS = "off: --no-cuda-graphs (every forward pass runs as it is)"
+UNREADABLE_TOKENS_NAMED = 5  # of a tokenizer's tokens past the model's embeddings, in the log
 
 
 def choose_engine(
@@ -134,6 +135,7 @@ def load_runner(config: WorkerConfig, device: str) -> Runner:
         reason = f"{reason}; graph: {runner.onnx.source}"
     log.info("engine: %s (%s)", engine.value, reason)
     refuse_without_vocabulary(runner.tokenizer, Path(model))
+    warn_of_unreadable_tokens(runner)
     if runner.onnx is not None:  # what the model the graph was exported from had random
         runner.untrained = runner.onnx.untrained
     runner.engine, runner.engine_reason = engine, reason
@@ -343,6 +345,28 @@ def refuse_without_vocabulary(tokenizer: Any, folder: Path) -> None:
             f"the model has no tokenizer files (any of {', '.join(names)}): "
             "every text would read as unknown tokens"
         )
+
+
+def warn_of_unreadable_tokens(runner: Runner) -> None:
+    """Log a warning where the tokenizer has more tokens than the model has embeddings
+    for (tokens added to it without `model.resize_token_embeddings`, a common mistake
+    of fine-tuned checkpoints): an input holding one of them is refused (422)."""
+    tokenizer, rows = runner.tokenizer, runner.embedding_rows
+    if tokenizer is None or rows is None or len(tokenizer) <= rows:
+        return
+    past = len(tokenizer) - rows
+    first = list(range(rows, rows + min(past, UNREADABLE_TOKENS_NAMED)))
+    named = ", ".join(repr(token) for token in tokenizer.convert_ids_to_tokens(first))
+    log.warning(
+        "the tokenizer has %d tokens and the model's embedding table %d rows (tokens added "
+        "to the tokenizer without resizing the model): an input holding one of the %d "
+        "past them (%s%s) is refused with 422",
+        len(tokenizer),
+        rows,
+        past,
+        named,
+        ", ..." if past > UNREADABLE_TOKENS_NAMED else "",
+    )
 
 
 def build_runner(

@@ -25,6 +25,7 @@ from rawserve.worker.runner import (
     Runner,
     client_message,
     dtype_name,
+    embedding_rows,
     refuse_not_numbers,
     resolve_dtype,
 )
@@ -77,7 +78,9 @@ class PipelineRunner(Runner):
                 self.pipe = transformers.pipeline(task, model=onnx, tokenizer=tokenizer)
             finally:
                 check.setLevel(level)
-        super().__init__(task, device, dtype_name(self.pipe.model), self.pipe.tokenizer)
+        tokenizer = self.pipe.tokenizer
+        rows = embedding_rows(self.pipe.model) if tokenizer is not None else None
+        super().__init__(task, device, dtype_name(self.pipe.model), tokenizer, rows)
         self.onnx = onnx
         self.untrained = untrained
         # A tokenizer without a pad token cannot pad inputs into one batch (nor may a
@@ -100,6 +103,8 @@ class PipelineRunner(Runner):
             self.pipe.model.register_forward_pre_hook(
                 refuse_past(self.max_length), with_kwargs=True
             )
+        if self.tokenizer is not None:  # every pipeline's ids, however it tokenized them
+            self.pipe.model.register_forward_pre_hook(self.refuse_unreadable_ids, with_kwargs=True)
         # every pipeline's scores pass here, however it called the model
         self.pipe.model.register_forward_hook(refuse_broken_scores, with_kwargs=True)
         if task in PIECED_TASKS:
@@ -257,6 +262,16 @@ class PipelineRunner(Runner):
                 f"tokens ({room} of them the text's): send a smaller stride"
             )
 
+    def refuse_unreadable_ids(
+        self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """A forward pre-hook: `refuse_unreadable` on a pass's input ids. A pass recorded
+        into a CUDA graph is not read (CUDA refuses a read back while it records): its
+        replays' ids are (`_forward_logits`)."""
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and not recording():
+            self.refuse_unreadable(ids)
+
     def describe_failure(self, exc: BaseException) -> ItemFailure:
         # The pipeline's refusal of an input is the client's to fix. Asked here, not of
         # every runner: reading transformers.pipelines imports it (seconds, on the model's
@@ -348,6 +363,7 @@ class PipelineRunner(Runner):
     def _forward_logits(self, encoded: Any) -> Any:
         """The model's logits for tensors on its device: replayed where a graph fits."""
         if self.graphed is not None:  # a replay runs no hook: checked here
+            self.refuse_unreadable(encoded["input_ids"])
             logits = self.graphed(encoded)
             refuse_not_numbers(logits, "scores")
             return logits

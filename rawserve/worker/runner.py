@@ -131,6 +131,7 @@ _BARE_CREDENTIALS = re.compile(
     r"(?<![\w.\-])(?!mailto:)[A-Za-z][\w.\-]*:[^\s/@'\"]+@(?=[\w\-]+(?:\.[\w\-]+)+|[\w\-]+:\d)"
 )
 MAX_CLIENT_MESSAGE = 300  # characters of a failure's first line that a client is told
+MAX_TOKEN_SHOWN = 40  # characters of a token's text that a refusal names
 
 
 class NotNumbers(ArithmeticError):
@@ -272,6 +273,55 @@ def token_positions(config: Any) -> int | None:
     return int(positions)
 
 
+def embedding_rows(model: Any) -> int | None:
+    """The token ids `model` has an embedding for: its input embedding table's rows; an
+    ONNX graph's, which shows none, the vocabulary its config names. None: no table of
+    token ids (an audio model's, an image model's patches)."""
+    table = getattr(model, "get_input_embeddings", None)
+    if table is None:  # an ONNX graph
+        rows = getattr(getattr(model, "config", None), "vocab_size", None)
+    else:
+        try:
+            rows = getattr(table(), "num_embeddings", None)
+        except NotImplementedError:  # (transformers' own words for a model without one)
+            rows = None
+    return int(rows) if rows else None
+
+
+def first_id_past(ids: Any, rows: int) -> int | None:
+    """The first token id of `ids` (a tensor, or lists of ids) at or past `rows`."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(ids, torch.Tensor):
+        past = ids[ids >= rows]
+        return int(past[0]) if past.numel() else None
+    if all(max(row, default=0) < rows for row in ids):  # (a long prompt: at C's pace)
+        return None
+    return next(token for row in ids for token in row if token >= rows)
+
+
+def keep_pad_readable(tokenizer: Any, rows: int) -> None:
+    """A pad token the model has no embedding for (one added to the tokenizer, the model
+    not resized) replaced by the end-of-text or the unknown token: a padded batch's pads
+    are read by the embedding table as its tokens are, and masked out after, so any
+    token the model can read pads as well."""
+    pad = tokenizer.pad_token_id
+    if pad is None or pad < rows:
+        return
+    for token in (tokenizer.eos_token, tokenizer.unk_token):
+        token_id = tokenizer.convert_tokens_to_ids(token) if token is not None else None
+        if token_id is not None and token_id < rows:
+            log.warning(
+                "the pad token %r (id %d) has no row in the model's embedding table (%d "
+                "rows): batches are padded with %r instead",
+                tokenizer.pad_token,
+                pad,
+                rows,
+                token,
+            )
+            tokenizer.pad_token = token
+            return
+
+
 def greedy_at_zero_temperature(options: dict[str, Any]) -> None:
     """generate() options made greedy where their temperature is 0, as TGI and OpenAI read
     it (generate() refuses to sample at 0); in place."""
@@ -290,7 +340,14 @@ class Runner:
     # what writes this runner's answers to the server (a handler's restricts what they hold)
     answer_pickler: type[pickle.Pickler] = pickle.Pickler
 
-    def __init__(self, task: str, device: str, dtype: str = "float32", tokenizer: Any = None):
+    def __init__(
+        self,
+        task: str,
+        device: str,
+        dtype: str = "float32",
+        tokenizer: Any = None,
+        embedding_rows: int | None = None,
+    ):
         self.task = task
         self.device = device
         self.dtype = dtype
@@ -298,6 +355,11 @@ class Runner:
         self.bfloat16_trial = ""  # what bfloat16 would give on this CPU ("": not tried)
         self.attention = ""  # the attention kernels chosen on a GPU ("": torch's own)
         self.tokenizer = tokenizer  # None: inputs are not text (or not tokenized here)
+        # the token ids the model has an embedding for (None: not known, a handler's): a
+        # tokenizer given tokens without `resize_token_embeddings` makes ids past them
+        self.embedding_rows = embedding_rows
+        if tokenizer is not None and embedding_rows is not None:
+            keep_pad_readable(tokenizer, embedding_rows)
         self.engine = Engine.TORCH
         self.engine_reason = ""
         self.onnx: OnnxNetwork | None = None  # the forward pass, when ONNX Runtime runs it
@@ -417,6 +479,25 @@ class Runner:
         if tokenizer is None or not all(isinstance(value, str) for value in inputs):
             return None
         return [len(ids) for ids in tokenizer(inputs, truncation=False)["input_ids"]]
+
+    def refuse_unreadable(self, ids: Any, tokenizer: Any = None) -> None:
+        """Raise `WrittenForClients` (a 422) where `ids` (a tensor of rows, or lists of
+        ids) hold a token the model has no embedding for, before the model reads them: it
+        failed on it (a 500), and on a GPU a device-side assert, which left the worker's
+        CUDA context unusable for every batch after. `tokenizer`: the calling thread's."""
+        if self.embedding_rows is None:
+            return
+        unreadable = first_id_past(ids, self.embedding_rows)
+        if unreadable is None:
+            return
+        tokenizer = tokenizer or self.tokenizer
+        token = str(tokenizer.convert_ids_to_tokens(unreadable))[:MAX_TOKEN_SHOWN]
+        raise WrittenForClients(
+            f"the input holds the token {token!r} (id {unreadable}), which this model "
+            f"cannot read: its embedding table has {self.embedding_rows} rows and its "
+            f"tokenizer {len(tokenizer)} tokens (tokens were added to the tokenizer "
+            "without resizing the model's embeddings)"
+        )
 
     def describe_failure(self, exc: BaseException) -> ItemFailure:
         """Turn a failure on one item into a message that is safe to send to a client."""

@@ -41,6 +41,7 @@ from rawserve.worker.runner import (
     NotNumbers,
     Runner,
     dtype_name,
+    embedding_rows,
     greedy_at_zero_temperature,
     undeclared_input_tokens,
 )
@@ -86,7 +87,8 @@ class Seq2SeqLMRunner(Runner):
         self.model, untrained = load_model("AutoModelForSeq2SeqLM", model, dtype=torch_dtype)
         self.model.to(device).eval()
         self.model.register_forward_hook(refuse_unusable_scores)  # every decoding step's
-        super().__init__(task, device, dtype_name(self.model), tokenizer)
+        rows = embedding_rows(self.model)
+        super().__init__(task, device, dtype_name(self.model), tokenizer, rows)
         self.untrained = untrained
         # (continuous batching keeps a decoder's rows; an encoder-decoder's run whole)
         self.generation_mode = "static (one generate call per batch): an encoder-decoder model"
@@ -234,6 +236,7 @@ class Seq2SeqLMRunner(Runner):
             **self.cut(params),
         )
         encoded.pop("token_type_ids", None)  # tokenizers that make them; generate() refuses them
+        self.refuse_unreadable(encoded["input_ids"])
         length = encoded["input_ids"].shape[1]
         if length > self.input_limit:
             raise ValueError(  # the encoder would fail on it: say so (truncation was refused)

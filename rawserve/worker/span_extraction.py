@@ -35,7 +35,13 @@ from rawserve.tasks.question_answering import DOC_STRIDE, MAX_SEQ_LEN
 from rawserve.worker.library_panics import LibraryPanic, panics_as_errors
 from rawserve.worker.model_classes import load_model
 from rawserve.worker.onnx_engine import OnnxNetwork
-from rawserve.worker.runner import Runner, dtype_name, refuse_not_numbers, token_positions
+from rawserve.worker.runner import (
+    Runner,
+    dtype_name,
+    embedding_rows,
+    refuse_not_numbers,
+    token_positions,
+)
 
 log = logging.getLogger("rawserve.worker")
 
@@ -74,7 +80,8 @@ class SpanExtractionRunner(Runner):
             self.model.to(device).eval()
         else:
             self.model = onnx
-        super().__init__("question-answering", device, dtype_name(self.model), tokenizer)
+        rows = embedding_rows(self.model)
+        super().__init__("question-answering", device, dtype_name(self.model), tokenizer, rows)
         self.untrained = untrained
         self.onnx = onnx
         # the longest window the model can read (absolute position embeddings), if it says
@@ -123,6 +130,7 @@ class SpanExtractionRunner(Runner):
         contexts = [item["context"] for item in inputs]
         encoded = self.windows(inputs, options)
         self.refuse_unread_parts(encoded, len(inputs))
+        self.refuse_unreadable(encoded["input_ids"])
         starts, ends = self.logits(encoded)
         if self.batch_cancelled():  # nobody reads the answers: none is read from the windows
             return _unread(inputs)
