@@ -192,8 +192,14 @@ def test_a_model_whose_tokens_all_have_rows_is_not_warned_of(tiny_model, caplog)
     folder = tiny_model("text-classification")
     config = worker_config(folder, "text-classification", dtype="float32", engine=Engine.TORCH)
     with caplog.at_level(logging.WARNING, logger="rawserve.worker"):
-        load_runner(config, "cpu")
+        runner = load_runner(config, "cpu")
     assert not [r for r in caplog.records if "embedding table" in r.getMessage()]
+    # nor are its ids read before each pass (on a GPU, a wait for the device each batch)
+    assert runner.embedding_rows and not runner.makes_unreadable_ids
+    assert not runner.pipe.model._forward_pre_hooks or all(
+        getattr(hook, "__name__", "") != "refuse_unreadable_ids"
+        for hook in runner.pipe.model._forward_pre_hooks.values()
+    )
 
 
 @pytest.mark.parametrize(

@@ -103,7 +103,7 @@ class PipelineRunner(Runner):
             self.pipe.model.register_forward_pre_hook(
                 refuse_past(self.max_length), with_kwargs=True
             )
-        if self.tokenizer is not None:  # every pipeline's ids, however it tokenized them
+        if self.makes_unreadable_ids:  # every pipeline's ids, however it tokenized them
             self.pipe.model.register_forward_pre_hook(self.refuse_unreadable_ids, with_kwargs=True)
         # every pipeline's scores pass here, however it called the model
         self.pipe.model.register_forward_hook(refuse_broken_scores, with_kwargs=True)

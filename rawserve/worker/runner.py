@@ -299,6 +299,11 @@ def first_id_past(ids: Any, rows: int) -> int | None:
     return next(token for row in ids for token in row if token >= rows)
 
 
+def highest_token_id(tokenizer: Any) -> int:
+    """The highest id `tokenizer` makes: of its vocabulary and the tokens added to it."""
+    return max(tokenizer.get_vocab().values(), default=-1)
+
+
 def keep_pad_readable(tokenizer: Any, rows: int) -> None:
     """A pad token the model has no embedding for (one added to the tokenizer, the model
     not resized) replaced by the end-of-text or the unknown token: a padded batch's pads
@@ -358,8 +363,12 @@ class Runner:
         # the token ids the model has an embedding for (None: not known, a handler's): a
         # tokenizer given tokens without `resize_token_embeddings` makes ids past them
         self.embedding_rows = embedding_rows
+        # whether the tokenizer makes ids past the table at all: the ids are checked only
+        # then (reading a GPU tensor's ids waits for the device, each batch)
+        self.makes_unreadable_ids = False
         if tokenizer is not None and embedding_rows is not None:
             keep_pad_readable(tokenizer, embedding_rows)
+            self.makes_unreadable_ids = highest_token_id(tokenizer) >= embedding_rows
         self.engine = Engine.TORCH
         self.engine_reason = ""
         self.onnx: OnnxNetwork | None = None  # the forward pass, when ONNX Runtime runs it
@@ -485,7 +494,7 @@ class Runner:
         ids) hold a token the model has no embedding for, before the model reads them: it
         failed on it (a 500), and on a GPU a device-side assert, which left the worker's
         CUDA context unusable for every batch after. `tokenizer`: the calling thread's."""
-        if self.embedding_rows is None:
+        if self.embedding_rows is None or not self.makes_unreadable_ids:
             return
         unreadable = first_id_past(ids, self.embedding_rows)
         if unreadable is None:
