@@ -11,6 +11,7 @@ import base64
 import io
 import struct
 import warnings
+import zlib
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -129,6 +130,40 @@ def test_a_header_behind_more_blocks_than_a_file_has_is_weighed_by_its_bytes():
         assert image_tokens(value) == estimate_tokens(value)
 
 
+def test_a_gif_frame_is_found_where_pillow_finds_it_past_an_extension_s_empty_block():
+    """An extension whose first sub-block is empty reads on to the next empty one in
+    Pillow: a frame descriptor of 1x1 behind it (and a screen of 1x1) was taken for the
+    image, and 36 megapixels costed as one tile (a tester)."""
+    gif = saved(Image.new("P", (3000, 2000)), "GIF")
+    descriptor = gif.index(b"\x2c", 13)
+    decoy = b"\x2c" + struct.pack("<HHHH", 0, 0, 1, 1) + b"\x00" + bytes(35)
+    screen = gif[:6] + struct.pack("<HH", 1, 1) + gif[10:descriptor]
+    for extension in (b"\x21\x01\x00", b"\x21\xff\x0bNETSCAPE2.0\x00"):
+        crafted = screen + extension + decoy + b"\x00" + gif[descriptor:]
+        assert image_size(crafted) == pillows_reading(crafted) == ((3000, 2000), "GIF")
+
+
+def test_a_png_chunk_before_its_header_is_skipped_as_pillow_skips_it():
+    png = saved(Image.new("1", (9400, 9400)), "PNG", optimize=True)
+    for kind, body in ((b"tEXt", b"a\x00b"), (b"prVt", b"")):
+        chunk = (
+            struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        )
+        crafted = png[:8] + chunk + png[8:]
+        assert image_size(crafted) == pillows_reading(crafted) == ((9400, 9400), "PNG")
+
+
+def test_offsets_past_any_file_leave_the_image_weighed_by_its_bytes():
+    """A BigTIFF's 64-bit offset of 2**63 raised OverflowError: a 500 (a tester)."""
+    directory_far = b"II+\x00\x08\x00\x00\x00" + struct.pack("<Q", 2**63) + bytes(16)
+    field_far = b"II+\x00\x08\x00\x00\x00" + struct.pack("<Q", 16) + struct.pack("<Q", 1)
+    field_far += struct.pack("<HHQQ", 256, 4, 3, 2**63)
+    for crafted in (directory_far, field_far, b"II*\x00\xff\xff\xff\xff"):
+        assert image_size(crafted) is None
+        value = base64.b64encode(crafted).decode()
+        assert image_tokens(value) == estimate_tokens(value)
+
+
 def test_a_tiff_size_is_read_from_its_first_directory_whatever_follows():
     """16,000 tags after the size: Pillow read them all; only the two are read here."""
     fields = [struct.pack("<HHII", 256, 4, 1, 300), struct.pack("<HHII", 257, 3, 1, 200)]
@@ -151,7 +186,11 @@ def test_damaged_headers_are_read_as_pillow_reads_them_or_not_at_all(data):
     original = data.draw(st.sampled_from(FILES))
     damaged = bytearray(original[:2048])
     for _ in range(data.draw(st.integers(1, 4))):
-        damaged[data.draw(st.integers(0, len(damaged) - 1))] = data.draw(st.integers(0, 255))
+        at = data.draw(st.integers(0, min(len(damaged), 300) - 1))
+        if data.draw(st.booleans()):
+            damaged[at] = data.draw(st.integers(0, 255))
+        else:  # bytes put in: a block, a chunk, a marker where none was
+            damaged[at:at] = data.draw(st.binary(min_size=1, max_size=12))
     read = image_size(bytes(damaged))
     try:
         expected = pillows_reading(bytes(damaged) + original[2048:])

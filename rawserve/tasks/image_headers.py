@@ -11,12 +11,14 @@ opening the whole file with Pillow, decodes what was weighed.
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Callable
 
 Size = tuple[int, int]
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PNG_CHUNK_TYPE = re.compile(rb"\w{4}")  # what Pillow takes for a chunk's type
 # JPEG markers as Pillow reads them: those that frame an image (SOF0-15 but DHT, JPG and
 # DAC, and DHP), those with no length after them, and those Pillow knows at all (one it
 # does not ends its reading).
@@ -25,6 +27,7 @@ JPEG_BARE = frozenset({0xC8, *range(0xD0, 0xDA), *range(0xF0, 0xFE)})
 JPEG_KNOWN = frozenset(range(0xC0, 0xFF))
 JPEG_SCAN = 0xDA  # start of scan: the image data follows, and no more headers
 GIF_EXTENSION, GIF_IMAGE, GIF_TRAILER = 0x21, 0x2C, 0x3B
+GIF_COMMENT, GIF_APPLICATION = 0xFE, 0xFF  # extension labels Pillow reads apart
 # the sizes of the BMP information headers Pillow reads width and height from as 32 bits
 # (12, OS/2's, has them as 16)
 BMP_INFO_HEADERS = (40, 52, 56, 64, 108, 124)
@@ -43,7 +46,10 @@ def image_size(head: bytes) -> tuple[Size, str] | None:
     size lies past them."""
     for signatures, image_format, reader in READERS:
         if head.startswith(signatures):
-            size = reader(head)
+            try:
+                size = reader(head)
+            except (struct.error, OverflowError, IndexError):  # fields past any sense
+                return None
             if size is None or min(size) <= 0:
                 return None
             return size, image_format
@@ -51,11 +57,23 @@ def image_size(head: bytes) -> tuple[Size, str] | None:
 
 
 def png_size(head: bytes) -> Size | None:
-    """From the IHDR chunk, which a PNG puts first."""
-    if head[12:16] != b"IHDR" or len(head) < 24:
-        return None
-    width, height = struct.unpack(">II", head[16:24])
-    return (width, height)
+    """From the last IHDR chunk before the image data, the chunks between skipped by
+    their lengths (the format puts IHDR first; Pillow reads one after others too); None
+    where the image data is not reached in `head`."""
+    size = None
+    position = len(PNG_SIGNATURE)
+    for _ in range(MOST_STEPS):
+        if position + 8 > len(head):
+            return None
+        length, kind = struct.unpack(">I4s", head[position : position + 8])
+        if not PNG_CHUNK_TYPE.fullmatch(kind):
+            return None  # Pillow: "broken PNG file"
+        if kind == b"IDAT":
+            return size
+        if kind == b"IHDR" and position + 16 <= len(head):
+            size = struct.unpack(">II", head[position + 8 : position + 16])
+        position += 12 + length  # length, type, data, CRC
+    return None
 
 
 def jpeg_size(head: bytes) -> Size | None:
@@ -113,7 +131,7 @@ def gif_size(head: bytes) -> Size | None:
             left, top, across, down = struct.unpack("<HHHH", head[position + 1 : position + 9])
             return (max(width, left + across), max(height, top + down))
         if block == GIF_EXTENSION:
-            position, sub_blocks = skip_gif_sub_blocks(head, position + 2)
+            position, sub_blocks = skip_gif_extension(head, position + 1)
             steps += sub_blocks
         else:
             position += 1  # Pillow passes over a byte that starts no block
@@ -123,14 +141,39 @@ def gif_size(head: bytes) -> Size | None:
     return None
 
 
-def skip_gif_sub_blocks(head: bytes, position: int) -> tuple[int, int]:
-    """Where the sub-blocks starting at `position` end (each a length byte and that many
-    bytes, up to a length of 0), and how many there were (`MOST_STEPS` at most)."""
-    sub_blocks = 0
-    while position < len(head) and head[position] and sub_blocks <= MOST_STEPS:
-        position += 1 + head[position]
-        sub_blocks += 1
-    return position + 1, sub_blocks
+def skip_gif_extension(head: bytes, position: int) -> tuple[int, int]:
+    """Where an extension whose label is at `position` ends, as Pillow reads it, and how
+    many sub-blocks it read: a comment's up to its first empty one; any other's first
+    sub-block whatever its length (an empty one ends nothing there), a NETSCAPE
+    application block's next one too, then sub-blocks up to an empty one."""
+    label = head[position] if position < len(head) else None
+    first, position = gif_sub_block(head, position + 1)
+    block, steps = first, 1
+    if label == GIF_COMMENT:
+        while block and steps <= MOST_STEPS:
+            block, position = gif_sub_block(head, position)
+            steps += 1
+        return position, steps
+    if label == GIF_APPLICATION and first and first.startswith(b"NETSCAPE2.0"):
+        _, position = gif_sub_block(head, position)
+        steps += 1
+    while steps <= MOST_STEPS:
+        block, position = gif_sub_block(head, position)
+        steps += 1
+        if not block:
+            break
+    return position, steps
+
+
+def gif_sub_block(head: bytes, position: int) -> tuple[bytes | None, int]:
+    """The sub-block at `position` (a length byte and that many bytes) and where the next
+    starts; None for an empty one, which ends a run of them (or for none left)."""
+    if position >= len(head):
+        return None, position
+    length = head[position]
+    if not length:
+        return None, position + 1
+    return head[position + 1 : position + 1 + length], position + 1 + length
 
 
 def bmp_size(head: bytes) -> Size | None:
@@ -149,20 +192,17 @@ def bmp_size(head: bytes) -> Size | None:
 
 def tiff_size(head: bytes) -> Size | None:
     """From the width and height fields of the first directory, of a TIFF or BigTIFF,
-    either byte order; the fields past them unread."""
+    either byte order; the fields past them unread (an offset past `head` raises)."""
     order = "<" if head[:2] == b"II" else ">"
     big = head[2:4] in (b"+\x00", b"\x00+")
     offset_format, count_format, entry = ("Q", "Q", 20) if big else ("I", "H", 12)
     offset_at = 8 if big else 4
-    try:
-        (directory,) = struct.unpack_from(order + offset_format, head, offset_at)
-        (entries,) = struct.unpack_from(order + count_format, head, directory)
-    except struct.error:
-        return None
+    (directory,) = struct.unpack_from(order + offset_format, head, offset_at)
+    (entries,) = struct.unpack_from(order + count_format, head, directory)
     first = directory + struct.calcsize(count_format)
     inline = 8 if big else 4  # a value of more bytes is stored where this many point
     found: dict[int, int] = {}
-    for index in range(min(entries, (len(head) - first) // entry)):
+    for index in range(min(entries, (len(head) - first) // entry, MOST_STEPS)):
         at = first + index * entry
         tag, kind = struct.unpack_from(order + "HH", head, at)
         if tag not in (TIFF_WIDTH, TIFF_HEIGHT) or kind not in TIFF_INTEGERS:
@@ -171,10 +211,7 @@ def tiff_size(head: bytes) -> Size | None:
         value_at = at + entry - inline
         if count * struct.calcsize(TIFF_INTEGERS[kind]) > inline:
             (value_at,) = struct.unpack_from(order + offset_format, head, value_at)
-        try:
-            (found[tag],) = struct.unpack_from(order + TIFF_INTEGERS[kind], head, value_at)
-        except struct.error:
-            return None
+        (found[tag],) = struct.unpack_from(order + TIFF_INTEGERS[kind], head, value_at)
         if len(found) == 2:
             return (found[TIFF_WIDTH], found[TIFF_HEIGHT])
     return None
