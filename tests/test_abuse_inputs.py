@@ -42,6 +42,8 @@ def servers(request, tiny_model):
             "summarizer": lambda: RunningServer(
                 ["--model", tiny_model("seq2seq"), "--task", "summarization", *one]
             ),
+            "tagger": lambda: RunningServer(["--model", tiny_model("token-classification"), *one]),
+            "reader": lambda: RunningServer(["--model", tiny_model("question-answering"), *one]),
             "small_queue": lambda: RunningServer(
                 ["--handler", "tests.handlers:echo", "--max-queue", "4"]
             ),
@@ -54,6 +56,8 @@ classifier = module_server("classifier")
 generator = module_server("generator")
 summarizer = module_server("summarizer")
 small_queue = module_server("small_queue")
+tagger = module_server("tagger")
+reader = module_server("reader")
 
 
 def post(server: RunningServer, body: bytes) -> tuple[int, dict]:
@@ -145,6 +149,46 @@ def test_texts_longer_than_a_classifier_reads_are_refused_before_they_are_queued
     )
     assert batches_run(classifier) == before  # no worker saw them
     assert classifier.post_json({"inputs": "word " * 100})[0] == 200  # within 128 tokens
+
+
+def test_a_dense_stride_on_a_long_text_is_refused_before_it_is_queued(tagger):
+    """A 100 KB text at stride 125 of 128 positions is 20,000 windows: the worker's
+    tokenizer made them all at once (1.5 GB, and the worker busy past the 504 until the
+    batch timeout). Counted in the server a piece at a time, it is refused at once, in
+    words that name the bound and what to change; a normal stride is still answered."""
+    assert tagger.post_json({"inputs": "warm"})[0] == 200  # (its positions known)
+    before = batches_run(tagger)
+    params = {"aggregation_strategy": "simple", "stride": 125}
+    body = {"inputs": ["fine", "word " * 20_000], "parameters": params}
+    status, answer = post(tagger, json.dumps(body).encode())
+    assert_clear_client_error(status, answer, 422)
+    assert answer["error"] == (
+        "the text's windows of 128 tokens at stride 125 would hold more than 524,288 "
+        "tokens, the most a request's windows may hold (4,096 windows of 128): send a "
+        "smaller stride or a shorter text"
+    )
+    assert batches_run(tagger) == before  # no worker saw it
+    # 6,000 tokens at stride 110: counted (its characters alone could make too many
+    # windows), 375 windows, answered
+    body = {"inputs": "word " * 6_000, "parameters": {**params, "stride": 110}}
+    status, answer = post(tagger, json.dumps(body).encode())
+    assert status == 200, answer
+
+
+def test_a_dense_doc_stride_on_a_long_context_is_refused_before_it_is_queued(reader):
+    """The same for a question-answering context: 100 KB at doc_stride 120 of 128 is
+    6,700 windows (1 MB: the worker grew by 4 GB and kept 3 GB of it)."""
+    item = {"question": "what?", "context": "word " * 20_000}
+    assert reader.post_json({"inputs": {**item, "context": "warm"}})[0] == 200
+    before = batches_run(reader)
+    body = {"inputs": item, "parameters": {"doc_stride": 120, "max_answer_len": 1000}}
+    status, answer = post(reader, json.dumps(body).encode())
+    assert_clear_client_error(status, answer, 422)
+    assert "the context's windows of 128 tokens at doc_stride 120" in answer["error"]
+    assert "send a smaller doc_stride or a shorter context" in answer["error"]
+    assert batches_run(reader) == before
+    status, answer = post(reader, json.dumps({"inputs": item}).encode())  # doc_stride 64
+    assert status == 200, answer
 
 
 @pytest.mark.parametrize("model", ["classifier", "generator", "summarizer"])

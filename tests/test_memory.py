@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from rawserve.shared.memory import FreeMemoryReleaser, fix_mmap_threshold
+from rawserve.shared.memory import FreeMemoryReleaser, fix_mmap_threshold, resident_bytes
 from tests.server import RunningServer
 
 glibc_only = pytest.mark.skipif(
@@ -53,6 +53,34 @@ def test_the_trim_is_glibcs_own_call(monkeypatch):
     releaser.after_batch()
     releaser.after_batch()
     assert calls == [0]  # malloc_trim(0): keep no padding at the heap's top
+
+
+def test_a_batch_that_grew_the_worker_a_lot_is_trimmed_at_once(monkeypatch):
+    """A dense question-answering request's windows (4.4 GB) stayed with the worker, the
+    heap's free pages kept, through later small batches: a batch that leaves the process
+    much larger than after the last trim is trimmed after, whatever its count and
+    whether another waits; one that grew it little waits its turn."""
+    calls = []
+    resident = iter([100, 110, 100 + 2**30, 120, 130, 140, 150]).__next__
+    releaser = FreeMemoryReleaser(every=4, grown=2**20, resident=resident)
+    monkeypatch.setattr(releaser, "_trim", calls.append)
+    assert releaser.after_batch() is False  # 10 bytes more: no trim
+    assert releaser.after_batch(next_waiting=True) is True  # a GiB more: now
+    # counted afresh from what was left after the trim (120)
+    assert [releaser.after_batch() for _ in range(3)] == [False, False, False]
+    assert calls == [0]
+
+
+def test_without_a_resident_size_the_trim_waits_its_turn(monkeypatch):
+    releaser = FreeMemoryReleaser(every=2, resident=lambda: None)
+    monkeypatch.setattr(releaser, "_trim", lambda _: None)
+    assert [releaser.after_batch() for _ in range(4)] == [False, True] * 2
+
+
+@glibc_only
+def test_the_resident_size_is_read_from_proc():
+    size = resident_bytes()
+    assert size is not None and 2**20 < size < 2**40
 
 
 def test_a_worker_leaves_what_it_loaded_out_of_the_collectors_full_passes():

@@ -320,6 +320,50 @@ def test_a_stride_the_pipeline_cannot_honour_is_the_clients_error(runner, params
     assert serving.run([LONG_NAMES], {**params, "stride": 125, "aggregation_strategy": "simple"})
 
 
+def test_a_dense_stride_on_a_long_text_is_refused_before_its_windows_are_made(runner):
+    """A 100 KB text at stride 125 of 128 positions is 20,000 windows, which the pipeline's
+    tokenizer made in one call before anything could stop it (the worker grew by 1.5 GB,
+    and by 9 GB for 1 MB): refused at once, in words that name the bound and the remedy;
+    a normal stride on a long text is still read whole."""
+    serving = runner("token-classification", "token-classification")
+    params = {"aggregation_strategy": "simple", "stride": 125}
+    made: list[int] = []
+    tokenize = serving.pipe.preprocess
+    serving.pipe.preprocess = lambda *a, **k: made.append(1) or tokenize(*a, **k)
+    try:
+        with pytest.raises(ValueError) as refused:
+            serving.run(["word " * 20_000], params)
+    finally:
+        serving.pipe.preprocess = tokenize
+    message = str(refused.value)
+    assert "windows of 128 tokens at stride 125" in message and "524,288 tokens" in message
+    assert "send a smaller stride or a shorter text" in message
+    assert serving.describe_failure(refused.value).kind == FailureKind.INPUT
+    assert not made  # no window made
+    long_text = "john lives in paris " * 1_500  # 6,000 tokens: 64 windows at stride 32
+    [entities] = serving.run([long_text], {**params, "stride": 32})
+    assert max(entity["end"] for entity in entities) > len(long_text) - 20
+
+
+def test_a_batch_whose_windows_are_over_the_bound_together_runs_each_text_alone(
+    runner, monkeypatch
+):
+    """The bound is on a request's windows: a batch that joins texts under it alone but
+    over it together is split (each answered), and a text over it alone is refused."""
+    from rawserve.tasks import windows
+    from rawserve.worker.batch_runs import run_batch
+
+    monkeypatch.setattr(windows, "WINDOW_TOKEN_BUDGET", 10 * 128)  # 10 windows of 128
+    serving = runner("token-classification", "token-classification")
+    params = {"aggregation_strategy": "simple", "stride": 0}
+    six = "john lives in paris " * 175  # 700 tokens: 6 windows of 126
+    twelve = six + " " + six
+    answers = run_batch(serving, [six, six, twelve], params)
+    assert answers[0] == answers[1] == serving.run([six], params)[0]
+    assert isinstance(answers[2], ItemFailure) and answers[2].kind == FailureKind.INPUT
+    assert "more than 1,280 tokens" in answers[2].message
+
+
 def test_a_stride_without_a_fast_tokenizer_is_the_clients_error(runner, monkeypatch):
     serving = runner("token-classification", "token-classification")
     monkeypatch.setattr(serving, "tokenizer", SimpleNamespace(is_fast=False))
@@ -680,6 +724,28 @@ def test_question_answering_a_stride_past_the_room_the_question_leaves_is_the_cl
         qa.run([{"question": question, "context": context}], options)
     [short] = qa.run([{"question": question, "context": "paris"}], options)  # one window
     assert short["answer"] == "paris"
+
+
+def test_question_answering_a_dense_doc_stride_is_refused_before_its_windows_are_made(
+    runner, monkeypatch
+):
+    """A 1 MB context at doc_stride 120 of 128 makes 200,000 windows, which the tokenizer
+    made in one call (the worker grew by 4 GB): refused at once; the pipeline's own
+    stride on a long context is still read."""
+    qa = runner("question-answering")
+    calls: list[int] = []
+    tokenize = qa.windows
+    monkeypatch.setattr(qa, "windows", lambda *a: calls.append(1) or tokenize(*a))
+    item = {"question": "what?", "context": "word " * 200_000}
+    with pytest.raises(ValueError) as refused:
+        qa.run([item], {"doc_stride": 120, "max_answer_len": 1000})
+    message = str(refused.value)
+    assert "windows of 128 tokens at doc_stride 120" in message, message
+    assert "send a smaller doc_stride or a shorter context" in message
+    assert not calls
+    context = "the city of paris is in france " * 500  # 3,500 tokens: ~60 windows
+    [best] = qa.run([{"question": "where", "context": context}], {})
+    assert best["answer"] == context[best["start"] : best["end"]]
 
 
 @pytest.mark.parametrize("stride", [15, 16])

@@ -48,6 +48,7 @@ from rawserve.api.streaming import open_token_stream
 from rawserve.api.tei import sentence_similarity
 from rawserve.api.tei_bodies import INFERENCE_SIMILARITY
 from rawserve.api.tokens import AnswerTooLarge
+from rawserve.api.window_checks import WINDOWED_TASKS, check_windows
 from rawserve.http.errors import BadRequest, PayloadTooLarge, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.tasks import (
@@ -362,6 +363,8 @@ class InferenceRoutes:
             await check_lengths(self.context.tokenizers, model, parsed.inputs, chat=False)
         elif task in UNCUT_TASKS:
             await check_input_lengths(self.context.tokenizers, model, parsed.inputs)
+        elif task in WINDOWED_TASKS:
+            await check_windows(self.context.tokenizers, model, parsed.inputs, parsed.params)
         deadline = self.context.deadline(request)
         if parsed.stream:
             keepalive = self.context.settings.stream_keepalive

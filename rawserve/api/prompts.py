@@ -40,6 +40,7 @@ from rawserve.api.tokens import (
 )
 from rawserve.http.errors import BadRequest, PayloadTooLarge, UnprocessableInput
 from rawserve.tasks.text_generation import REASONING_END
+from rawserve.tasks.windows import TOKENS_PER_CHARACTER
 
 T = TypeVar("T")
 
@@ -82,10 +83,8 @@ async def check_lengths(
 # The tasks whose pipelines never cut an input (token classification and zero-shot ones
 # do): one longer than the model reads is refused.
 UNCUT_TASKS = frozenset({"text-classification", "fill-mask"})
-# No tokenizer makes more than about this many tokens of a character (a byte-level BPE: one
-# per UTF-8 byte): a text this many times shorter than the positions surely fits, and is
-# left to the worker, whose tokenizer it costs next to nothing.
-TOKENS_PER_CHARACTER = 4
+# (`TOKENS_PER_CHARACTER`: a text this many times shorter than the positions surely fits,
+# and is left to the worker, whose tokenizer it costs next to nothing.)
 
 
 async def check_input_lengths(

@@ -20,7 +20,7 @@ Offsets are counted in UTF-8 bytes, as TEI gives them (the library counts charac
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -30,6 +30,7 @@ import tokenizers
 from rawserve.api.served import ServedModel
 from rawserve.http.encoding import dumps
 from rawserve.shared.memory import give_back_free_memory
+from rawserve.tasks.windows import count_past, pieces
 
 # Work on more characters (or ids) than this goes to a thread; less is answered inline,
 # where a thread's hand-over would cost more than the work (about 2 ms at this size).
@@ -153,6 +154,14 @@ class ServerTokenizer:
         bound = TokenBound(max_tokens, truncate=True)
         return [len(self.encode(text, True, bound)[0]) for text in texts]
 
+    def count_past(self, text: str, most: int) -> int:
+        """`text`'s tokens, special ones left out, counted a piece at a time and no further
+        than past `most` (`windows.count_past`)."""
+        return count_past(self._piece_tokens, text, most)
+
+    def _piece_tokens(self, piece: str) -> int:
+        return len(self.tokenizer.encode(piece, add_special_tokens=False))
+
     def encode(
         self, text: str, add_special: bool, bound: TokenBound
     ) -> tuple[tokenizers.Encoding, int]:
@@ -224,29 +233,6 @@ class ServerTokenizers:
             tokenizer = await asyncio.to_thread(ServerTokenizer, loaded.tokenizer)
             self._by_model[model.name] = tokenizer
         return tokenizer
-
-
-def pieces(text: str, size: int, from_end: bool) -> Iterator[tuple[int, int]]:
-    """Spans of about `size` characters that cover `text`, from its start or its end, each
-    cut at whitespace where there is some in its second half (a word is not split)."""
-    if not from_end:
-        start = 0
-        while start < len(text):
-            end = min(start + size, len(text))
-            if end < len(text):
-                space = max(text.rfind(c, start + size // 2, end) for c in " \n\t")
-                end = space if space > start else end
-            yield start, end
-            start = end
-    else:
-        end = len(text)
-        while end > 0:
-            start = max(end - size, 0)
-            if start > 0:
-                found = [i for c in " \n\t" if (i := text.find(c, start, end - size // 2)) >= 0]
-                start = min(found) if found else start
-            yield start, end
-            end = start
 
 
 def tokens_json(encoding: Any, text: str, start: int = 0) -> bytes:

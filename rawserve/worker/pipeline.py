@@ -29,6 +29,7 @@ from rawserve.worker.runner import (
     refuse_not_numbers,
     resolve_dtype,
 )
+from rawserve.worker.window_counts import refuse_dense_windows
 
 # the pieces one forward pass of a pipeline that cuts its inputs in pieces reads at most:
 # a zero-shot classifier's (text, label) pairs, token classification's windows of a text
@@ -173,6 +174,7 @@ class PipelineRunner(Runner):
                 ]
         if "stride" in params:  # windows of long texts together, not one pass a window
             self.refuse_stride(params)
+            self.refuse_dense_windows(inputs, params["stride"])
             batch_size = max(batch_size, PIECES_PER_PASS)
         with torch.inference_mode():
             raw = self.pipe(model_inputs, batch_size=batch_size, **params)
@@ -271,6 +273,17 @@ class PipelineRunner(Runner):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is not None and not recording():
             self.refuse_unreadable(ids)
+
+    def refuse_dense_windows(self, texts: list[str], stride: int) -> None:
+        """ValueError (a 422) when the batch's texts would make windows of more tokens
+        than `WINDOW_TOKEN_BUDGET` together: the pipeline's tokenizer makes all of a
+        text's windows in one call, before anything can stop it. (A batch of several
+        requests over it together is split by the bisection: each is counted alone.)"""
+        window = self.tokenizer.model_max_length
+        room = window - self.tokenizer.num_special_tokens_to_add()
+        refuse_dense_windows(
+            self.tokenizer, [(text, room) for text in texts], window, ("stride", stride)
+        )
 
     def describe_failure(self, exc: BaseException) -> ItemFailure:
         # The pipeline's refusal of an input is the client's to fix. Asked here, not of

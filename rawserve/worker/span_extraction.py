@@ -42,6 +42,7 @@ from rawserve.worker.runner import (
     refuse_not_numbers,
     token_positions,
 )
+from rawserve.worker.window_counts import refuse_dense_windows, token_counter
 
 log = logging.getLogger("rawserve.worker")
 
@@ -127,6 +128,7 @@ class SpanExtractionRunner(Runner):
         self, inputs: list[Any], params: dict[str, Any], control: Control = NO_CONTROL
     ) -> list[Any]:
         options = self.options(params)
+        self.refuse_dense_windows(inputs, options)
         contexts = [item["context"] for item in inputs]
         encoded = self.windows(inputs, options)
         self.refuse_unread_parts(encoded, len(inputs))
@@ -192,6 +194,22 @@ class SpanExtractionRunner(Runner):
                     "smaller doc_stride or a larger max_seq_len"
                 ) from None
             raise
+
+    def refuse_dense_windows(self, inputs: list[dict[str, str]], options: SpanOptions) -> None:
+        """ValueError (a 422) when the batch's contexts would make windows of more tokens
+        than `WINDOW_TOKEN_BUDGET` together: the tokenizer makes every window of the
+        batch in one call (a 1 MB context at doc_stride 120: 4.4 GB). A question that
+        leaves a window no room past the stride is the tokenizer's to refuse."""
+        window, stride = options.max_seq_len, options.doc_stride
+        special = self.tokenizer.num_special_tokens_to_add(pair=True)
+        count = token_counter(self.tokenizer)
+        rooms = [window - special - count(item["question"], window) for item in inputs]
+        texts = [
+            (item["context"], room)
+            for item, room in zip(inputs, rooms, strict=True)
+            if room - stride >= 1
+        ]
+        refuse_dense_windows(self.tokenizer, texts, window, ("doc_stride", stride), "context")
 
     def refuse_stride(self, questions: list[str], options: SpanOptions) -> None:
         """After the tokenizer panicked: raise ValueError when a question leaves its
