@@ -2,7 +2,8 @@
 
 - A prompt that cannot fit the model at all is refused (422) when it is checked, before it
   is queued: it never waits for its deadline, and while it is answered another client of
-  the same model is served.
+  the same model is served. So is a chat whose template's turns, or tools, make it so
+  (31,000 empty messages; 128 large tools): it never reaches a worker.
 - A batch-mate's prompt length never changes another sequence's output: each row gets the
   room its own prompt leaves (a real worker runner on a tiny GPT-2 of 256 positions).
 """
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -444,14 +446,16 @@ def test_stop_sequences_and_positions_end_a_row(runner):
 
 
 class FakeServing:
-    def __init__(self, tokenizer_json: str, positions: int, drops_reasoning: bool = False):
+    def __init__(
+        self, tokenizer_json: str, positions: int, drops_reasoning: bool = False, **template
+    ):
         from types import SimpleNamespace
 
         details = {"max_input_length": positions, "chat_drops_reasoning": drops_reasoning}
-        self.loaded = SimpleNamespace(tokenizer=tokenizer_json, details=details)
+        self.loaded = SimpleNamespace(tokenizer=tokenizer_json, details={**details, **template})
 
 
-def check(prompts, chat, positions=64, drops_reasoning=False, scored=False):
+def check(prompts, chat, positions=64, drops_reasoning=False, scored=False, **template):
     import asyncio
 
     from rawserve.api.prompts import check_lengths
@@ -460,7 +464,7 @@ def check(prompts, chat, positions=64, drops_reasoning=False, scored=False):
     from tests.tiny_models import bpe_tokenizer
 
     tokenizer = bpe_tokenizer().backend_tokenizer.to_str()
-    serving = FakeServing(tokenizer, positions, drops_reasoning)
+    serving = FakeServing(tokenizer, positions, drops_reasoning, **template)
     model = ServedModel("m", serving)  # type: ignore[arg-type]
     asyncio.run(check_lengths(ServerTokenizers(), model, prompts, chat, scored))
 
@@ -517,3 +521,147 @@ def test_the_prompt_check_counts_token_ids_as_they_are():
     check([[5] * 63], chat=False)  # one position left for the new token
     with pytest.raises(UnprocessableInput, match="at most 63 tokens"):
         check([[5] * 2, [5] * 64], chat=False)
+
+
+# --- a chat's template: its turns and tools ----------------------------------------------
+
+# the tiny chat model's template (tests/tiny_models.py): `<s>user\n...</s>\n` a message
+CHAT_TURN = 7
+EMPTY_MESSAGE = {"role": "user", "content": ""}
+
+
+def large_tools(count: int, parameters: int = 25) -> list[dict]:
+    """The report's tools: `count` of them, each with `parameters` enum parameters."""
+    enum = {"type": "string", "enum": [f"value_{i}" for i in range(10)]}
+    properties = {f"parameter_{p}": {**enum, "description": "one of"} for p in range(parameters)}
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{t}",
+                "description": "a tool of the report",
+                "parameters": {"type": "object", "properties": properties},
+            },
+        }
+        for t in range(count)
+    ]
+
+
+@pytest.fixture(scope="module")
+def chat_runner(tiny_model):
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    return CausalLMRunner(tiny_model("chat"), "cpu", torch.float32)
+
+
+def test_a_worker_reports_what_its_chat_template_adds(chat_runner):
+    assert chat_runner.details["chat_message_tokens"] == CHAT_TURN
+    assert chat_runner.details["chat_tools_json"]  # (described by the worker: JSON)
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        # system messages dropped: a message may add nothing
+        "{% for m in messages %}{% if m['role'] != 'system' %}<s>{{ m['content'] }}</s>"
+        "{% endif %}{% endfor %}",
+        # only the last message rendered
+        "<s>{{ messages[-1]['content'] }}</s>",
+    ],
+)
+def test_a_template_that_may_drop_a_message_is_counted_no_turn(tiny_model, template):
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, chat_template=template)
+    assert runner.details["chat_message_tokens"] == 0
+
+
+def test_a_template_that_writes_tools_otherwise_has_them_not_counted(tiny_model):
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    names = (
+        "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+        "{% for t in tools or [] %}{{ t['function']['name'] }}{% endfor %}"
+    )
+    runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, chat_template=names)
+    assert not runner.details["chat_tools_json"]
+
+
+def test_the_server_never_counts_more_than_the_template_renders(chat_runner):
+    """The server's count is a lower bound of the rendered prompt's tokens: a chat it
+    lets by by a token is still one the template makes at least that long."""
+    from rawserve.api.prompts import chat_count
+
+    chats = [
+        [EMPTY_MESSAGE] * 30,
+        [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi"}] * 8,
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "word " * 40}],
+    ]
+    for messages in chats:
+        for tools in (None, large_tools(1, parameters=1)):
+            count = chat_count({"messages": messages, "tools": tools}, chat_runner.details)
+            ids = chat_runner.prompt_ids({"messages": messages, "tools": tools}, {"chat": True})
+            texts = len(chat_runner.tokenizer(count.text)["input_ids"]) if count.text else 0
+            assert count.added + max(texts - count.slack, 0) <= len(ids)
+
+
+def test_a_chats_turns_and_tools_are_counted_before_it_is_queued():
+    """31,000 empty messages (1 MB) were 0 tokens to the server and 217,008 to the template;
+    128 tools of 25 enum parameters (584 KB) were 0 and 575,225. Both are refused in the
+    server now, the turns without its tokenizer; a chat under the limit is let by."""
+    from rawserve.http.errors import UnprocessableInput
+
+    template = {"chat_message_tokens": CHAT_TURN, "chat_tools_json": True}
+    many = {"messages": [EMPTY_MESSAGE] * 31_000}
+    tooled = {"messages": [{"role": "user", "content": "hi"}], "tools": large_tools(128)}
+    for chat in (many, tooled):
+        with pytest.raises(UnprocessableInput, match="leave room for one new token"):
+            check([chat], chat=True, positions=256, **template)
+        check([chat], chat=True, positions=256)  # a worker that reported neither
+    check([{"messages": [EMPTY_MESSAGE] * 35}], chat=True, positions=256, **template)
+    # tools where no user's message has them (a template may write them into one)
+    check([{**tooled, "messages": [{"role": "system", "content": "hi"}]}], True, 256, **template)
+
+
+@pytest.fixture(scope="module")
+def chat_server(tiny_model):
+    with RunningServer(["--model", tiny_model("chat"), "--max-timeout", "120"]).start() as running:
+        yield running
+
+
+def batches_run(server) -> float:
+    """How many batches the server's workers have run (the batch-size histogram's count)."""
+    _, _, body = server.request("GET", "/metrics")
+    counts = re.findall(r"^rawserve_batch_size_count\{[^}]*\} (\S+)$", body.decode(), re.M)
+    return sum(float(count) for count in counts)
+
+
+@pytest.mark.parametrize(
+    "chat",
+    [
+        {"messages": [EMPTY_MESSAGE] * 31_000},
+        {"messages": [{"role": "user", "content": "hi"}], "tools": large_tools(128)},
+    ],
+    ids=["31000-messages", "128-large-tools"],
+)
+def test_a_chat_its_template_makes_too_long_never_reaches_the_worker(chat_server, chat):
+    warm(chat_server)
+    before = batches_run(chat_server)
+    status, _, body = post(chat_server, "/v1/chat/completions", {**chat, "max_tokens": 4})
+    assert status == 422, body
+    # the server's words ("a prompt is longer"), not the worker's ("the prompt is N tokens")
+    assert body["error"]["message"].startswith("a prompt is longer than the model's context")
+    assert batches_run(chat_server) == before
+
+
+def test_a_chat_just_under_the_limit_is_still_answered(chat_server):
+    # 35 empty messages: 253 of the 256 positions once rendered
+    document = {"messages": [EMPTY_MESSAGE] * 35, "max_tokens": 1}
+    status, _, body = post(chat_server, "/v1/chat/completions", document)
+    assert status == 200, body

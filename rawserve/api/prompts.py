@@ -12,19 +12,25 @@ minutes to drain. Counted here, in the server, with the model's own tokenizer
 (`tokens.ServerTokenizer`), a piece at a time and never past the limit, it is refused in
 milliseconds and never waits.
 
-A chat is counted by its messages' texts alone, with a margin for the tokens its
-template may join across their ends: the template only adds to them, so a chat whose texts
-are that far over the limit is surely over; the rest is the worker's to judge when it
-renders the template. (A reasoning model's template drops the thinking of earlier answers,
-everything before their `</think>`: for such a model, as its worker says, that is not
-counted.) A prompt of token ids (OpenAI's completions take them) is counted
-as it is, and decoded here when its completion echoes it.
+A chat is counted by its messages' texts with what its template surely adds, as its
+worker measured at load (rawserve.worker.template_costs): the tokens of each message's
+turn, and its tools' JSON where the template shows them so. Its texts are counted with a
+margin for the tokens their ends may join with the template's, so a chat counted over
+the limit is surely over; the rest is the worker's to judge when it renders the template
+(a chat of 31,000 empty messages, or of 128 large tools, was once found only there,
+after seconds of rendering that stalled the streams beside it). (A reasoning model's
+template drops the thinking of earlier answers, everything before their `</think>`: for
+such a model, as its worker says, that is not counted.) A prompt of token ids (OpenAI's
+completions take them) is counted as it is, and decoded here when its completion echoes
+it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rawserve.api.served import ServedModel
@@ -63,21 +69,75 @@ async def check_lengths(
     most = positions if scored else positions - 1
     if any(isinstance(prompt, list) and len(prompt) > most for prompt in prompts):
         raise too_long(most, scored)
-    bound = most
     if chat:
-        loaded = model.serving.loaded
-        drops_reasoning = bool(loaded.details.get("chat_drops_reasoning")) if loaded else False
-        texts = [prompt_text(prompt, drops_reasoning) for prompt in prompts]
-        bound += COUNT_MARGIN * max((len(p.get("messages", ())) for p in prompts), default=1)
-    else:
-        texts = [prompt for prompt in prompts if isinstance(prompt, str)]
+        await check_chat_lengths(tokenizers, model, prompts, most, scored)
+        return
+    texts = [prompt for prompt in prompts if isinstance(prompt, str)]
     tokenizer = await tokenizers.get(model) if texts else None
     if tokenizer is None:
         return
     try:
-        await by_length(texts, count_within, tokenizer, texts, bound, not chat)
+        await by_length(texts, count_within, tokenizer, texts, most, True)
     except TooManyTokens:
         raise too_long(most, scored) from None
+
+
+async def check_chat_lengths(
+    tokenizers: ServerTokenizers, model: ServedModel, chats: Sequence[Any], most: int, scored: bool
+) -> None:
+    """422 when a chat surely has more than `most` tokens once its template renders it
+    (`chat_count`): its template's turns alone, counted first, need no tokenizer."""
+    loaded = model.serving.loaded
+    counts = [chat_count(chat, loaded.details if loaded else {}) for chat in chats]
+    if any(count.added > most for count in counts):
+        raise too_long(most, scored)
+    tokenizer = await tokenizers.get(model) if any(count.text for count in counts) else None
+    if tokenizer is None:
+        return
+    for count in counts:
+        room = most - count.added + count.slack  # for its texts
+        try:
+            await by_length([count.text], count_within, tokenizer, [count.text], room, False)
+        except TooManyTokens:
+            raise too_long(most, scored) from None
+
+
+@dataclass(frozen=True)
+class ChatCount:
+    """What the server counts of a chat against the positions: its texts, together; the
+    tokens its template surely adds beside them; and how many tokens the texts' own count
+    may run past theirs in the rendered prompt (a margin for each: its ends may join the
+    template's, or the next text's)."""
+
+    text: str
+    added: int
+    slack: int
+
+
+def chat_count(chat: Any, details: Mapping[str, Any]) -> ChatCount:
+    """A chat's `ChatCount` (`{"messages": [...], "tools": [...]}`), by what its worker
+    reported of the template (its `details`): the tokens of each message's turn but the
+    first's (it may stand for a default system prompt) and the last's (it may be left
+    open, `continue_final_message`); the tools' functions, as compact JSON, where the
+    template shows them as JSON and the chat has a user's message (some templates write
+    them into one: Mistral's, Llama 3.1's)."""
+    messages = chat.get("messages", ()) if isinstance(chat, dict) else ()
+    texts = message_texts(messages, bool(details.get("chat_drops_reasoning")))
+    tools = chat.get("tools") if isinstance(chat, dict) else None
+    if (
+        tools
+        and details.get("chat_tools_json")
+        and any(isinstance(message, dict) and message.get("role") == "user" for message in messages)
+    ):
+        texts += [tool_json(tool) for tool in tools]
+    turns = int(details.get("chat_message_tokens") or 0) * max(len(messages) - 2, 0)
+    return ChatCount("\n".join(texts), turns, COUNT_MARGIN * len(texts))
+
+
+def tool_json(tool: Any) -> str:
+    """A tool's function as compact JSON: no template writes it in fewer tokens."""
+    function = tool.get("function", tool) if isinstance(tool, dict) else tool
+    return json.dumps(function, ensure_ascii=False, separators=(",", ":"))
 
 
 # The tasks whose pipelines never cut an input (token classification and zero-shot ones
@@ -289,12 +349,12 @@ def count_within(
         tokenizer.encode(text, special, bound)
 
 
-def prompt_text(chat: Any, drops_reasoning: bool = False) -> str:
-    """The texts of a chat's messages, together (`{"messages": [...]}`; content is a text
-    or OpenAI's list of parts, checked before this); where the template `drops_reasoning`,
-    an answer's text only from the end of its thinking."""
+def message_texts(messages: Any, drops_reasoning: bool = False) -> list[str]:
+    """The texts of a chat's messages, those not empty (content is a text or OpenAI's list
+    of parts, checked before this); where the template `drops_reasoning`, an answer's text
+    only from the end of its thinking."""
     parts: list[str] = []
-    for message in chat.get("messages", ()) if isinstance(chat, dict) else ():
+    for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, str) and drops_reasoning and message.get("role") == "assistant":
             parts.append(content.rsplit(REASONING_END, 1)[-1])
@@ -302,4 +362,4 @@ def prompt_text(chat: Any, drops_reasoning: bool = False) -> str:
             parts.append(content)
         elif isinstance(content, list):
             parts += [p["text"] for p in content if isinstance(p, dict) and "text" in p]
-    return "\n".join(parts)
+    return [part for part in parts if part]

@@ -89,6 +89,7 @@ from rawserve.worker.scores import (
     likeliest,
     unusable,
 )
+from rawserve.worker.template_costs import message_tokens, renders_tools_as_json
 from rawserve.worker.text_pieces import (
     CONTEXT_TOKENS,
     TextPieces,
@@ -314,6 +315,12 @@ class CausalLMRunner(Runner):
         # the latest prompt scored (its ids and `top_n`) and its scores: a request's `n`
         # choices come as n sequences of one prompt, each asking for its scores
         self._scored: tuple[tuple[int, ...], int, PromptScores] | None = None
+        # what the chat template surely adds to a prompt, for the server to count
+        self.message_tokens = 0
+        self.tools_as_json = False
+        if tokenizer.chat_template:
+            self.message_tokens = message_tokens(self._chat_ids)
+            self.tools_as_json = renders_tools_as_json(self.chat_text)
 
     def _without_kv_cache(self) -> str:
         """Why the model's forward pass gives the continuous loop no KV cache to keep for
@@ -394,6 +401,9 @@ class CausalLMRunner(Runner):
             "chat_one_call": ONE_CALL_AT_ONCE in str(self.tokenizer.chat_template),
             "thinking": self.thinking,
             "max_input_length": self.max_positions,
+            # (so a chat's turns and tools are counted before it is queued)
+            "chat_message_tokens": self.message_tokens,
+            "chat_tools_json": self.tools_as_json,
             "vocabulary": self.vocabulary,  # the token ids a prompt or logit_bias may name
         }
 
@@ -506,6 +516,10 @@ class CausalLMRunner(Runner):
         ids = list(self.tokenizer(item)["input_ids"])
         self.refuse_unreadable([ids])
         return ids
+
+    def _chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """A chat's token ids, with no tools or settings."""
+        return self._render_ids(*self._chat_parts(messages, None, False, "", None))
 
     def chat_text(
         self,

@@ -1,0 +1,72 @@
+"""What a chat template surely adds to a prompt, measured once at load and reported with
+the worker's details, so that the server counts it before a chat is queued
+(rawserve.api.prompts): the tokens of each message's turn, and whether the chat's tools
+reach the model as their functions' JSON.
+
+Counted by the messages' texts alone, a chat of 31,000 empty messages was nothing to the
+server, and 128 large tools too: the template made them 217,008 and 575,225 tokens, which
+only the worker found, after seconds of rendering that stalled every stream beside them.
+Both measures are lower bounds, never more than what a template writes: a prompt that
+fits must never be refused.
+
+Worker process only: it renders with the runner's own template.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+# the roles a chat's messages reach the worker with (a `function` message comes as `tool`)
+MEASURED_ROLES = ("system", "developer", "user", "assistant", "tool")
+# a tool whose JSON a template that shows tools as JSON writes as it is
+PROBE_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "probe_weather",
+        "description": "The weather at a place",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        },
+    },
+}
+WHITESPACE = re.compile(r"\s+")
+
+
+def message_tokens(prompt_ids: Callable[[list[dict[str, Any]]], list[int]]) -> int:
+    """The fewest tokens the template adds for one more message with empty content, of any
+    role, after the first message and at the end of the chat (`prompt_ids`: a chat's ids
+    as the worker renders it). Not the first: a first system message may take the place
+    of a default one (Qwen2.5's), so costs less. A role the template refuses in every
+    place measured is left out (its chats are refused by the template), 0 where none
+    renders. A template that adds the same turn to each message costs each that much
+    wherever it stands."""
+    user = {"role": "user", "content": ""}
+    after_answer = [user, {"role": "assistant", "content": ""}]
+    costs = []
+    for role in MEASURED_ROLES:
+        message = {"role": role, "content": ""}
+        if role == "tool":  # (templates that pair an answer with its call read its id)
+            message = {**message, "tool_call_id": "probe0000", "name": "probe_weather"}
+        for before in ([user], after_answer):
+            try:
+                costs.append(len(prompt_ids([*before, message])) - len(prompt_ids(before)))
+            except ValueError:  # the template refuses that role there
+                continue
+    return max(0, min(costs, default=0))
+
+
+def renders_tools_as_json(chat_text: Callable[[list[dict[str, Any]], list[Any]], str]) -> bool:
+    """Whether a chat's tools reach the model as their functions' JSON (`chat_text`: a
+    chat with tools rendered as the worker renders it): the template writes each tool so
+    (Qwen's, Llama 3.1's, Mistral's), or leaves tools out and the worker describes them
+    so. Spaces and indents aside: the server counts the JSON at its most compact."""
+    try:
+        rendered = chat_text([{"role": "user", "content": "hi"}], [PROBE_TOOL])
+    except ValueError:
+        return False
+    function = json.dumps(PROBE_TOOL["function"], ensure_ascii=False)
+    return WHITESPACE.sub("", function) in WHITESPACE.sub("", rendered)
