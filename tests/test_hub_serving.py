@@ -207,7 +207,6 @@ def start_failing(args: list[str], env: dict[str, str]) -> str:
         (f"{REPO_ID}@v9", r"org/tiny-bge has no revision 'v9'"),
         ("org/gated", r"org/gated is gated: .* set HF_TOKEN"),
         ("not a repo!", r"neither an existing folder nor a Hub repo id"),
-        (f"{REPO_ID}:Not-A-Task", r"--model 'org/tiny-bge:Not-A-Task': 'Not-A-Task' .* task"),
         ("org/tf-only", r"model org/tf-only: the model has no PyTorch weights"),
     ],
 )

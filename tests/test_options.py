@@ -120,6 +120,7 @@ def test_an_empty_entry_in_the_model_list_is_refused_as_an_empty_flag_is(
         ("shout=", "the model alias 'shout' names no folder or Hub id"),
         (":fill-mask", "a model name has an alias or a task but no folder or Hub id"),
         ("some/model@", "ends with '@' but names no revision"),
+        ("org/tiny-bge:Not-A-Task", "'Not-A-Task' (after ':') is not a task name"),
     ],
 )
 def test_a_model_name_that_cannot_be_read_is_a_usage_error(monkeypatch, capsys, named, says):
