@@ -16,13 +16,13 @@ import json
 import logging
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from rawserve.shared.messages import Engine, FailureKind, ItemFailure
 from rawserve.tasks import LOGITS_PARAM
 from rawserve.worker.onnx_engine import ONNX_TASKS, onnxruntime_installed
 from tests.server import RunningServer
+from tests.test_task_adapters import _rounded
 from tests.tiny_models import UNREADABLE_TOKEN, with_tokens_added, worker_config
 
 NEEDS_ONNX = pytest.mark.skipif(
@@ -70,20 +70,6 @@ def runner(unresized, tmp_path_factory):
 def rows_of(folder: str) -> int:
     """The rows of the model's embedding table (the tiny models' vocab_size)."""
     return int(json.loads((Path(folder) / "config.json").read_text())["vocab_size"])
-
-
-def _rounded(value):
-    if isinstance(value, float):
-        return round(value, 4)
-    if isinstance(value, dict):
-        return {k: _rounded(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_rounded(v) for v in value]
-    if isinstance(value, np.ndarray):
-        return _rounded(value.tolist())
-    if isinstance(value, np.generic):
-        return _rounded(value.item())
-    return value
 
 
 WORD = UNREADABLE_TOKEN
