@@ -44,6 +44,15 @@ def servers(request, tiny_model):
             ),
             "tagger": lambda: RunningServer(["--model", tiny_model("token-classification"), *one]),
             "reader": lambda: RunningServer(["--model", tiny_model("question-answering"), *one]),
+            "chooser": lambda: RunningServer(
+                [
+                    "--model",
+                    tiny_model("zero-shot-classification"),
+                    "--task",
+                    "zero-shot-classification",
+                    *one,
+                ]
+            ),
             "small_queue": lambda: RunningServer(
                 ["--handler", "tests.handlers:echo", "--max-queue", "4"]
             ),
@@ -58,6 +67,7 @@ summarizer = module_server("summarizer")
 small_queue = module_server("small_queue")
 tagger = module_server("tagger")
 reader = module_server("reader")
+chooser = module_server("chooser")
 
 
 def post(server: RunningServer, body: bytes) -> tuple[int, dict]:
@@ -189,6 +199,33 @@ def test_a_dense_doc_stride_on_a_long_context_is_refused_before_it_is_queued(rea
     assert batches_run(reader) == before
     status, answer = post(reader, json.dumps({"inputs": item}).encode())  # doc_stride 64
     assert status == 200, answer
+
+
+def test_a_hypothesis_that_leaves_the_text_no_room_is_refused_before_it_is_queued(chooser):
+    """The model reads the text and each label's hypothesis together, the text cut to fit:
+    a hypothesis of all its positions can never be read. The worker refused it after the
+    request's other pairs had run (32 texts, 100 labels: 9 s), blaming "the input";
+    counted in the server it is refused at once, in words that name the hypothesis."""
+    labels = {"candidate_labels": ["a", "b"]}
+    assert chooser.post_json({"inputs": "warm", "parameters": labels})[0] == 200
+    before = batches_run(chooser)
+
+    # the tiny model's 128 positions: "[CLS] text [SEP] hypothesis [SEP]"; the hypothesis
+    # "This example is a." and n times " x" is 5 + n tokens
+    def asking(n: int) -> dict:
+        template = "This example is {}." + " x" * n
+        return {
+            "inputs": ["hello world"] * 32,
+            "parameters": {**labels, "hypothesis_template": template},
+        }
+
+    status, answer = post(chooser, json.dumps(asking(120)).encode())
+    assert_clear_client_error(status, answer, 422)
+    assert "takes 125 or more of the 128 tokens the model reads with the text" in answer["error"]
+    assert "send a shorter hypothesis_template or label" in answer["error"]
+    assert batches_run(chooser) == before  # no worker saw it
+    status, answer = post(chooser, json.dumps(asking(119)).encode())  # the text cut to 1
+    assert status == 200 and len(answer) == 32, answer
 
 
 @pytest.mark.parametrize("model", ["classifier", "generator", "summarizer"])

@@ -25,6 +25,7 @@ from rawserve.api.bodies import (
 )
 from rawserve.api.context import RouteContext
 from rawserve.api.fields import Body, Field, flag
+from rawserve.api.hypotheses import check_hypotheses
 from rawserve.api.outcomes import unwrap_all
 from rawserve.api.prompts import (
     UNCUT_TASKS,
@@ -365,6 +366,8 @@ class InferenceRoutes:
             await check_input_lengths(self.context.tokenizers, model, parsed.inputs)
         elif task in WINDOWED_TASKS:
             await check_windows(self.context.tokenizers, model, parsed.inputs, parsed.params)
+        elif task == "zero-shot-classification":
+            await check_hypotheses(self.context.tokenizers, model, parsed.params)
         deadline = self.context.deadline(request)
         if parsed.stream:
             keepalive = self.context.settings.stream_keepalive

@@ -154,6 +154,11 @@ class ServerTokenizer:
         bound = TokenBound(max_tokens, truncate=True)
         return [len(self.encode(text, True, bound)[0]) for text in texts]
 
+    @property
+    def pair_special_tokens(self) -> int:
+        """The special tokens the model's tokenizer puts around a pair of texts."""
+        return int(self.finisher.num_special_tokens_to_add(True))
+
     def count_past(self, text: str, most: int) -> int:
         """`text`'s tokens, special ones left out, counted a piece at a time and no further
         than past `most` (`windows.count_past`)."""
