@@ -580,6 +580,44 @@ def test_a_template_that_may_drop_a_message_is_counted_no_turn(tiny_model, templ
     assert runner.details["chat_message_tokens"] == 0
 
 
+# a template that keeps the last four messages (Phi-3's and others' windows), and one that
+# writes no system message (Phi-3-mini's first): a tester's, each refused a chat it fitted
+LAST_FOUR = "{% for m in messages[-4:] %}<s>{{ m['content'] }}</s>{% endfor %}"
+NO_SYSTEM = (
+    "{% for m in messages %}{% if m['role'] in ['user', 'assistant'] %}<s>{{ m['content'] }}"
+    "</s>{% endif %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "roles"), [(LAST_FOUR, []), (NO_SYSTEM, ["user", "assistant"])]
+)
+def test_the_server_counts_only_the_messages_a_template_writes(tiny_model, template, roles):
+    """99 messages under a template that writes the last four were counted whole (each
+    message's turn and text: 422) where the prompt was 50 tokens; a system message of 300
+    words under one that writes none was counted, where the prompt was 17 tokens."""
+    import torch
+
+    from rawserve.api.prompts import chat_count
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, chat_template=template)
+    assert runner.details["chat_counted_roles"] == roles
+    turns = [{"role": ("user", "assistant")[i % 2], "content": "hi"} for i in range(99)]
+    system = {"role": "system", "content": "hello there " * 150}
+    fitting = 0
+    for messages in (turns, [system, {"role": "user", "content": "hi"}]):
+        count = chat_count({"messages": messages}, runner.details)
+        ids = runner.prompt_ids({"messages": messages}, {"chat": True})
+        texts = len(runner.tokenizer(count.text)["input_ids"]) if count.text else 0
+        assert count.added + max(texts - count.slack, 0) <= len(ids)
+        fitting += len(ids) < 256
+        if len(ids) < 256:  # it fits: let by (99 turns under the last four's: 50 tokens)
+            reported = {k: v for k, v in runner.details.items() if k.startswith("chat_")}
+            check([{"messages": messages}], chat=True, positions=256, **reported)
+    assert fitting == 1  # the chat each template was found to refuse
+
+
 def test_a_template_that_writes_tools_otherwise_has_them_not_counted(tiny_model):
     import torch
 

@@ -122,6 +122,9 @@ def chat_count(chat: Any, details: Mapping[str, Any]) -> ChatCount:
     template shows them as JSON and the chat has a user's message (some templates write
     them into one: Mistral's, Llama 3.1's)."""
     messages = chat.get("messages", ()) if isinstance(chat, dict) else ()
+    roles = details.get("chat_counted_roles")
+    if isinstance(roles, list):  # the roles whose texts the template writes, wherever
+        messages = [m for m in messages if isinstance(m, dict) and m.get("role") in roles]
     texts = message_texts(messages, bool(details.get("chat_drops_reasoning")))
     tools = chat.get("tools") if isinstance(chat, dict) else None
     if (

@@ -89,7 +89,7 @@ from rawserve.worker.scores import (
     likeliest,
     unusable,
 )
-from rawserve.worker.template_costs import message_tokens, renders_tools_as_json
+from rawserve.worker.template_costs import message_tokens, rendered_roles, renders_tools_as_json
 from rawserve.worker.text_pieces import (
     CONTEXT_TOKENS,
     TextPieces,
@@ -318,8 +318,11 @@ class CausalLMRunner(Runner):
         # what the chat template surely adds to a prompt, for the server to count
         self.message_tokens = 0
         self.tools_as_json = False
+        self.counted_roles: list[str] = []
         if tokenizer.chat_template:
-            self.message_tokens = message_tokens(self._chat_ids)
+            self.counted_roles = rendered_roles(self.chat_text)
+            # a template that leaves messages out adds nothing sure for each one
+            self.message_tokens = message_tokens(self._chat_ids) if self.counted_roles else 0
             self.tools_as_json = renders_tools_as_json(self.chat_text)
 
     def _without_kv_cache(self) -> str:
@@ -404,6 +407,7 @@ class CausalLMRunner(Runner):
             # (so a chat's turns and tools are counted before it is queued)
             "chat_message_tokens": self.message_tokens,
             "chat_tools_json": self.tools_as_json,
+            "chat_counted_roles": self.counted_roles,
             "vocabulary": self.vocabulary,  # the token ids a prompt or logit_bias may name
         }
 

@@ -1,7 +1,7 @@
 """What a chat template surely adds to a prompt, measured once at load and reported with
 the worker's details, so that the server counts it before a chat is queued
-(rawserve.api.prompts): the tokens of each message's turn, and whether the chat's tools
-reach the model as their functions' JSON.
+(rawserve.api.prompts): the tokens of each message's turn, whether the chat's tools
+reach the model as their functions' JSON, and the roles whose texts it writes.
 
 Counted by the messages' texts alone, a chat of 31,000 empty messages was nothing to the
 server, and 128 large tools too: the template made them 217,008 and 575,225 tokens, which
@@ -34,6 +34,9 @@ PROBE_TOOL: dict[str, Any] = {
     },
 }
 WHITESPACE = re.compile(r"\s+")
+# alternating messages of a user and answers, more than a template that keeps only the
+# last few of a chat writes (Phi-3's and others' keep the last four, or two)
+PROBE_TURNS = 9
 
 
 def message_tokens(prompt_ids: Callable[[list[dict[str, Any]]], list[int]]) -> int:
@@ -57,6 +60,50 @@ def message_tokens(prompt_ids: Callable[[list[dict[str, Any]]], list[int]]) -> i
             except ValueError:  # the template refuses that role there
                 continue
     return max(0, min(costs, default=0))
+
+
+def rendered_roles(chat_text: Callable[[list[dict[str, Any]], list[Any]], str]) -> list[str]:
+    """The roles whose messages' texts the template writes wherever they stand (`chat_text`:
+    a chat rendered as the worker renders it), for the server to count those alone: none
+    where it leaves out some of `PROBE_TURNS` messages of users and answers (one that keeps
+    the last few: every message's turn and text counted, a chat that fitted was refused);
+    a role it leaves out (Phi-3's first template wrote no system message), or refuses, is
+    not counted."""
+    turns = [
+        {"role": ("user", "assistant")[index % 2], "content": f"zqprobe{index}"}
+        for index in range(PROBE_TURNS)
+    ]
+    try:
+        if not shows_all(chat_text, turns):
+            return []
+    except ValueError:
+        return []
+    roles = ["user", "assistant"]
+    for role in MEASURED_ROLES:
+        if role in roles:
+            continue
+        message = {"role": role, "content": f"zqprobe{role}"}
+        if role == "tool":
+            message = {**message, "tool_call_id": "probe0000", "name": "probe_weather"}
+        places = [[*turns[:2], message, *turns[2:]]]  # after an answer
+        if role != "tool":
+            places.append([message, *turns])  # first
+        shown = []
+        for chat in places:
+            try:
+                shown.append(shows_all(chat_text, chat))
+            except ValueError:  # refused there: such chats fail in the template
+                continue
+        if shown and all(shown):
+            roles.append(role)
+    return roles
+
+
+def shows_all(
+    chat_text: Callable[[list[dict[str, Any]], list[Any]], str], chat: list[dict[str, Any]]
+) -> bool:
+    rendered = chat_text(chat, [])
+    return all(message["content"] in rendered for message in chat)
 
 
 def renders_tools_as_json(chat_text: Callable[[list[dict[str, Any]], list[Any]], str]) -> bool:
