@@ -145,6 +145,21 @@ def test_an_input_holding_a_token_the_model_cannot_read_fails_alone_as_the_clien
         assert answered == alone
 
 
+@pytest.mark.parametrize("engine", [Engine.TORCH, pytest.param(Engine.ONNX, marks=NEEDS_ONNX)])
+@pytest.mark.parametrize("targets", [[WORD], WORD, ["paris", WORD]])
+def test_a_fill_mask_target_the_model_cannot_score_is_the_client_s_422(runner, engine, targets):
+    """The pipeline scores each target's token: one past the table failed its
+    postprocess with an IndexError, a 500 (a tester); a target it can score still is."""
+    from rawserve.worker.batch_runs import run_bisecting
+
+    serving = runner("fill-mask", "fill-mask", engine)
+    [failed] = run_bisecting(serving, ["paris is the [MASK]"], {"targets": targets})
+    assert isinstance(failed, ItemFailure) and failed.kind is FailureKind.INPUT, failed
+    assert failed.message.startswith(f"`targets` names the token '{WORD}'"), failed.message
+    [scored] = run_bisecting(serving, ["paris is the [MASK]"], {"targets": ["paris"]})
+    assert not isinstance(scored, ItemFailure) and scored[0]["token_str"] == "paris", scored
+
+
 def test_the_token_is_refused_before_the_model_reads_it(runner, monkeypatch):
     """No forward pass sees the id (on a GPU, the embedding's lookup of it is a
     device-side assert, which no later batch of the worker survives)."""

@@ -156,6 +156,11 @@ class PipelineRunner(Runner):
         model_inputs: Any = inputs
         if self.task == "image-classification":  # queued as base64 text
             model_inputs = self.images(inputs)
+        if self.task == "fill-mask" and "targets" in params and self.makes_unreadable_ids:
+            # each target is a token scored: one past the table failed the pipeline's
+            # postprocess (an IndexError, a 500)
+            target_ids = self.pipe.get_target_ids(params["targets"])
+            self.refuse_unreadable([[int(i) for i in target_ids]], holder="`targets` names")
         if self.task == "fill-mask" and "top_k" in params:  # all of a small vocabulary, at most
             vocabulary = self.pipe.model.config.vocab_size
             params = {**params, "top_k": min(params["top_k"], vocabulary)}

@@ -489,11 +489,14 @@ class Runner:
             return None
         return [len(ids) for ids in tokenizer(inputs, truncation=False)["input_ids"]]
 
-    def refuse_unreadable(self, ids: Any, tokenizer: Any = None) -> None:
+    def refuse_unreadable(
+        self, ids: Any, tokenizer: Any = None, holder: str = "the input holds"
+    ) -> None:
         """Raise `WrittenForClients` (a 422) where `ids` (a tensor of rows, or lists of
         ids) hold a token the model has no embedding for, before the model reads them: it
         failed on it (a 500), and on a GPU a device-side assert, which left the worker's
-        CUDA context unusable for every batch after. `tokenizer`: the calling thread's."""
+        CUDA context unusable for every batch after. `tokenizer`: the calling thread's;
+        `holder`: what holds the ids, in the refusal's words."""
         if self.embedding_rows is None or not self.makes_unreadable_ids:
             return
         unreadable = first_id_past(ids, self.embedding_rows)
@@ -502,7 +505,7 @@ class Runner:
         tokenizer = tokenizer or self.tokenizer
         token = str(tokenizer.convert_ids_to_tokens(unreadable))[:MAX_TOKEN_SHOWN]
         raise WrittenForClients(
-            f"the input holds the token {token!r} (id {unreadable}), which this model "
+            f"{holder} the token {token!r} (id {unreadable}), which this model "
             f"cannot read: its embedding table has {self.embedding_rows} rows and its "
             f"tokenizer {len(tokenizer)} tokens (tokens were added to the tokenizer "
             "without resizing the model's embeddings)"
