@@ -320,6 +320,21 @@ def test_a_stride_the_pipeline_cannot_honour_is_the_clients_error(runner, params
     assert serving.run([LONG_NAMES], {**params, "stride": 125, "aggregation_strategy": "simple"})
 
 
+def test_text_is_taken_to_fit_the_window_budget_only_at_a_normalizer_s_most_tokens():
+    """A character NFKC makes 18 of (U+FDFA, each a token to XLM-RoBERTa's tokenizer):
+    texts of them were left uncounted as surely fitting at 4 tokens a character, and
+    made 4.5 times the windows' budget (a tester)."""
+    from rawserve.tasks.windows import WINDOW_TOKEN_BUDGET, surely_fit, windows_fit
+
+    window, room, stride = 128, 126, 125  # a window a token
+    characters = WINDOW_TOKEN_BUDGET // window // 5  # at 4 a character, under the budget
+    text = "\ufdfa" * characters
+    normalized = lambda piece, _most: 18 * len(piece)  # noqa: E731 - a tokenizer stand-in
+    assert not windows_fit(normalized, [(text, room)], window, stride)
+    assert not surely_fit([(text, room)], window, stride)  # so it is counted
+    assert surely_fit([("\ufdfa" * 100, room)], window, stride)
+
+
 def test_a_dense_stride_on_a_long_text_is_refused_before_its_windows_are_made(runner):
     """A 100 KB text at stride 125 of 128 positions is 20,000 windows, which the pipeline's
     tokenizer made in one call before anything could stop it (the worker grew by 1.5 GB,

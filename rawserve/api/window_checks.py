@@ -17,7 +17,12 @@ from rawserve.api.served import ServedModel
 from rawserve.api.tokens import ServerTokenizer, ServerTokenizers
 from rawserve.http.errors import UnprocessableInput
 from rawserve.tasks import question_answering, token_classification
-from rawserve.tasks.windows import TOKENS_PER_CHARACTER, surely_fit, too_many_windows, windows_fit
+from rawserve.tasks.windows import (
+    MOST_TOKENS_PER_CHARACTER,
+    surely_fit,
+    too_many_windows,
+    windows_fit,
+)
 
 WINDOWED_TASKS = frozenset({"token-classification", "question-answering"})
 
@@ -81,7 +86,7 @@ async def check_context_windows(
     # each question at the most tokens its characters could make: the least room left
     special = question_answering.SPECIAL_TOKENS
     bounds = [
-        (item["context"], window - special - TOKENS_PER_CHARACTER * len(item["question"]))
+        (item["context"], window - special - MOST_TOKENS_PER_CHARACTER * len(item["question"]))
         for item in items
     ]
     if surely_fit(bounds, window, stride):

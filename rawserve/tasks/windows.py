@@ -24,9 +24,14 @@ from collections.abc import Callable, Iterator, Sequence
 # in windows of 512 at stride 128 is about 530 windows, 271,000 tokens; of 128 positions,
 # 4,096 windows.
 WINDOW_TOKEN_BUDGET = 2**19
-# No tokenizer makes more than about this many tokens of a character (a byte-level BPE: one
-# per UTF-8 byte).
+# A tokenizer makes about this many tokens of a character at the most (a byte-level BPE:
+# one per UTF-8 byte): where a text this many times shorter than a limit is left to the
+# worker, whose tokenizer it then costs next to nothing.
 TOKENS_PER_CHARACTER = 4
+# ... but where a tokenizer normalizes first (NFKC: XLM-RoBERTa's, DeBERTa-v3's), one
+# character can become 18 (U+FDFA), each a token: a text is taken to surely fit the
+# windows' budget only at this many tokens a character.
+MOST_TOKENS_PER_CHARACTER = 18
 # A text longer than this is counted a piece of about this many characters at a time.
 PIECE_CHARS = 16384
 
@@ -85,7 +90,7 @@ def surely_fit(texts: Sequence[tuple[str, int]], window: int, stride: int) -> bo
     tokens their characters could make: then they are not counted."""
     if any(room - stride < 1 for _, room in texts):
         return False
-    return windows_fit(lambda text, _: TOKENS_PER_CHARACTER * len(text), texts, window, stride)
+    return windows_fit(lambda text, _: MOST_TOKENS_PER_CHARACTER * len(text), texts, window, stride)
 
 
 def count_past(count: Callable[[str], int], text: str, most: int) -> int:
