@@ -211,7 +211,7 @@ def test_a_hypothesis_that_leaves_the_text_no_room_is_refused_before_it_is_queue
     before = batches_run(chooser)
 
     # the tiny model's 128 positions: "[CLS] text [SEP] hypothesis [SEP]"; the hypothesis
-    # "This example is a." and n times " x" is 5 + n tokens
+    # "This example is a." and n times " x" is 5 + n tokens: 125 leave an empty text room
     def asking(n: int) -> dict:
         template = "This example is {}." + " x" * n
         return {
@@ -219,11 +219,14 @@ def test_a_hypothesis_that_leaves_the_text_no_room_is_refused_before_it_is_queue
             "parameters": {**labels, "hypothesis_template": template},
         }
 
-    status, answer = post(chooser, json.dumps(asking(120)).encode())
+    status, answer = post(chooser, json.dumps(asking(121)).encode())
     assert_clear_client_error(status, answer, 422)
-    assert "takes 125 or more of the 128 tokens the model reads with the text" in answer["error"]
+    assert "is longer than the 125 tokens the model reads beside a text" in answer["error"]
     assert "send a shorter hypothesis_template or label" in answer["error"]
     assert batches_run(chooser) == before  # no worker saw it
+    # a hypothesis of all the room left, beside a text of no tokens, is read (a tester)
+    empty = {**asking(120), "inputs": "\u200b"}
+    assert post(chooser, json.dumps(empty).encode())[0] == 200
     status, answer = post(chooser, json.dumps(asking(119)).encode())  # the text cut to 1
     assert status == 200 and len(answer) == 32, answer
 

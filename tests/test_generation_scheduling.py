@@ -618,6 +618,79 @@ def test_the_server_counts_only_the_messages_a_template_writes(tiny_model, templ
     assert fitting == 1  # the chat each template was found to refuse
 
 
+TRIMMED = (
+    "{% for m in messages %}<s>{{ m.role }} {{ m.content | trim }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant {% endif %}"
+)
+CALLS_ALONE = (
+    "{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}<s>assistant "
+    "{% for c in m.tool_calls %}{{ c.function.name }}{% endfor %}</s>"
+    "{% else %}<s>{{ m.role }} {{ m.content }}</s>{% endif %}{% endfor %}"
+)
+LAST_SIXTEEN = "{% for m in messages[-16:] %}<s>{{ m['content'] }}</s>{% endfor %}"
+FIRST_SYSTEM = (
+    "{% set ns = namespace(done=false) %}{% for m in messages %}"
+    "{% if m.role == 'system' %}{% if not ns.done %}<s>{{ m.content }}</s>"
+    "{% set ns.done = true %}{% endif %}{% else %}<s>{{ m.content }}</s>{% endif %}"
+    "{% endfor %}"
+)
+STRINGS_ONLY = (
+    "{% for m in messages %}<s>{% if m.content is string %}{{ m.content }}{% endif %}</s>"
+    "{% endfor %}"
+)
+LONG = "hello there " * 150
+CALL = {"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    ("template", "messages"),
+    [
+        (TRIMMED, [{"role": "user", "content": " \n" * 400 + "hi" + " \n" * 400}]),
+        (
+            CALLS_ALONE,
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": LONG, "tool_calls": [CALL]},
+                {"role": "tool", "content": "1", "tool_call_id": "c0"},
+                {"role": "user", "content": "hi"},
+            ],
+        ),
+        (
+            LAST_SIXTEEN,
+            [{"role": ("user", "assistant")[i % 2], "content": "hi"} for i in range(99)],
+        ),
+        (
+            FIRST_SYSTEM,
+            [
+                {"role": "system", "content": "be nice"},
+                {"role": "user", "content": "hi"},
+                {"role": "system", "content": LONG},
+                {"role": "user", "content": "hi"},
+            ],
+        ),
+        (STRINGS_ONLY, [{"role": "user", "content": [{"type": "text", "text": LONG}]}]),
+    ],
+    ids=["trim", "tool-call-alone", "last-sixteen", "first-system", "strings-only"],
+)
+def test_a_chat_a_template_writes_short_is_never_counted_long(tiny_model, template, messages):
+    """A tester's: each chat rendered within the 256 positions and was refused by the
+    server, which counted what the template leaves out (blanks it trims, an answer's text
+    beside its tool call, messages past a window of 16, a second system message, a list
+    of parts)."""
+    import torch
+
+    from rawserve.api.prompts import chat_count
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, chat_template=template)
+    count = chat_count({"messages": messages}, runner.details)
+    ids = runner.prompt_ids({"messages": messages}, {"chat": True})
+    texts = len(runner.tokenizer(count.text)["input_ids"]) if count.text else 0
+    assert count.added + max(texts - count.slack, 0) <= len(ids) < 256
+    reported = {k: v for k, v in runner.details.items() if k.startswith("chat_")}
+    check([{"messages": messages}], chat=True, positions=256, **reported)
+
+
 def test_a_template_that_writes_tools_otherwise_has_them_not_counted(tiny_model):
     import torch
 

@@ -15,7 +15,7 @@ from typing import Any
 from rawserve.api.served import ServedModel
 from rawserve.api.tokens import ServerTokenizers
 from rawserve.http.errors import UnprocessableInput
-from rawserve.tasks.windows import TOKENS_PER_CHARACTER
+from rawserve.tasks.windows import MOST_TOKENS_PER_CHARACTER
 from rawserve.tasks.zero_shot_classification import DEFAULT_TEMPLATE
 
 SHOWN_CHARACTERS = 60  # of a hypothesis, in the refusal's words
@@ -24,8 +24,8 @@ SHOWN_CHARACTERS = 60  # of a hypothesis, in the refusal's words
 async def check_hypotheses(
     tokenizers: ServerTokenizers, model: ServedModel, params: Mapping[str, Any]
 ) -> None:
-    """422 where a label's hypothesis, with the pair's special tokens, fills the model's
-    positions (the text would be cut to nothing: the tokenizer refuses); nothing where the
+    """422 where a label's hypothesis, with the pair's special tokens, is more than the
+    model's positions (no text can be read with it: the tokenizer refuses); nothing where the
     model or its tokenizer is not known here (the worker refuses it)."""
     labels = params.get("candidate_labels")
     template = params.get("hypothesis_template", DEFAULT_TEMPLATE)
@@ -34,17 +34,17 @@ async def check_hypotheses(
         return
     # (the checks let one "{}" through, for the label: formatted as the pipeline does)
     hypotheses = [template.format(label) for label in labels]
-    if max(map(len, hypotheses), default=0) * TOKENS_PER_CHARACTER < window // 2:
+    if max(map(len, hypotheses), default=0) * MOST_TOKENS_PER_CHARACTER < window // 2:
         return  # surely room: not counted
     tokenizer = await tokenizers.get(model)
     if tokenizer is None:
         return
     room = window - tokenizer.pair_special_tokens
     for hypothesis in hypotheses:
-        if tokenizer.count_past(hypothesis, room) >= room:
+        if tokenizer.count_past(hypothesis, room) > room:  # (a text may be no token)
             raise UnprocessableInput(
-                f"the hypothesis {shortened(hypothesis)!r} takes {room} or more of the "
-                f"{window} tokens the model reads with the text, leaving the text none: "
+                f"the hypothesis {shortened(hypothesis)!r} is longer than the {room} tokens "
+                f"the model reads beside a text (of its {window}): no text fits with it: "
                 "send a shorter hypothesis_template or label",
                 param="hypothesis_template",
             )

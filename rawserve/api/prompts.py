@@ -125,7 +125,11 @@ def chat_count(chat: Any, details: Mapping[str, Any]) -> ChatCount:
     roles = details.get("chat_counted_roles")
     if isinstance(roles, list):  # the roles whose texts the template writes, wherever
         messages = [m for m in messages if isinstance(m, dict) and m.get("role") in roles]
-    texts = message_texts(messages, bool(details.get("chat_drops_reasoning")))
+    texts = message_texts(
+        messages,
+        bool(details.get("chat_drops_reasoning")),
+        bool(details.get("chat_parts_written")),
+    )
     tools = chat.get("tools") if isinstance(chat, dict) else None
     if (
         tools
@@ -352,17 +356,33 @@ def count_within(
         tokenizer.encode(text, special, bound)
 
 
-def message_texts(messages: Any, drops_reasoning: bool = False) -> list[str]:
+def message_texts(
+    messages: Any, drops_reasoning: bool = False, parts_written: bool = True
+) -> list[str]:
     """The texts of a chat's messages, those not empty (content is a text or OpenAI's list
-    of parts, checked before this); where the template `drops_reasoning`, an answer's text
-    only from the end of its thinking."""
+    of parts, checked before this), as a template surely writes them at the least: each
+    without the blanks around it (Llama 3's and Gemma's `| trim` drop them); an answer's
+    where it calls no tool (Llama 3.1's writes the call alone), from the end of its
+    thinking where the template `drops_reasoning`; the first system (or developer) message
+    alone (a template may write no other); lists of parts only where the template writes
+    them (`parts_written`: one may write only a text)."""
     parts: list[str] = []
+    first_of: set[Any] = set()
     for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str) and drops_reasoning and message.get("role") == "assistant":
+        if not isinstance(message, dict):
+            continue
+        role, content = message.get("role"), message.get("content")
+        if role in ("system", "developer"):
+            if role in first_of:
+                continue
+            first_of.add(role)
+        if role == "assistant" and message.get("tool_calls"):
+            continue
+        if isinstance(content, str) and drops_reasoning and role == "assistant":
             parts.append(content.rsplit(REASONING_END, 1)[-1])
         elif isinstance(content, str):
             parts.append(content)
-        elif isinstance(content, list):
+        elif isinstance(content, list) and parts_written:
             parts += [p["text"] for p in content if isinstance(p, dict) and "text" in p]
+    parts = [part.strip() for part in parts]
     return [part for part in parts if part]

@@ -89,7 +89,12 @@ from rawserve.worker.scores import (
     likeliest,
     unusable,
 )
-from rawserve.worker.template_costs import message_tokens, rendered_roles, renders_tools_as_json
+from rawserve.worker.template_costs import (
+    message_tokens,
+    rendered_roles,
+    renders_tools_as_json,
+    writes_parts,
+)
 from rawserve.worker.text_pieces import (
     CONTEXT_TOKENS,
     TextPieces,
@@ -319,8 +324,10 @@ class CausalLMRunner(Runner):
         self.message_tokens = 0
         self.tools_as_json = False
         self.counted_roles: list[str] = []
+        self.parts_written = False
         if tokenizer.chat_template:
             self.counted_roles = rendered_roles(self.chat_text)
+            self.parts_written = writes_parts(self.chat_text)
             # a template that leaves messages out adds nothing sure for each one
             self.message_tokens = message_tokens(self._chat_ids) if self.counted_roles else 0
             self.tools_as_json = renders_tools_as_json(self.chat_text)
@@ -408,6 +415,7 @@ class CausalLMRunner(Runner):
             "chat_message_tokens": self.message_tokens,
             "chat_tools_json": self.tools_as_json,
             "chat_counted_roles": self.counted_roles,
+            "chat_parts_written": self.parts_written,
             "vocabulary": self.vocabulary,  # the token ids a prompt or logit_bias may name
         }
 

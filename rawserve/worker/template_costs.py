@@ -35,8 +35,8 @@ PROBE_TOOL: dict[str, Any] = {
 }
 WHITESPACE = re.compile(r"\s+")
 # alternating messages of a user and answers, more than a template that keeps only the
-# last few of a chat writes (Phi-3's and others' keep the last four, or two)
-PROBE_TURNS = 9
+# last few of a chat writes (a tester's kept the last four, then sixteen)
+PROBE_TURNS = 64
 
 
 def message_tokens(prompt_ids: Callable[[list[dict[str, Any]]], list[int]]) -> int:
@@ -97,6 +97,16 @@ def rendered_roles(chat_text: Callable[[list[dict[str, Any]], list[Any]], str]) 
         if shown and all(shown):
             roles.append(role)
     return roles
+
+
+def writes_parts(chat_text: Callable[[list[dict[str, Any]], list[Any]], str]) -> bool:
+    """Whether the template writes a message whose content is OpenAI's list of parts (one
+    may write string contents alone)."""
+    message = {"role": "user", "content": [{"type": "text", "text": "zqprobeparts"}]}
+    try:
+        return "zqprobeparts" in chat_text([message], [])
+    except ValueError:
+        return False
 
 
 def shows_all(
