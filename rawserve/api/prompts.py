@@ -150,8 +150,6 @@ def tool_json(tool: Any) -> str:
 # The tasks whose pipelines never cut an input (token classification and zero-shot ones
 # do): one longer than the model reads is refused.
 UNCUT_TASKS = frozenset({"text-classification", "fill-mask"})
-# (`TOKENS_PER_CHARACTER`: a text this many times shorter than the positions surely fits,
-# and is left to the worker, whose tokenizer it costs next to nothing.)
 
 
 async def check_input_lengths(

@@ -12,7 +12,7 @@ What one request may cost is bounded: an input is at most the model's input leng
 tokens (longer: `TooManyTokens`, or cut when the request asks), and an answer at most
 `max_answer_bytes` (`AnswerTooLarge`). Encoding a whole long text costs about 540 bytes a
 token in the library (a 900 KB text: 240 MB), so a long text is first counted a piece at
-a time (`CHUNK_CHARS`), and only the part that is kept is encoded whole.
+a time (`PIECE_CHARS`), and only the part that is kept is encoded whole.
 
 Offsets are counted in UTF-8 bytes, as TEI gives them (the library counts characters).
 """
@@ -30,13 +30,11 @@ import tokenizers
 from rawserve.api.served import ServedModel
 from rawserve.http.encoding import dumps
 from rawserve.shared.memory import give_back_free_memory
-from rawserve.tasks.windows import count_past, pieces
+from rawserve.tasks.windows import PIECE_CHARS, count_past, pieces
 
 # Work on more characters (or ids) than this goes to a thread; less is answered inline,
 # where a thread's hand-over would cost more than the work (about 2 ms at this size).
 INLINE_LIMIT = 4096
-# A text longer than this is counted a piece of about this many characters at a time.
-CHUNK_CHARS = 16384
 # Pieces cut at whitespace may count a token or two apart from the whole text: a text
 # counted at most this far past the limit is encoded whole to know.
 COUNT_MARGIN = 8
@@ -175,7 +173,7 @@ class ServerTokenizer:
         specials = self.finisher.num_special_tokens_to_add(False) if add_special else 0
         budget = max(bound.max_tokens - specials, 0)
         piece_start, piece_end = 0, len(text)
-        if len(text) > CHUNK_CHARS:
+        if len(text) > PIECE_CHARS:
             over = self._span_past(text, budget + COUNT_MARGIN, bound.direction == "left")
             if over is not None:
                 if not bound.truncate:
@@ -194,7 +192,7 @@ class ServerTokenizer:
         """The span of `text` from its kept end that holds more than `tokens` tokens,
         counted a piece at a time; None when the whole text holds no more."""
         counted = 0
-        for start, end in pieces(text, CHUNK_CHARS, from_end):
+        for start, end in pieces(text, PIECE_CHARS, from_end):
             counted += len(self.tokenizer.encode(text[start:end], add_special_tokens=False))
             if counted > tokens:
                 return (start, len(text)) if from_end else (0, end)

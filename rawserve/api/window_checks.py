@@ -19,6 +19,7 @@ from rawserve.http.errors import UnprocessableInput
 from rawserve.tasks import question_answering, token_classification
 from rawserve.tasks.windows import (
     MOST_TOKENS_PER_CHARACTER,
+    context_rooms,
     surely_fit,
     too_many_windows,
     windows_fit,
@@ -105,12 +106,7 @@ async def check_context_windows(
 def contexts_fit(
     tokenizer: ServerTokenizer, items: Sequence[Mapping[str, str]], window: int, stride: int
 ) -> bool:
-    """Whether the contexts' windows fit the budget, each after its question's tokens; a
-    question that leaves a window no room past the stride is the worker's to refuse."""
-    special = question_answering.SPECIAL_TOKENS
-    texts = [
-        (item["context"], window - special - tokenizer.count_past(item["question"], window))
-        for item in items
-    ]
-    texts = [(text, room) for text, room in texts if room - stride >= 1]
-    return windows_fit(tokenizer.count_past, texts, window, stride)
+    """Whether the contexts' windows fit the budget, each after its question's tokens."""
+    count = tokenizer.count_past
+    rooms = context_rooms(count, items, window, question_answering.SPECIAL_TOKENS, stride)
+    return windows_fit(count, rooms, window, stride)

@@ -16,7 +16,7 @@ process's modules.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 # 2**19 tokens: at the several hundred bytes a token the tokenizer's windows cost (600 in
 # the 100 KB case above), about 300 MB for one request's windows at most. A normal stride
@@ -83,6 +83,22 @@ def windows_fit(
         if left < 0:
             return False
     return True
+
+
+def context_rooms(
+    count: Callable[[str, int], int],
+    items: Sequence[Mapping[str, str]],
+    window: int,
+    special: int,
+    stride: int,
+) -> list[tuple[str, int]]:
+    """Question answering's contexts, each with the room its windows leave it after its
+    question's tokens (`count(text, most)`) and the `special` tokens; a question that
+    leaves no room past the stride is left out (the tokenizer refuses it, in its words)."""
+    rooms = [
+        (item["context"], window - special - count(item["question"], window)) for item in items
+    ]
+    return [(context, room) for context, room in rooms if room - stride >= 1]
 
 
 def surely_fit(texts: Sequence[tuple[str, int]], window: int, stride: int) -> bool:

@@ -64,7 +64,6 @@ from rawserve.worker.decode_graphs import GraphedDecode
 from rawserve.worker.generate_hooks import (
     Adjuster,
     GrammarFollower,
-    HeldTokens,
     ScoreRecorder,
     TokenWatcher,
     refuse_broken_scores,
@@ -97,6 +96,7 @@ from rawserve.worker.template_costs import (
 )
 from rawserve.worker.text_pieces import (
     CONTEXT_TOKENS,
+    HeldTokens,
     TextPieces,
     generated_text,
     prompt_context,

@@ -23,7 +23,7 @@ from rawserve.worker.continuous import stop_in_piece
 from rawserve.worker.grammars import Held, constrain
 from rawserve.worker.runner import MODEL_SCORES_FAILED_MESSAGE, NotNumbers
 from rawserve.worker.scores import ScoreAdjustments, likeliest, unusable
-from rawserve.worker.text_pieces import TextPieces, alternative_text, counted_text
+from rawserve.worker.text_pieces import HeldTokens, TextPieces, alternative_text, counted_text
 
 log = logging.getLogger("rawserve.generation")
 
@@ -205,30 +205,6 @@ class TokenWatcher(transformers.StoppingCriteria):
                 self.tokens[row].append(token)
             if self.on_token is not None:
                 self.on_token(row, token)
-
-
-class HeldTokens:
-    """One sequence's new tokens in TGI's shape, each held until its text is known
-    (`TextPieces.next_pieces`): a byte token's waits for the end of its run, which turns
-    into U+FFFDs if it is not UTF-8 as a whole, so that each token lists what it adds
-    ("!" for <0x21>), streamed or not, and not the token after the run."""
-
-    def __init__(self) -> None:
-        self.held: list[dict[str, Any]] = []
-
-    def add(self, token: dict[str, Any], pieces: Sequence[str]) -> list[dict[str, Any]]:
-        """`token`, made with no piece of text ("", or a special token's own), held
-        after those before it; `pieces`: the texts `next_pieces` let out with it."""
-        self.held.append(token)
-        return self.let_out(pieces)
-
-    def let_out(self, pieces: Sequence[str]) -> list[dict[str, Any]]:
-        """The oldest held tokens, as many as `pieces`, each with its text before its own
-        (a special token's)."""
-        out, self.held = self.held[: len(pieces)], self.held[len(pieces) :]
-        for token, piece in zip(out, pieces, strict=True):
-            token["text"] = piece + token["text"]
-        return out
 
 
 def tgi_token(

@@ -57,9 +57,9 @@ from rawserve.worker.causal_lm import CausalLMRunner
 from rawserve.worker.continuous import ContinuousBatcher, Generation
 from rawserve.worker.cuda_graphs import said_after_warm_up
 from rawserve.worker.feeder import Feeder
-from rawserve.worker.generate_hooks import HeldTokens
 from rawserve.worker.library_panics import panics_as_errors
 from rawserve.worker.runner import NotNumbers, Runner
+from rawserve.worker.text_pieces import HeldTokens
 from rawserve.worker.token_times import TokenTimes
 
 log = logging.getLogger("rawserve.generation")

@@ -32,6 +32,7 @@ import transformers
 
 from rawserve.shared.messages import NO_CONTROL, Control
 from rawserve.tasks.question_answering import DOC_STRIDE, MAX_SEQ_LEN
+from rawserve.tasks.windows import context_rooms
 from rawserve.worker.library_panics import LibraryPanic, panics_as_errors
 from rawserve.worker.model_classes import load_model
 from rawserve.worker.onnx_engine import OnnxNetwork
@@ -202,14 +203,8 @@ class SpanExtractionRunner(Runner):
         leaves a window no room past the stride is the tokenizer's to refuse."""
         window, stride = options.max_seq_len, options.doc_stride
         special = self.tokenizer.num_special_tokens_to_add(pair=True)
-        count = token_counter(self.tokenizer)
-        rooms = [window - special - count(item["question"], window) for item in inputs]
-        texts = [
-            (item["context"], room)
-            for item, room in zip(inputs, rooms, strict=True)
-            if room - stride >= 1
-        ]
-        refuse_dense_windows(self.tokenizer, texts, window, ("doc_stride", stride), "context")
+        rooms = context_rooms(token_counter(self.tokenizer), inputs, window, special, stride)
+        refuse_dense_windows(self.tokenizer, rooms, window, ("doc_stride", stride), "context")
 
     def refuse_stride(self, questions: list[str], options: SpanOptions) -> None:
         """After the tokenizer panicked: raise ValueError when a question leaves its

@@ -34,6 +34,8 @@ PROBE_TOOL: dict[str, Any] = {
     },
 }
 WHITESPACE = re.compile(r"\s+")
+# a chat (and its tools) rendered as the worker renders it
+ChatText = Callable[[list[dict[str, Any]], list[Any]], str]
 # alternating messages of a user and answers, more than a template that keeps only the
 # last few of a chat writes (a tester's kept the last four, then sixteen)
 PROBE_TURNS = 64
@@ -51,9 +53,7 @@ def message_tokens(prompt_ids: Callable[[list[dict[str, Any]]], list[int]]) -> i
     after_answer = [user, {"role": "assistant", "content": ""}]
     costs = []
     for role in MEASURED_ROLES:
-        message = {"role": role, "content": ""}
-        if role == "tool":  # (templates that pair an answer with its call read its id)
-            message = {**message, "tool_call_id": "probe0000", "name": "probe_weather"}
+        message = probe_message(role, "")
         for before in ([user], after_answer):
             try:
                 costs.append(len(prompt_ids([*before, message])) - len(prompt_ids(before)))
@@ -62,7 +62,16 @@ def message_tokens(prompt_ids: Callable[[list[dict[str, Any]]], list[int]]) -> i
     return max(0, min(costs, default=0))
 
 
-def rendered_roles(chat_text: Callable[[list[dict[str, Any]], list[Any]], str]) -> list[str]:
+def probe_message(role: str, content: str) -> dict[str, Any]:
+    """A message of `role` for a probe chat; a tool's answers `PROBE_TOOL`'s call (templates
+    that pair an answer with its call read its id)."""
+    message = {"role": role, "content": content}
+    if role == "tool":
+        message.update(tool_call_id="probe0000", name=PROBE_TOOL["function"]["name"])
+    return message
+
+
+def rendered_roles(chat_text: ChatText) -> list[str]:
     """The roles whose messages' texts the template writes wherever they stand (`chat_text`:
     a chat rendered as the worker renders it), for the server to count those alone: none
     where it leaves out some of `PROBE_TURNS` messages of users and answers (one that keeps
@@ -82,9 +91,7 @@ def rendered_roles(chat_text: Callable[[list[dict[str, Any]], list[Any]], str]) 
     for role in MEASURED_ROLES:
         if role in roles:
             continue
-        message = {"role": role, "content": f"zqprobe{role}"}
-        if role == "tool":
-            message = {**message, "tool_call_id": "probe0000", "name": "probe_weather"}
+        message = probe_message(role, f"zqprobe{role}")
         places = [[*turns[:2], message, *turns[2:]]]  # after an answer
         if role != "tool":
             places.append([message, *turns])  # first
@@ -99,7 +106,7 @@ def rendered_roles(chat_text: Callable[[list[dict[str, Any]], list[Any]], str]) 
     return roles
 
 
-def writes_parts(chat_text: Callable[[list[dict[str, Any]], list[Any]], str]) -> bool:
+def writes_parts(chat_text: ChatText) -> bool:
     """Whether the template writes a message whose content is OpenAI's list of parts (one
     may write string contents alone)."""
     message = {"role": "user", "content": [{"type": "text", "text": "zqprobeparts"}]}
@@ -109,14 +116,12 @@ def writes_parts(chat_text: Callable[[list[dict[str, Any]], list[Any]], str]) ->
         return False
 
 
-def shows_all(
-    chat_text: Callable[[list[dict[str, Any]], list[Any]], str], chat: list[dict[str, Any]]
-) -> bool:
+def shows_all(chat_text: ChatText, chat: list[dict[str, Any]]) -> bool:
     rendered = chat_text(chat, [])
     return all(message["content"] in rendered for message in chat)
 
 
-def renders_tools_as_json(chat_text: Callable[[list[dict[str, Any]], list[Any]], str]) -> bool:
+def renders_tools_as_json(chat_text: ChatText) -> bool:
     """Whether a chat's tools reach the model as their functions' JSON (`chat_text`: a
     chat with tools rendered as the worker renders it): the template writes each tool so
     (Qwen's, Llama 3.1's, Mistral's), or leaves tools out and the worker describes them
