@@ -86,6 +86,7 @@ from rawserve.http.limits import (
     Seats,
     ServerState,
 )
+from rawserve.http.probe_peek import probe_waiting
 from rawserve.http.request_ids import new_request_id, request_id
 from rawserve.http.response_head import (
     Fields,
@@ -324,6 +325,12 @@ class HttpProtocol(asyncio.Protocol):
             self._warn_at_cap(
                 "probe", "taking new connections for one probe each; anything else: 503"
             )
+        elif self.tls is None and probe_waiting(transport):
+            # the reserve is taken (a flood of new connections), but what waits on this
+            # one is a probe's request: seated past it, answered at once and closed
+            self.state.probe_connections.take(self, 0, now)
+            self.probe_only = True
+            self.seats = self.state.probe_connections
         else:
             self._refuse()
             return

@@ -1299,6 +1299,86 @@ async def test_a_probe_past_the_cap_is_answered_in_any_form_the_routes_take(targ
     assert response.status_code == 200 and transport.finished
 
 
+class SocketTransport(FakeTransport):
+    """A fake transport over one end of a real socket pair, as the loop's name it."""
+
+    def __init__(self, sock: socket.socket):
+        super().__init__()
+        self.sock = sock
+
+    def get_extra_info(self, name, default=None):
+        return self.sock if name == "socket" else super().get_extra_info(name, default)
+
+
+def past_the_probe_seats(state: ServerState, app: FakeApp):
+    """A capped server's seats, its probes' reserve too, each taken by a connection
+    whose request is not read yet (a flood of new connections); then `connect(waiting)`,
+    a new connection with `waiting` already sent on it."""
+    connect = connector(app, ProtocolSettings(max_connections=1), state)
+    for protocol, _ in [connect() for _ in range(1 + PROBE_RESERVE)]:
+        protocol.data_received(b"GET /hea")  # each mid-head: none gives way
+    loop = asyncio.get_running_loop()
+    pairs = []
+
+    def connect_with(waiting: bytes):
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        pairs.append((ours, theirs))
+        theirs.sendall(waiting)
+        protocol = HttpProtocol(app, ProtocolSettings(max_connections=1), state, loop=loop)
+        transport = SocketTransport(ours)
+        protocol.connection_made(transport)
+        return protocol, transport, ours
+
+    return connect_with, pairs
+
+
+@pytest.mark.parametrize(
+    "request_line",
+    [b"GET /health HTTP/1.1", b"HEAD /ready?x=1 HTTP/1.1", b"GET /ready/cls HTTP/1.0",
+     b"GET http://a/ping HTTP/1.1", b"GET /%68ealth HTTP/1.1"],
+)  # fmt: skip
+async def test_past_the_probe_seats_a_probe_waiting_in_the_kernel_is_answered(request_line):
+    """Under a flood of new connections the reserve is always taken, and a liveness
+    probe, a new connection each time, was refused with the flood: now what waits on a
+    connection is looked at (left in the kernel, read as usual) before refusing it."""
+    state = ServerState()
+    connect_with, pairs = past_the_probe_seats(state, EchoApp())
+    request = request_line + b"\r\nHost: a\r\n\r\n"
+    try:
+        protocol, transport, ours = connect_with(request)
+        assert protocol.probe_only and state.refused == 0 and not transport.written
+        assert ours.recv(1024) == request  # looked at, not taken
+        protocol.data_received(request)
+        await settle()
+        [(response, _)] = read_responses(transport.written, [request])
+        assert response.status_code == 200 and transport.finished
+    finally:
+        for pair in pairs:
+            for sock in pair:
+                sock.close()
+
+
+@pytest.mark.parametrize(
+    "waiting",
+    [b"", b"GET /hea", b"POST /health HTTP/1.1\r\n", b"GET / HTTP/1.1\r\nHost: a\r\n\r\n",
+     b"GET /health\r\n", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\n"],
+)  # fmt: skip
+async def test_past_the_probe_seats_anything_but_a_probes_request_line_is_refused(waiting):
+    state = ServerState()
+    connect_with, pairs = past_the_probe_seats(state, EchoApp())
+    try:
+        protocol, transport, _ = connect_with(waiting)
+        [(response, body)] = read_responses(transport.written)
+        assert response.status_code == 503 and transport.finished and state.refused == 1
+        assert json.loads(body)["error"] == "too many open connections"
+        assert not protocol.probe_only
+    finally:
+        for pair in pairs:
+            for sock in pair:
+                sock.close()
+
+
 async def test_a_tls_connection_past_the_cap_is_closed_without_a_plain_text_503():
     """A 503 written in plain text on a TLS port reaches no client (its TLS layer reads
     it as garbage): the connection is closed with nothing written."""

@@ -104,10 +104,15 @@ def routed_path(path: str) -> str:
 def is_probe(event: h11.Request) -> bool:
     """A liveness or readiness probe, in any form of its target that the routes take (a
     connection past --max-connections is taken for one, then closed)."""
-    if event.method not in (b"GET", b"HEAD"):
+    return is_probe_target(event.method, event.target)
+
+
+def is_probe_target(method: bytes, target: bytes) -> bool:
+    """Whether a request of `method` for `target` (as sent) is a probe's."""
+    if method not in (b"GET", b"HEAD"):
         return False
-    path = routed_path(event.target.partition(b"?")[0].decode("latin-1"))
-    return is_probe_path(event.method.decode("ascii"), path)
+    path = routed_path(target.partition(b"?")[0].decode("latin-1"))
+    return is_probe_path(method.decode("ascii"), path)
 
 
 def head_size(event: h11.Request, fields: list[tuple[bytes, bytes]]) -> int:
