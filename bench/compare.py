@@ -182,6 +182,21 @@ def batch_counters(port: int) -> dict[str, float]:
     return found
 
 
+def refusals(port: int) -> dict[str, float]:
+    """rawserve's 503s so far by where they were decided (from /metrics): at the
+    connection cap, before any request was read (counted with no route or method), or
+    by the request's route (a full queue, a model not ready)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    found = {"connection_cap": 0.0, "routes": 0.0}
+    for line in text.splitlines():
+        if not line.startswith("rawserve_requests_total{") or 'status="503"' not in line:
+            continue
+        at_cap = 'route="other"' in line and 'method="other"' in line
+        found["connection_cap" if at_cap else "routes"] += float(line.rsplit(" ", 1)[1])
+    return found
+
+
 def batch_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """The mean batch of a point, its mean compute time and an item's mean wait in the
     queue: where a server's time goes (the rest of a request's is the hops)."""
@@ -246,7 +261,8 @@ async def measure_server(
             )
         entry: dict[str, Any] = {"points": points}
         overloaded = server.name in ("rawserve", "rawserve-onnx", "rawserve-http4") or (
-            server.name in ("rawserve-default", "rawserve-eager", "rawserve-threads2")
+            server.name
+            in ("rawserve-default", "rawserve-eager", "rawserve-threads2", "rawserve-connections")
             and settings.device != "cpu"
         )  # on a GPU: with graphs and without
         if overloaded and text_set == "short" and settings.overload_duration:
@@ -269,6 +285,7 @@ async def overload(
     rate = OVERLOAD_FACTOR * capacity
     requests = load.build_requests(texts(text_set), fmt, timeout_header=OVERLOAD_DEADLINE)
     before = servers.cpu_snapshot(server.pid)
+    refused_before = refusals(server.port)
     run = await spread.open_loop(
         server.port,
         requests,
@@ -281,10 +298,14 @@ async def overload(
     summary = run.summary()
     summary.update(servers.cpu_shares(before, servers.cpu_snapshot(server.pid), run.duration))
     summary["capacity"] = capacity
+    refused_after = refusals(server.port)
+    summary["refused"] = {key: refused_after[key] - refused_before[key] for key in refused_after}
     log(
         f"  {server.name:14} overload at {rate:.0f}/s: goodput {summary['goodput']}/s, "
-        f"{summary['statuses']}, 503 p99 {summary.get('503', {}).get('p99_ms')} ms, "
-        f"late 200s {summary['late_200']}"
+        f"{summary['statuses']}, 503 p99 {summary.get('503', {}).get('p99_ms')} ms "
+        f"({summary['refused']['connection_cap']:.0f} at the connection cap, "
+        f"{summary['refused']['routes']:.0f} by route), late 200s {summary['late_200']}, "
+        f"arrivals given up for want of a connection {summary['dropped_by_client']}"
     )
     return summary
 

@@ -53,7 +53,8 @@ The rest (`--stages others`), the most telling first:
 - `lone`: where a lone request's time goes, with the default HTTP processes and with one
   (`bench.lone_request`)
 - `encoders-more`: `encoders`' classifier with CUDA graphs off (`rawserve-eager`), lists
-  of 32 texts and the seed's server
+  of 32 texts, room for 8,192 connections (`rawserve-connections`: whether the
+  connection cap made the 503s slow at 3x overload) and the seed's server
 - `generation-eager`: served generation with CUDA graphs off, every scenario
 - `attention`: attention kernels on new shapes (`bench.attention_shapes`)
 - `profile`: a sampling profile of the server at 256 clients (`bench.profile`, needs
@@ -149,9 +150,10 @@ def stages(out: Path, dry_run: bool = False) -> list[Stage]:
         stage("lone", 80, (
             "bench.lone_request", "--scenario", encoder, "--requests", sized("300", "5"),
             "--config=", "--config=--http-processes 1", "--out", str(out / "lone"))),
-        stage("encoders-more", 160, (
+        stage("encoders-more", 165, (
             "bench.compare", "--device", device, "--quick", "--scenarios", encoder,
-            "--text-sets", "short", "--servers", "rawserve-eager,rawserve-lists,seed-batching",
+            "--text-sets", "short", "--servers",
+            "rawserve-eager,rawserve-lists,rawserve-connections,seed-batching",
             *clients, "--json", str(out / "encoders-more.json"))),
         stage("generation-eager", 70, (
             "bench.generation_serving", "--device", device, *model, "--rounds", "1",

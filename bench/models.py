@@ -100,6 +100,7 @@ TEXT_SERVERS = (
     "rawserve-count",
     "rawserve-eager",
     "rawserve-threads2",
+    "rawserve-connections",
     "seed-batching",
     "seed-per-item",
 )

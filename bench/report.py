@@ -26,6 +26,7 @@ SERVER_LABELS = {
     "rawserve-lists": "rawserve, lists of 32 texts",
     "rawserve-threads2": "rawserve, 2 torch threads",
     "rawserve-eager": "rawserve, no CUDA graphs",
+    "rawserve-connections": "rawserve, 8,192 connections",
     "rawserve-http4": "rawserve, 4 HTTP processes",
     "rawserve-count": "rawserve, queue-order batching",
     "seed-batching": "seed, 1 ms batching",

@@ -30,6 +30,7 @@ SERVERS = (
     "rawserve-count",
     "rawserve-eager",
     "rawserve-threads2",
+    "rawserve-connections",
     "seed-batching",
     "seed-per-item",
     "infinity-torch",
@@ -50,6 +51,10 @@ RAWSERVE_VARIANTS = {
     # a GPU worker with two torch threads: the cores it leaves to the HTTP processes (at
     # 3x overload on an H100 the worker used 8.5 of 16 cores, and refusals waited)
     "rawserve-threads2": ("--threads", "2"),
+    # room for a GPU's queue of single texts, each on a connection of its own: at 3x
+    # overload on an H200 the default cap (1,000) was nearly all in use by the 200s, and
+    # the cap's 503s close their connections (its clients come back on new ones)
+    "rawserve-connections": ("--max-connections", "8192"),
 }
 # ONNX runs on the CPU
 GPU_VARIANTS = (
@@ -60,6 +65,7 @@ GPU_VARIANTS = (
     "rawserve-count",
     "rawserve-eager",
     "rawserve-threads2",
+    "rawserve-connections",
 )
 
 
