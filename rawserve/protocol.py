@@ -86,7 +86,7 @@ from rawserve.http.limits import (
     Seats,
     ServerState,
 )
-from rawserve.http.probe_peek import probe_waiting
+from rawserve.http.probe_peek import Waiting, what_waits
 from rawserve.http.request_ids import new_request_id, request_id
 from rawserve.http.response_head import (
     Fields,
@@ -319,19 +319,7 @@ class HttpProtocol(asyncio.Protocol):
             self.seats = connections
             if full:
                 self._warn_at_cap("idle", "closing the connection idle longest for each new one")
-        elif self.state.probe_connections.take(self, PROBE_RESERVE, now):
-            self.probe_only = True
-            self.seats = self.state.probe_connections
-            self._warn_at_cap(
-                "probe", "taking new connections for one probe each; anything else: 503"
-            )
-        elif self.tls is None and probe_waiting(transport):
-            # the reserve is taken (a flood of new connections), but what waits on this
-            # one is a probe's request: seated past it, answered at once and closed
-            self.state.probe_connections.take(self, 0, now)
-            self.probe_only = True
-            self.seats = self.state.probe_connections
-        else:
+        elif not self._seated_for_a_probe(transport, now):
             self._refuse()
             return
         if self.tls is None:
@@ -339,6 +327,22 @@ class HttpProtocol(asyncio.Protocol):
         else:
             self._enter(Phase.HANDSHAKE)
             self.handshake = begun_now(self._handshake(self.transport, self.tls), self.loop)
+
+    def _seated_for_a_probe(self, transport: asyncio.BaseTransport, now: float) -> bool:
+        """Past the cap: seated for one probe, by what it has already sent (over TLS,
+        nothing to tell by): a probe's request, past the probes' reserve if need be;
+        anything else, not at all (refused at once: under a flood of new connections,
+        such ones held every probe seat); nothing yet, in the reserve."""
+        waiting = what_waits(transport) if self.tls is None else Waiting.UNKNOWN
+        if waiting is Waiting.OTHER:
+            return False
+        limit = 0 if waiting is Waiting.PROBE else PROBE_RESERVE  # (0: none)
+        if not self.state.probe_connections.take(self, limit, now):
+            return False
+        self.probe_only = True
+        self.seats = self.state.probe_connections
+        self._warn_at_cap("probe", "taking new connections for one probe each; anything else: 503")
+        return True
 
     async def _handshake(self, transport: Transport, context: ssl.SSLContext) -> None:
         """Upgrade to TLS within --head-timeout (a client that never finishes its hello is

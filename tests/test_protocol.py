@@ -1360,6 +1360,35 @@ async def test_past_the_probe_seats_a_probe_waiting_in_the_kernel_is_answered(re
 
 
 @pytest.mark.parametrize(
+    ("waiting", "seated"),
+    [(b"", True), (b"GE", True), (b"HEAD /re", True), (b"GET /health HTTP/1.1\r\n", True),
+     (b"POST / HTTP/1.1\r\n", False), (b"PO", False), (b"DELETE /", False),
+     (b"GET / HTTP/1.1\r\n", False), (b"\x16\x03\x01\x02\x00", False),
+     (b"GET /" + b"x" * 600, False)],
+)  # fmt: skip
+async def test_past_the_cap_only_what_may_be_a_probe_takes_a_probe_seat(waiting, seated):
+    """The probe seats were held by a flood's requests not read yet, all of them sent
+    as they connected: one that has already sent what no probe sends is refused at
+    once, and the seats are left to probes and to connections that said nothing yet."""
+    state = ServerState()
+    app = EchoApp()
+    connect = connector(app, ProtocolSettings(max_connections=1), state)
+    connect()[0].data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")  # busy
+    ours, theirs = socket.socketpair()
+    try:
+        ours.setblocking(False)
+        theirs.sendall(waiting)
+        protocol = HttpProtocol(app, ProtocolSettings(max_connections=1), state)
+        transport = SocketTransport(ours)
+        protocol.connection_made(transport)
+        assert protocol.probe_only is seated and len(state.probe_connections) == seated
+        assert state.refused == (not seated) and bool(transport.written) is not seated
+    finally:
+        ours.close()
+        theirs.close()
+
+
+@pytest.mark.parametrize(
     "waiting",
     [b"", b"GET /hea", b"POST /health HTTP/1.1\r\n", b"GET / HTTP/1.1\r\nHost: a\r\n\r\n",
      b"GET /health\r\n", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\n"],

@@ -11,10 +11,11 @@ they hold whatever its client does:
   reads none of its answer for `write_timeout` seconds is cut off;
 - connections: past `max_connections`, a new connection takes the place of the one
   idle longest between requests, once idle `GIVE_WAY_AFTER` (closed quietly, as at
-  keep-alive expiry); where none is, a few more (`PROBE_RESERVE`) are taken for probes
+  keep-alive expiry); where none is, what it has already sent decides
+  (`rawserve.http.probe_peek`): a probe's request is taken, anything else refused; one
+  that has sent nothing yet takes one of a few more seats (`PROBE_RESERVE`) for probes
   only (`/health`, `/ready` answered, anything else 503), their idle ones giving way
-  alike; then it is refused, unless a probe's request already waits on it
-  (`rawserve.http.probe_peek`). Over TLS a connection is counted from its TCP accept, its
+  alike; then it is refused. Over TLS a connection is counted from its TCP accept, its
   handshake included (one still in its handshake gives way as an idle one does), and
   one refused is closed before any handshake work.
 
