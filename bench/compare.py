@@ -184,17 +184,17 @@ def batch_counters(port: int) -> dict[str, float]:
 
 def refusals(port: int) -> dict[str, float]:
     """rawserve's 503s so far by where they were decided (from /metrics): at the
-    connection cap, before any request was read (counted with no route or method), or
-    by the request's route (a full queue, a model not ready)."""
+    connection cap (before or after a request was read), or by the request's route (a
+    full queue, a model not ready)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
         text = answer.read().decode()
-    found = {"connection_cap": 0.0, "routes": 0.0}
+    unavailable = at_cap = 0.0
     for line in text.splitlines():
-        if not line.startswith("rawserve_requests_total{") or 'status="503"' not in line:
-            continue
-        at_cap = 'route="other"' in line and 'method="other"' in line
-        found["connection_cap" if at_cap else "routes"] += float(line.rsplit(" ", 1)[1])
-    return found
+        if line.startswith("rawserve_requests_total{") and 'status="503"' in line:
+            unavailable += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("rawserve_connections_refused_total "):
+            at_cap += float(line.rsplit(" ", 1)[1])
+    return {"connection_cap": at_cap, "routes": unavailable - at_cap}
 
 
 def batch_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -80,6 +80,7 @@ from rawserve.http.handshake import begun_now
 from rawserve.http.limits import (
     LINGER_SECONDS,
     PROBE_RESERVE,
+    PROBE_SEATS,
     READ_AHEAD_LIMIT,
     Phase,
     ProtocolSettings,
@@ -330,13 +331,14 @@ class HttpProtocol(asyncio.Protocol):
 
     def _seated_for_a_probe(self, transport: asyncio.BaseTransport, now: float) -> bool:
         """Past the cap: seated for one probe, by what it has already sent (over TLS,
-        nothing to tell by): a probe's request, past the probes' reserve if need be;
-        anything else, not at all (refused at once: under a flood of new connections,
-        such ones held every probe seat); nothing yet, in the reserve."""
+        nothing to tell by): a probe's whole head, past the probes' reserve if need be
+        (up to PROBE_SEATS); anything else, not at all (refused at once: under a flood
+        of new connections, such ones held every probe seat); nothing yet, in the
+        reserve."""
         waiting = what_waits(transport) if self.tls is None else Waiting.UNKNOWN
         if waiting is Waiting.OTHER:
             return False
-        limit = 0 if waiting is Waiting.PROBE else PROBE_RESERVE  # (0: none)
+        limit = PROBE_SEATS if waiting is Waiting.PROBE else PROBE_RESERVE
         if not self.state.probe_connections.take(self, limit, now):
             return False
         self.probe_only = True
@@ -528,6 +530,7 @@ class HttpProtocol(asyncio.Protocol):
         error = refusals.check_head(event, fields, limits.max_head_bytes, limits.max_body_bytes)
         if error is None and self.probe_only and not is_probe(event):
             error = refusals.too_many_connections()
+            self._count_refusal()
         if error is not None:
             self._fail(error)
             return
@@ -658,12 +661,17 @@ class HttpProtocol(asyncio.Protocol):
         (over TLS, closed before any handshake work: no answer can reach it without)."""
         self.state.refused += 1
         refused = self.state.refused
+        self._count_refusal()
         self._warn_at_cap("refused", f"refusing connections, every one busy; {refused} so far")
         if self.tls is not None:
             self.close()
             return
         self.cycle = Cycle(None, new_request_id())
         self._send(self.cycle, error_response(refusals.too_many_connections()), close=True)
+
+    def _count_refusal(self) -> None:
+        if self.state.metrics is not None:
+            self.state.metrics.observe_refused_connection()
 
     def _warn_at_cap(self, kind: str, what: str) -> None:
         """Tell the operator the cap is reached (each `kind` of line once per

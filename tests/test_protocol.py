@@ -56,6 +56,7 @@ from rawserve.http.tls import server_context, validity_warning
 from rawserve.protocol import (
     ANSWER_GOING_CHECK,
     PROBE_RESERVE,
+    PROBE_SEATS,
     READ_AHEAD_LIMIT,
     REQUESTS_PER_PASS,
     HttpProtocol,
@@ -209,6 +210,9 @@ class RequestsSeen:
 
     def observe_request(self, path: str, method: str, status: int, seconds: float) -> None:
         self.paths.append(path)
+
+    def observe_refused_connection(self) -> None:
+        pass
 
 
 @pytest.mark.parametrize(
@@ -1364,7 +1368,7 @@ async def test_past_the_probe_seats_a_probe_waiting_in_the_kernel_is_answered(re
     [(b"", True), (b"GE", True), (b"HEAD /re", True), (b"GET /health HTTP/1.1\r\n", True),
      (b"POST / HTTP/1.1\r\n", False), (b"PO", False), (b"DELETE /", False),
      (b"GET / HTTP/1.1\r\n", False), (b"\x16\x03\x01\x02\x00", False),
-     (b"GET /" + b"x" * 600, False)],
+     (b"GET /" + b"x" * 2100, False)],
 )  # fmt: skip
 async def test_past_the_cap_only_what_may_be_a_probe_takes_a_probe_seat(waiting, seated):
     """The probe seats were held by a flood's requests not read yet, all of them sent
@@ -1406,6 +1410,57 @@ async def test_past_the_probe_seats_anything_but_a_probes_request_line_is_refuse
         for pair in pairs:
             for sock in pair:
                 sock.close()
+
+
+async def test_past_the_probe_seats_only_whole_probe_heads_without_a_body_are_seated_and_few():
+    """A probe's request line alone, or its head announcing a body, could hold a seat
+    past the reserve until --head-timeout or --body-timeout: opened by the hundred
+    they took every file descriptor, and a real probe with them (a tester). Only a
+    whole head announcing no body is seated there, and no more than PROBE_SEATS."""
+    state = ServerState()
+    connect_with, pairs = past_the_probe_seats(state, EchoApp())
+    try:
+        for partial in (b"GET /health HTTP/1.1\r\n", b"GET /health HTTP/1.1\r\nHost: a\r\n",
+                        b"GET /health HTTP/1.1\r\nContent-Length: 9\r\n\r\n",
+                        b"GET /health HTTP/1.1\r\ntransfer-encoding : chunked\r\n\r\n"):
+            protocol, transport, _ = connect_with(partial)
+            assert not protocol.probe_only and transport.finished
+        whole = b"GET /health HTTP/1.1\r\nHost: a\r\nUser-Agent: kube-probe/1.31\r\n\r\n"
+        seated = [connect_with(whole)[0] for _ in range(PROBE_SEATS)]
+        assert all(protocol.probe_only for protocol in seated[: PROBE_SEATS - PROBE_RESERVE])
+        assert not any(protocol.probe_only for protocol in seated[PROBE_SEATS - PROBE_RESERVE :])
+        assert len(state.probe_connections) == PROBE_SEATS
+    finally:
+        for pair in pairs:
+            for sock in pair:
+                sock.close()
+
+
+class RefusalsCounted(RequestsSeen):
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused = 0
+
+    def observe_refused_connection(self) -> None:
+        self.refused += 1
+
+
+async def test_every_connection_refused_at_the_cap_is_counted_for_the_metrics():
+    """Refused before its request is read, or on a probe seat after (then its 503 is
+    counted under its route too): /metrics tells them from a full queue's."""
+    counted = RefusalsCounted()
+    state = ServerState(metrics=counted)
+    connect = connector(EchoApp(), ProtocolSettings(max_connections=1), state)
+    connect()[0].data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")  # busy
+    on_a_probe_seat, _ = connect()
+    on_a_probe_seat.data_received(b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n")
+    await settle()
+    assert counted.refused == 1 and counted.paths == ["/x"]
+    # the rest of the reserve (the refused one lingers in its seat)
+    for protocol, _ in [connect() for _ in range(PROBE_RESERVE - 1)]:
+        protocol.data_received(b"GET /hea")
+    connect()  # past everything: refused unread
+    assert counted.refused == 2 and state.refused == 1
 
 
 async def test_a_tls_connection_past_the_cap_is_closed_without_a_plain_text_503():

@@ -12,8 +12,9 @@ they hold whatever its client does:
 - connections: past `max_connections`, a new connection takes the place of the one
   idle longest between requests, once idle `GIVE_WAY_AFTER` (closed quietly, as at
   keep-alive expiry); where none is, what it has already sent decides
-  (`rawserve.http.probe_peek`): a probe's request is taken, anything else refused; one
-  that has sent nothing yet takes one of a few more seats (`PROBE_RESERVE`) for probes
+  (`rawserve.http.probe_peek`): a probe's whole head is taken (up to `PROBE_SEATS`
+  such), anything else refused; one that has sent nothing yet (or part of a probe's head)
+  takes one of a few more seats (`PROBE_RESERVE`) for probes
   only (`/health`, `/ready` answered, anything else 503), their idle ones giving way
   alike; then it is refused. Over TLS a connection is counted from its TCP accept, its
   handshake included (one still in its handshake gives way as an idle one does), and
@@ -43,6 +44,11 @@ LINGER_SECONDS = 2.0  # after our last response, how long we drain the peer's by
 # liveness probe must not fail (and restart a healthy server) because busy clients hold
 # every connection.
 PROBE_RESERVE = 32
+# Probe seats of both kinds together: a connection seen to hold a probe's whole head
+# (`rawserve.http.probe_peek`) may take one past the reserve, where the undecided
+# connections of a flood hold it; bounded, so such heads cannot open connections without
+# end (each past the cap is one more descriptor).
+PROBE_SEATS = 2 * PROBE_RESERVE
 # Past --max-connections, a connection idle this long gives way to a new one; one idle
 # less may be a new connection whose request is on its way (a burst past the cap would
 # close each other's before reading them, where the cap's 503 tells a client to retry).
@@ -99,9 +105,12 @@ class OpenConnection(Protocol):
 
 
 class RequestObserver(Protocol):
-    """Counts responses by route and status (rawserve.ops.metrics.Metrics)."""
+    """Counts responses by route and status, and the connections refused at the cap
+    (rawserve.ops.metrics.Metrics)."""
 
     def observe_request(self, path: str, method: str, status: int, seconds: float) -> None: ...
+
+    def observe_refused_connection(self) -> None: ...
 
 
 class Seats:

@@ -21,16 +21,17 @@ from typing import Any
 
 from rawserve.http.cycle import is_probe_target
 
-# a probe's request line is short (`GET /ready/<model> HTTP/1.1`); a longer first line
-# is not a probe's
-PEEK_BYTES = 512
+# a probe's whole head is short (kubelet's is ~110 bytes, its own headers added); a
+# longer one is not a probe's
+PEEK_BYTES = 2048
 PROBE_METHODS = (b"GET", b"HEAD")
+BODY_FIELDS = (b"content-length", b"transfer-encoding")
 
 
 class Waiting(enum.Enum):
-    PROBE = "a probe's whole request line"
+    PROBE = "a probe's whole head, announcing no body: answered as soon as it is read"
     OTHER = "the start of anything else"
-    UNKNOWN = "nothing yet, a line that may still be a probe's, or no socket to look at"
+    UNKNOWN = "nothing yet, a start that may still be a probe's, or no socket to look at"
 
 
 def what_waits(transport: Any) -> Waiting:
@@ -54,12 +55,12 @@ def what_waits(transport: Any) -> Waiting:
 
 
 def sort_request_start(data: bytes) -> Waiting:
-    """Whether `data`, a request's first bytes, is a probe's request line (in any form
-    of its target the routes take: `/health`, `/ready?x`, `http://host/health`,
-    `/%68ealth`), surely something else, or too short to tell."""
+    """Whether `data`, a request's first bytes, is a probe's whole head announcing no
+    body (its target in any form the routes take: `/health`, `/ready?x`,
+    `http://host/health`, `/%68ealth`), surely something else, or too short to tell."""
     if not data:  # nothing, or the client closed without a word
         return Waiting.UNKNOWN
-    line, found, _ = data.partition(b"\n")
+    line, found, rest = data.partition(b"\n")
     if not found:
         if len(data) >= PEEK_BYTES:
             return Waiting.OTHER
@@ -69,6 +70,15 @@ def sort_request_start(data: bytes) -> Waiting:
         starts = any(known.startswith(method) for known in PROBE_METHODS)
         return Waiting.UNKNOWN if starts else Waiting.OTHER
     parts = line.rstrip(b"\r").split(b" ")
-    if len(parts) == 3 and parts[2].startswith(b"HTTP/") and is_probe_target(*parts[:2]):
-        return Waiting.PROBE
-    return Waiting.OTHER
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/") or not is_probe_target(*parts[:2]):
+        return Waiting.OTHER
+    # only a whole head that announces no body is answered as soon as it is read: one
+    # still coming (or a body) could hold its seat for --head-timeout or --body-timeout
+    fields = b"\n" + rest  # each field after a line feed; the head ends at an empty line
+    ends = [at for at in (fields.find(b"\n\r\n"), fields.find(b"\n\n")) if at >= 0]
+    if not ends:
+        return Waiting.OTHER if len(data) >= PEEK_BYTES else Waiting.UNKNOWN
+    for field in fields[: min(ends)].split(b"\n"):
+        if field.partition(b":")[0].strip().lower() in BODY_FIELDS:
+            return Waiting.UNKNOWN  # a probe with a body: a probe seat's, if one is free
+    return Waiting.PROBE

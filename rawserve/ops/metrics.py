@@ -119,6 +119,12 @@ class Metrics:
             ["model", "kind"],
             registry=r,
         )
+        self.connections_refused = Counter(
+            "rawserve_connections_refused",
+            "Connections refused past --max-connections and its probe seats (503 too many "
+            "open connections, before or after their request was read; over TLS, closed)",
+            registry=r,
+        )
         self.latencies = TalliedHistograms(LATENCIES)
         r.register(self.latencies)
         self._state = StateCollector()
@@ -159,6 +165,9 @@ class Metrics:
         count, duration = series
         count.inc()
         duration.observe(seconds)
+
+    def observe_refused_connection(self) -> None:
+        self.connections_refused.inc()
 
     def for_model(self, name: str) -> ModelMetrics:
         """The hooks of one served model's scheduler and executor: its series, labelled."""
