@@ -1420,9 +1420,12 @@ async def test_past_the_probe_seats_only_whole_probe_heads_without_a_body_are_se
     state = ServerState()
     connect_with, pairs = past_the_probe_seats(state, EchoApp())
     try:
-        for partial in (b"GET /health HTTP/1.1\r\n", b"GET /health HTTP/1.1\r\nHost: a\r\n",
-                        b"GET /health HTTP/1.1\r\nContent-Length: 9\r\n\r\n",
-                        b"GET /health HTTP/1.1\r\ntransfer-encoding : chunked\r\n\r\n"):
+        for partial in (
+            b"GET /health HTTP/1.1\r\n",
+            b"GET /health HTTP/1.1\r\nHost: a\r\n",
+            b"GET /health HTTP/1.1\r\nContent-Length: 9\r\n\r\n",
+            b"GET /health HTTP/1.1\r\ntransfer-encoding : chunked\r\n\r\n",
+        ):
             protocol, transport, _ = connect_with(partial)
             assert not protocol.probe_only and transport.finished
         whole = b"GET /health HTTP/1.1\r\nHost: a\r\nUser-Agent: kube-probe/1.31\r\n\r\n"
