@@ -330,14 +330,11 @@ class HttpProtocol(asyncio.Protocol):
             self.handshake = begun_now(self._handshake(self.transport, self.tls), self.loop)
 
     def _seated_for_a_probe(self, transport: asyncio.BaseTransport, now: float) -> bool:
-        """Past the cap: seated for one probe, by what it has already sent (over TLS,
-        nothing to tell by): a probe's whole head, past the probes' reserve if need be
-        (up to PROBE_SEATS); anything else, not at all (refused at once: under a flood
-        of new connections, such ones held every probe seat); nothing yet, in the
-        reserve."""
+        """Past the cap: seated for one probe, in the probes' reserve; a probe's whole
+        head already waiting may take a seat past it (up to PROBE_SEATS), where a flood
+        of new connections holds the reserve. Anything else on such a seat is read and
+        refused in its route's shape (over TLS the bytes tell nothing)."""
         waiting = what_waits(transport) if self.tls is None else Waiting.UNKNOWN
-        if waiting is Waiting.OTHER:
-            return False
         limit = PROBE_SEATS if waiting is Waiting.PROBE else PROBE_RESERVE
         if not self.state.probe_connections.take(self, limit, now):
             return False

@@ -44,6 +44,7 @@ from rawserve.http.limits import (
     REQUESTS_PER_LOOP_PASS,
     Phase,
 )
+from rawserve.http.probe_peek import Waiting, sort_request_start
 from rawserve.http.refusals import check_head
 from rawserve.http.request_ids import request_id
 from rawserve.http.response_head import (
@@ -1364,29 +1365,42 @@ async def test_past_the_probe_seats_a_probe_waiting_in_the_kernel_is_answered(re
 
 
 @pytest.mark.parametrize(
-    ("waiting", "seated"),
-    [(b"", True), (b"GE", True), (b"HEAD /re", True), (b"GET /health HTTP/1.1\r\n", True),
-     (b"POST / HTTP/1.1\r\n", False), (b"PO", False), (b"DELETE /", False),
-     (b"GET / HTTP/1.1\r\n", False), (b"\x16\x03\x01\x02\x00", False),
-     (b"GET /" + b"x" * 2100, False)],
+    ("waiting", "sorted_as"),
+    [(b"", Waiting.UNKNOWN), (b"GE", Waiting.UNKNOWN), (b"HEAD /re", Waiting.UNKNOWN),
+     (b"GET /health HTTP/1.1\r\n", Waiting.UNKNOWN),
+     (b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n", Waiting.PROBE),
+     (b"\r\nGET /health HTTP/1.1\r\nHost: a\r\n\r\n", Waiting.PROBE),  # RFC 9112 2.2
+     (b"GET /health HTTP/1.1\nHost: a\n\n", Waiting.PROBE),
+     (b"GET /health HTTP/1.1\r\nX-Pad: " + b"p" * 2100, Waiting.UNKNOWN),  # read in a seat
+     (b"GET /health HTTP/1.1\r\nContent-Length: 5\r\n\r\n", Waiting.UNKNOWN),
+     (b"POST / HTTP/1.1\r\n", Waiting.OTHER), (b"PO", Waiting.OTHER),
+     (b"DELETE /", Waiting.OTHER), (b"GET / HTTP/1.1\r\n\r\n", Waiting.OTHER),
+     (b"\x16\x03\x01\x02\x00", Waiting.OTHER), (b"GET /" + b"x" * 2100, Waiting.UNKNOWN)],
 )  # fmt: skip
-async def test_past_the_cap_only_what_may_be_a_probe_takes_a_probe_seat(waiting, seated):
-    """The probe seats were held by a flood's requests not read yet, all of them sent
-    as they connected: one that has already sent what no probe sends is refused at
-    once, and the seats are left to probes and to connections that said nothing yet."""
+def test_what_waits_on_a_connection_is_sorted_as_a_probe_only_when_whole(waiting, sorted_as):
+    assert sort_request_start(waiting) is sorted_as
+
+
+async def test_past_the_cap_a_request_on_a_reserve_seat_is_read_and_refused_in_its_shape():
+    """One that has sent what no probe sends still takes a free reserve seat: refused
+    unread, its 503 lost its route's shape (OpenAI's) and CORS (a tester)."""
     state = ServerState()
     app = EchoApp()
     connect = connector(app, ProtocolSettings(max_connections=1), state)
     connect()[0].data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")  # busy
+    request = b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n"
     ours, theirs = socket.socketpair()
     try:
         ours.setblocking(False)
-        theirs.sendall(waiting)
+        theirs.sendall(request)
         protocol = HttpProtocol(app, ProtocolSettings(max_connections=1), state)
         transport = SocketTransport(ours)
         protocol.connection_made(transport)
-        assert protocol.probe_only is seated and len(state.probe_connections) == seated
-        assert state.refused == (not seated) and bool(transport.written) is not seated
+        assert protocol.probe_only and not transport.written and state.refused == 0
+        protocol.data_received(request)
+        await settle()
+        [(response, _)] = read_responses(transport.written, [request])
+        assert response.status_code == 503 and transport.finished
     finally:
         ours.close()
         theirs.close()

@@ -11,12 +11,11 @@ they hold whatever its client does:
   reads none of its answer for `write_timeout` seconds is cut off;
 - connections: past `max_connections`, a new connection takes the place of the one
   idle longest between requests, once idle `GIVE_WAY_AFTER` (closed quietly, as at
-  keep-alive expiry); where none is, what it has already sent decides
-  (`rawserve.http.probe_peek`): a probe's whole head is taken (up to `PROBE_SEATS`
-  such), anything else refused; one that has sent nothing yet (or part of a probe's head)
-  takes one of a few more seats (`PROBE_RESERVE`) for probes
+  keep-alive expiry); where none is, a few more (`PROBE_RESERVE`) are taken for probes
   only (`/health`, `/ready` answered, anything else 503), their idle ones giving way
-  alike; then it is refused. Over TLS a connection is counted from its TCP accept, its
+  alike; then it is refused, unless what it has already sent is a probe's whole head
+  (`rawserve.http.probe_peek`), which may take a seat past the reserve (`PROBE_SEATS`
+  in all). Over TLS a connection is counted from its TCP accept, its
   handshake included (one still in its handshake gives way as an idle one does), and
   one refused is closed before any handshake work.
 

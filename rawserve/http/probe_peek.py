@@ -1,5 +1,5 @@
-"""What a new connection past the connection cap has already sent: a probe's request,
-something else, or nothing to tell by yet.
+"""Whether a new connection past the connection cap has already sent a probe's whole
+head.
 
 Past --max-connections, an HTTP process keeps 32 seats for probes, and a connection
 past those is refused before anything is read: reading costs what the cap is there to
@@ -8,9 +8,8 @@ ones) those seats were always taken by flood connections whose requests were not
 yet, and a liveness probe, which opens a connection of its own each time (kubelet's
 does), was refused "too many open connections" with them: an orchestrator would restart
 a server for being busy. A look at the bytes already waiting (`MSG_PEEK`: nothing is
-taken from the socket) sorts the connections past the cap for one system call: a probe
-is seated, past the reserve if need be; anything else is refused at once, leaving the
-reserve to connections that have not said what they are yet (a probe among them).
+taken from the socket) finds a probe's whole head, which may take a seat past the
+reserve, answered as soon as it is read.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from typing import Any
 from rawserve.http.cycle import is_probe_target
 
 # a probe's whole head is short (kubelet's is ~110 bytes, its own headers added); a
-# longer one is not a probe's
+# longer one is read in a reserve seat, as any other
 PEEK_BYTES = 2048
 PROBE_METHODS = (b"GET", b"HEAD")
 BODY_FIELDS = (b"content-length", b"transfer-encoding")
@@ -58,12 +57,13 @@ def sort_request_start(data: bytes) -> Waiting:
     """Whether `data`, a request's first bytes, is a probe's whole head announcing no
     body (its target in any form the routes take: `/health`, `/ready?x`,
     `http://host/health`, `/%68ealth`), surely something else, or too short to tell."""
+    data = data.lstrip(b"\r\n")  # empty lines before a request are skipped (RFC 9112 2.2)
     if not data:  # nothing, or the client closed without a word
         return Waiting.UNKNOWN
     line, found, rest = data.partition(b"\n")
     if not found:
         if len(data) >= PEEK_BYTES:
-            return Waiting.OTHER
+            return Waiting.UNKNOWN  # more than a look holds: read in a reserve seat
         method, spaced, _ = data.partition(b" ")
         if spaced:
             return Waiting.UNKNOWN if method in PROBE_METHODS else Waiting.OTHER
@@ -76,8 +76,8 @@ def sort_request_start(data: bytes) -> Waiting:
     # still coming (or a body) could hold its seat for --head-timeout or --body-timeout
     fields = b"\n" + rest  # each field after a line feed; the head ends at an empty line
     ends = [at for at in (fields.find(b"\n\r\n"), fields.find(b"\n\n")) if at >= 0]
-    if not ends:
-        return Waiting.OTHER if len(data) >= PEEK_BYTES else Waiting.UNKNOWN
+    if not ends:  # still coming, or more than a look holds: read in a reserve seat
+        return Waiting.UNKNOWN
     for field in fields[: min(ends)].split(b"\n"):
         if field.partition(b":")[0].strip().lower() in BODY_FIELDS:
             return Waiting.UNKNOWN  # a probe with a body: a probe seat's, if one is free
