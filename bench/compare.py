@@ -170,10 +170,15 @@ BATCH_COUNTERS = (
 )
 
 
+def scrape(port: int) -> str:
+    """rawserve's /metrics now."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        return answer.read().decode()
+
+
 def batch_counters(port: int) -> dict[str, float]:
     """rawserve's batch counters now, every model and worker summed (from /metrics)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
-        text = answer.read().decode()
+    text = scrape(port)
     found = dict.fromkeys(BATCH_COUNTERS, 0.0)
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
@@ -186,10 +191,8 @@ def refusals(port: int) -> dict[str, float]:
     """rawserve's 503s so far by where they were decided (from /metrics): at the
     connection cap (before or after a request was read), or by the request's route (a
     full queue, a model not ready)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
-        text = answer.read().decode()
     unavailable = at_cap = 0.0
-    for line in text.splitlines():
+    for line in scrape(port).splitlines():
         if line.startswith("rawserve_requests_total{") and 'status="503"' in line:
             unavailable += float(line.rsplit(" ", 1)[1])
         elif line.startswith("rawserve_connections_refused_total "):

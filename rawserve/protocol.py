@@ -330,16 +330,19 @@ class HttpProtocol(asyncio.Protocol):
             self.handshake = begun_now(self._handshake(self.transport, self.tls), self.loop)
 
     def _seated_for_a_probe(self, transport: asyncio.BaseTransport, now: float) -> bool:
-        """Past the cap: seated for one probe, in the probes' reserve; a probe's whole
-        head already waiting may take a seat past it (up to PROBE_SEATS), where a flood
-        of new connections holds the reserve. Anything else on such a seat is read and
-        refused in its route's shape (over TLS the bytes tell nothing)."""
-        waiting = what_waits(transport) if self.tls is None else Waiting.UNKNOWN
-        limit = PROBE_SEATS if waiting is Waiting.PROBE else PROBE_RESERVE
-        if not self.state.probe_connections.take(self, limit, now):
+        """Past the cap: seated for one probe, in the probes' reserve; where a flood of
+        new connections holds it, a probe's whole head already waiting may take a seat
+        past it (up to PROBE_SEATS: looked at only then). Anything else on such a seat is
+        read and refused in its route's shape (over TLS the bytes tell nothing)."""
+        seats = self.state.probe_connections
+        if not seats.take(self, PROBE_RESERVE, now) and (
+            self.tls is not None
+            or what_waits(transport) is not Waiting.PROBE
+            or not seats.take(self, PROBE_SEATS, now)
+        ):
             return False
         self.probe_only = True
-        self.seats = self.state.probe_connections
+        self.seats = seats
         self._warn_at_cap("probe", "taking new connections for one probe each; anything else: 503")
         return True
 
