@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -509,7 +511,7 @@ def test_the_exporter_s_own_log_lines_go_to_the_debug_log(
 
     monkeypatch.setattr(torch.onnx, "export", exporter)
     with caplog.at_level(logging.DEBUG):
-        onnx_engine.export(folder, head, tmp_path / "model.onnx")
+        onnx_engine.export_here(folder, head, tmp_path / "model.onnx")
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert "exporter: torchvision is not installed. Skipping torchvision::nms" in caplog.text
     exporter = logging.getLogger("torch.onnx")
@@ -843,3 +845,112 @@ def test_fill_mask_input_errors_are_422_on_the_onnx_engine(tiny_model, onnx_cach
         assert status == 422 and "at most 128" in body["error"], body
         status, body = server.post_json({"inputs": "paris is the [MASK]"})
         assert status == 200 and len(body) == 5, body
+
+
+EXPORT_IN_A_FRESH_PROCESS = """
+import json, sys
+from pathlib import Path
+from rawserve.worker import onnx_engine
+head = onnx_engine.HEADS["text-classification"]
+graph = onnx_engine.exported_graph(Path(sys.argv[1]), head, Path(sys.argv[2]))
+exporter = ("onnxscript", "torch.onnx._internal.exporter._core")
+print(json.dumps({"graph": str(graph), "kept": [name for name in exporter if name in sys.modules]}))
+"""
+
+
+def test_the_export_runs_in_a_process_of_its_own_and_leaves_with_it(tiny_model, tmp_path):
+    """The worker that exported kept the exporter's libraries and state for its life
+    (~370 MB more than its peers on the packaged model): they are loaded in the export's
+    own process now, never in the one that asked."""
+    folder = tiny_model("text-classification")
+    ran = subprocess.run(
+        [sys.executable, "-c", EXPORT_IN_A_FRESH_PROCESS, folder, str(tmp_path / "onnx")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    found = json.loads(ran.stdout.splitlines()[-1])
+    assert found["kept"] == []
+    graph = Path(found["graph"])
+    assert graph.is_file() and (graph.parent / "key.json").is_file()
+    assert not (graph.parent / "outcome.json").exists()  # the process's word, not kept
+    from rawserve.worker import onnx_engine
+
+    network = onnx_engine.load_network(folder, "text-classification", 1, tmp_path / "onnx")
+    assert network.graph == graph
+
+
+def test_an_export_process_killed_is_said_by_its_signal_and_not_kept_against_the_model(
+    tiny_model, tmp_path, monkeypatch, caplog
+):
+    """Killed (the OOM killer), it says nothing: the error names the signal; `auto` serves
+    with torch this once, and the next start tries ONNX Runtime again."""
+    from rawserve.worker import engine_trial, onnx_engine
+    from rawserve.worker.loading import load_runner
+
+    killed = tmp_path / "killed-python"
+    killed.write_text("#!/bin/sh\nkill -9 $$\n")
+    killed.chmod(0o755)
+    monkeypatch.setattr(onnx_engine.sys, "executable", str(killed))
+    folder = Path(tiny_model("text-classification"))
+    head = onnx_engine.HEADS["text-classification"]
+    cache = tmp_path / "cache"
+    with pytest.raises(onnx_engine.ExportInterrupted, match=r"without a word \(SIGKILL\)"):
+        onnx_engine.exported_graph(folder, head, cache / "onnx")
+    assert [path.name for path in (cache / "onnx").iterdir()] == [
+        f".{onnx_engine.key_digest(onnx_engine.cache_key(folder, head))}.lock"
+    ]  # no half-made export left
+    monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(cache))
+    config = WorkerConfig(model=str(folder), task="text-classification", engine=Engine.AUTO)
+    with caplog.at_level(logging.WARNING):
+        runner = load_runner(config, "cpu")
+    assert runner.engine is Engine.TORCH
+    assert runner.engine_reason == "auto: ONNX Runtime could not load the model (SIGKILL)"
+    assert not any(cache.glob(f"**/{engine_trial.UNLOADABLE_PREFIX}*"))
+
+
+@pytest.mark.parametrize(
+    ("told", "kind", "message"),
+    [
+        (
+            {"kind": "NotExportable", "message": "...", "why": "no file named model.safetensors"},
+            "NotExportable",
+            "the model cannot be exported to ONNX: no file named model.safetensors",
+        ),
+        ({"kind": "MemoryError", "message": "out of memory"}, "MemoryError", "out of memory"),
+        (
+            {"kind": "OSError", "message": "...", "errno": 28, "strerror": "No space left"},
+            "OSError",
+            "[Errno 28] No space left",
+        ),
+        (
+            {"kind": "TorchExportError", "message": "could not trace"},
+            "TorchExportError",
+            "could not trace",
+        ),
+    ],
+)
+def test_an_export_process_error_is_raised_again_as_its_kind(told, kind, message):
+    """What the callers tell apart (the model's fault, memory, the disk) survives the
+    process boundary, and the rest keep their class's name for the engine's reason."""
+    from rawserve.worker import onnx_engine
+
+    raised = onnx_engine.raised_again(told)
+    assert onnx_engine.failure_name(raised) == kind
+    assert str(raised) == message
+
+
+def test_a_layout_timer_exports_in_its_own_process(tmp_path, monkeypatch):
+    """A timer ends after its trial: a process of the export's own would only cost a
+    first start its imports."""
+    from rawserve.worker import onnx_engine
+
+    monkeypatch.setattr(onnx_engine, "_export_apart", True)  # (restored after)
+    made = []
+    monkeypatch.setattr(onnx_engine, "export_here", lambda *args: made.append(args))
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: pytest.fail("a process"))
+    onnx_engine.export_in_this_process()
+    head = onnx_engine.HEADS["fill-mask"]
+    assert onnx_engine.export(tmp_path, head, tmp_path / "model.onnx") is None
+    assert made == [(tmp_path, head, tmp_path / "model.onnx")]

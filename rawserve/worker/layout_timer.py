@@ -81,9 +81,11 @@ def timed_batch(config: WorkerConfig, size: int, start: Barrier) -> Timing | Non
     # torch and transformers load here, in the timer's process only
     from rawserve.worker.libraries import library_logs_through_ours, tokenize_in_the_calling_thread
     from rawserve.worker.loading import load_runner
+    from rawserve.worker.onnx_engine import export_in_this_process
     from rawserve.worker.warmup import example_batch
 
     library_logs_through_ours()
+    export_in_this_process()  # this process ends after its trial: what it loads goes with it
     tokenize_in_the_calling_thread(os.environ)
     try:
         runner = load_runner(config, "cpu")

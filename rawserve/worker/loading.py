@@ -194,12 +194,13 @@ def engine_by_trial(
     except Exception as exc:  # noqa: BLE001 - logged; torch serves the model
         log.debug("the ONNX engine's failure", exc_info=True)
         log.warning("the ONNX engine could not load this model, torch runs it: %s", exc)
-        if not isinstance(exc, (OSError, MemoryError)):  # (the machine's: may not recur)
+        # (the machine's, which may not recur: memory, the disk, an export killed)
+        if not isinstance(exc, (OSError, MemoryError, onnx_engine.ExportInterrupted)):
             # each start exported the model again to fail again (5-16 s on a tiny GPT-2)
-            found = {"error": type(exc).__name__, "start": config.start}
+            found = {"error": onnx_engine.failure_name(exc), "start": config.start}
             unloadable = engine_trial.UNLOADABLE_PREFIX
             engine_trial.remember(cache_dir, unloadable, key, found, engine_trial.named(config))
-        reason = f"auto: ONNX Runtime could not load the model ({type(exc).__name__})"
+        reason = f"auto: ONNX Runtime could not load the model ({onnx_engine.failure_name(exc)})"
         return Engine.TORCH, reason, build_runner(config, task, device, None)
     onnx_runner = build_runner(config, task, device, network)
     if trial is not None:

@@ -38,6 +38,9 @@ import json
 import logging
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -68,6 +71,7 @@ FED_INPUTS = frozenset({"input_ids", "attention_mask", "token_type_ids"})
 GRAPH_FILE = "model.onnx"
 EXPORT_BATCH = 2  # the example batch traced at export (its sizes are made dynamic)
 UNTRAINED = "untrained"  # key.json's record of the weights the export's model had at random
+EXPORT_OUTCOME = "outcome.json"  # beside the graph while the export's process makes it
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,27 @@ class NotExportable(RuntimeError):
 
     def __init__(self, why: str):
         super().__init__(f"the model cannot be exported to ONNX: {why}")
+        self.why = why
+
+
+class ExportFailed(RuntimeError):
+    """The export's process failed with an error of `kind` (its class's name there), or
+    ended without saying (killed: `kind` names the signal or exit code)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class ExportInterrupted(ExportFailed):
+    """The export's process ended without telling how (killed: the kernel's OOM killer, an
+    operator): the machine's doing, which the next start may not meet."""
+
+
+def failure_name(exc: BaseException) -> str:
+    """The kind of error that stopped an engine's load, an export's as it was raised in
+    the export's own process."""
+    return exc.kind if isinstance(exc, ExportFailed) else type(exc).__name__
 
 
 class CacheNotWritable(OSError):
@@ -411,7 +436,71 @@ class _Forward(torch.nn.Module):
         return tuple(result[name] for name in self.outputs)
 
 
+# Whether an export runs in a process of its own (`export`): a worker serves for long
+# after it; a layout timer ends after its trial and takes what the exporter loaded with it.
+_export_apart = True
+
+
+def export_in_this_process() -> None:
+    """Export here from now on: for a process that ends after its trial (a layout timer),
+    which a process of the export's own would only cost its imports (a few seconds)."""
+    global _export_apart
+    _export_apart = False
+
+
 def export(folder: Path, head: Head, path: Path) -> Untrained | None:
+    """`export_here` in a process of its own (rawserve.worker.export_process), so that
+    what the exporter loads is not kept by this one; its error raised again here."""
+    if not _export_apart:
+        return export_here(folder, head, path)
+    outcome = path.with_name(EXPORT_OUTCOME)
+    command = [sys.executable, "-m", "rawserve.worker.export_process"]
+    command += [str(folder), task_of(head), str(path), str(outcome)]
+    try:
+        ended = subprocess.run(command, stdin=subprocess.DEVNULL, check=False)
+        try:
+            told = json.loads(outcome.read_text())
+        except (OSError, ValueError):
+            told = None
+    finally:
+        outcome.unlink(missing_ok=True)  # (not part of the graph's folder)
+    if not isinstance(told, dict):
+        kind = ended_how(ended.returncode)
+        raise ExportInterrupted(kind, f"the export's process ended without a word ({kind})")
+    if "error" in told:
+        raise raised_again(told["error"])
+    return Untrained.from_dict(told.get("untrained"))
+
+
+def raised_again(error: dict[str, Any]) -> Exception:
+    """The error the export's process described (export_process.described), as the kind
+    this process's callers tell apart: the model's fault, memory, the disk, or the rest."""
+    kind, message = str(error.get("kind")), str(error.get("message"))
+    if "why" in error:
+        return NotExportable(str(error["why"]))
+    if kind == "MemoryError":
+        return MemoryError(message)
+    if "errno" in error:
+        return OSError(int(error["errno"]), str(error.get("strerror", message)))
+    return ExportFailed(kind, message)
+
+
+def ended_how(code: int) -> str:
+    """A process's return code in words: its signal's name, or its exit code."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def task_of(head: Head) -> str:
+    """A task whose head `head` is (two tasks may share one: the same export)."""
+    return next(task for task, known in HEADS.items() if known == head)
+
+
+def export_here(folder: Path, head: Head, path: Path) -> Untrained | None:
     """torch.onnx's dynamo exporter, dynamic batch and sequence, then the ORT fusions;
     what the model's checkpoint left untrained, which the graph keeps random."""
     try:
