@@ -31,7 +31,7 @@ from rawserve import __version__
 from rawserve.api.served import ServedModel
 from rawserve.config import Batching, ModelConfig, ServerConfig, WorkerPlan, plan_workers
 from rawserve.fronts import FINAL_WRITE_SECONDS, Front, HttpProcesses, OneProcess
-from rawserve.http.limits import PROBE_SEATS
+from rawserve.http.limits import PROBE_SEATS, REFUSALS_LINGERING
 from rawserve.http.tls import validity_warning
 from rawserve.models.hub import ModelNotFound
 from rawserve.models.names import as_text
@@ -504,9 +504,10 @@ def start(argv: Sequence[str] | None) -> int:
     now = datetime.datetime.now(datetime.UTC)
     if config.tls and (warning := validity_warning(config.tls.certfile, now)):
         log.warning("%s: every client that verifies it will refuse to connect", warning)
-    # each HTTP process holds its share of the cap, and the probes' seats past it
+    # each HTTP process holds its share of the cap, the probes' seats past it, and the
+    # refused connections waiting for their clients' close (as many as the cap at most)
     cap = config.http.max_connections
-    raise_open_files_limit(cap + PROBE_SEATS if cap else 0)
+    raise_open_files_limit(cap + PROBE_SEATS + max(cap, REFUSALS_LINGERING) if cap else 0)
     settle_layout = False
     if layout_trial.applies(workers, plans, config.model):
         # a verdict kept from an earlier start, or the trial once the server listens

@@ -82,6 +82,7 @@ from rawserve.http.limits import (
     PROBE_RESERVE,
     PROBE_SEATS,
     READ_AHEAD_LIMIT,
+    REFUSALS_LINGERING,
     Phase,
     ProtocolSettings,
     Seats,
@@ -253,9 +254,7 @@ class HttpProtocol(asyncio.Protocol):
         )
         self._enter(Phase.CLOSED)
         self._flow.release()  # its own timer too: one cut, one line, whichever saw it first
-        if self.transport is not None:
-            reset_on_close(self.transport)
-            self.transport.abort()
+        self.reset()
 
     def _on_deadline(self) -> None:
         """The current phase's deadline passed."""
@@ -431,6 +430,7 @@ class HttpProtocol(asyncio.Protocol):
         phase = self.phase
         self._enter(Phase.CLOSED)
         self.seats.leave(self)
+        self.state.refusals_lingering.leave(self)
         if self.flow is not None:
             self.flow.release()  # a streaming response waiting to write must see the close
         cycle = self.cycle
@@ -668,6 +668,9 @@ class HttpProtocol(asyncio.Protocol):
             return
         self.cycle = Cycle(None, new_request_id())
         self._send(self.cycle, error_response(refusals.too_many_connections()), close=True)
+        if self.phase is Phase.LINGER:  # bounded: each holds a descriptor while it waits
+            limit = max(self.settings.max_connections, REFUSALS_LINGERING)
+            self.state.refusals_lingering.add(self, limit)
 
     def _count_refusal(self) -> None:
         if self.state.metrics is not None:
@@ -930,6 +933,13 @@ class HttpProtocol(asyncio.Protocol):
         """Close at once (the peer left, went idle, an answer broke off, or shutdown)."""
         self._enter(Phase.CLOSED)
         self._close_transport()
+
+    def reset(self) -> None:
+        """Close at once with a reset: nothing more is read or written."""
+        self._enter(Phase.CLOSED)
+        if self.transport is not None:
+            reset_on_close(self.transport)
+            self.transport.abort()
 
     def _close_transport(self) -> None:
         """Close once what waits in the transport is written, within --write-timeout

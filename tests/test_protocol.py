@@ -59,6 +59,7 @@ from rawserve.protocol import (
     PROBE_RESERVE,
     PROBE_SEATS,
     READ_AHEAD_LIMIT,
+    REFUSALS_LINGERING,
     REQUESTS_PER_PASS,
     HttpProtocol,
     ProtocolSettings,
@@ -1289,6 +1290,35 @@ async def test_refusals_past_the_probe_seats_are_logged_after_the_probe_seats_li
     connect()
     assert state.refused == 1
     assert "refusing connections, every one busy; 1 so far" in caplog.text
+
+
+@pytest.mark.parametrize("cap", [1, REFUSALS_LINGERING + 8])
+async def test_refused_connections_waiting_for_their_clients_close_are_bounded(cap):
+    """Each refused connection waits after its 503 for its client's close, holding a
+    descriptor: clients that never close took every one the process may open (a flood of
+    1,000 a second past --max-connections 100 under ulimit -n 512: 26 of 118 probes
+    answered, the rest reset or closed unanswered). Past the bound (the cap, or
+    REFUSALS_LINGERING where the cap is smaller) the one waiting longest is reset."""
+    state = ServerState()
+    connect = connector(EchoApp(), ProtocolSettings(max_connections=cap), state)
+    for _ in range(cap):
+        connect()[0].data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")  # busy
+    for _ in range(PROBE_RESERVE):  # fresh, each holding a probe seat
+        connect()
+    bound = max(cap, REFUSALS_LINGERING)
+    refused = [connect() for _ in range(bound)]
+    for _, transport in refused:  # each answered 503, its FIN sent, waiting for the client
+        [(response, _)] = read_responses(transport.written)
+        assert response.status_code == 503 and transport.eof_written
+    assert not any(transport.closed for _, transport in refused)
+    assert len(state.refusals_lingering) == bound
+    refused[1][0].connection_lost(None)  # a client that closes leaves the count at once
+    assert len(state.refusals_lingering) == bound - 1
+    more = [connect() for _ in range(3)]  # one in the freed place, then two past it
+    assert state.refused == bound + 3 and len(state.refusals_lingering) == bound
+    (_, first), (_, gone), (_, third) = refused[:3]
+    assert first.aborted and not gone.aborted and third.aborted  # the longest waiting
+    assert not any(transport.closed for _, transport in [*refused[3:], *more])
 
 
 @pytest.mark.parametrize(

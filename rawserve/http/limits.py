@@ -48,6 +48,9 @@ PROBE_RESERVE = 32
 # connections of a flood hold it; bounded, so such heads cannot open connections without
 # end (each past the cap is one more descriptor).
 PROBE_SEATS = 2 * PROBE_RESERVE
+# Connections refused at the cap that may wait for their clients' close together, at
+# least (`LingeringRefusals`; else as many as --max-connections seats in the process)
+REFUSALS_LINGERING = PROBE_SEATS
 # Past --max-connections, a connection idle this long gives way to a new one; one idle
 # less may be a new connection whose request is on its way (a burst past the cap would
 # close each other's before reading them, where the cap's 503 tells a client to retry).
@@ -101,6 +104,34 @@ class OpenConnection(Protocol):
         ...
 
     def close(self) -> None: ...
+
+    def reset(self) -> None:
+        """Close at once with a reset, whatever waits to be read or written."""
+        ...
+
+
+class LingeringRefusals:
+    """The connections refused at the cap whose 503 is written and that wait for their
+    clients' close (LINGER_SECONDS at most), longest waiting first. Each holds a file
+    descriptor: a flood of clients that never close took every one the process may open,
+    and then nothing was accepted at all, a liveness probe included. Past the limit the
+    one waiting longest is reset: it has had the longest to read its 503."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[OpenConnection, None] = {}  # (a dict keeps its order)
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def add(self, connection: OpenConnection, limit: int) -> None:
+        self.waiting[connection] = None
+        while len(self.waiting) > limit:
+            longest = next(iter(self.waiting))
+            self.leave(longest)
+            longest.reset()
+
+    def leave(self, connection: OpenConnection) -> None:
+        self.waiting.pop(connection, None)
 
 
 class RequestObserver(Protocol):
@@ -205,6 +236,7 @@ class ServerState:
     connections: Seats = field(default_factory=Seats)
     probe_connections: Seats = field(default_factory=Seats)  # past the cap
     refused: int = 0  # connections refused past `max_connections`
+    refusals_lingering: LingeringRefusals = field(default_factory=LingeringRefusals)
     read_turns: ReadTurns = field(default_factory=lambda: ReadTurns(REQUESTS_PER_LOOP_PASS))
     # when each kind of line about the cap was last logged (each its own interval: a
     # milder one must not silence the refusals that follow it)

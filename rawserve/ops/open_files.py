@@ -4,8 +4,9 @@ connection cap needs.
 A connection takes a file descriptor before anything can be said on it: past the limit
 the event loop cannot accept it, and resets it, so the cap's 503 and the probes' reserve
 past the cap (rawserve.http.limits) would never be reached. Many machines start a shell
-with a soft limit of 1024, under the default cap of 1000 plus the probes' 32 and the
-server's own descriptors; the hard limit is usually far higher, and a process may raise
+with a soft limit of 1024, under the default cap of 1000 plus the probes' seats, the
+refused connections that wait for their clients' close, and the server's own
+descriptors; the hard limit is usually far higher, and a process may raise
 its soft limit up to it (as Go's runtime does for every program). Only as far as needed:
 raised to the hard limit, libraries that still use `select()` would fail on the
 descriptors above 1024. The HTTP processes inherit the limit.
