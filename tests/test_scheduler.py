@@ -613,7 +613,6 @@ def test_a_measured_batch_teaches_the_cost_model():
     batch = next_batch(core, now=0.0)
     assert core.finish_batch(batch, now=0.4) == pytest.approx(0.4)
     assert core.cost_model.predict(400) == pytest.approx(0.4)
-    assert core.items_per_second == pytest.approx(10.0)
 
 
 # --- fair shares and admission under abuse ---------------------------------------------
@@ -2737,14 +2736,46 @@ def test_with_half_the_workers_busy_a_generation_is_judged_by_its_time():
     assert next_batch(core, 0.0) is None
 
 
-def test_the_service_rate_reported_is_an_average_not_the_last_batch():
-    """rawserve_service_rate_items_per_second: one batch of one item in 1 s, then one in
-    0.5 s, is ~1.2 items a second (the newest weighs 0.2), not the last batch's 2."""
+def test_the_service_rate_reported_is_an_average_not_the_last_window():
+    """rawserve_service_rate_items_per_second: one item a second for a second, then four
+    in the next is ~1.6 items a second (the newest window weighs 0.2), not the last's 4."""
     core = SchedulerCore(max_batch_size=8)
-    for sent, back in ((0.0, 1.0), (1.0, 1.5)):
-        queue_items(core, [text(10)], now=sent)
+    for sent, back, items in ((0.0, 1.0, 1), (1.0, 2.0, 4), (3.0, 3.1, 1)):
+        queue_items(core, [text(10)] * items, now=sent)
         core.finish_batch(next_batch(core, sent), back)
-    assert abs(core.items_per_second - 1.2) < 1e-9
+    assert core.items_per_second == pytest.approx(1.6)  # (the last window is under way)
+
+
+def test_the_service_rate_is_the_replicas_every_worker_together():
+    """Two workers each answering 4 items in 0.4 s serve 20 a second, not the 10 of one
+    batch's items over its time (what the gauge said: a queue sized from it came out half
+    as deep as it should); time with nothing in flight does not count."""
+    core = SchedulerCore(max_batch_size=4, workers=2)
+    now = 0.0
+    for _ in range(3):
+        queue_items(core, [text(10)] * 8, now=now)
+        first, second = next_batch(core, now), next_batch(core, now)
+        core.finish_batch(first, now + 0.4)
+        core.finish_batch(second, now + 0.4)
+        now += 5.0  # idle in between
+    assert core.items_per_second is None  # 1.2 s busy: its window closes as time goes on
+    queue_items(core, [text(10)], now=now)
+    next_batch(core, now)
+    assert core.items_per_second == pytest.approx(20.0)
+
+
+def test_the_service_rate_counts_sequences_beside_each_other():
+    """A continuous worker's sequences run side by side: 4 sequences of 2 s each at once
+    are 2 a second, not the 0.5 of one sequence over its time."""
+    core = SchedulerCore(max_batch_size=1, workers=4)  # a continuous worker's 4 rows
+    queue_items(core, [text(10)] * 4, now=0.0, params={"max_new_tokens": 20})
+    sequences = [next_batch(core, 0.0) for _ in range(4)]
+    assert [len(one) for one in sequences] == [1, 1, 1, 1]
+    for one in sequences:
+        core.finish_batch(one, 2.0)
+    queue_items(core, [text(10)], now=3.0, params={"max_new_tokens": 20})
+    next_batch(core, 3.0)
+    assert core.items_per_second == pytest.approx(2.0)
 
 
 def test_after_the_heaps_are_rebuilt_the_earliest_deadline_is_still_the_earliest():

@@ -498,7 +498,8 @@ class StateCollector:
         )
         rate = GaugeMetricFamily(
             "rawserve_service_rate_items_per_second",
-            "Measured items per second of compute (smoothed); sets Retry-After",
+            "Items answered per second while the model had work in flight, all its workers "
+            "together (smoothed): its service rate under load",
             labels=["model"],
         )
         ready = GaugeMetricFamily(

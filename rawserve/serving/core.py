@@ -52,7 +52,10 @@ ADMIT_MARGIN = DEADLINE_MARGIN
 # A continuous worker's running sequences' ends are judged again when a step's time
 # beside the rows running has changed by more than this fraction since they last were.
 REPACE_CHANGE = 0.05
-RATE_SMOOTHING = 0.2  # weight of the newest batch in the service-rate average
+RATE_SMOOTHING = 0.2  # weight of the newest window in the service-rate average
+# The service rate is counted over windows of this many seconds with work in flight
+# (batches that end together would make a shorter one a spike)
+RATE_WINDOW = 1.0
 CALIBRATION_SMOOTHING = 0.3  # weight of the newest token count in the estimate's scale
 BY_DEADLINE = operator.attrgetter("deadline")
 CANDIDATE_WINDOW = 64  # items of a key's queue a batch is chosen from, at the least
@@ -299,7 +302,14 @@ class SchedulerCore:
     # a sequence's rows beside it on average are the growth of this over its time
     _row_seconds: float = 0.0
     _rows_counted_to: float | None = None
-    items_per_second: float | None = None  # measured service rate (for reports)
+    # Items answered a second while the model had work in flight, every worker's
+    # together (smoothed over RATE_WINDOW windows): the replica's service rate under load,
+    # for reports. (One batch's items over its time was one worker's rate, and a
+    # continuous worker's one sequence's, not the replica's.)
+    items_per_second: float | None = None
+    _busy_seconds: float = 0.0  # with anything in flight, counted with the rows
+    _window_items: int = 0  # answered in the window under way
+    _window_from: float = 0.0  # its start, in busy seconds
     tokens_per_estimate: float = 1.0  # real tokens per estimated token, learned from workers
     # an input's estimated tokens, as its task weighs it (an image: by its pixels)
     estimate: Callable[[Any], int] = estimate_tokens
@@ -1027,12 +1037,22 @@ class SchedulerCore:
         self.cost_model.observe(cost, seconds, tokens, flight.items)
         if self._continuous(batch) and (made is None or any(made)):  # (none: it failed)
             self._observe_pace(batch, flight, made, now)
-        rate = len(batch) / seconds
+        self._window_items += len(batch)  # toward the service rate
+        return seconds
+
+    def _close_rate_window(self) -> None:
+        """The service rate of the window under way, once RATE_WINDOW long: called as the
+        clock moves on, so that every batch that came back at one instant is in it (two
+        workers' batches back together, split, made one window twice the other)."""
+        busy = self._busy_seconds - self._window_from
+        if busy < RATE_WINDOW:
+            return
+        rate = self._window_items / busy
         if self.items_per_second is None:
             self.items_per_second = rate
         else:
             self.items_per_second += RATE_SMOOTHING * (rate - self.items_per_second)
-        return seconds
+        self._window_items, self._window_from = 0, self._busy_seconds
 
     def calibrate(self, batch: Sequence[WorkItem], token_counts: Sequence[int]) -> None:
         """Real token counts of a batch's inputs (sampled by the worker) teach the
@@ -1090,10 +1110,14 @@ class SchedulerCore:
         self.pace.observe(most, rows, min(ran, OUTLIER_FACTOR * paced) if paced else ran)
 
     def _count_rows(self, now: float) -> None:
-        """Count the batches in flight up to `now`, before their number changes."""
+        """Count the batches in flight up to `now` (and the time with any), before their
+        number changes."""
         counted_to = self._rows_counted_to
         if counted_to is not None and now > counted_to:
+            self._close_rate_window()  # (what was answered up to `counted_to`)
             self._row_seconds += len(self._in_flight) * (now - counted_to)
+            if self._in_flight:
+                self._busy_seconds += now - counted_to
         if counted_to is None or now > counted_to:
             self._rows_counted_to = now
 
