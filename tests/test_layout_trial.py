@@ -259,7 +259,7 @@ def test_a_verdict_timed_amid_other_work_is_not_kept(
 
     monkeypatch.setattr(layout_trial, "items_per_second", timed)
     limit = None if quota is None else cgroups.Limit(quota, Path("cpu.max"))
-    monkeypatch.setattr(layout_trial.cgroups, "cpu_limit", lambda root=None: limit)
+    monkeypatch.setattr(cgroups, "cpu_limit", lambda root=None: limit)
     trial = measured(config, cores=2, workers=2, stop=threading.Event())
     assert (trial is not None) is kept_one
     assert (kept(PER_CORE_2, config, cores=2) is not None) is kept_one

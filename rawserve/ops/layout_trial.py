@@ -43,9 +43,8 @@ from typing import Any, NamedTuple
 from rawserve.config import ModelConfig, WorkerPlan
 from rawserve.models.plan import ModelPlan
 from rawserve.ops.layout import container_limits
-from rawserve.shared import cgroups
 from rawserve.shared.board import SharedMemoryError
-from rawserve.shared.devices import core_count
+from rawserve.shared.devices import FULL_SHARE, attainable_share, core_count
 from rawserve.shared.messages import WorkerConfig, WorkerLoadFailed
 from rawserve.tasks import ENCODER_TASKS
 from rawserve.worker import engine_trial
@@ -60,11 +59,6 @@ MEASURED_TASKS = ENCODER_TASKS  # a batch is one forward pass: a second or two t
 # was measured the faster under load (bench/RESULTS.md), and a trial run while other work
 # shares the machine has seen swings of 1.3-2x either way
 SWITCH_MARGIN = 1.1
-# the least share of its cores each timer must have had for the verdict to be kept: below
-# it other work ran beside the trial (on a shared 2-core machine the per-core figure swung
-# from 2,944 to 20,962 items/s and the worse verdict was kept; timers had 99 % of their
-# cores on the machine alone, 50 % beside a test run)
-FULL_SHARE = 0.9
 STOP_POLL = 0.25  # seconds between looks at the stop while timers run
 FIELDS = ("cores", "workers", "batch", "per_core", "one_worker")
 TIMED_TWICE = "timed_twice"  # a kept switch to one worker that a second timing agreed to
@@ -245,14 +239,6 @@ def agreed(first: LayoutTrial, again: LayoutTrial) -> LayoutTrial:
         (first.one_worker + again.one_worker) / 2,
     )
     return replace(first, per_core=per_core, one_worker=one_worker)
-
-
-def attainable_share(cores: int) -> float:
-    """The share of `cores` a timer can have on a quiet machine: all of them, but under a
-    cgroup CPU quota below them (2.5 CPUs count as 3 cores, of which a timer has at
-    most 2.5 / 3, and a trial would never keep its verdict)."""
-    limit = cgroups.cpu_limit()
-    return 1.0 if limit is None else min(1.0, limit.value / cores)
 
 
 def trial_key(config: WorkerConfig, cores: int, workers: int, size: int) -> dict[str, Any]:

@@ -26,6 +26,22 @@ class CoreCount:
     source: str  # where the count came from, for the log and /info
 
 
+# The least share of the cores it asked for a timing's process must have had (its CPU
+# time over its wall time and threads) for a trial's verdict to be kept: below it other
+# work ran beside it (on a shared 2-core machine a layout timer's per-core figure swung
+# from 2,944 to 20,962 items/s and the worse verdict was kept; timers had 99 % of their
+# cores on the machine alone, 50 % beside a test run)
+FULL_SHARE = 0.9
+
+
+def attainable_share(cores: int) -> float:
+    """The share of `cores` a process can have on a quiet machine: all of them, but under
+    a cgroup CPU quota below them (2.5 CPUs count as 3 cores, of which a timer has at
+    most 2.5 / 3, and a trial would never keep its verdict)."""
+    limit = cgroups.cpu_limit()
+    return 1.0 if limit is None else min(1.0, limit.value / cores)
+
+
 def cpu_cores() -> int:
     """The cores this process may run on (`core_count`)."""
     return core_count().cores

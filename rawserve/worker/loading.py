@@ -211,6 +211,7 @@ def engine_by_trial(
     torch_runner = build_runner(config, task, device, None)
     runners = {Engine.TORCH: torch_runner, Engine.ONNX: onnx_runner}
     inputs, params = batch
+    share = engine_trial.CoreShare(config.threads or 1)
     try:
         trial = engine_trial.run_trial(
             {engine: partial(runner.run, inputs, params) for engine, runner in runners.items()},
@@ -223,7 +224,8 @@ def engine_by_trial(
     except Exception:  # noqa: BLE001 - a failed trial is logged; ONNX Runtime serves
         log.warning("the engine trial failed", exc_info=True)
         return Engine.ONNX, "auto: the engine trial failed", onnx_runner
-    engine_trial.store(cache_dir, key, trial, config.start, engine_trial.named(config))
+    if kept_if_quiet(share, "engine"):
+        engine_trial.store(cache_dir, key, trial, config.start, engine_trial.named(config))
     winner = runners.pop(trial.winner)
     runners.clear()
     del torch_runner, onnx_runner
@@ -253,12 +255,28 @@ def bfloat16_trial(config: WorkerConfig, task: str, device: str, runner: Runner)
     with engine_trial.one_trial_at_a_time(cache_dir, key, precision_trial.CACHE_PREFIX):
         offer = precision_trial.recalled(cache_dir, key, config.start)
         if offer is None:
+            share = engine_trial.CoreShare(config.threads or 1)
             offer = measured_bfloat16(config, task, device, runner, size, units)
             gc.collect()  # the bfloat16 copy's weights go now
-            if offer is not None:
+            if offer is not None and kept_if_quiet(share, "bfloat16"):
                 model = engine_trial.named(config)
                 precision_trial.remember(cache_dir, key, offer, config.start, model)
     return offer.describe() if offer is not None else ""
+
+
+def kept_if_quiet(share: engine_trial.CoreShare, trial: str) -> bool:
+    """Whether a trial's verdict may be kept for later starts: not where other work shared
+    the machine meanwhile (then it serves this start alone, and the next measures again)."""
+    if share.quiet():
+        return True
+    log.warning(
+        "the %s trial ran while other work shared the machine (it had %.0f%% of the "
+        "cores it ran on): its verdict serves this start and is not kept, so that a later "
+        "start measures again",
+        trial,
+        100 * share.share(),
+    )
+    return False
 
 
 def measured_bfloat16(
