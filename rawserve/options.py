@@ -895,7 +895,7 @@ def checked_origin(origin: str, parser: argparse.ArgumentParser) -> str:
     try:
         return browser_origin(origin)
     except ValueError as exc:
-        parser.error(f"--cors-allow-origin {origin[:100]!r} is not an origin: {exc} (one a flag)")
+        parser.error(f"--cors-allow-origin {origin[:100]!r} is not an origin: {exc}")
 
 
 def batch_defaults(size: int | None, tokens: int | None, gpu: bool) -> tuple[int, int | None, str]:

@@ -255,6 +255,12 @@ def test_pooling_is_read_in_sentence_transformers_words_and_tei_s(monkeypatch, g
         (["--ssl-keyfile", "/nonexistent/key.pem"], {}, "--ssl-keyfile needs --ssl-certfile"),
         (["--ssl-certfile", "/nonexistent/c.pem"], {}, "keyfile: no such file: /nonexistent/c.pem"),
         (["--cors-allow-origin", "https://a.example/"], {}, "is not an origin"),
+        # it ended "(no path) (one a flag) (set by ...)": the value's one source, said once
+        (
+            [],
+            {"RAWSERVE_CORS_ALLOW_ORIGIN": "http://a/b"},
+            "(no path) (set by RAWSERVE_CORS_ALLOW_ORIGIN='http://a/b')",
+        ),
         ([], {"RAWSERVE_PORT": "eighty"}, "RAWSERVE_PORT='eighty': not a whole number"),
         ([], {"RAWSERVE_NO_WARMUP": "maybe"}, "RAWSERVE_NO_WARMUP must be one of"),
         # each failed in every worker after the server listened, or was silently misread

@@ -147,3 +147,20 @@ def test_a_list_that_failed_says_which_input_failed():
     with pytest.raises(UnprocessableInput) as alone:
         unwrap_all([bad])
     assert alone.value.message == "No mask_token ([MASK]) found on the input"
+
+
+def test_a_list_whose_every_input_failed_alike_names_none():
+    """A handler's unknown keyword failed each input alike: "the input at index 0" blamed
+    one input for the request's parameters. Inputs that failed otherwise are still named."""
+    from rawserve.api.outcomes import unwrap_all
+    from rawserve.http.errors import UnprocessableInput
+
+    said = "invalid parameters for the handler: got an unexpected keyword argument 'sufix'"
+    keyword = ItemResult(ItemFailure(FailureKind.INPUT, said), 0.0, 1, 0.0)
+    with pytest.raises(UnprocessableInput) as failed:
+        unwrap_all([keyword, keyword, keyword])
+    assert failed.value.message == said
+    other = ItemResult(ItemFailure(FailureKind.INPUT, "another fault"), 0.0, 1, 0.0)
+    with pytest.raises(UnprocessableInput) as failed:
+        unwrap_all([keyword, other])
+    assert failed.value.message == f"the input at index 0: {said}"

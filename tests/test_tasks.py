@@ -100,6 +100,19 @@ def test_another_tasks_parameters_say_which_task_takes_them():
     assert "takes them" not in str(refused.value) and "take them" not in str(refused.value)
 
 
+def test_a_parameter_many_tasks_take_is_said_whole_within_the_message_bound():
+    """The README's `top_k` to the default model (feature-extraction): ten tasks named,
+    then the allowed list, cut at 300 characters before the hint that says what to do."""
+    from rawserve.http.errors import MAX_MESSAGE_CHARS, error_document
+
+    document = {"inputs": "a [MASK]", "parameters": {"top_k": 2}}
+    with pytest.raises(BadRequest) as refused:
+        parse_json_body("feature-extraction", document)
+    message = error_document(refused.value)["error"]
+    assert len(message) <= MAX_MESSAGE_CHARS  # (the allowed list may be cut)
+    assert "fill-mask or " in message and " other tasks take them: a model is served" in message
+
+
 @pytest.mark.parametrize(
     ("given", "labels"),
     [

@@ -84,13 +84,36 @@ def unwrap_all(results: Sequence[ItemResult], names: Sequence[str] | None = None
     """Every item's output, or the HTTP error of the first that failed; of several, its
     message says which input it was (of a list of texts, one without a mask failed the
     request 422 "No mask_token ([MASK]) found on the input", and its client could not
-    tell which): as `names` calls each, where the inputs are not the body's one list."""
+    tell which): as `names` calls each, where the inputs are not the body's one list.
+    Where every input failed alike, the request's parameters did (a handler's unknown
+    keyword was "the input at index 0"): no input is named."""
     for index, result in enumerate(results):
         failure = result.output
         if isinstance(failure, ItemFailure):
-            if names is not None:
-                failure = replace(failure, message=f"{names[index]}: {failure.message}")
-            elif len(results) > 1:
-                failure = replace(failure, message=f"the input at index {index}: {failure.message}")
+            which = None if failed_alike(results) else input_name(index, len(results), names)
+            if which is not None:
+                failure = replace(failure, message=f"{which}: {failure.message}")
             raise failure_error(failure)
     return [result.output for result in results]
+
+
+def input_name(index: int, count: int, names: Sequence[str] | None) -> str | None:
+    """What a failure's message calls the input at `index` of `count` (None: the only one)."""
+    if names is not None:
+        return names[index]
+    return f"the input at index {index}" if count > 1 else None
+
+
+def failed_alike(results: Sequence[ItemResult]) -> bool:
+    """Whether each of several results failed, each with the same kind and message."""
+    failures = [result.output for result in results]
+    first = failures[0] if failures else None
+    return (
+        len(failures) > 1
+        and isinstance(first, ItemFailure)
+        and all(
+            isinstance(other, ItemFailure)
+            and (other.kind, other.message) == (first.kind, first.message)
+            for other in failures
+        )
+    )

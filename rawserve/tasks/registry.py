@@ -146,9 +146,11 @@ def check_params(task: Task, params: Mapping[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(params) - set(task.params))
     if unknown:
         allowed = ", ".join(sorted(task.params)) or "none"
+        # the other tasks' first: the allowed list is cut where the message is too long
         raise InvalidRequest(
-            f"unknown parameter(s) for {task.name}: {', '.join(unknown)} (allowed: {allowed})"
+            f"unknown parameter(s) for {task.name}: {', '.join(unknown)}"
             + tasks_taking(unknown)
+            + f"; allowed: {allowed}"
         )
     given = {name for name, value in params.items() if value is not None}
     missing = sorted(task.required_params - given)
@@ -169,6 +171,9 @@ def check_params(task: Task, params: Mapping[str, Any]) -> dict[str, Any]:
     return checked
 
 
+TASKS_NAMED = 3  # of the other tasks that take a parameter, the most a message names
+
+
 def tasks_taking(names: Sequence[str]) -> str:
     """Where parameters unknown to a model's task are another task's, which (a model
     that can do both is served for one: an NLI model as text-classification was sent
@@ -179,7 +184,10 @@ def tasks_taking(names: Sequence[str]) -> str:
     if not others:
         return ""
     takes = "takes" if len(others) == 1 else "take"
-    return f"; {' or '.join(others)} {takes} them: a model is served for one task (MODEL:TASK)"
+    named = " or ".join(others[:TASKS_NAMED])
+    if len(others) > TASKS_NAMED:  # top_k is ten tasks'
+        named += f" or {len(others) - TASKS_NAMED} other tasks"
+    return f"; {named} {takes} them: a model is served for one task (MODEL:TASK)"
 
 
 def batch_key(params: Mapping[str, Any]) -> str:
