@@ -348,6 +348,34 @@ def test_a_model_that_takes_no_work_says_why_as_ready_does(state, healthy, messa
     assert ready["status"] == state.value
 
 
+async def test_tokenize_and_decode_answer_while_the_worker_restarts(tiny_model):
+    """They run on the tokenizer the server holds since the first load: they answered 503
+    while the worker restarted, though nothing of it was needed. Before any load the
+    server has no tokenizer: 503 as the model's other routes."""
+    from pathlib import Path
+
+    model = served("model", "feature-extraction")
+    tokenizer = (Path(tiny_model("sentence-embedding")) / "tokenizer.json").read_text()
+    workers = model.serving.workers
+    workers.loaded = replace(loaded("feature-extraction"), tokenizer=tokenizer)
+    workers.ready = False
+    workers.load_state = lambda: (LoadState.RESTARTING, None)  # type: ignore[method-assign]
+    app = App(ServedModels([model]))
+    tokenize = request("POST", "/tokenize", b'{"inputs": "hello world"}')
+    assert app.answer_now(tokenize) is None
+    answer = await app.handle(tokenize)
+    assert answer.status == 200 and [t["text"] for t in json.loads(answer.body)[0]][1:3] == [
+        "hello",
+        "world",
+    ]
+    decode = request("POST", "/decode", b'{"ids": [2, 3]}')
+    assert (await app.handle(decode)).status == 200
+    embed = request("POST", "/embed", b'{"inputs": "hi"}')
+    assert tei_refusal(app, embed)[:2] == (503, "Unhealthy")  # the model's own work waits
+    workers.loaded = None  # never loaded: no tokenizer here yet
+    assert (await app.handle(tokenize)).status == 503
+
+
 # 0.0: a restart overdue (its expected time passed): "Retry-After: 0" had balancers
 # retry at once
 @pytest.mark.parametrize(

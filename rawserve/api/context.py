@@ -50,7 +50,7 @@ class RouteContext:
         work now (503 while loading or draining)."""
         if (missing := needs.missing(model)) is not None:  # (`named`: by the body's field)
             raise NotFound(missing, param="model" if named else None)
-        self.gate.check(model)
+        self.gate.check(model, worker=needs.worker)
 
     def select(self, name: Any, needs: Needs) -> ServedModel:
         """The model a body names (`ServedModels.named`); a body that names none gets the

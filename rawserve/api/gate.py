@@ -15,11 +15,12 @@ class Gate:
     def start_draining(self) -> None:
         self.draining = True
 
-    def check(self, model: ServedModel) -> None:
-        """Raise 503 unless `model` takes work now (not draining, a worker ready)."""
+    def check(self, model: ServedModel, worker: bool = True) -> None:
+        """Raise 503 unless `model` takes work now (not draining, a worker ready, or
+        without `worker`, loaded once: what the server holds of it serves)."""
         if self.draining:  # (in the words of the queue's refusal of what it still holds)
             raise http_error(Refusal(Reason.SHUTTING_DOWN, "server shutting down"))
-        if not model.serving.ready:
+        if not model.serving.ready and (worker or model.serving.loaded is None):
             if down(model):  # an outage of a model that served: shedding, as a full queue's
                 model.serving.count_refusal()
             message = not_ready_message(model)

@@ -34,6 +34,9 @@ class Needs:
     # given one with a template over one without (named, one without is told how to give
     # it one: rawserve.api.openai.check_chat_template)
     chat: bool = False
+    # a worker ready; else the server's own copy of the tokenizer is enough (/tokenize and
+    # /decode answer while a worker restarts: the tokenizer came with the first load)
+    worker: bool = True
 
     def missing(self, model: ServedModel) -> str | None:
         """Why `model` cannot serve the route (a 404's message), or None when it can or

@@ -86,7 +86,7 @@ CROSS_ENCODER = Needs(
     "a text-classification model with one label (a cross-encoder)",
     labels=1,
 )
-TOKENIZER = Needs(tokenizer=True, what="a model with a tokenizer")
+TOKENIZER = Needs(tokenizer=True, what="a model with a tokenizer", worker=False)
 
 # An input's tokens when the model names no input length or a larger one.
 MAX_TOKENIZE_TOKENS = 131072
