@@ -2291,6 +2291,35 @@ def test_a_response_s_usage_counts_its_input_and_output_tokens_apart():
     assert (used["input_tokens"], used["output_tokens"], used["total_tokens"]) == (7, 2, 9)
 
 
+class FakeClock:
+    """Wall-clock seconds that move on by 2.5 each time they are read."""
+
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        self.now += 2.5
+        return self.now
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_completed_response_says_when_it_completed_and_an_incomplete_one_does_not(stream):
+    """OpenAI's `completed_at` (Unix seconds, as `created_at`) is set where the status is
+    "completed", null otherwise; it was null always, streamed or not."""
+    from tests.test_reasoning import responded
+
+    _, settings = parse_response({"input": "hi", "stream": stream})
+    for ended, completed_at in [(FinishedStream(["yo"]), 1_000_005), (LengthStream(["yo"]), None)]:
+        answer = ResponseAnswer("m", settings, clock=FakeClock(1_000_000.0))
+        if stream:
+            events = responded(answer, ended)  # type: ignore[arg-type]
+            assert events[0].response.completed_at is None  # (still in progress)
+            response = events[-1].response.model_dump()
+        else:
+            response = answer.whole([ended.output()], [])
+        assert (response["created_at"], response["completed_at"]) == (1_000_002, completed_at)
+
+
 @pytest.mark.parametrize(
     ("task", "path"),
     [("text-generation", "/generate"), ("text-generation", "/"), ("feature-extraction", "/embed")],

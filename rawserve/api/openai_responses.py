@@ -324,6 +324,7 @@ class ResponseAnswer:
     ):
         self.model = model
         self.settings = settings
+        self.clock = clock
         # a reasoning model's answer: where its thinking opens (`reasoning`); None: all text
         self.thinking = thinking
         self.id = "resp_" + uuid.uuid4().hex
@@ -337,6 +338,7 @@ class ResponseAnswer:
             "id": self.id,
             "object": "response",
             "created_at": self.created_at,
+            "completed_at": None,  # (set once it has completed)
             "status": status,
             "error": None,
             "incomplete_details": None,
@@ -395,11 +397,13 @@ class ResponseAnswer:
             "total_tokens": counted["total_tokens"],
         }
         if finish_reason(output["details"]) == "length":
-            status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+            status, incomplete, completed_at = "incomplete", {"reason": "max_output_tokens"}, None
         else:
-            status, incomplete = "completed", None
+            status, incomplete, completed_at = "completed", None, int(self.clock())
         items = self.items(reasoning, text, status)
-        return self.response(status, items, incomplete_details=incomplete, usage=used)
+        return self.response(
+            status, items, incomplete_details=incomplete, usage=used, completed_at=completed_at
+        )
 
     def whole(
         self, outputs: Sequence[dict[str, Any]], stops: Sequence[str], *_: Any
@@ -602,6 +606,10 @@ RESPONSE_SCHEMA: Schema = {
         "id": {"type": "string"},
         "object": {"const": "response"},
         "created_at": {"type": "integer"},
+        "completed_at": {
+            "type": ["integer", "null"],
+            "description": "when it completed (Unix seconds); null unless completed",
+        },
         "status": {"enum": ["completed", "incomplete", "in_progress", "failed"]},
         "incomplete_details": {
             "anyOf": [{"type": "null"}, {"properties": {"reason": {"const": "max_output_tokens"}}}]
