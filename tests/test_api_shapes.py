@@ -2291,6 +2291,56 @@ def test_a_response_s_usage_counts_its_input_and_output_tokens_apart():
     assert (used["input_tokens"], used["output_tokens"], used["total_tokens"]) == (7, 2, 9)
 
 
+def text_parts(*parts):
+    return [{"role": "user", "content": list(parts)}]
+
+
+@pytest.mark.parametrize(
+    ("given", "param", "words"),
+    [
+        ([{"role": "tool", "content": "x"}], "input[0].role", '"input[0].role" is "tool"'),
+        ([{"content": "x"}], "input[0].role", '"input[0].role" is missing'),
+        (
+            text_parts({"type": "text", "text": "x"}),  # (Chat Completions' habit)
+            "input[0].content[0].type",
+            '"input[0].content[0].type" is "text": it takes "input_text", "output_text"',
+        ),
+        (
+            text_parts({"type": "input_text", "text": "a"}, {"type": "input_text", "text": 5}),
+            "input[0].content[1].text",
+            '"input[0].content[1].text" must be a text (it is 5)',
+        ),
+        (
+            [{"role": "user", "content": "a"}, {"role": "user", "content": "a", "name": "bob"}],
+            "input[1].name",
+            'unknown field "input[1].name"',
+        ),
+        (
+            [{"type": "function_call_output", "call_id": "c", "output": "x"}],
+            "input[0].type",
+            '"input[0].type" is "function_call_output": it takes "message", "reasoning"',
+        ),
+        (
+            text_parts({"type": "input_image", "image_url": "x" * 400}),
+            "input[0].content[0].type",
+            "this server serves text messages only",
+        ),
+        (text_parts({"type": [1], "text": "x"}), "input[0].content[0].type", "is [1]"),
+        ([{"role": "user", "content": []}], "input[0].content", "a non-empty list of text parts"),
+        (["hi"], "input[0]", 'must be a message {"role", "content"}'),
+        ([{"type": "reasoning", "content": 5}], "input[0]", '"reasoning" input item'),
+        ([], "input", "a non-empty list of messages"),
+    ],
+)
+def test_a_malformed_response_input_item_is_400_naming_the_item_and_its_field(given, param, words):
+    """Each such input was refused with one long message and `param` "input", never
+    saying which item or field was wrong; OpenAI names it (`input[0].content[0].type`)."""
+    status, body, sent = generated("/v1/responses", {"input": given}, 64)
+    error = body["error"]
+    assert (status, error["param"], sent) == (400, param, []), error
+    assert words in error["message"] and len(error["message"]) < 300, error
+
+
 class FakeClock:
     """Wall-clock seconds that move on by 2.5 each time they are read."""
 

@@ -710,9 +710,15 @@ def test_a_response_held_to_a_json_schema_is_json_it_describes(servers):
         ({"context_management": [{"type": "compaction"}]}, "context_management"),
         ({"prompt_cache_retention": "forever"}, "prompt_cache_retention"),
         ({"prompt_cache_options": {"mode": "always"}}, "prompt_cache_options"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "4"}]}, "input"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
-        ({"input": [{"role": "tool", "content": "4"}]}, "input"),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "c", "output": "4"}]},
+            "input[0].type",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+            "input[0].content[0].type",
+        ),
+        ({"input": [{"role": "tool", "content": "4"}]}, "input[0].role"),
         ({"input": []}, "input"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"text": {"format": {"type": "yaml"}}}, "text"),

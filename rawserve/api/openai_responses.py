@@ -59,6 +59,8 @@ PART_KEYS = {
 # (an earlier answer's `id`, `status` and `phase`, null or OpenAI's "commentary" or
 # "final_answer", come back with it and are dropped)
 MESSAGE_KEYS = {"type", "role", "content", "id", "status", "phase"}
+# the input items served: messages, and an earlier answer's thinking sent back
+ITEM_TYPES = ("message", "reasoning")
 # an earlier answer's reasoning item, sent back as the SDK dumps it
 REASONING_ITEM_KEYS = {"type", "id", "summary", "content", "encrypted_content", "status"}
 THOUGHT_PARTS = ("reasoning_text", "summary_text")
@@ -67,6 +69,13 @@ INPUT_HELP = (
     'content a text or a list of {"type": "input_text", "text"} parts (this server serves '
     "text messages only: no images, files or function call outputs)"
 )
+TEXT_ONLY = "this server serves text messages only: no images, files, tool calls or their outputs"
+# what a client used to Chat Completions sends, and what it is here
+CHAT_HABITS = {
+    "tool": 'a tool\'s output is a "function_call_output" item, which this server does not serve',
+    "text": 'Chat Completions\' "text" part is "input_text" here',
+}
+SHOWN_CHARS = 40  # of a client's value quoted in a refusal (it may be long)
 
 
 def read_reasoning(name: str, value: Any, context: DocContext | None) -> Any:
@@ -89,7 +98,8 @@ def read_reasoning(name: str, value: Any, context: DocContext | None) -> Any:
 
 
 def read_input(name: str, value: Any, context: DocContext | None) -> list[dict[str, str]]:
-    """`input` as a chat's messages: a text is the user's."""
+    """`input` as a chat's messages: a text is the user's. A malformed item is refused
+    naming it and its field (`param` "input[0].content[1].type"), as OpenAI's are."""
     if value is None:
         raise BadRequest(f'"{name}" is required')
     if isinstance(value, str):
@@ -98,11 +108,12 @@ def read_input(name: str, value: Any, context: DocContext | None) -> list[dict[s
         raise BadRequest(INPUT_HELP)
     messages: list[dict[str, str]] = []
     thought: str | None = None  # a reasoning item's text, for the assistant message after it
-    for item in value:
+    for index, item in enumerate(value):
+        at = f"{name}[{index}]"
         if isinstance(item, dict) and item.get("type") == "reasoning":
-            thought = reasoning_input(item)
+            thought = reasoning_input(item, at)
             continue
-        message = input_message(item)
+        message = input_message(item, at)
         if thought is not None and message["role"] == "assistant":
             message["reasoning_content"] = thought
         thought = None
@@ -112,9 +123,9 @@ def read_input(name: str, value: Any, context: DocContext | None) -> list[dict[s
     return messages
 
 
-def reasoning_input(item: dict[str, Any]) -> str:
-    """An earlier answer's thinking, sent back as a `reasoning` item: its `reasoning_text`
-    parts, else its summary's texts."""
+def reasoning_input(item: dict[str, Any], at: str) -> str:
+    """An earlier answer's thinking, sent back as a `reasoning` item (`at` in the input):
+    its `reasoning_text` parts, else its summary's texts."""
     content = [] if item.get("content") is None else item["content"]
     summary = [] if item.get("summary") is None else item["summary"]
     parts = content or summary
@@ -131,34 +142,74 @@ def reasoning_input(item: dict[str, Any]) -> str:
         )
     ):
         raise BadRequest(
-            'a "reasoning" input item must be {"type": "reasoning", "summary": [...], '
-            '"content": [{"type": "reasoning_text", "text"}]}, as an answer gave it'
+            f'"{at}", a "reasoning" input item, must be {{"type": "reasoning", "summary": '
+            '[...], "content": [{"type": "reasoning_text", "text"}]}, as an answer gave it',
+            param=at,
         )
-    return "".join(unicode_text(part["text"], '"input"') for part in parts)
+    return "".join(unicode_text(part["text"], f'"{at}"') for part in parts)
 
 
-def input_message(item: Any) -> dict[str, str]:
-    if (
-        not isinstance(item, dict)
-        or item.get("type", "message") != "message"
-        or not set(item) <= MESSAGE_KEYS
-        or item.get("role") not in ROLES
-    ):
-        raise BadRequest(INPUT_HELP)
+def input_message(item: Any, at: str) -> dict[str, str]:
+    """One message of the input (`at`: where, as "input[2]"), its content's parts joined."""
+    if not isinstance(item, dict):
+        raise BadRequest(f'"{at}" must be a message {{"role", "content"}}', param=at)
+    if (kind := item.get("type", "message")) != "message":
+        raise invalid(f"{at}.type", kind, ITEM_TYPES, TEXT_ONLY)
+    refuse_unknown(item, MESSAGE_KEYS, at, "a message")
+    role = item.get("role")
+    if role not in ROLES:
+        raise invalid(f"{at}.role", role, ROLES, habit(role, ""))
     content = item.get("content")
     if isinstance(content, str):
-        return {"role": item["role"], "content": unicode_text(content, '"input"')}
+        return {"role": role, "content": unicode_text(content, f'"{at}.content"')}
     if not isinstance(content, list) or not content:
-        raise BadRequest(INPUT_HELP)
-    texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in PART_KEYS or not isinstance(part.get("text"), str):
-            raise BadRequest(INPUT_HELP)
-        if not {"type", "text"} <= set(part) <= PART_KEYS[kind]:
-            raise BadRequest(INPUT_HELP)
-        texts.append(unicode_text(part["text"], '"input"'))
-    return {"role": item["role"], "content": "".join(texts)}
+        where = f"{at}.content"
+        raise BadRequest(f'"{where}" must be a text or a non-empty list of text parts', param=where)
+    texts = [part_text(part, f"{at}.content[{index}]") for index, part in enumerate(content)]
+    return {"role": role, "content": "".join(texts)}
+
+
+def part_text(part: Any, at: str) -> str:
+    """The text of one part of a message's content (`at`: where, as "input[0].content[1]")."""
+    if not isinstance(part, dict):
+        raise BadRequest(f'"{at}" must be a part {{"type": "input_text", "text"}}', param=at)
+    kind = part.get("type")
+    if not isinstance(kind, str) or kind not in PART_KEYS:
+        raise invalid(f"{at}.type", kind, tuple(PART_KEYS), habit(kind, TEXT_ONLY))
+    refuse_unknown(part, PART_KEYS[kind], at, f"an {kind} part")
+    if not isinstance(text := part.get("text"), str):
+        said = "missing" if text is None else shown(text)
+        raise BadRequest(f'"{at}.text" must be a text (it is {said})', param=f"{at}.text")
+    return unicode_text(text, f'"{at}.text"')
+
+
+def invalid(at: str, value: Any, supported: Sequence[str], why: str = "") -> BadRequest:
+    """A 400 for the field `at` (as "input[0].role") holding `value`, or missing (None),
+    where it takes one of `supported`."""
+    listed = ", ".join(f'"{one}"' for one in supported)
+    said = "is missing" if value is None else f"is {shown(value)}"
+    because = f" ({why})" if why else ""
+    return BadRequest(f'"{at}" {said}: it takes {listed}{because}', param=at)
+
+
+def refuse_unknown(item: dict[str, Any], allowed: set[str], at: str, what: str) -> None:
+    """A 400 naming the first field of `item` (`at`) that is none of `allowed`."""
+    unknown = sorted(str(key)[:SHOWN_CHARS] for key in set(item) - allowed)
+    if unknown:
+        where = f"{at}.{unknown[0]}"
+        listed = ", ".join(f'"{one}"' for one in sorted(allowed))
+        raise BadRequest(f'unknown field "{where}": {what} takes {listed}', param=where)
+
+
+def habit(value: Any, otherwise: str) -> str:
+    """What `value` is here, where it is a Chat Completions habit; else `otherwise`."""
+    return CHAT_HABITS.get(value, otherwise) if isinstance(value, str) else otherwise
+
+
+def shown(value: Any) -> str:
+    """A client's value as JSON, cut short, to quote in a refusal."""
+    text = dumps(value).decode()
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
 
 
 def read_text(name: str, value: Any, context: DocContext | None) -> dict[str, Any] | None:
