@@ -252,6 +252,29 @@ def test_an_answer_sent_back_as_openais_sdk_dumps_it_is_its_text():
         messages([{"role": "user", "content": "hi", "refusal": "no"}])
 
 
+def test_a_response_s_refusal_sent_back_as_the_sdk_dumps_it_is_the_text_it_answered():
+    """An earlier Response's message whose content is a refusal part was 400, though its
+    text parts were taken; chat takes an assistant's refusal as the text it answered."""
+    from openai.types.responses import ResponseOutputMessage, ResponseOutputRefusal
+
+    refusal = ResponseOutputRefusal(type="refusal", refusal="I cannot help with that")
+    answer = ResponseOutputMessage(
+        id="msg_1", type="message", role="assistant", status="completed", content=[refusal]
+    )
+    given = [
+        {"role": "user", "content": "do it"},
+        answer.model_dump(mode="json"),
+        {"role": "user", "content": "why?"},
+    ]
+    generation, _ = parse_response({"input": given})
+    [chat] = generation.items
+    assert chat["messages"][1] == {"role": "assistant", "content": "I cannot help with that"}
+    # a user's message holds no refusal
+    with pytest.raises(BadRequest, match="only an assistant's message holds a refusal") as held:
+        parse_response({"input": [{"role": "user", "content": [refusal.model_dump()]}]})
+    assert held.value.param == "input[0].content[0].type"
+
+
 def test_an_answer_of_the_sdks_parse_sent_back_is_its_text_and_calls():
     # `chat.completions.parse(...)`'s message appended as it is: the SDK sends its `parsed`
     # (the structured answer, or null) and each call's `parsed_arguments`

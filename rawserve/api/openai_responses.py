@@ -3,7 +3,8 @@ into a chat (`openai_generation`'s, so a response is generated as a chat is: the
 template, sampling, grammar, deadline and queue), and its answers, a Response object whole
 or as the SDK's stream of named events.
 
-Served: `input` (a text, or messages whose content is a text or text parts), `instructions`
+Served: `input` (a text, or messages whose content is a text or text parts, an
+assistant's refusal part the text it answered), `instructions`
 (a system message first), `max_output_tokens`, `temperature`, `top_p`, `stream` and
 `text.format` (chat's `response_format`). Nothing is stored (`store` is taken, as false);
 `metadata` and `user` are checked, then dropped. What needs stored responses or tools
@@ -55,6 +56,8 @@ ROLES = ("user", "assistant", "system", "developer")
 PART_KEYS = {
     "input_text": {"type", "text", CACHE_BREAKPOINT},
     "output_text": {"type", "text", "annotations", "logprobs", CACHE_BREAKPOINT},
+    # an assistant's refusal is the text it answered, as chat takes it
+    "refusal": {"type", "refusal"},
 }
 # (an earlier answer's `id`, `status` and `phase`, null or OpenAI's "commentary" or
 # "final_answer", come back with it and are dropped)
@@ -165,22 +168,25 @@ def input_message(item: Any, at: str) -> dict[str, str]:
     if not isinstance(content, list) or not content:
         where = f"{at}.content"
         raise BadRequest(f'"{where}" must be a text or a non-empty list of text parts', param=where)
-    texts = [part_text(part, f"{at}.content[{index}]") for index, part in enumerate(content)]
+    texts = [part_text(part, role, f"{at}.content[{index}]") for index, part in enumerate(content)]
     return {"role": role, "content": "".join(texts)}
 
 
-def part_text(part: Any, at: str) -> str:
-    """The text of one part of a message's content (`at`: where, as "input[0].content[1]")."""
+def part_text(part: Any, role: str, at: str) -> str:
+    """The text of one part of a `role`'s message (`at`: where, as "input[0].content[1]")."""
     if not isinstance(part, dict):
         raise BadRequest(f'"{at}" must be a part {{"type": "input_text", "text"}}', param=at)
     kind = part.get("type")
-    if not isinstance(kind, str) or kind not in PART_KEYS:
-        raise invalid(f"{at}.type", kind, tuple(PART_KEYS), habit(kind, TEXT_ONLY))
-    refuse_unknown(part, PART_KEYS[kind], at, f"an {kind} part")
-    if not isinstance(text := part.get("text"), str):
+    taken = [one for one in PART_KEYS if one != "refusal" or role == "assistant"]
+    if kind not in taken:
+        why = "only an assistant's message holds a refusal" if kind == "refusal" else TEXT_ONLY
+        raise invalid(f"{at}.type", kind, taken, habit(kind, why))
+    refuse_unknown(part, PART_KEYS[kind], at, f'a "{kind}" part')
+    key = "refusal" if kind == "refusal" else "text"
+    if not isinstance(text := part.get(key), str):
         said = "missing" if text is None else shown(text)
-        raise BadRequest(f'"{at}.text" must be a text (it is {said})', param=f"{at}.text")
-    return unicode_text(text, f'"{at}.text"')
+        raise BadRequest(f'"{at}.{key}" must be a text (it is {said})', param=f"{at}.{key}")
+    return unicode_text(text, f'"{at}.{key}"')
 
 
 def invalid(at: str, value: Any, supported: Sequence[str], why: str = "") -> BadRequest:
