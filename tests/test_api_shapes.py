@@ -2364,6 +2364,34 @@ def test_a_malformed_response_input_item_is_400_naming_the_item_and_its_field(gi
     assert words in error["message"] and len(error["message"]) < 300, error
 
 
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}}
+
+
+@pytest.mark.parametrize(
+    ("form", "param", "words"),
+    [
+        ({"name": "x", "schema": PERSON_SCHEMA, "foo": 1}, "text.format.foo", "unknown field"),
+        ({"name": "a person", "schema": PERSON_SCHEMA}, "text.format.name", '"a person"'),
+        ({"name": "x" * 65, "schema": PERSON_SCHEMA}, "text.format.name", "1 to 64 letters"),
+        ({"name": "x\n", "schema": PERSON_SCHEMA}, "text.format.name", "1 to 64 letters"),
+        ({"schema": PERSON_SCHEMA}, "text.format.name", "must be a text"),
+    ],
+)
+def test_a_response_s_json_schema_format_with_an_unknown_field_or_name_is_400_naming_it(
+    form, param, words
+):
+    """An unknown field beside a json_schema `text.format` was dropped without a word (as
+    no other unknown field is), and a name outside OpenAI's `^[a-zA-Z0-9_-]{1,64}$` taken."""
+    document = {"input": "hi", "text": {"format": {"type": "json_schema", **form}}}
+    status, body, sent = generated("/v1/responses", document, 64)
+    error = body["error"]
+    assert (status, error["param"], sent) == (400, param, []), error
+    assert words in error["message"], error
+    named = {"type": "json_schema", "name": "person-1_A", "schema": PERSON_SCHEMA, "strict": True}
+    status, body, sent = generated("/v1/responses", {"input": "hi", "text": {"format": named}}, 64)
+    assert status == 200 and body["text"]["format"] == named, body
+
+
 class FakeClock:
     """Wall-clock seconds that move on by 2.5 each time they are read."""
 

@@ -22,6 +22,7 @@ process; plain Python.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
@@ -37,6 +38,7 @@ from rawserve.api.openai_generation import (
     OPENAI_RESPONSE_FORMAT,
     PROMPT_CACHE,
     GenerationRequest,
+    check_schema_description,
     parse_chat,
     read_metadata,
     read_response_format,
@@ -72,6 +74,15 @@ INPUT_HELP = (
     'content a text or a list of {"type": "input_text", "text"} parts (this server serves '
     "text messages only: no images, files or function call outputs)"
 )
+# the fields of each `text.format` (a json_schema's schema beside its name, not inside
+# chat's "json_schema"; a json_object's schema as chat takes it)
+FORMAT_KEYS = {
+    "text": {"type"},
+    "json_object": {"type", "schema"},
+    "json_schema": {"type", "name", "schema", "strict", "description"},
+}
+SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a json_schema's name
+SCHEMA_NAME_SCHEMA = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
 TEXT_ONLY = "this server serves text messages only: no images, files, tool calls or their outputs"
 # what a client used to Chat Completions sends, and what it is here
 CHAT_HABITS = {
@@ -229,12 +240,11 @@ def read_text(name: str, value: Any, context: DocContext | None) -> dict[str, An
     form = value.get("format")
     if form is None:
         return None
-    if isinstance(form, dict) and form.get("type") == "json_schema":
-        # (chat's form holds the schema one level down)
-        inner = {
-            key: form[key] for key in ("name", "schema", "strict", "description") if key in form
-        }
-        form = {"type": "json_schema", "json_schema": inner}
+    kind = form.get("type") if isinstance(form, dict) else None
+    if isinstance(kind, str) and kind in FORMAT_KEYS:
+        refuse_unknown(form, FORMAT_KEYS[kind], f"{name}.format", f'a "{kind}" format')
+    if kind == "json_schema":
+        form = chat_json_schema(form, f"{name}.format")
     try:
         return read_response_format(name, form, context)
     except BadRequest:
@@ -242,6 +252,19 @@ def read_text(name: str, value: Any, context: DocContext | None) -> dict[str, An
             f'"{name}.format" must be {{"type": "text"}}, {{"type": "json_object"}} or '
             '{"type": "json_schema", "name": ..., "schema": {...}}'
         ) from None
+
+
+def chat_json_schema(form: dict[str, Any], at: str) -> dict[str, Any]:
+    """A json_schema `text.format` (`at`) in chat's form, its schema one level down; 400
+    naming its field where its name is not OpenAI's (1 to 64 letters, digits, _ or -)."""
+    check_schema_description(at, form)
+    if not SCHEMA_NAME.fullmatch(form["name"]):
+        raise BadRequest(
+            f'"{at}.name" is {shown(form["name"])}: it must be 1 to 64 letters, digits, "_" or "-"',
+            param=f"{at}.name",
+        )
+    inner = {key: form[key] for key in ("name", "schema", "strict", "description") if key in form}
+    return {"type": "json_schema", "json_schema": inner}
 
 
 TEXT_FORMAT = OPENAI_RESPONSE_FORMAT["properties"]["type"]
@@ -261,7 +284,12 @@ RESPONSES = Body(
         "text": Field(
             {
                 "type": ["object", "null"],
-                "properties": {"format": {"type": "object", "properties": {"type": TEXT_FORMAT}}},
+                "properties": {
+                    "format": {
+                        "type": "object",
+                        "properties": {"type": TEXT_FORMAT, "name": SCHEMA_NAME_SCHEMA},
+                    }
+                },
             },
             read_text,
         ),
