@@ -2364,6 +2364,26 @@ def test_a_malformed_response_input_item_is_400_naming_the_item_and_its_field(gi
     assert words in error["message"] and len(error["message"]) < 300, error
 
 
+@pytest.mark.parametrize(
+    ("path", "document", "param"),
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": HI, "response_format": {"type": [1]}},
+            "response_format",
+        ),
+        ("/v1/responses", {"input": "hi", "text": {"format": {"type": {"a": 1}}}}, "text"),
+    ],
+    ids=route_id,
+)
+def test_a_format_whose_type_is_no_text_is_400_not_a_server_error(path, document, param):
+    """Looked up as a key among the formats, a list or object `type` raised TypeError: a
+    500 for the client's own mistake."""
+    status, body, sent = generated(path, document, 64)
+    error = body["error"]
+    assert (status, error["param"], sent) == (400, param, []), error
+
+
 PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}}
 
 

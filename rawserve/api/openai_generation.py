@@ -292,7 +292,7 @@ def read_response_format(
         except ValueError as exc:
             raise BadRequest(f'"{name}" {exc}') from None
     kind = value.get("type") if isinstance(value, dict) else None
-    if isinstance(value, dict) and kind in RESPONSE_FORMAT_KEYS:
+    if isinstance(kind, str) and kind in RESPONSE_FORMAT_KEYS:  # (a list would be no key)
         # (as OpenAI refuses one: a misspelt "json_schema" was dropped without a word)
         unknown = sorted(set(value) - RESPONSE_FORMAT_KEYS[kind], key=str)
         if unknown:
