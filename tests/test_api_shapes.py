@@ -1586,11 +1586,12 @@ class Generating(Idle):
         return [ItemResult(output, 0.0, 1, 0.0) for _ in inputs]
 
 
-def generated(path, document, positions, settings=None):
+def generated(path, document, positions, settings=None, details=None):
     """(status, body, the parameters the model was sent) of `document` posted to `path` of
-    a text-generation model of `positions` positions (None: unknown, as a handler's)."""
+    a text-generation model of `positions` positions (None: unknown, as a handler's),
+    whose worker reported `details` beside those."""
     model = Generating()
-    details = {"chat_template": True, "max_input_length": positions or 0}
+    details = {"chat_template": True, "max_input_length": positions or 0, **(details or {})}
     limits = ModelLimits(max_new_tokens=positions - 1 if positions else None)
     served = ServedModel("m", ModelService(model, Loaded("text-generation", details, None, limits)))
     app = App(ServedModels([served]), settings or AppSettings())
@@ -2410,6 +2411,33 @@ def test_a_response_s_json_schema_format_with_an_unknown_field_or_name_is_400_na
     named = {"type": "json_schema", "name": "person-1_A", "schema": PERSON_SCHEMA, "strict": True}
     status, body, sent = generated("/v1/responses", {"input": "hi", "text": {"format": named}}, 64)
     assert status == 200 and body["text"]["format"] == named, body
+
+
+SAMPLES = {"do_sample": True, "temperature": 1.0, "top_p": 1.0}  # (a worker's report)
+GREEDY = {"do_sample": False, "temperature": 0.6, "top_p": 0.9}
+
+
+@pytest.mark.parametrize(
+    ("sampling", "asked", "said"),
+    [
+        (SAMPLES, {}, (1.0, 1.0)),  # (OpenAI's defaults too)
+        (GREEDY, {}, (0.0, 0.9)),  # a model whose generation config decodes greedily
+        (GREEDY, {"top_p": 0.5}, (0.6, 0.5)),  # (a top_p below 1 samples)
+        (GREEDY, {"temperature": 0.3}, (0.3, 0.9)),
+        (SAMPLES, {"temperature": 0, "top_p": 0.2}, (0.0, 0.2)),
+        (None, {}, (None, None)),  # no report (a handler's model): as asked
+    ],
+)
+def test_a_response_says_back_the_temperature_and_top_p_it_was_sampled_with(sampling, asked, said):
+    """A request that left them out was said back `temperature: null, top_p: null`;
+    OpenAI says back the values used, and so does rawserve now: its model's, as its worker
+    reports them (0: greedy)."""
+    details = {} if sampling is None else {"sampling": sampling}
+    document = {"input": "hi", **asked}
+    status, body, _ = generated("/v1/responses", document, 64, details=details)
+    assert status == 200, body
+    assert (body["temperature"], body["top_p"]) == said
+    assert body["max_output_tokens"] is None  # (as OpenAI's, where it was not asked)
 
 
 class FakeClock:

@@ -1892,6 +1892,41 @@ def test_the_models_own_temperature_0_is_greedy_on_both_paths(
     assert got == static(runner, "the movie was", {**asked, **as_if})
 
 
+@pytest.mark.parametrize(
+    ("configured", "reported"),
+    [
+        ({}, {"do_sample": True, "temperature": 1.0, "top_p": 1.0}),  # the pipeline's sampling
+        ({"do_sample": False}, {"do_sample": False, "temperature": 1.0, "top_p": 1.0}),
+        (
+            {"do_sample": True, "temperature": 0.6, "top_p": 0.9},
+            {"do_sample": True, "temperature": 0.6, "top_p": 0.9},
+        ),
+        (
+            {"do_sample": True, "temperature": 0.0},
+            {"do_sample": False, "temperature": 1.0, "top_p": 1.0},
+        ),
+    ],
+    ids=["none", "greedy", "its-own", "temperature-0"],
+)
+def test_the_worker_reports_how_an_openai_request_that_sets_nothing_is_sampled(
+    tiny_model, tmp_path, configured, reported
+):
+    """So that a Response says back the temperature and top_p it was sampled with, where
+    its request left them out (they were said back as null)."""
+    import json
+    import shutil
+
+    import torch
+
+    from rawserve.worker.causal_lm import CausalLMRunner
+
+    folder = shutil.copytree(tiny_model("text-generation"), tmp_path / "model")
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, **configured}))
+    runner = CausalLMRunner(str(folder), "cpu", torch.float32)
+    assert runner.details["sampling"] == reported
+
+
 def test_an_unseeded_sample_names_the_seed_that_repeats_it_as_tgi_does(runner):
     params = {"max_new_tokens": 12, "do_sample": True, "details": True}
     first = results(serve(runner, {0: [Batch(1, ("the movie was",), params)]}))[1].outputs[0]

@@ -55,6 +55,7 @@ from rawserve.api.openai_responses import (
     RESPONSES,
     ResponseAnswer,
     parse_response,
+    sampled_with,
 )
 from rawserve.api.outcomes import unwrap, unwrap_all
 from rawserve.api.prompts import (
@@ -375,6 +376,8 @@ class OpenAIRoutes:
         """A Response: its input is a chat, answered in the Responses API's shape."""
         generation, settings = parse_response(document)
         check_chat_template(model)
+        loaded = model.serving.loaded
+        settings = sampled_with(settings, loaded.details.get("sampling") if loaded else None)
         # a reasoning model's thinking, a reasoning item (but where the operator keeps it
         # in the answer's text: then a format holds the answer from its first token)
         thinking = None

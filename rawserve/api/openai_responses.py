@@ -352,7 +352,8 @@ BOOKKEEPING = (
     *PROMPT_CACHE,
     "parallel_tool_calls",
 )
-# a Response's settings, said back as it was asked (OpenAI's answer repeats them)
+# a Response's settings, said back as it was asked (OpenAI's answer repeats them; the
+# temperature and top_p as sampled: `sampled_with`)
 SETTINGS = ("instructions", "max_output_tokens", "temperature", "top_p", "parallel_tool_calls")
 
 
@@ -388,6 +389,22 @@ def parse_response(document: Any) -> tuple[GenerationRequest, dict[str, Any]]:
     # as asked (OpenAI's default "auto"): with no tools, either says the same
     settings["tool_choice"] = fields.get("tool_choice") or "auto"
     return generation, settings
+
+
+def sampled_with(settings: dict[str, Any], sampling: Any) -> dict[str, Any]:
+    """`settings` with the temperature and top_p the answer is sampled with where the
+    request left them out, as OpenAI says them back: `sampling` is the model's (its
+    worker's report: whether it samples, at what temperature and top_p); 0 is greedy.
+    Without a report (a handler's model) they are said back as asked."""
+    if not isinstance(sampling, dict):
+        return settings
+    temperature, top_p = settings["temperature"], settings["top_p"]
+    if temperature is None:  # (a top_p below 1 samples, as the worker reads it)
+        samples = sampling["do_sample"] or (top_p is not None and top_p < 1)
+        temperature = sampling["temperature"] if samples else 0.0
+    if top_p is None:
+        top_p = sampling["top_p"]
+    return {**settings, "temperature": temperature, "top_p": top_p}
 
 
 def event(kind: str, number: int, **fields: Any) -> bytes:

@@ -417,6 +417,20 @@ class CausalLMRunner(Runner):
             "chat_counted_roles": self.counted_roles,
             "chat_parts_written": self.parts_written,
             "vocabulary": self.vocabulary,  # the token ids a prompt or logit_bias may name
+            # (so a Response says what it was sampled with where its request set nothing)
+            "sampling": self.openai_sampling,
+        }
+
+    @property
+    def openai_sampling(self) -> dict[str, Any]:
+        """How the OpenAI routes sample a request that sets none of temperature and top_p:
+        whether (the generation config's do_sample, else the pipeline's), and, sampling,
+        at the config's temperature and top_p, else 1 (not the pipeline's 0.7)."""
+        config = self.model.generation_config
+        return {
+            "do_sample": bool(self.defaults["do_sample"]),
+            "temperature": float(config.temperature or 1.0),
+            "top_p": float(config.top_p or 1.0),
         }
 
     @property
