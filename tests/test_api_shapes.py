@@ -57,6 +57,7 @@ from rawserve.http.errors import (
     error_response,
 )
 from rawserve.http.exchange import HttpRequest
+from rawserve.serving.core import SchedulerCore
 from rawserve.serving.face import ItemResult
 from rawserve.serving.service import ModelService
 from rawserve.serving.status import LoadState
@@ -405,6 +406,7 @@ class Loaded:
 class Idle:
     full = False
     max_batch_size = 32
+    most_admitted = None  # no bound of its own
 
     def refuses(self, deadline=None):
         return False
@@ -1853,6 +1855,32 @@ def test_choices_are_refused_past_each_cap_and_taken_at_it():
         with pytest.raises(PayloadTooLarge, match="max-queue") as refused:
             check_choices(replace(three, n=n), 8, 2)
         assert refused.value.param == "prompt"
+
+
+class ContinuousRows(Generating):
+    """A generation model on a continuous worker's 4 rows, `--max-queue 4`: admission
+    takes 8 items of one request (the queue and the rows), as a scheduler counts them."""
+
+    most_admitted = SchedulerCore(max_queue=4, max_batch_size=1, workers=4).most_admitted
+
+
+@pytest.mark.parametrize(
+    ("document", "choices"),
+    [({"prompt": "hi", "n": 5}, 5), ({"prompt": ["a", "b", "c"], "n": 2}, 6)],
+)
+def test_choices_past_the_queue_are_taken_where_admission_takes_them(document, choices):
+    """`POST /` took a list of 6 from a continuous worker's idle server at `--max-queue 4`
+    while `/v1/completions` refused 5 choices 413 as past the queue: its bound is now
+    admission's (the queue and the one-item workers' rows), and its 413 says so."""
+    model = ContinuousRows()
+    loaded = Loaded("text-generation", {"max_input_length": 64}, None)
+    served = ServedModel("m", ModelService(model, loaded), {"batching": {"max_queue": 4}})
+    app = App(ServedModels([served]))
+    status, body = post(app, "/v1/completions", {**document, "max_tokens": 1})
+    assert status == 200 and len(body["choices"]) == choices, body
+    status, body = post(app, "/v1/completions", {**document, "n": 9, "max_tokens": 1})
+    message = body["error"]["message"]
+    assert status == 413 and "at most 8" in message and "rows" in message, body
 
 
 def test_fields_that_go_only_together_are_refused_apart():

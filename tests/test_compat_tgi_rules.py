@@ -175,6 +175,7 @@ class GeneratingQueue:
     def __init__(self) -> None:
         self.full = False
         self.max_batch_size = 8
+        self.most_admitted: int | None = None  # no bound of its own
         self.params: list[Mapping[str, Any]] = []
 
     def refuses(self, deadline: float | None = None) -> bool:

@@ -319,21 +319,22 @@ def test_the_batch_timeout_kills_a_hung_worker_not_a_long_generation(watched_ser
 
 
 def test_more_choices_than_the_queue_holds_are_413_not_a_503_to_retry(small_queue_server):
-    """A prompt with `n` 3 is three sequences, queued as three items: with `--max-queue 2`
-    it can never be admitted, streamed or not, on an idle server too."""
+    """A prompt with `n` 4 is four sequences, queued as four items: with `--max-queue 2`
+    and one row it can never be admitted, streamed or not, on an idle server too; `n` 3
+    is taken, as a list of three inputs is (the queue, and the row)."""
     for stream in (False, True):
-        document = {"prompt": ["hello"], "n": 3, "max_tokens": 2, "stream": stream}
+        document = {"prompt": ["hello"], "n": 4, "max_tokens": 2, "stream": stream}
         status, headers, body = small_queue_server.request(
             "POST", "/v1/completions", json.dumps(document), {"Content-Type": "application/json"}
         )
         message = json.loads(body)["error"]["message"]
         assert status == 413 and "retry-after" not in headers, (status, body)
-        assert "3 choices" in message and "--max-queue" in message, message
-    document = {"prompt": ["hello"], "n": 2, "max_tokens": 2}  # as many as it holds
+        assert "4 choices" in message and "at most 3" in message, message
+    document = {"prompt": ["hello"], "n": 3, "max_tokens": 2}  # as many as it takes
     status, _, body = small_queue_server.request(
         "POST", "/v1/completions", json.dumps(document), {"Content-Type": "application/json"}
     )
-    assert status == 200 and len(json.loads(body)["choices"]) == 2, body
+    assert status == 200 and len(json.loads(body)["choices"]) == 3, body
 
 
 def test_a_streamed_choice_refused_at_admission_refuses_the_request_at_once(small_queue_server):

@@ -337,6 +337,20 @@ def test_ready_turns_503_stalled_soon_after_the_serving_process_stops_writing():
         board.remove()
 
 
+def test_the_most_a_request_may_be_admitted_with_crosses_to_the_http_processes():
+    """The OpenAI routes refuse choices past admission's bound before queueing them: an
+    HTTP process reads the serving process's bound from its status (none before one)."""
+    board = Board.create(1)
+    try:
+        link = Link(board, lambda: [], lambda grace: None, lambda: None)
+        serving = RemoteServing(link, 0)
+        assert serving.most_admitted is None
+        link.statuses[0] = (replace(remote.NOT_LOADED, most_admitted=8), SimpleNamespace())
+        assert serving.most_admitted == 8
+    finally:
+        board.remove()
+
+
 # the serving process's side: the same state published again and again, for a while
 PUBLISHER = """
 import sys, time

@@ -42,6 +42,7 @@ class AnsweringQueue:
         self.task = task
         self.full = False
         self.max_batch_size = 8
+        self.most_admitted: int | None = None  # no bound of its own
         self.calls: list[list[Any]] = []
 
     def refuses(self, deadline: float | None = None) -> bool:

@@ -48,6 +48,8 @@ class FakeScheduler:
     """Sends the given token texts to the stream (a `(text, True)` pair: a special
     token), then answers `output`."""
 
+    most_admitted = None  # no bound of its own
+
     def __init__(self, executor, texts, output, *, fail_first=None):
         self.executor, self.texts, self.output, self.fail_first = (
             executor,

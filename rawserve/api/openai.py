@@ -424,8 +424,8 @@ class OpenAIRoutes:
         check_max_tokens(generation, model.limits.max_new_tokens)
         loaded = model.serving.loaded
         check_token_ids(generation, loaded.details.get("vocabulary") if loaded else None)
-        queue = model.facts.get("batching", {}).get("max_queue")
-        check_choices(generation, self.context.settings.max_client_batch_size, queue)
+        most = self.context.settings.max_client_batch_size
+        check_choices(generation, most, model.serving.most_admitted)
         scored = generation.params.get("max_new_tokens") == 0  # echo: nothing after the prompt
         await check_lengths(self.context.tokenizers, model, generation.items, chat, scored)
         largest = self.context.settings.max_answer_bytes

@@ -222,15 +222,20 @@ def generation_params(
     )
 
 
-def check_choices(generation: GenerationRequest, most: int, queue: int | None = None) -> None:
+def check_choices(generation: GenerationRequest, most: int, admitted: int | None = None) -> None:
     """413 for more choices (prompts × n) than one request may ask: each is a generation,
-    queued as an item of its own, so more than the model's queue holds (`queue`) can never
-    be admitted either (a 503 would invite retries that all fail)."""
+    queued as an item of its own, so more than admission ever takes of one request
+    (`admitted`: the queue, and the rows of workers that take one item at a time) can
+    never be admitted either (a 503 would invite retries that all fail)."""
     choices = len(generation.items) * generation.n
     why = f"{choices} choices in one request ({len(generation.items)} prompts, n {generation.n})"
     caps = (
         (most, f"at most {most} are allowed (--max-client-batch-size)"),
-        (queue, f"this server queues at most {queue} (--max-queue)"),
+        (
+            admitted,
+            f"this server takes at most {admitted} of one request (--max-queue, and the rows "
+            "of workers that take one item at a time)",
+        ),
     )
     for cap, says in caps:
         if cap is not None and choices > cap:

@@ -271,6 +271,11 @@ class RemoteServing:
         return self.board.flag(self.index, FULL)
 
     @property
+    def most_admitted(self) -> int | None:
+        status = self.link.statuses.get(self.index)
+        return status[0].most_admitted if status else None
+
+    @property
     def back_in(self) -> float | None:
         # a model not ready has its restart's wait where a full queue has its own
         return None if self.ready else self.board.retry_after(self.index)

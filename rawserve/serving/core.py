@@ -351,6 +351,13 @@ class SchedulerCore:
         return self.max_queue + self.free_rows
 
     @property
+    def most_admitted(self) -> int:
+        """The most items one request may ever be admitted with: the queue, and the rows
+        of workers that take one item at a time (all of them: `bound` counts them only
+        while free). A request past it can never be taken; one within it may wait."""
+        return self.max_queue + (self.workers if self.max_size == 1 else 0)
+
+    @property
     def limits(self) -> BatchLimits:
         return BatchLimits(self.max_size, self.max_batch_tokens, self.group_lengths)
 
@@ -401,8 +408,7 @@ class SchedulerCore:
         OwnTimeUnreachable where a continuous worker's pace refuses sequences for their
         own length, not for the work ahead.
         """
-        # (a request no bound could take: one-item workers' rows are all it may add)
-        most = self.max_queue + (self.workers if self.max_size == 1 else 0)
+        most = self.most_admitted  # (a request no bound could take)
         if len(items) > most:
             raise NeverAdmissible(len(items), most)
         if self._size + len(items) > self.bound:

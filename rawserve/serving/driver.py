@@ -248,6 +248,11 @@ class Scheduler:
         said 32 beside --max-queue 5)."""
         return min(self.core.max_batch_size, self.core.bound)
 
+    @property
+    def most_admitted(self) -> int:
+        """The most items one request may ever be admitted with (`SchedulerCore`'s)."""
+        return self.core.most_admitted
+
     def refuses(self, deadline: float | None = None) -> bool:
         """Whether any request would be refused now: the queue full, or (given the
         request's deadline) a generation's wait for a row past it, whatever it asks

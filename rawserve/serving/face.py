@@ -87,6 +87,9 @@ class ServingStatus:
     load_state: LoadState  # while not ready: loading, warming, restarting, unhealthy, stalled
     loading_seconds: float | None  # how long the longest load has run; None: none loading
     workers: tuple[WorkerStatus, ...]
+    # the most items one request may ever be admitted with: --max-queue, and the rows of
+    # workers that take one item at a time (None: not known here)
+    most_admitted: int | None = None
 
 
 class Serving(Protocol):
@@ -129,6 +132,13 @@ class Serving(Protocol):
 
     @property
     def full(self) -> bool: ...
+
+    @property
+    def most_admitted(self) -> int | None:
+        """The most items one request may ever be admitted with (more are refused for
+        good, never worth a retry): --max-queue, and the rows of workers that take one
+        item at a time. None where that is not known yet."""
+        ...
 
     @property
     def back_in(self) -> float | None:

@@ -25,6 +25,9 @@ class Queue(Protocol):
     @property
     def max_batch_size(self) -> int: ...
 
+    @property
+    def most_admitted(self) -> int: ...
+
     def refuses(self, deadline: float | None = None) -> bool: ...
 
     def admission(self, deadline: float | None = None) -> Refusal | None: ...
@@ -122,6 +125,10 @@ class ModelService:
         return self.queue.headroom
 
     @property
+    def most_admitted(self) -> int:
+        return self.queue.most_admitted
+
+    @property
     def back_in(self) -> float | None:
         return self.workers.back_in()
 
@@ -139,6 +146,7 @@ class ModelService:
             load_state=state,
             loading_seconds=seconds,
             workers=tuple(self.workers.status()),
+            most_admitted=self.queue.most_admitted,
         )
 
     def open_stream(self, on_token: Callable[[TokenChunk], None]) -> int:
