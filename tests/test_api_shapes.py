@@ -2244,6 +2244,45 @@ def test_a_prompt_past_the_context_length_is_422_naming_its_field(path, document
     assert (answer.status, error["param"]) == (422, param), error
 
 
+class NoRoomForMinTokens(Idle):
+    """A text-generation model whose worker refuses min_tokens past the prompt's room."""
+
+    async def run(self, inputs, params, deadline, control=None):
+        from rawserve.tasks.text_generation import MIN_TOKENS_PAST_ROOM
+
+        raise UnprocessableInput(
+            f"{MIN_TOKENS_PAST_ROOM}it is 240, and the prompt is 39 tokens of the model's "
+            "context length of 256, which leaves room for 217 new tokens"
+        )
+
+
+@pytest.mark.parametrize(
+    ("path", "document"),
+    [
+        ("/v1/chat/completions", {"messages": HI, "max_tokens": 250, "min_tokens": 240}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 250, "min_tokens": 240}),
+        (
+            "/v1/chat/completions",
+            {"messages": HI, "max_tokens": 250, "min_tokens": 240, "stream": True},
+        ),
+    ],
+)
+def test_min_tokens_past_the_room_the_prompt_leaves_is_400_naming_it(path, document):
+    """The worker counts the prompt (its chat template's tokens too) and refuses a
+    min_tokens that cannot follow it in the positions: answered 400 naming min_tokens, as
+    one past max_tokens is, where it was taken and silently not met (cut at the
+    positions, finish_reason "length")."""
+    details = {"chat_template": True, "max_input_length": 256}
+    limits = ModelLimits(max_new_tokens=255)
+    loaded = Loaded("text-generation", details, None, limits)
+    served = ServedModel("m", ModelService(NoRoomForMinTokens(), loaded))
+    app = App(ServedModels([served]), AppSettings())
+    status, body = post(app, path, document)
+    error = body["error"]
+    assert (status, error["param"]) == (400, "min_tokens"), error
+    assert "leaves room for 217 new tokens" in error["message"], error
+
+
 class RefusingTheChat(Idle):
     """A text-generation model whose worker refuses every input in `words`."""
 

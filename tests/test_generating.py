@@ -2035,6 +2035,28 @@ def test_a_prompt_one_position_short_of_the_models_answers_one_token_on_both_pat
         runner.run([full], dict(params))
 
 
+def test_min_new_tokens_past_the_room_the_prompt_leaves_is_refused_on_both_paths(runner):
+    """A prompt of 246 tokens leaves 10 of the 256 positions: min_new_tokens 11 cannot be
+    met (the answer was cut at 10, finish_reason "length", the minimum silently not
+    kept), so that prompt is refused, saying the room; 10 fits, and is answered whole,
+    as is a shorter prompt asking 11 beside the refused one."""
+    from rawserve.tasks.text_generation import MIN_TOKENS_PAST_ROOM
+
+    long, short = [7] * (POSITIONS - 10), [7, 8, 9]
+    params = {**GREEDY, "max_new_tokens": 12, "min_new_tokens": 11, "return_full_text": False}
+    answered = results(serve(runner, {0: [Batch(1, (short, long), params)]}))
+    ok, failed = answered[1].outputs
+    assert ok[0]["details"]["generated_tokens"] >= 11
+    assert failed.kind is FailureKind.INPUT and failed.message.startswith(MIN_TOKENS_PAST_ROOM)
+    assert "the prompt is 246 tokens" in failed.message
+    assert "leaves room for 10 new tokens" in failed.message
+    with pytest.raises(ValueError, match="leaves room for 10 new tokens"):
+        runner.run([long], dict(params))
+    fits = {**params, "min_new_tokens": 10}
+    for _, got, _ in as_the_static_path(runner, fits, [long]):
+        assert got[0]["details"]["generated_tokens"] == 10
+
+
 def test_a_prompt_of_no_tokens_is_not_called_too_long(runner):
     """(A chat template that renders no text.) It was "the prompt is 0 tokens, which is
     longer than the model's context length", which litellm reads as a context overflow."""
@@ -3558,10 +3580,14 @@ def test_any_mix_answers_each_sequence_as_the_static_path_answers_it_alone(runne
         assert sorted(answered) == list(range(len(items)))
         for batch in batches:
             (got,) = answered[batch.batch_id].outputs
+            try:  # (min_new_tokens past a long prompt's room: refused on both paths)
+                [expected] = static(runner, batch.inputs[0], batch.params)
+            except ValueError as refused:
+                assert got == runner.describe_failure(refused)
+                continue
             details = got["details"] if batch.control.stream_id else got[0]["details"]
             if details["finish_reason"] == "cancelled":
                 continue
-            [expected] = static(runner, batch.inputs[0], batch.params)
             if batch.control.stream_id:
                 ids = streamed_ids(sent, batch.control.stream_id)
                 assert got["generated_text"] == expected["generated_text"]

@@ -89,6 +89,7 @@ from rawserve.tasks.text_generation import (
     CHAT_REFUSALS,
     GRAMMAR_FAILED,
     GRAMMAR_REFUSED,
+    MIN_TOKENS_PAST_ROOM,
     THINKING_IN_CONTENT,
     stops_after,
 )
@@ -218,15 +219,18 @@ def name_field(
 ) -> None:
     """Name the request's field at fault as `error`'s `param`, where the worker could not:
     a grammar refused or failed is the field's that gave it ("tools", "response_format"),
-    a prompt past the context length its prompt's ("messages", "prompt"), a chat its
-    template refused, or whose names hold a control token, the field that holds it
-    (CHAT_REFUSALS; OpenAI's older `functions` where the request sent those). A chat's
-    messages are the Responses API's (`responses`) "input"."""
+    a prompt past the context length its prompt's ("messages", "prompt"), a min_tokens
+    the prompt leaves no room for "min_tokens", a chat its template refused, or whose
+    names hold a control token, the field that holds it (CHAT_REFUSALS; OpenAI's older
+    `functions` where the request sent those). A chat's messages are the Responses API's
+    (`responses`) "input"."""
     if error.status != 422 or error.param is not None:
         return
     messages = "input" if responses else "messages"
     if error.message.startswith((GRAMMAR_REFUSED, GRAMMAR_FAILED)):
         error.param = generation.grammar_field
+    elif error.message.startswith(MIN_TOKENS_PAST_ROOM):
+        error.param = "min_tokens"
     elif CONTEXT_LENGTH in error.message:
         error.param = messages if chat else "prompt"
     elif chat and (field := chat_field(error.message)) is not None:
@@ -411,6 +415,9 @@ class OpenAIRoutes:
             return await self._generate(request, model, generation, chat, shape)
         except UnprocessableInput as exc:
             name_field(exc, generation, chat, responses=isinstance(shape, ResponseAnswer))
+            if exc.param == "min_tokens":  # a setting the prompt leaves no room for: as
+                # one past max_tokens is (vLLM refuses what cannot fit), not an input's 422
+                raise BadRequest(exc.message, param=exc.param) from None
             raise
 
     async def _generate(

@@ -171,6 +171,9 @@ def stop_tail(text: str, stops: Sequence[str]) -> str:
 # begin: the API names the field that gave it
 GRAMMAR_REFUSED = "the grammar cannot be used: "
 GRAMMAR_FAILED = "the grammar failed: "
+# how the worker's refusal of a min_new_tokens (OpenAI's min_tokens) that the prompt
+# leaves no room for begins: the API answers it 400, naming that field
+MIN_TOKENS_PAST_ROOM = "min_tokens asks for more new tokens than the prompt leaves room for: "
 # how the worker's refusal of a chat for its template begins, and the request's field
 # the API names for it (a chat's messages are the Responses API's "input")
 CHAT_TEMPLATE_REFUSED = "the chat template refused the messages: "

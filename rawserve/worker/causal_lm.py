@@ -30,6 +30,7 @@ from rawserve.tasks.text_generation import (
     API_SAMPLING,
     CHAT_TEMPLATE_REFUSED,
     CLOSED_IN_PROMPT,
+    MIN_TOKENS_PAST_ROOM,
     OPENED_IN_ANSWER,
     OPENED_IN_PROMPT,
     PROMPT_TOP_N,
@@ -652,7 +653,9 @@ class CausalLMRunner(Runner):
 
     def _check_lengths(self, params: dict[str, Any], longest_prompt: int) -> None:
         """ValueError when the new tokens asked, or a prompt, cannot fit the positions (a
-        prompt only scored, max_new_tokens 0, may fill them: no token follows it)."""
+        prompt only scored, max_new_tokens 0, may fill them: no token follows it), or
+        when the new tokens asked at the least (`min_new_tokens`) cannot follow the
+        prompt in them: cut at the positions, the answer would not hold them."""
         most = self.max_positions - 1
         asked = params.get("max_new_tokens")
         if asked is not None:  # the server refuses it first: a backstop
@@ -667,6 +670,14 @@ class CausalLMRunner(Runner):
             raise ValueError(
                 f"the prompt is {longest_prompt} tokens, which is longer than the model's "
                 f"context length: it takes at most {most} to leave room for one new token"
+            )
+        least = int(params.get("min_new_tokens") or 0)  # as asked (not the model's own)
+        room = self.max_positions - longest_prompt
+        if least > room:
+            raise ValueError(
+                f"{MIN_TOKENS_PAST_ROOM}it is {least}, and the prompt is {longest_prompt} "
+                f"tokens of the model's context length of {self.max_positions}, which "
+                f"leaves room for {room} new tokens"
             )
 
     # --- one item at a time, for the continuous loop (rawserve.worker.generating) -----------
