@@ -1391,6 +1391,33 @@ def test_stop_sequences_beside_tools_end_the_words_read_never_the_json(raw, stop
     assert chunks[-1]["choices"][0]["finish_reason"] == reason
 
 
+@pytest.mark.parametrize("raw", ['{"c', '{"name": "get_wea', '[{"name": "'])
+def test_an_answer_that_may_call_cut_before_it_named_one_says_its_text_whole_and_streamed(raw):
+    """`tool_choice` "auto", cut by max_tokens before a call was named or a word written:
+    the text generated is the content (it was "", though its tokens were listed), whole
+    and streamed, finish_reason "length" (its JSON, which no stop sequence cuts)."""
+    tools = Tools([{"name": "get_weather"}], "auto", parallel=True)
+    details = {"finish_reason": "length", "generated_tokens": 3, "prompt_tokens": 1}
+    stops = ['"', "name"]
+    answer = Answer(True, "m", tools=tools).whole(
+        [{"generated_text": raw, "details": details}], stops
+    )
+    [choice] = answer["choices"]
+    assert (choice["message"]["content"], choice["finish_reason"]) == (raw, "length")
+    assert "tool_calls" not in choice["message"]
+
+    async def read() -> list[bytes]:
+        streamed = Answer(True, "m", tools=tools)
+        pieces = [raw[i : i + 2] for i in range(0, len(raw), 2)]
+        return [event async for event in streamed.events([LengthStream(pieces)], stops, False)]  # type: ignore[list-item]
+
+    chunks = [json.loads(event.removeprefix(b"data:")) for event in asyncio.run(read())[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content") or "" for d in deltas) == raw
+    assert not any("tool_calls" in d for d in deltas)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
 class LengthStream(FinishedStream):
     """A streamed generation that ended at its length: no stop sequence in the worker."""
 

@@ -172,8 +172,6 @@ def test_calls_cut_by_max_tokens_are_read_back_as_far_as_they_came():
     for before_a_name in ("{", '{"name"', '{"name": "weath', '{"name": "weather', "["):
         # a call required: no words (content null, as a call's message), not empty ones
         assert tools.message(before_a_name) == ({"role": "assistant", "content": None}, None)
-        either = replace(tools, choice="auto")  # (words that said nothing yet, or a call)
-        assert either.message(before_a_name) == ({"role": "assistant", "content": ""}, None)
     for named_whole in ('{"name": "weather"', '{"name": "weather", "argu'):  # (a tester)
         message, reason = tools.message(named_whole)
         assert [call["function"] for call in message["tool_calls"]] == [
@@ -184,6 +182,29 @@ def test_calls_cut_by_max_tokens_are_read_back_as_far_as_they_came():
     older = Tools([WEATHER], "auto", older=True).message('{"name": "weather", "arguments": ')
     called = {"name": "weather", "arguments": ""}
     assert older == ({"role": "assistant", "content": None, "function_call": called}, None)
+
+
+@pytest.mark.parametrize("older", [False, True])
+def test_an_answer_that_may_be_words_cut_before_it_said_anything_is_its_text(older):
+    """`tool_choice` "auto", cut by max_tokens before it named a call or wrote a word:
+    its text as content, as vLLM answers what it cannot read as a call. It was "" (a
+    tester's `{"c`, its tokens listed in its log probabilities); a call named is the
+    call, with its arguments as far as they came, as where a call is required."""
+    auto = Tools([WEATHER, TIME], "auto", parallel=not older, older=older)
+    cut = ('{"c', '{"content": "', "{", '{"name": "weath', '[{"name": "', "[")
+    for text in cut[:4] if older else cut:
+        assert auto.message(text) == ({"role": "assistant", "content": text}, None)
+    assert auto.message('{"content": "it is') == ({"role": "assistant", "content": "it is"}, None)
+    required = replace(auto, choice="required")
+    for named in ('{"name": "weather", "argu', '{"name": "weather", "arguments": {"city": "ro'):
+        message, reason = auto.message(named)
+        assert reason is None and message["content"] is None
+        called = message["function_call"] if older else message["tool_calls"][0]["function"]
+        if not older:
+            assert called == required.message(named)[0]["tool_calls"][0]["function"]
+        assert called["name"] == "weather" and named.endswith(called["arguments"])
+    formatted = replace(auto, answer_format=PERSON)  # (its JSON as far as it came, or the text)
+    assert formatted.message('{"c') == ({"role": "assistant", "content": '{"c'}, None)
 
 
 def test_a_list_of_calls_is_read_back_as_a_call_each():

@@ -245,7 +245,9 @@ class Answer:
             return {"role": "assistant", **said(CONTENT, content), **thought}, reason
         message, called = self.tools.message(content)
         words = message.get("content")
-        if stops and words and called is None and self.tools.answer_format is None:
+        # (an answer cut before it said anything is its JSON as it came: no stop cuts it)
+        read = words != content and self.tools.answer_format is None
+        if stops and words and called is None and read:
             cut = cut_at_stop(words, stops)
             if len(cut) < len(words):
                 message, reason = {**message, "content": cut}, "stop"

@@ -121,9 +121,8 @@ class Tools:
     def message(self, text: str) -> tuple[dict[str, Any], str | None]:
         """The assistant's message for what a held answer generated, and the finish
         reason a call gives (None for words, and for a call of the function the request
-        named, which OpenAI and vLLM end with "stop"). Words cut by `max_tokens` are the
-        words written; calls cut by it are the whole ones and the one it was cut in, its
-        arguments as far as they came, as OpenAI's (the finish reason stays "length")."""
+        named, which OpenAI and vLLM end with "stop"). An answer cut by `max_tokens` is
+        read as `cut_message` says (the finish reason stays "length")."""
         try:
             answer = json.loads(text, parse_float=WrittenNumber, parse_int=WrittenNumber)
             calls = answer if isinstance(answer, list) else [answer]
@@ -135,14 +134,7 @@ class Tools:
         except RecursionError:  # nested past the parser's limit: as it came
             return {"role": "assistant", "content": text}, None
         except ValueError:  # cut short
-            cut = cut_calls(text)
-            if cut is not None:  # (None: words, not calls)
-                return self._called(cut), None
-            if self.answer_format is not None:  # the format's JSON as far as it came
-                return {"role": "assistant", "content": text.removeprefix(FORMATTED_OPENING)}, None
-            words = StreamedWords()
-            words.add(text)
-            return {"role": "assistant", "content": words.sent}, None
+            return self.cut_message(text), None
         if not calls or len(functions) < len(calls):
             content = answer.get("content") if isinstance(answer, dict) else None
             if content is not None and self.answer_format is not None:
@@ -154,11 +146,30 @@ class Tools:
             return self._called(functions), None
         return self._called(functions), "function_call" if self.older else "tool_calls"
 
+    def cut_message(self, text: str) -> dict[str, Any]:
+        """The message of an answer `max_tokens` cut: its whole calls and the one it was
+        cut in, that one's arguments as far as they came, as OpenAI's; or its words as
+        far as they came (the format's JSON, with a response_format). Cut before it
+        named a call or wrote a word, a forced call says nothing (no words either, as a
+        call's message), and one that may be words ("auto") says the text generated, as
+        vLLM answers what it cannot read as a call: never an empty answer for tokens
+        the model made (a tester's `{"c`, and a call cut in its name, were "")."""
+        cut = cut_calls(text)  # (None: words, not calls)
+        if cut or (cut is not None and self.choice != "auto"):
+            return self._called(cut)
+        if self.answer_format is not None:  # the format's JSON as far as it came
+            written = text.removeprefix(FORMATTED_OPENING)
+        else:
+            words = StreamedWords()
+            words.add(text)
+            written = words.sent
+        return {"role": "assistant", "content": written or text}
+
     def _called(self, functions: list[dict[str, str]]) -> dict[str, Any]:
-        """The message that calls `functions` (none: a call cut before its name came:
-        where a call is forced, no words either, as every other call's message says)."""
+        """The message that calls `functions` (none: a forced call cut before its name
+        came: no words either, as every other call's message says)."""
         if not functions:
-            return {"role": "assistant", "content": "" if self.choice == "auto" else None}
+            return {"role": "assistant", "content": None}
         if self.older:
             return {"role": "assistant", "content": None, "function_call": functions[0]}
         tool_calls = [
