@@ -401,7 +401,7 @@ def test_the_share_of_the_cores_is_the_cpu_time_over_the_wall_time_and_threads(m
     clock, cpu = iter([0.0, 2.0, 2.0]), iter([10.0, 13.0, 13.0])
     share = engine_trial.CoreShare(2, clock=lambda: next(clock), cpu=lambda: next(cpu))
     assert share.share() == pytest.approx(0.75)  # 3 s of CPU in 2 s on 2 threads
-    assert not share.quiet()
+    assert not engine_trial.quiet(0.75, 2) and engine_trial.quiet(0.95, 2)
 
 
 @pytest.mark.parametrize(("failure", "kept"), [(RuntimeError, True), (MemoryError, False)])

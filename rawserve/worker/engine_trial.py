@@ -69,6 +69,7 @@ class Trial:
     cached: bool = False
     this_start: bool = False  # cached by this very start (its layout trial's timers)
     lone: Mapping[Engine, float] = field(default_factory=dict)  # one item alone
+    share: float = 1.0  # of its cores the timing had (`CoreShare`; kept: not kept)
 
     @property
     def winner(self) -> Engine:
@@ -128,6 +129,7 @@ def run_trial(
     budget: float = TRIAL_SECONDS,
     clock: Callable[[], float] = time.perf_counter,
     lone: Mapping[Engine, Callable[[], object]] | None = None,
+    threads: int = 1,
 ) -> Trial:
     """Time each engine's batch (`timed`), then each one's `lone` item, in half the time
     (a batch of one: its batch's figures); the faster over both wins (`Trial.score`).
@@ -135,11 +137,13 @@ def run_trial(
     decides is how the engines compare, and a second thread sped one item of MiniLM up
     about alike on both (ONNX Runtime 7.8-9.6 ms to 7.0-7.7, torch 12.4-16.0 to
     12.3-14.7), where timing it on every core would take the core a sibling worker
-    loads its model on."""
+    loads its model on. `threads`: the worker's, of which the timing's share is told."""
+    share = CoreShare(threads)
     seconds = timed(candidates, budget, clock)
     if batch == 1:
-        return Trial(seconds, batch, lone=seconds)
-    return Trial(seconds, batch, lone=timed(lone, budget / 2, clock) if lone else {})
+        return Trial(seconds, batch, lone=seconds, share=share.share())
+    alone = timed(lone, budget / 2, clock) if lone else {}
+    return Trial(seconds, batch, lone=alone, share=share.share())
 
 
 def timed(
@@ -170,8 +174,10 @@ class CoreShare:
     """The share of its `threads` cores this process had from its making on: its CPU
     time over the wall time and threads, less where other work on the machine took from
     it. A trial timed with less than FULL_SHARE of what the machine's quota allows keeps
-    no verdict (as the layout trial's timers): a tester's engine trial timed torch at 366
-    ms a batch beside other work, 186 ms alone, and kept it for every later start."""
+    no verdict (`quiet`; as the layout trial's timers): a tester's engine trial timed
+    torch at 366 ms a batch beside other work, 186 ms alone, and kept it for every later
+    start. Only the timing itself is counted: making the bfloat16 copy, on one thread,
+    had a 2-thread worker's trial at 82 % on a quiet machine."""
 
     def __init__(
         self,
@@ -187,9 +193,11 @@ class CoreShare:
         wall = (self._clock() - self._began) * self.threads
         return (self._cpu() - self._cpu_began) / wall if wall > 0 else 1.0
 
-    def quiet(self) -> bool:
-        """Whether nothing else took a telling part of the cores meanwhile."""
-        return self.share() >= FULL_SHARE * attainable_share(self.threads)
+
+def quiet(share: float, threads: int) -> bool:
+    """Whether a timing on `threads` that had `share` of them ran with nothing else
+    taking a telling part of the cores."""
+    return share >= FULL_SHARE * attainable_share(max(threads, 1))
 
 
 def installed_version(name: str) -> str:

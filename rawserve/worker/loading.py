@@ -211,7 +211,6 @@ def engine_by_trial(
     torch_runner = build_runner(config, task, device, None)
     runners = {Engine.TORCH: torch_runner, Engine.ONNX: onnx_runner}
     inputs, params = batch
-    share = engine_trial.CoreShare(config.threads or 1)
     try:
         trial = engine_trial.run_trial(
             {engine: partial(runner.run, inputs, params) for engine, runner in runners.items()},
@@ -220,11 +219,12 @@ def engine_by_trial(
                 engine: partial(runner.run, inputs[:1], params)
                 for engine, runner in runners.items()
             },
+            threads=config.threads or 1,
         )
     except Exception:  # noqa: BLE001 - a failed trial is logged; ONNX Runtime serves
         log.warning("the engine trial failed", exc_info=True)
         return Engine.ONNX, "auto: the engine trial failed", onnx_runner
-    if kept_if_quiet(share, "engine"):
+    if kept_if_quiet(trial.share, config.threads or 1, "engine"):
         engine_trial.store(cache_dir, key, trial, config.start, engine_trial.named(config))
     winner = runners.pop(trial.winner)
     runners.clear()
@@ -255,26 +255,27 @@ def bfloat16_trial(config: WorkerConfig, task: str, device: str, runner: Runner)
     with engine_trial.one_trial_at_a_time(cache_dir, key, precision_trial.CACHE_PREFIX):
         offer = precision_trial.recalled(cache_dir, key, config.start)
         if offer is None:
-            share = engine_trial.CoreShare(config.threads or 1)
             offer = measured_bfloat16(config, task, device, runner, size, units)
             gc.collect()  # the bfloat16 copy's weights go now
-            if offer is not None and kept_if_quiet(share, "bfloat16"):
+            threads = config.threads or 1
+            if offer is not None and kept_if_quiet(offer.share, threads, "bfloat16"):
                 model = engine_trial.named(config)
                 precision_trial.remember(cache_dir, key, offer, config.start, model)
     return offer.describe() if offer is not None else ""
 
 
-def kept_if_quiet(share: engine_trial.CoreShare, trial: str) -> bool:
-    """Whether a trial's verdict may be kept for later starts: not where other work shared
-    the machine meanwhile (then it serves this start alone, and the next measures again)."""
-    if share.quiet():
+def kept_if_quiet(share: float, threads: int, trial: str) -> bool:
+    """Whether a trial's verdict, timed with `share` of its `threads` cores, may be kept
+    for later starts: not where other work shared the machine meanwhile (then it serves
+    this start alone, and the next measures again)."""
+    if engine_trial.quiet(share, threads):
         return True
     log.warning(
         "the %s trial ran while other work shared the machine (it had %.0f%% of the "
         "cores it ran on): its verdict serves this start and is not kept, so that a later "
         "start measures again",
         trial,
-        100 * share.share(),
+        100 * share,
     )
     return False
 
@@ -290,7 +291,11 @@ def measured_bfloat16(
     try:
         bfloat16 = build_runner(dataclasses.replace(config, dtype="bfloat16"), task, device, None)
         return precision_trial.measure(
-            partial(runner.run, inputs, params), partial(bfloat16.run, inputs, params), size, units
+            partial(runner.run, inputs, params),
+            partial(bfloat16.run, inputs, params),
+            size,
+            units,
+            threads=config.threads or 1,
         )
     except Exception:  # noqa: BLE001 - logged; float32 serves as it would have
         log.warning("the bfloat16 trial failed", exc_info=True)

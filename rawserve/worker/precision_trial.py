@@ -64,6 +64,7 @@ class Offer:
     drift: Drift
     cached: bool = False
     this_start: bool = False  # cached by this very start (its layout trial's timers)
+    share: float = 1.0  # of its cores the timing had (engine_trial.CoreShare; not kept)
 
     @property
     def speedup(self) -> float:
@@ -110,12 +111,15 @@ def measure(
     batch: int,
     units: str,
     clock: Callable[[], float] = time.perf_counter,
+    threads: int = 1,
 ) -> Offer:
     """Time the serving float32 model's batch against the bfloat16 copy's, in turn, and
-    set their answers side by side."""
+    set their answers side by side (`threads`: the worker's, of which the timing's share
+    is told)."""
     drift = compare(serving(), bfloat16())
+    share = engine_trial.CoreShare(threads)
     seconds = engine_trial.timed({"float32": serving, "bfloat16": bfloat16}, clock=clock)
-    return Offer(units, batch, seconds["float32"], seconds["bfloat16"], drift)
+    return Offer(units, batch, seconds["float32"], seconds["bfloat16"], drift, share=share.share())
 
 
 def compare(reference: Sequence[Any], other: Sequence[Any]) -> Drift:
@@ -205,6 +209,6 @@ def remember(
     """Keep a measurement for the next start (`start`: this server start's id; `model`:
     what names the model, engine_trial.named)."""
     found = asdict(offer)
-    found.pop("cached")
-    found.pop("this_start")
+    for unkept in ("cached", "this_start", "share"):
+        found.pop(unkept)
     engine_trial.remember(cache_dir, CACHE_PREFIX, key, {**found, "start": start}, model)
