@@ -101,6 +101,17 @@ def test_a_continuous_worker_keeps_its_even_share_and_never_holds_the_cores():
     assert start(only, 0, size=1) == 4  # the only CPU worker: its share is every core
 
 
+def test_a_worker_not_ready_counts_as_its_peers_rows_once_all_are_ready():
+    """What bounds a request for good: a worker restarting (or still loading) will take
+    its rows again; live, it runs none (`concurrency` counts it one batch)."""
+    pool = executor()
+    first, second = pool.workers
+    first.sequences, second.sequences = 2, 0  # the second restarting
+    assert pool.concurrency() == 3 and pool.rows_when_ready() == 4
+    first.sequences = 0  # none ready: one batch each
+    assert pool.rows_when_ready() == 2
+
+
 def test_a_handlers_lone_item_gets_every_core_but_never_holds_the_other_workers_back():
     """Its time may be its own code's, not torch's threads: a 2 s call kept the other
     worker idle, and a request sent 50 ms after it waited 4 s (a tester); a handler that

@@ -226,6 +226,9 @@ class OneWorker:
     def concurrency(self) -> int:
         return 1
 
+    def rows_when_ready(self) -> int:
+        return 1
+
     def abandon(self, future, items=None) -> None:
         pass
 

@@ -716,6 +716,18 @@ def test_a_list_longer_than_the_queue_can_never_be_admitted():
     queue_items(rows, [text(1)] * 10, params={"max_new_tokens": 4})
 
 
+def test_while_a_worker_restarts_what_fits_once_it_is_back_is_not_refused_for_good():
+    """Two continuous workers of 2 rows, one restarting (counted 1): n 8 at --max-queue 4
+    was 413 "at most 7" for the seconds of the restart, then answered. It fits once the
+    worker is back: 503, to retry."""
+    core = SchedulerCore(max_queue=4, max_batch_size=1, workers=3, rows_when_ready=4)
+    assert core.most_admitted == 8
+    with pytest.raises(QueueFull):  # (not NeverAdmissible)
+        queue_items(core, [text(1)] * 8, params={"max_new_tokens": 4})
+    with pytest.raises(NeverAdmissible):
+        queue_items(core, [text(1)] * 9, params={"max_new_tokens": 4})
+
+
 def test_a_list_is_refused_by_its_earliest_deadline():
     """The items of a list are admitted together: one of them that would be late behind
     the queue refuses the list, whatever time the others have."""
@@ -1886,6 +1898,9 @@ class FakeBackend:
     limits = ModelLimits()
 
     def concurrency(self) -> int:
+        return self.workers
+
+    def rows_when_ready(self) -> int:
         return self.workers
 
     def abandon(self, future, items=None) -> None:

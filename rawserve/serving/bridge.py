@@ -478,6 +478,9 @@ class PublishingBackend:
     def concurrency(self) -> int:
         return self.backend.concurrency()
 
+    def rows_when_ready(self) -> int:
+        return self.backend.rows_when_ready()
+
     def abandon(
         self, future: asyncio.Future[BatchResult], items: Collection[int] | None = None
     ) -> None:

@@ -276,6 +276,9 @@ class SchedulerCore:
     max_batch_tokens: int | None = None
     group_lengths: bool = True  # cost-aware batching: similar lengths share a batch
     workers: int = 1
+    # `workers` once every worker is ready (one restarting counted as its peers): what
+    # bounds a request for good (`most_admitted`); 0: as `workers`
+    rows_when_ready: int = 0
     # the rows (batches of one) the workers could still take after the driver's last
     # look had sent what it sends: none of a dead or restarting worker
     free_rows: int = 0
@@ -354,8 +357,10 @@ class SchedulerCore:
     def most_admitted(self) -> int:
         """The most items one request may ever be admitted with: the queue, and the rows
         of workers that take one item at a time (all of them: `bound` counts them only
-        while free). A request past it can never be taken; one within it may wait."""
-        return self.max_queue + (self.workers if self.max_size == 1 else 0)
+        while free; a worker restarting counted as ready: it will take its rows again).
+        A request past it can never be taken; one within it may wait."""
+        rows = max(self.workers, self.rows_when_ready)
+        return self.max_queue + (rows if self.max_size == 1 else 0)
 
     @property
     def limits(self) -> BatchLimits:

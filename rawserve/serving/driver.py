@@ -77,6 +77,11 @@ class Backend(Protocol):
         """How many batches the workers run side by side (a continuous worker: its rows)."""
         ...
 
+    def rows_when_ready(self) -> int:
+        """`concurrency` once every worker is ready (one loading or restarting counted as
+        its peers count)."""
+        ...
+
     def abandon(
         self, future: asyncio.Future[BatchResult], items: Collection[int] | None = None
     ) -> None:
@@ -440,6 +445,7 @@ class Scheduler:
         now = self.clock()
         self.core.batch_cap = self.backend.batch_cap()
         self.core.workers = self.backend.concurrency()
+        self.core.rows_when_ready = self.backend.rows_when_ready()
         limits = self.backend.limits
         self.core.max_input_tokens = limits.longest_input
         self.core.default_new_tokens = limits.default_new_tokens

@@ -244,6 +244,13 @@ class WorkerPool(PoolReports):
         worker's sequences (the scheduler's estimates divide the work by it)."""
         return sum(w.sequences or 1 for w in self.workers)
 
+    def rows_when_ready(self) -> int:
+        """`concurrency` once every worker is ready: one loading or restarting counted as
+        its peers' most rows (they load one model alike), so that what fits then is not
+        refused for good (413) while one restarts (`SchedulerCore.most_admitted`)."""
+        most = max((w.sequences for w in self.workers), default=0)
+        return sum(w.sequences or most or 1 for w in self.workers)
+
     def submit(
         self,
         inputs: Sequence[Any],
