@@ -36,6 +36,7 @@ from rawserve.api.tokens import (
 from rawserve.http.errors import PayloadTooLarge
 from rawserve.serving.service import ModelService
 from rawserve.shared.memory import give_back_free_memory
+from rawserve.tasks.text_generation import MIN_TOKENS_PAST_ROOM
 from tests.server import RunningServer
 from tests.test_api_shapes import Idle, Loaded, post
 
@@ -223,6 +224,23 @@ def test_an_echo_with_logprobs_over_the_bound_is_refused_before_the_work(tokeniz
     for smaller in ({}, {"prompt": [one] * 4, "logprobs": None}):
         status, body = post(app, "/v1/completions", {**document, **smaller})
         assert status != 413, body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_min_tokens_a_prompt_surely_leaves_no_room_for_is_400_before_the_work(
+    tokenizer_json, stream
+):
+    """Streamed, a later prompt's min_tokens past its room came as an error event (the
+    worker's refusal, in the shape of an input's 422) after the first prompt's tokens,
+    where the whole answer was a 400: counted here, it is a 400 before anything streams.
+    The idle queue fails any call: these were decided before the model ran."""
+    app = app_for("text-generation", tokenizer_json, {})  # (max_input_length: LIMIT)
+    short, long_one = "hello", "hello world " * 30  # about 60 tokens of the 128
+    document = {"prompt": [short, long_one], "max_tokens": 100, "min_tokens": 80}
+    status, body = post(app, "/v1/completions", {**document, "stream": stream})
+    assert (status, body["error"]["param"]) == (400, "min_tokens"), body
+    assert body["error"]["message"].startswith(MIN_TOKENS_PAST_ROOM), body
+    assert "context length of 128" in body["error"]["message"]
 
 
 def test_the_prompt_s_tokens_in_tgi_details_over_the_bound_are_refused_before_the_work(

@@ -81,6 +81,7 @@ from rawserve.api.sentence_prompts import prompted
 from rawserve.api.served import ServedModel
 from rawserve.api.streaming import StreamEnd, TokenStream, event_stream, start_choices
 from rawserve.api.tei_bodies import details
+from rawserve.api.tokens import ServerTokenizers
 from rawserve.http.errors import BadRequest, HTTPError, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.serving.face import EMBEDDING_ROUTE, ItemResult
@@ -212,6 +213,26 @@ def embedding_response(
         "model": model_id,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
+
+
+async def check_min_tokens_room(
+    tokenizers: ServerTokenizers, model: ServedModel, generation: GenerationRequest, chat: bool
+) -> None:
+    """400 naming min_tokens where a prompt surely leaves less room than it asks, found
+    here before anything is queued or streamed (the worker's exact count refuses the rest,
+    a chat's template included: `name_field`); streamed, a later prompt's refusal came as
+    an error event in another shape than the whole answer's 400."""
+    least = int(generation.params.get("min_new_tokens") or 0)
+    if least <= 1:
+        return
+    try:
+        await check_lengths(tokenizers, model, generation.items, chat, least_new=least)
+    except UnprocessableInput:
+        raise BadRequest(
+            f"{MIN_TOKENS_PAST_ROOM}it is {least}, and a prompt leaves fewer of the model's "
+            f"context length of {model.positions}",
+            param="min_tokens",
+        ) from None
 
 
 def name_field(
@@ -435,6 +456,7 @@ class OpenAIRoutes:
         check_choices(generation, most, model.serving.most_admitted)
         scored = generation.params.get("max_new_tokens") == 0  # echo: nothing after the prompt
         await check_lengths(self.context.tokenizers, model, generation.items, chat, scored)
+        await check_min_tokens_room(self.context.tokenizers, model, generation, chat)
         largest = self.context.settings.max_answer_bytes
         generated = 0  # the bytes the new tokens' log probabilities may take
         if generation.logprobs is not None and not generation.stream:  # (a stream: as it goes)

@@ -57,16 +57,17 @@ async def check_lengths(
     prompts: Sequence[Any],
     chat: bool,
     scored: bool = False,
+    least_new: int = 1,
 ) -> None:
-    """422 when a prompt leaves no room for one new token (or, `scored`, when nothing is
-    generated after it, has more tokens than the positions); nothing when the model or its
-    tokenizer is not known here (the worker still refuses such a prompt). A prompt of
-    token ids is counted as it is."""
+    """422 when a prompt leaves no room for `least_new` new tokens (or, `scored`, when
+    nothing is generated after it, has more tokens than the positions); nothing when the
+    model or its tokenizer is not known here (the worker still refuses such a prompt). A
+    prompt of token ids is counted as it is."""
     positions = model.positions
     if positions < 1:
         return
-    # the prompt's tokens, and one new token after them (none after a prompt only scored)
-    most = positions if scored else positions - 1
+    # the prompt's tokens, and the new tokens after them (none after a prompt only scored)
+    most = positions if scored else positions - least_new
     if any(isinstance(prompt, list) and len(prompt) > most for prompt in prompts):
         raise too_long(most, scored)
     if chat:
