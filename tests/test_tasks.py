@@ -93,11 +93,18 @@ def test_another_tasks_parameters_say_which_task_takes_them():
     was sent zero-shot's candidate_labels: "unknown parameter(s)", with no word of the
     task that takes them."""
     document = {"inputs": "hi", "parameters": {"candidate_labels": ["a", "b"]}}
-    with pytest.raises(BadRequest, match="zero-shot-classification takes them"):
+    with pytest.raises(BadRequest, match="candidate_labels is a parameter of zero-shot-"):
         parse_json_body("text-classification", document)
     with pytest.raises(BadRequest) as refused:  # no task's: no word of one
         parse_json_body("text-classification", {"inputs": "hi", "parameters": {"tpo_k": 1}})
-    assert "takes them" not in str(refused.value) and "take them" not in str(refused.value)
+    assert "a parameter of" not in str(refused.value) and "MODEL:TASK" not in str(refused.value)
+    # of several, only those another task takes are said to be its (zzz was said to be
+    # zero-shot's beside candidate_labels)
+    both = {"inputs": "hi", "parameters": {"zzz": 1, "candidate_labels": ["a"]}}
+    with pytest.raises(BadRequest) as refused:
+        parse_json_body("text-classification", both)
+    assert "; candidate_labels is a parameter of zero-shot-classification (a" in str(refused.value)
+    assert "zzz is" not in str(refused.value)
 
 
 def test_a_parameter_many_tasks_take_is_said_whole_within_the_message_bound():
@@ -110,7 +117,9 @@ def test_a_parameter_many_tasks_take_is_said_whole_within_the_message_bound():
         parse_json_body("feature-extraction", document)
     message = error_document(refused.value)["error"]
     assert len(message) <= MAX_MESSAGE_CHARS  # (the allowed list may be cut)
-    assert "fill-mask or " in message and " other tasks take them: a model is served" in message
+    assert (
+        "top_k is a parameter of fill-mask, " in message and " other tasks (a model is" in message
+    )
 
 
 @pytest.mark.parametrize(

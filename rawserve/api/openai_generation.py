@@ -228,7 +228,9 @@ def check_choices(generation: GenerationRequest, most: int, admitted: int | None
     (`admitted`: the queue, and the rows of workers that take one item at a time) can
     never be admitted either (a 503 would invite retries that all fail)."""
     choices = len(generation.items) * generation.n
-    why = f"{choices} choices in one request ({len(generation.items)} prompts, n {generation.n})"
+    prompts = len(generation.items)
+    why = f"{choices} choices in one request ({prompts} prompt{'s' if prompts > 1 else ''}, "
+    why += f"n {generation.n})"
     caps = (
         (most, f"at most {most} are allowed (--max-client-batch-size)"),
         (
@@ -278,6 +280,11 @@ def read_metadata(name: str, value: Any, context: DocContext | None) -> dict[str
 
 # the fields of each of response_format's types (json_object's "schema": Together's and
 # Fireworks' form)
+SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a json_schema's name
+SCHEMA_NAME_SCHEMA = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
+SHOWN_NAME_CHARS = 40  # of a schema name quoted in its refusal (it may be long)
+# a json_schema's fields beside its schema, as OpenAI takes them
+SCHEMA_DESCRIPTION_KEYS = {"name", "schema", "strict", "description"}
 RESPONSE_FORMAT_KEYS = {
     "text": {"type"},
     "json_object": {"type", "schema"},
@@ -316,7 +323,12 @@ def read_response_format(
     if kind == "json_schema":
         described = value.get("json_schema")
         if isinstance(described, dict):
-            check_schema_description(f"{name}.json_schema", described)
+            where = f"{name}.json_schema"
+            unknown = sorted(set(described) - SCHEMA_DESCRIPTION_KEYS, key=str)
+            if unknown:  # (dropped without a word, where /v1/responses refused it)
+                field = str(unknown[0])[:SHOWN_NAME_CHARS]
+                raise BadRequest(f'"{where}" has an unknown field: "{field}"', param=where)
+            check_schema_description(where, described)
         try:
             return text_generation.grammar({"type": "json_schema", "value": described})
         except ValueError:
@@ -329,12 +341,18 @@ def read_response_format(
 
 
 def check_schema_description(name: str, described: dict[str, Any]) -> None:
-    """What OpenAI and vLLM hold a json_schema's fields beside its schema to: a name (a
-    text; not OpenAI's pattern for it, which vLLM does not hold to either), a text for
-    its description, and true or false for "strict"."""
+    """What OpenAI holds a json_schema's fields beside its schema to: a name of 1 to 64
+    letters, digits, _ or - (vLLM takes any text: a request it answered, OpenAI refused),
+    a text for its description, and true or false for "strict"."""
     if not isinstance(described.get("name"), str):
         raise BadRequest(
             f'"{name}.name" must be a text: the name of the schema', param=f"{name}.name"
+        )
+    if not SCHEMA_NAME.fullmatch(described["name"]):
+        shown = json.dumps(described["name"][:SHOWN_NAME_CHARS])
+        raise BadRequest(
+            f'"{name}.name" is {shown}: it must be 1 to 64 letters, digits, "_" or "-"',
+            param=f"{name}.name",
         )
     if described.get("description") is not None and not isinstance(described["description"], str):
         raise BadRequest(f'"{name}.description" must be a text', param=f"{name}.description")
@@ -773,11 +791,12 @@ OPENAI_RESPONSE_FORMAT: Schema = {
             "type": "object",
             "required": ["name", "schema"],
             "properties": {
-                "name": {"type": "string"},
+                "name": SCHEMA_NAME_SCHEMA,
                 "description": {"type": ["string", "null"]},
                 "schema": {"type": "object"},
                 "strict": {"type": ["boolean", "null"]},
             },
+            "additionalProperties": False,  # (SCHEMA_DESCRIPTION_KEYS)
         },
     },
     "additionalProperties": False,

@@ -22,7 +22,6 @@ process; plain Python.
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
@@ -37,6 +36,7 @@ from rawserve.api.openai_generation import (
     METADATA,
     OPENAI_RESPONSE_FORMAT,
     PROMPT_CACHE,
+    SCHEMA_NAME_SCHEMA,
     GenerationRequest,
     check_schema_description,
     parse_chat,
@@ -81,8 +81,6 @@ FORMAT_KEYS = {
     "json_object": {"type", "schema"},
     "json_schema": {"type", "name", "schema", "strict", "description"},
 }
-SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a json_schema's name
-SCHEMA_NAME_SCHEMA = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
 TEXT_ONLY = "this server serves text messages only: no images, files, tool calls or their outputs"
 # what a client used to Chat Completions sends, and what it is here
 CHAT_HABITS = {
@@ -258,11 +256,6 @@ def chat_json_schema(form: dict[str, Any], at: str) -> dict[str, Any]:
     """A json_schema `text.format` (`at`) in chat's form, its schema one level down; 400
     naming its field where its name is not OpenAI's (1 to 64 letters, digits, _ or -)."""
     check_schema_description(at, form)
-    if not SCHEMA_NAME.fullmatch(form["name"]):
-        raise BadRequest(
-            f'"{at}.name" is {shown(form["name"])}: it must be 1 to 64 letters, digits, "_" or "-"',
-            param=f"{at}.name",
-        )
     inner = {key: form[key] for key in ("name", "schema", "strict", "description") if key in form}
     return {"type": "json_schema", "json_schema": inner}
 

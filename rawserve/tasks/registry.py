@@ -175,19 +175,21 @@ TASKS_NAMED = 3  # of the other tasks that take a parameter, the most a message 
 
 
 def tasks_taking(names: Sequence[str]) -> str:
-    """Where parameters unknown to a model's task are another task's, which (a model
-    that can do both is served for one: an NLI model as text-classification was sent
-    zero-shot's candidate_labels)."""
-    others = sorted(
-        {other.name for other in TASKS.values() for name in names if name in other.params}
-    )
-    if not others:
+    """Where parameters unknown to a model's task are another task's, which, each (a
+    model that can do both is served for one: an NLI model as text-classification was
+    sent zero-shot's candidate_labels)."""
+    said = []
+    for name in names:
+        others = sorted(task.name for task in TASKS.values() if name in task.params)
+        if others:
+            listed = ", ".join(others[:TASKS_NAMED])
+            if len(others) > TASKS_NAMED:  # top_k is ten tasks'
+                more = len(others) - TASKS_NAMED
+                listed += f" and {more} other task{'s' if more > 1 else ''}"
+            said.append(f"{name} is a parameter of {listed}")
+    if not said:
         return ""
-    takes = "takes" if len(others) == 1 else "take"
-    named = " or ".join(others[:TASKS_NAMED])
-    if len(others) > TASKS_NAMED:  # top_k is ten tasks'
-        named += f" or {len(others) - TASKS_NAMED} other tasks"
-    return f"; {named} {takes} them: a model is served for one task (MODEL:TASK)"
+    return f"; {'; '.join(said)} (a model is served for one task: MODEL:TASK)"
 
 
 def batch_key(params: Mapping[str, Any]) -> str:
