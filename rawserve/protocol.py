@@ -82,11 +82,11 @@ from rawserve.http.limits import (
     PROBE_RESERVE,
     PROBE_SEATS,
     READ_AHEAD_LIMIT,
-    REFUSALS_LINGERING,
     Phase,
     ProtocolSettings,
     Seats,
     ServerState,
+    refusals_bound,
 )
 from rawserve.http.probe_peek import Waiting, what_waits
 from rawserve.http.request_ids import new_request_id, request_id
@@ -669,7 +669,7 @@ class HttpProtocol(asyncio.Protocol):
         self.cycle = Cycle(None, new_request_id())
         self._send(self.cycle, error_response(refusals.too_many_connections()), close=True)
         if self.phase is Phase.LINGER:  # bounded: each holds a descriptor while it waits
-            limit = max(self.settings.max_connections, REFUSALS_LINGERING)
+            limit = refusals_bound(self.settings.max_connections, self.state.open_files)
             self.state.refusals_lingering.add(self, limit)
 
     def _count_refusal(self) -> None:

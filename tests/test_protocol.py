@@ -41,8 +41,11 @@ from rawserve.http.flow_control import FlowControl
 from rawserve.http.limits import (
     GIVE_WAY_AFTER,
     LINGER_SECONDS,
+    OWN_FILES,
+    REFUSALS_LINGERING,
     REQUESTS_PER_LOOP_PASS,
     Phase,
+    refusals_bound,
 )
 from rawserve.http.probe_peek import Waiting, sort_request_start
 from rawserve.http.refusals import check_head
@@ -59,7 +62,6 @@ from rawserve.protocol import (
     PROBE_RESERVE,
     PROBE_SEATS,
     READ_AHEAD_LIMIT,
-    REFUSALS_LINGERING,
     REQUESTS_PER_PASS,
     HttpProtocol,
     ProtocolSettings,
@@ -1299,7 +1301,7 @@ async def test_refused_connections_waiting_for_their_clients_close_are_bounded(c
     1,000 a second past --max-connections 100 under ulimit -n 512: 26 of 118 probes
     answered, the rest reset or closed unanswered). Past the bound (the cap, or
     REFUSALS_LINGERING where the cap is smaller) the one waiting longest is reset."""
-    state = ServerState()
+    state = ServerState(open_files=None)  # (no limit: the bound is the cap's alone)
     connect = connector(EchoApp(), ProtocolSettings(max_connections=cap), state)
     for _ in range(cap):
         connect()[0].data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")  # busy
@@ -1319,6 +1321,29 @@ async def test_refused_connections_waiting_for_their_clients_close_are_bounded(c
     (_, first), (_, gone), (_, third) = refused[:3]
     assert first.aborted and not gone.aborted and third.aborted  # the longest waiting
     assert not any(transport.closed for _, transport in [*refused[3:], *more])
+
+
+def test_the_refusals_waiting_fit_what_the_open_files_limit_leaves():
+    """With a cap of 300 under `ulimit -n` 512, 300 refusals waiting took the descriptors
+    the probes needed (29 of 119 answered): they wait only in what the limit leaves past
+    the seats, the probes' and the process's own; none left, each is reset at once."""
+    assert refusals_bound(300, None) == 300
+    assert refusals_bound(10, None) == REFUSALS_LINGERING
+    assert refusals_bound(300, 512) == 512 - 300 - PROBE_SEATS - OWN_FILES
+    assert refusals_bound(300, 4096) == 300
+    assert refusals_bound(400, 512) == 0
+
+
+async def test_a_refusal_the_open_files_limit_leaves_no_room_for_is_reset_at_once():
+    state = ServerState(open_files=1 + PROBE_SEATS + OWN_FILES)  # room for no refusal
+    connect = connector(EchoApp(), ProtocolSettings(max_connections=1), state)
+    connect()[0].data_received(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n")  # busy
+    for _ in range(PROBE_RESERVE):  # fresh, each holding a probe seat
+        connect()
+    _, refused = connect()
+    [(response, _)] = read_responses(refused.written)
+    assert response.status_code == 503 and refused.aborted  # written, then reset
+    assert len(state.refusals_lingering) == 0
 
 
 @pytest.mark.parametrize(

@@ -25,9 +25,10 @@ import logging
 import os
 import resource
 
+from rawserve.http.limits import OWN_FILES
+
 log = logging.getLogger("rawserve")
 
-OWN_FILES = 64  # descriptors a process holds besides its connections: pipes, the listener
 STANDARD_DESCRIPTORS = (0, 1, 2)
 
 
@@ -63,8 +64,9 @@ def raise_open_files_limit(connections: int) -> None:
     if target < needed:
         log.warning(
             "the open files limit (%d, ulimit -n) holds fewer than the %d connections a "
-            "process may keep (--max-connections, plus probes): past it new connections "
-            "are reset, not answered",
+            "process may keep (--max-connections, the probes' seats, and the refused "
+            "connections waiting for their clients' close): past it refusals are reset "
+            "at once, and then new connections too, not answered",
             target,
             connections,
         )
