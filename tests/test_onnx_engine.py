@@ -881,6 +881,23 @@ def test_the_export_runs_in_a_process_of_its_own_and_leaves_with_it(tiny_model, 
     assert network.graph == graph
 
 
+def test_the_export_process_imports_this_process_s_rawserve_not_the_working_directory_s(
+    tiny_model, tmp_path, monkeypatch
+):
+    """The rawserve command run in a checkout of another version: the export's process
+    put that directory first and imported its rawserve ("No module named
+    rawserve.worker.export_process"; auto then ran torch at every start)."""
+    from rawserve.worker import onnx_engine
+
+    shadow = tmp_path / "checkout" / "rawserve"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('another checkout')\n")
+    monkeypatch.chdir(shadow.parent)
+    head = onnx_engine.HEADS["text-classification"]
+    graph = onnx_engine.exported_graph(Path(tiny_model("text-classification")), head, tmp_path)
+    assert graph.is_file()
+
+
 def test_an_export_process_killed_is_said_by_its_signal_and_not_kept_against_the_model(
     tiny_model, tmp_path, monkeypatch, caplog
 ):

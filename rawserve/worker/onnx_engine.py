@@ -454,10 +454,15 @@ def export(folder: Path, head: Head, path: Path) -> Untrained | None:
     if not _export_apart:
         return export_here(folder, head, path)
     outcome = path.with_name(EXPORT_OUTCOME)
-    command = [sys.executable, "-m", "rawserve.worker.export_process"]
+    # this process's own modules, not what the working directory holds (`-P`: no
+    # directory put first; a checkout of another version there was imported instead)
+    command = [sys.executable, "-P", "-m", "rawserve.worker.export_process"]
     command += [str(folder), task_of(head), str(path), str(outcome)]
+    found = os.pathsep.join(entry or os.getcwd() for entry in sys.path)
     try:
-        ended = subprocess.run(command, stdin=subprocess.DEVNULL, check=False)
+        ended = subprocess.run(
+            command, stdin=subprocess.DEVNULL, check=False, env={**os.environ, "PYTHONPATH": found}
+        )
         try:
             told = json.loads(outcome.read_text())
         except (OSError, ValueError):
