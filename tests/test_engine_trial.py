@@ -107,7 +107,7 @@ def test_the_trial_weighs_one_item_alone_as_much_as_the_batch(batch_ms, lone_ms,
     assert alone.index(f"{winner} {lone_ms[winner]:.1f} ms") < alone.index(f"{loser} ")
     # what decided, where the winner was the slower at the batch
     share = (batch_ms[winner] * lone_ms[winner]) / (batch_ms[loser] * lone_ms[loser])
-    assert line.endswith(f"; both times multiplied, {winner} {share:.2f} of {loser}'s")
+    assert line.endswith(f"; both times multiplied, {winner} {share:.2g} of {loser}'s")
 
 
 def test_a_trial_of_one_item_times_it_once():
@@ -394,6 +394,14 @@ def test_a_trial_timed_beside_other_work_keeps_no_verdict(
     again = loading.load_runner(dataclasses.replace(config, start="later"), "cpu")
     assert "measured now" in again.engine_reason  # measured again, and now kept
     assert list((tmp_path / "onnx").glob("engine-trial-*.json"))
+
+
+def test_a_winner_far_ahead_is_said_with_its_figure_not_as_none(tmp_path):
+    """On a loaded machine: "onnx 0.00 of torch's", where it was 0.0014."""
+    trial = Trial(
+        {Engine.ONNX: 0.052, Engine.TORCH: 0.26}, 32, lone={Engine.ONNX: 0.0014, Engine.TORCH: 0.2}
+    )
+    assert trial.describe().endswith("; both times multiplied, onnx 0.0014 of torch's")
 
 
 def test_the_share_of_the_cores_is_the_cpu_time_over_the_wall_time_and_threads(monkeypatch):

@@ -102,7 +102,7 @@ class Trial:
         if len(engines) > 1:
             winner, runner_up = engines[:2]
             share = self.score(winner) / self.score(runner_up)
-            line += f"; both times multiplied, {winner.value} {share:.2f} of {runner_up.value}'s"
+            line += f"; both times multiplied, {winner.value} {share:.2g} of {runner_up.value}'s"
         return line
 
 

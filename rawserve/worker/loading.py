@@ -271,7 +271,7 @@ def kept_if_quiet(share: float, threads: int, trial: str) -> bool:
     if engine_trial.quiet(share, threads):
         return True
     log.warning(
-        "the %s trial ran while other work shared the machine (it had %.0f%% of the "
+        "the %s trial ran while other work shared the machine (it had %.1f%% of the "
         "cores it ran on): its verdict serves this start and is not kept, so that a later "
         "start measures again",
         trial,
