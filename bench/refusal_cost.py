@@ -104,6 +104,9 @@ class ReadyWorkers:
     def concurrency(self) -> int:
         return 1
 
+    def rows_when_ready(self) -> int:
+        return 1
+
     def abandon(self, future, items=None) -> None:
         pass
 

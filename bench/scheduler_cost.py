@@ -51,6 +51,9 @@ class InstantWorkers:
     def concurrency(self) -> int:
         return self.workers
 
+    def rows_when_ready(self) -> int:
+        return self.workers
+
     def abandon(
         self, future: asyncio.Future[BatchResult], items: Collection[int] | None = None
     ) -> None:
