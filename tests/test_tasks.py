@@ -107,19 +107,33 @@ def test_another_tasks_parameters_say_which_task_takes_them():
     assert "zzz is" not in str(refused.value)
 
 
-def test_a_parameter_many_tasks_take_is_said_whole_within_the_message_bound():
-    """The README's `top_k` to the default model (feature-extraction): ten tasks named,
-    then the allowed list, cut at 300 characters before the hint that says what to do."""
+def test_unknown_parameters_are_said_with_every_parameter_the_task_takes_whole():
+    """The README's `top_k` to the default model (feature-extraction): its hint (ten tasks
+    take it) was cut at 300 characters; a generation model's allowed list then lost seed,
+    stop, temperature, top_k and top_p to the cut. The message is said whole, the client's
+    names in it bounded."""
     from rawserve.http.errors import MAX_MESSAGE_CHARS, error_document
 
     document = {"inputs": "a [MASK]", "parameters": {"top_k": 2}}
     with pytest.raises(BadRequest) as refused:
         parse_json_body("feature-extraction", document)
     message = error_document(refused.value)["error"]
-    assert len(message) <= MAX_MESSAGE_CHARS  # (the allowed list may be cut)
-    assert (
-        "top_k is a parameter of fill-mask, " in message and " other tasks (a model is" in message
-    )
+    assert "top_k is a parameter of fill-mask, " in message
+    assert " other tasks (a model is served for one task: MODEL:TASK); allowed: " in message
+    document = {"inputs": "hi", "parameters": {"candidate_labels": ["a"]}}
+    with pytest.raises(BadRequest) as refused:
+        parse_json_body("text-generation", document)
+    message = error_document(refused.value)["error"]
+    assert len(message) > MAX_MESSAGE_CHARS and not message.endswith("...")
+    assert message.endswith(
+        ", seed, stop, temperature, top_k, top_n_tokens, top_p, truncate, typical_p, watermark"
+    ), message
+    flood = {f"{index:03d}" + "x" * 1000: 1 for index in range(50)}
+    with pytest.raises(BadRequest) as refused:
+        parse_json_body("text-generation", {"inputs": "hi", "parameters": flood})
+    message = error_document(refused.value)["error"]
+    assert "x" * 41 not in message and " and 45 more; allowed: " in message
+    assert len(message) < 2 * 1024
 
 
 @pytest.mark.parametrize(

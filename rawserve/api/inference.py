@@ -57,6 +57,7 @@ from rawserve.tasks import (
     BlankInput,
     InvalidRequest,
     Task,
+    UnknownParameters,
     UnservedParameter,
     check_generation_length,
     check_input,
@@ -186,7 +187,10 @@ def parse_json_body(task_name: str, document: Any, max_items: int = 32) -> Parse
     except (BlankInput, UnservedParameter) as exc:
         raise UnprocessableInput(str(exc)) from None
     except InvalidRequest as exc:
-        raise BadRequest(str(exc)) from None
+        error = BadRequest(str(exc))
+        # (every parameter the task takes, which a cut would hide: its client's bounded)
+        error.whole = isinstance(exc, UnknownParameters)
+        raise error from None
     return ParsedRequest(inputs, checked, is_list, stream=stream)
 
 

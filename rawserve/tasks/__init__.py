@@ -24,7 +24,13 @@ from rawserve.tasks.registry import (
     split_outputs,
     task_rules,
 )
-from rawserve.tasks.rules import InvalidRequest, SingleAnswer, Task, UnservedParameter
+from rawserve.tasks.rules import (
+    InvalidRequest,
+    SingleAnswer,
+    Task,
+    UnknownParameters,
+    UnservedParameter,
+)
 from rawserve.tasks.seq2seq import GENERATE_PARAMS, SEQ2SEQ_TASKS
 from rawserve.tasks.text_classification import LOGITS_PARAM
 from rawserve.tasks.text_generation import CHAT_PARAM
@@ -41,6 +47,7 @@ __all__ = [
     "InvalidRequest",
     "SingleAnswer",
     "Task",
+    "UnknownParameters",
     "UnservedParameter",
     "batch_key",
     "check_generation_length",

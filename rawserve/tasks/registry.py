@@ -32,6 +32,7 @@ from rawserve.tasks.rules import (
     InvalidRequest,
     SingleAnswer,
     Task,
+    UnknownParameters,
     UnservedParameter,
 )
 
@@ -146,10 +147,13 @@ def check_params(task: Task, params: Mapping[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(params) - set(task.params))
     if unknown:
         allowed = ", ".join(sorted(task.params)) or "none"
-        # the other tasks' first: the allowed list is cut where the message is too long
-        raise InvalidRequest(
-            f"unknown parameter(s) for {task.name}: {', '.join(unknown)}"
-            + tasks_taking(unknown)
+        # said whole (a task's allowed list is long, and what a client needs), so the
+        # client's names in it are bounded
+        shown = [name[:NAME_CHARS_SHOWN] for name in unknown[:NAMES_SHOWN]]
+        more = f" and {len(unknown) - NAMES_SHOWN} more" if len(unknown) > NAMES_SHOWN else ""
+        raise UnknownParameters(
+            f"unknown parameter(s) for {task.name}: {', '.join(shown)}{more}"
+            + tasks_taking(unknown[:NAMES_SHOWN])
             + f"; allowed: {allowed}"
         )
     given = {name for name, value in params.items() if value is not None}
@@ -172,6 +176,8 @@ def check_params(task: Task, params: Mapping[str, Any]) -> dict[str, Any]:
 
 
 TASKS_NAMED = 3  # of the other tasks that take a parameter, the most a message names
+NAMES_SHOWN = 5  # of a request's unknown parameters, the most a refusal names
+NAME_CHARS_SHOWN = 40  # of each, the most it quotes
 
 
 def tasks_taking(names: Sequence[str]) -> str:

@@ -22,6 +22,11 @@ class InvalidRequest(ValueError):
     """An input or parameter a task's rules refuse; the message says what to fix."""
 
 
+class UnknownParameters(InvalidRequest):
+    """Parameters a task does not take: the message names every one it does, whole (the
+    client's names in it are bounded: `registry.check_params`)."""
+
+
 class UnservedParameter(InvalidRequest):
     """A parameter the task knows but this server cannot honour with the value given:
     well-formed, and refused (422) rather than ignored."""
