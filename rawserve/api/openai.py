@@ -215,19 +215,28 @@ def embedding_response(
     }
 
 
-async def check_min_tokens_room(
-    tokenizers: ServerTokenizers, model: ServedModel, generation: GenerationRequest, chat: bool
+async def check_prompt_room(
+    tokenizers: ServerTokenizers,
+    model: ServedModel,
+    generation: GenerationRequest,
+    chat: bool,
+    scored: bool,
 ) -> None:
-    """400 naming min_tokens where a prompt surely leaves less room than it asks, found
-    here before anything is queued or streamed (the worker's exact count refuses the rest,
-    a chat's template included: `name_field`); streamed, a later prompt's refusal came as
-    an error event in another shape than the whole answer's 400."""
+    """`check_lengths` for the prompts, counted once for the new tokens asked at the least:
+    422 for a prompt past the positions, and 400 naming min_tokens where a prompt surely
+    leaves less room than it asks, found here before anything is queued or streamed (the
+    worker's exact count refuses the rest, a chat's template included: `name_field`);
+    streamed, a later prompt's refusal came as an error event in another shape than the
+    whole answer's 400."""
     least = int(generation.params.get("min_new_tokens") or 0)
-    if least <= 1:
+    if scored or least <= 1:
+        await check_lengths(tokenizers, model, generation.items, chat, scored)
         return
     try:
         await check_lengths(tokenizers, model, generation.items, chat, least_new=least)
     except UnprocessableInput:
+        # a prompt past the positions says so first; else only min_tokens is at fault
+        await check_lengths(tokenizers, model, generation.items, chat)
         raise BadRequest(
             f"{MIN_TOKENS_PAST_ROOM}it is {least}, and a prompt leaves fewer of the model's "
             f"context length of {model.positions}",
@@ -455,8 +464,7 @@ class OpenAIRoutes:
         most = self.context.settings.max_client_batch_size
         check_choices(generation, most, model.serving.most_admitted)
         scored = generation.params.get("max_new_tokens") == 0  # echo: nothing after the prompt
-        await check_lengths(self.context.tokenizers, model, generation.items, chat, scored)
-        await check_min_tokens_room(self.context.tokenizers, model, generation, chat)
+        await check_prompt_room(self.context.tokenizers, model, generation, chat, scored)
         largest = self.context.settings.max_answer_bytes
         generated = 0  # the bytes the new tokens' log probabilities may take
         if generation.logprobs is not None and not generation.stream:  # (a stream: as it goes)

@@ -55,6 +55,7 @@ from rawserve.api.openai_tools import (
     read_tools,
 )
 from rawserve.api.routing import DocContext, Schema
+from rawserve.http.encoding import dumps
 from rawserve.http.errors import (
     BadRequest,
     PayloadTooLarge,
@@ -282,7 +283,7 @@ def read_metadata(name: str, value: Any, context: DocContext | None) -> dict[str
 # Fireworks' form)
 SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a json_schema's name
 SCHEMA_NAME_SCHEMA = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
-SHOWN_NAME_CHARS = 40  # of a schema name quoted in its refusal (it may be long)
+SHOWN_CHARS = 40  # of a client's value quoted in a refusal (it may be long)
 # a json_schema's fields beside its schema, as OpenAI takes them
 SCHEMA_DESCRIPTION_KEYS = {"name", "schema", "strict", "description"}
 RESPONSE_FORMAT_KEYS = {
@@ -326,7 +327,7 @@ def read_response_format(
             where = f"{name}.json_schema"
             unknown = sorted(set(described) - SCHEMA_DESCRIPTION_KEYS, key=str)
             if unknown:  # (dropped without a word, where /v1/responses refused it)
-                field = str(unknown[0])[:SHOWN_NAME_CHARS]
+                field = str(unknown[0])[:SHOWN_CHARS]
                 raise BadRequest(f'"{where}" has an unknown field: "{field}"', param=where)
             check_schema_description(where, described)
         try:
@@ -340,6 +341,12 @@ def read_response_format(
     )
 
 
+def shown(value: Any) -> str:
+    """A client's value as JSON, cut short, to quote in a refusal."""
+    text = dumps(value).decode()
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
+
 def check_schema_description(name: str, described: dict[str, Any]) -> None:
     """What OpenAI holds a json_schema's fields beside its schema to: a name of 1 to 64
     letters, digits, _ or - (vLLM takes any text: a request it answered, OpenAI refused),
@@ -349,9 +356,9 @@ def check_schema_description(name: str, described: dict[str, Any]) -> None:
             f'"{name}.name" must be a text: the name of the schema', param=f"{name}.name"
         )
     if not SCHEMA_NAME.fullmatch(described["name"]):
-        shown = json.dumps(described["name"][:SHOWN_NAME_CHARS])
+        said = shown(described["name"])
         raise BadRequest(
-            f'"{name}.name" is {shown}: it must be 1 to 64 letters, digits, "_" or "-"',
+            f'"{name}.name" is {said}: it must be 1 to 64 letters, digits, "_" or "-"',
             param=f"{name}.name",
         )
     if described.get("description") is not None and not isinstance(described["description"], str):

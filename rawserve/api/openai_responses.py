@@ -37,12 +37,14 @@ from rawserve.api.openai_generation import (
     OPENAI_RESPONSE_FORMAT,
     PROMPT_CACHE,
     SCHEMA_NAME_SCHEMA,
+    SHOWN_CHARS,
     GenerationRequest,
     check_schema_description,
     parse_chat,
     read_metadata,
     read_response_format,
     refuse_unserved,
+    shown,
     unserved,
 )
 from rawserve.api.openai_messages import CACHE_BREAKPOINT
@@ -87,7 +89,6 @@ CHAT_HABITS = {
     "tool": 'a tool\'s output is a "function_call_output" item, which this server does not serve',
     "text": 'Chat Completions\' "text" part is "input_text" here',
 }
-SHOWN_CHARS = 40  # of a client's value quoted in a refusal (it may be long)
 
 
 def read_reasoning(name: str, value: Any, context: DocContext | None) -> Any:
@@ -219,12 +220,6 @@ def refuse_unknown(item: dict[str, Any], allowed: set[str], at: str, what: str) 
 def habit(value: Any, otherwise: str) -> str:
     """What `value` is here, where it is a Chat Completions habit; else `otherwise`."""
     return CHAT_HABITS.get(value, otherwise) if isinstance(value, str) else otherwise
-
-
-def shown(value: Any) -> str:
-    """A client's value as JSON, cut short, to quote in a refusal."""
-    text = dumps(value).decode()
-    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
 
 
 def read_text(name: str, value: Any, context: DocContext | None) -> dict[str, Any] | None:

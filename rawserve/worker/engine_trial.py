@@ -69,7 +69,7 @@ class Trial:
     cached: bool = False
     this_start: bool = False  # cached by this very start (its layout trial's timers)
     lone: Mapping[Engine, float] = field(default_factory=dict)  # one item alone
-    share: float = 1.0  # of its cores the timing had (`CoreShare`; kept: not kept)
+    share: float = 1.0  # of its cores the timing had (`CoreShare`; not kept in the cache)
 
     @property
     def winner(self) -> Engine:
