@@ -149,9 +149,11 @@ def test_a_list_that_failed_says_which_input_failed():
     assert alone.value.message == "No mask_token ([MASK]) found on the input"
 
 
-def test_a_list_whose_every_input_failed_alike_names_none():
+def test_a_list_whose_every_input_failed_alike_says_so():
     """A handler's unknown keyword failed each input alike: "the input at index 0" blamed
-    one input for the request's parameters. Inputs that failed otherwise are still named."""
+    one input for the request's parameters, and a message naming none left a client of a
+    list whose every text lacked a mask to guess whether one or all did. Inputs that
+    failed otherwise are still named."""
     from rawserve.api.outcomes import unwrap_all
     from rawserve.http.errors import UnprocessableInput
 
@@ -159,7 +161,7 @@ def test_a_list_whose_every_input_failed_alike_names_none():
     keyword = ItemResult(ItemFailure(FailureKind.INPUT, said), 0.0, 1, 0.0)
     with pytest.raises(UnprocessableInput) as failed:
         unwrap_all([keyword, keyword, keyword])
-    assert failed.value.message == said
+    assert failed.value.message == f"each of the 3 inputs: {said}"
     other = ItemResult(ItemFailure(FailureKind.INPUT, "another fault"), 0.0, 1, 0.0)
     with pytest.raises(UnprocessableInput) as failed:
         unwrap_all([keyword, other])

@@ -85,12 +85,18 @@ def unwrap_all(results: Sequence[ItemResult], names: Sequence[str] | None = None
     message says which input it was (of a list of texts, one without a mask failed the
     request 422 "No mask_token ([MASK]) found on the input", and its client could not
     tell which): as `names` calls each, where the inputs are not the body's one list.
-    Where every input failed alike, the request's parameters did (a handler's unknown
-    keyword was "the input at index 0"): no input is named."""
+    Where every input failed alike, the message says so ("each of the 3 inputs: ..."):
+    the request's parameters may be at fault (a handler's unknown keyword was "the input
+    at index 0"), or each input (none with a mask), and either way no one input is."""
     for index, result in enumerate(results):
         failure = result.output
         if isinstance(failure, ItemFailure):
-            which = None if failed_alike(results) else input_name(index, len(results), names)
+            alike = failed_alike(results)
+            which = (
+                f"each of the {len(results)} inputs"
+                if alike
+                else input_name(index, len(results), names)
+            )
             if which is not None:
                 failure = replace(failure, message=f"{which}: {failure.message}")
             raise failure_error(failure)
