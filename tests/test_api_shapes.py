@@ -38,6 +38,7 @@ from rawserve.api.openai_generation import (
 )
 from rawserve.api.openai_messages import MESSAGE, MESSAGE_KEYS, messages
 from rawserve.api.openai_responses import ResponseAnswer, parse_response
+from rawserve.api.openai_responses_input import read_input
 from rawserve.api.openai_tools import Tools
 from rawserve.api.routing import DocContext
 from rawserve.api.served import ServedModel, ServedModels
@@ -2461,6 +2462,44 @@ def test_a_malformed_response_input_item_is_400_naming_the_item_and_its_field(gi
     error = body["error"]
     assert (status, error["param"], sent) == (400, param, []), error
     assert words in error["message"] and len(error["message"]) < 300, error
+
+
+def test_a_responses_input_is_read_into_a_chats_messages_without_the_route():
+    """The Responses API's input reader alone (`openai_responses_input`): a text is the
+    user's message; a message's text parts are joined, an assistant's refusal part the
+    text it answered; a reasoning item is the next assistant message's thinking; a
+    malformed part is refused naming its field."""
+    assert read_input("input", "hi", None) == [{"role": "user", "content": "hi"}]
+    thought = {
+        "type": "reasoning",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "hm"}],
+    }
+    said = [
+        {"type": "output_text", "text": "I ", "annotations": []},
+        {"type": "refusal", "refusal": "cannot"},
+    ]
+    given = [
+        {
+            "role": "user",
+            "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}],
+        },
+        thought,
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": said,
+            "id": "msg_1",
+            "status": "completed",
+        },
+    ]
+    assert read_input("input", given, None) == [
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "I cannot", "reasoning_content": "hm"},
+    ]
+    with pytest.raises(BadRequest, match="must be a text") as held:
+        read_input("input", text_parts({"type": "input_text", "text": 5}), None)
+    assert held.value.param == "input[0].content[0].text"
 
 
 @pytest.mark.parametrize(
