@@ -62,7 +62,7 @@ def ids_of(runner, messages, tools=None):
 
 def whole(runner, messages):
     """The chat tokenized as it was before sanitizing: its rendered text at once."""
-    text = runner.chat_text(messages, None)
+    text = runner.chat.text(messages, None)
     return runner.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -86,7 +86,7 @@ def test_control_tokens_the_model_lists_itself_are_the_ones_kept(tiny_model):
     runner = chat_runner(tiny_model, PIECES, added=ROLES)
     system = runner.tokenizer.convert_tokens_to_ids("<|system|>")
     runner.tokenizer.chat_control_tokens = ["<|user|>", "<|assistant|>"]
-    runner.chat_controls = ChatControls(runner.tokenizer)  # as it loads
+    runner.chat.controls = ChatControls(runner.tokenizer)  # as it loads
     ids = ids_of(runner, [{"role": "user", "content": "hi<|system|>"}])
     assert runner.tokenizer.chat_control_tokens == ["<|user|>", "<|assistant|>"]
     assert ids.count(system) == 1  # the model's list leaves it out: a token
@@ -121,13 +121,13 @@ def test_the_control_tokens_are_worked_out_once_for_a_template_and_vocabulary(
         return added.fget(tokenizer)
 
     monkeypatch.setattr(type(runner.tokenizer), "added_tokens_decoder", property(walked))
-    runner.chat_controls.declare()
-    runner.chat_controls.declare()
+    runner.chat.controls.declare()
+    runner.chat.controls.declare()
     assert len(walks) == 1
     runner.tokenizer.add_tokens(["<|tool|>"])
-    assert runner.chat_controls.declare().search("a <|tool|>")
+    assert runner.chat.controls.declare().search("a <|tool|>")
     runner.tokenizer.chat_template = PIECES + " "
-    runner.chat_controls.declare()
+    runner.chat.controls.declare()
     assert len(walks) == 3
 
 

@@ -2181,7 +2181,7 @@ def test_control_tokens_a_message_spells_out_stay_text_in_its_turn(tiny_model):
     assert raw.count(opened) == 1 and raw.count(closed) == 1
     # a message without them is tokenized as its rendered text always was
     plain = {"messages": [{"role": "user", "content": "hello there"}]}
-    rendered = chat_runner.chat_text(plain["messages"], None)
+    rendered = chat_runner.chat.text(plain["messages"], None)
     assert (
         chat_runner.prompt_ids(plain, {CHAT_PARAM: True})
         == (tokenizer(rendered, add_special_tokens=False)["input_ids"])
@@ -2285,12 +2285,12 @@ def test_a_developer_message_is_a_system_one_unless_the_template_names_the_role(
         {"role": "developer", "content": "answer in French"},
         {"role": "user", "content": "hi"},
     ]
-    assert chat_runner.chat_text(messages, None) == "[answer in French]user: hi\n"
+    assert chat_runner.chat.text(messages, None) == "[answer in French]user: hi\n"
     chat_runner.tokenizer.chat_template = (  # one that has a place of its own for the role
         "{% for m in messages %}{% if m['role'] == 'developer' %}dev {% endif %}"
         "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     )
-    assert chat_runner.chat_text(messages, None) == ("dev developer: answer in French\nuser: hi\n")
+    assert chat_runner.chat.text(messages, None) == ("dev developer: answer in French\nuser: hi\n")
 
 
 def test_a_reasoning_models_template_is_said_to_drop_earlier_thinking(tiny_model):
@@ -2333,8 +2333,8 @@ def test_chat_template_kwargs_are_the_templates_variables(tiny_model):
     )
     chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32, thinking)
     messages = [{"role": "user", "content": "hi"}]
-    assert chat_runner.chat_text(messages, None) == "hi\n"
-    assert chat_runner.chat_text(messages, None, variables={"enable_thinking": False}) == (
+    assert chat_runner.chat.text(messages, None) == "hi\n"
+    assert chat_runner.chat.text(messages, None, variables={"enable_thinking": False}) == (
         "hi\n<think></think>"
     )
     chat = {"messages": messages, "template_kwargs": {"enable_thinking": False}}
@@ -2366,17 +2366,17 @@ def test_tools_go_to_the_template_or_else_to_the_last_message(tiny_model):
 
     chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32)
     messages = [{"role": "user", "content": "what time is it"}]
-    told = chat_runner.chat_text(messages, [TOOL])  # this template leaves tools out
-    assert told != chat_runner.chat_text(messages, None)
+    told = chat_runner.chat.text(messages, [TOOL])  # this template leaves tools out
+    assert told != chat_runner.chat.text(messages, None)
     assert '"name": "get_time"' in told and "To call one, answer" in told
     assert "To call several" not in told
-    assert "To call several, answer a list" in chat_runner.chat_text(messages, [TOOL], True)
+    assert "To call several, answer a list" in chat_runner.chat.text(messages, [TOOL], True)
     chat_runner.tokenizer.chat_template = (  # one that shows them itself
         "{% if tools %}tools: {{ tools | map(attribute='function.name') | join(',') }}\n"
         "{% endif %}{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
     )
-    assert chat_runner.chat_text(messages, [TOOL]) == "tools: get_time\nwhat time is it\n"
-    told = chat_runner.chat_text(messages, [TOOL], tool_prompt="use a tool")  # TGI's
+    assert chat_runner.chat.text(messages, [TOOL]) == "tools: get_time\nwhat time is it\n"
+    told = chat_runner.chat.text(messages, [TOOL], tool_prompt="use a tool")  # TGI's
     assert told == "tools: get_time\nwhat time is it\n\nuse a tool\n"
 
 
@@ -2389,7 +2389,7 @@ def test_tools_described_in_the_last_message_keep_their_own_script(tiny_model):
 
     chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32)
     described = {**TOOL["function"], "description": "查询城市天气 ☀️"}
-    told = chat_runner.chat_text(
+    told = chat_runner.chat.text(
         [{"role": "user", "content": "天气"}], [{**TOOL, "function": described}]
     )
     assert '"description": "查询城市天气 ☀️"' in told and "\\u" not in told
@@ -2402,10 +2402,10 @@ def test_a_tool_prompt_comes_before_the_tools_described_and_only_with_them(tiny_
 
     chat_runner = CausalLMRunner(tiny_model("chat"), "cpu", torch.float32)
     messages = [{"role": "user", "content": "what time is it"}]
-    told = chat_runner.chat_text(messages, [TOOL], tool_prompt="pick a tool")
+    told = chat_runner.chat.text(messages, [TOOL], tool_prompt="pick a tool")
     assert "what time is it\n\npick a tool\n\nTools you may call: " in told
-    plain = chat_runner.chat_text(messages, None)
-    assert chat_runner.chat_text(messages, None, tool_prompt="pick a tool") == plain
+    plain = chat_runner.chat.text(messages, None)
+    assert chat_runner.chat.text(messages, None, tool_prompt="pick a tool") == plain
 
 
 # Mistral's templates (Mistral 7B v0.3's, Nemo's, Small's) check each tool call id so
@@ -2417,6 +2417,33 @@ MISTRAL_IDS = (
     "'Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
     "[RESULT {{ m.tool_call_id }}]{% endif %}{{ m.content }}\n{% endfor %}"
 )
+
+
+def test_a_chat_renders_from_its_tokenizer_alone_as_the_runner_renders_it(tiny_model):
+    """Rendering a chat (rawserve.worker.chat_rendering) needs the tokenizer, never the
+    model: a renderer of a bare tokenizer makes the runner's prompt, tools and all."""
+    import torch
+    import transformers
+
+    from rawserve.tasks import CHAT_PARAM
+    from rawserve.worker.causal_lm import CausalLMRunner
+    from rawserve.worker.chat_rendering import ChatRenderer
+
+    folder = tiny_model("chat")
+    renderer = ChatRenderer(transformers.AutoTokenizer.from_pretrained(folder))
+    chat = {
+        "messages": [
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": "what time is it</s>"},
+        ],
+        "tools": [TOOL],
+        "parallel_tool_calls": True,
+    }
+    runner = CausalLMRunner(folder, "cpu", torch.float32)
+    ids = renderer.prompt_ids(chat)
+    assert ids == runner.prompt_ids(chat, {CHAT_PARAM: True})
+    text = renderer.tokenizer.decode(ids)
+    assert "<s>system\nbe brief" in text and "To call several" in text
 
 
 def test_a_mistral_template_takes_openais_tool_call_ids_as_nine_characters(tiny_model):
@@ -2442,7 +2469,7 @@ def test_a_mistral_template_takes_openais_tool_call_ids_as_nine_characters(tiny_
         {"role": "tool", "tool_call_id": "call_0123456789abcdef01234567", "content": "noon"},
         {"role": "tool", "tool_call_id": "a1B2c3D4e", "content": "noon"},
     ]
-    text = chat_runner.chat_text(messages, None)
+    text = chat_runner.chat.text(messages, None)
     shortened = re.fullmatch(
         r"what time is it\n\[CALL (\w{9})\]\[CALL a1B2c3D4e\]\n"
         r"\[RESULT (\w{9})\]noon\n\[RESULT a1B2c3D4e\]noon\n",
@@ -2454,7 +2481,7 @@ def test_a_mistral_template_takes_openais_tool_call_ids_as_nine_characters(tiny_
         "{% for m in messages %}{% for call in m.tool_calls or [] %}[CALL {{ call.id }}]"
         "{% endfor %}{{ m.tool_call_id }}{% endfor %}"
     )
-    assert chat_runner.chat_text(messages, None) == (
+    assert chat_runner.chat.text(messages, None) == (
         "[CALL call_0123456789abcdef01234567][CALL a1B2c3D4e]call_0123456789abcdef01234567a1B2c3D4e"
     )
 

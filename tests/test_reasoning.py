@@ -237,7 +237,7 @@ def test_a_template_that_writes_the_closing_tag_makes_a_reasoning_model(tiny_mod
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "Hello!", "reasoning_content": "Let me see."},
     ]
-    assert "<think>\nLet me see.\n</think>\n\nHello!" in runner.chat_text(chat, None)
+    assert "<think>\nLet me see.\n</think>\n\nHello!" in runner.chat.text(chat, None)
 
 
 def replayed(shape: Callable[[dict], Any]) -> Any:

@@ -7,19 +7,15 @@ step: it turns each row's new token into text, ends rows that produced a stop se
 hands tokens to a streamed request's sink, and stops everything when the server says
 the stream's client has gone (a shared integer, checked once a step); under a model's beam
 search it follows `generate`'s answers once it is done (beam_search). This module holds
-the runner: prompts and chats, the settings of each request, the answer's shape, and
-the items it hands the continuous loop.
+the runner: prompts (a chat's rendered by its `ChatRenderer`, in chat_rendering), the
+settings of each request, the answer's shape, and the items it hands the continuous loop.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import re
 from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
 
-import jinja2
 import torch
 import transformers
 
@@ -28,7 +24,6 @@ from rawserve.shared.token_columns import columns, token_lists
 from rawserve.tasks import CHAT_PARAM, check_new_tokens
 from rawserve.tasks.text_generation import (
     API_SAMPLING,
-    CHAT_TEMPLATE_REFUSED,
     CLOSED_IN_PROMPT,
     MIN_TOKENS_PAST_ROOM,
     OPENED_IN_ANSWER,
@@ -44,16 +39,8 @@ from rawserve.tasks.text_generation import (
     stops_after,
 )
 from rawserve.worker.beam_search import BEAMS_REFUSE_GRAMMARS, BeamStops, beam_count, replay
-from rawserve.worker.chat_controls import (
-    ChatControls,
-    can_sanitize,
-    check_names,
-    holding,
-    named_parts,
-    thinking_apart,
-    unmarked,
-    unquoted,
-)
+from rawserve.worker.chat_controls import can_sanitize
+from rawserve.worker.chat_rendering import ChatRenderer, check_template
 from rawserve.worker.continuous import (
     Generation,
     cache_keyword,
@@ -106,9 +93,6 @@ from rawserve.worker.text_pieces import (
 
 # The text-generation pipeline's defaults, for what the model's generation config leaves unset.
 PIPELINE_DEFAULTS: dict[str, Any] = {"max_new_tokens": 256, "do_sample": True, "temperature": 0.7}
-# transformers' words for a control token in a message that its tokenizer also makes
-# from plain text (so it cannot be kept as text)
-UNSANITIZABLE = re.compile(r"Can't sanitize (.+): the tokenizer produces it from plain text")
 # What `generate` samples with where neither the request nor the model's generation config
 # says (transformers' global defaults that change a draw; the others are neutral): the
 # continuous loop draws as `generate` would.
@@ -157,13 +141,6 @@ OPENING_TOKENS = 32
 # a prompt's scores: each token's log probability given the ones before it (from the
 # second on), and the likeliest tokens at each of those positions, (id, log probability)
 PromptScores = tuple[list[float], list[list[tuple[int, float]]]]
-# tools told to a model whose chat template leaves them out (the answer is held to the form)
-TOOLS_DESCRIBED = (
-    '\n\nTools you may call: {}\nTo call one, answer {{"name": ..., "arguments": {{...}}}}.'
-)
-SEVERAL_CALLS = " To call several, answer a list of them."
-# Mistral's templates refuse a tool call id that is not 9 letters and digits, in these words
-NINE_CHARACTER_IDS = "alphanumeric strings with length 9"
 # Llama 3.1-3.3's templates refuse an answer of several tool calls, in these words
 ONE_CALL_AT_ONCE = "only supports single tool-calls at once"
 
@@ -182,26 +159,6 @@ def first_token_held(params: Mapping[str, Any]) -> bool:
     its thinking stays in the text (`THINKING_IN_CONTENT`), as vLLM's without a reasoning
     parser, it does not think first."""
     return bool(params.get("grammar") and params.get(THINKING_IN_CONTENT))
-
-
-def nine_character_ids(message: dict[str, Any]) -> dict[str, Any]:
-    """`message` with each tool call id that is not 9 letters and digits as 9 that are: the
-    first 9 hex digits of its SHA-256, the same for a call and the answer naming it."""
-    if isinstance(message.get("tool_call_id"), str):
-        message = {**message, "tool_call_id": nine_characters(message["tool_call_id"])}
-    if message.get("tool_calls"):
-        calls = [
-            {**call, "id": nine_characters(call["id"])} if isinstance(call.get("id"), str) else call
-            for call in message["tool_calls"]
-        ]
-        message = {**message, "tool_calls": calls}
-    return message
-
-
-def nine_characters(call_id: str) -> str:
-    if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
-        return call_id
-    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
 def lists_tokens(params: dict[str, Any], control: Control) -> bool:
@@ -263,20 +220,6 @@ def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[st
     return kwargs
 
 
-def check_template(tokenizer: Any) -> None:
-    """ValueError, at load, for a --chat-template that is not Jinja: each chat would
-    otherwise be refused with 422 as if its messages were at fault. (Rendering a chat
-    compiles the whole template; only a syntax error is the template's own fault.)"""
-    try:
-        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(
-            f"--chat-template: the template is not valid Jinja: {exc} (line {exc.lineno})"
-        ) from None
-    except Exception:  # noqa: BLE001 - what it does with this chat is for each request
-        pass
-
-
 class CausalLMRunner(Runner):
     """text-generation on an `AutoModelForCausalLM`: batched with left padding, in the
     Inference API's shapes."""
@@ -289,7 +232,7 @@ class CausalLMRunner(Runner):
         if chat_template is not None:
             tokenizer.chat_template = chat_template
             check_template(tokenizer)
-        self.chat_controls = ChatControls(tokenizer)
+        self.chat = ChatRenderer(tokenizer)
         if tokenizer.chat_template:
             can_sanitize(tokenizer)
         self.model, untrained = load_model("AutoModelForCausalLM", model, dtype=torch_dtype)
@@ -327,11 +270,11 @@ class CausalLMRunner(Runner):
         self.counted_roles: list[str] = []
         self.parts_written = False
         if tokenizer.chat_template:
-            self.counted_roles = rendered_roles(self.chat_text)
-            self.parts_written = writes_parts(self.chat_text)
+            self.counted_roles = rendered_roles(self.chat.text)
+            self.parts_written = writes_parts(self.chat.text)
             # a template that leaves messages out adds nothing sure for each one
-            self.message_tokens = message_tokens(self._chat_ids) if self.counted_roles else 0
-            self.tools_as_json = renders_tools_as_json(self.chat_text)
+            self.message_tokens = message_tokens(self.chat.plain_ids) if self.counted_roles else 0
+            self.tools_as_json = renders_tools_as_json(self.chat.text)
 
     def _without_kv_cache(self) -> str:
         """Why the model's forward pass gives the continuous loop no KV cache to keep for
@@ -442,7 +385,7 @@ class CausalLMRunner(Runner):
         if not self.reasons:
             return None
         try:
-            prompt = self._render([{"role": "user", "content": "hi"}], None, {})
+            prompt = self.chat.render([{"role": "user", "content": "hi"}], None, {})
         except (WrittenForClients, ValueError):  # (it asks for more than one message)
             return OPENED_IN_ANSWER
         return OPENED_IN_PROMPT if prompt.rstrip().endswith(REASONING_START) else OPENED_IN_ANSWER
@@ -522,14 +465,7 @@ class CausalLMRunner(Runner):
         rendered with the chat template, or ids as they came (OpenAI's completions take
         them; ValueError for one the model has no embedding for)."""
         if params.get(CHAT_PARAM):
-            parts = self._chat_parts(
-                item["messages"],
-                item.get("tools"),
-                item.get("parallel_tool_calls", False),
-                item.get("tool_prompt", ""),
-                {**item.get("template_kwargs", {}), **item.get("opening", {})},
-            )
-            ids = self._render_ids(*parts)
+            ids = self.chat.prompt_ids(item)
             self.refuse_unreadable([ids])
             return ids
         if isinstance(item, list):
@@ -543,113 +479,6 @@ class CausalLMRunner(Runner):
         ids = list(self.tokenizer(item)["input_ids"])
         self.refuse_unreadable([ids])
         return ids
-
-    def _chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """A chat's token ids, with no tools or settings."""
-        return self._render_ids(*self._chat_parts(messages, None, False, "", None))
-
-    def chat_text(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[Any] | None,
-        several: bool = False,
-        tool_prompt: str = "",
-        variables: dict[str, Any] | None = None,
-    ) -> str:
-        """A chat rendered with the model's template (`_chat_parts` says what goes in)."""
-        return self._render(*self._chat_parts(messages, tools, several, tool_prompt, variables))
-
-    def _chat_parts(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[Any] | None,
-        several: bool,
-        tool_prompt: str,
-        variables: dict[str, Any] | None,
-    ) -> tuple[list[dict[str, Any]], list[Any] | None, dict[str, Any]]:
-        """What a chat is rendered from: its messages, with the tools it may call: where
-        the template leaves tools out, they are described at the end of the last message
-        (and, where `several`, how to call several at once). A `tool_prompt` (TGI's) goes
-        at the end of the last message, before that description, as TGI puts it there.
-        OpenAI's `developer` messages are `system` ones to a template that does not name
-        that role (most do not: they would drop it, or refuse it), as vLLM reads them.
-        `variables`: the template's own settings a client asked for (vLLM's
-        `chat_template_kwargs`, such as Qwen3's `enable_thinking`), and how the answer
-        opens (vLLM's `add_generation_prompt`, true unless said, and
-        `continue_final_message`: the last message's text goes on, as a prefill). A template
-        that takes only Mistral's tool call ids (9 letters and digits) gets every other id
-        as 9 of its own, a call's and its answer's the same, as vLLM shortens them for
-        Mistral: OpenAI's ids (rawserve's own answers' too) are longer."""
-        variables = variables or {}
-        messages = thinking_apart(messages, str(self.tokenizer.chat_template))
-        if "developer" not in str(self.tokenizer.chat_template):
-            messages = [
-                {**message, "role": "system"} if message["role"] == "developer" else message
-                for message in messages
-            ]
-        if NINE_CHARACTER_IDS in str(self.tokenizer.chat_template):
-            messages = [nine_character_ids(message) for message in messages]
-        if tools and tool_prompt:
-            last = {**messages[-1], "content": messages[-1]["content"] + "\n\n" + tool_prompt}
-            messages = [*messages[:-1], last]
-        if tools and self._render(messages, tools, variables) == self._render(
-            messages, None, variables
-        ):
-            described = TOOLS_DESCRIBED.format(
-                json.dumps([tool["function"] for tool in tools], ensure_ascii=False)
-            )
-            described += SEVERAL_CALLS if several else ""
-            last = {**messages[-1], "content": messages[-1]["content"] + described}
-            return [*messages[:-1], last], None, variables
-        return messages, tools, variables
-
-    def _render(
-        self, messages: list[dict[str, Any]], tools: list[Any] | None, variables: dict[str, Any]
-    ) -> str:
-        return str(self._apply_template(messages, tools, variables, tokenize=False))
-
-    def _render_ids(
-        self, messages: list[dict[str, Any]], tools: list[Any] | None, variables: dict[str, Any]
-    ) -> list[int]:
-        """A chat's token ids. The template writes the special tokens it wants (a BOS)
-        itself, and its control tokens (`<|im_start|>`, `</s>`) are tokens only where it
-        writes them: the same words inside a message, a tool or a template setting are
-        text, so a client's message that spells out `<|im_end|><|im_start|>system` stays in
-        its own turn instead of opening a system one (transformers'
-        `sanitize_control_tokens`, with the control tokens and the names that
-        rawserve.worker.chat_controls adds)."""
-        check_names(named_parts(messages, tools, variables), self.chat_controls.declare())
-        return list(self._apply_template(messages, tools, variables, tokenize=True))
-
-    def _apply_template(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[Any] | None,
-        variables: dict[str, Any],
-        tokenize: bool,
-    ) -> Any:
-        tokenized = {"sanitize_control_tokens": True, "return_dict": False} if tokenize else {}
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools,
-                tokenize=tokenize,
-                **tokenized,
-                **{"add_generation_prompt": True, **variables},
-            )
-        except jinja2.TemplateError as exc:  # the template refuses these messages
-            raise WrittenForClients(f"{CHAT_TEMPLATE_REFUSED}{unmarked(str(exc))}") from None
-        except Exception as exc:  # noqa: BLE001 - it breaks on these messages: theirs to change
-            if unsanitizable := UNSANITIZABLE.match(str(exc)):  # (a token may hold a "/")
-                part = holding(unquoted(unsanitizable[1]), named_parts(messages, tools, variables))
-                held = "the chat holds" if part == "chat" else f"the chat's {part} hold"
-                raise WrittenForClients(
-                    f"{held} {unsanitizable[1]}, a control token of the chat template that "
-                    "this model's tokenizer cannot read as text"
-                ) from None
-            # its words, not Python's class of them (a client's message names no internals)
-            reason = unmarked(str(exc)) or "it raised an error"
-            raise ValueError(f"the chat template failed on these messages ({reason})") from None
 
     def _check_lengths(self, params: dict[str, Any], longest_prompt: int) -> None:
         """ValueError when the new tokens asked, or a prompt, cannot fit the positions (a
