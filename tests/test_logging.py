@@ -285,6 +285,27 @@ def test_a_traceback_stays_on_one_line_in_both_formats():
     assert "ValueError" in json.loads(JsonFormatter().format(failed))["exception"]
 
 
+def test_a_message_past_its_bound_is_cut_in_both_formats():
+    """A library's warning quoted a client's whole fill-mask target: one line of 900,000
+    characters a request. The message is cut, saying how much; a traceback is kept."""
+    from rawserve.shared.logs import MAX_MESSAGE_CHARS
+
+    target = "q" * 900_000
+    warned = record("The specified target token `%s` does not exist")
+    warned.args = (target,)
+    try:
+        raise ValueError("x" * (2 * MAX_MESSAGE_CHARS))
+    except ValueError:
+        warned.exc_info = sys.exc_info()
+    for line in (TextFormatter().format(warned), JsonFormatter().format(warned)):
+        assert len(line) < 4 * MAX_MESSAGE_CHARS
+        assert f"... ({900_000 + 44 - MAX_MESSAGE_CHARS:,} more characters)" in line
+    assert "x" * (2 * MAX_MESSAGE_CHARS) in json.loads(JsonFormatter().format(warned))["exception"]
+    short = record("fine")
+    assert json.loads(JsonFormatter().format(short))["message"] == "fine"
+    assert TextFormatter().format(short).endswith(" fine")
+
+
 # What a client's text may carry into a message (a handler's error quoting its input):
 # a carriage return and a line of the server's own, a terminal's escape, line separators
 FORGED_TEXT = "bad\r2026-01-01 00:00:00,000 rawserve ERROR forged\x1b[2J\u2028\u2029\x85\x9b\x7f"

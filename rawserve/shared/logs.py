@@ -38,6 +38,12 @@ CHATTY_LOGGERS = ("httpx2", "httpx", "httpcore", "onnxscript", "onnx_ir")
 # about an item names the request the access log names (tasks the answer starts inherit it)
 REQUEST_ID: ContextVar[str] = ContextVar("rawserve_request_id", default="")
 
+# A message is cut past this many characters: a library's warning may quote a client's
+# whole input (transformers' fill-mask wrote a 900,000-character target into one line),
+# and a request may not write its body into the log. Our own messages quote clients'
+# values cut far shorter; a traceback is kept whole.
+MAX_MESSAGE_CHARS = 16 * 1024
+
 # Attributes every LogRecord has; anything else on a record came from `extra=`.
 _STANDARD_ATTRIBUTES = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 
@@ -62,6 +68,14 @@ def without_credentials(text: str) -> str:
     if "@" not in text:
         return text  # nearly every line: no search
     return URL_CREDENTIALS.sub(r"\1<credentials>@", text)
+
+
+def bounded(message: str) -> str:
+    """`message`, cut past `MAX_MESSAGE_CHARS` with a note of how much was left out."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    cut = len(message) - MAX_MESSAGE_CHARS
+    return f"{message[:MAX_MESSAGE_CHARS]}... ({cut:,} more characters)"
 
 
 def printable(line: str) -> str:
@@ -121,6 +135,10 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         return printable(without_credentials(super().format(record)))
 
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802
+        record.message = bounded(record.message)
+        return super().formatMessage(record)
+
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
         if datefmt is not None:
             return super().formatTime(record, datefmt)
@@ -146,7 +164,8 @@ class JsonFormatter(logging.Formatter):
         self.fields = dict(fields or {})
 
     def format(self, record: logging.LogRecord) -> str:
-        document = json_document(record.created, record.levelname, record.name, record.getMessage())
+        message = bounded(record.getMessage())
+        document = json_document(record.created, record.levelname, record.name, message)
         document.update(self.fields)
         for key, value in vars(record).items():
             if key not in _STANDARD_ATTRIBUTES and key not in document:
