@@ -91,3 +91,23 @@ def test_a_worker_leaves_what_it_loaded_out_of_the_collectors_full_passes():
     assert status == 200
     assert state["frozen"] > 10_000  # the imports and the handler, at least
     assert state["tracked"] < state["frozen"]  # only what came after is collected
+
+
+def test_glibc_is_looked_up_once(monkeypatch):
+    """`find_library` runs `ldconfig -p` (about 1 ms): /tokenize paid it at each trim."""
+    import ctypes.util
+
+    from rawserve.shared import memory
+
+    looked_up = []
+    find_library = ctypes.util.find_library
+    monkeypatch.setattr(
+        ctypes.util, "find_library", lambda name: looked_up.append(name) or find_library(name)
+    )
+    memory._libc.cache_clear()
+    try:
+        for _ in range(3):
+            memory.give_back_free_memory()
+    finally:
+        memory._libc.cache_clear()
+    assert len(looked_up) <= 1  # (none off Linux)

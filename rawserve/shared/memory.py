@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import sys
@@ -45,10 +46,16 @@ def _glibc_function(name: str) -> Any | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return getattr(libc, name)
+        return getattr(_libc(), name)
     except (OSError, AttributeError):
         return None
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library, looked up once: `find_library` runs `ldconfig -p` (about 1 ms), and
+    /tokenize trims after each large answer."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
 def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
