@@ -1681,6 +1681,23 @@ def test_where_the_positions_are_unknown_new_tokens_stop_at_4096(path, body, fie
     assert (status, sent) == (400 if field else 422, [])
 
 
+BAD_MAX_TOKENS = ["x", True, -5, [1, 2], {}, float("nan"), float("inf"), 2**70]
+
+
+@pytest.mark.parametrize("bad", BAD_MAX_TOKENS, ids=repr)
+def test_a_chat_s_max_tokens_is_checked_beside_max_completion_tokens(bad):
+    """A chat's older `max_tokens` went unread where `max_completion_tokens` was sent, so
+    any value of it was taken (200) that alone is a 400; OpenAI and vLLM check each field
+    sent. Both good: `max_completion_tokens` wins, as before."""
+    body = {"messages": HI, "max_completion_tokens": 3, "max_tokens": bad}
+    status, answer, sent = generated("/v1/chat/completions", body, 8192)
+    assert (status, answer["error"]["param"], sent) == (400, "max_tokens", [])
+    body = {"messages": HI, "max_completion_tokens": 3, "max_tokens": 5}
+    status, answer, sent = generated("/v1/chat/completions", body, 8192)
+    assert status == 200, answer
+    assert [params["max_new_tokens"] for params in sent] == [3]
+
+
 def test_a_completion_asking_no_max_tokens_gets_16_new_tokens_as_openais_does():
     """OpenAI's documented default on /v1/completions, and the README's: without it an
     answer runs to the model's own default (its generation config's, else 256 tokens),

@@ -166,9 +166,12 @@ def generation_params(
         API_SAMPLING: True,
     }
     max_tokens = fields.value(max_tokens_field)
-    if max_tokens is None and max_tokens_field != "max_tokens":
-        max_tokens = fields.value("max_tokens")
-        max_tokens_field = "max_tokens"
+    if max_tokens_field != "max_tokens":
+        # chat's older name, checked even where the newer one wins (as OpenAI and vLLM
+        # check each field sent): a bad value beside a good one was taken, 200
+        older = fields.value("max_tokens")
+        if max_tokens is None:
+            max_tokens, max_tokens_field = older, "max_tokens"
     if max_tokens is None:
         max_tokens = default
     if max_tokens is not None:
