@@ -132,6 +132,7 @@ async def test_the_protocols_own_refusals_on_v1_are_openais_error_object(fields,
     loop = asyncio.get_running_loop()
     for path, shape in (
         (b"/v1/embeddings", "openai"),
+        (b"/embeddings", "openai"),  # (TEI's name for it: one shape a route)
         (b"/", "rawserve"),
         (b"/generate", "rawserve"),
     ):

@@ -157,8 +157,10 @@ class App:
         """How the protocol's own refusals (framing, size, coding) are shaped: OpenAI's
         object on its routes, whose clients read no other; rawserve's shape elsewhere
         (TGI's and TEI's types are for their inputs' validation: TGI's would make a
-        refused framing's 400 a 422)."""
-        return openai_error_response if speaks_openai(request.path) else None
+        refused framing's 400 a 422). A SageMaker name takes the shape of the route it
+        stands for (TEI's `/embeddings`: OpenAI's, as everything else it answers)."""
+        path = sagemaker.target(request, self.models, body_read=False).path
+        return openai_error_response if speaks_openai(path) else None
 
     def speaks_tgi(self, request: HttpRequest) -> bool:
         """TGI's routes, and `POST /` (or `/models/<name>`) on a text-generation model:
