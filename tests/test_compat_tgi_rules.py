@@ -313,6 +313,34 @@ async def test_generate_refuses_an_unserved_parameter_with_422_in_tgis_shape():
     assert "'watermark' is not supported" in json.loads(response.body)["error"]
 
 
+@pytest.mark.parametrize("stream", ["zzz", "yes", {}, float("nan"), 2**70], ids=repr)
+@pytest.mark.parametrize("path", ["/generate", "/generate_stream", "/", "/invocations"])
+async def test_a_stream_that_is_not_a_boolean_is_refused_on_every_generate_route(path, stream):
+    """/generate and /generate_stream dropped "stream" unread, though /openapi.json
+    documents it a boolean there (and SageMaker's /invocations, which reads only true as
+    streamed, went on to /generate with it): any value was taken, 200, where POST / says
+    422."""
+    app = App(ServedModels([generation_model()]))
+    response = await app.handle(post(path, {"inputs": "once", "stream": stream}))
+    assert response.status == 422, response.body
+    assert json.loads(response.body) == {
+        "error": '"stream" must be true or false',
+        "error_type": "validation",
+    }
+
+
+@pytest.mark.parametrize("stream", [True, False, None])
+async def test_the_generate_routes_take_a_boolean_stream_and_stream_as_their_path_says(stream):
+    """As TGI's router ignores "stream" on /generate and /generate_stream."""
+    app = App(ServedModels([generation_model()]))
+    answer = await app.handle(post("/generate", {"inputs": "once", "stream": stream}))
+    assert (answer.status, json.loads(answer.body)) == (200, {"generated_text": " and so on"})
+    answer = await app.handle(post("/generate_stream", {"inputs": "once", "stream": stream}))
+    assert (answer.status, answer.content_type) == (200, "text/event-stream")
+    assert answer.stream is not None
+    await answer.stream.aclose()
+
+
 # --- errors typed as TGI types them -------------------------------------------------
 
 # what TGI's validation refuses (422 "validation", which TGI's client and InferenceClient

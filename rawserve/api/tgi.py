@@ -168,8 +168,9 @@ class TgiRoutes:
             if "inputs" in document and not isinstance(document["inputs"], str):
                 raise BadRequest('"inputs" must be one text')
             name = document.get("model")
-            # the route says whether it streams ("stream" is for TGI's POST /)
-            document = {k: v for k, v in document.items() if k not in ("stream", "model")}
+            # the route says whether it streams, as TGI's router ignores "stream" here; but
+            # it is left in to be checked: documented a boolean, anything else was taken
+            document = {k: v for k, v in document.items() if k != "model"}
         model = self.context.model_for(name, GENERATION, queued_for=request)
         parsed = parse_json_body(TASK, document, 1)
         # TGI's defaults: the continuation alone, and greedy (a temperature, top_k or top_p
