@@ -2481,6 +2481,38 @@ def test_a_malformed_response_input_item_is_400_naming_the_item_and_its_field(gi
     assert words in error["message"] and len(error["message"]) < 300, error
 
 
+@pytest.mark.parametrize(
+    ("raw", "words"),
+    [
+        (b'[{"role": 1e400, "content": "hi"}]', '"input[0].role" is Infinity: it takes'),
+        (b'[{"role": -1e400, "content": "hi"}]', '"input[0].role" is -Infinity: it takes'),
+        (b'[{"role": NaN, "content": "hi"}]', '"input[0].role" is NaN: it takes'),
+        (
+            b'[{"role": "user", "content": [{"type": "input_text", "text": NaN}]}]',
+            "must be a text (it is NaN)",
+        ),
+        (
+            b'[{"role": "user", "content": [{"type": "input_text", "text": [1e400, 2]}]}]',
+            "must be a text (it is [Infinity,2])",
+        ),
+    ],
+)
+def test_a_refusal_quotes_a_number_past_a_float_or_nan_as_what_was_sent(raw, words):
+    """A client's 1e400 (read as infinity) or NaN was quoted back as null, which it never
+    sent ("input[0].role" is null)."""
+    with pytest.raises(BadRequest) as refused:
+        parse_response({"input": json.loads(raw)})
+    assert words in str(refused.value) and "null" not in str(refused.value)
+
+
+def test_a_long_value_quoted_in_a_refusal_is_cut_short():
+    """(Written only as far as the refusal quotes it, as orjson's whole text was cut.)"""
+    long_text = {"type": "input_text", "text": [["é"] * 10] * 100_000}
+    with pytest.raises(BadRequest) as refused:
+        parse_response({"input": text_parts(long_text)})
+    assert str(refused.value).endswith('(it is [["é","é","é","é","é","é","é","é","é","é...)')
+
+
 def test_a_responses_input_is_read_into_a_chats_messages_without_the_route():
     """The Responses API's input reader alone (`openai_responses_input`): a text is the
     user's message; a message's text parts are joined, an assistant's refusal part the

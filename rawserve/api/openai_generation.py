@@ -55,7 +55,6 @@ from rawserve.api.openai_tools import (
     read_tools,
 )
 from rawserve.api.routing import DocContext, Schema
-from rawserve.http.encoding import dumps
 from rawserve.http.errors import (
     BadRequest,
     PayloadTooLarge,
@@ -344,10 +343,20 @@ def read_response_format(
     )
 
 
+# writes NaN and infinity as JSON's readers spell them (orjson writes null: 1e400, read as
+# infinity, was said back as null, a value its client never sent)
+SHOWING = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 def shown(value: Any) -> str:
-    """A client's value as JSON, cut short, to quote in a refusal."""
-    text = dumps(value).decode()
-    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+    """A client's value as JSON, cut short, to quote in a refusal. Written piece by piece
+    and stopped once long enough: a value of a megabyte costs no more than a short one."""
+    text = ""
+    for piece in SHOWING.iterencode(value):
+        text += piece
+        if len(text) > SHOWN_CHARS:
+            return text[:SHOWN_CHARS] + "..."
+    return text
 
 
 def check_schema_description(name: str, described: dict[str, Any]) -> None:
