@@ -226,6 +226,26 @@ def test_the_export_is_made_once_and_reused(tiny_model, onnx_cache, caplog, monk
     assert onnx_engine.cache_key(folder, other) != onnx_engine.cache_key(folder, head)
 
 
+def test_the_export_keeps_its_weights_beside_the_graph_and_sessions_map_them(
+    tiny_model, onnx_cache
+):
+    """A worker holds a session per thread count: with the weights inside the graph's
+    file each session read its own copy of them (MiniLM's two: 281 MB); kept in a file
+    of their own, ONNX Runtime maps them from it, and the workers share the pages."""
+    from rawserve.worker import onnx_engine
+
+    folder = Path(tiny_model("feature-extraction"))
+    network = onnx_engine.load_network(str(folder), "feature-extraction", 1, onnx_cache)
+    weights = network.graph.with_name(onnx_engine.WEIGHTS_FILE)
+    mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()}
+    assert str(weights) in mapped
+    assert sorted(path.name for path in network.graph.parent.iterdir()) == [
+        "key.json",
+        onnx_engine.GRAPH_FILE,
+        onnx_engine.WEIGHTS_FILE,
+    ]
+
+
 def test_a_graph_exported_from_untrained_weights_says_so_when_loaded_from_the_cache(
     tiny_model, tmp_path, monkeypatch
 ):
@@ -301,6 +321,15 @@ def test_a_cache_folder_that_cannot_be_written_is_named_not_a_bare_os_error(
     assert "Traceback" not in caplog.text
 
 
+def copy_export(graph: Path, path: Path) -> None:
+    """A cached export (a graph and its weights file) copied to `path` and beside it, as
+    the export would have made it."""
+    from rawserve.worker import onnx_engine
+
+    shutil.copy(graph, path)
+    shutil.copy(graph.with_name(onnx_engine.WEIGHTS_FILE), path.parent)
+
+
 def graph_in_a_cache(tiny_model, onnx_cache, cache: Path) -> tuple[Path, Path, Path]:
     """The tiny classifier's folder, its exported graph, and a copy of that graph's cache
     entry in `cache` (the graph's path there)."""
@@ -344,28 +373,30 @@ def test_a_worker_out_of_memory_keeps_the_cached_graph(
         )
 
 
+@pytest.mark.parametrize("cut", ["model.onnx", "model.onnx.data"])
 def test_a_cached_graph_that_cannot_be_loaded_is_exported_again(
-    tiny_model, onnx_cache, tmp_path, monkeypatch, caplog
+    tiny_model, onnx_cache, tmp_path, monkeypatch, caplog, cut
 ):
-    """A cut-short or damaged graph in the cache (a full disk, a crash before the data
-    reached it, a hand edit) is made again, said in one line: it stopped the server at
-    every start with --engine onnx, and kept auto on torch for good."""
+    """A cut-short or damaged graph or weights file in the cache (a full disk, a crash
+    before the data reached it, a hand edit) is made again, said in one line: it stopped
+    the server at every start with --engine onnx, and kept auto on torch for good."""
     from rawserve.worker import onnx_engine
 
     folder, good, broken = graph_in_a_cache(tiny_model, onnx_cache, tmp_path / "onnx")
     cache = tmp_path / "onnx"
-    broken.write_bytes(good.read_bytes()[:5000])
+    damaged = broken.with_name(cut)
+    damaged.write_bytes(good.with_name(cut).read_bytes()[:5000])
     exports = []
 
     def export(source, export_head, path):
         exports.append(source)
-        shutil.copy(good, path)
+        copy_export(good, path)
 
     monkeypatch.setattr(onnx_engine, "export", export)
     with caplog.at_level(logging.INFO, logger="rawserve.onnx"):
         network = onnx_engine.load_network(str(folder), "text-classification", 1, cache)
     assert exports == [folder] and network.graph == broken
-    assert broken.read_bytes() == good.read_bytes()
+    assert damaged.read_bytes() == good.with_name(cut).read_bytes()
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warning.startswith(f"ONNX engine: the cached graph {broken} cannot be loaded (")
     assert warning.endswith("): exported again")
@@ -401,7 +432,7 @@ def test_a_cached_graph_removed_while_it_was_loaded_is_exported_again(
     monkeypatch.setattr(onnx_engine, "OnnxNetwork", network)
 
     def export(source, export_head, path):  # (nothing untrained)
-        shutil.copy(good, path)
+        copy_export(good, path)
 
     monkeypatch.setattr(onnx_engine, "export", export)
     loaded = onnx_engine.load_network(str(folder), "text-classification", 1, cache)
@@ -455,6 +486,7 @@ def test_a_cache_that_fills_up_while_fusing_is_one_line_not_a_traceback(
     export failed anyway."""
     import errno
 
+    import onnx
     import onnx_ir
 
     from rawserve.worker import onnx_engine
@@ -464,8 +496,9 @@ def test_a_cache_that_fills_up_while_fusing_is_one_line_not_a_traceback(
     good = onnx_engine.exported_graph(folder, head, onnx_cache)
 
     def export(source, export_head, path):
-        shutil.copy(good, path)
-        onnx_engine._fuse(path)
+        exported = path.with_name("exported.onnx")
+        onnx.save(onnx.load(good), exported)  # as torch saves a graph: weights inside
+        onnx_engine._fuse(exported, path)
 
     def full(graph, path, *args, **kwargs):
         Path(path).write_bytes(b"half a gra")
@@ -489,6 +522,7 @@ def test_the_exporter_s_own_log_lines_go_to_the_debug_log(
 ):
     """torch's exporter warns that torchvision is not installed, four lines at every
     export: nothing for the user to act on (no encoder uses torchvision's operators)."""
+    import onnx
     import torch
 
     from rawserve.worker import onnx_engine
@@ -503,7 +537,7 @@ def test_the_exporter_s_own_log_lines_go_to_the_debug_log(
 
     class Program:
         def save(self, path):
-            shutil.copy(good, path)
+            onnx.save(onnx.load(good), path)  # as torch saves a graph: weights inside
 
     def exporter(*args, **kwargs):
         registration.warning("torchvision is not installed. Skipping %s", "torchvision::nms")
@@ -526,9 +560,17 @@ def shipping_its_graph(tiny_model, onnx_cache, folder: Path, ignore=None) -> Pat
     source = Path(tiny_model("feature-extraction"))
     shutil.copytree(source, folder, ignore=ignore)
     graph = onnx_engine.exported_graph(source, onnx_engine.HEADS["feature-extraction"], onnx_cache)
+    ship(graph, folder)
+    return folder
+
+
+def ship(graph: Path, folder: Path) -> None:
+    """An exported graph and its weights file put where a Hub repo ships its own."""
+    from rawserve.worker import onnx_engine
+
     (folder / "onnx").mkdir()
     shutil.copy(graph, folder / "onnx" / "model.onnx")
-    return folder
+    shutil.copy(graph.with_name(onnx_engine.WEIGHTS_FILE), folder / "onnx")
 
 
 def test_a_model_s_own_onnx_file_is_used_as_shipped(tiny_model, onnx_cache, tmp_path, caplog):
@@ -713,8 +755,7 @@ def test_the_engine_reason_names_the_graph_served(tiny_model, onnx_cache, tmp_pa
     reasons = {}
     for served in ("exported", "shipped"):
         if served == "shipped":
-            (folder / "onnx").mkdir()
-            shutil.copy(graph, folder / "onnx" / "model.onnx")
+            ship(graph, folder)
         config = WorkerConfig(
             model=str(source if served == "exported" else folder),
             task="feature-extraction",
