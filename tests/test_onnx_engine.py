@@ -676,6 +676,54 @@ def test_a_shipped_graph_serves_only_what_it_fits(tmp_path, task, inputs, output
     assert unfit == reason or (reason is not None and unfit is not None and reason in unfit)
 
 
+MASKED = {"input_ids": (INT64, 2), "attention_mask": (INT64, 2)}
+SEGMENTED = {"input_ids": (INT64, 2), "token_type_ids": (INT64, 2)}
+ALL_GIVEN = frozenset(TOKENS)
+
+
+@pytest.mark.parametrize(
+    ("task", "inputs", "given", "reason"),
+    [
+        ("feature-extraction", SEGMENTED, ALL_GIVEN, "takes no attention_mask, which the"),
+        ("text-classification", MASKED, ALL_GIVEN, "takes no token_type_ids, which the"),
+        ("question-answering", MASKED, ALL_GIVEN, "takes no token_type_ids, which the"),
+        ("feature-extraction", MASKED, ALL_GIVEN, None),  # single texts: segment 0 alone
+        ("text-classification", MASKED, frozenset(MASKED), None),  # (RoBERTa's tokenizer)
+        ("feature-extraction", {"input_ids": (INT64, 2)}, frozenset({"input_ids"}), None),
+    ],
+)
+def test_a_shipped_graph_must_take_the_mask_and_a_pair_s_segments_the_tokenizer_gives(
+    tmp_path, task, inputs, given, reason
+):
+    """A graph without the attention mask attended the padding (a text's vector changed
+    with the batch it rode in: cosine 0.99996); a classifier's without the segment ids read
+    a pair's second text as its first's (torch -0.01887, ONNX Runtime -0.01865)."""
+    from rawserve.worker import onnx_engine
+
+    head = onnx_engine.HEADS[task]
+    outputs = {name: (FLOAT, head.rank) for name in head.outputs}
+    graph = graph_file(tmp_path / "model.onnx", inputs, outputs)
+    unfit = onnx_engine.shipped_unfit(graph, head, given)
+    assert unfit == reason or (reason is not None and unfit is not None and reason in unfit)
+
+
+def test_a_shipped_classifier_without_segment_ids_is_exported_instead(
+    tiny_model, onnx_cache, tmp_path, caplog
+):
+    from rawserve.worker import onnx_engine
+
+    source = Path(tiny_model("text-classification"))
+    head = onnx_engine.HEADS["text-classification"]
+    exported = onnx_engine.exported_graph(source, head, onnx_cache)
+    folder = tmp_path / source.name  # the same name and files: the same cached export
+    shutil.copytree(source, folder)
+    graph_file(folder / "onnx" / "model.onnx", MASKED, {"logits": (FLOAT, 2)})
+    with caplog.at_level(logging.INFO, logger="rawserve.onnx"):
+        network = onnx_engine.load_network(str(folder), "text-classification", 1, onnx_cache)
+    assert network.graph == exported
+    assert "it takes no token_type_ids, which the tokenizer gives" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("shipped", "reason"),
     [

@@ -89,6 +89,7 @@ class Head:
     outputs: tuple[str, ...]
     output_class: type
     rank: int
+    pairs: bool = False  # it reads text pairs, whose halves the token_type_ids tell apart
 
 
 HEADS: dict[str, Head] = {
@@ -100,12 +101,14 @@ HEADS: dict[str, Head] = {
         ("logits",),
         modeling_outputs.SequenceClassifierOutput,
         2,
+        pairs=True,
     ),
     "zero-shot-classification": Head(
         "AutoModelForSequenceClassification",
         ("logits",),
         modeling_outputs.SequenceClassifierOutput,
         2,
+        pairs=True,
     ),
     "token-classification": Head(
         "AutoModelForTokenClassification", ("logits",), modeling_outputs.TokenClassifierOutput, 3
@@ -116,6 +119,7 @@ HEADS: dict[str, Head] = {
         ("start_logits", "end_logits"),
         modeling_outputs.QuestionAnsweringModelOutput,
         2,
+        pairs=True,
     ),
 }
 ONNX_TASKS = frozenset(HEADS)
@@ -262,7 +266,7 @@ def load_network(model: str, task: str, threads: int, cache_dir: Path | None = N
     cores = cpu_cores()
     shipped = folder / SHIPPED_GRAPH
     if shipped.is_file():
-        unfit = shipped_unfit(shipped, head)
+        unfit = shipped_unfit(shipped, head, tokenizer_inputs(model))
         if unfit is None:
             try:
                 network = OnnxNetwork(shipped, config, head, threads, cores, SHIPPED)
@@ -304,11 +308,30 @@ def _identity(path: Path) -> tuple[int, int, int] | None:
     return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
-def shipped_unfit(graph: Path, head: Head) -> str | None:
+# why a graph must take a tensor the tokenizer gives, where it does (`shipped_unfit`)
+NEEDED_INPUTS = {
+    "attention_mask": "its answers would change with the padding of the batch they ride in",
+    "token_type_ids": "a pair's second text would be read as part of the first",
+}
+
+
+def tokenizer_inputs(model: str) -> frozenset[str] | None:
+    """The tensors the model's tokenizer gives (its `model_input_names`); None where it
+    cannot be loaded here (the runner's own load then says why)."""
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    except Exception:  # noqa: BLE001 - any failure: the runner's load reports it
+        return None
+    return frozenset(tokenizer.model_input_names)
+
+
+def shipped_unfit(graph: Path, head: Head, given: frozenset[str] | None = None) -> str | None:
     """Why a shipped graph cannot serve this head (None: it can), read from the graph
     alone, without its weights: it must take only the tokenizer's int64 tensors, of any
-    batch and length, and answer the head's outputs in float32 with the head's dimensions.
-    Whether its answers are the model's is not checked: the repo's export is trusted."""
+    batch and length, among them the attention mask and (for a head that reads text
+    pairs) the segment ids where the tokenizer gives them (`given`), and answer the
+    head's outputs in float32 with the head's dimensions. Whether its answers are the
+    model's is not checked: the repo's export is trusted."""
     import onnx  # the optional `onnx` extra
 
     try:
@@ -323,6 +346,13 @@ def shipped_unfit(graph: Path, head: Head) -> str | None:
     unfed = sorted(set(inputs) - FED_INPUTS)
     if unfed:
         return f"it takes inputs the tokenizer does not give ({', '.join(unfed)})"
+    needed = {"attention_mask", "token_type_ids"} if head.pairs else {"attention_mask"}
+    left_out = sorted((needed & (given or frozenset())) - set(inputs))
+    if left_out:
+        return "; ".join(
+            f"it takes no {name}, which the tokenizer gives: {NEEDED_INPUTS[name]}"
+            for name in left_out
+        )
     for name, value in inputs.items():
         tensor = value.type.tensor_type
         if tensor.elem_type != onnx.TensorProto.INT64:
