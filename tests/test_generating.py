@@ -3255,18 +3255,27 @@ def test_an_answer_with_no_memory_to_write_fails_alone_and_the_loop_goes_on(runn
     assert answered[2].outputs == (static(runner, "a good film", longer),)
 
 
-def test_a_causal_lm_batches_continuously_unless_static_is_asked(runner):
+def test_a_causal_lm_batches_continuously_unless_static_is_asked(runner, caplog):
+    """/info and the log say which (the server's "batch limits" line, of batches, was all
+    the log said of a continuous worker)."""
     from rawserve.worker.generating import ROWS_ON_CPU, continuous_loop
 
     config = WorkerConfig(model="m", task="text-generation")
     loop = continuous_loop(runner, config, print, None)
     assert loop is not None and loop.rows == ROWS_ON_CPU
-    sized = continuous_loop(runner, WorkerConfig("m", "text-generation", max_sequences=5), print, 0)
-    assert sized is not None and sized.rows == 5
-    assert runner.generation_mode == "continuous: up to 5 sequences at once"  # for /info
-    static_config = WorkerConfig("m", "text-generation", generation="static")
-    assert continuous_loop(runner, static_config, print, None) is None
-    assert runner.generation_mode == "static: --generation static"
+    with caplog.at_level(logging.INFO, logger="rawserve.generation"):
+        sized = continuous_loop(
+            runner, WorkerConfig("m", "text-generation", max_sequences=5), print, 0
+        )
+        assert sized is not None and sized.rows == 5
+        assert runner.generation_mode == "continuous: up to 5 sequences at once"  # for /info
+        static_config = WorkerConfig("m", "text-generation", generation="static")
+        assert continuous_loop(runner, static_config, print, None) is None
+        assert runner.generation_mode == "static: --generation static"
+    assert [r.getMessage() for r in caplog.records if r.name == "rawserve.generation"] == [
+        "generation: continuous: up to 5 sequences at once (--max-sequences)",
+        "generation: static: --generation static",
+    ]
     assert continuous_loop(SimpleNamespace(), config, print, None) is None
 
 

@@ -80,6 +80,7 @@ def continuous_loop(
         return None
     if config.generation != "continuous":
         runner.generation_mode = "static: --generation static"
+        log.info("generation: %s", runner.generation_mode)
         return None
     why = runner.uncached
     if not why and (unapplied := runner.unapplied_settings):
@@ -93,6 +94,8 @@ def continuous_loop(
         return None
     rows = config.max_sequences or (ROWS_ON_CUDA if runner.on_cuda else ROWS_ON_CPU)
     runner.generation_mode = f"continuous: up to {rows} sequences at once"
+    # (the server's "batch limits" line speaks of batches, which such a worker makes not)
+    log.info("generation: %s (--max-sequences)", runner.generation_mode)
     loop = GenerationLoop(
         runner, send, rows, cancelled_stream, config.threads, config.join_wait_steps
     )
