@@ -2115,6 +2115,24 @@ def test_a_task_head_the_checkpoint_has_no_weights_for_is_served_and_said_random
     assert runner.untrained.numbers == sum(tensor.numel() for tensor in distinct.values())
 
 
+def test_info_names_the_weights_made_at_random(tiny_model):
+    """A classifier served as text-generation answered 200s of random text, which only the
+    log's warning explained (a tester): /info's worker says it too, as the log does."""
+    from tests.server import RunningServer
+
+    args = ["--model", tiny_model("text-classification"), "--task", "fill-mask"]
+    with RunningServer([*args, "--engine", "torch", "--device", "cpu"]) as server:
+        status, _, body = server.request("GET", "/info")
+    assert status == 200
+    [worker] = json.loads(body)["workers"]
+    assert worker["untrained"].startswith("6 weight tensors of BertForMaskedLM (")
+    assert worker["untrained"].endswith(
+        "its fill-mask answers will mean nothing until a model trained for fill-mask is served"
+    )
+    [warning] = [line for line in server.lines if "untrained weights: " in line]
+    assert worker["untrained"] in warning
+
+
 def test_a_head_left_random_is_said_in_rawserves_one_line_not_transformers_table(
     tiny_model, caplog
 ):

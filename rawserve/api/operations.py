@@ -264,6 +264,7 @@ def _worker_info(worker: WorkerStatus) -> dict[str, Any]:
         "attention": worker.attention,
         "cuda_graphs": worker.cuda_graphs,
         "generation": worker.generation,
+        "untrained": worker.untrained,  # (its answers mean nothing: the log's warning)
         "engine": worker.engine,
         "engine_reason": worker.engine_reason,
         "state": worker.state.value,

@@ -336,6 +336,7 @@ class WorkerHandle:
             attention=(self.ready.attention or None) if self.ready else None,
             cuda_graphs=(self.ready.cuda_graphs or None) if self.ready else None,
             generation=(self.ready.generation or None) if self.ready else None,
+            untrained=(self.ready.untrained or None) if self.ready else None,
             sequences=self.sequences,
             running=self.running.rows,
         )

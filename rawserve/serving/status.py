@@ -61,6 +61,7 @@ class WorkerStatus:
     attention: str | None = None  # the attention kernels chosen on a GPU (None: torch's)
     cuda_graphs: str | None = None  # whether its forward pass is replayed (None: none tried)
     generation: str | None = None  # continuous or static, and why (None: not generating)
+    untrained: str | None = None  # the weights made at random, in words (None: none)
     sequences: int = 0  # a continuous generation worker: sequences it runs at once
     running: int = 0  # ... and how many it runs now
 

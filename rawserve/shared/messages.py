@@ -256,6 +256,8 @@ class WorkerReady:
     cuda_graphs: str = ""  # what became of CUDA graphs on a GPU, for /info ("": none tried)
     # a causal LM's batching, continuous or static, and why, for /info ("": no such model)
     generation: str = ""
+    # the weights its checkpoint had none for, made at random, in words ("": none)
+    untrained: str = ""
     # the model's tokenizer in the `tokenizers` library's JSON form (None: it has none):
     # the server tokenizes and decodes with it for /tokenize and /decode
     tokenizer: str | None = None

@@ -258,6 +258,7 @@ def serve(
             attention=runner.attention,
             cuda_graphs=runner.cuda_graphs,
             generation=runner.generation_mode,
+            untrained=runner.untrained.warning(runner.task) if runner.untrained else "",
             tokenizer=runner.tokenizer_json(),
             sequences=generating.rows if generating is not None else 0,
         )
