@@ -2738,3 +2738,29 @@ def test_a_failure_of_no_words_is_told_without_its_class_name():
         pass
 
     assert client_message(MyRefusal()) == "the input was refused (no reason given)"
+
+
+def test_every_worker_makes_the_same_random_head_and_leaves_the_generator_as_it_was(
+    tiny_model,
+):
+    """Two torch workers serving a classifier as fill-mask made their random heads each
+    from its own generator, so one text's answer changed with the worker it met (a
+    tester): the head is made from one seed, and the load does not move the generator a
+    client's seeded sampling draws from."""
+    import torch
+
+    from rawserve.worker.loading import load_runner
+
+    config = worker_config(tiny_model("text-classification"), task="fill-mask", engine=Engine.TORCH)
+    heads = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        before = torch.get_rng_state()
+        runner = load_runner(config, "cpu")
+        assert runner.untrained is not None
+        assert torch.equal(torch.get_rng_state(), before)
+        model = runner.pipe.model if hasattr(runner, "pipe") else runner.model
+        weights = model.state_dict()
+        heads.append({name: weights[name].clone() for name in runner.untrained.tensors})
+    assert heads[0].keys() == heads[1].keys()
+    assert all(torch.equal(heads[0][name], heads[1][name]) for name in heads[0])

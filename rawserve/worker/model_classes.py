@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -163,7 +164,7 @@ def load_model(class_name: str, folder: str, **kwargs: Any) -> tuple[Any, Untrai
     if class_name == "AutoModel":
         class_name = ENCODER_ALONE.get(model_type_of(Path(folder)) or "", class_name)
     loader = getattr(transformers, class_name)
-    with load_report_held_back():
+    with load_report_held_back(), weights_made_alike():
         model, info = loader.from_pretrained(folder, output_loading_info=True, **kwargs)
     missing = set(info.get("missing_keys", ()))
     if missing and all(name in missing for name, _ in model.named_parameters()):
@@ -173,6 +174,20 @@ def load_model(class_name: str, folder: str, **kwargs: Any) -> tuple[Any, Untrai
             "another model's, or named otherwise, and every answer would be noise"
         )
     return model, untrained(model, missing, UNREAD_WEIGHTS.get(class_name, ()))
+
+
+# the seed of the weights a checkpoint has none for: every worker, and every restart of
+# one, makes the same random head, so an answer does not depend on the worker it met
+UNTRAINED_SEED = 0
+
+
+@contextmanager
+def weights_made_alike() -> Iterator[None]:
+    """Seeds torch's generator while a model loads, and gives it back as it was after: a
+    client's seeded sampling is not changed by the load."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(UNTRAINED_SEED)
+        yield
 
 
 # the logger of transformers' LOAD REPORT table, the words that title it, and those of
