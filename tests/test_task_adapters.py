@@ -670,8 +670,16 @@ def test_question_answering_options(runner):
     [short] = qa.run([item], {"top_k": 5, "max_answer_len": 1})
     assert all(len(a["answer"].split()) == 1 for a in short)
     [with_null] = qa.run([item], {"top_k": 50, "handle_impossible_answer": True})
-    assert {"score": pytest.approx(with_null[-1]["score"]), "start": 0, "end": 0, "answer": ""} in [
-        a for a in with_null if a["answer"] == ""
+    [without] = qa.run([item], {"top_k": 50})
+    # "no answer" once (a tester saw it twice: beside the empty span the pipeline lets
+    # through at score 0), at the score of the no-answer pair
+    [empty] = [a for a in with_null if a["answer"] == ""]
+    assert [a for a in without if a["answer"] == ""] == [
+        {"score": 0.0, "start": 0, "end": 0, "answer": ""}
+    ]
+    assert empty["start"] == empty["end"] == 0 and 0 < empty["score"] <= 1
+    assert [a for a in with_null if a["answer"]] == [a for a in without if a["answer"]][
+        : len(with_null) - 1
     ]
 
 

@@ -12,7 +12,7 @@ pipeline's (tests/test_fidelity.py holds them to transformers 4.57's):
   offered when `handle_impossible_answer` is set; CLS then leaves the candidates;
 - candidate spans are ranked by P(start) x P(end) (at most `max_answer_len` tokens), widened
   to whole words when `align_to_words`, and answers with the same text (in any case) add up
-  their scores;
+  their scores ("no answer" with the empty span CLS lets through, listed once);
 - the `top_k` best are the answer: one dict when only one is left, else a list.
 
 The numpy calls are the pipeline's own choices (argpartition, float32): they decide which
@@ -159,7 +159,7 @@ class SpanExtractionRunner(Runner):
                 null_scores[item],
             )
         return [
-            _best(list(found.values()), null_scores[item], options)
+            _best(found, null_scores[item], options)
             for item, found in enumerate(answers)
         ]
 
@@ -374,8 +374,13 @@ def _best_spans(
     ]
 
 
-def _best(found: list[dict[str, Any]], null_score: float, options: SpanOptions) -> Any:
+def _best(found: dict[str, dict[str, Any]], null_score: float, options: SpanOptions) -> Any:
+    """The `top_k` best of one item's answers, "no answer" among them when it is offered:
+    an empty span (the CLS token's, which the pipeline lets through at score 0) is the same
+    text, so it adds up with it as every answer does, not listed beside it a second time."""
     if options.handle_impossible_answer:
-        found.append({"score": null_score, "start": 0, "end": 0, "answer": ""})
-    best = sorted(found, key=lambda answer: answer["score"], reverse=True)[: options.top_k]
+        empty = found.pop("", {"score": 0.0})
+        found[""] = {"score": empty["score"] + null_score, "start": 0, "end": 0, "answer": ""}
+    ranked = sorted(found.values(), key=lambda answer: answer["score"], reverse=True)
+    best = ranked[: options.top_k]
     return best[0] if len(best) == 1 else best
