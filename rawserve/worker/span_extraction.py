@@ -158,10 +158,7 @@ class SpanExtractionRunner(Runner):
                 answers[item],
                 null_scores[item],
             )
-        return [
-            _best(found, null_scores[item], options)
-            for item, found in enumerate(answers)
-        ]
+        return [_best(found, null_scores[item], options) for item, found in enumerate(answers)]
 
     def windows(self, inputs: list[dict[str, str]], options: SpanOptions) -> Any:
         questions = [item["question"] for item in inputs]
