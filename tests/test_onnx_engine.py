@@ -232,7 +232,7 @@ def test_the_export_keeps_its_weights_beside_the_graph_and_sessions_map_them(
     """A worker holds a session per thread count: with the weights inside the graph's
     file each session read its own copy of them (MiniLM's two: 281 MB); kept in a file
     of their own, ONNX Runtime maps them from it, and the workers share the pages."""
-    from rawserve.worker import onnx_engine
+    from rawserve.worker import graph_cache, onnx_engine
 
     folder = Path(tiny_model("feature-extraction"))
     network = onnx_engine.load_network(str(folder), "feature-extraction", 1, onnx_cache)
@@ -241,7 +241,7 @@ def test_the_export_keeps_its_weights_beside_the_graph_and_sessions_map_them(
     assert str(weights) in mapped
     assert sorted(path.name for path in network.graph.parent.iterdir()) == [
         "key.json",
-        onnx_engine.GRAPH_FILE,
+        graph_cache.GRAPH_FILE,
         onnx_engine.WEIGHTS_FILE,
     ]
 
@@ -333,13 +333,13 @@ def copy_export(graph: Path, path: Path) -> None:
 def graph_in_a_cache(tiny_model, onnx_cache, cache: Path) -> tuple[Path, Path, Path]:
     """The tiny classifier's folder, its exported graph, and a copy of that graph's cache
     entry in `cache` (the graph's path there)."""
-    from rawserve.worker import onnx_engine
+    from rawserve.worker import graph_cache, onnx_engine
 
     folder = Path(tiny_model("text-classification"))
     head = onnx_engine.HEADS["text-classification"]
     good = onnx_engine.exported_graph(folder, head, onnx_cache)
     shutil.copytree(good.parent, cache / good.parent.name)
-    return folder, good, cache / good.parent.name / onnx_engine.GRAPH_FILE
+    return folder, good, cache / good.parent.name / graph_cache.GRAPH_FILE
 
 
 @pytest.mark.parametrize(
@@ -445,7 +445,7 @@ def test_the_cache_keeps_one_export_per_model_folder_and_head(
     """Weights saved again in place (or a new torch) make another export: the one it
     replaces, and what a worker killed while exporting left, are removed, or every
     version of a model kept a whole copy of its weights in the cache."""
-    from rawserve.worker import onnx_engine
+    from rawserve.worker import graph_cache, onnx_engine
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_model("text-classification"), folder)
@@ -466,7 +466,7 @@ def test_the_cache_keeps_one_export_per_model_folder_and_head(
     (folder / "model.safetensors").write_bytes(
         (folder / "model.safetensors").read_bytes()[:-4] + b"\0\0\0\0"
     )
-    digest = onnx_engine.key_digest(onnx_engine.cache_key(folder, classifier))
+    digest = graph_cache.key_digest(onnx_engine.cache_key(folder, classifier))
     killed = cache / f".export-{digest}-killed"
     killed.mkdir()
     (killed / "model.onnx").write_bytes(b"half a graph")
@@ -475,7 +475,7 @@ def test_the_cache_keeps_one_export_per_model_folder_and_head(
     assert second != first and (second / "model.onnx").is_file()
     assert not first.exists() and not killed.exists()
     assert vectors.is_file() and other.exists()  # another head, another folder: kept
-    assert f"removed {first}, this model's export from before" in caplog.text
+    assert f"removed {first}, this model's graph from before" in caplog.text
 
 
 def test_a_cache_that_fills_up_while_fusing_is_one_line_not_a_traceback(
@@ -992,7 +992,7 @@ def test_an_export_process_killed_is_said_by_its_signal_and_not_kept_against_the
 ):
     """Killed (the OOM killer), it says nothing: the error names the signal; `auto` serves
     with torch this once, and the next start tries ONNX Runtime again."""
-    from rawserve.worker import engine_trial, onnx_engine
+    from rawserve.worker import engine_trial, graph_cache, onnx_engine
     from rawserve.worker.loading import load_runner
 
     killed = tmp_path / "killed-python"
@@ -1005,7 +1005,7 @@ def test_an_export_process_killed_is_said_by_its_signal_and_not_kept_against_the
     with pytest.raises(onnx_engine.ExportInterrupted, match=r"without a word \(SIGKILL\)"):
         onnx_engine.exported_graph(folder, head, cache / "onnx")
     assert [path.name for path in (cache / "onnx").iterdir()] == [
-        f".{onnx_engine.key_digest(onnx_engine.cache_key(folder, head))}.lock"
+        f".{graph_cache.key_digest(onnx_engine.cache_key(folder, head))}.lock"
     ]  # no half-made export left
     monkeypatch.setenv("RAWSERVE_CACHE_DIR", str(cache))
     config = WorkerConfig(model=str(folder), task="text-classification", engine=Engine.AUTO)

@@ -24,7 +24,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from rawserve.models.folder import SHIPPED_GRAPH, TORCH_WEIGHTS
 from rawserve.shared.messages import Engine, WorkerConfig
 from rawserve.tasks import SEQ2SEQ_TASKS, onnx_unfit
-from rawserve.worker import engine_trial, onnx_engine, precision_trial
+from rawserve.worker import engine_trial, graph_cache, onnx_engine, precision_trial
 from rawserve.worker.causal_lm import CausalLMRunner
 from rawserve.worker.encoder import EncoderRunner
 from rawserve.worker.handler import load_handler
@@ -184,7 +184,7 @@ def engine_by_trial(
         return Engine.TORCH, reason, build_runner(config, task, device, None)
     try:
         network = onnx_engine.load_network(config.model, task, config.threads or 1)
-    except onnx_engine.CacheNotWritable as exc:  # ONNX Runtime never ran: nothing to load
+    except graph_cache.CacheNotWritable as exc:  # ONNX Runtime never ran: nothing to load
         log.warning("the ONNX export could not be written, torch runs the model: %s", exc)
         reason = (
             f"auto: the ONNX export could not be written to {exc.folder} ({exc.why}), so "

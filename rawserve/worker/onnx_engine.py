@@ -30,20 +30,15 @@ reading its own copy (MiniLM, two workers: each 436-455 -> 351 MB proportional s
 from __future__ import annotations
 
 import contextlib
-import glob
-import hashlib
 import importlib.metadata
 import importlib.util
 import io
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,6 +53,7 @@ from rawserve.models.folder import SHIPPED_GRAPH
 from rawserve.shared.devices import cpu_cores
 from rawserve.shared.logs import first_line
 from rawserve.worker import engine_trial
+from rawserve.worker.graph_cache import cached_graph, identity
 from rawserve.worker.model_classes import Untrained, load_model
 
 log = logging.getLogger("rawserve.onnx")
@@ -70,7 +66,6 @@ SHIPPED = f"the model's own {SHIPPED_GRAPH}"  # where the served graph came from
 EXPORTED = "exported"
 # What the runners feed a network: the tokenizer's tensors, (batch, sequence) of int64
 FED_INPUTS = frozenset({"input_ids", "attention_mask", "token_type_ids"})
-GRAPH_FILE = "model.onnx"
 WEIGHTS_FILE = "model.onnx.data"  # the graph's weights, beside it (optimum's name)
 # ONNX Runtime maps a weight from the file only where it starts at a multiple of the
 # page size; one it cannot map is read into each session's memory
@@ -153,20 +148,6 @@ def failure_name(exc: BaseException) -> str:
     """The kind of error that stopped an engine's load, an export's as it was raised in
     the export's own process."""
     return exc.kind if isinstance(exc, ExportFailed) else type(exc).__name__
-
-
-class CacheNotWritable(OSError):
-    """The export could not be written: its cache `folder` is not writable, not a folder,
-    or full (`why`). ONNX Runtime never ran; the message names the folder and the
-    variable that moves it."""
-
-    def __init__(self, folder: Path, why: str):
-        super().__init__(
-            f"the ONNX export's cache folder {folder} cannot be written ({why}): "
-            "set RAWSERVE_CACHE_DIR to one that can"
-        )
-        self.folder = folder
-        self.why = why
 
 
 def onnxruntime_installed() -> bool:
@@ -288,7 +269,7 @@ def load_network(model: str, task: str, threads: int, cache_dir: Path | None = N
     except Exception as exc:  # noqa: BLE001 - onnxruntime's errors derive from Exception only
         # A graph cut short (a crash before its data reached the disk, a full disk, a hand
         # edit) would fail every start: it is made again.
-        damaged = _identity(graph)
+        damaged = identity(graph)
         log.warning(
             "ONNX engine: the cached graph %s cannot be loaded (%s): exported again",
             graph,
@@ -296,16 +277,6 @@ def load_network(model: str, task: str, threads: int, cache_dir: Path | None = N
         )
     graph = exported_graph(folder, head, cache_dir, damaged)
     return OnnxNetwork(graph, config, head, threads, cores)
-
-
-def _identity(path: Path) -> tuple[int, int, int] | None:
-    """What tells one file from the one that replaces it at the same path (None: gone,
-    removed as another export's predecessor while this worker was loading it)."""
-    try:
-        stat = path.stat()
-    except FileNotFoundError:
-        return None
-    return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 # why a graph must take a tensor the tokenizer gives, where it does (`shipped_unfit`)
@@ -386,76 +357,34 @@ def cache_key(folder: Path, head: Head) -> dict[str, Any]:
     }
 
 
-def key_digest(key: dict[str, Any]) -> str:
-    """What names an export in the cache (and its lock, and its folder while it is made)."""
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-
-
 def exported_graph(
     folder: Path, head: Head, cache_dir: Path, damaged: tuple[int, int, int] | None = None
 ) -> Path:
     """The cached export of `folder` for `head`; made now (once, under a lock) if missing,
-    or if it is still the file `damaged` identifies (`_identity`), one that would not load."""
-    key = cache_key(folder, head)
-    digest = key_digest(key)
-    target = cache_dir / f"{folder.resolve().name}-{digest}"
-    graph = target / GRAPH_FILE
-    if graph.is_file() and damaged is None:
-        log.info("ONNX engine: the graph exported before, %s", graph)
-        return graph
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        # workers starting together export once
-        with engine_trial.locked(cache_dir / f".{digest}.lock"):
-            if graph.is_file() and _identity(graph) != damaged:
-                log.info("ONNX engine: the graph another worker exported meanwhile, %s", graph)
-                return graph
-            shutil.rmtree(target, ignore_errors=True)
-            for left in cache_dir.glob(f".export-{digest}-*"):  # of a worker killed exporting
-                shutil.rmtree(left, ignore_errors=True)
-            started = time.monotonic()
-            scratch = Path(tempfile.mkdtemp(prefix=f".export-{digest}-", dir=cache_dir))
-            try:
-                untrained = export(folder, head, scratch / GRAPH_FILE)
-                source = {
-                    **key,
-                    "folder": str(folder.resolve()),
-                    # so that a start from the cache warns as the export's did
-                    UNTRAINED: untrained.as_dict() if untrained is not None else None,
-                }
-                (scratch / "key.json").write_text(json.dumps(source, indent=1))
-                os.replace(scratch, target)
-            finally:
-                shutil.rmtree(scratch, ignore_errors=True)
-            _drop_replaced(cache_dir, target, source)
-    except OSError as exc:  # unwritable, not a folder, or full
-        raise CacheNotWritable(cache_dir, exc.strerror or str(exc)) from exc
-    log.info(
-        "ONNX engine: exported %s (%s) in %.1f s into %s",
-        folder.name,
-        head.auto_class,
-        time.monotonic() - started,
-        target,
-    )
-    return graph
+    or if it is still the file `damaged` identifies (`identity`), one that would not load."""
 
+    def make(path: Path) -> dict[str, Any]:
+        untrained = export(folder, head, path)
+        return {
+            "folder": str(folder.resolve()),
+            # so that a start from the cache warns as the export's did
+            UNTRAINED: untrained.as_dict() if untrained is not None else None,
+        }
 
-def _drop_replaced(cache_dir: Path, target: Path, source: dict[str, Any]) -> None:
-    """The exports of the same folder and head made before from other files (weights saved
-    again in place) or by other versions of the exporter: no start asks for them again, and
-    each would keep a whole copy of the model's weights in the cache for good."""
-    name = glob.escape(target.name.rpartition("-")[0])  # the folder's name: "[" is no pattern
-    for key_file in cache_dir.glob(f"{name}-*/key.json"):
-        try:
-            made = json.loads(key_file.read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(made, dict):
-            continue
-        same = made.get("folder") == source["folder"] and made.get("head") == source["head"]
-        if same and key_file.parent != target:
-            shutil.rmtree(key_file.parent, ignore_errors=True)
-            log.info("ONNX engine: removed %s, this model's export from before", key_file.parent)
+    found = cached_graph(cache_dir, folder.resolve().name, cache_key(folder, head), make, damaged)
+    if found.made_in is not None:
+        log.info(
+            "ONNX engine: exported %s (%s) in %.1f s into %s",
+            folder.name,
+            head.auto_class,
+            found.made_in,
+            found.graph.parent,
+        )
+    elif found.by_another:
+        log.info("ONNX engine: the graph another worker exported meanwhile, %s", found.graph)
+    else:
+        log.info("ONNX engine: the graph exported before, %s", found.graph)
+    return found.graph
 
 
 class _Forward(torch.nn.Module):
