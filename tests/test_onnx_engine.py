@@ -232,14 +232,22 @@ def test_the_export_keeps_its_weights_beside_the_graph_and_sessions_map_them(
     """A worker holds a session per thread count: with the weights inside the graph's
     file each session read its own copy of them (MiniLM's two: 281 MB); kept in a file
     of their own, ONNX Runtime maps them from it, and the workers share the pages."""
-    from rawserve.worker import graph_cache, onnx_engine
+    from rawserve.worker import onnx_engine
 
     folder = Path(tiny_model("feature-extraction"))
     network = onnx_engine.load_network(str(folder), "feature-extraction", 1, onnx_cache)
-    weights = network.graph.with_name(onnx_engine.WEIGHTS_FILE)
+    assert_weights_mapped(network.graph)
+
+
+def assert_weights_mapped(graph: Path) -> None:
+    """`graph`'s weights are in a file beside it, in a cache folder of its own, and this
+    process maps them (ONNX Runtime's sessions share the pages)."""
+    from rawserve.worker import graph_cache, onnx_engine
+
+    weights = graph.with_name(onnx_engine.WEIGHTS_FILE)
     mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()}
     assert str(weights) in mapped
-    assert sorted(path.name for path in network.graph.parent.iterdir()) == [
+    assert sorted(path.name for path in graph.parent.iterdir()) == [
         "key.json",
         graph_cache.GRAPH_FILE,
         onnx_engine.WEIGHTS_FILE,
@@ -582,6 +590,101 @@ def test_a_model_s_own_onnx_file_is_used_as_shipped(tiny_model, onnx_cache, tmp_
     assert network.graph == folder / "onnx" / "model.onnx"
     assert "the model's own graph" in caplog.text
     assert not (tmp_path / "x").exists()  # nothing exported
+
+
+def shipping_its_weights_inside(tiny_model, onnx_cache, folder: Path) -> Path:
+    """`folder` shipping its own graph with the weights inside the graph's file, as
+    torch.onnx and most Hub repos save one."""
+    import onnx
+
+    shipping_its_graph(tiny_model, onnx_cache, folder)
+    graph = folder / "onnx" / "model.onnx"
+    inside = onnx.load(graph)  # (the weights beside it read in)
+    (folder / "onnx" / "model.onnx.data").unlink()
+    onnx.save(inside, graph)
+    return folder
+
+
+def vectors(network):
+    import torch
+
+    ids = torch.tensor([[2, 9, 10, 3], [2, 11, 3, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    return network(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def test_a_model_s_own_graph_with_its_weights_inside_is_served_from_a_copy_with_them_apart(
+    tiny_model, onnx_cache, tmp_path, monkeypatch, caplog
+):
+    """Read from inside the graph's file, each ONNX Runtime session (two a worker) held a
+    copy of the weights (MiniLM's shipped graph, two workers: 446 MB each); a copy of the
+    graph with them beside it, made once in the cache, is mapped (357-362 MB)."""
+    from rawserve.worker import onnx_engine
+
+    monkeypatch.setattr(onnx_engine, "WEIGHTS_INSIDE_BYTES", 1024)  # the tiny graph's
+    folder = shipping_its_weights_inside(tiny_model, onnx_cache, tmp_path / "with-onnx")
+    shipped = folder / "onnx" / "model.onnx"
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.INFO, logger="rawserve.onnx"):
+        network = onnx_engine.load_network(str(folder), "feature-extraction", 1, cache)
+    assert network.graph.parent.parent == cache and network.graph.parent.name.startswith(
+        "with-onnx-own-"
+    )
+    assert network.source == onnx_engine.SHIPPED
+    assert "onnx/model.onnx copied with its weights apart in " in caplog.text
+    assert_weights_mapped(network.graph)
+    as_shipped = onnx_engine.OnnxNetwork(
+        shipped, network.config, network.head, 1, source=onnx_engine.SHIPPED
+    )
+    assert np.array_equal(vectors(network).numpy(), vectors(as_shipped).numpy())
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="rawserve.onnx"):  # a second start: found
+        again = onnx_engine.load_network(str(folder), "feature-extraction", 1, cache)
+    assert again.graph == network.graph and "copied" not in caplog.text
+    # the graph shipped anew (another revision): its copy replaces the first
+    import onnx
+
+    renamed = onnx.load(shipped)
+    renamed.doc_string = "another revision"
+    onnx.save(renamed, shipped)
+    third = onnx_engine.load_network(str(folder), "feature-extraction", 1, cache)
+    assert third.graph != network.graph and not network.graph.parent.exists()
+
+
+def test_a_copy_of_a_model_s_own_graph_that_cannot_be_made_or_loaded_leaves_it_as_shipped(
+    tiny_model, onnx_cache, tmp_path, monkeypatch, caplog
+):
+    """A cache that cannot be written, or a copy cut short (its weights file truncated),
+    never stops the model: it is served from its own graph as shipped, with a line, and
+    the damaged copy is removed so that the next start makes it again."""
+    from rawserve.worker import onnx_engine
+
+    monkeypatch.setattr(onnx_engine, "WEIGHTS_INSIDE_BYTES", 1024)
+    folder = shipping_its_weights_inside(tiny_model, onnx_cache, tmp_path / "with-onnx")
+    shipped = folder / "onnx" / "model.onnx"
+    not_a_folder = tmp_path / "a-file"
+    not_a_folder.write_text("")
+    with caplog.at_level(logging.INFO, logger="rawserve.onnx"):
+        network = onnx_engine.load_network(str(folder), "feature-extraction", 1, not_a_folder)
+    assert network.graph == shipped
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith(
+        "ONNX engine: onnx/model.onnx is served as shipped, each session reading its "
+        "weights: no copy with them apart could be made (the ONNX export's cache folder "
+    )
+
+    cache = tmp_path / "cache"
+    copy = onnx_engine.load_network(str(folder), "feature-extraction", 1, cache).graph
+    weights = copy.with_name(onnx_engine.WEIGHTS_FILE)
+    weights.write_bytes(weights.read_bytes()[:100])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="rawserve.onnx"):
+        network = onnx_engine.load_network(str(folder), "feature-extraction", 1, cache)
+    assert network.graph == shipped and not copy.parent.exists()
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith(f"ONNX engine: the copy {copy} of onnx/model.onnx cannot be loaded (")
+    assert warning.endswith("): removed; the graph is served as shipped")
+    assert onnx_engine.load_network(str(folder), "feature-extraction", 1, cache).graph == copy
 
 
 def graph_file(path, inputs, outputs, batch="batch"):
