@@ -79,6 +79,20 @@ def test_invocations_goes_to_the_route_of_the_model_its_body_names():
     assert invocation_path({"inputs": "hi", "model": "nope"}, models) == "/embed"
 
 
+def test_openai_bodies_naming_no_model_go_to_openai_s_routes_whatever_the_first_model():
+    """Served after a fill-mask model, a chat's body naming no model went to fill-mask's
+    route, which refused it 400 "must be an object with an "inputs" field" (a tester):
+    OpenAI's routes pick the model that can answer it, as when they are called by name."""
+    models = ServedModels([served("fm", "fill-mask"), served("gen", "text-generation")])
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert invocation_path(chat, models) == "/v1/chat/completions"
+    assert invocation_path({**chat, "model": None}, models) == "/v1/chat/completions"
+    assert invocation_path({"prompt": "hi"}, models) == "/v1/completions"
+    assert invocation_path({"inputs": "a [MASK]"}, models) == "/models/fm"  # the first's
+    assert invocation_path({"inputs": "hi", "messages": []}, models) == "/models/fm"
+    assert invocation_path({**chat, "model": "fm"}, models) == "/models/fm"  # named: its own
+
+
 def test_the_other_names_stand_for_their_routes_and_the_rest_for_themselves():
     models = ServedModels([served("emb", "feature-extraction")])
     ping = target(request("/ping", method="GET"), models)

@@ -10,7 +10,9 @@ names (else the default model's), as TEI and TGI pick it, so it is known only on
 body is read (from the head alone, only its method and API key are checked):
 - a text-generation model: OpenAI's chat completions for a body with `messages`, its
   completions for one with `prompt`, else TGI's `/generate` (`/generate_stream` where
-  the body says `"stream": true`), as TGI's SageMaker route reads its three bodies;
+  the body says `"stream": true`), as TGI's SageMaker route reads its three bodies; a
+  body with `messages` or `prompt` (no `inputs`) that names no model goes to OpenAI's
+  route whatever the first model is, which picks the model that can answer it;
 - a feature-extraction model: TEI's `/embed` (a SPLADE model: `/embed_sparse`; a body
   whose `inputs` has a `source_sentence`: `/similarity`); a text classifier: TEI's
   `/rerank` where it has one label (a cross-encoder) or, before it has loaded, where the
@@ -80,6 +82,15 @@ def invocation_path(document: Any, models: ServedModels) -> str:
     """The route `/invocations` stands for, given its body (None where it cannot be read
     as a JSON object: the route the model alone says, which refuses it)."""
     body = document if isinstance(document, dict) else {}
+    if body.get("model") is None and "inputs" not in body:
+        # OpenAI's bodies naming no model: their routes pick the first model that can
+        # answer them (a chat template for messages), as they do when called by name; the
+        # default model's route refused them ("an object with an "inputs" field") where
+        # the first model served is not a generation model
+        if "messages" in body:
+            return "/v1/chat/completions"
+        if "prompt" in body:
+            return "/v1/completions"
     model = chosen_model(body.get("model"), models)
     # (before a worker has loaded it, the task the server was started with)
     task = model.task or model.facts.get("task")
