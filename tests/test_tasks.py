@@ -511,6 +511,21 @@ def test_blank_input_is_422_on_every_task(task, blank, in_list):
             parse_text_body(task, blank)
 
 
+@pytest.mark.parametrize(
+    "invisible", ["\u200b", "\u0000", "\ufeff", "\u007f", " \u200b\u200d\n", "\u00ad\u2060"]
+)
+@pytest.mark.parametrize("task", ["text-classification", "token-classification", "fill-mask"])
+def test_text_of_only_control_and_format_characters_is_blank_as_whitespace_is(task, invisible):
+    """A zero-width space was scored by the classifiers as they score "" (a made-up
+    answer, 200) where question answering refused it, and a blank text is refused on
+    every task (a tester): such a text is blank too, named as such."""
+    document = {"inputs": invisible, "parameters": TASK_PARAMETERS.get(task, {})}
+    with pytest.raises(UnprocessableInput, match="is empty to a model: only control or format"):
+        parse_json_body(task, document)
+    for visible in ["a\u200b", "\u200b\u00e9", "\u0301", "\U0001f600", "\u200b[MASK]"]:
+        parse_json_body(task, {"inputs": visible})  # (a lone combining mark is visible)
+
+
 # --- each parameter's bounds: what /openapi.json says is what is checked -----------------
 
 REQUIRED_PARAMS = {"zero-shot-classification": {"candidate_labels": ["a"]}}

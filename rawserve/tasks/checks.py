@@ -7,6 +7,7 @@ Shared by the task modules. Plain Python only: the server imports them.
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -172,4 +173,16 @@ def text(value: Any) -> str:
 def not_blank(value: str, what: str = "the text") -> str:
     if not value.strip():
         raise BlankInput(f"{what} is empty or only whitespace")
+    if all(unicodedata.category(char) in INVISIBLE or char.isspace() for char in value):
+        # (stops at the first visible character: a real text's first, or close to it)
+        raise BlankInput(
+            f"{what} is empty to a model: only control or format characters (zero-width "
+            "spaces, NUL, a byte-order mark)"
+        )
     return value
+
+
+# Unicode's control and format characters: a tokenizer skips them (the classifiers scored
+# a zero-width space as they score "", question answering refused it), or reads bytes that
+# mean nothing
+INVISIBLE = frozenset({"Cc", "Cf"})
