@@ -726,6 +726,26 @@ def test_a_list_does_not_push_the_lists_queued_before_it_past_their_deadlines():
     assert len({item.request for item in batches[1]}) == 3  # (the first went alone)
 
 
+def test_a_single_still_rides_in_the_next_batch_beside_lists_near_their_deadlines():
+    """A list that would push the lists queued before it past their deadlines goes behind
+    them; a single input was sent there too (a tester: lists at 1.02 of their margin put a
+    single with 30 s to spare in the last of seven batches, 490 ms, not the next, 70 ms).
+    A single takes the next turn, as fair turns promise: it costs the lists one item."""
+    core = measured(SchedulerCore(max_batch_size=32, max_queue=1024), 1.5e-5, fixed=0.0076)
+    batch = core.cost_model.predict(32 * 130, 32)
+    due = ADMIT_MARGIN * 6 * batch * 1.02  # two lists of 96, at the edge of their margin
+    queue_items(core, [text(130)] * 96, 0.0, due)
+    queue_items(core, [text(130)] * 96, 0.0, due)
+    (single,) = queue_items(core, [text(130)], 0.001, 30.0)
+    assert single in next_batch(core, now=0.001)
+    # a list of two, though, goes behind them
+    core = measured(SchedulerCore(max_batch_size=32, max_queue=1024), 1.5e-5, fixed=0.0076)
+    queue_items(core, [text(130)] * 96, 0.0, due)
+    queue_items(core, [text(130)] * 96, 0.0, due)
+    pair = queue_items(core, [text(130)] * 2, 0.001, 30.0)
+    assert not set(pair) & set(next_batch(core, now=0.001))
+
+
 def test_an_input_that_costs_batches_takes_a_turn_per_batch():
     """A question-answering context of hundreds of windows is one item; at one turn each,
     a short request that came after three of them waited for all three (a tester: 9-17 s

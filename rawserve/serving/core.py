@@ -434,9 +434,10 @@ class SchedulerCore:
             item.request = items[0].seq
         _take_turns_from(self._turn, items)
         misses = now is not None and bool(items) and self._misses_deadline(items, now)
-        if now is not None and not misses and self._delays_admitted(items, now):
-            # fair turns yield to deadlines kept: behind every queued turn, it delays no
-            # one (interleaved, lists of 32 with 0.25 s deadlines each pushed the ones
+        listed = len(items) > 1  # (a single costs those queued one item: it takes its turn)
+        if now is not None and not misses and listed and self._delays_admitted(items, now):
+            # fair turns yield to deadlines kept: behind every queued turn, a list delays
+            # no one (interleaved, lists of 32 with 0.25 s deadlines each pushed the ones
             # before them past theirs: 504s for requests admitted, 200s for later ones)
             _take_turns_from(max(self._turn, self._queued_bounds[0]), items)
             misses = self._misses_deadline(items, now)
