@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -685,6 +686,39 @@ def test_a_copy_of_a_model_s_own_graph_that_cannot_be_made_or_loaded_leaves_it_a
     assert warning.startswith(f"ONNX engine: the copy {copy} of onnx/model.onnx cannot be loaded (")
     assert warning.endswith("): removed; the graph is served as shipped")
     assert onnx_engine.load_network(str(folder), "feature-extraction", 1, cache).graph == copy
+
+
+def test_a_graph_onnx_runtime_refuses_is_said_in_rawserve_s_line_alone(tmp_path, capfd):
+    """A cached graph whose weights file was cut short failed as ONNX Runtime folded its
+    constants, and ONNX Runtime logged the failure itself first: a red line of C++
+    signatures before the one line that says it (a tester). It raises it, and says no
+    more."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from rawserve.worker import onnx_engine
+
+    ones = np.ones((256, 256), np.float32).tobytes()
+    weights = [
+        helper.make_tensor(name, TensorProto.FLOAT, [256, 256], ones, raw=True) for name in "wb"
+    ]
+    nodes = [
+        helper.make_node("Add", ["w", "b"], ["c"]),
+        helper.make_node("MatMul", ["x", "c"], ["y"]),
+    ]
+    declared = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 256]) for name in "xy"]
+    graph = helper.make_graph(nodes, "folded", declared[:1], declared[1:], weights)
+    path = tmp_path / "model.onnx"
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, path, save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    with open(tmp_path / "model.onnx.data", "r+b") as data:
+        data.truncate(300_000)  # (the second weight cut short)
+    capfd.readouterr()
+    assert onnx_engine.unloadable(path) is not None
+    with pytest.raises(Exception, match="Exception during initialization"):
+        config = SimpleNamespace(model_type="bert")
+        onnx_engine.OnnxNetwork(path, config, onnx_engine.HEADS["feature-extraction"], 1)
+    assert "onnxruntime" not in capfd.readouterr().err
 
 
 def graph_file(path, inputs, outputs, batch="batch"):

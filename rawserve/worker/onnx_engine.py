@@ -80,6 +80,10 @@ WEIGHTS_ALIGNMENT = 65536
 # copy with the weights apart changes
 WEIGHTS_INSIDE_BYTES = 2**20
 APART_RECIPE = 1
+# ONNX Runtime's own log: fatal lines only. An error it logs it also raises, which the
+# callers say in one line; logged, it came first, a red line of C++ signatures (a
+# graph whose weights file was cut short, failing as its constants were folded)
+ONLY_FATAL_LOGS = 4
 EXPORT_BATCH = 2  # the example batch traced at export (its sizes are made dynamic)
 UNTRAINED = "untrained"  # key.json's record of the weights the export's model had at random
 EXPORT_OUTCOME = "outcome.json"  # beside the graph while the export's process makes it
@@ -225,7 +229,7 @@ class OnnxNetwork(torch.nn.Module):
             # Threads that spin after a call keep a core from the other worker and the
             # event loop; on a shared machine that costs more than the wake-up saves.
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            options.log_severity_level = 3
+            options.log_severity_level = ONLY_FATAL_LOGS
             session = self.ort.InferenceSession(
                 str(self.graph), options, providers=["CPUExecutionProvider"]
             )
@@ -685,8 +689,10 @@ def unloadable(graph: Path) -> str | None:
     """Why ONNX Runtime refuses to load `graph` (its first line), or None where it loads."""
     import onnxruntime
 
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = ONLY_FATAL_LOGS
     try:
-        onnxruntime.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+        onnxruntime.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 - any refusal: the graph is not served
         return first_line(exc)
     return None
