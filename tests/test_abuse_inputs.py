@@ -225,7 +225,7 @@ def test_a_hypothesis_that_leaves_the_text_no_room_is_refused_before_it_is_queue
     assert "send a shorter hypothesis_template or label" in answer["error"]
     assert batches_run(chooser) == before  # no worker saw it
     # a hypothesis of all the room left, beside a text of no tokens, is read (a tester)
-    empty = {**asking(120), "inputs": "\u200b"}
+    empty = {**asking(120), "inputs": "\u0301"}  # (a lone accent)
     assert post(chooser, json.dumps(empty).encode())[0] == 200
     status, answer = post(chooser, json.dumps(asking(119)).encode())  # the text cut to 1
     assert status == 200 and len(answer) == 32, answer
