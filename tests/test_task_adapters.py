@@ -935,6 +935,19 @@ def test_a_seq2seq_max_new_tokens_beside_a_max_length_is_the_length(runner):
     assert both != summarize.run(text, {"max_length": 3})
 
 
+def test_a_seq2seq_model_makes_as_many_new_tokens_as_its_positions(runner):
+    """The decoder reads its start token and each new token but the last: 128 positions
+    make 128 tokens, as transformers 4's pipeline made them; 127 was the most allowed
+    (a tester)."""
+    summarize = runner("seq2seq", "summarization")
+    positions = summarize.model.config.max_position_embeddings
+    assert summarize.limits.max_new_tokens == positions
+    made = {"max_new_tokens": positions, "min_new_tokens": positions, "num_beams": 1}
+    [answer] = summarize.run(["the movie was good"], made)
+    ids = summarize.tokenizer(answer["summary_text"], add_special_tokens=False)["input_ids"]
+    assert len(ids) >= positions // 2  # (what decodes to fewer pieces, at most the 128)
+
+
 def test_a_seq2seq_temperature_of_zero_is_greedy(runner):
     """As the causal LM's is (TGI's and OpenAI's reading); generate() refused it."""
     summarize = runner("seq2seq", "summarization")
@@ -1697,7 +1710,7 @@ INPUT_ERRORS = [
     # more new tokens than the positions allow: the server refuses it first (400)
     ("text-generation", "text-generation", "hello", {"max_new_tokens": 300}, "at most 255"),
     ("seq2seq", "translation", "hello", {"src_lang": "en", "tgt_lang": "de"}, "not translate"),
-    ("seq2seq", "summarization", "hello", {"max_new_tokens": 200}, "limit of 127"),
+    ("seq2seq", "summarization", "hello", {"max_new_tokens": 200}, "limit of 128"),
     ("seq2seq", "text2text-generation", LONG, {"truncation": False}, "reads at most 128"),
     ("seq2seq", "text2text-generation", LONG, {"truncation": "do_not_truncate"}, "at most 128"),
     # a single text has no second sequence to cut: the strategy cuts nothing of it

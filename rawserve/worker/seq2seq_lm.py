@@ -117,10 +117,10 @@ class Seq2SeqLMRunner(Runner):
 
     @property
     def limits(self) -> ModelLimits:
-        # the decoder starts from one token; models with relative positions (T5) have no
-        # such bound
-        positions = self.position_limit
-        most = positions - 1 if positions else None
+        # the decoder reads its start token and each new token but the last it makes, so
+        # it makes as many as its positions (transformers 4's pipeline did; positions - 1
+        # refused a BART its last); models with relative positions (T5) have no such bound
+        most = self.position_limit
         config = self.model.generation_config
         # what `generate` runs to where a request names no length or beams (its max_length
         # counts the decoder's start token)
@@ -266,12 +266,13 @@ class Seq2SeqLMRunner(Runner):
         return outputs
 
     def check_length(self, caller: dict[str, Any]) -> None:
-        """A length past the decoder's positions would fail inside the model: say so."""
+        """A length past the decoder's positions would fail inside the model: say so
+        (`max_length` counts the decoder's start token)."""
         if self.position_limit is None:
             return
         for name, limit in (
-            ("max_new_tokens", self.position_limit - 1),
-            ("max_length", self.position_limit),
+            ("max_new_tokens", self.position_limit),
+            ("max_length", self.position_limit + 1),
         ):
             if (caller.get(name) or 0) > limit:
                 raise ValueError(f"{name} {caller[name]} is over this model's limit of {limit}")
