@@ -183,10 +183,12 @@ UNTRAINED_SEED = 0
 
 @contextmanager
 def weights_made_alike() -> Iterator[None]:
-    """Seeds torch's generator while a model loads, and gives it back as it was after: a
-    client's seeded sampling is not changed by the load."""
+    """Seeds torch's CPU generator, which makes the weights a checkpoint lacks, while a
+    model loads, and gives it back as it was after: a client's seeded sampling is not
+    changed by the load (nor a GPU's generators, which `torch.manual_seed` would seed
+    and `fork_rng(devices=[])` not give back)."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(UNTRAINED_SEED)
+        torch.default_generator.manual_seed(UNTRAINED_SEED)
         yield
 
 
