@@ -652,6 +652,48 @@ def test_a_model_s_own_graph_with_its_weights_inside_is_served_from_a_copy_with_
     assert third.graph != network.graph and not network.graph.parent.exists()
 
 
+def test_a_model_s_own_graph_with_its_weights_beside_it_is_served_as_shipped_however_large(
+    tiny_model, onnx_cache, tmp_path, monkeypatch
+):
+    """A graph's file over WEIGHTS_INSIDE_BYTES may be a structure alone, its weights in a
+    file beside it. Copied, the copy took those weights along, keyed by the graph's file
+    alone: weights saved again beside the same graph (a model trained anew, exported
+    again) were served stale from the copy (a tester). Such a graph is served as shipped,
+    and a copy made before of the same folder's graph is removed."""
+    import onnx
+    from onnx import numpy_helper
+
+    from rawserve.worker import onnx_engine
+
+    monkeypatch.setattr(onnx_engine, "WEIGHTS_INSIDE_BYTES", 1024)  # the tiny graph's
+    folder = shipping_its_weights_inside(tiny_model, onnx_cache, tmp_path / "with-onnx")
+    shipped = folder / "onnx" / "model.onnx"
+    cache = tmp_path / "cache"
+    first_copy = onnx_engine.load_network(str(folder), "feature-extraction", 1, cache).graph
+    assert first_copy.parent.parent == cache
+
+    # exported again, its weights beside it, then trained anew: the same graph file
+    graph = onnx.load(shipped)
+    onnx.save(graph, shipped, save_as_external_data=True, location="weights")
+    assert shipped.stat().st_size > onnx_engine.WEIGHTS_INSIDE_BYTES
+    network = onnx_engine.load_network(str(folder), "feature-extraction", 1, cache)
+    assert network.graph == shipped and not first_copy.parent.exists()
+    assert not [path for path in cache.iterdir() if path.name.startswith("with-onnx-own-")]
+    before = vectors(network).numpy()
+    structure = shipped.read_bytes()
+    graph = onnx.load(shipped)  # (its weights read in from beside it)
+    for tensor in graph.graph.initializer:
+        values = numpy_helper.to_array(tensor)
+        if values.dtype == np.float32 and values.nbytes >= 1024:  # (those saved beside it)
+            tensor.raw_data = (values * 1.5).tobytes()
+    (folder / "onnx" / "weights").unlink()  # (onnx.save appends to one there)
+    onnx.save(graph, shipped, save_as_external_data=True, location="weights")
+    assert shipped.read_bytes() == structure
+    trained = onnx_engine.load_network(str(folder), "feature-extraction", 1, cache)
+    assert trained.graph == shipped
+    assert not np.allclose(vectors(trained).numpy(), before, atol=1e-3)
+
+
 def test_a_copy_of_a_model_s_own_graph_that_cannot_be_made_or_loaded_leaves_it_as_shipped(
     tiny_model, onnx_cache, tmp_path, monkeypatch, caplog
 ):

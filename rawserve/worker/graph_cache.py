@@ -47,6 +47,16 @@ class CacheNotWritable(OSError):
         self.why = why
 
 
+class NothingToCache(Exception):
+    """`make`'s answer where the original serves as it is (a model's own graph whose
+    weights are beside it already): no graph is cached, and those made before for the
+    same folder and head (`folder`) are removed."""
+
+    def __init__(self, folder: str):
+        super().__init__(folder)
+        self.folder = folder
+
+
 @dataclass(frozen=True)
 class Found:
     """A cached graph, and how it came to be there."""
@@ -82,7 +92,9 @@ def cached_graph(
     file `damaged` identifies (one that would not load): `make(path)` writes it at `path`
     (in a scratch folder, moved into place whole) and answers what `key.json` keeps beside
     the key; with "head" in `key` and "folder" in what `make` answers, the graphs of the
-    same folder and head made from another key are removed: no start asks for them again."""
+    same folder and head made from another key are removed: no start asks for them again.
+    `make` raises NothingToCache where no graph is to be kept (raised on, once those of
+    the same folder and head are removed)."""
     digest = key_digest(key)
     target = cache_dir / f"{name}-{digest}"
     graph = target / GRAPH_FILE
@@ -103,6 +115,9 @@ def cached_graph(
                 kept = {**key, **make(scratch / GRAPH_FILE)}
                 (scratch / KEY_FILE).write_text(json.dumps(kept, indent=1))
                 os.replace(scratch, target)
+            except NothingToCache as nothing:
+                _drop_replaced(cache_dir, target, {**key, "folder": nothing.folder})
+                raise
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
             _drop_replaced(cache_dir, target, kept)

@@ -58,7 +58,7 @@ from rawserve.shared.devices import cpu_cores
 from rawserve.shared.logs import first_line
 from rawserve.shared.memory import give_back_free_memory
 from rawserve.worker import engine_trial
-from rawserve.worker.graph_cache import cached_graph, identity
+from rawserve.worker.graph_cache import NothingToCache, cached_graph, identity
 from rawserve.worker.model_classes import Untrained, load_model
 
 log = logging.getLogger("rawserve.onnx")
@@ -79,7 +79,7 @@ WEIGHTS_ALIGNMENT = 65536
 # a file beside it is their structure alone: MiniLM's, 200 KB); bump APART_RECIPE when the
 # copy with the weights apart changes
 WEIGHTS_INSIDE_BYTES = 2**20
-APART_RECIPE = 1
+APART_RECIPE = 2  # 2: no copy of a graph whose weights are beside it (it went stale)
 # ONNX Runtime's own log: fatal lines only. An error it logs it also raises, which the
 # callers say in one line; logged, it came first, a red line of C++ signatures (a
 # graph whose weights file was cut short, failing as its constants were folded)
@@ -325,7 +325,11 @@ def own_graph_apart(folder: Path, cache_dir: Path) -> Path | None:
     from inside the file, each session (two a worker) held a copy of them. None where its
     weights are beside it already, or where no copy can be made (without onnx_ir, in a
     cache that cannot be written, of a graph onnx_ir cannot read): the graph is then
-    served as shipped."""
+    served as shipped. A graph's file over WEIGHTS_INSIDE_BYTES may still be a structure
+    alone, its weights beside it (a large one, or one with a long doc string): copied,
+    those weights went with the copy, keyed by the graph's file alone, and weights saved
+    again beside the same graph (a model trained anew, exported again) were served stale
+    from the copy."""
     shipped = folder / SHIPPED_GRAPH
     if shipped.stat().st_size < WEIGHTS_INSIDE_BYTES:
         return None
@@ -339,7 +343,10 @@ def own_graph_apart(folder: Path, cache_dir: Path) -> Path | None:
     def make(path: Path) -> dict[str, Any]:
         import onnx_ir
 
-        _save_apart(onnx_ir.load(shipped), path)
+        graph = onnx_ir.load(shipped)  # (weights in a file beside it are not read)
+        if weights_beside(graph):
+            raise NothingToCache(str(folder.resolve()))
+        _save_apart(graph, path)
         # the loaded graph's reference cycles hold its weights until a collection that
         # may not come soon (MiniLM, in a bare process: 168 MB resident, 82 collected)
         gc.collect()
@@ -348,6 +355,8 @@ def own_graph_apart(folder: Path, cache_dir: Path) -> Path | None:
 
     try:
         found = cached_graph(cache_dir, f"{folder.resolve().name}-own", key, make)
+    except NothingToCache:
+        return None
     except Exception as exc:  # noqa: BLE001 - a saving of memory, never a reason to fail
         log.warning(
             "ONNX engine: %s is served as shipped, each session reading its weights: no "
@@ -674,6 +683,14 @@ def _fuse(exported: Path, path: Path) -> None:
         return
     fused = {name: count for name, count in counts.items() if count}
     log.info("ONNX engine: fused %s", fused or "nothing")
+
+
+def weights_beside(graph: Any) -> bool:
+    """Whether an onnx_ir graph keeps any of its weights in a file beside it."""
+    import onnx_ir
+
+    values = graph.graph.initializers.values()
+    return any(isinstance(value.const_value, onnx_ir.ExternalTensor) for value in values)
 
 
 def _save_apart(graph: Any, path: Path) -> None:
