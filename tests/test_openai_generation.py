@@ -1968,6 +1968,14 @@ def test_a_blank_prompt_is_422_as_blank_text_is_on_every_route(servers, prompt):
     assert "empty or only whitespace" in body["error"]["message"], body
 
 
+def test_a_prompt_of_a_zero_width_space_is_generated_from(servers):
+    """A byte-level tokenizer reads it as tokens, as OpenAI, vLLM and TGI take it."""
+    body = {"prompt": "\u200b", "max_tokens": 2}
+    status, answer = servers["plain"].post_json(body, "/v1/completions")
+    assert status == 200, answer
+    assert answer["usage"]["prompt_tokens"] >= 1, answer
+
+
 def test_completion_with_no_body_type_and_bad_json_is_400(servers):
     connection = http.client.HTTPConnection("127.0.0.1", servers["plain"].port, timeout=30)
     try:

@@ -526,6 +526,17 @@ def test_text_of_only_control_and_format_characters_is_blank_as_whitespace_is(ta
         parse_json_body(task, {"inputs": visible})  # (a lone combining mark is visible)
 
 
+@pytest.mark.parametrize("task", ["text-generation", "translation", "summarization"])
+def test_a_prompt_of_only_control_and_format_characters_is_generated_from(task):
+    """A byte-level tokenizer (GPT-2's, Llama's byte fallback, BART's) reads a zero-width
+    space or a NUL as tokens of its own, and TGI, vLLM and OpenAI take such a prompt: it
+    was refused as blank (a tester). Whitespace alone is still blank."""
+    for invisible in ["\u200b", "\u0000", "\ufeff", " \u200b\u200d\n"]:
+        assert parse_json_body(task, {"inputs": invisible}).inputs == [invisible]
+    with pytest.raises(UnprocessableInput, match="empty or only whitespace"):
+        parse_json_body(task, {"inputs": " \n"})
+
+
 # --- each parameter's bounds: what /openapi.json says is what is checked -----------------
 
 REQUIRED_PARAMS = {"zero-shot-classification": {"candidate_labels": ["a"]}}

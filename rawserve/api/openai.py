@@ -85,7 +85,7 @@ from rawserve.api.tokens import ServerTokenizers
 from rawserve.http.errors import BadRequest, HTTPError, UnprocessableInput
 from rawserve.http.exchange import HttpRequest, HttpResponse
 from rawserve.serving.face import EMBEDDING_ROUTE, ItemResult
-from rawserve.tasks.checks import BlankInput, not_blank
+from rawserve.tasks.checks import BlankInput, visible
 from rawserve.tasks.text_generation import (
     CHAT_REFUSALS,
     GRAMMAR_FAILED,
@@ -182,7 +182,7 @@ def parse_embeddings_request(
             raise UnprocessableInput(f"a token array of {where} has no ids", param="input")
         try:
             if isinstance(one, str):
-                not_blank(one, f"a text of {where}")
+                visible(one, f"a text of {where}")
         except BlankInput as exc:
             raise UnprocessableInput(str(exc), param="input") from None
     refuse_unknown_ids(texts, details(context).get("vocabulary"), "input")

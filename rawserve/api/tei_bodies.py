@@ -27,7 +27,7 @@ from rawserve.api.fields import (
 from rawserve.api.openai_generation import is_token_ids, refuse_unknown_ids
 from rawserve.api.routing import DocContext, Schema
 from rawserve.http.errors import BadRequest, EmptyInput, UnprocessableInput
-from rawserve.tasks.checks import BlankInput, not_blank
+from rawserve.tasks.checks import BlankInput, visible
 
 DIRECTIONS = ("left", "right", "Left", "Right")  # TEI takes both spellings
 MAX_TOKEN_ID = 2**32 - 1
@@ -156,7 +156,7 @@ def checked_text(value: str, name: str, param: str | None = None) -> str:
     `name` says where it is in the body, `param` its field (`name` unquoted if None)."""
     unicode_text(value, name)
     try:
-        return not_blank(value, f"a text of {name}")
+        return visible(value, f"a text of {name}")
     except BlankInput as exc:
         raise UnprocessableInput(str(exc), param=param or name.strip('"')) from None
 

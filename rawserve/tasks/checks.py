@@ -165,6 +165,17 @@ def lower_one_of(*choices: str) -> Checker:
 
 @checker({"type": "string"})
 def text(value: Any) -> str:
+    """A text an encoder reads: not blank, and not only characters it skips (`visible`)."""
+    if not isinstance(value, str):
+        raise ValueError("each input must be a string")
+    return visible(value)
+
+
+@checker({"type": "string"})
+def prompt(value: Any) -> str:
+    """A prompt a generation model continues: not blank. A byte-level tokenizer (GPT-2's,
+    Llama's byte fallback, BART's) reads a zero-width space or a NUL as tokens of its
+    own, as TGI, vLLM and OpenAI take such a prompt."""
     if not isinstance(value, str):
         raise ValueError("each input must be a string")
     return not_blank(value)
@@ -173,6 +184,14 @@ def text(value: Any) -> str:
 def not_blank(value: str, what: str = "the text") -> str:
     if not value.strip():
         raise BlankInput(f"{what} is empty or only whitespace")
+    return value
+
+
+def visible(value: str, what: str = "the text") -> str:
+    """`value`, not blank nor only control and format characters, which an encoder's
+    tokenizer skips: a classifier scored a zero-width space as it scores "" (a made-up
+    answer), where question answering refused it."""
+    not_blank(value, what)
     if all(unicodedata.category(char) in INVISIBLE or char.isspace() for char in value):
         # (stops at the first visible character: a real text's first, or close to it)
         raise BlankInput(
@@ -182,7 +201,6 @@ def not_blank(value: str, what: str = "the text") -> str:
     return value
 
 
-# Unicode's control and format characters: a tokenizer skips them (the classifiers scored
-# a zero-width space as they score "", question answering refused it), or reads bytes that
-# mean nothing
+# Unicode's control and format characters: an encoder's tokenizer skips them (BERT's), or
+# reads bytes that mean nothing to it
 INVISIBLE = frozenset({"Cc", "Cf"})

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from rawserve.tasks.checks import NUMBER, boolean, checker, int_range, not_blank, one_or_list
+from rawserve.tasks.checks import NUMBER, boolean, checker, int_range, one_or_list, visible
 from rawserve.tasks.estimate import text_tokens
 from rawserve.tasks.rules import Task
 
@@ -59,7 +59,7 @@ def question_and_context(value: Any) -> dict[str, str]:
         and set(value) == {"question", "context"}
         and all(isinstance(v, str) for v in value.values())
     ):
-        return {name: not_blank(value[name], f"the {name}") for name in ("question", "context")}
+        return {name: visible(value[name], f"the {name}") for name in ("question", "context")}
     raise ValueError('each input must be {"question": "...", "context": "..."}')
 
 

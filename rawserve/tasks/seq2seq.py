@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rawserve.tasks.checks import Checker, boolean, checker, float_range, int_range, one_of, text
+from rawserve.tasks.checks import Checker, boolean, checker, float_range, int_range, one_of, prompt
 from rawserve.tasks.rules import MAX_NEW_TOKENS, SingleAnswer, Task
 
 
@@ -106,7 +106,7 @@ def _task(name: str, translates: bool) -> Task:
     key = OUTPUT_KEYS[name]
     return Task(
         name,
-        text,
+        prompt,
         {
             "clean_up_tokenization_spaces": boolean,
             "truncation": truncation,

@@ -13,8 +13,8 @@ from rawserve.tasks.checks import (
     checker,
     int_range,
     lower_one_of,
-    not_blank,
     one_or_list,
+    visible,
 )
 from rawserve.tasks.rules import SingleAnswer, Task
 
@@ -39,14 +39,14 @@ LOGITS_PARAM = "logits"
 )
 def text_or_pair(value: Any) -> str | dict[str, str]:
     if isinstance(value, str):
-        return not_blank(value)
+        return visible(value)
     if (
         isinstance(value, dict)
         and "text" in value
         and set(value) <= {"text", "text_pair"}
         and all(isinstance(v, str) for v in value.values())
     ):
-        return {name: not_blank(part, f"the {name}") for name, part in value.items()}
+        return {name: visible(part, f"the {name}") for name, part in value.items()}
     raise ValueError('each input must be a string or {"text": ..., "text_pair": ...}')
 
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rawserve.shared.token_columns import listed, token_count
-from rawserve.tasks.checks import boolean, checker, float_range, ignored, int_range, text
+from rawserve.tasks.checks import boolean, checker, float_range, ignored, int_range, prompt
 from rawserve.tasks.rules import MAX_NEW_TOKENS, Task
 
 # Set by the server's OpenAI chat route, never by a client: each input is a chat
@@ -272,7 +272,7 @@ def grammar(value: Any) -> dict[str, Any]:
 
 TASK = Task(
     "text-generation",
-    text,
+    prompt,
     {
         "max_new_tokens": int_range(1, MAX_NEW_TOKENS),  # the positions bound it further
         "do_sample": boolean,
