@@ -90,7 +90,13 @@ def test_openai_bodies_naming_no_model_go_to_openai_s_routes_whatever_the_first_
     assert invocation_path({"prompt": "hi"}, models) == "/v1/completions"
     assert invocation_path({"inputs": "a [MASK]"}, models) == "/models/fm"  # the first's
     assert invocation_path({"inputs": "hi", "messages": []}, models) == "/models/fm"
-    assert invocation_path({**chat, "model": "fm"}, models) == "/models/fm"  # named: its own
+    # named, a model that cannot answer it: OpenAI's route says so in OpenAI's words, as
+    # it does where none is named (fill-mask's refused it as a body without "inputs")
+    assert invocation_path({**chat, "model": "fm"}, models) == "/v1/chat/completions"
+    alone = ServedModels([served("fm", "fill-mask")])
+    for named in ({}, {"model": "fm"}, {"model": "tgi"}):
+        assert invocation_path({**chat, **named}, alone) == "/v1/chat/completions"
+        assert invocation_path({"prompt": "hi", **named}, alone) == "/v1/completions"
 
 
 def test_the_other_names_stand_for_their_routes_and_the_rest_for_themselves():

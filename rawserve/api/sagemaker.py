@@ -82,11 +82,12 @@ def invocation_path(document: Any, models: ServedModels) -> str:
     """The route `/invocations` stands for, given its body (None where it cannot be read
     as a JSON object: the route the model alone says, which refuses it)."""
     body = document if isinstance(document, dict) else {}
-    if body.get("model") is None and "inputs" not in body:
-        # OpenAI's bodies naming no model: their routes pick the first model that can
-        # answer them (a chat template for messages), as they do when called by name; the
-        # default model's route refused them ("an object with an "inputs" field") where
-        # the first model served is not a generation model
+    if "inputs" not in body:
+        # OpenAI's bodies go to OpenAI's routes, whatever model they name: those pick the
+        # model (the first that can answer them where none is named, a chat template for
+        # messages) and answer one that cannot in OpenAI's words; the default model's
+        # route refused them ("an object with an "inputs" field") where the first model
+        # served is not a generation model, and so did one named
         if "messages" in body:
             return "/v1/chat/completions"
         if "prompt" in body:
@@ -95,10 +96,6 @@ def invocation_path(document: Any, models: ServedModels) -> str:
     # (before a worker has loaded it, the task the server was started with)
     task = model.task or model.facts.get("task")
     if task == "text-generation":  # (TGI tries its bodies in this order)
-        if "inputs" not in body and "messages" in body:
-            return "/v1/chat/completions"
-        if "inputs" not in body and "prompt" in body:
-            return "/v1/completions"
         return "/generate_stream" if body.get("stream") is True else "/generate"
     if task == "feature-extraction":  # (a SPLADE model's: its sparse vectors, as TEI's)
         if isinstance(body.get("inputs"), dict) and "source_sentence" in body["inputs"]:
