@@ -933,6 +933,9 @@ def test_a_seq2seq_max_new_tokens_beside_a_max_length_is_the_length(runner):
     both = summarize.run(text, {"max_length": 3, "max_new_tokens": 8})
     assert both == summarize.run(text, {"max_new_tokens": 8})
     assert both != summarize.run(text, {"max_length": 3})
+    # ... and a max_length past the positions beside it is not read either (a tester)
+    past = summarize.model.config.max_position_embeddings + 50
+    assert summarize.run(text, {"max_length": past, "max_new_tokens": 8}) == both
 
 
 def test_a_seq2seq_model_makes_as_many_new_tokens_as_its_positions(runner):

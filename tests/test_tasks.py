@@ -373,6 +373,11 @@ def test_seq2seq_parameters_as_the_inference_api_names_them():
         ({"generate_parameters": {"max_length": 4097}}, None, True),
         ({"min_length": 4097}, None, True),
         ({"min_length": 4098}, None, False),
+        # ... and transformers' generate takes max_new_tokens over them (a tester)
+        ({"max_new_tokens": 128, "max_length": 200}, 129, True),
+        ({"generate_parameters": {"max_length": 200}, "max_new_tokens": 128}, 129, True),
+        ({"min_new_tokens": 1, "min_length": 200}, 129, True),
+        ({"max_new_tokens": 129, "max_length": 20}, 129, False),
     ],
 )
 def test_seq2seq_lengths_reach_the_decoder_s_positions(params, positions, taken):
@@ -383,8 +388,10 @@ def test_seq2seq_lengths_reach_the_decoder_s_positions(params, positions, taken)
     if taken:
         check_generation_length(parsed.params, longest)
     else:
-        with pytest.raises(InvalidRequest, match="and this model generates at most"):
+        with pytest.raises(InvalidRequest, match="and this model generates at most") as refused:
             check_generation_length(parsed.params, longest)
+        if "_length" in str(refused.value):  # its count is not the new tokens' alone
+            assert "(the decoder's start token and the new ones) is" in str(refused.value)
 
 
 @pytest.mark.parametrize(

@@ -116,20 +116,24 @@ def check_generation_length(params: Mapping[str, Any], longest: int | None) -> N
     """Refuse a generation the loaded model cannot make: more new tokens than its
     positions allow (`longest`; None where they are unknown: `check_new_tokens`'s
     ceiling). `max_length` and `min_length` (transformers 4's names) count the decoder's
-    start token too."""
+    start token too, and are not read beside `max_new_tokens` and `min_new_tokens`, which
+    transformers' `generate` takes over them."""
     longest = UNKNOWN_POSITIONS_NEW_TOKENS if longest is None else longest
     nested = params.get("generate_parameters")
     sources = [params, nested if isinstance(nested, Mapping) else {}]
-    for name, most in (
-        ("max_new_tokens", longest),
-        ("min_new_tokens", longest),
-        ("max_length", longest + 1),
-        ("min_length", longest + 1),
+    for name, most, over in (
+        ("max_new_tokens", longest, None),
+        ("min_new_tokens", longest, None),
+        ("max_length", longest + 1, "max_new_tokens"),
+        ("min_length", longest + 1, "min_new_tokens"),
     ):
+        if over is not None and any(isinstance(source.get(over), int) for source in sources):
+            continue
+        said = name if over is None else f"{name} (the decoder's start token and the new ones)"
         for source in sources:
             asked = source.get(name)
             if isinstance(asked, int):
-                check_new_tokens(name, asked, most)
+                check_new_tokens(said, asked, most)
 
 
 def check_new_tokens(name: str, asked: int, most: int | None) -> None:

@@ -267,13 +267,16 @@ class Seq2SeqLMRunner(Runner):
 
     def check_length(self, caller: dict[str, Any]) -> None:
         """A length past the decoder's positions would fail inside the model: say so
-        (`max_length` counts the decoder's start token)."""
+        (`max_length` counts the decoder's start token; beside `max_new_tokens`, generate
+        does not read it)."""
         if self.position_limit is None:
             return
         for name, limit in (
             ("max_new_tokens", self.position_limit),
             ("max_length", self.position_limit + 1),
         ):
+            if name == "max_length" and caller.get("max_new_tokens") is not None:
+                continue
             if (caller.get(name) or 0) > limit:
                 raise ValueError(f"{name} {caller[name]} is over this model's limit of {limit}")
 
