@@ -326,7 +326,10 @@ def test_a_cache_folder_that_cannot_be_written_is_named_not_a_bare_os_error(
         "cannot be written (Not a directory): set RAWSERVE_CACHE_DIR to one that can"
     )
     # on a CPU with bfloat16 units its trial's verdict cannot be kept there either: said so
-    assert all(w.endswith("(Not a directory)") for w in warnings if w != warning), warnings
+    # (unless other work shared the machine while it ran: then it is not kept, said so)
+    busy = "ran while other work shared the machine"
+    others = [w for w in warnings if w != warning and busy not in w]
+    assert all(w.endswith("(Not a directory)") for w in others), warnings
     assert "Traceback" not in caplog.text
 
 
