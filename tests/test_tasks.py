@@ -79,10 +79,15 @@ def test_required_parameters():
         ("zero-shot-classification", {"candidate_labels": "\t"}),
         ("fill-mask", {"targets": [" "]}),
         ("token-classification", {"ignore_labels": ["O", " "]}),
+        ("zero-shot-classification", {"candidate_labels": ["\u200b", "b"]}),
+        ("zero-shot-classification", {"candidate_labels": "\ufeff\u200d, b"}),
+        ("fill-mask", {"targets": ["\u200b", "b"]}),
     ],
 )
 def test_a_label_or_target_of_spaces_is_refused_as_an_empty_one_is(task, parameters):
-    """A zero-shot label of spaces was scored as a label, where "" was refused."""
+    """A zero-shot label of spaces was scored as a label, where "" was refused; so was
+    one of only format characters (a zero-width space), and a fill-mask target of one
+    beside another was dropped unsaid."""
     text = "hi [MASK]" if task == "fill-mask" else "hi"
     with pytest.raises(BadRequest, match="none blank"):
         parse_json_body(task, {"inputs": text, "parameters": parameters})

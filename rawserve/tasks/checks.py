@@ -128,8 +128,10 @@ def short_text(value: Any) -> str:
 
 
 def text_list(max_items: int, min_items: int = 1) -> Checker:
-    """A text or a list of texts, none blank (a zero-shot label of spaces was scored as
-    one, where an empty one was refused)."""
+    """A text or a list of texts, none blank nor only control or format characters (a
+    zero-shot label of spaces, or of a zero-width space, was scored as one, where an empty
+    one was refused; a fill-mask target of one was refused by transformers alone, but
+    beside another target was dropped unsaid)."""
 
     def check(value: Any) -> list[str]:
         if isinstance(value, str):
@@ -137,10 +139,11 @@ def text_list(max_items: int, min_items: int = 1) -> Checker:
         if (
             not isinstance(value, list)
             or not min_items <= len(value) <= max_items
-            or not all(isinstance(v, str) and v.strip() for v in value)
+            or not all(isinstance(v, str) and shows(v) for v in value)
         ):
             raise ValueError(
-                f"must be a string or a list of {min_items} to {max_items} strings, none blank"
+                f"must be a string or a list of {min_items} to {max_items} strings, none blank "
+                "(nor only control or format characters)"
             )
         return value
 
@@ -192,13 +195,18 @@ def visible(value: str, what: str = "the text") -> str:
     tokenizer skips: a classifier scored a zero-width space as it scores "" (a made-up
     answer), where question answering refused it."""
     not_blank(value, what)
-    if all(unicodedata.category(char) in INVISIBLE or char.isspace() for char in value):
-        # (stops at the first visible character: a real text's first, or close to it)
+    if not shows(value):
         raise BlankInput(
             f"{what} is empty to a model: only control or format characters (zero-width "
             "spaces, NUL, a byte-order mark)"
         )
     return value
+
+
+def shows(value: str) -> bool:
+    """Whether `value` has a character other than whitespace, control and format ones."""
+    # (stops at the first visible character: a real text's first, or close to it)
+    return not all(unicodedata.category(char) in INVISIBLE or char.isspace() for char in value)
 
 
 # Unicode's control and format characters: an encoder's tokenizer skips them (BERT's), or
