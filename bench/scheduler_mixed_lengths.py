@@ -10,6 +10,11 @@ all-MiniLM-L6-v2 sentence embedder, which pads each batch to its longest input).
   arrivals at 3x that rate with a per-request deadline: the share of 200s that met the
   deadline, and the goodput (200s in time, per second, in requests and in tokens) as a
   fraction of the capacity.
+- `lists`: bursts of lists of `--list-size` texts (`--lists` of them, `--gap` ms apart),
+  each due `--deadline` after it is sent, on a server with no options, once its cost
+  model has measured lists alone: per burst, how many were answered 200 (all in time?),
+  503 at once, or 504 (admitted, then late). A 504 is an admitted request the scheduler
+  failed; a 503 is one it refused in time to go elsewhere.
 - `delay`: `--max-batch-delay-ms` candidates in interleaved rounds, at low load (one
   client: the latency over the model's own, from each answer's Server-Timing) and at a
   moderate load (8 clients: what a delay buys in throughput and batch size).
@@ -19,6 +24,7 @@ Loopback only; every load run stops by itself within 60 s.
     python -m bench.scheduler_mixed_lengths compare --rounds 3 --duration 30 --clients 32
     python -m bench.scheduler_mixed_lengths overload --deadline 5 --duration 20
     python -m bench.scheduler_mixed_lengths delay --delays 0,1,2,5
+    python -m bench.scheduler_mixed_lengths lists --deadline 0.15 --rounds 3
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from typing import Any
 from bench import servers
 from bench.load import (
     Connection,
+    build_request,
     build_requests,
     connect,
     percentile,
@@ -393,9 +400,73 @@ def delay(args: argparse.Namespace) -> dict[str, Any]:
     return {"runs": results}
 
 
+async def burst(port: int, requests: Sequence[bytes], gap: float) -> list[tuple[int, float]]:
+    """Each of `requests` sent on a connection of its own, `gap` seconds apart: its
+    (status, latency), in the order sent."""
+    loop = asyncio.get_running_loop()
+
+    async def one(request: bytes) -> tuple[int, float]:
+        connection = await connect(port)
+        start = loop.time()
+        try:
+            status, _ = await connection.request(request)
+        except ConnectionError:
+            status = 0
+        finally:
+            connection.close()
+        return status, loop.time() - start
+
+    tasks = []
+    for request in requests:
+        tasks.append(asyncio.create_task(one(request)))
+        await asyncio.sleep(gap)
+    return list(await asyncio.gather(*tasks))
+
+
+def lists(args: argparse.Namespace) -> dict[str, Any]:
+    corpus = texts("mixed")
+    bodies = [
+        json.dumps({"inputs": corpus[start : start + args.list_size]}).encode()
+        for start in range(0, args.lists * args.list_size, args.list_size)
+    ]
+    plain = [build_request(body, content_type="application/json") for body in bodies]
+    header = [("X-Request-Timeout", f"{args.deadline:g}")]
+    timed = [
+        build_request(body, content_type="application/json", extra_headers=header)
+        for body in bodies
+    ]
+    rounds, alone = [], []
+    with serve() as port:
+
+        async def go() -> None:
+            await wait_until_serving(port, plain[0], 180)
+            for request in plain[:20]:  # one at a time: the cost model learns a list's time
+                alone.append((await burst(port, [request], 0))[0][1])
+            for _ in range(args.rounds):
+                answers = await burst(port, timed, args.gap / 1000)
+                rounds.append(Counter(status for status, _ in answers))
+                late = sum(1 for status, took in answers if status == 200 and took > args.deadline)
+                rounds[-1]["late_200"] = late
+                await asyncio.sleep(1.0)  # the queue drains between bursts
+
+        asyncio.run(go())
+    answered = sum(r[200] + r[504] for r in rounds)
+    return {
+        "deadline_s": args.deadline,
+        "list_size": args.list_size,
+        "lists_per_burst": args.lists,
+        "gap_ms": args.gap,
+        "list_alone_ms": ms(statistics.median(alone[5:])),
+        "bursts": [dict(sorted(r.items(), key=str)) for r in rounds],
+        "share_of_admitted_in_time": round(sum(r[200] for r in rounds) / answered, 3)
+        if answered
+        else None,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scheduler_mixed_lengths")
-    parser.add_argument("mode", choices=("compare", "overload", "delay"))
+    parser.add_argument("mode", choices=("compare", "overload", "delay", "lists"))
     parser.add_argument("--duration", type=float, default=15.0, help="seconds per load run")
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2, help="compare: A/B pairs")
@@ -403,6 +474,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--overload", type=float, default=3.0, help="times the capacity")
     parser.add_argument("--deadline", type=float, default=1.0, help="X-Request-Timeout (s)")
     parser.add_argument("--delays", default="0,1,2,5", help="delay: candidates in ms")
+    parser.add_argument("--lists", type=int, default=30, help="lists: lists in a burst")
+    parser.add_argument("--list-size", type=int, default=32, help="lists: texts in a list")
+    parser.add_argument("--gap", type=float, default=5.0, help="lists: ms between lists")
     parser.add_argument("--server-args", default="", help="more rawserve options, for all runs")
     parser.add_argument(
         "--code", default=REPO_ROOT, help="folder holding the rawserve package to serve"
@@ -413,7 +487,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     CODE[0] = os.path.abspath(args.code)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     report = {"mode": args.mode, "machine": machine(), "server_args": args.server_args}
-    report.update({"compare": compare, "overload": overload, "delay": delay}[args.mode](args))
+    modes = {"compare": compare, "overload": overload, "delay": delay, "lists": lists}
+    report.update(modes[args.mode](args))
     json.dump(report, sys.stdout, indent=2)
     print()
     return 0
