@@ -9,8 +9,9 @@ items get consecutive turns from the current one (start-time fair queueing, one 
 item, more for an item that costs several batches), so a request of 256 inputs
 interleaves with the single inputs that arrive after it instead of going wholly before
 them. Deadlines still rule where they bind: an item
-close to its deadline leads the next batch or joins it, an expired one is dropped, and
-no batch is made that would come back after a member's deadline. The async driver that
+close to its deadline leads the next batch or joins it, requests that batches slower
+than measured put at risk go first, earliest deadline first, an expired one is dropped,
+and no batch is made that would come back after a member's deadline. The async driver that
 runs it against the worker pool is `rawserve.serving.driver.Scheduler`. Never imports
 asyncio's server side, h11, torch or the pool.
 """
@@ -23,6 +24,7 @@ import heapq
 import itertools
 import math
 import operator
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -60,6 +62,9 @@ CALIBRATION_SMOOTHING = 0.3  # weight of the newest token count in the estimate'
 BY_DEADLINE = operator.attrgetter("deadline")
 CANDIDATE_WINDOW = 64  # items of a key's queue a batch is chosen from, at the least
 OUTLIER_FACTOR = 4.0  # a measured batch counts as at most this many times its prediction
+# the requests at risk of their deadlines are judged again at most this often (seconds):
+# a walk over the queue, where the speed it judges by moves slowly
+RISK_INTERVAL = 0.05
 NO_BOUNDS = (-1, -math.inf)  # the bounds of an empty queue's turns and deadlines
 
 
@@ -85,6 +90,7 @@ class WorkItem:
     turn: int = 0  # its place in the fair-share order, set when it is admitted
     turns: int = 1  # the turns it takes (it starts at its turn's first): `_turns`
     request: int = -1  # its request's first item's seq, set at admission (a list is one)
+    listed: bool = False  # one of a list's items (a request of several)
     batch: asyncio.Future[Any] | None = None  # the model call it is part of, once sent
     request_id: str = ""  # its request's, for the worker's log lines ("": none)
     # why its run ended while a worker held it ("expired", "disconnected"): counted under
@@ -329,6 +335,11 @@ class SchedulerCore:
     default_new_tokens: int = 0
     default_beams: int = 1
     _turn: int = 0  # the fair-share turn being served: the latest turn sent to a worker
+    # the queued items of requests at risk of their deadlines, earliest deadline first,
+    # which go before the fair turns (`_judge_risk`), and when they were last judged
+    _at_risk: deque[WorkItem] = field(default_factory=deque)
+    _risk_judged: float = -math.inf
+    _listed: int = 0  # queued items of lists (only lists are judged at risk)
     # the sequence taken to learn how long answers run, where they ran past every length
     # (`_probes_length`), while it is queued or running
     _length_probe: WorkItem | None = None
@@ -432,6 +443,7 @@ class SchedulerCore:
         for item in items:
             item.turns = self._turns(item)
             item.request = items[0].seq
+            item.listed = len(items) > 1
         _take_turns_from(self._turn, items)
         misses = now is not None and bool(items) and self._misses_deadline(items, now)
         listed = len(items) > 1  # (a single costs those queued one item: it takes its turn)
@@ -473,6 +485,7 @@ class SchedulerCore:
             self._minima[item.key].add(item)
             self._queued_cost += item.cost
         self._size += len(items)
+        self._listed += len(items) if len(items) > 1 else 0
         last_turn, latest = _bounds(items)
         self._queued_bounds = (
             max(self._queued_bounds[0], last_turn),
@@ -758,6 +771,68 @@ class SchedulerCore:
                 if queued.turn <= last_turn and queued.deadline <= latest:
                     yield queued
 
+    def _judge_risk(self, now: float) -> None:
+        """Which queued requests go first (`_at_risk`): those that, served in fair turns at
+        the speed measured now, would end after their deadlines (with ADMIT_MARGIN), and
+        that served earliest deadline first among them still make them. Admission keeps
+        every request it takes in time at the speed it measured; batches slower than that
+        make the ones it took at the edge late, and in fair turns lists interleave, so
+        that they all end together, all late, where one after another most would make
+        it (lists of 32 due 1 s after they came, 5 ms apart, on two workers whose calls
+        took 10 % longer than measured: 15 of 17 admitted late; earliest deadline first
+        among those at risk, 2). Requests that cannot make it either way keep their turns."""
+        self._risk_judged = now
+        self._at_risk.clear()
+        if not self.cost_model.trusted or not self._size:
+            return
+        max_size, workers = self.max_size, self.workers
+        everything = self.cost_model.drain_seconds_of(
+            self._size, self._queued_cost, max_size, workers
+        )
+        assert everything is not None  # measured, as trusted
+        in_flight = self._in_flight_seconds(now)
+        earliest = min(minima.earliest_deadline().deadline for minima in self._minima.values())
+        if now + ADMIT_MARGIN * (in_flight + everything) <= earliest:
+            return  # everything queued ends in time (most looks end here)
+
+        def late(count: int, cost: int, deadline: float) -> bool:
+            drain = self.cost_model.drain_seconds_of(count, cost, max_size, workers)
+            assert drain is not None
+            return now + ADMIT_MARGIN * (in_flight + drain) > deadline
+
+        queued = list(heapq.merge(*self._queues.values(), key=WorkItem.sort_key))
+        ends: dict[int, tuple[int, int]] = {}  # the turns up to each request's last item
+        cost = 0
+        for count, item in enumerate(queued, 1):
+            cost += item.cost
+            ends[item.request] = (count, cost)
+        at_risk: dict[int, list[WorkItem]] = {}
+        for item in sorted(queued, key=BY_DEADLINE):  # (a request's items in turn order)
+            request = at_risk.get(item.request)
+            if request is not None:
+                request.append(item)
+            elif item.request in ends and late(*ends.pop(item.request), item.deadline):
+                at_risk[item.request] = [item]
+        count = cost = 0
+        for items in at_risk.values():  # earliest deadline first, while each makes its own
+            own = sum(item.cost for item in items)
+            if not late(count + len(items), cost + own, items[0].deadline):
+                self._at_risk += items
+                count, cost = count + len(items), cost + own
+
+    def _first_at_risk(self, key: str, now: float) -> list[WorkItem]:
+        """The items of `key` that go first, being of requests at risk (`_judge_risk`),
+        earliest deadline first: at most a few batches of them."""
+        while self._at_risk and not self._at_risk[0].queued:  # (sent or gone)
+            self._at_risk.popleft()
+        first: list[WorkItem] = []
+        for item in self._at_risk:
+            if len(first) >= PLAN_WINDOW * self.max_size:
+                break
+            if item.queued and item.key == key and self._can_finish(item, now):
+                first.append(item)
+        return first
+
     def _in_flight_seconds(self, now: float) -> float:
         ends = self._in_flight_ends
         first = bisect.bisect_right(ends, now)  # the ones not due yet
@@ -790,7 +865,7 @@ class SchedulerCore:
         queue = self._queues[item.key]
         queue.pop(bisect.bisect_left(queue, item.sort_key(), key=WorkItem.sort_key))
         item.queued = False
-        self._removed(item.key, queue, 1, item.cost)
+        self._removed(item.key, queue, [item])
 
     def _take(self, queue: list[WorkItem], batch: list[WorkItem], window: int) -> None:
         """Take a batch out of its key's queue: the members among its first `window`
@@ -806,12 +881,13 @@ class SchedulerCore:
                 index = bisect.bisect_left(queue, item.sort_key(), key=WorkItem.sort_key)
                 if index < len(queue) and queue[index] is item:
                     del queue[index]
-        self._removed(batch[0].key, queue, len(batch), sum(item.cost for item in batch))
+        self._removed(batch[0].key, queue, batch)
 
-    def _removed(self, key: str, queue: list[WorkItem], count: int, cost: int) -> None:
-        """The books after `count` items costing `cost` in all left `key`'s `queue`."""
-        self._size -= count
-        self._queued_cost -= cost
+    def _removed(self, key: str, queue: list[WorkItem], items: Sequence[WorkItem]) -> None:
+        """The books after `items` left `key`'s `queue`."""
+        self._size -= len(items)
+        self._queued_cost -= sum(item.cost for item in items)
+        self._listed -= sum(item.listed for item in items)
         if not self._size:
             self._queued_bounds = NO_BOUNDS
         if queue:
@@ -889,6 +965,16 @@ class SchedulerCore:
         window_size = max(CANDIDATE_WINDOW, PLAN_WINDOW * self.max_size)
         window = queue[:window_size]
         viable = [item for item in window if self._can_finish(item, now)]
+        if first := self._first_at_risk(queue[0].key, now):  # they go now, whatever the wait
+            hurried = set(map(id, first))
+            viable = first + [item for item in viable if id(item) not in hurried]
+            limits = self._limits_for(first[0].deadline, first[0].cost, now)
+
+            def urgent(item: WorkItem) -> bool:
+                return id(item) in hurried or self._is_urgent(item, now)
+
+            batch = choose_batch(viable, limits, urgent, self.cost_model)
+            return self._send(queue, batch, window_size, now)
         minima = self._minima[queue[0].key]
         earliest = minima.earliest_deadline()
         soonest = min((item.deadline for item in viable), default=float("inf"))
@@ -1119,6 +1205,8 @@ class SchedulerCore:
         expected = flight.predicted if cost == flight.cost else self.cost_model.predict(cost)
         seconds = min(ran, OUTLIER_FACTOR * expected) if expected else ran
         self.cost_model.observe(cost, seconds, tokens, flight.items)
+        if ran > flight.predicted and self._listed and now >= self._risk_judged + RISK_INTERVAL:
+            self._judge_risk(now)  # (slower than predicted: those admitted at the edge)
         if self._continuous(batch) and (made is None or any(made)):  # (none: it failed)
             self._observe_pace(batch, flight, made, now)
         self._window_items += len(batch)  # toward the service rate
