@@ -582,6 +582,19 @@ def test_sentence_models_pool_in_each_of_sentence_transformers_modes(tiny_model,
         np.testing.assert_allclose(vector, expected / np.linalg.norm(expected), atol=1e-5)
 
 
+def test_a_normalizing_sentence_models_token_vectors_are_not_normalized(tiny_model, tmp_path):
+    """The folder's Normalize module normalizes its sentence vector: token vectors asked
+    for with pooling "none" were each of unit length, where sentence-transformers'
+    token_embeddings and TEI's /embed_all are the model's own. Asked, they are."""
+    serving = sentence_runner(sentence_folder(tiny_model, tmp_path))
+    [tokens] = serving.run(["hello world"], {"pooling": "none"})
+    [plain] = serving.run(["hello world"], {"pooling": "none", "normalize": False})
+    np.testing.assert_allclose(tokens, plain)
+    assert not np.allclose(np.linalg.norm(tokens[0], axis=-1), 1.0, atol=1e-3)
+    [unit] = serving.run(["hello world"], {"pooling": "none", "normalize": True})
+    np.testing.assert_allclose(np.linalg.norm(unit[0], axis=-1), 1.0, atol=1e-5)
+
+
 def test_sentence_models_cut_and_lowercase_texts_as_sentence_bert_config_says(tiny_model, tmp_path):
     import json
 

@@ -197,7 +197,10 @@ class EncoderRunner(Runner):
             default_pooling = "mean"
         pooling = params.get("pooling", default_pooling)
         sentence_route = embedding_route and not control.sparse  # (sparse: weights as they are)
-        normalize = params.get("normalize", self.default_normalize or sentence_route)
+        # a folder's Normalize module normalizes its sentence vector, not token vectors
+        # (sentence-transformers' token_embeddings and TEI's /embed_all are not)
+        folder_normalizes = self.default_normalize and pooling != "none"
+        normalize = params.get("normalize", folder_normalizes or sentence_route)
         dimensions = params.get("dimensions")
         most = self.width if pooling == "none" else self.dimensions
         if dimensions is not None and dimensions > most:
