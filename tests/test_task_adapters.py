@@ -927,8 +927,11 @@ def test_seq2seq_batches_answer_what_single_calls_answer(runner):
         ({"num_return_sequences": 3, "num_beams": 2}, "more answers than num_beams 2 keeps"),
         ({"max_length": 1}, "max_length 1 holds only the decoder's start token"),
         # generate() ignored the least, and a 200 answered what was not asked for
-        ({"min_new_tokens": 50, "max_new_tokens": 3}, "min_new_tokens 50 is more than"),
-        ({"generate_parameters": {"min_length": 5, "max_length": 3}}, "min_length 5 is more"),
+        ({"min_new_tokens": 50, "max_new_tokens": 3}, "min_new_tokens 50 asks for more new"),
+        ({"generate_parameters": {"min_length": 5, "max_length": 3}}, "min_length 5 .*length 3"),
+        # a least and a most of the other names, as generate() reads them (a tester)
+        ({"min_length": 20, "max_new_tokens": 5}, r"min_length 20 \(the decoder's start token"),
+        ({"min_new_tokens": 10, "max_length": 6}, "than max_length 6"),
     ],
 )
 def test_seq2seq_settings_generate_refuses_are_said_in_rawserves_words(runner, params, says):
@@ -936,6 +939,26 @@ def test_seq2seq_settings_generate_refuses_are_said_in_rawserves_words(runner, p
     summarize = runner("seq2seq", "summarization")
     with pytest.raises(ValueError, match=says):
         summarize.run(["hello"], params)
+
+
+@pytest.mark.parametrize(
+    ("caller", "most"),
+    [
+        # generate() reads max_new_tokens over max_length, min_new_tokens over min_length:
+        # a pair of which one is not read is not refused (a tester)
+        ({"min_length": 20, "max_length": 6, "max_new_tokens": 50}, 50),
+        ({"min_length": 20, "min_new_tokens": 2, "max_length": 6}, 127),
+        # a least past the model's own most, no most asked: the most is raised to it
+        ({"min_new_tokens": 128}, 128),
+        ({"min_length": 129}, 128),
+        ({"min_new_tokens": 5}, 127),
+    ],
+)
+def test_seq2seq_least_and_most_are_judged_as_generate_reads_them(caller, most):
+    from rawserve.worker.seq2seq_lm import settled
+
+    options = settled({"max_new_tokens": 127, **caller}, caller)  # (127: the model's own)
+    assert options["max_new_tokens"] == caller.get("max_new_tokens", most)
 
 
 def test_a_seq2seq_max_new_tokens_beside_a_max_length_is_the_length(runner):

@@ -23,6 +23,7 @@ from rawserve.tasks import (
     shape_answer,
     split_outputs,
 )
+from rawserve.tasks.rules import UNKNOWN_POSITIONS_NEW_TOKENS
 
 
 def test_raw_text_is_one_input():
@@ -383,6 +384,9 @@ def test_seq2seq_parameters_as_the_inference_api_names_them():
         ({"generate_parameters": {"max_length": 200}, "max_new_tokens": 128}, 129, True),
         ({"min_new_tokens": 1, "min_length": 200}, 129, True),
         ({"max_new_tokens": 129, "max_length": 20}, 129, False),
+        # the worker reads generate_parameters over the parameters beside them (a tester)
+        ({"max_new_tokens": 129, "generate_parameters": {"max_new_tokens": 5}}, 129, True),
+        ({"max_new_tokens": 5, "generate_parameters": {"max_new_tokens": 129}}, 129, False),
     ],
 )
 def test_seq2seq_lengths_reach_the_decoder_s_positions(params, positions, taken):
@@ -393,10 +397,15 @@ def test_seq2seq_lengths_reach_the_decoder_s_positions(params, positions, taken)
     if taken:
         check_generation_length(parsed.params, longest)
     else:
-        with pytest.raises(InvalidRequest, match="and this model generates at most") as refused:
+        with pytest.raises(InvalidRequest) as refused:
             check_generation_length(parsed.params, longest)
-        if "_length" in str(refused.value):  # its count is not the new tokens' alone
-            assert "(the decoder's start token and the new ones) is" in str(refused.value)
+        if str(refused.value).startswith(("max_length", "min_length")):  # not new tokens alone
+            top = (longest or UNKNOWN_POSITIONS_NEW_TOKENS) + 1
+            assert f"this model's decoder holds at most {top} tokens: its start token" in str(
+                refused.value
+            )
+        else:
+            assert "and this model generates at most" in str(refused.value)
 
 
 @pytest.mark.parametrize(

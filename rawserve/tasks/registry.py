@@ -120,20 +120,18 @@ def check_generation_length(params: Mapping[str, Any], longest: int | None) -> N
     transformers' `generate` takes over them."""
     longest = UNKNOWN_POSITIONS_NEW_TOKENS if longest is None else longest
     nested = params.get("generate_parameters")
-    sources = [params, nested if isinstance(nested, Mapping) else {}]
-    for name, most, over in (
-        ("max_new_tokens", longest, None),
-        ("min_new_tokens", longest, None),
-        ("max_length", longest + 1, "max_new_tokens"),
-        ("min_length", longest + 1, "min_new_tokens"),
-    ):
-        if over is not None and any(isinstance(source.get(over), int) for source in sources):
-            continue
-        said = name if over is None else f"{name} (the decoder's start token and the new ones)"
-        for source in sources:
-            asked = source.get(name)
-            if isinstance(asked, int):
-                check_new_tokens(said, asked, most)
+    # seq2seq's worker reads `generate_parameters` over the parameters beside it
+    read = {**params, **(nested if isinstance(nested, Mapping) else {})}
+    for name in ("max_new_tokens", "min_new_tokens"):
+        if isinstance(read.get(name), int):
+            check_new_tokens(name, read[name], longest)
+    for name, over in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
+        asked = read.get(name)
+        if isinstance(asked, int) and not isinstance(read.get(over), int) and asked > longest + 1:
+            raise InvalidRequest(
+                f"{name} is {asked}, and this model's decoder holds at most {longest + 1} "
+                f"tokens: its start token and {longest} new ones"
+            )
 
 
 def check_new_tokens(name: str, asked: int, most: int | None) -> None:

@@ -308,17 +308,34 @@ def settled(options: dict[str, Any], caller: dict[str, Any]) -> dict[str, Any]:
             f"num_return_sequences {answers} asks for more answers than num_beams {beams} "
             "keeps: ask for at most num_beams, or set do_sample to draw them"
         )
-    for least, most in (("min_new_tokens", "max_new_tokens"), ("min_length", "max_length")):
-        fewest, most_asked = caller.get(least), caller.get(most)
-        if fewest is not None and most_asked is not None and fewest > most_asked:
-            # (generate() would ignore the least)
-            raise ValueError(f"{least} {fewest} is more than {most} {most_asked}")
-    if caller.get("max_length") == 1 and not caller.get("max_new_tokens"):
+    if caller.get("max_length") == 1 and caller.get("max_new_tokens") is None:
         raise ValueError(
             "max_length 1 holds only the decoder's start token, which it counts: ask for "
             "2 or more, or give max_new_tokens"
         )
+    least = new_tokens(caller, "min_new_tokens", "min_length")
+    if least is None:
+        return options
+    most = new_tokens(caller, "max_new_tokens", "max_length")
+    if most is None:  # none asked: the model's own most, raised to the least asked
+        made = new_tokens(options, "max_new_tokens", "max_length")
+        if made is not None and made[1] < least[1]:
+            options["max_new_tokens"] = least[1]
+    elif least[1] > most[1]:  # (generate() would stop at the most, the least unmet)
+        raise ValueError(f"{least[0]} asks for more new tokens than {most[0]} allows")
     return options
+
+
+def new_tokens(options: dict[str, Any], new: str, length: str) -> tuple[str, int] | None:
+    """The new tokens `options` ask for, as generate() reads them: `new` (max_new_tokens
+    or min_new_tokens), else `length` (max_length or min_length), which counts the
+    decoder's start token; with the words that asked (None: neither)."""
+    if options.get(new) is not None:
+        return f"{new} {options[new]}", options[new]
+    if options.get(length) is not None:
+        asked = options[length]
+        return f"{length} {asked} (the decoder's start token and {asked - 1} new)", asked - 1
+    return None
 
 
 def with_length(options: dict[str, Any]) -> dict[str, Any]:
