@@ -297,6 +297,21 @@ def test_a_user_without_a_home_still_gets_a_cache_folder(monkeypatch):
     assert engine_trial.default_cache_dir() == Path("/.cache/rawserve/onnx")
 
 
+def test_a_large_file_saved_again_in_place_changes_its_fingerprint(tmp_path):
+    """A large file is read at its head and tail only: weights saved again in place,
+    changed only in their middle (a merged LoRA's layers), kept their fingerprint, and
+    the graph exported or copied from them before was served (a tester)."""
+    import os
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(bytes(3000))
+    os.utime(path, ns=(10**18, 10**18))
+    before = engine_trial.fingerprint(path, whole_below=1000, edge=100)
+    assert engine_trial.fingerprint(path, whole_below=1000, edge=100) == before  # stable
+    path.write_bytes(bytes(1500) + b"x" + bytes(1499))  # same size, head and tail
+    assert engine_trial.fingerprint(path, whole_below=1000, edge=100) != before
+
+
 def test_the_machine_fingerprint_names_the_cpu():
     facts = engine_trial.machine()
     assert set(facts) == {"cpu", "flags", "cores", "machine"} and facts["cores"]

@@ -656,7 +656,7 @@ def test_a_model_s_own_graph_with_its_weights_inside_is_served_from_a_copy_with_
 
 
 def test_a_model_s_own_graph_with_its_weights_beside_it_is_served_as_shipped_however_large(
-    tiny_model, onnx_cache, tmp_path, monkeypatch
+    tiny_model, onnx_cache, tmp_path, monkeypatch, caplog
 ):
     """A graph's file over WEIGHTS_INSIDE_BYTES may be a structure alone, its weights in a
     file beside it. Copied, the copy took those weights along, keyed by the graph's file
@@ -695,6 +695,13 @@ def test_a_model_s_own_graph_with_its_weights_beside_it_is_served_as_shipped_how
     trained = onnx_engine.load_network(str(folder), "feature-extraction", 1, cache)
     assert trained.graph == shipped
     assert not np.allclose(vectors(trained).numpy(), before, atol=1e-3)
+    # a cache that cannot be written is no copy missed: nothing to warn of (a tester)
+    not_a_folder = tmp_path / "a-file"
+    not_a_folder.write_text("")
+    with caplog.at_level(logging.INFO, logger="rawserve.onnx"):
+        network = onnx_engine.load_network(str(folder), "feature-extraction", 1, not_a_folder)
+    assert network.graph == shipped
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
 def test_a_copy_of_a_model_s_own_graph_that_cannot_be_made_or_loaded_leaves_it_as_shipped(

@@ -250,14 +250,17 @@ def home() -> Path:
 
 
 def fingerprint(path: Path, whole_below: int = 256 * 2**20, edge: int = 16 * 2**20) -> str:
-    """sha256 of a file; of its size, first and last `edge` bytes when it is large."""
+    """sha256 of a file; of a large one, of its size, its first and last `edge` bytes
+    and its modification time: weights saved again in place, changed only in their
+    middle layers (a merged LoRA's), keep their size, head and tail."""
     digest = hashlib.sha256()
-    size = path.stat().st_size
+    stat = path.stat()
+    size = stat.st_size
     with open(path, "rb") as handle:
         if size <= whole_below:
             digest.update(handle.read())
         else:
-            digest.update(str(size).encode())
+            digest.update(f"{size} {stat.st_mtime_ns}".encode())
             digest.update(handle.read(edge))
             handle.seek(size - edge)
             digest.update(handle.read(edge))

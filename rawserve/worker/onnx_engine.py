@@ -58,7 +58,7 @@ from rawserve.shared.devices import cpu_cores
 from rawserve.shared.logs import first_line
 from rawserve.shared.memory import give_back_free_memory
 from rawserve.worker import engine_trial
-from rawserve.worker.graph_cache import NothingToCache, cached_graph, identity
+from rawserve.worker.graph_cache import CacheNotWritable, NothingToCache, cached_graph, identity
 from rawserve.worker.model_classes import Untrained, load_model
 
 log = logging.getLogger("rawserve.onnx")
@@ -358,6 +358,8 @@ def own_graph_apart(folder: Path, cache_dir: Path) -> Path | None:
     except NothingToCache:
         return None
     except Exception as exc:  # noqa: BLE001 - a saving of memory, never a reason to fail
+        if isinstance(exc, CacheNotWritable) and not _weights_inside(shipped):
+            return None  # (none was wanted, its weights beside it: nothing to warn of)
         log.warning(
             "ONNX engine: %s is served as shipped, each session reading its weights: no "
             "copy with them apart could be made (%s)",
@@ -683,6 +685,17 @@ def _fuse(exported: Path, path: Path) -> None:
         return
     fused = {name: count for name, count in counts.items() if count}
     log.info("ONNX engine: fused %s", fused or "nothing")
+
+
+def _weights_inside(path: Path) -> bool:
+    """Whether the graph at `path` keeps all its weights inside its file (True where it
+    cannot be read: the warning then says so)."""
+    try:
+        import onnx_ir
+
+        return not weights_beside(onnx_ir.load(path))
+    except Exception:  # noqa: BLE001 - without onnx_ir, or unreadable
+        return True
 
 
 def weights_beside(graph: Any) -> bool:
