@@ -401,6 +401,40 @@ async def test_a_request_the_restart_would_outlast_is_answered_503_at_once(fault
     await scheduler.stop()
 
 
+async def test_a_restart_stopped_while_loading_is_killed_and_started_again(
+    fast_restarts, monkeypatch, caplog
+):
+    """A worker's restart stopped (SIGSTOP, a stall) before it loaded was never killed:
+    the model stayed "restarting" for good, Retry-After 1, while /health said 200 (a
+    tester). Past ten times its loads before (at least LOAD_HANG_FLOOR) it is killed,
+    its death a failed load, and started again."""
+    monkeypatch.setattr(supervision, "LOAD_HANG_FLOOR", 2.0)
+    executor = WorkerPool(WorkerConfig(model="", handler=FAULTY, threads=1), ["cpu"])
+    spawn, stopped = executor._spawn, []
+
+    def spawn_stopped_once(worker):
+        spawn(worker)
+        if len(stopped) < 1 and worker.process is not None and executor.supervisor.load_limit(0):
+            stopped.append(worker.process)
+            os.kill(worker.process.pid, signal.SIGSTOP)
+
+    executor._spawn = spawn_stopped_once
+    executor.start()
+    try:
+        await asyncio.wait_for(executor.wait_ready(), 120)
+        assert not stopped  # (a first start is never taken as hung: it takes what it takes)
+        os.kill(executor.workers[0].pid, signal.SIGKILL)
+        with caplog.at_level(logging.ERROR, logger="rawserve.executor"):
+            while not stopped:
+                await asyncio.sleep(0.05)
+            await idle(executor, timeout=60)  # killed past the limit, started again
+        assert stopped[0].exitcode == -signal.SIGKILL
+        assert executor.workers[0].process is not stopped[0] and executor.ready
+        assert any("taken as hung, killed and restarted" in r.getMessage() for r in caplog.records)
+    finally:
+        await executor.shutdown(wait=False)
+
+
 @pytest.mark.slow
 async def test_repeated_failed_restarts_make_the_process_unhealthy(
     fast_restarts, monkeypatch, tmp_path

@@ -726,6 +726,21 @@ class WorkerPool(PoolReports):
         # (By a pidfd: the process's sentinel is a pipe such a child holds as well.)
         if (exit_fd := exit_watch(process)) is not None:
             self._running_loop.add_reader(exit_fd, self._on_exited, *watched, exit_fd)
+        if (limit := self.supervisor.load_limit(worker.index)) is not None:
+            self._running_loop.call_later(limit, self._on_load_timeout, worker, process, limit)
+
+    def _on_load_timeout(self, worker: WorkerHandle, process: BaseProcess, limit: float) -> None:
+        """A restart still loading long past its loads before is hung (stopped, stalled):
+        killed, its death counts as a failed load (five in a row: /health 503)."""
+        if process is not worker.process or worker.state is not WorkerState.LOADING:
+            return  # (it loaded, or died and was replaced)
+        log.error(
+            "worker %s: not loaded after %.0f s, where its loads before took a tenth of that "
+            "or less: taken as hung, killed and restarted",
+            worker.label,
+            limit,
+        )
+        process.kill()
 
     def _on_readable(
         self,

@@ -43,6 +43,12 @@ QUARANTINE_SECONDS = 3600.0  # how long a crash is remembered (and a quarantine 
 # pays what a restart may not: cold file caches, the server starting beside it (a first
 # start took 1.2 to 2 times as long as the restarts after it on a loaded 2-core machine).
 FIRST_START_SHARE = 0.5
+# A process of a worker that has loaded before, still loading after this many times its
+# slowest load (and at least LOAD_HANG_FLOOR seconds), is taken as hung and killed: a
+# stopped one (SIGSTOP, a stall) otherwise left the model "restarting" for good while
+# /health said 200, and nothing restarted it
+LOAD_HANG_FACTOR = 10.0
+LOAD_HANG_FLOOR = 60.0
 
 CRASHED_ALONE = ItemFailure(FailureKind.INTERNAL, "this input crashed the model worker")
 REFUSED_POISON = ItemFailure(
@@ -187,6 +193,14 @@ class Supervisor:
         self.max_crashes = max_crashes
         self.clock = clock
         self.poison = PoisonMemory(clock=clock)
+
+    def load_limit(self, index: int) -> float | None:
+        """Seconds after which a process of worker `index` that has not loaded is hung
+        (None: none of its processes has loaded yet, and a first load takes what it
+        takes: a download, a large model)."""
+        record = self.records[index]
+        loads = [s for s in (record.first_start, record.fastest_restart) if s is not None]
+        return max(LOAD_HANG_FLOOR, LOAD_HANG_FACTOR * max(loads)) if loads else None
 
     def loaded(self, index: int, start_seconds: float) -> None:
         """A worker's process loaded the model (and warmed up) `start_seconds` after it
