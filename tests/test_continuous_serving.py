@@ -276,7 +276,8 @@ def test_a_short_request_is_answered_while_a_long_stream_runs(servers):
 
 def test_a_worker_killed_with_sequences_running_answers_every_one(servers):
     """Sequences that had not streamed run again alone (their answers are the greedy
-    ones); every request gets exactly one answer."""
+    ones); every request gets exactly one answer, and the worker's death is said with
+    the requests it ran."""
     server = servers["rows"]
     status, _, body = server.request("GET", "/info")
     pids = [w["pid"] for w in json.loads(body)["workers"] if w.get("pid")]
@@ -287,6 +288,8 @@ def test_a_worker_killed_with_sequences_running_answers_every_one(servers):
         wait_running(server, len(asks))
         os.kill(pids[0], signal.SIGKILL)
         answers = [future.result(timeout=120) for future in sent]
+    # its death's line names the requests it ran, as a batch worker's does (a tester)
+    server.wait_for_log(re.compile(rf"process {pids[0]} .* running 3 sequences \(request "))
     for (status, answer), (_, expected) in zip(answers, alone, strict=True):
         assert status == 200, answer
         assert answer["choices"][0]["text"] == expected["choices"][0]["text"]

@@ -967,13 +967,15 @@ class WorkerPool(PoolReports):
             how = "stopped, as its load failed"
         else:
             how = exit_words(process.exitcode) + (" while loading" if was_loading else "")
+        running = [request for lost in sequences for request in lost.request_ids]
         log.error(  # (SIGKILL's hint: a worker the kernel's OOM killer took was not said)
-            "worker %s: process %d %s%s%s; %s",
+            "worker %s: process %d %s%s%s%s; %s",
             worker.label,
             process.pid,
             how,
             f" holding a batch of {len(job.inputs)}{job_requests(job)}" if job else "",
             f" and one of {len(behind.inputs)} behind it" if behind else "",
+            f" running {len(sequences)} sequences{requests_named(running)}" if sequences else "",
             "not restarted" if gave_up else f"restarting in {decision.restart_in:.1f} s",
             extra=request_named(job),
         )
