@@ -549,6 +549,10 @@ def test_rerank_truncate_cuts_a_pair_that_is_too_long(servers):
     assert status == 200 and len(body) == 1
     status, unsaid = server.post_json({"query": QUERY, "texts": [long_text]}, "/rerank")
     assert status == 200 and unsaid == body
+    # /v1/rerank answers in OpenAI's shape: its `param` names the field (a tester)
+    document = {"query": QUERY, "documents": ["paris", long_text], "truncate": False}
+    status, body = server.post_json(document, "/v1/rerank")
+    assert status == 422 and body["error"]["param"] == "documents", body
 
 
 @pytest.mark.parametrize(

@@ -186,13 +186,15 @@ async def check_input_lengths(
             await by_length([text], count_within, tokenizer, [text], positions, True)
         except TooManyTokens:
             # of a list, which input it was, in the words of the worker's own refusals
+            field = None  # (an OpenAI-shaped answer's `param`: the field at fault)
             if names is not None:
                 which = f"{names[index]}: "
+                field = names[index].split('"')[1] if names[index].startswith('"') else None
             else:
                 which = f"the input at index {index}: " if len(inputs) > 1 else ""
             limit = says.format(limit=positions)
             raise UnprocessableInput(
-                f"{which}the input is more than {positions} tokens and {limit}"
+                f"{which}the input is more than {positions} tokens and {limit}", param=field
             ) from None
 
 
