@@ -541,18 +541,9 @@ class SchedulerCore:
         if self._continuous(items) or not self.cost_model.trusted or not self._size:
             return False
         max_size, workers = self.max_size, self.workers
-        own = sum(item.cost for item in items)
-        everything = self.cost_model.drain_seconds_of(
-            self._size + len(items), self._queued_cost + own, max_size, workers
-        )
-        assert everything is not None  # measured, as trusted
-        earliest = min(minima.earliest_deadline().deadline for minima in self._minima.values())
-        most = self._in_flight_predicted / max(workers, 1)  # (as `_misses_deadline`)
-        if now + ADMIT_MARGIN * (most + everything) <= earliest:
+        if self._queue_in_time(now, len(items), sum(item.cost for item in items)):
             return False
         in_flight = self._in_flight_seconds(now)
-        if now + ADMIT_MARGIN * (in_flight + everything) <= earliest:
-            return False
         first = min(item.sort_key() for item in items)
         behind = sorted(
             (
@@ -588,6 +579,20 @@ class SchedulerCore:
             if now + ADMIT_MARGIN * (in_flight + with_them) > queued.deadline:
                 made_late.add(queued.request)
         return bool(made_late - late)
+
+    def _queue_in_time(self, now: float, count: int = 0, cost: int = 0) -> bool:
+        """Whether everything queued, and `count` more items costing `cost`, ends before
+        the earliest deadline queued, behind the batches in flight, at the measured speed
+        with ADMIT_MARGIN: then no queued request can be late, in O(keys)."""
+        everything = self.cost_model.drain_seconds_of(
+            self._size + count, self._queued_cost + cost, self.max_size, self.workers
+        )
+        assert everything is not None  # measured, as trusted
+        earliest = min(minima.earliest_deadline().deadline for minima in self._minima.values())
+        most = self._in_flight_predicted / max(self.workers, 1)  # (as `_misses_deadline`)
+        if now + ADMIT_MARGIN * (most + everything) <= earliest:
+            return True  # (what is left in flight is at most its whole predicted time)
+        return now + ADMIT_MARGIN * (self._in_flight_seconds(now) + everything) <= earliest
 
     def _probes_length(self, items: Sequence[WorkItem]) -> bool:
         """Whether `items`, refused for their own time, are rather taken to learn how long
@@ -783,17 +788,10 @@ class SchedulerCore:
         among those at risk, 2). Requests that cannot make it either way keep their turns."""
         self._risk_judged = now
         self._at_risk.clear()
-        if not self.cost_model.trusted or not self._size:
-            return
+        if not self.cost_model.trusted or not self._size or self._queue_in_time(now):
+            return  # (most looks end here)
         max_size, workers = self.max_size, self.workers
-        everything = self.cost_model.drain_seconds_of(
-            self._size, self._queued_cost, max_size, workers
-        )
-        assert everything is not None  # measured, as trusted
         in_flight = self._in_flight_seconds(now)
-        earliest = min(minima.earliest_deadline().deadline for minima in self._minima.values())
-        if now + ADMIT_MARGIN * (in_flight + everything) <= earliest:
-            return  # everything queued ends in time (most looks end here)
 
         def late(count: int, cost: int, deadline: float) -> bool:
             drain = self.cost_model.drain_seconds_of(count, cost, max_size, workers)
