@@ -39,6 +39,11 @@ from tests.tiny_models import PERSON, UNREADABLE_TOKEN, with_tokens_added
 
 POSITIONS = 256  # the tiny GPT-2's (tests/tiny_models.py)
 GREEDY = {"max_new_tokens": 20, "do_sample": False, "details": True}
+# an object that must hold itself for ever: no answer can ever complete it
+ENDLESS = {"type": "object", "properties": {"c": {"$ref": "#"}}, "required": ["c"]}
+ENDLESS_DEF = {**ENDLESS, "properties": {"c": {"$ref": "#/$defs/n"}}}  # (at "#/$defs/n")
+# a string that grows past llguidance's bound on its lexer once its first token is taken
+HUGE_PATTERN = {"type": "string", "pattern": "^a{900000}c$"}
 # what four seeded choices of one prompt made when each scored the prompt on its own
 ECHOED_CHOICES = [
     "is isi hate is\x18",
@@ -1009,6 +1014,24 @@ def test_a_grammar_ends_the_answer_before_min_new_tokens_on_both_paths(runner, s
     assert got[0]["details"]["finish_reason"] == "eos_token"
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_grammar_ends_the_answer_beside_ignore_eos_on_both_paths(runner, sampled):
+    """ignore_eos beside a grammar ran the answer on with end tokens, the only ones the
+    complete grammar allows, to its cap: counted, and "length". The grammar's end is its
+    own, as for min_new_tokens."""
+    params = {
+        **GREEDY,
+        "ignore_eos": True,
+        "return_full_text": False,
+        "grammar": {"type": "regex", "value": "(yes|no)"},
+        **({"do_sample": True, "seed": 1} if sampled else {}),
+    }
+    [(_, got, _)] = as_the_static_path(runner, params, ["the movie was"])
+    assert got[0]["generated_text"] in ("yes", "no")
+    details = got[0]["details"]
+    assert details["finish_reason"] == "eos_token" and details["generated_tokens"] < 5, details
+
+
 def test_a_grammar_that_cannot_be_used_fails_its_item_alone(runner):
     params = {**GREEDY, "max_new_tokens": 4}
     broken = {**params, "grammar": {"type": "regex", "value": "[0-9"}}
@@ -1043,7 +1066,18 @@ def test_a_grammar_that_fails_at_its_start_or_as_it_runs_fails_its_item_alone(ru
 @pytest.mark.parametrize(
     ("schema", "said"),
     [
-        ({"$ref": "#"}, "a schema that refers to itself with nothing else to generate"),
+        ({"$ref": "#"}, "the schema has no value of finite length"),
+        # a part that must always hold another of itself: refused before a first token
+        # (llguidance failed it steps later, after a stream had sent its first tokens)
+        (ENDLESS, "the schema has no value of finite length, as each value of it must hold"),
+        (
+            {"type": "array", "items": {"$ref": "#/$defs/n"}, "$defs": {"n": ENDLESS_DEF}},
+            'the schema\'s "#/$defs/n" has no value of finite length',
+        ),
+        (
+            {"type": "object", "properties": {"a": {"type": "string"}, "b": {"$ref": "#"}}},
+            None,  # (b may be left out: a schema that ends)
+        ),
         # never fetched, and said so in words of the schema's
         ({"$ref": "http://127.0.0.1:1/x.json"}, "refers to 'http://127.0.0.1:1/x.json', outside"),
         ({"$ref": "file:///etc/passwd"}, "a $ref is followed only within the schema"),
@@ -1062,6 +1096,9 @@ def test_a_schema_a_grammar_cannot_follow_is_said_in_words_a_client_can_use(runn
     from rawserve.worker.grammars import Grammars
 
     grammars = Grammars(runner.tokenizer, runner.grammars.vocabulary)
+    if said is None:
+        assert not grammars.matcher({"type": "json", "value": schema}).is_error()
+        return
     with pytest.raises(ValueError) as refused:
         grammars.matcher({"type": "json", "value": schema})
     message = str(refused.value)
@@ -1134,9 +1171,9 @@ def test_a_grammars_first_mask_is_computed_once_for_all_its_sequences(runner, mo
     from rawserve.worker.grammars import Grammars, Held, constrain
 
     grammars = Grammars(runner.tokenizer, runner.grammars.vocabulary)
-    # an object that must hold itself for ever: no answer can ever complete it
-    endless = {"type": "object", "properties": {"c": {"$ref": "#"}}, "required": ["c"]}
-    held = [grammars.pending({"type": "json", "value": endless}).held() for _ in range(32)]
+    # a string past llguidance's bound once its first token is taken
+    bound = {"type": "object", "properties": {"c": HUGE_PATTERN}, "required": ["c"]}
+    held = [grammars.pending({"type": "json", "value": bound}).held() for _ in range(32)]
     filled = []
     fill = grammars_module.llguidance.numpy.fill_next_token_bitmask_par
     monkeypatch.setattr(

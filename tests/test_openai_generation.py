@@ -1076,20 +1076,20 @@ def test_a_grammar_that_cannot_be_followed_is_422_naming_the_fault(servers, gram
         {"prompt": PROMPT, "guided_regex": "[0-9"}, "/v1/completions"
     )
     assert status == 422 and body["error"]["param"] == "guided_regex", body
-    # a Responses body's grammar is its "text" (the format it names)
+    # a Responses body's grammar is its "text.format", as its 400s name it
     text = {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}
     document = {"input": "hi", "max_output_tokens": 4, "text": text}
     status, body = servers["chat"].post_json(document, "/v1/responses")
-    assert status == 422 and body["error"]["param"] == "text", body
+    assert status == 422 and body["error"]["param"] == "text.format", body
 
 
 def test_a_grammar_that_fails_midway_names_the_field_that_gave_it(servers):
-    """A schema no answer can complete compiles, then fails at its first steps ("the
-    grammar failed: ..."): its 422, and a stream's error event, name the field too."""
+    """A grammar that compiles, then fails past its first step ("the grammar failed: ..."):
+    its 422, and a stream's error event, name the field too."""
     import openai
 
-    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
-    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": endless}}
+    huge = {"type": "string", "pattern": "^a{900000}c$"}  # past llguidance's bound, running
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": huge}}
     asked = {"prompt": PROMPT, "response_format": schema, "max_tokens": 50}
     status, body = servers["plain"].post_json(asked, "/v1/completions")
     assert status == 422 and body["error"]["message"].startswith("the grammar failed"), body
@@ -1103,6 +1103,26 @@ def test_a_grammar_that_fails_midway_names_the_field_that_gave_it(servers):
     with pytest.raises(openai.APIError) as failed:
         list(stream)
     assert failed.value.body["param"] == "response_format", failed.value.body
+
+
+def test_a_schema_no_answer_can_complete_is_refused_before_a_stream_begins(servers):
+    """An object that must always hold another of itself compiled, and failed steps later:
+    a stream had answered 200 and sent `{` before its error event. It is refused first."""
+    import openai
+
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": endless}}
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        client(servers["plain"]).completions.create(
+            model=PLAIN_MODEL,
+            prompt=PROMPT,
+            max_tokens=50,
+            extra_body={"response_format": schema},
+            stream=True,
+        )
+    error = refused.value.body
+    assert error["param"] == "response_format", error
+    assert "the schema has no value of finite length" in error["message"], error
 
 
 def test_a_tools_schema_a_grammar_cannot_follow_names_the_tools(more_servers):
@@ -1219,18 +1239,21 @@ def test_stop_sequences_end_words_where_the_answer_may_call_tools(more_servers):
 
 def test_a_call_cut_by_max_tokens_is_a_call_as_far_as_it_came(more_servers):
     """As OpenAI's: the call, its arguments cut, finish "length"; the grammar's
-    {"name": ...} never reaches the content."""
+    {"name": ...} never reaches the content. Cut before its name came whole, the call
+    the request named is that one's, its arguments "" (it was no call at all)."""
     chat = client(more_servers["tools"])
     named = {"tools": [WEATHER], "tool_choice": named_choice("weather"), "temperature": 0}
     whole = chat.chat.completions.create(**asking_tools(**named)).usage.completion_tokens
-    for cut in (4, whole - 3):  # before the call's name came whole; in its arguments
+    for cut in (1, 4, whole - 3):  # before the call's name came whole; in its arguments
         asked = asking_tools(**named, max_tokens=cut)
         [choice] = chat.chat.completions.create(**asked).choices
         assert choice.finish_reason == "length" and not choice.message.content
         calls = choice.message.tool_calls or []
-        assert [call.function.name for call in calls] == ([] if cut == 4 else ["weather"])
-        if calls:
+        assert [call.function.name for call in calls] == ["weather"]
+        if cut > 4:
             assert calls[0].function.arguments.startswith('{"city')
+        else:
+            assert calls[0].function.arguments == ""
     [streamed], reason = streamed_calls(chat, asked)
     assert reason == "length" and streamed.function.name == "weather"
     assert streamed.function.arguments == calls[0].function.arguments
@@ -1244,6 +1267,12 @@ def test_a_streamed_tool_call_comes_whole_in_one_chunk(more_servers):
     assert call.index == 0 and call.function.name == "weather"
     assert call.function.arguments == whole.choices[0].message.tool_calls[0].function.arguments
     assert reason == "tool_calls"
+    # no words: content null from the first chunk, as the whole answer's (the SDK's
+    # stream helper built content "" of a first chunk's "")
+    with chat.beta.chat.completions.stream(**asked) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.content is None and whole.choices[0].message.content is None
+    assert final.choices[0].message.tool_calls[0].function.name == "weather"
 
 
 def test_an_answer_calls_several_tools_where_parallel_tool_calls_allows(more_servers):

@@ -169,10 +169,26 @@ def test_calls_cut_by_max_tokens_are_read_back_as_far_as_they_came():
         {"name": "time", "arguments": "{}"},
         {"name": "weather", "arguments": '{"ci'},
     ]
-    for before_a_name in ("{", '{"name"', '{"name": "weath', '{"name": "weather', "["):
-        # a call required: no words (content null, as a call's message), not empty ones
+    for before_a_name in ("{", '{"name"', '{"name": "', "[", '[{"name": "'):
+        # a call required of two: no words (content null, as a call's message), not empty ones
         assert tools.message(before_a_name) == ({"role": "assistant", "content": None}, None)
-    for named_whole in ('{"name": "weather"', '{"name": "weather", "argu'):  # (a tester)
+    # cut in its name, or before it, where only one function can be meant: that one's
+    # call (it was no call at all; OpenAI's cut calls carry their names)
+    whole_names = ('{"name": "weather"', '{"name": "weather", "argu')  # (a tester)
+    for cut_in_the_name in (*whole_names, '{"name": "weath', '{"name": "w', '[{"name": "we'):
+        message, reason = tools.message(cut_in_the_name)
+        assert [call["function"] for call in message["tool_calls"]] == [
+            {"name": "weather", "arguments": ""}
+        ]
+    for choice in ("weather", "required"):
+        one = Tools([WEATHER], choice) if choice == "required" else Tools([WEATHER, TIME], choice)
+        for before_a_name in ("", "{", '{"name": "', '{"name": "weath'):
+            message, reason = one.message(before_a_name)
+            assert reason is None and message["content"] is None
+            assert [call["function"] for call in message["tool_calls"]] == [
+                {"name": "weather", "arguments": ""}
+            ]
+    for named_whole in whole_names:
         message, reason = tools.message(named_whole)
         assert [call["function"] for call in message["tool_calls"]] == [
             {"name": "weather", "arguments": ""}
@@ -191,9 +207,13 @@ def test_an_answer_that_may_be_words_cut_before_it_said_anything_is_its_text(old
     tester's `{"c`, its tokens listed in its log probabilities); a call named is the
     call, with its arguments as far as they came, as where a call is required."""
     auto = Tools([WEATHER, TIME], "auto", parallel=not older, older=older)
-    cut = ('{"c', '{"content": "', "{", '{"name": "weath', '[{"name": "', "[")
+    cut = ('{"c', '{"content": "', "{", '{"name": "', '[{"name": "', "[")
     for text in cut[:4] if older else cut:
         assert auto.message(text) == ({"role": "assistant", "content": text}, None)
+    # a name begun that only one function's fits: a call of it
+    called = auto.message('{"name": "weath')[0]
+    called = called["function_call"] if older else called["tool_calls"][0]["function"]
+    assert called == {"name": "weather", "arguments": ""}
     assert auto.message('{"content": "it is') == ({"role": "assistant", "content": "it is"}, None)
     required = replace(auto, choice="required")
     for named in ('{"name": "weather", "argu', '{"name": "weather", "arguments": {"city": "ro'):

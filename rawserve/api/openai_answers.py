@@ -396,9 +396,15 @@ class Answer:
             thoughts = [ThoughtChoice(self.thinking) for _ in streams] if self.thinking else None
             words_as_they_come = self.tools is not None and self.logprobs is None
             if self.chat:  # each choice's first chunk says who speaks
+                # (an answer that must call has no words: null, as the message's content,
+                # and OpenAI's first chunk of a call)
+                calls = self.tools is not None and self.tools.choice not in ("auto", "none")
                 for index in range(len(streams)):
                     first = self.chunk(index, "")
-                    first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                    first["choices"][0]["delta"] = {
+                        "role": "assistant",
+                        "content": None if calls else "",
+                    }
                     yield spaced_sse(first)
             if echoed is not None:
                 for index, prompt in enumerate(echoed):

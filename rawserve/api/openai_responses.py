@@ -229,7 +229,7 @@ def parse_response(document: Any) -> tuple[GenerationRequest, dict[str, Any]]:
         chat["response_format"] = form  # (the grammar, in the form chat takes too)
     generation = replace(parse_chat(chat), max_tokens_field="max_output_tokens")
     if generation.grammar_field == "response_format":  # a Responses body's is its "text"
-        generation = replace(generation, grammar_field="text")
+        generation = replace(generation, grammar_field="text.format")
     settings = {name: fields.value(name) for name in SETTINGS}
     settings["metadata"] = fields.value("metadata") or {}
     settings["text"] = {"format": (fields.get("text") or {}).get("format")}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,12 +150,18 @@ class Tools:
     def cut_message(self, text: str) -> dict[str, Any]:
         """The message of an answer `max_tokens` cut: its whole calls and the one it was
         cut in, that one's arguments as far as they came, as OpenAI's; or its words as
-        far as they came (the format's JSON, with a response_format). Cut before it
-        named a call or wrote a word, a forced call says nothing (no words either, as a
-        call's message), and one that may be words ("auto") says the text generated, as
-        vLLM answers what it cannot read as a call: never an empty answer for tokens
-        the model made (a tester's `{"c`, and a call cut in its name, were "")."""
-        cut = cut_calls(text)  # (None: words, not calls)
+        far as they came (the format's JSON, with a response_format). Cut in a call's
+        name, or before it, where only one function can be meant (the request names it,
+        or offers one, or the name's beginning fits one alone), the call is that one's
+        (OpenAI's cut calls carry their names: one cut in `"weath` was no call at all);
+        else a forced call says nothing (no words either, as a call's message), and one
+        that may be words ("auto") says the text generated, as vLLM answers what it
+        cannot read as a call: never an empty answer for tokens the model made (a
+        tester's `{"c` was "")."""
+        names = self.callable()
+        cut = cut_calls(text, names)  # (None: words, not calls)
+        if cut == [] and self.choice != "auto" and len(names) == 1:  # (before the name)
+            return self._called([{"name": names[0], "arguments": ""}])
         if cut or (cut is not None and self.choice != "auto"):
             return self._called(cut)
         if self.answer_format is not None:  # the format's JSON as far as it came
@@ -164,6 +171,12 @@ class Tools:
             words.add(text)
             written = words.sent
         return {"role": "assistant", "content": written or text}
+
+    def callable(self) -> list[str]:
+        """The names of the functions the answer may call."""
+        if self.choice in ("auto", "required"):
+            return [function["name"] for function in self.functions]
+        return [self.choice]
 
     def _called(self, functions: list[dict[str, str]]) -> dict[str, Any]:
         """The message that calls `functions` (none: a forced call cut before its name
@@ -187,10 +200,11 @@ class Tools:
         return [{"type": "function", "function": function} for function in self.functions]
 
 
-def cut_calls(text: str) -> list[dict[str, str]] | None:
+def cut_calls(text: str, names: Sequence[str]) -> list[dict[str, str]] | None:
     """The calls of an answer cut short: each whole one, then the one it was cut in, with
-    its arguments as far as they came (none where its name did not come whole); None
-    where the answer is no call (words). Read in the grammar's layout (`", "`, `": "`)."""
+    its arguments as far as they came (none where its name did not come whole and could
+    be more than one of `names`, those it may call); None where the answer is no call
+    (words). Read in the grammar's layout (`", "`, `": "`)."""
     body = text.strip()
     listed = body.startswith("[")
     rest = body[1:].lstrip() if listed else body
@@ -205,7 +219,7 @@ def cut_calls(text: str) -> list[dict[str, str]] | None:
         except RecursionError:  # nested past the parser's limit, not cut: as it came
             return None
         except ValueError:  # the call it was cut in
-            if (cut := cut_call(rest)) is not None:
+            if (cut := cut_call(rest, names)) is not None:
                 calls.append(cut)
             break
         calls.append({"name": call["name"], "arguments": as_written(call.get("arguments"))})
@@ -213,12 +227,15 @@ def cut_calls(text: str) -> list[dict[str, str]] | None:
     return calls
 
 
-def cut_call(text: str) -> dict[str, str] | None:
+def cut_call(text: str, names: Sequence[str]) -> dict[str, str] | None:
     """The call `text` was cut in, its arguments as far as they came ("" before they
-    began); None where its name did not come whole."""
+    began); None where its name did not come whole and could be more than one of
+    `names` (the grammar writes only those: one they begin alike is the one)."""
     named = CUT_CALL.match(text)
     if named is None:
-        return None
+        begun = CUT_NAME.match(text)
+        could_be = [name for name in names if begun and name.startswith(begun[1])]
+        return {"name": could_be[0], "arguments": ""} if len(could_be) == 1 else None
     name, after = json.loads(f'"{named[1]}"'), named[2]
     if (given := CUT_ARGUMENTS.match(after)) is not None:
         return {"name": name, "arguments": given[1]}
@@ -391,6 +408,8 @@ FORMATTED_OPENING = '{"content": '
 CALL_OPENING = '{"name": '
 # a call cut in its arguments: its name whole, its arguments as far as they came
 CUT_CALL = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)"(.*)\Z', re.DOTALL)
+# a call cut in its name (OpenAI's names need no escapes)
+CUT_NAME = re.compile(r'\{"name": "([a-zA-Z0-9_-]*)\Z')
 CUT_ARGUMENTS = re.compile(r', "arguments":\s?(.*)\Z', re.DOTALL)
 ARGUMENTS_KEY = ', "arguments": '
 

@@ -188,6 +188,13 @@ def asks_sampling(params: dict[str, Any]) -> bool:
     )
 
 
+def ignores_eos(params: Mapping[str, Any]) -> bool:
+    """Whether no end of sequence ends the answer (`ignore_eos`): not one held to a grammar,
+    whose end is its own, not the model's (it allows the end alone once complete: the
+    answer ran on with end tokens to its cap, "length")."""
+    return bool(params.get("ignore_eos")) and not params.get("grammar")
+
+
 def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """generate() options from checked request parameters, on top of `defaults` (the
     pipeline's, for what the model's generation config leaves unset)."""
@@ -207,7 +214,7 @@ def generate_kwargs(params: dict[str, Any], defaults: dict[str, Any]) -> dict[st
     ):
         if name in params:
             kwargs[name] = params[name]
-    if params.get("ignore_eos"):  # no end of sequence: every row runs to its cap
+    if ignores_eos(params):  # no end of sequence: every row runs to its cap
         kwargs["eos_token_id"] = None
     if params.get("grammar"):  # it says itself when the end may come: none is held back
         kwargs["min_new_tokens"] = 0  # (where it allows the end alone, nothing would be left)
@@ -544,7 +551,7 @@ class CausalLMRunner(Runner):
             repetition_penalty=setting("repetition_penalty"),
             min_new_tokens=int(setting("min_new_tokens") or 0),
             stops_after=stops_after(params),
-            ignore_eos=bool(params.get("ignore_eos")),
+            ignore_eos=ignores_eos(params),
             adjustments=ScoreAdjustments.asked(params, self.vocabulary),
             compiling=self.grammars.pending(held)
             if (held := self.held_to(params, ids, item))
@@ -885,7 +892,7 @@ class CausalLMRunner(Runner):
             prompt_length=encoded["input_ids"].shape[1],
             batch_size=len(contexts),
             stop=params.get("stop", ()),
-            ignore_eos=bool(params.get("ignore_eos")),
+            ignore_eos=ignores_eos(params),
             stops_after=stops_after(params),
             max_new_tokens=kwargs["max_new_tokens"],
             contexts=contexts,
