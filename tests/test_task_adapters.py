@@ -961,6 +961,27 @@ def test_seq2seq_least_and_most_are_judged_as_generate_reads_them(caller, most):
     assert options["max_new_tokens"] == caller.get("max_new_tokens", most)
 
 
+def test_a_least_past_the_max_length_of_the_models_generation_config_raises_it(runner, monkeypatch):
+    """A model whose generation config sets its own max_length (10): a least asked past it,
+    no most asked, was left unmet with a 200 (9 new tokens); it raises the most, as where
+    the pipeline's default is the most."""
+    from rawserve.worker.seq2seq_lm import settled
+
+    own = {"max_new_tokens": None, "max_length": 10}
+    assert settled({}, {"min_new_tokens": 15}, own)["max_new_tokens"] == 15
+    assert settled({}, {"min_length": 16}, own)["max_new_tokens"] == 15
+    assert "max_new_tokens" not in settled({}, {"min_new_tokens": 5}, own)
+    summarize = runner("seq2seq", "summarization")
+    monkeypatch.setattr(summarize.model.generation_config, "max_length", 10)
+    monkeypatch.setattr(summarize.model.generation_config, "max_new_tokens", None)
+    monkeypatch.setattr(summarize, "defaults", summarize.pipeline_defaults())
+    assert "max_new_tokens" not in summarize.defaults  # (the model's own is read)
+    text = ["the movie was very good and i like it"]
+    raised = summarize.run(text, {"min_new_tokens": 15})
+    assert raised == summarize.run(text, {"min_new_tokens": 15, "max_new_tokens": 15})
+    assert raised != summarize.run(text, {"max_new_tokens": 9})
+
+
 def test_a_seq2seq_max_new_tokens_beside_a_max_length_is_the_length(runner):
     """generate() runs to max_new_tokens when both are given; the max_length alone is the
     length wanted (a default max_new_tokens does not override it)."""

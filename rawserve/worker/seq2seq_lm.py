@@ -227,7 +227,10 @@ class Seq2SeqLMRunner(Runner):
         prefix, task_options = self.task_settings(params)
         caller = {name: params[name] for name in GENERATE_PARAMS if name in params}
         caller.update(params.get("generate_parameters", {}))
-        options = settled({**self.defaults, **task_options, **with_length(caller)}, caller)
+        options = {**self.defaults, **task_options, **with_length(caller)}
+        configured = self.model.generation_config
+        own = {"max_new_tokens": configured.max_new_tokens, "max_length": configured.max_length}
+        options = settled(options, caller, own)
         self.check_length(caller)
         encoded = self.tokenizer(
             [prefix + text for text in inputs],
@@ -295,11 +298,15 @@ class Seq2SeqLMRunner(Runner):
         return {"truncation": True, "max_length": self.input_limit}
 
 
-def settled(options: dict[str, Any], caller: dict[str, Any]) -> dict[str, Any]:
+def settled(
+    options: dict[str, Any], caller: dict[str, Any], own: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """generate() options as the causal LM's are read (`options`, made for this call, are
     changed in place): a temperature of 0 is greedy, a tiny one no less than the causal
-    LM's least; and ValueError, in words a client can act on, for what generate() would
-    refuse in its own (it named `decoder_input_ids`)."""
+    LM's least; a least asked past the most that `options`, else the model's `own`
+    generation config, set, with no most asked, raises that most; and ValueError, in
+    words a client can act on, for what generate() would refuse in its own (it named
+    `decoder_input_ids`)."""
     greedy_at_zero_temperature(options)
     at_least_the_least_temperature(options)
     answers, beams = options.get("num_return_sequences") or 1, options.get("num_beams") or 1
@@ -319,6 +326,8 @@ def settled(options: dict[str, Any], caller: dict[str, Any]) -> dict[str, Any]:
     most = new_tokens(caller, "max_new_tokens", "max_length")
     if most is None:  # none asked: the model's own most, raised to the least asked
         made = new_tokens(options, "max_new_tokens", "max_length")
+        if made is None:  # (a config's max_length: generate() reads it there)
+            made = new_tokens(own or {}, "max_new_tokens", "max_length")
         if made is not None and made[1] < least[1]:
             options["max_new_tokens"] = least[1]
     elif least[1] > most[1]:  # (generate() would stop at the most, the least unmet)
