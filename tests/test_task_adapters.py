@@ -416,6 +416,30 @@ def test_a_models_details_say_what_the_server_reads_of_it(runner, kind, key, val
     assert runner(kind).details[key] == value
 
 
+@pytest.mark.parametrize("word", ["\u0301", "\u0301\u0301", "\ue000"])
+@pytest.mark.parametrize(
+    ("kind", "task", "name", "param"),
+    [
+        ("fill-mask", None, "target", "targets"),
+        ("zero-shot-classification", "zero-shot-classification", "label", "candidate_labels"),
+    ],
+)
+def test_a_target_or_label_the_tokenizer_reads_as_nothing_is_refused(
+    runner, word, kind, task, name, param
+):
+    """A combining mark (a BERT tokenizer strips accents) or a private-use character is no
+    token: beside another target transformers dropped it unsaid (a 200 with one answer),
+    and a label of it was scored as one ("This example is ."). The API's check of blank
+    and format characters does not see them."""
+    serving = runner(kind, task)
+    text = "paris is the [MASK]" if kind == "fill-mask" else "i like this film"
+    with pytest.raises(ValueError) as refused:
+        serving.run([text], {param: ["paris", word]})
+    assert str(refused.value).startswith(f"the {name} at index 1 ({word!r}) is no text")
+    [answered] = serving.run([text], {param: ["paris", "capital"]})
+    assert len(answered) == 2, answered
+
+
 def test_fill_mask_lists_at_most_the_whole_vocabulary(runner):
     serving = runner("fill-mask")
     vocabulary = serving.pipe.model.config.vocab_size

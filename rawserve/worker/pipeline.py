@@ -39,6 +39,12 @@ PIECES_PER_PASS = 64
 # the tasks whose pipelines run a request in many forward passes (a zero-shot text once per
 # label, a strided text once per window): skipped once nobody waits for the batch
 PIECED_TASKS = ("token-classification", "zero-shot-classification")
+# the words a task's parameters give that the model reads as tokens: what one is called,
+# and the parameter
+WORDS_READ = {
+    "fill-mask": ("target", "targets"),
+    "zero-shot-classification": ("label", "candidate_labels"),
+}
 
 
 def preprocessing(task: str, model: str) -> dict[str, Any]:
@@ -156,6 +162,7 @@ class PipelineRunner(Runner):
         model_inputs: Any = inputs
         if self.task == "image-classification":  # queued as base64 text
             model_inputs = self.images(inputs)
+        self.refuse_words_read_as_nothing(params)
         if self.task == "fill-mask" and "targets" in params and self.makes_unreadable_ids:
             # each target is a token scored: one past the table failed the pipeline's
             # postprocess (an IndexError, a 500)
@@ -186,6 +193,22 @@ class PipelineRunner(Runner):
             if isinstance(raw, Iterator):  # a generator's answers: computed as they are read
                 raw = list(raw)
         return split_outputs(self.task, inputs, raw)
+
+    def refuse_words_read_as_nothing(self, params: dict[str, Any]) -> None:
+        """ValueError for a fill-mask target or zero-shot label that the tokenizer reads as
+        no token at all (combining marks a BERT tokenizer strips, private-use characters):
+        transformers dropped such a target beside others unsaid, and scored such a label
+        ("This example is .") as one."""
+        name, words = WORDS_READ.get(self.task, ("", None))
+        words = params.get(words) if words else None
+        if self.tokenizer is None or not words:
+            return
+        for index, word in enumerate([words] if isinstance(words, str) else words):
+            if not self.tokenizer(word, add_special_tokens=False)["input_ids"]:
+                raise ValueError(
+                    f"the {name} at index {index} ({word!r}) is no text to this model: its "
+                    "tokenizer reads no token in it"
+                )
 
     def images(self, inputs: list[str]) -> Iterator[Any]:
         """The images of a batch, decoded as the pipeline preprocesses each (it reads a
