@@ -254,6 +254,7 @@ class WorkerHandle:
         self.gone = False
         # killed as hung at its work (`--batch-timeout`): its death is one at work
         self.hung = False
+        self.hung_loading = False  # ... or killed as hung while it loaded (not at work)
         # the batch sent behind it, waiting in the worker (two in flight: `overlap`)
         self.queued: Job | None = None
         self.queued_at = 0.0  # when `queued` was sent

@@ -699,7 +699,7 @@ class WorkerPool(PoolReports):
         process, replies_in = start_process(self._context, worker)
         worker.state = WorkerState.LOADING
         worker.queued, worker.overlap, worker.sequences = None, False, 0
-        worker.hung = False
+        worker.hung = worker.hung_loading = False
         worker.gone = False
         worker.second_open, worker.run_seconds, worker.prepare_seconds = True, 0.0, 0.0
         worker.ready = worker.load_failure = None
@@ -740,6 +740,7 @@ class WorkerPool(PoolReports):
             worker.label,
             limit,
         )
+        worker.hung_loading = True
         process.kill()
 
     def _on_readable(
@@ -961,8 +962,9 @@ class WorkerPool(PoolReports):
             self._run_again_whole(behind)
         cause = worker.load_failure or f"its worker process {exit_words(process.exitcode)}"
         gave_up = was_loading and self._start_failed(worker, cause)
-        if worker.hung and process.exitcode == -signal.SIGKILL:
+        if (worker.hung or worker.hung_loading) and process.exitcode == -signal.SIGKILL:
             how = "was killed for hanging"  # (by the server itself: no OOM hint)
+            how += " while loading" if was_loading else ""
         elif worker.load_failure and process.exitcode == 0:  # ("code 0" read as success)
             how = "stopped, as its load failed"
         else:
