@@ -12,8 +12,9 @@ the way the Hub answers it (read from huggingface_hub's own code, `hf_api.py`,
   weights answer 302 to a "CDN" on another origin (`localhost` instead of `127.0.0.1`)
   with `X-Linked-Etag` and `X-Linked-Size`, as the Hub does for LFS files;
 - errors carry the Hub's `X-Error-Code`: `RepoNotFound` (401, as the Hub answers for
-  a missing or private repo), `RevisionNotFound` (404), `GatedRepo` (401 without a
-  token, 403 with one that has no access), `EntryNotFound` (404).
+  a missing or private repo; 404 to a request with a token), `RevisionNotFound` (404),
+  `GatedRepo` (401 without a token, 403 with one that has no access), `EntryNotFound`
+  (404); a path that is none of the Hub's answers a bare 404, as a web server does.
 
 `FakeHub(repos, revoked={token})` refuses that token on every request, as the Hub
 answers a revoked or mistyped token (401, no error code). `FakeHub(repos,
@@ -21,7 +22,9 @@ cut_downloads=True)` is a network that drops mid-download: every "CDN"
 answer announces the whole file and closes the connection a third of the way into it;
 `trickle=0.1` a slow one: a KiB of each every tenth of a second. `failing=429` answers
 every request 429 (`retry_after`: with that `Retry-After`; `failing_files`: files'
-requests alone, the API answering; `failing_times`: that many requests of each path, then none).
+requests alone, the API answering; `failing_api`: the API's alone, files answering;
+`failing_times`: that many requests of each path, then none). `silent_files=True`: files'
+requests are never answered (a Hub whose API answers and whose files hang), until it stops.
 
 Every request is recorded (method, path, Authorization header) so tests can say what
 went over the wire, or that nothing did.
@@ -64,6 +67,8 @@ class FakeHub:
         retry_after: str | None = None,
         failing_files: bool = False,
         failing_times: int | None = None,
+        failing_api: bool = False,
+        silent_files: bool = False,
     ):
         self.repos = {repo.repo_id: repo for repo in repos}
         self.cut_downloads = cut_downloads
@@ -74,6 +79,9 @@ class FakeHub:
         self.missing = missing  # files the repo lists whose download is 404
         self.retry_after = retry_after  # the Retry-After of `failing` answers
         self.failing_files = failing_files  # `failing` only files' requests, not the API's
+        self.failing_api = failing_api  # `failing` only the API's requests, not files'
+        self.silent_files = silent_files  # files' requests held unanswered until stop()
+        self._stopping = threading.Event()
         # how many requests of each path `failing` answers (None: all)
         self.failing_times = failing_times
         self._failed: dict[str, int] = {}
@@ -116,6 +124,7 @@ class FakeHub:
         return self
 
     def stop(self) -> None:
+        self._stopping.set()  # (the requests held unanswered end)
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=10)
@@ -181,6 +190,10 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
 
         def _respond(self) -> None:
             hub.record(Seen(self.command, self.path, self.headers.get("Authorization")))
+            if hub.silent_files and not self.path.startswith("/api/"):
+                hub._stopping.wait()
+                self.close_connection = True
+                return
             reply = self._answer()
             self.send_response(reply.status)
             for name, value in reply.headers.items():
@@ -213,6 +226,7 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if (
                 hub.failing is not None
                 and not (hub.failing_files and api)
+                and not (hub.failing_api and not api)
                 and hub.fails_once_more(path)
             ):
                 failed = hub_error(hub.failing, "", "Internal Error")
@@ -231,14 +245,14 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             repo, rest = hub.find_repo(parts)
             if len(rest) >= 3 and rest[0] == "resolve":
                 if repo is None:
-                    return hub_error(401, "RepoNotFound", "Repository not found")
+                    return self._no_repo()
                 return self._resolve(repo, rest[1], "/".join(rest[2:]))
             return Reply(404)
 
         def _api(self, parts: list[str]) -> Reply:
             repo, rest = hub.find_repo(parts)
             if repo is None:
-                return hub_error(401, "RepoNotFound", "Repository not found")
+                return self._no_repo()
             if not rest:
                 rest = ["revision", "main"]
             if len(rest) < 2 or rest[0] not in ("revision", "tree"):
@@ -259,6 +273,12 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                     }
                 )
             return json_reply(tree(files))
+
+        def _no_repo(self) -> Reply:
+            """The Hub's answer for a repo it does not have (or does not show): 401 without a
+            token, 404 with one."""
+            status = 404 if self.headers.get("Authorization") else 401
+            return hub_error(status, "RepoNotFound", "Repository not found")
 
         def _resolve(self, repo: HubRepo, revision: str, name: str) -> Reply:
             if repo.gated:

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib.machinery import ModuleSpec
@@ -753,6 +754,7 @@ def test_what_the_offline_cache_lacks_is_one_line(tmp_path, spec, words):
     line = one_error_line(run_resolve(spec, tmp_path, HF_HUB_OFFLINE="1"))
     for word in words:
         assert word in line
+    assert "HF_ENDPOINT" not in line
 
 
 # --- the real download path, against the stand-in -------------------------------------
@@ -914,6 +916,46 @@ def test_a_429_that_asks_for_an_hour_is_tried_again_sooner(tmp_path):
     assert "the Hub answered 429 and asks to wait 3600 s before trying again" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("cached", "retry_after", "waited"),
+    [(False, "1", 1), (True, "1", 1), (False, "3600", 1)],
+    ids=["nothing-cached", "branch-moved-on", "an-hour-asked"],
+)
+def test_a_429_for_the_repo_s_info_is_waited_then_asked_again(
+    tmp_path, cached, retry_after, waited
+):
+    """huggingface_hub asks a repo's info once: a 429 there, whatever wait it asked for,
+    failed a start with nothing cached in a second ("try again later"), and served a
+    cached branch as the cache held it, moved on or not. (Files took the wait.)"""
+    repo = make_repo()
+    if cached:
+        download_with_fake_hub(["org/tiny"], [repo], tmp_path)
+        repo.add_commit({**FILES, "config.json": b"{}"}, refs=("main",))
+    limited = {"failing": 429, "retry_after": retry_after, "failing_api": True, "failing_times": 1}
+    with FakeHub([repo], **limited) as hub:
+        result = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint)
+        infos = hub.seen("GET", "/api/models/org/tiny/revision/main")
+    assert resolved(result).name == repo.main, result.stderr
+    assert f"the Hub answered 429 for org/tiny's info: asking again in {waited} s" in result.stderr
+    assert len(infos) == 2  # snapshot_download's own, refused then answered
+
+
+def test_a_hub_whose_files_never_answer_is_given_up_after_one_silence(tmp_path):
+    """The Hub's API answering and its files never: huggingface_hub asked modules.json's
+    HEAD again five times, 1 to 8 s between (45 s with HF_HUB_ETAG_TIMEOUT at 3, 12 lines
+    of its own), before the line that said the Hub did not answer within 3 s."""
+    env = {"HF_HUB_ETAG_TIMEOUT": "1", "HF_HUB_DOWNLOAD_TIMEOUT": "1"}
+    with FakeHub([make_repo()], silent_files=True) as hub:
+        started = time.monotonic()
+        result = run_resolve("org/tiny", tmp_path, timeout=60, HF_ENDPOINT=hub.endpoint, **env)
+        took = time.monotonic() - started
+        heads = hub.seen("HEAD")
+    assert "org/tiny is not in the Hub cache" in one_error_line(result)
+    assert "did not answer for org/tiny within 1 s (HF_HUB_ETAG_TIMEOUT)" in result.stderr
+    assert len(heads) == 1 and "Retry" not in result.stderr, result.stderr
+    assert took < 15, result.stderr
+
+
 def test_a_pinned_revision_downloads_that_commit(tmp_path):
     repo = make_repo()
     first = repo.main
@@ -930,6 +972,8 @@ def test_a_pinned_revision_downloads_that_commit(tmp_path):
     ("spec", "token", "words"),
     [
         ("org/absent", None, ["no Hub repo org/absent", "HF_TOKEN"]),
+        # the Hub's 404 with a token, X-Error-Code RepoNotFound: no word of HF_ENDPOINT
+        ("org/absent", "hf_granted", ["no Hub repo org/absent", "check the name"]),
         ("org/tiny@v9", None, ["org/tiny has no revision 'v9'"]),
         ("org/gated", None, ["org/gated is gated", "set HF_TOKEN"]),
         ("org/gated", "hf_other", ["org/gated is gated", "has no access"]),
@@ -944,6 +988,7 @@ def test_what_the_hub_refuses_is_one_line(tmp_path, spec, token, words):
         line = one_error_line(run_resolve(spec, tmp_path, HF_ENDPOINT=hub.endpoint, **env))
     for word in words:
         assert word in line
+    assert "HF_ENDPOINT" not in line
 
 
 def test_a_gated_repo_downloads_with_a_granted_token_which_never_leaves_the_hub(tmp_path):
@@ -1142,6 +1187,26 @@ def test_an_endpoint_that_is_not_the_hub_is_named(tmp_path):
         f"error: {endpoint} answered for org/tiny with something other than the Hub's API "
         "(not JSON): check HF_ENDPOINT, or a proxy in the way"
     )
+
+
+def test_an_endpoint_answering_404_not_as_the_hub_is_named_and_the_cache_serves(tmp_path):
+    """HF_ENDPOINT at a wrong path of a web server or a proxy (nginx, Artifactory) answers
+    a bare 404, without the Hub's X-Error-Code: huggingface_hub reads it as the Hub
+    failing. The cache served without a word (a branch moved on, served stale for ever),
+    and with nothing cached the start said "the Hub answered 404", naming no setting."""
+    repo = make_repo()
+    with FakeHub([repo]) as hub:
+        wrong = hub.endpoint + "/mirror"  # the stand-in has no such path: a bare 404
+        line = one_error_line(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=wrong))
+        folder = resolved(run_resolve("org/tiny", tmp_path, HF_ENDPOINT=hub.endpoint))
+        result = run_resolve("org/tiny", tmp_path, HF_ENDPOINT=wrong)
+    says = (
+        f"{wrong} answered 404 for org/tiny without the Hub's error code (a path that is not "
+        "the Hub's API): check HF_ENDPOINT, or a proxy in the way"
+    )
+    assert line == f"error: {says}"
+    assert resolved(result) == folder, result.stderr
+    assert f"{says}; serving its snapshot {repo.main}, found in the cache" in result.stderr
 
 
 class RedirectLoop(BaseHTTPRequestHandler):

@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -53,6 +54,7 @@ from huggingface_hub.utils import validate_repo_id
 from tqdm.std import tqdm
 
 from rawserve.models.folder import SHIPPED_GRAPH, SHIPPED_GRAPH_DATA, TORCH_WEIGHTS
+from rawserve.models.hub_asking import MAX_HUB_WAIT_SECONDS, AskingAgain, wait_asked
 from rawserve.models.hub_contact import HubContact
 from rawserve.models.hub_integrity import changed_downloads, cut_short, forget
 from rawserve.models.names import ModelSpec, default_names
@@ -60,10 +62,6 @@ from rawserve.models.sentence_folder import dense_paths
 from rawserve.shared.logs import first_line, without_credentials
 
 log = logging.getLogger("rawserve.models")
-
-# The longest wait a start takes before asking the Hub again where the Hub asks for one
-# (a 429's `Retry-After`): huggingface_hub waited whatever it said, an hour a retry at 3600
-MAX_HUB_WAIT_SECONDS = 30
 
 # Files a transformers worker never reads: other frameworks' weights and exported copies.
 NOT_NEEDED = [
@@ -311,11 +309,13 @@ def cache_in_place_of_the_hub(
     saying no (no such repo, revision or access), and which one it is; None: none.
     huggingface_hub serves the cache itself where the Hub cannot be reached or answers an
     error, but not where its API answers something that is not the Hub's (a web page, a
-    proxy's login form: not JSON) or never answers (a redirect loop), nor where a proxy
-    fails: those stopped a start that the cache could serve. Where the revision's own
-    snapshot is not whole, a branch's whole earlier one serves (`earlier_whole_snapshot`).
-    The Hub's own no (its errors are httpx's too) stops the start, as huggingface_hub
-    has it: a branch deleted on the Hub is not served from the cache."""
+    proxy's login form: not JSON; a 404 without the Hub's error code, `not_the_hubs_answer`,
+    which it took for the Hub failing and served the cache without a word) or never
+    answers (a redirect loop), nor where a proxy fails: those stopped a start that the
+    cache could serve. Where the revision's own snapshot is not whole, a branch's whole
+    earlier one serves (`earlier_whole_snapshot`). The Hub's own no (its errors are httpx's
+    too) stops the start, as huggingface_hub has it: a branch deleted on the Hub is not
+    served from the cache."""
     if isinstance(exc, HUB_SAYS_NO):
         return None
     if isinstance(exc, (json.JSONDecodeError, httpx2.HTTPError)):
@@ -441,26 +441,31 @@ def hub_logs_through_ours() -> None:
 def hub_requests_bounded() -> None:
     """Every request to the Hub gives up after HF_HUB_ETAG_TIMEOUT seconds (10 unless set)
     without a byte, and waits MAX_HUB_WAIT_SECONDS at most where the Hub asks it to
-    (`bounded_client`). In a client factory: huggingface_hub makes a new client after a
-    refused connection, and hooks on the old one were lost with it."""
+    (`bounded_client`); one that went silent is not sent again, and a 429 for the repo's
+    info is waited (`AskingAgain`, one for this model's resolution). In a client factory:
+    huggingface_hub makes a new client after a refused connection, and hooks on the old one
+    were lost with it."""
     from huggingface_hub import set_client_factory  # (here: see the module's docstring)
 
-    set_client_factory(bounded_client)
+    asking = AskingAgain()
+    set_client_factory(lambda: bounded_client(asking))
 
 
-def bounded_client() -> httpx2.Client:
+def bounded_client(asking: AskingAgain) -> httpx2.Client:
     """huggingface_hub's client, with bounded waits: it sets a limit on file requests,
     but none on the repo's info (model_info, and snapshot_download's own call), so a Hub
     or a proxy that took the connection and never answered held the server's start
     forever; and it waits as long as a 429 or 503 says (an hour a retry where the Hub
     said 3600). A download that goes on, however slowly, is not cut: the limit is on
-    each wait for bytes."""
+    each wait for bytes. Its requests are sent through `asking`."""
     # no public way to add hooks to its own client: its factory builds it
     from huggingface_hub.utils._http import default_client_factory
 
     client = default_client_factory()
     client.event_hooks["request"].append(bounded_waits)
     client.event_hooks["response"].append(bounded_retry_after)
+    # (no hook can send a request again, nor leave one unsent)
+    client.send = partial(asking.send, client.send)  # type: ignore[method-assign]
     return client
 
 
@@ -485,16 +490,9 @@ def bounded_retry_after(response: httpx2.Response) -> None:
     MAX_HUB_WAIT_SECONDS is not taken: its headers are dropped, and huggingface_hub's
     own backoff (1 to 8 s) retries; after its last try the cache serves, or the start
     says to try again later."""
-    from huggingface_hub.utils import parse_ratelimit_headers
-
     if response.status_code < 400:  # only failures are tried again
         return
-    retry_after = response.headers.get("retry-after", "")
-    limits = parse_ratelimit_headers(response.headers)
-    asked = max(
-        int(retry_after) if retry_after.isdigit() else 0,
-        limits.reset_in_seconds if limits is not None and limits.remaining == 0 else 0,
-    )
+    asked = wait_asked(response)
     if asked <= MAX_HUB_WAIT_SECONDS:
         return
     for name in ("retry-after", "ratelimit", "ratelimit-policy"):
@@ -525,11 +523,28 @@ def repo_files(repo_id: str, revision: str | None, hub: HubContact) -> list[str]
     except OfflineModeIsEnabled:
         pass
     except (httpx2.ConnectError, httpx2.TimeoutException, HfHubHTTPError) as exc:
+        if not_the_hubs_answer(exc):  # said, and the cache stands in (resolve_hub)
+            raise
         # no network, or the Hub failing (5xx), must not stop a start the cache can
         # serve: the start asks it nothing more (`hub`), and the cache decides
         if not hub.notes(exc, repo_id) and isinstance(exc, HfHubHTTPError):
             hub_refused(exc, repo_id)
     return listed
+
+
+def not_the_hubs_answer(exc: BaseException) -> bool:
+    """Whether `exc` is a 404 without the Hub's own error code (`X-Error-Code`: no such
+    repo, revision or file), as a web server or a proxy answers a path it does not have
+    (HF_ENDPOINT naming a wrong one): huggingface_hub reads it as the Hub failing, and
+    served the cache without a word, a moved branch stale, or the start failed with "the
+    Hub answered 404"."""
+    response = exc.response if isinstance(exc, HfHubHTTPError) else None
+    return (
+        response is not None
+        and response.status_code == 404
+        and "X-Error-Code" not in response.headers
+        and not isinstance(exc, HUB_SAYS_NO)
+    )
 
 
 def cache_alone(hub: HubContact, repo_id: str, revision: str | None) -> bool:
@@ -638,6 +653,8 @@ def explain(exc: BaseException, repo_id: str, revision: str | None) -> str:
         if constants.is_offline_mode():
             return f"{where} and HF_HUB_OFFLINE=1 forbids downloading it"
         failed = exc.__cause__
+        if failed is not None and not_the_hubs_answer(failed):
+            return f"{where} and {not_the_hub(hub)}"
         if isinstance(failed, HfHubHTTPError) and failed.response is not None:
             status = failed.response.status_code
             return f"{where} and the Hub ({hub}) answered {status}{later(status)}"
@@ -647,6 +664,8 @@ def explain(exc: BaseException, repo_id: str, revision: str | None) -> str:
             f"{without_credentials(constants.ENDPOINT)} answered for {at} with something other "
             "than the Hub's API (not JSON): check HF_ENDPOINT, or a proxy in the way"
         )
+    if not_the_hubs_answer(exc):
+        return not_the_hub(without_credentials(constants.ENDPOINT), f" for {at}")
     if isinstance(exc, HfHubHTTPError) and exc.response is not None:
         if exc.response.status_code == 401 and get_token():  # a token the Hub does not know
             return (
@@ -658,6 +677,14 @@ def explain(exc: BaseException, repo_id: str, revision: str | None) -> str:
     if isinstance(exc, (httpx2.HTTPError, OSError)):
         return f"could not download {at}: {first_line(exc)[:200]}"
     return f"could not resolve {at}: {type(exc).__name__}"
+
+
+def not_the_hub(endpoint: str, asked: str = "") -> str:
+    """What a 404 without the Hub's error code says (`not_the_hubs_answer`)."""
+    return (
+        f"{endpoint} answered 404{asked} without the Hub's error code (a path that is not the "
+        "Hub's API): check HF_ENDPOINT, or a proxy in the way"
+    )
 
 
 def later(status: int) -> str:
