@@ -813,6 +813,26 @@ def test_unknown_fields_are_named_at_most_ten_each_cut_to_60_characters():
     assert names.split(", ") == [repr(name)[:60] for name in sorted(document)[:10]]
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_unknown_fields_are_answered_with_every_field_the_route_takes(route):
+    """Cut at 300 characters, the list of fields a route takes ended mid-way (`stream,
+    st...`): a client looking for one could not tell whether it is served."""
+    from rawserve.api.openai_generation import CHAT, COMPLETION
+    from rawserve.http.errors import error_document, openai_error_document, tgi_error
+
+    body = COMPLETION if route == "/v1/completions" else CHAT
+    with pytest.raises(BadRequest) as raised:
+        body.read({"stop_token_ids": [5], "x" * 100: 1})
+    error = raised.value
+    # in OpenAI's shape, and in TGI's (its routes answer the same check so)
+    for message in (
+        openai_error_document(error)["error"]["message"],
+        error_document(tgi_error(error))["error"],
+    ):
+        taken = message.split("(allowed: ")[1].removesuffix(")").split(", ")
+        assert taken == sorted(body.names) and len(message) > 300
+
+
 def test_a_refused_field_is_named_as_the_param_unless_its_reader_named_one():
     from rawserve.api.fields import Body, Field, whole
 
@@ -1400,7 +1420,9 @@ def test_stop_sequences_beside_tools_end_the_words_read_never_the_json(raw, stop
 def test_an_answer_that_may_call_cut_before_it_named_one_says_its_text_whole_and_streamed(raw):
     """`tool_choice` "auto", cut by max_tokens before a call was named or a word written:
     the text generated is the content (it was "", though its tokens were listed), whole
-    and streamed, finish_reason "length" (its JSON, which no stop sequence cuts)."""
+    and streamed, finish_reason "length" (its JSON, which no stop sequence cuts). Cut in
+    a call's name, or after its opening, where one function alone can be meant, it is
+    that function's call."""
     tools = Tools([{"name": "get_weather"}], "auto", parallel=True)
     details = {"finish_reason": "length", "generated_tokens": 3, "prompt_tokens": 1}
     stops = ['"', "name"]
@@ -1408,8 +1430,14 @@ def test_an_answer_that_may_call_cut_before_it_named_one_says_its_text_whole_and
         [{"generated_text": raw, "details": details}], stops
     )
     [choice] = answer["choices"]
-    assert (choice["message"]["content"], choice["finish_reason"]) == (raw, "length")
-    assert "tool_calls" not in choice["message"]
+    calls = raw != '{"c'
+    called = [{"name": "get_weather", "arguments": ""}] if calls else []
+    said = [call["function"] for call in choice["message"].get("tool_calls", [])]
+    assert (choice["message"]["content"], choice["finish_reason"]) == (
+        None if calls else raw,
+        "length",
+    )
+    assert said == called
 
     async def read() -> list[bytes]:
         streamed = Answer(True, "m", tools=tools)
@@ -1418,8 +1446,9 @@ def test_an_answer_that_may_call_cut_before_it_named_one_says_its_text_whole_and
 
     chunks = [json.loads(event.removeprefix(b"data:")) for event in asyncio.run(read())[:-1]]
     deltas = [c["choices"][0]["delta"] for c in chunks]
-    assert "".join(d.get("content") or "" for d in deltas) == raw
-    assert not any("tool_calls" in d for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == ("" if calls else raw)
+    streamed = [call["function"] for d in deltas for call in d.get("tool_calls", [])]
+    assert streamed == called
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 

@@ -1975,6 +1975,7 @@ def test_completion_with_more_prompts_than_the_client_cap_is_413(servers):
         {"prompt": ["hello", [1, 2]]},  # one form for all
         {"prompt": [[1], "hello"]},
         {"prompt": PROMPT, "best_of": 2},
+        {"prompt": PROMPT, "best_of": 1, "n": 3},  # (OpenAI's and vLLM's 400: best_of < n)
         {"prompt": PROMPT, "max_tokens": 0},  # 0 only with echo
         {"prompt": PROMPT, "echo": True, "logprobs": 1, "stream": True},
         {"prompt": PROMPT, "logprobs": 21},

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rawserve.api.routing import DocContext, Schema
-from rawserve.http.errors import BadRequest, HTTPError
+from rawserve.http.errors import BadRequest, HTTPError, UnknownFields
 
 # (field name, value (never None unless the field reads null), the route's context) → value
 Reader = Callable[[str, Any, "DocContext | None"], Any]
@@ -94,7 +94,8 @@ class Fields:
         if unknown and not body.ignore_unknown:
             names = ", ".join(repr(name)[:60] for name in unknown[:10])
             allowed = ", ".join(sorted(body.names))
-            raise BadRequest(f"unknown field(s): {names} (allowed: {allowed})")
+            # (no param: OpenAI names none for an unknown field)
+            raise UnknownFields(f"unknown field(s): {names} (allowed: {allowed})")
         self.document: dict[str, Any] = document
         self.body = body
 

@@ -624,6 +624,9 @@ def with_logprobs(request: GenerationRequest, alternatives: int) -> GenerationRe
 def parse_completion(document: Any, context: DocContext) -> GenerationRequest:
     fields = COMPLETION.read(document)
     refuse_unserved(fields, COMPLETION_UNSERVED)
+    if fields.value("best_of") is not None and (n := fields.value("n") or 1) > 1:
+        # (as OpenAI and vLLM refuse it: the best of 1 cannot give n answers)
+        raise BadRequest(f'"best_of" (1) must be at least "n" ({n})', param="best_of")
     request = json_unstopped(generation_params(fields, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS))
     prompts = fields.value("prompt", context)
     for index, prompt in enumerate(prompts):  # as every route: blank text is well-formed,

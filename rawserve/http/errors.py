@@ -63,6 +63,14 @@ class BadRequest(HTTPError):
     error_type = "bad_request"
 
 
+class UnknownFields(BadRequest):
+    """A body's fields that the route does not take: named (at most ten, each cut to 60
+    characters), with every field it does take, answered whole (cut at 300 characters, the
+    list of those it takes ended mid-way, `stream, st...`)."""
+
+    whole = True
+
+
 class EmptyInput(BadRequest):
     """A list of inputs with nothing in it: TEI types it apart (`Empty`)."""
 
@@ -274,7 +282,9 @@ def tgi_error(error: HTTPError) -> HTTPError:
     (TGI has no equivalent of rawserve's 504 or 413, nor of its 503 for a model loading)."""
     client_error = isinstance(error, (BadRequest, UnprocessableInput))
     if client_error and not isinstance(error, MalformedRequest):
-        return ValidationFailed(error.message, headers=error.headers)
+        failed = ValidationFailed(error.message, headers=error.headers)
+        failed.whole = error.whole  # (answered whole where it was)
+        return failed
     if isinstance(error, ServiceUnavailable) and error.busy:
         return Overloaded(error.message, headers=error.headers)
     if isinstance(error, InternalError):
