@@ -27,6 +27,7 @@ from rawserve.serving.core import SchedulerCore
 from rawserve.serving.driver import Scheduler
 from rawserve.serving.pool import WorkerPool
 from rawserve.serving.refusals import Reason, Refused
+from rawserve.serving.status import WorkerState
 from rawserve.serving.supervision import (
     CRASHED_ALONE,
     REFUSED_POISON,
@@ -290,6 +291,30 @@ async def test_a_hung_batch_runs_again_alone_and_an_input_hung_alone_twice_is_re
     result = await asyncio.wait_for(faulty_executor.submit(["after"], {}), 30)
     assert result.outputs[0]["input"] == "after"
     assert worker.record.crashes == 0  # it answered: it works
+
+
+@pytest.mark.slow
+async def test_a_batch_whose_worker_is_stopped_from_outside_runs_again(faulty_executor, caplog):
+    """A worker stopped (SIGSTOP, a debugger) past --batch-timeout is not hung at its
+    input: a lone batch so held was answered 500 and counted toward its input's
+    quarantine (two host stalls refused a monitoring probe's fixed text for an hour).
+    It is killed as an operator's kill -9 is, and its batch runs again."""
+    worker = faulty_executor.workers[0]
+    faulty_executor.metrics = dropped = DropCount()
+    for _ in range(2):  # (twice: no quarantine)
+        pid = worker.pid
+        submitted = asyncio.ensure_future(faulty_executor.submit(["probe"], {"sleep": 0.5}))
+        while worker.state is not WorkerState.BUSY:
+            await asyncio.sleep(0.01)
+        os.kill(pid, signal.SIGSTOP)
+        with caplog.at_level(logging.ERROR, logger="rawserve.executor"):
+            result = await asyncio.wait_for(submitted, 60)
+        assert result.outputs[0]["input"] == "probe" and worker.pid != pid
+        await idle(faulty_executor)
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("is stopped (SIGSTOP, a debugger)" in line for line in said) == 2, said
+    assert any("was killed, stopped from outside" in line for line in said), said
+    assert dropped.poison == 0
 
 
 @pytest.mark.slow

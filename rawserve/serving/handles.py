@@ -255,6 +255,9 @@ class WorkerHandle:
         # killed as hung at its work (`--batch-timeout`): its death is one at work
         self.hung = False
         self.hung_loading = False  # ... or killed as hung while it loaded (not at work)
+        # killed where its batch ran over `batch_timeout` with its process stopped from
+        # outside (SIGSTOP, a debugger): not hung at its work; its exit decides its batch
+        self.stopped = False
         # the batch sent behind it, waiting in the worker (two in flight: `overlap`)
         self.queued: Job | None = None
         self.queued_at = 0.0  # when `queued` was sent

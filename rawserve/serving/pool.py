@@ -86,6 +86,7 @@ from rawserve.shared.messages import (
     WorkerWarming,
 )
 from rawserve.shared.pipes import MessageReader
+from rawserve.shared.process_state import is_stopped
 
 log = logging.getLogger("rawserve.executor")  # the name operators filter on, kept
 
@@ -627,8 +628,8 @@ class WorkerPool(PoolReports):
         # healthy worker killed for a hang, and its input refused as a poison one)
         if worker.holds(job) and worker.read_sent is not None:
             worker.read_sent()
-        if not worker.holds(job):
-            return
+        if not worker.holds(job) or worker.stopped:
+            return  # (killed as stopped: its exit decides its work)
         if worker.sequences:  # it hangs only if it has ended no pass for as long
             quiet_until = worker.heard_at + PROGRESS_EVERY + self.batch_timeout
             if quiet_until > self.clock():
@@ -636,6 +637,23 @@ class WorkerPool(PoolReports):
                     quiet_until - self.clock(), self._on_batch_timeout, worker, job
                 )
                 return
+        if worker.process is not None and is_stopped(worker.process.pid):
+            # stopped from outside, not hung at its input: killed as an operator's kill -9
+            # is, its work run again as a crash's (a lone batch so stopped was answered 500
+            # and counted toward its input's quarantine: two host stalls refused a
+            # monitoring probe's fixed text for an hour)
+            log.error(
+                "worker %s: its process %s is stopped (SIGSTOP, a debugger), its batch held "
+                "over %g s%s; killing it: its work runs again once it is back",
+                worker.label,
+                worker.pid,
+                self.batch_timeout,
+                job_requests(job),
+                extra=request_named(job),
+            )
+            worker.stopped = True
+            worker.process.kill()
+            return
         # said once: each of a continuous worker's sequences has a watchdog, and all of
         # them fire as it hangs
         if worker.state is not WorkerState.DEAD:
@@ -699,7 +717,7 @@ class WorkerPool(PoolReports):
         process, replies_in = start_process(self._context, worker)
         worker.state = WorkerState.LOADING
         worker.queued, worker.overlap, worker.sequences = None, False, 0
-        worker.hung = worker.hung_loading = False
+        worker.hung = worker.hung_loading = worker.stopped = False
         worker.gone = False
         worker.second_open, worker.run_seconds, worker.prepare_seconds = True, 0.0, 0.0
         worker.ready = worker.load_failure = None
@@ -962,8 +980,10 @@ class WorkerPool(PoolReports):
             self._run_again_whole(behind)
         cause = worker.load_failure or f"its worker process {exit_words(process.exitcode)}"
         gave_up = was_loading and self._start_failed(worker, cause)
-        if (worker.hung or worker.hung_loading) and process.exitcode == -signal.SIGKILL:
-            how = "was killed for hanging"  # (by the server itself: no OOM hint)
+        if worker.stopped and process.exitcode == -signal.SIGKILL:
+            how = "was killed, stopped from outside"  # (by the server itself: no OOM hint)
+        elif (worker.hung or worker.hung_loading) and process.exitcode == -signal.SIGKILL:
+            how = "was killed for hanging"
             how += " while loading" if was_loading else ""
         elif worker.load_failure and process.exitcode == 0:  # ("code 0" read as success)
             how = "stopped, as its load failed"

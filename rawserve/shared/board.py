@@ -28,6 +28,8 @@ import os
 import tempfile
 import time
 
+from rawserve.shared.process_state import has_proc, state_of
+
 FIELDS = 5  # per model
 READY, HEALTHY, FULL, RETRY_AFTER, WRITTEN_AT = range(FIELDS)
 FIELD_SIZE = 8  # a double
@@ -204,9 +206,7 @@ def is_running(pid: int) -> bool:
         return False
     except PermissionError:  # another user's
         return True
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            state = stat.read().rpartition(")")[2].split()[0]
-    except FileNotFoundError:  # gone meanwhile, or a system without /proc
-        return not os.path.isdir("/proc")
+    state = state_of(pid)
+    if state is None:  # gone meanwhile, or a system without /proc
+        return not has_proc()
     return state not in ("Z", "X")
